@@ -1,0 +1,129 @@
+"""The command line: parse, load the recipe, call the library. Nothing else lives here.
+
+torch and transformers are imported inside the commands so that `llmtrain --help` stays fast.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import sys
+from pathlib import Path
+from typing import Annotated, Optional
+
+import typer
+
+from llmtrain.errors import LLMTrainError
+
+app = typer.Typer(
+    help="Fine-tune 7B-class Llama and Mistral models with Hugging Face Accelerate.",
+    no_args_is_help=True,
+    add_completion=False,
+    pretty_exceptions_enable=False,
+)
+
+Overrides = Annotated[Optional[list[str]], typer.Argument(help="Dotted recipe overrides, e.g. train.max_steps=8.")]
+
+
+@app.callback()
+def _root(debug: Annotated[bool, typer.Option("--debug", help="Show tracebacks for errors.")] = False) -> None:
+    if debug:
+        os.environ["LLMTRAIN_DEBUG"] = "1"
+
+
+def user_errors(fn):
+    """Print an LLMTrainError as one paragraph and exit 2; a traceback only with --debug."""
+
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        try:
+            return fn(*args, **kwargs)
+        except LLMTrainError as e:
+            if os.environ.get("LLMTRAIN_DEBUG"):
+                raise
+            from rich.console import Console
+
+            Console(stderr=True).print(f"[bold red]error:[/] {e}", highlight=False, soft_wrap=True)
+            raise typer.Exit(e.exit_code) from None
+
+    return wrapper
+
+
+@app.command()
+@user_errors
+def finetune(
+    recipe: Annotated[Path, typer.Argument(help="YAML recipe.")],
+    overrides: Overrides = None,
+    resume: Annotated[
+        Optional[str], typer.Option(help="'auto' for the latest complete checkpoint in output_dir, or a path.")
+    ] = None,
+    overwrite: Annotated[bool, typer.Option(help="Allow writing into an existing output_dir (deletes it).")] = False,
+) -> None:
+    """Fine-tune a model as the recipe describes (run it under `accelerate launch` to scale out)."""
+    from llmtrain.config import load_recipe
+    from llmtrain.train import train
+
+    train(load_recipe(recipe, overrides), resume=resume, overwrite=overwrite)
+
+
+@app.command("inspect-data")
+@user_errors
+def inspect_data(
+    recipe: Annotated[Path, typer.Argument(help="YAML recipe.")],
+    overrides: Overrides = None,
+    n: Annotated[int, typer.Option("--n", help="How many formatted examples to show.")] = 3,
+    as_json: Annotated[bool, typer.Option("--json", help="One JSON object per example: input_ids and labels.")] = False,
+) -> None:
+    """Show formatted examples with trained tokens highlighted, and dataset statistics."""
+    from llmtrain.config import load_recipe
+    from llmtrain.inspect import inspect_data as run
+
+    run(load_recipe(recipe, overrides), n=n, as_json=as_json)
+
+
+@app.command()
+@user_errors
+def export(
+    run_dir: Annotated[Path, typer.Argument(help="A finished run's output_dir.")],
+    merge: Annotated[bool, typer.Option(help="Merge a LoRA adapter into its base and write a full model.")] = False,
+    out: Annotated[Optional[Path], typer.Option(help="Where to write (default <run_dir>/final-merged).")] = None,
+) -> None:
+    """Write a merged full model from a LoRA run's final adapter."""
+    from llmtrain.export import export_merged
+
+    path = export_merged(run_dir, out) if merge else None
+    if path is None:
+        raise LLMTrainError("Nothing to do: `llmtrain export RUN_DIR --merge` merges a LoRA run's adapter.")
+    typer.echo(str(path))
+
+
+@app.command("prepare-tiny")
+@user_errors
+def prepare_tiny(
+    out: Annotated[Path, typer.Argument(help="Folder for the tiny model, tokenizer and data.")] = Path("assets/tiny"),
+) -> None:
+    """Create the tiny random-init Llama, its tokenizer and the synthetic task data used by recipes/tiny.yaml."""
+    from llmtrain.tiny import prepare_tiny as run
+
+    run(out)
+    typer.echo(f"wrote {out}")
+
+
+def _register_estimate_memory() -> None:
+    from llmtrain.memory.cli import estimate_memory
+
+    app.command("estimate-memory")(user_errors(estimate_memory))
+
+
+try:
+    _register_estimate_memory()
+except ImportError:  # pragma: no cover - the estimator package is optional while it is being built
+    pass
+
+
+def main() -> None:
+    app(prog_name="llmtrain", args=sys.argv[1:])
+
+
+if __name__ == "__main__":
+    main()

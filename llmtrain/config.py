@@ -1,0 +1,229 @@
+"""The recipe: one typed pydantic schema, the only home of defaults.
+
+A recipe is a YAML file plus dotted `key=value` overrides (`train.lr=1e-4`). Both go through the same
+validation, and every problem is reported at once with the key, what was expected and, for a typo,
+the nearest valid key.
+"""
+
+from __future__ import annotations
+
+import difflib
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+
+from llmtrain.errors import RecipeError
+
+
+class Section(BaseModel):
+    # Unknown keys are errors, never silently ignored: a typo must not change a run.
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+class ModelConfig(Section):
+    name_or_path: str = Field(description="Local directory or hub id passed to AutoModelForCausalLM.from_pretrained.")
+    tokenizer: str | None = Field(None, description="Tokenizer directory or hub id; defaults to name_or_path.")
+    dtype: Literal["float32", "bfloat16", "float16"] = Field(
+        "float32",
+        description="Storage dtype of the weights. Keep float32 for full fine-tunes under mixed precision "
+        "(fp32 master weights); bfloat16 halves a frozen LoRA base.",
+    )
+    attn_implementation: Literal["sdpa", "eager", "flash_attention_2"] = Field(
+        "sdpa", description="Attention kernel used by transformers."
+    )
+    gradient_checkpointing: bool = Field(False, description="Recompute layer activations in backward to save memory.")
+    trust_remote_code: bool = Field(False, description="Allow model code from the hub to run. Off unless set.")
+
+
+class LoraConfig(Section):
+    r: int = Field(16, gt=0, description="LoRA rank.")
+    alpha: float = Field(32.0, gt=0, description="LoRA scaling numerator (scale = alpha / r).")
+    dropout: float = Field(0.05, ge=0.0, lt=1.0, description="Dropout on the LoRA input.")
+    target_modules: str | list[str] = Field(
+        "all-linear", description="Module names to adapt, or 'all-linear' for every linear layer but the LM head."
+    )
+    modules_to_save: list[str] | None = Field(None, description="Modules trained in full and saved with the adapter.")
+
+
+DataFormat = Literal["alpaca", "messages", "prompt_completion", "text"]
+
+
+class DataConfig(Section):
+    path: str | list[str] = Field(
+        description="One or several local files (.jsonl, .json, .parquet, .csv) or a hub dataset name."
+    )
+    name: str | None = Field(None, description="Hub dataset configuration name (e.g. 'main' for gsm8k).")
+    split: str = Field("train", description="Split to read from a hub dataset.")
+    format: DataFormat = Field(description="How examples are laid out: alpaca, messages, prompt_completion or text.")
+    fields: dict[str, str] = Field(
+        default_factory=dict,
+        description="Column mapping from the format's field names to the dataset's "
+        "(e.g. {prompt: question, completion: answer}).",
+    )
+    eval_split: float | str | list[str] | None = Field(
+        None, description="Held-out eval data: a fraction in (0, 1) of the training data, or eval file(s)."
+    )
+    max_seq_len: int = Field(2048, gt=1, description="Examples are truncated to this many tokens.")
+    train_on_prompt: bool = Field(False, description="Also put loss on prompt/user tokens (default: completion only).")
+    packing: bool = Field(
+        False,
+        description="Padding-free packing: a micro-batch is one row of concatenated examples whose "
+        "position ids restart, so no example attends to another.",
+    )
+    cache_dir: str = Field(".cache/llmtrain/data", description="Where tokenised datasets are cached between runs.")
+    num_proc: int = Field(1, ge=1, description="Processes used for tokenisation.")
+
+    @field_validator("eval_split")
+    @classmethod
+    def _check_eval_split(cls, v: float | str | list[str] | None) -> float | str | list[str] | None:
+        if isinstance(v, float) and not 0.0 < v < 1.0:
+            raise ValueError("as a fraction it must be in (0, 1); or give eval file(s)")
+        return v
+
+
+class TrainConfig(Section):
+    max_steps: int | None = Field(None, gt=0, description="Optimizer steps to run; overrides epochs when set.")
+    epochs: int = Field(1, gt=0, description="Passes over the training data when max_steps is not set.")
+    micro_batch_size: int = Field(1, gt=0, description="Examples per forward pass on each process.")
+    grad_accum_steps: int = Field(1, gt=0, description="Micro-batches accumulated per optimizer step.")
+    lr: float = Field(2e-5, gt=0, description="Peak learning rate.")
+    min_lr_ratio: float = Field(0.0, ge=0, le=1, description="Final lr as a fraction of the peak (linear, cosine).")
+    schedule: Literal["linear", "cosine", "constant"] = Field("cosine", description="Learning-rate decay after warmup.")
+    warmup_steps: int = Field(0, ge=0, description="Linear warmup from 0 to lr over this many steps.")
+    weight_decay: float = Field(0.0, ge=0, description="AdamW decoupled weight decay (not applied to norms/biases).")
+    betas: tuple[float, float] = Field((0.9, 0.999), description="AdamW betas.")
+    eps: float = Field(1e-8, gt=0, description="AdamW epsilon.")
+    max_grad_norm: float | None = Field(1.0, description="Clip the global gradient norm to this; null disables.")
+    mixed_precision: Literal["no", "bf16", "fp16"] = Field(
+        "no", description="Autocast precision. The recipe wins over a launch config that disagrees."
+    )
+    seed: int = Field(42, description="Seed for model init, data order and dropout.")
+    eval_every_steps: int | None = Field(None, gt=0, description="Evaluate every N optimizer steps (and at the end).")
+    eval_batch_size: int | None = Field(None, gt=0, description="Eval micro-batch size; defaults to micro_batch_size.")
+    timeout_s: int = Field(1800, gt=0, description="Collective-communication timeout for multi-process runs.")
+
+
+class CheckpointConfig(Section):
+    every_steps: int | None = Field(None, gt=0, description="Save resumable state every N optimizer steps.")
+    keep_last: int = Field(2, gt=0, description="Keep only the newest N step checkpoints.")
+    save_final: bool = Field(True, description="Export the trained model (or adapter) to <output_dir>/final.")
+
+
+class LoggingConfig(Section):
+    progress: bool = Field(True, description="Show a rich progress bar.")
+    tensorboard: bool = Field(False, description="Also write TensorBoard scalars to <output_dir>/tb.")
+
+
+class Recipe(Section):
+    model: ModelConfig
+    data: DataConfig
+    lora: LoraConfig | None = Field(None, description="LoRA settings; absent means full fine-tune.")
+    train: TrainConfig = Field(default_factory=TrainConfig)
+    checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig)
+    logging: LoggingConfig = Field(default_factory=LoggingConfig)
+    output_dir: str = Field(description="Where metrics, checkpoints and the final model go (default runs/<stem>).")
+
+    def to_yaml(self) -> str:
+        return yaml.safe_dump(self.model_dump(mode="json"), sort_keys=False)
+
+
+# --------------------------------------------------------------------------- loading and overrides
+
+
+def all_keys(model: type[BaseModel] = Recipe, prefix: str = "") -> list[str]:
+    """Every valid dotted key of the schema, e.g. 'train.lr'."""
+    keys = []
+    for name, field in model.model_fields.items():
+        key = prefix + name
+        keys.append(key)
+        for arg in (field.annotation, *getattr(field.annotation, "__args__", ())):
+            if isinstance(arg, type) and issubclass(arg, BaseModel):
+                keys.extend(all_keys(arg, key + "."))
+    return keys
+
+
+# Names people bring from other tools, mapped to ours.
+_ALIASES = {
+    "learning_rate": "lr", "batch_size": "micro_batch_size", "per_device_train_batch_size": "micro_batch_size",
+    "gradient_accumulation_steps": "grad_accum_steps", "num_epochs": "epochs", "num_train_epochs": "epochs",
+    "save_steps": "every_steps", "save_total_limit": "keep_last", "lora_r": "r", "lora_alpha": "alpha",
+    "sequence_len": "max_seq_len", "max_length": "max_seq_len", "torch_dtype": "dtype",
+}
+
+
+def _suggest(key: str) -> str:
+    keys = all_keys()
+    section, _, leaf = key.rpartition(".")
+    prefix = section + "." if section else ""
+    siblings = [k.rsplit(".", 1)[-1] for k in keys if k.startswith(prefix) and k.count(".") == key.count(".")]
+    if _ALIASES.get(leaf) in siblings:
+        close = [prefix + _ALIASES[leaf]]
+    else:
+        close = difflib.get_close_matches(key, keys, n=1, cutoff=0.75)
+        if not close:
+            close = [prefix + m for m in difflib.get_close_matches(leaf, siblings, n=1, cutoff=0.5)]
+    return f" (did you mean {close[0]}?)" if close else ""
+
+
+def parse_override(text: str) -> tuple[list[str], Any]:
+    if "=" not in text:
+        raise RecipeError(f"Override '{text}' is not of the form key=value (for example train.lr=1e-4).")
+    key, raw = text.split("=", 1)
+    if not key:
+        raise RecipeError(f"Override '{text}' has an empty key.")
+    # YAML parses the value so that 8 is an int, 1e-4 a float, true a bool and [a, b] a list.
+    value = yaml.safe_load(raw) if raw != "" else None
+    return key.split("."), value
+
+
+def apply_overrides(data: dict, overrides: list[str]) -> dict:
+    for text in overrides:
+        path, value = parse_override(text)
+        node = data
+        for part in path[:-1]:
+            child = node.get(part)
+            if child is None:
+                child = node[part] = {}
+            elif not isinstance(child, dict):
+                raise RecipeError(f"Override '{text}': '{part}' is a value, not a section.")
+            node = child
+        node[path[-1]] = value
+    return data
+
+
+def _format_errors(err: ValidationError, source: str) -> str:
+    lines = []
+    for e in err.errors():
+        key = ".".join(str(p) for p in e["loc"] if not str(p).startswith("function-after"))
+        if e["type"] == "extra_forbidden":
+            lines.append(f"  - {key}: unknown key{_suggest(key)}")
+        elif e["type"] == "missing":
+            lines.append(f"  - {key}: required key is missing")
+        else:
+            got = e.get("input")
+            got_text = f" (got {got!r})" if not isinstance(got, dict) else ""
+            lines.append(f"  - {key}: {e['msg']}{got_text}")
+    return f"Invalid recipe {source}:\n" + "\n".join(lines) + "\nFix these keys in the YAML or the key=value overrides."
+
+
+def load_recipe(path: str | Path, overrides: list[str] | None = None) -> Recipe:
+    """Read a YAML recipe, apply dotted overrides and validate the result."""
+    path = Path(path)
+    if not path.is_file():
+        raise RecipeError(f"Recipe file '{path}' does not exist. Pass the path to a YAML recipe, e.g. recipes/tiny.yaml.")
+    try:
+        data = yaml.safe_load(path.read_text()) or {}
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None)
+        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
+        raise RecipeError(f"Recipe '{path}' is not valid YAML{where}: {getattr(e, 'problem', e)}.") from None
+    if not isinstance(data, dict):
+        raise RecipeError(f"Recipe '{path}' must be a mapping of sections (model, data, train, ...).")
+    data = apply_overrides(data, overrides or [])
+    data.setdefault("output_dir", f"runs/{path.stem}")
+    try:
+        return Recipe.model_validate(data)
+    except ValidationError as e:
+        raise RecipeError(_format_errors(e, f"'{path}'")) from None
