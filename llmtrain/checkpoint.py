@@ -1,0 +1,116 @@
+"""Resumable checkpoints: Accelerate's state plus an explicit TrainState, written atomically.
+
+Layout: <output_dir>/checkpoints/step_000200/ holds the model (or only the LoRA weights), optimizer,
+scheduler, the RNG state of every rank, `train_state.json` and the resolved `recipe.yaml`. A checkpoint
+is written as `.tmp-step_000200` and renamed when every rank has finished, so a folder named
+`step_*` is always complete; resume never reads a folder that is not.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from llmtrain.errors import LLMTrainError
+
+
+@dataclass
+class TrainState:
+    """Where training is. Saved with every checkpoint; resume continues from exactly here."""
+
+    step: int = 0  # optimizer steps taken
+    epoch: int = 0  # current epoch
+    window: int = 0  # accumulation windows already consumed in the current epoch
+    tokens_seen: int = 0  # input tokens (all ranks) processed so far
+    trained_tokens_seen: int = 0  # tokens that carried loss so far
+
+    def state_dict(self) -> dict:
+        return asdict(self)
+
+    def load_state_dict(self, d: dict) -> None:
+        for k, v in d.items():
+            setattr(self, k, v)
+
+
+def _step_dirs(ckpt_root: Path) -> list[tuple[int, Path]]:
+    found = []
+    for d in ckpt_root.glob("step_*"):
+        meta = d / "train_state.json"
+        if d.is_dir() and meta.is_file():
+            found.append((json.loads(meta.read_text())["step"], d))
+    return sorted(found)
+
+
+def latest_checkpoint(output_dir: Path) -> Path | None:
+    found = _step_dirs(output_dir / "checkpoints")
+    return found[-1][1] if found else None
+
+
+def resolve_resume(resume: str, output_dir: Path) -> Path | None:
+    """Map --resume auto|PATH to a complete checkpoint folder (None: auto found nothing)."""
+    if resume == "auto":
+        return latest_checkpoint(output_dir)
+    path = Path(resume)
+    if not (path / "train_state.json").is_file():
+        raise LLMTrainError(
+            f"--resume {resume}: '{path}' is not a complete checkpoint (no train_state.json). "
+            f"Use --resume auto, or one of the step_* folders under {output_dir / 'checkpoints'}."
+        )
+    return path
+
+
+def lora_only_hooks(accelerator, trainable_names: set[str]) -> None:
+    """Save only trainable weights (the adapter) for LoRA runs instead of the frozen 7B base every time."""
+
+    def save_hook(models, weights, output_dir):
+        for i in range(len(weights)):
+            weights[i] = {k: v for k, v in weights[i].items() if k in trainable_names}
+
+    accelerator.register_save_state_pre_hook(save_hook)
+
+
+def save_checkpoint(accelerator, *, output_dir: Path, state: TrainState, recipe_yaml: str, keep_last: int) -> Path:
+    root = output_dir / "checkpoints"
+    final = root / f"step_{state.step:06d}"
+    tmp = root / f".tmp-{final.name}"
+    if accelerator.is_main_process:
+        shutil.rmtree(tmp, ignore_errors=True)
+    accelerator.wait_for_everyone()
+    accelerator.save_state(str(tmp))
+    accelerator.wait_for_everyone()  # every rank's RNG and shards are on disk before the rename
+    if accelerator.is_main_process:
+        (tmp / "train_state.json").write_text(json.dumps(state.state_dict(), indent=1))
+        (tmp / "recipe.yaml").write_text(recipe_yaml)
+        if final.exists():  # only possible when resuming from an older step with --resume PATH
+            shutil.rmtree(final)
+        tmp.rename(final)
+        for _, old in _step_dirs(root)[:-keep_last]:
+            shutil.rmtree(old)
+    accelerator.wait_for_everyone()
+    return final
+
+
+def load_checkpoint(accelerator, path: Path, *, trainable_names: set[str] | None) -> None:
+    """Restore model, optimizer, scheduler, RNG and registered objects (TrainState) from `path`.
+
+    For LoRA only the adapter was saved, so loading is non-strict; the saved keys are then checked
+    against the trainable parameters so that a mismatch can never pass silently.
+    """
+    if trainable_names is None:
+        accelerator.load_state(str(path))
+        return
+    from safetensors import safe_open
+
+    weights = path / "model.safetensors"
+    if weights.is_file():
+        with safe_open(str(weights), "pt") as f:
+            saved = set(f.keys())
+        if saved != trainable_names:
+            raise LLMTrainError(
+                f"checkpoint {path} does not match this run's trainable parameters "
+                f"({len(saved)} saved, {len(trainable_names)} expected; e.g. missing "
+                f"{sorted(trainable_names - saved)[:2]}). Resume with the recipe that wrote it ({path}/recipe.yaml)."
+            )
+    accelerator.load_state(str(path), strict=False)

@@ -1,0 +1,56 @@
+"""Exportable models: <output_dir>/final (full model or PEFT adapter) and merged LoRA models.
+
+`final/` is kept apart from the resume checkpoints: it is what people load with
+`AutoModelForCausalLM.from_pretrained` (full fine-tune) or `PeftModel.from_pretrained` (LoRA).
+"""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import yaml
+
+from llmtrain.errors import LLMTrainError
+
+
+def save_final(accelerator, model, tokenizer, path: Path) -> None:
+    """Write safetensors weights (or the adapter) and the tokenizer, via a temporary folder."""
+    # get_state_dict gathers sharded (FSDP) weights, so every rank must call it.
+    state_dict = accelerator.get_state_dict(model)
+    if accelerator.is_main_process:
+        tmp = path.with_name(path.name + ".tmp")
+        shutil.rmtree(tmp, ignore_errors=True)
+        accelerator.unwrap_model(model).save_pretrained(tmp, state_dict=state_dict, safe_serialization=True)
+        tokenizer.save_pretrained(tmp)
+        if path.exists():
+            shutil.rmtree(path)
+        tmp.rename(path)
+    accelerator.wait_for_everyone()
+
+
+def export_merged(run_dir: Path, out: Path | None = None) -> Path:
+    """Merge a LoRA run's final adapter into its base model and save a full model."""
+    import torch
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    final = run_dir / "final"
+    if not (final / "adapter_config.json").is_file():
+        raise LLMTrainError(
+            f"'{final}' holds no LoRA adapter (adapter_config.json). --merge needs a finished LoRA run; "
+            "a full fine-tune's final/ is already a complete model."
+        )
+    recipe = yaml.safe_load((run_dir / "recipe.yaml").read_text())
+    out = out or run_dir / "final-merged"
+    if out.exists():
+        raise LLMTrainError(f"'{out}' already exists; remove it or pass --out <new folder>.")
+    base = AutoModelForCausalLM.from_pretrained(recipe["model"]["name_or_path"],
+                                                dtype=getattr(torch, recipe["model"]["dtype"]))
+    merged = PeftModel.from_pretrained(base, str(final)).merge_and_unload()
+    tmp = out.with_name(out.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    merged.save_pretrained(tmp, safe_serialization=True)
+    AutoTokenizer.from_pretrained(str(final)).save_pretrained(tmp)
+    tmp.rename(out)
+    return out

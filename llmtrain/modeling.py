@@ -1,0 +1,92 @@
+"""Build the tokenizer and the model (full fine-tune or LoRA) from the recipe."""
+
+from __future__ import annotations
+
+import torch
+
+from llmtrain.config import LoraConfig, ModelConfig
+from llmtrain.errors import LLMTrainError
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def _load_error(what: str, path: str, err: Exception) -> LLMTrainError:
+    return LLMTrainError(
+        f"could not load the {what} from '{path}' (model.name_or_path / model.tokenizer): {err}. "
+        "Give a local directory with config.json and weights, or a hub id; without network access, the "
+        "hub id must already be in the local Hugging Face cache."
+    )
+
+
+def load_tokenizer(cfg: ModelConfig):
+    from transformers import AutoTokenizer
+
+    path = cfg.tokenizer or cfg.name_or_path
+    try:
+        tok = AutoTokenizer.from_pretrained(path, trust_remote_code=cfg.trust_remote_code)
+    except (OSError, ValueError) as e:
+        raise _load_error("tokenizer", path, e) from None
+    if tok.eos_token_id is None:
+        raise LLMTrainError(f"the tokenizer at '{path}' has no eos_token; training needs one to learn to stop.")
+    return tok
+
+
+def pad_id(tokenizer) -> int:
+    # Pad positions are masked out of attention and loss, so any id works; prefer the real pad token.
+    return tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+
+
+def load_model(cfg: ModelConfig, lora: LoraConfig | None):
+    from transformers import AutoModelForCausalLM
+
+    try:
+        model = AutoModelForCausalLM.from_pretrained(
+            cfg.name_or_path,
+            dtype=DTYPES[cfg.dtype],
+            attn_implementation=cfg.attn_implementation,
+            trust_remote_code=cfg.trust_remote_code,
+        )
+    except (OSError, ValueError) as e:
+        raise _load_error("model", cfg.name_or_path, e) from None
+    model.config.use_cache = False  # the KV cache is for generation; in training it only costs memory
+    if cfg.gradient_checkpointing:
+        # Non-reentrant checkpointing works with frozen inputs (LoRA) and needs no input-grad hooks.
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    if lora is not None:
+        model = apply_lora(model, lora)
+    return model
+
+
+def apply_lora(model, cfg: LoraConfig):
+    import peft
+
+    config = peft.LoraConfig(
+        r=cfg.r,
+        lora_alpha=cfg.alpha,
+        lora_dropout=cfg.dropout,
+        target_modules=cfg.target_modules,
+        modules_to_save=cfg.modules_to_save,
+        task_type="CAUSAL_LM",
+    )
+    try:
+        # peft keeps the adapter weights in fp32 even on a bf16 base (autocast_adapter_dtype).
+        return peft.get_peft_model(model, config)
+    except ValueError as e:
+        raise LLMTrainError(f"invalid LoRA settings (lora.target_modules / lora.modules_to_save): {e}") from None
+
+
+def count_parameters(model) -> tuple[int, int]:
+    total = sum(p.numel() for p in model.parameters())
+    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    return total, trainable
+
+
+def build_optimizer(model, *, lr: float, weight_decay: float, betas, eps: float, fused: bool):
+    """AdamW; no weight decay on biases and norm weights (every 1-D parameter)."""
+    decay, no_decay = [], []
+    for p in model.parameters():
+        if p.requires_grad:
+            (decay if p.ndim >= 2 else no_decay).append(p)
+    groups = [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+    return torch.optim.AdamW([g for g in groups if g["params"]], lr=lr, betas=tuple(betas), eps=eps,
+                             fused=fused or None)
