@@ -1,0 +1,28 @@
+# Two commands on a fresh clone: `make demo` and `make test`. Each sets itself up.
+PY    ?= python3
+VENV  ?= .venv
+BIN   := $(VENV)/bin
+# The CPU build of torch is installed first (a bare `torch` pulls a multi-GB CUDA build).
+# On a GPU machine: make install TORCH=torch
+TORCH ?= torch==2.13.0
+
+.PHONY: install demo test clean
+
+$(BIN)/.installed: pyproject.toml
+	test -x $(BIN)/python || $(PY) -m venv $(VENV)
+	$(BIN)/python -m pip install -q --upgrade pip
+	$(BIN)/python -m pip install -q "$(TORCH)"
+	$(BIN)/python -m pip install -q -e ".[test]"
+	touch $@
+
+install: $(BIN)/.installed
+
+demo: install
+	$(BIN)/llmtrain prepare-tiny assets/tiny
+	$(BIN)/llmtrain finetune recipes/tiny.yaml --overwrite
+
+test: install
+	OMP_NUM_THREADS=1 $(BIN)/python -m pytest -q
+
+clean:
+	rm -rf runs assets .cache
