@@ -35,6 +35,10 @@ class ModelConfig(Section):
     )
     gradient_checkpointing: bool = Field(False, description="Recompute layer activations in backward to save memory.")
     trust_remote_code: bool = Field(False, description="Allow model code from the hub to run. Off unless set.")
+    random_init: bool = Field(
+        False, description="Build the architecture from config.json with random weights, reading no weights "
+        "(throughput benchmarks and memory calibration)."
+    )
 
 
 class LoraConfig(Section):

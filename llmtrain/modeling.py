@@ -36,16 +36,19 @@ def pad_id(tokenizer) -> int:
     return tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
 
 
-def load_model(cfg: ModelConfig, lora: LoraConfig | None):
-    from transformers import AutoModelForCausalLM
+def load_model(cfg: ModelConfig, lora: LoraConfig | None, *, device: torch.device | None = None):
+    from transformers import AutoConfig, AutoModelForCausalLM
 
+    kwargs = dict(dtype=DTYPES[cfg.dtype], attn_implementation=cfg.attn_implementation,
+                  trust_remote_code=cfg.trust_remote_code)
     try:
-        model = AutoModelForCausalLM.from_pretrained(
-            cfg.name_or_path,
-            dtype=DTYPES[cfg.dtype],
-            attn_implementation=cfg.attn_implementation,
-            trust_remote_code=cfg.trust_remote_code,
-        )
+        if cfg.random_init:
+            config = AutoConfig.from_pretrained(cfg.name_or_path, trust_remote_code=cfg.trust_remote_code)
+            # Initialise straight on the training device: a 7B random init on the CPU takes minutes.
+            with torch.device(device or "cpu"):
+                model = AutoModelForCausalLM.from_config(config, **kwargs)
+        else:
+            model = AutoModelForCausalLM.from_pretrained(cfg.name_or_path, **kwargs)
     except (OSError, ValueError) as e:
         raise _load_error("model", cfg.name_or_path, e) from None
     model.config.use_cache = False  # the KV cache is for generation; in training it only costs memory

@@ -149,7 +149,7 @@ def train(recipe: Recipe, *, resume: str | None = None, overwrite: bool = False)
                       f"{mb * accum * world} examples/step; {total_steps} steps ({steps_per_epoch}/epoch)")
 
     # ---- model, optimizer, schedule
-    model = load_model(recipe.model, recipe.lora)
+    model = load_model(recipe.model, recipe.lora, device=accelerator.device)
     n_total, n_trainable = count_parameters(model)
     accelerator.print(f"model: {n_total:,} parameters, {n_trainable:,} trainable ({'LoRA' if recipe.lora else 'full'})")
     optimizer = build_optimizer(model, lr=tc.lr, weight_decay=tc.weight_decay, betas=tc.betas, eps=tc.eps,
