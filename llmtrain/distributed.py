@@ -21,6 +21,10 @@ def build_accelerator(recipe: Recipe):
     launched = os.environ.get("ACCELERATE_MIXED_PRECISION")
     # The recipe is the source of truth for precision; passing it explicitly overrides the launch config.
     accelerator = Accelerator(
+        # Without an accelerator, processes started by torchrun (`accelerate launch` with a multi-process
+        # config) must be told they are CPU workers, or each one silently trains alone; with cpu=True
+        # Accelerate joins them into one gloo process group (MULTI_CPU).
+        cpu=not torch.accelerator.is_available(),
         mixed_precision=recipe.train.mixed_precision,
         kwargs_handlers=[InitProcessGroupKwargs(timeout=timedelta(seconds=recipe.train.timeout_s))],
     )
