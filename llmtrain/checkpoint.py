@@ -22,7 +22,8 @@ class TrainState:
 
     step: int = 0  # optimizer steps taken
     epoch: int = 0  # current epoch
-    window: int = 0  # accumulation windows already consumed in the current epoch
+    micro_in_epoch: int = 0  # global micro-batches of the current epoch already trained on
+    examples_per_micro: int = 0  # micro_batch_size x processes when saved: fixes the data order
     tokens_seen: int = 0  # input tokens (all ranks) processed so far
     trained_tokens_seen: int = 0  # tokens that carried loss so far
 
@@ -32,6 +33,25 @@ class TrainState:
     def load_state_dict(self, d: dict) -> None:
         for k, v in d.items():
             setattr(self, k, v)
+
+    def check_layout(self, *, examples_per_micro: int, accum: int) -> None:
+        """Resume may change the number of processes, as long as the data order stays the same.
+
+        A global micro-batch is micro_batch_size x processes examples; keeping that product keeps
+        every step's examples identical (2 processes x 2 resume as 1 process x 4).
+        """
+        if self.examples_per_micro != examples_per_micro:
+            raise LLMTrainError(
+                f"the checkpoint was written with micro_batch_size x processes = {self.examples_per_micro}, "
+                f"this run has {examples_per_micro}. Set train.micro_batch_size so that the product is "
+                f"{self.examples_per_micro} (e.g. {self.examples_per_micro} on 1 process) to resume it."
+            )
+        if self.micro_in_epoch % accum:
+            raise LLMTrainError(
+                f"the checkpoint stopped {self.micro_in_epoch} micro-batches into an epoch, which is not a whole "
+                f"number of train.grad_accum_steps={accum} windows; resume with the grad_accum_steps it was "
+                "written with."
+            )
 
 
 def _step_dirs(ckpt_root: Path) -> list[tuple[int, Path]]:

@@ -157,13 +157,14 @@ def train(recipe: Recipe, *, resume: str | None = None, overwrite: bool = False)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, functools.partial(
         lr_factor, warmup=tc.warmup_steps, total=total_steps, schedule=tc.schedule, min_ratio=tc.min_lr_ratio))
     model, optimizer = accelerator.prepare(model, optimizer)
-    state = TrainState()
+    state = TrainState(examples_per_micro=mb * world)
     accelerator.register_for_checkpointing(scheduler, state)
     trainable_names = {n for n, p in model.named_parameters() if p.requires_grad} if recipe.lora else None
     if trainable_names:
         lora_only_hooks(accelerator, trainable_names)
     if ckpt is not None:
         load_checkpoint(accelerator, ckpt, trainable_names=trainable_names)
+        state.check_layout(examples_per_micro=mb * world, accum=accum)
         accelerator.print(f"resumed from {ckpt} at step {state.step}")
 
     log = MetricsLog(out, enabled=accelerator.is_main_process, tensorboard=recipe.logging.tensorboard,
@@ -177,10 +178,10 @@ def train(recipe: Recipe, *, resume: str | None = None, overwrite: bool = False)
         while state.step < total_steps:
             micro = rank_micro_batches(len(train_ds), seed=tc.seed, epoch=state.epoch, micro_batch_size=mb,
                                        rank=accelerator.process_index, world_size=world)
-            windows = [micro[i : i + accum] for i in range(0, len(micro), accum)]
-            while state.window < len(windows) and state.step < total_steps:
+            while state.micro_in_epoch < len(micro) and state.step < total_steps:
                 t0 = time.perf_counter()
-                batches = list(_batches(train_ds, windows[state.window], device=accelerator.device, pad=pad,
+                window = micro[state.micro_in_epoch : state.micro_in_epoch + accum]  # one optimizer step
+                batches = list(_batches(train_ds, window, device=accelerator.device, pad=pad,
                                         packing=recipe.data.packing))
                 local_trained = sum(int((b["targets"] != IGNORE).sum()) for b in batches)
                 local_tokens = sum(int(b["attention_mask"].sum()) if "attention_mask" in b else b["input_ids"].numel()
@@ -204,7 +205,7 @@ def train(recipe: Recipe, *, resume: str | None = None, overwrite: bool = False)
                 optimizer.zero_grad(set_to_none=True)
                 (loss_total,) = global_sum(accelerator, loss_sum.item())
                 state.step += 1
-                state.window += 1
+                state.micro_in_epoch += len(batches)
                 state.tokens_seen += int(tokens)
                 state.trained_tokens_seen += int(trained)
                 dt = time.perf_counter() - t0
@@ -226,8 +227,8 @@ def train(recipe: Recipe, *, resume: str | None = None, overwrite: bool = False)
                 if recipe.checkpoint.every_steps and state.step % recipe.checkpoint.every_steps == 0:
                     save_checkpoint(accelerator, output_dir=out, state=state, recipe_yaml=recipe.to_yaml(),
                                     keep_last=recipe.checkpoint.keep_last)
-            if state.window >= len(windows):
-                state.epoch, state.window = state.epoch + 1, 0
+            if state.micro_in_epoch >= len(micro):
+                state.epoch, state.micro_in_epoch = state.epoch + 1, 0
 
     # ---- export and summary
     if recipe.checkpoint.save_final:
