@@ -6,6 +6,8 @@ import json
 import math
 from pathlib import Path
 
+from llmtrain.errors import LLMTrainError
+
 
 class MetricsLog:
     """Append one JSON object per line to <output_dir>/metrics.jsonl (main process only)."""
@@ -24,7 +26,11 @@ class MetricsLog:
             tmp.write_text("".join(ln + "\n" for ln in keep))
             tmp.replace(self.path)
         if tensorboard:
-            from torch.utils.tensorboard import SummaryWriter
+            try:
+                from torch.utils.tensorboard import SummaryWriter
+            except ImportError:
+                raise LLMTrainError("logging.tensorboard is true but tensorboard is not installed: "
+                                    "pip install 'llmtrain[tensorboard]', or set logging.tensorboard=false.") from None
 
             self.tb = SummaryWriter(str(output_dir / "tb"))
 
