@@ -121,12 +121,12 @@ class LoggingConfig(Section):
 
 
 class Recipe(Section):
-    model: ModelConfig
-    data: DataConfig
+    model: ModelConfig = Field(description="The model to fine-tune and how to load it.")
+    data: DataConfig = Field(description="Training (and eval) data, its format and tokenisation.")
     lora: LoraConfig | None = Field(None, description="LoRA settings; absent means full fine-tune.")
-    train: TrainConfig = Field(default_factory=TrainConfig)
-    checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig)
-    logging: LoggingConfig = Field(default_factory=LoggingConfig)
+    train: TrainConfig = Field(default_factory=TrainConfig, description="Optimisation, schedule and batch.")
+    checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig, description="Resumable state and export.")
+    logging: LoggingConfig = Field(default_factory=LoggingConfig, description="Progress bar and TensorBoard.")
     output_dir: str = Field(description="Where metrics, checkpoints and the final model go (default runs/<stem>).")
 
     def to_yaml(self) -> str:

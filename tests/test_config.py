@@ -1,0 +1,96 @@
+"""The recipe schema: defaults live only there, overrides are validated like YAML, errors name the key."""
+
+from __future__ import annotations
+
+import pytest
+import yaml
+
+from llmtrain.config import Recipe, all_keys, load_recipe
+from llmtrain.errors import RecipeError
+
+REQUIRED_KEYS = ["train.max_steps", "train.epochs", "train.micro_batch_size", "train.grad_accum_steps", "train.lr",
+                 "train.seed", "checkpoint.every_steps", "checkpoint.keep_last"]
+
+
+@pytest.fixture
+def recipe_file(tmp_path):
+    path = tmp_path / "myrun.yaml"
+    path.write_text(yaml.safe_dump({"model": {"name_or_path": "m"}, "data": {"path": "d.jsonl", "format": "text"}}))
+    return path
+
+
+def test_schema_has_the_documented_keys():
+    keys = set(all_keys())
+    assert set(REQUIRED_KEYS) <= keys
+    assert {"model", "data", "lora", "train", "checkpoint", "logging", "output_dir"} <= keys
+
+
+def test_every_field_is_documented():
+    def walk(model):
+        for name, field in model.model_fields.items():
+            assert field.description, f"{model.__name__}.{name} has no description"
+            for arg in (field.annotation, *getattr(field.annotation, "__args__", ())):
+                if isinstance(arg, type) and hasattr(arg, "model_fields"):
+                    walk(arg)
+
+    walk(Recipe)
+
+
+def test_defaults_and_output_dir_from_file_stem(recipe_file):
+    r = load_recipe(recipe_file)
+    assert r.output_dir == "runs/myrun"
+    assert r.lora is None  # absent lora section means full fine-tune
+    assert r.train.micro_batch_size == 1 and r.train.grad_accum_steps == 1
+    assert r.model.trust_remote_code is False and r.model.attn_implementation == "sdpa"
+
+
+def test_overrides_are_typed_and_validated(recipe_file):
+    r = load_recipe(recipe_file, ["train.max_steps=8", "train.lr=1e-4", "output_dir=/tmp/x", "lora.r=8",
+                                  "lora.target_modules=[q_proj, v_proj]", "data.packing=true"])
+    assert r.train.max_steps == 8 and r.train.lr == 1e-4 and r.output_dir == "/tmp/x"
+    assert r.lora.r == 8 and r.lora.target_modules == ["q_proj", "v_proj"] and r.data.packing is True
+    with pytest.raises(RecipeError, match=r"train.max_steps: Input should be greater than 0"):
+        load_recipe(recipe_file, ["train.max_steps=0"])
+
+
+@pytest.mark.parametrize(("override", "suggestion"), [
+    ("train.learning_rate=1e-4", "train.lr"),
+    ("train.max_step=3", "train.max_steps"),
+    ("checkpoint.save_steps=10", "checkpoint.every_steps"),
+    ("trian.lr=1", "train"),
+])
+def test_typos_get_the_nearest_key(recipe_file, override, suggestion):
+    with pytest.raises(RecipeError) as e:
+        load_recipe(recipe_file, [override])
+    assert f"did you mean {suggestion}" in str(e.value)
+
+
+def test_all_problems_reported_together(recipe_file):
+    with pytest.raises(RecipeError) as e:
+        load_recipe(recipe_file, ["train.lr=-1", "data.format=csv", "data.eval_split=1.5", "model.dtype=int8"])
+    msg = str(e.value)
+    for key in ("train.lr", "data.format", "data.eval_split", "model.dtype"):
+        assert key in msg
+    assert str(recipe_file) in msg
+
+
+def test_bad_files_and_overrides(tmp_path, recipe_file):
+    with pytest.raises(RecipeError, match="does not exist"):
+        load_recipe(tmp_path / "missing.yaml")
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("model: {name_or_path: m\ndata: [")
+    with pytest.raises(RecipeError, match="line"):
+        load_recipe(bad)
+    with pytest.raises(RecipeError, match="key=value"):
+        load_recipe(recipe_file, ["train.lr"])
+    with pytest.raises(RecipeError, match="required key is missing"):
+        empty = tmp_path / "empty.yaml"
+        empty.write_text("train: {lr: 1.0e-4}\n")
+        load_recipe(empty)
+
+
+def test_resolved_recipe_round_trips(recipe_file, tmp_path):
+    r = load_recipe(recipe_file, ["train.betas=[0.9, 0.95]", "lora.alpha=16"])
+    out = tmp_path / "resolved.yaml"
+    out.write_text(r.to_yaml())
+    assert load_recipe(out) == r
