@@ -1,0 +1,174 @@
+"""The tiny model, tokenizer and synthetic task that recipes/tiny.yaml trains on a laptop CPU.
+
+`prepare_tiny(out)` writes, deterministically from its seed and with nothing downloaded:
+
+- `out/model/`: a ~1M-parameter random-init Llama (GQA, untied head) saved with `save_pretrained`
+  (safetensors), plus a character-level tokenizer with a Llama-like BOS rule and a chat template,
+  so it loads through the same `AutoModelForCausalLM` / `AutoTokenizer.from_pretrained` path as a
+  real 7B checkpoint;
+- `out/data/`: the string-reversal task (`reverse abcde =` -> ` edcba`) in prompt_completion format
+  (`train.jsonl`, `eval.jsonl`) and the same training examples as chat messages
+  (`train_messages.jsonl`) and alpaca records (`train_alpaca.jsonl`).
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import string
+from pathlib import Path
+
+# Special tokens first, so their ids are fixed: 0 unk, 1 bos, 2 eos, 3 pad.
+UNK, BOS, EOS, PAD = "<unk>", "<s>", "</s>", "<pad>"
+SPECIAL_TOKENS = [UNK, BOS, EOS, PAD]
+# Chat role markers are single special tokens. They are upper case on purpose: the messages loss
+# mask finds each assistant reply in the rendered text, and a lower-case reply such as "ant" must not
+# be found inside a marker like "<|assistant|>".
+ROLE_TOKENS = ["<|SYSTEM|>", "<|USER|>", "<|ASSISTANT|>"]
+# Every printable ASCII character plus newline and tab: enough for the task, the alpaca prompt and
+# ordinary English text; anything else maps to <unk>.
+ALPHABET = [chr(c) for c in range(32, 127)] + ["\n", "\t"]
+
+CHAT_TEMPLATE = (
+    "{{ bos_token }}"
+    "{% for m in messages %}"
+    "<|{{ m['role'] | upper }}|>{{ m['content'] }}"
+    "{% if m['role'] == 'assistant' %}{{ eos_token }}{% endif %}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}<|ASSISTANT|>{% endif %}"
+)
+
+MODEL_KWARGS = dict(
+    hidden_size=128,
+    intermediate_size=512,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=512,
+    rms_norm_eps=1e-6,
+    rope_theta=10000.0,
+    tie_word_embeddings=False,
+    initializer_range=0.02,
+)
+
+TASK = "reverse"
+MIN_LEN, MAX_LEN = 3, 6
+N_TRAIN, N_EVAL = 5000, 200
+
+
+# --------------------------------------------------------------------------- tokenizer
+
+
+def build_tokenizer():
+    """A character-level `PreTrainedTokenizerFast`: one token per character, `<s>` prepended."""
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, processors
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {tok: i for i, tok in enumerate(SPECIAL_TOKENS + ALPHABET)}
+    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token=UNK))
+    # Every character (newlines included) is its own pre-token, so the word-level model sees one char.
+    tok.pre_tokenizer = pre_tokenizers.Split(Regex(r"[\s\S]"), behavior="isolated")
+    tok.decoder = decoders.Fuse()  # join the characters back with nothing in between
+    tok.post_processor = processors.TemplateProcessing(
+        single=f"{BOS} $A", pair=f"{BOS} $A {BOS} $B", special_tokens=[(BOS, vocab[BOS])]
+    )
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        bos_token=BOS,
+        eos_token=EOS,
+        pad_token=PAD,
+        unk_token=UNK,
+        additional_special_tokens=ROLE_TOKENS,
+        model_max_length=MODEL_KWARGS["max_position_embeddings"],
+        padding_side="right",
+        clean_up_tokenization_spaces=False,
+    )
+    fast.chat_template = CHAT_TEMPLATE
+    return fast
+
+
+# --------------------------------------------------------------------------- model
+
+
+def build_model(tokenizer, *, seed: int):
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(
+        vocab_size=len(tokenizer),
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+        **MODEL_KWARGS,
+    )
+    # A private generator state: the weights depend on `seed` only, and the caller's RNG is untouched.
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = LlamaForCausalLM(config)
+    return model
+
+
+# --------------------------------------------------------------------------- data
+
+
+def make_example(rng: random.Random) -> tuple[str, str]:
+    """One reversal problem: ("reverse abcde =", " edcba")."""
+    s = "".join(rng.choice(string.ascii_lowercase) for _ in range(rng.randint(MIN_LEN, MAX_LEN)))
+    return f"reverse {s} =", f" {s[::-1]}"
+
+
+def make_split(rng: random.Random, n: int, exclude: set[str] = frozenset()) -> list[tuple[str, str]]:
+    out, seen = [], set(exclude)
+    while len(out) < n:
+        prompt, completion = make_example(rng)
+        if prompt not in seen:
+            seen.add(prompt)
+            out.append((prompt, completion))
+    return out
+
+
+def _write_jsonl(path: Path, rows: list[dict]) -> None:
+    with path.open("w", encoding="utf-8") as f:
+        for row in rows:
+            f.write(json.dumps(row, ensure_ascii=False) + "\n")
+
+
+def write_data(out: Path, *, seed: int) -> None:
+    rng = random.Random(seed)
+    evals = make_split(rng, N_EVAL)
+    train = make_split(rng, N_TRAIN, exclude={p for p, _ in evals})  # eval strings never seen in training
+    out.mkdir(parents=True, exist_ok=True)
+    _write_jsonl(out / "train.jsonl", [{"prompt": p, "completion": c} for p, c in train])
+    _write_jsonl(out / "eval.jsonl", [{"prompt": p, "completion": c} for p, c in evals])
+    _write_jsonl(
+        out / "train_messages.jsonl",
+        [
+            {"messages": [{"role": "user", "content": p.removesuffix(" =")},
+                          {"role": "assistant", "content": c.strip()}]}
+            for p, c in train
+        ],
+    )
+    _write_jsonl(
+        out / "train_alpaca.jsonl",
+        [
+            {"instruction": "Reverse the string.", "input": p.removeprefix("reverse ").removesuffix(" ="),
+             "output": c.strip()}
+            for p, c in train
+        ],
+    )
+
+
+# --------------------------------------------------------------------------- entry point
+
+
+def prepare_tiny(out: Path, *, seed: int = 0) -> None:
+    """Write the tiny model + tokenizer to `out/model` and the task data to `out/data`."""
+    out = Path(out)
+    tokenizer = build_tokenizer()
+    model = build_model(tokenizer, seed=seed)
+    model_dir = out / "model"
+    model_dir.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(model_dir, safe_serialization=True)
+    model.generation_config.save_pretrained(model_dir)
+    tokenizer.save_pretrained(model_dir)
+    write_data(out / "data", seed=seed)
