@@ -91,7 +91,28 @@ def lora_only_hooks(accelerator, trainable_names: set[str]) -> None:
     accelerator.register_save_state_pre_hook(save_hook)
 
 
-def save_checkpoint(accelerator, *, output_dir: Path, state: TrainState, recipe_yaml: str, keep_last: int) -> Path:
+def verify_saved(path: Path, *, expected_keys: set[str], lora: bool) -> None:
+    """Check a checkpoint before it is published: its weights hold the expected keys, and for LoRA the
+    B matrices are not all zero (an adapter saved as zeros is silently a no-op)."""
+    from safetensors import safe_open
+
+    weights = path / "model.safetensors"
+    if not weights.is_file():  # sharded (FSDP) checkpoints are verified by the sharded loader
+        return
+    with safe_open(str(weights), "pt") as f:
+        saved = set(f.keys())
+        lora_b_zero = lora and all(not f.get_tensor(k).any() for k in saved if "lora_B" in k)
+    # Tied weights are stored once, so a full model may save fewer keys than its state dict has.
+    if not saved or not saved <= expected_keys or (lora and saved != expected_keys):
+        raise LLMTrainError(f"checkpoint {path} failed verification: saved keys do not match the model "
+                            f"({len(saved)} saved, {len(expected_keys)} expected). It was not published.")
+    if lora_b_zero:
+        raise LLMTrainError(f"checkpoint {path} failed verification: every LoRA B matrix is zero, so the adapter "
+                            "would do nothing. It was not published; check train.lr and the LoRA settings.")
+
+
+def save_checkpoint(accelerator, *, output_dir: Path, state: TrainState, recipe_yaml: str, keep_last: int,
+                    expected_keys: set[str], lora: bool) -> Path:
     root = output_dir / "checkpoints"
     final = root / f"step_{state.step:06d}"
     tmp = root / f".tmp-{final.name}"
@@ -101,6 +122,7 @@ def save_checkpoint(accelerator, *, output_dir: Path, state: TrainState, recipe_
     accelerator.save_state(str(tmp))
     accelerator.wait_for_everyone()  # every rank's RNG and shards are on disk before the rename
     if accelerator.is_main_process:
+        verify_saved(tmp, expected_keys=expected_keys, lora=lora)
         (tmp / "train_state.json").write_text(json.dumps(state.state_dict(), indent=1))
         (tmp / "recipe.yaml").write_text(recipe_yaml)
         if final.exists():  # only possible when resuming from an older step with --resume PATH

@@ -162,6 +162,7 @@ def train(recipe: Recipe, *, resume: str | None = None, overwrite: bool = False)
     trainable_names = {n for n, p in model.named_parameters() if p.requires_grad} if recipe.lora else None
     if trainable_names:
         lora_only_hooks(accelerator, trainable_names)
+    expected_keys = trainable_names or set(model.state_dict())
     if ckpt is not None:
         load_checkpoint(accelerator, ckpt, trainable_names=trainable_names)
         state.check_layout(examples_per_micro=mb * world, accum=accum)
@@ -226,7 +227,8 @@ def train(recipe: Recipe, *, resume: str | None = None, overwrite: bool = False)
                     progress.console.print(f"step {state.step}: " + "  ".join(f"{k} {v:.4f}" for k, v in ev.items()))
                 if recipe.checkpoint.every_steps and state.step % recipe.checkpoint.every_steps == 0:
                     save_checkpoint(accelerator, output_dir=out, state=state, recipe_yaml=recipe.to_yaml(),
-                                    keep_last=recipe.checkpoint.keep_last)
+                                    keep_last=recipe.checkpoint.keep_last, expected_keys=expected_keys,
+                                    lora=recipe.lora is not None)
             if state.micro_in_epoch >= len(micro):
                 state.epoch, state.micro_in_epoch = state.epoch + 1, 0
 
