@@ -2,7 +2,7 @@
 
 `prepare_tiny(out)` writes, deterministically from its seed and with nothing downloaded:
 
-- `out/model/`: a ~1M-parameter random-init Llama (GQA, untied head) saved with `save_pretrained`
+- `out/model/`: a ~0.5M-parameter random-init Llama (GQA, untied head) saved with `save_pretrained`
   (safetensors), plus a character-level tokenizer with a Llama-like BOS rule and a chat template,
   so it loads through the same `AutoModelForCausalLM` / `AutoTokenizer.from_pretrained` path as a
   real 7B checkpoint;
