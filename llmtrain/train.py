@@ -159,10 +159,12 @@ def train(recipe: Recipe, *, resume: str | None = None, overwrite: bool = False)
     model, optimizer = accelerator.prepare(model, optimizer)
     state = TrainState(examples_per_micro=mb * world)
     accelerator.register_for_checkpointing(scheduler, state)
-    trainable_names = {n for n, p in model.named_parameters() if p.requires_grad} if recipe.lora else None
+    # Accelerate saves and loads the model it was given, not the DDP wrapper: names carry no "module.".
+    unwrapped = accelerator.unwrap_model(model)
+    trainable_names = {n for n, p in unwrapped.named_parameters() if p.requires_grad} if recipe.lora else None
     if trainable_names:
         lora_only_hooks(accelerator, trainable_names)
-    expected_keys = trainable_names or set(model.state_dict())
+    expected_keys = trainable_names or set(unwrapped.state_dict())
     if ckpt is not None:
         load_checkpoint(accelerator, ckpt, trainable_names=trainable_names)
         state.check_layout(examples_per_micro=mb * world, accum=accum)
@@ -224,7 +226,8 @@ def train(recipe: Recipe, *, resume: str | None = None, overwrite: bool = False)
                         state.step % tc.eval_every_steps == 0 or state.step == total_steps):
                     ev = evaluate(model, eval_ds, accelerator, batch_size=tc.eval_batch_size or mb, pad=pad)
                     log.write({"type": "eval", "step": state.step, **ev})
-                    progress.console.print(f"step {state.step}: " + "  ".join(f"{k} {v:.4f}" for k, v in ev.items()))
+                    if accelerator.is_main_process:
+                        progress.console.print(f"step {state.step}: " + "  ".join(f"{k} {v:.4f}" for k, v in ev.items()))
                 if recipe.checkpoint.every_steps and state.step % recipe.checkpoint.every_steps == 0:
                     save_checkpoint(accelerator, output_dir=out, state=state, recipe_yaml=recipe.to_yaml(),
                                     keep_last=recipe.checkpoint.keep_last, expected_keys=expected_keys,
