@@ -121,6 +121,41 @@ def encode_text(text: str, tokenizer) -> tuple[list, list]:
     return ids, list(ids)
 
 
+def _assistant_spans(messages: list[dict], text: str, tokenizer) -> list[tuple[int, int]]:
+    """Character spans of the assistant contents in the rendered conversation `text`.
+
+    The conversation is rendered a second time with each assistant content replaced by a unique
+    private-use marker, so the markers' positions are exact: a short reply ("ant") can never be matched
+    inside template markup (`<|assistant|>`) or an earlier user turn. Only if the template rewrites
+    content (e.g. trims it) does this fall back to searching for each content in order.
+    """
+    contents = [m.get("content") or "" for m in messages if m["role"] == "assistant"]
+    marks = iter(f"\ue000{i}\ue001" for i in range(len(contents)))
+    marked = [{**m, "content": next(marks)} if m["role"] == "assistant" else m for m in messages]
+    template = tokenizer.apply_chat_template(marked, tokenize=False)
+    spans, rebuilt, pos = [], "", 0
+    for i, content in enumerate(contents):
+        k = template.find(f"\ue000{i}\ue001", pos)
+        if k < 0:
+            break
+        rebuilt += template[pos:k]
+        spans.append((len(rebuilt), len(rebuilt) + len(content)))
+        rebuilt += content
+        pos = k + len(f"\ue000{i}\ue001")
+    if rebuilt + template[pos:] == text and len(spans) == len(contents):
+        return [s for s, c in zip(spans, contents) if c]
+    spans, cursor = [], 0
+    for content in contents:
+        start = text.find(content, cursor) if content else cursor
+        if start < 0:
+            raise LLMTrainError("an assistant message does not appear verbatim in the chat template's output, "
+                                "so its loss mask cannot be built. Use format prompt_completion instead.")
+        if content:
+            spans.append((start, start + len(content)))
+        cursor = start + len(content)
+    return spans
+
+
 def encode_messages(messages: list[dict], tokenizer, *, train_on_prompt: bool) -> tuple[list, list]:
     """Render with the tokenizer's own chat template and train only the assistant turns.
 
@@ -137,20 +172,9 @@ def encode_messages(messages: list[dict], tokenizer, *, train_on_prompt: bool) -
             "Use format prompt_completion, or a tokenizer (model.tokenizer) that ships a chat_template."
         )
     text = tokenizer.apply_chat_template(messages, tokenize=False)
+    spans = _assistant_spans(messages, text, tokenizer)
     enc = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
     ids, offsets = enc["input_ids"], enc["offset_mapping"]
-    spans, cursor = [], 0
-    for m in messages:
-        content = m.get("content") or ""
-        start = text.find(content, cursor) if content else -1
-        if m["role"] == "assistant" and content:
-            if start < 0:
-                raise LLMTrainError("an assistant message does not appear verbatim in the chat template's output, "
-                                    "so its loss mask cannot be built. Use format prompt_completion instead.")
-            spans.append((start, start + len(content)))
-        # Other turns only move the cursor when found in order: templates may move a system prompt.
-        if start >= 0:
-            cursor = start + len(content)
     special = set(tokenizer.all_special_ids)
     labels = [IGNORE] * len(ids)
     closed = True
