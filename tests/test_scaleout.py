@@ -96,3 +96,21 @@ def test_resume_ddp_checkpoint_on_one_process(tiny_assets, tmp_path, free_port):
                     "train.micro_batch_size=4", *common], check=True, env=env, capture_output=True)
     assert _losses(run) == pytest.approx(_losses(straight), abs=1e-5)
     assert len(_losses(run)) == 8
+
+
+def test_failing_rank_brings_the_job_down_with_its_error(tiny_assets, tmp_path, free_port):
+    """Rank 0 fails inside main_process_first (bad column mapping) while rank 1 waits at the barrier:
+    the launcher must end the whole job quickly and show rank 0's message, not hang until the timeout."""
+    import time
+
+    recipe = _recipe(tiny_assets, tmp_path)
+    start = time.monotonic()
+    proc = subprocess.run(
+        [sys.executable, "-m", "accelerate.commands.launch", "--config_file", "accelerate_configs/cpu_ddp.yaml",
+         "--main_process_port", str(free_port), "-m", "llmtrain", "finetune", str(recipe),
+         f"output_dir={tmp_path / 'run'}", "data.fields.prompt=question", "train.timeout_s=600"],
+        env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True, timeout=300,
+        cwd=Path(__file__).resolve().parents[1])
+    assert proc.returncode != 0
+    assert "needs prompt (column 'question')" in proc.stderr + proc.stdout
+    assert time.monotonic() - start < 120  # far below the 600 s collective timeout
