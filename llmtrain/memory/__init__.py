@@ -1,0 +1,48 @@
+"""Per-GPU peak memory of a fine-tuning run, from a model's config.json alone (no weights, no GPU).
+
+    from llmtrain.memory import estimate_for_recipe
+    est = estimate_for_recipe(recipe, num_processes=8, strategy="fsdp")
+    est.per_gpu_peak_bytes, est.breakdown
+
+Everything here is arithmetic on a `ModelShape` (exact counts from the model built on the meta
+device) and a `TrainSpec`; docs/memory.md gives the formulas.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Literal
+
+if TYPE_CHECKING:
+    from llmtrain.config import Recipe
+    from llmtrain.memory.estimate import estimate
+    from llmtrain.memory.params import ModelShape, load_model_shape, lora_plan
+    from llmtrain.memory.spec import Estimate, TrainSpec, spec_from_recipe
+
+# Imported on first use, so that `import llmtrain.memory.cli` (and `llmtrain --help`) stays light.
+_LAZY = {"estimate": "estimate", "ModelShape": "params", "load_model_shape": "params", "lora_plan": "params",
+         "Estimate": "spec", "TrainSpec": "spec", "spec_from_recipe": "spec"}
+
+__all__ = ["Estimate", "ModelShape", "TrainSpec", "estimate", "estimate_for_recipe", "load_model_shape",
+           "lora_plan", "spec_from_recipe"]
+
+
+def __getattr__(name: str):
+    if name in _LAZY:
+        return getattr(importlib.import_module(f"llmtrain.memory.{_LAZY[name]}"), name)
+    raise AttributeError(f"module 'llmtrain.memory' has no attribute {name!r}")
+
+
+def estimate_for_recipe(recipe: Recipe, *, num_processes: int = 1,
+                        strategy: Literal["single", "ddp", "fsdp"] = "single") -> Estimate:
+    """The per-GPU estimate for the run `recipe` describes on `num_processes` GPUs of one node.
+
+    Reads the config.json of recipe.model.name_or_path (a local directory, a preset name, or a hub id
+    with a built-in config or in the local cache).
+    """
+    from llmtrain.memory.estimate import estimate
+    from llmtrain.memory.params import load_model_shape
+    from llmtrain.memory.spec import spec_from_recipe
+
+    shape = load_model_shape(recipe.model.name_or_path)
+    return estimate(shape, spec_from_recipe(recipe, strategy=strategy, num_gpus=num_processes))

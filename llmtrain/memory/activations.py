@@ -1,0 +1,193 @@
+"""Bytes that a Llama/Mistral forward keeps for backward, as transformers and peft run it.
+
+Every function here is plain arithmetic on a `Pass` (the shapes and dtypes of one micro-batch), so
+each can be checked by hand. The per-layer terms were read off transformers' LlamaDecoderLayer and
+peft's lora.Linear, and they equal the bytes autograd actually saves on a tiny model (tests run the
+real modules on the CPU and sum the saved tensors).
+
+Notation used in the comments: T tokens in the micro-batch (b rows of s), H hidden, I intermediate,
+Hq = heads*head_dim, Hkv = kv_heads*head_dim, V vocab; `resid` is the byte width of the residual
+stream (the embeddings' dtype), `cd` the compute dtype (2 under bf16/fp16 autocast).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+from llmtrain.memory.params import ModelShape
+
+Attn = Literal["sdpa", "eager", "flash_attention_2"]
+FP32 = 4
+# CUDA's native_dropout keeps a bool mask; the CPU kernel keeps a noise tensor in the input dtype.
+CUDA_DROPOUT_MASK_BYTES = 1
+
+
+@dataclass(frozen=True)
+class Pass:
+    """One micro-batch through the model, as seen by each process."""
+
+    rows: int  # b: rows in the batch (1 when packed)
+    row_len: int  # s: tokens per row (micro_batch * seq_len when packed)
+    resid: int  # bytes per element of the residual stream
+    cd: int  # bytes per element of the matmul inputs (compute dtype)
+    autocast: bool  # mixed precision is on (torch.autocast around the forward)
+    attn: Attn
+    mask: bool  # a 4-D attention mask is passed (padding, packing, or a sliding window shorter than s)
+    trainable_base: bool  # full fine-tune: the base weights have gradients
+    # Autocast casts the stream to the compute dtype once per linear that reads it (it caches casts of
+    # weights, never of activations): true when the stream's dtype is not the compute dtype.
+    separate_casts: bool = False
+    lora_dropout: float = 0.0
+    dropout_mask_bytes: int = CUDA_DROPOUT_MASK_BYTES
+
+    @property
+    def tokens(self) -> int:
+        return self.rows * self.row_len
+
+
+def norm_bytes(p: Pass, hidden: int, *, trainable: bool) -> int:
+    """RMSNorm: the fp32 input for pow/mul (x itself when the stream is fp32), rsqrt (T x 1 fp32), and
+    the normalised input in the stream dtype for the weight's gradient when the weight trains."""
+    return p.tokens * hidden * (FP32 + (p.resid if trainable else 0)) + p.tokens * FP32
+
+
+def kv_width(p: Pass, shape: ModelShape) -> int:
+    """K/V heads as attention saves them: repeated to all heads by eager, and by SDPA when a mask is
+    passed (transformers only uses SDPA's enable_gqa without a mask)."""
+    repeated = p.attn == "eager" or (p.attn == "sdpa" and p.mask)
+    return (shape.heads if repeated else shape.kv_heads) * shape.head_dim
+
+
+def attention_bytes(p: Pass, shape: ModelShape, *, o_trainable: bool) -> int:
+    """Saved by the attention core: q, k, v after RoPE (cast to cd), plus per kernel:
+    eager: fp32 softmax output and its cd copy (b*heads*s*s each), and the transposed output for o_proj;
+    sdpa/flash: the output (o_proj reads the same tensor) and logsumexp (b*heads*s fp32);
+    sdpa with a mask: the boolean mask converted to a cd bias, per layer."""
+    T, hq = p.tokens, shape.heads * shape.head_dim
+    qkv = T * (hq + 2 * kv_width(p, shape)) * p.cd
+    scores = p.rows * shape.heads * p.row_len * p.row_len
+    if p.attn == "eager":
+        probs = scores * (FP32 + (p.cd if p.cd != FP32 else 0))
+        return qkv + probs + (T * hq * p.cd if o_trainable else 0)
+    lse = p.rows * shape.heads * p.row_len * FP32
+    bias = p.rows * p.row_len * p.row_len * p.cd if (p.attn == "sdpa" and p.mask) else 0
+    return qkv + T * hq * p.cd + lse + bias
+
+
+def mlp_bytes(p: Pass, shape: ModelShape, *, down_trainable: bool) -> int:
+    """SwiGLU: gate output (silu input), silu output, up output, and their product when down_proj trains."""
+    return p.tokens * shape.intermediate * p.cd * (4 if down_trainable else 3)
+
+
+def linear_input_bytes(p: Pass, fan_in: int, readers: int) -> int:
+    """Inputs kept for the weight gradients of trained linears: one tensor shared by the `readers`
+    linears reading it, or one cast copy each when autocast casts an fp32 stream."""
+    copies = readers if p.separate_casts else min(readers, 1)
+    return copies * p.tokens * fan_in * p.cd
+
+
+def lora_bytes(p: Pass, fan_in: int, r: int) -> int:
+    """peft lora.Linear: x -> dropout -> A -> B. Saved: the dropout mask, A's input (a cast copy under
+    autocast, the fp32 dropout output otherwise), and A's output (T x r)."""
+    width = p.cd if p.autocast else FP32
+    mask = p.tokens * fan_in * p.dropout_mask_bytes if p.lora_dropout > 0 else 0
+    return mask + p.tokens * (fan_in + r) * width
+
+
+def layer_bytes(p: Pass, shape: ModelShape, adapted: dict[str, tuple[int, int]], r: int) -> int:
+    """Everything one decoder layer saves for backward (gradient checkpointing off)."""
+    full, H = p.trainable_base, shape.hidden
+    total = 2 * norm_bytes(p, H, trainable=full)
+    total += attention_bytes(p, shape, o_trainable=full) + mlp_bytes(p, shape, down_trainable=full)
+    if full:
+        # q,k,v read one input and gate,up another; o_proj reads the attention output and down_proj
+        # the SwiGLU product, both already counted.
+        total += linear_input_bytes(p, H, 3) + linear_input_bytes(p, H, 2)
+    total += sum(lora_bytes(p, fan_in, r) for fan_in, _ in adapted.values())
+    return total
+
+
+def checkpoint_bytes(p: Pass, shape: ModelShape) -> int:
+    """With gradient checkpointing a layer keeps only its input hidden states (T x H, stream dtype)."""
+    return p.tokens * shape.hidden * p.resid
+
+
+def rope_bytes(p: Pass, shape: ModelShape) -> int:
+    """RoPE cos and sin, b x s x head_dim each in the stream dtype, made once and saved by every layer."""
+    return 2 * p.rows * p.row_len * shape.head_dim * p.resid
+
+
+def head_side_bytes(p: Pass, shape: ModelShape, *, norm_trainable: bool, head_trainable: bool,
+                    head_adapter_r: int = 0) -> int:
+    """Saved after the last layer: the final norm, and the LM head's input when it trains (or its adapter's)."""
+    head_in = p.tokens * shape.hidden * p.cd if head_trainable else 0
+    head_lora = lora_bytes(p, shape.hidden, head_adapter_r) if head_adapter_r else 0
+    return norm_bytes(p, shape.hidden, trainable=norm_trainable) + head_in + head_lora
+
+
+def outside_layers_bytes(p: Pass, shape: ModelShape, *, embed_trainable: bool, head_trainable: bool,
+                         norm_trainable: bool, head_adapter_r: int = 0) -> int:
+    """Saved outside the decoder layers: token ids for the embedding gradient (int64), RoPE, and the head side."""
+    ids = p.tokens * 8 if embed_trainable else 0
+    return ids + rope_bytes(p, shape) + head_side_bytes(p, shape, norm_trainable=norm_trainable,
+                                                        head_trainable=head_trainable, head_adapter_r=head_adapter_r)
+
+
+def mask_bytes(p: Pass) -> int:
+    """The 4-D mask transformers builds once per forward: bool for SDPA, a stream-dtype additive mask
+    for eager (always built); flash-attention needs none."""
+    if p.attn == "eager":
+        return p.rows * p.row_len * p.row_len * p.resid
+    return p.rows * p.row_len * p.row_len if (p.attn == "sdpa" and p.mask) else 0
+
+
+def layer_forward_temp(p: Pass, shape: ModelShape) -> int:
+    """Short-lived tensors inside one layer's forward: eager's cd scores and their fp32 softmax input;
+    otherwise the fp32 RoPE outputs of q and k before they are cast."""
+    if p.attn == "eager":
+        return p.rows * shape.heads * p.row_len * p.row_len * (p.cd + FP32)
+    return p.tokens * (shape.heads + shape.kv_heads) * shape.head_dim * FP32
+
+
+def layer_backward_temp(p: Pass, shape: ModelShape) -> int:
+    """Gradient tensors alive while one layer runs backward: the larger of the MLP's (three T x I) and
+    attention's (eager: fp32 grads of probs and scores, 8 bytes per score; sdpa/flash: dq, dk, dv, the
+    output gradient and the kernel's fp32 dq accumulator)."""
+    T = p.tokens
+    mlp = 3 * T * shape.intermediate * p.cd
+    hq = shape.heads * shape.head_dim
+    if p.attn == "eager":
+        attn = p.rows * shape.heads * p.row_len * p.row_len * 2 * FP32
+    else:
+        attn = T * (hq * (2 * p.cd + FP32) + 2 * kv_width(p, shape) * p.cd)
+    return max(mlp, attn)
+
+
+# --------------------------------------------------------------------------- logits and the loss
+
+
+def logits_forward_bytes(p: Pass, vocab: int) -> int:
+    """Peak while the loss is computed, T*V elements: under autocast the cd logits are copied to fp32
+    by Accelerate (cd + 4), then the fp32 logits and the saved log-softmax coexist (8). Without
+    autocast, `logits.float()` in the loop is a no-op for fp32 logits (8) and a copy for bf16 ones (2+4+4)."""
+    tv = p.tokens * vocab
+    if p.autocast:
+        return tv * max(p.cd + FP32, 2 * FP32)
+    return tv * (2 * FP32 + (p.cd if p.cd != FP32 else 0))
+
+
+def logits_saved_bytes(p: Pass, vocab: int) -> int:
+    """Kept from the end of the forward to the start of backward: the fp32 log-softmax."""
+    return p.tokens * vocab * FP32
+
+
+def logits_backward_bytes(p: Pass, vocab: int) -> int:
+    """First backward op: the saved log-softmax, NLL's dense gradient and log-softmax's input gradient,
+    all fp32 T x V: 12 bytes per logit. (This is the loss's peak.)"""
+    return p.tokens * vocab * 3 * FP32
+
+
+def logits_grad_bytes(p: Pass, vocab: int) -> int:
+    """The logits' gradient in the compute dtype, entering lm_head's backward."""
+    return p.tokens * vocab * p.cd

@@ -1,0 +1,137 @@
+"""`llmtrain estimate-memory`: the per-GPU peak of a recipe's run (or a model's), and `--fit`.
+
+Only typer and the standard library are imported at module level, so `llmtrain --help` stays fast.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Annotated, Literal, Optional
+
+import typer
+
+from llmtrain.errors import LLMTrainError
+
+# Options that describe the training run, and the recipe key that sets each in a recipe.
+RUN_OPTIONS = {
+    "method": "a lora section (e.g. lora.r=16)", "lora_r": "lora.r", "micro_batch": "train.micro_batch_size",
+    "grad_accum": "train.grad_accum_steps", "seq_len": "data.max_seq_len", "packing": "data.packing",
+    "grad_checkpointing": "model.gradient_checkpointing", "dtype": "model.dtype",
+    "mixed_precision": "train.mixed_precision", "attn": "model.attn_implementation",
+}
+
+
+def estimate_memory(
+    recipe: Annotated[Optional[Path], typer.Argument(help="YAML recipe to estimate (or use --model).")] = None,
+    overrides: Annotated[Optional[list[str]], typer.Argument(help="Dotted recipe overrides, as for finetune.")] = None,
+    model: Annotated[Optional[str], typer.Option(
+        "--model", help="Estimate from a model's config.json alone: a directory, a config.json, a preset "
+        "(llama-2-7b, llama-3-8b, mistral-7b) or a hub id.")] = None,
+    method: Annotated[Optional[Literal["full", "lora"]], typer.Option(help="Full fine-tune or LoRA.")] = None,
+    lora_r: Annotated[Optional[int], typer.Option(help="LoRA rank (all linear layers but the LM head).")] = None,
+    strategy: Annotated[Optional[Literal["single", "ddp", "fsdp"]], typer.Option(
+        help="single GPU, DDP (whole model per GPU) or FSDP (sharded).")] = None,
+    num_gpus: Annotated[Optional[int], typer.Option(help="GPUs per node.")] = None,
+    num_nodes: Annotated[Optional[int], typer.Option(help="Nodes.")] = None,
+    micro_batch: Annotated[Optional[int], typer.Option(help="Examples per forward pass on each GPU.")] = None,
+    grad_accum: Annotated[Optional[int], typer.Option(help="Micro-batches per optimizer step.")] = None,
+    seq_len: Annotated[Optional[int], typer.Option(help="Tokens per example (data.max_seq_len).")] = None,
+    packing: Annotated[Optional[bool], typer.Option("--packing/--no-packing", help="Pack a micro-batch into one row.")] = None,
+    grad_checkpointing: Annotated[Optional[bool], typer.Option(
+        "--grad-checkpointing/--no-grad-checkpointing", help="Recompute layer activations in backward.")] = None,
+    dtype: Annotated[Optional[Literal["float32", "bfloat16", "float16"]], typer.Option(
+        help="Storage dtype of the weights.")] = None,
+    mixed_precision: Annotated[Optional[Literal["no", "bf16", "fp16"]], typer.Option(help="Autocast precision.")] = None,
+    attn: Annotated[Optional[Literal["sdpa", "eager", "flash_attention_2"]], typer.Option(
+        help="Attention implementation.")] = None,
+    optimizer: Annotated[Literal["adamw", "adamw-8bit", "sgd"], typer.Option(help="Optimizer.")] = "adamw",
+    cpu_offload: Annotated[bool, typer.Option(help="FSDP offload of weights, gradients and optimizer state.")] = False,
+    accelerate_config: Annotated[Optional[Path], typer.Option(
+        help="Read strategy and GPU counts from an accelerate launch config; explicit options win.")] = None,
+    gpu_memory: Annotated[float, typer.Option(help="Memory of one GPU in GiB.")] = 80.0,
+    as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object instead of a table.")] = False,
+    fit: Annotated[bool, typer.Option("--fit", help="Search strategy, checkpointing and micro-batch for the "
+                                      "fastest configuration that fits.")] = False,
+) -> None:
+    """Estimate per-GPU peak memory of a fine-tuning run, without weights or a GPU."""
+    from llmtrain.memory import fit as fitting
+    from llmtrain.memory.estimate import estimate
+    from llmtrain.memory.spec import TrainSpec
+
+    run = {k: v for k, v in dict(method=method, lora_r=lora_r, micro_batch=micro_batch, grad_accum=grad_accum,
+                                 seq_len=seq_len, packing=packing, grad_checkpointing=grad_checkpointing,
+                                 dtype=dtype, mixed_precision=mixed_precision, attn=attn).items() if v is not None}
+    layout, launch_mp = _layout(accelerate_config, strategy=strategy, num_gpus=num_gpus, num_nodes=num_nodes,
+                     cpu_offload=cpu_offload, fit=fit)
+    launch = dict(optimizer=optimizer, gpu_memory_gib=gpu_memory, **layout)
+    if (recipe is None) == (model is None):
+        raise LLMTrainError("give either a RECIPE.yaml or --model PATH_OR_ID (not both, not neither).")
+    global_batch = None
+    if recipe is not None:
+        from llmtrain.config import load_recipe
+        from llmtrain.memory.params import load_model_shape
+        from llmtrain.memory.spec import spec_from_recipe
+
+        given = [f"--{k.replace('_', '-')} (set {RUN_OPTIONS[k]})" for k in run]
+        if given:
+            raise LLMTrainError("with a recipe, the run is set by the recipe and key=value overrides: "
+                                + ", ".join(given) + ".")
+        r = load_recipe(recipe, overrides)
+        shape = load_model_shape(r.model.name_or_path)
+        spec = spec_from_recipe(r, **launch)
+        global_batch = r.train.micro_batch_size * r.train.grad_accum_steps * spec.world
+        target = f"{recipe} {' '.join(overrides or [])}".strip()
+    else:
+        from llmtrain.memory.params import load_model_shape
+
+        if overrides:
+            raise LLMTrainError(f"key=value overrides need a recipe; with --model use options (got {overrides[0]}).")
+        shape = load_model_shape(model)
+        spec = TrainSpec(**run, **launch)
+        target = None
+    est = estimate(shape, spec)
+    result = fitting.fit(shape, spec, global_batch=global_batch) if fit else None
+    advice = fitting.recommendation(shape, est, global_batch=global_batch)
+    if as_json:
+        out = est.to_dict()
+        out["recommendation"] = advice
+        if result is not None:
+            out["fit"] = _fit_dict(result)
+        typer.echo(json.dumps(out, indent=1))
+        return
+    from llmtrain.memory.render import render_estimate, render_fit
+
+    render_estimate(est, advice, launch_mp=launch_mp)
+    if result is not None:
+        render_fit(result, target=target)
+
+
+def _layout(path: Path | None, *, strategy, num_gpus, num_nodes, cpu_offload: bool, fit: bool) -> tuple[dict, str | None]:
+    """Strategy and GPU counts (explicit options, else the accelerate config, else one GPU), and the
+    launch config's mixed_precision."""
+    from llmtrain.memory.launch import read_accelerate_config
+
+    base = read_accelerate_config(path) if path else None
+    gpus = num_gpus or (base.num_gpus if base else 1)
+    nodes = num_nodes or (base.num_nodes if base else 1)
+    chosen = strategy or (base.strategy if base else None)
+    if chosen is None:
+        if gpus * nodes > 1 and not fit:
+            raise LLMTrainError(f"{gpus * nodes} GPUs: say how they are used with --strategy ddp or --strategy fsdp "
+                                "(or --accelerate-config FILE, or --fit to search).")
+        chosen = "single" if gpus * nodes == 1 else "ddp"
+    offload = cpu_offload or (base.cpu_offload if base else False)
+    layout = dict(strategy=chosen, num_gpus=gpus, num_nodes=nodes, cpu_offload=offload)
+    return layout, base.mixed_precision if base else None
+
+
+def _fit_dict(result) -> dict:
+    return {
+        "found": result.best is not None, "overrides": list(result.overrides),
+        "accelerate_config": result.accelerate_config, "launch_flags": list(result.launch_flags), "note": result.note,
+        "best": result.best.estimate.to_dict() if result.best else None,
+        "candidates": [{"strategy": c.spec.strategy, "grad_checkpointing": c.spec.grad_checkpointing,
+                        "micro_batch": c.spec.micro_batch, "per_gpu_peak_bytes": c.estimate.per_gpu_peak_bytes,
+                        "relative_throughput": round(c.score, 4)} for c in result.candidates],
+    }

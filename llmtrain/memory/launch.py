@@ -1,0 +1,68 @@
+"""Accelerate launch configs: read the layout one describes, and name the shipped one for a layout."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from llmtrain.errors import LLMTrainError
+from llmtrain.memory.spec import Strategy
+
+STRATEGIES = {"NO": "single", "MULTI_GPU": "ddp", "FSDP": "fsdp"}
+# The shipped configs in accelerate_configs/ and the (num_processes, num_machines) each sets.
+SHIPPED = {
+    "single": ("accelerate_configs/single_gpu.yaml", 1, 1),
+    "ddp": ("accelerate_configs/ddp.yaml", 8, 1),
+    "fsdp": ("accelerate_configs/fsdp.yaml", 8, 1),
+    "fsdp_multinode": ("accelerate_configs/fsdp_multinode.yaml", 16, 2),
+}
+
+
+@dataclass(frozen=True)
+class Layout:
+    strategy: Strategy
+    num_gpus: int  # per node
+    num_nodes: int
+    cpu_offload: bool
+    mixed_precision: str | None  # the launch config's; llmtrain runs with the recipe's
+
+
+def read_accelerate_config(path: Path) -> Layout:
+    """Strategy and GPU layout from an `accelerate launch --config_file` YAML."""
+    import yaml
+
+    if not path.is_file():
+        raise LLMTrainError(f"accelerate config '{path}' does not exist (see accelerate_configs/ for the shipped ones).")
+    try:
+        cfg = yaml.safe_load(path.read_text()) or {}
+    except yaml.YAMLError as e:
+        raise LLMTrainError(f"accelerate config '{path}' is not valid YAML: {e}") from None
+    if not isinstance(cfg, dict):
+        raise LLMTrainError(f"accelerate config '{path}' must be a mapping (distributed_type, num_processes, ...).")
+    kind = str(cfg.get("distributed_type", "NO"))
+    if kind not in STRATEGIES:
+        raise LLMTrainError(f"accelerate config '{path}': distributed_type {kind} is not modelled; "
+                            f"estimate-memory knows {', '.join(STRATEGIES)}.")
+    if cfg.get("use_cpu"):
+        raise LLMTrainError(f"accelerate config '{path}' runs on the CPU (use_cpu: true): there is no GPU memory "
+                            "to estimate.")
+    procs, machines = int(cfg.get("num_processes", 1) or 1), int(cfg.get("num_machines", 1) or 1)
+    if procs % machines:
+        raise LLMTrainError(f"accelerate config '{path}': num_processes {procs} is not a multiple of "
+                            f"num_machines {machines}.")
+    strategy = STRATEGIES[kind] if procs > 1 or kind == "FSDP" else "single"
+    offload = bool((cfg.get("fsdp_config") or {}).get("fsdp_offload_params", False))
+    mp = cfg.get("mixed_precision")
+    return Layout(strategy, procs // machines, machines, offload and strategy == "fsdp", None if mp is None else str(mp))
+
+
+def shipped_config(strategy: Strategy, *, num_gpus: int, num_nodes: int) -> tuple[str, tuple[str, ...]]:
+    """The shipped config for a layout, and the `accelerate launch` flags that adapt its process counts."""
+    key = "fsdp_multinode" if (strategy == "fsdp" and num_nodes > 1) else strategy
+    path, procs, machines = SHIPPED[key]
+    flags: list[str] = []
+    if num_gpus * num_nodes != procs:
+        flags += ["--num_processes", str(num_gpus * num_nodes)]
+    if num_nodes != machines:
+        flags += ["--num_machines", str(num_nodes)]
+    return path, tuple(flags)

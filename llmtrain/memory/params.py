@@ -1,0 +1,221 @@
+"""The model side of the estimate: read a config.json, count parameters exactly, and count LoRA's.
+
+Counts come from the real architecture built on the meta device (no memory, no weights), so tied
+embeddings, the LM head and grouped-query attention are counted as transformers builds them. The
+few shapes the activation formulas need are read off the same meta model.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+from llmtrain.errors import LLMTrainError
+
+SUPPORTED_TYPES = ("llama", "mistral")
+
+_LLAMA_COMMON = {"hidden_act": "silu", "rms_norm_eps": 1e-5, "tie_word_embeddings": False, "bos_token_id": 1,
+                 "eos_token_id": 2}
+# Built-in configs (as in the models' config.json), so the well-known models work offline.
+PRESETS: dict[str, dict] = {
+    "llama-2-7b": {**_LLAMA_COMMON, "model_type": "llama", "hidden_size": 4096, "intermediate_size": 11008,
+                   "num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 32,
+                   "vocab_size": 32000, "max_position_embeddings": 4096, "rope_theta": 10000.0},
+    "llama-3-8b": {**_LLAMA_COMMON, "model_type": "llama", "hidden_size": 4096, "intermediate_size": 14336,
+                   "num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 8,
+                   "vocab_size": 128256, "max_position_embeddings": 8192, "rope_theta": 500000.0,
+                   "bos_token_id": 128000, "eos_token_id": 128001},
+    "mistral-7b": {**_LLAMA_COMMON, "model_type": "mistral", "hidden_size": 4096, "intermediate_size": 14336,
+                   "num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 8,
+                   "vocab_size": 32768, "max_position_embeddings": 32768, "rope_theta": 1000000.0,
+                   "sliding_window": None},
+}
+# Hub ids whose config.json is exactly a preset's (for the shapes that matter here), so the shipped
+# recipes can be estimated without network access.
+HUB_ALIASES = {
+    "meta-llama/Llama-2-7b-hf": "llama-2-7b", "meta-llama/Llama-2-7b-chat-hf": "llama-2-7b",
+    "meta-llama/Meta-Llama-3-8B": "llama-3-8b", "meta-llama/Meta-Llama-3-8B-Instruct": "llama-3-8b",
+    "mistralai/Mistral-7B-v0.3": "mistral-7b", "mistralai/Mistral-7B-Instruct-v0.3": "mistral-7b",
+}
+
+
+@dataclass(frozen=True)
+class Linear:
+    """One linear layer of a decoder layer, e.g. name='self_attn.q_proj'."""
+
+    name: str
+    fan_in: int
+    fan_out: int
+    bias: bool
+
+    @property
+    def numel(self) -> int:
+        return self.fan_in * self.fan_out + (self.fan_out if self.bias else 0)
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """What the estimator needs to know about a model; counts are exact (meta-device model)."""
+
+    source: str  # what was asked for: a path, a preset or a hub id, and where its config came from
+    model_type: str
+    vocab: int
+    hidden: int
+    intermediate: int
+    layers: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    tied: bool
+    sliding_window: int | None
+    layer_linears: tuple[Linear, ...]
+    params_per_layer: int
+    params_embed: int
+    params_head: int  # 0 when the LM head is tied to the embeddings
+    params_final_norm: int
+
+    @property
+    def params_total(self) -> int:
+        return self.params_embed + self.params_head + self.params_final_norm + self.layers * self.params_per_layer
+
+    @property
+    def linear_params_per_layer(self) -> int:
+        return sum(lin.numel for lin in self.layer_linears)
+
+
+@dataclass(frozen=True)
+class LoraPlan:
+    """Where LoRA adapters go: adapted[i] maps linear name -> (fan_in, fan_out) in decoder layer i."""
+
+    r: int
+    adapted: tuple[dict[str, tuple[int, int]], ...]
+    adapted_head: bool  # an adapter on lm_head (only when targeted by name)
+    saved_copies: tuple[str, ...]  # modules_to_save: trained in full as a copy beside the frozen original
+
+    def adapter_params(self, shape: ModelShape) -> int:
+        per_layers = sum(self.r * (i + o) for layer in self.adapted for i, o in layer.values())
+        return per_layers + (self.r * (shape.hidden + shape.vocab) if self.adapted_head else 0)
+
+    def copy_params(self, shape: ModelShape) -> int:
+        return sum(shape.hidden * shape.vocab for _ in self.saved_copies)
+
+    def trainable(self, shape: ModelShape) -> int:
+        return self.adapter_params(shape) + self.copy_params(shape)
+
+
+def _matches(full_name: str, targets: str | tuple[str, ...]) -> bool:
+    """peft's rule: a list matches a module whose name ends in '.<target>'; a string is a full regex."""
+    if isinstance(targets, str):
+        return re.fullmatch(targets, full_name) is not None
+    return any(full_name == t or full_name.endswith("." + t) for t in targets)
+
+
+def lora_plan(shape: ModelShape, *, r: int, targets: str | tuple[str, ...] = "all-linear",
+              modules_to_save: tuple[str, ...] = ()) -> LoraPlan:
+    """Which linears get adapters, as peft decides; 'all-linear' is every linear but the LM head."""
+    adapted = []
+    for i in range(shape.layers):
+        names = {lin.name: (lin.fan_in, lin.fan_out) for lin in shape.layer_linears
+                 if targets == "all-linear" or _matches(f"model.layers.{i}.{lin.name}", targets)}
+        adapted.append(names)
+    head = targets != "all-linear" and _matches("lm_head", targets)
+    if not head and not any(adapted):
+        raise LLMTrainError(f"lora.target_modules {targets!r} matches no linear layer of this model; "
+                            f"its decoder layers have {', '.join(lin.name for lin in shape.layer_linears)}.")
+    unknown = [m for m in modules_to_save if m not in ("lm_head", "embed_tokens")]
+    if unknown:
+        raise LLMTrainError(f"estimate-memory handles lora.modules_to_save of lm_head and embed_tokens only "
+                            f"(got {unknown}).")
+    return LoraPlan(r=r, adapted=tuple(adapted), adapted_head=head, saved_copies=tuple(modules_to_save))
+
+
+# --------------------------------------------------------------------------- reading a config
+
+
+def _looks_like_path(name: str) -> bool:
+    return name.startswith(("/", ".", "~")) or name.count("/") > 1 or name.endswith(".json")
+
+
+def read_config(name_or_path: str) -> tuple[dict, str]:
+    """The config.json dict and where it came from: a local dir/file, a preset, or the hub (or its cache)."""
+    path = Path(name_or_path).expanduser()
+    if path.is_dir():
+        path = path / "config.json"
+    if path.is_file():
+        try:
+            return json.loads(path.read_text()), str(path)
+        except (OSError, ValueError) as e:
+            raise LLMTrainError(f"'{path}' is not a readable config.json: {e}.") from None
+    key = name_or_path.lower()
+    if key in PRESETS:
+        return dict(PRESETS[key]), f"built-in preset {key}"
+    if name_or_path in HUB_ALIASES:
+        return dict(PRESETS[HUB_ALIASES[name_or_path]]), f"built-in config of {name_or_path}"
+    hint = (f"Give a directory with config.json, a config.json file, a preset ({', '.join(PRESETS)}) "
+            "or a hub id in the local Hugging Face cache.")
+    if _looks_like_path(name_or_path):
+        raise LLMTrainError(f"no model config at '{name_or_path}': no such directory or file. {hint}")
+    try:
+        from transformers import AutoConfig
+
+        return AutoConfig.from_pretrained(name_or_path).to_dict(), f"hub {name_or_path}"
+    except (OSError, ValueError) as e:
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise LLMTrainError(f"could not read a model config for '{name_or_path}' ({first}). {hint}") from None
+
+
+@functools.lru_cache(maxsize=32)
+def _shape_from_json(config_json: str, source: str) -> ModelShape:
+    import torch
+    from torch import nn
+    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers.utils import logging as hf_logging
+
+    cfg_dict = json.loads(config_json)
+    model_type = cfg_dict.get("model_type")
+    if model_type not in SUPPORTED_TYPES:
+        raise LLMTrainError(f"estimate-memory models Llama and Mistral decoder layers; {source} has "
+                            f"model_type {model_type!r}.")
+    kwargs = {k: v for k, v in cfg_dict.items() if k not in ("model_type", "architectures", "transformers_version")}
+    verbosity = hf_logging.get_verbosity()
+    hf_logging.set_verbosity_error()
+    try:
+        config = AutoConfig.for_model(model_type, **kwargs)
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(config)
+    except (TypeError, ValueError) as e:
+        raise LLMTrainError(f"the config from {source} does not build a model: {e}") from None
+    finally:
+        hf_logging.set_verbosity(verbosity)
+    layers = model.model.layers
+    layer0 = layers[0]
+    linears = tuple(Linear(n, m.in_features, m.out_features, m.bias is not None)
+                    for n, m in layer0.named_modules() if isinstance(m, nn.Linear))
+    per_layer = sum(p.numel() for p in layer0.parameters())
+    embed, head = model.get_input_embeddings().weight, model.get_output_embeddings().weight
+    tied = head is embed
+    heads = config.num_attention_heads
+    shape = ModelShape(
+        source=source, model_type=model_type, vocab=embed.shape[0], hidden=embed.shape[1],
+        intermediate=config.intermediate_size, layers=len(layers), heads=heads,
+        kv_heads=getattr(config, "num_key_value_heads", None) or heads,
+        head_dim=layer0.self_attn.q_proj.out_features // heads, tied=tied,
+        sliding_window=getattr(config, "sliding_window", None), layer_linears=linears,
+        params_per_layer=per_layer, params_embed=embed.numel(), params_head=0 if tied else head.numel(),
+        params_final_norm=sum(p.numel() for p in model.model.norm.parameters()),
+    )
+    total = sum(p.numel() for p in model.parameters())
+    uniform = all(sum(p.numel() for p in layer.parameters()) == per_layer for layer in layers)
+    if total != shape.params_total or not uniform:  # a layout the per-layer formulas would get wrong
+        raise LLMTrainError(f"{source}: unexpected parameter layout ({total:,} parameters counted, "
+                            f"{shape.params_total:,} from embeddings + layers + head).")
+    return shape
+
+
+def load_model_shape(name_or_path: str) -> ModelShape:
+    """Read a model's config (path, preset or hub id) and count it exactly on the meta device."""
+    cfg, source = read_config(name_or_path)
+    return _shape_from_json(json.dumps(cfg, sort_keys=True, default=str), f"{name_or_path} ({source})")

@@ -1,0 +1,157 @@
+"""The run being estimated (`TrainSpec`) and the answer (`Estimate`).
+
+TrainSpec's defaults are the recipe schema's, so `--model` without options estimates what a recipe
+with only `model.name_or_path` set would run.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field, replace
+from typing import Literal
+
+from llmtrain.config import DataConfig, LoraConfig, ModelConfig, Recipe, TrainConfig
+from llmtrain.errors import LLMTrainError
+
+Method = Literal["full", "lora"]
+Strategy = Literal["single", "ddp", "fsdp"]
+Dtype = Literal["float32", "bfloat16", "float16"]
+Precision = Literal["no", "bf16", "fp16"]
+Optimizer = Literal["adamw", "adamw-8bit", "sgd"]
+Attn = Literal["sdpa", "eager", "flash_attention_2"]
+
+GIB = 1024**3
+MIB = 1024**2
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+PRECISION_DTYPE = {"bf16": "bfloat16", "fp16": "float16"}
+# Every component a breakdown reports, in display order; the first six are always present.
+COMPONENTS = ("weights", "gradients", "optimizer", "activations", "logits", "overhead",
+              "autocast_copies", "ddp_buckets", "fsdp_buffers", "temporaries")
+
+
+def _default(section, name: str):
+    return section.model_fields[name].default
+
+
+def _targets(value) -> str | tuple[str, ...]:
+    return value if isinstance(value, str) else tuple(value)
+
+
+@dataclass(frozen=True)
+class TrainSpec:
+    """Everything the estimate depends on besides the model. Per-process values (micro_batch is per GPU)."""
+
+    method: Method = "full"
+    lora_r: int = _default(LoraConfig, "r")
+    lora_targets: str | tuple[str, ...] = _targets(_default(LoraConfig, "target_modules"))
+    lora_dropout: float = _default(LoraConfig, "dropout")
+    lora_modules_to_save: tuple[str, ...] = ()
+    dtype: Dtype = _default(ModelConfig, "dtype")  # storage dtype of the weights
+    mixed_precision: Precision = _default(TrainConfig, "mixed_precision")
+    attn: Attn = _default(ModelConfig, "attn_implementation")
+    grad_checkpointing: bool = _default(ModelConfig, "gradient_checkpointing")
+    random_init: bool = _default(ModelConfig, "random_init")  # weights made on the GPU: none read on the host
+    micro_batch: int = _default(TrainConfig, "micro_batch_size")
+    grad_accum: int = _default(TrainConfig, "grad_accum_steps")
+    seq_len: int = _default(DataConfig, "max_seq_len")
+    packing: bool = _default(DataConfig, "packing")
+    eval_micro_batch: int | None = None  # None: no evaluation during training
+    optimizer: Optimizer = "adamw"
+    strategy: Strategy = "single"
+    num_gpus: int = 1  # per node
+    num_nodes: int = 1
+    cpu_offload: bool = False  # FSDP's offload_params: sharded weights, grads and optimizer state on the host
+    gpu_memory_gib: float = 80.0
+
+    @property
+    def world(self) -> int:
+        return self.num_gpus * self.num_nodes
+
+    def but(self, **changes) -> TrainSpec:
+        return replace(self, **changes)
+
+    def validate(self) -> TrainSpec:
+        problems = []
+        for name in ("micro_batch", "grad_accum", "num_gpus", "num_nodes", "lora_r"):
+            if getattr(self, name) < 1:
+                problems.append(f"{name} must be at least 1 (got {getattr(self, name)})")
+        if self.seq_len < 2:
+            problems.append(f"seq_len must be at least 2 (got {self.seq_len})")
+        if self.gpu_memory_gib <= 0:
+            problems.append(f"gpu memory must be positive (got {self.gpu_memory_gib} GiB)")
+        if self.strategy == "single" and self.world > 1:
+            problems.append(f"strategy single runs one process, but {self.world} GPUs were given: use ddp or fsdp")
+        if self.strategy == "ddp" and self.world < 2:
+            problems.append("strategy ddp needs at least 2 GPUs (--num-gpus / --num-nodes)")
+        if self.cpu_offload and self.strategy != "fsdp":
+            problems.append("cpu offload is FSDP's (fsdp_offload_params): use strategy fsdp")
+        if problems:
+            raise LLMTrainError("cannot estimate this run: " + "; ".join(problems) + ".")
+        return self
+
+
+def spec_from_recipe(recipe: Recipe, *, strategy: Strategy = "single", num_gpus: int = 1, num_nodes: int = 1,
+                     **launch) -> TrainSpec:
+    """The run a recipe describes, on the given GPUs (launch: optimizer, cpu_offload, gpu_memory_gib)."""
+    m, d, t, lora = recipe.model, recipe.data, recipe.train, recipe.lora
+    evaluates = d.eval_split is not None and t.eval_every_steps is not None
+    return TrainSpec(
+        method="lora" if lora else "full",
+        lora_r=lora.r if lora else _default(LoraConfig, "r"),
+        lora_targets=_targets(lora.target_modules) if lora else "all-linear",
+        lora_dropout=lora.dropout if lora else 0.0,
+        lora_modules_to_save=tuple(lora.modules_to_save or ()) if lora else (),
+        dtype=m.dtype, mixed_precision=t.mixed_precision, attn=m.attn_implementation,
+        grad_checkpointing=m.gradient_checkpointing, random_init=m.random_init,
+        micro_batch=t.micro_batch_size, grad_accum=t.grad_accum_steps, seq_len=d.max_seq_len, packing=d.packing,
+        eval_micro_batch=(t.eval_batch_size or t.micro_batch_size) if evaluates else None,
+        strategy=strategy, num_gpus=num_gpus, num_nodes=num_nodes, **launch,
+    )
+
+
+@dataclass(frozen=True)
+class Estimate:
+    """Per-GPU memory of one training process. All sizes are bytes.
+
+    per_gpu_peak_allocated_bytes is comparable with torch.cuda.max_memory_allocated(),
+    per_gpu_peak_reserved_bytes with max_memory_reserved(), and per_gpu_peak_bytes (reserved plus the
+    CUDA context and NCCL buffers, which PyTorch's allocator does not see) with what nvidia-smi shows
+    and with the card's memory.
+    """
+
+    model: str
+    spec: TrainSpec
+    params_total: int
+    params_trainable: int
+    per_gpu_peak_allocated_bytes: int
+    per_gpu_peak_reserved_bytes: int
+    per_gpu_peak_bytes: int
+    peak_phase: str
+    breakdown: dict[str, int]  # components at the peak phase, overhead included; sums to per_gpu_peak_bytes
+    phases: dict[str, int]  # allocated bytes at each phase of a step
+    host_ram_bytes: int  # per node, while loading (plus offloaded state)
+    notes: tuple[str, ...] = field(default=())
+
+    @property
+    def gpu_memory_bytes(self) -> int:
+        return int(self.spec.gpu_memory_gib * GIB)
+
+    @property
+    def fits(self) -> bool:
+        return self.per_gpu_peak_bytes <= self.gpu_memory_bytes
+
+    @property
+    def headroom_bytes(self) -> int:
+        return self.gpu_memory_bytes - self.per_gpu_peak_bytes
+
+    def to_dict(self) -> dict:
+        spec = asdict(self.spec)
+        spec["world_size"] = self.spec.world
+        return {
+            "model": self.model, "params_total": self.params_total, "params_trainable": self.params_trainable,
+            "per_gpu_peak_bytes": self.per_gpu_peak_bytes,
+            "per_gpu_peak_allocated_bytes": self.per_gpu_peak_allocated_bytes,
+            "per_gpu_peak_reserved_bytes": self.per_gpu_peak_reserved_bytes,
+            "gpu_memory_bytes": self.gpu_memory_bytes, "fits": self.fits, "peak_phase": self.peak_phase,
+            "breakdown": dict(self.breakdown), "phases": dict(self.phases), "host_ram_bytes": self.host_ram_bytes,
+            "spec": spec, "notes": list(self.notes),
+        }
