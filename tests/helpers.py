@@ -1,0 +1,89 @@
+"""Shared helpers for the training tests: tiny recipes written into tmp_path, runs, and their outputs.
+
+Every recipe here trains the tiny Llama from the `tiny_assets` fixture in fp32 with eager attention
+(exact, order-stable kernels), a few steps, short sequences and no progress bar, and writes its run
+and its tokenisation cache under tmp_path.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import yaml
+
+REPO = Path(__file__).resolve().parents[1]
+LLMTRAIN = [sys.executable, "-m", "llmtrain"]
+# One thread per process: faster for a model this small, and two DDP workers do not fight over 2 cores.
+ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
+
+
+def write_recipe(tiny: Path, tmp: Path, *, name: str = "recipe.yaml", **sections: dict) -> Path:
+    """A tiny full fine-tune recipe; `sections` update it section by section (lora={"r": 4}, ...).
+
+    The tokenisation cache is shared by the session (it sits beside the tiny assets, under pytest's
+    temporary folder), so only the first run of each data layout tokenises.
+    """
+    recipe = {
+        "model": {"name_or_path": str(tiny / "model"), "dtype": "float32", "attn_implementation": "eager"},
+        "data": {"path": str(tiny / "data" / "train.jsonl"), "format": "prompt_completion", "max_seq_len": 32,
+                 "cache_dir": str(tiny.parent / "data-cache")},
+        "train": {"max_steps": 4, "micro_batch_size": 4, "grad_accum_steps": 1, "lr": 1e-3, "warmup_steps": 0,
+                  "schedule": "cosine", "seed": 7},
+        "checkpoint": {"save_final": True},
+        "logging": {"progress": False},
+        "output_dir": str(tmp / "run"),
+    }
+    for section, values in sections.items():
+        if isinstance(values, dict) and isinstance(recipe.get(section), dict):
+            recipe[section].update(values)
+        else:
+            recipe[section] = values
+    path = tmp / name
+    path.write_text(yaml.safe_dump(recipe, sort_keys=False))
+    return path
+
+
+def run_train(recipe: Path, *overrides: str, resume: str | None = None, overwrite: bool = False) -> dict:
+    """Train in this process, exactly as `llmtrain finetune RECIPE OVERRIDES...` does; returns the summary."""
+    from llmtrain.config import load_recipe
+    from llmtrain.train import train
+
+    return train(load_recipe(recipe, list(overrides)), resume=resume, overwrite=overwrite)
+
+
+def cli(*args: str, check: bool = True, timeout: float = 600, **kwargs) -> subprocess.CompletedProcess:
+    """`python -m llmtrain ARGS...` in a subprocess, text output captured."""
+    proc = subprocess.run([*LLMTRAIN, *args], env=ENV, cwd=REPO, capture_output=True, text=True, timeout=timeout,
+                          **kwargs)
+    if check and proc.returncode != 0:
+        raise AssertionError(f"llmtrain {' '.join(args)} exited {proc.returncode}:\n{proc.stdout[-3000:]}\n"
+                             f"{proc.stderr[-3000:]}")
+    return proc
+
+
+def records(run: Path, kind: str = "train") -> list[dict]:
+    """The metrics.jsonl lines of one type ('train' or 'eval')."""
+    lines = (run / "metrics.jsonl").read_text().splitlines()
+    return [r for r in map(json.loads, lines) if r["type"] == kind]
+
+
+def losses(run: Path) -> list[float]:
+    return [r["loss"] for r in records(run)]
+
+
+def load_weights(path: Path) -> dict:
+    """Tensors of a safetensors file, or of `<folder>/model.safetensors`."""
+    from safetensors.torch import load_file
+
+    path = Path(path)
+    return load_file(str(path / "model.safetensors" if path.is_dir() else path))
+
+
+def max_abs_diff(a: dict, b: dict) -> float:
+    """Largest elementwise difference between two state dicts with the same keys."""
+    assert a.keys() == b.keys(), sorted(set(a) ^ set(b))[:5]
+    return max((a[k].float() - b[k].float()).abs().max().item() for k in a)

@@ -1,0 +1,181 @@
+"""The training loop on the tiny task: exact loss normalisation, packing, determinism, learning, metrics, LoRA.
+
+Every run is the real `llmtrain.train.train` on the tiny Llama (fp32, eager attention, no dropout), in
+this process, for a handful of steps.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+import torch
+
+from helpers import load_weights, losses, max_abs_diff, records, run_train, write_recipe
+
+
+@pytest.fixture
+def recipe(tiny_assets, tmp_path):
+    return write_recipe(tiny_assets, tmp_path)
+
+
+def test_tiny_model_has_no_dropout(tiny_assets):
+    """The exactness tests below compare runs whose RNG use differs; they rely on a dropout-free model."""
+    config = json.loads((tiny_assets / "model" / "config.json").read_text())
+    assert config.get("attention_dropout", 0.0) == 0.0
+
+
+def test_accumulation_equals_a_larger_micro_batch(recipe, tmp_path):
+    """8 examples per step as 8 x 1 or as 1 x 8 accumulated: the loss is normalised over the whole window's
+    trained tokens, so every step's loss and the final weights agree."""
+    run_train(recipe, f"output_dir={tmp_path / 'mb8'}", "train.micro_batch_size=8", "train.max_steps=5")
+    run_train(recipe, f"output_dir={tmp_path / 'acc8'}", "train.micro_batch_size=1", "train.grad_accum_steps=8",
+              "train.max_steps=5")
+    big, accumulated = records(tmp_path / "mb8"), records(tmp_path / "acc8")
+    assert [r["step"] for r in big] == [r["step"] for r in accumulated] == [1, 2, 3, 4, 5]
+    assert [r["loss"] for r in accumulated] == pytest.approx([r["loss"] for r in big], abs=1e-5)
+    # The same examples each step: the same token counts, and the same gradient before clipping.
+    assert [r["trained_tokens"] for r in accumulated] == [r["trained_tokens"] for r in big]
+    assert [r["grad_norm"] for r in accumulated] == pytest.approx([r["grad_norm"] for r in big], rel=1e-4)
+    assert max_abs_diff(load_weights(tmp_path / "mb8" / "final"), load_weights(tmp_path / "acc8" / "final")) < 1e-5
+
+
+@pytest.mark.parametrize("attn", ["eager", "sdpa"])
+def test_packing_gives_the_same_losses(recipe, tmp_path, attn):
+    """Packed rows restart position ids per example, so no example attends to another: the losses equal
+    the padded run's step for step."""
+    common = ["train.micro_batch_size=6", "train.max_steps=5", f"model.attn_implementation={attn}"]
+    run_train(recipe, f"output_dir={tmp_path / 'padded'}", *common)
+    run_train(recipe, f"output_dir={tmp_path / 'packed'}", "data.packing=true", *common)
+    padded, packed = records(tmp_path / "padded"), records(tmp_path / "packed")
+    assert [r["loss"] for r in packed] == pytest.approx([r["loss"] for r in padded], abs=1e-5)
+    assert [r["trained_tokens"] for r in packed] == [r["trained_tokens"] for r in padded]
+    # Padding-free: the packed run processes exactly the real tokens the padded run's attention mask counts.
+    assert [r["tokens"] for r in packed] == [r["tokens"] for r in padded]
+    if attn == "eager":
+        assert max_abs_diff(load_weights(tmp_path / "padded" / "final"),
+                            load_weights(tmp_path / "packed" / "final")) < 1e-5
+
+
+def test_two_identical_runs_are_bit_identical(recipe, tmp_path):
+    run_train(recipe, f"output_dir={tmp_path / 'a'}", "train.max_steps=5")
+    run_train(recipe, f"output_dir={tmp_path / 'b'}", "train.max_steps=5")
+    assert losses(tmp_path / "a") == losses(tmp_path / "b")
+    a, b = load_weights(tmp_path / "a" / "final"), load_weights(tmp_path / "b" / "final")
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_seed_changes_the_run(recipe, tmp_path):
+    """The converse of determinism: the seed really drives the data order."""
+    run_train(recipe, f"output_dir={tmp_path / 'a'}", "train.max_steps=3", "train.seed=1")
+    run_train(recipe, f"output_dir={tmp_path / 'b'}", "train.max_steps=3", "train.seed=2")
+    assert losses(tmp_path / "a")[1:] != losses(tmp_path / "b")[1:]
+
+
+def test_loss_decreases_on_the_tiny_task(tiny_assets, tmp_path):
+    recipe = write_recipe(tiny_assets, tmp_path, train={
+        "max_steps": 30, "micro_batch_size": 16, "lr": 3e-3, "warmup_steps": 3, "eval_every_steps": 15,
+        "eval_batch_size": 64}, data={"eval_split": str(tiny_assets / "data" / "eval.jsonl")})
+    summary = run_train(recipe)
+    train_losses = losses(tmp_path / "run")
+    assert len(train_losses) == 30 and all(math.isfinite(x) for x in train_losses)
+    first, last = sum(train_losses[:3]) / 3, sum(train_losses[-5:]) / 5
+    assert last < first - 1.0, (first, last)  # from ~ln(vocab) = 4.6 at init
+    evals = records(tmp_path / "run", "eval")
+    assert [e["step"] for e in evals] == [15, 30]
+    assert evals[1]["eval_loss"] < evals[0]["eval_loss"]
+    assert summary["steps"] == 30 and summary["final_loss"] == train_losses[-1]
+
+
+def test_metrics_jsonl_and_summary(tiny_assets, tmp_path):
+    recipe = write_recipe(tiny_assets, tmp_path, train={
+        "max_steps": 5, "micro_batch_size": 4, "lr": 1e-3, "warmup_steps": 2, "schedule": "linear",
+        "eval_every_steps": 2, "eval_batch_size": 16}, data={"eval_split": 0.02})
+    summary = run_train(recipe)
+    run = tmp_path / "run"
+    lines = [json.loads(ln) for ln in (run / "metrics.jsonl").read_text().splitlines()]
+    assert {r["type"] for r in lines} == {"train", "eval"}
+    train = records(run)
+    assert [r["step"] for r in train] == [1, 2, 3, 4, 5]  # one line per optimizer step
+    for r in train:
+        for key in ("step", "loss", "lr", "grad_norm", "tokens", "tokens_per_s"):
+            assert key in r, key
+        assert math.isfinite(r["loss"]) and r["loss"] > 0
+        assert r["grad_norm"] > 0 and math.isfinite(r["grad_norm"])
+        assert isinstance(r["tokens"], int) and 0 < r["trained_tokens"] < r["tokens"]
+        assert r["tokens_per_s"] > 0
+    # The lr of each update: linear warmup over 2 steps, then linear decay to 0 at step 5.
+    assert [r["lr"] for r in train] == pytest.approx([5e-4, 1e-3, 1e-3, 2e-3 / 3, 1e-3 / 3])
+    assert [r["tokens_seen"] for r in train] == [sum(t["tokens"] for t in train[: i + 1]) for i in range(5)]
+
+    # Evaluated every 2 steps and at the last step.
+    evals = records(run, "eval")
+    assert [e["step"] for e in evals] == [2, 4, 5]
+    for e in evals:
+        assert e["eval_ppl"] == pytest.approx(math.exp(e["eval_loss"]))
+        assert 0 <= e["eval_token_accuracy"] <= 1 and 0 <= e["eval_exact_match"] <= 1
+    # Eval lines come right after the train line of their step.
+    order = [(r["type"], r["step"]) for r in lines]
+    assert order.index(("eval", 2)) == order.index(("train", 2)) + 1
+
+    on_disk = json.loads((run / "summary.json").read_text())
+    assert on_disk["steps"] == summary["steps"] == 5
+    assert on_disk["final_loss"] == train[-1]["loss"]
+    assert on_disk["tokens_seen"] == train[-1]["tokens_seen"]
+    assert on_disk["params_trainable"] == on_disk["params_total"] > 0  # full fine-tune
+    # eval_split=0.02 of the 5000 training examples is held out.
+    assert on_disk["data"]["train"]["examples"] + on_disk["data"]["eval"]["examples"] == 5000
+    assert on_disk["data"]["eval"]["examples"] == 100
+
+
+def test_lora_trains_only_the_adapter(tiny_assets, tmp_path, monkeypatch):
+    """Capture the model at export time: every base weight equals the original checkpoint bit for bit,
+    every LoRA B matrix (zero at init) has moved."""
+    import llmtrain.train as train_mod
+
+    captured = {}
+    real_save_final = train_mod.save_final
+
+    def spy(accelerator, model, tokenizer, path):
+        sd = accelerator.unwrap_model(model).state_dict()
+        captured.update({k: v.detach().clone() for k, v in sd.items()})
+        real_save_final(accelerator, model, tokenizer, path)
+
+    monkeypatch.setattr(train_mod, "save_final", spy)
+    recipe = write_recipe(tiny_assets, tmp_path, lora={"r": 4, "alpha": 8, "dropout": 0.0},
+                          train={"max_steps": 4, "lr": 1e-2})
+    summary = run_train(recipe)
+    assert 0 < summary["params_trainable"] < summary["params_total"] / 5
+
+    original = load_weights(tiny_assets / "model")
+    lora = {k: v for k, v in captured.items() if "lora_" in k}
+    base = {k.removeprefix("base_model.model.").replace(".base_layer", ""): v
+            for k, v in captured.items() if "lora_" not in k}
+    assert base.keys() == original.keys()
+    assert all(torch.equal(base[k], original[k]) for k in original), "a frozen base weight changed"
+    b_matrices = [v for k, v in lora.items() if "lora_B" in k]
+    assert b_matrices and all(v.abs().max() > 0 for v in b_matrices), "a LoRA B matrix never moved"
+    assert losses(tmp_path / "run")[-1] < losses(tmp_path / "run")[0]
+
+
+def test_messages_and_alpaca_formats_train(tiny_assets, tmp_path):
+    """The same examples as chat messages and as alpaca records: both train (LoRA), and both put loss
+    on exactly the reply (the reversed word + EOS), so their per-step trained token counts agree."""
+    data = tiny_assets / "data"
+    common = ["train.max_steps=12", "train.micro_batch_size=8", "train.lr=1e-2", "lora.r=8", "lora.dropout=0.0"]
+    runs = {}
+    for fmt, path, seq in [("messages", "train_messages.jsonl", 32), ("alpaca", "train_alpaca.jsonl", 256),
+                           ("prompt_completion", "train.jsonl", 32)]:
+        recipe = write_recipe(tiny_assets, tmp_path, name=f"{fmt}.yaml",
+                              data={"path": str(data / path), "format": fmt, "max_seq_len": seq})
+        run_train(recipe, f"output_dir={tmp_path / fmt}", *common)
+        runs[fmt] = records(tmp_path / fmt)
+    for fmt in ("messages", "alpaca"):
+        steps = runs[fmt]
+        assert len(steps) == 12 and all(math.isfinite(r["loss"]) for r in steps)
+        assert sum(r["loss"] for r in steps[-3:]) / 3 < steps[0]["loss"] - 0.3, fmt
+    assert [r["trained_tokens"] for r in runs["messages"]] == [r["trained_tokens"] for r in runs["alpaca"]]
+    # prompt_completion also trains the space before the word: one more token per example.
+    assert [r["trained_tokens"] + 8 for r in runs["messages"]] == [r["trained_tokens"] for r in
+                                                                   runs["prompt_completion"]]
