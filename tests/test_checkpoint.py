@@ -1,0 +1,158 @@
+"""Resumable checkpoints: exact resume (full and LoRA), layout, retention, atomicity, and refusals."""
+
+from __future__ import annotations
+
+import re
+import shutil
+
+import pytest
+import yaml
+
+from helpers import load_weights, losses, max_abs_diff, records, run_train, write_recipe
+from llmtrain.config import load_recipe
+from llmtrain.errors import LLMTrainError
+
+STEP_DIR = re.compile(r"step_\d{6}")
+
+
+def _step_dirs(run):
+    return sorted(p.name for p in (run / "checkpoints").iterdir())
+
+
+def _preempt_after_step_4(run):
+    """What a job killed right after its step-4 save leaves behind."""
+    shutil.rmtree(run / "checkpoints" / "step_000008")
+    shutil.rmtree(run / "final")
+    (run / "summary.json").unlink()
+
+
+@pytest.mark.parametrize("kind", ["full", "lora"])
+def test_resume_is_exact(tiny_assets, tmp_path, kind):
+    """8 steps straight == 8 steps of which the last 4 ran after a resume from the step-4 checkpoint.
+    The LoRA case has dropout on, so it also proves the RNG state is restored."""
+    extra = {"lora": {"r": 4, "alpha": 8, "dropout": 0.2}} if kind == "lora" else {}
+    recipe = write_recipe(tiny_assets, tmp_path, train={"max_steps": 8, "lr": 3e-3, "warmup_steps": 2},
+                          checkpoint={"every_steps": 4, "keep_last": 2}, **extra)
+    straight, resumed = tmp_path / "straight", tmp_path / "resumed"
+    run_train(recipe, f"output_dir={straight}")
+    run_train(recipe, f"output_dir={resumed}")
+    _preempt_after_step_4(resumed)
+    run_train(recipe, f"output_dir={resumed}", resume="auto")
+
+    steps = records(resumed)
+    assert [r["step"] for r in steps] == list(range(1, 9))  # steps 5-8 once each, not twice
+    assert losses(resumed) == pytest.approx(losses(straight), abs=1e-6)
+    assert [r["lr"] for r in steps] == pytest.approx([r["lr"] for r in records(straight)])  # scheduler restored
+    assert [r["tokens_seen"] for r in steps] == [r["tokens_seen"] for r in records(straight)]
+    assert max_abs_diff(load_weights(resumed / "final" / weights_file(kind)),
+                        load_weights(straight / "final" / weights_file(kind))) < 1e-6
+    assert _step_dirs(resumed) == ["step_000004", "step_000008"]
+    if kind == "lora":
+        # Resume checkpoints of a LoRA run hold the adapter only, never the frozen base.
+        for step in ("step_000004", "step_000008"):
+            keys = load_weights(resumed / "checkpoints" / step).keys()
+            assert keys and all("lora_" in k for k in keys)
+
+
+def weights_file(kind: str) -> str:
+    return "adapter_model.safetensors" if kind == "lora" else "model.safetensors"
+
+
+def test_resume_from_an_explicit_path(tiny_assets, tmp_path):
+    """--resume PATH continues from that checkpoint (here an older one), and equals the straight run."""
+    recipe = write_recipe(tiny_assets, tmp_path, train={"max_steps": 6}, checkpoint={"every_steps": 2, "keep_last": 3})
+    straight, resumed = tmp_path / "straight", tmp_path / "resumed"
+    run_train(recipe, f"output_dir={straight}")
+    run_train(recipe, f"output_dir={resumed}")
+    run_train(recipe, f"output_dir={resumed}", resume=str(resumed / "checkpoints" / "step_000002"))
+    assert [r["step"] for r in records(resumed)] == [1, 2, 3, 4, 5, 6]
+    assert losses(resumed) == pytest.approx(losses(straight), abs=1e-6)
+    assert max_abs_diff(load_weights(resumed / "final"), load_weights(straight / "final")) < 1e-6
+
+
+def test_checkpoint_layout_and_retention(tiny_assets, tmp_path):
+    recipe = write_recipe(tiny_assets, tmp_path, train={"max_steps": 8},
+                          checkpoint={"every_steps": 2, "keep_last": 2})
+    run = tmp_path / "run"
+    run_train(recipe)
+    names = _step_dirs(run)
+    assert names == ["step_000006", "step_000008"]  # the 2 newest, zero padded to 6 digits
+    assert all(STEP_DIR.fullmatch(n) for n in names)
+    train = {r["step"]: r for r in records(run)}
+    resolved = load_recipe(recipe)
+    for name in names:
+        ckpt = run / "checkpoints" / name
+        state = yaml.safe_load((ckpt / "train_state.json").read_text())  # JSON is YAML
+        step = int(name.removeprefix("step_"))
+        assert state["step"] == step and state["epoch"] == 0
+        assert state["tokens_seen"] == train[step]["tokens_seen"]
+        assert (ckpt / "model.safetensors").is_file()
+        # The recipe that wrote it, resolved: it loads and equals the run's recipe.
+        assert load_recipe(ckpt / "recipe.yaml") == resolved
+    assert load_recipe(run / "recipe.yaml") == resolved
+
+
+def test_incomplete_tmp_checkpoint_is_never_resumed_and_is_cleaned(tiny_assets, tmp_path, capsys):
+    recipe = write_recipe(tiny_assets, tmp_path, train={"max_steps": 4}, checkpoint={"every_steps": 2, "keep_last": 5})
+    run = tmp_path / "run"
+    run_train(recipe)
+    # A save of step 6 that was killed before its rename: it even has a train_state.json.
+    tmp = run / "checkpoints" / ".tmp-step_000006"
+    shutil.copytree(run / "checkpoints" / "step_000004", tmp)
+    (tmp / "train_state.json").write_text((tmp / "train_state.json").read_text().replace('"step": 4', '"step": 6'))
+    (tmp / "model.safetensors").write_bytes(b"truncated")
+    capsys.readouterr()
+    run_train(recipe, "train.max_steps=6", resume="auto")
+    assert f"resumed from {run / 'checkpoints' / 'step_000004'} at step 4" in capsys.readouterr().out
+    assert not tmp.exists()
+    assert [r["step"] for r in records(run)] == [1, 2, 3, 4, 5, 6]
+    assert _step_dirs(run) == ["step_000002", "step_000004", "step_000006"]
+    assert yaml.safe_load((run / "checkpoints" / "step_000006" / "train_state.json").read_text())["step"] == 6
+
+
+def test_resume_auto_without_checkpoint_starts_from_zero(tiny_assets, tmp_path):
+    """--resume auto on an empty output_dir (a job's first start under a requeue script) just trains."""
+    recipe = write_recipe(tiny_assets, tmp_path, train={"max_steps": 2})
+    run_train(recipe, resume="auto")
+    assert [r["step"] for r in records(tmp_path / "run")] == [1, 2]
+
+
+def _snapshot(folder):
+    return {p.relative_to(folder): (p.stat().st_mtime_ns, p.read_bytes()) for p in folder.rglob("*") if p.is_file()}
+
+
+def test_existing_output_dir_is_refused_and_untouched(tiny_assets, tmp_path):
+    recipe = write_recipe(tiny_assets, tmp_path, train={"max_steps": 2}, checkpoint={"every_steps": 2})
+    run = tmp_path / "run"
+    run_train(recipe)
+    before = _snapshot(run)
+    with pytest.raises(LLMTrainError, match="already exists.*--resume auto.*--overwrite"):
+        run_train(recipe, "train.max_steps=3")
+    assert _snapshot(run) == before
+
+
+def test_overwrite_starts_again(tiny_assets, tmp_path):
+    recipe = write_recipe(tiny_assets, tmp_path, train={"max_steps": 4}, checkpoint={"every_steps": 2})
+    run = tmp_path / "run"
+    run_train(recipe)
+    run_train(recipe, "train.max_steps=2", "checkpoint.every_steps=1", overwrite=True)
+    assert [r["step"] for r in records(run)] == [1, 2]
+    assert _step_dirs(run) == ["step_000001", "step_000002"]  # the old step_000004 is gone
+
+
+def test_resume_from_a_non_checkpoint_is_a_clear_error(tiny_assets, tmp_path):
+    recipe = write_recipe(tiny_assets, tmp_path, train={"max_steps": 2})
+    not_a_checkpoint = tmp_path / "somewhere"
+    not_a_checkpoint.mkdir()
+    with pytest.raises(LLMTrainError, match=r"is not a complete checkpoint \(no train_state.json\)"):
+        run_train(recipe, resume=str(not_a_checkpoint))
+    with pytest.raises(LLMTrainError, match="is not a complete checkpoint"):
+        run_train(recipe, resume=str(tmp_path / "missing"))
+    assert not (tmp_path / "run").exists()  # refused before anything was written
+
+
+def test_resume_with_a_different_batch_layout_is_refused(tiny_assets, tmp_path):
+    recipe = write_recipe(tiny_assets, tmp_path, train={"max_steps": 4}, checkpoint={"every_steps": 2})
+    run_train(recipe)
+    with pytest.raises(LLMTrainError, match="micro_batch_size x processes = 4"):
+        run_train(recipe, "train.max_steps=6", "train.micro_batch_size=2", resume="auto")
