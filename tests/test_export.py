@@ -1,0 +1,111 @@
+"""What a run exports to final/: loadable with the standard Hugging Face APIs and equal to what was trained."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from helpers import cli, load_weights, run_train, write_recipe
+from llmtrain.errors import LLMTrainError
+from llmtrain.export import export_merged
+
+TEXT = ["reverse abcde = edcba", "reverse qwer = rewq"]
+
+
+def _load(path, **kwargs):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(str(path), attn_implementation="eager", **kwargs).eval()
+
+
+@torch.no_grad()
+def _logits(model, tokenizer) -> torch.Tensor:
+    batch = tokenizer(TEXT, return_tensors="pt", padding=True)
+    return model(**batch).logits
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tiny_assets):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(tiny_assets / "model"))
+
+
+@pytest.fixture(scope="module")
+def full_run(tiny_assets, tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("export-full")
+    run_train(write_recipe(tiny_assets, tmp, train={"max_steps": 4, "lr": 3e-3}, checkpoint={"every_steps": 4}))
+    return tmp / "run"
+
+
+@pytest.fixture(scope="module")
+def lora_run(tiny_assets, tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("export-lora")
+    run_train(write_recipe(tiny_assets, tmp, train={"max_steps": 4, "lr": 1e-2}, checkpoint={"every_steps": 4},
+                           lora={"r": 4, "alpha": 8, "dropout": 0.1}))
+    return tmp / "run"
+
+
+def test_full_final_loads_and_equals_the_trained_model(full_run, tiny_assets, tokenizer):
+    final = full_run / "final"
+    assert (final / "config.json").is_file() and (final / "model.safetensors").is_file()
+    exported = _load(final)
+    # The trained weights as the step-4 (= last) resume checkpoint holds them, in the base architecture.
+    trained = _load(tiny_assets / "model")
+    trained.load_state_dict(load_weights(full_run / "checkpoints" / "step_000004"), strict=True)
+    logits = _logits(exported, tokenizer)
+    assert torch.equal(logits, _logits(trained, tokenizer))
+    # ...and they are not the untrained model's.
+    assert (logits - _logits(_load(tiny_assets / "model"), tokenizer)).abs().max() > 1e-3
+
+
+def test_final_holds_the_tokenizer(full_run, lora_run, tokenizer):
+    from transformers import AutoTokenizer
+
+    for run in (full_run, lora_run):
+        saved = AutoTokenizer.from_pretrained(str(run / "final"))
+        assert saved(TEXT)["input_ids"] == tokenizer(TEXT)["input_ids"]
+        assert (saved.bos_token, saved.eos_token, saved.pad_token) == (tokenizer.bos_token, tokenizer.eos_token,
+                                                                       tokenizer.pad_token)
+        chat = [{"role": "user", "content": "reverse abc"}, {"role": "assistant", "content": "cba"}]
+        assert saved.apply_chat_template(chat, tokenize=False) == tokenizer.apply_chat_template(chat, tokenize=False)
+
+
+def test_lora_final_is_an_adapter_equal_to_its_merged_export(lora_run, tiny_assets, tokenizer):
+    from peft import PeftModel
+
+    final = lora_run / "final"
+    assert (final / "adapter_config.json").is_file() and (final / "adapter_model.safetensors").is_file()
+    assert not (final / "model.safetensors").exists()  # never the 7B base again
+    # The exported adapter is the last checkpoint's adapter (PEFT drops the adapter name from the keys).
+    adapter = load_weights(final / "adapter_model.safetensors")
+    ckpt = {k.replace(".default", ""): v for k, v in load_weights(lora_run / "checkpoints" / "step_000004").items()}
+    assert adapter.keys() == ckpt.keys() and all(torch.equal(adapter[k], ckpt[k]) for k in adapter)
+
+    peft_model = PeftModel.from_pretrained(_load(tiny_assets / "model"), str(final)).eval()
+    adapted = _logits(peft_model, tokenizer)
+    assert (adapted - _logits(_load(tiny_assets / "model"), tokenizer)).abs().max() > 1e-4  # not a no-op
+
+    out = cli("export", str(lora_run), "--merge").stdout.strip()
+    merged_dir = lora_run / "final-merged"
+    assert out.endswith(str(merged_dir)) and (merged_dir / "model.safetensors").is_file()
+    assert not (merged_dir / "adapter_config.json").exists()
+    merged = _load(merged_dir)
+    assert set(merged.state_dict()) == set(_load(tiny_assets / "model").state_dict())  # a plain Llama
+    torch.testing.assert_close(_logits(merged, tokenizer), adapted, atol=1e-5, rtol=1e-5)
+    # The merged folder is complete: it has the tokenizer too.
+    from transformers import AutoTokenizer
+
+    assert AutoTokenizer.from_pretrained(str(merged_dir))(TEXT)["input_ids"] == tokenizer(TEXT)["input_ids"]
+
+
+def test_merge_refuses_full_runs_and_existing_outputs(full_run, lora_run, tmp_path):
+    with pytest.raises(LLMTrainError, match="holds no LoRA adapter"):
+        export_merged(full_run, tmp_path / "merged")
+    assert not (tmp_path / "merged").exists()
+    taken = tmp_path / "taken"
+    taken.mkdir()
+    with pytest.raises(LLMTrainError, match="already exists"):
+        export_merged(lora_run, taken)
+    proc = cli("export", str(lora_run), check=False)
+    assert proc.returncode == 2 and "Nothing to do" in proc.stderr and "Traceback" not in proc.stderr
