@@ -108,6 +108,14 @@ def layer_bytes(p: Pass, shape: ModelShape, adapted: dict[str, tuple[int, int]],
     return total
 
 
+def frozen_input_discount(p: Pass, shape: ModelShape, adapted: dict[str, tuple[int, int]]) -> int:
+    """What the first layer does not save when the embeddings are frozen (LoRA): its input needs no
+    gradient, so the input norm saves nothing and q/k/v adapters keep no dropout mask."""
+    attn_in = [fan_in for name, (fan_in, _) in adapted.items() if name.endswith(("q_proj", "k_proj", "v_proj"))]
+    masks = sum(p.tokens * fan_in * p.dropout_mask_bytes for fan_in in attn_in) if p.lora_dropout > 0 else 0
+    return norm_bytes(p, shape.hidden, trainable=False) + masks
+
+
 def checkpoint_bytes(p: Pass, shape: ModelShape) -> int:
     """With gradient checkpointing a layer keeps only its input hidden states (T x H, stream dtype)."""
     return p.tokens * shape.hidden * p.resid

@@ -116,11 +116,13 @@ def estimate(shape: ModelShape, spec: TrainSpec) -> Estimate:
     amp = p.autocast
     adapted = [plan.adapted[i] if plan else {} for i in range(L)]
     head_trains = full or (plan is not None and "lm_head" in plan.saved_copies)
+    embed_trains = full or (plan is not None and "embed_tokens" in plan.saved_copies)
 
     # -- activations
     saved = [act.layer_bytes(p, shape, adapted[i], spec.lora_r) for i in range(L)]
+    if not embed_trains:  # the first layer's input needs no gradient
+        saved[0] -= act.frozen_input_discount(p, shape, adapted[0])
     kept = [act.checkpoint_bytes(p, shape)] * L if ckpt else saved  # what each layer keeps after forward
-    embed_trains = full or (plan is not None and "embed_tokens" in plan.saved_copies)
     rope_ids = act.rope_bytes(p, shape) + (p.tokens * 8 if embed_trains else 0)
     outside = act.head_side_bytes(p, shape, norm_trainable=full, head_trainable=head_trains,
                                   head_adapter_r=spec.lora_r if plan and plan.adapted_head else 0)
@@ -134,6 +136,10 @@ def estimate(shape: ModelShape, spec: TrainSpec) -> Estimate:
     copies = [base_copies + (n * p.cd if adapter_cast else 0) for n in adapter_params]
     # The autocast cache holds casts of trainable fp32 leaves until the forward returns.
     cached = [(base_copies if full else 0) + (n * p.cd if adapter_cast else 0) for n in adapter_params]
+    if not embed_trains:  # nor does it keep casts of its q/k/v weights (saved for the input's gradient)
+        qkv = [x for x in shape.layer_linears if x.name.endswith(("q_proj", "k_proj", "v_proj"))]
+        copies[0] -= sum(x.numel for x in qkv) * p.cd if p.separate_casts else 0
+        copies[0] -= sum(spec.lora_r * x.fan_in for x in qkv if x.name in adapted[0]) * p.cd if adapter_cast else 0
     head_copies = (V * H * p.cd if p.separate_casts else 0) + (
         spec.lora_r * (H + V) * p.cd if (plan and plan.adapted_head and adapter_cast) else 0)
     copies_fwd = sum(copies) if not ckpt else sum(cached) + copies[-1] - cached[-1]
@@ -208,7 +214,7 @@ def _finish(shape: ModelShape, spec: TrainSpec, plan: LoraPlan | None, st: State
         model=shape.source, spec=spec, params_total=total, params_trainable=trainable,
         per_gpu_peak_allocated_bytes=allocated, per_gpu_peak_reserved_bytes=reserved,
         per_gpu_peak_bytes=allocated + overhead, peak_phase=peak_phase, breakdown=breakdown, phases=totals,
-        host_ram_bytes=host_ram_bytes(shape, spec, st), notes=notes,
+        host_ram_bytes=host_ram_bytes(shape, spec, st), phase_parts=phases, notes=notes,
     )
 
 

@@ -129,6 +129,7 @@ class Estimate:
     breakdown: dict[str, int]  # components at the peak phase, overhead included; sums to per_gpu_peak_bytes
     phases: dict[str, int]  # allocated bytes at each phase of a step
     host_ram_bytes: int  # per node, while loading (plus offloaded state)
+    phase_parts: dict[str, dict[str, int]] = field(default_factory=dict)  # components of every phase
     notes: tuple[str, ...] = field(default=())
 
     @property
@@ -152,6 +153,7 @@ class Estimate:
             "per_gpu_peak_allocated_bytes": self.per_gpu_peak_allocated_bytes,
             "per_gpu_peak_reserved_bytes": self.per_gpu_peak_reserved_bytes,
             "gpu_memory_bytes": self.gpu_memory_bytes, "fits": self.fits, "peak_phase": self.peak_phase,
-            "breakdown": dict(self.breakdown), "phases": dict(self.phases), "host_ram_bytes": self.host_ram_bytes,
+            "breakdown": dict(self.breakdown), "phases": dict(self.phases),
+            "phase_parts": {k: dict(v) for k, v in self.phase_parts.items()}, "host_ram_bytes": self.host_ram_bytes,
             "spec": spec, "notes": list(self.notes),
         }

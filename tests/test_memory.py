@@ -1,0 +1,365 @@
+"""estimate-memory: exact parameter counts, each formula against a hand-worked number, the phase
+model, the fit search, and the command line."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from llmtrain.errors import LLMTrainError
+from llmtrain.memory import activations as act
+from llmtrain.memory import estimate_for_recipe
+from llmtrain.memory.estimate import (ALLOCATOR_SLACK, CUDA_CONTEXT_BYTES, NCCL_BYTES, estimate, optimizer_bytes)
+from llmtrain.memory.fit import MAX_MICRO_BATCH, fit, throughput_score
+from llmtrain.memory.launch import SHIPPED, read_accelerate_config, shipped_config
+from llmtrain.memory.params import load_model_shape, lora_plan
+from llmtrain.memory.spec import GIB, TrainSpec
+
+REPO = Path(__file__).resolve().parents[1]
+MISTRAL_DIR = Path(__file__).resolve().parents[2] / "shared" / "models" / "mistral-7b-instruct-v0.3"
+TINY = dict(hidden_size=64, intermediate_size=160, num_attention_heads=4, num_key_value_heads=2, vocab_size=128,
+            num_hidden_layers=2)
+
+
+def tiny_dir(tmp_path: Path, kind: str = "llama", **changes) -> Path:
+    """A config.json written by transformers itself, for a 2-layer model with GQA (4 heads, 2 KV heads)."""
+    from transformers import LlamaConfig, MistralConfig
+
+    cls = {"llama": LlamaConfig, "mistral": MistralConfig}[kind]
+    out = tmp_path / f"{kind}-{'-'.join(f'{k}{v}' for k, v in changes.items())}"
+    cls(**{**TINY, **changes}).save_pretrained(out)
+    return out
+
+
+def real_model(path: Path):
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(path))
+
+
+# --------------------------------------------------------------------------- parameter counts
+
+
+@pytest.mark.parametrize(("kind", "tied"), [("llama", False), ("llama", True), ("mistral", False), ("mistral", True)])
+def test_param_count_equals_the_instantiated_model(tmp_path, kind, tied):
+    path = tiny_dir(tmp_path, kind, tie_word_embeddings=tied)
+    shape = load_model_shape(str(path))
+    model = real_model(path)
+    assert shape.params_total == sum(p.numel() for p in model.parameters())
+    # By hand: embeddings 128*64 = 8192; a layer: q 64*64 + k 64*32 + v 64*32 + o 64*64 = 12288,
+    # gate/up/down 3*64*160 = 30720, two norms 128 -> 43136; final norm 64; untied head 8192.
+    assert shape.params_per_layer == 43136
+    assert shape.params_total == 8192 + 2 * 43136 + 64 + (0 if tied else 8192)
+    assert (shape.kv_heads, shape.head_dim, shape.tied) == (2, 16, tied)
+
+
+@pytest.mark.parametrize(("targets", "saved"), [("all-linear", ()), (("q_proj", "v_proj"), ()), ("all-linear", ("lm_head",))])
+def test_lora_counts_equal_peft(tmp_path, targets, saved):
+    import peft
+
+    path = tiny_dir(tmp_path)
+    shape = load_model_shape(str(path))
+    plan = lora_plan(shape, r=4, targets=targets, modules_to_save=saved)
+    model = peft.get_peft_model(real_model(path), peft.LoraConfig(
+        r=4, target_modules=list(targets) if isinstance(targets, tuple) else targets,
+        modules_to_save=list(saved) or None, task_type="CAUSAL_LM"))
+    assert plan.trainable(shape) == sum(p.numel() for p in model.parameters() if p.requires_grad)
+    est = estimate(shape, TrainSpec(method="lora", lora_r=4, lora_targets=targets, lora_modules_to_save=saved))
+    assert est.params_total == sum(p.numel() for p in model.parameters())
+    if targets == "all-linear" and not saved:
+        # r*(in+out): q 4*(64+64) + k 4*(64+32) + v 4*(64+32) + o 4*(64+64) + 3 * 4*(64+160) = 4480 a layer
+        assert plan.trainable(shape) == 2 * 4480
+
+
+def test_lora_targets_that_match_nothing_are_an_error(tmp_path):
+    shape = load_model_shape(str(tiny_dir(tmp_path)))
+    with pytest.raises(LLMTrainError, match="matches no linear layer"):
+        lora_plan(shape, r=4, targets=("query_key_value",))
+
+
+@pytest.mark.skipif(not MISTRAL_DIR.exists(), reason=f"{MISTRAL_DIR} is not available")
+def test_real_mistral_config_count():
+    shape = load_model_shape(str(MISTRAL_DIR))
+    assert shape.params_total == 7_248_023_552
+    assert load_model_shape("mistral-7b").params_total == shape.params_total  # the preset is the same model
+
+
+def test_presets_give_the_published_counts():
+    assert load_model_shape("llama-2-7b").params_total == 6_738_415_616
+    assert load_model_shape("llama-3-8b").params_total == 8_030_261_248
+    assert load_model_shape("mistral-7b").params_total == 7_248_023_552
+    # LoRA r=16 on every linear of Mistral-7B: per layer 16*(4096+4096)*2 (q, o) + 16*(4096+1024)*2 (k, v)
+    # + 16*(4096+14336)*3 (gate, up, down) = 1,310,720; 32 layers.
+    shape = load_model_shape("mistral-7b")
+    assert lora_plan(shape, r=16).trainable(shape) == 32 * 1_310_720 == 41_943_040
+
+
+# --------------------------------------------------------------------------- formulas, by hand
+
+
+@pytest.fixture(scope="module")
+def tiny_shape(tmp_path_factory):
+    return load_model_shape(str(tiny_dir(tmp_path_factory.mktemp("tiny"))))
+
+
+def bf16_pass(**kw) -> act.Pass:
+    # b=2 rows of s=8 -> T=16 tokens; fp32 stream, bf16 compute
+    return act.Pass(**{**dict(rows=2, row_len=8, resid=4, cd=2, autocast=True, attn="sdpa", mask=False,
+                              trainable_base=True, separate_casts=True), **kw})
+
+
+def test_norm_attention_mlp_lora_by_hand(tiny_shape):
+    p = bf16_pass()
+    assert act.norm_bytes(p, 64, trainable=True) == 16 * 64 * (4 + 4) + 16 * 4 == 8256
+    assert act.norm_bytes(p, 64, trainable=False) == 16 * 64 * 4 + 16 * 4 == 4160
+    # sdpa, no mask: q 16*64*2 + k,v 2*16*32*2 (GQA kept) + out 16*64*2 + logsumexp 2*4*8*4 = 6400
+    assert act.attention_bytes(p, tiny_shape, o_trainable=True) == 2048 + 2048 + 2048 + 256 == 6400
+    # with a mask: K/V repeated to 4 heads (+2048) and a 2*8*8 bf16 bias (+256)
+    assert act.attention_bytes(bf16_pass(mask=True), tiny_shape, o_trainable=True) == 6400 + 2048 + 256
+    # eager: q,k,v at 4 heads 3*2048, probs 2*4*8*8=512 scores at 4+2 bytes, o_proj's input copy 2048
+    assert act.attention_bytes(bf16_pass(attn="eager"), tiny_shape, o_trainable=True) == 6144 + 3072 + 2048
+    assert act.mlp_bytes(p, tiny_shape, down_trainable=True) == 16 * 160 * 2 * 4 == 20480
+    # separate casts: q,k,v each keep a bf16 copy of their fp32 input; shared without autocast
+    assert act.linear_input_bytes(p, 64, 3) == 3 * 16 * 64 * 2
+    assert act.linear_input_bytes(bf16_pass(separate_casts=False), 64, 3) == 16 * 64 * 2
+    # LoRA on a 64-wide input, r=4, dropout: bool mask 16*64 + A's bf16 input 16*64*2 + A's output 16*4*2
+    assert act.lora_bytes(bf16_pass(lora_dropout=0.05), 64, 4) == 1024 + 2048 + 128 == 3200
+    assert act.checkpoint_bytes(p, tiny_shape) == 16 * 64 * 4
+
+
+def test_logits_and_loss_by_hand():
+    tv = 16 * 128  # T x V
+    p = bf16_pass()
+    assert act.logits_forward_bytes(p, 128) == tv * 8  # fp32 logits + fp32 log-softmax (after a 2+4 copy)
+    assert act.logits_backward_bytes(p, 128) == tv * 12  # log-softmax, NLL grad, log-softmax grad
+    assert act.logits_forward_bytes(bf16_pass(autocast=False, resid=2), 128) == tv * (2 + 4 + 4)
+    assert act.logits_forward_bytes(bf16_pass(autocast=False, cd=4), 128) == tv * 8  # .float() is a no-op
+
+
+def test_optimizer_state_by_hand():
+    spec = TrainSpec()
+    assert optimizer_bytes(spec, trainable=1000, trainable_bytes=4000) == 8000  # two fp32 moments
+    assert optimizer_bytes(spec.but(optimizer="adamw-8bit"), trainable=1000, trainable_bytes=4000) == 2000 + 8 * 4
+    assert optimizer_bytes(spec.but(optimizer="sgd"), trainable=1000, trainable_bytes=4000) == 0
+
+
+# --------------------------------------------------------------------------- the whole estimate
+
+
+@pytest.fixture(scope="module")
+def mistral():
+    return load_model_shape("mistral-7b")
+
+
+def test_full_finetune_states(mistral):
+    P = 7_248_023_552
+    est = estimate(mistral, TrainSpec(mixed_precision="bf16", micro_batch=1, seq_len=512))
+    assert est.breakdown["weights"] == 4 * P and est.breakdown["optimizer"] == 8 * P  # fp32 master + AdamW
+    assert est.phases["optimizer_step"] == 16 * P  # weights + moments + all gradients
+    # bf16 autocast copies of every linear (all but embeddings and norms): held by the autocast cache
+    # until the forward returns; with checkpointing only the LM head's then stays (saved by its matmul).
+    ckpt = estimate(mistral, TrainSpec(mixed_precision="bf16", seq_len=512, grad_checkpointing=True)).phase_parts
+    head = 32768 * 4096
+    assert ckpt["lm_head"]["autocast_copies"] == 2 * (32 * mistral.linear_params_per_layer + head)
+    assert ckpt["loss"]["autocast_copies"] == 2 * head
+    assert est.phase_parts["loss"]["autocast_copies"] == 2 * (32 * mistral.linear_params_per_layer + head)
+    ddp = estimate(mistral, TrainSpec(mixed_precision="bf16", strategy="ddp", num_gpus=8))
+    assert ddp.breakdown["ddp_buckets"] == 4 * P  # a second copy of every gradient
+    fsdp = estimate(mistral, TrainSpec(dtype="bfloat16", mixed_precision="bf16", strategy="fsdp", num_gpus=8))
+    assert fsdp.breakdown["weights"] == 4 * P // 8  # upcast to fp32 master shards
+    assert fsdp.breakdown.get("autocast_copies", 0) == 0  # gathered in bf16 by the FSDP policy
+
+
+def test_lora_states(mistral):
+    P, A = 7_248_023_552, 41_943_040
+    est = estimate(mistral, TrainSpec(method="lora", dtype="bfloat16", mixed_precision="bf16"))
+    assert est.params_trainable == A and est.params_total == P + A
+    assert est.breakdown["weights"] == 2 * P + 4 * A  # frozen bf16 base, fp32 adapters
+    assert est.breakdown["optimizer"] == 8 * A
+    assert est.phases["optimizer_step"] == 2 * P + 4 * A + 8 * A + 4 * A
+
+
+def test_peak_is_the_largest_phase_and_breakdown_adds_up(mistral):
+    spec = TrainSpec(mixed_precision="bf16", strategy="ddp", num_gpus=4, micro_batch=2, seq_len=1024,
+                     eval_micro_batch=4, grad_accum=2)
+    est = estimate(mistral, spec)
+    assert est.per_gpu_peak_allocated_bytes == max(est.phases.values())
+    assert sum(est.breakdown.values()) == est.per_gpu_peak_bytes
+    slack = int(est.per_gpu_peak_allocated_bytes * ALLOCATOR_SLACK)
+    assert est.breakdown["overhead"] == slack + CUDA_CONTEXT_BYTES + NCCL_BYTES
+    assert {"weights", "gradients", "optimizer", "activations", "logits", "overhead"} <= set(est.breakdown)
+
+
+def test_levers_move_memory_the_right_way(mistral):
+    base = TrainSpec(method="lora", dtype="bfloat16", mixed_precision="bf16", micro_batch=4, seq_len=2048)
+    peak = estimate(mistral, base).per_gpu_peak_allocated_bytes
+    assert estimate(mistral, base.but(grad_checkpointing=True)).per_gpu_peak_allocated_bytes < peak
+    assert estimate(mistral, base.but(attn="eager")).per_gpu_peak_allocated_bytes > peak
+    assert estimate(mistral, base.but(micro_batch=8)).per_gpu_peak_allocated_bytes > peak
+    assert estimate(mistral, base.but(attn="flash_attention_2")).per_gpu_peak_allocated_bytes < peak
+    packed = estimate(mistral, base.but(packing=True))
+    assert any("packing" in n for n in packed.notes)
+
+
+def test_host_ram(mistral):
+    P = 7_248_023_552
+    ddp = TrainSpec(method="lora", dtype="bfloat16", strategy="ddp", num_gpus=8)
+    assert estimate(mistral, ddp).host_ram_bytes == 8 * 2 * P  # every process loads the bf16 model
+    fsdp = TrainSpec(mixed_precision="bf16", strategy="fsdp", num_gpus=8, dtype="bfloat16")
+    assert estimate(mistral, fsdp).host_ram_bytes == 4 * P  # rank 0 only, upcast to fp32
+    assert estimate(mistral, ddp.but(random_init=True)).host_ram_bytes == 0
+
+
+def test_invalid_specs_are_user_errors(mistral):
+    for bad in (TrainSpec(strategy="single", num_gpus=2), TrainSpec(strategy="ddp"), TrainSpec(cpu_offload=True),
+                TrainSpec(micro_batch=0)):
+        with pytest.raises(LLMTrainError):
+            estimate(mistral, bad)
+
+
+def test_estimate_for_recipe(tmp_path):
+    path = tiny_dir(tmp_path)
+    recipe = _recipe(tmp_path, path, lora=True)
+    from llmtrain.config import load_recipe
+
+    est = estimate_for_recipe(load_recipe(recipe), num_processes=2, strategy="ddp")
+    assert est.spec.method == "lora" and est.spec.world == 2 and est.spec.seq_len == 64
+    assert est.per_gpu_peak_bytes > 0 and isinstance(est.breakdown, dict)
+    assert "eval_loss" in est.phases  # the recipe evaluates
+
+
+def _recipe(tmp_path: Path, model: Path, *, lora: bool) -> Path:
+    data = {"model": {"name_or_path": str(model), "dtype": "bfloat16"},
+            "data": {"path": "d.jsonl", "format": "text", "max_seq_len": 64, "eval_split": 0.1},
+            "train": {"micro_batch_size": 2, "grad_accum_steps": 4, "mixed_precision": "bf16", "eval_every_steps": 5}}
+    if lora:
+        data["lora"] = {"r": 4}
+    out = tmp_path / "r.yaml"
+    out.write_text(yaml.safe_dump(data))
+    return out
+
+
+# --------------------------------------------------------------------------- fit
+
+
+SCENARIOS = [
+    TrainSpec(method="lora", dtype="bfloat16", mixed_precision="bf16", seq_len=512, gpu_memory_gib=24),
+    TrainSpec(method="lora", dtype="bfloat16", mixed_precision="bf16", seq_len=4096, gpu_memory_gib=24),
+    TrainSpec(mixed_precision="bf16", seq_len=512, num_gpus=8, strategy="fsdp"),
+    TrainSpec(mixed_precision="bf16", seq_len=2048, num_gpus=8, num_nodes=2, strategy="fsdp", gpu_memory_gib=40),
+    TrainSpec(method="lora", dtype="bfloat16", mixed_precision="bf16", seq_len=1024, num_gpus=4, strategy="ddp",
+              gpu_memory_gib=40),
+    TrainSpec(mixed_precision="bf16", seq_len=512, num_gpus=1, cpu_offload=True, strategy="fsdp", gpu_memory_gib=40),
+]
+
+
+@pytest.mark.parametrize("spec", SCENARIOS)
+@pytest.mark.parametrize("model", ["mistral-7b", "llama-2-7b"])
+def test_fit_only_recommends_what_fits(model, spec):
+    shape = load_model_shape(model)
+    result = fit(shape, spec)
+    assert result.best is not None
+    for c in result.candidates:
+        assert c.estimate.fits and c.estimate.per_gpu_peak_bytes <= spec.gpu_memory_gib * GIB
+        again = estimate(shape, c.spec)  # its own estimate, recomputed, agrees
+        assert again.per_gpu_peak_bytes == c.estimate.per_gpu_peak_bytes
+        if c.spec.micro_batch < MAX_MICRO_BATCH:  # and it is the largest micro-batch that fits
+            assert not estimate(shape, c.spec.but(micro_batch=c.spec.micro_batch + 1)).fits
+    assert result.best.score == max(c.score for c in result.candidates)
+    assert f"train.micro_batch_size={result.best.spec.micro_batch}" in result.overrides
+
+
+def test_fit_finds_nothing_rather_than_something_too_big(mistral):
+    result = fit(mistral, TrainSpec(mixed_precision="bf16", seq_len=512))  # full fine-tune on one 80 GiB GPU
+    assert result.best is None and result.candidates == ()
+
+
+def test_fit_keeps_the_global_batch(mistral):
+    spec = TrainSpec(mixed_precision="bf16", seq_len=512, num_gpus=8, strategy="fsdp", grad_checkpointing=True)
+    result = fit(mistral, spec, global_batch=64)
+    s = result.best.spec
+    accum = int(result.overrides[-1].split("=")[1])
+    assert s.micro_batch * accum * 8 == 64
+    assert result.accelerate_config == "accelerate_configs/fsdp.yaml" and result.launch_flags == ()
+
+
+def test_throughput_score_by_hand():
+    s = TrainSpec(micro_batch=2, seq_len=128)  # 256 tokens: half-saturated; full fine-tune: 6 units
+    assert throughput_score(s) == pytest.approx(1 * 0.5 * 1.0 / 6)
+    assert throughput_score(s.but(grad_checkpointing=True)) == pytest.approx(0.5 / 8)
+
+
+def test_shipped_config_table_matches_the_files():
+    for key, (path, procs, machines) in SHIPPED.items():
+        cfg = yaml.safe_load((REPO / path).read_text())
+        assert (cfg["num_processes"], cfg["num_machines"]) == (procs, machines), path
+        layout = read_accelerate_config(REPO / path)
+        assert layout.strategy == key.split("_")[0]
+    assert shipped_config("fsdp", num_gpus=4, num_nodes=1) == ("accelerate_configs/fsdp.yaml", ("--num_processes", "4"))
+    assert shipped_config("fsdp", num_gpus=8, num_nodes=2)[0] == "accelerate_configs/fsdp_multinode.yaml"
+    with pytest.raises(LLMTrainError, match="use_cpu"):
+        read_accelerate_config(REPO / "accelerate_configs" / "cpu_ddp.yaml")
+
+
+# --------------------------------------------------------------------------- command line
+
+
+def run_cli(*args: str):
+    from typer.testing import CliRunner
+
+    from llmtrain.cli import app
+
+    return CliRunner().invoke(app, ["estimate-memory", *args])
+
+
+def test_cli_json_has_the_required_keys():
+    res = run_cli("--model", "mistral-7b", "--method", "lora", "--dtype", "bfloat16", "--mixed-precision", "bf16",
+                  "--micro-batch", "4", "--seq-len", "512", "--json")
+    assert res.exit_code == 0, res.output
+    out = json.loads(res.stdout)
+    for key in ("params_total", "params_trainable", "per_gpu_peak_bytes", "fits", "breakdown", "recommendation"):
+        assert key in out
+    assert isinstance(out["fits"], bool) and out["fits"]
+    assert {"weights", "gradients", "optimizer", "activations", "logits", "overhead"} <= set(out["breakdown"])
+    assert out["params_trainable"] == 41_943_040
+
+
+def test_cli_bad_model_path_is_a_clear_error():
+    res = run_cli("--model", "/no/such/model/dir", "--json")
+    assert res.exit_code == 2
+    assert "no model config at '/no/such/model/dir'" in res.output
+    assert "Traceback" not in res.output
+
+
+def test_cli_recipe_with_overrides_and_accelerate_config(tmp_path):
+    recipe = _recipe(tmp_path, tiny_dir(tmp_path), lora=False)
+    res = run_cli(str(recipe), "train.micro_batch_size=3", "--accelerate-config",
+                  str(REPO / "accelerate_configs" / "fsdp.yaml"), "--json", "--fit")
+    assert res.exit_code == 0, res.output
+    out = json.loads(res.stdout)
+    assert out["spec"]["micro_batch"] == 3 and out["spec"]["strategy"] == "fsdp" and out["spec"]["world_size"] == 8
+    assert out["fit"]["found"] and out["fit"]["best"]["fits"]
+
+
+def test_cli_run_options_with_a_recipe_point_to_the_override(tmp_path):
+    recipe = _recipe(tmp_path, tiny_dir(tmp_path), lora=False)
+    res = run_cli(str(recipe), "--micro-batch", "4")
+    assert res.exit_code == 2 and "train.micro_batch_size" in res.output
+
+
+def test_cli_table_and_fit_output():
+    res = run_cli("--model", "llama-2-7b", "--mixed-precision", "bf16", "--num-gpus", "8", "--fit")
+    assert res.exit_code == 0, res.output
+    assert "total per GPU" in res.output and "overrides: train.micro_batch_size=" in res.output
+    assert "accelerate_configs/" in res.output
+
+
+def test_cli_module_imports_no_torch():
+    code = ("import sys, llmtrain.cli; "
+            "assert not {'torch', 'transformers'} & set(sys.modules), 'torch imported by llmtrain --help'")
+    subprocess.run([sys.executable, "-c", code], check=True, cwd=REPO)
