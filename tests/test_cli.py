@@ -1,0 +1,105 @@
+"""The command line as people run it: subprocesses of the installed `llmtrain` script and `python -m llmtrain`."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from helpers import ENV, LLMTRAIN, REPO, cli, records, write_recipe
+
+SCRIPT = Path(sys.executable).with_name("llmtrain")  # the console script installed beside this Python
+TINY_RECIPE = str(REPO / "recipes" / "tiny.yaml")
+
+
+def _script() -> list[str]:
+    if SCRIPT.is_file():
+        return [str(SCRIPT)]
+    found = shutil.which("llmtrain")
+    if found is None:
+        pytest.skip("the llmtrain console script is not installed (pip install -e .)")
+    return [found]
+
+
+def _run(argv: list[str], **kwargs) -> subprocess.CompletedProcess:
+    return subprocess.run(argv, env=ENV, cwd=REPO, capture_output=True, text=True, timeout=120, **kwargs)
+
+
+@pytest.mark.parametrize("entry", ["script", "module"])
+def test_help(entry):
+    argv = _script() if entry == "script" else LLMTRAIN
+    proc = _run([*argv, "--help"])
+    assert proc.returncode == 0, proc.stderr
+    for command in ("finetune", "export", "inspect-data", "prepare-tiny"):
+        assert command in proc.stdout
+    assert "Traceback" not in proc.stderr
+
+
+def test_command_help():
+    proc = _run([*LLMTRAIN, "finetune", "--help"])
+    assert proc.returncode == 0 and "--resume" in proc.stdout and "--overwrite" in proc.stdout
+
+
+def test_cli_import_is_light():
+    """`llmtrain --help` must not pay for torch/transformers: the CLI module imports neither."""
+    code = ("import sys, llmtrain.cli; "
+            "print(sorted(m for m in ('torch', 'transformers', 'accelerate', 'datasets', 'peft') if m in sys.modules))")
+    proc = _run([sys.executable, "-c", code])
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip() == "[]"
+
+
+def test_unknown_key_suggests_the_right_one():
+    proc = _run([*_script(), "finetune", TINY_RECIPE, "train.learning_rate=1e-4"])
+    assert proc.returncode == 2
+    assert "did you mean train.lr" in proc.stderr
+    assert "Traceback" not in proc.stderr + proc.stdout
+
+
+def test_missing_recipe_is_a_clean_error(tmp_path):
+    missing = tmp_path / "nope.yaml"
+    proc = _run([*_script(), "finetune", str(missing)])
+    assert proc.returncode == 2
+    assert "does not exist" in proc.stderr and "nope.yaml" in proc.stderr
+    assert "Traceback" not in proc.stderr + proc.stdout
+
+
+def test_debug_shows_the_traceback(tmp_path):
+    proc = _run([*_script(), "--debug", "finetune", str(tmp_path / "nope.yaml")])
+    assert proc.returncode != 0
+    assert "Traceback" in proc.stderr and "RecipeError" in proc.stderr
+
+
+def test_bad_override_value_names_the_key():
+    proc = _run([*LLMTRAIN, "finetune", TINY_RECIPE, "train.micro_batch_size=0", "train.lr=fast"])
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr
+    assert "train.micro_batch_size" in proc.stderr and "train.lr" in proc.stderr  # every problem at once
+
+
+@pytest.mark.slow
+def test_finetune_end_to_end(tiny_assets, tmp_path):
+    recipe = write_recipe(tiny_assets, tmp_path, train={"max_steps": 10},
+                          checkpoint={"every_steps": 2, "keep_last": 1})
+    run = tmp_path / "out"
+    proc = cli("finetune", str(recipe), f"output_dir={run}", "train.max_steps=3")
+    assert "done: 3 steps" in proc.stdout
+    assert [r["step"] for r in records(run)] == [1, 2, 3]
+    # The resolved recipe, overrides applied, is saved with the run.
+    saved = yaml.safe_load((run / "recipe.yaml").read_text())
+    assert saved["train"]["max_steps"] == 3 and saved["output_dir"] == str(run)
+    assert (run / "final" / "model.safetensors").is_file() and (run / "final" / "tokenizer.json").is_file()
+    assert json.loads((run / "summary.json").read_text())["steps"] == 3
+    assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["step_000002"]
+
+    # Running it again into the same folder is refused with a hint, exit 2, no traceback.
+    again = cli("finetune", str(recipe), f"output_dir={run}", check=False)
+    assert again.returncode == 2 and "--resume auto" in again.stderr and "Traceback" not in again.stderr
+    # --resume auto continues it from the step-2 checkpoint up to the new max_steps.
+    proc = cli("finetune", str(recipe), f"output_dir={run}", "train.max_steps=4", "--resume", "auto")
+    assert "at step 2" in proc.stdout
+    assert [r["step"] for r in records(run)] == [1, 2, 3, 4]
