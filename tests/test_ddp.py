@@ -1,0 +1,100 @@
+"""DDP on CPU: 2 gloo processes under `accelerate launch` train exactly like 1 process with the same global batch.
+
+2 processes x micro-batch 2 see, step for step, the examples 1 process x micro-batch 4 sees (the data order
+is a function of the global micro-batch), and the loss is normalised over the trained tokens of all
+ranks, so losses and weights must agree to float round-off.
+"""
+
+from __future__ import annotations
+
+import json
+import socket
+import subprocess
+import sys
+
+import pytest
+
+from helpers import ENV, REPO, load_weights, max_abs_diff, records, run_train, write_recipe
+
+pytestmark = pytest.mark.slow
+
+CPU_DDP = REPO / "accelerate_configs" / "cpu_ddp.yaml"
+
+
+def _launch(recipe, port: int, *overrides: str) -> subprocess.CompletedProcess:
+    if CPU_DDP.is_file():
+        how = ["--config_file", str(CPU_DDP)]
+    else:  # the launch config is not there: the same layout from flags
+        how = ["--cpu", "--num_processes", "2", "--num_machines", "1", "--mixed_precision", "no"]
+    proc = subprocess.run(
+        [sys.executable, "-m", "accelerate.commands.launch", *how, "--main_process_port", str(port),
+         "-m", "llmtrain", "finetune", str(recipe), *overrides],
+        env=ENV, cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return proc
+
+
+def _compare(single, ddp) -> None:
+    one, two = records(single), records(ddp)
+    assert [r["step"] for r in two] == [r["step"] for r in one]
+    assert [r["loss"] for r in two] == pytest.approx([r["loss"] for r in one], abs=1e-5)
+    # Trained tokens are summed over both ranks: the same global batch.
+    assert [r["trained_tokens"] for r in two] == [r["trained_tokens"] for r in one]
+    assert max_abs_diff(load_weights(ddp / "final"), load_weights(single / "final")) < 1e-5
+
+
+def test_two_processes_match_one(tiny_assets, tmp_path, free_port):
+    recipe = write_recipe(tiny_assets, tmp_path, train={"max_steps": 4, "micro_batch_size": 2, "grad_accum_steps": 2,
+                                                        "lr": 3e-3, "eval_every_steps": 2, "eval_batch_size": 8},
+                          data={"eval_split": str(tiny_assets / "data" / "eval.jsonl")},
+                          checkpoint={"every_steps": 4})
+    single, ddp = tmp_path / "single", tmp_path / "ddp"
+    run_train(recipe, f"output_dir={single}", "train.micro_batch_size=4")
+    proc = _launch(recipe, free_port, f"output_dir={ddp}")
+    assert "x 2 processes" in proc.stdout  # really two workers in one group, not two lone runs
+    _compare(single, ddp)
+    assert [r["tokens"] for r in records(ddp)] == [r["tokens"] for r in records(single)]
+    # Eval is sharded over the ranks and summed: the same eval loss as one process.
+    assert [e["eval_loss"] for e in records(ddp, "eval")] == pytest.approx(
+        [e["eval_loss"] for e in records(single, "eval")], abs=1e-5)
+    assert [e["step"] for e in records(ddp, "eval")] == [2, 4]
+    # Only the main process writes: one line per step, one summary.
+    assert len(records(ddp)) == 4
+    assert json.loads((ddp / "summary.json").read_text())["steps"] == 4
+    # The checkpoint holds the unwrapped model's keys (no DDP "module." prefix).
+    keys = load_weights(ddp / "checkpoints" / "step_000004").keys()
+    assert keys == load_weights(single / "checkpoints" / "step_000004").keys()
+
+
+@pytest.fixture(scope="module")
+def uneven_runs(tiny_assets, tmp_path_factory):
+    """21 examples, global micro-batch 4, two epochs: 1 process x 4 and 2 processes x 2."""
+    tmp = tmp_path_factory.mktemp("uneven")
+    lines = (tiny_assets / "data" / "train.jsonl").read_text().splitlines()
+    small = tmp / "train21.jsonl"
+    small.write_text("\n".join(lines[:21]) + "\n")
+    recipe = write_recipe(tiny_assets, tmp, data={"path": str(small)},
+                          train={"max_steps": None, "epochs": 2, "micro_batch_size": 2, "lr": 3e-3})
+    single, ddp = tmp / "single", tmp / "ddp"
+    run_train(recipe, f"output_dir={single}", "train.micro_batch_size=4")
+    with socket.socket() as s:  # the free_port fixture is per test; this fixture serves the module
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    _launch(recipe, port, f"output_dir={ddp}")
+    return single, ddp
+
+
+def test_uneven_tail_and_epoch_boundary(uneven_runs):
+    """Each epoch ends with one example, so rank 1 idles on an empty micro-batch (no trained token)
+    while rank 0 trains; two epochs cross the boundary. Losses and weights still equal."""
+    single, ddp = uneven_runs
+    assert len(records(single)) == 12  # ceil(21 / 4) = 6 steps per epoch
+    assert [r["epoch"] for r in records(single)] == [0] * 6 + [1] * 6
+    _compare(single, ddp)
+
+
+@pytest.mark.xfail(strict=True, reason="an idle rank's placeholder row (one pad token, attention_mask 1) is "
+                   "counted in tokens/tokens_seen/tokens_per_s, so the count depends on the number of processes")
+def test_idle_rank_adds_no_tokens(uneven_runs):
+    single, ddp = uneven_runs
+    assert [r["tokens"] for r in records(ddp)] == [r["tokens"] for r in records(single)]
