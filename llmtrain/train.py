@@ -187,8 +187,8 @@ def train(recipe: Recipe, *, resume: str | None = None, overwrite: bool = False)
                 batches = list(_batches(train_ds, window, device=accelerator.device, pad=pad,
                                         packing=recipe.data.packing))
                 local_trained = sum(int((b["targets"] != IGNORE).sum()) for b in batches)
-                local_tokens = sum(int(b["attention_mask"].sum()) if "attention_mask" in b else b["input_ids"].numel()
-                                   for b in batches)
+                # Input tokens of real examples only: an idle rank's placeholder row is not data.
+                local_tokens = sum(len(ids) for idx in window if idx for ids in train_ds[idx]["input_ids"])
                 trained, tokens = global_sum(accelerator, local_trained, local_tokens)
                 loss_sum = torch.zeros((), device=accelerator.device)
                 for i, batch in enumerate(batches):
