@@ -15,15 +15,15 @@ from typing import TYPE_CHECKING, Literal
 
 if TYPE_CHECKING:
     from llmtrain.config import Recipe
-    from llmtrain.memory.estimate import estimate
     from llmtrain.memory.params import ModelShape, load_model_shape, lora_plan
     from llmtrain.memory.spec import Estimate, TrainSpec, spec_from_recipe
 
 # Imported on first use, so that `import llmtrain.memory.cli` (and `llmtrain --help`) stays light.
-_LAZY = {"estimate": "estimate", "ModelShape": "params", "load_model_shape": "params", "lora_plan": "params",
+# (The estimate function itself is llmtrain.memory.estimate.estimate: its module has the same name.)
+_LAZY = {"ModelShape": "params", "load_model_shape": "params", "lora_plan": "params",
          "Estimate": "spec", "TrainSpec": "spec", "spec_from_recipe": "spec"}
 
-__all__ = ["Estimate", "ModelShape", "TrainSpec", "estimate", "estimate_for_recipe", "load_model_shape",
+__all__ = ["Estimate", "ModelShape", "TrainSpec", "estimate_for_recipe", "load_model_shape",
            "lora_plan", "spec_from_recipe"]
 
 

@@ -95,17 +95,39 @@ def lora_bytes(p: Pass, fan_in: int, r: int) -> int:
     return mask + p.tokens * (fan_in + r) * width
 
 
+def _adapters(adapted: dict[str, tuple[int, int]], half: str) -> list[int]:
+    """Fan-ins of the adapted linears in one half of a layer ('self_attn.' or 'mlp.')."""
+    return [fan_in for name, (fan_in, _) in adapted.items() if name.startswith(half)]
+
+
+def attn_half_bytes(p: Pass, shape: ModelShape, adapted: dict[str, tuple[int, int]], r: int) -> int:
+    """Saved by the first half of a decoder layer: input norm, q/k/v inputs, attention, its adapters."""
+    full, H = p.trainable_base, shape.hidden
+    total = norm_bytes(p, H, trainable=full) + attention_bytes(p, shape, o_trainable=full)
+    if full:  # q, k and v read one input; o_proj reads the attention output (counted above)
+        total += linear_input_bytes(p, H, 3)
+    return total + sum(lora_bytes(p, fan_in, r) for fan_in in _adapters(adapted, "self_attn."))
+
+
+def mlp_half_bytes(p: Pass, shape: ModelShape, adapted: dict[str, tuple[int, int]], r: int) -> int:
+    """Saved by the second half: post-attention norm, gate/up inputs, the SwiGLU, its adapters."""
+    full, H = p.trainable_base, shape.hidden
+    total = norm_bytes(p, H, trainable=full) + mlp_bytes(p, shape, down_trainable=full)
+    if full:  # gate and up read one input; down_proj reads the product (counted above)
+        total += linear_input_bytes(p, H, 2)
+    return total + sum(lora_bytes(p, fan_in, r) for fan_in in _adapters(adapted, "mlp."))
+
+
 def layer_bytes(p: Pass, shape: ModelShape, adapted: dict[str, tuple[int, int]], r: int) -> int:
     """Everything one decoder layer saves for backward (gradient checkpointing off)."""
-    full, H = p.trainable_base, shape.hidden
-    total = 2 * norm_bytes(p, H, trainable=full)
-    total += attention_bytes(p, shape, o_trainable=full) + mlp_bytes(p, shape, down_trainable=full)
-    if full:
-        # q,k,v read one input and gate,up another; o_proj reads the attention output and down_proj
-        # the SwiGLU product, both already counted.
-        total += linear_input_bytes(p, H, 3) + linear_input_bytes(p, H, 2)
-    total += sum(lora_bytes(p, fan_in, r) for fan_in, _ in adapted.values())
-    return total
+    return attn_half_bytes(p, shape, adapted, r) + mlp_half_bytes(p, shape, adapted, r)
+
+
+def down_input_bytes(p: Pass, shape: ModelShape, adapted: dict[str, tuple[int, int]], r: int) -> int:
+    """What down_proj saved (freed once its backward has run): the product, or its adapter's inputs."""
+    if p.trainable_base:
+        return p.tokens * shape.intermediate * p.cd
+    return lora_bytes(p, shape.intermediate, r) if "mlp.down_proj" in adapted else 0
 
 
 def frozen_input_discount(p: Pass, shape: ModelShape, adapted: dict[str, tuple[int, int]]) -> int:
@@ -150,26 +172,56 @@ def mask_bytes(p: Pass) -> int:
     return p.rows * p.row_len * p.row_len if (p.attn == "sdpa" and p.mask) else 0
 
 
-def layer_forward_temp(p: Pass, shape: ModelShape) -> int:
-    """Short-lived tensors inside one layer's forward: eager's cd scores and their fp32 softmax input;
-    otherwise the fp32 RoPE outputs of q and k before they are cast."""
-    if p.attn == "eager":
-        return p.rows * shape.heads * p.row_len * p.row_len * (p.cd + FP32)
-    return p.tokens * (shape.heads + shape.kv_heads) * shape.head_dim * FP32
+def lora_forward_temp(p: Pass, fan_in: int, fan_out: int) -> int:
+    """peft casts an adapter's input to the adapter's fp32 (a copy unless it is fp32 already) and
+    dropout makes another fp32 tensor; both live, beside the base layer's output, until lora_A has
+    cast its input back."""
+    copies = (p.cd != FP32) + (p.lora_dropout > 0)
+    return p.tokens * (fan_in * FP32 * copies + fan_out * p.cd)
 
 
-def layer_backward_temp(p: Pass, shape: ModelShape) -> int:
-    """Gradient tensors alive while one layer runs backward: the larger of the MLP's (three T x I) and
-    attention's (eager: fp32 grads of probs and scores, 8 bytes per score; sdpa/flash: dq, dk, dv, the
-    output gradient and the kernel's fp32 dq accumulator)."""
+def lora_backward_temp(p: Pass, fan_in: int) -> int:
+    """Backward through an adapter's casts and dropout: fp32 gradients of its input, two at a time."""
+    return p.tokens * fan_in * 2 * FP32
+
+
+def layer_forward_temp(p: Pass, shape: ModelShape, adapted: dict[str, tuple[int, int]]) -> int:
+    """Short-lived tensors inside one layer's forward, beside the residual (T x H) it carries: eager's
+    cd scores and their fp32 softmax input, otherwise the fp32 RoPE outputs of q and k before they are
+    cast; or an adapter's fp32 input copies (plus the SwiGLU product, which a frozen down_proj does
+    not save, while down_proj's adapter runs)."""
     T = p.tokens
-    mlp = 3 * T * shape.intermediate * p.cd
-    hq = shape.heads * shape.head_dim
+    if p.attn == "eager":
+        attn = p.rows * shape.heads * p.row_len * p.row_len * (p.cd + FP32)
+    else:
+        attn = T * (shape.heads + shape.kv_heads) * shape.head_dim * FP32
+    lora = [lora_forward_temp(p, i, o) + (T * i * p.cd if name == "mlp.down_proj" and not p.trainable_base else 0)
+            for name, (i, o) in adapted.items()]
+    return T * shape.hidden * p.resid + max([attn] + lora)
+
+
+def residual_grad_bytes(p: Pass, shape: ModelShape) -> int:
+    """The gradient flowing down the residual stream (T x H, stream dtype), alive all through backward."""
+    return p.tokens * shape.hidden * p.resid
+
+
+def mlp_backward_temp(p: Pass, shape: ModelShape, adapted: dict[str, tuple[int, int]]) -> int:
+    """Gradients alive in the MLP's backward: of the product, then of silu's output and up's output
+    (three T x I at once), or an adapter's fp32 input gradients."""
+    mlp = 3 * p.tokens * shape.intermediate * p.cd
+    return max([mlp] + [lora_backward_temp(p, fan_in) for fan_in in _adapters(adapted, "mlp.")])
+
+
+def attn_backward_temp(p: Pass, shape: ModelShape, adapted: dict[str, tuple[int, int]]) -> int:
+    """Gradients alive in attention's backward: eager's fp32 gradients of probabilities and scores
+    (8 bytes per score); SDPA/flash's dq, dk, dv, the output gradient and the kernel's fp32 dq
+    accumulator; or an adapter's fp32 input gradients."""
+    T, hq = p.tokens, shape.heads * shape.head_dim
     if p.attn == "eager":
         attn = p.rows * shape.heads * p.row_len * p.row_len * 2 * FP32
     else:
         attn = T * (hq * (2 * p.cd + FP32) + 2 * kv_width(p, shape) * p.cd)
-    return max(mlp, attn)
+    return max([attn] + [lora_backward_temp(p, fan_in) for fan_in in _adapters(adapted, "self_attn.")])
 
 
 # --------------------------------------------------------------------------- logits and the loss

@@ -18,6 +18,7 @@ CUDA_CONTEXT_BYTES = 500 * MIB  # CUDA context, cuBLAS/cuDNN handles and kernels
 NCCL_BYTES = 512 * MIB  # NCCL communicator buffers, multi-process runs only
 ALLOCATOR_SLACK = 0.10  # reserved / allocated - 1: the caching allocator's rounding and fragmentation
 ADAM8BIT_BLOCK = 256  # bitsandbytes' blockwise 8-bit states keep one fp32 absmax per 256 values
+DROPOUT_MASK_BYTES = act.CUDA_DROPOUT_MASK_BYTES  # per element saved by dropout (4 on the CPU, for tests)
 
 
 @dataclass(frozen=True)
@@ -97,7 +98,18 @@ def make_pass(shape: ModelShape, spec: TrainSpec, *, rows: int | None = None, pa
     return act.Pass(rows=b, row_len=s, resid=DTYPE_BYTES[stream], cd=DTYPE_BYTES[compute], autocast=amp,
                     attn=spec.attn, mask=mask, trainable_base=spec.method == "full",
                     separate_casts=amp and stream != compute,
-                    lora_dropout=spec.lora_dropout if spec.method == "lora" else 0.0)
+                    lora_dropout=spec.lora_dropout if spec.method == "lora" else 0.0,
+                    dropout_mask_bytes=DROPOUT_MASK_BYTES)
+
+
+def _mlp_share(shape: ModelShape, plan: LoraPlan | None, k: int, *, down_only: bool = False) -> float:
+    """The fraction of decoder layer k's trainable parameters in its MLP (or in down_proj alone)."""
+    wanted = ("mlp.down_proj",) if down_only else ("mlp.",)
+    if plan is None:
+        mlp = sum(x.numel for x in shape.layer_linears if x.name.startswith(wanted)) + (0 if down_only else shape.hidden)
+        return mlp / shape.params_per_layer
+    sizes = {name: plan.r * (i + o) for name, (i, o) in plan.adapted[k].items()}
+    return sum(v for n, v in sizes.items() if n.startswith(wanted)) / max(1, sum(sizes.values()))
 
 
 def _phase(**parts: int) -> dict[str, int]:
@@ -159,7 +171,7 @@ def estimate(shape: ModelShape, spec: TrainSpec) -> Estimate:
     tv_cd = p.tokens * V * p.cd
     phases = {
         "forward": _phase(**base, gradients=g_acc, autocast_copies=copies_fwd,
-                          activations=sum(kept) + rope_ids + mask, temporaries=act.layer_forward_temp(p, shape),
+                          activations=sum(kept) + rope_ids + mask, temporaries=act.layer_forward_temp(p, shape, adapted[-1]),
                           fsdp_buffers=2 * unit + always),
         "lm_head": _phase(**base, gradients=g_acc, autocast_copies=copies_fwd + head_copies,
                           activations=acts_all + mask, logits=tv_cd, fsdp_buffers=tail),
@@ -172,19 +184,39 @@ def estimate(shape: ModelShape, spec: TrainSpec) -> Estimate:
                                    temporaries=V * H * p.cd if (p.separate_casts and head_trains) else 0,
                                    fsdp_buffers=tail + (V * H * pd if fsdp and head_trains else 0)),
     }
-    # Each decoder layer's backward, last to first: its activations (recomputed under checkpointing)
-    # and gradient temporaries, the layers below still saved, the gradients of the layers above.
-    weight_grad_temp = max(x.numel for x in shape.layer_linears) * p.cd if (p.separate_casts and full) else 0
-    layer_temp = act.layer_backward_temp(p, shape) + weight_grad_temp
+    # Each decoder layer's backward, last to first, in its three moments: the recompute of its forward
+    # (under checkpointing), the MLP's backward (down_proj's input freed, its weight gradient made) and
+    # attention's (the MLP half freed, its gradients made). The layers below are still saved, the
+    # layers above have their gradients, and the residual stream's gradient flows through.
+    cast_temp = p.separate_casts and full  # a 16-bit weight gradient before it is cast to the fp32 .grad
+    mlp_names = [x for x in shape.layer_linears if x.name.startswith("mlp.")]
+    down_temp = max(x.numel for x in mlp_names) * p.cd if cast_temp else 0
+    attn_temp = max(x.numel for x in shape.layer_linears if x not in mlp_names) * p.cd if cast_temp else 0
+    resid_grad = act.residual_grad_bytes(p, shape)
+    fsdp_bwd = 2 * unit + 2 * unit_grads + always
     worst: dict[str, int] = {}
     for k in range(L - 1, -1, -1):
-        grads = max(g_acc, st.grads_head + sum(st.grads_layer[k:]))
+        a = adapted[k]
+        above = st.grads_head + sum(st.grads_layer[k + 1:])
+        g_mlp = st.grads_layer[k] * _mlp_share(shape, plan, k)
+        g_down = g_mlp // 3 if full else st.grads_layer[k] * _mlp_share(shape, plan, k, down_only=True)
+        below = sum(kept[:k]) + (kept[k] if ckpt else 0) + rope_ids + mask_bwd
         live_copies = sum(copies[: k + 1]) if not ckpt else copies[k]
-        acts = sum(kept[: k + 1]) + (saved[k] if ckpt else 0) + rope_ids + mask_bwd
-        ph = _phase(**base, gradients=grads, autocast_copies=live_copies, activations=acts,
-                    temporaries=layer_temp, fsdp_buffers=2 * unit + 2 * unit_grads + always)
-        if sum(ph.values()) > sum(worst.values()):
-            worst = ph
+        half_attn = act.attn_half_bytes(p, shape, a, spec.lora_r) - (
+            act.frozen_input_discount(p, shape, a) if (k == 0 and not embed_trains) else 0)
+        moments = [
+            dict(gradients=max(g_acc, above + g_down), activations=below + saved[k] - act.down_input_bytes(
+                p, shape, a, spec.lora_r), temporaries=resid_grad + act.mlp_backward_temp(p, shape, a) + down_temp),
+            dict(gradients=max(g_acc, above + st.grads_layer[k]), activations=below + half_attn,
+                 temporaries=resid_grad + act.attn_backward_temp(p, shape, a) + attn_temp),
+        ]
+        if ckpt:
+            moments.append(dict(gradients=max(g_acc, above), activations=below + saved[k],
+                                temporaries=resid_grad + act.layer_forward_temp(p, shape, a)))
+        for m in moments:
+            ph = _phase(**base, autocast_copies=live_copies, fsdp_buffers=fsdp_bwd, **m)
+            if sum(ph.values()) > sum(worst.values()):
+                worst = ph
     phases["backward_layers"] = worst
     phases["backward_embedding"] = _phase(**base, gradients=st.grads, temporaries=p.tokens * H * p.resid,
                                           fsdp_buffers=embed_unit * (2 if full else 1) + always)
