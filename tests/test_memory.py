@@ -14,7 +14,7 @@ import yaml
 from llmtrain.errors import LLMTrainError
 from llmtrain.memory import activations as act
 from llmtrain.memory import estimate_for_recipe
-from llmtrain.memory.estimate import (ALLOCATOR_SLACK, CUDA_CONTEXT_BYTES, NCCL_BYTES, estimate, optimizer_bytes)
+from llmtrain.memory.estimate import ALLOCATOR_SLACK, CUDA_CONTEXT_BYTES, NCCL_BYTES, estimate, optimizer_bytes
 from llmtrain.memory.fit import MAX_MICRO_BATCH, fit, throughput_score
 from llmtrain.memory.launch import SHIPPED, read_accelerate_config, shipped_config
 from llmtrain.memory.params import load_model_shape, lora_plan
@@ -58,7 +58,8 @@ def test_param_count_equals_the_instantiated_model(tmp_path, kind, tied):
     assert (shape.kv_heads, shape.head_dim, shape.tied) == (2, 16, tied)
 
 
-@pytest.mark.parametrize(("targets", "saved"), [("all-linear", ()), (("q_proj", "v_proj"), ()), ("all-linear", ("lm_head",))])
+@pytest.mark.parametrize(("targets", "saved"),
+                         [("all-linear", ()), (("q_proj", "v_proj"), ()), ("all-linear", ("lm_head",))])
 def test_lora_counts_equal_peft(tmp_path, targets, saved):
     import peft
 

@@ -37,12 +37,14 @@ def estimate_memory(
     micro_batch: Annotated[Optional[int], typer.Option(help="Examples per forward pass on each GPU.")] = None,
     grad_accum: Annotated[Optional[int], typer.Option(help="Micro-batches per optimizer step.")] = None,
     seq_len: Annotated[Optional[int], typer.Option(help="Tokens per example (data.max_seq_len).")] = None,
-    packing: Annotated[Optional[bool], typer.Option("--packing/--no-packing", help="Pack a micro-batch into one row.")] = None,
+    packing: Annotated[Optional[bool], typer.Option(
+        "--packing/--no-packing", help="Pack a micro-batch into one row.")] = None,
     grad_checkpointing: Annotated[Optional[bool], typer.Option(
         "--grad-checkpointing/--no-grad-checkpointing", help="Recompute layer activations in backward.")] = None,
     dtype: Annotated[Optional[Literal["float32", "bfloat16", "float16"]], typer.Option(
         help="Storage dtype of the weights.")] = None,
-    mixed_precision: Annotated[Optional[Literal["no", "bf16", "fp16"]], typer.Option(help="Autocast precision.")] = None,
+    mixed_precision: Annotated[Optional[Literal["no", "bf16", "fp16"]], typer.Option(
+        help="Autocast precision.")] = None,
     attn: Annotated[Optional[Literal["sdpa", "eager", "flash_attention_2"]], typer.Option(
         help="Attention implementation.")] = None,
     optimizer: Annotated[Literal["adamw", "adamw-8bit", "sgd"], typer.Option(help="Optimizer.")] = "adamw",
@@ -107,7 +109,8 @@ def estimate_memory(
         render_fit(result, target=target)
 
 
-def _layout(path: Path | None, *, strategy, num_gpus, num_nodes, cpu_offload: bool, fit: bool) -> tuple[dict, str | None]:
+def _layout(path: Path | None, *, strategy, num_gpus, num_nodes, cpu_offload: bool,
+            fit: bool) -> tuple[dict, str | None]:
     """Strategy and GPU counts (explicit options, else the accelerate config, else one GPU), and the
     launch config's mixed_precision."""
     from llmtrain.memory.launch import read_accelerate_config

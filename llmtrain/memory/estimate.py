@@ -102,14 +102,12 @@ def make_pass(shape: ModelShape, spec: TrainSpec, *, rows: int | None = None, pa
                     dropout_mask_bytes=DROPOUT_MASK_BYTES)
 
 
-def _mlp_share(shape: ModelShape, plan: LoraPlan | None, k: int, *, down_only: bool = False) -> float:
-    """The fraction of decoder layer k's trainable parameters in its MLP (or in down_proj alone)."""
-    wanted = ("mlp.down_proj",) if down_only else ("mlp.",)
+def _down_share(shape: ModelShape, plan: LoraPlan | None, k: int) -> float:
+    """The fraction of decoder layer k's trainable parameters in down_proj (or in its adapter)."""
     if plan is None:
-        mlp = sum(x.numel for x in shape.layer_linears if x.name.startswith(wanted)) + (0 if down_only else shape.hidden)
-        return mlp / shape.params_per_layer
+        return sum(x.numel for x in shape.layer_linears if x.name == "mlp.down_proj") / shape.params_per_layer
     sizes = {name: plan.r * (i + o) for name, (i, o) in plan.adapted[k].items()}
-    return sum(v for n, v in sizes.items() if n.startswith(wanted)) / max(1, sum(sizes.values()))
+    return sizes.get("mlp.down_proj", 0) / max(1, sum(sizes.values()))
 
 
 def _phase(**parts: int) -> dict[str, int]:
@@ -170,15 +168,15 @@ def estimate(shape: ModelShape, spec: TrainSpec) -> Estimate:
     acts_all = sum(kept) + rope_ids + outside
     tv_cd = p.tokens * V * p.cd
     phases = {
-        "forward": _phase(**base, gradients=g_acc, autocast_copies=copies_fwd,
-                          activations=sum(kept) + rope_ids + mask, temporaries=act.layer_forward_temp(p, shape, adapted[-1]),
-                          fsdp_buffers=2 * unit + always),
+        "forward": _phase(**base, gradients=g_acc, autocast_copies=copies_fwd, activations=sum(kept) + rope_ids + mask,
+                          temporaries=act.layer_forward_temp(p, shape, adapted[-1]), fsdp_buffers=2 * unit + always),
         "lm_head": _phase(**base, gradients=g_acc, autocast_copies=copies_fwd + head_copies,
                           activations=acts_all + mask, logits=tv_cd, fsdp_buffers=tail),
         "loss": _phase(**base, gradients=g_acc, autocast_copies=copies_kept, activations=acts_all + mask,
                        logits=act.logits_forward_bytes(p, V), fsdp_buffers=tail),
-        "backward_loss": _phase(**base, gradients=g_acc, autocast_copies=copies_kept, activations=acts_all + mask_bwd,
-                                logits=act.logits_backward_bytes(p, V), fsdp_buffers=tail),
+        "backward_loss": _phase(**base, gradients=g_acc, autocast_copies=copies_kept,
+                                activations=acts_all + mask_bwd, logits=act.logits_backward_bytes(p, V),
+                                fsdp_buffers=tail),
         "backward_lm_head": _phase(**base, gradients=max(g_acc, st.grads_head), autocast_copies=copies_kept,
                                    activations=acts_all + mask_bwd, logits=tv_cd,
                                    temporaries=V * H * p.cd if (p.separate_casts and head_trains) else 0,
@@ -198,8 +196,7 @@ def estimate(shape: ModelShape, spec: TrainSpec) -> Estimate:
     for k in range(L - 1, -1, -1):
         a = adapted[k]
         above = st.grads_head + sum(st.grads_layer[k + 1:])
-        g_mlp = st.grads_layer[k] * _mlp_share(shape, plan, k)
-        g_down = g_mlp // 3 if full else st.grads_layer[k] * _mlp_share(shape, plan, k, down_only=True)
+        g_down = st.grads_layer[k] * _down_share(shape, plan, k)
         below = sum(kept[:k]) + (kept[k] if ckpt else 0) + rope_ids + mask_bwd
         live_copies = sum(copies[: k + 1]) if not ckpt else copies[k]
         half_attn = act.attn_half_bytes(p, shape, a, spec.lora_r) - (

@@ -108,7 +108,8 @@ def fit(shape: ModelShape, spec: TrainSpec, *, global_batch: int | None = None) 
     best = max(candidates, key=lambda c: (round(c.score, 9), -order[c.spec.strategy], not c.spec.grad_checkpointing))
     assert best.estimate.fits, "fit must only recommend configurations that fit"
     s = best.spec
-    overrides = [f"train.micro_batch_size={s.micro_batch}", f"model.gradient_checkpointing={str(s.grad_checkpointing).lower()}"]
+    overrides = [f"train.micro_batch_size={s.micro_batch}",
+                 f"model.gradient_checkpointing={str(s.grad_checkpointing).lower()}"]
     if choices is not None:
         overrides.append(f"train.grad_accum_steps={global_batch // (s.world * s.micro_batch)}")
     config, flags = shipped_config(s.strategy, num_gpus=s.num_gpus, num_nodes=s.num_nodes)

@@ -32,7 +32,7 @@ def read_accelerate_config(path: Path) -> Layout:
     import yaml
 
     if not path.is_file():
-        raise LLMTrainError(f"accelerate config '{path}' does not exist (see accelerate_configs/ for the shipped ones).")
+        raise LLMTrainError(f"accelerate config '{path}' does not exist (the shipped ones are in accelerate_configs/).")
     try:
         cfg = yaml.safe_load(path.read_text()) or {}
     except yaml.YAMLError as e:
@@ -53,7 +53,8 @@ def read_accelerate_config(path: Path) -> Layout:
     strategy = STRATEGIES[kind] if procs > 1 or kind == "FSDP" else "single"
     offload = bool((cfg.get("fsdp_config") or {}).get("fsdp_offload_params", False))
     mp = cfg.get("mixed_precision")
-    return Layout(strategy, procs // machines, machines, offload and strategy == "fsdp", None if mp is None else str(mp))
+    return Layout(strategy, procs // machines, machines, offload and strategy == "fsdp",
+                  None if mp is None else str(mp))
 
 
 def shipped_config(strategy: Strategy, *, num_gpus: int, num_nodes: int) -> tuple[str, tuple[str, ...]]:

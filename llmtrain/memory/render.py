@@ -38,7 +38,8 @@ def describe(spec: TrainSpec) -> str:
             f"{spec.attn}; {spec.optimizer}")
 
 
-def render_estimate(est: Estimate, advice: str, *, launch_mp: str | None = None, console: Console | None = None) -> None:
+def render_estimate(est: Estimate, advice: str, *, launch_mp: str | None = None,
+                    console: Console | None = None) -> None:
     console = console or Console()
     spec = est.spec
     shard = f", 1/{spec.world} shard" if spec.strategy == "fsdp" else ""
