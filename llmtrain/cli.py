@@ -76,7 +76,7 @@ def inspect_data(
 ) -> None:
     """Show formatted examples with trained tokens highlighted, and dataset statistics."""
     from llmtrain.config import load_recipe
-    from llmtrain.inspect import inspect_data as run
+    from llmtrain.inspect_data import inspect_data as run
 
     run(load_recipe(recipe, overrides), n=n, as_json=as_json)
 
@@ -109,16 +109,9 @@ def prepare_tiny(
     typer.echo(f"wrote {out}")
 
 
-def _register_estimate_memory() -> None:
-    from llmtrain.memory.cli import estimate_memory
+from llmtrain.memory.cli import estimate_memory  # noqa: E402  (typer options only; no torch at import)
 
-    app.command("estimate-memory")(user_errors(estimate_memory))
-
-
-try:
-    _register_estimate_memory()
-except ImportError:  # pragma: no cover - the estimator package is optional while it is being built
-    pass
+app.command("estimate-memory")(user_errors(estimate_memory))
 
 
 def main() -> None:

@@ -1,0 +1,63 @@
+"""`llmtrain inspect-data`: see exactly what training will see, before paying for a GPU."""
+
+from __future__ import annotations
+
+import json
+import sys
+
+from llmtrain.config import Recipe
+from llmtrain.data import IGNORE, DataStats, prepare_datasets
+from llmtrain.modeling import load_tokenizer
+
+
+def _stats_table(stats: dict[str, DataStats]):
+    from rich.table import Table
+
+    table = Table(title="data statistics")
+    table.add_column("")
+    for split in stats:
+        table.add_column(split, justify="right")
+    rows = [
+        ("examples", lambda s: f"{s.examples:,}"),
+        ("truncated", lambda s: f"{s.truncated:,}"),
+        ("dropped (no trained token)", lambda s: f"{s.dropped:,}"),
+        ("tokens", lambda s: f"{s.tokens:,}"),
+        ("trained-token fraction", lambda s: f"{s.trained_fraction:.1%}"),
+        ("length p50 / p90 / p99 / max", lambda s: f"{s.length_p50} / {s.length_p90} / {s.length_p99} / {s.length_max}"),
+    ]
+    for name, fmt in rows:
+        table.add_row(name, *(fmt(s) for s in stats.values()))
+    return table
+
+
+def _highlight(input_ids: list[int], labels: list[int], tokenizer):
+    """The example token by token: trained tokens in bold green, masked ones dim."""
+    from rich.text import Text
+
+    text = Text()
+    for tok, lab in zip(input_ids, labels):
+        piece = tokenizer.decode([tok])
+        text.append(piece, style="bold green" if lab != IGNORE else "dim")
+    return text
+
+
+def inspect_data(recipe: Recipe, *, n: int, as_json: bool) -> None:
+    import datasets
+    from rich.console import Console
+    from rich.panel import Panel
+
+    datasets.disable_progress_bars()
+    tokenizer = load_tokenizer(recipe.model)
+    train, _, stats, _ = prepare_datasets(recipe.data, tokenizer, seed=recipe.train.seed)
+    rows = train.select(range(min(n, len(train))))
+    if as_json:
+        # Exactly the rows training reads (before packing and the per-example shift), one per line.
+        for ids, labels in zip(rows["input_ids"], rows["labels"]):
+            sys.stdout.write(json.dumps({"input_ids": ids, "labels": labels}) + "\n")
+        return
+    console = Console()
+    for i, (ids, labels) in enumerate(zip(rows["input_ids"], rows["labels"])):
+        trained = sum(lab != IGNORE for lab in labels[1:])
+        console.print(Panel(_highlight(ids, labels, tokenizer),
+                            title=f"example {i}: {len(ids)} tokens, {trained} trained (green)", title_align="left"))
+    console.print(_stats_table(stats))
