@@ -10,6 +10,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 import shutil
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -19,7 +20,7 @@ from llmtrain.config import DataConfig
 from llmtrain.errors import LLMTrainError
 
 IGNORE = -100
-CACHE_VERSION = 1  # bump when tokenisation or masking changes, so old caches are not reused
+CACHE_VERSION = 2  # bump when tokenisation or masking changes, so old caches are not reused
 
 # The columns each format reads, by their canonical names; `data.fields` maps them to dataset columns.
 FORMAT_FIELDS = {
@@ -126,24 +127,27 @@ def _assistant_spans(messages: list[dict], text: str, tokenizer) -> list[tuple[i
 
     The conversation is rendered a second time with each assistant content replaced by a unique
     private-use marker, so the markers' positions are exact: a short reply ("ant") can never be matched
-    inside template markup (`<|assistant|>`) or an earlier user turn. Only if the template rewrites
-    content (e.g. trims it) does this fall back to searching for each content in order.
+    inside template markup (`<|assistant|>`) or an earlier user turn. Templates may trim the content
+    (Mistral's and Llama 3's do: `content|trim`), so each reply is matched as given or stripped,
+    between the exact template pieces around its marker. Only if the template rewrites content in
+    another way does this fall back to searching for each content in order.
     """
     contents = [m.get("content") or "" for m in messages if m["role"] == "assistant"]
     marks = iter(f"\ue000{i}\ue001" for i in range(len(contents)))
     marked = [{**m, "content": next(marks)} if m["role"] == "assistant" else m for m in messages]
-    template = tokenizer.apply_chat_template(marked, tokenize=False)
-    spans, rebuilt, pos = [], "", 0
-    for i, content in enumerate(contents):
-        k = template.find(f"\ue000{i}\ue001", pos)
-        if k < 0:
-            break
-        rebuilt += template[pos:k]
-        spans.append((len(rebuilt), len(rebuilt) + len(content)))
-        rebuilt += content
-        pos = k + len(f"\ue000{i}\ue001")
-    if rebuilt + template[pos:] == text and len(spans) == len(contents):
-        return [s for s, c in zip(spans, contents) if c]
+    pieces = re.split("\ue000(\\d+)\ue001", tokenizer.apply_chat_template(marked, tokenize=False))
+    # pieces = [P0, "0", P1, "1", P2, ...]: the template text between the markers, each marker once, in order.
+    spans, pos = [], len(pieces[0])
+    if pieces[1::2] == [str(i) for i in range(len(contents))] and text.startswith(pieces[0]):
+        for content, after in zip(contents, pieces[2::2]):
+            shown = next((c for c in dict.fromkeys((content, content.strip(), content.rstrip(), content.lstrip()))
+                          if text.startswith(c + after, pos)), None)
+            if shown is None:
+                break
+            spans.append((pos, pos + len(shown)))
+            pos += len(shown) + len(after)
+        if len(spans) == len(contents) and pos == len(text):
+            return [(a, b) for a, b in spans if b > a]
     spans, cursor = [], 0
     for content in contents:
         start = text.find(content, cursor) if content else cursor
@@ -256,6 +260,8 @@ def _fingerprint(paths: list[str], tokenizer, cfg: DataConfig, extra: str) -> st
         h.update(f"{Path(p).resolve() if st else p}|{st.st_size if st else ''}|{st.st_mtime_ns if st else ''}".encode())
     h.update(tokenizer.backend_tokenizer.to_str().encode() if hasattr(tokenizer, "backend_tokenizer") else b"")
     h.update(str(tokenizer.chat_template).encode())
+    # The special tokens come from tokenizer_config.json, not tokenizer.json: EOS ends every example.
+    h.update(str([tokenizer.bos_token, tokenizer.eos_token]).encode())
     keys = cfg.model_dump(include={"name", "split", "format", "fields", "max_seq_len", "train_on_prompt"})
     h.update(json.dumps([keys, CACHE_VERSION, extra], sort_keys=True).encode())
     return h.hexdigest()[:16]
