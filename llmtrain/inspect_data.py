@@ -23,11 +23,31 @@ def _stats_table(stats: dict[str, DataStats]):
         ("dropped (no trained token)", lambda s: f"{s.dropped:,}"),
         ("tokens", lambda s: f"{s.tokens:,}"),
         ("trained-token fraction", lambda s: f"{s.trained_fraction:.1%}"),
-        ("length p50 / p90 / p99 / max", lambda s: f"{s.length_p50} / {s.length_p90} / {s.length_p99} / {s.length_max}"),
+        ("length p50 / p90 / p99 / max",
+         lambda s: f"{s.length_p50} / {s.length_p90} / {s.length_p99} / {s.length_max}"),
     ]
     for name, fmt in rows:
         table.add_row(name, *(fmt(s) for s in stats.values()))
     return table
+
+
+def token_pieces(input_ids: list[int], tokenizer) -> list[str]:
+    """Each token's text as it reads in the decoded sequence, so that the pieces join to the decoded text.
+
+    Decoding one token alone loses its leading space with SentencePiece tokenizers ("▁sold" decodes to
+    "sold"), so each piece is the difference between decoding a few tokens before it with and without it.
+    A piece that ends inside a multi-byte character (the decoder shows "\ufffd") waits for the next token.
+    """
+    pieces, start = [], 0  # start: the first token whose text is not out yet
+    for k in range(len(input_ids)):
+        window = max(0, start - 4)
+        before, after = tokenizer.decode(input_ids[window:start]), tokenizer.decode(input_ids[window:k + 1])
+        if after.endswith("\ufffd") and k + 1 < len(input_ids):
+            pieces.append("")
+            continue
+        pieces.append(after[len(before):] if after.startswith(before) else tokenizer.decode(input_ids[start:k + 1]))
+        start = k + 1
+    return pieces
 
 
 def _highlight(input_ids: list[int], labels: list[int], tokenizer):
@@ -35,8 +55,7 @@ def _highlight(input_ids: list[int], labels: list[int], tokenizer):
     from rich.text import Text
 
     text = Text()
-    for tok, lab in zip(input_ids, labels):
-        piece = tokenizer.decode([tok])
+    for piece, lab in zip(token_pieces(input_ids, tokenizer), labels):
         text.append(piece, style="bold green" if lab != IGNORE else "dim")
     return text
 

@@ -1,0 +1,133 @@
+"""`llmtrain inspect-data`, run through the real CLI: the JSON rows are exactly what training reads, the
+report shows the statistics of train and eval and the examples with their trained tokens, and a bad
+override is a clean user error.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+
+import pytest
+import yaml
+from helpers import cli, write_recipe
+from typer.testing import CliRunner
+
+from llmtrain.cli import app
+from llmtrain.config import DataConfig, load_recipe
+from llmtrain.data import IGNORE, encode_example, prepare_datasets
+from llmtrain.inspect_data import _highlight, token_pieces
+
+from conftest import GSM8K, MISTRAL, needs
+
+
+def invoke(*args: str):
+    """In-process CLI run; a wide terminal so that rich does not wrap the table."""
+    result = CliRunner().invoke(app, list(args), env={"COLUMNS": "240"})
+    assert result.exception is None or isinstance(result.exception, SystemExit), result.exception
+    return result
+
+
+def read_jsonl(path, n: int | None = None) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines()[:n]]
+
+
+def test_json_is_the_training_rows_and_nothing_else(tiny_assets, tmp_path):
+    from transformers import AutoTokenizer
+
+    recipe = write_recipe(tiny_assets, tmp_path, data={"cache_dir": str(tmp_path / "cache")})
+    proc = cli("inspect-data", str(recipe), "--json", "--n", "3")  # a real process: all of its stdout
+    rows = [json.loads(line) for line in proc.stdout.splitlines()]
+    assert len(rows) == 3 and proc.stdout.endswith("}\n")
+    tok = AutoTokenizer.from_pretrained(tiny_assets / "model")
+    cfg = load_recipe(recipe).data
+    for row, ex in zip(rows, read_jsonl(tiny_assets / "data" / "train.jsonl", 3)):
+        enc = encode_example(ex, tok, cfg)
+        assert row == {"input_ids": enc["input_ids"], "labels": enc["labels"]}
+        assert IGNORE in row["labels"] and row["labels"][-1] == tok.eos_token_id
+
+
+@needs(MISTRAL)
+@needs(GSM8K)
+def test_json_on_gsm8k_messages_with_the_mistral_template(tmp_path):
+    from transformers import AutoTokenizer
+
+    examples = [{"messages": [{"role": "user", "content": ex["question"]},
+                              {"role": "assistant", "content": ex["answer"]}]}
+                for ex in read_jsonl(GSM8K / "train.jsonl", 5)]
+    data = tmp_path / "gsm8k_messages.jsonl"
+    data.write_text("".join(json.dumps(e) + "\n" for e in examples))
+    recipe = tmp_path / "mistral.yaml"
+    recipe.write_text(yaml.safe_dump({
+        "model": {"name_or_path": str(MISTRAL)},
+        "data": {"path": str(data), "format": "messages", "max_seq_len": 1024, "cache_dir": str(tmp_path / "cache")},
+        "output_dir": str(tmp_path / "run"),
+    }))
+    result = invoke("inspect-data", str(recipe), "--json", "--n", "3")
+    assert result.exit_code == 0, result.output
+    rows = [json.loads(line) for line in result.stdout.splitlines()]
+    assert len(rows) == 3
+    tok = AutoTokenizer.from_pretrained(MISTRAL)
+    cfg = load_recipe(recipe).data
+    for row, ex in zip(rows, examples):
+        enc = encode_example(ex, tok, cfg)
+        assert row == {"input_ids": enc["input_ids"], "labels": enc["labels"]}
+        trained = [i for i, lab in zip(row["input_ids"], row["labels"]) if lab != IGNORE]
+        assert tok.decode(trained) == ex["messages"][1]["content"] + "</s>"
+
+
+def test_report_shows_examples_and_the_statistics(tiny_assets, tmp_path):
+    from transformers import AutoTokenizer
+
+    recipe = write_recipe(tiny_assets, tmp_path, data={"max_seq_len": 20, "eval_split": 0.1,
+                                                       "cache_dir": str(tmp_path / "cache")})
+    result = invoke("inspect-data", str(recipe), "--n", "2")
+    assert result.exit_code == 0, result.output
+    tok = AutoTokenizer.from_pretrained(tiny_assets / "model")
+    train, _, stats, hit = prepare_datasets(load_recipe(recipe).data, tok, seed=7)
+    assert hit  # the command prepared the data exactly as training would, into the same cache
+    # the table: one row a statistic, one column a split
+    table = {cells[0]: cells[1:] for line in result.stdout.splitlines()
+             if len(cells := [c.strip() for c in re.split("[│┃]", line)[1:-1]]) == 3}
+    assert table[""] == ["train", "eval"]
+    s, e = stats["train"], stats["eval"]
+    assert s.truncated > 0 and e.examples > 0  # max_seq_len 20 cuts the longer reversals
+    assert table["examples"] == [f"{s.examples:,}", f"{e.examples:,}"]
+    assert table["truncated"] == [f"{s.truncated:,}", f"{e.truncated:,}"]
+    assert table["dropped (no trained token)"] == [f"{s.dropped:,}", f"{e.dropped:,}"]
+    assert table["trained-token fraction"] == [f"{s.trained_fraction:.1%}", f"{e.trained_fraction:.1%}"]
+    assert table["length p50 / p90 / p99 / max"][0] == f"{s.length_p50} / {s.length_p90} / {s.length_p99} / 20"
+    # the first two training rows, each decoded in full under a title with its counts
+    for i in range(2):
+        ids, labels = train[i]["input_ids"], train[i]["labels"]
+        trained = sum(lab != IGNORE for lab in labels[1:])
+        assert f"example {i}: {len(ids)} tokens, {trained} trained" in result.stdout
+        assert tok.decode(ids) in result.stdout
+    assert "example 2:" not in result.stdout
+
+
+@needs(MISTRAL)
+@needs(GSM8K)
+def test_trained_tokens_are_highlighted_and_pieces_keep_their_spaces():
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(MISTRAL)
+    ex = read_jsonl(GSM8K / "train.jsonl", 1)[0]
+    msgs = [{"role": "user", "content": ex["question"] + " 😀 é日本"}, {"role": "assistant", "content": ex["answer"]}]
+    enc = encode_example({"messages": msgs}, tok, DataConfig(path="unused.jsonl", format="messages", max_seq_len=4096))
+    text = _highlight(enc["input_ids"], enc["labels"], tok)
+    assert text.plain == tok.decode(enc["input_ids"])  # words keep their spaces, multi-byte characters whole
+    green = "".join(text.plain[s.start:s.end] for s in text.spans if s.style == "bold green")
+    assert green.strip() == ex["answer"] + "</s>"
+    assert all(s.style == "dim" for s in text.spans if "[INST]" in text.plain[s.start:s.end])
+    assert len(token_pieces(enc["input_ids"], tok)) == len(enc["input_ids"])
+
+
+@pytest.mark.parametrize("override, hint", [("data.max_len=3", "did you mean data.max_seq_len"),
+                                            ("train.learning_rate=1e-4", "did you mean train.lr")])
+def test_bad_override_is_a_clean_error(tiny_assets, tmp_path, override, hint):
+    recipe = write_recipe(tiny_assets, tmp_path)
+    result = invoke("inspect-data", str(recipe), override)
+    assert result.exit_code == 2
+    assert hint in result.stderr and "Traceback" not in result.output
+    assert result.stdout == ""
