@@ -82,7 +82,11 @@ def resolve_resume(resume: str, output_dir: Path) -> Path | None:
 
 
 def lora_only_hooks(accelerator, trainable_names: set[str]) -> None:
-    """Save only trainable weights (the adapter) for LoRA runs instead of the frozen 7B base every time."""
+    """Save only trainable weights (the adapter) for LoRA runs instead of the frozen 7B base every time.
+
+    Under FSDP Accelerate saves the model through save_fsdp_model (every rank writes its shard of the
+    whole model, frozen base included) and hands this hook no weights, so there it changes nothing.
+    """
 
     def save_hook(models, weights, output_dir):
         for i in range(len(weights)):

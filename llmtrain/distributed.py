@@ -12,13 +12,21 @@ from datetime import timedelta
 import torch
 
 from llmtrain.config import Recipe
+from llmtrain.errors import LLMTrainError
+
+
+def fsdp_requested() -> bool:
+    """The launch asks for FSDP: `accelerate launch` with an FSDP config sets ACCELERATE_USE_FSDP=true."""
+    return os.environ.get("ACCELERATE_USE_FSDP", "false").lower() == "true"
 
 
 def build_accelerator(recipe: Recipe):
     from accelerate import Accelerator
-    from accelerate.utils import InitProcessGroupKwargs
+    from accelerate.utils import FullyShardedDataParallelPlugin, InitProcessGroupKwargs
 
     launched = os.environ.get("ACCELERATE_MIXED_PRECISION")
+    # Built here (from the launch's FSDP_* variables, as Accelerate itself would) to keep a handle on it.
+    fsdp_plugin = FullyShardedDataParallelPlugin() if fsdp_requested() else None
     # The recipe is the source of truth for precision; passing it explicitly overrides the launch config.
     accelerator = Accelerator(
         # Without an accelerator, processes started by torchrun (`accelerate launch` with a multi-process
@@ -26,14 +34,45 @@ def build_accelerator(recipe: Recipe):
         # Accelerate joins them into one gloo process group (MULTI_CPU).
         cpu=not torch.accelerator.is_available(),
         mixed_precision=recipe.train.mixed_precision,
+        fsdp_plugin=fsdp_plugin,
         kwargs_handlers=[InitProcessGroupKwargs(timeout=timedelta(seconds=recipe.train.timeout_s))],
     )
+    if fsdp_plugin is not None and accelerator.distributed_type.name == "MULTI_CPU":
+        _fsdp_on_cpu(accelerator, fsdp_plugin)
     if launched and launched != recipe.train.mixed_precision and accelerator.is_main_process:
         accelerator.print(
             f"warning: the launch config asks for mixed_precision={launched} but the recipe sets "
             f"train.mixed_precision={recipe.train.mixed_precision}; using the recipe's."
         )
     return accelerator
+
+
+def _fsdp_on_cpu(accelerator, fsdp_plugin) -> None:
+    """Run Accelerate's own FSDP code path on CPU workers joined over gloo.
+
+    Accelerate switches to DistributedType.FSDP only for accelerator devices (AcceleratorState turns
+    MULTI_GPU/NPU/XPU... into FSDP, never MULTI_CPU), so a CPU launch with an FSDP config would silently
+    fall back to DDP. PyTorch's `fully_shard`, DTensor, DCP checkpoints and the gloo collectives they use
+    all work on CPU, so this does what AcceleratorState does for a GPU group, on the CPU group: attach
+    the plugin and set the distributed type. From there `prepare` (fsdp2_prepare_model), `no_sync`,
+    `clip_grad_norm_`, `save_state`/`load_state` (save_fsdp_model/optimizer) and `get_state_dict` are
+    the very functions a GPU run calls. It is how the FSDP path is tested on machines without a GPU.
+    """
+    from accelerate.state import PartialState
+    from accelerate.utils import DistributedType
+
+    if fsdp_plugin.fsdp_version != 2:
+        raise LLMTrainError("FSDP on CPU is supported with FSDP2 only: set fsdp_version: 2 in the launch config.")
+    state = accelerator.state
+    if state.mixed_precision != "no":
+        fsdp_plugin.set_mixed_precision(state.mixed_precision)  # as AcceleratorState does for FSDP
+    state.fsdp_plugin = fsdp_plugin
+    state.distributed_type = DistributedType.FSDP
+    # AcceleratorState and PartialState keep separate shared dicts; both must agree (wait_for_everyone,
+    # RNG sync and the like read PartialState's).
+    PartialState._shared_state["distributed_type"] = DistributedType.FSDP
+    accelerator.print(f"FSDP2 on CPU: {accelerator.num_processes} processes over gloo, "
+                      f"{fsdp_plugin.state_dict_type.name} checkpoints")
 
 
 def global_sum(accelerator, *values: float | int) -> list[float]:

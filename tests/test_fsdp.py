@@ -1,0 +1,241 @@
+"""FSDP2 on CPU: 2 gloo processes under `accelerate launch` shard the model and still train exactly like 1 process.
+
+How FSDP runs without a GPU. `accelerate launch --config_file accelerate_configs/cpu_fsdp.yaml` starts 2
+torchrun workers with ACCELERATE_USE_FSDP=true and the FSDP_* variables of its fsdp_config (the same ones
+fsdp.yaml gives 8 GPUs: FSDP2, full shard, decoder-layer auto-wrap from `_no_split_modules`,
+SHARDED_STATE_DICT, cpu_ram_efficient_loading). On CPU Accelerate itself would make them a plain MULTI_CPU
+(DDP) group and drop the FSDP plugin: AcceleratorState only turns *accelerator* groups into
+DistributedType.FSDP. llmtrain's build_accelerator (llmtrain/distributed.py, `_fsdp_on_cpu`) does for the
+CPU group what AcceleratorState does for a GPU group: attach the FSDP2 plugin and set the distributed type
+to FSDP. Nothing else is patched: `prepare` (fsdp2_prepare_model -> torch's `fully_shard` on a CPU mesh),
+`no_sync` (set_requires_gradient_sync), `clip_grad_norm_` (DTensor-aware), `save_state`/`load_state`
+(save_fsdp_model/optimizer -> torch.distributed.checkpoint, one file per rank) and `get_state_dict` (full
+gather for final/) are the code a GPU run executes; gloo carries the all-gathers and reduce-scatters.
+Every run here checks the launch said "FSDP2 on CPU: 2 processes", so a silent fall back to DDP fails.
+
+What stays unproven on CPU: speed and memory (no GPU memory to measure), NCCL, and bf16 numerics of GPU
+kernels. The bf16 test below checks the precision *layout* (fp32 master shards, bf16 frozen base), not
+that bf16 training converges like fp32. cpu_ram_efficient_loading's broadcast of rank 0's weights runs in
+every test here, but its memory promise does not hold with transformers 5.23 (every rank still reads the
+checkpoint): the last test is a strict xfail that says so.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from helpers import ENV, REPO, load_weights, losses, max_abs_diff, records, run_train, write_recipe
+
+pytestmark = pytest.mark.slow
+
+CPU_FSDP = REPO / "accelerate_configs" / "cpu_fsdp.yaml"
+LORA = {"r": 4, "alpha": 8, "dropout": 0.0, "target_modules": ["q_proj", "v_proj"]}
+
+
+def _accelerate_launch(port: int, *args: str) -> subprocess.CompletedProcess:
+    """`accelerate launch --config_file accelerate_configs/cpu_fsdp.yaml ARGS...`, which must succeed."""
+    proc = subprocess.run(
+        [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(CPU_FSDP),
+         "--main_process_port", str(port), *args],
+        env=ENV, cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return proc
+
+
+def _launch(recipe: Path, port: int, *overrides: str, resume: str | None = None) -> subprocess.CompletedProcess:
+    """`accelerate launch --config_file accelerate_configs/cpu_fsdp.yaml -m llmtrain finetune RECIPE ...`."""
+    extra = ["--resume", resume] if resume else []
+    proc = _accelerate_launch(port, "-m", "llmtrain", "finetune", str(recipe), *overrides, *extra)
+    assert "FSDP2 on CPU: 2 processes over gloo, SHARDED_STATE_DICT checkpoints" in proc.stdout
+    assert "x 2 processes" in proc.stdout
+    return proc
+
+
+def _dcp_metadata(folder: Path):
+    from torch.distributed.checkpoint import FileSystemReader
+
+    return FileSystemReader(str(folder)).read_metadata()
+
+
+def _preempt(run: Path, step: int) -> None:
+    """As if the job died right after the checkpoint before `step`: its last checkpoint and final/ are gone."""
+    import shutil
+
+    shutil.rmtree(run / "checkpoints" / f"step_{step:06d}")
+    shutil.rmtree(run / "final")
+
+
+def test_fsdp_matches_one_process(tiny_assets, tmp_path, free_port):
+    """2 processes x micro-batch 2 under FSDP == 1 process x micro-batch 4 without: the same examples per step,
+    the loss normalised over all ranks' trained tokens, so losses, eval and final weights agree to round-off.
+
+    21 examples with a global micro-batch of 4 and accumulation 2: each epoch's last window has a
+    micro-batch where rank 1 has no example and runs its placeholder row (under FSDP every rank must
+    run every forward: the all-gathers are collectives), and two epochs cross the epoch boundary."""
+    lines = (tiny_assets / "data" / "train.jsonl").read_text().splitlines()
+    small = tmp_path / "train21.jsonl"
+    small.write_text("\n".join(lines[:21]) + "\n")
+    recipe = write_recipe(tiny_assets, tmp_path, data={"path": str(small),
+                                                       "eval_split": str(tiny_assets / "data" / "eval.jsonl")},
+                          train={"max_steps": None, "epochs": 2, "micro_batch_size": 2, "grad_accum_steps": 2,
+                                 "lr": 3e-3, "max_grad_norm": 1.0, "eval_every_steps": 3, "eval_batch_size": 8})
+    single, fsdp = tmp_path / "single", tmp_path / "fsdp"
+    run_train(recipe, f"output_dir={single}", "train.micro_batch_size=4")
+    _launch(recipe, free_port, f"output_dir={fsdp}")
+
+    one, two = records(single), records(fsdp)
+    assert [r["step"] for r in two] == [r["step"] for r in one] == [1, 2, 3, 4, 5, 6]
+    assert [r["epoch"] for r in two] == [0, 0, 0, 1, 1, 1]
+    assert [r["loss"] for r in two] == pytest.approx([r["loss"] for r in one], abs=1e-5)
+    # The norm is of the whole (sharded) gradient, before clipping at 1.0, which it exceeds here.
+    assert [r["grad_norm"] for r in two] == pytest.approx([r["grad_norm"] for r in one], rel=1e-5)
+    assert max(r["grad_norm"] for r in one) > 1.0
+    assert [r["tokens"] for r in two] == [r["tokens"] for r in one]
+    assert [r["trained_tokens"] for r in two] == [r["trained_tokens"] for r in one]
+    assert [e["eval_loss"] for e in records(fsdp, "eval")] == pytest.approx(
+        [e["eval_loss"] for e in records(single, "eval")], abs=1e-5)
+    # final/ holds the full model gathered from the shards, under the plain model's names.
+    assert max_abs_diff(load_weights(fsdp / "final"), load_weights(single / "final")) < 1e-5
+
+
+def test_sharded_checkpoint_resumes_exactly(tiny_assets, tmp_path, free_port):
+    """8 steps straight == 8 steps of which the last 4 ran after `--resume auto` from the step-4 checkpoint;
+    every checkpoint is written as shards, one file per rank, and no rank gathers the full state."""
+    recipe = write_recipe(tiny_assets, tmp_path, train={"max_steps": 8, "micro_batch_size": 2, "lr": 3e-3},
+                          checkpoint={"every_steps": 4, "keep_last": 2})
+    straight, resumed = tmp_path / "straight", tmp_path / "resumed"
+    _launch(recipe, free_port, f"output_dir={straight}")
+
+    ckpt = straight / "checkpoints" / "step_000004"
+    names = {p.name for p in ckpt.iterdir()}
+    # No gathered weights or optimizer anywhere: no model.safetensors, no pytorch_model_fsdp.bin, no optimizer.bin.
+    assert {"pytorch_model_fsdp_0", "optimizer_0", "random_states_0.pkl", "random_states_1.pkl",
+            "train_state.json", "recipe.yaml"} <= names
+    assert not any(n.endswith((".safetensors", ".bin")) for n in names), names
+    n_params = sum(t.numel() for t in load_weights(straight / "final").values())
+    for part in ("pytorch_model_fsdp_0", "optimizer_0"):
+        assert sorted(p.name for p in (ckpt / part).glob("*.distcp")) == ["__0_0.distcp", "__1_0.distcp"]
+    # Each rank wrote its own half of the fp32 weights (dim-0 shards), not a full copy.
+    shards = sorted((ckpt / "pytorch_model_fsdp_0").glob("*.distcp"))
+    assert all(0.4 * n_params * 4 < p.stat().st_size < 0.6 * n_params * 4 for p in shards)
+    meta = _dcp_metadata(ckpt / "pytorch_model_fsdp_0")
+    q_proj = meta.state_dict_metadata["model.model.layers.0.self_attn.q_proj.weight"]
+    assert len(q_proj.chunks) == 2 and {c.offsets[0] for c in q_proj.chunks} == {0, q_proj.size[0] // 2}
+    files = {meta.storage_data[k].relative_path for k in meta.storage_data if k.fqn.endswith("q_proj.weight")}
+    assert files == {"__0_0.distcp", "__1_0.distcp"}
+
+    _launch(recipe, free_port, f"output_dir={resumed}")
+    _preempt(resumed, 8)
+    proc = _launch(recipe, free_port, f"output_dir={resumed}", resume="auto")
+    assert f"resumed from {resumed / 'checkpoints' / 'step_000004'} at step 4" in proc.stdout
+    assert [r["step"] for r in records(resumed)] == list(range(1, 9))
+    assert losses(resumed) == pytest.approx(losses(straight), abs=1e-6)
+    assert max_abs_diff(load_weights(resumed / "final"), load_weights(straight / "final")) < 1e-6
+
+
+def test_lora_under_fsdp(tiny_assets, tmp_path, free_port):
+    """LoRA on a sharded frozen base: the same losses and adapter as 1 process, final/ is a PEFT adapter that
+    loads in a plain single process, and a sharded LoRA checkpoint resumes exactly."""
+    import torch
+    from peft import PeftModel
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    recipe = write_recipe(tiny_assets, tmp_path, lora=LORA,
+                          train={"max_steps": 4, "micro_batch_size": 2, "grad_accum_steps": 2, "lr": 1e-2},
+                          checkpoint={"every_steps": 2})
+    single, fsdp = tmp_path / "single", tmp_path / "fsdp"
+    run_train(recipe, f"output_dir={single}", "train.micro_batch_size=4")
+    _launch(recipe, free_port, f"output_dir={fsdp}")
+
+    assert losses(fsdp) == pytest.approx(losses(single), abs=1e-5)
+    assert losses(fsdp)[-1] < losses(fsdp)[0]
+    adapter = load_file(str(fsdp / "final" / "adapter_model.safetensors"))
+    assert max_abs_diff(adapter, load_file(str(single / "final" / "adapter_model.safetensors"))) < 1e-5
+    assert all("lora_" in k for k in adapter) and any(t.abs().sum() > 0 for k, t in adapter.items() if "lora_B" in k)
+
+    # The adapter loads onto the base model in this (non-distributed) process and changes its output.
+    base = AutoModelForCausalLM.from_pretrained(str(tiny_assets / "model"), dtype=torch.float32)
+    ids = torch.tensor([[1, 10, 11, 12, 13]])
+    with torch.no_grad():
+        before = base(ids).logits
+        model = PeftModel.from_pretrained(base, str(fsdp / "final"))
+        after = model(ids).logits
+    assert not torch.allclose(before, after)
+
+    # The frozen base is sharded too, so a LoRA checkpoint under FSDP holds the whole model, in shards.
+    meta = _dcp_metadata(fsdp / "checkpoints" / "step_000004" / "pytorch_model_fsdp_0")
+    assert any("lora_A" in k for k in meta.state_dict_metadata)
+    assert any(k.endswith("q_proj.base_layer.weight") for k in meta.state_dict_metadata)
+
+    _preempt(fsdp, 4)
+    _launch(recipe, free_port, f"output_dir={fsdp}", resume="auto")
+    assert losses(fsdp) == pytest.approx(losses(single), abs=1e-5)
+    assert max_abs_diff(load_file(str(fsdp / "final" / "adapter_model.safetensors")), adapter) < 1e-6
+
+
+@pytest.mark.parametrize("kind", ["full", "lora"])
+def test_bf16_keeps_fp32_master_shards(tiny_assets, tmp_path, free_port, kind):
+    """A bf16 model with train.mixed_precision=bf16: the trainable shards (what the optimizer updates, what
+    checkpoints hold) are fp32 and compute is bf16 (FSDP's MixedPrecisionPolicy); LoRA's frozen base stays
+    bf16, so it is neither upcast nor given gradients or optimizer state."""
+    sections = {"lora": LORA} if kind == "lora" else {}
+    recipe = write_recipe(tiny_assets, tmp_path, model={"dtype": "bfloat16"}, checkpoint={"every_steps": 4},
+                          train={"max_steps": 4, "micro_batch_size": 2, "lr": 3e-3, "mixed_precision": "bf16"},
+                          **sections)
+    run = tmp_path / "run"
+    _launch(recipe, free_port, f"output_dir={run}")
+    assert all(x == x and x < 10 for x in losses(run))  # finite, sane
+
+    ckpt = run / "checkpoints" / "step_000004"
+    dtypes = {k: str(v.properties.dtype) for k, v in _dcp_metadata(ckpt / "pytorch_model_fsdp_0")
+              .state_dict_metadata.items()}
+    trainable = {k: d for k, d in dtypes.items() if kind == "full" or "lora_" in k}
+    assert trainable and set(trainable.values()) == {"torch.float32"}
+    if kind == "lora":
+        frozen = {k: d for k, d in dtypes.items() if "lora_" not in k}
+        assert frozen and set(frozen.values()) == {"torch.bfloat16"}
+    # Optimizer state exists for the trainable parameters only (here: LoRA's A and B matrices).
+    optim = _dcp_metadata(ckpt / "optimizer_0").state_dict_metadata
+    moments = {k for k in optim if k.endswith(".exp_avg")}
+    assert moments and all(kind == "full" or "lora_" in k for k in moments)
+    assert len(moments) == len(trainable)
+
+
+PROBE = '''
+import sys
+
+import torch
+from safetensors.torch import load_file
+
+from llmtrain.config import load_recipe
+from llmtrain.distributed import build_accelerator
+from llmtrain.modeling import load_model
+
+recipe = load_recipe(sys.argv[1], [])
+accelerator = build_accelerator(recipe)
+model = load_model(recipe.model, None, device=accelerator.device)  # as train() does, before prepare
+name = "model.layers.0.mlp.down_proj.weight"
+weight = model.get_parameter(name).detach()
+read = weight.device.type != "meta" and torch.equal(weight, load_file(sys.argv[2])[name])
+print(f"rank {accelerator.process_index} holds the checkpoint weights: {read}", flush=True)
+accelerator.end_training()
+'''
+
+
+@pytest.mark.xfail(strict=True, reason=(
+    "transformers 5.23 reads the checkpoint on every rank even with FSDP_CPU_RAM_EFFICIENT_LOADING=true (its "
+    "from_pretrained only skips initialising missing keys off rank 0). The result is still right: "
+    "fsdp2_prepare_model moves each rank's copy to meta and broadcasts rank 0's weights (the equivalence "
+    "tests above run that path), but host RAM peaks at one full copy per process while loading."))
+def test_cpu_ram_efficient_loading_reads_weights_on_rank_0_only(tiny_assets, tmp_path, free_port):
+    recipe = write_recipe(tiny_assets, tmp_path)
+    probe = tmp_path / "probe.py"
+    probe.write_text(PROBE)
+    proc = _accelerate_launch(free_port, str(probe), str(recipe), str(tiny_assets / "model" / "model.safetensors"))
+    assert "rank 0 holds the checkpoint weights: True" in proc.stdout
+    assert "rank 1 holds the checkpoint weights: False" in proc.stdout, proc.stdout
