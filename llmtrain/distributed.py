@@ -75,6 +75,17 @@ def _fsdp_on_cpu(accelerator, fsdp_plugin) -> None:
                       f"{fsdp_plugin.state_dict_type.name} checkpoints")
 
 
+def receives_weights(accelerator) -> bool:
+    """This process builds an empty model and receives its weights from the main process.
+
+    FSDP with cpu_ram_efficient_loading (fsdp.yaml): only the main process reads the checkpoint; in
+    `prepare`, Accelerate's fsdp2_load_full_state_dict broadcasts it tensor by tensor and every process
+    keeps only its own shard. Host RAM then holds one copy of the model per job, not one per process.
+    """
+    plugin = accelerator.state.fsdp_plugin if accelerator.distributed_type.name == "FSDP" else None
+    return bool(plugin is not None and plugin.cpu_ram_efficient_loading and not accelerator.is_main_process)
+
+
 def global_sum(accelerator, *values: float | int) -> list[float]:
     """Sum numbers over all processes in one collective."""
     t = torch.tensor([float(v) for v in values], dtype=torch.float64, device=accelerator.device)

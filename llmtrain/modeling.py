@@ -36,13 +36,28 @@ def pad_id(tokenizer) -> int:
     return tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
 
 
-def load_model(cfg: ModelConfig, lora: LoraConfig | None, *, device: torch.device | None = None):
+def load_model(cfg: ModelConfig, lora: LoraConfig | None, *, device: torch.device | None = None,
+               empty: bool = False):
+    """The model as the recipe says, on the CPU (or on `device` for a random init).
+
+    empty=True builds it without reading any weight, for the processes of an FSDP run that receive their
+    shards from the main process in `prepare` (distributed.receives_weights). Its parameters are
+    uninitialised (see `_uninitialised_parameters`); its buffers are real, because FSDP broadcasts
+    parameters and persistent buffers only: non-persistent ones such as the rotary `inv_freq` are
+    computed here from the config, exactly as the main process computes them.
+    """
     from transformers import AutoConfig, AutoModelForCausalLM
 
     kwargs = dict(dtype=DTYPES[cfg.dtype], attn_implementation=cfg.attn_implementation,
                   trust_remote_code=cfg.trust_remote_code)
     try:
-        if cfg.random_init:
+        if empty:
+            from accelerate import init_empty_weights
+
+            config = AutoConfig.from_pretrained(cfg.name_or_path, trust_remote_code=cfg.trust_remote_code)
+            with init_empty_weights(include_buffers=False):
+                model = AutoModelForCausalLM.from_config(config, **kwargs)
+        elif cfg.random_init:
             config = AutoConfig.from_pretrained(cfg.name_or_path, trust_remote_code=cfg.trust_remote_code)
             # Initialise straight on the training device: a 7B random init on the CPU takes minutes.
             with torch.device(device or "cpu"):
@@ -57,7 +72,27 @@ def load_model(cfg: ModelConfig, lora: LoraConfig | None, *, device: torch.devic
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     if lora is not None:
         model = apply_lora(model, lora)
+    if empty:
+        _uninitialised_parameters(model)
     return model
+
+
+def _uninitialised_parameters(model) -> None:
+    """Give each parameter of a model built on the meta device its own uninitialised CPU storage.
+
+    torch.empty only reserves address space: no page is written, so none becomes resident, and
+    Accelerate's fsdp2_prepare_model moves the model back to meta before it loads the broadcast shards.
+    The storage is needed at all because Accelerate maps the optimizer's parameters to their FSDP
+    shards by `data_ptr()`, which is 0 for every meta tensor: on meta, all of them would map to one.
+    Tied parameters (one object in two modules) stay tied.
+    """
+    made: dict[int, torch.nn.Parameter] = {}
+    for module in model.modules():
+        for name, p in module._parameters.items():
+            if p is not None and p.is_meta:
+                if id(p) not in made:
+                    made[id(p)] = torch.nn.Parameter(torch.empty_like(p, device="cpu"), requires_grad=p.requires_grad)
+                module._parameters[name] = made[id(p)]
 
 
 def apply_lora(model, cfg: LoraConfig):

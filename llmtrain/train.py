@@ -23,7 +23,7 @@ from llmtrain.batching import collate, rank_micro_batches
 from llmtrain.checkpoint import TrainState, load_checkpoint, lora_only_hooks, resolve_resume, save_checkpoint
 from llmtrain.config import Recipe
 from llmtrain.data import IGNORE, prepare_datasets
-from llmtrain.distributed import build_accelerator, global_sum, use_fused_adamw
+from llmtrain.distributed import build_accelerator, global_sum, receives_weights, use_fused_adamw
 from llmtrain.errors import LLMTrainError
 from llmtrain.export import save_final
 from llmtrain.metrics import MetricsLog, progress_bar, step_info
@@ -151,7 +151,7 @@ def train(recipe: Recipe, *, resume: str | None = None, overwrite: bool = False)
                       f"{mb * accum * world} examples/step; {total_steps} steps ({steps_per_epoch}/epoch)")
 
     # ---- model, optimizer, schedule
-    model = load_model(recipe.model, recipe.lora, device=accelerator.device)
+    model = load_model(recipe.model, recipe.lora, device=accelerator.device, empty=receives_weights(accelerator))
     n_total, n_trainable = count_parameters(model)
     accelerator.print(f"model: {n_total:,} parameters, {n_trainable:,} trainable ({'LoRA' if recipe.lora else 'full'})")
     optimizer = build_optimizer(model, lr=tc.lr, weight_decay=tc.weight_decay, betas=tc.betas, eps=tc.eps,

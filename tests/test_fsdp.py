@@ -15,9 +15,8 @@ Every run here checks the launch said "FSDP2 on CPU: 2 processes", so a silent f
 
 What stays unproven on CPU: speed and memory (no GPU memory to measure), NCCL, and bf16 numerics of GPU
 kernels. The bf16 test below checks the precision *layout* (fp32 master shards, bf16 frozen base), not
-that bf16 training converges like fp32. cpu_ram_efficient_loading's broadcast of rank 0's weights runs in
-every test here, but its memory promise does not hold with transformers 5.23 (every rank still reads the
-checkpoint): the last test is a strict xfail that says so.
+that bf16 training converges like fp32. cpu_ram_efficient_loading runs in every test here: rank 1 never
+reads the weights and receives them from rank 0 (the last test shows which rank read what).
 """
 
 from __future__ import annotations
@@ -211,31 +210,55 @@ import sys
 
 import torch
 from safetensors.torch import load_file
+from transformers import AutoModelForCausalLM
 
 from llmtrain.config import load_recipe
-from llmtrain.distributed import build_accelerator
-from llmtrain.modeling import load_model
+from llmtrain.distributed import build_accelerator, receives_weights
+from llmtrain.modeling import build_optimizer, load_model
+
+# Record whether this process reads the weights: from_pretrained is the only way load_model reads them.
+reads = []
+from_pretrained = AutoModelForCausalLM.from_pretrained
+AutoModelForCausalLM.from_pretrained = lambda *a, **kw: reads.append(a[0]) or from_pretrained(*a, **kw)
 
 recipe = load_recipe(sys.argv[1], [])
 accelerator = build_accelerator(recipe)
-model = load_model(recipe.model, None, device=accelerator.device)  # as train() does, before prepare
+rank = accelerator.process_index
+# Exactly as train() builds the model before prepare.
+model = load_model(recipe.model, None, device=accelerator.device, empty=receives_weights(accelerator))
+on_disk = load_file(sys.argv[2])  # the test's own reference copy, read after the model was built
 name = "model.layers.0.mlp.down_proj.weight"
-weight = model.get_parameter(name).detach()
-read = weight.device.type != "meta" and torch.equal(weight, load_file(sys.argv[2])[name])
-print(f"rank {accelerator.process_index} holds the checkpoint weights: {read}", flush=True)
+holds = torch.equal(model.get_parameter(name).detach(), on_disk[name])
+print(f"rank {rank} read the checkpoint: {bool(reads)}, holds its weights: {holds}")
+inv_freq = dict(model.named_buffers())["model.rotary_emb.inv_freq"]
+optimizer = build_optimizer(model, lr=1e-3, weight_decay=0.0, betas=(0.9, 0.999), eps=1e-8, fused=False)
+model, optimizer = accelerator.prepare(model, optimizer)  # FSDP2 prepares the two together
+# After prepare every rank holds a shard; gathered, the shards must be the checkpoint, on every rank.
+full = {n: p.full_tensor() for n, p in model.named_parameters()}
+same = all(torch.equal(full[n], on_disk[n]) for n in on_disk)
+local = sum(p.to_local().numel() for p in model.parameters())
+print(f"rank {rank} gathered weights equal the checkpoint: {same}; local shard {local} of "
+      f"{sum(t.numel() for t in full.values())} parameters; inv_freq {inv_freq.sum().item():.6f}", flush=True)
 accelerator.end_training()
 '''
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "transformers 5.23 reads the checkpoint on every rank even with FSDP_CPU_RAM_EFFICIENT_LOADING=true (its "
-    "from_pretrained only skips initialising missing keys off rank 0). The result is still right: "
-    "fsdp2_prepare_model moves each rank's copy to meta and broadcasts rank 0's weights (the equivalence "
-    "tests above run that path), but host RAM peaks at one full copy per process while loading."))
 def test_cpu_ram_efficient_loading_reads_weights_on_rank_0_only(tiny_assets, tmp_path, free_port):
+    """fsdp_cpu_ram_efficient_loading: only rank 0 reads the checkpoint; rank 1 builds the model on the meta
+    device (no weight in host RAM) and receives its shard from rank 0 in `prepare`. Afterwards the shards of
+    both ranks are exactly the checkpoint, and rank 1's rotary buffer (never broadcast) equals rank 0's."""
+    import re
+
     recipe = write_recipe(tiny_assets, tmp_path)
     probe = tmp_path / "probe.py"
     probe.write_text(PROBE)
     proc = _accelerate_launch(free_port, str(probe), str(recipe), str(tiny_assets / "model" / "model.safetensors"))
-    assert "rank 0 holds the checkpoint weights: True" in proc.stdout
-    assert "rank 1 holds the checkpoint weights: False" in proc.stdout, proc.stdout
+    assert "rank 0 read the checkpoint: True, holds its weights: True" in proc.stdout, proc.stdout
+    assert "rank 1 read the checkpoint: False, holds its weights: False" in proc.stdout, proc.stdout
+    found = re.findall(r"rank (\d) gathered weights equal the checkpoint: (\w+); local shard (\d+) of (\d+) "
+                       r"parameters; inv_freq (\S+)", proc.stdout)
+    assert sorted(r for r, *_ in found) == ["0", "1"], proc.stdout
+    assert all(same == "True" for _, same, *_ in found)
+    # Each rank keeps about half the parameters (dim-0 shards), and both have the same rotary frequencies.
+    assert all(0.4 < int(local) / int(total) < 0.6 for *_, local, total, _ in found)
+    assert found[0][-1] == found[1][-1]
