@@ -4,6 +4,15 @@
     python benchmarks/throughput.py --shape llama-1b-full
     python benchmarks/throughput.py --shape tiny --steps 4      # CPU smoke run of the script itself
 
+Under FSDP2 (one process on one GPU: the sharding code path, with nothing to shard across), the two 7B
+shapes of the scale-out GPU check; the full fine-tune needs its parameters, gradients and AdamW state
+(about 108 GiB) offloaded to the host to fit 80 GB:
+
+    accelerate launch --config_file accelerate_configs/fsdp.yaml --num_processes 1 \
+        benchmarks/throughput.py --shape llama2-7b-lora
+    accelerate launch --config_file accelerate_configs/fsdp.yaml --num_processes 1 --fsdp_offload_params true \
+        benchmarks/throughput.py --shape llama2-7b-full --steps 6
+
 Prints one JSON object per run: tokens/s (median over the steps after warm-up), MFU and peak memory.
 Weights are random (model.random_init): throughput and memory do not depend on their values.
 """
@@ -22,6 +31,8 @@ SHAPES = {
     # name: (LlamaConfig kwargs, LoRA?, dtype, mixed precision)
     "llama2-7b-lora": (dict(hidden_size=4096, intermediate_size=11008, num_hidden_layers=32, num_attention_heads=32,
                             num_key_value_heads=32, vocab_size=32000), True, "bfloat16", "bf16"),
+    "llama2-7b-full": (dict(hidden_size=4096, intermediate_size=11008, num_hidden_layers=32, num_attention_heads=32,
+                            num_key_value_heads=32, vocab_size=32000), False, "float32", "bf16"),
     "llama-1b-full": (dict(hidden_size=2048, intermediate_size=5632, num_hidden_layers=22, num_attention_heads=32,
                            num_key_value_heads=4, vocab_size=32000), False, "float32", "bf16"),
     "tiny": (dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
@@ -96,6 +107,8 @@ def main(argv: list[str] | None = None) -> dict:
         "tokens_per_s": tps, "mfu": fpt * tps / PEAK_FLOPS[device],
         "max_memory_allocated_gib": summary.get("max_memory_allocated", 0) / 2**30,
         "max_memory_reserved_gib": summary.get("max_memory_reserved", 0) / 2**30,
+        "predicted_allocated_gib": summary.get("predicted_peak_allocated_bytes", 0) / 2**30,
+        "predicted_reserved_gib": summary.get("predicted_peak_reserved_bytes", 0) / 2**30,
         "predicted_peak_gib": summary.get("predicted_peak_bytes", 0) / 2**30,
     }
     print(json.dumps(result))

@@ -24,6 +24,7 @@ class TrainState:
     epoch: int = 0  # current epoch
     micro_in_epoch: int = 0  # global micro-batches of the current epoch already trained on
     examples_per_micro: int = 0  # micro_batch_size x processes when saved: fixes the data order
+    processes: int = 0  # processes of the run that saved it
     tokens_seen: int = 0  # input tokens (all ranks) processed so far
     trained_tokens_seen: int = 0  # tokens that carried loss so far
 
@@ -95,28 +96,64 @@ def lora_only_hooks(accelerator, trainable_names: set[str]) -> None:
     accelerator.register_save_state_pre_hook(save_hook)
 
 
-def verify_saved(path: Path, *, expected_keys: set[str], lora: bool) -> None:
-    """Check a checkpoint before it is published: its weights hold the expected keys, and for LoRA the
-    B matrices are not all zero (an adapter saved as zeros is silently a no-op)."""
-    from safetensors import safe_open
+FSDP_MODEL_DIR = "pytorch_model_fsdp_0"  # where Accelerate writes a sharded (DCP) model: one .distcp file per rank
 
-    weights = path / "model.safetensors"
-    if not weights.is_file():  # sharded (FSDP) checkpoints are verified by the sharded loader
-        return
-    with safe_open(str(weights), "pt") as f:
-        saved = set(f.keys())
-        lora_b_zero = lora and all(not f.get_tensor(k).any() for k in saved if "lora_B" in k)
+
+def verify_saved(path: Path, *, model_keys: set[str], trainable: set[str] | None) -> None:
+    """Check a checkpoint before it is published, by reading back what was written.
+
+    Its weights must hold the model's keys (only the adapter's, `trainable`, for LoRA outside FSDP) and,
+    for LoRA, the B matrices must not all be zero: an adapter saved as zeros is silently a no-op. A
+    sharded (FSDP) checkpoint is read through its DCP metadata: every shard's bytes must be on disk, and
+    the LoRA B matrices are loaded back from the shards in this one process.
+    """
+    weights, sharded = path / "model.safetensors", path / FSDP_MODEL_DIR
+    if weights.is_file():
+        from safetensors import safe_open
+
+        with safe_open(str(weights), "pt") as f:
+            saved = set(f.keys())
+            lora_b = {k: f.get_tensor(k) for k in saved if "lora_B" in k}
+        expected = trainable or model_keys
+    elif sharded.is_dir():
+        saved, lora_b = _read_sharded(sharded, path, lora=trainable is not None)
+        expected = model_keys  # FSDP saves the whole model, frozen base included, as shards
+    else:
+        raise LLMTrainError(f"checkpoint {path} failed verification: it holds no model weights "
+                            f"(model.safetensors or {FSDP_MODEL_DIR}/). It was not published.")
     # Tied weights are stored once, so a full model may save fewer keys than its state dict has.
-    if not saved or not saved <= expected_keys or (lora and saved != expected_keys):
+    if not saved or not saved <= expected or (trainable is not None and not trainable <= saved):
         raise LLMTrainError(f"checkpoint {path} failed verification: saved keys do not match the model "
-                            f"({len(saved)} saved, {len(expected_keys)} expected). It was not published.")
-    if lora_b_zero:
+                            f"({len(saved)} saved, {len(expected)} expected). It was not published.")
+    if trainable is not None and not any(t.any() for t in lora_b.values()):
         raise LLMTrainError(f"checkpoint {path} failed verification: every LoRA B matrix is zero, so the adapter "
                             "would do nothing. It was not published; check train.lr and the LoRA settings.")
 
 
+def _read_sharded(folder: Path, path: Path, *, lora: bool) -> tuple[set[str], dict]:
+    """Keys of a DCP model checkpoint (Accelerate nests them under "model."), and its LoRA B matrices."""
+    import torch
+    import torch.distributed.checkpoint as dcp
+
+    reader = dcp.FileSystemReader(str(folder))
+    meta = reader.read_metadata()
+    for item in meta.storage_data.values():
+        shard = folder / item.relative_path
+        if not shard.is_file() or shard.stat().st_size < item.offset + item.length:
+            raise LLMTrainError(f"checkpoint {path} failed verification: shard {shard.name} is missing or "
+                                "truncated. It was not published.")
+    saved = {k.removeprefix("model.") for k in meta.state_dict_metadata}
+    lora_b = {k: torch.empty(md.size, dtype=md.properties.dtype) for k, md in meta.state_dict_metadata.items()
+              if lora and "lora_B" in k}
+    if lora_b:  # the whole tensors, assembled from every rank's shard, in this process alone
+        loaded = {"model": {k.removeprefix("model."): t for k, t in lora_b.items()}}
+        dcp.load(loaded, storage_reader=reader, no_dist=True)
+        lora_b = loaded["model"]
+    return saved, lora_b
+
+
 def save_checkpoint(accelerator, *, output_dir: Path, state: TrainState, recipe_yaml: str, keep_last: int,
-                    expected_keys: set[str], lora: bool) -> Path:
+                    model_keys: set[str], trainable: set[str] | None) -> Path:
     root = output_dir / "checkpoints"
     final = root / f"step_{state.step:06d}"
     tmp = root / f".tmp-{final.name}"
@@ -126,7 +163,7 @@ def save_checkpoint(accelerator, *, output_dir: Path, state: TrainState, recipe_
     accelerator.save_state(str(tmp))
     accelerator.wait_for_everyone()  # every rank's RNG and shards are on disk before the rename
     if accelerator.is_main_process:
-        verify_saved(tmp, expected_keys=expected_keys, lora=lora)
+        verify_saved(tmp, model_keys=model_keys, trainable=trainable)
         (tmp / "train_state.json").write_text(json.dumps(state.state_dict(), indent=1))
         (tmp / "recipe.yaml").write_text(recipe_yaml)
         if final.exists():  # only possible when resuming from an older step with --resume PATH
@@ -144,6 +181,20 @@ def load_checkpoint(accelerator, path: Path, *, trainable_names: set[str] | None
     For LoRA only the adapter was saved, so loading is non-strict; the saved keys are then checked
     against the trainable parameters so that a mismatch can never pass silently.
     """
+    sharded, fsdp = (path / FSDP_MODEL_DIR).is_dir(), accelerator.distributed_type.name == "FSDP"
+    if sharded and not fsdp:
+        raise LLMTrainError(
+            f"checkpoint {path} holds FSDP shards ({FSDP_MODEL_DIR}/) and this run does not use FSDP. Resume it "
+            "under FSDP, on any number of processes (the shards are redistributed on load): accelerate launch "
+            "--config_file accelerate_configs/fsdp.yaml [--num_processes N] -m llmtrain finetune RECIPE --resume "
+            "..., keeping train.micro_batch_size x processes."
+        )
+    if fsdp and not sharded:
+        raise LLMTrainError(
+            f"checkpoint {path} was written without FSDP (model.safetensors) and this run uses FSDP. Resume it "
+            "without FSDP (`llmtrain finetune` on one process, or a DDP launch config such as "
+            "accelerate_configs/ddp.yaml, any number of processes), keeping train.micro_batch_size x processes."
+        )
     if trainable_names is None:
         accelerator.load_state(str(path))
         return

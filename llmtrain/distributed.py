@@ -27,6 +27,12 @@ def build_accelerator(recipe: Recipe):
     launched = os.environ.get("ACCELERATE_MIXED_PRECISION")
     # Built here (from the launch's FSDP_* variables, as Accelerate itself would) to keep a handle on it.
     fsdp_plugin = FullyShardedDataParallelPlugin() if fsdp_requested() else None
+    if fsdp_plugin is not None and fsdp_plugin.state_dict_type.name != "SHARDED_STATE_DICT":
+        raise LLMTrainError(
+            f"the launch config sets fsdp_state_dict_type: {fsdp_plugin.state_dict_type.name}; llmtrain's FSDP "
+            "checkpoints are sharded (every rank writes its own shard, nothing is gathered), so set "
+            "fsdp_state_dict_type: SHARDED_STATE_DICT. final/ is still exported as one full model."
+        )
     # The recipe is the source of truth for precision; passing it explicitly overrides the launch config.
     accelerator = Accelerator(
         # Without an accelerator, processes started by torchrun (`accelerate launch` with a multi-process

@@ -159,18 +159,23 @@ def train(recipe: Recipe, *, resume: str | None = None, overwrite: bool = False)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, functools.partial(
         lr_factor, warmup=tc.warmup_steps, total=total_steps, schedule=tc.schedule, min_ratio=tc.min_lr_ratio))
     model, optimizer = accelerator.prepare(model, optimizer)
-    state = TrainState(examples_per_micro=mb * world)
+    state = TrainState(examples_per_micro=mb * world, processes=world)
     accelerator.register_for_checkpointing(scheduler, state)
     # Accelerate saves and loads the model it was given, not the DDP wrapper: names carry no "module.".
     unwrapped = accelerator.unwrap_model(model)
     trainable_names = {n for n, p in unwrapped.named_parameters() if p.requires_grad} if recipe.lora else None
     if trainable_names:
         lora_only_hooks(accelerator, trainable_names)
-    expected_keys = trainable_names or set(unwrapped.state_dict())
+    model_keys = set(unwrapped.state_dict())
     if ckpt is not None:
         load_checkpoint(accelerator, ckpt, trainable_names=trainable_names)
         state.check_layout(examples_per_micro=mb * world, accum=accum)
         accelerator.print(f"resumed from {ckpt} at step {state.step}")
+        if state.processes != world:
+            # Each rank restores its own RNG file; with more ranks than saved, the new ones start from the seed.
+            accelerator.print(f"note: written by {state.processes} processes, resumed on {world}: the same examples "
+                              "per step, but per-rank random streams (dropout) do not replay the original run's.")
+            state.processes = world
 
     log = MetricsLog(out, enabled=accelerator.is_main_process, tensorboard=recipe.logging.tensorboard,
                      resume_step=state.step if resume else None)
@@ -232,8 +237,8 @@ def train(recipe: Recipe, *, resume: str | None = None, overwrite: bool = False)
                         progress.console.print(f"step {state.step}: " + "  ".join(f"{k} {v:.4f}" for k, v in ev.items()))
                 if recipe.checkpoint.every_steps and state.step % recipe.checkpoint.every_steps == 0:
                     save_checkpoint(accelerator, output_dir=out, state=state, recipe_yaml=recipe.to_yaml(),
-                                    keep_last=recipe.checkpoint.keep_last, expected_keys=expected_keys,
-                                    lora=recipe.lora is not None)
+                                    keep_last=recipe.checkpoint.keep_last, model_keys=model_keys,
+                                    trainable=trainable_names)
             if state.micro_in_epoch >= len(micro):
                 state.epoch, state.micro_in_epoch = state.epoch + 1, 0
 
@@ -259,11 +264,18 @@ def _predicted_memory(recipe: Recipe, accelerator) -> dict:
     """The estimator's prediction for this very run, logged beside the measured peak."""
     from llmtrain.memory import estimate_for_recipe
 
-    strategy = "fsdp" if accelerator.distributed_type.name == "FSDP" else (
-        "ddp" if accelerator.num_processes > 1 else "single")
+    from torch.distributed.fsdp import CPUOffloadPolicy
+
+    fsdp = accelerator.distributed_type.name == "FSDP"
+    strategy = "fsdp" if fsdp else ("ddp" if accelerator.num_processes > 1 else "single")
+    offload = fsdp and isinstance(accelerator.state.fsdp_plugin.cpu_offload, CPUOffloadPolicy)
     try:
-        est = estimate_for_recipe(recipe, num_processes=accelerator.num_processes, strategy=strategy)
+        est = estimate_for_recipe(recipe, num_processes=accelerator.num_processes, strategy=strategy,
+                                  cpu_offload=offload)
     except LLMTrainError as e:  # a model the estimator cannot read must not fail a finished run
         accelerator.print(f"memory estimate unavailable: {e}")
         return {}
-    return {"predicted_peak_bytes": est.per_gpu_peak_bytes, "predicted_breakdown": est.breakdown}
+    # allocated/reserved compare with torch.cuda.max_memory_*; peak adds the CUDA context and NCCL buffers.
+    return {"predicted_peak_bytes": est.per_gpu_peak_bytes,
+            "predicted_peak_allocated_bytes": est.per_gpu_peak_allocated_bytes,
+            "predicted_peak_reserved_bytes": est.per_gpu_peak_reserved_bytes, "predicted_breakdown": est.breakdown}

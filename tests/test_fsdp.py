@@ -21,13 +21,14 @@ reads the weights and receives them from rank 0 (the last test shows which rank 
 
 from __future__ import annotations
 
+import shutil
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
-from helpers import ENV, REPO, load_weights, losses, max_abs_diff, records, run_train, write_recipe
+from helpers import ENV, REPO, cli, load_weights, losses, max_abs_diff, records, run_train, write_recipe
 
 pytestmark = pytest.mark.slow
 
@@ -35,22 +36,24 @@ CPU_FSDP = REPO / "accelerate_configs" / "cpu_fsdp.yaml"
 LORA = {"r": 4, "alpha": 8, "dropout": 0.0, "target_modules": ["q_proj", "v_proj"]}
 
 
-def _accelerate_launch(port: int, *args: str) -> subprocess.CompletedProcess:
-    """`accelerate launch --config_file accelerate_configs/cpu_fsdp.yaml ARGS...`, which must succeed."""
+def _accelerate_launch(port: int, *args: str, processes: int = 2, check: bool = True) -> subprocess.CompletedProcess:
+    """`accelerate launch --config_file accelerate_configs/cpu_fsdp.yaml ARGS...`, which must succeed (check)."""
     proc = subprocess.run(
         [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(CPU_FSDP),
-         "--main_process_port", str(port), *args],
+         "--num_processes", str(processes), "--main_process_port", str(port), *args],
         env=ENV, cwd=REPO, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert proc.returncode == 0 or not check, proc.stdout[-3000:] + proc.stderr[-3000:]
     return proc
 
 
-def _launch(recipe: Path, port: int, *overrides: str, resume: str | None = None) -> subprocess.CompletedProcess:
+def _launch(recipe: Path, port: int, *overrides: str, resume: str | None = None, processes: int = 2,
+            check: bool = True) -> subprocess.CompletedProcess:
     """`accelerate launch --config_file accelerate_configs/cpu_fsdp.yaml -m llmtrain finetune RECIPE ...`."""
     extra = ["--resume", resume] if resume else []
-    proc = _accelerate_launch(port, "-m", "llmtrain", "finetune", str(recipe), *overrides, *extra)
-    assert "FSDP2 on CPU: 2 processes over gloo, SHARDED_STATE_DICT checkpoints" in proc.stdout
-    assert "x 2 processes" in proc.stdout
+    proc = _accelerate_launch(port, "-m", "llmtrain", "finetune", str(recipe), *overrides, *extra,
+                              processes=processes, check=check)
+    assert f"FSDP2 on CPU: {processes} processes over gloo, SHARDED_STATE_DICT checkpoints" in proc.stdout
+    assert f"x {processes} processes" in proc.stdout
     return proc
 
 
@@ -62,8 +65,6 @@ def _dcp_metadata(folder: Path):
 
 def _preempt(run: Path, step: int) -> None:
     """As if the job died right after the checkpoint before `step`: its last checkpoint and final/ are gone."""
-    import shutil
-
     shutil.rmtree(run / "checkpoints" / f"step_{step:06d}")
     shutil.rmtree(run / "final")
 
@@ -129,11 +130,26 @@ def test_sharded_checkpoint_resumes_exactly(tiny_assets, tmp_path, free_port):
 
     _launch(recipe, free_port, f"output_dir={resumed}")
     _preempt(resumed, 8)
+    one = tmp_path / "one"  # the same preempted run, to be resumed on 1 process below
+    shutil.copytree(resumed, one)
     proc = _launch(recipe, free_port, f"output_dir={resumed}", resume="auto")
     assert f"resumed from {resumed / 'checkpoints' / 'step_000004'} at step 4" in proc.stdout
     assert [r["step"] for r in records(resumed)] == list(range(1, 9))
     assert losses(resumed) == pytest.approx(losses(straight), abs=1e-6)
     assert max_abs_diff(load_weights(resumed / "final"), load_weights(straight / "final")) < 1e-6
+
+    # Saved by 2 processes, resumed by 1 (DCP redistributes the shards on load): micro-batch 4 keeps the
+    # global micro-batch, so the resumed steps equal the 2-process run's.
+    proc = _launch(recipe, free_port, f"output_dir={one}", "train.micro_batch_size=4", resume="auto", processes=1)
+    assert "written by 2 processes, resumed on 1" in proc.stdout
+    assert losses(one) == pytest.approx(losses(straight), abs=1e-5)
+    assert max_abs_diff(load_weights(one / "final"), load_weights(straight / "final")) < 1e-5
+    # Without FSDP the shards cannot be read: refused with the launch to use, and the run is left as it was.
+    before = sorted(p.name for p in (one / "checkpoints").iterdir())
+    wrong = cli("finetune", str(recipe), f"output_dir={one}", "train.micro_batch_size=4", "--resume",
+                str(one / "checkpoints" / "step_000004"), check=False)
+    assert wrong.returncode == 2 and "holds FSDP shards" in wrong.stderr and "Traceback" not in wrong.stderr
+    assert sorted(p.name for p in (one / "checkpoints").iterdir()) == before
 
 
 def test_lora_under_fsdp(tiny_assets, tmp_path, free_port):

@@ -232,6 +232,10 @@ def test_estimate_for_recipe(tmp_path):
     assert est.spec.method == "lora" and est.spec.world == 2 and est.spec.seq_len == 64
     assert est.per_gpu_peak_bytes > 0 and isinstance(est.breakdown, dict)
     assert "eval_loss" in est.phases  # the recipe evaluates
+    # What train() passes for an FSDP launch with fsdp_offload_params: the offloaded state leaves the GPU.
+    sharded = estimate_for_recipe(load_recipe(recipe), num_processes=2, strategy="fsdp")
+    offloaded = estimate_for_recipe(load_recipe(recipe), num_processes=2, strategy="fsdp", cpu_offload=True)
+    assert offloaded.spec.cpu_offload and offloaded.per_gpu_peak_bytes < sharded.per_gpu_peak_bytes
 
 
 def _recipe(tmp_path: Path, model: Path, *, lora: bool) -> Path:

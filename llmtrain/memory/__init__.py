@@ -34,7 +34,7 @@ def __getattr__(name: str):
 
 
 def estimate_for_recipe(recipe: Recipe, *, num_processes: int = 1,
-                        strategy: Literal["single", "ddp", "fsdp"] = "single") -> Estimate:
+                        strategy: Literal["single", "ddp", "fsdp"] = "single", cpu_offload: bool = False) -> Estimate:
     """The per-GPU estimate for the run `recipe` describes on `num_processes` GPUs of one node.
 
     Reads the config.json of recipe.model.name_or_path (a local directory, a preset name, or a hub id
@@ -45,4 +45,5 @@ def estimate_for_recipe(recipe: Recipe, *, num_processes: int = 1,
     from llmtrain.memory.spec import spec_from_recipe
 
     shape = load_model_shape(recipe.model.name_or_path)
-    return estimate(shape, spec_from_recipe(recipe, strategy=strategy, num_gpus=num_processes))
+    return estimate(shape, spec_from_recipe(recipe, strategy=strategy, num_gpus=num_processes,
+                                            cpu_offload=cpu_offload))
