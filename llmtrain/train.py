@@ -136,6 +136,7 @@ def train(recipe: Recipe, *, resume: str | None = None, overwrite: bool = False)
     tokenizer = load_tokenizer(recipe.model)
     with accelerator.main_process_first():
         train_ds, eval_ds, stats, cache_hit = prepare_datasets(recipe.data, tokenizer, seed=tc.seed)
+    (cache_reads,) = global_sum(accelerator, cache_hit)  # processes that read the cache instead of tokenising
     pad = pad_id(tokenizer)
     world, mb, accum = accelerator.num_processes, tc.micro_batch_size, tc.grad_accum_steps
     micro_per_epoch = math.ceil(len(train_ds) / (mb * world))
@@ -143,7 +144,8 @@ def train(recipe: Recipe, *, resume: str | None = None, overwrite: bool = False)
     total_steps = tc.max_steps or tc.epochs * steps_per_epoch
     s = stats["train"]
     accelerator.print(
-        f"data: {s.examples} train examples ({'cache hit' if cache_hit else 'tokenised'}), "
+        f"data: {s.examples} train examples ({'tokenised' if cache_reads < world else 'cache hit'}, "
+        f"{int(cache_reads)} of {world} processes read the cache), "
         f"{s.truncated} truncated, {s.dropped} dropped, {s.trained_fraction:.1%} of tokens trained; "
         f"eval: {stats['eval'].examples if 'eval' in stats else 0} examples"
     )
@@ -247,7 +249,8 @@ def train(recipe: Recipe, *, resume: str | None = None, overwrite: bool = False)
         save_final(accelerator, model, tokenizer, out / "final")
     summary = {"steps": state.step, "params_total": n_total, "params_trainable": n_trainable,
                "final_loss": last.get("loss"), "tokens_seen": state.tokens_seen,
-               "train_time_s": time.perf_counter() - start, "data": {k: vars(v) for k, v in stats.items()}}
+               "train_time_s": time.perf_counter() - start, "data": {k: vars(v) for k, v in stats.items()},
+               "data_cache_reads": int(cache_reads)}
     if on_gpu:
         summary.update(max_memory_allocated=torch.cuda.max_memory_allocated(),
                        max_memory_reserved=torch.cuda.max_memory_reserved(),

@@ -50,8 +50,10 @@ def test_two_processes_match_one(tiny_assets, tmp_path, free_port):
                           checkpoint={"every_steps": 4})
     single, ddp = tmp_path / "single", tmp_path / "ddp"
     run_train(recipe, f"output_dir={single}", "train.micro_batch_size=4")
-    proc = _launch(recipe, free_port, f"output_dir={ddp}")
+    # A cache of its own: the main process tokenises it, the other one must read it, not tokenise again.
+    proc = _launch(recipe, free_port, f"output_dir={ddp}", f"data.cache_dir={tmp_path / 'ddp-cache'}")
     assert "x 2 processes" in proc.stdout  # really two workers in one group, not two lone runs
+    assert json.loads((ddp / "summary.json").read_text())["data_cache_reads"] == 1
     _compare(single, ddp)
     # Eval is sharded over the ranks and summed: the same eval loss as one process.
     assert [e["eval_loss"] for e in records(ddp, "eval")] == pytest.approx(

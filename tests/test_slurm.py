@@ -1,0 +1,52 @@
+"""examples/slurm/llmtrain.sbatch derives every launch flag from SLURM's environment.
+
+SLURM is not here, so `srun`, `scontrol` and `accelerate` are stand-ins on PATH: srun runs its command once
+per node with that node's SLURM_NODEID (as `srun --ntasks-per-node=1` does), scontrol expands the node list,
+and accelerate records its arguments. The script itself runs unchanged, under bash.
+"""
+
+from __future__ import annotations
+
+import os
+import shlex
+import stat
+import subprocess
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+SBATCH = REPO / "examples" / "slurm" / "llmtrain.sbatch"
+
+STUBS = {
+    # srun [options] bash -c CMD: drop the options, run CMD once per node with its node id.
+    "srun": 'while [[ "$1" == --* ]]; do shift; done\n'
+            'for ((i = 0; i < SLURM_NNODES; i++)); do SLURM_NODEID=$i "$@" || exit; done\n',
+    "scontrol": '[[ "$1 $2" == "show hostnames" ]] && printf "gpu-a17\\ngpu-a18\\n"\n',
+    "accelerate": 'echo "$@" >> "$CALLS"\n',
+}
+
+
+def test_sbatch_derives_rank_address_and_port_from_slurm(tmp_path):
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    for name, body in STUBS.items():
+        stub = bin_dir / name
+        stub.write_text("#!/usr/bin/env bash\n" + body)
+        stub.chmod(stub.stat().st_mode | stat.S_IEXEC)
+    calls = tmp_path / "calls"
+    env = {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}", "CALLS": str(calls), "SLURM_NNODES": "2",
+           "SLURM_JOB_NODELIST": "gpu-a[17-18]", "SLURM_JOB_ID": "123456", "SLURM_GPUS_ON_NODE": "8"}
+    subprocess.run(["bash", str(SBATCH), "recipes/llama7b.yaml", "train.lr=2e-5"], env=env, cwd=REPO, check=True,
+                   capture_output=True, text=True, timeout=60)
+
+    launches = [shlex.split(line) for line in calls.read_text().splitlines()]
+    assert len(launches) == 2  # one `accelerate launch` per node
+    for rank, args in enumerate(launches):
+        flags = dict(zip(args[1::2], args[2::2]))
+        assert args[0] == "launch"
+        assert flags["--config_file"] == "accelerate_configs/fsdp_multinode.yaml"
+        assert flags["--machine_rank"] == str(rank)
+        assert flags["--num_machines"] == "2" and flags["--num_processes"] == "16"
+        assert flags["--main_process_ip"] == "gpu-a17"  # the allocation's first node, on every node
+        assert flags["--main_process_port"] == str(20000 + 123456 % 20000)
+        assert args[args.index("-m"):] == ["-m", "llmtrain", "finetune", "recipes/llama7b.yaml", "--resume", "auto",
+                                           "train.lr=2e-5"]
