@@ -55,10 +55,13 @@ def compute_loss(model, batch: dict[str, torch.Tensor]) -> torch.Tensor:
 
 
 def _batches(dataset, index_lists, *, device, pad: int, packing: bool):
+    """Collated micro-batches on `device`, each with its number of input tokens of real examples (an idle
+    rank's placeholder row is not data and counts 0)."""
     for idx in index_lists:
         rows = dataset[idx] if idx else {"input_ids": [], "labels": []}
         examples = [{"input_ids": i, "labels": lab} for i, lab in zip(rows["input_ids"], rows["labels"])]
-        yield {k: v.to(device) for k, v in collate(examples, pad_id=pad, packing=packing).items()}
+        batch = collate(examples, pad_id=pad, packing=packing)
+        yield {k: v.to(device) for k, v in batch.items()}, sum(len(e["input_ids"]) for e in examples)
 
 
 @torch.no_grad()
@@ -73,7 +76,7 @@ def evaluate(model, dataset, accelerator, *, batch_size: int, pad: int) -> dict:
                                      rank=accelerator.process_index, world_size=accelerator.num_processes,
                                      shuffle=False)
     loss = tokens = correct = exact = examples = 0.0
-    for batch in _batches(dataset, index_lists, device=accelerator.device, pad=pad, packing=False):
+    for batch, _ in _batches(dataset, index_lists, device=accelerator.device, pad=pad, packing=False):
         logits = model(**{k: v for k, v in batch.items() if k != "targets"}).logits.float()
         targets = batch["targets"]
         mask = targets != IGNORE
@@ -193,11 +196,10 @@ def train(recipe: Recipe, *, resume: str | None = None, overwrite: bool = False)
             while state.micro_in_epoch < len(micro) and state.step < total_steps:
                 t0 = time.perf_counter()
                 window = micro[state.micro_in_epoch : state.micro_in_epoch + accum]  # one optimizer step
-                batches = list(_batches(train_ds, window, device=accelerator.device, pad=pad,
-                                        packing=recipe.data.packing))
+                batches, counts = zip(*_batches(train_ds, window, device=accelerator.device, pad=pad,
+                                                packing=recipe.data.packing))
                 local_trained = sum(int((b["targets"] != IGNORE).sum()) for b in batches)
-                # Input tokens of real examples only: an idle rank's placeholder row is not data.
-                local_tokens = sum(len(ids) for idx in window if idx for ids in train_ds[idx]["input_ids"])
+                local_tokens = sum(counts)
                 trained, tokens = global_sum(accelerator, local_trained, local_tokens)
                 loss_sum = torch.zeros((), device=accelerator.device)
                 for i, batch in enumerate(batches):
