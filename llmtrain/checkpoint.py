@@ -13,6 +13,7 @@ import shutil
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from llmtrain.distributed import uses_fsdp
 from llmtrain.errors import LLMTrainError
 
 
@@ -181,7 +182,7 @@ def load_checkpoint(accelerator, path: Path, *, trainable_names: set[str] | None
     For LoRA only the adapter was saved, so loading is non-strict; the saved keys are then checked
     against the trainable parameters so that a mismatch can never pass silently.
     """
-    sharded, fsdp = (path / FSDP_MODEL_DIR).is_dir(), accelerator.distributed_type.name == "FSDP"
+    sharded, fsdp = (path / FSDP_MODEL_DIR).is_dir(), uses_fsdp(accelerator)
     if sharded and not fsdp:
         raise LLMTrainError(
             f"checkpoint {path} holds FSDP shards ({FSDP_MODEL_DIR}/) and this run does not use FSDP. Resume it "

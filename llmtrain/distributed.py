@@ -81,6 +81,11 @@ def _fsdp_on_cpu(accelerator, fsdp_plugin) -> None:
                       f"{fsdp_plugin.state_dict_type.name} checkpoints")
 
 
+def uses_fsdp(accelerator) -> bool:
+    """The run is sharded by FSDP (on GPUs, or on CPU through `_fsdp_on_cpu`)."""
+    return accelerator.distributed_type.name == "FSDP"
+
+
 def receives_weights(accelerator) -> bool:
     """This process builds an empty model and receives its weights from the main process.
 
@@ -88,7 +93,7 @@ def receives_weights(accelerator) -> bool:
     `prepare`, Accelerate's fsdp2_load_full_state_dict broadcasts it tensor by tensor and every process
     keeps only its own shard. Host RAM then holds one copy of the model per job, not one per process.
     """
-    plugin = accelerator.state.fsdp_plugin if accelerator.distributed_type.name == "FSDP" else None
+    plugin = accelerator.state.fsdp_plugin if uses_fsdp(accelerator) else None
     return bool(plugin is not None and plugin.cpu_ram_efficient_loading and not accelerator.is_main_process)
 
 

@@ -51,16 +51,12 @@ def load_model(cfg: ModelConfig, lora: LoraConfig | None, *, device: torch.devic
     kwargs = dict(dtype=DTYPES[cfg.dtype], attn_implementation=cfg.attn_implementation,
                   trust_remote_code=cfg.trust_remote_code)
     try:
-        if empty:
+        if empty or cfg.random_init:
             from accelerate import init_empty_weights
 
             config = AutoConfig.from_pretrained(cfg.name_or_path, trust_remote_code=cfg.trust_remote_code)
-            with init_empty_weights(include_buffers=False):
-                model = AutoModelForCausalLM.from_config(config, **kwargs)
-        elif cfg.random_init:
-            config = AutoConfig.from_pretrained(cfg.name_or_path, trust_remote_code=cfg.trust_remote_code)
-            # Initialise straight on the training device: a 7B random init on the CPU takes minutes.
-            with torch.device(device or "cpu"):
+            # A random init goes straight to the training device: a 7B random init on the CPU takes minutes.
+            with init_empty_weights(include_buffers=False) if empty else torch.device(device or "cpu"):
                 model = AutoModelForCausalLM.from_config(config, **kwargs)
         else:
             model = AutoModelForCausalLM.from_pretrained(cfg.name_or_path, **kwargs)

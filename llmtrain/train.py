@@ -23,7 +23,7 @@ from llmtrain.batching import collate, rank_micro_batches
 from llmtrain.checkpoint import TrainState, load_checkpoint, lora_only_hooks, resolve_resume, save_checkpoint
 from llmtrain.config import Recipe
 from llmtrain.data import IGNORE, prepare_datasets
-from llmtrain.distributed import build_accelerator, global_sum, receives_weights, use_fused_adamw
+from llmtrain.distributed import build_accelerator, global_sum, receives_weights, use_fused_adamw, uses_fsdp
 from llmtrain.errors import LLMTrainError
 from llmtrain.export import save_final
 from llmtrain.metrics import MetricsLog, progress_bar, step_info
@@ -267,11 +267,11 @@ def train(recipe: Recipe, *, resume: str | None = None, overwrite: bool = False)
 
 def _predicted_memory(recipe: Recipe, accelerator) -> dict:
     """The estimator's prediction for this very run, logged beside the measured peak."""
-    from llmtrain.memory import estimate_for_recipe
-
     from torch.distributed.fsdp import CPUOffloadPolicy
 
-    fsdp = accelerator.distributed_type.name == "FSDP"
+    from llmtrain.memory import estimate_for_recipe
+
+    fsdp = uses_fsdp(accelerator)
     strategy = "fsdp" if fsdp else ("ddp" if accelerator.num_processes > 1 else "single")
     offload = fsdp and isinstance(accelerator.state.fsdp_plugin.cpu_offload, CPUOffloadPolicy)
     try:
