@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from llmtrain.errors import RecipeError
 
@@ -30,9 +30,19 @@ class ModelConfig(Section):
         description="Storage dtype of the weights. Keep float32 for full fine-tunes under mixed precision "
         "(fp32 master weights); bfloat16 halves a frozen LoRA base.",
     )
-    attn_implementation: Literal["sdpa", "eager", "flash_attention_2"] = Field(
-        "sdpa", description="Attention kernel used by transformers."
+    attn_implementation: Literal["auto", "varlen", "sdpa", "eager", "flash_attention_2"] = Field(
+        "auto",
+        description="Attention kernel. 'varlen' attends per example inside a padding-free row (cost sum of "
+        "l_i^2): PyTorch's flash varlen_attn on CUDA, SDPA per example elsewhere. 'auto' picks varlen. 'sdpa' / "
+        "'eager' / 'flash_attention_2' are transformers' own (a packed row then uses a block-diagonal mask).",
     )
+    kernels: Literal["auto", "liger", "none"] = Field(
+        "auto",
+        description="Fused kernels: 'liger' patches RMSNorm, RoPE and SwiGLU with liger-kernel and uses its fused "
+        "linear cross-entropy (CUDA; pip install 'llmtrain[gpu]'); 'auto' does so where it is installed and the "
+        "device is CUDA; 'none' keeps plain torch.",
+    )
+    compile: bool = Field(False, description="torch.compile each decoder layer (regional compilation).")
     gradient_checkpointing: bool = Field(False, description="Recompute layer activations in backward to save memory.")
     trust_remote_code: bool = Field(False, description="Allow model code from the hub to run. Off unless set.")
     random_init: bool = Field(
@@ -91,6 +101,12 @@ class TrainConfig(Section):
     max_steps: int | None = Field(None, gt=0, description="Optimizer steps to run; overrides epochs when set.")
     epochs: int = Field(1, gt=0, description="Passes over the training data when max_steps is not set.")
     micro_batch_size: int = Field(1, gt=0, description="Examples per forward pass on each process.")
+    micro_batch_tokens: int | None = Field(
+        None, gt=1,
+        description="Token budget of a micro-batch on each process. When set, a micro-batch is a bin of whole "
+        "examples whose total length stays within the budget (packed padding-free), instead of "
+        "micro_batch_size examples; leave micro_batch_size at 1.",
+    )
     grad_accum_steps: int = Field(1, gt=0, description="Micro-batches accumulated per optimizer step.")
     lr: float = Field(2e-5, gt=0, description="Peak learning rate.")
     min_lr_ratio: float = Field(0.0, ge=0, le=1, description="Final lr as a fraction of the peak (linear, cosine).")
@@ -106,7 +122,21 @@ class TrainConfig(Section):
     seed: int = Field(42, description="Seed for model init, data order and dropout.")
     eval_every_steps: int | None = Field(None, gt=0, description="Evaluate every N optimizer steps (and at the end).")
     eval_batch_size: int | None = Field(None, gt=0, description="Eval micro-batch size; defaults to micro_batch_size.")
+    loss_chunk_tokens: int = Field(
+        4096, gt=0,
+        description="The loss runs the LM head and cross-entropy over this many tokens at a time (recomputed in "
+        "backward), so full fp32 logits never exist at once.",
+    )
     timeout_s: int = Field(1800, gt=0, description="Collective-communication timeout for multi-process runs.")
+
+    @model_validator(mode="after")
+    def _one_batch_unit(self) -> "TrainConfig":
+        if self.micro_batch_tokens is not None and self.micro_batch_size != 1:
+            raise ValueError(
+                "set either micro_batch_size (examples per micro-batch) or micro_batch_tokens (a token budget "
+                "per micro-batch), not both: with micro_batch_tokens, leave micro_batch_size at 1"
+            )
+        return self
 
 
 class CheckpointConfig(Section):
@@ -118,6 +148,15 @@ class CheckpointConfig(Section):
 class LoggingConfig(Section):
     progress: bool = Field(True, description="Show a rich progress bar.")
     tensorboard: bool = Field(False, description="Also write TensorBoard scalars to <output_dir>/tb.")
+    every_steps: int = Field(
+        1, gt=0,
+        description="Write a train line to metrics.jsonl every N steps. Loss and grad norm are read from the "
+        "device (a host sync) only on those steps.",
+    )
+    peak_tflops: float | None = Field(
+        None, gt=0,
+        description="Peak dense TFLOP/s of one device, for MFU; by default looked up from the device name.",
+    )
 
 
 class Recipe(Section):

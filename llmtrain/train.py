@@ -11,7 +11,6 @@ from __future__ import annotations
 import functools
 import json
 import math
-import shutil
 import time
 from contextlib import nullcontext
 from pathlib import Path
@@ -20,7 +19,7 @@ import torch
 import torch.nn.functional as F
 
 from llmtrain.batching import collate, rank_micro_batches
-from llmtrain.checkpoint import TrainState, load_checkpoint, lora_only_hooks, resolve_resume, save_checkpoint
+from llmtrain.checkpoint import TrainState, load_checkpoint, lora_only_hooks, save_checkpoint
 from llmtrain.config import Recipe
 from llmtrain.data import IGNORE, prepare_datasets
 from llmtrain.distributed import build_accelerator, global_sum, receives_weights, use_fused_adamw, uses_fsdp
@@ -28,6 +27,7 @@ from llmtrain.errors import LLMTrainError
 from llmtrain.export import save_final
 from llmtrain.metrics import MetricsLog, progress_bar, step_info
 from llmtrain.modeling import build_optimizer, count_parameters, load_model, load_tokenizer, pad_id
+from llmtrain.rundir import prepare_output_dir
 
 # --------------------------------------------------------------------------- small pure helpers
 
@@ -92,26 +92,6 @@ def evaluate(model, dataset, accelerator, *, batch_size: int, pad: int) -> dict:
     mean = loss / max(tokens, 1)
     return {"eval_loss": mean, "eval_ppl": math.exp(min(mean, 50.0)),
             "eval_token_accuracy": correct / max(tokens, 1), "eval_exact_match": exact / max(examples, 1)}
-
-
-def prepare_output_dir(accelerator, out: Path, *, resume: str | None, overwrite: bool) -> Path | None:
-    """Refuse to clobber an existing run; return the checkpoint to resume from, if any."""
-    ckpt = resolve_resume(resume, out) if resume else None
-    occupied = out.exists() and any(out.iterdir())
-    if occupied and not resume and not overwrite:
-        raise LLMTrainError(
-            f"output_dir '{out}' already exists and is not empty. Continue it with --resume auto, "
-            f"delete and start again with --overwrite, or set output_dir=<new path>."
-        )
-    accelerator.wait_for_everyone()
-    if accelerator.is_main_process:
-        if occupied and overwrite and not resume:
-            shutil.rmtree(out)
-        (out / "checkpoints").mkdir(parents=True, exist_ok=True)
-        for tmp in (out / "checkpoints").glob(".tmp-*"):  # left by a run killed mid-save: never complete
-            shutil.rmtree(tmp)
-    accelerator.wait_for_everyone()
-    return ckpt
 
 
 # --------------------------------------------------------------------------- the loop
