@@ -1,40 +1,95 @@
 """Data order and collation: which examples each process sees, and how they become tensors.
 
-The order is a pure function of (seed, epoch), so resuming needs only the epoch and the position in it.
-A *global* micro-batch is `micro_batch_size * world_size` consecutive examples of the epoch's
-permutation; rank r takes its r-th slice. Two processes with micro-batch 2 therefore see exactly the
-examples one process with micro-batch 4 sees, which is what makes the runs comparable.
+The order is a pure function of (seed, epoch) (and, with token budgets, of the example lengths), so
+resuming needs only the epoch and the position in it.
+
+A *global* micro-batch is what all processes run together in one forward pass:
+- by examples: `micro_batch_size * world_size` consecutive examples of the epoch's permutation; rank r
+  takes its r-th slice. Two processes with micro-batch 2 see exactly the examples one process with
+  micro-batch 4 sees, which is what makes the runs comparable.
+- by tokens (`train.micro_batch_tokens`): `world_size` consecutive bins of the epoch's bin list; rank r
+  takes bin r. The bins do not depend on the number of processes, so 2 processes x 2 accumulation steps
+  train on the same bins per step as 1 process x 4.
 """
 
 from __future__ import annotations
+
+import bisect
+import queue
+import threading
+from collections.abc import Iterator
+from dataclasses import dataclass
 
 import torch
 
 from llmtrain.data import IGNORE
 
 
-def rank_micro_batches(
-    num_examples: int, *, seed: int, epoch: int, micro_batch_size: int, rank: int, world_size: int, shuffle: bool = True
-) -> list[list[int]]:
-    """Example indices of every micro-batch this rank runs in one epoch.
+def epoch_order(num_examples: int, *, seed: int, epoch: int, shuffle: bool = True) -> list[int]:
+    if not shuffle:
+        return list(range(num_examples))
+    g = torch.Generator().manual_seed(seed * 100_003 + epoch)
+    return torch.randperm(num_examples, generator=g).tolist()
 
-    Every example appears exactly once across ranks. Every rank gets the same number of micro-batches
-    (collectives would hang otherwise); a rank whose slice of the last global micro-batch is empty gets
-    an empty list, which the collator turns into a row with no trained token.
+
+def token_bins(lengths: list[int], budget: int, *, seed: int, epoch: int) -> list[list[int]]:
+    """Whole examples packed into bins of at most `budget` tokens, best-fit decreasing; a pure function of
+    (lengths, budget, seed, epoch).
+
+    Longest first, each example goes into the fullest bin it still fits in (a new bin when none has room).
+    Equal lengths keep the epoch's shuffled order, and the finished bins are shuffled too, so neither the
+    bins' content nor their order repeats from epoch to epoch, and long examples are not all at the start.
     """
-    if shuffle:
-        g = torch.Generator().manual_seed(seed * 100_003 + epoch)
-        order = torch.randperm(num_examples, generator=g).tolist()
-    else:
-        order = list(range(num_examples))
+    too_long = [i for i, n in enumerate(lengths) if n > budget]
+    if too_long:
+        raise ValueError(f"example {too_long[0]} has {lengths[too_long[0]]} tokens, more than the budget {budget}")
+    order = sorted(epoch_order(len(lengths), seed=seed, epoch=epoch), key=lambda i: -lengths[i])
+    bins: list[list[int]] = []
+    room: list[tuple[int, int]] = []  # (free tokens, bin index), kept sorted: best fit is a bisection
+    for i in order:
+        k = bisect.bisect_left(room, (lengths[i], -1))  # the bin with the least room that still fits
+        if k == len(room):
+            bins.append([])
+            free, b = budget, len(bins) - 1
+        else:
+            free, b = room.pop(k)
+        bins[b].append(i)
+        bisect.insort(room, (free - lengths[i], b))
+    g = torch.Generator().manual_seed(seed * 100_003 + epoch + 7_919)
+    return [bins[j] for j in torch.randperm(len(bins), generator=g).tolist()]
+
+
+def global_micro_batches(num_examples: int, *, seed: int, epoch: int, world_size: int, micro_batch_size: int = 1,
+                         micro_batch_tokens: int | None = None, lengths: list[int] | None = None,
+                         shuffle: bool = True) -> list[list[list[int]]]:
+    """Every global micro-batch of one epoch, each as `world_size` lists of example indices (one per rank).
+
+    Every example appears exactly once. Every rank gets the same number of micro-batches (collectives
+    would hang otherwise); a rank whose share of the last global micro-batch is empty gets an empty list,
+    which the collator turns into a row with no trained token.
+    """
+    if micro_batch_tokens is not None:
+        bins = token_bins(lengths, micro_batch_tokens, seed=seed, epoch=epoch)
+        return [bins[s : s + world_size] + [[]] * (s + world_size - len(bins))
+                for s in range(0, len(bins), world_size)]
+    order = epoch_order(num_examples, seed=seed, epoch=epoch, shuffle=shuffle)
     per_global = micro_batch_size * world_size
-    batches = []
+    out = []
     for start in range(0, num_examples, per_global):
         chunk = order[start : start + per_global]
         # Spread a short last chunk evenly so no rank idles while another has two examples too many.
         per_rank = -(-len(chunk) // world_size)
-        batches.append(chunk[rank * per_rank : (rank + 1) * per_rank])
-    return batches
+        out.append([chunk[r * per_rank : (r + 1) * per_rank] for r in range(world_size)])
+    return out
+
+
+def rank_micro_batches(num_examples: int, *, seed: int, epoch: int, micro_batch_size: int, rank: int,
+                       world_size: int, shuffle: bool = True, micro_batch_tokens: int | None = None,
+                       lengths: list[int] | None = None) -> list[list[int]]:
+    """Example indices of every micro-batch this rank runs in one epoch (see global_micro_batches)."""
+    return [g[rank] for g in global_micro_batches(
+        num_examples, seed=seed, epoch=epoch, world_size=world_size, micro_batch_size=micro_batch_size,
+        micro_batch_tokens=micro_batch_tokens, lengths=lengths, shuffle=shuffle)]
 
 
 def collate(examples: list[dict], *, pad_id: int, packing: bool) -> dict[str, torch.Tensor]:
@@ -44,18 +99,23 @@ def collate(examples: list[dict], *, pad_id: int, packing: bool) -> dict[str, to
     trained to predict the next example's first token, with or without packing.
     - padded: one row per example, right-padded, with an attention mask.
     - packed: one row holding every example back to back, no padding and no attention mask; the
-      position ids restart at 0 for each example and transformers turns those restarts into a
-      block-diagonal causal mask, so no example attends to another.
+      position ids restart at 0 for each example. `cu_seq_lens` (the examples' boundaries, [0, l1,
+      l1+l2, ...]) and `max_length` let the varlen attention attend within each example; with sdpa or
+      eager, transformers turns the restarts into a block-diagonal causal mask instead.
+    Everything is computed here, on the CPU, so the training step never asks the GPU for a count.
     """
     if not examples:  # an idle rank at the end of an epoch: one token, nothing trained
         examples = [{"input_ids": [pad_id], "labels": [IGNORE]}]
     ids = [list(e["input_ids"]) for e in examples]
     targets = [list(e["labels"][1:]) + [IGNORE] for e in examples]
     if packing:
+        lengths = [len(x) for x in ids]
         return {
             "input_ids": torch.tensor([sum(ids, [])]),
-            "position_ids": torch.tensor([[p for x in ids for p in range(len(x))]]),
+            "position_ids": torch.tensor([[p for n in lengths for p in range(n)]]),
             "targets": torch.tensor([sum(targets, [])]),
+            "cu_seq_lens": torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32),
+            "max_length": max(lengths),
         }
     width = max(len(x) for x in ids)
     pad = [width - len(x) for x in ids]
@@ -65,3 +125,89 @@ def collate(examples: list[dict], *, pad_id: int, packing: bool) -> dict[str, to
         "position_ids": torch.tensor([list(range(len(x))) + [0] * n for x, n in zip(ids, pad)]),
         "targets": torch.tensor([t + [IGNORE] * n for t, n in zip(targets, pad)]),
     }
+
+
+# --------------------------------------------------------------------------- one optimizer step's data
+
+
+@dataclass
+class Window:
+    """This rank's micro-batches of one optimizer step, collated on the CPU (pinned when bound for a GPU)."""
+
+    epoch: int
+    end: int  # index of the epoch's next micro-batch after this window
+    epoch_done: bool  # the window ends the epoch: the position rolls over to the next epoch before any save
+    batches: list[dict]
+    # This rank's real examples: [trained tokens, input tokens, sum of squared example lengths (attention)].
+    counts: list[float]
+
+
+def with_loss_positions(batch: dict) -> dict:
+    """Add the trained positions (flat indices), their targets and their example number, from the CPU batch;
+    drop the full `targets`. The loss then sends only trained positions through the LM head."""
+    targets = batch.pop("targets")
+    flat = targets.flatten()
+    index = (flat != IGNORE).nonzero().flatten()
+    if "cu_seq_lens" in batch:  # packed: examples are the segments of the row
+        cu = batch["cu_seq_lens"]
+        example = torch.repeat_interleave(torch.arange(len(cu) - 1), (cu[1:] - cu[:-1]).long())
+    else:  # padded: one example per row
+        example = torch.arange(targets.shape[0]).repeat_interleave(targets.shape[1])
+    return {**batch, "loss_index": index, "loss_targets": flat[index], "loss_example": example[index]}
+
+
+def windows(dataset, plan, *, epoch: int, micro: int, steps: int, accum: int, pad_id: int, packing: bool,
+            pin: bool) -> Iterator[Window]:
+    """The next `steps` windows from (epoch, micro), crossing epochs; `plan(epoch)` is this rank's
+    micro-batches of that epoch. Pure and deterministic: run ahead in a thread (prefetch) without changing
+    anything."""
+    batches = plan(epoch)
+    for _ in range(steps):
+        if micro >= len(batches):
+            epoch, micro, batches = epoch + 1, 0, plan(epoch + 1)
+        idx_lists = batches[micro : micro + accum]
+        collated, counts = [], [0.0, 0.0, 0.0]
+        for idx in idx_lists:
+            rows = dataset[idx] if idx else {"input_ids": [], "labels": []}
+            examples = [{"input_ids": i, "labels": lab} for i, lab in zip(rows["input_ids"], rows["labels"])]
+            batch = with_loss_positions(collate(examples, pad_id=pad_id, packing=packing))
+            # An idle rank's placeholder row is not data: it counts no token.
+            counts[0] += len(batch["loss_index"])
+            counts[1] += sum(len(e["input_ids"]) for e in examples)
+            counts[2] += sum(len(e["input_ids"]) ** 2 for e in examples)
+            collated.append({k: v.pin_memory() if pin and isinstance(v, torch.Tensor) else v for k, v in batch.items()})
+        micro += len(idx_lists)
+        yield Window(epoch=epoch, end=micro, epoch_done=micro >= len(batches), batches=collated, counts=counts)
+
+
+def prefetch(iterable, depth: int = 2):
+    """Iterate `iterable` in a background thread, `depth` items ahead: the next window is read, collated
+    and pinned while the GPU computes this one. Order is unchanged; an error in the thread is raised here."""
+    q: queue.Queue = queue.Queue(maxsize=depth)
+    stop = threading.Event()
+    done = object()
+
+    def produce():
+        try:
+            for item in iterable:
+                while not stop.is_set():
+                    try:
+                        q.put(item, timeout=0.1)
+                        break
+                    except queue.Full:
+                        continue
+                if stop.is_set():
+                    return
+        except BaseException as e:  # handed to the consumer, which raises it
+            q.put(e)
+        q.put(done)
+
+    thread = threading.Thread(target=produce, daemon=True, name="llmtrain-prefetch")
+    thread.start()
+    try:
+        while (item := q.get()) is not done:
+            if isinstance(item, BaseException):
+                raise item
+            yield item
+    finally:
+        stop.set()

@@ -28,6 +28,7 @@ class TrainState:
     processes: int = 0  # processes of the run that saved it
     tokens_seen: int = 0  # input tokens (all ranks) processed so far
     trained_tokens_seen: int = 0  # tokens that carried loss so far
+    micro_batch_tokens: int = 0  # token budget of a micro-batch (train.micro_batch_tokens); 0: by examples
 
     def state_dict(self) -> dict:
         return asdict(self)
@@ -36,13 +37,30 @@ class TrainState:
         for k, v in d.items():
             setattr(self, k, v)
 
-    def check_layout(self, *, examples_per_micro: int, accum: int) -> None:
+    def check_layout(self, *, examples_per_micro: int, accum: int, micro_batch_tokens: int, processes: int) -> None:
         """Resume may change the number of processes, as long as the data order stays the same.
 
-        A global micro-batch is micro_batch_size x processes examples; keeping that product keeps
-        every step's examples identical (2 processes x 2 resume as 1 process x 4).
+        By examples, a global micro-batch is micro_batch_size x processes examples; keeping that product
+        keeps every step's examples identical (2 processes x 2 resume as 1 process x 4). By tokens, the
+        bins do not depend on the process count: the position (bins trained so far this epoch) carries
+        over to any number of processes that divides it, and is converted here.
         """
-        if self.examples_per_micro != examples_per_micro:
+        if self.micro_batch_tokens != micro_batch_tokens:
+            raise LLMTrainError(
+                f"the checkpoint was written with train.micro_batch_tokens={self.micro_batch_tokens or None}, this "
+                f"run has {micro_batch_tokens or None}; the data order depends on it. Resume with the value it was "
+                "written with."
+            )
+        if micro_batch_tokens:
+            bins = self.micro_in_epoch * self.processes
+            if bins % processes:
+                raise LLMTrainError(
+                    f"the checkpoint stopped after {bins} token bins of its epoch, which {processes} processes cannot "
+                    f"split evenly; resume on a number of processes that divides {bins} (it was written by "
+                    f"{self.processes})."
+                )
+            self.micro_in_epoch = bins // processes
+        elif self.examples_per_micro != examples_per_micro:
             raise LLMTrainError(
                 f"the checkpoint was written with micro_batch_size x processes = {self.examples_per_micro}, "
                 f"this run has {examples_per_micro}. Set train.micro_batch_size so that the product is "

@@ -20,7 +20,7 @@ from llmtrain.config import DataConfig
 from llmtrain.errors import LLMTrainError
 
 IGNORE = -100
-CACHE_VERSION = 2  # bump when tokenisation or masking changes, so old caches are not reused
+CACHE_VERSION = 3  # bump when tokenisation or masking changes, so old caches are not reused
 
 # The columns each format reads, by their canonical names; `data.fields` maps them to dataset columns.
 FORMAT_FIELDS = {
@@ -277,7 +277,7 @@ def tokenize_dataset(raw, tokenizer, cfg: DataConfig, source: str):
     keep = [i for i, t in enumerate(trained) if t > 0]
     kept = enc.select(keep)
     stats = compute_stats(kept["length"], kept["trained"], kept["truncated"], dropped=len(enc) - len(keep))
-    return kept.select_columns(["input_ids", "labels"]), stats
+    return kept.select_columns(["input_ids", "labels", "length"]), stats  # length: token budgets bin by it
 
 
 def prepare_datasets(cfg: DataConfig, tokenizer, *, seed: int):

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+from dataclasses import dataclass
 from pathlib import Path
 
 from llmtrain.errors import LLMTrainError
@@ -62,4 +63,58 @@ def progress_bar(*, enabled: bool, total: int, completed: int):
 
 
 def step_info(rec: dict) -> str:
-    return f"loss {rec['loss']:.4f}  lr {rec['lr']:.2e}  {rec['tokens_per_s']:,.0f} tok/s"
+    mfu = f"  MFU {rec['mfu']:.1%}" if rec.get("mfu") is not None else ""
+    return f"loss {rec['loss']:.4f}  lr {rec['lr']:.2e}  {rec['tokens_per_s_per_gpu']:,.0f} tok/s/gpu{mfu}"
+
+
+# --------------------------------------------------------------------------- speed: FLOPs and MFU
+
+# Peak dense bf16 tensor-core FLOP/s of one device, by a substring of torch.cuda.get_device_name() (first
+# match wins). logging.peak_tflops overrides it. Vendor data sheets, dense (not sparse) figures.
+PEAK_BF16_FLOPS = [
+    ("H100 PCIe", 756e12), ("H100", 989e12), ("H200", 989e12), ("GH200", 989e12), ("B200", 2250e12),
+    ("A100", 312e12), ("A800", 312e12), ("L40S", 362e12), ("L40", 181e12), ("A6000", 155e12), ("L4", 121e12),
+]
+
+
+def peak_flops(device, override_tflops: float | None) -> float | None:
+    """Peak FLOP/s of one device for MFU, or None where unknown (CPU without logging.peak_tflops)."""
+    import torch
+
+    if override_tflops:
+        return override_tflops * 1e12
+    if torch.device(device).type != "cuda":
+        return None
+    name = torch.cuda.get_device_name(device)
+    return next((flops for key, flops in PEAK_BF16_FLOPS if key in name), None)
+
+
+@dataclass
+class FlopModel:
+    """Model FLOPs of one step: body x input tokens + head x trained tokens + attention x sum(l_i^2).
+
+    A matmul weight costs 2 FLOPs per token forward and 2 for the gradient of its input; a trained weight 2
+    more for its own gradient: 6 per parameter for full fine-tuning, 4 for a frozen LoRA base plus 6 for
+    the adapter. The LM head runs on trained tokens only (loss.py). Causal attention (QK^T and AV) costs
+    2 x 2 x l^2 x d / 2 per layer forward for an example of l tokens, 3 times that with backward. Recomputed
+    activations (gradient checkpointing) are not model FLOPs and are not counted.
+    """
+
+    body_per_token: float
+    head_per_token: float
+    attn_per_square: float
+
+    def step(self, tokens: float, trained: float, squares: float) -> float:
+        return self.body_per_token * tokens + self.head_per_token * trained + self.attn_per_square * squares
+
+
+def flop_model(model) -> FlopModel:
+    from llmtrain.loss import causal_lm
+
+    lm = causal_lm(model)
+    cfg = lm.config
+    body = sum((6 if p.requires_grad else 4) * p.numel() for p in lm.model.layers.parameters() if p.ndim >= 2)
+    head = lm.lm_head.weight
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    return FlopModel(body_per_token=body, head_per_token=(6 if head.requires_grad else 4) * head.numel(),
+                     attn_per_square=6.0 * cfg.num_hidden_layers * cfg.num_attention_heads * head_dim)

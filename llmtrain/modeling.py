@@ -48,7 +48,7 @@ def load_model(cfg: ModelConfig, lora: LoraConfig | None, *, device: torch.devic
     """
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    kwargs = dict(dtype=DTYPES[cfg.dtype], attn_implementation=cfg.attn_implementation,
+    kwargs = dict(dtype=DTYPES[cfg.dtype], attn_implementation=attention_backend(cfg),
                   trust_remote_code=cfg.trust_remote_code)
     try:
         if empty or cfg.random_init:
@@ -63,6 +63,8 @@ def load_model(cfg: ModelConfig, lora: LoraConfig | None, *, device: torch.devic
     except (OSError, ValueError) as e:
         raise _load_error("model", cfg.name_or_path, e) from None
     model.config.use_cache = False  # the KV cache is for generation; in training it only costs memory
+    if use_liger(cfg, device):  # before LoRA: peft then wraps the projections inside liger's SwiGLU MLP
+        _apply_liger(model)
     if cfg.gradient_checkpointing:
         # Non-reentrant checkpointing works with frozen inputs (LoRA) and needs no input-grad hooks.
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
@@ -71,6 +73,73 @@ def load_model(cfg: ModelConfig, lora: LoraConfig | None, *, device: torch.devic
     if empty:
         _uninitialised_parameters(model)
     return model
+
+
+def attention_backend(cfg: ModelConfig) -> str:
+    """The attn_implementation handed to transformers: 'auto' and 'varlen' mean llmtrain's varlen attention."""
+    if cfg.attn_implementation in ("auto", "varlen"):
+        from llmtrain import attention
+
+        return attention.register()
+    return cfg.attn_implementation
+
+
+def describe_attention(cfg: ModelConfig) -> str:
+    """What the start-up line says about attention."""
+    from llmtrain import attention
+
+    if cfg.attn_implementation not in ("auto", "varlen"):
+        return f"{cfg.attn_implementation} (transformers; a packed row gets a block-diagonal mask)"
+    kernel = "flash varlen_attn" if attention.varlen_available() else "SDPA per example"
+    return f"varlen ({kernel}, cost sum of l_i^2){' [auto]' if cfg.attn_implementation == 'auto' else ''}"
+
+
+def use_liger(cfg: ModelConfig, device) -> bool:
+    """liger-kernel's fused kernels: asked for (kernels=liger), or kernels=auto where installed and on CUDA."""
+    import importlib.util
+
+    if cfg.kernels == "none":
+        return False
+    on_cuda = torch.device(device or "cpu").type == "cuda"
+    installed = importlib.util.find_spec("liger_kernel") is not None
+    if cfg.kernels == "liger" and not (installed and on_cuda):
+        raise LLMTrainError(
+            "model.kernels=liger needs liger-kernel and a CUDA device (" + ("not installed: pip install "
+            "'llmtrain[gpu]'" if not installed else "this run has no CUDA device") + "); set model.kernels=none or auto."
+        )
+    return installed and on_cuda
+
+
+def _apply_liger(model) -> None:
+    """RMSNorm, RoPE and SwiGLU from liger on this model instance; the loss keeps to loss.py (which uses
+    liger's fused linear cross-entropy, see fused_linear_cross_entropy)."""
+    from liger_kernel.transformers import monkey_patch
+
+    patch = getattr(monkey_patch, f"apply_liger_kernel_to_{model.config.model_type}", None)
+    if patch is None:
+        raise LLMTrainError(f"liger-kernel has no kernels for model type '{model.config.model_type}'; "
+                            "set model.kernels=none.")
+    patch(rope=True, rms_norm=True, swiglu=True, cross_entropy=False, fused_linear_cross_entropy=False, model=model)
+
+
+def fused_linear_cross_entropy(cfg: ModelConfig, device):
+    """liger's fused LM head + cross-entropy (summed) where liger is in use, else None (chunked loss)."""
+    if not use_liger(cfg, device):
+        return None
+    from liger_kernel.transformers import LigerFusedLinearCrossEntropyLoss
+
+    return LigerFusedLinearCrossEntropyLoss(reduction="sum")
+
+
+def compile_layers(model) -> int:
+    """torch.compile each decoder layer (regional compilation): one small graph compiled once and reused by
+    every layer, instead of the whole model. Returns the number of layers compiled."""
+    from llmtrain.loss import causal_lm
+
+    layers = causal_lm(model).model.layers
+    for layer in layers:
+        layer.compile()
+    return len(layers)
 
 
 def _uninitialised_parameters(model) -> None:

@@ -1,9 +1,14 @@
-"""The training loop. `train(recipe)` reads top to bottom: set up, load data and model, loop, save.
+"""The training loop. `train(recipe)` reads top to bottom: set up, loop, finish; `train_step(window)` is one
+optimizer step.
 
 Loss normalisation: the loss of an optimizer step is the sum of token losses over every micro-batch
 of the accumulation window on every process, divided by the number of trained tokens in that whole
 window. So micro-batch 8 x accumulation 1, micro-batch 1 x accumulation 8 and 2 processes x micro-batch
 4 all give the same loss and the same gradient, however the tokens are spread over the examples.
+
+Host syncs: token counts come from the CPU batches (batching.windows) and are summed over processes in
+one collective per step, kept on the device; the loss and the gradient norm are read back (`.item()`)
+only on the steps that write a metrics line (logging.every_steps), and at evaluation and save.
 """
 
 from __future__ import annotations
@@ -16,17 +21,18 @@ from contextlib import nullcontext
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 
-from llmtrain.batching import collate, rank_micro_batches
+from llmtrain.batching import global_micro_batches, prefetch, windows
 from llmtrain.checkpoint import TrainState, load_checkpoint, lora_only_hooks, save_checkpoint
 from llmtrain.config import Recipe
-from llmtrain.data import IGNORE, prepare_datasets
+from llmtrain.data import prepare_datasets
 from llmtrain.distributed import build_accelerator, global_sum, receives_weights, use_fused_adamw, uses_fsdp
 from llmtrain.errors import LLMTrainError
 from llmtrain.export import save_final
-from llmtrain.metrics import MetricsLog, progress_bar, step_info
-from llmtrain.modeling import build_optimizer, count_parameters, load_model, load_tokenizer, pad_id
+from llmtrain.loss import attach_loss, compute_loss
+from llmtrain.metrics import MetricsLog, flop_model, peak_flops, progress_bar, step_info
+from llmtrain.modeling import (build_optimizer, compile_layers, count_parameters, describe_attention,
+                               fused_linear_cross_entropy, load_model, load_tokenizer, pad_id)
 from llmtrain.rundir import prepare_output_dir
 
 # --------------------------------------------------------------------------- small pure helpers
@@ -43,51 +49,93 @@ def lr_factor(step: int, *, warmup: int, total: int, schedule: str, min_ratio: f
     return min_ratio + (1.0 - min_ratio) * decay
 
 
-def compute_loss(model, batch: dict[str, torch.Tensor]) -> torch.Tensor:
-    """Sum (not mean) of token cross-entropies over the batch; the caller normalises."""
-    inputs = {k: v for k, v in batch.items() if k != "targets"}
-    # use_cache=False matters for packing: with a KV cache transformers skips the detection of restarted
-    # position ids, and packed examples would attend to each other.
-    logits = model(**inputs, use_cache=False).logits
-    # Cross-entropy in fp32: bf16 log-softmax over a 32k vocabulary loses digits the loss needs.
-    return F.cross_entropy(logits.float().flatten(0, 1), batch["targets"].flatten(), ignore_index=IGNORE,
-                           reduction="sum")
+def packs_rows(recipe: Recipe) -> bool:
+    """Micro-batches are padding-free packed rows: asked for, implied by a token budget, or required by the
+    varlen attention (which reads the example boundaries of a packed row)."""
+    return bool(recipe.data.packing or recipe.train.micro_batch_tokens
+                or recipe.model.attn_implementation in ("auto", "varlen"))
 
 
-def _batches(dataset, index_lists, *, device, pad: int, packing: bool):
-    """Collated micro-batches on `device`, each with its number of input tokens of real examples (an idle
-    rank's placeholder row is not data and counts 0)."""
-    for idx in index_lists:
-        rows = dataset[idx] if idx else {"input_ids": [], "labels": []}
-        examples = [{"input_ids": i, "labels": lab} for i, lab in zip(rows["input_ids"], rows["labels"])]
-        batch = collate(examples, pad_id=pad, packing=packing)
-        yield {k: v.to(device) for k, v in batch.items()}, sum(len(e["input_ids"]) for e in examples)
+def data_plan(recipe: Recipe, lengths: list[int], *, world: int, rank: int | None = None):
+    """plan(epoch) -> every global micro-batch of that epoch (a list per rank), or this rank's own lists."""
+    tc = recipe.train
+
+    @functools.lru_cache(maxsize=2)
+    def plan(epoch: int):
+        batches = global_micro_batches(len(lengths), seed=tc.seed, epoch=epoch, world_size=world,
+                                       micro_batch_size=tc.micro_batch_size,
+                                       micro_batch_tokens=tc.micro_batch_tokens, lengths=lengths)
+        return batches if rank is None else [g[rank] for g in batches]
+
+    return plan
+
+
+def to_device(batch: dict, device) -> dict:
+    # non_blocking: the copy from pinned memory overlaps with whatever the GPU is still doing.
+    return {k: v.to(device, non_blocking=True) if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
+
+
+# --------------------------------------------------------------------------- one step, and evaluation
+
+
+def train_step(model, optimizer, scheduler, accelerator, window, *, max_grad_norm: float | None) -> dict:
+    """Forward and backward over the window's micro-batches, clip, optimizer step. Returns device tensors
+    (nothing here waits for the GPU): summed loss of this rank, global [trained, tokens, squares], grad norm."""
+    world = accelerator.num_processes
+    counts = torch.tensor(window.counts, dtype=torch.float64)
+    denominator = max(window.counts[0], 1.0)  # one process: a Python number, no device round trip
+    if world > 1:  # the one collective of the step: every rank needs the window's global trained tokens
+        counts = accelerator.reduce(counts.to(accelerator.device, non_blocking=True), reduction="sum")
+        denominator = counts[0].clamp(min=1.0).float()  # stays on the device: no host sync
+    loss_sum = torch.zeros((), device=accelerator.device)
+    for i, batch in enumerate(window.batches):
+        # Gradients are all-reduced only on the window's last micro-batch; the others accumulate locally
+        # under no_sync.
+        sync = i == len(window.batches) - 1
+        with nullcontext() if sync else accelerator.no_sync(model):
+            loss = compute_loss(model, to_device(batch, accelerator.device))
+            # DDP and FSDP average gradients over processes, hence the factor `world`: the result is
+            # d(sum of all token losses in the window) / (trained tokens in the window).
+            accelerator.backward(loss * world / denominator)
+        loss_sum += loss.detach()
+    grad_norm = accelerator.clip_grad_norm_(model.parameters(), max_grad_norm or float("inf"))
+    lr = scheduler.get_last_lr()[0]  # the lr of this update
+    optimizer.step()
+    scheduler.step()
+    optimizer.zero_grad(set_to_none=True)
+    return {"loss_sum": loss_sum, "counts": counts, "grad_norm": grad_norm, "lr": lr}
 
 
 @torch.no_grad()
-def evaluate(model, dataset, accelerator, *, batch_size: int, pad: int) -> dict:
-    """Eval loss, perplexity, token accuracy, and exact match over the eval set (sharded over ranks).
+def evaluate(model, dataset, accelerator, recipe: Recipe, *, pad: int) -> dict:
+    """Eval loss, perplexity, token accuracy, and exact match over the eval set (sharded over ranks), with
+    the training loss function.
 
     Exact match counts an example as right when every trained token is the argmax under teacher
     forcing, which is exactly when greedy decoding would reproduce the completion.
     """
+    tc = recipe.train
     model.eval()
-    index_lists = rank_micro_batches(len(dataset), seed=0, epoch=0, micro_batch_size=batch_size,
-                                     rank=accelerator.process_index, world_size=accelerator.num_processes,
-                                     shuffle=False)
-    loss = tokens = correct = exact = examples = 0.0
-    for batch, _ in _batches(dataset, index_lists, device=accelerator.device, pad=pad, packing=False):
-        logits = model(**{k: v for k, v in batch.items() if k != "targets"}).logits.float()
-        targets = batch["targets"]
-        mask = targets != IGNORE
-        loss += F.cross_entropy(logits.flatten(0, 1), targets.flatten(), ignore_index=IGNORE, reduction="sum").item()
-        hit = (logits.argmax(-1) == targets) & mask
-        tokens += mask.sum().item()
-        correct += hit.sum().item()
-        real = mask.any(-1)
-        exact += ((hit | ~mask).all(-1) & real).sum().item()
-        examples += real.sum().item()
-    loss, tokens, correct, exact, examples = global_sum(accelerator, loss, tokens, correct, exact, examples)
+    by_tokens = tc.micro_batch_tokens if tc.eval_batch_size is None else None
+    batches = global_micro_batches(len(dataset), seed=0, epoch=0, world_size=accelerator.num_processes,
+                                   micro_batch_size=tc.eval_batch_size or tc.micro_batch_size,
+                                   micro_batch_tokens=by_tokens, lengths=dataset["length"] if by_tokens else None,
+                                   shuffle=False)
+    plan = [g[accelerator.process_index] for g in batches]
+    totals = torch.zeros(5, dtype=torch.float64, device=accelerator.device)  # loss, tokens, correct, exact, examples
+    for window in windows(dataset, lambda _: plan, epoch=0, micro=0, steps=len(plan), accum=1, pad_id=pad,
+                          packing=packs_rows(recipe), pin=False):
+        cpu_example = window.batches[0]["loss_example"]
+        n = int(cpu_example.max()) + 1 if cpu_example.numel() else 0  # examples with a trained token, from the CPU
+        batch = to_device(window.batches[0], accelerator.device)
+        loss, hits = compute_loss(model, batch, return_hits=True)
+        example = batch["loss_example"]
+        trained = torch.bincount(example, minlength=n)
+        right = torch.bincount(example, weights=hits.double(), minlength=n)
+        totals += torch.stack([loss.double(), hits.new_tensor(hits.numel(), dtype=torch.float64),
+                               hits.double().sum(), ((right == trained) & (trained > 0)).double().sum(),
+                               (trained > 0).double().sum()])
+    loss, tokens, correct, exact, examples = global_sum(accelerator, *totals.tolist())
     model.train()
     mean = loss / max(tokens, 1)
     return {"eval_loss": mean, "eval_ppl": math.exp(min(mean, 50.0)),
@@ -121,10 +169,12 @@ def train(recipe: Recipe, *, resume: str | None = None, overwrite: bool = False)
         train_ds, eval_ds, stats, cache_hit = prepare_datasets(recipe.data, tokenizer, seed=tc.seed)
     (cache_reads,) = global_sum(accelerator, cache_hit)  # processes that read the cache instead of tokenising
     pad = pad_id(tokenizer)
-    world, mb, accum = accelerator.num_processes, tc.micro_batch_size, tc.grad_accum_steps
-    micro_per_epoch = math.ceil(len(train_ds) / (mb * world))
-    steps_per_epoch = math.ceil(micro_per_epoch / accum)
-    total_steps = tc.max_steps or tc.epochs * steps_per_epoch
+    world, accum = accelerator.num_processes, tc.grad_accum_steps
+    lengths = train_ds["length"]
+    _check_budget(recipe, lengths, eval_ds)
+    plan = data_plan(recipe, lengths, world=world)
+    steps_per_epoch = [math.ceil(len(plan(e)) / accum) for e in range(tc.epochs)]
+    total_steps = tc.max_steps or sum(steps_per_epoch)
     s = stats["train"]
     accelerator.print(
         f"data: {s.examples} train examples ({'tokenised' if cache_reads < world else 'cache hit'}, "
@@ -132,19 +182,37 @@ def train(recipe: Recipe, *, resume: str | None = None, overwrite: bool = False)
         f"{s.truncated} truncated, {s.dropped} dropped, {s.trained_fraction:.1%} of tokens trained; "
         f"eval: {stats['eval'].examples if 'eval' in stats else 0} examples"
     )
-    accelerator.print(f"global batch: {mb} micro-batch x {accum} accumulation x {world} processes = "
-                      f"{mb * accum * world} examples/step; {total_steps} steps ({steps_per_epoch}/epoch)")
+    packing_efficiency = None
+    if tc.micro_batch_tokens:
+        bins = sum(len(g) - g.count([]) for g in plan(0))
+        packing_efficiency = sum(lengths) / (bins * tc.micro_batch_tokens)
+        accelerator.print(f"global batch: bins of <= {tc.micro_batch_tokens} tokens x {accum} accumulation x {world} "
+                          f"processes; {bins} bins/epoch, packing efficiency {packing_efficiency:.1%} (real tokens / "
+                          f"budget); {total_steps} steps ({steps_per_epoch[0]}/epoch)")
+    else:
+        mb = tc.micro_batch_size
+        accelerator.print(f"global batch: {mb} micro-batch x {accum} accumulation x {world} processes = "
+                          f"{mb * accum * world} examples/step; {total_steps} steps ({steps_per_epoch[0]}/epoch)")
 
     # ---- model, optimizer, schedule
     model = load_model(recipe.model, recipe.lora, device=accelerator.device, empty=receives_weights(accelerator))
+    attach_loss(model, chunk=tc.loss_chunk_tokens,
+                fused_linear_ce=fused_linear_cross_entropy(recipe.model, accelerator.device))
+    if recipe.model.compile:
+        accelerator.print(f"compile: {compile_layers(model)} decoder layers (regional torch.compile)")
     n_total, n_trainable = count_parameters(model)
-    accelerator.print(f"model: {n_total:,} parameters, {n_trainable:,} trainable ({'LoRA' if recipe.lora else 'full'})")
+    flops = flop_model(model)
+    peak = peak_flops(accelerator.device, recipe.logging.peak_tflops)
+    accelerator.print(f"model: {n_total:,} parameters, {n_trainable:,} trainable ({'LoRA' if recipe.lora else 'full'}); "
+                      f"attention: {describe_attention(recipe.model)}"
+                      f"{'; liger kernels' if fused_linear_cross_entropy(recipe.model, accelerator.device) else ''}")
     optimizer = build_optimizer(model, lr=tc.lr, weight_decay=tc.weight_decay, betas=tc.betas, eps=tc.eps,
                                 fused=use_fused_adamw(accelerator))
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, functools.partial(
         lr_factor, warmup=tc.warmup_steps, total=total_steps, schedule=tc.schedule, min_ratio=tc.min_lr_ratio))
     model, optimizer = accelerator.prepare(model, optimizer)
-    state = TrainState(examples_per_micro=mb * world, processes=world)
+    state = TrainState(examples_per_micro=0 if tc.micro_batch_tokens else tc.micro_batch_size * world,
+                       processes=world, micro_batch_tokens=tc.micro_batch_tokens or 0)
     accelerator.register_for_checkpointing(scheduler, state)
     # Accelerate saves and loads the model it was given, not the DDP wrapper: names carry no "module.".
     unwrapped = accelerator.unwrap_model(model)
@@ -154,7 +222,9 @@ def train(recipe: Recipe, *, resume: str | None = None, overwrite: bool = False)
     model_keys = set(unwrapped.state_dict())
     if ckpt is not None:
         load_checkpoint(accelerator, ckpt, trainable_names=trainable_names)
-        state.check_layout(examples_per_micro=mb * world, accum=accum)
+        state.check_layout(examples_per_micro=state.examples_per_micro if tc.micro_batch_tokens else
+                           tc.micro_batch_size * world, accum=accum, micro_batch_tokens=tc.micro_batch_tokens or 0,
+                           processes=world)
         accelerator.print(f"resumed from {ckpt} at step {state.step}")
         if state.processes != world:
             # Each rank restores its own RNG file; with more ranks than saved, the new ones start from the seed.
@@ -168,63 +238,42 @@ def train(recipe: Recipe, *, resume: str | None = None, overwrite: bool = False)
                                   total=total_steps, completed=state.step)
     on_gpu = accelerator.device.type == "cuda"
     model.train()
+    stream = prefetch(windows(train_ds, data_plan(recipe, lengths, world=world, rank=accelerator.process_index),
+                              epoch=state.epoch, micro=state.micro_in_epoch, steps=total_steps - state.step,
+                              accum=accum, pad_id=pad, packing=packs_rows(recipe), pin=on_gpu))
     start, last = time.perf_counter(), {}
+    since = {"time": start}  # when the last metrics line was written
+    pending = []  # device statistics of the steps since the last metrics line
     with progress:
-        while state.step < total_steps:
-            micro = rank_micro_batches(len(train_ds), seed=tc.seed, epoch=state.epoch, micro_batch_size=mb,
-                                       rank=accelerator.process_index, world_size=world)
-            while state.micro_in_epoch < len(micro) and state.step < total_steps:
-                t0 = time.perf_counter()
-                window = micro[state.micro_in_epoch : state.micro_in_epoch + accum]  # one optimizer step
-                batches, counts = zip(*_batches(train_ds, window, device=accelerator.device, pad=pad,
-                                                packing=recipe.data.packing))
-                local_trained = sum(int((b["targets"] != IGNORE).sum()) for b in batches)
-                local_tokens = sum(counts)
-                trained, tokens = global_sum(accelerator, local_trained, local_tokens)
-                loss_sum = torch.zeros((), device=accelerator.device)
-                for i, batch in enumerate(batches):
-                    # Gradients are all-reduced only on the window's last micro-batch; the others
-                    # accumulate locally under no_sync.
-                    sync = i == len(batches) - 1
-                    with nullcontext() if sync else accelerator.no_sync(model):
-                        loss = compute_loss(model, batch)
-                        # DDP and FSDP average gradients over processes, hence the factor `world`:
-                        # the result is d(sum of all token losses in the window) / (trained tokens).
-                        accelerator.backward(loss * world / max(trained, 1.0))
-                    loss_sum += loss.detach()
-                grad_norm = accelerator.clip_grad_norm_(model.parameters(), tc.max_grad_norm or float("inf"))
-                lr = scheduler.get_last_lr()[0]
-                optimizer.step()
-                scheduler.step()
-                optimizer.zero_grad(set_to_none=True)
-                (loss_total,) = global_sum(accelerator, loss_sum.item())
-                state.step += 1
-                state.micro_in_epoch += len(batches)
-                state.tokens_seen += int(tokens)
-                state.trained_tokens_seen += int(trained)
-                dt = time.perf_counter() - t0
-                last = {"type": "train", "step": state.step, "epoch": state.epoch, "loss": loss_total / max(trained, 1),
-                        "lr": lr, "grad_norm": float(grad_norm), "tokens": int(tokens), "trained_tokens": int(trained),
-                        "tokens_per_s": tokens / dt, "tokens_seen": state.tokens_seen,
-                        "elapsed_s": time.perf_counter() - start}
+        for window in stream:
+            step = train_step(model, optimizer, scheduler, accelerator, window, max_grad_norm=tc.max_grad_norm)
+            pending.append(step)
+            state.step += 1
+            # Roll the epoch over with the step that ends it, so a checkpoint saved now resumes at the next
+            # epoch's start rather than "all micro-batches into" the finished one.
+            state.epoch, state.micro_in_epoch = (window.epoch + 1, 0) if window.epoch_done else (window.epoch, window.end)
+            eval_now = eval_ds is not None and tc.eval_every_steps and (
+                state.step % tc.eval_every_steps == 0 or state.step == total_steps)
+            save_now = recipe.checkpoint.every_steps and state.step % recipe.checkpoint.every_steps == 0
+            if state.step % recipe.logging.every_steps == 0 or state.step == total_steps or eval_now or save_now:
+                last = _log_line(accelerator, pending, state, since=since, start=start, flops=flops, peak=peak)
+                pending = []
                 if on_gpu:
                     last["max_memory_allocated"] = torch.cuda.max_memory_allocated()
                     last["max_memory_reserved"] = torch.cuda.max_memory_reserved()
                 log.write(last)
                 progress.update(task, completed=state.step, info=step_info(last))
-
-                if eval_ds is not None and tc.eval_every_steps and (
-                        state.step % tc.eval_every_steps == 0 or state.step == total_steps):
-                    ev = evaluate(model, eval_ds, accelerator, batch_size=tc.eval_batch_size or mb, pad=pad)
-                    log.write({"type": "eval", "step": state.step, **ev})
-                    if accelerator.is_main_process:
-                        progress.console.print(f"step {state.step}: " + "  ".join(f"{k} {v:.4f}" for k, v in ev.items()))
-                if recipe.checkpoint.every_steps and state.step % recipe.checkpoint.every_steps == 0:
-                    save_checkpoint(accelerator, output_dir=out, state=state, recipe_yaml=recipe.to_yaml(),
-                                    keep_last=recipe.checkpoint.keep_last, model_keys=model_keys,
-                                    trainable=trainable_names)
-            if state.micro_in_epoch >= len(micro):
-                state.epoch, state.micro_in_epoch = state.epoch + 1, 0
+            else:
+                progress.update(task, completed=state.step)
+            if eval_now:
+                ev = evaluate(model, eval_ds, accelerator, recipe, pad=pad)
+                log.write({"type": "eval", "step": state.step, **ev})
+                if accelerator.is_main_process:
+                    progress.console.print(f"step {state.step}: " + "  ".join(f"{k} {v:.4f}" for k, v in ev.items()))
+            if save_now:
+                save_checkpoint(accelerator, output_dir=out, state=state, recipe_yaml=recipe.to_yaml(),
+                                keep_last=recipe.checkpoint.keep_last, model_keys=model_keys,
+                                trainable=trainable_names)
 
     # ---- export and summary
     if recipe.checkpoint.save_final:
@@ -232,7 +281,8 @@ def train(recipe: Recipe, *, resume: str | None = None, overwrite: bool = False)
     summary = {"steps": state.step, "params_total": n_total, "params_trainable": n_trainable,
                "final_loss": last.get("loss"), "tokens_seen": state.tokens_seen,
                "train_time_s": time.perf_counter() - start, "data": {k: vars(v) for k, v in stats.items()},
-               "data_cache_reads": int(cache_reads)}
+               "data_cache_reads": int(cache_reads), "packing_efficiency": packing_efficiency,
+               "tokens_per_s_per_gpu": state.tokens_seen / max(time.perf_counter() - start, 1e-9) / world}
     if on_gpu:
         summary.update(max_memory_allocated=torch.cuda.max_memory_allocated(),
                        max_memory_reserved=torch.cuda.max_memory_reserved(),
@@ -243,6 +293,45 @@ def train(recipe: Recipe, *, resume: str | None = None, overwrite: bool = False)
     log.close()
     accelerator.end_training()
     return summary
+
+
+def _log_line(accelerator, pending: list[dict], state: TrainState, *, since: dict, start: float,
+              flops, peak: float | None) -> dict:
+    """Read back the steps since the last line (the host sync of a logging step) and build the metrics line:
+    the last step's loss, grad norm and tokens; speed and MFU over all steps since the last line."""
+    world = accelerator.num_processes
+    counts = torch.stack([p["counts"].cpu() for p in pending])  # [steps, 3]: trained, tokens, squares (global)
+    losses = global_sum(accelerator, *(p["loss_sum"].item() for p in pending))
+    for trained, tokens, _ in counts.tolist():
+        state.tokens_seen += int(tokens)
+        state.trained_tokens_seen += int(trained)
+    trained, tokens, _ = counts[-1].tolist()
+    now = time.perf_counter()
+    window_counts = counts.sum(0)
+    dt = now - since["time"]
+    since["time"] = now
+    tokens_per_s = float(window_counts[1]) / dt
+    model_flops = flops.step(*(float(x) for x in (window_counts[1], window_counts[0], window_counts[2])))
+    return {"type": "train", "step": state.step, "epoch": state.epoch, "loss": losses[-1] / max(trained, 1),
+            "lr": pending[-1]["lr"], "grad_norm": float(pending[-1]["grad_norm"]), "tokens": int(tokens), "trained_tokens": int(trained),
+            "tokens_per_s": tokens_per_s, "tokens_per_s_per_gpu": tokens_per_s / world,
+            "tflops_per_gpu": model_flops / dt / world / 1e12,
+            "mfu": model_flops / dt / world / peak if peak else None,
+            "tokens_seen": state.tokens_seen, "elapsed_s": now - start}
+
+
+def _check_budget(recipe: Recipe, lengths: list[int], eval_ds) -> None:
+    """With a token budget, every example must fit in one micro-batch: refuse at start-up, never drop."""
+    budget = recipe.train.micro_batch_tokens
+    if budget is None:
+        return
+    longest = max(max(lengths, default=0), max(eval_ds["length"], default=0) if eval_ds is not None else 0)
+    if longest > budget:
+        raise LLMTrainError(
+            f"train.micro_batch_tokens={budget} is smaller than the longest example ({longest} tokens); no example "
+            f"is ever split or dropped. Raise train.micro_batch_tokens to at least {longest}, or truncate the "
+            f"examples with data.max_seq_len={budget}."
+        )
 
 
 def _predicted_memory(recipe: Recipe, accelerator) -> dict:

@@ -1,0 +1,120 @@
+"""Varlen attention: each example of a padding-free packed row attends only to itself, at a cost of
+sum(l_i^2) instead of (sum l_i)^2.
+
+Registered with transformers' AttentionInterface as "llmtrain_varlen". transformers builds no mask for a
+name it does not know (masking_utils returns None), so no L x L mask is ever materialised; the example
+boundaries arrive as `cu_seq_lens_q` / `max_length_q`, the keyword arguments transformers forwards to
+every attention call (the names its own flash-attention path uses), computed by the collator on the CPU.
+- CUDA: PyTorch's own `torch.nn.attention.varlen.varlen_attn` (flash kernels, no extra package).
+- elsewhere: SDPA per example, which is what the CPU tests use to prove the path equal to the unpacked
+  model.
+"""
+
+from __future__ import annotations
+
+import inspect
+import math
+
+import torch
+import torch.nn.functional as F
+
+NAME = "llmtrain_varlen"
+
+
+def varlen_available() -> bool:
+    """PyTorch's flash varlen kernel can run here (CUDA and a torch that has it)."""
+    if not torch.cuda.is_available():
+        return False
+    try:
+        from torch.nn.attention.varlen import varlen_attn  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def register() -> str:
+    from transformers import AttentionInterface
+
+    AttentionInterface.register(NAME, varlen_attention_forward)
+    return NAME
+
+
+def _segments(cu_seq_lens, position_ids, total: int) -> torch.Tensor:
+    if cu_seq_lens is not None:
+        return cu_seq_lens
+    if position_ids is None:  # one sequence (generation, or a caller that passed nothing)
+        return torch.tensor([0, total], dtype=torch.int32)
+    # Fallback for callers that did not pass the boundaries: every position id 0 starts an example.
+    # This reads the GPU (a host sync); the trainer always passes cu_seq_lens.
+    starts = (position_ids.flatten() == 0).nonzero().flatten().to(torch.int32).cpu()
+    return torch.cat([starts, torch.tensor([total], dtype=torch.int32)])
+
+
+def varlen_attention_forward(module, query, key, value, attention_mask, dropout: float = 0.0,
+                             scaling: float | None = None, cu_seq_lens_q=None, max_length_q=None,
+                             position_ids=None, **kwargs):
+    """transformers' attention signature: query (B, Hq, L, D), key/value (B, Hkv, L, D) -> (B, L, Hq, D).
+
+    The batch is flattened to one sequence of B*L tokens and attended per example. A padded batch (one
+    example per row, right padding) works too when position ids restart on the pads: each pad is then
+    its own one-token example and no real token ever sees one.
+    """
+    if kwargs.get("past_key_values") is not None or query.shape[2] != key.shape[2]:
+        raise NotImplementedError("llmtrain's varlen attention is for training (no KV cache); generate with "
+                                  "attn_implementation='sdpa'")
+    b, hq, length, d = query.shape
+    hkv = key.shape[1]
+    window = getattr(module, "sliding_window", None)
+    q, k, v = (t.transpose(1, 2).reshape(b * length, t.shape[1], d) for t in (query, key, value))  # (T, H, D)
+    cu = _segments(cu_seq_lens_q, position_ids, b * length)
+    scale = scaling if scaling is not None else d ** -0.5
+    if q.is_cuda:
+        if dropout:
+            raise NotImplementedError("varlen attention has no attention dropout; use attn_implementation='sdpa'")
+        max_len = int(max_length_q) if max_length_q is not None else int((cu[1:] - cu[:-1]).max())
+        out = _flash_varlen(q, k, v, cu.to(q.device, non_blocking=True), max_len, scale=scale, window=window)
+    else:
+        out = _sdpa_per_example(q, k, v, cu.tolist(), scale=scale, dropout=dropout, window=window, gqa=hq // hkv)
+    return out.view(b, length, hq, d), None
+
+
+def _sdpa_per_example(q, k, v, cu: list[int], *, scale: float, dropout: float, window: int | None, gqa: int):
+    outs = []
+    for s, e in zip(cu[:-1], cu[1:]):
+        qi, ki, vi = (t[s:e].transpose(0, 1) for t in (q, k, v))  # (H, l, D)
+        if gqa > 1:
+            ki, vi = ki.repeat_interleave(gqa, dim=0), vi.repeat_interleave(gqa, dim=0)
+        mask, causal = None, True
+        if window is not None and e - s > window:  # Mistral-style sliding window: see only the last `window`
+            i = torch.arange(e - s)
+            mask, causal = (i[:, None] >= i[None, :]) & (i[:, None] - i[None, :] < window), False
+        outs.append(F.scaled_dot_product_attention(qi, ki, vi, attn_mask=mask, is_causal=causal, scale=scale,
+                                                   dropout_p=dropout).transpose(0, 1))
+    return torch.cat(outs)
+
+
+def _flash_varlen(q, k, v, cu, max_len: int, *, scale: float, window: int | None):
+    """torch.nn.attention.varlen.varlen_attn across releases: torch 2.10/2.11 take `is_causal` (no GQA, no
+    window, maybe no scale); later releases take `window_size=(left, right)` and `enable_gqa`."""
+    from torch.nn.attention.varlen import varlen_attn
+
+    params = inspect.signature(varlen_attn).parameters
+    kwargs = {}
+    if "window_size" in params:
+        kwargs["window_size"] = (window - 1 if window is not None and max_len > window else -1, 0)
+    else:
+        if window is not None and max_len > window:
+            raise NotImplementedError(f"this torch's varlen_attn has no sliding window and an example is longer "
+                                      f"than the model's {window}; upgrade torch or use attn_implementation=sdpa")
+        kwargs["is_causal"] = True
+    if q.shape[1] != k.shape[1]:
+        if "enable_gqa" in params:
+            kwargs["enable_gqa"] = True
+        else:  # repeat each KV head for its group of query heads
+            rep = q.shape[1] // k.shape[1]
+            k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
+    if "scale" in params:
+        kwargs["scale"] = scale
+    elif not math.isclose(scale, q.shape[-1] ** -0.5):
+        q = q * (scale * q.shape[-1] ** 0.5)  # the kernel applies 1/sqrt(D); fold the model's own scale into q
+    return varlen_attn(q, k, v, cu, cu, max_len, max_len, **kwargs)

@@ -1,0 +1,97 @@
+"""The loss, computed from the final hidden states without ever materialising full fp32 logits.
+
+`compute_loss(model, batch)` is the one loss of training and evaluation: the sum (not the mean) of the
+token cross-entropies of the trained tokens; the caller normalises. It runs inside the model's own
+forward (see `attach_loss`), so under FSDP the LM head's parameters are gathered exactly as for an
+ordinary forward.
+
+How the memory stays small: only trained positions reach the LM head (their indices are computed by
+the collator on the CPU), and they go through it `chunk` tokens at a time. Each chunk's logits, their
+fp32 copy and the cross-entropy are recomputed in backward (torch.utils.checkpoint), so at any moment
+one chunk's logits exist, not the whole micro-batch's: for 16k tokens and a 32k vocabulary, 2 GiB of
+fp32 logits plus as much again for their gradient become 0.5 GiB + 0.5 GiB at chunk 4096.
+"""
+
+from __future__ import annotations
+
+import types
+
+import torch
+import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
+
+
+
+def _chunk_loss(head, hidden: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    # Cross-entropy in fp32: bf16 log-softmax over a 32k vocabulary loses digits the loss needs.
+    return F.cross_entropy(head(hidden).float(), targets, reduction="sum")
+
+
+def chunked_cross_entropy(hidden: torch.Tensor, head, targets: torch.Tensor, *, chunk: int,
+                          with_hits: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Sum of cross-entropies of `head(hidden)` against `targets` (N tokens, none ignored), `chunk` tokens at
+    a time; with_hits also returns, per token, whether the argmax is the target (evaluation)."""
+    total = hidden.new_zeros((), dtype=torch.float32)
+    hits = []
+    for s in range(0, hidden.shape[0], chunk):
+        h, t = hidden[s : s + chunk], targets[s : s + chunk]
+        if with_hits:  # evaluation: no graph to keep, the logits are used twice
+            logits = head(h).float()
+            total = total + F.cross_entropy(logits, t, reduction="sum")
+            hits.append(logits.argmax(-1) == t)
+        elif torch.is_grad_enabled():
+            total = total + checkpoint(_chunk_loss, head, h, t, use_reentrant=False)
+        else:
+            total = total + _chunk_loss(head, h, t)
+    return total, (torch.cat(hits) if with_hits else None)
+
+
+def causal_lm(model):
+    """The transformers *ForCausalLM module inside `model` (which may be a peft model)."""
+    return model.get_base_model() if hasattr(model, "get_base_model") else model
+
+
+def attach_loss(model, *, chunk: int, fused_linear_ce=None) -> None:
+    """Give the *ForCausalLM module a forward that returns the summed loss when called with `loss_index`.
+
+    Called with `loss_index` / `loss_targets` (batching.with_loss_positions), the forward runs the decoder, gathers the
+    trained positions' hidden states and returns `types.SimpleNamespace(loss=..., hits=...)`; called
+    without, it is transformers' own forward (generation, export). `fused_linear_ce`, when given (liger's
+    fused linear cross-entropy on CUDA), replaces the chunked loop in training.
+    """
+    lm = causal_lm(model)
+    original = type(lm).forward
+
+    def forward(self, *args, loss_index=None, loss_targets=None, return_hits: bool = False, **kwargs):
+        if loss_index is None:
+            return original(self, *args, **kwargs)
+        kwargs.pop("labels", None)  # peft passes labels=None through
+        kwargs.pop("use_cache", None)
+        hidden = self.model(*args, use_cache=False, **kwargs).last_hidden_state
+        if loss_index.numel() == 0:  # an idle rank's placeholder row: a zero loss that still reaches every
+            # parameter, because DDP and FSDP reduce the gradients of all of them on every rank
+            flat = hidden.flatten(0, 1)[:1]
+            return types.SimpleNamespace(loss=self.lm_head(flat).float().sum() * 0.0,
+                                         hits=torch.zeros(0, dtype=torch.bool, device=flat.device))
+        hidden = hidden.flatten(0, 1)[loss_index]
+        if fused_linear_ce is not None and not return_hits and torch.is_grad_enabled():
+            return types.SimpleNamespace(loss=fused_linear_ce(self.lm_head.weight, hidden, loss_targets), hits=None)
+        loss, hits = chunked_cross_entropy(hidden, self.lm_head, loss_targets, chunk=chunk, with_hits=return_hits)
+        return types.SimpleNamespace(loss=loss, hits=hits)
+
+    lm.forward = types.MethodType(forward, lm)
+
+
+def compute_loss(model, batch: dict, *, return_hits: bool = False):
+    """Summed token cross-entropy of one collated batch on the device (the one loss of train and eval).
+
+    `batch` holds the model inputs plus `loss_index` / `loss_targets` (batching.with_loss_positions);
+    `cu_seq_lens` / `max_length`
+    (packed rows) are handed to the varlen attention under the names transformers forwards to it.
+    """
+    inputs = {k: v for k, v in batch.items() if k not in ("cu_seq_lens", "max_length", "loss_example")}
+    if "cu_seq_lens" in batch:
+        inputs.update(cu_seq_lens_q=batch["cu_seq_lens"], cu_seq_lens_k=batch["cu_seq_lens"],
+                      max_length_q=batch["max_length"], max_length_k=batch["max_length"])
+    out = model(**inputs, return_hits=return_hits)
+    return (out.loss, out.hits) if return_hits else out.loss
