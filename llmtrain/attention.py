@@ -64,7 +64,8 @@ def varlen_attention_forward(module, query, key, value, attention_mask, dropout:
                                   "attn_implementation='sdpa'")
     b, hq, length, d = query.shape
     hkv = key.shape[1]
-    window = getattr(module, "sliding_window", None)
+    # Mistral-style models pass their window (a token sees itself and the window - 1 before it) as a kwarg.
+    window = kwargs.get("sliding_window") or getattr(module, "sliding_window", None)
     q, k, v = (t.transpose(1, 2).reshape(b * length, t.shape[1], d) for t in (query, key, value))  # (T, H, D)
     cu = _segments(cu_seq_lens_q, position_ids, b * length)
     scale = scaling if scaling is not None else d ** -0.5

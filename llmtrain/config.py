@@ -133,7 +133,7 @@ class TrainConfig(Section):
     def _one_batch_unit(self) -> "TrainConfig":
         if self.micro_batch_tokens is not None and self.micro_batch_size != 1:
             raise ValueError(
-                "set either micro_batch_size (examples per micro-batch) or micro_batch_tokens (a token budget "
+                "set train.micro_batch_size (examples per micro-batch) or train.micro_batch_tokens (a token budget "
                 "per micro-batch), not both: with micro_batch_tokens, leave micro_batch_size at 1"
             )
         return self
@@ -247,7 +247,7 @@ def _format_errors(err: ValidationError, source: str) -> str:
         else:
             got = e.get("input")
             got_text = f" (got {got!r})" if not isinstance(got, dict) else ""
-            lines.append(f"  - {key}: {e['msg']}{got_text}")
+            lines.append(f"  - {key}: {e['msg'].removeprefix('Value error, ')}{got_text}")
     return f"Invalid recipe {source}:\n" + "\n".join(lines) + "\nFix these keys in the YAML or the key=value overrides."
 
 

@@ -247,7 +247,7 @@ def train(recipe: Recipe, *, resume: str | None = None, overwrite: bool = False)
     with progress:
         for window in stream:
             step = train_step(model, optimizer, scheduler, accelerator, window, max_grad_norm=tc.max_grad_norm)
-            pending.append(step)
+            pending.append({**step, "epoch": window.epoch})
             state.step += 1
             # Roll the epoch over with the step that ends it, so a checkpoint saved now resumes at the next
             # epoch's start rather than "all micro-batches into" the finished one.
@@ -312,7 +312,7 @@ def _log_line(accelerator, pending: list[dict], state: TrainState, *, since: dic
     since["time"] = now
     tokens_per_s = float(window_counts[1]) / dt
     model_flops = flops.step(*(float(x) for x in (window_counts[1], window_counts[0], window_counts[2])))
-    return {"type": "train", "step": state.step, "epoch": state.epoch, "loss": losses[-1] / max(trained, 1),
+    return {"type": "train", "step": state.step, "epoch": pending[-1]["epoch"], "loss": losses[-1] / max(trained, 1),
             "lr": pending[-1]["lr"], "grad_norm": float(pending[-1]["grad_norm"]), "tokens": int(tokens), "trained_tokens": int(trained),
             "tokens_per_s": tokens_per_s, "tokens_per_s_per_gpu": tokens_per_s / world,
             "tflops_per_gpu": model_flops / dt / world / 1e12,

@@ -1,0 +1,215 @@
+"""The fast path's parts against their plain references, in this process on the CPU (fast tier).
+
+- varlen attention on a packed row equals each example run alone (logits and gradients, fp32, 1e-5),
+  with GQA, with a Mistral sliding window, with and without the collator's boundaries;
+- the chunked loss equals the full-logits cross-entropy (value and gradients) and needs less memory;
+- token bins: deterministic, within budget, every example once per epoch, the same bins for any
+  number of processes;
+- FLOP counting by hand for a tiny model.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from llmtrain.attention import register
+from llmtrain.batching import collate, global_micro_batches, token_bins, with_loss_positions
+from llmtrain.loss import attach_loss, chunked_cross_entropy, compute_loss
+
+LENGTHS = [5, 9, 3, 12, 1]
+
+
+def tiny_model(attn: str, *, model_type: str = "llama", sliding_window: int | None = None, seed: int = 0):
+    from transformers import AutoModelForCausalLM, LlamaConfig, MistralConfig
+
+    common = dict(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2,
+                  num_hidden_layers=2, vocab_size=97, attention_dropout=0.0)
+    cfg = (MistralConfig(**common, sliding_window=sliding_window) if model_type == "mistral"
+           else LlamaConfig(**common))
+    torch.manual_seed(seed)
+    return AutoModelForCausalLM.from_config(cfg, dtype=torch.float32, attn_implementation=attn)
+
+
+def examples(lengths=LENGTHS, vocab: int = 97, seed: int = 1) -> list[dict]:
+    g = torch.Generator().manual_seed(seed)
+    return [{"input_ids": torch.randint(0, vocab, (n,), generator=g).tolist(),
+             "labels": torch.randint(0, vocab, (n,), generator=g).tolist()} for n in lengths]
+
+
+def per_example_logits(model, exs):
+    return torch.cat([model(input_ids=torch.tensor([e["input_ids"]])).logits[0] for e in exs])
+
+
+@pytest.mark.parametrize(("model_type", "window", "boundaries"), [
+    ("llama", None, True), ("llama", None, False), ("mistral", 4, True)])
+def test_varlen_attention_equals_unpacked(model_type, window, boundaries):
+    """One packed row through the varlen attention gives each example's logits, and the gradients of a
+    loss over them, as if every example ran alone with transformers' eager attention."""
+    exs = examples()
+    ref = tiny_model("eager", model_type=model_type, sliding_window=window)
+    var = tiny_model(register(), model_type=model_type, sliding_window=window)
+    var.load_state_dict(ref.state_dict())
+    batch = collate(exs, pad_id=0, packing=True)
+    kwargs = {}
+    if boundaries:
+        kwargs = dict(cu_seq_lens_q=batch["cu_seq_lens"], cu_seq_lens_k=batch["cu_seq_lens"],
+                      max_length_q=batch["max_length"], max_length_k=batch["max_length"])
+    packed = var(input_ids=batch["input_ids"], position_ids=batch["position_ids"], **kwargs).logits[0]
+    alone = per_example_logits(ref, exs)
+    assert packed.shape == alone.shape == (sum(LENGTHS), 97)
+    assert (packed - alone).abs().max() < 1e-5
+    weights = torch.randn_like(alone) / alone.numel() ** 0.5  # a loss of order 1, so 1e-5 is fp32 round-off
+    (packed * weights).sum().backward()
+    (alone * weights).sum().backward()
+    for (name, p), q in zip(var.named_parameters(), ref.parameters()):
+        assert (p.grad - q.grad).abs().max() < 1e-5, name
+
+
+def test_sliding_window_matters_in_the_varlen_test():
+    """The converse of the window case above: without the window, an example longer than it differs."""
+    exs = examples([12])
+    windowed, full = tiny_model(register(), model_type="mistral", sliding_window=4), tiny_model("eager")
+    full.load_state_dict(windowed.state_dict())
+    assert (per_example_logits(windowed, exs) - per_example_logits(full, exs)).abs().max() > 1e-3
+
+
+def test_packed_varlen_model_loss_equals_padded_eager_loss():
+    """The model-level loss (compute_loss through attach_loss): a packed varlen row and a padded eager batch
+    of the same examples give the same summed loss and the same gradients."""
+    exs = examples()
+    ref, var = tiny_model("eager"), tiny_model(register())
+    var.load_state_dict(ref.state_dict())
+    for m in (ref, var):
+        attach_loss(m, chunk=7)
+    padded = with_loss_positions(collate(exs, pad_id=0, packing=False))
+    packed = with_loss_positions(collate(exs, pad_id=0, packing=True))
+    a, b = compute_loss(ref, padded), compute_loss(var, packed)
+    # the reference: full logits, fp32 cross-entropy over the shifted labels of each example
+    logits = per_example_logits(ref, exs)
+    targets = torch.tensor([t for e in exs for t in e["labels"][1:] + [-100]])
+    expected = F.cross_entropy(logits, targets, ignore_index=-100, reduction="sum")
+    assert a.item() == pytest.approx(expected.item(), rel=1e-6)
+    assert b.item() == pytest.approx(expected.item(), rel=1e-6)
+    a.backward()
+    b.backward()
+    for (name, p), q in zip(var.named_parameters(), ref.parameters()):
+        assert (p.grad - q.grad).abs().max() < 1e-5, name
+
+
+def test_loss_hits_and_examples_for_evaluation():
+    """return_hits gives one flag per trained token, each tagged with its example, in both layouts."""
+    exs = examples()
+    model = tiny_model(register())
+    attach_loss(model, chunk=5)
+    with torch.no_grad():
+        batch = with_loss_positions(collate(exs, pad_id=0, packing=True))
+        loss, hits = compute_loss(model, batch, return_hits=True)
+        logits = per_example_logits(model, exs)
+    targets = torch.tensor([t for e in exs for t in e["labels"][1:] + [-100]])
+    keep = targets != -100
+    assert torch.equal(hits, logits.argmax(-1)[keep] == targets[keep])
+    assert batch["loss_example"].tolist() == [i for i, n in enumerate(LENGTHS) for _ in range(n - 1)]
+    assert loss.item() == pytest.approx(F.cross_entropy(logits[keep], targets[keep], reduction="sum").item(), rel=1e-6)
+
+
+@pytest.mark.parametrize("chunk", [1, 7, 64, 10_000])
+def test_chunked_loss_equals_full_loss(chunk):
+    torch.manual_seed(0)
+    head = torch.nn.Linear(32, 50, bias=False)
+    hidden = torch.randn(64, 32, requires_grad=True)
+    targets = torch.randint(0, 50, (64,))
+    full = F.cross_entropy(head(hidden).float(), targets, reduction="sum")
+    full.backward()
+    grads = hidden.grad.clone(), head.weight.grad.clone()
+    hidden.grad = head.weight.grad = None
+    chunked, _ = chunked_cross_entropy(hidden, head, targets, chunk=chunk)
+    chunked.backward()
+    assert chunked.item() == pytest.approx(full.item(), rel=1e-6)
+    assert (hidden.grad - grads[0]).abs().max() < 1e-5
+    assert (head.weight.grad - grads[1]).abs().max() < 1e-5
+
+
+def test_chunked_loss_needs_a_fraction_of_the_memory():
+    """Peak memory of loss + backward with torch's MemTracker: full fp32 logits (and their gradient) for 2048
+    tokens x 32k vocabulary, against 256-token chunks recomputed in backward."""
+    mem_tracker = pytest.importorskip("torch.distributed._tools.mem_tracker")
+    torch.manual_seed(0)
+    n, h, v = 2048, 32, 32768
+    weight = torch.randn(v, h, requires_grad=True)
+    hidden = torch.randn(n, h, requires_grad=True)
+    targets = torch.randint(0, v, (n,))
+
+    def head(x):  # a function, not a module: the tracker follows modules called once per step
+        return x @ weight.T
+
+    def peak(loss_fn) -> int:
+        weight.grad = hidden.grad = None
+        tracker = mem_tracker.MemTracker()
+        tracker.track_external(weight, hidden)
+        with tracker:
+            loss_fn().backward()
+        return tracker.get_tracker_snapshot("peak")[torch.device("cpu")]["Total"]
+
+    full = peak(lambda: F.cross_entropy(head(hidden).float(), targets, reduction="sum"))
+    chunked = peak(lambda: chunked_cross_entropy(hidden, head, targets, chunk=256)[0])
+    logits = n * v * 4
+    assert full > 2 * logits  # logits and their gradient at once
+    assert chunked < full / 4, (chunked, full)
+    assert chunked < 0.5 * logits
+
+
+# --------------------------------------------------------------------------- token bins
+
+
+def lengths_for(n: int, seed: int = 0) -> list[int]:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(1, 300, (n,), generator=g).tolist()
+
+
+def test_token_bins_are_a_pure_function_and_cover_the_epoch():
+    lengths = lengths_for(500)
+    a = token_bins(lengths, 1024, seed=3, epoch=0)
+    assert a == token_bins(lengths, 1024, seed=3, epoch=0)  # deterministic
+    assert a != token_bins(lengths, 1024, seed=3, epoch=1)  # a new order each epoch
+    assert a != token_bins(lengths, 1024, seed=4, epoch=0)
+    assert sorted(i for b in a for i in b) == list(range(500))  # every example exactly once
+    assert all(sum(lengths[i] for i in b) <= 1024 for b in a)
+    # best fit keeps the bins full: the total is within a few bins of the ideal
+    assert len(a) <= sum(lengths) / 1024 + 2
+
+
+def test_token_bins_refuse_an_example_longer_than_the_budget():
+    with pytest.raises(ValueError, match="example 1 has 40 tokens"):
+        token_bins([10, 40], 32, seed=0, epoch=0)
+
+
+@pytest.mark.parametrize("world", [1, 2, 3])
+def test_token_bins_are_the_same_for_any_number_of_processes(world):
+    """Global micro-batches by tokens: rank r takes bin r of each group of `world` bins, so the bins in
+    order are those of one process, and every rank gets the same number of micro-batches."""
+    lengths = lengths_for(300)
+    one = [g[0] for g in global_micro_batches(300, seed=1, epoch=2, world_size=1, micro_batch_tokens=700,
+                                              lengths=lengths)]
+    groups = global_micro_batches(300, seed=1, epoch=2, world_size=world, micro_batch_tokens=700, lengths=lengths)
+    assert all(len(g) == world for g in groups)
+    assert [b for g in groups for b in g if b] == one
+
+
+def test_flop_model_by_hand():
+    """6 FLOPs per trained matmul weight per token, 4 per frozen one; the head on trained tokens;
+    attention 6 x layers x heads x head_dim per squared example length."""
+    from llmtrain.metrics import flop_model
+
+    model = tiny_model("eager")
+    fm = flop_model(model)
+    h, kv, inter, layers, vocab = 64, 2 * 16, 128, 2, 97
+    per_layer = h * h + 2 * h * kv + h * h + 3 * h * inter  # q, k+v (2 kv heads of 16), o, gate/up/down
+    assert fm.body_per_token == 6 * layers * per_layer
+    assert fm.head_per_token == 6 * vocab * h
+    assert fm.attn_per_square == 6 * layers * 64
+    assert fm.step(tokens=10, trained=4, squares=50) == 10 * fm.body_per_token + 4 * fm.head_per_token + 50 * 6 * 128
+    for p in model.parameters():
+        p.requires_grad_(False)
+    assert flop_model(model).body_per_token == 4 * layers * per_layer

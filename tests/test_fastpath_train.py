@@ -1,0 +1,129 @@
+"""The fast path through the real training loop on the tiny task (in this process, CPU, fp32).
+
+- varlen attention (the default, `auto`) trains exactly like transformers' eager attention on padded rows;
+- token-budget micro-batches: every example once per epoch, packing efficiency reported, exact resume,
+  a too-small budget refused at start-up;
+- logging.every_steps: fewer lines, the same numbers;
+- a checkpoint at the end of an epoch whose micro-batches are not a multiple of the accumulation resumes
+  (issue 8's bug), from every checkpoint of a 3-epoch run.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+
+from helpers import cli, load_weights, losses, max_abs_diff, records, run_train, write_recipe
+
+
+@pytest.fixture
+def recipe(tiny_assets, tmp_path):
+    return write_recipe(tiny_assets, tmp_path)
+
+
+def test_varlen_attention_trains_like_eager_padded(recipe, tmp_path):
+    """attn auto (varlen: packed rows, attention per example, chunked loss) against eager attention on
+    padded rows with the same examples: the same losses, token counts, and weights."""
+    common = ["train.micro_batch_size=6", "train.max_steps=5", "train.loss_chunk_tokens=16"]
+    run_train(recipe, f"output_dir={tmp_path / 'eager'}", "model.attn_implementation=eager", *common)
+    run_train(recipe, f"output_dir={tmp_path / 'varlen'}", "model.attn_implementation=auto", *common)
+    eager, varlen = records(tmp_path / "eager"), records(tmp_path / "varlen")
+    assert [r["loss"] for r in varlen] == pytest.approx([r["loss"] for r in eager], abs=1e-5)
+    assert [r["grad_norm"] for r in varlen] == pytest.approx([r["grad_norm"] for r in eager], rel=1e-4)
+    assert [r["tokens"] for r in varlen] == [r["tokens"] for r in eager]
+    assert [r["trained_tokens"] for r in varlen] == [r["trained_tokens"] for r in eager]
+    assert max_abs_diff(load_weights(tmp_path / "eager" / "final"), load_weights(tmp_path / "varlen" / "final")) < 1e-5
+
+
+def test_token_budget_epoch_covers_every_example_once(tiny_assets, tmp_path):
+    """A token-budget epoch: the steps' input tokens add up to the dataset's tokens exactly (no example
+    dropped or repeated), every micro-batch stays within the budget, and the packing efficiency
+    reported in summary.json is real tokens / (bins x budget)."""
+    recipe = write_recipe(tiny_assets, tmp_path, train={"max_steps": None, "epochs": 1, "micro_batch_size": 1,
+                                                        "micro_batch_tokens": 160, "grad_accum_steps": 2})
+    summary = run_train(recipe, "model.attn_implementation=auto")
+    steps = records(tmp_path / "run")
+    data = summary["data"]["train"]
+    assert sum(r["tokens"] for r in steps) == data["tokens"]
+    assert sum(r["trained_tokens"] for r in steps) == data["trained_tokens"]
+    assert all(r["tokens"] <= 2 * 160 for r in steps)  # two bins per step
+    bins = 2 * len(steps) - (1 if data["tokens"] > 0 and len(steps) * 2 * 160 * summary["packing_efficiency"]
+                              < data["tokens"] else 0)
+    assert summary["packing_efficiency"] == pytest.approx(data["tokens"] / (bins * 160), rel=0.01)
+    assert summary["packing_efficiency"] > 0.95
+
+
+def test_token_budget_resume_is_exact(tiny_assets, tmp_path):
+    recipe = write_recipe(tiny_assets, tmp_path, train={"max_steps": 6, "micro_batch_size": 1,
+                                                        "micro_batch_tokens": 128, "grad_accum_steps": 2},
+                          checkpoint={"every_steps": 2, "keep_last": 5})
+    run_train(recipe, f"output_dir={tmp_path / 'full'}")
+    run_train(recipe, f"output_dir={tmp_path / 'cut'}", "train.max_steps=6")
+    cut = tmp_path / "cut"
+    for step in (4, 6):
+        shutil.rmtree(cut / "checkpoints" / f"step_{step:06d}")
+    shutil.rmtree(cut / "final")
+    run_train(recipe, f"output_dir={cut}", resume="auto")
+    assert losses(cut) == pytest.approx(losses(tmp_path / "full"), abs=1e-6)
+    assert [r["step"] for r in records(cut)] == [1, 2, 3, 4, 5, 6]
+    assert max_abs_diff(load_weights(cut / "final"), load_weights(tmp_path / "full" / "final")) == 0.0
+
+
+def test_budget_smaller_than_an_example_is_refused(tiny_assets, tmp_path):
+    recipe = write_recipe(tiny_assets, tmp_path, train={"micro_batch_size": 1, "micro_batch_tokens": 8})
+    proc = cli("finetune", str(recipe), check=False)
+    assert proc.returncode == 2
+    assert "train.micro_batch_tokens=8 is smaller than the longest example" in proc.stderr + proc.stdout
+    assert "Traceback" not in proc.stderr
+
+
+def test_budget_with_micro_batch_size_is_refused(tiny_assets, tmp_path):
+    recipe = write_recipe(tiny_assets, tmp_path, train={"micro_batch_size": 4, "micro_batch_tokens": 256})
+    proc = cli("finetune", str(recipe), check=False)
+    assert proc.returncode == 2
+    assert "train.micro_batch_size" in proc.stderr + proc.stdout and "Traceback" not in proc.stderr
+
+
+def test_logging_every_steps_keeps_the_numbers(recipe, tmp_path):
+    """Lines every 3 steps (and at the last step) carry exactly the numbers of an every-step run."""
+    run_train(recipe, f"output_dir={tmp_path / 'each'}", "train.max_steps=7")
+    run_train(recipe, f"output_dir={tmp_path / 'every3'}", "train.max_steps=7", "logging.every_steps=3")
+    each, every3 = records(tmp_path / "each"), records(tmp_path / "every3")
+    assert [r["step"] for r in every3] == [3, 6, 7]
+    for r in every3:
+        same = each[r["step"] - 1]
+        for key in ("loss", "grad_norm", "tokens", "trained_tokens", "tokens_seen", "lr"):
+            assert r[key] == pytest.approx(same[key], rel=1e-6), key
+        assert r["tokens_per_s"] > 0 and r["tflops_per_gpu"] > 0 and r["mfu"] is None  # no peak known on CPU
+    mfu = run_train(recipe, f"output_dir={tmp_path / 'mfu'}", "train.max_steps=2", "logging.peak_tflops=0.5")
+    assert mfu["steps"] == 2
+    line = records(tmp_path / "mfu")[-1]
+    assert line["mfu"] == pytest.approx(line["tflops_per_gpu"] / 0.5)
+
+
+def test_every_checkpoint_of_a_three_epoch_run_resumes(tiny_assets, tmp_path):
+    """20 examples, micro-batch 4, accumulation 2: 5 micro-batches per epoch, so every epoch ends in a
+    one-micro-batch window. Every checkpoint (one per step) resumes and ends equal to the uninterrupted run."""
+    rows = (tiny_assets / "data" / "train.jsonl").read_text().splitlines()[:20]
+    data = tmp_path / "twenty.jsonl"
+    data.write_text("\n".join(rows) + "\n")
+    recipe = write_recipe(tiny_assets, tmp_path, data={"path": str(data)},
+                          train={"max_steps": None, "epochs": 3, "micro_batch_size": 4, "grad_accum_steps": 2},
+                          checkpoint={"every_steps": 1, "keep_last": 100})
+    full = tmp_path / "run"
+    run_train(recipe)
+    assert [r["epoch"] for r in records(full)] == [0, 0, 0, 1, 1, 1, 2, 2, 2]
+    # the position rolled over with each epoch's last step, before its checkpoint was written
+    state = json.loads((full / "checkpoints" / "step_000003" / "train_state.json").read_text())
+    assert (state["epoch"], state["micro_in_epoch"]) == (1, 0)
+    reference = load_weights(full / "final")
+    for step in range(1, 9):
+        part = tmp_path / f"from_{step}"
+        shutil.copytree(full / "checkpoints" / f"step_{step:06d}", part / "checkpoints" / f"step_{step:06d}")
+        (part / "metrics.jsonl").write_text("".join(
+            json.dumps(r) + "\n" for r in records(full) if r["step"] <= step))
+        run_train(recipe, f"output_dir={part}", resume="auto")
+        assert losses(part) == pytest.approx(losses(full), abs=1e-6), step
+        assert max_abs_diff(load_weights(part / "final"), reference) == 0.0, step
