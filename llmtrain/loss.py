@@ -54,12 +54,21 @@ def causal_lm(model):
 def attach_loss(model, *, chunk: int, fused_linear_ce=None) -> None:
     """Give the *ForCausalLM module a forward that returns the summed loss when called with `loss_index`.
 
-    Called with `loss_index` / `loss_targets` (batching.with_loss_positions), the forward runs the decoder, gathers the
-    trained positions' hidden states and returns `types.SimpleNamespace(loss=..., hits=...)`; called
-    without, it is transformers' own forward (generation, export). `fused_linear_ce`, when given (liger's
-    fused linear cross-entropy on CUDA), replaces the chunked loop in training.
+    Called with `loss_index` / `loss_targets` (batching.with_loss_positions), the forward runs the decoder,
+    gathers the trained positions' hidden states and hands them to the LM head together with their
+    targets; the LM head's own forward (patched too) then computes the chunked loss from its weight. So
+    the LM head is called once per step, as FSDP2 requires of a sharded module (Accelerate shards it
+    with the final norm: each call would unshard it and reduce its gradient again). Called without
+    `loss_index`, both are transformers' own forwards (generation, export). The result is a dict, a
+    pytree in which FSDP2 finds the loss to hook the root's backward.
+    `fused_linear_ce`, when given (liger's fused linear cross-entropy on CUDA), replaces the chunked loop
+    in training.
     """
     lm = causal_lm(model)
+    vocab = lm.get_output_embeddings().weight.shape[0]
+    # The LM head may be wrapped (peft's modules_to_save): patch every Linear in it that maps to the vocabulary.
+    for head in [m for m in lm.lm_head.modules() if isinstance(m, torch.nn.Linear) and m.out_features == vocab]:
+        head.forward = types.MethodType(_head_forward(chunk, fused_linear_ce), head)
     original = type(lm).forward
 
     def forward(self, *args, loss_index=None, loss_targets=None, return_hits: bool = False, **kwargs):
@@ -67,31 +76,39 @@ def attach_loss(model, *, chunk: int, fused_linear_ce=None) -> None:
             return original(self, *args, **kwargs)
         kwargs.pop("labels", None)  # peft passes labels=None through
         kwargs.pop("use_cache", None)
-        hidden = self.model(*args, use_cache=False, **kwargs).last_hidden_state
+        hidden = self.model(*args, use_cache=False, **kwargs).last_hidden_state.flatten(0, 1)
         if loss_index.numel() == 0:  # an idle rank's placeholder row: a zero loss that still reaches every
             # parameter, because DDP and FSDP reduce the gradients of all of them on every rank
-            flat = hidden.flatten(0, 1)[:1]
-            return types.SimpleNamespace(loss=self.lm_head(flat).float().sum() * 0.0,
-                                         hits=torch.zeros(0, dtype=torch.bool, device=flat.device))
-        hidden = hidden.flatten(0, 1)[loss_index]
-        if fused_linear_ce is not None and not return_hits and torch.is_grad_enabled():
-            return types.SimpleNamespace(loss=fused_linear_ce(self.lm_head.weight, hidden, loss_targets), hits=None)
-        loss, hits = chunked_cross_entropy(hidden, self.lm_head, loss_targets, chunk=chunk, with_hits=return_hits)
-        return types.SimpleNamespace(loss=loss, hits=hits)
+            loss, _ = self.lm_head(hidden[:1], targets=hidden.new_zeros(1, dtype=torch.long))
+            return {"loss": loss * 0.0, "hits": torch.zeros(0, dtype=torch.bool, device=hidden.device)}
+        loss, hits = self.lm_head(hidden[loss_index], targets=loss_targets, with_hits=return_hits)
+        return {"loss": loss, "hits": hits}
 
     lm.forward = types.MethodType(forward, lm)
+
+
+def _head_forward(chunk: int, fused_linear_ce):
+    def forward(self, hidden, targets=None, with_hits: bool = False):
+        if targets is None:  # an ordinary call: logits
+            return torch.nn.functional.linear(hidden, self.weight, self.bias)
+        if fused_linear_ce is not None and not with_hits and torch.is_grad_enabled() and self.bias is None:
+            return fused_linear_ce(self.weight, hidden, targets), None
+        # self.weight is read when each chunk runs (and again when it is recomputed in backward)
+        return chunked_cross_entropy(hidden, lambda h: torch.nn.functional.linear(h, self.weight, self.bias),
+                                     targets, chunk=chunk, with_hits=with_hits)
+
+    return forward
 
 
 def compute_loss(model, batch: dict, *, return_hits: bool = False):
     """Summed token cross-entropy of one collated batch on the device (the one loss of train and eval).
 
     `batch` holds the model inputs plus `loss_index` / `loss_targets` (batching.with_loss_positions);
-    `cu_seq_lens` / `max_length`
-    (packed rows) are handed to the varlen attention under the names transformers forwards to it.
+    `cu_seq_lens` / `max_length` (packed rows) are handed to the varlen attention under the names transformers forwards to it.
     """
     inputs = {k: v for k, v in batch.items() if k not in ("cu_seq_lens", "max_length", "loss_example")}
     if "cu_seq_lens" in batch:
         inputs.update(cu_seq_lens_q=batch["cu_seq_lens"], cu_seq_lens_k=batch["cu_seq_lens"],
                       max_length_q=batch["max_length"], max_length_k=batch["max_length"])
     out = model(**inputs, return_hits=return_hits)
-    return (out.loss, out.hits) if return_hits else out.loss
+    return (out["loss"], out["hits"]) if return_hits else out["loss"]

@@ -41,7 +41,7 @@ def test_defaults_and_output_dir_from_file_stem(recipe_file):
     assert r.output_dir == "runs/myrun"
     assert r.lora is None  # absent lora section means full fine-tune
     assert r.train.micro_batch_size == 1 and r.train.grad_accum_steps == 1
-    assert r.model.trust_remote_code is False and r.model.attn_implementation == "sdpa"
+    assert r.model.trust_remote_code is False and r.model.attn_implementation == "auto"
 
 
 def test_overrides_are_typed_and_validated(recipe_file):

@@ -14,11 +14,11 @@ import re
 import pytest
 import torch
 
-from llmtrain.batching import collate, rank_micro_batches
+from llmtrain.batching import collate, rank_micro_batches, with_loss_positions
 from llmtrain.config import DataConfig
 from llmtrain.data import IGNORE, compute_stats, encode_example, prepare_datasets
 from llmtrain.errors import LLMTrainError
-from llmtrain.train import compute_loss
+from llmtrain.loss import attach_loss, compute_loss
 
 from conftest import GSM8K, MISTRAL, needs
 
@@ -281,7 +281,9 @@ def test_packed_row_restarts_positions_and_shifts_targets_per_example():
     a = {"input_ids": [1, 5, 6], "labels": [IGNORE, 5, 6]}
     b = {"input_ids": [1, 7, 8, 9], "labels": [IGNORE, IGNORE, 8, 9]}
     packed = collate([a, b], pad_id=0, packing=True)
-    assert set(packed) == {"input_ids", "position_ids", "targets"}  # no attention mask: positions delimit
+    # no attention mask: positions (and, for the varlen attention, cu_seq_lens) delimit the examples
+    assert set(packed) == {"input_ids", "position_ids", "targets", "cu_seq_lens", "max_length"}
+    assert packed["cu_seq_lens"].tolist() == [0, 3, 7] and packed["max_length"] == 4
     assert packed["input_ids"].tolist() == [[1, 5, 6, 1, 7, 8, 9]]
     assert packed["position_ids"].tolist() == [[0, 1, 2, 0, 1, 2, 3]]
     # each example's last position predicts nothing: 6 must not learn to predict b's first token
@@ -306,7 +308,9 @@ def tiny_llama(attn: str):
     torch.manual_seed(0)
     config = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                          num_attention_heads=4, num_key_value_heads=2, attn_implementation=attn)
-    return LlamaForCausalLM(config).float().eval()
+    model = LlamaForCausalLM(config).float().eval()
+    attach_loss(model, chunk=4)
+    return model
 
 
 @pytest.mark.parametrize("attn", ["eager", "sdpa"])
@@ -321,7 +325,8 @@ def test_packing_is_exact_no_example_attends_to_another(attn):
     tokens = (packed["targets"] != IGNORE).sum().item()
     assert tokens == (padded["targets"] != IGNORE).sum().item() == 3 + 5 + 2 + 4  # n - n // 2 each
     with torch.no_grad():
-        loss_packed, loss_padded = compute_loss(model, packed).item(), compute_loss(model, padded).item()
+        loss_packed = compute_loss(model, with_loss_positions(dict(packed))).item()
+        loss_padded = compute_loss(model, with_loss_positions(dict(padded))).item()
         assert loss_packed / tokens == pytest.approx(loss_padded / tokens, abs=1e-5)
         assert loss_packed == pytest.approx(loss_padded, rel=1e-6)
         # as compute_loss calls it: use_cache=False, so transformers sees the restarting positions

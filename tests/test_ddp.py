@@ -8,6 +8,7 @@ ranks, so losses and weights must agree to float round-off.
 from __future__ import annotations
 
 import json
+import shutil
 import subprocess
 import sys
 
@@ -82,3 +83,28 @@ def test_uneven_tail_and_epoch_boundary(tiny_assets, tmp_path, free_port):
     assert len(records(single)) == 12  # ceil(21 / 4) = 6 steps per epoch
     assert [r["epoch"] for r in records(single)] == [0] * 6 + [1] * 6
     _compare(single, ddp)
+
+
+def test_token_budgets_and_varlen_match_one_process(tiny_assets, tmp_path, free_port):
+    """Token-budget bins with the varlen attention: 2 DDP processes x accumulation 2 train on the same
+    4 bins per step as 1 process x accumulation 4 (the bins do not depend on the process count). 21 examples
+    of up to 32 tokens in bins of 48: 11 bins per epoch, so rank 1 idles on each epoch's last micro-batch."""
+    lines = (tiny_assets / "data" / "train.jsonl").read_text().splitlines()
+    small = tmp_path / "train21.jsonl"
+    small.write_text("\n".join(lines[:21]) + "\n")
+    recipe = write_recipe(tiny_assets, tmp_path, data={"path": str(small)},
+                          model={"attn_implementation": "auto"},
+                          train={"max_steps": None, "epochs": 2, "micro_batch_size": 1, "micro_batch_tokens": 48,
+                                 "grad_accum_steps": 2, "lr": 3e-3}, checkpoint={"every_steps": 2, "keep_last": 5})
+    single, ddp = tmp_path / "single", tmp_path / "ddp"
+    run_train(recipe, f"output_dir={single}", "train.grad_accum_steps=4")
+    proc = _launch(recipe, free_port, f"output_dir={ddp}")
+    assert "packing efficiency" in proc.stdout and "varlen" in proc.stdout
+    _compare(single, ddp)
+    assert len(records(single)) == 6 and json.loads((ddp / "summary.json").read_text())["packing_efficiency"] > 0.8
+    # A 2-process token-budget checkpoint resumes on 1 process (accumulation 4): the same run.
+    resumed = tmp_path / "resumed"
+    shutil.copytree(ddp / "checkpoints" / "step_000002", resumed / "checkpoints" / "step_000002")
+    run_train(recipe, f"output_dir={resumed}", "train.grad_accum_steps=4", resume="auto")
+    assert [r["loss"] for r in records(resumed)] == pytest.approx([r["loss"] for r in records(single)][2:], abs=1e-5)
+    assert max_abs_diff(load_weights(resumed / "final"), load_weights(single / "final")) < 1e-5

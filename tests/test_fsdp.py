@@ -278,3 +278,24 @@ def test_cpu_ram_efficient_loading_reads_weights_on_rank_0_only(tiny_assets, tmp
     # Each rank keeps about half the parameters (dim-0 shards), and both have the same rotary frequencies.
     assert all(0.4 < int(local) / int(total) < 0.6 for *_, local, total, _ in found)
     assert found[0][-1] == found[1][-1]
+
+
+def test_fsdp_token_budgets_and_varlen_match_one_process(tiny_assets, tmp_path, free_port):
+    """FSDP2 with token-budget bins and the varlen attention (its chunked loss runs inside the sharded
+    root's forward): 2 processes x accumulation 1 == 1 process x accumulation 2, and a 2-process checkpoint
+    resumes on 1 FSDP process to the same final weights."""
+    recipe = write_recipe(tiny_assets, tmp_path, model={"attn_implementation": "auto"},
+                          train={"max_steps": 6, "micro_batch_size": 1, "micro_batch_tokens": 64,
+                                 "grad_accum_steps": 1, "lr": 3e-3, "loss_chunk_tokens": 16},
+                          checkpoint={"every_steps": 3, "keep_last": 2})
+    single, fsdp, resumed = tmp_path / "single", tmp_path / "fsdp", tmp_path / "resumed"
+    run_train(recipe, f"output_dir={single}", "train.grad_accum_steps=2")
+    _launch(recipe, free_port, f"output_dir={fsdp}")
+    one, two = records(single), records(fsdp)
+    assert [r["loss"] for r in two] == pytest.approx([r["loss"] for r in one], abs=1e-5)
+    assert [r["tokens"] for r in two] == [r["tokens"] for r in one]
+    assert max_abs_diff(load_weights(fsdp / "final"), load_weights(single / "final")) < 1e-5
+    shutil.copytree(fsdp / "checkpoints" / "step_000003", resumed / "checkpoints" / "step_000003")
+    _launch(recipe, free_port, f"output_dir={resumed}", "train.grad_accum_steps=2", resume="auto", processes=1)
+    assert [r["loss"] for r in records(resumed)] == pytest.approx([r["loss"] for r in one][3:], abs=1e-5)
+    assert max_abs_diff(load_weights(resumed / "final"), load_weights(single / "final")) < 1e-5
