@@ -50,6 +50,9 @@ def _segments(cu_seq_lens, position_ids, total: int) -> torch.Tensor:
     return torch.cat([starts, torch.tensor([total], dtype=torch.int32)])
 
 
+# Left out of torch.compile (model.compile): the example boundaries change every step, and the per-example
+# loop and the kernel's max length would make every new batch a recompile. The layers compile around it.
+@torch.compiler.disable
 def varlen_attention_forward(module, query, key, value, attention_mask, dropout: float = 0.0,
                              scaling: float | None = None, cu_seq_lens_q=None, max_length_q=None,
                              position_ids=None, **kwargs):

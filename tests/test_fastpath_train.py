@@ -127,3 +127,14 @@ def test_every_checkpoint_of_a_three_epoch_run_resumes(tiny_assets, tmp_path):
         run_train(recipe, f"output_dir={part}", resume="auto")
         assert losses(part) == pytest.approx(losses(full), abs=1e-6), step
         assert max_abs_diff(load_weights(part / "final"), reference) == 0.0, step
+
+
+@pytest.mark.slow
+def test_compiled_layers_train_like_eager_layers(recipe, tmp_path):
+    """model.compile: each decoder layer compiled (the varlen attention left out of the graph): the same
+    losses as the uncompiled run, and the start-up line says how many layers were compiled."""
+    common = ["train.max_steps=3", "model.attn_implementation=auto"]
+    run_train(recipe, f"output_dir={tmp_path / 'plain'}", *common)
+    proc = cli("finetune", str(recipe), f"output_dir={tmp_path / 'compiled'}", "model.compile=true", *common)
+    assert "compile: 2 decoder layers" in proc.stdout
+    assert losses(tmp_path / "compiled") == pytest.approx(losses(tmp_path / "plain"), abs=1e-5)
