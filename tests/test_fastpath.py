@@ -213,3 +213,25 @@ def test_flop_model_by_hand():
     for p in model.parameters():
         p.requires_grad_(False)
     assert flop_model(model).body_per_token == 4 * layers * per_layer
+
+
+def test_lora_wraps_the_projections_inside_liger_kernels(monkeypatch):
+    """model.kernels=liger patches the model before peft: LoRA must still adapt every projection, now inside
+    liger's SwiGLU MLP, and the norms and RoPE must be liger's. (Structure only: the kernels need CUDA.)"""
+    pytest.importorskip("liger_kernel")
+    from llmtrain.config import LoraConfig
+    from llmtrain.modeling import _apply_liger, apply_lora
+
+    from transformers.models.llama import modeling_llama
+
+    # liger swaps module-level functions (RoPE) of transformers: put them back after this test
+    for name in ("apply_rotary_pos_emb", "LlamaRMSNorm", "LlamaMLP"):
+        monkeypatch.setattr(modeling_llama, name, getattr(modeling_llama, name))
+    model = tiny_model("eager")
+    _apply_liger(model)
+    model = apply_lora(model, LoraConfig(r=4))
+    layer = model.base_model.model.model.layers[0]
+    assert layer.mlp.forward.__func__.__qualname__ == "LigerSwiGLUMLP.forward"
+    assert layer.input_layernorm.forward.__func__.__qualname__ == "LigerRMSNorm.forward"
+    adapted = {n.split(".lora_A")[0].rsplit(".", 1)[-1] for n, _ in model.named_parameters() if "lora_A" in n}
+    assert adapted == {"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"}
