@@ -13,7 +13,7 @@ from typing import Annotated, Optional
 
 import typer
 
-from llmtrain.errors import LLMTrainError
+from llmtrain.errors import LLMTrainError, Stopped
 
 app = typer.Typer(
     help="Fine-tune 7B-class Llama and Mistral models with Hugging Face Accelerate.",
@@ -43,7 +43,10 @@ def user_errors(fn):
                 raise
             from rich.console import Console
 
-            Console(stderr=True).print(f"[bold red]error:[/] {e}", highlight=False, soft_wrap=True)
+            from rich.markup import escape
+
+            label = "stopped" if isinstance(e, Stopped) else "error"
+            Console(stderr=True).print(f"[bold red]{label}:[/] {escape(str(e))}", highlight=False, soft_wrap=True)
             raise typer.Exit(e.exit_code) from None
 
     return wrapper

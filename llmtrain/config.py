@@ -108,14 +108,20 @@ class TrainConfig(Section):
         "micro_batch_size examples; leave micro_batch_size at 1.",
     )
     grad_accum_steps: int = Field(1, gt=0, description="Micro-batches accumulated per optimizer step.")
-    lr: float = Field(2e-5, gt=0, description="Peak learning rate.")
+    lr: float = Field(2e-5, gt=0, allow_inf_nan=False, description="Peak learning rate.")
     min_lr_ratio: float = Field(0.0, ge=0, le=1, description="Final lr as a fraction of the peak (linear, cosine).")
     schedule: Literal["linear", "cosine", "constant"] = Field("cosine", description="Learning-rate decay after warmup.")
     warmup_steps: int = Field(0, ge=0, description="Linear warmup from 0 to lr over this many steps.")
     weight_decay: float = Field(0.0, ge=0, description="AdamW decoupled weight decay (not applied to norms/biases).")
     betas: tuple[float, float] = Field((0.9, 0.999), description="AdamW betas.")
     eps: float = Field(1e-8, gt=0, description="AdamW epsilon.")
-    max_grad_norm: float | None = Field(1.0, description="Clip the global gradient norm to this; null disables.")
+    max_grad_norm: float | None = Field(1.0, gt=0, allow_inf_nan=False,
+                                        description="Clip the global gradient norm to this; null disables.")
+    max_bad_steps: int = Field(
+        0, ge=0,
+        description="Steps with a non-finite loss or gradient norm to skip (no update, logged) before the run "
+        "stops; 0 stops at the first.",
+    )
     mixed_precision: Literal["no", "bf16", "fp16"] = Field(
         "no", description="Autocast precision. The recipe wins over a launch config that disagrees."
     )
@@ -128,6 +134,11 @@ class TrainConfig(Section):
         "backward), so full fp32 logits never exist at once.",
     )
     timeout_s: int = Field(1800, gt=0, description="Collective-communication timeout for multi-process runs.")
+
+    @field_validator("mixed_precision", mode="before")
+    @classmethod
+    def _yaml_no(cls, v: Any) -> Any:
+        return "no" if v is False else v  # YAML 1.1 reads an unquoted `no` as false
 
     @model_validator(mode="after")
     def _one_batch_unit(self) -> "TrainConfig":

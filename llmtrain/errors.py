@@ -9,3 +9,17 @@ class LLMTrainError(Exception):
 
 class RecipeError(LLMTrainError):
     """The recipe or a `key=value` override is invalid."""
+
+
+class TrainingDiverged(LLMTrainError):
+    """A step's loss or gradient norm was not finite (more often than train.max_bad_steps allows)."""
+
+    exit_code = 3
+
+
+class Stopped(LLMTrainError):
+    """The run stopped on SIGTERM or Ctrl-C after saving a checkpoint; exits 128 + the signal number."""
+
+    def __init__(self, message: str, signum: int):
+        super().__init__(message)
+        self.exit_code = 128 + signum

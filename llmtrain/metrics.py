@@ -39,7 +39,7 @@ class MetricsLog:
         if not self.enabled:
             return
         with self.path.open("a") as f:
-            f.write(json.dumps(record) + "\n")
+            f.write(json.dumps(strict_json(record), allow_nan=False) + "\n")
         if self.tb is not None:
             for k, v in record.items():
                 if isinstance(v, (int, float)) and k != "step" and math.isfinite(v):
@@ -48,6 +48,11 @@ class MetricsLog:
     def close(self) -> None:
         if self.tb is not None:
             self.tb.close()
+
+
+def strict_json(record: dict) -> dict:
+    """NaN and infinities become null: bare NaN is not JSON, and strict readers reject the whole file."""
+    return {k: None if isinstance(v, float) and not math.isfinite(v) else v for k, v in record.items()}
 
 
 def progress_bar(*, enabled: bool, total: int, completed: int):
@@ -63,6 +68,8 @@ def progress_bar(*, enabled: bool, total: int, completed: int):
 
 
 def step_info(rec: dict) -> str:
+    if rec.get("loss") is None or not math.isfinite(rec["loss"]):
+        return f"loss {rec.get('loss')}  (update skipped)"
     mfu = f"  MFU {rec['mfu']:.1%}" if rec.get("mfu") is not None else ""
     return f"loss {rec['loss']:.4f}  lr {rec['lr']:.2e}  {rec['tokens_per_s_per_gpu']:,.0f} tok/s/gpu{mfu}"
 

@@ -1,0 +1,40 @@
+"""Stop on request: SIGTERM (SLURM, Kubernetes, spot instances) or a first Ctrl-C asks the run to stop at the
+next step boundary, after a checkpoint; a second Ctrl-C stops at once.
+
+The handler only records the signal; the training loop reads it at each step boundary. With several
+processes the ranks agree through the step's one collective (train.train_step), so every rank stops after
+the same step and none waits in a collective for a rank that left.
+"""
+
+from __future__ import annotations
+
+import signal
+import sys
+import threading
+
+
+class StopRequests:
+    """Context manager that records SIGTERM / SIGINT instead of dying; `signum` is 0 until one arrives."""
+
+    def __init__(self) -> None:
+        self.signum = 0
+        self._previous: dict[int, object] = {}
+
+    def __enter__(self) -> StopRequests:
+        if threading.current_thread() is threading.main_thread():  # handlers can only be set there
+            for sig in (signal.SIGTERM, signal.SIGINT):
+                self._previous[sig] = signal.signal(sig, self._handle)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
+
+    def _handle(self, signum: int, frame) -> None:
+        if signum == signal.SIGINT and self.signum == signal.SIGINT:
+            raise KeyboardInterrupt  # the second Ctrl-C: stop now, without a checkpoint
+        if not self.signum:
+            self.signum = signum
+            how = "again to stop at once" if signum == signal.SIGINT else ""
+            print(f"\n{signal.Signals(signum).name}: finishing this step, then saving a checkpoint and stopping"
+                  f"{' (Ctrl-C ' + how + ')' if how else ''}.", file=sys.stderr, flush=True)

@@ -1,0 +1,141 @@
+"""Preemption and divergence through the real CLI: real signals to real processes, real files.
+
+- SIGTERM (and a first Ctrl-C) mid-run: the step finishes, a complete checkpoint is written at it, the run
+  exits 143 (130), and `--resume auto` ends with the uninterrupted run's weights. One process, and 2 CPU
+  DDP processes signalled as SLURM does (the whole process group).
+- A second Ctrl-C stops at once.
+- A non-finite gradient stops the run (exit 3) naming the step, publishes nothing non-finite, and keeps
+  metrics.jsonl strict JSON; train.max_bad_steps skips such steps first.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from helpers import ENV, LLMTRAIN, REPO, cli, load_weights, losses, max_abs_diff, records, write_recipe
+
+CPU_DDP = REPO / "accelerate_configs" / "cpu_ddp.yaml"
+
+
+def _start(args: list[str]) -> subprocess.Popen:
+    # A session of its own: the test signals the whole group, as SLURM and Kubernetes do.
+    return subprocess.Popen(args, env=ENV, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)
+
+
+def _wait_for_steps(run: Path, proc: subprocess.Popen, n: int, timeout: float = 120) -> None:
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        if (run / "metrics.jsonl").is_file() and len(records(run)) >= n:
+            return
+        assert proc.poll() is None, proc.communicate()
+        time.sleep(0.02)
+    raise AssertionError(f"no {n} steps in {timeout} s")
+
+
+def _interrupt(proc: subprocess.Popen, run: Path, sig: int) -> tuple[int, str, float]:
+    _wait_for_steps(run, proc, 3)
+    t0 = time.monotonic()
+    os.killpg(proc.pid, sig)
+    out, err = proc.communicate(timeout=120)
+    return proc.returncode, out + err, time.monotonic() - t0
+
+
+def _steps_on_disk(run: Path) -> list[int]:
+    return sorted(int(d.name[5:]) for d in (run / "checkpoints").glob("step_*"))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("sig", "code"), [(signal.SIGTERM, 143), (signal.SIGINT, 130)])
+def test_signal_mid_run_saves_and_resumes_exactly(tiny_assets, tmp_path, sig, code):
+    recipe = write_recipe(tiny_assets, tmp_path, train={"max_steps": 150, "micro_batch_size": 8})
+    full, cut = tmp_path / "full", tmp_path / "cut"
+    cli("finetune", str(recipe), f"output_dir={full}")
+    proc = _start([*LLMTRAIN, "finetune", str(recipe), f"output_dir={cut}"])
+    rc, output, seconds = _interrupt(proc, cut, sig)
+    assert rc == code, output[-2000:]
+    assert "Traceback" not in output
+    steps = _steps_on_disk(cut)
+    last_logged = records(cut)[-1]["step"]
+    # The step that was running finished, and the checkpoint is at that very step.
+    assert steps == [last_logged] and 3 <= last_logged < 150, (steps, last_logged)
+    assert f"{signal.Signals(sig).name} at step {last_logged}" in output and "--resume auto" in output
+    assert not (cut / "final").exists()
+    print(f"{signal.Signals(sig).name} -> exit in {seconds:.2f} s, checkpoint step {last_logged}")
+    cli("finetune", str(cut / "recipe.yaml"), "--resume", "auto")
+    assert losses(cut) == pytest.approx(losses(full), abs=1e-6)
+    assert max_abs_diff(load_weights(cut / "final"), load_weights(full / "final")) == 0.0
+
+
+@pytest.mark.slow
+def test_sigterm_under_ddp_stops_every_rank_at_one_step(tiny_assets, tmp_path, free_port):
+    """2 gloo processes: the ranks vote in the step's collective, so both stop after the same step; the
+    checkpoint is complete (both ranks' RNG files) and resuming ends like an uninterrupted run."""
+    recipe = write_recipe(tiny_assets, tmp_path, train={"max_steps": 120, "micro_batch_size": 2})
+    single, cut = tmp_path / "single", tmp_path / "cut"
+    cli("finetune", str(recipe), f"output_dir={single}", "train.micro_batch_size=4")
+    launch = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(CPU_DDP),
+              "--main_process_port", str(free_port), "-m", "llmtrain", "finetune", str(recipe), f"output_dir={cut}"]
+    rc, output, seconds = _interrupt(_start(launch), cut, signal.SIGTERM)
+    assert rc != 0
+    steps = _steps_on_disk(cut)
+    assert len(steps) == 1 and steps[0] == records(cut)[-1]["step"], (steps, output[-3000:])
+    ckpt = cut / "checkpoints" / f"step_{steps[0]:06d}"
+    assert {"random_states_0.pkl", "random_states_1.pkl", "train_state.json"} <= {p.name for p in ckpt.iterdir()}
+    assert f"SIGTERM at step {steps[0]}" in output
+    print(f"DDP SIGTERM -> exit in {seconds:.2f} s, checkpoint step {steps[0]}")
+    launch[launch.index("--main_process_port") + 1] = str(free_port + 1)
+    subprocess.run([*launch, "--resume", "auto"], env=ENV, cwd=REPO, check=True, capture_output=True, timeout=300)
+    assert losses(cut) == pytest.approx(losses(single), abs=1e-5)
+    assert max_abs_diff(load_weights(cut / "final"), load_weights(single / "final")) < 1e-5
+
+
+def test_second_ctrl_c_stops_at_once():
+    from llmtrain.signals import StopRequests
+
+    with StopRequests() as stop:
+        os.kill(os.getpid(), signal.SIGINT)
+        time.sleep(0.01)  # let the handler run
+        assert stop.signum == signal.SIGINT  # the first: recorded, the run goes on to the step's end
+        with pytest.raises(KeyboardInterrupt):
+            os.kill(os.getpid(), signal.SIGINT)
+            time.sleep(0.05)
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # restored
+
+
+def test_divergence_stops_and_publishes_nothing_non_finite(tiny_assets, tmp_path):
+    recipe = write_recipe(tiny_assets, tmp_path, train={"max_steps": 12, "lr": 1e12, "max_grad_norm": None},
+                          checkpoint={"every_steps": 1, "keep_last": 20})
+    proc = cli("finetune", str(recipe), check=False)
+    run = tmp_path / "run"
+    assert proc.returncode == 3, proc.stderr
+    assert "Traceback" not in proc.stderr
+    lines = (run / "metrics.jsonl").read_text().splitlines()
+    rows = [json.loads(ln, parse_constant=lambda c: pytest.fail(f"bare {c} in metrics.jsonl")) for ln in lines]
+    bad = rows[-1]
+    assert bad["skipped"] is True and bad["grad_norm"] is None and bad["loss"] is None
+    assert f"step {bad['step']}: the gradient norm is nan" in proc.stderr
+    assert not (run / "final").exists()
+    for ckpt in (run / "checkpoints").glob("step_*"):  # every published checkpoint holds finite weights
+        assert int(ckpt.name[5:]) < bad["step"]
+        assert all(t.isfinite().all() for t in load_weights(ckpt).values())
+
+
+def test_max_bad_steps_skips_updates_then_stops(tiny_assets, tmp_path):
+    recipe = write_recipe(tiny_assets, tmp_path, train={"max_steps": 8, "lr": 1e12, "max_grad_norm": None,
+                                                        "max_bad_steps": 2})
+    proc = cli("finetune", str(recipe), check=False)
+    rows = records(tmp_path / "run")
+    skipped = [r["step"] for r in rows if r["skipped"]]
+    assert proc.returncode == 3 and len(skipped) == 3 and skipped == list(range(skipped[0], skipped[0] + 3))
+    assert all(math.isfinite(r["loss"]) for r in rows if not r["skipped"])
+    assert "update skipped (1 of train.max_bad_steps=2)" in proc.stdout + proc.stderr
