@@ -9,8 +9,10 @@ from __future__ import annotations
 
 import os
 import shlex
+import signal
 import stat
 import subprocess
+import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
@@ -22,6 +24,7 @@ STUBS = {
             'for ((i = 0; i < SLURM_NNODES; i++)); do SLURM_NODEID=$i "$@" || exit; done\n',
     "scontrol": '[[ "$1 $2" == "show hostnames" ]] && printf "gpu-a17\\ngpu-a18\\n"\n',
     "accelerate": 'echo "$@" >> "$CALLS"\n',
+    "scancel": 'echo "scancel $*" >> "$CALLS"; [[ -n "${TRAINING:-}" ]] && kill -TERM "$(cat "$TRAINING")"\n',
 }
 
 
@@ -50,3 +53,34 @@ def test_sbatch_derives_rank_address_and_port_from_slurm(tmp_path):
         assert flags["--main_process_port"] == str(20000 + 123456 % 20000)
         assert args[args.index("-m"):] == ["-m", "llmtrain", "finetune", "recipes/llama7b.yaml", "--resume", "auto",
                                            "train.lr=2e-5"]
+
+
+def test_sbatch_checkpoints_and_requeues_before_the_time_limit(tmp_path):
+    """SLURM's USR1 (--signal=B:USR1@300) reaches the script while the training step runs: it sends SIGTERM to
+    the step's tasks (scancel --signal=TERM JOB.0), waits for them to checkpoint and exit, then requeues."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    training = tmp_path / "training.pid"
+    stubs = {**STUBS,
+             # the training step: a task that runs until SIGTERM, then "saves" and exits 143 as llmtrain does
+             "srun": f'echo $$ > {training}; trap \'echo saved >> "$CALLS"; exit 143\' TERM; '
+                     'while true; do sleep 0.05; done\n',
+             "scontrol": STUBS["scontrol"] + '[[ "$1" == requeue ]] && echo "requeue $2" >> "$CALLS"\n'}
+    for name, body in stubs.items():
+        stub = bin_dir / name
+        stub.write_text("#!/usr/bin/env bash\n" + body)
+        stub.chmod(stub.stat().st_mode | stat.S_IEXEC)
+    calls = tmp_path / "calls"
+    env = {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}", "CALLS": str(calls), "SLURM_NNODES": "2",
+           "SLURM_JOB_NODELIST": "gpu-a[17-18]", "SLURM_JOB_ID": "123456", "TRAINING": str(training)}
+    proc = subprocess.Popen(["bash", str(SBATCH), "recipes/llama7b.yaml"], env=env, cwd=REPO, text=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    for _ in range(200):
+        if training.is_file() and training.read_text().strip():
+            break
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGUSR1)  # what SLURM sends 300 s before the limit
+    out, err = proc.communicate(timeout=30)
+    assert proc.returncode == 0, err
+    assert calls.read_text().splitlines() == ["scancel --signal=TERM 123456.0", "saved", "requeue 123456"]
+    assert "requeueing job 123456" in out
