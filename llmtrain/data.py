@@ -97,6 +97,43 @@ def check_columns(columns: list[str], cfg: DataConfig, source: str) -> None:
         )
 
 
+def row_problem(example: dict, cfg: DataConfig) -> str | None:
+    """What is wrong with one raw row for data.format, in words; None when it can be formatted."""
+    if cfg.format == "messages":
+        messages = _column(example, cfg, "messages")
+        if not isinstance(messages, list) or not messages:
+            return "'messages' is not a non-empty list of {role, content} objects"
+        for k, m in enumerate(messages):
+            if not isinstance(m, dict) or not isinstance(m.get("role"), str):
+                return f"message {k} has no 'role'"
+            if not isinstance(m.get("content"), str):
+                got = m.get("content")
+                return (f"message {k} ({m['role']}) has no 'content'" if got is None else
+                        f"message {k} ({m['role']}) has content {got!r} ({type(got).__name__}), not a string")
+        if not any(m["role"] == "assistant" for m in messages):
+            return "the conversation has no assistant message, so nothing would be trained"
+        return None
+    for field in FORMAT_FIELDS[cfg.format]:
+        value = _column(example, cfg, field)
+        if value is None and field not in OPTIONAL_FIELDS:
+            return f"'{cfg.fields.get(field, field)}' ({field}) is empty"
+        if isinstance(value, (dict, list)):
+            return f"'{cfg.fields.get(field, field)}' ({field}) is a {type(value).__name__}, not text"
+    return None
+
+
+def check_rows(raw, cfg: DataConfig, source: str) -> None:
+    """Refuse a dataset with a row the formatter cannot use, naming the file, the row and the problem (instead
+    of a traceback from inside the tokeniser, or a row silently counted as dropped)."""
+    for i, example in enumerate(raw):
+        problem = row_problem(example, cfg)
+        if problem:
+            raise LLMTrainError(
+                f"{source}, row {i + 1}: {problem} (data.format={cfg.format}). Fix or remove that row, or set "
+                "data.format / data.fields to match the file."
+            )
+
+
 def prompt_and_completion(example: dict, cfg: DataConfig) -> tuple[str, str]:
     if cfg.format == "alpaca":
         inp = _column(example, cfg, "input") or ""
@@ -270,6 +307,7 @@ def _fingerprint(paths: list[str], tokenizer, cfg: DataConfig, extra: str) -> st
 def tokenize_dataset(raw, tokenizer, cfg: DataConfig, source: str):
     """Tokenise a raw dataset; drop examples with no trained token left. Returns (dataset, stats)."""
     check_columns(raw.column_names, cfg, source)
+    check_rows(raw, cfg, source)
     enc = raw.map(lambda ex: encode_example(ex, tokenizer, cfg), remove_columns=raw.column_names,
                   num_proc=cfg.num_proc if cfg.num_proc > 1 else None, desc=f"tokenising {source}",
                   load_from_cache_file=False)
@@ -313,7 +351,8 @@ def prepare_datasets(cfg: DataConfig, tokenizer, *, seed: int):
     stats = {"train": train_stats}
     evald = None
     if raw_eval is not None:
-        evald, stats["eval"] = tokenize_dataset(raw_eval, tokenizer, cfg, source="eval split")
+        where = ", ".join(eval_paths) if eval_paths else f"the data.eval_split={cfg.eval_split} part of {', '.join(paths)}"
+        evald, stats["eval"] = tokenize_dataset(raw_eval, tokenizer, cfg, source=where)
 
     # Write under a temporary name and rename, so a crash never leaves a half-written cache behind.
     tmp = cache.with_name(f".{key}.tmp{os.getpid()}")

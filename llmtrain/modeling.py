@@ -11,6 +11,15 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 
 
 def _load_error(what: str, path: str, err: Exception) -> LLMTrainError:
+    from pathlib import Path
+
+    local = path.startswith((".", "/", "~")) or path.count("/") != 1  # a hub id is exactly "owner/name"
+    if local and not Path(path).expanduser().exists():
+        hint = (" The tiny demo's assets are made by `llmtrain prepare-tiny` (it writes assets/tiny)."
+                if "tiny" in path else "")
+        return LLMTrainError(f"the {what} directory '{path}' (model.name_or_path / model.tokenizer) does not "
+                             f"exist. Give the path of a local model folder, or a hub id such as "
+                             f"mistralai/Mistral-7B-Instruct-v0.3.{hint}")
     return LLMTrainError(
         f"could not load the {what} from '{path}' (model.name_or_path / model.tokenizer): {err}. "
         "Give a local directory with config.json and weights, or a hub id; without network access, the "
@@ -62,6 +71,11 @@ def load_model(cfg: ModelConfig, lora: LoraConfig | None, *, device: torch.devic
             model = AutoModelForCausalLM.from_pretrained(cfg.name_or_path, **kwargs)
     except (OSError, ValueError) as e:
         raise _load_error("model", cfg.name_or_path, e) from None
+    except Exception as e:  # a damaged weights file (safetensors raises its own error type), a bad config
+        if type(e).__name__ not in ("SafetensorError", "HeaderTooLarge", "JSONDecodeError"):
+            raise
+        raise LLMTrainError(f"the model files in '{cfg.name_or_path}' could not be read ({type(e).__name__}: {e}): "
+                            "a weights file is truncated or damaged. Download or copy the model again.") from None
     model.config.use_cache = False  # the KV cache is for generation; in training it only costs memory
     if use_liger(cfg, device):  # before LoRA: peft then wraps the projections inside liger's SwiGLU MLP
         _apply_liger(model)
