@@ -1,19 +1,27 @@
-"""Resumable checkpoints: Accelerate's state plus an explicit TrainState, written atomically.
+"""Resumable checkpoints: Accelerate's state plus an explicit TrainState, written durably and verified.
 
 Layout: <output_dir>/checkpoints/step_000200/ holds the model (or only the LoRA weights), optimizer,
-scheduler, the RNG state of every rank, `train_state.json` and the resolved `recipe.yaml`. A checkpoint
-is written as `.tmp-step_000200` and renamed when every rank has finished, so a folder named
-`step_*` is always complete; resume never reads a folder that is not.
+scheduler, the RNG state of every rank, `train_state.json`, the resolved `recipe.yaml` and, written last,
+`manifest.json` (every file's size and CRC32s). A checkpoint is written as `.tmp-step_000200`, flushed to
+the disk (fsync of every file and folder) and renamed when every rank has finished, so a folder named
+`step_*` is always complete, even after a power cut; resume never reads a folder that is not. Pruning runs
+the other way round: a checkpoint is renamed out of the `step_*` names (`.trash-step_000100`) before it is
+deleted. Resume checks a checkpoint against its manifest before loading it.
 """
 
 from __future__ import annotations
 
+import errno
 import json
+import os
+import re
 import shutil
+import zlib
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from llmtrain.distributed import uses_fsdp
+from llmtrain.distributed import global_sum, uses_fsdp
 from llmtrain.errors import LLMTrainError
 
 
@@ -74,31 +82,112 @@ class TrainState:
             )
 
 
-def _step_dirs(ckpt_root: Path) -> list[tuple[int, Path]]:
-    found = []
-    for d in ckpt_root.glob("step_*"):
-        meta = d / "train_state.json"
-        if d.is_dir() and meta.is_file():
-            found.append((json.loads(meta.read_text())["step"], d))
-    return sorted(found)
+MANIFEST = "manifest.json"
+_BLOCK = 64 << 20  # checksummed in 64 MiB blocks on parallel threads: a 7B optimizer state goes at disk speed
 
 
-def latest_checkpoint(output_dir: Path) -> Path | None:
-    found = _step_dirs(output_dir / "checkpoints")
-    return found[-1][1] if found else None
+def step_dirs(root: Path) -> list[Path]:
+    """Published checkpoints, oldest first. Ordered by the step in the folder name (save_checkpoint writes it),
+    because a damaged checkpoint may have no readable train_state.json; the state itself is never read from it."""
+    found = [d for d in root.glob("step_*") if d.is_dir() and d.name[5:].isdigit()]
+    return sorted(found, key=lambda d: int(d.name[5:]))
 
 
-def resolve_resume(resume: str, output_dir: Path) -> Path | None:
-    """Map --resume auto|PATH to a complete checkpoint folder (None: auto found nothing)."""
+def write_manifest(folder: Path, *, step: int) -> None:
+    """Record every file of a checkpoint (relative path, size, CRC32 of each block) in manifest.json."""
+    names = sorted(str(p.relative_to(folder)) for p in folder.rglob("*") if p.is_file() and p != folder / MANIFEST)
+    files = {n: {"bytes": (folder / n).stat().st_size, "crc32": crcs} for n, crcs in _checksums(folder, names).items()}
+    _write_durable(folder / MANIFEST, json.dumps({"step": step, "block_bytes": _BLOCK, "files": files}, indent=1))
+
+
+def checkpoint_problem(path: Path) -> str | None:
+    """What is wrong with a checkpoint folder, in a few words (None: it is intact).
+
+    Sizes first (a truncated file costs no read), then every block's checksum against manifest.json. A
+    checkpoint from before manifests existed can only be checked for a readable train_state.json.
+    """
+    try:
+        files = json.loads((path / MANIFEST).read_text())["files"]
+    except FileNotFoundError:
+        try:
+            json.loads((path / "train_state.json").read_text())["step"]
+            return None
+        except (OSError, ValueError, KeyError, TypeError):
+            return f"it has no {MANIFEST} and its train_state.json is missing or unreadable"
+    except (OSError, ValueError, KeyError, TypeError):
+        return f"its {MANIFEST} is unreadable"
+    for name, entry in files.items():
+        if not (path / name).is_file():
+            return f"{name} is missing"
+        size = (path / name).stat().st_size
+        if size != entry["bytes"]:
+            return f"{name} has {size:,} bytes where {entry['bytes']:,} were written"
+    sums = _checksums(path, list(files))
+    bad = [name for name, entry in files.items() if sums[name] != entry["crc32"]]
+    return f"{bad[0]} does not match its checksum (its bytes changed after it was written)" if bad else None
+
+
+def _checksums(folder: Path, names: list[str]) -> dict[str, str]:
+    """CRC32 of every 64 MiB block of every file, in hex; zlib and file reads release the GIL, so threads overlap."""
+    blocks = [(n, at) for n in names for at in range(0, max((folder / n).stat().st_size, 1), _BLOCK)]
+    with ThreadPoolExecutor(min(16, os.cpu_count() or 1)) as pool:
+        crcs = list(pool.map(lambda block: _crc32(folder / block[0], block[1]), blocks))
+    sums: dict[str, list[str]] = {n: [] for n in names}
+    for (name, _), crc in zip(blocks, crcs):
+        sums[name].append(f"{crc:08x}")
+    return {name: " ".join(crcs) for name, crcs in sums.items()}
+
+
+def _crc32(path: Path, offset: int) -> int:
+    with open(path, "rb") as f:
+        f.seek(offset)
+        return zlib.crc32(f.read(_BLOCK))
+
+
+def resolve_resume(resume: str, output_dir: Path, *, warn) -> Path | None:
+    """Map --resume auto|PATH to an intact checkpoint folder (None: auto found no checkpoint at all).
+
+    auto takes the newest intact checkpoint: a damaged one is skipped, and `warn` is told which and why. A PATH
+    must be intact; a damaged one is refused.
+    """
     if resume == "auto":
-        return latest_checkpoint(output_dir)
+        return _newest_intact(output_dir / "checkpoints", warn)
     path = Path(resume)
     if not (path / "train_state.json").is_file():
         raise LLMTrainError(
             f"--resume {resume}: '{path}' is not a complete checkpoint (no train_state.json). "
             f"Use --resume auto, or one of the step_* folders under {output_dir / 'checkpoints'}."
         )
+    problem = checkpoint_problem(path)
+    if problem:
+        raise LLMTrainError(
+            f"--resume {resume}: checkpoint '{path}' is damaged ({problem}), so it cannot be resumed. Use --resume "
+            f"auto to continue from the newest intact checkpoint, or --resume with another step_* folder under "
+            f"{path.parent}."
+        )
     return path
+
+
+def _newest_intact(root: Path, warn) -> Path | None:
+    damaged = []
+    for path in reversed(step_dirs(root)):
+        problem = checkpoint_problem(path)
+        if problem is None:
+            return path
+        warn(f"warning: checkpoint {path} is damaged ({problem}); skipping it for the one before.")
+        damaged.append(f"{path.name}: {problem}")
+    if damaged:
+        raise LLMTrainError(
+            f"--resume auto: every checkpoint under {root} is damaged ({'; '.join(damaged)}), so nothing can be "
+            "resumed. Start again with --overwrite, or set output_dir=<new path>."
+        )
+    return None
+
+
+def remove_leftovers(root: Path) -> None:
+    """Remove what a killed save (.tmp-*) or prune (.trash-*) left behind: never a complete checkpoint."""
+    for left in [*root.glob(".tmp-*"), *root.glob(".trash-*")]:
+        shutil.rmtree(left)
 
 
 def lora_only_hooks(accelerator, trainable_names: set[str]) -> None:
@@ -173,25 +262,126 @@ def _read_sharded(folder: Path, path: Path, *, lora: bool) -> tuple[set[str], di
 
 def save_checkpoint(accelerator, *, output_dir: Path, state: TrainState, recipe_yaml: str, keep_last: int,
                     model_keys: set[str], trainable: set[str] | None) -> Path:
+    """Write, flush, verify and publish a checkpoint, then prune to the newest `keep_last`.
+
+    A failed write (disk full, permission) stops every process with one LLMTrainError that says what
+    happened; the partial checkpoint is removed and the published ones are left as they were.
+    """
     root = output_dir / "checkpoints"
     final = root / f"step_{state.step:06d}"
     tmp = root / f".tmp-{final.name}"
     if accelerator.is_main_process:
         shutil.rmtree(tmp, ignore_errors=True)
     accelerator.wait_for_everyone()
-    accelerator.save_state(str(tmp))
-    accelerator.wait_for_everyone()  # every rank's RNG and shards are on disk before the rename
+    # Every process writes its part (its RNG state; under FSDP its shards). Then, once every part is complete
+    # (writers such as safetensors rename their files into place), each flushes them: its own data reaches the
+    # disk on any file system, and the others' files cost it a no-op.
+    for stage in (lambda: accelerator.save_state(str(tmp)), lambda: _fsync_tree(tmp)):
+        _stop_if_any_failed(accelerator, _attempt(stage), final=final)  # also the barrier between the stages
+    error = None
     if accelerator.is_main_process:
-        verify_saved(tmp, model_keys=model_keys, trainable=trainable)
-        (tmp / "train_state.json").write_text(json.dumps(state.state_dict(), indent=1))
-        (tmp / "recipe.yaml").write_text(recipe_yaml)
-        if final.exists():  # only possible when resuming from an older step with --resume PATH
-            shutil.rmtree(final)
-        tmp.rename(final)
-        for _, old in _step_dirs(root)[:-keep_last]:
-            shutil.rmtree(old)
-    accelerator.wait_for_everyone()
+        error = _attempt(lambda: _publish(tmp, final, state=state, recipe_yaml=recipe_yaml, keep_last=keep_last,
+                                          model_keys=model_keys, trainable=trainable))
+    _stop_if_any_failed(accelerator, error, final=final)
     return final
+
+
+def _publish(tmp: Path, final: Path, *, state: TrainState, recipe_yaml: str, keep_last: int,
+             model_keys: set[str], trainable: set[str] | None) -> None:
+    verify_saved(tmp, model_keys=model_keys, trainable=trainable)
+    _write_durable(tmp / "train_state.json", json.dumps(state.state_dict(), indent=1))
+    _write_durable(tmp / "recipe.yaml", recipe_yaml)
+    write_manifest(tmp, step=state.step)  # last: it vouches for every file above
+    _fsync(tmp)
+    if final.exists():  # only when resuming from an older step (--resume PATH, or past a damaged checkpoint)
+        _discard(final)
+    tmp.rename(final)
+    _fsync(final.parent)  # the rename itself is on the disk
+    for old in step_dirs(final.parent)[:-keep_last]:
+        if old != final:
+            _discard(old)
+
+
+def _discard(path: Path) -> None:
+    """Delete a checkpoint without ever leaving a partial step_* folder: out of the step_* names first, then
+    delete (a kill in between leaves a .trash-* folder, which the next start removes)."""
+    trash = path.with_name(f".trash-{path.name}")
+    shutil.rmtree(trash, ignore_errors=True)
+    path.rename(trash)
+    _fsync(path.parent)
+    shutil.rmtree(trash, ignore_errors=True)
+
+
+def _fsync(path: Path) -> None:
+    """Flush a file's or a folder's data to the disk (fsync works on a read-only descriptor)."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _fsync_tree(folder: Path) -> None:
+    for path in sorted(folder.rglob("*"), reverse=True):  # children before the folders that list them
+        _fsync(path)
+    _fsync(folder)
+
+
+def _write_durable(path: Path, text: str) -> None:
+    with open(path, "w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def _attempt(fn) -> Exception | None:
+    try:
+        fn()
+    except Exception as e:  # handed to _stop_if_any_failed, which raises it on every process
+        return e
+    return None
+
+
+def _stop_if_any_failed(accelerator, error: Exception | None, *, final: Path) -> None:
+    """One collective per stage: when any process failed, all of them stop here together (none is left waiting
+    in a later collective), the partial checkpoint is removed, and the failure is raised as one message."""
+    (failed,) = global_sum(accelerator, error is not None)
+    if not failed:
+        return
+    if accelerator.is_main_process:
+        shutil.rmtree(final.with_name(f".tmp-{final.name}"), ignore_errors=True)
+    if error is None:
+        raise LLMTrainError(f"saving checkpoint {final.name} failed on another process (see its error); the run "
+                            "stopped.")
+    from safetensors import SafetensorError
+
+    if isinstance(error, (OSError, RuntimeError, SafetensorError)):
+        raise LLMTrainError(_save_failed(error, final)) from error
+    raise error  # LLMTrainError (verification) as it is; anything else is a bug, with its traceback
+
+
+_WHY = {errno.ENOSPC: "the disk is full", errno.EDQUOT: "the disk quota is exceeded",
+        errno.EFBIG: "a file grew past the size limit (ulimit -f)", errno.EROFS: "the file system is read-only",
+        errno.EACCES: "permission denied", errno.EPERM: "operation not permitted"}
+
+
+def _save_failed(error: Exception, final: Path) -> str:
+    root = final.parent
+    if isinstance(error, OSError):
+        reason = f"{_WHY.get(error.errno, error.strerror or error)} ({error.filename or root})"
+    else:  # torch's writer reports a full disk as "[enforce fail at inline_container.cc:672] . unexpected pos ..."
+        first = (str(error).strip().splitlines() or [type(error).__name__])[0]
+        reason = re.sub(r"^\[enforce fail at [^]]*\][ .]*", "the write stopped short: ", first)[:300]
+    try:
+        reason += f"; {shutil.disk_usage(root).free / 2**30:.2f} GiB free on that disk"
+    except OSError:
+        pass
+    kept = step_dirs(root)
+    before = f"the newest published checkpoint, {kept[-1].name}, is intact" if kept else "there is no earlier one"
+    fix = (f"Make {root} writable" if isinstance(error, OSError) and error.errno in (errno.EACCES, errno.EPERM,
+           errno.EROFS) else "Free disk space (or lower checkpoint.keep_last, or set output_dir on a larger disk)")
+    return (f"saving checkpoint {final.name} in {root} failed: {reason}. The run stopped; what was written of "
+            f"{final.name} was removed and {before}. {fix}, then continue with --resume auto.")
 
 
 def load_checkpoint(accelerator, path: Path, *, trainable_names: set[str] | None) -> None:

@@ -126,7 +126,8 @@ class TrainConfig(Section):
         "no", description="Autocast precision. The recipe wins over a launch config that disagrees."
     )
     seed: int = Field(42, description="Seed for model init, data order and dropout.")
-    eval_every_steps: int | None = Field(None, gt=0, description="Evaluate every N optimizer steps (and at the end).")
+    eval_every_steps: int | None = Field(
+        None, gt=0, description="Evaluate every N optimizer steps; with eval data, the end of training is always evaluated.")
     eval_batch_size: int | None = Field(None, gt=0, description="Eval micro-batch size; defaults to micro_batch_size.")
     loss_chunk_tokens: int = Field(
         4096, gt=0,

@@ -1,29 +1,186 @@
-"""The run folder: refuse to clobber what is there, and find the checkpoint to resume from."""
+"""The run folder: one run at a time, never clobber what is not a run, and find the checkpoint to resume from.
+
+`<output_dir>/.llmtrain-run` marks a folder as an llmtrain run and is its lock. The main process holds an
+flock on it for the whole run; the kernel drops it when the process ends, however it ends (kill -9
+included), so a lock is never stale. It records who holds it (pid, host, start, command) for the message
+a second run into the same folder gets. `--overwrite` deletes only a marked folder (or one an older
+llmtrain wrote: metrics.jsonl, recipe.yaml and checkpoints/), and only after the lock is taken; it
+deletes everything in it but the lock file, which must stay the one file every run locks.
+"""
 
 from __future__ import annotations
 
+import fcntl
+import os
 import shutil
+import socket
+import sys
+import time
 from pathlib import Path
 
-from llmtrain.checkpoint import resolve_resume
+from llmtrain.checkpoint import remove_leftovers, resolve_resume
 from llmtrain.errors import LLMTrainError
 
+MARKER = ".llmtrain-run"
+LEGACY = ("metrics.jsonl", "recipe.yaml", "checkpoints")  # what every run folder of an older llmtrain holds
+HEADER = "This folder is an llmtrain run. The run that uses it holds a lock on this file; the last one to hold it:"
 
-def prepare_output_dir(accelerator, out: Path, *, resume: str | None, overwrite: bool) -> Path | None:
-    """Refuse to clobber an existing run; return the checkpoint to resume from, if any."""
-    ckpt = resolve_resume(resume, out) if resume else None
-    occupied = out.exists() and any(out.iterdir())
-    if occupied and not resume and not overwrite:
-        raise LLMTrainError(
-            f"output_dir '{out}' already exists and is not empty. Continue it with --resume auto, "
-            f"delete and start again with --overwrite, or set output_dir=<new path>."
-        )
-    accelerator.wait_for_everyone()
+
+class RunDir:
+    """The prepared output folder: the checkpoint to resume from (None: start at step 0) and, on the main
+    process, the lock, held until `release()` (or the end of a `with` block, or of the process)."""
+
+    def __init__(self, path: Path, checkpoint: Path | None, lock=None):
+        self.path, self.checkpoint, self._lock = path, checkpoint, lock
+
+    def release(self) -> None:
+        if self._lock is not None:
+            self._lock.close()  # closing the file drops the flock
+            self._lock = None
+
+    def __enter__(self) -> RunDir:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.release()
+
+
+def prepare_output_dir(accelerator, out: Path, *, resume: str | None, overwrite: bool) -> RunDir:
+    """Lock the folder and make it ready, or refuse. Only the main process touches the folder; the others get
+    its checkpoint, or its refusal, so every process stops with the same message."""
+    result, failure, lock = [None, None], None, None  # [checkpoint, refusal]
     if accelerator.is_main_process:
-        if occupied and overwrite and not resume:
-            shutil.rmtree(out)
-        (out / "checkpoints").mkdir(parents=True, exist_ok=True)
-        for tmp in (out / "checkpoints").glob(".tmp-*"):  # left by a run killed mid-save: never complete
-            shutil.rmtree(tmp)
-    accelerator.wait_for_everyone()
-    return ckpt
+        try:
+            lock, checkpoint = _take(out, resume=resume, overwrite=overwrite, warn=accelerator.print)
+            result = [checkpoint, None]
+        except Exception as e:  # raised below, after the others have been told
+            failure = e
+            told = str(e) if isinstance(e, LLMTrainError) else f"the main process failed in {out} (see its error)"
+            result = [None, told]
+    if accelerator.num_processes > 1:
+        from accelerate.utils import broadcast_object_list
+
+        broadcast_object_list(result)
+    if failure is not None:
+        raise failure
+    if result[1] is not None:
+        raise LLMTrainError(result[1])
+    return RunDir(out, result[0], lock)
+
+
+def _take(out: Path, *, resume: str | None, overwrite: bool, warn):
+    """Check (reading only, so that a refused run leaves the folder byte for byte as it was), lock, then change.
+    The lock is taken before anything in the folder is modified or deleted."""
+    if out.exists() and not out.is_dir():
+        raise LLMTrainError(f"output_dir '{out}' is a file, not a folder. Set output_dir=<a folder path>.")
+    present = _contents(out)
+    if present and not (_is_run(out) or (resume and _has_checkpoints(out))):
+        raise LLMTrainError(_not_a_run(out, present, resume=resume, overwrite=overwrite))
+    holder = _holder(out)
+    if holder:
+        raise LLMTrainError(_in_use(out, holder))
+    if present and not resume and not overwrite:
+        raise LLMTrainError(_exists(out))
+    checkpoint = resolve_resume(resume, out, warn=warn) if resume else None
+    lock = _lock(out)
+    try:
+        if not present and not resume and _contents(out):  # another run wrote here since the first look
+            raise LLMTrainError(_exists(out))
+        if overwrite and not resume:
+            for path in out.iterdir():
+                if path.name == MARKER:
+                    continue
+                if path.is_dir() and not path.is_symlink():
+                    shutil.rmtree(path)
+                else:
+                    path.unlink()
+        (out / "checkpoints").mkdir(exist_ok=True)
+        remove_leftovers(out / "checkpoints")
+    except BaseException:
+        lock.close()
+        raise
+    return lock, checkpoint
+
+
+def _contents(out: Path) -> list[str]:
+    return sorted(p.name for p in out.iterdir() if p.name != MARKER) if out.is_dir() else []
+
+
+def _is_run(out: Path) -> bool:
+    """A folder --overwrite may delete: marked as a run, or laid out as an older llmtrain's run."""
+    return (out / MARKER).is_file() or all((out / name).exists() for name in LEGACY)
+
+
+def _has_checkpoints(out: Path) -> bool:
+    """llmtrain checkpoints copied into a folder: resumable, though the folder is not (yet) a run."""
+    return any((d / "train_state.json").is_file() for d in (out / "checkpoints").glob("step_*"))
+
+
+def _lock(out: Path):
+    """Take the folder's lock, creating the folder and its marker if needed; the open, locked marker file."""
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        f = open(out / MARKER, "a+")  # a+: created if missing, never truncated before the lock is ours
+    except OSError as e:
+        raise LLMTrainError(f"cannot create output_dir '{out}' ({e.strerror}: {e.filename}). Set "
+                            "output_dir=<a writable path>.") from None
+    try:
+        fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        f.seek(0)
+        holder = _describe(f.read())
+        f.close()
+        raise LLMTrainError(_in_use(out, holder)) from None
+    f.seek(0)
+    f.truncate()
+    f.write(f"{HEADER}\npid: {os.getpid()}\nhost: {socket.gethostname()}\n"
+            f"started: {time.strftime('%Y-%m-%d %H:%M:%S %z')}\ncommand: {' '.join(sys.argv)}\n")
+    f.flush()
+    return f
+
+
+def _holder(out: Path) -> str | None:
+    """Who holds the folder's lock now (None: nobody). Only reads: a refused run leaves the folder as it was."""
+    try:
+        f = open(out / MARKER)
+    except OSError:
+        return None
+    with f:  # closing drops the probe's shared lock
+        try:
+            fcntl.flock(f, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        except BlockingIOError:
+            return _describe(f.read())
+    return None
+
+
+def _describe(text: str) -> str:
+    fields = dict(line.split(": ", 1) for line in text.splitlines()[1:] if ": " in line)
+    if "pid" not in fields:
+        return "a process that has not recorded itself yet"
+    who = f"pid {fields['pid']} on {fields.get('host', '?')}, started {fields.get('started', '?')}"
+    if fields["pid"] == str(os.getpid()) and fields.get("host") == socket.gethostname():
+        who += ", i.e. this very process: an earlier train() call whose RunDir was not released"
+    return f"{who} (`{fields.get('command', '?')}`)"
+
+
+def _in_use(out: Path, holder: str) -> str:
+    return (f"output_dir '{out}' is in use by another llmtrain run: {holder}. One run per folder: wait for it to "
+            f"finish or stop it, or set output_dir=<new path>.")
+
+
+def _exists(out: Path) -> str:
+    return (f"output_dir '{out}' already exists and is not empty. Continue it with --resume auto, "
+            f"delete and start again with --overwrite, or set output_dir=<new path>.")
+
+
+def _not_a_run(out: Path, present: list[str], *, resume: str | None, overwrite: bool) -> str:
+    shown = ", ".join(present[:3]) + (", ..." if len(present) > 3 else "")
+    if resume:
+        what = "there is no run in it to resume"
+    elif overwrite:
+        what = "--overwrite will not delete it"
+    else:
+        what = "llmtrain will not write into it"
+    return (f"output_dir '{out}' is not empty ({shown}) and is not an llmtrain run folder (it has no {MARKER} "
+            f"file), so {what}. Set output_dir=<new path> or an empty folder; if you really mean to discard what "
+            f"it holds, delete it yourself first.")

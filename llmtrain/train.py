@@ -16,6 +16,7 @@ from __future__ import annotations
 import functools
 import json
 import math
+import signal
 import time
 from contextlib import nullcontext
 from pathlib import Path
@@ -27,13 +28,14 @@ from llmtrain.checkpoint import TrainState, load_checkpoint, lora_only_hooks, sa
 from llmtrain.config import Recipe
 from llmtrain.data import prepare_datasets
 from llmtrain.distributed import build_accelerator, global_sum, receives_weights, use_fused_adamw, uses_fsdp
-from llmtrain.errors import LLMTrainError
+from llmtrain.errors import LLMTrainError, Stopped, TrainingDiverged
 from llmtrain.export import save_final
 from llmtrain.loss import attach_loss, compute_loss
-from llmtrain.metrics import MetricsLog, flop_model, peak_flops, progress_bar, step_info
+from llmtrain.metrics import MetricsLog, flop_model, peak_flops, progress_bar, step_info, strict_json
 from llmtrain.modeling import (build_optimizer, compile_layers, count_parameters, describe_attention,
                                fused_linear_cross_entropy, load_model, load_tokenizer, pad_id)
 from llmtrain.rundir import prepare_output_dir
+from llmtrain.signals import StopRequests
 
 # --------------------------------------------------------------------------- small pure helpers
 
@@ -78,11 +80,17 @@ def to_device(batch: dict, device) -> dict:
 # --------------------------------------------------------------------------- one step, and evaluation
 
 
-def train_step(model, optimizer, scheduler, accelerator, window, *, max_grad_norm: float | None) -> dict:
-    """Forward and backward over the window's micro-batches, clip, optimizer step. Returns device tensors
-    (nothing here waits for the GPU): summed loss of this rank, global [trained, tokens, squares], grad norm."""
+def train_step(model, optimizer, scheduler, accelerator, window, *, max_grad_norm: float | None,
+               stop_signal: int) -> dict:
+    """Forward and backward over the window's micro-batches, clip, and the optimizer step unless the gradient
+    norm is not finite. Returns the summed loss of this rank (on the device), the global [trained, tokens,
+    squares, stop votes], the grad norm, and whether the update was skipped.
+
+    The one host read of the step is the gradient norm (with the stop votes): the update must not run on a
+    non-finite gradient, and every rank must agree on it and on stopping. Everything else stays on the device
+    until a logging step."""
     world = accelerator.num_processes
-    counts = torch.tensor(window.counts, dtype=torch.float64)
+    counts = torch.tensor([*window.counts, float(stop_signal > 0)], dtype=torch.float64)
     denominator = max(window.counts[0], 1.0)  # one process: a Python number, no device round trip
     if world > 1:  # the one collective of the step: every rank needs the window's global trained tokens
         counts = accelerator.reduce(counts.to(accelerator.device, non_blocking=True), reduction="sum")
@@ -98,12 +106,16 @@ def train_step(model, optimizer, scheduler, accelerator, window, *, max_grad_nor
             # d(sum of all token losses in the window) / (trained tokens in the window).
             accelerator.backward(loss * world / denominator)
         loss_sum += loss.detach()
-    grad_norm = accelerator.clip_grad_norm_(model.parameters(), max_grad_norm or float("inf"))
+    grad_norm = float(accelerator.clip_grad_norm_(model.parameters(), max_grad_norm or float("inf")))  # host sync
+    stop = bool(counts[3] > 0) if world > 1 else False  # every rank reads the same global votes
     lr = scheduler.get_last_lr()[0]  # the lr of this update
-    optimizer.step()
+    skipped = not math.isfinite(grad_norm)  # the global norm: all ranks skip together
+    if not skipped:
+        optimizer.step()
     scheduler.step()
     optimizer.zero_grad(set_to_none=True)
-    return {"loss_sum": loss_sum, "counts": counts, "grad_norm": grad_norm, "lr": lr}
+    return {"loss_sum": loss_sum, "counts": counts[:3], "grad_norm": grad_norm, "lr": lr, "skipped": skipped,
+            "stop": stop}
 
 
 @torch.no_grad()
@@ -156,7 +168,8 @@ def train(recipe: Recipe, *, resume: str | None = None, overwrite: bool = False)
     tc = recipe.train
     accelerator = build_accelerator(recipe)
     out = Path(recipe.output_dir)
-    ckpt = prepare_output_dir(accelerator, out, resume=resume, overwrite=overwrite)
+    run_dir = prepare_output_dir(accelerator, out, resume=resume, overwrite=overwrite)  # locks out until release()
+    ckpt = run_dir.checkpoint
     if resume and ckpt is None:
         accelerator.print(f"--resume {resume}: no complete checkpoint in {out}; starting from step 0.")
     if accelerator.is_main_process:
@@ -244,18 +257,29 @@ def train(recipe: Recipe, *, resume: str | None = None, overwrite: bool = False)
     start, last = time.perf_counter(), {}
     since = {"time": start}  # when the last metrics line was written
     pending = []  # device statistics of the steps since the last metrics line
-    with progress:
+    bad_steps = 0
+    with progress, StopRequests() as stop_requests:
         for window in stream:
-            step = train_step(model, optimizer, scheduler, accelerator, window, max_grad_norm=tc.max_grad_norm)
+            step = train_step(model, optimizer, scheduler, accelerator, window, max_grad_norm=tc.max_grad_norm,
+                              stop_signal=stop_requests.signum)
+            # One process acts on a signal as soon as its step ends; several act on the votes of the step's
+            # collective (a signal that lands during a step is voted on in the next one).
+            stop = step["stop"] if world > 1 else bool(stop_requests.signum)
             pending.append({**step, "epoch": window.epoch})
             state.step += 1
+            bad_steps += step["skipped"]
+            if step["skipped"] and bad_steps <= tc.max_bad_steps:
+                accelerator.print(f"step {state.step}: gradient norm {step['grad_norm']}, update skipped "
+                                  f"({bad_steps} of train.max_bad_steps={tc.max_bad_steps})")
             # Roll the epoch over with the step that ends it, so a checkpoint saved now resumes at the next
             # epoch's start rather than "all micro-batches into" the finished one.
             state.epoch, state.micro_in_epoch = (window.epoch + 1, 0) if window.epoch_done else (window.epoch, window.end)
-            eval_now = eval_ds is not None and tc.eval_every_steps and (
-                state.step % tc.eval_every_steps == 0 or state.step == total_steps)
-            save_now = recipe.checkpoint.every_steps and state.step % recipe.checkpoint.every_steps == 0
-            if state.step % recipe.logging.every_steps == 0 or state.step == total_steps or eval_now or save_now:
+            # Eval data is always used: every eval_every_steps steps if set, and at the end in any case.
+            eval_now = eval_ds is not None and (
+                state.step == total_steps or bool(tc.eval_every_steps and state.step % tc.eval_every_steps == 0))
+            save_now = stop or (recipe.checkpoint.every_steps and state.step % recipe.checkpoint.every_steps == 0)
+            if (state.step % recipe.logging.every_steps == 0 or state.step == total_steps or eval_now or save_now
+                    or step["skipped"]):
                 last = _log_line(accelerator, pending, state, since=since, start=start, flops=flops, peak=peak)
                 pending = []
                 if on_gpu:
@@ -265,18 +289,27 @@ def train(recipe: Recipe, *, resume: str | None = None, overwrite: bool = False)
                 progress.update(task, completed=state.step, info=step_info(last))
             else:
                 progress.update(task, completed=state.step)
+            if bad_steps > tc.max_bad_steps:  # after its metrics line: the bad step is on record
+                _diverged(accelerator, out, state.step, step["grad_norm"], tc)
             if eval_now:
                 ev = evaluate(model, eval_ds, accelerator, recipe, pad=pad)
                 log.write({"type": "eval", "step": state.step, **ev})
                 if accelerator.is_main_process:
                     progress.console.print(f"step {state.step}: " + "  ".join(f"{k} {v:.4f}" for k, v in ev.items()))
             if save_now:
-                save_checkpoint(accelerator, output_dir=out, state=state, recipe_yaml=recipe.to_yaml(),
-                                keep_last=recipe.checkpoint.keep_last, model_keys=model_keys,
-                                trainable=trainable_names)
+                _check_finite_weights(accelerator, model, state.step)
+                saved = save_checkpoint(accelerator, output_dir=out, state=state, recipe_yaml=recipe.to_yaml(),
+                                        keep_last=recipe.checkpoint.keep_last, model_keys=model_keys,
+                                        trainable=trainable_names)
+            if stop:
+                signum = stop_requests.signum or signal.SIGTERM  # a rank that got no signal stops with its peers
+                raise Stopped(f"{signal.Signals(signum).name} at step {state.step}: the checkpoint {saved} is "
+                              f"complete. Continue with: llmtrain finetune {out / 'recipe.yaml'} --resume auto "
+                              "(under the same accelerate launch, if any).", signum)
 
     # ---- export and summary
     if recipe.checkpoint.save_final:
+        _check_finite_weights(accelerator, model, state.step)
         save_final(accelerator, model, tokenizer, out / "final")
     summary = {"steps": state.step, "params_total": n_total, "params_trainable": n_trainable,
                "final_loss": last.get("loss"), "tokens_seen": state.tokens_seen,
@@ -288,10 +321,13 @@ def train(recipe: Recipe, *, resume: str | None = None, overwrite: bool = False)
                        max_memory_reserved=torch.cuda.max_memory_reserved(),
                        **_predicted_memory(recipe, accelerator))
     if accelerator.is_main_process:
-        (out / "summary.json").write_text(json.dumps(summary, indent=1))
-        accelerator.print(f"done: {state.step} steps, final loss {summary['final_loss']}, wrote {out}")
+        (out / "summary.json").write_text(json.dumps(strict_json(summary), indent=1, allow_nan=False))
+        final = summary["final_loss"]
+        accelerator.print(f"done: {state.step} steps, final loss {final if final is None else round(final, 4)}, "
+                          f"wrote {out}")
     log.close()
     accelerator.end_training()
+    run_dir.release()
     return summary
 
 
@@ -313,11 +349,38 @@ def _log_line(accelerator, pending: list[dict], state: TrainState, *, since: dic
     tokens_per_s = float(window_counts[1]) / dt
     model_flops = flops.step(*(float(x) for x in (window_counts[1], window_counts[0], window_counts[2])))
     return {"type": "train", "step": state.step, "epoch": pending[-1]["epoch"], "loss": losses[-1] / max(trained, 1),
-            "lr": pending[-1]["lr"], "grad_norm": float(pending[-1]["grad_norm"]), "tokens": int(tokens), "trained_tokens": int(trained),
+            "lr": pending[-1]["lr"], "grad_norm": pending[-1]["grad_norm"], "skipped": pending[-1]["skipped"], "tokens": int(tokens), "trained_tokens": int(trained),
             "tokens_per_s": tokens_per_s, "tokens_per_s_per_gpu": tokens_per_s / world,
             "tflops_per_gpu": model_flops / dt / world / 1e12,
             "mfu": model_flops / dt / world / peak if peak else None,
             "tokens_seen": state.tokens_seen, "elapsed_s": now - start}
+
+
+def _diverged(accelerator, out: Path, step: int, grad_norm: float, tc) -> None:
+    from llmtrain.checkpoint import step_dirs
+
+    good = (step_dirs(out / "checkpoints") or [None])[-1]
+    raise TrainingDiverged(
+        f"step {step}: the gradient norm is {grad_norm} (the loss or a gradient is not finite); the weights were not "
+        f"updated and the run stopped. "
+        + (f"The last checkpoint, {good}, is intact: " if good else "No checkpoint was written yet: ")
+        + f"lower train.lr (now {tc.lr:g})"
+        + ("" if tc.max_grad_norm else " or set train.max_grad_norm (now null)")
+        + (" and continue with --resume auto" if good else "")
+        + f", or allow skipping such steps with train.max_bad_steps=N (now {tc.max_bad_steps})."
+    )
+
+
+def _check_finite_weights(accelerator, model, step: int) -> None:
+    """No checkpoint or export is ever published with a NaN or infinite weight (an update can overflow)."""
+    with torch.no_grad():
+        flags = [torch.isfinite(p.to_local() if hasattr(p, "to_local") else p).all() for p in model.parameters()]
+        bad = int((~torch.stack(flags)).sum())  # p.to_local(): an FSDP shard; one host read for all
+    (bad,) = global_sum(accelerator, bad)
+    if bad:
+        raise TrainingDiverged(f"step {step}: {int(bad)} weight tensors hold NaN or infinite values after the update; "
+                               "nothing was saved and the run stopped. Lower train.lr, set train.max_grad_norm, and "
+                               "continue from the last checkpoint with --resume auto.")
 
 
 def _check_budget(recipe: Recipe, lengths: list[int], eval_ds) -> None:

@@ -1,0 +1,122 @@
+"""Checks that run before anything is loaded or written: can this checkpoint be resumed by this recipe, and
+is the run already complete.
+
+Everything here reads the checkpoint's `train_state.json` and `recipe.yaml` (and the run's summary.json), so
+a resume that cannot work is refused in a second, with the key that differs and what to do, before the data
+is tokenised, the model loaded or the run folder touched.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import yaml
+
+from llmtrain.config import Recipe
+from llmtrain.errors import LLMTrainError
+
+FSDP_MODEL_DIR = "pytorch_model_fsdp_0"
+
+# Keys whose change makes a checkpoint a different run: refused, whatever the flags.
+IDENTITY = ["model.name_or_path", "model.dtype", "data.path", "data.name", "data.split", "data.format", "data.fields",
+            "data.max_seq_len", "data.train_on_prompt", "train.seed", "train.micro_batch_tokens"]
+# Keys that change the rest of the run (the learning-rate curve, the number of steps): allowed, and said, only
+# with --allow-recipe-change.
+# (With token budgets, the bins of a step, accumulation x processes, are compared as a whole: 2 processes x
+# accumulation 2 resume as 1 process x 4.)
+SCHEDULE = ["train.max_steps", "train.epochs", "train.lr", "train.schedule", "train.warmup_steps",
+            "train.min_lr_ratio", "train.weight_decay", "train.betas"]
+
+
+def _get(d: dict, dotted: str):
+    for part in dotted.split("."):
+        d = (d or {}).get(part)
+    return d
+
+
+def _recipe_of(path: Path) -> dict:
+    try:
+        return yaml.safe_load(path.read_text()) or {}
+    except (OSError, yaml.YAMLError) as e:
+        raise LLMTrainError(f"cannot read {path} ({e}); the checkpoint is incomplete. Resume from another one "
+                            "(--resume PATH) or start again.") from None
+
+
+def check_resume(ckpt: Path, recipe: Recipe, *, world: int, fsdp: bool, allow_recipe_change: bool) -> list[str]:
+    """Refuse a resume that cannot work; return the notes of what changed (allowed schedule changes)."""
+    saved = _recipe_of(ckpt / "recipe.yaml")
+    now = recipe.model_dump(mode="json")
+    how = f"Resume with the recipe that wrote it ({ckpt / 'recipe.yaml'}), or start a new run in another output_dir."
+    if (saved.get("lora") is None) != (now.get("lora") is None):
+        kind = "LoRA" if saved.get("lora") is not None else "full fine-tuning"
+        raise LLMTrainError(f"checkpoint {ckpt} was written by a {kind} run and this recipe is "
+                            f"{'LoRA' if now.get('lora') is not None else 'a full fine-tune'}. {how}")
+    if saved.get("lora") is not None:
+        for key in ("r", "target_modules", "modules_to_save"):
+            if saved["lora"].get(key) != now["lora"].get(key):
+                raise LLMTrainError(f"checkpoint {ckpt} has lora.{key}={saved['lora'].get(key)!r} and this recipe "
+                                    f"lora.{key}={now['lora'].get(key)!r}: the adapter's shapes differ. Set "
+                                    f"lora.{key}={saved['lora'].get(key)!r} to resume it. {how}")
+    for key in IDENTITY:
+        if _get(saved, key) != _get(now, key):
+            raise LLMTrainError(f"checkpoint {ckpt} was written with {key}={_get(saved, key)!r}; this recipe has "
+                                f"{_get(now, key)!r}. That is another model or other data, not the same run. {how}")
+    sharded = (ckpt / FSDP_MODEL_DIR).is_dir()
+    if sharded != fsdp:
+        raise LLMTrainError(
+            f"checkpoint {ckpt} was written {'under' if sharded else 'without'} FSDP and this launch "
+            f"{'does not use' if sharded else 'uses'} it. Resume it with "
+            + ("accelerate launch --config_file accelerate_configs/fsdp.yaml [--num_processes N] -m llmtrain finetune"
+               if sharded else "`llmtrain finetune` (or a DDP launch config)") + " ... --resume ...")
+    state = _state(ckpt)
+    if not now["train"]["micro_batch_tokens"]:
+        mb = now["train"]["micro_batch_size"]
+        if state.get("examples_per_micro") != mb * world:
+            want = state.get("examples_per_micro")
+            raise LLMTrainError(
+                f"the checkpoint was written with micro_batch_size x processes = {want}, this run has {mb} x "
+                f"{world} = {mb * world}. Set train.micro_batch_size so that the product is {want} (e.g. "
+                f"train.micro_batch_size={want // world if want and want % world == 0 else want} here) to resume it.")
+    changed = [(k, _get(saved, k), _get(now, k)) for k in SCHEDULE if _get(saved, k) != _get(now, k)]
+    # A step is grad_accum_steps global micro-batches; by tokens, a global micro-batch is one bin per process.
+    per_rank = bool(now["train"]["micro_batch_tokens"])
+    before = (_get(saved, "train.grad_accum_steps") or 1) * (state.get("processes", world) if per_rank else 1)
+    after = now["train"]["grad_accum_steps"] * (world if per_rank else 1)
+    if before != after:
+        what = "token bins per step (train.grad_accum_steps x processes)" if per_rank else "train.grad_accum_steps"
+        changed.append((what, before, after))
+    if changed and not allow_recipe_change:
+        listed = ", ".join(f"{k} {a!r} -> {b!r}" for k, a, b in changed)
+        raise LLMTrainError(f"this recipe changes {listed} against checkpoint {ckpt}: the rest of the run (its "
+                            "learning-rate curve, its length) would differ from the run that was interrupted. Resume "
+                            "with the checkpoint's values, or pass --allow-recipe-change to continue with the new ones.")
+    return [f"{k} changed from {a!r} to {b!r} at resume" for k, a, b in changed]
+
+
+def _state(ckpt: Path) -> dict:
+    try:
+        return json.loads((ckpt / "train_state.json").read_text())
+    except (OSError, ValueError) as e:
+        raise LLMTrainError(f"cannot read {ckpt / 'train_state.json'} ({e}); the checkpoint is damaged. Resume from "
+                            "another one (--resume PATH) or start again.") from None
+
+
+def finished_run(out: Path, recipe: Recipe, *, allow_recipe_change: bool) -> dict | None:
+    """The summary of a run in `out` that already completed with this recipe's length, else None.
+
+    A complete run is left exactly as it is. One whose train.max_steps / epochs grew continues only with
+    --allow-recipe-change (it resumes from its newest checkpoint)."""
+    summary_path, saved_path = out / "summary.json", out / "recipe.yaml"
+    if not (summary_path.is_file() and saved_path.is_file() and (out / "final").is_dir()):
+        return None
+    saved = _recipe_of(saved_path)
+    now = recipe.model_dump(mode="json")
+    longer = [k for k in ("train.max_steps", "train.epochs") if _get(saved, k) != _get(now, k)]
+    if longer and allow_recipe_change:
+        return None
+    if longer:
+        raise LLMTrainError(f"the run in {out} is complete ({', '.join(f'{k}={_get(saved, k)!r}' for k in longer)}) "
+                            f"and this recipe asks for {', '.join(f'{k}={_get(now, k)!r}' for k in longer)}. To train "
+                            "it further from its newest checkpoint, add --allow-recipe-change; nothing was changed.")
+    return json.loads(summary_path.read_text())
