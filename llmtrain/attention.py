@@ -72,7 +72,12 @@ def varlen_attention_forward(module, query, key, value, attention_mask, dropout:
     q, k, v = (t.transpose(1, 2).reshape(b * length, t.shape[1], d) for t in (query, key, value))  # (T, H, D)
     cu = _segments(cu_seq_lens_q, position_ids, b * length)
     scale = scaling if scaling is not None else d ** -0.5
-    if q.is_cuda:
+    # Under autocast, RoPE leaves q and k in fp32 beside a bf16 v, and the varlen kernel is a custom op that
+    # autocast does not cast: cast them to the autocast dtype here. fp32 without autocast has no flash kernel.
+    if q.is_cuda and torch.is_autocast_enabled("cuda"):
+        low = torch.get_autocast_dtype("cuda")
+        q, k, v = q.to(low), k.to(low), v.to(low)
+    if q.is_cuda and q.dtype in (torch.float16, torch.bfloat16) and varlen_available():
         if dropout:
             raise NotImplementedError("varlen attention has no attention dropout; use attn_implementation='sdpa'")
         max_len = int(max_length_q) if max_length_q is not None else int((cu[1:] - cu[:-1]).max())
@@ -85,12 +90,14 @@ def varlen_attention_forward(module, query, key, value, attention_mask, dropout:
 def _sdpa_per_example(q, k, v, cu: list[int], *, scale: float, dropout: float, window: int | None, gqa: int):
     outs = []
     for s, e in zip(cu[:-1], cu[1:]):
-        qi, ki, vi = (t[s:e].transpose(0, 1) for t in (q, k, v))  # (H, l, D)
+        # (H, l, D): SDPA's math kernel, exact and simple; this path is the CPU reference (and the fallback where
+        # there is no flash varlen kernel), and estimate-memory models what it saves.
+        qi, ki, vi = (t[s:e].transpose(0, 1) for t in (q, k, v))
         if gqa > 1:
             ki, vi = ki.repeat_interleave(gqa, dim=0), vi.repeat_interleave(gqa, dim=0)
         mask, causal = None, True
         if window is not None and e - s > window:  # Mistral-style sliding window: see only the last `window`
-            i = torch.arange(e - s)
+            i = torch.arange(e - s, device=q.device)
             mask, causal = (i[:, None] >= i[None, :]) & (i[:, None] - i[None, :] < window), False
         outs.append(F.scaled_dot_product_attention(qi, ki, vi, attn_mask=mask, is_causal=causal, scale=scale,
                                                    dropout_p=dropout).transpose(0, 1))

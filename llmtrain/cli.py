@@ -60,13 +60,15 @@ def finetune(
     resume: Annotated[
         Optional[str], typer.Option(help="'auto' for the latest complete checkpoint in output_dir, or a path.")
     ] = None,
-    overwrite: Annotated[bool, typer.Option(help="Allow writing into an existing output_dir (deletes it).")] = False,
+    overwrite: Annotated[bool, typer.Option(help="Start again in an existing run folder (deletes the old run).")] = False,
+    allow_recipe_change: Annotated[bool, typer.Option(
+        help="On --resume, continue with a changed schedule (max_steps, epochs, lr, ...), said and recorded.")] = False,
 ) -> None:
     """Fine-tune a model as the recipe describes (run it under `accelerate launch` to scale out)."""
     from llmtrain.config import load_recipe
     from llmtrain.train import train
 
-    train(load_recipe(recipe, overrides), resume=resume, overwrite=overwrite)
+    train(load_recipe(recipe, overrides), resume=resume, overwrite=overwrite, allow_recipe_change=allow_recipe_change)
 
 
 @app.command("inspect-data")
@@ -115,6 +117,22 @@ def prepare_tiny(
 from llmtrain.memory.cli import estimate_memory  # noqa: E402  (typer options only; no torch at import)
 
 app.command("estimate-memory")(user_errors(estimate_memory))
+
+
+@app.command()
+@user_errors
+def plot(
+    runs: Annotated[list[Path], typer.Argument(help="One or several run folders (the output_dir of finetune).")],
+    out: Annotated[
+        Optional[Path], typer.Option(help="Image to write (default RUN/loss.png for one run, ./loss-compare.png for several).")
+    ] = None,
+) -> None:
+    """Plot train loss (and its moving average), eval loss and lr against steps and tokens; several runs overlaid."""
+    from llmtrain.plot import default_plot_path, plot_runs
+
+    out = out or default_plot_path(runs)
+    plot_runs(runs, out)
+    typer.echo(str(out))
 
 
 def main() -> None:

@@ -73,11 +73,30 @@ class DataConfig(Section):
     format: DataFormat = Field(description="How examples are laid out: alpaca, messages, prompt_completion or text.")
     fields: dict[str, str] = Field(
         default_factory=dict,
-        description="Column mapping from the format's field names to the dataset's "
-        "(e.g. {prompt: question, completion: answer}).",
+        description="Names in the data for the format's names: columns (prompt, completion, instruction, input, "
+        "output, messages, text) and, in a list of messages, the keys role and content "
+        "(e.g. {prompt: question, completion: answer}; ShareGPT: {messages: conversations, role: from, content: value}).",
+    )
+    roles: dict[str, str] = Field(
+        default_factory=dict,
+        description="Role names in the data mapped to the chat template's (ShareGPT: {human: user, gpt: assistant}).",
+    )
+    chat_template: bool | str = Field(
+        False,
+        description="Render prompt_completion rows as a chat through a chat template: the prompt as the user turn, "
+        "the completion as the assistant turn. true: the tokenizer's own template; a path: a Jinja template file "
+        "(for a tokenizer without one, or to override it; messages rows use it too). A prompt that is a list of "
+        "messages is always rendered as a chat.",
+    )
+    system_prompt: str | None = Field(
+        None, description="System message put first in every chat that has none (chat-rendered rows only)."
     )
     eval_split: float | str | list[str] | None = Field(
-        None, description="Held-out eval data: a fraction in (0, 1) of the training data, or eval file(s)."
+        None, description="Held-out eval data: a fraction in (0, 1) of the training data, eval file(s), or the name "
+        "of a split of the data.path dataset (hub or dataset folder), e.g. 'test'."
+    )
+    eval_max_examples: int | None = Field(
+        None, gt=0, description="Evaluate on at most this many eval examples: the first N in the seeded order."
     )
     max_seq_len: int = Field(2048, gt=1, description="Examples are truncated to this many tokens.")
     train_on_prompt: bool = Field(False, description="Also put loss on prompt/user tokens (default: completion only).")
@@ -93,8 +112,19 @@ class DataConfig(Section):
     @classmethod
     def _check_eval_split(cls, v: float | str | list[str] | None) -> float | str | list[str] | None:
         if isinstance(v, float) and not 0.0 < v < 1.0:
-            raise ValueError("as a fraction it must be in (0, 1); or give eval file(s)")
+            raise ValueError("as a fraction it must be in (0, 1); or give eval file(s) or a split name")
         return v
+
+    @model_validator(mode="after")
+    def _check_chat(self) -> DataConfig:
+        if self.chat_template is not False and self.format not in ("prompt_completion", "messages"):
+            raise ValueError(f"data.chat_template applies to formats prompt_completion and messages, not {self.format}")
+        if self.system_prompt is not None and self.format != "messages" and self.chat_template is False:
+            raise ValueError("data.system_prompt needs rows rendered as a chat: set data.chat_template: true "
+                             "(or a template file), or use data.format: messages")
+        if self.eval_max_examples is not None and self.eval_split is None:
+            raise ValueError("data.eval_max_examples caps the eval data, but data.eval_split gives none")
+        return self
 
 
 class TrainConfig(Section):

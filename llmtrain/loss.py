@@ -39,6 +39,7 @@ def chunked_cross_entropy(hidden: torch.Tensor, head, targets: torch.Tensor, *, 
             logits = head(h).float()
             total = total + F.cross_entropy(logits, t, reduction="sum")
             hits.append(logits.argmax(-1) == t)
+            del logits  # before the next chunk's logits exist
         elif torch.is_grad_enabled():
             total = total + checkpoint(_chunk_loss, head, h, t, use_reentrant=False)
         else:

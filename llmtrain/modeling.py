@@ -104,7 +104,7 @@ def describe_attention(cfg: ModelConfig) -> str:
 
     if cfg.attn_implementation not in ("auto", "varlen"):
         return f"{cfg.attn_implementation} (transformers; a packed row gets a block-diagonal mask)"
-    kernel = "flash varlen_attn" if attention.varlen_available() else "SDPA per example"
+    kernel = "flash varlen_attn in bf16/fp16" if attention.varlen_available() else "SDPA per example"
     return f"varlen ({kernel}, cost sum of l_i^2){' [auto]' if cfg.attn_implementation == 'auto' else ''}"
 
 

@@ -45,18 +45,46 @@ class RunDir:
         self.release()
 
 
+def check_output_dir(accelerator, out: Path, *, resume: str | None, overwrite: bool) -> Path | None:
+    """Every refusal the folder can cause, reading only (train calls it before loading anything), and the
+    checkpoint to resume from. The main process looks; the others get its answer or its refusal."""
+    return _on_main(accelerator, out, lambda: _check(out, resume=resume, overwrite=overwrite, warn=accelerator.print))
+
+
+def claim_output_dir(accelerator, out: Path, *, resume: str | None, overwrite: bool) -> RunDir:
+    """Lock the folder and make it ready (train calls it once every check has passed, right before training).
+    Looks again under the lock: another run may have started since check_output_dir."""
+
+    def claim():
+        lock = _lock(out)
+        try:
+            checkpoint = _check(out, resume=resume, overwrite=overwrite, warn=lambda _: None, locked=True)
+            _make_ready(out, resume=resume, overwrite=overwrite)
+        except BaseException:
+            lock.close()
+            raise
+        return checkpoint, lock
+
+    checkpoint, lock = _on_main(accelerator, out, claim, pair=True)
+    return RunDir(out, checkpoint, lock)
+
+
 def prepare_output_dir(accelerator, out: Path, *, resume: str | None, overwrite: bool) -> RunDir:
-    """Lock the folder and make it ready, or refuse. Only the main process touches the folder; the others get
-    its checkpoint, or its refusal, so every process stops with the same message."""
-    result, failure, lock = [None, None], None, None  # [checkpoint, refusal]
+    """check_output_dir, then claim_output_dir."""
+    check_output_dir(accelerator, out, resume=resume, overwrite=overwrite)
+    return claim_output_dir(accelerator, out, resume=resume, overwrite=overwrite)
+
+
+def _on_main(accelerator, out: Path, fn, *, pair: bool = False):
+    """Run fn on the main process only; broadcast its (picklable) answer, or its refusal, to every process."""
+    result, failure, local = [None, None], None, (None, None)
     if accelerator.is_main_process:
         try:
-            lock, checkpoint = _take(out, resume=resume, overwrite=overwrite, warn=accelerator.print)
-            result = [checkpoint, None]
-        except Exception as e:  # raised below, after the others have been told
+            local = fn() if pair else (fn(), None)
+            result = [local[0], None]
+        except Exception as e:
             failure = e
-            told = str(e) if isinstance(e, LLMTrainError) else f"the main process failed in {out} (see its error)"
-            result = [None, told]
+            result = [None, str(e) if isinstance(e, LLMTrainError) else f"the main process failed in {out}; see its error"]
     if accelerator.num_processes > 1:
         from accelerate.utils import broadcast_object_list
 
@@ -65,41 +93,37 @@ def prepare_output_dir(accelerator, out: Path, *, resume: str | None, overwrite:
         raise failure
     if result[1] is not None:
         raise LLMTrainError(result[1])
-    return RunDir(out, result[0], lock)
+    return (result[0], local[1]) if pair else result[0]
 
 
-def _take(out: Path, *, resume: str | None, overwrite: bool, warn):
-    """Check (reading only, so that a refused run leaves the folder byte for byte as it was), lock, then change.
-    The lock is taken before anything in the folder is modified or deleted."""
+def _check(out: Path, *, resume: str | None, overwrite: bool, warn, locked: bool = False) -> Path | None:
+    """Refuse what must be refused, reading only, so that a refused run leaves the folder byte for byte as it
+    was; return the checkpoint to resume from."""
     if out.exists() and not out.is_dir():
         raise LLMTrainError(f"output_dir '{out}' is a file, not a folder. Set output_dir=<a folder path>.")
     present = _contents(out)
     if present and not (_is_run(out) or (resume and _has_checkpoints(out))):
         raise LLMTrainError(_not_a_run(out, present, resume=resume, overwrite=overwrite))
-    holder = _holder(out)
+    holder = None if locked else _holder(out)
     if holder:
         raise LLMTrainError(_in_use(out, holder))
     if present and not resume and not overwrite:
         raise LLMTrainError(_exists(out))
-    checkpoint = resolve_resume(resume, out, warn=warn) if resume else None
-    lock = _lock(out)
-    try:
-        if not present and not resume and _contents(out):  # another run wrote here since the first look
-            raise LLMTrainError(_exists(out))
-        if overwrite and not resume:
-            for path in out.iterdir():
-                if path.name == MARKER:
-                    continue
-                if path.is_dir() and not path.is_symlink():
-                    shutil.rmtree(path)
-                else:
-                    path.unlink()
-        (out / "checkpoints").mkdir(exist_ok=True)
-        remove_leftovers(out / "checkpoints")
-    except BaseException:
-        lock.close()
-        raise
-    return lock, checkpoint
+    return resolve_resume(resume, out, warn=warn) if resume else None
+
+
+def _make_ready(out: Path, *, resume: str | None, overwrite: bool) -> None:
+    """Under the lock: --overwrite empties the folder (all but the lock file); leftovers of killed saves go."""
+    if overwrite and not resume:
+        for path in out.iterdir():
+            if path.name == MARKER:
+                continue
+            if path.is_dir() and not path.is_symlink():
+                shutil.rmtree(path)
+            else:
+                path.unlink()
+    (out / "checkpoints").mkdir(exist_ok=True)
+    remove_leftovers(out / "checkpoints")
 
 
 def _contents(out: Path) -> list[str]:

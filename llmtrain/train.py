@@ -18,7 +18,7 @@ import json
 import math
 import signal
 import time
-from contextlib import nullcontext
+from contextlib import ExitStack, nullcontext
 from pathlib import Path
 
 import torch
@@ -34,7 +34,8 @@ from llmtrain.loss import attach_loss, compute_loss
 from llmtrain.metrics import MetricsLog, flop_model, peak_flops, progress_bar, step_info, strict_json
 from llmtrain.modeling import (build_optimizer, compile_layers, count_parameters, describe_attention,
                                fused_linear_cross_entropy, load_model, load_tokenizer, pad_id)
-from llmtrain.rundir import prepare_output_dir
+from llmtrain.preflight import check_resume, finished_run
+from llmtrain.rundir import check_output_dir, claim_output_dir
 from llmtrain.signals import StopRequests
 
 # --------------------------------------------------------------------------- small pure helpers
@@ -157,7 +158,15 @@ def evaluate(model, dataset, accelerator, recipe: Recipe, *, pad: int) -> dict:
 # --------------------------------------------------------------------------- the loop
 
 
-def train(recipe: Recipe, *, resume: str | None = None, overwrite: bool = False) -> dict:
+def train(recipe: Recipe, *, resume: str | None = None, overwrite: bool = False,
+          allow_recipe_change: bool = False) -> dict:
+    """Train as the recipe says; returns the summary. The run folder's lock is released however this ends."""
+    with ExitStack() as cleanup:
+        return _train(recipe, resume=resume, overwrite=overwrite, allow_recipe_change=allow_recipe_change,
+                      cleanup=cleanup)
+
+
+def _train(recipe: Recipe, *, resume: str | None, overwrite: bool, allow_recipe_change: bool, cleanup) -> dict:
     from accelerate.utils import set_seed
 
     import datasets
@@ -168,12 +177,18 @@ def train(recipe: Recipe, *, resume: str | None = None, overwrite: bool = False)
     tc = recipe.train
     accelerator = build_accelerator(recipe)
     out = Path(recipe.output_dir)
-    run_dir = prepare_output_dir(accelerator, out, resume=resume, overwrite=overwrite)  # locks out until release()
-    ckpt = run_dir.checkpoint
+
+    # ---- checks that only read: nothing in the run folder changes until every one of them has passed
+    done = finished_run(out, recipe, allow_recipe_change=allow_recipe_change) if resume else None
+    if done is not None:
+        accelerator.print(f"the run in {out} is already complete ({done['steps']} steps, final/ written); nothing "
+                          "was changed. Raise train.max_steps with --allow-recipe-change to train it further.")
+        return done
+    ckpt = check_output_dir(accelerator, out, resume=resume, overwrite=overwrite)
+    notes = check_resume(ckpt, recipe, world=accelerator.num_processes, fsdp=uses_fsdp(accelerator),
+                         allow_recipe_change=allow_recipe_change) if ckpt else []
     if resume and ckpt is None:
         accelerator.print(f"--resume {resume}: no complete checkpoint in {out}; starting from step 0.")
-    if accelerator.is_main_process:
-        (out / "recipe.yaml").write_text(recipe.to_yaml())
     set_seed(tc.seed)  # same seed on every rank: identical init, and DDP checks that anyway
 
     # ---- data: tokenised once on the main process, then read from the cache by the others
@@ -219,6 +234,11 @@ def train(recipe: Recipe, *, resume: str | None = None, overwrite: bool = False)
     accelerator.print(f"model: {n_total:,} parameters, {n_trainable:,} trainable ({'LoRA' if recipe.lora else 'full'}); "
                       f"attention: {describe_attention(recipe.model)}"
                       f"{'; liger kernels' if fused_linear_cross_entropy(recipe.model, accelerator.device) else ''}")
+    # ---- every check passed: take the run folder (lock, --overwrite) and only now write into it
+    run_dir = claim_output_dir(accelerator, out, resume=resume, overwrite=overwrite)
+    cleanup.callback(run_dir.release)
+    if accelerator.is_main_process:
+        (out / "recipe.yaml").write_text(recipe.to_yaml())
     optimizer = build_optimizer(model, lr=tc.lr, weight_decay=tc.weight_decay, betas=tc.betas, eps=tc.eps,
                                 fused=use_fused_adamw(accelerator))
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, functools.partial(
@@ -247,6 +267,9 @@ def train(recipe: Recipe, *, resume: str | None = None, overwrite: bool = False)
 
     log = MetricsLog(out, enabled=accelerator.is_main_process, tensorboard=recipe.logging.tensorboard,
                      resume_step=state.step if resume else None)
+    for note in notes:  # allowed recipe changes at resume (--allow-recipe-change): said, and on record
+        accelerator.print(f"note: {note}")
+        log.write({"type": "note", "step": state.step, "note": note})
     progress, task = progress_bar(enabled=recipe.logging.progress and accelerator.is_main_process,
                                   total=total_steps, completed=state.step)
     on_gpu = accelerator.device.type == "cuda"
@@ -327,7 +350,6 @@ def train(recipe: Recipe, *, resume: str | None = None, overwrite: bool = False)
                           f"wrote {out}")
     log.close()
     accelerator.end_training()
-    run_dir.release()
     return summary
 
 

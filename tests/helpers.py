@@ -47,12 +47,14 @@ def write_recipe(tiny: Path, tmp: Path, *, name: str = "recipe.yaml", **sections
     return path
 
 
-def run_train(recipe: Path, *overrides: str, resume: str | None = None, overwrite: bool = False) -> dict:
+def run_train(recipe: Path, *overrides: str, resume: str | None = None, overwrite: bool = False,
+              allow_recipe_change: bool = False) -> dict:
     """Train in this process, exactly as `llmtrain finetune RECIPE OVERRIDES...` does; returns the summary."""
     from llmtrain.config import load_recipe
     from llmtrain.train import train
 
-    return train(load_recipe(recipe, list(overrides)), resume=resume, overwrite=overwrite)
+    return train(load_recipe(recipe, list(overrides)), resume=resume, overwrite=overwrite,
+                 allow_recipe_change=allow_recipe_change)
 
 
 def cli(*args: str, check: bool = True, timeout: float = 600, **kwargs) -> subprocess.CompletedProcess:

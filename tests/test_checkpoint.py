@@ -102,7 +102,7 @@ def test_incomplete_tmp_checkpoint_is_never_resumed_and_is_cleaned(tiny_assets, 
     (tmp / "train_state.json").write_text((tmp / "train_state.json").read_text().replace('"step": 4', '"step": 6'))
     (tmp / "model.safetensors").write_bytes(b"truncated")
     capsys.readouterr()
-    run_train(recipe, "train.max_steps=6", resume="auto")
+    run_train(recipe, "train.max_steps=6", resume="auto", allow_recipe_change=True)
     assert f"resumed from {run / 'checkpoints' / 'step_000004'} at step 4" in capsys.readouterr().out
     assert not tmp.exists()
     assert [r["step"] for r in records(run)] == [1, 2, 3, 4, 5, 6]
@@ -155,4 +155,4 @@ def test_resume_with_a_different_batch_layout_is_refused(tiny_assets, tmp_path):
     recipe = write_recipe(tiny_assets, tmp_path, train={"max_steps": 4}, checkpoint={"every_steps": 2})
     run_train(recipe)
     with pytest.raises(LLMTrainError, match="micro_batch_size x processes = 4"):
-        run_train(recipe, "train.max_steps=6", "train.micro_batch_size=2", resume="auto")
+        run_train(recipe, "train.max_steps=6", "train.micro_batch_size=2", resume="auto", allow_recipe_change=True)

@@ -1,31 +1,51 @@
-"""The activation formulas against what autograd really saves, on tiny Llama models on the CPU.
+"""The activation formulas against what autograd really keeps, on tiny Llama models on the CPU.
 
-Each case runs the real transformers (and peft) modules, walks the autograd graph from the logits and
-adds up every distinct tensor storage saved for backward that is not a parameter. Two models that
-differ by one decoder layer give one layer's bytes exactly; the one-layer model gives the rest.
-The only CPU/CUDA difference in these paths is dropout: the CPU kernel saves a noise tensor in the
-input's dtype (fp32 in LoRA: peft casts the input to the adapter's dtype) where CUDA saves a bool mask.
+Each case runs the real transformers (and peft) modules through llmtrain's own loss (`attach_loss`,
+`compute_loss`) and adds up every distinct tensor storage that autograd saves for backward and that is
+not a parameter: every saved tensor passes through `saved_tensors_hooks`, except those saved inside the
+loss's checkpointed chunks, whose own hooks keep nothing (they are recomputed in backward). Two models
+that differ by one decoder layer give one layer's bytes exactly; the one-layer model gives the rest.
+
+Two CPU/CUDA differences are on these paths, and each is written out here:
+- dropout: the CPU kernel saves a noise tensor in the input's dtype (fp32 in LoRA: peft casts the input to
+  the adapter's dtype) where CUDA saves a bool mask;
+- varlen attention: on CUDA, torch's flash varlen kernel saves q, k, v, its output and logsumexp (the
+  estimate's formula); on the CPU, llmtrain.attention runs SDPA per example on 3-D tensors, which takes
+  SDPA's math path (see `cpu_varlen_attention_bytes`).
 """
 
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 
 import pytest
 import torch
 
 from llmtrain.memory import activations as act
 from llmtrain.memory.estimate import make_pass
-from llmtrain.memory.params import _shape_from_json, lora_plan
+from llmtrain.memory.params import ModelShape, _shape_from_json, lora_plan
 from llmtrain.memory.spec import TrainSpec
 
 TINY = dict(model_type="llama", hidden_size=64, intermediate_size=160, num_attention_heads=4, num_key_value_heads=2,
             vocab_size=128, attention_dropout=0.0)
-B, S, R = 2, 16, 4
+B, S, R, PAD = 2, 16, 4, 3
+
+
+def cpu_varlen_attention_bytes(p: act.Pass, shape: ModelShape, lengths: list[int], *, o_trainable: bool) -> int:
+    """What llmtrain's varlen attention saves on the CPU: SDPA per example on (heads, l, head_dim) tensors
+    takes SDPA's math path, which upcasts to fp32 and saves q and k scaled (K repeated to every head),
+    V repeated, and the softmax (heads x l x l per example: sum(l_i^2), never the row's square); then the
+    examples' outputs are concatenated in cd, the tensor o_proj saves when it trains."""
+    hq = shape.heads * shape.head_dim
+    return (3 * p.tokens * hq * act.FP32 + shape.heads * sum(n * n for n in lengths) * act.FP32
+            + (p.tokens * hq * p.cd if o_trainable else 0))
 
 
 def build(layers: int, attn: str, dtype: torch.dtype, lora: float | None):
     from transformers import AutoModelForCausalLM, LlamaConfig
+
+    from llmtrain.loss import attach_loss
 
     torch.manual_seed(0)
     cfg = LlamaConfig(**{k: v for k, v in TINY.items() if k != "model_type"}, num_hidden_layers=layers)
@@ -35,32 +55,35 @@ def build(layers: int, attn: str, dtype: torch.dtype, lora: float | None):
 
         model = peft.get_peft_model(model, peft.LoraConfig(r=R, lora_alpha=8, lora_dropout=lora,
                                                            target_modules="all-linear", task_type="CAUSAL_LM"))
+    attach_loss(model, chunk=7)  # several chunks: none of their tensors may outlive the forward
     return model
 
 
-def saved_bytes(model, *, autocast: bool, padded: bool) -> int:
-    """Bytes of distinct non-parameter storages saved by the autograd graph of one forward."""
+def batch_for(lengths: list[int], *, packing: bool) -> dict:
+    from llmtrain.batching import collate, with_loss_positions
+
+    g = torch.Generator().manual_seed(0)
+    examples = [{"input_ids": torch.randint(0, TINY["vocab_size"], (n,), generator=g).tolist(),
+                 "labels": torch.randint(0, TINY["vocab_size"], (n,), generator=g).tolist()} for n in lengths]
+    return with_loss_positions(collate(examples, pad_id=0, packing=packing))
+
+
+def saved_bytes(model, batch: dict, *, autocast: bool) -> int:
+    """Bytes of distinct non-parameter storages saved for backward by one call of the training loss."""
+    from llmtrain.loss import compute_loss
+
     params = {p.untyped_storage().data_ptr() for p in model.parameters()}
-    ids = torch.randint(0, TINY["vocab_size"], (B, S))
-    mask = torch.ones(B, S, dtype=torch.long)
-    mask[-1, -3:] = 0
-    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
-        logits = model(input_ids=ids, attention_mask=mask if padded else None,
-                       position_ids=torch.arange(S).expand(B, S)).logits
-    storages, seen, stack = {}, set(), [logits.grad_fn]
-    while stack:
-        node = stack.pop()
-        if node is None or node in seen:
-            continue
-        seen.add(node)
-        for attr in dir(node):
-            if attr.startswith("_saved_"):
-                value = getattr(node, attr)
-                for t in value if isinstance(value, (tuple, list)) else [value]:
-                    if isinstance(t, torch.Tensor) and t.untyped_storage().data_ptr() not in params:
-                        storages[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
-        stack.extend(nxt for nxt, _ in node.next_functions)
-    return sum(storages.values())
+    kept = []  # held until counted, so that no storage's address is reused by another
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        if t.untyped_storage().data_ptr() not in params:
+            kept.append(t)
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+            compute_loss(model, batch)
+    return sum({t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in kept}.values())
 
 
 CASES = [  # attn, storage dtype, mixed precision, padded batch, lora dropout (None: full fine-tune)
@@ -75,33 +98,53 @@ CASES = [  # attn, storage dtype, mixed precision, padded batch, lora dropout (N
     ("sdpa", "bfloat16", "bf16", True, 0.05),
     ("sdpa", "float32", "no", False, 0.05),
     ("eager", "float32", "bf16", False, 0.05),
+    # varlen: one packed row, examples of different lengths (the padded flag does not apply)
+    ("varlen", "float32", "no", False, None),
+    ("varlen", "float32", "bf16", False, None),
+    ("varlen", "bfloat16", "no", False, None),
+    ("varlen", "bfloat16", "bf16", False, 0.05),
+    ("varlen", "float32", "no", False, 0.05),
 ]
 
 
 @pytest.mark.parametrize(("attn", "dtype", "mp", "padded", "lora"), CASES)
 def test_layer_and_outside_bytes_equal_what_autograd_saves(attn, dtype, mp, padded, lora):
+    from llmtrain.attention import register
+
     shape = _shape_from_json(json.dumps({**TINY, "num_hidden_layers": 2}), "tiny")
+    varlen = attn == "varlen"
     spec = TrainSpec(attn=attn, dtype=dtype, mixed_precision=mp, micro_batch=B, seq_len=S,
                      method="full" if lora is None else "lora", lora_r=R, lora_dropout=lora or 0.0)
     p = make_pass(shape, spec)
-    assert p.mask == (B > 1)  # padded rows are assumed whenever a micro-batch has more than one row
-    p = act.Pass(**{**p.__dict__, "mask": padded, "dropout_mask_bytes": 4})  # the CPU's dropout noise is fp32
+    assert p.mask == (not varlen)  # padded rows are assumed whenever a micro-batch has more than one row
+    assert (p.rows, p.row_len, p.examples) == ((1, B * S, B) if varlen else (B, S, B))
+    # The CPU's dropout noise is fp32; varlen's K/V are taken at kv_heads (a torch with enable_gqa).
+    p = replace(p, mask=padded, dropout_mask_bytes=4, varlen_repeats_kv=False)
+    lengths = [S + 6, S - 6] if varlen else [S] * (B - 1) + [S - PAD * padded]
+    batch = batch_for(lengths, packing=varlen)
     torch_dtype, autocast = getattr(torch, dtype), mp != "no"
-    one = saved_bytes(build(1, attn, torch_dtype, lora), autocast=autocast, padded=padded)
-    two = saved_bytes(build(2, attn, torch_dtype, lora), autocast=autocast, padded=padded)
+    impl = register() if varlen else attn
+    one = saved_bytes(build(1, impl, torch_dtype, lora), batch, autocast=autocast)
+    two = saved_bytes(build(2, impl, torch_dtype, lora), batch, autocast=autocast)
 
+    full = lora is None
     adapted = lora_plan(shape, r=R).adapted[0] if lora is not None else {}
+    cpu = 0
+    if varlen:  # the CPU's per-example attention in place of the flash kernel's
+        cpu = (cpu_varlen_attention_bytes(p, shape, lengths, o_trainable=full)
+               - act.attention_bytes(p, shape, o_trainable=full))
     # Autocast's weight casts are saved too: every fp32 linear's, and the fp32 adapters'.
     copies = shape.linear_params_per_layer * 2 if (autocast and dtype == "float32") else 0
     copies += sum(R * (i + o) for i, o in adapted.values()) * 2 if autocast else 0
-    layer = act.layer_bytes(p, shape, adapted, R) + copies
-    # Python-float multiplies (attention scaling, LoRA scaling) save an 8-byte scalar each.
-    scalars = 8 * ((attn == "eager") + (len(adapted) if lora is not None else 0))
-    assert two - one == layer + scalars
+    layer = act.layer_bytes(p, shape, adapted, R) + copies + cpu
+    assert two - one == layer
 
-    full = lora is None
-    head_copy = shape.vocab * shape.hidden * 2 if (autocast and dtype == "float32") else 0
-    outside = act.outside_layers_bytes(p, shape, embed_trainable=full, head_trainable=full, norm_trainable=full)
+    # Outside the layers: the stream's inputs, the final norm and the loss's input (the gathered hidden
+    # states of the trained positions, their index and targets: every token but each example's last and
+    # the pads). Nothing of the LM head or the logits is kept: the chunks are recomputed in backward.
+    trained = replace(p, examples=B + PAD * padded)
+    assert trained.loss_tokens == sum(lengths) - B == len(batch["loss_index"])
+    outside = act.outside_layers_bytes(trained, shape, embed_trainable=full, norm_trainable=full)
     first = layer
     if not full:  # frozen embeddings: the first layer's input needs no gradient
         first -= act.frozen_input_discount(p, shape, adapted)
@@ -109,4 +152,17 @@ def test_layer_and_outside_bytes_equal_what_autograd_saves(attn, dtype, mp, padd
         qkv = [x for x in shape.layer_linears if x.name.endswith(("q_proj", "k_proj", "v_proj"))]
         first -= sum(R * x.fan_in * 2 for x in qkv) * autocast
         first -= sum(x.numel * 2 for x in qkv) * (autocast and dtype == "float32")
-    assert one == first + scalars + outside + head_copy
+    assert one == first + outside
+
+
+def test_cpu_varlen_attention_by_hand():
+    """The CPU formula above, worked out for the tiny shape: T=32 tokens in examples of 22 and 10, 4 heads
+    of 16 (Hq 64): q, k, v at 32*64*4 = 8192 bytes each, softmax 4*(22^2 + 10^2)*4 = 9344, and o_proj's
+    input 32*64*2 = 4096 in bf16; the flash kernel's would be 4096 + 2*2048 + 4096 + logsumexp 512."""
+    shape = _shape_from_json(json.dumps({**TINY, "num_hidden_layers": 2}), "tiny")
+    p = make_pass(shape, TrainSpec(micro_batch=B, seq_len=S, mixed_precision="bf16"))
+    p = replace(p, varlen_repeats_kv=False)
+    assert cpu_varlen_attention_bytes(p, shape, [22, 10], o_trainable=True) == 3 * 8192 + 9344 + 4096
+    assert act.attention_bytes(p, shape, o_trainable=True) == 4096 + 2 * 2048 + 4096 + 512
+    # a torch without enable_gqa repeats K/V to the 4 heads: twice as wide
+    assert act.attention_bytes(replace(p, varlen_repeats_kv=True), shape, o_trainable=True) == 4096 * 4 + 512

@@ -17,7 +17,7 @@ from typing import Literal
 
 from llmtrain.memory.params import ModelShape
 
-Attn = Literal["sdpa", "eager", "flash_attention_2"]
+Attn = Literal["varlen", "sdpa", "eager", "flash_attention_2"]
 FP32 = 4
 # CUDA's native_dropout keeps a bool mask; the CPU kernel keeps a noise tensor in the input dtype.
 CUDA_DROPOUT_MASK_BYTES = 1
@@ -40,10 +40,20 @@ class Pass:
     separate_casts: bool = False
     lora_dropout: float = 0.0
     dropout_mask_bytes: int = CUDA_DROPOUT_MASK_BYTES
+    # varlen only: torch's varlen_attn before 2.12 has no enable_gqa, so llmtrain.attention repeats K/V to
+    # every query head first and the kernel saves them so.
+    varlen_repeats_kv: bool = False
+    examples: int = 1  # in the micro-batch (at least one, with a token budget)
 
     @property
     def tokens(self) -> int:
         return self.rows * self.row_len
+
+    @property
+    def loss_tokens(self) -> int:
+        """N, the positions the loss sends through the LM head: every token but each example's last (which
+        predicts nothing), when all are trained (text data, data.train_on_prompt); masking prompts lowers it."""
+        return max(1, self.tokens - self.examples)
 
 
 def norm_bytes(p: Pass, hidden: int, *, trainable: bool) -> int:
@@ -53,17 +63,18 @@ def norm_bytes(p: Pass, hidden: int, *, trainable: bool) -> int:
 
 
 def kv_width(p: Pass, shape: ModelShape) -> int:
-    """K/V heads as attention saves them: repeated to all heads by eager, and by SDPA when a mask is
-    passed (transformers only uses SDPA's enable_gqa without a mask)."""
-    repeated = p.attn == "eager" or (p.attn == "sdpa" and p.mask)
+    """K/V heads as attention saves them: repeated to all heads by eager, by SDPA when a mask is passed
+    (transformers only uses SDPA's enable_gqa without a mask), and by varlen on a torch without GQA."""
+    repeated = p.attn == "eager" or (p.attn == "sdpa" and p.mask) or (p.attn == "varlen" and p.varlen_repeats_kv)
     return (shape.heads if repeated else shape.kv_heads) * shape.head_dim
 
 
 def attention_bytes(p: Pass, shape: ModelShape, *, o_trainable: bool) -> int:
     """Saved by the attention core: q, k, v after RoPE (cast to cd), plus per kernel:
     eager: fp32 softmax output and its cd copy (b*heads*s*s each), and the transposed output for o_proj;
-    sdpa/flash: the output (o_proj reads the same tensor) and logsumexp (b*heads*s fp32);
-    sdpa with a mask: the boolean mask converted to a cd bias, per layer."""
+    sdpa/flash/varlen: the output (o_proj reads the same tensor) and logsumexp (heads x T fp32): memory
+    linear in the tokens, whatever the examples' lengths;
+    sdpa with a mask: the boolean mask converted to a cd bias, per layer (b*s*s: a packed row's square)."""
     T, hq = p.tokens, shape.heads * shape.head_dim
     qkv = T * (hq + 2 * kv_width(p, shape)) * p.cd
     scores = p.rows * shape.heads * p.row_len * p.row_len
@@ -148,20 +159,17 @@ def rope_bytes(p: Pass, shape: ModelShape) -> int:
     return 2 * p.rows * p.row_len * shape.head_dim * p.resid
 
 
-def head_side_bytes(p: Pass, shape: ModelShape, *, norm_trainable: bool, head_trainable: bool,
-                    head_adapter_r: int = 0) -> int:
-    """Saved after the last layer: the final norm, and the LM head's input when it trains (or its adapter's)."""
-    head_in = p.tokens * shape.hidden * p.cd if head_trainable else 0
-    head_lora = lora_bytes(p, shape.hidden, head_adapter_r) if head_adapter_r else 0
-    return norm_bytes(p, shape.hidden, trainable=norm_trainable) + head_in + head_lora
+def stream_inputs_bytes(p: Pass, shape: ModelShape, *, embed_trainable: bool) -> int:
+    """Saved below the first layer, alive until the embedding's backward: the token ids for its gradient
+    (int64, when it trains) and RoPE."""
+    return (p.tokens * 8 if embed_trainable else 0) + rope_bytes(p, shape)
 
 
-def outside_layers_bytes(p: Pass, shape: ModelShape, *, embed_trainable: bool, head_trainable: bool,
-                         norm_trainable: bool, head_adapter_r: int = 0) -> int:
-    """Saved outside the decoder layers: token ids for the embedding gradient (int64), RoPE, and the head side."""
-    ids = p.tokens * 8 if embed_trainable else 0
-    return ids + rope_bytes(p, shape) + head_side_bytes(p, shape, norm_trainable=norm_trainable,
-                                                        head_trainable=head_trainable, head_adapter_r=head_adapter_r)
+def outside_layers_bytes(p: Pass, shape: ModelShape, *, embed_trainable: bool, norm_trainable: bool) -> int:
+    """Saved outside the decoder layers: the stream's inputs, the final norm, and the loss's input. The LM
+    head saves nothing past the forward (trainable or not, adapted or not): it runs inside the chunks."""
+    return (stream_inputs_bytes(p, shape, embed_trainable=embed_trainable)
+            + norm_bytes(p, shape.hidden, trainable=norm_trainable) + loss_input_bytes(p, shape))
 
 
 def mask_bytes(p: Pass) -> int:
@@ -224,30 +232,58 @@ def attn_backward_temp(p: Pass, shape: ModelShape, adapted: dict[str, tuple[int,
     return max([attn] + [lora_backward_temp(p, fan_in) for fan_in in _adapters(adapted, "self_attn.")])
 
 
-# --------------------------------------------------------------------------- logits and the loss
+def eval_layer_bytes(p: Pass, shape: ModelShape, adapted: dict[str, tuple[int, int]]) -> int:
+    """A layer's forward without a graph (evaluation), at its largest: the embeddings (held by the model's
+    forward throughout), the layer's input, the residual after attention and the normalised input (4 x T x H,
+    stream dtype) and RoPE, beside the MLP's largest moment or eager's scores. The MLP holds gate, up and
+    their product (3 x T x I, cd), with eager's probabilities (the decoder layer keeps the attention weights
+    it ignores until it returns); an adapted up_proj holds silu's output, its base output, lora_B's output
+    and its scaled copy (in the adapter's fp32 without autocast), and the input's fp32 cast."""
+    T, I = p.tokens, shape.intermediate
+    scores = p.rows * shape.heads * p.row_len * p.row_len if p.attn == "eager" else 0
+    mlp = 3 * T * I * p.cd
+    if "mlp.up_proj" in adapted:
+        cast = T * shape.hidden * FP32 if p.resid != FP32 else 0
+        mlp = max(mlp, T * I * (2 * p.cd + 2 * (p.cd if p.autocast else FP32)) + cast)
+    return 4 * T * shape.hidden * p.resid + rope_bytes(p, shape) + max(mlp + scores * p.resid, scores * (p.cd + FP32))
 
 
-def logits_forward_bytes(p: Pass, vocab: int) -> int:
-    """Peak while the loss is computed, T*V elements: under autocast the cd logits are copied to fp32
-    by Accelerate (cd + 4), then the fp32 logits and the saved log-softmax coexist (8). Without
-    autocast, `logits.float()` in the loop is a no-op for fp32 logits (8) and a copy for bf16 ones (2+4+4)."""
-    tv = p.tokens * vocab
-    if p.autocast:
-        return tv * max(p.cd + FP32, 2 * FP32)
-    return tv * (2 * FP32 + (p.cd if p.cd != FP32 else 0))
+# --------------------------------------------------------------------------- the loss (llmtrain.loss)
+# The loss gathers the trained positions' hidden states (N = Pass.loss_tokens) and sends them through the
+# LM head and the cross-entropy C tokens at a time, each chunk under torch.utils.checkpoint: its logits are
+# recomputed in backward, so one chunk's logits exist at any moment, never the micro-batch's.
 
 
-def logits_saved_bytes(p: Pass, vocab: int) -> int:
-    """Kept from the end of the forward to the start of backward: the fp32 log-softmax."""
-    return p.tokens * vocab * FP32
+def loss_chunk(p: Pass, chunk_tokens: int) -> int:
+    """C: the tokens of the largest chunk."""
+    return min(p.loss_tokens, chunk_tokens)
 
 
-def logits_backward_bytes(p: Pass, vocab: int) -> int:
-    """First backward op: the saved log-softmax, NLL's dense gradient and log-softmax's input gradient,
-    all fp32 T x V: 12 bytes per logit. (This is the loss's peak.)"""
-    return p.tokens * vocab * 3 * FP32
+def loss_input_bytes(p: Pass, shape: ModelShape) -> int:
+    """Kept by the loss from forward to backward: the gathered hidden states (N x H, stream dtype), which the
+    checkpointed chunks are recomputed from, and the gather's index and the targets (int64, N each)."""
+    return p.loss_tokens * (shape.hidden * p.resid + 2 * 8)
 
 
-def logits_grad_bytes(p: Pass, vocab: int) -> int:
-    """The logits' gradient in the compute dtype, entering lm_head's backward."""
-    return p.tokens * vocab * p.cd
+def chunk_forward_bytes(p: Pass, vocab: int, chunk: int) -> int:
+    """One chunk's forward, C*V elements, none of it kept: the head's output in cd beside its fp32 copy,
+    then the fp32 logits beside the log-softmax: max(cd + 4, 8) bytes a logit (with fp32 logits
+    `.float()` is a no-op). Evaluation's is chunk_eval_bytes."""
+    return chunk * vocab * max(p.cd + FP32, 2 * FP32)
+
+
+def chunk_backward_bytes(vocab: int, chunk: int) -> int:
+    """One chunk's backward once its forward is recomputed: the saved log-softmax, NLL's dense gradient and
+    log-softmax's input gradient, all fp32 C x V: 12 bytes a logit. This is the loss's peak."""
+    return chunk * vocab * 3 * FP32
+
+
+def chunk_logits_grad_bytes(p: Pass, vocab: int, chunk: int) -> int:
+    """The chunk logits' gradient in cd, entering the LM head's backward."""
+    return chunk * vocab * p.cd
+
+
+def chunk_eval_bytes(p: Pass, vocab: int, chunk: int, chunks: int) -> int:
+    """Evaluation's chunk (no graph): the head output and its fp32 copy (the loop drops each chunk's logits
+    before the next chunk's exist, so `chunks` does not add up)."""
+    return max(chunk * vocab * (p.cd + FP32), chunk * vocab * 2 * FP32)

@@ -5,6 +5,7 @@ Only typer and the standard library are imported at module level, so `llmtrain -
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 from typing import Annotated, Literal, Optional
@@ -16,10 +17,13 @@ from llmtrain.errors import LLMTrainError
 # Options that describe the training run, and the recipe key that sets each in a recipe.
 RUN_OPTIONS = {
     "method": "a lora section (e.g. lora.r=16)", "lora_r": "lora.r", "micro_batch": "train.micro_batch_size",
-    "grad_accum": "train.grad_accum_steps", "seq_len": "data.max_seq_len", "packing": "data.packing",
+    "micro_batch_tokens": "train.micro_batch_tokens", "grad_accum": "train.grad_accum_steps",
+    "seq_len": "data.max_seq_len", "packing": "data.packing", "loss_chunk_tokens": "train.loss_chunk_tokens",
     "grad_checkpointing": "model.gradient_checkpointing", "dtype": "model.dtype",
     "mixed_precision": "train.mixed_precision", "attn": "model.attn_implementation",
 }
+# What `--method lora` without --dtype assumes: every shipped LoRA recipe keeps its frozen base in bf16.
+LORA_BASE_DTYPE = "bfloat16"
 
 
 def estimate_memory(
@@ -35,41 +39,49 @@ def estimate_memory(
     num_gpus: Annotated[Optional[int], typer.Option(help="GPUs per node.")] = None,
     num_nodes: Annotated[Optional[int], typer.Option(help="Nodes.")] = None,
     micro_batch: Annotated[Optional[int], typer.Option(help="Examples per forward pass on each GPU.")] = None,
+    micro_batch_tokens: Annotated[Optional[int], typer.Option(
+        help="Token budget of a micro-batch (train.micro_batch_tokens): whole examples packed into one row of at "
+        "most this many tokens, instead of --micro-batch examples.")] = None,
     grad_accum: Annotated[Optional[int], typer.Option(help="Micro-batches per optimizer step.")] = None,
     seq_len: Annotated[Optional[int], typer.Option(help="Tokens per example (data.max_seq_len).")] = None,
     packing: Annotated[Optional[bool], typer.Option(
-        "--packing/--no-packing", help="Pack a micro-batch into one row.")] = None,
+        "--packing/--no-packing", help="Pack a micro-batch into one row (always so with varlen attention or "
+        "a token budget).")] = None,
+    loss_chunk_tokens: Annotated[Optional[int], typer.Option(
+        help="Tokens the loss sends through the LM head at a time (train.loss_chunk_tokens).")] = None,
     grad_checkpointing: Annotated[Optional[bool], typer.Option(
         "--grad-checkpointing/--no-grad-checkpointing", help="Recompute layer activations in backward.")] = None,
     dtype: Annotated[Optional[Literal["float32", "bfloat16", "float16"]], typer.Option(
-        help="Storage dtype of the weights.")] = None,
+        help="Storage dtype of the weights (default: float32, and bfloat16 for a LoRA base).")] = None,
     mixed_precision: Annotated[Optional[Literal["no", "bf16", "fp16"]], typer.Option(
         help="Autocast precision.")] = None,
-    attn: Annotated[Optional[Literal["sdpa", "eager", "flash_attention_2"]], typer.Option(
-        help="Attention implementation.")] = None,
-    optimizer: Annotated[Literal["adamw", "adamw-8bit", "sgd"], typer.Option(help="Optimizer.")] = "adamw",
+    attn: Annotated[Optional[Literal["auto", "varlen", "sdpa", "eager", "flash_attention_2"]], typer.Option(
+        help="Attention implementation (model.attn_implementation; auto is varlen).")] = None,
     cpu_offload: Annotated[bool, typer.Option(help="FSDP offload of weights, gradients and optimizer state.")] = False,
     accelerate_config: Annotated[Optional[Path], typer.Option(
         help="Read strategy and GPU counts from an accelerate launch config; explicit options win.")] = None,
     gpu_memory: Annotated[float, typer.Option(help="Memory of one GPU in GiB.")] = 80.0,
     as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object instead of a table.")] = False,
     fit: Annotated[bool, typer.Option("--fit", help="Search strategy, checkpointing and micro-batch for the "
-                                      "fastest configuration that fits.")] = False,
+                                      "fastest configuration that fits; when none does, the fewest GPUs (FSDP) "
+                                      "that would.")] = False,
 ) -> None:
     """Estimate per-GPU peak memory of a fine-tuning run, without weights or a GPU."""
     from llmtrain.memory import fit as fitting
     from llmtrain.memory.estimate import estimate
     from llmtrain.memory.spec import TrainSpec
 
-    run = {k: v for k, v in dict(method=method, lora_r=lora_r, micro_batch=micro_batch, grad_accum=grad_accum,
-                                 seq_len=seq_len, packing=packing, grad_checkpointing=grad_checkpointing,
-                                 dtype=dtype, mixed_precision=mixed_precision, attn=attn).items() if v is not None}
+    run = {k: v for k, v in dict(method=method, lora_r=lora_r, micro_batch=micro_batch,
+                                 micro_batch_tokens=micro_batch_tokens, grad_accum=grad_accum, seq_len=seq_len,
+                                 packing=packing, loss_chunk_tokens=loss_chunk_tokens,
+                                 grad_checkpointing=grad_checkpointing, dtype=dtype, mixed_precision=mixed_precision,
+                                 attn=attn).items() if v is not None}
     layout, launch_mp = _layout(accelerate_config, strategy=strategy, num_gpus=num_gpus, num_nodes=num_nodes,
-                     cpu_offload=cpu_offload, fit=fit)
-    launch = dict(optimizer=optimizer, gpu_memory_gib=gpu_memory, **layout)
+                                cpu_offload=cpu_offload, fit=fit)
+    launch = dict(gpu_memory_gib=gpu_memory, **layout)
     if (recipe is None) == (model is None):
         raise LLMTrainError("give either a RECIPE.yaml or --model PATH_OR_ID (not both, not neither).")
-    global_batch = None
+    global_batch, assumed = None, ()
     if recipe is not None:
         from llmtrain.config import load_recipe
         from llmtrain.memory.params import load_model_shape
@@ -82,7 +94,8 @@ def estimate_memory(
         r = load_recipe(recipe, overrides)
         shape = load_model_shape(r.model.name_or_path)
         spec = spec_from_recipe(r, **launch)
-        global_batch = r.train.micro_batch_size * r.train.grad_accum_steps * spec.world
+        # kept by --fit: examples per step, or tokens per step with a budget
+        global_batch = (r.train.micro_batch_tokens or r.train.micro_batch_size) * r.train.grad_accum_steps * spec.world
         target = f"{recipe} {' '.join(overrides or [])}".strip()
     else:
         from llmtrain.memory.params import load_model_shape
@@ -90,9 +103,14 @@ def estimate_memory(
         if overrides:
             raise LLMTrainError(f"key=value overrides need a recipe; with --model use options (got {overrides[0]}).")
         shape = load_model_shape(model)
+        if run.get("method") == "lora" and "dtype" not in run:
+            run["dtype"] = LORA_BASE_DTYPE
+            assumed = (f"LoRA base weights in {LORA_BASE_DTYPE}, as the shipped LoRA recipes keep them "
+                       "(--dtype float32 for an fp32 base)",)
         spec = TrainSpec(**run, **launch)
         target = None
     est = estimate(shape, spec)
+    est = dataclasses.replace(est, notes=assumed + est.notes)
     result = fitting.fit(shape, spec, global_batch=global_batch) if fit else None
     advice = fitting.recommendation(shape, est, global_batch=global_batch)
     if as_json:
@@ -130,11 +148,18 @@ def _layout(path: Path | None, *, strategy, num_gpus, num_nodes, cpu_offload: bo
 
 
 def _fit_dict(result) -> dict:
+    from llmtrain.memory.fit import size
+
+    more = result.more_gpus
     return {
         "found": result.best is not None, "overrides": list(result.overrides),
         "accelerate_config": result.accelerate_config, "launch_flags": list(result.launch_flags), "note": result.note,
         "best": result.best.estimate.to_dict() if result.best else None,
         "candidates": [{"strategy": c.spec.strategy, "grad_checkpointing": c.spec.grad_checkpointing,
-                        "micro_batch": c.spec.micro_batch, "per_gpu_peak_bytes": c.estimate.per_gpu_peak_bytes,
+                        "micro_batch": c.spec.micro_batch, "micro_batch_tokens": c.spec.micro_batch_tokens,
+                        "size": size(c.spec), "per_gpu_peak_bytes": c.estimate.per_gpu_peak_bytes,
                         "relative_throughput": round(c.score, 4)} for c in result.candidates],
+        # nothing fits: the fewest GPUs (FSDP) on which something does, searched the same way
+        "more_gpus": None if more is None else {"num_gpus": more.best.spec.num_gpus,
+                                                "num_nodes": more.best.spec.num_nodes, **_fit_dict(more)},
     }

@@ -1,13 +1,15 @@
 """Per-GPU peak memory of a training step: the largest of the step's phases, never a sum of everything.
 
-A step is walked phase by phase (the last layer's forward, the LM head, the loss, the start of
-backward, each layer's backward, the embedding's, the optimizer step, evaluation) and at each phase
+A step is walked phase by phase (the last layer's forward, a loss chunk's forward, its backward and
+the LM head's, each layer's backward, the embedding's, the optimizer step, evaluation) and at each phase
 the tensors alive then are added up by component. The peak phase's components are the breakdown.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import functools
+import inspect
+from dataclasses import dataclass, replace
 
 from llmtrain.memory import activations as act
 from llmtrain.memory.params import LoraPlan, ModelShape, lora_plan
@@ -17,7 +19,6 @@ from llmtrain.memory.spec import DTYPE_BYTES, MIB, PRECISION_DTYPE, Estimate, Tr
 CUDA_CONTEXT_BYTES = 500 * MIB  # CUDA context, cuBLAS/cuDNN handles and kernels
 NCCL_BYTES = 512 * MIB  # NCCL communicator buffers, multi-process runs only
 ALLOCATOR_SLACK = 0.10  # reserved / allocated - 1: the caching allocator's rounding and fragmentation
-ADAM8BIT_BLOCK = 256  # bitsandbytes' blockwise 8-bit states keep one fp32 absmax per 256 values
 DROPOUT_MASK_BYTES = act.CUDA_DROPOUT_MASK_BYTES  # per element saved by dropout (4 on the CPU, for tests)
 
 
@@ -34,15 +35,11 @@ class States:
     host_offload: int  # bytes moved to host RAM by cpu offload (whole node, see host_ram)
 
 
-def optimizer_bytes(spec: TrainSpec, *, trainable: int, trainable_bytes: int) -> int:
-    """AdamW keeps exp_avg and exp_avg_sq in the parameter's dtype (8 bytes a parameter in fp32);
-    8-bit AdamW one byte each plus an fp32 absmax per block; plain SGD nothing. The fused AdamW
-    llmtrain uses on CUDA updates in place, so the step adds no temporaries of parameter size."""
-    if spec.optimizer == "adamw":
-        return 2 * trainable_bytes
-    if spec.optimizer == "adamw-8bit":
-        return 2 * trainable + 2 * 4 * -(-trainable // ADAM8BIT_BLOCK)
-    return 0
+def optimizer_bytes(trainable_bytes: int) -> int:
+    """AdamW, the trainer's only optimizer, keeps exp_avg and exp_avg_sq in the parameter's dtype (8 bytes
+    a parameter in fp32). The fused AdamW llmtrain uses on CUDA updates in place, so the step adds no
+    temporaries of parameter size."""
+    return 2 * trainable_bytes
 
 
 def states(shape: ModelShape, spec: TrainSpec, plan: LoraPlan | None) -> States:
@@ -71,7 +68,7 @@ def states(shape: ModelShape, spec: TrainSpec, plan: LoraPlan | None) -> States:
         V * H * master if plan is not None and "embed_tokens" in plan.saved_copies else 0)
     trainable_bytes = head + sum(layer) + embed
     shard = spec.world if fsdp else 1
-    optim = optimizer_bytes(spec, trainable=trainable, trainable_bytes=trainable_bytes)
+    optim = optimizer_bytes(trainable_bytes)
     weights = frozen_bytes + trainable_bytes
     if spec.cpu_offload:
         return States(0, 0, 0, (0,) * shape.layers, 0, 0, weights + trainable_bytes + optim)
@@ -82,24 +79,43 @@ def states(shape: ModelShape, spec: TrainSpec, plan: LoraPlan | None) -> States:
     )
 
 
-def make_pass(shape: ModelShape, spec: TrainSpec, *, rows: int | None = None, packing: bool | None = None) -> act.Pass:
-    """Shapes and dtypes of one micro-batch. Padded batches of more than one row pass a 4-D mask
-    (rows are assumed to differ in length); a packed batch is one row of micro_batch * seq_len
-    tokens whose position ids restart, which transformers turns into a block-diagonal mask."""
-    mb = rows or spec.micro_batch
-    packed = spec.packing if packing is None else packing
-    b, s = (1, mb * spec.seq_len) if packed else (mb, spec.seq_len)
+@functools.cache
+def varlen_repeats_kv() -> bool:
+    """torch's varlen_attn took `enable_gqa` in 2.12; before, llmtrain.attention repeats K/V to every query
+    head. Read off the torch installed here, as training decides it (without varlen_attn at all: assume
+    the repeat, the larger)."""
+    try:
+        from torch.nn.attention.varlen import varlen_attn
+    except ImportError:
+        return True
+    return "enable_gqa" not in inspect.signature(varlen_attn).parameters
+
+
+def make_pass(shape: ModelShape, spec: TrainSpec, *, examples: int | None = None,
+              budget: int | None = None) -> act.Pass:
+    """Shapes and dtypes of one micro-batch: the training one, or `examples` (or a token `budget`) for eval.
+
+    Packed (spec.packed: varlen attention, packing, or a token budget): one row of every token, each example
+    attending only to itself. varlen and flash_attention_2 read the boundaries and build no mask; sdpa and
+    eager get transformers' block-diagonal 4-D mask over the whole row. Padded: one row per example, all
+    seq_len long and assumed to differ in length, so sdpa and eager get a 4-D mask there too."""
+    if examples is None:
+        examples, budget = spec.micro_batch, spec.micro_batch_tokens
+    tokens = budget or examples * spec.seq_len
+    b, s = (1, tokens) if spec.packed else (examples, spec.seq_len)
     amp = spec.mixed_precision != "no"
     compute = PRECISION_DTYPE.get(spec.mixed_precision, spec.dtype)
     # FSDP's mixed-precision policy gathers parameters in the compute dtype, so the stream is too.
     stream = compute if (spec.strategy == "fsdp" and amp) else spec.dtype
-    window = shape.sliding_window
-    mask = packed or b > 1 or (window is not None and s > window)
+    window = shape.sliding_window  # varlen applies it per example, inside the kernel
+    mask = spec.kernel in ("sdpa", "eager") and (spec.packed or b > 1 or (window is not None and s > window))
     return act.Pass(rows=b, row_len=s, resid=DTYPE_BYTES[stream], cd=DTYPE_BYTES[compute], autocast=amp,
-                    attn=spec.attn, mask=mask, trainable_base=spec.method == "full",
+                    attn=spec.kernel, mask=mask, trainable_base=spec.method == "full",
                     separate_casts=amp and stream != compute,
                     lora_dropout=spec.lora_dropout if spec.method == "lora" else 0.0,
-                    dropout_mask_bytes=DROPOUT_MASK_BYTES)
+                    dropout_mask_bytes=DROPOUT_MASK_BYTES,
+                    varlen_repeats_kv=spec.kernel == "varlen" and varlen_repeats_kv(),
+                    examples=1 if budget else examples)
 
 
 def _down_share(shape: ModelShape, plan: LoraPlan | None, k: int) -> float:
@@ -133,9 +149,8 @@ def estimate(shape: ModelShape, spec: TrainSpec) -> Estimate:
     if not embed_trains:  # the first layer's input needs no gradient
         saved[0] -= act.frozen_input_discount(p, shape, adapted[0])
     kept = [act.checkpoint_bytes(p, shape)] * L if ckpt else saved  # what each layer keeps after forward
-    rope_ids = act.rope_bytes(p, shape) + (p.tokens * 8 if embed_trains else 0)
-    outside = act.head_side_bytes(p, shape, norm_trainable=full, head_trainable=head_trains,
-                                  head_adapter_r=spec.lora_r if plan and plan.adapted_head else 0)
+    rope_ids = act.stream_inputs_bytes(p, shape, embed_trainable=embed_trains)
+    outside = act.outside_layers_bytes(p, shape, embed_trainable=embed_trains, norm_trainable=full)
     mask = act.mask_bytes(p)
     mask_bwd = mask if ckpt else 0  # checkpointed layers hold the mask for their recompute
 
@@ -153,7 +168,9 @@ def estimate(shape: ModelShape, spec: TrainSpec) -> Estimate:
     head_copies = (V * H * p.cd if p.separate_casts else 0) + (
         spec.lora_r * (H + V) * p.cd if (plan and plan.adapted_head and adapter_cast) else 0)
     copies_fwd = sum(copies) if not ckpt else sum(cached) + copies[-1] - cached[-1]
-    copies_kept = (sum(copies) if not ckpt else 0) + head_copies
+    # The loss runs inside the forward, so the autocast cache still holds its casts then; after it, only the
+    # casts the layers' matmuls saved are left (the head's is made again in each chunk's recompute).
+    copies_kept = sum(copies) if not ckpt else 0
 
     # -- FSDP: gathered (unsharded) units in the compute dtype, about two decoder layers in flight
     pd = p.cd if amp else DTYPE_BYTES[spec.dtype]
@@ -165,23 +182,17 @@ def estimate(shape: ModelShape, spec: TrainSpec) -> Estimate:
     g_acc = st.grads if spec.grad_accum > 1 else 0  # gradients kept between micro-batches
 
     base = dict(weights=st.weights, optimizer=st.optimizer, ddp_buckets=st.ddp_buckets)
-    acts_all = sum(kept) + rope_ids + outside
-    tv_cd = p.tokens * V * p.cd
-    phases = {
-        "forward": _phase(**base, gradients=g_acc, autocast_copies=copies_fwd, activations=sum(kept) + rope_ids + mask,
-                          temporaries=act.layer_forward_temp(p, shape, adapted[-1]), fsdp_buffers=2 * unit + always),
-        "lm_head": _phase(**base, gradients=g_acc, autocast_copies=copies_fwd + head_copies,
-                          activations=acts_all + mask, logits=tv_cd, fsdp_buffers=tail),
-        "loss": _phase(**base, gradients=g_acc, autocast_copies=copies_kept, activations=acts_all + mask,
-                       logits=act.logits_forward_bytes(p, V), fsdp_buffers=tail),
-        "backward_loss": _phase(**base, gradients=g_acc, autocast_copies=copies_kept,
-                                activations=acts_all + mask_bwd, logits=act.logits_backward_bytes(p, V),
-                                fsdp_buffers=tail),
-        "backward_lm_head": _phase(**base, gradients=max(g_acc, st.grads_head), autocast_copies=copies_kept,
-                                   activations=acts_all + mask_bwd, logits=tv_cd,
-                                   temporaries=V * H * p.cd if (p.separate_casts and head_trains) else 0,
-                                   fsdp_buffers=tail + (V * H * pd if fsdp and head_trains else 0)),
-    }
+    acts_all = sum(kept) + outside
+    phases = {"forward": _phase(**base, gradients=g_acc, autocast_copies=copies_fwd,
+                                activations=sum(kept) + rope_ids + mask, fsdp_buffers=2 * unit + always,
+                                temporaries=act.layer_forward_temp(p, shape, adapted[-1]))}
+
+    phases.update(_loss_phases(
+        p, shape, spec, st, head_copies=head_copies, tail=tail,
+        fsdp_head=V * H * pd if fsdp and head_trains else 0,
+        forward=dict(**base, gradients=g_acc, autocast_copies=copies_fwd, activations=acts_all + mask),
+        backward=dict(**base, gradients=g_acc, autocast_copies=copies_kept, activations=acts_all + mask_bwd),
+        head_adapter_r=spec.lora_r if plan and plan.adapted_head else 0))
     # Each decoder layer's backward, last to first, in its three moments: the recompute of its forward
     # (under checkpointing), the MLP's backward (down_proj's input freed, its weight gradient made) and
     # attention's (the MLP half freed, its gradients made). The layers below are still saved, the
@@ -218,13 +229,63 @@ def estimate(shape: ModelShape, spec: TrainSpec) -> Estimate:
     phases["backward_embedding"] = _phase(**base, gradients=st.grads, temporaries=p.tokens * H * p.resid,
                                           fsdp_buffers=embed_unit * (2 if full else 1) + always)
     phases["optimizer_step"] = _phase(**base, gradients=st.grads)
-    if spec.eval_micro_batch:
-        e = make_pass(shape, spec, rows=spec.eval_micro_batch, packing=False)
-        phases["eval_lm_head"] = _phase(**base, autocast_copies=sum(cached) + head_copies,
-                                        activations=act.mask_bytes(e), logits=e.tokens * V * e.cd,
-                                        fsdp_buffers=tail + 2 * unit)
-        phases["eval_loss"] = _phase(**base, logits=e.tokens * V * 2 * act.FP32, fsdp_buffers=tail)
+    if spec.eval_micro_batch:  # no graph: a layer's transients; then the hidden states, gathered, and a chunk
+        e = make_pass(shape, spec, examples=spec.eval_micro_batch, budget=spec.eval_micro_batch_tokens)
+        ce = act.loss_chunk(e, spec.loss_chunk_tokens)
+        phases["eval_forward"] = _phase(**base, autocast_copies=sum(cached), activations=act.mask_bytes(e),
+                                        temporaries=act.eval_layer_bytes(e, shape, adapted[-1]),
+                                        fsdp_buffers=2 * unit + always)
+        phases["eval_loss"] = _phase(**base, autocast_copies=sum(cached) + head_copies,
+                                     temporaries=(e.tokens + e.loss_tokens) * H * e.resid,
+                                     logits=act.chunk_eval_bytes(e, V, ce, -(-e.loss_tokens // ce)),
+                                     fsdp_buffers=tail)
     return _finish(shape, spec, plan, st, phases, notes=_notes(shape, spec, p))
+
+
+def _plus(parts: dict[str, int], **more: int) -> dict[str, int]:
+    """`parts` with `more` added, component by component."""
+    return _phase(**{k: parts.get(k, 0) + more.get(k, 0) for k in [*parts, *(k for k in more if k not in parts)]})
+
+
+def _loss_phases(p: act.Pass, shape: ModelShape, spec: TrainSpec, st: States, *, head_copies: int,
+                 tail: int, fsdp_head: int, forward: dict[str, int], backward: dict[str, int],
+                 head_adapter_r: int) -> dict[str, dict[str, int]]:
+    """The loss's phases, chunk by chunk (llmtrain.loss), on top of what is alive around it: `forward`
+    (inside the model's forward, whose autocast cache still holds its casts) and `backward` (after it).
+
+    Backward runs the chunks last to first; the phases are those of a chunk run after another, when the
+    head's weight gradient and the gathered hidden states' gradient, summed over the chunks so far, exist.
+    A chunk's recompute holds the head's weight cast (head_copies) and the chunk's input cast until the
+    head's backward has run. The head's weight gradient is made by each chunk in cd under autocast casts
+    (all chunks share the forward's one cast, so their gradients meet before it), else in the weight's
+    dtype; the engine sums the chunks' gradients out of place (the sum so far, the new one, the result),
+    then the sum is cast to the fp32 gradient. FSDP does this on the unsharded tail unit (fsdp_head each).
+    An adapter on the head (head_adapter_r) saves its chunk's tensors in the recompute."""
+    V, H = shape.vocab, shape.hidden
+    c = act.loss_chunk(p, spec.loss_chunk_tokens)
+    head_adapter = act.lora_bytes(replace(p, rows=1, row_len=c), H, head_adapter_r) if head_adapter_r else 0
+    several = p.loss_tokens > c
+    h_grad = p.loss_tokens * H * p.resid if several else 0
+    in_cast = c * H * p.cd if p.separate_casts else 0  # autocast's copy of the chunk's fp32 input
+    in_grad = c * H * p.resid  # the chunk's input gradient, from the head's backward to the gather's
+    G = st.grads_head if spec.strategy != "fsdp" else 0
+    Gw = G * p.cd // DTYPE_BYTES[spec.dtype] if p.separate_casts else G
+    cast = G if p.separate_casts else 0  # the fp32 gradient cast from the cd one
+    so_far, made = (Gw, 2 * Gw) if several else (0, Gw)  # at the head's backward of a chunk
+    summed = max(3 * Gw, Gw + cast) if several else Gw + cast  # while the gradients are added and cast
+    mm, add = (2, 3) if several else (1, 1)  # FSDP's unsharded head gradients at those two moments
+    return {
+        "loss": _plus(forward, autocast_copies=head_copies, logits=act.chunk_forward_bytes(p, V, c),
+                      temporaries=in_cast, fsdp_buffers=tail),
+        "backward_loss": _plus(backward, gradients=so_far, autocast_copies=head_copies,
+                               logits=act.chunk_backward_bytes(V, c), temporaries=in_cast + h_grad + head_adapter,
+                               fsdp_buffers=tail + (fsdp_head if several else 0)),
+        "backward_lm_head": max(
+            (_plus(backward, gradients=made, autocast_copies=head_copies, logits=act.chunk_logits_grad_bytes(p, V, c),
+                   temporaries=in_cast + in_grad + h_grad, fsdp_buffers=tail + mm * fsdp_head),
+             _plus(backward, gradients=summed, temporaries=in_grad + h_grad,
+                   fsdp_buffers=tail + add * fsdp_head)), key=lambda ph: sum(ph.values())),
+    }
 
 
 def _finish(shape: ModelShape, spec: TrainSpec, plan: LoraPlan | None, st: States, phases: dict, *,
@@ -266,13 +327,18 @@ def host_ram_bytes(shape: ModelShape, spec: TrainSpec, st: States) -> int:
 
 def _notes(shape: ModelShape, spec: TrainSpec, p: act.Pass) -> tuple[str, ...]:
     notes = []
-    if p.mask and spec.attn == "sdpa":
-        why = "packed rows" if spec.packing else ("padded rows" if p.rows > 1 else "the sliding window")
+    if p.varlen_repeats_kv and shape.kv_heads < shape.heads:
+        extra = 2 * p.tokens * (shape.heads - shape.kv_heads) * shape.head_dim * p.cd
+        notes.append(f"this torch's varlen_attn has no enable_gqa (torch < 2.12): K/V are repeated to all "
+                     f"{shape.heads} heads, {extra / MIB:,.0f} MiB more saved per layer than with torch >= 2.12")
+    if p.mask and spec.kernel == "sdpa":
+        why = "a packed row" if spec.packed else ("padded rows" if p.rows > 1 else "the sliding window")
         notes.append(f"{why}: SDPA gets a 4-D mask, so it uses the memory-efficient kernel with K/V repeated "
                      "to all heads and a b*s*s bias saved per layer")
-    if spec.packing and spec.attn in ("sdpa", "eager"):
-        notes.append(f"packing puts {spec.micro_batch} x {spec.seq_len} tokens in one row: attention scales "
-                     f"with ({spec.micro_batch * spec.seq_len})^2; flash_attention_2 avoids the mask")
+    if spec.packed and spec.kernel in ("sdpa", "eager"):
+        notes.append(f"{spec.kernel} on a packed row of {p.tokens} tokens: transformers builds a {p.tokens} x "
+                     f"{p.tokens} block-diagonal mask and attention scales with its square; "
+                     "model.attn_implementation=varlen (the default, auto) attends per example instead")
     if spec.strategy == "ddp" and spec.method == "full":
         notes.append("DDP buckets hold a second copy of every gradient (gradient_as_bucket_view=False)")
     if spec.grad_accum > 1:

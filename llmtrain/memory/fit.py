@@ -1,13 +1,15 @@
-"""`--fit`: the fastest configuration whose estimate fits the GPUs.
+"""`--fit`: the fastest configuration whose estimate fits the GPUs, and how many GPUs would do when none fits.
 
 For each strategy the GPUs allow and gradient checkpointing off and on, the largest micro-batch that
 fits is found (memory only grows with the micro-batch), then the candidates are ranked by a relative
-throughput score. Only configurations whose own estimate fits are ever candidates.
+throughput score. Only configurations whose own estimate fits are ever candidates. A micro-batch is a
+number of examples, or a token budget when the run has one (train.micro_batch_tokens). When nothing fits,
+FSDP is tried on more GPUs (whole nodes past one) until something does.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from llmtrain.memory.estimate import estimate
 from llmtrain.memory.launch import shipped_config
@@ -19,7 +21,9 @@ HALF_SATURATION_TOKENS = 256  # tokens per micro-batch at which a 7B's matmuls r
 STRATEGY_EFFICIENCY = {"single": 1.0, "ddp": 0.95, "fsdp": 0.9}  # communication left after overlap
 MULTI_NODE_EFFICIENCY = 0.9  # inter-node links are slower than NVLink
 OFFLOAD_EFFICIENCY = 0.3  # the optimizer step on the host and host<->GPU copies of every shard
-MAX_MICRO_BATCH = 256
+MAX_MICRO_BATCH = 256  # examples; a token budget goes up to MAX_MICRO_BATCH * seq_len
+MAX_GPUS = 64  # the "how many GPUs" search stops here (8 nodes of 8)
+NODE_GPUS = 8  # GPUs per node assumed past one node, when one GPU was given
 
 
 @dataclass(frozen=True)
@@ -40,14 +44,23 @@ class FitResult:
     accelerate_config: str | None
     launch_flags: tuple[str, ...]  # `accelerate launch` flags that adapt the config's process counts
     note: str | None = None
+    more_gpus: FitResult | None = None  # nothing fits: the search on the fewest GPUs where something does
+
+
+def size(spec: TrainSpec) -> int:
+    """The micro-batch as the run counts it: tokens (a budget) or examples."""
+    return spec.micro_batch_tokens or spec.micro_batch
+
+
+def with_size(spec: TrainSpec, n: int) -> TrainSpec:
+    return spec.but(micro_batch_tokens=n) if spec.micro_batch_tokens else spec.but(micro_batch=n)
 
 
 def throughput_score(spec: TrainSpec) -> float:
     """Relative tokens/s: GPUs x matmul utilisation at this micro-batch x strategy efficiency / work per
     token (6 units for a full fine-tune's forward and backward, 4 for LoRA's, which computes no weight
     gradients for the base, plus 2 for the forward that gradient checkpointing repeats)."""
-    tokens = spec.micro_batch * spec.seq_len
-    utilisation = tokens / (tokens + HALF_SATURATION_TOKENS)
+    utilisation = spec.tokens / (spec.tokens + HALF_SATURATION_TOKENS)
     work = (6 if spec.method == "full" else 4) + (2 if spec.grad_checkpointing else 0)
     eff = STRATEGY_EFFICIENCY[spec.strategy] * (MULTI_NODE_EFFICIENCY if spec.num_nodes > 1 else 1.0)
     eff *= OFFLOAD_EFFICIENCY if spec.cpu_offload else 1.0
@@ -61,26 +74,30 @@ def strategies_for(spec: TrainSpec) -> tuple[str, ...]:
 
 
 def micro_batch_choices(spec: TrainSpec, global_batch: int | None) -> list[int] | None:
-    """Micro-batches that keep `global_batch` examples per step (with an integer accumulation), or None
-    for any micro-batch (no global batch to keep, or the GPUs do not divide it)."""
+    """Micro-batches (examples, or token budgets) that keep `global_batch` per step with an integer
+    accumulation, or None for any micro-batch (no global batch to keep, or the GPUs do not divide it).
+    A budget is never lowered below the run's own or seq_len, whichever is smaller, so examples still fit."""
     if not global_batch or global_batch % spec.world:
         return None
     per_gpu = global_batch // spec.world
-    return [d for d in range(1, per_gpu + 1) if per_gpu % d == 0]
+    least = min(spec.micro_batch_tokens, spec.seq_len) if spec.micro_batch_tokens else 1
+    return [d for d in range(least, per_gpu + 1) if per_gpu % d == 0]
 
 
 def largest_fitting(shape: ModelShape, spec: TrainSpec, choices: list[int] | None) -> Estimate | None:
     """The estimate at the largest micro-batch that fits, trying only `choices` when given."""
     if choices is not None:
-        for mb in sorted(choices, reverse=True):
-            est = estimate(shape, spec.but(micro_batch=mb))
+        for n in sorted(choices, reverse=True):
+            est = estimate(shape, with_size(spec, n))
             if est.fits:
                 return est
         return None
-    best, lo, hi = None, 1, MAX_MICRO_BATCH
+    best = None
+    lo, hi = (min(spec.micro_batch_tokens, spec.seq_len), MAX_MICRO_BATCH * spec.seq_len) if spec.micro_batch_tokens \
+        else (1, MAX_MICRO_BATCH)
     while lo <= hi:  # memory grows with the micro-batch, so bisect
         mid = (lo + hi) // 2
-        est = estimate(shape, spec.but(micro_batch=mid))
+        est = estimate(shape, with_size(spec, mid))
         if est.fits:
             best, lo = est, mid + 1
         else:
@@ -88,8 +105,7 @@ def largest_fitting(shape: ModelShape, spec: TrainSpec, choices: list[int] | Non
     return best
 
 
-def fit(shape: ModelShape, spec: TrainSpec, *, global_batch: int | None = None) -> FitResult:
-    """Search strategy x checkpointing x micro-batch on spec's GPUs; keep `global_batch` when given."""
+def _search(shape: ModelShape, spec: TrainSpec, global_batch: int | None) -> FitResult:
     choices = micro_batch_choices(spec, global_batch)
     candidates = []
     for strategy in strategies_for(spec):
@@ -108,13 +124,42 @@ def fit(shape: ModelShape, spec: TrainSpec, *, global_batch: int | None = None) 
     best = max(candidates, key=lambda c: (round(c.score, 9), -order[c.spec.strategy], not c.spec.grad_checkpointing))
     assert best.estimate.fits, "fit must only recommend configurations that fit"
     s = best.spec
-    overrides = [f"train.micro_batch_size={s.micro_batch}",
-                 f"model.gradient_checkpointing={str(s.grad_checkpointing).lower()}"]
+    key = "train.micro_batch_tokens" if s.micro_batch_tokens else "train.micro_batch_size"
+    overrides = [f"{key}={size(s)}", f"model.gradient_checkpointing={str(s.grad_checkpointing).lower()}"]
     if choices is not None:
-        overrides.append(f"train.grad_accum_steps={global_batch // (s.world * s.micro_batch)}")
+        overrides.append(f"train.grad_accum_steps={global_batch // (s.world * size(s))}")
     config, flags = shipped_config(s.strategy, num_gpus=s.num_gpus, num_nodes=s.num_nodes)
     ranked = tuple(sorted(candidates, key=lambda c: -c.score))
     return FitResult(best, ranked, tuple(overrides), config, flags, note)
+
+
+def more_gpus(shape: ModelShape, spec: TrainSpec, *, global_batch: int | None = None) -> FitResult | None:
+    """The search on the fewest GPUs beyond spec's with which something fits: FSDP shards weights, gradients
+    and optimizer state, so its per-GPU share shrinks with the GPUs (activations do not). Within a node
+    2, 4, ... GPUs, then whole nodes of spec.num_gpus (NODE_GPUS when one was given); None up to MAX_GPUS."""
+    per_node = spec.num_gpus if spec.num_gpus > 1 else NODE_GPUS
+    sizes = [w for w in (2, 4) if w < per_node] + list(range(per_node, MAX_GPUS + 1, per_node))
+    for world in (w for w in sizes if w > spec.world):
+        nodes = max(1, world // per_node)
+        result = _search(shape, spec.but(strategy="fsdp", num_gpus=world // nodes, num_nodes=nodes), global_batch)
+        if result.best is not None:
+            return result
+    return None
+
+
+def fit(shape: ModelShape, spec: TrainSpec, *, global_batch: int | None = None) -> FitResult:
+    """Search strategy x checkpointing x micro-batch on spec's GPUs; keep `global_batch` (examples, or tokens
+    with a budget) when given. When nothing fits, also the fewest GPUs that would do (`more_gpus`)."""
+    result = _search(shape, spec, global_batch)
+    if result.best is None:
+        result = replace(result, more_gpus=more_gpus(shape, spec, global_batch=global_batch))
+    return result
+
+
+def launch_line(result: FitResult) -> str:
+    """`--config_file CONFIG [flags]` for the best configuration of a search."""
+    flags = " ".join(result.launch_flags)
+    return f"--config_file {result.accelerate_config}{' ' + flags if flags else ''}"
 
 
 def recommendation(shape: ModelShape, est: Estimate, *, global_batch: int | None = None) -> str:
@@ -125,9 +170,13 @@ def recommendation(shape: ModelShape, est: Estimate, *, global_batch: int | None
     result = fit(shape, est.spec, global_batch=global_batch)
     need = f"does not fit: needs {est.per_gpu_peak_bytes / GIB:.1f} GiB per GPU of {est.spec.gpu_memory_gib:g}"
     if result.best is None:
-        more = "" if est.spec.method == "lora" else "LoRA on a bfloat16 base (--method lora --dtype bfloat16), "
-        return (f"{need}; no strategy, checkpointing or micro-batch fits {gpus}: try {more}more GPUs, "
-                "a shorter --seq-len, or FSDP with --cpu-offload")
-    flags = " ".join(result.launch_flags)
-    return (f"{need}; on {gpus} use {result.accelerate_config}{' ' + flags if flags else ''} with "
-            f"{' '.join(result.overrides)} (see --fit)")
+        more = result.more_gpus
+        if more is not None:
+            s = more.best.spec
+            return (f"{need}; no strategy, checkpointing or micro-batch fits {gpus}, but FSDP on {s.world} GPUs "
+                    f"does ({more.best.estimate.per_gpu_peak_bytes / GIB:.1f} GiB per GPU): {launch_line(more)} "
+                    f"with {' '.join(more.overrides)} (see --fit)")
+        lora = "" if est.spec.method == "lora" else "LoRA on a bfloat16 base (--method lora --dtype bfloat16), "
+        return (f"{need}; nothing fits {gpus}, nor FSDP on up to {MAX_GPUS} GPUs: try {lora}"
+                "a shorter --seq-len or a smaller --micro-batch-tokens, or FSDP with --cpu-offload")
+    return f"{need}; on {gpus} use {launch_line(result)} with {' '.join(result.overrides)} (see --fit)"

@@ -3,21 +3,22 @@
 from __future__ import annotations
 
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 
-from llmtrain.memory.fit import FitResult
+from llmtrain.memory.fit import FitResult, launch_line, size
 from llmtrain.memory.spec import COMPONENTS, GIB, Estimate, TrainSpec
 
 WHAT = {
     "weights": "parameters in their storage dtype{shard}",
     "gradients": "gradients of trainable parameters{shard}",
-    "optimizer": "{optimizer} state{shard}",
+    "optimizer": "AdamW state{shard}",
     "activations": "tensors saved for backward",
-    "logits": "logits and cross-entropy (fp32)",
+    "logits": "one loss chunk's logits and cross-entropy",
     "autocast_copies": "16-bit copies of fp32 weights under autocast",
     "ddp_buckets": "DDP gradient buckets",
     "fsdp_buffers": "all-gathered FSDP units in flight",
-    "temporaries": "short-lived tensors of one layer",
+    "temporaries": "short-lived tensors (a layer's, or the loss's)",
     "overhead": "CUDA context, NCCL, allocator slack (reserved - allocated)",
 }
 
@@ -30,12 +31,17 @@ def describe(spec: TrainSpec) -> str:
     where = "1 GPU" if spec.world == 1 else f"{spec.num_gpus} GPUs x {spec.num_nodes} node(s)"
     method = "full fine-tune" if spec.method == "full" else f"LoRA r={spec.lora_r}"
     mp = "no autocast" if spec.mixed_precision == "no" else f"{spec.mixed_precision} autocast"
-    batch = (f"packed {spec.micro_batch} x {spec.seq_len} tokens" if spec.packing
-             else f"micro-batch {spec.micro_batch} x {spec.seq_len} tokens")
+    if spec.micro_batch_tokens:
+        batch = f"packed bins of <= {spec.micro_batch_tokens} tokens (examples <= {spec.seq_len})"
+    elif spec.packed:
+        batch = f"packed {spec.micro_batch} x {spec.seq_len} tokens"
+    else:
+        batch = f"micro-batch {spec.micro_batch} x {spec.seq_len} tokens, padded"
     ckpt = "checkpointing on" if spec.grad_checkpointing else "checkpointing off"
     off = ", cpu offload" if spec.cpu_offload else ""
+    attn = "varlen (auto)" if spec.attn == "auto" else spec.attn
     return (f"{method}, {spec.strategy} on {where}{off}; {batch}; {spec.dtype} weights, {mp}; {ckpt}; "
-            f"{spec.attn}; {spec.optimizer}")
+            f"{attn} attention; loss chunks of {spec.loss_chunk_tokens} tokens; AdamW")
 
 
 def render_estimate(est: Estimate, advice: str, *, launch_mp: str | None = None,
@@ -43,16 +49,24 @@ def render_estimate(est: Estimate, advice: str, *, launch_mp: str | None = None,
     console = console or Console()
     spec = est.spec
     shard = f", 1/{spec.world} shard" if spec.strategy == "fsdp" else ""
-    table = Table(title=f"Per-GPU memory: {est.model}", title_justify="left")
+    peak = est.peak_phase.replace("_", " ")
+    table = Table(title=f"Per-GPU memory: {escape(est.model)}", title_justify="left",
+                  caption=f"GiB at peak: each part at the {peak} phase; they add up to the total. Largest: each "
+                  "part's own maximum over the step, at another phase where it differs.", caption_justify="left")
     table.add_column("component")
-    table.add_column("GiB", justify="right")
+    table.add_column("GiB at peak", justify="right")
+    table.add_column("largest", justify="right")
     table.add_column("what")
+    largest = est.largest()
+    overhead = est.breakdown["overhead"]
     for name in COMPONENTS:
-        if name in est.breakdown and (est.breakdown[name] or name in COMPONENTS[:6]):
-            table.add_row(name, gib(est.breakdown[name]), WHAT[name].format(shard=shard, optimizer=spec.optimizer))
+        at_peak = est.breakdown.get(name, 0)
+        most, phase = (overhead, est.peak_phase) if name == "overhead" else largest.get(name, (0, est.peak_phase))
+        if at_peak or most or name in COMPONENTS[:6]:
+            where = f" (largest at {phase.replace('_', ' ')})" if most > at_peak else ""
+            table.add_row(name, gib(at_peak), gib(most), WHAT[name].format(shard=shard) + where)
     table.add_section()
-    table.add_row("[bold]total per GPU[/]", f"[bold]{gib(est.per_gpu_peak_bytes)}[/]",
-                  f"at the {est.peak_phase.replace('_', ' ')} phase")
+    table.add_row("[bold]total per GPU[/]", f"[bold]{gib(est.per_gpu_peak_bytes)}[/]", "", f"at the {peak} phase")
     console.print(f"{describe(spec)}")
     console.print(f"parameters: {est.params_total:,} total, {est.params_trainable:,} trainable")
     console.print(table)
@@ -64,32 +78,37 @@ def render_estimate(est: Estimate, advice: str, *, launch_mp: str | None = None,
     console.print(f"{verdict} in {spec.gpu_memory_gib:g} GiB per GPU; host RAM for loading: "
                   f"{gib(est.host_ram_bytes)} GiB per node")
     for note in est.notes:
-        console.print(f"[dim]note: {note}[/]")
+        console.print(f"[dim]note: {escape(note)}[/]")
     if launch_mp is not None and launch_mp != spec.mixed_precision:
         console.print(f"[dim]note: the launch config says mixed_precision={launch_mp}; llmtrain uses the "
                       f"recipe's ({spec.mixed_precision})[/]")
-    console.print(f"recommendation: {advice}", highlight=False)
+    console.print(f"recommendation: {escape(advice)}", highlight=False)
 
 
 def render_fit(result: FitResult, *, target: str | None, console: Console | None = None) -> None:
     console = console or Console()
     if result.note:
-        console.print(f"[dim]note: {result.note}[/]")
+        console.print(f"[dim]note: {escape(result.note)}[/]")
     if result.best is None:
         console.print("[red]--fit: no strategy, checkpointing or micro-batch fits these GPUs.[/]")
-        return
+        if result.more_gpus is None:
+            return
+        result = result.more_gpus
+        console.print(f"With FSDP on {result.best.spec.world} GPUs ({result.best.spec.num_nodes} node(s)) "
+                      "something does (the fewest GPUs that fit):")
+    by_tokens = result.best.spec.micro_batch_tokens is not None
     table = Table(title="Configurations that fit (largest micro-batch each)", title_justify="left")
-    for col in ("strategy", "checkpointing", "micro-batch", "GiB per GPU", "relative throughput"):
+    for col in ("strategy", "checkpointing", "tokens per micro-batch" if by_tokens else "micro-batch",
+                "GiB per GPU", "relative throughput"):
         table.add_column(col, justify="right" if col != "strategy" else "left")
     top = result.candidates[0].score
     for c in result.candidates:
         s = c.spec
-        table.add_row(s.strategy, "on" if s.grad_checkpointing else "off", str(s.micro_batch),
+        table.add_row(s.strategy, "on" if s.grad_checkpointing else "off", str(size(s)),
                       gib(c.estimate.per_gpu_peak_bytes), f"{c.score / top:.2f}")
     console.print(table)
-    flags = " ".join(result.launch_flags)
-    console.print(f"use: --config_file {result.accelerate_config}{' ' + flags if flags else ''}")
+    console.print(f"use: {launch_line(result)}", highlight=False)
     console.print(f"overrides: {' '.join(result.overrides)}", highlight=False)
     if target:
-        console.print(f"  accelerate launch --config_file {result.accelerate_config}{' ' + flags if flags else ''} "
-                      f"-m llmtrain finetune {target} {' '.join(result.overrides)}", highlight=False, soft_wrap=True)
+        console.print(f"  accelerate launch {launch_line(result)} -m llmtrain finetune {escape(target)} "
+                      f"{' '.join(result.overrides)}", highlight=False, soft_wrap=True)

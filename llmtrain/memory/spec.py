@@ -16,8 +16,7 @@ Method = Literal["full", "lora"]
 Strategy = Literal["single", "ddp", "fsdp"]
 Dtype = Literal["float32", "bfloat16", "float16"]
 Precision = Literal["no", "bf16", "fp16"]
-Optimizer = Literal["adamw", "adamw-8bit", "sgd"]
-Attn = Literal["sdpa", "eager", "flash_attention_2"]
+Attn = Literal["auto", "varlen", "sdpa", "eager", "flash_attention_2"]
 
 GIB = 1024**3
 MIB = 1024**2
@@ -47,15 +46,17 @@ class TrainSpec:
     lora_modules_to_save: tuple[str, ...] = ()
     dtype: Dtype = _default(ModelConfig, "dtype")  # storage dtype of the weights
     mixed_precision: Precision = _default(TrainConfig, "mixed_precision")
-    attn: Attn = _default(ModelConfig, "attn_implementation")
+    attn: Attn = _default(ModelConfig, "attn_implementation")  # 'auto' is 'varlen', as in training
     grad_checkpointing: bool = _default(ModelConfig, "gradient_checkpointing")
     random_init: bool = _default(ModelConfig, "random_init")  # weights made on the GPU: none read on the host
     micro_batch: int = _default(TrainConfig, "micro_batch_size")
+    micro_batch_tokens: int | None = _default(TrainConfig, "micro_batch_tokens")  # a token budget instead
     grad_accum: int = _default(TrainConfig, "grad_accum_steps")
     seq_len: int = _default(DataConfig, "max_seq_len")
     packing: bool = _default(DataConfig, "packing")
+    loss_chunk_tokens: int = _default(TrainConfig, "loss_chunk_tokens")
     eval_micro_batch: int | None = None  # None: no evaluation during training
-    optimizer: Optimizer = "adamw"
+    eval_micro_batch_tokens: int | None = None  # eval micro-batches by token budget (train's, no eval_batch_size)
     strategy: Strategy = "single"
     num_gpus: int = 1  # per node
     num_nodes: int = 1
@@ -66,14 +67,35 @@ class TrainSpec:
     def world(self) -> int:
         return self.num_gpus * self.num_nodes
 
+    @property
+    def kernel(self) -> str:
+        """The attention that runs: 'auto' is llmtrain's varlen attention."""
+        return "varlen" if self.attn == "auto" else self.attn
+
+    @property
+    def packed(self) -> bool:
+        """A micro-batch is one padding-free row, as train.packs_rows decides: asked for, implied by a token
+        budget, or required by the varlen attention (which reads the examples' boundaries in a packed row)."""
+        return self.packing or self.micro_batch_tokens is not None or self.kernel == "varlen"
+
+    @property
+    def tokens(self) -> int:
+        """Tokens of one micro-batch at most: the budget, or every example seq_len long."""
+        return self.micro_batch_tokens or self.micro_batch * self.seq_len
+
     def but(self, **changes) -> TrainSpec:
         return replace(self, **changes)
 
     def validate(self) -> TrainSpec:
         problems = []
-        for name in ("micro_batch", "grad_accum", "num_gpus", "num_nodes", "lora_r"):
+        for name in ("micro_batch", "grad_accum", "num_gpus", "num_nodes", "lora_r", "loss_chunk_tokens"):
             if getattr(self, name) < 1:
                 problems.append(f"{name} must be at least 1 (got {getattr(self, name)})")
+        if self.micro_batch_tokens is not None and self.micro_batch_tokens < 2:
+            problems.append(f"micro_batch_tokens must be at least 2 (got {self.micro_batch_tokens})")
+        if self.micro_batch_tokens is not None and self.micro_batch != 1:
+            problems.append("give a micro-batch in examples (--micro-batch, train.micro_batch_size) or in tokens "
+                            "(--micro-batch-tokens, train.micro_batch_tokens), not both")
         if self.seq_len < 2:
             problems.append(f"seq_len must be at least 2 (got {self.seq_len})")
         if self.gpu_memory_gib <= 0:
@@ -91,7 +113,7 @@ class TrainSpec:
 
 def spec_from_recipe(recipe: Recipe, *, strategy: Strategy = "single", num_gpus: int = 1, num_nodes: int = 1,
                      **launch) -> TrainSpec:
-    """The run a recipe describes, on the given GPUs (launch: optimizer, cpu_offload, gpu_memory_gib)."""
+    """The run a recipe describes, on the given GPUs (launch: cpu_offload, gpu_memory_gib)."""
     m, d, t, lora = recipe.model, recipe.data, recipe.train, recipe.lora
     evaluates = d.eval_split is not None and t.eval_every_steps is not None
     return TrainSpec(
@@ -102,8 +124,11 @@ def spec_from_recipe(recipe: Recipe, *, strategy: Strategy = "single", num_gpus:
         lora_modules_to_save=tuple(lora.modules_to_save or ()) if lora else (),
         dtype=m.dtype, mixed_precision=t.mixed_precision, attn=m.attn_implementation,
         grad_checkpointing=m.gradient_checkpointing, random_init=m.random_init,
-        micro_batch=t.micro_batch_size, grad_accum=t.grad_accum_steps, seq_len=d.max_seq_len, packing=d.packing,
+        micro_batch=t.micro_batch_size, micro_batch_tokens=t.micro_batch_tokens, grad_accum=t.grad_accum_steps,
+        seq_len=d.max_seq_len, packing=d.packing, loss_chunk_tokens=t.loss_chunk_tokens,
+        # evaluate() batches by the train budget unless eval_batch_size is set
         eval_micro_batch=(t.eval_batch_size or t.micro_batch_size) if evaluates else None,
+        eval_micro_batch_tokens=t.micro_batch_tokens if (evaluates and t.eval_batch_size is None) else None,
         strategy=strategy, num_gpus=num_gpus, num_nodes=num_nodes, **launch,
     )
 
@@ -144,6 +169,18 @@ class Estimate:
     def headroom_bytes(self) -> int:
         return self.gpu_memory_bytes - self.per_gpu_peak_bytes
 
+    def largest(self) -> dict[str, tuple[int, str]]:
+        """Each component's largest size over the step's phases, and the phase it is reached in. The breakdown
+        is one moment (the peak), where some parts are not alive at all: a full fine-tune peaks when the
+        optimizer state and every gradient exist but no activation does; LoRA peaks in a layer's backward,
+        before most adapter gradients exist."""
+        out: dict[str, tuple[int, str]] = {}
+        for phase, parts in self.phase_parts.items():
+            for name, size in parts.items():
+                if size > out.get(name, (0, ""))[0]:
+                    out[name] = (size, phase)
+        return out
+
     def to_dict(self) -> dict:
         spec = asdict(self.spec)
         spec["world_size"] = self.spec.world
@@ -154,6 +191,8 @@ class Estimate:
             "per_gpu_peak_reserved_bytes": self.per_gpu_peak_reserved_bytes,
             "gpu_memory_bytes": self.gpu_memory_bytes, "fits": self.fits, "peak_phase": self.peak_phase,
             "breakdown": dict(self.breakdown), "phases": dict(self.phases),
-            "phase_parts": {k: dict(v) for k, v in self.phase_parts.items()}, "host_ram_bytes": self.host_ram_bytes,
+            "phase_parts": {k: dict(v) for k, v in self.phase_parts.items()},
+            "largest": {k: {"bytes": n, "phase": ph} for k, (n, ph) in self.largest().items()},
+            "host_ram_bytes": self.host_ram_bytes,
             "spec": spec, "notes": list(self.notes),
         }

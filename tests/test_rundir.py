@@ -1,0 +1,237 @@
+"""The run folder: --overwrite deletes only llmtrain runs, and one run at a time holds a folder, through an OS
+lock that dies with its process. prepare_output_dir directly first, then the real CLI in real processes."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+
+from helpers import ENV, LLMTRAIN, REPO, cli, records, write_recipe
+from llmtrain.checkpoint import MANIFEST, checkpoint_problem, step_dirs
+from llmtrain.errors import LLMTrainError
+from llmtrain.rundir import MARKER, prepare_output_dir
+
+CPU_DDP = REPO / "accelerate_configs" / "cpu_ddp.yaml"
+
+
+class OneProcess:
+    """What prepare_output_dir asks of the Accelerator, for one process."""
+
+    is_main_process = True
+    num_processes = 1
+
+    def __init__(self):
+        self.printed = []
+
+    def print(self, *args) -> None:
+        self.printed.append(" ".join(map(str, args)))
+
+
+def _prepare(out, *, resume=None, overwrite=False):
+    return prepare_output_dir(OneProcess(), out, resume=resume, overwrite=overwrite)
+
+
+def _snapshot(folder):
+    """Every path below `folder` with its bytes and mtime: equal snapshots mean nothing was touched."""
+    return {p.relative_to(folder): (p.lstat().st_mtime_ns, p.read_bytes() if p.is_file() else None)
+            for p in sorted(folder.rglob("*"))}
+
+
+def _not_a_run(tmp_path):
+    mine = tmp_path / "home"
+    (mine / "precious").mkdir(parents=True)
+    (mine / "precious" / "file.txt").write_text("years of work\n")
+    (mine / "notes.txt").write_text("do not delete\n")
+    return mine
+
+
+@pytest.mark.parametrize("flags, why", [({"overwrite": True}, "--overwrite will not delete it"),
+                                        ({}, "llmtrain will not write into it"),
+                                        ({"resume": "auto"}, "there is no run in it to resume")])
+def test_a_folder_that_is_not_a_run_is_refused_and_untouched(tmp_path, flags, why):
+    mine = _not_a_run(tmp_path)
+    before = _snapshot(mine)
+    with pytest.raises(LLMTrainError) as err:
+        _prepare(mine, **flags)
+    message = str(err.value)
+    assert f"output_dir '{mine}' is not empty (notes.txt, precious)" in message
+    assert f"not an llmtrain run folder (it has no {MARKER} file)" in message and why in message
+    assert "output_dir=<new path>" in message and "\n" not in message
+    assert _snapshot(mine) == before  # no marker, no checkpoints/, nothing
+
+
+def test_output_dir_that_is_a_file_is_refused(tmp_path):
+    file = tmp_path / "out"
+    file.write_text("x")
+    with pytest.raises(LLMTrainError, match="is a file, not a folder"):
+        _prepare(file, overwrite=True)
+    assert file.read_text() == "x"
+
+
+def test_overwrite_empties_a_run_but_keeps_its_lock_file_and_never_follows_links(tmp_path):
+    run, outside = tmp_path / "run", tmp_path / "outside"
+    _prepare(run).release()  # a fresh run folder: marker and checkpoints/
+    assert sorted(p.name for p in run.iterdir()) == [MARKER, "checkpoints"]
+    outside.mkdir()
+    (outside / "precious.txt").write_text("keep")
+    (run / "metrics.jsonl").write_text("{}\n")
+    (run / "checkpoints" / "step_000002").mkdir()
+    (run / "checkpoints" / "step_000002" / "train_state.json").write_text('{"step": 2}')
+    (run / "link").symlink_to(outside, target_is_directory=True)
+    marker = (run / MARKER).stat().st_ino
+
+    rundir = _prepare(run, overwrite=True)
+    assert rundir.checkpoint is None
+    assert sorted(p.name for p in run.rglob("*")) == [MARKER, "checkpoints"]
+    assert (run / MARKER).stat().st_ino == marker  # the same file: a run locking it now contends with us
+    assert (outside / "precious.txt").read_text() == "keep"  # the link went, not what it pointed to
+    rundir.release()
+
+
+def test_overwrite_accepts_an_older_llmtrain_run_and_resume_accepts_copied_checkpoints(tmp_path):
+    legacy = tmp_path / "legacy"  # what every run of llmtrain before the marker holds
+    (legacy / "checkpoints").mkdir(parents=True)
+    (legacy / "metrics.jsonl").write_text("{}\n")
+    (legacy / "recipe.yaml").write_text("x: 1\n")
+    _prepare(legacy, overwrite=True).release()
+    assert sorted(p.name for p in legacy.iterdir()) == [MARKER, "checkpoints"]
+
+    copied = tmp_path / "copied"  # checkpoints copied into a new folder, to resume elsewhere
+    (copied / "checkpoints" / "step_000002").mkdir(parents=True)
+    (copied / "checkpoints" / "step_000002" / "train_state.json").write_text('{"step": 2}')
+    with pytest.raises(LLMTrainError, match="--overwrite will not delete it"):
+        _prepare(copied, overwrite=True)  # not a run: never deleted
+    rundir = _prepare(copied, resume="auto")
+    assert rundir.checkpoint == copied / "checkpoints" / "step_000002"
+    assert (copied / MARKER).is_file()
+    rundir.release()
+
+
+def test_leftovers_of_killed_saves_and_prunes_are_removed_at_start(tmp_path):
+    run = tmp_path / "run"
+    _prepare(run).release()
+    for left in (".tmp-step_000006", ".trash-step_000002"):
+        (run / "checkpoints" / left).mkdir()
+        (run / "checkpoints" / left / "optimizer.bin").write_bytes(b"half")
+    _prepare(run, resume="auto").release()
+    assert list((run / "checkpoints").iterdir()) == []
+
+
+def test_lock_is_exclusive_until_released(tmp_path):
+    run = tmp_path / "run"
+    first = _prepare(run)
+    (run / "metrics.jsonl").write_text("{}\n")
+    before = _snapshot(run)
+    for flags in ({"resume": "auto"}, {"overwrite": True}, {}):
+        with pytest.raises(LLMTrainError, match="is in use by another llmtrain run") as err:
+            _prepare(run, **flags)
+        assert f"pid {os.getpid()}" in str(err.value) and "this very process" in str(err.value)
+    assert _snapshot(run) == before  # --overwrite deleted nothing under the running run
+    first.release()
+    with _prepare(run, resume="auto") as second:
+        assert second.checkpoint is None
+
+
+# --------------------------------------------------------------------------- the real CLI, real processes
+
+
+@pytest.fixture
+def long_run(tiny_assets, tmp_path):
+    """start(recipe, run, ...) -> a `llmtrain finetune` process that trains far longer than the test, and is
+    found holding `run` (it has written a checkpoint); it is killed when the test ends."""
+    procs = []
+
+    def start(recipe, run, *extra):
+        log = open(tmp_path / f"first-{len(procs)}.log", "w")
+        proc = subprocess.Popen([*LLMTRAIN, "finetune", str(recipe), f"output_dir={run}", *extra], env=ENV,
+                                cwd=REPO, stdout=log, stderr=subprocess.STDOUT)
+        procs.append(proc)
+        deadline = time.monotonic() + 90
+        while not list((run / "checkpoints").glob("step_*")):
+            assert proc.poll() is None, (tmp_path / f"first-{len(procs) - 1}.log").read_text()[-3000:]
+            assert time.monotonic() < deadline, "the first run wrote no checkpoint in 90 s"
+            time.sleep(0.2)
+        return proc
+
+    yield start
+    for proc in procs:
+        if proc.poll() is None:
+            proc.kill()
+        proc.wait()
+
+
+def _long_recipe(tiny_assets, tmp_path):
+    return write_recipe(tiny_assets, tmp_path, train={"max_steps": 100_000},
+                        checkpoint={"every_steps": 10, "keep_last": 2, "save_final": True})
+
+
+@pytest.mark.slow
+def test_cli_overwrite_refuses_a_folder_that_is_not_a_run(tiny_assets, tmp_path):
+    recipe = write_recipe(tiny_assets, tmp_path, train={"max_steps": 2})
+    mine = _not_a_run(tmp_path)
+    before = _snapshot(mine)
+    proc = cli("finetune", str(recipe), f"output_dir={mine}", "--overwrite", check=False)
+    assert proc.returncode == 2
+    assert f"output_dir '{mine}' is not empty" in proc.stderr and "--overwrite will not delete it" in proc.stderr
+    assert "Traceback" not in proc.stderr + proc.stdout
+    assert _snapshot(mine) == before
+    assert (mine / "precious" / "file.txt").read_text() == "years of work\n"
+
+
+@pytest.mark.slow
+def test_cli_second_run_into_a_busy_folder_is_refused_and_kill_9_leaves_no_stale_lock(tiny_assets, tmp_path,
+                                                                                         long_run):
+    recipe, run = _long_recipe(tiny_assets, tmp_path), tmp_path / "run"
+    first = long_run(recipe, run)
+    for flags in (["--overwrite"], ["--resume", "auto"]):
+        proc = cli("finetune", str(recipe), f"output_dir={run}", *flags, check=False)
+        assert proc.returncode == 2, proc.stderr
+        assert f"output_dir '{run}' is in use by another llmtrain run: pid {first.pid}" in proc.stderr
+        assert "wait for it to finish or stop it" in proc.stderr and "Traceback" not in proc.stderr + proc.stdout
+    # The first run was neither deleted nor disturbed: still running, and its log still has one line per step.
+    assert first.poll() is None
+    steps = [r["step"] for r in records(run)]
+    assert steps == list(range(1, len(steps) + 1)) and len(steps) >= 10
+
+    first.kill()  # SIGKILL: no clean-up of any kind; the kernel drops the lock with the process
+    first.wait()
+    again = cli("finetune", str(recipe), f"output_dir={run}", "train.max_steps=2", "--overwrite")
+    assert again.returncode == 0
+    assert [r["step"] for r in records(run)] == [1, 2]
+    assert f"pid: {first.pid}\n" not in (run / MARKER).read_text()
+
+
+def launch(recipe, port, *args, check=True, **kwargs) -> subprocess.CompletedProcess:
+    """`accelerate launch` of 2 CPU processes (DDP over gloo) running `llmtrain finetune RECIPE ARGS...`."""
+    proc = subprocess.run([sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(CPU_DDP),
+                           "--main_process_port", str(port), "-m", "llmtrain", "finetune", str(recipe), *args],
+                          env=ENV, cwd=REPO, capture_output=True, text=True, timeout=300, **kwargs)
+    assert not check or proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return proc
+
+
+@pytest.mark.slow
+def test_two_process_launch_locks_on_the_main_process_only(tiny_assets, tmp_path, long_run, free_port):
+    """Into a busy folder every rank stops with the main process's refusal (none hangs); into a free one the
+    two ranks share the main process's lock and train."""
+    recipe, run = _long_recipe(tiny_assets, tmp_path), tmp_path / "run"
+    first = long_run(recipe, run, "train.micro_batch_size=4")
+    busy = launch(recipe, free_port, f"output_dir={run}", "train.micro_batch_size=2", "--resume", "auto",
+                   check=False)
+    assert busy.returncode != 0
+    assert busy.stderr.count(f"is in use by another llmtrain run: pid {first.pid}") == 2  # both ranks say why
+    assert first.poll() is None
+    first.kill()
+    first.wait()
+    launch(recipe, free_port, f"output_dir={run}", "train.micro_batch_size=2", "train.max_steps=2",
+           "checkpoint.every_steps=1", "--overwrite")
+    assert [r["step"] for r in records(run)] == [1, 2]
+    # Both ranks' parts are flushed and in the manifest the main process wrote.
+    for ckpt in step_dirs(run / "checkpoints"):
+        assert checkpoint_problem(ckpt) is None
+        assert {"random_states_0.pkl", "random_states_1.pkl"} <= set(json.loads((ckpt / MANIFEST).read_text())["files"])
