@@ -103,20 +103,24 @@ def _state(ckpt: Path) -> dict:
 
 
 def finished_run(out: Path, recipe: Recipe, *, allow_recipe_change: bool) -> dict | None:
-    """The summary of a run in `out` that already completed with this recipe's length, else None.
+    """The summary of a run in `out` that already completed with exactly this recipe, else None.
 
-    A complete run is left exactly as it is. One whose train.max_steps / epochs grew continues only with
-    --allow-recipe-change (it resumes from its newest checkpoint)."""
+    A complete run is left exactly as it is. One whose recipe now asks for more steps (or another schedule)
+    continues only with --allow-recipe-change, from its newest checkpoint; any other difference is for
+    check_resume to judge."""
     summary_path, saved_path = out / "summary.json", out / "recipe.yaml"
     if not (summary_path.is_file() and saved_path.is_file() and (out / "final").is_dir()):
         return None
     saved = _recipe_of(saved_path)
     now = recipe.model_dump(mode="json")
-    longer = [k for k in ("train.max_steps", "train.epochs") if _get(saved, k) != _get(now, k)]
-    if longer and allow_recipe_change:
-        return None
-    if longer:
-        raise LLMTrainError(f"the run in {out} is complete ({', '.join(f'{k}={_get(saved, k)!r}' for k in longer)}) "
-                            f"and this recipe asks for {', '.join(f'{k}={_get(now, k)!r}' for k in longer)}. To train "
-                            "it further from its newest checkpoint, add --allow-recipe-change; nothing was changed.")
-    return json.loads(summary_path.read_text())
+    if saved == now:
+        return json.loads(summary_path.read_text())
+    changed = [k for k in SCHEDULE if _get(saved, k) != _get(now, k)]
+    rest = {**now, "train": {k: v for k, v in now["train"].items() if f"train.{k}" not in changed}}
+    same_otherwise = {**saved, "train": {k: v for k, v in saved["train"].items() if f"train.{k}" not in changed}} == rest
+    if changed and same_otherwise and not allow_recipe_change:
+        listed = ", ".join(f"{k} {_get(saved, k)!r} -> {_get(now, k)!r}" for k in changed)
+        raise LLMTrainError(f"the run in {out} is complete, and this recipe changes {listed}. To train it further "
+                            "from its newest checkpoint with the new values, add --allow-recipe-change; nothing was "
+                            "changed.")
+    return None

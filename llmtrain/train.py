@@ -179,7 +179,7 @@ def _train(recipe: Recipe, *, resume: str | None, overwrite: bool, allow_recipe_
     out = Path(recipe.output_dir)
 
     # ---- checks that only read: nothing in the run folder changes until every one of them has passed
-    done = finished_run(out, recipe, allow_recipe_change=allow_recipe_change) if resume else None
+    done = finished_run(out, recipe, allow_recipe_change=allow_recipe_change) if resume == "auto" else None
     if done is not None:
         accelerator.print(f"the run in {out} is already complete ({done['steps']} steps, final/ written); nothing "
                           "was changed. Raise train.max_steps with --allow-recipe-change to train it further.")

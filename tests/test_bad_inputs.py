@@ -1,0 +1,156 @@
+"""Bad input, table-driven: recipe, overrides, data files, model, LoRA, resume and export.
+
+Every case runs the real CLI (typer's runner, in this process) against a finished run folder, and must
+exit non-zero with a message that names the key or the file, print no traceback, and leave the run folder
+byte for byte as it was: every check runs before anything is written.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import yaml
+from typer.testing import CliRunner
+
+from helpers import run_train, write_recipe
+
+from llmtrain.cli import app
+
+pytestmark = pytest.mark.slow
+
+
+def _snapshot(folder: Path) -> dict:
+    return {p.relative_to(folder): (p.stat().st_mtime_ns, p.read_bytes()) for p in folder.rglob("*") if p.is_file()}
+
+
+@pytest.fixture(scope="module")
+def runs(tiny_assets, tmp_path_factory):
+    """A finished full run and a finished LoRA run (2 steps, a checkpoint at each), plus files for the cases."""
+    root = tmp_path_factory.mktemp("bad-inputs")
+    full = write_recipe(tiny_assets, root, name="full.yaml", train={"max_steps": 2}, checkpoint={"every_steps": 1},
+                        output_dir=str(root / "full-run"))
+    lora = write_recipe(tiny_assets, root, name="lora.yaml", train={"max_steps": 2}, checkpoint={"every_steps": 1},
+                        lora={"r": 4, "alpha": 8, "dropout": 0.0}, output_dir=str(root / "lora-run"))
+    run_train(full)
+    run_train(lora)
+    files = root / "files"
+    files.mkdir()
+    (files / "bad.yaml").write_text("model:\n  name_or_path: [unclosed\n")
+    rows = {
+        "number.jsonl": {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": 42}]},
+        "norole.jsonl": {"messages": [{"content": "hi"}, {"role": "assistant", "content": "yo"}]},
+        "noreply.jsonl": {"messages": [{"role": "user", "content": "hi"}]},
+        "columns.jsonl": {"a": "x", "b": "y"},
+    }
+    for name, row in rows.items():
+        (files / name).write_text(json.dumps(row) + "\n")
+    (files / "broken.jsonl").write_text('{"prompt": "a", "completion": \n')
+    (files / "other.csv").write_text("prompt,completion\na,b\n")
+    model = files / "damaged-model"
+    shutil.copytree(tiny_assets / "model", model)
+    weights = model / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:1000])
+    (files / "not-a-dir").write_text("x")
+    (files / "stranger").mkdir()
+    (files / "stranger" / "notes.txt").write_text("mine")
+    return {"full": full, "lora": lora, "full_run": root / "full-run", "lora_run": root / "lora-run", "files": files,
+            "data": tiny_assets / "data" / "train.jsonl"}
+
+
+def F(name: str) -> str:  # a file made by the fixture
+    return f"{{files}}/{name}"
+
+
+# (case id, recipe (full|lora), arguments after the recipe, text the message must contain)
+CASES = [
+    # recipe and overrides
+    ("negative lr", "full", ["train.lr=-1"], "train.lr"),
+    ("nan lr", "full", ["train.lr=.nan"], "train.lr"),
+    ("negative max_grad_norm", "full", ["train.max_grad_norm=-1"], "train.max_grad_norm"),
+    ("alias typo", "full", ["train.learning_rate=1e-4"], "did you mean train.lr"),
+    ("zero micro-batch", "full", ["train.micro_batch_size=0"], "train.micro_batch_size"),
+    ("unknown precision", "full", ["train.mixed_precision=fp8"], "train.mixed_precision"),
+    ("unknown dtype", "full", ["model.dtype=float64"], "model.dtype"),
+    ("unknown format", "full", ["data.format=chatml"], "data.format"),
+    ("eval fraction > 1", "full", ["data.eval_split=1.5"], "data.eval_split"),
+    ("both batch units", "full", ["train.micro_batch_size=4", "train.micro_batch_tokens=64"], "micro_batch_tokens"),
+    ("section as value", "full", ["train=5"], "train"),
+    ("override without =", "full", ["train.lr"], "key=value"),
+    ("unknown section", "full", ["optimizer.name=adam"], "optimizer"),
+    ("zero LoRA rank", "lora", ["lora.r=0"], "lora.r"),
+    ("negative warmup", "full", ["train.warmup_steps=-3"], "train.warmup_steps"),
+    # data files
+    ("missing data file", "full", ["data.path=/nonexistent/train.jsonl"], "/nonexistent/train.jsonl"),
+    ("wrong columns", "full", [f"data.path={F('columns.jsonl')}", "data.eval_split=null"], "data.fields"),
+    ("number as content", "full", [f"data.path={F('number.jsonl')}", "data.format=messages", "data.eval_split=null"],
+     "number.jsonl, row 1"),
+    ("message without role", "full", [f"data.path={F('norole.jsonl')}", "data.format=messages",
+                                      "data.eval_split=null"], "has no 'role'"),
+    ("no assistant turn", "full", [f"data.path={F('noreply.jsonl')}", "data.format=messages", "data.eval_split=null"],
+     "no assistant message"),
+    ("malformed json", "full", [f"data.path={F('broken.jsonl')}", "data.eval_split=null"], "broken.jsonl"),
+    ("mixed extensions", "full", [f"data.path=[{{data}}, {F('other.csv')}]"], "must all be one of"),
+    ("budget below an example", "full", ["train.micro_batch_size=1", "train.micro_batch_tokens=4"],
+     "train.micro_batch_tokens=4"),
+    # model and LoRA
+    ("missing model dir", "full", ["model.name_or_path=/nonexistent/model"], "/nonexistent/model"),
+    ("damaged weights", "full", [f"model.name_or_path={F('damaged-model')}"], "truncated or damaged"),
+    ("unknown LoRA target", "lora", ["lora.target_modules=[nope_proj]"], "lora.target_modules"),
+    # output folder
+    ("output_dir is a file", "full", [f"output_dir={F('not-a-dir')}"], "is a file"),
+    ("overwrite a stranger", "full", [f"output_dir={F('stranger')}"], "not an llmtrain run"),
+    # resume
+    ("resume a non-checkpoint", "full", ["--resume", "/nonexistent/step_000001"], "not a complete checkpoint"),
+    ("LoRA recipe on a full run", "lora", ["output_dir={full_run}", "--resume", "auto"], "full fine-tuning"),
+    ("full recipe on a LoRA run", "full", ["output_dir={lora_run}", "--resume", "auto"], "LoRA"),
+    ("changed LoRA rank", "lora", ["lora.r=8", "--resume", "auto"], "lora.r=4"),
+    ("changed batch layout", "full", ["train.micro_batch_size=2", "--resume", "auto"], "micro_batch_size x processes"),
+    ("changed data", "full", [f"data.path={F('columns.jsonl')}", "--resume", "auto"], "data.path"),
+    ("longer run without the flag", "full", ["train.max_steps=4", "--resume", "auto"], "--allow-recipe-change"),
+    ("changed schedule mid-run", "full", ["train.lr=1e-2", "--resume", "{full_run}/checkpoints/step_000001"],
+     "--allow-recipe-change"),
+]
+
+
+@pytest.mark.parametrize(("case", "which", "args", "expected"), CASES, ids=[c[0] for c in CASES])
+def test_bad_input_is_refused_cleanly(runs, case, which, args, expected):
+    values = {k: str(v) for k, v in runs.items()}
+    args = [a.format(**values) for a in args]
+    expected = expected.format(**values)
+    run = runs["lora_run" if which == "lora" else "full_run"]
+    touched = {run, runs["full_run"], runs["lora_run"]}
+    before = {p: _snapshot(p) for p in touched}
+    flags = [] if "--resume" in args else ["--overwrite"]
+    result = CliRunner().invoke(app, ["finetune", str(runs[which]), *args, *flags])
+    output = result.output + (result.stderr if hasattr(result, "stderr") and result.stderr_bytes else "")
+    assert result.exit_code not in (0, None), output
+    assert isinstance(result.exception, SystemExit), repr(result.exception)  # ours, not an uncaught error
+    assert "Traceback" not in output
+    flat = " ".join(output.split())
+    assert expected in flat, flat
+    for p in touched:
+        assert _snapshot(p) == before[p], f"{p} changed"
+
+
+def test_table_covers_thirty_inputs():
+    assert len(CASES) >= 30
+
+
+def test_export_errors(runs, tmp_path):
+    full = CliRunner().invoke(app, ["export", str(runs["full_run"]), "--merge"])
+    assert full.exit_code == 2 and "Traceback" not in full.output
+    missing = CliRunner().invoke(app, ["export", str(tmp_path / "nope"), "--merge"])
+    assert missing.exit_code == 2 and str(tmp_path / "nope") in " ".join(missing.output.split())
+
+
+def test_a_complete_run_is_left_as_it_is(runs):
+    run = runs["full_run"]
+    before = _snapshot(run)
+    result = CliRunner().invoke(app, ["finetune", str(runs["full"]), "--resume", "auto"])
+    assert result.exit_code == 0, result.output
+    assert "already complete" in " ".join(result.output.split())
+    assert _snapshot(run) == before
+    assert yaml.safe_load((run / "recipe.yaml").read_text())["train"]["max_steps"] == 2
