@@ -94,3 +94,12 @@ def test_resolved_recipe_round_trips(recipe_file, tmp_path):
     out = tmp_path / "resolved.yaml"
     out.write_text(r.to_yaml())
     assert load_recipe(out) == r
+
+
+def test_mixed_precision_no_unquoted(tmp_path):
+    """YAML 1.1 reads an unquoted `no` as false; in the file and as an override it means "no"."""
+    path = tmp_path / "r.yaml"
+    path.write_text("model: {name_or_path: m}\ndata: {path: d.jsonl, format: text}\ntrain:\n  mixed_precision: no\n")
+    assert load_recipe(path).train.mixed_precision == "no"
+    assert load_recipe(path, ["train.mixed_precision=no"]).train.mixed_precision == "no"
+    assert load_recipe(path, ["train.mixed_precision=bf16"]).train.mixed_precision == "bf16"

@@ -179,3 +179,32 @@ def test_messages_and_alpaca_formats_train(tiny_assets, tmp_path):
     # prompt_completion also trains the space before the word: one more token per example.
     assert [r["trained_tokens"] + 8 for r in runs["messages"]] == [r["trained_tokens"] for r in
                                                                    runs["prompt_completion"]]
+
+
+def test_eval_data_without_eval_every_steps_is_evaluated_at_the_end(tiny_assets, tmp_path):
+    recipe = write_recipe(tiny_assets, tmp_path, train={"max_steps": 3},
+                          data={"eval_split": str(tiny_assets / "data" / "eval.jsonl")})
+    run_train(recipe)
+    assert [e["step"] for e in records(tmp_path / "run", "eval")] == [3]
+
+
+def test_a_failed_first_run_leaves_no_folder(tiny_assets, tmp_path):
+    """Every check runs before the run folder is created: a wrong data path leaves nothing behind, so the
+    corrected run is not refused as "already exists"."""
+    from llmtrain.errors import LLMTrainError
+
+    recipe = write_recipe(tiny_assets, tmp_path, train={"max_steps": 2})
+    with pytest.raises(LLMTrainError, match="does not exist"):
+        run_train(recipe, "data.path=/nonexistent.jsonl")
+    assert not (tmp_path / "run").exists()
+    run_train(recipe)
+    assert len(records(tmp_path / "run")) == 2
+
+
+def test_allowed_recipe_change_at_resume_is_recorded(tiny_assets, tmp_path):
+    recipe = write_recipe(tiny_assets, tmp_path, train={"max_steps": 3}, checkpoint={"every_steps": 2})
+    run_train(recipe)
+    run_train(recipe, "train.max_steps=5", resume="auto", allow_recipe_change=True)
+    notes = records(tmp_path / "run", "note")
+    assert [n["note"] for n in notes] == ["train.max_steps changed from 3 to 5 at resume"]
+    assert notes[0]["step"] == 2 and [r["step"] for r in records(tmp_path / "run")] == [1, 2, 3, 4, 5]
