@@ -1,0 +1,162 @@
+#!/usr/bin/env bash
+# The GPU issue's measurements on one H100, batched into calls of under 10 minutes that write JSON lines
+# under $OUT (the device tool brings that folder back). Prepare on the CPU machine first:
+#
+#   bash benchmarks/gpu_session.sh pack          # copies ../shared's wheels, Mistral config/tokenizer, GSM8K
+#                                                # into .gpu/ (in .gitignore), to `carry: [".gpu"]` (12 MB)
+#
+# then, one device call each (carry .gpu):
+#
+#   bash benchmarks/gpu_session.sh smoke         # every code path a few steps, exact resume on the GPU
+#   bash benchmarks/gpu_session.sh vs-hf-7b      # Mistral-7B LoRA: llmtrain vs HF Trainer (padded, flattening)
+#   bash benchmarks/gpu_session.sh vs-hf-1b      # ~1B Llama full fine-tune, the same comparison
+#   bash benchmarks/gpu_session.sh calibrate     # estimate-memory against measured peaks, 12+ runs
+#   bash benchmarks/gpu_session.sh profile       # torch.profiler of one 7B LoRA step: top kernels
+#
+# Each writes $OUT/<name>.jsonl and $OUT/<name>.log.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+WHAT=${1:?usage: gpu_session.sh pack|smoke|vs-hf-7b|vs-hf-1b|calibrate|profile}
+G=.gpu
+OUT=${OUT:-/tmp/out}
+mkdir -p "$OUT"
+
+if [[ $WHAT == pack ]]; then
+  mkdir -p $G/wheels $G/mistral $G/gsm8k
+  cp ../shared/wheels-py312/*.whl $G/wheels/
+  cp ../shared/models/mistral-7b-instruct-v0.3/{config.json,tokenizer.json,tokenizer_config.json,special_tokens_map.json,generation_config.json} $G/mistral/
+  cp ../shared/data/gsm8k/{train,test}.jsonl $G/gsm8k/
+  du -sh $G
+  exit 0
+fi
+
+# ---- on the device: the missing packages (datasets, pydantic, liger-kernel) from the carried wheels
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site $G/wheels/*.whl || exit 1
+export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
+python3 -c "import torch, transformers, accelerate, peft; print('torch', torch.__version__, 'transformers', transformers.__version__, 'accelerate', accelerate.__version__, 'peft', peft.__version__, torch.cuda.get_device_name())" | tee "$OUT/versions.txt"
+W=/tmp/work
+mkdir -p $W
+
+# A random-init model of a real shape (config + the Mistral tokenizer), and GSM8K as chat messages.
+model_dir() {  # model_dir NAME JSON_OVERRIDES
+  local d=$W/models/$1
+  mkdir -p "$d"
+  cp $G/mistral/*.json "$d/"
+  python3 - "$d/config.json" "$2" <<'EOF'
+import json, sys
+path, over = sys.argv[1], json.loads(sys.argv[2])
+cfg = json.load(open(path)); cfg.update(over); json.dump(cfg, open(path, "w"), indent=1)
+EOF
+  echo "$d"
+}
+python3 - <<EOF
+import json
+with open("$G/gsm8k/train.jsonl") as f, open("$W/gsm8k-messages.jsonl", "w") as w:
+    for line in f:
+        r = json.loads(line)
+        w.write(json.dumps({"messages": [{"role": "user", "content": r["question"]}, {"role": "assistant", "content": r["answer"]}]}) + "\n")
+EOF
+MISTRAL7B=$(model_dir mistral-7b '{}')
+LLAMA1B=$(model_dir llama-1b '{"model_type": "llama", "architectures": ["LlamaForCausalLM"], "hidden_size": 2048, "num_hidden_layers": 16, "num_attention_heads": 32, "num_key_value_heads": 8, "intermediate_size": 8192, "vocab_size": 32000, "head_dim": 64}')
+
+recipe() {  # recipe FILE MODEL_DIR LORA(0|1) DTYPE -> a recipe on GSM8K messages, random init
+  cat > "$1" <<EOF
+model: {name_or_path: $2, dtype: $4, random_init: true}
+data: {path: $W/gsm8k-messages.jsonl, format: messages, max_seq_len: 1024, cache_dir: $W/cache}
+$( [[ $3 == 1 ]] && echo "lora: {r: 16, alpha: 32, dropout: 0.0}" )
+train: {max_steps: 6, micro_batch_size: 1, micro_batch_tokens: 8192, lr: 1.0e-5, mixed_precision: bf16, seed: 1}
+checkpoint: {save_final: false}
+logging: {progress: false}
+output_dir: $W/runs/unnamed
+EOF
+}
+
+run() {  # run NAME [launcher...] -- ARGS : one llmtrain finetune, its last metrics line as JSON
+  local name=$1; shift
+  local t0=$SECONDS
+  "$@" >> "$OUT/$WHAT.log" 2>&1
+  local rc=$?
+  python3 - "$name" "$rc" "$((SECONDS - t0))" "$W/runs/$name" >> "$OUT/$WHAT.jsonl" <<'EOF'
+import json, sys, pathlib
+name, rc, secs, run = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), pathlib.Path(sys.argv[4])
+lines = [json.loads(l) for l in (run / "metrics.jsonl").read_text().splitlines()] if (run / "metrics.jsonl").exists() else []
+train = [l for l in lines if l["type"] == "train"]
+summary = json.loads((run / "summary.json").read_text()) if (run / "summary.json").exists() else {}
+keep = ("max_memory_allocated", "max_memory_reserved", "predicted_peak_allocated_bytes", "predicted_peak_reserved_bytes",
+        "predicted_peak_bytes", "packing_efficiency", "tokens_per_s_per_gpu")
+print(json.dumps({"run": name, "rc": rc, "seconds": secs, "steps": len(train),
+                  "losses": [l["loss"] for l in train], "tokens_per_s_per_gpu": [l.get("tokens_per_s_per_gpu") for l in train][-3:],
+                  "mfu": [l.get("mfu") for l in train][-3:], **{k: summary.get(k) for k in keep}}))
+EOF
+}
+FT="python3 -m llmtrain finetune"
+FSDP1="accelerate launch --config_file accelerate_configs/fsdp.yaml --num_processes 1 -m llmtrain finetune"
+
+case $WHAT in
+smoke)
+  recipe $W/full.yaml "$LLAMA1B" 0 float32
+  recipe $W/lora.yaml "$MISTRAL7B" 1 bfloat16
+  run full-varlen-budget $FT $W/full.yaml output_dir=$W/runs/full-varlen-budget
+  run full-sdpa-mb8 $FT $W/full.yaml output_dir=$W/runs/full-sdpa-mb8 model.attn_implementation=sdpa train.micro_batch_tokens=null train.micro_batch_size=8
+  run full-ckpt $FT $W/full.yaml output_dir=$W/runs/full-ckpt model.gradient_checkpointing=true
+  run lora-varlen $FT $W/lora.yaml output_dir=$W/runs/lora-varlen
+  run lora-ckpt-16k $FT $W/lora.yaml output_dir=$W/runs/lora-ckpt-16k model.gradient_checkpointing=true train.micro_batch_tokens=16384
+  run lora-liger $FT $W/lora.yaml output_dir=$W/runs/lora-liger model.kernels=liger
+  run lora-compile $FT $W/lora.yaml output_dir=$W/runs/lora-compile model.compile=true
+  run fsdp1-lora $FSDP1 $W/lora.yaml output_dir=$W/runs/fsdp1-lora
+  # exact resume on the GPU: 6 steps straight against 3 + resume 3 (deterministic algorithms where allowed)
+  export CUBLAS_WORKSPACE_CONFIG=:4096:8
+  run resume-straight $FT $W/full.yaml output_dir=$W/runs/resume-straight checkpoint.every_steps=3
+  run resume-cut $FT $W/full.yaml output_dir=$W/runs/resume-cut checkpoint.every_steps=3 train.max_steps=3
+  run resume-cut $FT $W/full.yaml output_dir=$W/runs/resume-cut checkpoint.every_steps=3 --resume auto --allow-recipe-change
+  ;;
+vs-hf-7b)
+  python3 benchmarks/vs_hf.py --shape mistral-7b-lora --mistral $G/mistral --gsm8k $G/gsm8k/train.jsonl > "$OUT/$WHAT.jsonl" 2> "$OUT/$WHAT.log"
+  ;;
+vs-hf-1b)
+  python3 benchmarks/vs_hf.py --shape llama-1b-full --mistral $G/mistral --gsm8k $G/gsm8k/train.jsonl > "$OUT/$WHAT.jsonl" 2> "$OUT/$WHAT.log"
+  python3 benchmarks/throughput.py --shape llama-1b-full >> "$OUT/$WHAT.jsonl" 2>> "$OUT/$WHAT.log"
+  python3 benchmarks/throughput.py --shape llama2-7b-lora >> "$OUT/$WHAT.jsonl" 2>> "$OUT/$WHAT.log"
+  ;;
+calibrate)  # predicted vs measured peak (summary.json) for 12+ configurations
+  recipe $W/full.yaml "$LLAMA1B" 0 float32
+  recipe $W/lora.yaml "$MISTRAL7B" 1 bfloat16
+  for cfg in "lora 2048 false" "lora 8192 false" "lora 16384 true" "lora 32768 true" "full 2048 false" "full 8192 false" \
+             "full 16384 true" "full 32768 true"; do
+    set -- $cfg
+    run cal-$1-$2-ckpt$3 $FT $W/$1.yaml output_dir=$W/runs/cal-$1-$2-ckpt$3 train.max_steps=3 train.micro_batch_tokens=$2 model.gradient_checkpointing=$3
+  done
+  for mb in 1 8 32; do
+    run cal-full-mb$mb-sdpa $FT $W/full.yaml output_dir=$W/runs/cal-full-mb$mb-sdpa train.max_steps=3 train.micro_batch_tokens=null train.micro_batch_size=$mb model.attn_implementation=sdpa data.max_seq_len=512
+  done
+  run cal-fsdp1-lora-8192 $FSDP1 $W/lora.yaml output_dir=$W/runs/cal-fsdp1-lora-8192 train.max_steps=3
+  ;;
+profile)
+  recipe $W/lora.yaml "$MISTRAL7B" 1 bfloat16
+  python3 - "$W/lora.yaml" > "$OUT/$WHAT.jsonl" 2> "$OUT/$WHAT.log" <<'EOF'
+import json, sys, torch
+from torch.profiler import ProfilerActivity, profile
+from llmtrain.config import load_recipe
+import llmtrain.train as T
+recipe = load_recipe(sys.argv[1], ["train.max_steps=4", "output_dir=/tmp/work/runs/profile"])
+real = T.train_step
+calls = {"n": 0}
+def traced(*a, **k):
+    calls["n"] += 1
+    if calls["n"] != 3:
+        return real(*a, **k)
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        out = real(*a, **k)
+        torch.cuda.synchronize()
+    rows = sorted(prof.key_averages(), key=lambda e: e.device_time_total, reverse=True)[:25]
+    total = sum(e.self_device_time_total for e in prof.key_averages())
+    for e in rows:
+        print(json.dumps({"kernel": e.key[:120], "device_ms": e.device_time_total / 1e3, "self_device_ms": e.self_device_time_total / 1e3,
+                          "calls": e.count, "share_of_step": e.self_device_time_total / max(total, 1)}))
+    return out
+T.train_step = traced
+T.train(recipe, overwrite=True)
+EOF
+  ;;
+esac
+echo "done: $WHAT" >> "$OUT/$WHAT.log"
