@@ -66,16 +66,17 @@ DataFormat = Literal["alpaca", "messages", "prompt_completion", "text"]
 
 class DataConfig(Section):
     path: str | list[str] = Field(
-        description="One or several local files (.jsonl, .json, .parquet, .csv) or a hub dataset name."
+        description="One or several local files (.jsonl, .json, .parquet, .csv), a dataset folder (its files named "
+        "by split, as on the hub) or a hub dataset name."
     )
     name: str | None = Field(None, description="Hub dataset configuration name (e.g. 'main' for gsm8k).")
-    split: str = Field("train", description="Split to read from a hub dataset.")
+    split: str = Field("train", description="Split to train on, of a hub dataset or a dataset folder.")
     format: DataFormat = Field(description="How examples are laid out: alpaca, messages, prompt_completion or text.")
     fields: dict[str, str] = Field(
         default_factory=dict,
         description="Names in the data for the format's names: columns (prompt, completion, instruction, input, "
-        "output, messages, text) and, in a list of messages, the keys role and content "
-        "(e.g. {prompt: question, completion: answer}; ShareGPT: {messages: conversations, role: from, content: value}).",
+        "output, messages, text) and, in a list of messages, the keys role and content (e.g. {prompt: question, "
+        "completion: answer}; ShareGPT: {messages: conversations, role: from, content: value}).",
     )
     roles: dict[str, str] = Field(
         default_factory=dict,

@@ -20,7 +20,7 @@ from llmtrain.config import DataConfig
 from llmtrain.errors import LLMTrainError
 
 IGNORE = -100
-CACHE_VERSION = 3  # bump when tokenisation or masking changes, so old caches are not reused
+CACHE_VERSION = 4  # bump when tokenisation or masking changes, so old caches are not reused
 
 # The columns each format reads, by their canonical names; `data.fields` maps them to dataset columns.
 FORMAT_FIELDS = {
@@ -30,6 +30,7 @@ FORMAT_FIELDS = {
     "text": ("text",),
 }
 OPTIONAL_FIELDS = {"input"}
+CHAT_FORMATS = ("messages", "prompt_completion")  # formats whose rows may be chats (data.fields role/content)
 
 ALPACA_PROMPT = (
     "Below is an instruction that describes a task{ctx}. Write a response that appropriately completes the request."
@@ -50,12 +51,21 @@ def _is_local(paths: list[str]) -> bool:
     return any(Path(p).exists() or Path(p).suffix in _LOADERS for p in paths)
 
 
+def is_split_name(value: Any) -> bool:
+    """data.eval_split names a split ('test', 'validation[:500]') rather than a file: one word, no data-file
+    extension, and no such file."""
+    return (isinstance(value, str) and Path(value).suffix not in _LOADERS and not Path(value).is_file()
+            and re.fullmatch(r"[\w.-]+(\[[^\]]*\])?", value) is not None)
+
+
 def load_raw(path: str | list[str], *, name: str | None = None, split: str = "train"):
-    """Load local files (jsonl, json, parquet, csv) or a hub dataset into a `datasets.Dataset`."""
+    """Load local files (jsonl, json, parquet, csv), a dataset folder (its files named by split, as on the hub)
+    or a hub dataset into a `datasets.Dataset`."""
     import datasets
 
     paths = _files(path)
-    if _is_local(paths):
+    folder = len(paths) == 1 and Path(paths[0]).is_dir()
+    if _is_local(paths) and not folder:
         for p in paths:
             if not Path(p).is_file():
                 raise LLMTrainError(f"data file '{p}' does not exist (data.path or data.eval_split). Check the path.")
@@ -71,9 +81,11 @@ def load_raw(path: str | list[str], *, name: str | None = None, split: str = "tr
     try:
         return datasets.load_dataset(paths[0], name, split=split)
     except Exception as e:
+        where = "dataset folder" if folder else "hub dataset"
         raise LLMTrainError(
-            f"could not load hub dataset '{paths[0]}' (data.path): {e}. Without network access, download it first "
-            "or point data.path at local .jsonl/.json/.parquet/.csv files."
+            f"could not load split '{split}' of {where} '{paths[0]}' (data.path, data.name={name}, data.split or "
+            f"data.eval_split): {e}. Without network access, download it first or point data.path at local "
+            ".jsonl/.json/.parquet/.csv files."
         ) from None
 
 
@@ -85,6 +97,11 @@ def _column(example: dict, cfg: DataConfig, field: str) -> Any:
 
 
 def check_columns(columns: list[str], cfg: DataConfig, source: str) -> None:
+    known = set(FORMAT_FIELDS[cfg.format]) | ({"role", "content"} if cfg.format in CHAT_FORMATS else set())
+    unknown = sorted(set(cfg.fields) - known)
+    if unknown:
+        raise LLMTrainError(f"data.fields maps {unknown}, which data.format '{cfg.format}' does not read; it reads "
+                            f"{sorted(known)}. Fix the names in data.fields.")
     missing = [
         f"{f} (column '{cfg.fields.get(f, f)}')"
         for f in FORMAT_FIELDS[cfg.format]
@@ -97,28 +114,57 @@ def check_columns(columns: list[str], cfg: DataConfig, source: str) -> None:
         )
 
 
+def _message(m: Any, cfg: DataConfig) -> Any:
+    """One message with the template's names: data.fields' role/content keys and data.roles' role names."""
+    rk, ck = cfg.fields.get("role", "role"), cfg.fields.get("content", "content")
+    if not isinstance(m, dict) or (rk, ck) == ("role", "content") and not cfg.roles:
+        return m
+    out = {k: v for k, v in m.items() if k not in (rk, ck)}
+    role = m.get(rk)
+    return {**out, "role": cfg.roles.get(role, role) if isinstance(role, str) else role, "content": m.get(ck)}
+
+
+def _messages_problem(messages: Any, cfg: DataConfig, what: str) -> str | None:
+    if not isinstance(messages, list) or not messages:
+        return f"{what} is not a non-empty list of {{role, content}} objects"
+    rk, ck = cfg.fields.get("role", "role"), cfg.fields.get("content", "content")
+    for k, m in enumerate(messages):
+        if not isinstance(m, dict) or not isinstance(m.get(rk), str):
+            return f"message {k} of {what} has no '{rk}' (its role; map the key with data.fields.role)"
+        got = m.get(ck)
+        if not isinstance(got, str):
+            return (f"message {k} ({m[rk]}) of {what} has no '{ck}' (its text; map the key with data.fields.content)"
+                    if got is None else
+                    f"message {k} ({m[rk]}) of {what} has content {got!r} ({type(got).__name__}), not a string")
+    return None
+
+
+def _no_reply_problem(messages: list, cfg: DataConfig, what: str) -> str | None:
+    if any(_message(m, cfg)["role"] == "assistant" for m in messages):
+        return None
+    seen = sorted({m[cfg.fields.get("role", "role")] for m in messages})
+    return (f"{what} has no assistant message, so nothing would be trained (roles {seen}; map yours to the "
+            "template's with data.roles, e.g. {human: user, gpt: assistant})")
+
+
 def row_problem(example: dict, cfg: DataConfig) -> str | None:
     """What is wrong with one raw row for data.format, in words; None when it can be formatted."""
     if cfg.format == "messages":
         messages = _column(example, cfg, "messages")
-        if not isinstance(messages, list) or not messages:
-            return "'messages' is not a non-empty list of {role, content} objects"
-        for k, m in enumerate(messages):
-            if not isinstance(m, dict) or not isinstance(m.get("role"), str):
-                return f"message {k} has no 'role'"
-            if not isinstance(m.get("content"), str):
-                got = m.get("content")
-                return (f"message {k} ({m['role']}) has no 'content'" if got is None else
-                        f"message {k} ({m['role']}) has content {got!r} ({type(got).__name__}), not a string")
-        if not any(m["role"] == "assistant" for m in messages):
-            return "the conversation has no assistant message, so nothing would be trained"
-        return None
+        return (_messages_problem(messages, cfg, f"'{cfg.fields.get('messages', 'messages')}'")
+                or _no_reply_problem(messages, cfg, "the conversation"))
     for field in FORMAT_FIELDS[cfg.format]:
         value = _column(example, cfg, field)
+        name = f"'{cfg.fields.get(field, field)}' ({field})"
         if value is None and field not in OPTIONAL_FIELDS:
-            return f"'{cfg.fields.get(field, field)}' ({field}) is empty"
-        if isinstance(value, (dict, list)):
-            return f"'{cfg.fields.get(field, field)}' ({field}) is a {type(value).__name__}, not text"
+            return f"{name} is empty"
+        if isinstance(value, list) and cfg.format == "prompt_completion":  # TRL's conversational rows
+            problem = _messages_problem(value, cfg, name) or (
+                _no_reply_problem(value, cfg, name) if field == "completion" else None)
+            if problem:
+                return problem
+        elif isinstance(value, (dict, list)):
+            return f"{name} is a {type(value).__name__}, not text"
     return None
 
 
@@ -130,8 +176,29 @@ def check_rows(raw, cfg: DataConfig, source: str) -> None:
         if problem:
             raise LLMTrainError(
                 f"{source}, row {i + 1}: {problem} (data.format={cfg.format}). Fix or remove that row, or set "
-                "data.format / data.fields to match the file."
+                "data.format / data.fields / data.roles to match the file."
             )
+
+
+def chat_of(example: dict, cfg: DataConfig) -> tuple[list[dict], int] | None:
+    """The row as a chat, and the index of its first message whose assistant turns are trained (those before
+    it are the prompt); None for a row rendered as plain text."""
+    if cfg.format == "messages":
+        messages, first = [_message(m, cfg) for m in _column(example, cfg, "messages")], 0
+    else:
+        prompt, completion = _column(example, cfg, "prompt"), _column(example, cfg, "completion")
+        if cfg.format != "prompt_completion" or (cfg.chat_template is False and not isinstance(prompt, list)
+                                                 and not isinstance(completion, list)):
+            return None
+        prompt = [_message(m, cfg) for m in prompt] if isinstance(prompt, list) else [
+            {"role": "user", "content": str(prompt)}]
+        completion = [_message(m, cfg) for m in completion] if isinstance(completion, list) else [
+            {"role": "assistant", "content": str(completion)}]
+        messages, first = prompt + completion, len(prompt)
+    if cfg.system_prompt is not None and messages[0]["role"] != "system":
+        # A prompt/completion row's trained part moves one message on; a messages row trains from the start.
+        messages, first = [{"role": "system", "content": cfg.system_prompt}, *messages], first + 1 if first else 0
+    return messages, first
 
 
 def prompt_and_completion(example: dict, cfg: DataConfig) -> tuple[str, str]:
@@ -159,78 +226,158 @@ def encode_text(text: str, tokenizer) -> tuple[list, list]:
     return ids, list(ids)
 
 
-def _assistant_spans(messages: list[dict], text: str, tokenizer) -> list[tuple[int, int]]:
-    """Character spans of the assistant contents in the rendered conversation `text`.
+def _mark(i: int) -> str:
+    return f"\ue000{i}\ue001"  # private-use characters: never in real text, never merged with template markup
 
-    The conversation is rendered a second time with each assistant content replaced by a unique
-    private-use marker, so the markers' positions are exact: a short reply ("ant") can never be matched
-    inside template markup (`<|assistant|>`) or an earlier user turn. Templates may trim the content
-    (Mistral's and Llama 3's do: `content|trim`), so each reply is matched as given or stripped,
-    between the exact template pieces around its marker. Only if the template rewrites content in
-    another way does this fall back to searching for each content in order.
+
+def _apply(tokenizer, messages: list[dict], template: str | None, *, generation_prompt: bool) -> str:
+    try:
+        return tokenizer.apply_chat_template(messages, chat_template=template, tokenize=False,
+                                             add_generation_prompt=generation_prompt)
+    except Exception as e:  # jinja's TemplateError, or the template's own raise_exception
+        raise LLMTrainError(f"the chat template refused the conversation: {e}") from None
+
+
+def _not_shown(messages: list[dict], k: int) -> LLMTrainError:
+    m = messages[k]
+    return LLMTrainError(
+        f"message {k} ({m['role']}: {m['content'][:40]!r}) does not appear in the text the chat template renders, "
+        "so the model would never see it. Move its text into a message the template shows (e.g. the first user "
+        "message), or give a template that shows it (data.chat_template: path/to/template.jinja)."
+    )
+
+
+def _locate(marked: str, text: str, messages: list[dict]) -> dict[int, tuple[int, int]]:
+    """Character span of each message's content in `text`, which the template rendered from `messages` as it
+    rendered `marked` from the same messages with each content replaced by its marker.
+
+    The markers' positions are exact, so a short reply ("ant") is never matched inside template markup
+    (`<|assistant|>`) or an earlier turn. Templates may trim the content (Mistral's and Llama 3's do:
+    `content|trim`), so each one is matched as given or stripped, between the exact template pieces around its
+    marker. Only where a template rewrites content in another way are the contents searched for in turn.
     """
-    contents = [m.get("content") or "" for m in messages if m["role"] == "assistant"]
-    marks = iter(f"\ue000{i}\ue001" for i in range(len(contents)))
-    marked = [{**m, "content": next(marks)} if m["role"] == "assistant" else m for m in messages]
-    pieces = re.split("\ue000(\\d+)\ue001", tokenizer.apply_chat_template(marked, tokenize=False))
-    # pieces = [P0, "0", P1, "1", P2, ...]: the template text between the markers, each marker once, in order.
-    spans, pos = [], len(pieces[0])
-    if pieces[1::2] == [str(i) for i in range(len(contents))] and text.startswith(pieces[0]):
-        for content, after in zip(contents, pieces[2::2]):
+    pieces = re.split("\ue000(\\d+)\ue001", marked)  # [P0, "k0", P1, "k1", P2, ...]: markers in text order
+    order = [int(k) for k in pieces[1::2]]
+    for k in range(len(messages)):
+        if k not in order and messages[k]["content"].strip():
+            raise _not_shown(messages, k)
+    spans, pos = {}, len(pieces[0])
+    if len(set(order)) == len(order) and text.startswith(pieces[0]):
+        for k, after in zip(order, pieces[2::2]):
+            content = messages[k]["content"]
             shown = next((c for c in dict.fromkeys((content, content.strip(), content.rstrip(), content.lstrip()))
                           if text.startswith(c + after, pos)), None)
             if shown is None:
                 break
-            spans.append((pos, pos + len(shown)))
+            spans[k] = (pos, pos + len(shown))
             pos += len(shown) + len(after)
-        if len(spans) == len(contents) and pos == len(text):
-            return [(a, b) for a, b in spans if b > a]
-    spans, cursor = [], 0
-    for content in contents:
-        start = text.find(content, cursor) if content else cursor
+        if len(spans) == len(order) and pos == len(text):
+            return spans
+    spans, cursor = {}, 0
+    for k in order:
+        content = messages[k]["content"].strip()
+        start = text.find(content, cursor)
         if start < 0:
-            raise LLMTrainError("an assistant message does not appear verbatim in the chat template's output, "
-                                "so its loss mask cannot be built. Use format prompt_completion instead.")
-        if content:
-            spans.append((start, start + len(content)))
-        cursor = start + len(content)
+            raise _not_shown(messages, k)
+        spans[k], cursor = (start, start + len(content)), start + len(content)
     return spans
 
 
-def encode_messages(messages: list[dict], tokenizer, *, train_on_prompt: bool) -> tuple[list, list]:
-    """Render with the tokenizer's own chat template and train only the assistant turns.
+def _reply_parts(messages: list[dict], last: int, tokenizer, template: str | None) -> tuple[str, str, str]:
+    """How the template renders the reply `messages[last]` after the inference prompt: (what it puts between
+    the generation prompt and the content, the content as shown, what closes the turn)."""
+    history, reply = messages[:last], messages[last]
 
-    The mask comes from character offsets: each assistant message's content is located in the rendered
-    text, and every token overlapping it is trained, plus the template's end-of-turn special token that
-    follows it (`</s>` for Mistral, `<|eot_id|>` for Llama 3). This holds for templates that move the
-    system prompt around or merge turns, where rendering prefixes one turn at a time would not.
+    def around(hist: list[dict]) -> list[str]:  # the template's text before and after the reply's content
+        parts = _apply(tokenizer, [*hist, {**reply, "content": _mark(last)}], template,
+                       generation_prompt=False).split(_mark(last))
+        if len(parts) != 2:
+            raise _not_shown(messages, last) if len(parts) == 1 else LLMTrainError(
+                f"the chat template shows message {last} (assistant) {len(parts) - 1} times, so it is not clear "
+                "which one to train. Give a template that shows it once (data.chat_template: path/to/template.jinja).")
+        return parts
+
+    before, after = around(history)
+    full = _apply(tokenizer, messages[: last + 1], template, generation_prompt=False)
+    if not (full.startswith(before) and full.endswith(after) and len(full) >= len(before) + len(after)):
+        raise LLMTrainError(f"the chat template rewrites the text around message {last} (assistant), so the reply "
+                            "cannot be placed in the text. Give a template that renders it as written "
+                            "(data.chat_template: path/to/template.jinja).")
+    shown = full[len(before):len(full) - len(after)]
+    if reply["content"].strip() and not shown.strip():
+        raise _not_shown(messages, last)
+    # The text before the reply is normally the inference prompt plus a separator (Mistral: " " after
+    # [/INST]). Templates that move the system prompt to the last user turn (Mistral-7B-Instruct-v0.3) render
+    # the history differently once a reply follows: then the separator is read off the same chat without it.
+    without_system = [history[1:]] if history and history[0]["role"] == "system" else []
+    for hist in [history, *without_system]:
+        hist_before = before if hist is history else around(hist)[0]
+        prompt = _apply(tokenizer, hist, template, generation_prompt=True)
+        if hist_before.startswith(prompt):
+            return hist_before[len(prompt):], shown, after
+    raise LLMTrainError(f"the chat template renders the conversation before message {last} (assistant) in a way "
+                        "that does not continue its own generation prompt (add_generation_prompt=True), so the "
+                        "reply cannot be placed after it as at inference. Give a template that does "
+                        "(data.chat_template: path/to/template.jinja).")
+
+
+def render_chat(messages: list[dict], tokenizer, *, template: str | None = None,
+                first: int = 0) -> tuple[str, list[tuple[int, int]]]:
+    """The training text of a chat, and the character spans the model must generate (each trained reply).
+
+    The text is exactly what inference renders as the prompt of the last reply (the history with
+    `add_generation_prompt=True`), followed by that reply as the template renders it. So the system prompt is
+    where inference puts it, even with templates that show it only on the last user turn (Mistral v0.3), and
+    every token the model generates after the generation prompt is trained: a separator the template puts
+    before the content (Mistral's " " after [/INST], its own token before a digit), the content, and the end of
+    the turn. Earlier replies are trained where they stand in that history (from `first` on: messages before
+    it are the prompt). Messages after the last reply would carry no loss and are left out.
+    """
+    last = max(i for i, m in enumerate(messages) if m["role"] == "assistant")
+    sep, shown, after = _reply_parts(messages, last, tokenizer, template)
+    history = messages[:last]
+    prompt = _apply(tokenizer, history, template, generation_prompt=True)
+    marked = [{**m, "content": _mark(i)} for i, m in enumerate(history)]
+    spans = _locate(_apply(tokenizer, marked, template, generation_prompt=True), prompt, history)
+    trained = []
+    for k in sorted((k for k in spans if history[k]["role"] == "assistant" and k >= first), key=spans.get):
+        a, b = spans[k]
+        trained.append((a - len(sep) if sep and prompt.endswith(sep, 0, a) else a, b))
+    trained.append((len(prompt), len(prompt) + len(sep) + len(shown)))
+    return prompt + sep + shown + after, trained
+
+
+def encode_messages(messages: list[dict], tokenizer, *, train_on_prompt: bool, template: str | None = None,
+                    first: int = 0) -> tuple[list, list]:
+    """Render a chat with its template (the tokenizer's, or `template`) and train the assistant replies.
+
+    The mask comes from character offsets (see `render_chat`): every token that overlaps what the model must
+    generate after a generation prompt is trained, up to and including the template's end-of-turn special token
+    that follows (`</s>` for Mistral, `<|eot_id|>` for Llama 3), with any whitespace before it.
     """
     if not isinstance(messages, list) or not all(isinstance(m, dict) and "role" in m for m in messages):
         raise LLMTrainError("data.format 'messages' expects a list of {role, content} objects per example.")
-    if tokenizer.chat_template is None:
+    if template is None and tokenizer.chat_template is None:
         raise LLMTrainError(
-            "data.format 'messages' needs a tokenizer with a chat template, and this one has none. "
-            "Use format prompt_completion, or a tokenizer (model.tokenizer) that ships a chat_template."
+            "rendering a chat needs a chat template, and this tokenizer (model.tokenizer) has none. Give a Jinja "
+            "template file with data.chat_template: path/to/template.jinja, or use format prompt_completion "
+            "without data.chat_template."
         )
-    text = tokenizer.apply_chat_template(messages, tokenize=False)
-    spans = _assistant_spans(messages, text, tokenizer)
+    text, spans = render_chat(messages, tokenizer, template=template, first=first)
     enc = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
     ids, offsets = enc["input_ids"], enc["offset_mapping"]
     special = set(tokenizer.all_special_ids)
     labels = [IGNORE] * len(ids)
     closed = True
     for start, end in spans:
-        last = None
-        for i, (a, b) in enumerate(offsets):
-            if a < end and b > start and b > a:
-                labels[i], last = ids[i], i
-        # Train the stop token that closes the turn, skipping whitespace the template puts before it.
-        j = (last + 1) if last is not None else len(ids)
-        while j < len(ids) and ids[j] not in special and not text[offsets[j][0]:offsets[j][1]].strip():
-            j += 1
-        closed = j < len(ids) and ids[j] in special
-        if closed:
-            labels[j] = ids[j]
+        inside = [i for i, (a, b) in enumerate(offsets) if a < end and b > start and b > a]
+        j = inside[-1] + 1 if inside else next((i for i, (a, _) in enumerate(offsets) if a >= end), len(ids))
+        k = j  # the end of the turn: the next special token, past whitespace the template puts before it
+        while k < len(ids) and ids[k] not in special and not text[offsets[k][0]:offsets[k][1]].strip():
+            k += 1
+        closed = k < len(ids) and ids[k] in special
+        for i in inside + (list(range(j, k + 1)) if closed else []):
+            labels[i] = ids[i]
     if not closed:  # the template does not end the final assistant turn with a stop token: append EOS
         ids, labels = ids + [tokenizer.eos_token_id], labels + [tokenizer.eos_token_id]
     if train_on_prompt:
@@ -238,10 +385,25 @@ def encode_messages(messages: list[dict], tokenizer, *, train_on_prompt: bool) -
     return ids, labels
 
 
-def encode_example(example: dict, tokenizer, cfg: DataConfig) -> dict:
-    """Format, tokenise and mask one example; truncate it to data.max_seq_len."""
-    if cfg.format == "messages":
-        ids, labels = encode_messages(_column(example, cfg, "messages"), tokenizer, train_on_prompt=cfg.train_on_prompt)
+def read_template(cfg: DataConfig) -> str | None:
+    """The Jinja text of data.chat_template when it names a file; None for the tokenizer's own."""
+    if not isinstance(cfg.chat_template, str):
+        return None
+    path = Path(cfg.chat_template)
+    if not path.is_file():
+        raise LLMTrainError(f"data.chat_template '{path}' is not a file. Give the path of a Jinja chat template, "
+                            "or true for the tokenizer's own.")
+    return path.read_text()
+
+
+def encode_example(example: dict, tokenizer, cfg: DataConfig, *, template: str | None = None) -> dict:
+    """Format, tokenise and mask one example; truncate it to data.max_seq_len. `template`: read_template(cfg)."""
+    chat = chat_of(example, cfg)
+    if chat is not None:
+        if template is None and isinstance(cfg.chat_template, str):
+            template = read_template(cfg)
+        ids, labels = encode_messages(chat[0], tokenizer, train_on_prompt=cfg.train_on_prompt, template=template,
+                                      first=chat[1])
     elif cfg.format == "text":
         ids, labels = encode_text(str(_column(example, cfg, "text")), tokenizer)
     else:
@@ -292,14 +454,16 @@ def compute_stats(lengths: list[int], trained: list[int], truncated: list[bool],
 
 def _fingerprint(paths: list[str], tokenizer, cfg: DataConfig, extra: str) -> str:
     h = hashlib.sha256()
-    for p in paths:
-        st = Path(p).stat() if Path(p).exists() else None
-        h.update(f"{Path(p).resolve() if st else p}|{st.st_size if st else ''}|{st.st_mtime_ns if st else ''}".encode())
+    for p in paths:  # a dataset folder counts by the files in it
+        for f in sorted(q for q in Path(p).rglob("*") if q.is_file()) if Path(p).is_dir() else [Path(p)]:
+            st = f.stat() if f.exists() else None
+            h.update(f"{f.resolve() if st else f}|{st.st_size if st else ''}|{st.st_mtime_ns if st else ''}".encode())
     h.update(tokenizer.backend_tokenizer.to_str().encode() if hasattr(tokenizer, "backend_tokenizer") else b"")
     h.update(str(tokenizer.chat_template).encode())
+    h.update(str(read_template(cfg)).encode())
     # The special tokens come from tokenizer_config.json, not tokenizer.json: EOS ends every example.
     h.update(str([tokenizer.bos_token, tokenizer.eos_token]).encode())
-    keys = cfg.model_dump(include={"name", "split", "format", "fields", "max_seq_len", "train_on_prompt"})
+    keys = cfg.model_dump(exclude={"path", "packing", "cache_dir", "num_proc"})  # everything that changes a row
     h.update(json.dumps([keys, CACHE_VERSION, extra], sort_keys=True).encode())
     return h.hexdigest()[:16]
 
@@ -308,7 +472,15 @@ def tokenize_dataset(raw, tokenizer, cfg: DataConfig, source: str):
     """Tokenise a raw dataset; drop examples with no trained token left. Returns (dataset, stats)."""
     check_columns(raw.column_names, cfg, source)
     check_rows(raw, cfg, source)
-    enc = raw.map(lambda ex: encode_example(ex, tokenizer, cfg), remove_columns=raw.column_names,
+    template = read_template(cfg)
+
+    def encode(example: dict, i: int) -> dict:
+        try:
+            return encode_example(example, tokenizer, cfg, template=template)
+        except LLMTrainError as e:  # a row the template cannot render: name it
+            raise LLMTrainError(f"{source}, row {i + 1}: {e}") from None
+
+    enc = raw.map(encode, with_indices=True, remove_columns=raw.column_names,
                   num_proc=cfg.num_proc if cfg.num_proc > 1 else None, desc=f"tokenising {source}",
                   load_from_cache_file=False)
     trained = enc["trained"]
@@ -316,6 +488,32 @@ def tokenize_dataset(raw, tokenizer, cfg: DataConfig, source: str):
     kept = enc.select(keep)
     stats = compute_stats(kept["length"], kept["trained"], kept["truncated"], dropped=len(enc) - len(keep))
     return kept.select_columns(["input_ids", "labels", "length"]), stats  # length: token budgets bin by it
+
+
+def load_eval(cfg: DataConfig, raw, *, seed: int):
+    """Split off or load the eval rows as data.eval_split says, capped to data.eval_max_examples.
+
+    Returns (train rows, eval rows or None, where the eval rows come from, in words)."""
+    paths, split = _files(cfg.path), cfg.eval_split
+    if split is None:
+        return raw, None, ""
+    if isinstance(split, float):
+        parts = raw.train_test_split(test_size=split, seed=seed, shuffle=True)
+        raw, evald, where = parts["train"], parts["test"], f"the data.eval_split={split} part of {', '.join(paths)}"
+    elif is_split_name(split):
+        if _is_local(paths) and not (len(paths) == 1 and Path(paths[0]).is_dir()):
+            raise LLMTrainError(f"data.eval_split '{split}' is read as a split name, but data.path {paths} is files, "
+                                "which have no splits. Give eval file(s) (with their extension), a fraction such "
+                                "as 0.05, or a hub dataset / dataset folder as data.path.")
+        evald, where = load_raw(cfg.path, name=cfg.name, split=split), f"split '{split}' of {paths[0]}"
+    else:
+        evald, where = load_raw(split), ", ".join(_files(split))
+    if cfg.eval_max_examples is not None and len(evald) > cfg.eval_max_examples:
+        # The first N of a seeded shuffle: the same rows on every run and every process, and no bias from how
+        # the file is sorted.
+        evald = evald.shuffle(seed=seed).select(range(cfg.eval_max_examples))
+        where = f"{cfg.eval_max_examples} rows of {where}"
+    return raw, evald, where
 
 
 def prepare_datasets(cfg: DataConfig, tokenizer, *, seed: int):
@@ -328,8 +526,9 @@ def prepare_datasets(cfg: DataConfig, tokenizer, *, seed: int):
     import datasets
 
     paths = _files(cfg.path)
-    eval_paths = [] if cfg.eval_split is None or isinstance(cfg.eval_split, float) else _files(cfg.eval_split)
-    key = _fingerprint(paths + eval_paths, tokenizer, cfg, f"{cfg.eval_split}|{seed}")
+    eval_paths = _files(cfg.eval_split) if isinstance(cfg.eval_split, (str, list)) and not is_split_name(
+        cfg.eval_split) else []
+    key = _fingerprint(paths + eval_paths, tokenizer, cfg, str(seed))
     cache = Path(cfg.cache_dir) / key
     if (cache / "stats.json").is_file():
         stats = {k: DataStats(**v) for k, v in json.loads((cache / "stats.json").read_text()).items()}
@@ -337,13 +536,7 @@ def prepare_datasets(cfg: DataConfig, tokenizer, *, seed: int):
         evald = datasets.load_from_disk(str(cache / "eval")) if (cache / "eval").exists() else None
         return train, evald, stats, True
 
-    raw = load_raw(cfg.path, name=cfg.name, split=cfg.split)
-    raw_eval = None
-    if isinstance(cfg.eval_split, float):
-        parts = raw.train_test_split(test_size=cfg.eval_split, seed=seed, shuffle=True)
-        raw, raw_eval = parts["train"], parts["test"]
-    elif eval_paths:
-        raw_eval = load_raw(eval_paths, name=cfg.name, split=cfg.split)
+    raw, raw_eval, where = load_eval(cfg, load_raw(cfg.path, name=cfg.name, split=cfg.split), seed=seed)
     train, train_stats = tokenize_dataset(raw, tokenizer, cfg, source=", ".join(paths))
     if len(train) == 0:
         raise LLMTrainError(f"no training example in {paths} has a trained token left after truncation to "
@@ -351,7 +544,6 @@ def prepare_datasets(cfg: DataConfig, tokenizer, *, seed: int):
     stats = {"train": train_stats}
     evald = None
     if raw_eval is not None:
-        where = ", ".join(eval_paths) if eval_paths else f"the data.eval_split={cfg.eval_split} part of {', '.join(paths)}"
         evald, stats["eval"] = tokenize_dataset(raw_eval, tokenizer, cfg, source=where)
 
     # Write under a temporary name and rename, so a crash never leaves a half-written cache behind.

@@ -50,13 +50,20 @@ def token_pieces(input_ids: list[int], tokenizer) -> list[str]:
     return pieces
 
 
-def _highlight(input_ids: list[int], labels: list[int], tokenizer):
-    """The example token by token: trained tokens in bold green, masked ones dim."""
+def _highlight(input_ids: list[int], labels: list[int], tokenizer, *, marks: bool = False):
+    """The example token by token: trained tokens in bold green, masked ones dim. With `marks` (output without
+    colour: a pipe, a log file, NO_COLOR) each run of trained tokens also stands between « and »."""
     from rich.text import Text
 
-    text = Text()
+    text, inside = Text(), False
     for piece, lab in zip(token_pieces(input_ids, tokenizer), labels):
-        text.append(piece, style="bold green" if lab != IGNORE else "dim")
+        trained = lab != IGNORE
+        if marks and trained != inside:
+            text.append("«" if trained else "»")
+            inside = trained
+        text.append(piece, style="bold green" if trained else "dim")
+    if inside:
+        text.append("»")
     return text
 
 
@@ -75,8 +82,10 @@ def inspect_data(recipe: Recipe, *, n: int, as_json: bool) -> None:
             sys.stdout.write(json.dumps({"input_ids": ids, "labels": labels}) + "\n")
         return
     console = Console()
+    marks = console.no_color or console.color_system is None
     for i, (ids, labels) in enumerate(zip(rows["input_ids"], rows["labels"])):
         trained = sum(lab != IGNORE for lab in labels[1:])
-        console.print(Panel(_highlight(ids, labels, tokenizer),
-                            title=f"example {i}: {len(ids)} tokens, {trained} trained (green)", title_align="left"))
+        how = "«between marks»" if marks else "green"
+        console.print(Panel(_highlight(ids, labels, tokenizer, marks=marks),
+                            title=f"example {i}: {len(ids)} tokens, {trained} trained ({how})", title_align="left"))
     console.print(_stats_table(stats))

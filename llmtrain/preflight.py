@@ -20,7 +20,8 @@ FSDP_MODEL_DIR = "pytorch_model_fsdp_0"
 
 # Keys whose change makes a checkpoint a different run: refused, whatever the flags.
 IDENTITY = ["model.name_or_path", "model.dtype", "data.path", "data.name", "data.split", "data.format", "data.fields",
-            "data.max_seq_len", "data.train_on_prompt", "train.seed", "train.micro_batch_tokens"]
+            "data.roles", "data.chat_template", "data.system_prompt", "data.max_seq_len", "data.train_on_prompt",
+            "train.seed", "train.micro_batch_tokens"]
 # Keys that change the rest of the run (the learning-rate curve, the number of steps): allowed, and said, only
 # with --allow-recipe-change.
 # (With token budgets, the bins of a step, accumulation x processes, are compared as a whole: 2 processes x
@@ -36,11 +37,16 @@ def _get(d: dict, dotted: str):
 
 
 def _recipe_of(path: Path) -> dict:
+    """A saved recipe with today's defaults filled in (a key added since it was written reads as its default)."""
     try:
-        return yaml.safe_load(path.read_text()) or {}
+        raw = yaml.safe_load(path.read_text()) or {}
     except (OSError, yaml.YAMLError) as e:
         raise LLMTrainError(f"cannot read {path} ({e}); the checkpoint is incomplete. Resume from another one "
                             "(--resume PATH) or start again.") from None
+    try:
+        return Recipe.model_validate(raw).model_dump(mode="json")
+    except ValueError:  # written by a version with keys that no longer exist: compare what is there
+        return raw
 
 
 def check_resume(ckpt: Path, recipe: Recipe, *, world: int, fsdp: bool, allow_recipe_change: bool) -> list[str]:

@@ -26,7 +26,7 @@ import torch
 from llmtrain.batching import global_micro_batches, prefetch, windows
 from llmtrain.checkpoint import TrainState, load_checkpoint, lora_only_hooks, save_checkpoint
 from llmtrain.config import Recipe
-from llmtrain.data import prepare_datasets
+from llmtrain.data import prepare_datasets, read_template
 from llmtrain.distributed import build_accelerator, global_sum, receives_weights, use_fused_adamw, uses_fsdp
 from llmtrain.errors import LLMTrainError, Stopped, TrainingDiverged
 from llmtrain.export import save_final
@@ -193,6 +193,8 @@ def _train(recipe: Recipe, *, resume: str | None, overwrite: bool, allow_recipe_
 
     # ---- data: tokenised once on the main process, then read from the cache by the others
     tokenizer = load_tokenizer(recipe.model)
+    if read_template(recipe.data) is not None:  # a template file: final/'s tokenizer renders as training did
+        tokenizer.chat_template = read_template(recipe.data)
     with accelerator.main_process_first():
         train_ds, eval_ds, stats, cache_hit = prepare_datasets(recipe.data, tokenizer, seed=tc.seed)
     (cache_reads,) = global_sum(accelerator, cache_hit)  # processes that read the cache instead of tokenising

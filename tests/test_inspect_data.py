@@ -18,7 +18,7 @@ from llmtrain.config import DataConfig, load_recipe
 from llmtrain.data import IGNORE, encode_example, prepare_datasets
 from llmtrain.inspect_data import _highlight, token_pieces
 
-from conftest import GSM8K, MISTRAL, needs
+from conftest import GSM8K, MISTRAL, REPO, needs
 
 
 def invoke(*args: str):
@@ -97,12 +97,15 @@ def test_report_shows_examples_and_the_statistics(tiny_assets, tmp_path):
     assert table["dropped (no trained token)"] == [f"{s.dropped:,}", f"{e.dropped:,}"]
     assert table["trained-token fraction"] == [f"{s.trained_fraction:.1%}", f"{e.trained_fraction:.1%}"]
     assert table["length p50 / p90 / p99 / max"][0] == f"{s.length_p50} / {s.length_p90} / {s.length_p99} / 20"
-    # the first two training rows, each decoded in full under a title with its counts
+    # the first two training rows, each decoded in full under a title with its counts; the output is not a
+    # terminal, so the trained tokens (the reversal, then EOS unless truncated away) stand between marks
     for i in range(2):
         ids, labels = train[i]["input_ids"], train[i]["labels"]
         trained = sum(lab != IGNORE for lab in labels[1:])
-        assert f"example {i}: {len(ids)} tokens, {trained} trained" in result.stdout
-        assert tok.decode(ids) in result.stdout
+        first = next(k for k, lab in enumerate(labels) if lab != IGNORE)
+        assert labels[first:] == ids[first:]
+        assert f"example {i}: {len(ids)} tokens, {trained} trained («between marks»)" in result.stdout
+        assert tok.decode(ids[:first]) + "«" + tok.decode(ids[first:]) + "»" in result.stdout
     assert "example 2:" not in result.stdout
 
 
@@ -131,3 +134,22 @@ def test_bad_override_is_a_clean_error(tiny_assets, tmp_path, override, hint):
     assert result.exit_code == 2
     assert hint in result.stderr and "Traceback" not in result.output
     assert result.stdout == ""
+
+
+@needs(MISTRAL)
+@needs(GSM8K)
+def test_without_colour_marks_show_the_trained_answer_from_the_token_after_inst():
+    """GSM8K on the Mistral recipes' data settings: the answer, its leading space (a token of its own before a
+    digit) and </s> are trained, and stand between « » when the output has no colour."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(MISTRAL)
+    cfg = load_recipe(REPO / "recipes" / "mistral7b-lora.yaml").data
+    rows = read_jsonl(GSM8K / "train.jsonl", 60)
+    for ex in (rows[0], rows[59]):  # "Natalia sold ...", "15 coins collected ..."
+        enc = encode_example(ex, tok, cfg)
+        text = _highlight(enc["input_ids"], enc["labels"], tok, marks=True)
+        assert text.plain == f"<s>[INST] {ex['question']}[/INST]« {ex['answer']}</s>»"
+        assert _highlight(enc["input_ids"], enc["labels"], tok).plain == tok.decode(enc["input_ids"])
+    k = next(i for i, lab in enumerate(enc["labels"]) if lab != IGNORE)  # row 59: the answer starts with a digit
+    assert tok.convert_ids_to_tokens(enc["input_ids"][k - 1:k + 2]) == ["[/INST]", "▁", "1"]

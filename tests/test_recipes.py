@@ -14,6 +14,8 @@ import yaml
 
 from llmtrain.config import load_recipe
 
+from conftest import GSM8K, MISTRAL, needs
+
 REPO = Path(__file__).resolve().parents[1]
 RECIPES = sorted((REPO / "recipes").glob("*.yaml"))
 LAUNCH_CONFIGS = sorted((REPO / "accelerate_configs").glob("*.yaml"))
@@ -85,6 +87,62 @@ def test_lora_7b_recipes_use_a_bf16_base(name: str):
     assert recipe.lora is not None and recipe.lora.r == 16
     assert recipe.model.dtype == "bfloat16" and recipe.train.mixed_precision == "bf16"
     assert "--config_file accelerate_configs/single_gpu.yaml" in _header(REPO / "recipes" / name)
+
+
+HUB_MODELS = {"llama7b.yaml": "meta-llama/Llama-2-7b-hf", "llama7b-lora.yaml": "meta-llama/Llama-2-7b-hf",
+              "mistral7b-full.yaml": "mistralai/Mistral-7B-Instruct-v0.3",
+              "mistral7b-lora.yaml": "mistralai/Mistral-7B-Instruct-v0.3"}
+
+
+@pytest.mark.parametrize("name", sorted(HUB_MODELS))
+def test_7b_recipes_read_the_hub_and_say_what_they_need(name: str):
+    recipe = load_recipe(REPO / "recipes" / name)
+    assert recipe.model.name_or_path == HUB_MODELS[name]
+    d = recipe.data
+    assert (d.path, d.name, d.split, d.format) == ("openai/gsm8k", "main", "train", "prompt_completion")
+    assert d.fields == {"prompt": "question", "completion": "answer"}
+    assert (d.eval_split, d.eval_max_examples) == ("test", 200)
+    # the instruct model is trained as it is prompted; the base model has no chat template
+    assert d.chat_template is name.startswith("mistral")
+    header = " ".join(_header(REPO / "recipes" / name).split())
+    launch = "single_gpu" if recipe.lora else "fsdp"
+    assert re.search(rf"~\d+ GiB (each )?\(estimated by `llmtrain estimate-memory recipes/{name} "
+                     rf"--accelerate-config accelerate_configs/{launch}.yaml`\)", header), header
+    assert "measured" not in header  # nothing here was measured on a GPU
+
+
+@needs(MISTRAL)
+@needs(GSM8K)
+@pytest.mark.parametrize("name", sorted(HUB_MODELS))
+def test_7b_recipe_data_with_local_copies(name: str, tmp_path):
+    """The recipes with the paths overridden to local copies, as their headers say: a GSM8K folder with
+    train.jsonl and test.jsonl keeps eval_split=test. The Mistral tokenizer stands in for Llama-2's (the same
+    SentencePiece family; the Llama recipes use no chat template)."""
+    import json
+
+    from transformers import AutoTokenizer
+
+    from llmtrain.data import IGNORE, prepare_datasets
+
+    folder = tmp_path / "gsm8k"
+    folder.mkdir()
+    for split, n in (("train", 12), ("test", 300)):
+        lines = (GSM8K / f"{split}.jsonl").read_text().splitlines()[:n]
+        (folder / f"{split}.jsonl").write_text("\n".join(lines) + "\n")
+    recipe = load_recipe(REPO / "recipes" / name, [f"model.name_or_path={MISTRAL}", f"data.path={folder}",
+                                                   "data.name=null", f"data.cache_dir={tmp_path / 'cache'}"])
+    tok = AutoTokenizer.from_pretrained(MISTRAL)
+    train, evald, stats, _ = prepare_datasets(recipe.data, tok, seed=recipe.train.seed)
+    assert (len(train), len(evald), stats["eval"].examples) == (12, 200, 200)  # the test split, capped
+    first = json.loads((folder / "train.jsonl").read_text().splitlines()[0])
+    ids, labels = train["input_ids"][0], train["labels"][0]
+    k = next(i for i, lab in enumerate(labels) if lab != IGNORE)
+    assert labels[k:] == ids[k:] and ids[-1] == tok.eos_token_id
+    if recipe.data.chat_template:
+        assert tok.decode(ids[:k]) == f"<s>[INST] {first['question']}[/INST]"
+    else:
+        assert tok.decode(ids[:k]) == f"<s> {first['question']}"
+    assert tok.decode(ids[k:]).strip() == first["answer"] + "</s>"
 
 
 def test_tiny_recipe_points_at_prepare_tiny_output():
