@@ -99,7 +99,11 @@ def test_finetune_end_to_end(tiny_assets, tmp_path):
     # Running it again into the same folder is refused with a hint, exit 2, no traceback.
     again = cli("finetune", str(recipe), f"output_dir={run}", check=False)
     assert again.returncode == 2 and "--resume auto" in again.stderr and "Traceback" not in again.stderr
-    # --resume auto continues it from the step-2 checkpoint up to the new max_steps.
-    proc = cli("finetune", str(recipe), f"output_dir={run}", "train.max_steps=4", "--resume", "auto")
+    # --resume auto continues it from the step-2 checkpoint up to the new max_steps, once that change is
+    # allowed explicitly (it changes the learning-rate curve); without the flag nothing is touched.
+    refused = cli("finetune", str(recipe), f"output_dir={run}", "train.max_steps=4", "--resume", "auto", check=False)
+    assert refused.returncode == 2 and "--allow-recipe-change" in refused.stderr
+    proc = cli("finetune", str(recipe), f"output_dir={run}", "train.max_steps=4", "--resume", "auto",
+               "--allow-recipe-change")
     assert "at step 2" in proc.stdout
     assert [r["step"] for r in records(run)] == [1, 2, 3, 4]
