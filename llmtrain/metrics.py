@@ -1,53 +1,67 @@
-"""Run outputs that people read: metrics.jsonl, the optional TensorBoard log and the progress bar."""
+"""Run outputs that people read: metrics.jsonl, samples.jsonl, the experiment trackers and the progress bar."""
 
 from __future__ import annotations
 
 import json
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from llmtrain.errors import LLMTrainError
-
 
 class MetricsLog:
-    """Append one JSON object per line to <output_dir>/metrics.jsonl (main process only)."""
+    """The run's logs, written by the main process only (enabled=False elsewhere): metrics.jsonl, one JSON object
+    per line; samples.jsonl, the eval generations (train.eval_samples); and every metrics line passed on to the
+    experiment trackers of logging.report_to (opened on the main process: trackers.open_trackers).
 
-    def __init__(self, output_dir: Path, *, enabled: bool, tensorboard: bool, resume_step: int | None):
+    `tensorboard` is the older spelling of trackers=[TensorBoardTracker]: it goes once train.py passes the
+    trackers of logging.report_to.
+    """
+
+    def __init__(self, output_dir: Path, *, enabled: bool, resume_step: int | None, trackers: Sequence = (),
+                 tensorboard: bool = False):
         self.path = output_dir / "metrics.jsonl"
+        self.samples_path = output_dir / "samples.jsonl"
         self.enabled = enabled
-        self.tb = None
+        self.trackers = list(trackers) if enabled else []
         if not enabled:
             return
-        if resume_step is not None and self.path.exists():
-            # Lines after the checkpoint belong to steps that will run again; drop them so each step
-            # appears once. Written to a temporary file first so a crash cannot truncate the log.
-            keep = [ln for ln in self.path.read_text().splitlines() if ln and json.loads(ln)["step"] <= resume_step]
-            tmp = self.path.with_suffix(".jsonl.tmp")
-            tmp.write_text("".join(ln + "\n" for ln in keep))
-            tmp.replace(self.path)
-        if tensorboard:
-            try:
-                from torch.utils.tensorboard import SummaryWriter
-            except ImportError:
-                raise LLMTrainError("logging.tensorboard is true but tensorboard is not installed: "
-                                    "pip install 'llmtrain[tensorboard]', or set logging.tensorboard=false.") from None
+        if resume_step is not None:
+            # Lines after the checkpoint belong to steps that will run again; drop them so each step appears once.
+            for path in (self.path, self.samples_path):
+                self._drop_after(path, resume_step)
+        if tensorboard and not self.trackers:
+            from llmtrain.trackers import open_trackers
 
-            self.tb = SummaryWriter(str(output_dir / "tb"))
+            self.trackers = open_trackers(["tensorboard"], output_dir=output_dir, config={})
+
+    @staticmethod
+    def _drop_after(path: Path, step: int) -> None:
+        if not path.exists():
+            return
+        keep = [ln for ln in path.read_text().splitlines() if ln and json.loads(ln)["step"] <= step]
+        tmp = path.with_suffix(".jsonl.tmp")  # a crash while rewriting cannot truncate the log
+        tmp.write_text("".join(ln + "\n" for ln in keep))
+        tmp.replace(path)
 
     def write(self, record: dict) -> None:
         if not self.enabled:
             return
         with self.path.open("a") as f:
             f.write(json.dumps(strict_json(record), allow_nan=False) + "\n")
-        if self.tb is not None:
-            for k, v in record.items():
-                if isinstance(v, (int, float)) and k != "step" and math.isfinite(v):
-                    self.tb.add_scalar(f"{record.get('type', 'train')}/{k}", v, record["step"])
+        for tracker in self.trackers:
+            tracker.log(record, record["step"])
+
+    def write_samples(self, samples: list[dict]) -> None:
+        """Append eval generations (samples.generate_samples: step, prompt, expected, generated) to samples.jsonl."""
+        if not self.enabled or not samples:
+            return
+        with self.samples_path.open("a") as f:
+            f.writelines(json.dumps(s, ensure_ascii=False) + "\n" for s in samples)
 
     def close(self) -> None:
-        if self.tb is not None:
-            self.tb.close()
+        for tracker in self.trackers:
+            tracker.close()
 
 
 def strict_json(record: dict) -> dict:
@@ -59,11 +73,11 @@ def progress_bar(*, enabled: bool, total: int, completed: int):
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
     progress = Progress(
-        TextColumn("[bold]step"), MofNCompleteColumn(), BarColumn(),
+        TextColumn("[bold]{task.description}"), MofNCompleteColumn(), BarColumn(),
         TextColumn("{task.fields[info]}"), TimeElapsedColumn(), TextColumn("eta"), TimeRemainingColumn(),
         disable=not enabled,
     )
-    task = progress.add_task("train", total=total, completed=completed, info="")
+    task = progress.add_task("step", total=total, completed=completed, info="")
     return progress, task
 
 

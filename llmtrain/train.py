@@ -120,7 +120,7 @@ def train_step(model, optimizer, scheduler, accelerator, window, *, max_grad_nor
 
 
 @torch.no_grad()
-def evaluate(model, dataset, accelerator, recipe: Recipe, *, pad: int) -> dict:
+def evaluate(model, dataset, accelerator, recipe: Recipe, *, pad: int, on_batch=lambda done, total: None) -> dict:
     """Eval loss, perplexity, token accuracy, and exact match over the eval set (sharded over ranks), with
     the training loss function.
 
@@ -136,8 +136,9 @@ def evaluate(model, dataset, accelerator, recipe: Recipe, *, pad: int) -> dict:
                                    shuffle=False)
     plan = [g[accelerator.process_index] for g in batches]
     totals = torch.zeros(5, dtype=torch.float64, device=accelerator.device)  # loss, tokens, correct, exact, examples
-    for window in windows(dataset, lambda _: plan, epoch=0, micro=0, steps=len(plan), accum=1, pad_id=pad,
-                          packing=packs_rows(recipe), pin=False):
+    for done, window in enumerate(windows(dataset, lambda _: plan, epoch=0, micro=0, steps=len(plan), accum=1,
+                                          pad_id=pad, packing=packs_rows(recipe), pin=False)):
+        on_batch(done, len(plan))
         cpu_example = window.batches[0]["loss_example"]
         n = int(cpu_example.max()) + 1 if cpu_example.numel() else 0  # examples with a trained token, from the CPU
         batch = to_device(window.batches[0], accelerator.device)
@@ -317,7 +318,10 @@ def _train(recipe: Recipe, *, resume: str | None, overwrite: bool, allow_recipe_
             if bad_steps > tc.max_bad_steps:  # after its metrics line: the bad step is on record
                 _diverged(accelerator, out, state.step, step["grad_norm"], tc)
             if eval_now:
-                ev = evaluate(model, eval_ds, accelerator, recipe, pad=pad)
+                shown = progress.add_task("eval", total=None, info=f"{len(eval_ds)} examples")
+                ev = evaluate(model, eval_ds, accelerator, recipe, pad=pad,
+                              on_batch=lambda done, total: progress.update(shown, completed=done, total=total))
+                progress.remove_task(shown)
                 log.write({"type": "eval", "step": state.step, **ev})
                 if accelerator.is_main_process:
                     progress.console.print(f"step {state.step}: " + "  ".join(f"{k} {v:.4f}" for k, v in ev.items()))
