@@ -123,9 +123,8 @@ app.command("estimate-memory")(user_errors(estimate_memory))
 @user_errors
 def plot(
     runs: Annotated[list[Path], typer.Argument(help="One or several run folders (the output_dir of finetune).")],
-    out: Annotated[
-        Optional[Path], typer.Option(help="Image to write (default RUN/loss.png for one run, ./loss-compare.png for several).")
-    ] = None,
+    out: Annotated[Optional[Path], typer.Option(
+        help="Image to write (default RUN/loss.png for one run, ./loss-compare.png for several).")] = None,
 ) -> None:
     """Plot train loss (and its moving average), eval loss and lr against steps and tokens; several runs overlaid."""
     from llmtrain.plot import default_plot_path, plot_runs

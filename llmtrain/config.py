@@ -160,6 +160,13 @@ class TrainConfig(Section):
     eval_every_steps: int | None = Field(
         None, gt=0, description="Evaluate every N optimizer steps; with eval data, the end of training is always evaluated.")
     eval_batch_size: int | None = Field(None, gt=0, description="Eval micro-batch size; defaults to micro_batch_size.")
+    eval_samples: int = Field(
+        0, ge=0,
+        description="At each eval, greedily decode the first N eval prompts (up to eval_max_new_tokens tokens) and "
+        "append prompt, expected and generated text to <output_dir>/samples.jsonl; the first is shown in the "
+        "console. 0: none.",
+    )
+    eval_max_new_tokens: int = Field(128, gt=0, description="Most tokens generated for each eval sample.")
     loss_chunk_tokens: int = Field(
         4096, gt=0,
         description="The loss runs the LM head and cross-entropy over this many tokens at a time (recomputed in "
@@ -190,7 +197,17 @@ class CheckpointConfig(Section):
 
 class LoggingConfig(Section):
     progress: bool = Field(True, description="Show a rich progress bar.")
-    tensorboard: bool = Field(False, description="Also write TensorBoard scalars to <output_dir>/tb.")
+    report_to: list[Literal["tensorboard", "wandb", "mlflow"]] = Field(
+        default_factory=list,
+        description="Experiment trackers that also get every metrics line, and the resolved recipe as their config: "
+        "tensorboard (<output_dir>/tb), wandb (<output_dir>/wandb; WANDB_MODE=offline needs no account), mlflow "
+        "(MLFLOW_TRACKING_URI). Each needs its extra, e.g. pip install 'llmtrain[wandb]'.",
+    )
+    project: str | None = Field(
+        None, description="wandb project / mlflow experiment; default WANDB_PROJECT / MLFLOW_EXPERIMENT_NAME, else "
+        "'llmtrain'.")
+    run_name: str | None = Field(None, description="The trackers' run name; default the output_dir folder name.")
+    tensorboard: bool = Field(False, description="Older spelling of report_to: [tensorboard] (added to report_to).")
     every_steps: int = Field(
         1, gt=0,
         description="Write a train line to metrics.jsonl every N steps. Loss and grad norm are read from the "
@@ -200,6 +217,17 @@ class LoggingConfig(Section):
         None, gt=0,
         description="Peak dense TFLOP/s of one device, for MFU; by default looked up from the device name.",
     )
+
+    @field_validator("report_to", mode="before")
+    @classmethod
+    def _one_tracker(cls, v: Any) -> Any:
+        return [v] if isinstance(v, str) else v  # report_to: wandb, or logging.report_to=wandb
+
+    @model_validator(mode="after")
+    def _tensorboard_key(self) -> "LoggingConfig":
+        if self.tensorboard and "tensorboard" not in self.report_to:
+            self.report_to = [*self.report_to, "tensorboard"]
+        return self
 
 
 class Recipe(Section):

@@ -13,13 +13,9 @@ class MetricsLog:
     """The run's logs, written by the main process only (enabled=False elsewhere): metrics.jsonl, one JSON object
     per line; samples.jsonl, the eval generations (train.eval_samples); and every metrics line passed on to the
     experiment trackers of logging.report_to (opened on the main process: trackers.open_trackers).
-
-    `tensorboard` is the older spelling of trackers=[TensorBoardTracker]: it goes once train.py passes the
-    trackers of logging.report_to.
     """
 
-    def __init__(self, output_dir: Path, *, enabled: bool, resume_step: int | None, trackers: Sequence = (),
-                 tensorboard: bool = False):
+    def __init__(self, output_dir: Path, *, enabled: bool, resume_step: int | None, trackers: Sequence = ()):
         self.path = output_dir / "metrics.jsonl"
         self.samples_path = output_dir / "samples.jsonl"
         self.enabled = enabled
@@ -30,10 +26,6 @@ class MetricsLog:
             # Lines after the checkpoint belong to steps that will run again; drop them so each step appears once.
             for path in (self.path, self.samples_path):
                 self._drop_after(path, resume_step)
-        if tensorboard and not self.trackers:
-            from llmtrain.trackers import open_trackers
-
-            self.trackers = open_trackers(["tensorboard"], output_dir=output_dir, config={})
 
     @staticmethod
     def _drop_after(path: Path, step: int) -> None:

@@ -34,9 +34,12 @@ from llmtrain.loss import attach_loss, compute_loss
 from llmtrain.metrics import MetricsLog, flop_model, peak_flops, progress_bar, step_info, strict_json
 from llmtrain.modeling import (build_optimizer, compile_layers, count_parameters, describe_attention,
                                fused_linear_cross_entropy, load_model, load_tokenizer, pad_id)
+from llmtrain.plot import update_loss_plot
 from llmtrain.preflight import check_resume, finished_run
 from llmtrain.rundir import check_output_dir, claim_output_dir
+from llmtrain.samples import format_sample, generate_samples
 from llmtrain.signals import StopRequests
+from llmtrain.trackers import check_trackers, open_trackers
 
 # --------------------------------------------------------------------------- small pure helpers
 
@@ -176,6 +179,7 @@ def _train(recipe: Recipe, *, resume: str | None, overwrite: bool, allow_recipe_
     datasets.disable_progress_bars()  # the run's own progress bar is the one to watch
     transformers.utils.logging.disable_progress_bar()
     tc = recipe.train
+    check_trackers(recipe.logging.report_to)  # a missing tracker library fails now, not after the model loads
     accelerator = build_accelerator(recipe)
     out = Path(recipe.output_dir)
 
@@ -268,7 +272,10 @@ def _train(recipe: Recipe, *, resume: str | None, overwrite: bool, allow_recipe_
                               "per step, but per-rank random streams (dropout) do not replay the original run's.")
             state.processes = world
 
-    log = MetricsLog(out, enabled=accelerator.is_main_process, tensorboard=recipe.logging.tensorboard,
+    trackers = (open_trackers(recipe.logging.report_to, output_dir=out, config=recipe.model_dump(mode="json"),
+                              project=recipe.logging.project, run_name=recipe.logging.run_name)
+                if accelerator.is_main_process else [])
+    log = MetricsLog(out, enabled=accelerator.is_main_process, trackers=trackers,
                      resume_step=state.step if resume else None)
     for note in notes:  # allowed recipe changes at resume (--allow-recipe-change): said, and on record
         accelerator.print(f"note: {note}")
@@ -323,8 +330,18 @@ def _train(recipe: Recipe, *, resume: str | None, overwrite: bool, allow_recipe_
                               on_batch=lambda done, total: progress.update(shown, completed=done, total=total))
                 progress.remove_task(shown)
                 log.write({"type": "eval", "step": state.step, **ev})
+                samples = []
+                if tc.eval_samples:  # every rank generates (under FSDP each forward gathers all ranks' shards)
+                    first = eval_ds.select(range(min(tc.eval_samples, len(eval_ds))))
+                    samples = generate_samples(unwrapped, tokenizer, first, max_new_tokens=tc.eval_max_new_tokens,
+                                               step=state.step, synced=world > 1)
+                log.write_samples(samples)  # the main process writes samples.jsonl
                 if accelerator.is_main_process:
                     progress.console.print(f"step {state.step}: " + "  ".join(f"{k} {v:.4f}" for k, v in ev.items()))
+                    if samples:
+                        progress.console.print(format_sample(samples[0]), markup=False, highlight=False)
+                    if note := update_loss_plot(out):  # loss.png: a failure is said, and training goes on
+                        progress.console.print(note, markup=False)
             if save_now:
                 _check_finite_weights(accelerator, model, state.step)
                 saved = save_checkpoint(accelerator, output_dir=out, state=state, recipe_yaml=recipe.to_yaml(),
@@ -355,6 +372,8 @@ def _train(recipe: Recipe, *, resume: str | None, overwrite: bool, allow_recipe_
         accelerator.print(f"done: {state.step} steps, final loss {final if final is None else round(final, 4)}, "
                           f"wrote {out}")
     log.close()
+    if accelerator.is_main_process and (note := update_loss_plot(out)):
+        accelerator.print(note)
     accelerator.end_training()
     return summary
 

@@ -1,0 +1,243 @@
+"""loss.png: train loss (raw and smoothed), eval loss and learning rate against steps and tokens seen.
+
+`plot_runs(runs, out)` reads each run's metrics.jsonl and writes one image; several runs are overlaid in
+one colour each, for comparison (`llmtrain plot RUN [RUN ...]`). The trainer rewrites `<output_dir>/loss.png`
+at each evaluation and at the end (`update_loss_plot`).
+
+matplotlib is used through its object API (`Figure`, no pyplot): no global figure state and no display,
+so it works headless (on a cluster node, under nohup) whatever backend the environment asks for.
+"""
+
+from __future__ import annotations
+
+import bisect
+import json
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from llmtrain.errors import LLMTrainError
+
+# The moving average drawn over the raw train loss spans about this fraction of the run's logged steps, so a
+# 100-step and a 10,000-step run look equally smooth (see smoothing_weight).
+SMOOTHING_SPAN = 0.05
+# The loss axis turns logarithmic when the curves span more than this factor (a model learning from scratch
+# falls from ~10 to ~0.1: on a linear axis everything after the first steps is a flat line).
+LOG_SCALE_RATIO = 20.0
+
+
+@dataclass
+class Curves:
+    """What is drawn for one run, read from its metrics.jsonl. `loss` is None where an update was skipped;
+    `tokens` / `eval_tokens` are None where the lines carry no tokens_seen."""
+
+    name: str
+    step: list[int] = field(default_factory=list)
+    tokens: list[int | None] = field(default_factory=list)
+    loss: list[float | None] = field(default_factory=list)
+    lr: list[float | None] = field(default_factory=list)
+    eval_step: list[int] = field(default_factory=list)
+    eval_tokens: list[float | None] = field(default_factory=list)
+    eval_loss: list[float | None] = field(default_factory=list)
+
+
+def smoothing_weight(points: int) -> float:
+    """EMA weight for a curve of `points` values: an average over about SMOOTHING_SPAN of them (0: no smoothing
+    for 20 points or fewer; 0.8 for 100; 0.98 for 1,000)."""
+    return max(0.0, 1.0 - 1.0 / (SMOOTHING_SPAN * max(points, 1)))
+
+
+def ema(values: list[float | None], weight: float) -> list[float | None]:
+    """Debiased exponential moving average (TensorBoard's smoothing: the first points are not pulled towards
+    zero); None (a skipped step) stays None and does not enter the average."""
+    out, avg, norm = [], 0.0, 0.0
+    for v in values:
+        if v is None or not math.isfinite(v):
+            out.append(None)
+            continue
+        avg, norm = weight * avg + (1 - weight) * v, weight * norm + (1 - weight)
+        out.append(avg / norm)
+    return out
+
+
+def metrics_file(run: Path) -> Path:
+    """The metrics.jsonl of a run folder (or the file itself), or a clear error."""
+    run = Path(run)
+    if run.is_file() and run.name == "metrics.jsonl":
+        return run
+    if not run.exists():
+        raise LLMTrainError(f"Run folder '{run}' does not exist. Pass the output_dir of a finetune run (the folder "
+                            "that holds metrics.jsonl).")
+    path = run / "metrics.jsonl"
+    if not path.is_file():
+        raise LLMTrainError(f"'{run}' has no metrics.jsonl, so it is not a run folder, or its run has not logged a "
+                            "step yet (the first line is written after logging.every_steps steps). Pass the "
+                            "output_dir of a finetune run.")
+    return path
+
+
+def read_curves(run: Path, name: str | None = None) -> Curves:
+    """The train and eval lines of one run, by step. The last line of a step wins; a last line without its
+    newline (the trainer is writing it right now) is ignored."""
+    path = metrics_file(run)
+    text = path.read_text()
+    lines = text.splitlines()
+    if lines and not text.endswith("\n"):
+        lines.pop()
+    train, evals = {}, {}
+    for n, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            rec = json.loads(line)
+            kind, step = rec.get("type", "train"), int(rec["step"])
+        except (ValueError, KeyError, TypeError, AttributeError) as e:
+            raise LLMTrainError(f"{path}, line {n}: not a metrics line ({type(e).__name__}: {e}). Each line must be "
+                                "a JSON object with 'type' and 'step', as llmtrain finetune writes them; remove or "
+                                "repair the damaged line.") from None
+        if kind == "train":
+            train[step] = rec
+        elif kind == "eval":
+            evals[step] = rec
+    if not train:
+        raise LLMTrainError(f"{path} holds no train lines yet, so there is nothing to plot. Wait for the run's first "
+                            "logging step (logging.every_steps), or pass another run.")
+    c = Curves(name=name or Path(run).name)
+    for step in sorted(train):
+        rec = train[step]
+        c.step.append(step)
+        c.tokens.append(rec.get("tokens_seen"))
+        c.loss.append(_finite(rec.get("loss")))
+        c.lr.append(_finite(rec.get("lr")))
+    # Eval lines carry no token count: take the train line of the same step (the trainer always writes one
+    # before it evaluates), else the nearest earlier one.
+    for step in sorted(evals):
+        c.eval_step.append(step)
+        c.eval_loss.append(_finite(evals[step].get("eval_loss")))
+        at = bisect.bisect_right(c.step, step)  # train lines up to and including this step
+        c.eval_tokens.append(c.tokens[at - 1] if at else None)
+    return c
+
+
+def _finite(v) -> float | None:
+    return float(v) if isinstance(v, (int, float)) and math.isfinite(v) else None
+
+
+def _run_names(runs: list[Path]) -> list[str]:
+    """Folder names, or whole paths where two runs share a folder name (a/run and b/run)."""
+    folders = [metrics_file(r).parent for r in runs]
+    names = [f.resolve().name for f in folders]
+    return names if len(set(names)) == len(names) else [str(f) for f in folders]
+
+
+def default_plot_path(runs: list[Path]) -> Path:
+    """<run>/loss.png for one run (where the trainer writes it); loss-compare.png here for several."""
+    return metrics_file(runs[0]).parent / "loss.png" if len(runs) == 1 else Path("loss-compare.png")
+
+
+def plot_runs(runs: list[Path], out: Path, *, smoothing: float | None = None):
+    """Write the loss / lr figure of one or several runs to `out` (.png, or any format matplotlib writes, by its
+    suffix) and return the matplotlib Figure. `smoothing`: the EMA weight (default: smoothing_weight of each
+    run's length). The file is written under a temporary name and renamed, so a viewer never reads half an
+    image."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+    from matplotlib.ticker import EngFormatter
+
+    if not runs:
+        raise LLMTrainError("No run to plot: pass one or several run folders (output_dir of llmtrain finetune).")
+    out = Path(out)
+    formats = FigureCanvasAgg.get_supported_filetypes()
+    suffix = out.suffix.lstrip(".").lower()
+    if suffix not in formats:
+        raise LLMTrainError(f"Cannot write '{out}': the image format comes from the suffix, and '.{suffix}' is not "
+                            f"one matplotlib writes ({', '.join('.' + f for f in sorted(formats))}). Use a .png name.")
+    curves = [read_curves(r, n) for r, n in zip(runs, _run_names(runs))]
+
+    fig = Figure(figsize=(13, 7.5), layout="constrained")
+    FigureCanvasAgg(fig)
+    grid = fig.add_gridspec(2, 2, height_ratios=[3, 1])
+    loss_s = fig.add_subplot(grid[0, 0])
+    loss_t = fig.add_subplot(grid[0, 1], sharey=loss_s)
+    lr_s = fig.add_subplot(grid[1, 0], sharex=loss_s)
+    lr_t = fig.add_subplot(grid[1, 1], sharex=loss_t, sharey=lr_s)
+    single = len(curves) == 1
+    for i, c in enumerate(curves):
+        colour = f"C{i}"
+        label = "" if single else f"{c.name}: "
+        weight = smoothing_weight(len(c.step)) if smoothing is None else smoothing
+        smoothed = ema(c.loss, weight)
+        for ax, x, ex in ((loss_s, c.step, c.eval_step), (loss_t, c.tokens, c.eval_tokens)):
+            # The raw loss has a gap at a skipped update; the average and the eval line run through it.
+            ax.plot(_nan(x), _nan(c.loss), color=colour, alpha=0.3, linewidth=0.8, label=f"{label}train loss")
+            ax.plot(*_points(x, smoothed), color=colour, linewidth=1.8, label=f"{label}train loss (EMA {weight:.2g})")
+            if c.eval_step:
+                ax.plot(*_points(ex, c.eval_loss), color=colour, linestyle="--", marker="o", markersize=4,
+                        label=f"{label}eval loss")
+        lr_s.plot(c.step, _nan(c.lr), color=colour, label=c.name)
+        lr_t.plot(_nan(c.tokens), _nan(c.lr), color=colour, label=c.name)
+
+    values = [v for c in curves for v in (*c.loss, *c.eval_loss) if v is not None and v > 0]
+    if values and max(values) / min(values) > LOG_SCALE_RATIO:
+        loss_s.set_yscale("log")
+    loss_s.set_ylabel("loss (log scale)" if loss_s.get_yscale() == "log" else "loss")
+    lr_s.set_ylabel("learning rate")
+    lr_s.set_xlabel("step")
+    lr_t.set_xlabel("tokens seen")
+    lr_t.xaxis.set_major_formatter(EngFormatter())
+    lr_s.ticklabel_format(axis="y", style="sci", scilimits=(-2, 3))
+    loss_s.set_title("against optimizer steps")
+    loss_t.set_title("against tokens seen")
+    for ax in (loss_s, loss_t, lr_s, lr_t):
+        ax.grid(True, alpha=0.3)
+    if not any(t is not None for c in curves for t in c.tokens):
+        loss_t.text(0.5, 0.5, "no tokens_seen in metrics.jsonl", transform=loss_t.transAxes, ha="center")
+    loss_s.legend(fontsize="small")
+    if not single:
+        lr_s.legend(fontsize="small")
+    fig.suptitle(_title(curves))
+
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_name(f".{out.name}.tmp")
+    fig.savefig(tmp, format=suffix, dpi=100)
+    tmp.replace(out)
+    return fig
+
+
+def _nan(values: list) -> list[float]:
+    """None becomes NaN, which matplotlib leaves as a gap in the line."""
+    return [math.nan if v is None else v for v in values]
+
+
+def _points(x: list, y: list) -> tuple[list, list]:
+    """The (x, y) pairs where both are known."""
+    pairs = [(a, b) for a, b in zip(x, y) if a is not None and b is not None]
+    return [a for a, _ in pairs], [b for _, b in pairs]
+
+
+def _title(curves: list[Curves]) -> str:
+    parts = []
+    for c in curves:
+        last = next((v for v in reversed(c.loss) if v is not None), None)
+        text = f"{c.name}: step {c.step[-1]}"
+        if last is not None:
+            text += f", last train loss {last:.4g}"
+        evals = [(v, s) for v, s in zip(c.eval_loss, c.eval_step) if v is not None]
+        if evals:
+            best, at = min(evals)
+            text += f", best eval loss {best:.4g} at step {at}"
+        parts.append(text)
+    return "\n".join(parts)
+
+
+def update_loss_plot(run_dir: Path) -> str | None:
+    """Rewrite <run_dir>/loss.png from its metrics.jsonl (main process, at each eval and at the end).
+
+    Returns None, or a one-line warning: a picture must never end a training run that is otherwise fine, so
+    any failure here is reported and training goes on.
+    """
+    try:
+        plot_runs([run_dir], Path(run_dir) / "loss.png")
+    except Exception as e:  # noqa: BLE001 - see the docstring
+        return f"warning: {Path(run_dir) / 'loss.png'} not updated ({type(e).__name__}: {e})"
+    return None

@@ -1,0 +1,118 @@
+"""Sample generations at eval (train.eval_samples): the first eval prompts decoded greedily, beside the expected
+completion. This is what people read first to see whether a fine-tune works.
+
+An example is a tokenised eval row: the prompt is its leading run of -100 labels (everything the model is
+given), the expected completion the rest of the row (everything it is trained to produce). With
+data.train_on_prompt or the text format nothing is masked: the prompt is then the first token (BOS) alone, and
+the sample shows what the model writes from nothing.
+
+How generation runs inside training:
+- transformers' own forward and `generate` (llmtrain's loss forward runs only when called with loss_index);
+  greedy, one prompt at a time (no padding, so a sample is exactly what the model says to that prompt alone).
+- llmtrain's varlen attention has no KV cache: while generating, the model attends with SDPA (the same math
+  on one unpacked sequence) and uses the cache; the attention is switched back afterwards.
+- torch.compile (model.compile) is bypassed: every new length would be a recompile.
+- several processes: every process calls this with the same examples and `synced=True`. Under FSDP each
+  forward all-gathers the shards of every rank, so all ranks must run the same number of forwards; transformers'
+  synced_gpus keeps a rank that reached EOS stepping until all have. Under DDP the ranks generate the same
+  text in parallel (no extra wall time). Only the main process writes (MetricsLog.write_samples).
+"""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+
+from llmtrain.data import IGNORE
+from llmtrain.loss import causal_lm
+
+
+def split_example(example) -> tuple[list[int], list[int]]:
+    """(prompt ids, expected ids) of a tokenised row {"input_ids", "labels"}: the leading run of -100 labels. With
+    nothing masked the first token (BOS) is the prompt: generation needs one token to continue from."""
+    ids, labels = list(example["input_ids"]), list(example["labels"])
+    n = next((i for i, label in enumerate(labels) if label != IGNORE), len(labels))
+    n = max(n, 1)
+    return ids[:n], ids[n:]
+
+
+def generate_samples(model, tokenizer, examples, *, max_new_tokens: int, step: int, synced: bool = False) -> list[dict]:
+    """Greedy generations for `examples`: [{"step", "index", "prompt", "expected", "generated"}], texts decoded
+    without special tokens. `model` is the unwrapped model (accelerator.unwrap_model; peft models too)."""
+    import torch
+
+    lm = causal_lm(model)
+    eos = _eos_ids(lm, tokenizer)
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos[0]
+    was_training = model.training
+    model.eval()
+    samples = []
+    try:
+        with torch.no_grad(), _cached_attention(lm), _gathered(model), torch.compiler.set_stance("force_eager"):
+            for index, example in enumerate(examples):
+                prompt, expected = split_example(example)
+                input_ids = torch.tensor([prompt], dtype=torch.long, device=lm.device)
+                # Sampling settings of the model's generation_config (temperature, top_p: Llama-2-chat has
+                # them) are cleared: greedy ignores them, and transformers would warn that it does.
+                out = model.generate(input_ids=input_ids, attention_mask=torch.ones_like(input_ids),
+                                     max_new_tokens=max_new_tokens, do_sample=False, temperature=None, top_p=None,
+                                     top_k=None, use_cache=True, eos_token_id=eos, pad_token_id=pad,
+                                     synced_gpus=synced)
+                generated = out[0, len(prompt):].tolist()
+                samples.append({"step": step, "index": index, "prompt": _text(tokenizer, prompt),
+                                "expected": _text(tokenizer, expected), "generated": _text(tokenizer, generated)})
+    finally:
+        model.train(was_training)
+    return samples
+
+
+def format_sample(sample: dict, *, width: int = 240) -> str:
+    """The console lines for one sample, each on one line and shortened (the prompt keeps its end, next to the
+    answer)."""
+    prompt, expected, generated = (" ".join(sample[k].split()) for k in ("prompt", "expected", "generated"))
+    if len(prompt) > width:
+        prompt = "..." + prompt[-width:]
+    expected, generated = (t if len(t) <= width else t[:width] + "..." for t in (expected, generated))
+    return (f"sample at step {sample['step']}:\n  prompt:    {prompt}\n  expected:  {expected}\n"
+            f"  generated: {generated}")
+
+
+def _text(tokenizer, ids: list[int]) -> str:
+    return tokenizer.decode(ids, skip_special_tokens=True)
+
+
+def _eos_ids(lm, tokenizer) -> list[int]:
+    """Stop tokens: the generation config's (which lists a chat template's end-of-turn token) and the tokenizer's."""
+    configured = lm.generation_config.eos_token_id
+    configured = configured if isinstance(configured, list) else [configured]
+    return list(dict.fromkeys(t for t in (*configured, tokenizer.eos_token_id) if t is not None))
+
+
+@contextmanager
+def _cached_attention(lm):
+    """SDPA instead of llmtrain's varlen attention while generating (it refuses a KV cache)."""
+    from llmtrain.attention import NAME
+
+    before = lm.config._attn_implementation
+    if before == NAME:
+        lm.config._attn_implementation = "sdpa"  # the setter applies it to the sub-configs too
+    try:
+        yield
+    finally:
+        lm.config._attn_implementation = before
+
+
+@contextmanager
+def _gathered(model):
+    """FSDP2: gather the root's own parameters (embeddings, ...) for the whole generation. `generate` of a peft
+    model calls the inner model, never the root's forward, so the root's hook would not gather them; each
+    decoder layer still gathers its own at each forward, as in training."""
+    from torch.distributed.fsdp import FSDPModule
+
+    if not isinstance(model, FSDPModule):
+        yield
+        return
+    model.unshard()
+    try:
+        yield
+    finally:
+        model.reshard()

@@ -1,0 +1,178 @@
+"""loss.png and `llmtrain plot`: metrics.jsonl files written by hand, the real CLI in a subprocess, the image
+opened and measured, and the plotted data read back from the figure."""
+
+from __future__ import annotations
+
+import json
+import math
+import subprocess
+
+import pytest
+from helpers import ENV, LLMTRAIN, cli
+
+from llmtrain.errors import LLMTrainError
+from llmtrain.plot import default_plot_path, ema, plot_runs, read_curves, smoothing_weight, update_loss_plot
+
+# figsize (13, 7.5) inches at 100 dpi
+PNG_SIZE = (1300, 750)
+
+
+def write_metrics(run, *, steps: int = 30, skipped=(7,), eval_every: int = 10, scale: float = 1.0, tail: str = ""):
+    """A run folder whose metrics.jsonl holds `steps` train lines (loss null at `skipped`) and an eval line every
+    `eval_every` steps, as the trainer writes them; returns the records."""
+    run.mkdir(parents=True, exist_ok=True)
+    lines, tokens = [], 0
+    for step in range(1, steps + 1):
+        tokens += 100 + step  # uneven tokens per step: the tokens axis is not the step axis scaled
+        loss = None if step in skipped else scale * (1.0 + 2.0 / step)
+        lines.append({"type": "train", "step": step, "loss": loss, "lr": 1e-3 * step / steps, "tokens_seen": tokens,
+                      "grad_norm": 0.5, "skipped": step in skipped})
+        if step % eval_every == 0:
+            lines.append({"type": "eval", "step": step, "eval_loss": scale * (1.1 + 2.0 / step), "eval_ppl": 3.0})
+    (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in lines) + tail)
+    return lines
+
+
+def lines_by_label(ax) -> dict:
+    return {line.get_label(): (list(line.get_xdata()), list(line.get_ydata())) for line in ax.get_lines()}
+
+
+def png_size(path) -> tuple[int, int]:
+    from PIL import Image
+
+    with Image.open(path) as img:
+        assert img.format == "PNG"
+        return img.size
+
+
+def test_plot_one_run_cli_writes_loss_png_in_the_run(tmp_path):
+    run = tmp_path / "run"
+    records = write_metrics(run)
+    proc = cli("plot", str(run))
+    out = run / "loss.png"
+    assert proc.stdout.strip() == str(out)
+    assert png_size(out) == PNG_SIZE
+    assert not list(run.glob(".*.tmp"))  # written under a temporary name, then renamed
+
+    # The data drawn: raw loss with a gap at the skipped step, its EMA, eval loss, lr; against steps and tokens.
+    fig = plot_runs([run], tmp_path / "again.png")
+    loss_steps, loss_tokens, lr_steps, lr_tokens = fig.axes
+    train = [r for r in records if r["type"] == "train"]
+    tokens_at = {r["step"]: r["tokens_seen"] for r in train}
+    drawn = lines_by_label(loss_steps)
+    x, y = drawn["train loss"]
+    assert x == list(range(1, 31))
+    assert math.isnan(y[6]) and y[0] == pytest.approx(3.0) and y[29] == pytest.approx(1.0 + 2 / 30)
+    weight = smoothing_weight(30)
+    x, y = drawn[f"train loss (EMA {weight:.2g})"]
+    assert 7 not in x and len(x) == 29  # the average runs through the skipped step
+    assert y == pytest.approx([v for v in ema([r["loss"] for r in train], weight) if v is not None])
+    assert drawn["eval loss"] == ([10, 20, 30], pytest.approx([1.1 + 2 / s for s in (10, 20, 30)]))
+    x, _ = lines_by_label(loss_tokens)["eval loss"]
+    assert x == [tokens_at[10], tokens_at[20], tokens_at[30]]
+    x, _ = lines_by_label(loss_tokens)["train loss"]
+    assert x == [tokens_at[s] for s in range(1, 31)]
+    (x, y), = lines_by_label(lr_steps).values()
+    assert x == list(range(1, 31)) and y == pytest.approx([1e-3 * s / 30 for s in range(1, 31)])
+    (x, _), = lines_by_label(lr_tokens).values()
+    assert x == [tokens_at[s] for s in range(1, 31)]
+    assert loss_steps.get_yscale() == "linear"
+    assert "best eval loss 1.167 at step 30" in fig._suptitle.get_text()
+
+
+def test_plot_several_runs_overlaid(tmp_path):
+    a, b = tmp_path / "lr1e-3", tmp_path / "lr3e-4"
+    write_metrics(a)
+    write_metrics(b, steps=20, scale=0.5, skipped=())
+    out = tmp_path / "cmp" / "both.png"
+    proc = cli("plot", str(a), str(b), "--out", str(out))
+    assert proc.stdout.strip() == str(out)
+    assert png_size(out) == PNG_SIZE
+
+    fig = plot_runs([a, b], out)
+    drawn = lines_by_label(fig.axes[0])
+    assert drawn["lr1e-3: eval loss"][0] == [10, 20, 30]
+    assert drawn["lr3e-4: eval loss"] == ([10, 20], pytest.approx([0.5 * (1.1 + 2 / s) for s in (10, 20)]))
+    assert drawn["lr3e-4: train loss"][0] == list(range(1, 21))
+    assert set(lines_by_label(fig.axes[2])) == {"lr1e-3", "lr3e-4"}  # one lr curve per run, named
+
+    # Without --out, several runs go to ./loss-compare.png (not into one run's own loss.png).
+    proc = subprocess.run([*LLMTRAIN, "plot", str(a), str(b)], env=ENV, cwd=tmp_path, capture_output=True,
+                          text=True, timeout=120, check=False)
+    assert proc.returncode == 0, proc.stderr
+    assert png_size(tmp_path / "loss-compare.png") == PNG_SIZE
+    assert not (a / "loss.png").exists()
+
+
+def test_plot_errors_are_one_paragraph_exit_2(tmp_path):
+    missing = cli("plot", str(tmp_path / "nope"), check=False)
+    assert missing.returncode == 2
+    assert f"Run folder '{tmp_path / 'nope'}' does not exist" in missing.stderr
+    assert "Traceback" not in missing.stderr
+
+    (tmp_path / "empty").mkdir()
+    not_a_run = cli("plot", str(tmp_path / "empty"), check=False)
+    assert not_a_run.returncode == 2
+    assert "has no metrics.jsonl" in not_a_run.stderr and "output_dir" in not_a_run.stderr
+    assert len(not_a_run.stderr.strip().splitlines()) <= 3  # one paragraph (wrapped by the terminal width)
+
+    write_metrics(tmp_path / "run")
+    bad_suffix = cli("plot", str(tmp_path / "run"), "--out", str(tmp_path / "x.docx"), check=False)
+    assert bad_suffix.returncode == 2 and "'.docx' is not one matplotlib writes" in bad_suffix.stderr
+
+
+def test_damaged_and_partial_lines(tmp_path):
+    run = tmp_path / "run"
+    write_metrics(run, steps=3, eval_every=10, tail='{"type": "train", "st')  # being written right now: ignored
+    assert read_curves(run).step == [1, 2, 3]
+
+    with (run / "metrics.jsonl").open("a") as f:  # the cut line is now followed by others: damaged
+        f.write("\n" + json.dumps({"type": "train", "step": 4, "loss": 1.0}) + "\n")
+    with pytest.raises(LLMTrainError, match=r"metrics.jsonl, line 4: not a metrics line \(JSONDecodeError"):
+        read_curves(run)
+
+    (run / "metrics.jsonl").write_text('{"type": "eval", "step": 1, "eval_loss": 1.0}\n')
+    with pytest.raises(LLMTrainError, match="holds no train lines yet"):
+        read_curves(run)
+
+
+def test_last_line_of_a_step_wins_and_eval_tokens_come_from_the_train_line(tmp_path):
+    run = tmp_path / "run"
+    run.mkdir()
+    rows = [{"type": "train", "step": 1, "loss": 5.0, "lr": 1.0, "tokens_seen": 10},
+            {"type": "train", "step": 2, "loss": 9.0, "lr": 1.0, "tokens_seen": 20},
+            {"type": "train", "step": 2, "loss": 4.0, "lr": 1.0, "tokens_seen": 25},  # a re-run of step 2
+            {"type": "eval", "step": 3, "eval_loss": 3.5},  # no train line at 3: the last one before it
+            {"type": "train", "step": 4, "loss": float("nan"), "lr": 1.0, "tokens_seen": 40}]
+    (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    c = read_curves(run)
+    assert (c.step, c.loss, c.tokens) == ([1, 2, 4], [5.0, 4.0, None], [10, 25, 40])
+    assert (c.eval_step, c.eval_loss, c.eval_tokens) == ([3], [3.5], [25])
+
+
+def test_loss_axis_turns_logarithmic_for_a_wide_range(tmp_path):
+    run = tmp_path / "run"
+    run.mkdir()
+    rows = [{"type": "train", "step": s, "loss": 10.0 / s ** 2, "lr": 1e-3, "tokens_seen": 10 * s} for s in range(1, 21)]
+    (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    fig = plot_runs([run], run / "loss.png")
+    assert fig.axes[0].get_yscale() == "log" and fig.axes[1].get_yscale() == "log"
+
+
+def test_ema_and_smoothing_weight():
+    assert ema([1.0, None, 3.0, float("nan")], 0.5) == [1.0, None, pytest.approx((0.25 + 1.5) / 0.75), None]
+    assert ema([2.0, 2.0, 2.0], 0.9) == pytest.approx([2.0, 2.0, 2.0])  # debiased: no pull towards zero
+    assert smoothing_weight(10) == 0.0 and smoothing_weight(20) == 0.0
+    assert smoothing_weight(100) == pytest.approx(0.8) and smoothing_weight(1000) == pytest.approx(0.98)
+
+
+def test_default_path_and_the_trainers_update(tmp_path):
+    run = tmp_path / "run"
+    write_metrics(run)
+    assert default_plot_path([run]) == run / "loss.png"
+    assert default_plot_path([run / "metrics.jsonl"]) == run / "loss.png"
+    assert default_plot_path([run, run]).name == "loss-compare.png"
+    assert update_loss_plot(run) is None and png_size(run / "loss.png") == PNG_SIZE
+    # A run folder the plot cannot read gives a warning line, never an exception that would end training.
+    note = update_loss_plot(tmp_path / "elsewhere")
+    assert note.startswith("warning:") and "not updated" in note and "does not exist" in note
