@@ -61,23 +61,16 @@ def strict_json(record: dict) -> dict:
     return {k: None if isinstance(v, float) and not math.isfinite(v) else v for k, v in record.items()}
 
 
-def progress_bar(*, enabled: bool, total: int, completed: int):
+def progress_bar(*, enabled: bool, total: int, completed: int, console=None):
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
     progress = Progress(
         TextColumn("[bold]{task.description}"), MofNCompleteColumn(), BarColumn(),
         TextColumn("{task.fields[info]}"), TimeElapsedColumn(), TextColumn("eta"), TimeRemainingColumn(),
-        disable=not enabled,
+        disable=not enabled, console=console,
     )
     task = progress.add_task("step", total=total, completed=completed, info="")
     return progress, task
-
-
-def step_info(rec: dict) -> str:
-    if rec.get("loss") is None or not math.isfinite(rec["loss"]):
-        return f"loss {rec.get('loss')}  (update skipped)"
-    mfu = f"  MFU {rec['mfu']:.1%}" if rec.get("mfu") is not None else ""
-    return f"loss {rec['loss']:.4f}  lr {rec['lr']:.2e}  {rec['tokens_per_s_per_gpu']:,.0f} tok/s/gpu{mfu}"
 
 
 # --------------------------------------------------------------------------- speed: FLOPs and MFU

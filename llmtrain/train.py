@@ -18,6 +18,7 @@ import json
 import math
 import signal
 import time
+import warnings
 from contextlib import ExitStack, nullcontext
 from pathlib import Path
 
@@ -26,12 +27,13 @@ import torch
 from llmtrain.batching import global_micro_batches, prefetch, windows
 from llmtrain.checkpoint import TrainState, load_checkpoint, lora_only_hooks, save_checkpoint
 from llmtrain.config import Recipe
+from llmtrain.console import RunConsole, step_text, summary_table
 from llmtrain.data import prepare_datasets, read_template
 from llmtrain.distributed import build_accelerator, global_sum, receives_weights, use_fused_adamw, uses_fsdp
 from llmtrain.errors import LLMTrainError, Stopped, TrainingDiverged
 from llmtrain.export import save_final
 from llmtrain.loss import attach_loss, compute_loss
-from llmtrain.metrics import MetricsLog, flop_model, peak_flops, progress_bar, step_info, strict_json
+from llmtrain.metrics import MetricsLog, flop_model, peak_flops, strict_json
 from llmtrain.modeling import (build_optimizer, compile_layers, count_parameters, describe_attention,
                                fused_linear_cross_entropy, load_model, load_tokenizer, pad_id)
 from llmtrain.plot import update_loss_plot
@@ -178,22 +180,27 @@ def _train(recipe: Recipe, *, resume: str | None, overwrite: bool, allow_recipe_
 
     datasets.disable_progress_bars()  # the run's own progress bar is the one to watch
     transformers.utils.logging.disable_progress_bar()
+    # peft asks transformers' deprecated is_gradient_checkpointing on every LoRA run: nothing for the user to do
+    warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning)
     tc = recipe.train
     check_trackers(recipe.logging.report_to)  # a missing tracker library fails now, not after the model loads
     accelerator = build_accelerator(recipe)
     out = Path(recipe.output_dir)
+    console = RunConsole(enabled=accelerator.is_main_process, progress=recipe.logging.progress)
+    cleanup.callback(console.close)
+    say = console.say
 
     # ---- checks that only read: nothing in the run folder changes until every one of them has passed
     done = finished_run(out, recipe, allow_recipe_change=allow_recipe_change) if resume == "auto" else None
     if done is not None:
-        accelerator.print(f"the run in {out} is already complete ({done['steps']} steps, final/ written); nothing "
+        say(f"the run in {out} is already complete ({done['steps']} steps, final/ written); nothing "
                           "was changed. Raise train.max_steps with --allow-recipe-change to train it further.")
         return done
     ckpt = check_output_dir(accelerator, out, resume=resume, overwrite=overwrite)
     notes = check_resume(ckpt, recipe, world=accelerator.num_processes, fsdp=uses_fsdp(accelerator),
                          allow_recipe_change=allow_recipe_change) if ckpt else []
     if resume and ckpt is None:
-        accelerator.print(f"--resume {resume}: no complete checkpoint in {out}; starting from step 0.")
+        say(f"--resume {resume}: no complete checkpoint in {out}; starting from step 0.")
     set_seed(tc.seed)  # same seed on every rank: identical init, and DDP checks that anyway
 
     # ---- data: tokenised once on the main process, then read from the cache by the others
@@ -211,7 +218,7 @@ def _train(recipe: Recipe, *, resume: str | None, overwrite: bool, allow_recipe_
     steps_per_epoch = [math.ceil(len(plan(e)) / accum) for e in range(tc.epochs)]
     total_steps = tc.max_steps or sum(steps_per_epoch)
     s = stats["train"]
-    accelerator.print(
+    say(
         f"data: {s.examples} train examples ({'tokenised' if cache_reads < world else 'cache hit'}, "
         f"{int(cache_reads)} of {world} processes read the cache), "
         f"{s.truncated} truncated, {s.dropped} dropped, {s.trained_fraction:.1%} of tokens trained; "
@@ -221,12 +228,12 @@ def _train(recipe: Recipe, *, resume: str | None, overwrite: bool, allow_recipe_
     if tc.micro_batch_tokens:
         bins = sum(len(g) - g.count([]) for g in plan(0))
         packing_efficiency = sum(lengths) / (bins * tc.micro_batch_tokens)
-        accelerator.print(f"global batch: bins of <= {tc.micro_batch_tokens} tokens x {accum} accumulation x {world} "
+        say(f"global batch: bins of <= {tc.micro_batch_tokens} tokens x {accum} accumulation x {world} "
                           f"processes; {bins} bins/epoch, packing efficiency {packing_efficiency:.1%} (real tokens / "
                           f"budget); {total_steps} steps ({steps_per_epoch[0]}/epoch)")
     else:
         mb = tc.micro_batch_size
-        accelerator.print(f"global batch: {mb} micro-batch x {accum} accumulation x {world} processes = "
+        say(f"global batch: {mb} micro-batch x {accum} accumulation x {world} processes = "
                           f"{mb * accum * world} examples/step; {total_steps} steps ({steps_per_epoch[0]}/epoch)")
 
     # ---- model, optimizer, schedule
@@ -234,11 +241,11 @@ def _train(recipe: Recipe, *, resume: str | None, overwrite: bool, allow_recipe_
     attach_loss(model, chunk=tc.loss_chunk_tokens,
                 fused_linear_ce=fused_linear_cross_entropy(recipe.model, accelerator.device))
     if recipe.model.compile:
-        accelerator.print(f"compile: {compile_layers(model)} decoder layers (regional torch.compile)")
+        say(f"compile: {compile_layers(model)} decoder layers (regional torch.compile)")
     n_total, n_trainable = count_parameters(model)
     flops = flop_model(model)
     peak = peak_flops(accelerator.device, recipe.logging.peak_tflops)
-    accelerator.print(f"model: {n_total:,} parameters, {n_trainable:,} trainable ({'LoRA' if recipe.lora else 'full'}); "
+    say(f"model: {n_total:,} parameters, {n_trainable:,} trainable ({'LoRA' if recipe.lora else 'full'}); "
                       f"attention: {describe_attention(recipe.model)}"
                       f"{'; liger kernels' if fused_linear_cross_entropy(recipe.model, accelerator.device) else ''}")
     # ---- every check passed: take the run folder (lock, --overwrite) and only now write into it
@@ -246,6 +253,7 @@ def _train(recipe: Recipe, *, resume: str | None, overwrite: bool, allow_recipe_
     cleanup.callback(run_dir.release)
     if accelerator.is_main_process:
         (out / "recipe.yaml").write_text(recipe.to_yaml())
+        console.keep_log(out / "train.log")
     optimizer = build_optimizer(model, lr=tc.lr, weight_decay=tc.weight_decay, betas=tc.betas, eps=tc.eps,
                                 fused=use_fused_adamw(accelerator))
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, functools.partial(
@@ -265,10 +273,10 @@ def _train(recipe: Recipe, *, resume: str | None, overwrite: bool, allow_recipe_
         state.check_layout(examples_per_micro=state.examples_per_micro if tc.micro_batch_tokens else
                            tc.micro_batch_size * world, accum=accum, micro_batch_tokens=tc.micro_batch_tokens or 0,
                            processes=world)
-        accelerator.print(f"resumed from {ckpt} at step {state.step}")
+        say(f"resumed from {ckpt} at step {state.step}")
         if state.processes != world:
             # Each rank restores its own RNG file; with more ranks than saved, the new ones start from the seed.
-            accelerator.print(f"note: written by {state.processes} processes, resumed on {world}: the same examples "
+            say(f"note: written by {state.processes} processes, resumed on {world}: the same examples "
                               "per step, but per-rank random streams (dropout) do not replay the original run's.")
             state.processes = world
 
@@ -278,10 +286,9 @@ def _train(recipe: Recipe, *, resume: str | None, overwrite: bool, allow_recipe_
     log = MetricsLog(out, enabled=accelerator.is_main_process, trackers=trackers,
                      resume_step=state.step if resume else None)
     for note in notes:  # allowed recipe changes at resume (--allow-recipe-change): said, and on record
-        accelerator.print(f"note: {note}")
+        say(f"note: {note}")
         log.write({"type": "note", "step": state.step, "note": note})
-    progress, task = progress_bar(enabled=recipe.logging.progress and accelerator.is_main_process,
-                                  total=total_steps, completed=state.step)
+    progress, task = console.progress(total=total_steps, completed=state.step)
     on_gpu = accelerator.device.type == "cuda"
     model.train()
     stream = prefetch(windows(train_ds, data_plan(recipe, lengths, world=world, rank=accelerator.process_index),
@@ -290,7 +297,7 @@ def _train(recipe: Recipe, *, resume: str | None, overwrite: bool, allow_recipe_
     start, last = time.perf_counter(), {}
     since = {"time": start}  # when the last metrics line was written
     pending = []  # device statistics of the steps since the last metrics line
-    bad_steps = 0
+    bad_steps, evals = 0, []
     with progress, StopRequests() as stop_requests:
         for window in stream:
             step = train_step(model, optimizer, scheduler, accelerator, window, max_grad_norm=tc.max_grad_norm,
@@ -302,7 +309,7 @@ def _train(recipe: Recipe, *, resume: str | None, overwrite: bool, allow_recipe_
             state.step += 1
             bad_steps += step["skipped"]
             if step["skipped"] and bad_steps <= tc.max_bad_steps:
-                accelerator.print(f"step {state.step}: gradient norm {step['grad_norm']}, update skipped "
+                say(f"step {state.step}: gradient norm {step['grad_norm']}, update skipped "
                                   f"({bad_steps} of train.max_bad_steps={tc.max_bad_steps})")
             # Roll the epoch over with the step that ends it, so a checkpoint saved now resumes at the next
             # epoch's start rather than "all micro-batches into" the finished one.
@@ -319,7 +326,8 @@ def _train(recipe: Recipe, *, resume: str | None, overwrite: bool, allow_recipe_
                     last["max_memory_allocated"] = torch.cuda.max_memory_allocated()
                     last["max_memory_reserved"] = torch.cuda.max_memory_reserved()
                 log.write(last)
-                progress.update(task, completed=state.step, info=step_info(last))
+                progress.update(task, completed=state.step, info=step_text(last))
+                console.step(last, total=total_steps)
             else:
                 progress.update(task, completed=state.step)
             if bad_steps > tc.max_bad_steps:  # after its metrics line: the bad step is on record
@@ -336,12 +344,12 @@ def _train(recipe: Recipe, *, resume: str | None, overwrite: bool, allow_recipe_
                     samples = generate_samples(unwrapped, tokenizer, first, max_new_tokens=tc.eval_max_new_tokens,
                                                step=state.step, synced=world > 1)
                 log.write_samples(samples)  # the main process writes samples.jsonl
-                if accelerator.is_main_process:
-                    progress.console.print(f"step {state.step}: " + "  ".join(f"{k} {v:.4f}" for k, v in ev.items()))
-                    if samples:
-                        progress.console.print(format_sample(samples[0]), markup=False, highlight=False)
-                    if note := update_loss_plot(out):  # loss.png: a failure is said, and training goes on
-                        progress.console.print(note, markup=False)
+                evals.append({"step": state.step, **ev})
+                say(f"step {state.step}: " + "  ".join(f"{k} {v:.4f}" for k, v in ev.items()))
+                if samples:
+                    say(format_sample(samples[0]))
+                if accelerator.is_main_process and (note := update_loss_plot(out)):  # a failure is said, training goes on
+                    say(note)
             if save_now:
                 _check_finite_weights(accelerator, model, state.step)
                 saved = save_checkpoint(accelerator, output_dir=out, state=state, recipe_yaml=recipe.to_yaml(),
@@ -368,12 +376,13 @@ def _train(recipe: Recipe, *, resume: str | None, overwrite: bool, allow_recipe_
                        **_predicted_memory(recipe, accelerator))
     if accelerator.is_main_process:
         (out / "summary.json").write_text(json.dumps(strict_json(summary), indent=1, allow_nan=False))
+        summary_shown = {**summary, "final": str(out / "final") if recipe.checkpoint.save_final else None}
+        say(summary_table(summary_shown, out=out, evals=evals))
         final = summary["final_loss"]
-        accelerator.print(f"done: {state.step} steps, final loss {final if final is None else round(final, 4)}, "
-                          f"wrote {out}")
+        say(f"done: {state.step} steps, final loss {final if final is None else round(final, 4)}, wrote {out}")
     log.close()
     if accelerator.is_main_process and (note := update_loss_plot(out)):
-        accelerator.print(note)
+        say(note)
     accelerator.end_training()
     return summary
 

@@ -1,0 +1,95 @@
+"""What a run says: start-up lines, the progress bar, eval results, and the summary at the end.
+
+Printed on the main process only; a copy goes to <output_dir>/train.log (lines said before the folder is
+claimed are kept and written first). On a terminal the progress bar shows the latest step; elsewhere (`| tee`,
+nohup, SLURM logs) a plain line is printed for every logged step instead, so such a log is never silent.
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+
+class RunConsole:
+    def __init__(self, *, enabled: bool, progress: bool):
+        from rich.console import Console
+
+        self.enabled = enabled
+        self.screen = Console(highlight=False)
+        self.plain = not self.screen.is_terminal  # no live bar: print a line per logged step
+        self.show_bar = enabled and progress and not self.plain
+        self._log = None
+        self._pending: list = []
+
+    def progress(self, *, total: int, completed: int):
+        from llmtrain.metrics import progress_bar
+
+        progress, task = progress_bar(enabled=self.show_bar, total=total, completed=completed, console=self.screen)
+        return progress, task
+
+    def say(self, what, *, markup: bool = False) -> None:
+        """Print a line (or a rich renderable) and keep it for train.log. Text is never read as markup unless
+        asked: a message with [brackets] prints as written."""
+        if not self.enabled:
+            return
+        self.screen.print(what, markup=markup, highlight=False, soft_wrap=isinstance(what, str))
+        if self._log is None:
+            self._pending.append((what, markup))
+        else:
+            self._log.print(what, markup=markup, highlight=False, soft_wrap=isinstance(what, str))
+
+    def keep_log(self, path: Path) -> None:
+        """From now on, also append to `path` (train.log), starting with what was said before."""
+        from rich.console import Console
+
+        if not self.enabled:
+            return
+        self._file = path.open("a")
+        self._log = Console(file=self._file, width=120, color_system=None, highlight=False)
+        for what, markup in self._pending:
+            self._log.print(what, markup=markup, highlight=False, soft_wrap=isinstance(what, str))
+        self._pending = []
+
+    def step(self, rec: dict, *, total: int) -> None:
+        if self.plain:
+            self.say(f"step {rec['step']}/{total}  {step_text(rec)}  elapsed {rec['elapsed_s']:.0f}s")
+
+    def close(self) -> None:
+        if self._log is not None:
+            self._file.close()
+            self._log = None
+
+
+def step_text(rec: dict) -> str:
+    loss = rec.get("loss")
+    if loss is None or not math.isfinite(loss):
+        return f"loss {loss}  (update skipped)"
+    mfu = f"  MFU {rec['mfu']:.1%}" if rec.get("mfu") is not None else ""
+    return f"loss {loss:.4f}  lr {rec['lr']:.2e}  {rec['tokens_per_s_per_gpu']:,.0f} tok/s/gpu{mfu}"
+
+
+def summary_table(summary: dict, *, out: Path, evals: list[dict]):
+    """The end-of-run table: steps, tokens, time, speed, the best eval, peak GPU memory, and where final/ is."""
+    from rich.table import Table
+
+    table = Table(title=f"llmtrain: {out}", show_header=False, title_justify="left")
+    table.add_column(style="bold")
+    table.add_column()
+    hours, rest = divmod(int(summary["train_time_s"]), 3600)
+    table.add_row("steps", f"{summary['steps']:,}")
+    table.add_row("tokens", f"{summary['tokens_seen']:,}")
+    table.add_row("time", f"{hours}:{rest // 60:02d}:{rest % 60:02d}")
+    table.add_row("tokens/s per GPU", f"{summary['tokens_per_s_per_gpu']:,.0f}")
+    if summary.get("final_loss") is not None:
+        table.add_row("final train loss", f"{summary['final_loss']:.4f}")
+    if evals:
+        best = min(evals, key=lambda e: e["eval_loss"])
+        table.add_row("best eval loss", f"{best['eval_loss']:.4f} (step {best['step']}, exact match "
+                                        f"{best['eval_exact_match']:.1%})")
+    if summary.get("max_memory_allocated"):
+        table.add_row("peak GPU memory", f"{summary['max_memory_allocated'] / 2**30:.2f} GiB allocated, "
+                                         f"{summary['max_memory_reserved'] / 2**30:.2f} GiB reserved")
+    if summary.get("final"):
+        table.add_row("final model", summary["final"])
+    return table
