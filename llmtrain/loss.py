@@ -21,7 +21,6 @@ import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
 
-
 def _chunk_loss(head, hidden: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     # Cross-entropy in fp32: bf16 log-softmax over a 32k vocabulary loses digits the loss needs.
     return F.cross_entropy(head(hidden).float(), targets, reduction="sum")

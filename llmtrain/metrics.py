@@ -62,7 +62,14 @@ def strict_json(record: dict) -> dict:
 
 
 def progress_bar(*, enabled: bool, total: int, completed: int, console=None):
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+    from rich.progress import (
+        BarColumn,
+        MofNCompleteColumn,
+        Progress,
+        TextColumn,
+        TimeElapsedColumn,
+        TimeRemainingColumn,
+    )
 
     progress = Progress(
         TextColumn("[bold]{task.description}"), MofNCompleteColumn(), BarColumn(),

@@ -30,12 +30,22 @@ from llmtrain.config import Recipe
 from llmtrain.console import RunConsole, step_text, summary_table
 from llmtrain.data import prepare_datasets, read_template
 from llmtrain.distributed import build_accelerator, global_sum, receives_weights, use_fused_adamw, uses_fsdp
-from llmtrain.errors import LLMTrainError, Stopped, TrainingDiverged
+from llmtrain.errors import LLMTrainError, Stopped
 from llmtrain.export import save_final
+from llmtrain.guards import check_finite_weights, diverged
 from llmtrain.loss import attach_loss, compute_loss
+from llmtrain.memory import predicted_for_run
 from llmtrain.metrics import MetricsLog, flop_model, peak_flops, strict_json
-from llmtrain.modeling import (build_optimizer, compile_layers, count_parameters, describe_attention,
-                               fused_linear_cross_entropy, load_model, load_tokenizer, pad_id)
+from llmtrain.modeling import (
+    build_optimizer,
+    compile_layers,
+    count_parameters,
+    describe_attention,
+    fused_linear_cross_entropy,
+    load_model,
+    load_tokenizer,
+    pad_id,
+)
 from llmtrain.plot import update_loss_plot
 from llmtrain.preflight import check_resume, finished_run
 from llmtrain.rundir import check_output_dir, claim_output_dir
@@ -173,10 +183,9 @@ def train(recipe: Recipe, *, resume: str | None = None, overwrite: bool = False,
 
 
 def _train(recipe: Recipe, *, resume: str | None, overwrite: bool, allow_recipe_change: bool, cleanup) -> dict:
-    from accelerate.utils import set_seed
-
     import datasets
     import transformers
+    from accelerate.utils import set_seed
 
     datasets.disable_progress_bars()  # the run's own progress bar is the one to watch
     transformers.utils.logging.disable_progress_bar()
@@ -331,11 +340,11 @@ def _train(recipe: Recipe, *, resume: str | None, overwrite: bool, allow_recipe_
             else:
                 progress.update(task, completed=state.step)
             if bad_steps > tc.max_bad_steps:  # after its metrics line: the bad step is on record
-                _diverged(accelerator, out, state.step, step["grad_norm"], tc)
+                diverged(accelerator, out, state.step, step["grad_norm"], tc)
             if eval_now:
                 shown = progress.add_task("eval", total=None, info=f"{len(eval_ds)} examples")
                 ev = evaluate(model, eval_ds, accelerator, recipe, pad=pad,
-                              on_batch=lambda done, total: progress.update(shown, completed=done, total=total))
+                              on_batch=lambda done, total, shown=shown: progress.update(shown, completed=done, total=total))
                 progress.remove_task(shown)
                 log.write({"type": "eval", "step": state.step, **ev})
                 samples = []
@@ -351,7 +360,7 @@ def _train(recipe: Recipe, *, resume: str | None, overwrite: bool, allow_recipe_
                 if accelerator.is_main_process and (note := update_loss_plot(out)):  # a failure is said, training goes on
                     say(note)
             if save_now:
-                _check_finite_weights(accelerator, model, state.step)
+                check_finite_weights(accelerator, model, state.step)
                 saved = save_checkpoint(accelerator, output_dir=out, state=state, recipe_yaml=recipe.to_yaml(),
                                         keep_last=recipe.checkpoint.keep_last, model_keys=model_keys,
                                         trainable=trainable_names)
@@ -363,7 +372,7 @@ def _train(recipe: Recipe, *, resume: str | None, overwrite: bool, allow_recipe_
 
     # ---- export and summary
     if recipe.checkpoint.save_final:
-        _check_finite_weights(accelerator, model, state.step)
+        check_finite_weights(accelerator, model, state.step)
         save_final(accelerator, model, tokenizer, out / "final")
     summary = {"steps": state.step, "params_total": n_total, "params_trainable": n_trainable,
                "final_loss": last.get("loss"), "tokens_seen": state.tokens_seen,
@@ -373,7 +382,7 @@ def _train(recipe: Recipe, *, resume: str | None, overwrite: bool, allow_recipe_
     if on_gpu:
         summary.update(max_memory_allocated=torch.cuda.max_memory_allocated(),
                        max_memory_reserved=torch.cuda.max_memory_reserved(),
-                       **_predicted_memory(recipe, accelerator))
+                       **predicted_for_run(recipe, accelerator))
     if accelerator.is_main_process:
         (out / "summary.json").write_text(json.dumps(strict_json(summary), indent=1, allow_nan=False))
         summary_shown = {**summary, "final": str(out / "final") if recipe.checkpoint.save_final else None}
@@ -412,33 +421,6 @@ def _log_line(accelerator, pending: list[dict], state: TrainState, *, since: dic
             "tokens_seen": state.tokens_seen, "elapsed_s": now - start}
 
 
-def _diverged(accelerator, out: Path, step: int, grad_norm: float, tc) -> None:
-    from llmtrain.checkpoint import step_dirs
-
-    good = (step_dirs(out / "checkpoints") or [None])[-1]
-    raise TrainingDiverged(
-        f"step {step}: the gradient norm is {grad_norm} (the loss or a gradient is not finite); the weights were not "
-        f"updated and the run stopped. "
-        + (f"The last checkpoint, {good}, is intact: " if good else "No checkpoint was written yet: ")
-        + f"lower train.lr (now {tc.lr:g})"
-        + ("" if tc.max_grad_norm else " or set train.max_grad_norm (now null)")
-        + (" and continue with --resume auto" if good else "")
-        + f", or allow skipping such steps with train.max_bad_steps=N (now {tc.max_bad_steps})."
-    )
-
-
-def _check_finite_weights(accelerator, model, step: int) -> None:
-    """No checkpoint or export is ever published with a NaN or infinite weight (an update can overflow)."""
-    with torch.no_grad():
-        flags = [torch.isfinite(p.to_local() if hasattr(p, "to_local") else p).all() for p in model.parameters()]
-        bad = int((~torch.stack(flags)).sum())  # p.to_local(): an FSDP shard; one host read for all
-    (bad,) = global_sum(accelerator, bad)
-    if bad:
-        raise TrainingDiverged(f"step {step}: {int(bad)} weight tensors hold NaN or infinite values after the update; "
-                               "nothing was saved and the run stopped. Lower train.lr, set train.max_grad_norm, and "
-                               "continue from the last checkpoint with --resume auto.")
-
-
 def _check_budget(recipe: Recipe, lengths: list[int], eval_ds) -> None:
     """With a token budget, every example must fit in one micro-batch: refuse at start-up, never drop."""
     budget = recipe.train.micro_batch_tokens
@@ -451,24 +433,3 @@ def _check_budget(recipe: Recipe, lengths: list[int], eval_ds) -> None:
             f"is ever split or dropped. Raise train.micro_batch_tokens to at least {longest}, or truncate the "
             f"examples with data.max_seq_len={budget}."
         )
-
-
-def _predicted_memory(recipe: Recipe, accelerator) -> dict:
-    """The estimator's prediction for this very run, logged beside the measured peak."""
-    from torch.distributed.fsdp import CPUOffloadPolicy
-
-    from llmtrain.memory import estimate_for_recipe
-
-    fsdp = uses_fsdp(accelerator)
-    strategy = "fsdp" if fsdp else ("ddp" if accelerator.num_processes > 1 else "single")
-    offload = fsdp and isinstance(accelerator.state.fsdp_plugin.cpu_offload, CPUOffloadPolicy)
-    try:
-        est = estimate_for_recipe(recipe, num_processes=accelerator.num_processes, strategy=strategy,
-                                  cpu_offload=offload)
-    except LLMTrainError as e:  # a model the estimator cannot read must not fail a finished run
-        accelerator.print(f"memory estimate unavailable: {e}")
-        return {}
-    # allocated/reserved compare with torch.cuda.max_memory_*; peak adds the CUDA context and NCCL buffers.
-    return {"predicted_peak_bytes": est.per_gpu_peak_bytes,
-            "predicted_peak_allocated_bytes": est.per_gpu_peak_allocated_bytes,
-            "predicted_peak_reserved_bytes": est.per_gpu_peak_reserved_bytes, "predicted_breakdown": est.breakdown}

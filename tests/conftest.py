@@ -23,6 +23,21 @@ def tiny_assets(tmp_path_factory) -> Path:
     return out
 
 
+@pytest.fixture(scope="module")
+def mistral():
+    """The real Mistral-7B-Instruct-v0.3 tokenizer and chat template (tests using it are marked needs(MISTRAL))."""
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(MISTRAL)
+
+
+@pytest.fixture(scope="module")
+def tiny_tok(tiny_assets):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(tiny_assets / "model")
+
+
 @pytest.fixture
 def free_port() -> int:
     """A port the OS says is free (never a fixed one: parallel runs would collide)."""

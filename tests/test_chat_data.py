@@ -18,7 +18,7 @@ from llmtrain.errors import LLMTrainError, RecipeError
 
 from conftest import GSM8K, MISTRAL, REPO, needs
 # mistral and tiny_tok are fixtures: imported, pytest finds them here too
-from test_data import gsm8k, mistral, tiny_tok, trained_segments, write_jsonl  # noqa: F401
+from test_data import gsm8k, trained_segments, write_jsonl
 
 GSM8K_CHAT = DataConfig(path="unused.jsonl", format="prompt_completion", chat_template=True, max_seq_len=4096,
                         fields={"prompt": "question", "completion": "answer"})

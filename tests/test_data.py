@@ -56,20 +56,6 @@ def chat(*turns: str, system: str | None = None) -> list[dict]:
     return msgs + [{"role": ("user", "assistant")[i % 2], "content": t} for i, t in enumerate(turns)]
 
 
-@pytest.fixture(scope="module")
-def mistral():
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(MISTRAL)
-
-
-@pytest.fixture(scope="module")
-def tiny_tok(tiny_assets):
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(tiny_assets / "model")
-
-
 # --------------------------------------------------------------------------- Mistral chat template on GSM8K
 
 MESSAGES = DataConfig(path="unused.jsonl", format="messages", max_seq_len=4096)

@@ -23,7 +23,7 @@ if TYPE_CHECKING:
 _LAZY = {"ModelShape": "params", "load_model_shape": "params", "lora_plan": "params",
          "Estimate": "spec", "TrainSpec": "spec", "spec_from_recipe": "spec"}
 
-__all__ = ["Estimate", "ModelShape", "TrainSpec", "estimate_for_recipe", "load_model_shape",
+__all__ = ["Estimate", "ModelShape", "TrainSpec", "estimate_for_recipe", "load_model_shape", "predicted_for_run",
            "lora_plan", "spec_from_recipe"]
 
 
@@ -47,3 +47,26 @@ def estimate_for_recipe(recipe: Recipe, *, num_processes: int = 1,
     shape = load_model_shape(recipe.model.name_or_path)
     return estimate(shape, spec_from_recipe(recipe, strategy=strategy, num_gpus=num_processes,
                                             cpu_offload=cpu_offload))
+
+
+def predicted_for_run(recipe: Recipe, accelerator) -> dict:
+    """The estimator's prediction for the run this Accelerator is training, logged beside the measured peak
+    in summary.json. A model the estimator cannot read gives {} (and a note), never a failed run."""
+    from torch.distributed.fsdp import CPUOffloadPolicy
+
+    from llmtrain.distributed import uses_fsdp
+    from llmtrain.errors import LLMTrainError
+
+    fsdp = uses_fsdp(accelerator)
+    strategy = "fsdp" if fsdp else ("ddp" if accelerator.num_processes > 1 else "single")
+    offload = fsdp and isinstance(accelerator.state.fsdp_plugin.cpu_offload, CPUOffloadPolicy)
+    try:
+        est = estimate_for_recipe(recipe, num_processes=accelerator.num_processes, strategy=strategy,
+                                  cpu_offload=offload)
+    except LLMTrainError as e:
+        accelerator.print(f"memory estimate unavailable: {e}")
+        return {}
+    # allocated/reserved compare with torch.cuda.max_memory_*; peak adds the CUDA context and NCCL buffers.
+    return {"predicted_peak_bytes": est.per_gpu_peak_bytes,
+            "predicted_peak_allocated_bytes": est.per_gpu_peak_allocated_bytes,
+            "predicted_peak_reserved_bytes": est.per_gpu_peak_reserved_bytes, "predicted_breakdown": est.breakdown}
