@@ -335,7 +335,8 @@ def _train(recipe: Recipe, *, resume: str | None, overwrite: bool, allow_recipe_
                     last["max_memory_allocated"] = torch.cuda.max_memory_allocated()
                     last["max_memory_reserved"] = torch.cuda.max_memory_reserved()
                 log.write(last)
-                progress.update(task, completed=state.step, info=step_text(last))
+                latest_eval = f"  eval {evals[-1]['eval_loss']:.4f}" if evals else ""
+                progress.update(task, completed=state.step, info=step_text(last) + latest_eval)
                 console.step(last, total=total_steps)
             else:
                 progress.update(task, completed=state.step)
