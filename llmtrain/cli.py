@@ -121,6 +121,24 @@ app.command("estimate-memory")(user_errors(estimate_memory))
 
 @app.command()
 @user_errors
+def doctor(
+    recipe: Annotated[Path, typer.Argument(help="YAML recipe.")],
+    overrides: Overrides = None,
+    accelerate_config: Annotated[Optional[Path], typer.Option(
+        help="The accelerate launch config the run will use (mixed precision, FSDP, processes, machines).")] = None,
+    gpu_memory: Annotated[Optional[float], typer.Option(
+        help="Memory of one GPU in GiB (default: the GPU present).")] = None,
+) -> None:
+    """Check a recipe before spending GPU time: tokenizer, data and masks, memory, launch config. Exit 1 on a fail."""
+    from llmtrain.config import load_recipe
+    from llmtrain.doctor import doctor as run
+
+    code = run(load_recipe(recipe, overrides), accelerate_config=accelerate_config, gpu_memory=gpu_memory)
+    raise typer.Exit(code)
+
+
+@app.command()
+@user_errors
 def plot(
     runs: Annotated[list[Path], typer.Argument(help="One or several run folders (the output_dir of finetune).")],
     out: Annotated[Optional[Path], typer.Option(

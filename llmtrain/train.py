@@ -30,6 +30,7 @@ from llmtrain.config import Recipe
 from llmtrain.console import RunConsole, step_text, summary_table
 from llmtrain.data import prepare_datasets, read_template
 from llmtrain.distributed import build_accelerator, global_sum, receives_weights, use_fused_adamw, uses_fsdp
+from llmtrain.doctor import check_eos_trained, check_masks
 from llmtrain.errors import LLMTrainError, Stopped
 from llmtrain.export import save_final
 from llmtrain.guards import check_finite_weights, diverged
@@ -233,6 +234,15 @@ def _train(recipe: Recipe, *, resume: str | None, overwrite: bool, allow_recipe_
         f"{s.truncated} truncated, {s.dropped} dropped, {s.trained_fraction:.1%} of tokens trained; "
         f"eval: {stats['eval'].examples if 'eval' in stats else 0} examples"
     )
+    # The cheap part of `llmtrain doctor`: masks, and the stop token is trained (the model learns to stop).
+    for name, status, detail in [*check_masks(s, train_on_prompt=recipe.data.train_on_prompt,
+                                              text=recipe.data.format == "text", max_seq_len=recipe.data.max_seq_len),
+                                 *check_eos_trained(train_ds.select(range(min(200, len(train_ds))))["labels"],
+                                                    tokenizer)]:
+        if status == "fail":
+            raise LLMTrainError(f"{name}: {detail}")
+        if status == "warn":
+            say(f"warning ({name}): {detail}")
     packing_efficiency = None
     if tc.micro_batch_tokens:
         bins = sum(len(g) - g.count([]) for g in plan(0))

@@ -1,0 +1,280 @@
+"""`llmtrain doctor`: the checks that catch a silent failure before any GPU time is spent.
+
+Each check is a small function that returns rows of (name, status, detail), status one of pass / warn / fail,
+so tests call them directly; `run_doctor` runs them all in order and `doctor` prints the table. Nothing here
+loads model weights: the memory check is the estimator's arithmetic on config.json.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import yaml
+
+from llmtrain.config import Recipe
+from llmtrain.data import IGNORE, DataStats
+from llmtrain.errors import LLMTrainError
+
+Check = tuple[str, str, str]  # (name, "pass" | "warn" | "fail", detail: what was found, and the key and fix)
+
+BIG_MODEL_PARAMS = 3e9  # above this a full fine-tune keeps ~16 bytes/param of state: FSDP, not DDP
+EOS_SAMPLE = 200  # rows whose last trained label is checked
+NODE_LOCAL = ("/tmp", "/var/tmp", "/dev/shm", "/scratch/local")  # folders that are per node on every cluster we know
+
+
+def _gib(n: int) -> str:
+    return f"{n / 2**30:.1f} GiB"
+
+
+# --------------------------------------------------------------------------- tokenizer and template
+
+
+def check_tokenizer(tokenizer) -> list[Check]:
+    eos, pad = tokenizer.eos_token_id, tokenizer.pad_token_id
+    if eos is None:
+        return [("tokenizer eos/pad", "fail", "the tokenizer has no eos_token: the model never learns to stop. "
+                 "Set eos_token in the tokenizer_config.json of model.tokenizer.")]
+    if pad is None:
+        return [("tokenizer eos/pad", "warn", f"eos {tokenizer.eos_token!r} (id {eos}); no pad token, so padding "
+                 "uses eos. Pad positions are masked from attention and loss, so this is safe unless a tool of "
+                 "yours reads pad == eos as the end.")]
+    return [("tokenizer eos/pad", "pass", f"eos {tokenizer.eos_token!r} (id {eos}), pad {tokenizer.pad_token!r} "
+             f"(id {pad})")]
+
+
+def needs_chat(recipe: Recipe) -> bool:
+    d = recipe.data
+    return d.format == "messages" or (d.format == "prompt_completion" and d.chat_template is not False)
+
+
+def check_chat_template(recipe: Recipe, tokenizer) -> list[Check]:
+    """Render a two-turn chat as training will, when the data is formatted with a chat template."""
+    from llmtrain.data import encode_messages, read_template
+
+    if not needs_chat(recipe):
+        return [("chat template", "pass", f"not used (data.format={recipe.data.format}, data.chat_template false)")]
+    chat = [{"role": "user", "content": "What is 2 + 2?"}, {"role": "assistant", "content": "4"}]
+    try:
+        ids, labels = encode_messages(chat, tokenizer, train_on_prompt=False, template=read_template(recipe.data))
+    except LLMTrainError as e:
+        return [("chat template", "fail", f"{e} (data.chat_template)")]
+    trained = tokenizer.decode([i for i, lab in zip(ids, labels) if lab != IGNORE])
+    return [("chat template", "pass", f"renders; the reply trains as {trained!r}")]
+
+
+# --------------------------------------------------------------------------- data and masks
+
+
+def check_masks(stats: DataStats, *, train_on_prompt: bool, text: bool, max_seq_len: int) -> list[Check]:
+    """Masks neither all-zero nor all-one; truncated and dropped counts."""
+    seen = stats.examples + stats.dropped
+    counts = (f"{stats.examples:,} examples, {stats.trained_fraction:.1%} of tokens trained, "
+              f"{stats.truncated:,} truncated, {stats.dropped:,} dropped")
+    if stats.examples == 0:
+        return [("loss mask", "fail", f"no trained token in any of {seen:,} examples ({counts}): the loss is 0 "
+                 "and nothing is learned. Check data.format / data.fields, or raise data.max_seq_len if the "
+                 "prompts fill it.")]
+    rows = [("data", "pass", counts)]
+    # The first token of each example is never a target, so "all trained" is tokens - examples.
+    if not train_on_prompt and not text and stats.trained_tokens >= stats.tokens - stats.examples:
+        rows.append(("loss mask", "warn", "every token is trained although data.train_on_prompt is false: the "
+                     "prompt is not masked. Check data.format / data.fields (is the prompt in the completion?)."))
+    else:
+        rows.append(("loss mask", "pass", f"{stats.trained_fraction:.1%} of tokens trained"))
+    if stats.dropped:
+        rows.append(("dropped", "warn", f"{stats.dropped:,} of {seen:,} examples have no trained token left "
+                     f"after truncation to data.max_seq_len={max_seq_len} and are dropped; raise data.max_seq_len."))
+    if stats.truncated:
+        rows.append(("truncated", "warn", f"{stats.truncated:,} of {stats.examples:,} examples are cut at "
+                     "data.max_seq_len; raise it if their ends matter."))
+    return rows
+
+
+def check_eos_trained(labels: list[list[int]], tokenizer) -> list[Check]:
+    """The last trained label of each row is EOS or an end-of-turn special token: the model learns to stop."""
+    stops = {tokenizer.eos_token_id, *tokenizer.all_special_ids}
+    last = [[lab for lab in row if lab != IGNORE] for row in labels]
+    missing = sum(1 for t in last if not t or t[-1] not in stops)
+    only_stop = sum(1 for t in last if len(t) == 1 and t[0] in stops)
+    name, n = "eos trained", len(labels)
+    if n and missing == n:
+        return [(name, "fail", f"none of {n} examples ends with a trained {tokenizer.eos_token!r} or end-of-turn "
+                 "token: generation will not stop. Check the chat template (data.chat_template).")]
+    rows = [(name, "warn" if missing else "pass",
+             f"{n - missing} of {n} examples end with a trained stop token"
+             + (f"; {missing} do not (cut at data.max_seq_len?)" if missing else ""))]
+    if only_stop:
+        rows.append(("empty replies", "warn", f"{only_stop} of {n} examples train only the stop token: their "
+                     "completion is empty. Check data.fields."))
+    return rows
+
+
+def load_data(recipe: Recipe, tokenizer) -> tuple[list[Check], DataStats | None, list[list[int]]]:
+    """prepare_datasets (filling the cache finetune reads); when that refuses, tokenise the train split alone to
+    say why (all examples dropped gives stats with 0 examples)."""
+    from llmtrain.data import load_raw, prepare_datasets, tokenize_dataset
+
+    try:
+        train, _, stats, _ = prepare_datasets(recipe.data, tokenizer, seed=recipe.train.seed)
+        stats = stats["train"]
+    except LLMTrainError as first:
+        try:
+            train, stats = tokenize_dataset(load_raw(recipe.data.path, name=recipe.data.name,
+                                                     split=recipe.data.split), tokenizer, recipe.data, "data.path")
+        except LLMTrainError:
+            return [("data", "fail", str(first))], None, []
+    return [], stats, train.select(range(min(EOS_SAMPLE, len(train))))["labels"] if len(train) else []
+
+
+# --------------------------------------------------------------------------- launch config and memory
+
+
+def read_launch(path: Path | None) -> dict:
+    """The accelerate YAML as a dict ({} without one: one process, no mixed precision of its own)."""
+    if path is None:
+        return {}
+    try:
+        cfg = yaml.safe_load(Path(path).read_text()) or {}
+    except (OSError, yaml.YAMLError) as e:
+        raise LLMTrainError(f"cannot read --accelerate-config {path}: {e}") from None
+    if not isinstance(cfg, dict):
+        raise LLMTrainError(f"--accelerate-config {path} must be a mapping (distributed_type, num_processes, ...).")
+    return cfg
+
+
+def check_precision(recipe: Recipe, launch: dict) -> list[Check]:
+    mp, ours = launch.get("mixed_precision"), recipe.train.mixed_precision
+    if mp is None or str(mp) == ours:
+        return [("mixed precision", "pass", f"train.mixed_precision={ours}")]
+    return [("mixed precision", "warn", f"the launch config says mixed_precision: {mp}, the recipe "
+             f"train.mixed_precision={ours}; the recipe wins. Set mixed_precision: {ours} in the launch config.")]
+
+
+def check_batch(recipe: Recipe, launch: dict) -> list[Check]:
+    t, procs = recipe.train, int(launch.get("num_processes", 1) or 1)
+    unit = "tokens" if t.micro_batch_tokens else "examples"
+    per = t.micro_batch_tokens or t.micro_batch_size
+    return [("global batch", "pass", f"{procs} processes x {per} {unit} (train.micro_batch_"
+             f"{'tokens' if t.micro_batch_tokens else 'size'}) x {t.grad_accum_steps} (train.grad_accum_steps) = "
+             f"{procs * per * t.grad_accum_steps:,} {unit} per optimizer step")]
+
+
+def check_fsdp(recipe: Recipe, launch: dict, *, params: int, fits: bool | None) -> list[Check]:
+    fsdp = str(launch.get("distributed_type", "NO")) == "FSDP"
+    if recipe.lora is not None or params <= BIG_MODEL_PARAMS or fsdp:
+        return [("fsdp", "pass", "FSDP" if fsdp else f"not needed ({'LoRA' if recipe.lora else 'small model'})")]
+    what = (f"full fine-tune of {params / 1e9:.1f}B parameters without FSDP: every GPU holds all weights, "
+            "gradients and optimizer state. Launch with accelerate_configs/fsdp.yaml (and check it here with "
+            "--accelerate-config accelerate_configs/fsdp.yaml)")
+    why = {False: "", True: " (it fits these GPUs; FSDP would leave room for a larger micro-batch)",
+           None: " (pass --gpu-memory to see whether it fits)"}[fits]
+    return [("fsdp", "fail" if fits is False else "warn", what + why)]
+
+
+def gpu_memory_here() -> float | None:
+    """GiB of the first GPU of this machine, or None without one."""
+    import torch
+
+    return torch.cuda.get_device_properties(0).total_memory / 2**30 if torch.cuda.is_available() else None
+
+
+def check_memory(recipe: Recipe, launch_path: Path | None, gpu_memory: float | None) -> tuple[list[Check], object]:
+    """The per-GPU estimate against `gpu_memory` GiB (None: no GPU known, a warn), with the --fit advice when it
+    does not fit. Returns the rows and the Estimate (None when it cannot be made)."""
+    from llmtrain.memory import fit as fitting
+    from llmtrain.memory.estimate import estimate
+    from llmtrain.memory.launch import read_accelerate_config
+    from llmtrain.memory.params import load_model_shape
+    from llmtrain.memory.spec import spec_from_recipe
+
+    rows: list[Check] = []
+    if gpu_memory is None:
+        rows.append(("memory", "warn", "no GPU here; pass --gpu-memory 80 to check against an H100"))
+    try:
+        lay = read_accelerate_config(launch_path) if launch_path else None
+        layout = dict(strategy=lay.strategy, num_gpus=lay.num_gpus, num_nodes=lay.num_nodes,
+                      cpu_offload=lay.cpu_offload) if lay else {}
+        shape = load_model_shape(recipe.model.name_or_path)
+        spec = spec_from_recipe(recipe, gpu_memory_gib=gpu_memory or 80.0, **layout)
+        est = estimate(shape, spec)
+    except LLMTrainError as e:
+        return rows + [("memory", "warn", f"no estimate: {e}")], None
+    if gpu_memory is None:
+        return rows, est
+    t = recipe.train
+    global_batch = (t.micro_batch_tokens or t.micro_batch_size) * t.grad_accum_steps * spec.world
+    advice = fitting.recommendation(shape, est, global_batch=global_batch)
+    detail = f"{_gib(est.per_gpu_peak_bytes)} per GPU estimated; {advice}"
+    return [("memory", "pass" if est.fits else "fail", detail)], est
+
+
+def check_shared_fs(recipe: Recipe, launch: dict) -> list[Check]:
+    """Multi-node: every node writes checkpoints to output_dir and reads the tokenised cache from data.cache_dir,
+    so both must be the same folder on every node: an absolute path on a shared filesystem (NFS, Lustre, ...).
+    A relative path or one under /tmp is on each node's own disk: a checkpoint's shards would be split over the
+    nodes, and resume would find half of them."""
+    machines = int(launch.get("num_machines", 1) or 1)
+    if machines <= 1:
+        return [("shared filesystem", "pass", "one node")]
+    paths = {"output_dir": recipe.output_dir, "data.cache_dir": recipe.data.cache_dir}
+    local = {k: p for k, p in paths.items() if not Path(p).is_absolute() or Path(p).as_posix().startswith(NODE_LOCAL)}
+    if local:
+        listed = ", ".join(f"{k}={p}" for k, p in local.items())
+        return [("shared filesystem", "fail", f"{machines} nodes, and {listed} is relative or node-local: each node "
+                 "would write its own copy. Set it to an absolute path on a filesystem all nodes mount.")]
+    listed = ", ".join(f"{k}={p}" for k, p in paths.items())
+    return [("shared filesystem", "warn", f"{machines} nodes: {listed} must be on a filesystem all nodes share "
+             "(not checked from here).")]
+
+
+# --------------------------------------------------------------------------- all together
+
+
+def run_doctor(recipe: Recipe, *, accelerate_config: Path | None = None,
+               gpu_memory: float | None = None) -> list[Check]:
+    import datasets
+
+    from llmtrain.modeling import load_tokenizer
+
+    datasets.disable_progress_bars()
+    launch = read_launch(accelerate_config)
+    checks: list[Check] = [("recipe", "pass", "validates (resolved recipe above)")]
+    try:
+        tokenizer = load_tokenizer(recipe.model)
+    except LLMTrainError as e:
+        tokenizer = None
+        checks.append(("tokenizer eos/pad", "fail", str(e)))
+    if tokenizer is not None:
+        checks += check_tokenizer(tokenizer) + check_chat_template(recipe, tokenizer)
+        rows, stats, labels = load_data(recipe, tokenizer)
+        checks += rows
+        if stats is not None:
+            checks += check_masks(stats, train_on_prompt=recipe.data.train_on_prompt, text=recipe.data.format == "text",
+                                  max_seq_len=recipe.data.max_seq_len)
+        if labels:
+            checks += check_eos_trained(labels, tokenizer)
+    gpu = gpu_memory if gpu_memory is not None else gpu_memory_here()
+    rows, est = check_memory(recipe, accelerate_config, gpu)
+    checks += rows + check_precision(recipe, launch)
+    if est is not None:
+        checks += check_fsdp(recipe, launch, params=est.params_total, fits=est.fits if gpu else None)
+    return checks + check_batch(recipe, launch) + check_shared_fs(recipe, launch)
+
+
+def doctor(recipe: Recipe, *, accelerate_config: Path | None = None, gpu_memory: float | None = None) -> int:
+    """Print the resolved recipe and the checks; 1 when a check fails, else 0."""
+    from rich.console import Console
+    from rich.markup import escape
+    from rich.table import Table
+
+    console = Console(highlight=False)
+    console.print(escape(recipe.to_yaml()))
+    checks = run_doctor(recipe, accelerate_config=accelerate_config, gpu_memory=gpu_memory)
+    table = Table(title="llmtrain doctor")
+    for col in ("check", "status", "detail"):
+        table.add_column(col)
+    colour = {"pass": "green", "warn": "yellow", "fail": "bold red"}
+    for name, status, detail in checks:
+        table.add_row(name, f"[{colour[status]}]{status}[/]", escape(detail))
+    console.print(table)
+    return 1 if any(status == "fail" for _, status, _ in checks) else 0

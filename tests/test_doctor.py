@@ -1,0 +1,138 @@
+"""`llmtrain doctor`: a good tiny recipe passes; broken ones fail or warn on the right row with the right exit code."""
+
+from __future__ import annotations
+
+import json
+
+from conftest import GSM8K, MISTRAL, REPO, needs
+from helpers import cli, write_recipe
+
+from llmtrain.config import load_recipe
+from llmtrain.data import IGNORE, DataStats
+from llmtrain.doctor import (
+    check_batch,
+    check_eos_trained,
+    check_fsdp,
+    check_masks,
+    check_precision,
+    check_shared_fs,
+    run_doctor,
+)
+
+
+def rows(checks):
+    return {name: (status, detail) for name, status, detail in checks}
+
+
+def stats(examples: int, tokens: int, trained: int, dropped: int = 0, truncated: int = 0) -> DataStats:
+    return DataStats(examples=examples, dropped=dropped, truncated=truncated, tokens=tokens, trained_tokens=trained,
+                     length_p50=1, length_p90=1, length_p99=1, length_max=1)
+
+
+# --------------------------------------------------------------------------- pure checks
+
+
+def test_masks():
+    assert rows(check_masks(stats(0, 0, 0, dropped=5), train_on_prompt=False, text=False, max_seq_len=8))[
+        "loss mask"][0] == "fail"
+    # every token but each example's first is trained although the prompt should be masked
+    assert rows(check_masks(stats(2, 20, 18), train_on_prompt=False, text=False, max_seq_len=64))[
+        "loss mask"][0] == "warn"
+    assert rows(check_masks(stats(2, 20, 18), train_on_prompt=True, text=False, max_seq_len=64))[
+        "loss mask"][0] == "pass"
+    got = rows(check_masks(stats(2, 20, 6, dropped=1, truncated=1), train_on_prompt=False, text=False,
+                           max_seq_len=64))
+    assert got["dropped"][0] == "warn" and "data.max_seq_len=64" in got["dropped"][1]
+    assert got["truncated"][0] == "warn"
+
+
+def test_eos_trained(tiny_tok):
+    eos = tiny_tok.eos_token_id
+    good = [[IGNORE, IGNORE, 40, eos]] * 3
+    assert rows(check_eos_trained(good, tiny_tok))["eos trained"][0] == "pass"
+    assert rows(check_eos_trained([[IGNORE, 40, 41]] * 3, tiny_tok))["eos trained"][0] == "fail"
+    mixed = rows(check_eos_trained(good + [[IGNORE, 40, 41], [IGNORE, IGNORE, eos]], tiny_tok))
+    assert mixed["eos trained"][0] == "warn" and "1 do not" in mixed["eos trained"][1]
+    assert mixed["empty replies"][0] == "warn"
+
+
+def test_launch_checks(tiny_assets, tmp_path):
+    recipe = load_recipe(write_recipe(tiny_assets, tmp_path), ["train.mixed_precision=bf16", "output_dir=runs/x"])
+    assert rows(check_precision(recipe, {"mixed_precision": "fp16"}))["mixed precision"][0] == "warn"
+    assert rows(check_precision(recipe, {"mixed_precision": "bf16"}))["mixed precision"][0] == "pass"
+    assert "= 24 examples" in rows(check_batch(recipe, {"num_processes": 6}))["global batch"][1]
+    assert rows(check_shared_fs(recipe, {"num_machines": 1}))["shared filesystem"][0] == "pass"
+    status, detail = rows(check_shared_fs(recipe, {"num_machines": 2}))["shared filesystem"]
+    assert status == "fail" and "output_dir=runs/x" in detail
+    shared = load_recipe(write_recipe(tiny_assets, tmp_path), ["output_dir=/shared/run", "data.cache_dir=/shared/c"])
+    status, detail = rows(check_shared_fs(shared, {"num_machines": 2}))["shared filesystem"]
+    assert status == "warn" and "/shared/run" in detail
+    assert rows(check_fsdp(recipe, {}, params=7_000_000_000, fits=False))["fsdp"][0] == "fail"
+    assert rows(check_fsdp(recipe, {}, params=7_000_000_000, fits=None))["fsdp"][0] == "warn"
+    assert rows(check_fsdp(recipe, {"distributed_type": "FSDP"}, params=7_000_000_000, fits=False))["fsdp"][0] == "pass"
+    assert rows(check_fsdp(recipe, {}, params=10_000_000, fits=True))["fsdp"][0] == "pass"
+
+
+# --------------------------------------------------------------------------- whole runs
+
+
+def test_good_tiny_recipe(tiny_assets, tmp_path):
+    checks = run_doctor(load_recipe(write_recipe(tiny_assets, tmp_path)), gpu_memory=80)
+    assert {s for _, s, _ in checks} <= {"pass", "warn"}, checks
+    got = rows(checks)
+    assert got["memory"][0] == "pass" and got["eos trained"][0] == "pass" and got["loss mask"][0] == "pass"
+    proc = cli("doctor", str(write_recipe(tiny_assets, tmp_path)))
+    assert "output_dir:" in proc.stdout  # the resolved recipe is printed
+    assert "no GPU here" in proc.stdout or "per GPU estimated" in proc.stdout
+
+
+def test_nothing_trained_fails(tiny_assets, tmp_path):
+    # prompts of ~16 tokens cut at 8: no completion token is left in any example
+    recipe = write_recipe(tiny_assets, tmp_path, data={"max_seq_len": 8})
+    assert rows(run_doctor(load_recipe(recipe), gpu_memory=80))["loss mask"][0] == "fail"
+    proc = cli("doctor", str(recipe), check=False)
+    assert proc.returncode == 1 and "loss mask" in proc.stdout
+
+
+def test_empty_completions_warn(tiny_assets, tmp_path):
+    data = tmp_path / "empty.jsonl"
+    data.write_text("".join(json.dumps({"prompt": f"reverse ab{i} =", "completion": ""}) + "\n" for i in range(8)))
+    got = rows(run_doctor(load_recipe(write_recipe(tiny_assets, tmp_path, data={"path": str(data)})), gpu_memory=80))
+    assert got["empty replies"][0] == "warn"
+
+
+def test_precision_mismatch_warns_exit_0(tiny_assets, tmp_path):
+    launch = tmp_path / "fp16.yaml"
+    launch.write_text("distributed_type: MULTI_GPU\nmixed_precision: fp16\nnum_processes: 2\n")
+    proc = cli("doctor", str(write_recipe(tiny_assets, tmp_path)), "train.mixed_precision=bf16",
+               "--accelerate-config", str(launch), "--gpu-memory", "80")
+    line = next(ln for ln in proc.stdout.splitlines() if "mixed precision" in ln)
+    assert "warn" in line and proc.returncode == 0
+
+
+def test_multinode_relative_output_fails(tiny_assets, tmp_path):
+    proc = cli("doctor", str(write_recipe(tiny_assets, tmp_path)), "output_dir=runs/x", "--accelerate-config",
+               str(REPO / "accelerate_configs" / "fsdp_multinode.yaml"), "--gpu-memory", "80", check=False)
+    assert proc.returncode == 1
+    assert "fail" in next(ln for ln in proc.stdout.splitlines() if "shared filesystem" in ln)
+
+
+def test_invalid_recipe_exits_2(tiny_assets, tmp_path):
+    proc = cli("doctor", str(write_recipe(tiny_assets, tmp_path)), "train.lr=-1", check=False)
+    assert proc.returncode == 2
+
+
+@needs(MISTRAL)
+@needs(GSM8K)
+def test_mistral_7b_full_without_fsdp_fails(tmp_path):
+    lines = (GSM8K / "train.jsonl").read_text().splitlines()[:16]
+    (tmp_path / "gsm8k.jsonl").write_text("\n".join(lines) + "\n")
+    recipe = load_recipe(REPO / "recipes" / "mistral7b-full.yaml", [
+        f"model.name_or_path={MISTRAL}", f"data.path={tmp_path / 'gsm8k.jsonl'}", "data.name=null",
+        "data.eval_split=null", "data.eval_max_examples=null", f"data.cache_dir={tmp_path / 'cache'}"])
+    got = rows(run_doctor(recipe, gpu_memory=80))
+    assert got["chat template"][0] == "pass" and got["eos trained"][0] == "pass", got
+    assert got["tokenizer eos/pad"][0] in ("pass", "warn")
+    assert got["fsdp"][0] == "fail" and "accelerate_configs/fsdp.yaml" in got["fsdp"][1]
+    assert got["memory"][0] == "fail" and "fsdp" in got["memory"][1].lower()  # the --fit advice
+
