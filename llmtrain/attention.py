@@ -12,6 +12,7 @@ every attention call (the names its own flash-attention path uses), computed by 
 
 from __future__ import annotations
 
+import functools
 import inspect
 import math
 
@@ -104,12 +105,17 @@ def _sdpa_per_example(q, k, v, cu: list[int], *, scale: float, dropout: float, w
     return torch.cat(outs)
 
 
+@functools.cache
+def _parameters(fn) -> frozenset[str]:
+    return frozenset(inspect.signature(fn).parameters)  # read once, not in every layer of every step
+
+
 def _flash_varlen(q, k, v, cu, max_len: int, *, scale: float, window: int | None):
     """torch.nn.attention.varlen.varlen_attn across releases: torch 2.10/2.11 take `is_causal` (no GQA, no
     window, maybe no scale); later releases take `window_size=(left, right)` and `enable_gqa`."""
     from torch.nn.attention.varlen import varlen_attn
 
-    params = inspect.signature(varlen_attn).parameters
+    params = _parameters(varlen_attn)
     kwargs = {}
     if "window_size" in params:
         kwargs["window_size"] = (window - 1 if window is not None and max_len > window else -1, 0)
