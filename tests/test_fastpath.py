@@ -235,3 +235,52 @@ def test_lora_wraps_the_projections_inside_liger_kernels(monkeypatch):
     assert layer.input_layernorm.forward.__func__.__qualname__ == "LigerRMSNorm.forward"
     adapted = {n.split(".lora_A")[0].rsplit(".", 1)[-1] for n, _ in model.named_parameters() if "lora_A" in n}
     assert adapted == {"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"}
+
+
+def _reference_varlen(q, k, v, cu, max_q, *, causal: bool, window=(-1, -1), scale=None, gqa=False):
+    """A stand-in for torch's flash varlen_attn on the CPU: SDPA per example, (T, H, D) in and out."""
+    outs = []
+    for s, e in zip(cu[:-1].tolist(), cu[1:].tolist()):
+        qi, ki, vi = (t[s:e].transpose(0, 1) for t in (q, k, v))
+        if ki.shape[0] != qi.shape[0]:
+            assert gqa, "GQA without enable_gqa"
+            ki, vi = (t.repeat_interleave(qi.shape[0] // t.shape[0], dim=0) for t in (ki, vi))
+        i = torch.arange(e - s)
+        mask = i[:, None] >= i[None, :] if causal else torch.ones(e - s, e - s, dtype=torch.bool)
+        if window[0] >= 0:
+            mask &= i[:, None] - i[None, :] <= window[0]
+        outs.append(F.scaled_dot_product_attention(qi, ki, vi, attn_mask=mask, scale=scale).transpose(0, 1))
+    return torch.cat(outs)
+
+
+def old_varlen(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, is_causal=False, return_aux=None):
+    """torch 2.10/2.11's signature: is_causal, no GQA, no scale."""
+    return _reference_varlen(query, key, value, cu_seq_q, max_q, causal=is_causal)
+
+
+def new_varlen(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, *, return_aux=None, scale=None,
+               window_size=(-1, -1), enable_gqa=False, seqused_k=None, block_table=None, num_splits=None):
+    """torch 2.12+: window_size (left, right) with (-1, 0) causal, enable_gqa, scale."""
+    assert window_size[1] == 0, "not causal"
+    return _reference_varlen(query, key, value, cu_seq_q, max_q, causal=True, window=window_size, scale=scale,
+                             gqa=enable_gqa)
+
+
+@pytest.mark.parametrize("kernel", [old_varlen, new_varlen], ids=["torch-2.11", "torch-2.12+"])
+@pytest.mark.parametrize("scale", [None, 0.3])
+def test_flash_varlen_call_adapts_to_either_signature(monkeypatch, kernel, scale):
+    """The CUDA path's call, checked on the CPU against both signatures of torch.nn.attention.varlen.varlen_attn:
+    KV heads repeated where enable_gqa is missing, a non-default scale folded into q where `scale` is missing,
+    causal as is_causal or window_size=(-1, 0)."""
+    import torch.nn.attention.varlen as varlen
+
+    from llmtrain.attention import _flash_varlen, _sdpa_per_example
+
+    monkeypatch.setattr(varlen, "varlen_attn", kernel)
+    torch.manual_seed(0)
+    q, k, v = torch.randn(29, 4, 16), torch.randn(29, 2, 16), torch.randn(29, 2, 16)
+    cu = torch.tensor([0, 5, 14, 17, 29], dtype=torch.int32)
+    d = 16 ** -0.5 if scale is None else scale
+    got = _flash_varlen(q, k, v, cu, 12, scale=d, window=None)
+    want = _sdpa_per_example(q, k, v, cu.tolist(), scale=d, dropout=0.0, window=None, gqa=2)
+    assert (got - want).abs().max() < 1e-5
