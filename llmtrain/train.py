@@ -375,6 +375,8 @@ def _train(recipe: Recipe, *, resume: str | None, overwrite: bool, allow_recipe_
                 saved = save_checkpoint(accelerator, output_dir=out, state=state, recipe_yaml=recipe.to_yaml(),
                                         keep_last=recipe.checkpoint.keep_last, model_keys=model_keys,
                                         trainable=trainable_names)
+            if eval_now or save_now:  # tokens/s of the next line counts training only, not this eval or save
+                since["time"] = time.perf_counter()
             if stop:
                 signum = stop_requests.signum or signal.SIGTERM  # a rank that got no signal stops with its peers
                 raise Stopped(f"{signal.Signals(signum).name} at step {state.step}: the checkpoint {saved} is "
