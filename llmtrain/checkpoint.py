@@ -21,7 +21,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from llmtrain.distributed import global_sum, uses_fsdp
+from llmtrain.distributed import global_sum
 from llmtrain.errors import LLMTrainError
 
 
@@ -45,20 +45,14 @@ class TrainState:
         for k, v in d.items():
             setattr(self, k, v)
 
-    def check_layout(self, *, examples_per_micro: int, accum: int, micro_batch_tokens: int, processes: int) -> None:
-        """Resume may change the number of processes, as long as the data order stays the same.
+    def check_layout(self, *, accum: int, micro_batch_tokens: int, processes: int) -> None:
+        """Carry the epoch position over to this run's layout (what must match was checked before anything
+        loaded: preflight.check_resume).
 
-        By examples, a global micro-batch is micro_batch_size x processes examples; keeping that product
-        keeps every step's examples identical (2 processes x 2 resume as 1 process x 4). By tokens, the
-        bins do not depend on the process count: the position (bins trained so far this epoch) carries
-        over to any number of processes that divides it, and is converted here.
+        By examples, micro_batch_size x processes is unchanged, so the position carries over as it is. By
+        tokens, the bins do not depend on the process count: the position (bins trained so far this epoch)
+        carries over to any number of processes that divides it, and is converted here.
         """
-        if self.micro_batch_tokens != micro_batch_tokens:
-            raise LLMTrainError(
-                f"the checkpoint was written with train.micro_batch_tokens={self.micro_batch_tokens or None}, this "
-                f"run has {micro_batch_tokens or None}; the data order depends on it. Resume with the value it was "
-                "written with."
-            )
         if micro_batch_tokens:
             bins = self.micro_in_epoch * self.processes
             if bins % processes:
@@ -68,12 +62,6 @@ class TrainState:
                     f"{self.processes})."
                 )
             self.micro_in_epoch = bins // processes
-        elif self.examples_per_micro != examples_per_micro:
-            raise LLMTrainError(
-                f"the checkpoint was written with micro_batch_size x processes = {self.examples_per_micro}, "
-                f"this run has {examples_per_micro}. Set train.micro_batch_size so that the product is "
-                f"{self.examples_per_micro} (e.g. {self.examples_per_micro} on 1 process) to resume it."
-            )
         if self.micro_in_epoch % accum:
             raise LLMTrainError(
                 f"the checkpoint stopped {self.micro_in_epoch} micro-batches into an epoch, which is not a whole "
@@ -388,22 +376,10 @@ def load_checkpoint(accelerator, path: Path, *, trainable_names: set[str] | None
     """Restore model, optimizer, scheduler, RNG and registered objects (TrainState) from `path`.
 
     For LoRA only the adapter was saved, so loading is non-strict; the saved keys are then checked
-    against the trainable parameters so that a mismatch can never pass silently.
+    against the trainable parameters so that a mismatch can never pass silently. Whether this run can resume
+    it at all (FSDP or not, LoRA or full, the batch layout) was checked before anything loaded:
+    preflight.check_resume.
     """
-    sharded, fsdp = (path / FSDP_MODEL_DIR).is_dir(), uses_fsdp(accelerator)
-    if sharded and not fsdp:
-        raise LLMTrainError(
-            f"checkpoint {path} holds FSDP shards ({FSDP_MODEL_DIR}/) and this run does not use FSDP. Resume it "
-            "under FSDP, on any number of processes (the shards are redistributed on load): accelerate launch "
-            "--config_file accelerate_configs/fsdp.yaml [--num_processes N] -m llmtrain finetune RECIPE --resume "
-            "..., keeping train.micro_batch_size x processes."
-        )
-    if fsdp and not sharded:
-        raise LLMTrainError(
-            f"checkpoint {path} was written without FSDP (model.safetensors) and this run uses FSDP. Resume it "
-            "without FSDP (`llmtrain finetune` on one process, or a DDP launch config such as "
-            "accelerate_configs/ddp.yaml, any number of processes), keeping train.micro_batch_size x processes."
-        )
     if trainable_names is None:
         accelerator.load_state(str(path))
         return

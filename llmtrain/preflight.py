@@ -13,10 +13,9 @@ from pathlib import Path
 
 import yaml
 
+from llmtrain.checkpoint import FSDP_MODEL_DIR
 from llmtrain.config import Recipe
 from llmtrain.errors import LLMTrainError
-
-FSDP_MODEL_DIR = "pytorch_model_fsdp_0"
 
 # Keys whose change makes a checkpoint a different run: refused, whatever the flags.
 IDENTITY = ["model.name_or_path", "model.dtype", "data.path", "data.name", "data.split", "data.format", "data.fields",
@@ -95,8 +94,9 @@ def check_resume(ckpt: Path, recipe: Recipe, *, world: int, fsdp: bool, allow_re
     if changed and not allow_recipe_change:
         listed = ", ".join(f"{k} {a!r} -> {b!r}" for k, a, b in changed)
         raise LLMTrainError(f"this recipe changes {listed} against checkpoint {ckpt}: the rest of the run (its "
-                            "learning-rate curve, its length) would differ from the run that was interrupted. Resume "
-                            "with the checkpoint's values, or pass --allow-recipe-change to continue with the new ones.")
+                            "learning-rate curve, its length) would differ from the run that was interrupted. "
+                            "Resume with the checkpoint's values, or pass --allow-recipe-change to continue with the "
+                            "new ones.")
     return [f"{k} changed from {a!r} to {b!r} at resume" for k, a, b in changed]
 
 
@@ -122,8 +122,10 @@ def finished_run(out: Path, recipe: Recipe, *, allow_recipe_change: bool) -> dic
     if saved == now:
         return json.loads(summary_path.read_text())
     changed = [k for k in SCHEDULE if _get(saved, k) != _get(now, k)]
-    rest = {**now, "train": {k: v for k, v in now["train"].items() if f"train.{k}" not in changed}}
-    same_otherwise = {**saved, "train": {k: v for k, v in saved["train"].items() if f"train.{k}" not in changed}} == rest
+    def without_changed(recipe: dict) -> dict:
+        return {**recipe, "train": {k: v for k, v in recipe["train"].items() if f"train.{k}" not in changed}}
+
+    same_otherwise = without_changed(saved) == without_changed(now)
     if changed and same_otherwise and not allow_recipe_change:
         listed = ", ".join(f"{k} {_get(saved, k)!r} -> {_get(now, k)!r}" for k in changed)
         raise LLMTrainError(f"the run in {out} is complete, and this recipe changes {listed}. To train it further "

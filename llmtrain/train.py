@@ -257,8 +257,8 @@ def _train(recipe: Recipe, *, resume: str | None, overwrite: bool, allow_recipe_
 
     # ---- model, optimizer, schedule
     model = load_model(recipe.model, recipe.lora, device=accelerator.device, empty=receives_weights(accelerator))
-    attach_loss(model, chunk=tc.loss_chunk_tokens,
-                fused_linear_ce=fused_linear_cross_entropy(recipe.model, accelerator.device))
+    fused_ce = fused_linear_cross_entropy(recipe.model, accelerator.device)  # None unless liger is in use
+    attach_loss(model, chunk=tc.loss_chunk_tokens, fused_linear_ce=fused_ce)
     if recipe.model.compile:
         say(f"compile: {compile_layers(model)} decoder layers (regional torch.compile)")
     n_total, n_trainable = count_parameters(model)
@@ -266,7 +266,7 @@ def _train(recipe: Recipe, *, resume: str | None, overwrite: bool, allow_recipe_
     peak = peak_flops(accelerator.device, recipe.logging.peak_tflops)
     say(f"model: {n_total:,} parameters, {n_trainable:,} trainable ({'LoRA' if recipe.lora else 'full'}); "
                       f"attention: {describe_attention(recipe.model)}"
-                      f"{'; liger kernels' if fused_linear_cross_entropy(recipe.model, accelerator.device) else ''}")
+                      f"{'; liger kernels' if fused_ce else ''}")
     # ---- every check passed: take the run folder (lock, --overwrite) and only now write into it
     run_dir = claim_output_dir(accelerator, out, resume=resume, overwrite=overwrite)
     cleanup.callback(run_dir.release)
@@ -289,9 +289,7 @@ def _train(recipe: Recipe, *, resume: str | None, overwrite: bool, allow_recipe_
     model_keys = set(unwrapped.state_dict())
     if ckpt is not None:
         load_checkpoint(accelerator, ckpt, trainable_names=trainable_names)
-        state.check_layout(examples_per_micro=state.examples_per_micro if tc.micro_batch_tokens else
-                           tc.micro_batch_size * world, accum=accum, micro_batch_tokens=tc.micro_batch_tokens or 0,
-                           processes=world)
+        state.check_layout(accum=accum, micro_batch_tokens=tc.micro_batch_tokens or 0, processes=world)
         say(f"resumed from {ckpt} at step {state.step}")
         if state.processes != world:
             # Each rank restores its own RNG file; with more ranks than saved, the new ones start from the seed.
@@ -332,7 +330,8 @@ def _train(recipe: Recipe, *, resume: str | None, overwrite: bool, allow_recipe_
                                   f"({bad_steps} of train.max_bad_steps={tc.max_bad_steps})")
             # Roll the epoch over with the step that ends it, so a checkpoint saved now resumes at the next
             # epoch's start rather than "all micro-batches into" the finished one.
-            state.epoch, state.micro_in_epoch = (window.epoch + 1, 0) if window.epoch_done else (window.epoch, window.end)
+            state.epoch, state.micro_in_epoch = ((window.epoch + 1, 0) if window.epoch_done
+                                                 else (window.epoch, window.end))
             # Eval data is always used: every eval_every_steps steps if set, and at the end in any case.
             eval_now = eval_ds is not None and (
                 state.step == total_steps or bool(tc.eval_every_steps and state.step % tc.eval_every_steps == 0))
@@ -354,8 +353,8 @@ def _train(recipe: Recipe, *, resume: str | None, overwrite: bool, allow_recipe_
                 diverged(accelerator, out, state.step, step["grad_norm"], tc)
             if eval_now:
                 shown = progress.add_task("eval", total=None, info=f"{len(eval_ds)} examples")
-                ev = evaluate(model, eval_ds, accelerator, recipe, pad=pad,
-                              on_batch=lambda done, total, shown=shown: progress.update(shown, completed=done, total=total))
+                ev = evaluate(model, eval_ds, accelerator, recipe, pad=pad, on_batch=lambda done, total, shown=shown:
+                              progress.update(shown, completed=done, total=total))
                 progress.remove_task(shown)
                 log.write({"type": "eval", "step": state.step, **ev})
                 samples = []
@@ -368,7 +367,8 @@ def _train(recipe: Recipe, *, resume: str | None, overwrite: bool, allow_recipe_
                 say(f"step {state.step}: " + "  ".join(f"{k} {v:.4f}" for k, v in ev.items()))
                 if samples:
                     say(format_sample(samples[0]))
-                if accelerator.is_main_process and (note := update_loss_plot(out)):  # a failure is said, training goes on
+                # loss.png: a failure is said, and training goes on
+                if accelerator.is_main_process and (note := update_loss_plot(out)):
                     say(note)
             if save_now:
                 check_finite_weights(accelerator, model, state.step)
@@ -427,7 +427,8 @@ def _log_line(accelerator, pending: list[dict], state: TrainState, *, since: dic
     tokens_per_s = float(window_counts[1]) / dt
     model_flops = flops.step(*(float(x) for x in (window_counts[1], window_counts[0], window_counts[2])))
     return {"type": "train", "step": state.step, "epoch": pending[-1]["epoch"], "loss": losses[-1] / max(trained, 1),
-            "lr": pending[-1]["lr"], "grad_norm": pending[-1]["grad_norm"], "skipped": pending[-1]["skipped"], "tokens": int(tokens), "trained_tokens": int(trained),
+            "lr": pending[-1]["lr"], "grad_norm": pending[-1]["grad_norm"], "skipped": pending[-1]["skipped"],
+            "tokens": int(tokens), "trained_tokens": int(trained),
             "tokens_per_s": tokens_per_s, "tokens_per_s_per_gpu": tokens_per_s / world,
             "tflops_per_gpu": model_flops / dt / world / 1e12,
             "mfu": model_flops / dt / world / peak if peak else None,

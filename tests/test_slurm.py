@@ -28,16 +28,22 @@ STUBS = {
 }
 
 
-def test_sbatch_derives_rank_address_and_port_from_slurm(tmp_path):
+def _slurm(tmp_path: Path, stubs: dict[str, str], **extra: str) -> tuple[dict, Path]:
+    """Stand-in commands on PATH and a 2-node job's SLURM environment; returns (env, the calls file)."""
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
-    for name, body in STUBS.items():
+    for name, body in stubs.items():
         stub = bin_dir / name
         stub.write_text("#!/usr/bin/env bash\n" + body)
         stub.chmod(stub.stat().st_mode | stat.S_IEXEC)
     calls = tmp_path / "calls"
     env = {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}", "CALLS": str(calls), "SLURM_NNODES": "2",
-           "SLURM_JOB_NODELIST": "gpu-a[17-18]", "SLURM_JOB_ID": "123456", "SLURM_GPUS_ON_NODE": "8"}
+           "SLURM_JOB_NODELIST": "gpu-a[17-18]", "SLURM_JOB_ID": "123456", **extra}
+    return env, calls
+
+
+def test_sbatch_derives_rank_address_and_port_from_slurm(tmp_path):
+    env, calls = _slurm(tmp_path, STUBS, SLURM_GPUS_ON_NODE="8")
     subprocess.run(["bash", str(SBATCH), "recipes/llama7b.yaml", "train.lr=2e-5"], env=env, cwd=REPO, check=True,
                    capture_output=True, text=True, timeout=60)
 
@@ -58,21 +64,13 @@ def test_sbatch_derives_rank_address_and_port_from_slurm(tmp_path):
 def test_sbatch_checkpoints_and_requeues_before_the_time_limit(tmp_path):
     """SLURM's USR1 (--signal=B:USR1@300) reaches the script while the training step runs: it sends SIGTERM to
     the step's tasks (scancel --signal=TERM JOB.0), waits for them to checkpoint and exit, then requeues."""
-    bin_dir = tmp_path / "bin"
-    bin_dir.mkdir()
     training = tmp_path / "training.pid"
     stubs = {**STUBS,
              # the training step: a task that runs until SIGTERM, then "saves" and exits 143 as llmtrain does
              "srun": f'echo $$ > {training}; trap \'echo saved >> "$CALLS"; exit 143\' TERM; '
                      'while true; do sleep 0.05; done\n',
              "scontrol": STUBS["scontrol"] + '[[ "$1" == requeue ]] && echo "requeue $2" >> "$CALLS"\n'}
-    for name, body in stubs.items():
-        stub = bin_dir / name
-        stub.write_text("#!/usr/bin/env bash\n" + body)
-        stub.chmod(stub.stat().st_mode | stat.S_IEXEC)
-    calls = tmp_path / "calls"
-    env = {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}", "CALLS": str(calls), "SLURM_NNODES": "2",
-           "SLURM_JOB_NODELIST": "gpu-a[17-18]", "SLURM_JOB_ID": "123456", "TRAINING": str(training)}
+    env, calls = _slurm(tmp_path, stubs, TRAINING=str(training))
     proc = subprocess.Popen(["bash", str(SBATCH), "recipes/llama7b.yaml"], env=env, cwd=REPO, text=True,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     for _ in range(200):
