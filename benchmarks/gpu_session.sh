@@ -14,11 +14,27 @@
 #   bash benchmarks/gpu_session.sh profile       # torch.profiler of one 7B LoRA step: top kernels
 #
 # Each writes $OUT/<name>.jsonl and $OUT/<name>.log.
+#
+# Rehearsal on the CPU (no GPU time spent): GPU_SESSION_DRY=1 runs every step with the models shrunk to 2 layers of
+# hidden 128 (real Mistral vocabulary and tokenizer, real GSM8K) and token budgets divided by 8, on the Python and
+# packages named by PY, e.g. a Python 3.12 venv with the device's torch 2.11 and transformers 5.17:
+#
+#   GPU_SESSION_DRY=1 PY=/work/gpuenv/bin/python OUT=/tmp/dry bash benchmarks/gpu_session.sh smoke
 set -uo pipefail
 cd "$(dirname "$0")/.."
 WHAT=${1:?usage: gpu_session.sh pack|smoke|vs-hf-7b|vs-hf-1b|calibrate|profile}
 G=.gpu
 OUT=${OUT:-/tmp/out}
+DRY=${GPU_SESSION_DRY:-0}
+PY=${PY:-python3}
+SCALE=1  # token budgets are divided by this
+TINY='{}'
+FSDP_CONFIG=accelerate_configs/fsdp.yaml
+if [[ $DRY == 1 ]]; then
+  SCALE=8
+  TINY='{"num_hidden_layers": 2, "hidden_size": 128, "intermediate_size": 256, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 32}'
+  FSDP_CONFIG=accelerate_configs/cpu_fsdp.yaml
+fi
 mkdir -p "$OUT"
 
 if [[ $WHAT == pack ]]; then
@@ -31,10 +47,11 @@ if [[ $WHAT == pack ]]; then
 fi
 
 # ---- on the device: the missing packages (datasets, pydantic, liger-kernel) from the carried wheels
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site $G/wheels/*.whl || exit 1
+$PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site $G/wheels/*.whl || exit 1
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
-python3 -c "import torch, transformers, accelerate, peft; print('torch', torch.__version__, 'transformers', transformers.__version__, 'accelerate', accelerate.__version__, 'peft', peft.__version__, torch.cuda.get_device_name())" | tee "$OUT/versions.txt"
+$PY -c "import torch, transformers, accelerate, peft, datasets; print('torch', torch.__version__, 'transformers', transformers.__version__, 'accelerate', accelerate.__version__, 'peft', peft.__version__, 'datasets', datasets.__version__, torch.cuda.get_device_name() if torch.cuda.is_available() else 'cpu (dry run)')" | tee "$OUT/versions.txt"
 W=/tmp/work
+[[ $DRY == 1 ]] && W=/tmp/work-dry
 mkdir -p $W
 
 # A random-init model of a real shape (config + the Mistral tokenizer), and GSM8K as chat messages.
@@ -42,14 +59,14 @@ model_dir() {  # model_dir NAME JSON_OVERRIDES
   local d=$W/models/$1
   mkdir -p "$d"
   cp $G/mistral/*.json "$d/"
-  python3 - "$d/config.json" "$2" <<'EOF'
+  $PY - "$d/config.json" "$2" "$TINY" <<'EOF'
 import json, sys
-path, over = sys.argv[1], json.loads(sys.argv[2])
-cfg = json.load(open(path)); cfg.update(over); json.dump(cfg, open(path, "w"), indent=1)
+path, over, tiny = sys.argv[1], json.loads(sys.argv[2]), json.loads(sys.argv[3])
+cfg = json.load(open(path)); cfg.update(over); cfg.update(tiny); json.dump(cfg, open(path, "w"), indent=1)
 EOF
   echo "$d"
 }
-python3 - <<EOF
+$PY - <<EOF
 import json
 with open("$G/gsm8k/train.jsonl") as f, open("$W/gsm8k-messages.jsonl", "w") as w:
     for line in f:
@@ -64,7 +81,7 @@ recipe() {  # recipe FILE MODEL_DIR LORA(0|1) DTYPE -> a recipe on GSM8K message
 model: {name_or_path: $2, dtype: $4, random_init: true}
 data: {path: $W/gsm8k-messages.jsonl, format: messages, max_seq_len: 1024, cache_dir: $W/cache}
 $( [[ $3 == 1 ]] && echo "lora: {r: 16, alpha: 32, dropout: 0.0}" )
-train: {max_steps: 6, micro_batch_size: 1, micro_batch_tokens: 8192, lr: 1.0e-5, mixed_precision: bf16, seed: 1}
+train: {max_steps: 6, micro_batch_size: 1, micro_batch_tokens: $((8192 / SCALE)), lr: 1.0e-5, mixed_precision: bf16, seed: 1}
 checkpoint: {save_final: false}
 logging: {progress: false}
 output_dir: $W/runs/unnamed
@@ -76,7 +93,7 @@ run() {  # run NAME [launcher...] -- ARGS : one llmtrain finetune, its last metr
   local t0=$SECONDS
   "$@" >> "$OUT/$WHAT.log" 2>&1
   local rc=$?
-  python3 - "$name" "$rc" "$((SECONDS - t0))" "$W/runs/$name" >> "$OUT/$WHAT.jsonl" <<'EOF'
+  $PY - "$name" "$rc" "$((SECONDS - t0))" "$W/runs/$name" >> "$OUT/$WHAT.jsonl" <<'EOF'
 import json, sys, pathlib
 name, rc, secs, run = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), pathlib.Path(sys.argv[4])
 lines = [json.loads(l) for l in (run / "metrics.jsonl").read_text().splitlines()] if (run / "metrics.jsonl").exists() else []
@@ -89,8 +106,8 @@ print(json.dumps({"run": name, "rc": rc, "seconds": secs, "steps": len(train),
                   "mfu": [l.get("mfu") for l in train][-3:], **{k: summary.get(k) for k in keep}}))
 EOF
 }
-FT="python3 -m llmtrain finetune"
-FSDP1="accelerate launch --config_file accelerate_configs/fsdp.yaml --num_processes 1 -m llmtrain finetune"
+FT="$PY -m llmtrain finetune"
+FSDP1="$PY -m accelerate.commands.launch --config_file $FSDP_CONFIG --num_processes 1 -m llmtrain finetune"
 
 case $WHAT in
 smoke)
@@ -100,7 +117,7 @@ smoke)
   run full-sdpa-mb8 $FT $W/full.yaml output_dir=$W/runs/full-sdpa-mb8 model.attn_implementation=sdpa train.micro_batch_tokens=null train.micro_batch_size=8
   run full-ckpt $FT $W/full.yaml output_dir=$W/runs/full-ckpt model.gradient_checkpointing=true
   run lora-varlen $FT $W/lora.yaml output_dir=$W/runs/lora-varlen
-  run lora-ckpt-16k $FT $W/lora.yaml output_dir=$W/runs/lora-ckpt-16k model.gradient_checkpointing=true train.micro_batch_tokens=16384
+  run lora-ckpt-16k $FT $W/lora.yaml output_dir=$W/runs/lora-ckpt-16k model.gradient_checkpointing=true train.micro_batch_tokens=$((16384 / SCALE))
   run lora-liger $FT $W/lora.yaml output_dir=$W/runs/lora-liger model.kernels=liger
   run lora-compile $FT $W/lora.yaml output_dir=$W/runs/lora-compile model.compile=true
   run fsdp1-lora $FSDP1 $W/lora.yaml output_dir=$W/runs/fsdp1-lora
@@ -111,12 +128,17 @@ smoke)
   run resume-cut $FT $W/full.yaml output_dir=$W/runs/resume-cut checkpoint.every_steps=3 --resume auto --allow-recipe-change
   ;;
 vs-hf-7b)
-  python3 benchmarks/vs_hf.py --shape mistral-7b-lora --mistral $G/mistral --gsm8k $G/gsm8k/train.jsonl > "$OUT/$WHAT.jsonl" 2> "$OUT/$WHAT.log"
+  $PY benchmarks/vs_hf.py $( [[ $DRY == 1 ]] && echo --smoke || echo --shape mistral-7b-lora ) --mistral $G/mistral --gsm8k $G/gsm8k/train.jsonl > "$OUT/$WHAT.jsonl" 2> "$OUT/$WHAT.log"
   ;;
 vs-hf-1b)
-  python3 benchmarks/vs_hf.py --shape llama-1b-full --mistral $G/mistral --gsm8k $G/gsm8k/train.jsonl > "$OUT/$WHAT.jsonl" 2> "$OUT/$WHAT.log"
-  python3 benchmarks/throughput.py --shape llama-1b-full >> "$OUT/$WHAT.jsonl" 2>> "$OUT/$WHAT.log"
-  python3 benchmarks/throughput.py --shape llama2-7b-lora >> "$OUT/$WHAT.jsonl" 2>> "$OUT/$WHAT.log"
+  if [[ $DRY == 1 ]]; then
+    $PY benchmarks/vs_hf.py --smoke --mistral $G/mistral --gsm8k $G/gsm8k/train.jsonl > "$OUT/$WHAT.jsonl" 2> "$OUT/$WHAT.log"
+    $PY benchmarks/throughput.py --shape tiny --steps 4 >> "$OUT/$WHAT.jsonl" 2>> "$OUT/$WHAT.log"
+  else
+    $PY benchmarks/vs_hf.py --shape llama-1b-full --mistral $G/mistral --gsm8k $G/gsm8k/train.jsonl > "$OUT/$WHAT.jsonl" 2> "$OUT/$WHAT.log"
+    $PY benchmarks/throughput.py --shape llama-1b-full >> "$OUT/$WHAT.jsonl" 2>> "$OUT/$WHAT.log"
+    $PY benchmarks/throughput.py --shape llama2-7b-lora >> "$OUT/$WHAT.jsonl" 2>> "$OUT/$WHAT.log"
+  fi
   ;;
 calibrate)  # predicted vs measured peak (summary.json) for 12+ configurations
   recipe $W/full.yaml "$LLAMA1B" 0 float32
@@ -124,7 +146,7 @@ calibrate)  # predicted vs measured peak (summary.json) for 12+ configurations
   for cfg in "lora 2048 false" "lora 8192 false" "lora 16384 true" "lora 32768 true" "full 2048 false" "full 8192 false" \
              "full 16384 true" "full 32768 true"; do
     set -- $cfg
-    run cal-$1-$2-ckpt$3 $FT $W/$1.yaml output_dir=$W/runs/cal-$1-$2-ckpt$3 train.max_steps=3 train.micro_batch_tokens=$2 model.gradient_checkpointing=$3
+    run cal-$1-$2-ckpt$3 $FT $W/$1.yaml output_dir=$W/runs/cal-$1-$2-ckpt$3 train.max_steps=3 train.micro_batch_tokens=$(($2 / SCALE)) model.gradient_checkpointing=$3
   done
   for mb in 1 8 32; do
     run cal-full-mb$mb-sdpa $FT $W/full.yaml output_dir=$W/runs/cal-full-mb$mb-sdpa train.max_steps=3 train.micro_batch_tokens=null train.micro_batch_size=$mb model.attn_implementation=sdpa data.max_seq_len=512
@@ -133,26 +155,30 @@ calibrate)  # predicted vs measured peak (summary.json) for 12+ configurations
   ;;
 profile)
   recipe $W/lora.yaml "$MISTRAL7B" 1 bfloat16
-  python3 - "$W/lora.yaml" > "$OUT/$WHAT.jsonl" 2> "$OUT/$WHAT.log" <<'EOF'
+  $PY - "$W/lora.yaml" "$W" > "$OUT/$WHAT.jsonl" 2> "$OUT/$WHAT.log" <<'EOF'
 import json, sys, torch
 from torch.profiler import ProfilerActivity, profile
 from llmtrain.config import load_recipe
 import llmtrain.train as T
-recipe = load_recipe(sys.argv[1], ["train.max_steps=4", "output_dir=/tmp/work/runs/profile"])
+recipe = load_recipe(sys.argv[1], ["train.max_steps=4", f"output_dir={sys.argv[2]}/runs/profile"])
+cuda = torch.cuda.is_available()  # False only in a dry run: then CPU time stands in for device time
 real = T.train_step
 calls = {"n": 0}
 def traced(*a, **k):
     calls["n"] += 1
     if calls["n"] != 3:
         return real(*a, **k)
-    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+    with profile(activities=[ProfilerActivity.CPU] + [ProfilerActivity.CUDA] * cuda) as prof:
         out = real(*a, **k)
-        torch.cuda.synchronize()
-    rows = sorted(prof.key_averages(), key=lambda e: e.device_time_total, reverse=True)[:25]
-    total = sum(e.self_device_time_total for e in prof.key_averages())
-    for e in rows:
-        print(json.dumps({"kernel": e.key[:120], "device_ms": e.device_time_total / 1e3, "self_device_ms": e.self_device_time_total / 1e3,
-                          "calls": e.count, "share_of_step": e.self_device_time_total / max(total, 1)}))
+        if cuda:
+            torch.cuda.synchronize()
+    total_of = (lambda e: e.device_time_total) if cuda else (lambda e: e.cpu_time_total)
+    self_of = (lambda e: e.self_device_time_total) if cuda else (lambda e: e.self_cpu_time_total)
+    events = prof.key_averages()
+    total = sum(self_of(e) for e in events)
+    for e in sorted(events, key=self_of, reverse=True)[:25]:
+        print(json.dumps({"kernel": e.key[:120], "device_ms": total_of(e) / 1e3, "self_device_ms": self_of(e) / 1e3,
+                          "calls": e.count, "share_of_step": self_of(e) / max(total, 1)}))
     return out
 T.train_step = traced
 T.train(recipe, overwrite=True)

@@ -111,23 +111,27 @@ def _parameters(fn) -> frozenset[str]:
 
 
 def _flash_varlen(q, k, v, cu, max_len: int, *, scale: float, window: int | None):
-    """torch.nn.attention.varlen.varlen_attn across releases: torch 2.10/2.11 take `is_causal` (no GQA, no
-    window, maybe no scale); later releases take `window_size=(left, right)` and `enable_gqa`."""
+    """torch.nn.attention.varlen.varlen_attn across releases, as read in their sources:
+    - torch 2.10: `is_causal`, no window, maybe no scale; K/V heads must equal Q heads (repeated here);
+    - torch 2.11: `window_size=(left, right)` ((-1, 0) is causal) and `scale`; K/V go straight to aten's flash
+      kernel, which takes fewer K/V heads than Q heads (GQA) itself, so they are not repeated (repeating would
+      keep 4x the K/V of a Mistral layer for backward);
+    - torch 2.12+: the same plus `enable_gqa`, which must be set for fewer K/V heads.
+    """
     from torch.nn.attention.varlen import varlen_attn
 
     params = _parameters(varlen_attn)
     kwargs = {}
     if "window_size" in params:
         kwargs["window_size"] = (window - 1 if window is not None and max_len > window else -1, 0)
+        if q.shape[1] != k.shape[1] and "enable_gqa" in params:
+            kwargs["enable_gqa"] = True
     else:
         if window is not None and max_len > window:
             raise NotImplementedError(f"this torch's varlen_attn has no sliding window and an example is longer "
                                       f"than the model's {window}; upgrade torch or use attn_implementation=sdpa")
         kwargs["is_causal"] = True
-    if q.shape[1] != k.shape[1]:
-        if "enable_gqa" in params:
-            kwargs["enable_gqa"] = True
-        else:  # repeat each KV head for its group of query heads
+        if q.shape[1] != k.shape[1]:  # repeat each KV head for its group of query heads
             rep = q.shape[1] // k.shape[1]
             k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
     if "scale" in params:

@@ -187,20 +187,24 @@ def prefetch(iterable, depth: int = 2):
     stop = threading.Event()
     done = object()
 
+    def offer(item) -> bool:  # put, unless the consumer has gone: then False
+        while not stop.is_set():
+            try:
+                q.put(item, timeout=0.1)
+                return True
+            except queue.Full:
+                continue
+        return False
+
     def produce():
         try:
             for item in iterable:
-                while not stop.is_set():
-                    try:
-                        q.put(item, timeout=0.1)
-                        break
-                    except queue.Full:
-                        continue
-                if stop.is_set():
+                if not offer(item):
                     return
         except BaseException as e:  # handed to the consumer, which raises it
-            q.put(e)
-        q.put(done)
+            offer(e)
+            return
+        offer(done)
 
     thread = threading.Thread(target=produce, daemon=True, name="llmtrain-prefetch")
     thread.start()
@@ -209,5 +213,6 @@ def prefetch(iterable, depth: int = 2):
             if isinstance(item, BaseException):
                 raise item
             yield item
-    finally:
+    finally:  # also when the consumer stops early (a signal, an error): the thread ends before we go on
         stop.set()
+        thread.join()

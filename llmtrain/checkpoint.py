@@ -37,6 +37,7 @@ class TrainState:
     tokens_seen: int = 0  # input tokens (all ranks) processed so far
     trained_tokens_seen: int = 0  # tokens that carried loss so far
     micro_batch_tokens: int = 0  # token budget of a micro-batch (train.micro_batch_tokens); 0: by examples
+    bad_steps: int = 0  # steps skipped for a non-finite loss or gradient norm (train.max_bad_steps), in all
 
     def state_dict(self) -> dict:
         return asdict(self)

@@ -19,7 +19,7 @@ import math
 import signal
 import time
 import warnings
-from contextlib import ExitStack, nullcontext
+from contextlib import ExitStack, closing, nullcontext
 from pathlib import Path
 
 import torch
@@ -314,8 +314,8 @@ def _train(recipe: Recipe, *, resume: str | None, overwrite: bool, allow_recipe_
     start, last = time.perf_counter(), {}
     since = {"time": start}  # when the last metrics line was written
     pending = []  # device statistics of the steps since the last metrics line
-    bad_steps, evals = 0, []
-    with progress, StopRequests() as stop_requests:
+    evals = []
+    with progress, StopRequests() as stop_requests, closing(stream):  # closing: the prefetch thread ends here
         for window in stream:
             step = train_step(model, optimizer, scheduler, accelerator, window, max_grad_norm=tc.max_grad_norm,
                               stop_signal=stop_requests.signum)
@@ -324,10 +324,10 @@ def _train(recipe: Recipe, *, resume: str | None, overwrite: bool, allow_recipe_
             stop = step["stop"] if world > 1 else bool(stop_requests.signum)
             pending.append({**step, "epoch": window.epoch})
             state.step += 1
-            bad_steps += step["skipped"]
-            if step["skipped"] and bad_steps <= tc.max_bad_steps:
+            state.bad_steps += step["skipped"]  # a count of the whole run: it survives a resume
+            if step["skipped"] and state.bad_steps <= tc.max_bad_steps:
                 say(f"step {state.step}: gradient norm {step['grad_norm']}, update skipped "
-                                  f"({bad_steps} of train.max_bad_steps={tc.max_bad_steps})")
+                    f"({state.bad_steps} of train.max_bad_steps={tc.max_bad_steps})")
             # Roll the epoch over with the step that ends it, so a checkpoint saved now resumes at the next
             # epoch's start rather than "all micro-batches into" the finished one.
             state.epoch, state.micro_in_epoch = ((window.epoch + 1, 0) if window.epoch_done
@@ -349,7 +349,7 @@ def _train(recipe: Recipe, *, resume: str | None, overwrite: bool, allow_recipe_
                 console.step(last, total=total_steps)
             else:
                 progress.update(task, completed=state.step)
-            if bad_steps > tc.max_bad_steps:  # after its metrics line: the bad step is on record
+            if state.bad_steps > tc.max_bad_steps:  # after its metrics line: the bad step is on record
                 diverged(accelerator, out, state.step, step["grad_norm"], tc)
             if eval_now:
                 shown = progress.add_task("eval", total=None, info=f"{len(eval_ds)} examples")

@@ -253,25 +253,36 @@ def _reference_varlen(q, k, v, cu, max_q, *, causal: bool, window=(-1, -1), scal
     return torch.cat(outs)
 
 
-def old_varlen(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, is_causal=False, return_aux=None):
-    """torch 2.10/2.11's signature: is_causal, no GQA, no scale."""
+def varlen_2_10(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, is_causal=False, return_aux=None):
+    """torch 2.10's signature: is_causal, no GQA, no scale."""
     return _reference_varlen(query, key, value, cu_seq_q, max_q, causal=is_causal)
 
 
-def new_varlen(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, *, return_aux=None, scale=None,
-               window_size=(-1, -1), enable_gqa=False, seqused_k=None, block_table=None, num_splits=None):
-    """torch 2.12+: window_size (left, right) with (-1, 0) causal, enable_gqa, scale."""
+def varlen_2_11(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, *, return_aux=None, scale=None,
+                window_size=(-1, -1)):
+    """torch 2.11's: window_size (left, right) with (-1, 0) causal, scale; fewer K/V heads go to aten's flash
+    kernel as they are (it groups the query heads itself)."""
+    assert window_size[1] == 0, "not causal"
+    return _reference_varlen(query, key, value, cu_seq_q, max_q, causal=True, window=window_size, scale=scale,
+                             gqa=True)
+
+
+def varlen_2_12(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, *, return_aux=None, scale=None,
+                window_size=(-1, -1), enable_gqa=False, seqused_k=None, block_table=None, num_splits=None):
+    """torch 2.12+: as 2.11, and fewer K/V heads need enable_gqa."""
     assert window_size[1] == 0, "not causal"
     return _reference_varlen(query, key, value, cu_seq_q, max_q, causal=True, window=window_size, scale=scale,
                              gqa=enable_gqa)
 
 
-@pytest.mark.parametrize("kernel", [old_varlen, new_varlen], ids=["torch-2.11", "torch-2.12+"])
+@pytest.mark.parametrize("kernel", [varlen_2_10, varlen_2_11, varlen_2_12], ids=["torch-2.10", "torch-2.11",
+                                                                               "torch-2.12+"])
 @pytest.mark.parametrize("scale", [None, 0.3])
-def test_flash_varlen_call_adapts_to_either_signature(monkeypatch, kernel, scale):
-    """The CUDA path's call, checked on the CPU against both signatures of torch.nn.attention.varlen.varlen_attn:
-    KV heads repeated where enable_gqa is missing, a non-default scale folded into q where `scale` is missing,
-    causal as is_causal or window_size=(-1, 0)."""
+def test_flash_varlen_call_adapts_to_each_signature(monkeypatch, kernel, scale):
+    """The CUDA path's call, checked on the CPU against the signatures of torch.nn.attention.varlen.varlen_attn
+    (copied from each release's source): KV heads repeated only where the kernel cannot group them, a non-default
+    scale folded into q where `scale` is missing, causal as is_causal or window_size=(-1, 0). tests/test_cuda.py
+    checks the real kernel on a GPU."""
     import torch.nn.attention.varlen as varlen
 
     from llmtrain.attention import _flash_varlen, _sdpa_per_example

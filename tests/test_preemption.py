@@ -139,3 +139,24 @@ def test_max_bad_steps_skips_updates_then_stops(tiny_assets, tmp_path):
     assert proc.returncode == 3 and len(skipped) == 3 and skipped == list(range(skipped[0], skipped[0] + 3))
     assert all(math.isfinite(r["loss"]) for r in rows if not r["skipped"])
     assert "update skipped (1 of train.max_bad_steps=2)" in proc.stdout + proc.stderr
+
+
+def test_max_bad_steps_counts_across_a_resume(tiny_assets, tmp_path):
+    """The skips are a count of the whole run: a resume from a checkpoint saved after two skips may not skip two
+    more (before, the count restarted at 0 and a preempted run could skip without end)."""
+    recipe = write_recipe(tiny_assets, tmp_path, train={"max_steps": 12, "lr": 1e12, "max_grad_norm": None,
+                                                        "max_bad_steps": 2},
+                          checkpoint={"every_steps": 1, "keep_last": 20})
+    run = tmp_path / "run"
+    first = cli("finetune", str(recipe), check=False)
+    skipped = [r["step"] for r in records(run) if r["skipped"]]
+    assert first.returncode == 3 and len(skipped) == 3, first.stderr
+    # The run stopped at its third bad step; the newest checkpoint is after the second, holding a count of 2.
+    assert _steps_on_disk(run)[-1] == skipped[1]
+    state = json.loads((run / "checkpoints" / f"step_{skipped[1]:06d}" / "train_state.json").read_text())
+    assert state["bad_steps"] == 2
+    again = cli("finetune", str(run / "recipe.yaml"), "--resume", "auto", check=False)
+    assert again.returncode == 3, again.stderr
+    # the first bad step after the resume is the third of the run: no "update skipped (1 of ...)" again
+    assert "of train.max_bad_steps=2)" not in again.stdout + again.stderr
+    assert f"step {skipped[2]}: the gradient norm is nan" in again.stderr

@@ -1,0 +1,74 @@
+"""The CUDA-only kernels against their CPU-checked references, on a real GPU (skipped without one).
+
+benchmarks/gpu_session.sh smoke runs this file first on the H100. What the CPU suite cannot reach:
+- torch's flash varlen_attn through llmtrain's call (GQA handed to the kernel as is on torch 2.11, the window,
+  the model's scale), forward and backward, against SDPA per example;
+- a packed varlen forward and backward of a tiny Mistral under bf16 autocast against the same examples unpacked.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+
+@pytest.mark.parametrize(("hq", "hkv"), [(8, 8), (8, 2)])
+@pytest.mark.parametrize("window", [None, 6])
+@pytest.mark.parametrize("scale", [None, 0.1])
+def test_flash_varlen_equals_sdpa_per_example(hq, hkv, window, scale):
+    from llmtrain.attention import _flash_varlen, _sdpa_per_example, varlen_available
+
+    assert varlen_available()
+    torch.manual_seed(0)
+    cu = torch.tensor([0, 5, 14, 17, 40, 41], dtype=torch.int32)
+    t, d = int(cu[-1]), 64
+    base = [torch.randn(t, h, d, device="cuda", dtype=torch.bfloat16) for h in (hq, hkv, hkv)]
+    grad = torch.randn(t, hq, d, device="cuda", dtype=torch.bfloat16)
+    s = d ** -0.5 if scale is None else scale
+    outs, grads = [], []
+    for fn in (lambda q, k, v: _flash_varlen(q, k, v, cu.cuda(), 23, scale=s, window=window),
+               lambda q, k, v: _sdpa_per_example(q.float(), k.float(), v.float(), cu.tolist(), scale=s, dropout=0.0,
+                                                 window=window, gqa=hq // hkv)):
+        q, k, v = (x.clone().requires_grad_() for x in base)
+        out = fn(q, k, v)
+        out.float().backward(grad.float())
+        outs.append(out.float())
+        grads.append([x.grad.float() for x in (q, k, v)])
+    assert (outs[0] - outs[1]).abs().max() < 2e-2
+    for a, b in zip(grads[0], grads[1]):
+        assert (a - b).abs().max() < 5e-2 * max(1.0, b.abs().max().item())
+
+
+def test_packed_varlen_loss_and_grads_equal_padded_sdpa_under_bf16_autocast():
+    """What training runs: one packed row through the flash varlen kernel against the same examples padded
+    through SDPA, a tiny Mistral with GQA and a sliding window shorter than an example, fp32 weights, bf16
+    autocast; the summed loss and every gradient agree to bf16 precision."""
+    from transformers import MistralConfig, MistralForCausalLM
+
+    from llmtrain.attention import register
+    from llmtrain.batching import collate, with_loss_positions
+    from llmtrain.loss import attach_loss, compute_loss
+    from llmtrain.train import to_device
+
+    cfg = MistralConfig(vocab_size=512, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+                        num_attention_heads=8, num_key_value_heads=2, head_dim=16, sliding_window=24)
+    g = torch.Generator().manual_seed(1)
+    exs = [{"input_ids": torch.randint(0, 512, (n,), generator=g).tolist(),
+            "labels": torch.randint(0, 512, (n,), generator=g).tolist()} for n in (7, 30, 19, 3)]
+    models = []
+    for attn, packing in ((register(), True), ("sdpa", False)):
+        torch.manual_seed(0)
+        model = MistralForCausalLM._from_config(cfg, attn_implementation=attn).cuda()
+        attach_loss(model, chunk=16)
+        batch = with_loss_positions(collate(exs, pad_id=0, packing=packing))
+        batch = to_device(batch, torch.device("cuda"))  # as train_step moves it: cu_seq_lens too
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            loss = compute_loss(model, batch)
+        loss.backward()
+        models.append((loss.item(), model))
+    (a, varlen), (b, sdpa) = models
+    assert a == pytest.approx(b, rel=1e-2)
+    for (name, p), q in zip(varlen.named_parameters(), sdpa.parameters()):
+        assert (p.grad - q.grad).abs().max() <= 5e-2 * q.grad.abs().max() + 1e-4, name
