@@ -111,6 +111,9 @@ FSDP1="$PY -m accelerate.commands.launch --config_file $FSDP_CONFIG --num_proces
 
 case $WHAT in
 smoke)
+  # the CUDA kernels against their references first (tests/test_cuda.py; skipped on a dry run's CPU)
+  $PY -m pytest -q -p no:cacheprovider tests/test_cuda.py -rs > "$OUT/smoke-cuda-tests.txt" 2>&1
+  echo "tests/test_cuda.py: exit $?" | tee -a "$OUT/$WHAT.log"
   recipe $W/full.yaml "$LLAMA1B" 0 float32
   recipe $W/lora.yaml "$MISTRAL7B" 1 bfloat16
   run full-varlen-budget $FT $W/full.yaml output_dir=$W/runs/full-varlen-budget
@@ -121,11 +124,13 @@ smoke)
   run lora-liger $FT $W/lora.yaml output_dir=$W/runs/lora-liger model.kernels=liger
   run lora-compile $FT $W/lora.yaml output_dir=$W/runs/lora-compile model.compile=true
   run fsdp1-lora $FSDP1 $W/lora.yaml output_dir=$W/runs/fsdp1-lora
-  # exact resume on the GPU: 6 steps straight against 3 + resume 3 (deterministic algorithms where allowed)
+  # exact resume on the GPU: 6 steps straight against 3 + resume 3. A constant schedule: with the default cosine,
+  # max_steps=3 would change the learning rate of steps 1-3.
   export CUBLAS_WORKSPACE_CONFIG=:4096:8
-  run resume-straight $FT $W/full.yaml output_dir=$W/runs/resume-straight checkpoint.every_steps=3
-  run resume-cut $FT $W/full.yaml output_dir=$W/runs/resume-cut checkpoint.every_steps=3 train.max_steps=3
-  run resume-cut $FT $W/full.yaml output_dir=$W/runs/resume-cut checkpoint.every_steps=3 --resume auto --allow-recipe-change
+  R="checkpoint.every_steps=3 train.schedule=constant"
+  run resume-straight $FT $W/full.yaml output_dir=$W/runs/resume-straight $R
+  run resume-cut $FT $W/full.yaml output_dir=$W/runs/resume-cut $R train.max_steps=3
+  run resume-cut $FT $W/full.yaml output_dir=$W/runs/resume-cut $R --resume auto --allow-recipe-change
   ;;
 vs-hf-7b)
   $PY benchmarks/vs_hf.py $( [[ $DRY == 1 ]] && echo --smoke || echo --shape mistral-7b-lora ) --mistral $G/mistral --gsm8k $G/gsm8k/train.jsonl > "$OUT/$WHAT.jsonl" 2> "$OUT/$WHAT.log"

@@ -157,6 +157,11 @@ class TrainConfig(Section):
         "no", description="Autocast precision. The recipe wins over a launch config that disagrees."
     )
     seed: int = Field(42, description="Seed for model init, data order and dropout.")
+    deterministic: bool = Field(
+        False,
+        description="torch.use_deterministic_algorithms (warn-only: an op with no deterministic kernel warns once and "
+        "runs) and CUBLAS_WORKSPACE_CONFIG=:4096:8, so two runs on one GPU give identical losses; somewhat slower.",
+    )
     eval_every_steps: int | None = Field(
         None, gt=0, description="Evaluate every N optimizer steps; with eval data, the end of training is always evaluated.")
     eval_batch_size: int | None = Field(None, gt=0, description="Eval micro-batch size; defaults to micro_batch_size.")

@@ -45,6 +45,8 @@ def build_accelerator(recipe: Recipe):
     )
     if fsdp_plugin is not None and accelerator.distributed_type.name == "MULTI_CPU":
         _fsdp_on_cpu(accelerator, fsdp_plugin)
+    if fsdp_plugin is not None and recipe.train.mixed_precision != "no":
+        fsdp_plugin.mixed_precision_policy = fsdp_precision(recipe.train.mixed_precision)
     if launched and launched != recipe.train.mixed_precision and accelerator.is_main_process:
         accelerator.print(
             f"warning: the launch config asks for mixed_precision={launched} but the recipe sets "
@@ -79,6 +81,21 @@ def _fsdp_on_cpu(accelerator, fsdp_plugin) -> None:
     PartialState._shared_state["distributed_type"] = DistributedType.FSDP
     accelerator.print(f"FSDP2 on CPU: {accelerator.num_processes} processes over gloo, "
                       f"{fsdp_plugin.state_dict_type.name} checkpoints")
+
+
+def fsdp_precision(mixed_precision: str):
+    """FSDP2's MixedPrecisionPolicy for train.mixed_precision: compute in bf16/fp16 from the fp32 shards, but
+    reduce gradients in fp32 and leave the model's outputs as they are.
+
+    Accelerate's own policy (set_mixed_precision) also reduce-scatters the gradients in bf16 (8 bits of
+    mantissa summed over every rank) and casts the outputs to bf16, which rounds the fp32 loss sum that
+    loss.py returns (a sum over ~10k tokens to a multiple of 64). tests/test_fsdp.py checks the logged loss
+    is not rounded so.
+    """
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    low = {"bf16": torch.bfloat16, "fp16": torch.float16}[mixed_precision]
+    return MixedPrecisionPolicy(param_dtype=low, reduce_dtype=torch.float32, output_dtype=None)
 
 
 def uses_fsdp(accelerator) -> bool:

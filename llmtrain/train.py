@@ -16,10 +16,11 @@ from __future__ import annotations
 import functools
 import json
 import math
+import os
 import signal
 import time
 import warnings
-from contextlib import ExitStack, closing, nullcontext
+from contextlib import ExitStack, closing, contextmanager, nullcontext
 from pathlib import Path
 
 import torch
@@ -183,6 +184,18 @@ def train(recipe: Recipe, *, resume: str | None = None, overwrite: bool = False,
                       cleanup=cleanup)
 
 
+@contextmanager
+def deterministic_algorithms():
+    """torch's deterministic kernels for this run (train.deterministic), the previous setting restored after."""
+    before = (torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled())
+    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # read when cuBLAS first runs, which is later
+    torch.use_deterministic_algorithms(True, warn_only=True)
+    try:
+        yield
+    finally:
+        torch.use_deterministic_algorithms(before[0], warn_only=before[1])
+
+
 def _train(recipe: Recipe, *, resume: str | None, overwrite: bool, allow_recipe_change: bool, cleanup) -> dict:
     import datasets
     import transformers
@@ -212,6 +225,8 @@ def _train(recipe: Recipe, *, resume: str | None, overwrite: bool, allow_recipe_
     if resume and ckpt is None:
         say(f"--resume {resume}: no complete checkpoint in {out}; starting from step 0.")
     set_seed(tc.seed)  # same seed on every rank: identical init, and DDP checks that anyway
+    if tc.deterministic:
+        cleanup.enter_context(deterministic_algorithms())
 
     # ---- data: tokenised once on the main process, then read from the cache by the others
     tokenizer = load_tokenizer(recipe.model)

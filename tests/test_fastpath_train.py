@@ -11,6 +11,7 @@
 from __future__ import annotations
 
 import json
+import os
 import shutil
 
 import pytest
@@ -138,3 +139,25 @@ def test_compiled_layers_train_like_eager_layers(recipe, tmp_path):
     proc = cli("finetune", str(recipe), f"output_dir={tmp_path / 'compiled'}", "model.compile=true", *common)
     assert "compile: 2 decoder layers" in proc.stdout
     assert losses(tmp_path / "compiled") == pytest.approx(losses(tmp_path / "plain"), abs=1e-5)
+
+
+def test_deterministic_runs_with_torch_deterministic_kernels_and_restores(recipe, tmp_path, monkeypatch):
+    """train.deterministic: every step runs under torch.use_deterministic_algorithms (warn-only) with cuBLAS's
+    fixed workspace, the losses are those of the default run (on the CPU the kernels are deterministic anyway:
+    the GPU check is gpu_session.sh smoke), and the process's setting is put back afterwards."""
+    import torch
+
+    import llmtrain.train as T
+
+    monkeypatch.delenv("CUBLAS_WORKSPACE_CONFIG", raising=False)
+    seen, real = [], T.train_step
+    monkeypatch.setattr(T, "train_step", lambda *a, **k: seen.append(
+        (torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled(),
+         os.environ.get("CUBLAS_WORKSPACE_CONFIG"))) or real(*a, **k))
+    run_train(recipe, "train.deterministic=true", f"output_dir={tmp_path / 'det'}")
+    assert seen and set(seen) == {(True, True, ":4096:8")}
+    assert not torch.are_deterministic_algorithms_enabled()
+    seen.clear()
+    run_train(recipe, f"output_dir={tmp_path / 'default'}")
+    assert set(seen) == {(False, False, ":4096:8")}  # the variable stays: cuBLAS read it once, at its start
+    assert losses(tmp_path / "det") == losses(tmp_path / "default")

@@ -21,6 +21,8 @@ reads the weights and receives them from rank 0 (the last test shows which rank 
 
 from __future__ import annotations
 
+import math
+
 import shutil
 import subprocess
 import sys
@@ -205,6 +207,11 @@ def test_bf16_keeps_fp32_master_shards(tiny_assets, tmp_path, free_port, kind):
     run = tmp_path / "run"
     _launch(recipe, free_port, f"output_dir={run}")
     assert all(x == x and x < 10 for x in losses(run))  # finite, sane
+    # The loss sums are fp32, not cast to bf16 on the way out of the model (Accelerate's default policy did:
+    # each step's sum then lay on a grid of a 9-bit mantissa, the two ranks' bf16 sums added).
+    sums = [r["loss"] * r["trained_tokens"] for r in records(run)]
+    on_grid = [abs(x / 2.0 ** (math.floor(math.log2(x)) - 8) % 1 - 0.5) > 0.5 - 1e-6 for x in sums]
+    assert not all(on_grid), sums
 
     ckpt = run / "checkpoints" / "step_000004"
     dtypes = {k: str(v.properties.dtype) for k, v in _dcp_metadata(ckpt / "pytorch_model_fsdp_0")

@@ -175,7 +175,9 @@ def estimate(shape: ModelShape, spec: TrainSpec) -> Estimate:
     # -- FSDP: gathered (unsharded) units in the compute dtype, about two decoder layers in flight
     pd = p.cd if amp else DTYPE_BYTES[spec.dtype]
     unit = (shape.params_per_layer + max(adapter_params)) * pd if fsdp else 0
-    unit_grads = (shape.params_per_layer if full else max(adapter_params)) * pd if fsdp else 0
+    # A unit's unsharded gradients, in the compute dtype and, under mixed precision, also as the fp32 copy that
+    # is reduce-scattered (distributed.fsdp_precision reduces in fp32).
+    unit_grads = (shape.params_per_layer if full else max(adapter_params)) * (pd + 4 * amp) if fsdp else 0
     tail = (V * H + shape.params_final_norm) * pd if fsdp else 0  # final norm + lm_head (+ tied embeddings)
     embed_unit = V * H * pd if (fsdp and not shape.tied) else 0
     always = tail if shape.tied else 0
