@@ -10,7 +10,9 @@
 #   bash benchmarks/gpu_session.sh smoke         # every code path a few steps, exact resume on the GPU
 #   bash benchmarks/gpu_session.sh vs-hf-7b      # Mistral-7B LoRA: llmtrain vs HF Trainer (padded, flattening)
 #   bash benchmarks/gpu_session.sh vs-hf-1b      # ~1B Llama full fine-tune, the same comparison
+#   bash benchmarks/gpu_session.sh fixed         # random tokens at 2048 (and 512, 4096): 7B LoRA, 1B full, 7B full offloaded
 #   bash benchmarks/gpu_session.sh calibrate     # estimate-memory against measured peaks, 12+ runs
+#   bash benchmarks/gpu_session.sh fit           # estimate-memory --fit's choice for 7B LoRA and 1B full, run
 #   bash benchmarks/gpu_session.sh profile       # torch.profiler of one 7B LoRA step: top kernels
 #
 # Each writes $OUT/<name>.jsonl and $OUT/<name>.log.
@@ -22,7 +24,7 @@
 #   GPU_SESSION_DRY=1 PY=/work/gpuenv/bin/python OUT=/tmp/dry bash benchmarks/gpu_session.sh smoke
 set -uo pipefail
 cd "$(dirname "$0")/.."
-WHAT=${1:?usage: gpu_session.sh pack|smoke|vs-hf-7b|vs-hf-1b|calibrate|profile}
+WHAT=${1:?usage: gpu_session.sh pack|smoke|vs-hf-7b|vs-hf-1b|fixed|calibrate|fit|profile}
 G=.gpu
 OUT=${OUT:-/tmp/out}
 DRY=${GPU_SESSION_DRY:-0}
@@ -79,7 +81,7 @@ LLAMA1B=$(model_dir llama-1b '{"model_type": "llama", "architectures": ["LlamaFo
 recipe() {  # recipe FILE MODEL_DIR LORA(0|1) DTYPE -> a recipe on GSM8K messages, random init
   cat > "$1" <<EOF
 model: {name_or_path: $2, dtype: $4, random_init: true}
-data: {path: $W/gsm8k-messages.jsonl, format: messages, max_seq_len: 1024, cache_dir: $W/cache}
+data: {path: $W/gsm8k-messages.jsonl, format: messages, max_seq_len: $((1024 / SCALE)), cache_dir: $W/cache}
 $( [[ $3 == 1 ]] && echo "lora: {r: 16, alpha: 32, dropout: 0.0}" )
 train: {max_steps: 6, micro_batch_size: 1, micro_batch_tokens: $((8192 / SCALE)), lr: 1.0e-5, mixed_precision: bf16, seed: 1}
 checkpoint: {save_final: false}
@@ -126,24 +128,48 @@ smoke)
   run fsdp1-lora $FSDP1 $W/lora.yaml output_dir=$W/runs/fsdp1-lora
   # exact resume on the GPU: 6 steps straight against 3 + resume 3. A constant schedule: with the default cosine,
   # max_steps=3 would change the learning rate of steps 1-3.
-  export CUBLAS_WORKSPACE_CONFIG=:4096:8
-  R="checkpoint.every_steps=3 train.schedule=constant"
+  R="checkpoint.every_steps=3 train.schedule=constant train.deterministic=true"
   run resume-straight $FT $W/full.yaml output_dir=$W/runs/resume-straight $R
   run resume-cut $FT $W/full.yaml output_dir=$W/runs/resume-cut $R train.max_steps=3
   run resume-cut $FT $W/full.yaml output_dir=$W/runs/resume-cut $R --resume auto --allow-recipe-change
+  $PY - "$W/runs" >> "$OUT/$WHAT.jsonl" <<'EOF'
+import json, sys, pathlib
+runs = pathlib.Path(sys.argv[1])
+loss = lambda name: [r["loss"] for r in map(json.loads, (runs / name / "metrics.jsonl").read_text().splitlines())
+                     if r["type"] == "train"]
+a, b = loss("resume-straight"), loss("resume-cut")
+print(json.dumps({"check": "resume", "straight": a, "cut_and_resumed": b, "equal": a == b,
+                  "max_abs_diff": max((abs(x - y) for x, y in zip(a, b)), default=None) if len(a) == len(b) else None}))
+EOF
   ;;
 vs-hf-7b)
   $PY benchmarks/vs_hf.py $( [[ $DRY == 1 ]] && echo --smoke || echo --shape mistral-7b-lora ) --mistral $G/mistral --gsm8k $G/gsm8k/train.jsonl > "$OUT/$WHAT.jsonl" 2> "$OUT/$WHAT.log"
   ;;
 vs-hf-1b)
-  if [[ $DRY == 1 ]]; then
-    $PY benchmarks/vs_hf.py --smoke --mistral $G/mistral --gsm8k $G/gsm8k/train.jsonl > "$OUT/$WHAT.jsonl" 2> "$OUT/$WHAT.log"
-    $PY benchmarks/throughput.py --shape tiny --steps 4 >> "$OUT/$WHAT.jsonl" 2>> "$OUT/$WHAT.log"
-  else
-    $PY benchmarks/vs_hf.py --shape llama-1b-full --mistral $G/mistral --gsm8k $G/gsm8k/train.jsonl > "$OUT/$WHAT.jsonl" 2> "$OUT/$WHAT.log"
-    $PY benchmarks/throughput.py --shape llama-1b-full >> "$OUT/$WHAT.jsonl" 2>> "$OUT/$WHAT.log"
-    $PY benchmarks/throughput.py --shape llama2-7b-lora >> "$OUT/$WHAT.jsonl" 2>> "$OUT/$WHAT.log"
-  fi
+  $PY benchmarks/vs_hf.py $( [[ $DRY == 1 ]] && echo --smoke || echo --shape llama-1b-full ) --mistral $G/mistral \
+    --gsm8k $G/gsm8k/train.jsonl > "$OUT/$WHAT.jsonl" 2> "$OUT/$WHAT.log"
+  ;;
+fixed)  # fixed-length random tokens (benchmarks/throughput.py): speed, and predicted vs measured peak at seq 512-4096
+  tp() {  # tp [launcher...] -- SHAPE [args]: one throughput.py run; its JSON (the last line) to the .jsonl
+    local launch=() shape
+    while [[ $1 != -- ]]; do launch+=("$1"); shift; done; shift
+    shape=$1; shift
+    [[ $DRY == 1 ]] && { shape=tiny; set -- "$@" --seq-len 256 --steps 3 --warmup 1; }
+    if "${launch[@]}" benchmarks/throughput.py --shape $shape "$@" > $W/tp.out 2>> "$OUT/$WHAT.log"; then
+      tail -n 1 $W/tp.out >> "$OUT/$WHAT.jsonl"
+    else
+      echo "{\"failed\": \"$shape $*\"}" >> "$OUT/$WHAT.jsonl"
+    fi
+    cat $W/tp.out >> "$OUT/$WHAT.log"
+  }
+  tp $PY -- llama2-7b-lora
+  tp $PY -- llama-1b-full
+  tp $PY -- llama2-7b-lora --seq-len 4096 --micro-batch 2 --no-grad-checkpointing --steps 6
+  tp $PY -- llama-1b-full --seq-len 512 --micro-batch 64 --steps 6
+  # the 7B full fine-tune: parameters, gradients and AdamW state offloaded to the host by FSDP on one process
+  # (a dry run shards on the CPU without offload: there is no host to offload to)
+  tp $PY -m accelerate.commands.launch --config_file $FSDP_CONFIG --num_processes 1 \
+    $( [[ $DRY == 1 ]] || echo --fsdp_offload_params true ) -- llama2-7b-full --steps 6 --warmup 2
   ;;
 calibrate)  # predicted vs measured peak (summary.json) for 12+ configurations
   recipe $W/full.yaml "$LLAMA1B" 0 float32
@@ -157,6 +183,18 @@ calibrate)  # predicted vs measured peak (summary.json) for 12+ configurations
     run cal-full-mb$mb-sdpa $FT $W/full.yaml output_dir=$W/runs/cal-full-mb$mb-sdpa train.max_steps=3 train.micro_batch_tokens=null train.micro_batch_size=$mb model.attn_implementation=sdpa data.max_seq_len=512
   done
   run cal-fsdp1-lora-8192 $FSDP1 $W/lora.yaml output_dir=$W/runs/cal-fsdp1-lora-8192 train.max_steps=3
+  ;;
+fit)  # --fit's recommendation for this card, run: it must not run out of memory, and should use >= 70% of it
+  recipe $W/full.yaml "$LLAMA1B" 0 float32
+  recipe $W/lora.yaml "$MISTRAL7B" 1 bfloat16
+  CARD=$($PY -c "import torch; print(torch.cuda.mem_get_info()[1] / 2**30 if torch.cuda.is_available() else 2)")
+  for r in lora full; do
+    $PY -m llmtrain estimate-memory $W/$r.yaml --gpu-memory "$CARD" --fit --json > $W/fit-$r.json 2>> "$OUT/$WHAT.log"
+    overrides=$($PY -c "import json, sys; print(' '.join(json.load(open(sys.argv[1]))['fit']['overrides']))" $W/fit-$r.json)
+    echo "fit $r on $CARD GiB: $overrides" | tee -a "$OUT/$WHAT.log"
+    run fit-$r $FT $W/$r.yaml output_dir=$W/runs/fit-$r train.max_steps=4 $overrides
+  done
+  echo "{\"card_gib\": $CARD}" >> "$OUT/$WHAT.jsonl"
   ;;
 profile)
   recipe $W/lora.yaml "$MISTRAL7B" 1 bfloat16

@@ -6,7 +6,7 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
-from llmtrain.memory.fit import FitResult, launch_line, size
+from llmtrain.memory.fit import FIT_SHARE, FitResult, launch_line, size
 from llmtrain.memory.spec import COMPONENTS, GIB, Estimate, TrainSpec
 
 WHAT = {
@@ -97,7 +97,9 @@ def render_fit(result: FitResult, *, target: str | None, console: Console | None
         console.print(f"With FSDP on {result.best.spec.world} GPUs ({result.best.spec.num_nodes} node(s)) "
                       "something does (the fewest GPUs that fit):")
     by_tokens = result.best.spec.micro_batch_tokens is not None
-    table = Table(title="Configurations that fit (largest micro-batch each)", title_justify="left")
+    room = FIT_SHARE * result.best.spec.gpu_memory_gib
+    table = Table(title=f"Configurations that fit (largest micro-batch each, in {FIT_SHARE:.0%} of the card: "
+                        f"{room:.1f} GiB, the rest is room for the estimate's error)", title_justify="left")
     for col in ("strategy", "checkpointing", "tokens per micro-batch" if by_tokens else "micro-batch",
                 "GiB per GPU", "relative throughput"):
         table.add_column(col, justify="right" if col != "strategy" else "left")
