@@ -49,7 +49,8 @@ def needs_chat(recipe: Recipe) -> bool:
 
 def check_chat_template(recipe: Recipe, tokenizer) -> list[Check]:
     """Render a two-turn chat as training will, when the data is formatted with a chat template."""
-    from llmtrain.data import encode_messages, read_template
+    from llmtrain.chat import read_template
+    from llmtrain.data import encode_messages
 
     if not needs_chat(recipe):
         return [("chat template", "pass", f"not used (data.format={recipe.data.format}, data.chat_template false)")]

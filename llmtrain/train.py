@@ -29,7 +29,8 @@ from llmtrain.batching import global_micro_batches, prefetch, windows
 from llmtrain.checkpoint import TrainState, load_checkpoint, lora_only_hooks, save_checkpoint
 from llmtrain.config import Recipe
 from llmtrain.console import RunConsole, step_text, summary_table
-from llmtrain.data import prepare_datasets, read_template
+from llmtrain.chat import read_template
+from llmtrain.data import prepare_datasets
 from llmtrain.distributed import build_accelerator, global_sum, receives_weights, use_fused_adamw, uses_fsdp
 from llmtrain.doctor import check_eos_trained, check_masks
 from llmtrain.errors import LLMTrainError, Stopped

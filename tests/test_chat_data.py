@@ -13,7 +13,8 @@ from __future__ import annotations
 import pytest
 
 from llmtrain.config import DataConfig, load_recipe
-from llmtrain.data import IGNORE, chat_of, encode_example, is_split_name, prepare_datasets, render_chat
+from llmtrain.chat import render_chat
+from llmtrain.data import IGNORE, chat_of, encode_example, is_split_name, prepare_datasets
 from llmtrain.errors import LLMTrainError, RecipeError
 
 from conftest import GSM8K, MISTRAL, REPO, needs

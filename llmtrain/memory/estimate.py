@@ -54,12 +54,10 @@ def states(shape: ModelShape, spec: TrainSpec, plan: LoraPlan | None) -> States:
     master = 4 if (fsdp and spec.mixed_precision != "no") else sd  # bytes of a trainable base parameter
     V, H = shape.vocab, shape.hidden
     if plan is None:
-        trainable = shape.params_total
         frozen_bytes = 0
         head = (V * H + shape.params_final_norm) * master
         layer = [shape.params_per_layer * master] * shape.layers
     else:
-        trainable = plan.trainable(shape)
         frozen_bytes = shape.params_total * sd
         copies = {m: V * H * master for m in plan.saved_copies}
         head = copies.get("lm_head", 0) + (plan.r * (H + V) * 4 if plan.adapted_head else 0)

@@ -1,0 +1,144 @@
+"""Chats as text: render a conversation through its chat template exactly as inference will, and find the
+character spans of what the model must generate there (each trained reply). data.py tokenises that text
+and turns the spans into the loss mask (encode_messages).
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+from llmtrain.config import DataConfig
+from llmtrain.errors import LLMTrainError
+
+
+def _mark(i: int) -> str:
+    return f"\ue000{i}\ue001"  # private-use characters: never in real text, never merged with template markup
+
+
+def _apply(tokenizer, messages: list[dict], template: str | None, *, generation_prompt: bool) -> str:
+    try:
+        return tokenizer.apply_chat_template(messages, chat_template=template, tokenize=False,
+                                             add_generation_prompt=generation_prompt)
+    except Exception as e:  # jinja's TemplateError, or the template's own raise_exception
+        raise LLMTrainError(f"the chat template refused the conversation: {e}") from None
+
+
+def _not_shown(messages: list[dict], k: int) -> LLMTrainError:
+    m = messages[k]
+    return LLMTrainError(
+        f"message {k} ({m['role']}: {m['content'][:40]!r}) does not appear in the text the chat template renders, "
+        "so the model would never see it. Move its text into a message the template shows (e.g. the first user "
+        "message), or give a template that shows it (data.chat_template: path/to/template.jinja)."
+    )
+
+
+def _locate(marked: str, text: str, messages: list[dict]) -> dict[int, tuple[int, int]]:
+    """Character span of each message's content in `text`, which the template rendered from `messages` as it
+    rendered `marked` from the same messages with each content replaced by its marker.
+
+    The markers' positions are exact, so a short reply ("ant") is never matched inside template markup
+    (`<|assistant|>`) or an earlier turn. Templates may trim the content (Mistral's and Llama 3's do:
+    `content|trim`), so each one is matched as given or stripped, between the exact template pieces around its
+    marker. Only where a template rewrites content in another way are the contents searched for in turn.
+    """
+    pieces = re.split("\ue000(\\d+)\ue001", marked)  # [P0, "k0", P1, "k1", P2, ...]: markers in text order
+    order = [int(k) for k in pieces[1::2]]
+    for k in range(len(messages)):
+        if k not in order and messages[k]["content"].strip():
+            raise _not_shown(messages, k)
+    spans, pos = {}, len(pieces[0])
+    if len(set(order)) == len(order) and text.startswith(pieces[0]):
+        for k, after in zip(order, pieces[2::2]):
+            content = messages[k]["content"]
+            shown = next((c for c in dict.fromkeys((content, content.strip(), content.rstrip(), content.lstrip()))
+                          if text.startswith(c + after, pos)), None)
+            if shown is None:
+                break
+            spans[k] = (pos, pos + len(shown))
+            pos += len(shown) + len(after)
+        if len(spans) == len(order) and pos == len(text):
+            return spans
+    spans, cursor = {}, 0
+    for k in order:
+        content = messages[k]["content"].strip()
+        start = text.find(content, cursor)
+        if start < 0:
+            raise _not_shown(messages, k)
+        spans[k], cursor = (start, start + len(content)), start + len(content)
+    return spans
+
+
+def _reply_parts(messages: list[dict], last: int, tokenizer, template: str | None) -> tuple[str, str, str]:
+    """How the template renders the reply `messages[last]` after the inference prompt: (what it puts between
+    the generation prompt and the content, the content as shown, what closes the turn)."""
+    history, reply = messages[:last], messages[last]
+
+    def around(hist: list[dict]) -> list[str]:  # the template's text before and after the reply's content
+        parts = _apply(tokenizer, [*hist, {**reply, "content": _mark(last)}], template,
+                       generation_prompt=False).split(_mark(last))
+        if len(parts) != 2:
+            raise _not_shown(messages, last) if len(parts) == 1 else LLMTrainError(
+                f"the chat template shows message {last} (assistant) {len(parts) - 1} times, so it is not clear "
+                "which one to train. Give a template that shows it once (data.chat_template: path/to/template.jinja).")
+        return parts
+
+    before, after = around(history)
+    full = _apply(tokenizer, messages[: last + 1], template, generation_prompt=False)
+    if not (full.startswith(before) and full.endswith(after) and len(full) >= len(before) + len(after)):
+        raise LLMTrainError(f"the chat template rewrites the text around message {last} (assistant), so the reply "
+                            "cannot be placed in the text. Give a template that renders it as written "
+                            "(data.chat_template: path/to/template.jinja).")
+    shown = full[len(before):len(full) - len(after)]
+    if reply["content"].strip() and not shown.strip():
+        raise _not_shown(messages, last)
+    # The text before the reply is normally the inference prompt plus a separator (Mistral: " " after
+    # [/INST]). Templates that move the system prompt to the last user turn (Mistral-7B-Instruct-v0.3) render
+    # the history differently once a reply follows: then the separator is read off the same chat without it.
+    without_system = [history[1:]] if history and history[0]["role"] == "system" else []
+    for hist in [history, *without_system]:
+        hist_before = before if hist is history else around(hist)[0]
+        prompt = _apply(tokenizer, hist, template, generation_prompt=True)
+        if hist_before.startswith(prompt):
+            return hist_before[len(prompt):], shown, after
+    raise LLMTrainError(f"the chat template renders the conversation before message {last} (assistant) in a way "
+                        "that does not continue its own generation prompt (add_generation_prompt=True), so the "
+                        "reply cannot be placed after it as at inference. Give a template that does "
+                        "(data.chat_template: path/to/template.jinja).")
+
+
+def render_chat(messages: list[dict], tokenizer, *, template: str | None = None,
+                first: int = 0) -> tuple[str, list[tuple[int, int]]]:
+    """The training text of a chat, and the character spans the model must generate (each trained reply).
+
+    The text is exactly what inference renders as the prompt of the last reply (the history with
+    `add_generation_prompt=True`), followed by that reply as the template renders it. So the system prompt is
+    where inference puts it, even with templates that show it only on the last user turn (Mistral v0.3), and
+    every token the model generates after the generation prompt is trained: a separator the template puts
+    before the content (Mistral's " " after [/INST], its own token before a digit), the content, and the end of
+    the turn. Earlier replies are trained where they stand in that history (from `first` on: messages before
+    it are the prompt). Messages after the last reply would carry no loss and are left out.
+    """
+    last = max(i for i, m in enumerate(messages) if m["role"] == "assistant")
+    sep, shown, after = _reply_parts(messages, last, tokenizer, template)
+    history = messages[:last]
+    prompt = _apply(tokenizer, history, template, generation_prompt=True)
+    marked = [{**m, "content": _mark(i)} for i, m in enumerate(history)]
+    spans = _locate(_apply(tokenizer, marked, template, generation_prompt=True), prompt, history)
+    trained = []
+    for k in sorted((k for k in spans if history[k]["role"] == "assistant" and k >= first), key=spans.get):
+        a, b = spans[k]
+        trained.append((a - len(sep) if sep and prompt.endswith(sep, 0, a) else a, b))
+    trained.append((len(prompt), len(prompt) + len(sep) + len(shown)))
+    return prompt + sep + shown + after, trained
+
+
+def read_template(cfg: DataConfig) -> str | None:
+    """The Jinja text of data.chat_template when it names a file; None for the tokenizer's own."""
+    if not isinstance(cfg.chat_template, str):
+        return None
+    path = Path(cfg.chat_template)
+    if not path.is_file():
+        raise LLMTrainError(f"data.chat_template '{path}' is not a file. Give the path of a Jinja chat template, "
+                            "or true for the tokenizer's own.")
+    return path.read_text()
