@@ -189,7 +189,7 @@ def test_peak_is_the_largest_phase_and_breakdown_adds_up(mistral):
 
 
 def test_levers_move_memory_the_right_way(mistral, monkeypatch):
-    monkeypatch.setattr(estimate_module, "varlen_repeats_kv", lambda: False)  # a torch with enable_gqa
+    monkeypatch.setattr(estimate_module, "varlen_repeats_kv", lambda: False)  # torch >= 2.11: K/V not repeated
     base = TrainSpec(method="lora", dtype="bfloat16", mixed_precision="bf16", micro_batch=4, seq_len=2048,
                      attn="sdpa")
 

@@ -118,7 +118,7 @@ def test_layer_and_outside_bytes_equal_what_autograd_saves(attn, dtype, mp, padd
     p = make_pass(shape, spec)
     assert p.mask == (not varlen)  # padded rows are assumed whenever a micro-batch has more than one row
     assert (p.rows, p.row_len, p.examples) == ((1, B * S, B) if varlen else (B, S, B))
-    # The CPU's dropout noise is fp32; varlen's K/V are taken at kv_heads (a torch with enable_gqa).
+    # The CPU's dropout noise is fp32; varlen's K/V are taken at kv_heads (torch >= 2.11).
     p = replace(p, mask=padded, dropout_mask_bytes=4, varlen_repeats_kv=False)
     lengths = [S + 6, S - 6] if varlen else [S] * (B - 1) + [S - PAD * padded]
     batch = batch_for(lengths, packing=varlen)
@@ -164,5 +164,5 @@ def test_cpu_varlen_attention_by_hand():
     p = replace(p, varlen_repeats_kv=False)
     assert cpu_varlen_attention_bytes(p, shape, [22, 10], o_trainable=True) == 3 * 8192 + 9344 + 4096
     assert act.attention_bytes(p, shape, o_trainable=True) == 4096 + 2 * 2048 + 4096 + 512
-    # a torch without enable_gqa repeats K/V to the 4 heads: twice as wide
+    # torch 2.10 repeats K/V to the 4 heads: twice as wide
     assert act.attention_bytes(replace(p, varlen_repeats_kv=True), shape, o_trainable=True) == 4096 * 4 + 512

@@ -40,7 +40,7 @@ class Pass:
     separate_casts: bool = False
     lora_dropout: float = 0.0
     dropout_mask_bytes: int = CUDA_DROPOUT_MASK_BYTES
-    # varlen only: torch's varlen_attn before 2.12 has no enable_gqa, so llmtrain.attention repeats K/V to
+    # varlen only: torch 2.10's varlen_attn (no window_size) takes no GQA, so llmtrain.attention repeats K/V to
     # every query head first and the kernel saves them so.
     varlen_repeats_kv: bool = False
     examples: int = 1  # in the micro-batch (at least one, with a token budget)

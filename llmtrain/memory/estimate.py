@@ -79,14 +79,14 @@ def states(shape: ModelShape, spec: TrainSpec, plan: LoraPlan | None) -> States:
 
 @functools.cache
 def varlen_repeats_kv() -> bool:
-    """torch's varlen_attn took `enable_gqa` in 2.12; before, llmtrain.attention repeats K/V to every query
-    head. Read off the torch installed here, as training decides it (without varlen_attn at all: assume
-    the repeat, the larger)."""
+    """llmtrain.attention repeats K/V to every query head only for torch 2.10's varlen_attn (`is_causal`, no
+    `window_size`); from 2.11 the flash kernel takes the K/V heads as they are. Read off the torch installed
+    here, as training decides it (without varlen_attn at all: assume the repeat, the larger)."""
     try:
         from torch.nn.attention.varlen import varlen_attn
     except ImportError:
         return True
-    return "enable_gqa" not in inspect.signature(varlen_attn).parameters
+    return "window_size" not in inspect.signature(varlen_attn).parameters
 
 
 def make_pass(shape: ModelShape, spec: TrainSpec, *, examples: int | None = None,
@@ -329,8 +329,8 @@ def _notes(shape: ModelShape, spec: TrainSpec, p: act.Pass) -> tuple[str, ...]:
     notes = []
     if p.varlen_repeats_kv and shape.kv_heads < shape.heads:
         extra = 2 * p.tokens * (shape.heads - shape.kv_heads) * shape.head_dim * p.cd
-        notes.append(f"this torch's varlen_attn has no enable_gqa (torch < 2.12): K/V are repeated to all "
-                     f"{shape.heads} heads, {extra / MIB:,.0f} MiB more saved per layer than with torch >= 2.12")
+        notes.append(f"this torch's varlen_attn is torch 2.10's (no window_size): K/V are repeated to all "
+                     f"{shape.heads} heads, {extra / MIB:,.0f} MiB more saved per layer than with torch >= 2.11")
     if p.mask and spec.kernel == "sdpa":
         why = "a packed row" if spec.packed else ("padded rows" if p.rows > 1 else "the sliding window")
         notes.append(f"{why}: SDPA gets a 4-D mask, so it uses the memory-efficient kernel with K/V repeated "
