@@ -45,7 +45,7 @@ def test_packed_varlen_loss_and_grads_equal_padded_sdpa_under_bf16_autocast():
     """What training runs: one packed row through the flash varlen kernel against the same examples padded
     through SDPA, a tiny Mistral with GQA and a sliding window shorter than an example, fp32 weights, bf16
     autocast; the summed loss and every gradient agree to bf16 precision."""
-    from transformers import MistralConfig, MistralForCausalLM
+    from transformers import AutoModelForCausalLM, MistralConfig
 
     from llmtrain.attention import register
     from llmtrain.batching import collate, with_loss_positions
@@ -60,7 +60,7 @@ def test_packed_varlen_loss_and_grads_equal_padded_sdpa_under_bf16_autocast():
     models = []
     for attn, packing in ((register(), True), ("sdpa", False)):
         torch.manual_seed(0)
-        model = MistralForCausalLM._from_config(cfg, attn_implementation=attn).cuda()
+        model = AutoModelForCausalLM.from_config(cfg, attn_implementation=attn).cuda()
         attach_loss(model, chunk=16)
         batch = with_loss_positions(collate(exs, pad_id=0, packing=packing))
         batch = to_device(batch, torch.device("cuda"))  # as train_step moves it: cu_seq_lens too
