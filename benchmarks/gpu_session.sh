@@ -90,10 +90,10 @@ output_dir: $W/runs/unnamed
 EOF
 }
 
-run() {  # run NAME [launcher...] -- ARGS : one llmtrain finetune, its last metrics line as JSON
+run() {  # run NAME COMMAND...: one llmtrain finetune into $W/runs/NAME, a JSON line of what it did
   local name=$1; shift
   local t0=$SECONDS
-  "$@" >> "$OUT/$WHAT.log" 2>&1
+  "$@" output_dir=$W/runs/$name >> "$OUT/$WHAT.log" 2>&1
   local rc=$?
   $PY - "$name" "$rc" "$((SECONDS - t0))" "$W/runs/$name" >> "$OUT/$WHAT.jsonl" <<'EOF'
 import json, sys, pathlib
@@ -118,18 +118,18 @@ smoke)
   echo "tests/test_cuda.py: exit $?" | tee -a "$OUT/$WHAT.log"
   recipe $W/full.yaml "$LLAMA1B" 0 float32
   recipe $W/lora.yaml "$MISTRAL7B" 1 bfloat16 4096  # 8192 without checkpointing is predicted at 76 of 79.6 GiB
-  run full-varlen-budget $FT $W/full.yaml output_dir=$W/runs/full-varlen-budget
-  run full-sdpa-mb8 $FT $W/full.yaml output_dir=$W/runs/full-sdpa-mb8 model.attn_implementation=sdpa train.micro_batch_tokens=null train.micro_batch_size=8
-  run full-ckpt $FT $W/full.yaml output_dir=$W/runs/full-ckpt model.gradient_checkpointing=true
-  run lora-varlen $FT $W/lora.yaml output_dir=$W/runs/lora-varlen
-  run lora-ckpt-16k $FT $W/lora.yaml output_dir=$W/runs/lora-ckpt-16k model.gradient_checkpointing=true train.micro_batch_tokens=$((16384 / SCALE))
-  run fsdp1-lora $FSDP1 $W/lora.yaml output_dir=$W/runs/fsdp1-lora
+  run full-varlen-budget $FT $W/full.yaml
+  run full-sdpa-mb8 $FT $W/full.yaml model.attn_implementation=sdpa train.micro_batch_tokens=null train.micro_batch_size=8
+  run full-ckpt $FT $W/full.yaml model.gradient_checkpointing=true
+  run lora-varlen $FT $W/lora.yaml
+  run lora-ckpt-16k $FT $W/lora.yaml model.gradient_checkpointing=true train.micro_batch_tokens=$((16384 / SCALE))
+  run fsdp1-lora $FSDP1 $W/lora.yaml
   # exact resume on the GPU: 6 steps straight against 3 + resume 3. A constant schedule: with the default cosine,
   # max_steps=3 would change the learning rate of steps 1-3.
   R="checkpoint.every_steps=3 train.schedule=constant train.deterministic=true"
-  run resume-straight $FT $W/full.yaml output_dir=$W/runs/resume-straight $R
-  run resume-cut $FT $W/full.yaml output_dir=$W/runs/resume-cut $R train.max_steps=3
-  run resume-cut $FT $W/full.yaml output_dir=$W/runs/resume-cut $R --resume auto --allow-recipe-change
+  run resume-straight $FT $W/full.yaml $R
+  run resume-cut $FT $W/full.yaml $R train.max_steps=3
+  run resume-cut $FT $W/full.yaml $R --resume auto --allow-recipe-change
   $PY - "$W/runs" >> "$OUT/$WHAT.jsonl" <<'EOF'
 import json, sys, pathlib
 runs = pathlib.Path(sys.argv[1])
@@ -140,14 +140,12 @@ print(json.dumps({"check": "resume", "straight": a, "cut_and_resumed": b, "equal
                   "max_abs_diff": max((abs(x - y) for x, y in zip(a, b)), default=None) if len(a) == len(b) else None}))
 EOF
   # last: the optional kernels, and compile's first compilation (minutes), so that the rest is in before any limit
-  run lora-liger $FT $W/lora.yaml output_dir=$W/runs/lora-liger model.kernels=liger
-  run lora-compile $FT $W/lora.yaml output_dir=$W/runs/lora-compile model.compile=true
+  run lora-liger $FT $W/lora.yaml model.kernels=liger
+  run lora-compile $FT $W/lora.yaml model.compile=true
   ;;
-vs-hf-7b)
-  $PY benchmarks/vs_hf.py $( [[ $DRY == 1 ]] && echo --smoke || echo --shape mistral-7b-lora ) --mistral $G/mistral --gsm8k $G/gsm8k/train.jsonl > "$OUT/$WHAT.jsonl" 2> "$OUT/$WHAT.log"
-  ;;
-vs-hf-1b)
-  $PY benchmarks/vs_hf.py $( [[ $DRY == 1 ]] && echo --smoke || echo --shape llama-1b-full ) --mistral $G/mistral \
+vs-hf-7b|vs-hf-1b)
+  shape=$( [[ $WHAT == vs-hf-7b ]] && echo mistral-7b-lora || echo llama-1b-full )
+  $PY benchmarks/vs_hf.py $( [[ $DRY == 1 ]] && echo --smoke || echo --shape $shape ) --mistral $G/mistral \
     --gsm8k $G/gsm8k/train.jsonl > "$OUT/$WHAT.jsonl" 2> "$OUT/$WHAT.log"
   ;;
 fixed)  # fixed-length random tokens (benchmarks/throughput.py): speed, and predicted vs measured peak at seq 512-4096
@@ -178,14 +176,14 @@ calibrate)  # predicted vs measured peak (summary.json) for 12+ configurations
   for cfg in "lora 2048 false" "lora 8192 false" "lora 16384 true" "lora 32768 true" "full 2048 false" "full 8192 false" \
              "full 16384 true" "full 32768 true"; do
     set -- $cfg
-    run cal-$1-$2-ckpt$3 $FT $W/$1.yaml output_dir=$W/runs/cal-$1-$2-ckpt$3 train.max_steps=3 train.micro_batch_tokens=$(($2 / SCALE)) model.gradient_checkpointing=$3
+    run cal-$1-$2-ckpt$3 $FT $W/$1.yaml train.max_steps=3 train.micro_batch_tokens=$(($2 / SCALE)) model.gradient_checkpointing=$3
   done
   for mb in 1 8 32; do
-    run cal-full-mb$mb-sdpa $FT $W/full.yaml output_dir=$W/runs/cal-full-mb$mb-sdpa train.max_steps=3 train.micro_batch_tokens=null train.micro_batch_size=$mb model.attn_implementation=sdpa data.max_seq_len=512
+    run cal-full-mb$mb-sdpa $FT $W/full.yaml train.max_steps=3 train.micro_batch_tokens=null train.micro_batch_size=$mb model.attn_implementation=sdpa data.max_seq_len=512
   done
-  run cal-fsdp1-lora-4096 $FSDP1 $W/lora.yaml output_dir=$W/runs/cal-fsdp1-lora-4096 train.max_steps=3 train.micro_batch_tokens=$((4096 / SCALE))
+  run cal-fsdp1-lora-4096 $FSDP1 $W/lora.yaml train.max_steps=3 train.micro_batch_tokens=$((4096 / SCALE))
   # the estimator models the chunked loss, not liger's kernels: how far off is it where liger is on (kernels auto)?
-  [[ $DRY == 1 ]] || run cal-lora-8192-liger $FT $W/lora.yaml output_dir=$W/runs/cal-lora-8192-liger train.max_steps=3 model.kernels=liger
+  [[ $DRY == 1 ]] || run cal-lora-8192-liger $FT $W/lora.yaml train.max_steps=3 model.kernels=liger
   ;;
 fit)  # --fit's recommendation for this card, run: it must not run out of memory, and should use >= 70% of it
   recipe $W/full.yaml "$LLAMA1B" 0 float32
@@ -195,7 +193,7 @@ fit)  # --fit's recommendation for this card, run: it must not run out of memory
     $PY -m llmtrain estimate-memory $W/$r.yaml --gpu-memory "$CARD" --fit --json > $W/fit-$r.json 2>> "$OUT/$WHAT.log"
     overrides=$($PY -c "import json, sys; print(' '.join(json.load(open(sys.argv[1]))['fit']['overrides']))" $W/fit-$r.json)
     echo "fit $r on $CARD GiB: $overrides" | tee -a "$OUT/$WHAT.log"
-    run fit-$r $FT $W/$r.yaml output_dir=$W/runs/fit-$r train.max_steps=4 $overrides
+    run fit-$r $FT $W/$r.yaml train.max_steps=4 $overrides
   done
   echo "{\"card_gib\": $CARD}" >> "$OUT/$WHAT.jsonl"
   ;;

@@ -27,9 +27,9 @@ import torch
 
 from llmtrain.batching import global_micro_batches, prefetch, windows
 from llmtrain.checkpoint import TrainState, load_checkpoint, lora_only_hooks, save_checkpoint
+from llmtrain.chat import read_template
 from llmtrain.config import Recipe
 from llmtrain.console import RunConsole, step_text, summary_table
-from llmtrain.chat import read_template
 from llmtrain.data import prepare_datasets
 from llmtrain.distributed import build_accelerator, global_sum, receives_weights, use_fused_adamw, uses_fsdp
 from llmtrain.doctor import check_eos_trained, check_masks
@@ -218,7 +218,7 @@ def _train(recipe: Recipe, *, resume: str | None, overwrite: bool, allow_recipe_
     done = finished_run(out, recipe, allow_recipe_change=allow_recipe_change) if resume == "auto" else None
     if done is not None:
         say(f"the run in {out} is already complete ({done['steps']} steps, final/ written); nothing "
-                          "was changed. Raise train.max_steps with --allow-recipe-change to train it further.")
+            "was changed. Raise train.max_steps with --allow-recipe-change to train it further.")
         return done
     ckpt = check_output_dir(accelerator, out, resume=resume, overwrite=overwrite)
     notes = check_resume(ckpt, recipe, world=accelerator.num_processes, fsdp=uses_fsdp(accelerator),
@@ -231,8 +231,8 @@ def _train(recipe: Recipe, *, resume: str | None, overwrite: bool, allow_recipe_
 
     # ---- data: tokenised once on the main process, then read from the cache by the others
     tokenizer = load_tokenizer(recipe.model)
-    if read_template(recipe.data) is not None:  # a template file: final/'s tokenizer renders as training did
-        tokenizer.chat_template = read_template(recipe.data)
+    if (template := read_template(recipe.data)) is not None:  # a file: final/'s tokenizer renders as training did
+        tokenizer.chat_template = template
     with accelerator.main_process_first():
         train_ds, eval_ds, stats, cache_hit = prepare_datasets(recipe.data, tokenizer, seed=tc.seed)
     (cache_reads,) = global_sum(accelerator, cache_hit)  # processes that read the cache instead of tokenising
@@ -264,12 +264,12 @@ def _train(recipe: Recipe, *, resume: str | None, overwrite: bool, allow_recipe_
         bins = sum(len(g) - g.count([]) for g in plan(0))
         packing_efficiency = sum(lengths) / (bins * tc.micro_batch_tokens)
         say(f"global batch: bins of <= {tc.micro_batch_tokens} tokens x {accum} accumulation x {world} "
-                          f"processes; {bins} bins/epoch, packing efficiency {packing_efficiency:.1%} (real tokens / "
-                          f"budget); {total_steps} steps ({steps_per_epoch[0]}/epoch)")
+            f"processes; {bins} bins/epoch, packing efficiency {packing_efficiency:.1%} (real tokens / "
+            f"budget); {total_steps} steps ({steps_per_epoch[0]}/epoch)")
     else:
         mb = tc.micro_batch_size
         say(f"global batch: {mb} micro-batch x {accum} accumulation x {world} processes = "
-                          f"{mb * accum * world} examples/step; {total_steps} steps ({steps_per_epoch[0]}/epoch)")
+            f"{mb * accum * world} examples/step; {total_steps} steps ({steps_per_epoch[0]}/epoch)")
 
     # ---- model, optimizer, schedule
     model = load_model(recipe.model, recipe.lora, device=accelerator.device, empty=receives_weights(accelerator))
@@ -281,8 +281,7 @@ def _train(recipe: Recipe, *, resume: str | None, overwrite: bool, allow_recipe_
     flops = flop_model(model)
     peak = peak_flops(accelerator.device, recipe.logging.peak_tflops)
     say(f"model: {n_total:,} parameters, {n_trainable:,} trainable ({'LoRA' if recipe.lora else 'full'}); "
-                      f"attention: {describe_attention(recipe.model)}"
-                      f"{'; liger kernels' if fused_ce else ''}")
+        f"attention: {describe_attention(recipe.model)}{'; liger kernels' if fused_ce else ''}")
     # ---- every check passed: take the run folder (lock, --overwrite) and only now write into it
     run_dir = claim_output_dir(accelerator, out, resume=resume, overwrite=overwrite)
     cleanup.callback(run_dir.release)
@@ -310,7 +309,7 @@ def _train(recipe: Recipe, *, resume: str | None, overwrite: bool, allow_recipe_
         if state.processes != world:
             # Each rank restores its own RNG file; with more ranks than saved, the new ones start from the seed.
             say(f"note: written by {state.processes} processes, resumed on {world}: the same examples "
-                              "per step, but per-rank random streams (dropout) do not replay the original run's.")
+                "per step, but per-rank random streams (dropout) do not replay the original run's.")
             state.processes = world
 
     trackers = (open_trackers(recipe.logging.report_to, output_dir=out, config=recipe.model_dump(mode="json"),
