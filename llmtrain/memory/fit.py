@@ -2,9 +2,10 @@
 
 For each strategy the GPUs allow and gradient checkpointing off and on, the largest micro-batch that
 fits with room (FIT_SHARE of the card) is found (memory only grows with the micro-batch), then the
-candidates are ranked by a relative throughput score. Only configurations whose own estimate fits are ever candidates. A micro-batch is a
-number of examples, or a token budget when the run has one (train.micro_batch_tokens). When nothing fits,
-FSDP is tried on more GPUs (whole nodes past one) until something does.
+candidates are ranked by a relative throughput score. Only configurations whose own estimate fits are
+ever candidates. A micro-batch is a number of examples, or a token budget when the run has one
+(train.micro_batch_tokens). When nothing fits, FSDP is tried on more GPUs (whole nodes past one) until
+something does.
 """
 
 from __future__ import annotations
