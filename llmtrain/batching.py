@@ -15,14 +15,20 @@ A *global* micro-batch is what all processes run together in one forward pass:
 from __future__ import annotations
 
 import bisect
+import functools
+import math
 import queue
 import threading
 from collections.abc import Iterator
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
 from llmtrain.data import IGNORE
+
+if TYPE_CHECKING:
+    from llmtrain.objective import Counts
 
 
 def epoch_order(num_examples: int, *, seed: int, epoch: int, shuffle: bool = True) -> list[int]:
@@ -138,8 +144,7 @@ class Window:
     end: int  # index of the epoch's next micro-batch after this window
     epoch_done: bool  # the window ends the epoch: the position rolls over to the next epoch before any save
     batches: list[dict]
-    # This rank's real examples: [trained tokens, input tokens, sum of squared example lengths (attention)].
-    counts: list[float]
+    counts: Counts  # this rank's real examples, summed over the window's micro-batches (objective.Counts)
 
 
 def with_loss_positions(batch: dict) -> dict:
@@ -156,25 +161,67 @@ def with_loss_positions(batch: dict) -> dict:
     return {**batch, "loss_index": index, "loss_targets": flat[index], "loss_example": example[index]}
 
 
-def windows(dataset, plan, *, epoch: int, micro: int, steps: int, accum: int, pad_id: int, packing: bool,
-            pin: bool) -> Iterator[Window]:
+def packs_rows(recipe) -> bool:
+    """Micro-batches are padding-free packed rows: asked for, implied by a token budget, or required by the
+    varlen attention (which reads the example boundaries of a packed row)."""
+    return bool(recipe.data.packing or recipe.train.micro_batch_tokens
+                or recipe.model.attn_implementation in ("auto", "varlen"))
+
+
+def to_device(batch: dict, device) -> dict:
+    # non_blocking: the copy from pinned memory overlaps with whatever the GPU is still doing.
+    return {k: v.to(device, non_blocking=True) if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
+
+
+class DataPlan:
+    """Every global micro-batch of each epoch, computed once per epoch (the last two are kept), and what follows
+    from it: steps per epoch, packing efficiency, and each rank's own view (`for_rank`)."""
+
+    def __init__(self, lengths: list[int], *, seed: int, world: int, micro_batch_size: int,
+                 micro_batch_tokens: int | None):
+        self.lengths, self.world, self.budget = lengths, world, micro_batch_tokens
+        self.epoch = functools.lru_cache(maxsize=2)(functools.partial(
+            _plan_epoch, lengths, seed=seed, world=world, micro_batch_size=micro_batch_size,
+            micro_batch_tokens=micro_batch_tokens))
+
+    def for_rank(self, rank: int):
+        """plan(epoch) -> this rank's micro-batches of that epoch, read from the global plan."""
+        return lambda epoch: [g[rank] for g in self.epoch(epoch)]
+
+    def steps_per_epoch(self, epoch: int, accum: int) -> int:
+        return math.ceil(len(self.epoch(epoch)) / accum)
+
+    def bins(self) -> int:
+        """Token bins of the first epoch (idle ranks' empty places not counted)."""
+        return sum(len(g) - g.count([]) for g in self.epoch(0))
+
+    def packing_efficiency(self) -> float | None:
+        """Real tokens / token budget over the first epoch's bins; None without a token budget."""
+        return sum(self.lengths) / (self.bins() * self.budget) if self.budget else None
+
+
+def _plan_epoch(lengths, epoch: int, *, seed, world, micro_batch_size, micro_batch_tokens):
+    return global_micro_batches(len(lengths), seed=seed, epoch=epoch, world_size=world,
+                                micro_batch_size=micro_batch_size, micro_batch_tokens=micro_batch_tokens,
+                                lengths=lengths)
+
+
+def windows(dataset, plan, *, epoch: int, micro: int, steps: int, accum: int, collate, pin: bool,
+            columns: tuple[str, ...] = ("input_ids", "labels")) -> Iterator[Window]:
     """The next `steps` windows from (epoch, micro), crossing epochs; `plan(epoch)` is this rank's
-    micro-batches of that epoch. Pure and deterministic: run ahead in a thread (prefetch) without changing
+    micro-batches of that epoch, `collate(examples) -> (batch, Counts)` the objective's (objective.py), fed
+    the dataset's `columns`. Pure and deterministic: run ahead in a thread (prefetch) without changing
     anything."""
     batches = plan(epoch)
     for _ in range(steps):
         if micro >= len(batches):
             epoch, micro, batches = epoch + 1, 0, plan(epoch + 1)
         idx_lists = batches[micro : micro + accum]
-        collated, counts = [], [0.0, 0.0, 0.0]
+        collated, counts = [], None
         for idx in idx_lists:
-            rows = dataset[idx] if idx else {"input_ids": [], "labels": []}
-            examples = [{"input_ids": i, "labels": lab} for i, lab in zip(rows["input_ids"], rows["labels"])]
-            batch = with_loss_positions(collate(examples, pad_id=pad_id, packing=packing))
-            # An idle rank's placeholder row is not data: it counts no token.
-            counts[0] += len(batch["loss_index"])
-            counts[1] += sum(len(e["input_ids"]) for e in examples)
-            counts[2] += sum(len(e["input_ids"]) ** 2 for e in examples)
+            rows = dataset[idx] if idx else {c: [] for c in columns}
+            batch, n = collate([dict(zip(columns, values)) for values in zip(*(rows[c] for c in columns))])
+            counts = n if counts is None else counts.plus(n)
             collated.append({k: v.pin_memory() if pin and isinstance(v, torch.Tensor) else v for k, v in batch.items()})
         micro += len(idx_lists)
         yield Window(epoch=epoch, end=micro, epoch_done=micro >= len(batches), batches=collated, counts=counts)

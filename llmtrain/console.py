@@ -76,11 +76,14 @@ def summary_table(summary: dict, *, out: Path, evals: list[dict]):
     table = Table(title=f"llmtrain: {out}", show_header=False, title_justify="left")
     table.add_column(style="bold")
     table.add_column()
-    hours, rest = divmod(int(summary["train_time_s"]), 3600)
     table.add_row("steps", f"{summary['steps']:,}")
     table.add_row("tokens", f"{summary['tokens_seen']:,}")
-    table.add_row("time", f"{hours}:{rest // 60:02d}:{rest % 60:02d}")
-    table.add_row("tokens/s per GPU", f"{summary['tokens_per_s_per_gpu']:,.0f}")
+    resumed = summary["train_time_s"] - summary["process_time_s"] > 1
+    table.add_row("time", _clock(summary["train_time_s"])
+                  + (f" (this process {_clock(summary['process_time_s'])}; the rest before the resume)" if resumed else ""))
+    table.add_row("tokens/s per GPU", f"{summary['tokens_per_s_per_gpu']:,.0f} training, "
+                                      f"{summary['wall_tokens_per_s_per_gpu']:,.0f} with eval and checkpoints"
+                                      + (" (this process)" if resumed else ""))
     if summary.get("final_loss") is not None:
         table.add_row("final train loss", f"{summary['final_loss']:.4f}")
     if evals:
@@ -93,3 +96,8 @@ def summary_table(summary: dict, *, out: Path, evals: list[dict]):
     if summary.get("final"):
         table.add_row("final model", summary["final"])
     return table
+
+
+def _clock(seconds: float) -> str:
+    hours, rest = divmod(int(seconds), 3600)
+    return f"{hours}:{rest // 60:02d}:{rest % 60:02d}"

@@ -110,21 +110,46 @@ def check_eos_trained(labels: list[list[int]], tokenizer) -> list[Check]:
     return rows
 
 
-def load_data(recipe: Recipe, tokenizer) -> tuple[list[Check], DataStats | None, list[list[int]]]:
-    """prepare_datasets (filling the cache finetune reads); when that refuses, tokenise the train split alone to
-    say why (all examples dropped gives stats with 0 examples)."""
+def check_budget(budget: int | None, lengths: list[int]) -> list[Check]:
+    """With a token budget (train.micro_batch_tokens) every example must fit one micro-batch: none is ever split or
+    dropped."""
+    if budget is None:
+        return []
+    longest = max(lengths, default=0)
+    if longest > budget:
+        return [("token budget", "fail", f"train.micro_batch_tokens={budget} is smaller than the longest example "
+                 f"({longest} tokens); no example is ever split or dropped. Raise train.micro_batch_tokens to at "
+                 f"least {longest}, or truncate the examples with data.max_seq_len={budget}.")]
+    return [("token budget", "pass", f"the longest example ({longest} tokens) fits train.micro_batch_tokens={budget}")]
+
+
+def check_data(recipe: Recipe, stats: DataStats, train, eval_ds, tokenizer) -> list[Check]:
+    """The data checks `finetune` (which stops on a fail) and `doctor` share: the loss mask, the stop token
+    trained, and the token budget, on the tokenised train (and eval) sets."""
+    rows = check_masks(stats, train_on_prompt=recipe.data.train_on_prompt, text=recipe.data.format == "text",
+                       max_seq_len=recipe.data.max_seq_len)
+    if len(train):
+        rows += check_eos_trained(train.select(range(min(EOS_SAMPLE, len(train))))["labels"], tokenizer)
+    lengths = [*train["length"], *(eval_ds["length"] if eval_ds is not None else [])]
+    return rows + check_budget(recipe.train.micro_batch_tokens, lengths)
+
+
+def load_data(recipe: Recipe, tokenizer) -> list[Check]:
+    """prepare_datasets (filling the cache finetune reads) and check_data; when preparing refuses, tokenise the
+    train split alone to say why (all examples dropped gives stats with 0 examples)."""
     from llmtrain.data import load_raw, prepare_datasets, tokenize_dataset
 
     try:
-        train, _, stats, _ = prepare_datasets(recipe.data, tokenizer, seed=recipe.train.seed)
+        train, eval_ds, stats, _ = prepare_datasets(recipe.data, tokenizer, seed=recipe.train.seed)
         stats = stats["train"]
     except LLMTrainError as first:
         try:
             train, stats = tokenize_dataset(load_raw(recipe.data.path, name=recipe.data.name,
                                                      split=recipe.data.split), tokenizer, recipe.data, "data.path")
+            eval_ds = None
         except LLMTrainError:
-            return [("data", "fail", str(first))], None, []
-    return [], stats, train.select(range(min(EOS_SAMPLE, len(train))))["labels"] if len(train) else []
+            return [("data", "fail", str(first))]
+    return check_data(recipe, stats, train, eval_ds, tokenizer)
 
 
 # --------------------------------------------------------------------------- launch config and memory
@@ -247,13 +272,7 @@ def run_doctor(recipe: Recipe, *, accelerate_config: Path | None = None,
         checks.append(("tokenizer eos/pad", "fail", str(e)))
     if tokenizer is not None:
         checks += check_tokenizer(tokenizer) + check_chat_template(recipe, tokenizer)
-        rows, stats, labels = load_data(recipe, tokenizer)
-        checks += rows
-        if stats is not None:
-            checks += check_masks(stats, train_on_prompt=recipe.data.train_on_prompt, text=recipe.data.format == "text",
-                                  max_seq_len=recipe.data.max_seq_len)
-        if labels:
-            checks += check_eos_trained(labels, tokenizer)
+        checks += load_data(recipe, tokenizer)
     gpu = gpu_memory if gpu_memory is not None else gpu_memory_here()
     rows, est = check_memory(recipe, accelerate_config, gpu)
     checks += rows + check_precision(recipe, launch)

@@ -52,7 +52,9 @@ class MetricsLog:
             f.writelines(json.dumps(s, ensure_ascii=False) + "\n" for s in samples)
 
     def close(self) -> None:
-        for tracker in self.trackers:
+        """End every tracker's run, once: train() calls it however the run ends (finish, stop, divergence)."""
+        trackers, self.trackers = self.trackers, []
+        for tracker in trackers:
             tracker.close()
 
 

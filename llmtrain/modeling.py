@@ -1,6 +1,9 @@
-"""Build the tokenizer and the model (full fine-tune or LoRA) from the recipe."""
+"""Build the tokenizer, the model (full fine-tune or LoRA), the optimizer and the lr schedule from the recipe."""
 
 from __future__ import annotations
+
+import functools
+import math
 
 import torch
 
@@ -207,3 +210,20 @@ def build_optimizer(model, *, lr: float, weight_decay: float, betas, eps: float,
     groups = [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
     return torch.optim.AdamW([g for g in groups if g["params"]], lr=lr, betas=tuple(betas), eps=eps,
                              fused=fused or None)
+
+
+def lr_factor(step: int, *, warmup: int, total: int, schedule: str, min_ratio: float) -> float:
+    """Multiplier on the peak lr for the update at index `step` (0-based): linear warmup, then decay."""
+    if step < warmup:
+        return (step + 1) / warmup
+    if schedule == "constant":
+        return 1.0
+    progress = min(1.0, (step - warmup) / max(1, total - warmup))
+    decay = 1.0 - progress if schedule == "linear" else 0.5 * (1.0 + math.cos(math.pi * progress))
+    return min_ratio + (1.0 - min_ratio) * decay
+
+
+def build_scheduler(optimizer, tc, *, total_steps: int):
+    """The lr schedule of train.* (warmup_steps, schedule, min_lr_ratio) over `total_steps` updates."""
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, functools.partial(
+        lr_factor, warmup=tc.warmup_steps, total=total_steps, schedule=tc.schedule, min_ratio=tc.min_lr_ratio))

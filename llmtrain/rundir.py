@@ -51,14 +51,21 @@ def check_output_dir(accelerator, out: Path, *, resume: str | None, overwrite: b
     return _on_main(accelerator, out, lambda: _check(out, resume=resume, overwrite=overwrite, warn=accelerator.print))
 
 
-def claim_output_dir(accelerator, out: Path, *, resume: str | None, overwrite: bool) -> RunDir:
+def claim_output_dir(accelerator, out: Path, *, resume: str | None, overwrite: bool,
+                     expected: Path | None = None) -> RunDir:
     """Lock the folder and make it ready (train calls it once every check has passed, right before training).
-    Looks again under the lock: another run may have started since check_output_dir."""
+    Looks again under the lock: another run may have started since check_output_dir, and the checkpoint found
+    now must be `expected`, the one check_output_dir found and the resume checks judged."""
 
     def claim():
         lock = _lock(out)
         try:
             checkpoint = _check(out, resume=resume, overwrite=overwrite, warn=lambda _: None, locked=True)
+            if resume and checkpoint != expected:
+                raise LLMTrainError(
+                    f"the checkpoints in {out} changed while this run was starting: it checked {expected} and now "
+                    f"finds {checkpoint} (another process wrote to the folder). Nothing was changed; start the run "
+                    "again to resume from what is there now.")
             _make_ready(out, resume=resume, overwrite=overwrite)
         except BaseException:
             lock.close()
@@ -71,8 +78,8 @@ def claim_output_dir(accelerator, out: Path, *, resume: str | None, overwrite: b
 
 def prepare_output_dir(accelerator, out: Path, *, resume: str | None, overwrite: bool) -> RunDir:
     """check_output_dir, then claim_output_dir."""
-    check_output_dir(accelerator, out, resume=resume, overwrite=overwrite)
-    return claim_output_dir(accelerator, out, resume=resume, overwrite=overwrite)
+    checkpoint = check_output_dir(accelerator, out, resume=resume, overwrite=overwrite)
+    return claim_output_dir(accelerator, out, resume=resume, overwrite=overwrite, expected=checkpoint)
 
 
 def _on_main(accelerator, out: Path, fn, *, pair: bool = False):

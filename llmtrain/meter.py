@@ -1,0 +1,82 @@
+"""Metering: the metrics line of a logging step, and the run's speed for the summary.
+
+The steps since the last line wait here with their loss still on the device; `line()` reads them back (the
+host sync of a logging step) and reports the last step's loss and the speed over all of them. Time spent in
+evaluation and checkpoints (`with meter.paused():`) is left out of the lines' tokens/s and of the summary's
+training speed; the summary's wall speed keeps it. The run's clock continues across resumes: `elapsed()`
+starts from the checkpoint's TrainState.elapsed_s.
+"""
+
+from __future__ import annotations
+
+import time
+from contextlib import contextmanager
+
+import torch
+
+from llmtrain.distributed import global_sum
+
+
+class Meter:
+    def __init__(self, accelerator, *, flops, peak: float | None, elapsed_before: float = 0.0):
+        self.accelerator, self.flops, self.peak = accelerator, flops, peak
+        self.world = accelerator.num_processes
+        self.on_gpu = accelerator.device.type == "cuda"
+        self.elapsed_before = elapsed_before
+        self.start = self.line_start = time.perf_counter()
+        self.paused_s = 0.0  # eval and checkpoint time of this process
+        self.tokens = 0.0  # input tokens (all ranks) trained by this process: the summary's speed
+        self.pending: list = []  # (step.StepResult, epoch) of the steps since the last line
+        self.last: dict = {}  # the last metrics line
+
+    def add(self, result, *, epoch: int) -> None:
+        self.pending.append((result, epoch))
+        self.tokens += result.counts.tokens
+
+    @contextmanager
+    def paused(self):
+        """Time spent in this block (eval, a checkpoint) is not training time."""
+        t = time.perf_counter()
+        try:
+            yield
+        finally:
+            spent = time.perf_counter() - t
+            self.paused_s += spent
+            self.line_start += spent
+
+    def elapsed(self) -> float:
+        """Wall seconds of the whole run so far, resumed parts included."""
+        return self.elapsed_before + time.perf_counter() - self.start
+
+    def line(self, state) -> dict:
+        """The metrics line of the steps since the last one (every rank calls it: the loss is summed over them)."""
+        result, epoch = self.pending[-1]
+        (loss_sum,) = global_sum(self.accelerator, result.loss_sum.item())  # host sync: the logging step's one read
+        window = [sum(c) for c in zip(*(r.counts for r, _ in self.pending))]  # units, trained, tokens, squares
+        now = time.perf_counter()
+        dt = now - self.line_start
+        self.line_start, self.pending = now, []
+        tokens_per_s = window[2] / dt
+        model_flops = self.flops.step(tokens=window[2], trained=window[1], squares=window[3])
+        c = result.counts
+        self.last = {
+            "type": "train", "step": state.step, "epoch": epoch, "loss": loss_sum / max(c.units, 1),
+            "lr": result.lr, "grad_norm": result.grad_norm, "skipped": result.skipped,
+            "tokens": int(c.tokens), "trained_tokens": int(c.trained),
+            "tokens_per_s": tokens_per_s, "tokens_per_s_per_gpu": tokens_per_s / self.world,
+            "tflops_per_gpu": model_flops / dt / self.world / 1e12,
+            "mfu": model_flops / dt / self.world / self.peak if self.peak else None,
+            "tokens_seen": state.tokens_seen, "elapsed_s": self.elapsed()}
+        if self.on_gpu:
+            self.last.update(max_memory_allocated=torch.cuda.max_memory_allocated(),
+                             max_memory_reserved=torch.cuda.max_memory_reserved())
+        return self.last
+
+    def summary(self) -> dict:
+        """The speed of what this process trained: over training time only (as the step lines), and over the
+        wall time (eval and checkpoints included); the run's time over every resumed part."""
+        wall = time.perf_counter() - self.start
+        per_gpu = self.tokens / self.world
+        return {"final_loss": self.last.get("loss"), "train_time_s": self.elapsed(), "process_time_s": wall,
+                "tokens_per_s_per_gpu": per_gpu / max(wall - self.paused_s, 1e-9),
+                "wall_tokens_per_s_per_gpu": per_gpu / max(wall, 1e-9)}

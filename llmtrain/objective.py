@@ -1,0 +1,98 @@
+"""The objective: what a batch is and what is minimised. The one seam between the data and the training loop.
+
+The loop (train.py), its metering (meter.py), the checkpoints and evaluation (step.py) call only the four methods
+of `Objective`, so a second objective (preference pairs) is a second class beside `CausalLM`, not a change to
+any of them.
+
+Normalisation, the contract every objective keeps: `loss(model, batch)` is the SUM of the loss over the
+batch's loss units (`Counts.units`: trained tokens for causal-LM cross-entropy), and the step divides by the
+units of the whole accumulation window on all processes. So any split of a window over micro-batches and
+processes gives the same loss and the same gradient.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import NamedTuple, Protocol
+
+import torch
+
+from llmtrain.batching import collate, to_device, with_loss_positions
+from llmtrain.loss import compute_loss
+
+
+class Counts(NamedTuple):
+    """What one micro-batch (or window) holds, counted on the CPU when it is collated: no GPU read is needed."""
+
+    units: float  # what the loss is averaged over (the step's denominator)
+    trained: float  # tokens that reach the LM head with a target (FLOPs of the head, trained_tokens_seen)
+    tokens: float  # real input tokens, padding not counted (tokens/s, tokens_seen)
+    squares: float  # sum of squared example lengths (attention FLOPs)
+
+    def plus(self, other: Counts) -> Counts:
+        return Counts(*(a + b for a, b in zip(self, other)))
+
+
+class Objective(Protocol):
+    columns: tuple[str, ...]  # the dataset columns a batch is built from
+
+    def collate(self, examples: list[dict]) -> tuple[dict, Counts]:
+        """CPU tensors of one micro-batch (no examples: an idle rank's placeholder, counting nothing), and its
+        counts."""
+
+    def loss(self, model, batch: dict) -> torch.Tensor:
+        """The summed loss of a batch already on the device (a 0-dim tensor that backpropagates)."""
+
+    def eval_sums(self, model, batch: dict, device) -> torch.Tensor:
+        """Under no_grad: a float64 vector of sums over a CPU batch (moved to `device` here), added over every
+        batch and process before `eval_metrics`."""
+
+    def eval_metrics(self, sums: list[float]) -> dict[str, float]:
+        """The eval line's numbers from the summed `eval_sums`."""
+
+
+class CausalLM:
+    """Supervised fine-tuning: the cross-entropy of every trained token (prompt masked, reply and its end of
+    turn trained), computed from the hidden states without full logits (loss.compute_loss)."""
+
+    columns = ("input_ids", "labels")
+
+    def __init__(self, *, pad_id: int, packing: bool):
+        self.pad_id, self.packing = pad_id, packing
+
+    def collate(self, examples: list[dict]) -> tuple[dict, Counts]:
+        batch = with_loss_positions(collate(examples, pad_id=self.pad_id, packing=self.packing))
+        trained = float(len(batch["loss_index"]))  # an idle rank's placeholder row trains nothing
+        lengths = [len(e["input_ids"]) for e in examples]
+        return batch, Counts(units=trained, trained=trained, tokens=float(sum(lengths)),
+                             squares=float(sum(n * n for n in lengths)))
+
+    def loss(self, model, batch: dict) -> torch.Tensor:
+        return compute_loss(model, batch)
+
+    def eval_sums(self, model, batch: dict, device) -> torch.Tensor:
+        """[loss, trained tokens, argmax hits, teacher-forced exact examples, examples]. An example is exact when
+        every trained token is the argmax under teacher forcing (the reference reply is fed): exactly when
+        greedy decoding would reproduce the reply."""
+        cpu_example = batch["loss_example"]
+        n = int(cpu_example.max()) + 1 if cpu_example.numel() else 0  # examples with a trained token, from the CPU
+        batch = to_device(batch, device)
+        loss, hits = compute_loss(model, batch, return_hits=True)
+        example = batch["loss_example"]
+        trained = torch.bincount(example, minlength=n)
+        right = torch.bincount(example, weights=hits.double(), minlength=n)
+        return torch.stack([loss.double(), hits.new_tensor(hits.numel(), dtype=torch.float64), hits.double().sum(),
+                            ((right == trained) & (trained > 0)).double().sum(), (trained > 0).double().sum()])
+
+    def eval_metrics(self, sums: list[float]) -> dict[str, float]:
+        loss, tokens, correct, exact, examples = sums
+        mean = loss / max(tokens, 1)
+        return {"eval_loss": mean, "eval_ppl": math.exp(min(mean, 50.0)),
+                "eval_token_accuracy": correct / max(tokens, 1), "eval_exact_match": exact / max(examples, 1)}
+
+
+def objective_for(recipe, *, pad_id: int) -> Objective:
+    """The recipe's objective: causal-LM cross-entropy (supervised fine-tuning)."""
+    from llmtrain.batching import packs_rows
+
+    return CausalLM(pad_id=pad_id, packing=packs_rows(recipe))

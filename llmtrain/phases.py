@@ -1,0 +1,254 @@
+"""The set-up of a run, in the order train() calls it: each phase a plain function that returns a small frozen
+object.
+
+1. read_only_checks: a finished run, the output folder, whether the checkpoint can be resumed by this recipe;
+2. seed_run: the seed (and train.deterministic);
+3. prepare_data: tokenise (or read the cache), the shared data checks, the plan, the number of steps;
+4. build_model: the model, its loss, the optimizer and the schedule, prepared by Accelerate;
+5. claim_run_dir: the FIRST write. Every check above only read, so a refused run leaves the folder byte for
+   byte as it was;
+6. restore: the TrainState, from the checkpoint when resuming.
+"""
+
+from __future__ import annotations
+
+import os
+import warnings
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from llmtrain.batching import DataPlan
+from llmtrain.chat import read_template
+from llmtrain.checkpoint import load_checkpoint, lora_only_hooks
+from llmtrain.config import Recipe
+from llmtrain.data import prepare_datasets
+from llmtrain.distributed import global_sum, receives_weights, use_fused_adamw, uses_fsdp
+from llmtrain.doctor import check_data
+from llmtrain.errors import LLMTrainError
+from llmtrain.loss import attach_loss
+from llmtrain.metrics import MetricsLog, flop_model, peak_flops
+from llmtrain.modeling import (
+    build_optimizer,
+    build_scheduler,
+    compile_layers,
+    count_parameters,
+    describe_attention,
+    fused_linear_cross_entropy,
+    load_model,
+    load_tokenizer,
+    pad_id,
+)
+from llmtrain.preflight import check_resume, finished_run
+from llmtrain.rundir import RunDir, check_output_dir, claim_output_dir
+from llmtrain.state import TrainState
+from llmtrain.trackers import open_trackers
+
+
+def quiet_libraries() -> None:
+    import datasets
+    import transformers
+
+    datasets.disable_progress_bars()  # the run's own progress bar is the one to watch
+    transformers.utils.logging.disable_progress_bar()
+    # peft asks transformers' deprecated is_gradient_checkpointing on every LoRA run: nothing for the user to do
+    warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning)
+
+
+# --------------------------------------------------------------------------- 1. checks that only read
+
+
+@dataclass(frozen=True)
+class Checked:
+    checkpoint: Path | None  # the checkpoint to resume from (None: start at step 0)
+    notes: tuple[str, ...]  # allowed recipe changes at resume (--allow-recipe-change)
+    finished: dict | None  # the summary of a run that is already complete with this recipe: nothing to do
+
+
+def read_only_checks(recipe: Recipe, accelerator, *, resume: str | None, overwrite: bool,
+                     allow_recipe_change: bool, say) -> Checked:
+    out = Path(recipe.output_dir)
+    done = finished_run(out, recipe, allow_recipe_change=allow_recipe_change) if resume == "auto" else None
+    if done is not None:
+        say(f"the run in {out} is already complete ({done['steps']} steps, final/ written); nothing "
+            "was changed. Raise train.max_steps with --allow-recipe-change to train it further.")
+        return Checked(checkpoint=None, notes=(), finished=done)
+    ckpt = check_output_dir(accelerator, out, resume=resume, overwrite=overwrite)
+    notes = check_resume(ckpt, recipe, world=accelerator.num_processes, fsdp=uses_fsdp(accelerator),
+                         allow_recipe_change=allow_recipe_change) if ckpt else []
+    if resume and ckpt is None:
+        say(f"--resume {resume}: no complete checkpoint in {out}; starting from step 0.")
+    return Checked(checkpoint=ckpt, notes=tuple(notes), finished=None)
+
+
+# --------------------------------------------------------------------------- 2. seeding
+
+
+def seed_run(tc, cleanup) -> None:
+    """The same seed on every rank (identical init, which DDP checks anyway); torch's deterministic kernels
+    for the run when train.deterministic, the previous setting restored when `cleanup` closes."""
+    from accelerate.utils import set_seed
+
+    set_seed(tc.seed)
+    if tc.deterministic:
+        cleanup.enter_context(deterministic_algorithms())
+
+
+@contextmanager
+def deterministic_algorithms():
+    """torch's deterministic kernels for this run (train.deterministic), the previous setting restored after."""
+    before = (torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled())
+    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # read when cuBLAS first runs, which is later
+    torch.use_deterministic_algorithms(True, warn_only=True)
+    try:
+        yield
+    finally:
+        torch.use_deterministic_algorithms(before[0], warn_only=before[1])
+
+
+# --------------------------------------------------------------------------- 3. data
+
+
+@dataclass(frozen=True)
+class Data:
+    tokenizer: object
+    train: object  # the tokenised train set (datasets.Dataset: input_ids, labels, length)
+    eval: object | None
+    stats: dict  # split -> data.DataStats
+    cache_reads: int  # processes that read the tokenised cache instead of tokenising
+    pad_id: int
+    plan: DataPlan  # every global micro-batch of each epoch
+    total_steps: int
+    packing_efficiency: float | None  # real tokens / token budget (token budgets only)
+
+
+def prepare_data(recipe: Recipe, accelerator, *, say) -> Data:
+    """Tokenised once on the main process, then read from the cache by the others; checked; planned."""
+    tc = recipe.train
+    tokenizer = load_tokenizer(recipe.model)
+    if (template := read_template(recipe.data)) is not None:  # a file: final/'s tokenizer renders as training did
+        tokenizer.chat_template = template
+    with accelerator.main_process_first():
+        train_ds, eval_ds, stats, cache_hit = prepare_datasets(recipe.data, tokenizer, seed=tc.seed)
+    (cache_reads,) = global_sum(accelerator, cache_hit)
+    world, accum, s = accelerator.num_processes, tc.grad_accum_steps, stats["train"]
+    say(f"data: {s.examples} train examples ({'tokenised' if cache_reads < world else 'cache hit'}, "
+        f"{int(cache_reads)} of {world} processes read the cache), {s.truncated} truncated, {s.dropped} dropped, "
+        f"{s.trained_fraction:.1%} of tokens trained; eval: {stats['eval'].examples if 'eval' in stats else 0} "
+        "examples")
+    for name, status, detail in check_data(recipe, s, train_ds, eval_ds, tokenizer):  # as `llmtrain doctor`
+        if status == "fail":
+            raise LLMTrainError(f"{name}: {detail}")
+        if status == "warn":
+            say(f"warning ({name}): {detail}")
+    plan = DataPlan(train_ds["length"], seed=tc.seed, world=world, micro_batch_size=tc.micro_batch_size,
+                    micro_batch_tokens=tc.micro_batch_tokens)
+    per_epoch = [plan.steps_per_epoch(e, accum) for e in range(tc.epochs)]
+    total_steps = tc.max_steps or sum(per_epoch)
+    efficiency = plan.packing_efficiency()
+    if tc.micro_batch_tokens:
+        say(f"global batch: bins of <= {tc.micro_batch_tokens} tokens x {accum} accumulation x {world} "
+            f"processes; {plan.bins()} bins/epoch, packing efficiency {efficiency:.1%} (real tokens / "
+            f"budget); {total_steps} steps ({per_epoch[0]}/epoch)")
+    else:
+        mb = tc.micro_batch_size
+        say(f"global batch: {mb} micro-batch x {accum} accumulation x {world} processes = "
+            f"{mb * accum * world} examples/step; {total_steps} steps ({per_epoch[0]}/epoch)")
+    return Data(tokenizer=tokenizer, train=train_ds, eval=eval_ds, stats=stats, cache_reads=int(cache_reads),
+                pad_id=pad_id(tokenizer), plan=plan, total_steps=total_steps, packing_efficiency=efficiency)
+
+
+# --------------------------------------------------------------------------- 4. model and optimizer
+
+
+@dataclass(frozen=True)
+class Trainable:
+    model: object  # as prepared by Accelerate (DDP- or FSDP-wrapped)
+    optimizer: object
+    scheduler: object
+    unwrapped: object  # the model Accelerate saves and loads: names carry no "module."
+    trainable_names: frozenset[str] | None  # LoRA: the adapter's parameters (all a checkpoint saves)
+    model_keys: frozenset[str]
+    params_total: int
+    params_trainable: int
+    flops: object  # metrics.FlopModel
+    peak_flops: float | None  # of one device, for MFU
+
+
+def build_model(recipe: Recipe, accelerator, *, total_steps: int, say) -> Trainable:
+    tc = recipe.train
+    model = load_model(recipe.model, recipe.lora, device=accelerator.device, empty=receives_weights(accelerator))
+    fused_ce = fused_linear_cross_entropy(recipe.model, accelerator.device)  # None unless liger is in use
+    attach_loss(model, chunk=tc.loss_chunk_tokens, fused_linear_ce=fused_ce)
+    if recipe.model.compile:
+        say(f"compile: {compile_layers(model)} decoder layers (regional torch.compile)")
+    n_total, n_trainable = count_parameters(model)
+    flops = flop_model(model)
+    say(f"model: {n_total:,} parameters, {n_trainable:,} trainable ({'LoRA' if recipe.lora else 'full'}); "
+        f"attention: {describe_attention(recipe.model)}{'; liger kernels' if fused_ce else ''}")
+    optimizer = build_optimizer(model, lr=tc.lr, weight_decay=tc.weight_decay, betas=tc.betas, eps=tc.eps,
+                                fused=use_fused_adamw(accelerator))
+    scheduler = build_scheduler(optimizer, tc, total_steps=total_steps)
+    model, optimizer = accelerator.prepare(model, optimizer)
+    unwrapped = accelerator.unwrap_model(model)
+    trainable_names = (frozenset(n for n, p in unwrapped.named_parameters() if p.requires_grad)
+                       if recipe.lora else None)
+    if trainable_names:
+        lora_only_hooks(accelerator, set(trainable_names))
+    return Trainable(model=model, optimizer=optimizer, scheduler=scheduler, unwrapped=unwrapped,
+                     trainable_names=trainable_names, model_keys=frozenset(unwrapped.state_dict()),
+                     params_total=n_total, params_trainable=n_trainable, flops=flops,
+                     peak_flops=peak_flops(accelerator.device, recipe.logging.peak_tflops))
+
+
+# --------------------------------------------------------------------------- 5. the first write
+
+
+def claim_run_dir(recipe: Recipe, accelerator, console, *, checkpoint: Path | None, resume: str | None,
+                  overwrite: bool) -> RunDir:
+    """Take the run folder (its lock; --overwrite empties it) and write the resolved recipe and train.log.
+    Refused if the checkpoint found under the lock is not the one the checks above judged."""
+    out = Path(recipe.output_dir)
+    run_dir = claim_output_dir(accelerator, out, resume=resume, overwrite=overwrite, expected=checkpoint)
+    if accelerator.is_main_process:
+        (out / "recipe.yaml").write_text(recipe.to_yaml())
+        console.keep_log(out / "train.log")
+    return run_dir
+
+
+# --------------------------------------------------------------------------- 6. the state to start from
+
+
+def restore(recipe: Recipe, accelerator, trainable: Trainable, *, checkpoint: Path | None, say) -> TrainState:
+    tc, world = recipe.train, accelerator.num_processes
+    state = TrainState(examples_per_micro=0 if tc.micro_batch_tokens else tc.micro_batch_size * world,
+                       processes=world, micro_batch_tokens=tc.micro_batch_tokens or 0)
+    accelerator.register_for_checkpointing(trainable.scheduler, state)
+    if checkpoint is None:
+        return state
+    load_checkpoint(accelerator, checkpoint, trainable_names=trainable.trainable_names and set(trainable.trainable_names))
+    state.check_layout(accum=tc.grad_accum_steps, micro_batch_tokens=tc.micro_batch_tokens or 0, processes=world)
+    say(f"resumed from {checkpoint} at step {state.step}")
+    if state.processes != world:
+        # Each rank restores its own RNG file; with more ranks than saved, the new ones start from the seed.
+        say(f"note: written by {state.processes} processes, resumed on {world}: the same examples "
+            "per step, but per-rank random streams (dropout) do not replay the original run's.")
+        state.processes = world
+    return state
+
+
+def open_log(recipe: Recipe, accelerator, state: TrainState, *, resumed: bool, notes: tuple[str, ...],
+             say) -> MetricsLog:
+    """metrics.jsonl (lines after the checkpoint dropped on resume) and the trackers of logging.report_to."""
+    out = Path(recipe.output_dir)
+    trackers = (open_trackers(recipe.logging.report_to, output_dir=out, config=recipe.model_dump(mode="json"),
+                              project=recipe.logging.project, run_name=recipe.logging.run_name)
+                if accelerator.is_main_process else [])
+    log = MetricsLog(out, enabled=accelerator.is_main_process, trackers=trackers,
+                     resume_step=state.step if resumed else None)
+    for note in notes:  # allowed recipe changes at resume (--allow-recipe-change): said, and on record
+        say(f"note: {note}")
+        log.write({"type": "note", "step": state.step, "note": note})
+    return log

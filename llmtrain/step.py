@@ -1,0 +1,88 @@
+"""One optimizer step (`train_step`) and one pass over the eval set (`evaluate`), for any objective
+(objective.py).
+
+Loss normalisation: the loss of an optimizer step is the objective's summed loss over every micro-batch of the
+accumulation window on every process, divided by the loss units (trained tokens, for SFT) of that whole window.
+So micro-batch 8 x accumulation 1, micro-batch 1 x accumulation 8 and 2 processes x micro-batch 4 all give the
+same loss and the same gradient, however the tokens are spread over the examples.
+
+Host syncs: the counts come from the CPU batches (batching.windows) and are summed over processes in one
+collective per step, kept on the device for the backward pass; the gradient norm (and, with several processes,
+the summed counts and stop votes) is read back once per step, after the backward. The loss stays on the device
+until a logging step (meter.Meter.line).
+"""
+
+from __future__ import annotations
+
+import math
+from contextlib import nullcontext
+from dataclasses import dataclass
+
+import torch
+
+from llmtrain.batching import global_micro_batches, to_device, windows
+from llmtrain.distributed import global_sum
+from llmtrain.objective import Counts, Objective
+
+
+@dataclass(frozen=True)
+class StepResult:
+    loss_sum: torch.Tensor  # this rank's summed loss (on the device): read back on logging steps only
+    counts: Counts  # the window's counts, summed over every process
+    grad_norm: float  # the global norm before clipping (NaN or inf: the update was skipped)
+    lr: float  # the learning rate of this update
+    skipped: bool  # no update: the gradient norm was not finite (every rank agrees: it is the global norm)
+    stop_voted: bool  # some process had a stop signal when the step began (several processes only)
+
+
+def train_step(model, optimizer, scheduler, accelerator, objective: Objective, window, *,
+               max_grad_norm: float | None, stop_signal: int) -> StepResult:
+    """Forward and backward over the window's micro-batches, clip, and the optimizer step unless the gradient
+    norm is not finite."""
+    world = accelerator.num_processes
+    counts = torch.tensor([*window.counts, float(stop_signal > 0)], dtype=torch.float64)
+    denominator = max(window.counts.units, 1.0)  # one process: a Python number, no device round trip
+    if world > 1:  # the one collective of the step: every rank needs the window's global loss units
+        counts = accelerator.reduce(counts.to(accelerator.device, non_blocking=True), reduction="sum")
+        denominator = counts[0].clamp(min=1.0).float()  # stays on the device: no host sync
+    loss_sum = torch.zeros((), device=accelerator.device)
+    for i, batch in enumerate(window.batches):
+        # Gradients are all-reduced only on the window's last micro-batch; the others accumulate locally
+        # under no_sync.
+        sync = i == len(window.batches) - 1
+        with nullcontext() if sync else accelerator.no_sync(model):
+            loss = objective.loss(model, to_device(batch, accelerator.device))
+            # DDP and FSDP average gradients over processes, hence the factor `world`: the result is
+            # d(sum of all losses in the window) / (loss units in the window).
+            accelerator.backward(loss * world / denominator)
+        loss_sum += loss.detach()
+    grad_norm = float(accelerator.clip_grad_norm_(model.parameters(), max_grad_norm or float("inf")))  # host sync
+    # After the norm's sync the reduced counts are ready: reading them costs no further wait.
+    *summed, votes = counts.tolist()
+    lr = scheduler.get_last_lr()[0]  # the lr of this update
+    skipped = not math.isfinite(grad_norm)  # the global norm: all ranks skip together
+    if not skipped:
+        optimizer.step()
+    scheduler.step()
+    optimizer.zero_grad(set_to_none=True)
+    return StepResult(loss_sum=loss_sum, counts=Counts(*summed), grad_norm=grad_norm, lr=lr, skipped=skipped,
+                      stop_voted=votes > 0)
+
+
+@torch.no_grad()
+def evaluate(model, dataset, accelerator, objective: Objective, *, batch_size: int, batch_tokens: int | None,
+             on_batch=lambda done, total: None) -> dict:
+    """The objective's eval metrics over the whole eval set, sharded over ranks, in its natural order."""
+    model.eval()
+    batches = global_micro_batches(len(dataset), seed=0, epoch=0, world_size=accelerator.num_processes,
+                                   micro_batch_size=batch_size, micro_batch_tokens=batch_tokens,
+                                   lengths=dataset["length"] if batch_tokens else None, shuffle=False)
+    plan = [g[accelerator.process_index] for g in batches]
+    totals = None
+    for done, window in enumerate(windows(dataset, lambda _: plan, epoch=0, micro=0, steps=len(plan), accum=1,
+                                          collate=objective.collate, pin=False, columns=objective.columns)):
+        on_batch(done, len(plan))
+        sums = objective.eval_sums(model, window.batches[0], accelerator.device)
+        totals = sums if totals is None else totals + sums
+    model.train()
+    return objective.eval_metrics(global_sum(accelerator, *totals.tolist()))
