@@ -24,7 +24,6 @@ from llmtrain.distributed import global_sum
 from llmtrain.errors import LLMTrainError
 from llmtrain.state import TrainState
 
-
 MANIFEST = "manifest.json"
 _BLOCK = 64 << 20  # checksummed in 64 MiB blocks on parallel threads: a 7B optimizer state goes at disk speed
 

@@ -66,7 +66,7 @@ class Meter:
             "tokens_per_s": tokens_per_s, "tokens_per_s_per_gpu": tokens_per_s / self.world,
             "tflops_per_gpu": model_flops / dt / self.world / 1e12,
             "mfu": model_flops / dt / self.world / self.peak if self.peak else None,
-            "tokens_seen": state.tokens_seen, "elapsed_s": self.elapsed()}
+            "tokens_seen": state.tokens_seen, "elapsed_s": self.elapsed_before + now - self.start}
         if self.on_gpu:
             self.last.update(max_memory_allocated=torch.cuda.max_memory_allocated(),
                              max_memory_reserved=torch.cuda.max_memory_reserved())
@@ -77,6 +77,6 @@ class Meter:
         wall time (eval and checkpoints included); the run's time over every resumed part."""
         wall = time.perf_counter() - self.start
         per_gpu = self.tokens / self.world
-        return {"final_loss": self.last.get("loss"), "train_time_s": self.elapsed(), "process_time_s": wall,
+        return {"final_loss": self.last.get("loss"), "train_time_s": self.elapsed_before + wall, "process_time_s": wall,
                 "tokens_per_s_per_gpu": per_gpu / max(wall - self.paused_s, 1e-9),
                 "wall_tokens_per_s_per_gpu": per_gpu / max(wall, 1e-9)}

@@ -64,8 +64,8 @@ def claim_output_dir(accelerator, out: Path, *, resume: str | None, overwrite: b
             if resume and checkpoint != expected:
                 raise LLMTrainError(
                     f"the checkpoints in {out} changed while this run was starting: it checked {expected} and now "
-                    f"finds {checkpoint} (another process wrote to the folder). Nothing was changed; start the run "
-                    "again to resume from what is there now.")
+                    f"finds {checkpoint} (another process wrote to the folder). This run stopped before writing anything; "
+                    "start it again to resume from what is there now.")
             _make_ready(out, resume=resume, overwrite=overwrite)
         except BaseException:
             lock.close()

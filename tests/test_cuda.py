@@ -50,7 +50,7 @@ def test_packed_varlen_loss_and_grads_equal_padded_sdpa_under_bf16_autocast():
     from llmtrain.attention import register
     from llmtrain.batching import collate, with_loss_positions
     from llmtrain.loss import attach_loss, compute_loss
-    from llmtrain.train import to_device
+    from llmtrain.batching import to_device
 
     cfg = MistralConfig(vocab_size=512, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
                         num_attention_heads=8, num_key_value_heads=2, head_dim=16, sliding_window=24)

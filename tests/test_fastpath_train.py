@@ -35,7 +35,10 @@ def test_varlen_attention_trains_like_eager_padded(recipe, tmp_path):
     assert [r["grad_norm"] for r in varlen] == pytest.approx([r["grad_norm"] for r in eager], rel=1e-4)
     assert [r["tokens"] for r in varlen] == [r["tokens"] for r in eager]
     assert [r["trained_tokens"] for r in varlen] == [r["trained_tokens"] for r in eager]
-    assert max_abs_diff(load_weights(tmp_path / "eager" / "final"), load_weights(tmp_path / "varlen" / "final")) < 1e-5
+    # Adam divides each element's step by its own gradient scale, so where a gradient is near zero the kernels'
+    # rounding differences move that element by a visible fraction of lr (1e-3): 2.4e-5 after 5 steps on torch
+    # 2.13 + transformers 5.24. The loss and gradient-norm checks above are the tight ones.
+    assert max_abs_diff(load_weights(tmp_path / "eager" / "final"), load_weights(tmp_path / "varlen" / "final")) < 1e-4
 
 
 def test_token_budget_epoch_covers_every_example_once(tiny_assets, tmp_path):

@@ -192,7 +192,7 @@ def test_token_budget_sets_the_tokens_of_a_micro_batch(mistral):
     diff = {k: by_budget.phases[k] - by_count.phases[k] for k in by_budget.phases}
     assert diff["backward_loss"] == diff["backward_lm_head"] == 7 * (4096 * 2 + 16) + 7 * 4096 * 2
     assert diff["forward"] == diff["backward_layers"] == 0
-    # a budget with sdpa still packs (train.packs_rows): the mask is the budget's square
+    # a budget with sdpa still packs (batching.packs_rows): the mask is the budget's square
     assert act.mask_bytes(make_pass(mistral, spec.but(attn="sdpa"))) == 16384 ** 2
     with pytest.raises(LLMTrainError, match="micro-batch-tokens"):
         estimate(mistral, spec.but(micro_batch=4))

@@ -69,7 +69,6 @@ def estimate_memory(
     """Estimate per-GPU peak memory of a fine-tuning run, without weights or a GPU."""
     from llmtrain.memory import fit as fitting
     from llmtrain.memory.estimate import estimate
-    from llmtrain.memory.spec import TrainSpec
 
     run = {k: v for k, v in dict(method=method, lora_r=lora_r, micro_batch=micro_batch,
                                  micro_batch_tokens=micro_batch_tokens, grad_accum=grad_accum, seq_len=seq_len,
@@ -81,34 +80,8 @@ def estimate_memory(
     launch = dict(gpu_memory_gib=gpu_memory, **layout)
     if (recipe is None) == (model is None):
         raise LLMTrainError("give either a RECIPE.yaml or --model PATH_OR_ID (not both, not neither).")
-    global_batch, assumed = None, ()
-    if recipe is not None:
-        from llmtrain.config import load_recipe
-        from llmtrain.memory.params import load_model_shape
-        from llmtrain.memory.spec import spec_from_recipe
-
-        given = [f"--{k.replace('_', '-')} (set {RUN_OPTIONS[k]})" for k in run]
-        if given:
-            raise LLMTrainError("with a recipe, the run is set by the recipe and key=value overrides: "
-                                + ", ".join(given) + ".")
-        r = load_recipe(recipe, overrides)
-        shape = load_model_shape(r.model.name_or_path)
-        spec = spec_from_recipe(r, **launch)
-        # kept by --fit: examples per step, or tokens per step with a budget
-        global_batch = (r.train.micro_batch_tokens or r.train.micro_batch_size) * r.train.grad_accum_steps * spec.world
-        target = f"{recipe} {' '.join(overrides or [])}".strip()
-    else:
-        from llmtrain.memory.params import load_model_shape
-
-        if overrides:
-            raise LLMTrainError(f"key=value overrides need a recipe; with --model use options (got {overrides[0]}).")
-        shape = load_model_shape(model)
-        if run.get("method") == "lora" and "dtype" not in run:
-            run["dtype"] = LORA_BASE_DTYPE
-            assumed = (f"LoRA base weights in {LORA_BASE_DTYPE}, as the shipped LoRA recipes keep them "
-                       "(--dtype float32 for an fp32 base)",)
-        spec = TrainSpec(**run, **launch)
-        target = None
+    shape, spec, global_batch, target, assumed = (_from_recipe(recipe, overrides, run, launch) if recipe is not None
+                                                  else _from_model(model, overrides, run, launch))
     est = estimate(shape, spec)
     est = dataclasses.replace(est, notes=assumed + est.notes)
     result = fitting.fit(shape, spec, global_batch=global_batch) if fit else None
@@ -125,6 +98,39 @@ def estimate_memory(
     render_estimate(est, advice, launch_mp=launch_mp)
     if result is not None:
         render_fit(result, target=target)
+
+
+def _from_recipe(recipe: Path, overrides, run: dict, launch: dict):
+    """(shape, spec, global batch kept by --fit, what --fit names, assumptions) of a recipe and its overrides."""
+    from llmtrain.config import load_recipe
+    from llmtrain.memory.params import load_model_shape
+    from llmtrain.memory.spec import spec_from_recipe
+
+    given = [f"--{k.replace('_', '-')} (set {RUN_OPTIONS[k]})" for k in run]
+    if given:
+        raise LLMTrainError("with a recipe, the run is set by the recipe and key=value overrides: "
+                            + ", ".join(given) + ".")
+    r = load_recipe(recipe, overrides)
+    spec = spec_from_recipe(r, **launch)
+    # kept by --fit: examples per step, or tokens per step with a budget
+    global_batch = (r.train.micro_batch_tokens or r.train.micro_batch_size) * r.train.grad_accum_steps * spec.world
+    return (load_model_shape(r.model.name_or_path), spec, global_batch,
+            f"{recipe} {' '.join(overrides or [])}".strip(), ())
+
+
+def _from_model(model: str, overrides, run: dict, launch: dict):
+    """The same from a model's config.json and the run options."""
+    from llmtrain.memory.params import load_model_shape
+    from llmtrain.memory.spec import TrainSpec
+
+    if overrides:
+        raise LLMTrainError(f"key=value overrides need a recipe; with --model use options (got {overrides[0]}).")
+    shape, assumed = load_model_shape(model), ()
+    if run.get("method") == "lora" and "dtype" not in run:
+        run = {**run, "dtype": LORA_BASE_DTYPE}
+        assumed = (f"LoRA base weights in {LORA_BASE_DTYPE}, as the shipped LoRA recipes keep them "
+                   "(--dtype float32 for an fp32 base)",)
+    return shape, TrainSpec(**run, **launch), None, None, assumed
 
 
 def _layout(path: Path | None, *, strategy, num_gpus, num_nodes, cpu_offload: bool,

@@ -193,53 +193,72 @@ def estimate(shape: ModelShape, spec: TrainSpec) -> Estimate:
         forward=dict(**base, gradients=g_acc, autocast_copies=copies_fwd, activations=acts_all + mask),
         backward=dict(**base, gradients=g_acc, autocast_copies=copies_kept, activations=acts_all + mask_bwd),
         head_adapter_r=spec.lora_r if plan and plan.adapted_head else 0))
-    # Each decoder layer's backward, last to first, in its three moments: the recompute of its forward
-    # (under checkpointing), the MLP's backward (down_proj's input freed, its weight gradient made) and
-    # attention's (the MLP half freed, its gradients made). The layers below are still saved, the
-    # layers above have their gradients, and the residual stream's gradient flows through.
     cast_temp = p.separate_casts and full  # a 16-bit weight gradient before it is cast to the fp32 .grad
     mlp_names = [x for x in shape.layer_linears if x.name.startswith("mlp.")]
     down_temp = max(x.numel for x in mlp_names) * p.cd if cast_temp else 0
     attn_temp = max(x.numel for x in shape.layer_linears if x not in mlp_names) * p.cd if cast_temp else 0
+    phases["backward_layers"] = _backward_layers(
+        p, shape, spec, st, plan, base, adapted=adapted, saved=saved, kept=kept, copies=copies,
+        below_all=rope_ids + mask_bwd, g_acc=g_acc, temps=(down_temp, attn_temp),
+        fsdp_buffers=2 * unit + 2 * unit_grads + always, embed_trains=embed_trains)
+    phases["backward_embedding"] = _phase(**base, gradients=st.grads, temporaries=p.tokens * H * p.resid,
+                                          fsdp_buffers=embed_unit * (2 if full else 1) + always)
+    phases["optimizer_step"] = _phase(**base, gradients=st.grads)
+    if spec.eval_micro_batch:
+        phases.update(_eval_phases(shape, spec, base, adapted=adapted, cached=sum(cached), head_copies=head_copies,
+                                   fsdp_unit=2 * unit + always, tail=tail))
+    return _finish(shape, spec, plan, st, phases, notes=_notes(shape, spec, p))
+
+
+def _backward_layers(p, shape: ModelShape, spec: TrainSpec, st, plan, base: dict, *, adapted, saved, kept,
+                     copies, below_all: int, g_acc: int, temps: tuple[int, int], fsdp_buffers: int,
+                     embed_trains: bool) -> dict[str, int]:
+    """The worst moment of the decoder layers' backward, last layer to first, each in its three moments: the
+    recompute of its forward (under checkpointing), the MLP's backward (down_proj's input freed, its weight
+    gradient made) and attention's (the MLP half freed, its gradients made). The layers below are still saved,
+    the layers above have their gradients, and the residual stream's gradient flows through. `below_all`: what
+    every moment keeps besides the layers (rope ids, the mask); `temps`: the MLP's and attention's 16-bit weight
+    gradients before their cast."""
+    ckpt = spec.grad_checkpointing
     resid_grad = act.residual_grad_bytes(p, shape)
-    fsdp_bwd = 2 * unit + 2 * unit_grads + always
     worst: dict[str, int] = {}
-    for k in range(L - 1, -1, -1):
+    for k in range(shape.layers - 1, -1, -1):
         a = adapted[k]
         above = st.grads_head + sum(st.grads_layer[k + 1:])
         g_down = st.grads_layer[k] * _down_share(shape, plan, k)
-        below = sum(kept[:k]) + (kept[k] if ckpt else 0) + rope_ids + mask_bwd
+        below = sum(kept[:k]) + (kept[k] if ckpt else 0) + below_all
         live_copies = sum(copies[: k + 1]) if not ckpt else copies[k]
         half_attn = act.attn_half_bytes(p, shape, a, spec.lora_r) - (
             act.frozen_input_discount(p, shape, a) if (k == 0 and not embed_trains) else 0)
         moments = [
             dict(gradients=max(g_acc, above + g_down), activations=below + saved[k] - act.down_input_bytes(
-                p, shape, a, spec.lora_r), temporaries=resid_grad + act.mlp_backward_temp(p, shape, a) + down_temp),
+                p, shape, a, spec.lora_r), temporaries=resid_grad + act.mlp_backward_temp(p, shape, a) + temps[0]),
             dict(gradients=max(g_acc, above + st.grads_layer[k]), activations=below + half_attn,
-                 temporaries=resid_grad + act.attn_backward_temp(p, shape, a) + attn_temp),
+                 temporaries=resid_grad + act.attn_backward_temp(p, shape, a) + temps[1]),
         ]
         if ckpt:
             moments.append(dict(gradients=max(g_acc, above), activations=below + saved[k],
                                 temporaries=resid_grad + act.layer_forward_temp(p, shape, a)))
         for m in moments:
-            ph = _phase(**base, autocast_copies=live_copies, fsdp_buffers=fsdp_bwd, **m)
+            ph = _phase(**base, autocast_copies=live_copies, fsdp_buffers=fsdp_buffers, **m)
             if sum(ph.values()) > sum(worst.values()):
                 worst = ph
-    phases["backward_layers"] = worst
-    phases["backward_embedding"] = _phase(**base, gradients=st.grads, temporaries=p.tokens * H * p.resid,
-                                          fsdp_buffers=embed_unit * (2 if full else 1) + always)
-    phases["optimizer_step"] = _phase(**base, gradients=st.grads)
-    if spec.eval_micro_batch:  # no graph: a layer's transients; then the hidden states, gathered, and a chunk
-        e = make_pass(shape, spec, examples=spec.eval_micro_batch, budget=spec.eval_micro_batch_tokens)
-        ce = act.loss_chunk(e, spec.loss_chunk_tokens)
-        phases["eval_forward"] = _phase(**base, autocast_copies=sum(cached), activations=act.mask_bytes(e),
-                                        temporaries=act.eval_layer_bytes(e, shape, adapted[-1]),
-                                        fsdp_buffers=2 * unit + always)
-        phases["eval_loss"] = _phase(**base, autocast_copies=sum(cached) + head_copies,
-                                     temporaries=(e.tokens + e.loss_tokens) * H * e.resid,
-                                     logits=act.chunk_eval_bytes(e, V, ce, -(-e.loss_tokens // ce)),
-                                     fsdp_buffers=tail)
-    return _finish(shape, spec, plan, st, phases, notes=_notes(shape, spec, p))
+    return worst
+
+
+def _eval_phases(shape: ModelShape, spec: TrainSpec, base: dict, *, adapted, cached: int, head_copies: int,
+                 fsdp_unit: int, tail: int) -> dict[str, dict[str, int]]:
+    """Evaluation, no graph: a layer's transients; then the hidden states, gathered, and a loss chunk."""
+    e = make_pass(shape, spec, examples=spec.eval_micro_batch, budget=spec.eval_micro_batch_tokens)
+    ce = act.loss_chunk(e, spec.loss_chunk_tokens)
+    return {
+        "eval_forward": _phase(**base, autocast_copies=cached, activations=act.mask_bytes(e),
+                               temporaries=act.eval_layer_bytes(e, shape, adapted[-1]), fsdp_buffers=fsdp_unit),
+        "eval_loss": _phase(**base, autocast_copies=cached + head_copies,
+                            temporaries=(e.tokens + e.loss_tokens) * shape.hidden * e.resid,
+                            logits=act.chunk_eval_bytes(e, shape.vocab, ce, -(-e.loss_tokens // ce)),
+                            fsdp_buffers=tail),
+    }
 
 
 def _plus(parts: dict[str, int], **more: int) -> dict[str, int]:

@@ -74,7 +74,7 @@ class TrainSpec:
 
     @property
     def packed(self) -> bool:
-        """A micro-batch is one padding-free row, as train.packs_rows decides: asked for, implied by a token
+        """A micro-batch is one padding-free row, as batching.packs_rows decides: asked for, implied by a token
         budget, or required by the varlen attention (which reads the examples' boundaries in a packed row)."""
         return self.packing or self.micro_batch_tokens is not None or self.kernel == "varlen"
 

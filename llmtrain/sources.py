@@ -1,0 +1,57 @@
+"""Reading a data source: local files (jsonl, json, parquet, csv), a dataset folder, or a hub dataset."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+from typing import Any
+
+from llmtrain.errors import LLMTrainError
+
+_LOADERS = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".csv": "csv"}
+
+
+def files(path: str | list[str]) -> list[str]:
+    return [path] if isinstance(path, str) else list(path)
+
+
+def is_local(paths: list[str]) -> bool:
+    return any(Path(p).exists() or Path(p).suffix in _LOADERS for p in paths)
+
+
+def is_split_name(value: Any) -> bool:
+    """data.eval_split names a split ('test', 'validation[:500]') rather than a file: one word, no data-file
+    extension, and no such file."""
+    return (isinstance(value, str) and Path(value).suffix not in _LOADERS and not Path(value).is_file()
+            and re.fullmatch(r"[\w.-]+(\[[^\]]*\])?", value) is not None)
+
+
+def load_raw(path: str | list[str], *, name: str | None = None, split: str = "train"):
+    """Load local files (jsonl, json, parquet, csv), a dataset folder (its files named by split, as on the hub)
+    or a hub dataset into a `datasets.Dataset`."""
+    import datasets
+
+    paths = files(path)
+    folder = len(paths) == 1 and Path(paths[0]).is_dir()
+    if is_local(paths) and not folder:
+        for p in paths:
+            if not Path(p).is_file():
+                raise LLMTrainError(f"data file '{p}' does not exist (data.path or data.eval_split). Check the path.")
+        kinds = {_LOADERS.get(Path(p).suffix) for p in paths}
+        if None in kinds or len(kinds) != 1:
+            raise LLMTrainError(
+                f"data files {paths} must all be one of {sorted(_LOADERS)}; mixed or unknown extensions."
+            )
+        try:
+            return datasets.load_dataset(kinds.pop(), data_files=paths, split="train")
+        except Exception as e:  # datasets raises many types for malformed files
+            raise LLMTrainError(f"could not read data file(s) {paths}: {e}") from None
+    try:
+        return datasets.load_dataset(paths[0], name, split=split)
+    except Exception as e:
+        where = "dataset folder" if folder else "hub dataset"
+        raise LLMTrainError(
+            f"could not load split '{split}' of {where} '{paths[0]}' (data.path, data.name={name}, data.split or "
+            f"data.eval_split): {e}. Without network access, download it first or point data.path at local "
+            ".jsonl/.json/.parquet/.csv files."
+        ) from None

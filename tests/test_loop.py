@@ -1,0 +1,125 @@
+"""The loop's parts, in-process and pure: the cadence (when to log, evaluate, save), the meter (speed and the
+metrics line), TrainState.advance, the data plan (built once per epoch), and the objective's counts."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch
+
+from llmtrain.batching import DataPlan, Window
+from llmtrain.cadence import Cadence
+from llmtrain.meter import Meter
+from llmtrain.metrics import FlopModel
+from llmtrain.objective import CausalLM, Counts
+from llmtrain.state import TrainState
+from llmtrain.step import StepResult
+
+
+def cadence(**kw) -> Cadence:
+    return Cadence(**{"total_steps": 20, "log_every": 5, "eval_every": None, "save_every": None, "has_eval": True,
+                      **kw})
+
+
+def test_cadence_logs_every_n_and_the_last_step():
+    c = cadence(log_every=5, has_eval=False)
+    assert [s for s in range(1, 21) if c.at(s).log] == [5, 10, 15, 20]
+    assert not any(c.at(s).eval or c.at(s).save for s in range(1, 21))
+
+
+def test_cadence_evaluates_every_n_and_always_at_the_end_when_there_is_eval_data():
+    assert [s for s in range(1, 21) if cadence(eval_every=6).at(s).eval] == [6, 12, 18, 20]
+    assert [s for s in range(1, 21) if cadence(eval_every=None).at(s).eval] == [20]
+    assert not any(cadence(eval_every=6, has_eval=False).at(s).eval for s in range(1, 21))
+
+
+def test_cadence_saves_every_n_and_on_a_stop_request():
+    c = cadence(save_every=3, log_every=7)
+    assert [s for s in range(1, 21) if c.at(s).save] == [3, 6, 9, 12, 15, 18]
+    assert c.at(4, stop=True).save and c.at(4, stop=True).log
+    assert not cadence(save_every=None).at(4).save
+
+
+@pytest.mark.parametrize("log_every, eval_every, save_every", list(itertools.product([1, 3, 7], [None, 2, 5], [None, 3, 4])))
+def test_every_save_eval_and_skipped_step_is_a_logged_step(log_every, eval_every, save_every):
+    """Why (cadence.py): a resume re-meters from the checkpoint, so the last line before it must end at its step;
+    an eval line follows its step's train line; a skipped update is on record before the guard can stop."""
+    c = cadence(total_steps=23, log_every=log_every, eval_every=eval_every, save_every=save_every)
+    for step in range(1, 24):
+        for stop, skipped in itertools.product([False, True], repeat=2):
+            due = c.at(step, stop=stop, skipped=skipped)
+            assert not (due.save or due.eval or skipped) or due.log, (step, stop, skipped, due)
+
+
+class FakeAccelerator:
+    num_processes = 2
+    device = torch.device("cpu")
+
+
+def result(loss_sum: float, counts: Counts, *, lr=1e-3, grad_norm=1.0, skipped=False) -> StepResult:
+    return StepResult(loss_sum=torch.tensor(loss_sum), counts=counts, grad_norm=grad_norm, lr=lr, skipped=skipped,
+                      stop_voted=False)
+
+
+def test_meter_line_reports_the_last_step_and_the_speed_since_the_last_line(monkeypatch):
+    clock = iter([100.0, 104.0, 105.0, 110.0, 112.0]).__next__
+    monkeypatch.setattr("llmtrain.meter.time.perf_counter", clock)
+    monkeypatch.setattr("llmtrain.meter.global_sum", lambda acc, *v: [x * 2 for x in v])  # two ranks, alike
+    meter = Meter(FakeAccelerator(), flops=FlopModel(1.0, 10.0, 0.5), peak=100.0, elapsed_before=50.0)  # t=100
+    state = TrainState(step=2, tokens_seen=700)
+    meter.add(result(3.0, Counts(units=10, trained=10, tokens=300, squares=900)), epoch=0)
+    meter.add(result(4.0, Counts(units=20, trained=20, tokens=400, squares=1600), lr=5e-4), epoch=1)
+    with meter.paused():  # t=104 -> 105: an eval, left out of the speed
+        pass
+    line = meter.line(state)  # t=110: 10 s since the start, 1 of them paused
+    assert line["loss"] == pytest.approx(2 * 4.0 / 20)  # the last step's summed loss over both ranks / its units
+    assert line["lr"] == 5e-4 and line["epoch"] == 1 and line["tokens"] == 400 and line["trained_tokens"] == 20
+    assert line["tokens_per_s"] == pytest.approx(700 / 9) and line["tokens_per_s_per_gpu"] == pytest.approx(700 / 18)
+    flops = 700 * 1.0 + 30 * 10.0 + 2500 * 0.5
+    assert line["mfu"] == pytest.approx(flops / 9 / 2 / 100.0)
+    assert line["elapsed_s"] == pytest.approx(60.0) and line["tokens_seen"] == 700  # the run's clock continues
+    assert meter.pending == []
+    summary = meter.summary()  # t=112: 12 s in this process, 1 s of it eval
+    assert summary["train_time_s"] == pytest.approx(62.0) and summary["process_time_s"] == pytest.approx(12.0)
+    assert summary["tokens_per_s_per_gpu"] == pytest.approx(700 / 2 / 11)
+    assert summary["wall_tokens_per_s_per_gpu"] == pytest.approx(700 / 2 / 12)
+    assert summary["final_loss"] == line["loss"]
+
+
+def test_train_state_advances_tokens_every_step_and_rolls_the_epoch_over():
+    state = TrainState()
+    counts = Counts(units=5, trained=5, tokens=40, squares=400)
+    state.advance(Window(epoch=0, end=4, epoch_done=False, batches=[], counts=counts), result(1.0, counts))
+    assert (state.step, state.epoch, state.micro_in_epoch, state.tokens_seen, state.trained_tokens_seen) == (1, 0, 4, 40, 5)
+    state.advance(Window(epoch=0, end=8, epoch_done=True, batches=[], counts=counts),
+                  result(1.0, counts, skipped=True, grad_norm=float("nan")))
+    assert (state.step, state.epoch, state.micro_in_epoch, state.tokens_seen, state.bad_steps) == (2, 1, 0, 80, 1)
+
+
+def test_data_plan_is_built_once_per_epoch_for_every_view(monkeypatch):
+    import llmtrain.batching as B
+
+    calls = []
+    real = B.global_micro_batches
+    monkeypatch.setattr(B, "global_micro_batches", lambda *a, **k: calls.append(k["epoch"]) or real(*a, **k))
+    lengths = [5, 9, 3, 7, 2, 8, 4, 6, 1, 10]
+    plan = DataPlan(lengths, seed=3, world=2, micro_batch_size=1, micro_batch_tokens=12)
+    ranks = [plan.for_rank(r) for r in range(2)]
+    assert plan.steps_per_epoch(0, 2) == -(-len(plan.epoch(0)) // 2)
+    assert [g[r] for g in plan.epoch(0) for r in range(2)] == [b for pair in zip(ranks[0](0), ranks[1](0)) for b in pair]
+    assert sorted(i for r in ranks for b in r(0) for i in b) == list(range(10))
+    assert 0 < plan.packing_efficiency() <= 1 and plan.packing_efficiency() == sum(lengths) / (plan.bins() * 12)
+    ranks[1](1)
+    assert calls == [0, 1]  # the global plan and both ranks' views: one build per epoch
+
+
+def test_causal_lm_counts_trained_and_real_tokens_and_nothing_for_an_idle_rank():
+    objective = CausalLM(pad_id=0, packing=False)
+    examples = [{"input_ids": [1, 2, 3, 4], "labels": [-100, -100, 3, 4]}, {"input_ids": [5, 6], "labels": [-100, 6]}]
+    batch, counts = objective.collate(examples)
+    # labels shift by one: 3 and 4 of the first example, 6 of the second are trained
+    assert counts == Counts(units=3, trained=3, tokens=6, squares=16 + 4)
+    assert batch["loss_targets"].tolist() == [3, 4, 6]
+    assert objective.collate([])[1] == Counts(0, 0, 0, 0)
+    assert counts.plus(counts) == Counts(6, 6, 12, 40)

@@ -1,0 +1,191 @@
+"""The loop's defects fixed with the redesign, each through a real in-process run of the tiny model:
+trackers end however the run ends; the claimed folder must still hold the checked checkpoint; the TrainState
+does not depend on the logging cadence; one set of data checks for finetune and doctor; the run's clock and
+speed across a resume; an objective plugged in through the seam drives both training and evaluation."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+
+import pytest
+from helpers import load_weights, max_abs_diff, records, run_train, write_recipe
+
+from llmtrain.errors import LLMTrainError, Stopped, TrainingDiverged
+
+
+class Recorder:
+    def __init__(self):
+        self.logged, self.closed = [], 0
+
+    def log(self, record, step):
+        self.logged.append(step)
+
+    def close(self):
+        self.closed += 1
+
+
+@pytest.fixture
+def tracker(monkeypatch):
+    recorder = Recorder()
+    monkeypatch.setattr("llmtrain.phases.open_trackers", lambda *a, **k: [recorder])
+    return recorder
+
+
+@pytest.fixture
+def recipe(tiny_assets, tmp_path):
+    return write_recipe(tiny_assets, tmp_path)
+
+
+def _interrupt_at(monkeypatch, call: int, action):
+    """Run `action` when train_step is called for the `call`-th time (1-based), then take the step."""
+    import llmtrain.train as T
+
+    real, calls = T.train_step, {"n": 0}
+
+    def step(*a, **k):
+        calls["n"] += 1
+        if calls["n"] == call:
+            action()
+        return real(*a, **k)
+
+    monkeypatch.setattr(T, "train_step", step)
+
+
+def test_trackers_end_on_a_normal_finish(recipe, tracker):
+    run_train(recipe)
+    assert tracker.closed == 1 and tracker.logged
+
+
+def test_trackers_end_when_a_signal_stops_the_run(recipe, tmp_path, tracker, monkeypatch):
+    _interrupt_at(monkeypatch, 2, lambda: os.kill(os.getpid(), signal.SIGTERM))
+    with pytest.raises(Stopped):
+        run_train(recipe, "train.max_steps=6")
+    assert tracker.closed == 1
+    assert (tmp_path / "run" / "checkpoints" / "step_000002").is_dir()
+
+
+def test_trackers_end_when_the_run_diverges(recipe, tracker):
+    with pytest.raises(TrainingDiverged):
+        run_train(recipe, "train.lr=1e12", "train.max_grad_norm=null", "train.max_steps=12")
+    assert tracker.closed == 1
+
+
+def test_claim_refuses_when_the_checkpoint_changed_after_the_checks(recipe, tmp_path, monkeypatch):
+    """Another process writes a newer checkpoint between the read-only checks and the claim: the run stops before
+    writing anything rather than load a checkpoint the resume checks never judged."""
+    import llmtrain.phases as P
+
+    run_train(recipe, "checkpoint.every_steps=2")
+    run = tmp_path / "run"
+    (run / "checkpoints" / "step_000004").rename(run / "checkpoints" / "later")
+    real = P.claim_output_dir
+
+    def claim(*a, **k):  # the "other process": step 4 reappears after the checks chose step 2
+        (run / "checkpoints" / "later").rename(run / "checkpoints" / "step_000004")
+        return real(*a, **k)
+
+    monkeypatch.setattr(P, "claim_output_dir", claim)
+    before = (run / "metrics.jsonl").read_bytes()
+    with pytest.raises(LLMTrainError, match="changed while this run was starting.*step_000002.*step_000004"):
+        run_train(recipe, "checkpoint.every_steps=2", "train.max_steps=6", resume="auto", allow_recipe_change=True)
+    assert (run / "metrics.jsonl").read_bytes() == before
+
+
+def test_resume_is_exact_whatever_the_logging_cadence(recipe, tmp_path, monkeypatch):
+    """logging.every_steps=7, a checkpoint every 3 steps: the state saved at step 3 holds the tokens of steps
+    1-3 (before, tokens_seen reached the state only on logging steps), and an interrupted run resumed from its
+    step-9 checkpoint ends as the uninterrupted one."""
+    common = ["train.max_steps=11", "logging.every_steps=7", "checkpoint.every_steps=3", "checkpoint.keep_last=5"]
+    every = tmp_path / "every"
+    run_train(recipe, f"output_dir={every}", "train.max_steps=11", "logging.every_steps=1")
+    per_step = [r["tokens"] for r in records(every)]
+    straight = run_train(recipe, f"output_dir={tmp_path / 'straight'}", *common)
+    state = json.loads((tmp_path / "straight" / "checkpoints" / "step_000003" / "train_state.json").read_text())
+    assert state["tokens_seen"] == sum(per_step[:3])
+    assert [r["step"] for r in records(tmp_path / "straight")] == [3, 6, 7, 9, 11]
+
+    def crash():
+        raise RuntimeError("preempted")
+
+    _interrupt_at(monkeypatch, 11, crash)  # after step 10; the newest checkpoint is step 9
+    with pytest.raises(RuntimeError, match="preempted"):
+        run_train(recipe, f"output_dir={tmp_path / 'cut'}", *common)
+    monkeypatch.undo()
+    resumed = run_train(recipe, f"output_dir={tmp_path / 'cut'}", *common, resume="auto")
+    assert resumed["tokens_seen"] == straight["tokens_seen"] == sum(per_step)
+    assert max_abs_diff(load_weights(tmp_path / "cut" / "final"), load_weights(tmp_path / "straight" / "final")) == 0
+    assert [r["loss"] for r in records(tmp_path / "cut")] == [r["loss"] for r in records(tmp_path / "straight")]
+
+
+def test_resumed_run_reports_the_speed_of_this_process_and_the_clock_of_the_whole_run(recipe, tmp_path,
+                                                                                       monkeypatch):
+    """Before: a run resumed at step 6 of 12 divided the tokens of all 12 steps by the time of the last 6, and
+    its elapsed_s restarted at 0."""
+    common = ["train.max_steps=12", "logging.every_steps=1", "checkpoint.every_steps=6"]
+    _interrupt_at(monkeypatch, 8, lambda: (_ for _ in ()).throw(RuntimeError("preempted")))
+    with pytest.raises(RuntimeError):
+        run_train(recipe, *common)
+    monkeypatch.undo()
+    run = tmp_path / "run"
+    saved = json.loads((run / "checkpoints" / "step_000006" / "train_state.json").read_text())
+    summary = run_train(recipe, *common, resume="auto")
+    lines = records(run)
+    assert [r["step"] for r in lines] == list(range(1, 13))
+    elapsed = [r["elapsed_s"] for r in lines]
+    assert elapsed == sorted(elapsed) and elapsed[6] > saved["elapsed_s"] > 0  # one clock for the run
+    this_process = summary["tokens_seen"] - saved["tokens_seen"]
+    assert this_process == sum(r["tokens"] for r in lines[6:])
+    assert summary["wall_tokens_per_s_per_gpu"] == pytest.approx(this_process / summary["process_time_s"])
+    assert summary["tokens_per_s_per_gpu"] >= summary["wall_tokens_per_s_per_gpu"]
+    assert summary["train_time_s"] == pytest.approx(saved["elapsed_s"] + summary["process_time_s"])
+
+
+def test_summary_gives_training_only_and_wall_speed(recipe, tmp_path):
+    """Step lines leave eval and checkpoint time out; the summary says both."""
+    summary = run_train(recipe, "train.max_steps=4", "train.eval_every_steps=1", "data.eval_split=0.05",
+                        "checkpoint.every_steps=1")
+    assert summary["tokens_per_s_per_gpu"] > summary["wall_tokens_per_s_per_gpu"] > 0
+    assert summary["wall_tokens_per_s_per_gpu"] == pytest.approx(summary["tokens_seen"] / summary["process_time_s"])
+
+
+def test_doctor_fails_the_token_budget_finetune_refuses(recipe, tmp_path):
+    """One set of data checks: `llmtrain doctor` used to pass a budget smaller than the longest example."""
+    from llmtrain.config import load_recipe
+    from llmtrain.doctor import run_doctor
+
+    rows = {name: (status, detail) for name, status, detail in
+            run_doctor(load_recipe(recipe, ["train.micro_batch_tokens=8", "train.micro_batch_size=1"]), gpu_memory=80)}
+    assert rows["token budget"][0] == "fail"
+    assert "train.micro_batch_tokens=8 is smaller than the longest example" in rows["token budget"][1]
+    with pytest.raises(LLMTrainError, match="token budget: train.micro_batch_tokens=8 is smaller than the longest"):
+        run_train(recipe, "train.micro_batch_tokens=8", "train.micro_batch_size=1")
+    assert not (tmp_path / "run").exists()  # refused before anything was written
+    ok = {name: status for name, status, _ in run_doctor(load_recipe(recipe, ["train.micro_batch_tokens=64", "train.micro_batch_size=1"]),
+                                                          gpu_memory=80)}
+    assert ok["token budget"] == "pass"
+
+
+def test_an_objective_through_the_seam_drives_training_and_evaluation(recipe, tmp_path, monkeypatch):
+    """A second objective, plugged in where the recipe's is chosen, changes what is minimised and what evaluation
+    reports, with no change to the loop: twice the summed loss over the same units doubles every logged loss
+    (Adam's update is invariant to the scale, so the runs stay together), and its eval metrics are the ones
+    written."""
+    from llmtrain.objective import CausalLM
+
+    class Doubled(CausalLM):
+        def loss(self, model, batch):
+            return 2 * super().loss(model, batch)
+
+        def eval_metrics(self, sums):
+            return {**super().eval_metrics(sums), "eval_doubled": 1.0}
+
+    common = ["train.max_steps=3", "data.eval_split=0.05", "train.eps=1e-30", "train.max_grad_norm=null"]
+    run_train(recipe, f"output_dir={tmp_path / 'plain'}", *common)
+    monkeypatch.setattr("llmtrain.train.objective_for", lambda recipe, pad_id: Doubled(pad_id=pad_id, packing=False))
+    run_train(recipe, f"output_dir={tmp_path / 'doubled'}", *common)
+    plain, doubled = records(tmp_path / "plain"), records(tmp_path / "doubled")
+    assert [r["loss"] for r in doubled] == pytest.approx([2 * r["loss"] for r in plain], rel=1e-4)
+    assert [r["grad_norm"] for r in doubled] == pytest.approx([2 * r["grad_norm"] for r in plain], rel=1e-4)
+    assert records(tmp_path / "doubled", "eval")[-1]["eval_doubled"] == 1.0
