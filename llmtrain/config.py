@@ -61,7 +61,7 @@ class LoraConfig(Section):
     modules_to_save: list[str] | None = Field(None, description="Modules trained in full and saved with the adapter.")
 
 
-DataFormat = Literal["alpaca", "messages", "prompt_completion", "text"]
+DataFormat = Literal["alpaca", "messages", "prompt_completion", "text", "preference"]
 
 
 class DataConfig(Section):
@@ -71,7 +71,8 @@ class DataConfig(Section):
     )
     name: str | None = Field(None, description="Hub dataset configuration name (e.g. 'main' for gsm8k).")
     split: str = Field("train", description="Split to train on, of a hub dataset or a dataset folder.")
-    format: DataFormat = Field(description="How examples are laid out: alpaca, messages, prompt_completion or text.")
+    format: DataFormat = Field(description="How examples are laid out: alpaca, messages, prompt_completion, text, or "
+                               "preference (prompt, chosen, rejected: pairs for the preference: section).")
     fields: dict[str, str] = Field(
         default_factory=dict,
         description="Names in the data for the format's names: columns (prompt, completion, instruction, input, "
@@ -118,8 +119,9 @@ class DataConfig(Section):
 
     @model_validator(mode="after")
     def _check_chat(self) -> DataConfig:
-        if self.chat_template is not False and self.format not in ("prompt_completion", "messages"):
-            raise ValueError(f"data.chat_template applies to formats prompt_completion and messages, not {self.format}")
+        if self.chat_template is not False and self.format not in ("prompt_completion", "messages", "preference"):
+            raise ValueError(f"data.chat_template applies to formats prompt_completion, messages and preference, not "
+                             f"{self.format}")
         if self.system_prompt is not None and self.format != "messages" and self.chat_template is False:
             raise ValueError("data.system_prompt needs rows rendered as a chat: set data.chat_template: true "
                              "(or a template file), or use data.format: messages")
@@ -235,14 +237,48 @@ class LoggingConfig(Section):
         return self
 
 
+class PreferenceConfig(Section):
+    loss: Literal["dpo", "ipo", "simpo"] = Field(
+        "dpo", description="dpo: the sigmoid loss of Rafailov et al. 2023; ipo: Azar et al. 2023, on per-token "
+        "log-ratios (as TRL); simpo: Meng et al. 2024, reference-free, on per-token log-probabilities.")
+    beta: float = Field(0.1, gt=0, description="Strength of the reference (dpo, ipo: the KL weight) or reward scale "
+                        "(simpo, where the paper uses about 2.0).")
+    simpo_gamma: float = Field(0.5, ge=0, description="SimPO's target reward margin (gamma).")
+    reference: Literal["auto", "adapter", "precomputed", "none"] = Field(
+        "auto", description="The reference model's log-probabilities. auto: adapter for LoRA, precomputed for a "
+        "full fine-tune, none for simpo. adapter: the same model with the LoRA adapter disabled (no second copy); "
+        "precomputed: one no-grad pass over the data with the initial weights before training, cached with the "
+        "tokenised data.")
+
+    @model_validator(mode="after")
+    def _check_reference(self) -> PreferenceConfig:
+        if self.loss == "simpo" and self.reference not in ("auto", "none"):
+            raise ValueError(f"simpo is reference-free; leave preference.reference at auto (got {self.reference})")
+        if self.loss != "simpo" and self.reference == "none":
+            raise ValueError(f"preference.loss={self.loss} needs a reference: use auto, adapter or precomputed")
+        return self
+
+
 class Recipe(Section):
     model: ModelConfig = Field(description="The model to fine-tune and how to load it.")
     data: DataConfig = Field(description="Training (and eval) data, its format and tokenisation.")
     lora: LoraConfig | None = Field(None, description="LoRA settings; absent means full fine-tune.")
+    preference: PreferenceConfig | None = Field(
+        None, description="Preference tuning on pairs (data.format: preference); absent means supervised fine-tuning.")
     train: TrainConfig = Field(default_factory=TrainConfig, description="Optimisation, schedule and batch.")
     checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig, description="Resumable state and export.")
     logging: LoggingConfig = Field(default_factory=LoggingConfig, description="Progress bar and TensorBoard.")
     output_dir: str = Field(description="Where metrics, checkpoints and the final model go (default runs/<stem>).")
+
+    @model_validator(mode="after")
+    def _check_preference(self) -> Recipe:
+        if (self.preference is None) != (self.data.format != "preference"):
+            raise ValueError("data.format: preference and the preference: section go together: pairs train with a "
+                             "preference loss (add preference: {loss: dpo}), and a preference loss needs pairs")
+        if self.preference is not None and self.preference.reference == "adapter" and self.lora is None:
+            raise ValueError("preference.reference: adapter disables the LoRA adapter, and this recipe has no lora: "
+                             "section; use precomputed (or auto) for a full fine-tune")
+        return self
 
     def to_yaml(self) -> str:
         return yaml.safe_dump(self.model_dump(mode="json"), sort_keys=False)

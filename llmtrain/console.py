@@ -66,7 +66,9 @@ def step_text(rec: dict) -> str:
     if loss is None or not math.isfinite(loss):
         return f"loss {loss}  (update skipped)"
     mfu = f"  MFU {rec['mfu']:.1%}" if rec.get("mfu") is not None else ""
-    return f"loss {loss:.4f}  lr {rec['lr']:.2e}  {rec['tokens_per_s_per_gpu']:,.0f} tok/s/gpu{mfu}"
+    pairs = (f"  acc {rec['rewards/accuracies']:.0%} margin {rec['rewards/margins']:.3f}"
+             if "rewards/accuracies" in rec else "")  # preference runs
+    return f"loss {loss:.4f}{pairs}  lr {rec['lr']:.2e}  {rec['tokens_per_s_per_gpu']:,.0f} tok/s/gpu{mfu}"
 
 
 def summary_table(summary: dict, *, out: Path, evals: list[dict]):
@@ -88,8 +90,9 @@ def summary_table(summary: dict, *, out: Path, evals: list[dict]):
         table.add_row("final train loss", f"{summary['final_loss']:.4f}")
     if evals:
         best = min(evals, key=lambda e: e["eval_loss"])
-        table.add_row("best eval loss", f"{best['eval_loss']:.4f} (step {best['step']}, exact match "
-                                        f"{best['eval_exact_match']:.1%})")
+        what = (f"reward accuracy {best['eval_rewards/accuracies']:.1%}" if "eval_rewards/accuracies" in best
+                else f"exact match {best['eval_exact_match']:.1%}")
+        table.add_row("best eval loss", f"{best['eval_loss']:.4f} (step {best['step']}, {what})")
     if summary.get("max_memory_allocated"):
         table.add_row("peak GPU memory", f"{summary['max_memory_allocated'] / 2**30:.2f} GiB allocated, "
                                          f"{summary['max_memory_reserved'] / 2**30:.2f} GiB reserved")

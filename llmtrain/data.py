@@ -18,6 +18,7 @@ from typing import Any
 from llmtrain.chat import read_template, render_chat
 from llmtrain.config import DataConfig
 from llmtrain.errors import LLMTrainError
+from llmtrain.pairs import PAIR_COLUMNS, encode_pair, pair_problem
 from llmtrain.sources import files as _files
 from llmtrain.sources import is_local as _is_local
 from llmtrain.sources import is_split_name, load_raw
@@ -31,9 +32,10 @@ FORMAT_FIELDS = {
     "messages": ("messages",),
     "prompt_completion": ("prompt", "completion"),
     "text": ("text",),
+    "preference": ("prompt", "chosen", "rejected"),
 }
-OPTIONAL_FIELDS = {"input"}
-CHAT_FORMATS = ("messages", "prompt_completion")  # formats whose rows may be chats (data.fields role/content)
+OPTIONAL_FIELDS = {"alpaca": {"input"}, "preference": {"prompt"}}  # preference: implicit-prompt rows have none
+CHAT_FORMATS = ("messages", "prompt_completion", "preference")  # formats whose rows may be chats (role/content)
 
 ALPACA_PROMPT = (
     "Below is an instruction that describes a task{ctx}. Write a response that appropriately completes the request."
@@ -56,7 +58,7 @@ def check_columns(columns: list[str], cfg: DataConfig, source: str) -> None:
     missing = [
         f"{f} (column '{cfg.fields.get(f, f)}')"
         for f in FORMAT_FIELDS[cfg.format]
-        if f not in OPTIONAL_FIELDS and cfg.fields.get(f, f) not in columns
+        if f not in OPTIONAL_FIELDS.get(cfg.format, ()) and cfg.fields.get(f, f) not in columns
     ]
     if missing:
         raise LLMTrainError(
@@ -100,6 +102,8 @@ def _no_reply_problem(messages: list, cfg: DataConfig, what: str) -> str | None:
 
 def row_problem(example: dict, cfg: DataConfig) -> str | None:
     """What is wrong with one raw row for data.format, in words; None when it can be formatted."""
+    if cfg.format == "preference":
+        return pair_problem(example, cfg)
     if cfg.format == "messages":
         messages = _column(example, cfg, "messages")
         return (_messages_problem(messages, cfg, f"'{cfg.fields.get('messages', 'messages')}'")
@@ -107,7 +111,7 @@ def row_problem(example: dict, cfg: DataConfig) -> str | None:
     for field in FORMAT_FIELDS[cfg.format]:
         value = _column(example, cfg, field)
         name = f"'{cfg.fields.get(field, field)}' ({field})"
-        if value is None and field not in OPTIONAL_FIELDS:
+        if value is None and field not in OPTIONAL_FIELDS.get(cfg.format, ()):
             return f"{name} is empty"
         if isinstance(value, list) and cfg.format == "prompt_completion":  # TRL's conversational rows
             problem = _messages_problem(value, cfg, name) or (
@@ -293,9 +297,11 @@ def tokenize_dataset(raw, tokenizer, cfg: DataConfig, source: str):
     check_rows(raw, cfg, source)
     template = read_template(cfg)
 
+    encoder = encode_pair if cfg.format == "preference" else encode_example
+
     def encode(example: dict, i: int) -> dict:
         try:
-            return encode_example(example, tokenizer, cfg, template=template)
+            return encoder(example, tokenizer, cfg, template=template)
         except LLMTrainError as e:  # a row the template cannot render: name it
             raise LLMTrainError(f"{source}, row {i + 1}: {e}") from None
 
@@ -306,7 +312,8 @@ def tokenize_dataset(raw, tokenizer, cfg: DataConfig, source: str):
     keep = [i for i, t in enumerate(trained) if t > 0]
     kept = enc.select(keep)
     stats = compute_stats(kept["length"], kept["trained"], kept["truncated"], dropped=len(enc) - len(keep))
-    return kept.select_columns(["input_ids", "labels", "length"]), stats  # length: token budgets bin by it
+    columns = PAIR_COLUMNS if cfg.format == "preference" else ["input_ids", "labels", "length"]
+    return kept.select_columns(columns), stats  # length: token budgets bin by it (a pair: both sequences)
 
 
 def load_eval(cfg: DataConfig, raw, *, seed: int):

@@ -129,7 +129,10 @@ def check_data(recipe: Recipe, stats: DataStats, train, eval_ds, tokenizer) -> l
     rows = check_masks(stats, train_on_prompt=recipe.data.train_on_prompt, text=recipe.data.format == "text",
                        max_seq_len=recipe.data.max_seq_len)
     if len(train):
-        rows += check_eos_trained(train.select(range(min(EOS_SAMPLE, len(train))))["labels"], tokenizer)
+        sample = train.select(range(min(EOS_SAMPLE, len(train))))
+        labels = (list(sample["labels"]) if "labels" in sample.column_names  # a pair: both answers must end in a stop
+                  else list(sample["chosen_labels"]) + list(sample["rejected_labels"]))
+        rows += check_eos_trained(labels, tokenizer)
     lengths = [*train["length"], *(eval_ds["length"] if eval_ds is not None else [])]
     return rows + check_budget(recipe.train.micro_batch_tokens, lengths)
 

@@ -26,10 +26,20 @@ def _chunk_loss(head, hidden: torch.Tensor, targets: torch.Tensor) -> torch.Tens
     return F.cross_entropy(head(hidden).float(), targets, reduction="sum")
 
 
+def _chunk_token_loss(head, hidden: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(head(hidden).float(), targets, reduction="none")
+
+
 def chunked_cross_entropy(hidden: torch.Tensor, head, targets: torch.Tensor, *, chunk: int,
-                          with_hits: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+                          with_hits: bool = False, per_token: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Sum of cross-entropies of `head(hidden)` against `targets` (N tokens, none ignored), `chunk` tokens at
-    a time; with_hits also returns, per token, whether the argmax is the target (evaluation)."""
+    a time; with_hits also returns, per token, whether the argmax is the target (evaluation). per_token: the N
+    cross-entropies themselves instead of their sum (preference losses sum them per sequence)."""
+    if per_token:
+        parts = [checkpoint(_chunk_token_loss, head, hidden[s : s + chunk], targets[s : s + chunk], use_reentrant=False)
+                 if torch.is_grad_enabled() else _chunk_token_loss(head, hidden[s : s + chunk], targets[s : s + chunk])
+                 for s in range(0, hidden.shape[0], chunk)]
+        return (torch.cat(parts) if parts else hidden.new_zeros(0, dtype=torch.float32)), None
     total = hidden.new_zeros((), dtype=torch.float32)
     hits = []
     for s in range(0, hidden.shape[0], chunk):
@@ -71,7 +81,8 @@ def attach_loss(model, *, chunk: int, fused_linear_ce=None) -> None:
         head.forward = types.MethodType(_head_forward(chunk, fused_linear_ce), head)
     original = type(lm).forward
 
-    def forward(self, *args, loss_index=None, loss_targets=None, return_hits: bool = False, **kwargs):
+    def forward(self, *args, loss_index=None, loss_targets=None, return_hits: bool = False, per_token: bool = False,
+                **kwargs):
         if loss_index is None:
             return original(self, *args, **kwargs)
         kwargs.pop("labels", None)  # peft passes labels=None through
@@ -80,35 +91,40 @@ def attach_loss(model, *, chunk: int, fused_linear_ce=None) -> None:
         if loss_index.numel() == 0:  # an idle rank's placeholder row: a zero loss that still reaches every
             # parameter, because DDP and FSDP reduce the gradients of all of them on every rank
             loss, _ = self.lm_head(hidden[:1], targets=hidden.new_zeros(1, dtype=torch.long))
-            return {"loss": loss * 0.0, "hits": torch.zeros(0, dtype=torch.bool, device=hidden.device)}
-        loss, hits = self.lm_head(hidden[loss_index], targets=loss_targets, with_hits=return_hits)
+            return {"loss": loss.sum() * 0.0, "hits": torch.zeros(0, dtype=torch.bool, device=hidden.device)}
+        loss, hits = self.lm_head(hidden[loss_index], targets=loss_targets, with_hits=return_hits, per_token=per_token)
         return {"loss": loss, "hits": hits}
 
     lm.forward = types.MethodType(forward, lm)
 
 
 def _head_forward(chunk: int, fused_linear_ce):
-    def forward(self, hidden, targets=None, with_hits: bool = False):
+    def forward(self, hidden, targets=None, with_hits: bool = False, per_token: bool = False):
         if targets is None:  # an ordinary call: logits
             return torch.nn.functional.linear(hidden, self.weight, self.bias)
-        if fused_linear_ce is not None and not with_hits and torch.is_grad_enabled() and self.bias is None:
+        if (fused_linear_ce is not None and not with_hits and not per_token and torch.is_grad_enabled()
+                and self.bias is None):
             return fused_linear_ce(self.weight, hidden, targets), None
         # self.weight is read when each chunk runs (and again when it is recomputed in backward)
         return chunked_cross_entropy(hidden, lambda h: torch.nn.functional.linear(h, self.weight, self.bias),
-                                     targets, chunk=chunk, with_hits=with_hits)
+                                     targets, chunk=chunk, with_hits=with_hits, per_token=per_token)
 
     return forward
 
 
-def compute_loss(model, batch: dict, *, return_hits: bool = False):
+# What the patched forward takes from a collated batch (an objective may carry more: counts, reference values).
+MODEL_INPUTS = ("input_ids", "attention_mask", "position_ids", "loss_index", "loss_targets")
+
+
+def compute_loss(model, batch: dict, *, return_hits: bool = False, per_token: bool = False):
     """Summed token cross-entropy of one collated batch on the device (the one loss of train and eval).
 
     `batch` holds the model inputs plus `loss_index` / `loss_targets` (batching.with_loss_positions);
     `cu_seq_lens` / `max_length` (packed rows) are handed to the varlen attention under the names transformers forwards to it.
     """
-    inputs = {k: v for k, v in batch.items() if k not in ("cu_seq_lens", "max_length", "loss_example")}
+    inputs = {k: batch[k] for k in MODEL_INPUTS if k in batch}
     if "cu_seq_lens" in batch:
         inputs.update(cu_seq_lens_q=batch["cu_seq_lens"], cu_seq_lens_k=batch["cu_seq_lens"],
                       max_length_q=batch["max_length"], max_length_k=batch["max_length"])
-    out = model(**inputs, return_hits=return_hits)
+    out = model(**inputs, return_hits=return_hits, per_token=per_token)
     return (out["loss"], out["hits"]) if return_hits else out["loss"]

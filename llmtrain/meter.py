@@ -18,8 +18,8 @@ from llmtrain.distributed import global_sum
 
 
 class Meter:
-    def __init__(self, accelerator, *, flops, peak: float | None, elapsed_before: float = 0.0):
-        self.accelerator, self.flops, self.peak = accelerator, flops, peak
+    def __init__(self, accelerator, *, flops, peak: float | None, elapsed_before: float = 0.0, objective=None):
+        self.accelerator, self.flops, self.peak, self.objective = accelerator, flops, peak, objective
         self.world = accelerator.num_processes
         self.on_gpu = accelerator.device.type == "cuda"
         self.elapsed_before = elapsed_before
@@ -51,7 +51,9 @@ class Meter:
     def line(self, state) -> dict:
         """The metrics line of the steps since the last one (every rank calls it: the loss is summed over them)."""
         result, epoch = self.pending[-1]
-        (loss_sum,) = global_sum(self.accelerator, result.loss_sum.item())  # host sync: the logging step's one read
+        # host sync: the logging step's one read (the loss and the objective's statistics, in one collective)
+        loss_sum, *stats = global_sum(self.accelerator, *torch.cat([result.loss_sum.reshape(1).double(),
+                                                                     result.stats_sum.double()]).tolist())
         window = [sum(c) for c in zip(*(r.counts for r, _ in self.pending))]  # units, trained, tokens, squares
         now = time.perf_counter()
         dt = now - self.line_start
@@ -66,7 +68,8 @@ class Meter:
             "tokens_per_s": tokens_per_s, "tokens_per_s_per_gpu": tokens_per_s / self.world,
             "tflops_per_gpu": model_flops / dt / self.world / 1e12,
             "mfu": model_flops / dt / self.world / self.peak if self.peak else None,
-            "tokens_seen": state.tokens_seen, "elapsed_s": self.elapsed_before + now - self.start}
+            "tokens_seen": state.tokens_seen, "elapsed_s": self.elapsed_before + now - self.start,
+            **(self.objective.step_metrics(stats, c.units) if self.objective is not None else {})}
         if self.on_gpu:
             self.last.update(max_memory_allocated=torch.cuda.max_memory_allocated(),
                              max_memory_reserved=torch.cuda.max_memory_reserved())

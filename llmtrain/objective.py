@@ -40,8 +40,12 @@ class Objective(Protocol):
         """CPU tensors of one micro-batch (no examples: an idle rank's placeholder, counting nothing), and its
         counts."""
 
-    def loss(self, model, batch: dict) -> torch.Tensor:
-        """The summed loss of a batch already on the device (a 0-dim tensor that backpropagates)."""
+    def loss(self, model, batch: dict) -> tuple[torch.Tensor, torch.Tensor]:
+        """The summed loss of a batch already on the device (a 0-dim tensor that backpropagates), and a vector of
+        summed statistics for the metrics line (detached; empty when there are none)."""
+
+    def step_metrics(self, stats: list[float], units: float) -> dict[str, float]:
+        """Named numbers for a step's metrics line, from its statistics summed over the window and processes."""
 
     def eval_sums(self, model, batch: dict, device) -> torch.Tensor:
         """Under no_grad: a float64 vector of sums over a CPU batch (moved to `device` here), added over every
@@ -67,8 +71,12 @@ class CausalLM:
         return batch, Counts(units=trained, trained=trained, tokens=float(sum(lengths)),
                              squares=float(sum(n * n for n in lengths)))
 
-    def loss(self, model, batch: dict) -> torch.Tensor:
-        return compute_loss(model, batch)
+    def loss(self, model, batch: dict) -> tuple[torch.Tensor, torch.Tensor]:
+        loss = compute_loss(model, batch)
+        return loss, loss.new_zeros(0)
+
+    def step_metrics(self, stats: list[float], units: float) -> dict[str, float]:
+        return {}
 
     def eval_sums(self, model, batch: dict, device) -> torch.Tensor:
         """[loss, trained tokens, argmax hits, teacher-forced exact examples, examples]. An example is exact when
@@ -91,8 +99,22 @@ class CausalLM:
                 "eval_token_accuracy": correct / max(tokens, 1), "eval_exact_match": exact / max(examples, 1)}
 
 
-def objective_for(recipe, *, pad_id: int) -> Objective:
-    """The recipe's objective: causal-LM cross-entropy (supervised fine-tuning)."""
+def objective_for(recipe, *, pad_id: int, model=None) -> Objective:
+    """The recipe's objective: a preference loss on pairs (preference:), else causal-LM cross-entropy (supervised
+    fine-tuning). `model`: the unwrapped model, whose disabled adapter is the reference of a LoRA preference run."""
     from llmtrain.batching import packs_rows
 
+    if recipe.preference is not None:
+        from llmtrain.preference import Preference
+
+        return Preference(recipe.preference, pad_id=pad_id, packing=packs_rows(recipe),
+                          reference=reference_kind(recipe), model=model)
     return CausalLM(pad_id=pad_id, packing=packs_rows(recipe))
+
+
+def reference_kind(recipe) -> str:
+    """Where a preference run's reference log-probabilities come from: adapter, precomputed or none."""
+    p = recipe.preference
+    if p.reference != "auto":
+        return p.reference
+    return "none" if p.loss == "simpo" else "adapter" if recipe.lora is not None else "precomputed"

@@ -12,6 +12,8 @@ object.
 
 from __future__ import annotations
 
+import dataclasses
+import json
 import os
 import warnings
 from contextlib import contextmanager
@@ -201,6 +203,46 @@ def build_model(recipe: Recipe, accelerator, *, total_steps: int, say) -> Traina
                      trainable_names=trainable_names, model_keys=frozenset(unwrapped.state_dict()),
                      params_total=n_total, params_trainable=n_trainable, flops=flops,
                      peak_flops=peak_flops(accelerator.device, recipe.logging.peak_tflops))
+
+
+def reference_logps(recipe: Recipe, accelerator, data: Data, trainable: Trainable, objective, *, say) -> Data:
+    """Preference runs with a precomputed reference (a full fine-tune's dpo or ipo): every pair's reference
+    log-probabilities from the initial weights, added to the data as columns ref_chosen, ref_rejected. Cached next
+    to the tokenised data, keyed by the model, so a resume or a later run finds the same numbers again. Any
+    other run: the data as it is."""
+    if getattr(objective, "reference", None) != "precomputed":
+        return data
+    from llmtrain.preference import precompute_reference
+
+    tc = recipe.train
+    splits = {"train": data.train, **({"eval": data.eval} if data.eval is not None else {})}
+    key = model_key(recipe)
+    for name, ds in splits.items():
+        cache = Path(ds.cache_files[0]["filename"]).parent.parent / f"reference-{name}-{key}.pt"
+        found = cache.is_file()
+        values = precompute_reference(trainable.model, ds, accelerator, objective,
+                                      batch_size=tc.eval_batch_size or tc.micro_batch_size,
+                                      batch_tokens=tc.micro_batch_tokens if tc.eval_batch_size is None else None,
+                                      cache=cache)
+        say(f"reference log-probabilities of {len(ds)} {name} pairs: {'read from' if found else 'computed, cached in'} "
+            f"{cache}")
+        splits[name] = ds.add_column("ref_chosen", values[:, 0].tolist()).add_column("ref_rejected",
+                                                                                    values[:, 1].tolist())
+    return dataclasses.replace(data, train=splits["train"], eval=splits.get("eval"))
+
+
+def model_key(recipe: Recipe) -> str:
+    """What fixes the reference's numbers: the model's files (or hub id), its dtype, precision and attention."""
+    import hashlib
+
+    m, h = recipe.model, hashlib.sha256()
+    h.update(json.dumps([m.name_or_path, m.dtype, m.attn_implementation, recipe.train.mixed_precision,
+                         recipe.train.loss_chunk_tokens]).encode())
+    folder = Path(m.name_or_path)
+    for f in sorted(q for q in folder.rglob("*") if q.is_file()) if folder.is_dir() else []:
+        st = f.stat()
+        h.update(f"{f.relative_to(folder)}|{st.st_size}|{st.st_mtime_ns}".encode())
+    return h.hexdigest()[:16]
 
 
 # --------------------------------------------------------------------------- 5. the first write

@@ -27,9 +27,11 @@ from llmtrain.loss import causal_lm
 
 
 def split_example(example) -> tuple[list[int], list[int]]:
-    """(prompt ids, expected ids) of a tokenised row {"input_ids", "labels"}: the leading run of -100 labels. With
-    nothing masked the first token (BOS) is the prompt: generation needs one token to continue from."""
-    ids, labels = list(example["input_ids"]), list(example["labels"])
+    """(prompt ids, expected ids) of a tokenised row {"input_ids", "labels"} (a preference pair: its chosen answer):
+    the leading run of -100 labels. With nothing masked the first token (BOS) is the prompt: generation needs one
+    token to continue from."""
+    ids_key, labels_key = ("input_ids", "labels") if "input_ids" in example else ("chosen_ids", "chosen_labels")
+    ids, labels = list(example[ids_key]), list(example[labels_key])
     n = next((i for i, label in enumerate(labels) if label != IGNORE), len(labels))
     n = max(n, 1)
     return ids[:n], ids[n:]

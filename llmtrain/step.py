@@ -28,6 +28,7 @@ from llmtrain.objective import Counts, Objective
 @dataclass(frozen=True)
 class StepResult:
     loss_sum: torch.Tensor  # this rank's summed loss (on the device): read back on logging steps only
+    stats_sum: torch.Tensor  # this rank's summed objective statistics (on the device; empty for SFT)
     counts: Counts  # the window's counts, summed over every process
     grad_norm: float  # the global norm before clipping (NaN or inf: the update was skipped)
     lr: float  # the learning rate of this update
@@ -45,17 +46,18 @@ def train_step(model, optimizer, scheduler, accelerator, objective: Objective, w
     if world > 1:  # the one collective of the step: every rank needs the window's global loss units
         counts = accelerator.reduce(counts.to(accelerator.device, non_blocking=True), reduction="sum")
         denominator = counts[0].clamp(min=1.0).float()  # stays on the device: no host sync
-    loss_sum = torch.zeros((), device=accelerator.device)
+    loss_sum, stats_sum = torch.zeros((), device=accelerator.device), None
     for i, batch in enumerate(window.batches):
         # Gradients are all-reduced only on the window's last micro-batch; the others accumulate locally
         # under no_sync.
         sync = i == len(window.batches) - 1
         with nullcontext() if sync else accelerator.no_sync(model):
-            loss = objective.loss(model, to_device(batch, accelerator.device))
+            loss, stats = objective.loss(model, to_device(batch, accelerator.device))
             # DDP and FSDP average gradients over processes, hence the factor `world`: the result is
             # d(sum of all losses in the window) / (loss units in the window).
             accelerator.backward(loss * world / denominator)
         loss_sum += loss.detach()
+        stats_sum = stats if stats_sum is None else stats_sum + stats
     grad_norm = float(accelerator.clip_grad_norm_(model.parameters(), max_grad_norm or float("inf")))  # host sync
     # After the norm's sync the reduced counts are ready: reading them costs no further wait.
     *summed, votes = counts.tolist()
@@ -65,8 +67,8 @@ def train_step(model, optimizer, scheduler, accelerator, objective: Objective, w
         optimizer.step()
     scheduler.step()
     optimizer.zero_grad(set_to_none=True)
-    return StepResult(loss_sum=loss_sum, counts=Counts(*summed), grad_norm=grad_norm, lr=lr, skipped=skipped,
-                      stop_voted=votes > 0)
+    return StepResult(loss_sum=loss_sum, stats_sum=stats_sum, counts=Counts(*summed), grad_norm=grad_norm, lr=lr,
+                      skipped=skipped, stop_voted=votes > 0)
 
 
 @torch.no_grad()

@@ -38,6 +38,7 @@ from llmtrain.phases import (
     prepare_data,
     quiet_libraries,
     read_only_checks,
+    reference_logps,
     restore,
     seed_run,
 )
@@ -69,6 +70,8 @@ def train(recipe: Recipe, *, resume: str | None = None, overwrite: bool = False,
         seed_run(recipe.train, cleanup)
         data = prepare_data(recipe, accelerator, say=say)
         trainable = build_model(recipe, accelerator, total_steps=data.total_steps, say=say)
+        objective = objective_for(recipe, pad_id=data.pad_id, model=trainable.unwrapped)
+        data = reference_logps(recipe, accelerator, data, trainable, objective, say=say)  # preference runs only
         run_dir = claim_run_dir(recipe, accelerator, console, checkpoint=checked.checkpoint, resume=resume,
                                 overwrite=overwrite)
         cleanup.callback(run_dir.release)
@@ -76,11 +79,12 @@ def train(recipe: Recipe, *, resume: str | None = None, overwrite: bool = False,
         log = open_log(recipe, accelerator, state, resumed=resume is not None, notes=checked.notes, say=say)
         cleanup.callback(log.close)
         run = Run(recipe=recipe, accelerator=accelerator, console=console, log=log, data=data, model=trainable,
-                  objective=objective_for(recipe, pad_id=data.pad_id),
+                  objective=objective,
                   cadence=Cadence.from_recipe(recipe, total_steps=data.total_steps, has_eval=data.eval is not None))
 
         # ---- the loop, then the export and the summary
-        meter = Meter(accelerator, flops=trainable.flops, peak=trainable.peak_flops, elapsed_before=state.elapsed_s)
+        meter = Meter(accelerator, flops=trainable.flops, peak=trainable.peak_flops, elapsed_before=state.elapsed_s,
+                      objective=run.objective)
         evals = train_loop(run, state, meter)
         return finish(run, state, meter, evals)
 

@@ -1,0 +1,101 @@
+"""Preference pairs as data (data.format: preference): read a row in any of the shapes people have, render each
+answer exactly as supervised fine-tuning renders a prompt/completion row, and refuse what cannot train.
+
+Shapes (column names mappable through data.fields):
+- plain strings: prompt, chosen, rejected. Rendered through the chat template as a user turn and an assistant
+  reply when data.chat_template is set, else as text plus EOS (as prompt_completion rows);
+- conversational (HuggingFaceH4/ultrafeedback_binarized): prompt a list of messages, chosen and rejected each a
+  message or a list of messages;
+- implicit prompt (Anthropic HH): no prompt column; chosen and rejected are whole conversations, and the messages
+  they share at the start are the prompt.
+
+Each answer is encoded as the SFT row {prompt, completion=answer} would be (data.encode_example): the inference
+prompt with add_generation_prompt, then the reply as the template renders it; only the answer's tokens, up to and
+including the end of turn, are trained (their log-probabilities are what the preference loss compares).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from llmtrain.config import DataConfig
+from llmtrain.errors import LLMTrainError
+
+PAIR_COLUMNS = ["chosen_ids", "chosen_labels", "rejected_ids", "rejected_labels", "length"]
+
+
+def _get(example: dict, cfg: DataConfig, field: str) -> Any:
+    return example.get(cfg.fields.get(field, field))
+
+
+def _as_messages(value: Any) -> list | None:
+    """An answer given as one message becomes a list of one; a list stays; text is not messages (None)."""
+    if isinstance(value, dict):
+        return [value]
+    return value if isinstance(value, list) else None
+
+
+def _same(a: dict, b: dict, cfg: DataConfig) -> bool:
+    rk, ck = cfg.fields.get("role", "role"), cfg.fields.get("content", "content")
+    return a.get(rk) == b.get(rk) and a.get(ck) == b.get(ck)
+
+
+def split_pair(example: dict, cfg: DataConfig) -> tuple[Any, Any, Any]:
+    """(prompt, chosen, rejected) of a row: text, or lists of messages (an implicit prompt split off)."""
+    prompt, chosen, rejected = (_get(example, cfg, f) for f in ("prompt", "chosen", "rejected"))
+    chosen = _as_messages(chosen) if isinstance(chosen, (dict, list)) else chosen
+    rejected = _as_messages(rejected) if isinstance(rejected, (dict, list)) else rejected
+    if prompt is None and isinstance(chosen, list) and isinstance(rejected, list):
+        n = 0
+        while n < min(len(chosen), len(rejected)) - 1 and _same(chosen[n], rejected[n], cfg):
+            n += 1
+        prompt, chosen, rejected = chosen[:n], chosen[n:], rejected[n:]
+    return prompt, chosen, rejected
+
+
+def pair_problem(example: dict, cfg: DataConfig) -> str | None:
+    """What is wrong with one raw preference row, in words; None when it can be encoded."""
+    names = {f: f"'{cfg.fields.get(f, f)}' ({f})" for f in ("prompt", "chosen", "rejected")}
+    for f in ("chosen", "rejected"):
+        if _get(example, cfg, f) in (None, "", [], {}):
+            return f"{names[f]} is empty"
+    prompt, chosen, rejected = split_pair(example, cfg)
+    if prompt is None:
+        return (f"{names['prompt']} is missing, and chosen and rejected are not both conversations whose shared "
+                "first messages could be the prompt")
+    if isinstance(prompt, list) and not prompt:
+        return "chosen and rejected share no first message, so there is no prompt (implicit-prompt rows)"
+    rk, ck = cfg.fields.get("role", "role"), cfg.fields.get("content", "content")
+    for f, value in (("prompt", prompt), ("chosen", chosen), ("rejected", rejected)):
+        if isinstance(value, list) and not all(isinstance(m, dict) and isinstance(m.get(rk), str)
+                                               and isinstance(m.get(ck), str) for m in value):
+            return (f"the {f} messages are not all {{{rk}, {ck}}} objects with text (map the keys with "
+                    "data.fields.role / data.fields.content)")
+    for f, answer in (("chosen", chosen), ("rejected", rejected)):
+        text = answer if isinstance(answer, str) else " ".join(str(m.get(ck, "")) for m in answer
+                                                               if isinstance(m, dict))
+        if not text.strip():
+            return f"the {f} answer is empty"
+    if chosen == rejected:
+        return "chosen and rejected are the same answer, so the pair teaches nothing"
+    return None
+
+
+def encode_pair(example: dict, tokenizer, cfg: DataConfig, *, template: str | None = None) -> dict:
+    """Both answers of a row tokenised and masked as SFT would encode {prompt, completion=answer}."""
+    from llmtrain.data import encode_example
+
+    prompt, chosen, rejected = split_pair(example, cfg)
+    as_sft = cfg.model_copy(update={"format": "prompt_completion",
+                                    "fields": {k: v for k, v in cfg.fields.items() if k in ("role", "content")}})
+    out: dict = {"truncated": False, "trained": 0, "length": 0}
+    for name, answer in (("chosen", chosen), ("rejected", rejected)):
+        enc = encode_example({"prompt": prompt, "completion": answer}, tokenizer, as_sft, template=template)
+        if enc["trained"] == 0:
+            raise LLMTrainError(f"the prompt fills data.max_seq_len={cfg.max_seq_len} tokens, leaving no token of the "
+                                f"{name} answer to compare. Raise data.max_seq_len or remove the row")
+        out[f"{name}_ids"], out[f"{name}_labels"] = enc["input_ids"], enc["labels"]
+        out["truncated"] |= enc["truncated"]
+        out["trained"] += enc["trained"]
+        out["length"] += enc["length"]
+    return out

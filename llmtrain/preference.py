@@ -1,0 +1,164 @@
+"""Preference tuning on pairs: the losses, as pure functions of summed log-probabilities, and the objective that
+trains them padding-free on the same loop, step and metering as supervised fine-tuning.
+
+A micro-batch holds whole pairs: each pair's chosen and rejected sequences (prompt + answer) go into the same row,
+one after the other, with restarting position ids (varlen attention: no sequence attends to another), or as
+padded rows without packing. A sequence's log-probability is the sum over its answer tokens (the trained labels,
+up to and including the end of turn) of log p(token), taken chunk by chunk from the final hidden states, as the
+SFT loss does (loss.py): full [tokens x vocab] logits never exist. The loss of a step is the mean over the pairs
+of the whole accumulation window on all processes (Counts.units = pairs).
+
+The reference log-probabilities (dpo, ipo): LoRA runs take them from the same model with the adapter disabled,
+under no_grad (no second copy of the weights); full fine-tunes from one no-grad pass with the initial weights
+before training (`precompute`), cached with the tokenised data and found again by a resume. simpo has none.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from llmtrain.batching import collate, with_loss_positions
+from llmtrain.loss import compute_loss
+from llmtrain.objective import Counts
+
+# TRL's names for the same numbers (DPOTrainer), so runs can be compared line by line.
+STATS = ["rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/margins", "logps/chosen",
+         "logps/rejected"]
+
+
+def pair_losses(kind: str, chosen: torch.Tensor, rejected: torch.Tensor, ref_chosen: torch.Tensor | None,
+                ref_rejected: torch.Tensor | None, chosen_tokens: torch.Tensor, rejected_tokens: torch.Tensor, *,
+                beta: float, gamma: float = 0.0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Per-pair losses and the implicit rewards of the chosen and rejected answers, from the summed answer
+    log-probabilities of the policy (and of the reference) and the answers' token counts.
+
+    - dpo (Rafailov et al. 2023, the sigmoid loss): -log sigmoid(beta ((pc - rc) - (pr - rr))); rewards
+      beta (p - r).
+    - ipo (Azar et al. 2023, as TRL computes it): ((pc - rc)/nc - (pr - rr)/nr - 1/(2 beta))^2, the log-ratios
+      per answer token; rewards as dpo.
+    - simpo (Meng et al. 2024, no reference): -log sigmoid(beta (pc/nc - pr/nr) - gamma); rewards beta p/n.
+    """
+    if kind == "simpo":
+        rc_, rr_ = beta * chosen / chosen_tokens, beta * rejected / rejected_tokens
+        return -F.logsigmoid(rc_ - rr_ - gamma), rc_, rr_
+    chosen_ratio, rejected_ratio = chosen - ref_chosen, rejected - ref_rejected
+    rewards = beta * chosen_ratio, beta * rejected_ratio
+    if kind == "dpo":
+        return -F.logsigmoid(beta * (chosen_ratio - rejected_ratio)), *rewards
+    if kind == "ipo":
+        delta = chosen_ratio / chosen_tokens - rejected_ratio / rejected_tokens
+        return (delta - 1 / (2 * beta)) ** 2, *rewards
+    raise ValueError(f"unknown preference loss {kind!r}")
+
+
+def sequence_logps(model, batch: dict) -> torch.Tensor:
+    """Summed answer log-probability of every sequence of a collated batch (on the device), in batch order."""
+    token_loss = compute_loss(model, batch, per_token=True)  # cross-entropy = -log p, one per trained token
+    n = batch["sequence_tokens"].numel()
+    return -torch.zeros(n, device=token_loss.device, dtype=torch.float32).index_add(
+        0, batch["loss_example"], token_loss.float())
+
+
+class Preference:
+    """The preference objective (objective.Objective): pairs in, a preference loss out."""
+
+    def __init__(self, cfg, *, pad_id: int, packing: bool, reference: str, model=None):
+        self.cfg, self.pad_id, self.packing, self.reference = cfg, pad_id, packing, reference
+        self.model = model  # unwrapped: its adapter is disabled for the reference forward
+        self.columns = ("chosen_ids", "chosen_labels", "rejected_ids", "rejected_labels") + (
+            ("ref_chosen", "ref_rejected") if reference == "precomputed" else ())
+
+    def collate(self, examples: list[dict]) -> tuple[dict, Counts]:
+        """Chosen then rejected of each pair, as consecutive sequences of one packed row (or padded rows)."""
+        sequences = [{"input_ids": e[f"{side}_ids"], "labels": e[f"{side}_labels"]}
+                     for e in examples for side in ("chosen", "rejected")]
+        batch = with_loss_positions(collate(sequences, pad_id=self.pad_id, packing=self.packing))
+        batch["sequence_tokens"] = torch.bincount(batch["loss_example"], minlength=len(sequences)).float()
+        if self.reference == "precomputed" and examples:
+            batch["reference"] = torch.tensor([[e["ref_chosen"], e["ref_rejected"]] for e in examples],
+                                              dtype=torch.float32)
+        lengths = [len(s["input_ids"]) for s in sequences]
+        return batch, Counts(units=float(len(examples)), trained=float(len(batch["loss_index"])),
+                             tokens=float(sum(lengths)), squares=float(sum(n * n for n in lengths)))
+
+    def _reference(self, batch: dict) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        if self.reference == "none":
+            return None, None
+        if self.reference == "precomputed":
+            return batch["reference"][:, 0], batch["reference"][:, 1]
+        with torch.no_grad(), self.model.disable_adapter():  # the base model: the reference, with no copy of it
+            ref = sequence_logps(self.model, batch)
+        return ref[0::2], ref[1::2]
+
+    def loss(self, model, batch: dict) -> tuple[torch.Tensor, torch.Tensor]:
+        if batch["sequence_tokens"].numel() == 0:  # an idle rank's placeholder: zero, yet reaching every parameter
+            return compute_loss(model, batch), torch.zeros(len(STATS), device=batch["input_ids"].device)
+        ref_chosen, ref_rejected = self._reference(batch)  # first: its no-grad forward leaves no graph behind
+        logps = sequence_logps(model, batch)
+        tokens = batch["sequence_tokens"]
+        losses, chosen_rewards, rejected_rewards = pair_losses(
+            self.cfg.loss, logps[0::2], logps[1::2], ref_chosen, ref_rejected, tokens[0::2], tokens[1::2],
+            beta=self.cfg.beta, gamma=self.cfg.simpo_gamma)
+        with torch.no_grad():
+            stats = torch.stack([chosen_rewards.sum(), rejected_rewards.sum(),
+                                 (chosen_rewards > rejected_rewards).float().sum(),
+                                 (chosen_rewards - rejected_rewards).sum(), logps[0::2].sum(), logps[1::2].sum()])
+        return losses.sum(), stats
+
+    def step_metrics(self, stats: list[float], units: float) -> dict[str, float]:
+        return {name: value / max(units, 1) for name, value in zip(STATS, stats)}
+
+    def eval_sums(self, model, batch: dict, device) -> torch.Tensor:
+        from llmtrain.batching import to_device
+
+        pairs = batch["sequence_tokens"].numel() // 2
+        loss, stats = self.loss(model, to_device(batch, device))
+        return torch.cat([loss.detach().reshape(1), stats, loss.new_tensor([pairs])]).double()
+
+    def eval_metrics(self, sums: list[float]) -> dict[str, float]:
+        loss, *stats, pairs = sums
+        return {"eval_loss": loss / max(pairs, 1),
+                **{f"eval_{k}": v for k, v in self.step_metrics(stats, pairs).items()}}
+
+
+def precompute_reference(model, dataset, accelerator, objective: Preference, *, batch_size: int,
+                         batch_tokens: int | None, cache) -> torch.Tensor:
+    """The reference log-probabilities [pairs, 2] (chosen, rejected) of every pair of `dataset`, with the model
+    as it is now (the initial weights), under no_grad; read from `cache` (a file) when an earlier run or the run
+    being resumed wrote it. Each process computes its share and one collective sums them, so all hold the whole."""
+    import os
+
+    from llmtrain.batching import global_micro_batches, to_device
+
+    if cache.is_file():
+        return torch.load(cache)
+    world, rank, device = accelerator.num_processes, accelerator.process_index, accelerator.device
+    plain = Preference(objective.cfg, pad_id=objective.pad_id, packing=objective.packing, reference="none")
+    values = torch.zeros(len(dataset), 2, dtype=torch.float64, device=device)
+    batches = global_micro_batches(len(dataset), seed=0, epoch=0, world_size=world, micro_batch_size=batch_size,
+                                   micro_batch_tokens=batch_tokens,
+                                   lengths=dataset["length"] if batch_tokens else None, shuffle=False)
+    was_training = model.training
+    model.eval()
+    with torch.no_grad():
+        for g in batches:
+            idx = g[rank]
+            rows = dataset[idx] if idx else {c: [] for c in plain.columns}
+            batch, _ = plain.collate([dict(zip(plain.columns, v)) for v in zip(*(rows[c] for c in plain.columns))])
+            batch = to_device(batch, device)
+            if not idx:  # an idle rank still runs its forward: under FSDP every rank gathers every layer
+                compute_loss(model, batch)
+                continue
+            logps = sequence_logps(model, batch).double()
+            values[idx] = torch.stack([logps[0::2], logps[1::2]], dim=1)
+    model.train(was_training)
+    if world > 1:
+        values = accelerator.reduce(values, reduction="sum")
+    values = values.cpu()
+    if accelerator.is_main_process:  # written whole under a temporary name: a crash never leaves half a file
+        tmp = cache.with_name(f".{cache.name}.tmp{os.getpid()}")
+        torch.save(values, tmp)
+        tmp.replace(cache)
+    accelerator.wait_for_everyone()
+    return values
