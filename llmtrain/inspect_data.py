@@ -76,6 +76,8 @@ def inspect_data(recipe: Recipe, *, n: int, as_json: bool) -> None:
     tokenizer = load_tokenizer(recipe.model)
     train, _, stats, _ = prepare_datasets(recipe.data, tokenizer, seed=recipe.train.seed)
     rows = train.select(range(min(n, len(train))))
+    if "chosen_ids" in train.column_names:
+        return _show_pairs(rows, stats, tokenizer, as_json=as_json)
     if as_json:
         # Exactly the rows training reads (before packing and the per-example shift), one per line.
         for ids, labels in zip(rows["input_ids"], rows["labels"]):
@@ -88,4 +90,31 @@ def inspect_data(recipe: Recipe, *, n: int, as_json: bool) -> None:
         how = "«between marks»" if marks else "green"
         console.print(Panel(_highlight(ids, labels, tokenizer, marks=marks),
                             title=f"example {i}: {len(ids)} tokens, {trained} trained ({how})", title_align="left"))
+    console.print(_stats_table(stats))
+
+
+def _show_pairs(rows, stats, tokenizer, *, as_json: bool) -> None:
+    """Preference pairs: the prompt once, then each answer with its trained tokens marked."""
+    from rich.console import Console, Group
+    from rich.panel import Panel
+    from rich.text import Text
+
+    columns = ["chosen_ids", "chosen_labels", "rejected_ids", "rejected_labels"]
+    if as_json:
+        for values in zip(*(rows[c] for c in columns)):
+            sys.stdout.write(json.dumps(dict(zip(columns, values))) + "\n")
+        return
+    console = Console()
+    marks = console.no_color or console.color_system is None
+    for i, (c_ids, c_labels, r_ids, r_labels) in enumerate(zip(*(rows[c] for c in columns))):
+        start = next((k for k, lab in enumerate(c_labels) if lab != IGNORE), len(c_labels))
+        prompt = Text(tokenizer.decode(c_ids[:start]), style="dim")
+        parts = [Text("prompt: ", style="bold"), prompt]
+        for name, ids, labels in (("chosen", c_ids, c_labels), ("rejected", r_ids, r_labels)):
+            k = next((j for j, lab in enumerate(labels) if lab != IGNORE), len(labels))
+            trained = sum(lab != IGNORE for lab in labels[1:])
+            parts += [Text(f"\n{name} ({trained} trained tokens): ", style="bold"),
+                      _highlight(ids[k:], labels[k:], tokenizer, marks=marks)]
+        console.print(Panel(Group(Text.assemble(*parts)), title=f"pair {i}: {len(c_ids)} + {len(r_ids)} tokens",
+                            title_align="left"))
     console.print(_stats_table(stats))
