@@ -6,8 +6,8 @@ Shapes (column names mappable through data.fields):
   reply when data.chat_template is set, else as text plus EOS (as prompt_completion rows);
 - conversational (HuggingFaceH4/ultrafeedback_binarized): prompt a list of messages, chosen and rejected each a
   message or a list of messages;
-- implicit prompt (Anthropic HH): no prompt column; chosen and rejected are whole conversations, and the messages
-  they share at the start are the prompt.
+- implicit prompt (Anthropic HH): chosen and rejected are whole conversations, and the messages they share at
+  the start are the prompt (a prompt column beside them, as in ultrafeedback_binarized, only repeats it).
 
 Each answer is encoded as the SFT row {prompt, completion=answer} would be (data.encode_example): the inference
 prompt with add_generation_prompt, then the reply as the template renders it; only the answer's tokens, up to and
@@ -45,11 +45,14 @@ def split_pair(example: dict, cfg: DataConfig) -> tuple[Any, Any, Any]:
     prompt, chosen, rejected = (_get(example, cfg, f) for f in ("prompt", "chosen", "rejected"))
     chosen = _as_messages(chosen) if isinstance(chosen, (dict, list)) else chosen
     rejected = _as_messages(rejected) if isinstance(rejected, (dict, list)) else rejected
-    if prompt is None and isinstance(chosen, list) and isinstance(rejected, list):
+    if isinstance(chosen, list) and isinstance(rejected, list):
         n = 0
         while n < min(len(chosen), len(rejected)) - 1 and _same(chosen[n], rejected[n], cfg):
             n += 1
-        prompt, chosen, rejected = chosen[:n], chosen[n:], rejected[n:]
+        # The shared first messages are the prompt, also where a prompt column repeats them as text
+        # (HuggingFaceH4/ultrafeedback_binarized: prompt is the user's text, chosen the whole conversation).
+        if prompt is None or n:
+            prompt, chosen, rejected = chosen[:n], chosen[n:], rejected[n:]
     return prompt, chosen, rejected
 
 

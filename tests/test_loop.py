@@ -58,8 +58,8 @@ class FakeAccelerator:
 
 
 def result(loss_sum: float, counts: Counts, *, lr=1e-3, grad_norm=1.0, skipped=False) -> StepResult:
-    return StepResult(loss_sum=torch.tensor(loss_sum), counts=counts, grad_norm=grad_norm, lr=lr, skipped=skipped,
-                      stop_voted=False)
+    return StepResult(loss_sum=torch.tensor(loss_sum), stats_sum=torch.zeros(0), counts=counts, grad_norm=grad_norm,
+                      lr=lr, skipped=skipped, stop_voted=False)
 
 
 def test_meter_line_reports_the_last_step_and_the_speed_since_the_last_line(monkeypatch):

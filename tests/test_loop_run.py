@@ -176,14 +176,16 @@ def test_an_objective_through_the_seam_drives_training_and_evaluation(recipe, tm
 
     class Doubled(CausalLM):
         def loss(self, model, batch):
-            return 2 * super().loss(model, batch)
+            loss, stats = super().loss(model, batch)
+            return 2 * loss, stats
 
         def eval_metrics(self, sums):
             return {**super().eval_metrics(sums), "eval_doubled": 1.0}
 
     common = ["train.max_steps=3", "data.eval_split=0.05", "train.eps=1e-30", "train.max_grad_norm=null"]
     run_train(recipe, f"output_dir={tmp_path / 'plain'}", *common)
-    monkeypatch.setattr("llmtrain.train.objective_for", lambda recipe, pad_id: Doubled(pad_id=pad_id, packing=False))
+    monkeypatch.setattr("llmtrain.train.objective_for", lambda recipe, pad_id, model: Doubled(pad_id=pad_id,
+                                                                                              packing=False))
     run_train(recipe, f"output_dir={tmp_path / 'doubled'}", *common)
     plain, doubled = records(tmp_path / "plain"), records(tmp_path / "doubled")
     assert [r["loss"] for r in doubled] == pytest.approx([2 * r["loss"] for r in plain], rel=1e-4)

@@ -116,6 +116,10 @@ def spec_from_recipe(recipe: Recipe, *, strategy: Strategy = "single", num_gpus:
     """The run a recipe describes, on the given GPUs (launch: cpu_offload, gpu_memory_gib)."""
     m, d, t, lora = recipe.model, recipe.data, recipe.train, recipe.lora
     evaluates = d.eval_split is not None and t.eval_every_steps is not None
+    # A preference micro-batch of N pairs is 2N sequences (chosen and rejected, each up to max_seq_len). Its
+    # reference forward (the disabled adapter) runs under no_grad and keeps nothing for backward, so the
+    # training forward and backward of the 2N sequences stay the peak; a precomputed reference costs nothing.
+    per_example = 2 if recipe.preference is not None else 1
     return TrainSpec(
         method="lora" if lora else "full",
         lora_r=lora.r if lora else _default(LoraConfig, "r"),
@@ -124,10 +128,11 @@ def spec_from_recipe(recipe: Recipe, *, strategy: Strategy = "single", num_gpus:
         lora_modules_to_save=tuple(lora.modules_to_save or ()) if lora else (),
         dtype=m.dtype, mixed_precision=t.mixed_precision, attn=m.attn_implementation,
         grad_checkpointing=m.gradient_checkpointing, random_init=m.random_init,
-        micro_batch=t.micro_batch_size, micro_batch_tokens=t.micro_batch_tokens, grad_accum=t.grad_accum_steps,
+        micro_batch=t.micro_batch_size * per_example, micro_batch_tokens=t.micro_batch_tokens,
+        grad_accum=t.grad_accum_steps,
         seq_len=d.max_seq_len, packing=d.packing, loss_chunk_tokens=t.loss_chunk_tokens,
         # evaluate() batches by the train budget unless eval_batch_size is set
-        eval_micro_batch=(t.eval_batch_size or t.micro_batch_size) if evaluates else None,
+        eval_micro_batch=(t.eval_batch_size or t.micro_batch_size) * per_example if evaluates else None,
         eval_micro_batch_tokens=t.micro_batch_tokens if (evaluates and t.eval_batch_size is None) else None,
         strategy=strategy, num_gpus=num_gpus, num_nodes=num_nodes, **launch,
     )
