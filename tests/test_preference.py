@@ -12,9 +12,9 @@ import re
 
 import pytest
 import torch
-
 from conftest import GSM8K, needs
 from helpers import load_weights, max_abs_diff, records, run_train
+
 from llmtrain.config import DataConfig, PreferenceConfig
 from llmtrain.data import encode_example, prepare_datasets
 from llmtrain.errors import LLMTrainError, RecipeError
@@ -278,3 +278,26 @@ def test_held_out_reward_accuracy_rises_on_gsm8k_pairs(tiny_assets, tmp_path):
     assert first["loss"] == pytest.approx(math.log(2), abs=1e-6) and first["rewards/accuracies"] == 0
     (last_eval,) = records(tmp_path / "run", "eval")
     assert last_eval["eval_rewards/accuracies"] > 0.9 and last_eval["eval_rewards/margins"] > 0
+
+
+@pytest.mark.slow
+def test_two_ddp_processes_train_the_pairs_of_one(pref_recipe, tmp_path, free_port):
+    """2 CPU processes (gloo, through accelerate launch) x micro-batch 4 against 1 process x 8: the same pairs per
+    step, the same losses and rewards (the reference precomputed once, shared over both ranks)."""
+    import subprocess
+    import sys
+
+    from helpers import ENV, REPO
+
+    run_train(pref_recipe, f"output_dir={tmp_path / 'one'}")
+    proc = subprocess.run(
+        [sys.executable, "-m", "accelerate.commands.launch", "--config_file",
+         str(REPO / "accelerate_configs" / "cpu_ddp.yaml"), "--main_process_port", str(free_port),
+         "-m", "llmtrain", "finetune", str(pref_recipe), f"output_dir={tmp_path / 'two'}", "train.micro_batch_size=4"],
+        env=ENV, cwd=REPO, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    one, two = records(tmp_path / "one"), records(tmp_path / "two")
+    for key in ("loss", "rewards/margins", "rewards/accuracies", "logps/chosen"):
+        assert [r[key] for r in two] == pytest.approx([r[key] for r in one], rel=2e-6, abs=1e-5), key
+    assert [r["tokens"] for r in two] == [r["tokens"] for r in one]
+    assert max_abs_diff(load_weights(tmp_path / "two" / "final"), load_weights(tmp_path / "one" / "final")) < 2e-4
