@@ -281,23 +281,30 @@ def test_held_out_reward_accuracy_rises_on_gsm8k_pairs(tiny_assets, tmp_path):
 
 
 @pytest.mark.slow
-def test_two_ddp_processes_train_the_pairs_of_one(pref_recipe, tmp_path, free_port):
-    """2 CPU processes (gloo, through accelerate launch) x micro-batch 4 against 1 process x 8: the same pairs per
-    step, the same losses and rewards (the reference precomputed once, shared over both ranks)."""
+@pytest.mark.parametrize("launch, lora", [("cpu_ddp", False), ("cpu_fsdp", False), ("cpu_fsdp", True)])
+def test_two_processes_train_the_pairs_of_one(pref_recipe, tmp_path, free_port, launch, lora):
+    """2 CPU processes (gloo, through accelerate launch; DDP, or FSDP2 sharding every parameter) x micro-batch 4
+    against 1 process x 8: the same pairs per step, the same losses and rewards. Full fine-tune: the reference is
+    precomputed once, shared over both ranks; LoRA under FSDP2: the disabled adapter of the sharded model."""
     import subprocess
     import sys
 
     from helpers import ENV, REPO
 
-    run_train(pref_recipe, f"output_dir={tmp_path / 'one'}")
+    extra = ["lora.r=4", "lora.alpha=8", "lora.dropout=0.0", "train.lr=1e-2"] if lora else []
+    run_train(pref_recipe, f"output_dir={tmp_path / 'one'}", *extra)
     proc = subprocess.run(
         [sys.executable, "-m", "accelerate.commands.launch", "--config_file",
-         str(REPO / "accelerate_configs" / "cpu_ddp.yaml"), "--main_process_port", str(free_port),
-         "-m", "llmtrain", "finetune", str(pref_recipe), f"output_dir={tmp_path / 'two'}", "train.micro_batch_size=4"],
+         str(REPO / "accelerate_configs" / f"{launch}.yaml"), "--main_process_port", str(free_port),
+         "-m", "llmtrain", "finetune", str(pref_recipe), f"output_dir={tmp_path / 'two'}", "train.micro_batch_size=4",
+         *extra],
         env=ENV, cwd=REPO, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     one, two = records(tmp_path / "one"), records(tmp_path / "two")
     for key in ("loss", "rewards/margins", "rewards/accuracies", "logps/chosen"):
         assert [r[key] for r in two] == pytest.approx([r[key] for r in one], rel=2e-6, abs=1e-5), key
     assert [r["tokens"] for r in two] == [r["tokens"] for r in one]
-    assert max_abs_diff(load_weights(tmp_path / "two" / "final"), load_weights(tmp_path / "one" / "final")) < 2e-4
+    if lora:
+        assert one[0]["loss"] == pytest.approx(math.log(2), abs=1e-6)
+    else:
+        assert max_abs_diff(load_weights(tmp_path / "two" / "final"), load_weights(tmp_path / "one" / "final")) < 2e-4
