@@ -1,3 +1,9 @@
 """llmtrain: fine-tune 7B-class Llama and Mistral models with Hugging Face Accelerate."""
 
 __version__ = "0.1.0"
+
+import logging as _logging
+
+# bitsandbytes (imported by peft wherever it is installed) says on a CPU without the optional `kernels` package that
+# it falls back to its own 4-bit kernels: nothing for the user to do, on every command.
+_logging.getLogger("bitsandbytes.backends.cpu.ops").setLevel(_logging.ERROR)

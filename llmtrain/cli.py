@@ -96,7 +96,7 @@ def export(
     """Write a merged full model from a LoRA run's final adapter."""
     from llmtrain.export import export_merged
 
-    path = export_merged(run_dir, out) if merge else None
+    path = export_merged(run_dir, out, say=lambda text: typer.echo(text, err=True)) if merge else None
     if path is None:
         raise LLMTrainError("Nothing to do: `llmtrain export RUN_DIR --merge` merges a LoRA run's adapter.")
     typer.echo(str(path))

@@ -49,6 +49,11 @@ class ModelConfig(Section):
         False, description="Build the architecture from config.json with random weights, reading no weights "
         "(throughput benchmarks and memory calibration)."
     )
+    quantize: Literal["nf4", "fp4"] | None = Field(
+        None, description="QLoRA: store the frozen base's linear layers in 4 bits with bitsandbytes (nf4, or fp4), "
+        "double quantisation on, computing in train.mixed_precision's dtype; the quantised weights are stored in "
+        "model.dtype so that FSDP2 can shard them. Needs a lora: section (pip install 'llmtrain[qlora]').",
+    )
 
 
 class LoraConfig(Section):
@@ -269,6 +274,17 @@ class Recipe(Section):
     checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig, description="Resumable state and export.")
     logging: LoggingConfig = Field(default_factory=LoggingConfig, description="Progress bar and TensorBoard.")
     output_dir: str = Field(description="Where metrics, checkpoints and the final model go (default runs/<stem>).")
+
+    @model_validator(mode="after")
+    def _check_quantize(self) -> Recipe:
+        if self.model.quantize is not None and self.lora is None:
+            raise ValueError(f"model.quantize={self.model.quantize} trains LoRA adapters on a frozen 4-bit base; a "
+                             "full fine-tune of a quantised base is not possible (its 4-bit weights take no gradient "
+                             "step). Add a lora: section, or set model.quantize=null")
+        if self.model.quantize is not None and self.model.random_init:
+            raise ValueError("model.quantize quantises weights read from model.name_or_path; model.random_init reads "
+                             "none. Set one of them")
+        return self
 
     @model_validator(mode="after")
     def _check_preference(self) -> Recipe:

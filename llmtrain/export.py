@@ -29,8 +29,10 @@ def save_final(accelerator, model, tokenizer, path: Path) -> None:
     accelerator.wait_for_everyone()
 
 
-def export_merged(run_dir: Path, out: Path | None = None) -> Path:
-    """Merge a LoRA run's final adapter into its base model and save a full model."""
+def export_merged(run_dir: Path, out: Path | None = None, *, say=lambda text: None) -> Path:
+    """Merge a LoRA run's final adapter into its base model and save a full model. The base is read again from
+    model.name_or_path in model.dtype, unquantised even after a QLoRA run (merging into a dequantised 4-bit copy
+    would bake the quantisation error into every weight)."""
     import torch
     from peft import PeftModel
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -47,6 +49,9 @@ def export_merged(run_dir: Path, out: Path | None = None) -> Path:
         raise LLMTrainError(f"'{out}' already exists; remove it or pass --out <new folder>.")
     base = AutoModelForCausalLM.from_pretrained(recipe["model"]["name_or_path"],
                                                 dtype=getattr(torch, recipe["model"]["dtype"]))
+    if recipe["model"].get("quantize"):
+        say(f"the adapter was trained on a {recipe['model']['quantize']} 4-bit base; it is merged into the unquantised "
+            f"base read from {recipe['model']['name_or_path']} in {recipe['model']['dtype']}, not a dequantised copy.")
     merged = PeftModel.from_pretrained(base, str(final)).merge_and_unload()
     tmp = out.with_name(out.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)

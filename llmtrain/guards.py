@@ -32,8 +32,11 @@ def diverged(accelerator, out: Path, step: int, grad_norm: float, tc) -> None:
 
 def check_finite_weights(accelerator, model, step: int) -> None:
     """No checkpoint or export is ever published with a NaN or infinite weight (an update can overflow)."""
+    # Trained weights only: a frozen one never changes, and a 4-bit base's packed bytes (stored as bf16 so that FSDP
+    # can shard them) are not numbers of that dtype at all.
     with torch.no_grad():
-        flags = [torch.isfinite(p.to_local() if hasattr(p, "to_local") else p).all() for p in model.parameters()]
+        flags = [torch.isfinite(p.to_local() if hasattr(p, "to_local") else p).all()
+                 for p in model.parameters() if p.requires_grad]
         bad = int((~torch.stack(flags)).sum())  # p.to_local(): an FSDP shard; one host read for all
     (bad,) = global_sum(accelerator, bad)
     if bad:

@@ -128,7 +128,10 @@ def flop_model(model) -> FlopModel:
 
     lm = causal_lm(model)
     cfg = lm.config
-    body = sum((6 if p.requires_grad else 4) * p.numel() for p in lm.model.layers.parameters() if p.ndim >= 2)
+    from llmtrain.modeling import numel
+
+    body = sum((6 if p.requires_grad else 4) * numel(p) for p in lm.model.layers.parameters()
+               if p.ndim >= 2 or getattr(p, "quant_state", None) is not None)
     head = lm.lm_head.weight
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
     return FlopModel(body_per_token=body, head_per_token=(6 if head.requires_grad else 4) * head.numel(),

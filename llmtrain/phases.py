@@ -181,7 +181,11 @@ class Trainable:
 
 def build_model(recipe: Recipe, accelerator, *, total_steps: int, say) -> Trainable:
     tc = recipe.train
-    model = load_model(recipe.model, recipe.lora, device=accelerator.device, empty=receives_weights(accelerator))
+    # A quantised base is loaded (and quantised) by every process itself: 4-bit weights cannot be broadcast into an
+    # empty model.
+    model = load_model(recipe.model, recipe.lora, device=accelerator.device,
+                       empty=receives_weights(accelerator) and not recipe.model.quantize,
+                       compute_dtype={"bf16": torch.bfloat16, "fp16": torch.float16}.get(tc.mixed_precision))
     fused_ce = fused_linear_cross_entropy(recipe.model, accelerator.device)  # None unless liger is in use
     attach_loss(model, chunk=tc.loss_chunk_tokens, fused_linear_ce=fused_ce)
     if recipe.model.compile:

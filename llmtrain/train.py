@@ -116,6 +116,7 @@ def train_loop(run: Run, state: TrainState, meter: Meter) -> list[dict]:
                               accum=tc.grad_accum_steps, collate=run.objective.collate, columns=run.objective.columns,
                               pin=accelerator.device.type == "cuda"))
     progress, task = run.console.progress(total=run.cadence.total_steps, completed=state.step)
+    m.model.train()  # from_pretrained returns a model in eval mode: dropout (LoRA's too) must be on
     with progress, StopRequests() as stop_requests, closing(stream):  # closing: the prefetch thread ends here
         for window in stream:
             result = train_step(m.model, m.optimizer, m.scheduler, accelerator, run.objective, window,

@@ -191,3 +191,15 @@ def test_an_objective_through_the_seam_drives_training_and_evaluation(recipe, tm
     assert [r["loss"] for r in doubled] == pytest.approx([2 * r["loss"] for r in plain], rel=1e-4)
     assert [r["grad_norm"] for r in doubled] == pytest.approx([2 * r["grad_norm"] for r in plain], rel=1e-4)
     assert records(tmp_path / "doubled", "eval")[-1]["eval_doubled"] == 1.0
+
+
+def test_every_step_runs_in_train_mode_before_and_after_evaluations(recipe, monkeypatch):
+    """from_pretrained returns a model in eval mode: the loop must switch dropout (LoRA's too) on for every step,
+    not only after evaluate() first switches back to train mode."""
+    import llmtrain.train as T
+
+    modes, real = [], T.train_step
+    monkeypatch.setattr(T, "train_step", lambda model, *a, **k: modes.append(model.training) or real(model, *a, **k))
+    run_train(recipe, "train.max_steps=4", "train.eval_every_steps=2", "data.eval_split=0.05", "lora.r=4",
+              "lora.dropout=0.1")
+    assert modes == [True] * 4

@@ -20,7 +20,7 @@ RUN_OPTIONS = {
     "micro_batch_tokens": "train.micro_batch_tokens", "grad_accum": "train.grad_accum_steps",
     "seq_len": "data.max_seq_len", "packing": "data.packing", "loss_chunk_tokens": "train.loss_chunk_tokens",
     "grad_checkpointing": "model.gradient_checkpointing", "dtype": "model.dtype",
-    "mixed_precision": "train.mixed_precision", "attn": "model.attn_implementation",
+    "mixed_precision": "train.mixed_precision", "attn": "model.attn_implementation", "quantize": "model.quantize",
 }
 # What `--method lora` without --dtype assumes: every shipped LoRA recipe keeps its frozen base in bf16.
 LORA_BASE_DTYPE = "bfloat16"
@@ -55,6 +55,8 @@ def estimate_memory(
         help="Storage dtype of the weights (default: float32, and bfloat16 for a LoRA base).")] = None,
     mixed_precision: Annotated[Optional[Literal["no", "bf16", "fp16"]], typer.Option(
         help="Autocast precision.")] = None,
+    quantize: Annotated[Optional[Literal["nf4", "fp4"]], typer.Option(
+        help="QLoRA: the base's decoder linears in 4 bits (with --method lora).")] = None,
     attn: Annotated[Optional[Literal["auto", "varlen", "sdpa", "eager", "flash_attention_2"]], typer.Option(
         help="Attention implementation (model.attn_implementation; auto is varlen).")] = None,
     cpu_offload: Annotated[bool, typer.Option(help="FSDP offload of weights, gradients and optimizer state.")] = False,
@@ -74,7 +76,7 @@ def estimate_memory(
                                  micro_batch_tokens=micro_batch_tokens, grad_accum=grad_accum, seq_len=seq_len,
                                  packing=packing, loss_chunk_tokens=loss_chunk_tokens,
                                  grad_checkpointing=grad_checkpointing, dtype=dtype, mixed_precision=mixed_precision,
-                                 attn=attn).items() if v is not None}
+                                 attn=attn, quantize=quantize).items() if v is not None}
     layout, launch_mp = _layout(accelerate_config, strategy=strategy, num_gpus=num_gpus, num_nodes=num_nodes,
                                 cpu_offload=cpu_offload, fit=fit)
     launch = dict(gpu_memory_gib=gpu_memory, **layout)

@@ -42,6 +42,22 @@ def optimizer_bytes(trainable_bytes: int) -> int:
     return 2 * trainable_bytes
 
 
+# bitsandbytes 4-bit with double quantisation (QLoRA, Dettmers et al. 2023): 4 bits a weight, one 8-bit absmax per
+# block of 64 weights, and one fp32 absmax per block of 256 of those: 0.5 + 1/64 + 4/(64 x 256) bytes a weight.
+QUANT_BYTES_PER_WEIGHT = 0.5 + 1 / 64 + 4 / (64 * 256)
+
+
+def quantized_base_bytes(shape: ModelShape, spec: TrainSpec) -> int:
+    """The frozen base of a QLoRA run: the decoder layers' linears in 4 bits with their quantisation constants, the
+    rest (embeddings, LM head, norms) in the storage dtype, and the largest linear dequantised to the compute dtype
+    while its matmul runs (bitsandbytes dequantises a weight per call, forward and backward)."""
+    quantized = shape.linear_params_per_layer * shape.layers
+    compute = DTYPE_BYTES[PRECISION_DTYPE.get(spec.mixed_precision, spec.dtype)]
+    in_flight = max(lin.numel for lin in shape.layer_linears) * compute
+    return (round(quantized * QUANT_BYTES_PER_WEIGHT) + (shape.params_total - quantized) * DTYPE_BYTES[spec.dtype]
+            + in_flight)
+
+
 def states(shape: ModelShape, spec: TrainSpec, plan: LoraPlan | None) -> States:
     """Weights in their storage dtype (LoRA adapters in fp32, as peft keeps them on a 16-bit base),
     gradients of trainable parameters only, optimizer state, and DDP's gradient buckets: DDP copies
@@ -58,7 +74,7 @@ def states(shape: ModelShape, spec: TrainSpec, plan: LoraPlan | None) -> States:
         head = (V * H + shape.params_final_norm) * master
         layer = [shape.params_per_layer * master] * shape.layers
     else:
-        frozen_bytes = shape.params_total * sd
+        frozen_bytes = shape.params_total * sd if not spec.quantize else quantized_base_bytes(shape, spec)
         copies = {m: V * H * master for m in plan.saved_copies}
         head = copies.get("lm_head", 0) + (plan.r * (H + V) * 4 if plan.adapted_head else 0)
         layer = [sum(plan.r * (i + o) for i, o in adapted.values()) * 4 for adapted in plan.adapted]

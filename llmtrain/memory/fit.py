@@ -160,6 +160,11 @@ def fit(shape: ModelShape, spec: TrainSpec, *, global_batch: int | None = None) 
     """Search strategy x checkpointing x micro-batch on spec's GPUs; keep `global_batch` (examples, or tokens
     with a budget) when given. When nothing fits, also the fewest GPUs that would do (`more_gpus`)."""
     result = _search(shape, spec, global_batch)
+    if result.best is None and spec.method == "lora" and not spec.quantize:
+        # LoRA that does not fit these GPUs on a 16-bit base: the same adapters on a 4-bit base (QLoRA).
+        qlora = _search(shape, spec.but(quantize="nf4"), global_batch)
+        if qlora.best is not None:
+            return replace(qlora, overrides=(*qlora.overrides, "model.quantize=nf4"))
     if result.best is None:
         result = replace(result, more_gpus=more_gpus(shape, spec, global_batch=global_batch))
     return result

@@ -45,6 +45,7 @@ class TrainSpec:
     lora_dropout: float = _default(LoraConfig, "dropout")
     lora_modules_to_save: tuple[str, ...] = ()
     dtype: Dtype = _default(ModelConfig, "dtype")  # storage dtype of the weights
+    quantize: str | None = _default(ModelConfig, "quantize")  # QLoRA: the decoder layers' linears in 4 bits
     mixed_precision: Precision = _default(TrainConfig, "mixed_precision")
     attn: Attn = _default(ModelConfig, "attn_implementation")  # 'auto' is 'varlen', as in training
     grad_checkpointing: bool = _default(ModelConfig, "gradient_checkpointing")
@@ -104,6 +105,8 @@ class TrainSpec:
             problems.append(f"strategy single runs one process, but {self.world} GPUs were given: use ddp or fsdp")
         if self.strategy == "ddp" and self.world < 2:
             problems.append("strategy ddp needs at least 2 GPUs (--num-gpus / --num-nodes)")
+        if self.quantize and self.method != "lora":
+            problems.append("a 4-bit base (quantize) trains LoRA adapters only: use method lora")
         if self.cpu_offload and self.strategy != "fsdp":
             problems.append("cpu offload is FSDP's (fsdp_offload_params): use strategy fsdp")
         if problems:
@@ -126,7 +129,7 @@ def spec_from_recipe(recipe: Recipe, *, strategy: Strategy = "single", num_gpus:
         lora_targets=_targets(lora.target_modules) if lora else "all-linear",
         lora_dropout=lora.dropout if lora else 0.0,
         lora_modules_to_save=tuple(lora.modules_to_save or ()) if lora else (),
-        dtype=m.dtype, mixed_precision=t.mixed_precision, attn=m.attn_implementation,
+        dtype=m.dtype, quantize=m.quantize, mixed_precision=t.mixed_precision, attn=m.attn_implementation,
         grad_checkpointing=m.gradient_checkpointing, random_init=m.random_init,
         micro_batch=t.micro_batch_size * per_example, micro_batch_tokens=t.micro_batch_tokens,
         grad_accum=t.grad_accum_steps,

@@ -1,0 +1,198 @@
+"""QLoRA (model.quantize): a 4-bit bitsandbytes base under LoRA adapters, trained on CPU (bitsandbytes 0.50 runs its
+4-bit layers on x86 CPUs). The quantised layers stay Linear4bit through `accelerator.prepare` (one process, 2 DDP
+processes, and FSDP2 where bitsandbytes' CPU path allows it); only the adapter trains and is saved; resume is
+exact; the adapter loads on a quantised and on a bf16 base; the estimator's 4-bit weights against a number worked
+out by hand; --fit proposes QLoRA when LoRA on a 16-bit base does not fit."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from conftest import MISTRAL, needs
+from helpers import ENV, REPO, load_weights, losses, records, run_train, write_recipe
+from llmtrain.config import load_recipe
+from llmtrain.errors import RecipeError
+
+QLORA = {"model": {"dtype": "bfloat16", "quantize": "nf4", "attn_implementation": "auto"},
+         "lora": {"r": 8, "alpha": 16, "dropout": 0.0},
+         "train": {"max_steps": 8, "micro_batch_size": 8, "lr": 1e-2, "warmup_steps": 0, "mixed_precision": "bf16",
+                   "seed": 3}}
+
+
+@pytest.fixture
+def qlora_recipe(tiny_assets, tmp_path):
+    return write_recipe(tiny_assets, tmp_path, **QLORA)
+
+
+def test_a_full_fine_tune_of_a_quantised_base_is_refused(qlora_recipe):
+    with pytest.raises(RecipeError, match="a full fine-tune of a quantised base is not possible"):
+        load_recipe(qlora_recipe, ["lora=null"])
+
+
+@needs(MISTRAL)
+def test_estimator_4bit_weights_of_mistral_7b_equal_the_hand_count():
+    """Mistral-7B's decoder linears per layer: q and o 4096x4096, k and v 4096x1024, gate, up and down 4096x14336:
+    218,103,808 weights, x 32 layers = 6,979,321,856 in 4 bits with an 8-bit absmax per 64 and an fp32 absmax per
+    64 x 256 (0.515640... bytes each); the other 268,701,696 (embeddings, LM head, norms) in bf16; one 4096x14336
+    linear dequantised to bf16 while it runs."""
+    from llmtrain.memory.estimate import quantized_base_bytes
+    from llmtrain.memory.params import load_model_shape
+    from llmtrain.memory.spec import TrainSpec
+
+    shape = load_model_shape(str(MISTRAL))
+    quantized = 32 * (2 * 4096 * 4096 + 2 * 4096 * 1024 + 3 * 4096 * 14336)
+    assert quantized == 6_979_321_856 and shape.params_total - quantized == 268_701_696
+    by_hand = round(quantized * (0.5 + 1 / 64 + 4 / 16384)) + 268_701_696 * 2 + 4096 * 14336 * 2
+    spec = TrainSpec(method="lora", quantize="nf4", dtype="bfloat16", mixed_precision="bf16")
+    assert quantized_base_bytes(shape, spec) == by_hand == 4_255_260_672  # 3.96 GiB against 13.5 in bf16
+
+
+@needs(MISTRAL)
+def test_fit_proposes_qlora_when_lora_on_a_16bit_base_does_not_fit():
+    from llmtrain.memory import fit as fitting
+    from llmtrain.memory.estimate import estimate
+    from llmtrain.memory.params import load_model_shape
+    from llmtrain.memory.spec import TrainSpec
+
+    shape = load_model_shape(str(MISTRAL))
+    spec = TrainSpec(method="lora", dtype="bfloat16", mixed_precision="bf16", seq_len=2048, gpu_memory_gib=16)
+    assert not estimate(shape, spec).fits  # the bf16 base alone is 13.5 GiB
+    result = fitting.fit(shape, spec)
+    assert result.best is not None and result.best.spec.quantize == "nf4"
+    assert "model.quantize=nf4" in result.overrides
+    assert result.best.estimate.per_gpu_peak_bytes < 0.9 * 16 * 2**30
+
+
+# --------------------------------------------------------------------------- with bitsandbytes
+
+PROBE = '''
+import sys
+from llmtrain.config import load_recipe
+from llmtrain.distributed import build_accelerator
+from llmtrain.phases import build_model
+
+recipe = load_recipe(sys.argv[1], [])
+accelerator = build_accelerator(recipe)
+import bitsandbytes as bnb
+before = None
+import llmtrain.phases as P
+real = P.load_model
+def spy(*a, **k):
+    global before
+    m = real(*a, **k)
+    before = sum(isinstance(x, bnb.nn.Linear4bit) for x in m.modules())
+    return m
+P.load_model = spy
+t = build_model(recipe, accelerator, total_steps=1, say=lambda *_: None)
+after = [x for x in t.model.modules() if isinstance(x, bnb.nn.Linear4bit)]
+w = after[0].weight
+print(f"rank {accelerator.process_index}: Linear4bit before {before} after {len(after)}; weight "
+      f"{type(w).__name__} {str(w.dtype)} quantised {getattr(w, 'quant_state', None) is not None}; trainable "
+      f"{sorted({n.split('.')[-3] for n, p in t.model.named_parameters() if p.requires_grad})}", flush=True)
+accelerator.end_training()
+'''
+
+
+def _probe(recipe, tmp_path, launch: str | None, port: int) -> str:
+    probe = tmp_path / "probe.py"
+    probe.write_text(PROBE)
+    how = (["-m", "accelerate.commands.launch", "--config_file", str(REPO / "accelerate_configs" / f"{launch}.yaml"),
+            "--main_process_port", str(port)] if launch else [])
+    proc = subprocess.run([sys.executable, *how, str(probe), str(recipe)], env=ENV, cwd=REPO, capture_output=True,
+                          text=True, timeout=600)
+    return proc.stdout + proc.stderr
+
+
+def test_quantised_layers_stay_linear4bit_through_prepare_on_one_process(qlora_recipe, tmp_path, free_port):
+    pytest.importorskip("bitsandbytes")
+    out = _probe(qlora_recipe, tmp_path, None, free_port)
+    # 2 layers x 7 linears; the packed weights are stored as bf16 (bnb_4bit_quant_storage); only LoRA trains
+    assert ("rank 0: Linear4bit before 14 after 14; weight Params4bit torch.bfloat16 quantised True; trainable "
+            "['lora_A', 'lora_B']") in out, out
+
+
+@pytest.mark.slow
+def test_quantised_layers_stay_linear4bit_under_ddp(qlora_recipe, tmp_path, free_port):
+    pytest.importorskip("bitsandbytes")
+    out = _probe(qlora_recipe, tmp_path, "cpu_ddp", free_port)
+    for rank in (0, 1):
+        assert f"rank {rank}: Linear4bit before 14 after 14; weight Params4bit torch.bfloat16 quantised True" in out, out
+
+
+def test_qlora_trains_only_the_adapter_and_resumes_exactly(qlora_recipe, tmp_path, monkeypatch):
+    pytest.importorskip("bitsandbytes")
+    import llmtrain.train as T
+
+    common = ["checkpoint.every_steps=4", "logging.every_steps=1"]
+    summary = run_train(qlora_recipe, f"output_dir={tmp_path / 'straight'}", *common)
+    straight = losses(tmp_path / "straight")
+    assert straight[-1] < straight[0]
+    assert summary["params_trainable"] < summary["params_total"] / 5
+    saved = load_weights(tmp_path / "straight" / "checkpoints" / "step_000004")
+    assert saved and all("lora_" in k for k in saved)  # the adapter only, never the quantised base
+
+    real, calls = T.train_step, {"n": 0}
+
+    def crash(*a, **k):
+        calls["n"] += 1
+        if calls["n"] == 6:
+            raise RuntimeError("preempted")
+        return real(*a, **k)
+
+    monkeypatch.setattr(T, "train_step", crash)
+    with pytest.raises(RuntimeError):
+        run_train(qlora_recipe, f"output_dir={tmp_path / 'cut'}", *common)
+    monkeypatch.undo()
+    run_train(qlora_recipe, f"output_dir={tmp_path / 'cut'}", *common, resume="auto")
+    assert losses(tmp_path / "cut") == straight
+    a, b = (load_weights(tmp_path / n / "final" / "adapter_model.safetensors") for n in ("cut", "straight"))
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_exported_adapter_loads_on_a_quantised_and_on_a_bf16_base(qlora_recipe, tiny_assets, tmp_path):
+    pytest.importorskip("bitsandbytes")
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    from llmtrain.modeling import quantization_config
+
+    run_train(qlora_recipe)
+    final = tmp_path / "run" / "final"
+    recipe = load_recipe(qlora_recipe)
+    ids = torch.tensor([[1, 40, 41, 42, 43, 44, 45, 46, 47, 48]])
+    deltas = []
+    for quantized in (True, False):
+        extra = dict(quantization_config=quantization_config(recipe.model, torch.bfloat16),
+                     device_map={"": "cpu"}) if quantized else {}
+        base = AutoModelForCausalLM.from_pretrained(tiny_assets / "model", dtype=torch.bfloat16, **extra)
+        model = PeftModel.from_pretrained(base, str(final)).eval()
+        with torch.no_grad():
+            with model.disable_adapter():
+                plain = model(input_ids=ids).logits.float()
+            deltas.append((model(input_ids=ids).logits.float() - plain).flatten())
+    # The adapter loads on both bases and changes their predictions the same way: what it adds to the logits on
+    # the 4-bit base points where it points on the bf16 base (the bases differ by the quantisation error).
+    assert deltas[0].abs().max() > 0.1 and deltas[1].abs().max() > 0.1
+    assert torch.nn.functional.cosine_similarity(deltas[0], deltas[1], dim=0) > 0.9
+
+
+@pytest.mark.slow
+def test_two_ddp_processes_match_one(qlora_recipe, tmp_path, free_port):
+    pytest.importorskip("bitsandbytes")
+    run_train(qlora_recipe, f"output_dir={tmp_path / 'one'}")
+    proc = subprocess.run(
+        [sys.executable, "-m", "accelerate.commands.launch", "--config_file",
+         str(REPO / "accelerate_configs" / "cpu_ddp.yaml"), "--main_process_port", str(free_port),
+         "-m", "llmtrain", "finetune", str(qlora_recipe), f"output_dir={tmp_path / 'two'}",
+         "train.micro_batch_size=4"], env=ENV, cwd=REPO, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    one, two = records(tmp_path / "one"), records(tmp_path / "two")
+    assert [r["tokens"] for r in two] == [r["tokens"] for r in one]
+    # bf16 autocast on both sides; the 2-rank all-reduce rounds differently
+    assert [r["loss"] for r in two] == pytest.approx([r["loss"] for r in one], abs=2e-2)
+    assert re.search(r"model: [\d,]+ parameters", proc.stdout + proc.stderr)
