@@ -256,6 +256,33 @@ def check_shared_fs(recipe: Recipe, launch: dict) -> list[Check]:
              "(not checked from here).")]
 
 
+def check_quantize(recipe: Recipe) -> list[Check]:
+    """model.quantize: bitsandbytes is installed and runs on this machine's device (a CUDA GPU, or an x86 CPU with
+    AVX2, where bitsandbytes 0.50 runs its 4-bit layers)."""
+    import importlib.util
+
+    import torch
+
+    if recipe.model.quantize is None:
+        return []
+    name = "4-bit base"
+    if importlib.util.find_spec("bitsandbytes") is None:
+        return [(name, "fail", f"model.quantize={recipe.model.quantize} needs bitsandbytes, which is not installed: "
+                 "pip install 'llmtrain[qlora]'.")]
+    import bitsandbytes
+
+    if torch.cuda.is_available():
+        where = f"CUDA ({torch.cuda.get_device_name(0)})"
+    else:
+        capability = torch.backends.cpu.get_cpu_capability()
+        if "AVX2" not in capability and "AVX512" not in capability:
+            return [(name, "fail", f"no CUDA GPU and this CPU has no AVX2 ({capability}): bitsandbytes cannot run "
+                     "its 4-bit layers here. Run on a GPU, or set model.quantize=null.")]
+        where = f"CPU ({capability})"
+    return [(name, "pass", f"bitsandbytes {bitsandbytes.__version__} on {where}: {recipe.model.quantize}, double "
+             f"quantisation, stored as {recipe.model.dtype}")]
+
+
 # --------------------------------------------------------------------------- all together
 
 
@@ -267,7 +294,7 @@ def run_doctor(recipe: Recipe, *, accelerate_config: Path | None = None,
 
     datasets.disable_progress_bars()
     launch = read_launch(accelerate_config)
-    checks: list[Check] = [("recipe", "pass", "validates (resolved recipe above)")]
+    checks: list[Check] = [("recipe", "pass", "validates (resolved recipe above)"), *check_quantize(recipe)]
     try:
         tokenizer = load_tokenizer(recipe.model)
     except LLMTrainError as e:

@@ -12,9 +12,9 @@ import sys
 
 import pytest
 import torch
-
 from conftest import MISTRAL, needs
 from helpers import ENV, REPO, load_weights, losses, records, run_train, write_recipe
+
 from llmtrain.config import load_recipe
 from llmtrain.errors import RecipeError
 
@@ -196,3 +196,20 @@ def test_two_ddp_processes_match_one(qlora_recipe, tmp_path, free_port):
     # bf16 autocast on both sides; the 2-rank all-reduce rounds differently
     assert [r["loss"] for r in two] == pytest.approx([r["loss"] for r in one], abs=2e-2)
     assert re.search(r"model: [\d,]+ parameters", proc.stdout + proc.stderr)
+
+
+def test_doctor_checks_bitsandbytes_for_a_quantised_base(qlora_recipe, monkeypatch):
+    from llmtrain.doctor import check_quantize
+
+    recipe = load_recipe(qlora_recipe)
+    assert check_quantize(load_recipe(qlora_recipe, ["model.quantize=null"])) == []
+    import importlib.util
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda n, *a: None if n == "bitsandbytes" else real(n, *a))
+    ((name, status, detail),) = check_quantize(recipe)
+    assert (name, status) == ("4-bit base", "fail") and "pip install 'llmtrain[qlora]'" in detail
+    monkeypatch.undo()
+    pytest.importorskip("bitsandbytes")
+    ((_, status, detail),) = check_quantize(recipe)
+    assert status == "pass" and "nf4" in detail
