@@ -81,8 +81,8 @@ def summary_table(summary: dict, *, out: Path, evals: list[dict]):
     table.add_row("steps", f"{summary['steps']:,}")
     table.add_row("tokens", f"{summary['tokens_seen']:,}")
     resumed = summary["train_time_s"] - summary["process_time_s"] > 1
-    table.add_row("time", _clock(summary["train_time_s"])
-                  + (f" (this process {_clock(summary['process_time_s'])}; the rest before the resume)" if resumed else ""))
+    this = f" (this process {_clock(summary['process_time_s'])}; the rest before the resume)" if resumed else ""
+    table.add_row("time", _clock(summary["train_time_s"]) + this)
     table.add_row("tokens/s per GPU", f"{summary['tokens_per_s_per_gpu']:,.0f} training, "
                                       f"{summary['wall_tokens_per_s_per_gpu']:,.0f} with eval and checkpoints"
                                       + (" (this process)" if resumed else ""))

@@ -120,7 +120,8 @@ def compute_loss(model, batch: dict, *, return_hits: bool = False, per_token: bo
     """Summed token cross-entropy of one collated batch on the device (the one loss of train and eval).
 
     `batch` holds the model inputs plus `loss_index` / `loss_targets` (batching.with_loss_positions);
-    `cu_seq_lens` / `max_length` (packed rows) are handed to the varlen attention under the names transformers forwards to it.
+    `cu_seq_lens` / `max_length` (packed rows) are handed to the varlen attention under the names transformers
+    forwards to it. per_token: the cross-entropy of every trained token instead of their sum (preference losses).
     """
     inputs = {k: batch[k] for k in MODEL_INPUTS if k in batch}
     if "cu_seq_lens" in batch:

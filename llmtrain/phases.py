@@ -274,7 +274,8 @@ def restore(recipe: Recipe, accelerator, trainable: Trainable, *, checkpoint: Pa
     accelerator.register_for_checkpointing(trainable.scheduler, state)
     if checkpoint is None:
         return state
-    load_checkpoint(accelerator, checkpoint, trainable_names=trainable.trainable_names and set(trainable.trainable_names))
+    names = set(trainable.trainable_names) if trainable.trainable_names else None
+    load_checkpoint(accelerator, checkpoint, trainable_names=names)
     state.check_layout(accum=tc.grad_accum_steps, micro_batch_tokens=tc.micro_batch_tokens or 0, processes=world)
     say(f"resumed from {checkpoint} at step {state.step}")
     if state.processes != world:

@@ -41,7 +41,8 @@ def test_cadence_saves_every_n_and_on_a_stop_request():
     assert not cadence(save_every=None).at(4).save
 
 
-@pytest.mark.parametrize("log_every, eval_every, save_every", list(itertools.product([1, 3, 7], [None, 2, 5], [None, 3, 4])))
+@pytest.mark.parametrize("log_every, eval_every, save_every",
+                         list(itertools.product([1, 3, 7], [None, 2, 5], [None, 3, 4])))
 def test_every_save_eval_and_skipped_step_is_a_logged_step(log_every, eval_every, save_every):
     """Why (cadence.py): a resume re-meters from the checkpoint, so the last line before it must end at its step;
     an eval line follows its step's train line; a skipped update is on record before the guard can stop."""
@@ -91,7 +92,8 @@ def test_train_state_advances_tokens_every_step_and_rolls_the_epoch_over():
     state = TrainState()
     counts = Counts(units=5, trained=5, tokens=40, squares=400)
     state.advance(Window(epoch=0, end=4, epoch_done=False, batches=[], counts=counts), result(1.0, counts))
-    assert (state.step, state.epoch, state.micro_in_epoch, state.tokens_seen, state.trained_tokens_seen) == (1, 0, 4, 40, 5)
+    got = (state.step, state.epoch, state.micro_in_epoch, state.tokens_seen, state.trained_tokens_seen)
+    assert got == (1, 0, 4, 40, 5)
     state.advance(Window(epoch=0, end=8, epoch_done=True, batches=[], counts=counts),
                   result(1.0, counts, skipped=True, grad_norm=float("nan")))
     assert (state.step, state.epoch, state.micro_in_epoch, state.tokens_seen, state.bad_steps) == (2, 1, 0, 80, 1)
@@ -107,7 +109,8 @@ def test_data_plan_is_built_once_per_epoch_for_every_view(monkeypatch):
     plan = DataPlan(lengths, seed=3, world=2, micro_batch_size=1, micro_batch_tokens=12)
     ranks = [plan.for_rank(r) for r in range(2)]
     assert plan.steps_per_epoch(0, 2) == -(-len(plan.epoch(0)) // 2)
-    assert [g[r] for g in plan.epoch(0) for r in range(2)] == [b for pair in zip(ranks[0](0), ranks[1](0)) for b in pair]
+    interleaved = [b for pair in zip(ranks[0](0), ranks[1](0)) for b in pair]
+    assert [g[r] for g in plan.epoch(0) for r in range(2)] == interleaved
     assert sorted(i for r in ranks for b in r(0) for i in b) == list(range(10))
     assert 0 < plan.packing_efficiency() <= 1 and plan.packing_efficiency() == sum(lengths) / (plan.bins() * 12)
     ranks[1](1)

@@ -162,8 +162,8 @@ def test_doctor_fails_the_token_budget_finetune_refuses(recipe, tmp_path):
     with pytest.raises(LLMTrainError, match="token budget: train.micro_batch_tokens=8 is smaller than the longest"):
         run_train(recipe, "train.micro_batch_tokens=8", "train.micro_batch_size=1")
     assert not (tmp_path / "run").exists()  # refused before anything was written
-    ok = {name: status for name, status, _ in run_doctor(load_recipe(recipe, ["train.micro_batch_tokens=64", "train.micro_batch_size=1"]),
-                                                          gpu_memory=80)}
+    fits = load_recipe(recipe, ["train.micro_batch_tokens=64", "train.micro_batch_size=1"])
+    ok = {name: status for name, status, _ in run_doctor(fits, gpu_memory=80)}
     assert ok["token budget"] == "pass"
 
 

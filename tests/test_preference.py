@@ -77,7 +77,8 @@ def test_three_shapes_render_each_answer_as_sft_renders_the_row(tiny_tok):
     cfg = DataConfig(path="x.jsonl", format="preference", chat_template=True)
     sft = DataConfig(path="x.jsonl", format="prompt_completion", chat_template=True)
     strings = {"prompt": "Hi?", "chosen": "Hello.", "rejected": "Go away."}
-    conversational = {"prompt": [{"role": "user", "content": "Hi?"}], "chosen": {"role": "assistant", "content": "Hello."},
+    conversational = {"prompt": [{"role": "user", "content": "Hi?"}],
+                      "chosen": {"role": "assistant", "content": "Hello."},
                       "rejected": [{"role": "assistant", "content": "Go away."}]}
     implicit = {"chosen": [{"role": "user", "content": "Hi?"}, {"role": "assistant", "content": "Hello."}],
                 "rejected": [{"role": "user", "content": "Hi?"}, {"role": "assistant", "content": "Go away."}]}
