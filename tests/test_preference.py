@@ -309,3 +309,21 @@ def test_two_processes_train_the_pairs_of_one(pref_recipe, tmp_path, free_port, 
         assert one[0]["loss"] == pytest.approx(math.log(2), abs=1e-6)
     else:
         assert max_abs_diff(load_weights(tmp_path / "two" / "final"), load_weights(tmp_path / "one" / "final")) < 2e-4
+
+
+def test_token_budgets_bin_whole_pairs_and_samples_show_the_chosen_answer(pref_recipe, tmp_path):
+    """train.micro_batch_tokens packs whole pairs (a pair's length is its two sequences); eval_samples generate from
+    the held-out prompts beside the chosen answer; doctor passes the recipe with the same data checks."""
+    from llmtrain.config import load_recipe
+    from llmtrain.doctor import run_doctor
+
+    summary = run_train(pref_recipe, "train.micro_batch_size=1", "train.micro_batch_tokens=96",
+                        "model.attn_implementation=auto", "train.eval_samples=2", "train.eval_max_new_tokens=4")
+    lines = records(tmp_path / "run")
+    assert all(r["tokens"] <= 96 for r in lines) and 0 < summary["packing_efficiency"] <= 1
+    assert lines[0]["loss"] == pytest.approx(math.log(2), abs=1e-6)
+    samples = [json.loads(line) for line in (tmp_path / "run" / "samples.jsonl").read_text().splitlines()]
+    assert len(samples) == 2 and all(s["prompt"].startswith("<s>reverse") or "reverse" in s["prompt"] for s in samples)
+    assert all(s["expected"].strip() and s["expected"].strip() != s["prompt"].split()[-2] for s in samples)
+    rows = {name: status for name, status, _ in run_doctor(load_recipe(pref_recipe), gpu_memory=80)}
+    assert rows["loss mask"] == "pass" and rows["eos trained"] == "pass" and "fail" not in rows.values()
