@@ -103,3 +103,25 @@ def test_mixed_precision_no_unquoted(tmp_path):
     assert load_recipe(path).train.mixed_precision == "no"
     assert load_recipe(path, ["train.mixed_precision=no"]).train.mixed_precision == "no"
     assert load_recipe(path, ["train.mixed_precision=bf16"]).train.mixed_precision == "bf16"
+
+
+@pytest.mark.parametrize(("override", "key", "value"), [
+    # ` #` would start a YAML comment and cut the prompt short
+    ("data.system_prompt=Solve it step by step. End with #### N.", "data.system_prompt",
+     "Solve it step by step. End with #### N."),
+    ("data.system_prompt=Reply: yes", "data.system_prompt", "Reply: yes"),  # YAML: a mapping, refused
+    ("data.system_prompt=yes", "data.system_prompt", "yes"),  # YAML 1.1: True
+    ("data.system_prompt=null", "data.system_prompt", None),  # unsets an optional text key
+    ("data.system_prompt='null'", "data.system_prompt", "null"),  # quoted: the text itself
+    ("data.name=007", "data.name", "007"),  # YAML: 7
+    ("data.fields.prompt=a=b", "data.fields", {"prompt": "a=b"}),  # only the first = separates
+    ("output_dir=runs/x #1", "output_dir", "runs/x #1"),
+    ("data.fields={prompt: question}", "data.fields", {"prompt": "question"}),  # mappings are YAML
+    ("data.eval_split=0.05", "data.eval_split", 0.05),  # a key that also takes numbers is YAML
+    ("train.max_steps=20", "train.max_steps", 20),
+])
+def test_a_text_value_is_the_text_as_given(recipe_file, override, key, value):
+    r = load_recipe(recipe_file, ["data.chat_template=true", "data.format=messages", override])
+    section, _, leaf = key.rpartition(".")
+    got = getattr(getattr(r, section) if section else r, leaf)
+    assert got == value
