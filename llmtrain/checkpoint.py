@@ -315,9 +315,14 @@ def _save_failed(error: Exception, final: Path) -> str:
         first = (str(error).strip().splitlines() or [type(error).__name__])[0]
         reason = re.sub(r"^\[enforce fail at [^]]*\][ .]*", "the write stopped short: ", first)[:300]
     try:
-        reason += f"; {shutil.disk_usage(root).free / 2**30:.2f} GiB free on that disk"
+        usage = shutil.disk_usage(root)
     except OSError:
-        pass
+        usage = None
+    if usage is not None:
+        free = f"{usage.free / 2**30:.2f} GiB free on that disk"
+        # torch's writer says only that it stopped short; a disk with (almost) nothing left is the reason to say first
+        full = usage.free < min(256 * 2**20, usage.total // 100) and not isinstance(error, OSError)
+        reason = f"the disk is full ({free}; {reason})" if full else f"{reason}; {free}"
     kept = step_dirs(root)
     before = f"the newest published checkpoint, {kept[-1].name}, is intact" if kept else "there is no earlier one"
     fix = (f"Make {root} writable" if isinstance(error, OSError) and error.errno in (errno.EACCES, errno.EPERM,

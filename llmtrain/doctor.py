@@ -137,7 +137,29 @@ def check_data(recipe: Recipe, stats: DataStats, train, eval_ds, tokenizer) -> l
     return rows + check_budget(recipe.train.micro_batch_tokens, lengths)
 
 
-def load_data(recipe: Recipe, tokenizer) -> list[Check]:
+def check_warmup(warmup: int, total_steps: int) -> list[Check]:
+    """train.warmup_steps at or past the run's length trains on the warm-up ramp alone (a recipe shortened with
+    max_steps for a smoke test): the peak lr is never reached and there is no decay."""
+    if warmup and warmup >= total_steps:
+        return [("schedule", "warn", f"train.warmup_steps={warmup} is not below the run's {total_steps} steps: every "
+                 "step is on the warm-up ramp, the peak train.lr is never reached and nothing decays. Lower "
+                 f"train.warmup_steps (e.g. to {max(1, total_steps // 10)}) or raise train.max_steps.")]
+    return [("schedule", "pass", f"{warmup} warm-up steps of {total_steps}")]
+
+
+def total_steps(recipe: Recipe, lengths: list[int], *, world: int) -> int:
+    """The run's optimizer steps: train.max_steps, else its epochs over the data plan (as finetune counts them)."""
+    from llmtrain.batching import DataPlan
+
+    t = recipe.train
+    if t.max_steps:
+        return t.max_steps
+    plan = DataPlan(lengths, seed=t.seed, world=world, micro_batch_size=t.micro_batch_size,
+                    micro_batch_tokens=t.micro_batch_tokens)
+    return sum(plan.steps_per_epoch(e, t.grad_accum_steps) for e in range(t.epochs))
+
+
+def load_data(recipe: Recipe, tokenizer, *, world: int = 1) -> list[Check]:
     """prepare_datasets (filling the cache finetune reads) and check_data; when preparing refuses, tokenise the
     train split alone to say why (all examples dropped gives stats with 0 examples)."""
     from llmtrain.data import load_raw, prepare_datasets, tokenize_dataset
@@ -152,7 +174,9 @@ def load_data(recipe: Recipe, tokenizer) -> list[Check]:
             eval_ds = None
         except LLMTrainError:
             return [("data", "fail", str(first))]
-    return check_data(recipe, stats, train, eval_ds, tokenizer)
+    rows = check_data(recipe, stats, train, eval_ds, tokenizer)
+    return rows + (check_warmup(recipe.train.warmup_steps, total_steps(recipe, train["length"], world=world))
+                   if len(train) else [])
 
 
 # --------------------------------------------------------------------------- launch config and memory
@@ -302,7 +326,7 @@ def run_doctor(recipe: Recipe, *, accelerate_config: Path | None = None,
         checks.append(("tokenizer eos/pad", "fail", str(e)))
     if tokenizer is not None:
         checks += check_tokenizer(tokenizer) + check_chat_template(recipe, tokenizer)
-        checks += load_data(recipe, tokenizer)
+        checks += load_data(recipe, tokenizer, world=int(launch.get("num_processes", 1) or 1))
     gpu = gpu_memory if gpu_memory is not None else gpu_memory_here()
     rows, est = check_memory(recipe, accelerate_config, gpu)
     checks += rows + check_precision(recipe, launch)

@@ -28,7 +28,7 @@ from llmtrain.checkpoint import load_checkpoint, lora_only_hooks
 from llmtrain.config import Recipe
 from llmtrain.data import prepare_datasets
 from llmtrain.distributed import global_sum, receives_weights, use_fused_adamw, uses_fsdp
-from llmtrain.doctor import check_data
+from llmtrain.doctor import check_data, check_warmup
 from llmtrain.errors import LLMTrainError
 from llmtrain.loss import attach_loss
 from llmtrain.metrics import MetricsLog, flop_model, peak_flops
@@ -149,6 +149,9 @@ def prepare_data(recipe: Recipe, accelerator, *, say) -> Data:
                     micro_batch_tokens=tc.micro_batch_tokens)
     per_epoch = [plan.steps_per_epoch(e, accum) for e in range(tc.epochs)]
     total_steps = tc.max_steps or sum(per_epoch)
+    for name, status, detail in check_warmup(tc.warmup_steps, total_steps):  # as `llmtrain doctor`
+        if status == "warn":
+            say(f"warning ({name}): {detail}")
     efficiency = plan.packing_efficiency()
     if tc.micro_batch_tokens:
         say(f"global batch: bins of <= {tc.micro_batch_tokens} tokens x {accum} accumulation x {world} "

@@ -46,6 +46,9 @@ def load_raw(path: str | list[str], *, name: str | None = None, split: str = "tr
             return datasets.load_dataset(kinds.pop(), data_files=paths, split="train")
         except Exception as e:  # datasets raises many types for malformed files
             raise LLMTrainError(f"could not read data file(s) {paths}: {e}") from None
+    missing = _missing_local(paths[0])
+    if missing:
+        raise LLMTrainError(missing)
     try:
         return datasets.load_dataset(paths[0], name, split=split)
     except Exception as e:
@@ -55,3 +58,25 @@ def load_raw(path: str | list[str], *, name: str | None = None, split: str = "tr
             f"data.eval_split): {e}. Without network access, download it first or point data.path at local "
             ".jsonl/.json/.parquet/.csv files."
         ) from None
+
+
+def _missing_local(value: str) -> str | None:
+    """What to say when `value` looks like a local path and nothing is there; None for what may be a hub id.
+
+    A path: it has a slash and starts with . / or ~, or has more than one slash, or its parent folder exists here
+    (../shared/data/gsm8kk). A hub id has exactly one slash, owner/name, and no such local parent."""
+    import difflib
+
+    path = Path(value).expanduser()
+    if "/" not in value or path.exists():
+        return None
+    if not (value.startswith((".", "/", "~")) or value.count("/") != 1 or path.parent.is_dir()):
+        return None
+    parent = path
+    while not parent.parent.is_dir() and parent.parent != parent:
+        parent = parent.parent
+    here = parent.parent
+    near = difflib.get_close_matches(parent.name, [p.name for p in here.iterdir()], n=1, cutoff=0.6)
+    hint = f"; the nearest name there is '{near[0]}'" if near else ""
+    return (f"data path '{value}' does not exist: there is no file or folder '{parent.name}' in {here}{hint}. "
+            "Fix data.path (or data.eval_split).")

@@ -156,3 +156,24 @@ def test_resume_with_a_different_batch_layout_is_refused(tiny_assets, tmp_path):
     run_train(recipe)
     with pytest.raises(LLMTrainError, match="micro_batch_size x processes = 4"):
         run_train(recipe, "train.max_steps=6", "train.micro_batch_size=2", resume="auto", allow_recipe_change=True)
+
+
+def test_a_write_that_stopped_short_on_a_full_disk_says_first_that_the_disk_is_full(tmp_path, monkeypatch):
+    """torch's writer reports ENOSPC as "[enforce fail at inline_container.cc:672] . unexpected pos ...": with (almost)
+    no space left on the disk the message leads with the cause; with space left it says what it knows."""
+    import shutil
+    from collections import namedtuple
+
+    from llmtrain.checkpoint import _save_failed
+
+    Usage = namedtuple("Usage", "total used free")
+    error = RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 1031680 vs 1031572")
+    (tmp_path / "checkpoints").mkdir()
+    final = tmp_path / "checkpoints" / "step_000004"
+    monkeypatch.setattr(shutil, "disk_usage", lambda _: Usage(100 * 2**30, 100 * 2**30, 0))
+    assert "failed: the disk is full (0.00 GiB free on that disk; the write stopped short: unexpected pos" in \
+        _save_failed(error, final)
+    monkeypatch.setattr(shutil, "disk_usage", lambda _: Usage(100 * 2**30, 50 * 2**30, 50 * 2**30))
+    message = _save_failed(error, final)
+    assert "failed: the write stopped short: unexpected pos 1031680 vs 1031572; 50.00 GiB free" in message
+    assert "disk is full" not in message

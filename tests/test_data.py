@@ -362,3 +362,19 @@ def test_order_is_a_function_of_seed_and_epoch():
     assert len(orders) == 6  # every (seed, epoch) its own permutation
     assert rank_micro_batches(5, seed=3, epoch=0, micro_batch_size=2, rank=0, world_size=1,
                               shuffle=False) == [[0, 1], [2, 3], [4]]
+
+
+def test_a_mistyped_local_data_path_is_named_as_missing_not_looked_up_on_the_hub(tmp_path, monkeypatch):
+    """data.path=../shared/data/gsm8kk used to be tried as a hub dataset, with network advice. A value that looks like
+    a path (a slash, and a parent folder that exists, or a leading . / ~) is said not to exist, with the nearest name;
+    owner/name is still a hub id."""
+    from llmtrain.errors import LLMTrainError
+    from llmtrain.sources import _missing_local, load_raw
+
+    (tmp_path / "data" / "gsm8k").mkdir(parents=True)
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(LLMTrainError, match=r"^data path 'data/gsm8kk' does not exist: there is no file or folder "
+                                            r"'gsm8kk' in data; the nearest name there is 'gsm8k'\."):
+        load_raw("data/gsm8kk")
+    assert "no file or folder 'dta' in ." in _missing_local("./dta/gsm8k")
+    assert _missing_local("openai/gsm8k") is None and _missing_local("gsm8k") is None

@@ -136,3 +136,20 @@ def test_mistral_7b_full_without_fsdp_fails(tmp_path):
     assert got["fsdp"][0] == "fail" and "accelerate_configs/fsdp.yaml" in got["fsdp"][1]
     assert got["memory"][0] == "fail" and "fsdp" in got["memory"][1].lower()  # the --fit advice
 
+
+
+def test_warmup_at_or_past_the_run_length_is_warned_by_doctor_and_finetune(tiny_assets, tmp_path):
+    """max_steps=20 with warmup_steps: 20 (a recipe shortened for a smoke test) trains on the ramp alone."""
+    from helpers import run_train, write_recipe
+    from llmtrain.config import load_recipe
+    from llmtrain.doctor import check_warmup, run_doctor
+
+    assert check_warmup(20, 20)[0][1] == "warn" and "train.warmup_steps=20 is not below the run's 20 steps" in \
+        check_warmup(20, 20)[0][2]
+    assert check_warmup(2, 20)[0][1] == "pass" and check_warmup(0, 5)[0][1] == "pass"
+    recipe = write_recipe(tiny_assets, tmp_path, train={"max_steps": 3, "warmup_steps": 5})
+    rows = {name: (status, detail) for name, status, detail in run_doctor(load_recipe(recipe), gpu_memory=80)}
+    assert rows["schedule"][0] == "warn"
+    run_train(recipe)
+    assert "warning (schedule): train.warmup_steps=5 is not below the run's 3 steps" in \
+        (tmp_path / "run" / "train.log").read_text()
