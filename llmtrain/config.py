@@ -8,6 +8,7 @@ the nearest valid key.
 from __future__ import annotations
 
 import difflib
+import re
 import types
 import typing
 from pathlib import Path
@@ -181,6 +182,21 @@ class TrainConfig(Section):
         "console. 0: none.",
     )
     eval_max_new_tokens: int = Field(128, gt=0, description="Most tokens generated for each eval sample.")
+    eval_answer_pattern: str | None = Field(
+        None, description="With eval_samples: a regular expression whose first group is the answer to compare in the "
+        "generated and the expected reply (GSM8K: '#### (\\S+)'); without it the whole replies are compared.")
+
+    @field_validator("eval_answer_pattern")
+    @classmethod
+    def _check_pattern(cls, v: str | None) -> str | None:
+        if v is not None:
+            try:
+                groups = re.compile(v).groups
+            except re.error as e:
+                raise ValueError(f"is not a regular expression ({e})") from None
+            if groups < 1:
+                raise ValueError("needs a group around the answer, e.g. '#### (\\S+)'")
+        return v
     loss_chunk_tokens: int = Field(
         4096, gt=0,
         description="The loss runs the LM head and cross-entropy over this many tokens at a time (recomputed in "

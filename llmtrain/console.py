@@ -90,8 +90,12 @@ def summary_table(summary: dict, *, out: Path, evals: list[dict]):
         table.add_row("final train loss", f"{summary['final_loss']:.4f}")
     if evals:
         best = min(evals, key=lambda e: e["eval_loss"])
-        what = (f"reward accuracy {best['eval_rewards/accuracies']:.1%}" if "eval_rewards/accuracies" in best
-                else f"exact match {best['eval_exact_match']:.1%}")
+        if "eval_rewards/accuracies" in best:
+            what = f"reward accuracy {best['eval_rewards/accuracies']:.1%}"
+        elif best.get("eval_answer_accuracy") is not None:
+            what = f"answer accuracy {best['eval_answer_accuracy']:.1%} of generated samples"
+        else:
+            what = f"teacher-forced match {best['eval_teacher_forced_match']:.1%}"
         table.add_row("best eval loss", f"{best['eval_loss']:.4f} (step {best['step']}, {what})")
     if summary.get("max_memory_allocated"):
         table.add_row("peak GPU memory", f"{summary['max_memory_allocated'] / 2**30:.2f} GiB allocated, "

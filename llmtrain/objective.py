@@ -79,9 +79,10 @@ class CausalLM:
         return {}
 
     def eval_sums(self, model, batch: dict, device) -> torch.Tensor:
-        """[loss, trained tokens, argmax hits, teacher-forced exact examples, examples]. An example is exact when
-        every trained token is the argmax under teacher forcing (the reference reply is fed): exactly when
-        greedy decoding would reproduce the reply."""
+        """[loss, trained tokens, argmax hits, teacher-forced matches, examples]. An example is a teacher-forced match
+        when every trained token is the argmax while the reference reply is fed: not an answer accuracy (a reply
+        generated from its own tokens can go elsewhere after a first wrong token); that is eval_answer_accuracy,
+        from generated samples."""
         cpu_example = batch["loss_example"]
         n = int(cpu_example.max()) + 1 if cpu_example.numel() else 0  # examples with a trained token, from the CPU
         batch = to_device(batch, device)
@@ -96,7 +97,7 @@ class CausalLM:
         loss, tokens, correct, exact, examples = sums
         mean = loss / max(tokens, 1)
         return {"eval_loss": mean, "eval_ppl": math.exp(min(mean, 50.0)),
-                "eval_token_accuracy": correct / max(tokens, 1), "eval_exact_match": exact / max(examples, 1)}
+                "eval_token_accuracy": correct / max(tokens, 1), "eval_teacher_forced_match": exact / max(examples, 1)}
 
 
 def objective_for(recipe, *, pad_id: int, model=None) -> Objective:

@@ -67,6 +67,26 @@ def generate_samples(model, tokenizer, examples, *, max_new_tokens: int, step: i
     return samples
 
 
+def answer(text: str, pattern: str | None) -> str | None:
+    """The answer in a reply: the first group of `pattern` (train.eval_answer_pattern) where it matches (None where
+    it does not), else the whole reply, stripped."""
+    import re
+
+    if pattern is None:
+        return text.strip()
+    found = re.search(pattern, text)
+    return found.group(1).strip() if found else None
+
+
+def mark_answers(samples: list[dict], pattern: str | None) -> float | None:
+    """Add to each sample its extracted answers and whether the generated one is the expected one; the share of
+    samples whose generated answer matches (None without samples). A generated reply without an answer is wrong."""
+    for s in samples:
+        s["expected_answer"], s["generated_answer"] = answer(s["expected"], pattern), answer(s["generated"], pattern)
+        s["match"] = s["generated_answer"] is not None and s["generated_answer"] == s["expected_answer"]
+    return sum(s["match"] for s in samples) / len(samples) if samples else None
+
+
 def format_sample(sample: dict, *, width: int = 240) -> str:
     """The console lines for one sample, each on one line and shortened (the prompt keeps its end, next to the
     answer)."""

@@ -3,7 +3,7 @@ library, imported only when asked for.
 
 A tracker receives every metrics line that MetricsLog writes to metrics.jsonl (which stays the record of the
 run) and, when it opens, the run's resolved recipe as its config. Trackers run on the main process only.
-Numbers are logged as `<type>/<name>`: `train/loss`, `train/lr`, `eval/loss`, `eval/exact_match`, ...
+Numbers are logged as `<type>/<name>`: `train/loss`, `train/lr`, `eval/loss`, `eval/teacher_forced_match`, ...
 
 - tensorboard: event files in <output_dir>/tb; the recipe as a text entry.
 - wandb: the run files in <output_dir>/wandb. WANDB_MODE=offline needs no account and no network (sync

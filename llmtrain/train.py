@@ -43,7 +43,7 @@ from llmtrain.phases import (
     seed_run,
 )
 from llmtrain.plot import update_loss_plot
-from llmtrain.samples import format_sample, generate_samples
+from llmtrain.samples import format_sample, generate_samples, mark_answers
 from llmtrain.signals import StopRequests
 from llmtrain.state import TrainState
 from llmtrain.step import evaluate, train_step
@@ -177,13 +177,15 @@ def evaluate_and_sample(run: Run, state: TrainState, progress) -> dict:
                   batch_tokens=tc.micro_batch_tokens if tc.eval_batch_size is None else None,
                   on_batch=lambda done, total: progress.update(shown, completed=done, total=total))
     progress.remove_task(shown)
-    run.log.write({"type": "eval", "step": state.step, **ev})
     samples = []
     if tc.eval_samples:  # every rank generates (under FSDP each forward gathers all ranks' shards)
         first = eval_ds.select(range(min(tc.eval_samples, len(eval_ds))))
         samples = generate_samples(run.model.unwrapped, run.data.tokenizer, first,
                                    max_new_tokens=tc.eval_max_new_tokens, step=state.step,
                                    synced=accelerator.num_processes > 1)
+        if (accuracy := mark_answers(samples, tc.eval_answer_pattern)) is not None:
+            ev["eval_answer_accuracy"] = accuracy
+    run.log.write({"type": "eval", "step": state.step, **ev})
     run.log.write_samples(samples)  # the main process writes samples.jsonl
     say(f"step {state.step}: " + "  ".join(f"{k} {v:.4f}" for k, v in ev.items()))
     if samples:

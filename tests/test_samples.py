@@ -163,3 +163,31 @@ def test_finetune_writes_samples_at_each_eval(tmp_path, tiny_assets):
     assert [s["expected"] for s in lines] == [r["completion"] for r in rows] * 2
     assert all(isinstance(s["generated"], str) for s in lines)
     assert (tmp_path / "run" / "loss.png").stat().st_size > 10_000  # rewritten at each eval and at the end
+
+
+def test_answer_accuracy_compares_the_extracted_answers_of_generated_and_expected_replies():
+    """eval_answer_accuracy: with train.eval_answer_pattern the first group is compared (GSM8K's '#### N'), without it
+    the whole stripped reply; a generated reply with no answer in it is wrong."""
+    from llmtrain.samples import mark_answers
+
+    samples = [{"expected": "so 3 + 4 = 7\n#### 7", "generated": "3 + 4 is 7.\n#### 7"},
+               {"expected": "#### 12", "generated": "#### 13"},
+               {"expected": "#### 5", "generated": "five"}]
+    assert mark_answers(samples, r"#### (\S+)") == pytest.approx(1 / 3)
+    assert [s["match"] for s in samples] == [True, False, False]
+    assert [s["generated_answer"] for s in samples] == ["7", "13", None]
+    assert mark_answers([{"expected": " cba", "generated": "cba "}], None) == 1.0
+    assert mark_answers([], None) is None
+
+
+def test_eval_answer_pattern_must_be_a_regex_with_a_group(tmp_path):
+    from llmtrain.config import load_recipe
+    from llmtrain.errors import RecipeError
+
+    path = tmp_path / "r.yaml"
+    path.write_text("model: {name_or_path: m}\ndata: {path: d.jsonl, format: text}\n")
+    assert load_recipe(path, ["train.eval_answer_pattern=#### (\\S+)"]).train.eval_answer_pattern == "#### (\\S+)"
+    with pytest.raises(RecipeError, match="needs a group around the answer"):
+        load_recipe(path, ["train.eval_answer_pattern=####"])
+    with pytest.raises(RecipeError, match="is not a regular expression"):
+        load_recipe(path, ["train.eval_answer_pattern=(("])

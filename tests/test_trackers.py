@@ -17,7 +17,7 @@ RECIPE = {"model": {"name_or_path": "assets/tiny/model"}, "train": {"lr": 0.001,
 LINES = [{"type": "train", "step": 1, "loss": 2.5, "lr": 1e-3, "tokens_seen": 100, "skipped": False, "mfu": None},
          {"type": "train", "step": 2, "loss": None, "lr": 1e-3, "tokens_seen": 200, "skipped": True},
          {"type": "train", "step": 3, "loss": 1.5, "lr": 5e-4, "tokens_seen": 300, "skipped": False},
-         {"type": "eval", "step": 3, "eval_loss": 1.75, "eval_exact_match": 0.25}]
+         {"type": "eval", "step": 3, "eval_loss": 1.75, "eval_teacher_forced_match": 0.25}]
 
 
 class Recorder:
@@ -52,7 +52,7 @@ def test_metrics_log_passes_every_line_to_its_trackers(tmp_path):
 def test_scalars_are_the_finite_numbers_under_type_slash_name():
     assert scalars(LINES[0]) == {"train/loss": 2.5, "train/lr": 1e-3, "train/tokens_seen": 100.0, "train/skipped": 0.0}
     assert scalars(LINES[1]) == {"train/lr": 1e-3, "train/tokens_seen": 200.0, "train/skipped": 1.0}
-    assert scalars(LINES[3]) == {"eval/loss": 1.75, "eval/exact_match": 0.25}
+    assert scalars(LINES[3]) == {"eval/loss": 1.75, "eval/teacher_forced_match": 0.25}
     assert scalars({"type": "train", "step": 4, "grad_norm": float("inf")}) == {}
 
 
@@ -188,7 +188,8 @@ def test_mlflow_run_holds_params_artifact_and_metrics(monkeypatch, tmp_path):
     assert run.info.run_name == "run-a" and run.info.status == "FINISHED"
     assert run.data.params["train.lr"] == "0.001" and run.data.params["logging.report_to"] == "['wandb']"
     assert [(m.step, m.value) for m in client.get_metric_history(run.info.run_id, "train/loss")] == [(1, 2.5), (3, 1.5)]
-    assert [(m.step, m.value) for m in client.get_metric_history(run.info.run_id, "eval/exact_match")] == [(3, 0.25)]
+    history = client.get_metric_history(run.info.run_id, "eval/teacher_forced_match")
+    assert [(m.step, m.value) for m in history] == [(3, 0.25)]
     assert [a.path for a in client.list_artifacts(run.info.run_id)] == ["recipe.yaml"]
 
 

@@ -114,7 +114,7 @@ def test_metrics_jsonl_and_summary(tiny_assets, tmp_path):
     assert [e["step"] for e in evals] == [2, 4, 5]
     for e in evals:
         assert e["eval_ppl"] == pytest.approx(math.exp(e["eval_loss"]))
-        assert 0 <= e["eval_token_accuracy"] <= 1 and 0 <= e["eval_exact_match"] <= 1
+        assert 0 <= e["eval_token_accuracy"] <= 1 and 0 <= e["eval_teacher_forced_match"] <= 1
     # Eval lines come right after the train line of their step.
     order = [(r["type"], r["step"]) for r in lines]
     assert order.index(("eval", 2)) == order.index(("train", 2)) + 1
