@@ -286,3 +286,28 @@ def test_cpu_ddp_joins_two_processes(tmp_path, free_port):
 def test_launch_configs_are_plain_yaml_mappings():
     for path in LAUNCH_CONFIGS:
         assert isinstance(yaml.safe_load(path.read_text()), dict), path
+
+
+@pytest.mark.parametrize("path", sorted(p for p in RECIPES if "GiB" in _header(p)), ids=lambda p: p.name)
+def test_recipe_header_estimate_is_what_the_tool_prints_for_its_launch(path: Path):
+    """A header's "~N GiB (estimated by `llmtrain estimate-memory recipes/X --accelerate-config Y`)" is the tool's
+    per-GPU peak for that recipe and launch, rounded; and without --accelerate-config the tool reads the launch from
+    the header, so `estimate-memory recipes/X` alone says the same."""
+    from llmtrain.memory.cli import header_launch
+    from llmtrain.memory.estimate import estimate
+    from llmtrain.memory.launch import read_accelerate_config
+    from llmtrain.memory.params import load_model_shape
+    from llmtrain.memory.spec import spec_from_recipe
+
+    header = " ".join(_header(path).split())
+    found = re.search(r"~(\d+) GiB (?:each )?\(estimated by `llmtrain estimate-memory (\S+) --accelerate-config (\S+)`",
+                      header)
+    assert found, header
+    said, named, launch = int(found.group(1)), found.group(2), found.group(3)
+    assert named == f"recipes/{path.name}"
+    assert header_launch(path).resolve() == (REPO / launch).resolve()  # what the tool reads without the option
+    recipe, lay = load_recipe(path), read_accelerate_config(REPO / launch)  # as estimate-memory does
+    spec = spec_from_recipe(recipe, strategy=lay.strategy, num_gpus=lay.num_gpus, num_nodes=lay.num_nodes,
+                            cpu_offload=lay.cpu_offload, gpu_memory_gib=80.0)
+    got = estimate(load_model_shape(recipe.model.name_or_path), spec).per_gpu_peak_bytes / 2**30
+    assert round(got) == said, got

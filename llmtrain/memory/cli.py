@@ -77,6 +77,10 @@ def estimate_memory(
                                  packing=packing, loss_chunk_tokens=loss_chunk_tokens,
                                  grad_checkpointing=grad_checkpointing, dtype=dtype, mixed_precision=mixed_precision,
                                  attn=attn, quantize=quantize).items() if v is not None}
+    if recipe is not None and accelerate_config is None and not (strategy or num_gpus or num_nodes):
+        accelerate_config = header_launch(recipe)  # as the recipe's header launches it
+        if accelerate_config is not None and not as_json:
+            typer.echo(f"launch: {accelerate_config}, from the recipe's header (--accelerate-config FILE for another)")
     layout, launch_mp = _layout(accelerate_config, strategy=strategy, num_gpus=num_gpus, num_nodes=num_nodes,
                                 cpu_offload=cpu_offload, fit=fit)
     launch = dict(gpu_memory_gib=gpu_memory, **layout)
@@ -133,6 +137,27 @@ def _from_model(model: str, overrides, run: dict, launch: dict):
         assumed = (f"LoRA base weights in {LORA_BASE_DTYPE}, as the shipped LoRA recipes keep them "
                    "(--dtype float32 for an fp32 base)",)
     return shape, TrainSpec(**run, **launch), None, None, assumed
+
+
+def header_launch(recipe: Path) -> Path | None:
+    """The accelerate config of the first launch command in a recipe's header comment (`accelerate launch
+    --config_file accelerate_configs/X.yaml ... llmtrain finetune`), where that file exists (relative to the working
+    folder, or to the recipe's repository); None where the first command is a plain `llmtrain finetune`."""
+    import re
+
+    try:
+        lines = Path(recipe).read_text().splitlines()
+    except OSError:
+        return None
+    # the header's first launch command (`[accelerate launch --config_file X ...] llmtrain finetune ...`)
+    first = next((line for line in lines if line.startswith("#") and "finetune" in line), "")
+    found = re.search(r"--config_file\s+(\S+\.yaml)", first)
+    if not found:
+        return None
+    for base in (Path.cwd(), Path(recipe).resolve().parent.parent):
+        if (base / found.group(1)).is_file():
+            return base / found.group(1) if base != Path.cwd() else Path(found.group(1))
+    return None
 
 
 def _layout(path: Path | None, *, strategy, num_gpus, num_nodes, cpu_offload: bool,
