@@ -33,7 +33,14 @@ def build_accelerator(recipe: Recipe):
             "checkpoints are sharded (every rank writes its own shard, nothing is gathered), so set "
             "fsdp_state_dict_type: SHARDED_STATE_DICT. final/ is still exported as one full model."
         )
-    # The recipe is the source of truth for precision; passing it explicitly overrides the launch config.
+    # The recipe is the source of truth for precision; passing it explicitly overrides the launch config. A second
+    # train() in one process (a notebook, the tests) may ask for another precision than the first: Accelerate keeps
+    # its state per process and refuses a change, so the old precision is forgotten (the process group is kept).
+    from accelerate.state import AcceleratorState
+
+    state = AcceleratorState._shared_state
+    if state and state.get("_mixed_precision", recipe.train.mixed_precision) != recipe.train.mixed_precision:
+        AcceleratorState._reset_state()
     accelerator = Accelerator(
         # Without an accelerator, processes started by torchrun (`accelerate launch` with a multi-process
         # config) must be told they are CPU workers, or each one silently trains alone; with cpu=True

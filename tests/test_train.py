@@ -208,3 +208,13 @@ def test_allowed_recipe_change_at_resume_is_recorded(tiny_assets, tmp_path):
     notes = records(tmp_path / "run", "note")
     assert [n["note"] for n in notes] == ["train.max_steps changed from 3 to 5 at resume"]
     assert notes[0]["step"] == 2 and [r["step"] for r in records(tmp_path / "run")] == [1, 2, 3, 4, 5]
+
+
+def test_runs_with_different_mixed_precision_in_one_process(recipe, tmp_path):
+    """A notebook (or a test session) calls train() again with another train.mixed_precision: Accelerate keeps one
+    state per process and refused the change ("AcceleratorState has already been initialized")."""
+    first = run_train(recipe, f"output_dir={tmp_path / 'fp32'}", "train.max_steps=2")
+    second = run_train(recipe, f"output_dir={tmp_path / 'bf16'}", "train.max_steps=2", "train.mixed_precision=bf16")
+    assert first["steps"] == second["steps"] == 2
+    assert losses(tmp_path / "bf16") != losses(tmp_path / "fp32")  # bf16 autocast really ran
+    assert losses(tmp_path / "bf16") == pytest.approx(losses(tmp_path / "fp32"), rel=2e-2)
