@@ -128,12 +128,14 @@ def doctor(
         help="The accelerate launch config the run will use (mixed precision, FSDP, processes, machines).")] = None,
     gpu_memory: Annotated[Optional[float], typer.Option(
         help="Memory of one GPU in GiB (default: the GPU present).")] = None,
+    show_recipe: Annotated[bool, typer.Option("--show-recipe", help="Print the resolved recipe first.")] = False,
 ) -> None:
     """Check a recipe before spending GPU time: tokenizer, data and masks, memory, launch config. Exit 1 on a fail."""
     from llmtrain.config import load_recipe
     from llmtrain.doctor import doctor as run
 
-    code = run(load_recipe(recipe, overrides), accelerate_config=accelerate_config, gpu_memory=gpu_memory)
+    code = run(load_recipe(recipe, overrides), accelerate_config=accelerate_config, gpu_memory=gpu_memory,
+               show_recipe=show_recipe)
     raise typer.Exit(code)
 
 

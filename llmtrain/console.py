@@ -12,7 +12,7 @@ from pathlib import Path
 
 
 class RunConsole:
-    def __init__(self, *, enabled: bool, progress: bool):
+    def __init__(self, *, enabled: bool, progress: bool, device: str = "cuda"):
         from rich.console import Console
 
         self.enabled = enabled
@@ -21,6 +21,7 @@ class RunConsole:
         self.show_bar = enabled and progress and not self.plain
         self._log = None
         self._pending: list = []
+        self.unit = unit_of(device)
 
     def progress(self, *, total: int, completed: int):
         from llmtrain.metrics import progress_bar
@@ -53,7 +54,7 @@ class RunConsole:
 
     def step(self, rec: dict, *, total: int) -> None:
         if self.plain:
-            self.say(f"step {rec['step']}/{total}  {step_text(rec)}  elapsed {rec['elapsed_s']:.0f}s")
+            self.say(f"step {rec['step']}/{total}  {step_text(rec, unit=self.unit)}  elapsed {rec['elapsed_s']:.0f}s")
 
     def close(self) -> None:
         if self._log is not None:
@@ -61,17 +62,22 @@ class RunConsole:
             self._log = None
 
 
-def step_text(rec: dict) -> str:
+def unit_of(device: str) -> str:
+    """What a speed is per: a GPU, or (on a CPU, where one process may use several cores) a process."""
+    return "gpu" if device == "cuda" else "process"
+
+
+def step_text(rec: dict, *, unit: str = "gpu") -> str:
     loss = rec.get("loss")
     if loss is None or not math.isfinite(loss):
         return f"loss {loss}  (update skipped)"
     mfu = f"  MFU {rec['mfu']:.1%}" if rec.get("mfu") is not None else ""
     pairs = (f"  acc {rec['rewards/accuracies']:.0%} margin {rec['rewards/margins']:.3f}"
              if "rewards/accuracies" in rec else "")  # preference runs
-    return f"loss {loss:.4f}{pairs}  lr {rec['lr']:.2e}  {rec['tokens_per_s_per_gpu']:,.0f} tok/s/gpu{mfu}"
+    return f"loss {loss:.4f}{pairs}  lr {rec['lr']:.2e}  {rec['tokens_per_s_per_gpu']:,.0f} tok/s/{unit}{mfu}"
 
 
-def summary_table(summary: dict, *, out: Path, evals: list[dict]):
+def summary_table(summary: dict, *, out: Path, evals: list[dict], unit: str = "gpu"):
     """The end-of-run table: steps, tokens, time, speed, the best eval, peak GPU memory, and where final/ is."""
     from rich.table import Table
 
@@ -83,9 +89,9 @@ def summary_table(summary: dict, *, out: Path, evals: list[dict]):
     resumed = summary["train_time_s"] - summary["process_time_s"] > 1
     this = f" (this process {_clock(summary['process_time_s'])}; the rest before the resume)" if resumed else ""
     table.add_row("time", _clock(summary["train_time_s"]) + this)
-    table.add_row("tokens/s per GPU", f"{summary['tokens_per_s_per_gpu']:,.0f} training, "
-                                      f"{summary['wall_tokens_per_s_per_gpu']:,.0f} with eval and checkpoints"
-                                      + (" (this process)" if resumed else ""))
+    speeds = (f"{summary['tokens_per_s_per_gpu']:,.0f} training, {summary['wall_tokens_per_s_per_gpu']:,.0f} with "
+              f"eval and checkpoints{' (this process)' if resumed else ''}")
+    table.add_row(f"tokens/s per {'GPU' if unit == 'gpu' else unit}", speeds)
     if summary.get("final_loss") is not None:
         table.add_row("final train loss", f"{summary['final_loss']:.4f}")
     if evals:

@@ -15,7 +15,7 @@ from llmtrain.config import Recipe
 from llmtrain.data import IGNORE, DataStats
 from llmtrain.errors import LLMTrainError
 
-Check = tuple[str, str, str]  # (name, "pass" | "warn" | "fail", detail: what was found, and the key and fix)
+Check = tuple[str, str, str]  # (name, "pass" | "info" | "skipped" | "warn" | "fail", detail: what was found, key, fix)
 
 BIG_MODEL_PARAMS = 3e9  # above this a full fine-tune keeps ~16 bytes/param of state: FSDP, not DDP
 EOS_SAMPLE = 200  # rows whose last trained label is checked
@@ -242,7 +242,8 @@ def check_memory(recipe: Recipe, launch_path: Path | None, gpu_memory: float | N
 
     rows: list[Check] = []
     if gpu_memory is None:
-        rows.append(("memory", "warn", "no GPU here; pass --gpu-memory 80 to check against an H100"))
+        rows.append(("memory", "info", "no GPU here: the estimate is not checked against a card; pass "
+                     "--gpu-memory 80 to check it against an H100"))
     try:
         lay = read_accelerate_config(launch_path) if launch_path else None
         layout = dict(strategy=lay.strategy, num_gpus=lay.num_gpus, num_nodes=lay.num_nodes,
@@ -318,12 +319,14 @@ def run_doctor(recipe: Recipe, *, accelerate_config: Path | None = None,
 
     datasets.disable_progress_bars()
     launch = read_launch(accelerate_config)
-    checks: list[Check] = [("recipe", "pass", "validates (resolved recipe above)"), *check_quantize(recipe)]
+    checks: list[Check] = [("recipe", "pass", "validates (--show-recipe prints it resolved)"), *check_quantize(recipe)]
     try:
         tokenizer = load_tokenizer(recipe.model)
     except LLMTrainError as e:
         tokenizer = None
         checks.append(("tokenizer eos/pad", "fail", str(e)))
+        checks += [(name, "skipped", "needs the tokenizer") for name in ("chat template", "data", "loss mask",
+                                                                         "eos trained", "schedule")]
     if tokenizer is not None:
         checks += check_tokenizer(tokenizer) + check_chat_template(recipe, tokenizer)
         checks += load_data(recipe, tokenizer, world=int(launch.get("num_processes", 1) or 1))
@@ -335,19 +338,21 @@ def run_doctor(recipe: Recipe, *, accelerate_config: Path | None = None,
     return checks + check_batch(recipe, launch) + check_shared_fs(recipe, launch)
 
 
-def doctor(recipe: Recipe, *, accelerate_config: Path | None = None, gpu_memory: float | None = None) -> int:
-    """Print the resolved recipe and the checks; 1 when a check fails, else 0."""
+def doctor(recipe: Recipe, *, accelerate_config: Path | None = None, gpu_memory: float | None = None,
+           show_recipe: bool = False) -> int:
+    """Print the checks (and, with show_recipe, the resolved recipe first); 1 when a check fails, else 0."""
     from rich.console import Console
     from rich.markup import escape
     from rich.table import Table
 
     console = Console(highlight=False)
-    console.print(escape(recipe.to_yaml()))
+    if show_recipe:
+        console.print(escape(recipe.to_yaml()))
     checks = run_doctor(recipe, accelerate_config=accelerate_config, gpu_memory=gpu_memory)
     table = Table(title="llmtrain doctor")
     for col in ("check", "status", "detail"):
         table.add_column(col)
-    colour = {"pass": "green", "warn": "yellow", "fail": "bold red"}
+    colour = {"pass": "green", "info": "cyan", "skipped": "dim", "warn": "yellow", "fail": "bold red"}
     for name, status, detail in checks:
         table.add_row(name, f"[{colour[status]}]{status}[/]", escape(detail))
     console.print(table)

@@ -136,8 +136,8 @@ def prepare_data(recipe: Recipe, accelerator, *, say) -> Data:
         train_ds, eval_ds, stats, cache_hit = prepare_datasets(recipe.data, tokenizer, seed=tc.seed)
     (cache_reads,) = global_sum(accelerator, cache_hit)
     world, accum, s = accelerator.num_processes, tc.grad_accum_steps, stats["train"]
-    say(f"data: {s.examples} train examples ({'tokenised' if cache_reads < world else 'cache hit'}, "
-        f"{int(cache_reads)} of {world} processes read the cache), {s.truncated} truncated, {s.dropped} dropped, "
+    say(f"data: {s.examples} train examples ({cache_line(int(cache_reads), world)}), {s.truncated} truncated, "
+        f"{s.dropped} dropped, "
         f"{s.trained_fraction:.1%} of tokens trained; eval: {stats['eval'].examples if 'eval' in stats else 0} "
         "examples")
     for name, status, detail in check_data(recipe, s, train_ds, eval_ds, tokenizer):  # as `llmtrain doctor`
@@ -163,6 +163,15 @@ def prepare_data(recipe: Recipe, accelerator, *, say) -> Data:
             f"{mb * accum * world} examples/step; {total_steps} steps ({per_epoch[0]}/epoch)")
     return Data(tokenizer=tokenizer, train=train_ds, eval=eval_ds, stats=stats, cache_reads=int(cache_reads),
                 pad_id=pad_id(tokenizer), plan=plan, total_steps=total_steps, packing_efficiency=efficiency)
+
+
+def cache_line(reads: int, world: int) -> str:
+    """Where the tokenised data came from: the cache, or tokenised now (by the main process, the others reading)."""
+    if reads == world:
+        return "read from the tokenised cache"
+    if world == 1:
+        return "tokenised and cached"
+    return f"tokenised by the main process and cached; read from the cache by the other {reads}"
 
 
 # --------------------------------------------------------------------------- 4. model and optimizer

@@ -58,7 +58,8 @@ def train(recipe: Recipe, *, resume: str | None = None, overwrite: bool = False,
         quiet_libraries()
         check_trackers(recipe.logging.report_to)  # a missing tracker library fails now, not after the model loads
         accelerator = build_accelerator(recipe)
-        console = RunConsole(enabled=accelerator.is_main_process, progress=recipe.logging.progress)
+        console = RunConsole(enabled=accelerator.is_main_process, progress=recipe.logging.progress,
+                             device=accelerator.device.type)
         cleanup.callback(console.close)
         say = console.say
 
@@ -154,7 +155,7 @@ def report(run: Run, state: TrainState, meter: Meter, progress, task, *, logged:
     line = meter.line(state)
     run.log.write(line)
     latest_eval = f"  eval {evals[-1]['eval_loss']:.4f}" if evals else ""
-    progress.update(task, completed=state.step, info=step_text(line) + latest_eval)
+    progress.update(task, completed=state.step, info=step_text(line, unit=run.console.unit) + latest_eval)
     run.console.step(line, total=run.cadence.total_steps)
 
 
@@ -222,7 +223,7 @@ def finish(run: Run, state: TrainState, meter: Meter, evals: list[dict]) -> dict
     if accelerator.is_main_process:
         (out / "summary.json").write_text(json.dumps(strict_json(summary), indent=1, allow_nan=False))
         final_dir = str(out / "final") if run.recipe.checkpoint.save_final else None
-        say(summary_table({**summary, "final": final_dir}, out=out, evals=evals))
+        say(summary_table({**summary, "final": final_dir}, out=out, evals=evals, unit=run.console.unit))
         final = summary["final_loss"]
         say(f"done: {state.step} steps, final loss {final if final is None else round(final, 4)}, wrote {out}")
         if note := update_loss_plot(out):

@@ -82,8 +82,16 @@ def test_good_tiny_recipe(tiny_assets, tmp_path):
     got = rows(checks)
     assert got["memory"][0] == "pass" and got["eos trained"][0] == "pass" and got["loss mask"][0] == "pass"
     proc = cli("doctor", str(write_recipe(tiny_assets, tmp_path)))
-    assert "output_dir:" in proc.stdout  # the resolved recipe is printed
+    assert "output_dir:" not in proc.stdout  # the table alone: the resolved recipe only with --show-recipe
     assert "no GPU here" in proc.stdout or "per GPU estimated" in proc.stdout
+    assert "output_dir:" in cli("doctor", str(write_recipe(tiny_assets, tmp_path)), "--show-recipe").stdout
+    # a machine without a GPU is information, not a warning; rows that cannot run are shown as skipped
+    no_gpu = rows(run_doctor(load_recipe(write_recipe(tiny_assets, tmp_path)), gpu_memory=None))
+    if no_gpu["memory"][1].startswith("no GPU here"):
+        assert no_gpu["memory"][0] == "info"
+    broken = rows(run_doctor(load_recipe(write_recipe(tiny_assets, tmp_path), [f"model.tokenizer={tmp_path / 'no'}"]),
+                             gpu_memory=80))
+    assert broken["tokenizer eos/pad"][0] == "fail" and broken["loss mask"] == ("skipped", "needs the tokenizer")
 
 
 def test_nothing_trained_fails(tiny_assets, tmp_path):
