@@ -20,6 +20,7 @@ app = typer.Typer(
     no_args_is_help=True,
     add_completion=False,
     pretty_exceptions_enable=False,
+    rich_markup_mode=None,  # plain help: whole option names in 80 columns, no <bool> after a flag
 )
 
 Overrides = Annotated[Optional[list[str]], typer.Argument(help="Dotted recipe overrides, e.g. train.max_steps=8.")]
@@ -60,15 +61,18 @@ def finetune(
     resume: Annotated[
         Optional[str], typer.Option(help="'auto' for the latest complete checkpoint in output_dir, or a path.")
     ] = None,
-    overwrite: Annotated[bool, typer.Option(help="Start again in an existing run folder (deletes the old run).")] = False,
-    allow_recipe_change: Annotated[bool, typer.Option(
+    overwrite: Annotated[bool, typer.Option(
+        "--overwrite", help="Start again in an existing run folder (deletes the old run).")] = False,
+    allow_recipe_change: Annotated[bool, typer.Option("--allow-recipe-change",
         help="On --resume, continue with a changed schedule (max_steps, epochs, lr, ...), said and recorded.")] = False,
 ) -> None:
     """Fine-tune a model as the recipe describes (run it under `accelerate launch` to scale out)."""
     from llmtrain.config import load_recipe
+
+    checked = load_recipe(recipe, overrides)  # a missing file or a bad key is said before torch is imported
     from llmtrain.train import train
 
-    train(load_recipe(recipe, overrides), resume=resume, overwrite=overwrite, allow_recipe_change=allow_recipe_change)
+    train(checked, resume=resume, overwrite=overwrite, allow_recipe_change=allow_recipe_change)
 
 
 @app.command("inspect-data")
@@ -90,7 +94,8 @@ def inspect_data(
 @user_errors
 def export(
     run_dir: Annotated[Path, typer.Argument(help="A finished run's output_dir.")],
-    merge: Annotated[bool, typer.Option(help="Merge a LoRA adapter into its base and write a full model.")] = False,
+    merge: Annotated[bool, typer.Option("--merge", help="Merge a LoRA adapter into its base and write a full model.")
+                     ] = False,
     out: Annotated[Optional[Path], typer.Option(help="Where to write (default <run_dir>/final-merged).")] = None,
 ) -> None:
     """Write a merged full model from a LoRA run's final adapter."""

@@ -107,3 +107,32 @@ def test_finetune_end_to_end(tiny_assets, tmp_path):
                "--allow-recipe-change")
     assert "at step 2" in proc.stdout
     assert [r["step"] for r in records(run)] == [1, 2, 3, 4]
+
+
+def test_a_missing_recipe_is_refused_before_torch_is_imported(tmp_path):
+    """The error for a mistyped recipe path comes at once (it took 1.7 s, importing torch first)."""
+    import subprocess
+    import sys
+
+    code = ("import sys, runpy\nsys.argv = ['llmtrain', 'finetune', sys.argv[1]]\n"
+            "try:\n    runpy.run_module('llmtrain', run_name='__main__')\nexcept SystemExit as e:\n"
+            "    print('exit', e.code, 'torch' in sys.modules)")
+    proc = subprocess.run([sys.executable, "-c", code, str(tmp_path / "nope.yaml")], capture_output=True, text=True,
+                          timeout=120)
+    assert "exit 2 False" in proc.stdout, proc.stdout + proc.stderr
+    assert "does not exist" in proc.stderr + proc.stdout and "Traceback" not in proc.stderr
+
+
+@pytest.mark.parametrize("command", [[], ["finetune"], ["doctor"], ["estimate-memory"], ["export"]])
+def test_help_fits_80_columns_with_whole_option_names(command):
+    """In an 80-column terminal the help showed `--micro-batch-to…` and `<bool>` after on/off flags."""
+    import os
+    import subprocess
+    import sys
+
+    proc = subprocess.run([sys.executable, "-m", "llmtrain", *command, "--help"], capture_output=True, text=True,
+                          env={**os.environ, "COLUMNS": "80"}, timeout=120)
+    assert proc.returncode == 0 and "…" not in proc.stdout and "<bool>" not in proc.stdout, proc.stdout
+    assert all(len(line) <= 80 for line in proc.stdout.splitlines())
+    if command == ["estimate-memory"]:
+        assert "--micro-batch-tokens" in proc.stdout and "--grad-checkpointing / --no-grad-checkpointing" in proc.stdout

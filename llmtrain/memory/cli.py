@@ -59,7 +59,8 @@ def estimate_memory(
         help="QLoRA: the base's decoder linears in 4 bits (with --method lora).")] = None,
     attn: Annotated[Optional[Literal["auto", "varlen", "sdpa", "eager", "flash_attention_2"]], typer.Option(
         help="Attention implementation (model.attn_implementation; auto is varlen).")] = None,
-    cpu_offload: Annotated[bool, typer.Option(help="FSDP offload of weights, gradients and optimizer state.")] = False,
+    cpu_offload: Annotated[bool, typer.Option(
+        "--cpu-offload", help="FSDP offload of weights, gradients and optimizer state.")] = False,
     accelerate_config: Annotated[Optional[Path], typer.Option(
         help="Read strategy and GPU counts from an accelerate launch config; explicit options win.")] = None,
     gpu_memory: Annotated[float, typer.Option(help="Memory of one GPU in GiB.")] = 80.0,
