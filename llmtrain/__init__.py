@@ -3,7 +3,11 @@
 __version__ = "0.1.0"
 
 import logging as _logging
+import warnings as _warnings
 
 # bitsandbytes (imported by peft wherever it is installed) says on a CPU without the optional `kernels` package that
 # it falls back to its own 4-bit kernels: nothing for the user to do, on every command.
 _logging.getLogger("bitsandbytes.backends.cpu.ops").setLevel(_logging.ERROR)
+# peft asks transformers' deprecated is_gradient_checkpointing of every LoRA model (train, export, samples): nothing
+# for the user to do.
+_warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning)

@@ -92,7 +92,11 @@ def load_model(cfg: ModelConfig, lora: LoraConfig | None, *, device: torch.devic
         _apply_liger(model)
     if cfg.gradient_checkpointing:
         # Non-reentrant checkpointing works with frozen inputs (LoRA) and needs no input-grad hooks.
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        # transformers 5.24 renamed it (the old name warns on every run); 5.17, the GPU machine's, has the old only
+        if hasattr(model, "activation_checkpointing_enable"):
+            model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+        else:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     if lora is not None:
         model = apply_lora(model, lora)
     if empty:

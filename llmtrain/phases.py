@@ -15,7 +15,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-import warnings
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -55,8 +54,6 @@ def quiet_libraries() -> None:
 
     datasets.disable_progress_bars()  # the run's own progress bar is the one to watch
     transformers.utils.logging.disable_progress_bar()
-    # peft asks transformers' deprecated is_gradient_checkpointing on every LoRA run: nothing for the user to do
-    warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning)
 
 
 # --------------------------------------------------------------------------- 1. checks that only read

@@ -218,3 +218,22 @@ def test_runs_with_different_mixed_precision_in_one_process(recipe, tmp_path):
     assert first["steps"] == second["steps"] == 2
     assert losses(tmp_path / "bf16") != losses(tmp_path / "fp32")  # bf16 autocast really ran
     assert losses(tmp_path / "bf16") == pytest.approx(losses(tmp_path / "fp32"), rel=2e-2)
+
+
+def test_a_lora_run_with_checkpointing_prints_no_future_warning(tiny_assets, tmp_path):
+    """transformers 5.24 deprecated gradient_checkpointing_enable and is_gradient_checkpointing: a LoRA run warned on
+    every start. Checkpointing is still on (the new name), and nothing is warned."""
+    import warnings
+
+    recipe = write_recipe(tiny_assets, tmp_path, model={"gradient_checkpointing": True},
+                          lora={"r": 4, "alpha": 8, "dropout": 0.0}, train={"max_steps": 2})
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning)  # as the CLI
+        run_train(recipe)
+    assert not [w for w in caught if issubclass(w.category, FutureWarning)], [str(w.message) for w in caught]
+    from llmtrain.config import load_recipe
+    from llmtrain.modeling import load_model
+
+    model = load_model(load_recipe(recipe).model, None)
+    assert getattr(model, "is_activation_checkpointing", None) or model.is_gradient_checkpointing
