@@ -25,11 +25,18 @@ def _apply(tokenizer, messages: list[dict], template: str | None, *, generation_
 
 
 def _not_shown(messages: list[dict], k: int) -> LLMTrainError:
+    """Message k (0-based here, counted from 1 in what is said, as rows are) is not in the rendered text."""
     m = messages[k]
+    if m["role"] == "assistant":
+        fix = ("This template leaves that reply out (some show only the last assistant turn), so it cannot be trained. "
+               "Give a template that renders every reply (data.chat_template: path/to/template.jinja), or keep only "
+               "the last reply in the row.")
+    else:
+        fix = ("Move its text into a message the template shows (e.g. the first user message), or give a template "
+               "that shows it (data.chat_template: path/to/template.jinja).")
     return LLMTrainError(
-        f"message {k} ({m['role']}: {m['content'][:40]!r}) does not appear in the text the chat template renders, "
-        "so the model would never see it. Move its text into a message the template shows (e.g. the first user "
-        "message), or give a template that shows it (data.chat_template: path/to/template.jinja)."
+        f"message {k + 1} ({m['role']}: {m['content'][:40]!r}) does not appear in the text the chat template renders, "
+        f"so the model would never see it. {fix}"
     )
 
 
@@ -79,14 +86,14 @@ def _reply_parts(messages: list[dict], last: int, tokenizer, template: str | Non
                        generation_prompt=False).split(_mark(last))
         if len(parts) != 2:
             raise _not_shown(messages, last) if len(parts) == 1 else LLMTrainError(
-                f"the chat template shows message {last} (assistant) {len(parts) - 1} times, so it is not clear "
+                f"the chat template shows message {last + 1} (assistant) {len(parts) - 1} times, so it is not clear "
                 "which one to train. Give a template that shows it once (data.chat_template: path/to/template.jinja).")
         return parts
 
     before, after = around(history)
     full = _apply(tokenizer, messages[: last + 1], template, generation_prompt=False)
     if not (full.startswith(before) and full.endswith(after) and len(full) >= len(before) + len(after)):
-        raise LLMTrainError(f"the chat template rewrites the text around message {last} (assistant), so the reply "
+        raise LLMTrainError(f"the chat template rewrites the text around message {last + 1} (assistant), so the reply "
                             "cannot be placed in the text. Give a template that renders it as written "
                             "(data.chat_template: path/to/template.jinja).")
     shown = full[len(before):len(full) - len(after)]
@@ -101,7 +108,7 @@ def _reply_parts(messages: list[dict], last: int, tokenizer, template: str | Non
         prompt = _apply(tokenizer, hist, template, generation_prompt=True)
         if hist_before.startswith(prompt):
             return hist_before[len(prompt):], shown, after
-    raise LLMTrainError(f"the chat template renders the conversation before message {last} (assistant) in a way "
+    raise LLMTrainError(f"the chat template renders the conversation before message {last + 1} (assistant) in a way "
                         "that does not continue its own generation prompt (add_generation_prompt=True), so the "
                         "reply cannot be placed after it as at inference. Give a template that does "
                         "(data.chat_template: path/to/template.jinja).")

@@ -83,12 +83,13 @@ def _messages_problem(messages: Any, cfg: DataConfig, what: str) -> str | None:
     rk, ck = cfg.fields.get("role", "role"), cfg.fields.get("content", "content")
     for k, m in enumerate(messages):
         if not isinstance(m, dict) or not isinstance(m.get(rk), str):
-            return f"message {k} of {what} has no '{rk}' (its role; map the key with data.fields.role)"
+            return f"message {k + 1} of {what} has no '{rk}' (its role; map the key with data.fields.role)"
         got = m.get(ck)
         if not isinstance(got, str):
-            return (f"message {k} ({m[rk]}) of {what} has no '{ck}' (its text; map the key with data.fields.content)"
+            return (f"message {k + 1} ({m[rk]}) of {what} has no '{ck}' (its text; map the key with "
+                    "data.fields.content)"
                     if got is None else
-                    f"message {k} ({m[rk]}) of {what} has content {got!r} ({type(got).__name__}), not a string")
+                    f"message {k + 1} ({m[rk]}) of {what} has content {got!r} ({type(got).__name__}), not a string")
     return None
 
 

@@ -180,7 +180,7 @@ def test_messages_without_the_mapped_content_key_name_it(tiny_tok, tmp_path):
     path = write_jsonl(tmp_path / "d.jsonl", [{"conversations": [{"from": "human", "text": "hi"}]}])
     cfg = DataConfig(path=str(path), format="messages", cache_dir=str(tmp_path / "c"),
                      fields={"messages": "conversations", "role": "from", "content": "value"})
-    with pytest.raises(LLMTrainError, match=r"row 1: message 0 \(human\) of 'conversations' has no 'value' \(its "
+    with pytest.raises(LLMTrainError, match=r"row 1: message 1 \(human\) of 'conversations' has no 'value' \(its "
                                             r"text; map the key with data.fields.content\)"):
         prepare_datasets(cfg, tiny_tok, seed=0)
 
@@ -191,7 +191,7 @@ def test_messages_without_the_mapped_content_key_name_it(tiny_tok, tmp_path):
      "the template's with data.roles, e.g. {human: user, gpt: assistant})"),
     ({"prompt": [user("hi")], "completion": None}, "'completion' (completion) is empty"),
     ({"prompt": [{"role": "user"}], "completion": "x"},
-     "message 0 (user) of 'prompt' (prompt) has no 'content' (its text; map the key with data.fields.content)"),
+     "message 1 (user) of 'prompt' (prompt) has no 'content' (its text; map the key with data.fields.content)"),
     ({"prompt": "hi", "completion": {"role": "assistant", "content": "x"}},
      "'completion' (completion) is a dict, not text"),
 ])
@@ -290,7 +290,7 @@ def test_a_message_the_template_leaves_out_stops_naming_the_row(mistral, tmp_pat
     path = write_jsonl(tmp_path / "d.jsonl", rows)
     cfg = DataConfig(path=str(path), format="messages", chat_template=str(template), cache_dir=str(tmp_path / "c"))
     assert refusal(cfg, mistral) == (
-        f"{path}, row 2: message 0 (system: 'Be brief and exact.') does not appear in the text the chat template "
+        f"{path}, row 2: message 1 (system: 'Be brief and exact.') does not appear in the text the chat template "
         "renders, so the model would never see it. Move its text into a message the template shows (e.g. the "
         "first user message), or give a template that shows it (data.chat_template: path/to/template.jinja).")
 
@@ -370,3 +370,19 @@ def test_split_name_with_data_files_is_refused(tiny_tok, tmp_path):
         f"data.eval_split 'test' is read as a split name, but data.path ['{path}'] is files, which have no splits. "
         "Give eval file(s) (with their extension), a fraction such as 0.05, or a hub dataset / dataset folder as "
         "data.path.")
+
+
+def test_a_dropped_assistant_reply_gets_advice_for_a_reply_and_messages_count_from_1(tiny_tok):
+    """A template that shows only the last reply drops an earlier one: the advice is about replies (not "move its
+    text into the first user message", which fits a system prompt), and the message is counted from 1, as rows are."""
+    from llmtrain.chat import render_chat
+
+    last_only = ("{% for m in messages %}{% if m['role'] != 'assistant' or loop.last %}<|{{ m['role'] | upper }}|>"
+                 "{{ m['content'] }}{% endif %}{% endfor %}{% if add_generation_prompt %}<|ASSISTANT|>{% endif %}")
+    chat = [{"role": "user", "content": "a?"}, {"role": "assistant", "content": "first reply"},
+            {"role": "user", "content": "b?"}, {"role": "assistant", "content": "second"}]
+    with pytest.raises(LLMTrainError) as err:
+        render_chat(chat, tiny_tok, template=last_only)
+    message = str(err.value)
+    assert message.startswith("message 2 (assistant: 'first reply') does not appear in the text")
+    assert "leaves that reply out" in message and "first user message" not in message
