@@ -9,8 +9,6 @@ from __future__ import annotations
 
 import difflib
 import re
-import types
-import typing
 from pathlib import Path
 from typing import Any, Literal
 
@@ -356,67 +354,6 @@ def _suggest(key: str) -> str:
     return f" (did you mean {close[0]}?)" if close else ""
 
 
-def parse_override(text: str) -> tuple[list[str], Any]:
-    """`key=value` -> (the key's parts, the value). The value of a key whose schema type is text only (a string, a
-    choice of strings, or either or null) is the text after the first `=`, exactly as given: `#`, `: `, `yes` or
-    `007` stay text. `null` (or `~`) unsets such a key where it may be null; a value in quotes is unquoted ('null'
-    is the text null). Every other key's value is read as YAML, so that 8 is an int, 1e-4 a float, true a bool,
-    [a, b] a list and {prompt: question} a mapping."""
-    if "=" not in text:
-        raise RecipeError(f"Override '{text}' is not of the form key=value (for example train.lr=1e-4).")
-    key, raw = text.split("=", 1)
-    if not key:
-        raise RecipeError(f"Override '{text}' has an empty key.")
-    parts = key.split(".")
-    kinds = _value_kinds(parts)
-    if kinds is not None and kinds <= {str, type(None)}:
-        if raw in ("null", "~", "") and type(None) in kinds:
-            return parts, None
-        quoted = len(raw) >= 2 and raw[0] == raw[-1] and raw[0] in "'\""
-        return parts, yaml.safe_load(raw) if quoted else raw
-    return parts, yaml.safe_load(raw) if raw != "" else None
-
-
-def _value_kinds(parts: list[str]) -> set[type] | None:
-    """The Python types a dotted key of the schema takes (Literal choices of strings count as str); None for a key
-    the schema does not know (validation then names it)."""
-    model: Any = Recipe
-    annotation = None
-    for i, part in enumerate(parts):
-        fields = getattr(model, "model_fields", None)
-        if fields is not None and part in fields:
-            annotation = fields[part].annotation
-        elif typing.get_origin(annotation) is dict and i == len(parts) - 1:
-            annotation = typing.get_args(annotation)[1]  # a value inside a mapping such as data.fields
-        else:
-            return None
-        model = next((a for a in (annotation, *typing.get_args(annotation))
-                      if isinstance(a, type) and issubclass(a, BaseModel)), None)
-    kinds: set[type] = set()
-    union = typing.get_origin(annotation) in (typing.Union, types.UnionType)
-    for a in typing.get_args(annotation) if union else (annotation,):
-        if typing.get_origin(a) is typing.Literal:
-            kinds |= {type(choice) for choice in typing.get_args(a)}
-        else:
-            kinds.add(typing.get_origin(a) or a)
-    return kinds
-
-
-def apply_overrides(data: dict, overrides: list[str]) -> dict:
-    for text in overrides:
-        path, value = parse_override(text)
-        node = data
-        for part in path[:-1]:
-            child = node.get(part)
-            if child is None:
-                child = node[part] = {}
-            elif not isinstance(child, dict):
-                raise RecipeError(f"Override '{text}': '{part}' is a value, not a section.")
-            node = child
-        node[path[-1]] = value
-    return data
-
-
 def _format_errors(err: ValidationError, source: str) -> str:
     lines = []
     for e in err.errors():
@@ -445,6 +382,8 @@ def load_recipe(path: str | Path, overrides: list[str] | None = None) -> Recipe:
         raise RecipeError(f"Recipe '{path}' is not valid YAML{where}: {getattr(e, 'problem', e)}.") from None
     if not isinstance(data, dict):
         raise RecipeError(f"Recipe '{path}' must be a mapping of sections (model, data, train, ...).")
+    from llmtrain.overrides import apply_overrides
+
     data = apply_overrides(data, overrides or [])
     data.setdefault("output_dir", f"runs/{path.stem}")
     try:
