@@ -89,3 +89,24 @@ def max_abs_diff(a: dict, b: dict) -> float:
     """Largest elementwise difference between two state dicts with the same keys."""
     assert a.keys() == b.keys(), sorted(set(a) ^ set(b))[:5]
     return max((a[k].float() - b[k].float()).abs().max().item() for k in a)
+
+
+def crash_at_step(monkeypatch, recipe: Path, call: int, *overrides: str) -> None:
+    """Run the recipe in this process and let it die (RuntimeError "preempted") when llmtrain.train calls train_step
+    for the `call`-th time (1-based), as a preempted job would: the checkpoints before it are on disk."""
+    import pytest
+
+    import llmtrain.train as T
+
+    real, calls = T.train_step, {"n": 0}
+
+    def step(*a, **k):
+        calls["n"] += 1
+        if calls["n"] == call:
+            raise RuntimeError("preempted")
+        return real(*a, **k)
+
+    with monkeypatch.context() as patch:
+        patch.setattr(T, "train_step", step)
+        with pytest.raises(RuntimeError, match="preempted"):
+            run_train(recipe, *overrides)

@@ -13,7 +13,7 @@ import re
 import pytest
 import torch
 from conftest import GSM8K, needs
-from helpers import load_weights, max_abs_diff, records, run_train
+from helpers import crash_at_step, load_weights, max_abs_diff, records, run_train
 
 from llmtrain.config import DataConfig, PreferenceConfig
 from llmtrain.data import encode_example, prepare_datasets
@@ -229,25 +229,12 @@ def test_packed_and_padded_runs_and_accumulation_agree(pref_recipe, tmp_path):
 
 
 def test_resume_finds_the_reference_again_and_ends_as_the_uninterrupted_run(pref_recipe, tmp_path, monkeypatch):
-    import llmtrain.train as T
-
     common = ["train.max_steps=6", "checkpoint.every_steps=3"]
     run_train(pref_recipe, f"output_dir={tmp_path / 'straight'}", *common)
     cache = sorted((tmp_path.parent).rglob("reference-train-*.pt"))
     assert cache
     written = {p: p.stat().st_mtime_ns for p in cache}
-    real, calls = T.train_step, {"n": 0}
-
-    def crash(*a, **k):
-        calls["n"] += 1
-        if calls["n"] == 5:
-            raise RuntimeError("preempted")
-        return real(*a, **k)
-
-    monkeypatch.setattr(T, "train_step", crash)
-    with pytest.raises(RuntimeError):
-        run_train(pref_recipe, f"output_dir={tmp_path / 'cut'}", *common)
-    monkeypatch.undo()
+    crash_at_step(monkeypatch, pref_recipe, 5, f"output_dir={tmp_path / 'cut'}", *common)
     run_train(pref_recipe, f"output_dir={tmp_path / 'cut'}", *common, resume="auto")
     assert {p: p.stat().st_mtime_ns for p in cache} == written  # read, never recomputed
     assert [r["loss"] for r in records(tmp_path / "cut")] == [r["loss"] for r in records(tmp_path / "straight")]

@@ -13,7 +13,7 @@ import sys
 import pytest
 import torch
 from conftest import MISTRAL, needs
-from helpers import ENV, REPO, load_weights, losses, records, run_train, write_recipe
+from helpers import ENV, REPO, crash_at_step, load_weights, losses, records, run_train, write_recipe
 
 from llmtrain.config import load_recipe
 from llmtrain.errors import RecipeError
@@ -135,8 +135,6 @@ def test_quantised_layers_stay_4bit_under_ddp_and_fsdp2(qlora_recipe, tmp_path, 
 
 def test_qlora_trains_only_the_adapter_and_resumes_exactly(qlora_recipe, tmp_path, monkeypatch):
     pytest.importorskip("bitsandbytes")
-    import llmtrain.train as T
-
     common = ["checkpoint.every_steps=4", "logging.every_steps=1"]
     summary = run_train(qlora_recipe, f"output_dir={tmp_path / 'straight'}", *common)
     straight = losses(tmp_path / "straight")
@@ -145,18 +143,7 @@ def test_qlora_trains_only_the_adapter_and_resumes_exactly(qlora_recipe, tmp_pat
     saved = load_weights(tmp_path / "straight" / "checkpoints" / "step_000004")
     assert saved and all("lora_" in k for k in saved)  # the adapter only, never the quantised base
 
-    real, calls = T.train_step, {"n": 0}
-
-    def crash(*a, **k):
-        calls["n"] += 1
-        if calls["n"] == 6:
-            raise RuntimeError("preempted")
-        return real(*a, **k)
-
-    monkeypatch.setattr(T, "train_step", crash)
-    with pytest.raises(RuntimeError):
-        run_train(qlora_recipe, f"output_dir={tmp_path / 'cut'}", *common)
-    monkeypatch.undo()
+    crash_at_step(monkeypatch, qlora_recipe, 6, f"output_dir={tmp_path / 'cut'}", *common)
     run_train(qlora_recipe, f"output_dir={tmp_path / 'cut'}", *common, resume="auto")
     assert losses(tmp_path / "cut") == straight
     a, b = (load_weights(tmp_path / n / "final" / "adapter_model.safetensors") for n in ("cut", "straight"))
