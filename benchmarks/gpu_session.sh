@@ -139,6 +139,31 @@ a, b = loss("resume-straight"), loss("resume-cut")
 print(json.dumps({"check": "resume", "straight": a, "cut_and_resumed": b, "equal": a == b,
                   "max_abs_diff": max((abs(x - y) for x, y in zip(a, b)), default=None) if len(a) == len(b) else None}))
 EOF
+  # preference pairs (DPO on Mistral-7B LoRA: the reference is the disabled adapter; GSM8K's answer against the same
+  # answer with its final number changed), and QLoRA (a 4-bit base needs weights to quantise: a random 1B saved once)
+  $PY - <<EOF
+import json
+with open("$G/gsm8k/train.jsonl") as f, open("$W/gsm8k-pairs.jsonl", "w") as w:
+    for line in f:
+        r = json.loads(line)
+        body, final = r["answer"].rsplit("####", 1)
+        if final.strip().isdigit():
+            w.write(json.dumps({"prompt": r["question"], "chosen": r["answer"],
+                                "rejected": f"{body}#### {int(final) * 10 + 1}"}) + "\n")
+EOF
+  run dpo-lora $FT $W/lora.yaml data.path=$W/gsm8k-pairs.jsonl data.format=preference data.chat_template=true \
+    preference.loss=dpo
+  $PY - "$LLAMA1B" "$W/models/llama-1b-weights" <<'EOF' >> "$OUT/$WHAT.log" 2>&1
+import sys, torch
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+with torch.device("cuda" if torch.cuda.is_available() else "cpu"):
+    model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(sys.argv[1]), dtype=torch.bfloat16)
+model.save_pretrained(sys.argv[2])
+AutoTokenizer.from_pretrained(sys.argv[1]).save_pretrained(sys.argv[2])
+EOF
+  recipe $W/qlora.yaml "$W/models/llama-1b-weights" 1 bfloat16 4096
+  run qlora-nf4 $FT $W/qlora.yaml model.random_init=false model.quantize=nf4
+  run qlora-nf4-ckpt $FT $W/qlora.yaml model.random_init=false model.quantize=nf4 model.gradient_checkpointing=true
   # last: the optional kernels, and compile's first compilation (minutes), so that the rest is in before any limit
   run lora-liger $FT $W/lora.yaml model.kernels=liger
   run lora-compile $FT $W/lora.yaml model.compile=true
