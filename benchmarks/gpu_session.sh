@@ -152,6 +152,7 @@ with open("$G/gsm8k/train.jsonl") as f, open("$W/gsm8k-pairs.jsonl", "w") as w:
                                 "rejected": f"{body}#### {int(final) * 10 + 1}"}) + "\n")
 EOF
   run dpo-lora $FT $W/lora.yaml data.path=$W/gsm8k-pairs.jsonl data.format=preference data.chat_template=true \
+    data.max_seq_len=$((2048 / SCALE)) \
     preference.loss=dpo
   $PY - "$LLAMA1B" "$W/models/llama-1b-weights" <<'EOF' >> "$OUT/$WHAT.log" 2>&1
 import sys, torch

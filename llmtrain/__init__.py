@@ -11,3 +11,6 @@ _logging.getLogger("bitsandbytes.backends.cpu.ops").setLevel(_logging.ERROR)
 # peft asks transformers' deprecated is_gradient_checkpointing of every LoRA model (train, export, samples): nothing
 # for the user to do.
 _warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning)
+# Accelerate slices HSDP's flattened mesh dimension the way torch 2.13 says it will deprecate: nothing for the user
+# to do, on every process of every HSDP launch.
+_warnings.filterwarnings("ignore", message="Slicing a flattened dim from root mesh", category=UserWarning)

@@ -41,17 +41,31 @@ def build_accelerator(recipe: Recipe):
     state = AcceleratorState._shared_state
     if state and state.get("_mixed_precision", recipe.train.mixed_precision) != recipe.train.mixed_precision:
         AcceleratorState._reset_state()
-    accelerator = Accelerator(
-        # Without an accelerator, processes started by torchrun (`accelerate launch` with a multi-process
-        # config) must be told they are CPU workers, or each one silently trains alone; with cpu=True
-        # Accelerate joins them into one gloo process group (MULTI_CPU).
-        cpu=not torch.accelerator.is_available(),
-        mixed_precision=recipe.train.mixed_precision,
-        fsdp_plugin=fsdp_plugin,
-        kwargs_handlers=[InitProcessGroupKwargs(timeout=timedelta(seconds=recipe.train.timeout_s))],
-    )
+    cpu = not torch.accelerator.is_available()
+    # A launch with parallelism_config (hsdp_multinode.yaml, cpu_hsdp.yaml) sets ACCELERATE_USE_PARALLELISM_CONFIG
+    # and the mesh sizes. Accelerate validates the mesh against the distributed type in its constructor, which on
+    # CPU workers is MULTI_CPU until _fsdp_on_cpu makes it FSDP: there the mesh is attached afterwards.
+    mesh_later = cpu and fsdp_plugin is not None and mesh_requested()
+    if mesh_later:
+        os.environ["ACCELERATE_USE_PARALLELISM_CONFIG"] = "false"
+    try:
+        accelerator = Accelerator(
+            # Without an accelerator, processes started by torchrun (`accelerate launch` with a multi-process
+            # config) must be told they are CPU workers, or each one silently trains alone; with cpu=True
+            # Accelerate joins them into one gloo process group (MULTI_CPU).
+            cpu=cpu,
+            mixed_precision=recipe.train.mixed_precision,
+            fsdp_plugin=fsdp_plugin,
+            kwargs_handlers=[InitProcessGroupKwargs(timeout=timedelta(seconds=recipe.train.timeout_s))],
+        )
+    finally:
+        if mesh_later:
+            os.environ["ACCELERATE_USE_PARALLELISM_CONFIG"] = "true"
     if fsdp_plugin is not None and accelerator.distributed_type.name == "MULTI_CPU":
         _fsdp_on_cpu(accelerator, fsdp_plugin)
+    if mesh_later:
+        _attach_mesh(accelerator)
+    check_mesh(accelerator)
     if fsdp_plugin is not None and recipe.train.mixed_precision != "no":
         fsdp_plugin.mixed_precision_policy = fsdp_precision(recipe.train.mixed_precision)
     if launched and launched != recipe.train.mixed_precision and accelerator.is_main_process:
@@ -88,6 +102,53 @@ def _fsdp_on_cpu(accelerator, fsdp_plugin) -> None:
     PartialState._shared_state["distributed_type"] = DistributedType.FSDP
     accelerator.print(f"FSDP2 on CPU: {accelerator.num_processes} processes over gloo, "
                       f"{fsdp_plugin.state_dict_type.name} checkpoints")
+
+
+def mesh_requested() -> bool:
+    """The launch names a device mesh (a parallelism_config section: HSDP, TP)."""
+    return os.environ.get("ACCELERATE_USE_PARALLELISM_CONFIG", "false").lower() == "true"
+
+
+def _attach_mesh(accelerator) -> None:
+    """What Accelerator.__init__ does with a launch's parallelism_config, done on CPU workers once they are FSDP."""
+    from accelerate import ParallelismConfig
+
+    config = ParallelismConfig()  # the sizes come from the launch's PARALLELISM_CONFIG_* variables
+    accelerator.state.parallelism_config = config
+    accelerator.state.device_mesh = config.get_device_mesh(accelerator.device.type)
+    config._validate_accelerator(accelerator)
+
+
+def check_mesh(accelerator) -> None:
+    """Refuse the meshes llmtrain does not train correctly, naming what to use instead."""
+    config = accelerator.parallelism_config
+    if config is None:
+        return
+    if config.cp_size > 1 or config.sp_size > 1:
+        raise LLMTrainError(
+            f"the launch config asks for {'context' if config.cp_size > 1 else 'sequence'} parallelism "
+            f"(parallelism_config_{'cp' if config.cp_size > 1 else 'sp'}_size > 1), which llmtrain does not support: "
+            "its sequences are packed per process with varlen attention instead. Set it to 1, and use "
+            "train.gradient_checkpointing or a smaller train.micro_batch_tokens for long sequences.")
+    if config.tp_size > 1:
+        raise LLMTrainError(
+            f"the launch config asks for tensor parallelism (parallelism_config_tp_size: {config.tp_size}), which "
+            "llmtrain does not support yet. Use FSDP (accelerate_configs/fsdp.yaml) within a node and HSDP "
+            "(accelerate_configs/hsdp_multinode.yaml) across nodes; set parallelism_config_tp_size: 1.")
+    if config.dp_replicate_size > 1 and not uses_fsdp(accelerator):
+        raise LLMTrainError(
+            "the launch config sets parallelism_config_dp_replicate_size without FSDP: replicas of a sharded model "
+            "need distributed_type: FSDP (fsdp_version: 2). For plain data parallelism use a multi-process launch "
+            "without parallelism_config (accelerate_configs/ddp.yaml).")
+
+
+def mesh_line(accelerator) -> str | None:
+    """How the processes are laid out, for the start-up line: '2 replicas x 2 shards' (HSDP), None without a mesh."""
+    config = accelerator.parallelism_config
+    if config is None or config.total_size <= 1:
+        return None
+    parts = [(config.dp_replicate_size, "replica"), (config.dp_shard_size, "shard"), (config.tp_size, "tensor-parallel rank")]
+    return " x ".join(f"{n} {name}{'s' if n > 1 else ''}" for n, name in parts if n > 1)
 
 
 def fsdp_precision(mixed_precision: str):

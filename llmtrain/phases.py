@@ -26,7 +26,7 @@ from llmtrain.chat import read_template
 from llmtrain.checkpoint import load_checkpoint, lora_only_hooks
 from llmtrain.config import Recipe
 from llmtrain.data import prepare_datasets
-from llmtrain.distributed import global_sum, receives_weights, use_fused_adamw, uses_fsdp
+from llmtrain.distributed import global_sum, mesh_line, receives_weights, use_fused_adamw, uses_fsdp
 from llmtrain.doctor import check_data, check_warmup
 from llmtrain.errors import LLMTrainError
 from llmtrain.loss import attach_loss
@@ -133,6 +133,7 @@ def prepare_data(recipe: Recipe, accelerator, *, say) -> Data:
         train_ds, eval_ds, stats, cache_hit = prepare_datasets(recipe.data, tokenizer, seed=tc.seed)
     (cache_reads,) = global_sum(accelerator, cache_hit)
     world, accum, s = accelerator.num_processes, tc.grad_accum_steps, stats["train"]
+    procs = f"{world} processes" + (f" ({mesh})" if (mesh := mesh_line(accelerator)) else "")
     say(f"data: {s.examples} train examples ({cache_line(int(cache_reads), world)}), {s.truncated} truncated, "
         f"{s.dropped} dropped, "
         f"{s.trained_fraction:.1%} of tokens trained; eval: {stats['eval'].examples if 'eval' in stats else 0} "
@@ -151,12 +152,12 @@ def prepare_data(recipe: Recipe, accelerator, *, say) -> Data:
             say(f"warning ({name}): {detail}")
     efficiency = plan.packing_efficiency()
     if tc.micro_batch_tokens:
-        say(f"global batch: bins of <= {tc.micro_batch_tokens} tokens x {accum} accumulation x {world} "
-            f"processes; {plan.bins()} bins/epoch, packing efficiency {efficiency:.1%} (real tokens / "
+        say(f"global batch: bins of <= {tc.micro_batch_tokens} tokens x {accum} accumulation x {procs}; "
+            f"{plan.bins()} bins/epoch, packing efficiency {efficiency:.1%} (real tokens / "
             f"budget); {total_steps} steps ({per_epoch[0]}/epoch)")
     else:
         mb = tc.micro_batch_size
-        say(f"global batch: {mb} micro-batch x {accum} accumulation x {world} processes = "
+        say(f"global batch: {mb} micro-batch x {accum} accumulation x {procs} = "
             f"{mb * accum * world} examples/step; {total_steps} steps ({per_epoch[0]}/epoch)")
     return Data(tokenizer=tokenizer, train=train_ds, eval=eval_ds, stats=stats, cache_reads=int(cache_reads),
                 pad_id=pad_id(tokenizer), plan=plan, total_steps=total_steps, packing_efficiency=efficiency)

@@ -52,13 +52,47 @@ def test_sbatch_derives_rank_address_and_port_from_slurm(tmp_path):
     for rank, args in enumerate(launches):
         flags = dict(zip(args[1::2], args[2::2]))
         assert args[0] == "launch"
-        assert flags["--config_file"] == "accelerate_configs/fsdp_multinode.yaml"
+        assert flags["--config_file"] == "accelerate_configs/hsdp_multinode.yaml"
         assert flags["--machine_rank"] == str(rank)
         assert flags["--num_machines"] == "2" and flags["--num_processes"] == "16"
+        # HSDP: replicas = nodes, shards = GPUs per node
+        assert flags["--parallelism_config_dp_replicate_size"] == "2"
+        assert flags["--parallelism_config_dp_shard_size"] == "8"
         assert flags["--main_process_ip"] == "gpu-a17"  # the allocation's first node, on every node
         assert flags["--main_process_port"] == str(20000 + 123456 % 20000)
         assert args[args.index("-m"):] == ["-m", "llmtrain", "finetune", "recipes/llama7b.yaml", "--resume", "auto",
                                            "train.lr=2e-5"]
+
+
+def _launch_env(args: list[str]) -> dict:
+    """What the real `accelerate launch ARGS` would give each worker's environment (its own parser and config)."""
+    from accelerate.commands.launch import _validate_launch_command, launch_command_parser
+    from accelerate.utils.launch import prepare_multi_gpu_env
+
+    parsed, _, _ = _validate_launch_command(launch_command_parser().parse_args(args))
+    return prepare_multi_gpu_env(parsed)
+
+
+def test_sbatch_lays_out_hsdp_as_nodes_x_gpus_and_fsdp_on_request(tmp_path):
+    """4 nodes of 4 GPUs: accelerate gives the workers a 4 x 4 mesh (replicas x shards) under FSDP2; with
+    LLMTRAIN_ACCELERATE_CONFIG=fsdp_multinode.yaml no mesh is passed and every GPU of the job is one shard group."""
+    env, calls = _slurm(tmp_path, STUBS, SLURM_GPUS_ON_NODE="4", SLURM_NNODES="4")
+    subprocess.run(["bash", str(SBATCH), "recipes/llama7b.yaml"], env=env, cwd=REPO, check=True,
+                   capture_output=True, text=True, timeout=60)
+    launches = [shlex.split(line) for line in calls.read_text().splitlines()]
+    assert len(launches) == 4
+    worker = _launch_env(launches[3][1:])
+    assert worker["ACCELERATE_USE_FSDP"] == "true" and worker["FSDP_VERSION"] == "2"
+    assert worker["ACCELERATE_USE_PARALLELISM_CONFIG"] == "true"
+    assert (worker["PARALLELISM_CONFIG_DP_REPLICATE_SIZE"], worker["PARALLELISM_CONFIG_DP_SHARD_SIZE"]) == ("4", "4")
+
+    calls.unlink()
+    env["LLMTRAIN_ACCELERATE_CONFIG"] = "accelerate_configs/fsdp_multinode.yaml"
+    subprocess.run(["bash", str(SBATCH), "recipes/llama7b.yaml"], env=env, cwd=REPO, check=True,
+                   capture_output=True, text=True, timeout=60)
+    launch = shlex.split(calls.read_text().splitlines()[0])
+    assert not any(a.startswith("--parallelism_config") for a in launch)
+    assert "ACCELERATE_USE_PARALLELISM_CONFIG" not in _launch_env(launch[1:])
 
 
 def test_sbatch_checkpoints_and_requeues_before_the_time_limit(tmp_path):

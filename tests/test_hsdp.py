@@ -1,0 +1,128 @@
+"""HSDP on CPU: 4 gloo processes under `accelerate launch --config_file accelerate_configs/cpu_hsdp.yaml`, laid out
+as 2 replicas x 2 shards, train exactly like 1 process with the same global batch, and their checkpoints move
+between HSDP, plain FSDP and 1 process.
+
+The launch's parallelism_config gives Accelerate the mesh (dp_replicate=2, dp_shard=2); its fsdp2_prepare_model
+hands fully_shard the 2-D mesh, so each parameter is sharded over the 2 processes of a replica and replicated
+across the replicas (the gradients are reduce-scattered within a replica, then all-reduced across replicas).
+On CPU workers build_accelerator attaches that mesh once they are FSDP (llmtrain/distributed.py, _attach_mesh);
+every launch here checks the start-up line names the mesh, so a silent fall back to plain FSDP fails.
+
+Four processes on two cores are slow: these tests are few and small, and marked slow.
+"""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from helpers import ENV, REPO, load_weights, losses, max_abs_diff, records, run_train, write_recipe
+
+pytestmark = pytest.mark.slow
+
+CONFIGS = {4: REPO / "accelerate_configs" / "cpu_hsdp.yaml", 2: REPO / "accelerate_configs" / "cpu_fsdp.yaml",
+           1: REPO / "accelerate_configs" / "cpu_fsdp.yaml"}
+MESH = {4: "4 processes (2 replicas x 2 shards)", 2: "2 processes", 1: "1 processes"}
+LORA = {"r": 4, "alpha": 8, "dropout": 0.0, "target_modules": ["q_proj", "v_proj"]}
+
+
+def _launch(recipe: Path, port: int, processes: int, *overrides: str, resume: str | None = None) -> str:
+    """`accelerate launch` of `llmtrain finetune RECIPE`: HSDP 2x2 on 4 processes, plain FSDP2 on 2 or 1, each with
+    the micro-batch that keeps the global micro-batch at 4 examples. Returns what the main process printed."""
+    extra = ["--resume", resume] if resume else []
+    proc = subprocess.run(
+        [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(CONFIGS[processes]),
+         "--num_processes", str(processes), "--main_process_port", str(port), "-m", "llmtrain", "finetune",
+         str(recipe), f"train.micro_batch_size={4 // processes}", *overrides, *extra],
+        env=ENV, cwd=REPO, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert f"FSDP2 on CPU: {processes} processes over gloo" in proc.stdout
+    assert f"x {MESH[processes]} = 4 examples/step" in proc.stdout, proc.stdout
+    return proc.stdout
+
+
+def _preempt(run: Path, step: int) -> Path:
+    """As if the job died right after the checkpoint before `step`: that checkpoint and final/ are gone."""
+    shutil.rmtree(run / "checkpoints" / f"step_{step:06d}")
+    shutil.rmtree(run / "final")
+    return run
+
+
+def _same_run(run: Path, reference: Path, *, exact: bool) -> None:
+    """The same steps over the same tokens, to round-off: 1e-6 on the same layout; across layouts the sums run in
+    another order, 1e-5 in the losses and 3e-5 in the weights (Adam divides each update by the root of its own
+    second moment, which magnifies a 1e-7 difference in a small gradient element; as in test_ddp)."""
+    assert [r["step"] for r in records(run)] == [r["step"] for r in records(reference)]
+    assert [r["tokens"] for r in records(run)] == [r["tokens"] for r in records(reference)]  # the same examples
+    assert losses(run) == pytest.approx(losses(reference), abs=1e-6 if exact else 1e-5)
+    assert max_abs_diff(load_weights(run / "final"), load_weights(reference / "final")) < (1e-6 if exact else 3e-5)
+
+
+@pytest.mark.parametrize("kind", ["full", "lora"])
+def test_hsdp_2x2_matches_one_process(tiny_assets, tmp_path, free_port, kind):
+    """2 replicas x 2 shards x micro-batch 1 == 1 process x micro-batch 4: losses, gradient norms and final weights
+    to 1e-5 in fp32, with the parameters really sharded in two (not four, not replicated whole).
+
+    The gradient check: the norm is taken before clipping, and the loss of each process is its share of a sum
+    normalised by the trained tokens of all ranks, so a reduction that summed the gradients over the 2 replicas
+    or the 4 processes instead of averaging them (FSDP2 on gloo did, pytorch #162338) would log a norm 2 or 4
+    times the single process's, and the 1e-5 match fails."""
+    lora = {"lora": LORA} if kind == "lora" else {}
+    recipe = write_recipe(tiny_assets, tmp_path, **lora,
+                          train={"max_steps": 4, "micro_batch_size": 4, "lr": 1e-2 if lora else 3e-3,
+                                 "max_grad_norm": 1e9}, checkpoint={"every_steps": 2})
+    single, hsdp = tmp_path / "single", tmp_path / "hsdp"
+    run_train(recipe, f"output_dir={single}")
+    _launch(recipe, free_port, 4, f"output_dir={hsdp}")
+
+    one, four = records(single), records(hsdp)
+    assert [r["loss"] for r in four] == pytest.approx([r["loss"] for r in one], abs=1e-5)
+    norms = [(r["grad_norm"], s["grad_norm"]) for r, s in zip(four, one)]
+    assert all(abs(a / b - 1) < 1e-5 for a, b in norms), norms  # a sum over replicas would be 2x, over all 4x
+    assert losses(hsdp)[-1] < losses(hsdp)[0]
+    if lora:
+        from safetensors.torch import load_file
+
+        adapters = [load_file(str(run / "final" / "adapter_model.safetensors")) for run in (hsdp, single)]
+        assert max_abs_diff(*adapters) < 1e-5
+    else:
+        assert max_abs_diff(load_weights(hsdp / "final"), load_weights(single / "final")) < 1e-5
+
+    # Sharded over a replica's 2 processes: each weight is stored as 2 dim-0 chunks, written once (the replicas
+    # hold the same shards, and only one of them writes each).
+    from torch.distributed.checkpoint import FileSystemReader
+
+    meta = FileSystemReader(str(hsdp / "checkpoints" / "step_000002" / "pytorch_model_fsdp_0")).read_metadata()
+    name = next(k for k in meta.state_dict_metadata if k.endswith("layers.0.self_attn.q_proj.weight")
+                or k.endswith("layers.0.self_attn.q_proj.base_layer.weight"))
+    chunks = meta.state_dict_metadata[name].chunks
+    assert sorted(c.offsets[0] for c in chunks) == [0, meta.state_dict_metadata[name].size[0] // 2]
+
+
+def test_hsdp_checkpoints_move_between_hsdp_fsdp_and_one_process(tiny_assets, tmp_path, free_port):
+    """An HSDP checkpoint resumes exactly on HSDP, on plain FSDP with 2 processes and on 1 process; and a 2-process
+    FSDP checkpoint resumes on HSDP. The global micro-batch is 4 examples everywhere, so the data order is kept:
+    every resumed run sees the tokens, and reaches the losses and weights, of the run that never stopped."""
+    recipe = write_recipe(tiny_assets, tmp_path, train={"max_steps": 6, "micro_batch_size": 4, "lr": 3e-3},
+                          checkpoint={"every_steps": 3, "keep_last": 2})
+    hsdp, fsdp = tmp_path / "hsdp", tmp_path / "fsdp"
+    _launch(recipe, free_port, 4, f"output_dir={hsdp}")
+    _launch(recipe, free_port, 2, f"output_dir={fsdp}")
+    _same_run(fsdp, hsdp, exact=False)  # the straight runs agree, so any of them is the reference
+
+    cut = _preempt(Path(shutil.copytree(hsdp, tmp_path / "cut")), 6)
+    for processes in (4, 2, 1):
+        run = Path(shutil.copytree(cut, tmp_path / f"hsdp-on-{processes}"))
+        out = _launch(recipe, free_port, processes, f"output_dir={run}", resume="auto")
+        assert f"resumed from {run / 'checkpoints' / 'step_000003'} at step 3" in out
+        assert processes == 4 or "written by 4 processes, resumed on" in out
+        _same_run(run, hsdp, exact=processes == 4)
+
+    back = _preempt(Path(shutil.copytree(fsdp, tmp_path / "fsdp-on-4")), 6)
+    out = _launch(recipe, free_port, 4, f"output_dir={back}", resume="auto")
+    assert "written by 2 processes, resumed on 4" in out
+    _same_run(back, fsdp, exact=False)
