@@ -45,7 +45,10 @@ def build_accelerator(recipe: Recipe):
     # A launch with parallelism_config (hsdp_multinode.yaml, cpu_hsdp.yaml) sets ACCELERATE_USE_PARALLELISM_CONFIG
     # and the mesh sizes. Accelerate validates the mesh against the distributed type in its constructor, which on
     # CPU workers is MULTI_CPU until _fsdp_on_cpu makes it FSDP: there the mesh is attached afterwards.
-    mesh_later = cpu and fsdp_plugin is not None and mesh_requested()
+    mesh = requested_mesh()
+    if mesh is not None:  # refused before any process group exists, with the launch's own sizes
+        check_mesh(mesh, world=int(os.environ.get("WORLD_SIZE", "1")), fsdp=fsdp_plugin is not None)
+    mesh_later = cpu and mesh is not None
     if mesh_later:
         os.environ["ACCELERATE_USE_PARALLELISM_CONFIG"] = "false"
     try:
@@ -64,8 +67,7 @@ def build_accelerator(recipe: Recipe):
     if fsdp_plugin is not None and accelerator.distributed_type.name == "MULTI_CPU":
         _fsdp_on_cpu(accelerator, fsdp_plugin)
     if mesh_later:
-        _attach_mesh(accelerator)
-    check_mesh(accelerator)
+        _attach_mesh(accelerator, mesh)
     if fsdp_plugin is not None and recipe.train.mixed_precision != "no":
         fsdp_plugin.mixed_precision_policy = fsdp_precision(recipe.train.mixed_precision)
     if launched and launched != recipe.train.mixed_precision and accelerator.is_main_process:
@@ -104,51 +106,57 @@ def _fsdp_on_cpu(accelerator, fsdp_plugin) -> None:
                       f"{fsdp_plugin.state_dict_type.name} checkpoints")
 
 
-def mesh_requested() -> bool:
-    """The launch names a device mesh (a parallelism_config section: HSDP, TP)."""
-    return os.environ.get("ACCELERATE_USE_PARALLELISM_CONFIG", "false").lower() == "true"
-
-
-def _attach_mesh(accelerator) -> None:
-    """What Accelerator.__init__ does with a launch's parallelism_config, done on CPU workers once they are FSDP."""
+def requested_mesh():
+    """The device mesh the launch asks for (its parallelism_config section: HSDP), as accelerate's ParallelismConfig
+    reads it from the PARALLELISM_CONFIG_* variables `accelerate launch` sets; None without one."""
+    if os.environ.get("ACCELERATE_USE_PARALLELISM_CONFIG", "false").lower() != "true":
+        return None
     from accelerate import ParallelismConfig
 
-    config = ParallelismConfig()  # the sizes come from the launch's PARALLELISM_CONFIG_* variables
+    return ParallelismConfig()
+
+
+def _attach_mesh(accelerator, config) -> None:
+    """What Accelerator.__init__ does with a launch's parallelism_config, done on CPU workers once they are FSDP."""
     accelerator.state.parallelism_config = config
     accelerator.state.device_mesh = config.get_device_mesh(accelerator.device.type)
     config._validate_accelerator(accelerator)
 
 
-def check_mesh(accelerator) -> None:
-    """Refuse the meshes llmtrain does not train correctly, naming what to use instead."""
-    config = accelerator.parallelism_config
-    if config is None:
-        return
+def check_mesh(config, *, world: int, fsdp: bool) -> None:
+    """Refuse the meshes llmtrain does not train, naming what to use instead."""
+    where = "in the launch config's parallelism_config"
     if config.cp_size > 1 or config.sp_size > 1:
+        kind, key = ("context", "cp") if config.cp_size > 1 else ("sequence", "sp")
         raise LLMTrainError(
-            f"the launch config asks for {'context' if config.cp_size > 1 else 'sequence'} parallelism "
-            f"(parallelism_config_{'cp' if config.cp_size > 1 else 'sp'}_size > 1), which llmtrain does not support: "
-            "its sequences are packed per process with varlen attention instead. Set it to 1, and use "
-            "train.gradient_checkpointing or a smaller train.micro_batch_tokens for long sequences.")
+            f"{kind} parallelism (parallelism_config_{key}_size > 1 {where}) is not supported by llmtrain: it packs "
+            f"whole sequences per process with varlen attention instead. Set parallelism_config_{key}_size: 1, and "
+            "for long sequences use model.gradient_checkpointing=true or a smaller train.micro_batch_tokens.")
     if config.tp_size > 1:
         raise LLMTrainError(
-            f"the launch config asks for tensor parallelism (parallelism_config_tp_size: {config.tp_size}), which "
-            "llmtrain does not support yet. Use FSDP (accelerate_configs/fsdp.yaml) within a node and HSDP "
-            "(accelerate_configs/hsdp_multinode.yaml) across nodes; set parallelism_config_tp_size: 1.")
-    if config.dp_replicate_size > 1 and not uses_fsdp(accelerator):
+            f"tensor parallelism (parallelism_config_tp_size: {config.tp_size} {where}) is not supported by llmtrain "
+            "yet. Set parallelism_config_tp_size: 1, and shard with FSDP within a node "
+            "(accelerate_configs/fsdp.yaml) and HSDP across nodes (accelerate_configs/hsdp_multinode.yaml).")
+    if not fsdp:
         raise LLMTrainError(
-            "the launch config sets parallelism_config_dp_replicate_size without FSDP: replicas of a sharded model "
-            "need distributed_type: FSDP (fsdp_version: 2). For plain data parallelism use a multi-process launch "
-            "without parallelism_config (accelerate_configs/ddp.yaml).")
+            f"a parallelism_config mesh needs FSDP: set distributed_type: FSDP with fsdp_version: 2 in the launch "
+            "config (accelerate_configs/hsdp_multinode.yaml), or drop parallelism_config for plain data "
+            "parallelism (accelerate_configs/ddp.yaml).")
+    size = config.dp_replicate_size * config.dp_shard_size
+    if size != world:
+        raise LLMTrainError(
+            f"the launch config's mesh is {config.dp_replicate_size} x {config.dp_shard_size} = {size} processes "
+            f"(parallelism_config_dp_replicate_size x parallelism_config_dp_shard_size) but the job has {world} "
+            f"processes. Make replicas x shards equal the processes: replicas = nodes and shards = GPUs per node "
+            "(e.g. --parallelism_config_dp_replicate_size 2 --parallelism_config_dp_shard_size 8 for 2 nodes of 8).")
 
 
-def mesh_line(accelerator) -> str | None:
-    """How the processes are laid out, for the start-up line: '2 replicas x 2 shards' (HSDP), None without a mesh."""
-    config = accelerator.parallelism_config
-    if config is None or config.total_size <= 1:
+def mesh_line(config) -> str | None:
+    """How the processes are laid out, for the start-up line: '2 replicas x 2 shards' (HSDP); None without a mesh."""
+    if config is None:
         return None
-    parts = [(config.dp_replicate_size, "replica"), (config.dp_shard_size, "shard"), (config.tp_size, "tensor-parallel rank")]
-    return " x ".join(f"{n} {name}{'s' if n > 1 else ''}" for n, name in parts if n > 1)
+    parts = [(config.dp_replicate_size, "replica"), (config.dp_shard_size, "shard")]
+    return " x ".join(f"{n} {name}{'s' if n > 1 else ''}" for n, name in parts if n > 1) or None
 
 
 def fsdp_precision(mixed_precision: str):

@@ -133,7 +133,7 @@ def prepare_data(recipe: Recipe, accelerator, *, say) -> Data:
         train_ds, eval_ds, stats, cache_hit = prepare_datasets(recipe.data, tokenizer, seed=tc.seed)
     (cache_reads,) = global_sum(accelerator, cache_hit)
     world, accum, s = accelerator.num_processes, tc.grad_accum_steps, stats["train"]
-    procs = f"{world} processes" + (f" ({mesh})" if (mesh := mesh_line(accelerator)) else "")
+    procs = f"{world} processes" + (f" ({mesh})" if (mesh := mesh_line(accelerator.parallelism_config)) else "")
     say(f"data: {s.examples} train examples ({cache_line(int(cache_reads), world)}), {s.truncated} truncated, "
         f"{s.dropped} dropped, "
         f"{s.trained_fraction:.1%} of tokens trained; eval: {stats['eval'].examples if 'eval' in stats else 0} "

@@ -34,8 +34,9 @@ def __getattr__(name: str):
 
 
 def estimate_for_recipe(recipe: Recipe, *, num_processes: int = 1,
-                        strategy: Literal["single", "ddp", "fsdp"] = "single", cpu_offload: bool = False) -> Estimate:
-    """The per-GPU estimate for the run `recipe` describes on `num_processes` GPUs of one node.
+                        strategy: Literal["single", "ddp", "fsdp", "hsdp"] = "single", cpu_offload: bool = False,
+                        num_nodes: int = 1) -> Estimate:
+    """The per-GPU estimate for the run `recipe` describes on `num_processes` GPUs of each of `num_nodes` nodes.
 
     Reads the config.json of recipe.model.name_or_path (a local directory, a preset name, or a hub id
     with a built-in config or in the local cache).
@@ -45,7 +46,7 @@ def estimate_for_recipe(recipe: Recipe, *, num_processes: int = 1,
     from llmtrain.memory.spec import spec_from_recipe
 
     shape = load_model_shape(recipe.model.name_or_path)
-    return estimate(shape, spec_from_recipe(recipe, strategy=strategy, num_gpus=num_processes,
+    return estimate(shape, spec_from_recipe(recipe, strategy=strategy, num_gpus=num_processes, num_nodes=num_nodes,
                                             cpu_offload=cpu_offload))
 
 
@@ -60,9 +61,12 @@ def predicted_for_run(recipe: Recipe, accelerator) -> dict:
     fsdp = uses_fsdp(accelerator)
     strategy = "fsdp" if fsdp else ("ddp" if accelerator.num_processes > 1 else "single")
     offload = fsdp and isinstance(accelerator.state.fsdp_plugin.cpu_offload, CPUOffloadPolicy)
-    try:
-        est = estimate_for_recipe(recipe, num_processes=accelerator.num_processes, strategy=strategy,
-                                  cpu_offload=offload)
+    mesh = accelerator.parallelism_config
+    replicas = mesh.dp_replicate_size if (fsdp and mesh is not None) else 1
+    try:  # HSDP: the memory of FSDP over a replica's shards (modelled as replicas = nodes)
+        est = estimate_for_recipe(recipe, num_processes=accelerator.num_processes // replicas,
+                                  strategy="hsdp" if replicas > 1 else strategy, cpu_offload=offload,
+                                  num_nodes=replicas)
     except LLMTrainError as e:
         accelerator.print(f"memory estimate unavailable: {e}")
         return {}

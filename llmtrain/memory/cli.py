@@ -34,8 +34,9 @@ def estimate_memory(
         "(llama-2-7b, llama-3-8b, mistral-7b) or a hub id.")] = None,
     method: Annotated[Optional[Literal["full", "lora"]], typer.Option(help="Full fine-tune or LoRA.")] = None,
     lora_r: Annotated[Optional[int], typer.Option(help="LoRA rank (all linear layers but the LM head).")] = None,
-    strategy: Annotated[Optional[Literal["single", "ddp", "fsdp"]], typer.Option(
-        help="single GPU, DDP (whole model per GPU) or FSDP (sharded).")] = None,
+    strategy: Annotated[Optional[Literal["single", "ddp", "fsdp", "hsdp"]], typer.Option(
+        help="single GPU, DDP (whole model per GPU), FSDP (sharded over every GPU) or HSDP (sharded over a "
+        "node's GPUs, replicated across nodes).")] = None,
     num_gpus: Annotated[Optional[int], typer.Option(help="GPUs per node.")] = None,
     num_nodes: Annotated[Optional[int], typer.Option(help="Nodes.")] = None,
     micro_batch: Annotated[Optional[int], typer.Option(help="Examples per forward pass on each GPU.")] = None,
@@ -64,6 +65,14 @@ def estimate_memory(
     accelerate_config: Annotated[Optional[Path], typer.Option(
         help="Read strategy and GPU counts from an accelerate launch config; explicit options win.")] = None,
     gpu_memory: Annotated[float, typer.Option(help="Memory of one GPU in GiB.")] = 80.0,
+    intra_gbps: Annotated[Optional[float], typer.Option(help="Per-GPU bandwidth within a node in Gb/s (default "
+                                                        "3600: H100 NVLink 4, 450 GB/s each way).")] = None,
+    inter_gbps: Annotated[Optional[float], typer.Option(help="Per-GPU bandwidth between nodes in Gb/s (default 400: "
+                                                        "one NDR InfiniBand card per GPU).")] = None,
+    mfu: Annotated[Optional[float], typer.Option(help="Model FLOPs utilisation for the step's compute time "
+                                                 "(default 0.4).")] = None,
+    peak_tflops: Annotated[Optional[float], typer.Option(help="Peak dense bf16 TFLOP/s of one GPU (default 989: "
+                                                         "H100 SXM).")] = None,
     as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object instead of a table.")] = False,
     fit: Annotated[bool, typer.Option("--fit", help="Search strategy, checkpointing and micro-batch for the "
                                       "fastest configuration that fits; when none does, the fewest GPUs (FSDP) "
@@ -71,6 +80,7 @@ def estimate_memory(
 ) -> None:
     """Estimate per-GPU peak memory of a fine-tuning run, without weights or a GPU."""
     from llmtrain.memory import fit as fitting
+    from llmtrain.memory.comms import Network, step_traffic
     from llmtrain.memory.estimate import estimate
 
     run = {k: v for k, v in dict(method=method, lora_r=lora_r, micro_batch=micro_batch,
@@ -91,10 +101,14 @@ def estimate_memory(
                                                   else _from_model(model, overrides, run, launch))
     est = estimate(shape, spec)
     est = dataclasses.replace(est, notes=assumed + est.notes)
-    result = fitting.fit(shape, spec, global_batch=global_batch) if fit else None
-    advice = fitting.recommendation(shape, est, global_batch=global_batch)
+    given = dict(intra_gbps=intra_gbps, inter_gbps=inter_gbps, peak_tflops=peak_tflops, mfu=mfu)
+    network = Network(**{k: v for k, v in given.items() if v is not None})
+    traffic = step_traffic(shape, spec, network)
+    result = fitting.fit(shape, spec, global_batch=global_batch, network=network) if fit else None
+    advice = fitting.recommendation(shape, est, global_batch=global_batch, network=network)
     if as_json:
         out = est.to_dict()
+        out["communication"] = traffic.to_dict()
         out["recommendation"] = advice
         if result is not None:
             out["fit"] = _fit_dict(result)
@@ -102,7 +116,7 @@ def estimate_memory(
         return
     from llmtrain.memory.render import render_estimate, render_fit
 
-    render_estimate(est, advice, launch_mp=launch_mp)
+    render_estimate(est, advice, traffic=traffic, launch_mp=launch_mp)
     if result is not None:
         render_fit(result, target=target)
 

@@ -66,7 +66,7 @@ def states(shape: ModelShape, spec: TrainSpec, plan: LoraPlan | None) -> States:
     FSDP2 under mixed precision keeps trainable parameters as fp32 master shards (Accelerate upcasts
     them); everything is divided by the world size, and cpu offload moves it all to the host."""
     sd = DTYPE_BYTES[spec.dtype]
-    fsdp = spec.strategy == "fsdp"
+    fsdp = spec.sharded
     master = 4 if (fsdp and spec.mixed_precision != "no") else sd  # bytes of a trainable base parameter
     V, H = shape.vocab, shape.hidden
     if plan is None:
@@ -81,7 +81,7 @@ def states(shape: ModelShape, spec: TrainSpec, plan: LoraPlan | None) -> States:
     embed = (V * H * master if plan is None and not shape.tied else 0) + (
         V * H * master if plan is not None and "embed_tokens" in plan.saved_copies else 0)
     trainable_bytes = head + sum(layer) + embed
-    shard = spec.world if fsdp else 1
+    shard = spec.shards
     optim = optimizer_bytes(trainable_bytes)
     weights = frozen_bytes + trainable_bytes
     if spec.cpu_offload:
@@ -120,7 +120,7 @@ def make_pass(shape: ModelShape, spec: TrainSpec, *, examples: int | None = None
     amp = spec.mixed_precision != "no"
     compute = PRECISION_DTYPE.get(spec.mixed_precision, spec.dtype)
     # FSDP's mixed-precision policy gathers parameters in the compute dtype, so the stream is too.
-    stream = compute if (spec.strategy == "fsdp" and amp) else spec.dtype
+    stream = compute if (spec.sharded and amp) else spec.dtype
     window = shape.sliding_window  # varlen applies it per example, inside the kernel
     mask = spec.kernel in ("sdpa", "eager") and (spec.packed or b > 1 or (window is not None and s > window))
     return act.Pass(rows=b, row_len=s, resid=DTYPE_BYTES[stream], cd=DTYPE_BYTES[compute], autocast=amp,
@@ -152,7 +152,7 @@ def estimate(shape: ModelShape, spec: TrainSpec) -> Estimate:
     st = states(shape, spec, plan)
     p = make_pass(shape, spec)
     L, V, H = shape.layers, shape.vocab, shape.hidden
-    full, fsdp, ckpt = plan is None, spec.strategy == "fsdp", spec.grad_checkpointing
+    full, fsdp, ckpt = plan is None, spec.sharded, spec.grad_checkpointing
     amp = p.autocast
     adapted = [plan.adapted[i] if plan else {} for i in range(L)]
     head_trains = full or (plan is not None and "lm_head" in plan.saved_copies)
@@ -303,7 +303,7 @@ def _loss_phases(p: act.Pass, shape: ModelShape, spec: TrainSpec, st: States, *,
     h_grad = p.loss_tokens * H * p.resid if several else 0
     in_cast = c * H * p.cd if p.separate_casts else 0  # autocast's copy of the chunk's fp32 input
     in_grad = c * H * p.resid  # the chunk's input gradient, from the head's backward to the gather's
-    G = st.grads_head if spec.strategy != "fsdp" else 0
+    G = st.grads_head if not spec.sharded else 0
     Gw = G * p.cd // DTYPE_BYTES[spec.dtype] if p.separate_casts else G
     cast = G if p.separate_casts else 0  # the fp32 gradient cast from the cd one
     so_far, made = (Gw, 2 * Gw) if several else (0, Gw)  # at the head's backward of a chunk
@@ -352,7 +352,7 @@ def host_ram_bytes(shape: ModelShape, spec: TrainSpec, st: States) -> int:
     sd = DTYPE_BYTES[spec.dtype]
     if spec.random_init:
         loading = 0
-    elif spec.strategy == "fsdp":
+    elif spec.sharded:
         widen = spec.mixed_precision != "no" and spec.method == "full"
         loading = shape.params_total * (4 if widen else sd)
     else:

@@ -4,14 +4,16 @@ For each strategy the GPUs allow and gradient checkpointing off and on, the larg
 fits with room (FIT_SHARE of the card) is found (memory only grows with the micro-batch), then the
 candidates are ranked by a relative throughput score. Only configurations whose own estimate fits are
 ever candidates. A micro-batch is a number of examples, or a token budget when the run has one
-(train.micro_batch_tokens). When nothing fits, FSDP is tried on more GPUs (whole nodes past one) until
-something does.
+(train.micro_batch_tokens). Across several nodes the strategies are DDP, FSDP and HSDP, and the mesh whose
+network time per step is smallest (comms.py) is preferred among those that fit. When nothing fits, FSDP is tried on
+more GPUs (whole nodes past one) until something does.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
+from llmtrain.memory.comms import Network, Traffic, step_traffic
 from llmtrain.memory.estimate import estimate
 from llmtrain.memory.launch import shipped_config
 from llmtrain.memory.params import ModelShape
@@ -19,7 +21,7 @@ from llmtrain.memory.spec import GIB, Estimate, TrainSpec
 
 # Ranking heuristic (relative tokens/s; not a prediction, to be calibrated like the memory model):
 HALF_SATURATION_TOKENS = 256  # tokens per micro-batch at which a 7B's matmuls reach half their speed
-STRATEGY_EFFICIENCY = {"single": 1.0, "ddp": 0.95, "fsdp": 0.9}  # communication left after overlap
+STRATEGY_EFFICIENCY = {"single": 1.0, "ddp": 0.95, "fsdp": 0.9, "hsdp": 0.9}  # communication left after overlap
 MULTI_NODE_EFFICIENCY = 0.9  # inter-node links are slower than NVLink
 OFFLOAD_EFFICIENCY = 0.3  # the optimizer step on the host and host<->GPU copies of every shard
 MAX_MICRO_BATCH = 256  # examples; a token budget goes up to MAX_MICRO_BATCH * seq_len
@@ -39,6 +41,7 @@ def fits_with_room(est: Estimate) -> bool:
 class Candidate:
     estimate: Estimate
     score: float
+    traffic: Traffic
 
     @property
     def spec(self) -> TrainSpec:
@@ -76,9 +79,16 @@ def throughput_score(spec: TrainSpec) -> float:
     return spec.world * utilisation * eff / work
 
 
+def network_per_token(c: Candidate) -> float:
+    """Seconds of collectives per token trained: comparable between micro-batches and accumulations."""
+    return c.traffic.network_s / (c.spec.tokens * c.spec.grad_accum)
+
+
 def strategies_for(spec: TrainSpec) -> tuple[str, ...]:
     if spec.cpu_offload:
         return ("fsdp",)
+    if spec.num_nodes > 1 and spec.num_gpus > 1:
+        return ("ddp", "fsdp", "hsdp")
     return ("single",) if spec.world == 1 else ("ddp", "fsdp")
 
 
@@ -114,14 +124,14 @@ def largest_fitting(shape: ModelShape, spec: TrainSpec, choices: list[int] | Non
     return best
 
 
-def _search(shape: ModelShape, spec: TrainSpec, global_batch: int | None) -> FitResult:
+def _search(shape: ModelShape, spec: TrainSpec, global_batch: int | None, network: Network = Network()) -> FitResult:
     choices = micro_batch_choices(spec, global_batch)
     candidates = []
     for strategy in strategies_for(spec):
         for ckpt in (False, True):
             est = largest_fitting(shape, spec.but(strategy=strategy, grad_checkpointing=ckpt), choices)
             if est is not None:
-                candidates.append(Candidate(est, throughput_score(est.spec)))
+                candidates.append(Candidate(est, throughput_score(est.spec), step_traffic(shape, est.spec, network)))
     note = None
     if global_batch and choices is None:
         note = (f"{spec.world} GPUs do not divide the global batch of {global_batch}; the micro-batch is "
@@ -129,8 +139,13 @@ def _search(shape: ModelShape, spec: TrainSpec, global_batch: int | None) -> Fit
     if not candidates:
         return FitResult(None, (), (), None, (), note)
     # Highest score; on a tie the simpler layout (single, ddp, fsdp) without checkpointing.
-    order = {"single": 0, "ddp": 1, "fsdp": 2}
+    order = {"single": 0, "ddp": 1, "fsdp": 2, "hsdp": 3}
     best = max(candidates, key=lambda c: (round(c.score, 9), -order[c.spec.strategy], not c.spec.grad_checkpointing))
+    if spec.num_nodes > 1:  # across nodes: the mesh that spends least time on the network per token, at its best
+        best_of = {}
+        for c in sorted(candidates, key=lambda c: c.score):  # ascending: each strategy keeps its highest score
+            best_of[c.spec.strategy] = c
+        best = min(best_of.values(), key=lambda c: (network_per_token(c), -c.score))
     assert fits_with_room(best.estimate), "fit must only recommend configurations that fit"
     s = best.spec
     key = "train.micro_batch_tokens" if s.micro_batch_tokens else "train.micro_batch_size"
@@ -142,7 +157,8 @@ def _search(shape: ModelShape, spec: TrainSpec, global_batch: int | None) -> Fit
     return FitResult(best, ranked, tuple(overrides), config, flags, note)
 
 
-def more_gpus(shape: ModelShape, spec: TrainSpec, *, global_batch: int | None = None) -> FitResult | None:
+def more_gpus(shape: ModelShape, spec: TrainSpec, *, global_batch: int | None = None,
+              network: Network = Network()) -> FitResult | None:
     """The search on the fewest GPUs beyond spec's with which something fits: FSDP shards weights, gradients
     and optimizer state, so its per-GPU share shrinks with the GPUs (activations do not). Within a node
     2, 4, ... GPUs, then whole nodes of spec.num_gpus (NODE_GPUS when one was given); None up to MAX_GPUS."""
@@ -150,23 +166,25 @@ def more_gpus(shape: ModelShape, spec: TrainSpec, *, global_batch: int | None = 
     sizes = [w for w in (2, 4) if w < per_node] + list(range(per_node, MAX_GPUS + 1, per_node))
     for world in (w for w in sizes if w > spec.world):
         nodes = max(1, world // per_node)
-        result = _search(shape, spec.but(strategy="fsdp", num_gpus=world // nodes, num_nodes=nodes), global_batch)
+        result = _search(shape, spec.but(strategy="fsdp", num_gpus=world // nodes, num_nodes=nodes), global_batch,
+                         network)
         if result.best is not None:
             return result
     return None
 
 
-def fit(shape: ModelShape, spec: TrainSpec, *, global_batch: int | None = None) -> FitResult:
+def fit(shape: ModelShape, spec: TrainSpec, *, global_batch: int | None = None,
+        network: Network = Network()) -> FitResult:
     """Search strategy x checkpointing x micro-batch on spec's GPUs; keep `global_batch` (examples, or tokens
     with a budget) when given. When nothing fits, also the fewest GPUs that would do (`more_gpus`)."""
-    result = _search(shape, spec, global_batch)
+    result = _search(shape, spec, global_batch, network)
     if result.best is None and spec.method == "lora" and not spec.quantize:
         # LoRA that does not fit these GPUs on a 16-bit base: the same adapters on a 4-bit base (QLoRA).
-        qlora = _search(shape, spec.but(quantize="nf4"), global_batch)
+        qlora = _search(shape, spec.but(quantize="nf4"), global_batch, network)
         if qlora.best is not None:
             return replace(qlora, overrides=(*qlora.overrides, "model.quantize=nf4"))
     if result.best is None:
-        result = replace(result, more_gpus=more_gpus(shape, spec, global_batch=global_batch))
+        result = replace(result, more_gpus=more_gpus(shape, spec, global_batch=global_batch, network=network))
     return result
 
 
@@ -176,12 +194,13 @@ def launch_line(result: FitResult) -> str:
     return f"--config_file {result.accelerate_config}{' ' + flags if flags else ''}"
 
 
-def recommendation(shape: ModelShape, est: Estimate, *, global_batch: int | None = None) -> str:
+def recommendation(shape: ModelShape, est: Estimate, *, global_batch: int | None = None,
+                   network: Network = Network()) -> str:
     """One line: the headroom when the run fits, otherwise what to change (from a fit search)."""
     gpus = f"{est.spec.world} x {est.spec.gpu_memory_gib:g} GiB"
     if est.fits:
         return f"fits: {est.headroom_bytes / GIB:.1f} GiB to spare per GPU ({gpus})"
-    result = fit(shape, est.spec, global_batch=global_batch)
+    result = fit(shape, est.spec, global_batch=global_batch, network=network)
     need = f"does not fit: needs {est.per_gpu_peak_bytes / GIB:.1f} GiB per GPU of {est.spec.gpu_memory_gib:g}"
     if result.best is None:
         more = result.more_gpus

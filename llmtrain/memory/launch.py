@@ -8,13 +8,14 @@ from pathlib import Path
 from llmtrain.errors import LLMTrainError
 from llmtrain.memory.spec import Strategy
 
-STRATEGIES = {"NO": "single", "MULTI_GPU": "ddp", "FSDP": "fsdp"}
+STRATEGIES = {"NO": "single", "MULTI_GPU": "ddp", "FSDP": "fsdp"}  # FSDP with a replicated mesh: "hsdp"
 # The shipped configs in accelerate_configs/ and the (num_processes, num_machines) each sets.
 SHIPPED = {
     "single": ("accelerate_configs/single_gpu.yaml", 1, 1),
     "ddp": ("accelerate_configs/ddp.yaml", 8, 1),
     "fsdp": ("accelerate_configs/fsdp.yaml", 8, 1),
     "fsdp_multinode": ("accelerate_configs/fsdp_multinode.yaml", 16, 2),
+    "hsdp": ("accelerate_configs/hsdp_multinode.yaml", 16, 2),
 }
 
 
@@ -51,10 +52,29 @@ def read_accelerate_config(path: Path) -> Layout:
         raise LLMTrainError(f"accelerate config '{path}': num_processes {procs} is not a multiple of "
                             f"num_machines {machines}.")
     strategy = STRATEGIES[kind] if procs > 1 or kind == "FSDP" else "single"
+    if kind == "FSDP" and isinstance(mesh := cfg.get("parallelism_config"), dict):
+        strategy = _mesh_strategy(path, mesh, gpus=procs // machines, nodes=machines)
     offload = bool((cfg.get("fsdp_config") or {}).get("fsdp_offload_params", False))
     mp = cfg.get("mixed_precision")
     return Layout(strategy, procs // machines, machines, offload and strategy == "fsdp",
                   None if mp is None else str(mp))
+
+
+def _mesh_strategy(path: Path, mesh: dict, *, gpus: int, nodes: int) -> Strategy:
+    """fsdp or hsdp from a parallelism_config section; the estimate models HSDP as replicas = nodes."""
+    sizes = {k: int(mesh.get(f"parallelism_config_{k}_size", 1) or 1) for k in ("dp_replicate", "dp_shard", "tp",
+                                                                                 "cp")}
+    if sizes["tp"] > 1 or sizes["cp"] > 1:
+        raise LLMTrainError(f"accelerate config '{path}': tensor or context parallelism is not modelled (llmtrain "
+                            "does not train with it); estimate-memory knows DDP, FSDP and HSDP.")
+    if sizes["dp_replicate"] <= 1:
+        return "fsdp"
+    if (sizes["dp_replicate"], sizes["dp_shard"]) != (nodes, gpus):
+        raise LLMTrainError(f"accelerate config '{path}': HSDP of {sizes['dp_replicate']} replicas x "
+                            f"{sizes['dp_shard']} shards on {nodes} node(s) of {gpus} GPUs; estimate-memory models "
+                            "replicas = nodes and shards = GPUs per node (as examples/slurm/llmtrain.sbatch "
+                            "launches it). Give --strategy and the counts to estimate another layout.")
+    return "hsdp"
 
 
 def shipped_config(strategy: Strategy, *, num_gpus: int, num_nodes: int) -> tuple[str, tuple[str, ...]]:
@@ -62,6 +82,9 @@ def shipped_config(strategy: Strategy, *, num_gpus: int, num_nodes: int) -> tupl
     key = "fsdp_multinode" if (strategy == "fsdp" and num_nodes > 1) else strategy
     path, procs, machines = SHIPPED[key]
     flags: list[str] = []
+    if strategy == "hsdp" and (num_nodes, num_gpus) != (2, 8):
+        flags += ["--parallelism_config_dp_replicate_size", str(num_nodes),
+                  "--parallelism_config_dp_shard_size", str(num_gpus)]
     if num_gpus * num_nodes != procs:
         flags += ["--num_processes", str(num_gpus * num_nodes)]
     if num_nodes != machines:

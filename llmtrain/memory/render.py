@@ -6,6 +6,7 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
+from llmtrain.memory.comms import Traffic
 from llmtrain.memory.fit import FIT_SHARE, FitResult, launch_line, size
 from llmtrain.memory.spec import COMPONENTS, GIB, Estimate, TrainSpec
 
@@ -40,15 +41,16 @@ def describe(spec: TrainSpec) -> str:
     ckpt = "checkpointing on" if spec.grad_checkpointing else "checkpointing off"
     off = ", cpu offload" if spec.cpu_offload else ""
     attn = "varlen (auto)" if spec.attn == "auto" else spec.attn
-    return (f"{method}, {spec.strategy} on {where}{off}; {batch}; {spec.dtype} weights, {mp}; {ckpt}; "
+    strategy = f"hsdp ({spec.num_nodes} replicas x {spec.num_gpus} shards)" if spec.strategy == "hsdp" else spec.strategy
+    return (f"{method}, {strategy} on {where}{off}; {batch}; {spec.dtype} weights, {mp}; {ckpt}; "
             f"{attn} attention; loss chunks of {spec.loss_chunk_tokens} tokens; AdamW")
 
 
-def render_estimate(est: Estimate, advice: str, *, launch_mp: str | None = None,
+def render_estimate(est: Estimate, advice: str, *, traffic: Traffic | None = None, launch_mp: str | None = None,
                     console: Console | None = None) -> None:
     console = console or Console()
     spec = est.spec
-    shard = f", 1/{spec.world} shard" if spec.strategy == "fsdp" else ""
+    shard = f", 1/{spec.shards} shard" if spec.sharded else ""
     peak = est.peak_phase.replace("_", " ")
     table = Table(title=f"Per-GPU memory: {escape(est.model)}", title_justify="left",
                   caption=f"GiB at peak: each part at the {peak} phase; they add up to the total. Largest: each "
@@ -82,7 +84,31 @@ def render_estimate(est: Estimate, advice: str, *, launch_mp: str | None = None,
     if launch_mp is not None and launch_mp != spec.mixed_precision:
         console.print(f"[dim]note: the launch config says mixed_precision={launch_mp}; llmtrain uses the "
                       f"recipe's ({spec.mixed_precision})[/]")
+    if traffic is not None:
+        render_traffic(traffic, console=console)
     console.print(f"recommendation: {escape(advice)}", highlight=False)
+
+
+def render_traffic(traffic: Traffic, *, console: Console | None = None) -> None:
+    """What one GPU sends per optimizer step, the time it takes, and the step's compute beside it."""
+    console = console or Console()
+    net = traffic.network
+    if not traffic.parts:
+        console.print(f"network: none (one GPU); compute {traffic.compute_s:.2f} s per step at {net.mfu:.0%} MFU of "
+                      f"{net.peak_tflops:g} TFLOP/s")
+        return
+    across = (f", {traffic.inter_bytes / 1e9:,.2f} GB across nodes ({traffic.inter_s:.3f} s at {net.inter_gbps:,g} "
+              "Gb/s)") if traffic.inter_bytes else ""
+    console.print(f"network per GPU per step: {traffic.intra_bytes / 1e9:,.2f} GB within the node "
+                  f"({traffic.intra_s:.3f} s at {net.intra_gbps:,g} Gb/s){across}; compute {traffic.compute_s:.3f} s "
+                  f"at {net.mfu:.0%} MFU of {net.peak_tflops:g} TFLOP/s", highlight=False)
+    for what, intra, inter in traffic.parts:
+        across = f", {inter / 1e9:,.2f} GB across" if traffic.inter_bytes else ""
+        console.print(f"[dim]  {what}: {intra / 1e9:,.2f} GB within{across}[/]", highlight=False)
+    if traffic.network_bound:
+        console.print(f"[yellow]network-bound:[/] the collectives ({traffic.network_s:.3f} s) outlast the compute "
+                      f"they can overlap ({traffic.compute_s:.3f} s); fewer, larger steps (a larger micro-batch, less "
+                      "accumulation under FSDP), HSDP across nodes, or DDP for LoRA send less", highlight=False)
 
 
 def render_fit(result: FitResult, *, target: str | None, console: Console | None = None) -> None:
@@ -101,13 +127,13 @@ def render_fit(result: FitResult, *, target: str | None, console: Console | None
     table = Table(title=f"Configurations that fit (largest micro-batch each, in {FIT_SHARE:.0%} of the card: "
                         f"{room:.1f} GiB, the rest is room for the estimate's error)", title_justify="left")
     for col in ("strategy", "checkpointing", "tokens per micro-batch" if by_tokens else "micro-batch",
-                "GiB per GPU", "relative throughput"):
+                "GiB per GPU", "relative throughput", "network s/step (across nodes)"):
         table.add_column(col, justify="right" if col != "strategy" else "left")
-    top = result.candidates[0].score
+    top = max(c.score for c in result.candidates)
     for c in result.candidates:
-        s = c.spec
+        s, t = c.spec, c.traffic
         table.add_row(s.strategy, "on" if s.grad_checkpointing else "off", str(size(s)),
-                      gib(c.estimate.per_gpu_peak_bytes), f"{c.score / top:.2f}")
+                      gib(c.estimate.per_gpu_peak_bytes), f"{c.score / top:.2f}", f"{t.network_s:.3f} ({t.inter_s:.3f})")
     console.print(table)
     console.print(f"use: {launch_line(result)}", highlight=False)
     console.print(f"overrides: {' '.join(result.overrides)}", highlight=False)

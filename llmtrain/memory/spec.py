@@ -13,7 +13,7 @@ from llmtrain.config import DataConfig, LoraConfig, ModelConfig, Recipe, TrainCo
 from llmtrain.errors import LLMTrainError
 
 Method = Literal["full", "lora"]
-Strategy = Literal["single", "ddp", "fsdp"]
+Strategy = Literal["single", "ddp", "fsdp", "hsdp"]
 Dtype = Literal["float32", "bfloat16", "float16"]
 Precision = Literal["no", "bf16", "fp16"]
 Attn = Literal["auto", "varlen", "sdpa", "eager", "flash_attention_2"]
@@ -69,6 +69,16 @@ class TrainSpec:
         return self.num_gpus * self.num_nodes
 
     @property
+    def sharded(self) -> bool:
+        """FSDP2 shards the model: over every GPU (fsdp), or over the GPUs of a node with the nodes as replicas
+        (hsdp: the memory of FSDP over one node)."""
+        return self.strategy in ("fsdp", "hsdp")
+
+    @property
+    def shards(self) -> int:
+        return {"fsdp": self.world, "hsdp": self.num_gpus}.get(self.strategy, 1)
+
+    @property
     def kernel(self) -> str:
         """The attention that runs: 'auto' is llmtrain's varlen attention."""
         return "varlen" if self.attn == "auto" else self.attn
@@ -107,7 +117,10 @@ class TrainSpec:
             problems.append("strategy ddp needs at least 2 GPUs (--num-gpus / --num-nodes)")
         if self.quantize and self.method != "lora":
             problems.append("a 4-bit base (quantize) trains LoRA adapters only: use method lora")
-        if self.cpu_offload and self.strategy != "fsdp":
+        if self.strategy == "hsdp" and (self.num_nodes < 2 or self.num_gpus < 2):
+            problems.append("strategy hsdp replicates over nodes and shards over each node's GPUs: it needs at least "
+                            "2 nodes (--num-nodes) of at least 2 GPUs (--num-gpus)")
+        if self.cpu_offload and not self.sharded:
             problems.append("cpu offload is FSDP's (fsdp_offload_params): use strategy fsdp")
         if problems:
             raise LLMTrainError("cannot estimate this run: " + "; ".join(problems) + ".")

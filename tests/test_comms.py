@@ -1,0 +1,68 @@
+"""What each GPU sends per optimizer step (llmtrain/memory/comms.py), against numbers worked out by hand."""
+
+from __future__ import annotations
+
+import pytest
+
+from llmtrain.memory.comms import Network, all_gather, all_reduce, data_parallel, reduce_scatter, tensor_parallel
+from llmtrain.memory.spec import TrainSpec
+
+
+def test_ring_collectives():
+    assert all_reduce(100, 4) == 150  # 2 (n-1)/n S
+    assert all_gather(100, 4) == 75 == reduce_scatter(100, 4)  # (n-1)/n S
+    assert all_reduce(100, 1) == 0
+
+
+def _parts(strategy: str, gpus: int, nodes: int, accum: int = 1):
+    spec = TrainSpec(strategy=strategy, num_gpus=gpus, num_nodes=nodes, grad_accum=accum)
+    parts = data_parallel(spec, trainable_bytes=3200, gathered=1600)
+    return sum(p[1] for p in parts), sum(p[2] for p in parts)
+
+
+def test_ddp_all_reduces_the_gradients_once_per_step():
+    # 1 node x 8: 2 x 7/8 x 3200 = 5600, all over NVLink; accumulation does not add any (no_sync)
+    assert _parts("ddp", 8, 1) == _parts("ddp", 8, 1, accum=4) == (5600, 0)
+    # 2 nodes x 8: 2 x 15/16 x 3200 = 6000 sent, 1/8 of it (750) over the GPU's own network card
+    assert _parts("ddp", 8, 2) == (5250, 750)
+
+
+def test_fsdp_gathers_parameters_twice_per_micro_batch_and_reduce_scatters_once():
+    # 1 node x 8, 2 micro-batches: all-gathers 2 x 2 x 7/8 x 1600 = 5600, reduce-scatter 7/8 x 3200 = 2800
+    assert _parts("fsdp", 8, 1, accum=2) == (8400, 0)
+    # 2 nodes x 8: (2 x 15/16 x 1600 + 15/16 x 3200) = 6000 sent, 750 of it across nodes
+    assert _parts("fsdp", 8, 2) == (5250, 750)
+    # with 4 micro-batches the all-gathers cross the network every time: (8 x 1500 + 3000) / 8 = 1875
+    assert _parts("fsdp", 8, 2, accum=4)[1] == 1875
+
+
+def test_hsdp_keeps_the_gathers_in_the_node_and_all_reduces_one_shard_across():
+    # within the node as FSDP over 8: 2 x 7/8 x 1600 + 7/8 x 3200 = 5600; across: 2 x 1/2 x 3200/8 = 400
+    assert _parts("hsdp", 8, 2) == (5600, 400)
+    # accumulation adds gathers within the node only
+    assert _parts("hsdp", 8, 2, accum=4) == (2 * 4 * 1400 + 2800, 400)
+    # 4 nodes: 2 x 3/4 x 400 = 600 across, less than flat FSDP's 1/8 x (2 x 31/32 x 1600 + 31/32 x 3200) = 775
+    assert _parts("hsdp", 8, 4)[1] == 600 and _parts("fsdp", 8, 4)[1] == 775
+
+
+def test_one_gpu_sends_nothing():
+    assert _parts("single", 1, 1) == (0, 0)
+
+
+def test_tensor_parallel_all_reduces_activations_four_times_a_layer():
+    from types import SimpleNamespace
+
+    shape = SimpleNamespace(layers=2, hidden=8)
+    # 4 x 2 layers x all-reduce(10 tokens x 8 x 2 bytes = 160, over 4) = 8 x 240 = 1920
+    assert tensor_parallel(shape, tokens=10, tp=4) == 1920
+    assert tensor_parallel(shape, tokens=10, tp=1) == 0
+
+
+def test_times_at_the_stated_bandwidth_and_when_the_network_binds():
+    from llmtrain.memory.comms import Traffic
+
+    net = Network(intra_gbps=800, inter_gbps=8, peak_tflops=100, mfu=0.5)
+    t = Traffic(parts=(("x", 1e9, 1e8),), compute_s=0.05, network=net)
+    assert t.intra_s == pytest.approx(0.01)  # 8e9 bits at 800e9 bits/s
+    assert t.inter_s == pytest.approx(0.1)
+    assert t.network_bound  # 0.11 s of collectives against 0.05 s of compute
