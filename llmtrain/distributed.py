@@ -139,7 +139,7 @@ def check_mesh(config, *, world: int, fsdp: bool) -> None:
             "(accelerate_configs/fsdp.yaml) and HSDP across nodes (accelerate_configs/hsdp_multinode.yaml).")
     if not fsdp:
         raise LLMTrainError(
-            f"a parallelism_config mesh needs FSDP: set distributed_type: FSDP with fsdp_version: 2 in the launch "
+            "a parallelism_config mesh needs FSDP: set distributed_type: FSDP with fsdp_version: 2 in the launch "
             "config (accelerate_configs/hsdp_multinode.yaml), or drop parallelism_config for plain data "
             "parallelism (accelerate_configs/ddp.yaml).")
     size = config.dp_replicate_size * config.dp_shard_size

@@ -4,7 +4,15 @@ from __future__ import annotations
 
 import pytest
 
-from llmtrain.memory.comms import Network, all_gather, all_reduce, data_parallel, reduce_scatter, tensor_parallel
+from llmtrain.memory.comms import (
+    Gathered,
+    Network,
+    all_gather,
+    all_reduce,
+    data_parallel,
+    reduce_scatter,
+    tensor_parallel,
+)
 from llmtrain.memory.spec import TrainSpec
 
 
@@ -14,9 +22,9 @@ def test_ring_collectives():
     assert all_reduce(100, 1) == 0
 
 
-def _parts(strategy: str, gpus: int, nodes: int, accum: int = 1):
+def _parts(strategy: str, gpus: int, nodes: int, accum: int = 1, tail: float = 0):
     spec = TrainSpec(strategy=strategy, num_gpus=gpus, num_nodes=nodes, grad_accum=accum)
-    parts = data_parallel(spec, trainable_bytes=3200, gathered=1600)
+    parts = data_parallel(spec, trainable_bytes=3200, gathered=Gathered(1600, tail))
     return sum(p[1] for p in parts), sum(p[2] for p in parts)
 
 
@@ -34,6 +42,8 @@ def test_fsdp_gathers_parameters_twice_per_micro_batch_and_reduce_scatters_once(
     assert _parts("fsdp", 8, 2) == (5250, 750)
     # with 4 micro-batches the all-gathers cross the network every time: (8 x 1500 + 3000) / 8 = 1875
     assert _parts("fsdp", 8, 2, accum=4)[1] == 1875
+    # the tail (final norm, LM head) stays gathered from forward to backward: once a micro-batch, 7/8 x 800 = 700
+    assert _parts("fsdp", 8, 1, accum=2, tail=800) == (8400 + 2 * 700, 0)
 
 
 def test_hsdp_keeps_the_gathers_in_the_node_and_all_reduces_one_shard_across():

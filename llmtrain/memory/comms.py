@@ -12,9 +12,11 @@ crosses the network.
 
 Per optimizer step of `grad_accum` micro-batches:
 - DDP: one all-reduce of the trainable gradients (the other micro-batches accumulate under no_sync).
-- FSDP: every micro-batch all-gathers the parameters for forward and again for backward (they are resharded after
-  forward), in the compute dtype; one reduce-scatter of the trainable gradients per step, in fp32 (llmtrain's
-  MixedPrecisionPolicy reduces in fp32).
+- FSDP: every micro-batch all-gathers the parameters of each decoder layer and of the input embeddings for forward
+  and again for backward (they are resharded after forward), and those of the tail (final norm and LM head, with the
+  embeddings when they are tied) once: Accelerate's fsdp2_prepare_model keeps the tail gathered from the end of
+  forward to the start of backward. All in the compute dtype; then one reduce-scatter of the trainable gradients per
+  step, in fp32 (llmtrain's MixedPrecisionPolicy reduces in fp32).
 - HSDP: FSDP's traffic within a node's shard group, plus one all-reduce of each GPU's gradient shard across the
   replicas (nodes).
 - Tensor parallelism (not trained by llmtrain; for comparison): 2 all-reduces of the activations per layer in
@@ -25,8 +27,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from llmtrain.memory.params import ModelShape
 from llmtrain.memory.estimate import QUANT_BYTES_PER_WEIGHT
+from llmtrain.memory.params import ModelShape
 from llmtrain.memory.spec import DTYPE_BYTES, PRECISION_DTYPE, TrainSpec
 
 NVLINK_GBPS = 3600.0  # H100 SXM, NVLink 4: 450 GB/s each way per GPU
@@ -54,11 +56,14 @@ class Network:
     mfu: float = DEFAULT_MFU
 
 
+Parts = tuple[tuple[str, float, float], ...]  # (what, intra-node bytes, inter-node bytes) per GPU
+
+
 @dataclass(frozen=True)
 class Traffic:
     """Bytes one GPU sends per optimizer step, within its node and to other nodes, and the times they take."""
 
-    parts: tuple[tuple[str, float, float], ...]  # (what, intra-node bytes, inter-node bytes)
+    parts: tuple[tuple[str, float, float], ...]  # (what, intra-node bytes, inter-node bytes) per GPU
     compute_s: float  # the step's model FLOPs at the stated MFU
     network: Network
 
@@ -97,44 +102,79 @@ class Traffic:
                             "peak_tflops": self.network.peak_tflops, "mfu": self.network.mfu}}
 
 
-def _flat(what: str, sent: float, gpus: int, nodes: int) -> tuple[str, float, float]:
-    """A collective over every GPU of the job: 1/gpus of what a GPU sends crosses nodes (when there are several)."""
-    inter = sent / gpus if nodes > 1 else 0.0
-    return what, sent - inter, inter
+@dataclass(frozen=True)
+class Gathered:
+    """What FSDP all-gathers in one micro-batch, in the dtype it computes in: the units resharded after forward
+    (decoder layers, untied input embeddings), gathered for forward and again for backward, and the tail (final norm,
+    LM head, tied embeddings), gathered once."""
+
+    resharded: float
+    tail: float
 
 
-def gathered_bytes(shape: ModelShape, spec: TrainSpec, *, trained_params: int) -> float:
-    """What FSDP all-gathers per pass: every parameter in the dtype it computes in (bf16 under mixed precision), a
-    4-bit base as stored (4 bits and the quantisation constants a weight), and LoRA's trained parameters."""
+def gathered_bytes(shape: ModelShape, spec: TrainSpec, *, trained_params: int) -> Gathered:
+    """Every parameter in its compute dtype (bf16 under mixed precision), a 4-bit base as stored (4 bits and the
+    quantisation constants a weight), and LoRA's trained parameters (counted with the layers they adapt)."""
     compute = DTYPE_BYTES[PRECISION_DTYPE.get(spec.mixed_precision, spec.dtype)]
+    in_layers = shape.layers * shape.params_per_layer
+    embed = 0 if shape.tied else shape.params_embed
+    tail = shape.params_total - in_layers - embed
     if spec.method == "full":
-        return float(shape.params_total * compute)
-    base = float(shape.params_total * compute)
+        return Gathered(float((in_layers + embed) * compute), float(tail * compute))
+    base = DTYPE_BYTES[spec.dtype] if spec.quantize else compute
+    layers = float(in_layers * base)
     if spec.quantize:
         quantized = shape.linear_params_per_layer * shape.layers
-        base = quantized * QUANT_BYTES_PER_WEIGHT + (shape.params_total - quantized) * DTYPE_BYTES[spec.dtype]
-    return base + trained_params * compute
+        layers = quantized * QUANT_BYTES_PER_WEIGHT + (in_layers - quantized) * base
+    return Gathered(layers + embed * base + trained_params * compute, float(tail * base))
 
 
-def data_parallel(spec: TrainSpec, *, trainable_bytes: float, gathered: float) -> tuple[tuple[str, float, float], ...]:
-    """Per-GPU bytes of one optimizer step for spec's strategy over its GPUs and nodes."""
+@dataclass(frozen=True)
+class Collective:
+    """One kind of collective of an optimizer step: its payload summed over the step (all-gather: the gathered
+    output; reduce-scatter: the input; all-reduce: the tensor), the group it runs in, and where that group is."""
+
+    what: str
+    kind: str  # all_gather | reduce_scatter | all_reduce
+    nbytes: float
+    group: int
+    scope: str  # job: every GPU of every node; node: the GPUs of one node; across: one GPU per node
+
+    def sent(self) -> float:
+        return {"all_gather": all_gather, "reduce_scatter": reduce_scatter, "all_reduce": all_reduce}[self.kind](
+            self.nbytes, self.group)
+
+
+def collectives(spec: TrainSpec, *, trainable_bytes: float, gathered: Gathered) -> tuple[Collective, ...]:
+    """The collectives of one optimizer step for spec's strategy over its GPUs and nodes."""
     g, m, a = spec.num_gpus, spec.num_nodes, spec.grad_accum
+    per_step = a * (2 * gathered.resharded + gathered.tail)
     if spec.strategy == "single" or spec.world == 1:
         return ()
     if spec.strategy == "ddp":
-        return (_flat("all-reduce of the trainable gradients", all_reduce(trainable_bytes, spec.world), g, m),)
+        return (Collective("all-reduce of the trainable gradients", "all_reduce", trainable_bytes, spec.world, "job"),)
     if spec.strategy == "fsdp":
-        n = spec.world
-        return (_flat(f"all-gather of the parameters, forward and backward x {a} micro-batches",
-                      2 * a * all_gather(gathered, n), g, m),
-                _flat("reduce-scatter of the trainable gradients", reduce_scatter(trainable_bytes, n), g, m))
+        return (Collective(f"all-gather of the parameters, forward and backward x {a} micro-batches", "all_gather",
+                           per_step, spec.world, "job"),
+                Collective("reduce-scatter of the trainable gradients", "reduce_scatter", trainable_bytes, spec.world,
+                           "job"))
     # hsdp: shard within a node, replicate across nodes
-    parts = [(f"all-gather of the parameters within the node, forward and backward x {a} micro-batches",
-              2 * a * all_gather(gathered, g), 0.0),
-             ("reduce-scatter of the trainable gradients within the node", reduce_scatter(trainable_bytes, g), 0.0)]
-    if m > 1:
-        parts.append(("all-reduce of the gradient shard across the replicas", 0.0,
-                      all_reduce(trainable_bytes / g, m)))
+    return (Collective(f"all-gather of the parameters within the node, forward and backward x {a} micro-batches",
+                       "all_gather", per_step, g, "node"),
+            Collective("reduce-scatter of the trainable gradients within the node", "reduce_scatter", trainable_bytes,
+                       g, "node"),
+            Collective("all-reduce of the gradient shard across the replicas", "all_reduce", trainable_bytes / g, m,
+                       "across"))
+
+
+def data_parallel(spec: TrainSpec, *, trainable_bytes: float, gathered: Gathered) -> Parts:
+    """Per-GPU bytes sent in one optimizer step, within the node and across nodes. A collective over the whole job
+    sends 1/(GPUs per node) of a GPU's bytes over its network card when there are several nodes."""
+    parts = []
+    for c in collectives(spec, trainable_bytes=trainable_bytes, gathered=gathered):
+        sent = c.sent()
+        across = {"job": sent / spec.num_gpus if spec.num_nodes > 1 else 0.0, "node": 0.0, "across": sent}[c.scope]
+        parts.append((c.what, sent - across, across))
     return tuple(parts)
 
 

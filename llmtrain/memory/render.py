@@ -41,7 +41,9 @@ def describe(spec: TrainSpec) -> str:
     ckpt = "checkpointing on" if spec.grad_checkpointing else "checkpointing off"
     off = ", cpu offload" if spec.cpu_offload else ""
     attn = "varlen (auto)" if spec.attn == "auto" else spec.attn
-    strategy = f"hsdp ({spec.num_nodes} replicas x {spec.num_gpus} shards)" if spec.strategy == "hsdp" else spec.strategy
+    strategy = spec.strategy
+    if strategy == "hsdp":
+        strategy = f"hsdp ({spec.num_nodes} replicas x {spec.num_gpus} shards)"
     return (f"{method}, {strategy} on {where}{off}; {batch}; {spec.dtype} weights, {mp}; {ckpt}; "
             f"{attn} attention; loss chunks of {spec.loss_chunk_tokens} tokens; AdamW")
 
@@ -133,7 +135,8 @@ def render_fit(result: FitResult, *, target: str | None, console: Console | None
     for c in result.candidates:
         s, t = c.spec, c.traffic
         table.add_row(s.strategy, "on" if s.grad_checkpointing else "off", str(size(s)),
-                      gib(c.estimate.per_gpu_peak_bytes), f"{c.score / top:.2f}", f"{t.network_s:.3f} ({t.inter_s:.3f})")
+                      gib(c.estimate.per_gpu_peak_bytes), f"{c.score / top:.2f}",
+                      f"{t.network_s:.3f} ({t.inter_s:.3f})")
     console.print(table)
     console.print(f"use: {launch_line(result)}", highlight=False)
     console.print(f"overrides: {' '.join(result.overrides)}", highlight=False)

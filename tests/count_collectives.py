@@ -1,0 +1,88 @@
+"""`llmtrain finetune ...` with the collectives of each optimizer step recorded: launched by tests/test_comms_measured.py
+as `accelerate launch --config_file X tests/count_collectives.py OUT_DIR finetune RECIPE ...`.
+
+torch.distributed's Python collectives (what FSDP2 calls: all_gather_single, reduce_scatter_single, all_reduce) are
+wrapped, and DDP, whose reducer all-reduces from C++, gets torch's default all-reduce hook, which makes the same
+all-reduce of each gradient bucket through the Python dist.all_reduce. Only what runs inside llmtrain.train's train_step is kept (not loading, eval or the final
+gather), and not the step's scalar bookkeeping (counts, the gradient norm): tensors of at most 16 elements. Each rank
+writes OUT_DIR/rank<N>.json: [kind, payload bytes, group size] per collective.
+"""
+
+from __future__ import annotations
+
+import inspect
+import json
+import os
+import sys
+from pathlib import Path
+
+import torch.distributed as dist
+
+OUT = Path(sys.argv.pop(1))
+RECORDS: list[tuple[str, int, int]] = []
+IN_STEP = [False]
+
+
+def _keep(kind: str, tensor, group) -> None:
+    if IN_STEP[0] and tensor.numel() > 16:
+        RECORDS.append((kind, tensor.numel() * tensor.element_size(), dist.get_world_size(group)))
+
+
+def _wrap(name: str, kind: str, payload: str) -> None:
+    original = getattr(dist, name)
+    signature = inspect.signature(original)
+
+    def recorded(*args, **kwargs):
+        call = signature.bind(*args, **kwargs).arguments
+        _keep(kind, call[payload], call.get("group"))
+        return original(*args, **kwargs)
+
+    setattr(dist, name, recorded)
+
+
+for name, kind, payload in [("all_gather_single", "all_gather", "output_tensor"),
+                            ("all_gather_into_tensor", "all_gather", "output_tensor"),
+                            ("reduce_scatter_single", "reduce_scatter", "input"),
+                            ("reduce_scatter_tensor", "reduce_scatter", "input"), ("all_reduce", "all_reduce", "tensor")]:
+    if hasattr(dist, name):
+        _wrap(name, kind, payload)
+
+
+def _ddp_with_hook():
+    from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
+    from torch.nn.parallel import DistributedDataParallel
+
+    init = DistributedDataParallel.__init__
+
+    def hooked(self, *args, **kwargs):
+        init(self, *args, **kwargs)
+        self.register_comm_hook(self.process_group, allreduce_hook)
+
+    DistributedDataParallel.__init__ = hooked
+
+
+def _only_in_steps():
+    import llmtrain.train as loop
+
+    step = loop.train_step
+
+    def counted(*args, **kwargs):
+        IN_STEP[0] = True
+        try:
+            return step(*args, **kwargs)
+        finally:
+            IN_STEP[0] = False
+
+    loop.train_step = counted
+
+
+if __name__ == "__main__":
+    _ddp_with_hook()
+    _only_in_steps()
+    from llmtrain.cli import main
+
+    try:
+        main()
+    finally:
+        OUT.mkdir(parents=True, exist_ok=True)
+        (OUT / f"rank{os.environ.get('RANK', '0')}.json").write_text(json.dumps(RECORDS))
