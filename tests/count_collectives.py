@@ -1,11 +1,12 @@
-"""`llmtrain finetune ...` with the collectives of each optimizer step recorded: launched by tests/test_comms_measured.py
-as `accelerate launch --config_file X tests/count_collectives.py OUT_DIR finetune RECIPE ...`.
+"""`llmtrain finetune ...` with the collectives of each optimizer step recorded. tests/test_comms_measured.py launches
+it as `accelerate launch --config_file X tests/count_collectives.py OUT_DIR finetune RECIPE ...`.
 
 torch.distributed's Python collectives (what FSDP2 calls: all_gather_single, reduce_scatter_single, all_reduce) are
 wrapped, and DDP, whose reducer all-reduces from C++, gets torch's default all-reduce hook, which makes the same
-all-reduce of each gradient bucket through the Python dist.all_reduce. Only what runs inside llmtrain.train's train_step is kept (not loading, eval or the final
-gather), and not the step's scalar bookkeeping (counts, the gradient norm): tensors of at most 16 elements. Each rank
-writes OUT_DIR/rank<N>.json: [kind, payload bytes, group size] per collective.
+all-reduce of each gradient bucket through the Python dist.all_reduce. Only what runs inside llmtrain.train's
+train_step is kept (not loading, eval or the final gather), and not the step's scalar bookkeeping (counts, the
+gradient norm): tensors of at most 16 elements. Each rank writes OUT_DIR/rank<N>.json: [kind, payload bytes, group
+size] per collective.
 """
 
 from __future__ import annotations
@@ -43,7 +44,8 @@ def _wrap(name: str, kind: str, payload: str) -> None:
 for name, kind, payload in [("all_gather_single", "all_gather", "output_tensor"),
                             ("all_gather_into_tensor", "all_gather", "output_tensor"),
                             ("reduce_scatter_single", "reduce_scatter", "input"),
-                            ("reduce_scatter_tensor", "reduce_scatter", "input"), ("all_reduce", "all_reduce", "tensor")]:
+                            ("reduce_scatter_tensor", "reduce_scatter", "input"),
+                            ("all_reduce", "all_reduce", "tensor")]:
     if hasattr(dist, name):
         _wrap(name, kind, payload)
 

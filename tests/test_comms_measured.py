@@ -29,8 +29,9 @@ def _measured(tiny, tmp_path, port, strategy: str) -> list[dict]:
     out = tmp_path / f"counts-{strategy}"
     proc = subprocess.run(
         [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(REPO / "accelerate_configs" / config),
-         "--num_processes", str(processes), "--main_process_port", str(port), str(REPO / "tests" / "count_collectives.py"),
-         str(out), "finetune", str(recipe), f"output_dir={tmp_path / strategy}"],
+         "--num_processes", str(processes), "--main_process_port", str(port),
+         str(REPO / "tests" / "count_collectives.py"), str(out), "finetune", str(recipe),
+         f"output_dir={tmp_path / strategy}"],
         env=ENV, cwd=REPO, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     per_rank = []
