@@ -76,3 +76,17 @@ def test_times_at_the_stated_bandwidth_and_when_the_network_binds():
     assert t.intra_s == pytest.approx(0.01)  # 8e9 bits at 800e9 bits/s
     assert t.inter_s == pytest.approx(0.1)
     assert t.network_bound  # 0.11 s of collectives against 0.05 s of compute
+
+
+def test_the_scaling_doc_shows_what_the_model_computes():
+    """docs/scaling.md's tables are benchmarks/scaling_table.py's output for the estimator as it is now."""
+    import importlib.util
+    from pathlib import Path
+
+    repo = Path(__file__).resolve().parents[1]
+    spec = importlib.util.spec_from_file_location("scaling_table", repo / "benchmarks" / "scaling_table.py")
+    table = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(table)
+    doc = (repo / "docs" / "scaling.md").read_text()
+    for line in table.rows() + table.rows(25, multi_node_only=True):
+        assert line in doc, f"docs/scaling.md is out of date (python benchmarks/scaling_table.py): {line}"
