@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from llmtrain.memory.comms import (
@@ -14,6 +16,8 @@ from llmtrain.memory.comms import (
     tensor_parallel,
 )
 from llmtrain.memory.spec import TrainSpec
+
+REPO_CONFIGS = Path(__file__).resolve().parents[1] / "accelerate_configs"
 
 
 def test_ring_collectives():
@@ -90,3 +94,36 @@ def test_the_scaling_doc_shows_what_the_model_computes():
     doc = (repo / "docs" / "scaling.md").read_text()
     for line in table.rows() + table.rows(25, multi_node_only=True):
         assert line in doc, f"docs/scaling.md is out of date (python benchmarks/scaling_table.py): {line}"
+
+
+def test_estimate_memory_reads_the_hsdp_launch_and_says_what_crosses_the_network(tmp_path):
+    """hsdp_multinode.yaml (2 nodes x 8, 2 replicas x 8 shards): the memory of FSDP over 8, and across nodes the
+    all-reduce of each GPU's shard of the fp32 gradients: 2 x 1/2 x 6,738,415,616 x 4 / 8 bytes."""
+    import json
+
+    from helpers import cli
+
+    out = json.loads(cli("estimate-memory", "recipes/llama7b.yaml", "--accelerate-config",
+                         "accelerate_configs/hsdp_multinode.yaml", "--json").stdout)
+    assert out["spec"]["strategy"] == "hsdp" and out["spec"]["world_size"] == 16
+    assert out["communication"]["inter_node_bytes"] == 6_738_415_616 * 4 // 8
+    assert out["communication"]["assumed"]["inter_gbps"] == 400
+    fsdp8 = json.loads(cli("estimate-memory", "recipes/llama7b.yaml", "--accelerate-config",
+                           "accelerate_configs/fsdp.yaml", "--json").stdout)
+    assert out["per_gpu_peak_bytes"] == fsdp8["per_gpu_peak_bytes"]  # sharded over a node's 8, as FSDP on 8
+
+    text = cli("estimate-memory", "recipes/llama7b.yaml", "--accelerate-config",
+               "accelerate_configs/hsdp_multinode.yaml", "--inter-gbps", "8").stdout
+    assert "3.37 GB across nodes (3.369 s at 8 Gb/s)" in " ".join(text.split()) and "network-bound" in text
+
+    tp = tmp_path / "tp.yaml"
+    tp.write_text((REPO_CONFIGS / "hsdp_multinode.yaml").read_text().replace(
+        "parallelism_config_tp_size: 1", "parallelism_config_tp_size: 2"))
+    refused = cli("estimate-memory", "recipes/llama7b.yaml", "--accelerate-config", str(tp), check=False)
+    assert refused.returncode == 2 and "tensor or context parallelism is not modelled" in refused.stderr
+    odd = tmp_path / "odd.yaml"
+    odd.write_text((REPO_CONFIGS / "hsdp_multinode.yaml").read_text().replace(
+        "parallelism_config_dp_replicate_size: 2", "parallelism_config_dp_replicate_size: 4").replace(
+        "parallelism_config_dp_shard_size: 8", "parallelism_config_dp_shard_size: 4"))
+    refused = cli("estimate-memory", "recipes/llama7b.yaml", "--accelerate-config", str(odd), check=False)
+    assert refused.returncode == 2 and "replicas = nodes and shards = GPUs per node" in refused.stderr
