@@ -21,7 +21,11 @@ def _apply(tokenizer, messages: list[dict], template: str | None, *, generation_
         return tokenizer.apply_chat_template(messages, chat_template=template, tokenize=False,
                                              add_generation_prompt=generation_prompt)
     except Exception as e:  # jinja's TemplateError, or the template's own raise_exception
-        raise LLMTrainError(f"the chat template refused the conversation: {e}") from None
+        advice = ""
+        if "system" in str(e).lower() and any(m.get("role") == "system" for m in messages):  # Gemma 1 and 2
+            advice = (" This template has no system role: drop data.system_prompt (or the rows' system messages), or "
+                      "put that text at the start of the first user message.")
+        raise LLMTrainError(f"the chat template refused the conversation: {e}.{advice}") from None
 
 
 def _not_shown(messages: list[dict], k: int) -> LLMTrainError:
@@ -93,6 +97,12 @@ def _reply_parts(messages: list[dict], last: int, tokenizer, template: str | Non
     before, after = around(history)
     full = _apply(tokenizer, messages[: last + 1], template, generation_prompt=False)
     if not (full.startswith(before) and full.endswith(after) and len(full) >= len(before) + len(after)):
+        # The template parses the content itself (Qwen3 moves a "<think>...</think>" block of the last reply into its
+        # own reasoning block): what it renders between the inference prompt and the end of the turn is the reply.
+        prompt = _apply(tokenizer, history, template, generation_prompt=True)
+        rendered = full[len(prompt):len(full) - len(after)]
+        if full.startswith(prompt) and full.endswith(after) and (reply["content"].split() or [""])[-1] in rendered:
+            return "", rendered, after
         raise LLMTrainError(f"the chat template rewrites the text around message {last + 1} (assistant), so the reply "
                             "cannot be placed in the text. Give a template that renders it as written "
                             "(data.chat_template: path/to/template.jinja).")

@@ -182,6 +182,14 @@ def encode_text(text: str, tokenizer) -> tuple[list, list]:
     return ids, list(ids)
 
 
+def special_ids(tokenizer) -> set[int]:
+    """The tokenizer's special tokens: the named ones (bos, eos, pad, additional_special_tokens) and every added token
+    marked special. Llama 3's <|eot_id|> and Gemma's <end_of_turn> close a turn whether or not the tokenizer's config
+    lists them as additional special tokens."""
+    added = {i for i, t in getattr(tokenizer, "added_tokens_decoder", {}).items() if getattr(t, "special", False)}
+    return set(tokenizer.all_special_ids) | added
+
+
 def encode_messages(messages: list[dict], tokenizer, *, train_on_prompt: bool, template: str | None = None,
                     first: int = 0) -> tuple[list, list]:
     """Render a chat with its template (the tokenizer's, or `template`) and train the assistant replies.
@@ -201,7 +209,7 @@ def encode_messages(messages: list[dict], tokenizer, *, train_on_prompt: bool, t
     text, spans = render_chat(messages, tokenizer, template=template, first=first)
     enc = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
     ids, offsets = enc["input_ids"], enc["offset_mapping"]
-    special = set(tokenizer.all_special_ids)
+    special = special_ids(tokenizer)
     labels = [IGNORE] * len(ids)
     closed = True
     for start, end in spans:

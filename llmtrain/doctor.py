@@ -12,7 +12,7 @@ from pathlib import Path
 import yaml
 
 from llmtrain.config import Recipe
-from llmtrain.data import IGNORE, DataStats
+from llmtrain.data import IGNORE, DataStats, special_ids
 from llmtrain.errors import LLMTrainError
 
 Check = tuple[str, str, str]  # (name, "pass" | "info" | "skipped" | "warn" | "fail", detail: what was found, key, fix)
@@ -93,7 +93,7 @@ def check_masks(stats: DataStats, *, train_on_prompt: bool, text: bool, max_seq_
 
 def check_eos_trained(labels: list[list[int]], tokenizer) -> list[Check]:
     """The last trained label of each row is EOS or an end-of-turn special token: the model learns to stop."""
-    stops = {tokenizer.eos_token_id, *tokenizer.all_special_ids}
+    stops = {tokenizer.eos_token_id, *special_ids(tokenizer)}
     last = [[lab for lab in row if lab != IGNORE] for row in labels]
     missing = sum(1 for t in last if not t or t[-1] not in stops)
     only_stop = sum(1 for t in last if len(t) == 1 and t[0] in stops)

@@ -38,6 +38,8 @@ PRESETS: dict[str, dict] = {
 HUB_ALIASES = {
     "meta-llama/Llama-2-7b-hf": "llama-2-7b", "meta-llama/Llama-2-7b-chat-hf": "llama-2-7b",
     "meta-llama/Meta-Llama-3-8B": "llama-3-8b", "meta-llama/Meta-Llama-3-8B-Instruct": "llama-3-8b",
+    # Llama 3.1 8B: Llama 3 8B's shapes (its longer context, 131072 with llama3 rope scaling, changes no estimate)
+    "meta-llama/Llama-3.1-8B": "llama-3-8b", "meta-llama/Llama-3.1-8B-Instruct": "llama-3-8b",
     "mistralai/Mistral-7B-v0.3": "mistral-7b", "mistralai/Mistral-7B-Instruct-v0.3": "mistral-7b",
 }
 

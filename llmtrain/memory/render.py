@@ -128,15 +128,16 @@ def render_fit(result: FitResult, *, target: str | None, console: Console | None
     room = FIT_SHARE * result.best.spec.gpu_memory_gib
     table = Table(title=f"Configurations that fit (largest micro-batch each, in {FIT_SHARE:.0%} of the card: "
                         f"{room:.1f} GiB, the rest is room for the estimate's error)", title_justify="left")
+    several = result.best.spec.world > 1
     for col in ("strategy", "checkpointing", "tokens per micro-batch" if by_tokens else "micro-batch",
-                "GiB per GPU", "relative throughput", "network s/step (across nodes)"):
+                "GiB per GPU", "relative throughput", *(["network s/step (across nodes)"] if several else [])):
         table.add_column(col, justify="right" if col != "strategy" else "left")
     top = max(c.score for c in result.candidates)
     for c in result.candidates:
         s, t = c.spec, c.traffic
         table.add_row(s.strategy, "on" if s.grad_checkpointing else "off", str(size(s)),
                       gib(c.estimate.per_gpu_peak_bytes), f"{c.score / top:.2f}",
-                      f"{t.network_s:.3f} ({t.inter_s:.3f})")
+                      *([f"{t.network_s:.3f} ({t.inter_s:.3f})"] if several else []))
     console.print(table)
     console.print(f"use: {launch_line(result)}", highlight=False)
     console.print(f"overrides: {' '.join(result.overrides)}", highlight=False)

@@ -1,0 +1,212 @@
+"""The chat templates people fine-tune today, beside Mistral's: Llama 3.1, Qwen2.5, Qwen3, Gemma 2 and Gemma 3.
+
+Each template is the model's original (tests/fixtures/templates/, copied from TRL, which keeps them to recognise
+models and checks them against the hub weekly; README.md there gives sources and licences), rendered by transformers
+as inference renders it. The tokenizer is a stand-in: a byte-level BPE trained here on a few sentences, with the
+model's own special and added tokens and its bos, eos and pad. The real vocabularies are not kept: what the masks
+depend on is the template's text and which of its markers are special tokens, and those are the model's.
+
+For each template: the training text is the inference prompt (add_generation_prompt=True) followed by the reply as
+the template renders it; the trained tokens are exactly what the model generates after that prompt (the reply and the
+end-of-turn token), nothing of the prompt; a system prompt is kept where inference puts it, or refused with advice
+where the template has no system role; every reply of a multi-turn chat is trained; doctor's stop-token check passes;
+and the tokens TRL's own assistant masks train (its `*_training.jinja` templates) are ours plus only whitespace the
+model never generates.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+
+import pytest
+
+from llmtrain.chat import render_chat
+from llmtrain.config import DataConfig
+from llmtrain.data import IGNORE, encode_example
+from llmtrain.doctor import check_eos_trained
+from llmtrain.errors import LLMTrainError
+
+FIXTURES = Path(__file__).resolve().parent / "fixtures" / "templates"
+MODELS = sorted(p.name for p in FIXTURES.iterdir() if p.is_dir())
+TRL_NAMES = {"llama-3.1-8b-instruct": "llama3_1", "qwen2.5-7b-instruct": "qwen2_5", "qwen3-8b": "qwen3",
+             "gemma-2-9b-it": "gemma", "gemma-3-4b-it": "gemma3"}
+END = {"llama-3.1-8b-instruct": "<|eot_id|>", "qwen2.5-7b-instruct": "<|im_end|>", "qwen3-8b": "<|im_end|>",
+       "gemma-2-9b-it": "<end_of_turn>", "gemma-3-4b-it": "<end_of_turn>"}
+# What the template puts after the reply's end-of-turn token (never trained: generation has stopped)
+AFTER = {"llama-3.1-8b-instruct": "", "qwen2.5-7b-instruct": "\n", "qwen3-8b": "\n", "gemma-2-9b-it": "\n",
+         "gemma-3-4b-it": "\n"}
+# What the model generates after the generation prompt before the reply's text: Qwen3 (thinking mode, the default)
+# renders the last reply with its reasoning block, empty when there is none.
+BEFORE = {"qwen3-8b": "<think>\n\n</think>\n\n"}
+CORPUS = ["How many apples are there? 5 apples and 3 pears make 8 fruits.", "Solve it step by step. #### 42",
+          "You are a helpful assistant. Be brief.", "Natalia sold clips to 48 of her friends in April."] * 8
+CHAT = DataConfig(path="unused.jsonl", format="messages", max_seq_len=4096)
+
+
+def stand_in_tokenizer(name: str):
+    """A small byte-level BPE with `name`'s special and added tokens, bos/eos/pad and chat template."""
+    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    cfg = json.loads((FIXTURES / name / "tokens.json").read_text())
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.train_from_iterator(CORPUS, trainers.BpeTrainer(vocab_size=300, special_tokens=cfg["special"],
+                                                        initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    tok.add_tokens([AddedToken(t, special=False, normalized=False) for t in cfg["added"]])
+    named = {k: cfg[k] for k in ("bos_token", "eos_token", "pad_token") if cfg[k]}
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, **named)
+    fast.chat_template = (FIXTURES / name / "chat_template.jinja").read_text()
+    return fast
+
+
+@pytest.fixture(params=MODELS)
+def model(request):
+    return request.param, stand_in_tokenizer(request.param)
+
+
+def user(text):
+    return {"role": "user", "content": text}
+
+
+def assistant(text):
+    return {"role": "assistant", "content": text}
+
+
+def system(text):
+    return {"role": "system", "content": text}
+
+
+def trained_runs(tok, enc: dict) -> list[str]:
+    """Each run of consecutive trained tokens, decoded with its special tokens."""
+    runs, run = [], []
+    for token, label in zip(enc["input_ids"], enc["labels"]):
+        if label != IGNORE:
+            run.append(token)
+        elif run:
+            runs.append(run)
+            run = []
+    return [tok.decode(r) for r in runs + ([run] if run else [])]
+
+
+def untrained_text(tok, enc: dict) -> str:
+    return tok.decode([t for t, lab in zip(enc["input_ids"], enc["labels"]) if lab == IGNORE])
+
+
+@pytest.mark.parametrize("name", MODELS)
+def test_each_template_is_trls_original(name):
+    """The fixture is byte for byte the original TRL keeps for this model (where TRL is installed)."""
+    trl = pytest.importorskip("trl")
+    original = Path(trl.__file__).parent / "chat_templates" / f"{TRL_NAMES[name]}.jinja"
+    ours = (FIXTURES / name / "chat_template.jinja").read_bytes()
+    assert hashlib.sha256(ours).hexdigest() == hashlib.sha256(original.read_bytes()).hexdigest()
+
+
+def test_a_reply_is_trained_after_the_inference_prompt(model):
+    name, tok = model
+    messages = [user("How many apples are there?"), assistant("5 apples")]
+    text, _ = render_chat(messages, tok)
+    prompt = tok.apply_chat_template(messages[:1], tokenize=False, add_generation_prompt=True)
+    assert text == prompt + BEFORE.get(name, "") + "5 apples" + END[name] + AFTER[name]
+    enc = encode_example({"messages": messages}, tok, CHAT)
+    assert trained_runs(tok, enc) == [BEFORE.get(name, "") + "5 apples" + END[name]]
+    assert untrained_text(tok, enc) == prompt + AFTER[name]  # the prompt (and the newline after the stop token)
+    assert check_eos_trained([enc["labels"]], tok)[0][1] == "pass"
+
+
+def test_every_reply_of_a_multi_turn_chat_is_trained(model):
+    name, tok = model
+    messages = [user("2+3?"), assistant("5"), user("And 5+3?"), assistant("8")]
+    text, _ = render_chat(messages, tok)
+    assert text.startswith(tok.apply_chat_template(messages[:3], tokenize=False, add_generation_prompt=True))
+    enc = encode_example({"messages": messages}, tok, CHAT)
+    # Qwen3 shows reasoning only after the last user turn: the earlier reply is rendered (and trained) without it
+    assert trained_runs(tok, enc) == ["5" + END[name], BEFORE.get(name, "") + "8" + END[name]]
+
+
+SYSTEM_KEPT = [m for m in MODELS if m != "gemma-2-9b-it"]
+
+
+@pytest.mark.parametrize("name", SYSTEM_KEPT)
+def test_a_system_prompt_stays_where_inference_puts_it(name):
+    """Llama 3.1 puts it in its dated system block, Qwen2.5 in place of its default, Qwen3 as a system turn, Gemma 3
+    before the first user message: in the prompt, never trained."""
+    tok = stand_in_tokenizer(name)
+    messages = [system("Be brief."), user("2+3?"), assistant("5")]
+    enc = encode_example({"messages": messages}, tok, CHAT)
+    prompt = tok.apply_chat_template(messages[:2], tokenize=False, add_generation_prompt=True)
+    assert "Be brief." in prompt and untrained_text(tok, enc) == prompt + AFTER[name]
+    assert trained_runs(tok, enc) == [BEFORE.get(name, "") + "5" + END[name]]
+
+
+def test_templates_that_add_their_own_system_text():
+    """Without a system prompt, Llama 3.1 still renders its dated system block and Qwen2.5 its default identity;
+    both are prompt, and the reply is trained as with any other template."""
+    for name, default in [("llama-3.1-8b-instruct", "Cutting Knowledge Date: December 2023\nToday Date: 26 Jul 2024"),
+                          ("qwen2.5-7b-instruct", "You are Qwen, created by Alibaba Cloud. You are a helpful assistant.")]:
+        tok = stand_in_tokenizer(name)
+        enc = encode_example({"messages": [user("2+3?"), assistant("5")]}, tok, CHAT)
+        assert default in untrained_text(tok, enc)
+        assert trained_runs(tok, enc) == ["5" + END[name]]
+
+
+def test_gemma_2_has_no_system_role_and_says_what_to_do():
+    tok = stand_in_tokenizer("gemma-2-9b-it")
+    with pytest.raises(LLMTrainError) as refused:
+        encode_example({"messages": [system("Be brief."), user("2+3?"), assistant("5")]}, tok, CHAT)
+    message = str(refused.value)
+    assert "System role not supported" in message and "data.system_prompt" in message
+    assert "first user message" in message
+
+
+def test_qwen3_reasoning_in_the_last_reply_is_trained():
+    tok = stand_in_tokenizer("qwen3-8b")
+    reply = "<think>\nadd 5 and 3\n</think>\n\n8"
+    enc = encode_example({"messages": [user("5+3?"), assistant(reply)]}, tok, CHAT)
+    assert trained_runs(tok, enc) == [reply + "<|im_end|>"]
+
+
+@pytest.mark.parametrize("name, training", [("qwen2.5-7b-instruct", "qwen2_5_training"),
+                                            ("gemma-2-9b-it", "gemma_training"),
+                                            ("gemma-3-4b-it", "gemma3_training")])
+def test_trls_assistant_masks_train_ours_and_only_whitespace_more(name, training):
+    """TRL's SFT assistant-only masks (its `{% generation %}` templates, return_assistant_tokens_mask) on the same
+    chat and tokens: every token llmtrain trains, TRL trains too; what TRL trains beyond it is whitespace the model
+    never generates (Qwen's newline of the generation prompt before the reply, the newline after the stop token)."""
+    trl = pytest.importorskip("trl")
+    tok = stand_in_tokenizer(name)
+    messages = [user("2+3?"), assistant("5 apples"), user("And 5+3?"), assistant("8")]
+    template = (Path(trl.__file__).parent / "chat_templates" / f"{training}.jinja").read_text()
+    theirs = tok.apply_chat_template(messages, chat_template=template, tokenize=True, return_dict=True,
+                                     return_assistant_tokens_mask=True)
+    enc = encode_example({"messages": messages}, tok, CHAT)
+    assert theirs["input_ids"][: len(enc["input_ids"])] == enc["input_ids"]
+    ours = {i for i, lab in enumerate(enc["labels"]) if lab != IGNORE}
+    trl_trained = {i for i, m in enumerate(theirs["assistant_masks"]) if m}
+    assert ours <= trl_trained
+    assert all(tok.decode([theirs["input_ids"][i]]).strip() == "" for i in trl_trained - ours)
+    assert len(ours) >= 4  # "5 apples" + end, "8" + end
+
+
+def test_doctors_data_checks_pass_on_gsm8k_style_chats(model, tmp_path):
+    """Question/answer rows through each template (data.chat_template: true, a system prompt where the template has
+    a system role), tokenised as finetune does: doctor's data checks (masks, stop token, budget) have no fail."""
+    from llmtrain.config import Recipe
+    from llmtrain.data import prepare_datasets
+    from llmtrain.doctor import check_data
+
+    name, tok = model
+    rows = tmp_path / "train.jsonl"
+    rows.write_text("".join(json.dumps({"question": f"What is {a} + {b}?", "answer": f"{a} + {b} = {a + b}\n#### "
+                                        f"{a + b}"}) + "\n" for a, b in [(2, 3), (5, 8), (13, 21), (34, 55)]))
+    data = {"path": str(rows), "format": "prompt_completion", "fields": {"prompt": "question", "completion": "answer"},
+            "chat_template": True, "max_seq_len": 512, "cache_dir": str(tmp_path / "cache"),
+            **({} if name == "gemma-2-9b-it" else {"system_prompt": "Solve it step by step. End with #### N."})}
+    recipe = Recipe.model_validate({"model": {"name_or_path": "unused"}, "data": data, "output_dir": str(tmp_path)})
+    train, eval_ds, stats, _ = prepare_datasets(recipe.data, tok, seed=0)
+    checks = check_data(recipe, stats["train"], train, eval_ds, tok)
+    assert [c for c in checks if c[1] == "fail"] == [] and ("eos trained", "pass") in [c[:2] for c in checks]
+    assert stats["train"].examples == 4 and stats["train"].dropped == 0
