@@ -145,8 +145,9 @@ def test_a_system_prompt_stays_where_inference_puts_it(name):
 def test_templates_that_add_their_own_system_text():
     """Without a system prompt, Llama 3.1 still renders its dated system block and Qwen2.5 its default identity;
     both are prompt, and the reply is trained as with any other template."""
-    for name, default in [("llama-3.1-8b-instruct", "Cutting Knowledge Date: December 2023\nToday Date: 26 Jul 2024"),
-                          ("qwen2.5-7b-instruct", "You are Qwen, created by Alibaba Cloud. You are a helpful assistant.")]:
+    defaults = [("llama-3.1-8b-instruct", "Cutting Knowledge Date: December 2023\nToday Date: 26 Jul 2024"),
+                ("qwen2.5-7b-instruct", "You are Qwen, created by Alibaba Cloud. You are a helpful assistant.")]
+    for name, default in defaults:
         tok = stand_in_tokenizer(name)
         enc = encode_example({"messages": [user("2+3?"), assistant("5")]}, tok, CHAT)
         assert default in untrained_text(tok, enc)
