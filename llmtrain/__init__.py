@@ -14,3 +14,6 @@ _warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*", cate
 # Accelerate slices HSDP's flattened mesh dimension the way torch 2.13 says it will deprecate: nothing for the user
 # to do, on every process of every HSDP launch.
 _warnings.filterwarnings("ignore", message="Slicing a flattened dim from root mesh", category=UserWarning)
+# DTensor says that a 2-D (FSDP x TP) gradient norm or full-state gather runs two collectives where one flattened
+# dimension could run one: a performance note about PyTorch's own redistribution, on every process of every step.
+_logging.getLogger("torch.distributed.tensor._redistribute").setLevel(_logging.ERROR)

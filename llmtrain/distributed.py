@@ -48,7 +48,10 @@ def build_accelerator(recipe: Recipe):
     mesh = requested_mesh()
     if mesh is not None:  # refused before any process group exists, with the launch's own sizes
         check_mesh(mesh, world=int(os.environ.get("WORLD_SIZE", "1")), fsdp=fsdp_plugin is not None)
-    mesh_later = cpu and mesh is not None
+        check_tensor_parallel(mesh, recipe)
+    # Tensor parallelism is applied by llmtrain (apply_tensor_parallel), not by Accelerate: its mesh is attached
+    # afterwards on GPUs too (see _attach_mesh).
+    mesh_later = mesh is not None and (cpu or mesh.tp_size > 1)
     if mesh_later:
         os.environ["ACCELERATE_USE_PARALLELISM_CONFIG"] = "false"
     try:
@@ -68,6 +71,10 @@ def build_accelerator(recipe: Recipe):
         _fsdp_on_cpu(accelerator, fsdp_plugin)
     if mesh_later:
         _attach_mesh(accelerator, mesh)
+    if mesh is not None and mesh.tp_size > 1:
+        # Every process loads the model and keeps its tensor-parallel slice: the rank-0 broadcast of Accelerate's
+        # cpu_ram_efficient_loading sends whole tensors into an unsharded model, which a TP model is not.
+        fsdp_plugin.cpu_ram_efficient_loading = False
     if fsdp_plugin is not None and recipe.train.mixed_precision != "no":
         fsdp_plugin.mixed_precision_policy = fsdp_precision(recipe.train.mixed_precision)
     if launched and launched != recipe.train.mixed_precision and accelerator.is_main_process:
@@ -117,10 +124,24 @@ def requested_mesh():
 
 
 def _attach_mesh(accelerator, config) -> None:
-    """What Accelerator.__init__ does with a launch's parallelism_config, done on CPU workers once they are FSDP."""
+    """What Accelerator.__init__ does with a launch's parallelism_config, done once the workers are FSDP (CPU) and,
+    with tensor parallelism, on GPUs too.
+
+    With tp_size > 1 Accelerate is handed the data-parallel part of the mesh only (tp_size 1 in its config; the device
+    mesh keeps its `tp` dimension): llmtrain applies the tensor-parallel plan itself (apply_tensor_parallel), because
+    Accelerate 1.15's own TP preparation imports a class transformers 5.24 no longer has (ReplicateParallel), and
+    transformers' TP loading builds its own mesh of tp x fsdp. FSDP2 then shards over the mesh's dp dimensions and
+    finds the TP'd weights already DTensors on the `tp` dimension of the same mesh: the 2-D layout.
+    """
+    import dataclasses
+
+    mesh = config.get_device_mesh(accelerator.device.type)
+    config._validate_accelerator(accelerator)  # the whole mesh against the processes
+    if config.tp_size > 1:
+        config = dataclasses.replace(config, tp_size=1, tp_handler=None)
+        config.device_mesh = mesh
     accelerator.state.parallelism_config = config
-    accelerator.state.device_mesh = config.get_device_mesh(accelerator.device.type)
-    config._validate_accelerator(accelerator)
+    accelerator.state.device_mesh = mesh
 
 
 def check_mesh(config, *, world: int, fsdp: bool) -> None:
@@ -132,31 +153,106 @@ def check_mesh(config, *, world: int, fsdp: bool) -> None:
             f"{kind} parallelism (parallelism_config_{key}_size > 1 {where}) is not supported by llmtrain: it packs "
             f"whole sequences per process with varlen attention instead. Set parallelism_config_{key}_size: 1, and "
             "for long sequences use model.gradient_checkpointing=true or a smaller train.micro_batch_tokens.")
-    if config.tp_size > 1:
-        raise LLMTrainError(
-            f"tensor parallelism (parallelism_config_tp_size: {config.tp_size} {where}) is not supported by llmtrain "
-            "yet. Set parallelism_config_tp_size: 1, and shard with FSDP within a node "
-            "(accelerate_configs/fsdp.yaml) and HSDP across nodes (accelerate_configs/hsdp_multinode.yaml).")
     if not fsdp:
         raise LLMTrainError(
             "a parallelism_config mesh needs FSDP: set distributed_type: FSDP with fsdp_version: 2 in the launch "
             "config (accelerate_configs/hsdp_multinode.yaml), or drop parallelism_config for plain data "
             "parallelism (accelerate_configs/ddp.yaml).")
-    size = config.dp_replicate_size * config.dp_shard_size
-    if size != world:
+    if config.tp_size > 1 and config.dp_replicate_size > 1:
         raise LLMTrainError(
-            f"the launch config's mesh is {config.dp_replicate_size} x {config.dp_shard_size} = {size} processes "
-            f"(parallelism_config_dp_replicate_size x parallelism_config_dp_shard_size) but the job has {world} "
-            f"processes. Make replicas x shards equal the processes: replicas = nodes and shards = GPUs per node "
-            "(e.g. --parallelism_config_dp_replicate_size 2 --parallelism_config_dp_shard_size 8 for 2 nodes of 8).")
+            f"tensor parallelism with replicas (parallelism_config_tp_size: {config.tp_size} and "
+            f"parallelism_config_dp_replicate_size: {config.dp_replicate_size} {where}: 3-D) is not supported by "
+            "llmtrain. Use HSDP across nodes (accelerate_configs/hsdp_multinode.yaml, tp_size 1) or FSDP x TP "
+            "(accelerate_configs/fsdp_tp.yaml: dp_replicate_size 1, dp_shard_size x tp_size = the processes).")
+    if config.tp_size > 1 and config.dp_shard_size < 2:
+        raise LLMTrainError(
+            f"tensor parallelism (parallelism_config_tp_size: {config.tp_size} {where}) runs under FSDP2 as the 2-D "
+            "layout FSDP x TP, which needs at least 2 shards: set parallelism_config_dp_shard_size to the processes "
+            f"divided by {config.tp_size} (accelerate_configs/fsdp_tp.yaml). For a model that fits one GPU's share "
+            "of FSDP, plain FSDP (accelerate_configs/fsdp.yaml) sends less over the network.")
+    size = config.dp_replicate_size * config.dp_shard_size * config.tp_size
+    if size != world:
+        names = (("replicas x shards", "parallelism_config_dp_replicate_size x parallelism_config_dp_shard_size",
+                  f"{config.dp_replicate_size} x {config.dp_shard_size}") if config.tp_size == 1 else
+                 ("shards x tensor-parallel ranks", "parallelism_config_dp_shard_size x parallelism_config_tp_size",
+                  f"{config.dp_shard_size} x {config.tp_size}"))
+        raise LLMTrainError(
+            f"the launch config's mesh is {names[2]} = {size} processes ({names[1]}) but the job has {world} "
+            f"processes. Make {names[0]} equal the processes: replicas = nodes and shards = GPUs per node "
+            "(e.g. --parallelism_config_dp_replicate_size 2 --parallelism_config_dp_shard_size 8 for 2 nodes of 8), "
+            "or shards x tp = GPUs (e.g. --parallelism_config_dp_shard_size 4 --parallelism_config_tp_size 2 for 8).")
 
 
-def mesh_line(config) -> str | None:
-    """How the processes are laid out, for the start-up line: '2 replicas x 2 shards' (HSDP); None without a mesh."""
+def check_tensor_parallel(config, recipe: Recipe) -> None:
+    """Refuse what tensor parallelism does not train, before any process group exists."""
+    if config.tp_size < 2:
+        return
+    where = f"parallelism_config_tp_size: {config.tp_size} in the launch config"
+    if recipe.lora is not None or recipe.model.quantize:
+        what = "a 4-bit base (model.quantize)" if recipe.model.quantize else "LoRA (the recipe's lora: section)"
+        raise LLMTrainError(
+            f"tensor parallelism ({where}) does not train {what}: peft's adapters are whole matrices beside "
+            "the sharded base weights. A LoRA run of a 7B model fits one GPU: launch it with "
+            "accelerate_configs/ddp.yaml or accelerate_configs/fsdp.yaml (tp_size 1).")
+    if recipe.model.compile:
+        raise LLMTrainError(f"tensor parallelism ({where}) is not tested with model.compile: set model.compile=false.")
+
+
+def mesh_line(config, tp: int = 1) -> str | None:
+    """How the processes are laid out, for the start-up line: '2 replicas x 2 shards' (HSDP), '2 shards x 2
+    tensor-parallel' (FSDP x TP); None without a mesh."""
     if config is None:
         return None
     parts = [(config.dp_replicate_size, "replica"), (config.dp_shard_size, "shard")]
-    return " x ".join(f"{n} {name}{'s' if n > 1 else ''}" for n, name in parts if n > 1) or None
+    line = " x ".join(f"{n} {name}{'s' if n > 1 else ''}" for n, name in parts if n > 1)
+    tp = max(tp, config.tp_size)
+    return " x ".join(p for p in (line, f"{tp} tensor-parallel" if tp > 1 else "") if p) or None
+
+
+def tensor_parallel_size(accelerator) -> int:
+    """Processes that share each batch and split each layer's matrices between them (the mesh's `tp` dimension)."""
+    mesh = accelerator.torch_device_mesh
+    return mesh["tp"].size() if mesh is not None and "tp" in (mesh.mesh_dim_names or ()) else 1
+
+
+def data_ranks(accelerator) -> tuple[int, int]:
+    """(data-parallel ranks, this process's data rank): who reads which batch. Without tensor parallelism every
+    process is a data rank; with it, the processes of a TP group (consecutive ranks: `tp` is the mesh's innermost
+    dimension in Accelerate's order) read the same batch."""
+    tp = tensor_parallel_size(accelerator)
+    return accelerator.num_processes // tp, accelerator.process_index // tp
+
+
+def apply_tensor_parallel(model, mesh) -> int:
+    """Shard the decoder's linear layers over `mesh` (1-D, the `tp` dimension) by the model's own tensor-parallel
+    plan (transformers' `base_model_tp_plan`: q/k/v and gate/up column-wise, o and down row-wise), with PyTorch's
+    parallelize_module. Each attention layer then holds heads / tp query and KV heads, each MLP intermediate / tp
+    columns; a row-wise layer all-reduces its output, so every process of the group holds the same hidden states
+    and the same loss. Embeddings, norms and the LM head stay whole on every TP rank (FSDP still shards them over
+    the data-parallel dimension). Returns the number of layers sharded."""
+    from fnmatch import fnmatchcase
+
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    styles = {"colwise": ColwiseParallel, "rowwise": RowwiseParallel}
+    config, tp = model.config, mesh.size()
+    plan = dict(getattr(config, "base_model_tp_plan", None) or {})
+    if not plan or set(plan.values()) - set(styles):
+        raise LLMTrainError(
+            f"tensor parallelism needs a model whose tensor-parallel plan (config.base_model_tp_plan) is column- and "
+            f"row-wise linear layers, as Llama's and Mistral's are; {type(model).__name__} has "
+            f"{sorted(set(plan.values())) or 'none'}. Set parallelism_config_tp_size: 1.")
+    kv = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
+    for name, n in (("num_attention_heads", config.num_attention_heads), ("num_key_value_heads", kv),
+                    ("intermediate_size", config.intermediate_size)):
+        if n % tp:
+            raise LLMTrainError(f"tensor parallelism over {tp} processes splits the model's {name} ({n}) evenly, and "
+                                f"{n} is not a multiple of {tp}: set parallelism_config_tp_size to a divisor of {n}.")
+    base = getattr(model, model.base_model_prefix)
+    layers = {name: styles[style]() for name, _ in base.named_modules()
+              for pattern, style in plan.items() if fnmatchcase(name, pattern)}
+    parallelize_module(base, mesh, layers)
+    return len(layers)
 
 
 def fsdp_precision(mixed_precision: str):
@@ -192,10 +288,23 @@ def receives_weights(accelerator) -> bool:
 
 def global_sum(accelerator, *values: float | int) -> list[float]:
     """Sum numbers over all processes in one collective."""
+    return _summed(accelerator, values).tolist()
+
+
+def data_sum(accelerator, *values: float | int) -> list[float]:
+    """Sum numbers of the batches (losses, token counts) over the data-parallel ranks, in one collective over all
+    processes: the processes of a tensor-parallel group hold the same batch and the same loss (the row-wise layers
+    all-reduce their outputs), so the sum over all processes counts each batch tp times. Exact for counts; for
+    losses the float64 sum of tp equal values divided by tp is the value."""
+    tp = tensor_parallel_size(accelerator)
+    return (_summed(accelerator, values) / tp).tolist()
+
+
+def _summed(accelerator, values) -> torch.Tensor:
     t = torch.tensor([float(v) for v in values], dtype=torch.float64, device=accelerator.device)
     if accelerator.num_processes > 1:
         t = accelerator.reduce(t, reduction="sum")
-    return t.tolist()
+    return t
 
 
 def use_fused_adamw(accelerator) -> bool:

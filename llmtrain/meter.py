@@ -14,7 +14,7 @@ from contextlib import contextmanager
 
 import torch
 
-from llmtrain.distributed import global_sum
+from llmtrain.distributed import data_sum
 
 
 class Meter:
@@ -52,7 +52,7 @@ class Meter:
         """The metrics line of the steps since the last one (every rank calls it: the loss is summed over them)."""
         result, epoch = self.pending[-1]
         # host sync: the logging step's one read (the loss and the objective's statistics, in one collective)
-        loss_sum, *stats = global_sum(self.accelerator, *torch.cat([result.loss_sum.reshape(1).double(),
+        loss_sum, *stats = data_sum(self.accelerator, *torch.cat([result.loss_sum.reshape(1).double(),
                                                                      result.stats_sum.double()]).tolist())
         window = [sum(c) for c in zip(*(r.counts for r, _ in self.pending))]  # units, trained, tokens, squares
         now = time.perf_counter()

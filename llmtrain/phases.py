@@ -26,7 +26,16 @@ from llmtrain.chat import read_template
 from llmtrain.checkpoint import load_checkpoint, lora_only_hooks
 from llmtrain.config import Recipe
 from llmtrain.data import prepare_datasets
-from llmtrain.distributed import global_sum, mesh_line, receives_weights, use_fused_adamw, uses_fsdp
+from llmtrain.distributed import (
+    apply_tensor_parallel,
+    data_ranks,
+    global_sum,
+    mesh_line,
+    receives_weights,
+    tensor_parallel_size,
+    use_fused_adamw,
+    uses_fsdp,
+)
 from llmtrain.doctor import check_data, check_warmup
 from llmtrain.errors import LLMTrainError
 from llmtrain.loss import attach_loss
@@ -75,7 +84,7 @@ def read_only_checks(recipe: Recipe, accelerator, *, resume: str | None, overwri
             "was changed. Raise train.max_steps with --allow-recipe-change to train it further.")
         return Checked(checkpoint=None, notes=(), finished=done)
     ckpt = check_output_dir(accelerator, out, resume=resume, overwrite=overwrite)
-    notes = check_resume(ckpt, recipe, world=accelerator.num_processes, fsdp=uses_fsdp(accelerator),
+    notes = check_resume(ckpt, recipe, world=data_ranks(accelerator)[0], fsdp=uses_fsdp(accelerator),
                          allow_recipe_change=allow_recipe_change) if ckpt else []
     if resume and ckpt is None:
         say(f"--resume {resume}: no complete checkpoint in {out}; starting from step 0.")
@@ -132,9 +141,11 @@ def prepare_data(recipe: Recipe, accelerator, *, say) -> Data:
     with accelerator.main_process_first():
         train_ds, eval_ds, stats, cache_hit = prepare_datasets(recipe.data, tokenizer, seed=tc.seed)
     (cache_reads,) = global_sum(accelerator, cache_hit)
-    world, accum, s = accelerator.num_processes, tc.grad_accum_steps, stats["train"]
-    procs = f"{world} processes" + (f" ({mesh})" if (mesh := mesh_line(accelerator.parallelism_config)) else "")
-    say(f"data: {s.examples} train examples ({cache_line(int(cache_reads), world)}), {s.truncated} truncated, "
+    (world, _), accum, s = data_ranks(accelerator), tc.grad_accum_steps, stats["train"]  # world: data ranks
+    mesh = mesh_line(accelerator.parallelism_config, tensor_parallel_size(accelerator))
+    procs = f"{accelerator.num_processes} processes" + (f" ({mesh})" if mesh else "")
+    say(f"data: {s.examples} train examples ({cache_line(int(cache_reads), accelerator.num_processes)}), "
+        f"{s.truncated} truncated, "
         f"{s.dropped} dropped, "
         f"{s.trained_fraction:.1%} of tokens trained; eval: {stats['eval'].examples if 'eval' in stats else 0} "
         "examples")
@@ -196,6 +207,10 @@ def build_model(recipe: Recipe, accelerator, *, total_steps: int, say) -> Traina
     model = load_model(recipe.model, recipe.lora, device=accelerator.device,
                        empty=receives_weights(accelerator) and not recipe.model.quantize,
                        compute_dtype={"bf16": torch.bfloat16, "fp16": torch.float16}.get(tc.mixed_precision))
+    if (tp := tensor_parallel_size(accelerator)) > 1:
+        layers = apply_tensor_parallel(model, accelerator.torch_device_mesh["tp"])
+        say(f"tensor parallelism: {layers} linear layers split over {tp} processes "
+            f"(PyTorch parallelize_module, the model's own plan)")
     fused_ce = fused_linear_cross_entropy(recipe.model, accelerator.device)  # None unless liger is in use
     attach_loss(model, chunk=tc.loss_chunk_tokens, fused_linear_ce=fused_ce)
     if recipe.model.compile:
@@ -278,7 +293,7 @@ def claim_run_dir(recipe: Recipe, accelerator, console, *, checkpoint: Path | No
 
 
 def restore(recipe: Recipe, accelerator, trainable: Trainable, *, checkpoint: Path | None, say) -> TrainState:
-    tc, world = recipe.train, accelerator.num_processes
+    tc, (world, _) = recipe.train, data_ranks(accelerator)  # data ranks: a tensor-parallel group reads one batch
     state = TrainState(examples_per_micro=0 if tc.micro_batch_tokens else tc.micro_batch_size * world,
                        processes=world, micro_batch_tokens=tc.micro_batch_tokens or 0)
     accelerator.register_for_checkpointing(trainable.scheduler, state)

@@ -19,6 +19,7 @@ import torch
 import torch.nn.functional as F
 
 from llmtrain.batching import collate, with_loss_positions
+from llmtrain.distributed import data_ranks, tensor_parallel_size
 from llmtrain.loss import compute_loss
 from llmtrain.objective import Counts
 
@@ -133,7 +134,7 @@ def precompute_reference(model, dataset, accelerator, objective: Preference, *, 
 
     if cache.is_file():
         return torch.load(cache)
-    world, rank, device = accelerator.num_processes, accelerator.process_index, accelerator.device
+    (world, rank), device = data_ranks(accelerator), accelerator.device
     plain = Preference(objective.cfg, pad_id=objective.pad_id, packing=objective.packing, reference="none")
     values = torch.zeros(len(dataset), 2, dtype=torch.float64, device=device)
     batches = global_micro_batches(len(dataset), seed=0, epoch=0, world_size=world, micro_batch_size=batch_size,
@@ -153,8 +154,8 @@ def precompute_reference(model, dataset, accelerator, objective: Preference, *, 
             logps = sequence_logps(model, batch).double()
             values[idx] = torch.stack([logps[0::2], logps[1::2]], dim=1)
     model.train(was_training)
-    if world > 1:
-        values = accelerator.reduce(values, reduction="sum")
+    if accelerator.num_processes > 1:  # each TP group's processes computed the same pairs: counted once
+        values = accelerator.reduce(values, reduction="sum") / tensor_parallel_size(accelerator)
     values = values.cpu()
     if accelerator.is_main_process:  # written whole under a temporary name: a crash never leaves half a file
         tmp = cache.with_name(f".{cache.name}.tmp{os.getpid()}")

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import torch
 
 from llmtrain.batching import global_micro_batches, to_device, windows
-from llmtrain.distributed import global_sum
+from llmtrain.distributed import data_ranks, data_sum, tensor_parallel_size
 from llmtrain.objective import Counts, Objective
 
 
@@ -40,11 +40,14 @@ def train_step(model, optimizer, scheduler, accelerator, objective: Objective, w
                max_grad_norm: float | None, stop_signal: int) -> StepResult:
     """Forward and backward over the window's micro-batches, clip, and the optimizer step unless the gradient
     norm is not finite."""
-    world = accelerator.num_processes
+    world, _ = data_ranks(accelerator)  # processes that read different batches (a TP group reads one)
     counts = torch.tensor([*window.counts, float(stop_signal > 0)], dtype=torch.float64)
     denominator = max(window.counts.units, 1.0)  # one process: a Python number, no device round trip
-    if world > 1:  # the one collective of the step: every rank needs the window's global loss units
+    if accelerator.num_processes > 1:  # the one collective of the step: every rank needs the window's loss units
         counts = accelerator.reduce(counts.to(accelerator.device, non_blocking=True), reduction="sum")
+        # Each TP group's processes hold the same window: its counts are in the sum tp times (the stop votes are
+        # summed over every process, so that a TP group never splits over a signal).
+        counts[:-1] /= tensor_parallel_size(accelerator)
         denominator = counts[0].clamp(min=1.0).float()  # stays on the device: no host sync
     loss_sum, stats_sum = torch.zeros((), device=accelerator.device), None
     for i, batch in enumerate(window.batches):
@@ -53,7 +56,7 @@ def train_step(model, optimizer, scheduler, accelerator, objective: Objective, w
         sync = i == len(window.batches) - 1
         with nullcontext() if sync else accelerator.no_sync(model):
             loss, stats = objective.loss(model, to_device(batch, accelerator.device))
-            # DDP and FSDP average gradients over processes, hence the factor `world`: the result is
+            # DDP and FSDP average gradients over the data ranks, hence the factor `world`: the result is
             # d(sum of all losses in the window) / (loss units in the window).
             accelerator.backward(loss * world / denominator)
         loss_sum += loss.detach()
@@ -76,10 +79,11 @@ def evaluate(model, dataset, accelerator, objective: Objective, *, batch_size: i
              on_batch=lambda done, total: None) -> dict:
     """The objective's eval metrics over the whole eval set, sharded over ranks, in its natural order."""
     model.eval()
-    batches = global_micro_batches(len(dataset), seed=0, epoch=0, world_size=accelerator.num_processes,
+    world, rank = data_ranks(accelerator)
+    batches = global_micro_batches(len(dataset), seed=0, epoch=0, world_size=world,
                                    micro_batch_size=batch_size, micro_batch_tokens=batch_tokens,
                                    lengths=dataset["length"] if batch_tokens else None, shuffle=False)
-    plan = [g[accelerator.process_index] for g in batches]
+    plan = [g[rank] for g in batches]
     totals = None
     for done, window in enumerate(windows(dataset, lambda _: plan, epoch=0, micro=0, steps=len(plan), accum=1,
                                           collate=objective.collate, pin=False, columns=objective.columns)):
@@ -87,4 +91,4 @@ def evaluate(model, dataset, accelerator, objective: Objective, *, batch_size: i
         sums = objective.eval_sums(model, window.batches[0], accelerator.device)
         totals = sums if totals is None else totals + sums
     model.train()
-    return objective.eval_metrics(global_sum(accelerator, *totals.tolist()))
+    return objective.eval_metrics(data_sum(accelerator, *totals.tolist()))

@@ -21,7 +21,7 @@ from llmtrain.cadence import Cadence
 from llmtrain.checkpoint import save_checkpoint
 from llmtrain.config import Recipe
 from llmtrain.console import RunConsole, step_text, summary_table
-from llmtrain.distributed import build_accelerator
+from llmtrain.distributed import build_accelerator, data_ranks
 from llmtrain.errors import Stopped
 from llmtrain.export import save_final
 from llmtrain.guards import check_finite_weights, diverged
@@ -112,7 +112,7 @@ def train_loop(run: Run, state: TrainState, meter: Meter) -> list[dict]:
     """From the state's step to the last: each step, then what the cadence says is due. Returns the evals."""
     tc, accelerator, m = run.recipe.train, run.accelerator, run.model
     evals, checkpoint = [], None
-    stream = prefetch(windows(run.data.train, run.data.plan.for_rank(accelerator.process_index), epoch=state.epoch,
+    stream = prefetch(windows(run.data.train, run.data.plan.for_rank(data_ranks(accelerator)[1]), epoch=state.epoch,
                               micro=state.micro_in_epoch, steps=run.cadence.total_steps - state.step,
                               accum=tc.grad_accum_steps, collate=run.objective.collate, columns=run.objective.columns,
                               pin=accelerator.device.type == "cuda"))

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 
-from llmtrain.distributed import check_mesh, mesh_line, requested_mesh
+from llmtrain.distributed import check_mesh, check_tensor_parallel, mesh_line, requested_mesh
 from llmtrain.errors import LLMTrainError
 
 
@@ -37,8 +37,11 @@ def test_hsdp_is_accepted_and_named(monkeypatch):
     ({"dp_replicate": 2, "dp_shard": 2}, 8, True, ["2 x 2 = 4", "8 processes", "parallelism_config_dp_shard_size"]),
     ({"dp_shard": 2, "cp": 2}, 4, True, ["context parallelism", "parallelism_config_cp_size", "micro_batch_tokens"]),
     ({"dp_shard": 2, "sp": 2}, 4, True, ["sequence parallelism", "parallelism_config_sp_size"]),
-    ({"dp_shard": 2, "tp": 2}, 4, True, ["tensor parallelism", "parallelism_config_tp_size: 1",
-                                          "hsdp_multinode.yaml"]),
+    ({"dp_replicate": 2, "dp_shard": 2, "tp": 2}, 8, True, ["tensor parallelism with replicas", "3-D",
+                                                             "hsdp_multinode.yaml", "fsdp_tp.yaml"]),
+    ({"tp": 4}, 4, True, ["at least 2 shards", "parallelism_config_dp_shard_size", "fsdp_tp.yaml"]),
+    ({"dp_shard": 2, "tp": 2}, 8, True, ["2 x 2 = 4", "8 processes", "parallelism_config_tp_size",
+                                          "--parallelism_config_dp_shard_size 4 --parallelism_config_tp_size 2"]),
     ({"dp_replicate": 2, "dp_shard": 2}, 4, False, ["distributed_type: FSDP", "ddp.yaml"]),
 ])
 def test_meshes_llmtrain_does_not_train_are_refused_with_what_to_use(monkeypatch, sizes, world, fsdp, names):
@@ -46,3 +49,47 @@ def test_meshes_llmtrain_does_not_train_are_refused_with_what_to_use(monkeypatch
         check_mesh(_mesh(monkeypatch, **sizes), world=world, fsdp=fsdp)
     for name in names:
         assert name in str(refused.value)
+
+
+def test_fsdp_x_tp_is_accepted_and_named(monkeypatch):
+    mesh = _mesh(monkeypatch, dp_shard=2, tp=2)
+    check_mesh(mesh, world=4, fsdp=True)
+    assert mesh_line(mesh) == "2 shards x 2 tensor-parallel"
+    assert mesh_line(_mesh(monkeypatch, dp_shard=4, tp=2)) == "4 shards x 2 tensor-parallel"
+    # Accelerate is handed the data-parallel part of the mesh (tp_size 1): the line takes TP from the device mesh
+    assert mesh_line(_mesh(monkeypatch, dp_shard=2), tp=2) == "2 shards x 2 tensor-parallel"
+
+
+@pytest.mark.parametrize("section, names", [
+    ({"lora": {"r": 4}}, ["does not train LoRA", "lora: section", "ddp.yaml"]),
+    ({"model": {"quantize": "nf4"}, "lora": {"r": 4}}, ["does not train a 4-bit base", "model.quantize"]),
+    ({"model": {"compile": True}}, ["model.compile=false"]),
+])
+def test_what_tensor_parallelism_does_not_train_is_refused(monkeypatch, tmp_path, section, names):
+    from llmtrain.config import Recipe
+
+    base = {"model": {"name_or_path": "m"}, "data": {"path": "d.jsonl", "format": "prompt_completion"},
+            "output_dir": str(tmp_path)}
+    recipe = Recipe.model_validate({**base, **{k: {**base.get(k, {}), **v} for k, v in section.items()}})
+    check_tensor_parallel(_mesh(monkeypatch, dp_shard=2), recipe)  # no TP: nothing to refuse
+    with pytest.raises(LLMTrainError) as refused:
+        check_tensor_parallel(_mesh(monkeypatch, dp_shard=2, tp=2), recipe)
+    for name in names + ["parallelism_config_tp_size: 2"]:
+        assert name in str(refused.value)
+
+
+def test_tensor_parallel_plan_needs_heads_and_columns_that_divide(tiny_assets):
+    """apply_tensor_parallel refuses, before it shards anything, a TP size that does not divide the KV heads
+    (the tiny Llama has 4 query heads, 2 KV heads, an MLP of 512) or a model without a column/row-wise plan."""
+    import types
+
+    from llmtrain.config import ModelConfig
+    from llmtrain.distributed import apply_tensor_parallel
+    from llmtrain.modeling import load_model
+
+    model = load_model(ModelConfig(name_or_path=str(tiny_assets / "model"), dtype="float32"), None)
+    with pytest.raises(LLMTrainError, match=r"num_key_value_heads \(2\) .* not a multiple of 4"):
+        apply_tensor_parallel(model, types.SimpleNamespace(size=lambda: 4))
+    model.config.base_model_tp_plan = {"layers.*.self_attn.q_proj": "colwise_gather_output"}
+    with pytest.raises(LLMTrainError, match="colwise_gather_output"):
+        apply_tensor_parallel(model, types.SimpleNamespace(size=lambda: 2))

@@ -1,0 +1,122 @@
+"""FSDP x TP (2-D) on CPU: 4 gloo processes under `accelerate launch --config_file accelerate_configs/cpu_tp.yaml`,
+laid out as 2 shards x 2 tensor-parallel ranks, train exactly like 1 process with the same global batch, and their
+checkpoints move between FSDP x TP, plain FSDP and 1 process.
+
+llmtrain splits each decoder layer's q/k/v/gate/up by columns and o/down by rows over the mesh's `tp` dimension
+(distributed.apply_tensor_parallel, PyTorch's parallelize_module with the model's own plan); Accelerate's FSDP2 then
+shards every weight over the `dp_shard` dimension. Processes 0-1 and 2-3 each read one batch: the global batch is
+micro-batch x 2, not x 4.
+
+The weights are compared with AdamW's eps at 1: Adam divides each element's update by the root of its own second
+moment, so a 1e-9 difference in a near-zero gradient element becomes a visible weight difference (8.4e-5 measured
+after 4 steps at the default eps, where losses and gradient norms agree to 1e-7); with eps 1 the update is the
+momentum of the gradient itself, and the final weights compare the gradients element by element.
+
+Four processes on two cores are slow: these tests are few and small, and marked slow.
+"""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from helpers import ENV, REPO, load_weights, losses, max_abs_diff, records, run_train, write_recipe
+
+pytestmark = pytest.mark.slow
+
+CONFIGS = {4: REPO / "accelerate_configs" / "cpu_tp.yaml", 2: REPO / "accelerate_configs" / "cpu_fsdp.yaml",
+           1: REPO / "accelerate_configs" / "cpu_fsdp.yaml"}
+MESH = {4: "4 processes (2 shards x 2 tensor-parallel)", 2: "2 processes", 1: "1 processes"}
+DATA_RANKS = {4: 2, 2: 2, 1: 1}  # a tensor-parallel pair reads one batch
+SGD_LIKE = {"lr": 0.1, "eps": 1.0, "max_grad_norm": 1e9}  # see the module docstring
+
+
+def _launch(recipe: Path, port: int, processes: int, *overrides: str, resume: str | None = None) -> str:
+    """`accelerate launch` of `llmtrain finetune RECIPE`: FSDP x TP 2x2 on 4 processes, plain FSDP2 on 2 or 1, each
+    with the micro-batch that keeps the global micro-batch at 4 examples. Returns what the main process printed."""
+    extra = ["--resume", resume] if resume else []
+    proc = subprocess.run(
+        [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(CONFIGS[processes]),
+         "--num_processes", str(processes), "--main_process_port", str(port), "-m", "llmtrain", "finetune",
+         str(recipe), f"train.micro_batch_size={4 // DATA_RANKS[processes]}", *overrides, *extra],
+        env=ENV, cwd=REPO, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert f"x {MESH[processes]} = 4 examples/step" in proc.stdout, proc.stdout
+    assert (processes == 4) == ("tensor parallelism: 14 linear layers split over 2 processes" in proc.stdout)
+    assert "redistributing" not in proc.stderr  # DTensor's performance notes are kept off the terminal
+    return proc.stdout
+
+
+def _same_run(run: Path, reference: Path, *, tol: float) -> None:
+    """The same steps over the same tokens, the same losses and the same final weights to `tol`."""
+    assert [r["step"] for r in records(run)] == [r["step"] for r in records(reference)]
+    assert [r["tokens"] for r in records(run)] == [r["tokens"] for r in records(reference)]  # the same examples
+    assert losses(run) == pytest.approx(losses(reference), abs=tol)
+    assert max_abs_diff(load_weights(run / "final"), load_weights(reference / "final")) < tol
+
+
+def test_fsdp_x_tp_2x2_trains_like_one_process(tiny_assets, tmp_path, free_port):
+    """2 shards x 2 TP x micro-batch 2 == 1 process x micro-batch 4: losses and gradient norms to 1e-6 (relative),
+    final weights to 1e-6, with each TP'd weight stored in four pieces (2 shards x 2 TP) and each norm in two.
+
+    The gradient checks: the norm is taken before clipping, and the loss of each process is its share of a sum
+    normalised by the trained tokens of the whole window. Counting the TP pair's one batch twice (the window's
+    tokens summed over 4 processes, not 2 data ranks) would halve the gradient, and averaging over 4 processes
+    where FSDP averages over 2 would double it: either fails the norm by a factor of 2."""
+    recipe = write_recipe(tiny_assets, tmp_path, train={"max_steps": 4, "micro_batch_size": 4, **SGD_LIKE},
+                          checkpoint={"every_steps": 2})
+    single, tp = tmp_path / "single", tmp_path / "tp"
+    run_train(recipe, f"output_dir={single}")
+    _launch(recipe, free_port, 4, f"output_dir={tp}")
+
+    one, four = records(single), records(tp)
+    assert [r["loss"] for r in four] == pytest.approx([r["loss"] for r in one], abs=1e-6)
+    norms = [(r["grad_norm"], s["grad_norm"]) for r, s in zip(four, one)]
+    assert all(abs(a / b - 1) < 1e-6 for a, b in norms), norms
+    _same_run(tp, single, tol=1e-6)
+    assert losses(tp)[-1] < losses(tp)[0]
+
+    from torch.distributed.checkpoint import FileSystemReader
+
+    meta = FileSystemReader(str(tp / "checkpoints" / "step_000002" / "pytorch_model_fsdp_0")).read_metadata()
+    pieces = {name.rsplit("model.", 1)[-1]: sorted(tuple(c.offsets) for c in m.chunks)
+              for name, m in meta.state_dict_metadata.items() if name.endswith("weight") and "optim" not in name}
+    # q_proj (out x in = 128 x 128): columns split in two by TP, each half in two by FSDP -> 4 row blocks of 32;
+    # down_proj (128 x 512): rows (its input) split by TP, then dim 0 by FSDP -> a 2 x 2 grid.
+    assert pieces["layers.0.self_attn.q_proj.weight"] == [(0, 0), (32, 0), (64, 0), (96, 0)]
+    assert pieces["layers.0.mlp.down_proj.weight"] == [(0, 0), (0, 256), (64, 0), (64, 256)]
+    assert pieces["layers.0.input_layernorm.weight"] == [(0,), (64,)]  # whole on each TP rank, sharded by FSDP
+
+
+def test_fsdp_x_tp_checkpoints_move_between_tp_fsdp_and_one_process(tiny_assets, tmp_path, free_port):
+    """An FSDP x TP checkpoint resumes on FSDP x TP, on plain FSDP with 2 processes and on 1 process; and a 2-process
+    FSDP checkpoint resumes on FSDP x TP. The global micro-batch is 4 examples everywhere, so the data order is kept:
+    every resumed run sees the tokens, and reaches the losses and weights, of the run that never stopped."""
+    recipe = write_recipe(tiny_assets, tmp_path, train={"max_steps": 6, "micro_batch_size": 4, **SGD_LIKE},
+                          checkpoint={"every_steps": 3, "keep_last": 2})
+    tp, fsdp = tmp_path / "tp", tmp_path / "fsdp"
+    _launch(recipe, free_port, 4, f"output_dir={tp}")
+    _launch(recipe, free_port, 2, f"output_dir={fsdp}")
+    _same_run(fsdp, tp, tol=1e-6)  # the straight runs agree, so either is the reference
+
+    def cut(run: Path, name: str) -> Path:
+        """As if the job died right after step 3's checkpoint: step 6's checkpoint and final/ are gone."""
+        copy = Path(shutil.copytree(run, tmp_path / name))
+        shutil.rmtree(copy / "checkpoints" / "step_000006")
+        shutil.rmtree(copy / "final")
+        return copy
+
+    for processes in (4, 2, 1):
+        run = cut(tp, f"tp-on-{processes}")
+        out = _launch(recipe, free_port, processes, f"output_dir={run}", resume="auto")
+        assert f"resumed from {run / 'checkpoints' / 'step_000003'} at step 3" in out
+        _same_run(run, tp, tol=1e-6)
+
+    back = cut(fsdp, "fsdp-on-tp")
+    out = _launch(recipe, free_port, 4, f"output_dir={back}", resume="auto")
+    assert "resumed from" in out
+    _same_run(back, fsdp, tol=1e-6)
