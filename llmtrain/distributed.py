@@ -252,7 +252,31 @@ def apply_tensor_parallel(model, mesh) -> int:
     layers = {name: styles[style]() for name, _ in base.named_modules()
               for pattern, style in plan.items() if fnmatchcase(name, pattern)}
     parallelize_module(base, mesh, layers)
+    for block in {name.rpartition(".")[0] for name, style in layers.items() if isinstance(style, ColwiseParallel)}:
+        base.get_submodule(block).register_forward_pre_hook(_replicated_input(mesh), with_kwargs=True)
     return len(layers)
+
+
+def _replicated_input(mesh):
+    """A block's (attention's, the MLP's) input as one replicated DTensor, before its column-wise layers see it.
+
+    Each column-wise layer given a plain tensor wraps it itself, so in backward each would all-reduce its own partial
+    input gradient: q, k and v three times, gate and up twice. Wrapped once here, their partial gradients are summed
+    as one DTensor and all-reduced once, where the block's input is made: 2 all-reduces per layer in backward, as in
+    forward (tests/test_comms_measured.py counts them)."""
+    from torch.distributed.tensor import DTensor, Replicate
+
+    def wrap(x):
+        return DTensor.from_local(x, mesh, [Replicate()], run_check=False) if not isinstance(x, DTensor) else x
+
+    def hook(module, args, kwargs):
+        if args:  # the MLP: mlp(hidden_states)
+            return (wrap(args[0]), *args[1:]), kwargs
+        if "hidden_states" in kwargs:  # attention: self_attn(hidden_states=..., ...)
+            return args, {**kwargs, "hidden_states": wrap(kwargs["hidden_states"])}
+        return None
+
+    return hook
 
 
 def fsdp_precision(mixed_precision: str):

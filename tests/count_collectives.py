@@ -5,7 +5,8 @@ torch.distributed's Python collectives (what FSDP2 calls: all_gather_single, red
 wrapped, and DDP, whose reducer all-reduces from C++, gets torch's default all-reduce hook, which makes the same
 all-reduce of each gradient bucket through the Python dist.all_reduce. Only what runs inside llmtrain.train's
 train_step is kept (not loading, eval or the final gather), and not the step's scalar bookkeeping (counts, the
-gradient norm): tensors of at most 16 elements. Each rank writes OUT_DIR/rank<N>.json: [kind, payload bytes, group
+gradient norm, whose DTensor form all-reduces one value per parameter): tensors of at most
+BOOKKEEPING elements. Each rank writes OUT_DIR/rank<N>.json: [kind, payload bytes, group
 size] per collective.
 """
 
@@ -22,10 +23,13 @@ import torch.distributed as dist
 OUT = Path(sys.argv.pop(1))
 RECORDS: list[tuple[str, int, int]] = []
 IN_STEP = [False]
+# The tiny model's smallest payload is far above this: an FSDP unit (13,312 values) or a micro-batch's activations
+# (tokens x 128); the bookkeeping is a few counts, or one norm per parameter (21).
+BOOKKEEPING = 1024
 
 
 def _keep(kind: str, tensor, group) -> None:
-    if IN_STEP[0] and tensor.numel() > 16:
+    if IN_STEP[0] and tensor.numel() > BOOKKEEPING:
         RECORDS.append((kind, tensor.numel() * tensor.element_size(), dist.get_world_size(group)))
 
 
@@ -48,6 +52,37 @@ for name, kind, payload in [("all_gather_single", "all_gather", "output_tensor")
                             ("all_reduce", "all_reduce", "tensor")]:
     if hasattr(dist, name):
         _wrap(name, kind, payload)
+
+
+def _group_size(group) -> int:
+    """Size of a functional collective's group: a (mesh, dim) pair, a mesh, a process group or its name."""
+    from torch.distributed.distributed_c10d import _resolve_process_group
+
+    if isinstance(group, tuple):
+        return group[0].size(group[1])
+    if hasattr(group, "mesh_dim_names"):
+        return group.size()
+    return dist.get_world_size(_resolve_process_group(group) if isinstance(group, str) else group)
+
+
+def _wrap_functional() -> None:
+    import torch.distributed._functional_collectives as funcol
+
+    for name, kind in [("all_reduce", "all_reduce"), ("all_gather_single", "all_gather"),
+                       ("reduce_scatter_single", "reduce_scatter")]:
+        original = getattr(funcol, name, None)
+        if original is None:
+            continue
+
+        def recorded(tensor, *args, _original=original, _kind=kind, _signature=inspect.signature(original), **kw):
+            group = _signature.bind(tensor, *args, **kw).arguments["group"]
+            if IN_STEP[0] and tensor.numel() > BOOKKEEPING:
+                n = _group_size(group)
+                size = tensor.numel() * tensor.element_size() * (n if _kind == "all_gather" else 1)
+                RECORDS.append((_kind, size, n))
+            return _original(tensor, *args, **kw)
+
+        setattr(funcol, name, recorded)
 
 
 def _ddp_with_hook():
@@ -80,6 +115,7 @@ def _only_in_steps():
 
 if __name__ == "__main__":
     _ddp_with_hook()
+    _wrap_functional()
     _only_in_steps()
     from llmtrain.cli import main
 

@@ -13,7 +13,7 @@ from llmtrain.memory.comms import (
     all_reduce,
     data_parallel,
     reduce_scatter,
-    tensor_parallel,
+    tensor_parallel_activations,
 )
 from llmtrain.memory.spec import TrainSpec
 
@@ -26,9 +26,9 @@ def test_ring_collectives():
     assert all_reduce(100, 1) == 0
 
 
-def _parts(strategy: str, gpus: int, nodes: int, accum: int = 1, tail: float = 0):
-    spec = TrainSpec(strategy=strategy, num_gpus=gpus, num_nodes=nodes, grad_accum=accum)
-    parts = data_parallel(spec, trainable_bytes=3200, gathered=Gathered(1600, tail))
+def _parts(strategy: str, gpus: int, nodes: int, accum: int = 1, tail: float = 0, **tp):
+    spec = TrainSpec(strategy=strategy, num_gpus=gpus, num_nodes=nodes, grad_accum=accum, **tp)
+    parts = data_parallel(spec, trainable_bytes=3200, gathered=Gathered(1600, tail), activations=100)
     return sum(p[1] for p in parts), sum(p[2] for p in parts)
 
 
@@ -63,13 +63,43 @@ def test_one_gpu_sends_nothing():
     assert _parts("single", 1, 1) == (0, 0)
 
 
-def test_tensor_parallel_all_reduces_activations_four_times_a_layer():
+def test_fsdp_x_tp_shards_the_slice_over_the_groups_and_all_reduces_activations_in_the_group():
+    # 1 node x 8 as 4 shards x 2 TP (the payloads are one GPU's slice): all-gathers 2 x 3/4 x 1600 = 2400,
+    # reduce-scatter 3/4 x 3200 = 2400, and 4 all-reduces of the activations (100 bytes over the layers) over 2:
+    # 4 x 2 x 1/2 x 100 = 400
+    assert _parts("fsdp", 8, 1, tp=2) == (5200, 0)
+    # gradient checkpointing repeats attention's (its recompute stops before the MLP's all-reduce): 5 x 100 = 500
+    assert _parts("fsdp", 8, 1, tp=2, grad_checkpointing=True) == (5300, 0)
+    # 2 nodes x 8 as 8 shards x 2 TP: the FSDP rings have 4 members a node, so 1/4 of 2 x 7/8 x 1600 + 7/8 x 3200
+    # = 5600 crosses the network (1400), more than flat FSDP's 1/8 (750); the TP groups stay in the node
+    assert _parts("fsdp", 8, 2, tp=2) == (5600 - 1400 + 400, 1400)
+    assert _parts("fsdp", 8, 2)[1] == 750
+
+
+def test_tensor_parallel_activations_are_tokens_x_hidden_per_layer_in_the_compute_dtype():
     from types import SimpleNamespace
 
     shape = SimpleNamespace(layers=2, hidden=8)
-    # 4 x 2 layers x all-reduce(10 tokens x 8 x 2 bytes = 160, over 4) = 8 x 240 = 1920
-    assert tensor_parallel(shape, tokens=10, tp=4) == 1920
-    assert tensor_parallel(shape, tokens=10, tp=1) == 0
+    spec = TrainSpec(strategy="fsdp", num_gpus=4, tp=2, micro_batch=1, seq_len=10, mixed_precision="bf16")
+    assert tensor_parallel_activations(shape, spec) == 2 * 10 * 8 * 2  # layers x tokens x hidden x bf16
+    assert tensor_parallel_activations(shape, spec.but(mixed_precision="no")) == 2 * 10 * 8 * 4  # float32
+    assert tensor_parallel_activations(shape, spec.but(tp=1)) == 0
+
+
+def test_the_tensor_parallel_slice_of_llama_2_7b():
+    """What one GPU of a TP pair holds of Llama-2-7B: half of q/k/v/gate/up's outputs and of o/down's inputs (16 of
+    32 heads, 5504 of 11008 MLP columns); norms, embeddings and the LM head whole."""
+    from llmtrain.memory.params import load_model_shape, tensor_parallel_shape
+
+    whole = load_model_shape("llama-2-7b")
+    half = tensor_parallel_shape(whole, 2)
+    assert (half.heads, half.kv_heads, half.intermediate, half.hidden) == (16, 16, 5504, 4096)
+    linears = {lin.name: (lin.fan_in, lin.fan_out) for lin in half.layer_linears}
+    assert linears["self_attn.q_proj"] == (4096, 2048) and linears["self_attn.o_proj"] == (2048, 4096)
+    assert linears["mlp.up_proj"] == (4096, 5504) and linears["mlp.down_proj"] == (5504, 4096)
+    # a layer: 4 x 4096 x 2048 + 3 x 4096 x 5504 = 101,187,584 linear weights, and its 2 norms of 4096
+    assert half.params_per_layer == 101_187_584 + 2 * 4096
+    assert half.params_total == whole.params_total - 32 * 101_187_584
 
 
 def test_times_at_the_stated_bandwidth_and_when_the_network_binds():
@@ -120,10 +150,31 @@ def test_estimate_memory_reads_the_hsdp_launch_and_says_what_crosses_the_network
     tp.write_text((REPO_CONFIGS / "hsdp_multinode.yaml").read_text().replace(
         "parallelism_config_tp_size: 1", "parallelism_config_tp_size: 2"))
     refused = cli("estimate-memory", "recipes/llama7b.yaml", "--accelerate-config", str(tp), check=False)
-    assert refused.returncode == 2 and "tensor or context parallelism is not modelled" in refused.stderr
+    assert refused.returncode == 2 and "3-D meshes (replicas x shards x tp) are not modelled" in refused.stderr
     odd = tmp_path / "odd.yaml"
     odd.write_text((REPO_CONFIGS / "hsdp_multinode.yaml").read_text().replace(
         "parallelism_config_dp_replicate_size: 2", "parallelism_config_dp_replicate_size: 4").replace(
         "parallelism_config_dp_shard_size: 8", "parallelism_config_dp_shard_size: 4"))
     refused = cli("estimate-memory", "recipes/llama7b.yaml", "--accelerate-config", str(odd), check=False)
     assert refused.returncode == 2 and "replicas = nodes and shards = GPUs per node" in refused.stderr
+
+
+def test_estimate_memory_reads_the_fsdp_x_tp_launch(tmp_path):
+    """fsdp_tp.yaml (8 GPUs as 4 shards x 2 TP): recipes/llama7b.yaml (2 micro-batches of 4 x 512 tokens, gradient
+    checkpointing) all-reduces 2 x 5 x 32 layers x 2048 tokens x 4096 x 2 bytes (bf16) within each TP pair, and
+    every process reads the whole fp32 model to load it: 8 x 6,738,415,616 x 4 bytes of host RAM."""
+    import json
+
+    from helpers import cli
+
+    out = json.loads(cli("estimate-memory", "recipes/llama7b.yaml", "--accelerate-config",
+                         "accelerate_configs/fsdp_tp.yaml", "--json").stdout)
+    assert (out["spec"]["strategy"], out["spec"]["tp"], out["spec"]["world_size"]) == ("fsdp", 2, 8)
+    parts = {p["what"].split(",")[0]: p["intra_node_bytes"] for p in out["communication"]["parts"]}
+    assert parts["all-reduce of the activations in the TP group"] == 2 * 5 * 32 * 2048 * 4096 * 2
+    assert out["communication"]["inter_node_bytes"] == 0
+    assert out["host_ram_bytes"] == 8 * 6_738_415_616 * 4
+    assert out["params_total"] == 6_738_415_616  # the model's, not a slice's
+    fsdp4 = json.loads(cli("estimate-memory", "recipes/llama7b.yaml", "--strategy", "fsdp", "--num-gpus", "4",
+                           "--json").stdout)
+    assert out["per_gpu_peak_bytes"] < fsdp4["per_gpu_peak_bytes"]  # half of each layer, over as many shards

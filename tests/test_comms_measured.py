@@ -1,8 +1,14 @@
 """The communication model (llmtrain/memory/comms.py) against what really crosses the process group: the tiny model
-trained 2 steps of 2 micro-batches under DDP (2 processes), FSDP2 (2) and HSDP (2 replicas x 2 shards, 4), with
-every collective of each step recorded (tests/count_collectives.py). The payloads the model predicts per step (the
-bytes all-reduced, all-gathered and reduce-scattered, and the group each runs in) must be what each rank sent
-through torch.distributed. What a payload costs on the wire (the ring factors) is tested by hand in test_comms.py.
+trained 2 steps of 2 micro-batches under DDP (2 processes), FSDP2 (2), HSDP (2 replicas x 2 shards, 4) and FSDP x
+TP (2 shards x 2 tensor-parallel, 4), with every collective of each step recorded (tests/count_collectives.py). The
+payloads the model predicts per step (the bytes all-reduced, all-gathered and reduce-scattered, and the group each
+runs in) must be what each rank sent through torch.distributed. What a payload costs on the wire (the ring factors)
+is tested by hand in test_comms.py.
+
+Under TP the activations' all-reduces carry each micro-batch's real tokens (the model assumes full-length examples),
+so they are checked against the tokens the run logged: 4 all-reduces of tokens x hidden a layer per micro-batch
+(5 with gradient checkpointing: the recompute stops before the MLP's), each TP group all-reducing its own data
+rank's tokens.
 """
 
 from __future__ import annotations
@@ -14,18 +20,22 @@ from collections import defaultdict
 
 import pytest
 
-from helpers import ENV, REPO, write_recipe
+from helpers import ENV, REPO, records, write_recipe
 
 pytestmark = pytest.mark.slow
 
-CONFIGS = {"ddp": ("cpu_ddp.yaml", 2), "fsdp": ("cpu_fsdp.yaml", 2), "hsdp": ("cpu_hsdp.yaml", 4)}
+CONFIGS = {"ddp": ("cpu_ddp.yaml", 2), "fsdp": ("cpu_fsdp.yaml", 2), "hsdp": ("cpu_hsdp.yaml", 4),
+           "tp": ("cpu_tp.yaml", 4), "tp-ckpt": ("cpu_tp.yaml", 4)}
 STEPS, ACCUM = 2, 2
 
 
 def _measured(tiny, tmp_path, port, strategy: str) -> list[dict]:
     config, processes = CONFIGS[strategy]
     recipe = write_recipe(tiny, tmp_path, train={"max_steps": STEPS, "grad_accum_steps": ACCUM, "micro_batch_size": 2},
-                          checkpoint={"save_final": False})
+                          checkpoint={"save_final": False},
+                          model={"gradient_checkpointing": strategy == "tp-ckpt"},
+                          # packed rows: the activations all-reduced are the real tokens the run logs, no padding
+                          data={"packing": strategy.startswith("tp")})
     out = tmp_path / f"counts-{strategy}"
     proc = subprocess.run(
         [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(REPO / "accelerate_configs" / config),
@@ -44,26 +54,43 @@ def _measured(tiny, tmp_path, port, strategy: str) -> list[dict]:
 
 
 def _predicted(tiny, strategy: str) -> dict:
-    from llmtrain.memory.comms import collectives, gathered_bytes
+    from llmtrain.memory.comms import collectives, gathered_bytes, tensor_parallel_activations
     from llmtrain.memory.estimate import states
     from llmtrain.memory.params import load_model_shape
     from llmtrain.memory.spec import TrainSpec
 
-    shape = load_model_shape(str(tiny / "model"))
-    gpus, nodes = {"ddp": (2, 1), "fsdp": (2, 1), "hsdp": (2, 2)}[strategy]
-    spec = TrainSpec(strategy=strategy, num_gpus=gpus, num_nodes=nodes, grad_accum=ACCUM, dtype="float32")
+    from llmtrain.memory.params import tensor_parallel_shape
+
+    gpus, nodes, tp = {"ddp": (2, 1, 1), "fsdp": (2, 1, 1), "hsdp": (2, 2, 1), "tp": (4, 1, 2),
+                       "tp-ckpt": (4, 1, 2)}[strategy]
+    spec = TrainSpec(strategy="fsdp" if tp > 1 else strategy, num_gpus=gpus, num_nodes=nodes, grad_accum=ACCUM,
+                     dtype="float32", tp=tp, micro_batch=2, seq_len=32, grad_checkpointing=strategy == "tp-ckpt")
+    shape = tensor_parallel_shape(load_model_shape(str(tiny / "model")), tp)  # one GPU's slice
     gradients = states(shape, spec, None).grads * spec.shards
     predicted = defaultdict(float)
-    for c in collectives(spec, trainable_bytes=gradients, gathered=gathered_bytes(shape, spec,
-                                                                                 trained_params=shape.params_total)):
+    gathered = gathered_bytes(shape, spec, trained_params=shape.params_total)
+    for c in collectives(spec, trainable_bytes=gradients, gathered=gathered,
+                         activations=tensor_parallel_activations(shape, spec)):
         predicted[(c.kind, c.group)] += c.nbytes
     return dict(predicted)
 
 
-@pytest.mark.parametrize("strategy", ["ddp", "fsdp", "hsdp"])
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp", "hsdp", "tp", "tp-ckpt"])
 def test_predicted_payloads_are_what_crosses_the_process_group(tiny_assets, tmp_path, free_port, strategy):
     predicted = _predicted(tiny_assets, strategy)
-    for rank, measured in enumerate(_measured(tiny_assets, tmp_path, free_port, strategy)):
+    measured_all = _measured(tiny_assets, tmp_path, free_port, strategy)
+    if strategy.startswith("tp"):  # the activations' all-reduces: the logged tokens, not full-length examples
+        per_layer = 5 if strategy == "tp-ckpt" else 4
+        tokens = sum(r["tokens"] for r in records(tmp_path / strategy)) / STEPS  # both data ranks, per step
+        layers, hidden = 2, 128  # the tiny Llama's
+        # the model: every example of a micro-batch 2 x 32 tokens long, an upper bound
+        bound = predicted.pop(("all_reduce", 2))
+        assert bound == ACCUM * per_layer * layers * 2 * 32 * hidden * 4
+        activations = [m.pop(("all_reduce", 2)) for m in measured_all]
+        assert activations[0] == activations[1] and activations[2] == activations[3]  # a TP pair: one batch
+        assert activations[0] + activations[2] == per_layer * layers * tokens * hidden * 4
+        assert max(activations) <= bound
+    for rank, measured in enumerate(measured_all):
         assert measured.keys() == predicted.keys(), (rank, measured, predicted)
         for key, nbytes in predicted.items():
             # FSDP2 pads each parameter's first dimension to a multiple of the shard count: at most a row each

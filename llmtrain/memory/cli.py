@@ -62,6 +62,8 @@ def estimate_memory(
         help="Attention implementation (model.attn_implementation; auto is varlen).")] = None,
     cpu_offload: Annotated[bool, typer.Option(
         "--cpu-offload", help="FSDP offload of weights, gradients and optimizer state.")] = False,
+    tp: Annotated[Optional[int], typer.Option(
+        "--tp", help="Tensor-parallel GPUs per group, with --strategy fsdp (FSDP x TP).")] = None,
     accelerate_config: Annotated[Optional[Path], typer.Option(
         help="Read strategy and GPU counts from an accelerate launch config; explicit options win.")] = None,
     gpu_memory: Annotated[float, typer.Option(help="Memory of one GPU in GiB.")] = 80.0,
@@ -93,7 +95,7 @@ def estimate_memory(
         if accelerate_config is not None and not as_json:
             typer.echo(f"launch: {accelerate_config}, from the recipe's header (--accelerate-config FILE for another)")
     layout, launch_mp = _layout(accelerate_config, strategy=strategy, num_gpus=num_gpus, num_nodes=num_nodes,
-                                cpu_offload=cpu_offload, fit=fit)
+                                cpu_offload=cpu_offload, tp=tp, fit=fit)
     launch = dict(gpu_memory_gib=gpu_memory, **layout)
     if (recipe is None) == (model is None):
         raise LLMTrainError("give either a RECIPE.yaml or --model PATH_OR_ID (not both, not neither).")
@@ -134,7 +136,8 @@ def _from_recipe(recipe: Path, overrides, run: dict, launch: dict):
     r = load_recipe(recipe, overrides)
     spec = spec_from_recipe(r, **launch)
     # kept by --fit: examples per step, or tokens per step with a budget
-    global_batch = (r.train.micro_batch_tokens or r.train.micro_batch_size) * r.train.grad_accum_steps * spec.world
+    global_batch = (r.train.micro_batch_tokens or r.train.micro_batch_size) * r.train.grad_accum_steps * \
+        spec.data_ranks
     return (load_model_shape(r.model.name_or_path), spec, global_batch,
             f"{recipe} {' '.join(overrides or [])}".strip(), ())
 
@@ -175,7 +178,7 @@ def header_launch(recipe: Path) -> Path | None:
     return None
 
 
-def _layout(path: Path | None, *, strategy, num_gpus, num_nodes, cpu_offload: bool,
+def _layout(path: Path | None, *, strategy, num_gpus, num_nodes, cpu_offload: bool, tp: int | None,
             fit: bool) -> tuple[dict, str | None]:
     """Strategy and GPU counts (explicit options, else the accelerate config, else one GPU), and the
     launch config's mixed_precision."""
@@ -191,7 +194,8 @@ def _layout(path: Path | None, *, strategy, num_gpus, num_nodes, cpu_offload: bo
                                 "(or --accelerate-config FILE, or --fit to search).")
         chosen = "single" if gpus * nodes == 1 else "ddp"
     offload = cpu_offload or (base.cpu_offload if base else False)
-    layout = dict(strategy=chosen, num_gpus=gpus, num_nodes=nodes, cpu_offload=offload)
+    layout = dict(strategy=chosen, num_gpus=gpus, num_nodes=nodes, cpu_offload=offload,
+                  tp=tp or (base.tp if base and chosen == base.strategy else 1))
     return layout, base.mixed_precision if base else None
 
 

@@ -19,8 +19,14 @@ Per optimizer step of `grad_accum` micro-batches:
   step, in fp32 (llmtrain's MixedPrecisionPolicy reduces in fp32).
 - HSDP: FSDP's traffic within a node's shard group, plus one all-reduce of each GPU's gradient shard across the
   replicas (nodes).
-- Tensor parallelism (not trained by llmtrain; for comparison): 2 all-reduces of the activations per layer in
-  forward and 2 in backward, per micro-batch, among the tp GPUs.
+- FSDP x TP: every GPU holds its tensor-parallel slice of the model (params.tensor_parallel_shape), and FSDP's
+  traffic is that of the slice over the world / tp GPUs holding the same slice (members of a ring on each node:
+  GPUs per node / tp). Within each TP group (consecutive GPUs of a node): per micro-batch, an all-reduce of the
+  activations (tokens x hidden, compute dtype) after attention's and the MLP's row-wise layer in forward, and one
+  for each block's input gradient in backward (distributed.apply_tensor_parallel wraps a block's input once, so its
+  column-wise layers' partial gradients meet before one all-reduce): 4 per layer, 5 with gradient checkpointing,
+  whose recompute runs attention's again but stops before the MLP's (torch's non-reentrant checkpoint stops
+  recomputing once the tensors backward needs are back, and the layer's output is not one of them; measured).
 """
 
 from __future__ import annotations
@@ -145,8 +151,11 @@ class Collective:
             self.nbytes, self.group)
 
 
-def collectives(spec: TrainSpec, *, trainable_bytes: float, gathered: Gathered) -> tuple[Collective, ...]:
-    """The collectives of one optimizer step for spec's strategy over its GPUs and nodes."""
+def collectives(spec: TrainSpec, *, trainable_bytes: float, gathered: Gathered,
+                activations: float = 0.0) -> tuple[Collective, ...]:
+    """The collectives of one optimizer step for spec's strategy over its GPUs and nodes. Under FSDP x TP the
+    payloads are those of one GPU's slice, and `activations` the bytes of one micro-batch's tokens x hidden summed
+    over the decoder layers (tensor_parallel_activations)."""
     g, m, a = spec.num_gpus, spec.num_nodes, spec.grad_accum
     per_step = a * (2 * gathered.resharded + gathered.tail)
     if spec.strategy == "single" or spec.world == 1:
@@ -154,10 +163,15 @@ def collectives(spec: TrainSpec, *, trainable_bytes: float, gathered: Gathered) 
     if spec.strategy == "ddp":
         return (Collective("all-reduce of the trainable gradients", "all_reduce", trainable_bytes, spec.world, "job"),)
     if spec.strategy == "fsdp":
+        tp = ()
+        if spec.tp > 1:
+            per_layer = 5 if spec.grad_checkpointing else 4
+            tp = (Collective(f"all-reduce of the activations in the TP group, {per_layer} a layer x {a} micro-batches",
+                             "all_reduce", a * per_layer * activations, spec.tp, "node"),)
         return (Collective(f"all-gather of the parameters, forward and backward x {a} micro-batches", "all_gather",
-                           per_step, spec.world, "job"),
-                Collective("reduce-scatter of the trainable gradients", "reduce_scatter", trainable_bytes, spec.world,
-                           "job"))
+                           per_step, spec.shards, "job"),
+                Collective("reduce-scatter of the trainable gradients", "reduce_scatter", trainable_bytes, spec.shards,
+                           "job"), *tp)
     # hsdp: shard within a node, replicate across nodes
     return (Collective(f"all-gather of the parameters within the node, forward and backward x {a} micro-batches",
                        "all_gather", per_step, g, "node"),
@@ -167,21 +181,26 @@ def collectives(spec: TrainSpec, *, trainable_bytes: float, gathered: Gathered) 
                        "across"))
 
 
-def data_parallel(spec: TrainSpec, *, trainable_bytes: float, gathered: Gathered) -> Parts:
+def data_parallel(spec: TrainSpec, *, trainable_bytes: float, gathered: Gathered, activations: float = 0.0) -> Parts:
     """Per-GPU bytes sent in one optimizer step, within the node and across nodes. A collective over the whole job
-    sends 1/(GPUs per node) of a GPU's bytes over its network card when there are several nodes."""
+    sends 1/(its GPUs per node) of a GPU's bytes over its network card when there are several nodes (under FSDP x TP
+    an FSDP ring has GPUs per node / tp members on each node)."""
     parts = []
-    for c in collectives(spec, trainable_bytes=trainable_bytes, gathered=gathered):
+    for c in collectives(spec, trainable_bytes=trainable_bytes, gathered=gathered, activations=activations):
         sent = c.sent()
-        across = {"job": sent / spec.num_gpus if spec.num_nodes > 1 else 0.0, "node": 0.0, "across": sent}[c.scope]
+        per_node = spec.num_gpus // spec.tp
+        across = {"job": sent / per_node if spec.num_nodes > 1 else 0.0, "node": 0.0, "across": sent}[c.scope]
         parts.append((c.what, sent - across, across))
     return tuple(parts)
 
 
-def tensor_parallel(shape: ModelShape, *, tokens: int, tp: int, act_bytes: int = 2) -> float:
-    """Per-GPU bytes of one micro-batch of `tokens` tokens under tensor parallelism over tp GPUs: 4 all-reduces
-    of the activations (tokens x hidden) per decoder layer (2 forward, 2 backward)."""
-    return 4 * shape.layers * all_reduce(tokens * shape.hidden * act_bytes, tp) if tp > 1 else 0.0
+def tensor_parallel_activations(shape: ModelShape, spec: TrainSpec) -> float:
+    """What one micro-batch's activation all-reduces carry, summed over the layers: tokens x hidden in the compute
+    dtype (FSDP's mixed precision runs the residual stream in it) per layer; 0 without tensor parallelism."""
+    if spec.tp == 1:
+        return 0.0
+    return float(shape.layers * spec.tokens * shape.hidden * DTYPE_BYTES[PRECISION_DTYPE.get(spec.mixed_precision,
+                                                                                           spec.dtype)])
 
 
 def step_flops(shape: ModelShape, spec: TrainSpec, trainable_linear_share: float) -> float:
@@ -202,14 +221,18 @@ def traffic(shape: ModelShape, spec: TrainSpec, *, trained_params: int, trainabl
     gathered = gathered_bytes(shape, spec, trained_params=trained_params)
     share = 1.0 if spec.method == "full" else 0.0
     compute = step_flops(shape, spec, share) / (network.peak_tflops * 1e12 * network.mfu)
-    return Traffic(data_parallel(spec, trainable_bytes=trainable_bytes, gathered=gathered), compute, network)
+    parts = data_parallel(spec, trainable_bytes=trainable_bytes, gathered=gathered,
+                          activations=tensor_parallel_activations(shape, spec))
+    return Traffic(parts, compute, network)
 
 
 def step_traffic(shape: ModelShape, spec: TrainSpec, network: Network = Network()) -> Traffic:
-    """traffic() for the run spec describes: its trained parameters and the bytes of their gradients."""
+    """traffic() for the run spec describes: its trained parameters and the bytes of their gradients (under FSDP x TP,
+    of one GPU's tensor-parallel slice, whose work is also the step's compute on that GPU)."""
     from llmtrain.memory.estimate import states
-    from llmtrain.memory.params import lora_plan
+    from llmtrain.memory.params import lora_plan, tensor_parallel_shape
 
+    shape = tensor_parallel_shape(shape, spec.tp)
     plan = lora_plan(shape, r=spec.lora_r, targets=spec.lora_targets,
                      modules_to_save=spec.lora_modules_to_save) if spec.method == "lora" else None
     whole = spec.but(cpu_offload=False)

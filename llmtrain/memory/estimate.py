@@ -12,7 +12,7 @@ import inspect
 from dataclasses import dataclass, replace
 
 from llmtrain.memory import activations as act
-from llmtrain.memory.params import LoraPlan, ModelShape, lora_plan
+from llmtrain.memory.params import LoraPlan, ModelShape, lora_plan, tensor_parallel_shape
 from llmtrain.memory.spec import DTYPE_BYTES, MIB, PRECISION_DTYPE, Estimate, TrainSpec
 
 # Outside PyTorch's allocator; constants to be calibrated on GPUs (see docs/memory.md).
@@ -145,8 +145,10 @@ def _phase(**parts: int) -> dict[str, int]:
 
 
 def estimate(shape: ModelShape, spec: TrainSpec) -> Estimate:
-    """The per-GPU peak of the run `spec` describes on the model `shape`."""
+    """The per-GPU peak of the run `spec` describes on the model `shape`. Under FSDP x TP every GPU runs its tensor-
+    parallel slice of the model (params.tensor_parallel_shape), sharded by FSDP over the data-parallel ranks."""
     spec.validate()
+    whole, shape = shape, tensor_parallel_shape(shape, spec.tp)
     plan = lora_plan(shape, r=spec.lora_r, targets=spec.lora_targets,
                      modules_to_save=spec.lora_modules_to_save) if spec.method == "lora" else None
     st = states(shape, spec, plan)
@@ -223,7 +225,7 @@ def estimate(shape: ModelShape, spec: TrainSpec) -> Estimate:
     if spec.eval_micro_batch:
         phases.update(_eval_phases(shape, spec, base, adapted=adapted, cached=sum(cached), head_copies=head_copies,
                                    fsdp_unit=2 * unit + always, tail=tail))
-    return _finish(shape, spec, plan, st, phases, notes=_notes(shape, spec, p))
+    return _finish(whole, spec, plan, st, phases, notes=_notes(shape, spec, p))
 
 
 def _backward_layers(p, shape: ModelShape, spec: TrainSpec, st, plan, base: dict, *, adapted, saved, kept,
@@ -352,6 +354,8 @@ def host_ram_bytes(shape: ModelShape, spec: TrainSpec, st: States) -> int:
     sd = DTYPE_BYTES[spec.dtype]
     if spec.random_init:
         loading = 0
+    elif spec.tp > 1:  # every process reads the model, then keeps its tensor-parallel slice
+        loading = spec.num_gpus * shape.params_total * sd
     elif spec.sharded:
         widen = spec.mixed_precision != "no" and spec.method == "full"
         loading = shape.params_total * (4 if widen else sd)
@@ -374,6 +378,11 @@ def _notes(shape: ModelShape, spec: TrainSpec, p: act.Pass) -> tuple[str, ...]:
         notes.append(f"{spec.kernel} on a packed row of {p.tokens} tokens: transformers builds a {p.tokens} x "
                      f"{p.tokens} block-diagonal mask and attention scales with its square; "
                      "model.attn_implementation=varlen (the default, auto) attends per example instead")
+    if spec.tp > 1:
+        notes.append(f"tensor parallelism over {spec.tp} GPUs: each holds {shape.heads} query and {shape.kv_heads} KV "
+                     f"heads and {shape.intermediate} MLP columns of every layer, the embeddings, norms and LM head "
+                     f"whole, all sharded by FSDP over {spec.shards} data-parallel ranks; the residual stream's "
+                     "activations are whole on every GPU of a group")
     if spec.strategy == "ddp" and spec.method == "full":
         notes.append("DDP buckets hold a second copy of every gradient (gradient_as_bucket_view=False)")
     if spec.grad_accum > 1:

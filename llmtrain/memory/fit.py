@@ -176,7 +176,9 @@ def more_gpus(shape: ModelShape, spec: TrainSpec, *, global_batch: int | None = 
 def fit(shape: ModelShape, spec: TrainSpec, *, global_batch: int | None = None,
         network: Network = Network()) -> FitResult:
     """Search strategy x checkpointing x micro-batch on spec's GPUs; keep `global_batch` (examples, or tokens
-    with a budget) when given. When nothing fits, also the fewest GPUs that would do (`more_gpus`)."""
+    with a budget) when given. When nothing fits, also the fewest GPUs that would do (`more_gpus`). The search is
+    over the data-parallel layouts (DDP, FSDP, HSDP: tp 1); an FSDP x TP launch is estimated as it is, not searched."""
+    spec = spec.but(tp=1)
     result = _search(shape, spec, global_batch, network)
     if result.best is None and spec.method == "lora" and not spec.quantize:
         # LoRA that does not fit these GPUs on a 16-bit base: the same adapters on a 4-bit base (QLoRA).

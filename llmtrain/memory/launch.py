@@ -26,6 +26,7 @@ class Layout:
     num_nodes: int
     cpu_offload: bool
     mixed_precision: str | None  # the launch config's; llmtrain runs with the recipe's
+    tp: int = 1  # tensor-parallel GPUs per group (parallelism_config_tp_size)
 
 
 def read_accelerate_config(path: Path) -> Layout:
@@ -51,30 +52,34 @@ def read_accelerate_config(path: Path) -> Layout:
     if procs % machines:
         raise LLMTrainError(f"accelerate config '{path}': num_processes {procs} is not a multiple of "
                             f"num_machines {machines}.")
-    strategy = STRATEGIES[kind] if procs > 1 or kind == "FSDP" else "single"
+    strategy, tp = STRATEGIES[kind] if procs > 1 or kind == "FSDP" else "single", 1
     if kind == "FSDP" and isinstance(mesh := cfg.get("parallelism_config"), dict):
-        strategy = _mesh_strategy(path, mesh, gpus=procs // machines, nodes=machines)
+        strategy, tp = _mesh_strategy(path, mesh, gpus=procs // machines, nodes=machines)
     offload = bool((cfg.get("fsdp_config") or {}).get("fsdp_offload_params", False))
     mp = cfg.get("mixed_precision")
     return Layout(strategy, procs // machines, machines, offload and strategy == "fsdp",
-                  None if mp is None else str(mp))
+                  None if mp is None else str(mp), tp)
 
 
-def _mesh_strategy(path: Path, mesh: dict, *, gpus: int, nodes: int) -> Strategy:
-    """fsdp or hsdp from a parallelism_config section; the estimate models HSDP as replicas = nodes."""
+def _mesh_strategy(path: Path, mesh: dict, *, gpus: int, nodes: int) -> tuple[Strategy, int]:
+    """(fsdp or hsdp, tp) from a parallelism_config section; the estimate models HSDP as replicas = nodes, and
+    FSDP x TP as tp consecutive GPUs of a node per group."""
     sizes = {k: int(mesh.get(f"parallelism_config_{k}_size", 1) or 1) for k in ("dp_replicate", "dp_shard", "tp",
                                                                                  "cp")}
-    if sizes["tp"] > 1 or sizes["cp"] > 1:
-        raise LLMTrainError(f"accelerate config '{path}': tensor or context parallelism is not modelled (llmtrain "
-                            "does not train with it); estimate-memory knows DDP, FSDP and HSDP.")
+    if sizes["cp"] > 1 or (sizes["tp"] > 1 and sizes["dp_replicate"] > 1):
+        raise LLMTrainError(f"accelerate config '{path}': context parallelism and 3-D meshes (replicas x shards x "
+                            "tp) are not modelled (llmtrain does not train with them); estimate-memory knows DDP, "
+                            "FSDP, HSDP and FSDP x TP.")
+    if sizes["tp"] > 1:
+        return "fsdp", sizes["tp"]
     if sizes["dp_replicate"] <= 1:
-        return "fsdp"
+        return "fsdp", 1
     if (sizes["dp_replicate"], sizes["dp_shard"]) != (nodes, gpus):
         raise LLMTrainError(f"accelerate config '{path}': HSDP of {sizes['dp_replicate']} replicas x "
                             f"{sizes['dp_shard']} shards on {nodes} node(s) of {gpus} GPUs; estimate-memory models "
                             "replicas = nodes and shards = GPUs per node (as examples/slurm/llmtrain.sbatch "
                             "launches it). Give --strategy and the counts to estimate another layout.")
-    return "hsdp"
+    return "hsdp", 1
 
 
 def shipped_config(strategy: Strategy, *, num_gpus: int, num_nodes: int) -> tuple[str, tuple[str, ...]]:

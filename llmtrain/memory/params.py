@@ -88,6 +88,28 @@ class ModelShape:
         return sum(lin.numel for lin in self.layer_linears)
 
 
+def tensor_parallel_shape(shape: ModelShape, tp: int) -> ModelShape:
+    """What one GPU of a tensor-parallel group holds and runs: every decoder layer with the model's TP plan applied
+    (transformers' base_model_tp_plan, as llmtrain's distributed.apply_tensor_parallel applies it): the column-wise
+    layers (q/k/v, gate/up) keep fan_out / tp outputs, the row-wise ones (o, down) fan_in / tp inputs, so a layer has
+    heads / tp query and KV heads and intermediate / tp MLP columns. The embeddings, norms and LM head stay whole."""
+    if tp == 1:
+        return shape
+    from dataclasses import replace
+
+    from transformers import CONFIG_MAPPING
+
+    plan = CONFIG_MAPPING[shape.model_type].base_model_tp_plan
+    style = {pattern.rsplit("*.", 1)[-1]: how for pattern, how in plan.items()}  # 'self_attn.q_proj' -> 'colwise'
+    local = tuple(Linear(lin.name, lin.fan_in, lin.fan_out // tp, lin.bias) if style.get(lin.name) == "colwise"
+                  else Linear(lin.name, lin.fan_in // tp, lin.fan_out, lin.bias) if style.get(lin.name) == "rowwise"
+                  else lin for lin in shape.layer_linears)
+    linear = sum(lin.numel for lin in local)
+    return replace(shape, source=f"{shape.source}, 1/{tp} tensor-parallel slice", intermediate=shape.intermediate // tp,
+                   heads=shape.heads // tp, kv_heads=shape.kv_heads // tp, layer_linears=local,
+                   params_per_layer=shape.params_per_layer - shape.linear_params_per_layer + linear)
+
+
 @dataclass(frozen=True)
 class LoraPlan:
     """Where LoRA adapters go: adapted[i] maps linear name -> (fan_in, fan_out) in decoder layer i."""

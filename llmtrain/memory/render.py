@@ -44,6 +44,8 @@ def describe(spec: TrainSpec) -> str:
     strategy = spec.strategy
     if strategy == "hsdp":
         strategy = f"hsdp ({spec.num_nodes} replicas x {spec.num_gpus} shards)"
+    if spec.tp > 1:
+        strategy = f"fsdp x tp ({spec.shards} shards x {spec.tp} tensor-parallel)"
     return (f"{method}, {strategy} on {where}{off}; {batch}; {spec.dtype} weights, {mp}; {ckpt}; "
             f"{attn} attention; loss chunks of {spec.loss_chunk_tokens} tokens; AdamW")
 
@@ -52,7 +54,8 @@ def render_estimate(est: Estimate, advice: str, *, traffic: Traffic | None = Non
                     console: Console | None = None) -> None:
     console = console or Console()
     spec = est.spec
-    shard = f", 1/{spec.shards} shard" if spec.sharded else ""
+    shard = (f", 1/{spec.tp} TP slice, 1/{spec.shards} shard" if spec.tp > 1 else
+             f", 1/{spec.shards} shard" if spec.sharded else "")
     peak = est.peak_phase.replace("_", " ")
     table = Table(title=f"Per-GPU memory: {escape(est.model)}", title_justify="left",
                   caption=f"GiB at peak: each part at the {peak} phase; they add up to the total. Largest: each "
