@@ -269,11 +269,13 @@ def test_held_out_reward_accuracy_rises_on_gsm8k_pairs(tiny_assets, tmp_path):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("launch, lora", [("cpu_ddp", False), ("cpu_fsdp", False), ("cpu_fsdp", True)])
+@pytest.mark.parametrize("launch, lora", [("cpu_ddp", False), ("cpu_fsdp", False), ("cpu_fsdp", True),
+                                          ("cpu_tp", False)])
 def test_two_processes_train_the_pairs_of_one(pref_recipe, tmp_path, free_port, launch, lora):
-    """2 CPU processes (gloo, through accelerate launch; DDP, or FSDP2 sharding every parameter) x micro-batch 4
-    against 1 process x 8: the same pairs per step, the same losses and rewards. Full fine-tune: the reference is
-    precomputed once, shared over both ranks; LoRA under FSDP2: the disabled adapter of the sharded model."""
+    """2 CPU data ranks (gloo, through accelerate launch; DDP, FSDP2 sharding every parameter, or FSDP x TP: 4
+    processes as 2 shards x 2 tensor-parallel) x micro-batch 4 against 1 process x 8: the same pairs per step, the
+    same losses and rewards. Full fine-tune: the reference is precomputed once, shared over all ranks (under TP each
+    pair's by one TP group); LoRA under FSDP2: the disabled adapter of the sharded model."""
     import subprocess
     import sys
 
@@ -290,7 +292,11 @@ def test_two_processes_train_the_pairs_of_one(pref_recipe, tmp_path, free_port, 
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     one, two = records(tmp_path / "one"), records(tmp_path / "two")
     for key in ("loss", "rewards/margins", "rewards/accuracies", "logps/chosen"):
-        assert [r[key] for r in two] == pytest.approx([r[key] for r in one], rel=2e-6, abs=1e-5), key
+        # Step 1's policy is the reference: one process gives every margin exactly 0, TP +-5e-8 (measured: under
+        # DTensor the no-grad reference pass and the training forward are not bitwise equal), and accuracy counts
+        # margin > 0. Step 1's margins and losses are still compared.
+        skip = 1 if (launch == "cpu_tp" and key == "rewards/accuracies") else 0
+        assert [r[key] for r in two][skip:] == pytest.approx([r[key] for r in one][skip:], rel=2e-6, abs=1e-5), key
     assert [r["tokens"] for r in two] == [r["tokens"] for r in one]
     if lora:
         assert one[0]["loss"] == pytest.approx(math.log(2), abs=1e-6)
