@@ -203,11 +203,38 @@ def check_precision(recipe: Recipe, launch: dict) -> list[Check]:
              f"train.mixed_precision={ours}; the recipe wins. Set mixed_precision: {ours} in the launch config.")]
 
 
+def launch_tp(launch: dict) -> int:
+    """Tensor-parallel processes per group of the launch config's parallelism_config (1 without one)."""
+    mesh = launch.get("parallelism_config")
+    return int((mesh or {}).get("parallelism_config_tp_size", 1) or 1) if isinstance(mesh, dict) else 1
+
+
+def data_ranks(launch: dict) -> int:
+    """Processes that read different batches: a tensor-parallel group reads one."""
+    return max(1, int(launch.get("num_processes", 1) or 1) // launch_tp(launch))
+
+
+def check_tensor_parallel_launch(recipe: Recipe, launch: dict) -> list[Check]:
+    """What finetune refuses under tensor parallelism, shown here (none without TP)."""
+    from types import SimpleNamespace
+
+    from llmtrain.distributed import check_tensor_parallel
+
+    if launch_tp(launch) < 2:
+        return []
+    try:
+        check_tensor_parallel(SimpleNamespace(tp_size=launch_tp(launch)), recipe)
+    except LLMTrainError as e:
+        return [("tensor parallelism", "fail", str(e))]
+    return [("tensor parallelism", "pass", f"{launch_tp(launch)} processes per TP group")]
+
+
 def check_batch(recipe: Recipe, launch: dict) -> list[Check]:
-    t, procs = recipe.train, int(launch.get("num_processes", 1) or 1)
+    t, procs = recipe.train, data_ranks(launch)
     unit = "tokens" if t.micro_batch_tokens else "examples"
     per = t.micro_batch_tokens or t.micro_batch_size
-    return [("global batch", "pass", f"{procs} processes x {per} {unit} (train.micro_batch_"
+    ranks = "processes" if launch_tp(launch) == 1 else "data-parallel ranks"
+    return [("global batch", "pass", f"{procs} {ranks} x {per} {unit} (train.micro_batch_"
              f"{'tokens' if t.micro_batch_tokens else 'size'}) x {t.grad_accum_steps} (train.grad_accum_steps) = "
              f"{procs * per * t.grad_accum_steps:,} {unit} per optimizer step")]
 
@@ -329,13 +356,14 @@ def run_doctor(recipe: Recipe, *, accelerate_config: Path | None = None,
                                                                          "eos trained", "schedule")]
     if tokenizer is not None:
         checks += check_tokenizer(tokenizer) + check_chat_template(recipe, tokenizer)
-        checks += load_data(recipe, tokenizer, world=int(launch.get("num_processes", 1) or 1))
+        checks += load_data(recipe, tokenizer, world=data_ranks(launch))
     gpu = gpu_memory if gpu_memory is not None else gpu_memory_here()
     rows, est = check_memory(recipe, accelerate_config, gpu)
     checks += rows + check_precision(recipe, launch)
     if est is not None:
         checks += check_fsdp(recipe, launch, params=est.params_total, fits=est.fits if gpu else None)
-    return checks + check_batch(recipe, launch) + check_shared_fs(recipe, launch)
+    return checks + check_tensor_parallel_launch(recipe, launch) + check_batch(recipe, launch) + \
+        check_shared_fs(recipe, launch)
 
 
 def doctor(recipe: Recipe, *, accelerate_config: Path | None = None, gpu_memory: float | None = None,

@@ -161,3 +161,16 @@ def test_warmup_at_or_past_the_run_length_is_warned_by_doctor_and_finetune(tiny_
     run_train(recipe)
     assert "warning (schedule): train.warmup_steps=5 is not below the run's 3 steps" in \
         (tmp_path / "run" / "train.log").read_text()
+
+
+def test_a_tensor_parallel_launch_counts_data_ranks_and_refuses_lora(tiny_assets, tmp_path):
+    """fsdp_tp.yaml (8 processes as 4 shards x 2 TP): the global batch is over 4 data-parallel ranks; a LoRA recipe
+    fails the tensor-parallelism row, as finetune would refuse it."""
+    launch = REPO / "accelerate_configs" / "fsdp_tp.yaml"
+    full = rows(run_doctor(load_recipe(write_recipe(tiny_assets, tmp_path)), accelerate_config=launch, gpu_memory=80))
+    assert full["tensor parallelism"][0] == "pass"
+    assert full["global batch"][1].startswith("4 data-parallel ranks x 4 examples")
+    lora = rows(run_doctor(load_recipe(write_recipe(tiny_assets, tmp_path, lora={"r": 4})), accelerate_config=launch,
+                           gpu_memory=80))
+    assert lora["tensor parallelism"][0] == "fail" and "does not train LoRA" in lora["tensor parallelism"][1]
+    assert "tensor parallelism" not in rows(run_doctor(load_recipe(write_recipe(tiny_assets, tmp_path)), gpu_memory=80))
