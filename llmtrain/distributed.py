@@ -168,8 +168,8 @@ def check_mesh(config, *, world: int, fsdp: bool) -> None:
         raise LLMTrainError(
             f"tensor parallelism (parallelism_config_tp_size: {config.tp_size} {where}) runs under FSDP2 as the 2-D "
             "layout FSDP x TP, which needs at least 2 shards: set parallelism_config_dp_shard_size to the processes "
-            f"divided by {config.tp_size} (accelerate_configs/fsdp_tp.yaml). For a model that fits one GPU's share "
-            "of FSDP, plain FSDP (accelerate_configs/fsdp.yaml) sends less over the network.")
+            f"divided by {config.tp_size} (accelerate_configs/fsdp_tp.yaml), or lower parallelism_config_tp_size, "
+            "or shard with plain FSDP over the same GPUs (accelerate_configs/fsdp.yaml).")
     size = config.dp_replicate_size * config.dp_shard_size * config.tp_size
     if size != world:
         names = (("replicas x shards", "parallelism_config_dp_replicate_size x parallelism_config_dp_shard_size",

@@ -14,13 +14,11 @@ Four processes on two cores are slow: these tests are few and small, and marked 
 from __future__ import annotations
 
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
-from helpers import ENV, REPO, load_weights, losses, max_abs_diff, records, run_train, write_recipe
+from helpers import REPO, launch_finetune, load_weights, losses, max_abs_diff, records, run_train, write_recipe
 
 pytestmark = pytest.mark.slow
 
@@ -33,16 +31,11 @@ LORA = {"r": 4, "alpha": 8, "dropout": 0.0, "target_modules": ["q_proj", "v_proj
 def _launch(recipe: Path, port: int, processes: int, *overrides: str, resume: str | None = None) -> str:
     """`accelerate launch` of `llmtrain finetune RECIPE`: HSDP 2x2 on 4 processes, plain FSDP2 on 2 or 1, each with
     the micro-batch that keeps the global micro-batch at 4 examples. Returns what the main process printed."""
-    extra = ["--resume", resume] if resume else []
-    proc = subprocess.run(
-        [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(CONFIGS[processes]),
-         "--num_processes", str(processes), "--main_process_port", str(port), "-m", "llmtrain", "finetune",
-         str(recipe), f"train.micro_batch_size={4 // processes}", *overrides, *extra],
-        env=ENV, cwd=REPO, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    assert f"FSDP2 on CPU: {processes} processes over gloo" in proc.stdout
-    assert f"x {MESH[processes]} = 4 examples/step" in proc.stdout, proc.stdout
-    return proc.stdout
+    out = launch_finetune(CONFIGS[processes], processes, port, recipe, f"train.micro_batch_size={4 // processes}",
+                          *overrides, resume=resume)
+    assert f"FSDP2 on CPU: {processes} processes over gloo" in out
+    assert f"x {MESH[processes]} = 4 examples/step" in out, out
+    return out
 
 
 def _preempt(run: Path, step: int) -> Path:

@@ -66,7 +66,7 @@ def result(loss_sum: float, counts: Counts, *, lr=1e-3, grad_norm=1.0, skipped=F
 def test_meter_line_reports_the_last_step_and_the_speed_since_the_last_line(monkeypatch):
     clock = iter([100.0, 104.0, 105.0, 110.0, 112.0]).__next__
     monkeypatch.setattr("llmtrain.meter.time.perf_counter", clock)
-    monkeypatch.setattr("llmtrain.meter.global_sum", lambda acc, *v: [x * 2 for x in v])  # two ranks, alike
+    monkeypatch.setattr("llmtrain.meter.data_sum", lambda acc, *v: [x * 2 for x in v])  # two data ranks, alike
     meter = Meter(FakeAccelerator(), flops=FlopModel(1.0, 10.0, 0.5), peak=100.0, elapsed_before=50.0)  # t=100
     state = TrainState(step=2, tokens_seen=700)
     meter.add(result(3.0, Counts(units=10, trained=10, tokens=300, squares=900)), epoch=0)

@@ -18,13 +18,11 @@ Four processes on two cores are slow: these tests are few and small, and marked 
 from __future__ import annotations
 
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
-from helpers import ENV, REPO, load_weights, losses, max_abs_diff, records, run_train, write_recipe
+from helpers import REPO, launch_finetune, load_weights, losses, max_abs_diff, records, run_train, write_recipe
 
 pytestmark = pytest.mark.slow
 
@@ -38,17 +36,12 @@ SGD_LIKE = {"lr": 0.1, "eps": 1.0, "max_grad_norm": 1e9}  # see the module docst
 def _launch(recipe: Path, port: int, processes: int, *overrides: str, resume: str | None = None) -> str:
     """`accelerate launch` of `llmtrain finetune RECIPE`: FSDP x TP 2x2 on 4 processes, plain FSDP2 on 2 or 1, each
     with the micro-batch that keeps the global micro-batch at 4 examples. Returns what the main process printed."""
-    extra = ["--resume", resume] if resume else []
-    proc = subprocess.run(
-        [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(CONFIGS[processes]),
-         "--num_processes", str(processes), "--main_process_port", str(port), "-m", "llmtrain", "finetune",
-         str(recipe), f"train.micro_batch_size={4 // DATA_RANKS[processes]}", *overrides, *extra],
-        env=ENV, cwd=REPO, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    assert f"x {MESH[processes]} = 4 examples/step" in proc.stdout, proc.stdout
-    assert (processes == 4) == ("tensor parallelism: 14 linear layers split over 2 processes" in proc.stdout)
-    assert "redistributing" not in proc.stderr  # DTensor's performance notes are kept off the terminal
-    return proc.stdout
+    out = launch_finetune(CONFIGS[processes], processes, port, recipe,
+                          f"train.micro_batch_size={4 // DATA_RANKS[processes]}", *overrides, resume=resume)
+    assert f"x {MESH[processes]} = 4 examples/step" in out, out
+    assert (processes == 4) == ("tensor parallelism: 14 linear layers split over 2 processes" in out)
+    assert "redistributing" not in out  # DTensor's performance notes are kept off the terminal
+    return out
 
 
 def _same_run(run: Path, reference: Path, *, tol: float) -> None:
@@ -59,16 +52,19 @@ def _same_run(run: Path, reference: Path, *, tol: float) -> None:
     assert max_abs_diff(load_weights(run / "final"), load_weights(reference / "final")) < tol
 
 
-def test_fsdp_x_tp_2x2_trains_like_one_process(tiny_assets, tmp_path, free_port):
+@pytest.mark.parametrize("attention", ["eager", "auto"])
+def test_fsdp_x_tp_2x2_trains_like_one_process(tiny_assets, tmp_path, free_port, attention):
     """2 shards x 2 TP x micro-batch 2 == 1 process x micro-batch 4: losses and gradient norms to 1e-6 (relative),
-    final weights to 1e-6, with each TP'd weight stored in four pieces (2 shards x 2 TP) and each norm in two.
+    final weights to 1e-6, with each TP'd weight stored in four pieces (2 shards x 2 TP) and each norm in two. With
+    eager attention on padded rows, and with llmtrain's varlen attention (auto) on packed rows, whose kernel sees
+    each process's half of the heads.
 
     The gradient checks: the norm is taken before clipping, and the loss of each process is its share of a sum
     normalised by the trained tokens of the whole window. Counting the TP pair's one batch twice (the window's
     tokens summed over 4 processes, not 2 data ranks) would halve the gradient, and averaging over 4 processes
     where FSDP averages over 2 would double it: either fails the norm by a factor of 2."""
     recipe = write_recipe(tiny_assets, tmp_path, train={"max_steps": 4, "micro_batch_size": 4, **SGD_LIKE},
-                          checkpoint={"every_steps": 2})
+                          checkpoint={"every_steps": 2}, model={"attn_implementation": attention})
     single, tp = tmp_path / "single", tmp_path / "tp"
     run_train(recipe, f"output_dir={single}")
     _launch(recipe, free_port, 4, f"output_dir={tp}")
