@@ -86,6 +86,17 @@ def records(run: Path, kind: str = "train") -> list[dict]:
     return [r for r in map(json.loads, lines) if r["type"] == kind]
 
 
+def assert_same_steps(run: Path, reference: Path, *, tol: float) -> None:
+    """The same losses (to tol) and gradient norms (to tol, relative) at every logged step as the reference run: a
+    gradient summed over ranks instead of averaged shows as a norm 2 or 4 times the reference's."""
+    import pytest
+
+    ours, theirs = records(run), records(reference)
+    assert [r["loss"] for r in ours] == pytest.approx([r["loss"] for r in theirs], abs=tol)
+    norms = [(r["grad_norm"], s["grad_norm"]) for r, s in zip(ours, theirs)]
+    assert all(abs(a / b - 1) < tol for a, b in norms), norms
+
+
 def losses(run: Path) -> list[float]:
     return [r["loss"] for r in records(run)]
 

@@ -18,7 +18,17 @@ from pathlib import Path
 
 import pytest
 
-from helpers import REPO, launch_finetune, load_weights, losses, max_abs_diff, records, run_train, write_recipe
+from helpers import (
+    REPO,
+    assert_same_steps,
+    launch_finetune,
+    load_weights,
+    losses,
+    max_abs_diff,
+    records,
+    run_train,
+    write_recipe,
+)
 
 pytestmark = pytest.mark.slow
 
@@ -65,17 +75,18 @@ def test_hsdp_2x2_matches_one_process(tiny_assets, tmp_path, free_port, kind):
     or the 4 processes instead of averaging them (FSDP2 on gloo did, pytorch #162338) would log a norm 2 or 4
     times the single process's, and the 1e-5 match fails."""
     lora = {"lora": LORA} if kind == "lora" else {}
+    # The full fine-tune runs AdamW with eps 1 (the update is the gradient's momentum; see test_tp.py): at the default
+    # eps Adam divides a near-zero gradient element by its own root, and the final weights differed by 1.22e-5 here
+    # (torch 2.13 on this CPU) where losses and gradient norms agree to 1e-7.
     recipe = write_recipe(tiny_assets, tmp_path, **lora,
-                          train={"max_steps": 4, "micro_batch_size": 4, "lr": 1e-2 if lora else 3e-3,
-                                 "max_grad_norm": 1e9}, checkpoint={"every_steps": 2})
+                          train={"max_steps": 4, "micro_batch_size": 4, "max_grad_norm": 1e9,
+                                 **({"lr": 1e-2} if lora else {"lr": 0.1, "eps": 1.0})},
+                          checkpoint={"every_steps": 2})
     single, hsdp = tmp_path / "single", tmp_path / "hsdp"
     run_train(recipe, f"output_dir={single}")
     _launch(recipe, free_port, 4, f"output_dir={hsdp}")
 
-    one, four = records(single), records(hsdp)
-    assert [r["loss"] for r in four] == pytest.approx([r["loss"] for r in one], abs=1e-5)
-    norms = [(r["grad_norm"], s["grad_norm"]) for r, s in zip(four, one)]
-    assert all(abs(a / b - 1) < 1e-5 for a, b in norms), norms  # a sum over replicas would be 2x, over all 4x
+    assert_same_steps(hsdp, single, tol=1e-5)  # a sum over replicas would be 2x the norm, over all 4x
     assert losses(hsdp)[-1] < losses(hsdp)[0]
     if lora:
         from safetensors.torch import load_file
