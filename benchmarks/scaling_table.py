@@ -1,6 +1,6 @@
 """The scaling table of docs/scaling.md: Llama-2-7B full fine-tuning and LoRA (recipes/llama7b.yaml and
 recipes/llama7b-lora.yaml, each with its own micro-batch and accumulation per GPU) on 1, 8, 16 and 64 H100s, for
-DDP, FSDP, HSDP and (full fine-tuning: LoRA is refused under TP) FSDP x TP with 2 tensor-parallel GPUs per group
+DDP, FSDP, HSDP and (full fine-tuning: LoRA is refused under TP) FSDP and HSDP x TP with 2 tensor-parallel GPUs a group
 (half as many data-parallel ranks: those rows double the accumulation to keep the recipe's global batch): memory
 per GPU (estimate-memory), bytes each GPU sends per optimizer step within its node and across nodes, and the
 step's network and compute time (llmtrain/memory/comms.py, default bandwidths and MFU).
@@ -17,8 +17,8 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 LAYOUTS = [(1, 1, "single", 1), (8, 1, "ddp", 1), (8, 1, "fsdp", 1), (8, 1, "fsdp", 2), (8, 2, "ddp", 1),
-           (8, 2, "fsdp", 1), (8, 2, "hsdp", 1), (8, 2, "fsdp", 2), (8, 8, "ddp", 1), (8, 8, "fsdp", 1),
-           (8, 8, "hsdp", 1), (8, 8, "fsdp", 2)]
+           (8, 2, "fsdp", 1), (8, 2, "hsdp", 1), (8, 2, "fsdp", 2), (8, 2, "hsdp", 2), (8, 8, "ddp", 1),
+           (8, 8, "fsdp", 1), (8, 8, "hsdp", 1), (8, 8, "fsdp", 2), (8, 8, "hsdp", 2)]
 RECIPES = {"full": "recipes/llama7b.yaml", "LoRA r=16": "recipes/llama7b-lora.yaml"}
 
 
@@ -43,7 +43,7 @@ def rows(inter_gbps: float | None = None, *, multi_node_only: bool = False) -> l
             est, traffic = estimate(shape, spec), step_traffic(shape, spec, network)
             memory = f"{est.per_gpu_peak_bytes / GIB:.1f}" + ("" if est.fits else " (does not fit 80)")
             bound = "-" if not traffic.parts else ("network" if traffic.network_bound else "compute")
-            label = f"fsdp x tp{tp}" if tp > 1 else strategy
+            label = f"{strategy} x tp{tp}" if tp > 1 else strategy
             out.append(f"| {name} | {gpus * nodes} ({nodes} x {gpus}) | {label} | {memory} | "
                        f"{traffic.intra_bytes / 1e9:.2f} | {traffic.inter_bytes / 1e9:.2f} | {traffic.network_s:.3f} | "
                        f"{traffic.compute_s:.3f} | {bound} |")

@@ -158,29 +158,24 @@ def check_mesh(config, *, world: int, fsdp: bool) -> None:
             "a parallelism_config mesh needs FSDP: set distributed_type: FSDP with fsdp_version: 2 in the launch "
             "config (accelerate_configs/hsdp_multinode.yaml), or drop parallelism_config for plain data "
             "parallelism (accelerate_configs/ddp.yaml).")
-    if config.tp_size > 1 and config.dp_replicate_size > 1:
-        raise LLMTrainError(
-            f"tensor parallelism with replicas (parallelism_config_tp_size: {config.tp_size} and "
-            f"parallelism_config_dp_replicate_size: {config.dp_replicate_size} {where}: 3-D) is not supported by "
-            "llmtrain. Use HSDP across nodes (accelerate_configs/hsdp_multinode.yaml, tp_size 1) or FSDP x TP "
-            "(accelerate_configs/fsdp_tp.yaml: dp_replicate_size 1, dp_shard_size x tp_size = the processes).")
     if config.tp_size > 1 and config.dp_shard_size < 2:
         raise LLMTrainError(
-            f"tensor parallelism (parallelism_config_tp_size: {config.tp_size} {where}) runs under FSDP2 as the 2-D "
-            "layout FSDP x TP, which needs at least 2 shards: set parallelism_config_dp_shard_size to the processes "
-            f"divided by {config.tp_size} (accelerate_configs/fsdp_tp.yaml), or lower parallelism_config_tp_size, "
-            "or shard with plain FSDP over the same GPUs (accelerate_configs/fsdp.yaml).")
+            f"tensor parallelism (parallelism_config_tp_size: {config.tp_size} {where}) runs under FSDP2 as FSDP x TP "
+            "(or HSDP x TP), which needs at least 2 shards: set parallelism_config_dp_shard_size to the processes "
+            f"(of a node, with replicas) divided by {config.tp_size} (accelerate_configs/fsdp_tp.yaml), or lower "
+            "parallelism_config_tp_size, or shard with plain FSDP over the same GPUs (accelerate_configs/fsdp.yaml).")
+    sizes = [(config.dp_replicate_size, "replicas", "dp_replicate"), (config.dp_shard_size, "shards", "dp_shard"),
+             (config.tp_size, "tensor-parallel ranks", "tp")]
+    sizes = [x for x in sizes if x[0] > 1 or x[2] == "dp_shard"]
     size = config.dp_replicate_size * config.dp_shard_size * config.tp_size
     if size != world:
-        names = (("replicas x shards", "parallelism_config_dp_replicate_size x parallelism_config_dp_shard_size",
-                  f"{config.dp_replicate_size} x {config.dp_shard_size}") if config.tp_size == 1 else
-                 ("shards x tensor-parallel ranks", "parallelism_config_dp_shard_size x parallelism_config_tp_size",
-                  f"{config.dp_shard_size} x {config.tp_size}"))
         raise LLMTrainError(
-            f"the launch config's mesh is {names[2]} = {size} processes ({names[1]}) but the job has {world} "
-            f"processes. Make {names[0]} equal the processes: replicas = nodes and shards = GPUs per node "
-            "(e.g. --parallelism_config_dp_replicate_size 2 --parallelism_config_dp_shard_size 8 for 2 nodes of 8), "
-            "or shards x tp = GPUs (e.g. --parallelism_config_dp_shard_size 4 --parallelism_config_tp_size 2 for 8).")
+            f"the launch config's mesh is {' x '.join(str(n) for n, _, _ in sizes)} = {size} processes "
+            f"({' x '.join(f'parallelism_config_{key}_size' for _, _, key in sizes)}) but the job has {world} "
+            f"processes. Make {' x '.join(name for _, name, _ in sizes)} equal the processes: replicas = nodes and "
+            "shards x tp = GPUs per node (e.g. --parallelism_config_dp_replicate_size 2 "
+            "--parallelism_config_dp_shard_size 8 for 2 nodes of 8, or --parallelism_config_dp_shard_size 4 "
+            "--parallelism_config_tp_size 2 for 8 GPUs).")
 
 
 def check_tensor_parallel(config, recipe: Recipe) -> None:

@@ -305,8 +305,9 @@ def restore(recipe: Recipe, accelerator, trainable: Trainable, *, checkpoint: Pa
     say(f"resumed from {checkpoint} at step {state.step}")
     if state.processes != world:
         # Each rank restores its own RNG file; with more ranks than saved, the new ones start from the seed.
-        say(f"note: written by {state.processes} processes, resumed on {world}: the same examples "
-            "per step, but per-rank random streams (dropout) do not replay the original run's.")
+        say(f"note: written by {state.processes} data-parallel ranks, resumed on {world} (a tensor-parallel group "
+            "is one rank): the same examples per step, but per-rank random streams (dropout) do not replay the "
+            "original run's.")
         state.processes = world
     return state
 

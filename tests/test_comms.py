@@ -74,6 +74,9 @@ def test_fsdp_x_tp_shards_the_slice_over_the_groups_and_all_reduces_activations_
     # = 5600 crosses the network (1400), more than flat FSDP's 1/8 (750); the TP groups stay in the node
     assert _parts("fsdp", 8, 2, tp=2) == (5600 - 1400 + 400, 1400)
     assert _parts("fsdp", 8, 2)[1] == 750
+    # HSDP x TP, 2 nodes x (4 shards x 2 TP): FSDP's traffic over the node's 4 shards (2400 + 2400) and the TP
+    # all-reduces (400) stay in the node; across, the all-reduce of a shard of the slice's gradients: 2 x 1/2 x 3200/4
+    assert _parts("hsdp", 8, 2, tp=2) == (5200, 800)
 
 
 def test_tensor_parallel_activations_are_tokens_x_hidden_per_layer_in_the_compute_dtype():
@@ -150,7 +153,7 @@ def test_estimate_memory_reads_the_hsdp_launch_and_says_what_crosses_the_network
     tp.write_text((REPO_CONFIGS / "hsdp_multinode.yaml").read_text().replace(
         "parallelism_config_tp_size: 1", "parallelism_config_tp_size: 2"))
     refused = cli("estimate-memory", "recipes/llama7b.yaml", "--accelerate-config", str(tp), check=False)
-    assert refused.returncode == 2 and "3-D meshes (replicas x shards x tp) are not modelled" in refused.stderr
+    assert refused.returncode == 2 and "HSDP of 2 replicas x 8 shards x 2 TP on 2 node(s) of 8 GPUs" in refused.stderr
     odd = tmp_path / "odd.yaml"
     odd.write_text((REPO_CONFIGS / "hsdp_multinode.yaml").read_text().replace(
         "parallelism_config_dp_replicate_size: 2", "parallelism_config_dp_replicate_size: 4").replace(
@@ -178,3 +181,23 @@ def test_estimate_memory_reads_the_fsdp_x_tp_launch(tmp_path):
     fsdp4 = json.loads(cli("estimate-memory", "recipes/llama7b.yaml", "--strategy", "fsdp", "--num-gpus", "4",
                            "--json").stdout)
     assert out["per_gpu_peak_bytes"] < fsdp4["per_gpu_peak_bytes"]  # half of each layer, over as many shards
+
+
+def test_estimate_memory_models_hsdp_x_tp_from_the_hsdp_launch_and_tp(tmp_path):
+    """hsdp_multinode.yaml (2 nodes x 8) with --tp 2: 2 replicas x 4 shards x 2 TP, the memory of FSDP x TP over a
+    node (fsdp_tp.yaml), and across nodes only the replicas' all-reduce of each GPU's shard of its slice's fp32
+    gradients."""
+    import json
+
+    from helpers import cli
+
+    out = json.loads(cli("estimate-memory", "recipes/llama7b.yaml", "--accelerate-config",
+                         "accelerate_configs/hsdp_multinode.yaml", "--tp", "2", "--json").stdout)
+    assert (out["spec"]["strategy"], out["spec"]["tp"], out["spec"]["world_size"]) == ("hsdp", 2, 16)
+    node = json.loads(cli("estimate-memory", "recipes/llama7b.yaml", "--accelerate-config",
+                          "accelerate_configs/fsdp_tp.yaml", "--json").stdout)
+    assert out["per_gpu_peak_bytes"] == node["per_gpu_peak_bytes"]
+    across = [p for p in out["communication"]["parts"] if p["inter_node_bytes"]]
+    assert [p["what"] for p in across] == ["all-reduce of the gradient shard across the replicas"]
+    slice_params = node["communication"]["parts"][1]["intra_node_bytes"] / (3 / 4) / 4  # the reduce-scatter's
+    assert across[0]["inter_node_bytes"] == pytest.approx(slice_params * 4 / 4, rel=1e-9)  # 2 x 1/2 x W / 4 shards

@@ -143,7 +143,7 @@ def test_sharded_checkpoint_resumes_exactly(tiny_assets, tmp_path, free_port):
     # Saved by 2 processes, resumed by 1 (DCP redistributes the shards on load): micro-batch 4 keeps the
     # global micro-batch, so the resumed steps equal the 2-process run's.
     proc = _launch(recipe, free_port, f"output_dir={one}", "train.micro_batch_size=4", resume="auto", processes=1)
-    assert "written by 2 processes, resumed on 1" in proc.stdout
+    assert "written by 2 data-parallel ranks, resumed on 1" in proc.stdout
     assert losses(one) == pytest.approx(losses(straight), abs=1e-5)
     assert max_abs_diff(load_weights(one / "final"), load_weights(straight / "final")) < 1e-5
     # Without FSDP the shards cannot be read: refused with the launch to use, and the run is left as it was.

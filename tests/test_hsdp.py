@@ -123,10 +123,10 @@ def test_hsdp_checkpoints_move_between_hsdp_fsdp_and_one_process(tiny_assets, tm
         run = Path(shutil.copytree(cut, tmp_path / f"hsdp-on-{processes}"))
         out = _launch(recipe, free_port, processes, f"output_dir={run}", resume="auto")
         assert f"resumed from {run / 'checkpoints' / 'step_000003'} at step 3" in out
-        assert processes == 4 or "written by 4 processes, resumed on" in out
+        assert processes == 4 or "written by 4 data-parallel ranks, resumed on" in out
         _same_run(run, hsdp, exact=processes == 4)
 
     back = _preempt(Path(shutil.copytree(fsdp, tmp_path / "fsdp-on-4")), 6)
     out = _launch(recipe, free_port, 4, f"output_dir={back}", resume="auto")
-    assert "written by 2 processes, resumed on 4" in out
+    assert "written by 2 data-parallel ranks, resumed on 4" in out
     _same_run(back, fsdp, exact=False)

@@ -37,8 +37,8 @@ def test_hsdp_is_accepted_and_named(monkeypatch):
     ({"dp_replicate": 2, "dp_shard": 2}, 8, True, ["2 x 2 = 4", "8 processes", "parallelism_config_dp_shard_size"]),
     ({"dp_shard": 2, "cp": 2}, 4, True, ["context parallelism", "parallelism_config_cp_size", "micro_batch_tokens"]),
     ({"dp_shard": 2, "sp": 2}, 4, True, ["sequence parallelism", "parallelism_config_sp_size"]),
-    ({"dp_replicate": 2, "dp_shard": 2, "tp": 2}, 8, True, ["tensor parallelism with replicas", "3-D",
-                                                             "hsdp_multinode.yaml", "fsdp_tp.yaml"]),
+    ({"dp_replicate": 2, "dp_shard": 2, "tp": 2}, 4, True, ["2 x 2 x 2 = 8", "4 processes",
+                                                             "replicas x shards x tensor-parallel ranks"]),
     ({"tp": 4}, 4, True, ["at least 2 shards", "parallelism_config_dp_shard_size", "fsdp_tp.yaml"]),
     ({"dp_shard": 2, "tp": 2}, 8, True, ["2 x 2 = 4", "8 processes", "parallelism_config_tp_size",
                                           "--parallelism_config_dp_shard_size 4 --parallelism_config_tp_size 2"]),
@@ -56,6 +56,9 @@ def test_fsdp_x_tp_is_accepted_and_named(monkeypatch):
     check_mesh(mesh, world=4, fsdp=True)
     assert mesh_line(mesh) == "2 shards x 2 tensor-parallel"
     assert mesh_line(_mesh(monkeypatch, dp_shard=4, tp=2)) == "4 shards x 2 tensor-parallel"
+    three_d = _mesh(monkeypatch, dp_replicate=2, dp_shard=2, tp=2)
+    check_mesh(three_d, world=8, fsdp=True)
+    assert mesh_line(three_d) == "2 replicas x 2 shards x 2 tensor-parallel"
     # Accelerate is handed the data-parallel part of the mesh (tp_size 1): the line takes TP from the device mesh
     assert mesh_line(_mesh(monkeypatch, dp_shard=2), tp=2) == "2 shards x 2 tensor-parallel"
 

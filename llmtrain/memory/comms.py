@@ -18,7 +18,7 @@ Per optimizer step of `grad_accum` micro-batches:
   forward to the start of backward. All in the compute dtype; then one reduce-scatter of the trainable gradients per
   step, in fp32 (llmtrain's MixedPrecisionPolicy reduces in fp32).
 - HSDP: FSDP's traffic within a node's shard group, plus one all-reduce of each GPU's gradient shard across the
-  replicas (nodes).
+  replicas (nodes). HSDP x TP: the same for one GPU's slice, with G / tp shards a node.
 - FSDP x TP: every GPU holds its tensor-parallel slice of the model (params.tensor_parallel_shape), and FSDP's
   traffic is that of the slice over the world / tp GPUs holding the same slice (members of a ring on each node:
   GPUs per node / tp). Within each TP group (consecutive GPUs of a node): per micro-batch, an all-reduce of the
@@ -156,29 +156,30 @@ def collectives(spec: TrainSpec, *, trainable_bytes: float, gathered: Gathered,
     """The collectives of one optimizer step for spec's strategy over its GPUs and nodes. Under FSDP x TP the
     payloads are those of one GPU's slice, and `activations` the bytes of one micro-batch's tokens x hidden summed
     over the decoder layers (tensor_parallel_activations)."""
-    g, m, a = spec.num_gpus, spec.num_nodes, spec.grad_accum
+    m, a = spec.num_nodes, spec.grad_accum
     per_step = a * (2 * gathered.resharded + gathered.tail)
     if spec.strategy == "single" or spec.world == 1:
         return ()
     if spec.strategy == "ddp":
         return (Collective("all-reduce of the trainable gradients", "all_reduce", trainable_bytes, spec.world, "job"),)
+    tp = ()
+    if spec.tp > 1:
+        per_layer = 5 if spec.grad_checkpointing else 4
+        tp = (Collective(f"all-reduce of the activations in the TP group, {per_layer} a layer x {a} micro-batches",
+                         "all_reduce", a * per_layer * activations, spec.tp, "node"),)
     if spec.strategy == "fsdp":
-        tp = ()
-        if spec.tp > 1:
-            per_layer = 5 if spec.grad_checkpointing else 4
-            tp = (Collective(f"all-reduce of the activations in the TP group, {per_layer} a layer x {a} micro-batches",
-                             "all_reduce", a * per_layer * activations, spec.tp, "node"),)
         return (Collective(f"all-gather of the parameters, forward and backward x {a} micro-batches", "all_gather",
                            per_step, spec.shards, "job"),
                 Collective("reduce-scatter of the trainable gradients", "reduce_scatter", trainable_bytes, spec.shards,
                            "job"), *tp)
-    # hsdp: shard within a node, replicate across nodes
+    # hsdp: shard within a node, replicate across nodes (shards: the node's GPUs, or its TP groups)
+    s = spec.shards
     return (Collective(f"all-gather of the parameters within the node, forward and backward x {a} micro-batches",
-                       "all_gather", per_step, g, "node"),
+                       "all_gather", per_step, s, "node"),
             Collective("reduce-scatter of the trainable gradients within the node", "reduce_scatter", trainable_bytes,
-                       g, "node"),
-            Collective("all-reduce of the gradient shard across the replicas", "all_reduce", trainable_bytes / g, m,
-                       "across"))
+                       s, "node"),
+            Collective("all-reduce of the gradient shard across the replicas", "all_reduce", trainable_bytes / s, m,
+                       "across"), *tp)
 
 
 def data_parallel(spec: TrainSpec, *, trainable_bytes: float, gathered: Gathered, activations: float = 0.0) -> Parts:

@@ -66,20 +66,19 @@ def _mesh_strategy(path: Path, mesh: dict, *, gpus: int, nodes: int) -> tuple[St
     FSDP x TP as tp consecutive GPUs of a node per group."""
     sizes = {k: int(mesh.get(f"parallelism_config_{k}_size", 1) or 1) for k in ("dp_replicate", "dp_shard", "tp",
                                                                                  "cp")}
-    if sizes["cp"] > 1 or (sizes["tp"] > 1 and sizes["dp_replicate"] > 1):
-        raise LLMTrainError(f"accelerate config '{path}': context parallelism and 3-D meshes (replicas x shards x "
-                            "tp) are not modelled (llmtrain does not train with them); estimate-memory knows DDP, "
-                            "FSDP, HSDP and FSDP x TP.")
-    if sizes["tp"] > 1:
-        return "fsdp", sizes["tp"]
+    if sizes["cp"] > 1:
+        raise LLMTrainError(f"accelerate config '{path}': context parallelism is not modelled (llmtrain does not "
+                            "train with it); estimate-memory knows DDP, FSDP, HSDP and their x TP.")
+    tp = sizes["tp"]
     if sizes["dp_replicate"] <= 1:
-        return "fsdp", 1
-    if (sizes["dp_replicate"], sizes["dp_shard"]) != (nodes, gpus):
+        return "fsdp", tp
+    if (sizes["dp_replicate"], sizes["dp_shard"] * tp) != (nodes, gpus):
         raise LLMTrainError(f"accelerate config '{path}': HSDP of {sizes['dp_replicate']} replicas x "
-                            f"{sizes['dp_shard']} shards on {nodes} node(s) of {gpus} GPUs; estimate-memory models "
-                            "replicas = nodes and shards = GPUs per node (as examples/slurm/llmtrain.sbatch "
-                            "launches it). Give --strategy and the counts to estimate another layout.")
-    return "hsdp", 1
+                            f"{sizes['dp_shard']} shards{f' x {tp} TP' if tp > 1 else ''} on {nodes} node(s) of "
+                            f"{gpus} GPUs; estimate-memory models replicas = nodes and shards = GPUs per node "
+                            "(shards x tp with TP), as examples/slurm/llmtrain.sbatch launches it. Give --strategy "
+                            "and the counts to estimate another layout.")
+    return "hsdp", tp
 
 
 def shipped_config(strategy: Strategy, *, num_gpus: int, num_nodes: int) -> tuple[str, tuple[str, ...]]:

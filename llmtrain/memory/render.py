@@ -42,10 +42,11 @@ def describe(spec: TrainSpec) -> str:
     off = ", cpu offload" if spec.cpu_offload else ""
     attn = "varlen (auto)" if spec.attn == "auto" else spec.attn
     strategy = spec.strategy
+    tp = f" x {spec.tp} tensor-parallel" if spec.tp > 1 else ""
     if strategy == "hsdp":
-        strategy = f"hsdp ({spec.num_nodes} replicas x {spec.num_gpus} shards)"
-    if spec.tp > 1:
-        strategy = f"fsdp x tp ({spec.shards} shards x {spec.tp} tensor-parallel)"
+        strategy = f"hsdp{' x tp' if tp else ''} ({spec.num_nodes} replicas x {spec.shards} shards{tp})"
+    elif tp:
+        strategy = f"fsdp x tp ({spec.shards} shards{tp})"
     return (f"{method}, {strategy} on {where}{off}; {batch}; {spec.dtype} weights, {mp}; {ckpt}; "
             f"{attn} attention; loss chunks of {spec.loss_chunk_tokens} tokens; AdamW")
 

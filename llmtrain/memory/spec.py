@@ -63,7 +63,7 @@ class TrainSpec:
     num_nodes: int = 1
     cpu_offload: bool = False  # FSDP's offload_params: sharded weights, grads and optimizer state on the host
     gpu_memory_gib: float = 80.0
-    tp: int = 1  # tensor-parallel GPUs per group (FSDP x TP: FSDP shards over the world / tp groups)
+    tp: int = 1  # tensor-parallel GPUs per group, within a node (FSDP or HSDP x TP: FSDP shards over the groups)
 
     @property
     def world(self) -> int:
@@ -79,7 +79,7 @@ class TrainSpec:
     def shards(self) -> int:
         """Processes FSDP shards each parameter over: under FSDP x TP, the data-parallel ranks (each GPU's TP slice is
         sharded among the GPUs holding the same slice)."""
-        return {"fsdp": self.world // self.tp, "hsdp": self.num_gpus}.get(self.strategy, 1)
+        return {"fsdp": self.world // self.tp, "hsdp": self.num_gpus // self.tp}.get(self.strategy, 1)
 
     @property
     def data_ranks(self) -> int:
@@ -131,10 +131,10 @@ class TrainSpec:
         if self.cpu_offload and not self.sharded:
             problems.append("cpu offload is FSDP's (fsdp_offload_params): use strategy fsdp")
         if self.tp > 1:
-            if self.strategy != "fsdp" or self.method != "full" or self.quantize or self.cpu_offload:
-                problems.append("tensor parallelism (tp > 1) is trained as FSDP x TP, full fine-tuning, without cpu "
-                                "offload: use strategy fsdp and method full")
-            if self.num_gpus % self.tp or self.world // self.tp < 2:
+            if not self.sharded or self.method != "full" or self.quantize or self.cpu_offload:
+                problems.append("tensor parallelism (tp > 1) is trained as FSDP (or HSDP) x TP, full fine-tuning, "
+                                "without cpu offload: use strategy fsdp or hsdp and method full")
+            if self.num_gpus % self.tp or self.shards < 2:
                 problems.append(f"tp {self.tp} must divide the GPUs of a node ({self.num_gpus}) and leave at least 2 "
                                 "FSDP shards")
         if problems:
