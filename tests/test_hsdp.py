@@ -18,17 +18,8 @@ from pathlib import Path
 
 import pytest
 
-from helpers import (
-    REPO,
-    assert_same_steps,
-    launch_finetune,
-    load_weights,
-    losses,
-    max_abs_diff,
-    records,
-    run_train,
-    write_recipe,
-)
+from helpers import (REPO, assert_same_steps, launch_finetune, load_weights, losses, max_abs_diff, records,
+                     run_train, write_recipe)
 
 pytestmark = pytest.mark.slow
 

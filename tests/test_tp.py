@@ -23,17 +23,8 @@ from pathlib import Path
 
 import pytest
 
-from helpers import (
-    REPO,
-    assert_same_steps,
-    launch_finetune,
-    load_weights,
-    losses,
-    max_abs_diff,
-    records,
-    run_train,
-    write_recipe,
-)
+from helpers import REPO, assert_same_steps, launch_finetune, load_weights, losses, max_abs_diff, records
+from helpers import run_train, write_recipe
 
 pytestmark = pytest.mark.slow
 
