@@ -95,6 +95,22 @@ def test_sbatch_lays_out_hsdp_as_nodes_x_gpus_and_fsdp_on_request(tmp_path):
     assert "ACCELERATE_USE_PARALLELISM_CONFIG" not in _launch_env(launch[1:])
 
 
+def test_sbatch_adds_tensor_parallelism_within_each_node_on_request(tmp_path):
+    """LLMTRAIN_TP=2 on 2 nodes of 8: accelerate gives the workers replicas 2 x shards 4 x tp 2 (HSDP x TP); a TP
+    size that does not divide the node's GPUs, or TP with a config without a mesh, stops before any launch."""
+    env, calls = _slurm(tmp_path, STUBS, SLURM_GPUS_ON_NODE="8", LLMTRAIN_TP="2")
+    subprocess.run(["bash", str(SBATCH), "recipes/llama7b.yaml"], env=env, cwd=REPO, check=True,
+                   capture_output=True, text=True, timeout=60)
+    worker = _launch_env(shlex.split(calls.read_text().splitlines()[1])[1:])
+    assert (worker["PARALLELISM_CONFIG_DP_REPLICATE_SIZE"], worker["PARALLELISM_CONFIG_DP_SHARD_SIZE"],
+            worker["PARALLELISM_CONFIG_TP_SIZE"]) == ("2", "4", "2")
+    calls.unlink()
+    for bad in ({"LLMTRAIN_TP": "3"}, {"LLMTRAIN_ACCELERATE_CONFIG": "accelerate_configs/fsdp_multinode.yaml"}):
+        proc = subprocess.run(["bash", str(SBATCH), "recipes/llama7b.yaml"], env={**env, **bad}, cwd=REPO,
+                              capture_output=True, text=True, timeout=60)
+        assert proc.returncode == 2 and "LLMTRAIN_TP" in proc.stderr and not calls.exists()
+
+
 def test_sbatch_checkpoints_and_requeues_before_the_time_limit(tmp_path):
     """SLURM's USR1 (--signal=B:USR1@300) reaches the script while the training step runs: it sends SIGTERM to
     the step's tasks (scancel --signal=TERM JOB.0), waits for them to checkpoint and exit, then requeues."""
