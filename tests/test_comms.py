@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import pytest
@@ -201,3 +202,16 @@ def test_estimate_memory_models_hsdp_x_tp_from_the_hsdp_launch_and_tp(tmp_path):
     assert [p["what"] for p in across] == ["all-reduce of the gradient shard across the replicas"]
     slice_params = node["communication"]["parts"][1]["intra_node_bytes"] / (3 / 4) / 4  # the reduce-scatter's
     assert across[0]["inter_node_bytes"] == pytest.approx(slice_params * 4 / 4, rel=1e-9)  # 2 x 1/2 x W / 4 shards
+
+
+@pytest.mark.parametrize("spec, says", [
+    (dict(strategy="ddp", num_gpus=8, tp=2), "use strategy fsdp or hsdp and method full"),
+    (dict(strategy="fsdp", num_gpus=8, tp=2, method="lora"), "use strategy fsdp or hsdp and method full"),
+    (dict(strategy="fsdp", num_gpus=8, tp=3), "tp 3 must divide the GPUs of a node (8)"),
+    (dict(strategy="fsdp", num_gpus=2, tp=2), "leave at least 2 FSDP shards"),
+])
+def test_tensor_parallel_layouts_llmtrain_does_not_train_are_not_estimated(spec, says):
+    from llmtrain.errors import LLMTrainError
+
+    with pytest.raises(LLMTrainError, match=re.escape(says)):
+        TrainSpec(**spec).validate()

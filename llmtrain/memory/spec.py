@@ -134,7 +134,7 @@ class TrainSpec:
             if not self.sharded or self.method != "full" or self.quantize or self.cpu_offload:
                 problems.append("tensor parallelism (tp > 1) is trained as FSDP (or HSDP) x TP, full fine-tuning, "
                                 "without cpu offload: use strategy fsdp or hsdp and method full")
-            if self.num_gpus % self.tp or self.shards < 2:
+            elif self.num_gpus % self.tp or self.shards < 2:
                 problems.append(f"tp {self.tp} must divide the GPUs of a node ({self.num_gpus}) and leave at least 2 "
                                 "FSDP shards")
         if problems:
