@@ -26,8 +26,8 @@ def _script() -> list[str]:
     return [found]
 
 
-def _run(argv: list[str], **kwargs) -> subprocess.CompletedProcess:
-    return subprocess.run(argv, env=ENV, cwd=REPO, capture_output=True, text=True, timeout=120, **kwargs)
+def _run(argv: list[str], env: dict[str, str] = ENV, **kwargs) -> subprocess.CompletedProcess:
+    return subprocess.run(argv, env=env, cwd=REPO, capture_output=True, text=True, timeout=120, **kwargs)
 
 
 @pytest.mark.parametrize("entry", ["script", "module"])
@@ -67,6 +67,16 @@ def test_missing_recipe_is_a_clean_error(tmp_path):
     assert proc.returncode == 2
     assert "does not exist" in proc.stderr and "nope.yaml" in proc.stderr
     assert "Traceback" not in proc.stderr + proc.stdout
+
+
+def test_a_launch_prints_an_error_raised_before_the_process_group_once_a_node(tmp_path):
+    """Every process of a launch raises the same paragraph before the group exists: the node's first (LOCAL_RANK 0)
+    prints it, the others exit 2 without repeating it."""
+    missing = str(tmp_path / "nope.yaml")
+    first = _run([*_script(), "finetune", missing], env={**ENV, "LOCAL_RANK": "0"})
+    other = _run([*_script(), "finetune", missing], env={**ENV, "LOCAL_RANK": "1"})
+    assert first.returncode == other.returncode == 2
+    assert "does not exist" in first.stderr and other.stderr == ""
 
 
 def test_debug_shows_the_traceback(tmp_path):

@@ -136,3 +136,22 @@ def test_hsdp_x_tp_2x2x2_trains_like_one_process_and_resumes_on_fsdp_x_tp(tiny_a
     out = _launch(recipe, free_port, 4, f"output_dir={run}", resume="auto")
     assert "written by 4 data-parallel ranks, resumed on 2" in out  # data ranks: 4 of the 3-D run, 2 here
     _same_run(run, single, tol=1e-6)
+
+
+def test_a_refused_launch_says_why_once_and_writes_nothing(tiny_assets, tmp_path, free_port):
+    """LoRA under cpu_tp.yaml is refused by all 4 processes before their process group exists: the paragraph is
+    printed once (by the node's first process, not by every GPU's), every process exits 2, no run folder is made."""
+    import subprocess
+    import sys
+
+    from helpers import ENV
+
+    recipe = write_recipe(tiny_assets, tmp_path, lora={"r": 4})
+    proc = subprocess.run(
+        [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(CONFIGS[4]), "--main_process_port",
+         str(free_port), "-m", "llmtrain", "finetune", str(recipe)], env=ENV, cwd=REPO, capture_output=True,
+        text=True, timeout=300)
+    assert proc.returncode != 0
+    assert proc.stderr.count("error: tensor parallelism (parallelism_config_tp_size: 2 in the launch config) does "
+                             "not train LoRA") == 1, proc.stderr
+    assert "exitcode  : 2" in proc.stderr and not (tmp_path / "run").exists()
