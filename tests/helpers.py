@@ -67,6 +67,25 @@ def cli(*args: str, check: bool = True, timeout: float = 600, **kwargs) -> subpr
     return proc
 
 
+def invoke(*args: str, check: bool = True) -> subprocess.CompletedProcess:
+    """`llmtrain ARGS...` in this process, from the repository as `cli` runs it: the same command, exit status and
+    output, without a subprocess's seconds of importing torch. For commands that start no process group."""
+    import contextlib
+
+    from typer.testing import CliRunner
+
+    from llmtrain.cli import app
+
+    with contextlib.chdir(REPO):
+        result = CliRunner().invoke(app, list(args))
+    if result.exception is not None and not isinstance(result.exception, SystemExit):
+        raise result.exception
+    proc = subprocess.CompletedProcess(["llmtrain", *args], result.exit_code, result.stdout, result.stderr)
+    if check and proc.returncode != 0:
+        raise AssertionError(f"llmtrain {' '.join(args)} exited {proc.returncode}:\n{result.output[-3000:]}")
+    return proc
+
+
 def launch_finetune(config: Path, processes: int, port: int, recipe: Path, *overrides: str,
                     resume: str | None = None) -> str:
     """`accelerate launch --config_file CONFIG --num_processes N -m llmtrain finetune RECIPE OVERRIDES...` (with

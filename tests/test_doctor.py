@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 
 from conftest import GSM8K, MISTRAL, REPO, needs
-from helpers import cli, write_recipe
+from helpers import invoke, write_recipe
 
 from llmtrain.config import load_recipe
 from llmtrain.data import IGNORE, DataStats
@@ -81,10 +81,10 @@ def test_good_tiny_recipe(tiny_assets, tmp_path):
     assert {s for _, s, _ in checks} <= {"pass", "warn"}, checks
     got = rows(checks)
     assert got["memory"][0] == "pass" and got["eos trained"][0] == "pass" and got["loss mask"][0] == "pass"
-    proc = cli("doctor", str(write_recipe(tiny_assets, tmp_path)))
+    proc = invoke("doctor", str(write_recipe(tiny_assets, tmp_path)))
     assert "output_dir:" not in proc.stdout  # the table alone: the resolved recipe only with --show-recipe
     assert "no GPU here" in proc.stdout or "per GPU estimated" in proc.stdout
-    assert "output_dir:" in cli("doctor", str(write_recipe(tiny_assets, tmp_path)), "--show-recipe").stdout
+    assert "output_dir:" in invoke("doctor", str(write_recipe(tiny_assets, tmp_path)), "--show-recipe").stdout
     # a machine without a GPU is information, not a warning; rows that cannot run are shown as skipped
     no_gpu = rows(run_doctor(load_recipe(write_recipe(tiny_assets, tmp_path)), gpu_memory=None))
     if no_gpu["memory"][1].startswith("no GPU here"):
@@ -98,7 +98,7 @@ def test_nothing_trained_fails(tiny_assets, tmp_path):
     # prompts of ~16 tokens cut at 8: no completion token is left in any example
     recipe = write_recipe(tiny_assets, tmp_path, data={"max_seq_len": 8})
     assert rows(run_doctor(load_recipe(recipe), gpu_memory=80))["loss mask"][0] == "fail"
-    proc = cli("doctor", str(recipe), check=False)
+    proc = invoke("doctor", str(recipe), check=False)
     assert proc.returncode == 1 and "loss mask" in proc.stdout
 
 
@@ -112,21 +112,21 @@ def test_empty_completions_warn(tiny_assets, tmp_path):
 def test_precision_mismatch_warns_exit_0(tiny_assets, tmp_path):
     launch = tmp_path / "fp16.yaml"
     launch.write_text("distributed_type: MULTI_GPU\nmixed_precision: fp16\nnum_processes: 2\n")
-    proc = cli("doctor", str(write_recipe(tiny_assets, tmp_path)), "train.mixed_precision=bf16",
+    proc = invoke("doctor", str(write_recipe(tiny_assets, tmp_path)), "train.mixed_precision=bf16",
                "--accelerate-config", str(launch), "--gpu-memory", "80")
     line = next(ln for ln in proc.stdout.splitlines() if "mixed precision" in ln)
     assert "warn" in line and proc.returncode == 0
 
 
 def test_multinode_relative_output_fails(tiny_assets, tmp_path):
-    proc = cli("doctor", str(write_recipe(tiny_assets, tmp_path)), "output_dir=runs/x", "--accelerate-config",
+    proc = invoke("doctor", str(write_recipe(tiny_assets, tmp_path)), "output_dir=runs/x", "--accelerate-config",
                str(REPO / "accelerate_configs" / "fsdp_multinode.yaml"), "--gpu-memory", "80", check=False)
     assert proc.returncode == 1
     assert "fail" in next(ln for ln in proc.stdout.splitlines() if "shared filesystem" in ln)
 
 
 def test_invalid_recipe_exits_2(tiny_assets, tmp_path):
-    proc = cli("doctor", str(write_recipe(tiny_assets, tmp_path)), "train.lr=-1", check=False)
+    proc = invoke("doctor", str(write_recipe(tiny_assets, tmp_path)), "train.lr=-1", check=False)
     assert proc.returncode == 2
 
 

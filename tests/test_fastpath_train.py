@@ -41,6 +41,7 @@ def test_varlen_attention_trains_like_eager_padded(recipe, tmp_path):
     assert max_abs_diff(load_weights(tmp_path / "eager" / "final"), load_weights(tmp_path / "varlen" / "final")) < 1e-4
 
 
+@pytest.mark.slow  # a longer run: make test, not the fast tier
 def test_token_budget_epoch_covers_every_example_once(tiny_assets, tmp_path):
     """A token-budget epoch: the steps' input tokens add up to the dataset's tokens exactly (no example
     dropped or repeated), every micro-batch stays within the budget, and the packing efficiency

@@ -241,6 +241,7 @@ def test_resume_finds_the_reference_again_and_ends_as_the_uninterrupted_run(pref
     assert max_abs_diff(load_weights(tmp_path / "cut" / "final"), load_weights(tmp_path / "straight" / "final")) == 0
 
 
+@pytest.mark.slow  # a longer run: make test, not the fast tier
 @needs(GSM8K)
 def test_held_out_reward_accuracy_rises_on_gsm8k_pairs(tiny_assets, tmp_path):
     """Chosen: GSM8K's real final answer; rejected: the same number with a digit appended. LoRA, the reference is
