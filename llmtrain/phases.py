@@ -142,8 +142,11 @@ def prepare_data(recipe: Recipe, accelerator, *, say) -> Data:
         train_ds, eval_ds, stats, cache_hit = prepare_datasets(recipe.data, tokenizer, seed=tc.seed)
     (cache_reads,) = global_sum(accelerator, cache_hit)
     (world, _), accum, s = data_ranks(accelerator), tc.grad_accum_steps, stats["train"]  # world: data ranks
-    mesh = mesh_line(accelerator.parallelism_config, tensor_parallel_size(accelerator))
+    tp = tensor_parallel_size(accelerator)
+    mesh = mesh_line(accelerator.parallelism_config, tp)
     procs = f"{accelerator.num_processes} processes" + (f" ({mesh})" if mesh else "")
+    if tp > 1:  # a tensor-parallel group reads one batch: the batch multiplies by the data-parallel ranks
+        procs = f"{world} data-parallel ranks ({accelerator.num_processes} processes: {mesh})"
     say(f"data: {s.examples} train examples ({cache_line(int(cache_reads), accelerator.num_processes)}), "
         f"{s.truncated} truncated, "
         f"{s.dropped} dropped, "
