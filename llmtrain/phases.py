@@ -144,9 +144,10 @@ def prepare_data(recipe: Recipe, accelerator, *, say) -> Data:
     (world, _), accum, s = data_ranks(accelerator), tc.grad_accum_steps, stats["train"]  # world: data ranks
     tp = tensor_parallel_size(accelerator)
     mesh = mesh_line(accelerator.parallelism_config, tp)
-    procs = f"{accelerator.num_processes} processes" + (f" ({mesh})" if mesh else "")
     if tp > 1:  # a tensor-parallel group reads one batch: the batch multiplies by the data-parallel ranks
         procs = f"{world} data-parallel ranks ({accelerator.num_processes} processes: {mesh})"
+    else:
+        procs = f"{accelerator.num_processes} processes" + (f" ({mesh})" if mesh else "")
     say(f"data: {s.examples} train examples ({cache_line(int(cache_reads), accelerator.num_processes)}), "
         f"{s.truncated} truncated, "
         f"{s.dropped} dropped, "

@@ -86,6 +86,11 @@ def invoke(*args: str, check: bool = True) -> subprocess.CompletedProcess:
     return proc
 
 
+def estimate_memory(*args: str, check: bool = True) -> subprocess.CompletedProcess:
+    """`llmtrain estimate-memory ARGS...` in this process (`invoke`)."""
+    return invoke("estimate-memory", *args, check=check)
+
+
 def launch_finetune(config: Path, processes: int, port: int, recipe: Path, *overrides: str,
                     resume: str | None = None) -> str:
     """`accelerate launch --config_file CONFIG --num_processes N -m llmtrain finetune RECIPE OVERRIDES...` (with

@@ -7,6 +7,8 @@ from pathlib import Path
 
 import pytest
 
+from helpers import estimate_memory
+
 from llmtrain.memory.comms import (
     Gathered,
     Network,
@@ -19,13 +21,6 @@ from llmtrain.memory.comms import (
 from llmtrain.memory.spec import TrainSpec
 
 REPO_CONFIGS = Path(__file__).resolve().parents[1] / "accelerate_configs"
-
-
-def estimate(*args: str, check: bool = True):
-    """`llmtrain estimate-memory ARGS...`, in this process."""
-    from helpers import invoke
-
-    return invoke("estimate-memory", *args, check=check)
 
 
 def test_ring_collectives():
@@ -142,29 +137,29 @@ def test_estimate_memory_reads_the_hsdp_launch_and_says_what_crosses_the_network
     all-reduce of each GPU's shard of the fp32 gradients: 2 x 1/2 x 6,738,415,616 x 4 / 8 bytes."""
     import json
 
-    out = json.loads(estimate("recipes/llama7b.yaml", "--accelerate-config",
-                              "accelerate_configs/hsdp_multinode.yaml", "--json").stdout)
+    out = json.loads(estimate_memory("recipes/llama7b.yaml", "--accelerate-config",
+                                     "accelerate_configs/hsdp_multinode.yaml", "--json").stdout)
     assert out["spec"]["strategy"] == "hsdp" and out["spec"]["world_size"] == 16
     assert out["communication"]["inter_node_bytes"] == 6_738_415_616 * 4 // 8
     assert out["communication"]["assumed"]["inter_gbps"] == 400
-    fsdp8 = json.loads(estimate("recipes/llama7b.yaml", "--accelerate-config",
-                                "accelerate_configs/fsdp.yaml", "--json").stdout)
+    fsdp8 = json.loads(estimate_memory("recipes/llama7b.yaml", "--accelerate-config",
+                                       "accelerate_configs/fsdp.yaml", "--json").stdout)
     assert out["per_gpu_peak_bytes"] == fsdp8["per_gpu_peak_bytes"]  # sharded over a node's 8, as FSDP on 8
 
-    text = estimate("recipes/llama7b.yaml", "--accelerate-config",
-                    "accelerate_configs/hsdp_multinode.yaml", "--inter-gbps", "8").stdout
+    text = estimate_memory("recipes/llama7b.yaml", "--accelerate-config",
+                           "accelerate_configs/hsdp_multinode.yaml", "--inter-gbps", "8").stdout
     assert "3.37 GB across nodes (3.369 s at 8 Gb/s)" in " ".join(text.split()) and "network-bound" in text
 
     tp = tmp_path / "tp.yaml"
     tp.write_text((REPO_CONFIGS / "hsdp_multinode.yaml").read_text().replace(
         "parallelism_config_tp_size: 1", "parallelism_config_tp_size: 2"))
-    refused = estimate("recipes/llama7b.yaml", "--accelerate-config", str(tp), check=False)
+    refused = estimate_memory("recipes/llama7b.yaml", "--accelerate-config", str(tp), check=False)
     assert refused.returncode == 2 and "HSDP of 2 replicas x 8 shards x 2 TP on 2 node(s) of 8 GPUs" in refused.stderr
     odd = tmp_path / "odd.yaml"
     odd.write_text((REPO_CONFIGS / "hsdp_multinode.yaml").read_text().replace(
         "parallelism_config_dp_replicate_size: 2", "parallelism_config_dp_replicate_size: 4").replace(
         "parallelism_config_dp_shard_size: 8", "parallelism_config_dp_shard_size: 4"))
-    refused = estimate("recipes/llama7b.yaml", "--accelerate-config", str(odd), check=False)
+    refused = estimate_memory("recipes/llama7b.yaml", "--accelerate-config", str(odd), check=False)
     assert refused.returncode == 2 and "replicas = nodes and shards = GPUs per node" in refused.stderr
 
 
@@ -174,16 +169,16 @@ def test_estimate_memory_reads_the_fsdp_x_tp_launch(tmp_path):
     every process reads the whole fp32 model to load it: 8 x 6,738,415,616 x 4 bytes of host RAM."""
     import json
 
-    out = json.loads(estimate("recipes/llama7b.yaml", "--accelerate-config",
-                              "accelerate_configs/fsdp_tp.yaml", "--json").stdout)
+    out = json.loads(estimate_memory("recipes/llama7b.yaml", "--accelerate-config",
+                                     "accelerate_configs/fsdp_tp.yaml", "--json").stdout)
     assert (out["spec"]["strategy"], out["spec"]["tp"], out["spec"]["world_size"]) == ("fsdp", 2, 8)
     parts = {p["what"].split(",")[0]: p["intra_node_bytes"] for p in out["communication"]["parts"]}
     assert parts["all-reduce of the activations in the TP group"] == 2 * 5 * 32 * 2048 * 4096 * 2
     assert out["communication"]["inter_node_bytes"] == 0
     assert out["host_ram_bytes"] == 8 * 6_738_415_616 * 4
     assert out["params_total"] == 6_738_415_616  # the model's, not a slice's
-    fsdp4 = json.loads(estimate("recipes/llama7b.yaml", "--strategy", "fsdp", "--num-gpus", "4",
-                                "--json").stdout)
+    fsdp4 = json.loads(estimate_memory("recipes/llama7b.yaml", "--strategy", "fsdp", "--num-gpus", "4",
+                                       "--json").stdout)
     assert out["per_gpu_peak_bytes"] < fsdp4["per_gpu_peak_bytes"]  # half of each layer, over as many shards
 
 
@@ -193,11 +188,11 @@ def test_estimate_memory_models_hsdp_x_tp_from_the_hsdp_launch_and_tp(tmp_path):
     gradients."""
     import json
 
-    out = json.loads(estimate("recipes/llama7b.yaml", "--accelerate-config",
-                              "accelerate_configs/hsdp_multinode.yaml", "--tp", "2", "--json").stdout)
+    out = json.loads(estimate_memory("recipes/llama7b.yaml", "--accelerate-config",
+                                     "accelerate_configs/hsdp_multinode.yaml", "--tp", "2", "--json").stdout)
     assert (out["spec"]["strategy"], out["spec"]["tp"], out["spec"]["world_size"]) == ("hsdp", 2, 16)
-    node = json.loads(estimate("recipes/llama7b.yaml", "--accelerate-config",
-                               "accelerate_configs/fsdp_tp.yaml", "--json").stdout)
+    node = json.loads(estimate_memory("recipes/llama7b.yaml", "--accelerate-config",
+                                      "accelerate_configs/fsdp_tp.yaml", "--json").stdout)
     assert out["per_gpu_peak_bytes"] == node["per_gpu_peak_bytes"]
     across = [p for p in out["communication"]["parts"] if p["inter_node_bytes"]]
     assert [p["what"] for p in across] == ["all-reduce of the gradient shard across the replicas"]

@@ -113,14 +113,14 @@ def test_precision_mismatch_warns_exit_0(tiny_assets, tmp_path):
     launch = tmp_path / "fp16.yaml"
     launch.write_text("distributed_type: MULTI_GPU\nmixed_precision: fp16\nnum_processes: 2\n")
     proc = invoke("doctor", str(write_recipe(tiny_assets, tmp_path)), "train.mixed_precision=bf16",
-               "--accelerate-config", str(launch), "--gpu-memory", "80")
+                  "--accelerate-config", str(launch), "--gpu-memory", "80")
     line = next(ln for ln in proc.stdout.splitlines() if "mixed precision" in ln)
     assert "warn" in line and proc.returncode == 0
 
 
 def test_multinode_relative_output_fails(tiny_assets, tmp_path):
     proc = invoke("doctor", str(write_recipe(tiny_assets, tmp_path)), "output_dir=runs/x", "--accelerate-config",
-               str(REPO / "accelerate_configs" / "fsdp_multinode.yaml"), "--gpu-memory", "80", check=False)
+                  str(REPO / "accelerate_configs" / "fsdp_multinode.yaml"), "--gpu-memory", "80", check=False)
     assert proc.returncode == 1
     assert "fail" in next(ln for ln in proc.stdout.splitlines() if "shared filesystem" in ln)
 

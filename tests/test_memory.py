@@ -11,6 +11,8 @@ from pathlib import Path
 import pytest
 import yaml
 
+from helpers import estimate_memory
+
 from llmtrain.errors import LLMTrainError
 from llmtrain.memory import activations as act
 from llmtrain.memory import estimate_for_recipe
@@ -323,18 +325,10 @@ def test_shipped_config_table_matches_the_files():
 # --------------------------------------------------------------------------- command line
 
 
-def run_cli(*args: str):
-    from typer.testing import CliRunner
-
-    from llmtrain.cli import app
-
-    return CliRunner().invoke(app, ["estimate-memory", *args])
-
-
 def test_cli_json_has_the_required_keys():
-    res = run_cli("--model", "mistral-7b", "--method", "lora", "--dtype", "bfloat16", "--mixed-precision", "bf16",
-                  "--micro-batch", "4", "--seq-len", "512", "--json")
-    assert res.exit_code == 0, res.output
+    res = estimate_memory("--model", "mistral-7b", "--method", "lora", "--dtype", "bfloat16", "--mixed-precision",
+                          "bf16", "--micro-batch", "4", "--seq-len", "512", "--json")
+    assert res.returncode == 0, res.stderr
     out = json.loads(res.stdout)
     for key in ("params_total", "params_trainable", "per_gpu_peak_bytes", "fits", "breakdown", "recommendation"):
         assert key in out
@@ -344,17 +338,17 @@ def test_cli_json_has_the_required_keys():
 
 
 def test_cli_bad_model_path_is_a_clear_error():
-    res = run_cli("--model", "/no/such/model/dir", "--json")
-    assert res.exit_code == 2
-    assert "no model config at '/no/such/model/dir'" in res.output
-    assert "Traceback" not in res.output
+    res = estimate_memory("--model", "/no/such/model/dir", "--json", check=False)
+    assert res.returncode == 2
+    assert "no model config at '/no/such/model/dir'" in res.stderr
+    assert "Traceback" not in res.stderr
 
 
 def test_cli_recipe_with_overrides_and_accelerate_config(tmp_path):
     recipe = _recipe(tmp_path, tiny_dir(tmp_path), lora=False)
-    res = run_cli(str(recipe), "train.micro_batch_size=3", "--accelerate-config",
-                  str(REPO / "accelerate_configs" / "fsdp.yaml"), "--json", "--fit")
-    assert res.exit_code == 0, res.output
+    res = estimate_memory(str(recipe), "train.micro_batch_size=3", "--accelerate-config",
+                          str(REPO / "accelerate_configs" / "fsdp.yaml"), "--json", "--fit")
+    assert res.returncode == 0, res.stderr
     out = json.loads(res.stdout)
     assert out["spec"]["micro_batch"] == 3 and out["spec"]["strategy"] == "fsdp" and out["spec"]["world_size"] == 8
     assert out["fit"]["found"] and out["fit"]["best"]["fits"]
@@ -362,15 +356,15 @@ def test_cli_recipe_with_overrides_and_accelerate_config(tmp_path):
 
 def test_cli_run_options_with_a_recipe_point_to_the_override(tmp_path):
     recipe = _recipe(tmp_path, tiny_dir(tmp_path), lora=False)
-    res = run_cli(str(recipe), "--micro-batch", "4")
-    assert res.exit_code == 2 and "train.micro_batch_size" in res.output
+    res = estimate_memory(str(recipe), "--micro-batch", "4", check=False)
+    assert res.returncode == 2 and "train.micro_batch_size" in res.stderr
 
 
 def test_cli_table_and_fit_output():
-    res = run_cli("--model", "llama-2-7b", "--mixed-precision", "bf16", "--num-gpus", "8", "--fit")
-    assert res.exit_code == 0, res.output
-    assert "total per GPU" in res.output and "overrides: train.micro_batch_size=" in res.output
-    assert "accelerate_configs/" in res.output
+    res = estimate_memory("--model", "llama-2-7b", "--mixed-precision", "bf16", "--num-gpus", "8", "--fit")
+    assert res.returncode == 0, res.stderr
+    assert "total per GPU" in res.stdout and "overrides: train.micro_batch_size=" in res.stdout
+    assert "accelerate_configs/" in res.stdout
 
 
 def test_cli_module_imports_no_torch():

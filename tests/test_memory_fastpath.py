@@ -13,6 +13,8 @@ import torch
 import torch.nn.functional as F
 import yaml
 
+from helpers import estimate_memory
+
 from llmtrain.errors import LLMTrainError
 from llmtrain.memory import activations as act
 from llmtrain.memory import estimate as estimate_module
@@ -221,18 +223,10 @@ def test_spec_from_recipe_reads_the_fast_path_keys(tmp_path):
 # --------------------------------------------------------------------------- what a user reads
 
 
-def run_cli(*args: str):
-    from typer.testing import CliRunner
-
-    from llmtrain.cli import app
-
-    return CliRunner().invoke(app, ["estimate-memory", *args])
-
-
 def test_cli_token_budget_and_chunk():
-    res = run_cli("--model", "mistral-7b", "--method", "lora", "--mixed-precision", "bf16", "--micro-batch-tokens",
-                  "16384", "--seq-len", "2048", "--loss-chunk-tokens", "2048", "--json")
-    assert res.exit_code == 0, res.output
+    res = estimate_memory("--model", "mistral-7b", "--method", "lora", "--mixed-precision", "bf16",
+                          "--micro-batch-tokens", "16384", "--seq-len", "2048", "--loss-chunk-tokens", "2048", "--json")
+    assert res.returncode == 0, res.stderr
     out = json.loads(res.stdout)
     assert out["spec"]["micro_batch_tokens"] == 16384 and out["spec"]["loss_chunk_tokens"] == 2048
     assert out["largest"]["logits"]["bytes"] == 2048 * 32768 * 12  # one chunk's backward
@@ -240,41 +234,43 @@ def test_cli_token_budget_and_chunk():
 
 
 def test_cli_has_no_optimizer_the_trainer_cannot_run():
-    res = run_cli("--model", "mistral-7b", "--optimizer", "sgd")
-    assert res.exit_code == 2 and "--optimizer" in res.output
-    out = json.loads(run_cli("--model", "mistral-7b", "--json").stdout)
+    res = estimate_memory("--model", "mistral-7b", "--optimizer", "sgd", check=False)
+    assert res.returncode == 2 and "--optimizer" in res.stderr
+    out = json.loads(estimate_memory("--model", "mistral-7b", "--json").stdout)
     assert "optimizer" not in out["spec"]
 
 
 def test_cli_lora_defaults_to_a_bf16_base_and_says_so():
     P = 7_248_023_552
-    out = json.loads(run_cli("--model", "mistral-7b", "--method", "lora", "--json").stdout)
+    out = json.loads(estimate_memory("--model", "mistral-7b", "--method", "lora", "--json").stdout)
     assert out["spec"]["dtype"] == "bfloat16"
     assert out["breakdown"]["weights"] == 2 * P + 4 * A  # 13.66 GiB, not the fp32 base's 27
     assert any("LoRA base weights in bfloat16" in n for n in out["notes"])
-    fp32 = json.loads(run_cli("--model", "mistral-7b", "--method", "lora", "--dtype", "float32", "--json").stdout)
+    fp32 = json.loads(estimate_memory("--model", "mistral-7b", "--method", "lora", "--dtype", "float32",
+                                      "--json").stdout)
     assert fp32["breakdown"]["weights"] == 4 * P + 4 * A
     assert not any("LoRA base" in n for n in fp32["notes"])
-    full = json.loads(run_cli("--model", "mistral-7b", "--json").stdout)
+    full = json.loads(estimate_memory("--model", "mistral-7b", "--json").stdout)
     assert full["spec"]["dtype"] == "float32"  # a full fine-tune keeps the schema's default
 
 
 def test_largest_value_of_each_part():
     """A full fine-tune peaks after every activation is freed, LoRA before most adapter gradients exist;
     the second column gives each part's own largest size, and where it is reached."""
-    out = json.loads(run_cli("--model", "llama-2-7b", "--mixed-precision", "bf16", "--seq-len", "512", "--json").stdout)
+    out = json.loads(estimate_memory("--model", "llama-2-7b", "--mixed-precision", "bf16", "--seq-len", "512",
+                                     "--json").stdout)
     assert out["peak_phase"] == "backward_embedding" and out["breakdown"]["activations"] == 0
     assert out["largest"]["activations"]["phase"] == "loss"
     assert out["largest"]["activations"]["bytes"] == max(p.get("activations", 0) for p in out["phase_parts"].values())
     assert out["largest"]["activations"]["bytes"] > 3 * GIB
-    lora = json.loads(run_cli("--model", "mistral-7b", "--method", "lora", "--mixed-precision", "bf16",
-                              "--micro-batch", "8", "--seq-len", "512", "--json").stdout)
+    lora = json.loads(estimate_memory("--model", "mistral-7b", "--method", "lora", "--mixed-precision", "bf16",
+                                      "--micro-batch", "8", "--seq-len", "512", "--json").stdout)
     assert lora["breakdown"]["gradients"] == 0
     assert lora["largest"]["gradients"]["bytes"] == 4 * A  # the fp32 adapters' gradients, all of them
     for name, part in lora["largest"].items():
         assert part["bytes"] >= lora["breakdown"].get(name, 0)
-    table = run_cli("--model", "llama-2-7b", "--mixed-precision", "bf16", "--seq-len", "512")
-    assert table.exit_code == 0 and "largest" in table.output and "(largest at loss)" in table.output
+    table = estimate_memory("--model", "llama-2-7b", "--mixed-precision", "bf16", "--seq-len", "512")
+    assert table.returncode == 0 and "largest" in table.stdout and "(largest at loss)" in table.stdout
 
 
 def test_fit_says_how_many_gpus_would_do(mistral):
@@ -298,12 +294,12 @@ def test_fit_says_how_many_gpus_would_do(mistral):
     nodes = more_gpus(shape, tiny).best.spec
     assert nodes.num_gpus == 8 and nodes.num_nodes > 1
     assert _search(shape, tiny.but(num_nodes=nodes.num_nodes - 1), None).best is None
-    out = json.loads(run_cli("--model", "llama-2-7b", "--mixed-precision", "bf16", "--seq-len", "2048", "--fit",
-                             "--json").stdout)
+    out = json.loads(estimate_memory("--model", "llama-2-7b", "--mixed-precision", "bf16", "--seq-len", "2048", "--fit",
+                                     "--json").stdout)
     assert not out["fit"]["found"] and out["fit"]["more_gpus"]["num_gpus"] == 2
     assert "FSDP on 2 GPUs" in out["recommendation"]
-    text = run_cli("--model", "llama-2-7b", "--mixed-precision", "bf16", "--seq-len", "2048", "--fit")
-    assert "With FSDP on 2 GPUs" in text.output and "--num_processes 2" in text.output
+    text = estimate_memory("--model", "llama-2-7b", "--mixed-precision", "bf16", "--seq-len", "2048", "--fit")
+    assert "With FSDP on 2 GPUs" in text.stdout and "--num_processes 2" in text.stdout
 
 
 def test_fit_with_a_token_budget_searches_the_budget(mistral):
