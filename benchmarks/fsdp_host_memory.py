@@ -47,8 +47,8 @@ def main() -> None:
         return write_model(args.write_model)
 
     from llmtrain.config import Recipe
-    from llmtrain.distributed import build_accelerator, receives_weights
-    from llmtrain.modeling import build_optimizer, load_model
+    from llmtrain.model.modeling import build_optimizer, load_model
+    from llmtrain.parallel.distributed import build_accelerator, receives_weights
 
     recipe = Recipe.model_validate({"model": {"name_or_path": args.model, "dtype": "float32"},
                                     "data": {"path": "unused.jsonl", "format": "text"}, "output_dir": "unused"})

@@ -229,7 +229,7 @@ profile)
 import json, sys, torch
 from torch.profiler import ProfilerActivity, profile
 from llmtrain.config import load_recipe
-import llmtrain.train as T
+import llmtrain.loop.train as T
 # as vs-hf-7b's llmtrain row runs: kernels auto (liger where installed on CUDA)
 recipe = load_recipe(sys.argv[1], ["train.max_steps=4", "model.kernels=auto", f"output_dir={sys.argv[2]}/runs/profile"])
 cuda = torch.cuda.is_available()  # False only in a dry run: then CPU time stands in for device time

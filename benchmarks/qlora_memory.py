@@ -24,14 +24,14 @@ SHAPE = dict(hidden_size=1024, intermediate_size=4096, num_hidden_layers=8, num_
              num_key_value_heads=8, vocab_size=512, max_position_embeddings=256, tie_word_embeddings=False)
 CODE = """
 import resource, sys, runpy, torch
-import llmtrain.phases as P
+import llmtrain.loop.phases as P
 real = P.build_model
 def spy(*a, **k):
     t = real(*a, **k)
     print("WEIGHT_BYTES", sum(p.numel() * p.element_size() for p in t.model.parameters()), file=sys.stderr)
     return t
 P.build_model = spy
-import llmtrain.train as T
+import llmtrain.loop.train as T
 T.build_model = spy
 import psutil
 step_rss, real_step = [], T.train_step

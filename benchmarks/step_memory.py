@@ -29,8 +29,8 @@ MISTRAL, GSM8K = SHARED / "models" / "mistral-7b-instruct-v0.3", SHARED / "data"
 
 
 def packed_batch(n: int, tokenizer) -> dict:
-    from llmtrain.batching import collate, with_loss_positions
-    from llmtrain.data import encode_messages
+    from llmtrain.data.batching import collate, with_loss_positions
+    from llmtrain.data.formats import encode_messages
 
     examples = []
     for line in GSM8K.read_text().splitlines()[:n]:
@@ -46,8 +46,8 @@ def peak(attn: str, chunk: int, batch: dict) -> dict:
     from torch.distributed._tools.mem_tracker import MemTracker
     from transformers import AutoModelForCausalLM, MistralConfig
 
-    from llmtrain.attention import register
-    from llmtrain.loss import attach_loss, compute_loss
+    from llmtrain.model.attention import register
+    from llmtrain.model.loss import attach_loss, compute_loss
 
     cfg = MistralConfig.from_pretrained(MISTRAL)
     cfg.update(dict(hidden_size=256, intermediate_size=688, num_hidden_layers=4, num_attention_heads=8,

@@ -67,8 +67,8 @@ def main(argv: list[str] | None = None) -> dict:
     from transformers import LlamaConfig
 
     from llmtrain.config import Recipe
+    from llmtrain.loop.train import train
     from llmtrain.tiny import prepare_tiny
-    from llmtrain.train import train
 
     shape, lora, dtype, mp = SHAPES[args.shape]
     work = args.workdir or Path(tempfile.mkdtemp(prefix="llmtrain-bench-"))

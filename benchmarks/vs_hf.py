@@ -119,7 +119,7 @@ def write_messages(n: int, source: Path, out: Path) -> None:
 
 def budget_for(lengths: list[int], bins: int, *, seed: int) -> int:
     """The smallest token budget whose best-fit-decreasing bins (llmtrain's own, epoch 0) number at most `bins`."""
-    from llmtrain.batching import token_bins
+    from llmtrain.data.batching import token_bins
 
     lo, hi = max(max(lengths), math.ceil(sum(lengths) / bins)), sum(lengths)
     while lo < hi:
@@ -130,7 +130,7 @@ def budget_for(lengths: list[int], bins: int, *, seed: int) -> int:
 
 def planned_steps(lengths: list[int], *, seed: int, budget: int | None, micro: int, accum: int) -> list[list[int]]:
     """Example lengths of every optimizer step of llmtrain's epoch 0 (its pure data plan, one process)."""
-    from llmtrain.batching import global_micro_batches
+    from llmtrain.data.batching import global_micro_batches
 
     batches = global_micro_batches(len(lengths), seed=seed, epoch=0, world_size=1, micro_batch_size=micro,
                                    micro_batch_tokens=budget, lengths=lengths)
@@ -190,7 +190,7 @@ def make_plan(args, shape: Shape, work: Path) -> Plan:
     from transformers import AutoTokenizer
 
     from llmtrain.config import DataConfig
-    from llmtrain.data import prepare_datasets
+    from llmtrain.data.prepare import prepare_datasets
 
     n = shape.steps * shape.hf_micro_batch * shape.hf_grad_accum
     cfg = write_model_config(shape, args.mistral, work / "model")
@@ -243,7 +243,7 @@ def run_child(cmd: list[str], logfile: Path) -> tuple[float, int, float]:
 
 def import_baseline_rss(work: Path) -> int:
     """Peak RSS of a process that imports what the systems import, and does nothing: subtracted on CPU."""
-    code = "import torch, transformers, peft, accelerate, datasets, llmtrain.cli, llmtrain.train; " \
+    code = "import torch, transformers, peft, accelerate, datasets, llmtrain.cli, llmtrain.loop.train; " \
            "from transformers import Trainer"
     return run_child([sys.executable, "-c", code], work / "baseline.log")[1]
 
@@ -313,10 +313,19 @@ def hf_worker(spec_path: Path) -> None:
     """HF Trainer (+peft) on the plan's model and cached data; writes <work>/hf-<collator>.result.json."""
     import datasets
     import torch
-    from transformers import (AutoConfig, AutoModelForCausalLM, AutoTokenizer, DataCollatorForSeq2Seq,
-                              DataCollatorWithFlattening, Trainer, TrainerCallback, TrainingArguments, set_seed)
+    from transformers import (
+        AutoConfig,
+        AutoModelForCausalLM,
+        AutoTokenizer,
+        DataCollatorForSeq2Seq,
+        DataCollatorWithFlattening,
+        Trainer,
+        TrainerCallback,
+        TrainingArguments,
+        set_seed,
+    )
 
-    from llmtrain.data import IGNORE
+    from llmtrain.data.formats import IGNORE
 
     spec = json.loads(spec_path.read_text())
     work, cuda = Path(spec["work"]), spec["device"] == "cuda"
@@ -408,7 +417,7 @@ def peak_flops(device: str) -> float | None:
         return None
     import torch
 
-    from llmtrain.metrics import PEAK_BF16_FLOPS
+    from llmtrain.run.metrics import PEAK_BF16_FLOPS
 
     name = torch.cuda.get_device_name()
     return next((f for key, f in PEAK_BF16_FLOPS if key in name), None)

@@ -43,7 +43,6 @@ def user_errors(fn):
             if os.environ.get("LLMTRAIN_DEBUG"):
                 raise
             from rich.console import Console
-
             from rich.markup import escape
 
             label = "stopped" if isinstance(e, Stopped) else "error"
@@ -82,7 +81,7 @@ def finetune(
     from llmtrain.config import load_recipe
 
     checked = load_recipe(recipe, overrides)  # a missing file or a bad key is said before torch is imported
-    from llmtrain.train import train
+    from llmtrain.loop.train import train
 
     train(checked, resume=resume, overwrite=overwrite, allow_recipe_change=allow_recipe_change)
 
@@ -111,7 +110,7 @@ def export(
     out: Annotated[Optional[Path], typer.Option(help="Where to write (default <run_dir>/final-merged).")] = None,
 ) -> None:
     """Write a merged full model from a LoRA run's final adapter."""
-    from llmtrain.export import export_merged
+    from llmtrain.run.export import export_merged
 
     path = export_merged(run_dir, out, say=lambda text: typer.echo(text, err=True)) if merge else None
     if path is None:
@@ -164,7 +163,7 @@ def plot(
         help="Image to write (default RUN/loss.png for one run, ./loss-compare.png for several).")] = None,
 ) -> None:
     """Plot train loss (and its moving average), eval loss and lr against steps and tokens; several runs overlaid."""
-    from llmtrain.plot import default_plot_path, plot_runs
+    from llmtrain.run.plot import default_plot_path, plot_runs
 
     out = out or default_plot_path(runs)
     plot_runs(runs, out)

@@ -16,6 +16,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from llmtrain.errors import RecipeError
+from llmtrain.overrides import apply_overrides
 
 
 class Section(BaseModel):
@@ -382,9 +383,7 @@ def load_recipe(path: str | Path, overrides: list[str] | None = None) -> Recipe:
         raise RecipeError(f"Recipe '{path}' is not valid YAML{where}: {getattr(e, 'problem', e)}.") from None
     if not isinstance(data, dict):
         raise RecipeError(f"Recipe '{path}' must be a mapping of sections (model, data, train, ...).")
-    from llmtrain.overrides import apply_overrides
-
-    data = apply_overrides(data, overrides or [])
+    data = apply_overrides(data, overrides or [], Recipe)
     data.setdefault("output_dir", f"runs/{path.stem}")
     try:
         return Recipe.model_validate(data)

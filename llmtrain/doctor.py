@@ -12,171 +12,15 @@ from pathlib import Path
 import yaml
 
 from llmtrain.config import Recipe
-from llmtrain.data import IGNORE, DataStats, special_ids
+from llmtrain.data.checks import Check, check_chat_template, check_tokenizer, load_data
 from llmtrain.errors import LLMTrainError
 
-Check = tuple[str, str, str]  # (name, "pass" | "info" | "skipped" | "warn" | "fail", detail: what was found, key, fix)
-
 BIG_MODEL_PARAMS = 3e9  # above this a full fine-tune keeps ~16 bytes/param of state: FSDP, not DDP
-EOS_SAMPLE = 200  # rows whose last trained label is checked
 NODE_LOCAL = ("/tmp", "/var/tmp", "/dev/shm", "/scratch/local")  # folders that are per node on every cluster we know
 
 
 def _gib(n: int) -> str:
     return f"{n / 2**30:.1f} GiB"
-
-
-# --------------------------------------------------------------------------- tokenizer and template
-
-
-def check_tokenizer(tokenizer) -> list[Check]:
-    eos, pad = tokenizer.eos_token_id, tokenizer.pad_token_id
-    if eos is None:
-        return [("tokenizer eos/pad", "fail", "the tokenizer has no eos_token: the model never learns to stop. "
-                 "Set eos_token in the tokenizer_config.json of model.tokenizer.")]
-    if pad is None:
-        return [("tokenizer eos/pad", "warn", f"eos {tokenizer.eos_token!r} (id {eos}); no pad token, so padding "
-                 "uses eos. Pad positions are masked from attention and loss, so this is safe unless a tool of "
-                 "yours reads pad == eos as the end.")]
-    return [("tokenizer eos/pad", "pass", f"eos {tokenizer.eos_token!r} (id {eos}), pad {tokenizer.pad_token!r} "
-             f"(id {pad})")]
-
-
-def needs_chat(recipe: Recipe) -> bool:
-    d = recipe.data
-    return d.format == "messages" or (d.format == "prompt_completion" and d.chat_template is not False)
-
-
-def check_chat_template(recipe: Recipe, tokenizer) -> list[Check]:
-    """Render a two-turn chat as training will, when the data is formatted with a chat template."""
-    from llmtrain.chat import read_template
-    from llmtrain.data import encode_messages
-
-    if not needs_chat(recipe):
-        return [("chat template", "pass", f"not used (data.format={recipe.data.format}, data.chat_template false)")]
-    chat = [{"role": "user", "content": "What is 2 + 2?"}, {"role": "assistant", "content": "4"}]
-    try:
-        ids, labels = encode_messages(chat, tokenizer, train_on_prompt=False, template=read_template(recipe.data))
-    except LLMTrainError as e:
-        return [("chat template", "fail", f"{e} (data.chat_template)")]
-    trained = tokenizer.decode([i for i, lab in zip(ids, labels) if lab != IGNORE])
-    return [("chat template", "pass", f"renders; the reply trains as {trained!r}")]
-
-
-# --------------------------------------------------------------------------- data and masks
-
-
-def check_masks(stats: DataStats, *, train_on_prompt: bool, text: bool, max_seq_len: int) -> list[Check]:
-    """Masks neither all-zero nor all-one; truncated and dropped counts."""
-    seen = stats.examples + stats.dropped
-    counts = (f"{stats.examples:,} examples, {stats.trained_fraction:.1%} of tokens trained, "
-              f"{stats.truncated:,} truncated, {stats.dropped:,} dropped")
-    if stats.examples == 0:
-        return [("loss mask", "fail", f"no trained token in any of {seen:,} examples ({counts}): the loss is 0 "
-                 "and nothing is learned. Check data.format / data.fields, or raise data.max_seq_len if the "
-                 "prompts fill it.")]
-    rows = [("data", "pass", counts)]
-    # The first token of each example is never a target, so "all trained" is tokens - examples.
-    if not train_on_prompt and not text and stats.trained_tokens >= stats.tokens - stats.examples:
-        rows.append(("loss mask", "warn", "every token is trained although data.train_on_prompt is false: the "
-                     "prompt is not masked. Check data.format / data.fields (is the prompt in the completion?)."))
-    else:
-        rows.append(("loss mask", "pass", f"{stats.trained_fraction:.1%} of tokens trained"))
-    if stats.dropped:
-        rows.append(("dropped", "warn", f"{stats.dropped:,} of {seen:,} examples have no trained token left "
-                     f"after truncation to data.max_seq_len={max_seq_len} and are dropped; raise data.max_seq_len."))
-    if stats.truncated:
-        rows.append(("truncated", "warn", f"{stats.truncated:,} of {stats.examples:,} examples are cut at "
-                     "data.max_seq_len; raise it if their ends matter."))
-    return rows
-
-
-def check_eos_trained(labels: list[list[int]], tokenizer) -> list[Check]:
-    """The last trained label of each row is EOS or an end-of-turn special token: the model learns to stop."""
-    stops = {tokenizer.eos_token_id, *special_ids(tokenizer)}
-    last = [[lab for lab in row if lab != IGNORE] for row in labels]
-    missing = sum(1 for t in last if not t or t[-1] not in stops)
-    only_stop = sum(1 for t in last if len(t) == 1 and t[0] in stops)
-    name, n = "eos trained", len(labels)
-    if n and missing == n:
-        return [(name, "fail", f"none of {n} examples ends with a trained {tokenizer.eos_token!r} or end-of-turn "
-                 "token: generation will not stop. Check the chat template (data.chat_template).")]
-    rows = [(name, "warn" if missing else "pass",
-             f"{n - missing} of {n} examples end with a trained stop token"
-             + (f"; {missing} do not (cut at data.max_seq_len?)" if missing else ""))]
-    if only_stop:
-        rows.append(("empty replies", "warn", f"{only_stop} of {n} examples train only the stop token: their "
-                     "completion is empty. Check data.fields."))
-    return rows
-
-
-def check_budget(budget: int | None, lengths: list[int]) -> list[Check]:
-    """With a token budget (train.micro_batch_tokens) every example must fit one micro-batch: none is ever split or
-    dropped."""
-    if budget is None:
-        return []
-    longest = max(lengths, default=0)
-    if longest > budget:
-        return [("token budget", "fail", f"train.micro_batch_tokens={budget} is smaller than the longest example "
-                 f"({longest} tokens); no example is ever split or dropped. Raise train.micro_batch_tokens to at "
-                 f"least {longest}, or truncate the examples with data.max_seq_len={budget}.")]
-    return [("token budget", "pass", f"the longest example ({longest} tokens) fits train.micro_batch_tokens={budget}")]
-
-
-def check_data(recipe: Recipe, stats: DataStats, train, eval_ds, tokenizer) -> list[Check]:
-    """The data checks `finetune` (which stops on a fail) and `doctor` share: the loss mask, the stop token
-    trained, and the token budget, on the tokenised train (and eval) sets."""
-    rows = check_masks(stats, train_on_prompt=recipe.data.train_on_prompt, text=recipe.data.format == "text",
-                       max_seq_len=recipe.data.max_seq_len)
-    if len(train):
-        sample = train.select(range(min(EOS_SAMPLE, len(train))))
-        labels = (list(sample["labels"]) if "labels" in sample.column_names  # a pair: both answers must end in a stop
-                  else list(sample["chosen_labels"]) + list(sample["rejected_labels"]))
-        rows += check_eos_trained(labels, tokenizer)
-    lengths = [*train["length"], *(eval_ds["length"] if eval_ds is not None else [])]
-    return rows + check_budget(recipe.train.micro_batch_tokens, lengths)
-
-
-def check_warmup(warmup: int, total_steps: int) -> list[Check]:
-    """train.warmup_steps at or past the run's length trains on the warm-up ramp alone (a recipe shortened with
-    max_steps for a smoke test): the peak lr is never reached and there is no decay."""
-    if warmup and warmup >= total_steps:
-        return [("schedule", "warn", f"train.warmup_steps={warmup} is not below the run's {total_steps} steps: every "
-                 "step is on the warm-up ramp, the peak train.lr is never reached and nothing decays. Lower "
-                 f"train.warmup_steps (e.g. to {max(1, total_steps // 10)}) or raise train.max_steps.")]
-    return [("schedule", "pass", f"{warmup} warm-up steps of {total_steps}")]
-
-
-def total_steps(recipe: Recipe, lengths: list[int], *, world: int) -> int:
-    """The run's optimizer steps: train.max_steps, else its epochs over the data plan (as finetune counts them)."""
-    from llmtrain.batching import DataPlan
-
-    t = recipe.train
-    if t.max_steps:
-        return t.max_steps
-    plan = DataPlan(lengths, seed=t.seed, world=world, micro_batch_size=t.micro_batch_size,
-                    micro_batch_tokens=t.micro_batch_tokens)
-    return sum(plan.steps_per_epoch(e, t.grad_accum_steps) for e in range(t.epochs))
-
-
-def load_data(recipe: Recipe, tokenizer, *, world: int = 1) -> list[Check]:
-    """prepare_datasets (filling the cache finetune reads) and check_data; when preparing refuses, tokenise the
-    train split alone to say why (all examples dropped gives stats with 0 examples)."""
-    from llmtrain.data import load_raw, prepare_datasets, tokenize_dataset
-
-    try:
-        train, eval_ds, stats, _ = prepare_datasets(recipe.data, tokenizer, seed=recipe.train.seed)
-        stats = stats["train"]
-    except LLMTrainError as first:
-        try:
-            train, stats = tokenize_dataset(load_raw(recipe.data.path, name=recipe.data.name,
-                                                     split=recipe.data.split), tokenizer, recipe.data, "data.path")
-            eval_ds = None
-        except LLMTrainError:
-            return [("data", "fail", str(first))]
-    rows = check_data(recipe, stats, train, eval_ds, tokenizer)
-    return rows + (check_warmup(recipe.train.warmup_steps, total_steps(recipe, train["length"], world=world))
-                   if len(train) else [])
 
 
 # --------------------------------------------------------------------------- launch config and memory
@@ -218,7 +62,7 @@ def check_tensor_parallel_launch(recipe: Recipe, launch: dict) -> list[Check]:
     """What finetune refuses under tensor parallelism, shown here (none without TP)."""
     from types import SimpleNamespace
 
-    from llmtrain.distributed import check_tensor_parallel
+    from llmtrain.parallel.distributed import check_tensor_parallel
 
     if launch_tp(launch) < 2:
         return []
@@ -342,7 +186,7 @@ def run_doctor(recipe: Recipe, *, accelerate_config: Path | None = None,
                gpu_memory: float | None = None) -> list[Check]:
     import datasets
 
-    from llmtrain.modeling import load_tokenizer
+    from llmtrain.model.modeling import load_tokenizer
 
     datasets.disable_progress_bars()
     launch = read_launch(accelerate_config)

@@ -6,8 +6,9 @@ import json
 import sys
 
 from llmtrain.config import Recipe
-from llmtrain.data import IGNORE, DataStats, prepare_datasets
-from llmtrain.modeling import load_tokenizer
+from llmtrain.data.formats import IGNORE
+from llmtrain.data.prepare import DataStats, prepare_datasets
+from llmtrain.model.modeling import load_tokenizer
 
 
 def _stats_table(stats: dict[str, DataStats]):

@@ -15,7 +15,7 @@ from pydantic import BaseModel
 from llmtrain.errors import RecipeError
 
 
-def parse_override(text: str) -> tuple[list[str], Any]:
+def parse_override(text: str, schema: type[BaseModel]) -> tuple[list[str], Any]:
     """`key=value` -> (the key's parts, the value). The value of a key whose schema type is text only (a string, a
     choice of strings, or either or null) is the text after the first `=`, exactly as given: `#`, `: `, `yes` or
     `007` stay text. `null` (or `~`) unsets such a key where it may be null; a value in quotes is unquoted ('null'
@@ -27,7 +27,7 @@ def parse_override(text: str) -> tuple[list[str], Any]:
     if not key:
         raise RecipeError(f"Override '{text}' has an empty key.")
     parts = key.split(".")
-    kinds = _value_kinds(parts)
+    kinds = _value_kinds(parts, schema)
     if kinds is not None and kinds <= {str, type(None)}:
         if raw in ("null", "~", "") and type(None) in kinds:
             return parts, None
@@ -36,12 +36,10 @@ def parse_override(text: str) -> tuple[list[str], Any]:
     return parts, yaml.safe_load(raw) if raw != "" else None
 
 
-def _value_kinds(parts: list[str]) -> set[type] | None:
+def _value_kinds(parts: list[str], schema: type[BaseModel]) -> set[type] | None:
     """The Python types a dotted key of the schema takes (Literal choices of strings count as str); None for a key
     the schema does not know (validation then names it)."""
-    from llmtrain.config import Recipe
-
-    model: Any = Recipe
+    model: Any = schema
     annotation = None
     for i, part in enumerate(parts):
         fields = getattr(model, "model_fields", None)
@@ -63,9 +61,11 @@ def _value_kinds(parts: list[str]) -> set[type] | None:
     return kinds
 
 
-def apply_overrides(data: dict, overrides: list[str]) -> dict:
+def apply_overrides(data: dict, overrides: list[str], schema: type[BaseModel]) -> dict:
+    """Set each `key=value` of `overrides` in the recipe mapping `data`, reading values by `schema`'s types (the
+    recipe schema, config.Recipe: passed in, so this module never imports the schema that imports it)."""
     for text in overrides:
-        path, value = parse_override(text)
+        path, value = parse_override(text, schema)
         node = data
         for part in path[:-1]:
             child = node.get(part)

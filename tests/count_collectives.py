@@ -3,7 +3,7 @@ it as `accelerate launch --config_file X tests/count_collectives.py OUT_DIR fine
 
 torch.distributed's Python collectives (what FSDP2 calls: all_gather_single, reduce_scatter_single, all_reduce) are
 wrapped, and DDP, whose reducer all-reduces from C++, gets torch's default all-reduce hook, which makes the same
-all-reduce of each gradient bucket through the Python dist.all_reduce. Only what runs inside llmtrain.train's
+all-reduce of each gradient bucket through the Python dist.all_reduce. Only what runs inside llmtrain.loop.train's
 train_step is kept (not loading, eval or the final gather), and not the step's scalar bookkeeping (counts, the
 gradient norm, whose DTensor form all-reduces one value per parameter): tensors of at most
 BOOKKEEPING elements. Each rank writes OUT_DIR/rank<N>.json: [kind, payload bytes, group
@@ -99,7 +99,7 @@ def _ddp_with_hook():
 
 
 def _only_in_steps():
-    import llmtrain.train as loop
+    import llmtrain.loop.train as loop
 
     step = loop.train_step
 

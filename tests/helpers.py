@@ -51,7 +51,7 @@ def run_train(recipe: Path, *overrides: str, resume: str | None = None, overwrit
               allow_recipe_change: bool = False) -> dict:
     """Train in this process, exactly as `llmtrain finetune RECIPE OVERRIDES...` does; returns the summary."""
     from llmtrain.config import load_recipe
-    from llmtrain.train import train
+    from llmtrain.loop.train import train
 
     return train(load_recipe(recipe, list(overrides)), resume=resume, overwrite=overwrite,
                  allow_recipe_change=allow_recipe_change)
@@ -140,11 +140,11 @@ def max_abs_diff(a: dict, b: dict) -> float:
 
 
 def crash_at_step(monkeypatch, recipe: Path, call: int, *overrides: str) -> None:
-    """Run the recipe in this process and let it die (RuntimeError "preempted") when llmtrain.train calls train_step
-    for the `call`-th time (1-based), as a preempted job would: the checkpoints before it are on disk."""
+    """Run the recipe in this process and let it die (RuntimeError "preempted") when llmtrain.loop.train calls
+    train_step for the `call`-th time (1-based), as a preempted job would: the checkpoints before it are on disk."""
     import pytest
 
-    import llmtrain.train as T
+    import llmtrain.loop.train as T
 
     real, calls = T.train_step, {"n": 0}
 

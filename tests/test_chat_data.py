@@ -11,15 +11,17 @@ lone "▁" token that the model has to generate.
 from __future__ import annotations
 
 import pytest
-
-from llmtrain.config import DataConfig, load_recipe
-from llmtrain.chat import render_chat
-from llmtrain.data import IGNORE, chat_of, encode_example, is_split_name, prepare_datasets
-from llmtrain.errors import LLMTrainError, RecipeError
-
 from conftest import GSM8K, MISTRAL, REPO, needs
+
 # mistral and tiny_tok are fixtures: imported, pytest finds them here too
 from test_data import gsm8k, trained_segments, write_jsonl
+
+from llmtrain.config import DataConfig, load_recipe
+from llmtrain.data.chat import render_chat
+from llmtrain.data.formats import IGNORE, chat_of, encode_example
+from llmtrain.data.prepare import prepare_datasets
+from llmtrain.data.sources import is_split_name
+from llmtrain.errors import LLMTrainError, RecipeError
 
 GSM8K_CHAT = DataConfig(path="unused.jsonl", format="prompt_completion", chat_template=True, max_seq_len=4096,
                         fields={"prompt": "question", "completion": "answer"})
@@ -196,7 +198,7 @@ def test_messages_without_the_mapped_content_key_name_it(tiny_tok, tmp_path):
      "'completion' (completion) is a dict, not text"),
 ])
 def test_conversational_rows_that_cannot_be_rendered_are_named(row, problem):
-    from llmtrain.data import row_problem
+    from llmtrain.data.formats import row_problem
 
     assert row_problem(row, DataConfig(path="unused.jsonl", format="prompt_completion")) == problem
 
@@ -375,7 +377,7 @@ def test_split_name_with_data_files_is_refused(tiny_tok, tmp_path):
 def test_a_dropped_assistant_reply_gets_advice_for_a_reply_and_messages_count_from_1(tiny_tok):
     """A template that shows only the last reply drops an earlier one: the advice is about replies (not "move its
     text into the first user message", which fits a system prompt), and the message is counted from 1, as rows are."""
-    from llmtrain.chat import render_chat
+    from llmtrain.data.chat import render_chat
 
     last_only = ("{% for m in messages %}{% if m['role'] != 'assistant' or loop.last %}<|{{ m['role'] | upper }}|>"
                  "{{ m['content'] }}{% endif %}{% endfor %}{% if add_generation_prompt %}<|ASSISTANT|>{% endif %}")

@@ -22,10 +22,10 @@ from pathlib import Path
 
 import pytest
 
-from llmtrain.chat import render_chat
 from llmtrain.config import DataConfig
-from llmtrain.data import IGNORE, encode_example
-from llmtrain.doctor import check_eos_trained
+from llmtrain.data.chat import render_chat
+from llmtrain.data.checks import check_eos_trained
+from llmtrain.data.formats import IGNORE, encode_example
 from llmtrain.errors import LLMTrainError
 
 FIXTURES = Path(__file__).resolve().parent / "fixtures" / "templates"
@@ -196,8 +196,8 @@ def test_doctors_data_checks_pass_on_gsm8k_style_chats(model, tmp_path):
     """Question/answer rows through each template (data.chat_template: true, a system prompt where the template has
     a system role), tokenised as finetune does: doctor's data checks (masks, stop token, budget) have no fail."""
     from llmtrain.config import Recipe
-    from llmtrain.data import prepare_datasets
-    from llmtrain.doctor import check_data
+    from llmtrain.data.checks import check_data
+    from llmtrain.data.prepare import prepare_datasets
 
     name, tok = model
     rows = tmp_path / "train.jsonl"

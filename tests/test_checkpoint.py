@@ -7,8 +7,8 @@ import shutil
 
 import pytest
 import yaml
-
 from helpers import load_weights, losses, max_abs_diff, records, run_train, write_recipe
+
 from llmtrain.config import load_recipe
 from llmtrain.errors import LLMTrainError
 
@@ -164,7 +164,7 @@ def test_a_write_that_stopped_short_on_a_full_disk_says_first_that_the_disk_is_f
     import shutil
     from collections import namedtuple
 
-    from llmtrain.checkpoint import _save_failed
+    from llmtrain.run.checkpoint import _save_failed
 
     Usage = namedtuple("Usage", "total used free")
     error = RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 1031680 vs 1031572")

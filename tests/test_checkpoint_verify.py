@@ -8,8 +8,8 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from llmtrain.checkpoint import FSDP_MODEL_DIR, verify_saved
 from llmtrain.errors import LLMTrainError
+from llmtrain.run.checkpoint import FSDP_MODEL_DIR, verify_saved
 
 BASE = {"m.q.base_layer.weight": torch.randn(4, 4)}
 LORA = {"m.q.lora_A.default.weight": torch.randn(2, 4), "m.q.lora_B.default.weight": torch.zeros(4, 2)}

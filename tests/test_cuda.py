@@ -18,7 +18,7 @@ pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a C
 @pytest.mark.parametrize("window", [None, 6])
 @pytest.mark.parametrize("scale", [None, 0.1])
 def test_flash_varlen_equals_sdpa_per_example(hq, hkv, window, scale):
-    from llmtrain.attention import _flash_varlen, _sdpa_per_example, varlen_available
+    from llmtrain.model.attention import _flash_varlen, _sdpa_per_example, varlen_available
 
     assert varlen_available()
     torch.manual_seed(0)
@@ -47,10 +47,9 @@ def test_packed_varlen_loss_and_grads_equal_padded_sdpa_under_bf16_autocast():
     autocast; the summed loss and every gradient agree to bf16 precision."""
     from transformers import AutoModelForCausalLM, MistralConfig
 
-    from llmtrain.attention import register
-    from llmtrain.batching import collate, with_loss_positions
-    from llmtrain.loss import attach_loss, compute_loss
-    from llmtrain.batching import to_device
+    from llmtrain.data.batching import collate, to_device, with_loss_positions
+    from llmtrain.model.attention import register
+    from llmtrain.model.loss import attach_loss, compute_loss
 
     cfg = MistralConfig(vocab_size=512, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
                         num_attention_heads=8, num_key_value_heads=2, head_dim=16, sliding_window=24)

@@ -13,14 +13,14 @@ import re
 
 import pytest
 import torch
-
-from llmtrain.batching import collate, rank_micro_batches, with_loss_positions
-from llmtrain.config import DataConfig
-from llmtrain.data import IGNORE, compute_stats, encode_example, prepare_datasets
-from llmtrain.errors import LLMTrainError
-from llmtrain.loss import attach_loss, compute_loss
-
 from conftest import GSM8K, MISTRAL, needs
+
+from llmtrain.config import DataConfig
+from llmtrain.data.batching import collate, rank_micro_batches, with_loss_positions
+from llmtrain.data.formats import IGNORE, encode_example
+from llmtrain.data.prepare import compute_stats, prepare_datasets
+from llmtrain.errors import LLMTrainError
+from llmtrain.model.loss import attach_loss, compute_loss
 
 
 def trained_segments(ids: list[int], labels: list[int]) -> list[list[int]]:
@@ -368,8 +368,8 @@ def test_a_mistyped_local_data_path_is_named_as_missing_not_looked_up_on_the_hub
     """data.path=../shared/data/gsm8kk used to be tried as a hub dataset, with network advice. A value that looks like
     a path (a slash, and a parent folder that exists, or a leading . / ~) is said not to exist, with the nearest name;
     owner/name is still a hub id."""
+    from llmtrain.data.sources import _missing_local, load_raw
     from llmtrain.errors import LLMTrainError
-    from llmtrain.sources import _missing_local, load_raw
 
     (tmp_path / "data" / "gsm8k").mkdir(parents=True)
     monkeypatch.chdir(tmp_path)

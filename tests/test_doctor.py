@@ -8,16 +8,10 @@ from conftest import GSM8K, MISTRAL, REPO, needs
 from helpers import invoke, write_recipe
 
 from llmtrain.config import load_recipe
-from llmtrain.data import IGNORE, DataStats
-from llmtrain.doctor import (
-    check_batch,
-    check_eos_trained,
-    check_fsdp,
-    check_masks,
-    check_precision,
-    check_shared_fs,
-    run_doctor,
-)
+from llmtrain.data.checks import check_eos_trained, check_masks
+from llmtrain.data.formats import IGNORE
+from llmtrain.data.prepare import DataStats
+from llmtrain.doctor import check_batch, check_fsdp, check_precision, check_shared_fs, run_doctor
 
 
 def rows(checks):
@@ -149,8 +143,10 @@ def test_mistral_7b_full_without_fsdp_fails(tmp_path):
 def test_warmup_at_or_past_the_run_length_is_warned_by_doctor_and_finetune(tiny_assets, tmp_path):
     """max_steps=20 with warmup_steps: 20 (a recipe shortened for a smoke test) trains on the ramp alone."""
     from helpers import run_train, write_recipe
+
     from llmtrain.config import load_recipe
-    from llmtrain.doctor import check_warmup, run_doctor
+    from llmtrain.data.checks import check_warmup
+    from llmtrain.doctor import run_doctor
 
     assert check_warmup(20, 20)[0][1] == "warn" and "train.warmup_steps=20 is not below the run's 20 steps" in \
         check_warmup(20, 20)[0][2]

@@ -13,12 +13,12 @@ import sys
 from pathlib import Path
 
 import pytest
-
 from helpers import ENV, REPO, cli, load_weights, losses, max_abs_diff, records, run_train, write_recipe
 from test_rundir import launch
-from llmtrain import checkpoint
-from llmtrain.checkpoint import MANIFEST, checkpoint_problem, step_dirs, write_manifest
+
 from llmtrain.errors import LLMTrainError
+from llmtrain.run import checkpoint
+from llmtrain.run.checkpoint import MANIFEST, checkpoint_problem, step_dirs, write_manifest
 
 # --------------------------------------------------------------------------- the manifest, on plain files
 

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from helpers import cli, load_weights, run_train, write_recipe
+
 from llmtrain.errors import LLMTrainError
-from llmtrain.export import export_merged
+from llmtrain.run.export import export_merged
 
 TEXT = ["reverse abcde = edcba", "reverse qwer = rewq"]
 

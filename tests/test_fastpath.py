@@ -14,9 +14,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from llmtrain.attention import register
-from llmtrain.batching import collate, global_micro_batches, token_bins, with_loss_positions
-from llmtrain.loss import attach_loss, chunked_cross_entropy, compute_loss
+from llmtrain.data.batching import collate, global_micro_batches, token_bins, with_loss_positions
+from llmtrain.model.attention import register
+from llmtrain.model.loss import attach_loss, chunked_cross_entropy, compute_loss
 
 LENGTHS = [5, 9, 3, 12, 1]
 
@@ -200,7 +200,7 @@ def test_token_bins_are_the_same_for_any_number_of_processes(world):
 def test_flop_model_by_hand():
     """6 FLOPs per trained matmul weight per token, 4 per frozen one; the head on trained tokens;
     attention 6 x layers x heads x head_dim per squared example length."""
-    from llmtrain.metrics import flop_model
+    from llmtrain.run.metrics import flop_model
 
     model = tiny_model("eager")
     fm = flop_model(model)
@@ -219,10 +219,10 @@ def test_lora_wraps_the_projections_inside_liger_kernels(monkeypatch):
     """model.kernels=liger patches the model before peft: LoRA must still adapt every projection, now inside
     liger's SwiGLU MLP, and the norms and RoPE must be liger's. (Structure only: the kernels need CUDA.)"""
     pytest.importorskip("liger_kernel")
-    from llmtrain.config import LoraConfig
-    from llmtrain.modeling import _apply_liger, apply_lora
-
     from transformers.models.llama import modeling_llama
+
+    from llmtrain.config import LoraConfig
+    from llmtrain.model.modeling import _apply_liger, apply_lora
 
     # liger swaps module-level functions (RoPE) of transformers: put them back after this test
     for name in ("apply_rotary_pos_emb", "LlamaRMSNorm", "LlamaMLP"):
@@ -285,7 +285,7 @@ def test_flash_varlen_call_adapts_to_each_signature(monkeypatch, kernel, scale):
     checks the real kernel on a GPU."""
     import torch.nn.attention.varlen as varlen
 
-    from llmtrain.attention import _flash_varlen, _sdpa_per_example
+    from llmtrain.model.attention import _flash_varlen, _sdpa_per_example
 
     monkeypatch.setattr(varlen, "varlen_attn", kernel)
     torch.manual_seed(0)

@@ -15,7 +15,6 @@ import os
 import shutil
 
 import pytest
-
 from helpers import cli, load_weights, losses, max_abs_diff, records, run_train, write_recipe
 
 
@@ -151,7 +150,7 @@ def test_deterministic_runs_with_torch_deterministic_kernels_and_restores(recipe
     the GPU check is gpu_session.sh smoke), and the process's setting is put back afterwards."""
     import torch
 
-    import llmtrain.train as T
+    import llmtrain.loop.train as T
 
     monkeypatch.delenv("CUBLAS_WORKSPACE_CONFIG", raising=False)
     seen, real = [], T.train_step

@@ -5,7 +5,7 @@ torchrun workers with ACCELERATE_USE_FSDP=true and the FSDP_* variables of its f
 fsdp.yaml gives 8 GPUs: FSDP2, full shard, decoder-layer auto-wrap from `_no_split_modules`,
 SHARDED_STATE_DICT, cpu_ram_efficient_loading). On CPU Accelerate itself would make them a plain MULTI_CPU
 (DDP) group and drop the FSDP plugin: AcceleratorState only turns *accelerator* groups into
-DistributedType.FSDP. llmtrain's build_accelerator (llmtrain/distributed.py, `_fsdp_on_cpu`) does for the
+DistributedType.FSDP. llmtrain's build_accelerator (llmtrain/parallel/distributed.py, `_fsdp_on_cpu`) does for the
 CPU group what AcceleratorState does for a GPU group: attach the FSDP2 plugin and set the distributed type
 to FSDP. Nothing else is patched: `prepare` (fsdp2_prepare_model -> torch's `fully_shard` on a CPU mesh),
 `no_sync` (set_requires_gradient_sync), `clip_grad_norm_` (DTensor-aware), `save_state`/`load_state`
@@ -22,14 +22,12 @@ reads the weights and receives them from rank 0 (the last test shows which rank 
 from __future__ import annotations
 
 import math
-
 import shutil
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
-
 from helpers import ENV, REPO, cli, load_weights, losses, max_abs_diff, records, run_train, write_recipe
 
 pytestmark = pytest.mark.slow
@@ -236,8 +234,8 @@ from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
 from llmtrain.config import load_recipe
-from llmtrain.distributed import build_accelerator, receives_weights
-from llmtrain.modeling import build_optimizer, load_model
+from llmtrain.parallel.distributed import build_accelerator, receives_weights
+from llmtrain.model.modeling import build_optimizer, load_model
 
 # Record whether this process reads the weights: from_pretrained is the only way load_model reads them.
 reads = []

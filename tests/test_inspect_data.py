@@ -10,15 +10,15 @@ import re
 
 import pytest
 import yaml
+from conftest import GSM8K, MISTRAL, REPO, needs
 from helpers import cli, write_recipe
 from typer.testing import CliRunner
 
 from llmtrain.cli import app
 from llmtrain.config import DataConfig, load_recipe
-from llmtrain.data import IGNORE, encode_example, prepare_datasets
+from llmtrain.data.formats import IGNORE, encode_example
+from llmtrain.data.prepare import prepare_datasets
 from llmtrain.inspect_data import _highlight, token_pieces
-
-from conftest import GSM8K, MISTRAL, REPO, needs
 
 
 def invoke(*args: str):

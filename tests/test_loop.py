@@ -8,13 +8,13 @@ import itertools
 import pytest
 import torch
 
-from llmtrain.batching import DataPlan, Window
-from llmtrain.cadence import Cadence
-from llmtrain.meter import Meter
-from llmtrain.metrics import FlopModel
-from llmtrain.objective import CausalLM, Counts
-from llmtrain.state import TrainState
-from llmtrain.step import StepResult
+from llmtrain.data.batching import Counts, DataPlan, Window
+from llmtrain.loop.cadence import Cadence
+from llmtrain.loop.meter import Meter
+from llmtrain.loop.step import StepResult
+from llmtrain.objectives.objective import CausalLM
+from llmtrain.run.metrics import FlopModel
+from llmtrain.run.state import TrainState
 
 
 def cadence(**kw) -> Cadence:
@@ -65,8 +65,8 @@ def result(loss_sum: float, counts: Counts, *, lr=1e-3, grad_norm=1.0, skipped=F
 
 def test_meter_line_reports_the_last_step_and_the_speed_since_the_last_line(monkeypatch):
     clock = iter([100.0, 104.0, 105.0, 110.0, 112.0]).__next__
-    monkeypatch.setattr("llmtrain.meter.time.perf_counter", clock)
-    monkeypatch.setattr("llmtrain.meter.data_sum", lambda acc, *v: [x * 2 for x in v])  # two data ranks, alike
+    monkeypatch.setattr("llmtrain.loop.meter.time.perf_counter", clock)
+    monkeypatch.setattr("llmtrain.loop.meter.data_sum", lambda acc, *v: [x * 2 for x in v])  # two data ranks, alike
     meter = Meter(FakeAccelerator(), flops=FlopModel(1.0, 10.0, 0.5), peak=100.0, elapsed_before=50.0)  # t=100
     state = TrainState(step=2, tokens_seen=700)
     meter.add(result(3.0, Counts(units=10, trained=10, tokens=300, squares=900)), epoch=0)
@@ -100,7 +100,7 @@ def test_train_state_advances_tokens_every_step_and_rolls_the_epoch_over():
 
 
 def test_data_plan_is_built_once_per_epoch_for_every_view(monkeypatch):
-    import llmtrain.batching as B
+    import llmtrain.data.batching as B
 
     calls = []
     real = B.global_micro_batches

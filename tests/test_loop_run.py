@@ -29,7 +29,7 @@ class Recorder:
 @pytest.fixture
 def tracker(monkeypatch):
     recorder = Recorder()
-    monkeypatch.setattr("llmtrain.phases.open_trackers", lambda *a, **k: [recorder])
+    monkeypatch.setattr("llmtrain.loop.phases.open_trackers", lambda *a, **k: [recorder])
     return recorder
 
 
@@ -40,7 +40,7 @@ def recipe(tiny_assets, tmp_path):
 
 def _interrupt_at(monkeypatch, call: int, action):
     """Run `action` when train_step is called for the `call`-th time (1-based), then take the step."""
-    import llmtrain.train as T
+    import llmtrain.loop.train as T
 
     real, calls = T.train_step, {"n": 0}
 
@@ -75,7 +75,7 @@ def test_trackers_end_when_the_run_diverges(recipe, tracker):
 def test_claim_refuses_when_the_checkpoint_changed_after_the_checks(recipe, tmp_path, monkeypatch):
     """Another process writes a newer checkpoint between the read-only checks and the claim: the run stops before
     writing anything rather than load a checkpoint the resume checks never judged."""
-    import llmtrain.phases as P
+    import llmtrain.loop.phases as P
 
     run_train(recipe, "checkpoint.every_steps=2")
     run = tmp_path / "run"
@@ -172,7 +172,7 @@ def test_an_objective_through_the_seam_drives_training_and_evaluation(recipe, tm
     reports, with no change to the loop: twice the summed loss over the same units doubles every logged loss
     (Adam's update is invariant to the scale, so the runs stay together), and its eval metrics are the ones
     written."""
-    from llmtrain.objective import CausalLM
+    from llmtrain.objectives.objective import CausalLM
 
     class Doubled(CausalLM):
         def loss(self, model, batch):
@@ -184,7 +184,7 @@ def test_an_objective_through_the_seam_drives_training_and_evaluation(recipe, tm
 
     common = ["train.max_steps=3", "data.eval_split=0.05", "train.eps=1e-30", "train.max_grad_norm=null"]
     run_train(recipe, f"output_dir={tmp_path / 'plain'}", *common)
-    monkeypatch.setattr("llmtrain.train.objective_for", lambda recipe, pad_id, model: Doubled(pad_id=pad_id,
+    monkeypatch.setattr("llmtrain.loop.train.objective_for", lambda recipe, pad_id, model: Doubled(pad_id=pad_id,
                                                                                               packing=False))
     run_train(recipe, f"output_dir={tmp_path / 'doubled'}", *common)
     plain, doubled = records(tmp_path / "plain"), records(tmp_path / "doubled")
@@ -196,7 +196,7 @@ def test_an_objective_through_the_seam_drives_training_and_evaluation(recipe, tm
 def test_every_step_runs_in_train_mode_before_and_after_evaluations(recipe, monkeypatch):
     """from_pretrained returns a model in eval mode: the loop must switch dropout (LoRA's too) on for every step,
     not only after evaluate() first switches back to train mode."""
-    import llmtrain.train as T
+    import llmtrain.loop.train as T
 
     modes, real = [], T.train_step
     monkeypatch.setattr(T, "train_step", lambda model, *a, **k: modes.append(model.training) or real(model, *a, **k))

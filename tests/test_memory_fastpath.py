@@ -12,7 +12,6 @@ import pytest
 import torch
 import torch.nn.functional as F
 import yaml
-
 from helpers import estimate_memory
 
 from llmtrain.errors import LLMTrainError
@@ -85,9 +84,9 @@ def reference_loss(head, hidden, index, targets, chunk: int) -> torch.Tensor:
 @pytest.mark.parametrize("loss", ["reference", "llmtrain"])
 def test_chunked_loss_peak_equals_the_formulas(tokens, hidden, vocab, chunk, autocast, loss):
     """Peak live bytes of the loss's forward and backward (torch's MemTracker), for the plain-torch reference
-    and for llmtrain.loss.chunked_cross_entropy, against the estimate's loss phases worked out here."""
+    and for llmtrain.model.loss.chunked_cross_entropy, against the estimate's loss phases worked out here."""
     mem_tracker = pytest.importorskip("torch.distributed._tools.mem_tracker")
-    from llmtrain.loss import chunked_cross_entropy
+    from llmtrain.model.loss import chunked_cross_entropy
 
     torch.manual_seed(0)
     weight = torch.randn(vocab, hidden, requires_grad=True)

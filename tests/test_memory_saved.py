@@ -10,7 +10,7 @@ Two CPU/CUDA differences are on these paths, and each is written out here:
 - dropout: the CPU kernel saves a noise tensor in the input's dtype (fp32 in LoRA: peft casts the input to
   the adapter's dtype) where CUDA saves a bool mask;
 - varlen attention: on CUDA, torch's flash varlen kernel saves q, k, v, its output and logsumexp (the
-  estimate's formula); on the CPU, llmtrain.attention runs SDPA per example on 3-D tensors, which takes
+  estimate's formula); on the CPU, llmtrain.model.attention runs SDPA per example on 3-D tensors, which takes
   SDPA's math path (see `cpu_varlen_attention_bytes`).
 """
 
@@ -45,7 +45,7 @@ def cpu_varlen_attention_bytes(p: act.Pass, shape: ModelShape, lengths: list[int
 def build(layers: int, attn: str, dtype: torch.dtype, lora: float | None):
     from transformers import AutoModelForCausalLM, LlamaConfig
 
-    from llmtrain.loss import attach_loss
+    from llmtrain.model.loss import attach_loss
 
     torch.manual_seed(0)
     cfg = LlamaConfig(**{k: v for k, v in TINY.items() if k != "model_type"}, num_hidden_layers=layers)
@@ -60,7 +60,7 @@ def build(layers: int, attn: str, dtype: torch.dtype, lora: float | None):
 
 
 def batch_for(lengths: list[int], *, packing: bool) -> dict:
-    from llmtrain.batching import collate, with_loss_positions
+    from llmtrain.data.batching import collate, with_loss_positions
 
     g = torch.Generator().manual_seed(0)
     examples = [{"input_ids": torch.randint(0, TINY["vocab_size"], (n,), generator=g).tolist(),
@@ -70,7 +70,7 @@ def batch_for(lengths: list[int], *, packing: bool) -> dict:
 
 def saved_bytes(model, batch: dict, *, autocast: bool) -> int:
     """Bytes of distinct non-parameter storages saved for backward by one call of the training loss."""
-    from llmtrain.loss import compute_loss
+    from llmtrain.model.loss import compute_loss
 
     params = {p.untyped_storage().data_ptr() for p in model.parameters()}
     kept = []  # held until counted, so that no storage's address is reused by another
@@ -109,7 +109,7 @@ CASES = [  # attn, storage dtype, mixed precision, padded batch, lora dropout (N
 
 @pytest.mark.parametrize(("attn", "dtype", "mp", "padded", "lora"), CASES)
 def test_layer_and_outside_bytes_equal_what_autograd_saves(attn, dtype, mp, padded, lora):
-    from llmtrain.attention import register
+    from llmtrain.model.attention import register
 
     shape = _shape_from_json(json.dumps({**TINY, "num_hidden_layers": 2}), "tiny")
     varlen = attn == "varlen"

@@ -56,10 +56,10 @@ def build(tmp_path, spec: TrainSpec, cfg: dict):
     from accelerate.utils import convert_outputs_to_fp32
     from transformers import LlamaConfig
 
-    from llmtrain.batching import collate, with_loss_positions
     from llmtrain.config import LoraConfig, ModelConfig
-    from llmtrain.loss import attach_loss
-    from llmtrain.modeling import load_model
+    from llmtrain.data.batching import collate, with_loss_positions
+    from llmtrain.model.loss import attach_loss
+    from llmtrain.model.modeling import load_model
 
     LlamaConfig(**{k: v for k, v in cfg.items() if k != "model_type"}).save_pretrained(tmp_path / "m")
     torch.manual_seed(0)
@@ -91,8 +91,8 @@ def tracked_peak(monkeypatch, run, *tracked) -> int:
 
 
 def measured_peak(tmp_path, monkeypatch, spec: TrainSpec, cfg: dict) -> int:
-    from llmtrain.loss import compute_loss
-    from llmtrain.modeling import build_optimizer
+    from llmtrain.model.loss import compute_loss
+    from llmtrain.model.modeling import build_optimizer
 
     model, batch = build(tmp_path, spec, cfg)
     model.train()
@@ -192,7 +192,7 @@ EVAL_CASES = [  # (vocab, spec): evaluate() runs compute_loss(return_hits=True) 
 
 @pytest.mark.parametrize(("vocab", "spec"), EVAL_CASES)
 def test_eval_phases_match_a_real_evaluation(tmp_path, monkeypatch, one_thread, vocab, spec):
-    from llmtrain.loss import compute_loss
+    from llmtrain.model.loss import compute_loss
 
     cfg = {**CFG, "vocab_size": vocab}
     est = estimate_module.estimate(_shape_from_json(json.dumps(cfg), "tiny"), spec)

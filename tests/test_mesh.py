@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import pytest
 
-from llmtrain.distributed import check_mesh, check_tensor_parallel, mesh_line, requested_mesh
 from llmtrain.errors import LLMTrainError
+from llmtrain.parallel.distributed import check_mesh, check_tensor_parallel, mesh_line, requested_mesh
 
 
 def _mesh(monkeypatch, **sizes: int):
@@ -87,8 +87,8 @@ def test_tensor_parallel_plan_needs_heads_and_columns_that_divide(tiny_assets):
     import types
 
     from llmtrain.config import ModelConfig
-    from llmtrain.distributed import apply_tensor_parallel
-    from llmtrain.modeling import load_model
+    from llmtrain.model.modeling import load_model
+    from llmtrain.parallel.distributed import apply_tensor_parallel
 
     model = load_model(ModelConfig(name_or_path=str(tiny_assets / "model"), dtype="float32"), None)
     with pytest.raises(LLMTrainError, match=r"num_key_value_heads \(2\) .* not a multiple of 4"):

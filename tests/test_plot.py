@@ -11,7 +11,7 @@ import pytest
 from helpers import ENV, LLMTRAIN, cli
 
 from llmtrain.errors import LLMTrainError
-from llmtrain.plot import default_plot_path, ema, plot_runs, read_curves, smoothing_weight, update_loss_plot
+from llmtrain.run.plot import default_plot_path, ema, plot_runs, read_curves, smoothing_weight, update_loss_plot
 
 # figsize (13, 7.5) inches at 100 dpi
 PNG_SIZE = (1300, 750)

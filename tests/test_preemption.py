@@ -20,7 +20,6 @@ import time
 from pathlib import Path
 
 import pytest
-
 from helpers import ENV, LLMTRAIN, REPO, cli, load_weights, losses, max_abs_diff, records, write_recipe
 
 CPU_DDP = REPO / "accelerate_configs" / "cpu_ddp.yaml"
@@ -100,7 +99,7 @@ def test_sigterm_under_ddp_stops_every_rank_at_one_step(tiny_assets, tmp_path, f
 
 
 def test_second_ctrl_c_stops_at_once():
-    from llmtrain.signals import StopRequests
+    from llmtrain.loop.signals import StopRequests
 
     with StopRequests() as stop:
         os.kill(os.getpid(), signal.SIGINT)

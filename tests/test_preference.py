@@ -16,10 +16,11 @@ from conftest import GSM8K, needs
 from helpers import crash_at_step, load_weights, max_abs_diff, records, run_train
 
 from llmtrain.config import DataConfig, PreferenceConfig
-from llmtrain.data import encode_example, prepare_datasets
+from llmtrain.data.formats import encode_example
+from llmtrain.data.pairs import encode_pair, split_pair
+from llmtrain.data.prepare import prepare_datasets
 from llmtrain.errors import LLMTrainError, RecipeError
-from llmtrain.pairs import encode_pair, split_pair
-from llmtrain.preference import Preference, pair_losses, sequence_logps
+from llmtrain.objectives.preference import Preference, pair_losses, sequence_logps
 
 PAIRS = [
     {"prompt": "reverse abc =", "chosen": " cba", "rejected": " abc"},
@@ -119,8 +120,8 @@ def test_preference_section_and_format_go_together(pref_recipe):
 
 def _objective_batch(tiny_assets, tiny_tok, *, packing: bool, lora: bool = False):
     from llmtrain.config import LoraConfig, ModelConfig
-    from llmtrain.loss import attach_loss
-    from llmtrain.modeling import load_model
+    from llmtrain.model.loss import attach_loss
+    from llmtrain.model.modeling import load_model
 
     cfg = DataConfig(path="x.jsonl", format="preference")
     rows = [encode_pair(p, tiny_tok, cfg) for p in PAIRS]
@@ -173,7 +174,7 @@ def test_loss_matches_trl_dpo_trainer(tiny_assets, tiny_tok, tmp_path, loss_type
     from datasets import Dataset
     from transformers import AutoModelForCausalLM
 
-    from llmtrain.loss import attach_loss
+    from llmtrain.model.loss import attach_loss
 
     ref = AutoModelForCausalLM.from_pretrained(tiny_assets / "model", dtype=torch.float32, attn_implementation="eager")
     policy = copy.deepcopy(ref)

@@ -8,7 +8,7 @@ from contextlib import closing
 
 import pytest
 
-from llmtrain.batching import prefetch
+from llmtrain.data.batching import prefetch
 
 
 def _prefetch_threads() -> list[threading.Thread]:

@@ -73,14 +73,14 @@ def test_fit_proposes_qlora_when_lora_on_a_16bit_base_does_not_fit():
 PROBE = '''
 import sys
 from llmtrain.config import load_recipe
-from llmtrain.distributed import build_accelerator
-from llmtrain.phases import build_model
+from llmtrain.parallel.distributed import build_accelerator
+from llmtrain.loop.phases import build_model
 
 recipe = load_recipe(sys.argv[1], [])
 accelerator = build_accelerator(recipe)
 import bitsandbytes as bnb
 before = None
-import llmtrain.phases as P
+import llmtrain.loop.phases as P
 real = P.load_model
 def spy(*a, **k):
     global before
@@ -155,7 +155,7 @@ def test_exported_adapter_loads_on_a_quantised_and_on_a_bf16_base(qlora_recipe, 
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
-    from llmtrain.modeling import quantization_config
+    from llmtrain.model.modeling import quantization_config
 
     run_train(qlora_recipe)
     final = tmp_path / "run" / "final"

@@ -11,10 +11,9 @@ from pathlib import Path
 
 import pytest
 import yaml
+from conftest import GSM8K, MISTRAL, needs
 
 from llmtrain.config import load_recipe
-
-from conftest import GSM8K, MISTRAL, needs
 
 REPO = Path(__file__).resolve().parents[1]
 RECIPES = sorted((REPO / "recipes").glob("*.yaml"))
@@ -122,7 +121,8 @@ def test_7b_recipe_data_with_local_copies(name: str, tmp_path):
 
     from transformers import AutoTokenizer
 
-    from llmtrain.data import IGNORE, prepare_datasets
+    from llmtrain.data.formats import IGNORE
+    from llmtrain.data.prepare import prepare_datasets
 
     folder = tmp_path / "gsm8k"
     folder.mkdir()

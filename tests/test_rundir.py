@@ -10,11 +10,11 @@ import sys
 import time
 
 import pytest
-
 from helpers import ENV, LLMTRAIN, REPO, cli, records, write_recipe
-from llmtrain.checkpoint import MANIFEST, checkpoint_problem, step_dirs
+
 from llmtrain.errors import LLMTrainError
-from llmtrain.rundir import MARKER, prepare_output_dir
+from llmtrain.run.checkpoint import MANIFEST, checkpoint_problem, step_dirs
+from llmtrain.run.rundir import MARKER, prepare_output_dir
 
 CPU_DDP = REPO / "accelerate_configs" / "cpu_ddp.yaml"
 

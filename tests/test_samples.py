@@ -9,9 +9,9 @@ import json
 import pytest
 import torch
 
-from llmtrain.data import IGNORE, encode_prompt_completion
-from llmtrain.metrics import MetricsLog
-from llmtrain.samples import format_sample, generate_samples, split_example
+from llmtrain.data.formats import IGNORE, encode_prompt_completion
+from llmtrain.run.metrics import MetricsLog
+from llmtrain.run.samples import format_sample, generate_samples, split_example
 
 
 def eval_rows(tiny, n: int) -> list[dict]:
@@ -31,8 +31,8 @@ def tokenised(tokenizer, rows: list[dict]) -> list[dict]:
 def tiny_model(tiny_assets):
     """The tiny model as the trainer holds it: llmtrain's varlen attention and its loss forward attached."""
     from llmtrain.config import ModelConfig
-    from llmtrain.loss import attach_loss
-    from llmtrain.modeling import load_model, load_tokenizer
+    from llmtrain.model.loss import attach_loss
+    from llmtrain.model.modeling import load_model, load_tokenizer
 
     cfg = ModelConfig(name_or_path=str(tiny_assets / "model"), attn_implementation="auto")
     model = load_model(cfg, None)
@@ -97,7 +97,7 @@ def test_nothing_masked_generates_from_bos(tiny_assets, tiny_model):
 
 def test_samples_follow_the_weights(tiny_assets, tiny_model):
     """A model trained on one example reproduces its completion greedily: the samples show learning."""
-    from llmtrain.loss import causal_lm
+    from llmtrain.model.loss import causal_lm
 
     model, tokenizer = tiny_model
     example = tokenised(tokenizer, eval_rows(tiny_assets, 1))[0]
@@ -168,7 +168,7 @@ def test_finetune_writes_samples_at_each_eval(tmp_path, tiny_assets):
 def test_answer_accuracy_compares_the_extracted_answers_of_generated_and_expected_replies():
     """eval_answer_accuracy: with train.eval_answer_pattern the first group is compared (GSM8K's '#### N'), without it
     the whole stripped reply; a generated reply with no answer in it is wrong."""
-    from llmtrain.samples import mark_answers
+    from llmtrain.run.samples import mark_answers
 
     samples = [{"expected": "so 3 + 4 = 7\n#### 7", "generated": "3 + 4 is 7.\n#### 7"},
                {"expected": "#### 12", "generated": "#### 13"},

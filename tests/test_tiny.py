@@ -105,7 +105,7 @@ def test_chat_template_renders(tok):
 def test_messages_mask_trains_only_the_reply(tok, tiny_assets):
     """The chat template works with the messages loss mask: the reply and its </s> are trained, nothing else.
     Replies are lower case and markers upper case, so a reply is never found inside a marker."""
-    from llmtrain.data import IGNORE, encode_messages
+    from llmtrain.data.formats import IGNORE, encode_messages
 
     for row in _rows(tiny_assets / "data" / "train_messages.jsonl")[:200]:
         ids, labels = encode_messages(row["messages"], tok, train_on_prompt=False)
@@ -114,7 +114,7 @@ def test_messages_mask_trains_only_the_reply(tok, tiny_assets):
 
 
 def test_prompt_completion_encoding(tok):
-    from llmtrain.data import IGNORE, encode_prompt_completion
+    from llmtrain.data.formats import IGNORE, encode_prompt_completion
 
     ids, labels = encode_prompt_completion("reverse abc =", " cba", tok, train_on_prompt=False)
     assert ids[0] == tok.bos_token_id and ids[-1] == tok.eos_token_id
@@ -124,7 +124,7 @@ def test_prompt_completion_encoding(tok):
 
 def test_alpaca_prompt_has_no_unknown_characters(tok, tiny_assets):
     from llmtrain.config import DataConfig
-    from llmtrain.data import prompt_and_completion
+    from llmtrain.data.formats import prompt_and_completion
 
     cfg = DataConfig(path="x.jsonl", format="alpaca")
     prompt, completion = prompt_and_completion(_rows(tiny_assets / "data" / "train_alpaca.jsonl")[0], cfg)

@@ -9,8 +9,8 @@ import sys
 import pytest
 
 from llmtrain.errors import LLMTrainError
-from llmtrain.metrics import MetricsLog
-from llmtrain.trackers import check_trackers, open_trackers, scalars
+from llmtrain.run.metrics import MetricsLog
+from llmtrain.run.trackers import check_trackers, open_trackers, scalars
 
 RECIPE = {"model": {"name_or_path": "assets/tiny/model"}, "train": {"lr": 0.001, "max_steps": 3},
           "logging": {"report_to": ["wandb"]}, "output_dir": "runs/tiny"}

@@ -1,6 +1,6 @@
 """The training loop on the tiny task: exact loss normalisation, packing, determinism, learning, metrics, LoRA.
 
-Every run is the real `llmtrain.train.train` on the tiny Llama (fp32, eager attention, no dropout), in
+Every run is the real `llmtrain.loop.train.train` on the tiny Llama (fp32, eager attention, no dropout), in
 this process, for a handful of steps.
 """
 
@@ -11,7 +11,6 @@ import math
 
 import pytest
 import torch
-
 from helpers import load_weights, losses, max_abs_diff, records, run_train, write_recipe
 
 
@@ -132,7 +131,7 @@ def test_metrics_jsonl_and_summary(tiny_assets, tmp_path):
 def test_lora_trains_only_the_adapter(tiny_assets, tmp_path, monkeypatch):
     """Capture the model at export time: every base weight equals the original checkpoint bit for bit,
     every LoRA B matrix (zero at init) has moved."""
-    import llmtrain.train as train_mod
+    import llmtrain.loop.train as train_mod
 
     captured = {}
     real_save_final = train_mod.save_final
@@ -233,7 +232,7 @@ def test_a_lora_run_with_checkpointing_prints_no_future_warning(tiny_assets, tmp
         run_train(recipe)
     assert not [w for w in caught if issubclass(w.category, FutureWarning)], [str(w.message) for w in caught]
     from llmtrain.config import load_recipe
-    from llmtrain.modeling import load_model
+    from llmtrain.model.modeling import load_model
 
     model = load_model(load_recipe(recipe).model, None)
     assert getattr(model, "is_activation_checkpointing", None) or model.is_gradient_checkpointing

@@ -6,6 +6,9 @@
 
 Everything here is arithmetic on a `ModelShape` (exact counts from the model built on the meta
 device) and a `TrainSpec`; docs/memory.md gives the formulas.
+
+May import: the schema (`config`, `errors`), `parallel` and this folder. Never the data, the model, the run
+folder or the loop: an estimate loads no weights and reads no data.
 """
 
 from __future__ import annotations
@@ -55,8 +58,8 @@ def predicted_for_run(recipe: Recipe, accelerator) -> dict:
     in summary.json. A model the estimator cannot read gives {} (and a note), never a failed run."""
     from torch.distributed.fsdp import CPUOffloadPolicy
 
-    from llmtrain.distributed import uses_fsdp
     from llmtrain.errors import LLMTrainError
+    from llmtrain.parallel.distributed import uses_fsdp
 
     fsdp = uses_fsdp(accelerator)
     strategy = "fsdp" if fsdp else ("ddp" if accelerator.num_processes > 1 else "single")

@@ -40,7 +40,7 @@ class Pass:
     separate_casts: bool = False
     lora_dropout: float = 0.0
     dropout_mask_bytes: int = CUDA_DROPOUT_MASK_BYTES
-    # varlen only: torch 2.10's varlen_attn (no window_size) takes no GQA, so llmtrain.attention repeats K/V to
+    # varlen only: torch 2.10's varlen_attn (no window_size) takes no GQA, so llmtrain.model.attention repeats K/V to
     # every query head first and the kernel saves them so.
     varlen_repeats_kv: bool = False
     examples: int = 1  # in the micro-batch (at least one, with a token budget)
@@ -248,7 +248,7 @@ def eval_layer_bytes(p: Pass, shape: ModelShape, adapted: dict[str, tuple[int, i
     return 4 * T * shape.hidden * p.resid + rope_bytes(p, shape) + max(mlp + scores * p.resid, scores * (p.cd + FP32))
 
 
-# --------------------------------------------------------------------------- the loss (llmtrain.loss)
+# --------------------------------------------------------------------------- the loss (llmtrain.model.loss)
 # The loss gathers the trained positions' hidden states (N = Pass.loss_tokens) and sends them through the
 # LM head and the cross-entropy C tokens at a time, each chunk under torch.utils.checkpoint: its logits are
 # recomputed in backward, so one chunk's logits exist at any moment, never the micro-batch's.

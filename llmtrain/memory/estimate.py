@@ -95,7 +95,7 @@ def states(shape: ModelShape, spec: TrainSpec, plan: LoraPlan | None) -> States:
 
 @functools.cache
 def varlen_repeats_kv() -> bool:
-    """llmtrain.attention repeats K/V to every query head only for torch 2.10's varlen_attn (`is_causal`, no
+    """llmtrain.model.attention repeats K/V to every query head only for torch 2.10's varlen_attn (`is_causal`, no
     `window_size`); from 2.11 the flash kernel takes the K/V heads as they are. Read off the torch installed
     here, as training decides it (without varlen_attn at all: assume the repeat, the larger)."""
     try:
@@ -287,7 +287,7 @@ def _plus(parts: dict[str, int], **more: int) -> dict[str, int]:
 def _loss_phases(p: act.Pass, shape: ModelShape, spec: TrainSpec, st: States, *, head_copies: int,
                  tail: int, fsdp_head: int, forward: dict[str, int], backward: dict[str, int],
                  head_adapter_r: int) -> dict[str, dict[str, int]]:
-    """The loss's phases, chunk by chunk (llmtrain.loss), on top of what is alive around it: `forward`
+    """The loss's phases, chunk by chunk (llmtrain.model.loss), on top of what is alive around it: `forward`
     (inside the model's forward, whose autocast cache still holds its casts) and `backward` (after it).
 
     Backward runs the chunks last to first; the phases are those of a chunk run after another, when the

@@ -18,8 +18,8 @@ import sys
 import time
 from pathlib import Path
 
-from llmtrain.checkpoint import remove_leftovers, resolve_resume
 from llmtrain.errors import LLMTrainError
+from llmtrain.run.checkpoint import remove_leftovers, resolve_resume
 
 MARKER = ".llmtrain-run"
 LEGACY = ("metrics.jsonl", "recipe.yaml", "checkpoints")  # what every run folder of an older llmtrain holds

@@ -13,24 +13,12 @@ processes gives the same loss and the same gradient.
 from __future__ import annotations
 
 import math
-from typing import NamedTuple, Protocol
+from typing import Protocol
 
 import torch
 
-from llmtrain.batching import collate, to_device, with_loss_positions
-from llmtrain.loss import compute_loss
-
-
-class Counts(NamedTuple):
-    """What one micro-batch (or window) holds, counted on the CPU when it is collated: no GPU read is needed."""
-
-    units: float  # what the loss is averaged over (the step's denominator)
-    trained: float  # tokens that reach the LM head with a target (FLOPs of the head, trained_tokens_seen)
-    tokens: float  # real input tokens, padding not counted (tokens/s, tokens_seen)
-    squares: float  # sum of squared example lengths (attention FLOPs)
-
-    def plus(self, other: Counts) -> Counts:
-        return Counts(*(a + b for a, b in zip(self, other)))
+from llmtrain.data.batching import Counts, collate, to_device, with_loss_positions
+from llmtrain.model.loss import compute_loss
 
 
 class Objective(Protocol):
@@ -103,10 +91,10 @@ class CausalLM:
 def objective_for(recipe, *, pad_id: int, model=None) -> Objective:
     """The recipe's objective: a preference loss on pairs (preference:), else causal-LM cross-entropy (supervised
     fine-tuning). `model`: the unwrapped model, whose disabled adapter is the reference of a LoRA preference run."""
-    from llmtrain.batching import packs_rows
+    from llmtrain.data.batching import packs_rows
 
     if recipe.preference is not None:
-        from llmtrain.preference import Preference
+        from llmtrain.objectives.preference import Preference
 
         return Preference(recipe.preference, pad_id=pad_id, packing=packs_rows(recipe),
                           reference=reference_kind(recipe), model=model)

@@ -13,9 +13,9 @@ from pathlib import Path
 
 import yaml
 
-from llmtrain.checkpoint import FSDP_MODEL_DIR
 from llmtrain.config import Recipe
 from llmtrain.errors import LLMTrainError
+from llmtrain.run.checkpoint import FSDP_MODEL_DIR
 
 # Keys whose change makes a checkpoint a different run: refused, whatever the flags.
 IDENTITY = ["model.name_or_path", "model.dtype", "data.path", "data.name", "data.split", "data.format", "data.fields",

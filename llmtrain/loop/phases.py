@@ -21,26 +21,14 @@ from pathlib import Path
 
 import torch
 
-from llmtrain.batching import DataPlan
-from llmtrain.chat import read_template
-from llmtrain.checkpoint import load_checkpoint, lora_only_hooks
 from llmtrain.config import Recipe
-from llmtrain.data import prepare_datasets
-from llmtrain.distributed import (
-    apply_tensor_parallel,
-    data_ranks,
-    global_sum,
-    mesh_line,
-    receives_weights,
-    tensor_parallel_size,
-    use_fused_adamw,
-    uses_fsdp,
-)
-from llmtrain.doctor import check_data, check_warmup
+from llmtrain.data.batching import DataPlan
+from llmtrain.data.chat import read_template
+from llmtrain.data.checks import check_data, check_warmup
+from llmtrain.data.prepare import prepare_datasets
 from llmtrain.errors import LLMTrainError
-from llmtrain.loss import attach_loss
-from llmtrain.metrics import MetricsLog, flop_model, peak_flops
-from llmtrain.modeling import (
+from llmtrain.model.loss import attach_loss
+from llmtrain.model.modeling import (
     build_optimizer,
     build_scheduler,
     compile_layers,
@@ -51,10 +39,22 @@ from llmtrain.modeling import (
     load_tokenizer,
     pad_id,
 )
-from llmtrain.preflight import check_resume, finished_run
-from llmtrain.rundir import RunDir, check_output_dir, claim_output_dir
-from llmtrain.state import TrainState
-from llmtrain.trackers import open_trackers
+from llmtrain.parallel.distributed import (
+    apply_tensor_parallel,
+    data_ranks,
+    global_sum,
+    mesh_line,
+    receives_weights,
+    tensor_parallel_size,
+    use_fused_adamw,
+    uses_fsdp,
+)
+from llmtrain.run.checkpoint import load_checkpoint, lora_only_hooks
+from llmtrain.run.metrics import MetricsLog, flop_model, peak_flops
+from llmtrain.run.preflight import check_resume, finished_run
+from llmtrain.run.rundir import RunDir, check_output_dir, claim_output_dir
+from llmtrain.run.state import TrainState
+from llmtrain.run.trackers import open_trackers
 
 
 def quiet_libraries() -> None:
@@ -245,7 +245,7 @@ def reference_logps(recipe: Recipe, accelerator, data: Data, trainable: Trainabl
     other run: the data as it is."""
     if getattr(objective, "reference", None) != "precomputed":
         return data
-    from llmtrain.preference import precompute_reference
+    from llmtrain.objectives.preference import precompute_reference
 
     tc = recipe.train
     splits = {"train": data.train, **({"eval": data.eval} if data.eval is not None else {})}

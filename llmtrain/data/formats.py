@@ -1,4 +1,4 @@
-"""Data: read the source, format each example, tokenise it and build its loss mask, cache the result.
+"""Formats: one raw row to text, then to tokens and a loss mask (alpaca, messages, prompt_completion, text).
 
 Every example becomes `input_ids` and `labels` of equal length, with -100 in `labels` where no loss
 falls. Labels are aligned with the inputs (not shifted); the collator shifts them per example so that
@@ -7,24 +7,13 @@ packing can never make the last token of one example predict the first token of 
 
 from __future__ import annotations
 
-import hashlib
-import json
-import os
-import shutil
-from dataclasses import asdict, dataclass
-from pathlib import Path
 from typing import Any
 
-from llmtrain.chat import read_template, render_chat
 from llmtrain.config import DataConfig
+from llmtrain.data.chat import read_template, render_chat
 from llmtrain.errors import LLMTrainError
-from llmtrain.pairs import PAIR_COLUMNS, encode_pair, pair_problem
-from llmtrain.sources import files as _files
-from llmtrain.sources import is_local as _is_local
-from llmtrain.sources import is_split_name, load_raw
 
 IGNORE = -100
-CACHE_VERSION = 4  # bump when tokenisation or masking changes, so old caches are not reused
 
 # The columns each format reads, by their canonical names; `data.fields` maps them to dataset columns.
 FORMAT_FIELDS = {
@@ -102,9 +91,8 @@ def _no_reply_problem(messages: list, cfg: DataConfig, what: str) -> str | None:
 
 
 def row_problem(example: dict, cfg: DataConfig) -> str | None:
-    """What is wrong with one raw row for data.format, in words; None when it can be formatted."""
-    if cfg.format == "preference":
-        return pair_problem(example, cfg)
+    """What is wrong with one raw row for data.format, in words; None when it can be formatted (a preference
+    row: pairs.pair_problem)."""
     if cfg.format == "messages":
         messages = _column(example, cfg, "messages")
         return (_messages_problem(messages, cfg, f"'{cfg.fields.get('messages', 'messages')}'")
@@ -122,18 +110,6 @@ def row_problem(example: dict, cfg: DataConfig) -> str | None:
         elif isinstance(value, (dict, list)):
             return f"{name} is a {type(value).__name__}, not text"
     return None
-
-
-def check_rows(raw, cfg: DataConfig, source: str) -> None:
-    """Refuse a dataset with a row the formatter cannot use, naming the file, the row and the problem (instead
-    of a traceback from inside the tokeniser, or a row silently counted as dropped)."""
-    for i, example in enumerate(raw):
-        problem = row_problem(example, cfg)
-        if problem:
-            raise LLMTrainError(
-                f"{source}, row {i + 1}: {problem} (data.format={cfg.format}). Fix or remove that row, or set "
-                "data.format / data.fields / data.roles to match the file."
-            )
 
 
 def chat_of(example: dict, cfg: DataConfig) -> tuple[list[dict], int] | None:
@@ -246,151 +222,3 @@ def encode_example(example: dict, tokenizer, cfg: DataConfig, *, template: str |
     # The first token is never a target (nothing predicts it), so it does not count as trained.
     trained = sum(1 for lab in labels[1:] if lab != IGNORE)
     return {"input_ids": ids, "labels": labels, "length": len(ids), "trained": trained, "truncated": truncated}
-
-
-# --------------------------------------------------------------------------- statistics
-
-
-@dataclass
-class DataStats:
-    examples: int
-    dropped: int
-    truncated: int
-    tokens: int
-    trained_tokens: int
-    length_p50: int
-    length_p90: int
-    length_p99: int
-    length_max: int
-
-    @property
-    def trained_fraction(self) -> float:
-        return self.trained_tokens / max(self.tokens, 1)
-
-
-def compute_stats(lengths: list[int], trained: list[int], truncated: list[bool], dropped: int) -> DataStats:
-    srt = sorted(lengths) or [0]
-
-    def pct(q: float) -> int:
-        return srt[min(len(srt) - 1, int(round(q * (len(srt) - 1))))]
-
-    return DataStats(
-        examples=len(lengths), dropped=dropped, truncated=sum(truncated), tokens=sum(lengths),
-        trained_tokens=sum(trained), length_p50=pct(0.5), length_p90=pct(0.9), length_p99=pct(0.99),
-        length_max=srt[-1],
-    )
-
-
-# --------------------------------------------------------------------------- the cached pipeline
-
-
-def _fingerprint(paths: list[str], tokenizer, cfg: DataConfig, extra: str) -> str:
-    h = hashlib.sha256()
-    for p in paths:  # a dataset folder counts by the files in it
-        for f in sorted(q for q in Path(p).rglob("*") if q.is_file()) if Path(p).is_dir() else [Path(p)]:
-            st = f.stat() if f.exists() else None
-            h.update(f"{f.resolve() if st else f}|{st.st_size if st else ''}|{st.st_mtime_ns if st else ''}".encode())
-    h.update(tokenizer.backend_tokenizer.to_str().encode() if hasattr(tokenizer, "backend_tokenizer") else b"")
-    h.update(str(tokenizer.chat_template).encode())
-    h.update(str(read_template(cfg)).encode())
-    # The special tokens come from tokenizer_config.json, not tokenizer.json: EOS ends every example.
-    h.update(str([tokenizer.bos_token, tokenizer.eos_token]).encode())
-    keys = cfg.model_dump(exclude={"path", "packing", "cache_dir", "num_proc"})  # everything that changes a row
-    h.update(json.dumps([keys, CACHE_VERSION, extra], sort_keys=True).encode())
-    return h.hexdigest()[:16]
-
-
-def tokenize_dataset(raw, tokenizer, cfg: DataConfig, source: str):
-    """Tokenise a raw dataset; drop examples with no trained token left. Returns (dataset, stats)."""
-    check_columns(raw.column_names, cfg, source)
-    check_rows(raw, cfg, source)
-    template = read_template(cfg)
-
-    encoder = encode_pair if cfg.format == "preference" else encode_example
-
-    def encode(example: dict, i: int) -> dict:
-        try:
-            return encoder(example, tokenizer, cfg, template=template)
-        except LLMTrainError as e:  # a row the template cannot render: name it
-            raise LLMTrainError(f"{source}, row {i + 1}: {e}") from None
-
-    enc = raw.map(encode, with_indices=True, remove_columns=raw.column_names,
-                  num_proc=cfg.num_proc if cfg.num_proc > 1 else None, desc=f"tokenising {source}",
-                  load_from_cache_file=False)
-    trained = enc["trained"]
-    keep = [i for i, t in enumerate(trained) if t > 0]
-    kept = enc.select(keep)
-    stats = compute_stats(kept["length"], kept["trained"], kept["truncated"], dropped=len(enc) - len(keep))
-    columns = PAIR_COLUMNS if cfg.format == "preference" else ["input_ids", "labels", "length"]
-    return kept.select_columns(columns), stats  # length: token budgets bin by it (a pair: both sequences)
-
-
-def load_eval(cfg: DataConfig, raw, *, seed: int):
-    """Split off or load the eval rows as data.eval_split says, capped to data.eval_max_examples.
-
-    Returns (train rows, eval rows or None, where the eval rows come from, in words)."""
-    paths, split = _files(cfg.path), cfg.eval_split
-    if split is None:
-        return raw, None, ""
-    if isinstance(split, float):
-        parts = raw.train_test_split(test_size=split, seed=seed, shuffle=True)
-        raw, evald, where = parts["train"], parts["test"], f"the data.eval_split={split} part of {', '.join(paths)}"
-    elif is_split_name(split):
-        if _is_local(paths) and not (len(paths) == 1 and Path(paths[0]).is_dir()):
-            raise LLMTrainError(f"data.eval_split '{split}' is read as a split name, but data.path {paths} is files, "
-                                "which have no splits. Give eval file(s) (with their extension), a fraction such "
-                                "as 0.05, or a hub dataset / dataset folder as data.path.")
-        evald, where = load_raw(cfg.path, name=cfg.name, split=split), f"split '{split}' of {paths[0]}"
-    else:
-        evald, where = load_raw(split), ", ".join(_files(split))
-    if cfg.eval_max_examples is not None and len(evald) > cfg.eval_max_examples:
-        # The first N of a seeded shuffle: the same rows on every run and every process, and no bias from how
-        # the file is sorted.
-        evald = evald.shuffle(seed=seed).select(range(cfg.eval_max_examples))
-        where = f"{cfg.eval_max_examples} rows of {where}"
-    return raw, evald, where
-
-
-def prepare_datasets(cfg: DataConfig, tokenizer, *, seed: int):
-    """Return (train, eval or None, {"train": DataStats, "eval": DataStats}, cache_hit).
-
-    Results are cached under data.cache_dir keyed by the files, the tokenizer, the formatting options
-    and the seed of the eval split. Call it on the main process first (`main_process_first`): the other
-    processes then read the cache instead of tokenising again.
-    """
-    import datasets
-
-    paths = _files(cfg.path)
-    eval_paths = _files(cfg.eval_split) if isinstance(cfg.eval_split, (str, list)) and not is_split_name(
-        cfg.eval_split) else []
-    key = _fingerprint(paths + eval_paths, tokenizer, cfg, str(seed))
-    cache = Path(cfg.cache_dir) / key
-    if (cache / "stats.json").is_file():
-        stats = {k: DataStats(**v) for k, v in json.loads((cache / "stats.json").read_text()).items()}
-        train = datasets.load_from_disk(str(cache / "train"))
-        evald = datasets.load_from_disk(str(cache / "eval")) if (cache / "eval").exists() else None
-        return train, evald, stats, True
-
-    raw, raw_eval, where = load_eval(cfg, load_raw(cfg.path, name=cfg.name, split=cfg.split), seed=seed)
-    train, train_stats = tokenize_dataset(raw, tokenizer, cfg, source=", ".join(paths))
-    if len(train) == 0:
-        raise LLMTrainError(f"no training example in {paths} has a trained token left after truncation to "
-                            f"data.max_seq_len={cfg.max_seq_len}. Raise max_seq_len or check data.format/fields.")
-    stats = {"train": train_stats}
-    evald = None
-    if raw_eval is not None:
-        evald, stats["eval"] = tokenize_dataset(raw_eval, tokenizer, cfg, source=where)
-
-    # Write under a temporary name and rename, so a crash never leaves a half-written cache behind.
-    tmp = cache.with_name(f".{key}.tmp{os.getpid()}")
-    shutil.rmtree(tmp, ignore_errors=True)
-    train.save_to_disk(str(tmp / "train"))
-    if evald is not None:
-        evald.save_to_disk(str(tmp / "eval"))
-    (tmp / "stats.json").write_text(json.dumps({k: asdict(v) for k, v in stats.items()}))
-    try:
-        tmp.rename(cache)
-    except OSError:  # another run wrote the same cache first; use theirs
-        shutil.rmtree(tmp, ignore_errors=True)
-    return (datasets.load_from_disk(str(cache / "train")),
-            datasets.load_from_disk(str(cache / "eval")) if (cache / "eval").exists() else None, stats, False)

@@ -124,11 +124,11 @@ class FlopModel:
 
 
 def flop_model(model) -> FlopModel:
-    from llmtrain.loss import causal_lm
+    from llmtrain.model.loss import causal_lm
 
     lm = causal_lm(model)
     cfg = lm.config
-    from llmtrain.modeling import numel
+    from llmtrain.model.modeling import numel
 
     body = sum((6 if p.requires_grad else 4) * numel(p) for p in lm.model.layers.parameters()
                if p.ndim >= 2 or getattr(p, "quant_state", None) is not None)

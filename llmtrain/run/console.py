@@ -24,7 +24,7 @@ class RunConsole:
         self.unit = unit_of(device)
 
     def progress(self, *, total: int, completed: int):
-        from llmtrain.metrics import progress_bar
+        from llmtrain.run.metrics import progress_bar
 
         progress, task = progress_bar(enabled=self.show_bar, total=total, completed=completed, console=self.screen)
         return progress, task

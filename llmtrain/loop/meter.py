@@ -14,7 +14,7 @@ from contextlib import contextmanager
 
 import torch
 
-from llmtrain.distributed import data_sum
+from llmtrain.parallel.distributed import data_sum
 
 
 class Meter:

@@ -11,12 +11,12 @@ from pathlib import Path
 
 import torch
 
-from llmtrain.distributed import global_sum
 from llmtrain.errors import TrainingDiverged
+from llmtrain.parallel.distributed import global_sum
 
 
 def diverged(accelerator, out: Path, step: int, grad_norm: float, tc) -> None:
-    from llmtrain.checkpoint import step_dirs
+    from llmtrain.run.checkpoint import step_dirs
 
     good = (step_dirs(out / "checkpoints") or [None])[-1]
     raise TrainingDiverged(

@@ -21,14 +21,23 @@ import queue
 import threading
 from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import NamedTuple
 
 import torch
 
-from llmtrain.data import IGNORE
+from llmtrain.data.formats import IGNORE
 
-if TYPE_CHECKING:
-    from llmtrain.objective import Counts
+
+class Counts(NamedTuple):
+    """What one micro-batch (or window) holds, counted on the CPU when it is collated: no GPU read is needed."""
+
+    units: float  # what the loss is averaged over (the step's denominator)
+    trained: float  # tokens that reach the LM head with a target (FLOPs of the head, trained_tokens_seen)
+    tokens: float  # real input tokens, padding not counted (tokens/s, tokens_seen)
+    squares: float  # sum of squared example lengths (attention FLOPs)
+
+    def plus(self, other: Counts) -> Counts:
+        return Counts(*(a + b for a, b in zip(self, other)))
 
 
 def epoch_order(num_examples: int, *, seed: int, epoch: int, shuffle: bool = True) -> list[int]:
@@ -144,7 +153,7 @@ class Window:
     end: int  # index of the epoch's next micro-batch after this window
     epoch_done: bool  # the window ends the epoch: the position rolls over to the next epoch before any save
     batches: list[dict]
-    counts: Counts  # this rank's real examples, summed over the window's micro-batches (objective.Counts)
+    counts: Counts  # this rank's real examples, summed over the window's micro-batches 
 
 
 def with_loss_positions(batch: dict) -> dict:

@@ -20,9 +20,9 @@ from dataclasses import dataclass
 
 import torch
 
-from llmtrain.batching import global_micro_batches, to_device, windows
-from llmtrain.distributed import data_ranks, data_sum, tensor_parallel_size
-from llmtrain.objective import Counts, Objective
+from llmtrain.data.batching import Counts, global_micro_batches, to_device, windows
+from llmtrain.objectives.objective import Objective
+from llmtrain.parallel.distributed import data_ranks, data_sum, tensor_parallel_size
 
 
 @dataclass(frozen=True)

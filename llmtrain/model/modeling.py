@@ -136,7 +136,7 @@ def _keep_cpu_4bit_layout(model) -> None:
 def attention_backend(cfg: ModelConfig) -> str:
     """The attn_implementation handed to transformers: 'auto' and 'varlen' mean llmtrain's varlen attention."""
     if cfg.attn_implementation in ("auto", "varlen"):
-        from llmtrain import attention
+        from llmtrain.model import attention
 
         return attention.register()
     return cfg.attn_implementation
@@ -144,7 +144,7 @@ def attention_backend(cfg: ModelConfig) -> str:
 
 def describe_attention(cfg: ModelConfig) -> str:
     """What the start-up line says about attention."""
-    from llmtrain import attention
+    from llmtrain.model import attention
 
     if cfg.attn_implementation not in ("auto", "varlen"):
         return f"{cfg.attn_implementation} (transformers; a packed row gets a block-diagonal mask)"
@@ -192,7 +192,7 @@ def fused_linear_cross_entropy(cfg: ModelConfig, device):
 def compile_layers(model) -> int:
     """torch.compile each decoder layer (regional compilation): one small graph compiled once and reused by
     every layer, instead of the whole model. Returns the number of layers compiled."""
-    from llmtrain.loss import causal_lm
+    from llmtrain.model.loss import causal_lm
 
     layers = causal_lm(model).model.layers
     for layer in layers:

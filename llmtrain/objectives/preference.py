@@ -18,10 +18,9 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from llmtrain.batching import collate, with_loss_positions
-from llmtrain.distributed import data_ranks, tensor_parallel_size
-from llmtrain.loss import compute_loss
-from llmtrain.objective import Counts
+from llmtrain.data.batching import Counts, collate, with_loss_positions
+from llmtrain.model.loss import compute_loss
+from llmtrain.parallel.distributed import data_ranks, tensor_parallel_size
 
 # TRL's names for the same numbers (DPOTrainer), so runs can be compared line by line.
 STATS = ["rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/margins", "logps/chosen",
@@ -111,7 +110,7 @@ class Preference:
         return {name: value / max(units, 1) for name, value in zip(STATS, stats)}
 
     def eval_sums(self, model, batch: dict, device) -> torch.Tensor:
-        from llmtrain.batching import to_device
+        from llmtrain.data.batching import to_device
 
         pairs = batch["sequence_tokens"].numel() // 2
         loss, stats = self.loss(model, to_device(batch, device))
@@ -130,7 +129,7 @@ def precompute_reference(model, dataset, accelerator, objective: Preference, *, 
     being resumed wrote it. Each process computes its share and one collective sums them, so all hold the whole."""
     import os
 
-    from llmtrain.batching import global_micro_batches, to_device
+    from llmtrain.data.batching import global_micro_batches, to_device
 
     if cache.is_file():
         return torch.load(cache)

@@ -86,7 +86,7 @@ def pair_problem(example: dict, cfg: DataConfig) -> str | None:
 
 def encode_pair(example: dict, tokenizer, cfg: DataConfig, *, template: str | None = None) -> dict:
     """Both answers of a row tokenised and masked as SFT would encode {prompt, completion=answer}."""
-    from llmtrain.data import encode_example
+    from llmtrain.data.formats import encode_example
 
     prompt, chosen, rejected = split_pair(example, cfg)
     as_sft = cfg.model_copy(update={"format": "prompt_completion",

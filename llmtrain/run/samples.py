@@ -22,8 +22,8 @@ from __future__ import annotations
 
 from contextlib import contextmanager
 
-from llmtrain.data import IGNORE
-from llmtrain.loss import causal_lm
+from llmtrain.data.formats import IGNORE
+from llmtrain.model.loss import causal_lm
 
 
 def split_example(example) -> tuple[list[int], list[int]]:
@@ -112,7 +112,7 @@ def _eos_ids(lm, tokenizer) -> list[int]:
 @contextmanager
 def _cached_attention(lm):
     """SDPA instead of llmtrain's varlen attention while generating (it refuses a KV cache)."""
-    from llmtrain.attention import NAME
+    from llmtrain.model.attention import NAME
 
     before = lm.config._attn_implementation
     if before == NAME:

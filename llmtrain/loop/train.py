@@ -16,20 +16,13 @@ from pathlib import Path
 
 import torch
 
-from llmtrain.batching import prefetch, windows
-from llmtrain.cadence import Cadence
-from llmtrain.checkpoint import save_checkpoint
 from llmtrain.config import Recipe
-from llmtrain.console import RunConsole, step_text, summary_table
-from llmtrain.distributed import build_accelerator, data_ranks
+from llmtrain.data.batching import prefetch, windows
 from llmtrain.errors import Stopped
-from llmtrain.export import save_final
-from llmtrain.guards import check_finite_weights, diverged
-from llmtrain.memory import predicted_for_run
-from llmtrain.meter import Meter
-from llmtrain.metrics import MetricsLog, strict_json
-from llmtrain.objective import Objective, objective_for
-from llmtrain.phases import (
+from llmtrain.loop.cadence import Cadence
+from llmtrain.loop.guards import check_finite_weights, diverged
+from llmtrain.loop.meter import Meter
+from llmtrain.loop.phases import (
     Data,
     Trainable,
     build_model,
@@ -42,12 +35,19 @@ from llmtrain.phases import (
     restore,
     seed_run,
 )
-from llmtrain.plot import update_loss_plot
-from llmtrain.samples import format_sample, generate_samples, mark_answers
-from llmtrain.signals import StopRequests
-from llmtrain.state import TrainState
-from llmtrain.step import evaluate, train_step
-from llmtrain.trackers import check_trackers
+from llmtrain.loop.signals import StopRequests
+from llmtrain.loop.step import evaluate, train_step
+from llmtrain.memory import predicted_for_run
+from llmtrain.objectives.objective import Objective, objective_for
+from llmtrain.parallel.distributed import build_accelerator, data_ranks
+from llmtrain.run.checkpoint import save_checkpoint
+from llmtrain.run.console import RunConsole, step_text, summary_table
+from llmtrain.run.export import save_final
+from llmtrain.run.metrics import MetricsLog, strict_json
+from llmtrain.run.plot import update_loss_plot
+from llmtrain.run.samples import format_sample, generate_samples, mark_answers
+from llmtrain.run.state import TrainState
+from llmtrain.run.trackers import check_trackers
 
 
 def train(recipe: Recipe, *, resume: str | None = None, overwrite: bool = False,

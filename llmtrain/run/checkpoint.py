@@ -20,9 +20,9 @@ import zlib
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from llmtrain.distributed import global_sum
 from llmtrain.errors import LLMTrainError
-from llmtrain.state import TrainState
+from llmtrain.parallel.distributed import global_sum
+from llmtrain.run.state import TrainState
 
 MANIFEST = "manifest.json"
 _BLOCK = 64 << 20  # checksummed in 64 MiB blocks on parallel threads: a 7B optimizer state goes at disk speed

@@ -1,0 +1,9 @@
+"""The model: loading, LoRA and quantisation, kernels, attention, the chunked loss, the optimizer and schedule.
+
+- `modeling.py`: the tokenizer and model (dtype, LoRA, QLoRA's 4-bit base, liger kernels, compile, gradient
+  checkpointing), the optimizer and the lr schedule.
+- `attention.py`: varlen attention over packed rows (flash `varlen_attn` on CUDA, SDPA per example elsewhere).
+- `loss.py`: the chunked cross-entropy and per-token log-probabilities from the final hidden states.
+
+May import: the schema (`config`, `errors`) and this folder. Never the data, the run folder or the loop.
+"""
