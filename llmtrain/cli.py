@@ -46,20 +46,21 @@ def user_errors(fn):
             from rich.markup import escape
 
             label = "stopped" if isinstance(e, Stopped) else "error"
-            if prints_error_here():
+            if prints_error_here(stopped=isinstance(e, Stopped)):
                 Console(stderr=True).print(f"[bold red]{label}:[/] {escape(str(e))}", highlight=False, soft_wrap=True)
             raise typer.Exit(e.exit_code) from None
 
     return wrapper
 
 
-def prints_error_here() -> bool:
+def prints_error_here(*, stopped: bool = False) -> bool:
     """Whether this process prints the error it raised. Before the process group exists every process of a launch
     has checked the same recipe and launch config and raises the same paragraph: the first process of each node
-    (torchrun's LOCAL_RANK 0) prints it, once per node's log, not once per GPU. Once the group exists (Accelerate's
-    PartialState is set up), every process prints its own: a rank's error may be its alone."""
+    (torchrun's LOCAL_RANK 0) prints it, once per node's log, not once per GPU. So does a stop on a signal
+    (`stopped`): every rank stops after the same step, which they voted on together. Once the group exists
+    (Accelerate's PartialState is set up), every process prints any other error: a rank's error may be its alone."""
     state = sys.modules.get("accelerate.state")
-    if state is not None and state.PartialState._shared_state:
+    if not stopped and state is not None and state.PartialState._shared_state:
         return True
     return os.environ.get("LOCAL_RANK", "0") == "0"
 

@@ -148,6 +148,15 @@ class TrainConfig(Section):
         "micro_batch_size examples; leave micro_batch_size at 1.",
     )
     grad_accum_steps: int = Field(1, gt=0, description="Micro-batches accumulated per optimizer step.")
+    fsdp_accumulate: Literal["sharded", "unsharded"] = Field(
+        "sharded",
+        description="How FSDP and HSDP accumulate gradients over a step's micro-batches. sharded: every micro-batch's "
+        "gradients are reduce-scattered into the shards, so each GPU holds only its shard (HSDP: the all-reduce "
+        "across the nodes still runs once a step). unsharded: each GPU holds the whole fp32 gradient until the "
+        "last micro-batch (4 bytes per trainable parameter more per GPU: ~25 GiB on a 7B full fine-tune) and "
+        "reduce-scatters once a step, sending grad_accum_steps times less within the node. No effect without FSDP "
+        "or with grad_accum_steps 1.",
+    )
     lr: float = Field(2e-5, gt=0, allow_inf_nan=False, description="Peak learning rate.")
     min_lr_ratio: float = Field(0.0, ge=0, le=1, description="Final lr as a fraction of the peak (linear, cosine).")
     schedule: Literal["linear", "cosine", "constant"] = Field("cosine", description="Learning-rate decay after warmup.")

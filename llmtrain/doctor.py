@@ -73,6 +73,29 @@ def check_tensor_parallel_launch(recipe: Recipe, launch: dict) -> list[Check]:
     return [("tensor parallelism", "pass", f"{launch_tp(launch)} processes per TP group")]
 
 
+def check_mesh_launch(launch: dict) -> list[Check]:
+    """The launch config's parallelism_config mesh against its processes, as finetune checks it (none without a
+    mesh)."""
+    from types import SimpleNamespace
+
+    from llmtrain.parallel.distributed import check_mesh
+
+    mesh = launch.get("parallelism_config")
+    if not isinstance(mesh, dict):
+        return []
+    sizes = {k: int(mesh.get(f"parallelism_config_{k}_size", 1) or 1)
+             for k in ("dp_replicate", "dp_shard", "tp", "cp", "sp")}
+    config = SimpleNamespace(**{f"{k}_size": v for k, v in sizes.items()})
+    world = int(launch.get("num_processes", 1) or 1)
+    try:
+        check_mesh(config, world=world, fsdp=launch.get("distributed_type") == "FSDP",
+                   nodes=int(launch.get("num_machines", 1) or 1))
+    except LLMTrainError as e:
+        return [("mesh", "fail", str(e))]
+    return [("mesh", "pass", f"{' x '.join(str(sizes[k]) for k in ('dp_replicate', 'dp_shard', 'tp'))} "
+             f"(replicas x shards x tp) = {world} processes")]
+
+
 def check_batch(recipe: Recipe, launch: dict) -> list[Check]:
     t, procs = recipe.train, data_ranks(launch)
     unit = "tokens" if t.micro_batch_tokens else "examples"
@@ -206,8 +229,8 @@ def run_doctor(recipe: Recipe, *, accelerate_config: Path | None = None,
     checks += rows + check_precision(recipe, launch)
     if est is not None:
         checks += check_fsdp(recipe, launch, params=est.params_total, fits=est.fits if gpu else None)
-    return checks + check_tensor_parallel_launch(recipe, launch) + check_batch(recipe, launch) + \
-        check_shared_fs(recipe, launch)
+    return checks + check_mesh_launch(launch) + check_tensor_parallel_launch(recipe, launch) + \
+        check_batch(recipe, launch) + check_shared_fs(recipe, launch)
 
 
 def doctor(recipe: Recipe, *, accelerate_config: Path | None = None, gpu_memory: float | None = None,

@@ -211,3 +211,38 @@ def test_doctors_data_checks_pass_on_gsm8k_style_chats(model, tmp_path):
     checks = check_data(recipe, stats["train"], train, eval_ds, tok)
     assert [c for c in checks if c[1] == "fail"] == [] and ("eos trained", "pass") in [c[:2] for c in checks]
     assert stats["train"].examples == 4 and stats["train"].dropped == 0
+
+
+def text_end_tokenizer():
+    """Qwen2.5's template on a tokenizer that knows none of its tokens (as with Mistral's tokenizer, the issue's
+    case): <|im_start|> and <|im_end|> are text, split into several pieces; the tokenizer's own EOS is </s>."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.train_from_iterator(CORPUS, trainers.BpeTrainer(vocab_size=300, special_tokens=["<s>", "</s>"],
+                                                        initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>")
+    fast.chat_template = (FIXTURES / "qwen2.5-7b-instruct" / "chat_template.jinja").read_text()
+    return fast
+
+
+def test_an_end_of_turn_that_is_text_is_trained_as_the_template_renders_it():
+    """The reply is trained up to and including <|im_end|>, in however many pieces the tokenizer makes of it, and
+    no </s> that the template never renders is appended; doctor's stop check passes on that and fails where the
+    end of turn is not trained."""
+    from llmtrain.data.chat import end_of_turn
+
+    tok = text_end_tokenizer()
+    assert len(tok("<|im_end|>", add_special_tokens=False)["input_ids"]) > 1  # text, not one special token
+    assert end_of_turn(tok) == "<|im_end|>"
+    messages = [user("How many apples are there?"), assistant("5 apples"), user("And pears?"), assistant("3")]
+    enc = encode_example({"messages": messages}, tok, CHAT)
+    assert trained_runs(tok, enc) == ["5 apples<|im_end|>", "3<|im_end|>"]
+    assert tok.eos_token_id not in enc["input_ids"]
+    assert untrained_text(tok, enc).endswith("<|im_start|>assistant\n\n")  # the newline after the stop is prompt
+    assert check_eos_trained([enc["labels"]], tok, end_of_turn="<|im_end|>")[0][1] == "pass"
+    cut = [lab if i < len(enc["labels"]) - 3 else IGNORE for i, lab in enumerate(enc["labels"])]  # stop untrained
+    assert check_eos_trained([cut], tok, end_of_turn="<|im_end|>")[0][1] == "fail"

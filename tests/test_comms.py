@@ -18,6 +18,7 @@ from llmtrain.memory.comms import (
     reduce_scatter,
     tensor_parallel_activations,
 )
+from llmtrain.config import load_recipe
 from llmtrain.memory.spec import TrainSpec
 
 REPO_CONFIGS = Path(__file__).resolve().parents[1] / "accelerate_configs"
@@ -42,22 +43,27 @@ def test_ddp_all_reduces_the_gradients_once_per_step():
     assert _parts("ddp", 8, 2) == (5250, 750)
 
 
-def test_fsdp_gathers_parameters_twice_per_micro_batch_and_reduce_scatters_once():
-    # 1 node x 8, 2 micro-batches: all-gathers 2 x 2 x 7/8 x 1600 = 5600, reduce-scatter 7/8 x 3200 = 2800
-    assert _parts("fsdp", 8, 1, accum=2) == (8400, 0)
+def test_fsdp_gathers_parameters_twice_per_micro_batch_and_reduce_scatters_each_micro_batch_or_once():
+    # 1 node x 8, 2 micro-batches: all-gathers 2 x 2 x 7/8 x 1600 = 5600; the gradients reduce-scattered every
+    # micro-batch (fsdp_accumulate sharded, the default) 2 x 7/8 x 3200 = 5600, or once a step (unsharded) 2800
+    assert _parts("fsdp", 8, 1, accum=2) == (11200, 0)
+    assert _parts("fsdp", 8, 1, accum=2, fsdp_accumulate="unsharded") == (8400, 0)
     # 2 nodes x 8: (2 x 15/16 x 1600 + 15/16 x 3200) = 6000 sent, 750 of it across nodes
-    assert _parts("fsdp", 8, 2) == (5250, 750)
-    # with 4 micro-batches the all-gathers cross the network every time: (8 x 1500 + 3000) / 8 = 1875
-    assert _parts("fsdp", 8, 2, accum=4)[1] == 1875
+    assert _parts("fsdp", 8, 2) == _parts("fsdp", 8, 2, fsdp_accumulate="unsharded") == (5250, 750)
+    # with 4 micro-batches the all-gathers cross the network every time, and the reduce-scatters every time
+    # (8 x 1500 + 4 x 3000) / 8 = 3000, or once: (8 x 1500 + 3000) / 8 = 1875
+    assert _parts("fsdp", 8, 2, accum=4)[1] == 3000
+    assert _parts("fsdp", 8, 2, accum=4, fsdp_accumulate="unsharded")[1] == 1875
     # the tail (final norm, LM head) stays gathered from forward to backward: once a micro-batch, 7/8 x 800 = 700
-    assert _parts("fsdp", 8, 1, accum=2, tail=800) == (8400 + 2 * 700, 0)
+    assert _parts("fsdp", 8, 1, accum=2, tail=800) == (11200 + 2 * 700, 0)
 
 
 def test_hsdp_keeps_the_gathers_in_the_node_and_all_reduces_one_shard_across():
     # within the node as FSDP over 8: 2 x 7/8 x 1600 + 7/8 x 3200 = 5600; across: 2 x 1/2 x 3200/8 = 400
     assert _parts("hsdp", 8, 2) == (5600, 400)
-    # accumulation adds gathers within the node only
-    assert _parts("hsdp", 8, 2, accum=4) == (2 * 4 * 1400 + 2800, 400)
+    # accumulation adds gathers and (sharded) reduce-scatters within the node; across, one all-reduce a step either way
+    assert _parts("hsdp", 8, 2, accum=4) == (2 * 4 * 1400 + 4 * 2800, 400)
+    assert _parts("hsdp", 8, 2, accum=4, fsdp_accumulate="unsharded") == (2 * 4 * 1400 + 2800, 400)
     # 4 nodes: 2 x 3/4 x 400 = 600 across, less than flat FSDP's 1/8 x (2 x 31/32 x 1600 + 31/32 x 3200) = 775
     assert _parts("hsdp", 8, 4)[1] == 600 and _parts("fsdp", 8, 4)[1] == 775
 
@@ -196,7 +202,8 @@ def test_estimate_memory_models_hsdp_x_tp_from_the_hsdp_launch_and_tp(tmp_path):
     assert out["per_gpu_peak_bytes"] == node["per_gpu_peak_bytes"]
     across = [p for p in out["communication"]["parts"] if p["inter_node_bytes"]]
     assert [p["what"] for p in across] == ["all-reduce of the gradient shard across the replicas"]
-    slice_params = node["communication"]["parts"][1]["intra_node_bytes"] / (3 / 4) / 4  # the reduce-scatter's
+    accum = load_recipe("recipes/llama7b.yaml").train.grad_accum_steps  # the reduce-scatter runs each micro-batch
+    slice_params = node["communication"]["parts"][1]["intra_node_bytes"] / accum / (3 / 4) / 4
     assert across[0]["inter_node_bytes"] == pytest.approx(slice_params * 4 / 4, rel=1e-9)  # 2 x 1/2 x W / 4 shards
 
 

@@ -191,7 +191,7 @@ def test_truncation_and_dropping_are_counted(tiny_tok, tmp_path):
 def test_nothing_left_after_truncation_is_an_error(tiny_tok, tmp_path):
     path = write_jsonl(tmp_path / "d.jsonl", [{"prompt": "p" * 40, "completion": "c"}])
     cfg = DataConfig(path=str(path), format="prompt_completion", max_seq_len=8, cache_dir=str(tmp_path / "c"))
-    with pytest.raises(LLMTrainError, match="data.max_seq_len=8"):
+    with pytest.raises(LLMTrainError, match=r"\(row 1\)\)\. Raise data.max_seq_len \(now 8\)"):
         prepare_datasets(cfg, tiny_tok, seed=0)
 
 

@@ -36,7 +36,7 @@ def test_masks():
         "loss mask"][0] == "pass"
     got = rows(check_masks(stats(2, 20, 6, dropped=1, truncated=1), train_on_prompt=False, text=False,
                            max_seq_len=64))
-    assert got["dropped"][0] == "warn" and "data.max_seq_len=64" in got["dropped"][1]
+    assert got["dropped"][0] == "warn" and "Raise data.max_seq_len (now 64)" in got["dropped"][1]
     assert got["truncated"][0] == "warn"
 
 
@@ -170,3 +170,23 @@ def test_a_tensor_parallel_launch_counts_data_ranks_and_refuses_lora(tiny_assets
                            gpu_memory=80))
     assert lora["tensor parallelism"][0] == "fail" and "does not train LoRA" in lora["tensor parallelism"][1]
     assert "tensor parallelism" not in rows(run_doctor(load_recipe(write_recipe(tiny_assets, tmp_path)), gpu_memory=80))
+
+
+def test_mesh_that_does_not_divide_the_processes_fails_with_an_example_that_fits():
+    """A 2 x 3 HSDP mesh on the 4 processes of cpu_hsdp.yaml: finetune refuses it, and so does doctor now (it
+    passed), with flags that fit the launch; the shipped 2 x 2 passes."""
+    import yaml
+
+    from llmtrain.doctor import check_mesh_launch
+
+    launch = yaml.safe_load((REPO / "accelerate_configs" / "cpu_hsdp.yaml").read_text())
+    assert check_mesh_launch(launch) == [("mesh", "pass", "2 x 2 x 1 (replicas x shards x tp) = 4 processes")]
+    launch["parallelism_config"]["parallelism_config_dp_shard_size"] = 3
+    (name, status, detail), = check_mesh_launch(launch)
+    assert (name, status) == ("mesh", "fail")
+    assert "mesh is 2 x 3 = 6 processes" in detail and "the job has 4 processes" in detail
+    assert "for these 4 processes on 1 node: --parallelism_config_dp_shard_size 4" in detail
+    launch["num_machines"], launch["num_processes"] = 2, 16
+    assert "for these 16 processes on 2 nodes: --parallelism_config_dp_replicate_size 2 " \
+           "--parallelism_config_dp_shard_size 8" in check_mesh_launch(launch)[0][2]
+    assert check_mesh_launch({"num_processes": 2}) == []  # no mesh: nothing to check

@@ -21,6 +21,7 @@ reads the weights and receives them from rank 0 (the last test shows which rank 
 
 from __future__ import annotations
 
+import json
 import math
 import shutil
 import subprocess
@@ -224,6 +225,91 @@ def test_bf16_keeps_fp32_master_shards(tiny_assets, tmp_path, free_port, kind):
     moments = {k for k in optim if k.endswith(".exp_avg")}
     assert moments and all(kind == "full" or "lora_" in k for k in moments)
     assert len(moments) == len(trainable)
+
+
+HELD_PROBE = """
+import json
+import sys
+from pathlib import Path
+
+from accelerate import Accelerator, PartialState
+from torch.distributed.fsdp import FSDPModule
+
+out = Path(sys.argv.pop(1))
+held = []  # after each backward: (bytes of unsharded gradient, bytes of gradient shards) on this rank
+backward = Accelerator.backward
+
+
+def nbytes(t):
+    return 0 if t is None else t.numel() * t.element_size()
+
+
+def probed(self, loss, **kwargs):
+    backward(self, loss, **kwargs)
+    unsharded = sharded = 0
+    # One state a group of modules (Accelerate shards the final norm and the LM head as one): each counted once
+    states = {id(s): s for s in (m._get_fsdp_state() for m in self._models[0].modules() if isinstance(m, FSDPModule))}
+    for p in (p for state in states.values() for group in state._fsdp_param_groups for p in group.fsdp_params):
+        full = getattr(p, "_unsharded_param", None)
+        unsharded += nbytes(p.unsharded_accumulated_grad) + nbytes(full.grad if full is not None else None)
+        grad = p.sharded_param.grad
+        sharded += nbytes(grad.to_local() if grad is not None else None)
+    held.append((unsharded, sharded))
+
+
+Accelerator.backward = probed
+from llmtrain.cli import main  # noqa: E402
+
+try:
+    main()
+except SystemExit as e:
+    assert not e.code, e.code
+out.mkdir(exist_ok=True)
+(out / f"rank{PartialState().process_index}.json").write_text(json.dumps(held))
+"""
+
+
+def test_gradients_held_between_micro_batches_and_both_settings_train_alike(tiny_assets, tmp_path, free_port):
+    """What each rank holds after the first micro-batch's backward of a 2-micro-batch step (the issue's probe), and
+    what estimate-memory counts for it. sharded (the default): only this rank's gradient shard, the two ranks'
+    shards making the whole model once; unsharded: the whole fp32 gradient on every rank and no shard yet. Both
+    train alike (losses and gradient norms to 1e-6; sharded equals one process: test_fsdp_matches_one_process)."""
+    from llmtrain.config import load_recipe
+    from llmtrain.memory.estimate import accumulated_grads, states
+    from llmtrain.memory.params import load_model_shape
+    from llmtrain.memory.spec import spec_from_recipe
+
+    recipe = write_recipe(tiny_assets, tmp_path, train={"max_steps": 3, "micro_batch_size": 2, "grad_accum_steps": 2,
+                                                        "lr": 3e-3}, checkpoint={"save_final": False})
+    probe = tmp_path / "probe.py"
+    probe.write_text(HELD_PROBE)
+    shape = load_model_shape(str(tiny_assets / "model"))  # counted on the meta device, as the model trains
+    params = shape.params_total
+    for accumulate in ("sharded", "unsharded"):
+        out = tmp_path / f"held-{accumulate}"
+        _accelerate_launch(free_port, str(probe), str(out), "finetune", str(recipe),
+                           f"output_dir={tmp_path / accumulate}", f"train.fsdp_accumulate={accumulate}")
+        ranks = [json.loads((out / f"rank{r}.json").read_text()) for r in (0, 1)]
+        assert all(len(h) == 6 for h in ranks)  # 3 steps x 2 micro-batches
+        first = [h[0] for h in ranks]  # (unsharded, sharded) between micro-batches 1 and 2 of step 1
+        if accumulate == "sharded":
+            assert [u for u, _ in first] == [0, 0]
+            assert sum(s for _, s in first) == params * 4  # fp32: the shards are the model once
+        else:
+            assert [u for u, _ in first] == [params * 4, params * 4]
+            assert [s for _, s in first] == [0, 0]
+        # After a step's last micro-batch both settings hold the shards alone: the whole model once over the ranks.
+        last = [h[1] for h in ranks]
+        assert [u for u, _ in last] == [0, 0] and sum(s for _, s in last) == params * 4
+
+        spec = spec_from_recipe(load_recipe(recipe, [f"train.fsdp_accumulate={accumulate}"]), strategy="fsdp",
+                                num_gpus=2)
+        predicted = accumulated_grads(spec, states(shape, spec, None))
+        measured = max(u + s for u, s in first)
+        assert predicted == pytest.approx(measured, rel=0.01), (accumulate, predicted, measured)
+    sharded, unsharded = records(tmp_path / "sharded"), records(tmp_path / "unsharded")
+    for key in ("loss", "grad_norm"):
+        assert [r[key] for r in unsharded] == pytest.approx([r[key] for r in sharded], rel=1e-6), key
 
 
 PROBE = '''

@@ -37,13 +37,14 @@ MESH = {4: "4 processes (2 replicas x 2 shards)", 2: "2 processes", 1: "1 proces
 LORA = {"r": 4, "alpha": 8, "dropout": 0.0, "target_modules": ["q_proj", "v_proj"]}
 
 
-def _launch(recipe: Path, port: int, processes: int, *overrides: str, resume: str | None = None) -> str:
+def _launch(recipe: Path, port: int, processes: int, *overrides: str, resume: str | None = None,
+            accum: int = 1) -> str:
     """`accelerate launch` of `llmtrain finetune RECIPE`: HSDP 2x2 on 4 processes, plain FSDP2 on 2 or 1, each with
     the micro-batch that keeps the global micro-batch at 4 examples. Returns what the main process printed."""
     out = launch_finetune(CONFIGS[processes], processes, port, recipe, f"train.micro_batch_size={4 // processes}",
-                          *overrides, resume=resume)
+                          f"train.grad_accum_steps={accum}", *overrides, resume=resume)
     assert f"FSDP2 on CPU: {processes} processes over gloo" in out
-    assert f"x {MESH[processes]} = 4 examples/step" in out, out
+    assert f"x {MESH[processes]} = {4 * accum} examples/step" in out, out
     return out
 
 
@@ -66,8 +67,10 @@ def _same_run(run: Path, reference: Path, *, exact: bool) -> None:
 
 @pytest.mark.parametrize("kind", ["full", "lora"])
 def test_hsdp_2x2_matches_one_process(tiny_assets, tmp_path, free_port, kind):
-    """2 replicas x 2 shards x micro-batch 1 == 1 process x micro-batch 4: losses, gradient norms and final weights
-    to 1e-5 in fp32, with the parameters really sharded in two (not four, not replicated whole).
+    """2 replicas x 2 shards x micro-batch 1 == 1 process x micro-batch 4, both accumulating 2 micro-batches a
+    step: losses, gradient norms and final weights to 1e-5 in fp32, with the parameters really sharded in two (not
+    four, not replicated whole). Between the micro-batches HSDP reduce-scatters within the replica and holds the
+    shards, and all-reduces across the replicas once a step (train.fsdp_accumulate=sharded, the default).
 
     The gradient check: the norm is taken before clipping, and the loss of each process is its share of a sum
     normalised by the trained tokens of all ranks, so a reduction that summed the gradients over the 2 replicas
@@ -82,8 +85,8 @@ def test_hsdp_2x2_matches_one_process(tiny_assets, tmp_path, free_port, kind):
                                  **({"lr": 1e-2} if lora else {"lr": 0.1, "eps": 1.0})},
                           checkpoint={"every_steps": 2})
     single, hsdp = tmp_path / "single", tmp_path / "hsdp"
-    run_train(recipe, f"output_dir={single}")
-    _launch(recipe, free_port, 4, f"output_dir={hsdp}")
+    run_train(recipe, f"output_dir={single}", "train.grad_accum_steps=2")
+    _launch(recipe, free_port, 4, f"output_dir={hsdp}", accum=2)
 
     assert_same_steps(hsdp, single, tol=1e-5)  # a sum over replicas would be 2x the norm, over all 4x
     assert losses(hsdp)[-1] < losses(hsdp)[0]

@@ -85,7 +85,10 @@ def test_sigterm_under_ddp_stops_every_rank_at_one_step(tiny_assets, tmp_path, f
     launch = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(CPU_DDP),
               "--main_process_port", str(free_port), "-m", "llmtrain", "finetune", str(recipe), f"output_dir={cut}"]
     rc, output, seconds = _interrupt(_start(launch), cut, signal.SIGTERM)
-    assert rc != 0
+    # Each worker exits 143 after the checkpoint; torchrun, signalled with them, reports that as a failure: the
+    # launcher exits 1 (docs/checkpoints.md). What says the stop was clean is the one stop line and the checkpoint.
+    assert rc == 1, output[-3000:]
+    assert output.count("stopped: SIGTERM at step") == 1, output[-3000:]  # once a node, not once a process
     steps = _steps_on_disk(cut)
     assert len(steps) == 1 and steps[0] == records(cut)[-1]["step"], (steps, output[-3000:])
     ckpt = cut / "checkpoints" / f"step_{steps[0]:06d}"
@@ -101,6 +104,7 @@ def test_sigterm_under_ddp_stops_every_rank_at_one_step(tiny_assets, tmp_path, f
 def test_second_ctrl_c_stops_at_once():
     from llmtrain.loop.signals import StopRequests
 
+    before = signal.getsignal(signal.SIGINT)  # Python's default, or SIG_IGN in a job a shell started in the background
     with StopRequests() as stop:
         os.kill(os.getpid(), signal.SIGINT)
         time.sleep(0.01)  # let the handler run
@@ -108,7 +112,7 @@ def test_second_ctrl_c_stops_at_once():
         with pytest.raises(KeyboardInterrupt):
             os.kill(os.getpid(), signal.SIGINT)
             time.sleep(0.05)
-    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # restored
+    assert signal.getsignal(signal.SIGINT) is before  # restored: as it was before, whatever that was
 
 
 def test_divergence_stops_and_publishes_nothing_non_finite(tiny_assets, tmp_path):

@@ -64,6 +64,10 @@ def test_fit_proposes_qlora_when_lora_on_a_16bit_base_does_not_fit():
     assert not estimate(shape, spec).fits  # the bf16 base alone is 13.5 GiB
     result = fitting.fit(shape, spec)
     assert result.best is not None and result.best.spec.quantize == "nf4"
+    from llmtrain.memory.render import describe
+
+    assert describe(result.best.spec).startswith("QLoRA r=16, single on 1 GPU") and \
+        "nf4 4-bit base (its other weights bfloat16)" in describe(result.best.spec)
     assert "model.quantize=nf4" in result.overrides
     assert result.best.estimate.per_gpu_peak_bytes < 0.9 * 16 * 2**30
 
@@ -140,6 +144,9 @@ def test_qlora_trains_only_the_adapter_and_resumes_exactly(qlora_recipe, tmp_pat
     straight = losses(tmp_path / "straight")
     assert straight[-1] < straight[0]
     assert summary["params_trainable"] < summary["params_total"] / 5
+    # A QLoRA run says so where a LoRA run's output would read the same: the summary and the start-up line in train.log
+    assert (summary["method"], summary["base_quantization"]) == ("qlora", "nf4")
+    assert "trainable (QLoRA: LoRA on a 4-bit nf4 base)" in (tmp_path / "straight" / "train.log").read_text()
     saved = load_weights(tmp_path / "straight" / "checkpoints" / "step_000004")
     assert saved and all("lora_" in k for k in saved)  # the adapter only, never the quantised base
 

@@ -1,11 +1,13 @@
 """Chats as text: render a conversation through its chat template exactly as inference will, and find the
-character spans of what the model must generate there (each trained reply). data.py tokenises that text
+character spans of what the model must generate there (each trained reply). formats.py tokenises that text
 and turns the spans into the loss mask (encode_messages).
 """
 
 from __future__ import annotations
 
+import json
 import re
+import weakref
 from pathlib import Path
 
 from llmtrain.config import DataConfig
@@ -44,6 +46,42 @@ def _not_shown(messages: list[dict], k: int) -> LLMTrainError:
     )
 
 
+def _marked_history(tokenizer, history: list[dict], template: str | None) -> str:
+    """The inference prompt of `history` with each content replaced by its marker. It depends on the chat's shape
+    (roles and count), not on its text, so it is rendered once per shape and tokenizer, not once per row."""
+    marked = [{**m, "content": _mark(i)} for i, m in enumerate(history)]
+    key = (template, json.dumps(marked, sort_keys=True, default=str))
+    renders = _MARKED.setdefault(tokenizer, {})
+    if key not in renders:
+        if len(renders) >= 256:  # rows of many shapes: keep the memory bounded
+            renders.clear()
+        renders[key] = _apply(tokenizer, marked, template, generation_prompt=True)
+    return renders[key]
+
+
+_MARKED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # tokenizer -> {(template, shape): marked prompt}
+
+
+def _prompt_in(before: str, marked: str, history: list[dict]) -> str | None:
+    """The inference prompt of `history` read off `before` (the same history rendered with the reply after it),
+    when the marked prompt, its markers replaced by the contents as `before` shows them (as given, or trimmed),
+    is where `before` starts: one template render per row saved. None where it is not (a template that renders the
+    history otherwise once a reply follows, Mistral v0.3 with a system prompt, or that rewrites a content): then
+    the prompt is rendered."""
+    pieces = re.split("\ue000(\\d+)\ue001", marked)
+    if not before.startswith(pieces[0]):
+        return None
+    pos = len(pieces[0])
+    for k, after in zip(pieces[1::2], pieces[2::2]):
+        content = history[int(k)]["content"]
+        shown = next((c for c in dict.fromkeys((content, content.strip(), content.rstrip(), content.lstrip()))
+                      if before.startswith(c + after, pos)), None)
+        if shown is None:
+            return None
+        pos += len(shown) + len(after)
+    return before[:pos]
+
+
 def _locate(marked: str, text: str, messages: list[dict]) -> dict[int, tuple[int, int]]:
     """Character span of each message's content in `text`, which the template rendered from `messages` as it
     rendered `marked` from the same messages with each content replaced by its marker.
@@ -80,9 +118,11 @@ def _locate(marked: str, text: str, messages: list[dict]) -> dict[int, tuple[int
     return spans
 
 
-def _reply_parts(messages: list[dict], last: int, tokenizer, template: str | None) -> tuple[str, str, str]:
+def _reply_parts(messages: list[dict], last: int, tokenizer,
+                 template: str | None) -> tuple[str, str, str, str | None]:
     """How the template renders the reply `messages[last]` after the inference prompt: (what it puts between
-    the generation prompt and the content, the content as shown, what closes the turn)."""
+    the generation prompt and the content, the content as shown, what closes the turn, and the inference prompt
+    of the history where it was rendered on the way: None where not, so render_chat renders it once, not twice)."""
     history, reply = messages[:last], messages[last]
 
     def around(hist: list[dict]) -> list[str]:  # the template's text before and after the reply's content
@@ -102,7 +142,7 @@ def _reply_parts(messages: list[dict], last: int, tokenizer, template: str | Non
         prompt = _apply(tokenizer, history, template, generation_prompt=True)
         rendered = full[len(prompt):len(full) - len(after)]
         if full.startswith(prompt) and full.endswith(after) and (reply["content"].split() or [""])[-1] in rendered:
-            return "", rendered, after
+            return "", rendered, after, prompt
         raise LLMTrainError(f"the chat template rewrites the text around message {last + 1} (assistant), so the reply "
                             "cannot be placed in the text. Give a template that renders it as written "
                             "(data.chat_template: path/to/template.jinja).")
@@ -115,9 +155,10 @@ def _reply_parts(messages: list[dict], last: int, tokenizer, template: str | Non
     without_system = [history[1:]] if history and history[0]["role"] == "system" else []
     for hist in [history, *without_system]:
         hist_before = before if hist is history else around(hist)[0]
-        prompt = _apply(tokenizer, hist, template, generation_prompt=True)
+        prompt = (hist is history and _prompt_in(before, _marked_history(tokenizer, history, template), history)
+                  or _apply(tokenizer, hist, template, generation_prompt=True))
         if hist_before.startswith(prompt):
-            return hist_before[len(prompt):], shown, after
+            return hist_before[len(prompt):], shown, after, prompt if hist is history else None
     raise LLMTrainError(f"the chat template renders the conversation before message {last + 1} (assistant) in a way "
                         "that does not continue its own generation prompt (add_generation_prompt=True), so the "
                         "reply cannot be placed after it as at inference. Give a template that does "
@@ -137,17 +178,25 @@ def render_chat(messages: list[dict], tokenizer, *, template: str | None = None,
     it are the prompt). Messages after the last reply would carry no loss and are left out.
     """
     last = max(i for i, m in enumerate(messages) if m["role"] == "assistant")
-    sep, shown, after = _reply_parts(messages, last, tokenizer, template)
+    sep, shown, after, prompt = _reply_parts(messages, last, tokenizer, template)
     history = messages[:last]
-    prompt = _apply(tokenizer, history, template, generation_prompt=True)
-    marked = [{**m, "content": _mark(i)} for i, m in enumerate(history)]
-    spans = _locate(_apply(tokenizer, marked, template, generation_prompt=True), prompt, history)
+    if prompt is None:
+        prompt = _apply(tokenizer, history, template, generation_prompt=True)
+    spans = _locate(_marked_history(tokenizer, history, template), prompt, history)
     trained = []
     for k in sorted((k for k in spans if history[k]["role"] == "assistant" and k >= first), key=spans.get):
         a, b = spans[k]
         trained.append((a - len(sep) if sep and prompt.endswith(sep, 0, a) else a, b))
     trained.append((len(prompt), len(prompt) + len(sep) + len(shown)))
     return prompt + sep + shown + after, trained
+
+
+def end_of_turn(tokenizer, template: str | None = None) -> str:
+    """What the template renders after a final reply, without the whitespace after it: what training ends every
+    reply with (formats.encode_messages) and generation must stop at; '' for a template that renders nothing."""
+    text, spans = render_chat([{"role": "user", "content": "1 + 1?"}, {"role": "assistant", "content": "2"}],
+                              tokenizer, template=template)
+    return text[spans[-1][1]:].rstrip()
 
 
 def read_template(cfg: DataConfig) -> str | None:

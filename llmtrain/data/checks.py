@@ -57,13 +57,14 @@ def check_chat_template(recipe: Recipe, tokenizer) -> list[Check]:
 # --------------------------------------------------------------------------- data and masks
 
 
-def check_masks(stats: DataStats, *, train_on_prompt: bool, text: bool, max_seq_len: int) -> list[Check]:
-    """Masks neither all-zero nor all-one; truncated and dropped counts."""
+def check_masks(stats: DataStats, *, train_on_prompt: bool, text: bool, max_seq_len: int,
+                unit: str = "examples") -> list[Check]:
+    """Masks neither all-zero nor all-one; truncated and dropped counts (unit: examples, or pairs)."""
     seen = stats.examples + stats.dropped
-    counts = (f"{stats.examples:,} examples, {stats.trained_fraction:.1%} of tokens trained, "
+    counts = (f"{stats.examples:,} {unit}, {stats.trained_fraction:.1%} of tokens trained, "
               f"{stats.truncated:,} truncated, {stats.dropped:,} dropped")
     if stats.examples == 0:
-        return [("loss mask", "fail", f"no trained token in any of {seen:,} examples ({counts}): the loss is 0 "
+        return [("loss mask", "fail", f"no trained token in any of {seen:,} {unit} ({counts}): the loss is 0 "
                  "and nothing is learned. Check data.format / data.fields, or raise data.max_seq_len if the "
                  "prompts fill it.")]
     rows = [("data", "pass", counts)]
@@ -74,29 +75,39 @@ def check_masks(stats: DataStats, *, train_on_prompt: bool, text: bool, max_seq_
     else:
         rows.append(("loss mask", "pass", f"{stats.trained_fraction:.1%} of tokens trained"))
     if stats.dropped:
-        rows.append(("dropped", "warn", f"{stats.dropped:,} of {seen:,} examples have no trained token left "
-                     f"after truncation to data.max_seq_len={max_seq_len} and are dropped; raise data.max_seq_len."))
+        rows.append(("dropped", "warn", f"{stats.dropped_text(unit)}; the rest trains. Raise data.max_seq_len "
+                     f"(now {max_seq_len}) to keep those cut to nothing, or remove the rows."))
     if stats.truncated:
-        rows.append(("truncated", "warn", f"{stats.truncated:,} of {stats.examples:,} examples are cut at "
-                     "data.max_seq_len; raise it if their ends matter."))
+        cut = "the prompt's start or the answers' end" if unit == "pairs" else "data.max_seq_len"
+        rows.append(("truncated", "warn", f"{stats.truncated:,} of {stats.examples:,} {unit} are cut at {cut} to "
+                     f"fit data.max_seq_len={max_seq_len}; raise it if what is cut matters."))
     return rows
 
 
-def check_eos_trained(labels: list[list[int]], tokenizer) -> list[Check]:
-    """The last trained label of each row is EOS or an end-of-turn special token: the model learns to stop."""
+def check_eos_trained(labels: list[list[int]], tokenizer, unit: str = "examples",
+                      end_of_turn: str | None = None) -> list[Check]:
+    """The trained tokens of each row end with EOS, an end-of-turn special token, or the template's end of turn
+    (`end_of_turn`, chat.end_of_turn: `<|im_end|>` is text on a tokenizer that does not know it): the model learns
+    to stop where inference will (unit: examples, or answers: each pair's two)."""
     stops = {tokenizer.eos_token_id, *special_ids(tokenizer)}
     last = [[lab for lab in row if lab != IGNORE] for row in labels]
-    missing = sum(1 for t in last if not t or t[-1] not in stops)
+    tail = len(tokenizer(end_of_turn, add_special_tokens=False)["input_ids"]) + 2 if end_of_turn else 0
+
+    def stops_there(trained: list[int]) -> bool:
+        return bool(trained) and (trained[-1] in stops or bool(end_of_turn) and tokenizer.decode(
+            trained[-tail:]).rstrip().endswith(end_of_turn))
+
+    missing = sum(1 for t in last if not stops_there(t))
     only_stop = sum(1 for t in last if len(t) == 1 and t[0] in stops)
     name, n = "eos trained", len(labels)
     if n and missing == n:
-        return [(name, "fail", f"none of {n} examples ends with a trained {tokenizer.eos_token!r} or end-of-turn "
+        return [(name, "fail", f"none of {n} {unit} ends with a trained {tokenizer.eos_token!r} or end-of-turn "
                  "token: generation will not stop. Check the chat template (data.chat_template).")]
     rows = [(name, "warn" if missing else "pass",
-             f"{n - missing} of {n} examples end with a trained stop token"
+             f"{n - missing} of {n} {unit} end with a trained stop token"
              + (f"; {missing} do not (cut at data.max_seq_len?)" if missing else ""))]
     if only_stop:
-        rows.append(("empty replies", "warn", f"{only_stop} of {n} examples train only the stop token: their "
+        rows.append(("empty replies", "warn", f"{only_stop} of {n} {unit} train only the stop token: their "
                      "completion is empty. Check data.fields."))
     return rows
 
@@ -117,15 +128,30 @@ def check_budget(budget: int | None, lengths: list[int]) -> list[Check]:
 def check_data(recipe: Recipe, stats: DataStats, train, eval_ds, tokenizer) -> list[Check]:
     """The data checks `finetune` (which stops on a fail) and `doctor` share: the loss mask, the stop token
     trained, and the token budget, on the tokenised train (and eval) sets."""
+    pairs = recipe.data.format == "preference"
     rows = check_masks(stats, train_on_prompt=recipe.data.train_on_prompt, text=recipe.data.format == "text",
-                       max_seq_len=recipe.data.max_seq_len)
+                       max_seq_len=recipe.data.max_seq_len, unit="pairs" if pairs else "examples")
     if len(train):
         sample = train.select(range(min(EOS_SAMPLE, len(train))))
-        labels = (list(sample["labels"]) if "labels" in sample.column_names  # a pair: both answers must end in a stop
-                  else list(sample["chosen_labels"]) + list(sample["rejected_labels"]))
-        rows += check_eos_trained(labels, tokenizer)
+        labels = (list(sample["chosen_labels"]) + list(sample["rejected_labels"]) if pairs  # both answers must stop
+                  else list(sample["labels"]))
+        rows += check_eos_trained(labels, tokenizer, unit="answers" if pairs else "examples",
+                                  end_of_turn=_end_of_turn(recipe, tokenizer))
     lengths = [*train["length"], *(eval_ds["length"] if eval_ds is not None else [])]
     return rows + check_budget(recipe.train.micro_batch_tokens, lengths)
+
+
+def _end_of_turn(recipe: Recipe, tokenizer) -> str | None:
+    """The template's end of turn where the data is rendered with one (None where it is not, or cannot render:
+    check_chat_template says why)."""
+    if not (needs_chat(recipe) or recipe.data.format == "preference" and recipe.data.chat_template is not False):
+        return None
+    from llmtrain.data.chat import end_of_turn, read_template
+
+    try:
+        return end_of_turn(tokenizer, read_template(recipe.data)) or None
+    except LLMTrainError:
+        return None
 
 
 def check_warmup(warmup: int, total_steps: int) -> list[Check]:

@@ -7,6 +7,7 @@ packing can never make the last token of one example predict the first token of 
 
 from __future__ import annotations
 
+import weakref
 from typing import Any
 
 from llmtrain.config import DataConfig
@@ -158,12 +159,21 @@ def encode_text(text: str, tokenizer) -> tuple[list, list]:
     return ids, list(ids)
 
 
-def special_ids(tokenizer) -> set[int]:
+def special_ids(tokenizer) -> frozenset[int]:
     """The tokenizer's special tokens: the named ones (bos, eos, pad, additional_special_tokens) and every added token
     marked special. Llama 3's <|eot_id|> and Gemma's <end_of_turn> close a turn whether or not the tokenizer's config
-    lists them as additional special tokens."""
-    added = {i for i, t in getattr(tokenizer, "added_tokens_decoder", {}).items() if getattr(t, "special", False)}
-    return set(tokenizer.all_special_ids) | added
+    lists them as additional special tokens. Read once per tokenizer (and again when its vocabulary or special
+    tokens change), not once per row: `added_tokens_decoder` is rebuilt on every access, a fifth of the data
+    preparation for Mistral's ~770 control tokens when it was read per row."""
+    key = (len(tokenizer), tuple(tokenizer.all_special_ids))
+    known = _SPECIAL_IDS.get(tokenizer)
+    if known is None or known[0] != key:
+        added = {i for i, t in getattr(tokenizer, "added_tokens_decoder", {}).items() if getattr(t, "special", False)}
+        known = _SPECIAL_IDS[tokenizer] = (key, frozenset(tokenizer.all_special_ids) | added)
+    return known[1]
+
+
+_SPECIAL_IDS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # tokenizer -> (its key, its special ids)
 
 
 def encode_messages(messages: list[dict], tokenizer, *, train_on_prompt: bool, template: str | None = None,
@@ -171,8 +181,10 @@ def encode_messages(messages: list[dict], tokenizer, *, train_on_prompt: bool, t
     """Render a chat with its template (the tokenizer's, or `template`) and train the assistant replies.
 
     The mask comes from character offsets (see `render_chat`): every token that overlaps what the model must
-    generate after a generation prompt is trained, up to and including the template's end-of-turn special token
-    that follows (`</s>` for Mistral, `<|eot_id|>` for Llama 3), with any whitespace before it.
+    generate after a generation prompt is trained, up to and including the end of the turn: what the template
+    renders after the final reply, without the whitespace after it (`</s>` for Mistral, `<|eot_id|>` for Llama 3,
+    `<|im_end|>` for Qwen), whatever the tokenizer makes of it: one special token, or text in several pieces on a
+    tokenizer that does not know it. Only a template that renders nothing after the reply gets EOS appended.
     """
     if not isinstance(messages, list) or not all(isinstance(m, dict) and "role" in m for m in messages):
         raise LLMTrainError("data.format 'messages' expects a list of {role, content} objects per example.")
@@ -188,10 +200,18 @@ def encode_messages(messages: list[dict], tokenizer, *, train_on_prompt: bool, t
     special = special_ids(tokenizer)
     labels = [IGNORE] * len(ids)
     closed = True
+    end_of_turn = text[spans[-1][1]:].rstrip()  # what the template renders after the final reply
     for start, end in spans:
+        if end_of_turn and text.startswith(end_of_turn, end):  # the reply, then the end of its turn as text
+            closed, end = True, end + len(end_of_turn)
+            inside = [i for i, (a, b) in enumerate(offsets) if a < end and b > start and b > a]
+            for i in inside:
+                labels[i] = ids[i]
+            continue
+        # An earlier reply that the template closes otherwise: up to the next special token, past whitespace.
         inside = [i for i, (a, b) in enumerate(offsets) if a < end and b > start and b > a]
         j = inside[-1] + 1 if inside else next((i for i, (a, _) in enumerate(offsets) if a >= end), len(ids))
-        k = j  # the end of the turn: the next special token, past whitespace the template puts before it
+        k = j
         while k < len(ids) and ids[k] not in special and not text[offsets[k][0]:offsets[k][1]].strip():
             k += 1
         closed = k < len(ids) and ids[k] in special

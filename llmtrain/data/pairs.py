@@ -9,7 +9,7 @@ Shapes (column names mappable through data.fields):
 - implicit prompt (Anthropic HH): chosen and rejected are whole conversations, and the messages they share at
   the start are the prompt (a prompt column beside them, as in ultrafeedback_binarized, only repeats it).
 
-Each answer is encoded as the SFT row {prompt, completion=answer} would be (data.encode_example): the inference
+Each answer is encoded as the SFT row {prompt, completion=answer} would be (formats.encode_example): the inference
 prompt with add_generation_prompt, then the reply as the template renders it; only the answer's tokens, up to and
 including the end of turn, are trained (their log-probabilities are what the preference loss compares).
 """
@@ -19,7 +19,7 @@ from __future__ import annotations
 from typing import Any
 
 from llmtrain.config import DataConfig
-from llmtrain.errors import LLMTrainError
+from llmtrain.data.formats import IGNORE, encode_example
 
 PAIR_COLUMNS = ["chosen_ids", "chosen_labels", "rejected_ids", "rejected_labels", "length"]
 
@@ -79,26 +79,56 @@ def pair_problem(example: dict, cfg: DataConfig) -> str | None:
                                                                if isinstance(m, dict))
         if not text.strip():
             return f"the {f} answer is empty"
-    if chosen == rejected:
-        return "chosen and rejected are the same answer, so the pair teaches nothing"
     return None
 
 
 def encode_pair(example: dict, tokenizer, cfg: DataConfig, *, template: str | None = None) -> dict:
-    """Both answers of a row tokenised and masked as SFT would encode {prompt, completion=answer}."""
-    from llmtrain.data.formats import encode_example
+    """Both answers of a row tokenised and masked as SFT would encode {prompt, completion=answer}, fitted into
+    data.max_seq_len the way a pair can still be compared, or dropped (`drop` says why; `trained` 0).
 
+    Too long: the prompt is cut from the left (after BOS) until the longer answer fits, but keeps at least its last
+    max_seq_len / 4 tokens; what still does not fit is cut from the answers' ends, as SFT truncates. Both answers
+    see the same cut prompt, so the policy and the reference compare them on the same context. Dropped: chosen
+    equal to rejected, and answers that are equal once cut (the pair would teach nothing)."""
     prompt, chosen, rejected = split_pair(example, cfg)
-    as_sft = cfg.model_copy(update={"format": "prompt_completion",
-                                    "fields": {k: v for k, v in cfg.fields.items() if k in ("role", "content")}})
-    out: dict = {"truncated": False, "trained": 0, "length": 0}
-    for name, answer in (("chosen", chosen), ("rejected", rejected)):
-        enc = encode_example({"prompt": prompt, "completion": answer}, tokenizer, as_sft, template=template)
-        if enc["trained"] == 0:
-            raise LLMTrainError(f"the prompt fills data.max_seq_len={cfg.max_seq_len} tokens, leaving no token of the "
-                                f"{name} answer to compare. Raise data.max_seq_len or remove the row")
-        out[f"{name}_ids"], out[f"{name}_labels"] = enc["input_ids"], enc["labels"]
-        out["truncated"] |= enc["truncated"]
-        out["trained"] += enc["trained"]
-        out["length"] += enc["length"]
+    if chosen == rejected:
+        return _dropped("same")
+    whole = cfg.model_copy(update={"format": "prompt_completion", "max_seq_len": 2**31 - 1,
+                                   "fields": {k: v for k, v in cfg.fields.items() if k in ("role", "content")}})
+    sides = [encode_example({"prompt": prompt, "completion": answer}, tokenizer, whole, template=template)
+             for answer in (chosen, rejected)]
+    limit = cfg.max_seq_len
+    ids = [s["input_ids"] for s in sides]
+    labels = [s["labels"] for s in sides]
+    # The prompt: what comes before either answer's first trained token (with train_on_prompt, the shared start).
+    shared = next((i for i, (a, b) in enumerate(zip(*ids)) if a != b), min(map(len, ids)))
+    starts = [next((i for i, lab in enumerate(lab_) if lab != IGNORE), len(lab_)) for lab_ in labels]
+    prompt_len = shared if cfg.train_on_prompt else min(min(starts), shared)
+    bos = 1 if ids[0] and ids[0][0] == tokenizer.bos_token_id else 0
+    keep = min(prompt_len - bos, max(limit // 4, 1))  # prompt tokens after BOS that are never cut
+    cut = max(0, min(max(map(len, ids)) - limit, prompt_len - bos - keep))
+    out: dict = {"truncated": False, "trained": 0, "length": 0, "drop": ""}
+    for name, i, lab in zip(("chosen", "rejected"), ids, labels):
+        kept_ids, kept_labels = (i[:bos] + i[bos + cut:])[:limit], (lab[:bos] + lab[bos + cut:])[:limit]
+        trained = sum(1 for x in kept_labels[1:] if x != IGNORE)  # the first token is never a target
+        if not trained:
+            return _dropped("no_room")
+        out[f"{name}_ids"], out[f"{name}_labels"] = kept_ids, kept_labels
+        out["truncated"] |= len(kept_ids) < len(i)
+        out["trained"] += trained
+        out["length"] += len(kept_ids)
+    if out["chosen_ids"] == out["rejected_ids"]:
+        return _dropped("same_cut")
     return out
+
+
+DROPS = {  # why a pair is dropped, as the data report says it
+    "same": "chosen equal to rejected",
+    "same_cut": "with chosen and rejected the same within data.max_seq_len",
+    "no_room": "with no answer token within data.max_seq_len",
+}
+
+
+def _dropped(why: str) -> dict:
+    return {"chosen_ids": [], "chosen_labels": [], "rejected_ids": [], "rejected_labels": [], "truncated": False,
+            "trained": 0, "length": 0, "drop": why}

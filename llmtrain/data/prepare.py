@@ -11,19 +11,23 @@ import hashlib
 import json
 import os
 import shutil
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from llmtrain.config import DataConfig
 from llmtrain.data.chat import read_template
 from llmtrain.data.formats import check_columns, encode_example, row_problem
-from llmtrain.data.pairs import PAIR_COLUMNS, encode_pair, pair_problem
+from llmtrain.data.pairs import DROPS, PAIR_COLUMNS, encode_pair, pair_problem
 from llmtrain.data.sources import files as _files
 from llmtrain.data.sources import is_local as _is_local
 from llmtrain.data.sources import is_split_name, load_raw
 from llmtrain.errors import LLMTrainError
 
-CACHE_VERSION = 4  # bump when tokenisation or masking changes, so old caches are not reused
+CACHE_VERSION = 5  # bump when tokenisation or masking changes, so old caches are not reused
+ROW = "__llmtrain_row"  # a row's number in its file, kept through a shuffled eval split (0-based)
+SHOWN_ROWS = 5  # dropped rows named in the report
+KEEP_AT_LEAST = 0.1  # a source that keeps fewer of its rows stops the run: its recipe does not fit its data
+NO_TRAINED = "with no trained token within data.max_seq_len"  # why an SFT example is dropped
 
 
 def check_rows(raw, cfg: DataConfig, source: str) -> None:
@@ -33,8 +37,8 @@ def check_rows(raw, cfg: DataConfig, source: str) -> None:
         problem = pair_problem(example, cfg) if cfg.format == "preference" else row_problem(example, cfg)
         if problem:
             raise LLMTrainError(
-                f"{source}, row {i + 1}: {problem} (data.format={cfg.format}). Fix or remove that row, or set "
-                "data.format / data.fields / data.roles to match the file."
+                f"{source}, row {example.get(ROW, i) + 1}: {problem} (data.format={cfg.format}). Fix or remove that "
+                "row, or set data.format / data.fields / data.roles to match the file."
             )
 
 
@@ -52,13 +56,25 @@ class DataStats:
     length_p90: int
     length_p99: int
     length_max: int
+    drops: dict[str, int] = field(default_factory=dict)  # why rows were dropped (in words): how many
+    dropped_rows: list[int] = field(default_factory=list)  # the first few dropped rows' numbers (1-based)
 
     @property
     def trained_fraction(self) -> float:
         return self.trained_tokens / max(self.tokens, 1)
 
+    def dropped_text(self, unit: str = "examples") -> str:
+        """'3 of 300 pairs dropped: 2 chosen equal to rejected, 1 no answer token within data.max_seq_len (rows 4,
+        17, 42)': the report said once, at start-up and by doctor."""
+        why = ", ".join(f"{n:,} {reason}" for reason, n in self.drops.items())
+        more = ", ..." if self.dropped > len(self.dropped_rows) else ""
+        rows = (f" (row{'s' if self.dropped > 1 else ''} {', '.join(map(str, self.dropped_rows))}{more})"
+                if self.dropped_rows else "")
+        return f"{self.dropped:,} of {self.examples + self.dropped:,} {unit} dropped{': ' + why if why else ''}{rows}"
 
-def compute_stats(lengths: list[int], trained: list[int], truncated: list[bool], dropped: int) -> DataStats:
+
+def compute_stats(lengths: list[int], trained: list[int], truncated: list[bool], dropped: int, *,
+                  drops: dict[str, int] | None = None, dropped_rows: list[int] | None = None) -> DataStats:
     srt = sorted(lengths) or [0]
 
     def pct(q: float) -> int:
@@ -67,7 +83,7 @@ def compute_stats(lengths: list[int], trained: list[int], truncated: list[bool],
     return DataStats(
         examples=len(lengths), dropped=dropped, truncated=sum(truncated), tokens=sum(lengths),
         trained_tokens=sum(trained), length_p50=pct(0.5), length_p90=pct(0.9), length_p99=pct(0.99),
-        length_max=srt[-1],
+        length_max=srt[-1], drops=drops or {}, dropped_rows=dropped_rows or [],
     )
 
 
@@ -99,18 +115,28 @@ def tokenize_dataset(raw, tokenizer, cfg: DataConfig, source: str):
     encoder = encode_pair if cfg.format == "preference" else encode_example
 
     def encode(example: dict, i: int) -> dict:
+        row = example.get(ROW, i)
         try:
-            return encoder(example, tokenizer, cfg, template=template)
+            out = encoder(example, tokenizer, cfg, template=template)
         except LLMTrainError as e:  # a row the template cannot render: name it
-            raise LLMTrainError(f"{source}, row {i + 1}: {e}") from None
+            raise LLMTrainError(f"{source}, row {row + 1}: {e}") from None
+        why = out.pop("drop", "") or ("" if out["trained"] else NO_TRAINED)
+        return {**out, "drop": DROPS.get(why, why), "row": row}
 
+    # new_fingerprint: datasets would otherwise hash `encode` with the tokenizer inside it (a second per source);
+    # its own cache is not used (load_from_cache_file=False: the result is cached under data.cache_dir).
     enc = raw.map(encode, with_indices=True, remove_columns=raw.column_names,
                   num_proc=cfg.num_proc if cfg.num_proc > 1 else None, desc=f"tokenising {source}",
-                  load_from_cache_file=False)
+                  load_from_cache_file=False,
+                  new_fingerprint=hashlib.sha256(f"{raw._fingerprint}|{source}|{CACHE_VERSION}".encode()).hexdigest())
     trained = enc["trained"]
     keep = [i for i, t in enumerate(trained) if t > 0]
     kept = enc.select(keep)
-    stats = compute_stats(kept["length"], kept["trained"], kept["truncated"], dropped=len(enc) - len(keep))
+    dropped = [i for i, t in enumerate(trained) if t == 0]
+    reasons = enc.select(dropped)["drop"] if dropped else []
+    stats = compute_stats(kept["length"], kept["trained"], kept["truncated"], dropped=len(dropped),
+                          drops={why: reasons.count(why) for why in dict.fromkeys(reasons)},
+                          dropped_rows=[r + 1 for r in enc.select(dropped[:SHOWN_ROWS])["row"]])
     columns = PAIR_COLUMNS if cfg.format == "preference" else ["input_ids", "labels", "length"]
     return kept.select_columns(columns), stats  # length: token budgets bin by it (a pair: both sequences)
 
@@ -122,8 +148,8 @@ def load_eval(cfg: DataConfig, raw, *, seed: int):
     paths, split = _files(cfg.path), cfg.eval_split
     if split is None:
         return raw, None, ""
-    if isinstance(split, float):
-        parts = raw.train_test_split(test_size=split, seed=seed, shuffle=True)
+    if isinstance(split, float):  # numbered first: a row of either part is named by its place in the file
+        parts = raw.add_column(ROW, list(range(len(raw)))).train_test_split(test_size=split, seed=seed, shuffle=True)
         raw, evald, where = parts["train"], parts["test"], f"the data.eval_split={split} part of {', '.join(paths)}"
     elif is_split_name(split):
         if _is_local(paths) and not (len(paths) == 1 and Path(paths[0]).is_dir()):
@@ -163,9 +189,12 @@ def prepare_datasets(cfg: DataConfig, tokenizer, *, seed: int):
 
     raw, raw_eval, where = load_eval(cfg, load_raw(cfg.path, name=cfg.name, split=cfg.split), seed=seed)
     train, train_stats = tokenize_dataset(raw, tokenizer, cfg, source=", ".join(paths))
-    if len(train) == 0:
-        raise LLMTrainError(f"no training example in {paths} has a trained token left after truncation to "
-                            f"data.max_seq_len={cfg.max_seq_len}. Raise max_seq_len or check data.format/fields.")
+    rows = train_stats.examples + train_stats.dropped
+    if train_stats.examples < KEEP_AT_LEAST * rows:  # nothing, or almost nothing, is left to train on
+        unit = "pairs" if cfg.format == "preference" else "examples"
+        raise LLMTrainError(f"only {train_stats.examples:,} of the {rows:,} {unit} in {', '.join(paths)} can be "
+                            f"trained ({train_stats.dropped_text(unit)}). Raise data.max_seq_len (now "
+                            f"{cfg.max_seq_len}), or check data.format / data.fields against the file.")
     stats = {"train": train_stats}
     evald = None
     if raw_eval is not None:

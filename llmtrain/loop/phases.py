@@ -148,11 +148,12 @@ def prepare_data(recipe: Recipe, accelerator, *, say) -> Data:
         procs = f"{world} data-parallel ranks ({accelerator.num_processes} processes: {mesh})"
     else:
         procs = f"{accelerator.num_processes} processes" + (f" ({mesh})" if mesh else "")
-    say(f"data: {s.examples} train examples ({cache_line(int(cache_reads), accelerator.num_processes)}), "
+    unit = "pairs" if recipe.data.format == "preference" else "examples"
+    say(f"data: {s.examples} train {unit} ({cache_line(int(cache_reads), accelerator.num_processes)}), "
         f"{s.truncated} truncated, "
         f"{s.dropped} dropped, "
         f"{s.trained_fraction:.1%} of tokens trained; eval: {stats['eval'].examples if 'eval' in stats else 0} "
-        "examples")
+        f"{unit}")
     for name, status, detail in check_data(recipe, s, train_ds, eval_ds, tokenizer):  # as `llmtrain doctor`
         if status == "fail":
             raise LLMTrainError(f"{name}: {detail}")
@@ -221,7 +222,9 @@ def build_model(recipe: Recipe, accelerator, *, total_steps: int, say) -> Traina
         say(f"compile: {compile_layers(model)} decoder layers (regional torch.compile)")
     n_total, n_trainable = count_parameters(model)
     flops = flop_model(model)
-    say(f"model: {n_total:,} parameters, {n_trainable:,} trainable ({'LoRA' if recipe.lora else 'full'}); "
+    method = ("full" if recipe.lora is None else
+              f"QLoRA: LoRA on a 4-bit {recipe.model.quantize} base" if recipe.model.quantize else "LoRA")
+    say(f"model: {n_total:,} parameters, {n_trainable:,} trainable ({method}); "
         f"attention: {describe_attention(recipe.model)}{'; liger kernels' if fused_ce else ''}")
     optimizer = build_optimizer(model, lr=tc.lr, weight_decay=tc.weight_decay, betas=tc.betas, eps=tc.eps,
                                 fused=use_fused_adamw(accelerator))

@@ -22,7 +22,7 @@ import torch
 
 from llmtrain.data.batching import Counts, global_micro_batches, to_device, windows
 from llmtrain.objectives.objective import Objective
-from llmtrain.parallel.distributed import data_ranks, data_sum, tensor_parallel_size
+from llmtrain.parallel.distributed import accumulating, data_ranks, data_sum, tensor_parallel_size
 
 
 @dataclass(frozen=True)
@@ -37,7 +37,7 @@ class StepResult:
 
 
 def train_step(model, optimizer, scheduler, accelerator, objective: Objective, window, *,
-               max_grad_norm: float | None, stop_signal: int) -> StepResult:
+               max_grad_norm: float | None, stop_signal: int, fsdp_accumulate: str) -> StepResult:
     """Forward and backward over the window's micro-batches, clip, and the optimizer step unless the gradient
     norm is not finite."""
     world, _ = data_ranks(accelerator)  # processes that read different batches (a TP group reads one)
@@ -51,10 +51,11 @@ def train_step(model, optimizer, scheduler, accelerator, objective: Objective, w
         denominator = counts[0].clamp(min=1.0).float()  # stays on the device: no host sync
     loss_sum, stats_sum = torch.zeros((), device=accelerator.device), None
     for i, batch in enumerate(window.batches):
-        # Gradients are all-reduced only on the window's last micro-batch; the others accumulate locally
-        # under no_sync.
-        sync = i == len(window.batches) - 1
-        with nullcontext() if sync else accelerator.no_sync(model):
+        # DDP all-reduces the gradients on the window's last micro-batch only; the others accumulate locally.
+        # FSDP reduce-scatters every micro-batch by default, so only gradient shards are held between them
+        # (distributed.accumulating says what each setting sends and holds).
+        last = i == len(window.batches) - 1
+        with nullcontext() if last else accumulating(accelerator, model, fsdp_accumulate):
             loss, stats = objective.loss(model, to_device(batch, accelerator.device))
             # DDP and FSDP average gradients over the data ranks, hence the factor `world`: the result is
             # d(sum of all losses in the window) / (loss units in the window).

@@ -121,7 +121,8 @@ def train_loop(run: Run, state: TrainState, meter: Meter) -> list[dict]:
     with progress, StopRequests() as stop_requests, closing(stream):  # closing: the prefetch thread ends here
         for window in stream:
             result = train_step(m.model, m.optimizer, m.scheduler, accelerator, run.objective, window,
-                                max_grad_norm=tc.max_grad_norm, stop_signal=stop_requests.signum)
+                                max_grad_norm=tc.max_grad_norm, stop_signal=stop_requests.signum,
+                                fsdp_accumulate=tc.fsdp_accumulate)
             # One process acts on a signal as soon as its step ends; several act on the votes of the step's
             # collective (a signal that lands during a step is voted on in the next one).
             stop = result.stop_voted if accelerator.num_processes > 1 else bool(stop_requests.signum)
@@ -212,7 +213,9 @@ def finish(run: Run, state: TrainState, meter: Meter, evals: list[dict]) -> dict
     if run.recipe.checkpoint.save_final:
         check_finite_weights(accelerator, m.model, state.step)
         save_final(accelerator, m.model, run.data.tokenizer, out / "final")
-    summary = {"steps": state.step, "params_total": m.params_total, "params_trainable": m.params_trainable,
+    method = "full" if run.recipe.lora is None else "qlora" if run.recipe.model.quantize else "lora"
+    summary = {"steps": state.step, "method": method, "base_quantization": run.recipe.model.quantize,
+               "params_total": m.params_total, "params_trainable": m.params_trainable,
                "tokens_seen": state.tokens_seen, **meter.summary(),
                "data": {k: vars(v) for k, v in run.data.stats.items()}, "data_cache_reads": run.data.cache_reads,
                "packing_efficiency": run.data.packing_efficiency}

@@ -15,10 +15,12 @@ Per optimizer step of `grad_accum` micro-batches:
 - FSDP: every micro-batch all-gathers the parameters of each decoder layer and of the input embeddings for forward
   and again for backward (they are resharded after forward), and those of the tail (final norm and LM head, with the
   embeddings when they are tied) once: Accelerate's fsdp2_prepare_model keeps the tail gathered from the end of
-  forward to the start of backward. All in the compute dtype; then one reduce-scatter of the trainable gradients per
-  step, in fp32 (llmtrain's MixedPrecisionPolicy reduces in fp32).
+  forward to the start of backward. All in the compute dtype; then a reduce-scatter of the trainable gradients, in
+  fp32 (llmtrain's MixedPrecisionPolicy reduces in fp32), every micro-batch (train.fsdp_accumulate=sharded, the
+  default: only shards are held between micro-batches) or once a step (unsharded).
 - HSDP: FSDP's traffic within a node's shard group, plus one all-reduce of each GPU's gradient shard across the
-  replicas (nodes). HSDP x TP: the same for one GPU's slice, with G / tp shards a node.
+  replicas (nodes) per step, with either setting (sharded accumulates the reduce-scattered shards until the last
+  micro-batch). HSDP x TP: the same for one GPU's slice, with G / tp shards a node.
 - FSDP x TP: every GPU holds its tensor-parallel slice of the model (params.tensor_parallel_shape), and FSDP's
   traffic is that of the slice over the world / tp GPUs holding the same slice (members of a ring on each node:
   GPUs per node / tp). Within each TP group (consecutive GPUs of a node): per micro-batch, an all-reduce of the
@@ -158,6 +160,8 @@ def collectives(spec: TrainSpec, *, trainable_bytes: float, gathered: Gathered,
     over the decoder layers (tensor_parallel_activations)."""
     m, a = spec.num_nodes, spec.grad_accum
     per_step = a * (2 * gathered.resharded + gathered.tail)
+    scatters = a if spec.fsdp_accumulate == "sharded" else 1  # reduce-scatters of the gradients per step
+    each = f" x {scatters} micro-batches" if scatters > 1 else ""
     if spec.strategy == "single" or spec.world == 1:
         return ()
     if spec.strategy == "ddp":
@@ -170,14 +174,14 @@ def collectives(spec: TrainSpec, *, trainable_bytes: float, gathered: Gathered,
     if spec.strategy == "fsdp":
         return (Collective(f"all-gather of the parameters, forward and backward x {a} micro-batches", "all_gather",
                            per_step, spec.shards, "job"),
-                Collective("reduce-scatter of the trainable gradients", "reduce_scatter", trainable_bytes, spec.shards,
-                           "job"), *tp)
+                Collective(f"reduce-scatter of the trainable gradients{each}", "reduce_scatter",
+                           scatters * trainable_bytes, spec.shards, "job"), *tp)
     # hsdp: shard within a node, replicate across nodes (shards: the node's GPUs, or its TP groups)
     s = spec.shards
     return (Collective(f"all-gather of the parameters within the node, forward and backward x {a} micro-batches",
                        "all_gather", per_step, s, "node"),
-            Collective("reduce-scatter of the trainable gradients within the node", "reduce_scatter", trainable_bytes,
-                       s, "node"),
+            Collective(f"reduce-scatter of the trainable gradients within the node{each}", "reduce_scatter",
+                       scatters * trainable_bytes, s, "node"),
             Collective("all-reduce of the gradient shard across the replicas", "all_reduce", trainable_bytes / s, m,
                        "across"), *tp)
 

@@ -93,6 +93,18 @@ def states(shape: ModelShape, spec: TrainSpec, plan: LoraPlan | None) -> States:
     )
 
 
+def accumulated_grads(spec: TrainSpec, st: States) -> int:
+    """Gradients kept between the micro-batches of a step. DDP and one GPU: the whole gradient. FSDP and HSDP by
+    train.fsdp_accumulate: sharded (the default) reduce-scatters each micro-batch, so a GPU keeps its shard;
+    unsharded keeps the whole gradient of the GPU's slice (in fp32 under mixed precision: FSDP2 accumulates in
+    the reduce dtype) until the last micro-batch: st.grads x shards, on every GPU."""
+    if spec.grad_accum == 1:
+        return 0
+    if spec.sharded and spec.fsdp_accumulate == "unsharded":
+        return st.grads * spec.shards
+    return st.grads
+
+
 @functools.cache
 def varlen_repeats_kv() -> bool:
     """llmtrain.model.attention repeats K/V to every query head only for torch 2.10's varlen_attn (`is_causal`, no
@@ -197,7 +209,7 @@ def estimate(shape: ModelShape, spec: TrainSpec) -> Estimate:
     tail = (V * H + shape.params_final_norm) * pd if fsdp else 0  # final norm + lm_head (+ tied embeddings)
     embed_unit = V * H * pd if (fsdp and not shape.tied) else 0
     always = tail if shape.tied else 0
-    g_acc = st.grads if spec.grad_accum > 1 else 0  # gradients kept between micro-batches
+    g_acc = accumulated_grads(spec, st)
 
     base = dict(weights=st.weights, optimizer=st.optimizer, ddp_buckets=st.ddp_buckets)
     acts_all = sum(kept) + outside
@@ -385,8 +397,12 @@ def _notes(shape: ModelShape, spec: TrainSpec, p: act.Pass) -> tuple[str, ...]:
                      "activations are whole on every GPU of a group")
     if spec.strategy == "ddp" and spec.method == "full":
         notes.append("DDP buckets hold a second copy of every gradient (gradient_as_bucket_view=False)")
-    if spec.grad_accum > 1:
-        notes.append("gradients stay allocated between the micro-batches of an accumulation window")
+    if spec.grad_accum > 1 and spec.sharded and spec.fsdp_accumulate == "unsharded":
+        notes.append("every GPU holds the whole fp32 gradient between the micro-batches of a step "
+                     "(train.fsdp_accumulate=unsharded); sharded, the default, holds only its shard")
+    elif spec.grad_accum > 1:
+        held = "gradient shards" if spec.sharded else "gradients"
+        notes.append(f"{held} stay allocated between the micro-batches of an accumulation window")
     if spec.lora_dropout == 0 and spec.method == "lora" and spec.mixed_precision == "no":
         notes.append("lora.dropout=0 without autocast: LoRA inputs counted per adapter (peft shares them), "
                      "an overestimate")

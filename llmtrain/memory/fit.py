@@ -103,11 +103,13 @@ def micro_batch_choices(spec: TrainSpec, global_batch: int | None) -> list[int] 
     return [d for d in range(least, per_gpu + 1) if per_gpu % d == 0]
 
 
-def largest_fitting(shape: ModelShape, spec: TrainSpec, choices: list[int] | None) -> Estimate | None:
-    """The estimate at the largest micro-batch that fits, trying only `choices` when given."""
+def largest_fitting(shape: ModelShape, spec: TrainSpec, choices: list[int] | None,
+                    global_batch: int | None = None) -> Estimate | None:
+    """The estimate at the largest micro-batch that fits, trying only `choices` when given (each with the
+    accumulation that keeps `global_batch`: what is held between micro-batches depends on it)."""
     if choices is not None:
         for n in sorted(choices, reverse=True):
-            est = estimate(shape, with_size(spec, n))
+            est = estimate(shape, with_size(spec, n).but(grad_accum=global_batch // spec.world // n))
             if fits_with_room(est):
                 return est
         return None
@@ -128,30 +130,39 @@ def _search(shape: ModelShape, spec: TrainSpec, global_batch: int | None, networ
     choices = micro_batch_choices(spec, global_batch)
     candidates = []
     for strategy in strategies_for(spec):
-        for ckpt in (False, True):
-            est = largest_fitting(shape, spec.but(strategy=strategy, grad_checkpointing=ckpt), choices)
-            if est is not None:
-                candidates.append(Candidate(est, throughput_score(est.spec), step_traffic(shape, est.spec, network)))
+        # FSDP and HSDP: gradients accumulated as shards (the default, least memory) and, where it fits, unsharded
+        # (one reduce-scatter a step: less traffic, which matters only where it crosses the network)
+        for accumulate in ("sharded", "unsharded") if strategy in ("fsdp", "hsdp") else (spec.fsdp_accumulate,):
+            for ckpt in (False, True):
+                est = largest_fitting(shape, spec.but(strategy=strategy, grad_checkpointing=ckpt,
+                                                      fsdp_accumulate=accumulate), choices, global_batch)
+                if est is not None and not (accumulate == "unsharded" and est.spec.grad_accum == 1):  # == sharded
+                    candidates.append(Candidate(est, throughput_score(est.spec),
+                                                step_traffic(shape, est.spec, network)))
     note = None
     if global_batch and choices is None:
         note = (f"{spec.world} GPUs do not divide the global batch of {global_batch}; the micro-batch is "
                 "the largest that fits and the global batch changes")
     if not candidates:
         return FitResult(None, (), (), None, (), note)
-    # Highest score; on a tie the simpler layout (single, ddp, fsdp) without checkpointing.
+    # Highest score; on a tie the simpler layout (single, ddp, fsdp) without checkpointing, gradients sharded.
     order = {"single": 0, "ddp": 1, "fsdp": 2, "hsdp": 3}
-    best = max(candidates, key=lambda c: (round(c.score, 9), -order[c.spec.strategy], not c.spec.grad_checkpointing))
+    best = max(candidates, key=lambda c: (round(c.score, 9), -order[c.spec.strategy], not c.spec.grad_checkpointing,
+                                          c.spec.fsdp_accumulate == "sharded"))
     if spec.num_nodes > 1:  # across nodes: the mesh that spends least time on the network per token, at its best
         best_of = {}
-        for c in sorted(candidates, key=lambda c: c.score):  # ascending: each strategy keeps its highest score
-            best_of[c.spec.strategy] = c
-        best = min(best_of.values(), key=lambda c: (network_per_token(c), -c.score))
+        for c in sorted(candidates, key=lambda c: (c.score, c.spec.fsdp_accumulate == "sharded")):  # ascending:
+            best_of[c.spec.strategy, c.spec.fsdp_accumulate] = c  # each layout keeps its highest score
+        best = min(best_of.values(), key=lambda c: (network_per_token(c), -c.score,
+                                                    c.spec.fsdp_accumulate != "sharded"))
     assert fits_with_room(best.estimate), "fit must only recommend configurations that fit"
     s = best.spec
     key = "train.micro_batch_tokens" if s.micro_batch_tokens else "train.micro_batch_size"
     overrides = [f"{key}={size(s)}", f"model.gradient_checkpointing={str(s.grad_checkpointing).lower()}"]
     if choices is not None:
-        overrides.append(f"train.grad_accum_steps={global_batch // (s.world * size(s))}")
+        overrides.append(f"train.grad_accum_steps={s.grad_accum}")
+    if s.fsdp_accumulate != spec.fsdp_accumulate and s.sharded:
+        overrides.append(f"train.fsdp_accumulate={s.fsdp_accumulate}")
     config, flags = shipped_config(s.strategy, num_gpus=s.num_gpus, num_nodes=s.num_nodes)
     ranked = tuple(sorted(candidates, key=lambda c: -c.score))
     return FitResult(best, ranked, tuple(overrides), config, flags, note)

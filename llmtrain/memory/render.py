@@ -30,7 +30,7 @@ def gib(n: int) -> str:
 
 def describe(spec: TrainSpec) -> str:
     where = "1 GPU" if spec.world == 1 else f"{spec.num_gpus} GPUs x {spec.num_nodes} node(s)"
-    method = "full fine-tune" if spec.method == "full" else f"LoRA r={spec.lora_r}"
+    method = "full fine-tune" if spec.method == "full" else f"{'QLoRA' if spec.quantize else 'LoRA'} r={spec.lora_r}"
     mp = "no autocast" if spec.mixed_precision == "no" else f"{spec.mixed_precision} autocast"
     if spec.micro_batch_tokens:
         batch = f"packed bins of <= {spec.micro_batch_tokens} tokens (examples <= {spec.seq_len})"
@@ -40,6 +40,8 @@ def describe(spec: TrainSpec) -> str:
         batch = f"micro-batch {spec.micro_batch} x {spec.seq_len} tokens, padded"
     ckpt = "checkpointing on" if spec.grad_checkpointing else "checkpointing off"
     off = ", cpu offload" if spec.cpu_offload else ""
+    if spec.sharded and spec.grad_accum > 1 and spec.fsdp_accumulate == "unsharded":
+        off += ", gradients accumulated unsharded"
     attn = "varlen (auto)" if spec.attn == "auto" else spec.attn
     strategy = spec.strategy
     tp = f" x {spec.tp} tensor-parallel" if spec.tp > 1 else ""
@@ -47,7 +49,9 @@ def describe(spec: TrainSpec) -> str:
         strategy = f"hsdp{' x tp' if tp else ''} ({spec.num_nodes} replicas x {spec.shards} shards{tp})"
     elif tp:
         strategy = f"fsdp x tp ({spec.shards} shards{tp})"
-    return (f"{method}, {strategy} on {where}{off}; {batch}; {spec.dtype} weights, {mp}; {ckpt}; "
+    weights = (f"{spec.quantize} 4-bit base (its other weights {spec.dtype})" if spec.quantize
+               else f"{spec.dtype} weights")
+    return (f"{method}, {strategy} on {where}{off}; {batch}; {weights}, {mp}; {ckpt}; "
             f"{attn} attention; loss chunks of {spec.loss_chunk_tokens} tokens; AdamW")
 
 
@@ -133,13 +137,14 @@ def render_fit(result: FitResult, *, target: str | None, console: Console | None
     table = Table(title=f"Configurations that fit (largest micro-batch each, in {FIT_SHARE:.0%} of the card: "
                         f"{room:.1f} GiB, the rest is room for the estimate's error)", title_justify="left")
     several = result.best.spec.world > 1
-    for col in ("strategy", "checkpointing", "tokens per micro-batch" if by_tokens else "micro-batch",
+    for col in ("strategy", "checkpointing", "gradients held", "tokens per micro-batch" if by_tokens else "micro-batch",
                 "GiB per GPU", "relative throughput", *(["network s/step (across nodes)"] if several else [])):
         table.add_column(col, justify="right" if col != "strategy" else "left")
     top = max(c.score for c in result.candidates)
     for c in result.candidates:
         s, t = c.spec, c.traffic
-        table.add_row(s.strategy, "on" if s.grad_checkpointing else "off", str(size(s)),
+        held = ("shards" if s.fsdp_accumulate == "sharded" else "unsharded") if s.sharded else "-"
+        table.add_row(s.strategy, "on" if s.grad_checkpointing else "off", held, str(size(s)),
                       gib(c.estimate.per_gpu_peak_bytes), f"{c.score / top:.2f}",
                       *([f"{t.network_s:.3f} ({t.inter_s:.3f})"] if several else []))
     console.print(table)

@@ -53,6 +53,8 @@ class TrainSpec:
     micro_batch: int = _default(TrainConfig, "micro_batch_size")
     micro_batch_tokens: int | None = _default(TrainConfig, "micro_batch_tokens")  # a token budget instead
     grad_accum: int = _default(TrainConfig, "grad_accum_steps")
+    # FSDP/HSDP between micro-batches: sharded (reduce-scatter each) or unsharded (whole fp32 gradient, sent once)
+    fsdp_accumulate: str = _default(TrainConfig, "fsdp_accumulate")
     seq_len: int = _default(DataConfig, "max_seq_len")
     packing: bool = _default(DataConfig, "packing")
     loss_chunk_tokens: int = _default(TrainConfig, "loss_chunk_tokens")
@@ -160,7 +162,7 @@ def spec_from_recipe(recipe: Recipe, *, strategy: Strategy = "single", num_gpus:
         dtype=m.dtype, quantize=m.quantize, mixed_precision=t.mixed_precision, attn=m.attn_implementation,
         grad_checkpointing=m.gradient_checkpointing, random_init=m.random_init,
         micro_batch=t.micro_batch_size * per_example, micro_batch_tokens=t.micro_batch_tokens,
-        grad_accum=t.grad_accum_steps,
+        grad_accum=t.grad_accum_steps, fsdp_accumulate=t.fsdp_accumulate,
         seq_len=d.max_seq_len, packing=d.packing, loss_chunk_tokens=t.loss_chunk_tokens,
         # evaluate() batches by the train budget unless eval_batch_size is set
         eval_micro_batch=(t.eval_batch_size or t.micro_batch_size) * per_example if evaluates else None,

@@ -7,6 +7,7 @@ reads RANK or WORLD_SIZE itself.
 from __future__ import annotations
 
 import os
+from contextlib import contextmanager
 from datetime import timedelta
 
 import torch
@@ -144,8 +145,9 @@ def _attach_mesh(accelerator, config) -> None:
     accelerator.state.device_mesh = mesh
 
 
-def check_mesh(config, *, world: int, fsdp: bool) -> None:
-    """Refuse the meshes llmtrain does not train, naming what to use instead."""
+def check_mesh(config, *, world: int, fsdp: bool, nodes: int | None = None) -> None:
+    """Refuse the meshes llmtrain does not train, naming what to use instead (`nodes`: the launch's machines, for
+    an example that fits it; by default the mesh's replicas where they divide the processes, else 1)."""
     where = "in the launch config's parallelism_config"
     if config.cp_size > 1 or config.sp_size > 1:
         kind, key = ("context", "cp") if config.cp_size > 1 else ("sequence", "sp")
@@ -173,9 +175,21 @@ def check_mesh(config, *, world: int, fsdp: bool) -> None:
             f"the launch config's mesh is {' x '.join(str(n) for n, _, _ in sizes)} = {size} processes "
             f"({' x '.join(f'parallelism_config_{key}_size' for _, _, key in sizes)}) but the job has {world} "
             f"processes. Make {' x '.join(name for _, name, _ in sizes)} equal the processes: replicas = nodes and "
-            "shards x tp = GPUs per node (e.g. --parallelism_config_dp_replicate_size 2 "
-            "--parallelism_config_dp_shard_size 8 for 2 nodes of 8, or --parallelism_config_dp_shard_size 4 "
-            "--parallelism_config_tp_size 2 for 8 GPUs).")
+            f"shards x tp = GPUs per node ({_mesh_example(config, world, nodes)}).")
+
+
+def _mesh_example(config, world: int, nodes: int | None) -> str:
+    """accelerate launch flags whose mesh fits `world` processes on `nodes` machines, keeping the config's TP."""
+    tp = config.tp_size
+    if nodes is None:
+        nodes = config.dp_replicate_size if world % (config.dp_replicate_size * tp) == 0 else 1
+    shards = world // (nodes * tp) if world % (nodes * tp) == 0 else 0
+    if shards < 2:
+        return ("e.g. --parallelism_config_dp_replicate_size 2 --parallelism_config_dp_shard_size 8 for 2 nodes of 8, "
+                "or --parallelism_config_dp_shard_size 4 --parallelism_config_tp_size 2 for 8 GPUs")
+    flags = ([f"--parallelism_config_dp_replicate_size {nodes}"] if nodes > 1 else []) + [
+        f"--parallelism_config_dp_shard_size {shards}"] + ([f"--parallelism_config_tp_size {tp}"] if tp > 1 else [])
+    return f"for these {world} processes on {nodes} node{'s' if nodes > 1 else ''}: {' '.join(flags)}"
 
 
 def check_tensor_parallel(config, recipe: Recipe) -> None:
@@ -287,6 +301,37 @@ def fsdp_precision(mixed_precision: str):
 
     low = {"bf16": torch.bfloat16, "fp16": torch.float16}[mixed_precision]
     return MixedPrecisionPolicy(param_dtype=low, reduce_dtype=torch.float32, output_dtype=None)
+
+
+@contextmanager
+def accumulating(accelerator, model, fsdp_accumulate: str):
+    """The backward of a micro-batch that is not its window's last: what it sends and what it leaves held.
+
+    DDP, and FSDP with train.fsdp_accumulate=unsharded: nothing is sent and every process accumulates its whole
+    gradient (Accelerate's no_sync; for FSDP2 set_requires_gradient_sync(False), which keeps the unsharded fp32
+    gradient on every GPU until the last micro-batch). FSDP with sharded (the default): every micro-batch's
+    gradients are reduce-scattered, so each GPU holds only its shard between micro-batches, as torchtitan does;
+    under HSDP the all-reduce across the replicas (the nodes) waits for the last micro-batch
+    (set_requires_all_reduce(False) accumulates the reduce-scattered shards first), so the network still carries
+    one all-reduce a step."""
+    if not uses_fsdp(accelerator) or fsdp_accumulate == "unsharded":
+        with accelerator.no_sync(model):
+            yield
+        return
+    replicated = replicas(accelerator) > 1
+    if replicated:
+        model.set_requires_all_reduce(False)
+    try:
+        yield
+    finally:
+        if replicated:
+            model.set_requires_all_reduce(True)
+
+
+def replicas(accelerator) -> int:
+    """HSDP's replicas (the mesh's dp_replicate dimension: the nodes); 1 without HSDP."""
+    mesh = accelerator.torch_device_mesh
+    return mesh["dp_replicate"].size() if mesh is not None and "dp_replicate" in (mesh.mesh_dim_names or ()) else 1
 
 
 def uses_fsdp(accelerator) -> bool:
