@@ -375,7 +375,8 @@ def _format_errors(err: ValidationError, source: str) -> str:
         else:
             got = e.get("input")
             got_text = f" (got {got!r})" if not isinstance(got, dict) else ""
-            lines.append(f"  - {key}: {e['msg'].removeprefix('Value error, ')}{got_text}")
+            # a check of the whole recipe (several sections) has no key of its own: its message names the keys
+            lines.append(f"  - {key + ': ' if key else ''}{e['msg'].removeprefix('Value error, ')}{got_text}")
     return f"Invalid recipe {source}:\n" + "\n".join(lines) + "\nFix these keys in the YAML or the key=value overrides."
 
 

@@ -7,12 +7,13 @@ loads model weights: the memory check is the estimator's arithmetic on config.js
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import yaml
 
 from llmtrain.config import Recipe
-from llmtrain.data.checks import Check, check_chat_template, check_tokenizer, load_data
+from llmtrain.data.checks import Check, check_chat_template, check_context, check_tokenizer, load_data
 from llmtrain.errors import LLMTrainError
 
 BIG_MODEL_PARAMS = 3e9  # above this a full fine-tune keeps ~16 bytes/param of state: FSDP, not DDP
@@ -205,6 +206,15 @@ def check_quantize(recipe: Recipe) -> list[Check]:
 # --------------------------------------------------------------------------- all together
 
 
+def _max_positions(name_or_path: str) -> int | None:
+    """max_position_embeddings of a local model's config.json (None for a hub id: doctor does not download)."""
+    config = Path(name_or_path) / "config.json"
+    try:
+        return json.loads(config.read_text()).get("max_position_embeddings") if config.is_file() else None
+    except (OSError, ValueError):
+        return None
+
+
 def run_doctor(recipe: Recipe, *, accelerate_config: Path | None = None,
                gpu_memory: float | None = None) -> list[Check]:
     import datasets
@@ -224,6 +234,7 @@ def run_doctor(recipe: Recipe, *, accelerate_config: Path | None = None,
     if tokenizer is not None:
         checks += check_tokenizer(tokenizer) + check_chat_template(recipe, tokenizer)
         checks += load_data(recipe, tokenizer, world=data_ranks(launch))
+    checks += check_context(recipe.data.max_seq_len, _max_positions(recipe.model.name_or_path))
     gpu = gpu_memory if gpu_memory is not None else gpu_memory_here()
     rows, est = check_memory(recipe, accelerate_config, gpu)
     checks += rows + check_precision(recipe, launch)

@@ -11,7 +11,9 @@ from llmtrain.data.prepare import DataStats, prepare_datasets
 from llmtrain.model.modeling import load_tokenizer
 
 
-def _stats_table(stats: dict[str, DataStats]):
+def _stats_table(stats: dict[str, DataStats], *, pairs: bool = False):
+    """The statistics of each split. A pair's length is its two sequences' (what a token budget bins), so it may
+    be up to twice data.max_seq_len: the table says so."""
     from rich.table import Table
 
     table = Table(title="data statistics")
@@ -19,12 +21,12 @@ def _stats_table(stats: dict[str, DataStats]):
     for split in stats:
         table.add_column(split, justify="right")
     rows = [
-        ("examples", lambda s: f"{s.examples:,}"),
+        ("pairs" if pairs else "examples", lambda s: f"{s.examples:,}"),
         ("truncated", lambda s: f"{s.truncated:,}"),
-        ("dropped (no trained token)", lambda s: f"{s.dropped:,}"),
+        ("dropped", lambda s: f"{s.dropped:,}" + (f" ({', '.join(s.drops)})" if s.drops else "")),
         ("tokens", lambda s: f"{s.tokens:,}"),
         ("trained-token fraction", lambda s: f"{s.trained_fraction:.1%}"),
-        ("length p50 / p90 / p99 / max",
+        ("pair length (chosen + rejected) p50 / p90 / p99 / max" if pairs else "length p50 / p90 / p99 / max",
          lambda s: f"{s.length_p50} / {s.length_p90} / {s.length_p99} / {s.length_max}"),
     ]
     for name, fmt in rows:
@@ -118,4 +120,4 @@ def _show_pairs(rows, stats, tokenizer, *, as_json: bool) -> None:
                       _highlight(ids[k:], labels[k:], tokenizer, marks=marks)]
         console.print(Panel(Group(Text.assemble(*parts)), title=f"pair {i}: {len(c_ids)} + {len(r_ids)} tokens",
                             title_align="left"))
-    console.print(_stats_table(stats))
+    console.print(_stats_table(stats, pairs=True))

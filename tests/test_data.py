@@ -219,6 +219,11 @@ def test_missing_column_names_the_field_and_the_columns(tiny_tok, tmp_path):
     with pytest.raises(LLMTrainError, match=r"needs completion \(column 'reply'\) but") as err:
         prepare_datasets(mapped, tiny_tok, seed=0)
     assert "prompt (column" not in str(err.value)  # the mapped field is found
+    assert "e.g. data.fields.completion=<column>" in str(err.value)  # the advice names the missing field
+    pairs = DataConfig(path=str(path), format="preference", cache_dir=str(tmp_path / "c"))
+    with pytest.raises(LLMTrainError,
+                       match=r"needs chosen \(column 'chosen'\), rejected .* e\.g\. data\.fields\.chosen="):
+        prepare_datasets(pairs, tiny_tok, seed=0)  # a preference file's prompt is optional: not the advice
 
 
 def test_missing_data_file_names_the_path(tiny_tok, tmp_path):
@@ -378,3 +383,31 @@ def test_a_mistyped_local_data_path_is_named_as_missing_not_looked_up_on_the_hub
         load_raw("data/gsm8kk")
     assert "no file or folder 'dta' in ." in _missing_local("./dta/gsm8k")
     assert _missing_local("openai/gsm8k") is None and _missing_local("gsm8k") is None
+
+
+def test_a_hub_id_that_cannot_load_names_hf_hub_offline():
+    from llmtrain.model.modeling import _load_error
+
+    err = _load_error("model", "mistralai/Mistral-7B-Instruct-v0.3", OSError("We couldn't connect"))
+    assert "HF_HUB_OFFLINE=1 makes every command say so at once" in str(err)
+
+
+def test_long_rows_do_not_print_transformers_length_warning(tiny_assets):
+    """llmtrain cuts rows at data.max_seq_len and counts them; transformers' 'Token indices sequence length is
+    longer than the specified maximum' on every long-data run is noise, turned off where the tokenizer is loaded.
+    (A process of its own: transformers' log handler writes to the stderr it found at import.)"""
+    import subprocess
+    import sys
+
+    code = ("import sys\n"
+            "from transformers import AutoTokenizer\n"
+            "from llmtrain.config import ModelConfig\n"
+            "from llmtrain.model.modeling import load_tokenizer\n"
+            "path, long = sys.argv[1], 'a' * 600\n"  # the tiny tokenizer's model_max_length is 512
+            "load_tokenizer(ModelConfig(name_or_path=path))(long)\n"
+            "print('--- transformers alone', file=sys.stderr, flush=True)\n"
+            "AutoTokenizer.from_pretrained(path)(long)\n")
+    err = subprocess.run([sys.executable, "-c", code, str(tiny_assets / "model")], capture_output=True, text=True,
+                         check=True).stderr
+    ours, theirs = err.split("--- transformers alone")
+    assert "Token indices sequence length" not in ours and "Token indices sequence length" in theirs

@@ -190,3 +190,13 @@ def test_mesh_that_does_not_divide_the_processes_fails_with_an_example_that_fits
     assert "for these 16 processes on 2 nodes: --parallelism_config_dp_replicate_size 2 " \
            "--parallelism_config_dp_shard_size 8" in check_mesh_launch(launch)[0][2]
     assert check_mesh_launch({"num_processes": 2}) == []  # no mesh: nothing to check
+
+
+def test_a_max_seq_len_past_the_models_positions_warns(tiny_assets, tmp_path):
+    from llmtrain.data.checks import check_context
+
+    assert check_context(1024, 512)[0][:2] == ("context", "warn") and "Lower data.max_seq_len to 512" in \
+        check_context(1024, 512)[0][2]
+    assert check_context(512, 512)[0][1] == "pass" and check_context(4096, None) == []
+    recipe = write_recipe(tiny_assets, tmp_path, data={"max_seq_len": 1024})  # the tiny Llama has 512 positions
+    assert ("context", "warn") in [c[:2] for c in run_doctor(load_recipe(recipe))]

@@ -94,7 +94,7 @@ def test_report_shows_examples_and_the_statistics(tiny_assets, tmp_path):
     assert s.truncated > 0 and e.examples > 0  # max_seq_len 20 cuts the longer reversals
     assert table["examples"] == [f"{s.examples:,}", f"{e.examples:,}"]
     assert table["truncated"] == [f"{s.truncated:,}", f"{e.truncated:,}"]
-    assert table["dropped (no trained token)"] == [f"{s.dropped:,}", f"{e.dropped:,}"]
+    assert table["dropped"] == [f"{s.dropped:,}", f"{e.dropped:,}"]
     assert table["trained-token fraction"] == [f"{s.trained_fraction:.1%}", f"{e.trained_fraction:.1%}"]
     assert table["length p50 / p90 / p99 / max"][0] == f"{s.length_p50} / {s.length_p90} / {s.length_p99} / 20"
     # the first two training rows, each decoded in full under a title with its counts; the output is not a

@@ -3,6 +3,7 @@ metrics line), TrainState.advance, the data plan (built once per epoch), and the
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 
 import pytest
@@ -86,6 +87,22 @@ def test_meter_line_reports_the_last_step_and_the_speed_since_the_last_line(monk
     assert summary["tokens_per_s_per_gpu"] == pytest.approx(700 / 2 / 11)
     assert summary["wall_tokens_per_s_per_gpu"] == pytest.approx(700 / 2 / 12)
     assert summary["final_loss"] == line["loss"]
+
+
+def test_meter_line_averages_the_objectives_statistics_over_the_steps_since_the_last_line(monkeypatch):
+    """A preference run's rewards/accuracies with 4 pairs a step and logging.every_steps 2: the mean over the 8
+    pairs of both steps (3 + 1 right of 8), not the last step's 1 of 4."""
+    from llmtrain.config import PreferenceConfig
+    from llmtrain.objectives.preference import Preference
+
+    monkeypatch.setattr("llmtrain.loop.meter.data_sum", lambda acc, *v: list(v))
+    meter = Meter(FakeAccelerator(), flops=FlopModel(1.0, 10.0, 0.5), peak=None,
+                  objective=Preference(PreferenceConfig(), pad_id=0, packing=True, reference="none"))
+    pairs = Counts(units=4, trained=40, tokens=80, squares=800)
+    for right in (3.0, 1.0):  # the stats: rewards chosen, rejected, accuracies (pairs right), margins, two logps
+        stats = torch.tensor([0.0, 0.0, right, 0.0, 0.0, 0.0])
+        meter.add(dataclasses.replace(result(2.0, pairs), stats_sum=stats), epoch=0)
+    assert meter.line(TrainState(step=2))["rewards/accuracies"] == pytest.approx(4 / 8)
 
 
 def test_train_state_advances_tokens_every_step_and_rolls_the_epoch_over():

@@ -371,3 +371,12 @@ def test_cli_module_imports_no_torch():
     code = ("import sys, llmtrain.cli; "
             "assert not {'torch', 'transformers'} & set(sys.modules), 'torch imported by llmtrain --help'")
     subprocess.run([sys.executable, "-c", code], check=True, cwd=REPO)
+
+
+def test_fit_says_which_global_batch_it_keeps_on_the_gpus_given():
+    """llama7b.yaml's header launch is 8 GPUs (4 x 2 x 8 = 64 examples a step); on 2 nodes x 8 --fit keeps the
+    per-GPU batch, so 128 a step: it says so instead of changing the global batch in silence."""
+    res = estimate_memory("recipes/llama7b.yaml", "--num-gpus", "8", "--num-nodes", "2", "--fit")
+    assert res.returncode == 0, res.stderr
+    assert ("--fit keeps the global batch at 128 examples a step: the recipe's 4 x 2 accumulation per GPU on 16 "
+            "data-parallel GPUs; set train.grad_accum_steps for another") in " ".join(res.stdout.split())

@@ -275,6 +275,10 @@ def test_resume_finds_the_reference_again_and_ends_as_the_uninterrupted_run(pref
     run_train(pref_recipe, f"output_dir={tmp_path / 'straight'}", *common)
     cache = sorted((tmp_path.parent).rglob("reference-train-*.pt"))
     assert cache
+    # Only the pairs that 6 steps of 8 train on are computed (of the 355), not the whole epoch's, and it is said.
+    assert int((~torch.load(cache[0])[:, 0].isnan()).sum()) == 6 * 8
+    assert "reference log-probabilities of the 48 train pairs the run uses (of 355)" in \
+        (tmp_path / "straight" / "train.log").read_text()
     written = {p: p.stat().st_mtime_ns for p in cache}
     crash_at_step(monkeypatch, pref_recipe, 5, f"output_dir={tmp_path / 'cut'}", *common)
     run_train(pref_recipe, f"output_dir={tmp_path / 'cut'}", *common, resume="auto")

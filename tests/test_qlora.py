@@ -30,8 +30,9 @@ def qlora_recipe(tiny_assets, tmp_path):
 
 
 def test_a_full_fine_tune_of_a_quantised_base_is_refused(qlora_recipe):
-    with pytest.raises(RecipeError, match="a full fine-tune of a quantised base is not possible"):
+    with pytest.raises(RecipeError, match="a full fine-tune of a quantised base is not possible") as e:
         load_recipe(qlora_recipe, ["lora=null"])
+    assert "\n  - model.quantize=nf4 trains LoRA adapters" in str(e.value)  # no empty key before it ("  - : ...")
 
 
 @needs(MISTRAL)

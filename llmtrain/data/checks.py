@@ -154,6 +154,18 @@ def _end_of_turn(recipe: Recipe, tokenizer) -> str | None:
         return None
 
 
+def check_context(max_seq_len: int, max_positions: int | None) -> list[Check]:
+    """data.max_seq_len against the model's max_position_embeddings: longer examples train positions the model
+    was never trained on (RoPE extrapolates poorly), silently."""
+    if max_positions and max_seq_len > max_positions:
+        return [("context", "warn", f"data.max_seq_len={max_seq_len} is longer than the model's "
+                 f"max_position_embeddings={max_positions}: examples past {max_positions} tokens train positions the "
+                 f"model never saw. Lower data.max_seq_len to {max_positions}, or extend the context (rope_scaling in "
+                 "the model's config) on purpose.")]
+    return [("context", "pass", f"data.max_seq_len={max_seq_len} within max_position_embeddings={max_positions}")
+            ] if max_positions else []
+
+
 def check_warmup(warmup: int, total_steps: int) -> list[Check]:
     """train.warmup_steps at or past the run's length trains on the warm-up ramp alone (a recipe shortened with
     max_steps for a smoke test): the peak lr is never reached and there is no decay."""

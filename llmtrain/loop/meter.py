@@ -1,7 +1,8 @@
 """Metering: the metrics line of a logging step, and the run's speed for the summary.
 
 The steps since the last line wait here with their loss still on the device; `line()` reads them back (the
-host sync of a logging step) and reports the last step's loss and the speed over all of them. Time spent in
+host sync of a logging step) and reports the last step's loss, the objective's statistics (a preference run's
+rewards and accuracies) as the mean over all of them, as TRL logs them, and the speed over all of them. Time spent in
 evaluation and checkpoints (`with meter.paused():`) is left out of the lines' tokens/s and of the summary's
 training speed; the summary's wall speed keeps it. The run's clock continues across resumes: `elapsed()`
 starts from the checkpoint's TrainState.elapsed_s.
@@ -51,9 +52,12 @@ class Meter:
     def line(self, state) -> dict:
         """The metrics line of the steps since the last one (every rank calls it: the loss is summed over them)."""
         result, epoch = self.pending[-1]
+        # the statistics of every step since the last line, summed on the device (a preference metric averaged over
+        # 4 pairs of one step jumps between 0, 25, 50 and 75%)
+        stats_sum = torch.stack([r.stats_sum.double() for r, _ in self.pending]).sum(0)
         # host sync: the logging step's one read (the loss and the objective's statistics, in one collective)
         loss_sum, *stats = data_sum(self.accelerator, *torch.cat([result.loss_sum.reshape(1).double(),
-                                                                     result.stats_sum.double()]).tolist())
+                                                                     stats_sum]).tolist())
         window = [sum(c) for c in zip(*(r.counts for r, _ in self.pending))]  # units, trained, tokens, squares
         now = time.perf_counter()
         dt = now - self.line_start
@@ -69,7 +73,7 @@ class Meter:
             "tflops_per_gpu": model_flops / dt / self.world / 1e12,
             "mfu": model_flops / dt / self.world / self.peak if self.peak else None,
             "tokens_seen": state.tokens_seen, "elapsed_s": self.elapsed_before + now - self.start,
-            **(self.objective.step_metrics(stats, c.units) if self.objective is not None else {})}
+            **(self.objective.step_metrics(stats, window[0]) if self.objective is not None else {})}
         if self.on_gpu:
             self.last.update(max_memory_allocated=torch.cuda.max_memory_allocated(),
                              max_memory_reserved=torch.cuda.max_memory_reserved())

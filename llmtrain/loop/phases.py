@@ -24,7 +24,7 @@ import torch
 from llmtrain.config import Recipe
 from llmtrain.data.batching import DataPlan
 from llmtrain.data.chat import read_template
-from llmtrain.data.checks import check_data, check_warmup
+from llmtrain.data.checks import check_context, check_data, check_warmup
 from llmtrain.data.prepare import prepare_datasets
 from llmtrain.errors import LLMTrainError
 from llmtrain.model.loss import attach_loss
@@ -130,6 +130,7 @@ class Data:
     plan: DataPlan  # every global micro-batch of each epoch
     total_steps: int
     packing_efficiency: float | None  # real tokens / token budget (token budgets only)
+    reference_s: float = 0.0  # seconds spent computing a preference run's reference log-probabilities: run time
 
 
 def prepare_data(recipe: Recipe, accelerator, *, say) -> Data:
@@ -220,6 +221,10 @@ def build_model(recipe: Recipe, accelerator, *, total_steps: int, say) -> Traina
     attach_loss(model, chunk=tc.loss_chunk_tokens, fused_linear_ce=fused_ce)
     if recipe.model.compile:
         say(f"compile: {compile_layers(model)} decoder layers (regional torch.compile)")
+    for name, status, detail in check_context(recipe.data.max_seq_len,
+                                              getattr(model.config, "max_position_embeddings", None)):
+        if status == "warn":  # as `llmtrain doctor`
+            say(f"warning ({name}): {detail}")
     n_total, n_trainable = count_parameters(model)
     flops = flop_model(model)
     method = ("full" if recipe.lora is None else
@@ -241,30 +246,51 @@ def build_model(recipe: Recipe, accelerator, *, total_steps: int, say) -> Traina
                      peak_flops=peak_flops(accelerator.device, recipe.logging.peak_tflops))
 
 
-def reference_logps(recipe: Recipe, accelerator, data: Data, trainable: Trainable, objective, *, say) -> Data:
-    """Preference runs with a precomputed reference (a full fine-tune's dpo or ipo): every pair's reference
-    log-probabilities from the initial weights, added to the data as columns ref_chosen, ref_rejected. Cached next
-    to the tokenised data, keyed by the model, so a resume or a later run finds the same numbers again. Any
-    other run: the data as it is."""
+def reference_logps(recipe: Recipe, accelerator, data: Data, trainable: Trainable, objective, *, console) -> Data:
+    """Preference runs with a precomputed reference (a full fine-tune's dpo or ipo): the reference log-probabilities
+    from the initial weights of the pairs the run will train on (all of them, unless max_steps ends it before the
+    epoch does) and of every eval pair, added to the data as columns ref_chosen, ref_rejected. Cached next to the
+    tokenised data, keyed by the model, so a resume or a later run computes only what is missing. Shown with a
+    progress bar and its eta (lines every tenth where there is no bar); its time counts in the run's. Any other run:
+    the data as it is."""
     if getattr(objective, "reference", None) != "precomputed":
         return data
+    import math
+    import time
+
     from llmtrain.objectives.preference import precompute_reference
 
-    tc = recipe.train
+    tc, say, start = recipe.train, console.say, time.perf_counter()
+    needed = {"train": data.plan.examples_in(data.total_steps, tc.grad_accum_steps), "eval": None}
     splits = {"train": data.train, **({"eval": data.eval} if data.eval is not None else {})}
     key = model_key(recipe)
     for name, ds in splits.items():
         cache = Path(ds.cache_files[0]["filename"]).parent.parent / f"reference-{name}-{key}.pt"
-        found = cache.is_file()
-        values = precompute_reference(trainable.model, ds, accelerator, objective,
-                                      batch_size=tc.eval_batch_size or tc.micro_batch_size,
-                                      batch_tokens=tc.micro_batch_tokens if tc.eval_batch_size is None else None,
-                                      cache=cache)
-        say(f"reference log-probabilities of {len(ds)} {name} pairs: {'read from' if found else 'computed, cached in'} "
-            f"{cache}")
+        pairs = len(ds) if needed[name] is None else len(needed[name])
+        progress, task = console.progress(total=0, completed=0)
+        progress.update(task, description=f"reference ({name})", info=f"{pairs} pairs")
+        lines = [0.1]
+
+        def on_batch(done: int, total: int) -> None:
+            progress.update(task, completed=done, total=total)
+            if not console.show_bar and done >= lines[0] * total:  # a log, not a terminal: a line every tenth
+                spent = time.perf_counter() - begun
+                say(f"reference log-probabilities ({name}): {done}/{total} micro-batches, {spent:.0f} s, eta "
+                    f"{spent / done * (total - done):.0f} s")
+                lines[0] = math.floor(done / total * 10 + 1) / 10
+
+        begun = time.perf_counter()
+        with progress:
+            values = precompute_reference(trainable.model, ds, accelerator, objective,
+                                          batch_size=tc.eval_batch_size or tc.micro_batch_size,
+                                          batch_tokens=tc.micro_batch_tokens if tc.eval_batch_size is None else None,
+                                          cache=cache, needed=needed[name], on_batch=on_batch)
+        say(f"reference log-probabilities of the {pairs} {name} pairs the run uses (of {len(ds)}): "
+            f"{time.perf_counter() - begun:.1f} s, cached in {cache}")
         splits[name] = ds.add_column("ref_chosen", values[:, 0].tolist()).add_column("ref_rejected",
                                                                                     values[:, 1].tolist())
-    return dataclasses.replace(data, train=splits["train"], eval=splits.get("eval"))
+    return dataclasses.replace(data, train=splits["train"], eval=splits.get("eval"),
+                               reference_s=time.perf_counter() - start)
 
 
 def model_key(recipe: Recipe) -> str:

@@ -72,7 +72,7 @@ def train(recipe: Recipe, *, resume: str | None = None, overwrite: bool = False,
         data = prepare_data(recipe, accelerator, say=say)
         trainable = build_model(recipe, accelerator, total_steps=data.total_steps, say=say)
         objective = objective_for(recipe, pad_id=data.pad_id, model=trainable.unwrapped)
-        data = reference_logps(recipe, accelerator, data, trainable, objective, say=say)  # preference runs only
+        data = reference_logps(recipe, accelerator, data, trainable, objective, console=console)  # preference only
         run_dir = claim_run_dir(recipe, accelerator, console, checkpoint=checked.checkpoint, resume=resume,
                                 overwrite=overwrite)
         cleanup.callback(run_dir.release)
@@ -84,8 +84,9 @@ def train(recipe: Recipe, *, resume: str | None = None, overwrite: bool = False,
                   cadence=Cadence.from_recipe(recipe, total_steps=data.total_steps, has_eval=data.eval is not None))
 
         # ---- the loop, then the export and the summary
-        meter = Meter(accelerator, flops=trainable.flops, peak=trainable.peak_flops, elapsed_before=state.elapsed_s,
-                      objective=run.objective)
+        # The run's clock: what earlier processes of the run spent, and this one's reference pass (preference)
+        meter = Meter(accelerator, flops=trainable.flops, peak=trainable.peak_flops,
+                      elapsed_before=state.elapsed_s + data.reference_s, objective=run.objective)
         evals = train_loop(run, state, meter)
         return finish(run, state, meter, evals)
 
@@ -187,6 +188,10 @@ def evaluate_and_sample(run: Run, state: TrainState, progress) -> dict:
                                    synced=accelerator.num_processes > 1)
         if (accuracy := mark_answers(samples, tc.eval_answer_pattern)) is not None:
             ev["eval_answer_accuracy"] = accuracy
+            if unparsed := sum(s["expected_answer"] is None for s in samples):  # misses that no reply can fix
+                say(f"warning (answers): {unparsed} of {len(samples)} reference answers do not match "
+                    f"train.eval_answer_pattern {tc.eval_answer_pattern!r}, so they count as misses in "
+                    "eval_answer_accuracy; fix the pattern or the eval data (samples.jsonl shows them)")
     run.log.write({"type": "eval", "step": state.step, **ev})
     run.log.write_samples(samples)  # the main process writes samples.jsonl
     say(f"step {state.step}: " + "  ".join(f"{k} {v:.4f}" for k, v in ev.items()))

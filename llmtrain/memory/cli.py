@@ -120,6 +120,12 @@ def estimate_memory(
 
     render_estimate(est, advice, traffic=traffic, launch_mp=launch_mp)
     if result is not None:
+        if global_batch:  # the recipe's per-GPU batch times these GPUs: say what --fit keeps, it may not be intended
+            unit = "tokens" if spec.micro_batch_tokens else "examples"
+            typer.echo(f"--fit keeps the global batch at {global_batch:,} {unit} a step: the recipe's "
+                       f"{global_batch // (spec.grad_accum * spec.data_ranks)} x {spec.grad_accum} accumulation per "
+                       f"GPU on "
+                       f"{spec.data_ranks} data-parallel GPUs; set train.grad_accum_steps for another")
         render_fit(result, target=target)
 
 

@@ -26,7 +26,8 @@ def _load_error(what: str, path: str, err: Exception) -> LLMTrainError:
     return LLMTrainError(
         f"could not load the {what} from '{path}' (model.name_or_path / model.tokenizer): {err}. "
         "Give a local directory with config.json and weights, or a hub id; without network access, the "
-        "hub id must already be in the local Hugging Face cache."
+        "hub id must already be in the local Hugging Face cache, and HF_HUB_OFFLINE=1 makes every command say so "
+        "at once instead of retrying the network for a minute."
     )
 
 
@@ -40,6 +41,9 @@ def load_tokenizer(cfg: ModelConfig):
         raise _load_error("tokenizer", path, e) from None
     if tok.eos_token_id is None:
         raise LLMTrainError(f"the tokenizer at '{path}' has no eos_token; training needs one to learn to stop.")
+    # transformers warns when a text is longer than the tokenizer's model_max_length; llmtrain tokenises whole rows
+    # and cuts them at data.max_seq_len itself (and says how many), so the warning is noise on every long-data run.
+    tok.deprecation_warnings["sequence-length-is-longer-than-the-specified-maximum"] = True
     return tok
 
 

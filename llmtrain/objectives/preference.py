@@ -15,6 +15,8 @@ before training (`precompute`), cached with the tokenised data and found again b
 
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.nn.functional as F
 
@@ -123,39 +125,45 @@ class Preference:
 
 
 def precompute_reference(model, dataset, accelerator, objective: Preference, *, batch_size: int,
-                         batch_tokens: int | None, cache) -> torch.Tensor:
-    """The reference log-probabilities [pairs, 2] (chosen, rejected) of every pair of `dataset`, with the model
-    as it is now (the initial weights), under no_grad; read from `cache` (a file) when an earlier run or the run
-    being resumed wrote it. Each process computes its share and one collective sums them, so all hold the whole."""
+                         batch_tokens: int | None, cache, needed: list[int] | None = None,
+                         on_batch=lambda done, total: None) -> torch.Tensor:
+    """The reference log-probabilities [pairs, 2] (chosen, rejected) of the pairs of `dataset` the run uses
+    (`needed`: the examples its steps visit; None: all), with the model as it is now (the initial weights), under
+    no_grad. `cache` (a file) keeps every pair computed so far, NaN for the others: a resume, a longer run or a
+    later run with the same model computes only what is missing. Each process computes its share and one
+    collective sums them, so all hold the whole; `on_batch(done, total)` after each micro-batch."""
     import os
 
     from llmtrain.data.batching import global_micro_batches, to_device
 
-    if cache.is_file():
-        return torch.load(cache)
+    values = torch.load(cache) if cache.is_file() else torch.full((len(dataset), 2), math.nan, dtype=torch.float64)
+    todo = [i for i in (range(len(dataset)) if needed is None else needed) if math.isnan(values[i, 0])]
+    if not todo:
+        return values
     (world, rank), device = data_ranks(accelerator), accelerator.device
     plain = Preference(objective.cfg, pad_id=objective.pad_id, packing=objective.packing, reference="none")
-    values = torch.zeros(len(dataset), 2, dtype=torch.float64, device=device)
-    batches = global_micro_batches(len(dataset), seed=0, epoch=0, world_size=world, micro_batch_size=batch_size,
-                                   micro_batch_tokens=batch_tokens,
-                                   lengths=dataset["length"] if batch_tokens else None, shuffle=False)
+    computed = torch.zeros(len(dataset), 2, dtype=torch.float64, device=device)
+    lengths = dataset.select(todo)["length"] if batch_tokens else None
+    batches = global_micro_batches(len(todo), seed=0, epoch=0, world_size=world, micro_batch_size=batch_size,
+                                   micro_batch_tokens=batch_tokens, lengths=lengths, shuffle=False)
     was_training = model.training
     model.eval()
     with torch.no_grad():
-        for g in batches:
-            idx = g[rank]
+        for done, g in enumerate(batches):
+            idx = [todo[i] for i in g[rank]]
             rows = dataset[idx] if idx else {c: [] for c in plain.columns}
             batch, _ = plain.collate([dict(zip(plain.columns, v)) for v in zip(*(rows[c] for c in plain.columns))])
             batch = to_device(batch, device)
             if not idx:  # an idle rank still runs its forward: under FSDP every rank gathers every layer
                 compute_loss(model, batch)
-                continue
-            logps = sequence_logps(model, batch).double()
-            values[idx] = torch.stack([logps[0::2], logps[1::2]], dim=1)
+            else:
+                logps = sequence_logps(model, batch).double()
+                computed[idx] = torch.stack([logps[0::2], logps[1::2]], dim=1)
+            on_batch(done + 1, len(batches))
     model.train(was_training)
     if accelerator.num_processes > 1:  # each TP group's processes computed the same pairs: counted once
-        values = accelerator.reduce(values, reduction="sum") / tensor_parallel_size(accelerator)
-    values = values.cpu()
+        computed = accelerator.reduce(computed, reduction="sum") / tensor_parallel_size(accelerator)
+    values[todo] = computed.cpu()[todo]
     if accelerator.is_main_process:  # written whole under a temporary name: a crash never leaves half a file
         tmp = cache.with_name(f".{cache.name}.tmp{os.getpid()}")
         torch.save(values, tmp)

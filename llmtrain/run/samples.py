@@ -24,6 +24,7 @@ from contextlib import contextmanager
 
 from llmtrain.data.formats import IGNORE
 from llmtrain.model.loss import causal_lm
+from llmtrain.objectives.rewards import answer
 
 
 def split_example(example) -> tuple[list[int], list[int]]:
@@ -65,17 +66,6 @@ def generate_samples(model, tokenizer, examples, *, max_new_tokens: int, step: i
     finally:
         model.train(was_training)
     return samples
-
-
-def answer(text: str, pattern: str | None) -> str | None:
-    """The answer in a reply: the first group of `pattern` (train.eval_answer_pattern) where it matches (None where
-    it does not), else the whole reply, stripped."""
-    import re
-
-    if pattern is None:
-        return text.strip()
-    found = re.search(pattern, text)
-    return found.group(1).strip() if found else None
 
 
 def mark_answers(samples: list[dict], pattern: str | None) -> float | None:

@@ -1,0 +1,211 @@
+"""GRPO's loss and advantages (llmtrain/objectives/grpo.py) against TRL 1.16's GRPOTrainer, in fp32 on the tiny Llama.
+
+TRL pads every completion to the longest (prompts on the left, completions on the right) and runs its own
+`_compute_loss`; llmtrain packs the same prompt + completion sequences into one padding-free row with varlen
+attention and takes per-token log-probabilities from the chunked loss path (no full logits). Same model, same
+ids, same advantages: the same loss and the same gradients, to 1e-6, for dapo, grpo and dr_grpo, with beta 0 and
+0.04. The advantages equal TRL's for scale_rewards group and none, a group with equal rewards and a reward of
+None (NaN) included.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from llmtrain.objectives.grpo import group_advantages, loss_units, token_losses, token_weights
+
+trl = pytest.importorskip("trl")
+
+PROMPTS = [[5, 9, 12, 7], [5, 30, 31]]  # token ids of the tiny Llama's vocabulary (BOS 1 first below)
+COMPLETIONS = [[40, 41, 2], [42, 2], [43, 44, 45, 46, 2], [47]]  # 2 per prompt; 2 is EOS; the last one clipped
+MAX_COMPLETION = 5
+
+
+def tiny_model(tiny_assets):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(tiny_assets / "model", dtype=torch.float32,
+                                                attn_implementation="sdpa").train()
+
+
+def trl_trainer(model, tiny_assets, tmp_path, *, loss_type: str, beta: float):
+    import datasets
+    from transformers import AutoTokenizer
+    from trl import GRPOConfig, GRPOTrainer
+
+    args = GRPOConfig(output_dir=str(tmp_path), per_device_train_batch_size=4, num_generations=2,
+                      max_completion_length=MAX_COMPLETION, loss_type=loss_type, beta=beta, temperature=1.0,
+                      use_cpu=True, bf16=False, report_to=[], logging_steps=1)
+    tok = AutoTokenizer.from_pretrained(tiny_assets / "model")
+    data = datasets.Dataset.from_list([{"prompt": "abc"}] * 4)
+    trainer = GRPOTrainer(model=model, reward_funcs=[lambda completions, **kw: [0.0] * len(completions)],
+                          args=args, train_dataset=data, processing_class=tok)
+    trainer.current_gradient_accumulation_steps = 1
+    return trainer
+
+
+def padded_inputs(prompts, completions, advantages, pad: int) -> dict:
+    """TRL's layout: prompts left-padded, completions right-padded, with their masks."""
+    p_len, c_len = max(map(len, prompts)), max(map(len, completions))
+    prompt_ids = torch.tensor([[pad] * (p_len - len(p)) + p for p in prompts])
+    prompt_mask = torch.tensor([[0] * (p_len - len(p)) + [1] * len(p) for p in prompts])
+    completion_ids = torch.tensor([c + [pad] * (c_len - len(c)) for c in completions])
+    completion_mask = torch.tensor([[1] * len(c) + [0] * (c_len - len(c)) for c in completions])
+    return {"prompt_ids": prompt_ids, "prompt_mask": prompt_mask, "completion_ids": completion_ids,
+            "completion_mask": completion_mask, "advantages": advantages,
+            "num_items_in_batch": completion_mask.sum()}
+
+
+def packed_loss(model, prompts, completions, advantages, *, loss_type: str, beta: float, ref_model=None):
+    """llmtrain's: the sequences packed into one row, per-token log-probabilities from the chunked loss."""
+    from llmtrain.data.batching import collate, with_loss_positions
+    from llmtrain.data.formats import IGNORE
+    from llmtrain.model.loss import attach_loss, compute_loss
+
+    sequences = [{"input_ids": p + c, "labels": [IGNORE] * len(p) + c} for p, c in zip(prompts, completions)]
+    batch = with_loss_positions(collate(sequences, pad_id=0, packing=True))
+    attach_loss(model, chunk=4096)
+    logps = -compute_loss(model, batch, per_token=True).float()
+    completion = batch["loss_example"]
+    lengths = torch.bincount(completion, minlength=len(completions))
+    ref = None
+    if beta:
+        with torch.no_grad():
+            attach_loss(ref_model, chunk=4096)
+            ref = -compute_loss(ref_model, batch, per_token=True).float()
+    loss, _, _ = token_losses(logps, advantages[completion], ref_logps=ref, epsilon=0.2, epsilon_high=0.2, beta=beta)
+    total = (loss * token_weights(completion, lengths, loss_type)).sum()
+    return total / loss_units(lengths, loss_type, max_completion_tokens=MAX_COMPLETION)
+
+
+@pytest.mark.parametrize("beta", [0.0, 0.04])
+@pytest.mark.parametrize("loss_type", ["dapo", "grpo", "dr_grpo"])
+def test_loss_and_gradients_equal_trls_grpo_trainer(tiny_assets, tmp_path, loss_type, beta):
+    """Two copies of one model, TRL's (its trainer patches the forward) and llmtrain's (attach_loss patches it);
+    with beta, a reference that differs from the policy (so the KL term is not 0), loaded into TRL's own ref_model
+    and used by llmtrain as its reference forward."""
+    prompts = [[1] + PROMPTS[i // 2] for i in range(4)]
+    advantages = torch.tensor([0.7, -0.7, 1.2, -1.2])
+    theirs_model, ours_model, reference = tiny_model(tiny_assets), tiny_model(tiny_assets), tiny_model(tiny_assets)
+    torch.manual_seed(0)
+    with torch.no_grad():
+        for p in reference.parameters():
+            p.add_(0.01 * torch.randn_like(p))
+
+    trainer = trl_trainer(theirs_model, tiny_assets, tmp_path, loss_type=loss_type, beta=beta)
+    inputs = padded_inputs(prompts, COMPLETIONS, advantages, pad=trainer.processing_class.pad_token_id)
+    if beta:
+        trainer.ref_model.load_state_dict(reference.state_dict())
+        with torch.no_grad():
+            ids = torch.cat([inputs["prompt_ids"], inputs["completion_ids"]], dim=1)
+            mask = torch.cat([inputs["prompt_mask"], inputs["completion_mask"]], dim=1)
+            inputs["ref_per_token_logps"], _, _ = trainer._get_per_token_logps_and_entropies(
+                trainer.ref_model, ids, mask, inputs["completion_ids"].size(1), batch_size=4)
+    theirs = trainer._compute_loss(theirs_model, inputs)
+    theirs.backward()
+    their_grads = {n: p.grad for n, p in theirs_model.named_parameters()}
+
+    ours = packed_loss(ours_model, prompts, COMPLETIONS, advantages, loss_type=loss_type, beta=beta,
+                       ref_model=reference.eval())
+    ours.backward()
+    assert ours.item() == pytest.approx(theirs.item(), abs=1e-6)
+    assert max(g.abs().max().item() for g in their_grads.values()) > 1e-3  # a gradient to compare, not zeros
+    worst = max((p.grad - their_grads[n]).abs().max().item() for n, p in ours_model.named_parameters())
+    assert worst < 1e-6, worst
+
+
+def test_advantages_equal_trls_for_group_and_none_scaling():
+    """TRL's arithmetic (trl/trainer/grpo_trainer.py, sum_then_normalize), written out here with its own nanstd:
+    a group with spread rewards, a group whose rewards are all equal (std 0: advantages 0), and a reward of None
+    (NaN: left out of its group's mean and std, advantage 0)."""
+    from trl.trainer.utils import nanstd
+
+    rewards = torch.tensor([1.0, 0.0, 0.5, 0.5, 2.0, float("nan"), 1.0, 3.0])
+    for scale in ("group", "none"):
+        mean = torch.nanmean(rewards.view(-1, 2), dim=1).repeat_interleave(2)
+        std = nanstd(rewards.view(-1, 2), dim=1).repeat_interleave(2)
+        theirs = rewards - mean
+        if scale != "none":
+            theirs = theirs / (std + 1e-4)
+        theirs = torch.nan_to_num(theirs, nan=0.0)
+        ours, our_std = group_advantages(rewards, 2, scale_rewards=scale)
+        assert torch.allclose(ours, theirs, atol=1e-7, equal_nan=False), (scale, ours, theirs)
+        assert torch.equal(our_std.isnan(), std.isnan())
+    ours, std = group_advantages(rewards, 2, scale_rewards="group")
+    assert ours[2:4].tolist() == [0.0, 0.0] and std[2].item() == 0.0  # equal rewards teach nothing
+    assert ours[4].item() == 0.0 and ours[5].item() == 0.0  # a lone scored reward in its group: std NaN -> 0
+
+
+def test_ratio_is_one_and_clipping_counts_only_where_it_binds():
+    logps = torch.tensor([-1.0, -2.0, -0.5], requires_grad=True)
+    loss, kl, clipped = token_losses(logps, torch.tensor([1.0, -1.0, 2.0]), epsilon=0.2)
+    assert kl is None and not clipped.any()
+    assert loss.tolist() == [-1.0, 1.0, -2.0]  # -ratio x advantage with ratio 1
+    loss.sum().backward()
+    assert logps.grad.tolist() == [-1.0, 1.0, -2.0]  # d(-A exp(l - l.detach()))/dl = -A
+    old = torch.tensor([-1.5, -1.5, -0.5])  # ratios e^0.5 (A > 0: clipped at 1.2), e^-0.5 (A < 0: clipped at 0.8)
+    _, _, clipped = token_losses(logps.detach(), torch.tensor([1.0, -1.0, 2.0]), old_logps=old, epsilon=0.2)
+    assert clipped.tolist() == [True, True, False]
+
+
+# --------------------------------------------------------------------------- rewards
+
+
+def test_built_in_rewards_and_a_trl_style_function_unchanged(tmp_path, monkeypatch):
+    """answer_match extracts as eval_answer_accuracy does (None where the reference has no answer); format
+    searches a pattern; a function written for TRL's GRPOTrainer (prompts, completions, **columns) runs as it is,
+    imported by module:function; the weighted sum leaves out None and is NaN where nothing applied."""
+    from llmtrain.objectives.rewards import answer_match, format_match, import_reward, score
+
+    (tmp_path / "my_rewards.py").write_text(
+        "def short(prompts, completions, **kwargs):\n"
+        "    assert set(kwargs) == {'answer'}\n"
+        "    return [1.0 if len(c) < 12 else None for c in completions]\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    completions = ["so 7\n#### 7", "#### 8", "no answer at all here", "<think>x</think> #### 5"]
+    columns = {"answer": ["#### 7", "#### 7", "#### 7", "no number"]}
+    functions = [("answer_match", answer_match(r"#### (\S+)"), 1.0),
+                 ("format", format_match(r"<think>.*</think>"), 0.5),
+                 ("my_rewards:short", import_reward("my_rewards:short"), 2.0)]
+    per_function, total = score(functions, ["q"] * 4, completions, columns, rows=[1, 1, 2, 2])
+    assert per_function[:, 0].tolist()[:3] == [1.0, 0.0, 0.0] and per_function[3, 0].isnan()
+    assert per_function[:, 1].tolist() == [0.0, 0.0, 0.0, 1.0]
+    assert per_function[0, 2].item() == 1.0 and per_function[2, 2].isnan()
+    assert total.tolist() == [3.0, 2.0, 0.0, 0.5]
+    _, nothing = score([functions[2]], ["q"], ["a much longer completion"], {"answer": ["x"]}, rows=[3])
+    assert nothing.isnan().all()  # no function applied: left out of its group, advantage 0
+
+
+@pytest.mark.parametrize("body, says", [
+    ("raise KeyError('answer')", "reward function bad raised KeyError: 'answer' (on the completions of rows 4, 9)"),
+    ("return [1.0]", "reward function bad returned 1 values for 2 completions (rows 4, 9)"),
+    ("return [1.0, float('nan')]", "reward function bad returned nan for the completion of row 9"),
+    ("return ['1', 0.0]", "reward function bad returned '1' for the completion of row 4"),
+])
+def test_a_bad_reward_function_stops_with_its_name_and_row(body, says):
+    from llmtrain.errors import LLMTrainError
+    from llmtrain.objectives.rewards import score
+
+    namespace: dict = {}
+    exec(f"def bad(prompts, completions, **columns):\n    {body}\n", namespace)
+    with pytest.raises(LLMTrainError, match=re_escape(says)):
+        score([("bad", namespace["bad"], 1.0)], ["p", "p"], ["a", "b"], {}, rows=[4, 9])
+
+
+def test_a_reward_function_that_cannot_be_imported_says_what_is_missing():
+    from llmtrain.errors import LLMTrainError
+    from llmtrain.objectives.rewards import import_reward
+
+    with pytest.raises(LLMTrainError, match="not of the form module:function"):
+        import_reward("no_colon")
+    with pytest.raises(LLMTrainError, match="importing no_such_module_here failed: ModuleNotFoundError"):
+        import_reward("no_such_module_here:f")
+    with pytest.raises(LLMTrainError, match="math has no function nope"):
+        import_reward("math:nope")
+
+
+def re_escape(text: str) -> str:
+    import re
+
+    return re.escape(text)
