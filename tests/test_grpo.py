@@ -209,3 +209,71 @@ def re_escape(text: str) -> str:
     import re
 
     return re.escape(text)
+
+
+# --------------------------------------------------------------------------- sampling completions
+
+
+@pytest.fixture(scope="module")
+def lm(tiny_assets):
+    return tiny_model(tiny_assets).eval()
+
+
+def test_greedy_sampling_equals_transformers_generate(lm):
+    from llmtrain.model.generate import sample
+
+    prompt = [1, 5, 9, 12, 7, 30]
+    theirs = lm.generate(input_ids=torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+                         max_new_tokens=8, do_sample=False, temperature=None, top_p=None, top_k=None,
+                         eos_token_id=[], pad_token_id=0)[0, len(prompt):].tolist()
+    ours = sample(lm, [prompt], seeds=[0], max_new_tokens=8, temperature=0.0, top_p=1.0, stop_ids={2}, pad_id=0)
+    assert ours == [theirs[: theirs.index(2) + 1] if 2 in theirs else theirs]
+
+
+def test_a_completion_depends_on_its_seed_not_on_its_batch(lm):
+    """The same prompt and seed sample the same completion alone, or third in a left-padded batch of prompts of
+    other lengths (as another process, or a resumed run, would batch it); another seed samples another."""
+    from llmtrain.model.generate import completion_seed, sample
+
+    prompts = [[1, 5, 9], [1, 30, 31, 32, 33, 34, 35], [1, 12, 7, 40, 41]]
+    seeds = [completion_seed(42, 3, i, 0) for i in range(3)]
+    kwargs = dict(max_new_tokens=12, temperature=1.0, top_p=0.95, stop_ids={2}, pad_id=0)
+    batch = sample(lm, prompts, seeds=seeds, **kwargs)
+    alone = sample(lm, prompts[2:], seeds=seeds[2:], **kwargs)
+    assert batch[2] == alone[0] and len(alone[0]) > 3
+    again = sample(lm, prompts[2:], seeds=[completion_seed(42, 3, 2, 1)], **kwargs)  # the prompt's 2nd generation
+    assert again[0] != alone[0]
+    assert len({completion_seed(42, s, i, g) for s in range(50) for i in range(50) for g in range(8)}) == 50 * 50 * 8
+
+
+def test_sampling_follows_the_softmax_and_top_p_keeps_the_nucleus(lm):
+    """2,000 completions of one token from one prompt: each token's frequency is its softmax probability (within 4
+    standard errors); with top_p the tokens outside the nucleus never come, and a tiny top_p is greedy."""
+    from llmtrain.model.generate import sample
+
+    prompt, n = [1, 5, 9, 12], 2000
+    probs = torch.softmax(lm(input_ids=torch.tensor([prompt])).logits[0, -1].float(), dim=-1)
+    drawn = sample(lm, [prompt] * n, seeds=list(range(n)), max_new_tokens=1, temperature=1.0, top_p=1.0,
+                   stop_ids={2}, pad_id=0)
+    freq = torch.bincount(torch.tensor([c[0] for c in drawn]), minlength=len(probs)).float() / n
+    assert ((freq - probs).abs() <= 4 * (probs * (1 - probs) / n).sqrt() + 1e-3).all()
+    order = probs.argsort(descending=True)
+    nucleus = set(order[: int((probs[order].cumsum(0) < 0.5).sum()) + 1].tolist())
+    half = sample(lm, [prompt] * 300, seeds=list(range(300)), max_new_tokens=1, temperature=1.0, top_p=0.5,
+                  stop_ids={2}, pad_id=0)
+    assert {c[0] for c in half} <= nucleus
+    greedy = sample(lm, [prompt] * 20, seeds=list(range(20)), max_new_tokens=1, temperature=1.0, top_p=1e-6,
+                    stop_ids={2}, pad_id=0)
+    assert {c[0] for c in greedy} == {int(probs.argmax())}
+
+
+def test_a_completion_ends_with_its_first_stop_token(lm):
+    from llmtrain.model.generate import sample
+
+    kwargs = dict(seeds=list(range(40)), max_new_tokens=6, temperature=2.0, top_p=1.0, pad_id=0)
+    free = sample(lm, [[1, 5, 9]] * 40, stop_ids=set(), **kwargs)  # nothing stops: every completion is 6 long
+    stops = {c[1] for c in free if len(c) > 1}  # tokens drawn second: make them stop tokens
+    stopped = sample(lm, [[1, 5, 9]] * 40, stop_ids=stops, **kwargs)
+    for a, b in zip(free, stopped):
+        assert b == a[: next((k + 1 for k, tok in enumerate(a) if tok in stops), len(a))]
+    assert any(len(b) < len(a) for a, b in zip(free, stopped)) and all(len(c) == 6 for c in free)

@@ -4,6 +4,8 @@
   checkpointing), the optimizer and the lr schedule.
 - `attention.py`: varlen attention over packed rows (flash `varlen_attn` on CUDA, SDPA per example elsewhere).
 - `loss.py`: the chunked cross-entropy and per-token log-probabilities from the final hidden states.
+- `generate.py`: sampling completions with the KV cache, each from its own seed (online RL's rollouts), and the
+  attention switch generation needs.
 
 May import: the schema (`config`, `errors`) and this folder. Never the data, the run folder or the loop.
 """

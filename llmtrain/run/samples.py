@@ -23,6 +23,7 @@ from __future__ import annotations
 from contextlib import contextmanager
 
 from llmtrain.data.formats import IGNORE
+from llmtrain.model.generate import cached_attention
 from llmtrain.model.loss import causal_lm
 from llmtrain.objectives.rewards import answer
 
@@ -50,7 +51,7 @@ def generate_samples(model, tokenizer, examples, *, max_new_tokens: int, step: i
     model.eval()
     samples = []
     try:
-        with torch.no_grad(), _cached_attention(lm), _gathered(model), torch.compiler.set_stance("force_eager"):
+        with torch.no_grad(), cached_attention(lm), _gathered(model), torch.compiler.set_stance("force_eager"):
             for index, example in enumerate(examples):
                 prompt, expected = split_example(example)
                 input_ids = torch.tensor([prompt], dtype=torch.long, device=lm.device)
@@ -97,20 +98,6 @@ def _eos_ids(lm, tokenizer) -> list[int]:
     configured = lm.generation_config.eos_token_id
     configured = configured if isinstance(configured, list) else [configured]
     return list(dict.fromkeys(t for t in (*configured, tokenizer.eos_token_id) if t is not None))
-
-
-@contextmanager
-def _cached_attention(lm):
-    """SDPA instead of llmtrain's varlen attention while generating (it refuses a KV cache)."""
-    from llmtrain.model.attention import NAME
-
-    before = lm.config._attn_implementation
-    if before == NAME:
-        lm.config._attn_implementation = "sdpa"  # the setter applies it to the sub-configs too
-    try:
-        yield
-    finally:
-        lm.config._attn_implementation = before
 
 
 @contextmanager

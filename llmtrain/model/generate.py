@@ -1,0 +1,91 @@
+"""Sampling completions for online RL: batched, with the KV cache, and reproducible prompt by prompt.
+
+`sample` decodes a batch of prompts (left-padded, with their attention mask and position ids) token by token with
+the model's KV cache. Each completion draws its randomness from its own seed (`completion_seed`: the run's seed,
+the step, the prompt's index in the epoch and which of its generations it is), all of its uniforms at once before
+decoding, and picks each token by inverting the cumulative distribution with them. So a completion does not depend
+on which other prompts share its batch, which process it runs on, or how many processes there are: 2 processes
+sample what 1 does, and a resumed run samples what the uninterrupted one would have (up to a tie in the last bit
+of a cumulative probability, which the batch's other rows could move: never seen in the tests). A completion ends
+with the first stop token (the template's end of turn), which it keeps: it is trained as the reply's end.
+
+llmtrain's varlen attention has no KV cache: generation attends with SDPA (`cached_attention`), the same math on
+one unpacked sequence, and switches back afterwards.
+"""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+
+import torch
+
+_MIX = 1_000_003  # a prime: the seed's parts never collide for steps, prompts and generations below it
+
+
+def completion_seed(seed: int, step: int, prompt_index: int, generation: int) -> int:
+    """The seed of one completion: a pure function of the run's seed, the step, the prompt's index in the epoch and
+    its generation number, never of the rank or the number of processes."""
+    return (((seed * _MIX + step) * _MIX + prompt_index) * _MIX + generation) % (2**63 - 1)
+
+
+@contextmanager
+def cached_attention(lm):
+    """SDPA instead of llmtrain's varlen attention while generating (it refuses a KV cache)."""
+    from llmtrain.model.attention import NAME
+
+    before = lm.config._attn_implementation
+    if before == NAME:
+        lm.config._attn_implementation = "sdpa"  # the setter applies it to the sub-configs too
+    try:
+        yield
+    finally:
+        lm.config._attn_implementation = before
+
+
+def next_tokens(logits: torch.Tensor, uniforms: torch.Tensor, *, temperature: float, top_p: float) -> torch.Tensor:
+    """One token per row of `logits` [rows, vocab]: the argmax at temperature 0, else the token where the row's
+    cumulative distribution (softmax(logits / temperature), cut to its top_p nucleus) passes the row's uniform."""
+    if temperature == 0:
+        return logits.argmax(dim=-1)
+    probs = torch.softmax(logits.float() / temperature, dim=-1)
+    if top_p < 1.0:
+        # the nucleus: the most likely tokens whose probabilities before them add up to less than top_p
+        sorted_probs, order = probs.sort(dim=-1, descending=True)
+        outside = (sorted_probs.cumsum(dim=-1) - sorted_probs) >= top_p
+        probs = probs.scatter(-1, order, sorted_probs.masked_fill(outside, 0.0))
+    cdf = probs.cumsum(dim=-1)
+    picked = torch.searchsorted(cdf, (uniforms * cdf[:, -1]).unsqueeze(-1), right=True).squeeze(-1)
+    return picked.clamp(max=logits.size(-1) - 1)
+
+
+@torch.no_grad()
+def sample(lm, prompts: list[list[int]], *, seeds: list[int], max_new_tokens: int, temperature: float,
+           top_p: float, stop_ids: set[int], pad_id: int) -> list[list[int]]:
+    """Each prompt's completion: at most max_new_tokens ids, ending with a stop id where one was drawn."""
+    device, rows = lm.device, len(prompts)
+    width = max(map(len, prompts))
+    ids = torch.tensor([[pad_id] * (width - len(p)) + p for p in prompts], device=device)
+    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], device=device)
+    positions = (mask.cumsum(-1) - 1).clamp(min=0)
+    # every uniform a completion will use, drawn from its own generator before decoding starts
+    uniforms = torch.stack([torch.rand(max_new_tokens, generator=torch.Generator().manual_seed(s), dtype=torch.float64)
+                            for s in seeds]).to(device=device, dtype=torch.float32)
+    stops = torch.tensor(sorted(stop_ids), device=device)
+    out = [[] for _ in range(rows)]
+    done = torch.zeros(rows, dtype=torch.bool, device=device)
+    with cached_attention(lm):
+        result = lm(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True)
+        for t in range(max_new_tokens):
+            token = next_tokens(result.logits[:, -1], uniforms[:, t], temperature=temperature, top_p=top_p)
+            token = torch.where(done, torch.full_like(token, pad_id), token)
+            for i, (value, finished) in enumerate(zip(token.tolist(), done.tolist())):  # one host sync a token
+                if not finished:
+                    out[i].append(value)
+            done = done | torch.isin(token, stops)
+            if bool(done.all()) or t == max_new_tokens - 1:
+                break
+            mask = torch.cat([mask, torch.ones(rows, 1, dtype=mask.dtype, device=device)], dim=1)
+            positions = positions[:, -1:] + 1
+            result = lm(input_ids=token.unsqueeze(-1), attention_mask=mask, position_ids=positions,
+                        past_key_values=result.past_key_values, use_cache=True)
+    return out
