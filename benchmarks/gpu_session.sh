@@ -49,7 +49,12 @@ if [[ $WHAT == pack ]]; then
 fi
 
 # ---- on the device: the missing packages (datasets, pydantic, liger-kernel) from the carried wheels
-$PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site $G/wheels/*.whl || exit 1
+if [[ $DRY == 1 ]] && $PY -c "import datasets, pydantic" 2>/dev/null; then
+  # the carried wheels are for the device's Python 3.12; a rehearsal's venv that has these packages runs as it is
+  echo "dry run: $PY has datasets and pydantic already; the carried wheels are not installed"
+else
+  $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site $G/wheels/*.whl || exit 1
+fi
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
 $PY -c "import torch, transformers, accelerate, peft, datasets; print('torch', torch.__version__, 'transformers', transformers.__version__, 'accelerate', accelerate.__version__, 'peft', peft.__version__, 'datasets', datasets.__version__, torch.cuda.get_device_name() if torch.cuda.is_available() else 'cpu (dry run)')" | tee "$OUT/versions.txt"
 W=/tmp/work
