@@ -50,8 +50,9 @@ def check_precision(recipe: Recipe, launch: dict) -> list[Check]:
 
 def launch_tp(launch: dict) -> int:
     """Tensor-parallel processes per group of the launch config's parallelism_config (1 without one)."""
-    mesh = launch.get("parallelism_config")
-    return int((mesh or {}).get("parallelism_config_tp_size", 1) or 1) if isinstance(mesh, dict) else 1
+    from llmtrain.memory.launch import mesh_sizes
+
+    return (mesh_sizes(launch) or {"tp": 1})["tp"]
 
 
 def data_ranks(launch: dict) -> int:
@@ -79,13 +80,12 @@ def check_mesh_launch(launch: dict) -> list[Check]:
     mesh)."""
     from types import SimpleNamespace
 
+    from llmtrain.memory.launch import mesh_sizes
     from llmtrain.parallel.distributed import check_mesh
 
-    mesh = launch.get("parallelism_config")
-    if not isinstance(mesh, dict):
+    sizes = mesh_sizes(launch)
+    if sizes is None:
         return []
-    sizes = {k: int(mesh.get(f"parallelism_config_{k}_size", 1) or 1)
-             for k in ("dp_replicate", "dp_shard", "tp", "cp", "sp")}
     config = SimpleNamespace(**{f"{k}_size": v for k, v in sizes.items()})
     world = int(launch.get("num_processes", 1) or 1)
     try:

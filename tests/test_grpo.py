@@ -10,6 +10,8 @@ None (NaN) included.
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 
@@ -189,7 +191,7 @@ def test_a_bad_reward_function_stops_with_its_name_and_row(body, says):
 
     namespace: dict = {}
     exec(f"def bad(prompts, completions, **columns):\n    {body}\n", namespace)
-    with pytest.raises(LLMTrainError, match=re_escape(says)):
+    with pytest.raises(LLMTrainError, match=re.escape(says)):
         score([("bad", namespace["bad"], 1.0)], ["p", "p"], ["a", "b"], {}, rows=[4, 9])
 
 
@@ -203,12 +205,6 @@ def test_a_reward_function_that_cannot_be_imported_says_what_is_missing():
         import_reward("no_such_module_here:f")
     with pytest.raises(LLMTrainError, match="math has no function nope"):
         import_reward("math:nope")
-
-
-def re_escape(text: str) -> str:
-    import re
-
-    return re.escape(text)
 
 
 # --------------------------------------------------------------------------- sampling completions

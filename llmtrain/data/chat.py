@@ -62,24 +62,34 @@ def _marked_history(tokenizer, history: list[dict], template: str | None) -> str
 _MARKED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # tokenizer -> {(template, shape): marked prompt}
 
 
+def _fill(pieces: list[str], text: str, messages: list[dict]) -> tuple[dict[int, tuple[int, int]], int] | None:
+    """Match a marked rendering, split at its markers (`pieces`: [P0, "k0", P1, "k1", P2, ...]), against the start
+    of `text`: the template pieces exactly, each marker as its message's content as given or trimmed (templates
+    may `|trim` it). Returns (each message's content span, where the match ends), or None where `text` does not
+    start that way (a marker shown twice included)."""
+    order = [int(k) for k in pieces[1::2]]
+    if len(set(order)) != len(order) or not text.startswith(pieces[0]):
+        return None
+    spans, pos = {}, len(pieces[0])
+    for k, after in zip(order, pieces[2::2]):
+        content = messages[k]["content"]
+        shown = next((c for c in dict.fromkeys((content, content.strip(), content.rstrip(), content.lstrip()))
+                      if text.startswith(c + after, pos)), None)
+        if shown is None:
+            return None
+        spans[k] = (pos, pos + len(shown))
+        pos += len(shown) + len(after)
+    return spans, pos
+
+
 def _prompt_in(before: str, marked: str, history: list[dict]) -> str | None:
     """The inference prompt of `history` read off `before` (the same history rendered with the reply after it),
     when the marked prompt, its markers replaced by the contents as `before` shows them (as given, or trimmed),
     is where `before` starts: one template render per row saved. None where it is not (a template that renders the
     history otherwise once a reply follows, Mistral v0.3 with a system prompt, or that rewrites a content): then
     the prompt is rendered."""
-    pieces = re.split("\ue000(\\d+)\ue001", marked)
-    if not before.startswith(pieces[0]):
-        return None
-    pos = len(pieces[0])
-    for k, after in zip(pieces[1::2], pieces[2::2]):
-        content = history[int(k)]["content"]
-        shown = next((c for c in dict.fromkeys((content, content.strip(), content.rstrip(), content.lstrip()))
-                      if before.startswith(c + after, pos)), None)
-        if shown is None:
-            return None
-        pos += len(shown) + len(after)
-    return before[:pos]
+    found = _fill(re.split("\ue000(\\d+)\ue001", marked), before, history)
+    return None if found is None else before[:found[1]]
 
 
 def _locate(marked: str, text: str, messages: list[dict]) -> dict[int, tuple[int, int]]:
@@ -96,18 +106,9 @@ def _locate(marked: str, text: str, messages: list[dict]) -> dict[int, tuple[int
     for k in range(len(messages)):
         if k not in order and messages[k]["content"].strip():
             raise _not_shown(messages, k)
-    spans, pos = {}, len(pieces[0])
-    if len(set(order)) == len(order) and text.startswith(pieces[0]):
-        for k, after in zip(order, pieces[2::2]):
-            content = messages[k]["content"]
-            shown = next((c for c in dict.fromkeys((content, content.strip(), content.rstrip(), content.lstrip()))
-                          if text.startswith(c + after, pos)), None)
-            if shown is None:
-                break
-            spans[k] = (pos, pos + len(shown))
-            pos += len(shown) + len(after)
-        if len(spans) == len(order) and pos == len(text):
-            return spans
+    found = _fill(pieces, text, messages)
+    if found is not None and found[1] == len(text):
+        return found[0]
     spans, cursor = {}, 0
     for k in order:
         content = messages[k]["content"].strip()
@@ -191,12 +192,18 @@ def render_chat(messages: list[dict], tokenizer, *, template: str | None = None,
     return prompt + sep + shown + after, trained
 
 
+def closing(text: str, spans: list[tuple[int, int]]) -> str:
+    """What a rendered chat (render_chat's text and spans) shows after its final reply, without the whitespace
+    after it: the end of the turn, which training ends every reply with and generation must stop at ('' for a
+    template that renders nothing there)."""
+    return text[spans[-1][1]:].rstrip()
+
+
 def end_of_turn(tokenizer, template: str | None = None) -> str:
-    """What the template renders after a final reply, without the whitespace after it: what training ends every
-    reply with (formats.encode_messages) and generation must stop at; '' for a template that renders nothing."""
+    """The template's end of turn (`closing`), read off a two-message chat."""
     text, spans = render_chat([{"role": "user", "content": "1 + 1?"}, {"role": "assistant", "content": "2"}],
                               tokenizer, template=template)
-    return text[spans[-1][1]:].rstrip()
+    return closing(text, spans)
 
 
 def read_template(cfg: DataConfig) -> str | None:

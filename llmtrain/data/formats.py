@@ -11,7 +11,7 @@ import weakref
 from typing import Any
 
 from llmtrain.config import DataConfig
-from llmtrain.data.chat import read_template, render_chat
+from llmtrain.data.chat import closing, read_template, render_chat
 from llmtrain.errors import LLMTrainError
 
 IGNORE = -100
@@ -197,22 +197,22 @@ def encode_messages(messages: list[dict], tokenizer, *, train_on_prompt: bool, t
     special = special_ids(tokenizer)
     labels = [IGNORE] * len(ids)
     closed = True
-    end_of_turn = text[spans[-1][1]:].rstrip()  # what the template renders after the final reply
+    end_of_turn = closing(text, spans)  # what the template renders after the final reply
     for start, end in spans:
-        if end_of_turn and text.startswith(end_of_turn, end):  # the reply, then the end of its turn as text
-            closed, end = True, end + len(end_of_turn)
-            inside = [i for i, (a, b) in enumerate(offsets) if a < end and b > start and b > a]
-            for i in inside:
-                labels[i] = ids[i]
-            continue
-        # An earlier reply that the template closes otherwise: up to the next special token, past whitespace.
+        as_text = bool(end_of_turn) and text.startswith(end_of_turn, end)  # the reply, then its end of turn
+        end += len(end_of_turn) if as_text else 0
         inside = [i for i, (a, b) in enumerate(offsets) if a < end and b > start and b > a]
-        j = inside[-1] + 1 if inside else next((i for i, (a, _) in enumerate(offsets) if a >= end), len(ids))
-        k = j
-        while k < len(ids) and ids[k] not in special and not text[offsets[k][0]:offsets[k][1]].strip():
-            k += 1
-        closed = k < len(ids) and ids[k] in special
-        for i in inside + (list(range(j, k + 1)) if closed else []):
+        after = []
+        if as_text:
+            closed = True
+        else:  # an earlier reply that the template closes otherwise: up to the next special token, past whitespace
+            j = inside[-1] + 1 if inside else next((i for i, (a, _) in enumerate(offsets) if a >= end), len(ids))
+            k = j
+            while k < len(ids) and ids[k] not in special and not text[offsets[k][0]:offsets[k][1]].strip():
+                k += 1
+            closed = k < len(ids) and ids[k] in special
+            after = list(range(j, k + 1)) if closed else []
+        for i in inside + after:
             labels[i] = ids[i]
     if not closed:  # the template does not end the final assistant turn with a stop token: append EOS
         ids, labels = ids + [tokenizer.eos_token_id], labels + [tokenizer.eos_token_id]

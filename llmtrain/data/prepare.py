@@ -11,6 +11,7 @@ import hashlib
 import json
 import os
 import shutil
+from collections import Counter
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -30,10 +31,15 @@ KEEP_AT_LEAST = 0.1  # a source that keeps fewer of its rows stops the run: its 
 NO_TRAINED = "with no trained token within data.max_seq_len"  # why an SFT example is dropped
 
 
+def _row_dicts(batch: dict) -> list[dict]:
+    """A batch of columns ({column: values}) as its rows ({column: value} each)."""
+    return [dict(zip(batch, values)) for values in zip(*batch.values())]
+
+
 def _rows(raw):
     """The rows as dicts, read a thousand at a time (datasets' row-by-row iteration formats each row alone)."""
     for batch in raw.iter(batch_size=1000):
-        yield from (dict(zip(batch, values)) for values in zip(*batch.values()))
+        yield from _row_dicts(batch)
 
 
 def check_rows(raw, cfg: DataConfig, source: str) -> None:
@@ -130,7 +136,7 @@ def tokenize_dataset(raw, tokenizer, cfg: DataConfig, source: str):
         return {**out, "drop": DROPS.get(why, why), "row": row}
 
     def encode_batch(batch: dict, indices: list[int]) -> dict:  # rows in, rows out: datasets writes them at once
-        outs = [encode(dict(zip(batch, values)), i) for values, i in zip(zip(*batch.values()), indices)]
+        outs = [encode(row, i) for row, i in zip(_row_dicts(batch), indices)]
         return {k: [o[k] for o in outs] for k in outs[0]} if outs else {}
 
     # new_fingerprint: datasets would otherwise hash `encode` with the tokenizer inside it (a second per source);
@@ -145,7 +151,7 @@ def tokenize_dataset(raw, tokenizer, cfg: DataConfig, source: str):
     dropped = [i for i, t in enumerate(trained) if t == 0]
     reasons = enc.select(dropped)["drop"] if dropped else []
     stats = compute_stats(kept["length"], kept["trained"], kept["truncated"], dropped=len(dropped),
-                          drops={why: reasons.count(why) for why in dict.fromkeys(reasons)},
+                          drops=dict(Counter(reasons)),
                           dropped_rows=[r + 1 for r in enc.select(dropped[:SHOWN_ROWS])["row"]])
     columns = PAIR_COLUMNS if cfg.format == "preference" else ["input_ids", "labels", "length"]
     return kept.select_columns(columns), stats  # length: token budgets bin by it (a pair: both sequences)

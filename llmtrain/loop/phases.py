@@ -255,7 +255,6 @@ def reference_logps(recipe: Recipe, accelerator, data: Data, trainable: Trainabl
     the data as it is."""
     if getattr(objective, "reference", None) != "precomputed":
         return data
-    import math
     import time
 
     from llmtrain.objectives.preference import precompute_reference
@@ -269,15 +268,15 @@ def reference_logps(recipe: Recipe, accelerator, data: Data, trainable: Trainabl
         pairs = len(ds) if needed[name] is None else len(needed[name])
         progress, task = console.progress(total=0, completed=0)
         progress.update(task, description=f"reference ({name})", info=f"{pairs} pairs")
-        lines = [0.1]
+        tenths = [0]  # tenths of the pass said so far
 
         def on_batch(done: int, total: int) -> None:
             progress.update(task, completed=done, total=total)
-            if not console.show_bar and done >= lines[0] * total:  # a log, not a terminal: a line every tenth
+            if not console.show_bar and done * 10 // total > tenths[0]:  # a log, not a terminal: a line a tenth
+                tenths[0] = done * 10 // total
                 spent = time.perf_counter() - begun
                 say(f"reference log-probabilities ({name}): {done}/{total} micro-batches, {spent:.0f} s, eta "
                     f"{spent / done * (total - done):.0f} s")
-                lines[0] = math.floor(done / total * 10 + 1) / 10
 
         begun = time.perf_counter()
         with progress:

@@ -53,19 +53,27 @@ def read_accelerate_config(path: Path) -> Layout:
         raise LLMTrainError(f"accelerate config '{path}': num_processes {procs} is not a multiple of "
                             f"num_machines {machines}.")
     strategy, tp = STRATEGIES[kind] if procs > 1 or kind == "FSDP" else "single", 1
-    if kind == "FSDP" and isinstance(mesh := cfg.get("parallelism_config"), dict):
-        strategy, tp = _mesh_strategy(path, mesh, gpus=procs // machines, nodes=machines)
+    if kind == "FSDP" and (sizes := mesh_sizes(cfg)) is not None:
+        strategy, tp = _mesh_strategy(path, sizes, gpus=procs // machines, nodes=machines)
     offload = bool((cfg.get("fsdp_config") or {}).get("fsdp_offload_params", False))
     mp = cfg.get("mixed_precision")
     return Layout(strategy, procs // machines, machines, offload and strategy == "fsdp",
                   None if mp is None else str(mp), tp)
 
 
-def _mesh_strategy(path: Path, mesh: dict, *, gpus: int, nodes: int) -> tuple[Strategy, int]:
-    """(fsdp or hsdp, tp) from a parallelism_config section; the estimate models HSDP as replicas = nodes, and
-    FSDP x TP as tp consecutive GPUs of a node per group."""
-    sizes = {k: int(mesh.get(f"parallelism_config_{k}_size", 1) or 1) for k in ("dp_replicate", "dp_shard", "tp",
-                                                                                 "cp")}
+def mesh_sizes(cfg: dict) -> dict[str, int] | None:
+    """An accelerate launch config's parallelism_config section as its sizes (dp_replicate, dp_shard, tp, cp, sp:
+    1 where not given); None without one."""
+    mesh = cfg.get("parallelism_config")
+    if not isinstance(mesh, dict):
+        return None
+    return {k: int(mesh.get(f"parallelism_config_{k}_size", 1) or 1) for k in ("dp_replicate", "dp_shard", "tp",
+                                                                               "cp", "sp")}
+
+
+def _mesh_strategy(path: Path, sizes: dict[str, int], *, gpus: int, nodes: int) -> tuple[Strategy, int]:
+    """(fsdp or hsdp, tp) from a parallelism_config section's sizes (mesh_sizes); the estimate models HSDP as
+    replicas = nodes, and FSDP x TP as tp consecutive GPUs of a node per group."""
     if sizes["cp"] > 1:
         raise LLMTrainError(f"accelerate config '{path}': context parallelism is not modelled (llmtrain does not "
                             "train with it); estimate-memory knows DDP, FSDP, HSDP and their x TP.")

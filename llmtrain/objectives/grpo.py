@@ -61,11 +61,10 @@ def token_losses(logps: torch.Tensor, advantages: torch.Tensor, *, old_logps: to
     mattered). `advantages` are per token (each completion's, repeated over its tokens). old_logps None: the
     policy that sampled is this one (one update a generation round), so the ratio is exp(logps - logps.detach())."""
     old = logps.detach() if old_logps is None else old_logps
+    low, high = 1 - epsilon, 1 + (epsilon if epsilon_high is None else epsilon_high)
     ratio = torch.exp(logps - old)
-    clipped_ratio = torch.clamp(ratio, 1 - epsilon, 1 + (epsilon if epsilon_high is None else epsilon_high))
-    loss = -torch.min(ratio * advantages, clipped_ratio * advantages)
-    clipped = ((ratio < 1 - epsilon) & (advantages < 0)) | (
-        (ratio > 1 + (epsilon if epsilon_high is None else epsilon_high)) & (advantages > 0))
+    loss = -torch.min(ratio * advantages, torch.clamp(ratio, low, high) * advantages)
+    clipped = ((ratio < low) & (advantages < 0)) | ((ratio > high) & (advantages > 0))
     kl = None
     if beta != 0.0:
         delta = ref_logps - logps
