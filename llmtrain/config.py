@@ -68,7 +68,7 @@ class LoraConfig(Section):
     modules_to_save: list[str] | None = Field(None, description="Modules trained in full and saved with the adapter.")
 
 
-DataFormat = Literal["alpaca", "messages", "prompt_completion", "text", "preference"]
+DataFormat = Literal["alpaca", "messages", "prompt_completion", "text", "preference", "prompt"]
 
 
 class DataConfig(Section):
@@ -78,8 +78,10 @@ class DataConfig(Section):
     )
     name: str | None = Field(None, description="Hub dataset configuration name (e.g. 'main' for gsm8k).")
     split: str = Field("train", description="Split to train on, of a hub dataset or a dataset folder.")
-    format: DataFormat = Field(description="How examples are laid out: alpaca, messages, prompt_completion, text, or "
-                               "preference (prompt, chosen, rejected: pairs for the preference: section).")
+    format: DataFormat = Field(description="How examples are laid out: alpaca, messages, prompt_completion, text, "
+                               "preference (prompt, chosen, rejected: pairs for the preference: section), or prompt "
+                               "(prompts alone, for online RL: the rl: section; every other column goes to the "
+                               "reward functions).")
     fields: dict[str, str] = Field(
         default_factory=dict,
         description="Names in the data for the format's names: columns (prompt, completion, instruction, input, "
@@ -126,9 +128,10 @@ class DataConfig(Section):
 
     @model_validator(mode="after")
     def _check_chat(self) -> DataConfig:
-        if self.chat_template is not False and self.format not in ("prompt_completion", "messages", "preference"):
-            raise ValueError(f"data.chat_template applies to formats prompt_completion, messages and preference, not "
-                             f"{self.format}")
+        if self.chat_template is not False and self.format not in ("prompt_completion", "messages", "preference",
+                                                                   "prompt"):
+            raise ValueError(f"data.chat_template applies to formats prompt_completion, messages, preference and "
+                             f"prompt, not {self.format}")
         if self.system_prompt is not None and self.format != "messages" and self.chat_template is False:
             raise ValueError("data.system_prompt needs rows rendered as a chat: set data.chat_template: true "
                              "(or a template file), or use data.format: messages")
@@ -290,12 +293,82 @@ class PreferenceConfig(Section):
         return self
 
 
+class RewardConfig(Section):
+    type: Literal["answer_match", "format", "function"] = Field(
+        description="answer_match: 1 where the completion's answer (the first group of `pattern`) equals the "
+        "`column`'s; format: 1 where the completion matches `pattern`; function: the user's `function`.")
+    weight: float = Field(1.0, allow_inf_nan=False, description="The reward's weight in the summed reward.")
+    pattern: str | None = Field(
+        None, description="answer_match: a regular expression whose first group is the answer (default "
+        "train.eval_answer_pattern; none: the whole stripped reply); format: the pattern a completion must match.")
+    column: str = Field("answer", description="answer_match: the dataset column holding the expected answer.")
+    function: str | None = Field(
+        None, description="function: module:function with TRL's signature f(prompts, completions, **columns) -> "
+        "list[float | None]; the module is imported from PYTHONPATH or the working directory.")
+
+    @model_validator(mode="after")
+    def _check_kind(self) -> RewardConfig:
+        if self.type == "function" and not self.function:
+            raise ValueError("a reward of type function needs function: module:function")
+        if self.type != "function" and self.function:
+            raise ValueError(f"function: is read by rewards of type function, not {self.type}")
+        if self.type == "format" and not self.pattern:
+            raise ValueError("a reward of type format needs pattern: the regular expression a completion must match")
+        if self.pattern is not None:
+            try:
+                groups = re.compile(self.pattern).groups
+            except re.error as e:
+                raise ValueError(f"pattern {self.pattern!r} is not a regular expression ({e})") from None
+            if self.type == "answer_match" and groups < 1:
+                raise ValueError("an answer_match pattern needs a group around the answer, e.g. '#### (\\S+)'")
+        return self
+
+    @property
+    def name(self) -> str:
+        """The reward's name in the metrics (rewards/<name>/mean) and rollouts.jsonl."""
+        return self.function.rpartition(":")[2] if self.type == "function" else self.type
+
+
+class RLConfig(Section):
+    num_generations: int = Field(8, ge=2, description="Completions sampled per prompt: a group, whose rewards are "
+                                 "compared with each other (GRPO's advantages).")
+    max_completion_tokens: int = Field(256, gt=0, description="Most tokens of a completion; one that reaches it "
+                                       "without a stop token is clipped (completions/clipped_ratio).")
+    temperature: float = Field(1.0, gt=0, allow_inf_nan=False, description="Sampling temperature; the policy's "
+                               "log-probabilities are taken at the same temperature (as TRL).")
+    top_p: float = Field(1.0, gt=0, le=1, description="Nucleus sampling: the smallest set of tokens whose "
+                         "probabilities add up to top_p.")
+    loss_type: Literal["dapo", "grpo", "dr_grpo"] = Field(
+        "dapo", description="How the loss is normalised, as TRL 1.16: dapo, every completion token of the step "
+        "weighs the same (TRL's default); grpo, each completion's mean over its tokens, then the mean over "
+        "completions; dr_grpo, the token sum over completions x max_completion_tokens.")
+    beta: float = Field(0.0, ge=0, allow_inf_nan=False, description="Weight of the k3 KL estimate to the reference "
+                        "(the starting model; LoRA: the adapter disabled). 0 (TRL's default) needs no reference.")
+    epsilon: float = Field(0.2, gt=0, lt=1, description="The clipped surrogate's lower (and upper) bound: ratios "
+                           "outside [1 - epsilon, 1 + epsilon] are clipped.")
+    epsilon_high: float | None = Field(None, gt=0, description="DAPO's separate upper bound (e.g. 0.28); default "
+                                       "epsilon.")
+    scale_rewards: Literal["group", "none"] = Field(
+        "group", description="group: advantages are (reward - group mean) / group std; none: reward - group mean "
+        "(Dr. GRPO).")
+    rewards: list[RewardConfig] = Field(min_length=1, description="The reward functions, summed with their weights.")
+
+    @model_validator(mode="after")
+    def _unique_names(self) -> RLConfig:
+        names = [r.name for r in self.rewards]
+        if len(set(names)) != len(names):
+            raise ValueError(f"two rewards share a name ({names}): give each function its own name")
+        return self
+
+
 class Recipe(Section):
     model: ModelConfig = Field(description="The model to fine-tune and how to load it.")
     data: DataConfig = Field(description="Training (and eval) data, its format and tokenisation.")
     lora: LoraConfig | None = Field(None, description="LoRA settings; absent means full fine-tune.")
     preference: PreferenceConfig | None = Field(
         None, description="Preference tuning on pairs (data.format: preference); absent means supervised fine-tuning.")
+    rl: RLConfig | None = Field(
+        None, description="Online RL with verifiable rewards, GRPO (data.format: prompt); absent means no RL.")
     train: TrainConfig = Field(default_factory=TrainConfig, description="Optimisation, schedule and batch.")
     checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig, description="Resumable state and export.")
     logging: LoggingConfig = Field(default_factory=LoggingConfig, description="Progress bar and TensorBoard.")
@@ -320,6 +393,21 @@ class Recipe(Section):
         if self.preference is not None and self.preference.reference == "adapter" and self.lora is None:
             raise ValueError("preference.reference: adapter disables the LoRA adapter, and this recipe has no lora: "
                              "section; use precomputed (or auto) for a full fine-tune")
+        return self
+
+    @model_validator(mode="after")
+    def _check_rl(self) -> Recipe:
+        if (self.rl is None) != (self.data.format != "prompt"):
+            raise ValueError("data.format: prompt and the rl: section go together: prompts alone train with rewards "
+                             "(add rl: {rewards: [{type: answer_match}]}), and rl: needs prompts")
+        if self.rl is not None and self.rl.beta > 0 and self.lora is None:
+            raise ValueError(f"rl.beta={self.rl.beta} needs the starting model as a reference; a LoRA run has it "
+                             "for free (the adapter disabled), a full fine-tune would need a second, frozen copy of "
+                             "the weights, which llmtrain does not build. Set rl.beta=0 (TRL's default), or add a "
+                             "lora: section")
+        if self.rl is not None and self.train.micro_batch_tokens is not None:
+            raise ValueError("rl: a micro-batch is train.micro_batch_size prompts, each with rl.num_generations "
+                             "completions packed padding-free into one row; unset train.micro_batch_tokens")
         return self
 
     def to_yaml(self) -> str:

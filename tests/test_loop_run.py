@@ -184,7 +184,7 @@ def test_an_objective_through_the_seam_drives_training_and_evaluation(recipe, tm
 
     common = ["train.max_steps=3", "data.eval_split=0.05", "train.eps=1e-30", "train.max_grad_norm=null"]
     run_train(recipe, f"output_dir={tmp_path / 'plain'}", *common)
-    monkeypatch.setattr("llmtrain.loop.train.objective_for", lambda recipe, pad_id, model: Doubled(pad_id=pad_id,
+    monkeypatch.setattr("llmtrain.loop.train.objective_for", lambda recipe, pad_id, model, **_: Doubled(pad_id=pad_id,
                                                                                               packing=False))
     run_train(recipe, f"output_dir={tmp_path / 'doubled'}", *common)
     plain, doubled = records(tmp_path / "plain"), records(tmp_path / "doubled")

@@ -20,7 +20,7 @@ import math
 import queue
 import threading
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import NamedTuple
 
 import torch
@@ -153,7 +153,8 @@ class Window:
     end: int  # index of the epoch's next micro-batch after this window
     epoch_done: bool  # the window ends the epoch: the position rolls over to the next epoch before any save
     batches: list[dict]
-    counts: Counts  # this rank's real examples, summed over the window's micro-batches 
+    counts: Counts  # this rank's real examples, summed over the window's micro-batches
+    rollouts: list = field(default_factory=list)  # online RL: one record per completion sampled (rollouts.jsonl)
 
 
 def with_loss_positions(batch: dict) -> dict:

@@ -35,7 +35,7 @@ def check_tokenizer(tokenizer) -> list[Check]:
 
 def needs_chat(recipe: Recipe) -> bool:
     d = recipe.data
-    return d.format == "messages" or (d.format == "prompt_completion" and d.chat_template is not False)
+    return d.format == "messages" or (d.format in ("prompt_completion", "prompt") and d.chat_template is not False)
 
 
 def check_chat_template(recipe: Recipe, tokenizer) -> list[Check]:
@@ -128,6 +128,8 @@ def check_budget(budget: int | None, lengths: list[int]) -> list[Check]:
 def check_data(recipe: Recipe, stats: DataStats, train, eval_ds, tokenizer) -> list[Check]:
     """The data checks `finetune` (which stops on a fail) and `doctor` share: the loss mask, the stop token
     trained, and the token budget, on the tokenised train (and eval) sets."""
+    if recipe.data.format == "prompt":  # online RL: nothing is trained from the data; the completions need room
+        return check_prompt_room(recipe, train, eval_ds)
     pairs = recipe.data.format == "preference"
     rows = check_masks(stats, train_on_prompt=recipe.data.train_on_prompt, text=recipe.data.format == "text",
                        max_seq_len=recipe.data.max_seq_len, unit="pairs" if pairs else "examples")
@@ -139,6 +141,27 @@ def check_data(recipe: Recipe, stats: DataStats, train, eval_ds, tokenizer) -> l
                                   end_of_turn=_end_of_turn(recipe, tokenizer))
     lengths = [*train["length"], *(eval_ds["length"] if eval_ds is not None else [])]
     return rows + check_budget(recipe.train.micro_batch_tokens, lengths)
+
+
+def check_prompt_room(recipe: Recipe, train, eval_ds) -> list[Check]:
+    """Online RL: every prompt leaves room for rl.max_completion_tokens within data.max_seq_len (a prompt is never
+    cut: its end is what the completion continues). Fails naming the file and the first rows."""
+    d, most = recipe.data, recipe.rl.max_completion_tokens
+    room = d.max_seq_len - most
+    rows = []
+    for name, ds, where in (("train", train, d.path), ("eval", eval_ds, d.eval_split)):
+        if ds is None or not len(ds):
+            continue
+        long = [(r + 1, n) for r, n in zip(ds["row"], ds["length"]) if n > room]
+        if long:
+            shown = ", ".join(f"row {r} ({n} tokens)" for r, n in long[:5]) + (", ..." if len(long) > 5 else "")
+            need = max(n for _, n in long) + most
+            return [("prompt room", "fail", f"{len(long)} {name} prompts in {where} leave no room for "
+                     f"rl.max_completion_tokens={most} within data.max_seq_len={d.max_seq_len}: {shown}. Raise "
+                     f"data.max_seq_len to {need}, lower rl.max_completion_tokens, or remove those rows.")]
+        rows.append(f"{name}: the longest prompt {max(ds['length'])} tokens")
+    return [("prompt room", "pass", "; ".join(rows) + f" + rl.max_completion_tokens={most} <= data.max_seq_len="
+             f"{d.max_seq_len}")]
 
 
 def _end_of_turn(recipe: Recipe, tokenizer) -> str | None:

@@ -23,9 +23,10 @@ FORMAT_FIELDS = {
     "prompt_completion": ("prompt", "completion"),
     "text": ("text",),
     "preference": ("prompt", "chosen", "rejected"),
+    "prompt": ("prompt",),  # online RL: the completions are sampled; the other columns go to the reward functions
 }
 OPTIONAL_FIELDS = {"alpaca": {"input"}, "preference": {"prompt"}}  # preference: implicit-prompt rows have none
-CHAT_FORMATS = ("messages", "prompt_completion", "preference")  # formats whose rows may be chats (role/content)
+CHAT_FORMATS = ("messages", "prompt_completion", "preference", "prompt")  # formats whose rows may be chats (role/content)
 
 ALPACA_PROMPT = (
     "Below is an instruction that describes a task{ctx}. Write a response that appropriately completes the request."
@@ -99,9 +100,9 @@ def row_problem(example: dict, cfg: DataConfig) -> str | None:
     for field in FORMAT_FIELDS[cfg.format]:
         value = _column(example, cfg, field)
         name = f"'{cfg.fields.get(field, field)}' ({field})"
-        if value is None and field not in OPTIONAL_FIELDS.get(cfg.format, ()):
+        if (value is None or value == "") and field not in OPTIONAL_FIELDS.get(cfg.format, ()):
             return f"{name} is empty"
-        if isinstance(value, list) and cfg.format == "prompt_completion":  # TRL's conversational rows
+        if isinstance(value, list) and cfg.format in ("prompt_completion", "prompt"):  # TRL's conversational rows
             problem = _messages_problem(value, cfg, name) or (
                 _no_reply_problem(value, cfg, name) if field == "completion" else None)
             if problem:
@@ -230,6 +231,31 @@ def _tokens_and_offsets(tokenizer, text: str) -> tuple[list[int], list[tuple[int
         return enc.ids, enc.offsets
     enc = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
     return enc["input_ids"], enc["offset_mapping"]
+
+
+def encode_prompt(example: dict, tokenizer, cfg: DataConfig, *, template: str | None = None) -> dict:
+    """A prompt for online RL (data.format: prompt), as generation will continue it: a chat (a messages prompt, or
+    data.chat_template set) rendered with its generation prompt, else the text with the tokenizer's BOS rule.
+    Nothing is trained and nothing is cut: a prompt that leaves no room for the completion is refused
+    (checks.check_prompt_room). Every other column of the row is kept for the reward functions."""
+    prompt = _column(example, cfg, "prompt")
+    if isinstance(prompt, list) or cfg.chat_template is not False:
+        messages = ([_message(m, cfg) for m in prompt] if isinstance(prompt, list)
+                    else [{"role": "user", "content": str(prompt)}])
+        if cfg.system_prompt is not None and messages[0]["role"] != "system":
+            messages = [{"role": "system", "content": cfg.system_prompt}, *messages]
+        if template is None and tokenizer.chat_template is None:
+            raise LLMTrainError("rendering a chat prompt needs a chat template, and this tokenizer (model.tokenizer) "
+                                "has none. Give a Jinja template file with data.chat_template: path/to/template.jinja")
+        text = tokenizer.apply_chat_template(messages, chat_template=template, tokenize=False,
+                                             add_generation_prompt=True)
+        ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+    else:
+        ids = tokenizer(str(prompt), add_special_tokens=True)["input_ids"]
+    prompt_column = cfg.fields.get("prompt", "prompt")
+    columns = {k: v for k, v in example.items() if k != prompt_column and not k.startswith("__llmtrain")}
+    return {**columns, "prompt": prompt, "input_ids": ids, "labels": [IGNORE] * len(ids), "length": len(ids),
+            "trained": len(ids), "truncated": False}
 
 
 def encode_example(example: dict, tokenizer, cfg: DataConfig, *, template: str | None = None) -> dict:

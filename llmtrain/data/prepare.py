@@ -17,7 +17,7 @@ from pathlib import Path
 
 from llmtrain.config import DataConfig
 from llmtrain.data.chat import read_template
-from llmtrain.data.formats import check_columns, encode_example, row_problem
+from llmtrain.data.formats import check_columns, encode_example, encode_prompt, row_problem
 from llmtrain.data.pairs import DROPS, PAIR_COLUMNS, encode_pair, pair_problem
 from llmtrain.data.sources import files as _files
 from llmtrain.data.sources import is_local as _is_local
@@ -124,7 +124,7 @@ def tokenize_dataset(raw, tokenizer, cfg: DataConfig, source: str):
     check_rows(raw, cfg, source)
     template = read_template(cfg)
 
-    encoder = encode_pair if cfg.format == "preference" else encode_example
+    encoder = {"preference": encode_pair, "prompt": encode_prompt}.get(cfg.format, encode_example)
 
     def encode(example: dict, i: int) -> dict:
         row = example.get(ROW, i)
@@ -153,6 +153,8 @@ def tokenize_dataset(raw, tokenizer, cfg: DataConfig, source: str):
     stats = compute_stats(kept["length"], kept["trained"], kept["truncated"], dropped=len(dropped),
                           drops=dict(Counter(reasons)),
                           dropped_rows=[r + 1 for r in enc.select(dropped[:SHOWN_ROWS])["row"]])
+    if cfg.format == "prompt":  # the prompt as given, its tokens, its row; every other column for the rewards
+        return kept.remove_columns(["trained", "truncated", "drop"]), stats
     columns = PAIR_COLUMNS if cfg.format == "preference" else ["input_ids", "labels", "length"]
     return kept.select_columns(columns), stats  # length: token budgets bin by it (a pair: both sequences)
 

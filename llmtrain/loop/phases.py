@@ -83,6 +83,11 @@ def read_only_checks(recipe: Recipe, accelerator, *, resume: str | None, overwri
         say(f"the run in {out} is already complete ({done['steps']} steps, final/ written); nothing "
             "was changed. Raise train.max_steps with --allow-recipe-change to train it further.")
         return Checked(checkpoint=None, notes=(), finished=done)
+    if recipe.rl is not None and (uses_fsdp(accelerator) or tensor_parallel_size(accelerator) > 1):
+        raise LLMTrainError("rl: online RL runs on one process or under DDP (each rank samples its own prompts' "
+                            "completions); under FSDP or tensor parallelism every decoded token would gather the "
+                            "sharded layers, which llmtrain does not do yet. Launch with a DDP config (e.g. "
+                            "accelerate_configs/ddp.yaml) or none; a 7B LoRA policy fits one GPU.")
     ckpt = check_output_dir(accelerator, out, resume=resume, overwrite=overwrite)
     notes = check_resume(ckpt, recipe, world=data_ranks(accelerator)[0], fsdp=uses_fsdp(accelerator),
                          allow_recipe_change=allow_recipe_change) if ckpt else []
@@ -149,12 +154,14 @@ def prepare_data(recipe: Recipe, accelerator, *, say) -> Data:
         procs = f"{world} data-parallel ranks ({accelerator.num_processes} processes: {mesh})"
     else:
         procs = f"{accelerator.num_processes} processes" + (f" ({mesh})" if mesh else "")
-    unit = "pairs" if recipe.data.format == "preference" else "examples"
-    say(f"data: {s.examples} train {unit} ({cache_line(int(cache_reads), accelerator.num_processes)}), "
-        f"{s.truncated} truncated, "
-        f"{s.dropped} dropped, "
-        f"{s.trained_fraction:.1%} of tokens trained; eval: {stats['eval'].examples if 'eval' in stats else 0} "
-        f"{unit}")
+    unit = {"preference": "pairs", "prompt": "prompts"}.get(recipe.data.format, "examples")
+    evals = f"eval: {stats['eval'].examples if 'eval' in stats else 0} {unit}"
+    if recipe.rl is not None:
+        say(f"data: {s.examples} train {unit} ({cache_line(int(cache_reads), accelerator.num_processes)}), "
+            f"{recipe.rl.num_generations} completions each a step; {evals}")
+    else:
+        say(f"data: {s.examples} train {unit} ({cache_line(int(cache_reads), accelerator.num_processes)}), "
+            f"{s.truncated} truncated, {s.dropped} dropped, {s.trained_fraction:.1%} of tokens trained; {evals}")
     for name, status, detail in check_data(recipe, s, train_ds, eval_ds, tokenizer):  # as `llmtrain doctor`
         if status == "fail":
             raise LLMTrainError(f"{name}: {detail}")
@@ -175,7 +182,9 @@ def prepare_data(recipe: Recipe, accelerator, *, say) -> Data:
     else:
         mb = tc.micro_batch_size
         say(f"global batch: {mb} micro-batch x {accum} accumulation x {procs} = "
-            f"{mb * accum * world} examples/step; {total_steps} steps ({per_epoch[0]}/epoch)")
+            f"{mb * accum * world} {unit}/step"
+            + (f" ({mb * accum * world * recipe.rl.num_generations} completions)" if recipe.rl else "")
+            + f"; {total_steps} steps ({per_epoch[0]}/epoch)")
     return Data(tokenizer=tokenizer, train=train_ds, eval=eval_ds, stats=stats, cache_reads=int(cache_reads),
                 pad_id=pad_id(tokenizer), plan=plan, total_steps=total_steps, packing_efficiency=efficiency)
 

@@ -34,13 +34,17 @@ class StepResult:
     lr: float  # the learning rate of this update
     skipped: bool  # no update: the gradient norm was not finite (every rank agrees: it is the global norm)
     stop_voted: bool  # some process had a stop signal when the step began (several processes only)
+    rollouts: list  # online RL: this rank's completions, one record each (rollouts.jsonl); empty otherwise
 
 
 def train_step(model, optimizer, scheduler, accelerator, objective: Objective, window, *,
-               max_grad_norm: float | None, stop_signal: int, fsdp_accumulate: str) -> StepResult:
+               max_grad_norm: float | None, stop_signal: int, fsdp_accumulate: str, step: int = 0) -> StepResult:
     """Forward and backward over the window's micro-batches, clip, and the optimizer step unless the gradient
-    norm is not finite."""
+    norm is not finite. An objective with a rollout (online RL) first turns the window's prompts into scored
+    completions, sampled by the model as it is before this step (`step`: the steps taken before it)."""
     world, _ = data_ranks(accelerator)  # processes that read different batches (a TP group reads one)
+    if (rollout := getattr(objective, "rollout", None)) is not None:  # before the counts: they are the completions'
+        window = rollout(window, step=step)
     counts = torch.tensor([*window.counts, float(stop_signal > 0)], dtype=torch.float64)
     denominator = max(window.counts.units, 1.0)  # one process: a Python number, no device round trip
     if accelerator.num_processes > 1:  # the one collective of the step: every rank needs the window's loss units
@@ -72,7 +76,7 @@ def train_step(model, optimizer, scheduler, accelerator, objective: Objective, w
     scheduler.step()
     optimizer.zero_grad(set_to_none=True)
     return StepResult(loss_sum=loss_sum, stats_sum=stats_sum, counts=Counts(*summed), grad_norm=grad_norm, lr=lr,
-                      skipped=skipped, stop_voted=votes > 0)
+                      skipped=skipped, stop_voted=votes > 0, rollouts=window.rollouts)
 
 
 @torch.no_grad()

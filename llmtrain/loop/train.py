@@ -39,7 +39,7 @@ from llmtrain.loop.signals import StopRequests
 from llmtrain.loop.step import evaluate, train_step
 from llmtrain.memory import predicted_for_run
 from llmtrain.objectives.objective import Objective, objective_for
-from llmtrain.parallel.distributed import build_accelerator, data_ranks
+from llmtrain.parallel.distributed import build_accelerator, data_ranks, gathered
 from llmtrain.run.checkpoint import save_checkpoint
 from llmtrain.run.console import RunConsole, step_text, summary_table
 from llmtrain.run.export import save_final
@@ -71,7 +71,8 @@ def train(recipe: Recipe, *, resume: str | None = None, overwrite: bool = False,
         seed_run(recipe.train, cleanup)
         data = prepare_data(recipe, accelerator, say=say)
         trainable = build_model(recipe, accelerator, total_steps=data.total_steps, say=say)
-        objective = objective_for(recipe, pad_id=data.pad_id, model=trainable.unwrapped)
+        objective = objective_for(recipe, pad_id=data.pad_id, model=trainable.unwrapped, tokenizer=data.tokenizer,
+                                  train=data.train, world=data_ranks(accelerator)[0])
         data = reference_logps(recipe, accelerator, data, trainable, objective, console=console)  # preference only
         run_dir = claim_run_dir(recipe, accelerator, console, checkpoint=checked.checkpoint, resume=resume,
                                 overwrite=overwrite)
@@ -120,15 +121,22 @@ def train_loop(run: Run, state: TrainState, meter: Meter) -> list[dict]:
     progress, task = run.console.progress(total=run.cadence.total_steps, completed=state.step)
     m.model.train()  # from_pretrained returns a model in eval mode: dropout (LoRA's too) must be on
     with progress, StopRequests() as stop_requests, closing(stream):  # closing: the prefetch thread ends here
+        if run.recipe.rl is not None and run.data.eval is not None and state.step == 0:
+            with meter.paused():  # online RL: the starting policy's rewards, which the run is there to raise
+                evals.append(evaluate_and_sample(run, state, progress))
         for window in stream:
             result = train_step(m.model, m.optimizer, m.scheduler, accelerator, run.objective, window,
                                 max_grad_norm=tc.max_grad_norm, stop_signal=stop_requests.signum,
-                                fsdp_accumulate=tc.fsdp_accumulate)
+                                fsdp_accumulate=tc.fsdp_accumulate, step=state.step)
             # One process acts on a signal as soon as its step ends; several act on the votes of the step's
             # collective (a signal that lands during a step is voted on in the next one).
             stop = result.stop_voted if accelerator.num_processes > 1 else bool(stop_requests.signum)
             state.advance(window, result)
             meter.add(result, epoch=window.epoch)
+            if run.recipe.rl is not None:  # every completion, on record before a stop can come
+                # in the order of the prompts' rows: the same file from any number of processes
+                run.log.write_rollouts(sorted(gathered(accelerator, result.rollouts),
+                                              key=lambda r: (r["row"], r["generation"])))
             due = run.cadence.at(state.step, stop=stop, skipped=result.skipped)
             report(run, state, meter, progress, task, logged=due.log, evals=evals)
             guard(run, state, result)  # after its metrics line: a bad step is on record
@@ -156,7 +164,9 @@ def report(run: Run, state: TrainState, meter: Meter, progress, task, *, logged:
         return
     line = meter.line(state)
     run.log.write(line)
-    latest_eval = f"  eval {evals[-1]['eval_loss']:.4f}" if evals else ""
+    latest = evals[-1] if evals else {}
+    latest_eval = (f"  eval {latest['eval_loss']:.4f}" if "eval_loss" in latest else
+                   f"  eval reward {latest['eval_reward']:.3f}" if "eval_reward" in latest else "")
     progress.update(task, completed=state.step, info=step_text(line, unit=run.console.unit) + latest_eval)
     run.console.step(line, total=run.cadence.total_steps)
 
@@ -183,11 +193,13 @@ def evaluate_and_sample(run: Run, state: TrainState, progress) -> dict:
     samples = []
     if tc.eval_samples:  # every rank generates (under FSDP each forward gathers all ranks' shards)
         first = eval_ds.select(range(min(tc.eval_samples, len(eval_ds))))
+        column = getattr(run.objective, "expected_column", None)  # online RL: the answer column is the expected
         samples = generate_samples(run.model.unwrapped, run.data.tokenizer, first,
                                    max_new_tokens=tc.eval_max_new_tokens, step=state.step,
-                                   synced=accelerator.num_processes > 1)
+                                   synced=accelerator.num_processes > 1,
+                                   expected=[str(v) for v in first[column]] if column else None)
         if (accuracy := mark_answers(samples, tc.eval_answer_pattern)) is not None:
-            ev["eval_answer_accuracy"] = accuracy
+            ev.setdefault("eval_answer_accuracy", accuracy)  # online RL's eval counted every eval prompt already
             if unparsed := sum(s["expected_answer"] is None for s in samples):  # misses that no reply can fix
                 say(f"warning (answers): {unparsed} of {len(samples)} reference answers do not match "
                     f"train.eval_answer_pattern {tc.eval_answer_pattern!r}, so they count as misses in "

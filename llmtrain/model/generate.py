@@ -28,6 +28,16 @@ def completion_seed(seed: int, step: int, prompt_index: int, generation: int) ->
     return (((seed * _MIX + step) * _MIX + prompt_index) * _MIX + generation) % (2**63 - 1)
 
 
+def stop_tokens(lm, tokenizer, end_of_turn: str | None = None) -> list[int]:
+    """Where a generation stops: the generation config's end tokens (which list a chat template's end-of-turn token),
+    the tokenizer's EOS, and the template's end of turn (data.chat.end_of_turn) where it is one token."""
+    configured = lm.generation_config.eos_token_id
+    configured = configured if isinstance(configured, list) else [configured]
+    turn = tokenizer(end_of_turn.strip(), add_special_tokens=False)["input_ids"] if end_of_turn else []
+    return list(dict.fromkeys(t for t in (*configured, tokenizer.eos_token_id, *turn[:1] * (len(turn) == 1))
+                              if t is not None))
+
+
 @contextmanager
 def cached_attention(lm):
     """SDPA instead of llmtrain's varlen attention while generating (it refuses a KV cache)."""
@@ -87,5 +97,13 @@ def sample(lm, prompts: list[list[int]], *, seeds: list[int], max_new_tokens: in
             mask = torch.cat([mask, torch.ones(rows, 1, dtype=mask.dtype, device=device)], dim=1)
             positions = positions[:, -1:] + 1
             result = lm(input_ids=token.unsqueeze(-1), attention_mask=mask, position_ids=positions,
-                        past_key_values=result.past_key_values, use_cache=True)
+                        use_cache=True, **_cache_arg(result))
     return out
+
+
+def _cache_arg(result) -> dict:
+    """The KV cache of a forward's output, as the next forward takes it: `cache` from transformers 5.2x on (which
+    warns on past_key_values), past_key_values before."""
+    if "cache" in result:
+        return {"cache": result["cache"]}
+    return {"past_key_values": result["past_key_values"]}

@@ -82,7 +82,7 @@ def attach_loss(model, *, chunk: int, fused_linear_ce=None) -> None:
     original = type(lm).forward
 
     def forward(self, *args, loss_index=None, loss_targets=None, return_hits: bool = False, per_token: bool = False,
-                **kwargs):
+                temperature: float = 1.0, **kwargs):
         if loss_index is None:
             return original(self, *args, **kwargs)
         kwargs.pop("labels", None)  # peft passes labels=None through
@@ -92,22 +92,27 @@ def attach_loss(model, *, chunk: int, fused_linear_ce=None) -> None:
             # parameter, because DDP and FSDP reduce the gradients of all of them on every rank
             loss, _ = self.lm_head(hidden[:1], targets=hidden.new_zeros(1, dtype=torch.long))
             return {"loss": loss.sum() * 0.0, "hits": torch.zeros(0, dtype=torch.bool, device=hidden.device)}
-        loss, hits = self.lm_head(hidden[loss_index], targets=loss_targets, with_hits=return_hits, per_token=per_token)
+        loss, hits = self.lm_head(hidden[loss_index], targets=loss_targets, with_hits=return_hits, per_token=per_token,
+                                  temperature=temperature)
         return {"loss": loss, "hits": hits}
 
     lm.forward = types.MethodType(forward, lm)
 
 
 def _head_forward(chunk: int, fused_linear_ce):
-    def forward(self, hidden, targets=None, with_hits: bool = False, per_token: bool = False):
+    def forward(self, hidden, targets=None, with_hits: bool = False, per_token: bool = False,
+                temperature: float = 1.0):
         if targets is None:  # an ordinary call: logits
             return torch.nn.functional.linear(hidden, self.weight, self.bias)
         if (fused_linear_ce is not None and not with_hits and not per_token and torch.is_grad_enabled()
-                and self.bias is None):
+                and self.bias is None and temperature == 1.0):
             return fused_linear_ce(self.weight, hidden, targets), None
-        # self.weight is read when each chunk runs (and again when it is recomputed in backward)
-        return chunked_cross_entropy(hidden, lambda h: torch.nn.functional.linear(h, self.weight, self.bias),
-                                     targets, chunk=chunk, with_hits=with_hits, per_token=per_token)
+
+        def head(h):  # self.weight is read when each chunk runs (and again when it is recomputed in backward)
+            logits = torch.nn.functional.linear(h, self.weight, self.bias)
+            return logits if temperature == 1.0 else logits / temperature  # online RL: the sampling's temperature
+
+        return chunked_cross_entropy(hidden, head, targets, chunk=chunk, with_hits=with_hits, per_token=per_token)
 
     return forward
 
@@ -116,16 +121,18 @@ def _head_forward(chunk: int, fused_linear_ce):
 MODEL_INPUTS = ("input_ids", "attention_mask", "position_ids", "loss_index", "loss_targets")
 
 
-def compute_loss(model, batch: dict, *, return_hits: bool = False, per_token: bool = False):
+def compute_loss(model, batch: dict, *, return_hits: bool = False, per_token: bool = False, temperature: float = 1.0):
     """Summed token cross-entropy of one collated batch on the device (the one loss of train and eval).
 
     `batch` holds the model inputs plus `loss_index` / `loss_targets` (batching.with_loss_positions);
     `cu_seq_lens` / `max_length` (packed rows) are handed to the varlen attention under the names transformers
     forwards to it. per_token: the cross-entropy of every trained token instead of their sum (preference losses).
+    temperature: of the logits (online RL takes the policy's log-probabilities at the sampling temperature, as TRL).
     """
     inputs = {k: batch[k] for k in MODEL_INPUTS if k in batch}
     if "cu_seq_lens" in batch:
         inputs.update(cu_seq_lens_q=batch["cu_seq_lens"], cu_seq_lens_k=batch["cu_seq_lens"],
                       max_length_q=batch["max_length"], max_length_k=batch["max_length"])
-    out = model(**inputs, return_hits=return_hits, per_token=per_token)
+    out = model(**inputs, return_hits=return_hits, per_token=per_token,
+                **({"temperature": temperature} if temperature != 1.0 else {}))
     return (out["loss"], out["hits"]) if return_hits else out["loss"]

@@ -25,6 +25,8 @@ from typing import Literal
 
 import torch
 
+from llmtrain.data.batching import Counts
+
 LossType = Literal["dapo", "grpo", "dr_grpo"]
 STD_EPS = 1e-4  # TRL's: a group whose rewards are all equal gets advantages 0, not a division by zero
 
@@ -91,3 +93,181 @@ def loss_units(lengths: torch.Tensor, loss_type: LossType, *, max_completion_tok
     if loss_type == "grpo":
         return float(len(lengths))
     return float(len(lengths) * max_completion_tokens)
+
+
+# --------------------------------------------------------------------------- the objective the loop runs
+
+# The metrics' names are TRL's (GRPOTrainer), so runs can be compared line by line.
+ROLLOUT_STATS = ["completions", "reward", "reward_std", "zero_std", "length", "clipped", "generation_s"]
+LOSS_STATS = ["kl", "clipped_tokens", "tokens"]
+
+
+class GRPO:
+    """Online RL (objective.Objective, plus `rollout`): a micro-batch is train.micro_batch_size prompts; the step's
+    rollout samples rl.num_generations completions of each with the model being trained (model/generate.py: each
+    from its own seed), scores them (rewards.py), turns each group's rewards into advantages, and packs prompt +
+    completion sequences padding-free; `loss` is then the GRPO loss of those sequences, only completion tokens
+    counting, log-probabilities from the chunked per-token path (no full logits)."""
+
+    def __init__(self, rl, *, tokenizer, pad_id: int, packing: bool, seed: int, rewards, model, columns,
+                 stop_ids: list[int], world: int):
+        self.rl, self.tokenizer, self.pad_id, self.packing, self.seed = rl, tokenizer, pad_id, packing, seed
+        self.rewards = rewards  # (name, function, weight): rewards.build_rewards
+        self.lm = model  # unwrapped: generates, and with its adapter disabled is the reference (beta > 0)
+        self.reward_columns = tuple(c for c in columns if c not in ("input_ids", "labels", "length", "row", "prompt"))
+        self.columns = ("input_ids", "row", "prompt", *self.reward_columns)
+        self.stop_ids, self.world = set(stop_ids), world
+        answer_columns = [c.column for c in rl.rewards if c.type == "answer_match"]
+        self.expected_column = answer_columns[0] if answer_columns else None  # the eval samples' expected text
+        self.stats = [*ROLLOUT_STATS, *(f"rewards/{n}/sum" for n, _, _ in rewards),
+                      *(f"rewards/{n}/count" for n, _, _ in rewards), *LOSS_STATS]
+
+    def collate(self, examples: list[dict]) -> tuple[dict, Counts]:
+        """The prompts as they are: the rollout makes the tensors (and the counts) once the completions exist."""
+        return {"examples": examples}, Counts(0.0, 0.0, 0.0, 0.0)
+
+    # ---- the rollout: sample, score, pack
+
+    def rollout(self, window, *, step: int):
+        """The window with each micro-batch's prompts replaced by their scored, packed completions, its counts
+        recounted, and `rollouts` (one record per completion, for rollouts.jsonl) filled in."""
+        import dataclasses
+
+        batches, counts, records = [], None, []
+        was_training = self.lm.training
+        self.lm.eval()  # no dropout while sampling (as vLLM samples); the update below trains with it
+        try:
+            for b in window.batches:
+                batch, n, recs = self._rollout_batch(b["examples"], step)
+                batches.append(batch)
+                counts = n if counts is None else counts.plus(n)
+                records += recs
+        finally:
+            self.lm.train(was_training)
+        return dataclasses.replace(window, batches=batches, counts=counts, rollouts=records)
+
+    def _rollout_batch(self, examples: list[dict], step: int) -> tuple[dict, Counts, list[dict]]:
+        import time
+
+        from llmtrain.data.batching import collate, with_loss_positions
+        from llmtrain.data.formats import IGNORE
+        from llmtrain.model.generate import completion_seed, sample
+        from llmtrain.objectives.rewards import score
+
+        rl, g = self.rl, self.rl.num_generations
+        if not examples:  # an idle rank at the end of an epoch: one token, nothing trained
+            batch = with_loss_positions(collate([], pad_id=self.pad_id, packing=self.packing))
+            return {**batch, "rollout_stats": torch.zeros(len(self.stats) - len(LOSS_STATS))}, Counts(
+                0.0, 0.0, 0.0, 0.0), []
+        prompt_ids = [list(e["input_ids"]) for e in examples for _ in range(g)]
+        seeds = [completion_seed(self.seed, step, e["row"], k) for e in examples for k in range(g)]
+        begun = time.perf_counter()
+        completions = sample(self.lm, prompt_ids, seeds=seeds, max_new_tokens=rl.max_completion_tokens,
+                             temperature=rl.temperature, top_p=rl.top_p, stop_ids=self.stop_ids, pad_id=self.pad_id)
+        generation_s = time.perf_counter() - begun
+        texts = [self.tokenizer.decode(c, skip_special_tokens=True) for c in completions]
+        prompts = [e["prompt"] for e in examples for _ in range(g)]
+        # TRL's convention: a conversational prompt's completion is a list with one assistant message
+        shown = [[{"role": "assistant", "content": t}] for t in texts] if isinstance(prompts[0], list) else texts
+        columns = {c: [e[c] for e in examples for _ in range(g)] for c in self.reward_columns}
+        rows = [e["row"] + 1 for e in examples for _ in range(g)]
+        per_function, total = score(self.rewards, prompts, shown, columns, rows)
+        advantages, std = group_advantages(total, g, scale_rewards=rl.scale_rewards)
+
+        sequences = [{"input_ids": p + c, "labels": [IGNORE] * len(p) + c} for p, c in zip(prompt_ids, completions)]
+        batch = with_loss_positions(collate(sequences, pad_id=self.pad_id, packing=self.packing))
+        completion = batch["loss_example"]
+        lengths = torch.bincount(completion, minlength=len(completions))
+        batch["advantages"] = advantages.float()[completion]
+        batch["weights"] = token_weights(completion, lengths, rl.loss_type)
+        clipped = [not c or c[-1] not in self.stop_ids for c in completions]  # ended by max_completion_tokens
+        scored = ~per_function.isnan()
+        batch["rollout_stats"] = torch.tensor([
+            len(completions), float(total.nansum()), float(std.nan_to_num().sum()),
+            float((std.nan_to_num() < 1e-8).sum()), float(lengths.sum()), float(sum(clipped)),
+            generation_s / self.world, *per_function.nan_to_num().sum(0).tolist(), *scored.sum(0).tolist()],
+            dtype=torch.float32)
+        full = [len(s["input_ids"]) for s in sequences]
+        counts = Counts(units=loss_units(lengths, rl.loss_type, max_completion_tokens=rl.max_completion_tokens),
+                        trained=float(len(batch["loss_index"])), tokens=float(sum(full)),
+                        squares=float(sum(n * n for n in full)))
+        names = [n for n, _, _ in self.rewards]
+        records = [{"step": step + 1, "row": rows[i], "generation": i % g,
+                    "prompt": self.tokenizer.decode(prompt_ids[i], skip_special_tokens=False),
+                    "completion": texts[i], "prompt_ids": prompt_ids[i], "completion_ids": completions[i],
+                    **{name: _number(per_function[i, k]) for k, name in enumerate(names)},
+                    "reward": _number(total[i]), "advantage": float(advantages[i])}
+                   for i in range(len(completions))]
+        return batch, counts, records
+
+    # ---- the update
+
+    def loss(self, model, batch: dict) -> tuple[torch.Tensor, torch.Tensor]:
+        from llmtrain.model.loss import compute_loss
+
+        rollout = batch["rollout_stats"].to(batch["input_ids"].device)
+        if batch["loss_index"].numel() == 0:  # an idle rank's placeholder: zero, yet reaching every parameter
+            return compute_loss(model, batch), torch.cat([rollout, rollout.new_zeros(len(LOSS_STATS))])
+        rl, ref = self.rl, None
+        if rl.beta:  # first: its no-grad forward leaves no graph behind
+            with torch.no_grad(), self.lm.disable_adapter():  # the starting model: the LoRA adapter off
+                ref = -compute_loss(self.lm, batch, per_token=True, temperature=rl.temperature).float()
+        logps = -compute_loss(model, batch, per_token=True, temperature=rl.temperature).float()
+        losses, kl, clipped = token_losses(logps, batch["advantages"], ref_logps=ref, epsilon=rl.epsilon,
+                                           epsilon_high=rl.epsilon_high, beta=rl.beta)
+        with torch.no_grad():
+            stats = torch.stack([kl.sum() if kl is not None else logps.new_zeros(()), clipped.float().sum(),
+                                 logps.new_tensor(float(logps.numel()))])
+        return (losses * batch["weights"]).sum(), torch.cat([rollout, stats])
+
+    def step_metrics(self, stats: list[float], units: float) -> dict[str, float]:
+        s = dict(zip(self.stats, stats))
+        n, tokens = max(s["completions"], 1.0), max(s["tokens"], 1.0)
+        out = {"reward": s["reward"] / n, "reward_std": s["reward_std"] / n, "frac_reward_zero_std": s["zero_std"] / n}
+        for name, _, _ in self.rewards:
+            if s[f"rewards/{name}/count"]:
+                out[f"rewards/{name}/mean"] = s[f"rewards/{name}/sum"] / s[f"rewards/{name}/count"]
+        out.update({"completions/mean_length": s["length"] / n, "completions/clipped_ratio": s["clipped"] / n})
+        if self.rl.beta:
+            out["kl"] = s["kl"] / tokens
+        out["clip_ratio/region_mean"] = s["clipped_tokens"] / tokens
+        out["generation_s"] = s["generation_s"]
+        out["generation_tokens_per_s"] = s["length"] / max(s["generation_s"], 1e-9)
+        return out
+
+    # ---- evaluation: held-out prompts, one greedy completion each
+
+    def eval_sums(self, model, batch: dict, device) -> torch.Tensor:
+        """[prompts, summed reward, each reward's sum, each reward's count] of greedy completions."""
+        from llmtrain.model.generate import sample
+        from llmtrain.objectives.rewards import score
+
+        examples, k = batch["examples"], len(self.rewards)
+        if not examples:
+            return torch.zeros(2 + 2 * k, dtype=torch.float64)
+        prompt_ids = [list(e["input_ids"]) for e in examples]
+        completions = sample(self.lm, prompt_ids, seeds=[0] * len(examples), max_new_tokens=self.rl.max_completion_tokens,
+                             temperature=0.0, top_p=1.0, stop_ids=self.stop_ids, pad_id=self.pad_id)
+        texts = [self.tokenizer.decode(c, skip_special_tokens=True) for c in completions]
+        prompts = [e["prompt"] for e in examples]
+        shown = [[{"role": "assistant", "content": t}] for t in texts] if isinstance(prompts[0], list) else texts
+        per_function, total = score(self.rewards, prompts, shown, {c: [e[c] for e in examples]
+                                                                    for c in self.reward_columns},
+                                    [e["row"] + 1 for e in examples])
+        return torch.tensor([len(examples), float(total.nansum()), *per_function.nan_to_num().sum(0).tolist(),
+                             *(~per_function.isnan()).sum(0).tolist()], dtype=torch.float64)
+
+    def eval_metrics(self, sums: list[float]) -> dict[str, float]:
+        k = len(self.rewards)
+        n, reward, per, counts = sums[0], sums[1], sums[2:2 + k], sums[2 + k:]
+        out = {"eval_reward": reward / max(n, 1)}
+        for (name, _, _), total, count in zip(self.rewards, per, counts):
+            out[f"eval_rewards/{name}/mean"] = total / max(count, 1)
+        if (first := next((i for i, c in enumerate(self.rl.rewards) if c.type == "answer_match"), None)) is not None:
+            out["eval_answer_accuracy"] = per[first] / max(counts[first], 1)  # the first answer_match's mean
+        return out
+
+
+def _number(value: torch.Tensor) -> float | None:
+    v = float(value)
+    return None if v != v else v  # NaN (no reward function applied) is None in the JSON

@@ -88,10 +88,33 @@ class CausalLM:
                 "eval_token_accuracy": correct / max(tokens, 1), "eval_teacher_forced_match": exact / max(examples, 1)}
 
 
-def objective_for(recipe, *, pad_id: int, model=None) -> Objective:
-    """The recipe's objective: a preference loss on pairs (preference:), else causal-LM cross-entropy (supervised
-    fine-tuning). `model`: the unwrapped model, whose disabled adapter is the reference of a LoRA preference run."""
+def objective_for(recipe, *, pad_id: int, model=None, tokenizer=None, train=None, world: int = 1) -> Objective:
+    """The recipe's objective: GRPO on prompts (rl:), a preference loss on pairs (preference:), else causal-LM
+    cross-entropy (supervised fine-tuning). `model`: the unwrapped model, whose disabled adapter is the reference
+    of a LoRA preference run (and which samples an RL run's completions); `train`: the tokenised train set (RL: its
+    columns go to the reward functions, which are tried on its first rows here, before anything is written)."""
     from llmtrain.data.batching import packs_rows
+
+    if recipe.rl is not None:
+        from llmtrain.data.chat import end_of_turn, read_template
+        from llmtrain.model.generate import stop_tokens
+        from llmtrain.model.loss import causal_lm
+        from llmtrain.objectives.grpo import GRPO
+        from llmtrain.objectives.rewards import build_rewards, check_rewards
+
+        turn = None
+        if recipe.data.chat_template is not False or tokenizer.chat_template is not None:
+            try:
+                turn = end_of_turn(tokenizer, read_template(recipe.data))
+            except Exception:  # a template that cannot render a reply: stop at EOS and the configured ends only
+                turn = None
+        columns = train.column_names
+        rewards = build_rewards(recipe.rl, answer_pattern=recipe.train.eval_answer_pattern, columns=columns)
+        objective = GRPO(recipe.rl, tokenizer=tokenizer, pad_id=pad_id, packing=packs_rows(recipe), seed=recipe.train.seed,
+                    rewards=rewards, model=model, columns=columns,
+                    stop_ids=stop_tokens(causal_lm(model), tokenizer, turn), world=world)
+        check_rewards(rewards, list(train.select(range(min(2, len(train))))), objective.reward_columns)
+        return objective
 
     if recipe.preference is not None:
         from llmtrain.objectives.preference import Preference

@@ -36,6 +36,12 @@ def answer(text: str, pattern: str | None) -> str | None:
     return found.group(1).strip() if found else None
 
 
+def content(completion) -> str:
+    """A completion's text: itself, or the content of its one assistant message (a conversational dataset, as TRL
+    hands completions to reward functions)."""
+    return completion[0]["content"] if isinstance(completion, list) else completion
+
+
 def answer_match(pattern: str | None, *, column: str = "answer") -> RewardFn:
     """1.0 where the completion's answer equals the expected one (the `column` of the row), else 0.0; None where the
     expected answer has none (the row cannot be scored this way)."""
@@ -45,7 +51,7 @@ def answer_match(pattern: str | None, *, column: str = "answer") -> RewardFn:
         out: list[float | None] = []
         for completion, reference in zip(completions, expected):
             want = answer(str(reference), pattern)
-            out.append(None if want is None else float(answer(completion, pattern) == want))
+            out.append(None if want is None else float(answer(content(completion), pattern) == want))
         return out
 
     reward.__name__ = "answer_match"
@@ -57,7 +63,7 @@ def format_match(pattern: str) -> RewardFn:
     compiled = re.compile(pattern, re.DOTALL)
 
     def reward(prompts: list[str], completions: list[str], **columns) -> list[float]:
-        return [float(compiled.search(c) is not None) for c in completions]
+        return [float(compiled.search(content(c)) is not None) for c in completions]
 
     reward.__name__ = "format"
     return reward
@@ -78,6 +84,25 @@ def import_reward(spec: str) -> RewardFn:
     if not callable(fn):
         raise LLMTrainError(f"reward function '{spec}': {module_name} has no function {name}.")
     return fn
+
+
+def build_rewards(rl, *, answer_pattern: str | None, columns) -> list[tuple[str, RewardFn, float]]:
+    """The recipe's rl.rewards as (name, function, weight): answer_match reads `pattern` (default
+    train.eval_answer_pattern) from its column, which must be one of the data's `columns`."""
+    out = []
+    for r in rl.rewards:
+        if r.type == "answer_match":
+            if r.column not in columns:
+                raise LLMTrainError(f"rl.rewards: answer_match compares with the column '{r.column}', which the data "
+                                    f"does not have (its columns: {sorted(columns)}). Set the reward's column: to the "
+                                    "one holding the expected answer.")
+            fn = answer_match(r.pattern if r.pattern is not None else answer_pattern, column=r.column)
+        elif r.type == "format":
+            fn = format_match(r.pattern)
+        else:
+            fn = import_reward(r.function)
+        out.append((r.name, fn, r.weight))
+    return out
 
 
 def score(functions: Sequence[tuple[str, RewardFn, float]], prompts: list[str], completions: list[str],
@@ -111,6 +136,18 @@ def score(functions: Sequence[tuple[str, RewardFn, float]], prompts: list[str], 
     total = (per_function * weights).nansum(dim=1)
     total[per_function.isnan().all(dim=1)] = math.nan
     return per_function, total
+
+
+def check_rewards(functions: Sequence[tuple[str, RewardFn, float]], rows: list[dict], columns: Sequence[str]) -> None:
+    """Run every reward function once on the first `rows` (prompt rows as prepared: prompt, row, the other
+    columns), each with an empty completion and with the prompt itself as one, before the run writes anything: a
+    function that raises, returns the wrong length or a non-finite value is refused now, naming it, not at step 1."""
+    prompts = [r["prompt"] for r in rows for _ in range(2)]
+    chat = bool(prompts) and isinstance(prompts[0], list)
+    texts = [t for r in rows for t in ("", r["prompt"] if isinstance(r["prompt"], str) else "")]
+    completions = [[{"role": "assistant", "content": t}] for t in texts] if chat else texts
+    score(functions, prompts, completions, {c: [r[c] for r in rows for _ in range(2)] for c in columns},
+          [r["row"] + 1 for r in rows for _ in range(2)])
 
 
 def _rows(rows: list[int]) -> str:

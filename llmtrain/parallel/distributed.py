@@ -355,6 +355,16 @@ def global_sum(accelerator, *values: float | int) -> list[float]:
     return _summed(accelerator, values).tolist()
 
 
+def gathered(accelerator, items: list) -> list:
+    """Every process's list, concatenated in rank order, on every process (picklable items: online RL's rollout
+    records)."""
+    if accelerator.num_processes == 1:
+        return list(items)
+    from accelerate.utils import gather_object
+
+    return gather_object(list(items))
+
+
 def data_sum(accelerator, *values: float | int) -> list[float]:
     """Sum numbers of the batches (losses, token counts) over the data-parallel ranks, in one collective over all
     processes: the processes of a tensor-parallel group hold the same batch and the same loss (the row-wise layers

@@ -74,6 +74,9 @@ def step_text(rec: dict, *, unit: str = "gpu") -> str:
     mfu = f"  MFU {rec['mfu']:.1%}" if rec.get("mfu") is not None else ""
     pairs = (f"  acc {rec['rewards/accuracies']:.0%} margin {rec['rewards/margins']:.3f}"
              if "rewards/accuracies" in rec else "")  # preference runs
+    if "reward" in rec:  # online RL: the mean reward of the step's completions first
+        pairs = f"  reward {rec['reward']:.3f}  length {rec['completions/mean_length']:.1f}"
+        return f"{pairs.strip()}  loss {loss:.4f}  lr {rec['lr']:.2e}  {rec['tokens_per_s_per_gpu']:,.0f} tok/s/{unit}"
     return f"loss {loss:.4f}{pairs}  lr {rec['lr']:.2e}  {rec['tokens_per_s_per_gpu']:,.0f} tok/s/{unit}{mfu}"
 
 
@@ -94,7 +97,12 @@ def summary_table(summary: dict, *, out: Path, evals: list[dict], unit: str = "g
     table.add_row(f"tokens/s per {'GPU' if unit == 'gpu' else unit}", speeds)
     if summary.get("final_loss") is not None:
         table.add_row("final train loss", f"{summary['final_loss']:.4f}")
-    if evals:
+    if evals and "eval_reward" in evals[-1]:  # online RL: the best mean reward of greedy completions
+        best = max(evals, key=lambda e: e["eval_reward"])
+        accuracy = (f", answer accuracy {best['eval_answer_accuracy']:.1%}" if "eval_answer_accuracy" in best else "")
+        table.add_row("best eval reward", f"{best['eval_reward']:.4f} (step {best['step']}{accuracy}; first "
+                                          f"{evals[0]['eval_reward']:.4f} at step {evals[0]['step']})")
+    elif evals:
         best = min(evals, key=lambda e: e["eval_loss"])
         if "eval_rewards/accuracies" in best:
             what = f"reward accuracy {best['eval_rewards/accuracies']:.1%}"

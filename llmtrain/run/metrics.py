@@ -18,13 +18,14 @@ class MetricsLog:
     def __init__(self, output_dir: Path, *, enabled: bool, resume_step: int | None, trackers: Sequence = ()):
         self.path = output_dir / "metrics.jsonl"
         self.samples_path = output_dir / "samples.jsonl"
+        self.rollouts_path = output_dir / "rollouts.jsonl"
         self.enabled = enabled
         self.trackers = list(trackers) if enabled else []
         if not enabled:
             return
         if resume_step is not None:
             # Lines after the checkpoint belong to steps that will run again; drop them so each step appears once.
-            for path in (self.path, self.samples_path):
+            for path in (self.path, self.samples_path, self.rollouts_path):
                 self._drop_after(path, resume_step)
 
     @staticmethod
@@ -50,6 +51,14 @@ class MetricsLog:
             return
         with self.samples_path.open("a") as f:
             f.writelines(json.dumps(s, ensure_ascii=False) + "\n" for s in samples)
+
+    def write_rollouts(self, records: list[dict]) -> None:
+        """Append online RL's completions (one record each: step, prompt, completion, ids, rewards, advantage) to
+        rollouts.jsonl; `step` is the optimizer step that trained on them, as in metrics.jsonl."""
+        if not self.enabled or not records:
+            return
+        with self.rollouts_path.open("a") as f:
+            f.writelines(json.dumps(r, ensure_ascii=False) + "\n" for r in records)
 
     def close(self) -> None:
         """End every tracker's run, once: train() calls it however the run ends (finish, stop, divergence)."""

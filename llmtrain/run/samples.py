@@ -23,7 +23,7 @@ from __future__ import annotations
 from contextlib import contextmanager
 
 from llmtrain.data.formats import IGNORE
-from llmtrain.model.generate import cached_attention
+from llmtrain.model.generate import cached_attention, stop_tokens
 from llmtrain.model.loss import causal_lm
 from llmtrain.objectives.rewards import answer
 
@@ -39,13 +39,15 @@ def split_example(example) -> tuple[list[int], list[int]]:
     return ids[:n], ids[n:]
 
 
-def generate_samples(model, tokenizer, examples, *, max_new_tokens: int, step: int, synced: bool = False) -> list[dict]:
+def generate_samples(model, tokenizer, examples, *, max_new_tokens: int, step: int, synced: bool = False,
+                     expected: list[str] | None = None) -> list[dict]:
     """Greedy generations for `examples`: [{"step", "index", "prompt", "expected", "generated"}], texts decoded
-    without special tokens. `model` is the unwrapped model (accelerator.unwrap_model; peft models too)."""
+    without special tokens. `model` is the unwrapped model (accelerator.unwrap_model; peft models too). `expected`:
+    the expected texts where the rows hold none (online RL's prompts: their answer column)."""
     import torch
 
     lm = causal_lm(model)
-    eos = _eos_ids(lm, tokenizer)
+    eos = stop_tokens(lm, tokenizer)
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos[0]
     was_training = model.training
     model.eval()
@@ -53,7 +55,7 @@ def generate_samples(model, tokenizer, examples, *, max_new_tokens: int, step: i
     try:
         with torch.no_grad(), cached_attention(lm), _gathered(model), torch.compiler.set_stance("force_eager"):
             for index, example in enumerate(examples):
-                prompt, expected = split_example(example)
+                prompt, expected_ids = split_example(example)
                 input_ids = torch.tensor([prompt], dtype=torch.long, device=lm.device)
                 # Sampling settings of the model's generation_config (temperature, top_p: Llama-2-chat has
                 # them) are cleared: greedy ignores them, and transformers would warn that it does.
@@ -63,7 +65,8 @@ def generate_samples(model, tokenizer, examples, *, max_new_tokens: int, step: i
                                      synced_gpus=synced)
                 generated = out[0, len(prompt):].tolist()
                 samples.append({"step": step, "index": index, "prompt": _text(tokenizer, prompt),
-                                "expected": _text(tokenizer, expected), "generated": _text(tokenizer, generated)})
+                                "expected": expected[index] if expected is not None else _text(tokenizer, expected_ids),
+                                "generated": _text(tokenizer, generated)})
     finally:
         model.train(was_training)
     return samples
@@ -91,13 +94,6 @@ def format_sample(sample: dict, *, width: int = 240) -> str:
 
 def _text(tokenizer, ids: list[int]) -> str:
     return tokenizer.decode(ids, skip_special_tokens=True)
-
-
-def _eos_ids(lm, tokenizer) -> list[int]:
-    """Stop tokens: the generation config's (which lists a chat template's end-of-turn token) and the tokenizer's."""
-    configured = lm.generation_config.eos_token_id
-    configured = configured if isinstance(configured, list) else [configured]
-    return list(dict.fromkeys(t for t in (*configured, tokenizer.eos_token_id) if t is not None))
 
 
 @contextmanager

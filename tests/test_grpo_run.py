@@ -1,0 +1,234 @@
+"""Online RL (GRPO) through the training loop: prompts in, completions sampled, scored, trained; what is logged
+(TRL's names, rollouts.jsonl); a run killed like kill -9 resumes to the same completions, losses and weights; two
+DDP processes equal one; bad rows and bad reward functions are refused before anything is written.
+
+The tiny model is random-init, so a `format` reward (the completion holds a vowel) gives groups whose rewards
+differ, and the update is not zero; answer_match (against the data's completion column) rides along.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from helpers import (
+    ENV,
+    REPO,
+    cli,
+    launch_finetune,
+    load_weights,
+    losses,
+    max_abs_diff,
+    records,
+    run_train,
+    write_recipe,
+)
+
+CPU_DDP = REPO / "accelerate_configs" / "cpu_ddp.yaml"
+G = 4  # completions per prompt
+
+
+def grpo_recipe(tiny: Path, tmp: Path, **sections) -> Path:
+    rl = {"num_generations": G, "max_completion_tokens": 8, "temperature": 1.0,
+          "rewards": [{"type": "format", "pattern": "[aeiou]"}, {"type": "answer_match", "column": "completion",
+                                                                   "weight": 2.0}]}
+    data = {"format": "prompt", "max_seq_len": 32, "eval_split": str(tiny / "data" / "eval.jsonl"),
+            "eval_max_examples": 8, **sections.pop("data", {})}
+    return write_recipe(tiny, tmp, data=data,
+                        rl={**rl, **sections.pop("rl", {})},
+                        train={"max_steps": 4, "micro_batch_size": 4, "lr": 1e-3, "eval_every_steps": 4,
+                               **sections.pop("train", {})},
+                        checkpoint={"every_steps": 2, "keep_last": 3}, **sections)
+
+
+def rollouts(run: Path) -> list[dict]:
+    return [json.loads(line) for line in (run / "rollouts.jsonl").read_text().splitlines()]
+
+
+@pytest.fixture(scope="module")
+def straight(tiny_assets, tmp_path_factory):
+    """4 steps of 4 prompts x 4 completions, in this process: (recipe, run folder, summary)."""
+    tmp = tmp_path_factory.mktemp("grpo")
+    recipe = grpo_recipe(tiny_assets, tmp)
+    summary = run_train(recipe, f"output_dir={tmp / 'straight'}")
+    return recipe, tmp / "straight", summary
+
+
+def test_a_step_logs_trls_names_and_every_completion(straight, tiny_assets):
+    from transformers import AutoTokenizer
+
+    _, run, summary = straight
+    lines = records(run)
+    assert [r["step"] for r in lines] == [1, 2, 3, 4]
+    for name in ("reward", "reward_std", "rewards/format/mean", "rewards/answer_match/mean", "frac_reward_zero_std",
+                 "completions/mean_length", "completions/clipped_ratio", "clip_ratio/region_mean",
+                 "generation_tokens_per_s", "policy_tokens_per_s"):
+        assert all(name in r for r in lines), name
+    assert "kl" not in lines[0]  # beta 0: no reference, no kl
+
+    rolled = rollouts(run)
+    assert len(rolled) == 4 * 4 * G  # steps x prompts x completions
+    tok = AutoTokenizer.from_pretrained(tiny_assets / "model")
+    eval_rows = {json.loads(r)["prompt"] for r in (tiny_assets / "data" / "eval.jsonl").read_text().splitlines()}
+    for step, line in enumerate(lines, start=1):
+        mine = [r for r in rolled if r["step"] == step]
+        assert len(mine) == 4 * G
+        rewards = torch.tensor([r["reward"] for r in mine], dtype=torch.float64)
+        # the metrics line is the mean of the step's completions, the reward their weighted sum
+        assert line["reward"] == pytest.approx(float(rewards.mean()), abs=1e-6)
+        assert line["rewards/format/mean"] == pytest.approx(sum(r["format"] for r in mine) / len(mine), abs=1e-6)
+        assert all(r["reward"] == pytest.approx(r["format"] + 2.0 * r["answer_match"]) for r in mine)
+        assert line["completions/mean_length"] == pytest.approx(sum(len(r["completion_ids"]) for r in mine)
+                                                                / len(mine))
+        for k in range(0, len(mine), G):  # a group: its prompt's G completions, advantages as group_advantages
+            group = mine[k:k + G]
+            assert len({r["row"] for r in group}) == 1 and [r["generation"] for r in group] == list(range(G))
+            r = torch.tensor([x["reward"] for x in group], dtype=torch.float64)
+            expected = (r - r.mean()) / (r.std() + 1e-4)
+            assert [x["advantage"] for x in group] == pytest.approx(expected.tolist(), abs=1e-5)
+        for r in mine:
+            assert r["completion"] == tok.decode(r["completion_ids"], skip_special_tokens=True)
+            assert r["prompt"].endswith(tok.decode(r["prompt_ids"][-3:]))
+            assert len(r["completion_ids"]) <= 8 and r["prompt"] not in eval_rows  # train prompts only
+    assert sum(line["reward_std"] > 0 for line in lines) >= 2  # groups that teach something
+    assert any(abs(line["loss"]) > 0 for line in lines)
+
+    evals = records(run, "eval")
+    assert [e["step"] for e in evals] == [0, 4]  # the starting policy first, then the end
+    assert {"eval_reward", "eval_rewards/format/mean", "eval_answer_accuracy"} <= set(evals[0])
+    assert summary["steps"] == 4
+
+
+def test_the_update_moves_the_weights_toward_the_rewarded_completions(straight, tiny_assets):
+    _, run, _ = straight
+    before, after = load_weights(tiny_assets / "model"), load_weights(run / "final")
+    assert max_abs_diff(before, after) > 1e-4
+
+
+KILL_AT_STEP_3 = """
+import os, sys
+import llmtrain.loop.step as step
+real = step.train_step
+def dying(*args, **kwargs):  # mid step 3, after the step-2 checkpoint: die as kill -9 would (no clean-up at all)
+    if kwargs["step"] == 2:
+        os._exit(137)
+    return real(*args, **kwargs)
+import llmtrain.loop.train as train
+train.train_step = dying
+sys.argv = ["llmtrain", *sys.argv[1:]]
+from llmtrain.cli import main
+main()
+"""
+
+
+@pytest.mark.slow
+def test_killed_mid_run_resumes_to_the_same_completions_losses_and_weights(straight, tmp_path):
+    recipe, full, _ = straight
+    cut = tmp_path / "cut"
+    killed = subprocess.run([sys.executable, "-c", KILL_AT_STEP_3, "finetune", str(recipe), f"output_dir={cut}"],
+                            env=ENV, cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert killed.returncode == 137, killed.stderr[-3000:]
+    assert {r["step"] for r in rollouts(cut)} == {1, 2}
+    proc = cli("finetune", str(cut / "recipe.yaml"), "--resume", "auto")
+    assert "at step 2" in proc.stdout
+    assert rollouts(cut) == rollouts(full)  # the same completions, rewards and advantages, line for line
+    assert losses(cut) == pytest.approx(losses(full), abs=1e-6)
+    assert max_abs_diff(load_weights(cut / "final"), load_weights(full / "final")) == 0.0
+
+
+@pytest.mark.slow
+def test_two_ddp_processes_sample_and_train_what_one_does(straight, tiny_assets, tmp_path, free_port):
+    """Each rank samples its own 2 prompts' completions from their own seeds: the same completions as one process
+    with 4 prompts, the same losses, the same weights."""
+    recipe, one, _ = straight
+    two = tmp_path / "two"
+    launch_finetune(CPU_DDP, 2, free_port, recipe, f"output_dir={two}", "train.micro_batch_size=2")
+    ours, theirs = rollouts(two), rollouts(one)
+    assert [(r["step"], r["row"], r["completion_ids"]) for r in ours] == [
+        (r["step"], r["row"], r["completion_ids"]) for r in theirs]
+    assert [r["reward"] for r in ours] == [r["reward"] for r in theirs]
+    assert losses(two) == pytest.approx(losses(one), abs=1e-6)
+    assert [e["eval_reward"] for e in records(two, "eval")] == pytest.approx(
+        [e["eval_reward"] for e in records(one, "eval")])
+    assert max_abs_diff(load_weights(two / "final"), load_weights(one / "final")) < 1e-5
+
+
+# --------------------------------------------------------------------------- refused before anything is written
+
+
+def _refused(recipe: Path, out: Path, *overrides: str) -> str:
+    from llmtrain.errors import LLMTrainError
+
+    with pytest.raises(LLMTrainError) as e:
+        run_train(recipe, f"output_dir={out}", *overrides)
+    assert not out.exists()  # nothing written
+    return str(e.value)
+
+
+def test_a_prompt_that_leaves_no_room_for_the_completion_is_refused_with_its_row(tiny_assets, tmp_path):
+    data = tmp_path / "prompts.jsonl"
+    rows = [{"prompt": "reverse abc =", "completion": " cba"}] * 5 + [{"prompt": "reverse " + "x" * 40 + " =",
+                                                                       "completion": " x"}]
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    recipe = grpo_recipe(tiny_assets, tmp_path, data={"path": str(data), "cache_dir": str(tmp_path / "cache")})
+    says = _refused(recipe, tmp_path / "run", "data.eval_split=null", "data.eval_max_examples=null")
+    assert "row 6" in says and "rl.max_completion_tokens=8" in says and str(data) in says
+    assert "Raise data.max_seq_len to 59" in says  # the prompt's 51 tokens (BOS first) + 8
+
+
+def test_a_row_with_no_prompt_is_refused_with_file_and_row(tiny_assets, tmp_path):
+    data = tmp_path / "prompts.jsonl"
+    data.write_text(json.dumps({"prompt": "reverse abc =", "completion": " cba"}) + "\n"
+                    + json.dumps({"prompt": "", "completion": " x"}) + "\n")
+    recipe = grpo_recipe(tiny_assets, tmp_path, data={"path": str(data), "cache_dir": str(tmp_path / "cache")})
+    says = _refused(recipe, tmp_path / "run", "data.eval_split=null", "data.eval_max_examples=null")
+    assert f"{data}, row 2: 'prompt' (prompt) is empty" in says
+
+
+@pytest.mark.parametrize("body, says", [
+    ("raise KeyError('answer')", "reward function bad raised KeyError"),
+    ("return [1.0]", "reward function bad returned 1 values for 4 completions"),
+    ("return [float('nan')] * len(completions)", "reward function bad returned nan for the completion of row"),
+])
+def test_a_bad_reward_function_is_refused_before_the_run_writes(tiny_assets, tmp_path, monkeypatch, body, says):
+    module = f"bad_rewards_{abs(hash(body))}"  # a module of its own: imported modules stay cached
+    (tmp_path / f"{module}.py").write_text(f"def bad(prompts, completions, **columns):\n    {body}\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    recipe = grpo_recipe(tiny_assets, tmp_path, rl={"rewards": [{"type": "function", "function": f"{module}:bad"}]})
+    assert says in _refused(recipe, tmp_path / "run")
+
+
+def test_a_trl_style_reward_function_trains_unchanged(tiny_assets, tmp_path, monkeypatch):
+    """TRL's signature, TRL's keyword names: prompts, completions, and the data's columns by name."""
+    (tmp_path / "trl_rewards.py").write_text(
+        "def reversed_right(prompts, completions, completion, **kwargs):\n"
+        "    return [float(c.strip() == want.strip()) for c, want in zip(completions, completion)]\n"
+        "def short(completions, **kwargs):\n"
+        "    return [-len(c) / 10 for c in completions]\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    recipe = grpo_recipe(tiny_assets, tmp_path, rl={"rewards": [
+        {"type": "function", "function": "trl_rewards:reversed_right"},
+        {"type": "function", "function": "trl_rewards:short"}]}, train={"max_steps": 1})
+    run_train(recipe, f"output_dir={tmp_path / 'run'}")
+    rolled = rollouts(tmp_path / "run")
+    assert all(r["short"] == pytest.approx(-len(r["completion"]) / 10) for r in rolled)
+    assert all(r["reward"] == pytest.approx(r["short"] + r["reversed_right"]) for r in rolled)
+
+
+@pytest.mark.parametrize("overrides, says", [
+    (["rl.beta=0.04"], "a full fine-tune would need a second, frozen copy"),
+    (["train.micro_batch_tokens=64", "train.micro_batch_size=1"], "unset train.micro_batch_tokens"),
+    (["data.format=prompt_completion"], "data.format: prompt and the rl: section go together"),
+    (["rl.rewards=[{type: format}]"], "needs pattern"),
+])
+def test_recipes_that_cannot_run_are_refused_by_the_schema(tiny_assets, tmp_path, overrides, says):
+    from llmtrain.config import load_recipe
+    from llmtrain.errors import RecipeError
+
+    with pytest.raises(RecipeError, match=says):
+        load_recipe(grpo_recipe(tiny_assets, tmp_path), overrides)
