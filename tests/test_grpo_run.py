@@ -15,7 +15,6 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from helpers import (
     ENV,
     REPO,
@@ -232,3 +231,21 @@ def test_recipes_that_cannot_run_are_refused_by_the_schema(tiny_assets, tmp_path
 
     with pytest.raises(RecipeError, match=says):
         load_recipe(grpo_recipe(tiny_assets, tmp_path), overrides)
+
+
+def test_estimate_memory_counts_the_samples_kv_cache_and_the_step_over_every_completion(tiny_assets, tmp_path):
+    from llmtrain.config import load_recipe
+    from llmtrain.memory.estimate import estimate
+    from llmtrain.memory.params import load_model_shape
+    from llmtrain.memory.spec import spec_from_recipe
+
+    recipe = load_recipe(grpo_recipe(tiny_assets, tmp_path), ["train.eval_every_steps=null"])
+    spec = spec_from_recipe(recipe)
+    assert spec.micro_batch == 4 * G and spec.generations == G  # the update is over prompts x completions
+    shape = load_model_shape(str(tiny_assets / "model"))
+    est = estimate(shape, spec)
+    kv = 4 * G * 32 * shape.layers * 2 * shape.kv_heads * shape.head_dim * 4  # fp32, every sequence at 32 tokens
+    assert est.phase_parts["generation"]["activations"] == kv
+    assert est.phase_parts["generation"].get("gradients", 0) == 0  # freed by the previous step
+    sft = estimate(shape, spec.but(generations=0, micro_batch=4))  # the same run without its completions
+    assert est.phases["backward_layers"] > sft.phases["backward_layers"]

@@ -234,6 +234,8 @@ def estimate(shape: ModelShape, spec: TrainSpec) -> Estimate:
     phases["backward_embedding"] = _phase(**base, gradients=st.grads, temporaries=p.tokens * H * p.resid,
                                           fsdp_buffers=embed_unit * (2 if full else 1) + always)
     phases["optimizer_step"] = _phase(**base, gradients=st.grads)
+    if spec.generations:
+        phases["generation"] = _generation_phase(shape, spec, base, cached=sum(cached), fsdp_unit=2 * unit + always)
     if spec.eval_micro_batch:
         phases.update(_eval_phases(shape, spec, base, adapted=adapted, cached=sum(cached), head_copies=head_copies,
                                    fsdp_unit=2 * unit + always, tail=tail))
@@ -289,6 +291,18 @@ def _eval_phases(shape: ModelShape, spec: TrainSpec, base: dict, *, adapted, cac
                             logits=act.chunk_eval_bytes(e, shape.vocab, ce, -(-e.loss_tokens // ce)),
                             fsdp_buffers=tail),
     }
+
+
+def _generation_phase(shape: ModelShape, spec: TrainSpec, base: dict, *, cached: int, fsdp_unit: int) -> dict:
+    """Online RL's sampling (model/generate.py), no graph and no gradients (freed by the previous step): the KV
+    cache of every sequence of the micro-batch at seq_len (activations); the prompts' prefill, a layer's transients
+    over all of them; the last position's logits (logits_to_keep=1) and the sampler's fp32 softmax, cumulative sum
+    and nucleus sort over the vocabulary, a row each."""
+    rows = spec.micro_batch
+    g = make_pass(shape, spec, examples=rows)
+    kv = rows * spec.seq_len * shape.layers * 2 * shape.kv_heads * shape.head_dim * g.cd
+    return _phase(**base, autocast_copies=cached, activations=kv, fsdp_buffers=fsdp_unit,
+                  temporaries=act.eval_layer_bytes(g, shape, {}), logits=rows * shape.vocab * (g.cd + 3 * 4))
 
 
 def _plus(parts: dict[str, int], **more: int) -> dict[str, int]:

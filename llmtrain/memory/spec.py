@@ -66,6 +66,9 @@ class TrainSpec:
     cpu_offload: bool = False  # FSDP's offload_params: sharded weights, grads and optimizer state on the host
     gpu_memory_gib: float = 80.0
     tp: int = 1  # tensor-parallel GPUs per group, within a node (FSDP or HSDP x TP: FSDP shards over the groups)
+    # online RL: the micro-batch's sequences are sampled together first (micro_batch = prompts x generations), each
+    # up to seq_len with its KV cache; 0: no sampling
+    generations: int = 0
 
     @property
     def world(self) -> int:
@@ -152,7 +155,10 @@ def spec_from_recipe(recipe: Recipe, *, strategy: Strategy = "single", num_gpus:
     # A preference micro-batch of N pairs is 2N sequences (chosen and rejected, each up to max_seq_len). Its
     # reference forward (the disabled adapter) runs under no_grad and keeps nothing for backward, so the
     # training forward and backward of the 2N sequences stay the peak; a precomputed reference costs nothing.
-    per_example = 2 if recipe.preference is not None else 1
+    # An online-RL micro-batch of N prompts is N x num_generations sequences: sampled together with their KV cache,
+    # then one packed forward and backward (its eval samples greedily: no loss pass).
+    per_example = 2 if recipe.preference is not None else recipe.rl.num_generations if recipe.rl is not None else 1
+    evaluates = evaluates and recipe.rl is None
     return TrainSpec(
         method="lora" if lora else "full",
         lora_r=lora.r if lora else _default(LoraConfig, "r"),
@@ -167,7 +173,8 @@ def spec_from_recipe(recipe: Recipe, *, strategy: Strategy = "single", num_gpus:
         # evaluate() batches by the train budget unless eval_batch_size is set
         eval_micro_batch=(t.eval_batch_size or t.micro_batch_size) * per_example if evaluates else None,
         eval_micro_batch_tokens=t.micro_batch_tokens if (evaluates and t.eval_batch_size is None) else None,
-        strategy=strategy, num_gpus=num_gpus, num_nodes=num_nodes, **launch,
+        strategy=strategy, num_gpus=num_gpus, num_nodes=num_nodes,
+        generations=recipe.rl.num_generations if recipe.rl is not None else 0, **launch,
     )
 
 

@@ -84,7 +84,8 @@ def sample(lm, prompts: list[list[int]], *, seeds: list[int], max_new_tokens: in
     out = [[] for _ in range(rows)]
     done = torch.zeros(rows, dtype=torch.bool, device=device)
     with cached_attention(lm):
-        result = lm(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True)
+        # the prompts' last position's logits only: [rows, vocab], not [rows, prompt length, vocab]
+        result = lm(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True, logits_to_keep=1)
         for t in range(max_new_tokens):
             token = next_tokens(result.logits[:, -1], uniforms[:, t], temperature=temperature, top_p=top_p)
             token = torch.where(done, torch.full_like(token, pad_id), token)
