@@ -6,7 +6,7 @@ BIN   := $(VENV)/bin
 # On a GPU machine: make install TORCH=torch
 TORCH ?= torch==2.13.0
 
-.PHONY: install demo test clean
+.PHONY: install demo demo-rl test clean
 
 $(BIN)/.installed: pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -20,6 +20,12 @@ install: $(BIN)/.installed
 demo: install
 	$(BIN)/llmtrain prepare-tiny assets/tiny
 	$(BIN)/llmtrain finetune recipes/tiny.yaml --overwrite
+
+# Online RL on the same task: a short SFT run leaves room to improve, then GRPO raises its answer accuracy.
+demo-rl: install
+	$(BIN)/llmtrain prepare-tiny assets/tiny
+	$(BIN)/llmtrain finetune recipes/tiny.yaml train.max_steps=150 output_dir=runs/tiny-sft --overwrite
+	$(BIN)/llmtrain finetune recipes/tiny-grpo.yaml --overwrite
 
 test: install
 	OMP_NUM_THREADS=1 $(BIN)/python -m pytest -q
