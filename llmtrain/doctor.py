@@ -215,6 +215,24 @@ def _max_positions(name_or_path: str) -> int | None:
         return None
 
 
+def check_rewards_run(recipe: Recipe, tokenizer) -> list[Check]:
+    """Online RL: every reward function imports and runs on the first rows (as finetune tries them before it
+    writes anything)."""
+    if recipe.rl is None:
+        return []
+    from llmtrain.data.prepare import prepare_datasets
+    from llmtrain.objectives.rewards import build_rewards, check_rewards
+
+    try:
+        train = prepare_datasets(recipe.data, tokenizer, seed=recipe.train.seed)[0]
+        columns = [c for c in train.column_names if c not in ("input_ids", "labels", "length", "row", "prompt")]
+        rewards = build_rewards(recipe.rl, answer_pattern=recipe.train.eval_answer_pattern, columns=train.column_names)
+        check_rewards(rewards, list(train.select(range(min(2, len(train))))), columns)
+    except LLMTrainError as e:
+        return [("rewards", "fail", str(e))]
+    return [("rewards", "pass", f"{', '.join(n for n, _, _ in rewards)} import and score the first rows")]
+
+
 def run_doctor(recipe: Recipe, *, accelerate_config: Path | None = None,
                gpu_memory: float | None = None) -> list[Check]:
     import datasets
@@ -234,6 +252,7 @@ def run_doctor(recipe: Recipe, *, accelerate_config: Path | None = None,
     if tokenizer is not None:
         checks += check_tokenizer(tokenizer) + check_chat_template(recipe, tokenizer)
         checks += load_data(recipe, tokenizer, world=data_ranks(launch))
+        checks += check_rewards_run(recipe, tokenizer)
     checks += check_context(recipe.data.max_seq_len, _max_positions(recipe.model.name_or_path))
     gpu = gpu_memory if gpu_memory is not None else gpu_memory_here()
     rows, est = check_memory(recipe, accelerate_config, gpu)

@@ -249,3 +249,22 @@ def test_estimate_memory_counts_the_samples_kv_cache_and_the_step_over_every_com
     assert est.phase_parts["generation"].get("gradients", 0) == 0  # freed by the previous step
     sft = estimate(shape, spec.but(generations=0, micro_batch=4))  # the same run without its completions
     assert est.phases["backward_layers"] > sft.phases["backward_layers"]
+
+
+def test_doctor_checks_the_reward_functions_and_the_prompt_room(tiny_assets, tmp_path, monkeypatch):
+    from llmtrain.config import load_recipe
+    from llmtrain.doctor import run_doctor
+
+    (tmp_path / "doctor_rewards.py").write_text("def fine(prompts, completions, **kw):\n    return [0.0] * "
+                                                "len(completions)\ndef broken(prompts, completions, **kw):\n"
+                                                "    return 1 / 0\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    recipe = grpo_recipe(tiny_assets, tmp_path)
+    good = dict((n, (s, d)) for n, s, d in run_doctor(load_recipe(recipe, ["rl.rewards=[{type: function, function: "
+                                                                            "doctor_rewards:fine}]"])))
+    assert good["rewards"][0] == "pass" and good["prompt room"][0] == "pass"
+    bad = dict((n, (s, d)) for n, s, d in run_doctor(load_recipe(recipe, ["rl.rewards=[{type: function, function: "
+                                                                           "doctor_rewards:broken}]",
+                                                                           "rl.max_completion_tokens=30"])))
+    assert bad["rewards"][0] == "fail" and "reward function broken raised ZeroDivisionError" in bad["rewards"][1]
+    assert bad["prompt room"][0] == "fail" and "rl.max_completion_tokens=30" in bad["prompt room"][1]
