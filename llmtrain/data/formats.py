@@ -26,7 +26,7 @@ FORMAT_FIELDS = {
     "prompt": ("prompt",),  # online RL: the completions are sampled; the other columns go to the reward functions
 }
 OPTIONAL_FIELDS = {"alpaca": {"input"}, "preference": {"prompt"}}  # preference: implicit-prompt rows have none
-CHAT_FORMATS = ("messages", "prompt_completion", "preference", "prompt")  # formats whose rows may be chats (role/content)
+CHAT_FORMATS = ("messages", "prompt_completion", "preference", "prompt")  # formats whose rows may be chats
 
 ALPACA_PROMPT = (
     "Below is an instruction that describes a task{ctx}. Write a response that appropriately completes the request."

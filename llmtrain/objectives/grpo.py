@@ -246,8 +246,8 @@ class GRPO:
         if not examples:
             return torch.zeros(2 + 2 * k, dtype=torch.float64)
         prompt_ids = [list(e["input_ids"]) for e in examples]
-        completions = sample(self.lm, prompt_ids, seeds=[0] * len(examples), max_new_tokens=self.rl.max_completion_tokens,
-                             temperature=0.0, top_p=1.0, stop_ids=self.stop_ids, pad_id=self.pad_id)
+        completions = sample(self.lm, prompt_ids, seeds=[0] * len(examples),
+                             max_new_tokens=self.rl.max_completion_tokens, temperature=0.0, top_p=1.0, stop_ids=self.stop_ids, pad_id=self.pad_id)
         texts = [self.tokenizer.decode(c, skip_special_tokens=True) for c in completions]
         prompts = [e["prompt"] for e in examples]
         shown = [[{"role": "assistant", "content": t}] for t in texts] if isinstance(prompts[0], list) else texts

@@ -110,9 +110,9 @@ def objective_for(recipe, *, pad_id: int, model=None, tokenizer=None, train=None
                 turn = None
         columns = train.column_names
         rewards = build_rewards(recipe.rl, answer_pattern=recipe.train.eval_answer_pattern, columns=columns)
-        objective = GRPO(recipe.rl, tokenizer=tokenizer, pad_id=pad_id, packing=packs_rows(recipe), seed=recipe.train.seed,
-                    rewards=rewards, model=model, columns=columns,
-                    stop_ids=stop_tokens(causal_lm(model), tokenizer, turn), world=world)
+        objective = GRPO(recipe.rl, tokenizer=tokenizer, pad_id=pad_id, packing=packs_rows(recipe),
+                         seed=recipe.train.seed, rewards=rewards, model=model, columns=columns,
+                         stop_ids=stop_tokens(causal_lm(model), tokenizer, turn), world=world)
         check_rewards(rewards, list(train.select(range(min(2, len(train))))), objective.reward_columns)
         return objective
 
