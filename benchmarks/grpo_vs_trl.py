@@ -30,12 +30,8 @@ import tempfile
 import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
-SHARED = REPO.parent / "shared"
-MISTRAL = SHARED / "models" / "mistral-7b-instruct-v0.3"
-GSM8K = SHARED / "data" / "gsm8k" / "train.jsonl"
-SMALL = dict(hidden_size=256, num_hidden_layers=4, num_attention_heads=8, num_key_value_heads=2,
-             intermediate_size=896, head_dim=32)
+from preference_step import GSM8K, MISTRAL, SMALL  # the same model and data as the DPO step's benchmark
+
 SKIP = 2  # warm-up steps left out of the means
 
 
