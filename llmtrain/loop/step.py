@@ -34,7 +34,7 @@ class StepResult:
     lr: float  # the learning rate of this update
     skipped: bool  # no update: the gradient norm was not finite (every rank agrees: it is the global norm)
     stop_voted: bool  # some process had a stop signal when the step began (several processes only)
-    rollouts: list  # online RL: this rank's completions, one record each (rollouts.jsonl); empty otherwise
+    rollouts: list | tuple = ()  # online RL: this rank's completions, one record each (rollouts.jsonl)
 
 
 def train_step(model, optimizer, scheduler, accelerator, objective: Objective, window, *,
