@@ -41,7 +41,7 @@ def grpo_recipe(tiny: Path, tmp: Path, **sections) -> Path:
     return write_recipe(tiny, tmp, data=data,
                         rl={**rl, **sections.pop("rl", {})},
                         train={"max_steps": 4, "micro_batch_size": 4, "lr": 1e-3, "eval_every_steps": 4,
-                               **sections.pop("train", {})},
+                               "eval_samples": 2, "eval_max_new_tokens": 8, **sections.pop("train", {})},
                         checkpoint={"every_steps": 2, "keep_last": 3}, **sections)
 
 
@@ -101,6 +101,45 @@ def test_a_step_logs_trls_names_and_every_completion(straight, tiny_assets):
     assert [e["step"] for e in evals] == [0, 4]  # the starting policy first, then the end
     assert {"eval_reward", "eval_rewards/format/mean", "eval_answer_accuracy"} <= set(evals[0])
     assert summary["steps"] == 4
+    samples = [json.loads(x) for x in (run / "samples.jsonl").read_text().splitlines()]
+    eval_file = [json.loads(x) for x in (tiny_assets / "data" / "eval.jsonl").read_text().splitlines()]
+    assert {s["expected"] for s in samples} <= {r["completion"] for r in eval_file}  # the answer column, as text
+
+
+def test_lora_with_beta_takes_the_disabled_adapter_as_reference(tiny_assets, tmp_path):
+    """beta > 0 with LoRA: the reference is the same model with its adapter off, so the KL starts at 0 (lora_B is
+    zero at init) and grows once the adapter has moved; it is logged as TRL's `kl`."""
+    recipe = grpo_recipe(tiny_assets, tmp_path, lora={"r": 4, "alpha": 8, "dropout": 0.0},
+                         rl={"beta": 0.1}, train={"max_steps": 3, "lr": 5e-2})
+    run_train(recipe, f"output_dir={tmp_path / 'run'}")
+    kl = [r["kl"] for r in records(tmp_path / "run")]
+    assert kl[0] == pytest.approx(0.0, abs=1e-7) and kl[-1] > 1e-6 and all(k >= 0 for k in kl)
+
+
+def test_conversational_prompts_render_the_generation_prompt_and_rewards_get_messages(tiny_assets, tmp_path,
+                                                                                          monkeypatch):
+    from transformers import AutoTokenizer
+
+    data = tmp_path / "chats.jsonl"
+    rows = [{"prompt": [{"role": "user", "content": f"reverse {w} ="}], "completion": " " + w[::-1]}
+            for w in ("abc", "dog", "tree", "stone")]
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    (tmp_path / "chat_rewards.py").write_text(
+        "def as_messages(prompts, completions, **kwargs):\n"
+        "    assert all(p[0]['role'] == 'user' for p in prompts)\n"
+        "    return [float(c[0]['role'] == 'assistant' and len(c[0]['content']) % 2) for c in completions]\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    recipe = grpo_recipe(tiny_assets, tmp_path, data={"path": str(data), "cache_dir": str(tmp_path / "cache")},
+                         rl={"rewards": [{"type": "function", "function": "chat_rewards:as_messages"}]},
+                         train={"max_steps": 1})
+    run_train(recipe, f"output_dir={tmp_path / 'run'}", "data.eval_split=null", "data.eval_max_examples=null",
+              "train.eval_every_steps=null", "train.eval_samples=0")
+    tok = AutoTokenizer.from_pretrained(tiny_assets / "model")
+    rendered = {tuple(tok.apply_chat_template(r["prompt"], add_generation_prompt=True, tokenize=True,
+                                              return_dict=False)) for r in rows}
+    rolled = rollouts(tmp_path / "run")
+    assert {tuple(r["prompt_ids"]) for r in rolled} == rendered  # ends with <|ASSISTANT|>, as at inference
+    assert all(r["as_messages"] == float(len(r["completion"]) % 2) for r in rolled)
 
 
 def test_the_update_moves_the_weights_toward_the_rewarded_completions(straight, tiny_assets):
@@ -268,3 +307,12 @@ def test_doctor_checks_the_reward_functions_and_the_prompt_room(tiny_assets, tmp
                                                                            "rl.max_completion_tokens=30"])))
     assert bad["rewards"][0] == "fail" and "reward function broken raised ZeroDivisionError" in bad["rewards"][1]
     assert bad["prompt room"][0] == "fail" and "rl.max_completion_tokens=30" in bad["prompt room"][1]
+
+
+
+def test_an_fsdp_launch_is_refused_with_the_reason_and_nothing_written(tiny_assets, tmp_path, monkeypatch):
+    """Under FSDP every decoded token would gather the sharded layers: refused at the read-only checks (that
+    uses_fsdp reads a launch right is tested with the FSDP launches in test_fsdp.py)."""
+    monkeypatch.setattr("llmtrain.loop.phases.uses_fsdp", lambda accelerator: True)
+    says = _refused(grpo_recipe(tiny_assets, tmp_path), tmp_path / "run")
+    assert "online RL runs on one process or under DDP" in says and "DDP config" in says
