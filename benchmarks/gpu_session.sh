@@ -159,6 +159,18 @@ EOF
   run dpo-lora $FT $W/lora.yaml data.path=$W/gsm8k-pairs.jsonl data.format=preference data.chat_template=true \
     data.max_seq_len=$((2048 / SCALE)) \
     preference.loss=dpo
+  # online RL (GRPO, Mistral-7B LoRA): sampling with the KV cache, then the packed update; a random model runs every
+  # completion to max_completion_tokens, which is the worst case the estimate counts
+  $PY - <<EOF
+import json
+with open("$G/gsm8k/train.jsonl") as f, open("$W/gsm8k-prompts.jsonl", "w") as w:
+    for line in f:
+        r = json.loads(line)
+        w.write(json.dumps({"prompt": r["question"], "answer": r["answer"]}) + "\n")
+EOF
+  run grpo-lora $FT $W/lora.yaml data.path=$W/gsm8k-prompts.jsonl data.format=prompt data.chat_template=true \
+    data.max_seq_len=$((1024 / SCALE)) train.micro_batch_tokens=null train.micro_batch_size=4 train.max_steps=3 \
+    "rl={num_generations: 4, max_completion_tokens: $((256 / SCALE)), rewards: [{type: format, pattern: '[0-9]'}]}"
   $PY - "$LLAMA1B" "$W/models/llama-1b-weights" <<'EOF' >> "$OUT/$WHAT.log" 2>&1
 import sys, torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer

@@ -316,3 +316,19 @@ def test_an_fsdp_launch_is_refused_with_the_reason_and_nothing_written(tiny_asse
     monkeypatch.setattr("llmtrain.loop.phases.uses_fsdp", lambda accelerator: True)
     says = _refused(grpo_recipe(tiny_assets, tmp_path), tmp_path / "run")
     assert "online RL runs on one process or under DDP" in says and "DDP config" in says
+
+
+def test_fit_sizes_the_micro_batch_in_prompts_each_num_generations_sequences(tiny_assets, tmp_path):
+    """--fit searches micro-batches of whole prompts (a preference run's: whole pairs) and proposes them as
+    train.micro_batch_size, while the estimate counts every completion's sequence."""
+    from llmtrain.config import load_recipe
+    from llmtrain.memory.fit import fit
+    from llmtrain.memory.params import load_model_shape
+    from llmtrain.memory.spec import spec_from_recipe
+
+    recipe = load_recipe(grpo_recipe(tiny_assets, tmp_path), ["train.eval_every_steps=null"])
+    shape = load_model_shape(str(tiny_assets / "model"))
+    result = fit(shape, spec_from_recipe(recipe).but(gpu_memory_gib=1.5), global_batch=None)
+    best = result.best.spec
+    proposed = int(next(o for o in result.overrides if o.startswith("train.micro_batch_size=")).split("=")[1])
+    assert best.micro_batch == proposed * G and proposed >= 1

@@ -60,12 +60,13 @@ class FitResult:
 
 
 def size(spec: TrainSpec) -> int:
-    """The micro-batch as the run counts it: tokens (a budget) or examples."""
-    return spec.micro_batch_tokens or spec.micro_batch
+    """The micro-batch as the recipe counts it (train.micro_batch_tokens or train.micro_batch_size): tokens (a
+    budget), or examples (pairs, prompts), each spec.per_example sequences."""
+    return spec.micro_batch_tokens or spec.micro_batch // spec.per_example
 
 
 def with_size(spec: TrainSpec, n: int) -> TrainSpec:
-    return spec.but(micro_batch_tokens=n) if spec.micro_batch_tokens else spec.but(micro_batch=n)
+    return spec.but(micro_batch_tokens=n) if spec.micro_batch_tokens else spec.but(micro_batch=n * spec.per_example)
 
 
 def throughput_score(spec: TrainSpec) -> float:

@@ -69,6 +69,9 @@ class TrainSpec:
     # online RL: the micro-batch's sequences are sampled together first (micro_batch = prompts x generations), each
     # up to seq_len with its KV cache; 0: no sampling
     generations: int = 0
+    # sequences one recipe example makes (micro_batch counts sequences): 2 for a preference pair (chosen and
+    # rejected), num_generations for an online-RL prompt; --fit sizes micro-batches in whole examples
+    per_example: int = 1
 
     @property
     def world(self) -> int:
@@ -174,7 +177,7 @@ def spec_from_recipe(recipe: Recipe, *, strategy: Strategy = "single", num_gpus:
         eval_micro_batch=(t.eval_batch_size or t.micro_batch_size) * per_example if evaluates else None,
         eval_micro_batch_tokens=t.micro_batch_tokens if (evaluates and t.eval_batch_size is None) else None,
         strategy=strategy, num_gpus=num_gpus, num_nodes=num_nodes,
-        generations=recipe.rl.num_generations if recipe.rl is not None else 0, **launch,
+        generations=recipe.rl.num_generations if recipe.rl is not None else 0, per_example=per_example, **launch,
     )
 
 
