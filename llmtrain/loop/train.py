@@ -209,7 +209,8 @@ def evaluate_and_sample(run: Run, state: TrainState, progress) -> dict:
     say(f"step {state.step}: " + "  ".join(f"{k} {v:.4f}" for k, v in ev.items()))
     if samples:
         say(format_sample(samples[0]))
-    if accelerator.is_main_process and (note := update_loss_plot(run.out)):  # a failure is said; training goes on
+    # a failure is said and training goes on; before the first step (RL's step-0 eval) there is nothing to plot
+    if accelerator.is_main_process and state.step and (note := update_loss_plot(run.out)):
         say(note)
     return {"step": state.step, **ev}
 

@@ -83,7 +83,8 @@ def sample(lm, prompts: list[list[int]], *, seeds: list[int], max_new_tokens: in
     stops = torch.tensor(sorted(stop_ids), device=device)
     out = [[] for _ in range(rows)]
     done = torch.zeros(rows, dtype=torch.bool, device=device)
-    with cached_attention(lm):
+    # eager: compiled layers (model.compile) would recompile at every new length
+    with cached_attention(lm), torch.compiler.set_stance("force_eager"):
         # the prompts' last position's logits only: [rows, vocab], not [rows, prompt length, vocab]
         result = lm(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True, logits_to_keep=1)
         for t in range(max_new_tokens):
