@@ -169,8 +169,8 @@ with open("$G/gsm8k/train.jsonl") as f, open("$W/gsm8k-prompts.jsonl", "w") as w
         w.write(json.dumps({"prompt": r["question"], "answer": r["answer"]}) + "\n")
 EOF
   run grpo-lora $FT $W/lora.yaml data.path=$W/gsm8k-prompts.jsonl data.format=prompt data.chat_template=true \
-    data.max_seq_len=$((1024 / SCALE)) train.micro_batch_tokens=null train.micro_batch_size=4 train.max_steps=3 \
-    "rl={num_generations: 4, max_completion_tokens: $((256 / SCALE)), rewards: [{type: format, pattern: '[0-9]'}]}"
+    data.max_seq_len=1024 train.micro_batch_tokens=null train.micro_batch_size=4 train.max_steps=3 \
+    "rl={num_generations: 4, max_completion_tokens: $((256 / SCALE)), rewards: [{type: format, pattern: '[0-9][0-9]'}]}"
   $PY - "$LLAMA1B" "$W/models/llama-1b-weights" <<'EOF' >> "$OUT/$WHAT.log" 2>&1
 import sys, torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
