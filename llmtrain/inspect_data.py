@@ -11,7 +11,7 @@ from llmtrain.data.prepare import DataStats, prepare_datasets
 from llmtrain.model.modeling import load_tokenizer
 
 
-def _stats_table(stats: dict[str, DataStats], *, pairs: bool = False):
+def _stats_table(stats: dict[str, DataStats], *, pairs: bool = False, prompts: bool = False):
     """The statistics of each split. A pair's length is its two sequences' (what a token budget bins), so it may
     be up to twice data.max_seq_len: the table says so."""
     from rich.table import Table
@@ -21,11 +21,11 @@ def _stats_table(stats: dict[str, DataStats], *, pairs: bool = False):
     for split in stats:
         table.add_column(split, justify="right")
     rows = [
-        ("pairs" if pairs else "examples", lambda s: f"{s.examples:,}"),
+        ("pairs" if pairs else "prompts" if prompts else "examples", lambda s: f"{s.examples:,}"),
         ("truncated", lambda s: f"{s.truncated:,}"),
         ("dropped", lambda s: f"{s.dropped:,}" + (f" ({', '.join(s.drops)})" if s.drops else "")),
         ("tokens", lambda s: f"{s.tokens:,}"),
-        ("trained-token fraction", lambda s: f"{s.trained_fraction:.1%}"),
+        *([] if prompts else [("trained-token fraction", lambda s: f"{s.trained_fraction:.1%}")]),
         ("pair length (chosen + rejected) p50 / p90 / p99 / max" if pairs else "length p50 / p90 / p99 / max",
          lambda s: f"{s.length_p50} / {s.length_p90} / {s.length_p99} / {s.length_max}"),
     ]
@@ -88,6 +88,15 @@ def inspect_data(recipe: Recipe, *, n: int, as_json: bool) -> None:
         return
     console = Console()
     marks = console.no_color or console.color_system is None
+    if recipe.data.format == "prompt":  # online RL: the prompt as generation continues it, and the rewards' columns
+        extra = [c for c in train.column_names if c not in ("input_ids", "labels", "length", "row", "prompt")]
+        for i, row in enumerate(rows):
+            columns = "; ".join(f"{c}={row[c]!r}" for c in extra)
+            console.print(Panel(_highlight(row["input_ids"], row["labels"], tokenizer, marks=False),
+                                title=f"prompt {i}: {len(row['input_ids'])} tokens (completions are sampled)",
+                                subtitle=f"to the rewards: {columns}" if columns else None, title_align="left"))
+        console.print(_stats_table(stats, prompts=True))
+        return
     for i, (ids, labels) in enumerate(zip(rows["input_ids"], rows["labels"])):
         trained = sum(lab != IGNORE for lab in labels[1:])
         how = "«between marks»" if marks else "green"

@@ -332,3 +332,13 @@ def test_fit_sizes_the_micro_batch_in_prompts_each_num_generations_sequences(tin
     best = result.best.spec
     proposed = int(next(o for o in result.overrides if o.startswith("train.micro_batch_size=")).split("=")[1])
     assert best.micro_batch == proposed * G and proposed >= 1
+
+
+def test_inspect_data_shows_the_prompt_and_what_goes_to_the_rewards(tiny_assets, tmp_path):
+    from helpers import invoke
+
+    out = invoke("inspect-data", str(grpo_recipe(tiny_assets, tmp_path)), "--n", "1").stdout
+    first = json.loads((tiny_assets / "data" / "train.jsonl").read_text().splitlines()[0])
+    assert "prompt 0:" in out and "(completions are sampled)" in out and first["prompt"] in out
+    assert f"to the rewards: completion={first['completion']!r}" in out
+    assert "prompts" in out and "trained-token fraction" not in out
