@@ -27,8 +27,10 @@ demo-rl: install
 	$(BIN)/llmtrain finetune recipes/tiny.yaml train.max_steps=150 output_dir=runs/tiny-sft --overwrite
 	$(BIN)/llmtrain finetune recipes/tiny-grpo.yaml --overwrite
 
+# Two pytest-xdist workers, each running whole test files (a file's shared runs are made once), the long
+# multi-process files first (tests/conftest.py); a plain `pytest -q` runs the same tests one after another.
 test: install
-	OMP_NUM_THREADS=1 $(BIN)/python -m pytest -q
+	OMP_NUM_THREADS=1 $(BIN)/python -m pytest -q -n 2 --dist loadfile --no-loadscope-reorder
 
 clean:
 	rm -rf runs assets .cache

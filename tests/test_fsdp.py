@@ -104,14 +104,14 @@ def test_fsdp_matches_one_process(tiny_assets, tmp_path, free_port):
 
 
 def test_sharded_checkpoint_resumes_exactly(tiny_assets, tmp_path, free_port):
-    """8 steps straight == 8 steps of which the last 4 ran after `--resume auto` from the step-4 checkpoint;
+    """4 steps straight == 4 steps of which the last 2 ran after `--resume auto` from the step-2 checkpoint;
     every checkpoint is written as shards, one file per rank, and no rank gathers the full state."""
-    recipe = write_recipe(tiny_assets, tmp_path, train={"max_steps": 8, "micro_batch_size": 2, "lr": 3e-3},
-                          checkpoint={"every_steps": 4, "keep_last": 2})
+    recipe = write_recipe(tiny_assets, tmp_path, train={"max_steps": 4, "micro_batch_size": 2, "lr": 3e-3},
+                          checkpoint={"every_steps": 2, "keep_last": 2})
     straight, resumed = tmp_path / "straight", tmp_path / "resumed"
     _launch(recipe, free_port, f"output_dir={straight}")
 
-    ckpt = straight / "checkpoints" / "step_000004"
+    ckpt = straight / "checkpoints" / "step_000002"
     names = {p.name for p in ckpt.iterdir()}
     # No gathered weights or optimizer anywhere: no model.safetensors, no pytorch_model_fsdp.bin, no optimizer.bin.
     assert {"pytorch_model_fsdp_0", "optimizer_0", "random_states_0.pkl", "random_states_1.pkl",
@@ -129,13 +129,14 @@ def test_sharded_checkpoint_resumes_exactly(tiny_assets, tmp_path, free_port):
     files = {meta.storage_data[k].relative_path for k in meta.storage_data if k.fqn.endswith("q_proj.weight")}
     assert files == {"__0_0.distcp", "__1_0.distcp"}
 
-    _launch(recipe, free_port, f"output_dir={resumed}")
-    _preempt(resumed, 8)
+    shutil.copytree(straight, resumed)  # the same straight run, preempted below
+    _preempt(resumed, 4)
+    assert [p.name for p in (resumed / "checkpoints").iterdir()] == ["step_000002"]
     one = tmp_path / "one"  # the same preempted run, to be resumed on 1 process below
     shutil.copytree(resumed, one)
     proc = _launch(recipe, free_port, f"output_dir={resumed}", resume="auto")
-    assert f"resumed from {resumed / 'checkpoints' / 'step_000004'} at step 4" in proc.stdout
-    assert [r["step"] for r in records(resumed)] == list(range(1, 9))
+    assert f"resumed from {resumed / 'checkpoints' / 'step_000002'} at step 2" in proc.stdout
+    assert [r["step"] for r in records(resumed)] == list(range(1, 5))
     assert losses(resumed) == pytest.approx(losses(straight), abs=1e-6)
     assert max_abs_diff(load_weights(resumed / "final"), load_weights(straight / "final")) < 1e-6
 
@@ -148,7 +149,7 @@ def test_sharded_checkpoint_resumes_exactly(tiny_assets, tmp_path, free_port):
     # Without FSDP the shards cannot be read: refused with the launch to use, and the run is left as it was.
     before = sorted(p.name for p in (one / "checkpoints").iterdir())
     wrong = cli("finetune", str(recipe), f"output_dir={one}", "train.micro_batch_size=4", "--resume",
-                str(one / "checkpoints" / "step_000004"), check=False)
+                str(one / "checkpoints" / "step_000002"), check=False)
     assert wrong.returncode == 2 and "written under FSDP" in wrong.stderr and "Traceback" not in wrong.stderr
     assert sorted(p.name for p in (one / "checkpoints").iterdir()) == before
 

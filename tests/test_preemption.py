@@ -53,12 +53,21 @@ def _steps_on_disk(run: Path) -> list[int]:
     return sorted(int(d.name[5:]) for d in (run / "checkpoints").glob("step_*"))
 
 
+@pytest.fixture(scope="module")
+def uninterrupted(tiny_assets, tmp_path_factory) -> tuple[Path, Path]:
+    """(recipe, run): the 150 steps that the signalled runs are stopped in, trained once by the CLI to the end; the
+    signal tests resume to its weights (read only)."""
+    folder = tmp_path_factory.mktemp("uninterrupted")
+    recipe = write_recipe(tiny_assets, folder, train={"max_steps": 150, "micro_batch_size": 8})
+    cli("finetune", str(recipe), f"output_dir={folder / 'full'}")
+    return recipe, folder / "full"
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize(("sig", "code"), [(signal.SIGTERM, 143), (signal.SIGINT, 130)])
-def test_signal_mid_run_saves_and_resumes_exactly(tiny_assets, tmp_path, sig, code):
-    recipe = write_recipe(tiny_assets, tmp_path, train={"max_steps": 150, "micro_batch_size": 8})
-    full, cut = tmp_path / "full", tmp_path / "cut"
-    cli("finetune", str(recipe), f"output_dir={full}")
+def test_signal_mid_run_saves_and_resumes_exactly(uninterrupted, tmp_path, sig, code):
+    recipe, full = uninterrupted
+    cut = tmp_path / "cut"
     proc = _start([*LLMTRAIN, "finetune", str(recipe), f"output_dir={cut}"])
     rc, output, seconds = _interrupt(proc, cut, sig)
     assert rc == code, output[-2000:]

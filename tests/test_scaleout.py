@@ -71,31 +71,35 @@ def test_two_nodes_match_one_process(tiny_assets, tmp_path, free_port):
 
 def test_resume_ddp_checkpoint_on_one_process(tiny_assets, tmp_path, free_port):
     """Save with 2 DDP processes x micro-batch 2, resume on 1 process x micro-batch 4: same global batches,
-    so the resumed run equals one uninterrupted single-process run step for step."""
+    so the resumed run equals one uninterrupted single-process run (trained in this process) step for step."""
+    from helpers import run_train
+
     recipe = _recipe(tiny_assets, tmp_path)
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    common = ["train.max_steps=8", "checkpoint.every_steps=4"]
+    common = ["train.max_steps=4", "checkpoint.every_steps=2"]  # a checkpoint at step 2, 2 steps after the resume
     straight = tmp_path / "straight"
-    subprocess.run([sys.executable, "-m", "llmtrain", "finetune", str(recipe), f"output_dir={straight}",
-                    "train.micro_batch_size=4", *common], check=True, env=env, capture_output=True)
+    run_train(recipe, f"output_dir={straight}", "train.micro_batch_size=4", *common)
 
     run = tmp_path / "ddp"
     subprocess.run([sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
                     "--num_machines", "1", "--main_process_port", str(free_port), "--mixed_precision", "no",
                     "--dynamo_backend", "no", "-m", "llmtrain", "finetune", str(recipe), f"output_dir={run}",
                     *common], check=True, env=env, capture_output=True)
-    # Preempted right after the step-4 save: the later checkpoint and the export never happened.
+    # Preempted right after the step-2 save: the later checkpoint and the export never happened.
     import shutil
 
-    shutil.rmtree(run / "checkpoints" / "step_000008")
+    shutil.rmtree(run / "checkpoints" / "step_000004")
+    assert [p.name for p in (run / "checkpoints").iterdir()] == ["step_000002"]
     shutil.rmtree(run / "final")
     wrong = subprocess.run([sys.executable, "-m", "llmtrain", "finetune", str(recipe), f"output_dir={run}",
                             "--resume", "auto", *common], env=env, capture_output=True, text=True)
     assert wrong.returncode == 2 and "micro_batch_size x processes = 4" in wrong.stderr
-    subprocess.run([sys.executable, "-m", "llmtrain", "finetune", str(recipe), f"output_dir={run}", "--resume", "auto",
-                    "train.micro_batch_size=4", *common], check=True, env=env, capture_output=True)
+    resumed = subprocess.run([sys.executable, "-m", "llmtrain", "finetune", str(recipe), f"output_dir={run}",
+                              "--resume", "auto", "train.micro_batch_size=4", *common], check=True, env=env,
+                             capture_output=True, text=True)
+    assert f"resumed from {run / 'checkpoints' / 'step_000002'} at step 2" in resumed.stdout + resumed.stderr
     assert _losses(run) == pytest.approx(_losses(straight), abs=1e-5)
-    assert len(_losses(run)) == 8
+    assert len(_losses(run)) == 4
 
 
 def test_failing_rank_brings_the_job_down_with_its_error(tiny_assets, tmp_path, free_port):

@@ -19,12 +19,21 @@ Four processes on two cores are slow: these tests are few and small, and marked 
 from __future__ import annotations
 
 import shutil
+import socket
 from pathlib import Path
 
 import pytest
-
-from helpers import REPO, assert_same_steps, launch_finetune, load_weights, losses, max_abs_diff, records
-from helpers import run_train, write_recipe
+from helpers import (
+    REPO,
+    assert_same_steps,
+    launch_finetune,
+    load_weights,
+    losses,
+    max_abs_diff,
+    records,
+    run_train,
+    write_recipe,
+)
 
 pytestmark = pytest.mark.slow
 
@@ -56,8 +65,37 @@ def _same_run(run: Path, reference: Path, *, tol: float) -> None:
     assert max_abs_diff(load_weights(run / "final"), load_weights(reference / "final")) < tol
 
 
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def straight(tiny_assets, tmp_path_factory):
+    """`straight(processes, attention)` -> (recipe, run): the straight run of 4 steps (a checkpoint at step 2) on
+    1 process (in this process) or launched on 2, 4 or 8, made once for the module and shared by the tests that
+    compare with it or resume from its checkpoint (they copy it first, never change it)."""
+    folder, made = tmp_path_factory.mktemp("tp-straight"), {}
+
+    def get(processes: int, attention: str = "eager") -> tuple[Path, Path]:
+        recipe = write_recipe(tiny_assets, folder, name=f"recipe-{attention}.yaml",
+                              train={"max_steps": 4, "micro_batch_size": 4, **SGD_LIKE},
+                              checkpoint={"every_steps": 2}, model={"attn_implementation": attention})
+        run = folder / f"{processes}-{attention}"
+        if (processes, attention) not in made:
+            if processes == 1:
+                run_train(recipe, f"output_dir={run}")
+            else:
+                _launch(recipe, _free_port(), processes, f"output_dir={run}")
+            made[processes, attention] = run
+        return recipe, run
+
+    return get
+
+
 @pytest.mark.parametrize("attention", ["eager", "auto"])
-def test_fsdp_x_tp_2x2_trains_like_one_process(tiny_assets, tmp_path, free_port, attention):
+def test_fsdp_x_tp_2x2_trains_like_one_process(straight, attention):
     """2 shards x 2 TP x micro-batch 2 == 1 process x micro-batch 4: losses and gradient norms to 1e-6 (relative),
     final weights to 1e-6, with each TP'd weight stored in four pieces (2 shards x 2 TP) and each norm in two. With
     eager attention on padded rows, and with llmtrain's varlen attention (auto) on packed rows, whose kernel sees
@@ -67,11 +105,8 @@ def test_fsdp_x_tp_2x2_trains_like_one_process(tiny_assets, tmp_path, free_port,
     normalised by the trained tokens of the whole window. Counting the TP pair's one batch twice (the window's
     tokens summed over 4 processes, not 2 data ranks) would halve the gradient, and averaging over 4 processes
     where FSDP averages over 2 would double it: either fails the norm by a factor of 2."""
-    recipe = write_recipe(tiny_assets, tmp_path, train={"max_steps": 4, "micro_batch_size": 4, **SGD_LIKE},
-                          checkpoint={"every_steps": 2}, model={"attn_implementation": attention})
-    single, tp = tmp_path / "single", tmp_path / "tp"
-    run_train(recipe, f"output_dir={single}")
-    _launch(recipe, free_port, 4, f"output_dir={tp}")
+    _, single = straight(1, attention)
+    _, tp = straight(4, attention)
 
     assert_same_steps(tp, single, tol=1e-6)
     _same_run(tp, single, tol=1e-6)
@@ -89,28 +124,27 @@ def test_fsdp_x_tp_2x2_trains_like_one_process(tiny_assets, tmp_path, free_port,
     assert pieces["layers.0.input_layernorm.weight"] == [(0,), (64,)]  # whole on each TP rank, sharded by FSDP
 
 
-def test_fsdp_x_tp_checkpoints_move_between_tp_fsdp_and_one_process(tiny_assets, tmp_path, free_port):
+def test_fsdp_x_tp_checkpoints_move_between_tp_fsdp_and_one_process(straight, tmp_path, free_port):
     """An FSDP x TP checkpoint resumes on FSDP x TP, on plain FSDP with 2 processes and on 1 process; and a 2-process
     FSDP checkpoint resumes on FSDP x TP. The global micro-batch is 4 examples everywhere, so the data order is kept:
-    every resumed run sees the tokens, and reaches the losses and weights, of the run that never stopped."""
-    recipe = write_recipe(tiny_assets, tmp_path, train={"max_steps": 6, "micro_batch_size": 4, **SGD_LIKE},
-                          checkpoint={"every_steps": 3, "keep_last": 2})
-    tp, fsdp = tmp_path / "tp", tmp_path / "fsdp"
-    _launch(recipe, free_port, 4, f"output_dir={tp}")
-    _launch(recipe, free_port, 2, f"output_dir={fsdp}")
+    every resumed run sees the tokens, and reaches the losses and weights, of the run that never stopped. The runs
+    are the module's straight ones (4 steps, a checkpoint at step 2: 2 steps trained after each resume)."""
+    recipe, tp = straight(4)
+    _, fsdp = straight(2)
     _same_run(fsdp, tp, tol=1e-6)  # the straight runs agree, so either is the reference
 
     def cut(run: Path, name: str) -> Path:
-        """As if the job died right after step 3's checkpoint: step 6's checkpoint and final/ are gone."""
+        """As if the job died right after step 2's checkpoint: step 4's checkpoint and final/ are gone."""
         copy = Path(shutil.copytree(run, tmp_path / name))
-        shutil.rmtree(copy / "checkpoints" / "step_000006")
+        shutil.rmtree(copy / "checkpoints" / "step_000004")
         shutil.rmtree(copy / "final")
+        assert [p.name for p in (copy / "checkpoints").iterdir()] == ["step_000002"]
         return copy
 
     for processes in (4, 2, 1):
         run = cut(tp, f"tp-on-{processes}")
         out = _launch(recipe, free_port, processes, f"output_dir={run}", resume="auto")
-        assert f"resumed from {run / 'checkpoints' / 'step_000003'} at step 3" in out
+        assert f"resumed from {run / 'checkpoints' / 'step_000002'} at step 2" in out
         _same_run(run, tp, tol=1e-6)
 
     back = cut(fsdp, "fsdp-on-tp")
@@ -119,15 +153,12 @@ def test_fsdp_x_tp_checkpoints_move_between_tp_fsdp_and_one_process(tiny_assets,
     _same_run(back, fsdp, tol=1e-6)
 
 
-def test_hsdp_x_tp_2x2x2_trains_like_one_process_and_resumes_on_fsdp_x_tp(tiny_assets, tmp_path, free_port):
+def test_hsdp_x_tp_2x2x2_trains_like_one_process_and_resumes_on_fsdp_x_tp(straight, tmp_path, free_port):
     """3-D, 8 processes: 2 replicas x 2 shards x 2 TP x micro-batch 1 == 1 process x micro-batch 4 (losses, gradient
     norms and final weights to 1e-6), and its checkpoint (step 2 of 4) resumes on FSDP x TP 2 x 2 to the same end.
     Each replica is FSDP x TP as above; the replicas all-reduce the gradients of their shards once a step."""
-    recipe = write_recipe(tiny_assets, tmp_path, train={"max_steps": 4, "micro_batch_size": 4, **SGD_LIKE},
-                          checkpoint={"every_steps": 2})
-    single, three = tmp_path / "single", tmp_path / "3d"
-    run_train(recipe, f"output_dir={single}")
-    _launch(recipe, free_port, 8, f"output_dir={three}")
+    recipe, single = straight(1)
+    _, three = straight(8)
     assert_same_steps(three, single, tol=1e-6)
     _same_run(three, single, tol=1e-6)
 
