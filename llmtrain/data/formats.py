@@ -100,7 +100,9 @@ def row_problem(example: dict, cfg: DataConfig) -> str | None:
     for field in FORMAT_FIELDS[cfg.format]:
         value = _column(example, cfg, field)
         name = f"'{cfg.fields.get(field, field)}' ({field})"
-        if (value is None or value == "") and field not in OPTIONAL_FIELDS.get(cfg.format, ()):
+        # an empty completion still trains its end of turn ("empty replies" warns); an empty RL prompt is nothing
+        empty = value is None or value == "" and cfg.format == "prompt"
+        if empty and field not in OPTIONAL_FIELDS.get(cfg.format, ()):
             return f"{name} is empty"
         if isinstance(value, list) and cfg.format in ("prompt_completion", "prompt"):  # TRL's conversational rows
             problem = _messages_problem(value, cfg, name) or (
