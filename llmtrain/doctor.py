@@ -221,13 +221,12 @@ def check_rewards_run(recipe: Recipe, tokenizer) -> list[Check]:
     if recipe.rl is None:
         return []
     from llmtrain.data.prepare import prepare_datasets
-    from llmtrain.objectives.rewards import build_rewards, check_rewards
+    from llmtrain.objectives.rewards import build_rewards, check_rewards, reward_columns
 
     try:
         train = prepare_datasets(recipe.data, tokenizer, seed=recipe.train.seed)[0]
-        columns = [c for c in train.column_names if c not in ("input_ids", "labels", "length", "row", "prompt")]
         rewards = build_rewards(recipe.rl, answer_pattern=recipe.train.eval_answer_pattern, columns=train.column_names)
-        check_rewards(rewards, list(train.select(range(min(2, len(train))))), columns)
+        check_rewards(rewards, list(train.select(range(min(2, len(train))))), reward_columns(train.column_names))
     except LLMTrainError as e:
         return [("rewards", "fail", str(e))]
     return [("rewards", "pass", f"{', '.join(n for n, _, _ in rewards)} import and score the first rows")]

@@ -89,7 +89,9 @@ def inspect_data(recipe: Recipe, *, n: int, as_json: bool) -> None:
     console = Console()
     marks = console.no_color or console.color_system is None
     if recipe.data.format == "prompt":  # online RL: the prompt as generation continues it, and the rewards' columns
-        extra = [c for c in train.column_names if c not in ("input_ids", "labels", "length", "row", "prompt")]
+        from llmtrain.objectives.rewards import reward_columns
+
+        extra = reward_columns(train.column_names)
         for i, row in enumerate(rows):
             columns = "; ".join(f"{c}={row[c]!r}" for c in extra)
             console.print(Panel(_highlight(row["input_ids"], row["labels"], tokenizer, marks=False),

@@ -114,7 +114,9 @@ class GRPO:
         self.rl, self.tokenizer, self.pad_id, self.packing, self.seed = rl, tokenizer, pad_id, packing, seed
         self.rewards = rewards  # (name, function, weight): rewards.build_rewards
         self.lm = model  # unwrapped: generates, and with its adapter disabled is the reference (beta > 0)
-        self.reward_columns = tuple(c for c in columns if c not in ("input_ids", "labels", "length", "row", "prompt"))
+        from llmtrain.objectives.rewards import reward_columns
+
+        self.reward_columns = reward_columns(columns)
         self.columns = ("input_ids", "row", "prompt", *self.reward_columns)
         self.stop_ids, self.world = set(stop_ids), world
         answer_columns = [c.column for c in rl.rewards if c.type == "answer_match"]
@@ -152,7 +154,6 @@ class GRPO:
         from llmtrain.data.batching import collate, with_loss_positions
         from llmtrain.data.formats import IGNORE
         from llmtrain.model.generate import completion_seed, sample
-        from llmtrain.objectives.rewards import score
 
         rl, g = self.rl, self.rl.num_generations
         if not examples:  # an idle rank at the end of an epoch: one token, nothing trained
@@ -165,13 +166,8 @@ class GRPO:
         completions = sample(self.lm, prompt_ids, seeds=seeds, max_new_tokens=rl.max_completion_tokens,
                              temperature=rl.temperature, top_p=rl.top_p, stop_ids=self.stop_ids, pad_id=self.pad_id)
         generation_s = time.perf_counter() - begun
-        texts = [self.tokenizer.decode(c, skip_special_tokens=True) for c in completions]
-        prompts = [e["prompt"] for e in examples for _ in range(g)]
-        # TRL's convention: a conversational prompt's completion is a list with one assistant message
-        shown = [[{"role": "assistant", "content": t}] for t in texts] if isinstance(prompts[0], list) else texts
-        columns = {c: [e[c] for e in examples for _ in range(g)] for c in self.reward_columns}
+        texts, per_function, total = self._score(examples, completions, g)
         rows = [e["row"] + 1 for e in examples for _ in range(g)]
-        per_function, total = score(self.rewards, prompts, shown, columns, rows)
         advantages, std = group_advantages(total, g, scale_rewards=rl.scale_rewards)
 
         sequences = [{"input_ids": p + c, "labels": [IGNORE] * len(p) + c} for p, c in zip(prompt_ids, completions)]
@@ -199,6 +195,18 @@ class GRPO:
                     "reward": _number(total[i]), "advantage": float(advantages[i])}
                    for i in range(len(completions))]
         return batch, counts, records
+
+    def _score(self, examples: list[dict], completions: list[list[int]], g: int):
+        """(texts, each reward [completions x functions], their weighted sum) of the completions of `examples`,
+        `g` consecutive completions per example."""
+        from llmtrain.objectives.rewards import score
+
+        texts = [self.tokenizer.decode(c, skip_special_tokens=True) for c in completions]
+        prompts = [e["prompt"] for e in examples for _ in range(g)]
+        # TRL's convention: a conversational prompt's completion is a list with one assistant message
+        shown = [[{"role": "assistant", "content": t}] for t in texts] if isinstance(prompts[0], list) else texts
+        columns = {c: [e[c] for e in examples for _ in range(g)] for c in self.reward_columns}
+        return texts, *score(self.rewards, prompts, shown, columns, [e["row"] + 1 for e in examples for _ in range(g)])
 
     # ---- the update
 
@@ -240,20 +248,15 @@ class GRPO:
     def eval_sums(self, model, batch: dict, device) -> torch.Tensor:
         """[prompts, summed reward, each reward's sum, each reward's count] of greedy completions."""
         from llmtrain.model.generate import sample
-        from llmtrain.objectives.rewards import score
 
         examples, k = batch["examples"], len(self.rewards)
         if not examples:
             return torch.zeros(2 + 2 * k, dtype=torch.float64)
         prompt_ids = [list(e["input_ids"]) for e in examples]
         completions = sample(self.lm, prompt_ids, seeds=[0] * len(examples),
-                             max_new_tokens=self.rl.max_completion_tokens, temperature=0.0, top_p=1.0, stop_ids=self.stop_ids, pad_id=self.pad_id)
-        texts = [self.tokenizer.decode(c, skip_special_tokens=True) for c in completions]
-        prompts = [e["prompt"] for e in examples]
-        shown = [[{"role": "assistant", "content": t}] for t in texts] if isinstance(prompts[0], list) else texts
-        per_function, total = score(self.rewards, prompts, shown, {c: [e[c] for e in examples]
-                                                                    for c in self.reward_columns},
-                                    [e["row"] + 1 for e in examples])
+                             max_new_tokens=self.rl.max_completion_tokens, temperature=0.0, top_p=1.0,
+                             stop_ids=self.stop_ids, pad_id=self.pad_id)
+        _, per_function, total = self._score(examples, completions, 1)
         return torch.tensor([len(examples), float(total.nansum()), *per_function.nan_to_num().sum(0).tolist(),
                              *(~per_function.isnan()).sum(0).tolist()], dtype=torch.float64)
 

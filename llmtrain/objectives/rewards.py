@@ -36,6 +36,15 @@ def answer(text: str, pattern: str | None) -> str | None:
     return found.group(1).strip() if found else None
 
 
+PREPARED = ("input_ids", "labels", "length", "row", "prompt")  # what data preparation adds to a prompt row
+
+
+def reward_columns(columns) -> tuple[str, ...]:
+    """The columns of prepared prompt data that the reward functions get by name: all but the prompt and what
+    preparation added."""
+    return tuple(c for c in columns if c not in PREPARED)
+
+
 def content(completion) -> str:
     """A completion's text: itself, or the content of its one assistant message (a conversational dataset, as TRL
     hands completions to reward functions)."""
