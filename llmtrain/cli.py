@@ -172,7 +172,34 @@ def plot(
 
 
 def main() -> None:
-    app(prog_name="llmtrain", args=sys.argv[1:])
+    """Run the command. A process of a multi-process launch (torchrun's WORLD_SIZE > 1) then leaves with
+    `os._exit`, after flushing what it printed: by then every file is closed, the trackers are finished and the process
+    group is destroyed, and skipping the interpreter's teardown skips its one known crash. FSDP's modules keep the gloo
+    process group alive until teardown, and a gloo thread that touches a tensor while the interpreter is being torn down
+    aborts the process (`terminate called without an active exception`, pytorch#179291): a run that finished and wrote
+    everything then exits -6 and the launcher reports a failure. Uncaught exceptions still leave the usual way."""
+    try:
+        app(prog_name="llmtrain", args=sys.argv[1:])
+    except SystemExit as e:
+        if int(os.environ.get("WORLD_SIZE", "1")) <= 1:
+            raise
+        exit_now(e.code)
+
+
+def exit_now(code: object) -> None:
+    """`sys.exit(code)` without the interpreter's teardown: print a non-integer code as sys.exit does, flush, leave."""
+    import logging
+
+    if code is not None and not isinstance(code, int):
+        print(code, file=sys.stderr)
+        code = 1
+    logging.shutdown()
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):  # a closed or broken pipe: nothing left to save
+            pass
+    os._exit(code or 0)
 
 
 if __name__ == "__main__":

@@ -146,3 +146,18 @@ def test_help_fits_80_columns_with_whole_option_names(command):
     assert all(len(line) <= 80 for line in proc.stdout.splitlines())
     if command == ["estimate-memory"]:
         assert "--micro-batch-tokens" in proc.stdout and "--grad-checkpointing / --no-grad-checkpointing" in proc.stdout
+
+
+@pytest.mark.parametrize("world_size", ["1", "2"])
+def test_a_launched_process_keeps_its_exit_code_and_output_and_skips_teardown(world_size):
+    """Under a multi-process launch (WORLD_SIZE > 1) the process leaves with os._exit once the command is done: the
+    interpreter's teardown, where a gloo thread can abort a finished run (cli.main), never runs (an atexit handler does
+    not print), yet the exit code and everything printed (to a pipe, so buffered) come out as they would."""
+    code = ("import atexit, sys; atexit.register(lambda: print('teardown ran')); "
+            "sys.argv = ['llmtrain', 'finetune', 'no-such-recipe.yaml']; print('before'); "
+            "from llmtrain.cli import main; main()")
+    proc = _run([sys.executable, "-c", code], env={**ENV, "WORLD_SIZE": world_size, "LOCAL_RANK": "0"})
+    assert proc.returncode == 2, proc.stderr
+    assert "no-such-recipe.yaml" in proc.stderr and "Traceback" not in proc.stderr
+    assert proc.stdout.startswith("before")
+    assert ("teardown ran" in proc.stdout) == (world_size == "1")
