@@ -171,23 +171,34 @@ def plot(
     typer.echo(str(out))
 
 
-def main() -> None:
-    """Run the command. A process of a multi-process launch (torchrun's WORLD_SIZE > 1) then leaves with
-    `os._exit`, after flushing what it printed: by then every file is closed, the trackers are finished and the process
-    group is destroyed, and skipping the interpreter's teardown skips its one known crash. FSDP's modules keep the gloo
-    process group alive until teardown, and a gloo thread that touches a tensor while the interpreter is being torn down
-    aborts the process (`terminate called without an active exception`, pytorch#179291): a run that finished and wrote
-    everything then exits -6 and the launcher reports a failure. Uncaught exceptions still leave the usual way."""
+def run(args: list[str] | None = None) -> int | str | None:
+    """Run one command (default: the command line's) and return what it exits with, without exiting."""
     try:
-        app(prog_name="llmtrain", args=sys.argv[1:])
+        app(prog_name="llmtrain", args=sys.argv[1:] if args is None else args)
     except SystemExit as e:
-        if int(os.environ.get("WORLD_SIZE", "1")) <= 1:
-            raise
-        exit_now(e.code)
+        return e.code
+    return 0
 
 
-def exit_now(code: object) -> None:
-    """`sys.exit(code)` without the interpreter's teardown: print a non-integer code as sys.exit does, flush, leave."""
+def main() -> None:
+    """The `llmtrain` command. A process of a multi-process launch (torchrun's WORLD_SIZE > 1) whose command succeeded
+    leaves with `exit_now`, skipping the interpreter's teardown. Every other exit is the usual one: a process that
+    fails or stops must not leave sooner than before, since the launcher ends the others when the first one exits and
+    the process that prints the reason for all of them (cli.prints_error_here) may not have printed it yet."""
+    code = run()
+    if not code and int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        exit_now(code)
+    sys.exit(code)
+
+
+def exit_now(code: int | str | None) -> None:
+    """`sys.exit(code)` without the interpreter's teardown (os._exit, once what was printed is flushed). A launched
+    process that returns from its command has closed every file, finished the trackers and destroyed the process
+    group; what is left is the teardown, and that can crash: FSDP's modules keep the gloo process group alive until
+    then, and a gloo thread that touches a tensor while the interpreter is being torn down aborts the process
+    (`terminate called without an active exception`, pytorch#179291), so a run that finished and wrote everything
+    exits -6 and the launcher reports a failure (seen once in CI, in a 2-process FSDP run). A non-integer code is
+    printed, as sys.exit prints it, and exits 1."""
     import logging
 
     if code is not None and not isinstance(code, int):

@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 import os
-import socket
 from pathlib import Path
 
 import pytest
+from helpers import open_port
 
 REPO = Path(__file__).resolve().parents[1]
 SHARED = REPO.parent / "shared"
@@ -55,9 +55,7 @@ def tiny_tok(tiny_assets):
 @pytest.fixture
 def free_port() -> int:
     """A port the OS says is free (never a fixed one: parallel runs would collide)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    return open_port()
 
 
 def needs(path: Path):

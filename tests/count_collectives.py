@@ -117,10 +117,11 @@ if __name__ == "__main__":
     _ddp_with_hook()
     _wrap_functional()
     _only_in_steps()
-    from llmtrain.cli import main
+    from llmtrain.cli import exit_now, run
 
     try:
-        main()
+        code = run()
     finally:
         OUT.mkdir(parents=True, exist_ok=True)
         (OUT / f"rank{os.environ.get('RANK', '0')}.json").write_text(json.dumps(RECORDS))
+    exit_now(code)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -19,6 +20,13 @@ REPO = Path(__file__).resolve().parents[1]
 LLMTRAIN = [sys.executable, "-m", "llmtrain"]
 # One thread per process: faster for a model this small, and two DDP workers do not fight over 2 cores.
 ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
+
+
+def open_port() -> int:
+    """A port the OS says is free (never a fixed one: parallel runs would collide)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 def write_recipe(tiny: Path, tmp: Path, *, name: str = "recipe.yaml", **sections: dict) -> Path:

@@ -149,15 +149,17 @@ def test_help_fits_80_columns_with_whole_option_names(command):
 
 
 @pytest.mark.parametrize("world_size", ["1", "2"])
-def test_a_launched_process_keeps_its_exit_code_and_output_and_skips_teardown(world_size):
-    """Under a multi-process launch (WORLD_SIZE > 1) the process leaves with os._exit once the command is done: the
-    interpreter's teardown, where a gloo thread can abort a finished run (cli.main), never runs (an atexit handler does
-    not print), yet the exit code and everything printed (to a pipe, so buffered) come out as they would."""
-    code = ("import atexit, sys; atexit.register(lambda: print('teardown ran')); "
-            "sys.argv = ['llmtrain', 'finetune', 'no-such-recipe.yaml']; print('before'); "
-            "from llmtrain.cli import main; main()")
-    proc = _run([sys.executable, "-c", code], env={**ENV, "WORLD_SIZE": world_size, "LOCAL_RANK": "0"})
-    assert proc.returncode == 2, proc.stderr
-    assert "no-such-recipe.yaml" in proc.stderr and "Traceback" not in proc.stderr
-    assert proc.stdout.startswith("before")
-    assert ("teardown ran" in proc.stdout) == (world_size == "1")
+@pytest.mark.parametrize("command, code", [(["--help"], 0), (["finetune", "no-such-recipe.yaml"], 2)])
+def test_a_launched_process_that_succeeds_skips_teardown_and_keeps_its_output(world_size, command, code):
+    """Under a multi-process launch (WORLD_SIZE > 1) a command that succeeded leaves with os._exit: the interpreter's
+    teardown, where a gloo thread can abort a finished run (cli.exit_now), never runs (an atexit handler does not
+    print), yet everything printed (to a pipe, so buffered) comes out. A failing command exits the usual way, with its
+    code and its one-paragraph error."""
+    code_line = ("import atexit, sys; atexit.register(lambda: print('teardown ran')); "
+                 f"sys.argv = ['llmtrain', *{command!r}]; print('before'); "
+                 "from llmtrain.cli import main; main()")
+    proc = _run([sys.executable, "-c", code_line], env={**ENV, "WORLD_SIZE": world_size, "LOCAL_RANK": "0"})
+    assert proc.returncode == code, proc.stderr
+    assert proc.stdout.startswith("before") and "Traceback" not in proc.stderr
+    assert ("finetune" in proc.stdout) if code == 0 else ("no-such-recipe.yaml" in proc.stderr)
+    assert ("teardown ran" in proc.stdout) == (world_size == "1" or code != 0)

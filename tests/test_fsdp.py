@@ -259,14 +259,13 @@ def probed(self, loss, **kwargs):
 
 
 Accelerator.backward = probed
-from llmtrain.cli import main  # noqa: E402
+from llmtrain.cli import exit_now, run  # noqa: E402
 
-try:
-    main()
-except SystemExit as e:
-    assert not e.code, e.code
+code = run()
+assert not code, code
 out.mkdir(exist_ok=True)
 (out / f"rank{PartialState().process_index}.json").write_text(json.dumps(held))
+exit_now(code)
 """
 
 

@@ -24,6 +24,7 @@ from helpers import (
     load_weights,
     losses,
     max_abs_diff,
+    open_port,
     records,
     run_train,
     write_recipe,
@@ -65,8 +66,38 @@ def _same_run(run: Path, reference: Path, *, exact: bool) -> None:
     assert max_abs_diff(load_weights(run / "final"), load_weights(reference / "final")) < (1e-6 if exact else 3e-5)
 
 
+# The full fine-tune runs AdamW with eps 1 (the update is the gradient's momentum; see test_tp.py): at the default eps
+# Adam divides a near-zero gradient element by its own root, and the final weights differed by 1.22e-5 here (torch
+# 2.13 on this CPU) where losses and gradient norms agree to 1e-7. LoRA keeps the defaults at lr 1e-2.
+TRAIN = {"full": {"lr": 0.1, "eps": 1.0}, "lora": {"lr": 1e-2}}
+
+
+@pytest.fixture(scope="module")
+def straight(tiny_assets, tmp_path_factory):
+    """`straight(kind, processes)` -> (recipe, run): the straight run of 4 steps of 2 micro-batches (a checkpoint at
+    step 2) on 1 process (in this process, micro-batch 4) or launched on 2 (FSDP) or 4 (HSDP 2x2), made once for the
+    module and shared by the tests that compare with it or resume from a copy of it."""
+    folder, made = tmp_path_factory.mktemp("hsdp-straight"), set()
+
+    def get(kind: str, processes: int) -> tuple[Path, Path]:
+        lora = {"lora": LORA} if kind == "lora" else {}
+        recipe = write_recipe(tiny_assets, folder, name=f"recipe-{kind}.yaml", **lora,
+                              train={"max_steps": 4, "micro_batch_size": 4, "max_grad_norm": 1e9, **TRAIN[kind]},
+                              checkpoint={"every_steps": 2})
+        run = folder / f"{kind}-{processes}"
+        if (kind, processes) not in made:
+            if processes == 1:
+                run_train(recipe, f"output_dir={run}", "train.grad_accum_steps=2")
+            else:
+                _launch(recipe, open_port(), processes, f"output_dir={run}", accum=2)
+            made.add((kind, processes))
+        return recipe, run
+
+    return get
+
+
 @pytest.mark.parametrize("kind", ["full", "lora"])
-def test_hsdp_2x2_matches_one_process(tiny_assets, tmp_path, free_port, kind):
+def test_hsdp_2x2_matches_one_process(straight, kind):
     """2 replicas x 2 shards x micro-batch 1 == 1 process x micro-batch 4, both accumulating 2 micro-batches a
     step: losses, gradient norms and final weights to 1e-5 in fp32, with the parameters really sharded in two (not
     four, not replicated whole). Between the micro-batches HSDP reduce-scatters within the replica and holds the
@@ -76,18 +107,9 @@ def test_hsdp_2x2_matches_one_process(tiny_assets, tmp_path, free_port, kind):
     normalised by the trained tokens of all ranks, so a reduction that summed the gradients over the 2 replicas
     or the 4 processes instead of averaging them (FSDP2 on gloo did, pytorch #162338) would log a norm 2 or 4
     times the single process's, and the 1e-5 match fails."""
-    lora = {"lora": LORA} if kind == "lora" else {}
-    # The full fine-tune runs AdamW with eps 1 (the update is the gradient's momentum; see test_tp.py): at the default
-    # eps Adam divides a near-zero gradient element by its own root, and the final weights differed by 1.22e-5 here
-    # (torch 2.13 on this CPU) where losses and gradient norms agree to 1e-7.
-    recipe = write_recipe(tiny_assets, tmp_path, **lora,
-                          train={"max_steps": 4, "micro_batch_size": 4, "max_grad_norm": 1e9,
-                                 **({"lr": 1e-2} if lora else {"lr": 0.1, "eps": 1.0})},
-                          checkpoint={"every_steps": 2})
-    single, hsdp = tmp_path / "single", tmp_path / "hsdp"
-    run_train(recipe, f"output_dir={single}", "train.grad_accum_steps=2")
-    _launch(recipe, free_port, 4, f"output_dir={hsdp}", accum=2)
-
+    _, single = straight(kind, 1)
+    _, hsdp = straight(kind, 4)
+    lora = kind == "lora"
     assert_same_steps(hsdp, single, tol=1e-5)  # a sum over replicas would be 2x the norm, over all 4x
     assert losses(hsdp)[-1] < losses(hsdp)[0]
     if lora:
@@ -109,26 +131,25 @@ def test_hsdp_2x2_matches_one_process(tiny_assets, tmp_path, free_port, kind):
     assert sorted(c.offsets[0] for c in chunks) == [0, meta.state_dict_metadata[name].size[0] // 2]
 
 
-def test_hsdp_checkpoints_move_between_hsdp_fsdp_and_one_process(tiny_assets, tmp_path, free_port):
+def test_hsdp_checkpoints_move_between_hsdp_fsdp_and_one_process(straight, tmp_path, free_port):
     """An HSDP checkpoint resumes exactly on HSDP, on plain FSDP with 2 processes and on 1 process; and a 2-process
-    FSDP checkpoint resumes on HSDP. The global micro-batch is 4 examples everywhere, so the data order is kept:
-    every resumed run sees the tokens, and reaches the losses and weights, of the run that never stopped."""
-    recipe = write_recipe(tiny_assets, tmp_path, train={"max_steps": 6, "micro_batch_size": 4, "lr": 3e-3},
-                          checkpoint={"every_steps": 3, "keep_last": 2})
-    hsdp, fsdp = tmp_path / "hsdp", tmp_path / "fsdp"
-    _launch(recipe, free_port, 4, f"output_dir={hsdp}")
-    _launch(recipe, free_port, 2, f"output_dir={fsdp}")
+    FSDP checkpoint resumes on HSDP. The global batch is 8 examples everywhere (2 micro-batches of 4), so the data
+    order is kept: every resumed run sees the tokens, and reaches the losses and weights, of the run that never
+    stopped. The straight runs are the module's (4 steps, a checkpoint at step 2: 2 steps trained after each
+    resume)."""
+    recipe, hsdp = straight("full", 4)
+    _, fsdp = straight("full", 2)
     _same_run(fsdp, hsdp, exact=False)  # the straight runs agree, so any of them is the reference
 
-    cut = _preempt(Path(shutil.copytree(hsdp, tmp_path / "cut")), 6)
+    cut = _preempt(Path(shutil.copytree(hsdp, tmp_path / "cut")), 4)
     for processes in (4, 2, 1):
         run = Path(shutil.copytree(cut, tmp_path / f"hsdp-on-{processes}"))
-        out = _launch(recipe, free_port, processes, f"output_dir={run}", resume="auto")
-        assert f"resumed from {run / 'checkpoints' / 'step_000003'} at step 3" in out
+        out = _launch(recipe, free_port, processes, f"output_dir={run}", resume="auto", accum=2)
+        assert f"resumed from {run / 'checkpoints' / 'step_000002'} at step 2" in out
         assert processes == 4 or "written by 4 data-parallel ranks, resumed on" in out
         _same_run(run, hsdp, exact=processes == 4)
 
-    back = _preempt(Path(shutil.copytree(fsdp, tmp_path / "fsdp-on-4")), 6)
-    out = _launch(recipe, free_port, 4, f"output_dir={back}", resume="auto")
+    back = _preempt(Path(shutil.copytree(fsdp, tmp_path / "fsdp-on-4")), 4)
+    out = _launch(recipe, free_port, 4, f"output_dir={back}", resume="auto", accum=2)
     assert "written by 2 data-parallel ranks, resumed on 4" in out
     _same_run(back, fsdp, exact=False)

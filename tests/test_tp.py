@@ -19,7 +19,6 @@ Four processes on two cores are slow: these tests are few and small, and marked 
 from __future__ import annotations
 
 import shutil
-import socket
 from pathlib import Path
 
 import pytest
@@ -30,6 +29,7 @@ from helpers import (
     load_weights,
     losses,
     max_abs_diff,
+    open_port,
     records,
     run_train,
     write_recipe,
@@ -65,12 +65,6 @@ def _same_run(run: Path, reference: Path, *, tol: float) -> None:
     assert max_abs_diff(load_weights(run / "final"), load_weights(reference / "final")) < tol
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def straight(tiny_assets, tmp_path_factory):
     """`straight(processes, attention)` -> (recipe, run): the straight run of 4 steps (a checkpoint at step 2) on
@@ -87,7 +81,7 @@ def straight(tiny_assets, tmp_path_factory):
             if processes == 1:
                 run_train(recipe, f"output_dir={run}")
             else:
-                _launch(recipe, _free_port(), processes, f"output_dir={run}")
+                _launch(recipe, open_port(), processes, f"output_dir={run}")
             made[processes, attention] = run
         return recipe, run
 
