@@ -238,6 +238,8 @@ class CheckpointConfig(Section):
 
 class LoggingConfig(Section):
     progress: bool = Field(True, description="Show a rich progress bar.")
+    plot: bool = Field(True, description="Rewrite <output_dir>/loss.png at each eval and at the end (matplotlib, about "
+                       "half a second of CPU each time); `llmtrain plot RUN` draws it from metrics.jsonl at any time.")
     report_to: list[Literal["tensorboard", "wandb", "mlflow"]] = Field(
         default_factory=list,
         description="Experiment trackers that also get every metrics line, and the resolved recipe as their config: "

@@ -42,7 +42,7 @@ def write_recipe(tiny: Path, tmp: Path, *, name: str = "recipe.yaml", **sections
         "train": {"max_steps": 4, "micro_batch_size": 4, "grad_accum_steps": 1, "lr": 1e-3, "warmup_steps": 0,
                   "schedule": "cosine", "seed": 7},
         "checkpoint": {"save_final": True},
-        "logging": {"progress": False},
+        "logging": {"progress": False, "plot": False},  # loss.png: tests/test_samples.py and test_plot.py
         "output_dir": str(tmp / "run"),
     }
     for section, values in sections.items():

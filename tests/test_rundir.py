@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -143,7 +144,9 @@ def test_lock_is_exclusive_until_released(tmp_path):
 @pytest.fixture
 def long_run(tiny_assets, tmp_path):
     """start(recipe, run, ...) -> a `llmtrain finetune` process that trains far longer than the test, and is
-    found holding `run` (it has written a checkpoint); it is killed when the test ends."""
+    found holding `run` (it has written a checkpoint); it is killed when the test ends. Once it holds the folder it is
+    paused (SIGSTOP): alive and holding its lock, as a run is between two steps, but no longer taking a core from the
+    processes the test starts next."""
     procs = []
 
     def start(recipe, run, *extra):
@@ -156,6 +159,7 @@ def long_run(tiny_assets, tmp_path):
             assert proc.poll() is None, (tmp_path / f"first-{len(procs) - 1}.log").read_text()[-3000:]
             assert time.monotonic() < deadline, "the first run wrote no checkpoint in 90 s"
             time.sleep(0.2)
+        proc.send_signal(signal.SIGSTOP)
         return proc
 
     yield start

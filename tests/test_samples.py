@@ -154,7 +154,8 @@ def test_finetune_writes_samples_at_each_eval(tmp_path, tiny_assets):
     recipe = write_recipe(tiny_assets, tmp_path, model={"attn_implementation": "auto"},
                           data={"eval_split": str(tiny_assets / "data" / "eval.jsonl")},
                           train={"max_steps": 4, "eval_every_steps": 2, "eval_batch_size": 64, "eval_samples": 3,
-                                 "eval_max_new_tokens": 6, "eval_answer_pattern": "#### (\\S+)"})
+                                 "eval_max_new_tokens": 6, "eval_answer_pattern": "#### (\\S+)"},
+                          logging={"plot": True})
     run_train(recipe)
     # The reversal task's replies have no '#### N': every reference is a miss, and the run says so
     assert "warning (answers): 3 of 3 reference answers do not match train.eval_answer_pattern" in \

@@ -108,6 +108,8 @@ def test_metrics_jsonl_and_summary(tiny_assets, tmp_path):
     assert [r["lr"] for r in train] == pytest.approx([5e-4, 1e-3, 1e-3, 2e-3 / 3, 1e-3 / 3])
     assert [r["tokens_seen"] for r in train] == [sum(t["tokens"] for t in train[: i + 1]) for i in range(5)]
 
+    assert not (run / "loss.png").exists()  # logging.plot false (the tests' default); drawn: test_samples.py
+
     # Evaluated every 2 steps and at the last step.
     evals = records(run, "eval")
     assert [e["step"] for e in evals] == [2, 4, 5]

@@ -210,7 +210,7 @@ def evaluate_and_sample(run: Run, state: TrainState, progress) -> dict:
     if samples:
         say(format_sample(samples[0]))
     # a failure is said and training goes on; before the first step (RL's step-0 eval) there is nothing to plot
-    if accelerator.is_main_process and state.step and (note := update_loss_plot(run.out)):
+    if accelerator.is_main_process and state.step and run.recipe.logging.plot and (note := update_loss_plot(run.out)):
         say(note)
     return {"step": state.step, **ev}
 
@@ -247,7 +247,7 @@ def finish(run: Run, state: TrainState, meter: Meter, evals: list[dict]) -> dict
         say(summary_table({**summary, "final": final_dir}, out=out, evals=evals, unit=run.console.unit))
         final = summary["final_loss"]
         say(f"done: {state.step} steps, final loss {final if final is None else round(final, 4)}, wrote {out}")
-        if note := update_loss_plot(out):
+        if run.recipe.logging.plot and (note := update_loss_plot(out)):
             say(note)
     accelerator.end_training()
     return summary
