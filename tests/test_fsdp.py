@@ -29,7 +29,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from helpers import ENV, REPO, cli, load_weights, losses, max_abs_diff, records, run_train, write_recipe
+from helpers import ENV, REPO, cli, load_weights, losses, max_abs_diff, open_port, records, run_train, write_recipe
 
 pytestmark = pytest.mark.slow
 
@@ -103,13 +103,25 @@ def test_fsdp_matches_one_process(tiny_assets, tmp_path, free_port):
     assert max_abs_diff(load_weights(fsdp / "final"), load_weights(single / "final")) < 1e-5
 
 
-def test_sharded_checkpoint_resumes_exactly(tiny_assets, tmp_path, free_port):
+@pytest.fixture(scope="module")
+def straight(tiny_assets, tmp_path_factory):
+    """(recipe, run, held): one 2-process run of 4 steps of 2 micro-batches (a checkpoint every 2 steps), launched
+    through the gradient probe (HELD_PROBE), so `held` has what each rank held after each backward. Made once for the
+    module: the checkpoint test resumes copies of it and the gradient test compares with it."""
+    folder = tmp_path_factory.mktemp("fsdp-straight")
+    recipe = write_recipe(tiny_assets, folder, train={"max_steps": 4, "micro_batch_size": 2, "grad_accum_steps": 2,
+                                                      "lr": 3e-3}, checkpoint={"every_steps": 2, "keep_last": 2})
+    run, held = folder / "straight", folder / "held"
+    proc = _probe_launch(open_port(), held, recipe, f"output_dir={run}")
+    assert "FSDP2 on CPU: 2 processes over gloo, SHARDED_STATE_DICT checkpoints" in proc.stdout
+    return recipe, run, held
+
+
+def test_sharded_checkpoint_resumes_exactly(straight, tmp_path, free_port):
     """4 steps straight == 4 steps of which the last 2 ran after `--resume auto` from the step-2 checkpoint;
     every checkpoint is written as shards, one file per rank, and no rank gathers the full state."""
-    recipe = write_recipe(tiny_assets, tmp_path, train={"max_steps": 4, "micro_batch_size": 2, "lr": 3e-3},
-                          checkpoint={"every_steps": 2, "keep_last": 2})
-    straight, resumed = tmp_path / "straight", tmp_path / "resumed"
-    _launch(recipe, free_port, f"output_dir={straight}")
+    recipe, straight, _ = straight
+    resumed = tmp_path / "resumed"
 
     ckpt = straight / "checkpoints" / "step_000002"
     names = {p.name for p in ckpt.iterdir()}
@@ -269,28 +281,33 @@ exit_now(code)
 """
 
 
-def test_gradients_held_between_micro_batches_and_both_settings_train_alike(tiny_assets, tmp_path, free_port):
+def _probe_launch(port: int, out: Path, recipe: Path, *overrides: str) -> subprocess.CompletedProcess:
+    """A 2-process `llmtrain finetune RECIPE OVERRIDES` through HELD_PROBE, which writes out/rank{0,1}.json."""
+    probe = out.parent / "held_probe.py"
+    probe.write_text(HELD_PROBE)
+    return _accelerate_launch(port, str(probe), str(out), "finetune", str(recipe), *overrides)
+
+
+def test_gradients_held_between_micro_batches_and_both_settings_train_alike(straight, tmp_path, free_port):
     """What each rank holds after the first micro-batch's backward of a 2-micro-batch step (the issue's probe), and
-    what estimate-memory counts for it. sharded (the default): only this rank's gradient shard, the two ranks'
-    shards making the whole model once; unsharded: the whole fp32 gradient on every rank and no shard yet. Both
-    train alike (losses and gradient norms to 1e-6; sharded equals one process: test_fsdp_matches_one_process)."""
+    what estimate-memory counts for it. sharded (the default; the module's straight run): only this rank's gradient
+    shard, the two ranks' shards making the whole model once; unsharded: the whole fp32 gradient on every rank and no
+    shard yet. Both train alike (losses and gradient norms to 1e-6; sharded equals one process:
+    test_fsdp_matches_one_process)."""
     from llmtrain.config import load_recipe
     from llmtrain.memory.estimate import accumulated_grads, states
     from llmtrain.memory.params import load_model_shape
     from llmtrain.memory.spec import spec_from_recipe
 
-    recipe = write_recipe(tiny_assets, tmp_path, train={"max_steps": 3, "micro_batch_size": 2, "grad_accum_steps": 2,
-                                                        "lr": 3e-3}, checkpoint={"save_final": False})
-    probe = tmp_path / "probe.py"
-    probe.write_text(HELD_PROBE)
-    shape = load_model_shape(str(tiny_assets / "model"))  # counted on the meta device, as the model trains
+    recipe, sharded, held_sharded = straight
+    shape = load_model_shape(load_recipe(recipe, []).model.name_or_path)  # on the meta device, as the model trains
     params = shape.params_total
-    for accumulate in ("sharded", "unsharded"):
-        out = tmp_path / f"held-{accumulate}"
-        _accelerate_launch(free_port, str(probe), str(out), "finetune", str(recipe),
-                           f"output_dir={tmp_path / accumulate}", f"train.fsdp_accumulate={accumulate}")
+    unsharded, held_unsharded = tmp_path / "unsharded", tmp_path / "held-unsharded"
+    _probe_launch(free_port, held_unsharded, recipe, f"output_dir={unsharded}", "train.fsdp_accumulate=unsharded",
+                  "checkpoint.save_final=false")
+    for accumulate, out in (("sharded", held_sharded), ("unsharded", held_unsharded)):
         ranks = [json.loads((out / f"rank{r}.json").read_text()) for r in (0, 1)]
-        assert all(len(h) == 6 for h in ranks)  # 3 steps x 2 micro-batches
+        assert all(len(h) == 8 for h in ranks)  # 4 steps x 2 micro-batches
         first = [h[0] for h in ranks]  # (unsharded, sharded) between micro-batches 1 and 2 of step 1
         if accumulate == "sharded":
             assert [u for u, _ in first] == [0, 0]
@@ -307,9 +324,8 @@ def test_gradients_held_between_micro_batches_and_both_settings_train_alike(tiny
         predicted = accumulated_grads(spec, states(shape, spec, None))
         measured = max(u + s for u, s in first)
         assert predicted == pytest.approx(measured, rel=0.01), (accumulate, predicted, measured)
-    sharded, unsharded = records(tmp_path / "sharded"), records(tmp_path / "unsharded")
     for key in ("loss", "grad_norm"):
-        assert [r[key] for r in unsharded] == pytest.approx([r[key] for r in sharded], rel=1e-6), key
+        assert [r[key] for r in records(unsharded)] == pytest.approx([r[key] for r in records(sharded)], rel=1e-6), key
 
 
 PROBE = '''

@@ -108,34 +108,20 @@ accelerator.end_training()
 '''
 
 
-def _probe(recipe, tmp_path, launch: str | None, port: int) -> str:
+def _probe(recipe, tmp_path) -> str:
     probe = tmp_path / "probe.py"
     probe.write_text(PROBE)
-    how = (["-m", "accelerate.commands.launch", "--config_file", str(REPO / "accelerate_configs" / f"{launch}.yaml"),
-            "--main_process_port", str(port)] if launch else [])
-    proc = subprocess.run([sys.executable, *how, str(probe), str(recipe)], env=ENV, cwd=REPO, capture_output=True,
+    proc = subprocess.run([sys.executable, str(probe), str(recipe)], env=ENV, cwd=REPO, capture_output=True,
                           text=True, timeout=600)
     return proc.stdout + proc.stderr
 
 
-def test_quantised_layers_stay_linear4bit_through_prepare_on_one_process(qlora_recipe, tmp_path, free_port):
+def test_quantised_layers_stay_linear4bit_through_prepare_on_one_process(qlora_recipe, tmp_path):
     pytest.importorskip("bitsandbytes")
-    out = _probe(qlora_recipe, tmp_path, None, free_port)
+    out = _probe(qlora_recipe, tmp_path)
     # 2 layers x 7 linears; the packed weights are stored as bf16 (bnb_4bit_quant_storage); only LoRA trains
     assert ("rank 0: Linear4bit before 14 after 14, 4 weights per stored torch.bfloat16, local share 1.00; trainable "
             "['lora_A', 'lora_B']") in out, out
-
-
-@pytest.mark.slow
-@pytest.mark.parametrize("launch, share", [("cpu_ddp", "1.00"), ("cpu_fsdp", "0.50")])
-def test_quantised_layers_stay_4bit_under_ddp_and_fsdp2(qlora_recipe, tmp_path, free_port, launch, share):
-    """2 processes: DDP keeps a whole 4-bit copy per rank; FSDP2 shards the packed bf16 storage, half per rank,
-    still 4 weights per stored value (not turned into plain 16-bit parameters)."""
-    pytest.importorskip("bitsandbytes")
-    out = _probe(qlora_recipe, tmp_path, launch, free_port)
-    for rank in (0, 1):
-        assert (f"rank {rank}: Linear4bit before 14 after 14, 4 weights per stored torch.bfloat16, local share "
-                f"{share}; trainable ['lora_A', 'lora_B']") in out, out
 
 
 def test_qlora_trains_only_the_adapter_and_resumes_exactly(qlora_recipe, tmp_path, monkeypatch):
@@ -185,23 +171,75 @@ def test_exported_adapter_loads_on_a_quantised_and_on_a_bf16_base(qlora_recipe, 
     assert torch.nn.functional.cosine_similarity(deltas[0], deltas[1], dim=0) > 0.9
 
 
+TRAIN_PROBE = '''
+import sys
+import bitsandbytes as bnb
+import llmtrain.loop.phases as P
+import llmtrain.loop.train as T
+
+real_load, real_build, before = P.load_model, P.build_model, []
+
+
+def load_model(*a, **k):
+    m = real_load(*a, **k)
+    before.append(sum(isinstance(x, bnb.nn.Linear4bit) for x in m.modules()))
+    return m
+
+
+def build_model(recipe, accelerator, **kwargs):  # PROBE's report, from inside the run, once the model is prepared
+    t = real_build(recipe, accelerator, **kwargs)
+    after = [x for x in t.model.modules() if isinstance(x, bnb.nn.Linear4bit)]
+    packed = sum(x.weight.shape.numel() for x in after)
+    logical = sum((getattr(x.weight, "quant_state", None) or x.quant_state).shape.numel() for x in after)
+    local = sum((x.weight.to_local() if hasattr(x.weight, "to_local") else x.weight).numel() for x in after)
+    print(f"rank {accelerator.process_index}: Linear4bit before {before[0]} after {len(after)}, "
+          f"{logical // packed} weights per stored {str(after[0].weight.dtype)}, local share {local / packed:.2f}; "
+          f"trainable {sorted({n.split('.')[-3] for n, p in t.model.named_parameters() if p.requires_grad})}",
+          flush=True)
+    return t
+
+
+P.load_model, T.build_model = load_model, build_model
+sys.argv = ["llmtrain", *sys.argv[1:]]
+from llmtrain.cli import main
+main()
+'''
+
+
+@pytest.fixture(scope="module")
+def one_process(tiny_assets, tmp_path_factory):
+    """The QLoRA recipe's run on 1 process (micro-batch 8), made once for both launches to compare with."""
+    folder = tmp_path_factory.mktemp("qlora-one")
+    run_train(write_recipe(tiny_assets, folder, **QLORA), f"output_dir={folder / 'one'}")
+    return folder / "one"
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("launch", ["cpu_ddp", "cpu_fsdp"])
-def test_two_processes_match_one(qlora_recipe, tmp_path, free_port, launch):
-    """DDP and FSDP2 (the 4-bit storage sharded) on 2 CPU processes train as 1 process with the same global batch."""
+@pytest.mark.parametrize("launch, share", [("cpu_ddp", "1.00"), ("cpu_fsdp", "0.50")])
+def test_two_processes_keep_the_base_4bit_and_train_as_one(qlora_recipe, one_process, tmp_path, free_port, launch,
+                                                          share):
+    """2 processes, DDP and FSDP2, train as 1 process with the same global batch, and the base stays 4-bit through
+    prepare: DDP keeps a whole 4-bit copy per rank; FSDP2 shards the packed bf16 storage, half per rank, still 4
+    weights per stored value (not turned into plain 16-bit parameters). The layers are counted inside the run, once
+    the model is prepared (TRAIN_PROBE, the one-process PROBE's report)."""
     pytest.importorskip("bitsandbytes")
-    run_train(qlora_recipe, f"output_dir={tmp_path / 'one'}")
+    probe = tmp_path / "probe.py"
+    probe.write_text(TRAIN_PROBE)
     proc = subprocess.run(
         [sys.executable, "-m", "accelerate.commands.launch", "--config_file",
          str(REPO / "accelerate_configs" / f"{launch}.yaml"), "--main_process_port", str(free_port),
-         "-m", "llmtrain", "finetune", str(qlora_recipe), f"output_dir={tmp_path / 'two'}",
+         str(probe), "finetune", str(qlora_recipe), f"output_dir={tmp_path / 'two'}",
          "train.micro_batch_size=4"], env=ENV, cwd=REPO, capture_output=True, text=True, timeout=600)
+    out = proc.stdout + proc.stderr
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    one, two = records(tmp_path / "one"), records(tmp_path / "two")
+    for rank in (0, 1):
+        assert (f"rank {rank}: Linear4bit before 14 after 14, 4 weights per stored torch.bfloat16, local share "
+                f"{share}; trainable ['lora_A', 'lora_B']") in out, out
+    one, two = records(one_process), records(tmp_path / "two")
     assert [r["tokens"] for r in two] == [r["tokens"] for r in one]
     # bf16 autocast on both sides; the 2-rank all-reduce rounds differently
     assert [r["loss"] for r in two] == pytest.approx([r["loss"] for r in one], abs=2e-2)
-    assert re.search(r"model: [\d,]+ parameters", proc.stdout + proc.stderr)
+    assert re.search(r"model: [\d,]+ parameters", out)
 
 
 def test_doctor_checks_bitsandbytes_for_a_quantised_base(qlora_recipe, monkeypatch):
