@@ -42,15 +42,39 @@ def reversal_pairs(tiny_assets, n: int) -> list[dict]:
             for r in rows if r["completion"].strip() != r["prompt"].split()[1]]
 
 
-@pytest.fixture
-def pref_recipe(tiny_assets, tmp_path):
+def _pref_recipe(tiny_assets, folder):
     from helpers import write_recipe
 
-    data = write_jsonl(tmp_path / "pairs.jsonl", reversal_pairs(tiny_assets, 400))
-    return write_recipe(tiny_assets, tmp_path, data={"path": str(data), "format": "preference", "max_seq_len": 32,
-                                                     "eval_split": 0.1},
+    data = write_jsonl(folder / "pairs.jsonl", reversal_pairs(tiny_assets, 400))
+    return write_recipe(tiny_assets, folder, data={"path": str(data), "format": "preference", "max_seq_len": 32,
+                                                   "eval_split": 0.1},
                         preference={"loss": "dpo", "beta": 0.1},
                         train={"max_steps": 6, "micro_batch_size": 8, "lr": 1e-3, "warmup_steps": 0, "seed": 7})
+
+
+@pytest.fixture
+def pref_recipe(tiny_assets, tmp_path):
+    return _pref_recipe(tiny_assets, tmp_path)
+
+
+@pytest.fixture(scope="module")
+def one_process(tiny_assets, tmp_path_factory):
+    """`one_process(lora)` -> (recipe, run): the preference recipe's run on 1 process, full or LoRA, made once for
+    the module's launches to compare with."""
+    folder, made = tmp_path_factory.mktemp("pref-one"), set()
+    recipe = _pref_recipe(tiny_assets, folder)
+
+    def get(lora: bool):
+        run = folder / ("lora" if lora else "full")
+        if lora not in made:
+            run_train(recipe, f"output_dir={run}", *(LORA_OVERRIDES if lora else []))
+            made.add(lora)
+        return recipe, run
+
+    return get
+
+
+LORA_OVERRIDES = ["lora.r=4", "lora.alpha=8", "lora.dropout=0.0", "train.lr=1e-2"]
 
 
 # --------------------------------------------------------------------------- the losses, by hand
@@ -318,7 +342,7 @@ def test_held_out_reward_accuracy_rises_on_gsm8k_pairs(tiny_assets, tmp_path):
 @pytest.mark.slow
 @pytest.mark.parametrize("launch, lora", [("cpu_ddp", False), ("cpu_fsdp", False), ("cpu_fsdp", True),
                                           ("cpu_tp", False)])
-def test_two_processes_train_the_pairs_of_one(pref_recipe, tmp_path, free_port, launch, lora):
+def test_two_processes_train_the_pairs_of_one(one_process, tmp_path, free_port, launch, lora):
     """2 CPU data ranks (gloo, through accelerate launch; DDP, FSDP2 sharding every parameter, or FSDP x TP: 4
     processes as 2 shards x 2 tensor-parallel) x micro-batch 4 against 1 process x 8: the same pairs per step, the
     same losses and rewards. Full fine-tune: the reference is precomputed once, shared over all ranks (under TP each
@@ -328,8 +352,8 @@ def test_two_processes_train_the_pairs_of_one(pref_recipe, tmp_path, free_port, 
 
     from helpers import ENV, REPO
 
-    extra = ["lora.r=4", "lora.alpha=8", "lora.dropout=0.0", "train.lr=1e-2"] if lora else []
-    run_train(pref_recipe, f"output_dir={tmp_path / 'one'}", *extra)
+    extra = LORA_OVERRIDES if lora else []
+    pref_recipe, one_run = one_process(lora)
     proc = subprocess.run(
         [sys.executable, "-m", "accelerate.commands.launch", "--config_file",
          str(REPO / "accelerate_configs" / f"{launch}.yaml"), "--main_process_port", str(free_port),
@@ -337,7 +361,7 @@ def test_two_processes_train_the_pairs_of_one(pref_recipe, tmp_path, free_port, 
          *extra],
         env=ENV, cwd=REPO, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    one, two = records(tmp_path / "one"), records(tmp_path / "two")
+    one, two = records(one_run), records(tmp_path / "two")
     # How far two fp32 computations of the same sums may drift when their reductions run in another order (a
     # process's share of the batch, FSDP's gathered layers, DTensor's split matmuls and all-reduces): a summed
     # log-probability is a sum over the answer's tokens of values that each went through the layers' dot products
@@ -355,7 +379,7 @@ def test_two_processes_train_the_pairs_of_one(pref_recipe, tmp_path, free_port, 
     if lora:
         assert one[0]["loss"] == pytest.approx(math.log(2), abs=1e-6)
     else:
-        assert max_abs_diff(load_weights(tmp_path / "two" / "final"), load_weights(tmp_path / "one" / "final")) < 2e-4
+        assert max_abs_diff(load_weights(tmp_path / "two" / "final"), load_weights(one_run / "final")) < 2e-4
 
 
 def test_token_budgets_bin_whole_pairs_and_samples_show_the_chosen_answer(pref_recipe, tmp_path):
