@@ -23,6 +23,9 @@ import pytest
 from helpers import ENV, LLMTRAIN, REPO, cli, load_weights, losses, max_abs_diff, records, write_recipe
 
 CPU_DDP = REPO / "accelerate_configs" / "cpu_ddp.yaml"
+# A signalled run is signalled once it has logged 3 steps and stops at the end of the step it is in (under DDP, of the
+# step whose collective carries the vote): it stops well inside these, and every step left is trained again on resume.
+STEPS = 40
 
 
 def _start(args: list[str]) -> subprocess.Popen:
@@ -55,10 +58,10 @@ def _steps_on_disk(run: Path) -> list[int]:
 
 @pytest.fixture(scope="module")
 def uninterrupted(tiny_assets, tmp_path_factory) -> tuple[Path, Path]:
-    """(recipe, run): the 150 steps that the signalled runs are stopped in, trained once by the CLI to the end; the
+    """(recipe, run): the STEPS steps that the signalled runs are stopped in, trained once by the CLI to the end; the
     signal tests resume to its weights (read only)."""
     folder = tmp_path_factory.mktemp("uninterrupted")
-    recipe = write_recipe(tiny_assets, folder, train={"max_steps": 150, "micro_batch_size": 8})
+    recipe = write_recipe(tiny_assets, folder, train={"max_steps": STEPS, "micro_batch_size": 8})
     cli("finetune", str(recipe), f"output_dir={folder / 'full'}")
     return recipe, folder / "full"
 
@@ -75,7 +78,7 @@ def test_signal_mid_run_saves_and_resumes_exactly(uninterrupted, tmp_path, sig, 
     steps = _steps_on_disk(cut)
     last_logged = records(cut)[-1]["step"]
     # The step that was running finished, and the checkpoint is at that very step.
-    assert steps == [last_logged] and 3 <= last_logged < 150, (steps, last_logged)
+    assert steps == [last_logged] and 3 <= last_logged < STEPS, (steps, last_logged)
     assert f"{signal.Signals(sig).name} at step {last_logged}" in output and "--resume auto" in output
     assert not (cut / "final").exists()
     print(f"{signal.Signals(sig).name} -> exit in {seconds:.2f} s, checkpoint step {last_logged}")
@@ -88,7 +91,7 @@ def test_signal_mid_run_saves_and_resumes_exactly(uninterrupted, tmp_path, sig, 
 def test_sigterm_under_ddp_stops_every_rank_at_one_step(tiny_assets, tmp_path, free_port):
     """2 gloo processes: the ranks vote in the step's collective, so both stop after the same step; the
     checkpoint is complete (both ranks' RNG files) and resuming ends like an uninterrupted run."""
-    recipe = write_recipe(tiny_assets, tmp_path, train={"max_steps": 120, "micro_batch_size": 2})
+    recipe = write_recipe(tiny_assets, tmp_path, train={"max_steps": STEPS, "micro_batch_size": 2})
     single, cut = tmp_path / "single", tmp_path / "cut"
     cli("finetune", str(recipe), f"output_dir={single}", "train.micro_batch_size=4")
     launch = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(CPU_DDP),
