@@ -20,7 +20,7 @@ import time
 from pathlib import Path
 
 import pytest
-from helpers import ENV, LLMTRAIN, REPO, cli, load_weights, losses, max_abs_diff, records, write_recipe
+from helpers import ENV, LLMTRAIN, REPO, cli, load_weights, losses, max_abs_diff, records, run_train, write_recipe
 
 CPU_DDP = REPO / "accelerate_configs" / "cpu_ddp.yaml"
 # A signalled run is signalled once it has logged 3 steps and stops at the end of the step it is in (under DDP, of the
@@ -62,7 +62,7 @@ def uninterrupted(tiny_assets, tmp_path_factory) -> tuple[Path, Path]:
     signal tests resume to its weights (read only)."""
     folder = tmp_path_factory.mktemp("uninterrupted")
     recipe = write_recipe(tiny_assets, folder, train={"max_steps": STEPS, "micro_batch_size": 8})
-    cli("finetune", str(recipe), f"output_dir={folder / 'full'}")
+    cli("finetune", str(recipe), f"output_dir={folder / 'full'}")  # a process as the resumed ones: equal bit for bit
     return recipe, folder / "full"
 
 
@@ -93,7 +93,7 @@ def test_sigterm_under_ddp_stops_every_rank_at_one_step(tiny_assets, tmp_path, f
     checkpoint is complete (both ranks' RNG files) and resuming ends like an uninterrupted run."""
     recipe = write_recipe(tiny_assets, tmp_path, train={"max_steps": STEPS, "micro_batch_size": 2})
     single, cut = tmp_path / "single", tmp_path / "cut"
-    cli("finetune", str(recipe), f"output_dir={single}", "train.micro_batch_size=4")
+    run_train(recipe, f"output_dir={single}", "train.micro_batch_size=4")
     launch = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(CPU_DDP),
               "--main_process_port", str(free_port), "-m", "llmtrain", "finetune", str(recipe), f"output_dir={cut}"]
     rc, output, seconds = _interrupt(_start(launch), cut, signal.SIGTERM)
