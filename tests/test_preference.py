@@ -42,6 +42,9 @@ def reversal_pairs(tiny_assets, n: int) -> list[dict]:
             for r in rows if r["completion"].strip() != r["prompt"].split()[1]]
 
 
+LORA_OVERRIDES = ["lora.r=4", "lora.alpha=8", "lora.dropout=0.0", "train.lr=1e-2"]
+
+
 def _pref_recipe(tiny_assets, folder):
     from helpers import write_recipe
 
@@ -72,9 +75,6 @@ def one_process(tiny_assets, tmp_path_factory):
         return recipe, run
 
     return get
-
-
-LORA_OVERRIDES = ["lora.r=4", "lora.alpha=8", "lora.dropout=0.0", "train.lr=1e-2"]
 
 
 # --------------------------------------------------------------------------- the losses, by hand

@@ -75,50 +75,57 @@ def test_fit_proposes_qlora_when_lora_on_a_16bit_base_does_not_fit():
 
 # --------------------------------------------------------------------------- with bitsandbytes
 
-PROBE = '''
+TRAIN_PROBE = '''
 import sys
-from llmtrain.config import load_recipe
-from llmtrain.parallel.distributed import build_accelerator
-from llmtrain.loop.phases import build_model
-
-recipe = load_recipe(sys.argv[1], [])
-accelerator = build_accelerator(recipe)
 import bitsandbytes as bnb
-before = None
 import llmtrain.loop.phases as P
-real = P.load_model
-def spy(*a, **k):
-    global before
-    m = real(*a, **k)
-    before = sum(isinstance(x, bnb.nn.Linear4bit) for x in m.modules())
+import llmtrain.loop.train as T
+
+real_load, real_build, before = P.load_model, P.build_model, []
+
+
+def load_model(*a, **k):
+    m = real_load(*a, **k)
+    before.append(sum(isinstance(x, bnb.nn.Linear4bit) for x in m.modules()))
     return m
-P.load_model = spy
-t = build_model(recipe, accelerator, total_steps=1, say=lambda *_: None)
-after = [x for x in t.model.modules() if isinstance(x, bnb.nn.Linear4bit)]
-# Still 4-bit: each stored bf16 value packs 4 weights; under FSDP2 the weight is a DTensor shard whose Params4bit
-# quant_state lives on the module (bitsandbytes puts it back on the gathered weight in forward).
-packed = sum(x.weight.shape.numel() for x in after)
-state = [getattr(x.weight, "quant_state", None) or x.quant_state for x in after]
-logical = sum(s.shape.numel() for s in state)
-local = sum((x.weight.to_local() if hasattr(x.weight, "to_local") else x.weight).numel() for x in after)
-print(f"rank {accelerator.process_index}: Linear4bit before {before} after {len(after)}, "
-      f"{logical // packed} weights per stored {str(after[0].weight.dtype)}, local share {local / packed:.2f}; "
-      f"trainable {sorted({n.split('.')[-3] for n, p in t.model.named_parameters() if p.requires_grad})}", flush=True)
-accelerator.end_training()
+
+
+def build_model(recipe, accelerator, **kwargs):  # the report, from inside the run, once the model is prepared
+    t = real_build(recipe, accelerator, **kwargs)
+    after = [x for x in t.model.modules() if isinstance(x, bnb.nn.Linear4bit)]
+    # Still 4-bit: each stored bf16 value packs 4 weights; under FSDP2 the weight is a DTensor shard whose Params4bit
+    # quant_state lives on the module (bitsandbytes puts it back on the gathered weight in forward).
+    packed = sum(x.weight.shape.numel() for x in after)
+    logical = sum((getattr(x.weight, "quant_state", None) or x.quant_state).shape.numel() for x in after)
+    local = sum((x.weight.to_local() if hasattr(x.weight, "to_local") else x.weight).numel() for x in after)
+    print(f"rank {accelerator.process_index}: Linear4bit before {before[0]} after {len(after)}, "
+          f"{logical // packed} weights per stored {str(after[0].weight.dtype)}, local share {local / packed:.2f}; "
+          f"trainable {sorted({n.split('.')[-3] for n, p in t.model.named_parameters() if p.requires_grad})}",
+          flush=True)
+    return t
+
+
+P.load_model, T.build_model = load_model, build_model
+sys.argv = ["llmtrain", *sys.argv[1:]]
+from llmtrain.cli import main
+main()
 '''
 
 
-def _probe(recipe, tmp_path) -> str:
-    probe = tmp_path / "probe.py"
-    probe.write_text(PROBE)
-    proc = subprocess.run([sys.executable, str(probe), str(recipe)], env=ENV, cwd=REPO, capture_output=True,
-                          text=True, timeout=600)
+def _probe(launch: list[str], recipe, run, *overrides: str) -> str:
+    """`llmtrain finetune RECIPE output_dir=RUN OVERRIDES` through TRAIN_PROBE, started by `launch` (this Python, or
+    accelerate launch); it must succeed. Returns what it printed."""
+    probe = run.parent / "probe.py"
+    probe.write_text(TRAIN_PROBE)
+    proc = subprocess.run([*launch, str(probe), "finetune", str(recipe), f"output_dir={run}", *overrides], env=ENV,
+                          cwd=REPO, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     return proc.stdout + proc.stderr
 
 
 def test_quantised_layers_stay_linear4bit_through_prepare_on_one_process(qlora_recipe, tmp_path):
     pytest.importorskip("bitsandbytes")
-    out = _probe(qlora_recipe, tmp_path)
+    out = _probe([sys.executable], qlora_recipe, tmp_path / "run")
     # 2 layers x 7 linears; the packed weights are stored as bf16 (bnb_4bit_quant_storage); only LoRA trains
     assert ("rank 0: Linear4bit before 14 after 14, 4 weights per stored torch.bfloat16, local share 1.00; trainable "
             "['lora_A', 'lora_B']") in out, out
@@ -171,41 +178,6 @@ def test_exported_adapter_loads_on_a_quantised_and_on_a_bf16_base(qlora_recipe, 
     assert torch.nn.functional.cosine_similarity(deltas[0], deltas[1], dim=0) > 0.9
 
 
-TRAIN_PROBE = '''
-import sys
-import bitsandbytes as bnb
-import llmtrain.loop.phases as P
-import llmtrain.loop.train as T
-
-real_load, real_build, before = P.load_model, P.build_model, []
-
-
-def load_model(*a, **k):
-    m = real_load(*a, **k)
-    before.append(sum(isinstance(x, bnb.nn.Linear4bit) for x in m.modules()))
-    return m
-
-
-def build_model(recipe, accelerator, **kwargs):  # PROBE's report, from inside the run, once the model is prepared
-    t = real_build(recipe, accelerator, **kwargs)
-    after = [x for x in t.model.modules() if isinstance(x, bnb.nn.Linear4bit)]
-    packed = sum(x.weight.shape.numel() for x in after)
-    logical = sum((getattr(x.weight, "quant_state", None) or x.quant_state).shape.numel() for x in after)
-    local = sum((x.weight.to_local() if hasattr(x.weight, "to_local") else x.weight).numel() for x in after)
-    print(f"rank {accelerator.process_index}: Linear4bit before {before[0]} after {len(after)}, "
-          f"{logical // packed} weights per stored {str(after[0].weight.dtype)}, local share {local / packed:.2f}; "
-          f"trainable {sorted({n.split('.')[-3] for n, p in t.model.named_parameters() if p.requires_grad})}",
-          flush=True)
-    return t
-
-
-P.load_model, T.build_model = load_model, build_model
-sys.argv = ["llmtrain", *sys.argv[1:]]
-from llmtrain.cli import main
-main()
-'''
-
-
 @pytest.fixture(scope="module")
 def one_process(tiny_assets, tmp_path_factory):
     """The QLoRA recipe's run on 1 process (micro-batch 8), made once for both launches to compare with."""
@@ -221,17 +193,11 @@ def test_two_processes_keep_the_base_4bit_and_train_as_one(qlora_recipe, one_pro
     """2 processes, DDP and FSDP2, train as 1 process with the same global batch, and the base stays 4-bit through
     prepare: DDP keeps a whole 4-bit copy per rank; FSDP2 shards the packed bf16 storage, half per rank, still 4
     weights per stored value (not turned into plain 16-bit parameters). The layers are counted inside the run, once
-    the model is prepared (TRAIN_PROBE, the one-process PROBE's report)."""
+    the model is prepared (TRAIN_PROBE)."""
     pytest.importorskip("bitsandbytes")
-    probe = tmp_path / "probe.py"
-    probe.write_text(TRAIN_PROBE)
-    proc = subprocess.run(
-        [sys.executable, "-m", "accelerate.commands.launch", "--config_file",
-         str(REPO / "accelerate_configs" / f"{launch}.yaml"), "--main_process_port", str(free_port),
-         str(probe), "finetune", str(qlora_recipe), f"output_dir={tmp_path / 'two'}",
-         "train.micro_batch_size=4"], env=ENV, cwd=REPO, capture_output=True, text=True, timeout=600)
-    out = proc.stdout + proc.stderr
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    out = _probe([sys.executable, "-m", "accelerate.commands.launch", "--config_file",
+                  str(REPO / "accelerate_configs" / f"{launch}.yaml"), "--main_process_port", str(free_port)],
+                 qlora_recipe, tmp_path / "two", "train.micro_batch_size=4")
     for rank in (0, 1):
         assert (f"rank {rank}: Linear4bit before 14 after 14, 4 weights per stored torch.bfloat16, local share "
                 f"{share}; trainable ['lora_A', 'lora_B']") in out, out
