@@ -60,6 +60,10 @@ $PY -c "import torch, transformers, accelerate, peft, datasets; print('torch', t
 W=/tmp/work
 [[ $DRY == 1 ]] && W=/tmp/work-dry
 mkdir -p $W
+# Every call starts with no runs: a second call on a warm machine (smoke again after a fix) or a second rehearsal
+# would find the last call's output_dirs, every finetune would refuse them (exit 2), and the JSON lines would
+# report that call's metrics again.
+rm -rf "$W/runs"
 
 # A random-init model of a real shape (config + the Mistral tokenizer), and GSM8K as chat messages.
 model_dir() {  # model_dir NAME JSON_OVERRIDES
