@@ -8,6 +8,7 @@ from __future__ import annotations
 import functools
 import os
 import sys
+import time
 from pathlib import Path
 from typing import Annotated, Optional
 
@@ -22,6 +23,10 @@ app = typer.Typer(
     pretty_exceptions_enable=False,
     rich_markup_mode=None,  # plain help: whole option names in 80 columns, no <bool> after a flag
 )
+
+# How long a launched process that leaves the error's paragraph to another (cli.prints_error_here) waits before it
+# exits, so that the one that prints exits first: longer than printing and exiting take.
+QUIET_EXIT_DELAY_S = 3.0
 
 Overrides = Annotated[Optional[list[str]], typer.Argument(help="Dotted recipe overrides, e.g. train.max_steps=8.")]
 
@@ -48,6 +53,11 @@ def user_errors(fn):
             label = "stopped" if isinstance(e, Stopped) else "error"
             if prints_error_here(stopped=isinstance(e, Stopped)):
                 Console(stderr=True).print(f"[bold red]{label}:[/] {escape(str(e))}", highlight=False, soft_wrap=True)
+            else:
+                # The launcher ends every process as soon as the first one exits. Leave the first exit to the process
+                # that prints: one that left sooner could have it ended before its paragraph is out, and torchrun's
+                # report would name this process, which said nothing. The launcher ends this one when that one exits.
+                time.sleep(QUIET_EXIT_DELAY_S)
             raise typer.Exit(e.exit_code) from None
 
     return wrapper

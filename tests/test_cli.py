@@ -71,12 +71,19 @@ def test_missing_recipe_is_a_clean_error(tmp_path):
 
 def test_a_launch_prints_an_error_raised_before_the_process_group_once_a_node(tmp_path):
     """Every process of a launch raises the same paragraph before the group exists: the node's first (LOCAL_RANK 0)
-    prints it, the others exit 2 without repeating it."""
+    prints it and exits at once; the others exit 2 without repeating it, after waiting QUIET_EXIT_DELAY_S, so that
+    the launcher (which ends every process when the first one exits) cannot end the printing one before it printed.
+    time.sleep is replaced to say what was waited."""
+    from llmtrain.cli import QUIET_EXIT_DELAY_S
+
     missing = str(tmp_path / "nope.yaml")
-    first = _run([*_script(), "finetune", missing], env={**ENV, "LOCAL_RANK": "0"})
-    other = _run([*_script(), "finetune", missing], env={**ENV, "LOCAL_RANK": "1"})
+    code_line = ("import sys, time; time.sleep = lambda s: print(f'waited {s}'); "
+                 f"sys.argv = ['llmtrain', 'finetune', {missing!r}]; from llmtrain.cli import main; main()")
+    first = _run([sys.executable, "-c", code_line], env={**ENV, "LOCAL_RANK": "0", "WORLD_SIZE": "2"})
+    other = _run([sys.executable, "-c", code_line], env={**ENV, "LOCAL_RANK": "1", "WORLD_SIZE": "2"})
     assert first.returncode == other.returncode == 2
     assert "does not exist" in first.stderr and other.stderr == ""
+    assert first.stdout == "" and other.stdout == f"waited {QUIET_EXIT_DELAY_S}\n"
 
 
 def test_debug_shows_the_traceback(tmp_path):

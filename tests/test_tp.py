@@ -18,6 +18,7 @@ Four processes on two cores are slow: these tests are few and small, and marked 
 
 from __future__ import annotations
 
+import re
 import shutil
 from pathlib import Path
 
@@ -184,3 +185,7 @@ def test_a_refused_launch_says_why_once_and_writes_nothing(tiny_assets, tmp_path
     assert proc.stderr.count("error: tensor parallelism (parallelism_config_tp_size: 2 in the launch config) does "
                              "not train LoRA") == 1, proc.stderr
     assert "exitcode  : 2" in proc.stderr and not (tmp_path / "run").exists()
+    # The printing process exits first (the others wait, cli.QUIET_EXIT_DELAY_S): torchrun's report names it, with
+    # exit code 2, as the root cause; the launcher then ends the others.
+    root = proc.stderr.split("Root Cause (first observed failure):", 1)[-1]
+    assert re.search(r"rank\s+: 0 \(local_rank: 0\)\n\s+exitcode\s+: 2 ", root), proc.stderr[-2000:]
