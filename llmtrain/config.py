@@ -354,6 +354,10 @@ class RLConfig(Section):
         "group", description="group: advantages are (reward - group mean) / group std; none: reward - group mean "
         "(Dr. GRPO).")
     rewards: list[RewardConfig] = Field(min_length=1, description="The reward functions, summed with their weights.")
+    sampler: Literal["static", "graph", "reference"] = Field(
+        "static", description="How completions are sampled (the same tokens either way): static, a preallocated KV "
+        "cache and a fixed-shape decode step with no host sync per token; graph, that step replayed as a CUDA graph "
+        "(CUDA only, static elsewhere); reference, the plain loop over transformers' growing cache (the oracle).")
 
     @model_validator(mode="after")
     def _unique_names(self) -> RLConfig:

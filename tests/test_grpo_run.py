@@ -106,6 +106,21 @@ def test_a_step_logs_trls_names_and_every_completion(straight, tiny_assets):
     assert {s["expected"] for s in samples} <= {r["completion"] for r in eval_file}  # the answer column, as text
 
 
+def test_the_fast_sampler_trains_what_the_reference_loop_trains(straight, tmp_path):
+    """rl.sampler static (the default, the run above) against reference: the same completions, rewards and
+    advantages in rollouts.jsonl, the same losses and eval rewards, the same weights."""
+    recipe, fast, _ = straight
+    assert "sampler" not in recipe.read_text()  # the straight run samples with the default
+    reference = tmp_path / "reference"
+    run_train(recipe, f"output_dir={reference}", "rl.sampler=reference")
+    assert rollouts(fast) == rollouts(reference)
+    assert losses(fast) == losses(reference)
+    assert [e["eval_reward"] for e in records(fast, "eval")] == [e["eval_reward"] for e in records(reference, "eval")]
+    assert max_abs_diff(load_weights(fast / "final"), load_weights(reference / "final")) == 0.0
+    generation_s = [r["generation_s"] for r in records(fast)]
+    assert len(generation_s) == 4 and all(s > 0 for s in generation_s)
+
+
 def test_lora_with_beta_takes_the_disabled_adapter_as_reference(tiny_assets, tmp_path):
     """beta > 0 with LoRA: the reference is the same model with its adapter off, so the KL starts at 0 (lora_B is
     zero at init) and grows once the adapter has moved; it is logged as TRL's `kl`."""

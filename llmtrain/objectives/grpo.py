@@ -153,7 +153,8 @@ class GRPO:
 
         from llmtrain.data.batching import collate, with_loss_positions
         from llmtrain.data.formats import IGNORE
-        from llmtrain.model.generate import completion_seed, sample
+        from llmtrain.model.fast_sample import sampler_for
+        from llmtrain.model.generate import completion_seed
 
         rl, g = self.rl, self.rl.num_generations
         if not examples:  # an idle rank at the end of an epoch: one token, nothing trained
@@ -163,6 +164,7 @@ class GRPO:
         prompt_ids = [list(e["input_ids"]) for e in examples for _ in range(g)]
         seeds = [completion_seed(self.seed, step, e["row"], k) for e in examples for k in range(g)]
         begun = time.perf_counter()
+        sample = sampler_for(self.lm, rl.sampler)
         completions = sample(self.lm, prompt_ids, seeds=seeds, max_new_tokens=rl.max_completion_tokens,
                              temperature=rl.temperature, top_p=rl.top_p, stop_ids=self.stop_ids, pad_id=self.pad_id)
         generation_s = time.perf_counter() - begun
@@ -247,12 +249,13 @@ class GRPO:
 
     def eval_sums(self, model, batch: dict, device) -> torch.Tensor:
         """[prompts, summed reward, each reward's sum, each reward's count] of greedy completions."""
-        from llmtrain.model.generate import sample
+        from llmtrain.model.fast_sample import sampler_for
 
         examples, k = batch["examples"], len(self.rewards)
         if not examples:
             return torch.zeros(2 + 2 * k, dtype=torch.float64)
         prompt_ids = [list(e["input_ids"]) for e in examples]
+        sample = sampler_for(self.lm, self.rl.sampler)
         completions = sample(self.lm, prompt_ids, seeds=[0] * len(examples),
                              max_new_tokens=self.rl.max_completion_tokens, temperature=0.0, top_p=1.0,
                              stop_ids=self.stop_ids, pad_id=self.pad_id)

@@ -1,0 +1,239 @@
+"""The fast sampler for online RL: a static KV cache, one prefill per distinct prompt, and a decode step of fixed
+shape that reads nothing back to the host, replayed as a CUDA graph where asked (rl.sampler).
+
+It samples exactly what the reference loop (`generate.sample`, the oracle in the tests) samples: the same
+completion seeds, the same pre-drawn uniforms, the same `next_tokens`. What changes is the cost of a token:
+
+- The KV cache is preallocated once for the call: [rows, kv heads, L, head dim] per layer, L = the longest prompt +
+  max_new_tokens, zeroed (a masked slot must hold a finite value: softmax gives it weight 0, and 0 x NaN is NaN).
+  Prompts are left-padded to the longest, so every row writes the same slot at a step; each row has its own
+  positions (rotary) and its own first valid slot. The attention mask is computed from the slot counter inside the
+  step (no growing mask): row r attends to the slots from its first real token to the current one.
+- The `num_generations` completions of a prompt share its prefix: each distinct prompt is prefilled once and its
+  KV rows are copied to its completions.
+- A decode step forwards one token per row through the model's own decoder layers (transformers' modules, so LoRA,
+  QLoRA's 4-bit layers and the model's attention stay as they train), writes its K/V at the slot, draws the next
+  token from the row's pre-drawn uniform (`next_tokens`: inverse CDF and top_p, no torch.multinomial), writes it to
+  a device buffer and advances its counters in place. Its inputs and outputs are tensors allocated before the
+  loop, so the step can be captured once and replayed (`capture=True`, CUDA only). End-of-turn flags stay on the
+  device: the host looks at them every CHECK_EVERY tokens, and copies the tokens back once.
+- LoRA stays unmerged: the adapters run beside the base inside the step (two small matmuls per adapted linear).
+  Merging into the base for sampling would need either a generation copy of every adapted weight (memory) or an
+  in-place bf16 merge/unmerge, which does not restore the base (TRL #6688). With the step captured, the adapters'
+  extra kernels cost no launch overhead; whether a merged copy is faster is for a GPU measurement to say.
+
+Models: the Llama layout (llama, mistral, qwen2, qwen3: `model.layers`, `embed_tokens`, `rotary_emb`, `norm`,
+`lm_head`, attention that updates a cache object). Others sample with the reference loop (`supports`).
+"""
+
+from __future__ import annotations
+
+import inspect
+from contextlib import contextmanager
+
+import torch
+
+from llmtrain.model.generate import next_tokens
+
+CHECK_EVERY = 16  # tokens between two looks at the end-of-turn flags (the only host syncs while decoding)
+LAYOUTS = ("llama", "mistral", "qwen2", "qwen3")  # models whose forward is embed -> layers -> norm -> head
+
+
+def base_model(lm):
+    """The transformers model under a peft wrapper (the LoRA layers stay in it)."""
+    return lm.get_base_model() if hasattr(lm, "get_base_model") else lm
+
+
+def supports(lm) -> bool:
+    """Whether the fast sampler can run this model: the Llama layout, with plain (unsharded) parameters."""
+    model = base_model(lm)
+    if getattr(model.config, "model_type", None) not in LAYOUTS:
+        return False
+    inner = getattr(model, "model", None)
+    if not all(hasattr(inner, a) for a in ("layers", "embed_tokens", "rotary_emb", "norm")):
+        return False
+    from torch.distributed.tensor import DTensor
+
+    return not any(isinstance(p, DTensor) for p in model.parameters())
+
+
+class _SlotCache:
+    """The static KV cache as a decoder layer's attention sees it: `update` writes the new keys and values at the
+    step's slots and returns the layer's whole cache (its first `length` slots)."""
+
+    def __init__(self, keys: list[torch.Tensor], values: list[torch.Tensor], slots: torch.Tensor, length: int):
+        self.keys, self.values, self.slots, self.length = keys, values, slots, length
+
+    def update(self, key_states, value_states, layer_idx, *args, **kwargs):
+        k, v = self.keys[layer_idx], self.values[layer_idx]
+        k.index_copy_(2, self.slots, key_states.to(k.dtype))
+        v.index_copy_(2, self.slots, value_states.to(v.dtype))
+        return k[:, :, : self.length], v[:, :, : self.length]
+
+
+class _Forward:
+    """The model's forward over the cache: embed, each decoder layer with a boolean mask [rows, 1, q, kv] and the
+    rotary embeddings of the rows' positions, the final norm and the head on the last position only."""
+
+    def __init__(self, lm):
+        self.model = base_model(lm)
+        inner = self.model.model
+        self.inner, self.layers = inner, list(inner.layers)
+        params = inspect.signature(self.layers[0].forward).parameters
+        self.cache_arg = "cache" if "cache" in params else "past_key_values"  # transformers 5.2x renamed it
+        cfg = self.model.config
+        types = getattr(cfg, "layer_types", None) or ["full_attention"] * len(self.layers)
+        window = getattr(cfg, "sliding_window", None)
+        self.windows = [window if t == "sliding_attention" or (window and cfg.model_type == "mistral") else None
+                        for t in types]
+        self.head = self.model.get_output_embeddings()
+
+    def __call__(self, ids, positions, masks: dict, cache: _SlotCache) -> torch.Tensor:
+        hidden = self.inner.embed_tokens(ids)
+        rotary = self.inner.rotary_emb(hidden, position_ids=positions)
+        for layer, window in zip(self.layers, self.windows):
+            hidden = layer(hidden, attention_mask=masks[window], position_ids=positions,
+                           position_embeddings=rotary, **{self.cache_arg: cache})
+        return self.head(self.inner.norm(hidden[:, -1:]))[:, -1]  # [rows, vocab]: logits_to_keep=1
+
+
+@contextmanager
+def _sdpa(lm):
+    """SDPA attention while sampling, whatever the run trains with: it reads the boolean mask the step builds."""
+    config = base_model(lm).config
+    before = config._attn_implementation
+    config._attn_implementation = "sdpa"  # the setter applies it to the sub-configs too
+    try:
+        yield
+    finally:
+        config._attn_implementation = before
+
+
+def _window_mask(allowed: torch.Tensor, query_slots: torch.Tensor, key_slots: torch.Tensor, window: int | None):
+    """`allowed` cut to the `window` slots before each query's (sliding-window attention), as transformers cuts it."""
+    return allowed if window is None else allowed & (key_slots > query_slots - window)
+
+
+@torch.no_grad()
+def sample_fast(lm, prompts: list[list[int]], *, seeds: list[int], max_new_tokens: int, temperature: float,
+                top_p: float, stop_ids: set[int], pad_id: int, capture: bool = False) -> list[list[int]]:
+    """Each prompt's completion, as `generate.sample` returns it: at most max_new_tokens ids, ending with a stop id
+    where one was drawn. capture: replay the decode step as a CUDA graph (CUDA only)."""
+    device, rows, steps = lm.device, len(prompts), max_new_tokens
+    width = max(map(len, prompts))
+    length = width + steps  # the cache's slots: the longest prompt, then one slot per decoded token
+    distinct = list(dict.fromkeys(map(tuple, prompts)))
+    which = torch.tensor([distinct.index(tuple(p)) for p in prompts], device=device)  # each row's distinct prompt
+    forward = _Forward(lm)
+    uniforms = torch.stack([torch.rand(steps, generator=torch.Generator().manual_seed(s), dtype=torch.float64)
+                            for s in seeds]).to(device=device, dtype=torch.float32)
+    stops = torch.tensor(sorted(stop_ids) or [-1], device=device)
+    sampling = dict(temperature=temperature, top_p=top_p)
+    key_slots = torch.arange(length, device=device)
+    start = torch.tensor([width - len(p) for p in prompts], device=device)  # each row's first real slot
+
+    with _sdpa(lm), torch.compiler.set_stance("force_eager"):
+        # ---- prefill: each distinct prompt once, left-padded to the common width
+        ids = torch.tensor([[pad_id] * (width - len(p)) + list(p) for p in distinct], device=device)
+        real = ids.new_tensor([[0] * (width - len(p)) + [1] * len(p) for p in distinct])
+        positions = (real.cumsum(-1) - 1).clamp(min=0)
+        q = key_slots[:width]
+        causal = (q[None, :] <= q[:, None])[None] & (real[:, None, :] == 1)
+        causal |= torch.eye(width, dtype=torch.bool, device=device)  # a pad attends to itself: no all-masked row
+        masks = {w: _window_mask(causal, q[:, None], q[None, :], w)[:, None] for w in set(forward.windows)}
+        small = _PrefillCache(len(forward.layers))  # the distinct prompts' keys and values, as the layers make them
+        logits = forward(ids, positions, masks, small)
+        keys, values = [], []  # the static cache: each row gets its prompt's prefix
+        for k, v in zip(small.keys, small.values):
+            keys.append(k.new_zeros(rows, k.size(1), length, k.size(3)))
+            values.append(v.new_zeros(rows, v.size(1), length, v.size(3)))
+            keys[-1][:, :, :width] = k[which]
+            values[-1][:, :, :width] = v[which]
+        del small
+
+        # ---- the decode state: every tensor the step reads or writes, allocated once
+        out = torch.full((rows, steps), pad_id, dtype=torch.long, device=device)
+        token = next_tokens(logits[which], uniforms[:, 0], **sampling)
+        out[:, 0] = token
+        done = (token[:, None] == stops).any(-1)
+        state = dict(
+            ids=token[:, None].clone(),  # the token each row forwards next
+            positions=torch.tensor([[len(p)] for p in prompts], device=device),  # its position (rotary)
+            slot=torch.tensor([width], device=device),  # the cache slot it is written to (every row alike)
+            column=torch.ones(rows, 1, dtype=torch.long, device=device),  # the token drawn next: out's column
+            done=done, out=out)
+        cache = _SlotCache(keys, values, state["slot"], length)
+        windows = set(forward.windows)
+
+        def step():
+            """One token per row, all in place on `state`: no host sync, fixed shapes."""
+            s = state
+            allowed = (key_slots[None, :] >= start[:, None]) & (key_slots[None, :] <= s["slot"])
+            masks = {w: _window_mask(allowed, s["slot"], key_slots[None, :], w)[:, None, None] for w in windows}
+            logits = forward(s["ids"], s["positions"], masks, cache)
+            drawn = next_tokens(logits, uniforms.gather(1, s["column"]).squeeze(1), **sampling)
+            drawn = torch.where(s["done"], torch.full_like(drawn, pad_id), drawn)
+            s["out"].scatter_(1, s["column"], drawn[:, None])
+            s["done"] |= (drawn[:, None] == stops).any(-1)
+            s["ids"].copy_(drawn[:, None])
+            s["positions"].add_(1)
+            s["slot"].add_(1)
+            s["column"].add_(1)
+
+        run = _captured(step, state) if capture and device.type == "cuda" and steps > 1 else step
+        for t in range(1, steps):
+            if t % CHECK_EVERY == 0 and bool(state["done"].all()):  # host sync, every CHECK_EVERY tokens only
+                break
+            run()
+    return _trim(state["out"].tolist(), set(stop_ids))  # the one copy back to the host
+
+
+class _PrefillCache:
+    """The prefill's cache: it keeps each layer's keys and values as the attention made them (the prompt's slots)."""
+
+    def __init__(self, layers: int):
+        self.keys: list = [None] * layers
+        self.values: list = [None] * layers
+
+    def update(self, key_states, value_states, layer_idx, *args, **kwargs):
+        self.keys[layer_idx], self.values[layer_idx] = key_states, value_states
+        return key_states, value_states
+
+
+def _captured(step, state: dict):
+    """`step` captured as a CUDA graph, to be replayed: warmed up on a side stream first (cuBLAS and the allocator
+    set themselves up outside the capture), the state put back as it was, then captured once."""
+    saved = {k: v.clone() for k, v in state.items()}
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(2):
+            step()
+    torch.cuda.current_stream().wait_stream(side)
+    for k, v in saved.items():  # the warm-up's writes to the cache are at slots the real steps write before reading
+        state[k].copy_(v)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        step()
+    return graph.replay
+
+
+def _trim(tokens: list[list[int]], stop_ids: set[int]) -> list[list[int]]:
+    """Each row's tokens up to and including its first stop token (all of them where none was drawn)."""
+    out = []
+    for row in tokens:
+        end = next((k + 1 for k, t in enumerate(row) if t in stop_ids), len(row))
+        out.append(row[:end])
+    return out
+
+
+def sampler_for(lm, kind: str):
+    """The sampling function rl.sampler names for this model (generate.sample's signature): the reference loop where
+    asked, or where the fast sampler cannot run the model (`supports`)."""
+    from functools import partial
+
+    from llmtrain.model.generate import sample
+
+    if kind == "reference" or not supports(lm):
+        return sample
+    return partial(sample_fast, capture=kind == "graph")

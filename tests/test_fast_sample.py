@@ -1,0 +1,141 @@
+"""The fast sampler (model/fast_sample.py) against the reference loop (model/generate.sample), its oracle: the same
+tokens for every temperature and top_p, prompts of mixed lengths, completions that stop early and ones that hit
+the limit, LoRA on and off, a 4-bit base, a sliding window; each distinct prompt prefilled once; models it cannot
+run sample with the reference loop. CPU, in-process (the CUDA graph is tested in test_cuda.py)."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from llmtrain.model.fast_sample import sample_fast, sampler_for, supports
+from llmtrain.model.generate import completion_seed, sample
+
+STOP = 2  # the tiny tokenizer's EOS
+
+
+def mixed_prompts(n_prompts: int, generations: int, *, seed: int = 0) -> list[list[int]]:
+    """`n_prompts` prompts of 3 to 20 tokens (BOS first), each repeated `generations` times, as a rollout asks."""
+    rng = random.Random(seed)
+    prompts = [[1] + [rng.randrange(4, 90) for _ in range(rng.randrange(2, 20))] for _ in range(n_prompts)]
+    return [p for p in prompts for _ in range(generations)]
+
+
+def both(lm, prompts, *, stop_ids=frozenset({STOP}), **kwargs):
+    seeds = [completion_seed(7, 3, i // 4, i % 4) for i in range(len(prompts))]
+    kwargs = dict(seeds=seeds, stop_ids=set(stop_ids), pad_id=3, **kwargs)
+    return sample(lm, prompts, **kwargs), sample_fast(lm, prompts, **kwargs)
+
+
+@pytest.fixture(scope="module")
+def lm(tiny_assets):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(tiny_assets / "model", dtype=torch.float32).eval()
+
+
+@pytest.fixture(scope="module")
+def lora_lm(tiny_assets):
+    """The tiny model under an all-linear LoRA whose B is not zero (a trained adapter changes the tokens)."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_assets / "model", dtype=torch.float32)
+    model = get_peft_model(model, LoraConfig(r=8, lora_alpha=16, target_modules="all-linear"))
+    torch.manual_seed(0)
+    for name, p in model.named_parameters():
+        if "lora_B" in name:
+            torch.nn.init.normal_(p, std=0.05)
+    return model.eval()
+
+
+@pytest.mark.parametrize("temperature", [0.0, 0.5, 1.0])
+@pytest.mark.parametrize("top_p", [1.0, 0.9])
+def test_the_fast_sampler_returns_the_reference_loops_tokens(lm, temperature, top_p):
+    prompts = mixed_prompts(6, 4)
+    kwargs = dict(max_new_tokens=24, temperature=temperature, top_p=top_p)
+    _, free = both(lm, prompts, stop_ids=set(), **kwargs)  # nothing stops: every completion is 24 long
+    stops = {free[0][6], free[-1][2]}  # tokens some completions draw: they stop those early
+    reference, fast = both(lm, prompts, stop_ids=stops, **kwargs)
+    assert fast == reference
+    assert any(len(c) < 24 for c in fast) and any(len(c) == 24 and c[-1] not in stops for c in fast)
+    assert len({len(p) for p in prompts}) > 3  # mixed lengths: left padding differs row to row
+
+
+@pytest.mark.parametrize("adapter", ["on", "off"])
+def test_lora_samples_the_reference_loops_tokens_with_the_adapter_on_and_off(lora_lm, lm, adapter):
+    prompts = mixed_prompts(4, 4, seed=1)
+    kwargs = dict(max_new_tokens=16, temperature=1.0, top_p=0.9)
+    if adapter == "on":
+        reference, fast = both(lora_lm, prompts, **kwargs)
+        assert fast != both(lm, prompts, **kwargs)[1]  # the adapter is in the sampled tokens
+    else:
+        with lora_lm.disable_adapter():
+            reference, fast = both(lora_lm, prompts, **kwargs)
+        assert fast == both(lm, prompts, **kwargs)[1]  # adapter off: the base model's tokens
+    assert fast == reference
+
+
+def test_each_distinct_prompt_is_prefilled_once_and_a_completion_does_not_depend_on_its_batch(lm, monkeypatch):
+    """The prefill embeds 3 rows for 3 prompts x 4 generations; a completion sampled alone, or among other
+    prompts, is the same (its seed and prompt decide it)."""
+    prompts = mixed_prompts(3, 4, seed=2)
+    seeds = [completion_seed(7, 0, i // 4, i % 4) for i in range(12)]
+    kwargs = dict(max_new_tokens=10, temperature=1.0, top_p=1.0, stop_ids={STOP}, pad_id=3)
+    rows_embedded = []
+    embed = lm.model.embed_tokens.forward
+    monkeypatch.setattr(lm.model.embed_tokens, "forward", lambda ids: rows_embedded.append(ids.shape) or embed(ids))
+    together = sample_fast(lm, prompts, seeds=seeds, **kwargs)
+    assert rows_embedded[0] == (3, max(map(len, prompts)))  # the prefill: one row per distinct prompt
+    assert all(shape == (12, 1) for shape in rows_embedded[1:])  # then one token per completion
+    assert sample_fast(lm, prompts[5:6], seeds=seeds[5:6], **kwargs) == together[5:6]
+    assert sample_fast(lm, prompts[::-1], seeds=seeds[::-1], **kwargs) == together[::-1]
+
+
+def test_a_one_token_limit_and_no_stop_tokens(lm):
+    prompts = mixed_prompts(2, 2, seed=3)
+    reference, fast = both(lm, prompts, max_new_tokens=1, temperature=1.0, top_p=1.0)
+    assert fast == reference and all(len(c) == 1 for c in fast)
+    seeds = list(range(4))
+    kwargs = dict(seeds=seeds, max_new_tokens=9, temperature=1.0, top_p=1.0, stop_ids=set(), pad_id=3)
+    free = sample_fast(lm, prompts, **kwargs)
+    assert free == sample(lm, prompts, **kwargs) and all(len(c) == 9 for c in free)
+
+
+def test_a_sliding_window_shorter_than_the_sequence_is_applied_as_the_reference_applies_it(tiny_assets):
+    """A Mistral with a 6-token window: prompts and completions longer than it attend to the last 6 slots only."""
+    from transformers import MistralConfig, MistralForCausalLM
+
+    torch.manual_seed(0)
+    config = MistralConfig(vocab_size=100, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                           num_attention_heads=4, num_key_value_heads=2, sliding_window=6, max_position_embeddings=128)
+    mistral = MistralForCausalLM(config).eval()
+    assert supports(mistral)
+    reference, fast = both(mistral, mixed_prompts(3, 2, seed=4), max_new_tokens=12, temperature=1.0, top_p=1.0)
+    assert fast == reference
+    config.sliding_window = None  # the window changes the tokens: it is applied, not ignored
+    assert both(mistral, mixed_prompts(3, 2, seed=4), max_new_tokens=12, temperature=1.0, top_p=1.0)[1] != fast
+
+
+def test_a_4bit_base_samples_the_reference_loops_tokens(tiny_assets):
+    pytest.importorskip("bitsandbytes")
+    from llmtrain.config import LoraConfig, ModelConfig
+    from llmtrain.model.modeling import load_model
+
+    cfg = ModelConfig(name_or_path=str(tiny_assets / "model"), dtype="bfloat16", quantize="nf4",
+                      attn_implementation="sdpa")
+    qlora = load_model(cfg, LoraConfig(r=4, alpha=8), compute_dtype=torch.bfloat16).eval()
+    reference, fast = both(qlora, mixed_prompts(3, 2, seed=5), max_new_tokens=10, temperature=0.0, top_p=1.0)
+    assert fast == reference and len(fast[0]) > 1
+
+
+def test_models_the_fast_sampler_cannot_run_sample_with_the_reference_loop(lm):
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    gpt2 = GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=50)).eval()
+    assert not supports(gpt2) and sampler_for(gpt2, "static") is sample
+    assert sampler_for(lm, "reference") is sample
+    fast, graph = sampler_for(lm, "static"), sampler_for(lm, "graph")
+    assert fast.func is sample_fast and not fast.keywords["capture"] and graph.keywords["capture"]
