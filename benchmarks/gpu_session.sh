@@ -14,6 +14,8 @@
 #   bash benchmarks/gpu_session.sh calibrate     # estimate-memory against measured peaks, 12+ runs
 #   bash benchmarks/gpu_session.sh fit           # estimate-memory --fit's choice for 7B LoRA and 1B full, run
 #   bash benchmarks/gpu_session.sh profile       # torch.profiler of one 7B LoRA step: top kernels
+#   bash benchmarks/gpu_session.sh rl            # GRPO sampling: reference loop vs fast sampler (benchmarks/rollouts.py),
+#                                                # then Mistral-7B LoRA GRPO steps with it: sampling vs update, peak vs estimate
 #
 # Each writes $OUT/<name>.jsonl and $OUT/<name>.log.
 #
@@ -24,7 +26,7 @@
 #   GPU_SESSION_DRY=1 PY=/work/gpuenv/bin/python OUT=/tmp/dry bash benchmarks/gpu_session.sh smoke
 set -uo pipefail
 cd "$(dirname "$0")/.."
-WHAT=${1:?usage: gpu_session.sh pack|smoke|vs-hf-7b|vs-hf-1b|fixed|calibrate|fit|profile}
+WHAT=${1:?usage: gpu_session.sh pack|smoke|vs-hf-7b|vs-hf-1b|fixed|calibrate|fit|profile|rl}
 G=.gpu
 OUT=${OUT:-/tmp/out}
 DRY=${GPU_SESSION_DRY:-0}
@@ -112,7 +114,9 @@ train = [l for l in lines if l["type"] == "train"]
 summary = json.loads((run / "summary.json").read_text()) if (run / "summary.json").exists() else {}
 keep = ("max_memory_allocated", "max_memory_reserved", "predicted_peak_allocated_bytes", "predicted_peak_reserved_bytes",
         "predicted_peak_bytes", "packing_efficiency", "tokens_per_s_per_gpu")
-print(json.dumps({"run": name, "rc": rc, "seconds": secs, "steps": len(train),
+rl = {k: [l.get(k) for l in train] for k in ("generation_s", "generation_tokens_per_s", "policy_tokens_per_s",
+                                              "step_s", "completions/mean_length") if any(k in l for l in train)}
+print(json.dumps({"run": name, "rc": rc, "seconds": secs, "steps": len(train), **rl,
                   "losses": [l["loss"] for l in train], "tokens_per_s_per_gpu": [l.get("tokens_per_s_per_gpu") for l in train][-3:],
                   "mfu": [l.get("mfu") for l in train][-3:], **{k: summary.get(k) for k in keep}}))
 EOF
@@ -275,6 +279,33 @@ def traced(*a, **k):
 T.train_step = traced
 T.train(recipe, overwrite=True)
 EOF
+  ;;
+rl)  # the rollouts issue: sampling speed, then GRPO steps with the fast sampler (about 4 minutes on an H100)
+  # 1. tokens/s and ms per decode step at 16, 64 and 256 completions of ~150-token GSM8K prompts, 256 and 1024 new
+  #    tokens: the reference loop (timed over 64 tokens), the eager static cache (over 256), the CUDA graph
+  if [[ $DRY == 1 ]]; then
+    sizes="--completions 16 64 --new-tokens 32 64 --prompt-tokens 40 --cap reference=8 static=32"
+  else
+    sizes="--completions 16 64 256 --new-tokens 256 1024 --skip 256:1024 --cap reference=64 static=256"
+  fi
+  $PY benchmarks/rollouts.py --model "$MISTRAL7B" --gsm8k $G/gsm8k/train.jsonl --lora 16 --dtype bfloat16 $sizes \
+    >> "$OUT/$WHAT.jsonl" 2>> "$OUT/$WHAT.log"
+  echo "rollouts.py: exit $?" | tee -a "$OUT/$WHAT.log"
+  # 2. Mistral-7B LoRA GRPO, 8 prompts x 8 completions x 256 new tokens a step: generation_s against the step, and
+  #    the peak against the estimate (a random model runs every completion to the limit: the worst case)
+  $PY - <<EOF
+import json
+with open("$G/gsm8k/train.jsonl") as f, open("$W/gsm8k-prompts.jsonl", "w") as w:
+    for line in f:
+        r = json.loads(line)
+        w.write(json.dumps({"prompt": r["question"], "answer": r["answer"]}) + "\n")
+EOF
+  recipe $W/lora.yaml "$MISTRAL7B" 1 bfloat16 4096
+  GRPO="data.path=$W/gsm8k-prompts.jsonl data.format=prompt data.chat_template=true data.max_seq_len=1024
+    train.micro_batch_tokens=null train.micro_batch_size=8 train.max_steps=3"
+  RL="rl={num_generations: 8, max_completion_tokens: $((256 / SCALE)), rewards: [{type: format, pattern: '[0-9][0-9]'}]}"
+  run grpo-graph $FT $W/lora.yaml $GRPO "$RL" rl.sampler=graph
+  run grpo-static $FT $W/lora.yaml $GRPO "$RL" rl.sampler=static
   ;;
 esac
 echo "done: $WHAT" >> "$OUT/$WHAT.log"
