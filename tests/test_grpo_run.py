@@ -29,6 +29,7 @@ from helpers import (
 )
 
 CPU_DDP = REPO / "accelerate_configs" / "cpu_ddp.yaml"
+CPU_FSDP = REPO / "accelerate_configs" / "cpu_fsdp.yaml"
 G = 4  # completions per prompt
 
 
@@ -211,6 +212,23 @@ def test_two_ddp_processes_sample_and_train_what_one_does(straight, tiny_assets,
     assert max_abs_diff(load_weights(two / "final"), load_weights(one / "final")) < 1e-5
 
 
+@pytest.mark.slow
+def test_two_fsdp_processes_gather_the_layers_to_sample_and_train_what_one_does(straight, tmp_path, free_port):
+    """FSDP2 over 2 processes: each rank gathers the whole model once for its rollout (gathered_for_generation),
+    samples its own 2 prompts with the fast sampler, reshards and trains: the completions of one process, its losses
+    and, within FSDP's reduction order, its weights."""
+    recipe, one, _ = straight
+    fsdp = tmp_path / "fsdp"
+    printed = launch_finetune(CPU_FSDP, 2, free_port, recipe, f"output_dir={fsdp}", "train.micro_batch_size=2")
+    assert "samples with the reference loop" not in printed  # whole parameters: the fast sampler ran
+    ours, theirs = rollouts(fsdp), rollouts(one)
+    assert [(r["step"], r["row"], r["completion_ids"], r["reward"]) for r in ours] == [
+        (r["step"], r["row"], r["completion_ids"], r["reward"]) for r in theirs]
+    assert losses(fsdp) == pytest.approx(losses(one), abs=1e-6)
+    assert [e["eval_reward"] for e in records(fsdp, "eval")] == [e["eval_reward"] for e in records(one, "eval")]
+    assert max_abs_diff(load_weights(fsdp / "final"), load_weights(one / "final")) < 1e-5
+
+
 # --------------------------------------------------------------------------- refused before anything is written
 
 
@@ -325,12 +343,13 @@ def test_doctor_checks_the_reward_functions_and_the_prompt_room(tiny_assets, tmp
 
 
 
-def test_an_fsdp_launch_is_refused_with_the_reason_and_nothing_written(tiny_assets, tmp_path, monkeypatch):
-    """Under FSDP every decoded token would gather the sharded layers: refused at the read-only checks (that
-    uses_fsdp reads a launch right is tested with the FSDP launches in test_fsdp.py)."""
-    monkeypatch.setattr("llmtrain.loop.phases.uses_fsdp", lambda accelerator: True)
+def test_a_tensor_parallel_launch_is_refused_with_the_reason_and_nothing_written(tiny_assets, tmp_path,
+                                                                                monkeypatch):
+    """Under TP each layer's heads are split over the processes: refused at the read-only checks, naming the layouts
+    that work (that tensor_parallel_size reads a launch right is tested with the TP launches in test_tp.py)."""
+    monkeypatch.setattr("llmtrain.loop.phases.tensor_parallel_size", lambda accelerator: 2)
     says = _refused(grpo_recipe(tiny_assets, tmp_path), tmp_path / "run")
-    assert "online RL runs on one process or under DDP" in says and "DDP config" in says
+    assert "under tensor parallelism" in says and "DDP or FSDP config" in says
 
 
 def test_fit_sizes_the_micro_batch_in_prompts_each_num_generations_sequences(tiny_assets, tmp_path):

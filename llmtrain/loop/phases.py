@@ -83,11 +83,12 @@ def read_only_checks(recipe: Recipe, accelerator, *, resume: str | None, overwri
         say(f"the run in {out} is already complete ({done['steps']} steps, final/ written); nothing "
             "was changed. Raise train.max_steps with --allow-recipe-change to train it further.")
         return Checked(checkpoint=None, notes=(), finished=done)
-    if recipe.rl is not None and (uses_fsdp(accelerator) or tensor_parallel_size(accelerator) > 1):
-        raise LLMTrainError("rl: online RL runs on one process or under DDP (each rank samples its own prompts' "
-                            "completions); under FSDP or tensor parallelism every decoded token would gather the "
-                            "sharded layers, which llmtrain does not do yet. Launch with a DDP config (e.g. "
-                            "accelerate_configs/ddp.yaml) or none; a 7B LoRA policy fits one GPU.")
+    if recipe.rl is not None and tensor_parallel_size(accelerator) > 1:
+        raise LLMTrainError("rl: online RL runs on one process, under DDP or under FSDP (each rank samples its own "
+                            "prompts' completions, FSDP with the layers gathered while sampling); under tensor "
+                            "parallelism sampling would need each layer's split heads put back together, which "
+                            "llmtrain does not do. Launch with a DDP or FSDP config (e.g. accelerate_configs/ddp.yaml "
+                            "or fsdp.yaml); a 7B LoRA policy fits one GPU.")
     ckpt = check_output_dir(accelerator, out, resume=resume, overwrite=overwrite)
     notes = check_resume(ckpt, recipe, world=data_ranks(accelerator)[0], fsdp=uses_fsdp(accelerator),
                          allow_recipe_change=allow_recipe_change) if ckpt else []

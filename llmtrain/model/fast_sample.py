@@ -234,6 +234,13 @@ def sampler_for(lm, kind: str):
 
     from llmtrain.model.generate import sample
 
-    if kind == "reference" or not supports(lm):
+    if kind == "reference":
+        return sample
+    if not supports(lm):
+        import warnings
+
+        warnings.warn(f"rl.sampler={kind}: the fast sampler runs the Llama layout ({', '.join(LAYOUTS)}) with whole "
+                      f"parameters; this {base_model(lm).config.model_type} model samples with the reference loop "
+                      "(the same tokens, slower)", stacklevel=2)
         return sample
     return partial(sample_fast, capture=kind == "graph")

@@ -135,12 +135,15 @@ class GRPO:
         recounted, and `rollouts` (one record per completion, for rollouts.jsonl) filled in."""
         import dataclasses
 
+        from llmtrain.parallel.distributed import gathered_for_generation
+
         batches, counts, records = [], None, []
         was_training = self.lm.training
         self.lm.eval()  # no dropout while sampling (as vLLM samples); the update below trains with it
         try:
             for b in window.batches:
-                batch, n, recs = self._rollout_batch(b["examples"], step)
+                with gathered_for_generation(self.lm):  # FSDP: whole layers while sampling, sharded to score
+                    batch, n, recs = self._rollout_batch(b["examples"], step)
                 batches.append(batch)
                 counts = n if counts is None else counts.plus(n)
                 records += recs
@@ -250,15 +253,17 @@ class GRPO:
     def eval_sums(self, model, batch: dict, device) -> torch.Tensor:
         """[prompts, summed reward, each reward's sum, each reward's count] of greedy completions."""
         from llmtrain.model.fast_sample import sampler_for
+        from llmtrain.parallel.distributed import gathered_for_generation
 
         examples, k = batch["examples"], len(self.rewards)
         if not examples:
             return torch.zeros(2 + 2 * k, dtype=torch.float64)
         prompt_ids = [list(e["input_ids"]) for e in examples]
-        sample = sampler_for(self.lm, self.rl.sampler)
-        completions = sample(self.lm, prompt_ids, seeds=[0] * len(examples),
-                             max_new_tokens=self.rl.max_completion_tokens, temperature=0.0, top_p=1.0,
-                             stop_ids=self.stop_ids, pad_id=self.pad_id)
+        with gathered_for_generation(self.lm):
+            sample = sampler_for(self.lm, self.rl.sampler)
+            completions = sample(self.lm, prompt_ids, seeds=[0] * len(examples),
+                                 max_new_tokens=self.rl.max_completion_tokens, temperature=0.0, top_p=1.0,
+                                 stop_ids=self.stop_ids, pad_id=self.pad_id)
         _, per_function, total = self._score(examples, completions, 1)
         return torch.tensor([len(examples), float(total.nansum()), *per_function.nan_to_num().sum(0).tolist(),
                              *(~per_function.isnan()).sum(0).tolist()], dtype=torch.float64)

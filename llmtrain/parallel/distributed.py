@@ -328,6 +328,37 @@ def accumulating(accelerator, model, fsdp_accumulate: str):
             model.set_requires_all_reduce(True)
 
 
+@contextmanager
+def gathered_for_generation(model):
+    """FSDP2: every unit's parameters all-gathered once and kept whole while the block runs (sampling decodes one
+    token at a time: resharding after each layer's forward would gather every layer again at every token), then
+    resharded, and each unit's reshard-after-forward put back as it was. Costs the whole model in FSDP's
+    param_dtype on every GPU while it runs (the estimate counts it). Anything else: nothing to do."""
+    from torch.distributed.fsdp import FSDPModule
+
+    units = [m for m in model.modules() if isinstance(m, FSDPModule)]
+    if not units:
+        yield
+        return
+    states = [u._get_fsdp_state() for u in units]
+    # FSDP takes the first unit to run forward as its root; sampling calls the layers and the tail units itself,
+    # maybe before any training forward (the eval at step 0): make the outermost unit the root first
+    states[0]._lazy_init()
+    before = [(s._auto_reshard_after_forward, [g.post_forward_mesh_info for g in s._fsdp_param_groups])
+              for s in states]
+    for unit in units:
+        unit.set_reshard_after_forward(False, recurse=False)
+        unit.unshard()
+    try:
+        yield
+    finally:
+        for unit, state, (auto, infos) in zip(units, states, before):
+            unit.reshard()
+            state._auto_reshard_after_forward = auto
+            for group, info in zip(state._fsdp_param_groups, infos):
+                group.post_forward_mesh_info = info
+
+
 def replicas(accelerator) -> int:
     """HSDP's replicas (the mesh's dp_replicate dimension: the nodes); 1 without HSDP."""
     mesh = accelerator.torch_device_mesh
