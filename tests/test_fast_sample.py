@@ -94,6 +94,16 @@ def test_each_distinct_prompt_is_prefilled_once_and_a_completion_does_not_depend
     assert sample_fast(lm, prompts[::-1], seeds=seeds[::-1], **kwargs) == together[::-1]
 
 
+def test_attention_over_spans_of_the_cache_gives_the_same_tokens(lm, monkeypatch):
+    """A decode step attends to the cache's slots up to the next multiple of SPAN (256: early tokens do not read the
+    whole cache); with spans of 8 slots, prompts and completions cross several of them, and the tokens are the
+    reference loop's."""
+    monkeypatch.setattr("llmtrain.model.fast_sample.SPAN", 8)
+    prompts = mixed_prompts(4, 3, seed=6)
+    reference, fast = both(lm, prompts, max_new_tokens=30, temperature=1.0, top_p=1.0)
+    assert fast == reference and max(map(len, fast)) == 30
+
+
 def test_a_one_token_limit_and_no_stop_tokens(lm):
     prompts = mixed_prompts(2, 2, seed=3)
     reference, fast = both(lm, prompts, max_new_tokens=1, temperature=1.0, top_p=1.0)

@@ -8,7 +8,9 @@ completion seeds, the same pre-drawn uniforms, the same `next_tokens`. What chan
   max_new_tokens, zeroed (a masked slot must hold a finite value: softmax gives it weight 0, and 0 x NaN is NaN).
   Prompts are left-padded to the longest, so every row writes the same slot at a step; each row has its own
   positions (rotary) and its own first valid slot. The attention mask is computed from the slot counter inside the
-  step (no growing mask): row r attends to the slots from its first real token to the current one.
+  step (no growing mask): row r attends to the slots from its first real token to the current one. A step reads
+  the cache's slots up to the next multiple of SPAN only, so early tokens do not pay for the whole cache (one
+  captured graph per span).
 - The `num_generations` completions of a prompt share its prefix: each distinct prompt is prefilled once and its
   KV rows are copied to its completions.
 - A decode step forwards one token per row through the model's own decoder layers (transformers' modules, so LoRA,
@@ -36,6 +38,7 @@ import torch
 from llmtrain.model.generate import next_tokens
 
 CHECK_EVERY = 16  # tokens between two looks at the end-of-turn flags (the only host syncs while decoding)
+SPAN = 256  # a decode step attends to the cache's slots up to the next multiple of this (one graph per span)
 LAYOUTS = ("llama", "mistral", "qwen2", "qwen3")  # models whose forward is embed -> layers -> norm -> head
 
 
@@ -97,12 +100,37 @@ class _Forward:
         return self.head(self.inner.norm(hidden[:, -1:]))[:, -1]  # [rows, vocab]: logits_to_keep=1
 
 
+ATTENTION = "llmtrain_sample"
+
+
+def sample_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
+    """SDPA over the static cache with the step's boolean mask [rows, 1, q, slots], whatever the run trains with.
+    A decode step (one query a row) with grouped K/V runs each K/V head's query heads as its queries, so the cache
+    is read once, never repeated to every query head (transformers' SDPA path repeats it under a mask: a copy of
+    4x the cache a layer a token for Mistral's 32 query / 8 K/V heads). The prefill repeats it (once a rollout)."""
+    rows, heads, q, dim = query.shape
+    groups = heads // key.shape[1]
+    if q == 1 and groups > 1:
+        out = torch.nn.functional.scaled_dot_product_attention(
+            query.view(rows, key.shape[1], groups, dim), key, value, attn_mask=attention_mask, scale=scaling)
+        out = out.view(rows, heads, 1, dim)
+    else:
+        if groups > 1:
+            key, value = (x.repeat_interleave(groups, dim=1) for x in (key, value))
+        out = torch.nn.functional.scaled_dot_product_attention(query, key, value, attn_mask=attention_mask,
+                                                               scale=scaling)
+    return out.transpose(1, 2).contiguous(), None
+
+
 @contextmanager
-def _sdpa(lm):
-    """SDPA attention while sampling, whatever the run trains with: it reads the boolean mask the step builds."""
+def _sample_attention(lm):
+    """`sample_attention` while sampling, the run's own attention put back after."""
+    from transformers import AttentionInterface
+
+    AttentionInterface.register(ATTENTION, sample_attention)
     config = base_model(lm).config
     before = config._attn_implementation
-    config._attn_implementation = "sdpa"  # the setter applies it to the sub-configs too
+    config._attn_implementation = ATTENTION  # the setter applies it to the sub-configs too
     try:
         yield
     finally:
@@ -132,7 +160,7 @@ def sample_fast(lm, prompts: list[list[int]], *, seeds: list[int], max_new_token
     key_slots = torch.arange(length, device=device)
     start = torch.tensor([width - len(p) for p in prompts], device=device)  # each row's first real slot
 
-    with _sdpa(lm), torch.compiler.set_stance("force_eager"):
+    with _sample_attention(lm), torch.compiler.set_stance("force_eager"):
         # ---- prefill: each distinct prompt once, left-padded to the common width
         ids = torch.tensor([[pad_id] * (width - len(p)) + list(p) for p in distinct], device=device)
         real = ids.new_tensor([[0] * (width - len(p)) + [1] * len(p) for p in distinct])
@@ -166,10 +194,11 @@ def sample_fast(lm, prompts: list[list[int]], *, seeds: list[int], max_new_token
         windows = set(forward.windows)
 
         def step():
-            """One token per row, all in place on `state`: no host sync, fixed shapes."""
-            s = state
-            allowed = (key_slots[None, :] >= start[:, None]) & (key_slots[None, :] <= s["slot"])
-            masks = {w: _window_mask(allowed, s["slot"], key_slots[None, :], w)[:, None, None] for w in windows}
+            """One token per row, all in place on `state`: no host sync, fixed shapes (the cache's first
+            `cache.length` slots: set before a call, or before a capture)."""
+            s, slots = state, key_slots[None, : cache.length]
+            allowed = (slots >= start[:, None]) & (slots <= s["slot"])
+            masks = {w: _window_mask(allowed, s["slot"], slots, w)[:, None, None] for w in windows}
             logits = forward(s["ids"], s["positions"], masks, cache)
             drawn = next_tokens(logits, uniforms.gather(1, s["column"]).squeeze(1), **sampling)
             drawn = torch.where(s["done"], torch.full_like(drawn, pad_id), drawn)
@@ -180,11 +209,20 @@ def sample_fast(lm, prompts: list[list[int]], *, seeds: list[int], max_new_token
             s["slot"].add_(1)
             s["column"].add_(1)
 
-        run = _captured(step, state) if capture and device.type == "cuda" and steps > 1 else step
+        graphs = {} if capture and device.type == "cuda" else None  # one captured step per span of slots
         for t in range(1, steps):
             if t % CHECK_EVERY == 0 and bool(state["done"].all()):  # host sync, every CHECK_EVERY tokens only
                 break
-            run()
+            # Attention reads the slots up to the next multiple of SPAN only (the host knows the step's slot,
+            # width + t - 1, without asking the device): early tokens do not pay for the whole cache.
+            cache.length = min(length, (width + t - 1) // SPAN * SPAN + SPAN)
+            if graphs is None:
+                step()
+            else:
+                if cache.length not in graphs:
+                    graphs[cache.length] = _captured(step, state, warmup=min(2, length - (width + t - 1)),
+                                                     pool=next(iter(graphs.values())).pool() if graphs else None)
+                graphs[cache.length].replay()
     return _trim(state["out"].tolist(), set(stop_ids))  # the one copy back to the host
 
 
@@ -200,22 +238,23 @@ class _PrefillCache:
         return key_states, value_states
 
 
-def _captured(step, state: dict):
-    """`step` captured as a CUDA graph, to be replayed: warmed up on a side stream first (cuBLAS and the allocator
-    set themselves up outside the capture), the state put back as it was, then captured once."""
+def _captured(step, state: dict, *, warmup: int, pool=None) -> torch.cuda.CUDAGraph:
+    """`step` captured as a CUDA graph, to be replayed: run `warmup` times on a side stream first (cuBLAS and the
+    allocator set themselves up outside the capture; never past the cache's last slot), the state put back as it
+    was, then captured once, in `pool` (the call's graphs share their memory: they never run at once)."""
     saved = {k: v.clone() for k, v in state.items()}
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):
-        for _ in range(2):
+        for _ in range(warmup):
             step()
     torch.cuda.current_stream().wait_stream(side)
     for k, v in saved.items():  # the warm-up's writes to the cache are at slots the real steps write before reading
         state[k].copy_(v)
     graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
+    with torch.cuda.graph(graph, pool=pool):
         step()
-    return graph.replay
+    return graph
 
 
 def _trim(tokens: list[list[int]], stop_ids: set[int]) -> list[list[int]]:
