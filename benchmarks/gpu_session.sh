@@ -282,7 +282,8 @@ EOF
   ;;
 rl)  # the rollouts issue: sampling speed, then GRPO steps with the fast sampler (about 4 minutes on an H100)
   # 1. tokens/s and ms per decode step at 16, 64 and 256 completions of ~150-token GSM8K prompts, 256 and 1024 new
-  #    tokens: the reference loop (timed over 64 tokens), the eager static cache (over 256), the CUDA graph
+  #    tokens: the reference loop (timed over 64 tokens), the eager static cache (over 256), the CUDA graph, and the
+  #    graph with the adapters off plus the merge matmuls (what a merged generation copy would cost)
   if [[ $DRY == 1 ]]; then
     sizes="--completions 16 64 --new-tokens 32 64 --prompt-tokens 40 --cap reference=8 static=32"
   else

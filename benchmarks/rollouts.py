@@ -85,6 +85,21 @@ def timed(fn, lm, prompts, *, new_tokens: int, cuda: bool, **kw) -> dict:
             "peak_allocated_gib": torch.cuda.max_memory_allocated() / 2**30 if cuda else None, "_out": out}
 
 
+def merged_speed(lm, prompts, **kw):
+    """What sampling from a merged generation copy (W + s B A, rebuilt each step) would cost, without building one:
+    the captured step with the adapters off (the base's shapes: a merged copy's kernels), plus the rebuild, timed
+    as the matmuls it takes. Its tokens are the base model's, so it is left out of the token comparison."""
+    with torch.no_grad():
+        for module in lm.modules():
+            if hasattr(module, "lora_A") and "default" in getattr(module, "lora_A", {}):
+                a, b = module.lora_A["default"].weight, module.lora_B["default"].weight
+                _ = module.base_layer.weight + (b @ a).to(module.base_layer.weight.dtype) * module.scaling["default"]
+    if not hasattr(lm, "disable_adapter"):
+        return sample_fast(lm, prompts, capture=True, **kw)
+    with lm.disable_adapter():
+        return sample_fast(lm, prompts, capture=True, **kw)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", required=True, help="a model folder (config + tokenizer; weights optional)")
@@ -95,7 +110,8 @@ def main() -> None:
     ap.add_argument("--generations", type=int, default=8, help="completions per prompt")
     ap.add_argument("--prompt-tokens", type=int, default=150)
     ap.add_argument("--new-tokens", type=int, nargs="+", default=[256, 1024])
-    ap.add_argument("--samplers", nargs="+", default=["reference", "static", "graph"])
+    ap.add_argument("--samplers", nargs="+", default=["reference", "static", "graph", "graph-merged"],
+                    help="graph-merged: the speed a merged generation copy would give (adapters off + the rebuild)")
     ap.add_argument("--cap", nargs="*", default=["reference=64"],
                     help="sampler=tokens: time that sampler over at most this many new tokens (the reference is slow)")
     ap.add_argument("--skip", nargs="*", default=[], help="completions:new_tokens pairs to leave out, e.g. 256:1024")
@@ -105,7 +121,8 @@ def main() -> None:
     caps = {k: int(v) for k, v in (c.split("=") for c in args.cap)}
     lm = build(args.model, dtype=args.dtype, lora=args.lora, device="cuda" if cuda else "cpu")
     vocab = lm.config.vocab_size if hasattr(lm, "config") else 32000
-    samplers = {"reference": sample, "static": sample_fast, "graph": lambda *a, **k: sample_fast(*a, capture=True, **k)}
+    samplers = {"reference": sample, "static": sample_fast, "graph": lambda *a, **k: sample_fast(*a, capture=True, **k),
+                "graph-merged": merged_speed}
     print(json.dumps({"device": torch.cuda.get_device_name() if cuda else "cpu", "torch": torch.__version__,
                       "model": args.model, "dtype": args.dtype, "lora": args.lora}), flush=True)
     for n in args.completions:
@@ -117,7 +134,7 @@ def main() -> None:
                 continue
             firsts = {}
             for name in args.samplers:
-                if name == "graph" and not cuda:
+                if name.startswith("graph") and not cuda:
                     continue
                 steps = min(new, caps.get(name, new))
                 timed(samplers[name], lm, prompts[:8], new_tokens=4, cuda=cuda)  # warm-up: kernels, allocator
@@ -130,7 +147,7 @@ def main() -> None:
                     line["note"] = f"timed over {steps} of {new} new tokens"
                 print(json.dumps(line), flush=True)
             # the samplers' tokens, compared over the tokens both drew (bf16: a tie can flip a token, then the rest)
-            names = list(firsts)
+            names = [n for n in firsts if n != "graph-merged"]
             for other in names[1:]:
                 a, b = firsts[names[0]], firsts[other]
                 k = min(len(a[0]), len(b[0]))
