@@ -22,6 +22,8 @@
 # packages named by PY, e.g. a Python 3.12 venv with the device's torch 2.11 and transformers 5.17:
 #
 #   GPU_SESSION_DRY=1 PY=/work/gpuenv/bin/python OUT=/tmp/dry bash benchmarks/gpu_session.sh smoke
+#
+# (WORK=DIR moves the runs from /tmp/work, or /tmp/work-dry, to DIR.)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 WHAT=${1:?usage: gpu_session.sh pack|smoke|vs-hf-7b|vs-hf-1b|fixed|calibrate|fit|profile}
@@ -59,6 +61,7 @@ export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
 $PY -c "import torch, transformers, accelerate, peft, datasets; print('torch', torch.__version__, 'transformers', transformers.__version__, 'accelerate', accelerate.__version__, 'peft', peft.__version__, 'datasets', datasets.__version__, torch.cuda.get_device_name() if torch.cuda.is_available() else 'cpu (dry run)')" | tee "$OUT/versions.txt"
 W=/tmp/work
 [[ $DRY == 1 ]] && W=/tmp/work-dry
+W=${WORK:-$W}  # two rehearsals at once on one machine need two folders: each call starts by removing its runs
 mkdir -p $W
 # Every call starts with no runs: a second call on a warm machine (smoke again after a fix) or a second rehearsal
 # would find the last call's output_dirs, every finetune would refuse them (exit 2), and the JSON lines would
