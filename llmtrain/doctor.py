@@ -155,7 +155,7 @@ def check_memory(recipe: Recipe, launch_path: Path | None, gpu_memory: float | N
     t = recipe.train
     global_batch = (t.micro_batch_tokens or t.micro_batch_size) * t.grad_accum_steps * spec.world
     advice = fitting.recommendation(shape, est, global_batch=global_batch)
-    worst = f" (worst case, every prompt at data.max_seq_len: {_gib(est.worst_case_bytes)})" if est.worst_case_bytes \
+    worst = f" (worst case, sequences of data.max_seq_len: {_gib(est.worst_case_bytes)})" if est.worst_case_bytes \
         else ""
     detail = f"{_gib(est.per_gpu_peak_bytes)} per GPU estimated{worst}; {advice}"
     return [("memory", "pass" if est.fits else "fail", detail)], est

@@ -84,7 +84,8 @@ def test_rl_sampling_runs_warn_only_and_the_update_strict(tiny_assets, tmp_path,
 
     seen = {"rollout": set(), "loss": set()}
     rollout, loss = grpo.GRPO.rollout, grpo.GRPO.loss
-    monkeypatch.setattr(grpo.GRPO, "rollout", lambda self, *a, **k: seen["rollout"].add(mode()) or rollout(self, *a, **k))
+    monkeypatch.setattr(grpo.GRPO, "rollout",
+                        lambda self, *a, **k: seen["rollout"].add(mode()) or rollout(self, *a, **k))
     monkeypatch.setattr(grpo.GRPO, "loss", lambda self, *a, **k: seen["loss"].add(mode()) or loss(self, *a, **k))
     recipe = write_recipe(tiny_assets, tmp_path, data={"format": "prompt", "max_seq_len": 32},
                           rl={"num_generations": 2, "max_completion_tokens": 4,

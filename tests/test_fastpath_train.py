@@ -146,8 +146,9 @@ def test_compiled_layers_train_like_eager_layers(recipe, tmp_path):
 
 def test_deterministic_runs_with_torch_deterministic_kernels_and_restores(recipe, tmp_path, monkeypatch):
     """train.deterministic: every step runs under torch.use_deterministic_algorithms, strict (warn_only off: the
-    only mode in which aten's flash attention backward is deterministic), with cuBLAS's fixed workspace, the losses are those of the default run (on the CPU the kernels are deterministic anyway:
-    the GPU check is gpu_session.sh smoke), and the process's setting is put back afterwards."""
+    only mode in which aten's flash attention backward is deterministic), with cuBLAS's fixed workspace, the losses
+    are those of the default run (on the CPU the kernels are deterministic anyway: the GPU check is gpu_session.sh
+    smoke), and the process's setting is put back afterwards."""
     import torch
 
     import llmtrain.loop.train as T

@@ -53,7 +53,7 @@ H200_SMOKE = {
     "fsdp1-lora": ("fsdp1", 37.92, 42.296, 38.296),  # adapters gathered in bf16 share their inputs
     "qlora-nf4": ("qlora", 8.13, 9.518, 8.518),  # peft's 4-bit layers skip the input cast under autocast
     "dpo-lora": ("dpo", 41.73, None, 42.124),  # was refused: a token budget with micro_batch_size at its default
-    "grpo-lora": ("grpo", 48.45, 121.98, 52.286),  # at the data's prompts (90th percentile) + 256, not 16 x 1024
+    "grpo-lora": ("grpo", 48.45, 121.98, 52.286),  # the data's prompts (90th percentile) + 256; 16 x 1024 worst case
 }
 
 

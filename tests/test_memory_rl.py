@@ -45,14 +45,18 @@ def test_pairs_under_a_token_budget_are_estimated_as_the_trainer_batches_them():
 
 
 def test_prompt_tokens_are_the_datas_90th_percentile_or_the_cap():
-    """Ten prompts of 10, 20, ... 100 tokens: 90% have at most 90 (the 9th of 10). Cut at max_seq_len 50, the cap.
-    No data: every prompt at the cap, said to be the worst case."""
+    """Ten prompts of 10, 20, ... 100 tokens: 90% have at most 90 (the 9th of 10). With a cap of 50, the cap. No data:
+    every prompt at the cap, said to be the worst case. A recipe's cap is max_seq_len - max_completion_tokens, the
+    longest prompt the trainer takes (1024 - 256 = 768): without data every sequence is max_seq_len long."""
     lengths = [100, 10, 90, 20, 80, 30, 70, 40, 60, 50]
     assert rl_prompt_tokens(lengths, cap=1024)[0] == 90
     assert "mean 55, longest 100" in rl_prompt_tokens(lengths, cap=1024)[1]
     assert rl_prompt_tokens(lengths, cap=50)[0] == 50
     tokens, basis = rl_prompt_tokens(None, cap=1024)
     assert tokens == 1024 and basis.startswith("worst case")
+    spec = spec_from_recipe(recipe(**GRPO))
+    assert (spec.prompt_cap, spec.prompt_tokens, spec.seq_len) == (768, 768, 1024)
+    assert spec_from_recipe(recipe(**GRPO), prompt_lengths=[5000]).prompt_tokens == 768
 
 
 def test_the_update_is_the_prompts_and_completions_and_trains_the_completions():
@@ -87,11 +91,11 @@ def test_kv_cache_and_sampling_phases_by_hand():
 
 
 def test_the_worst_case_is_shown_beside_the_datas_lengths():
-    """At the data's prompts the estimate carries the worst case (every prompt at max_seq_len 1024, so 16 sequences
-    of 1280 tokens) as its own figure and a note; without data the estimate is that worst case itself."""
+    """At the data's prompts the estimate carries the worst case (every prompt at its longest, 768, so 16 sequences
+    of max_seq_len 1024) as its own figure and a note; without data the estimate is that worst case itself."""
     at_data = estimate_for_recipe(recipe(**GRPO), prompt_lengths=[98] * 10)
     worst = estimate_for_recipe(recipe(**GRPO))
-    assert worst.spec.seq_len == 1280 and worst.worst_case_bytes is None
+    assert worst.spec.seq_len == 1024 and worst.worst_case_bytes is None
     assert at_data.worst_case_bytes == worst.per_gpu_peak_bytes > at_data.per_gpu_peak_bytes
     assert any(n.startswith("worst case") and f"{worst.per_gpu_peak_bytes / GIB:,.2f} GiB" in n for n in at_data.notes)
     assert at_data.to_dict()["worst_case_per_gpu_peak_bytes"] == worst.per_gpu_peak_bytes

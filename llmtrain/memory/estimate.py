@@ -246,11 +246,11 @@ def estimate(shape: ModelShape, spec: TrainSpec) -> Estimate:
                                    fsdp_unit=2 * unit + always, tail=tail))
     est = _finish(whole, spec, plan, st, phases, notes=_notes(shape, spec, p))
     if spec.completion_tokens and spec.prompt_tokens < spec.prompt_cap:  # at the data's lengths: the worst case too
-        worst = estimate(whole, spec.but(prompt_tokens=spec.prompt_cap, seq_len=spec.prompt_cap + spec.completion_tokens,
-                                         prompt_basis=""))
+        cap = spec.prompt_cap
+        worst = estimate(whole, spec.but(prompt_tokens=cap, seq_len=cap + spec.completion_tokens, prompt_basis=""))
         est = replace(est, worst_case_bytes=worst.per_gpu_peak_bytes, notes=est.notes + (
-            f"worst case, every prompt at data.max_seq_len ({spec.prompt_cap} tokens) + {spec.completion_tokens} "
-            f"completion tokens: {worst.per_gpu_peak_bytes / GIB:,.2f} GiB per GPU (allocated "
+            f"worst case, every prompt at its longest ({cap} tokens) + {spec.completion_tokens} completion tokens, "
+            f"sequences of data.max_seq_len: {worst.per_gpu_peak_bytes / GIB:,.2f} GiB per GPU (allocated "
             f"{worst.per_gpu_peak_allocated_bytes / GIB:,.2f}, at the {worst.peak_phase.replace('_', ' ')} phase)",))
     return est
 
@@ -422,7 +422,8 @@ def _notes(shape: ModelShape, spec: TrainSpec, p: act.Pass) -> tuple[str, ...]:
     notes = []
     if spec.completion_tokens:
         notes.append(f"online RL: {spec.micro_batch} sequences a micro-batch ({spec.micro_batch // spec.per_example} "
-                     f"prompts x {spec.generations}), each a prompt of {spec.prompt_tokens} tokens ({spec.prompt_basis}) "
+                     f"prompts x {spec.generations}), each a prompt of {spec.prompt_tokens} tokens "
+                     f"({spec.prompt_basis}) "
                      f"and up to {spec.completion_tokens} completion tokens (the loss trains the completions); sampled "
                      f"{sampling_rows(spec)} rows at once into a static KV cache of "
                      f"{kv_cache_bytes(shape, spec) / GIB:,.2f} GiB")

@@ -26,7 +26,8 @@ PRECISION_DTYPE = {"bf16": "bfloat16", "fp16": "float16"}
 # Every component a breakdown reports, in display order; the first six are always present.
 COMPONENTS = ("weights", "gradients", "optimizer", "activations", "logits", "overhead",
               "autocast_copies", "ddp_buckets", "fsdp_buffers", "temporaries", "kv_cache")
-# Online RL without readable data: each prompt is taken at data.max_seq_len, where prompts are cut (the worst case).
+# Online RL without readable data: each prompt is taken at its longest, data.max_seq_len - rl.max_completion_tokens (a
+# longer prompt is refused before training: data.checks.check_prompt_room), so every sequence is max_seq_len long.
 # With data, the prompts' PROMPT_QUANTILE: a step whose prompts are all that long or shorter (the mean of a
 # micro-batch's prompts passes it in few steps).
 PROMPT_QUANTILE = 0.9
@@ -75,8 +76,9 @@ class TrainSpec:
     # up to seq_len with its KV cache; 0: no sampling
     generations: int = 0
     # online RL: a sequence is a prompt of prompt_tokens and a completion of up to completion_tokens (seq_len is their
-    # sum), of which only the completion goes through the loss; prompt_cap is data.max_seq_len, where prompts are cut
-    # (the worst case's prompt_tokens), and prompt_basis says where prompt_tokens came from
+    # sum), of which only the completion goes through the loss; prompt_cap is the longest prompt the trainer takes,
+    # data.max_seq_len - completion_tokens (the worst case's prompt_tokens); prompt_basis says where prompt_tokens
+    # came from
     completion_tokens: int = 0
     prompt_tokens: int = 0
     prompt_cap: int = 0
@@ -164,9 +166,10 @@ class TrainSpec:
 
 def rl_prompt_tokens(lengths, *, cap: int) -> tuple[int, str]:
     """An online-RL run's prompt tokens for the estimate, and what they are: the data's PROMPT_QUANTILE of its prompt
-    lengths (`lengths`, tokenised as training does; cut at `cap`, data.max_seq_len), or `cap` without data."""
+    lengths (`lengths`, tokenised as training does; at most `cap`, the longest prompt the trainer takes), or `cap`
+    without data."""
     if not lengths:
-        return cap, f"worst case: every prompt at data.max_seq_len ({cap} tokens)"
+        return cap, f"worst case: every prompt at its longest, data.max_seq_len - rl.max_completion_tokens ({cap})"
     ordered = sorted(min(n, cap) for n in lengths)
     at = ordered[max(0, math.ceil(PROMPT_QUANTILE * len(ordered)) - 1)]
     return at, (f"the data's prompts: {PROMPT_QUANTILE:.0%} have at most {at} tokens (mean "
@@ -176,8 +179,8 @@ def rl_prompt_tokens(lengths, *, cap: int) -> tuple[int, str]:
 def spec_from_recipe(recipe: Recipe, *, strategy: Strategy = "single", num_gpus: int = 1, num_nodes: int = 1,
                      prompt_lengths=None, **launch) -> TrainSpec:
     """The run a recipe describes, on the given GPUs (launch: cpu_offload, gpu_memory_gib). `prompt_lengths`: an
-    online-RL recipe's prompt lengths in tokens, where its data was read (else its prompts are taken at
-    data.max_seq_len)."""
+    online-RL recipe's prompt lengths in tokens, where its data was read (else its prompts are taken at their
+    longest, data.max_seq_len - rl.max_completion_tokens: every sequence max_seq_len long)."""
     m, d, t, lora = recipe.model, recipe.data, recipe.train, recipe.lora
     evaluates = d.eval_split is not None and t.eval_every_steps is not None
     # A preference micro-batch of N pairs is 2N sequences (chosen and rejected, each up to max_seq_len). Its
@@ -190,9 +193,10 @@ def spec_from_recipe(recipe: Recipe, *, strategy: Strategy = "single", num_gpus:
     evaluates = evaluates and recipe.rl is None
     rl = {}
     if recipe.rl is not None:
-        prompt, basis = rl_prompt_tokens(prompt_lengths, cap=d.max_seq_len)
-        rl = dict(completion_tokens=recipe.rl.max_completion_tokens, prompt_tokens=prompt, prompt_cap=d.max_seq_len,
-                  prompt_basis=basis)
+        most = recipe.rl.max_completion_tokens
+        cap = max(1, d.max_seq_len - most)  # data.checks.check_prompt_room refuses a longer prompt
+        prompt, basis = rl_prompt_tokens(prompt_lengths, cap=cap)
+        rl = dict(completion_tokens=most, prompt_tokens=prompt, prompt_cap=cap, prompt_basis=basis)
     return TrainSpec(
         method="lora" if lora else "full",
         lora_r=lora.r if lora else _default(LoraConfig, "r"),
