@@ -82,7 +82,7 @@ def test_kv_cache_and_sampling_phases_by_hand():
     spec = spec_from_recipe(recipe(**GRPO), prompt_lengths=[98] * 10)
     assert kv_cache_bytes(MISTRAL, spec) == 16 * 354 * 32 * 2 * 8 * 128 * 2 == 742_391_808
     est = estimate(MISTRAL, spec)
-    decode, prefill = est.phase_parts["generation_decode"], est.phase_parts["generation_prefill"]
+    decode, prefill = est.phase_parts["generation"], est.phase_parts["generation_prefill"]
     assert decode["kv_cache"] == prefill["kv_cache"] == 742_391_808
     assert decode["logits"] == 16 * 32768 * 16 == 8 * 2**20
     assert prefill["logits"] == 4 * 32768 * (2 + 4)  # the 4 prompts' last position, bf16 and its fp32 copy

@@ -330,7 +330,7 @@ def _generation_phases(shape: ModelShape, spec: TrainSpec, base: dict, *, cached
     common = dict(**base, autocast_copies=cached, kv_cache=kv_cache_bytes(shape, spec), fsdp_buffers=fsdp_unit)
     return {"generation_prefill": _phase(**common, temporaries=act.eval_layer_bytes(prefill, shape, {}),
                                          logits=prompts * shape.vocab * (prefill.cd + act.FP32)),
-            "generation_decode": _phase(**common, logits=rows * shape.vocab * 4 * act.FP32)}
+            "generation": _phase(**common, logits=rows * shape.vocab * 4 * act.FP32)}
 
 
 def _plus(parts: dict[str, int], **more: int) -> dict[str, int]:
