@@ -118,3 +118,18 @@ def test_sampling_time_is_the_decode_steps_reading_weights_and_cache():
     # an H200's 4.8 TB/s reads them faster
     assert sampling_seconds(MISTRAL, spec, weight_bytes=weights, network=Network(hbm_tbps=4.8)) < by_hand
     assert sampling_seconds(MISTRAL, spec.but(generations=0), weight_bytes=weights, network=Network()) == 0.0
+
+
+def test_the_trainer_logs_the_estimate_at_its_prompts_and_the_worst_case_beside_it():
+    """summary.json's prediction for an RL run (predicted_for_run, as the loop calls it with its data's prompt
+    lengths): the estimate at those lengths and, beside it, the worst case; a supervised run has no worst case."""
+    from accelerate import Accelerator
+
+    from llmtrain.memory import predicted_for_run
+
+    accelerator = Accelerator(cpu=True)
+    rl = predicted_for_run(recipe(**GRPO), accelerator, prompt_lengths=[98] * 10)
+    at_data = estimate_for_recipe(recipe(**GRPO), prompt_lengths=[98] * 10)
+    assert rl["predicted_peak_bytes"] == at_data.per_gpu_peak_bytes
+    assert rl["predicted_worst_case_peak_bytes"] == estimate_for_recipe(recipe(**GRPO)).per_gpu_peak_bytes
+    assert "predicted_worst_case_peak_bytes" not in predicted_for_run(recipe(), accelerator)
