@@ -24,6 +24,8 @@
 # packages named by PY, e.g. a Python 3.12 venv with the device's torch 2.11 and transformers 5.17:
 #
 #   GPU_SESSION_DRY=1 PY=/work/gpuenv/bin/python OUT=/tmp/dry bash benchmarks/gpu_session.sh smoke
+#
+# (WORK=DIR moves the runs from /tmp/work, or /tmp/work-dry, to DIR.)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 WHAT=${1:?usage: gpu_session.sh pack|smoke|vs-hf-7b|vs-hf-1b|fixed|calibrate|fit|profile|rl}
@@ -61,6 +63,7 @@ export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
 $PY -c "import torch, transformers, accelerate, peft, datasets; print('torch', torch.__version__, 'transformers', transformers.__version__, 'accelerate', accelerate.__version__, 'peft', peft.__version__, 'datasets', datasets.__version__, torch.cuda.get_device_name() if torch.cuda.is_available() else 'cpu (dry run)')" | tee "$OUT/versions.txt"
 W=/tmp/work
 [[ $DRY == 1 ]] && W=/tmp/work-dry
+W=${WORK:-$W}  # two rehearsals at once on one machine need two folders: each call starts by removing its runs
 mkdir -p $W
 # Every call starts with no runs: a second call on a warm machine (smoke again after a fix) or a second rehearsal
 # would find the last call's output_dirs, every finetune would refuse them (exit 2), and the JSON lines would
@@ -143,14 +146,20 @@ smoke)
   run resume-straight $FT $W/full.yaml $R
   run resume-cut $FT $W/full.yaml $R train.max_steps=3
   run resume-cut $FT $W/full.yaml $R --resume auto --allow-recipe-change
-  $PY - "$W/runs" >> "$OUT/$WHAT.jsonl" <<'EOF'
+  $PY - "$W/runs" "$OUT/$WHAT.log" >> "$OUT/$WHAT.jsonl" <<'EOF'
 import json, sys, pathlib
-runs = pathlib.Path(sys.argv[1])
+runs, log = pathlib.Path(sys.argv[1]), pathlib.Path(sys.argv[2]).read_text(errors="replace")
 loss = lambda name: [r["loss"] for r in map(json.loads, (runs / name / "metrics.jsonl").read_text().splitlines())
                      if r["type"] == "train"]
 a, b = loss("resume-straight"), loss("resume-cut")
+tps = lambda name: [r.get("tokens_per_s_per_gpu") for r in map(json.loads, (runs / name / "metrics.jsonl").read_text()
+                    .splitlines()) if r["type"] == "train"][-2:]
+# strict mode (train.deterministic): flash attention's backward no longer warns that it is non-deterministic, and the
+# cost is the deterministic run's tokens/s against full-varlen-budget's, the same recipe without the flag
 print(json.dumps({"check": "resume", "straight": a, "cut_and_resumed": b, "equal": a == b,
-                  "max_abs_diff": max((abs(x - y) for x, y in zip(a, b)), default=None) if len(a) == len(b) else None}))
+                  "max_abs_diff": max((abs(x - y) for x, y in zip(a, b)), default=None) if len(a) == len(b) else None,
+                  "nondeterministic_warnings": log.count("defaults to a non-deterministic algorithm"),
+                  "tokens_per_s_deterministic": tps("resume-straight"), "tokens_per_s_default": tps("full-varlen-budget")}))
 EOF
   # preference pairs (DPO on Mistral-7B LoRA: the reference is the disabled adapter; GSM8K's answer against the same
   # answer with its final number changed), and QLoRA (a 4-bit base needs weights to quantise: a random 1B saved once)

@@ -180,8 +180,9 @@ class TrainConfig(Section):
     seed: int = Field(42, description="Seed for model init, data order and dropout.")
     deterministic: bool = Field(
         False,
-        description="torch.use_deterministic_algorithms (warn-only: an op with no deterministic kernel warns once and "
-        "runs) and CUBLAS_WORKSPACE_CONFIG=:4096:8, so two runs on one GPU give identical losses; somewhat slower.",
+        description="torch.use_deterministic_algorithms, strict (an op with no deterministic kernel raises; RL "
+        "sampling only warns), so flash attention's backward is deterministic, and CUBLAS_WORKSPACE_CONFIG=:4096:8: "
+        "a run and its resume give bit-identical losses on one GPU; slower (docs/checkpoints.md).",
     )
     eval_every_steps: int | None = Field(
         None, gt=0, description="Evaluate every N optimizer steps; with eval data, the end of training is always evaluated.")

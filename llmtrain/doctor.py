@@ -126,9 +126,11 @@ def gpu_memory_here() -> float | None:
     return torch.cuda.get_device_properties(0).total_memory / 2**30 if torch.cuda.is_available() else None
 
 
-def check_memory(recipe: Recipe, launch_path: Path | None, gpu_memory: float | None) -> tuple[list[Check], object]:
+def check_memory(recipe: Recipe, launch_path: Path | None, gpu_memory: float | None, *,
+                 prompt_lengths=None) -> tuple[list[Check], object]:
     """The per-GPU estimate against `gpu_memory` GiB (None: no GPU known, a warn), with the --fit advice when it
-    does not fit. Returns the rows and the Estimate (None when it cannot be made)."""
+    does not fit (online RL: at the data's `prompt_lengths` where read). Returns the rows and the Estimate (None when
+    it cannot be made)."""
     from llmtrain.memory import fit as fitting
     from llmtrain.memory.estimate import estimate
     from llmtrain.memory.launch import read_accelerate_config
@@ -144,7 +146,7 @@ def check_memory(recipe: Recipe, launch_path: Path | None, gpu_memory: float | N
         layout = dict(strategy=lay.strategy, num_gpus=lay.num_gpus, num_nodes=lay.num_nodes,
                       cpu_offload=lay.cpu_offload) if lay else {}
         shape = load_model_shape(recipe.model.name_or_path)
-        spec = spec_from_recipe(recipe, gpu_memory_gib=gpu_memory or 80.0, **layout)
+        spec = spec_from_recipe(recipe, gpu_memory_gib=gpu_memory or 80.0, prompt_lengths=prompt_lengths, **layout)
         est = estimate(shape, spec)
     except LLMTrainError as e:
         return rows + [("memory", "warn", f"no estimate: {e}")], None
@@ -153,7 +155,9 @@ def check_memory(recipe: Recipe, launch_path: Path | None, gpu_memory: float | N
     t = recipe.train
     global_batch = (t.micro_batch_tokens or t.micro_batch_size) * t.grad_accum_steps * spec.world
     advice = fitting.recommendation(shape, est, global_batch=global_batch)
-    detail = f"{_gib(est.per_gpu_peak_bytes)} per GPU estimated; {advice}"
+    worst = f" (worst case, sequences of data.max_seq_len: {_gib(est.worst_case_bytes)})" if est.worst_case_bytes \
+        else ""
+    detail = f"{_gib(est.per_gpu_peak_bytes)} per GPU estimated{worst}; {advice}"
     return [("memory", "pass" if est.fits else "fail", detail)], est
 
 
@@ -254,7 +258,12 @@ def run_doctor(recipe: Recipe, *, accelerate_config: Path | None = None,
         checks += check_rewards_run(recipe, tokenizer)
     checks += check_context(recipe.data.max_seq_len, _max_positions(recipe.model.name_or_path))
     gpu = gpu_memory if gpu_memory is not None else gpu_memory_here()
-    rows, est = check_memory(recipe, accelerate_config, gpu)
+    lengths = None
+    if recipe.rl is not None and tokenizer is not None:  # the estimate at the prompts' real lengths
+        from llmtrain.memory.cli import rl_prompt_lengths
+
+        lengths = rl_prompt_lengths(recipe)[0]
+    rows, est = check_memory(recipe, accelerate_config, gpu, prompt_lengths=lengths)
     checks += rows + check_precision(recipe, launch)
     if est is not None:
         checks += check_fsdp(recipe, launch, params=est.params_total, fits=est.fits if gpu else None)

@@ -42,7 +42,7 @@ def cpu_varlen_attention_bytes(p: act.Pass, shape: ModelShape, lengths: list[int
             + (p.tokens * hq * p.cd if o_trainable else 0))
 
 
-def build(layers: int, attn: str, dtype: torch.dtype, lora: float | None):
+def build(layers: int, attn: str, dtype: torch.dtype, lora: float | None, adapters_in: torch.dtype | None = None):
     from transformers import AutoModelForCausalLM, LlamaConfig
 
     from llmtrain.model.loss import attach_loss
@@ -55,6 +55,8 @@ def build(layers: int, attn: str, dtype: torch.dtype, lora: float | None):
 
         model = peft.get_peft_model(model, peft.LoraConfig(r=R, lora_alpha=8, lora_dropout=lora,
                                                            target_modules="all-linear", task_type="CAUSAL_LM"))
+        if adapters_in is not None:  # as FSDP's mixed-precision policy gathers them for the forward
+            model.to(adapters_in)
     attach_loss(model, chunk=7)  # several chunks: none of their tensors may outlive the forward
     return model
 
@@ -166,3 +168,39 @@ def test_cpu_varlen_attention_by_hand():
     assert act.attention_bytes(p, shape, o_trainable=True) == 4096 + 2 * 2048 + 4096 + 512
     # torch 2.10 repeats K/V to the 4 heads: twice as wide
     assert act.attention_bytes(replace(p, varlen_repeats_kv=True), shape, o_trainable=True) == 4096 * 4 + 512
+
+
+@pytest.mark.parametrize("attn", ["sdpa", "varlen"])
+@pytest.mark.parametrize("in_cd", [False, True])
+def test_adapters_without_dropout_share_their_input_only_in_the_compute_dtype(attn, in_cd):
+    """LoRA without dropout on a bf16 base under bf16 autocast. fp32 adapters (peft's default there): peft casts each
+    adapter's input to fp32 and autocast casts it back, so each of the 7 adapters saves its own copy. Adapters in
+    bf16 (what FSDP's mixed-precision policy gathers, and what peft's 4-bit layers see: they skip the cast under
+    autocast): q/k/v's adapters save the one normalised input, gate/up's the other, o_proj's the attention output
+    (already saved by attention), down_proj's the SwiGLU product: per token 2 x H + I elements instead of
+    3 x H + Hq + 2 x H + I, here (64 + 64 + 160) x 2 bytes against (4 x 64 + 2 x 64 + 160) x 2."""
+    from llmtrain.model.attention import register
+
+    shape = _shape_from_json(json.dumps({**TINY, "num_hidden_layers": 2}), "tiny")
+    varlen = attn == "varlen"
+    spec = TrainSpec(attn=attn, dtype="bfloat16", mixed_precision="bf16", micro_batch=B, seq_len=S, method="lora",
+                     lora_r=R, lora_dropout=0.0)
+    p = replace(make_pass(shape, spec), mask=False, varlen_repeats_kv=False, adapters_in_cd=in_cd)
+    lengths = [S + 6, S - 6] if varlen else [S] * B
+    batch = batch_for(lengths, packing=varlen)
+    impl = register() if varlen else attn
+    adapters_in = torch.bfloat16 if in_cd else None
+    one = saved_bytes(build(1, impl, torch.bfloat16, 0.0, adapters_in), batch, autocast=True)
+    two = saved_bytes(build(2, impl, torch.bfloat16, 0.0, adapters_in), batch, autocast=True)
+    adapted = lora_plan(shape, r=R).adapted[0]
+    cpu = (cpu_varlen_attention_bytes(p, shape, lengths, o_trainable=False)
+           - act.attention_bytes(p, shape, o_trainable=False)) if varlen else 0
+    if varlen:  # o_proj's adapter saves the concatenated output, which the CPU's SDPA does not save itself
+        cpu += p.tokens * shape.heads * shape.head_dim * p.cd if in_cd else 0
+    casts = 0 if in_cd else sum(R * (i + o) for i, o in adapted.values()) * 2  # autocast's casts of fp32 adapters
+    layer = act.layer_bytes(p, shape, adapted, R)
+    assert two - one == layer + casts + cpu
+    T, H, I = p.tokens, shape.hidden, shape.intermediate
+    inputs = (2 * H + I) if in_cd else (5 * H + shape.heads * shape.head_dim + I)
+    assert layer == act.layer_bytes(replace(p, adapters_in_cd=False, lora_dropout=0.0), shape, {}, R) + T * (
+        inputs + 7 * R) * 2

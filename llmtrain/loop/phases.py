@@ -15,7 +15,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -27,6 +26,7 @@ from llmtrain.data.chat import read_template
 from llmtrain.data.checks import check_context, check_data, check_warmup
 from llmtrain.data.prepare import prepare_datasets
 from llmtrain.errors import LLMTrainError
+from llmtrain.loop.determinism import deterministic_algorithms
 from llmtrain.model.loss import attach_loss
 from llmtrain.model.modeling import (
     build_optimizer,
@@ -101,25 +101,14 @@ def read_only_checks(recipe: Recipe, accelerator, *, resume: str | None, overwri
 
 
 def seed_run(tc, cleanup) -> None:
-    """The same seed on every rank (identical init, which DDP checks anyway); torch's deterministic kernels
-    for the run when train.deterministic, the previous setting restored when `cleanup` closes."""
+    """The same seed on every rank (identical init, which DDP checks anyway); torch's deterministic kernels (strict)
+    and cuBLAS's fixed workspace for the run when train.deterministic (loop/determinism.py), before the model is
+    built; the previous setting restored when `cleanup` closes."""
     from accelerate.utils import set_seed
 
     set_seed(tc.seed)
     if tc.deterministic:
         cleanup.enter_context(deterministic_algorithms())
-
-
-@contextmanager
-def deterministic_algorithms():
-    """torch's deterministic kernels for this run (train.deterministic), the previous setting restored after."""
-    before = (torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled())
-    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # read when cuBLAS first runs, which is later
-    torch.use_deterministic_algorithms(True, warn_only=True)
-    try:
-        yield
-    finally:
-        torch.use_deterministic_algorithms(before[0], warn_only=before[1])
 
 
 # --------------------------------------------------------------------------- 3. data
@@ -240,7 +229,9 @@ def build_model(recipe: Recipe, accelerator, *, total_steps: int, say) -> Traina
     method = ("full" if recipe.lora is None else
               f"QLoRA: LoRA on a 4-bit {recipe.model.quantize} base" if recipe.model.quantize else "LoRA")
     say(f"model: {n_total:,} parameters, {n_trainable:,} trainable ({method}); "
-        f"attention: {describe_attention(recipe.model)}{'; liger kernels' if fused_ce else ''}")
+        f"attention: {describe_attention(recipe.model)}{'; liger kernels' if fused_ce else ''}"
+        + ("; train.deterministic: strict deterministic kernels (flash attention's deterministic backward, "
+           "cuBLAS workspace " + os.environ.get("CUBLAS_WORKSPACE_CONFIG", "?") + ")" if tc.deterministic else ""))
     optimizer = build_optimizer(model, lr=tc.lr, weight_decay=tc.weight_decay, betas=tc.betas, eps=tc.eps,
                                 fused=use_fused_adamw(accelerator))
     scheduler = build_scheduler(optimizer, tc, total_steps=total_steps)

@@ -21,6 +21,7 @@ from dataclasses import dataclass
 import torch
 
 from llmtrain.data.batching import Counts, global_micro_batches, to_device, windows
+from llmtrain.loop.determinism import sampling_warn_only
 from llmtrain.objectives.objective import Objective
 from llmtrain.parallel.distributed import accumulating, data_ranks, data_sum, tensor_parallel_size
 
@@ -44,7 +45,8 @@ def train_step(model, optimizer, scheduler, accelerator, objective: Objective, w
     completions, sampled by the model as it is before this step (`step`: the steps taken before it)."""
     world, _ = data_ranks(accelerator)  # processes that read different batches (a TP group reads one)
     if (rollout := getattr(objective, "rollout", None)) is not None:  # before the counts: they are the completions'
-        window = rollout(window, step=step)
+        with sampling_warn_only():  # train.deterministic: the sampler's float cumsum has no strict CUDA kernel
+            window = rollout(window, step=step)
     counts = torch.tensor([*window.counts, float(stop_signal > 0)], dtype=torch.float64)
     denominator = max(window.counts.units, 1.0)  # one process: a Python number, no device round trip
     if accelerator.num_processes > 1:  # the one collective of the step: every rank needs the window's loss units

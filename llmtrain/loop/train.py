@@ -240,7 +240,8 @@ def finish(run: Run, state: TrainState, meter: Meter, evals: list[dict]) -> dict
     if accelerator.device.type == "cuda":
         summary.update(max_memory_allocated=torch.cuda.max_memory_allocated(),
                        max_memory_reserved=torch.cuda.max_memory_reserved(),
-                       **predicted_for_run(run.recipe, accelerator))
+                       **predicted_for_run(run.recipe, accelerator,  # online RL: at the data's prompt lengths
+                                           prompt_lengths=list(run.data.train["length"]) if run.recipe.rl else None))
     if accelerator.is_main_process:
         (out / "summary.json").write_text(json.dumps(strict_json(summary), indent=1, allow_nan=False))
         final_dir = str(out / "final") if run.recipe.checkpoint.save_final else None

@@ -7,8 +7,9 @@
 Everything here is arithmetic on a `ModelShape` (exact counts from the model built on the meta
 device) and a `TrainSpec`; docs/memory.md gives the formulas.
 
-May import: the schema (`config`, `errors`), `parallel` and this folder. Never the data, the model, the run
-folder or the loop: an estimate loads no weights and reads no data.
+May import: the schema (`config`, `errors`), `parallel` and this folder. Never the run folder or the loop, and
+the estimate itself loads no weights and reads no data. The one reader is the command (cli.py), which tokenises
+an online-RL recipe's prompts (through the data cache) for their lengths; the trainer passes its own.
 """
 
 from __future__ import annotations
@@ -38,11 +39,12 @@ def __getattr__(name: str):
 
 def estimate_for_recipe(recipe: Recipe, *, num_processes: int = 1,
                         strategy: Literal["single", "ddp", "fsdp", "hsdp"] = "single", cpu_offload: bool = False,
-                        num_nodes: int = 1) -> Estimate:
+                        num_nodes: int = 1, prompt_lengths=None) -> Estimate:
     """The per-GPU estimate for the run `recipe` describes on `num_processes` GPUs of each of `num_nodes` nodes.
 
     Reads the config.json of recipe.model.name_or_path (a local directory, a preset name, or a hub id
-    with a built-in config or in the local cache).
+    with a built-in config or in the local cache). `prompt_lengths`: an online-RL recipe's prompt lengths in
+    tokens (without them, every prompt is taken at data.max_seq_len: the worst case).
     """
     from llmtrain.memory.estimate import estimate
     from llmtrain.memory.params import load_model_shape
@@ -50,12 +52,13 @@ def estimate_for_recipe(recipe: Recipe, *, num_processes: int = 1,
 
     shape = load_model_shape(recipe.model.name_or_path)
     return estimate(shape, spec_from_recipe(recipe, strategy=strategy, num_gpus=num_processes, num_nodes=num_nodes,
-                                            cpu_offload=cpu_offload))
+                                            cpu_offload=cpu_offload, prompt_lengths=prompt_lengths))
 
 
-def predicted_for_run(recipe: Recipe, accelerator) -> dict:
+def predicted_for_run(recipe: Recipe, accelerator, *, prompt_lengths=None) -> dict:
     """The estimator's prediction for the run this Accelerator is training, logged beside the measured peak
-    in summary.json. A model the estimator cannot read gives {} (and a note), never a failed run."""
+    in summary.json (online RL: at its data's `prompt_lengths`, with the worst case beside it). A model the
+    estimator cannot read gives {} (and a note), never a failed run."""
     from torch.distributed.fsdp import CPUOffloadPolicy
 
     from llmtrain.errors import LLMTrainError
@@ -69,11 +72,12 @@ def predicted_for_run(recipe: Recipe, accelerator) -> dict:
     try:  # HSDP: the memory of FSDP over a replica's shards (modelled as replicas = nodes)
         est = estimate_for_recipe(recipe, num_processes=accelerator.num_processes // replicas,
                                   strategy="hsdp" if replicas > 1 else strategy, cpu_offload=offload,
-                                  num_nodes=replicas)
+                                  num_nodes=replicas, prompt_lengths=prompt_lengths)
     except LLMTrainError as e:
         accelerator.print(f"memory estimate unavailable: {e}")
         return {}
     # allocated/reserved compare with torch.cuda.max_memory_*; peak adds the CUDA context and NCCL buffers.
     return {"predicted_peak_bytes": est.per_gpu_peak_bytes,
             "predicted_peak_allocated_bytes": est.per_gpu_peak_allocated_bytes,
-            "predicted_peak_reserved_bytes": est.per_gpu_peak_reserved_bytes, "predicted_breakdown": est.breakdown}
+            "predicted_peak_reserved_bytes": est.per_gpu_peak_reserved_bytes, "predicted_breakdown": est.breakdown,
+            **({"predicted_worst_case_peak_bytes": est.worst_case_bytes} if est.worst_case_bytes else {})}

@@ -44,6 +44,12 @@ class Pass:
     # every query head first and the kernel saves them so.
     varlen_repeats_kv: bool = False
     examples: int = 1  # in the micro-batch (at least one, with a token budget)
+    # LoRA adapters that run in the compute dtype on the layer's own tensors. peft casts an adapter's input to the
+    # adapter's dtype (fp32 on a 16-bit base) and autocast casts it back: a copy per adapter. Not so where the
+    # adapters are gathered in cd (FSDP's mixed-precision policy) or where peft skips the cast (its bitsandbytes
+    # 4-bit layers under autocast): the adapters reading one input then save that one tensor (without dropout).
+    adapters_in_cd: bool = False
+    loss_positions: int | None = None  # N where only part of each sequence is trained (online RL: the completions)
 
     @property
     def tokens(self) -> int:
@@ -53,7 +59,7 @@ class Pass:
     def loss_tokens(self) -> int:
         """N, the positions the loss sends through the LM head: every token but each example's last (which
         predicts nothing), when all are trained (text data, data.train_on_prompt); masking prompts lowers it."""
-        return max(1, self.tokens - self.examples)
+        return self.loss_positions if self.loss_positions is not None else max(1, self.tokens - self.examples)
 
 
 def norm_bytes(p: Pass, hidden: int, *, trainable: bool) -> int:
@@ -98,12 +104,26 @@ def linear_input_bytes(p: Pass, fan_in: int, readers: int) -> int:
     return copies * p.tokens * fan_in * p.cd
 
 
+def shares_adapter_inputs(p: Pass) -> bool:
+    """The adapters reading one input save that very tensor (Pass.adapters_in_cd, and no dropout)."""
+    return p.adapters_in_cd and p.lora_dropout == 0
+
+
 def lora_bytes(p: Pass, fan_in: int, r: int) -> int:
     """peft lora.Linear: x -> dropout -> A -> B. Saved: the dropout mask, A's input (a cast copy under
-    autocast, the fp32 dropout output otherwise), and A's output (T x r)."""
+    autocast, the fp32 dropout output otherwise; none of its own when the adapters share their input, counted
+    once per input by the halves below), and A's output (T x r)."""
     width = p.cd if p.autocast else FP32
     mask = p.tokens * fan_in * p.dropout_mask_bytes if p.lora_dropout > 0 else 0
-    return mask + p.tokens * (fan_in + r) * width
+    return mask + p.tokens * ((0 if shares_adapter_inputs(p) else fan_in) + r) * width
+
+
+def shared_adapter_inputs(p: Pass, adapted: dict[str, tuple[int, int]], inputs: dict[tuple[str, ...], int]) -> int:
+    """The inputs that adapters share (shares_adapter_inputs), once each: `inputs` maps the linears reading one
+    tensor that nothing else saves to its width (o_proj's input is attention's output, saved by the kernel)."""
+    if not shares_adapter_inputs(p):
+        return 0
+    return sum(p.tokens * width * p.cd for names, width in inputs.items() if any(n in adapted for n in names))
 
 
 def _adapters(adapted: dict[str, tuple[int, int]], half: str) -> list[int]:
@@ -117,6 +137,7 @@ def attn_half_bytes(p: Pass, shape: ModelShape, adapted: dict[str, tuple[int, in
     total = norm_bytes(p, H, trainable=full) + attention_bytes(p, shape, o_trainable=full)
     if full:  # q, k and v read one input; o_proj reads the attention output (counted above)
         total += linear_input_bytes(p, H, 3)
+    total += shared_adapter_inputs(p, adapted, {("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"): H})
     return total + sum(lora_bytes(p, fan_in, r) for fan_in in _adapters(adapted, "self_attn."))
 
 
@@ -126,6 +147,8 @@ def mlp_half_bytes(p: Pass, shape: ModelShape, adapted: dict[str, tuple[int, int
     total = norm_bytes(p, H, trainable=full) + mlp_bytes(p, shape, down_trainable=full)
     if full:  # gate and up read one input; down_proj reads the product (counted above)
         total += linear_input_bytes(p, H, 2)
+    total += shared_adapter_inputs(p, adapted, {("mlp.gate_proj", "mlp.up_proj"): H,
+                                                ("mlp.down_proj",): shape.intermediate})
     return total + sum(lora_bytes(p, fan_in, r) for fan_in in _adapters(adapted, "mlp."))
 
 
@@ -138,7 +161,10 @@ def down_input_bytes(p: Pass, shape: ModelShape, adapted: dict[str, tuple[int, i
     """What down_proj saved (freed once its backward has run): the product, or its adapter's inputs."""
     if p.trainable_base:
         return p.tokens * shape.intermediate * p.cd
-    return lora_bytes(p, shape.intermediate, r) if "mlp.down_proj" in adapted else 0
+    if "mlp.down_proj" not in adapted:
+        return 0
+    return lora_bytes(p, shape.intermediate, r) + shared_adapter_inputs(p, adapted, {("mlp.down_proj",):
+                                                                                   shape.intermediate})
 
 
 def frozen_input_discount(p: Pass, shape: ModelShape, adapted: dict[str, tuple[int, int]]) -> int:
@@ -184,13 +210,14 @@ def lora_forward_temp(p: Pass, fan_in: int, fan_out: int) -> int:
     """peft casts an adapter's input to the adapter's fp32 (a copy unless it is fp32 already) and
     dropout makes another fp32 tensor; both live, beside the base layer's output, until lora_A has
     cast its input back."""
-    copies = (p.cd != FP32) + (p.lora_dropout > 0)
+    copies = (p.cd != FP32 and not p.adapters_in_cd) + (p.lora_dropout > 0)
     return p.tokens * (fan_in * FP32 * copies + fan_out * p.cd)
 
 
 def lora_backward_temp(p: Pass, fan_in: int) -> int:
-    """Backward through an adapter's casts and dropout: fp32 gradients of its input, two at a time."""
-    return p.tokens * fan_in * 2 * FP32
+    """Backward through an adapter's casts and dropout: fp32 gradients of its input (cd where the adapter runs in
+    cd), two at a time."""
+    return p.tokens * fan_in * 2 * (p.cd if p.adapters_in_cd else FP32)
 
 
 def layer_forward_temp(p: Pass, shape: ModelShape, adapted: dict[str, tuple[int, int]]) -> int:

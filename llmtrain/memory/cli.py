@@ -75,6 +75,8 @@ def estimate_memory(
                                                  "(default 0.4).")] = None,
     peak_tflops: Annotated[Optional[float], typer.Option(help="Peak dense bf16 TFLOP/s of one GPU (default 989: "
                                                          "H100 SXM).")] = None,
+    hbm_tbps: Annotated[Optional[float], typer.Option(help="Memory bandwidth of one GPU in TB/s, for online RL's "
+                                                      "decode steps (default 3.35: H100 SXM; H200 4.8).")] = None,
     as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object instead of a table.")] = False,
     fit: Annotated[bool, typer.Option("--fit", help="Search strategy, checkpointing and micro-batch for the "
                                       "fastest configuration that fits; when none does, the fewest GPUs (FSDP) "
@@ -103,7 +105,7 @@ def estimate_memory(
                                                   else _from_model(model, overrides, run, launch))
     est = estimate(shape, spec)
     est = dataclasses.replace(est, notes=assumed + est.notes)
-    given = dict(intra_gbps=intra_gbps, inter_gbps=inter_gbps, peak_tflops=peak_tflops, mfu=mfu)
+    given = dict(intra_gbps=intra_gbps, inter_gbps=inter_gbps, peak_tflops=peak_tflops, mfu=mfu, hbm_tbps=hbm_tbps)
     network = Network(**{k: v for k, v in given.items() if v is not None})
     traffic = step_traffic(shape, spec, network)
     result = fitting.fit(shape, spec, global_batch=global_batch, network=network) if fit else None
@@ -140,12 +142,32 @@ def _from_recipe(recipe: Path, overrides, run: dict, launch: dict):
         raise LLMTrainError("with a recipe, the run is set by the recipe and key=value overrides: "
                             + ", ".join(given) + ".")
     r = load_recipe(recipe, overrides)
-    spec = spec_from_recipe(r, **launch)
+    lengths, unread = rl_prompt_lengths(r) if r.rl is not None else (None, None)
+    spec = spec_from_recipe(r, prompt_lengths=lengths, **launch)
     # kept by --fit: examples per step, or tokens per step with a budget
     global_batch = (r.train.micro_batch_tokens or r.train.micro_batch_size) * r.train.grad_accum_steps * \
         spec.data_ranks
+    assumed = (f"online RL: the prompts could not be read ({unread}), so each is taken at data.max_seq_len",) \
+        if unread else ()
     return (load_model_shape(r.model.name_or_path), spec, global_batch,
-            f"{recipe} {' '.join(overrides or [])}".strip(), ())
+            f"{recipe} {' '.join(overrides or [])}".strip(), assumed)
+
+
+def rl_prompt_lengths(r) -> tuple[list[int] | None, str | None]:
+    """An online-RL recipe's prompt lengths in tokens, tokenised as training does (and cached as training caches
+    them); or None and why, where its tokenizer or data cannot be read."""
+    from llmtrain.data.chat import read_template
+    from llmtrain.data.prepare import prepare_datasets
+    from llmtrain.model.modeling import load_tokenizer
+
+    try:
+        tokenizer = load_tokenizer(r.model)
+        if (template := read_template(r.data)) is not None:
+            tokenizer.chat_template = template
+        train = prepare_datasets(r.data, tokenizer, seed=r.train.seed)[0]
+    except (LLMTrainError, OSError, ValueError) as e:
+        return None, str(e).splitlines()[0] if str(e) else type(e).__name__
+    return list(train["length"]), None
 
 
 def _from_model(model: str, overrides, run: dict, launch: dict):

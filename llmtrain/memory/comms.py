@@ -42,6 +42,7 @@ from llmtrain.memory.spec import DTYPE_BYTES, PRECISION_DTYPE, TrainSpec
 NVLINK_GBPS = 3600.0  # H100 SXM, NVLink 4: 450 GB/s each way per GPU
 INFINIBAND_GBPS = 400.0  # one NDR InfiniBand card per GPU (the usual 8-GPU H100 node)
 H100_TFLOPS = 989.0  # dense bf16
+H100_HBM_TBPS = 3.35  # H100 SXM's memory bandwidth, TB/s (H200: 4.8)
 DEFAULT_MFU = 0.4
 
 
@@ -62,6 +63,7 @@ class Network:
     inter_gbps: float = INFINIBAND_GBPS  # per GPU, between nodes
     peak_tflops: float = H100_TFLOPS
     mfu: float = DEFAULT_MFU
+    hbm_tbps: float = H100_HBM_TBPS  # one GPU's memory bandwidth: online RL's decode steps are bound by it
 
 
 Parts = tuple[tuple[str, float, float], ...]  # (what, intra-node bytes, inter-node bytes) per GPU
@@ -72,8 +74,9 @@ class Traffic:
     """Bytes one GPU sends per optimizer step, within its node and to other nodes, and the times they take."""
 
     parts: tuple[tuple[str, float, float], ...]  # (what, intra-node bytes, inter-node bytes) per GPU
-    compute_s: float  # the step's model FLOPs at the stated MFU
+    compute_s: float  # the step's model FLOPs at the stated MFU, plus sampling_s
     network: Network
+    sampling_s: float = 0.0  # online RL: the step's sampling (sampling_seconds), part of compute_s
 
     @property
     def intra_bytes(self) -> float:
@@ -103,11 +106,12 @@ class Traffic:
     def to_dict(self) -> dict:
         return {"intra_node_bytes": round(self.intra_bytes), "inter_node_bytes": round(self.inter_bytes),
                 "intra_node_s": self.intra_s, "inter_node_s": self.inter_s, "compute_s": self.compute_s,
-                "network_bound": self.network_bound,
+                "sampling_s": self.sampling_s, "network_bound": self.network_bound,
                 "parts": [{"what": w, "intra_node_bytes": round(a), "inter_node_bytes": round(b)}
                           for w, a, b in self.parts],
                 "assumed": {"intra_gbps": self.network.intra_gbps, "inter_gbps": self.network.inter_gbps,
-                            "peak_tflops": self.network.peak_tflops, "mfu": self.network.mfu}}
+                            "peak_tflops": self.network.peak_tflops, "mfu": self.network.mfu,
+                            "hbm_tbps": self.network.hbm_tbps}}
 
 
 @dataclass(frozen=True)
@@ -219,16 +223,35 @@ def step_flops(shape: ModelShape, spec: TrainSpec, trainable_linear_share: float
     return tokens * (body + head) + attn
 
 
+def sampling_seconds(shape: ModelShape, spec: TrainSpec, *, weight_bytes: float, network: Network) -> float:
+    """Online RL's sampling per optimizer step (0 without): grad_accum rounds, each the prefill of the micro-batch's
+    prompts (their model FLOPs, 2 per parameter per token, at the stated MFU) and rl.max_completion_tokens decode
+    steps. A decode step of a few dozen rows is bound by memory, not FLOPs: it reads every weight once (the
+    adapters unmerged beside them) and the static KV cache (estimate.kv_cache_bytes, whole: the step has a fixed
+    shape), so it takes those bytes over the GPU's memory bandwidth."""
+    if not spec.generations:
+        return 0.0
+    from llmtrain.memory.estimate import kv_cache_bytes
+
+    prompts = max(1, spec.micro_batch // spec.generations)
+    params = shape.layers * shape.linear_params_per_layer + shape.vocab * shape.hidden
+    prefill = 2.0 * params * prompts * spec.prompt_tokens / (network.peak_tflops * 1e12 * network.mfu)
+    decode = spec.completion_tokens * (weight_bytes + kv_cache_bytes(shape, spec)) / (network.hbm_tbps * 1e12)
+    return spec.grad_accum * (prefill + decode)
+
+
 def traffic(shape: ModelShape, spec: TrainSpec, *, trained_params: int, trainable_bytes: float,
-            network: Network = Network()) -> Traffic:
+            network: Network = Network(), weight_bytes: float = 0.0) -> Traffic:
     """One GPU's traffic and compute time per optimizer step; trainable_bytes are the gradients as they are
-    reduced (the trained parameters in their master dtype)."""
+    reduced (the trained parameters in their master dtype); weight_bytes, the weights a GPU holds (online RL's
+    decode steps read them all)."""
     gathered = gathered_bytes(shape, spec, trained_params=trained_params)
     share = 1.0 if spec.method == "full" else 0.0
-    compute = step_flops(shape, spec, share) / (network.peak_tflops * 1e12 * network.mfu)
+    sampling = sampling_seconds(shape, spec, weight_bytes=weight_bytes, network=network)
+    compute = step_flops(shape, spec, share) / (network.peak_tflops * 1e12 * network.mfu) + sampling
     parts = data_parallel(spec, trainable_bytes=trainable_bytes, gathered=gathered,
                           activations=tensor_parallel_activations(shape, spec))
-    return Traffic(parts, compute, network)
+    return Traffic(parts, compute, network, sampling)
 
 
 def step_traffic(shape: ModelShape, spec: TrainSpec, network: Network = Network()) -> Traffic:
@@ -241,6 +264,8 @@ def step_traffic(shape: ModelShape, spec: TrainSpec, network: Network = Network(
     plan = lora_plan(shape, r=spec.lora_r, targets=spec.lora_targets,
                      modules_to_save=spec.lora_modules_to_save) if spec.method == "lora" else None
     whole = spec.but(cpu_offload=False)
-    gradients = states(shape, whole, plan).grads * whole.shards  # one GPU's shard times the shards
+    held = states(shape, whole, plan)
+    gradients = held.grads * whole.shards  # one GPU's shard times the shards
     trained = shape.params_total if plan is None else plan.trainable(shape)
-    return traffic(shape, spec, trained_params=trained, trainable_bytes=gradients, network=network)
+    return traffic(shape, spec, trained_params=trained, trainable_bytes=gradients, network=network,
+                   weight_bytes=held.weights)

@@ -13,7 +13,7 @@ from dataclasses import dataclass, replace
 
 from llmtrain.memory import activations as act
 from llmtrain.memory.params import LoraPlan, ModelShape, lora_plan, tensor_parallel_shape
-from llmtrain.memory.spec import DTYPE_BYTES, MIB, PRECISION_DTYPE, Estimate, TrainSpec
+from llmtrain.memory.spec import DTYPE_BYTES, GIB, MIB, PRECISION_DTYPE, Estimate, TrainSpec
 
 # Outside PyTorch's allocator; constants to be calibrated on GPUs (see docs/memory.md).
 CUDA_CONTEXT_BYTES = 500 * MIB  # CUDA context, cuBLAS/cuDNN handles and kernels
@@ -125,7 +125,8 @@ def make_pass(shape: ModelShape, spec: TrainSpec, *, examples: int | None = None
     attending only to itself. varlen and flash_attention_2 read the boundaries and build no mask; sdpa and
     eager get transformers' block-diagonal 4-D mask over the whole row. Padded: one row per example, all
     seq_len long and assumed to differ in length, so sdpa and eager get a 4-D mask there too."""
-    if examples is None:
+    training = examples is None
+    if training:
         examples, budget = spec.micro_batch, spec.micro_batch_tokens
     tokens = budget or examples * spec.seq_len
     b, s = (1, tokens) if spec.packed else (examples, spec.seq_len)
@@ -141,7 +142,11 @@ def make_pass(shape: ModelShape, spec: TrainSpec, *, examples: int | None = None
                     lora_dropout=spec.lora_dropout if spec.method == "lora" else 0.0,
                     dropout_mask_bytes=DROPOUT_MASK_BYTES,
                     varlen_repeats_kv=spec.kernel == "varlen" and varlen_repeats_kv(),
-                    examples=1 if budget else examples)
+                    examples=1 if budget else examples,
+                    # online RL's update trains each sequence's completion only
+                    loss_positions=examples * spec.completion_tokens if training and spec.completion_tokens else None,
+                    # FSDP gathers the adapters in cd; peft's 4-bit layers do not cast their input under autocast
+                    adapters_in_cd=spec.method == "lora" and amp and (spec.sharded or bool(spec.quantize)))
 
 
 def _down_share(shape: ModelShape, plan: LoraPlan | None, k: int) -> float:
@@ -235,11 +240,19 @@ def estimate(shape: ModelShape, spec: TrainSpec) -> Estimate:
                                           fsdp_buffers=embed_unit * (2 if full else 1) + always)
     phases["optimizer_step"] = _phase(**base, gradients=st.grads)
     if spec.generations:
-        phases["generation"] = _generation_phase(shape, spec, base, cached=sum(cached), fsdp_unit=2 * unit + always)
+        phases.update(_generation_phases(shape, spec, base, cached=sum(cached), fsdp_unit=2 * unit + always))
     if spec.eval_micro_batch:
         phases.update(_eval_phases(shape, spec, base, adapted=adapted, cached=sum(cached), head_copies=head_copies,
                                    fsdp_unit=2 * unit + always, tail=tail))
-    return _finish(whole, spec, plan, st, phases, notes=_notes(shape, spec, p))
+    est = _finish(whole, spec, plan, st, phases, notes=_notes(shape, spec, p))
+    if spec.completion_tokens and spec.prompt_tokens < spec.prompt_cap:  # at the data's lengths: the worst case too
+        cap = spec.prompt_cap
+        worst = estimate(whole, spec.but(prompt_tokens=cap, seq_len=cap + spec.completion_tokens, prompt_basis=""))
+        est = replace(est, worst_case_bytes=worst.per_gpu_peak_bytes, notes=est.notes + (
+            f"worst case, every prompt at its longest ({cap} tokens) + {spec.completion_tokens} completion tokens, "
+            f"sequences of data.max_seq_len: {worst.per_gpu_peak_bytes / GIB:,.2f} GiB per GPU (allocated "
+            f"{worst.per_gpu_peak_allocated_bytes / GIB:,.2f}, at the {worst.peak_phase.replace('_', ' ')} phase)",))
+    return est
 
 
 def _backward_layers(p, shape: ModelShape, spec: TrainSpec, st, plan, base: dict, *, adapted, saved, kept,
@@ -293,16 +306,31 @@ def _eval_phases(shape: ModelShape, spec: TrainSpec, base: dict, *, adapted, cac
     }
 
 
-def _generation_phase(shape: ModelShape, spec: TrainSpec, base: dict, *, cached: int, fsdp_unit: int) -> dict:
-    """Online RL's sampling (model/generate.py), no graph and no gradients (freed by the previous step): the KV
-    cache of every sequence of the micro-batch at seq_len (activations); the prompts' prefill, a layer's transients
-    over all of them; the last position's logits (logits_to_keep=1) and the sampler's fp32 softmax, cumulative sum
-    and nucleus sort over the vocabulary, a row each."""
-    rows = spec.micro_batch
-    g = make_pass(shape, spec, examples=rows)
-    kv = rows * spec.seq_len * shape.layers * 2 * shape.kv_heads * shape.head_dim * g.cd
-    return _phase(**base, autocast_copies=cached, activations=kv, fsdp_buffers=fsdp_unit,
-                  temporaries=act.eval_layer_bytes(g, shape, {}), logits=rows * shape.vocab * (g.cd + 3 * 4))
+def sampling_rows(spec: TrainSpec) -> int:
+    """Completions the sampler decodes at once (model/generate.py, issue 34): the micro-batch's prompts x
+    rl.num_generations, rounded up to a power of two of at least 8, the bucket its static KV cache is made for."""
+    return max(8, 1 << (spec.micro_batch - 1).bit_length())
+
+
+def kv_cache_bytes(shape: ModelShape, spec: TrainSpec) -> int:
+    """The sampler's static KV cache, allocated once a round: K and V of kv_heads x head_dim per layer in the compute
+    dtype, for sampling_rows x (the longest prompt + rl.max_completion_tokens) positions."""
+    cd = DTYPE_BYTES[PRECISION_DTYPE.get(spec.mixed_precision, spec.dtype)]
+    return sampling_rows(spec) * spec.seq_len * shape.layers * 2 * shape.kv_heads * shape.head_dim * cd
+
+
+def _generation_phases(shape: ModelShape, spec: TrainSpec, base: dict, *, cached: int, fsdp_unit: int) -> dict:
+    """Online RL's sampling, no graph and no gradients (freed by the previous step), beside the static KV cache
+    (kv_cache_bytes; the adapters stay unmerged, so there is no generation copy of the weights). The prefill runs
+    once per distinct prompt (the micro-batch's prompts, not x num_generations): a layer's transients over them.
+    Then each decode step: the logits of one token per row in fp32, and the sampler's fp32 softmax, cumulative
+    sum and nucleus sort over the vocabulary."""
+    rows, prompts = sampling_rows(spec), max(1, spec.micro_batch // max(1, spec.generations))
+    prefill = make_pass(shape, spec.but(seq_len=max(2, spec.prompt_tokens or spec.seq_len)), examples=prompts)
+    common = dict(**base, autocast_copies=cached, kv_cache=kv_cache_bytes(shape, spec), fsdp_buffers=fsdp_unit)
+    return {"generation_prefill": _phase(**common, temporaries=act.eval_layer_bytes(prefill, shape, {}),
+                                         logits=prompts * shape.vocab * (prefill.cd + act.FP32)),
+            "generation": _phase(**common, logits=rows * shape.vocab * 4 * act.FP32)}
 
 
 def _plus(parts: dict[str, int], **more: int) -> dict[str, int]:
@@ -392,6 +420,13 @@ def host_ram_bytes(shape: ModelShape, spec: TrainSpec, st: States) -> int:
 
 def _notes(shape: ModelShape, spec: TrainSpec, p: act.Pass) -> tuple[str, ...]:
     notes = []
+    if spec.completion_tokens:
+        notes.append(f"online RL: {spec.micro_batch} sequences a micro-batch ({spec.micro_batch // spec.per_example} "
+                     f"prompts x {spec.generations}), each a prompt of {spec.prompt_tokens} tokens "
+                     f"({spec.prompt_basis}) "
+                     f"and up to {spec.completion_tokens} completion tokens (the loss trains the completions); sampled "
+                     f"{sampling_rows(spec)} rows at once into a static KV cache of "
+                     f"{kv_cache_bytes(shape, spec) / GIB:,.2f} GiB")
     if p.varlen_repeats_kv and shape.kv_heads < shape.heads:
         extra = 2 * p.tokens * (shape.heads - shape.kv_heads) * shape.head_dim * p.cd
         notes.append(f"this torch's varlen_attn is torch 2.10's (no window_size): K/V are repeated to all "

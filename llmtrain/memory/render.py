@@ -20,6 +20,7 @@ WHAT = {
     "ddp_buckets": "DDP gradient buckets",
     "fsdp_buffers": "all-gathered FSDP units in flight",
     "temporaries": "short-lived tensors (a layer's, or the loss's)",
+    "kv_cache": "the sampler's static KV cache (no generation copy of the weights: adapters unmerged)",
     "overhead": "CUDA context, NCCL, allocator slack (reserved - allocated)",
 }
 
@@ -103,6 +104,10 @@ def render_traffic(traffic: Traffic, *, console: Console | None = None) -> None:
     """What one GPU sends per optimizer step, the time it takes, and the step's compute beside it."""
     console = console or Console()
     net = traffic.network
+    if traffic.sampling_s:
+        console.print(f"sampling: {traffic.sampling_s:.2f} s of the step's compute (the prompts' prefill, then "
+                      f"max_completion_tokens decode steps, each reading the weights and the KV cache at "
+                      f"{net.hbm_tbps:g} TB/s)", highlight=False)
     if not traffic.parts:
         console.print(f"network: none (one GPU); compute {traffic.compute_s:.2f} s per step at {net.mfu:.0%} MFU of "
                       f"{net.peak_tflops:g} TFLOP/s")

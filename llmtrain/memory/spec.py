@@ -6,6 +6,7 @@ with only `model.name_or_path` set would run.
 
 from __future__ import annotations
 
+import math
 from dataclasses import asdict, dataclass, field, replace
 from typing import Literal
 
@@ -24,7 +25,12 @@ DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 PRECISION_DTYPE = {"bf16": "bfloat16", "fp16": "float16"}
 # Every component a breakdown reports, in display order; the first six are always present.
 COMPONENTS = ("weights", "gradients", "optimizer", "activations", "logits", "overhead",
-              "autocast_copies", "ddp_buckets", "fsdp_buffers", "temporaries")
+              "autocast_copies", "ddp_buckets", "fsdp_buffers", "temporaries", "kv_cache")
+# Online RL without readable data: each prompt is taken at its longest, data.max_seq_len - rl.max_completion_tokens (a
+# longer prompt is refused before training: data.checks.check_prompt_room), so every sequence is max_seq_len long.
+# With data, the prompts' PROMPT_QUANTILE: a step whose prompts are all that long or shorter (the mean of a
+# micro-batch's prompts passes it in few steps).
+PROMPT_QUANTILE = 0.9
 
 
 def _default(section, name: str):
@@ -69,6 +75,14 @@ class TrainSpec:
     # online RL: the micro-batch's sequences are sampled together first (micro_batch = prompts x generations), each
     # up to seq_len with its KV cache; 0: no sampling
     generations: int = 0
+    # online RL: a sequence is a prompt of prompt_tokens and a completion of up to completion_tokens (seq_len is their
+    # sum), of which only the completion goes through the loss; prompt_cap is the longest prompt the trainer takes,
+    # data.max_seq_len - completion_tokens (the worst case's prompt_tokens); prompt_basis says where prompt_tokens
+    # came from
+    completion_tokens: int = 0
+    prompt_tokens: int = 0
+    prompt_cap: int = 0
+    prompt_basis: str = ""
     # sequences one recipe example makes (micro_batch counts sequences): 2 for a preference pair (chosen and
     # rejected), num_generations for an online-RL prompt; --fit sizes micro-batches in whole examples
     per_example: int = 1
@@ -150,9 +164,23 @@ class TrainSpec:
         return self
 
 
+def rl_prompt_tokens(lengths, *, cap: int) -> tuple[int, str]:
+    """An online-RL run's prompt tokens for the estimate, and what they are: the data's PROMPT_QUANTILE of its prompt
+    lengths (`lengths`, tokenised as training does; at most `cap`, the longest prompt the trainer takes), or `cap`
+    without data."""
+    if not lengths:
+        return cap, f"worst case: every prompt at its longest, data.max_seq_len - rl.max_completion_tokens ({cap})"
+    ordered = sorted(min(n, cap) for n in lengths)
+    at = ordered[max(0, math.ceil(PROMPT_QUANTILE * len(ordered)) - 1)]
+    return at, (f"the data's prompts: {PROMPT_QUANTILE:.0%} have at most {at} tokens (mean "
+                f"{sum(ordered) / len(ordered):.0f}, longest {ordered[-1]})")
+
+
 def spec_from_recipe(recipe: Recipe, *, strategy: Strategy = "single", num_gpus: int = 1, num_nodes: int = 1,
-                     **launch) -> TrainSpec:
-    """The run a recipe describes, on the given GPUs (launch: cpu_offload, gpu_memory_gib)."""
+                     prompt_lengths=None, **launch) -> TrainSpec:
+    """The run a recipe describes, on the given GPUs (launch: cpu_offload, gpu_memory_gib). `prompt_lengths`: an
+    online-RL recipe's prompt lengths in tokens, where its data was read (else its prompts are taken at their
+    longest, data.max_seq_len - rl.max_completion_tokens: every sequence max_seq_len long)."""
     m, d, t, lora = recipe.model, recipe.data, recipe.train, recipe.lora
     evaluates = d.eval_split is not None and t.eval_every_steps is not None
     # A preference micro-batch of N pairs is 2N sequences (chosen and rejected, each up to max_seq_len). Its
@@ -160,8 +188,15 @@ def spec_from_recipe(recipe: Recipe, *, strategy: Strategy = "single", num_gpus:
     # training forward and backward of the 2N sequences stay the peak; a precomputed reference costs nothing.
     # An online-RL micro-batch of N prompts is N x num_generations sequences: sampled together with their KV cache,
     # then one packed forward and backward (its eval samples greedily: no loss pass).
+    # A token budget bounds a micro-batch's tokens, whatever the sequences per example (micro_batch_size stays 1).
     per_example = 2 if recipe.preference is not None else recipe.rl.num_generations if recipe.rl is not None else 1
     evaluates = evaluates and recipe.rl is None
+    rl = {}
+    if recipe.rl is not None:
+        most = recipe.rl.max_completion_tokens
+        cap = max(1, d.max_seq_len - most)  # data.checks.check_prompt_room refuses a longer prompt
+        prompt, basis = rl_prompt_tokens(prompt_lengths, cap=cap)
+        rl = dict(completion_tokens=most, prompt_tokens=prompt, prompt_cap=cap, prompt_basis=basis)
     return TrainSpec(
         method="lora" if lora else "full",
         lora_r=lora.r if lora else _default(LoraConfig, "r"),
@@ -170,14 +205,17 @@ def spec_from_recipe(recipe: Recipe, *, strategy: Strategy = "single", num_gpus:
         lora_modules_to_save=tuple(lora.modules_to_save or ()) if lora else (),
         dtype=m.dtype, quantize=m.quantize, mixed_precision=t.mixed_precision, attn=m.attn_implementation,
         grad_checkpointing=m.gradient_checkpointing, random_init=m.random_init,
-        micro_batch=t.micro_batch_size * per_example, micro_batch_tokens=t.micro_batch_tokens,
+        micro_batch=1 if t.micro_batch_tokens else t.micro_batch_size * per_example,
+        micro_batch_tokens=t.micro_batch_tokens,
         grad_accum=t.grad_accum_steps, fsdp_accumulate=t.fsdp_accumulate,
-        seq_len=d.max_seq_len, packing=d.packing, loss_chunk_tokens=t.loss_chunk_tokens,
+        seq_len=rl["prompt_tokens"] + rl["completion_tokens"] if rl else d.max_seq_len, packing=d.packing,
+        loss_chunk_tokens=t.loss_chunk_tokens,
         # evaluate() batches by the train budget unless eval_batch_size is set
         eval_micro_batch=(t.eval_batch_size or t.micro_batch_size) * per_example if evaluates else None,
         eval_micro_batch_tokens=t.micro_batch_tokens if (evaluates and t.eval_batch_size is None) else None,
         strategy=strategy, num_gpus=num_gpus, num_nodes=num_nodes,
-        generations=recipe.rl.num_generations if recipe.rl is not None else 0, per_example=per_example, **launch,
+        generations=recipe.rl.num_generations if recipe.rl is not None else 0, per_example=per_example, **rl,
+        **launch,
     )
 
 
@@ -204,6 +242,8 @@ class Estimate:
     host_ram_bytes: int  # per node, while loading (plus offloaded state)
     phase_parts: dict[str, dict[str, int]] = field(default_factory=dict)  # components of every phase
     notes: tuple[str, ...] = field(default=())
+    # online RL estimated at the data's prompt lengths: per_gpu_peak_bytes with every prompt at data.max_seq_len
+    worst_case_bytes: int | None = None
 
     @property
     def gpu_memory_bytes(self) -> int:
@@ -241,6 +281,6 @@ class Estimate:
             "breakdown": dict(self.breakdown), "phases": dict(self.phases),
             "phase_parts": {k: dict(v) for k, v in self.phase_parts.items()},
             "largest": {k: {"bytes": n, "phase": ph} for k, (n, ph) in self.largest().items()},
-            "host_ram_bytes": self.host_ram_bytes,
+            "host_ram_bytes": self.host_ram_bytes, "worst_case_per_gpu_peak_bytes": self.worst_case_bytes,
             "spec": spec, "notes": list(self.notes),
         }

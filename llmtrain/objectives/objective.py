@@ -77,7 +77,8 @@ class CausalLM:
         loss, hits = compute_loss(model, batch, return_hits=True)
         example = batch["loss_example"]
         trained = torch.bincount(example, minlength=n)
-        right = torch.bincount(example, weights=hits.double(), minlength=n)
+        # index_add, not bincount(weights=): CUDA's weighted bincount has no deterministic kernel (train.deterministic)
+        right = torch.zeros(n, dtype=torch.float64, device=example.device).index_add(0, example, hits.double())
         return torch.stack([loss.double(), hits.new_tensor(hits.numel(), dtype=torch.float64), hits.double().sum(),
                             ((right == trained) & (trained > 0)).double().sum(), (trained > 0).double().sum()])
 

@@ -1,0 +1,135 @@
+"""estimate-memory for preference pairs under a token budget, and for online RL: the prompts' lengths, the update over
+prompts and completions, the sampler's static KV cache and what sampling adds to a step's time. Numbers by hand."""
+
+from __future__ import annotations
+
+import pytest
+
+from llmtrain.config import Recipe
+from llmtrain.memory import estimate_for_recipe
+from llmtrain.memory.comms import H100_HBM_TBPS, H100_TFLOPS, DEFAULT_MFU, Network, sampling_seconds, step_traffic
+from llmtrain.memory.estimate import estimate, kv_cache_bytes, make_pass, sampling_rows, states
+from llmtrain.memory.params import load_model_shape, lora_plan
+from llmtrain.memory.spec import GIB, TrainSpec, rl_prompt_tokens, spec_from_recipe
+
+MISTRAL = load_model_shape("mistral-7b")  # 32 layers, 8 KV heads of 128, vocab 32768
+
+
+def recipe(**sections) -> Recipe:
+    base = {"model": {"name_or_path": "mistral-7b", "dtype": "bfloat16", "kernels": "none"},
+            "data": {"path": "unread.jsonl", "format": "messages", "max_seq_len": 1024},
+            "lora": {"r": 16, "alpha": 32, "dropout": 0.0},
+            "train": {"micro_batch_size": 1, "micro_batch_tokens": 4096, "mixed_precision": "bf16"},
+            "output_dir": "unwritten"}
+    for name, values in sections.items():
+        base[name] = {**base.get(name, {}), **values} if isinstance(values, dict) else values
+    return Recipe.model_validate(base)
+
+
+GRPO = dict(data={"format": "prompt", "chat_template": True},
+            train={"micro_batch_tokens": None, "micro_batch_size": 4},
+            rl={"num_generations": 4, "max_completion_tokens": 256, "rewards": [{"type": "format", "pattern": "x"}]})
+
+
+def test_pairs_under_a_token_budget_are_estimated_as_the_trainer_batches_them():
+    """A DPO recipe with micro_batch_tokens and micro_batch_size at its default 1 (what the trainer accepts) is one
+    packed row of at most 4096 tokens, chosen and rejected together: the same row as a supervised run's budget.
+    Without a budget, 3 pairs a micro-batch are 6 sequences."""
+    dpo = recipe(data={"format": "preference", "chat_template": True}, preference={"loss": "dpo"})
+    spec = spec_from_recipe(dpo)
+    assert (spec.micro_batch, spec.micro_batch_tokens, spec.per_example) == (1, 4096, 2)
+    assert estimate_for_recipe(dpo).per_gpu_peak_bytes == estimate_for_recipe(recipe()).per_gpu_peak_bytes
+    pairs = spec_from_recipe(recipe(data={"format": "preference"}, preference={"loss": "dpo"},
+                                    train={"micro_batch_tokens": None, "micro_batch_size": 3}))
+    assert (pairs.micro_batch, pairs.micro_batch_tokens) == (6, None)
+
+
+def test_prompt_tokens_are_the_datas_90th_percentile_or_the_cap():
+    """Ten prompts of 10, 20, ... 100 tokens: 90% have at most 90 (the 9th of 10). With a cap of 50, the cap. No data:
+    every prompt at the cap, said to be the worst case. A recipe's cap is max_seq_len - max_completion_tokens, the
+    longest prompt the trainer takes (1024 - 256 = 768): without data every sequence is max_seq_len long."""
+    lengths = [100, 10, 90, 20, 80, 30, 70, 40, 60, 50]
+    assert rl_prompt_tokens(lengths, cap=1024)[0] == 90
+    assert "mean 55, longest 100" in rl_prompt_tokens(lengths, cap=1024)[1]
+    assert rl_prompt_tokens(lengths, cap=50)[0] == 50
+    tokens, basis = rl_prompt_tokens(None, cap=1024)
+    assert tokens == 1024 and basis.startswith("worst case")
+    spec = spec_from_recipe(recipe(**GRPO))
+    assert (spec.prompt_cap, spec.prompt_tokens, spec.seq_len) == (768, 768, 1024)
+    assert spec_from_recipe(recipe(**GRPO), prompt_lengths=[5000]).prompt_tokens == 768
+
+
+def test_the_update_is_the_prompts_and_completions_and_trains_the_completions():
+    """4 prompts x 4 completions at a 98-token prompt and 256 completion tokens: 16 sequences of 354 tokens packed
+    in one row of 5664, of which the loss takes the 16 x 256 = 4096 completion tokens."""
+    spec = spec_from_recipe(recipe(**GRPO), prompt_lengths=[98] * 10)
+    assert (spec.micro_batch, spec.seq_len, spec.prompt_tokens, spec.completion_tokens) == (16, 354, 98, 256)
+    p = make_pass(MISTRAL, spec)
+    assert (p.rows, p.tokens, p.loss_tokens) == (1, 16 * 354, 4096)
+    # evaluation and the sampler's prefill are not the update: every token but each example's last
+    assert make_pass(MISTRAL, spec, examples=4).loss_tokens == 4 * 354 - 4
+
+
+@pytest.mark.parametrize(("sequences", "rows"), [(2, 8), (8, 8), (12, 16), (16, 16), (40, 64)])
+def test_the_sampler_decodes_a_power_of_two_bucket_of_at_least_8_rows(sequences, rows):
+    assert sampling_rows(TrainSpec(micro_batch=sequences, generations=2)) == rows
+
+
+def test_kv_cache_and_sampling_phases_by_hand():
+    """The static KV cache: 16 rows x 354 positions x 32 layers x K and V x 8 heads x 128 x 2 bytes (bf16) =
+    742,391,808 bytes. The decode step's sampler: 16 rows x 32768 x (fp32 logits + 3 fp32 temporaries) = 8 MiB.
+    The prefill runs the 4 distinct prompts, not the 16 rows."""
+    spec = spec_from_recipe(recipe(**GRPO), prompt_lengths=[98] * 10)
+    assert kv_cache_bytes(MISTRAL, spec) == 16 * 354 * 32 * 2 * 8 * 128 * 2 == 742_391_808
+    est = estimate(MISTRAL, spec)
+    decode, prefill = est.phase_parts["generation"], est.phase_parts["generation_prefill"]
+    assert decode["kv_cache"] == prefill["kv_cache"] == 742_391_808
+    assert decode["logits"] == 16 * 32768 * 16 == 8 * 2**20
+    assert prefill["logits"] == 4 * 32768 * (2 + 4)  # the 4 prompts' last position, bf16 and its fp32 copy
+    assert "weights" in decode and "gradients" not in decode  # the step's gradients are freed before sampling
+    assert not any("kv_cache" in parts for name, parts in est.phase_parts.items() if not name.startswith("gen"))
+
+
+def test_the_worst_case_is_shown_beside_the_datas_lengths():
+    """At the data's prompts the estimate carries the worst case (every prompt at its longest, 768, so 16 sequences
+    of max_seq_len 1024) as its own figure and a note; without data the estimate is that worst case itself."""
+    at_data = estimate_for_recipe(recipe(**GRPO), prompt_lengths=[98] * 10)
+    worst = estimate_for_recipe(recipe(**GRPO))
+    assert worst.spec.seq_len == 1024 and worst.worst_case_bytes is None
+    assert at_data.worst_case_bytes == worst.per_gpu_peak_bytes > at_data.per_gpu_peak_bytes
+    assert any(n.startswith("worst case") and f"{worst.per_gpu_peak_bytes / GIB:,.2f} GiB" in n for n in at_data.notes)
+    assert at_data.to_dict()["worst_case_per_gpu_peak_bytes"] == worst.per_gpu_peak_bytes
+
+
+def test_sampling_time_is_the_decode_steps_reading_weights_and_cache():
+    """Per round: 256 decode steps, each reading the weights a GPU holds and the whole static cache at 3.35 TB/s,
+    plus the prefill of 4 prompts of 98 tokens at 2 FLOPs per matrix parameter (decoder linears and LM head) at
+    40% of 989 TFLOP/s; two accumulation steps sample twice."""
+    spec = spec_from_recipe(recipe(**GRPO), prompt_lengths=[98] * 10).but(grad_accum=2)
+    weights = states(MISTRAL, spec, lora_plan(MISTRAL, r=16)).weights
+    params = 32 * MISTRAL.linear_params_per_layer + 32768 * 4096
+    by_hand = 2 * (256 * (weights + 742_391_808) / (H100_HBM_TBPS * 1e12)
+                   + 2 * params * 4 * 98 / (H100_TFLOPS * 1e12 * DEFAULT_MFU))
+    assert sampling_seconds(MISTRAL, spec, weight_bytes=weights, network=Network()) == pytest.approx(by_hand)
+    assert 2.3 < by_hand < 2.5  # ~14.6 GB of weights, 256 times, twice
+    traffic = step_traffic(MISTRAL, spec)
+    assert traffic.sampling_s == pytest.approx(by_hand)
+    assert traffic.compute_s == pytest.approx(step_traffic(MISTRAL, spec.but(generations=0)).compute_s + by_hand)
+    # an H200's 4.8 TB/s reads them faster
+    assert sampling_seconds(MISTRAL, spec, weight_bytes=weights, network=Network(hbm_tbps=4.8)) < by_hand
+    assert sampling_seconds(MISTRAL, spec.but(generations=0), weight_bytes=weights, network=Network()) == 0.0
+
+
+def test_the_trainer_logs_the_estimate_at_its_prompts_and_the_worst_case_beside_it():
+    """summary.json's prediction for an RL run (predicted_for_run, as the loop calls it with its data's prompt
+    lengths): the estimate at those lengths and, beside it, the worst case; a supervised run has no worst case."""
+    from accelerate import Accelerator
+
+    from llmtrain.memory import predicted_for_run
+
+    accelerator = Accelerator(cpu=True)
+    rl = predicted_for_run(recipe(**GRPO), accelerator, prompt_lengths=[98] * 10)
+    at_data = estimate_for_recipe(recipe(**GRPO), prompt_lengths=[98] * 10)
+    assert rl["predicted_peak_bytes"] == at_data.per_gpu_peak_bytes
+    assert rl["predicted_worst_case_peak_bytes"] == estimate_for_recipe(recipe(**GRPO)).per_gpu_peak_bytes
+    assert "predicted_worst_case_peak_bytes" not in predicted_for_run(recipe(), accelerator)
