@@ -240,7 +240,10 @@ def estimate(shape: ModelShape, spec: TrainSpec) -> Estimate:
                                           fsdp_buffers=embed_unit * (2 if full else 1) + always)
     phases["optimizer_step"] = _phase(**base, gradients=st.grads)
     if spec.generations:
-        phases.update(_generation_phases(shape, spec, base, cached=sum(cached), fsdp_unit=2 * unit + always))
+        # FSDP: the rollout gathers every unit at once and keeps them so while it samples
+        # (distributed.gathered_for_generation): the whole model, unsharded, in FSDP's param dtype
+        gathered = shape.layers * unit + tail + embed_unit if fsdp else 0
+        phases.update(_generation_phases(shape, spec, base, cached=sum(cached), fsdp_unit=gathered))
     if spec.eval_micro_batch:
         phases.update(_eval_phases(shape, spec, base, adapted=adapted, cached=sum(cached), head_copies=head_copies,
                                    fsdp_unit=2 * unit + always, tail=tail))
@@ -307,9 +310,9 @@ def _eval_phases(shape: ModelShape, spec: TrainSpec, base: dict, *, adapted, cac
 
 
 def sampling_rows(spec: TrainSpec) -> int:
-    """Completions the sampler decodes at once (model/generate.py, issue 34): the micro-batch's prompts x
-    rl.num_generations, rounded up to a power of two of at least 8, the bucket its static KV cache is made for."""
-    return max(8, 1 << (spec.micro_batch - 1).bit_length())
+    """Completions the sampler decodes at once (model/fast_sample.py): the micro-batch's prompts x
+    rl.num_generations, exactly (its cache and graphs are made for each rollout: no bucket of rows)."""
+    return spec.micro_batch
 
 
 def kv_cache_bytes(shape: ModelShape, spec: TrainSpec) -> int:
