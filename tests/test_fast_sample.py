@@ -104,6 +104,22 @@ def test_attention_over_spans_of_the_cache_gives_the_same_tokens(lm, monkeypatch
     assert fast == reference and max(map(len, fast)) == 30
 
 
+def test_a_step_that_cannot_be_captured_samples_eagerly_with_a_warning_and_the_same_tokens(lm, monkeypatch):
+    """rl.sampler=graph where a kernel cannot be captured: the rollout goes on eagerly (what CUDA would do, played on
+    the CPU with a capture that fails)."""
+    def refuse(*args, **kwargs):
+        raise RuntimeError("operation not permitted when stream is capturing")
+
+    monkeypatch.setattr("llmtrain.model.fast_sample._can_capture", lambda device: True)
+    monkeypatch.setattr("llmtrain.model.fast_sample._captured", refuse)
+    prompts = mixed_prompts(3, 2, seed=7)
+    with pytest.warns(UserWarning, match="could not be captured as a CUDA graph .operation not permitted"):
+        captured = sample_fast(lm, prompts, seeds=list(range(6)), max_new_tokens=10, temperature=1.0, top_p=1.0,
+                               stop_ids={STOP}, pad_id=3, capture=True)
+    assert captured == sample(lm, prompts, seeds=list(range(6)), max_new_tokens=10, temperature=1.0, top_p=1.0,
+                              stop_ids={STOP}, pad_id=3)
+
+
 def test_a_one_token_limit_and_no_stop_tokens(lm):
     prompts = mixed_prompts(2, 2, seed=3)
     reference, fast = both(lm, prompts, max_new_tokens=1, temperature=1.0, top_p=1.0)

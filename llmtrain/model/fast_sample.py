@@ -209,19 +209,26 @@ def sample_fast(lm, prompts: list[list[int]], *, seeds: list[int], max_new_token
             s["slot"].add_(1)
             s["column"].add_(1)
 
-        graphs = {} if capture and device.type == "cuda" else None  # one captured step per span of slots
+        graphs = {} if capture and _can_capture(device) else None  # one captured step per span of slots
         for t in range(1, steps):
             if t % CHECK_EVERY == 0 and bool(state["done"].all()):  # host sync, every CHECK_EVERY tokens only
                 break
             # Attention reads the slots up to the next multiple of SPAN only (the host knows the step's slot,
             # width + t - 1, without asking the device): early tokens do not pay for the whole cache.
             cache.length = min(length, (width + t - 1) // SPAN * SPAN + SPAN)
+            if graphs is not None and cache.length not in graphs:
+                try:
+                    graphs[cache.length] = _captured(step, state, warmup=min(2, length - (width + t - 1)),
+                                                     pool=next(iter(graphs.values())).pool() if graphs else None)
+                except RuntimeError as e:  # an op that cannot be captured (a kernel library's): eager from here
+                    import warnings
+
+                    warnings.warn(f"rl.sampler=graph: the decode step could not be captured as a CUDA graph ({e}); "
+                                  "this rollout samples eagerly (rl.sampler=static), with the same tokens")
+                    graphs = None
             if graphs is None:
                 step()
             else:
-                if cache.length not in graphs:
-                    graphs[cache.length] = _captured(step, state, warmup=min(2, length - (width + t - 1)),
-                                                     pool=next(iter(graphs.values())).pool() if graphs else None)
                 graphs[cache.length].replay()
     return _trim(state["out"].tolist(), set(stop_ids))  # the one copy back to the host
 
@@ -236,6 +243,10 @@ class _PrefillCache:
     def update(self, key_states, value_states, layer_idx, *args, **kwargs):
         self.keys[layer_idx], self.values[layer_idx] = key_states, value_states
         return key_states, value_states
+
+
+def _can_capture(device: torch.device) -> bool:
+    return device.type == "cuda"
 
 
 def _captured(step, state: dict, *, warmup: int, pool=None) -> torch.cuda.CUDAGraph:
