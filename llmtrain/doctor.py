@@ -220,13 +220,14 @@ def check_rewards_run(recipe: Recipe, tokenizer) -> list[Check]:
     writes anything)."""
     if recipe.rl is None:
         return []
-    from llmtrain.data.prepare import prepare_datasets
-    from llmtrain.objectives.rewards import build_rewards, check_rewards, reward_columns
+    from llmtrain.data.prepare import prepare_datasets, sources
+    from llmtrain.objectives.rewards import build_rewards, check_rewards, trainer_state
 
     try:
         train = prepare_datasets(recipe.data, tokenizer, seed=recipe.train.seed)[0]
         rewards = build_rewards(recipe.rl, answer_pattern=recipe.train.eval_answer_pattern, columns=train.column_names)
-        check_rewards(rewards, list(train.select(range(min(2, len(train))))), reward_columns(train.column_names))
+        check_rewards(rewards, list(train.select(range(min(2, len(train))))), where=sources(recipe.data)[0],
+                      state=trainer_state(recipe, total_steps=None))
     except LLMTrainError as e:
         return [("rewards", "fail", str(e))]
     return [("rewards", "pass", f"{', '.join(n for n, _, _ in rewards)} import and score the first rows")]

@@ -27,6 +27,10 @@ FORMAT_FIELDS = {
 }
 OPTIONAL_FIELDS = {"alpaca": {"input"}, "preference": {"prompt"}}  # preference: implicit-prompt rows have none
 CHAT_FORMATS = ("messages", "prompt_completion", "preference", "prompt")  # formats whose rows may be chats
+# Prepared prompt rows (online RL) keep the user's columns under this prefix, apart from the ones preparation adds
+# (input_ids, labels, length, row, prompt): a user column named `labels` or `row` reaches the reward functions as it
+# is in the file.
+USER = "user/"
 
 ALPACA_PROMPT = (
     "Below is an instruction that describes a task{ctx}. Write a response that appropriately completes the request."
@@ -255,9 +259,14 @@ def encode_prompt(example: dict, tokenizer, cfg: DataConfig, *, template: str | 
     else:
         ids = tokenizer(str(prompt), add_special_tokens=True)["input_ids"]
     prompt_column = cfg.fields.get("prompt", "prompt")
-    columns = {k: v for k, v in example.items() if k != prompt_column and not k.startswith("__llmtrain")}
+    columns = {USER + k: v for k, v in example.items() if k != prompt_column and not k.startswith("__llmtrain")}
     return {**columns, "prompt": prompt, "input_ids": ids, "labels": [IGNORE] * len(ids), "length": len(ids),
             "trained": len(ids), "truncated": False}
+
+
+def user_columns(columns) -> dict[str, str]:
+    """{a user's column name: its name in prepared prompt data} (see USER)."""
+    return {c[len(USER):]: c for c in columns if c.startswith(USER)}
 
 
 def encode_example(example: dict, tokenizer, cfg: DataConfig, *, template: str | None = None) -> dict:
