@@ -104,6 +104,10 @@ def test_a_step_logs_trls_names_and_every_completion(straight, tiny_assets):
     samples = [json.loads(x) for x in (run / "samples.jsonl").read_text().splitlines()]
     eval_file = [json.loads(x) for x in (tiny_assets / "data" / "eval.jsonl").read_text().splitlines()]
     assert {s["expected"] for s in samples} <= {r["completion"] for r in eval_file}  # the answer column, as text
+    # why the train reward (sampled) sits below the eval's (greedy), said in the run's log
+    assert ("the train reward is of 4 completions a prompt sampled at rl.temperature=1; eval_reward and "
+            "eval_answer_accuracy are of one greedy completion of each of the 8 eval prompts"
+            in (run / "train.log").read_text().replace("\n", " "))
 
 
 def test_lora_with_beta_takes_the_disabled_adapter_as_reference(tiny_assets, tmp_path):
@@ -358,6 +362,19 @@ def test_a_reward_failing_on_eval_prompts_names_the_eval_file_in_train_log_and_t
     assert not list((run / "checkpoints").glob("step_*"))
     run_train(recipe, f"output_dir={run}", "rl.rewards=[{type: format, pattern: '[aeiou]'}]")  # no --overwrite
     assert [r["step"] for r in records(run)] == [1, 2] and "picky" not in (run / "train.log").read_text()
+
+
+@pytest.mark.parametrize("pairs", [
+    {"prompt": "reverse abc =", "chosen": " cba", "rejected": " abc"},
+    {"chosen": [{"role": "user", "content": "reverse abc ="}, {"role": "assistant", "content": " cba"}],
+     "rejected": [{"role": "user", "content": "reverse abc ="}, {"role": "assistant", "content": " abc"}]}])
+def test_an_rl_recipe_on_preference_pairs_says_the_data_look_like_pairs(tiny_assets, tmp_path, pairs):
+    data = tmp_path / "pairs.jsonl"
+    data.write_text((json.dumps(pairs) + "\n") * 4)
+    recipe = grpo_recipe(tiny_assets, tmp_path, data={"path": str(data), "cache_dir": str(tmp_path / "cache")})
+    says = _refused(recipe, tmp_path / "run", "data.eval_split=null", "data.eval_max_examples=null")
+    assert "look like preference pairs (chosen, rejected)" in says and "data.format: preference" in says
+    assert "input_ids" not in says and "labels" not in says  # the columns data preparation adds are not the user's
 
 
 def test_two_rewards_of_one_type_need_a_name_and_the_advice_works(tiny_assets, tmp_path):

@@ -57,7 +57,17 @@ def check_columns(columns: list[str], cfg: DataConfig, source: str) -> None:
         raise LLMTrainError(
             f"data.format '{cfg.format}' needs {', '.join(missing)} but {source} has columns {columns}. "
             f"Map them with data.fields, e.g. data.fields.{absent[0]}=<column>."  # a field that is missing
+            + (pairs_note(columns) if cfg.format == "prompt" else "")
         )
+
+
+def pairs_note(columns) -> str:
+    """For online RL (data.format: prompt) given preference pairs: what the data are, and what trains on them."""
+    if not {"chosen", "rejected"} <= set(columns):
+        return ""
+    return (" These data look like preference pairs (chosen, rejected): online RL (rl:) samples its own completions "
+            "of prompts and scores them, so it needs prompts and what a reward compares them with. To learn from "
+            "the pairs, use a preference: section with data.format: preference instead (recipes/mistral7b-dpo.yaml).")
 
 
 def _message(m: Any, cfg: DataConfig) -> Any:

@@ -132,6 +132,11 @@ def train_loop(run: Run, state: TrainState, meter: Meter) -> list[dict]:
     progress, task = run.console.progress(total=run.cadence.total_steps, completed=state.step)
     m.model.train()  # from_pretrained returns a model in eval mode: dropout (LoRA's too) must be on
     with progress, StopRequests() as stop_requests, closing(stream):  # closing: the prefetch thread ends here
+        if run.recipe.rl is not None and run.data.eval is not None:
+            run.console.say(f"online RL: the train reward is of {run.recipe.rl.num_generations} completions a prompt "
+                            f"sampled at rl.temperature={run.recipe.rl.temperature:g}; eval_reward and "
+                            f"eval_answer_accuracy are of one greedy completion of each of the {len(run.data.eval):,} "
+                            "eval prompts, so the train reward usually sits below them")
         if run.recipe.rl is not None and run.data.eval is not None and state.step == 0:
             with meter.paused():  # online RL: the starting policy's rewards, which the run is there to raise
                 evals.append(evaluate_and_sample(run, state, progress))

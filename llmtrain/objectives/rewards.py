@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from llmtrain.data.formats import user_columns
+from llmtrain.data.formats import pairs_note, user_columns
 from llmtrain.errors import LLMTrainError
 
 RewardFn = Callable[..., list]
@@ -120,8 +120,8 @@ def build_rewards(rl, *, answer_pattern: str | None, columns) -> list[tuple[str,
         if r.type == "answer_match":
             if r.column not in columns:
                 raise LLMTrainError(f"rl.rewards: answer_match compares with the column '{r.column}', which the data "
-                                    f"does not have (its columns: {sorted(columns)}). Set the reward's column: to the "
-                                    "one holding the expected answer.")
+                                    f"does not have (its columns besides the prompt: {sorted(columns)}). Set the "
+                                    "reward's column: to the one holding the expected answer." + pairs_note(columns))
             fn = answer_match(r.pattern if r.pattern is not None else answer_pattern, column=r.column)
         elif r.type == "format":
             fn = format_match(r.pattern)
