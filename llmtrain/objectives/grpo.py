@@ -205,6 +205,7 @@ class GRPO:
                     "completion": texts[i], "prompt_ids": prompt_ids[i], "completion_ids": completions[i],
                     **{name: _number(per_function[i, k]) for k, name in enumerate(names)},
                     "reward": _number(total[i]), "advantage": float(advantages[i]),
+                    # log_extra's columns, where a function gave one value per completion (as TRL's table needs)
                     **{column: values[i] for column, values in extra.extra.items() if len(values) == len(completions)}}
                    for i in range(len(completions))]
         return batch, counts, records
@@ -270,8 +271,8 @@ class GRPO:
         out["clip_ratio/region_mean"] = s["clipped_tokens"] / tokens
         out["generation_s"] = s["generation_s"]
         out["generation_tokens_per_s"] = s["length"] / max(s["generation_s"], 1e-9)
-        # log_metric's numbers since the last line, on this process (the main one writes them)
-        out.update({name: sum(v) / len(v) for name, v in sorted(self.logs.metrics.items()) if v})
+        # log_metric's numbers since the last line, on this process (the main one writes them); never over ours
+        out.update({name: sum(v) / len(v) for name, v in sorted(self.logs.metrics.items()) if v and name not in out})
         self.logs.metrics.clear()
         return out
 
