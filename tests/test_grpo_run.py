@@ -377,6 +377,24 @@ def test_an_rl_recipe_on_preference_pairs_says_the_data_look_like_pairs(tiny_ass
     assert "input_ids" not in says and "labels" not in says  # the columns data preparation adds are not the user's
 
 
+def test_capped_eval_prompts_keep_their_rows_in_the_file(tiny_tok, tmp_path):
+    """data.eval_max_examples takes a seeded shuffle's first rows: each keeps its row in the eval file, which the
+    errors and rollouts name (1-based), not its place in the shuffle."""
+    from llmtrain.config import DataConfig
+    from llmtrain.data.prepare import prepare_datasets
+
+    train, held = tmp_path / "train.jsonl", tmp_path / "held.jsonl"
+    train.write_text("".join(json.dumps({"prompt": f"reverse {w} =", "completion": w[::-1]}) + "\n"
+                             for w in ["ab", "cd", "ef"]))
+    words = [f"w{i}" for i in range(10)]
+    held.write_text("".join(json.dumps({"prompt": f"reverse {w} =", "completion": w[::-1]}) + "\n" for w in words))
+    cfg = DataConfig(path=str(train), format="prompt", eval_split=str(held), eval_max_examples=4, max_seq_len=32,
+                     cache_dir=str(tmp_path / "cache"))
+    evald = prepare_datasets(cfg, tiny_tok, seed=3)[1]
+    assert [words.index(p.split()[1]) for p in evald["prompt"]] == evald["row"]
+    assert evald["row"] != [0, 1, 2, 3]  # shuffled: the places in the shuffle are not the rows
+
+
 def test_two_rewards_of_one_type_need_a_name_and_the_advice_works(tiny_assets, tmp_path):
     from llmtrain.config import load_recipe
     from llmtrain.errors import RecipeError
