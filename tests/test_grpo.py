@@ -333,6 +333,36 @@ def test_trls_documented_reward_functions_run_unchanged_and_score_as_trl_scores_
     assert logs.extra == {"first_char": [" ", " ", " ", ""]} and logs.metrics == {"chars": [sum(map(len, completions))]}
 
 
+def test_async_reward_functions_share_one_event_loop_and_run_inside_a_running_one():
+    """As TRL keeps one event loop for the run: what an async function keeps from its first call (here the loop
+    itself; in practice an HTTP client bound to it) is valid at the next; and scoring from code that is itself
+    inside an event loop (a notebook) works."""
+    import asyncio
+
+    from llmtrain.objectives.rewards import AsyncRunner, score
+
+    loops = []
+
+    async def judge(completions, **kwargs):
+        loops.append(asyncio.get_running_loop())
+        await asyncio.sleep(0)
+        return [1.0] * len(completions)
+
+    def scored(runner):
+        return score([("judge", judge, 1.0)], ["p"], ["c"], completion_ids=[[1]], columns={}, rows=[1], where="d",
+                     runner=runner)[1].tolist()
+
+    with AsyncRunner() as runner:
+        assert scored(runner) == scored(runner) == [1.0]
+
+        async def inside_a_loop():
+            return scored(runner)
+
+        assert asyncio.run(inside_a_loop()) == [1.0]
+    assert loops[0] is loops[1] is loops[2]
+    assert scored(None) == [1.0] and loops[3] is not loops[0]  # no runner: a loop of its own
+
+
 def test_a_reward_function_that_cannot_be_imported_says_what_is_missing():
     from llmtrain.errors import LLMTrainError
     from llmtrain.objectives.rewards import import_reward

@@ -114,7 +114,7 @@ class GRPO:
         self.rl, self.tokenizer, self.pad_id, self.packing, self.seed = rl, tokenizer, pad_id, packing, seed
         self.rewards = rewards  # (name, function, weight): rewards.build_rewards
         self.lm = model  # unwrapped: generates, and with its adapter disabled is the reference (beta > 0)
-        from llmtrain.objectives.rewards import RewardLogs, reward_columns
+        from llmtrain.objectives.rewards import AsyncRunner, RewardLogs, reward_columns
 
         self.reward_columns = reward_columns(columns)  # {the user's name: the prepared column}
         self.columns = ("input_ids", "row", "prompt", *self.reward_columns.values())
@@ -122,6 +122,7 @@ class GRPO:
         self.sources = sources  # (train, eval): the files the errors name
         self.state = state  # the trainer_state reward functions get (rewards.trainer_state); the rollout moves it
         self.logs = RewardLogs()  # log_metric's numbers since the last metrics line
+        self.runner = AsyncRunner()  # the event loop of the async reward functions, for the whole run
         self.warned: set[str] = set()  # reward functions already said to have scored nothing
         answer_columns = [self.reward_columns.get(c.column, c.column) for c in rl.rewards if c.type == "answer_match"]
         self.expected_column = answer_columns[0] if answer_columns else None  # the eval samples' expected text
@@ -223,7 +224,7 @@ class GRPO:
         columns = {name: [e[stored] for e in examples for _ in range(g)] for name, stored in self.reward_columns.items()}
         return texts, *score(self.rewards, prompts, shown, completion_ids=[list(c) for c in completions],
                              columns=columns, rows=[e["row"] + 1 for e in examples for _ in range(g)], where=where,
-                             state=self.state, logs=logs)
+                             state=self.state, logs=logs, runner=self.runner)
 
     def unscored(self, records: list[dict]) -> list[str]:
         """Warnings, each said once a run: a reward function that scored none of a step's completions (None for

@@ -118,7 +118,8 @@ def objective_for(recipe, *, pad_id: int, model=None, tokenizer=None, train=None
                          seed=recipe.train.seed, rewards=rewards, model=model, columns=columns,
                          stop_ids=stop_tokens(causal_lm(model), tokenizer, turn), world=world, sources=where,
                          state=state)
-        check_rewards(rewards, list(train.select(range(min(2, len(train))))), where=where[0], state=state)
+        check_rewards(rewards, list(train.select(range(min(2, len(train))))), where=where[0], state=state,
+                      runner=objective.runner)  # the run's event loop from the first call on
         return objective
 
     if recipe.preference is not None:

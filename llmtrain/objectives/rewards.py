@@ -24,8 +24,10 @@ import importlib
 import inspect
 import math
 import re
+import threading
 from collections import defaultdict
 from collections.abc import Callable, Sequence
+from contextlib import nullcontext
 from dataclasses import dataclass, field
 
 import torch
@@ -148,12 +150,14 @@ class RewardLogs:
 
 def score(functions: Sequence[tuple[str, RewardFn, float]], prompts: list, completions: list, *,
           completion_ids: list[list[int]], columns: dict[str, list], rows: list[int], where: str,
-          state=None, logs: RewardLogs | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+          state=None, logs: RewardLogs | None = None,
+          runner: AsyncRunner | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """(each function's rewards [completions x functions], NaN for None; their weighted sum [completions], NaN
     where no function applied). `functions`: (name, function, weight), each called with TRL's keyword arguments
     (prompts, completions, completion_ids, trainer_state `state`, log_extra and log_metric into `logs`, and
-    `columns`, the user's columns by name, one value per completion); async ones are awaited together. `rows`:
-    each completion's row in the data (1-based) and `where` the file, for the errors."""
+    `columns`, the user's columns by name, one value per completion); async ones are awaited together, on
+    `runner`'s event loop (None: one of their own). `rows`: each completion's row in the data (1-based) and `where`
+    the file, for the errors."""
     logs = logs if logs is not None else RewardLogs()
     kwargs = dict(prompts=prompts, completions=completions, completion_ids=completion_ids, trainer_state=state,
                   log_extra=logs.log_extra, log_metric=logs.log_metric, **columns)
@@ -168,7 +172,9 @@ def score(functions: Sequence[tuple[str, RewardFn, float]], prompts: list, compl
                 raise _raised(name, e, at) from None
             (waiting if inspect.isawaitable(out) else outputs)[k] = out
         if waiting:
-            for k, out in zip(waiting, _await_together(list(waiting.values()))):
+            with AsyncRunner() if runner is None else nullcontext(runner) as loop:
+                results = loop.gather(list(waiting.values()))
+            for k, out in zip(waiting, results):
                 if isinstance(out, Exception):
                     raise _raised(functions[k][0], out, at) from None
                 outputs[k] = out
@@ -202,14 +208,35 @@ def score(functions: Sequence[tuple[str, RewardFn, float]], prompts: list, compl
     return per_function, total
 
 
-def _await_together(coroutines: list) -> list:
-    """Run async reward functions' coroutines concurrently (asyncio.gather, as TRL runs them) to their results or
-    their exceptions."""
+class AsyncRunner:
+    """One event loop on a daemon thread for a run's async reward functions, as TRL's GRPOTrainer keeps one: what a
+    function opens on its first call (an HTTP client, a lock) is still on the loop at the next; and it runs whether
+    or not the caller is inside an event loop itself (a notebook). Started at the first use."""
 
-    async def gather():
-        return await asyncio.gather(*coroutines, return_exceptions=True)
+    def __init__(self):
+        self.loop: asyncio.AbstractEventLoop | None = None
 
-    return asyncio.run(gather())
+    def gather(self, coroutines: list) -> list:
+        """The coroutines run concurrently (asyncio.gather, as TRL runs them) to their results or exceptions."""
+        if self.loop is None:
+            self.loop = asyncio.new_event_loop()
+            threading.Thread(target=self.loop.run_forever, name="llmtrain-rewards", daemon=True).start()
+
+        async def together():
+            return await asyncio.gather(*coroutines, return_exceptions=True)
+
+        return asyncio.run_coroutine_threadsafe(together(), self.loop).result()
+
+    def close(self) -> None:
+        if self.loop is not None:
+            self.loop.call_soon_threadsafe(self.loop.stop)
+            self.loop = None
+
+    def __enter__(self) -> AsyncRunner:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
 
 
 def _as_list(values):
@@ -236,7 +263,7 @@ def trainer_state(recipe, *, total_steps: int | None):
 
 
 def check_rewards(functions: Sequence[tuple[str, RewardFn, float]], rows: list[dict], *, where: str,
-                  state=None) -> None:
+                  state=None, runner: AsyncRunner | None = None) -> None:
     """Run every reward function once on the first `rows` (prompt rows as prepared: prompt, row, input_ids, the
     user's columns), each with an empty completion and with the prompt itself as one, before the run writes
     anything: a function that raises, returns the wrong length or a non-finite value is refused now, naming it,
@@ -250,7 +277,7 @@ def check_rewards(functions: Sequence[tuple[str, RewardFn, float]], rows: list[d
     ids = [i for r in rows for i in ([], list(r["input_ids"]))]
     columns = {name: [r[stored] for r in rows for _ in range(2)] for name, stored in reward_columns(rows[0]).items()}
     score(functions, prompts, completions, completion_ids=ids, columns=columns,
-          rows=[r["row"] + 1 for r in rows for _ in range(2)], where=where, state=state)
+          rows=[r["row"] + 1 for r in rows for _ in range(2)], where=where, state=state, runner=runner)
 
 
 def _rows(rows: list[int]) -> str:
