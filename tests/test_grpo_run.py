@@ -313,7 +313,8 @@ def test_columns_named_like_prepared_ones_reach_rewards_unchanged_called_as_trl_
 def test_a_reward_that_scores_nothing_is_warned_once_and_has_no_mean(tiny_assets, tmp_path, monkeypatch):
     """A function returning None for every completion: one warning in train.log naming it and the step; no
     rewards/<name>/mean in the train lines nor eval_rewards/<name>/mean in the eval lines (nothing was scored)."""
-    (tmp_path / "silent_rewards.py").write_text("def never(completions, **kwargs):\n    return [None] * len(completions)\n")
+    (tmp_path / "silent_rewards.py").write_text(
+        "def never(completions, **kwargs):\n    return [None] * len(completions)\n")
     monkeypatch.syspath_prepend(str(tmp_path))
     recipe = grpo_recipe(tiny_assets, tmp_path, rl={"rewards": [
         {"type": "format", "pattern": "[aeiou]"}, {"type": "format", "pattern": "[xyz]", "name": "xyz"},

@@ -221,7 +221,8 @@ class GRPO:
         prompts = [e["prompt"] for e in examples for _ in range(g)]
         # TRL's convention: a conversational prompt's completion is a list with one assistant message
         shown = [[{"role": "assistant", "content": t}] for t in texts] if isinstance(prompts[0], list) else texts
-        columns = {name: [e[stored] for e in examples for _ in range(g)] for name, stored in self.reward_columns.items()}
+        columns = {name: [e[stored] for e in examples for _ in range(g)]
+                   for name, stored in self.reward_columns.items()}
         return texts, *score(self.rewards, prompts, shown, completion_ids=[list(c) for c in completions],
                              columns=columns, rows=[e["row"] + 1 for e in examples for _ in range(g)], where=where,
                              state=self.state, logs=logs, runner=self.runner)
