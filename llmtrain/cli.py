@@ -173,7 +173,9 @@ def plot(
     out: Annotated[Optional[Path], typer.Option(
         help="Image to write (default RUN/loss.png for one run, ./loss-compare.png for several).")] = None,
 ) -> None:
-    """Plot train loss (and its moving average), eval loss and lr against steps and tokens; several runs overlaid."""
+    """Plot train loss (and its moving average), eval loss and lr against steps and tokens; for online RL runs the
+    reward (and each reward's), eval accuracy and reward, completion length and KL against steps. Several runs
+    overlaid."""
     from llmtrain.run.plot import default_plot_path, plot_runs
 
     out = out or default_plot_path(runs)

@@ -306,8 +306,13 @@ class RewardConfig(Section):
         "train.eval_answer_pattern; none: the whole stripped reply); format: the pattern a completion must match.")
     column: str = Field("answer", description="answer_match: the dataset column holding the expected answer.")
     function: str | None = Field(
-        None, description="function: module:function with TRL's signature f(prompts, completions, **columns) -> "
-        "list[float | None]; the module is imported from PYTHONPATH or the working directory.")
+        None, description="function: module:function with TRL's signature f(prompts, completions, completion_ids, "
+        "trainer_state, **columns) -> list[float | None] (or an async one); the module is imported from PYTHONPATH "
+        "or the working directory.")
+    name: str | None = Field(
+        None, min_length=1, pattern=r"^[^/\s]+$",
+        description="The reward's name in the metrics (rewards/<name>/mean) and rollouts.jsonl; default: the "
+        "function's name, or the type (answer_match, format). Two rewards need two names.")
 
     @model_validator(mode="after")
     def _check_kind(self) -> RewardConfig:
@@ -327,8 +332,11 @@ class RewardConfig(Section):
         return self
 
     @property
-    def name(self) -> str:
-        """The reward's name in the metrics (rewards/<name>/mean) and rollouts.jsonl."""
+    def label(self) -> str:
+        """The reward's name in the metrics (rewards/<name>/mean) and rollouts.jsonl: `name`, else the function's
+        name or the type."""
+        if self.name is not None:
+            return self.name
         return self.function.rpartition(":")[2] if self.type == "function" else self.type
 
 
@@ -362,9 +370,12 @@ class RLConfig(Section):
 
     @model_validator(mode="after")
     def _unique_names(self) -> RLConfig:
-        names = [r.name for r in self.rewards]
+        names = [r.label for r in self.rewards]
         if len(set(names)) != len(names):
-            raise ValueError(f"two rewards share a name ({names}): give each function its own name")
+            twice = next(n for n in names if names.count(n) > 1)
+            k = len(names) - 1 - names[::-1].index(twice)
+            raise ValueError(f"two rewards share the name '{twice}' ({names}): give one its own name, e.g. "
+                             f"rl.rewards.{k}.name={twice}_2 (in YAML, `name: {twice}_2` under that reward)")
         return self
 
 

@@ -8,7 +8,11 @@ loads model weights: the memory check is the estimator's arithmetic on config.js
 from __future__ import annotations
 
 import json
+import os
+import socket
+import sys
 from pathlib import Path
+from urllib.parse import urlparse
 
 import yaml
 
@@ -16,6 +20,7 @@ from llmtrain.config import Recipe
 from llmtrain.data.checks import Check, check_chat_template, check_context, check_tokenizer, load_data
 from llmtrain.errors import LLMTrainError
 
+HUB_PROBE_S = 3.0  # how long doctor waits for the hub to answer before it reads hub ids from the local cache only
 BIG_MODEL_PARAMS = 3e9  # above this a full fine-tune keeps ~16 bytes/param of state: FSDP, not DDP
 NODE_LOCAL = ("/tmp", "/var/tmp", "/dev/shm", "/scratch/local")  # folders that are per node on every cluster we know
 
@@ -99,12 +104,42 @@ def check_mesh_launch(launch: dict) -> list[Check]:
 
 def check_batch(recipe: Recipe, launch: dict) -> list[Check]:
     t, procs = recipe.train, data_ranks(launch)
-    unit = "tokens" if t.micro_batch_tokens else "examples"
+    unit = "tokens" if t.micro_batch_tokens else "prompts" if recipe.rl is not None else "examples"
     per = t.micro_batch_tokens or t.micro_batch_size
     ranks = "processes" if launch_tp(launch) == 1 else "data-parallel ranks"
+    total = procs * per * t.grad_accum_steps
+    sampled = f" ({total * recipe.rl.num_generations:,} completions)" if recipe.rl is not None else ""
     return [("global batch", "pass", f"{procs} {ranks} x {per} {unit} (train.micro_batch_"
              f"{'tokens' if t.micro_batch_tokens else 'size'}) x {t.grad_accum_steps} (train.grad_accum_steps) = "
-             f"{procs * per * t.grad_accum_steps:,} {unit} per optimizer step")]
+             f"{total:,} {unit}{sampled} per optimizer step")]
+
+
+def hub_ids(recipe: Recipe) -> list[str]:
+    """The recipe's names that are not local paths, so hub ids: the model, its tokenizer, the data."""
+    names = [recipe.model.name_or_path, recipe.model.tokenizer, recipe.data.path]
+    local = (".json", ".jsonl", ".csv", ".parquet", ".txt", ".arrow")  # a data file's name, even a missing one
+    return list(dict.fromkeys(n for n in names if isinstance(n, str) and n and not Path(n).exists()
+                              and not n.startswith((".", "/", "~")) and not n.lower().endswith(local)))
+
+
+def check_hub(recipe: Recipe) -> list[Check]:
+    """Whether the Hugging Face hub answers, asked once (HUB_PROBE_S) when the recipe names a hub id. When it does
+    not, the rest of doctor reads hub ids from the local cache only (HF_HUB_OFFLINE=1 for this process), so that
+    each lookup fails at once instead of retrying for a minute."""
+    ids = hub_ids(recipe)
+    if not ids or os.environ.get("HF_HUB_OFFLINE", "0").upper() in ("1", "ON", "YES", "TRUE"):
+        return []
+    endpoint = urlparse(os.environ.get("HF_ENDPOINT") or "https://huggingface.co")
+    port = endpoint.port or (443 if endpoint.scheme == "https" else 80)
+    try:
+        socket.create_connection((endpoint.hostname, port), timeout=HUB_PROBE_S).close()
+    except OSError as e:
+        os.environ["HF_HUB_OFFLINE"] = "1"  # read when huggingface_hub, transformers and datasets are imported
+        if "huggingface_hub.constants" in sys.modules:  # and by huggingface_hub's is_offline_mode, if it already is
+            sys.modules["huggingface_hub.constants"].HF_HUB_OFFLINE = True
+        return [("hub", "warn", f"{endpoint.hostname}:{port} cannot be reached ({e.strerror or e}): {', '.join(ids)} "
+                 "read from the local Hugging Face cache only (as with HF_HUB_OFFLINE=1)")]
+    return [("hub", "pass", f"{endpoint.hostname} reachable ({', '.join(ids)})")]
 
 
 def check_fsdp(recipe: Recipe, launch: dict, *, params: int, fits: bool | None) -> list[Check]:
@@ -224,13 +259,14 @@ def check_rewards_run(recipe: Recipe, tokenizer) -> list[Check]:
     writes anything)."""
     if recipe.rl is None:
         return []
-    from llmtrain.data.prepare import prepare_datasets
-    from llmtrain.objectives.rewards import build_rewards, check_rewards, reward_columns
+    from llmtrain.data.prepare import prepare_datasets, sources
+    from llmtrain.objectives.rewards import build_rewards, check_rewards, trainer_state
 
     try:
         train = prepare_datasets(recipe.data, tokenizer, seed=recipe.train.seed)[0]
         rewards = build_rewards(recipe.rl, answer_pattern=recipe.train.eval_answer_pattern, columns=train.column_names)
-        check_rewards(rewards, list(train.select(range(min(2, len(train))))), reward_columns(train.column_names))
+        check_rewards(rewards, list(train.select(range(min(2, len(train))))), where=sources(recipe.data)[0],
+                      state=trainer_state(recipe, total_steps=None))
     except LLMTrainError as e:
         return [("rewards", "fail", str(e))]
     return [("rewards", "pass", f"{', '.join(n for n, _, _ in rewards)} import and score the first rows")]
@@ -238,13 +274,15 @@ def check_rewards_run(recipe: Recipe, tokenizer) -> list[Check]:
 
 def run_doctor(recipe: Recipe, *, accelerate_config: Path | None = None,
                gpu_memory: float | None = None) -> list[Check]:
+    hub = check_hub(recipe)  # first: before huggingface_hub, transformers and datasets read HF_HUB_OFFLINE
     import datasets
 
     from llmtrain.model.modeling import load_tokenizer
 
     datasets.disable_progress_bars()
     launch = read_launch(accelerate_config)
-    checks: list[Check] = [("recipe", "pass", "validates (--show-recipe prints it resolved)"), *check_quantize(recipe)]
+    checks: list[Check] = [("recipe", "pass", "validates (--show-recipe prints it resolved)"), *hub,
+                           *check_quantize(recipe)]
     try:
         tokenizer = load_tokenizer(recipe.model)
     except LLMTrainError as e:

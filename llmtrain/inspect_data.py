@@ -93,9 +93,10 @@ def inspect_data(recipe: Recipe, *, n: int, as_json: bool) -> None:
 
         extra = reward_columns(train.column_names)
         for i, row in enumerate(rows):
-            columns = "; ".join(f"{c}={row[c]!r}" for c in extra)
+            columns = "; ".join(f"{name}={row[stored]!r}" for name, stored in extra.items())
             console.print(Panel(_highlight(row["input_ids"], row["labels"], tokenizer, marks=False),
-                                title=f"prompt {i}: {len(row['input_ids'])} tokens (completions are sampled)",
+                                title=f"prompt, row {row['row'] + 1}: {len(row['input_ids'])} tokens (completions "
+                                      "are sampled)",
                                 subtitle=f"to the rewards: {columns}" if columns else None, title_align="left"))
         console.print(_stats_table(stats, prompts=True))
         return
@@ -103,7 +104,7 @@ def inspect_data(recipe: Recipe, *, n: int, as_json: bool) -> None:
         trained = sum(lab != IGNORE for lab in labels[1:])
         how = "«between marks»" if marks else "green"
         console.print(Panel(_highlight(ids, labels, tokenizer, marks=marks),
-                            title=f"example {i}: {len(ids)} tokens, {trained} trained ({how})", title_align="left"))
+                            title=f"example {i + 1}: {len(ids)} tokens, {trained} trained ({how})", title_align="left"))
     console.print(_stats_table(stats))
 
 
@@ -129,6 +130,6 @@ def _show_pairs(rows, stats, tokenizer, *, as_json: bool) -> None:
             trained = sum(lab != IGNORE for lab in labels[1:])
             parts += [Text(f"\n{name} ({trained} trained tokens): ", style="bold"),
                       _highlight(ids[k:], labels[k:], tokenizer, marks=marks)]
-        console.print(Panel(Group(Text.assemble(*parts)), title=f"pair {i}: {len(c_ids)} + {len(r_ids)} tokens",
+        console.print(Panel(Group(Text.assemble(*parts)), title=f"pair {i + 1}: {len(c_ids)} + {len(r_ids)} tokens",
                             title_align="left"))
     console.print(_stats_table(stats, pairs=True))

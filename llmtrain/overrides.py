@@ -43,7 +43,9 @@ def _value_kinds(parts: list[str], schema: type[BaseModel]) -> set[type] | None:
     annotation = None
     for i, part in enumerate(parts):
         fields = getattr(model, "model_fields", None)
-        if fields is not None and part in fields:
+        if part.isdigit() and typing.get_origin(annotation) is list:
+            annotation = typing.get_args(annotation)[0]  # an item of a list such as rl.rewards: rl.rewards.1.name
+        elif fields is not None and part in fields:
             annotation = fields[part].annotation
         elif typing.get_origin(annotation) is dict and i == len(parts) - 1:
             annotation = typing.get_args(annotation)[1]  # a value inside a mapping such as data.fields
@@ -67,12 +69,29 @@ def apply_overrides(data: dict, overrides: list[str], schema: type[BaseModel]) -
     for text in overrides:
         path, value = parse_override(text, schema)
         node = data
-        for part in path[:-1]:
-            child = node.get(part)
-            if child is None:
-                child = node[part] = {}
-            elif not isinstance(child, dict):
+        for k, part in enumerate(path[:-1]):
+            if isinstance(node, list):  # rl.rewards.1.name: the list's item 1 (0-based, as Python and YAML count)
+                child = _item(node, part, text, ".".join(path[:k]))
+            else:
+                child = node.get(part)
+                if child is None:
+                    child = node[part] = {}
+            if not isinstance(child, (dict, list)):
                 raise RecipeError(f"Override '{text}': '{part}' is a value, not a section.")
             node = child
-        node[path[-1]] = value
+        if isinstance(node, list):
+            node[_index(node, path[-1], text, ".".join(path[:-1]))] = value
+        else:
+            node[path[-1]] = value
     return data
+
+
+def _index(items: list, part: str, text: str, where: str) -> int:
+    if not part.isdigit() or int(part) >= len(items):
+        raise RecipeError(f"Override '{text}': {where} is a list of {len(items)} item(s), so its items are "
+                          f"{where}.0 to {where}.{len(items) - 1}; '{part}' is not one of them.")
+    return int(part)
+
+
+def _item(items: list, part: str, text: str, where: str):
+    return items[_index(items, part, text, where)]

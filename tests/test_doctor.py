@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import subprocess
 
 from conftest import GSM8K, MISTRAL, REPO, needs
 from helpers import invoke, write_recipe
@@ -200,3 +201,26 @@ def test_a_max_seq_len_past_the_models_positions_warns(tiny_assets, tmp_path):
     assert check_context(512, 512)[0][1] == "pass" and check_context(4096, None) == []
     recipe = write_recipe(tiny_assets, tmp_path, data={"max_seq_len": 1024})  # the tiny Llama has 512 positions
     assert ("context", "warn") in [c[:2] for c in run_doctor(load_recipe(recipe))]
+
+
+def test_an_rl_recipes_global_batch_counts_prompts_and_their_completions():
+    recipe = load_recipe(REPO / "recipes" / "llama3-8b-grpo.yaml")
+    detail = rows(check_batch(recipe, {}))["global batch"][1]
+    assert detail.endswith("= 8 prompts (64 completions) per optimizer step"), detail
+    assert "x 8 prompts (train.micro_batch_size)" in detail
+
+
+def test_an_unreachable_hub_is_found_once_and_said_in_one_row(tmp_path):
+    """A recipe of hub ids with the hub out of reach (here: HF_ENDPOINT at a closed local port): doctor asks once,
+    says so in its `hub` row and reads the hub ids from the cache only, instead of retrying every file for a
+    minute (12 'Retrying' lines and 52 s before)."""
+    from helpers import ENV, LLMTRAIN, open_port
+
+    env = {**ENV, "HF_ENDPOINT": f"http://127.0.0.1:{open_port()}", "HF_HOME": str(tmp_path / "hf")}
+    env.pop("HF_HUB_OFFLINE", None)
+    proc = subprocess.run([*LLMTRAIN, "doctor", str(REPO / "recipes" / "llama3-8b-grpo.yaml")], env=env, cwd=REPO,
+                          capture_output=True, text=True, timeout=600)
+    said = proc.stdout + proc.stderr
+    assert proc.returncode == 1 and "Retrying" not in said, said
+    hub = said[said.index("│ hub"):said.index("│ tokenizer")]
+    assert "warn" in hub and "cannot be reached" in hub and "HF_HUB_OFFLINE=1" in hub

@@ -162,7 +162,7 @@ def test_built_in_rewards_and_a_trl_style_function_unchanged(tmp_path, monkeypat
 
     (tmp_path / "my_rewards.py").write_text(
         "def short(prompts, completions, **kwargs):\n"
-        "    assert set(kwargs) == {'answer'}\n"
+        "    assert set(kwargs) == {'answer', 'completion_ids', 'trainer_state', 'log_extra', 'log_metric'}\n"
         "    return [1.0 if len(c) < 12 else None for c in completions]\n")
     monkeypatch.syspath_prepend(str(tmp_path))
     completions = ["so 7\n#### 7", "#### 8", "no answer at all here", "<think>x</think> #### 5"]
@@ -170,20 +170,24 @@ def test_built_in_rewards_and_a_trl_style_function_unchanged(tmp_path, monkeypat
     functions = [("answer_match", answer_match(r"#### (\S+)"), 1.0),
                  ("format", format_match(r"<think>.*</think>"), 0.5),
                  ("my_rewards:short", import_reward("my_rewards:short"), 2.0)]
-    per_function, total = score(functions, ["q"] * 4, completions, columns, rows=[1, 1, 2, 2])
+    per_function, total = score(functions, ["q"] * 4, completions, completion_ids=[[1]] * 4, columns=columns,
+                                rows=[1, 1, 2, 2], where="d.jsonl")
     assert per_function[:, 0].tolist()[:3] == [1.0, 0.0, 0.0] and per_function[3, 0].isnan()
     assert per_function[:, 1].tolist() == [0.0, 0.0, 0.0, 1.0]
     assert per_function[0, 2].item() == 1.0 and per_function[2, 2].isnan()
     assert total.tolist() == [3.0, 2.0, 0.0, 0.5]
-    _, nothing = score([functions[2]], ["q"], ["a much longer completion"], {"answer": ["x"]}, rows=[3])
+    _, nothing = score([functions[2]], ["q"], ["a much longer completion"], completion_ids=[[1]],
+                       columns={"answer": ["x"]}, rows=[3], where="d.jsonl")
     assert nothing.isnan().all()  # no function applied: left out of its group, advantage 0
 
 
 @pytest.mark.parametrize("body, says", [
-    ("raise KeyError('answer')", "reward function bad raised KeyError: 'answer' (on the completions of rows 4, 9)"),
-    ("return [1.0]", "reward function bad returned 1 values for 2 completions (rows 4, 9)"),
-    ("return [1.0, float('nan')]", "reward function bad returned nan for the completion of row 9"),
-    ("return ['1', 0.0]", "reward function bad returned '1' for the completion of row 4"),
+    ("raise KeyError('answer')",
+     "reward function bad raised KeyError: 'answer' (on the completions of d.jsonl, rows 4, 9)"),
+    ("return [1.0]", "reward function bad returned 1 values for 2 completions (d.jsonl, rows 4, 9)"),
+    ("return [1.0, float('nan')]", "reward function bad returned nan for the completion of row 9 of d.jsonl"),
+    ("return ['1', 0.0]", "reward function bad returned '1' for the completion of row 4 of d.jsonl"),
+    ("return 1.0", "reward function bad returned float for 2 completions (d.jsonl, rows 4, 9)"),
 ])
 def test_a_bad_reward_function_stops_with_its_name_and_row(body, says):
     from llmtrain.errors import LLMTrainError
@@ -192,7 +196,171 @@ def test_a_bad_reward_function_stops_with_its_name_and_row(body, says):
     namespace: dict = {}
     exec(f"def bad(prompts, completions, **columns):\n    {body}\n", namespace)
     with pytest.raises(LLMTrainError, match=re.escape(says)):
-        score([("bad", namespace["bad"], 1.0)], ["p", "p"], ["a", "b"], {}, rows=[4, 9])
+        score([("bad", namespace["bad"], 1.0)], ["p", "p"], ["a", "b"], completion_ids=[[1], [2]], columns={},
+              rows=[4, 9], where="d.jsonl")
+
+
+# TRL 1.16's documented reward functions (docs/source/grpo_trainer.md, "Using a custom reward function"), as
+# printed there, and one per form the trainer accepts (trainer_state, a numpy array, a tensor). Example 1 is printed
+# with `completions_ids`, a name the trainer never passes (it passes `completion_ids`), so it fails under TRL too;
+# it is here with the trainer's name.
+TRL_DOCS_REWARDS = r"""
+import asyncio
+import re
+
+import numpy as np
+import torch
+
+
+def reward_func(completion_ids, **kwargs):
+    '''Reward function that assigns higher scores to longer completions (in terms of token count).'''
+    return [float(len(ids)) for ids in completion_ids]
+
+
+def reward_chars(completions, **kwargs):
+    '''Reward function that assigns higher scores to longer completions (in terms of character count).'''
+    return [float(len(completion)) for completion in completions]
+
+
+def reward_boxed(completions, ground_truth, **kwargs):
+    # Regular expression to capture content inside \boxed{}
+    matches = [re.search(r"\\boxed\{(.*?)\}", completion) for completion in completions]
+    contents = [match.group(1) if match else "" for match in matches]
+    # Reward 1 if the content is the same as the ground truth, 0 otherwise
+    return [1.0 if c == gt else 0.0 for c, gt in zip(contents, ground_truth)]
+
+
+def check_math_solution(prompt, completion):  # the docs leave these two to the reader
+    return "4" in completion
+
+
+def test_code_solution(prompt, completion):
+    return "def" in completion
+
+
+def math_reward_func(prompts, completions, task, **kwargs):
+    rewards = []
+    for prompt, completion, t in zip(prompts, completions, task):
+        if t == "math":
+            # Calculate math-specific reward
+            correct = check_math_solution(prompt, completion)
+            reward = 1.0 if correct else -1.0
+            rewards.append(reward)
+        else:
+            # Return None for non-math tasks
+            rewards.append(None)
+    return rewards
+
+
+async def async_reward_func(prompts, completions, **kwargs):
+    # Simulate an I/O-bound call (e.g., HTTP request, database lookup)
+    await asyncio.sleep(0.01)
+    # Simple toy reward: 1.0 if the completion is non-empty, else 0.0
+    return [1.0 if completion else 0.0 for completion in completions]
+
+
+def curriculum(completions, trainer_state, **kwargs):
+    # dynamic reward shaping on the trainer's state, as TRL's GRPOTrainer docstring describes it
+    progress = trainer_state.global_step / trainer_state.max_steps
+    return [progress * len(c) for c in completions]
+
+
+def as_numpy(completions, **kwargs):
+    return np.array([len(c) / 10 for c in completions])
+
+
+def as_tensor(completions, **kwargs):
+    return torch.tensor([float("x" in c) for c in completions])
+
+
+def logs(completions, log_extra, log_metric, **kwargs):
+    log_extra("first_char", [c[:1] for c in completions])
+    log_metric("chars", sum(map(len, completions)))
+    return [0.0] * len(completions)
+"""
+TRL_DOCS_NAMES = ["reward_func", "reward_chars", "reward_boxed", "math_reward_func", "async_reward_func", "curriculum",
+                  "as_numpy", "as_tensor", "logs"]
+
+
+def trls_rewards(functions, state, *, prompts, completions, completion_ids, columns):
+    """TRL 1.16's own GRPOTrainer._calculate_rewards on a stand-in trainer: what TRL makes of the functions."""
+    from types import SimpleNamespace
+
+    from trl import GRPOTrainer
+    from trl.trainer.utils import shutdown_event_loop_in_daemon, start_event_loop_in_daemon
+
+    thread, loop, ready = start_event_loop_in_daemon()
+    ready.wait()
+    trainer = SimpleNamespace(
+        accelerator=SimpleNamespace(device=torch.device("cpu"), is_main_process=True), args=SimpleNamespace(
+            report_to=[]), reward_funcs=functions, reward_processing_classes=[None] * len(functions),
+        reward_func_names=[f.__name__ for f in functions], state=state, environments=None, async_loop=loop,
+        _log_completion_extra=lambda column, values: None, _log_metric=lambda name, value: None)
+    inputs = [{"prompt": p, **{c: v[i] for c, v in columns.items()}} for i, p in enumerate(prompts)]
+    try:
+        return GRPOTrainer._calculate_rewards(trainer, inputs, prompts, completions, completion_ids)
+    finally:
+        shutdown_event_loop_in_daemon(thread, loop)
+
+
+def test_trls_documented_reward_functions_run_unchanged_and_score_as_trl_scores_them(tmp_path, monkeypatch):
+    """TRL's example reward functions, imported as a user's module: sync and async, with completion_ids,
+    trainer_state, the data's columns by name, None for the rows a function does not apply to, numpy and tensor
+    results, log_extra and log_metric. Every reward equals what TRL 1.16's own _calculate_rewards makes of them."""
+    from transformers import TrainerState
+
+    from llmtrain.objectives.rewards import RewardLogs, import_reward, score
+
+    (tmp_path / "trl_docs_rewards.py").write_text(TRL_DOCS_REWARDS)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    functions = [import_reward(f"trl_docs_rewards:{name}") for name in TRL_DOCS_NAMES]
+    prompts = ["What is 2+2?", "Write a function that returns the sum.", "Solve 2x = 4.", "What is 3*4?"]
+    completions = [r" 4, so \boxed{4}", " def add(a, b): return a + b", r" x = \boxed{2}", ""]
+    completion_ids = [[7, 8, 9], [10, 11], [12], []]
+    columns = {"ground_truth": ["4", "x", "3", "12"], "task": ["math", "code", "math", "math"]}
+    state = TrainerState(global_step=3, max_steps=12)
+    logs = RewardLogs()
+    ours, _ = score([(n, f, 1.0) for n, f in zip(TRL_DOCS_NAMES, functions)], prompts, completions,
+                    completion_ids=completion_ids, columns=columns, rows=[1, 2, 3, 4], where="d.jsonl", state=state,
+                    logs=logs)
+    theirs = trls_rewards(functions, state, prompts=prompts, completions=completions, completion_ids=completion_ids,
+                          columns=columns)
+    torch.testing.assert_close(ours.float(), theirs, equal_nan=True)
+    assert ours[:, 0].tolist() == [3.0, 2.0, 1.0, 0.0]  # completion_ids
+    assert ours[:, 3].isnan().tolist() == [False, True, False, False]  # None: not a math task
+    assert ours[:, 4].tolist() == [1.0, 1.0, 1.0, 0.0]  # async, awaited
+    assert ours[:, 5].tolist() == pytest.approx([0.25 * len(c) for c in completions])  # trainer_state
+    assert logs.extra == {"first_char": [" ", " ", " ", ""]} and logs.metrics == {"chars": [sum(map(len, completions))]}
+
+
+def test_async_reward_functions_share_one_event_loop_and_run_inside_a_running_one():
+    """As TRL keeps one event loop for the run: what an async function keeps from its first call (here the loop
+    itself; in practice an HTTP client bound to it) is valid at the next; and scoring from code that is itself
+    inside an event loop (a notebook) works."""
+    import asyncio
+
+    from llmtrain.objectives.rewards import AsyncRunner, score
+
+    loops = []
+
+    async def judge(completions, **kwargs):
+        loops.append(asyncio.get_running_loop())
+        await asyncio.sleep(0)
+        return [1.0] * len(completions)
+
+    def scored(runner):
+        return score([("judge", judge, 1.0)], ["p"], ["c"], completion_ids=[[1]], columns={}, rows=[1], where="d",
+                     runner=runner)[1].tolist()
+
+    with AsyncRunner() as runner:
+        assert scored(runner) == scored(runner) == [1.0]
+
+        async def inside_a_loop():
+            return scored(runner)
+
+        assert asyncio.run(inside_a_loop()) == [1.0]
+    assert loops[0] is loops[1] is loops[2]
+    assert scored(None) == [1.0] and loops[3] is not loops[0]  # no runner: a loop of its own
 
 
 def test_a_reward_function_that_cannot_be_imported_says_what_is_missing():

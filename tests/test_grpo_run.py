@@ -105,6 +105,10 @@ def test_a_step_logs_trls_names_and_every_completion(straight, tiny_assets):
     samples = [json.loads(x) for x in (run / "samples.jsonl").read_text().splitlines()]
     eval_file = [json.loads(x) for x in (tiny_assets / "data" / "eval.jsonl").read_text().splitlines()]
     assert {s["expected"] for s in samples} <= {r["completion"] for r in eval_file}  # the answer column, as text
+    # why the train reward (sampled) sits below the eval's (greedy), said in the run's log
+    assert ("the train reward is of 4 completions a prompt sampled at rl.temperature=1; eval_reward and "
+            "eval_answer_accuracy are of one greedy completion of each of the 8 eval prompts"
+            in (run / "train.log").read_text().replace("\n", " "))
 
 
 def test_the_fast_sampler_trains_what_the_reference_loop_trains(straight, tmp_path):
@@ -291,6 +295,155 @@ def test_a_trl_style_reward_function_trains_unchanged(tiny_assets, tmp_path, mon
     assert all(r["reward"] == pytest.approx(r["short"] + r["reversed_right"]) for r in rolled)
 
 
+COLLIDING = r"""
+import asyncio
+
+import numpy as np
+
+
+def seen(prompts, completions, completion_ids, trainer_state, labels, length, row, input_ids, **kwargs):
+    # the user's columns as the file has them, though data preparation has columns of these names too
+    assert all(isinstance(v, str) for v in labels) and all(isinstance(v, list) for v in input_ids)
+    return [float(n) + 100 * trainer_state.global_step for n in length]
+
+
+async def later(completions, completion_ids, row, input_ids, log_extra, **kwargs):
+    await asyncio.sleep(0)
+    log_extra("their_row", row)
+    log_extra("their_input_ids", input_ids)
+    return np.array([len(ids) for ids in completion_ids], dtype=float)
+"""
+
+
+def test_columns_named_like_prepared_ones_reach_rewards_unchanged_called_as_trl_calls(tiny_assets, tmp_path,
+                                                                                       monkeypatch):
+    """A file with columns labels, length, row and input_ids (names data preparation uses for its own): an
+    answer_match on `labels` and TRL-style functions (completion_ids, trainer_state, async, a numpy result,
+    log_extra) get the user's values, row by row."""
+    data = tmp_path / "colliding.jsonl"
+    rows = [{"prompt": f"reverse {w} =", "completion": f" {w[::-1]}", "labels": w[::-1], "length": len(w) * 7,
+             "row": f"r{i}", "input_ids": [i, i + 1]} for i, w in enumerate(["abc", "hello", "xy", "qrst"] * 2)]
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    (tmp_path / "colliding_rewards.py").write_text(COLLIDING)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    recipe = grpo_recipe(tiny_assets, tmp_path, data={"path": str(data), "cache_dir": str(tmp_path / "cache"),
+                                                      "eval_split": None, "eval_max_examples": None},
+                         rl={"rewards": [{"type": "answer_match", "column": "labels"},
+                                         {"type": "function", "function": "colliding_rewards:seen"},
+                                         {"type": "function", "function": "colliding_rewards:later"}]},
+                         train={"max_steps": 2, "eval_every_steps": None, "eval_samples": 0})
+    run_train(recipe, f"output_dir={tmp_path / 'run'}")
+    rolled = rollouts(tmp_path / "run")
+    assert len(rolled) == 2 * 4 * G
+    for r in rolled:
+        mine = rows[r["row"] - 1]  # rollouts.jsonl's row: 1-based, as the errors count
+        assert r["answer_match"] == float(r["completion"].strip() == mine["labels"])
+        assert r["seen"] == mine["length"] + 100 * (r["step"] - 1)  # trainer_state.global_step: the steps done
+        assert r["later"] == len(r["completion_ids"])
+        assert (r["their_row"], r["their_input_ids"]) == (mine["row"], mine["input_ids"])
+
+
+def test_a_reward_that_scores_nothing_is_warned_once_and_has_no_mean(tiny_assets, tmp_path, monkeypatch):
+    """A function returning None for every completion: one warning in train.log naming it and the step; no
+    rewards/<name>/mean in the train lines nor eval_rewards/<name>/mean in the eval lines (nothing was scored)."""
+    (tmp_path / "silent_rewards.py").write_text(
+        "def never(completions, **kwargs):\n    return [None] * len(completions)\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    recipe = grpo_recipe(tiny_assets, tmp_path, rl={"rewards": [
+        {"type": "format", "pattern": "[aeiou]"}, {"type": "format", "pattern": "[xyz]", "name": "xyz"},
+        {"type": "function", "function": "silent_rewards:never"}]},
+        train={"max_steps": 2, "eval_every_steps": 2}, logging={"every_steps": 1, "progress": False, "plot": False})
+    run_train(recipe, f"output_dir={tmp_path / 'run'}")
+    log = (tmp_path / "run" / "train.log").read_text()
+    assert log.count("reward function never returned None for all 16 completions of step 1") == 1
+    assert "completions of step 2" not in log  # said once a run
+    train, evals = records(tmp_path / "run"), records(tmp_path / "run", "eval")
+    assert all("rewards/format/mean" in t and "rewards/xyz/mean" in t and "rewards/never/mean" not in t
+               for t in train)  # two rewards of one type, by their names
+    assert [e["step"] for e in evals] == [0, 2]
+    assert all("eval_rewards/format/mean" in e and "eval_rewards/never/mean" not in e for e in evals)
+
+
+def test_a_reward_failing_on_eval_prompts_names_the_eval_file_in_train_log_and_the_folder_is_reusable(
+        tiny_assets, tmp_path, monkeypatch):
+    """A function that raises on the eval rows only (at the step-0 eval, after the folder is made): the paragraph
+    names the eval file and its rows, train.log ends with it, and the folder, with no checkpoint in it, takes the
+    corrected run without --overwrite."""
+    from llmtrain.errors import LLMTrainError
+
+    train_file, eval_file = tmp_path / "train.jsonl", tmp_path / "held_out.jsonl"
+    train_file.write_text("".join(json.dumps({"prompt": f"reverse {w} =", "completion": f" {w[::-1]}",
+                                              "part": "train"}) + "\n" for w in ["abc", "hello", "xy", "qrst"]))
+    eval_file.write_text("".join(json.dumps({"prompt": f"reverse {w} =", "completion": f" {w[::-1]}",
+                                             "part": "eval"}) + "\n" for w in ["ab", "cde"]))
+    (tmp_path / "picky_rewards.py").write_text(
+        "def picky(completions, part, **kwargs):\n"
+        "    if 'eval' in part:\n"
+        "        raise ValueError('no eval here')\n"
+        "    return [0.0] * len(completions)\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    recipe = grpo_recipe(tiny_assets, tmp_path, data={"path": str(train_file), "eval_split": str(eval_file),
+                                                      "cache_dir": str(tmp_path / "cache")},
+                         rl={"rewards": [{"type": "function", "function": "picky_rewards:picky"}]},
+                         train={"max_steps": 2, "eval_every_steps": 2})
+    run = tmp_path / "run"
+    with pytest.raises(LLMTrainError) as e:
+        run_train(recipe, f"output_dir={run}")
+    says = str(e.value)
+    assert f"reward function picky raised ValueError: no eval here (on the completions of {eval_file}" in says
+    assert "rows 1, 2" in says
+    assert (run / "train.log").read_text().rstrip().endswith(f"error: {says}".rstrip().split("\n")[-1])
+    assert not list((run / "checkpoints").glob("step_*"))
+    run_train(recipe, f"output_dir={run}", "rl.rewards=[{type: format, pattern: '[aeiou]'}]")  # no --overwrite
+    assert [r["step"] for r in records(run)] == [1, 2] and "picky" not in (run / "train.log").read_text()
+
+
+@pytest.mark.parametrize("pairs", [
+    {"prompt": "reverse abc =", "chosen": " cba", "rejected": " abc"},
+    {"chosen": [{"role": "user", "content": "reverse abc ="}, {"role": "assistant", "content": " cba"}],
+     "rejected": [{"role": "user", "content": "reverse abc ="}, {"role": "assistant", "content": " abc"}]}])
+def test_an_rl_recipe_on_preference_pairs_says_the_data_look_like_pairs(tiny_assets, tmp_path, pairs):
+    data = tmp_path / "pairs.jsonl"
+    data.write_text((json.dumps(pairs) + "\n") * 4)
+    recipe = grpo_recipe(tiny_assets, tmp_path, data={"path": str(data), "cache_dir": str(tmp_path / "cache")})
+    says = _refused(recipe, tmp_path / "run", "data.eval_split=null", "data.eval_max_examples=null")
+    assert "look like preference pairs (chosen, rejected)" in says and "data.format: preference" in says
+    assert "input_ids" not in says and "labels" not in says  # the columns data preparation adds are not the user's
+
+
+def test_capped_eval_prompts_keep_their_rows_in_the_file(tiny_tok, tmp_path):
+    """data.eval_max_examples takes a seeded shuffle's first rows: each keeps its row in the eval file, which the
+    errors and rollouts name (1-based), not its place in the shuffle."""
+    from llmtrain.config import DataConfig
+    from llmtrain.data.prepare import prepare_datasets
+
+    train, held = tmp_path / "train.jsonl", tmp_path / "held.jsonl"
+    train.write_text("".join(json.dumps({"prompt": f"reverse {w} =", "completion": w[::-1]}) + "\n"
+                             for w in ["ab", "cd", "ef"]))
+    words = [f"w{i}" for i in range(10)]
+    held.write_text("".join(json.dumps({"prompt": f"reverse {w} =", "completion": w[::-1]}) + "\n" for w in words))
+    cfg = DataConfig(path=str(train), format="prompt", eval_split=str(held), eval_max_examples=4, max_seq_len=32,
+                     cache_dir=str(tmp_path / "cache"))
+    evald = prepare_datasets(cfg, tiny_tok, seed=3)[1]
+    assert [words.index(p.split()[1]) for p in evald["prompt"]] == evald["row"]
+    assert evald["row"] != [0, 1, 2, 3]  # shuffled: the places in the shuffle are not the rows
+
+
+def test_two_rewards_of_one_type_need_a_name_and_the_advice_works(tiny_assets, tmp_path):
+    from llmtrain.config import load_recipe
+    from llmtrain.errors import RecipeError
+
+    two = "rl.rewards=[{type: format, pattern: a}, {type: format, pattern: b}]"
+    recipe = grpo_recipe(tiny_assets, tmp_path)
+    with pytest.raises(RecipeError) as e:
+        load_recipe(recipe, [two])
+    assert "two rewards share the name 'format'" in str(e.value) and "rl.rewards.1.name=format_2" in str(e.value)
+    named = load_recipe(recipe, [two, "rl.rewards.1.name=format_2"])  # the advice, followed as written
+    assert [r.label for r in named.rl.rewards] == ["format", "format_2"]
+    with pytest.raises(RecipeError, match="name"):
+        load_recipe(recipe, [two, "rl.rewards.1.name=a/b"])  # a slash would split the metric's name
+
+
 @pytest.mark.parametrize("overrides, says", [
     (["rl.beta=0.04"], "a full fine-tune would need a second, frozen copy"),
     (["train.micro_batch_tokens=64", "train.micro_batch_size=1"], "unset train.micro_batch_tokens"),
@@ -373,6 +526,6 @@ def test_inspect_data_shows_the_prompt_and_what_goes_to_the_rewards(tiny_assets,
 
     out = invoke("inspect-data", str(grpo_recipe(tiny_assets, tmp_path)), "--n", "1").stdout
     first = json.loads((tiny_assets / "data" / "train.jsonl").read_text().splitlines()[0])
-    assert "prompt 0:" in out and "(completions are sampled)" in out and first["prompt"] in out
+    assert "prompt, row 1:" in out and "(completions are sampled)" in out and first["prompt"] in out
     assert f"to the rewards: completion={first['completion']!r}" in out
     assert "prompts" in out and "trained-token fraction" not in out

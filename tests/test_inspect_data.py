@@ -104,9 +104,9 @@ def test_report_shows_examples_and_the_statistics(tiny_assets, tmp_path):
         trained = sum(lab != IGNORE for lab in labels[1:])
         first = next(k for k, lab in enumerate(labels) if lab != IGNORE)
         assert labels[first:] == ids[first:]
-        assert f"example {i}: {len(ids)} tokens, {trained} trained («between marks»)" in result.stdout
+        assert f"example {i + 1}: {len(ids)} tokens, {trained} trained («between marks»)" in result.stdout
         assert tok.decode(ids[:first]) + "«" + tok.decode(ids[first:]) + "»" in result.stdout
-    assert "example 2:" not in result.stdout
+    assert "example 3:" not in result.stdout and "example 0:" not in result.stdout  # 1-based, as errors count
 
 
 @needs(MISTRAL)

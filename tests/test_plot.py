@@ -176,3 +176,49 @@ def test_default_path_and_the_trainers_update(tmp_path):
     # A run folder the plot cannot read gives a warning line, never an exception that would end training.
     note = update_loss_plot(tmp_path / "elsewhere")
     assert note.startswith("warning:") and "not updated" in note and "does not exist" in note
+
+
+def write_rl_metrics(run, *, steps: int = 20, kl: bool = True):
+    """An online RL run's metrics.jsonl as the trainer writes it: TRL's names on the train lines, eval lines from
+    step 0 with the greedy answer accuracy."""
+    run.mkdir(parents=True, exist_ok=True)
+    lines = [{"type": "eval", "step": 0, "eval_reward": 0.3, "eval_rewards/answer_match/mean": 0.3,
+              "eval_rewards/format/mean": 0.9, "eval_answer_accuracy": 0.3}]
+    for step in range(1, steps + 1):
+        lines.append({"type": "train", "step": step, "loss": 0.001 * (-1) ** step, "lr": 5e-5,
+                      "tokens_seen": 1000 * step, "reward": 0.1 + 0.01 * step,
+                      "rewards/answer_match/mean": 0.05 + 0.01 * step, "rewards/format/mean": 0.5,
+                      "completions/mean_length": 10.0 - 0.1 * step, **({"kl": 0.001 * step} if kl else {})})
+        if step % 10 == 0:
+            lines.append({"type": "eval", "step": step, "eval_reward": 0.3 + 0.01 * step,
+                          "eval_rewards/answer_match/mean": 0.3 + 0.01 * step, "eval_rewards/format/mean": 0.9,
+                          "eval_answer_accuracy": 0.3 + 0.01 * step})
+    (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in lines))
+
+
+def test_an_rl_run_plots_reward_eval_accuracy_length_and_kl_against_steps(tmp_path):
+    """loss.png of an online RL run: the reward (raw, smoothed, and each function's), eval_answer_accuracy and the
+    eval reward from step 0, the completions' mean length and the KL, each against steps; without beta the last
+    panel is the loss. `llmtrain plot` draws the same figure."""
+    run = tmp_path / "rl"
+    write_rl_metrics(run)
+    fig = plot_runs([run], run / "loss.png")
+    reward, evals, length, kl = fig.axes
+    drawn = lines_by_label(reward)
+    assert drawn["reward"] == (list(range(1, 21)), pytest.approx([0.1 + 0.01 * s for s in range(1, 21)]))
+    assert {"answer_match (EMA)", "format (EMA)"} <= set(drawn)
+    accuracy = lines_by_label(evals)["eval_answer_accuracy"]
+    assert accuracy == ([0, 10, 20], pytest.approx([0.3, 0.4, 0.5]))
+    assert "eval_reward" in lines_by_label(evals)
+    assert lines_by_label(length)["mean length"][1] == pytest.approx([10.0 - 0.1 * s for s in range(1, 21)])
+    assert lines_by_label(kl)["kl"][1] == pytest.approx([0.001 * s for s in range(1, 21)])
+    assert "eval_answer_accuracy 0.3 at step 0 -> 0.5 at step 20" in fig._suptitle.get_text()
+    assert png_size(run / "loss.png") == PNG_SIZE
+
+    plain = tmp_path / "rl-no-kl"
+    write_rl_metrics(plain, kl=False)
+    fig = plot_runs([plain], plain / "loss.png")
+    assert list(lines_by_label(fig.axes[3])) == ["loss (no kl: rl.beta is 0)"]
+
+    cli("plot", str(run), "--out", str(tmp_path / "cli.png"))
+    assert png_size(tmp_path / "cli.png") == PNG_SIZE

@@ -27,6 +27,10 @@ FORMAT_FIELDS = {
 }
 OPTIONAL_FIELDS = {"alpaca": {"input"}, "preference": {"prompt"}}  # preference: implicit-prompt rows have none
 CHAT_FORMATS = ("messages", "prompt_completion", "preference", "prompt")  # formats whose rows may be chats
+# Prepared prompt rows (online RL) keep the user's columns under this prefix, apart from the ones preparation adds
+# (input_ids, labels, length, row, prompt): a user column named `labels` or `row` reaches the reward functions as it
+# is in the file.
+USER = "user/"
 
 ALPACA_PROMPT = (
     "Below is an instruction that describes a task{ctx}. Write a response that appropriately completes the request."
@@ -53,7 +57,17 @@ def check_columns(columns: list[str], cfg: DataConfig, source: str) -> None:
         raise LLMTrainError(
             f"data.format '{cfg.format}' needs {', '.join(missing)} but {source} has columns {columns}. "
             f"Map them with data.fields, e.g. data.fields.{absent[0]}=<column>."  # a field that is missing
+            + (pairs_note(columns) if cfg.format == "prompt" else "")
         )
+
+
+def pairs_note(columns) -> str:
+    """For online RL (data.format: prompt) given preference pairs: what the data are, and what trains on them."""
+    if not {"chosen", "rejected"} <= set(columns):
+        return ""
+    return (" These data look like preference pairs (chosen, rejected): online RL (rl:) samples its own completions "
+            "of prompts and scores them, so it needs prompts and what a reward compares them with. To learn from "
+            "the pairs, use a preference: section with data.format: preference instead (recipes/mistral7b-dpo.yaml).")
 
 
 def _message(m: Any, cfg: DataConfig) -> Any:
@@ -255,9 +269,14 @@ def encode_prompt(example: dict, tokenizer, cfg: DataConfig, *, template: str | 
     else:
         ids = tokenizer(str(prompt), add_special_tokens=True)["input_ids"]
     prompt_column = cfg.fields.get("prompt", "prompt")
-    columns = {k: v for k, v in example.items() if k != prompt_column and not k.startswith("__llmtrain")}
+    columns = {USER + k: v for k, v in example.items() if k != prompt_column and not k.startswith("__llmtrain")}
     return {**columns, "prompt": prompt, "input_ids": ids, "labels": [IGNORE] * len(ids), "length": len(ids),
             "trained": len(ids), "truncated": False}
+
+
+def user_columns(columns) -> dict[str, str]:
+    """{a user's column name: its name in prepared prompt data} (see USER)."""
+    return {c[len(USER):]: c for c in columns if c.startswith(USER)}
 
 
 def encode_example(example: dict, tokenizer, cfg: DataConfig, *, template: str | None = None) -> dict:

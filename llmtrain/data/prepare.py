@@ -24,7 +24,7 @@ from llmtrain.data.sources import is_local as _is_local
 from llmtrain.data.sources import is_split_name, load_raw
 from llmtrain.errors import LLMTrainError
 
-CACHE_VERSION = 5  # bump when tokenisation or masking changes, so old caches are not reused
+CACHE_VERSION = 6  # bump when tokenisation or masking changes, so old caches are not reused
 ROW = "__llmtrain_row"  # a row's number in its file, kept through a shuffled eval split (0-based)
 SHOWN_ROWS = 5  # dropped rows named in the report
 KEEP_AT_LEAST = 0.1  # a source that keeps fewer of its rows stops the run: its recipe does not fit its data
@@ -159,6 +159,23 @@ def tokenize_dataset(raw, tokenizer, cfg: DataConfig, source: str):
     return kept.select_columns(columns), stats  # length: token budgets bin by it (a pair: both sequences)
 
 
+def sources(cfg: DataConfig) -> tuple[str, str | None]:
+    """Where the train rows and the eval rows come from, in words (for the errors that name a row): the files of
+    data.path, and the eval part or file(s) (None without data.eval_split)."""
+    paths, split = _files(cfg.path), cfg.eval_split
+    if split is None:
+        where = None
+    elif isinstance(split, float):
+        where = f"the data.eval_split={split} part of {', '.join(paths)}"
+    elif is_split_name(split):
+        where = f"split '{split}' of {paths[0]}"
+    else:
+        where = ", ".join(_files(split))
+    if where is not None and cfg.eval_max_examples is not None:
+        where = f"{where} (at most {cfg.eval_max_examples} rows of it)"
+    return ", ".join(paths), where
+
+
 def load_eval(cfg: DataConfig, raw, *, seed: int):
     """Split off or load the eval rows as data.eval_split says, capped to data.eval_max_examples.
 
@@ -166,22 +183,24 @@ def load_eval(cfg: DataConfig, raw, *, seed: int):
     paths, split = _files(cfg.path), cfg.eval_split
     if split is None:
         return raw, None, ""
+    where = sources(cfg)[1]
     if isinstance(split, float):  # numbered first: a row of either part is named by its place in the file
         parts = raw.add_column(ROW, list(range(len(raw)))).train_test_split(test_size=split, seed=seed, shuffle=True)
-        raw, evald, where = parts["train"], parts["test"], f"the data.eval_split={split} part of {', '.join(paths)}"
+        raw, evald = parts["train"], parts["test"]
     elif is_split_name(split):
         if _is_local(paths) and not (len(paths) == 1 and Path(paths[0]).is_dir()):
             raise LLMTrainError(f"data.eval_split '{split}' is read as a split name, but data.path {paths} is files, "
                                 "which have no splits. Give eval file(s) (with their extension), a fraction such "
                                 "as 0.05, or a hub dataset / dataset folder as data.path.")
-        evald, where = load_raw(cfg.path, name=cfg.name, split=split), f"split '{split}' of {paths[0]}"
+        evald = load_raw(cfg.path, name=cfg.name, split=split)
     else:
-        evald, where = load_raw(split), ", ".join(_files(split))
+        evald = load_raw(split)
     if cfg.eval_max_examples is not None and len(evald) > cfg.eval_max_examples:
         # The first N of a seeded shuffle: the same rows on every run and every process, and no bias from how
-        # the file is sorted.
+        # the file is sorted. Numbered first, so that a row is still named by its place in the file.
+        if ROW not in evald.column_names:
+            evald = evald.add_column(ROW, list(range(len(evald))))
         evald = evald.shuffle(seed=seed).select(range(cfg.eval_max_examples))
-        where = f"{cfg.eval_max_examples} rows of {where}"
     return raw, evald, where
 
 

@@ -61,35 +61,46 @@ def train(recipe: Recipe, *, resume: str | None = None, overwrite: bool = False,
         console = RunConsole(enabled=accelerator.is_main_process, progress=recipe.logging.progress,
                              device=accelerator.device.type)
         cleanup.callback(console.close)
-        say = console.say
+        try:
+            return _train(recipe, accelerator, console, cleanup, resume=resume, overwrite=overwrite,
+                          allow_recipe_change=allow_recipe_change)
+        except Exception as e:  # the paragraph the command line prints goes to train.log too (once it is open)
+            console.record_error(e)
+            raise
 
-        # ---- set-up: checks that only read, then data and model; claim_run_dir is the first write
-        checked = read_only_checks(recipe, accelerator, resume=resume, overwrite=overwrite,
-                                   allow_recipe_change=allow_recipe_change, say=say)
-        if checked.finished is not None:
-            return checked.finished
-        seed_run(recipe.train, cleanup)
-        data = prepare_data(recipe, accelerator, say=say)
-        trainable = build_model(recipe, accelerator, total_steps=data.total_steps, say=say)
-        objective = objective_for(recipe, pad_id=data.pad_id, model=trainable.unwrapped, tokenizer=data.tokenizer,
-                                  train=data.train, world=data_ranks(accelerator)[0])
-        data = reference_logps(recipe, accelerator, data, trainable, objective, console=console)  # preference only
-        run_dir = claim_run_dir(recipe, accelerator, console, checkpoint=checked.checkpoint, resume=resume,
-                                overwrite=overwrite)
-        cleanup.callback(run_dir.release)
-        state = restore(recipe, accelerator, trainable, checkpoint=checked.checkpoint, say=say)
-        log = open_log(recipe, accelerator, state, resumed=resume is not None, notes=checked.notes, say=say)
-        cleanup.callback(log.close)
-        run = Run(recipe=recipe, accelerator=accelerator, console=console, log=log, data=data, model=trainable,
-                  objective=objective,
-                  cadence=Cadence.from_recipe(recipe, total_steps=data.total_steps, has_eval=data.eval is not None))
 
-        # ---- the loop, then the export and the summary
-        # The run's clock: what earlier processes of the run spent, and this one's reference pass (preference)
-        meter = Meter(accelerator, flops=trainable.flops, peak=trainable.peak_flops,
-                      elapsed_before=state.elapsed_s + data.reference_s, objective=run.objective)
-        evals = train_loop(run, state, meter)
-        return finish(run, state, meter, evals)
+def _train(recipe: Recipe, accelerator, console: RunConsole, cleanup: ExitStack, *, resume: str | None,
+           overwrite: bool, allow_recipe_change: bool) -> dict:
+    """train's body: set up, loop, finish."""
+    say = console.say
+
+    # ---- set-up: checks that only read, then data and model; claim_run_dir is the first write
+    checked = read_only_checks(recipe, accelerator, resume=resume, overwrite=overwrite,
+                               allow_recipe_change=allow_recipe_change, say=say)
+    if checked.finished is not None:
+        return checked.finished
+    seed_run(recipe.train, cleanup)
+    data = prepare_data(recipe, accelerator, say=say)
+    trainable = build_model(recipe, accelerator, total_steps=data.total_steps, say=say)
+    objective = objective_for(recipe, pad_id=data.pad_id, model=trainable.unwrapped, tokenizer=data.tokenizer,
+                              train=data.train, world=data_ranks(accelerator)[0], total_steps=data.total_steps)
+    data = reference_logps(recipe, accelerator, data, trainable, objective, console=console)  # preference only
+    run_dir = claim_run_dir(recipe, accelerator, console, checkpoint=checked.checkpoint, resume=resume,
+                            overwrite=overwrite)
+    cleanup.callback(run_dir.release)
+    state = restore(recipe, accelerator, trainable, checkpoint=checked.checkpoint, say=say)
+    log = open_log(recipe, accelerator, state, resumed=resume is not None, notes=checked.notes, say=say)
+    cleanup.callback(log.close)
+    run = Run(recipe=recipe, accelerator=accelerator, console=console, log=log, data=data, model=trainable,
+              objective=objective,
+              cadence=Cadence.from_recipe(recipe, total_steps=data.total_steps, has_eval=data.eval is not None))
+
+    # ---- the loop, then the export and the summary
+    # The run's clock: what earlier processes of the run spent, and this one's reference pass (preference)
+    meter = Meter(accelerator, flops=trainable.flops, peak=trainable.peak_flops,
+                  elapsed_before=state.elapsed_s + data.reference_s, objective=run.objective)
+    evals = train_loop(run, state, meter)
+    return finish(run, state, meter, evals)
 
 
 @dataclass(frozen=True)
@@ -121,6 +132,11 @@ def train_loop(run: Run, state: TrainState, meter: Meter) -> list[dict]:
     progress, task = run.console.progress(total=run.cadence.total_steps, completed=state.step)
     m.model.train()  # from_pretrained returns a model in eval mode: dropout (LoRA's too) must be on
     with progress, StopRequests() as stop_requests, closing(stream):  # closing: the prefetch thread ends here
+        if run.recipe.rl is not None and run.data.eval is not None:
+            run.console.say(f"online RL: the train reward is of {run.recipe.rl.num_generations} completions a prompt "
+                            f"sampled at rl.temperature={run.recipe.rl.temperature:g}; eval_reward and "
+                            f"eval_answer_accuracy are of one greedy completion of each of the {len(run.data.eval):,} "
+                            "eval prompts, so the train reward usually sits below them")
         if run.recipe.rl is not None and run.data.eval is not None and state.step == 0:
             with meter.paused():  # online RL: the starting policy's rewards, which the run is there to raise
                 evals.append(evaluate_and_sample(run, state, progress))
@@ -135,8 +151,10 @@ def train_loop(run: Run, state: TrainState, meter: Meter) -> list[dict]:
             meter.add(result, epoch=window.epoch)
             if run.recipe.rl is not None:  # every completion, on record before a stop can come
                 # in the order of the prompts' rows: the same file from any number of processes
-                run.log.write_rollouts(sorted(gathered(accelerator, result.rollouts),
-                                              key=lambda r: (r["row"], r["generation"])))
+                rolled = sorted(gathered(accelerator, result.rollouts), key=lambda r: (r["row"], r["generation"]))
+                run.log.write_rollouts(rolled)
+                for note in run.objective.unscored(rolled):  # a reward function that scored nothing: said once
+                    run.console.say(note)
             due = run.cadence.at(state.step, stop=stop, skipped=result.skipped)
             report(run, state, meter, progress, task, logged=due.log, evals=evals)
             guard(run, state, result)  # after its metrics line: a bad step is on record

@@ -110,16 +110,21 @@ class GRPO:
     counting, log-probabilities from the chunked per-token path (no full logits)."""
 
     def __init__(self, rl, *, tokenizer, pad_id: int, packing: bool, seed: int, rewards, model, columns,
-                 stop_ids: list[int], world: int):
+                 stop_ids: list[int], world: int, sources: tuple[str, str | None] = ("the data", None), state=None):
         self.rl, self.tokenizer, self.pad_id, self.packing, self.seed = rl, tokenizer, pad_id, packing, seed
         self.rewards = rewards  # (name, function, weight): rewards.build_rewards
         self.lm = model  # unwrapped: generates, and with its adapter disabled is the reference (beta > 0)
-        from llmtrain.objectives.rewards import reward_columns
+        from llmtrain.objectives.rewards import AsyncRunner, RewardLogs, reward_columns
 
-        self.reward_columns = reward_columns(columns)
-        self.columns = ("input_ids", "row", "prompt", *self.reward_columns)
+        self.reward_columns = reward_columns(columns)  # {the user's name: the prepared column}
+        self.columns = ("input_ids", "row", "prompt", *self.reward_columns.values())
         self.stop_ids, self.world = set(stop_ids), world
-        answer_columns = [c.column for c in rl.rewards if c.type == "answer_match"]
+        self.sources = sources  # (train, eval): the files the errors name
+        self.state = state  # the trainer_state reward functions get (rewards.trainer_state); the rollout moves it
+        self.logs = RewardLogs()  # log_metric's numbers since the last metrics line
+        self.runner = AsyncRunner()  # the event loop of the async reward functions, for the whole run
+        self.warned: set[str] = set()  # reward functions already said to have scored nothing
+        answer_columns = [self.reward_columns.get(c.column, c.column) for c in rl.rewards if c.type == "answer_match"]
         self.expected_column = answer_columns[0] if answer_columns else None  # the eval samples' expected text
         self.stats = [*ROLLOUT_STATS, *(f"rewards/{n}/sum" for n, _, _ in rewards),
                       *(f"rewards/{n}/count" for n, _, _ in rewards), *LOSS_STATS]
@@ -135,20 +140,21 @@ class GRPO:
         recounted, and `rollouts` (one record per completion, for rollouts.jsonl) filled in."""
         import dataclasses
 
-        from llmtrain.parallel.distributed import gathered_for_generation
-
         batches, counts, records = [], None, []
+        if self.state is not None:  # what a reward function sees: the steps done, as TRL's global_step
+            self.state.global_step, self.state.epoch = step, float(window.epoch)
         was_training = self.lm.training
         self.lm.eval()  # no dropout while sampling (as vLLM samples); the update below trains with it
         try:
             for b in window.batches:
-                with gathered_for_generation(self.lm):  # FSDP: whole layers while sampling, sharded to score
-                    batch, n, recs = self._rollout_batch(b["examples"], step)
+                batch, n, recs = self._rollout_batch(b["examples"], step)
                 batches.append(batch)
                 counts = n if counts is None else counts.plus(n)
                 records += recs
         finally:
             self.lm.train(was_training)
+        if self.state is not None:  # an eval after this step's update sees it done
+            self.state.global_step = step + 1
         return dataclasses.replace(window, batches=batches, counts=counts, rollouts=records)
 
     def _rollout_batch(self, examples: list[dict], step: int) -> tuple[dict, Counts, list[dict]]:
@@ -158,6 +164,8 @@ class GRPO:
         from llmtrain.data.formats import IGNORE
         from llmtrain.model.fast_sample import sampler_for
         from llmtrain.model.generate import completion_seed
+        from llmtrain.objectives.rewards import RewardLogs
+        from llmtrain.parallel.distributed import gathered_for_generation
 
         rl, g = self.rl, self.rl.num_generations
         if not examples:  # an idle rank at the end of an epoch: one token, nothing trained
@@ -167,11 +175,16 @@ class GRPO:
         prompt_ids = [list(e["input_ids"]) for e in examples for _ in range(g)]
         seeds = [completion_seed(self.seed, step, e["row"], k) for e in examples for k in range(g)]
         begun = time.perf_counter()
-        sample = sampler_for(self.lm, rl.sampler)
-        completions = sample(self.lm, prompt_ids, seeds=seeds, max_new_tokens=rl.max_completion_tokens,
-                             temperature=rl.temperature, top_p=rl.top_p, stop_ids=self.stop_ids, pad_id=self.pad_id)
+        with gathered_for_generation(self.lm):  # FSDP: every layer whole while sampling, sharded again after
+            sample = sampler_for(self.lm, rl.sampler)
+            completions = sample(self.lm, prompt_ids, seeds=seeds, max_new_tokens=rl.max_completion_tokens,
+                                 temperature=rl.temperature, top_p=rl.top_p, stop_ids=self.stop_ids,
+                                 pad_id=self.pad_id)
         generation_s = time.perf_counter() - begun
-        texts, per_function, total = self._score(examples, completions, g)
+        extra = RewardLogs()
+        texts, per_function, total = self._score(examples, completions, g, where=self.sources[0], logs=extra)
+        for name, values in extra.metrics.items():
+            self.logs.metrics[name] += values
         rows = [e["row"] + 1 for e in examples for _ in range(g)]
         advantages, std = group_advantages(total, g, scale_rewards=rl.scale_rewards)
 
@@ -197,21 +210,40 @@ class GRPO:
                     "prompt": self.tokenizer.decode(prompt_ids[i], skip_special_tokens=False),
                     "completion": texts[i], "prompt_ids": prompt_ids[i], "completion_ids": completions[i],
                     **{name: _number(per_function[i, k]) for k, name in enumerate(names)},
-                    "reward": _number(total[i]), "advantage": float(advantages[i])}
+                    "reward": _number(total[i]), "advantage": float(advantages[i]),
+                    # log_extra's columns, where a function gave one value per completion (as TRL's table needs)
+                    **{column: values[i] for column, values in extra.extra.items() if len(values) == len(completions)}}
                    for i in range(len(completions))]
         return batch, counts, records
 
-    def _score(self, examples: list[dict], completions: list[list[int]], g: int):
+    def _score(self, examples: list[dict], completions: list[list[int]], g: int, *, where: str, logs=None):
         """(texts, each reward [completions x functions], their weighted sum) of the completions of `examples`,
-        `g` consecutive completions per example."""
+        `g` consecutive completions per example, scored as TRL scores them (rewards.score); `where`: the examples'
+        file, for the errors."""
         from llmtrain.objectives.rewards import score
 
         texts = [self.tokenizer.decode(c, skip_special_tokens=True) for c in completions]
         prompts = [e["prompt"] for e in examples for _ in range(g)]
         # TRL's convention: a conversational prompt's completion is a list with one assistant message
         shown = [[{"role": "assistant", "content": t}] for t in texts] if isinstance(prompts[0], list) else texts
-        columns = {c: [e[c] for e in examples for _ in range(g)] for c in self.reward_columns}
-        return texts, *score(self.rewards, prompts, shown, columns, [e["row"] + 1 for e in examples for _ in range(g)])
+        columns = {name: [e[stored] for e in examples for _ in range(g)]
+                   for name, stored in self.reward_columns.items()}
+        return texts, *score(self.rewards, prompts, shown, completion_ids=[list(c) for c in completions],
+                             columns=columns, rows=[e["row"] + 1 for e in examples for _ in range(g)], where=where,
+                             state=self.state, logs=logs, runner=self.runner)
+
+    def unscored(self, records: list[dict]) -> list[str]:
+        """Warnings, each said once a run: a reward function that scored none of a step's completions (None for
+        every one; `records`: the step's rollouts from every process). TRL warns too: such a function adds nothing
+        to the step's rewards, and if every function is silent the step trains nothing (loss 0)."""
+        notes = []
+        for name, _, _ in self.rewards:
+            if records and name not in self.warned and all(r[name] is None for r in records):
+                self.warned.add(name)
+                notes.append(f"warning (rewards): reward function {name} returned None for all {len(records)} "
+                             f"completions of step {records[0]['step']}: nothing it scores counts (None means 'does "
+                             "not apply'). Check its columns and what it returns; said once a run.")
+        return notes
 
     # ---- the update
 
@@ -246,6 +278,9 @@ class GRPO:
         out["clip_ratio/region_mean"] = s["clipped_tokens"] / tokens
         out["generation_s"] = s["generation_s"]
         out["generation_tokens_per_s"] = s["length"] / max(s["generation_s"], 1e-9)
+        # log_metric's numbers since the last line, on this process (the main one writes them); never over ours
+        out.update({name: sum(v) / len(v) for name, v in sorted(self.logs.metrics.items()) if v and name not in out})
+        self.logs.metrics.clear()
         return out
 
     # ---- evaluation: held-out prompts, one greedy completion each
@@ -264,7 +299,7 @@ class GRPO:
             completions = sample(self.lm, prompt_ids, seeds=[0] * len(examples),
                                  max_new_tokens=self.rl.max_completion_tokens, temperature=0.0, top_p=1.0,
                                  stop_ids=self.stop_ids, pad_id=self.pad_id)
-        _, per_function, total = self._score(examples, completions, 1)
+        _, per_function, total = self._score(examples, completions, 1, where=self.sources[1] or self.sources[0])
         return torch.tensor([len(examples), float(total.nansum()), *per_function.nan_to_num().sum(0).tolist(),
                              *(~per_function.isnan()).sum(0).tolist()], dtype=torch.float64)
 
@@ -273,9 +308,11 @@ class GRPO:
         n, reward, per, counts = sums[0], sums[1], sums[2:2 + k], sums[2 + k:]
         out = {"eval_reward": reward / max(n, 1)}
         for (name, _, _), total, count in zip(self.rewards, per, counts):
-            out[f"eval_rewards/{name}/mean"] = total / max(count, 1)
-        if (first := next((i for i, c in enumerate(self.rl.rewards) if c.type == "answer_match"), None)) is not None:
-            out["eval_answer_accuracy"] = per[first] / max(counts[first], 1)  # the first answer_match's mean
+            if count:  # a function that scored nothing has no mean (as in the train lines)
+                out[f"eval_rewards/{name}/mean"] = total / count
+        first = next((i for i, c in enumerate(self.rl.rewards) if c.type == "answer_match"), None)
+        if first is not None and counts[first]:
+            out["eval_answer_accuracy"] = per[first] / counts[first]  # the first answer_match's mean
         return out
 
 

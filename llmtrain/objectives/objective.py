@@ -89,7 +89,8 @@ class CausalLM:
                 "eval_token_accuracy": correct / max(tokens, 1), "eval_teacher_forced_match": exact / max(examples, 1)}
 
 
-def objective_for(recipe, *, pad_id: int, model=None, tokenizer=None, train=None, world: int = 1) -> Objective:
+def objective_for(recipe, *, pad_id: int, model=None, tokenizer=None, train=None, world: int = 1,
+                  total_steps: int | None = None) -> Objective:
     """The recipe's objective: GRPO on prompts (rl:), a preference loss on pairs (preference:), else causal-LM
     cross-entropy (supervised fine-tuning). `model`: the unwrapped model, whose disabled adapter is the reference
     of a LoRA preference run (and which samples an RL run's completions); `train`: the tokenised train set (RL: its
@@ -101,7 +102,8 @@ def objective_for(recipe, *, pad_id: int, model=None, tokenizer=None, train=None
         from llmtrain.model.generate import stop_tokens
         from llmtrain.model.loss import causal_lm
         from llmtrain.objectives.grpo import GRPO
-        from llmtrain.objectives.rewards import build_rewards, check_rewards
+        from llmtrain.data.prepare import sources
+        from llmtrain.objectives.rewards import build_rewards, check_rewards, trainer_state
 
         turn = None
         if recipe.data.chat_template is not False or tokenizer.chat_template is not None:
@@ -111,10 +113,14 @@ def objective_for(recipe, *, pad_id: int, model=None, tokenizer=None, train=None
                 turn = None
         columns = train.column_names
         rewards = build_rewards(recipe.rl, answer_pattern=recipe.train.eval_answer_pattern, columns=columns)
+        where = sources(recipe.data)
+        state = trainer_state(recipe, total_steps=total_steps)
         objective = GRPO(recipe.rl, tokenizer=tokenizer, pad_id=pad_id, packing=packs_rows(recipe),
                          seed=recipe.train.seed, rewards=rewards, model=model, columns=columns,
-                         stop_ids=stop_tokens(causal_lm(model), tokenizer, turn), world=world)
-        check_rewards(rewards, list(train.select(range(min(2, len(train))))), objective.reward_columns)
+                         stop_ids=stop_tokens(causal_lm(model), tokenizer, turn), world=world, sources=where,
+                         state=state)
+        check_rewards(rewards, list(train.select(range(min(2, len(train))))), where=where[0], state=state,
+                      runner=objective.runner)  # the run's event loop from the first call on
         return objective
 
     if recipe.preference is not None:

@@ -1,27 +1,38 @@
-"""Rewards a user can compute, for online RL (GRPO): built-in ones and the user's own, with TRL's signature.
+"""Rewards a user can compute, for online RL (GRPO): built-in ones and the user's own, called as TRL calls them.
 
-A reward function takes the prompts and the completions of a batch (text) and the dataset's other columns by name,
-and returns one float per completion, or None where it does not apply (TRL's convention):
+A reward function gets keyword arguments as TRL 1.16's GRPOTrainer passes them (`_calculate_rewards`): the batch's
+`prompts` and `completions` (text, or one assistant message each for conversational prompts), `completion_ids`
+(token ids), `trainer_state` (a transformers.TrainerState: global_step, max_steps, epoch), `log_extra` and
+`log_metric`, and every column of the data but the prompt, by its own name. It returns one number per completion,
+or None where it does not apply; a list, a numpy array or a torch tensor:
 
-    def my_reward(prompts: list[str], completions: list[str], **columns) -> list[float | None]
+    def my_reward(prompts, completions, completion_ids, trainer_state, **columns) -> list[float | None]
 
-so a reward function written for TRL's GRPOTrainer works unchanged (`rl.rewards: [{function: module:name}]`).
-Built in: `answer_match` (1.0 where the completion's answer, the first group of a pattern, equals the expected
-column's, as eval_answer_accuracy compares them) and `format` (1.0 where the completion matches a pattern).
-`score` runs them, checks what they return (its length, finite values), weights them and sums them: a completion
-that no function scores gets NaN, which group_advantages leaves out. Whatever goes wrong stops the run with the
-function's name and the row, never a reward silently taken as 0.
+An `async def` function is awaited (several together, as TRL gathers them), so a reward function written for TRL's
+GRPOTrainer works unchanged (`rl.rewards: [{function: module:name}]`). Built in: `answer_match` (1.0 where the
+completion's answer, the first group of a pattern, equals the expected column's, as eval_answer_accuracy compares
+them) and `format` (1.0 where the completion matches a pattern). `score` runs them, checks what they return (its
+length, finite values), weights them and sums them: a completion that no function scores gets NaN, which
+group_advantages leaves out. Whatever goes wrong stops the run with the function's name, the file and the row,
+never a reward silently taken as 0.
 """
 
 from __future__ import annotations
 
+import asyncio
 import importlib
+import inspect
 import math
 import re
+import threading
+from collections import defaultdict
 from collections.abc import Callable, Sequence
+from contextlib import nullcontext
+from dataclasses import dataclass, field
 
 import torch
 
+from llmtrain.data.formats import pairs_note, user_columns
 from llmtrain.errors import LLMTrainError
 
 RewardFn = Callable[..., list]
@@ -36,13 +47,14 @@ def answer(text: str, pattern: str | None) -> str | None:
     return found.group(1).strip() if found else None
 
 
-PREPARED = ("input_ids", "labels", "length", "row", "prompt")  # what data preparation adds to a prompt row
+# The keyword arguments TRL passes besides the columns: a column of one of these names could not reach a function.
+TRL_ARGUMENTS = ("prompts", "completions", "completion_ids", "trainer_state", "log_extra", "log_metric")
 
 
-def reward_columns(columns) -> tuple[str, ...]:
-    """The columns of prepared prompt data that the reward functions get by name: all but the prompt and what
-    preparation added."""
-    return tuple(c for c in columns if c not in PREPARED)
+def reward_columns(columns) -> dict[str, str]:
+    """{the user's column: where prepared prompt data keeps it} for the reward functions: every column of the data
+    but the prompt, under its own name (data.formats.user_columns: apart from the columns preparation adds)."""
+    return user_columns(columns)
 
 
 def content(completion) -> str:
@@ -97,39 +109,87 @@ def import_reward(spec: str) -> RewardFn:
 
 def build_rewards(rl, *, answer_pattern: str | None, columns) -> list[tuple[str, RewardFn, float]]:
     """The recipe's rl.rewards as (name, function, weight): answer_match reads `pattern` (default
-    train.eval_answer_pattern) from its column, which must be one of the data's `columns`."""
+    train.eval_answer_pattern) from its column, which must be one of the user's `columns` (their names as in the
+    file, prepared data's column_names, as reward_columns reads them)."""
+    columns = list(reward_columns(columns))
+    clash = [c for c in columns if c in TRL_ARGUMENTS]
+    if clash:
+        raise LLMTrainError(f"the data has a column named {clash[0]!r}, the name of an argument every reward function "
+                            f"gets ({', '.join(TRL_ARGUMENTS)}), so the column could not reach them. Rename the "
+                            "column in the data file.")
     out = []
     for r in rl.rewards:
         if r.type == "answer_match":
             if r.column not in columns:
                 raise LLMTrainError(f"rl.rewards: answer_match compares with the column '{r.column}', which the data "
-                                    f"does not have (its columns: {sorted(columns)}). Set the reward's column: to the "
-                                    "one holding the expected answer.")
+                                    f"does not have (its columns besides the prompt: {sorted(columns)}). Set the "
+                                    "reward's column: to the one holding the expected answer." + pairs_note(columns))
             fn = answer_match(r.pattern if r.pattern is not None else answer_pattern, column=r.column)
         elif r.type == "format":
             fn = format_match(r.pattern)
         else:
             fn = import_reward(r.function)
-        out.append((r.name, fn, r.weight))
+        out.append((r.label, fn, r.weight))
     return out
 
 
-def score(functions: Sequence[tuple[str, RewardFn, float]], prompts: list[str], completions: list[str],
-          columns: dict[str, list], rows: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+@dataclass
+class RewardLogs:
+    """What reward functions hand to `log_extra` (columns of rollouts.jsonl, one value per completion) and to
+    `log_metric` (numbers averaged into the step's metrics line), as TRL's GRPOTrainer lets them."""
+
+    extra: dict[str, list] = field(default_factory=lambda: defaultdict(list))
+    metrics: dict[str, list[float]] = field(default_factory=lambda: defaultdict(list))
+
+    def log_extra(self, column: str, values: list) -> None:
+        self.extra[column].extend(values)
+
+    def log_metric(self, name: str, value: float) -> None:
+        self.metrics[name].append(float(value))
+
+
+def score(functions: Sequence[tuple[str, RewardFn, float]], prompts: list, completions: list, *,
+          completion_ids: list[list[int]], columns: dict[str, list], rows: list[int], where: str,
+          state=None, logs: RewardLogs | None = None,
+          runner: AsyncRunner | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """(each function's rewards [completions x functions], NaN for None; their weighted sum [completions], NaN
-    where no function applied). `functions`: (name, function, weight); `columns`: the rows' other columns, one
-    value per completion; `rows`: each completion's row number in the data, for the errors."""
+    where no function applied). `functions`: (name, function, weight), each called with TRL's keyword arguments
+    (prompts, completions, completion_ids, trainer_state `state`, log_extra and log_metric into `logs`, and
+    `columns`, the user's columns by name, one value per completion); async ones are awaited together, on
+    `runner`'s event loop (None: one of their own). `rows`: each completion's row in the data (1-based) and `where`
+    the file, for the errors."""
+    logs = logs if logs is not None else RewardLogs()
+    kwargs = dict(prompts=prompts, completions=completions, completion_ids=completion_ids, trainer_state=state,
+                  log_extra=logs.log_extra, log_metric=logs.log_metric, **columns)
+    at = f"{where}, rows {_rows(rows)}"
+    outputs: dict[int, object] = {}
+    waiting: dict[int, object] = {}  # an async function's coroutine, awaited below with the others
+    try:
+        for k, (name, fn, _) in enumerate(functions):
+            try:
+                out = fn(**kwargs)
+            except Exception as e:
+                raise _raised(name, e, at) from None
+            (waiting if inspect.isawaitable(out) else outputs)[k] = out
+        if waiting:
+            with AsyncRunner() if runner is None else nullcontext(runner) as loop:
+                results = loop.gather(list(waiting.values()))
+            for k, out in zip(waiting, results):
+                if isinstance(out, Exception):
+                    raise _raised(functions[k][0], out, at) from None
+                outputs[k] = out
+    finally:
+        for coroutine in waiting.values():
+            if inspect.iscoroutine(coroutine):
+                coroutine.close()  # one that never ran (another function failed first): no "never awaited" warning
     per_function = torch.full((len(completions), len(functions)), math.nan, dtype=torch.float64)
-    for k, (name, fn, _) in enumerate(functions):
-        try:
-            values = fn(prompts=prompts, completions=completions, **columns)
-        except Exception as e:
-            raise LLMTrainError(f"reward function {name} raised {type(e).__name__}: {e} (on the completions of rows "
-                                f"{_rows(rows)}). Fix the function; no step was taken with its rewards.") from None
-        if not isinstance(values, (list, tuple)) or len(values) != len(completions):
-            got = f"{len(values)} values" if isinstance(values, (list, tuple)) else type(values).__name__
-            raise LLMTrainError(f"reward function {name} returned {got} for {len(completions)} completions (rows "
-                                f"{_rows(rows)}): it must return one float (or None) per completion.")
+    for k, (name, _, _) in enumerate(functions):
+        values = _as_list(outputs[k])
+        if not isinstance(values, list) or len(values) != len(completions):
+            got = f"{len(values)} values" if isinstance(values, list) else type(outputs[k]).__name__
+            raise LLMTrainError(f"reward function {name} returned {got} for {len(completions)} completions ({at}): "
+                                "it must return one number (or None) per completion: a list, a numpy array or a "
+                                "torch tensor.")
         for i, value in enumerate(values):
             if value is None:
                 continue
@@ -138,8 +198,9 @@ def score(functions: Sequence[tuple[str, RewardFn, float]], prompts: list[str], 
             except (TypeError, ValueError):
                 number = math.nan
             if not math.isfinite(number) or isinstance(value, str):
-                raise LLMTrainError(f"reward function {name} returned {value!r} for the completion of row {rows[i]}: "
-                                    "a reward must be a finite number, or None where the function does not apply.")
+                raise LLMTrainError(f"reward function {name} returned {value!r} for the completion of row {rows[i]} "
+                                    f"of {where}: a reward must be a finite number, or None where the function does "
+                                    "not apply.")
             per_function[i, k] = number
     weights = torch.tensor([w for _, _, w in functions], dtype=torch.float64)
     total = (per_function * weights).nansum(dim=1)
@@ -147,16 +208,76 @@ def score(functions: Sequence[tuple[str, RewardFn, float]], prompts: list[str], 
     return per_function, total
 
 
-def check_rewards(functions: Sequence[tuple[str, RewardFn, float]], rows: list[dict], columns: Sequence[str]) -> None:
-    """Run every reward function once on the first `rows` (prompt rows as prepared: prompt, row, the other
-    columns), each with an empty completion and with the prompt itself as one, before the run writes anything: a
-    function that raises, returns the wrong length or a non-finite value is refused now, naming it, not at step 1."""
+class AsyncRunner:
+    """One event loop on a daemon thread for a run's async reward functions, as TRL's GRPOTrainer keeps one: what a
+    function opens on its first call (an HTTP client, a lock) is still on the loop at the next; and it runs whether
+    or not the caller is inside an event loop itself (a notebook). Started at the first use."""
+
+    def __init__(self):
+        self.loop: asyncio.AbstractEventLoop | None = None
+
+    def gather(self, coroutines: list) -> list:
+        """The coroutines run concurrently (asyncio.gather, as TRL runs them) to their results or exceptions."""
+        if self.loop is None:
+            self.loop = asyncio.new_event_loop()
+            threading.Thread(target=self.loop.run_forever, name="llmtrain-rewards", daemon=True).start()
+
+        async def together():
+            return await asyncio.gather(*coroutines, return_exceptions=True)
+
+        return asyncio.run_coroutine_threadsafe(together(), self.loop).result()
+
+    def close(self) -> None:
+        if self.loop is not None:
+            self.loop.call_soon_threadsafe(self.loop.stop)
+            self.loop = None
+
+    def __enter__(self) -> AsyncRunner:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def _as_list(values):
+    """A reward function's result as a list: a numpy array or a torch tensor (TRL takes both) becomes one."""
+    if isinstance(values, torch.Tensor) or (hasattr(values, "tolist") and hasattr(values, "ndim")):
+        return values.tolist() if values.ndim == 1 else values
+    return list(values) if isinstance(values, tuple) else values
+
+
+def _raised(name: str, e: BaseException, at: str) -> LLMTrainError:
+    return LLMTrainError(f"reward function {name} raised {type(e).__name__}: {e} (on the completions of {at}). Fix "
+                         "the function; no step was taken with its rewards.")
+
+
+def trainer_state(recipe, *, total_steps: int | None):
+    """The `trainer_state` reward functions get, a transformers.TrainerState as TRL passes its own: max_steps, the
+    logging, eval and save cadence, the micro-batch; the rollout sets global_step (the steps done) and epoch."""
+    from transformers import TrainerState  # only an RL run pays for importing it
+
+    t = recipe.train
+    return TrainerState(max_steps=total_steps or t.max_steps or 0, num_train_epochs=t.epochs,
+                        logging_steps=recipe.logging.every_steps, eval_steps=t.eval_every_steps,
+                        save_steps=recipe.checkpoint.every_steps, train_batch_size=t.micro_batch_size)
+
+
+def check_rewards(functions: Sequence[tuple[str, RewardFn, float]], rows: list[dict], *, where: str,
+                  state=None, runner: AsyncRunner | None = None) -> None:
+    """Run every reward function once on the first `rows` (prompt rows as prepared: prompt, row, input_ids, the
+    user's columns), each with an empty completion and with the prompt itself as one, before the run writes
+    anything: a function that raises, returns the wrong length or a non-finite value is refused now, naming it,
+    not at step 1."""
+    if not rows:
+        return
     prompts = [r["prompt"] for r in rows for _ in range(2)]
-    chat = bool(prompts) and isinstance(prompts[0], list)
+    chat = isinstance(prompts[0], list)
     texts = [t for r in rows for t in ("", r["prompt"] if isinstance(r["prompt"], str) else "")]
     completions = [[{"role": "assistant", "content": t}] for t in texts] if chat else texts
-    score(functions, prompts, completions, {c: [r[c] for r in rows for _ in range(2)] for c in columns},
-          [r["row"] + 1 for r in rows for _ in range(2)])
+    ids = [i for r in rows for i in ([], list(r["input_ids"]))]
+    columns = {name: [r[stored] for r in rows for _ in range(2)] for name, stored in reward_columns(rows[0]).items()}
+    score(functions, prompts, completions, completion_ids=ids, columns=columns,
+          rows=[r["row"] + 1 for r in rows for _ in range(2)], where=where, state=state, runner=runner)
 
 
 def _rows(rows: list[int]) -> str:

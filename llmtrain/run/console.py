@@ -10,6 +10,8 @@ from __future__ import annotations
 import math
 from pathlib import Path
 
+from llmtrain.errors import LLMTrainError, Stopped
+
 
 class RunConsole:
     def __init__(self, *, enabled: bool, progress: bool, device: str = "cuda"):
@@ -51,6 +53,17 @@ class RunConsole:
         for what, markup in self._pending:
             self._log.print(what, markup=markup, highlight=False, soft_wrap=isinstance(what, str))
         self._pending = []
+
+    def record_error(self, error: BaseException) -> None:
+        """The paragraph the run ends with (the command line prints it on the screen) into train.log too, if it is
+        open: a failed run's folder says why it failed."""
+        if self._log is None:
+            return
+        if isinstance(error, LLMTrainError):
+            text = f"{'stopped' if isinstance(error, Stopped) else 'error'}: {error}"
+        else:  # a bug: its traceback is on the screen
+            text = f"error: {type(error).__name__}: {error} (the traceback is printed on the console)"
+        self._log.print(text, markup=False, highlight=False, soft_wrap=True)
 
     def step(self, rec: dict, *, total: int) -> None:
         if self.plain:

@@ -5,7 +5,9 @@ flock on it for the whole run; the kernel drops it when the process ends, howeve
 included), so a lock is never stale. It records who holds it (pid, host, start, command) for the message
 a second run into the same folder gets. `--overwrite` deletes only a marked folder (or one an older
 llmtrain wrote: metrics.jsonl, recipe.yaml and checkpoints/), and only after the lock is taken; it
-deletes everything in it but the lock file, which must stay the one file every run locks.
+deletes everything in it but the lock file, which must stay the one file every run locks. A marked folder
+whose run ended before it kept anything (no checkpoint, no final/, no summary.json) is started again without
+--overwrite.
 """
 
 from __future__ import annotations
@@ -115,13 +117,16 @@ def _check(out: Path, *, resume: str | None, overwrite: bool, warn, locked: bool
     if holder:
         raise LLMTrainError(_in_use(out, holder))
     if present and not resume and not overwrite:
-        raise LLMTrainError(_exists(out))
+        if not _restartable(out):
+            raise LLMTrainError(_exists(out))
+        warn(f"output_dir '{out}' holds a run that ended before its first checkpoint ({', '.join(present[:4])}"
+             f"{', ...' if len(present) > 4 else ''}): starting again there, its files replaced")
     return resolve_resume(resume, out, warn=warn) if resume else None
 
 
 def _make_ready(out: Path, *, resume: str | None, overwrite: bool) -> None:
     """Under the lock: --overwrite empties the folder (all but the lock file); leftovers of killed saves go."""
-    if overwrite and not resume:
+    if (overwrite or _restartable(out)) and not resume:
         for path in out.iterdir():
             if path.name == MARKER:
                 continue
@@ -140,6 +145,13 @@ def _contents(out: Path) -> list[str]:
 def _is_run(out: Path) -> bool:
     """A folder --overwrite may delete: marked as a run, or laid out as an older llmtrain's run."""
     return (out / MARKER).is_file() or all((out / name).exists() for name in LEGACY)
+
+
+def _restartable(out: Path) -> bool:
+    """A run that ended before it saved anything to keep (a failed start, a reward function that raised at step 0):
+    no checkpoint, no final/ and no summary.json. Starting again in it needs no --overwrite: nothing is lost."""
+    return (out / MARKER).is_file() and not (_has_checkpoints(out) or (out / "final").exists()
+                                             or (out / "summary.json").exists())
 
 
 def _has_checkpoints(out: Path) -> bool:
