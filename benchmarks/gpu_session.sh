@@ -291,12 +291,12 @@ EOF
   ;;
 rl)  # the rollouts issue: sampling speed, then GRPO steps with the fast sampler (about 4 minutes on an H100)
   # 1. tokens/s and ms per decode step at 16, 64 and 256 completions of ~150-token GSM8K prompts, 256 and 1024 new
-  #    tokens: the reference loop (timed over 64 tokens), the eager static cache (over 256), the CUDA graph, and the
+  #    tokens: the reference loop (timed over 64 tokens), the eager static cache (over 128), the CUDA graph, and the
   #    graph with the adapters off plus the merge matmuls (what a merged generation copy would cost)
   if [[ $DRY == 1 ]]; then
     sizes="--completions 16 64 --new-tokens 32 64 --prompt-tokens 40 --cap reference=8 static=32"
   else
-    sizes="--completions 16 64 256 --new-tokens 256 1024 --skip 256:1024 --cap reference=64 static=256"
+    sizes="--completions 16 64 256 --new-tokens 256 1024 --skip 256:1024 --cap reference=64 static=128"
   fi
   $PY benchmarks/rollouts.py --model "$MISTRAL7B" --gsm8k $G/gsm8k/train.jsonl --lora 16 --dtype bfloat16 $sizes \
     >> "$OUT/$WHAT.jsonl" 2>> "$OUT/$WHAT.log"
@@ -315,7 +315,7 @@ EOF
     train.micro_batch_tokens=null train.micro_batch_size=8 train.max_steps=3"
   RL="rl={num_generations: 8, max_completion_tokens: $((256 / SCALE)), rewards: [{type: format, pattern: '[0-9][0-9]'}]}"
   run grpo-graph $FT $W/lora.yaml $GRPO "$RL" rl.sampler=graph
-  run grpo-static $FT $W/lora.yaml $GRPO "$RL" rl.sampler=static
+  run grpo-static $FT $W/lora.yaml $GRPO "$RL" rl.sampler=static train.max_steps=2
   ;;
 esac
 echo "done: $WHAT" >> "$OUT/$WHAT.log"

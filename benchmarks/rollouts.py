@@ -119,6 +119,7 @@ def main() -> None:
 
     cuda = torch.cuda.is_available()
     caps = {k: int(v) for k, v in (c.split("=") for c in args.cap)}
+    measured = set()  # (sampler, completions, new tokens) already timed
     lm = build(args.model, dtype=args.dtype, lora=args.lora, device="cuda" if cuda else "cpu")
     vocab = lm.config.vocab_size if hasattr(lm, "config") else 32000
     samplers = {"reference": sample, "static": sample_fast, "graph": lambda *a, **k: sample_fast(*a, capture=True, **k),
@@ -137,6 +138,9 @@ def main() -> None:
                 if name.startswith("graph") and not cuda:
                     continue
                 steps = min(new, caps.get(name, new))
+                if (name, n, steps) in measured:  # capped: this length was timed already at a shorter --new-tokens
+                    continue
+                measured.add((name, n, steps))
                 timed(samplers[name], lm, prompts[:8], new_tokens=4, cuda=cuda)  # warm-up: kernels, allocator
                 r = timed(samplers[name], lm, prompts, new_tokens=steps, cuda=cuda)
                 out = r.pop("_out")
