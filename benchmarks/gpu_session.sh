@@ -290,6 +290,9 @@ T.train(recipe, overwrite=True)
 EOF
   ;;
 rl)  # the rollouts issue: sampling speed, then GRPO steps with the fast sampler (about 4 minutes on an H100)
+  # 0. the captured decode step against the eager one and the reference loop (tests/test_cuda.py, ~10 s)
+  $PY -m pytest -q -p no:cacheprovider tests/test_cuda.py -k sampler -rs -s > "$OUT/rl-cuda-tests.txt" 2>&1
+  echo "tests/test_cuda.py -k sampler: exit $?" | tee -a "$OUT/$WHAT.log"
   # 1. tokens/s and ms per decode step at 16, 64 and 256 completions of ~150-token GSM8K prompts, 256 and 1024 new
   #    tokens: the reference loop (timed over 64 tokens), the eager static cache (over 128), the CUDA graph, and the
   #    graph with the adapters off plus the merge matmuls (what a merged generation copy would cost)
