@@ -118,6 +118,8 @@ def test_the_fast_sampler_trains_what_the_reference_loop_trains(straight, tmp_pa
     assert "sampler" not in recipe.read_text()  # the straight run samples with the default
     reference = tmp_path / "reference"
     run_train(recipe, f"output_dir={reference}", "rl.sampler=reference")
+    assert "(rl.sampler=reference)" in (reference / "train.log").read_text()  # the run's header says which
+    assert "(rl.sampler=static)" in (fast / "train.log").read_text()
     assert rollouts(fast) == rollouts(reference)
     assert losses(fast) == losses(reference)
     assert [e["eval_reward"] for e in records(fast, "eval")] == [e["eval_reward"] for e in records(reference, "eval")]

@@ -148,7 +148,7 @@ def prepare_data(recipe: Recipe, accelerator, *, say) -> Data:
     evals = f"eval: {stats['eval'].examples if 'eval' in stats else 0} {unit}"
     if recipe.rl is not None:
         say(f"data: {s.examples} train {unit} ({cache_line(int(cache_reads), accelerator.num_processes)}), "
-            f"{recipe.rl.num_generations} completions each a step; {evals}")
+            f"{recipe.rl.num_generations} completions each a step (rl.sampler={recipe.rl.sampler}); {evals}")
     else:
         say(f"data: {s.examples} train {unit} ({cache_line(int(cache_reads), accelerator.num_processes)}), "
             f"{s.truncated} truncated, {s.dropped} dropped, {s.trained_fraction:.1%} of tokens trained; {evals}")
