@@ -263,7 +263,9 @@ def _captured(step, state: dict, *, warmup: int, pool=None) -> torch.cuda.CUDAGr
     for k, v in saved.items():  # the warm-up's writes to the cache are at slots the real steps write before reading
         state[k].copy_(v)
     graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph, pool=pool):
+    # thread_local: another thread's CUDA call during the capture (the data prefetch pinning a batch) is neither
+    # refused nor taken into the graph
+    with torch.cuda.graph(graph, pool=pool, capture_error_mode="thread_local"):
         step()
     return graph
 
