@@ -86,6 +86,11 @@ def test_under_fsdp_sampling_holds_the_whole_model_gathered():
     assert MISTRAL.params_total * 2 <= gathered <= MISTRAL.params_total * 2 * 1.01
     assert est.phase_parts["generation_prefill"]["fsdp_buffers"] == gathered
     assert est.phase_parts["forward"]["fsdp_buffers"] < gathered / 10
+    # its decode steps read the whole gathered model, whatever the shard a GPU keeps
+    one = spec.but(strategy="single", num_gpus=1)
+    whole = MISTRAL.params_total * 2
+    assert sampling_seconds(MISTRAL, spec, weight_bytes=whole / 2, network=Network()) == pytest.approx(
+        sampling_seconds(MISTRAL, one, weight_bytes=whole, network=Network()))
 
 
 def test_kv_cache_and_sampling_phases_by_hand():

@@ -227,13 +227,15 @@ def sampling_seconds(shape: ModelShape, spec: TrainSpec, *, weight_bytes: float,
     """Online RL's sampling per optimizer step (0 without): grad_accum rounds, each the prefill of the micro-batch's
     prompts (their model FLOPs, 2 per parameter per token, at the stated MFU) and rl.max_completion_tokens decode
     steps. A decode step of a few dozen rows is bound by memory, not FLOPs: it reads every weight once (the
-    adapters unmerged beside them) and the static KV cache (estimate.kv_cache_bytes, whole: the step has a fixed
+    adapters unmerged beside them; under FSDP the whole gathered model, not the GPU's shard) and the static KV cache (estimate.kv_cache_bytes, whole: the step has a fixed
     shape), so it takes those bytes over the GPU's memory bandwidth."""
     if not spec.generations:
         return 0.0
     from llmtrain.memory.estimate import kv_cache_bytes
 
     prompts = max(1, spec.micro_batch // spec.generations)
+    if spec.sharded:  # FSDP: the rollout gathered the whole model (gathered_for_generation), in the compute dtype
+        weight_bytes = shape.params_total * DTYPE_BYTES[PRECISION_DTYPE.get(spec.mixed_precision, spec.dtype)]
     params = shape.layers * shape.linear_params_per_layer + shape.vocab * shape.hidden
     prefill = 2.0 * params * prompts * spec.prompt_tokens / (network.peak_tflops * 1e12 * network.mfu)
     decode = spec.completion_tokens * (weight_bytes + kv_cache_bytes(shape, spec)) / (network.hbm_tbps * 1e12)
