@@ -82,12 +82,14 @@ cfg = json.load(open(path)); cfg.update(over); cfg.update(tiny); json.dump(cfg, 
 EOF
   echo "$d"
 }
+# ... and as prompts with their answer column (online RL: smoke's GRPO run, and rl)
 $PY - <<EOF
 import json
-with open("$G/gsm8k/train.jsonl") as f, open("$W/gsm8k-messages.jsonl", "w") as w:
+with open("$G/gsm8k/train.jsonl") as f, open("$W/gsm8k-messages.jsonl", "w") as w, open("$W/gsm8k-prompts.jsonl", "w") as p:
     for line in f:
         r = json.loads(line)
         w.write(json.dumps({"messages": [{"role": "user", "content": r["question"]}, {"role": "assistant", "content": r["answer"]}]}) + "\n")
+        p.write(json.dumps({"prompt": r["question"], "answer": r["answer"]}) + "\n")
 EOF
 MISTRAL7B=$(model_dir mistral-7b '{}')
 LLAMA1B=$(model_dir llama-1b '{"model_type": "llama", "architectures": ["LlamaForCausalLM"], "hidden_size": 2048, "num_hidden_layers": 16, "num_attention_heads": 32, "num_key_value_heads": 8, "intermediate_size": 8192, "vocab_size": 32000, "head_dim": 64}')
@@ -178,13 +180,6 @@ EOF
     preference.loss=dpo
   # online RL (GRPO, Mistral-7B LoRA): sampling with the KV cache, then the packed update; a random model runs every
   # completion to max_completion_tokens, which is the worst case the estimate counts
-  $PY - <<EOF
-import json
-with open("$G/gsm8k/train.jsonl") as f, open("$W/gsm8k-prompts.jsonl", "w") as w:
-    for line in f:
-        r = json.loads(line)
-        w.write(json.dumps({"prompt": r["question"], "answer": r["answer"]}) + "\n")
-EOF
   run grpo-lora $FT $W/lora.yaml data.path=$W/gsm8k-prompts.jsonl data.format=prompt data.chat_template=true \
     data.max_seq_len=1024 train.micro_batch_tokens=null train.micro_batch_size=4 train.max_steps=3 \
     "rl={num_generations: 4, max_completion_tokens: $((256 / SCALE)), rewards: [{type: format, pattern: '[0-9][0-9]'}]}"
@@ -306,13 +301,6 @@ rl)  # the rollouts issue: sampling speed, then GRPO steps with the fast sampler
   echo "rollouts.py: exit $?" | tee -a "$OUT/$WHAT.log"
   # 2. Mistral-7B LoRA GRPO, 8 prompts x 8 completions x 256 new tokens a step: generation_s against the step, and
   #    the peak against the estimate (a random model runs every completion to the limit: the worst case)
-  $PY - <<EOF
-import json
-with open("$G/gsm8k/train.jsonl") as f, open("$W/gsm8k-prompts.jsonl", "w") as w:
-    for line in f:
-        r = json.loads(line)
-        w.write(json.dumps({"prompt": r["question"], "answer": r["answer"]}) + "\n")
-EOF
   recipe $W/lora.yaml "$MISTRAL7B" 1 bfloat16 4096
   GRPO="data.path=$W/gsm8k-prompts.jsonl data.format=prompt data.chat_template=true data.max_seq_len=1024
     train.micro_batch_tokens=null train.micro_batch_size=8 train.max_steps=3"
