@@ -91,7 +91,7 @@ def merged_speed(lm, prompts, **kw):
     as the matmuls it takes. Its tokens are the base model's, so it is left out of the token comparison."""
     with torch.no_grad():
         for module in lm.modules():
-            if hasattr(module, "lora_A") and "default" in getattr(module, "lora_A", {}):
+            if "default" in getattr(module, "lora_A", {}):
                 a, b = module.lora_A["default"].weight, module.lora_B["default"].weight
                 _ = module.base_layer.weight + (b @ a).to(module.base_layer.weight.dtype) * module.scaling["default"]
     if not hasattr(lm, "disable_adapter"):

@@ -31,25 +31,20 @@ Models: the Llama layout (llama, mistral, qwen2, qwen3: `model.layers`, `embed_t
 from __future__ import annotations
 
 import inspect
-from contextlib import contextmanager
 
 import torch
 
-from llmtrain.model.generate import next_tokens
+from llmtrain.model.generate import attention_as, next_tokens
+from llmtrain.model.loss import causal_lm
 
 CHECK_EVERY = 16  # tokens between two looks at the end-of-turn flags (the only host syncs while decoding)
 SPAN = 256  # a decode step attends to the cache's slots up to the next multiple of this (one graph per span)
 LAYOUTS = ("llama", "mistral", "qwen2", "qwen3")  # models whose forward is embed -> layers -> norm -> head
 
 
-def base_model(lm):
-    """The transformers model under a peft wrapper (the LoRA layers stay in it)."""
-    return lm.get_base_model() if hasattr(lm, "get_base_model") else lm
-
-
 def supports(lm) -> bool:
     """Whether the fast sampler can run this model: the Llama layout, with plain (unsharded) parameters."""
-    model = base_model(lm)
+    model = causal_lm(lm)
     if getattr(model.config, "model_type", None) not in LAYOUTS:
         return False
     inner = getattr(model, "model", None)
@@ -79,7 +74,7 @@ class _Forward:
     rotary embeddings of the rows' positions, the final norm and the head on the last position only."""
 
     def __init__(self, lm):
-        self.model = base_model(lm)
+        self.model = causal_lm(lm)
         inner = self.model.model
         self.inner, self.layers = inner, list(inner.layers)
         params = inspect.signature(self.layers[0].forward).parameters
@@ -122,19 +117,12 @@ def sample_attention(module, query, key, value, attention_mask, scaling=None, dr
     return out.transpose(1, 2).contiguous(), None
 
 
-@contextmanager
 def _sample_attention(lm):
     """`sample_attention` while sampling, the run's own attention put back after."""
     from transformers import AttentionInterface
 
     AttentionInterface.register(ATTENTION, sample_attention)
-    config = base_model(lm).config
-    before = config._attn_implementation
-    config._attn_implementation = ATTENTION  # the setter applies it to the sub-configs too
-    try:
-        yield
-    finally:
-        config._attn_implementation = before
+    return attention_as(causal_lm(lm).config, ATTENTION)
 
 
 def _window_mask(allowed: torch.Tensor, query_slots: torch.Tensor, key_slots: torch.Tensor, window: int | None):
@@ -292,7 +280,7 @@ def sampler_for(lm, kind: str):
         import warnings
 
         warnings.warn(f"rl.sampler={kind}: the fast sampler runs the Llama layout ({', '.join(LAYOUTS)}) with whole "
-                      f"parameters; this {base_model(lm).config.model_type} model samples with the reference loop "
+                      f"parameters; this {causal_lm(lm).config.model_type} model samples with the reference loop "
                       "(the same tokens, slower)", stacklevel=2)
         return sample
     return partial(sample_fast, capture=kind == "graph")

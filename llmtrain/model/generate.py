@@ -15,7 +15,7 @@ one unpacked sequence, and switches back afterwards.
 
 from __future__ import annotations
 
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 
 import torch
 
@@ -39,17 +39,21 @@ def stop_tokens(lm, tokenizer, end_of_turn: str | None = None) -> list[int]:
 
 
 @contextmanager
+def attention_as(config, implementation: str):
+    """The model of `config` attends with `implementation` inside the block, with its own again after."""
+    before = config._attn_implementation
+    config._attn_implementation = implementation  # the setter applies it to the sub-configs too
+    try:
+        yield
+    finally:
+        config._attn_implementation = before
+
+
 def cached_attention(lm):
     """SDPA instead of llmtrain's varlen attention while generating (it refuses a KV cache)."""
     from llmtrain.model.attention import NAME
 
-    before = lm.config._attn_implementation
-    if before == NAME:
-        lm.config._attn_implementation = "sdpa"  # the setter applies it to the sub-configs too
-    try:
-        yield
-    finally:
-        lm.config._attn_implementation = before
+    return attention_as(lm.config, "sdpa") if lm.config._attn_implementation == NAME else nullcontext()
 
 
 def next_tokens(logits: torch.Tensor, uniforms: torch.Tensor, *, temperature: float, top_p: float) -> torch.Tensor:

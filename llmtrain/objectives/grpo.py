@@ -140,17 +140,21 @@ class GRPO:
         recounted, and `rollouts` (one record per completion, for rollouts.jsonl) filled in."""
         import dataclasses
 
+        from llmtrain.parallel.distributed import gathered_for_generation
+
         batches, counts, records = [], None, []
         if self.state is not None:  # what a reward function sees: the steps done, as TRL's global_step
             self.state.global_step, self.state.epoch = step, float(window.epoch)
         was_training = self.lm.training
         self.lm.eval()  # no dropout while sampling (as vLLM samples); the update below trains with it
         try:
-            for b in window.batches:
-                batch, n, recs = self._rollout_batch(b["examples"], step)
-                batches.append(batch)
-                counts = n if counts is None else counts.plus(n)
-                records += recs
+            # FSDP: every unit gathered once for the window's micro-batches, sharded again before the update
+            with gathered_for_generation(self.lm):
+                for b in window.batches:
+                    batch, n, recs = self._rollout_batch(b["examples"], step)
+                    batches.append(batch)
+                    counts = n if counts is None else counts.plus(n)
+                    records += recs
         finally:
             self.lm.train(was_training)
         if self.state is not None:  # an eval after this step's update sees it done
@@ -162,10 +166,8 @@ class GRPO:
 
         from llmtrain.data.batching import collate, with_loss_positions
         from llmtrain.data.formats import IGNORE
-        from llmtrain.model.fast_sample import sampler_for
         from llmtrain.model.generate import completion_seed
         from llmtrain.objectives.rewards import RewardLogs
-        from llmtrain.parallel.distributed import gathered_for_generation
 
         rl, g = self.rl, self.rl.num_generations
         if not examples:  # an idle rank at the end of an epoch: one token, nothing trained
@@ -175,11 +177,7 @@ class GRPO:
         prompt_ids = [list(e["input_ids"]) for e in examples for _ in range(g)]
         seeds = [completion_seed(self.seed, step, e["row"], k) for e in examples for k in range(g)]
         begun = time.perf_counter()
-        with gathered_for_generation(self.lm):  # FSDP: every layer whole while sampling, sharded again after
-            sample = sampler_for(self.lm, rl.sampler)
-            completions = sample(self.lm, prompt_ids, seeds=seeds, max_new_tokens=rl.max_completion_tokens,
-                                 temperature=rl.temperature, top_p=rl.top_p, stop_ids=self.stop_ids,
-                                 pad_id=self.pad_id)
+        completions = self._generate(prompt_ids, seeds, temperature=rl.temperature, top_p=rl.top_p)
         generation_s = time.perf_counter() - begun
         extra = RewardLogs()
         texts, per_function, total = self._score(examples, completions, g, where=self.sources[0], logs=extra)
@@ -215,6 +213,15 @@ class GRPO:
                     **{column: values[i] for column, values in extra.extra.items() if len(values) == len(completions)}}
                    for i in range(len(completions))]
         return batch, counts, records
+
+    def _generate(self, prompt_ids: list[list[int]], seeds: list[int], *, temperature: float,
+                  top_p: float) -> list[list[int]]:
+        """The completions of `prompt_ids`, one per seed, with rl.sampler (the caller gathers FSDP's units)."""
+        from llmtrain.model.fast_sample import sampler_for
+
+        sample = sampler_for(self.lm, self.rl.sampler)
+        return sample(self.lm, prompt_ids, seeds=seeds, max_new_tokens=self.rl.max_completion_tokens,
+                      temperature=temperature, top_p=top_p, stop_ids=self.stop_ids, pad_id=self.pad_id)
 
     def _score(self, examples: list[dict], completions: list[list[int]], g: int, *, where: str, logs=None):
         """(texts, each reward [completions x functions], their weighted sum) of the completions of `examples`,
@@ -287,7 +294,6 @@ class GRPO:
 
     def eval_sums(self, model, batch: dict, device) -> torch.Tensor:
         """[prompts, summed reward, each reward's sum, each reward's count] of greedy completions."""
-        from llmtrain.model.fast_sample import sampler_for
         from llmtrain.parallel.distributed import gathered_for_generation
 
         examples, k = batch["examples"], len(self.rewards)
@@ -295,10 +301,7 @@ class GRPO:
             return torch.zeros(2 + 2 * k, dtype=torch.float64)
         prompt_ids = [list(e["input_ids"]) for e in examples]
         with gathered_for_generation(self.lm):
-            sample = sampler_for(self.lm, self.rl.sampler)
-            completions = sample(self.lm, prompt_ids, seeds=[0] * len(examples),
-                                 max_new_tokens=self.rl.max_completion_tokens, temperature=0.0, top_p=1.0,
-                                 stop_ids=self.stop_ids, pad_id=self.pad_id)
+            completions = self._generate(prompt_ids, [0] * len(examples), temperature=0.0, top_p=1.0)
         _, per_function, total = self._score(examples, completions, 1, where=self.sources[1] or self.sources[0])
         return torch.tensor([len(examples), float(total.nansum()), *per_function.nan_to_num().sum(0).tolist(),
                              *(~per_function.isnan()).sum(0).tolist()], dtype=torch.float64)
