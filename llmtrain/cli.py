@@ -97,6 +97,17 @@ def finetune(
     train(checked, resume=resume, overwrite=overwrite, allow_recipe_change=allow_recipe_change)
 
 
+@app.command(context_settings={"allow_extra_args": True, "ignore_unknown_options": True})
+@user_errors
+def launch(ctx: typer.Context) -> None:
+    """Check a recipe and its launch before any process starts, then run it under `accelerate launch`: `llmtrain
+    launch [ACCELERATE LAUNCH FLAGS] RECIPE [OVERRIDES] [--resume auto]`, e.g. `llmtrain launch --config_file
+    accelerate_configs/fsdp.yaml recipes/llama7b.yaml`. A refusal exits 2 before torchrun starts."""
+    from llmtrain.launcher import launch as run
+
+    run(list(ctx.args))
+
+
 @app.command("inspect-data")
 @user_errors
 def inspect_data(

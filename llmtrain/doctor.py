@@ -102,6 +102,19 @@ def check_mesh_launch(launch: dict) -> list[Check]:
              f"(replicas x shards x tp) = {world} processes")]
 
 
+def check_launch_settings(launch: dict) -> list[Check]:
+    """The launch config's settings that accelerate ignores or llmtrain does not follow, as finetune refuses them
+    (none without a launch config)."""
+    from llmtrain.parallel.launch import unhonoured
+
+    if not launch:
+        return []
+    problems = unhonoured(launch)
+    if problems:
+        return [("launch settings", "fail", f"{'; '.join(problems)}.")]
+    return [("launch settings", "pass", "every setting is one llmtrain follows")]
+
+
 def check_batch(recipe: Recipe, launch: dict) -> list[Check]:
     t, procs = recipe.train, data_ranks(launch)
     unit = "tokens" if t.micro_batch_tokens else "prompts" if recipe.rl is not None else "examples"
@@ -305,7 +318,8 @@ def run_doctor(recipe: Recipe, *, accelerate_config: Path | None = None,
     checks += rows + check_precision(recipe, launch)
     if est is not None:
         checks += check_fsdp(recipe, launch, params=est.params_total, fits=est.fits if gpu else None)
-    return checks + check_mesh_launch(launch) + check_tensor_parallel_launch(recipe, launch) + \
+    return checks + check_launch_settings(launch) + check_mesh_launch(launch) + \
+        check_tensor_parallel_launch(recipe, launch) + \
         check_batch(recipe, launch) + check_shared_fs(recipe, launch)
 
 

@@ -50,6 +50,10 @@ def test_a_wrong_command_is_caught(tmp_path):
     with pytest.raises(AssertionError):
         check_command("accelerate launch --config_file accelerate_configs/nope.yaml -m llmtrain finetune "
                       "recipes/tiny.yaml")
+    with pytest.raises(Exception):
+        check_command("llmtrain launch --config_file accelerate_configs/nope.yaml recipes/tiny.yaml")
+    with pytest.raises(Exception):
+        check_command("llmtrain launch --config_file accelerate_configs/fsdp.yaml recipes/tiny.yaml train.lr_=1")
 
 
 def check_llmtrain(args: list[str]) -> None:
@@ -73,6 +77,13 @@ def check_llmtrain(args: list[str]) -> None:
 
 def check_command(command: str) -> None:
     words = [w for w in shlex.split(command, comments=True)]
+    if words[:2] == ["llmtrain", "launch"]:  # its own checks: the launch config, the recipe, the overrides
+        from llmtrain.launcher import accelerate_command
+
+        launch = accelerate_command(words[2:])
+        assert launch[launch.index("--config_file") + 1] and (REPO / launch[launch.index("--config_file") + 1]
+                                                                 ).is_file(), f"no launch config in {command}"
+        return
     if words[:2] == ["accelerate", "launch"]:
         from accelerate.commands.launch import launch_command_parser
 

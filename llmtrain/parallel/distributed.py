@@ -14,6 +14,7 @@ import torch
 
 from llmtrain.config import Recipe
 from llmtrain.errors import LLMTrainError
+from llmtrain.parallel.launch import check_parent_launch
 
 
 def fsdp_requested() -> bool:
@@ -25,7 +26,9 @@ def build_accelerator(recipe: Recipe):
     from accelerate import Accelerator
     from accelerate.utils import FullyShardedDataParallelPlugin, InitProcessGroupKwargs
 
-    launched = os.environ.get("ACCELERATE_MIXED_PRECISION")
+    launched = os.environ.get("ACCELERATE_MIXED_PRECISION")  # set by `accelerate launch`
+    if launched is not None:  # its settings that accelerate ignores or llmtrain does not follow, refused first
+        check_parent_launch()
     # Built here (from the launch's FSDP_* variables, as Accelerate itself would) to keep a handle on it.
     fsdp_plugin = FullyShardedDataParallelPlugin() if fsdp_requested() else None
     if fsdp_plugin is not None and fsdp_plugin.state_dict_type.name != "SHARDED_STATE_DICT":

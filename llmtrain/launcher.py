@@ -1,0 +1,67 @@
+"""`llmtrain launch`: check the recipe and the launch config on this machine, then start `accelerate launch`.
+
+`accelerate launch ... -m llmtrain finetune RECIPE` checks the same things, but only once its processes run: a
+refusal is then followed by torchrun's report of the failed processes and exits 1. `llmtrain launch` takes the same
+arguments as `accelerate launch` (its flags, then the recipe and its overrides) and refuses before any process starts,
+with one paragraph and exit status 2; when everything passes it becomes that `accelerate launch` (exec), so its
+exit status and signals are the run's.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+from llmtrain.errors import LLMTrainError
+
+FINETUNE_OPTIONS = {"--resume": 1, "--overwrite": 0, "--allow-recipe-change": 0}  # finetune's own, with arity
+
+
+def split_finetune_options(args: list[str]) -> tuple[list[str], list[str]]:
+    """(recipe overrides, finetune's options) from what follows the recipe on the command line."""
+    overrides, options, i = [], [], 0
+    while i < len(args):
+        name = args[i].split("=", 1)[0]
+        if name in FINETUNE_OPTIONS:
+            arity = 0 if "=" in args[i] else FINETUNE_OPTIONS[name]
+            options += args[i:i + 1 + arity]
+            i += 1 + arity
+        else:
+            overrides.append(args[i])
+            i += 1
+    return overrides, options
+
+
+def accelerate_command(argv: list[str]) -> list[str]:
+    """The `accelerate launch` command line for `llmtrain launch ARGV`, once its checks pass (LLMTrainError if not)."""
+    from llmtrain.config import load_recipe
+    from llmtrain.doctor import check_mesh_launch, check_tensor_parallel_launch
+    from llmtrain.parallel.launch import check_launch, launch_settings
+
+    from accelerate.commands.launch import launch_command_parser
+
+    args = launch_command_parser().parse_args(argv)
+    if args.module or args.no_python or not args.training_script:
+        raise LLMTrainError("llmtrain launch takes accelerate launch's flags, then a recipe and its overrides, e.g. "
+                            "`llmtrain launch --config_file accelerate_configs/fsdp.yaml recipes/llama7b.yaml "
+                            "train.max_steps=100` (no -m: it runs llmtrain finetune itself).")
+    recipe_path, rest = args.training_script, list(args.training_script_args)
+    overrides, options = split_finetune_options(rest)
+    recipe = load_recipe(Path(recipe_path), overrides)
+    launch, where = launch_settings(argv)
+    check_launch(launch, where=where)
+    failed = [detail for _, status, detail in check_mesh_launch(launch) + check_tensor_parallel_launch(recipe, launch)
+              if status == "fail"]
+    if failed:
+        raise LLMTrainError(" ".join(failed))
+    flags = argv[:len(argv) - len(rest) - 1]  # accelerate's own flags, as given
+    return [sys.executable, "-m", "accelerate.commands.launch", *flags, "-m", "llmtrain", "finetune", recipe_path,
+            *rest]
+
+
+def launch(argv: list[str]) -> None:
+    command = accelerate_command(argv)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os.execv(command[0], command)

@@ -1,0 +1,171 @@
+"""The accelerate launch config: which of its settings llmtrain honours, checked before any process starts.
+
+`accelerate launch` quietly ignores a key it does not know (`parallelism_config_pp_size: 2` trains plain FSDP), and a
+setting it knows but llmtrain does not follow (DeepSpeed, its own activation checkpointing or torch.compile) would
+train something else than the recipe says. `unhonoured` names each such setting with the reason and the fix. Three
+places ask it: `llmtrain doctor --accelerate-config`, `llmtrain launch` (before `accelerate launch` starts a process),
+and every process of `finetune` (which finds its launch in the command line of the `accelerate launch` that started
+it: the flags it was given and its config file).
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from llmtrain.errors import LLMTrainError
+
+# distributed_type values llmtrain trains (the others run another engine, or a device it is not tested on)
+DISTRIBUTED = {"NO", "MULTI_GPU", "MULTI_CPU", "FSDP"}
+# parallelism_config keys accelerate 1.15 knows; llmtrain honours the first three (cp/sp above 1 are refused by
+# distributed.check_mesh with their own reason), the others only matter with cp or sp above 1.
+MESH_KEYS = {"dp_replicate_size", "dp_shard_size", "tp_size", "cp_size", "sp_size", "cp_backend", "cp_comm_strategy",
+             "sp_backend", "sp_seq_length", "sp_seq_length_is_variable", "sp_attn_implementation"}
+NOT_IMPLEMENTED = {"pp": "pipeline parallelism", "ep": "expert parallelism"}  # what an unknown size key asks for
+# fsdp_config keys accelerate 1.15 knows (the FSDP1-only ones are harmless under fsdp_version 2)
+FSDP_KEYS = {"fsdp_version", "fsdp_offload_params", "fsdp_min_num_params", "fsdp_sharding_strategy",
+             "fsdp_reshard_after_forward", "fsdp_auto_wrap_policy", "fsdp_transformer_layer_cls_to_wrap",
+             "fsdp_backward_prefetch", "fsdp_state_dict_type", "fsdp_forward_prefetch", "fsdp_use_orig_params",
+             "fsdp_cpu_ram_efficient_loading", "fsdp_sync_module_states", "fsdp_activation_checkpointing",
+             "fsdp_activation_checkpointing_offload"}
+# Top-level keys of accelerate's ClusterConfig that only say how to start the processes (or are checked below)
+PLUMBING = {"compute_environment", "distributed_type", "mixed_precision", "use_cpu", "debug", "num_processes",
+            "machine_rank", "num_machines", "gpu_ids", "main_process_ip", "main_process_port", "rdzv_backend",
+            "same_network", "main_training_function", "enable_cpu_affinity", "downcast_bf16", "tpu_name", "tpu_zone",
+            "tpu_use_cluster", "tpu_use_sudo", "command_file", "commands", "tpu_vm", "tpu_env", "mpirun_config",
+            "fsdp_config", "parallelism_config", "dynamo_config", "deepspeed_config", "megatron_lm_config",
+            "fp8_config"}
+
+
+def _off(value) -> bool:
+    """A setting that asks for nothing: absent, empty, false, 1 (a size) or accelerate's 'NO'."""
+    return value is not True and value in (None, {}, [], "", False, 1, "1", "false", "False", "no", "NO", "none", "None")
+
+
+def unhonoured(launch: dict) -> list[str]:
+    """One sentence for each setting of the launch config (a dict as its YAML reads) that llmtrain would not follow."""
+    problems = []
+    kind = str(launch.get("distributed_type", "NO"))
+    if kind not in DISTRIBUTED:
+        problems.append(f"distributed_type: {kind} is not trained by llmtrain (it runs DDP, FSDP2 and HSDP through "
+                        "torch's own collectives): use accelerate_configs/ddp.yaml or fsdp.yaml")
+    if str(launch.get("compute_environment", "LOCAL_MACHINE")) != "LOCAL_MACHINE":
+        problems.append(f"compute_environment: {launch['compute_environment']} is not supported: use LOCAL_MACHINE "
+                        "(on a cluster, run the same command on each node, as docs/launch.md shows)")
+    for key in sorted(set(launch) - PLUMBING):
+        problems.append(f"{key} is not a setting of accelerate's launch config: remove it (or check its spelling)")
+    for section, fix in (("deepspeed_config", "llmtrain shards with FSDP2: use accelerate_configs/fsdp.yaml"),
+                         ("megatron_lm_config", "llmtrain's tensor parallelism is parallelism_config_tp_size"),
+                         ("fp8_config", "llmtrain's precision is the recipe's train.mixed_precision (bf16, fp16, no)")):
+        if not _off(launch.get(section)):
+            problems.append(f"{section} is not honoured by llmtrain: {fix}")
+    dynamo = launch.get("dynamo_config") or {}
+    if not _off(dynamo.get("dynamo_backend")):
+        problems.append(f"dynamo_config's dynamo_backend: {dynamo['dynamo_backend']} would compile the model behind "
+                        "llmtrain's back: set model.compile=true in the recipe instead and remove dynamo_config")
+    problems += _fsdp_problems(launch.get("fsdp_config") or {}, fsdp_on=kind == "FSDP")
+    problems += _mesh_problems(launch.get("parallelism_config") or {})
+    return problems
+
+
+def _fsdp_problems(fsdp: dict, *, fsdp_on: bool) -> list[str]:
+    problems = [f"fsdp_config's {key} is not a setting accelerate knows: remove it (or check its spelling)"
+                for key in sorted(set(fsdp) - FSDP_KEYS)]
+    if not fsdp_on:
+        return problems
+    if str(fsdp.get("fsdp_version", 1)) != "2":
+        problems.append(f"fsdp_config's fsdp_version: {fsdp.get('fsdp_version', 1)} is not supported: llmtrain "
+                        "shards with FSDP2, set fsdp_version: 2")
+    if not _off(fsdp.get("fsdp_activation_checkpointing")):
+        problems.append("fsdp_config's fsdp_activation_checkpointing: true would wrap the layers a second time: set it "
+                        "false and turn on model.gradient_checkpointing in the recipe")
+    return problems
+
+
+def _mesh_problems(mesh: dict) -> list[str]:
+    problems = []
+    for key in sorted(mesh):
+        name = key.removeprefix("parallelism_config_")
+        if name in MESH_KEYS or _off(mesh[key]):
+            continue
+        kind = NOT_IMPLEMENTED.get(name.removesuffix("_size"))
+        asks = (f"asks for {kind}, which neither llmtrain nor accelerate implements" if kind
+                else "is not a key accelerate knows")
+        problems.append(f"parallelism_config_{name}: {mesh[key]} {asks}; accelerate ignores it and the run would "
+                        "train the rest of the layout without a word: remove it")
+    return problems
+
+
+def check_launch(launch: dict, *, where: str) -> None:
+    """Refuse a launch config with settings llmtrain does not honour, all of them in one paragraph."""
+    problems = unhonoured(launch)
+    if problems:
+        raise LLMTrainError(f"{where} asks for what llmtrain does not do: {'; '.join(problems)}.")
+
+
+# --------------------------------------------------------------------------- the launch, from its command line
+
+
+def launch_settings(argv: list[str]) -> tuple[dict, str]:
+    """The launch config that `accelerate launch ARGV` runs with, as a dict shaped as its YAML (the config file, or
+    accelerate's default one, with the command line's flags over it), and where it came from. Parsed with
+    accelerate's own parser."""
+    import yaml
+    from accelerate.commands.config import default_config_file
+    from accelerate.commands.launch import launch_command_parser
+
+    parser = launch_command_parser()
+    args = parser.parse_args(argv)
+    path = args.config_file or (default_config_file if os.path.isfile(default_config_file) else None)
+    launch = {}
+    if path is not None:
+        try:
+            launch = yaml.safe_load(Path(path).read_text()) or {}
+        except (OSError, yaml.YAMLError) as e:
+            raise LLMTrainError(f"cannot read the accelerate config {path}: {e}") from None
+        if not isinstance(launch, dict):
+            raise LLMTrainError(f"the accelerate config {path} must be a mapping (distributed_type, ...).")
+    for action in parser._actions:  # the flags given: each over the config's value
+        value = getattr(args, action.dest, None)
+        if action.dest in ("help", "config_file", "training_script", "training_script_args", "module",
+                           "no_python") or value is None or value == action.default:
+            continue
+        if action.dest.startswith("parallelism_config_"):
+            launch.setdefault("parallelism_config", {})[action.dest] = value
+        elif action.dest.startswith("fsdp_"):
+            launch.setdefault("fsdp_config", {})[action.dest] = value
+        elif action.dest.startswith("dynamo_"):
+            launch.setdefault("dynamo_config", {})[action.dest] = value
+        elif action.dest in ("use_deepspeed", "use_megatron_lm", "use_fsdp", "multi_gpu", "tpu"):
+            kind = {"use_deepspeed": "DEEPSPEED", "use_megatron_lm": "MEGATRON_LM", "use_fsdp": "FSDP",
+                    "multi_gpu": "MULTI_GPU", "tpu": "XLA"}[action.dest]
+            launch["distributed_type"] = kind
+        elif action.dest in PLUMBING:
+            launch[action.dest] = value
+    return launch, f"the accelerate config {path}" if path else "the accelerate launch"
+
+
+def parent_launch() -> list[str] | None:
+    """The arguments of the `accelerate launch` that started this process (its parent: torchrun's agent runs inside
+    it), or None where there is none or it cannot be read (not Linux, another launcher)."""
+    try:
+        argv = Path(f"/proc/{os.getppid()}/cmdline").read_bytes().split(b"\0")
+    except OSError:
+        return None
+    argv = [a.decode(errors="replace") for a in argv if a]
+    for i, arg in enumerate(argv):
+        if arg == "accelerate.commands.launch" or (arg == "launch" and i and argv[i - 1].endswith("accelerate")):
+            return argv[i + 1:]
+    return None
+
+
+def check_parent_launch() -> None:
+    """In a process of `accelerate launch`: refuse the launch's unhonoured settings (see the module's docstring)."""
+    argv = parent_launch()
+    if argv is None:
+        return
+    try:
+        launch, where = launch_settings(argv)
+    except SystemExit:  # accelerate's parser refused it: accelerate launch itself did not, so it is not this one
+        return
+    check_launch(launch, where=where)

@@ -1,0 +1,148 @@
+"""Launch settings llmtrain does not follow are refused, by doctor, by `llmtrain launch` before any process starts
+(exit 2, one paragraph, nothing written) and by finetune's processes under a plain `accelerate launch`."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+import yaml
+from conftest import REPO
+from helpers import ENV, cli, open_port, records, write_recipe
+
+from llmtrain.parallel.launch import launch_settings, unhonoured
+
+SHIPPED = sorted((REPO / "accelerate_configs").glob("*.yaml"))
+
+
+def config(tmp_path, name="launch.yaml", base="cpu_fsdp.yaml", **changes) -> tuple:
+    launch = yaml.safe_load((REPO / "accelerate_configs" / base).read_text())
+    for key, value in changes.items():
+        if isinstance(value, dict):
+            launch.setdefault(key, {}).update(value)
+        else:
+            launch[key] = value
+    path = tmp_path / name
+    path.write_text(yaml.safe_dump(launch))
+    return path, launch
+
+
+@pytest.mark.parametrize("path", SHIPPED, ids=lambda p: p.name)
+def test_every_shipped_launch_config_is_honoured(path):
+    assert unhonoured(yaml.safe_load(path.read_text())) == []
+
+
+@pytest.mark.parametrize("changes, said", [
+    ({"parallelism_config": {"parallelism_config_dp_shard_size": 2, "parallelism_config_pp_size": 2}},
+     "parallelism_config_pp_size: 2 asks for pipeline parallelism"),
+    ({"parallelism_config": {"parallelism_config_dp_shard_size": 2, "parallelism_config_ep_size": 4}},
+     "parallelism_config_ep_size: 4 asks for expert parallelism"),
+    ({"parallelism_config": {"parallelism_config_dp_shard_size": 2, "parallelism_config_foo": "x"}},
+     "parallelism_config_foo: x is not a key accelerate knows"),
+    ({"distributed_type": "DEEPSPEED"}, "distributed_type: DEEPSPEED is not trained by llmtrain"),
+    ({"deepspeed_config": {"zero_stage": 3}}, "deepspeed_config is not honoured"),
+    ({"dynamo_config": {"dynamo_backend": "INDUCTOR"}}, "set model.compile=true in the recipe"),
+    ({"fsdp_config": {"fsdp_activation_checkpointing": True}}, "turn on model.gradient_checkpointing"),
+    ({"fsdp_config": {"fsdp_version": 1}}, "fsdp_version: 1 is not supported"),
+    ({"fsdp_config": {"fsdp_ofload_params": True}}, "fsdp_ofload_params is not a setting accelerate knows"),
+    ({"num_gpus": 8}, "num_gpus is not a setting of accelerate's launch config"),
+    ({"fp8_config": {"backend": "TE"}}, "fp8_config is not honoured"),
+])
+def test_a_setting_llmtrain_does_not_follow_is_named_with_its_fix(tmp_path, changes, said):
+    _, launch = config(tmp_path, **changes)
+    problems = unhonoured(launch)
+    assert len(problems) == 1 and said in problems[0], problems
+
+
+def test_a_size_of_1_asks_for_nothing_and_is_let_through(tmp_path):
+    _, launch = config(tmp_path, parallelism_config={"parallelism_config_dp_shard_size": 2,
+                                                     "parallelism_config_pp_size": 1})
+    assert unhonoured(launch) == []
+
+
+def test_the_launch_is_its_config_file_with_the_command_lines_flags_over_it(tmp_path):
+    path, _ = config(tmp_path, parallelism_config={"parallelism_config_dp_shard_size": 2})
+    launch, where = launch_settings(["--config_file", str(path), "--num_processes", "4",
+                                     "--parallelism_config_tp_size", "2", "--dynamo_backend", "inductor",
+                                     "recipes/tiny.yaml", "train.max_steps=2"])
+    assert where == f"the accelerate config {path}"
+    assert launch["num_processes"] == 4
+    assert launch["parallelism_config"] == {"parallelism_config_dp_shard_size": 2, "parallelism_config_tp_size": 2}
+    assert launch["dynamo_config"]["dynamo_backend"] == "inductor"
+    assert any("dynamo_backend: inductor" in p for p in unhonoured(launch))
+    launch, _ = launch_settings(["--config_file", str(path), "--use_deepspeed", "recipes/tiny.yaml"])
+    assert launch["distributed_type"] == "DEEPSPEED"
+
+
+def test_finetune_options_after_the_recipe_are_not_overrides():
+    from llmtrain.launcher import split_finetune_options
+
+    assert split_finetune_options(["train.lr=1e-4", "--resume", "auto", "--overwrite", "x=1"]) == (
+        ["train.lr=1e-4", "x=1"], ["--resume", "auto", "--overwrite"])
+    assert split_finetune_options(["--resume=runs/a/step_000002"]) == ([], ["--resume=runs/a/step_000002"])
+
+
+def test_doctor_fails_a_launch_config_with_a_pipeline_it_would_ignore(tiny_assets, tmp_path):
+    from llmtrain.config import load_recipe
+    from llmtrain.doctor import run_doctor
+
+    path, _ = config(tmp_path, parallelism_config={"parallelism_config_dp_shard_size": 2,
+                                                   "parallelism_config_pp_size": 2})
+    got = {name: (status, detail) for name, status, detail in
+           run_doctor(load_recipe(write_recipe(tiny_assets, tmp_path)), accelerate_config=path, gpu_memory=80)}
+    assert got["launch settings"][0] == "fail" and "pipeline parallelism" in got["launch settings"][1]
+    shipped = {name: status for name, status, _ in run_doctor(load_recipe(write_recipe(tiny_assets, tmp_path)),
+               accelerate_config=REPO / "accelerate_configs" / "cpu_fsdp.yaml", gpu_memory=80)}
+    assert shipped["launch settings"] == "pass"
+
+
+@pytest.mark.parametrize("changes, said", [
+    ({"parallelism_config": {"parallelism_config_dp_shard_size": 2, "parallelism_config_pp_size": 2}},
+     "pipeline parallelism"),
+    ({"parallelism_config": {"parallelism_config_dp_shard_size": 1, "parallelism_config_cp_size": 2}},
+     "context parallelism"),
+])
+def test_llmtrain_launch_refuses_before_any_process_starts(tiny_assets, tmp_path, changes, said):
+    """exit 2, the paragraph, no torchrun report, and no run folder: the refusal came before `accelerate launch`."""
+    path, _ = config(tmp_path, **changes)
+    recipe = write_recipe(tiny_assets, tmp_path)
+    proc = cli("launch", "--config_file", str(path), "--main_process_port", str(open_port()), str(recipe),
+               "train.max_steps=2", check=False)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 2, out
+    assert said in out and out.count("error:") == 1
+    assert "Traceback" not in out and "ChildFailedError" not in out
+    assert not (tmp_path / "run").exists()
+
+
+def test_llmtrain_launch_refuses_a_bad_override_before_any_process_starts(tiny_assets, tmp_path):
+    recipe = write_recipe(tiny_assets, tmp_path)
+    proc = cli("launch", "--config_file", str(REPO / "accelerate_configs" / "cpu_ddp.yaml"), str(recipe),
+               "train.max_stepz=2", check=False)
+    assert proc.returncode == 2 and "max_stepz" in proc.stderr and "Traceback" not in proc.stderr
+    assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.slow
+def test_llmtrain_launch_runs_accelerate_launch_when_the_checks_pass(tiny_assets, tmp_path):
+    recipe = write_recipe(tiny_assets, tmp_path)
+    proc = cli("launch", "--config_file", str(REPO / "accelerate_configs" / "cpu_ddp.yaml"), "--main_process_port",
+               str(open_port()), str(recipe), "train.max_steps=2", "--overwrite")
+    assert [r["step"] for r in records(tmp_path / "run")] == [1, 2], proc.stdout[-2000:]
+    assert "2 processes" in (tmp_path / "run" / "train.log").read_text()
+
+
+@pytest.mark.slow
+def test_finetune_under_a_plain_accelerate_launch_refuses_what_accelerate_ignores(tiny_assets, tmp_path):
+    """The pipeline key never reaches the processes' environment: each finds it in its launcher's command line and
+    config file, and refuses before it writes anything."""
+    path, _ = config(tmp_path, parallelism_config={"parallelism_config_dp_shard_size": 2,
+                                                   "parallelism_config_pp_size": 2})
+    recipe = write_recipe(tiny_assets, tmp_path)
+    proc = subprocess.run([sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(path),
+                           "--main_process_port", str(open_port()), "-m", "llmtrain", "finetune", str(recipe),
+                           "train.max_steps=2"], env=ENV, cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert proc.returncode != 0
+    assert "parallelism_config_pp_size: 2 asks for pipeline parallelism" in proc.stdout + proc.stderr
+    assert not (tmp_path / "run" / "metrics.jsonl").exists()
