@@ -47,6 +47,8 @@ def runs(tiny_assets, tmp_path_factory):
     }
     for name, row in rows.items():
         (files / name).write_text(json.dumps(row) + "\n")
+    (files / "feedback.jsonl").write_text("".join(json.dumps({"prompt": f"{i} + 1 =", "completion": str(i + 1 + i % 2),
+                                                              "label": i % 2 == 0}) + "\n" for i in range(8)))
     (files / "broken.jsonl").write_text('{"prompt": "a", "completion": \n')
     (files / "other.csv").write_text("prompt,completion\na,b\n")
     model = files / "damaged-model"
@@ -92,6 +94,10 @@ CASES = [
     ("no assistant turn", "full", [f"data.path={F('noreply.jsonl')}", "data.format=messages", "data.eval_split=null"],
      "no assistant message"),
     ("malformed json", "full", [f"data.path={F('broken.jsonl')}", "data.eval_split=null"], "broken.jsonl"),
+    ("unpaired feedback as SFT", "full", [f"data.path={F('feedback.jsonl')}", "data.eval_split=null"],
+     "boolean 'label' column: its rows look like unpaired feedback"),
+    ("unpaired feedback as pairs", "full", [f"data.path={F('feedback.jsonl')}", "data.eval_split=null",
+                                            "data.format=preference", "preference.beta=0.1"], "which no data.fields"),
     ("mixed extensions", "full", [f"data.path=[{{data}}, {F('other.csv')}]"], "must all be one of"),
     ("budget below an example", "full", ["train.micro_batch_size=1", "train.micro_batch_tokens=4"],
      "train.micro_batch_tokens=4"),

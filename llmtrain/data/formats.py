@@ -58,7 +58,31 @@ def check_columns(columns: list[str], cfg: DataConfig, source: str) -> None:
             f"data.format '{cfg.format}' needs {', '.join(missing)} but {source} has columns {columns}. "
             f"Map them with data.fields, e.g. data.fields.{absent[0]}=<column>."  # a field that is missing
             + (pairs_note(columns) if cfg.format == "prompt" else "")
+            + (unpaired_note(columns) if cfg.format == "preference" else "")
         )
+
+
+def check_feedback_labels(raw, cfg: DataConfig, source: str) -> None:
+    """Refuse unpaired feedback (a completion per row and a boolean `label`, TRL's KTO format) given to supervised
+    fine-tuning: SFT would train on every completion, the ones labelled undesirable as well, without a word."""
+    feature = raw.features.get("label") if cfg.format not in ("preference", "prompt") else None
+    if getattr(feature, "dtype", None) != "bool":
+        return
+    raise LLMTrainError(
+        f"{source} has a boolean 'label' column: its rows look like unpaired feedback (a completion each, marked "
+        "desirable (true) or undesirable (false): KTO's format), and supervised fine-tuning would train on every "
+        "completion, the label: false ones too. llmtrain has no mode that learns from unpaired labels yet (KTO). To "
+        "fine-tune on the desirable completions only, keep the label: true rows in a file of their own; if the "
+        "column means something else, rename it.")
+
+
+def unpaired_note(columns) -> str:
+    """For preference pairs (DPO) given unpaired feedback rows: no data.fields mapping can make them pairs."""
+    if "label" not in columns or not {"completion", "messages"} & set(columns):
+        return ""
+    return (" These rows look like unpaired feedback (one completion each and a 'label': KTO's format), not pairs: "
+            "DPO needs a chosen and a rejected completion of the same prompt in one row, which no data.fields mapping "
+            "can make of them. llmtrain has no mode that learns from unpaired labels yet (KTO).")
 
 
 def pairs_note(columns) -> str:

@@ -17,7 +17,7 @@ from pathlib import Path
 
 from llmtrain.config import DataConfig
 from llmtrain.data.chat import read_template
-from llmtrain.data.formats import check_columns, encode_example, encode_prompt, row_problem
+from llmtrain.data.formats import check_columns, check_feedback_labels, encode_example, encode_prompt, row_problem
 from llmtrain.data.pairs import DROPS, PAIR_COLUMNS, encode_pair, pair_problem
 from llmtrain.data.sources import files as _files
 from llmtrain.data.sources import is_local as _is_local
@@ -121,6 +121,7 @@ def _fingerprint(paths: list[str], tokenizer, cfg: DataConfig, extra: str) -> st
 def tokenize_dataset(raw, tokenizer, cfg: DataConfig, source: str):
     """Tokenise a raw dataset; drop examples with no trained token left. Returns (dataset, stats)."""
     check_columns(raw.column_names, cfg, source)
+    check_feedback_labels(raw, cfg, source)
     check_rows(raw, cfg, source)
     template = read_template(cfg)
 
