@@ -224,3 +224,22 @@ def test_an_unreachable_hub_is_found_once_and_said_in_one_row(tmp_path):
     assert proc.returncode == 1 and "Retrying" not in said, said
     hub = said[said.index("│ hub"):said.index("│ tokenizer")]
     assert "warn" in hub and "cannot be reached" in hub and "HF_HUB_OFFLINE=1" in hub
+
+
+def test_an_eval_batch_many_times_the_training_micro_batch_is_warned(tiny_assets, tmp_path):
+    """16 eval examples of 64K against a 64K training budget: evaluation would set the memory peak (the issue's
+    llama3-8b-lora case); unset, or within 4x, nothing is said."""
+    from llmtrain.data.checks import check_eval_batch
+
+    def recipe(**train):
+        return load_recipe(write_recipe(tiny_assets, tmp_path, train={"micro_batch_size": 1, **train}))
+
+    (name, status, detail), = check_eval_batch(recipe(micro_batch_tokens=65536, eval_batch_size=16), [65536],
+                                               [60000, 65536])
+    assert (name, status) == ("eval batch", "warn")
+    assert "16 x 65,536 = 1,048,576 tokens" in detail and "16x the training micro-batch's 65,536" in detail
+    assert "or lower it to 1" in detail
+    assert check_eval_batch(recipe(micro_batch_tokens=65536), [65536], [65536]) == []  # batched by the budget
+    assert check_eval_batch(recipe(micro_batch_tokens=65536, eval_batch_size=4), [65536], [65536]) == []
+    (_, _, detail), = check_eval_batch(recipe(micro_batch_size=2, eval_batch_size=64), [100, 500], [400])
+    assert "64 x 400 = 25,600 tokens" in detail and "or lower it to 2" in detail

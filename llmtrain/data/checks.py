@@ -140,7 +140,31 @@ def check_data(recipe: Recipe, stats: DataStats, train, eval_ds, tokenizer) -> l
         rows += check_eos_trained(labels, tokenizer, unit="answers" if pairs else "examples",
                                   end_of_turn=_end_of_turn(recipe, tokenizer))
     lengths = [*train["length"], *(eval_ds["length"] if eval_ds is not None else [])]
+    rows += check_eval_batch(recipe, train["length"], eval_ds["length"] if eval_ds is not None else [])
     return rows + check_budget(recipe.train.micro_batch_tokens, lengths)
+
+
+EVAL_BATCH_RATIO = 4  # an eval micro-batch more than this many times the training's tokens is warned about
+
+
+def check_eval_batch(recipe: Recipe, train_lengths: list[int], eval_lengths: list[int]) -> list[Check]:
+    """A fixed train.eval_batch_size of long examples can put many times the training's tokens into one forward
+    (16 examples of 64K: 1M tokens, each layer's MLP intermediates for all of them at once), so that evaluation, not
+    training, sets the peak memory. Unset, evaluation batches by the training's token budget."""
+    t = recipe.train
+    if t.eval_batch_size is None or not eval_lengths or not train_lengths:
+        return []
+    longest = max(eval_lengths)
+    evals = t.eval_batch_size * longest
+    trains = t.micro_batch_tokens or t.micro_batch_size * max(train_lengths)
+    if evals <= EVAL_BATCH_RATIO * trains:
+        return []
+    fits = max(1, trains // longest)
+    budget = " (train.micro_batch_tokens)" if t.micro_batch_tokens else ""
+    return [("eval batch", "warn", f"train.eval_batch_size={t.eval_batch_size} puts up to {t.eval_batch_size} x "
+             f"{longest:,} = {evals:,} tokens into one eval forward, {evals / trains:.0f}x the training micro-batch's "
+             f"{trains:,}: evaluation, not training, would set the run's memory peak. Unset train.eval_batch_size to "
+             f"batch evaluation as the training{budget} is batched, or lower it to {fits}.")]
 
 
 def check_prompt_room(recipe: Recipe, train, eval_ds) -> list[Check]:
