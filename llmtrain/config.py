@@ -24,6 +24,19 @@ class Section(BaseModel):
     model_config = ConfigDict(extra="forbid", validate_assignment=True)
 
 
+class RopeScaling(BaseModel):
+    """RoPE scaling as transformers reads it (config.rope_parameters); keys of a type's own (llama3's
+    low_freq_factor and high_freq_factor, yarn's beta_fast, ...) pass through as given."""
+
+    model_config = ConfigDict(extra="allow")
+    rope_type: Literal["linear", "dynamic", "yarn", "llama3", "longrope"] = Field(
+        description="linear: positions divided by factor (needs fine-tuning); dynamic: NTK-aware, grows with the "
+        "length; yarn: NTK-by-parts with attention temperature (Qwen, Mistral long-context); llama3: Llama 3.1's.")
+    factor: float = Field(gt=1, description="How many times the original context the model reaches.")
+    original_max_position_embeddings: int | None = Field(
+        None, gt=0, description="The context the model was trained at; unset: the model's max_position_embeddings.")
+
+
 class ModelConfig(Section):
     name_or_path: str = Field(description="Local directory or hub id passed to AutoModelForCausalLM.from_pretrained.")
     tokenizer: str | None = Field(None, description="Tokenizer directory or hub id; defaults to name_or_path.")
@@ -51,6 +64,9 @@ class ModelConfig(Section):
         False, description="Build the architecture from config.json with random weights, reading no weights "
         "(throughput benchmarks and memory calibration)."
     )
+    rope_scaling: RopeScaling | None = Field(
+        None, description="Extend the context past the model's max_position_embeddings by rescaling RoPE (transformers "
+        "applies it): e.g. {rope_type: yarn, factor: 4} turns a 32K model into a 128K one. Unset: the model's own.")
     quantize: Literal["nf4", "fp4"] | None = Field(
         None, description="QLoRA: store the frozen base's linear layers in 4 bits with bitsandbytes (nf4, or fp4), "
         "double quantisation on, computing in train.mixed_precision's dtype; the quantised weights are stored in "

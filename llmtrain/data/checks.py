@@ -7,6 +7,8 @@ budget, and the schedule's warm-up against the run's length.
 
 from __future__ import annotations
 
+import math
+
 from llmtrain.config import Recipe
 from llmtrain.data.formats import IGNORE, special_ids
 from llmtrain.data.prepare import DataStats
@@ -207,8 +209,8 @@ def check_context(max_seq_len: int, max_positions: int | None) -> list[Check]:
     if max_positions and max_seq_len > max_positions:
         return [("context", "warn", f"data.max_seq_len={max_seq_len} is longer than the model's "
                  f"max_position_embeddings={max_positions}: examples past {max_positions} tokens train positions the "
-                 f"model never saw. Lower data.max_seq_len to {max_positions}, or extend the context (rope_scaling in "
-                 "the model's config) on purpose.")]
+                 f"model never saw. Lower data.max_seq_len to {max_positions}, or extend the context on purpose with "
+                 f"model.rope_scaling (e.g. {{rope_type: yarn, factor: {math.ceil(max_seq_len / max_positions)}}}).")]
     return [("context", "pass", f"data.max_seq_len={max_seq_len} within max_position_embeddings={max_positions}")
             ] if max_positions else []
 

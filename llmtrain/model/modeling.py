@@ -7,7 +7,7 @@ import math
 
 import torch
 
-from llmtrain.config import LoraConfig, ModelConfig
+from llmtrain.config import LoraConfig, ModelConfig, RopeScaling
 from llmtrain.errors import LLMTrainError
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -52,6 +52,19 @@ def pad_id(tokenizer) -> int:
     return tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
 
 
+def scale_rope(config, scaling: RopeScaling | None) -> None:
+    """model.rope_scaling into the model's config, as transformers reads it (rope_parameters, the model's rope_theta
+    kept), and max_position_embeddings raised to the context it now reaches (original x factor): the rotary
+    embedding is built from these when the model is."""
+    if scaling is None:
+        return
+    original = scaling.original_max_position_embeddings or config.max_position_embeddings
+    theta = (getattr(config, "rope_parameters", None) or {}).get("rope_theta", getattr(config, "rope_theta", None))
+    params = {**scaling.model_dump(exclude_none=True), "original_max_position_embeddings": original}
+    config.rope_parameters = {**params, **({"rope_theta": theta} if theta is not None else {})}
+    config.max_position_embeddings = int(original * scaling.factor)
+
+
 def load_model(cfg: ModelConfig, lora: LoraConfig | None, *, device: torch.device | None = None,
                empty: bool = False, compute_dtype: torch.dtype | None = None):
     """The model as the recipe says, on the CPU (or on `device` for a random init).
@@ -67,10 +80,11 @@ def load_model(cfg: ModelConfig, lora: LoraConfig | None, *, device: torch.devic
     kwargs = dict(dtype=DTYPES[cfg.dtype], attn_implementation=attention_backend(cfg),
                   trust_remote_code=cfg.trust_remote_code)
     try:
+        config = AutoConfig.from_pretrained(cfg.name_or_path, trust_remote_code=cfg.trust_remote_code)
+        scale_rope(config, cfg.rope_scaling)
         if empty or cfg.random_init:
             from accelerate import init_empty_weights
 
-            config = AutoConfig.from_pretrained(cfg.name_or_path, trust_remote_code=cfg.trust_remote_code)
             # A random init goes straight to the training device: a 7B random init on the CPU takes minutes.
             with init_empty_weights(include_buffers=False) if empty else torch.device(device or "cpu"):
                 model = AutoModelForCausalLM.from_config(config, **kwargs)
@@ -78,10 +92,10 @@ def load_model(cfg: ModelConfig, lora: LoraConfig | None, *, device: torch.devic
             # Every process quantises its own copy on its own device (never device_map="auto", which would put
             # every rank's model on GPU 0).
             model = AutoModelForCausalLM.from_pretrained(
-                cfg.name_or_path, quantization_config=quantization_config(cfg, compute_dtype),
+                cfg.name_or_path, config=config, quantization_config=quantization_config(cfg, compute_dtype),
                 device_map={"": torch.device(device or "cpu")}, **kwargs)
         else:
-            model = AutoModelForCausalLM.from_pretrained(cfg.name_or_path, **kwargs)
+            model = AutoModelForCausalLM.from_pretrained(cfg.name_or_path, config=config, **kwargs)
     except (OSError, ValueError) as e:
         raise _load_error("model", cfg.name_or_path, e) from None
     except Exception as e:  # a damaged weights file (safetensors raises its own error type), a bad config
