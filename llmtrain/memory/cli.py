@@ -134,7 +134,7 @@ def estimate_memory(
 def _from_recipe(recipe: Path, overrides, run: dict, launch: dict):
     """(shape, spec, global batch kept by --fit, what --fit names, assumptions) of a recipe and its overrides."""
     from llmtrain.config import load_recipe
-    from llmtrain.memory.params import load_model_shape
+    from llmtrain.memory.params import load_model_shape, reads_hub
     from llmtrain.memory.spec import spec_from_recipe
 
     given = [f"--{k.replace('_', '-')} (set {RUN_OPTIONS[k]})" for k in run]
@@ -142,6 +142,9 @@ def _from_recipe(recipe: Path, overrides, run: dict, launch: dict):
         raise LLMTrainError("with a recipe, the run is set by the recipe and key=value overrides: "
                             + ", ".join(given) + ".")
     r = load_recipe(recipe, overrides)
+    config = r.model.name_or_path if reads_hub(r.model.name_or_path) else None  # None: local or built in
+    prompts = (r.model.tokenizer or r.model.name_or_path, r.data.path) if r.rl is not None else ()  # their lengths
+    ask_hub(config, *prompts)
     lengths, unread = rl_prompt_lengths(r) if r.rl is not None else (None, None)
     spec = spec_from_recipe(r, prompt_lengths=lengths, **launch)
     # kept by --fit: examples per step, or tokens per step with a budget
@@ -172,17 +175,29 @@ def rl_prompt_lengths(r) -> tuple[list[int] | None, str | None]:
 
 def _from_model(model: str, overrides, run: dict, launch: dict):
     """The same from a model's config.json and the run options."""
-    from llmtrain.memory.params import load_model_shape
+    from llmtrain.memory.params import load_model_shape, reads_hub
     from llmtrain.memory.spec import TrainSpec
 
     if overrides:
         raise LLMTrainError(f"key=value overrides need a recipe; with --model use options (got {overrides[0]}).")
+    ask_hub(model if reads_hub(model) else None)
     shape, assumed = load_model_shape(model), ()
     if run.get("method") == "lora" and "dtype" not in run:
         run = {**run, "dtype": LORA_BASE_DTYPE}
         assumed = (f"LoRA base weights in {LORA_BASE_DTYPE}, as the shipped LoRA recipes keep them "
                    "(--dtype float32 for an fp32 base)",)
     return shape, TrainSpec(**run, **launch), None, None, assumed
+
+
+def ask_hub(*names: str | None) -> None:
+    """Before anything is read from the hub (transformers and datasets are not imported yet): whether it answers,
+    once (llmtrain.hub); when it does not, one line on stderr (stdout may be --json) says that the hub ids are read
+    from the local cache only."""
+    from llmtrain import hub
+
+    line = hub.fall_back(hub.hub_ids(*names))
+    if line:
+        typer.echo(line, err=True)
 
 
 def header_launch(recipe: Path) -> Path | None:
