@@ -25,7 +25,7 @@ def _load_error(what: str, path: str, err: Exception) -> LLMTrainError:
                              f"mistralai/Mistral-7B-Instruct-v0.3.{hint}")
     from llmtrain.hub import is_offline
 
-    if is_offline() and not local:  # set by the user, or by llmtrain.hub when the hub did not answer: the cache was all there was
+    if is_offline() and not local:  # set by the user, or by llmtrain.hub when the hub did not answer: only the cache
         from huggingface_hub.constants import HF_HUB_CACHE
 
         return LLMTrainError(
