@@ -24,6 +24,9 @@ RUN_OPTIONS = {
 }
 # What `--method lora` without --dtype assumes: every shipped LoRA recipe keeps its frozen base in bf16.
 LORA_BASE_DTYPE = "bfloat16"
+# The exit status when the run does not fit (with --fit: when no configuration fits the GPUs), so that a script can
+# tell it from a fit (0), bad input (2, LLMTrainError) and a crash (1); 3 is finetune's divergence (errors.py).
+DOES_NOT_FIT = 4
 
 
 def estimate_memory(
@@ -82,7 +85,11 @@ def estimate_memory(
                                       "fastest configuration that fits; when none does, the fewest GPUs (FSDP) "
                                       "that would.")] = False,
 ) -> None:
-    """Estimate per-GPU peak memory of a fine-tuning run, without weights or a GPU."""
+    """Estimate per-GPU peak memory of a fine-tuning run, without weights or a GPU.
+
+    Exit status: 0 when it fits --gpu-memory, 4 when it does not (with --fit: 0 when a configuration that fits these
+    GPUs was found, 4 when none was), 2 on bad input.
+    """
     from llmtrain.memory import fit as fitting
     from llmtrain.memory.comms import Network, step_traffic
     from llmtrain.memory.estimate import estimate
@@ -117,11 +124,19 @@ def estimate_memory(
         if result is not None:
             out["fit"] = _fit_dict(result)
         typer.echo(json.dumps(out, indent=1))
-        return
+    else:
+        _render(est, advice, traffic, launch_mp, result, global_batch=global_batch, target=target)
+    if not (result.best is not None if result is not None else est.fits):
+        raise typer.Exit(DOES_NOT_FIT)
+
+
+def _render(est, advice: str, traffic, launch_mp: str | None, result, *, global_batch: int | None, target) -> None:
+    """The tables: the estimate, and with --fit the search's result."""
     from llmtrain.memory.render import render_estimate, render_fit
 
     render_estimate(est, advice, traffic=traffic, launch_mp=launch_mp)
     if result is not None:
+        spec = est.spec
         if global_batch:  # the recipe's per-GPU batch times these GPUs: say what --fit keeps, it may not be intended
             unit = "tokens" if spec.micro_batch_tokens else "examples"
             typer.echo(f"--fit keeps the global batch at {global_batch:,} {unit} a step: the recipe's "
