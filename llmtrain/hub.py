@@ -16,6 +16,7 @@ from __future__ import annotations
 import os
 import socket
 import sys
+import urllib.request
 from pathlib import Path
 from urllib.parse import urlparse
 
@@ -41,9 +42,16 @@ def recipe_hub_ids(recipe) -> list[str]:
 
 
 def endpoint() -> tuple[str, int]:
-    """(host, port) of HF_ENDPOINT (https://huggingface.co without it)."""
+    """(host, port) that a request to HF_ENDPOINT (https://huggingface.co without it) connects to first: the proxy
+    of its scheme where one is set (HTTPS_PROXY, ... and NO_PROXY, as requests reads them), since a cluster that
+    reaches the hub only through a proxy cannot connect to the hub itself."""
     url = urlparse(os.environ.get("HF_ENDPOINT") or "https://huggingface.co")
-    return url.hostname or "huggingface.co", url.port or (443 if url.scheme == "https" else 80)
+    host = url.hostname or "huggingface.co"
+    proxy = urllib.request.getproxies().get(url.scheme)
+    if proxy and not urllib.request.proxy_bypass(host):
+        url = urlparse(proxy if "://" in proxy else f"http://{proxy}")
+        host = url.hostname or host
+    return host, url.port or (443 if url.scheme == "https" else 80)
 
 
 def unreachable() -> str | None:

@@ -13,12 +13,15 @@ from helpers import ENV, LLMTRAIN, REPO, open_port
 
 from llmtrain import hub
 
+PROXIES = ("http_proxy", "HTTP_PROXY", "https_proxy", "HTTPS_PROXY", "all_proxy", "ALL_PROXY")  # the probe asks them
+
 
 def offline_env(tmp_path) -> dict:
     """The environment of a command run where the hub cannot be reached, with an empty cache."""
     env = {**ENV, "HF_ENDPOINT": f"http://127.0.0.1:{open_port()}", "HF_HOME": str(tmp_path / "hf"),
            "COLUMNS": "400"}  # rich's tables on one line a row
-    env.pop("HF_HUB_OFFLINE", None)
+    for name in ("HF_HUB_OFFLINE", *PROXIES):
+        env.pop(name, None)
     return env
 
 
@@ -26,6 +29,8 @@ def test_an_unreachable_hub_is_asked_once_quickly_and_turns_offline_mode_on(monk
     import huggingface_hub.constants
 
     port = open_port()
+    for name in PROXIES:
+        monkeypatch.delenv(name, raising=False)
     monkeypatch.setenv("HF_ENDPOINT", f"http://127.0.0.1:{port}")
     monkeypatch.setenv("HF_HUB_OFFLINE", "0")  # restored after the test, as is the constant below
     monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", False)
@@ -42,6 +47,18 @@ def test_an_unreachable_hub_is_asked_once_quickly_and_turns_offline_mode_on(monk
     assert os.environ["HF_HUB_OFFLINE"] == "1" and huggingface_hub.constants.HF_HUB_OFFLINE is True
     assert hub.check(["openai/gsm8k"]) is None and hub.fall_back(["openai/gsm8k"]) is None  # offline: no question
     assert hub.unreachable() is not None and len(connections) == 1  # asked once per process
+
+
+def test_behind_a_proxy_the_proxy_is_asked(monkeypatch):
+    """A cluster that reaches the hub through HTTPS_PROXY cannot connect to huggingface.co itself: the probe asks
+    the proxy, unless NO_PROXY names the hub."""
+    for name in ("HF_ENDPOINT", "no_proxy", "NO_PROXY", *PROXIES):
+        monkeypatch.delenv(name, raising=False)
+    assert hub.endpoint() == ("huggingface.co", 443)
+    monkeypatch.setenv("HTTPS_PROXY", "http://proxy.example:3128")
+    assert hub.endpoint() == ("proxy.example", 3128)
+    monkeypatch.setenv("NO_PROXY", "huggingface.co")
+    assert hub.endpoint() == ("huggingface.co", 443)
 
 
 def test_local_paths_and_data_files_are_not_hub_ids(tmp_path):
