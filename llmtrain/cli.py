@@ -75,6 +75,17 @@ def prints_error_here(*, stopped: bool = False) -> bool:
     return os.environ.get("LOCAL_RANK", "0") == "0"
 
 
+def ask_hub_first(recipe) -> None:
+    """Before huggingface_hub, transformers and datasets are imported (they read HF_HUB_OFFLINE then): whether the
+    hub answers, once (llmtrain.hub); when it does not, the recipe's hub ids are read from the local cache only,
+    said in one line, once per node."""
+    from llmtrain import hub
+
+    line = hub.fall_back(hub.recipe_hub_ids(recipe))
+    if line and prints_error_here():
+        typer.echo(line, err=True)
+
+
 @app.command()
 @user_errors
 def finetune(
@@ -92,6 +103,7 @@ def finetune(
     from llmtrain.config import load_recipe
 
     checked = load_recipe(recipe, overrides)  # a missing file or a bad key is said before torch is imported
+    ask_hub_first(checked)
     from llmtrain.loop.train import train
 
     train(checked, resume=resume, overwrite=overwrite, allow_recipe_change=allow_recipe_change)
@@ -120,7 +132,9 @@ def inspect_data(
     from llmtrain.config import load_recipe
     from llmtrain.inspect_data import inspect_data as run
 
-    run(load_recipe(recipe, overrides), n=n, as_json=as_json)
+    checked = load_recipe(recipe, overrides)
+    ask_hub_first(checked)
+    run(checked, n=n, as_json=as_json)
 
 
 @app.command()

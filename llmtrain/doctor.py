@@ -7,20 +7,15 @@ loads model weights: the memory check is the estimator's arithmetic on config.js
 
 from __future__ import annotations
 
-import json
-import os
-import socket
-import sys
 from pathlib import Path
-from urllib.parse import urlparse
 
 import yaml
 
+from llmtrain import hub
 from llmtrain.config import Recipe
 from llmtrain.data.checks import Check, check_chat_template, check_context, check_tokenizer, load_data
 from llmtrain.errors import LLMTrainError
 
-HUB_PROBE_S = 3.0  # how long doctor waits for the hub to answer before it reads hub ids from the local cache only
 BIG_MODEL_PARAMS = 3e9  # above this a full fine-tune keeps ~16 bytes/param of state: FSDP, not DDP
 NODE_LOCAL = ("/tmp", "/var/tmp", "/dev/shm", "/scratch/local")  # folders that are per node on every cluster we know
 
@@ -127,32 +122,12 @@ def check_batch(recipe: Recipe, launch: dict) -> list[Check]:
              f"{total:,} {unit}{sampled} per optimizer step")]
 
 
-def hub_ids(recipe: Recipe) -> list[str]:
-    """The recipe's names that are not local paths, so hub ids: the model, its tokenizer, the data."""
-    names = [recipe.model.name_or_path, recipe.model.tokenizer, recipe.data.path]
-    local = (".json", ".jsonl", ".csv", ".parquet", ".txt", ".arrow")  # a data file's name, even a missing one
-    return list(dict.fromkeys(n for n in names if isinstance(n, str) and n and not Path(n).exists()
-                              and not n.startswith((".", "/", "~")) and not n.lower().endswith(local)))
-
-
 def check_hub(recipe: Recipe) -> list[Check]:
-    """Whether the Hugging Face hub answers, asked once (HUB_PROBE_S) when the recipe names a hub id. When it does
-    not, the rest of doctor reads hub ids from the local cache only (HF_HUB_OFFLINE=1 for this process), so that
-    each lookup fails at once instead of retrying for a minute."""
-    ids = hub_ids(recipe)
-    if not ids or os.environ.get("HF_HUB_OFFLINE", "0").upper() in ("1", "ON", "YES", "TRUE"):
-        return []
-    endpoint = urlparse(os.environ.get("HF_ENDPOINT") or "https://huggingface.co")
-    port = endpoint.port or (443 if endpoint.scheme == "https" else 80)
-    try:
-        socket.create_connection((endpoint.hostname, port), timeout=HUB_PROBE_S).close()
-    except OSError as e:
-        os.environ["HF_HUB_OFFLINE"] = "1"  # read when huggingface_hub, transformers and datasets are imported
-        if "huggingface_hub.constants" in sys.modules:  # and by huggingface_hub's is_offline_mode, if it already is
-            sys.modules["huggingface_hub.constants"].HF_HUB_OFFLINE = True
-        return [("hub", "warn", f"{endpoint.hostname}:{port} cannot be reached ({e.strerror or e}): {', '.join(ids)} "
-                 "read from the local Hugging Face cache only (as with HF_HUB_OFFLINE=1)")]
-    return [("hub", "pass", f"{endpoint.hostname} reachable ({', '.join(ids)})")]
+    """Whether the Hugging Face hub answers, asked once (hub.HUB_PROBE_S) when the recipe names a hub id. When it
+    does not, the rest of doctor reads hub ids from the local cache only (HF_HUB_OFFLINE=1 for this process), so
+    that each lookup fails at once instead of retrying for a minute."""
+    row = hub.check(hub.recipe_hub_ids(recipe))
+    return [("hub", *row)] if row else []
 
 
 def check_fsdp(recipe: Recipe, launch: dict, *, params: int, fits: bool | None) -> list[Check]:
@@ -259,11 +234,14 @@ def check_quantize(recipe: Recipe) -> list[Check]:
 
 
 def _max_positions(name_or_path: str) -> int | None:
-    """max_position_embeddings of a local model's config.json (None for a hub id: doctor does not download)."""
-    config = Path(name_or_path) / "config.json"
+    """max_position_embeddings of the model's config as estimate-memory reads it (params.read_config: a local
+    config.json, a hub id's in the local cache, or the built-in config of a shipped recipe's hub id); None when
+    there is none."""
+    from llmtrain.memory.params import read_config
+
     try:
-        return json.loads(config.read_text()).get("max_position_embeddings") if config.is_file() else None
-    except (OSError, ValueError):
+        return read_config(name_or_path)[0].get("max_position_embeddings")
+    except LLMTrainError:
         return None
 
 

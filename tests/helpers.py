@@ -95,8 +95,13 @@ def invoke(*args: str, check: bool = True) -> subprocess.CompletedProcess:
 
 
 def estimate_memory(*args: str, check: bool = True) -> subprocess.CompletedProcess:
-    """`llmtrain estimate-memory ARGS...` in this process (`invoke`)."""
-    return invoke("estimate-memory", *args, check=check)
+    """`llmtrain estimate-memory ARGS...` in this process (`invoke`). `check`: it printed its estimate, whether the run
+    fits (exit 0) or not (exit 4, memory.cli.DOES_NOT_FIT)."""
+    proc = invoke("estimate-memory", *args, check=False)
+    if check and proc.returncode not in (0, 4):
+        raise AssertionError(f"llmtrain estimate-memory {' '.join(args)} exited {proc.returncode}:\n"
+                             f"{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
+    return proc
 
 
 def launch_finetune(config: Path, processes: int, port: int, recipe: Path, *overrides: str,

@@ -385,11 +385,16 @@ def test_a_mistyped_local_data_path_is_named_as_missing_not_looked_up_on_the_hub
     assert _missing_local("openai/gsm8k") is None and _missing_local("gsm8k") is None
 
 
-def test_a_hub_id_that_cannot_load_names_hf_hub_offline():
+def test_a_hub_id_that_cannot_load_names_hf_hub_offline(monkeypatch):
     from llmtrain.model.modeling import _load_error
 
+    monkeypatch.setenv("HF_HUB_OFFLINE", "0")
     err = _load_error("model", "mistralai/Mistral-7B-Instruct-v0.3", OSError("We couldn't connect"))
     assert "HF_HUB_OFFLINE=1 makes every command say so at once" in str(err)
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")  # offline (set, or by llmtrain.hub): only the cache was looked in
+    err = _load_error("model", "mistralai/Mistral-7B-Instruct-v0.3", OSError("We couldn't connect"))
+    assert "the model 'mistralai/Mistral-7B-Instruct-v0.3' (model.name_or_path / model.tokenizer) is not in the " \
+           "local Hugging Face cache" in str(err) and "hf download mistralai/Mistral-7B-Instruct-v0.3" in str(err)
 
 
 def test_long_rows_do_not_print_transformers_length_warning(tiny_assets):

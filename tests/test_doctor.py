@@ -243,3 +243,24 @@ def test_an_eval_batch_many_times_the_training_micro_batch_is_warned(tiny_assets
     assert check_eval_batch(recipe(micro_batch_tokens=65536, eval_batch_size=4), [65536], [65536]) == []
     (_, _, detail), = check_eval_batch(recipe(micro_batch_size=2, eval_batch_size=64), [100, 500], [400])
     assert "64 x 400 = 25,600 tokens" in detail and "or lower it to 2" in detail
+
+
+def test_the_context_check_reads_a_hub_ids_built_in_or_cached_config(tmp_path):
+    """A shipped 7B recipe names a hub id: max_position_embeddings comes from the config estimate-memory reads (the
+    built-in one here, offline, with an empty cache), so a max_seq_len past it warns. Before: the check read a
+    local config.json only and said nothing for a hub id."""
+    from helpers import ENV, LLMTRAIN, open_port
+
+    from llmtrain.doctor import _max_positions
+
+    assert _max_positions("meta-llama/Llama-2-7b-hf") == 4096
+    assert _max_positions("meta-llama/Llama-3.1-8B-Instruct") == 131072  # not Llama 3's 8192: rope scaling
+    assert _max_positions("mistralai/Mistral-7B-Instruct-v0.3") == 32768
+    env = {**ENV, "HF_ENDPOINT": f"http://127.0.0.1:{open_port()}", "HF_HOME": str(tmp_path / "hf"),
+           "COLUMNS": "400"}  # one line a row
+    env.pop("HF_HUB_OFFLINE", None)
+    proc = subprocess.run([*LLMTRAIN, "doctor", str(REPO / "recipes" / "llama7b-lora.yaml"), "data.max_seq_len=8192"],
+                          env=env, cwd=REPO, capture_output=True, text=True, timeout=600)
+    context = [line for line in proc.stdout.splitlines() if line.startswith("│ context")]
+    assert len(context) == 1 and "warn" in context[0], proc.stdout + proc.stderr
+    assert "max_position_embeddings=4096" in context[0] and "Lower data.max_seq_len to 4096" in context[0]

@@ -23,7 +23,8 @@ LAYERS = [
     {"commands"},
 ]
 TOP = {
-    "schema": {"errors", "config", "overrides"},  # the recipe schema and the errors every layer raises
+    # the recipe schema, the errors every layer raises, and whether the hub answers (asked before any layer reads it)
+    "schema": {"errors", "config", "overrides", "hub"},
     "commands": {"cli", "doctor", "inspect_data", "tiny", "__main__", "__init__"},  # what the CLI runs
 }
 

@@ -225,7 +225,7 @@ def test_spec_from_recipe_reads_the_fast_path_keys(tmp_path):
 def test_cli_token_budget_and_chunk():
     res = estimate_memory("--model", "mistral-7b", "--method", "lora", "--mixed-precision", "bf16",
                           "--micro-batch-tokens", "16384", "--seq-len", "2048", "--loss-chunk-tokens", "2048", "--json")
-    assert res.returncode == 0, res.stderr
+    assert res.returncode == 4, res.stderr  # 156 GiB: does not fit
     out = json.loads(res.stdout)
     assert out["spec"]["micro_batch_tokens"] == 16384 and out["spec"]["loss_chunk_tokens"] == 2048
     assert out["largest"]["logits"]["bytes"] == 2048 * 32768 * 12  # one chunk's backward
@@ -269,7 +269,7 @@ def test_largest_value_of_each_part():
     for name, part in lora["largest"].items():
         assert part["bytes"] >= lora["breakdown"].get(name, 0)
     table = estimate_memory("--model", "llama-2-7b", "--mixed-precision", "bf16", "--seq-len", "512")
-    assert table.returncode == 0 and "largest" in table.stdout and "(largest at loss)" in table.stdout
+    assert table.returncode == 4 and "largest" in table.stdout and "(largest at loss)" in table.stdout  # 139 GiB
 
 
 def test_fit_says_how_many_gpus_would_do(mistral):

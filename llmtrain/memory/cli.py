@@ -24,6 +24,9 @@ RUN_OPTIONS = {
 }
 # What `--method lora` without --dtype assumes: every shipped LoRA recipe keeps its frozen base in bf16.
 LORA_BASE_DTYPE = "bfloat16"
+# The exit status when the run does not fit (with --fit: when no configuration fits the GPUs), so that a script can
+# tell it from a fit (0), bad input (2, LLMTrainError) and a crash (1); 3 is finetune's divergence (errors.py).
+DOES_NOT_FIT = 4
 
 
 def estimate_memory(
@@ -82,7 +85,11 @@ def estimate_memory(
                                       "fastest configuration that fits; when none does, the fewest GPUs (FSDP) "
                                       "that would.")] = False,
 ) -> None:
-    """Estimate per-GPU peak memory of a fine-tuning run, without weights or a GPU."""
+    """Estimate per-GPU peak memory of a fine-tuning run, without weights or a GPU.
+
+    Exit status: 0 when it fits --gpu-memory, 4 when it does not (with --fit: 0 when a configuration that fits these
+    GPUs was found, 4 when none was), 2 on bad input.
+    """
     from llmtrain.memory import fit as fitting
     from llmtrain.memory.comms import Network, step_traffic
     from llmtrain.memory.estimate import estimate
@@ -117,11 +124,19 @@ def estimate_memory(
         if result is not None:
             out["fit"] = _fit_dict(result)
         typer.echo(json.dumps(out, indent=1))
-        return
+    else:
+        _render(est, advice, traffic, launch_mp, result, global_batch=global_batch, target=target)
+    if not (result.best is not None if result is not None else est.fits):
+        raise typer.Exit(DOES_NOT_FIT)
+
+
+def _render(est, advice: str, traffic, launch_mp: str | None, result, *, global_batch: int | None, target) -> None:
+    """The tables: the estimate, and with --fit the search's result."""
     from llmtrain.memory.render import render_estimate, render_fit
 
     render_estimate(est, advice, traffic=traffic, launch_mp=launch_mp)
     if result is not None:
+        spec = est.spec
         if global_batch:  # the recipe's per-GPU batch times these GPUs: say what --fit keeps, it may not be intended
             unit = "tokens" if spec.micro_batch_tokens else "examples"
             typer.echo(f"--fit keeps the global batch at {global_batch:,} {unit} a step: the recipe's "
@@ -134,7 +149,7 @@ def estimate_memory(
 def _from_recipe(recipe: Path, overrides, run: dict, launch: dict):
     """(shape, spec, global batch kept by --fit, what --fit names, assumptions) of a recipe and its overrides."""
     from llmtrain.config import load_recipe
-    from llmtrain.memory.params import load_model_shape
+    from llmtrain.memory.params import load_model_shape, reads_hub
     from llmtrain.memory.spec import spec_from_recipe
 
     given = [f"--{k.replace('_', '-')} (set {RUN_OPTIONS[k]})" for k in run]
@@ -142,6 +157,9 @@ def _from_recipe(recipe: Path, overrides, run: dict, launch: dict):
         raise LLMTrainError("with a recipe, the run is set by the recipe and key=value overrides: "
                             + ", ".join(given) + ".")
     r = load_recipe(recipe, overrides)
+    config = r.model.name_or_path if reads_hub(r.model.name_or_path) else None  # None: local or built in
+    prompts = (r.model.tokenizer or r.model.name_or_path, r.data.path) if r.rl is not None else ()  # their lengths
+    ask_hub(config, *prompts)
     lengths, unread = rl_prompt_lengths(r) if r.rl is not None else (None, None)
     spec = spec_from_recipe(r, prompt_lengths=lengths, **launch)
     # kept by --fit: examples per step, or tokens per step with a budget
@@ -172,17 +190,29 @@ def rl_prompt_lengths(r) -> tuple[list[int] | None, str | None]:
 
 def _from_model(model: str, overrides, run: dict, launch: dict):
     """The same from a model's config.json and the run options."""
-    from llmtrain.memory.params import load_model_shape
+    from llmtrain.memory.params import load_model_shape, reads_hub
     from llmtrain.memory.spec import TrainSpec
 
     if overrides:
         raise LLMTrainError(f"key=value overrides need a recipe; with --model use options (got {overrides[0]}).")
+    ask_hub(model if reads_hub(model) else None)
     shape, assumed = load_model_shape(model), ()
     if run.get("method") == "lora" and "dtype" not in run:
         run = {**run, "dtype": LORA_BASE_DTYPE}
         assumed = (f"LoRA base weights in {LORA_BASE_DTYPE}, as the shipped LoRA recipes keep them "
                    "(--dtype float32 for an fp32 base)",)
     return shape, TrainSpec(**run, **launch), None, None, assumed
+
+
+def ask_hub(*names: str | None) -> None:
+    """Before anything is read from the hub (transformers and datasets are not imported yet): whether it answers,
+    once (llmtrain.hub); when it does not, one line on stderr (stdout may be --json) says that the hub ids are read
+    from the local cache only."""
+    from llmtrain import hub
+
+    line = hub.fall_back(hub.hub_ids(*names))
+    if line:
+        typer.echo(line, err=True)
 
 
 def header_launch(recipe: Path) -> Path | None:

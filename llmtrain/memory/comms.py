@@ -35,9 +35,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from llmtrain.memory.estimate import QUANT_BYTES_PER_WEIGHT
 from llmtrain.memory.params import ModelShape
 from llmtrain.memory.spec import DTYPE_BYTES, PRECISION_DTYPE, TrainSpec
+from llmtrain.memory.states import QUANT_BYTES_PER_WEIGHT
 
 NVLINK_GBPS = 3600.0  # H100 SXM, NVLink 4: 450 GB/s each way per GPU
 INFINIBAND_GBPS = 400.0  # one NDR InfiniBand card per GPU (the usual 8-GPU H100 node)
@@ -259,7 +259,7 @@ def traffic(shape: ModelShape, spec: TrainSpec, *, trained_params: int, trainabl
 def step_traffic(shape: ModelShape, spec: TrainSpec, network: Network = Network()) -> Traffic:
     """traffic() for the run spec describes: its trained parameters and the bytes of their gradients (under FSDP x TP,
     of one GPU's tensor-parallel slice, whose work is also the step's compute on that GPU)."""
-    from llmtrain.memory.estimate import states
+    from llmtrain.memory.states import states
     from llmtrain.memory.params import lora_plan, tensor_parallel_shape
 
     shape = tensor_parallel_shape(shape, spec.tp)

@@ -9,100 +9,25 @@ from __future__ import annotations
 
 import functools
 import inspect
-from dataclasses import dataclass, replace
+from dataclasses import replace
 
 from llmtrain.memory import activations as act
 from llmtrain.memory.params import LoraPlan, ModelShape, lora_plan, tensor_parallel_shape
 from llmtrain.memory.spec import DTYPE_BYTES, GIB, MIB, PRECISION_DTYPE, Estimate, TrainSpec
+from llmtrain.memory.states import (  # noqa: F401  (optimizer_bytes, quantized_base_bytes: imported from here too)
+    States,
+    accumulated_grads,
+    host_ram_bytes,
+    optimizer_bytes,
+    quantized_base_bytes,
+    states,
+)
 
 # Outside PyTorch's allocator; constants to be calibrated on GPUs (see docs/memory.md).
 CUDA_CONTEXT_BYTES = 500 * MIB  # CUDA context, cuBLAS/cuDNN handles and kernels
 NCCL_BYTES = 512 * MIB  # NCCL communicator buffers, multi-process runs only
 ALLOCATOR_SLACK = 0.10  # reserved / allocated - 1: the caching allocator's rounding and fragmentation
 DROPOUT_MASK_BYTES = act.CUDA_DROPOUT_MASK_BYTES  # per element saved by dropout (4 on the CPU, for tests)
-
-
-@dataclass(frozen=True)
-class States:
-    """Per-GPU bytes of everything that is not an activation (after FSDP sharding)."""
-
-    weights: int
-    grads: int  # all gradients, as after a full backward
-    grads_head: int  # gradients made by the LM head's backward (and the final norm's)
-    grads_layer: tuple[int, ...]  # per decoder layer
-    optimizer: int
-    ddp_buckets: int
-    host_offload: int  # bytes moved to host RAM by cpu offload (whole node, see host_ram)
-
-
-def optimizer_bytes(trainable_bytes: int) -> int:
-    """AdamW, the trainer's only optimizer, keeps exp_avg and exp_avg_sq in the parameter's dtype (8 bytes
-    a parameter in fp32). The fused AdamW llmtrain uses on CUDA updates in place, so the step adds no
-    temporaries of parameter size."""
-    return 2 * trainable_bytes
-
-
-# bitsandbytes 4-bit with double quantisation (QLoRA, Dettmers et al. 2023): 4 bits a weight, one 8-bit absmax per
-# block of 64 weights, and one fp32 absmax per block of 256 of those: 0.5 + 1/64 + 4/(64 x 256) bytes a weight.
-QUANT_BYTES_PER_WEIGHT = 0.5 + 1 / 64 + 4 / (64 * 256)
-
-
-def quantized_base_bytes(shape: ModelShape, spec: TrainSpec) -> int:
-    """The frozen base of a QLoRA run: the decoder layers' linears in 4 bits with their quantisation constants, the
-    rest (embeddings, LM head, norms) in the storage dtype, and the largest linear dequantised to the compute dtype
-    while its matmul runs (bitsandbytes dequantises a weight per call, forward and backward)."""
-    quantized = shape.linear_params_per_layer * shape.layers
-    compute = DTYPE_BYTES[PRECISION_DTYPE.get(spec.mixed_precision, spec.dtype)]
-    in_flight = max(lin.numel for lin in shape.layer_linears) * compute
-    return (round(quantized * QUANT_BYTES_PER_WEIGHT) + (shape.params_total - quantized) * DTYPE_BYTES[spec.dtype]
-            + in_flight)
-
-
-def states(shape: ModelShape, spec: TrainSpec, plan: LoraPlan | None) -> States:
-    """Weights in their storage dtype (LoRA adapters in fp32, as peft keeps them on a 16-bit base),
-    gradients of trainable parameters only, optimizer state, and DDP's gradient buckets: DDP copies
-    every gradient into flat buckets allocated once (gradient_as_bucket_view=False, Accelerate's
-    default); the 25 MB bucket_cap_mb only sets how they are grouped for all-reduce.
-    FSDP2 under mixed precision keeps trainable parameters as fp32 master shards (Accelerate upcasts
-    them); everything is divided by the world size, and cpu offload moves it all to the host."""
-    sd = DTYPE_BYTES[spec.dtype]
-    fsdp = spec.sharded
-    master = 4 if (fsdp and spec.mixed_precision != "no") else sd  # bytes of a trainable base parameter
-    V, H = shape.vocab, shape.hidden
-    if plan is None:
-        frozen_bytes = 0
-        head = (V * H + shape.params_final_norm) * master
-        layer = [shape.params_per_layer * master] * shape.layers
-    else:
-        frozen_bytes = shape.params_total * sd if not spec.quantize else quantized_base_bytes(shape, spec)
-        copies = {m: V * H * master for m in plan.saved_copies}
-        head = copies.get("lm_head", 0) + (plan.r * (H + V) * 4 if plan.adapted_head else 0)
-        layer = [sum(plan.r * (i + o) for i, o in adapted.values()) * 4 for adapted in plan.adapted]
-    embed = (V * H * master if plan is None and not shape.tied else 0) + (
-        V * H * master if plan is not None and "embed_tokens" in plan.saved_copies else 0)
-    trainable_bytes = head + sum(layer) + embed
-    shard = spec.shards
-    optim = optimizer_bytes(trainable_bytes)
-    weights = frozen_bytes + trainable_bytes
-    if spec.cpu_offload:
-        return States(0, 0, 0, (0,) * shape.layers, 0, 0, weights + trainable_bytes + optim)
-    return States(
-        weights=weights // shard, grads=trainable_bytes // shard, grads_head=head // shard,
-        grads_layer=tuple(g // shard for g in layer), optimizer=optim // shard,
-        ddp_buckets=trainable_bytes if spec.strategy == "ddp" else 0, host_offload=0,
-    )
-
-
-def accumulated_grads(spec: TrainSpec, st: States) -> int:
-    """Gradients kept between the micro-batches of a step. DDP and one GPU: the whole gradient. FSDP and HSDP by
-    train.fsdp_accumulate: sharded (the default) reduce-scatters each micro-batch, so a GPU keeps its shard;
-    unsharded keeps the whole gradient of the GPU's slice (in fp32 under mixed precision: FSDP2 accumulates in
-    the reduce dtype) until the last micro-batch: st.grads x shards, on every GPU."""
-    if spec.grad_accum == 1:
-        return 0
-    if spec.sharded and spec.fsdp_accumulate == "unsharded":
-        return st.grads * spec.shards
-    return st.grads
 
 
 @functools.cache
@@ -400,25 +325,6 @@ def _finish(shape: ModelShape, spec: TrainSpec, plan: LoraPlan | None, st: State
         per_gpu_peak_bytes=allocated + overhead, peak_phase=peak_phase, breakdown=breakdown, phases=totals,
         host_ram_bytes=host_ram_bytes(shape, spec, st), phase_parts=phases, notes=notes,
     )
-
-
-def host_ram_bytes(shape: ModelShape, spec: TrainSpec, st: States) -> int:
-    """Host RAM per node for loading: every process materialises the model on the host in its storage
-    dtype before moving it to its GPU, except under FSDP (cpu_ram_efficient_loading: rank 0 alone, after
-    upcasting trainable weights to fp32 under mixed precision) and model.random_init (built on the GPU).
-    Offloaded state (sharded weights, gradients, optimizer) adds the node's share. Python, CUDA and
-    library memory of each process is not included."""
-    sd = DTYPE_BYTES[spec.dtype]
-    if spec.random_init:
-        loading = 0
-    elif spec.tp > 1:  # every process reads the model, then keeps its tensor-parallel slice
-        loading = spec.num_gpus * shape.params_total * sd
-    elif spec.sharded:
-        widen = spec.mixed_precision != "no" and spec.method == "full"
-        loading = shape.params_total * (4 if widen else sd)
-    else:
-        loading = spec.num_gpus * shape.params_total * sd
-    return loading + st.host_offload // spec.num_nodes
 
 
 def _notes(shape: ModelShape, spec: TrainSpec, p: act.Pass) -> tuple[str, ...]:

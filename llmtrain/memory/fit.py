@@ -223,7 +223,41 @@ def recommendation(shape: ModelShape, est: Estimate, *, global_batch: int | None
             return (f"{need}; no strategy, checkpointing or micro-batch fits {gpus}, but FSDP on {s.world} GPUs "
                     f"does ({more.best.estimate.per_gpu_peak_bytes / GIB:.1f} GiB per GPU): {launch_line(more)} "
                     f"with {' '.join(more.overrides)} (see --fit)")
-        lora = "" if est.spec.method == "lora" else "LoRA on a bfloat16 base (--method lora --dtype bfloat16), "
-        return (f"{need}; nothing fits {gpus}, nor FSDP on up to {MAX_GPUS} GPUs: try {lora}"
-                "a shorter --seq-len or a smaller --micro-batch-tokens, or FSDP with --cpu-offload")
+        return f"{need}; nothing fits {gpus}, nor FSDP on up to {MAX_GPUS} GPUs: {overflow_advice(est)}"
     return f"{need}; on {gpus} use {launch_line(result)} with {' '.join(result.overrides)} (see --fit)"
+
+
+# The parts of a GPU's peak that the model's size makes (sharded by FSDP, offloaded by --cpu-offload); the rest
+# (activations, logits, temporaries, the KV cache) the micro-batch makes, and only fewer tokens or recomputing shrink.
+STATE_PARTS = ("weights", "gradients", "optimizer", "ddp_buckets", "fsdp_buffers", "autocast_copies")
+
+
+def overflow_advice(est: Estimate) -> str:
+    """What to change when nothing fits: for each of the two halves of the peak that does not fit the card by itself
+    (the larger when neither does alone), what shrinks that half, leaving out what the run already does. The card
+    holds `room` allocated bytes: its memory less the CUDA context and NCCL, over the allocator's slack."""
+    s, parts = est.spec, est.breakdown
+    fixed = est.per_gpu_peak_bytes - est.per_gpu_peak_reserved_bytes
+    room = (est.gpu_memory_bytes - fixed) * est.per_gpu_peak_allocated_bytes / est.per_gpu_peak_reserved_bytes
+    states = sum(parts.get(k, 0) for k in STATE_PARTS)
+    batch = sum(n for k, n in parts.items() if k not in (*STATE_PARTS, "overhead"))
+    advice = []
+    if batch > room or states <= room and batch >= states:
+        fewer = [] if s.grad_checkpointing else ["gradient checkpointing (model.gradient_checkpointing=true / "
+                                                 "--grad-checkpointing)"]
+        if s.micro_batch_tokens:
+            fewer.append("a smaller token budget (train.micro_batch_tokens / --micro-batch-tokens)")
+        elif s.micro_batch > s.per_example:
+            fewer.append("fewer examples a micro-batch (train.micro_batch_size / --micro-batch)")
+        fewer.append("shorter sequences (data.max_seq_len / --seq-len)")
+        if parts.get("logits", 0) >= max(parts.get("activations", 0), parts.get("temporaries", 0)):
+            fewer.append("smaller loss chunks (train.loss_chunk_tokens / --loss-chunk-tokens)")
+        advice.append(f"what the micro-batch keeps (activations, logits) is {batch / GIB:.1f} GiB per GPU, and FSDP "
+                      f"does not divide it: try {', '.join(fewer)}")
+    if states > room or batch <= room and states > batch:
+        smaller = [] if s.cpu_offload else ["FSDP with --cpu-offload"]  # (FSDP alone on up to MAX_GPUS did not do)
+        smaller += ["LoRA on a bfloat16 base (--method lora --dtype bfloat16)"] if s.method == "full" else \
+            [] if s.quantize else ["QLoRA (model.quantize=nf4 / --quantize nf4)"]
+        advice.append(f"weights, gradients and optimizer state are {states / GIB:.1f} GiB per GPU: try "
+                      f"{', '.join(smaller) or 'a smaller model'}")
+    return "; ".join(advice)

@@ -38,10 +38,12 @@ PRESETS: dict[str, dict] = {
 HUB_ALIASES = {
     "meta-llama/Llama-2-7b-hf": "llama-2-7b", "meta-llama/Llama-2-7b-chat-hf": "llama-2-7b",
     "meta-llama/Meta-Llama-3-8B": "llama-3-8b", "meta-llama/Meta-Llama-3-8B-Instruct": "llama-3-8b",
-    # Llama 3.1 8B: Llama 3 8B's shapes (its longer context, 131072 with llama3 rope scaling, changes no estimate)
+    # Llama 3.1 8B: Llama 3 8B's shapes (its longer context changes no estimate; doctor reads it: ALIAS_CONTEXT)
     "meta-llama/Llama-3.1-8B": "llama-3-8b", "meta-llama/Llama-3.1-8B-Instruct": "llama-3-8b",
     "mistralai/Mistral-7B-v0.3": "mistral-7b", "mistralai/Mistral-7B-Instruct-v0.3": "mistral-7b",
 }
+# An alias's max_position_embeddings where it is not its preset's (Llama 3.1: 131072 with llama3 rope scaling).
+ALIAS_CONTEXT = {"meta-llama/Llama-3.1-8B": 131072, "meta-llama/Llama-3.1-8B-Instruct": 131072}
 
 
 @dataclass(frozen=True)
@@ -163,6 +165,13 @@ def _looks_like_path(name: str) -> bool:
     return name.startswith(("/", ".", "~")) or name.count("/") > 1 or name.endswith(".json")
 
 
+def reads_hub(name_or_path: str) -> bool:
+    """Whether read_config asks the hub (or its local cache) for this name: not a local directory or file, a
+    preset, a built-in config, or a path that is missing."""
+    return not (Path(name_or_path).expanduser().exists() or name_or_path.lower() in PRESETS
+                or name_or_path in HUB_ALIASES or _looks_like_path(name_or_path))
+
+
 def read_config(name_or_path: str) -> tuple[dict, str]:
     """The config.json dict and where it came from: a local dir/file, a preset, or the hub (or its cache)."""
     path = Path(name_or_path).expanduser()
@@ -177,7 +186,8 @@ def read_config(name_or_path: str) -> tuple[dict, str]:
     if key in PRESETS:
         return dict(PRESETS[key]), f"built-in preset {key}"
     if name_or_path in HUB_ALIASES:
-        return dict(PRESETS[HUB_ALIASES[name_or_path]]), f"built-in config of {name_or_path}"
+        context = {"max_position_embeddings": ALIAS_CONTEXT[name_or_path]} if name_or_path in ALIAS_CONTEXT else {}
+        return {**PRESETS[HUB_ALIASES[name_or_path]], **context}, f"built-in config of {name_or_path}"
     hint = (f"Give a directory with config.json, a config.json file, a preset ({', '.join(PRESETS)}) "
             "or a hub id in the local Hugging Face cache.")
     if _looks_like_path(name_or_path):

@@ -23,6 +23,16 @@ def _load_error(what: str, path: str, err: Exception) -> LLMTrainError:
         return LLMTrainError(f"the {what} directory '{path}' (model.name_or_path / model.tokenizer) does not "
                              f"exist. Give the path of a local model folder, or a hub id such as "
                              f"mistralai/Mistral-7B-Instruct-v0.3.{hint}")
+    from llmtrain.hub import is_offline
+
+    if is_offline() and not local:  # set by the user, or by llmtrain.hub when the hub did not answer: only the cache
+        from huggingface_hub.constants import HF_HUB_CACHE
+
+        return LLMTrainError(
+            f"the {what} '{path}' (model.name_or_path / model.tokenizer) is not in the local Hugging Face cache "
+            f"({HF_HUB_CACHE}), and the hub is not asked (HF_HUB_OFFLINE=1; transformers says: "
+            f"{str(err).splitlines()[0].rstrip('.')}). Download it "
+            f"where there is network (`hf download {path}`, with the same HF_HOME), or give a local model folder.")
     return LLMTrainError(
         f"could not load the {what} from '{path}' (model.name_or_path / model.tokenizer): {err}. "
         "Give a local directory with config.json and weights, or a hub id; without network access, the "

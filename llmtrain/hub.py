@@ -1,0 +1,95 @@
+"""Whether the Hugging Face hub can be reached, asked once per process, and offline mode when it cannot.
+
+Without a network, huggingface_hub retries every file of a hub id with backoff before it looks in the local cache:
+about 50 s for a recipe's model, tokenizer and data, in "Retrying" lines. One connection to the endpoint, of at
+most HUB_PROBE_S, tells the same at once; when it fails, the process runs as with HF_HUB_OFFLINE=1, so each hub id
+is read from the local cache only and a missing one fails at once. huggingface_hub, transformers and datasets read
+HF_HUB_OFFLINE when they are imported, so the commands (doctor, estimate-memory, finetune) ask before they import
+them. Under `accelerate launch` each process asks once for itself (its own environment); the command prints the
+line once (cli.prints_error_here).
+
+May import: the standard library only.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import sys
+import urllib.request
+from pathlib import Path
+from urllib.parse import urlparse
+
+HUB_PROBE_S = 3.0  # how long the hub has to answer before hub ids are read from the local cache only
+DATA_FILES = (".json", ".jsonl", ".csv", ".parquet", ".txt", ".arrow")  # a data file's name, even a missing one
+_answers: dict[tuple[str, int], str | None] = {}  # (host, port) -> why it cannot be reached, None when it answers
+
+
+def is_offline() -> bool:
+    """HF_HUB_OFFLINE as huggingface_hub reads it."""
+    return os.environ.get("HF_HUB_OFFLINE", "0").upper() in ("1", "ON", "YES", "TRUE")
+
+
+def hub_ids(*names) -> list[str]:
+    """The names that are not local paths, so hub ids (model, tokenizer, dataset), in order, once each."""
+    return list(dict.fromkeys(n for n in names if isinstance(n, str) and n and not Path(n).exists()
+                              and not n.startswith((".", "/", "~")) and not n.lower().endswith(DATA_FILES)))
+
+
+def recipe_hub_ids(recipe) -> list[str]:
+    """What a run of `recipe` may read from the hub: its model, its tokenizer, its data."""
+    return hub_ids(recipe.model.name_or_path, recipe.model.tokenizer, recipe.data.path)
+
+
+def endpoint() -> tuple[str, int]:
+    """(host, port) that a request to HF_ENDPOINT (https://huggingface.co without it) connects to first: the proxy
+    of its scheme where one is set (HTTPS_PROXY, ... and NO_PROXY, as requests reads them), since a cluster that
+    reaches the hub only through a proxy cannot connect to the hub itself."""
+    url = urlparse(os.environ.get("HF_ENDPOINT") or "https://huggingface.co")
+    host = url.hostname or "huggingface.co"
+    proxy = urllib.request.getproxies().get(url.scheme)
+    if proxy and not urllib.request.proxy_bypass(host):
+        url = urlparse(proxy if "://" in proxy else f"http://{proxy}")
+        host = url.hostname or host
+    return host, url.port or (443 if url.scheme == "https" else 80)
+
+
+def unreachable() -> str | None:
+    """Why the hub's endpoint cannot be reached (None when it answers): one connection of at most HUB_PROBE_S, made
+    once per process and endpoint."""
+    where = endpoint()
+    if where not in _answers:
+        try:
+            socket.create_connection(where, timeout=HUB_PROBE_S).close()
+            _answers[where] = None
+        except OSError as e:
+            _answers[where] = e.strerror or str(e) or type(e).__name__
+    return _answers[where]
+
+
+def go_offline() -> None:
+    """HF_HUB_OFFLINE=1 for this process (and the processes it starts)."""
+    os.environ["HF_HUB_OFFLINE"] = "1"  # read when huggingface_hub, transformers and datasets are imported
+    if "huggingface_hub.constants" in sys.modules:  # and by huggingface_hub's is_offline_mode, if it already is
+        sys.modules["huggingface_hub.constants"].HF_HUB_OFFLINE = True
+
+
+def check(ids: list[str], *, fallback: str = "") -> tuple[str, str] | None:
+    """Before `ids` (hub ids) are read: None when there are none or HF_HUB_OFFLINE is already set (nothing to ask);
+    else ("pass", detail) when the hub answers, or ("warn", line) once this process is in offline mode, the line
+    saying so (and `fallback`: what else the command reads instead)."""
+    if not ids or is_offline():
+        return None
+    host, port = endpoint()
+    why = unreachable()
+    if why is None:
+        return "pass", f"{host} reachable ({', '.join(ids)})"
+    go_offline()
+    return "warn", (f"{host}:{port} cannot be reached ({why}): {', '.join(ids)} read from the local Hugging Face "
+                    f"cache only{fallback} (as with HF_HUB_OFFLINE=1)")
+
+
+def fall_back(ids: list[str], *, fallback: str = "") -> str | None:
+    """check() for a command: the line to print when it has put this process in offline mode, else None."""
+    row = check(ids, fallback=fallback)
+    return row[1] if row and row[0] == "warn" else None

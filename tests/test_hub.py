@@ -1,0 +1,95 @@
+"""The hub asked once per process (llmtrain/hub.py): out of reach, the commands read hub ids from the local cache only
+and say so in one line, instead of retrying every file for about 50 s. The hub is never really asked: HF_ENDPOINT
+points at a closed local port, which refuses at once."""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import time
+
+from helpers import ENV, LLMTRAIN, REPO, open_port
+
+from llmtrain import hub
+
+PROXIES = ("http_proxy", "HTTP_PROXY", "https_proxy", "HTTPS_PROXY", "all_proxy", "ALL_PROXY")  # the probe asks them
+
+
+def offline_env(tmp_path) -> dict:
+    """The environment of a command run where the hub cannot be reached, with an empty cache."""
+    env = {**ENV, "HF_ENDPOINT": f"http://127.0.0.1:{open_port()}", "HF_HOME": str(tmp_path / "hf"),
+           "COLUMNS": "400"}  # rich's tables on one line a row
+    for name in ("HF_HUB_OFFLINE", *PROXIES):
+        env.pop(name, None)
+    return env
+
+
+def test_an_unreachable_hub_is_asked_once_quickly_and_turns_offline_mode_on(monkeypatch):
+    import huggingface_hub.constants
+
+    port = open_port()
+    for name in PROXIES:
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("HF_ENDPOINT", f"http://127.0.0.1:{port}")
+    monkeypatch.setenv("HF_HUB_OFFLINE", "0")  # restored after the test, as is the constant below
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", False)
+    monkeypatch.setattr(hub, "_answers", {})
+    connections = []
+    connect = socket.create_connection
+    monkeypatch.setattr(socket, "create_connection", lambda *a, **k: connections.append(a) or connect(*a, **k))
+
+    start = time.monotonic()
+    status, line = hub.check(["meta-llama/Llama-2-7b-hf", "openai/gsm8k"])
+    assert time.monotonic() - start < 1.0
+    assert status == "warn" and line.startswith(f"127.0.0.1:{port} cannot be reached (")
+    assert "meta-llama/Llama-2-7b-hf, openai/gsm8k read from the local Hugging Face cache only" in line
+    assert os.environ["HF_HUB_OFFLINE"] == "1" and huggingface_hub.constants.HF_HUB_OFFLINE is True
+    assert hub.check(["openai/gsm8k"]) is None and hub.fall_back(["openai/gsm8k"]) is None  # offline: no question
+    assert hub.unreachable() is not None and len(connections) == 1  # asked once per process
+
+
+def test_behind_a_proxy_the_proxy_is_asked(monkeypatch):
+    """A cluster that reaches the hub through HTTPS_PROXY cannot connect to huggingface.co itself: the probe asks
+    the proxy, unless NO_PROXY names the hub."""
+    for name in ("HF_ENDPOINT", "no_proxy", "NO_PROXY", *PROXIES):
+        monkeypatch.delenv(name, raising=False)
+    assert hub.endpoint() == ("huggingface.co", 443)
+    monkeypatch.setenv("HTTPS_PROXY", "http://proxy.example:3128")
+    assert hub.endpoint() == ("proxy.example", 3128)
+    monkeypatch.setenv("NO_PROXY", "huggingface.co")
+    assert hub.endpoint() == ("huggingface.co", 443)
+
+
+def test_local_paths_and_data_files_are_not_hub_ids(tmp_path):
+    (tmp_path / "model").mkdir()
+    assert hub.hub_ids(str(tmp_path / "model"), "./m", "data/train.jsonl", None, ["a.jsonl"], "org/model",
+                       "org/model", "openai/gsm8k") == ["org/model", "openai/gsm8k"]
+    assert hub.check([]) is None  # nothing to read from the hub: nothing asked
+
+
+def test_estimate_memory_offline_says_so_once_and_prints_its_table_at_once(tmp_path):
+    """Before: 10 'Retrying' lines and 52 s on this recipe (its tokenizer and data are read for the prompts'
+    lengths)."""
+    proc = subprocess.run([*LLMTRAIN, "estimate-memory", "recipes/llama3-8b-grpo.yaml"], env=offline_env(tmp_path),
+                          cwd=REPO, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "Retrying" not in proc.stdout + proc.stderr
+    lines = [line for line in proc.stderr.splitlines() if "cannot be reached" in line]
+    assert len(lines) == 1 and ("meta-llama/Llama-3.1-8B-Instruct, openai/gsm8k read from the local Hugging Face "
+                                "cache only") in lines[0], proc.stderr
+    assert "total per GPU" in proc.stdout and "recommendation: fits" in proc.stdout
+    assert "the prompts could not be read" in proc.stdout  # so each is taken at data.max_seq_len
+
+
+def test_finetune_of_a_hub_id_offline_ends_at_once_saying_it_is_not_in_the_cache(tmp_path):
+    """Before: 10 'Retrying' lines and 51 s before the error."""
+    out = tmp_path / "run"
+    proc = subprocess.run([*LLMTRAIN, "finetune", "recipes/llama7b-lora.yaml", f"output_dir={out}"],
+                          env=offline_env(tmp_path), cwd=REPO, capture_output=True, text=True, timeout=600)
+    said = proc.stdout + proc.stderr
+    assert proc.returncode == 2 and "Retrying" not in said and "Traceback" not in said, said
+    assert said.count("cannot be reached") == 1
+    assert ("the tokenizer 'meta-llama/Llama-2-7b-hf' (model.name_or_path / model.tokenizer) is not in the local "
+            "Hugging Face cache") in said and "hf download meta-llama/Llama-2-7b-hf" in said
+    assert not out.exists()
