@@ -276,8 +276,32 @@ def check_rewards(functions: Sequence[tuple[str, RewardFn, float]], rows: list[d
     completions = [[{"role": "assistant", "content": t}] for t in texts] if chat else texts
     ids = [i for r in rows for i in ([], list(r["input_ids"]))]
     columns = {name: [r[stored] for r in rows for _ in range(2)] for name, stored in reward_columns(rows[0]).items()}
+    for name, fn, _ in functions:
+        check_arguments(name, fn, columns=list(columns), where=where)
     score(functions, prompts, completions, completion_ids=ids, columns=columns,
           rows=[r["row"] + 1 for r in rows for _ in range(2)], where=where, state=state, runner=runner)
+
+
+def check_arguments(name: str, fn: RewardFn, *, columns: list[str], where: str) -> None:
+    """Refuse a function whose signature asks for an argument that no call will pass (a column the data lacks),
+    naming it and the columns there are, instead of Python's bare `TypeError ... missing 1 required positional
+    argument`. Signatures that cannot be read (some builtins, C callables) are left to the call itself."""
+    try:
+        parameters = inspect.signature(fn).parameters.values()
+    except (TypeError, ValueError):
+        return
+    given = {*TRL_ARGUMENTS, *columns}
+    # Every argument goes by keyword (as TRL passes them): a required positional-only one can never be given
+    missing = [p.name for p in parameters if p.default is inspect.Parameter.empty and (
+        p.kind is inspect.Parameter.POSITIONAL_ONLY
+        or p.kind in (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY) and p.name not in given)]
+    if missing:
+        raise LLMTrainError(
+            f"reward function {name} needs the argument '{missing[0]}', which nothing passes: a reward function is "
+            f"called with keyword arguments, {', '.join(TRL_ARGUMENTS)} and each column of {where} but the prompt "
+            f"(which is `prompts`) by its name: {sorted(columns) or 'none'}. Rename the data's column to "
+            f"'{missing[0]}', or change the function to read one of those columns by its name (or give "
+            f"'{missing[0]}' a default); llmtrain does not rename columns for reward functions.")
 
 
 def _rows(rows: list[int]) -> str:
