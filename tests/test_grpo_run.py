@@ -280,6 +280,29 @@ def test_a_bad_reward_function_is_refused_before_the_run_writes(tiny_assets, tmp
     assert says in _refused(recipe, tmp_path / "run")
 
 
+@pytest.mark.parametrize("reward, says", [
+    ({"type": "answer_match", "column": "solution"},
+     "answer_match compares with the column 'solution', which the data does not have"),
+    ({"type": "function", "function": "needs_solution:reward"},
+     "reward function reward needs the argument 'solution'"),
+])
+def test_a_reward_reading_a_column_the_data_lack_is_refused_before_the_model_loads(tiny_assets, tmp_path,
+                                                                                   monkeypatch, reward, says):
+    import llmtrain.loop.train
+
+    (tmp_path / "needs_solution.py").write_text("def reward(prompts, completions, solution, **kwargs):\n"
+                                                "    return [1.0] * len(completions)\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+
+    def no_model(*args, **kwargs):
+        raise AssertionError("the model was built before the rewards were checked")
+
+    monkeypatch.setattr(llmtrain.loop.train, "build_model", no_model)
+    recipe = grpo_recipe(tiny_assets, tmp_path, rl={"rewards": [reward]})
+    refused = _refused(recipe, tmp_path / "run")
+    assert says in refused and "'completion'" in refused  # the column the data have
+
+
 def test_a_trl_style_reward_function_trains_unchanged(tiny_assets, tmp_path, monkeypatch):
     """TRL's signature, TRL's keyword names: prompts, completions, and the data's columns by name."""
     (tmp_path / "trl_rewards.py").write_text(

@@ -110,7 +110,8 @@ class GRPO:
     counting, log-probabilities from the chunked per-token path (no full logits)."""
 
     def __init__(self, rl, *, tokenizer, pad_id: int, packing: bool, seed: int, rewards, model, columns,
-                 stop_ids: list[int], world: int, sources: tuple[str, str | None] = ("the data", None), state=None):
+                 stop_ids: list[int], world: int, sources: tuple[str, str | None] = ("the data", None), state=None,
+                 runner=None):
         self.rl, self.tokenizer, self.pad_id, self.packing, self.seed = rl, tokenizer, pad_id, packing, seed
         self.rewards = rewards  # (name, function, weight): rewards.build_rewards
         self.lm = model  # unwrapped: generates, and with its adapter disabled is the reference (beta > 0)
@@ -122,7 +123,8 @@ class GRPO:
         self.sources = sources  # (train, eval): the files the errors name
         self.state = state  # the trainer_state reward functions get (rewards.trainer_state); the rollout moves it
         self.logs = RewardLogs()  # log_metric's numbers since the last metrics line
-        self.runner = AsyncRunner()  # the event loop of the async reward functions, for the whole run
+        # the event loop of the async reward functions, for the whole run (the start-up check's, where it ran one)
+        self.runner = runner if runner is not None else AsyncRunner()
         self.warned: set[str] = set()  # reward functions already said to have scored nothing
         answer_columns = [self.reward_columns.get(c.column, c.column) for c in rl.rewards if c.type == "answer_match"]
         self.expected_column = answer_columns[0] if answer_columns else None  # the eval samples' expected text
