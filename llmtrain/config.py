@@ -364,7 +364,7 @@ class RLConfig(Section):
         "(Dr. GRPO).")
     rewards: list[RewardConfig] = Field(min_length=1, description="The reward functions, summed with their weights.")
     sampler: Literal["static", "graph", "reference"] = Field(
-        "static", description="How completions are sampled (the same tokens either way): static, a preallocated KV "
+        "static", description="How completions are sampled (the same tokens up to rounding, docs/rl.md): static, a preallocated KV "
         "cache and a fixed-shape decode step with no host sync per token; graph, that step replayed as a CUDA graph "
         "(CUDA only, static elsewhere); reference, the plain loop over transformers' growing cache (the oracle).")
 

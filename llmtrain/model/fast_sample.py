@@ -1,8 +1,11 @@
 """The fast sampler for online RL: a static KV cache, one prefill per distinct prompt, and a decode step of fixed
 shape that reads nothing back to the host, replayed as a CUDA graph where asked (rl.sampler).
 
-It samples exactly what the reference loop (`generate.sample`, the oracle in the tests) samples: the same
-completion seeds, the same pre-drawn uniforms, the same `next_tokens`. What changes is the cost of a token:
+It samples by the reference loop's rule (`generate.sample`, the oracle in the tests): the same completion seeds,
+the same pre-drawn uniforms, the same `next_tokens`. Its attention path (SDPA over the static cache) gives logits
+that differ from the reference's in the last bits (~1e-6 in fp32), so a uniform within that distance of a CDF
+boundary draws the neighbouring token: the same completions up to rounding (tests/test_fast_sample.py measures the
+agreement rate), while a completion never depends on its batch. What changes is the cost of a token:
 
 - The KV cache is preallocated once for the call: [rows, kv heads, L, head dim] per layer, L = the longest prompt +
   max_new_tokens, zeroed (a masked slot must hold a finite value: softmax gives it weight 0, and 0 x NaN is NaN).
@@ -307,6 +310,6 @@ def sampler_for(lm, kind: str):
 
         warnings.warn(f"rl.sampler={kind}: the fast sampler runs the Llama layout ({', '.join(LAYOUTS)}) with whole "
                       f"parameters; this {causal_lm(lm).config.model_type} model samples with the reference loop "
-                      "(the same tokens, slower)", stacklevel=2)
+                      "(slower; the same tokens up to rounding)", stacklevel=2)
         return sample
     return partial(sample_fast, capture=kind == "graph")
