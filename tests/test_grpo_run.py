@@ -235,6 +235,31 @@ def test_two_fsdp_processes_gather_the_layers_to_sample_and_train_what_one_does(
     assert max_abs_diff(load_weights(fsdp / "final"), load_weights(one / "final")) < 1e-5
 
 
+@pytest.mark.slow
+def test_log_metric_is_averaged_over_both_processes(tiny_assets, tmp_path, free_port, monkeypatch):
+    """A reward function logging each completion's length: 2 DDP processes write the mean over all 16 completions
+    of a step, as one process does (completions/mean_length), not the main process's 8 alone."""
+    import os
+
+    (tmp_path / "length_log.py").write_text("def lengths(completions, completion_ids, log_metric, **kwargs):\n"
+                                            "    for ids in completion_ids:\n"
+                                            "        log_metric('completion_len', len(ids))\n"
+                                            "    return [0.0] * len(completions)\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.setitem(ENV, "PYTHONPATH", os.pathsep.join(filter(None, [str(tmp_path), ENV.get("PYTHONPATH")])))
+    recipe = grpo_recipe(tiny_assets, tmp_path, rl={"rewards": [{"type": "format", "pattern": "[aeiou]"},
+                                                                {"type": "function", "function": "length_log:lengths"}]},
+                         train={"max_steps": 2, "eval_every_steps": None}, logging={"every_steps": 1},
+                         data={"eval_split": None, "eval_max_examples": None})
+    run_train(recipe, f"output_dir={tmp_path / 'one'}")
+    launch_finetune(CPU_DDP, 2, free_port, recipe, f"output_dir={tmp_path / 'two'}", "train.micro_batch_size=2")
+    for run in ("one", "two"):
+        lines = records(tmp_path / run)
+        assert [r["completion_len"] for r in lines] == pytest.approx([r["completions/mean_length"] for r in lines])
+    assert [r["completion_len"] for r in records(tmp_path / "two")] == pytest.approx(
+        [r["completion_len"] for r in records(tmp_path / "one")])
+
+
 # --------------------------------------------------------------------------- refused before anything is written
 
 

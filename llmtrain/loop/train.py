@@ -12,6 +12,7 @@ import json
 import signal
 from contextlib import ExitStack, closing
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -85,7 +86,7 @@ def _train(recipe: Recipe, accelerator, console: RunConsole, cleanup: ExitStack,
     trainable = build_model(recipe, accelerator, total_steps=data.total_steps, say=say)
     objective = objective_for(recipe, pad_id=data.pad_id, model=trainable.unwrapped, tokenizer=data.tokenizer,
                               train=data.train, world=data_ranks(accelerator)[0], total_steps=data.total_steps,
-                              rewards=rewards)
+                              rewards=rewards, gather=partial(gathered, accelerator))
     data = reference_logps(recipe, accelerator, data, trainable, objective, console=console)  # preference only
     run_dir = claim_run_dir(recipe, accelerator, console, checkpoint=checked.checkpoint, resume=resume,
                             overwrite=overwrite)

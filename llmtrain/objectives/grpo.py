@@ -111,7 +111,7 @@ class GRPO:
 
     def __init__(self, rl, *, tokenizer, pad_id: int, packing: bool, seed: int, rewards, model, columns,
                  stop_ids: list[int], world: int, sources: tuple[str, str | None] = ("the data", None), state=None,
-                 runner=None):
+                 runner=None, gather=None):
         self.rl, self.tokenizer, self.pad_id, self.packing, self.seed = rl, tokenizer, pad_id, packing, seed
         self.rewards = rewards  # (name, function, weight): rewards.build_rewards
         self.lm = model  # unwrapped: generates, and with its adapter disabled is the reference (beta > 0)
@@ -123,6 +123,8 @@ class GRPO:
         self.sources = sources  # (train, eval): the files the errors name
         self.state = state  # the trainer_state reward functions get (rewards.trainer_state); the rollout moves it
         self.logs = RewardLogs()  # log_metric's numbers since the last metrics line
+        # every process's list, concatenated, on every process (distributed.gathered); one process: its own
+        self.gather = gather if gather is not None else list
         # the event loop of the async reward functions, for the whole run (the start-up check's, where it ran one)
         self.runner = runner if runner is not None else AsyncRunner()
         self.warned: set[str] = set()  # reward functions already said to have scored nothing
@@ -275,6 +277,8 @@ class GRPO:
         return (losses * batch["weights"]).sum(), torch.cat([rollout, stats])
 
     def step_metrics(self, stats: list[float], units: float) -> dict[str, float]:
+        from llmtrain.objectives.rewards import metric_means
+
         s = dict(zip(self.stats, stats))
         n, tokens = max(s["completions"], 1.0), max(s["tokens"], 1.0)
         out = {"reward": s["reward"] / n, "reward_std": s["reward_std"] / n, "frac_reward_zero_std": s["zero_std"] / n}
@@ -287,8 +291,10 @@ class GRPO:
         out["clip_ratio/region_mean"] = s["clipped_tokens"] / tokens
         out["generation_s"] = s["generation_s"]
         out["generation_tokens_per_s"] = s["length"] / max(s["generation_s"], 1e-9)
-        # log_metric's numbers since the last line, on this process (the main one writes them); never over ours
-        out.update({name: sum(v) / len(v) for name, v in sorted(self.logs.metrics.items()) if v and name not in out})
+        # log_metric's numbers since the last line, averaged over every process's (every rank makes this call, so
+        # the gather is a collective they all reach); never over ours
+        means = metric_means(self.gather(self.logs.metric_sums()))
+        out.update({name: mean for name, mean in means.items() if name not in out})
         self.logs.metrics.clear()
         return out
 

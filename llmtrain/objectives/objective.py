@@ -120,11 +120,12 @@ def rl_rewards(recipe, train, *, total_steps: int | None) -> Rewards | None:
 
 
 def objective_for(recipe, *, pad_id: int, model=None, tokenizer=None, train=None, world: int = 1,
-                  total_steps: int | None = None, rewards: Rewards | None = None) -> Objective:
+                  total_steps: int | None = None, rewards: Rewards | None = None, gather=None) -> Objective:
     """The recipe's objective: GRPO on prompts (rl:), a preference loss on pairs (preference:), else causal-LM
     cross-entropy (supervised fine-tuning). `model`: the unwrapped model, whose disabled adapter is the reference
     of a LoRA preference run (and which samples an RL run's completions); `train`: the tokenised train set (RL: its
-    columns go to the reward functions); `rewards`: rl_rewards' (None: checked here)."""
+    columns go to the reward functions); `rewards`: rl_rewards' (None: checked here); `gather`: every process's list
+    on every process (distributed.gathered; None: one process), for what reward functions log."""
     from llmtrain.data.batching import packs_rows
 
     if recipe.rl is not None:
@@ -143,7 +144,7 @@ def objective_for(recipe, *, pad_id: int, model=None, tokenizer=None, train=None
         return GRPO(recipe.rl, tokenizer=tokenizer, pad_id=pad_id, packing=packs_rows(recipe),
                     seed=recipe.train.seed, rewards=rewards.functions, model=model, columns=train.column_names,
                     stop_ids=stop_tokens(causal_lm(model), tokenizer, turn), world=world, sources=rewards.sources,
-                    state=rewards.state, runner=rewards.runner)
+                    state=rewards.state, runner=rewards.runner, gather=gather)
 
     if recipe.preference is not None:
         from llmtrain.objectives.preference import Preference

@@ -147,6 +147,20 @@ class RewardLogs:
     def log_metric(self, name: str, value: float) -> None:
         self.metrics[name].append(float(value))
 
+    def metric_sums(self) -> list[tuple[str, float, int]]:
+        """log_metric's numbers as (name, sum, count), to be put together with the other processes' (metric_means)."""
+        return [(name, sum(v), len(v)) for name, v in sorted(self.metrics.items()) if v]
+
+
+def metric_means(sums: list[tuple[str, float, int]]) -> dict[str, float]:
+    """One mean per name over every process's log_metric numbers ((name, sum, count) of each process, concatenated):
+    each number counts once, whichever process logged it, as one process logging them all would average them."""
+    total: dict[str, list[float]] = defaultdict(lambda: [0.0, 0])
+    for name, value, count in sums:
+        total[name][0] += value
+        total[name][1] += count
+    return {name: value / count for name, (value, count) in sorted(total.items())}
+
 
 def score(functions: Sequence[tuple[str, RewardFn, float]], prompts: list, completions: list, *,
           completion_ids: list[list[int]], columns: dict[str, list], rows: list[int], where: str,
