@@ -52,7 +52,8 @@ def draw_rl(fig, curves: list[Curves], smoothing: float | None) -> None:
         if "eval_answer_accuracy" in c.eval_rl:
             evals.plot(*_points(c.eval_step, c.eval_rl["eval_answer_accuracy"]), color=_colour(i), marker="o",
                        markersize=4, linestyle="--", label=f"{prefix}eval_answer_accuracy")
-        length.plot(c.step, _nan(c.rl.get("completions/mean_length", [])), color=_colour(i), label=f"{prefix}mean length")
+        length.plot(c.step, _nan(c.rl.get("completions/mean_length", [])), color=_colour(i),
+                    label=f"{prefix}mean length")
         if "kl" in c.rl:
             kl.plot(c.step, _nan(c.rl["kl"]), color=_colour(i), label=f"{prefix}kl")
         else:
