@@ -196,7 +196,6 @@ class GRPO:
     def _rollout_batch(self, examples: list[dict], step: int) -> tuple[list[dict], Counts, list[dict]]:
         import time
 
-        from llmtrain.data.batching import collate, with_loss_positions
         from llmtrain.data.formats import IGNORE
         from llmtrain.model.generate import completion_seed
         from llmtrain.objectives.rewards import RewardLogs
@@ -217,17 +216,7 @@ class GRPO:
         advantages, std = group_advantages(total, g, scale_rewards=rl.scale_rewards)
 
         sequences = [{"input_ids": p + c, "labels": [IGNORE] * len(p) + c} for p, c in zip(prompt_ids, completions)]
-        batches, lengths = [], []
-        for part in token_chunks([len(s["input_ids"]) for s in sequences], rl.micro_batch_tokens):
-            batch = with_loss_positions(collate([sequences[i] for i in part], pad_id=self.pad_id,
-                                                packing=self.packing))
-            completion = batch["loss_example"]  # each token's completion within the part
-            lengths.append(torch.bincount(completion, minlength=len(part)))
-            batch["advantages"] = advantages.float()[part][completion]
-            # a token's weight depends on its own completion only: any split gives each token the same weight
-            batch["weights"] = token_weights(completion, lengths[-1], rl.loss_type)
-            batches.append(batch)
-        lengths = torch.cat(lengths)
+        batches, lengths = self._passes(sequences, advantages)
         clipped = [not c or c[-1] not in self.stop_ids for c in completions]  # ended by max_completion_tokens
         scored = ~per_function.isnan()
         stats = torch.tensor([
@@ -250,6 +239,23 @@ class GRPO:
                     **{column: values[i] for column, values in extra.extra.items() if len(values) == len(completions)}}
                    for i in range(len(completions))]
         return batches, counts, records
+
+    def _passes(self, sequences: list[dict], advantages: torch.Tensor) -> tuple[list[dict], torch.Tensor]:
+        """The update's batches of the sequences (one packed row each; several under rl.micro_batch_tokens), each
+        token with its completion's advantage and its weight in the loss sum; and each completion's trained tokens."""
+        from llmtrain.data.batching import collate, with_loss_positions
+
+        batches, lengths = [], []
+        for part in token_chunks([len(s["input_ids"]) for s in sequences], self.rl.micro_batch_tokens):
+            batch = with_loss_positions(collate([sequences[i] for i in part], pad_id=self.pad_id,
+                                                packing=self.packing))
+            completion = batch["loss_example"]  # each token's completion within the part
+            lengths.append(torch.bincount(completion, minlength=len(part)))
+            batch["advantages"] = advantages.float()[part][completion]
+            # a token's weight depends on its own completion only: any split gives each token the same weight
+            batch["weights"] = token_weights(completion, lengths[-1], self.rl.loss_type)
+            batches.append(batch)
+        return batches, torch.cat(lengths)
 
     def _generate(self, prompt_ids: list[list[int]], seeds: list[int], *, temperature: float,
                   top_p: float) -> list[list[int]]:
