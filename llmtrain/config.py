@@ -381,9 +381,14 @@ class RLConfig(Section):
         "(Dr. GRPO).")
     rewards: list[RewardConfig] = Field(min_length=1, description="The reward functions, summed with their weights.")
     sampler: Literal["static", "graph", "reference"] = Field(
-        "static", description="How completions are sampled (the same tokens either way): static, a preallocated KV "
-        "cache and a fixed-shape decode step with no host sync per token; graph, that step replayed as a CUDA graph "
-        "(CUDA only, static elsewhere); reference, the plain loop over transformers' growing cache (the oracle).")
+        "static", description="How completions are sampled (the same tokens up to rounding, docs/rl.md): static, a "
+        "preallocated KV cache and a fixed-shape decode step with no host sync per token; graph, that step replayed "
+        "as a CUDA graph (CUDA only, static elsewhere); reference, the plain loop over transformers' growing cache "
+        "(the oracle).")
+    micro_batch_tokens: int | None = Field(
+        None, gt=0, description="The update's token budget: a micro-batch's prompt + completion sequences go "
+        "through the forward and backward in passes of at most this many tokens (a sequence is never split, so at "
+        "least data.max_seq_len), with the same loss and gradient as one pass. Default: one pass per micro-batch.")
 
     @model_validator(mode="after")
     def _unique_names(self) -> RLConfig:
@@ -442,7 +447,13 @@ class Recipe(Section):
                              "lora: section")
         if self.rl is not None and self.train.micro_batch_tokens is not None:
             raise ValueError("rl: a micro-batch is train.micro_batch_size prompts, each with rl.num_generations "
-                             "completions packed padding-free into one row; unset train.micro_batch_tokens")
+                             "completions packed padding-free into one row; unset train.micro_batch_tokens (a token "
+                             "budget for the update's passes is rl.micro_batch_tokens)")
+        budget = self.rl.micro_batch_tokens if self.rl is not None else None
+        if budget is not None and budget < self.data.max_seq_len:
+            raise ValueError(f"rl.micro_batch_tokens={budget} is below data.max_seq_len={self.data.max_seq_len}: "
+                             "a prompt and its completion are never split over two passes, so the budget must hold "
+                             f"the longest. Set rl.micro_batch_tokens to at least {self.data.max_seq_len}")
         return self
 
     def to_yaml(self) -> str:

@@ -99,9 +99,10 @@ def _sampling_model(dtype: torch.dtype):
 @pytest.mark.parametrize("temperature", [0.0, 1.0])
 def test_the_captured_sampler_equals_the_eager_one_and_the_reference_loop(dtype, temperature):
     """The decode step replayed as a CUDA graph draws exactly what the same step run eagerly draws (the same
-    kernels). Against the reference loop (another attention shape, another cache): equal when greedy and in fp32;
-    sampling in bf16, a near tie of two cumulative probabilities can round the other way and change a completion
-    from there on, so at least 3 in 4 of them are equal."""
+    kernels). Against the reference loop (another attention shape, another cache) the logits are equal up to
+    rounding: a uniform near a boundary of the cumulative distribution can draw the neighbouring token and change a
+    completion from there on. Greedy, all are equal; sampling in fp32, all but at most one of the 32 (on the CPU
+    1 in 256 differed at scale, docs/rl.md); in bf16, at least 3 in 4."""
     from llmtrain.model.fast_sample import sample_fast
     from llmtrain.model.generate import completion_seed, sample
 
@@ -118,5 +119,7 @@ def test_the_captured_sampler_equals_the_eager_one_and_the_reference_loop(dtype,
     assert any(len(c) == 40 for c in eager)
     same = sum(a == b for a, b in zip(eager, reference))
     print(f"{dtype} temperature {temperature}: {same} of {len(prompts)} completions equal to the reference loop's")
-    exact = dtype == torch.float32 or temperature == 0
-    assert same == len(prompts) if exact else same >= 0.75 * len(prompts)
+    if temperature == 0:
+        assert same == len(prompts)
+    else:
+        assert same >= (len(prompts) - 1 if dtype == torch.float32 else 0.75 * len(prompts))

@@ -200,6 +200,71 @@ def test_a_bad_reward_function_stops_with_its_name_and_row(body, says):
               rows=[4, 9], where="d.jsonl")
 
 
+@pytest.mark.parametrize("signature, missing", [
+    ("prompts, completions, solution, **kwargs", "solution"),
+    ("completions, *, solution", "solution"),
+    ("x, /, completions, **kwargs", "x"),  # TRL passes keywords only: a positional-only argument never arrives
+])
+def test_a_reward_function_asking_for_a_missing_column_is_refused_with_the_columns(signature, missing):
+    """Not Python's `TypeError ... missing 1 required positional argument: 'solution'`: the function, the argument,
+    the columns the data has and what to change."""
+    from llmtrain.errors import LLMTrainError
+    from llmtrain.objectives.rewards import check_rewards
+
+    namespace: dict = {}
+    exec(f"def needs({signature}):\n    return [1.0] * len(completions)\n", namespace)
+    rows = [{"prompt": "2+2=", "row": 0, "input_ids": [5, 6], "user/answer": "4", "user/level": 1}]
+    with pytest.raises(LLMTrainError) as e:
+        check_rewards([("mine:needs", namespace["needs"], 1.0)], rows, where="d.jsonl")
+    says = str(e.value)
+    assert f"reward function mine:needs needs the argument '{missing}'" in says
+    assert "each column of d.jsonl but the prompt (which is `prompts`) by its name: ['answer', 'level']" in says
+    assert f"Rename the data's column to '{missing}'" in says and "\n" not in says
+    assert "TypeError" not in says
+
+
+def test_a_reward_function_with_defaults_or_kwargs_for_what_is_absent_passes_the_check():
+    from llmtrain.objectives.rewards import check_rewards
+
+    def fine(prompts, completions, answer, solution=None, *args, **kwargs):
+        return [1.0] * len(completions)
+
+    rows = [{"prompt": "2+2=", "row": 0, "input_ids": [5, 6], "user/answer": "4"}]
+    check_rewards([("fine", fine, 1.0)], rows, where="d.jsonl")
+
+
+def test_log_metric_numbers_are_averaged_over_every_process_not_the_main_ones_alone():
+    """Two processes' log_metric calls since the last line: the line has each name's mean over all the numbers (as
+    one process logging them all would), a name only the other process logged included; the objective's own
+    metrics are never overwritten."""
+    from llmtrain.config import RLConfig
+    from llmtrain.objectives.grpo import GRPO
+    from llmtrain.objectives.rewards import RewardLogs, metric_means
+
+    other = RewardLogs()  # what the second process logged
+    for value in (30.0, 50.0):
+        other.log_metric("chars", value)
+    other.log_metric("only_there", 5)
+    other.log_metric("reward", 99.0)
+    gathered = []
+
+    def gather(mine: list) -> list:  # distributed.gathered: every rank's list, in rank order
+        gathered.append(mine)
+        return mine + other.metric_sums()
+
+    rl = RLConfig(rewards=[{"type": "format", "pattern": "x"}])
+    grpo = GRPO(rl, tokenizer=None, pad_id=0, packing=True, seed=0, rewards=[("format", lambda **_: [], 1.0)],
+                model=None, columns=["input_ids", "row", "prompt"], stop_ids=[], world=2, gather=gather)
+    grpo.logs.log_metric("chars", 10.0)
+    grpo.logs.log_metric("chars", 20.0)
+    line = grpo.step_metrics([1.0] * len(grpo.stats), 1.0)
+    assert gathered == [[("chars", 30.0, 2)]]
+    assert line["chars"] == pytest.approx(27.5) and line["only_there"] == 5.0  # (10 + 20 + 30 + 50) / 4
+    assert line["reward"] == 1.0  # the objective's own
+    assert grpo.step_metrics([1.0] * len(grpo.stats), 1.0)["chars"] == pytest.approx(40.0)  # ours were cleared
+    assert metric_means([]) == {}
+
+
 # TRL 1.16's documented reward functions (docs/source/grpo_trainer.md, "Using a custom reward function"), as
 # printed there, and one per form the trainer accepts (trainer_state, a numpy array, a tensor). Example 1 is printed
 # with `completions_ids`, a name the trainer never passes (it passes `completion_ids`), so it fails under TRL too;

@@ -128,6 +128,35 @@ def test_the_fast_sampler_trains_what_the_reference_loop_trains(straight, tmp_pa
     assert len(generation_s) == 4 and all(s > 0 for s in generation_s)
 
 
+def test_a_token_budget_splits_the_update_into_passes_with_the_same_losses_and_weights(straight, tmp_path,
+                                                                                       monkeypatch):
+    """rl.micro_batch_tokens=32 (data.max_seq_len): each micro-batch's 16 sequences go through the forward and
+    backward in passes of at most 32 tokens, and the run is the unbudgeted one's: the same completions, losses,
+    gradient norms and weights (to float rounding: the gradient is summed in another order)."""
+    from llmtrain.objectives.grpo import GRPO
+
+    recipe, one, _ = straight
+    passes = []
+    loss = GRPO.loss
+    monkeypatch.setattr(GRPO, "loss", lambda self, model, batch: passes.append(batch["input_ids"].numel())
+                        or loss(self, model, batch))
+    budget = tmp_path / "budget"
+    run_train(recipe, f"output_dir={budget}", "rl.micro_batch_tokens=32")
+    assert len(passes) >= 4 * 4 and max(passes) <= 32  # 4 steps of several passes each, none over the budget
+    assert rollouts(budget) == rollouts(one)
+    assert losses(budget) == pytest.approx(losses(one), abs=1e-6)
+    assert [r["grad_norm"] for r in records(budget)] == pytest.approx([r["grad_norm"] for r in records(one)],
+                                                                      rel=1e-5)
+    # Adam divides by the gradient's running scale, so rounding differences of its tiny entries show in the weights
+    # as they do between 1 and 2 processes (test_two_ddp_processes_...)
+    assert max_abs_diff(load_weights(budget / "final"), load_weights(one / "final")) < 1e-5
+    from llmtrain.config import load_recipe
+    from llmtrain.errors import RecipeError
+
+    with pytest.raises(RecipeError, match="rl.micro_batch_tokens=16 is below data.max_seq_len=32"):
+        load_recipe(recipe, ["rl.micro_batch_tokens=16"])
+
+
 def test_lora_with_beta_takes_the_disabled_adapter_as_reference(tiny_assets, tmp_path):
     """beta > 0 with LoRA: the reference is the same model with its adapter off, so the KL starts at 0 (lora_B is
     zero at init) and grows once the adapter has moved; it is logged as TRL's `kl`."""
@@ -235,6 +264,66 @@ def test_two_fsdp_processes_gather_the_layers_to_sample_and_train_what_one_does(
     assert max_abs_diff(load_weights(fsdp / "final"), load_weights(one / "final")) < 1e-5
 
 
+@pytest.mark.slow
+def test_log_metric_is_averaged_over_both_processes(tiny_assets, tmp_path, free_port, monkeypatch):
+    """A reward function logging each completion's length: 2 DDP processes write the mean over all 16 completions
+    of a step, as one process does (completions/mean_length), not the main process's 8 alone."""
+    import os
+
+    (tmp_path / "length_log.py").write_text("def lengths(completions, completion_ids, log_metric, **kwargs):\n"
+                                            "    for ids in completion_ids:\n"
+                                            "        log_metric('completion_len', len(ids))\n"
+                                            "    return [0.0] * len(completions)\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.setitem(ENV, "PYTHONPATH", os.pathsep.join(filter(None, [str(tmp_path), ENV.get("PYTHONPATH")])))
+    rewards = [{"type": "format", "pattern": "[aeiou]"}, {"type": "function", "function": "length_log:lengths"}]
+    recipe = grpo_recipe(tiny_assets, tmp_path, rl={"rewards": rewards},
+                         train={"max_steps": 2, "eval_every_steps": None}, logging={"every_steps": 1},
+                         data={"eval_split": None, "eval_max_examples": None})
+    run_train(recipe, f"output_dir={tmp_path / 'one'}")
+    launch_finetune(CPU_DDP, 2, free_port, recipe, f"output_dir={tmp_path / 'two'}", "train.micro_batch_size=2")
+    for run in ("one", "two"):
+        lines = records(tmp_path / run)
+        assert [r["completion_len"] for r in lines] == pytest.approx([r["completions/mean_length"] for r in lines])
+    assert [r["completion_len"] for r in records(tmp_path / "two")] == pytest.approx(
+        [r["completion_len"] for r in records(tmp_path / "one")])
+
+
+@pytest.mark.slow
+def test_two_fsdp_processes_with_a_token_budget_pass_alike_and_train_what_one_does(straight, tmp_path, free_port):
+    """rl.micro_batch_tokens=48 under FSDP (which gathers and reduce-scatters in every pass): a rank whose
+    completions fit fewer passes adds placeholders, so both run as many (here 4 against 5 to 7 at 3 of the 4
+    steps, measured); the run is still the one-process, unbudgeted one."""
+    recipe, one, _ = straight
+    fsdp = tmp_path / "fsdp"
+    launch_finetune(CPU_FSDP, 2, free_port, recipe, f"output_dir={fsdp}", "train.micro_batch_size=2",
+                    "rl.micro_batch_tokens=48")
+    assert [(r["step"], r["row"], r["completion_ids"]) for r in rollouts(fsdp)] == [
+        (r["step"], r["row"], r["completion_ids"]) for r in rollouts(one)]
+    assert losses(fsdp) == pytest.approx(losses(one), abs=1e-6)
+    assert max_abs_diff(load_weights(fsdp / "final"), load_weights(one / "final")) < 1e-5
+
+
+def test_a_rank_with_fewer_passes_adds_placeholders_that_train_nothing(monkeypatch):
+    """Under a token budget the ranks' pass counts can differ; FSDP needs them equal, so the rank with fewer adds
+    one-token passes with no trained token and no statistics."""
+    from llmtrain.config import RLConfig
+    from llmtrain.data.batching import Counts, Window
+    from llmtrain.objectives.grpo import GRPO
+
+    rl = RLConfig(rewards=[{"type": "format", "pattern": "x"}], micro_batch_tokens=64)
+    grpo = GRPO(rl, tokenizer=None, pad_id=0, packing=True, seed=0, rewards=[("format", lambda **_: [], 1.0)],
+                model=torch.nn.Linear(2, 2), columns=["input_ids", "row", "prompt"], stop_ids=[], world=2,
+                gather=lambda mine: mine + [mine[0] + 2])  # the other rank: 2 passes more
+    real = {"input_ids": torch.ones(1, 5, dtype=torch.long)}
+    monkeypatch.setattr(grpo, "_rollout_batch", lambda examples, step: ([real], Counts(3.0, 3.0, 5.0, 25.0), []))
+    window = Window(epoch=0, end=1, epoch_done=False, batches=[{"examples": [{}]}], counts=Counts(0, 0, 0, 0))
+    out = grpo.rollout(window, step=0)
+    assert out.batches[0] is real and len(out.batches) == 3 and out.counts == Counts(3.0, 3.0, 5.0, 25.0)
+    for idle in out.batches[1:]:
+        assert idle["loss_index"].numel() == 0 and not idle["rollout_stats"].any()
+
+
 # --------------------------------------------------------------------------- refused before anything is written
 
 
@@ -278,6 +367,29 @@ def test_a_bad_reward_function_is_refused_before_the_run_writes(tiny_assets, tmp
     monkeypatch.syspath_prepend(str(tmp_path))
     recipe = grpo_recipe(tiny_assets, tmp_path, rl={"rewards": [{"type": "function", "function": f"{module}:bad"}]})
     assert says in _refused(recipe, tmp_path / "run")
+
+
+@pytest.mark.parametrize("reward, says", [
+    ({"type": "answer_match", "column": "solution"},
+     "answer_match compares with the column 'solution', which the data does not have"),
+    ({"type": "function", "function": "needs_solution:reward"},
+     "reward function reward needs the argument 'solution'"),
+])
+def test_a_reward_reading_a_column_the_data_lack_is_refused_before_the_model_loads(tiny_assets, tmp_path,
+                                                                                   monkeypatch, reward, says):
+    import llmtrain.loop.train
+
+    (tmp_path / "needs_solution.py").write_text("def reward(prompts, completions, solution, **kwargs):\n"
+                                                "    return [1.0] * len(completions)\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+
+    def no_model(*args, **kwargs):
+        raise AssertionError("the model was built before the rewards were checked")
+
+    monkeypatch.setattr(llmtrain.loop.train, "build_model", no_model)
+    recipe = grpo_recipe(tiny_assets, tmp_path, rl={"rewards": [reward]})
+    refused = _refused(recipe, tmp_path / "run")
+    assert says in refused and "'completion'" in refused  # the column the data have
 
 
 def test_a_trl_style_reward_function_trains_unchanged(tiny_assets, tmp_path, monkeypatch):

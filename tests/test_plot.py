@@ -159,6 +159,16 @@ def test_loss_axis_turns_logarithmic_for_a_wide_range(tmp_path):
     assert fig.axes[0].get_yscale() == "log" and fig.axes[1].get_yscale() == "log"
 
 
+def test_a_short_run_draws_its_raw_loss_without_an_ema_0_line(tmp_path):
+    """20 points or fewer are not smoothed: no "train loss (EMA 0)" copy of the raw curve; the raw one is solid."""
+    run = tmp_path / "short"
+    write_metrics(run, steps=12, skipped=())
+    fig = plot_runs([run], run / "loss.png")
+    (line,) = fig.axes[0].get_lines()[:1]
+    assert [x.get_label() for x in fig.axes[0].get_lines()] == ["train loss", "eval loss"]
+    assert line.get_alpha() == 1.0
+
+
 def test_ema_and_smoothing_weight():
     assert ema([1.0, None, 3.0, float("nan")], 0.5) == [1.0, None, pytest.approx((0.25 + 1.5) / 0.75), None]
     assert ema([2.0, 2.0, 2.0], 0.9) == pytest.approx([2.0, 2.0, 2.0])  # debiased: no pull towards zero
@@ -178,42 +188,59 @@ def test_default_path_and_the_trainers_update(tmp_path):
     assert note.startswith("warning:") and "not updated" in note and "does not exist" in note
 
 
-def write_rl_metrics(run, *, steps: int = 20, kl: bool = True):
+SEVEN = {"answer_match": (0.2, 0.003), "format": (0.6, 0.003), "tagged": (0.1, 0.005), "brevity": (-14.0, 0.05),
+         "python_ok": (0.8, 0.001), "think": (0.3, -0.001), "lang": (0.95, 0.0)}  # name: (first value, slope)
+
+
+def write_rl_metrics(run, *, steps: int = 20, kl: bool = True, functions=None):
     """An online RL run's metrics.jsonl as the trainer writes it: TRL's names on the train lines, eval lines from
-    step 0 with the greedy answer accuracy."""
+    step 0 with the greedy answer accuracy. `functions`: {name: (value at step 0, change a step)}, by default
+    answer_match rising and format flat."""
+    functions = functions or {"answer_match": (0.05, 0.01), "format": (0.5, 0.0)}
     run.mkdir(parents=True, exist_ok=True)
-    lines = [{"type": "eval", "step": 0, "eval_reward": 0.3, "eval_rewards/answer_match/mean": 0.3,
-              "eval_rewards/format/mean": 0.9, "eval_answer_accuracy": 0.3}]
+
+    def means(prefix: str, step: int, offset: float = 0.0) -> dict:  # the train values wiggle, as sampled ones do
+        wiggle = 0.0 if offset else 0.04 * math.sin(1.7 * step)
+        return {f"{prefix}/{n}/mean": first + offset + slope * step + wiggle * max(1.0, abs(first))
+                for n, (first, slope) in functions.items()}
+
+    lines = [{"type": "eval", "step": 0, "eval_reward": 0.3, **means("eval_rewards", 0, 0.05),
+              "eval_answer_accuracy": 0.3}]
     for step in range(1, steps + 1):
         lines.append({"type": "train", "step": step, "loss": 0.001 * (-1) ** step, "lr": 5e-5,
-                      "tokens_seen": 1000 * step, "reward": 0.1 + 0.01 * step,
-                      "rewards/answer_match/mean": 0.05 + 0.01 * step, "rewards/format/mean": 0.5,
+                      "tokens_seen": 1000 * step, "reward": 0.1 + 0.01 * step, **means("rewards", step),
                       "completions/mean_length": 10.0 - 0.1 * step, **({"kl": 0.001 * step} if kl else {})})
         if step % 10 == 0:
             lines.append({"type": "eval", "step": step, "eval_reward": 0.3 + 0.01 * step,
-                          "eval_rewards/answer_match/mean": 0.3 + 0.01 * step, "eval_rewards/format/mean": 0.9,
-                          "eval_answer_accuracy": 0.3 + 0.01 * step})
+                          **means("eval_rewards", step, 0.05), "eval_answer_accuracy": 0.3 + 0.01 * step})
     (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in lines))
 
 
 def test_an_rl_run_plots_reward_eval_accuracy_length_and_kl_against_steps(tmp_path):
-    """loss.png of an online RL run: the reward (raw, smoothed, and each function's), eval_answer_accuracy and the
-    eval reward from step 0, the completions' mean length and the KL, each against steps; without beta the last
-    panel is the loss. `llmtrain plot` draws the same figure."""
+    """loss.png of an online RL run: the reward (raw; 20 points are too few to smooth, and the label says so) with
+    the eval reward, eval_answer_accuracy from step 0, the completions' mean length and the KL, each against
+    steps; each of the two reward functions in a panel of its own; without beta the KL panel is the loss.
+    `llmtrain plot` draws the same figure."""
+    from llmtrain.run.rl_plot import rl_figure_size
+
     run = tmp_path / "rl"
     write_rl_metrics(run)
     fig = plot_runs([run], run / "loss.png")
-    reward, evals, length, kl = fig.axes
+    reward, evals, length, kl, answer_match, format_ = fig.axes
     drawn = lines_by_label(reward)
-    assert drawn["reward"] == (list(range(1, 21)), pytest.approx([0.1 + 0.01 * s for s in range(1, 21)]))
-    assert {"answer_match (EMA)", "format (EMA)"} <= set(drawn)
-    accuracy = lines_by_label(evals)["eval_answer_accuracy"]
-    assert accuracy == ([0, 10, 20], pytest.approx([0.3, 0.4, 0.5]))
-    assert "eval_reward" in lines_by_label(evals)
+    assert list(drawn) == ["reward (raw)", "eval_reward"]  # no "EMA 0": nothing is smoothed
+    assert drawn["reward (raw)"] == (list(range(1, 21)), pytest.approx([0.1 + 0.01 * s for s in range(1, 21)]))
+    assert drawn["eval_reward"] == ([0, 10, 20], pytest.approx([0.3, 0.4, 0.5]))
+    assert lines_by_label(evals)["eval_answer_accuracy"] == ([0, 10, 20], pytest.approx([0.3, 0.4, 0.5]))
     assert lines_by_label(length)["mean length"][1] == pytest.approx([10.0 - 0.1 * s for s in range(1, 21)])
     assert lines_by_label(kl)["kl"][1] == pytest.approx([0.001 * s for s in range(1, 21)])
+    assert answer_match.get_title() == "rewards/answer_match/mean" and format_.get_title() == "rewards/format/mean"
+    assert set(lines_by_label(format_)) == {"rewards/format/mean (raw)", "eval_rewards/format/mean"}
     assert "eval_answer_accuracy 0.3 at step 0 -> 0.5 at step 20" in fig._suptitle.get_text()
-    assert png_size(run / "loss.png") == PNG_SIZE
+    legend = [t.get_text() for t in fig.legends[0].get_texts()]
+    assert legend == ["train, each logged step (raw: too few points to smooth)",
+                      "eval: greedy completions of the eval prompts"]
+    assert png_size(run / "loss.png") == tuple(round(100 * x) for x in rl_figure_size(2))
 
     plain = tmp_path / "rl-no-kl"
     write_rl_metrics(plain, kl=False)
@@ -221,4 +248,30 @@ def test_an_rl_run_plots_reward_eval_accuracy_length_and_kl_against_steps(tmp_pa
     assert list(lines_by_label(fig.axes[3])) == ["loss (no kl: rl.beta is 0)"]
 
     cli("plot", str(run), "--out", str(tmp_path / "cli.png"))
-    assert png_size(tmp_path / "cli.png") == PNG_SIZE
+    assert png_size(tmp_path / "cli.png") == png_size(run / "loss.png")
+
+
+def test_seven_rewards_get_a_panel_a_scale_and_a_colour_each_and_the_legend_is_outside_the_data(tmp_path):
+    """A length penalty near -14 beside 0-1 rewards: each on its own axis (its y-range its data's), in its own colour;
+    100 steps are smoothed, and the legend (below the panels, overlapping none) says with what."""
+    run = tmp_path / "rl7"
+    write_rl_metrics(run, steps=100, functions=SEVEN)
+    fig = plot_runs([run], run / "loss.png")
+    panels = fig.axes[4:]
+    assert [ax.get_title() for ax in panels] == [f"rewards/{n}/mean" for n in SEVEN]
+    colours = []
+    for ax, name in zip(panels, SEVEN):
+        drawn = lines_by_label(ax)
+        assert set(drawn) == {f"rewards/{name}/mean (raw)", f"rewards/{name}/mean (EMA 0.8)",
+                              f"eval_rewards/{name}/mean"}
+        low, high = ax.get_ylim()
+        values = [*drawn[f"rewards/{name}/mean (raw)"][1], *drawn[f"eval_rewards/{name}/mean"][1]]
+        assert low <= min(values) and max(values) <= high and high - low < 1.5 * (max(values) - min(values))
+        colours.append(ax.get_lines()[0].get_color())
+    assert len(set(colours)) == 7 and "C7" not in colours  # and none the legend's grey
+    assert fig.axes[0].get_ylim()[0] > -1  # the weighted sum's axis is not stretched to -14 either
+    fig.canvas.draw()
+    box = fig.legends[0].get_window_extent()
+    assert not any(box.overlaps(ax.get_window_extent()) for ax in fig.axes)
+    assert "train, smoothed (exponential moving average, weight 0.8)" in [t.get_text()
+                                                                          for t in fig.legends[0].get_texts()]

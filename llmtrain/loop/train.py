@@ -12,6 +12,7 @@ import json
 import signal
 from contextlib import ExitStack, closing
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -38,7 +39,7 @@ from llmtrain.loop.phases import (
 from llmtrain.loop.signals import StopRequests
 from llmtrain.loop.step import evaluate, train_step
 from llmtrain.memory import predicted_for_run
-from llmtrain.objectives.objective import Objective, objective_for
+from llmtrain.objectives.objective import Objective, objective_for, rl_rewards
 from llmtrain.parallel.distributed import build_accelerator, data_ranks, gathered
 from llmtrain.run.checkpoint import save_checkpoint
 from llmtrain.run.console import RunConsole, step_text, summary_table
@@ -81,9 +82,11 @@ def _train(recipe: Recipe, accelerator, console: RunConsole, cleanup: ExitStack,
         return checked.finished
     seed_run(recipe.train, cleanup)
     data = prepare_data(recipe, accelerator, say=say)
+    rewards = rl_rewards(recipe, data.train, total_steps=data.total_steps)  # RL: checked before the model loads
     trainable = build_model(recipe, accelerator, total_steps=data.total_steps, say=say)
     objective = objective_for(recipe, pad_id=data.pad_id, model=trainable.unwrapped, tokenizer=data.tokenizer,
-                              train=data.train, world=data_ranks(accelerator)[0], total_steps=data.total_steps)
+                              train=data.train, world=data_ranks(accelerator)[0], total_steps=data.total_steps,
+                              rewards=rewards, gather=partial(gathered, accelerator))
     data = reference_logps(recipe, accelerator, data, trainable, objective, console=console)  # preference only
     run_dir = claim_run_dir(recipe, accelerator, console, checkpoint=checked.checkpoint, resume=resume,
                             overwrite=overwrite)

@@ -1,8 +1,11 @@
 """The fast sampler for online RL: a static KV cache, one prefill per distinct prompt, and a decode step of fixed
 shape that reads nothing back to the host, replayed as a CUDA graph where asked (rl.sampler).
 
-It samples exactly what the reference loop (`generate.sample`, the oracle in the tests) samples: the same
-completion seeds, the same pre-drawn uniforms, the same `next_tokens`. What changes is the cost of a token:
+It samples by the reference loop's rule (`generate.sample`, the oracle in the tests): the same completion seeds,
+the same pre-drawn uniforms, the same `next_tokens`. Its attention path (SDPA over the static cache) gives logits
+that differ from the reference's in the last bits (~1e-6 in fp32), so a uniform within that distance of a CDF
+boundary draws the neighbouring token: the same completions up to rounding (tests/test_fast_sample.py measures the
+agreement rate), while a completion never depends on its batch. What changes is the cost of a token:
 
 - The KV cache is preallocated once for the call: [rows, kv heads, L, head dim] per layer, L = the longest prompt +
   max_new_tokens, zeroed (a masked slot must hold a finite value: softmax gives it weight 0, and 0 x NaN is NaN).
@@ -135,70 +138,97 @@ def sample_fast(lm, prompts: list[list[int]], *, seeds: list[int], max_new_token
                 top_p: float, stop_ids: set[int], pad_id: int, capture: bool = False) -> list[list[int]]:
     """Each prompt's completion, as `generate.sample` returns it: at most max_new_tokens ids, ending with a stop id
     where one was drawn. capture: replay the decode step as a CUDA graph (CUDA only)."""
-    device, rows, steps = lm.device, len(prompts), max_new_tokens
-    width = max(map(len, prompts))
+    device = lm.device
+    forward = _Forward(lm)
+    uniforms = torch.stack([torch.rand(max_new_tokens, generator=torch.Generator().manual_seed(s),
+                                       dtype=torch.float64) for s in seeds]).to(device=device, dtype=torch.float32)
+    with _sample_attention(lm), torch.compiler.set_stance("force_eager"):
+        logits, keys, values = _prefill(forward, prompts, steps=max_new_tokens, pad_id=pad_id, device=device)
+        decode = _Decode(forward, prompts, keys, values, uniforms=uniforms, stop_ids=stop_ids, pad_id=pad_id,
+                         sampling=dict(temperature=temperature, top_p=top_p))
+        decode.first(logits)
+        decode.run(capture=capture)
+    return _trim(decode.state["out"].tolist(), set(stop_ids))  # the one copy back to the host
+
+
+def _prefill(forward: _Forward, prompts: list[list[int]], *, steps: int, pad_id: int, device: torch.device):
+    """Each distinct prompt forwarded once, left-padded to the common width: (each row's last logits [rows, vocab],
+    the static cache's keys and values per layer [rows, kv heads, width + steps, head dim], each row's prompt prefix
+    copied into its first width slots, the rest zero)."""
+    rows, width = len(prompts), max(map(len, prompts))
     length = width + steps  # the cache's slots: the longest prompt, then one slot per decoded token
     distinct = list(dict.fromkeys(map(tuple, prompts)))
     which = torch.tensor([distinct.index(tuple(p)) for p in prompts], device=device)  # each row's distinct prompt
-    forward = _Forward(lm)
-    uniforms = torch.stack([torch.rand(steps, generator=torch.Generator().manual_seed(s), dtype=torch.float64)
-                            for s in seeds]).to(device=device, dtype=torch.float32)
-    stops = torch.tensor(sorted(stop_ids) or [-1], device=device)
-    sampling = dict(temperature=temperature, top_p=top_p)
-    key_slots = torch.arange(length, device=device)
-    start = torch.tensor([width - len(p) for p in prompts], device=device)  # each row's first real slot
+    ids = torch.tensor([[pad_id] * (width - len(p)) + list(p) for p in distinct], device=device)
+    real = ids.new_tensor([[0] * (width - len(p)) + [1] * len(p) for p in distinct])
+    positions = (real.cumsum(-1) - 1).clamp(min=0)
+    q = torch.arange(width, device=device)
+    causal = (q[None, :] <= q[:, None])[None] & (real[:, None, :] == 1)
+    causal |= torch.eye(width, dtype=torch.bool, device=device)  # a pad attends to itself: no all-masked row
+    masks = {w: _window_mask(causal, q[:, None], q[None, :], w)[:, None] for w in set(forward.windows)}
+    small = _PrefillCache(len(forward.layers))  # the distinct prompts' keys and values, as the layers make them
+    logits = forward(ids, positions, masks, small)
+    keys, values = [], []  # the static cache: each row gets its prompt's prefix
+    for k, v in zip(small.keys, small.values):
+        keys.append(k.new_zeros(rows, k.size(1), length, k.size(3)))
+        values.append(v.new_zeros(rows, v.size(1), length, v.size(3)))
+        keys[-1][:, :, :width] = k[which]
+        values[-1][:, :, :width] = v[which]
+    return logits[which], keys, values
 
-    with _sample_attention(lm), torch.compiler.set_stance("force_eager"):
-        # ---- prefill: each distinct prompt once, left-padded to the common width
-        ids = torch.tensor([[pad_id] * (width - len(p)) + list(p) for p in distinct], device=device)
-        real = ids.new_tensor([[0] * (width - len(p)) + [1] * len(p) for p in distinct])
-        positions = (real.cumsum(-1) - 1).clamp(min=0)
-        q = key_slots[:width]
-        causal = (q[None, :] <= q[:, None])[None] & (real[:, None, :] == 1)
-        causal |= torch.eye(width, dtype=torch.bool, device=device)  # a pad attends to itself: no all-masked row
-        masks = {w: _window_mask(causal, q[:, None], q[None, :], w)[:, None] for w in set(forward.windows)}
-        small = _PrefillCache(len(forward.layers))  # the distinct prompts' keys and values, as the layers make them
-        logits = forward(ids, positions, masks, small)
-        keys, values = [], []  # the static cache: each row gets its prompt's prefix
-        for k, v in zip(small.keys, small.values):
-            keys.append(k.new_zeros(rows, k.size(1), length, k.size(3)))
-            values.append(v.new_zeros(rows, v.size(1), length, v.size(3)))
-            keys[-1][:, :, :width] = k[which]
-            values[-1][:, :, :width] = v[which]
-        del small
 
-        # ---- the decode state: every tensor the step reads or writes, allocated once
-        out = torch.full((rows, steps), pad_id, dtype=torch.long, device=device)
-        token = next_tokens(logits[which], uniforms[:, 0], **sampling)
-        out[:, 0] = token
-        done = (token[:, None] == stops).any(-1)
-        state = dict(
-            ids=token[:, None].clone(),  # the token each row forwards next
+class _Decode:
+    """The decode state, every tensor the step reads or writes allocated once (`state`), and the step: one token
+    per row, in place, no host sync, fixed shapes, so it can be captured and replayed."""
+
+    def __init__(self, forward: _Forward, prompts: list[list[int]], keys: list, values: list, *,
+                 uniforms: torch.Tensor, stop_ids: set[int], pad_id: int, sampling: dict):
+        device, rows, steps = uniforms.device, len(prompts), uniforms.size(1)
+        self.forward, self.uniforms, self.pad_id, self.sampling = forward, uniforms, pad_id, sampling
+        self.width = width = max(map(len, prompts))
+        self.length = width + steps
+        self.stops = torch.tensor(sorted(stop_ids) or [-1], device=device)
+        self.key_slots = torch.arange(self.length, device=device)
+        self.start = torch.tensor([width - len(p) for p in prompts], device=device)  # each row's first real slot
+        self.windows = set(forward.windows)
+        self.state = dict(
+            ids=torch.zeros(rows, 1, dtype=torch.long, device=device),  # the token each row forwards next
             positions=torch.tensor([[len(p)] for p in prompts], device=device),  # its position (rotary)
             slot=torch.tensor([width], device=device),  # the cache slot it is written to (every row alike)
             column=torch.ones(rows, 1, dtype=torch.long, device=device),  # the token drawn next: out's column
-            done=done, out=out)
-        cache = _SlotCache(keys, values, state["slot"], length)
-        windows = set(forward.windows)
+            done=torch.zeros(rows, dtype=torch.bool, device=device),
+            out=torch.full((rows, steps), pad_id, dtype=torch.long, device=device))
+        self.cache = _SlotCache(keys, values, self.state["slot"], self.length)
 
-        def step():
-            """One token per row, all in place on `state`: no host sync, fixed shapes (the cache's first
-            `cache.length` slots: set before a call, or before a capture)."""
-            s, slots = state, key_slots[None, : cache.length]
-            allowed = (slots >= start[:, None]) & (slots <= s["slot"])
-            masks = {w: _window_mask(allowed, s["slot"], slots, w)[:, None, None] for w in windows}
-            logits = forward(s["ids"], s["positions"], masks, cache)
-            drawn = next_tokens(logits, uniforms.gather(1, s["column"]).squeeze(1), **sampling)
-            drawn = torch.where(s["done"], torch.full_like(drawn, pad_id), drawn)
-            s["out"].scatter_(1, s["column"], drawn[:, None])
-            s["done"] |= (drawn[:, None] == stops).any(-1)
-            s["ids"].copy_(drawn[:, None])
-            s["positions"].add_(1)
-            s["slot"].add_(1)
-            s["column"].add_(1)
+    def first(self, logits: torch.Tensor) -> None:
+        """The first token of each row, from the prefill's logits."""
+        token = next_tokens(logits, self.uniforms[:, 0], **self.sampling)
+        self.state["out"][:, 0] = token
+        self.state["done"].copy_((token[:, None] == self.stops).any(-1))
+        self.state["ids"].copy_(token[:, None])
 
-        graphs = {} if capture and _can_capture(device) else None  # one captured step per span of slots
-        for t in range(1, steps):
+    def step(self) -> None:
+        """One token per row, all in place on `state` (the cache's first `cache.length` slots: set before a call,
+        or before a capture)."""
+        s, slots = self.state, self.key_slots[None, : self.cache.length]
+        allowed = (slots >= self.start[:, None]) & (slots <= s["slot"])
+        masks = {w: _window_mask(allowed, s["slot"], slots, w)[:, None, None] for w in self.windows}
+        logits = self.forward(s["ids"], s["positions"], masks, self.cache)
+        drawn = next_tokens(logits, self.uniforms.gather(1, s["column"]).squeeze(1), **self.sampling)
+        drawn = torch.where(s["done"], torch.full_like(drawn, self.pad_id), drawn)
+        s["out"].scatter_(1, s["column"], drawn[:, None])
+        s["done"] |= (drawn[:, None] == self.stops).any(-1)
+        s["ids"].copy_(drawn[:, None])
+        s["positions"].add_(1)
+        s["slot"].add_(1)
+        s["column"].add_(1)
+
+    def run(self, *, capture: bool) -> None:
+        """The tokens after the first, until every row is done (looked at every CHECK_EVERY tokens) or the last;
+        capture: each span's step captured once as a CUDA graph and replayed (eager where capture fails)."""
+        state, cache, width, length = self.state, self.cache, self.width, self.length
+        graphs = {} if capture and _can_capture(self.uniforms.device) else None  # one captured step per span
+        for t in range(1, self.uniforms.size(1)):
             if t % CHECK_EVERY == 0 and bool(state["done"].all()):  # host sync, every CHECK_EVERY tokens only
                 break
             # Attention reads the slots up to the next multiple of SPAN only (the host knows the step's slot,
@@ -206,7 +236,7 @@ def sample_fast(lm, prompts: list[list[int]], *, seeds: list[int], max_new_token
             cache.length = min(length, (width + t - 1) // SPAN * SPAN + SPAN)
             if graphs is not None and cache.length not in graphs:
                 try:
-                    graphs[cache.length] = _captured(step, state, warmup=min(2, length - (width + t - 1)),
+                    graphs[cache.length] = _captured(self.step, state, warmup=min(2, length - (width + t - 1)),
                                                      pool=next(iter(graphs.values())).pool() if graphs else None)
                 except RuntimeError as e:  # an op that cannot be captured (a kernel library's): eager from here
                     import warnings
@@ -215,10 +245,9 @@ def sample_fast(lm, prompts: list[list[int]], *, seeds: list[int], max_new_token
                                   "this rollout samples eagerly (rl.sampler=static), with the same tokens")
                     graphs = None
             if graphs is None:
-                step()
+                self.step()
             else:
                 graphs[cache.length].replay()
-    return _trim(state["out"].tolist(), set(stop_ids))  # the one copy back to the host
 
 
 class _PrefillCache:
@@ -281,6 +310,6 @@ def sampler_for(lm, kind: str):
 
         warnings.warn(f"rl.sampler={kind}: the fast sampler runs the Llama layout ({', '.join(LAYOUTS)}) with whole "
                       f"parameters; this {causal_lm(lm).config.model_type} model samples with the reference loop "
-                      "(the same tokens, slower)", stacklevel=2)
+                      "(slower; the same tokens up to rounding)", stacklevel=2)
         return sample
     return partial(sample_fast, capture=kind == "graph")

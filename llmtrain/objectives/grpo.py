@@ -95,6 +95,22 @@ def loss_units(lengths: torch.Tensor, loss_type: LossType, *, max_completion_tok
     return float(len(lengths) * max_completion_tokens)
 
 
+def token_chunks(sizes: list[int], budget: int | None) -> list[list[int]]:
+    """The sequences (their indices, in order) of each forward/backward pass: consecutive ones while their tokens
+    fit `budget` (rl.micro_batch_tokens; a sequence is never split, one longer than it goes alone); None: one pass
+    for all of them."""
+    if budget is None:
+        return [list(range(len(sizes)))]
+    parts, used = [[]], 0
+    for i, n in enumerate(sizes):
+        if parts[-1] and used + n > budget:
+            parts.append([])
+            used = 0
+        parts[-1].append(i)
+        used += n
+    return parts
+
+
 # --------------------------------------------------------------------------- the objective the loop runs
 
 # The metrics' names are TRL's (GRPOTrainer), so runs can be compared line by line.
@@ -110,7 +126,8 @@ class GRPO:
     counting, log-probabilities from the chunked per-token path (no full logits)."""
 
     def __init__(self, rl, *, tokenizer, pad_id: int, packing: bool, seed: int, rewards, model, columns,
-                 stop_ids: list[int], world: int, sources: tuple[str, str | None] = ("the data", None), state=None):
+                 stop_ids: list[int], world: int, sources: tuple[str, str | None] = ("the data", None), state=None,
+                 runner=None, gather=None):
         self.rl, self.tokenizer, self.pad_id, self.packing, self.seed = rl, tokenizer, pad_id, packing, seed
         self.rewards = rewards  # (name, function, weight): rewards.build_rewards
         self.lm = model  # unwrapped: generates, and with its adapter disabled is the reference (beta > 0)
@@ -122,7 +139,10 @@ class GRPO:
         self.sources = sources  # (train, eval): the files the errors name
         self.state = state  # the trainer_state reward functions get (rewards.trainer_state); the rollout moves it
         self.logs = RewardLogs()  # log_metric's numbers since the last metrics line
-        self.runner = AsyncRunner()  # the event loop of the async reward functions, for the whole run
+        # every process's list, concatenated, on every process (distributed.gathered); one process: its own
+        self.gather = gather if gather is not None else list
+        # the event loop of the async reward functions, for the whole run (the start-up check's, where it ran one)
+        self.runner = runner if runner is not None else AsyncRunner()
         self.warned: set[str] = set()  # reward functions already said to have scored nothing
         answer_columns = [self.reward_columns.get(c.column, c.column) for c in rl.rewards if c.type == "answer_match"]
         self.expected_column = answer_columns[0] if answer_columns else None  # the eval samples' expected text
@@ -151,29 +171,38 @@ class GRPO:
             # FSDP: every unit gathered once for the window's micro-batches, sharded again before the update
             with gathered_for_generation(self.lm):
                 for b in window.batches:
-                    batch, n, recs = self._rollout_batch(b["examples"], step)
-                    batches.append(batch)
+                    parts, n, recs = self._rollout_batch(b["examples"], step)
+                    batches += parts
                     counts = n if counts is None else counts.plus(n)
                     records += recs
         finally:
             self.lm.train(was_training)
+        if self.rl.micro_batch_tokens is not None and self.world > 1:
+            # Every rank must run as many forward/backward passes (FSDP gathers and reduce-scatters in each): the
+            # ranks with fewer add placeholders (one token, nothing trained). One small gather a step.
+            most = max(self.gather([len(batches)]))
+            batches += [self._idle_batch() for _ in range(most - len(batches))]
         if self.state is not None:  # an eval after this step's update sees it done
             self.state.global_step = step + 1
         return dataclasses.replace(window, batches=batches, counts=counts, rollouts=records)
 
-    def _rollout_batch(self, examples: list[dict], step: int) -> tuple[dict, Counts, list[dict]]:
+    def _idle_batch(self) -> dict:
+        """A pass that trains nothing: one token, zero loss, yet reaching every parameter (an idle rank's)."""
+        from llmtrain.data.batching import collate, with_loss_positions
+
+        batch = with_loss_positions(collate([], pad_id=self.pad_id, packing=self.packing))
+        return {**batch, "rollout_stats": torch.zeros(len(self.stats) - len(LOSS_STATS))}
+
+    def _rollout_batch(self, examples: list[dict], step: int) -> tuple[list[dict], Counts, list[dict]]:
         import time
 
-        from llmtrain.data.batching import collate, with_loss_positions
         from llmtrain.data.formats import IGNORE
         from llmtrain.model.generate import completion_seed
         from llmtrain.objectives.rewards import RewardLogs
 
         rl, g = self.rl, self.rl.num_generations
         if not examples:  # an idle rank at the end of an epoch: one token, nothing trained
-            batch = with_loss_positions(collate([], pad_id=self.pad_id, packing=self.packing))
-            return {**batch, "rollout_stats": torch.zeros(len(self.stats) - len(LOSS_STATS))}, Counts(
-                0.0, 0.0, 0.0, 0.0), []
+            return [self._idle_batch()], Counts(0.0, 0.0, 0.0, 0.0), []
         prompt_ids = [list(e["input_ids"]) for e in examples for _ in range(g)]
         seeds = [completion_seed(self.seed, step, e["row"], k) for e in examples for k in range(g)]
         begun = time.perf_counter()
@@ -187,22 +216,19 @@ class GRPO:
         advantages, std = group_advantages(total, g, scale_rewards=rl.scale_rewards)
 
         sequences = [{"input_ids": p + c, "labels": [IGNORE] * len(p) + c} for p, c in zip(prompt_ids, completions)]
-        batch = with_loss_positions(collate(sequences, pad_id=self.pad_id, packing=self.packing))
-        completion = batch["loss_example"]
-        lengths = torch.bincount(completion, minlength=len(completions))
-        batch["advantages"] = advantages.float()[completion]
-        batch["weights"] = token_weights(completion, lengths, rl.loss_type)
+        batches, lengths = self._passes(sequences, advantages)
         clipped = [not c or c[-1] not in self.stop_ids for c in completions]  # ended by max_completion_tokens
         scored = ~per_function.isnan()
-        batch["rollout_stats"] = torch.tensor([
+        stats = torch.tensor([
             len(completions), float(total.nansum()), float(std.nan_to_num().sum()),
             float((std.nan_to_num() < 1e-8).sum()), float(lengths.sum()), float(sum(clipped)),
             generation_s / self.world, *per_function.nan_to_num().sum(0).tolist(), *scored.sum(0).tolist()],
             dtype=torch.float32)
+        for k, batch in enumerate(batches):  # the passes' statistics are summed: the rollout's go in once
+            batch["rollout_stats"] = stats if k == 0 else torch.zeros_like(stats)
         full = [len(s["input_ids"]) for s in sequences]
         counts = Counts(units=loss_units(lengths, rl.loss_type, max_completion_tokens=rl.max_completion_tokens),
-                        trained=float(len(batch["loss_index"])), tokens=float(sum(full)),
-                        squares=float(sum(n * n for n in full)))
+                        trained=float(lengths.sum()), tokens=float(sum(full)), squares=float(sum(n * n for n in full)))
         names = [n for n, _, _ in self.rewards]
         records = [{"step": step + 1, "row": rows[i], "generation": i % g,
                     "prompt": self.tokenizer.decode(prompt_ids[i], skip_special_tokens=False),
@@ -212,7 +238,24 @@ class GRPO:
                     # log_extra's columns, where a function gave one value per completion (as TRL's table needs)
                     **{column: values[i] for column, values in extra.extra.items() if len(values) == len(completions)}}
                    for i in range(len(completions))]
-        return batch, counts, records
+        return batches, counts, records
+
+    def _passes(self, sequences: list[dict], advantages: torch.Tensor) -> tuple[list[dict], torch.Tensor]:
+        """The update's batches of the sequences (one packed row each; several under rl.micro_batch_tokens), each
+        token with its completion's advantage and its weight in the loss sum; and each completion's trained tokens."""
+        from llmtrain.data.batching import collate, with_loss_positions
+
+        batches, lengths = [], []
+        for part in token_chunks([len(s["input_ids"]) for s in sequences], self.rl.micro_batch_tokens):
+            batch = with_loss_positions(collate([sequences[i] for i in part], pad_id=self.pad_id,
+                                                packing=self.packing))
+            completion = batch["loss_example"]  # each token's completion within the part
+            lengths.append(torch.bincount(completion, minlength=len(part)))
+            batch["advantages"] = advantages.float()[part][completion]
+            # a token's weight depends on its own completion only: any split gives each token the same weight
+            batch["weights"] = token_weights(completion, lengths[-1], self.rl.loss_type)
+            batches.append(batch)
+        return batches, torch.cat(lengths)
 
     def _generate(self, prompt_ids: list[list[int]], seeds: list[int], *, temperature: float,
                   top_p: float) -> list[list[int]]:
@@ -273,6 +316,8 @@ class GRPO:
         return (losses * batch["weights"]).sum(), torch.cat([rollout, stats])
 
     def step_metrics(self, stats: list[float], units: float) -> dict[str, float]:
+        from llmtrain.objectives.rewards import metric_means
+
         s = dict(zip(self.stats, stats))
         n, tokens = max(s["completions"], 1.0), max(s["tokens"], 1.0)
         out = {"reward": s["reward"] / n, "reward_std": s["reward_std"] / n, "frac_reward_zero_std": s["zero_std"] / n}
@@ -285,8 +330,10 @@ class GRPO:
         out["clip_ratio/region_mean"] = s["clipped_tokens"] / tokens
         out["generation_s"] = s["generation_s"]
         out["generation_tokens_per_s"] = s["length"] / max(s["generation_s"], 1e-9)
-        # log_metric's numbers since the last line, on this process (the main one writes them); never over ours
-        out.update({name: sum(v) / len(v) for name, v in sorted(self.logs.metrics.items()) if v and name not in out})
+        # log_metric's numbers since the last line, averaged over every process's (every rank makes this call, so
+        # the gather is a collective they all reach); never over ours
+        means = metric_means(self.gather(self.logs.metric_sums()))
+        out.update({name: mean for name, mean in means.items() if name not in out})
         self.logs.metrics.clear()
         return out
 

@@ -13,6 +13,7 @@ processes gives the same loss and the same gradient.
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from typing import Protocol
 
 import torch
@@ -89,12 +90,42 @@ class CausalLM:
                 "eval_token_accuracy": correct / max(tokens, 1), "eval_teacher_forced_match": exact / max(examples, 1)}
 
 
+@dataclass(frozen=True)
+class Rewards:
+    """An RL run's reward functions (name, function, weight), built against the data's columns and tried on its
+    first rows (rl_rewards); with what they are called with: the trainer_state, and the run's event loop for async
+    functions (a client one opens at the start-up check still works at step 1)."""
+
+    functions: list
+    sources: tuple[str, str | None]  # (train, eval): the files the errors name
+    state: object
+    runner: object
+
+
+def rl_rewards(recipe, train, *, total_steps: int | None) -> Rewards | None:
+    """An RL run's rewards, checked before the model is built: a wrong answer_match column, a function that cannot be
+    imported, asks for a column the data lack, raises or returns the wrong values stops the run without loading the
+    model. None for other objectives."""
+    if recipe.rl is None:
+        return None
+    from llmtrain.data.prepare import sources
+    from llmtrain.objectives.rewards import AsyncRunner, build_rewards, check_rewards, trainer_state
+
+    functions = build_rewards(recipe.rl, answer_pattern=recipe.train.eval_answer_pattern, columns=train.column_names)
+    rewards = Rewards(functions=functions, sources=sources(recipe.data),
+                      state=trainer_state(recipe, total_steps=total_steps), runner=AsyncRunner())
+    check_rewards(functions, list(train.select(range(min(2, len(train))))), where=rewards.sources[0],
+                  state=rewards.state, runner=rewards.runner)
+    return rewards
+
+
 def objective_for(recipe, *, pad_id: int, model=None, tokenizer=None, train=None, world: int = 1,
-                  total_steps: int | None = None) -> Objective:
+                  total_steps: int | None = None, rewards: Rewards | None = None, gather=None) -> Objective:
     """The recipe's objective: GRPO on prompts (rl:), a preference loss on pairs (preference:), else causal-LM
     cross-entropy (supervised fine-tuning). `model`: the unwrapped model, whose disabled adapter is the reference
     of a LoRA preference run (and which samples an RL run's completions); `train`: the tokenised train set (RL: its
-    columns go to the reward functions, which are tried on its first rows here, before anything is written)."""
+    columns go to the reward functions); `rewards`: rl_rewards' (None: checked here); `gather`: every process's list
+    on every process (distributed.gathered; None: one process), for what reward functions log."""
     from llmtrain.data.batching import packs_rows
 
     if recipe.rl is not None:
@@ -102,26 +133,18 @@ def objective_for(recipe, *, pad_id: int, model=None, tokenizer=None, train=None
         from llmtrain.model.generate import stop_tokens
         from llmtrain.model.loss import causal_lm
         from llmtrain.objectives.grpo import GRPO
-        from llmtrain.data.prepare import sources
-        from llmtrain.objectives.rewards import build_rewards, check_rewards, trainer_state
 
+        rewards = rewards if rewards is not None else rl_rewards(recipe, train, total_steps=total_steps)
         turn = None
         if recipe.data.chat_template is not False or tokenizer.chat_template is not None:
             try:
                 turn = end_of_turn(tokenizer, read_template(recipe.data))
             except Exception:  # a template that cannot render a reply: stop at EOS and the configured ends only
                 turn = None
-        columns = train.column_names
-        rewards = build_rewards(recipe.rl, answer_pattern=recipe.train.eval_answer_pattern, columns=columns)
-        where = sources(recipe.data)
-        state = trainer_state(recipe, total_steps=total_steps)
-        objective = GRPO(recipe.rl, tokenizer=tokenizer, pad_id=pad_id, packing=packs_rows(recipe),
-                         seed=recipe.train.seed, rewards=rewards, model=model, columns=columns,
-                         stop_ids=stop_tokens(causal_lm(model), tokenizer, turn), world=world, sources=where,
-                         state=state)
-        check_rewards(rewards, list(train.select(range(min(2, len(train))))), where=where[0], state=state,
-                      runner=objective.runner)  # the run's event loop from the first call on
-        return objective
+        return GRPO(recipe.rl, tokenizer=tokenizer, pad_id=pad_id, packing=packs_rows(recipe),
+                    seed=recipe.train.seed, rewards=rewards.functions, model=model, columns=train.column_names,
+                    stop_ids=stop_tokens(causal_lm(model), tokenizer, turn), world=world, sources=rewards.sources,
+                    state=rewards.state, runner=rewards.runner, gather=gather)
 
     if recipe.preference is not None:
         from llmtrain.objectives.preference import Preference

@@ -147,6 +147,20 @@ class RewardLogs:
     def log_metric(self, name: str, value: float) -> None:
         self.metrics[name].append(float(value))
 
+    def metric_sums(self) -> list[tuple[str, float, int]]:
+        """log_metric's numbers as (name, sum, count), to be put together with the other processes' (metric_means)."""
+        return [(name, sum(v), len(v)) for name, v in sorted(self.metrics.items()) if v]
+
+
+def metric_means(sums: list[tuple[str, float, int]]) -> dict[str, float]:
+    """One mean per name over every process's log_metric numbers ((name, sum, count) of each process, concatenated):
+    each number counts once, whichever process logged it, as one process logging them all would average them."""
+    total: dict[str, list[float]] = defaultdict(lambda: [0.0, 0])
+    for name, value, count in sums:
+        total[name][0] += value
+        total[name][1] += count
+    return {name: value / count for name, (value, count) in sorted(total.items())}
+
 
 def score(functions: Sequence[tuple[str, RewardFn, float]], prompts: list, completions: list, *,
           completion_ids: list[list[int]], columns: dict[str, list], rows: list[int], where: str,
@@ -276,8 +290,32 @@ def check_rewards(functions: Sequence[tuple[str, RewardFn, float]], rows: list[d
     completions = [[{"role": "assistant", "content": t}] for t in texts] if chat else texts
     ids = [i for r in rows for i in ([], list(r["input_ids"]))]
     columns = {name: [r[stored] for r in rows for _ in range(2)] for name, stored in reward_columns(rows[0]).items()}
+    for name, fn, _ in functions:
+        check_arguments(name, fn, columns=list(columns), where=where)
     score(functions, prompts, completions, completion_ids=ids, columns=columns,
           rows=[r["row"] + 1 for r in rows for _ in range(2)], where=where, state=state, runner=runner)
+
+
+def check_arguments(name: str, fn: RewardFn, *, columns: list[str], where: str) -> None:
+    """Refuse a function whose signature asks for an argument that no call will pass (a column the data lacks),
+    naming it and the columns there are, instead of Python's bare `TypeError ... missing 1 required positional
+    argument`. Signatures that cannot be read (some builtins, C callables) are left to the call itself."""
+    try:
+        parameters = inspect.signature(fn).parameters.values()
+    except (TypeError, ValueError):
+        return
+    given = {*TRL_ARGUMENTS, *columns}
+    # Every argument goes by keyword (as TRL passes them): a required positional-only one can never be given
+    missing = [p.name for p in parameters if p.default is inspect.Parameter.empty and (
+        p.kind is inspect.Parameter.POSITIONAL_ONLY
+        or p.kind in (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY) and p.name not in given)]
+    if missing:
+        raise LLMTrainError(
+            f"reward function {name} needs the argument '{missing[0]}', which nothing passes: a reward function is "
+            f"called with keyword arguments, {', '.join(TRL_ARGUMENTS)} and each column of {where} but the prompt "
+            f"(which is `prompts`) by its name: {sorted(columns) or 'none'}. Rename the data's column to "
+            f"'{missing[0]}', or change the function to read one of those columns by its name (or give "
+            f"'{missing[0]}' a default); llmtrain does not rename columns for reward functions.")
 
 
 def _rows(rows: list[int]) -> str:

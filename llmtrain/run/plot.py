@@ -1,7 +1,7 @@
 """loss.png: train loss (raw and smoothed), eval loss and learning rate against steps and tokens seen; for an
-online RL run (train lines with `reward`), the mean reward and each reward function's, the eval reward and
-answer accuracy (greedy), the completions' mean length and the KL to the reference (or the loss without one)
-against steps: the GRPO loss alone (about 0 by construction) shows nothing.
+online RL run (train lines with `reward`), rl_plot.py's panels: the reward and each reward function's on its own
+y-scale, the eval answer accuracy (greedy), the completions' mean length and the KL to the reference (or the loss
+without one) against steps: the GRPO loss alone (about 0 by construction) shows nothing.
 
 `plot_runs(runs, out)` reads each run's metrics.jsonl and writes one image; several runs are overlaid in
 one colour each, for comparison (`llmtrain plot RUN [RUN ...]`). The trainer rewrites `<output_dir>/loss.png`
@@ -123,7 +123,8 @@ def read_curves(run: Path, name: str | None = None) -> Curves:
                             "logging step (logging.every_steps), or pass another run.")
     c = Curves(name=name or Path(run).name)
     for lines_, into, eval_line in ((train, c.rl, False), (evals, c.eval_rl, True)):
-        names = sorted({k for rec in lines_.values() for k in rec if _rl_key(k, eval_line=eval_line)})
+        # in the lines' order: the reward functions as the recipe lists them
+        names = list(dict.fromkeys(k for rec in lines_.values() for k in rec if _rl_key(k, eval_line=eval_line)))
         into.update({k: [_finite(lines_[step].get(k)) for step in sorted(lines_)] for k in names})
     for step in sorted(train):
         rec = train[step]
@@ -176,11 +177,15 @@ def plot_runs(runs: list[Path], out: Path, *, smoothing: float | None = None):
                             f"one matplotlib writes ({', '.join('.' + f for f in sorted(formats))}). Use a .png name.")
     curves = [read_curves(r, n) for r, n in zip(runs, _run_names(runs))]
 
+    if all(c.is_rl for c in curves):
+        from llmtrain.run.rl_plot import draw_rl, reward_functions, rl_figure_size
+
+        fig = Figure(figsize=rl_figure_size(len(reward_functions(curves))), layout="constrained")
+        FigureCanvasAgg(fig)
+        draw_rl(fig, curves, smoothing)
+        return _save(fig, out, suffix)
     fig = Figure(figsize=(13, 7.5), layout="constrained")
     FigureCanvasAgg(fig)
-    if all(c.is_rl for c in curves):
-        _draw_rl(fig, curves, smoothing)
-        return _save(fig, out, suffix)
     grid = fig.add_gridspec(2, 2, height_ratios=[3, 1])
     loss_s = fig.add_subplot(grid[0, 0])
     loss_t = fig.add_subplot(grid[0, 1], sharey=loss_s)
@@ -194,8 +199,12 @@ def plot_runs(runs: list[Path], out: Path, *, smoothing: float | None = None):
         smoothed = ema(c.loss, weight)
         for ax, x, ex in ((loss_s, c.step, c.eval_step), (loss_t, c.tokens, c.eval_tokens)):
             # The raw loss has a gap at a skipped update; the average and the eval line run through it.
-            ax.plot(_nan(x), _nan(c.loss), color=colour, alpha=0.3, linewidth=0.8, label=f"{label}train loss")
-            ax.plot(*_points(x, smoothed), color=colour, linewidth=1.8, label=f"{label}train loss (EMA {weight:.2g})")
+            # 20 points or fewer are not smoothed (weight 0): the raw curve is drawn as the one to read
+            ax.plot(_nan(x), _nan(c.loss), color=colour, alpha=0.3 if weight > 0 else 1.0,
+                    linewidth=0.8 if weight > 0 else 1.5, label=f"{label}train loss")
+            if weight > 0:
+                ax.plot(*_points(x, smoothed), color=colour, linewidth=1.8,
+                        label=f"{label}train loss (EMA {weight:.2g})")
             if c.eval_step:
                 ax.plot(*_points(ex, c.eval_loss), color=colour, linestyle="--", marker="o", markersize=4,
                         label=f"{label}eval loss")
@@ -230,58 +239,6 @@ def _save(fig, out: Path, suffix: str):
     fig.savefig(tmp, format=suffix, dpi=100)
     tmp.replace(out)
     return fig
-
-
-def _draw_rl(fig, curves: list[Curves], smoothing: float | None) -> None:
-    """Online RL against steps: the train reward (raw and smoothed) and each reward function's mean; the eval
-    reward and answer accuracy (greedy completions, from step 0); the completions' mean length; the KL to the
-    reference (beta > 0), else the loss."""
-    reward, evals, length, kl = (fig.add_subplot(2, 2, k) for k in (1, 2, 3, 4))
-    single = len(curves) == 1
-    for i, c in enumerate(curves):
-        label = "" if single else f"{c.name}: "
-        weight = smoothing_weight(len(c.step)) if smoothing is None else smoothing
-        reward.plot(c.step, _nan(c.rl["reward"]), color=f"C{i}", alpha=0.3, linewidth=0.8, label=f"{label}reward")
-        reward.plot(*_points(c.step, ema(c.rl["reward"], weight)), color=f"C{i}", linewidth=1.8,
-                    label=f"{label}reward (EMA {weight:.2g})")
-        per_function = [k for k in c.rl if k.startswith("rewards/")]
-        if len(per_function) > 1 or not single:  # one function's mean is the reward (times its weight)
-            for j, key in enumerate(per_function):
-                reward.plot(*_points(c.step, ema(c.rl[key], weight)), color=f"C{i}", linewidth=1.0,
-                            linestyle=(":", "-.", "--")[j % 3], label=f"{label}{key.split('/')[1]} (EMA)")
-        shown = [k for k in ("eval_answer_accuracy", "eval_reward") if k in c.eval_rl]
-        shown += [k for k in c.eval_rl if k.startswith("eval_rewards/")] if len(per_function) > 1 else []
-        for j, key in enumerate(shown):
-            evals.plot(*_points(c.eval_step, c.eval_rl[key]), color=f"C{i}", marker="o", markersize=4,
-                       linestyle=("-", "--", ":", "-.")[j % 4], label=f"{label}{key}")
-        length.plot(c.step, _nan(c.rl.get("completions/mean_length", [])), color=f"C{i}", label=f"{label}mean length")
-        if "kl" in c.rl:
-            kl.plot(c.step, _nan(c.rl["kl"]), color=f"C{i}", label=f"{label}kl")
-        else:
-            kl.plot(c.step, _nan(c.loss), color=f"C{i}", alpha=0.6, label=f"{label}loss (no kl: rl.beta is 0)")
-    reward.set_title("train reward (sampled at rl.temperature)")
-    evals.set_title("eval (greedy completions of the eval prompts)")
-    length.set_title("completions/mean_length (tokens)")
-    kl.set_title("kl to the reference" if any("kl" in c.rl for c in curves) else "loss")
-    for ax in (reward, evals, length, kl):
-        ax.grid(True, alpha=0.3)
-        ax.set_xlabel("step")
-        if ax.get_legend_handles_labels()[0]:
-            ax.legend(fontsize="small")
-    if not any(c.eval_step for c in curves):
-        evals.text(0.5, 0.5, "no eval lines (set data.eval_split)", transform=evals.transAxes, ha="center")
-    fig.suptitle("\n".join(_rl_title(c) for c in curves))
-
-
-def _rl_title(c: Curves) -> str:
-    last = next((v for v in reversed(c.rl["reward"]) if v is not None), None)
-    text = f"{c.name}: step {c.step[-1]}" + (f", last reward {last:.3g}" if last is not None else "")
-    for key in ("eval_answer_accuracy", "eval_reward"):
-        known = [(v, s) for v, s in zip(c.eval_rl.get(key, []), c.eval_step) if v is not None]
-        if known:
-            text += f", {key} {known[0][0]:.3g} at step {known[0][1]} -> {known[-1][0]:.3g} at step {known[-1][1]}"
-            break
-    return text
 
 
 def _nan(values: list) -> list[float]:
