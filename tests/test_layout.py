@@ -25,7 +25,7 @@ LAYERS = [
 TOP = {
     # the recipe schema, the errors every layer raises, and whether the hub answers (asked before any layer reads it)
     "schema": {"errors", "config", "overrides", "hub"},
-    "commands": {"cli", "doctor", "inspect_data", "tiny", "__main__", "__init__"},  # what the CLI runs
+    "commands": {"cli", "doctor", "inspect_data", "launcher", "tiny", "__main__", "__init__"},  # what the CLI runs
 }
 
 

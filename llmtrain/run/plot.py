@@ -16,39 +16,14 @@ from __future__ import annotations
 import bisect
 import json
 import math
-from dataclasses import dataclass, field
 from pathlib import Path
 
 from llmtrain.errors import LLMTrainError
+from llmtrain.run.curves import Curves, _nan, _points, ema, smoothing_weight  # noqa: F401  (re-exported)
 
-# The moving average drawn over the raw train loss spans about this fraction of the run's logged steps, so a
-# 100-step and a 10,000-step run look equally smooth (see smoothing_weight).
-SMOOTHING_SPAN = 0.05
 # The loss axis turns logarithmic when the curves span more than this factor (a model learning from scratch
 # falls from ~10 to ~0.1: on a linear axis everything after the first steps is a flat line).
 LOG_SCALE_RATIO = 20.0
-
-
-@dataclass
-class Curves:
-    """What is drawn for one run, read from its metrics.jsonl. `loss` is None where an update was skipped;
-    `tokens` / `eval_tokens` are None where the lines carry no tokens_seen."""
-
-    name: str
-    step: list[int] = field(default_factory=list)
-    tokens: list[int | None] = field(default_factory=list)
-    loss: list[float | None] = field(default_factory=list)
-    lr: list[float | None] = field(default_factory=list)
-    eval_step: list[int] = field(default_factory=list)
-    eval_tokens: list[float | None] = field(default_factory=list)
-    eval_loss: list[float | None] = field(default_factory=list)
-    # online RL: the RL_TRAIN / RL_EVAL metrics by name, one value per train / eval line (None where absent)
-    rl: dict[str, list[float | None]] = field(default_factory=dict)
-    eval_rl: dict[str, list[float | None]] = field(default_factory=dict)
-
-    @property
-    def is_rl(self) -> bool:
-        return "reward" in self.rl
 
 
 def _rl_key(key: str, *, eval_line: bool) -> bool:
@@ -58,25 +33,6 @@ def _rl_key(key: str, *, eval_line: bool) -> bool:
         return key in ("eval_reward", "eval_answer_accuracy") or (key.startswith("eval_rewards/")
                                                                   and key.endswith("/mean"))
     return key in ("reward", "completions/mean_length", "kl") or (key.startswith("rewards/") and key.endswith("/mean"))
-
-
-def smoothing_weight(points: int) -> float:
-    """EMA weight for a curve of `points` values: an average over about SMOOTHING_SPAN of them (0: no smoothing
-    for 20 points or fewer; 0.8 for 100; 0.98 for 1,000)."""
-    return max(0.0, 1.0 - 1.0 / (SMOOTHING_SPAN * max(points, 1)))
-
-
-def ema(values: list[float | None], weight: float) -> list[float | None]:
-    """Debiased exponential moving average (TensorBoard's smoothing: the first points are not pulled towards
-    zero); None (a skipped step) stays None and does not enter the average."""
-    out, avg, norm = [], 0.0, 0.0
-    for v in values:
-        if v is None or not math.isfinite(v):
-            out.append(None)
-            continue
-        avg, norm = weight * avg + (1 - weight) * v, weight * norm + (1 - weight)
-        out.append(avg / norm)
-    return out
 
 
 def metrics_file(run: Path) -> Path:
@@ -239,17 +195,6 @@ def _save(fig, out: Path, suffix: str):
     fig.savefig(tmp, format=suffix, dpi=100)
     tmp.replace(out)
     return fig
-
-
-def _nan(values: list) -> list[float]:
-    """None becomes NaN, which matplotlib leaves as a gap in the line."""
-    return [math.nan if v is None else v for v in values]
-
-
-def _points(x: list, y: list) -> tuple[list, list]:
-    """The (x, y) pairs where both are known."""
-    pairs = [(a, b) for a, b in zip(x, y) if a is not None and b is not None]
-    return [a for a, _ in pairs], [b for _, b in pairs]
 
 
 def _title(curves: list[Curves]) -> str:

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import math
 
-from llmtrain.run.plot import Curves, _nan, _points, ema, smoothing_weight
+from llmtrain.run.curves import Curves, _nan, _points, ema, smoothing_weight
 
 COLUMNS = 4  # panels in a row
 ROW_INCHES = 3.0  # the height of a row of panels
