@@ -6,7 +6,7 @@ BIN   := $(VENV)/bin
 # On a GPU machine: make install TORCH=torch
 TORCH ?= torch==2.13.0
 
-.PHONY: install demo demo-rl test clean
+.PHONY: install demo demo-rl test test-dist clean
 
 $(BIN)/.installed: pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -31,6 +31,18 @@ demo-rl: install
 # multi-process files first (tests/conftest.py); a plain `pytest -q` runs the same tests one after another.
 test: install
 	OMP_NUM_THREADS=1 $(BIN)/python -m pytest -q -n 2 --dist loadfile --no-loadscope-reorder
+
+# The distributed and RL test files on another torch, this checkout's llmtrain on the path: after a change to
+# parallel/, the sampler or the step, on a venv of the GPU machine's versions (README, Development):
+#   make test-dist PY=/work/gpuenv/bin/python
+# Without PY=..., the project's .venv.
+DIST_TESTS := tests/test_fsdp.py tests/test_hsdp.py tests/test_ddp.py tests/test_tp.py tests/test_scaleout.py \
+	tests/test_mesh.py tests/test_grpo.py tests/test_grpo_run.py tests/test_fast_sample.py tests/test_samples.py
+DIST_PY = $(if $(filter command line environment,$(origin PY)),$(PY),$(BIN)/python)
+
+test-dist:
+	OMP_NUM_THREADS=1 PYTHONPATH=$(CURDIR) $(DIST_PY) -m pytest -q -p no:cacheprovider -n 2 --dist loadfile \
+		--no-loadscope-reorder $(DIST_TESTS)
 
 clean:
 	rm -rf runs assets .cache

@@ -248,6 +248,8 @@ from pathlib import Path
 from accelerate import Accelerator, PartialState
 from torch.distributed.fsdp import FSDPModule
 
+from llmtrain.parallel.distributed import fsdp_param_groups
+
 out = Path(sys.argv.pop(1))
 held = []  # after each backward: (bytes of unsharded gradient, bytes of gradient shards) on this rank
 backward = Accelerator.backward
@@ -262,7 +264,7 @@ def probed(self, loss, **kwargs):
     unsharded = sharded = 0
     # One state a group of modules (Accelerate shards the final norm and the LM head as one): each counted once
     states = {id(s): s for s in (m._get_fsdp_state() for m in self._models[0].modules() if isinstance(m, FSDPModule))}
-    for p in (p for state in states.values() for group in state._fsdp_param_groups for p in group.fsdp_params):
+    for p in (p for state in states.values() for group in fsdp_param_groups(state) for p in group.fsdp_params):
         full = getattr(p, "_unsharded_param", None)
         unsharded += nbytes(p.unsharded_accumulated_grad) + nbytes(full.grad if full is not None else None)
         grad = p.sharded_param.grad

@@ -96,3 +96,25 @@ def test_tensor_parallel_plan_needs_heads_and_columns_that_divide(tiny_assets):
     model.config.base_model_tp_plan = {"layers.*.self_attn.q_proj": "colwise_gather_output"}
     with pytest.raises(LLMTrainError, match="colwise_gather_output"):
         apply_tensor_parallel(model, types.SimpleNamespace(size=lambda: 2))
+
+
+def test_fsdp_param_groups_reads_both_torch_spellings():
+    """FSDP2 keeps a unit's parameter groups in a private attribute spelt two ways: torch 2.13's list
+    `_fsdp_param_groups` (this venv's FSDPState) and torch 2.11's single `_fsdp_param_group` or None (the GPU
+    machine's; reading the list there was issue 41's AttributeError on every rank). `make test-dist` runs the
+    FSDP launches on a torch 2.11 venv."""
+    import types
+
+    from torch.distributed.fsdp._fully_shard._fsdp_state import FSDPState
+
+    from llmtrain.parallel.distributed import fsdp_param_groups
+
+    state, group = FSDPState(), object()  # a real state of this torch, its group where this torch keeps it
+    assert fsdp_param_groups(state) == []
+    if isinstance(getattr(state, "_fsdp_param_groups", None), list):
+        state._fsdp_param_groups.append(group)
+    else:
+        state._fsdp_param_group = group
+    assert fsdp_param_groups(state) == [group]
+    assert fsdp_param_groups(types.SimpleNamespace(_fsdp_param_group=group)) == [group]
+    assert fsdp_param_groups(types.SimpleNamespace(_fsdp_param_group=None)) == []

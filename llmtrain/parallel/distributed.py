@@ -347,7 +347,8 @@ def gathered_for_generation(model):
     # FSDP takes the first unit to run forward as its root; sampling calls the layers and the tail units itself,
     # maybe before any training forward (the eval at step 0): make the outermost unit the root first
     states[0]._lazy_init()
-    before = [(s._auto_reshard_after_forward, [g.post_forward_mesh_info for g in s._fsdp_param_groups])
+    # What set_reshard_after_forward overwrites, read from the state to be put back: torch has no public getter
+    before = [(s._auto_reshard_after_forward, [g.post_forward_mesh_info for g in fsdp_param_groups(s)])
               for s in states]
     for unit in units:
         unit.set_reshard_after_forward(False, recurse=False)
@@ -358,8 +359,19 @@ def gathered_for_generation(model):
         for unit, state, (auto, infos) in zip(units, states, before):
             unit.reshard()
             state._auto_reshard_after_forward = auto
-            for group, info in zip(state._fsdp_param_groups, infos):
+            for group, info in zip(fsdp_param_groups(state), infos):
                 group.post_forward_mesh_info = info
+
+
+def fsdp_param_groups(state) -> list:
+    """An FSDP2 unit's parameter groups (`FSDPModule._get_fsdp_state()`), which torch reads through no public API
+    and spells two ways: a list `_fsdp_param_groups` in torch 2.13 (one group per mesh), one `_fsdp_param_group`
+    or None in torch 2.11 (the GPU machine's; pyproject allows >= 2.6)."""
+    groups = getattr(state, "_fsdp_param_groups", None)
+    if groups is not None:
+        return list(groups)
+    group = state._fsdp_param_group
+    return [] if group is None else [group]
 
 
 def replicas(accelerator) -> int:
