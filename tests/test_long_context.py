@@ -45,9 +45,9 @@ def build(path, lora=None, **model):
 
 
 def train_steps(model, steps: int = 3, mutate_saved=None):
-    """`steps` AdamW steps on fixed batches; the loss and the trainable gradients of each step."""
-    params = [p for p in model.parameters() if p.requires_grad]
-    optimizer = torch.optim.AdamW(params, lr=1e-2)
+    """`steps` SGD steps on fixed batches; the loss and the trainable gradients of each step. (SGD: AdamW would
+    turn a 1e-9 difference in a near-zero gradient into a step of lr.)"""
+    optimizer = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.5)
     vocab = model.config.vocab_size
     out = []
     for step in range(steps):
@@ -116,3 +116,69 @@ def test_offload_without_checkpointing_is_refused(tiny_assets, tmp_path):
         load_recipe(recipe, ["model.tiled_mlp=0"])
     assert load_recipe(recipe, ["model.tiled_mlp=true"]).model.tiled_mlp is True
     assert load_recipe(recipe, ["model.tiled_mlp=4096"]).model.tiled_mlp == 4096
+
+
+# --------------------------------------------------------------------------- tiled_mlp
+
+QLORA = dict(quantize="nf4")
+
+
+@pytest.mark.parametrize("method", ["full", "lora", "qlora"])
+def test_tiled_mlp_equals_the_untiled_one(four_layers, method):
+    if method == "qlora":
+        pytest.importorskip("bitsandbytes")
+    lora, extra = (None, {}) if method == "full" else (LORA, QLORA if method == "qlora" else {})
+    untiled = train_steps(build(four_layers, lora, **extra))
+    tiled = train_steps(build(four_layers, lora, tiled_mlp=SHARD, **extra))
+    assert_same(tiled, untiled, exact=False)
+    if lora is not None:  # the adapters on gate/up/down got their gradients through the tiled backward
+        assert any("mlp.down_proj.lora_B" in k and v.abs().sum() > 0 for k, v in tiled[-1][1].items())
+
+
+@pytest.mark.parametrize("lora", [None, LORA], ids=["full", "lora"])
+def test_tiled_mlp_with_offload_and_checkpointing_equals_the_plain_model(four_layers, lora):
+    plain = train_steps(build(four_layers, lora))
+    both = train_steps(build(four_layers, lora, gradient_checkpointing=True, activation_offload=True, tiled_mlp=SHARD))
+    assert_same(both, plain, exact=False)
+
+
+def test_tiled_mlp_keeps_one_shard_of_intermediates(four_layers):
+    """The bytes the forward saves for backward: tiled, the (tokens x intermediate) tensors of gate, up, silu and
+    their product are gone (4 of them a layer), only the MLP's input is kept (already saved for gate/up)."""
+    def saved_bytes(model) -> int:
+        total = [0]
+
+        def pack(t):
+            total[0] += t.numel() * t.element_size() if not isinstance(t, torch.nn.Parameter) else 0
+            return t
+
+        ids = torch.zeros(POSITIONS.shape, dtype=torch.long)
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            model(input_ids=ids, position_ids=POSITIONS, labels=ids)
+        return total[0]
+
+    untiled, tiled = saved_bytes(build(four_layers)), saved_bytes(build(four_layers, tiled_mlp=SHARD))
+    intermediate = build(four_layers).config.intermediate_size
+    assert untiled - tiled >= LAYERS * 4 * 74 * intermediate * 4
+
+
+def test_tiled_mlp_replays_lora_dropout(four_layers, monkeypatch):
+    """With dropout in the adapters, the backward's recompute draws the masks the forward drew: its gradients equal
+    those of the same shards run with autograd (no recompute)."""
+    from llmtrain.model import tiled_mlp
+
+    lora = LoraConfig(r=4, alpha=8.0, dropout=0.3)
+    recomputed = train_steps(build(four_layers, lora, tiled_mlp=SHARD), steps=2)
+    with monkeypatch.context() as patch:
+        patch.setattr(tiled_mlp._TiledMLP, "apply",
+                      lambda run, shard, x, *params: torch.cat([run(part) for part in x.split(shard)]))
+        kept = train_steps(build(four_layers, lora, tiled_mlp=SHARD), steps=2)
+    assert_same(recomputed, kept, exact=False)
+
+
+def test_tiled_mlp_evaluates_shard_by_shard(four_layers):
+    ids = torch.randint(0, 100, POSITIONS.shape, generator=torch.Generator().manual_seed(5))
+    with torch.no_grad():
+        a, b = (build(four_layers, **k).eval()(input_ids=ids, position_ids=POSITIONS).logits
+                for k in ({}, {"tiled_mlp": SHARD}))
+    assert (a - b).abs().max().item() < 1e-5
