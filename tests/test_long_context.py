@@ -182,3 +182,41 @@ def test_tiled_mlp_evaluates_shard_by_shard(four_layers):
         a, b = (build(four_layers, **k).eval()(input_ids=ids, position_ids=POSITIONS).logits
                 for k in ({}, {"tiled_mlp": SHARD}))
     assert (a - b).abs().max().item() < 1e-5
+
+
+# --------------------------------------------------------------------------- the training entry
+
+
+def test_training_with_both_switches_matches_plain_checkpointing(tiny_assets, tmp_path):
+    """`llmtrain finetune` (in this process) on packed rows, 3 steps: offload alone gives the plain checkpointed run's
+    losses and gradient norms exactly, offload and a tiled MLP to 1e-6."""
+    recipe = write_recipe(tiny_assets, tmp_path, model={"gradient_checkpointing": True}, lora={"r": 4, "dropout": 0.0},
+                          data={"packing": True}, train={"max_steps": 3}, logging={"every_steps": 1})
+    run_train(recipe, f"output_dir={tmp_path / 'plain'}")
+    run_train(recipe, f"output_dir={tmp_path / 'offload'}", "model.activation_offload=true")
+    run_train(recipe, f"output_dir={tmp_path / 'both'}", "model.activation_offload=true", "model.tiled_mlp=3")
+    plain, offload, both = (records(tmp_path / n) for n in ("plain", "offload", "both"))
+    assert len(plain) == 3
+    assert [(r["loss"], r["grad_norm"]) for r in offload] == [(r["loss"], r["grad_norm"]) for r in plain]
+    assert [r["loss"] for r in both] == pytest.approx([r["loss"] for r in plain], abs=1e-6)
+    assert [r["grad_norm"] for r in both] == pytest.approx([r["grad_norm"] for r in plain], rel=1e-6)
+
+
+def test_a_preempted_run_with_both_switches_resumes_exactly(tiny_assets, tmp_path, monkeypatch):
+    recipe = write_recipe(tiny_assets, tmp_path, lora={"r": 4}, data={"packing": True},
+                          model={"gradient_checkpointing": True, "activation_offload": True, "tiled_mlp": 3},
+                          checkpoint={"every_steps": 2}, logging={"every_steps": 1})
+    run_train(recipe, f"output_dir={tmp_path / 'straight'}")
+    crash_at_step(monkeypatch, recipe, 4, f"output_dir={tmp_path / 'cut'}")
+    run_train(recipe, f"output_dir={tmp_path / 'cut'}", resume="auto")
+    assert losses(tmp_path / "cut") == losses(tmp_path / "straight") and len(losses(tmp_path / "cut")) == 4
+
+
+def test_a_tiled_mlp_under_fsdp_is_refused(tiny_assets, tmp_path, monkeypatch):
+    import llmtrain.loop.phases as phases
+    from llmtrain.errors import LLMTrainError
+
+    recipe = write_recipe(tiny_assets, tmp_path, model={"tiled_mlp": True})
+    monkeypatch.setattr(phases, "uses_fsdp", lambda accelerator: True)
+    with pytest.raises(LLMTrainError, match="model.tiled_mlp runs on one process or under DDP"):
+        run_train(recipe)
