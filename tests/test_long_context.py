@@ -220,3 +220,21 @@ def test_a_tiled_mlp_under_fsdp_is_refused(tiny_assets, tmp_path, monkeypatch):
     monkeypatch.setattr(phases, "uses_fsdp", lambda accelerator: True)
     with pytest.raises(LLMTrainError, match="model.tiled_mlp runs on one process or under DDP"):
         run_train(recipe)
+
+
+@pytest.mark.slow
+def test_two_ddp_processes_with_both_switches_train_as_one(tiny_assets, tmp_path, free_port):
+    """The tiled MLP hands its parameters' gradients to autograd once a step, so DDP reduces each once: 2 gloo
+    processes x micro-batch 2 equal 1 process x micro-batch 4, offload and tiling on in both."""
+    from test_ddp import _launch
+
+    recipe = write_recipe(tiny_assets, tmp_path, lora={"r": 4, "dropout": 0.0}, train={"max_steps": 3},
+                          model={"gradient_checkpointing": True, "activation_offload": True, "tiled_mlp": 3},
+                          logging={"every_steps": 1})
+    run_train(recipe, f"output_dir={tmp_path / 'one'}")
+    proc = _launch(recipe, free_port, f"output_dir={tmp_path / 'two'}", "train.micro_batch_size=2")
+    assert "x 2 processes" in proc.stdout
+    one, two = records(tmp_path / "one"), records(tmp_path / "two")
+    assert len(two) == 3 and [r["tokens"] for r in two] == [r["tokens"] for r in one]
+    assert [r["loss"] for r in two] == pytest.approx([r["loss"] for r in one], abs=1e-5)
+    assert [r["grad_norm"] for r in two] == pytest.approx([r["grad_norm"] for r in one], rel=1e-4)
