@@ -97,6 +97,9 @@ class ActivationOffload:
 
     # ------------------------------------------------------------------ backward: host -> device
     def unpack(self, packed: _Packed) -> torch.Tensor:
+        tensor = self._fetch(packed)  # first: a prefetch queued before it would delay it on the side stream
+        packed.fetched = None  # the recompute holds it while it needs it; a second backward fetches it again
+        self.stats["unpacked"] += 1
         alive = [r() for r in self._queue]
         if packed in alive:  # the backward runs the layers in reverse: the one packed before this one is next
             at = alive.index(packed)
@@ -104,9 +107,6 @@ class ActivationOffload:
                 self._fetch(alive[at - 1])
                 self.stats["prefetched"] += 1
             del self._queue[at]
-        self.stats["unpacked"] += 1
-        tensor = self._fetch(packed)
-        packed.fetched = None  # the recompute holds it while it needs it; a second backward fetches it again
         return tensor
 
     def _fetch(self, packed: _Packed) -> torch.Tensor:
