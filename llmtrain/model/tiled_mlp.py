@@ -35,6 +35,18 @@ def _autocast_state(device_type: str) -> list[tuple[str, bool, torch.dtype]]:
     return [(d, torch.is_autocast_enabled(d), torch.get_autocast_dtype(d)) for d in dict.fromkeys(("cpu", device_type))]
 
 
+def _run_shards(run, x: torch.Tensor, shard: int) -> torch.Tensor:
+    """run(x) shard by shard, written into one output (a list of shards and their concatenation would hold the
+    output twice)."""
+    out = None
+    for start in range(0, x.shape[0], shard):
+        part = run(x[start:start + shard])
+        if out is None:
+            out = part.new_empty((x.shape[0], part.shape[-1]))
+        out[start:start + shard] = part
+    return out
+
+
 class _TiledMLP(torch.autograd.Function):
     @staticmethod
     def forward(ctx, run, shard: int, x: torch.Tensor, *params: torch.Tensor) -> torch.Tensor:
@@ -42,7 +54,7 @@ class _TiledMLP(torch.autograd.Function):
         ctx.rng = torch.get_rng_state()
         ctx.cuda_rng = torch.cuda.get_rng_state(x.device) if x.is_cuda else None
         ctx.save_for_backward(x, *params)
-        return torch.cat([run(part) for part in x.split(shard)])
+        return _run_shards(run, x, shard)
 
     @staticmethod
     def backward(ctx, grad_out: torch.Tensor):
@@ -77,7 +89,7 @@ def tiled_forward(run, module: torch.nn.Module, shard: int, x: torch.Tensor) -> 
     if torch.is_grad_enabled() and (x.requires_grad or params):
         out = _TiledMLP.apply(run, shard, flat, *params)
     else:  # evaluation, or nothing to differentiate: the shards alone, nothing kept
-        out = torch.cat([run(part) for part in flat.split(shard)])
+        out = _run_shards(run, flat, shard)
     return out.view(*x.shape[:-1], out.shape[-1])
 
 
