@@ -4,6 +4,7 @@ model.activation_offload.
     OMP_NUM_THREADS=1 python benchmarks/long_context.py --tokens 8192 --layers 1 --configs plain tiled
     OMP_NUM_THREADS=1 python benchmarks/long_context.py --tokens 8192 --layers 1 --doc 256 --configs plain tiled
     OMP_NUM_THREADS=1 python benchmarks/long_context.py --tokens 16384 --layers 1 --doc 256 --configs tiled
+    OMP_NUM_THREADS=1 python benchmarks/long_context.py --tokens 8192 --layers 2 --doc 256 --configs plain offload
 
 Decoder layers shaped like Mistral-7B's (hidden 4096, intermediate 14336, 32 heads, 8 KV heads), random init in bf16,
 a 1,024-token vocabulary, LoRA r=16 on every linear layer, gradient checkpointing on, llmtrain's varlen attention and
@@ -17,7 +18,7 @@ would need 25 GiB, more than this machine's share.
 
 On a CPU the offload has nothing to gain: the host is the device, and the layer input is copied to another host
 tensor (with one layer, the last layer's input is kept and nothing is copied at all). Its GPU saving, (layers - 2)
-layer inputs, is not measurable here; --layers 2 --configs offload both runs it.
+layer inputs, is not measurable here (measured: 4.80 GiB plain, 4.84 GiB offloaded, 2 layers at 8K).
 """
 
 from __future__ import annotations
