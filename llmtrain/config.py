@@ -59,6 +59,18 @@ class ModelConfig(Section):
     )
     compile: bool = Field(False, description="torch.compile each decoder layer (regional compilation).")
     gradient_checkpointing: bool = Field(False, description="Recompute layer activations in backward to save memory.")
+    activation_offload: bool = Field(
+        False, description="Keep each checkpointed decoder layer's input in host memory instead of on the GPU (pinned, "
+        "copied on a side CUDA stream, prefetched in backward; the last layer's stays): frees (layers - 2) x tokens x "
+        "hidden_size x 2 bytes (bf16) of GPU memory and takes as much host RAM. Needs gradient_checkpointing. Exact: "
+        "the same numbers as without it.",
+    )
+    tiled_mlp: bool | int | None = Field(
+        None, description="Run each decoder layer's MLP over shards of the tokens, keeping only its input and "
+        "recomputing shard by shard in backward: the (tokens x intermediate_size) tensors exist for one shard. true: "
+        "shards of hidden_size tokens (as ALST); a number: that many tokens; null or false: off. Full fine-tune, LoRA "
+        "and QLoRA, one process or DDP.",
+    )
     trust_remote_code: bool = Field(False, description="Allow model code from the hub to run. Off unless set.")
     random_init: bool = Field(
         False, description="Build the architecture from config.json with random weights, reading no weights "
@@ -72,6 +84,27 @@ class ModelConfig(Section):
         "double quantisation on, computing in train.mixed_precision's dtype; the quantised weights are stored in "
         "model.dtype so that FSDP2 can shard them. Needs a lora: section (pip install 'llmtrain[qlora]').",
     )
+
+    @field_validator("tiled_mlp")
+    @classmethod
+    def _shard_size(cls, v: bool | int | None) -> bool | int | None:
+        if v is not None and not isinstance(v, bool) and v < 1:
+            raise ValueError("a shard of the MLP is a number of tokens, at least 1 (or true: hidden_size tokens)")
+        return v
+
+    @model_validator(mode="after")
+    def _check_long_context(self) -> ModelConfig:
+        if self.activation_offload and not self.gradient_checkpointing:
+            raise ValueError("model.activation_offload moves the input each checkpointed layer keeps for its "
+                             "backward to host memory; without model.gradient_checkpointing a layer keeps all its "
+                             "activations on the GPU and there is nothing to offload. Set "
+                             "model.gradient_checkpointing=true (it is what makes the offload worthwhile), or "
+                             "model.activation_offload=false")
+        if self.compile and (self.activation_offload or self.tiled_mlp):
+            raise ValueError("model.compile with model.activation_offload or model.tiled_mlp is not supported: "
+                             "their saved-tensor hooks and autograd Function inside a compiled layer are untested. "
+                             "Set model.compile=false, or turn them off")
+        return self
 
 
 class LoraConfig(Section):

@@ -207,6 +207,12 @@ class Trainable:
 
 def build_model(recipe: Recipe, accelerator, *, total_steps: int, say) -> Trainable:
     tc = recipe.train
+    if recipe.model.tiled_mlp and (uses_fsdp(accelerator) or tensor_parallel_size(accelerator) > 1):
+        # Its recompute runs the MLP's own forward on the parameters it saved; FSDP's resharding and TP's DTensors
+        # around that are untested.
+        raise LLMTrainError("model.tiled_mlp runs on one process or under DDP; this launch shards the model (FSDP or "
+                            "tensor parallelism), which it has not been tested with. Set model.tiled_mlp=null, or "
+                            "launch with a DDP config (accelerate_configs/).")
     # A quantised base is loaded (and quantised) by every process itself: 4-bit weights cannot be broadcast into an
     # empty model.
     model = load_model(recipe.model, recipe.lora, device=accelerator.device,

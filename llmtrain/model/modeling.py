@@ -125,6 +125,14 @@ def load_model(cfg: ModelConfig, lora: LoraConfig | None, *, device: torch.devic
             model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
         else:
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        if cfg.activation_offload:
+            from llmtrain.model.offload import offload_checkpointed_inputs
+
+            offload_checkpointed_inputs(model, {"use_reentrant": False})
+    if cfg.tiled_mlp:  # before LoRA (peft then adapts the projections the tiled forward calls), after liger
+        from llmtrain.model.tiled_mlp import tile_mlps
+
+        tile_mlps(model, cfg.tiled_mlp)
     if lora is not None:
         model = apply_lora(model, lora)
     if empty:
