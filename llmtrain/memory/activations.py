@@ -12,7 +12,7 @@ stream (the embeddings' dtype), `cd` the compute dtype (2 under bf16/fp16 autoca
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Literal
 
 from llmtrain.memory.params import ModelShape
@@ -50,6 +50,8 @@ class Pass:
     # 4-bit layers under autocast): the adapters reading one input then save that one tensor (without dropout).
     adapters_in_cd: bool = False
     loss_positions: int | None = None  # N where only part of each sequence is trained (online RL: the completions)
+    # model.tiled_mlp: the MLP runs over shards of this many tokens, keeping only its input (model/tiled_mlp.py)
+    mlp_shard: int | None = None
 
     @property
     def tokens(self) -> int:
@@ -90,6 +92,13 @@ def attention_bytes(p: Pass, shape: ModelShape, *, o_trainable: bool) -> int:
     lse = p.rows * shape.heads * p.row_len * FP32
     bias = p.rows * p.row_len * p.row_len * p.cd if (p.attn == "sdpa" and p.mask) else 0
     return qkv + T * hq * p.cd + lse + bias
+
+
+def mlp_pass(p: Pass) -> Pass:
+    """The pass one run of the MLP sees: the whole micro-batch, or under model.tiled_mlp one shard of its tokens."""
+    if not p.mlp_shard:
+        return p
+    return replace(p, rows=1, row_len=min(p.mlp_shard, p.tokens), examples=1, loss_positions=None, mlp_shard=None)
 
 
 def mlp_bytes(p: Pass, shape: ModelShape, *, down_trainable: bool) -> int:
@@ -142,9 +151,24 @@ def attn_half_bytes(p: Pass, shape: ModelShape, adapted: dict[str, tuple[int, in
 
 
 def mlp_half_bytes(p: Pass, shape: ModelShape, adapted: dict[str, tuple[int, int]], r: int) -> int:
-    """Saved by the second half: post-attention norm, gate/up inputs, the SwiGLU, its adapters."""
+    """Saved by the second half: post-attention norm, gate/up inputs, the SwiGLU, its adapters. Tiled, the MLP
+    keeps only its input (T x H, stream dtype); a shard's tensors exist in its backward only (tiled_shard_bytes)."""
     full, H = p.trainable_base, shape.hidden
-    total = norm_bytes(p, H, trainable=full) + mlp_bytes(p, shape, down_trainable=full)
+    if p.mlp_shard:
+        return norm_bytes(p, H, trainable=full) + p.tokens * H * p.resid
+    return norm_bytes(p, H, trainable=full) + mlp_tensors_bytes(p, shape, adapted, r)
+
+
+def tiled_shard_bytes(p: Pass, shape: ModelShape, adapted: dict[str, tuple[int, int]], r: int) -> int:
+    """Tiled MLP: what one shard's recompute saves for its backward (the untiled MLP's tensors, at a shard's
+    tokens); 0 untiled."""
+    return mlp_tensors_bytes(mlp_pass(p), shape, adapted, r) if p.mlp_shard else 0
+
+
+def mlp_tensors_bytes(p: Pass, shape: ModelShape, adapted: dict[str, tuple[int, int]], r: int) -> int:
+    """The MLP's own saved tensors (gate/up inputs, the SwiGLU, its adapters), the norm before it not counted."""
+    full, H = p.trainable_base, shape.hidden
+    total = mlp_bytes(p, shape, down_trainable=full)
     if full:  # gate and up read one input; down_proj reads the product (counted above)
         total += linear_input_bytes(p, H, 2)
     total += shared_adapter_inputs(p, adapted, {("mlp.gate_proj", "mlp.up_proj"): H,
@@ -158,7 +182,10 @@ def layer_bytes(p: Pass, shape: ModelShape, adapted: dict[str, tuple[int, int]],
 
 
 def down_input_bytes(p: Pass, shape: ModelShape, adapted: dict[str, tuple[int, int]], r: int) -> int:
-    """What down_proj saved (freed once its backward has run): the product, or its adapter's inputs."""
+    """What down_proj saved (freed once its backward has run): the product, or its adapter's inputs (tiled: a
+    shard's, counted in tiled_shard_bytes)."""
+    if p.mlp_shard:
+        return 0
     if p.trainable_base:
         return p.tokens * shape.intermediate * p.cd
     if "mlp.down_proj" not in adapted:
@@ -225,13 +252,14 @@ def layer_forward_temp(p: Pass, shape: ModelShape, adapted: dict[str, tuple[int,
     cd scores and their fp32 softmax input, otherwise the fp32 RoPE outputs of q and k before they are
     cast; or an adapter's fp32 input copies (plus the SwiGLU product, which a frozen down_proj does
     not save, while down_proj's adapter runs)."""
-    T = p.tokens
+    T, m = p.tokens, mlp_pass(p)
     if p.attn == "eager":
         attn = p.rows * shape.heads * p.row_len * p.row_len * (p.cd + FP32)
     else:
         attn = T * (shape.heads + shape.kv_heads) * shape.head_dim * FP32
-    lora = [lora_forward_temp(p, i, o) + (T * i * p.cd if name == "mlp.down_proj" and not p.trainable_base else 0)
-            for name, (i, o) in adapted.items()]
+    lora = [lora_forward_temp(p, i, o) for name, (i, o) in adapted.items() if not name.startswith("mlp.")]
+    lora += [lora_forward_temp(m, i, o) + (m.tokens * i * p.cd if name == "mlp.down_proj" and not p.trainable_base
+                                           else 0) for name, (i, o) in adapted.items() if name.startswith("mlp.")]
     return T * shape.hidden * p.resid + max([attn] + lora)
 
 
@@ -242,9 +270,12 @@ def residual_grad_bytes(p: Pass, shape: ModelShape) -> int:
 
 def mlp_backward_temp(p: Pass, shape: ModelShape, adapted: dict[str, tuple[int, int]]) -> int:
     """Gradients alive in the MLP's backward: of the product, then of silu's output and up's output
-    (three T x I at once), or an adapter's fp32 input gradients."""
-    mlp = 3 * p.tokens * shape.intermediate * p.cd
-    return max([mlp] + [lora_backward_temp(p, fan_in) for fan_in in _adapters(adapted, "mlp.")])
+    (three T x I at once), or an adapter's fp32 input gradients. Tiled: those of one shard, beside the tensors its
+    recompute saved (tiled_shard_bytes)."""
+    m = mlp_pass(p)
+    mlp = 3 * m.tokens * shape.intermediate * p.cd
+    dx = p.tokens * shape.hidden * p.resid if p.mlp_shard else 0  # tiled: the input's gradient, filled shard by shard
+    return dx + max([mlp] + [lora_backward_temp(m, fan_in) for fan_in in _adapters(adapted, "mlp.")])
 
 
 def attn_backward_temp(p: Pass, shape: ModelShape, adapted: dict[str, tuple[int, int]]) -> int:
@@ -266,12 +297,12 @@ def eval_layer_bytes(p: Pass, shape: ModelShape, adapted: dict[str, tuple[int, i
     their product (3 x T x I, cd), with eager's probabilities (the decoder layer keeps the attention weights
     it ignores until it returns); an adapted up_proj holds silu's output, its base output, lora_B's output
     and its scaled copy (in the adapter's fp32 without autocast), and the input's fp32 cast."""
-    T, I = p.tokens, shape.intermediate
+    T, I, m = p.tokens, shape.intermediate, mlp_pass(p).tokens  # m: the tokens the MLP runs at once
     scores = p.rows * shape.heads * p.row_len * p.row_len if p.attn == "eager" else 0
-    mlp = 3 * T * I * p.cd
+    mlp = 3 * m * I * p.cd
     if "mlp.up_proj" in adapted:
-        cast = T * shape.hidden * FP32 if p.resid != FP32 else 0
-        mlp = max(mlp, T * I * (2 * p.cd + 2 * (p.cd if p.autocast else FP32)) + cast)
+        cast = m * shape.hidden * FP32 if p.resid != FP32 else 0
+        mlp = max(mlp, m * I * (2 * p.cd + 2 * (p.cd if p.autocast else FP32)) + cast)
     return 4 * T * shape.hidden * p.resid + rope_bytes(p, shape) + max(mlp + scores * p.resid, scores * (p.cd + FP32))
 
 

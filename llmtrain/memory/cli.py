@@ -21,7 +21,9 @@ RUN_OPTIONS = {
     "seq_len": "data.max_seq_len", "packing": "data.packing", "loss_chunk_tokens": "train.loss_chunk_tokens",
     "grad_checkpointing": "model.gradient_checkpointing", "dtype": "model.dtype",
     "mixed_precision": "train.mixed_precision", "attn": "model.attn_implementation", "quantize": "model.quantize",
+    "activation_offload": "model.activation_offload", "tiled_mlp": "model.tiled_mlp",
 }
+LONGEST_STEP_TOKENS = 1024  # fit.LONGEST_STEP, named here without importing the estimator at start-up
 # What `--method lora` without --dtype assumes: every shipped LoRA recipe keeps its frozen base in bf16.
 LORA_BASE_DTYPE = "bfloat16"
 # The exit status when the run does not fit (with --fit: when no configuration fits the GPUs), so that a script can
@@ -55,6 +57,11 @@ def estimate_memory(
         help="Tokens the loss sends through the LM head at a time (train.loss_chunk_tokens).")] = None,
     grad_checkpointing: Annotated[Optional[bool], typer.Option(
         "--grad-checkpointing/--no-grad-checkpointing", help="Recompute layer activations in backward.")] = None,
+    activation_offload: Annotated[Optional[bool], typer.Option(
+        "--activation-offload/--no-activation-offload", help="Checkpointed layers' inputs in pinned host memory "
+        "(model.activation_offload; needs --grad-checkpointing).")] = None,
+    tiled_mlp: Annotated[Optional[bool], typer.Option(
+        "--tiled-mlp/--no-tiled-mlp", help="The MLP over shards of hidden-size tokens (model.tiled_mlp=true).")] = None,
     dtype: Annotated[Optional[Literal["float32", "bfloat16", "float16"]], typer.Option(
         help="Storage dtype of the weights (default: float32, and bfloat16 for a LoRA base).")] = None,
     mixed_precision: Annotated[Optional[Literal["no", "bf16", "fp16"]], typer.Option(
@@ -84,6 +91,9 @@ def estimate_memory(
     fit: Annotated[bool, typer.Option("--fit", help="Search strategy, checkpointing and micro-batch for the "
                                       "fastest configuration that fits; when none does, the fewest GPUs (FSDP) "
                                       "that would.")] = False,
+    longest_context: Annotated[bool, typer.Option(
+        "--longest-context", help="The longest single sequence this run can train on these GPUs (one example a "
+        "micro-batch, within 90% of the card as --fit), shown with its estimate.")] = False,
 ) -> None:
     """Estimate per-GPU peak memory of a fine-tuning run, without weights or a GPU.
 
@@ -98,7 +108,8 @@ def estimate_memory(
                                  micro_batch_tokens=micro_batch_tokens, grad_accum=grad_accum, seq_len=seq_len,
                                  packing=packing, loss_chunk_tokens=loss_chunk_tokens,
                                  grad_checkpointing=grad_checkpointing, dtype=dtype, mixed_precision=mixed_precision,
-                                 attn=attn, quantize=quantize).items() if v is not None}
+                                 attn=attn, quantize=quantize, activation_offload=activation_offload,
+                                 tiled_mlp=tiled_mlp).items() if v is not None}
     if recipe is not None and accelerate_config is None and not (strategy or num_gpus or num_nodes):
         accelerate_config = header_launch(recipe)  # as the recipe's header launches it
         if accelerate_config is not None and not as_json:
@@ -110,7 +121,10 @@ def estimate_memory(
         raise LLMTrainError("give either a RECIPE.yaml or --model PATH_OR_ID (not both, not neither).")
     shape, spec, global_batch, target, assumed = (_from_recipe(recipe, overrides, run, launch) if recipe is not None
                                                   else _from_model(model, overrides, run, launch))
-    est = estimate(shape, spec)
+    if longest_context and fit:
+        raise LLMTrainError("--longest-context and --fit answer two questions: ask one at a time.")
+    longest = fitting.longest_context(shape, spec) if longest_context else None
+    est = longest if longest is not None else estimate(shape, spec)
     est = dataclasses.replace(est, notes=assumed + est.notes)
     given = dict(intra_gbps=intra_gbps, inter_gbps=inter_gbps, peak_tflops=peak_tflops, mfu=mfu, hbm_tbps=hbm_tbps)
     network = Network(**{k: v for k, v in given.items() if v is not None})
@@ -123,11 +137,28 @@ def estimate_memory(
         out["recommendation"] = advice
         if result is not None:
             out["fit"] = _fit_dict(result)
+        if longest_context:
+            out["longest_context_tokens"] = longest.spec.micro_batch_tokens if longest is not None else None
         typer.echo(json.dumps(out, indent=1))
     else:
+        if longest_context:
+            typer.echo(_longest_line(est if longest is not None else None, spec))
         _render(est, advice, traffic, launch_mp, result, global_batch=global_batch, target=target)
-    if not (result.best is not None if result is not None else est.fits):
+    found = result.best is not None if result is not None else longest is not None if longest_context else est.fits
+    if not found:
         raise typer.Exit(DOES_NOT_FIT)
+
+
+def _longest_line(est, spec) -> str:
+    """--longest-context's answer, above the estimate at that length."""
+    gpus = f"{spec.world} x {spec.gpu_memory_gib:g} GiB" if spec.world > 1 else f"one {spec.gpu_memory_gib:g} GiB GPU"
+    if est is None:
+        return (f"longest context: not even {LONGEST_STEP_TOKENS:,} tokens fit {gpus} with this run (the estimate "
+                "below is the run as given)")
+    host = est.long_context.get("offload_host_bytes")
+    more = f"; the activation offload takes {host / 2**30:,.1f} GiB of pinned host RAM per process" if host else ""
+    return (f"longest context that fits {gpus}: {est.spec.micro_batch_tokens:,} tokens in one sequence (within 90% "
+            f"of the card, as --fit; in steps of {LONGEST_STEP_TOKENS:,}){more}. The estimate at that length:")
 
 
 def _render(est, advice: str, traffic, launch_mp: str | None, result, *, global_batch: int | None, target) -> None:

@@ -71,7 +71,9 @@ def make_pass(shape: ModelShape, spec: TrainSpec, *, examples: int | None = None
                     # online RL's update trains each sequence's completion only
                     loss_positions=examples * spec.completion_tokens if training and spec.completion_tokens else None,
                     # FSDP gathers the adapters in cd; peft's 4-bit layers do not cast their input under autocast
-                    adapters_in_cd=spec.method == "lora" and amp and (spec.sharded or bool(spec.quantize)))
+                    adapters_in_cd=spec.method == "lora" and amp and (spec.sharded or bool(spec.quantize)),
+                    # the tiled MLP runs untiled on a micro-batch of at most one shard (model/tiled_mlp.py)
+                    mlp_shard=shard if (shard := spec.mlp_shard(shape.hidden)) and tokens > shard else None)
 
 
 def _down_share(shape: ModelShape, plan: LoraPlan | None, k: int) -> float:
@@ -107,6 +109,12 @@ def estimate(shape: ModelShape, spec: TrainSpec) -> Estimate:
     if not embed_trains:  # the first layer's input needs no gradient
         saved[0] -= act.frozen_input_discount(p, shape, adapted[0])
     kept = [act.checkpoint_bytes(p, shape)] * L if ckpt else saved  # what each layer keeps after forward
+    # model.activation_offload: the checkpointed inputs go to host memory as the forward moves on, all but the last
+    # layer's; one is in flight at a time (copied out in forward; in backward the next one is fetched while a layer
+    # is recomputed), so the GPU holds two layers' inputs at most (model/offload.py)
+    offload = ckpt and spec.activation_offload
+    on_gpu = [0] * (L - 1) + [kept[-1]] if offload else kept
+    in_flight = kept[0] if offload and L > 1 else 0
     rope_ids = act.stream_inputs_bytes(p, shape, embed_trainable=embed_trains)
     outside = act.outside_layers_bytes(p, shape, embed_trainable=embed_trains, norm_trainable=full)
     mask = act.mask_bytes(p)
@@ -142,9 +150,9 @@ def estimate(shape: ModelShape, spec: TrainSpec) -> Estimate:
     g_acc = accumulated_grads(spec, st)
 
     base = dict(weights=st.weights, optimizer=st.optimizer, ddp_buckets=st.ddp_buckets)
-    acts_all = sum(kept) + outside
+    acts_all = sum(on_gpu) + in_flight + outside
     phases = {"forward": _phase(**base, gradients=g_acc, autocast_copies=copies_fwd,
-                                activations=sum(kept) + rope_ids + mask, fsdp_buffers=2 * unit + always,
+                                activations=sum(on_gpu) + in_flight + rope_ids + mask, fsdp_buffers=2 * unit + always,
                                 temporaries=act.layer_forward_temp(p, shape, adapted[-1]))}
 
     phases.update(_loss_phases(
@@ -156,9 +164,11 @@ def estimate(shape: ModelShape, spec: TrainSpec) -> Estimate:
     cast_temp = p.separate_casts and full  # a 16-bit weight gradient before it is cast to the fp32 .grad
     mlp_names = [x for x in shape.layer_linears if x.name.startswith("mlp.")]
     down_temp = max(x.numel for x in mlp_names) * p.cd if cast_temp else 0
+    if p.mlp_shard and full:  # the tiled MLP returns its weights' gradients summed over the shards: one more copy
+        down_temp += sum(x.numel for x in mlp_names) * DTYPE_BYTES[spec.dtype]
     attn_temp = max(x.numel for x in shape.layer_linears if x not in mlp_names) * p.cd if cast_temp else 0
     phases["backward_layers"] = _backward_layers(
-        p, shape, spec, st, plan, base, adapted=adapted, saved=saved, kept=kept, copies=copies,
+        p, shape, spec, st, plan, base, adapted=adapted, saved=saved, kept=kept, on_gpu=on_gpu, copies=copies,
         below_all=rope_ids + mask_bwd, g_acc=g_acc, temps=(down_temp, attn_temp),
         fsdp_buffers=2 * unit + 2 * unit_grads + always, embed_trains=embed_trains)
     phases["backward_embedding"] = _phase(**base, gradients=st.grads, temporaries=p.tokens * H * p.resid,
@@ -173,6 +183,7 @@ def estimate(shape: ModelShape, spec: TrainSpec) -> Estimate:
         phases.update(_eval_phases(shape, spec, base, adapted=adapted, cached=sum(cached), head_copies=head_copies,
                                    fsdp_unit=2 * unit + always, tail=tail))
     est = _finish(whole, spec, plan, st, phases, notes=_notes(shape, spec, p))
+    est = replace(est, long_context=_long_context(whole, spec, est, p, kept if offload else None))
     if spec.completion_tokens and spec.prompt_tokens < spec.prompt_cap:  # at the data's lengths: the worst case too
         cap = spec.prompt_cap
         worst = estimate(whole, spec.but(prompt_tokens=cap, seq_len=cap + spec.completion_tokens, prompt_basis=""))
@@ -183,7 +194,22 @@ def estimate(shape: ModelShape, spec: TrainSpec) -> Estimate:
     return est
 
 
-def _backward_layers(p, shape: ModelShape, spec: TrainSpec, st, plan, base: dict, *, adapted, saved, kept,
+def _long_context(shape: ModelShape, spec: TrainSpec, est: Estimate, p: act.Pass, kept: list[int] | None
+                  ) -> dict[str, int]:
+    """What activation offload puts in host memory and keeps off the GPU, and what tiling the MLP saves at the peak
+    (the same run untiled, estimated again)."""
+    out = {}
+    if kept is not None:
+        out["offload_host_bytes"] = sum(kept[:-1])  # pinned, per process
+        out["offload_gpu_saved_bytes"] = sum(kept[1:-1])  # all but the last layer's and the one in flight
+    if p.mlp_shard:
+        untiled = estimate(shape, spec.but(tiled_mlp=None))
+        out["mlp_shard_tokens"] = min(p.mlp_shard, p.tokens)
+        out["tiled_mlp_saved_bytes"] = untiled.per_gpu_peak_bytes - est.per_gpu_peak_bytes
+    return out
+
+
+def _backward_layers(p, shape: ModelShape, spec: TrainSpec, st, plan, base: dict, *, adapted, saved, kept, on_gpu,
                      copies, below_all: int, g_acc: int, temps: tuple[int, int], fsdp_buffers: int,
                      embed_trains: bool) -> dict[str, int]:
     """The worst moment of the decoder layers' backward, last layer to first, each in its three moments: the
@@ -191,7 +217,8 @@ def _backward_layers(p, shape: ModelShape, spec: TrainSpec, st, plan, base: dict
     gradient made) and attention's (the MLP half freed, its gradients made). The layers below are still saved,
     the layers above have their gradients, and the residual stream's gradient flows through. `below_all`: what
     every moment keeps besides the layers (rope ids, the mask); `temps`: the MLP's and attention's 16-bit weight
-    gradients before their cast."""
+    gradients before their cast. `on_gpu`: what each layer keeps on the GPU (with activation offload, the last
+    layer's input only: layer k's comes back for its backward, and layer k-1's is fetched meanwhile)."""
     ckpt = spec.grad_checkpointing
     resid_grad = act.residual_grad_bytes(p, shape)
     worst: dict[str, int] = {}
@@ -199,13 +226,15 @@ def _backward_layers(p, shape: ModelShape, spec: TrainSpec, st, plan, base: dict
         a = adapted[k]
         above = st.grads_head + sum(st.grads_layer[k + 1:])
         g_down = st.grads_layer[k] * _down_share(shape, plan, k)
-        below = sum(kept[:k]) + (kept[k] if ckpt else 0) + below_all
+        fetched = kept[k - 1] if (on_gpu is not kept and k > 0) else 0  # offload: the next layer's, prefetched
+        below = sum(on_gpu[:k]) + (kept[k] if ckpt else 0) + fetched + below_all
         live_copies = sum(copies[: k + 1]) if not ckpt else copies[k]
         half_attn = act.attn_half_bytes(p, shape, a, spec.lora_r) - (
             act.frozen_input_discount(p, shape, a) if (k == 0 and not embed_trains) else 0)
         moments = [
             dict(gradients=max(g_acc, above + g_down), activations=below + saved[k] - act.down_input_bytes(
-                p, shape, a, spec.lora_r), temporaries=resid_grad + act.mlp_backward_temp(p, shape, a) + temps[0]),
+                p, shape, a, spec.lora_r), temporaries=resid_grad + act.mlp_backward_temp(p, shape, a) + temps[0]
+                + act.tiled_shard_bytes(p, shape, a, spec.lora_r)),
             dict(gradients=max(g_acc, above + st.grads_layer[k]), activations=below + half_attn,
                  temporaries=resid_grad + act.attn_backward_temp(p, shape, a) + temps[1]),
         ]

@@ -245,6 +245,10 @@ def overflow_advice(est: Estimate) -> str:
     if batch > room or states <= room and batch >= states:
         fewer = [] if s.grad_checkpointing else ["gradient checkpointing (model.gradient_checkpointing=true / "
                                                  "--grad-checkpointing)"]
+        if s.grad_checkpointing and not s.activation_offload and not s.sharded:
+            fewer.append("activation offload (model.activation_offload=true / --activation-offload)")
+        if not s.tiled_mlp and not s.sharded:
+            fewer.append("a tiled MLP (model.tiled_mlp=true / --tiled-mlp)")
         if s.micro_batch_tokens:
             fewer.append("a smaller token budget (train.micro_batch_tokens / --micro-batch-tokens)")
         elif s.micro_batch > s.per_example:
@@ -261,3 +265,34 @@ def overflow_advice(est: Estimate) -> str:
         advice.append(f"weights, gradients and optimizer state are {states / GIB:.1f} GiB per GPU: try "
                       f"{', '.join(smaller) or 'a smaller model'}")
     return "; ".join(advice)
+
+
+LONGEST_STEP = 1024  # --longest-context answers in multiples of this many tokens
+LONGEST_MOST = 1 << 24  # and looks no further than 16M tokens
+
+
+def at_context(spec: TrainSpec, tokens: int) -> TrainSpec:
+    """The run with one sequence of `tokens` a micro-batch (the token budget and data.max_seq_len both that long;
+    an eval during training batched by the same budget)."""
+    evals = dict(eval_micro_batch=1, eval_micro_batch_tokens=tokens) if spec.eval_micro_batch else {}
+    return spec.but(micro_batch=1, micro_batch_tokens=tokens, seq_len=tokens, **evals)
+
+
+def longest_context(shape: ModelShape, spec: TrainSpec) -> Estimate | None:
+    """The estimate at the longest context (a multiple of LONGEST_STEP tokens, one sequence a micro-batch) that fits
+    with room, as --fit requires (FIT_SHARE of the card); None when not even LONGEST_STEP tokens do. Bisection: the
+    peak only grows with the tokens."""
+    def fitting(n: int) -> Estimate | None:
+        est = estimate(shape, at_context(spec, n * LONGEST_STEP))
+        return est if fits_with_room(est) else None
+
+    lo, hi = 0, LONGEST_MOST // LONGEST_STEP  # fitting(lo) holds (or lo is 0), fitting(hi + 1) is not known to
+    best = None
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        found = fitting(mid)
+        if found is not None:
+            lo, best = mid, found
+        else:
+            hi = mid - 1
+    return best

@@ -40,6 +40,9 @@ def describe(spec: TrainSpec) -> str:
     else:
         batch = f"micro-batch {spec.micro_batch} x {spec.seq_len} tokens, padded"
     ckpt = "checkpointing on" if spec.grad_checkpointing else "checkpointing off"
+    ckpt += " (inputs offloaded to the host)" if spec.activation_offload else ""
+    ckpt += f"; MLP tiled ({'hidden-size' if spec.tiled_mlp is True else spec.tiled_mlp}-token shards)" \
+        if spec.tiled_mlp else ""
     off = ", cpu offload" if spec.cpu_offload else ""
     if spec.sharded and spec.grad_accum > 1 and spec.fsdp_accumulate == "unsharded":
         off += ", gradients accumulated unsharded"
@@ -90,6 +93,8 @@ def render_estimate(est: Estimate, advice: str, *, traffic: Traffic | None = Non
     verdict = "[green]fits[/]" if est.fits else "[red]does not fit[/]"
     console.print(f"{verdict} in {spec.gpu_memory_gib:g} GiB per GPU; host RAM for loading: "
                   f"{gib(est.host_ram_bytes)} GiB per node")
+    for line in long_context_lines(est):
+        console.print(line)
     for note in est.notes:
         console.print(f"[dim]note: {escape(note)}[/]")
     if launch_mp is not None and launch_mp != spec.mixed_precision:
@@ -98,6 +103,21 @@ def render_estimate(est: Estimate, advice: str, *, traffic: Traffic | None = Non
     if traffic is not None:
         render_traffic(traffic, console=console)
     console.print(f"recommendation: {escape(advice)}", highlight=False)
+
+
+def long_context_lines(est: Estimate) -> list[str]:
+    """model.activation_offload and model.tiled_mlp, each on a line of its own: what they keep off the GPU and, for
+    the offload, what they put in host memory."""
+    lc, spec, lines = est.long_context, est.spec, []
+    if "offload_host_bytes" in lc:
+        per_node = lc["offload_host_bytes"] * (spec.num_gpus if spec.world > 1 else 1)
+        lines.append(f"activation offload: {gib(lc['offload_gpu_saved_bytes'])} GiB of checkpointed layer inputs kept "
+                     f"off the GPU; {gib(lc['offload_host_bytes'])} GiB of pinned host RAM per process "
+                     f"({gib(per_node)} GiB per node), beside the host RAM for loading")
+    if "mlp_shard_tokens" in lc:
+        lines.append(f"tiled MLP: shards of {lc['mlp_shard_tokens']:,} tokens; {gib(lc['tiled_mlp_saved_bytes'])} GiB "
+                     "less at the peak than the MLP over the whole micro-batch")
+    return lines
 
 
 def render_traffic(traffic: Traffic, *, console: Console | None = None) -> None:

@@ -55,6 +55,9 @@ class TrainSpec:
     mixed_precision: Precision = _default(TrainConfig, "mixed_precision")
     attn: Attn = _default(ModelConfig, "attn_implementation")  # 'auto' is 'varlen', as in training
     grad_checkpointing: bool = _default(ModelConfig, "gradient_checkpointing")
+    # long context: the checkpointed layers' inputs in host memory; the MLP over shards of tokens (True: hidden size)
+    activation_offload: bool = _default(ModelConfig, "activation_offload")
+    tiled_mlp: bool | int | None = _default(ModelConfig, "tiled_mlp")
     random_init: bool = _default(ModelConfig, "random_init")  # weights made on the GPU: none read on the host
     micro_batch: int = _default(TrainConfig, "micro_batch_size")
     micro_batch_tokens: int | None = _default(TrainConfig, "micro_batch_tokens")  # a token budget instead
@@ -119,6 +122,12 @@ class TrainSpec:
         budget, or required by the varlen attention (which reads the examples' boundaries in a packed row)."""
         return self.packing or self.micro_batch_tokens is not None or self.kernel == "varlen"
 
+    def mlp_shard(self, hidden: int) -> int | None:
+        """Tokens a tiled MLP runs at a time (model.tiled_mlp: true is the hidden size, as ALST); None untiled."""
+        if not self.tiled_mlp:
+            return None
+        return hidden if self.tiled_mlp is True else int(self.tiled_mlp)
+
     @property
     def tokens(self) -> int:
         """Tokens of one micro-batch at most: the budget, or every example seq_len long."""
@@ -145,6 +154,11 @@ class TrainSpec:
             problems.append(f"strategy single runs one process, but {self.world} GPUs were given: use ddp or fsdp")
         if self.strategy == "ddp" and self.world < 2:
             problems.append("strategy ddp needs at least 2 GPUs (--num-gpus / --num-nodes)")
+        if self.activation_offload and not self.grad_checkpointing:
+            problems.append("activation offload moves the checkpointed layers' inputs to the host: it needs "
+                            "gradient checkpointing")
+        if self.tiled_mlp and (self.sharded or self.tp > 1):
+            problems.append("the tiled MLP is refused under FSDP and tensor parallelism (one process or DDP)")
         if self.quantize and self.method != "lora":
             problems.append("a 4-bit base (quantize) trains LoRA adapters only: use method lora")
         if self.strategy == "hsdp" and (self.num_nodes < 2 or self.num_gpus < 2):
@@ -205,6 +219,7 @@ def spec_from_recipe(recipe: Recipe, *, strategy: Strategy = "single", num_gpus:
         lora_modules_to_save=tuple(lora.modules_to_save or ()) if lora else (),
         dtype=m.dtype, quantize=m.quantize, mixed_precision=t.mixed_precision, attn=m.attn_implementation,
         grad_checkpointing=m.gradient_checkpointing, random_init=m.random_init,
+        activation_offload=m.activation_offload, tiled_mlp=m.tiled_mlp,
         micro_batch=1 if t.micro_batch_tokens else t.micro_batch_size * per_example,
         micro_batch_tokens=t.micro_batch_tokens,
         grad_accum=t.grad_accum_steps, fsdp_accumulate=t.fsdp_accumulate,
@@ -244,6 +259,10 @@ class Estimate:
     notes: tuple[str, ...] = field(default=())
     # online RL estimated at the data's prompt lengths: per_gpu_peak_bytes with every prompt at data.max_seq_len
     worst_case_bytes: int | None = None
+    # long context (model.activation_offload, model.tiled_mlp): offload_host_bytes of layer inputs in pinned host
+    # memory per process, offload_gpu_saved_bytes kept off the GPU by it, mlp_shard_tokens, and tiled_mlp_saved_bytes:
+    # the peak without tiling minus the peak with it
+    long_context: dict[str, int] = field(default_factory=dict)
 
     @property
     def gpu_memory_bytes(self) -> int:
@@ -282,5 +301,6 @@ class Estimate:
             "phase_parts": {k: dict(v) for k, v in self.phase_parts.items()},
             "largest": {k: {"bytes": n, "phase": ph} for k, (n, ph) in self.largest().items()},
             "host_ram_bytes": self.host_ram_bytes, "worst_case_per_gpu_peak_bytes": self.worst_case_bytes,
+            "long_context": dict(self.long_context),
             "spec": spec, "notes": list(self.notes),
         }
