@@ -184,6 +184,31 @@ def check_memory(recipe: Recipe, launch_path: Path | None, gpu_memory: float | N
     return [("memory", "pass" if est.fits else "fail", detail)], est
 
 
+def host_memory_here() -> int | None:
+    """Bytes of RAM of this machine (None where the OS does not say)."""
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        return None
+
+
+def check_host_offload(est, *, host_memory: int | None) -> list[Check]:
+    """model.activation_offload keeps the checkpointed layers' inputs in pinned host memory, per process: the node's
+    processes together against this machine's RAM (None: not known), beside what loading the model takes."""
+    if est is None or "offload_host_bytes" not in est.long_context:
+        return []
+    spec = est.spec
+    per_node = est.long_context["offload_host_bytes"] * (spec.num_gpus if spec.world > 1 else 1)
+    need = f"{_gib(per_node)} of pinned host RAM per node for the activation offload (estimate-memory)"
+    if host_memory is None:
+        return [("host memory", "info", f"{need}; this machine's RAM is unknown")]
+    if per_node > host_memory:
+        return [("host memory", "warn", f"{need}, more than this machine's {_gib(host_memory)}: on it the run "
+                 "would run out of host memory. Train fewer tokens a micro-batch (train.micro_batch_tokens), or turn "
+                 "model.activation_offload off (more GPU memory), or run where the host has the RAM.")]
+    return [("host memory", "pass", f"{need}, of this machine's {_gib(host_memory)}")]
+
+
 def check_shared_fs(recipe: Recipe, launch: dict) -> list[Check]:
     """Multi-node: every node writes checkpoints to output_dir and reads the tokenised cache from data.cache_dir,
     so both must be the same folder on every node: an absolute path on a shared filesystem (NFS, Lustre, ...).
@@ -293,7 +318,7 @@ def run_doctor(recipe: Recipe, *, accelerate_config: Path | None = None,
 
         lengths = rl_prompt_lengths(recipe)[0]
     rows, est = check_memory(recipe, accelerate_config, gpu, prompt_lengths=lengths)
-    checks += rows + check_precision(recipe, launch)
+    checks += rows + check_host_offload(est, host_memory=host_memory_here()) + check_precision(recipe, launch)
     if est is not None:
         checks += check_fsdp(recipe, launch, params=est.params_total, fits=est.fits if gpu else None)
     return checks + check_launch_settings(launch) + check_mesh_launch(launch) + \

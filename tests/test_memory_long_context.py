@@ -124,3 +124,19 @@ def test_longest_context_that_nothing_reaches_exits_4():
     out = estimate_memory("--model", "mistral-7b", "--method", "full", "--longest-context", "--gpu-memory", "24",
                           check=False)
     assert out.returncode == 4 and "not even 1,024 tokens fit" in out.stdout
+
+
+def test_doctor_checks_the_offloads_host_ram_against_the_machine():
+    from llmtrain.doctor import check_host_offload
+
+    shape = load_model_shape("mistral-7b")
+    spec = TrainSpec(method="lora", dtype="bfloat16", mixed_precision="bf16", quantize="nf4", grad_checkpointing=True,
+                     micro_batch_tokens=262144, seq_len=262144, activation_offload=True, tiled_mlp=True)
+    est = estimate(shape, spec)  # 31 x 262144 x 4096 x 2 bytes = 62 GiB
+    (name, status, detail), = check_host_offload(est, host_memory=128 * GIB)
+    assert (name, status) == ("host memory", "pass") and "62.0 GiB of pinned host RAM per node" in detail
+    (name, status, detail), = check_host_offload(est, host_memory=32 * GIB)
+    assert status == "warn" and "more than this machine's 32.0 GiB" in detail
+    assert check_host_offload(estimate(shape, spec.but(activation_offload=False)), host_memory=32 * GIB) == []
+    ddp = estimate(shape, spec.but(strategy="ddp", num_gpus=8))  # 8 processes a node, each its own
+    assert "496.0 GiB of pinned host RAM per node" in check_host_offload(ddp, host_memory=None)[0][2]
