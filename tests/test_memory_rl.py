@@ -70,6 +70,19 @@ def test_the_update_is_the_prompts_and_completions_and_trains_the_completions():
     assert make_pass(MISTRAL, spec, examples=4).loss_tokens == 4 * 354 - 4
 
 
+def test_the_updates_token_budget_passes_whole_sequences():
+    """rl.micro_batch_tokens=1500 over the 16 sequences of 354 tokens above: each pass holds 4 whole sequences (1416
+    tokens, 1024 of them completions); the sampler still decodes all 16 at once, so the KV cache is unchanged."""
+    grpo = {**GRPO, "rl": {**GRPO["rl"], "micro_batch_tokens": 1500}}
+    spec = spec_from_recipe(recipe(**grpo), prompt_lengths=[98] * 10)
+    assert spec.update_tokens == 1500 and spec.micro_batch == 16
+    p = make_pass(MISTRAL, spec)
+    assert (p.rows, p.tokens, p.loss_tokens) == (1, 4 * 354, 4 * 256)
+    whole = spec_from_recipe(recipe(**GRPO), prompt_lengths=[98] * 10)
+    assert kv_cache_bytes(MISTRAL, spec) == kv_cache_bytes(MISTRAL, whole)
+    assert estimate(MISTRAL, spec).phases["backward_layers"] < estimate(MISTRAL, whole).phases["backward_layers"]
+
+
 @pytest.mark.parametrize("sequences", [2, 12, 40])
 def test_the_sampler_decodes_every_completion_of_the_micro_batch_at_once_and_no_more(sequences):
     """The fast sampler makes its cache for each rollout's rows exactly (no bucket: nothing is reused)."""

@@ -53,6 +53,8 @@ def make_pass(shape: ModelShape, spec: TrainSpec, *, examples: int | None = None
     training = examples is None
     if training:
         examples, budget = spec.micro_batch, spec.micro_batch_tokens
+        if spec.update_tokens:  # online RL's update in passes of whole sequences within its budget
+            examples = min(examples, max(1, spec.update_tokens // spec.seq_len))
     tokens = budget or examples * spec.seq_len
     b, s = (1, tokens) if spec.packed else (examples, spec.seq_len)
     amp = spec.mixed_precision != "no"

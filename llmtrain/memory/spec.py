@@ -86,6 +86,9 @@ class TrainSpec:
     prompt_tokens: int = 0
     prompt_cap: int = 0
     prompt_basis: str = ""
+    # online RL: the update's token budget (rl.micro_batch_tokens): the micro-batch's sequences go through forward and
+    # backward in passes of at most this many tokens, whole sequences each; None: one pass
+    update_tokens: int | None = None
     # sequences one recipe example makes (micro_batch counts sequences): 2 for a preference pair (chosen and
     # rejected), num_generations for an online-RL prompt; --fit sizes micro-batches in whole examples
     per_example: int = 1
@@ -210,7 +213,8 @@ def spec_from_recipe(recipe: Recipe, *, strategy: Strategy = "single", num_gpus:
         most = recipe.rl.max_completion_tokens
         cap = max(1, d.max_seq_len - most)  # data.checks.check_prompt_room refuses a longer prompt
         prompt, basis = rl_prompt_tokens(prompt_lengths, cap=cap)
-        rl = dict(completion_tokens=most, prompt_tokens=prompt, prompt_cap=cap, prompt_basis=basis)
+        rl = dict(completion_tokens=most, prompt_tokens=prompt, prompt_cap=cap, prompt_basis=basis,
+                  update_tokens=recipe.rl.micro_batch_tokens)
     return TrainSpec(
         method="lora" if lora else "full",
         lora_r=lora.r if lora else _default(LoraConfig, "r"),
