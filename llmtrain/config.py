@@ -235,8 +235,9 @@ class TrainConfig(Section):
     )
     eval_every_steps: int | None = Field(
         None, gt=0, description="Evaluate every N optimizer steps; with eval data, the end of training is always evaluated.")
-    eval_batch_size: int | None = Field(None, gt=0, description="Eval micro-batch size in examples; unset, evaluation "
-                                        "is batched as training is (micro_batch_size, or the micro_batch_tokens budget).")
+    eval_batch_size: int | None = Field(
+        None, gt=0, description="Eval micro-batch size in examples; unset, evaluation is batched as training is "
+        "(micro_batch_size, or the micro_batch_tokens budget).")
     eval_samples: int = Field(
         0, ge=0,
         description="At each eval, greedily decode the first N eval prompts (up to eval_max_new_tokens tokens) and "

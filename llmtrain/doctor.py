@@ -7,6 +7,7 @@ loads model weights: the memory check is the estimator's arithmetic on config.js
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import yaml

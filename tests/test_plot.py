@@ -153,7 +153,8 @@ def test_last_line_of_a_step_wins_and_eval_tokens_come_from_the_train_line(tmp_p
 def test_loss_axis_turns_logarithmic_for_a_wide_range(tmp_path):
     run = tmp_path / "run"
     run.mkdir()
-    rows = [{"type": "train", "step": s, "loss": 10.0 / s ** 2, "lr": 1e-3, "tokens_seen": 10 * s} for s in range(1, 21)]
+    rows = [{"type": "train", "step": s, "loss": 10.0 / s ** 2, "lr": 1e-3, "tokens_seen": 10 * s}
+            for s in range(1, 21)]
     (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     fig = plot_runs([run], run / "loss.png")
     assert fig.axes[0].get_yscale() == "log" and fig.axes[1].get_yscale() == "log"

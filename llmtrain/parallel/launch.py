@@ -39,7 +39,8 @@ PLUMBING = {"compute_environment", "distributed_type", "mixed_precision", "use_c
 
 def _off(value) -> bool:
     """A setting that asks for nothing: absent, empty, false, 1 (a size) or accelerate's 'NO'."""
-    return value is not True and value in (None, {}, [], "", False, 1, "1", "false", "False", "no", "NO", "none", "None")
+    return value is not True and value in (None, {}, [], "", False, 1, "1", "false", "False", "no", "NO", "none",
+                                           "None")
 
 
 def unhonoured(launch: dict) -> list[str]:
