@@ -200,6 +200,11 @@ def test_training_with_both_switches_matches_plain_checkpointing(tiny_assets, tm
     assert [(r["loss"], r["grad_norm"]) for r in offload] == [(r["loss"], r["grad_norm"]) for r in plain]
     assert [r["loss"] for r in both] == pytest.approx([r["loss"] for r in plain], abs=1e-6)
     assert [r["grad_norm"] for r in both] == pytest.approx([r["grad_norm"] for r in plain], rel=1e-6)
+    # the start-up line says what saves memory
+    said = {n: (tmp_path / n / "train.log").read_text() for n in ("plain", "both")}
+    assert "; gradient checkpointing\n" in said["plain"]
+    assert "; gradient checkpointing (layer inputs offloaded to the host), MLP tiled in shards of 3 tokens\n" in \
+        said["both"]
 
 
 def test_a_preempted_run_with_both_switches_resumes_exactly(tiny_assets, tmp_path, monkeypatch):
