@@ -124,8 +124,9 @@ def trl_long(dataset, tokenizer, fmt: str) -> tuple[float, int, int, str]:
             template = None
     with tempfile.TemporaryDirectory() as out:
         args = SFTConfig(output_dir=out, max_length=LONG_BUDGET, packing=True, packing_strategy="bfd",
-                         completion_only_loss=fmt == "prompt_completion", assistant_only_loss=masked and fmt == "messages",
-                         report_to=[], use_cpu=True, bf16=False, dataset_num_proc=None)
+                         completion_only_loss=fmt == "prompt_completion",
+                         assistant_only_loss=masked and fmt == "messages", report_to=[], use_cpu=True, bf16=False,
+                         dataset_num_proc=None)
         trainer = SimpleNamespace(_tokenizer=tokenizer, chat_template=template,
                                   completion_only_loss=fmt == "prompt_completion")
         start = time.perf_counter()
@@ -180,7 +181,8 @@ def main() -> None:
     ours_s, ours_tokens = llmtrain_prep(datasets.Dataset.from_list(rows), tokenizer)
     trl_s, trl_tokens = trl_prep(datasets.Dataset.from_list(rows), tokenizer)
     result = {"rows": a.rows, "llmtrain_rows_per_s": round(a.rows / ours_s, 1),
-              "trl_rows_per_s": round(a.rows / trl_s, 1), "ratio": round(trl_s / ours_s, 2), "llmtrain_tokens": ours_tokens, "trl_tokens": trl_tokens}
+              "trl_rows_per_s": round(a.rows / trl_s, 1), "ratio": round(trl_s / ours_s, 2),
+              "llmtrain_tokens": ours_tokens, "trl_tokens": trl_tokens}
     if a.json:
         print(json.dumps(result))
     else:
