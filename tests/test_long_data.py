@@ -10,7 +10,10 @@ tokenizer and template and GSM8K from ../shared (skipped where absent).
 from __future__ import annotations
 
 import json
+import random
 import tracemalloc
+
+import numpy as np
 
 import pytest
 from conftest import GSM8K, MISTRAL, needs
@@ -18,7 +21,8 @@ from test_chat_templates import MODELS, stand_in_tokenizer
 
 from llmtrain.config import DataConfig
 from llmtrain.data.chat import closing, render_chat
-from llmtrain.data.formats import IGNORE, _tokens_and_offsets, encode_example, encode_messages, special_ids
+from llmtrain.data.formats import (IGNORE, _overlapping, _tokens_and_offsets, encode_example, encode_messages,
+                                   special_ids)
 from llmtrain.data.prepare import BATCH_BYTES, BATCH_ROWS, _batch_size, tokenize_dataset
 
 
@@ -123,3 +127,28 @@ def test_a_batch_of_long_rows_is_a_few_rows():
     assert _batch_size(short) == BATCH_ROWS
     assert _batch_size(long) == BATCH_BYTES // 480_000 == 8
     assert _batch_size(long.select([3, 4])) == 8  # counted on the rows, not on a selection of them
+
+
+def test_the_tokens_over_a_span_by_bisection_are_the_ones_each_token_compared_gives():
+    """Offsets in text order are bisected; any other order (none known) has every token compared: both give the
+    tokens with text that overlap the span, as the per-token rule does, empty tokens (offsets (a, a)) left out."""
+    rng = random.Random(0)
+    offsets, at = [], 0
+    for _ in range(500):  # tokens of 0 to 4 characters, some sharing a character's span (byte fallback)
+        if offsets and rng.random() < 0.2:
+            offsets.append(offsets[-1])
+            continue
+        width = rng.choice([0, 1, 2, 4])
+        offsets.append((at, at + width))
+        at += width
+    starts, ends = np.array([a for a, _ in offsets]), np.array([b for _, b in offsets])
+    for _ in range(300):
+        start = rng.randrange(at + 2)
+        end = start + rng.randrange(12)
+        expected = [i for i, (a, b) in enumerate(offsets) if a < end and b > start and b > a]
+        for ordered in (True, False):
+            assert _overlapping(starts, ends, ends > starts, start, end, ordered=ordered).tolist() == expected
+    swapped = [offsets[1], offsets[0], *offsets[2:]]  # out of order: only the comparison is right
+    starts, ends = np.array([a for a, _ in swapped]), np.array([b for _, b in swapped])
+    expected = [i for i, (a, b) in enumerate(swapped) if a < 3 and b > 0 and b > a]
+    assert _overlapping(starts, ends, ends > starts, 0, 3, ordered=False).tolist() == expected

@@ -239,18 +239,17 @@ def encode_messages(messages: list[dict], tokenizer, *, train_on_prompt: bool, t
     text, spans = render_chat(messages, tokenizer, template=template, first=first)
     ids, offsets = _tokens_and_offsets(tokenizer, text)
     special = special_ids(tokenizer)
-    # Each span is matched against every token's offsets in numpy, not in a Python loop per span: a 128K-token chat
-    # of many turns would otherwise scan its whole token list once per reply.
     bounds = np.fromiter(itertools.chain.from_iterable(offsets), dtype=np.int64, count=2 * len(offsets))
     starts, ends = bounds[0::2], bounds[1::2]
     shown = ends > starts  # tokens with text (an empty span overlaps nothing)
+    ordered = bool((starts[1:] >= starts[:-1]).all() and (ends[1:] >= ends[:-1]).all())
     trained = np.zeros(len(ids), dtype=bool)
     closed = True
     end_of_turn = closing(text, spans)  # what the template renders after the final reply
     for start, end in spans:
         as_text = bool(end_of_turn) and text.startswith(end_of_turn, end)  # the reply, then its end of turn
         end += len(end_of_turn) if as_text else 0
-        inside = np.flatnonzero((starts < end) & (ends > start) & shown)
+        inside = _overlapping(starts, ends, shown, start, end, ordered=ordered)
         trained[inside] = True
         if as_text:
             closed = True
@@ -270,6 +269,16 @@ def encode_messages(messages: list[dict], tokenizer, *, train_on_prompt: bool, t
     if train_on_prompt:
         labels = list(ids)
     return ids, labels
+
+
+def _overlapping(starts, ends, shown, start: int, end: int, *, ordered: bool):
+    """The tokens with text that overlap the characters [start, end), in order. Offsets in text order (every
+    tokenizer's, checked once per row): two bisections, so a chat of many turns is not scanned once per reply (a
+    900-turn chat of 174K tokens took 5.8 s so, in Python); otherwise every token is compared, in numpy."""
+    if not ordered:
+        return np.flatnonzero((starts < end) & (ends > start) & shown)
+    lo, hi = int(np.searchsorted(ends, start, "right")), int(np.searchsorted(starts, end, "left"))
+    return lo + np.flatnonzero(shown[lo:hi]) if hi > lo else np.empty(0, dtype=np.int64)
 
 
 def _tokens_and_offsets(tokenizer, text: str) -> tuple[list[int], list[tuple[int, int]]]:
