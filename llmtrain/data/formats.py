@@ -7,8 +7,11 @@ packing can never make the last token of one example predict the first token of 
 
 from __future__ import annotations
 
+import itertools
 import weakref
 from typing import Any
+
+import numpy as np
 
 from llmtrain.config import DataConfig
 from llmtrain.data.chat import closing, read_template, render_chat
@@ -236,30 +239,46 @@ def encode_messages(messages: list[dict], tokenizer, *, train_on_prompt: bool, t
     text, spans = render_chat(messages, tokenizer, template=template, first=first)
     ids, offsets = _tokens_and_offsets(tokenizer, text)
     special = special_ids(tokenizer)
-    labels = [IGNORE] * len(ids)
+    bounds = np.fromiter(itertools.chain.from_iterable(offsets), dtype=np.int64, count=2 * len(offsets))
+    starts, ends = bounds[0::2], bounds[1::2]
+    shown = ends > starts  # tokens with text (an empty span overlaps nothing)
+    ordered = bool((starts[1:] >= starts[:-1]).all() and (ends[1:] >= ends[:-1]).all())
+    trained = np.zeros(len(ids), dtype=bool)
     closed = True
     end_of_turn = closing(text, spans)  # what the template renders after the final reply
     for start, end in spans:
         as_text = bool(end_of_turn) and text.startswith(end_of_turn, end)  # the reply, then its end of turn
         end += len(end_of_turn) if as_text else 0
-        inside = [i for i, (a, b) in enumerate(offsets) if a < end and b > start and b > a]
-        after = []
+        inside = _overlapping(starts, ends, shown, start, end, ordered=ordered)
+        trained[inside] = True
         if as_text:
             closed = True
-        else:  # an earlier reply that the template closes otherwise: up to the next special token, past whitespace
-            j = inside[-1] + 1 if inside else next((i for i, (a, _) in enumerate(offsets) if a >= end), len(ids))
-            k = j
-            while k < len(ids) and ids[k] not in special and not text[offsets[k][0]:offsets[k][1]].strip():
-                k += 1
-            closed = k < len(ids) and ids[k] in special
-            after = list(range(j, k + 1)) if closed else []
-        for i in inside + after:
-            labels[i] = ids[i]
+            continue
+        # an earlier reply that the template closes otherwise: up to the next special token, past whitespace
+        later = np.flatnonzero(starts >= end) if not len(inside) else inside[-1:] + 1
+        j = int(later[0]) if len(later) else len(ids)
+        k = j
+        while k < len(ids) and ids[k] not in special and not text[offsets[k][0]:offsets[k][1]].strip():
+            k += 1
+        closed = k < len(ids) and ids[k] in special
+        if closed:
+            trained[j:k + 1] = True
+    labels = np.where(trained, np.asarray(ids, dtype=np.int64), IGNORE).tolist()
     if not closed:  # the template does not end the final assistant turn with a stop token: append EOS
         ids, labels = ids + [tokenizer.eos_token_id], labels + [tokenizer.eos_token_id]
     if train_on_prompt:
         labels = list(ids)
     return ids, labels
+
+
+def _overlapping(starts, ends, shown, start: int, end: int, *, ordered: bool):
+    """The tokens with text that overlap the characters [start, end), in order. Offsets in text order (every
+    tokenizer's, checked once per row): two bisections, so a chat of many turns is not scanned once per reply (a
+    900-turn chat of 174K tokens took 5.8 s so, in Python); otherwise every token is compared, in numpy."""
+    if not ordered:
+        return np.flatnonzero((starts < end) & (ends > start) & shown)
+    lo, hi = int(np.searchsorted(ends, start, "right")), int(np.searchsorted(starts, end, "left"))
+    return lo + np.flatnonzero(shown[lo:hi]) if hi > lo else np.empty(0, dtype=np.int64)
 
 
 def _tokens_and_offsets(tokenizer, text: str) -> tuple[list[int], list[tuple[int, int]]]:
@@ -319,5 +338,5 @@ def encode_example(example: dict, tokenizer, cfg: DataConfig, *, template: str |
     truncated = len(ids) > cfg.max_seq_len
     ids, labels = ids[: cfg.max_seq_len], labels[: cfg.max_seq_len]
     # The first token is never a target (nothing predicts it), so it does not count as trained.
-    trained = sum(1 for lab in labels[1:] if lab != IGNORE)
+    trained = len(labels) - labels.count(IGNORE) - (bool(labels) and labels[0] != IGNORE)
     return {"input_ids": ids, "labels": labels, "length": len(ids), "trained": trained, "truncated": truncated}

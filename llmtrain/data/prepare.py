@@ -15,6 +15,8 @@ from collections import Counter
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+import numpy as np
+
 from llmtrain.config import DataConfig
 from llmtrain.data.chat import read_template
 from llmtrain.data.formats import check_columns, check_feedback_labels, encode_example, encode_prompt, row_problem
@@ -29,6 +31,8 @@ ROW = "__llmtrain_row"  # a row's number in its file, kept through a shuffled ev
 SHOWN_ROWS = 5  # dropped rows named in the report
 KEEP_AT_LEAST = 0.1  # a source that keeps fewer of its rows stops the run: its recipe does not fit its data
 NO_TRAINED = "with no trained token within data.max_seq_len"  # why an SFT example is dropped
+BATCH_ROWS = 256  # rows encoded a batch at a time, and handed to datasets together
+BATCH_BYTES = 4 << 20  # ...but no more raw data than this a batch: a batch of 128K-token rows is held at once
 
 
 def _row_dicts(batch: dict) -> list[dict]:
@@ -40,6 +44,23 @@ def _rows(raw):
     """The rows as dicts, read a thousand at a time (datasets' row-by-row iteration formats each row alone)."""
     for batch in raw.iter(batch_size=1000):
         yield from _row_dicts(batch)
+
+
+def _batch_size(raw) -> int:
+    """BATCH_ROWS rows a batch, fewer where the rows are long (64 chats of 120K tokens took 231 MiB more at the peak
+    in one batch of 64, 96 MiB in batches of 8)."""
+    per_row = raw.data.nbytes / max(raw.data.num_rows, 1)
+    return max(1, min(BATCH_ROWS, int(BATCH_BYTES // max(per_row, 1))))
+
+
+def as_arrays(out: dict) -> dict:
+    """An encoded example with its token columns as numpy arrays, of the types datasets gives the lists (input_ids
+    int32, labels int64): datasets writes an array at once, where it inspects a list element by element (a fifth of
+    the preparation of 100K-token examples), and a batch of long rows held as arrays is a sixth of it as lists."""
+    for column, dtype in (("input_ids", np.int32), ("labels", np.int64)):
+        if isinstance(out.get(column), list):
+            out[column] = np.asarray(out[column], dtype=dtype)
+    return out
 
 
 def check_rows(raw, cfg: DataConfig, source: str) -> None:
@@ -137,13 +158,13 @@ def tokenize_dataset(raw, tokenizer, cfg: DataConfig, source: str):
         return {**out, "drop": DROPS.get(why, why), "row": row}
 
     def encode_batch(batch: dict, indices: list[int]) -> dict:  # rows in, rows out: datasets writes them at once
-        outs = [encode(row, i) for row, i in zip(_row_dicts(batch), indices)]
+        outs = [as_arrays(encode(row, i)) for row, i in zip(_row_dicts(batch), indices)]
         return {k: [o[k] for o in outs] for k in outs[0]} if outs else {}
 
     # new_fingerprint: datasets would otherwise hash `encode` with the tokenizer inside it (a second per source);
     # its own cache is not used (load_from_cache_file=False: the result is cached under data.cache_dir).
-    enc = raw.map(encode_batch, batched=True, batch_size=256, with_indices=True, remove_columns=raw.column_names,
-                  num_proc=cfg.num_proc if cfg.num_proc > 1 else None, desc=f"tokenising {source}",
+    enc = raw.map(encode_batch, batched=True, batch_size=_batch_size(raw), with_indices=True,
+                  remove_columns=raw.column_names, num_proc=cfg.num_proc if cfg.num_proc > 1 else None, desc=f"tokenising {source}",
                   load_from_cache_file=False,
                   new_fingerprint=hashlib.sha256(f"{raw._fingerprint}|{source}|{CACHE_VERSION}".encode()).hexdigest())
     trained = enc["trained"]
