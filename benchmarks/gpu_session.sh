@@ -315,8 +315,13 @@ long)  # issue 42 (benchmarks/long_context_gpu.py, about 4 minutes on an H100): 
   # of T random tokens a step. The longest T that trains with offload + tiled MLP (16K doubling to 512K, 2 steps
   # each, 2 real layers and a GPU ballast for the other 30), then tokens/s at 16K/32K/64K with plain
   # checkpointing, offload, tiling and both (4 real layers); each row with the peaks and estimate-memory's.
-  LLAMA8B=$(model_dir llama-8b '{"model_type": "llama", "architectures": ["LlamaForCausalLM"], "hidden_size": 4096, "intermediate_size": 14336, "num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 8, "head_dim": 128, "vocab_size": 128256, "max_position_embeddings": 131072, "rms_norm_eps": 1e-05, "rope_theta": 500000.0, "rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}, "tie_word_embeddings": false, "bos_token_id": 128000, "eos_token_id": 128009}')
-  # a dry run: the lengths / 64 (256 to 8K), 1 real layer of the 2 in the search (the ballast's arithmetic), 2 in the table
+  LLAMA8B=$(model_dir llama-8b '{"model_type": "llama", "architectures": ["LlamaForCausalLM"], "hidden_size": 4096,
+    "intermediate_size": 14336, "num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 8,
+    "head_dim": 128, "vocab_size": 128256, "max_position_embeddings": 131072, "rms_norm_eps": 1e-05,
+    "rope_theta": 500000.0, "rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+    "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}, "tie_word_embeddings": false,
+    "bos_token_id": 128000, "eos_token_id": 128009}')
+  # a dry run: the lengths / 64 (256 to 8K); the search builds 1 of the 2 layers (the ballast's arithmetic)
   LONG=( $( [[ $DRY == 1 ]] && echo --search 256 512 1024 2048 4096 8192 --table 256 512 1024 --search-layers 1 \
     --table-layers 2 ) )
   rm -f "$OUT/$WHAT.jsonl"

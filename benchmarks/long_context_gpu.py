@@ -73,6 +73,13 @@ def layer_input_bytes(tokens: int, hidden: int) -> int:
     return tokens * hidden * 2  # bf16 residual stream
 
 
+def host_copy_bytes(tokens: int, hidden: int, cuda: bool) -> int:
+    """Host memory of one offloaded layer input: pinned on CUDA, where torch's host allocator rounds every block up
+    to a power of two (CachingHostAllocator: PowerOf2Ceil), so 400K tokens of an 8B take 4 GiB a layer, not 3.1."""
+    size = layer_input_bytes(tokens, hidden)
+    return pow2(size) if cuda else size
+
+
 def read_config(path: str) -> dict:
     return json.loads((Path(path) / "config.json").read_text())
 
@@ -124,7 +131,7 @@ def build(args):
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     cfg = ModelConfig(name_or_path=str(Path(args.work) / f"weights-{args.layers}"), dtype="bfloat16", quantize="nf4",
                       attn_implementation="varlen", kernels=args.kernels, gradient_checkpointing=True,
-                      **CONFIGS[args.config_name])
+                      **CONFIGS[args.worker])
     torch.manual_seed(0)
     model = load_model(cfg, LoraConfig(r=args.lora_r, dropout=0.0), device=device,
                        compute_dtype=torch.bfloat16).train()
@@ -139,15 +146,15 @@ def build(args):
 
 def ballast_bytes(args, tokens: int, per_layer: int, hidden: int) -> int:
     missing = args.target_layers - args.layers
-    kept_inputs = 0 if CONFIGS[args.config_name].get("activation_offload") else layer_input_bytes(tokens, hidden)
+    kept_inputs = 0 if CONFIGS[args.worker].get("activation_offload") else layer_input_bytes(tokens, hidden)
     return max(missing, 0) * (per_layer + kept_inputs)
 
 
-def host_gate(args, tokens: int, hidden: int) -> dict | None:
+def host_gate(args, tokens: int, hidden: int, cuda: bool) -> dict | None:
     """Would the full model's offloaded layer inputs fit the host? None if so (or not offloading)."""
-    if args.no_host_gate or not CONFIGS[args.config_name].get("activation_offload"):
+    if args.no_host_gate or not CONFIGS[args.worker].get("activation_offload"):
         return None
-    need = (args.target_layers - 1) * pow2(layer_input_bytes(tokens, hidden))
+    need = (args.target_layers - 1) * host_copy_bytes(tokens, hidden, cuda)
     meminfo = dict(line.split(":", 1) for line in Path("/proc/meminfo").read_text().splitlines())
     have = int(meminfo["MemAvailable"].split()[0]) * 1024 + rss_bytes() - 4 * GIB
     return None if need <= have else {"status": "host_memory", "host_needed_gib": gib(need), "host_have_gib": gib(have)}
@@ -184,16 +191,16 @@ def worker(args) -> None:
     import torch
 
     cuda = torch.cuda.is_available()
-    if args.config_name == "save":
+    if args.worker == "save":
         save_weights(args.config, args.tokens, Path(args.work))
         return
     shape = read_config(str(Path(args.work) / f"weights-{args.layers}"))
     hidden, vocab = shape["hidden_size"], shape["vocab_size"]
     model, optimizer, device, per_layer = build(args)
     for tokens in args.tokens:
-        row = {"phase": args.phase, "config": args.config_name, "tokens": tokens, "layers": args.layers,
+        row = {"phase": args.phase, "config": args.worker, "tokens": tokens, "layers": args.layers,
                "target_layers": args.target_layers, "fresh_process": tokens == args.tokens[0]}
-        if (refused := host_gate(args, tokens, hidden)) is not None:
+        if (refused := host_gate(args, tokens, hidden, cuda)) is not None:
             print(json.dumps({**row, **refused}), flush=True)
             return
         ballast = ballast_bytes(args, tokens, per_layer, hidden)
@@ -212,8 +219,8 @@ def worker(args) -> None:
         held.clear()
         optimizer.zero_grad(set_to_none=True)
         peak_rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-        offloaded = (args.target_layers - args.layers) * pow2(layer_input_bytes(tokens, hidden)) \
-            if CONFIGS[args.config_name].get("activation_offload") else 0
+        offloaded = (args.target_layers - args.layers) * host_copy_bytes(tokens, hidden, cuda) \
+            if CONFIGS[args.worker].get("activation_offload") else 0
         print(json.dumps({**row, "status": status, **out,
                           "max_allocated_gib": gib(torch.cuda.max_memory_allocated()) if cuda else None,
                           "max_reserved_gib": gib(torch.cuda.max_memory_reserved()) if cuda else None,
