@@ -150,14 +150,33 @@ def ballast_bytes(args, tokens: int, per_layer: int, hidden: int) -> int:
     return max(missing, 0) * (per_layer + kept_inputs)
 
 
-def host_gate(args, tokens: int, hidden: int, cuda: bool) -> dict | None:
-    """Would the full model's offloaded layer inputs fit the host? None if so (or not offloading)."""
-    if args.no_host_gate or not CONFIGS[args.worker].get("activation_offload"):
-        return None
-    need = (args.target_layers - 1) * host_copy_bytes(tokens, hidden, cuda)
+def host_available() -> int:
+    """Bytes the host can still give: MemAvailable, or less where a cgroup (a container) limits this process."""
     meminfo = dict(line.split(":", 1) for line in Path("/proc/meminfo").read_text().splitlines())
-    have = int(meminfo["MemAvailable"].split()[0]) * 1024 + rss_bytes() - 4 * GIB
-    return None if need <= have else {"status": "host_memory", "host_needed_gib": gib(need), "host_have_gib": gib(have)}
+    have = int(meminfo["MemAvailable"].split()[0]) * 1024
+    for limit, usage in (("memory.max", "memory.current"),
+                         ("memory/memory.limit_in_bytes", "memory/memory.usage_in_bytes")):
+        try:
+            return min(have, int(Path(f"/sys/fs/cgroup/{limit}").read_text()) -
+                       int(Path(f"/sys/fs/cgroup/{usage}").read_text()))
+        except (OSError, ValueError):  # no such cgroup file, or "max": no limit
+            continue
+    return have
+
+
+def refusal(args, tokens: int, hidden: int, cuda: bool, last: tuple[int, float] | None) -> dict | None:
+    """Why this size is not run, or None. The host: would the full model's offloaded layer inputs fit it? The
+    time: would the size, at the last size's seconds times the square of the length ratio (attention), end after
+    the parent's --budget-s?"""
+    if CONFIGS[args.worker].get("activation_offload") and not args.no_host_gate:
+        need = (args.target_layers - 1) * host_copy_bytes(tokens, hidden, cuda)
+        have = host_available() + rss_bytes() - 4 * GIB
+        if need > have:
+            return {"status": "host_memory", "host_needed_gib": gib(need), "host_have_gib": gib(have)}
+    predicted = last[1] * (tokens / last[0]) ** 2 if last else 0.0
+    if args.deadline and time.time() + predicted > args.deadline:
+        return {"status": "skipped (--budget-s)", "predicted_s": round(predicted)}
+    return None
 
 
 def steps_at(model, optimizer, device, tokens: int, args, vocab: int) -> dict:
@@ -186,49 +205,55 @@ def steps_at(model, optimizer, device, tokens: int, args, vocab: int) -> dict:
     return {"losses": losses, "step_s": seconds, "tokens_per_s": round(tokens * len(timed) / sum(timed), 1)}
 
 
-def worker(args) -> None:
-    """One process: build once, then each size in order; a JSON line each; stop at the first OOM."""
+def measure(args, model, optimizer, device, tokens: int, ballast: int, vocab: int) -> dict:
+    """The steps at one size with the ballast held, and the peaks; status oom where memory ran out."""
     import torch
 
-    cuda = torch.cuda.is_available()
+    cuda = device.type == "cuda"
+    if cuda:
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+    status, out, held = "ok", {}, []
+    try:
+        if cuda:  # the missing layers' memory, held through the steps
+            held.append(torch.empty(ballast, dtype=torch.uint8, device=device))
+        out = steps_at(model, optimizer, device, tokens, args, vocab)
+    except (torch.OutOfMemoryError, RuntimeError) as e:  # a kernel's own allocation fails as a RuntimeError
+        if not isinstance(e, torch.OutOfMemoryError) and "out of memory" not in str(e):
+            raise
+        status, out = "oom", {"error": str(e).splitlines()[0][:300]}
+    held.clear()
+    optimizer.zero_grad(set_to_none=True)
+    return {"status": status, **out,
+            "max_allocated_gib": gib(torch.cuda.max_memory_allocated()) if cuda else None,
+            "max_reserved_gib": gib(torch.cuda.max_memory_reserved()) if cuda else None,
+            "ballast_gib": gib(ballast), "ballast_allocated": cuda}
+
+
+def worker(args) -> None:
+    """One process: build once, then each size in order; a JSON line each; stop at the first OOM or refusal."""
     if args.worker == "save":
-        save_weights(args.config, args.tokens, Path(args.work))
-        return
+        return save_weights(args.config, args.tokens, Path(args.work))
     shape = read_config(str(Path(args.work) / f"weights-{args.layers}"))
     hidden, vocab = shape["hidden_size"], shape["vocab_size"]
     model, optimizer, device, per_layer = build(args)
+    cuda, last = device.type == "cuda", None
     for tokens in args.tokens:
         row = {"phase": args.phase, "config": args.worker, "tokens": tokens, "layers": args.layers,
                "target_layers": args.target_layers, "fresh_process": tokens == args.tokens[0]}
-        if (refused := host_gate(args, tokens, hidden, cuda)) is not None:
-            print(json.dumps({**row, **refused}), flush=True)
-            return
-        ballast = ballast_bytes(args, tokens, per_layer, hidden)
-        if cuda:
-            torch.cuda.empty_cache()
-            torch.cuda.reset_peak_memory_stats()
-        status, out, held = "ok", {}, []
-        try:
-            if cuda:  # the missing layers' memory, held through the steps
-                held.append(torch.empty(ballast, dtype=torch.uint8, device=device))
-            out = steps_at(model, optimizer, device, tokens, args, vocab)
-        except (torch.OutOfMemoryError, RuntimeError) as e:  # a kernel's own allocation fails as a RuntimeError
-            if not isinstance(e, torch.OutOfMemoryError) and "out of memory" not in str(e):
-                raise
-            status, out = "oom", {"error": str(e).splitlines()[0][:300]}
-        held.clear()
-        optimizer.zero_grad(set_to_none=True)
+        if (refused := refusal(args, tokens, hidden, cuda, last)) is not None:
+            return print(json.dumps({**row, **refused}), flush=True)
+        row.update(measure(args, model, optimizer, device, tokens, ballast_bytes(args, tokens, per_layer, hidden),
+                           vocab))
         peak_rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
         offloaded = (args.target_layers - args.layers) * host_copy_bytes(tokens, hidden, cuda) \
             if CONFIGS[args.worker].get("activation_offload") else 0
-        print(json.dumps({**row, "status": status, **out,
-                          "max_allocated_gib": gib(torch.cuda.max_memory_allocated()) if cuda else None,
-                          "max_reserved_gib": gib(torch.cuda.max_memory_reserved()) if cuda else None,
-                          "ballast_gib": gib(ballast), "ballast_allocated": cuda,
-                          "host_peak_gib": gib(peak_rss), "host_projected_gib": gib(peak_rss + offloaded)}),
+        print(json.dumps({**row, "host_peak_gib": gib(peak_rss), "host_projected_gib": gib(peak_rss + offloaded)}),
               flush=True)
-        if status != "ok":
-            return
+        if row["status"] != "ok":
+            return None
+        last = (tokens, sum(row["step_s"]))
+    return None
 
 
 # ---------------------------------------------------------------------------------------------- parent
@@ -296,9 +321,11 @@ class Session:
             return [self.emit({"phase": phase, "config": name, "tokens": t, "status": "skipped (--budget-s)"})
                     for t in sizes]
         a = self.args
+        deadline = time.time() + a.budget_s - (time.monotonic() - self.start) if a.budget_s else 0
         cmd = [sys.executable, __file__, "--worker", name, "--phase", phase, "--work", str(self.work), "--config",
                a.config, "--tokens", *map(str, sizes), "--steps", str(steps), "--layers", str(layers),
-               "--target-layers", str(self.target), "--kernels", a.kernels, "--lora-r", str(a.lora_r)]
+               "--target-layers", str(self.target), "--kernels", a.kernels, "--lora-r", str(a.lora_r),
+               "--deadline", str(deadline)]
         proc = subprocess.Popen(cmd + ["--no-host-gate"] * a.no_host_gate, stdout=subprocess.PIPE, text=True)
         rows = [self.emit(json.loads(line)) for line in proc.stdout if line.startswith("{")]
         rc = proc.wait()
@@ -345,10 +372,12 @@ def main() -> None:
     parser.add_argument("--table-layers", type=int, default=4)
     parser.add_argument("--lora-r", type=int, default=16)
     parser.add_argument("--kernels", choices=["none", "liger", "auto"], default="none")
-    parser.add_argument("--budget-s", type=float, default=0, help="start no worker after this many seconds (0: none)")
+    parser.add_argument("--budget-s", type=float, default=0,
+                        help="start no size predicted to end after this many seconds (0: no limit)")
     parser.add_argument("--no-host-gate", action="store_true", help="run sizes whose offload the host cannot hold")
     for hidden in ("--worker", "--phase"):
         parser.add_argument(hidden, help=argparse.SUPPRESS)
+    parser.add_argument("--deadline", type=float, default=0, help=argparse.SUPPRESS)
     for hidden in ("--tokens", "--steps", "--layers", "--target-layers"):
         parser.add_argument(hidden, type=int, nargs="+" if hidden == "--tokens" else None, help=argparse.SUPPRESS)
     args = parser.parse_args()
