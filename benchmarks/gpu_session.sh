@@ -325,7 +325,7 @@ long)  # issue 42 (benchmarks/long_context_gpu.py, about 4 minutes on an H100): 
   LONG=( $( [[ $DRY == 1 ]] && echo --search 256 512 1024 2048 4096 8192 --table 256 512 1024 --search-layers 1 \
     --table-layers 2 ) )
   rm -f "$OUT/$WHAT.jsonl"
-  $PY benchmarks/long_context_gpu.py --config "$LLAMA8B" --work $W/long --out "$OUT/$WHAT.jsonl" --budget-s 200 \
+  $PY benchmarks/long_context_gpu.py --config "$LLAMA8B" --work $W/long --out "$OUT/$WHAT.jsonl" --budget-s 210 \
     "${LONG[@]}" >> "$OUT/$WHAT.log" 2>&1
   echo "long_context_gpu.py: exit $?" | tee -a "$OUT/$WHAT.log"
   ;;

@@ -39,7 +39,7 @@ not the 8B's: compare the configurations with each other (offload's and tiling's
 speed. --search-layers 32 --table-layers 32 run the real model where time allows (the random weights of all layers
 are then written once, ~16 GB).
 
-Time: with --budget-s (gpu_session.sh passes 200), no size is started when predicted (the previous size's seconds
+Time: with --budget-s (gpu_session.sh passes 210), no size is started when predicted (the previous size's seconds
 times the square of the length ratio) to end after the budget: its row says skipped (--budget-s). Expected on one
 H100 with the defaults: about 4 to 5 minutes in all.
 
