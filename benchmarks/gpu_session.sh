@@ -16,6 +16,9 @@
 #   bash benchmarks/gpu_session.sh profile       # torch.profiler of one 7B LoRA step: top kernels
 #   bash benchmarks/gpu_session.sh rl            # GRPO sampling: reference loop vs fast sampler (benchmarks/rollouts.py),
 #                                                # then Mistral-7B LoRA GRPO steps with it: sampling vs update, peak vs estimate
+#   bash benchmarks/gpu_session.sh long          # Llama-3.1-8B QLoRA (benchmarks/long_context_gpu.py): the longest
+#                                                # context that trains with offload + tiled MLP (16K-512K), tokens/s
+#                                                # at 16K-64K: plain, offload, tiled, both; peaks vs estimate (~4 min)
 #
 # Each writes $OUT/<name>.jsonl and $OUT/<name>.log.
 #
@@ -28,7 +31,7 @@
 # (WORK=DIR moves the runs from /tmp/work, or /tmp/work-dry, to DIR.)
 set -uo pipefail
 cd "$(dirname "$0")/.."
-WHAT=${1:?usage: gpu_session.sh pack|smoke|vs-hf-7b|vs-hf-1b|fixed|calibrate|fit|profile|rl}
+WHAT=${1:?usage: gpu_session.sh pack|smoke|vs-hf-7b|vs-hf-1b|fixed|calibrate|fit|profile|rl|long}
 G=.gpu
 OUT=${OUT:-/tmp/out}
 DRY=${GPU_SESSION_DRY:-0}
@@ -307,6 +310,25 @@ rl)  # the rollouts issue: sampling speed, then GRPO steps with the fast sampler
   RL="rl={num_generations: 8, max_completion_tokens: $((256 / SCALE)), rewards: [{type: format, pattern: '[0-9][0-9]'}]}"
   run grpo-graph $FT $W/lora.yaml $GRPO "$RL" rl.sampler=graph
   run grpo-static $FT $W/lora.yaml $GRPO "$RL" rl.sampler=static train.max_steps=2
+  ;;
+long)  # issue 42 (benchmarks/long_context_gpu.py, about 4 minutes on an H100): Llama-3.1-8B QLoRA on one example
+  # of T random tokens a step. The longest T that trains with offload + tiled MLP (16K doubling to 512K, 2 steps
+  # each, 2 real layers and a GPU ballast for the other 30), then tokens/s at 16K/32K/64K with plain
+  # checkpointing, offload, tiling and both (4 real layers); each row with the peaks and estimate-memory's.
+  LLAMA8B=$(model_dir llama-8b '{"model_type": "llama", "architectures": ["LlamaForCausalLM"], "hidden_size": 4096,
+    "intermediate_size": 14336, "num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 8,
+    "head_dim": 128, "vocab_size": 128256, "max_position_embeddings": 131072, "rms_norm_eps": 1e-05,
+    "rope_theta": 500000.0, "rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+    "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}, "tie_word_embeddings": false,
+    "bos_token_id": 128000, "eos_token_id": 128009}')
+  # a dry run: the lengths / 64 (the search to 128K's, 2K), the search building 1 of the 2 layers (the ballast's
+  # arithmetic), and no time budget (the CPU's time says nothing of the GPU's)
+  LONG=( $( [[ $DRY == 1 ]] && echo --search 256 512 1024 2048 --table 256 512 1024 --search-layers 1 \
+    --table-layers 2 || echo --budget-s 210 ) )
+  rm -f "$OUT/$WHAT.jsonl"
+  $PY benchmarks/long_context_gpu.py --config "$LLAMA8B" --work $W/long --out "$OUT/$WHAT.jsonl" "${LONG[@]}" \
+    >> "$OUT/$WHAT.log" 2>&1
+  echo "long_context_gpu.py: exit $?" | tee -a "$OUT/$WHAT.log"
   ;;
 esac
 echo "done: $WHAT" >> "$OUT/$WHAT.log"

@@ -19,6 +19,9 @@ would need 25 GiB, more than this machine's share.
 On a CPU the offload has nothing to gain: the host is the device, and the layer input is copied to another host
 tensor (with one layer, the last layer's input is kept and nothing is copied at all). Its GPU saving, (layers - 2)
 layer inputs, is not measurable here (measured: 4.80 GiB plain, 4.84 GiB offloaded, 2 layers at 8K).
+
+The GPU mode (Llama-3.1-8B QLoRA: the longest context that trains, tokens/s of each configuration, peaks against
+estimate-memory) is benchmarks/long_context_gpu.py, run by `benchmarks/gpu_session.sh long`.
 """
 
 from __future__ import annotations
