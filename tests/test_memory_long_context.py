@@ -84,6 +84,9 @@ def test_the_offload_keeps_two_layer_inputs_on_the_gpu_and_the_rest_on_the_host(
     assert off.long_context == {"offload_host_bytes": 31 * one, "offload_gpu_saved_bytes": 30 * one}
     assert plain.long_context == {}
     assert 29 * one <= plain.per_gpu_peak_allocated_bytes - off.per_gpu_peak_allocated_bytes <= 30 * one
+    # 400K tokens: 3.125 GiB a layer input, which torch's pinned (caching host) allocator takes as a 4 GiB block
+    at_400k = estimate(shape, spec.but(activation_offload=True, micro_batch_tokens=409600, seq_len=409600))
+    assert at_400k.long_context["offload_host_bytes"] == 31 * 4 * GIB
     with pytest.raises(Exception, match="needs gradient checkpointing"):
         estimate(shape, spec.but(activation_offload=True, grad_checkpointing=False))
 

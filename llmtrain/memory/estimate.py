@@ -202,7 +202,8 @@ def _long_context(shape: ModelShape, spec: TrainSpec, est: Estimate, p: act.Pass
     (the same run untiled, estimated again)."""
     out = {}
     if kept is not None:
-        out["offload_host_bytes"] = sum(kept[:-1])  # pinned, per process
+        # pinned, per process; torch's caching host allocator rounds each pinned block up to a power of two
+        out["offload_host_bytes"] = sum(1 << (n - 1).bit_length() for n in kept[:-1])
         out["offload_gpu_saved_bytes"] = sum(kept[1:-1])  # all but the last layer's and the one in flight
     if p.mlp_shard:
         untiled = estimate(shape, spec.but(tiled_mlp=None))
