@@ -243,3 +243,22 @@ def test_two_ddp_processes_with_both_switches_train_as_one(tiny_assets, tmp_path
     assert len(two) == 3 and [r["tokens"] for r in two] == [r["tokens"] for r in one]
     assert [r["loss"] for r in two] == pytest.approx([r["loss"] for r in one], abs=1e-5)
     assert [r["grad_norm"] for r in two] == pytest.approx([r["grad_norm"] for r in one], rel=1e-4)
+
+
+@pytest.mark.slow
+def test_offload_under_fsdp_trains_as_plain_checkpointing(tiny_assets, tmp_path, free_port):
+    """FSDP2 on 2 gloo processes, full fine-tune with gradient checkpointing: the offload's hooks around each
+    checkpointed layer see FSDP's unsharded forward like any other; the losses and gradient norms are the plain
+    checkpointed run's exactly."""
+    from helpers import REPO, launch_finetune, open_port
+
+    recipe = write_recipe(tiny_assets, tmp_path, train={"max_steps": 3}, model={"gradient_checkpointing": True},
+                          logging={"every_steps": 1})
+    config = REPO / "accelerate_configs" / "cpu_fsdp.yaml"
+    launch_finetune(config, 2, free_port, recipe, f"output_dir={tmp_path / 'plain'}")
+    out = launch_finetune(config, 2, open_port(), recipe, f"output_dir={tmp_path / 'offload'}",
+                          "model.activation_offload=true")
+    assert "layer inputs offloaded to the host" in out
+    plain, offload = records(tmp_path / "plain"), records(tmp_path / "offload")
+    assert len(plain) == 3
+    assert [(r["loss"], r["grad_norm"]) for r in offload] == [(r["loss"], r["grad_norm"]) for r in plain]

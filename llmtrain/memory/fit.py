@@ -245,7 +245,7 @@ def overflow_advice(est: Estimate) -> str:
     if batch > room or states <= room and batch >= states:
         fewer = [] if s.grad_checkpointing else ["gradient checkpointing (model.gradient_checkpointing=true / "
                                                  "--grad-checkpointing)"]
-        if s.grad_checkpointing and not s.activation_offload and not s.sharded:
+        if s.grad_checkpointing and not s.activation_offload:
             fewer.append("activation offload (model.activation_offload=true / --activation-offload)")
         if not s.tiled_mlp and not s.sharded:
             fewer.append("a tiled MLP (model.tiled_mlp=true / --tiled-mlp)")
