@@ -10,7 +10,6 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-import yaml
 
 from llmtrain import hub
 from llmtrain.config import Recipe
@@ -30,15 +29,9 @@ def _gib(n: int) -> str:
 
 def read_launch(path: Path | None) -> dict:
     """The accelerate YAML as a dict ({} without one: one process, no mixed precision of its own)."""
-    if path is None:
-        return {}
-    try:
-        cfg = yaml.safe_load(Path(path).read_text()) or {}
-    except (OSError, yaml.YAMLError) as e:
-        raise LLMTrainError(f"cannot read --accelerate-config {path}: {e}") from None
-    if not isinstance(cfg, dict):
-        raise LLMTrainError(f"--accelerate-config {path} must be a mapping (distributed_type, num_processes, ...).")
-    return cfg
+    from llmtrain.parallel.launch import read_launch_file
+
+    return read_launch_file(path, name=f"--accelerate-config {path}") if path is not None else {}
 
 
 def check_precision(recipe: Recipe, launch: dict) -> list[Check]:

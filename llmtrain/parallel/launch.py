@@ -107,25 +107,30 @@ def check_launch(launch: dict, *, where: str) -> None:
 # --------------------------------------------------------------------------- the launch, from its command line
 
 
+def read_launch_file(path, *, name: str) -> dict:
+    """An accelerate launch config's YAML as a dict; `name` says it in the error (the option or file it came from)."""
+    import yaml
+
+    try:
+        launch = yaml.safe_load(Path(path).read_text()) or {}
+    except (OSError, yaml.YAMLError) as e:
+        raise LLMTrainError(f"cannot read {name}: {e}") from None
+    if not isinstance(launch, dict):
+        raise LLMTrainError(f"{name} must be a mapping (distributed_type, num_processes, ...).")
+    return launch
+
+
 def launch_settings(argv: list[str]) -> tuple[dict, str]:
     """The launch config that `accelerate launch ARGV` runs with, as a dict shaped as its YAML (the config file, or
     accelerate's default one, with the command line's flags over it), and where it came from. Parsed with
     accelerate's own parser."""
-    import yaml
     from accelerate.commands.config import default_config_file
     from accelerate.commands.launch import launch_command_parser
 
     parser = launch_command_parser()
     args = parser.parse_args(argv)
     path = args.config_file or (default_config_file if os.path.isfile(default_config_file) else None)
-    launch = {}
-    if path is not None:
-        try:
-            launch = yaml.safe_load(Path(path).read_text()) or {}
-        except (OSError, yaml.YAMLError) as e:
-            raise LLMTrainError(f"cannot read the accelerate config {path}: {e}") from None
-        if not isinstance(launch, dict):
-            raise LLMTrainError(f"the accelerate config {path} must be a mapping (distributed_type, ...).")
+    launch = read_launch_file(path, name=f"the accelerate config {path}") if path is not None else {}
     for action in parser._actions:  # the flags given: each over the config's value
         value = getattr(args, action.dest, None)
         if action.dest in ("help", "config_file", "training_script", "training_script_args", "module",
