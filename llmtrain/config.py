@@ -37,6 +37,13 @@ class RopeScaling(BaseModel):
         None, gt=0, description="The context the model was trained at; unset: the model's max_position_embeddings.")
 
 
+def tiled_mlp_shard(setting: bool | int | None, hidden_size: int) -> int | None:
+    """Tokens per shard of model.tiled_mlp: its number, or (true) the hidden size, as ALST chooses; None when off."""
+    if not setting:
+        return None
+    return hidden_size if setting is True else int(setting)
+
+
 class ModelConfig(Section):
     name_or_path: str = Field(description="Local directory or hub id passed to AutoModelForCausalLM.from_pretrained.")
     tokenizer: str | None = Field(None, description="Tokenizer directory or hub id; defaults to name_or_path.")

@@ -191,8 +191,7 @@ def check_host_offload(est, *, host_memory: int | None) -> list[Check]:
     processes together against this machine's RAM (None: not known), beside what loading the model takes."""
     if est is None or "offload_host_bytes" not in est.long_context:
         return []
-    spec = est.spec
-    per_node = est.long_context["offload_host_bytes"] * (spec.num_gpus if spec.world > 1 else 1)
+    per_node = est.long_context["offload_host_bytes"] * est.spec.num_gpus
     need = f"{_gib(per_node)} of pinned host RAM per node for the activation offload (estimate-memory)"
     if host_memory is None:
         return [("host memory", "info", f"{need}; this machine's RAM is unknown")]

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import torch
 
-from llmtrain.config import Recipe
+from llmtrain.config import Recipe, tiled_mlp_shard
 from llmtrain.data.batching import DataPlan
 from llmtrain.data.chat import read_template
 from llmtrain.data.checks import check_context, check_data, check_warmup
@@ -211,9 +211,7 @@ def memory_line(cfg, config) -> str:
     parts = ["gradient checkpointing" + (" (layer inputs offloaded to the host)" if cfg.activation_offload else "")
              ] if cfg.gradient_checkpointing else []
     if cfg.tiled_mlp:
-        from llmtrain.model.tiled_mlp import shard_tokens
-
-        parts.append(f"MLP tiled in shards of {shard_tokens(cfg.tiled_mlp, config.hidden_size):,} tokens")
+        parts.append(f"MLP tiled in shards of {tiled_mlp_shard(cfg.tiled_mlp, config.hidden_size):,} tokens")
     if cfg.rope_scaling is not None:
         parts.append(f"RoPE {cfg.rope_scaling.rope_type} x{cfg.rope_scaling.factor:g} (max_position_embeddings "
                      f"{config.max_position_embeddings:,})")
@@ -250,7 +248,8 @@ def build_model(recipe: Recipe, accelerator, *, total_steps: int, say) -> Traina
     method = ("full" if recipe.lora is None else
               f"QLoRA: LoRA on a 4-bit {recipe.model.quantize} base" if recipe.model.quantize else "LoRA")
     say(f"model: {n_total:,} parameters, {n_trainable:,} trainable ({method}); "
-        f"attention: {describe_attention(recipe.model)}{'; liger kernels' if fused_ce else ''}{memory_line(recipe.model, model.config)}"
+        f"attention: {describe_attention(recipe.model)}{'; liger kernels' if fused_ce else ''}"
+        + memory_line(recipe.model, model.config)
         + ("; train.deterministic: strict deterministic kernels (flash attention's deterministic backward, "
            "cuBLAS workspace " + os.environ.get("CUBLAS_WORKSPACE_CONFIG", "?") + ")" if tc.deterministic else ""))
     optimizer = build_optimizer(model, lr=tc.lr, weight_decay=tc.weight_decay, betas=tc.betas, eps=tc.eps,

@@ -23,7 +23,6 @@ RUN_OPTIONS = {
     "mixed_precision": "train.mixed_precision", "attn": "model.attn_implementation", "quantize": "model.quantize",
     "activation_offload": "model.activation_offload", "tiled_mlp": "model.tiled_mlp",
 }
-LONGEST_STEP_TOKENS = 1024  # fit.LONGEST_STEP, named here without importing the estimator at start-up
 # What `--method lora` without --dtype assumes: every shipped LoRA recipe keeps its frozen base in bf16.
 LORA_BASE_DTYPE = "bfloat16"
 # The exit status when the run does not fit (with --fit: when no configuration fits the GPUs), so that a script can
@@ -142,7 +141,7 @@ def estimate_memory(
         typer.echo(json.dumps(out, indent=1))
     else:
         if longest_context:
-            typer.echo(_longest_line(est if longest is not None else None, spec))
+            typer.echo(_longest_line(longest, spec))
         _render(est, advice, traffic, launch_mp, result, global_batch=global_batch, target=target)
     found = result.best is not None if result is not None else longest is not None if longest_context else est.fits
     if not found:
@@ -150,15 +149,17 @@ def estimate_memory(
 
 
 def _longest_line(est, spec) -> str:
-    """--longest-context's answer, above the estimate at that length."""
+    """--longest-context's answer, above the estimate at that length (`est`: the search's; None when nothing fit)."""
+    from llmtrain.memory.fit import LONGEST_STEP
+
     gpus = f"{spec.world} x {spec.gpu_memory_gib:g} GiB" if spec.world > 1 else f"one {spec.gpu_memory_gib:g} GiB GPU"
     if est is None:
-        return (f"longest context: not even {LONGEST_STEP_TOKENS:,} tokens fit {gpus} with this run (the estimate "
+        return (f"longest context: not even {LONGEST_STEP:,} tokens fit {gpus} with this run (the estimate "
                 "below is the run as given)")
     host = est.long_context.get("offload_host_bytes")
     more = f"; the activation offload takes {host / 2**30:,.1f} GiB of pinned host RAM per process" if host else ""
     return (f"longest context that fits {gpus}: {est.spec.micro_batch_tokens:,} tokens in one sequence (within 90% "
-            f"of the card, as --fit; in steps of {LONGEST_STEP_TOKENS:,}){more}. The estimate at that length:")
+            f"of the card, as --fit; in steps of {LONGEST_STEP:,}){more}. The estimate at that length:")
 
 
 def _render(est, advice: str, traffic, launch_mp: str | None, result, *, global_batch: int | None, target) -> None:

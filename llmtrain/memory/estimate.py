@@ -11,6 +11,7 @@ import functools
 import inspect
 from dataclasses import replace
 
+from llmtrain.config import tiled_mlp_shard
 from llmtrain.memory import activations as act
 from llmtrain.memory.params import LoraPlan, ModelShape, lora_plan, tensor_parallel_shape
 from llmtrain.memory.spec import DTYPE_BYTES, GIB, MIB, PRECISION_DTYPE, Estimate, TrainSpec
@@ -57,6 +58,7 @@ def make_pass(shape: ModelShape, spec: TrainSpec, *, examples: int | None = None
             examples = min(examples, max(1, spec.update_tokens // spec.seq_len))
     tokens = budget or examples * spec.seq_len
     b, s = (1, tokens) if spec.packed else (examples, spec.seq_len)
+    shard = tiled_mlp_shard(spec.tiled_mlp, shape.hidden)
     amp = spec.mixed_precision != "no"
     compute = PRECISION_DTYPE.get(spec.mixed_precision, spec.dtype)
     # FSDP's mixed-precision policy gathers parameters in the compute dtype, so the stream is too.
@@ -75,7 +77,7 @@ def make_pass(shape: ModelShape, spec: TrainSpec, *, examples: int | None = None
                     # FSDP gathers the adapters in cd; peft's 4-bit layers do not cast their input under autocast
                     adapters_in_cd=spec.method == "lora" and amp and (spec.sharded or bool(spec.quantize)),
                     # the tiled MLP runs untiled on a micro-batch of at most one shard (model/tiled_mlp.py)
-                    mlp_shard=shard if (shard := spec.mlp_shard(shape.hidden)) and tokens > shard else None)
+                    mlp_shard=shard if shard and tokens > shard else None)
 
 
 def _down_share(shape: ModelShape, plan: LoraPlan | None, k: int) -> float:
@@ -223,13 +225,14 @@ def _backward_layers(p, shape: ModelShape, spec: TrainSpec, st, plan, base: dict
     gradients before their cast. `on_gpu`: what each layer keeps on the GPU (with activation offload, the last
     layer's input only: layer k's comes back for its backward, and layer k-1's is fetched meanwhile)."""
     ckpt = spec.grad_checkpointing
+    offload = ckpt and spec.activation_offload
     resid_grad = act.residual_grad_bytes(p, shape)
     worst: dict[str, int] = {}
     for k in range(shape.layers - 1, -1, -1):
         a = adapted[k]
         above = st.grads_head + sum(st.grads_layer[k + 1:])
         g_down = st.grads_layer[k] * _down_share(shape, plan, k)
-        fetched = kept[k - 1] if (on_gpu is not kept and k > 0) else 0  # offload: the next layer's, prefetched
+        fetched = kept[k - 1] if (offload and k > 0) else 0  # offload: the next layer's, prefetched
         below = sum(on_gpu[:k]) + (kept[k] if ckpt else 0) + fetched + below_all
         live_copies = sum(copies[: k + 1]) if not ckpt else copies[k]
         half_attn = act.attn_half_bytes(p, shape, a, spec.lora_r) - (

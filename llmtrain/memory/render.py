@@ -110,7 +110,7 @@ def long_context_lines(est: Estimate) -> list[str]:
     the offload, what they put in host memory."""
     lc, spec, lines = est.long_context, est.spec, []
     if "offload_host_bytes" in lc:
-        per_node = lc["offload_host_bytes"] * (spec.num_gpus if spec.world > 1 else 1)
+        per_node = lc["offload_host_bytes"] * spec.num_gpus
         lines.append(f"activation offload: {gib(lc['offload_gpu_saved_bytes'])} GiB of checkpointed layer inputs kept "
                      f"off the GPU; {gib(lc['offload_host_bytes'])} GiB of pinned host RAM per process "
                      f"({gib(per_node)} GiB per node), beside the host RAM for loading")

@@ -125,12 +125,6 @@ class TrainSpec:
         budget, or required by the varlen attention (which reads the examples' boundaries in a packed row)."""
         return self.packing or self.micro_batch_tokens is not None or self.kernel == "varlen"
 
-    def mlp_shard(self, hidden: int) -> int | None:
-        """Tokens a tiled MLP runs at a time (model.tiled_mlp: true is the hidden size, as ALST); None untiled."""
-        if not self.tiled_mlp:
-            return None
-        return hidden if self.tiled_mlp is True else int(self.tiled_mlp)
-
     @property
     def tokens(self) -> int:
         """Tokens of one micro-batch at most: the budget, or every example seq_len long."""

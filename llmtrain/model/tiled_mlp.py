@@ -26,11 +26,6 @@ import functools
 import torch
 
 
-def shard_tokens(setting: bool | int, hidden_size: int) -> int:
-    """Tokens per shard: model.tiled_mlp's number, or (true) the hidden size, as ALST chooses."""
-    return hidden_size if setting is True else int(setting)
-
-
 def _autocast_state(device_type: str) -> list[tuple[str, bool, torch.dtype]]:
     return [(d, torch.is_autocast_enabled(d), torch.get_autocast_dtype(d)) for d in dict.fromkeys(("cpu", device_type))]
 
@@ -96,10 +91,11 @@ def tiled_forward(run, module: torch.nn.Module, shard: int, x: torch.Tensor) -> 
 def tile_mlps(model, setting: bool | int) -> int:
     """Give every decoder layer's `mlp` the tiled forward (before LoRA: peft then replaces the projections inside
     it, which the tiled forward calls). Returns the shard size."""
+    from llmtrain.config import tiled_mlp_shard
     from llmtrain.model.loss import causal_lm
 
     lm = causal_lm(model)
-    shard = shard_tokens(setting, lm.config.hidden_size)
+    shard = tiled_mlp_shard(setting, lm.config.hidden_size)
     for layer in lm.model.layers:
         # The module's forward as it is now (liger's, where liger patched it), called shard by shard.
         layer.mlp.forward = functools.partial(tiled_forward, layer.mlp.forward, layer.mlp, shard)
