@@ -31,7 +31,7 @@
 # (WORK=DIR moves the runs from /tmp/work, or /tmp/work-dry, to DIR.)
 set -uo pipefail
 cd "$(dirname "$0")/.."
-WHAT=${1:?usage: gpu_session.sh pack|smoke|vs-hf-7b|vs-hf-1b|fixed|calibrate|fit|profile|rl|long}
+WHAT=${1:?usage: gpu_session.sh pack|i40|smoke|vs-hf-7b|vs-hf-1b|fixed|calibrate|fit|profile|rl|long}
 G=.gpu
 OUT=${OUT:-/tmp/out}
 DRY=${GPU_SESSION_DRY:-0}
@@ -129,6 +129,12 @@ print(json.dumps({"run": name, "rc": rc, "seconds": secs, "steps": len(train), *
                   "mfu": [l.get("mfu") for l in train][-3:], **{k: summary.get(k) for k in keep}}))
 EOF
 }
+LLAMA8B_JSON='{"model_type": "llama", "architectures": ["LlamaForCausalLM"], "hidden_size": 4096,
+    "intermediate_size": 14336, "num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 8,
+    "head_dim": 128, "vocab_size": 128256, "max_position_embeddings": 131072, "rms_norm_eps": 1e-05,
+    "rope_theta": 500000.0, "rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+    "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}, "tie_word_embeddings": false,
+    "bos_token_id": 128000, "eos_token_id": 128009}'
 FT="$PY -m llmtrain finetune"
 FSDP1="$PY -m accelerate.commands.launch --config_file $FSDP_CONFIG --num_processes 1 -m llmtrain finetune"
 
@@ -311,16 +317,52 @@ rl)  # the rollouts issue: sampling speed, then GRPO steps with the fast sampler
   run grpo-graph $FT $W/lora.yaml $GRPO "$RL" rl.sampler=graph
   run grpo-static $FT $W/lora.yaml $GRPO "$RL" rl.sampler=static train.max_steps=2
   ;;
+i40)  # issue 40 in one call (~9 minutes on an H200), by value: the sampler's speed, a GRPO step under FSDP on 1
+  # process, the deterministic resume, then the long-context search and table in whatever time is left
+  $PY -m pytest -q -p no:cacheprovider tests/test_cuda.py -k sampler -rs -s > "$OUT/i40-cuda-tests.txt" 2>&1
+  echo "tests/test_cuda.py -k sampler: exit $? at ${SECONDS}s" | tee -a "$OUT/$WHAT.log"
+  sizes="--completions 16 64 --new-tokens 256 --cap reference=64 static=128"
+  [[ $DRY == 1 ]] && sizes="--completions 16 64 --new-tokens 32 --prompt-tokens 40 --cap reference=8 static=32"
+  $PY benchmarks/rollouts.py --model "$MISTRAL7B" --gsm8k $G/gsm8k/train.jsonl --lora 16 --dtype bfloat16 $sizes \
+    >> "$OUT/$WHAT.jsonl" 2>> "$OUT/$WHAT.log"
+  echo "rollouts.py: exit $? at ${SECONDS}s" | tee -a "$OUT/$WHAT.log"
+  recipe $W/lora.yaml "$MISTRAL7B" 1 bfloat16 4096
+  GRPO="data.path=$W/gsm8k-prompts.jsonl data.format=prompt data.chat_template=true data.max_seq_len=1024
+    train.micro_batch_tokens=null train.micro_batch_size=8 train.max_steps=2"
+  RL="rl={num_generations: 8, max_completion_tokens: $((256 / SCALE)), rewards: [{type: format, pattern: '[0-9][0-9]'}]}"
+  run grpo-graph $FT $W/lora.yaml $GRPO "$RL" rl.sampler=graph
+  run grpo-fsdp1 $FSDP1 $W/lora.yaml $GRPO "$RL" train.max_steps=1
+  echo "grpo: done at ${SECONDS}s" | tee -a "$OUT/$WHAT.log"
+  recipe $W/full.yaml "$LLAMA1B" 0 float32
+  R="checkpoint.every_steps=3 train.schedule=constant train.deterministic=true"
+  run full-default $FT $W/full.yaml
+  run resume-straight $FT $W/full.yaml $R
+  run resume-cut $FT $W/full.yaml $R train.max_steps=3
+  run resume-cut $FT $W/full.yaml $R --resume auto --allow-recipe-change
+  $PY - "$W/runs" "$OUT/$WHAT.log" >> "$OUT/$WHAT.jsonl" <<'PYEOF'
+import json, sys, pathlib
+runs, log = pathlib.Path(sys.argv[1]), pathlib.Path(sys.argv[2]).read_text(errors="replace")
+rows = lambda name: [r for r in map(json.loads, (runs / name / "metrics.jsonl").read_text().splitlines()) if r["type"] == "train"]
+a, b = [r["loss"] for r in rows("resume-straight")], [r["loss"] for r in rows("resume-cut")]
+print(json.dumps({"check": "resume", "straight": a, "cut_and_resumed": b, "equal": a == b,
+                  "max_abs_diff": max((abs(x - y) for x, y in zip(a, b)), default=None) if len(a) == len(b) else None,
+                  "nondeterministic_warnings": log.count("defaults to a non-deterministic algorithm"),
+                  "tokens_per_s_deterministic": [r.get("tokens_per_s_per_gpu") for r in rows("resume-straight")][-3:],
+                  "tokens_per_s_default": [r.get("tokens_per_s_per_gpu") for r in rows("full-default")][-3:]}))
+PYEOF
+  echo "resume: done at ${SECONDS}s" | tee -a "$OUT/$WHAT.log"
+  LLAMA8B=$(model_dir llama-8b "$LLAMA8B_JSON")
+  LONG=( --budget-s $(( ${I40_END:-540} - SECONDS - 30 )) )
+  [[ $DRY == 1 ]] && LONG=( --search 256 512 1024 --table 256 512 --search-layers 1 --table-layers 2 )
+  $PY benchmarks/long_context_gpu.py --config "$LLAMA8B" --work $W/long --out "$OUT/long.jsonl" "${LONG[@]}" \
+    >> "$OUT/long.log" 2>&1
+  echo "long_context_gpu.py: exit $? at ${SECONDS}s" | tee -a "$OUT/$WHAT.log"
+  ;;
 long)  # issue 42 (benchmarks/long_context_gpu.py, about 4 minutes on an H100): Llama-3.1-8B QLoRA on one example
   # of T random tokens a step. The longest T that trains with offload + tiled MLP (16K doubling to 512K, 2 steps
   # each, 2 real layers and a GPU ballast for the other 30), then tokens/s at 16K/32K/64K with plain
   # checkpointing, offload, tiling and both (4 real layers); each row with the peaks and estimate-memory's.
-  LLAMA8B=$(model_dir llama-8b '{"model_type": "llama", "architectures": ["LlamaForCausalLM"], "hidden_size": 4096,
-    "intermediate_size": 14336, "num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 8,
-    "head_dim": 128, "vocab_size": 128256, "max_position_embeddings": 131072, "rms_norm_eps": 1e-05,
-    "rope_theta": 500000.0, "rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
-    "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}, "tie_word_embeddings": false,
-    "bos_token_id": 128000, "eos_token_id": 128009}')
+  LLAMA8B=$(model_dir llama-8b "$LLAMA8B_JSON")
   # a dry run: the lengths / 64 (the search to 128K's, 2K), the search building 1 of the 2 layers (the ballast's
   # arithmetic), and no time budget (the CPU's time says nothing of the GPU's)
   LONG=( $( [[ $DRY == 1 ]] && echo --search 256 512 1024 2048 --table 256 512 1024 --search-layers 1 \
