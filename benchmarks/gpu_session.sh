@@ -31,7 +31,7 @@
 # (WORK=DIR moves the runs from /tmp/work, or /tmp/work-dry, to DIR.)
 set -uo pipefail
 cd "$(dirname "$0")/.."
-WHAT=${1:?usage: gpu_session.sh pack|i40|smoke|vs-hf-7b|vs-hf-1b|fixed|calibrate|fit|profile|rl|long}
+WHAT=${1:?usage: gpu_session.sh pack|i40|i40b|smoke|vs-hf-7b|vs-hf-1b|fixed|calibrate|fit|profile|rl|long}
 G=.gpu
 OUT=${OUT:-/tmp/out}
 DRY=${GPU_SESSION_DRY:-0}
@@ -356,6 +356,24 @@ PYEOF
   [[ $DRY == 1 ]] && LONG=( --search 256 512 1024 --table 256 512 --search-layers 1 --table-layers 2 )
   $PY benchmarks/long_context_gpu.py --config "$LLAMA8B" --work $W/long --out "$OUT/long.jsonl" "${LONG[@]}" \
     >> "$OUT/long.log" 2>&1
+  echo "long_context_gpu.py: exit $? at ${SECONDS}s" | tee -a "$OUT/$WHAT.log"
+  ;;
+i40b)  # issue 40's second call (~3 minutes): the sampler tests after the fix of the masked decode's reshape, the
+  # GRPO step on the graph sampler with the update split into 8K-token passes (i40's OOM'd at one 26K pass), and the
+  # long-context gap at 131K: tiling alone against offload + tiling, 2 real layers
+  $PY -m pytest -q -p no:cacheprovider tests/test_cuda.py -k sampler -rs -s > "$OUT/i40b-cuda-tests.txt" 2>&1
+  echo "tests/test_cuda.py -k sampler: exit $? at ${SECONDS}s" | tee -a "$OUT/$WHAT.log"
+  recipe $W/lora.yaml "$MISTRAL7B" 1 bfloat16 4096
+  GRPO="data.path=$W/gsm8k-prompts.jsonl data.format=prompt data.chat_template=true data.max_seq_len=1024
+    train.micro_batch_tokens=null train.micro_batch_size=8 train.max_steps=2"
+  RL="rl={num_generations: 8, max_completion_tokens: $((256 / SCALE)), micro_batch_tokens: $((8192 / SCALE)), rewards: [{type: format, pattern: '[0-9][0-9]'}]}"
+  [[ $DRY == 1 ]] && RL="rl={num_generations: 8, max_completion_tokens: 32, micro_batch_tokens: 1024, rewards: [{type: format, pattern: '[0-9][0-9]'}]}"
+  run grpo-graph-8k $FT $W/lora.yaml $GRPO "$RL" rl.sampler=graph
+  echo "grpo: done at ${SECONDS}s" | tee -a "$OUT/$WHAT.log"
+  LLAMA8B=$(model_dir llama-8b "$LLAMA8B_JSON")
+  T=( --table 131072 ); [[ $DRY == 1 ]] && T=( --table 1024 )
+  $PY benchmarks/long_context_gpu.py --config "$LLAMA8B" --work $W/long --out "$OUT/long-b.jsonl" --phases table \
+    --table-configs tiled both "${T[@]}" --table-layers 2 --table-steps 2 >> "$OUT/long-b.log" 2>&1
   echo "long_context_gpu.py: exit $? at ${SECONDS}s" | tee -a "$OUT/$WHAT.log"
   ;;
 long)  # issue 42 (benchmarks/long_context_gpu.py, about 4 minutes on an H100): Llama-3.1-8B QLoRA on one example

@@ -111,7 +111,7 @@ def sample_attention(module, query, key, value, attention_mask, scaling=None, dr
     if q == 1 and groups > 1:
         out = torch.nn.functional.scaled_dot_product_attention(
             query.view(rows, key.shape[1], groups, dim), key, value, attn_mask=attention_mask, scale=scaling)
-        out = out.view(rows, heads, 1, dim)
+        out = out.reshape(rows, heads, 1, dim)  # CUDA SDPA under a mask returns it non-contiguous
     else:
         if groups > 1:
             key, value = (x.repeat_interleave(groups, dim=1) for x in (key, value))
