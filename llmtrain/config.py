@@ -422,10 +422,10 @@ class RLConfig(Section):
         "(Dr. GRPO).")
     rewards: list[RewardConfig] = Field(min_length=1, description="The reward functions, summed with their weights.")
     sampler: Literal["static", "graph", "reference"] = Field(
-        "static", description="How completions are sampled (the same tokens up to rounding, docs/rl.md): static, a "
-        "preallocated KV cache and a fixed-shape decode step with no host sync per token; graph, that step replayed "
-        "as a CUDA graph (CUDA only, static elsewhere); reference, the plain loop over transformers' growing cache "
-        "(the oracle).")
+        "graph", description="How completions are sampled (the same tokens up to rounding, docs/rl.md): graph, a "
+        "preallocated KV cache and a fixed-shape decode step with no host sync per token, replayed as a CUDA graph "
+        "(on CUDA; static elsewhere); static, that step run eagerly; reference, the plain loop over transformers' "
+        "growing cache (the oracle).")
     micro_batch_tokens: int | None = Field(
         None, gt=0, description="The update's token budget: a micro-batch's prompt + completion sequences go "
         "through the forward and backward in passes of at most this many tokens (a sequence is never split, so at "

@@ -112,14 +112,14 @@ def test_a_step_logs_trls_names_and_every_completion(straight, tiny_assets):
 
 
 def test_the_fast_sampler_trains_what_the_reference_loop_trains(straight, tmp_path):
-    """rl.sampler static (the default, the run above) against reference: the same completions, rewards and
+    """rl.sampler graph (the default, the run above: static's step, eager on a CPU) against reference: the same completions, rewards and
     advantages in rollouts.jsonl, the same losses and eval rewards, the same weights."""
     recipe, fast, _ = straight
     assert "sampler" not in recipe.read_text()  # the straight run samples with the default
     reference = tmp_path / "reference"
     run_train(recipe, f"output_dir={reference}", "rl.sampler=reference")
     assert "(rl.sampler=reference)" in (reference / "train.log").read_text()  # the run's header says which
-    assert "(rl.sampler=static)" in (fast / "train.log").read_text()
+    assert "(rl.sampler=graph: static off CUDA)" in (fast / "train.log").read_text()
     assert rollouts(fast) == rollouts(reference)
     assert losses(fast) == losses(reference)
     assert [e["eval_reward"] for e in records(fast, "eval")] == [e["eval_reward"] for e in records(reference, "eval")]

@@ -152,15 +152,16 @@ def test_sampling_time_is_the_decode_steps_reading_weights_and_cache():
 
 
 def test_the_trainer_logs_the_estimate_at_its_prompts_and_the_worst_case_beside_it():
-    """summary.json's prediction for an RL run (predicted_for_run, as the loop calls it with its data's prompt
+    """summary.json's prediction for an RL run (estimate_for_run, as the loop calls it with its data's prompt
     lengths): the estimate at those lengths and, beside it, the worst case; a supervised run has no worst case."""
     from accelerate import Accelerator
 
-    from llmtrain.memory import predicted_for_run
+    from llmtrain.memory import estimate_for_run, predicted_for_run
 
     accelerator = Accelerator(cpu=True)
-    rl = predicted_for_run(recipe(**GRPO), accelerator, prompt_lengths=[98] * 10)
+    rl = predicted_for_run(estimate_for_run(recipe(**GRPO), accelerator, prompt_lengths=[98] * 10))
     at_data = estimate_for_recipe(recipe(**GRPO), prompt_lengths=[98] * 10)
     assert rl["predicted_peak_bytes"] == at_data.per_gpu_peak_bytes
     assert rl["predicted_worst_case_peak_bytes"] == estimate_for_recipe(recipe(**GRPO)).per_gpu_peak_bytes
-    assert "predicted_worst_case_peak_bytes" not in predicted_for_run(recipe(), accelerator)
+    assert "predicted_worst_case_peak_bytes" not in predicted_for_run(estimate_for_run(recipe(), accelerator))
+    assert predicted_for_run(None) == {}  # a model the estimator cannot read

@@ -147,8 +147,9 @@ def prepare_data(recipe: Recipe, accelerator, *, say) -> Data:
     unit = {"preference": "pairs", "prompt": "prompts"}.get(recipe.data.format, "examples")
     evals = f"eval: {stats['eval'].examples if 'eval' in stats else 0} {unit}"
     if recipe.rl is not None:
+        sampler = sampler_text(recipe.rl.sampler, accelerator.device)
         say(f"data: {s.examples} train {unit} ({cache_line(int(cache_reads), accelerator.num_processes)}), "
-            f"{recipe.rl.num_generations} completions each a step (rl.sampler={recipe.rl.sampler}); {evals}")
+            f"{recipe.rl.num_generations} completions each a step (rl.sampler={sampler}); {evals}")
     else:
         say(f"data: {s.examples} train {unit} ({cache_line(int(cache_reads), accelerator.num_processes)}), "
             f"{s.truncated} truncated, {s.dropped} dropped, {s.trained_fraction:.1%} of tokens trained; {evals}")
@@ -179,6 +180,11 @@ def prepare_data(recipe: Recipe, accelerator, *, say) -> Data:
                 pad_id=pad_id(tokenizer), plan=plan, total_steps=total_steps, packing_efficiency=efficiency)
 
 
+def sampler_text(sampler: str, device) -> str:
+    """The sampler the run uses, for its header: graph replays static's step on CUDA only."""
+    return "graph: static off CUDA" if sampler == "graph" and device.type != "cuda" else sampler
+
+
 def cache_line(reads: int, world: int) -> str:
     """Where the tokenised data came from: the cache, or tokenised now (by the main process, the others reading)."""
     if reads == world:
@@ -203,6 +209,24 @@ class Trainable:
     params_trainable: int
     flops: object  # metrics.FlopModel
     peak_flops: float | None  # of one device, for MFU
+
+
+def check_memory(recipe: Recipe, accelerator, data: Data, *, say):
+    """On a GPU: the estimate for this run on this card (online RL at its data's prompt lengths), said before the
+    model loads when it does not fit, with what shrinks it; the run goes on (the estimate is a model, not a
+    measurement). None on a CPU or where the model cannot be estimated."""
+    if accelerator.device.type != "cuda":
+        return None
+    from llmtrain.memory import estimate_for_run
+    from llmtrain.memory.fit import overflow_advice
+
+    est = estimate_for_run(recipe, accelerator,
+                           prompt_lengths=list(data.train["length"]) if recipe.rl is not None else None)
+    if est is not None and not est.fits:
+        say(f"warning (memory): llmtrain's estimate for this run is {est.per_gpu_peak_bytes / 2**30:.1f} GiB per "
+            f"GPU, over this GPU's {est.spec.gpu_memory_gib:.1f} GiB, so it will likely run out of memory: "
+            f"{overflow_advice(est)} (llmtrain estimate-memory RECIPE --fit names a configuration that fits)")
+    return est
 
 
 def memory_line(cfg, config) -> str:

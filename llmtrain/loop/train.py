@@ -19,7 +19,7 @@ import torch
 
 from llmtrain.config import Recipe
 from llmtrain.data.batching import prefetch, windows
-from llmtrain.errors import Stopped
+from llmtrain.errors import LLMTrainError, Stopped
 from llmtrain.loop.cadence import Cadence
 from llmtrain.loop.guards import check_finite_weights, diverged
 from llmtrain.loop.meter import Meter
@@ -27,6 +27,7 @@ from llmtrain.loop.phases import (
     Data,
     Trainable,
     build_model,
+    check_memory,
     claim_run_dir,
     open_log,
     prepare_data,
@@ -39,6 +40,7 @@ from llmtrain.loop.phases import (
 from llmtrain.loop.signals import StopRequests
 from llmtrain.loop.step import evaluate, train_step
 from llmtrain.memory import predicted_for_run
+from llmtrain.memory.fit import out_of_memory_text
 from llmtrain.objectives.objective import Objective, objective_for, rl_rewards
 from llmtrain.parallel.distributed import build_accelerator, data_ranks, gathered
 from llmtrain.run.checkpoint import save_checkpoint
@@ -83,27 +85,34 @@ def _train(recipe: Recipe, accelerator, console: RunConsole, cleanup: ExitStack,
     seed_run(recipe.train, cleanup)
     data = prepare_data(recipe, accelerator, say=say)
     rewards = rl_rewards(recipe, data.train, total_steps=data.total_steps)  # RL: checked before the model loads
-    trainable = build_model(recipe, accelerator, total_steps=data.total_steps, say=say)
-    objective = objective_for(recipe, pad_id=data.pad_id, model=trainable.unwrapped, tokenizer=data.tokenizer,
-                              train=data.train, world=data_ranks(accelerator)[0], total_steps=data.total_steps,
-                              rewards=rewards, gather=partial(gathered, accelerator))
-    data = reference_logps(recipe, accelerator, data, trainable, objective, console=console)  # preference only
-    run_dir = claim_run_dir(recipe, accelerator, console, checkpoint=checked.checkpoint, resume=resume,
-                            overwrite=overwrite)
-    cleanup.callback(run_dir.release)
-    state = restore(recipe, accelerator, trainable, checkpoint=checked.checkpoint, say=say)
-    log = open_log(recipe, accelerator, state, resumed=resume is not None, notes=checked.notes, say=say)
-    cleanup.callback(log.close)
-    run = Run(recipe=recipe, accelerator=accelerator, console=console, log=log, data=data, model=trainable,
-              objective=objective,
-              cadence=Cadence.from_recipe(recipe, total_steps=data.total_steps, has_eval=data.eval is not None))
-
-    # ---- the loop, then the export and the summary
-    # The run's clock: what earlier processes of the run spent, and this one's reference pass (preference)
-    meter = Meter(accelerator, flops=trainable.flops, peak=trainable.peak_flops,
-                  elapsed_before=state.elapsed_s + data.reference_s, objective=run.objective)
-    evals = train_loop(run, state, meter)
-    return finish(run, state, meter, evals)
+    est = check_memory(recipe, accelerator, data, say=say)  # CUDA: the estimate on this GPU, a warning if over
+    state = None
+    try:
+        trainable = build_model(recipe, accelerator, total_steps=data.total_steps, say=say)
+        objective = objective_for(recipe, pad_id=data.pad_id, model=trainable.unwrapped, tokenizer=data.tokenizer,
+                                  train=data.train, world=data_ranks(accelerator)[0], total_steps=data.total_steps,
+                                  rewards=rewards, gather=partial(gathered, accelerator))
+        data = reference_logps(recipe, accelerator, data, trainable, objective, console=console)  # preference only
+        run_dir = claim_run_dir(recipe, accelerator, console, checkpoint=checked.checkpoint, resume=resume,
+                                overwrite=overwrite)
+        cleanup.callback(run_dir.release)
+        state = restore(recipe, accelerator, trainable, checkpoint=checked.checkpoint, say=say)
+        log = open_log(recipe, accelerator, state, resumed=resume is not None, notes=checked.notes, say=say)
+        cleanup.callback(log.close)
+        run = Run(recipe=recipe, accelerator=accelerator, console=console, log=log, data=data, model=trainable,
+                  objective=objective,
+                  cadence=Cadence.from_recipe(recipe, total_steps=data.total_steps, has_eval=data.eval is not None))
+        # ---- the loop, then the export and the summary
+        # The run's clock: what earlier processes of the run spent, and this one's reference pass (preference)
+        meter = Meter(accelerator, flops=trainable.flops, peak=trainable.peak_flops,
+                      elapsed_before=state.elapsed_s + data.reference_s, objective=run.objective)
+        evals = train_loop(run, state, meter)
+        return finish(run, state, meter, evals, est)
+    except torch.OutOfMemoryError as e:  # one paragraph with the estimate and what to change, not a traceback
+        recipe_path = Path(recipe.output_dir) / "recipe.yaml" if state is not None else "RECIPE.yaml"
+        raise LLMTrainError(out_of_memory_text(est, step=state.step if state is not None else -1,
+                                               detail=". ".join(str(e).split(". ")[:2]),
+                                               recipe_path=str(recipe_path))) from e
 
 
 @dataclass(frozen=True)
@@ -246,7 +255,7 @@ def save(run: Run, state: TrainState, meter: Meter) -> Path:
                            trainable=set(trainable) if trainable else None)
 
 
-def finish(run: Run, state: TrainState, meter: Meter, evals: list[dict]) -> dict:
+def finish(run: Run, state: TrainState, meter: Meter, evals: list[dict], est) -> dict:
     """final/ (the exportable model), summary.json, the summary table and the last loss.png."""
     accelerator, out, say, m = run.accelerator, run.out, run.console.say, run.model
     if run.recipe.checkpoint.save_final:
@@ -261,8 +270,7 @@ def finish(run: Run, state: TrainState, meter: Meter, evals: list[dict]) -> dict
     if accelerator.device.type == "cuda":
         summary.update(max_memory_allocated=torch.cuda.max_memory_allocated(),
                        max_memory_reserved=torch.cuda.max_memory_reserved(),
-                       **predicted_for_run(run.recipe, accelerator,  # online RL: at the data's prompt lengths
-                                           prompt_lengths=list(run.data.train["length"]) if run.recipe.rl else None))
+                       **predicted_for_run(est))
     if accelerator.is_main_process:
         (out / "summary.json").write_text(json.dumps(strict_json(summary), indent=1, allow_nan=False))
         final_dir = str(out / "final") if run.recipe.checkpoint.save_final else None

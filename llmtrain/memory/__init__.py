@@ -27,7 +27,8 @@ if TYPE_CHECKING:
 _LAZY = {"ModelShape": "params", "load_model_shape": "params", "lora_plan": "params",
          "Estimate": "spec", "TrainSpec": "spec", "spec_from_recipe": "spec"}
 
-__all__ = ["Estimate", "ModelShape", "TrainSpec", "estimate_for_recipe", "load_model_shape", "predicted_for_run",
+__all__ = ["Estimate", "ModelShape", "TrainSpec", "estimate_for_recipe", "load_model_shape", "estimate_for_run",
+           "predicted_for_run",
            "lora_plan", "spec_from_recipe"]
 
 
@@ -55,10 +56,10 @@ def estimate_for_recipe(recipe: Recipe, *, num_processes: int = 1,
                                             cpu_offload=cpu_offload, prompt_lengths=prompt_lengths))
 
 
-def predicted_for_run(recipe: Recipe, accelerator, *, prompt_lengths=None) -> dict:
-    """The estimator's prediction for the run this Accelerator is training, logged beside the measured peak
-    in summary.json (online RL: at its data's `prompt_lengths`, with the worst case beside it). A model the
-    estimator cannot read gives {} (and a note), never a failed run."""
+def estimate_for_run(recipe: Recipe, accelerator, *, prompt_lengths=None) -> Estimate | None:
+    """The estimate for the run this process is part of (its launch's strategy, processes, FSDP offload and HSDP
+    replicas; online RL at its data's `prompt_lengths`), on the GPU it runs on. A model the estimator cannot read
+    gives None (and a note), never a failed run."""
     from torch.distributed.fsdp import CPUOffloadPolicy
 
     from llmtrain.errors import LLMTrainError
@@ -75,8 +76,22 @@ def predicted_for_run(recipe: Recipe, accelerator, *, prompt_lengths=None) -> di
                                   num_nodes=replicas, prompt_lengths=prompt_lengths)
     except LLMTrainError as e:
         accelerator.print(f"memory estimate unavailable: {e}")
+        return None
+    if accelerator.device.type == "cuda":  # the card it runs on, for est.fits and the advice
+        import dataclasses
+
+        import torch
+
+        gib = torch.cuda.get_device_properties(accelerator.device).total_memory / 2**30
+        est = dataclasses.replace(est, spec=dataclasses.replace(est.spec, gpu_memory_gib=gib))
+    return est
+
+
+def predicted_for_run(est: Estimate | None) -> dict:
+    """The estimate's figures for summary.json ({} without one). allocated/reserved compare with
+    torch.cuda.max_memory_*; peak adds the CUDA context and NCCL buffers."""
+    if est is None:
         return {}
-    # allocated/reserved compare with torch.cuda.max_memory_*; peak adds the CUDA context and NCCL buffers.
     return {"predicted_peak_bytes": est.per_gpu_peak_bytes,
             "predicted_peak_allocated_bytes": est.per_gpu_peak_allocated_bytes,
             "predicted_peak_reserved_bytes": est.per_gpu_peak_reserved_bytes, "predicted_breakdown": est.breakdown,

@@ -249,6 +249,8 @@ def overflow_advice(est: Estimate) -> str:
             fewer.append("activation offload (model.activation_offload=true / --activation-offload)")
         if not s.tiled_mlp and not s.sharded:
             fewer.append("a tiled MLP (model.tiled_mlp=true / --tiled-mlp)")
+        if s.generations and s.update_tokens is None:
+            fewer.append("the update in passes of fewer tokens (rl.micro_batch_tokens, e.g. 8192)")
         if s.micro_batch_tokens:
             fewer.append("a smaller token budget (train.micro_batch_tokens / --micro-batch-tokens)")
         elif s.micro_batch > s.per_example:
@@ -265,6 +267,21 @@ def overflow_advice(est: Estimate) -> str:
         advice.append(f"weights, gradients and optimizer state are {states / GIB:.1f} GiB per GPU: try "
                       f"{', '.join(smaller) or 'a smaller model'}")
     return "; ".join(advice)
+
+
+def out_of_memory_text(est: Estimate | None, *, step: int, detail: str, recipe_path: str) -> str:
+    """The paragraph a run that ran out of GPU memory ends with: where, torch's figure, the estimate against the card,
+    and what to change (what --fit would search, and overflow_advice's parts)."""
+    where = f"in step {step + 1}" if step >= 0 else "before the first step"
+    text = f"the GPU ran out of memory {where} ({detail})."
+    if est is not None:
+        verdict = "does not fit" if not est.fits else "fits, so the estimate is short of this run"
+        text += (f" llmtrain's estimate for this run is {est.per_gpu_peak_bytes / GIB:.1f} GiB per GPU on this "
+                 f"{est.spec.gpu_memory_gib:.1f} GiB GPU: it {verdict}.")
+        if not est.fits:
+            text += f" What shrinks it: {overflow_advice(est)}."
+    return text + (f" `llmtrain estimate-memory {recipe_path} --fit` names a configuration that fits; "
+                   "nothing else was written for this step (checkpoints saved before it are intact).")
 
 
 LONGEST_STEP = 1024  # --longest-context answers in multiples of this many tokens
