@@ -7,7 +7,7 @@ import pytest
 
 from llmtrain.config import Recipe
 from llmtrain.memory import estimate_for_recipe
-from llmtrain.memory.comms import H100_HBM_TBPS, H100_TFLOPS, DEFAULT_MFU, Network, sampling_seconds, step_traffic
+from llmtrain.memory.comms import DEFAULT_MFU, H100_HBM_TBPS, H100_TFLOPS, Network, sampling_seconds, step_traffic
 from llmtrain.memory.estimate import estimate, kv_cache_bytes, make_pass, sampling_rows, states
 from llmtrain.memory.params import load_model_shape, lora_plan
 from llmtrain.memory.spec import GIB, TrainSpec, rl_prompt_tokens, spec_from_recipe

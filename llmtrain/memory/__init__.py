@@ -27,9 +27,17 @@ if TYPE_CHECKING:
 _LAZY = {"ModelShape": "params", "load_model_shape": "params", "lora_plan": "params",
          "Estimate": "spec", "TrainSpec": "spec", "spec_from_recipe": "spec"}
 
-__all__ = ["Estimate", "ModelShape", "TrainSpec", "estimate_for_recipe", "load_model_shape", "estimate_for_run",
-           "predicted_for_run",
-           "lora_plan", "spec_from_recipe"]
+__all__ = [
+    "Estimate",
+    "ModelShape",
+    "TrainSpec",
+    "estimate_for_recipe",
+    "estimate_for_run",
+    "load_model_shape",
+    "lora_plan",
+    "predicted_for_run",
+    "spec_from_recipe",
+]
 
 
 def __getattr__(name: str):
