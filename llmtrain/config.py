@@ -289,6 +289,14 @@ class TrainConfig(Section):
         return self
 
 
+class ParallelConfig(Section):
+    sequence_parallel: int = Field(
+        1, ge=1, description="Processes that share one sequence (Ulysses, docs/sequence-parallel.md): each holds "
+        "1/N of every packed micro-batch's tokens, and around attention an all-to-all gives each the whole sequence "
+        "for 1/N of the heads. Consecutive ranks form a group (keep it inside a node); the data is split over "
+        "processes / N groups. 1: off.")
+
+
 class CheckpointConfig(Section):
     every_steps: int | None = Field(None, gt=0, description="Save resumable state every N optimizer steps.")
     keep_last: int = Field(2, gt=0, description="Keep only the newest N step checkpoints.")
@@ -451,6 +459,8 @@ class Recipe(Section):
     rl: RLConfig | None = Field(
         None, description="Online RL with verifiable rewards, GRPO (data.format: prompt); absent means no RL.")
     train: TrainConfig = Field(default_factory=TrainConfig, description="Optimisation, schedule and batch.")
+    parallel: ParallelConfig = Field(default_factory=ParallelConfig,
+                                     description="What the launch's processes split beyond the data (sequence).")
     checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig, description="Resumable state and export.")
     logging: LoggingConfig = Field(default_factory=LoggingConfig, description="Progress bar and TensorBoard.")
     output_dir: str = Field(description="Where metrics, checkpoints and the final model go (default runs/<stem>).")
