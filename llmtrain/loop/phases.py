@@ -49,6 +49,7 @@ from llmtrain.parallel.distributed import (
     use_fused_adamw,
     uses_fsdp,
 )
+from llmtrain.parallel import sequence
 from llmtrain.run.checkpoint import load_checkpoint, lora_only_hooks
 from llmtrain.run.metrics import MetricsLog, flop_model, peak_flops
 from llmtrain.run.preflight import check_resume, finished_run
@@ -259,6 +260,11 @@ def build_model(recipe: Recipe, accelerator, *, total_steps: int, say) -> Traina
         layers = apply_tensor_parallel(model, accelerator.torch_device_mesh["tp"])
         say(f"tensor parallelism: {layers} linear layers split over {tp} processes "
             f"(PyTorch parallelize_module, the model's own plan)")
+    if (sp := recipe.parallel.sequence_parallel) > 1:  # the head counts, then the Ulysses attention
+        sequence.check(recipe, world=accelerator.num_processes, heads=model.config.num_attention_heads,
+                       kv_heads=getattr(model.config, "num_key_value_heads", None) or model.config.num_attention_heads)
+        sequence.attach(model)
+        say(sequence.describe(sp, accelerator.num_processes))
     fused_ce = fused_linear_cross_entropy(recipe.model, accelerator.device)  # None unless liger is in use
     attach_loss(model, chunk=tc.loss_chunk_tokens, fused_linear_ce=fused_ce)
     if recipe.model.compile:

@@ -43,7 +43,9 @@ def train_step(model, optimizer, scheduler, accelerator, objective: Objective, w
     """Forward and backward over the window's micro-batches, clip, and the optimizer step unless the gradient
     norm is not finite. An objective with a rollout (online RL) first turns the window's prompts into scored
     completions, sampled by the model as it is before this step (`step`: the steps taken before it)."""
-    world, _ = data_ranks(accelerator)  # processes that read different batches (a TP group reads one)
+    # the processes gradients are averaged over: every data rank, and the processes of a sequence group (each holds
+    # a slice's loss); a TP group's processes hold one loss between them
+    averaged = accelerator.num_processes // tensor_parallel_size(accelerator)
     if (rollout := getattr(objective, "rollout", None)) is not None:  # before the counts: they are the completions'
         with sampling_warn_only():  # train.deterministic: the sampler's float cumsum has no strict CUDA kernel
             window = rollout(window, step=step)
@@ -63,9 +65,9 @@ def train_step(model, optimizer, scheduler, accelerator, objective: Objective, w
         last = i == len(window.batches) - 1
         with nullcontext() if last else accumulating(accelerator, model, fsdp_accumulate):
             loss, stats = objective.loss(model, to_device(batch, accelerator.device))
-            # DDP and FSDP average gradients over the data ranks, hence the factor `world`: the result is
+            # DDP and FSDP average gradients over the data ranks, hence the factor `averaged`: the result is
             # d(sum of all losses in the window) / (loss units in the window).
-            accelerator.backward(loss * world / denominator)
+            accelerator.backward(loss * averaged / denominator)
         loss_sum += loss.detach()
         stats_sum = stats if stats_sum is None else stats_sum + stats
     grad_norm = float(accelerator.clip_grad_norm_(model.parameters(), max_grad_norm or float("inf")))  # host sync

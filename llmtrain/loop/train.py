@@ -43,6 +43,7 @@ from llmtrain.memory import predicted_for_run
 from llmtrain.memory.fit import out_of_memory_text
 from llmtrain.objectives.objective import Objective, objective_for, rl_rewards
 from llmtrain.parallel.distributed import build_accelerator, data_ranks, gathered
+from llmtrain.parallel.sequence import SequenceShards
 from llmtrain.run.checkpoint import save_checkpoint
 from llmtrain.run.console import RunConsole, step_text, summary_table
 from llmtrain.run.export import save_final
@@ -92,6 +93,8 @@ def _train(recipe: Recipe, accelerator, console: RunConsole, cleanup: ExitStack,
         objective = objective_for(recipe, pad_id=data.pad_id, model=trainable.unwrapped, tokenizer=data.tokenizer,
                                   train=data.train, world=data_ranks(accelerator)[0], total_steps=data.total_steps,
                                   rewards=rewards, gather=partial(gathered, accelerator))
+        if recipe.parallel.sequence_parallel > 1:  # each process of a sequence group collates its slice of the row
+            objective = SequenceShards(objective, pad_id=data.pad_id)
         data = reference_logps(recipe, accelerator, data, trainable, objective, console=console)  # preference only
         run_dir = claim_run_dir(recipe, accelerator, console, checkpoint=checked.checkpoint, resume=resume,
                                 overwrite=overwrite)

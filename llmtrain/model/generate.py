@@ -50,10 +50,13 @@ def attention_as(config, implementation: str):
 
 
 def cached_attention(lm):
-    """SDPA instead of llmtrain's varlen attention while generating (it refuses a KV cache)."""
+    """SDPA instead of llmtrain's varlen attention (or its sequence-parallel one) while generating: it refuses a KV
+    cache, and every process generates on its own."""
     from llmtrain.model.attention import NAME
+    from llmtrain.parallel.sequence import NAME as SEQUENCE_NAME
 
-    return attention_as(lm.config, "sdpa") if lm.config._attn_implementation == NAME else nullcontext()
+    return (attention_as(lm.config, "sdpa") if lm.config._attn_implementation in (NAME, SEQUENCE_NAME)
+            else nullcontext())
 
 
 def next_tokens(logits: torch.Tensor, uniforms: torch.Tensor, *, temperature: float, top_p: float) -> torch.Tensor:

@@ -49,6 +49,7 @@ class CausalLM:
     turn trained), computed from the hidden states without full logits (loss.compute_loss)."""
 
     columns = ("input_ids", "labels")
+    example_sum = None  # sequence parallelism: per-example sums over the sequence group (parallel/sequence.py)
 
     def __init__(self, *, pad_id: int, packing: bool):
         self.pad_id, self.packing = pad_id, packing
@@ -73,13 +74,16 @@ class CausalLM:
         generated from its own tokens can go elsewhere after a first wrong token); that is eval_answer_accuracy,
         from generated samples."""
         cpu_example = batch["loss_example"]
-        n = int(cpu_example.max()) + 1 if cpu_example.numel() else 0  # examples with a trained token, from the CPU
+        # examples with a trained token, from the CPU (a sequence-parallel slice: the whole row's, `examples`)
+        n = batch.get("examples", int(cpu_example.max()) + 1 if cpu_example.numel() else 0)
         batch = to_device(batch, device)
         loss, hits = compute_loss(model, batch, return_hits=True)
         example = batch["loss_example"]
-        trained = torch.bincount(example, minlength=n)
+        trained = torch.bincount(example, minlength=n).double()
         # index_add, not bincount(weights=): CUDA's weighted bincount has no deterministic kernel (train.deterministic)
         right = torch.zeros(n, dtype=torch.float64, device=example.device).index_add(0, example, hits.double())
+        if self.example_sum is not None:  # sequence parallelism: an example's tokens are on several processes
+            trained, right = self.example_sum(trained, right)
         return torch.stack([loss.double(), hits.new_tensor(hits.numel(), dtype=torch.float64), hits.double().sum(),
                             ((right == trained) & (trained > 0)).double().sum(), (trained > 0).double().sum()])
 

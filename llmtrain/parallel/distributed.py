@@ -14,6 +14,7 @@ import torch
 
 from llmtrain.config import Recipe
 from llmtrain.errors import LLMTrainError
+from llmtrain.parallel import sequence
 from llmtrain.parallel.launch import check_parent_launch
 
 
@@ -50,6 +51,7 @@ def build_accelerator(recipe: Recipe):
     # and the mesh sizes. Accelerate validates the mesh against the distributed type in its constructor, which on
     # CPU workers is MULTI_CPU until _fsdp_on_cpu makes it FSDP: there the mesh is attached afterwards.
     mesh = requested_mesh()
+    sequence.check(recipe, world=int(os.environ.get("WORLD_SIZE", "1")), mesh=mesh)
     if mesh is not None:  # refused before any process group exists, with the launch's own sizes
         check_mesh(mesh, world=int(os.environ.get("WORLD_SIZE", "1")), fsdp=fsdp_plugin is not None)
         check_tensor_parallel(mesh, recipe)
@@ -73,6 +75,7 @@ def build_accelerator(recipe: Recipe):
             os.environ["ACCELERATE_USE_PARALLELISM_CONFIG"] = "true"
     if fsdp_plugin is not None and accelerator.distributed_type.name == "MULTI_CPU":
         _fsdp_on_cpu(accelerator, fsdp_plugin)
+    sequence.setup(recipe.parallel.sequence_parallel)  # its process groups (1: none, and any earlier one forgotten)
     if mesh_later:
         _attach_mesh(accelerator, mesh)
     if mesh is not None and mesh.tp_size > 1:
@@ -230,9 +233,11 @@ def tensor_parallel_size(accelerator) -> int:
 def data_ranks(accelerator) -> tuple[int, int]:
     """(data-parallel ranks, this process's data rank): who reads which batch. Without tensor parallelism every
     process is a data rank; with it, the processes of a TP group (consecutive ranks: `tp` is the mesh's innermost
-    dimension in Accelerate's order) read the same batch."""
-    tp = tensor_parallel_size(accelerator)
-    return accelerator.num_processes // tp, accelerator.process_index // tp
+    dimension in Accelerate's order) read the same batch, and so do those of a sequence group (each keeps its slice)."""
+    from llmtrain.parallel.sequence import sequence_parallel_size
+
+    group = tensor_parallel_size(accelerator) * sequence_parallel_size()  # one of the two is 1 (sequence.check)
+    return accelerator.num_processes // group, accelerator.process_index // group
 
 
 def apply_tensor_parallel(model, mesh) -> int:
