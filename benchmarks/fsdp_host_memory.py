@@ -48,7 +48,8 @@ def main() -> None:
 
     from llmtrain.config import Recipe
     from llmtrain.model.modeling import build_optimizer, load_model
-    from llmtrain.parallel.distributed import build_accelerator, receives_weights
+    from llmtrain.parallel.accelerator import build_accelerator
+    from llmtrain.parallel.fsdp import receives_weights
 
     recipe = Recipe.model_validate({"model": {"name_or_path": args.model, "dtype": "float32"},
                                     "data": {"path": "unused.jsonl", "format": "text"}, "output_dir": "unused"})

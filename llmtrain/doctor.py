@@ -58,7 +58,7 @@ def check_tensor_parallel_launch(recipe: Recipe, launch: dict) -> list[Check]:
     """What finetune refuses under tensor parallelism, shown here (none without TP)."""
     from types import SimpleNamespace
 
-    from llmtrain.parallel.distributed import check_tensor_parallel
+    from llmtrain.parallel.tensor import check_tensor_parallel
 
     if launch_tp(launch) < 2:
         return []
@@ -75,7 +75,7 @@ def check_mesh_launch(launch: dict) -> list[Check]:
     from types import SimpleNamespace
 
     from llmtrain.memory.launch import mesh_sizes
-    from llmtrain.parallel.distributed import check_mesh
+    from llmtrain.parallel.mesh import check_mesh
 
     sizes = mesh_sizes(launch)
     if sizes is None:

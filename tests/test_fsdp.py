@@ -5,7 +5,7 @@ torchrun workers with ACCELERATE_USE_FSDP=true and the FSDP_* variables of its f
 fsdp.yaml gives 8 GPUs: FSDP2, full shard, decoder-layer auto-wrap from `_no_split_modules`,
 SHARDED_STATE_DICT, cpu_ram_efficient_loading). On CPU Accelerate itself would make them a plain MULTI_CPU
 (DDP) group and drop the FSDP plugin: AcceleratorState only turns *accelerator* groups into
-DistributedType.FSDP. llmtrain's build_accelerator (llmtrain/parallel/distributed.py, `_fsdp_on_cpu`) does for the
+DistributedType.FSDP. llmtrain's build_accelerator (llmtrain/parallel/accelerator.py, `_fsdp_on_cpu`) does for the
 CPU group what AcceleratorState does for a GPU group: attach the FSDP2 plugin and set the distributed type
 to FSDP. Nothing else is patched: `prepare` (fsdp2_prepare_model -> torch's `fully_shard` on a CPU mesh),
 `no_sync` (set_requires_gradient_sync), `clip_grad_norm_` (DTensor-aware), `save_state`/`load_state`
@@ -248,7 +248,7 @@ from pathlib import Path
 from accelerate import Accelerator, PartialState
 from torch.distributed.fsdp import FSDPModule
 
-from llmtrain.parallel.distributed import fsdp_param_groups
+from llmtrain.parallel.fsdp import fsdp_param_groups
 
 out = Path(sys.argv.pop(1))
 held = []  # after each backward: (bytes of unsharded gradient, bytes of gradient shards) on this rank
@@ -338,7 +338,8 @@ from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
 from llmtrain.config import load_recipe
-from llmtrain.parallel.distributed import build_accelerator, receives_weights
+from llmtrain.parallel.accelerator import build_accelerator
+from llmtrain.parallel.fsdp import receives_weights
 from llmtrain.model.modeling import build_optimizer, load_model
 
 # Record whether this process reads the weights: from_pretrained is the only way load_model reads them.

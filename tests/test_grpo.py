@@ -248,7 +248,7 @@ def test_log_metric_numbers_are_averaged_over_every_process_not_the_main_ones_al
     other.log_metric("reward", 99.0)
     gathered = []
 
-    def gather(mine: list) -> list:  # distributed.gathered: every rank's list, in rank order
+    def gather(mine: list) -> list:  # collectives.gathered: every rank's list, in rank order
         gathered.append(mine)
         return mine + other.metric_sums()
 

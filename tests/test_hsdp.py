@@ -5,7 +5,7 @@ between HSDP, plain FSDP and 1 process.
 The launch's parallelism_config gives Accelerate the mesh (dp_replicate=2, dp_shard=2); its fsdp2_prepare_model
 hands fully_shard the 2-D mesh, so each parameter is sharded over the 2 processes of a replica and replicated
 across the replicas (the gradients are reduce-scattered within a replica, then all-reduced across replicas).
-On CPU workers build_accelerator attaches that mesh once they are FSDP (llmtrain/parallel/distributed.py, _attach_mesh);
+On CPU workers build_accelerator attaches that mesh once they are FSDP (llmtrain/parallel/accelerator.py, _attach_mesh);
 every launch here checks the start-up line names the mesh, so a silent fall back to plain FSDP fails.
 
 Four processes on two cores are slow: these tests are few and small, and marked slow.

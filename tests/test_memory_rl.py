@@ -90,7 +90,7 @@ def test_the_sampler_decodes_every_completion_of_the_micro_batch_at_once_and_no_
 
 
 def test_under_fsdp_sampling_holds_the_whole_model_gathered():
-    """The rollout gathers every FSDP unit at once (distributed.gathered_for_generation): on 2 GPUs, the sampling
+    """The rollout gathers every FSDP unit at once (fsdp.gathered_for_generation): on 2 GPUs, the sampling
     phases hold the whole model unsharded in bf16 (FSDP's param dtype; the LoRA adapters add under 1%) beside each
     GPU's shard, where a step of the update holds about two layers."""
     spec = spec_from_recipe(recipe(**GRPO), prompt_lengths=[98] * 10).but(strategy="fsdp", num_gpus=2)

@@ -9,7 +9,8 @@ from __future__ import annotations
 import pytest
 
 from llmtrain.errors import LLMTrainError
-from llmtrain.parallel.distributed import check_mesh, check_tensor_parallel, mesh_line, requested_mesh
+from llmtrain.parallel.mesh import check_mesh, mesh_line, requested_mesh
+from llmtrain.parallel.tensor import check_tensor_parallel
 
 
 def _mesh(monkeypatch, **sizes: int):
@@ -88,7 +89,7 @@ def test_tensor_parallel_plan_needs_heads_and_columns_that_divide(tiny_assets):
 
     from llmtrain.config import ModelConfig
     from llmtrain.model.modeling import load_model
-    from llmtrain.parallel.distributed import apply_tensor_parallel
+    from llmtrain.parallel.tensor import apply_tensor_parallel
 
     model = load_model(ModelConfig(name_or_path=str(tiny_assets / "model"), dtype="float32"), None)
     with pytest.raises(LLMTrainError, match=r"num_key_value_heads \(2\) .* not a multiple of 4"):
@@ -107,7 +108,7 @@ def test_fsdp_param_groups_reads_both_torch_spellings():
 
     from torch.distributed.fsdp._fully_shard._fsdp_state import FSDPState
 
-    from llmtrain.parallel.distributed import fsdp_param_groups
+    from llmtrain.parallel.fsdp import fsdp_param_groups
 
     state, group = FSDPState(), object()  # a real state of this torch, its group where this torch keeps it
     assert fsdp_param_groups(state) == []

@@ -4,7 +4,7 @@ checkpoints move between FSDP x TP, plain FSDP and 1 process. The 3-D layout, HS
 8 processes, accelerate_configs/cpu_hsdp_tp.yaml), trains like 1 process too.
 
 llmtrain splits each decoder layer's q/k/v/gate/up by columns and o/down by rows over the mesh's `tp` dimension
-(distributed.apply_tensor_parallel, PyTorch's parallelize_module with the model's own plan); Accelerate's FSDP2 then
+(tensor.apply_tensor_parallel, PyTorch's parallelize_module with the model's own plan); Accelerate's FSDP2 then
 shards every weight over the `dp_shard` dimension. Processes 0-1 and 2-3 each read one batch: the global batch is
 micro-batch x 2, not x 4.
 

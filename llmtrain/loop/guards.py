@@ -12,7 +12,7 @@ from pathlib import Path
 import torch
 
 from llmtrain.errors import TrainingDiverged
-from llmtrain.parallel.distributed import global_sum
+from llmtrain.parallel.collectives import global_sum
 
 
 def diverged(accelerator, out: Path, step: int, grad_norm: float, tc) -> None:

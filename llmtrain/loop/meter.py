@@ -15,7 +15,7 @@ from contextlib import contextmanager
 
 import torch
 
-from llmtrain.parallel.distributed import data_sum
+from llmtrain.parallel.collectives import data_sum
 
 
 class Meter:

@@ -39,17 +39,12 @@ from llmtrain.model.modeling import (
     load_tokenizer,
     pad_id,
 )
-from llmtrain.parallel.distributed import (
-    apply_tensor_parallel,
-    data_ranks,
-    global_sum,
-    mesh_line,
-    receives_weights,
-    tensor_parallel_size,
-    use_fused_adamw,
-    uses_fsdp,
-)
 from llmtrain.parallel import sequence
+from llmtrain.parallel.accelerator import use_fused_adamw
+from llmtrain.parallel.collectives import global_sum
+from llmtrain.parallel.fsdp import receives_weights, uses_fsdp
+from llmtrain.parallel.mesh import data_ranks, mesh_line, tensor_parallel_size
+from llmtrain.parallel.tensor import apply_tensor_parallel
 from llmtrain.run.checkpoint import load_checkpoint, lora_only_hooks
 from llmtrain.run.metrics import MetricsLog, flop_model, peak_flops
 from llmtrain.run.preflight import check_resume, finished_run

@@ -23,7 +23,9 @@ import torch
 from llmtrain.data.batching import Counts, global_micro_batches, to_device, windows
 from llmtrain.loop.determinism import sampling_warn_only
 from llmtrain.objectives.objective import Objective
-from llmtrain.parallel.distributed import accumulating, data_ranks, data_sum, tensor_parallel_size
+from llmtrain.parallel.collectives import data_sum
+from llmtrain.parallel.fsdp import accumulating
+from llmtrain.parallel.mesh import data_ranks, tensor_parallel_size
 
 
 @dataclass(frozen=True)
@@ -61,7 +63,7 @@ def train_step(model, optimizer, scheduler, accelerator, objective: Objective, w
     for i, batch in enumerate(window.batches):
         # DDP all-reduces the gradients on the window's last micro-batch only; the others accumulate locally.
         # FSDP reduce-scatters every micro-batch by default, so only gradient shards are held between them
-        # (distributed.accumulating says what each setting sends and holds).
+        # (fsdp.accumulating says what each setting sends and holds).
         last = i == len(window.batches) - 1
         with nullcontext() if last else accumulating(accelerator, model, fsdp_accumulate):
             loss, stats = objective.loss(model, to_device(batch, accelerator.device))

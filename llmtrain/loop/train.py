@@ -42,7 +42,9 @@ from llmtrain.loop.step import evaluate, train_step
 from llmtrain.memory import predicted_for_run
 from llmtrain.memory.fit import out_of_memory_text
 from llmtrain.objectives.objective import Objective, objective_for, rl_rewards
-from llmtrain.parallel.distributed import build_accelerator, data_ranks, gathered
+from llmtrain.parallel.accelerator import build_accelerator
+from llmtrain.parallel.collectives import gathered
+from llmtrain.parallel.mesh import data_ranks
 from llmtrain.parallel.sequence import SequenceShards
 from llmtrain.run.checkpoint import save_checkpoint
 from llmtrain.run.console import RunConsole, step_text, summary_table

@@ -71,7 +71,7 @@ def estimate_for_run(recipe: Recipe, accelerator, *, prompt_lengths=None) -> Est
     from torch.distributed.fsdp import CPUOffloadPolicy
 
     from llmtrain.errors import LLMTrainError
-    from llmtrain.parallel.distributed import uses_fsdp
+    from llmtrain.parallel.fsdp import uses_fsdp
 
     fsdp = uses_fsdp(accelerator)
     strategy = "fsdp" if fsdp else ("ddp" if accelerator.num_processes > 1 else "single")

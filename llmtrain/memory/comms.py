@@ -25,7 +25,7 @@ Per optimizer step of `grad_accum` micro-batches:
   traffic is that of the slice over the world / tp GPUs holding the same slice (members of a ring on each node:
   GPUs per node / tp). Within each TP group (consecutive GPUs of a node): per micro-batch, an all-reduce of the
   activations (tokens x hidden, compute dtype) after attention's and the MLP's row-wise layer in forward, and one
-  for each block's input gradient in backward (distributed.apply_tensor_parallel wraps a block's input once, so its
+  for each block's input gradient in backward (tensor.apply_tensor_parallel wraps a block's input once, so its
   column-wise layers' partial gradients meet before one all-reduce): 4 per layer, 5 with gradient checkpointing,
   whose recompute runs attention's again but stops before the MLP's (torch's non-reentrant checkpoint stops
   recomputing once the tensors backward needs are back, and the layer's output is not one of them; measured).

@@ -146,7 +146,7 @@ def estimate(shape: ModelShape, spec: TrainSpec) -> Estimate:
     pd = p.cd if amp else DTYPE_BYTES[spec.dtype]
     unit = (shape.params_per_layer + max(adapter_params)) * pd if fsdp else 0
     # A unit's unsharded gradients, in the compute dtype and, under mixed precision, also as the fp32 copy that
-    # is reduce-scattered (distributed.fsdp_precision reduces in fp32).
+    # is reduce-scattered (fsdp.fsdp_precision reduces in fp32).
     unit_grads = (shape.params_per_layer if full else max(adapter_params)) * (pd + 4 * amp) if fsdp else 0
     tail = (V * H + shape.params_final_norm) * pd if fsdp else 0  # final norm + lm_head (+ tied embeddings)
     embed_unit = V * H * pd if (fsdp and not shape.tied) else 0
@@ -180,7 +180,7 @@ def estimate(shape: ModelShape, spec: TrainSpec) -> Estimate:
     phases["optimizer_step"] = _phase(**base, gradients=st.grads)
     if spec.generations:
         # FSDP: the rollout gathers every unit at once and keeps them so while it samples
-        # (distributed.gathered_for_generation): the whole model, unsharded, in FSDP's param dtype
+        # (fsdp.gathered_for_generation): the whole model, unsharded, in FSDP's param dtype
         gathered = shape.layers * unit + tail + embed_unit if fsdp else 0
         phases.update(_generation_phases(shape, spec, base, cached=sum(cached), fsdp_unit=gathered))
     if spec.eval_micro_batch:

@@ -92,7 +92,7 @@ class ModelShape:
 
 def tensor_parallel_shape(shape: ModelShape, tp: int) -> ModelShape:
     """What one GPU of a tensor-parallel group holds and runs: every decoder layer with the model's TP plan applied
-    (transformers' base_model_tp_plan, as llmtrain's distributed.apply_tensor_parallel applies it): the column-wise
+    (transformers' base_model_tp_plan, as llmtrain's tensor.apply_tensor_parallel applies it): the column-wise
     layers (q/k/v, gate/up) keep fan_out / tp outputs, the row-wise ones (o, down) fan_in / tp inputs, so a layer has
     heads / tp query and KV heads and intermediate / tp MLP columns. The embeddings, norms and LM head stay whole."""
     if tp == 1:

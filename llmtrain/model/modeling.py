@@ -80,7 +80,7 @@ def load_model(cfg: ModelConfig, lora: LoraConfig | None, *, device: torch.devic
     """The model as the recipe says, on the CPU (or on `device` for a random init).
 
     empty=True builds it without reading any weight, for the processes of an FSDP run that receive their
-    shards from the main process in `prepare` (distributed.receives_weights). Its parameters are
+    shards from the main process in `prepare` (fsdp.receives_weights). Its parameters are
     uninitialised (see `_uninitialised_parameters`); its buffers are real, because FSDP broadcasts
     parameters and persistent buffers only: non-persistent ones such as the rotary `inv_freq` are
     computed here from the config, exactly as the main process computes them.

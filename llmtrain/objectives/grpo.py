@@ -139,7 +139,7 @@ class GRPO:
         self.sources = sources  # (train, eval): the files the errors name
         self.state = state  # the trainer_state reward functions get (rewards.trainer_state); the rollout moves it
         self.logs = RewardLogs()  # log_metric's numbers since the last metrics line
-        # every process's list, concatenated, on every process (distributed.gathered); one process: its own
+        # every process's list, concatenated, on every process (collectives.gathered); one process: its own
         self.gather = gather if gather is not None else list
         # the event loop of the async reward functions, for the whole run (the start-up check's, where it ran one)
         self.runner = runner if runner is not None else AsyncRunner()
@@ -160,7 +160,7 @@ class GRPO:
         recounted, and `rollouts` (one record per completion, for rollouts.jsonl) filled in."""
         import dataclasses
 
-        from llmtrain.parallel.distributed import gathered_for_generation
+        from llmtrain.parallel.fsdp import gathered_for_generation
 
         batches, counts, records = [], None, []
         if self.state is not None:  # what a reward function sees: the steps done, as TRL's global_step
@@ -341,7 +341,7 @@ class GRPO:
 
     def eval_sums(self, model, batch: dict, device) -> torch.Tensor:
         """[prompts, summed reward, each reward's sum, each reward's count] of greedy completions."""
-        from llmtrain.parallel.distributed import gathered_for_generation
+        from llmtrain.parallel.fsdp import gathered_for_generation
 
         examples, k = batch["examples"], len(self.rewards)
         if not examples:

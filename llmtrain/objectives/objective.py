@@ -129,7 +129,7 @@ def objective_for(recipe, *, pad_id: int, model=None, tokenizer=None, train=None
     cross-entropy (supervised fine-tuning). `model`: the unwrapped model, whose disabled adapter is the reference
     of a LoRA preference run (and which samples an RL run's completions); `train`: the tokenised train set (RL: its
     columns go to the reward functions); `rewards`: rl_rewards' (None: checked here); `gather`: every process's list
-    on every process (distributed.gathered; None: one process), for what reward functions log."""
+    on every process (collectives.gathered; None: one process), for what reward functions log."""
     from llmtrain.data.batching import packs_rows
 
     if recipe.rl is not None:

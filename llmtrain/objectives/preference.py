@@ -22,7 +22,7 @@ import torch.nn.functional as F
 
 from llmtrain.data.batching import Counts, collate, with_loss_positions
 from llmtrain.model.loss import compute_loss
-from llmtrain.parallel.distributed import data_ranks, tensor_parallel_size
+from llmtrain.parallel.mesh import data_ranks, tensor_parallel_size
 
 # TRL's names for the same numbers (DPOTrainer), so runs can be compared line by line.
 STATS = ["rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/margins", "logps/chosen",

@@ -21,7 +21,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from llmtrain.errors import LLMTrainError
-from llmtrain.parallel.distributed import global_sum
+from llmtrain.parallel.collectives import global_sum
 from llmtrain.run.state import TrainState
 
 MANIFEST = "manifest.json"

@@ -1,0 +1,112 @@
+"""FSDP2, and HSDP (FSDP2 with replicas): the precision policy, what a micro-batch's backward sends, the whole
+model gathered for sampling, and which processes receive their weights from the main one.
+
+FSDP2's private parts that torch spells differently between releases are read here only (`fsdp_param_groups`).
+"""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+
+import torch
+
+from llmtrain.parallel.mesh import replicas
+
+
+def uses_fsdp(accelerator) -> bool:
+    """The run is sharded by FSDP (on GPUs, or on CPU through `_fsdp_on_cpu`)."""
+    return accelerator.distributed_type.name == "FSDP"
+
+
+def fsdp_precision(mixed_precision: str):
+    """FSDP2's MixedPrecisionPolicy for train.mixed_precision: compute in bf16/fp16 from the fp32 shards, but
+    reduce gradients in fp32 and leave the model's outputs as they are.
+
+    Accelerate's own policy (set_mixed_precision) also reduce-scatters the gradients in bf16 (8 bits of
+    mantissa summed over every rank) and casts the outputs to bf16, which rounds the fp32 loss sum that
+    loss.py returns (measured: sums near 7,000 came out as multiples of 32). tests/test_fsdp.py checks the logged loss
+    is not rounded so.
+    """
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    low = {"bf16": torch.bfloat16, "fp16": torch.float16}[mixed_precision]
+    return MixedPrecisionPolicy(param_dtype=low, reduce_dtype=torch.float32, output_dtype=None)
+
+
+@contextmanager
+def accumulating(accelerator, model, fsdp_accumulate: str):
+    """The backward of a micro-batch that is not its window's last: what it sends and what it leaves held.
+
+    DDP, and FSDP with train.fsdp_accumulate=unsharded: nothing is sent and every process accumulates its whole
+    gradient (Accelerate's no_sync; for FSDP2 set_requires_gradient_sync(False), which keeps the unsharded fp32
+    gradient on every GPU until the last micro-batch). FSDP with sharded (the default): every micro-batch's
+    gradients are reduce-scattered, so each GPU holds only its shard between micro-batches, as torchtitan does;
+    under HSDP the all-reduce across the replicas (the nodes) waits for the last micro-batch
+    (set_requires_all_reduce(False) accumulates the reduce-scattered shards first), so the network still carries
+    one all-reduce a step."""
+    if not uses_fsdp(accelerator) or fsdp_accumulate == "unsharded":
+        with accelerator.no_sync(model):
+            yield
+        return
+    replicated = replicas(accelerator) > 1
+    if replicated:
+        model.set_requires_all_reduce(False)
+    try:
+        yield
+    finally:
+        if replicated:
+            model.set_requires_all_reduce(True)
+
+
+@contextmanager
+def gathered_for_generation(model):
+    """FSDP2: every unit's parameters all-gathered once and kept whole while the block runs (sampling decodes one
+    token at a time: resharding after each layer's forward would gather every layer again at every token), then
+    resharded, and each unit's reshard-after-forward put back as it was. Costs the whole model in FSDP's
+    param_dtype on every GPU while it runs (the estimate counts it). Anything else: nothing to do."""
+    from torch.distributed.fsdp import FSDPModule
+
+    units = [m for m in model.modules() if isinstance(m, FSDPModule)]
+    if not units:
+        yield
+        return
+    states = [u._get_fsdp_state() for u in units]
+    # FSDP takes the first unit to run forward as its root; sampling calls the layers and the tail units itself,
+    # maybe before any training forward (the eval at step 0): make the outermost unit the root first
+    states[0]._lazy_init()
+    # What set_reshard_after_forward overwrites, read from the state to be put back: torch has no public getter
+    before = [(s._auto_reshard_after_forward, [g.post_forward_mesh_info for g in fsdp_param_groups(s)])
+              for s in states]
+    for unit in units:
+        unit.set_reshard_after_forward(False, recurse=False)
+        unit.unshard()
+    try:
+        yield
+    finally:
+        for unit, state, (auto, infos) in zip(units, states, before):
+            unit.reshard()
+            state._auto_reshard_after_forward = auto
+            for group, info in zip(fsdp_param_groups(state), infos):
+                group.post_forward_mesh_info = info
+
+
+def fsdp_param_groups(state) -> list:
+    """An FSDP2 unit's parameter groups (`FSDPModule._get_fsdp_state()`), which torch reads through no public API
+    and spells two ways: a list `_fsdp_param_groups` in torch 2.13 (one group per mesh), one `_fsdp_param_group`
+    or None in torch 2.11 (the GPU machine's; pyproject allows >= 2.6)."""
+    groups = getattr(state, "_fsdp_param_groups", None)
+    if groups is not None:
+        return list(groups)
+    group = state._fsdp_param_group
+    return [] if group is None else [group]
+
+
+def receives_weights(accelerator) -> bool:
+    """This process builds an empty model and receives its weights from the main process.
+
+    FSDP with cpu_ram_efficient_loading (fsdp.yaml): only the main process reads the checkpoint; in
+    `prepare`, Accelerate's fsdp2_load_full_state_dict broadcasts it tensor by tensor and every process
+    keeps only its own shard. Host RAM then holds one copy of the model per job, not one per process.
+    """
+    plugin = accelerator.state.fsdp_plugin if uses_fsdp(accelerator) else None
+    return bool(plugin is not None and plugin.cpu_ram_efficient_loading and not accelerator.is_main_process)

@@ -1,0 +1,82 @@
+"""Tensor parallelism: what it does not train, refused before any process group exists, and the decoder's
+linear layers sharded over the mesh's `tp` dimension by the model's own plan.
+
+llmtrain applies the plan itself, not Accelerate (accelerator.py's `_attach_mesh` says why); FSDP2 then shards
+the tensor-parallel weights over the mesh's data-parallel dimensions.
+"""
+
+from __future__ import annotations
+
+from llmtrain.config import Recipe
+from llmtrain.errors import LLMTrainError
+
+
+def check_tensor_parallel(config, recipe: Recipe) -> None:
+    """Refuse what tensor parallelism does not train, before any process group exists."""
+    if config.tp_size < 2:
+        return
+    where = f"parallelism_config_tp_size: {config.tp_size} in the launch config"
+    if recipe.lora is not None or recipe.model.quantize:
+        what = "a 4-bit base (model.quantize)" if recipe.model.quantize else "LoRA (the recipe's lora: section)"
+        raise LLMTrainError(
+            f"tensor parallelism ({where}) does not train {what}: peft's adapters are whole matrices beside "
+            "the sharded base weights. A LoRA run of a 7B model fits one GPU: launch it with "
+            "accelerate_configs/ddp.yaml or accelerate_configs/fsdp.yaml (tp_size 1).")
+    if recipe.model.compile:
+        raise LLMTrainError(f"tensor parallelism ({where}) is not tested with model.compile: set model.compile=false.")
+
+
+def apply_tensor_parallel(model, mesh) -> int:
+    """Shard the decoder's linear layers over `mesh` (1-D, the `tp` dimension) by the model's own tensor-parallel
+    plan (transformers' `base_model_tp_plan`: q/k/v and gate/up column-wise, o and down row-wise), with PyTorch's
+    parallelize_module. Each attention layer then holds heads / tp query and KV heads, each MLP intermediate / tp
+    columns; a row-wise layer all-reduces its output, so every process of the group holds the same hidden states
+    and the same loss. Embeddings, norms and the LM head stay whole on every TP rank (FSDP still shards them over
+    the data-parallel dimension). Returns the number of layers sharded."""
+    from fnmatch import fnmatchcase
+
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    styles = {"colwise": ColwiseParallel, "rowwise": RowwiseParallel}
+    config, tp = model.config, mesh.size()
+    plan = dict(getattr(config, "base_model_tp_plan", None) or {})
+    if not plan or set(plan.values()) - set(styles):
+        raise LLMTrainError(
+            f"tensor parallelism needs a model whose tensor-parallel plan (config.base_model_tp_plan) is column- and "
+            f"row-wise linear layers, as Llama's and Mistral's are; {type(model).__name__} has "
+            f"{sorted(set(plan.values())) or 'none'}. Set parallelism_config_tp_size: 1.")
+    kv = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
+    for name, n in (("num_attention_heads", config.num_attention_heads), ("num_key_value_heads", kv),
+                    ("intermediate_size", config.intermediate_size)):
+        if n % tp:
+            raise LLMTrainError(f"tensor parallelism over {tp} processes splits the model's {name} ({n}) evenly, and "
+                                f"{n} is not a multiple of {tp}: set parallelism_config_tp_size to a divisor of {n}.")
+    base = getattr(model, model.base_model_prefix)
+    layers = {name: styles[style]() for name, _ in base.named_modules()
+              for pattern, style in plan.items() if fnmatchcase(name, pattern)}
+    parallelize_module(base, mesh, layers)
+    for block in {name.rpartition(".")[0] for name, style in layers.items() if isinstance(style, ColwiseParallel)}:
+        base.get_submodule(block).register_forward_pre_hook(_replicated_input(mesh), with_kwargs=True)
+    return len(layers)
+
+
+def _replicated_input(mesh):
+    """A block's (attention's, the MLP's) input as one replicated DTensor, before its column-wise layers see it.
+
+    Each column-wise layer given a plain tensor wraps it itself, so in backward each would all-reduce its own partial
+    input gradient: q, k and v three times, gate and up twice. Wrapped once here, their partial gradients are summed
+    as one DTensor and all-reduced once, where the block's input is made: 2 all-reduces per layer in backward, as in
+    forward (tests/test_comms_measured.py counts them)."""
+    from torch.distributed.tensor import DTensor, Replicate
+
+    def wrap(x):
+        return DTensor.from_local(x, mesh, [Replicate()], run_check=False) if not isinstance(x, DTensor) else x
+
+    def hook(module, args, kwargs):
+        if args:  # the MLP: mlp(hidden_states)
+            return (wrap(args[0]), *args[1:]), kwargs
+        if "hidden_states" in kwargs:  # attention: self_attn(hidden_states=..., ...)
+            return args, {**kwargs, "hidden_states": wrap(kwargs["hidden_states"])}
+        return None
+
+    return hook
