@@ -27,6 +27,7 @@ from llmtrain.data.checks import check_context, check_data, check_warmup
 from llmtrain.data.prepare import prepare_datasets
 from llmtrain.errors import LLMTrainError
 from llmtrain.loop.determinism import deterministic_algorithms
+from llmtrain.model import ulysses
 from llmtrain.model.loss import attach_loss
 from llmtrain.model.modeling import (
     build_optimizer,
@@ -138,6 +139,8 @@ def prepare_data(recipe: Recipe, accelerator, *, say) -> Data:
     mesh = mesh_line(accelerator.parallelism_config, tp)
     if tp > 1:  # a tensor-parallel group reads one batch: the batch multiplies by the data-parallel ranks
         procs = f"{world} data-parallel ranks ({accelerator.num_processes} processes: {mesh})"
+    elif (sp := recipe.parallel.sequence_parallel) > 1:  # so does a sequence group
+        procs = f"{world} data-parallel ranks ({accelerator.num_processes} processes, each sequence over {sp})"
     else:
         procs = f"{accelerator.num_processes} processes" + (f" ({mesh})" if mesh else "")
     unit = {"preference": "pairs", "prompt": "prompts"}.get(recipe.data.format, "examples")
@@ -258,7 +261,7 @@ def build_model(recipe: Recipe, accelerator, *, total_steps: int, say) -> Traina
     if (sp := recipe.parallel.sequence_parallel) > 1:  # the head counts, then the Ulysses attention
         sequence.check(recipe, world=accelerator.num_processes, heads=model.config.num_attention_heads,
                        kv_heads=getattr(model.config, "num_key_value_heads", None) or model.config.num_attention_heads)
-        sequence.attach(model)
+        ulysses.attach(model, size=sp, group=sequence.sequence_group().group)
         say(sequence.describe(sp, accelerator.num_processes))
     fused_ce = fused_linear_cross_entropy(recipe.model, accelerator.device)  # None unless liger is in use
     attach_loss(model, chunk=tc.loss_chunk_tokens, fused_linear_ce=fused_ce)

@@ -42,10 +42,10 @@ from llmtrain.loop.step import evaluate, train_step
 from llmtrain.memory import predicted_for_run
 from llmtrain.memory.fit import out_of_memory_text
 from llmtrain.objectives.objective import Objective, objective_for, rl_rewards
+from llmtrain.objectives.sequence import SequenceShards
 from llmtrain.parallel.accelerator import build_accelerator
 from llmtrain.parallel.collectives import gathered
 from llmtrain.parallel.mesh import data_ranks
-from llmtrain.parallel.sequence import SequenceShards
 from llmtrain.run.checkpoint import save_checkpoint
 from llmtrain.run.console import RunConsole, step_text, summary_table
 from llmtrain.run.export import save_final

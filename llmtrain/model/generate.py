@@ -53,7 +53,7 @@ def cached_attention(lm):
     """SDPA instead of llmtrain's varlen attention (or its sequence-parallel one) while generating: it refuses a KV
     cache, and every process generates on its own."""
     from llmtrain.model.attention import NAME
-    from llmtrain.parallel.sequence import NAME as SEQUENCE_NAME
+    from llmtrain.model.ulysses import NAME as SEQUENCE_NAME
 
     return (attention_as(lm.config, "sdpa") if lm.config._attn_implementation in (NAME, SEQUENCE_NAME)
             else nullcontext())

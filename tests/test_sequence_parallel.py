@@ -1,0 +1,208 @@
+"""Sequence parallelism (Ulysses, parallel.sequence_parallel): the processes of a sequence group each hold a slice of
+one packed row, and train what one process trains on the whole row.
+
+In-process: each slice's tokens, positions and trained positions (a document boundary inside a slice, the padding
+of a row that does not divide), and the refusals. Through `accelerate launch` on gloo: 2 processes with sequence
+parallelism 2 equal 1 process (losses to 1e-6, weights to 1e-5) on packed rows of several documents of unequal
+length, for Llama (full and LoRA, with an eval) and for a Mistral whose sliding window is shorter than its documents
+and whose single K/V head is replicated to both processes; the window changes the result (so the equality is not
+vacuous); kill -9 and a resume equal the uninterrupted run; 4 processes (sequence 2 x FSDP 2) equal 1.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from helpers import ENV, REPO, launch_finetune, load_weights, max_abs_diff, records, run_train, write_recipe
+
+from llmtrain.config import load_recipe
+from llmtrain.data.batching import Counts, collate, with_loss_positions
+from llmtrain.errors import LLMTrainError
+from llmtrain.objectives.sequence import shard_batch
+from llmtrain.parallel import sequence
+
+CPU_DDP = REPO / "accelerate_configs" / "cpu_ddp.yaml"
+CPU_FSDP = REPO / "accelerate_configs" / "cpu_fsdp.yaml"
+# Rows of several documents (the tiny task's examples are 10 to 16 tokens): a budget of 64 holds 4 or 5 of them.
+PACKED = {"model": {"attn_implementation": "auto"},
+          "train": {"micro_batch_size": 1, "micro_batch_tokens": 64, "grad_accum_steps": 2, "max_steps": 4,
+                    "lr": 3e-3}}
+
+
+def _row(lengths: list[int], trained_from: int = 2) -> tuple[dict, Counts]:
+    """A collated packed row of documents of these lengths (tokens 10, 11, ...), each trained from its
+    `trained_from`-th token on."""
+    examples, token = [], 10
+    for n in lengths:
+        ids = list(range(token, token + n))
+        token += n
+        examples.append({"input_ids": ids, "labels": [-100] * trained_from + ids[trained_from:]})
+    batch = with_loss_positions(collate(examples, pad_id=0, packing=True))
+    trained = float(len(batch["loss_index"]))
+    return batch, Counts(units=trained, trained=trained, tokens=float(sum(lengths)),
+                         squares=float(sum(n * n for n in lengths)))
+
+
+def test_each_slice_holds_its_tokens_and_the_trained_positions_that_fall_in_it():
+    batch, counts = _row([5, 9, 4])  # 18 tokens, documents 0-4, 5-13, 14-17: a boundary inside each slice
+    shards = [shard_batch(batch, counts, size=2, rank=r, pad_id=0) for r in range(2)]
+    for r, (part, _) in enumerate(shards):
+        assert part["input_ids"].tolist() == [list(range(10 + 9 * r, 19 + 9 * r))]
+        assert part["position_ids"].tolist() == [[[0, 1, 2, 3, 4, 0, 1, 2, 3]], [[4, 5, 6, 7, 8, 0, 1, 2, 3]]][r]
+        assert part["cu_seq_lens"].tolist() == [0, 5, 14, 18]  # the whole row's boundaries: attention sees it all
+        # the trained positions of the slice, renumbered from it, with their targets (the next token of the row)
+        flat = (part["loss_index"] + 9 * r).tolist()
+        assert part["loss_targets"].tolist() == [batch["loss_targets"][batch["loss_index"].tolist().index(i)].item()
+                                                 for i in flat]
+    together = torch.cat([p["loss_index"] + 9 * r for r, (p, _) in enumerate(shards)])
+    assert together.tolist() == batch["loss_index"].tolist()  # every trained position once, none lost at the cut
+    assert [c.tokens for _, c in shards] == [9.0, 9.0]
+    assert sum(c.units for _, c in shards) == counts.units
+    assert sum(c.squares for _, c in shards) == counts.squares
+
+
+def test_a_row_that_does_not_divide_is_padded_with_an_example_of_its_own():
+    batch, counts = _row([5, 6])  # 11 tokens over 4 processes: 1 pad token, its own example
+    shards = [shard_batch(batch, counts, size=4, rank=r, pad_id=0) for r in range(4)]
+    assert [p["input_ids"].shape[1] for p, _ in shards] == [3, 3, 3, 3]
+    assert shards[3][0]["input_ids"].tolist() == [[19, 20, 0]]
+    assert shards[0][0]["cu_seq_lens"].tolist() == [0, 5, 11, 12]
+    assert shards[3][0]["position_ids"].tolist() == [[4, 5, 0]]
+    assert [c.tokens for _, c in shards] == [3.0, 3.0, 3.0, 2.0]  # the pad is not a token
+    assert sum(c.units for _, c in shards) == counts.units
+    assert all(p["examples"] == 2 for p, _ in shards)
+
+
+def _recipe(tiny_assets, tmp_path, **sections):
+    sections.setdefault("model", {"attn_implementation": "auto"})
+    return load_recipe(write_recipe(tiny_assets, tmp_path, **sections), [])
+
+
+@pytest.mark.parametrize("world, heads, kv, sections, words", [
+    (3, 4, 2, {}, "the launch has 3: launch a multiple of 2"),
+    (4, 6, 2, {}, "6 attention heads do not split into 4"),
+    (4, 12, 3, {}, "3 key/value heads neither split into 4 groups nor divide 4"),
+    (2, 4, 2, {"preference": {"loss": "dpo"}, "data": {"format": "preference"}}, "preference pairs"),
+    (2, 4, 2, {"model": {"attn_implementation": "sdpa"}}, "model.attn_implementation=sdpa is refused"),
+])
+def test_what_sequence_parallelism_does_not_train_is_refused(tiny_assets, tmp_path, world, heads, kv, sections, words):
+    n = 4 if "into 4" in words or "divide 4" in words else 2
+    recipe = _recipe(tiny_assets, tmp_path, parallel={"sequence_parallel": n}, **sections)
+    with pytest.raises(LLMTrainError, match=words.replace("(", r"\(")):
+        sequence.check(recipe, world=world, heads=heads, kv_heads=kv)
+    sequence.check(_recipe(tiny_assets, tmp_path), world=3, heads=6, kv_heads=3)  # off: nothing to refuse
+
+
+def _launch(config: Path, processes: int, port: int, recipe: Path, *overrides: str) -> str:
+    return launch_finetune(config, processes, port, recipe, "parallel.sequence_parallel=2", *overrides)
+
+
+def _assert_equal(run: Path, reference: Path, *, weights: float = 1e-5) -> None:
+    ours, theirs = records(run), records(reference)
+    assert len(ours) == len(theirs) > 0
+    assert [r["loss"] for r in ours] == pytest.approx([r["loss"] for r in theirs], abs=1e-6)
+    assert [r["grad_norm"] for r in ours] == pytest.approx([r["grad_norm"] for r in theirs], rel=1e-5)
+    assert [r["tokens"] for r in ours] == [r["tokens"] for r in theirs]  # the same rows, counted once
+    assert [r["trained_tokens"] for r in ours] == [r["trained_tokens"] for r in theirs]
+    assert max_abs_diff(_final(run), _final(reference)) < weights
+
+
+def _final(run: Path) -> dict:
+    """final/'s weights: the model, or a LoRA run's adapter."""
+    adapter = run / "final" / "adapter_model.safetensors"
+    return load_weights(adapter if adapter.is_file() else run / "final")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("lora", [False, True], ids=["full", "lora"])
+def test_two_processes_of_one_sequence_train_what_one_process_trains(tiny_assets, tmp_path, free_port, lora):
+    extra = {"lora": {"r": 4, "alpha": 8, "dropout": 0.0}} if lora else {}
+    recipe = write_recipe(tiny_assets, tmp_path, **PACKED, **extra,
+                          data={"eval_split": str(tiny_assets / "data" / "eval.jsonl")})
+    overrides = ["train.eval_every_steps=2"]
+    one, two = tmp_path / "one", tmp_path / "two"
+    run_train(recipe, f"output_dir={one}", *overrides)
+    out = _launch(CPU_DDP, 2, free_port, recipe, f"output_dir={two}", *overrides)
+    assert "each sequence split over 2 processes" in out and "1 data-parallel ranks (2 processes" in out
+    _assert_equal(two, one)
+    # the eval runs on the slices too, its per-example sums summed over the group
+    evals, reference = records(two, "eval"), records(one, "eval")
+    for key in ("eval_loss", "eval_token_accuracy", "eval_teacher_forced_match"):
+        assert [e[key] for e in evals] == pytest.approx([e[key] for e in reference], abs=1e-6)
+
+
+def _tiny_mistral(tiny_assets: Path, out: Path, window: int | None) -> Path:
+    """The tiny model as a Mistral with one K/V head (replicated to both processes) and a sliding window shorter than
+    its documents (10 to 16 tokens); the same random weights for every window."""
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    config = AutoConfig.for_model("mistral", **{k: v for k, v in json.loads(
+        (tiny_assets / "model" / "config.json").read_text()).items() if k not in ("model_type", "architectures")})
+    config.num_key_value_heads, config.sliding_window = 1, window
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    model.save_pretrained(out)
+    AutoTokenizer.from_pretrained(tiny_assets / "model").save_pretrained(out)
+    return out
+
+
+@pytest.mark.slow
+def test_a_sliding_window_and_a_replicated_kv_head_stay_exact(tiny_assets, tmp_path, free_port):
+    model = _tiny_mistral(tiny_assets, tmp_path / "mistral", window=4)
+    recipe = write_recipe(tiny_assets, tmp_path, **{**PACKED, "model": {"attn_implementation": "auto",
+                                                                         "name_or_path": str(model)}})
+    one, two, unwindowed = tmp_path / "one", tmp_path / "two", tmp_path / "unwindowed"
+    run_train(recipe, f"output_dir={one}")
+    _launch(CPU_DDP, 2, free_port, recipe, f"output_dir={two}")
+    _assert_equal(two, one)
+    # not vacuous: without the window the same weights train to other losses from the first step on
+    wide = _tiny_mistral(tiny_assets, tmp_path / "mistral-wide", window=None)
+    run_train(recipe, f"output_dir={unwindowed}", f"model.name_or_path={wide}")
+    assert abs(records(unwindowed)[0]["loss"] - records(one)[0]["loss"]) > 1e-3
+
+
+def _start(args: list[str]) -> subprocess.Popen:
+    return subprocess.Popen(args, env=ENV, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)
+
+
+@pytest.mark.slow
+def test_kill_9_and_a_resume_equal_the_uninterrupted_run(tiny_assets, tmp_path, free_port):
+    recipe = write_recipe(tiny_assets, tmp_path, **{**PACKED, "train": {**PACKED["train"], "max_steps": 30}},
+                          checkpoint={"every_steps": 3, "save_final": True})
+    straight, cut = tmp_path / "straight", tmp_path / "cut"
+    run_train(recipe, f"output_dir={straight}")
+    launch = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(CPU_DDP), "--num_processes",
+              "2", "--main_process_port", str(free_port), "-m", "llmtrain", "finetune", str(recipe),
+              "parallel.sequence_parallel=2", f"output_dir={cut}"]
+    proc = _start(launch)
+    end = time.monotonic() + 180
+    while not list((cut / "checkpoints").glob("step_*")) or len(records(cut)) < 7:
+        assert proc.poll() is None and time.monotonic() < end, proc.communicate()
+        time.sleep(0.02)
+    os.killpg(proc.pid, signal.SIGKILL)  # every process of the launch, mid-run, with no chance to save
+    proc.communicate(timeout=60)
+    assert len(records(cut)) < 30
+    launch_finetune(CPU_DDP, 2, free_port + 1, recipe, "parallel.sequence_parallel=2", f"output_dir={cut}",
+                    resume="auto")
+    ours = {r["step"]: r["loss"] for r in records(cut)}  # a step logged twice (after its checkpoint): the resume's
+    assert [ours[s] for s in sorted(ours)] == pytest.approx([r["loss"] for r in records(straight)], abs=1e-6)
+    assert max_abs_diff(_final(cut), _final(straight)) < 1e-5
+
+
+@pytest.mark.slow
+def test_four_processes_sequence_2_by_fsdp_2_equal_one(tiny_assets, tmp_path, free_port):
+    recipe = write_recipe(tiny_assets, tmp_path, **{**PACKED, "train": {**PACKED["train"], "max_steps": 2}})
+    one, four = tmp_path / "one", tmp_path / "four"
+    run_train(recipe, f"output_dir={one}", "train.grad_accum_steps=4")  # 2 data ranks x 2 micro-batches
+    out = _launch(CPU_FSDP, 4, free_port, recipe, f"output_dir={four}")
+    assert "2 data-parallel ranks (4 processes, each sequence over 2)" in out
+    _assert_equal(four, one)
