@@ -121,17 +121,25 @@ def _final(run: Path) -> dict:
     return load_weights(adapter if adapter.is_file() else run / "final")
 
 
+LORA = {"r": 4, "alpha": 8, "dropout": 0.0}
+# QLoRA with the long-context switches: checkpointing with the layer inputs offloaded, the MLP tiled in shards of 8
+LONG = ["model.quantize=nf4", "model.gradient_checkpointing=true", "model.activation_offload=true",
+        "model.tiled_mlp=8"]
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("lora", [False, True], ids=["full", "lora"])
-def test_two_processes_of_one_sequence_train_what_one_process_trains(tiny_assets, tmp_path, free_port, lora):
-    extra = {"lora": {"r": 4, "alpha": 8, "dropout": 0.0}} if lora else {}
-    recipe = write_recipe(tiny_assets, tmp_path, **PACKED, **extra,
+@pytest.mark.parametrize("lora, switches", [(False, []), (True, []), (True, LONG)], ids=["full", "lora", "qlora-long"])
+def test_two_processes_of_one_sequence_train_what_one_process_trains(tiny_assets, tmp_path, free_port, lora,
+                                                                      switches):
+    recipe = write_recipe(tiny_assets, tmp_path, **PACKED, **({"lora": LORA} if lora else {}),
                           data={"eval_split": str(tiny_assets / "data" / "eval.jsonl")})
-    overrides = ["train.eval_every_steps=2"]
+    overrides = ["train.eval_every_steps=2", *switches]
     one, two = tmp_path / "one", tmp_path / "two"
     run_train(recipe, f"output_dir={one}", *overrides)
     out = _launch(CPU_DDP, 2, free_port, recipe, f"output_dir={two}", *overrides)
     assert "each sequence split over 2 processes" in out and "1 data-parallel ranks (2 processes" in out
+    if switches:
+        assert "QLoRA" in out and "layer inputs offloaded" in out and "MLP tiled in shards of 8" in out
     _assert_equal(two, one)
     # the eval runs on the slices too, its per-example sums summed over the group
     evals, reference = records(two, "eval"), records(one, "eval")
@@ -209,3 +217,18 @@ def test_four_processes_sequence_2_by_fsdp_2_equal_one(tiny_assets, tmp_path, fr
     out = _launch(CPU_FSDP, 4, free_port, recipe, f"output_dir={four}")
     assert "2 data-parallel ranks (4 processes, each sequence over 2)" in out
     _assert_equal(four, one)
+
+
+@pytest.mark.slow
+def test_a_checkpoint_of_sequence_parallelism_resumes_on_one_process(tiny_assets, tmp_path, free_port):
+    """The data position is kept per data-parallel rank, and a sequence group is one rank: a checkpoint written by 2
+    processes sharing each sequence resumes on 1 process (the same bins a step), and trains on as the run that never
+    split its sequences, to float rounding."""
+    recipe = write_recipe(tiny_assets, tmp_path, **{**PACKED, "train": {**PACKED["train"], "schedule": "constant"}},
+                          checkpoint={"every_steps": 2})
+    one, cut = tmp_path / "one", tmp_path / "cut"
+    run_train(recipe, f"output_dir={one}")
+    _launch(CPU_DDP, 2, free_port, recipe, f"output_dir={cut}", "train.max_steps=2")
+    run_train(recipe, f"output_dir={cut}", resume="auto", allow_recipe_change=True)
+    assert "resumed from" in (cut / "train.log").read_text()
+    _assert_equal(cut, one)
