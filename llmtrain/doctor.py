@@ -49,9 +49,44 @@ def launch_tp(launch: dict) -> int:
     return (mesh_sizes(launch) or {"tp": 1})["tp"]
 
 
-def data_ranks(launch: dict) -> int:
-    """Processes that read different batches: a tensor-parallel group reads one."""
-    return max(1, int(launch.get("num_processes", 1) or 1) // launch_tp(launch))
+def data_ranks(launch: dict, sequence_parallel: int = 1) -> int:
+    """Processes that read different batches: a tensor-parallel group reads one, and so does a sequence group
+    (parallel.sequence_parallel)."""
+    return max(1, int(launch.get("num_processes", 1) or 1) // launch_tp(launch) // sequence_parallel)
+
+
+def check_sequence_parallel(recipe: Recipe, launch: dict) -> list[Check]:
+    """parallel.sequence_parallel N against the model's heads (N divides the query heads; N and the K/V heads divide
+    one another) and the launch's processes (a multiple of N: whole groups of N consecutive ranks); none when off."""
+    from llmtrain.memory.params import load_model_shape
+    from llmtrain.memory.spec import sequence_heads_problem, sequence_kv_heads
+
+    n = recipe.parallel.sequence_parallel
+    if n == 1:
+        return []
+    procs, name = int(launch.get("num_processes", 1) or 1), "sequence parallelism"
+    problems = []
+    if procs % n:
+        problems.append(f"parallel.sequence_parallel={n} needs the launch's processes in whole groups of {n}, and it "
+                        f"has {procs}: launch a multiple of {n} processes (--num_processes), or set "
+                        "parallel.sequence_parallel to a divisor of them")
+    try:
+        shape = load_model_shape(recipe.model.name_or_path)
+    except LLMTrainError as e:
+        return [(name, "fail" if problems else "warn", "; ".join(problems + [f"the model's heads are not known ({e})"])
+                 + ".")]
+    if (heads := sequence_heads_problem(n, shape.heads, shape.kv_heads)) is not None:
+        problems.append(f"{heads} (parallel.sequence_parallel)")
+    if problems:
+        return [(name, "fail", "; ".join(problems) + ".")]
+    kv = sequence_kv_heads(n, shape.kv_heads)
+    split = f"{shape.kv_heads // n} K/V head(s)" if kv == shape.kv_heads else \
+        f"1 K/V head (each of {shape.kv_heads} repeated {n // shape.kv_heads} times)"
+    groups = procs // n
+    detail = (f"{procs} processes = {groups} group{'s' if groups > 1 else ''} of {n}, each GPU with 1/{n} of every "
+              f"micro-batch's tokens and, in attention, {shape.heads // n} of the {shape.heads} query heads and "
+              f"{split}; keep a group inside a node (NVLink)")
+    return [(name, "pass", detail)]
 
 
 def check_tensor_parallel_launch(recipe: Recipe, launch: dict) -> list[Check]:
@@ -105,10 +140,11 @@ def check_launch_settings(launch: dict) -> list[Check]:
 
 
 def check_batch(recipe: Recipe, launch: dict) -> list[Check]:
-    t, procs = recipe.train, data_ranks(launch)
+    t, procs = recipe.train, data_ranks(launch, recipe.parallel.sequence_parallel)
     unit = "tokens" if t.micro_batch_tokens else "prompts" if recipe.rl is not None else "examples"
     per = t.micro_batch_tokens or t.micro_batch_size
-    ranks = "processes" if launch_tp(launch) == 1 else "data-parallel ranks"
+    ranks = "processes" if launch_tp(launch) == 1 and recipe.parallel.sequence_parallel == 1 else \
+        "data-parallel ranks"
     total = procs * per * t.grad_accum_steps
     sampled = f" ({total * recipe.rl.num_generations:,} completions)" if recipe.rl is not None else ""
     return [("global batch", "pass", f"{procs} {ranks} x {per} {unit} (train.micro_batch_"
@@ -170,7 +206,7 @@ def check_memory(recipe: Recipe, launch_path: Path | None, gpu_memory: float | N
     if gpu_memory is None:
         return rows, est
     t = recipe.train
-    global_batch = (t.micro_batch_tokens or t.micro_batch_size) * t.grad_accum_steps * spec.world
+    global_batch = (t.micro_batch_tokens or t.micro_batch_size) * t.grad_accum_steps * spec.data_ranks
     advice = fitting.recommendation(shape, est, global_batch=global_batch)
     worst = f" (worst case, sequences of data.max_seq_len: {_gib(est.worst_case_bytes)})" if est.worst_case_bytes \
         else ""
@@ -301,7 +337,7 @@ def run_doctor(recipe: Recipe, *, accelerate_config: Path | None = None,
                                                                          "eos trained", "schedule")]
     if tokenizer is not None:
         checks += check_tokenizer(tokenizer) + check_chat_template(recipe, tokenizer)
-        checks += load_data(recipe, tokenizer, world=data_ranks(launch))
+        checks += load_data(recipe, tokenizer, world=data_ranks(launch, recipe.parallel.sequence_parallel))
         checks += check_rewards_run(recipe, tokenizer)
     checks += check_context(recipe.data.max_seq_len, _max_positions(recipe.model.name_or_path))
     gpu = gpu_memory if gpu_memory is not None else gpu_memory_here()
@@ -315,7 +351,7 @@ def run_doctor(recipe: Recipe, *, accelerate_config: Path | None = None,
     if est is not None:
         checks += check_fsdp(recipe, launch, params=est.params_total, fits=est.fits if gpu else None)
     return checks + check_launch_settings(launch) + check_mesh_launch(launch) + \
-        check_tensor_parallel_launch(recipe, launch) + \
+        check_tensor_parallel_launch(recipe, launch) + check_sequence_parallel(recipe, launch) + \
         check_batch(recipe, launch) + check_shared_fs(recipe, launch)
 
 

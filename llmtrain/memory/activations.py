@@ -16,6 +16,7 @@ from dataclasses import dataclass, replace
 from typing import Literal
 
 from llmtrain.memory.params import ModelShape
+from llmtrain.memory.spec import sequence_kv_heads
 
 Attn = Literal["varlen", "sdpa", "eager", "flash_attention_2"]
 FP32 = 4
@@ -52,6 +53,10 @@ class Pass:
     loss_positions: int | None = None  # N where only part of each sequence is trained (online RL: the completions)
     # model.tiled_mlp: the MLP runs over shards of this many tokens, keeping only its input (model/tiled_mlp.py)
     mlp_shard: int | None = None
+    # parallel.sequence_parallel: the GPUs of a sequence group (rows x row_len are then this GPU's 1/N of the group's
+    # row); around attention an all-to-all turns each GPU's [T tokens x all heads] into [N T tokens x 1/N of the
+    # heads], the same bytes, and back
+    sequence_parallel: int = 1
 
     @property
     def tokens(self) -> int:
@@ -72,9 +77,29 @@ def norm_bytes(p: Pass, hidden: int, *, trainable: bool) -> int:
 
 def kv_width(p: Pass, shape: ModelShape) -> int:
     """K/V heads as attention saves them: repeated to all heads by eager, by SDPA when a mask is passed
-    (transformers only uses SDPA's enable_gqa without a mask), and by varlen on a torch without GQA."""
+    (transformers only uses SDPA's enable_gqa without a mask), and by varlen on a torch without GQA. Under sequence
+    parallelism, per token of this GPU's share: the heads that enter the all-to-all (sequence_kv_heads)."""
     repeated = p.attn == "eager" or (p.attn == "sdpa" and p.mask) or (p.attn == "varlen" and p.varlen_repeats_kv)
-    return (shape.heads if repeated else shape.kv_heads) * shape.head_dim
+    return (shape.heads if repeated else sequence_kv_heads(p.sequence_parallel, shape.kv_heads)) * shape.head_dim
+
+
+def all_to_all_bytes(p: Pass, shape: ModelShape) -> int:
+    """Sequence parallelism: what one layer's forward all-to-alls carry from this GPU (0 without): q, k, v (K/V
+    repeated to the group's size where it has more GPUs than K/V heads) and the attention's output, [T/N tokens x
+    all heads] each in cd; the gathered [T x heads/N] tensors are as large. Backward's carry their gradients, the
+    same bytes."""
+    if p.sequence_parallel == 1:
+        return 0
+    kv = sequence_kv_heads(p.sequence_parallel, shape.kv_heads)
+    return p.tokens * 2 * (shape.heads + kv) * shape.head_dim * p.cd
+
+
+def all_to_all_temp(p: Pass, shape: ModelShape) -> int:
+    """The all-to-all buffers of one layer in flight: a second copy of q, k, v and the output (all_to_all_bytes: an
+    all-to-all's input and output exist at once), and where K/V heads are repeated for the group, the K and V they
+    were repeated from."""
+    repeated = sequence_kv_heads(p.sequence_parallel, shape.kv_heads) != shape.kv_heads
+    return all_to_all_bytes(p, shape) + (2 * p.tokens * shape.kv_heads * shape.head_dim * p.cd if repeated else 0)
 
 
 def attention_bytes(p: Pass, shape: ModelShape, *, o_trainable: bool) -> int:
@@ -82,7 +107,9 @@ def attention_bytes(p: Pass, shape: ModelShape, *, o_trainable: bool) -> int:
     eager: fp32 softmax output and its cd copy (b*heads*s*s each), and the transposed output for o_proj;
     sdpa/flash/varlen: the output (o_proj reads the same tensor) and logsumexp (heads x T fp32): memory
     linear in the tokens, whatever the examples' lengths;
-    sdpa with a mask: the boolean mask converted to a cd bias, per layer (b*s*s: a packed row's square)."""
+    sdpa with a mask: the boolean mask converted to a cd bias, per layer (b*s*s: a packed row's square).
+    Under sequence parallelism the kernel saves the gathered [N T x heads/N] q, k, v, output and logsumexp, as many
+    bytes; o_proj's input is then the output's all-to-all back, a tensor of its own, saved by a trained o_proj."""
     T, hq = p.tokens, shape.heads * shape.head_dim
     qkv = T * (hq + 2 * kv_width(p, shape)) * p.cd
     scores = p.rows * shape.heads * p.row_len * p.row_len
@@ -91,7 +118,8 @@ def attention_bytes(p: Pass, shape: ModelShape, *, o_trainable: bool) -> int:
         return qkv + probs + (T * hq * p.cd if o_trainable else 0)
     lse = p.rows * shape.heads * p.row_len * FP32
     bias = p.rows * p.row_len * p.row_len * p.cd if (p.attn == "sdpa" and p.mask) else 0
-    return qkv + T * hq * p.cd + lse + bias
+    o_input = T * hq * p.cd if (o_trainable and p.sequence_parallel > 1) else 0
+    return qkv + T * hq * p.cd + lse + bias + o_input
 
 
 def mlp_pass(p: Pass) -> Pass:
@@ -146,7 +174,10 @@ def attn_half_bytes(p: Pass, shape: ModelShape, adapted: dict[str, tuple[int, in
     total = norm_bytes(p, H, trainable=full) + attention_bytes(p, shape, o_trainable=full)
     if full:  # q, k and v read one input; o_proj reads the attention output (counted above)
         total += linear_input_bytes(p, H, 3)
-    total += shared_adapter_inputs(p, adapted, {("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"): H})
+    # o_proj's input: the kernel's output (saved by it), or under sequence parallelism its all-to-all back
+    o_input = {("self_attn.o_proj",): shape.heads * shape.head_dim} if p.sequence_parallel > 1 else {}
+    total += shared_adapter_inputs(p, adapted, {("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"): H,
+                                                **o_input})
     return total + sum(lora_bytes(p, fan_in, r) for fan_in in _adapters(adapted, "self_attn."))
 
 
@@ -251,7 +282,8 @@ def layer_forward_temp(p: Pass, shape: ModelShape, adapted: dict[str, tuple[int,
     """Short-lived tensors inside one layer's forward, beside the residual (T x H) it carries: eager's
     cd scores and their fp32 softmax input, otherwise the fp32 RoPE outputs of q and k before they are
     cast; or an adapter's fp32 input copies (plus the SwiGLU product, which a frozen down_proj does
-    not save, while down_proj's adapter runs)."""
+    not save, while down_proj's adapter runs). Under sequence parallelism, plus the all-to-all buffers
+    (all_to_all_temp)."""
     T, m = p.tokens, mlp_pass(p)
     if p.attn == "eager":
         attn = p.rows * shape.heads * p.row_len * p.row_len * (p.cd + FP32)
@@ -260,7 +292,7 @@ def layer_forward_temp(p: Pass, shape: ModelShape, adapted: dict[str, tuple[int,
     lora = [lora_forward_temp(p, i, o) for name, (i, o) in adapted.items() if not name.startswith("mlp.")]
     lora += [lora_forward_temp(m, i, o) + (m.tokens * i * p.cd if name == "mlp.down_proj" and not p.trainable_base
                                            else 0) for name, (i, o) in adapted.items() if name.startswith("mlp.")]
-    return T * shape.hidden * p.resid + max([attn] + lora)
+    return T * shape.hidden * p.resid + max([attn] + lora) + all_to_all_temp(p, shape)
 
 
 def residual_grad_bytes(p: Pass, shape: ModelShape) -> int:
@@ -281,13 +313,15 @@ def mlp_backward_temp(p: Pass, shape: ModelShape, adapted: dict[str, tuple[int, 
 def attn_backward_temp(p: Pass, shape: ModelShape, adapted: dict[str, tuple[int, int]]) -> int:
     """Gradients alive in attention's backward: eager's fp32 gradients of probabilities and scores
     (8 bytes per score); SDPA/flash's dq, dk, dv, the output gradient and the kernel's fp32 dq
-    accumulator; or an adapter's fp32 input gradients."""
+    accumulator; or an adapter's fp32 input gradients. Under sequence parallelism, plus the all-to-all buffers of
+    the gradients of the output, q, k and v (all_to_all_temp)."""
     T, hq = p.tokens, shape.heads * shape.head_dim
     if p.attn == "eager":
         attn = p.rows * shape.heads * p.row_len * p.row_len * 2 * FP32
     else:
         attn = T * (hq * (2 * p.cd + FP32) + 2 * kv_width(p, shape) * p.cd)
-    return max([attn] + [lora_backward_temp(p, fan_in) for fan_in in _adapters(adapted, "self_attn.")])
+    return max([attn] + [lora_backward_temp(p, fan_in) for fan_in in _adapters(adapted, "self_attn.")]) + \
+        all_to_all_temp(p, shape)
 
 
 def eval_layer_bytes(p: Pass, shape: ModelShape, adapted: dict[str, tuple[int, int]]) -> int:

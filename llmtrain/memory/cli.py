@@ -22,6 +22,7 @@ RUN_OPTIONS = {
     "grad_checkpointing": "model.gradient_checkpointing", "dtype": "model.dtype",
     "mixed_precision": "train.mixed_precision", "attn": "model.attn_implementation", "quantize": "model.quantize",
     "activation_offload": "model.activation_offload", "tiled_mlp": "model.tiled_mlp",
+    "sequence_parallel": "parallel.sequence_parallel",
 }
 # What `--method lora` without --dtype assumes: every shipped LoRA recipe keeps its frozen base in bf16.
 LORA_BASE_DTYPE = "bfloat16"
@@ -69,6 +70,9 @@ def estimate_memory(
         help="QLoRA: the base's decoder linears in 4 bits (with --method lora).")] = None,
     attn: Annotated[Optional[Literal["auto", "varlen", "sdpa", "eager", "flash_attention_2"]], typer.Option(
         help="Attention implementation (model.attn_implementation; auto is varlen).")] = None,
+    sequence_parallel: Annotated[Optional[int], typer.Option(
+        "--sequence-parallel", help="GPUs that share each micro-batch's tokens (parallel.sequence_parallel: Ulysses; "
+        "the micro-batch is the group's, 1/N of it on each GPU; must divide the GPUs and the heads).")] = None,
     cpu_offload: Annotated[bool, typer.Option(
         "--cpu-offload", help="FSDP offload of weights, gradients and optimizer state.")] = False,
     tp: Annotated[Optional[int], typer.Option(
@@ -108,7 +112,7 @@ def estimate_memory(
                                  packing=packing, loss_chunk_tokens=loss_chunk_tokens,
                                  grad_checkpointing=grad_checkpointing, dtype=dtype, mixed_precision=mixed_precision,
                                  attn=attn, quantize=quantize, activation_offload=activation_offload,
-                                 tiled_mlp=tiled_mlp).items() if v is not None}
+                                 tiled_mlp=tiled_mlp, sequence_parallel=sequence_parallel).items() if v is not None}
     if recipe is not None and accelerate_config is None and not (strategy or num_gpus or num_nodes):
         accelerate_config = header_launch(recipe)  # as the recipe's header launches it
         if accelerate_config is not None and not as_json:
@@ -127,7 +131,7 @@ def estimate_memory(
     est = dataclasses.replace(est, notes=assumed + est.notes)
     given = dict(intra_gbps=intra_gbps, inter_gbps=inter_gbps, peak_tflops=peak_tflops, mfu=mfu, hbm_tbps=hbm_tbps)
     network = Network(**{k: v for k, v in given.items() if v is not None})
-    traffic = step_traffic(shape, spec, network)
+    traffic = step_traffic(shape, est.spec, network)  # with --longest-context: at that length
     result = fitting.fit(shape, spec, global_batch=global_batch, network=network) if fit else None
     advice = fitting.recommendation(shape, est, global_batch=global_batch, network=network)
     if as_json:
@@ -157,9 +161,12 @@ def _longest_line(est, spec) -> str:
         return (f"longest context: not even {LONGEST_STEP:,} tokens fit {gpus} with this run (the estimate "
                 "below is the run as given)")
     host = est.long_context.get("offload_host_bytes")
-    more = f"; the activation offload takes {host / 2**30:,.1f} GiB of pinned host RAM per process" if host else ""
-    return (f"longest context that fits {gpus}: {est.spec.micro_batch_tokens:,} tokens in one sequence (within 90% "
-            f"of the card, as --fit; in steps of {LONGEST_STEP:,}){more}. The estimate at that length:")
+    more = (f"; the activation offload takes {host / 2**30:,.1f} GiB of pinned host RAM per process "
+            f"({host * spec.num_gpus / 2**30:,.1f} GiB per node)") if host else ""
+    split = (f", split {spec.sequence_parallel} ways ({est.spec.gpu_tokens:,} tokens a GPU)"
+             if spec.sequence_parallel > 1 else "")
+    return (f"longest context that fits {gpus}: {est.spec.micro_batch_tokens:,} tokens in one sequence{split} (within "
+            f"90% of the card, as --fit; in steps of {LONGEST_STEP:,}){more}. The estimate at that length:")
 
 
 def _render(est, advice: str, traffic, launch_mp: str | None, result, *, global_batch: int | None, target) -> None:

@@ -29,6 +29,13 @@ Per optimizer step of `grad_accum` micro-batches:
   column-wise layers' partial gradients meet before one all-reduce): 4 per layer, 5 with gradient checkpointing,
   whose recompute runs attention's again but stops before the MLP's (torch's non-reentrant checkpoint stops
   recomputing once the tensors backward needs are back, and the layer's output is not one of them; measured).
+- Sequence parallelism (Ulysses, parallel.sequence_parallel N): within each sequence group of N consecutive GPUs,
+  per micro-batch and decoder layer, the all-to-alls of q, k, v and the attention's output in forward (K/V repeated
+  to N heads first where N is a multiple of the K/V heads), of their gradients in backward, and the forward's again
+  in gradient checkpointing's recompute (o_proj and the MLP save tensors, so it runs the whole layer). Each GPU sends
+  (N-1)/N of its local [T/N tokens x heads] tensors. A group within a node (N <= GPUs a node, as it is meant to be)
+  sends all of it over NVLink; one that spans nodes sends (N - G)/N of its tensors to the GPUs of other nodes, over
+  the network. The data-parallel strategy's collectives stay over every GPU.
 """
 
 from __future__ import annotations
@@ -55,6 +62,12 @@ def all_gather(nbytes: float, n: int) -> float:
 
 
 reduce_scatter = all_gather
+all_to_all = all_gather  # each rank keeps 1/n of its S bytes and sends the rest
+
+
+def link_seconds(nbytes: float, gbps: float) -> float:
+    """Time to send `nbytes` at `gbps` gigabits per second."""
+    return nbytes * 8 / (gbps * 1e9)
 
 
 @dataclass(frozen=True)
@@ -77,6 +90,7 @@ class Traffic:
     compute_s: float  # the step's model FLOPs at the stated MFU, plus sampling_s
     network: Network
     sampling_s: float = 0.0  # online RL: the step's sampling (sampling_seconds), part of compute_s
+    sequence: SequenceTraffic | None = None  # sequence parallelism's all-to-alls (also among the parts)
 
     @property
     def intra_bytes(self) -> float:
@@ -88,11 +102,11 @@ class Traffic:
 
     @property
     def intra_s(self) -> float:
-        return self.intra_bytes * 8 / (self.network.intra_gbps * 1e9)
+        return link_seconds(self.intra_bytes, self.network.intra_gbps)
 
     @property
     def inter_s(self) -> float:
-        return self.inter_bytes * 8 / (self.network.inter_gbps * 1e9)
+        return link_seconds(self.inter_bytes, self.network.inter_gbps)
 
     @property
     def network_s(self) -> float:
@@ -107,11 +121,67 @@ class Traffic:
         return {"intra_node_bytes": round(self.intra_bytes), "inter_node_bytes": round(self.inter_bytes),
                 "intra_node_s": self.intra_s, "inter_node_s": self.inter_s, "compute_s": self.compute_s,
                 "sampling_s": self.sampling_s, "network_bound": self.network_bound,
+                "sequence_parallel": self.sequence.to_dict(self.network) if self.sequence else None,
                 "parts": [{"what": w, "intra_node_bytes": round(a), "inter_node_bytes": round(b)}
                           for w, a, b in self.parts],
                 "assumed": {"intra_gbps": self.network.intra_gbps, "inter_gbps": self.network.inter_gbps,
                             "peak_tflops": self.network.peak_tflops, "mfu": self.network.mfu,
                             "hbm_tbps": self.network.hbm_tbps}}
+
+
+@dataclass(frozen=True)
+class SequenceTraffic:
+    """Sequence parallelism's all-to-alls, per GPU per optimizer step: `payload` the local tensors they carry (q, k, v
+    and the attention output and their gradients, every layer, every micro-batch, the recompute's too), of which a
+    GPU sends (group-1)/group: `intra` bytes to GPUs of its node, `inter` to other nodes'."""
+
+    group: int  # GPUs a sequence group
+    gpus_per_node: int
+    payload: float
+    per_layer: float  # one layer's forward all-to-alls of one micro-batch (activations.all_to_all_bytes)
+    passes: int  # all-to-all rounds a layer per micro-batch: forward, backward, and the recompute's forward
+    intra: float
+    inter: float
+
+    @property
+    def sent(self) -> float:
+        return self.intra + self.inter
+
+    @property
+    def spans_nodes(self) -> bool:
+        return self.group > self.gpus_per_node
+
+    def times(self, network: Network) -> dict[str, float]:
+        """seconds: on the links the model assumes (NVLink within the node, the network for what leaves it);
+        nvlink_s and infiniband_s: all of it over NVLink (a group within a node), all of it over the network."""
+        return {"seconds": link_seconds(self.intra, network.intra_gbps) + link_seconds(self.inter, network.inter_gbps),
+                "nvlink_s": link_seconds(self.sent, network.intra_gbps),
+                "infiniband_s": link_seconds(self.sent, network.inter_gbps)}
+
+    def to_dict(self, network: Network) -> dict:
+        return {"group": self.group, "spans_nodes": self.spans_nodes,
+                "link": "nvlink and infiniband" if self.spans_nodes else "nvlink",
+                "payload_bytes": round(self.payload), "per_layer_forward_bytes": round(self.per_layer),
+                "passes_per_layer": self.passes, "sent_bytes": round(self.sent), "intra_node_bytes": round(self.intra),
+                "inter_node_bytes": round(self.inter), **self.times(network)}
+
+
+def sequence_traffic(shape: ModelShape, spec: TrainSpec) -> SequenceTraffic | None:
+    """The all-to-alls of spec's sequence groups per optimizer step (None without sequence parallelism): per
+    micro-batch, every layer's forward, backward and (gradient checkpointing) recompute, each carrying
+    activations.all_to_all_bytes of this GPU's tokens."""
+    n = spec.sequence_parallel
+    if n == 1:
+        return None
+    from llmtrain.memory import activations as act
+    from llmtrain.memory.estimate import make_pass
+
+    per_layer = float(act.all_to_all_bytes(make_pass(shape, spec), shape))
+    passes = 3 if spec.grad_checkpointing else 2
+    payload = spec.grad_accum * shape.layers * passes * per_layer
+    g = spec.num_gpus
+    inter = (n - g) / n * payload if n > g else 0.0
+    return SequenceTraffic(n, g, payload, per_layer, passes, all_to_all(payload, n) - inter, inter)
 
 
 @dataclass(frozen=True)
@@ -215,12 +285,13 @@ def tensor_parallel_activations(shape: ModelShape, spec: TrainSpec) -> float:
 def step_flops(shape: ModelShape, spec: TrainSpec, trainable_linear_share: float) -> float:
     """Model FLOPs of one GPU's optimizer step, as llmtrain's MFU counts them (metrics.flop_model): 6 per
     trained and 4 per frozen matrix parameter per token, and attention's 6 L heads head_dim per l^2, with every
-    example seq_len long (a token budget: as many full-length examples as fit)."""
+    example seq_len long (a token budget: as many full-length examples as fit). Under sequence parallelism a GPU
+    does 1/N of its group's: the layers on its 1/N of the tokens, attention for 1/N of the heads over all of them."""
     tokens = spec.tokens * spec.grad_accum
     body = shape.layers * shape.linear_params_per_layer * (4 + 2 * trainable_linear_share)
     head = shape.vocab * shape.hidden * (6 if spec.method == "full" else 4)
     attn = 6.0 * shape.layers * shape.heads * shape.head_dim * tokens * min(spec.seq_len, spec.tokens)
-    return tokens * (body + head) + attn
+    return (tokens * (body + head) + attn) / spec.sequence_parallel
 
 
 def sampling_seconds(shape: ModelShape, spec: TrainSpec, *, weight_bytes: float, network: Network) -> float:
@@ -246,14 +317,21 @@ def traffic(shape: ModelShape, spec: TrainSpec, *, trained_params: int, trainabl
             network: Network = Network(), weight_bytes: float = 0.0) -> Traffic:
     """One GPU's traffic and compute time per optimizer step; trainable_bytes are the gradients as they are
     reduced (the trained parameters in their master dtype); weight_bytes, the weights a GPU holds (online RL's
-    decode steps read them all)."""
+    decode steps read them all). Under sequence parallelism the data-parallel collectives are the strategy's over every
+    GPU (DDP or FSDP averages the gradients over all processes) and the all-to-alls are sequence_traffic's."""
     gathered = gathered_bytes(shape, spec, trained_params=trained_params)
     share = 1.0 if spec.method == "full" else 0.0
     sampling = sampling_seconds(shape, spec, weight_bytes=weight_bytes, network=network)
     compute = step_flops(shape, spec, share) / (network.peak_tflops * 1e12 * network.mfu) + sampling
     parts = data_parallel(spec, trainable_bytes=trainable_bytes, gathered=gathered,
                           activations=tensor_parallel_activations(shape, spec))
-    return Traffic(parts, compute, network, sampling)
+    sequence = sequence_traffic(shape, spec)
+    if sequence is not None:
+        within = "spanning nodes" if sequence.spans_nodes else "within the node"
+        what = (f"all-to-all of q, k, v and the attention output in the sequence group of {sequence.group} ({within}), "
+                f"{sequence.passes} a layer x {spec.grad_accum} micro-batches")
+        parts += ((what, sequence.intra, sequence.inter),)
+    return Traffic(parts, compute, network, sampling, sequence)
 
 
 def step_traffic(shape: ModelShape, spec: TrainSpec, network: Network = Network()) -> Traffic:

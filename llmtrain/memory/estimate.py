@@ -12,9 +12,19 @@ import inspect
 from dataclasses import replace
 
 from llmtrain.config import tiled_mlp_shard
+from llmtrain.errors import LLMTrainError
 from llmtrain.memory import activations as act
 from llmtrain.memory.params import LoraPlan, ModelShape, lora_plan, tensor_parallel_shape
-from llmtrain.memory.spec import DTYPE_BYTES, GIB, MIB, PRECISION_DTYPE, Estimate, TrainSpec
+from llmtrain.memory.spec import (
+    DTYPE_BYTES,
+    GIB,
+    MIB,
+    PRECISION_DTYPE,
+    Estimate,
+    TrainSpec,
+    sequence_heads_problem,
+    sequence_kv_heads,
+)
 from llmtrain.memory.states import (  # noqa: F401  (optimizer_bytes, quantized_base_bytes: imported from here too)
     States,
     accumulated_grads,
@@ -50,13 +60,17 @@ def make_pass(shape: ModelShape, spec: TrainSpec, *, examples: int | None = None
     Packed (spec.packed: varlen attention, packing, or a token budget): one row of every token, each example
     attending only to itself. varlen and flash_attention_2 read the boundaries and build no mask; sdpa and
     eager get transformers' block-diagonal 4-D mask over the whole row. Padded: one row per example, all
-    seq_len long and assumed to differ in length, so sdpa and eager get a 4-D mask there too."""
+    seq_len long and assumed to differ in length, so sdpa and eager get a 4-D mask there too. Sequence parallelism
+    (spec.sequence_parallel N, varlen only): one row of this GPU's ceil(T / N) tokens of the group's row."""
     training = examples is None
     if training:
         examples, budget = spec.micro_batch, spec.micro_batch_tokens
         if spec.update_tokens:  # online RL's update in passes of whole sequences within its budget
             examples = min(examples, max(1, spec.update_tokens // spec.seq_len))
     tokens = budget or examples * spec.seq_len
+    n = spec.sequence_parallel
+    if n > 1:  # this GPU's share of the group's packed row (the estimate at ceil(T / N) tokens)
+        tokens, budget = -(-tokens // n), -(-tokens // n)
     b, s = (1, tokens) if spec.packed else (examples, spec.seq_len)
     shard = tiled_mlp_shard(spec.tiled_mlp, shape.hidden)
     amp = spec.mixed_precision != "no"
@@ -77,7 +91,7 @@ def make_pass(shape: ModelShape, spec: TrainSpec, *, examples: int | None = None
                     # FSDP gathers the adapters in cd; peft's 4-bit layers do not cast their input under autocast
                     adapters_in_cd=spec.method == "lora" and amp and (spec.sharded or bool(spec.quantize)),
                     # the tiled MLP runs untiled on a micro-batch of at most one shard (model/tiled_mlp.py)
-                    mlp_shard=shard if shard and tokens > shard else None)
+                    mlp_shard=shard if shard and tokens > shard else None, sequence_parallel=n)
 
 
 def _down_share(shape: ModelShape, plan: LoraPlan | None, k: int) -> float:
@@ -96,6 +110,8 @@ def estimate(shape: ModelShape, spec: TrainSpec) -> Estimate:
     """The per-GPU peak of the run `spec` describes on the model `shape`. Under FSDP x TP every GPU runs its tensor-
     parallel slice of the model (params.tensor_parallel_shape), sharded by FSDP over the data-parallel ranks."""
     spec.validate()
+    if problem := sequence_heads_problem(spec.sequence_parallel, shape.heads, shape.kv_heads):
+        raise LLMTrainError(f"cannot estimate this run: {problem} ({shape.source}).")
     whole, shape = shape, tensor_parallel_shape(shape, spec.tp)
     plan = lora_plan(shape, r=spec.lora_r, targets=spec.lora_targets,
                      modules_to_save=spec.lora_modules_to_save) if spec.method == "lora" else None
@@ -261,7 +277,8 @@ def _eval_phases(shape: ModelShape, spec: TrainSpec, base: dict, *, adapted, cac
     ce = act.loss_chunk(e, spec.loss_chunk_tokens)
     return {
         "eval_forward": _phase(**base, autocast_copies=cached, activations=act.mask_bytes(e),
-                               temporaries=act.eval_layer_bytes(e, shape, adapted[-1]), fsdp_buffers=fsdp_unit),
+                               temporaries=act.eval_layer_bytes(e, shape, adapted[-1]) + act.all_to_all_temp(e, shape),
+                               fsdp_buffers=fsdp_unit),
         "eval_loss": _phase(**base, autocast_copies=cached + head_copies,
                             temporaries=(e.tokens + e.loss_tokens) * shape.hidden * e.resid,
                             logits=act.chunk_eval_bytes(e, shape.vocab, ce, -(-e.loss_tokens // ce)),
@@ -383,6 +400,16 @@ def _notes(shape: ModelShape, spec: TrainSpec, p: act.Pass) -> tuple[str, ...]:
         notes.append(f"{spec.kernel} on a packed row of {p.tokens} tokens: transformers builds a {p.tokens} x "
                      f"{p.tokens} block-diagonal mask and attention scales with its square; "
                      "model.attn_implementation=varlen (the default, auto) attends per example instead")
+    if spec.sequence_parallel > 1:
+        n, kv = spec.sequence_parallel, sequence_kv_heads(spec.sequence_parallel, shape.kv_heads)
+        split = f"{shape.kv_heads // n} K/V head(s) a GPU" if kv == shape.kv_heads else \
+            f"each of the {shape.kv_heads} K/V heads repeated {n // shape.kv_heads} times, 1 a GPU"
+        notes.append(f"sequence parallelism over {n} GPUs: each holds {p.tokens:,} of the micro-batch's "
+                     f"{spec.tokens:,} tokens, and everything the micro-batch makes is counted at those; attention "
+                     f"runs on the whole row with {shape.heads // n} query heads and {split}, after an all-to-all "
+                     f"(one layer's buffers in flight: {act.all_to_all_temp(p, shape) / MIB:,.0f} MiB); weights, "
+                     f"gradients and optimizer state are {spec.strategy}'s over all {spec.world} GPUs, and "
+                     f"{spec.data_ranks} data-parallel rank(s) read different batches")
     if spec.tp > 1:
         notes.append(f"tensor parallelism over {spec.tp} GPUs: each holds {shape.heads} query and {shape.kv_heads} KV "
                      f"heads and {shape.intermediate} MLP columns of every layer, the embeddings, norms and LM head "

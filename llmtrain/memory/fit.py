@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
+from llmtrain.errors import LLMTrainError
 from llmtrain.memory.comms import Network, Traffic, step_traffic
 from llmtrain.memory.estimate import estimate
 from llmtrain.memory.launch import shipped_config
@@ -73,7 +74,7 @@ def throughput_score(spec: TrainSpec) -> float:
     """Relative tokens/s: GPUs x matmul utilisation at this micro-batch x strategy efficiency / work per
     token (6 units for a full fine-tune's forward and backward, 4 for LoRA's, which computes no weight
     gradients for the base, plus 2 for the forward that gradient checkpointing repeats)."""
-    utilisation = spec.tokens / (spec.tokens + HALF_SATURATION_TOKENS)
+    utilisation = spec.gpu_tokens / (spec.gpu_tokens + HALF_SATURATION_TOKENS)
     work = (6 if spec.method == "full" else 4) + (2 if spec.grad_checkpointing else 0)
     eff = STRATEGY_EFFICIENCY[spec.strategy] * (MULTI_NODE_EFFICIENCY if spec.num_nodes > 1 else 1.0)
     eff *= OFFLOAD_EFFICIENCY if spec.cpu_offload else 1.0
@@ -82,7 +83,7 @@ def throughput_score(spec: TrainSpec) -> float:
 
 def network_per_token(c: Candidate) -> float:
     """Seconds of collectives per token trained: comparable between micro-batches and accumulations."""
-    return c.traffic.network_s / (c.spec.tokens * c.spec.grad_accum)
+    return c.traffic.network_s / (c.spec.gpu_tokens * c.spec.grad_accum)
 
 
 def strategies_for(spec: TrainSpec) -> tuple[str, ...]:
@@ -95,11 +96,11 @@ def strategies_for(spec: TrainSpec) -> tuple[str, ...]:
 
 def micro_batch_choices(spec: TrainSpec, global_batch: int | None) -> list[int] | None:
     """Micro-batches (examples, or token budgets) that keep `global_batch` per step with an integer
-    accumulation, or None for any micro-batch (no global batch to keep, or the GPUs do not divide it).
+    accumulation, or None for any micro-batch (no global batch to keep, or the data-parallel ranks do not divide it).
     A budget is never lowered below the run's own or seq_len, whichever is smaller, so examples still fit."""
-    if not global_batch or global_batch % spec.world:
+    if not global_batch or global_batch % spec.data_ranks:
         return None
-    per_gpu = global_batch // spec.world
+    per_gpu = global_batch // spec.data_ranks
     least = min(spec.micro_batch_tokens, spec.seq_len) if spec.micro_batch_tokens else 1
     return [d for d in range(least, per_gpu + 1) if per_gpu % d == 0]
 
@@ -110,7 +111,7 @@ def largest_fitting(shape: ModelShape, spec: TrainSpec, choices: list[int] | Non
     accumulation that keeps `global_batch`: what is held between micro-batches depends on it)."""
     if choices is not None:
         for n in sorted(choices, reverse=True):
-            est = estimate(shape, with_size(spec, n).but(grad_accum=global_batch // spec.world // n))
+            est = estimate(shape, with_size(spec, n).but(grad_accum=global_batch // spec.data_ranks // n))
             if fits_with_room(est):
                 return est
         return None
@@ -135,15 +136,18 @@ def _search(shape: ModelShape, spec: TrainSpec, global_batch: int | None, networ
         # (one reduce-scatter a step: less traffic, which matters only where it crosses the network)
         for accumulate in ("sharded", "unsharded") if strategy in ("fsdp", "hsdp") else (spec.fsdp_accumulate,):
             for ckpt in (False, True):
-                est = largest_fitting(shape, spec.but(strategy=strategy, grad_checkpointing=ckpt,
-                                                      fsdp_accumulate=accumulate), choices, global_batch)
+                try:
+                    est = largest_fitting(shape, spec.but(strategy=strategy, grad_checkpointing=ckpt,
+                                                          fsdp_accumulate=accumulate), choices, global_batch)
+                except LLMTrainError:  # a layout the run cannot take (activation offload without checkpointing,
+                    continue  # the tiled MLP under FSDP, a sequence group the GPUs do not divide): not a candidate
                 if est is not None and not (accumulate == "unsharded" and est.spec.grad_accum == 1):  # == sharded
                     candidates.append(Candidate(est, throughput_score(est.spec),
                                                 step_traffic(shape, est.spec, network)))
     note = None
     if global_batch and choices is None:
-        note = (f"{spec.world} GPUs do not divide the global batch of {global_batch}; the micro-batch is "
-                "the largest that fits and the global batch changes")
+        note = (f"{spec.data_ranks} data-parallel ranks do not divide the global batch of {global_batch}; the "
+                "micro-batch is the largest that fits and the global batch changes")
     if not candidates:
         return FitResult(None, (), (), None, (), note)
     # Highest score; on a tie the simpler layout (single, ddp, fsdp) without checkpointing, gradients sharded.
@@ -176,7 +180,7 @@ def more_gpus(shape: ModelShape, spec: TrainSpec, *, global_batch: int | None = 
     2, 4, ... GPUs, then whole nodes of spec.num_gpus (NODE_GPUS when one was given); None up to MAX_GPUS."""
     per_node = spec.num_gpus if spec.num_gpus > 1 else NODE_GPUS
     sizes = [w for w in (2, 4) if w < per_node] + list(range(per_node, MAX_GPUS + 1, per_node))
-    for world in (w for w in sizes if w > spec.world):
+    for world in (w for w in sizes if w > spec.world and w % spec.sequence_parallel == 0):
         nodes = max(1, world // per_node)
         result = _search(shape, spec.but(strategy="fsdp", num_gpus=world // nodes, num_nodes=nodes), global_batch,
                          network)
@@ -251,6 +255,9 @@ def overflow_advice(est: Estimate) -> str:
             fewer.append("a tiled MLP (model.tiled_mlp=true / --tiled-mlp)")
         if s.generations and s.update_tokens is None:
             fewer.append("the update in passes of fewer tokens (rl.micro_batch_tokens, e.g. 8192)")
+        if s.world > s.sequence_parallel and s.kernel == "varlen" and s.tp == 1 and not s.generations:
+            fewer.append(f"a larger sequence group (parallel.sequence_parallel / --sequence-parallel, now "
+                         f"{s.sequence_parallel}, up to the {s.world} GPUs: each holds 1/N of the tokens)")
         if s.micro_batch_tokens:
             fewer.append("a smaller token budget (train.micro_batch_tokens / --micro-batch-tokens)")
         elif s.micro_batch > s.per_example:

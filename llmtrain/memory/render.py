@@ -55,6 +55,9 @@ def describe(spec: TrainSpec) -> str:
         strategy = f"fsdp x tp ({spec.shards} shards{tp})"
     weights = (f"{spec.quantize} 4-bit base (its other weights {spec.dtype})" if spec.quantize
                else f"{spec.dtype} weights")
+    if spec.sequence_parallel > 1:
+        batch += (f", split over sequence groups of {spec.sequence_parallel} GPUs ({spec.gpu_tokens:,} tokens a GPU; "
+                  f"{spec.data_ranks} data-parallel rank{'s' if spec.data_ranks > 1 else ''})")
     return (f"{method}, {strategy} on {where}{off}; {batch}; {weights}, {mp}; {ckpt}; "
             f"{attn} attention; loss chunks of {spec.loss_chunk_tokens} tokens; AdamW")
 
@@ -140,10 +143,31 @@ def render_traffic(traffic: Traffic, *, console: Console | None = None) -> None:
     for what, intra, inter in traffic.parts:
         across = f", {inter / 1e9:,.2f} GB across" if traffic.inter_bytes else ""
         console.print(f"[dim]  {what}: {intra / 1e9:,.2f} GB within{across}[/]", highlight=False)
+    if traffic.sequence is not None:
+        console.print(sequence_line(traffic), highlight=False)
     if traffic.network_bound:
         console.print(f"[yellow]network-bound:[/] the collectives ({traffic.network_s:.3f} s) outlast the compute "
                       f"they can overlap ({traffic.compute_s:.3f} s); fewer, larger steps (a larger micro-batch, less "
                       "accumulation under FSDP), HSDP across nodes, or DDP for LoRA send less", highlight=False)
+
+
+def sequence_line(traffic: Traffic) -> str:
+    """Sequence parallelism's all-to-alls: what one GPU sends a step, over which link the model assumes, their time
+    there and over InfiniBand, beside the compute."""
+    sq, net = traffic.sequence, traffic.network
+    t = sq.times(net)
+    head = (f"sequence parallelism: all-to-alls of q, k, v and the attention output (and their gradients; "
+            f"{sq.passes} rounds a layer a micro-batch), {sq.per_layer / 1e9:,.2f} GB a layer per round, "
+            f"{sq.sent / 1e9:,.2f} GB sent per GPU per step")
+    if sq.spans_nodes:
+        where = (f"the group of {sq.group} spans nodes of {sq.gpus_per_node} GPUs: {sq.intra / 1e9:,.2f} GB over "
+                 f"NVLink and {sq.inter / 1e9:,.2f} GB over InfiniBand, {t['seconds']:.3f} s at {net.intra_gbps:,g} / "
+                 f"{net.inter_gbps:,g} Gb/s (all within a node it would take {t['nvlink_s']:.3f} s)")
+    else:
+        where = (f"the group of {sq.group} is within a node, over NVLink: {t['nvlink_s']:.3f} s at "
+                 f"{net.intra_gbps:,g} Gb/s ({t['infiniband_s']:.3f} s were it over InfiniBand at {net.inter_gbps:,g} "
+                 "Gb/s)")
+    return f"{head}; {where}; compute {traffic.compute_s:.3f} s"
 
 
 def render_fit(result: FitResult, *, target: str | None, console: Console | None = None) -> None:

@@ -10,7 +10,7 @@ import math
 from dataclasses import asdict, dataclass, field, replace
 from typing import Literal
 
-from llmtrain.config import DataConfig, LoraConfig, ModelConfig, Recipe, TrainConfig
+from llmtrain.config import DataConfig, LoraConfig, ModelConfig, ParallelConfig, Recipe, TrainConfig
 from llmtrain.errors import LLMTrainError
 
 Method = Literal["full", "lora"]
@@ -75,6 +75,10 @@ class TrainSpec:
     cpu_offload: bool = False  # FSDP's offload_params: sharded weights, grads and optimizer state on the host
     gpu_memory_gib: float = 80.0
     tp: int = 1  # tensor-parallel GPUs per group, within a node (FSDP or HSDP x TP: FSDP shards over the groups)
+    # Ulysses sequence parallelism (parallel.sequence_parallel): N consecutive GPUs share each micro-batch, a packed
+    # row of `tokens` (the group's), ceil(tokens / N) of them on each; around attention an all-to-all gives each GPU
+    # the whole row for 1/N of the heads. Weights, gradients and optimizer state are the strategy's over every GPU.
+    sequence_parallel: int = _default(ParallelConfig, "sequence_parallel")
     # online RL: the micro-batch's sequences are sampled together first (micro_batch = prompts x generations), each
     # up to seq_len with its KV cache; 0: no sampling
     generations: int = 0
@@ -111,8 +115,8 @@ class TrainSpec:
 
     @property
     def data_ranks(self) -> int:
-        """Processes that read different batches: a tensor-parallel group reads one."""
-        return self.world // self.tp
+        """Processes that read different batches: a tensor-parallel group reads one, and so does a sequence group."""
+        return self.world // self.tp // self.sequence_parallel
 
     @property
     def kernel(self) -> str:
@@ -127,15 +131,23 @@ class TrainSpec:
 
     @property
     def tokens(self) -> int:
-        """Tokens of one micro-batch at most: the budget, or every example seq_len long."""
+        """Tokens of one micro-batch at most: the budget, or every example seq_len long (under sequence parallelism
+        the group's row, which its GPUs share)."""
         return self.micro_batch_tokens or self.micro_batch * self.seq_len
+
+    @property
+    def gpu_tokens(self) -> int:
+        """Tokens of one micro-batch that one GPU holds: all of them, or its ceil(1/N) share of the sequence
+        group's row."""
+        return -(-self.tokens // self.sequence_parallel)
 
     def but(self, **changes) -> TrainSpec:
         return replace(self, **changes)
 
     def validate(self) -> TrainSpec:
         problems = []
-        for name in ("micro_batch", "grad_accum", "num_gpus", "num_nodes", "lora_r", "loss_chunk_tokens"):
+        for name in ("micro_batch", "grad_accum", "num_gpus", "num_nodes", "lora_r", "loss_chunk_tokens",
+                     "sequence_parallel"):
             if getattr(self, name) < 1:
                 problems.append(f"{name} must be at least 1 (got {getattr(self, name)})")
         if self.micro_batch_tokens is not None and self.micro_batch_tokens < 2:
@@ -170,9 +182,48 @@ class TrainSpec:
             elif self.num_gpus % self.tp or self.shards < 2:
                 problems.append(f"tp {self.tp} must divide the GPUs of a node ({self.num_gpus}) and leave at least 2 "
                                 "FSDP shards")
+        if self.sequence_parallel > 1:
+            problems += self._sequence_problems()
         if problems:
             raise LLMTrainError("cannot estimate this run: " + "; ".join(problems) + ".")
         return self
+
+    def _sequence_problems(self) -> list[str]:
+        """What the estimate refuses with sequence parallelism, besides the heads (sequence_heads_problem: they need
+        the model)."""
+        n, problems = self.sequence_parallel, []
+        if self.world % n:
+            problems.append(f"sequence parallelism {n} (parallel.sequence_parallel) must divide the GPUs: {self.world} "
+                            f"({self.num_gpus} a node x {self.num_nodes}) do not split into groups of {n}")
+        if self.tp > 1:
+            problems.append("sequence parallelism with tensor parallelism (tp > 1) is not modelled")
+        if self.kernel != "varlen":
+            problems.append(f"sequence parallelism runs llmtrain's varlen attention on the whole packed row "
+                            f"(model.attn_implementation auto or varlen), not {self.attn}")
+        if self.generations:
+            problems.append("sequence parallelism with online RL (its sampling) is not modelled")
+        return problems
+
+
+def sequence_kv_heads(n: int, kv_heads: int) -> int:
+    """K/V heads on each GPU's tokens as they enter the all-to-all of a sequence group of `n`: the model's when n
+    divides them (each GPU gets kv_heads / n), else n (n a multiple of kv_heads: each head is repeated n / kv_heads
+    times first, so that every GPU gets the K/V head its query heads read)."""
+    return kv_heads if kv_heads % n == 0 else n
+
+
+def sequence_heads_problem(n: int, heads: int, kv_heads: int) -> str | None:
+    """Why a sequence group of `n` cannot split this model's heads (None when it can): the query heads must divide
+    by n, and the K/V heads must divide by n or divide n (then each is repeated n / kv_heads times)."""
+    if n <= 1:
+        return None
+    if heads % n:
+        return (f"sequence parallelism {n} must divide the model's {heads} query heads (each GPU of a group attends "
+                f"with {heads} / {n} of them): use a divisor of {heads}")
+    if kv_heads % n and n % kv_heads:
+        return (f"sequence parallelism {n} and the model's {kv_heads} K/V heads must divide one another (split them "
+                f"{kv_heads} / {n} a GPU, or repeat each {n} / {kv_heads} times): neither does")
+    return None
 
 
 def rl_prompt_tokens(lengths, *, cap: int) -> tuple[int, str]:
@@ -227,6 +278,7 @@ def spec_from_recipe(recipe: Recipe, *, strategy: Strategy = "single", num_gpus:
         eval_micro_batch=(t.eval_batch_size or t.micro_batch_size) * per_example if evaluates else None,
         eval_micro_batch_tokens=t.micro_batch_tokens if (evaluates and t.eval_batch_size is None) else None,
         strategy=strategy, num_gpus=num_gpus, num_nodes=num_nodes,
+        sequence_parallel=recipe.parallel.sequence_parallel,
         generations=recipe.rl.num_generations if recipe.rl is not None else 0, per_example=per_example, **rl,
         **launch,
     )
