@@ -31,7 +31,7 @@
 # (WORK=DIR moves the runs from /tmp/work, or /tmp/work-dry, to DIR.)
 set -uo pipefail
 cd "$(dirname "$0")/.."
-WHAT=${1:?usage: gpu_session.sh pack|i40|i40b|smoke|vs-hf-7b|vs-hf-1b|fixed|calibrate|fit|profile|rl|long}
+WHAT=${1:?usage: gpu_session.sh pack|i40|i40b|sp|smoke|vs-hf-7b|vs-hf-1b|fixed|calibrate|fit|profile|rl|long}
 G=.gpu
 OUT=${OUT:-/tmp/out}
 DRY=${GPU_SESSION_DRY:-0}
@@ -375,6 +375,45 @@ i40b)  # issue 40's second call (~3 minutes): the sampler tests after the fix of
   $PY benchmarks/long_context_gpu.py --config "$LLAMA8B" --work $W/long --out "$OUT/long-b.jsonl" --phases table \
     --table-configs tiled both "${T[@]}" --table-layers 2 --table-steps 2 >> "$OUT/long-b.log" 2>&1
   echo "long_context_gpu.py: exit $? at ${SECONDS}s" | tee -a "$OUT/$WHAT.log"
+  ;;
+sp)  # issue 43, for a machine of several GPUs (NGPU, default all): Llama-3.1-8B's shape, LoRA r16 on a bf16 base (random
+  # init), checkpointing + offload + tiled MLP, one text document of T tokens a step (GSM8K text repeated), split over
+  # the GPUs with parallel.sequence_parallel = NGPU; T doubling from 64K while it trains (and 1 GPU at 64K as the
+  # baseline). Each row: tokens/s, peak allocated against the estimate's (summary.json).
+  NGPU=${NGPU:-$($PY -c "import torch; print(max(torch.cuda.device_count(), 2))")}
+  LLAMA8B=$(model_dir llama-8b "$LLAMA8B_JSON")
+  CFG=accelerate_configs/ddp.yaml; [[ $DRY == 1 ]] && CFG=accelerate_configs/cpu_ddp.yaml
+  SIZES="65536 131072 262144 524288 1048576"; [[ $DRY == 1 ]] && SIZES="1024 2048"
+  for T in $SIZES; do
+    $PY - "$G/gsm8k/train.jsonl" "$W/long-$T.jsonl" "$T" "$G/mistral" <<'PYEOF'
+import json, sys
+rows = [json.loads(l) for l in open(sys.argv[1])]
+from transformers import AutoTokenizer
+sample = "\n\n".join(r["question"] + " " + r["answer"] for r in rows[:200])
+per_token = len(sample) / len(AutoTokenizer.from_pretrained(sys.argv[4])(sample)["input_ids"])
+text, i = [], 0
+while sum(len(t) + 2 for t in text) < int(sys.argv[3]) * 0.6 * per_token:  # ~60% of T tokens (the template and the reply after it)
+    text.append(rows[i % len(rows)]["question"] + " " + rows[i % len(rows)]["answer"]); i += 1
+with open(sys.argv[2], "w") as f:  # a long user turn and a short trained reply, as a long-document QA
+    for r in rows[:4]:
+        f.write(json.dumps({"messages": [{"role": "user", "content": "\n\n".join(text) + "\n\n" + r["question"]},
+                                         {"role": "assistant", "content": r["answer"]}]}) + "\n")
+PYEOF
+    cat > $W/sp-$T.yaml <<EOF2
+model: {name_or_path: $LLAMA8B, dtype: bfloat16, random_init: true, kernels: none, gradient_checkpointing: true,
+        activation_offload: true, tiled_mlp: true}
+data: {path: $W/long-$T.jsonl, format: messages, max_seq_len: $T, cache_dir: $W/cache}
+lora: {r: 16, alpha: 32, dropout: 0.0}
+train: {max_steps: 3, micro_batch_size: 1, micro_batch_tokens: $T, lr: 1.0e-5, mixed_precision: bf16, seed: 1}
+checkpoint: {save_final: false}
+logging: {progress: false}
+output_dir: $W/runs/unnamed
+EOF2
+    [[ $T == 65536 || $DRY == 1 && $T == 1024 ]] && run sp1-$T $FT $W/sp-$T.yaml
+    run sp$NGPU-$T $PY -m accelerate.commands.launch --config_file $CFG --num_processes $NGPU -m llmtrain finetune \
+      $W/sp-$T.yaml parallel.sequence_parallel=$NGPU
+    tail -n 1 "$OUT/$WHAT.jsonl" | grep -q '"rc": 0' || break  # the first size that fails ends the search
+  done
   ;;
 long)  # issue 42 (benchmarks/long_context_gpu.py, about 4 minutes on an H100): Llama-3.1-8B QLoRA on one example
   # of T random tokens a step. The longest T that trains with offload + tiled MLP (16K doubling to 512K, 2 steps

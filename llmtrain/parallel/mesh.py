@@ -30,9 +30,10 @@ def check_mesh(config, *, world: int, fsdp: bool, nodes: int | None = None) -> N
     if config.cp_size > 1 or config.sp_size > 1:
         kind, key = ("context", "cp") if config.cp_size > 1 else ("sequence", "sp")
         raise LLMTrainError(
-            f"{kind} parallelism (parallelism_config_{key}_size > 1 {where}) is not supported by llmtrain: it packs "
-            f"whole sequences per process with varlen attention instead. Set parallelism_config_{key}_size: 1, and "
-            "for long sequences use model.gradient_checkpointing=true or a smaller train.micro_batch_tokens.")
+            f"{kind} parallelism through accelerate (parallelism_config_{key}_size > 1 {where}) is not what llmtrain "
+            f"runs: accelerate's needs DeepSpeed (sp) or turns packed rows into one causal sequence (cp). Set "
+            f"parallelism_config_{key}_size: 1 and split each sequence with the recipe's parallel.sequence_parallel: "
+            "N (Ulysses, on a plain DDP or FSDP launch: docs/sequence-parallel.md).")
     if not fsdp:
         raise LLMTrainError(
             "a parallelism_config mesh needs FSDP: set distributed_type: FSDP with fsdp_version: 2 in the launch "
