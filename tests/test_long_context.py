@@ -176,6 +176,40 @@ def test_tiled_mlp_replays_lora_dropout(four_layers, monkeypatch):
     assert_same(recomputed, kept, exact=False)
 
 
+def test_the_tiled_backward_holds_one_shard_at_a_time():
+    """The tiled backward holds one shard at a time. An fp32 input under bf16 autocast (a full fine-tune in fp32 with
+    mixed precision): autocast caches its casts of leaf tensors that need a gradient (meant for weights) until it
+    exits, so shards recomputed from leaf slices of the input would each leave a bf16 cast behind until the backward
+    ends, a full-length copy of the input by the last shard; and a shard's weight gradients, once added to the sums,
+    must not live on through the next shard's (in a full fine-tune, a copy of the MLP's weights). The live bytes as
+    each shard's recompute starts stay flat."""
+    from live_bytes import LiveBytes
+    from transformers import LlamaConfig
+    from transformers.models.llama.modeling_llama import LlamaMLP
+
+    from llmtrain.model.tiled_mlp import tiled_forward
+
+    hidden, tokens, shard = 64, 1024, 128
+    torch.manual_seed(0)
+    mlp = LlamaMLP(LlamaConfig(hidden_size=hidden, intermediate_size=160))
+    x = torch.randn(tokens, hidden, requires_grad=True)
+    with LiveBytes() as live:
+        starts = []
+
+        def run(part):
+            starts.append(live.now)
+            return mlp.forward(part)
+
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            out = tiled_forward(run, mlp, shard, x)
+        del starts[:]  # the forward's shards
+        out.float().sum().backward()
+    # From the second shard on (the first makes the gradients' sums and the weights' casts) nothing piles up: neither
+    # the input's casts (16 KB a shard here) nor the previous shard's weight gradients (120 KB).
+    assert len(starts) == tokens // shard and len(set(starts[1:])) == 1, starts
+    assert x.grad is not None and mlp.down_proj.weight.grad is not None
+
+
 def test_tiled_mlp_evaluates_shard_by_shard(four_layers):
     ids = torch.randint(0, 100, POSITIONS.shape, generator=torch.Generator().manual_seed(5))
     with torch.no_grad():

@@ -58,6 +58,34 @@ def test_a_tiled_layer_saves_what_the_estimate_says(dtype, lora):
     assert untiled - (two - one) >= 3 * p.tokens * shape.intermediate * p.cd  # the SwiGLU's tensors at least
 
 
+@pytest.mark.parametrize("method", ["lora", "full"])
+def test_a_tiled_step_allocates_what_the_estimate_says(tmp_path, monkeypatch, method):
+    """A real training step (test_memory_step's model: 4 layers of hidden 256, intermediate 688; bf16 weights, bf16
+    autocast, checkpointing, LoRA r 8 without dropout or a full fine-tune) on one row of 2,048 tokens, the MLP tiled in
+    8 shards of 256, its peak of live tensor bytes against the estimate's allocated peak. Tiled, the MLP's backward
+    holds one shard's tensors, and the layer's largest moment is the post-attention RMSNorm's backward after it: five
+    fp32 T x H temporaries (10 MiB here, nearly a third of the peak) beside the recomputed attention half. The estimate
+    missed that moment (5.1 and 4.3 MiB under, 15% and 10%; on an H200, Llama-3.1-8B QLoRA at 262K tokens, 11 GiB
+    under). Every tensor alive then is counted op by op, so the two agree to within half a T x H bf16 tensor (0.5 MiB;
+    0.04 and 0.07 measured)."""
+    from test_memory_step import CFG, measured_peak
+
+    cfg = {**CFG, "vocab_size": 256}  # a small head: the layers make the peak
+    kw = {"method": "lora", "lora_r": 8, "lora_dropout": 0.0} if method == "lora" else {}
+    spec = TrainSpec(**kw, dtype="bfloat16", attn="sdpa", mixed_precision="bf16", micro_batch=1, seq_len=2048,
+                     grad_checkpointing=True, tiled_mlp=True)
+    shape = _shape_from_json(json.dumps(cfg), "tiny")
+    p = make_pass(shape, spec)
+    assert (p.tokens, p.mlp_shard, p.mask) == (2048, 256, False)
+    est = estimate(shape, spec)
+    assert est.peak_phase == "backward_layers"
+    assert est.breakdown["temporaries"] == (act.residual_grad_bytes(p, shape)
+                                            + act.norm_backward_temp(p, shape.hidden))  # the norm's moment
+    measured = measured_peak(tmp_path, monkeypatch, spec, cfg)  # live tensor bytes (tests/live_bytes.py)
+    assert abs(est.per_gpu_peak_allocated_bytes - measured) <= p.tokens * shape.hidden, \
+        (est.per_gpu_peak_allocated_bytes, measured)
+
+
 def test_a_shard_is_the_untiled_mlp_at_a_shards_tokens():
     shape = load_model_shape("mistral-7b")
     spec = TrainSpec(method="lora", dtype="bfloat16", mixed_precision="bf16", quantize="nf4", lora_dropout=0.0,
@@ -91,9 +119,11 @@ def test_the_offload_keeps_two_layer_inputs_on_the_gpu_and_the_rest_on_the_host(
         estimate(shape, spec.but(activation_offload=True, grad_checkpointing=False))
 
 
-def test_everything_on_a_7b_qlora_costs_well_under_150_kb_a_token():
-    """The long-context issue's target: with checkpointing, offload and the tiled MLP, a 7B QLoRA step (bf16, LoRA
-    without dropout) allocates under 150 KB a token beyond the weights, at 128K and at 512K."""
+def test_everything_on_a_7b_qlora_costs_under_180_kb_a_token():
+    """With checkpointing, offload and the tiled MLP, a 7B QLoRA step (bf16, LoRA without dropout) allocates under
+    180 KB a token beyond the weights, at 128K and at 512K (~170: the long-context issue's target of 150 held only
+    while the estimate left out the post-attention RMSNorm's backward, 5 fp32 T x H = 80 KB a token, which the H200
+    measured: Llama-3.1-8B at 131K and 262K tokens, 169 KB a token between them)."""
     shape = load_model_shape("mistral-7b")
     for n in (131072, 524288):
         spec = TrainSpec(method="lora", dtype="bfloat16", mixed_precision="bf16", quantize="nf4", lora_dropout=0.0,
@@ -101,7 +131,7 @@ def test_everything_on_a_7b_qlora_costs_well_under_150_kb_a_token():
                          tiled_mlp=True)
         est = estimate(shape, spec)
         per_token = (est.per_gpu_peak_allocated_bytes - est.breakdown["weights"]) / n
-        assert 100_000 < per_token < 150_000, per_token
+        assert 150_000 < per_token < 180_000, per_token
 
 
 def test_longest_context_finds_the_longest_that_fits_with_room():

@@ -310,6 +310,15 @@ def mlp_backward_temp(p: Pass, shape: ModelShape, adapted: dict[str, tuple[int, 
     return dx + max([mlp] + [lora_backward_temp(m, fan_in) for fan_in in _adapters(adapted, "mlp.")])
 
 
+def norm_backward_temp(p: Pass, hidden: int) -> int:
+    """RMSNorm's backward (transformers' LlamaRMSNorm, which computes in fp32) at its largest, in pow's backward:
+    the input's gradient through x * rsqrt (held until pow's joins it), mean's expanded gradient, and pow's x**1,
+    2 * x and their product with it: five fp32 T x H. It runs after the MLP's backward, with the MLP's tensors
+    freed and attention's still saved: under model.tiled_mlp, whose MLP backward holds one shard's tensors only,
+    the post-attention norm's backward is the layer's largest moment."""
+    return 5 * p.tokens * hidden * FP32
+
+
 def attn_backward_temp(p: Pass, shape: ModelShape, adapted: dict[str, tuple[int, int]]) -> int:
     """Gradients alive in attention's backward: eager's fp32 gradients of probabilities and scores
     (8 bytes per score); SDPA/flash's dq, dk, dv, the output gradient and the kernel's fp32 dq

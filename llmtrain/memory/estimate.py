@@ -94,12 +94,13 @@ def make_pass(shape: ModelShape, spec: TrainSpec, *, examples: int | None = None
                     mlp_shard=shard if shard and tokens > shard else None, sequence_parallel=n)
 
 
-def _down_share(shape: ModelShape, plan: LoraPlan | None, k: int) -> float:
-    """The fraction of decoder layer k's trainable parameters in down_proj (or in its adapter)."""
+def _share(shape: ModelShape, plan: LoraPlan | None, k: int, prefix: str) -> float:
+    """The fraction of decoder layer k's trainable parameters in the linears named `prefix`... (or in their adapters):
+    "mlp.down_proj", or "mlp." for the whole MLP."""
     if plan is None:
-        return sum(x.numel for x in shape.layer_linears if x.name == "mlp.down_proj") / shape.params_per_layer
+        return sum(x.numel for x in shape.layer_linears if x.name.startswith(prefix)) / shape.params_per_layer
     sizes = {name: plan.r * (i + o) for name, (i, o) in plan.adapted[k].items()}
-    return sizes.get("mlp.down_proj", 0) / max(1, sum(sizes.values()))
+    return sum(n for name, n in sizes.items() if name.startswith(prefix)) / max(1, sum(sizes.values()))
 
 
 def _phase(**parts: int) -> dict[str, int]:
@@ -233,9 +234,10 @@ def _long_context(shape: ModelShape, spec: TrainSpec, est: Estimate, p: act.Pass
 def _backward_layers(p, shape: ModelShape, spec: TrainSpec, st, plan, base: dict, *, adapted, saved, kept, on_gpu,
                      copies, below_all: int, g_acc: int, temps: tuple[int, int], fsdp_buffers: int,
                      embed_trains: bool) -> dict[str, int]:
-    """The worst moment of the decoder layers' backward, last layer to first, each in its three moments: the
+    """The worst moment of the decoder layers' backward, last layer to first, each in its four moments: the
     recompute of its forward (under checkpointing), the MLP's backward (down_proj's input freed, its weight
-    gradient made) and attention's (the MLP half freed, its gradients made). The layers below are still saved,
+    gradient made), the post-attention norm's (the MLP's tensors freed, the norm's fp32 temporaries: the largest
+    once the MLP is tiled) and attention's (the MLP half freed, its gradients made). The layers below are still saved,
     the layers above have their gradients, and the residual stream's gradient flows through. `below_all`: what
     every moment keeps besides the layers (rope ids, the mask); `temps`: the MLP's and attention's 16-bit weight
     gradients before their cast. `on_gpu`: what each layer keeps on the GPU (with activation offload, the last
@@ -247,7 +249,7 @@ def _backward_layers(p, shape: ModelShape, spec: TrainSpec, st, plan, base: dict
     for k in range(shape.layers - 1, -1, -1):
         a = adapted[k]
         above = st.grads_head + sum(st.grads_layer[k + 1:])
-        g_down = st.grads_layer[k] * _down_share(shape, plan, k)
+        g_down = st.grads_layer[k] * _share(shape, plan, k, "mlp.down_proj")
         fetched = kept[k - 1] if (offload and k > 0) else 0  # offload: the next layer's, prefetched
         below = sum(on_gpu[:k]) + (kept[k] if ckpt else 0) + fetched + below_all
         live_copies = sum(copies[: k + 1]) if not ckpt else copies[k]
@@ -257,6 +259,10 @@ def _backward_layers(p, shape: ModelShape, spec: TrainSpec, st, plan, base: dict
             dict(gradients=max(g_acc, above + g_down), activations=below + saved[k] - act.down_input_bytes(
                 p, shape, a, spec.lora_r), temporaries=resid_grad + act.mlp_backward_temp(p, shape, a) + temps[0]
                 + act.tiled_shard_bytes(p, shape, a, spec.lora_r)),
+            # the post-attention norm's backward: the MLP's gradients made, its input freed, the norm's fp32 input
+            dict(gradients=max(g_acc, above + st.grads_layer[k] * _share(shape, plan, k, "mlp.")),
+                 activations=below + half_attn + act.norm_bytes(p, shape.hidden, trainable=False),
+                 temporaries=resid_grad + act.norm_backward_temp(p, shape.hidden)),
             dict(gradients=max(g_acc, above + st.grads_layer[k]), activations=below + half_attn,
                  temporaries=resid_grad + act.attn_backward_temp(p, shape, a) + temps[1]),
         ]

@@ -66,12 +66,18 @@ class _TiledMLP(torch.autograd.Function):
                 stack.enter_context(torch.amp.autocast(device_type, enabled=enabled, dtype=dtype))
             for start in range(0, x.shape[0], ctx.shard):
                 part = x[start:start + ctx.shard].detach().requires_grad_(dx is not None)
-                out = ctx.run(part)
+                # Run on a view of it, not on the leaf: autocast caches its casts of leaves that need a gradient
+                # (meant for weights) until the autocast above ends, so an fp32 input's bf16 casts would pile up
+                # shard by shard into a full-length copy.
+                out = ctx.run(part.view_as(part))
                 wrt = ([part] if dx is not None else []) + list(params)
                 got = list(torch.autograd.grad(out, wrt, grad_out[start:start + ctx.shard], allow_unused=True))
                 if dx is not None:
                     dx[start:start + ctx.shard] = got.pop(0)
                 grads = [g if s is None else s if g is None else s.add_(g) for s, g in zip(grads, got)]
+                # Not through the next shard: its gradients of the weights (a second copy of them in a full
+                # fine-tune, beside the sum and the next shard's) and its output.
+                del out, got
         return None, None, dx, *grads
 
 
