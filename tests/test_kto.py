@@ -36,16 +36,11 @@ def write_jsonl(path, rows):
 
 
 def reversal_feedback(tiny_assets, n: int) -> list[dict]:
-    """Unpaired rows from the tiny reversal task: the reversed string desirable, the string as given undesirable,
-    alternating, so the data are balanced."""
+    """Unpaired rows from the tiny reversal task, balanced: the reversed string desirable (even rows), the reversed
+    string run on with "zz" undesirable (odd rows): something a tiny random model learns to avoid in a few steps."""
     rows = [json.loads(line) for line in (tiny_assets / "data" / "train.jsonl").read_text().splitlines()[:n]]
-    out = []
-    for i, r in enumerate(rows):
-        given = " " + r["prompt"].split()[1]
-        if r["completion"] != given:
-            good = i % 2 == 0
-            out.append({"prompt": r["prompt"], "completion": r["completion"] if good else given, "label": good})
-    return out
+    return [{"prompt": r["prompt"], "completion": r["completion"] + ("" if i % 2 == 0 else "zz"), "label": i % 2 == 0}
+            for i, r in enumerate(rows)]
 
 
 # --------------------------------------------------------------------------- the loss, by hand
@@ -231,9 +226,9 @@ def _kto_recipe(tiny_assets, folder, **train):
     data = write_jsonl(folder / "kto.jsonl", reversal_feedback(tiny_assets, 400))
     return write_recipe(tiny_assets, folder, data={"path": str(data), "format": "unpaired", "max_seq_len": 32,
                                                    "eval_split": 0.1},
-                        kto={"beta": 0.1}, lora={"r": 4, "alpha": 8, "dropout": 0.0},
-                        train={"max_steps": 12, "micro_batch_size": 8, "lr": 1e-2, "warmup_steps": 0, "seed": 7,
-                               "eval_every_steps": 12, **train})
+                        kto={"beta": 0.5}, lora={"r": 4, "alpha": 8, "dropout": 0.0},
+                        train={"max_steps": 20, "micro_batch_size": 16, "lr": 5e-3, "warmup_steps": 0, "seed": 7,
+                               "eval_every_steps": 20, **train})
 
 
 def test_a_short_lora_run_lowers_the_loss_and_logs_trls_metrics(tiny_assets, tmp_path):
@@ -243,8 +238,25 @@ def test_a_short_lora_run_lowers_the_loss_and_logs_trls_metrics(tiny_assets, tmp
     # the first step's policy is the reference (LoRA B is zero): every log-ratio and the KL are 0, each loss 1/2
     assert lines[0]["loss"] == pytest.approx(0.5, abs=1e-6) and lines[0]["kl"] == 0
     assert {"rewards/chosen", "rewards/rejected", "rewards/margins", "logps/chosen", "logps/rejected"} <= lines[0].keys()
-    print([(round(r["loss"], 4), round(r["kl"], 3), round(r.get("rewards/margins", 0), 3)) for r in lines])
-    assert sum(r["loss"] for r in lines[-3:]) / 3 < lines[0]["loss"] - 0.01
+    assert sum(r["loss"] for r in lines[-3:]) / 3 < 0.3  # 0.19 measured
     assert lines[-1]["rewards/margins"] > 0
     (last_eval,) = records(tmp_path / "run", "eval")
     assert last_eval["eval_rewards/margins"] > 0 and last_eval["eval_loss"] < 0.5
+
+
+def test_doctor_checks_the_data_and_warns_of_an_unbalanced_file_as_trl(tiny_assets, tmp_path):
+    from llmtrain.config import load_recipe
+    from llmtrain.doctor import run_doctor
+
+    rows = reversal_feedback(tiny_assets, 60)
+    recipe = _kto_recipe(tiny_assets, tmp_path)
+    checks = {name: (status, detail) for name, status, detail in run_doctor(load_recipe(recipe), gpu_memory=80)}
+    assert checks["desirable balance"][0] == "pass" and checks["loss mask"][0] == "pass"
+    assert "fail" not in {status for status, _ in checks.values()}
+    unbalanced = write_jsonl(tmp_path / "unbalanced.jsonl", [r for r in rows if r["label"]] + rows[1:10:2])
+    checks = {name: (status, detail) for name, status, detail in
+              run_doctor(load_recipe(recipe, [f"data.path={unbalanced}", "data.eval_split=null",
+                                              "train.eval_every_steps=null"]), gpu_memory=80)}
+    status, detail = checks["desirable balance"]
+    assert status == "warn" and "30 desirable and 5 undesirable completions" in detail
+    assert "Set EITHER kto.desirable_weight in [0.17, 0.22] or kto.undesirable_weight in [4.51, 6.0]" in detail

@@ -253,7 +253,7 @@ def prepare_datasets(cfg: DataConfig, tokenizer, *, seed: int):
     train, train_stats = tokenize_dataset(raw, tokenizer, cfg, source=", ".join(paths))
     rows = train_stats.examples + train_stats.dropped
     if train_stats.examples < KEEP_AT_LEAST * rows:  # nothing, or almost nothing, is left to train on
-        unit = "pairs" if cfg.format == "preference" else "examples"
+        unit = "pairs" if cfg.format == "preference" else "examples"  # unpaired (KTO): one completion a row
         raise LLMTrainError(f"only {train_stats.examples:,} of the {rows:,} {unit} in {', '.join(paths)} can be "
                             f"trained ({train_stats.dropped_text(unit)}). Raise data.max_seq_len (now "
                             f"{cfg.max_seq_len}), or check data.format / data.fields against the file.")
