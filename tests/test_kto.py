@@ -51,7 +51,7 @@ def test_losses_equal_values_worked_out_by_hand():
     logps, ref, desirable = t([-10.0, -12.0]), t([-11.0, -11.0]), t([True, False])
     losses, rewards = kto_losses("kto", logps, ref, desirable, t(0.5), beta=0.1, desirable_weight=2.0,
                                  undesirable_weight=1.0)
-    sig = lambda x: 1 / (1 + math.exp(-x))  # noqa: E731
+    sig = lambda x: 1 / (1 + math.exp(-x))
     assert losses.tolist() == pytest.approx([2 * (1 - sig(0.1 * (1 - 0.5))), 1 - sig(0.1 * (0.5 + 1))], abs=1e-7)
     assert rewards.tolist() == pytest.approx([0.1, -0.1])
     losses, _ = kto_losses("apo_zero_unpaired", logps, ref, desirable, None, beta=0.1, desirable_weight=1.0,

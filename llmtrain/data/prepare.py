@@ -21,10 +21,10 @@ from llmtrain.config import DataConfig
 from llmtrain.data.chat import read_template
 from llmtrain.data.formats import check_columns, check_feedback_labels, encode_example, encode_prompt, row_problem
 from llmtrain.data.pairs import DROPS, PAIR_COLUMNS, encode_pair, pair_problem
-from llmtrain.data.unpaired import UNPAIRED_COLUMNS, encode_unpaired, unpaired_problem
 from llmtrain.data.sources import files as _files
 from llmtrain.data.sources import is_local as _is_local
 from llmtrain.data.sources import is_split_name, load_raw
+from llmtrain.data.unpaired import UNPAIRED_COLUMNS, encode_unpaired, unpaired_problem
 from llmtrain.errors import LLMTrainError
 
 CACHE_VERSION = 6  # bump when tokenisation or masking changes, so old caches are not reused
