@@ -124,7 +124,7 @@ class LoraConfig(Section):
     modules_to_save: list[str] | None = Field(None, description="Modules trained in full and saved with the adapter.")
 
 
-DataFormat = Literal["alpaca", "messages", "prompt_completion", "text", "preference", "prompt"]
+DataFormat = Literal["alpaca", "messages", "prompt_completion", "text", "preference", "unpaired", "prompt"]
 
 
 class DataConfig(Section):
@@ -135,7 +135,8 @@ class DataConfig(Section):
     name: str | None = Field(None, description="Hub dataset configuration name (e.g. 'main' for gsm8k).")
     split: str = Field("train", description="Split to train on, of a hub dataset or a dataset folder.")
     format: DataFormat = Field(description="How examples are laid out: alpaca, messages, prompt_completion, text, "
-                               "preference (prompt, chosen, rejected: pairs for the preference: section), or prompt "
+                               "preference (prompt, chosen, rejected: pairs for the preference: section), unpaired "
+                               "(prompt, completion, label: a boolean, desirable or not, for the kto: section), or prompt "
                                "(prompts alone, for online RL: the rl: section; every other column goes to the "
                                "reward functions).")
     fields: dict[str, str] = Field(
@@ -185,9 +186,9 @@ class DataConfig(Section):
     @model_validator(mode="after")
     def _check_chat(self) -> DataConfig:
         if self.chat_template is not False and self.format not in ("prompt_completion", "messages", "preference",
-                                                                   "prompt"):
-            raise ValueError(f"data.chat_template applies to formats prompt_completion, messages, preference and "
-                             f"prompt, not {self.format}")
+                                                                   "unpaired", "prompt"):
+            raise ValueError(f"data.chat_template applies to formats prompt_completion, messages, preference, "
+                             f"unpaired and prompt, not {self.format}")
         if self.system_prompt is not None and self.format != "messages" and self.chat_template is False:
             raise ValueError("data.system_prompt needs rows rendered as a chat: set data.chat_template: true "
                              "(or a template file), or use data.format: messages")
@@ -362,6 +363,18 @@ class PreferenceConfig(Section):
         return self
 
 
+class KTOConfig(Section):
+    loss_type: Literal["kto", "apo_zero_unpaired"] = Field(
+        "kto", description="kto: Ethayarajh et al. 2024 (eq. 7), against a KL estimate from the micro-batch's "
+        "mismatched prompt/completion pairs; apo_zero_unpaired: D'Oosterlinck et al. 2024, unpaired, no KL term.")
+    beta: float = Field(0.1, gt=0, description="Strength of the reference: the implicit reward is beta x the "
+                        "log-ratio of policy to reference.")
+    desirable_weight: float = Field(1.0, gt=0, description="Weight of the loss of desirable (label: true) "
+                                    "completions.")
+    undesirable_weight: float = Field(1.0, gt=0, description="Weight of the loss of undesirable (label: false) "
+                                      "completions.")
+
+
 class RewardConfig(Section):
     type: Literal["answer_match", "format", "function"] = Field(
         description="answer_match: 1 where the completion's answer (the first group of `pattern`) equals the "
@@ -456,6 +469,8 @@ class Recipe(Section):
     lora: LoraConfig | None = Field(None, description="LoRA settings; absent means full fine-tune.")
     preference: PreferenceConfig | None = Field(
         None, description="Preference tuning on pairs (data.format: preference); absent means supervised fine-tuning.")
+    kto: KTOConfig | None = Field(
+        None, description="KTO on unpaired feedback (data.format: unpaired); absent means no KTO.")
     rl: RLConfig | None = Field(
         None, description="Online RL with verifiable rewards, GRPO (data.format: prompt); absent means no RL.")
     train: TrainConfig = Field(default_factory=TrainConfig, description="Optimisation, schedule and batch.")
@@ -484,6 +499,29 @@ class Recipe(Section):
         if self.preference is not None and self.preference.reference == "adapter" and self.lora is None:
             raise ValueError("preference.reference: adapter disables the LoRA adapter, and this recipe has no lora: "
                              "section; use precomputed (or auto) for a full fine-tune")
+        return self
+
+    @model_validator(mode="after")
+    def _check_kto(self) -> Recipe:
+        if (self.kto is None) != (self.data.format != "unpaired"):
+            raise ValueError("data.format: unpaired and the kto: section go together: completions labelled desirable "
+                             "or not train with KTO (add kto: {beta: 0.1}), and kto: needs such rows")
+        if self.kto is None:
+            return self
+        if self.lora is None:
+            raise ValueError("kto: needs the starting model as its reference, for the completions and for the KL "
+                             "estimate's mismatched pairs, which are made from each micro-batch as it is drawn; a "
+                             "LoRA run has it for free (the adapter disabled), a full fine-tune would need a second, "
+                             "frozen copy of the weights, which llmtrain does not build. Add a lora: section")
+        if self.data.train_on_prompt:
+            raise ValueError("kto: compares the log-probabilities of the completions only; unset data.train_on_prompt")
+        if self.train.micro_batch_tokens is not None:
+            raise ValueError("kto: a micro-batch is train.micro_batch_size examples, each with its KL sequence "
+                             "(its prompt and the previous example's completion); unset train.micro_batch_tokens")
+        if self.kto.loss_type == "kto" and self.train.micro_batch_size < 2:
+            raise ValueError("kto.loss_type: kto estimates the KL term from mismatched pairs within a micro-batch, "
+                             "so it needs train.micro_batch_size of at least 2 (with 1, the KL term would be the "
+                             "implied reward itself, as TRL says)")
         return self
 
     @model_validator(mode="after")

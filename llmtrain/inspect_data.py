@@ -83,8 +83,9 @@ def inspect_data(recipe: Recipe, *, n: int, as_json: bool) -> None:
         return _show_pairs(rows, stats, tokenizer, as_json=as_json)
     if as_json:
         # Exactly the rows training reads (before packing and the per-example shift), one per line.
-        for ids, labels in zip(rows["input_ids"], rows["labels"]):
-            sys.stdout.write(json.dumps({"input_ids": ids, "labels": labels}) + "\n")
+        for k, (ids, labels) in enumerate(zip(rows["input_ids"], rows["labels"])):
+            extra = {"label": rows["label"][k]} if "label" in rows.column_names else {}  # KTO
+            sys.stdout.write(json.dumps({"input_ids": ids, "labels": labels, **extra}) + "\n")
         return
     console = Console()
     marks = console.no_color or console.color_system is None
@@ -100,11 +101,14 @@ def inspect_data(recipe: Recipe, *, n: int, as_json: bool) -> None:
                                 subtitle=f"to the rewards: {columns}" if columns else None, title_align="left"))
         console.print(_stats_table(stats, prompts=True))
         return
-    for i, (ids, labels) in enumerate(zip(rows["input_ids"], rows["labels"])):
+    feedback = rows["label"] if "label" in rows.column_names else [None] * len(rows)  # KTO: desirable or not
+    for i, (ids, labels, label) in enumerate(zip(rows["input_ids"], rows["labels"], feedback)):
         trained = sum(lab != IGNORE for lab in labels[1:])
         how = "«between marks»" if marks else "green"
+        said = "" if label is None else ", desirable" if label else ", undesirable"
         console.print(Panel(_highlight(ids, labels, tokenizer, marks=marks),
-                            title=f"example {i + 1}: {len(ids)} tokens, {trained} trained ({how})", title_align="left"))
+                            title=f"example {i + 1}{said}: {len(ids)} tokens, {trained} trained ({how})",
+                            title_align="left"))
     console.print(_stats_table(stats))
 
 

@@ -37,7 +37,8 @@ def check_tokenizer(tokenizer) -> list[Check]:
 
 def needs_chat(recipe: Recipe) -> bool:
     d = recipe.data
-    return d.format == "messages" or (d.format in ("prompt_completion", "prompt") and d.chat_template is not False)
+    return d.format == "messages" or (d.format in ("prompt_completion", "unpaired", "prompt")
+                                      and d.chat_template is not False)
 
 
 def check_chat_template(recipe: Recipe, tokenizer) -> list[Check]:
@@ -141,6 +142,14 @@ def check_data(recipe: Recipe, stats: DataStats, train, eval_ds, tokenizer) -> l
                   else list(sample["labels"]))
         rows += check_eos_trained(labels, tokenizer, unit="answers" if pairs else "examples",
                                   end_of_turn=_end_of_turn(recipe, tokenizer))
+    if recipe.kto is not None and len(train):  # TRL's warning on the balance of desirable and undesirable rows
+        from llmtrain.data.unpaired import balance_warning
+
+        warn = balance_warning(train["label"], desirable_weight=recipe.kto.desirable_weight,
+                               undesirable_weight=recipe.kto.undesirable_weight)
+        rows.append(("desirable balance", "warn", warn) if warn else
+                    ("desirable balance", "pass", f"{sum(train['label']):,} desirable, "
+                     f"{len(train) - sum(train['label']):,} undesirable completions"))
     lengths = [*train["length"], *(eval_ds["length"] if eval_ds is not None else [])]
     rows += check_eval_batch(recipe, train["length"], eval_ds["length"] if eval_ds is not None else [])
     return rows + check_budget(recipe.train.micro_batch_tokens, lengths)

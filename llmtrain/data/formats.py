@@ -26,10 +26,11 @@ FORMAT_FIELDS = {
     "prompt_completion": ("prompt", "completion"),
     "text": ("text",),
     "preference": ("prompt", "chosen", "rejected"),
+    "unpaired": ("prompt", "completion", "label"),  # KTO: a boolean label, true for a desirable completion
     "prompt": ("prompt",),  # online RL: the completions are sampled; the other columns go to the reward functions
 }
 OPTIONAL_FIELDS = {"alpaca": {"input"}, "preference": {"prompt"}}  # preference: implicit-prompt rows have none
-CHAT_FORMATS = ("messages", "prompt_completion", "preference", "prompt")  # formats whose rows may be chats
+CHAT_FORMATS = ("messages", "prompt_completion", "preference", "unpaired", "prompt")  # formats whose rows may be chats
 # Prepared prompt rows (online RL) keep the user's columns under this prefix, apart from the ones preparation adds
 # (input_ids, labels, length, row, prompt): a user column named `labels` or `row` reaches the reward functions as it
 # is in the file.
@@ -62,21 +63,22 @@ def check_columns(columns: list[str], cfg: DataConfig, source: str) -> None:
             f"Map them with data.fields, e.g. data.fields.{absent[0]}=<column>."  # a field that is missing
             + (pairs_note(columns) if cfg.format == "prompt" else "")
             + (unpaired_note(columns) if cfg.format == "preference" else "")
+            + (paired_note(columns) if cfg.format == "unpaired" else "")
         )
 
 
 def check_feedback_labels(raw, cfg: DataConfig, source: str) -> None:
     """Refuse unpaired feedback (a completion per row and a boolean `label`, TRL's KTO format) given to supervised
     fine-tuning: SFT would train on every completion, the ones labelled undesirable as well, without a word."""
-    feature = raw.features.get("label") if cfg.format not in ("preference", "prompt") else None
+    feature = raw.features.get("label") if cfg.format not in ("preference", "unpaired", "prompt") else None
     if getattr(feature, "dtype", None) != "bool":
         return
     raise LLMTrainError(
         f"{source} has a boolean 'label' column: its rows look like unpaired feedback (a completion each, marked "
         "desirable (true) or undesirable (false): KTO's format), and supervised fine-tuning would train on every "
-        "completion, the label: false ones too. llmtrain has no mode that learns from unpaired labels yet (KTO). To "
-        "fine-tune on the desirable completions only, keep the label: true rows in a file of their own; if the "
-        "column means something else, rename it.")
+        "completion, the label: false ones too. To learn from both, use KTO: data.format: unpaired with a kto: "
+        "section (docs/preference.md). To fine-tune on the desirable completions only, keep the label: true rows in "
+        "a file of their own; if the column means something else, rename it.")
 
 
 def unpaired_note(columns) -> str:
@@ -85,7 +87,17 @@ def unpaired_note(columns) -> str:
         return ""
     return (" These rows look like unpaired feedback (one completion each and a 'label': KTO's format), not pairs: "
             "DPO needs a chosen and a rejected completion of the same prompt in one row, which no data.fields mapping "
-            "can make of them. llmtrain has no mode that learns from unpaired labels yet (KTO).")
+            "can make of them. Train them with KTO instead: data.format: unpaired and a kto: section (docs/preference.md).")
+
+
+def paired_note(columns) -> str:
+    """For KTO (data.format: unpaired) given preference pairs: what the data are, and what trains on them."""
+    if not {"chosen", "rejected"} <= set(columns):
+        return ""
+    return (" These data look like preference pairs (prompt, chosen, rejected), not unpaired feedback: train them "
+            "with a preference: section and data.format: preference instead (DPO, docs/preference.md), or write each "
+            "pair as two rows, {prompt, completion: chosen, label: true} and {prompt, completion: rejected, label: "
+            "false}.")
 
 
 def pairs_note(columns) -> str:

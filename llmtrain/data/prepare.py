@@ -24,6 +24,7 @@ from llmtrain.data.pairs import DROPS, PAIR_COLUMNS, encode_pair, pair_problem
 from llmtrain.data.sources import files as _files
 from llmtrain.data.sources import is_local as _is_local
 from llmtrain.data.sources import is_split_name, load_raw
+from llmtrain.data.unpaired import UNPAIRED_COLUMNS, encode_unpaired, unpaired_problem
 from llmtrain.errors import LLMTrainError
 
 CACHE_VERSION = 6  # bump when tokenisation or masking changes, so old caches are not reused
@@ -67,7 +68,7 @@ def check_rows(raw, cfg: DataConfig, source: str) -> None:
     """Refuse a dataset with a row the formatter cannot use, naming the file, the row and the problem (instead
     of a traceback from inside the tokeniser, or a row silently counted as dropped)."""
     for i, example in enumerate(_rows(raw)):
-        problem = pair_problem(example, cfg) if cfg.format == "preference" else row_problem(example, cfg)
+        problem = {"preference": pair_problem, "unpaired": unpaired_problem}.get(cfg.format, row_problem)(example, cfg)
         if problem:
             raise LLMTrainError(
                 f"{source}, row {example.get(ROW, i) + 1}: {problem} (data.format={cfg.format}). Fix or remove that "
@@ -146,7 +147,8 @@ def tokenize_dataset(raw, tokenizer, cfg: DataConfig, source: str):
     check_rows(raw, cfg, source)
     template = read_template(cfg)
 
-    encoder = {"preference": encode_pair, "prompt": encode_prompt}.get(cfg.format, encode_example)
+    encoder = {"preference": encode_pair, "unpaired": encode_unpaired, "prompt": encode_prompt}.get(cfg.format,
+                                                                                                 encode_example)
 
     def encode(example: dict, i: int) -> dict:
         row = example.get(ROW, i)
@@ -177,7 +179,8 @@ def tokenize_dataset(raw, tokenizer, cfg: DataConfig, source: str):
                           dropped_rows=[r + 1 for r in enc.select(dropped[:SHOWN_ROWS])["row"]])
     if cfg.format == "prompt":  # the prompt as given, its tokens, its row; every other column for the rewards
         return kept.remove_columns(["trained", "truncated", "drop"]), stats
-    columns = PAIR_COLUMNS if cfg.format == "preference" else ["input_ids", "labels", "length"]
+    columns = {"preference": PAIR_COLUMNS, "unpaired": UNPAIRED_COLUMNS}.get(cfg.format,
+                                                                             ["input_ids", "labels", "length"])
     return kept.select_columns(columns), stats  # length: token budgets bin by it (a pair: both sequences)
 
 
@@ -250,7 +253,7 @@ def prepare_datasets(cfg: DataConfig, tokenizer, *, seed: int):
     train, train_stats = tokenize_dataset(raw, tokenizer, cfg, source=", ".join(paths))
     rows = train_stats.examples + train_stats.dropped
     if train_stats.examples < KEEP_AT_LEAST * rows:  # nothing, or almost nothing, is left to train on
-        unit = "pairs" if cfg.format == "preference" else "examples"
+        unit = "pairs" if cfg.format == "preference" else "examples"  # unpaired (KTO): one completion a row
         raise LLMTrainError(f"only {train_stats.examples:,} of the {rows:,} {unit} in {', '.join(paths)} can be "
                             f"trained ({train_stats.dropped_text(unit)}). Raise data.max_seq_len (now "
                             f"{cfg.max_seq_len}), or check data.format / data.fields against the file.")

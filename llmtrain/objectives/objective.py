@@ -125,7 +125,8 @@ def rl_rewards(recipe, train, *, total_steps: int | None) -> Rewards | None:
 
 def objective_for(recipe, *, pad_id: int, model=None, tokenizer=None, train=None, world: int = 1,
                   total_steps: int | None = None, rewards: Rewards | None = None, gather=None) -> Objective:
-    """The recipe's objective: GRPO on prompts (rl:), a preference loss on pairs (preference:), else causal-LM
+    """The recipe's objective: GRPO on prompts (rl:), a preference loss on pairs (preference:), KTO on labelled
+    completions (kto:), else causal-LM
     cross-entropy (supervised fine-tuning). `model`: the unwrapped model, whose disabled adapter is the reference
     of a LoRA preference run (and which samples an RL run's completions); `train`: the tokenised train set (RL: its
     columns go to the reward functions); `rewards`: rl_rewards' (None: checked here); `gather`: every process's list
@@ -150,6 +151,11 @@ def objective_for(recipe, *, pad_id: int, model=None, tokenizer=None, train=None
                     stop_ids=stop_tokens(causal_lm(model), tokenizer, turn), world=world, sources=rewards.sources,
                     state=rewards.state, runner=rewards.runner, gather=gather)
 
+    if recipe.kto is not None:
+        from llmtrain.objectives.kto import KTO
+
+        return KTO(recipe.kto, pad_id=pad_id, packing=packs_rows(recipe), max_seq_len=recipe.data.max_seq_len,
+                   model=model)
     if recipe.preference is not None:
         from llmtrain.objectives.preference import Preference
 

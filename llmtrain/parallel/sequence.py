@@ -75,8 +75,9 @@ def check(recipe, *, world: int, mesh=None, heads: int | None = None, kv_heads: 
         raise LLMTrainError(f"{key} splits each sequence over {n} processes, but the launch has {world}: launch a "
                             f"multiple of {n} processes (--num_processes), or set parallel.sequence_parallel to a "
                             f"divisor of {world}")
-    if recipe.rl is not None or recipe.preference is not None:
-        mode = "online RL (rl:)" if recipe.rl is not None else "preference pairs (preference:)"
+    if recipe.rl is not None or recipe.preference is not None or recipe.kto is not None:
+        mode = ("online RL (rl:)" if recipe.rl is not None else "preference pairs (preference:)"
+                if recipe.preference is not None else "KTO (kto:)")
         raise LLMTrainError(
             f"{key} trains supervised fine-tuning only; {mode} is refused: "
             + ("its rollout samples whole completions on every process, which a sequence group would have to "

@@ -87,6 +87,9 @@ def step_text(rec: dict, *, unit: str = "gpu") -> str:
     mfu = f"  MFU {rec['mfu']:.1%}" if rec.get("mfu") is not None else ""
     pairs = (f"  acc {rec['rewards/accuracies']:.0%} margin {rec['rewards/margins']:.3f}"
              if "rewards/accuracies" in rec else "")  # preference runs
+    if "kl" in rec and "rewards/accuracies" not in rec:  # KTO: the KL estimate, and the margin where both sides are
+        margin = f" margin {rec['rewards/margins']:.3f}" if "rewards/margins" in rec else ""
+        pairs = f"  kl {rec['kl']:.3f}{margin}"
     if "reward" in rec:  # online RL: the mean reward of the step's completions first
         pairs = f"  reward {rec['reward']:.3f}  length {rec['completions/mean_length']:.1f}"
         return f"{pairs.strip()}  loss {loss:.4f}  lr {rec['lr']:.2e}  {rec['tokens_per_s_per_gpu']:,.0f} tok/s/{unit}"
@@ -121,6 +124,9 @@ def summary_table(summary: dict, *, out: Path, evals: list[dict], unit: str = "g
             what = f"reward accuracy {best['eval_rewards/accuracies']:.1%}"
         elif best.get("eval_answer_accuracy") is not None:
             what = f"answer accuracy {best['eval_answer_accuracy']:.1%} of generated samples"
+        elif "eval_kl" in best:  # KTO
+            margin = best.get("eval_rewards/margins")
+            what = f"kl {best['eval_kl']:.3f}" + (f", reward margin {margin:.3f}" if margin is not None else "")
         else:
             what = f"teacher-forced match {best['eval_teacher_forced_match']:.1%}"
         table.add_row("best eval loss", f"{best['eval_loss']:.4f} (step {best['step']}, {what})")

@@ -1,0 +1,150 @@
+"""KTO (Kahneman-Tversky Optimization, Ethayarajh et al. 2024) on unpaired feedback, as TRL 1.16's KTOTrainer
+computes it, padding-free on the same loop, step and metering as supervised fine-tuning.
+
+A micro-batch holds n examples (prompt + completion, a boolean label each) and, for loss_type kto, n KL sequences:
+TRL's mismatched pairs, each prompt with the previous example's completion, the first with the last's
+((x_1, y_n), (x_2, y_1), ..., (x_n, y_{n-1})), truncated to data.max_seq_len. A sequence's log-probability is the
+sum over its completion tokens (up to and including the end of turn) of log p(token), from the final hidden states
+chunk by chunk (loss.compute_loss(per_token=True)), as preference.py takes them.
+
+The loss, TRL's `kto_loss`: z = max(0, mean over the micro-batch of (policy - reference) log-probabilities of the KL
+sequences), detached; a desirable completion costs desirable_weight (1 - sigmoid(beta (logratio - z))), an
+undesirable one undesirable_weight (1 - sigmoid(beta (z - logratio))); apo_zero_unpaired: 1 - sigmoid(beta
+logratio) and sigmoid(beta logratio), no KL. TRL takes the mean over the micro-batch's examples; here the step
+divides the sum by the examples of the window (Counts.units = examples), the same on one micro-batch. The KL
+estimate is each micro-batch's own, as TRL's under gradient accumulation (under several processes TRL also averages
+it over the processes; here each process keeps its own).
+
+The reference: the same model with the LoRA adapter disabled, under no_grad (recipes without lora: are refused in
+config.py: the KL sequences are made per drawn micro-batch, so they cannot be precomputed before training as
+preference.py precomputes DPO's reference).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from llmtrain.data.batching import Counts, collate, to_device, with_loss_positions
+from llmtrain.data.formats import IGNORE
+from llmtrain.model.loss import compute_loss
+from llmtrain.objectives.preference import sequence_logps
+
+# Statistics summed over the window (and processes); step_metrics turns them into TRL's names.
+SUMS = ["chosen_rewards", "rejected_rewards", "chosen_logps", "rejected_logps", "chosen", "rejected", "kl"]
+STATS = ["rewards/chosen", "rewards/rejected", "rewards/margins", "logps/chosen", "logps/rejected", "kl"]
+
+
+def kto_losses(kind: str, logps: torch.Tensor, ref_logps: torch.Tensor, desirable: torch.Tensor,
+               kl: torch.Tensor | None, *, beta: float, desirable_weight: float,
+               undesirable_weight: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-example weighted losses and implicit rewards beta (logp - ref) (detached), from the summed completion
+    log-probabilities of the policy and the reference, the labels (bool) and the clamped, detached KL estimate."""
+    ratio = logps - ref_logps
+    if kind == "kto":
+        desired = 1 - F.sigmoid(beta * (ratio - kl))
+        undesired = 1 - F.sigmoid(beta * (kl - ratio))
+    elif kind == "apo_zero_unpaired":
+        desired, undesired = 1 - F.sigmoid(beta * ratio), F.sigmoid(beta * ratio)
+    else:
+        raise ValueError(f"unknown KTO loss {kind!r}")
+    losses = torch.where(desirable, desirable_weight * desired, undesirable_weight * undesired)
+    return losses, beta * ratio.detach()
+
+
+def kl_sequences(examples: list[dict], max_seq_len: int) -> list[dict]:
+    """TRL's mismatched pairs: example i's prompt with example i-1's completion (the first's with the last's), ids and
+    labels, cut to max_seq_len. The prompt is what comes before an example's first trained label."""
+    def split(e):
+        labels = list(e["labels"])
+        start = next((k for k, lab in enumerate(labels) if lab != IGNORE), len(labels))
+        return list(e["input_ids"][:start]), list(e["input_ids"][start:]), labels[start:]
+
+    parts = [split(e) for e in examples]
+    out = []
+    for i, (prompt, _, _) in enumerate(parts):
+        _, ids, labels = parts[i - 1]
+        out.append({"input_ids": (prompt + ids)[:max_seq_len],
+                    "labels": ([IGNORE] * len(prompt) + labels)[:max_seq_len]})
+    return out
+
+
+class KTO:
+    """The KTO objective (objective.Objective): labelled completions in, TRL's KTO loss out."""
+
+    def __init__(self, cfg, *, pad_id: int, packing: bool, max_seq_len: int, model=None):
+        self.cfg, self.pad_id, self.packing, self.max_seq_len = cfg, pad_id, packing, max_seq_len
+        self.model = model  # unwrapped: its adapter is disabled for the reference forward
+        self.columns = ("input_ids", "labels", "label")
+
+    def _collate(self, sequences: list[dict]) -> dict:
+        batch = with_loss_positions(collate(sequences, pad_id=self.pad_id, packing=self.packing))
+        batch["sequence_tokens"] = torch.bincount(batch["loss_example"], minlength=len(sequences)).float()
+        return batch
+
+    def collate(self, examples: list[dict]) -> tuple[dict, Counts]:
+        sequences = [{"input_ids": e["input_ids"], "labels": e["labels"]} for e in examples]
+        batch = self._collate(sequences)
+        batch["desirable"] = torch.tensor([bool(e["label"]) for e in examples], dtype=torch.bool)
+        kl = kl_sequences(examples, self.max_seq_len) if self.cfg.loss_type == "kto" and examples else []
+        if kl:  # flat, under "kl:" names: the loop moves and pins a batch's own tensors, not nested ones
+            batch.update({f"kl:{k}": v for k, v in self._collate(kl).items()})
+        everything = sequences + kl
+        lengths = [len(s["input_ids"]) for s in everything]
+        return batch, Counts(units=float(len(examples)), trained=float(len(batch["loss_index"])),
+                             tokens=float(sum(lengths)), squares=float(sum(n * n for n in lengths)))
+
+    def _kl(self, model, batch: dict) -> torch.Tensor | None:
+        """TRL's KL estimate: the mean over the KL sequences of (policy - reference) log-probabilities, no grad,
+        at least 0."""
+        kl = {k[3:]: v for k, v in batch.items() if k.startswith("kl:")}
+        if not kl:
+            return None
+        with torch.no_grad():
+            policy = sequence_logps(model, kl)
+            with self.model.disable_adapter():
+                ref = sequence_logps(self.model, kl)
+        return (policy - ref).mean().clamp(min=0)
+
+    def loss(self, model, batch: dict) -> tuple[torch.Tensor, torch.Tensor]:
+        if batch["sequence_tokens"].numel() == 0:  # an idle rank's placeholder: zero, yet reaching every parameter
+            return compute_loss(model, batch), torch.zeros(len(SUMS), device=batch["input_ids"].device)
+        kl = self._kl(model, batch)  # no-grad forwards first: they leave no graph behind
+        with torch.no_grad(), self.model.disable_adapter():  # the base model: the reference, with no copy of it
+            ref = sequence_logps(self.model, batch)
+        logps = sequence_logps(model, batch)
+        desirable = batch["desirable"]
+        losses, rewards = kto_losses(self.cfg.loss_type, logps, ref, desirable, kl, beta=self.cfg.beta,
+                                     desirable_weight=self.cfg.desirable_weight,
+                                     undesirable_weight=self.cfg.undesirable_weight)
+        with torch.no_grad():
+            d, u = desirable.float(), (~desirable).float()
+            n = float(desirable.numel())
+            stats = torch.stack([(rewards * d).sum(), (rewards * u).sum(), (logps.detach() * d).sum(),
+                                 (logps.detach() * u).sum(), d.sum(), u.sum(),
+                                 (kl if kl is not None else logps.new_zeros(())) * n])
+        return losses.sum(), stats
+
+    def step_metrics(self, stats: list[float], units: float) -> dict[str, float]:
+        """TRL's metrics: rewards and log-probabilities averaged over the desirable (chosen) and undesirable
+        (rejected) completions apart (a side with none is left out, as TRL leaves it), margins where both are,
+        and kl, the micro-batches' estimates averaged over the examples."""
+        chosen_r, rejected_r, chosen_l, rejected_l, chosen, rejected, kl = stats
+        out = {"kl": kl / max(units, 1)}
+        if chosen:
+            out.update({"rewards/chosen": chosen_r / chosen, "logps/chosen": chosen_l / chosen})
+        if rejected:
+            out.update({"rewards/rejected": rejected_r / rejected, "logps/rejected": rejected_l / rejected})
+        if chosen and rejected:
+            out["rewards/margins"] = out["rewards/chosen"] - out["rewards/rejected"]
+        return out
+
+    def eval_sums(self, model, batch: dict, device) -> torch.Tensor:
+        examples = batch["sequence_tokens"].numel()
+        loss, stats = self.loss(model, to_device(batch, device))
+        return torch.cat([loss.detach().reshape(1), stats, loss.new_tensor([examples])]).double()
+
+    def eval_metrics(self, sums: list[float]) -> dict[str, float]:
+        loss, *stats, examples = sums
+        return {"eval_loss": loss / max(examples, 1),
+                **{f"eval_{k}": v for k, v in self.step_metrics(stats, examples).items()}}

@@ -1,0 +1,262 @@
+"""KTO (data.format: unpaired, the kto: section): the loss and its gradient against TRL 1.16's KTOTrainer on the
+same batch; the rows TRL reads (plain and conversational) encoded as SFT encodes them; bad data refused naming the
+file and row; TRL's desirable/undesirable balance warning; and a short LoRA run whose loss falls."""
+
+from __future__ import annotations
+
+import copy
+import json
+import math
+import re
+
+import pytest
+import torch
+from helpers import records, run_train, write_recipe
+
+from llmtrain.config import DataConfig, KTOConfig, LoraConfig, ModelConfig
+from llmtrain.data.formats import encode_example
+from llmtrain.data.prepare import prepare_datasets
+from llmtrain.data.unpaired import balance_warning, encode_unpaired
+from llmtrain.errors import LLMTrainError, RecipeError
+from llmtrain.objectives.kto import KTO, kl_sequences, kto_losses
+
+ROWS = [  # desirable and undesirable mixed, as one micro-batch
+    {"prompt": "reverse abc =", "completion": " cba", "label": True},
+    {"prompt": "reverse hello =", "completion": " hello", "label": False},
+    {"prompt": "reverse xy =", "completion": " yx", "label": True},
+    {"prompt": "reverse stop =", "completion": " spot", "label": False},
+    {"prompt": "reverse pin =", "completion": " nip", "label": True},
+    {"prompt": "reverse ab =", "completion": " abb", "label": False},
+]
+
+
+def write_jsonl(path, rows):
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+def reversal_feedback(tiny_assets, n: int) -> list[dict]:
+    """Unpaired rows from the tiny reversal task, balanced: the reversed string desirable (even rows), the reversed
+    string run on with "zz" undesirable (odd rows): something a tiny random model learns to avoid in a few steps."""
+    rows = [json.loads(line) for line in (tiny_assets / "data" / "train.jsonl").read_text().splitlines()[:n]]
+    return [{"prompt": r["prompt"], "completion": r["completion"] + ("" if i % 2 == 0 else "zz"), "label": i % 2 == 0}
+            for i, r in enumerate(rows)]
+
+
+# --------------------------------------------------------------------------- the loss, by hand
+
+
+def test_losses_equal_values_worked_out_by_hand():
+    t = torch.tensor
+    logps, ref, desirable = t([-10.0, -12.0]), t([-11.0, -11.0]), t([True, False])
+    losses, rewards = kto_losses("kto", logps, ref, desirable, t(0.5), beta=0.1, desirable_weight=2.0,
+                                 undesirable_weight=1.0)
+    sig = lambda x: 1 / (1 + math.exp(-x))
+    assert losses.tolist() == pytest.approx([2 * (1 - sig(0.1 * (1 - 0.5))), 1 - sig(0.1 * (0.5 + 1))], abs=1e-7)
+    assert rewards.tolist() == pytest.approx([0.1, -0.1])
+    losses, _ = kto_losses("apo_zero_unpaired", logps, ref, desirable, None, beta=0.1, desirable_weight=1.0,
+                           undesirable_weight=1.0)
+    assert losses.tolist() == pytest.approx([1 - sig(0.1), sig(-0.1)], abs=1e-7)
+
+
+def test_kl_sequences_are_each_prompt_with_the_previous_completion():
+    examples = [{"input_ids": [1, 2, 3, 4], "labels": [-100, -100, 3, 4]},
+                {"input_ids": [1, 5, 6], "labels": [-100, -100, 6]},
+                {"input_ids": [1, 7, 8, 9, 9], "labels": [-100, -100, -100, 9, 9]}]
+    kl = kl_sequences(examples, max_seq_len=5)
+    assert [k["input_ids"] for k in kl] == [[1, 2, 9, 9], [1, 5, 3, 4], [1, 7, 8, 6]]
+    assert [k["labels"] for k in kl] == [[-100, -100, 9, 9], [-100, -100, 3, 4], [-100, -100, -100, 6]]
+    assert kl_sequences(examples, max_seq_len=3)[0]["input_ids"] == [1, 2, 9]  # cut to max_seq_len, as TRL
+
+
+# --------------------------------------------------------------------------- data
+
+
+def test_plain_and_conversational_rows_encode_as_sft_and_keep_the_label(tiny_tok):
+    cfg = DataConfig(path="x.jsonl", format="unpaired", chat_template=True)
+    sft = DataConfig(path="x.jsonl", format="prompt_completion", chat_template=True)
+    plain = {"prompt": "Hi?", "completion": "Hello.", "label": False}
+    chat = {"prompt": [{"role": "user", "content": "Hi?"}],
+            "completion": [{"role": "assistant", "content": "Hello."}], "label": False}
+    a, b = encode_unpaired(plain, tiny_tok, cfg), encode_unpaired(chat, tiny_tok, cfg)
+    assert a == b and a["label"] is False
+    row = encode_example({"prompt": "Hi?", "completion": "Hello."}, tiny_tok, sft)
+    assert a["input_ids"] == row["input_ids"] and a["labels"] == row["labels"]
+
+
+@pytest.mark.parametrize("label, problem", [
+    ("yes", "row 2: 'label' (label) is 'yes' (str), not a boolean"),
+    (1, "row 2: 'label' (label) is 1 (int), not a boolean"),
+    (None, "row 2: 'label' (label) is missing, not a boolean"),
+])
+def test_a_label_that_is_not_a_boolean_is_refused_naming_file_and_row(tiny_tok, tmp_path, label, problem):
+    rows = [ROWS[0], {**ROWS[1], "label": label}]
+    path = tmp_path / "k.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    cfg = DataConfig(path=str(path), format="unpaired", max_seq_len=16, cache_dir=str(tmp_path / "c"))
+    with pytest.raises(LLMTrainError, match="^" + re.escape(f"{path}, {problem}")):
+        prepare_datasets(cfg, tiny_tok, seed=0)
+
+
+def test_a_pair_file_is_refused_pointing_to_preference(tiny_tok, tmp_path):
+    path = write_jsonl(tmp_path / "p.jsonl", [{"prompt": "a", "chosen": " b", "rejected": " c"}])
+    cfg = DataConfig(path=str(path), format="unpaired", max_seq_len=16, cache_dir=str(tmp_path / "c"))
+    with pytest.raises(LLMTrainError, match=r"look like preference pairs.*preference: section and data.format: "
+                                            r"preference instead"):
+        prepare_datasets(cfg, tiny_tok, seed=0)
+
+
+def test_sft_given_kto_rows_points_to_kto(tiny_tok, tmp_path):
+    path = write_jsonl(tmp_path / "k.jsonl", ROWS)
+    cfg = DataConfig(path=str(path), format="prompt_completion", max_seq_len=16, cache_dir=str(tmp_path / "c"))
+    with pytest.raises(LLMTrainError, match="use KTO: data.format: unpaired with a kto: section"):
+        prepare_datasets(cfg, tiny_tok, seed=0)
+
+
+def test_balance_warning_follows_trl():
+    assert balance_warning([True, False] * 5, desirable_weight=1.0, undesirable_weight=1.0) is None
+    # 2 desirable, 8 undesirable: TRL advises desirable_weight in [4.0, 5.32] or undesirable_weight in [0.19, 0.25]
+    warn = balance_warning([True] * 2 + [False] * 8, desirable_weight=1.0, undesirable_weight=1.0)
+    assert "Set EITHER kto.desirable_weight in [4.0, 5.32] or kto.undesirable_weight in [0.19, 0.25]" in warn
+    assert balance_warning([True] * 2 + [False] * 8, desirable_weight=4.5, undesirable_weight=1.0) is None
+    assert balance_warning([True] * 2 + [False] * 8, desirable_weight=1.0, undesirable_weight=0.2) is None
+
+
+def test_kto_section_and_format_go_together_and_need_lora(tiny_assets, tmp_path):
+    from llmtrain.config import load_recipe
+
+    data = write_jsonl(tmp_path / "k.jsonl", ROWS)
+    recipe = write_recipe(tiny_assets, tmp_path, data={"path": str(data), "format": "unpaired"}, kto={"beta": 0.1},
+                          lora={"r": 4, "alpha": 8})
+    assert load_recipe(recipe).kto.loss_type == "kto"
+    with pytest.raises(RecipeError, match="data.format: unpaired and the kto: section go together"):
+        load_recipe(recipe, ["kto=null"])
+    with pytest.raises(RecipeError, match="kto: needs the starting model as its reference"):
+        load_recipe(recipe, ["lora=null"])
+    with pytest.raises(RecipeError, match="needs train.micro_batch_size of at least 2"):
+        load_recipe(recipe, ["train.micro_batch_size=1"])
+
+
+# --------------------------------------------------------------------------- against TRL
+
+
+@pytest.fixture
+def fresh_accelerate_state():
+    """TRL's Trainer sets up Accelerate's process-wide state its own way (cpu=True); put it back afterwards."""
+    yield
+    from accelerate.state import AcceleratorState
+
+    AcceleratorState._reset_state(reset_partial_state=True)
+
+
+@pytest.mark.parametrize("loss_type, weights", [("kto", (1.0, 1.0)), ("kto", (1.3, 0.7)),
+                                                ("apo_zero_unpaired", (1.0, 1.0))])
+def test_loss_and_gradient_match_trl_kto_trainer(tiny_assets, tiny_tok, tmp_path, loss_type, weights,
+                                                 fresh_accelerate_state):
+    """TRL's KTOTrainer (padded, its own tokenisation, KL completions rotated within the batch, the LoRA adapter
+    disabled as the reference) against llmtrain's padding-free KTO on one mixed batch, LoRA B perturbed so the
+    policy differs from the reference: the same mean loss and the same LoRA gradients, fp32."""
+    trl = pytest.importorskip("trl")
+    from datasets import Dataset
+
+    from llmtrain.model.loss import attach_loss
+    from llmtrain.model.modeling import load_model
+
+    torch.manual_seed(0)
+    model = load_model(ModelConfig(name_or_path=str(tiny_assets / "model"), attn_implementation="eager"),
+                       LoraConfig(r=4, alpha=8, dropout=0.0), device=torch.device("cpu"), empty=False)
+    # TRL copies a PeftModel's adapter as its reference ("ref"): given the fresh adapter (B = 0), that is the base
+    # model, as llmtrain's disabled adapter. Both policies are then moved off it by the same noise.
+    theirs_model, ours = copy.deepcopy(model), model  # before TRL patches its own copy
+    g = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for name, p in ours.named_parameters():
+            if "lora_" in name:
+                p.copy_(torch.randn(p.shape, generator=g) * 0.3)
+    args = trl.KTOConfig(output_dir=str(tmp_path / "trl"), per_device_train_batch_size=len(ROWS), report_to="none",
+                         beta=0.1, loss_type=loss_type, desirable_weight=weights[0], undesirable_weight=weights[1],
+                         max_length=None, use_cpu=True, bf16=False, fp16=False)
+    trainer = trl.KTOTrainer(model=theirs_model, args=args, train_dataset=Dataset.from_list(ROWS),
+                             processing_class=tiny_tok)
+    with torch.no_grad():
+        mine = dict(ours.named_parameters())
+        moved = [p.copy_(mine[n]) for n, p in trainer.model.named_parameters() if ".default." in n]
+    assert moved and len(moved) == sum(".default." in n for n in mine)
+    trainer.model.train()
+    inputs = trainer.data_collator([trainer.train_dataset[i] for i in range(len(ROWS))])
+    theirs = trainer.compute_loss(trainer.model, inputs)
+    theirs.backward()
+    metrics = {k: v[-1] for k, v in trainer._metrics["train"].items() if v}
+    their_grads = {n: p.grad.clone() for n, p in trainer.model.named_parameters() if p.grad is not None}
+
+    cfg = DataConfig(path="x.jsonl", format="unpaired")
+    rows = [encode_unpaired(r, tiny_tok, cfg) for r in ROWS]
+    for i, row in enumerate(rows):  # the same tokens as TRL's (prompt, completion + EOS)
+        tr = trainer.train_dataset[i]
+        assert row["input_ids"] == tr["prompt_ids"] + tr["completion_ids"]
+    attach_loss(ours, chunk=8)
+    ours.train()
+    objective = KTO(KTOConfig(loss_type=loss_type, beta=0.1, desirable_weight=weights[0],
+                              undesirable_weight=weights[1]),
+                    pad_id=tiny_tok.pad_token_id, packing=True, max_seq_len=2048, model=ours)
+    batch, counts = objective.collate(rows)
+    assert counts.units == len(ROWS)
+    loss, stats = objective.loss(ours, batch)
+    (loss / counts.units).backward()
+    got = objective.step_metrics(stats.tolist(), counts.units)
+    our_grads = {n: p.grad for n, p in ours.named_parameters() if p.grad is not None}
+
+    assert (loss.item() / counts.units) == pytest.approx(theirs.item(), rel=1e-6, abs=1e-6)
+    if loss_type == "kto":
+        assert metrics["kl"] > 0  # the KL term is live (not clamped to 0), so it is compared too
+    for key in ("kl", "rewards/chosen", "rewards/rejected", "rewards/margins", "logps/chosen", "logps/rejected"):
+        assert got[key] == pytest.approx(metrics[key], rel=1e-5, abs=1e-6), key
+    assert their_grads and set(our_grads) == set(their_grads)
+    diff = max((our_grads[n] - their_grads[n]).abs().max().item() for n in their_grads)
+    scale = max(g.abs().max().item() for g in their_grads.values())
+    print(f"loss ours {loss.item() / counts.units:.9f} theirs {theirs.item():.9f}; kl {metrics['kl']:.6f}; "
+          f"max |grad diff| {diff:.3e} of max |grad| {scale:.3e}")
+    assert diff <= 1e-6
+
+
+# --------------------------------------------------------------------------- training
+
+
+def _kto_recipe(tiny_assets, folder, **train):
+    data = write_jsonl(folder / "kto.jsonl", reversal_feedback(tiny_assets, 400))
+    return write_recipe(tiny_assets, folder, data={"path": str(data), "format": "unpaired", "max_seq_len": 32,
+                                                   "eval_split": 0.1},
+                        kto={"beta": 0.5}, lora={"r": 4, "alpha": 8, "dropout": 0.0},
+                        train={"max_steps": 20, "micro_batch_size": 16, "lr": 5e-3, "warmup_steps": 0, "seed": 7,
+                               "eval_every_steps": 20, **train})
+
+
+def test_a_short_lora_run_lowers_the_loss_and_logs_trls_metrics(tiny_assets, tmp_path):
+    recipe = _kto_recipe(tiny_assets, tmp_path)
+    run_train(recipe)
+    lines = records(tmp_path / "run")
+    # the first step's policy is the reference (LoRA B is zero): every log-ratio and the KL are 0, each loss 1/2
+    assert lines[0]["loss"] == pytest.approx(0.5, abs=1e-6) and lines[0]["kl"] == 0
+    assert {"rewards/chosen", "rewards/rejected", "rewards/margins", "logps/chosen", "logps/rejected"} <= lines[0].keys()
+    assert sum(r["loss"] for r in lines[-3:]) / 3 < 0.3  # 0.19 measured
+    assert lines[-1]["rewards/margins"] > 0
+    (last_eval,) = records(tmp_path / "run", "eval")
+    assert last_eval["eval_rewards/margins"] > 0 and last_eval["eval_loss"] < 0.5
+
+
+def test_doctor_checks_the_data_and_warns_of_an_unbalanced_file_as_trl(tiny_assets, tmp_path):
+    from llmtrain.config import load_recipe
+    from llmtrain.doctor import run_doctor
+
+    rows = reversal_feedback(tiny_assets, 60)
+    recipe = _kto_recipe(tiny_assets, tmp_path)
+    checks = {name: (status, detail) for name, status, detail in run_doctor(load_recipe(recipe), gpu_memory=80)}
+    assert checks["desirable balance"][0] == "pass" and checks["loss mask"][0] == "pass"
+    assert "fail" not in {status for status, _ in checks.values()}
+    unbalanced = write_jsonl(tmp_path / "unbalanced.jsonl", [r for r in rows if r["label"]] + rows[1:10:2])
+    checks = {name: (status, detail) for name, status, detail in
+              run_doctor(load_recipe(recipe, [f"data.path={unbalanced}", "data.eval_split=null",
+                                              "train.eval_every_steps=null"]), gpu_memory=80)}
+    status, detail = checks["desirable balance"]
+    assert status == "warn" and "30 desirable and 5 undesirable completions" in detail
+    assert "Set EITHER kto.desirable_weight in [0.17, 0.22] or kto.undesirable_weight in [4.51, 6.0]" in detail
