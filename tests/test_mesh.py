@@ -36,7 +36,7 @@ def test_hsdp_is_accepted_and_named(monkeypatch):
 
 @pytest.mark.parametrize("sizes, world, fsdp, names", [
     ({"dp_replicate": 2, "dp_shard": 2}, 8, True, ["2 x 2 = 4", "8 processes", "parallelism_config_dp_shard_size"]),
-    ({"dp_shard": 2, "cp": 2}, 4, True, ["context parallelism", "parallelism_config_cp_size", "micro_batch_tokens"]),
+    ({"dp_shard": 2, "cp": 2}, 4, True, ["context parallelism", "parallelism_config_cp_size", "parallel.sequence_parallel"]),
     ({"dp_shard": 2, "sp": 2}, 4, True, ["sequence parallelism", "parallelism_config_sp_size"]),
     ({"dp_replicate": 2, "dp_shard": 2, "tp": 2}, 4, True, ["2 x 2 x 2 = 8", "4 processes",
                                                              "replicas x shards x tensor-parallel ranks"]),
