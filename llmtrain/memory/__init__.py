@@ -85,6 +85,10 @@ def estimate_for_run(recipe: Recipe, accelerator, *, prompt_lengths=None) -> Est
     except LLMTrainError as e:
         accelerator.print(f"memory estimate unavailable: {e}")
         return None
+    except Exception as e:  # a model the estimator does not know: the run goes on without an estimate
+        accelerator.print(f"memory estimate unavailable: the estimator cannot read this model ({type(e).__name__}: "
+                          f"{e})")
+        return None
     if accelerator.device.type == "cuda":  # the card it runs on, for est.fits and the advice
         import dataclasses
 
