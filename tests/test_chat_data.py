@@ -308,7 +308,7 @@ def test_a_conversation_the_template_refuses_names_the_row(mistral, tmp_path):
 
 @pytest.mark.parametrize("overrides, message", [
     (["data.format=alpaca", "data.chat_template=true"],
-     "data: data.chat_template applies to formats prompt_completion, messages, preference and prompt, not alpaca"),
+     "data: data.chat_template applies to formats prompt_completion, messages, preference, unpaired and prompt, not alpaca"),
     (["data.system_prompt=Be brief."],
      "data: data.system_prompt needs rows rendered as a chat: set data.chat_template: true (or a template file), "
      "or use data.format: messages"),

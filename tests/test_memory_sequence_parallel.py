@@ -55,7 +55,10 @@ def test_a_gpu_of_a_sequence_group_holds_the_estimate_at_t_over_n_tokens(quantiz
             assert parts == {**other, "temporaries": other["temporaries"] + a2a}
         elif phase == "backward_layers":  # the worst moment of some layer's backward, with its all-to-alls
             assert parts["activations"] - other["activations"] == o_input
-            assert 0 < sum(parts.values()) - sum(other.values()) <= a2a + o_input
+            # the all-to-all buffers live in attention's part of the backward; where the worst moment is the
+            # post-attention norm's fp32 backward (after the MLP's, before attention's: LoRA on a bf16 base here),
+            # they add nothing
+            assert 0 <= sum(parts.values()) - sum(other.values()) <= a2a + o_input
         else:  # the loss's chunks, the embedding's backward, the optimizer step (weights, gradients, AdamW, buckets)
             assert parts == other, phase
     assert sp.peak_phase == one.peak_phase == "backward_loss" and sp.per_gpu_peak_bytes == one.per_gpu_peak_bytes
