@@ -56,6 +56,9 @@ from llmtrain.run.state import TrainState
 from llmtrain.run.trackers import check_trackers
 
 
+_KEEP_UNTIL_EXIT: list = []  # a launched process's trained model, never freed before the process exits
+
+
 def train(recipe: Recipe, *, resume: str | None = None, overwrite: bool = False,
           allow_recipe_change: bool = False) -> dict:
     """Train as the recipe says; returns the summary. Nothing is written before every check has passed; the run
@@ -285,4 +288,11 @@ def finish(run: Run, state: TrainState, meter: Meter, evals: list[dict], est) ->
         if run.recipe.logging.plot and (note := update_loss_plot(out)):
             say(note)
     accelerator.end_training()
+    if accelerator.num_processes > 1:
+        # end_training destroyed the process group, so the DDP model's Reducer holds the last reference to the gloo
+        # group: freeing the model when this frame ends runs the group's destructor, which joins gloo threads that
+        # can wait forever once a peer has left (seen twice in CI: a finished 2-process DPO run's second process
+        # hung in ~ProcessGroupGloo for 10 minutes). Kept until the launched process leaves with cli.exit_now,
+        # which skips the teardown.
+        _KEEP_UNTIL_EXIT.append(run.model)
     return summary
