@@ -135,6 +135,13 @@ LLAMA8B_JSON='{"model_type": "llama", "architectures": ["LlamaForCausalLM"], "hi
     "rope_theta": 500000.0, "rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
     "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}, "tie_word_embeddings": false,
     "bos_token_id": 128000, "eos_token_id": 128009}'
+grpo_lora() {  # grpo_lora STEPS [UPDATE_BUDGET]: $W/lora.yaml (Mistral-7B LoRA), and in GRPO and RL the overrides of
+  # 8 prompts x 8 completions x 256 new tokens a step on GSM8K prompts (the update's token budget, if given)
+  recipe $W/lora.yaml "$MISTRAL7B" 1 bfloat16 4096
+  GRPO="data.path=$W/gsm8k-prompts.jsonl data.format=prompt data.chat_template=true data.max_seq_len=1024
+    train.micro_batch_tokens=null train.micro_batch_size=8 train.max_steps=$1"
+  RL="rl={num_generations: 8, max_completion_tokens: $((256 / SCALE)),${2:+ micro_batch_tokens: $(($2 / SCALE)),} rewards: [{type: format, pattern: '[0-9][0-9]'}]}"
+}
 FT="$PY -m llmtrain finetune"
 FSDP1="$PY -m accelerate.commands.launch --config_file $FSDP_CONFIG --num_processes 1 -m llmtrain finetune"
 
@@ -310,10 +317,7 @@ rl)  # the rollouts issue: sampling speed, then GRPO steps with the fast sampler
   echo "rollouts.py: exit $?" | tee -a "$OUT/$WHAT.log"
   # 2. Mistral-7B LoRA GRPO, 8 prompts x 8 completions x 256 new tokens a step: generation_s against the step, and
   #    the peak against the estimate (a random model runs every completion to the limit: the worst case)
-  recipe $W/lora.yaml "$MISTRAL7B" 1 bfloat16 4096
-  GRPO="data.path=$W/gsm8k-prompts.jsonl data.format=prompt data.chat_template=true data.max_seq_len=1024
-    train.micro_batch_tokens=null train.micro_batch_size=8 train.max_steps=3"
-  RL="rl={num_generations: 8, max_completion_tokens: $((256 / SCALE)), rewards: [{type: format, pattern: '[0-9][0-9]'}]}"
+  grpo_lora 3
   run grpo-graph $FT $W/lora.yaml $GRPO "$RL" rl.sampler=graph
   run grpo-static $FT $W/lora.yaml $GRPO "$RL" rl.sampler=static train.max_steps=2
   ;;
@@ -326,10 +330,7 @@ i40)  # issue 40 in one call (~9 minutes on an H200), by value: the sampler's sp
   $PY benchmarks/rollouts.py --model "$MISTRAL7B" --gsm8k $G/gsm8k/train.jsonl --lora 16 --dtype bfloat16 $sizes \
     >> "$OUT/$WHAT.jsonl" 2>> "$OUT/$WHAT.log"
   echo "rollouts.py: exit $? at ${SECONDS}s" | tee -a "$OUT/$WHAT.log"
-  recipe $W/lora.yaml "$MISTRAL7B" 1 bfloat16 4096
-  GRPO="data.path=$W/gsm8k-prompts.jsonl data.format=prompt data.chat_template=true data.max_seq_len=1024
-    train.micro_batch_tokens=null train.micro_batch_size=8 train.max_steps=2"
-  RL="rl={num_generations: 8, max_completion_tokens: $((256 / SCALE)), rewards: [{type: format, pattern: '[0-9][0-9]'}]}"
+  grpo_lora 2
   run grpo-graph $FT $W/lora.yaml $GRPO "$RL" rl.sampler=graph
   run grpo-fsdp1 $FSDP1 $W/lora.yaml $GRPO "$RL" train.max_steps=1
   echo "grpo: done at ${SECONDS}s" | tee -a "$OUT/$WHAT.log"
@@ -363,11 +364,7 @@ i40b)  # issue 40's second call (~3 minutes): the sampler tests after the fix of
   # long-context gap at 131K: tiling alone against offload + tiling, 2 real layers
   $PY -m pytest -q -p no:cacheprovider tests/test_cuda.py -k sampler -rs -s > "$OUT/i40b-cuda-tests.txt" 2>&1
   echo "tests/test_cuda.py -k sampler: exit $? at ${SECONDS}s" | tee -a "$OUT/$WHAT.log"
-  recipe $W/lora.yaml "$MISTRAL7B" 1 bfloat16 4096
-  GRPO="data.path=$W/gsm8k-prompts.jsonl data.format=prompt data.chat_template=true data.max_seq_len=1024
-    train.micro_batch_tokens=null train.micro_batch_size=8 train.max_steps=2"
-  RL="rl={num_generations: 8, max_completion_tokens: $((256 / SCALE)), micro_batch_tokens: $((8192 / SCALE)), rewards: [{type: format, pattern: '[0-9][0-9]'}]}"
-  [[ $DRY == 1 ]] && RL="rl={num_generations: 8, max_completion_tokens: 32, micro_batch_tokens: 1024, rewards: [{type: format, pattern: '[0-9][0-9]'}]}"
+  grpo_lora 2 8192
   run grpo-graph-8k $FT $W/lora.yaml $GRPO "$RL" rl.sampler=graph
   echo "grpo: done at ${SECONDS}s" | tee -a "$OUT/$WHAT.log"
   LLAMA8B=$(model_dir llama-8b "$LLAMA8B_JSON")
