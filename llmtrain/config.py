@@ -296,6 +296,32 @@ class ParallelConfig(Section):
         "1/N of every packed micro-batch's tokens, and around attention an all-to-all gives each the whole sequence "
         "for 1/N of the heads. Consecutive ranks form a group (keep it inside a node); the data is split over "
         "processes / N groups. 1: off.")
+    pipeline_parallel: int = Field(
+        1, ge=1, description="Pipeline stages (torch.distributed.pipelining, docs/pipeline-parallel.md): the decoder "
+        "layers are split into P stages on P processes, and each optimizer step's train.grad_accum_steps micro-batches "
+        "flow through them. The stage is the outer dimension (ranks r and r + processes/P are neighbouring stages: "
+        "put stages across nodes); the processes of one stage replicate it (data parallel). 1: off.")
+    pipeline_schedule: Literal["gpipe", "1f1b", "interleaved_1f1b"] = Field(
+        "1f1b", description="The pipeline schedule: gpipe (every forward, then every backward: all micro-batches' "
+        "activations held), 1f1b (one forward one backward: at most P in flight), interleaved_1f1b (each process "
+        "holds pipeline_chunks stages, shrinking the bubble by that factor).")
+    pipeline_chunks: int | None = Field(
+        None, ge=1, description="Stages each process holds (interleaved_1f1b: default 2; gpipe and 1f1b: 1).")
+
+    @property
+    def stages_per_rank(self) -> int:
+        return self.pipeline_chunks or (2 if self.pipeline_schedule == "interleaved_1f1b" else 1)
+
+    @model_validator(mode="after")
+    def _check_pipeline(self) -> ParallelConfig:
+        if self.pipeline_chunks not in (None, 1) and self.pipeline_schedule != "interleaved_1f1b":
+            raise ValueError(f"parallel.pipeline_chunks={self.pipeline_chunks} gives each process several stages, "
+                             "which only interleaved_1f1b schedules; set parallel.pipeline_schedule=interleaved_1f1b "
+                             "or unset pipeline_chunks")
+        if self.pipeline_parallel > 1 and self.sequence_parallel > 1:
+            raise ValueError("parallel.pipeline_parallel and parallel.sequence_parallel do not compose yet: choose "
+                             "one (sequence parallelism for long rows, pipeline stages for a model split over nodes)")
+        return self
 
 
 class CheckpointConfig(Section):
@@ -522,6 +548,29 @@ class Recipe(Section):
             raise ValueError("kto.loss_type: kto estimates the KL term from mismatched pairs within a micro-batch, "
                              "so it needs train.micro_batch_size of at least 2 (with 1, the KL term would be the "
                              "implied reward itself, as TRL says)")
+        return self
+
+    @model_validator(mode="after")
+    def _check_pipeline(self) -> Recipe:
+        p = self.parallel.pipeline_parallel
+        if p == 1:
+            return self
+        key = f"parallel.pipeline_parallel={p}"
+        mode = ("rl:" if self.rl is not None else "preference:" if self.preference is not None else "kto:"
+                if self.kto is not None else None)
+        if mode is not None:
+            raise ValueError(f"{key} trains supervised fine-tuning (causal-LM cross-entropy) for now; {mode} runs its "
+                             "own passes per micro-batch. Set parallel.pipeline_parallel=1 and use FSDP or DDP")
+        if self.train.micro_batch_tokens is None:
+            raise ValueError(f"{key} sends each micro-batch's hidden states between stages in buffers of one fixed "
+                             "shape: every micro-batch is one packed row of train.micro_batch_tokens slots (padded "
+                             "to it). Set train.micro_batch_tokens (e.g. 4096) instead of train.micro_batch_size")
+        if self.data.eval_split is not None:
+            raise ValueError(f"{key} trains without evaluation for now (an eval pass through the stages is not "
+                             "built yet): set data.eval_split=null, and evaluate final/ after the run")
+        if self.train.mixed_precision == "fp16":
+            raise ValueError(f"{key} runs in fp32 or bf16; fp16's loss scaling is not built for pipeline stages. "
+                             "Set train.mixed_precision=bf16")
         return self
 
     @model_validator(mode="after")

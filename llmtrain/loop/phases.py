@@ -45,6 +45,7 @@ from llmtrain.parallel.accelerator import use_fused_adamw
 from llmtrain.parallel.collectives import global_sum
 from llmtrain.parallel.fsdp import receives_weights, uses_fsdp
 from llmtrain.parallel.mesh import data_ranks, mesh_line, tensor_parallel_size
+from llmtrain.parallel.pipeline import Pipeline, read_stages
 from llmtrain.parallel.tensor import apply_tensor_parallel
 from llmtrain.run.checkpoint import load_checkpoint, lora_only_hooks
 from llmtrain.run.metrics import MetricsLog, flop_model, peak_flops
@@ -208,6 +209,7 @@ class Trainable:
     params_trainable: int
     flops: object  # metrics.FlopModel
     peak_flops: float | None  # of one device, for MFU
+    pipeline: object = None  # parallel.pipeline_parallel > 1: this process's stages and the schedule (Pipeline)
 
 
 def check_memory(recipe: Recipe, accelerator, data: Data, *, say):
@@ -241,7 +243,7 @@ def memory_line(cfg, config) -> str:
     return "; " + ", ".join(parts) if parts else ""
 
 
-def build_model(recipe: Recipe, accelerator, *, total_steps: int, say) -> Trainable:
+def build_model(recipe: Recipe, accelerator, *, total_steps: int, say, pad: int = 0) -> Trainable:
     tc = recipe.train
     if recipe.model.tiled_mlp and (uses_fsdp(accelerator) or tensor_parallel_size(accelerator) > 1):
         # Its recompute runs the MLP's own forward on the parameters it saved; FSDP's resharding and TP's DTensors
@@ -280,19 +282,35 @@ def build_model(recipe: Recipe, accelerator, *, total_steps: int, say) -> Traina
         + memory_line(recipe.model, model.config)
         + ("; train.deterministic: strict deterministic kernels (flash attention's deterministic backward, "
            "cuBLAS workspace " + os.environ.get("CUBLAS_WORKSPACE_CONFIG", "?") + ")" if tc.deterministic else ""))
+    stages, whole = None, None
+    if recipe.parallel.pipeline_parallel > 1:
+        # the whole model's names, before each process drops the stages it does not hold: what a checkpoint's stage
+        # files must hold between them
+        whole = (frozenset(n for n, _ in model.named_parameters()),
+                 frozenset(n for n, p in model.named_parameters() if p.requires_grad) if recipe.lora else None)  # keep this process's stages (the optimizer sees only theirs)
+        stages = Pipeline(model, parallel=recipe.parallel, micro_batches=tc.grad_accum_steps,
+                          slots=tc.micro_batch_tokens, pad_id=pad,
+                          device=accelerator.device)
+        say(stages.describe())
     optimizer = build_optimizer(model, lr=tc.lr, weight_decay=tc.weight_decay, betas=tc.betas, eps=tc.eps,
                                 fused=use_fused_adamw(accelerator))
     scheduler = build_scheduler(optimizer, tc, total_steps=total_steps)
-    model, optimizer = accelerator.prepare(model, optimizer)
+    if stages is None:
+        model, optimizer = accelerator.prepare(model, optimizer)
+    # else: the stages are not wrapped (no DDP over all processes: replicas sum their gradients in Pipeline.run),
+    # and the optimizer stays a plain torch one, saved per process by the checkpoint (run/checkpoint.py)
     unwrapped = accelerator.unwrap_model(model)
     trainable_names = (frozenset(n for n, p in unwrapped.named_parameters() if p.requires_grad)
                        if recipe.lora else None)
     if trainable_names:
         lora_only_hooks(accelerator, set(trainable_names))
+    model_keys = frozenset(unwrapped.state_dict())
+    if whole is not None:
+        model_keys, trainable_names = whole
     return Trainable(model=model, optimizer=optimizer, scheduler=scheduler, unwrapped=unwrapped,
-                     trainable_names=trainable_names, model_keys=frozenset(unwrapped.state_dict()),
+                     trainable_names=trainable_names, model_keys=model_keys,
                      params_total=n_total, params_trainable=n_trainable, flops=flops,
-                     peak_flops=peak_flops(accelerator.device, recipe.logging.peak_tflops))
+                     peak_flops=peak_flops(accelerator.device, recipe.logging.peak_tflops), pipeline=stages)
 
 
 def reference_logps(recipe: Recipe, accelerator, data: Data, trainable: Trainable, objective, *, console) -> Data:
@@ -382,6 +400,8 @@ def restore(recipe: Recipe, accelerator, trainable: Trainable, *, checkpoint: Pa
         return state
     names = set(trainable.trainable_names) if trainable.trainable_names else None
     load_checkpoint(accelerator, checkpoint, trainable_names=names)
+    if trainable.pipeline is not None:  # this process's stages, by name, from every stage's file
+        read_stages(checkpoint, trainable.unwrapped, trainable.optimizer, trainable_only=recipe.lora is not None)
     state.check_layout(accum=tc.grad_accum_steps, micro_batch_tokens=tc.micro_batch_tokens or 0, processes=world)
     say(f"resumed from {checkpoint} at step {state.step}")
     if state.processes != world:

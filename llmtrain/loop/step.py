@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import math
 from contextlib import nullcontext
+from functools import partial
 from dataclasses import dataclass
 
 import torch
@@ -26,6 +27,7 @@ from llmtrain.objectives.objective import Objective
 from llmtrain.parallel.collectives import data_sum
 from llmtrain.parallel.fsdp import accumulating
 from llmtrain.parallel.mesh import data_ranks, tensor_parallel_size
+from llmtrain.parallel.pipeline import pipeline_parallel_size
 
 
 @dataclass(frozen=True)
@@ -41,10 +43,12 @@ class StepResult:
 
 
 def train_step(model, optimizer, scheduler, accelerator, objective: Objective, window, *,
-               max_grad_norm: float | None, stop_signal: int, fsdp_accumulate: str, step: int = 0) -> StepResult:
+               max_grad_norm: float | None, stop_signal: int, fsdp_accumulate: str, step: int = 0,
+               pipeline=None) -> StepResult:
     """Forward and backward over the window's micro-batches, clip, and the optimizer step unless the gradient
     norm is not finite. An objective with a rollout (online RL) first turns the window's prompts into scored
-    completions, sampled by the model as it is before this step (`step`: the steps taken before it)."""
+    completions, sampled by the model as it is before this step (`step`: the steps taken before it). `pipeline`
+    (parallel/pipeline.py): this process's stages, which run the window's micro-batches through their schedule."""
     # the processes gradients are averaged over: every data rank, and the processes of a sequence group (each holds
     # a slice's loss); a TP group's processes hold one loss between them
     averaged = accelerator.num_processes // tensor_parallel_size(accelerator)
@@ -57,10 +61,13 @@ def train_step(model, optimizer, scheduler, accelerator, objective: Objective, w
         counts = accelerator.reduce(counts.to(accelerator.device, non_blocking=True), reduction="sum")
         # Each TP group's processes hold the same window: its counts are in the sum tp times (the stop votes are
         # summed over every process, so that a TP group never splits over a signal).
-        counts[:-1] /= tensor_parallel_size(accelerator)
+        counts[:-1] /= tensor_parallel_size(accelerator) * pipeline_parallel_size()  # a pipeline's stages too
         denominator = counts[0].clamp(min=1.0).float()  # stays on the device: no host sync
     loss_sum, stats_sum = torch.zeros((), device=accelerator.device), None
-    for i, batch in enumerate(window.batches):
+    if pipeline is not None:  # the schedule runs every micro-batch; the replicas' gradients are summed after it
+        with accelerator.autocast():  # the stages are not prepared by Accelerate, which would add it to forward
+            loss_sum, stats_sum = pipeline.run(window.batches, scale=1.0 / denominator), loss_sum.new_zeros(0)
+    for i, batch in enumerate(window.batches if pipeline is None else ()):
         # DDP all-reduces the gradients on the window's last micro-batch only; the others accumulate locally.
         # FSDP reduce-scatters every micro-batch by default, so only gradient shards are held between them
         # (fsdp.accumulating says what each setting sends and holds).
@@ -72,7 +79,9 @@ def train_step(model, optimizer, scheduler, accelerator, objective: Objective, w
             accelerator.backward(loss * averaged / denominator)
         loss_sum += loss.detach()
         stats_sum = stats if stats_sum is None else stats_sum + stats
-    grad_norm = float(accelerator.clip_grad_norm_(model.parameters(), max_grad_norm or float("inf")))  # host sync
+    clip = pipeline.clip_grad_norm_ if pipeline is not None else partial(accelerator.clip_grad_norm_,
+                                                                           model.parameters())
+    grad_norm = float(clip(max_grad_norm or float("inf")))  # host sync
     # After the norm's sync the reduced counts are ready: reading them costs no further wait.
     *summed, votes = counts.tolist()
     lr = scheduler.get_last_lr()[0]  # the lr of this update

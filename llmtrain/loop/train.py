@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import json
 import signal
-from contextlib import ExitStack, closing
+from contextlib import ExitStack, closing, nullcontext
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
@@ -46,6 +46,7 @@ from llmtrain.objectives.sequence import SequenceShards
 from llmtrain.parallel.accelerator import build_accelerator
 from llmtrain.parallel.collectives import gathered
 from llmtrain.parallel.mesh import data_ranks
+from llmtrain.parallel.pipeline import gather_state_dict, write_stage
 from llmtrain.run.checkpoint import save_checkpoint
 from llmtrain.run.console import RunConsole, step_text, summary_table
 from llmtrain.run.export import save_final
@@ -94,7 +95,7 @@ def _train(recipe: Recipe, accelerator, console: RunConsole, cleanup: ExitStack,
     est = check_memory(recipe, accelerator, data, say=say)  # CUDA: the estimate on this GPU, a warning if over
     state = None
     try:
-        trainable = build_model(recipe, accelerator, total_steps=data.total_steps, say=say)
+        trainable = build_model(recipe, accelerator, total_steps=data.total_steps, say=say, pad=data.pad_id)
         objective = objective_for(recipe, pad_id=data.pad_id, model=trainable.unwrapped, tokenizer=data.tokenizer,
                                   train=data.train, world=data_ranks(accelerator)[0], total_steps=data.total_steps,
                                   rewards=rewards, gather=partial(gathered, accelerator))
@@ -163,7 +164,7 @@ def train_loop(run: Run, state: TrainState, meter: Meter) -> list[dict]:
         for window in stream:
             result = train_step(m.model, m.optimizer, m.scheduler, accelerator, run.objective, window,
                                 max_grad_norm=tc.max_grad_norm, stop_signal=stop_requests.signum,
-                                fsdp_accumulate=tc.fsdp_accumulate, step=state.step)
+                                fsdp_accumulate=tc.fsdp_accumulate, step=state.step, pipeline=m.pipeline)
             # One process acts on a signal as soon as its step ends; several act on the votes of the step's
             # collective (a signal that lands during a step is voted on in the next one).
             stop = result.stop_voted if accelerator.num_processes > 1 else bool(stop_requests.signum)
@@ -260,7 +261,10 @@ def save(run: Run, state: TrainState, meter: Meter) -> Path:
     trainable = run.model.trainable_names
     return save_checkpoint(run.accelerator, output_dir=run.out, state=state, recipe_yaml=run.recipe.to_yaml(),
                            keep_last=run.recipe.checkpoint.keep_last, model_keys=set(run.model.model_keys),
-                           trainable=set(trainable) if trainable else None)
+                           trainable=set(trainable) if trainable else None,
+                           write_stage=partial(write_stage, model=run.model.model, optimizer=run.model.optimizer,
+                                               trainable_only=run.recipe.lora is not None)
+                           if run.model.pipeline is not None else None)
 
 
 def finish(run: Run, state: TrainState, meter: Meter, evals: list[dict], est) -> dict:
@@ -268,7 +272,10 @@ def finish(run: Run, state: TrainState, meter: Meter, evals: list[dict], est) ->
     accelerator, out, say, m = run.accelerator, run.out, run.console.say, run.model
     if run.recipe.checkpoint.save_final:
         check_finite_weights(accelerator, m.model, state.step)
-        save_final(accelerator, m.model, run.data.tokenizer, out / "final")
+        whole = (gather_state_dict(m.model, trainable_only=run.recipe.lora is not None) if m.pipeline is not None
+                 else None)  # the stages' weights, gathered: final/ holds the whole model
+        with m.pipeline.whole() if m.pipeline is not None else nullcontext():
+            save_final(accelerator, m.model, run.data.tokenizer, out / "final", state_dict=whole)
     method = "full" if run.recipe.lora is None else "qlora" if run.recipe.model.quantize else "lora"
     summary = {"steps": state.step, "method": method, "base_quantization": run.recipe.model.quantize,
                "params_total": m.params_total, "params_trainable": m.params_trainable,

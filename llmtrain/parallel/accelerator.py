@@ -17,7 +17,7 @@ import torch
 
 from llmtrain.config import Recipe
 from llmtrain.errors import LLMTrainError
-from llmtrain.parallel import sequence
+from llmtrain.parallel import pipeline, sequence
 from llmtrain.parallel.fsdp import fsdp_precision
 from llmtrain.parallel.launch import check_parent_launch
 from llmtrain.parallel.mesh import check_mesh, requested_mesh
@@ -82,6 +82,7 @@ def build_accelerator(recipe: Recipe):
     if fsdp_plugin is not None and accelerator.distributed_type.name == "MULTI_CPU":
         _fsdp_on_cpu(accelerator, fsdp_plugin)
     sequence.setup(recipe.parallel.sequence_parallel)  # its process groups (1: none, and any earlier one forgotten)
+    pipeline.setup(recipe.parallel.pipeline_parallel)  # the pipelines and their stages' replicas (1: none)
     if mesh_later:
         _attach_mesh(accelerator, mesh)
     if mesh is not None and mesh.tp_size > 1:

@@ -91,9 +91,13 @@ def tensor_parallel_size(accelerator) -> int:
 def data_ranks(accelerator) -> tuple[int, int]:
     """(data-parallel ranks, this process's data rank): who reads which batch. Without tensor parallelism every
     process is a data rank; with it, the processes of a TP group (consecutive ranks: `tp` is the mesh's innermost
-    dimension in Accelerate's order) read the same batch, and so do those of a sequence group (each keeps its slice)."""
+    dimension in Accelerate's order) read the same batch, and so do those of a sequence group (each keeps its slice)
+    and the stages of a pipeline (parallel/pipeline.py)."""
+    from llmtrain.parallel.pipeline import pipeline_group
     from llmtrain.parallel.sequence import sequence_parallel_size
 
+    if (pipe := pipeline_group()).size > 1:  # a pipeline's stages read one batch: a data rank is a pipeline
+        return pipe.replicas, pipe.replica
     group = tensor_parallel_size(accelerator) * sequence_parallel_size()  # one of the two is 1 (sequence.check)
     return accelerator.num_processes // group, accelerator.process_index // group
 

@@ -157,8 +157,20 @@ def verify_saved(path: Path, *, model_keys: set[str], trainable: set[str] | None
     sharded (FSDP) checkpoint is read through its DCP metadata: every shard's bytes must be on disk, and
     the LoRA B matrices are loaded back from the shards in this one process.
     """
-    weights, sharded = path / "model.safetensors", path / FSDP_MODEL_DIR
-    if weights.is_file():
+    weights, sharded, stages = path / "model.safetensors", path / FSDP_MODEL_DIR, sorted(path.glob("pipeline/stage_*"))
+    if stages:  # pipeline parallelism: each stage's weights by name in the whole model (parallel/pipeline.py)
+        from safetensors import safe_open
+
+        saved, lora_b = set(), {}
+        for f in (s for s in stages if s.suffix == ".safetensors"):
+            with safe_open(str(f), "pt") as r:
+                saved |= set(r.keys())
+                lora_b.update({k: r.get_tensor(k) for k in r.keys() if "lora_B" in k})
+        expected = trainable or model_keys
+        if saved != expected:
+            raise LLMTrainError(f"checkpoint {path} failed verification: its pipeline stages saved {len(saved)} "
+                                f"weights, the model has {len(expected)}. It was not published.")
+    elif weights.is_file():
         from safetensors import safe_open
 
         with safe_open(str(weights), "pt") as f:
@@ -203,8 +215,9 @@ def _read_sharded(folder: Path, path: Path, *, lora: bool) -> tuple[set[str], di
 
 
 def save_checkpoint(accelerator, *, output_dir: Path, state: TrainState, recipe_yaml: str, keep_last: int,
-                    model_keys: set[str], trainable: set[str] | None) -> Path:
-    """Write, flush, verify and publish a checkpoint, then prune to the newest `keep_last`.
+                    model_keys: set[str], trainable: set[str] | None, write_stage=None) -> Path:
+    """Write, flush, verify and publish a checkpoint, then prune to the newest `keep_last`. `write_stage(folder)`:
+    pipeline parallelism's writer of this process's stages (weights and optimizer; Accelerate saves the rest).
 
     A failed write (disk full, permission) stops every process with one LLMTrainError that says what
     happened; the partial checkpoint is removed and the published ones are left as they were.
@@ -218,7 +231,12 @@ def save_checkpoint(accelerator, *, output_dir: Path, state: TrainState, recipe_
     # Every process writes its part (its RNG state; under FSDP its shards). Then, once every part is complete
     # (writers such as safetensors rename their files into place), each flushes them: its own data reaches the
     # disk on any file system, and the others' files cost it a no-op.
-    for stage in (lambda: accelerator.save_state(str(tmp)), lambda: _fsync_tree(tmp)):
+    def write() -> None:
+        accelerator.save_state(str(tmp))
+        if write_stage is not None:
+            write_stage(tmp)
+
+    for stage in (write, lambda: _fsync_tree(tmp)):
         _stop_if_any_failed(accelerator, _attempt(stage), final=final)  # also the barrier between the stages
     error = None
     if accelerator.is_main_process:
@@ -339,7 +357,7 @@ def load_checkpoint(accelerator, path: Path, *, trainable_names: set[str] | None
     it at all (FSDP or not, LoRA or full, the batch layout) was checked before anything loaded:
     preflight.check_resume.
     """
-    if trainable_names is None:
+    if trainable_names is None or (path / "pipeline").is_dir():  # a pipeline's stages are read by read_stages
         accelerator.load_state(str(path))
         return
     from safetensors import safe_open

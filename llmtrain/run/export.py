@@ -14,10 +14,11 @@ import yaml
 from llmtrain.errors import LLMTrainError
 
 
-def save_final(accelerator, model, tokenizer, path: Path) -> None:
-    """Write safetensors weights (or the adapter) and the tokenizer, via a temporary folder."""
+def save_final(accelerator, model, tokenizer, path: Path, *, state_dict: dict | None = None) -> None:
+    """Write safetensors weights (or the adapter) and the tokenizer, via a temporary folder. `state_dict`: the whole
+    model's, already gathered (pipeline stages: parallel/pipeline.gather_state_dict)."""
     # get_state_dict gathers sharded (FSDP) weights, so every rank must call it.
-    state_dict = accelerator.get_state_dict(model)
+    state_dict = accelerator.get_state_dict(model) if state_dict is None else state_dict
     if accelerator.is_main_process:
         tmp = path.with_name(path.name + ".tmp")
         shutil.rmtree(tmp, ignore_errors=True)

@@ -74,6 +74,13 @@ def check_resume(ckpt: Path, recipe: Recipe, *, world: int, fsdp: bool, allow_re
             f"{'does not use' if sharded else 'uses'} it. Resume it with "
             + ("accelerate launch --config_file accelerate_configs/fsdp.yaml [--num_processes N] -m llmtrain finetune"
                if sharded else "`llmtrain finetune` (or a DDP launch config)") + " ... --resume ...")
+    staged, stages_now = (ckpt / "pipeline").is_dir(), now.get("parallel", {}).get("pipeline_parallel", 1)
+    if staged != (stages_now > 1):  # another pipeline degree (or schedule) is fine: the stages' files are by name
+        raise LLMTrainError(
+            f"checkpoint {ckpt} was written {'by' if staged else 'without'} pipeline stages and this recipe has "
+            f"parallel.pipeline_parallel={stages_now}: their weights and optimizer state are saved "
+            f"{'one file a stage' if staged else 'as one model'}. Resume it with parallel.pipeline_parallel "
+            f"{'> 1 (any degree)' if staged else '= 1'}.")
     state = _state(ckpt)
     if not now["train"]["micro_batch_tokens"]:
         mb = now["train"]["micro_batch_size"]

@@ -1,0 +1,222 @@
+"""Pipeline parallelism (parallel.pipeline_parallel, torch.distributed.pipelining): the decoder split into stages on
+several processes trains what one process trains.
+
+In-process: the split (balanced, every layer once, the embedding and the head counted), the fixed-shape rows (every
+micro-batch exactly train.micro_batch_tokens slots, the boundaries of one fixed length), the refusals. Through
+`accelerate launch` on gloo: 2 processes with 2 stages equal 1 process (losses to 1e-6, weights to 1e-5) for GPipe,
+1F1B and interleaved 1F1B, with gradient accumulation, full and LoRA; micro-batches whose rows differ in their
+examples and boundaries from step to step (a stage reading a stale or another micro-batch's buffer changes the loss);
+4 processes (2 stages x 2 replicas) equal 1; kill -9 and a resume equal the uninterrupted run; final/ (the whole model
+or adapter, gathered from the stages) loads in transformers / peft and gives the 1-process run's logits.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from helpers import ENV, REPO, launch_finetune, load_weights, max_abs_diff, records, run_train, write_recipe
+
+from llmtrain.config import load_recipe
+from llmtrain.data.batching import collate, with_loss_positions
+from llmtrain.data.formats import IGNORE
+from llmtrain.errors import LLMTrainError
+from llmtrain.parallel.pipeline import fixed_row, stage_layers
+
+CPU_DDP = REPO / "accelerate_configs" / "cpu_ddp.yaml"
+# Packed rows of several examples (the tiny task's are 10 to 16 tokens): a budget of 64 holds 4 or 5 of them.
+PIPE = {"model": {"attn_implementation": "auto"},
+        "data": {"eval_split": None},
+        "train": {"micro_batch_size": 1, "micro_batch_tokens": 64, "grad_accum_steps": 4, "max_steps": 3,
+                  "lr": 1e-3, "max_grad_norm": 0.5}}
+
+
+# --------------------------------------------------------------------------- in-process
+
+
+@pytest.mark.parametrize("layers,stages", [(2, 2), (4, 2), (4, 4), (32, 2), (32, 4), (32, 8), (7, 3)])
+def test_the_split_keeps_every_layer_once_in_order_and_balances_with_embedding_and_head(layers, stages):
+    runs = stage_layers(layers, stages)
+    assert [i for r in runs for i in r] == list(range(layers))
+    assert all(len(r) >= 1 for r in runs)
+    # the embedding and the head count as a layer each: no stage's units differ from another's by more than one
+    units = [len(r) + (k == 0) + (k == stages - 1) for k, r in enumerate(runs)]
+    assert max(units) - min(units) <= 1 or min(len(r) for r in runs) == 1
+
+
+def test_more_stages_than_layers_is_refused():
+    with pytest.raises(LLMTrainError, match="fewer than the 3 pipeline stages"):
+        stage_layers(2, 3)
+
+
+def test_every_row_has_the_budgets_shape_and_trains_what_the_packed_batch_trains():
+    examples = [{"input_ids": list(range(10, 10 + n)), "labels": [IGNORE] * 2 + list(range(12, 10 + n))}
+                for n in (5, 9, 4)]
+    batch = with_loss_positions(collate(examples, pad_id=0, packing=True))
+    row = fixed_row(batch, 24, pad_id=0)
+    assert {k: tuple(v.shape) for k, v in row.items()} == {
+        "input_ids": (1, 24), "position_ids": (1, 24), "targets": (1, 24), "cu_seq_lens": (1, 25)}
+    assert row["cu_seq_lens"][0, :5].tolist() == [0, 5, 14, 18, 24] and set(row["cu_seq_lens"][0, 4:].tolist()) == {24}
+    assert row["position_ids"][0, 18:].tolist() == list(range(6))  # the padding: a segment of its own
+    trained = (row["targets"][0] != IGNORE).nonzero().flatten()
+    assert trained.tolist() == batch["loss_index"].tolist()  # the same positions, nothing in the padding
+    assert row["targets"][0, trained].tolist() == batch["loss_targets"].tolist()
+    with pytest.raises(LLMTrainError, match="longer than train.micro_batch_tokens=16"):
+        fixed_row(batch, 16, pad_id=0)
+
+
+@pytest.mark.parametrize("overrides,says", [
+    (["train.micro_batch_tokens=null", "train.micro_batch_size=2"], "one fixed shape"),
+    (["data.eval_split=assets/x.jsonl"], "without evaluation"),
+    (["parallel.pipeline_chunks=2"], "only interleaved_1f1b"),
+    (["parallel.sequence_parallel=2"], "do not compose"),
+    (["train.mixed_precision=fp16"], "bf16"),
+])
+def test_recipes_a_pipeline_cannot_run_are_refused_naming_the_key(tiny_assets, tmp_path, overrides, says):
+    recipe = write_recipe(tiny_assets, tmp_path, **PIPE)
+    with pytest.raises(Exception, match=says):
+        load_recipe(recipe, ["parallel.pipeline_parallel=2", *overrides])
+
+
+# --------------------------------------------------------------------------- through accelerate launch
+
+
+@pytest.fixture(scope="module")
+def four_layers(tiny_assets, tmp_path_factory) -> Path:
+    """The tiny task with a 4-decoder-layer model (enough for 4 interleaved stages), its weights saved."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    out = tmp_path_factory.mktemp("four")
+    shutil.copytree(tiny_assets, out, dirs_exist_ok=True)
+    config = AutoConfig.from_pretrained(out / "model", num_hidden_layers=4)
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(config).save_pretrained(out / "model")
+    return out
+
+
+def _recipe(tiny: Path, tmp: Path, name: str, *, lora: bool, **train) -> Path:
+    sections = {**PIPE, "train": {**PIPE["train"], **train}}
+    if lora:
+        sections["lora"] = {"r": 4, "dropout": 0.0, "target_modules": "all-linear"}
+    return write_recipe(tiny, tmp, name=name, **sections, output_dir=str(tmp / name.removesuffix(".yaml")))
+
+
+@pytest.fixture(scope="module")
+def single(four_layers, tmp_path_factory):
+    """One process, full and LoRA: the runs every pipeline layout must equal."""
+    tmp = tmp_path_factory.mktemp("single")
+    runs = {}
+    for kind in ("full", "lora"):
+        recipe = _recipe(four_layers, tmp, f"{kind}.yaml", lora=kind == "lora")
+        run_train(recipe)
+        runs[kind] = (recipe, tmp / kind)
+    return runs
+
+
+def _same(run: Path, reference: Path, *, lora: bool, tol: float = 1e-6) -> None:
+    got, want = records(run), records(reference)
+    assert [r["step"] for r in got] == [r["step"] for r in want]
+    for g, w in zip(got, want):
+        assert abs(g["loss"] - w["loss"]) < tol, (g, w)
+        assert abs(g["grad_norm"] - w["grad_norm"]) < 1e-5, (g, w)
+    name = "adapter_model.safetensors" if lora else "model.safetensors"
+    a, b = load_weights(run / "final" / name), load_weights(reference / "final" / name)
+    assert a.keys() == b.keys()
+    assert max_abs_diff(a, b) < 1e-5
+
+
+@pytest.mark.parametrize("schedule,kind", [("1f1b", "full"), ("gpipe", "lora"), ("interleaved_1f1b", "full")])
+def test_two_stages_train_what_one_process_trains(single, four_layers, tmp_path, free_port, schedule, kind):
+    """Each step's 4 micro-batches are rows of different examples, lengths and boundaries (the tokens a step differ
+    too): a stage that read a stale buffer, or another micro-batch's, would change the loss and the gradient."""
+    recipe, reference = single[kind]
+    out = launch_finetune(CPU_DDP, 2, free_port, recipe, "parallel.pipeline_parallel=2",
+                          f"parallel.pipeline_schedule={schedule}", f"output_dir={tmp_path / 'pp'}")
+    chunks = 2 if schedule == "interleaved_1f1b" else 1
+    assert f"this process: stage 0: layers 0-{4 // (2 * chunks) - 1}" in out
+    assert len({r["tokens"] for r in records(reference)}) > 1  # the rows change from step to step
+    _same(tmp_path / "pp", reference, lora=kind == "lora")
+
+
+def test_final_loads_in_transformers_and_peft_and_gives_the_one_process_logits(single, four_layers, tmp_path,
+                                                                               free_port):
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    ids = torch.tensor([[1, 20, 21, 22, 23, 24, 5, 6]])
+    for kind in ("full", "lora"):
+        recipe, reference = single[kind]
+        out = tmp_path / kind
+        launch_finetune(CPU_DDP, 2, free_port, recipe, "parallel.pipeline_parallel=2", f"output_dir={out}")
+
+        def load(run: Path):
+            if kind == "full":
+                return AutoModelForCausalLM.from_pretrained(run / "final")
+            return PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(four_layers / "model"), run / "final")
+
+        with torch.no_grad():
+            got, want = load(out)(ids).logits, load(reference)(ids).logits
+        assert (got - want).abs().max() < 1e-5
+        base = AutoModelForCausalLM.from_pretrained(four_layers / "model")
+        with torch.no_grad():  # and the training moved them: the equality is not of two untrained models
+            assert (base(ids).logits - want).abs().max() > 1e-3
+
+
+def test_kill_9_and_a_resume_equal_the_uninterrupted_run_to_the_bit(four_layers, tmp_path, free_port):
+    recipe = _recipe(four_layers, tmp_path, "long.yaml", lora=False, max_steps=300)
+    recipe.write_text(recipe.read_text().replace("save_final: true", "save_final: true\n  every_steps: 3"))
+    straight, cut = tmp_path / "straight", tmp_path / "cut"
+    pp = ["parallel.pipeline_parallel=2", "train.max_steps=12"]
+    launch_finetune(CPU_DDP, 2, free_port + 2, recipe, *pp, f"output_dir={straight}")
+    launch = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(CPU_DDP), "--num_processes",
+              "2", "--main_process_port", str(free_port), "-m", "llmtrain", "finetune", str(recipe), *pp,
+              f"output_dir={cut}"]
+    proc = subprocess.Popen(launch, cwd=REPO, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            start_new_session=True)
+    end = time.monotonic() + 180
+    while not list((cut / "checkpoints").glob("step_*")) or len(records(cut)) < 7:
+        assert proc.poll() is None and time.monotonic() < end, proc.communicate()
+        time.sleep(0.02)
+    subprocess.run(["pkill", "-KILL", "-f", f"output_dir={cut}"], check=False)
+    os.killpg(proc.pid, signal.SIGKILL)
+    proc.communicate(timeout=60)
+    assert len(records(cut)) < 12
+    launch_finetune(CPU_DDP, 2, free_port + 1, recipe, *pp, f"output_dir={cut}", resume="auto")
+    ours = {r["step"]: r["loss"] for r in records(cut)}  # a step logged twice (after its checkpoint): the resume's
+    assert [ours[s] for s in sorted(ours)] == [r["loss"] for r in records(straight)]  # to the bit
+    assert max_abs_diff(load_weights(cut / "final"), load_weights(straight / "final")) == 0.0
+
+
+def test_a_checkpoint_resumes_on_another_split_and_refuses_one_process(single, four_layers, tmp_path, free_port):
+    """The stages' files hold every weight and moment by name: written by 2 stages of 2 layers (1F1B), resumed by 4
+    interleaved stages of 1 layer, the run trains on as the 1-process run. One process is refused: it reads a model
+    saved as one file."""
+    recipe, reference = single["full"]
+    cut = tmp_path / "cut"
+    launch_finetune(CPU_DDP, 2, free_port, recipe, "parallel.pipeline_parallel=2", "checkpoint.every_steps=2",
+                    "train.max_steps=2", f"output_dir={cut}")
+    with pytest.raises(LLMTrainError, match="pipeline_parallel > 1"):
+        run_train(recipe, f"output_dir={cut}", resume="auto", allow_recipe_change=True)
+    launch_finetune(CPU_DDP, 2, free_port + 1, recipe, "parallel.pipeline_parallel=2",
+                    "parallel.pipeline_schedule=interleaved_1f1b", f"output_dir={cut}", resume="auto")
+    assert "resumed from" in (cut / "train.log").read_text()
+    _same(cut, reference, lora=False)
+
+
+@pytest.mark.slow
+def test_four_processes_two_stages_by_two_replicas_equal_one(four_layers, tmp_path, free_port):
+    """2 pipelines of 2 stages: each step's 8 rows (4 micro-batches x 2 pipelines) are the 8 micro-batches one
+    process accumulates."""
+    one = _recipe(four_layers, tmp_path, "one.yaml", lora=False, grad_accum_steps=8)
+    run_train(one)
+    four = _recipe(four_layers, tmp_path, "four.yaml", lora=False)
+    out = launch_finetune(CPU_DDP, 4, free_port, four, "parallel.pipeline_parallel=2")
+    assert "2 stages x 2 replicas" in out
+    _same(tmp_path / "four", tmp_path / "one", lora=False)
