@@ -131,6 +131,18 @@ class Stage(nn.Module):
         return self.norm(h) if self.norm is not None else h
 
 
+def _skeleton(module: nn.Module) -> nn.Module:
+    """`module` with every parameter and buffer replaced by a storage-less one of its shape (the meta device), its
+    memory freed. By hand, not .to("meta"): a 4-bit base's Params4bit cannot be moved there."""
+    for m in module.modules():
+        for table in (m._parameters, m._buffers):
+            for name, t in list(table.items()):
+                if t is not None:
+                    empty = torch.empty(t.shape, dtype=t.dtype, device="meta")
+                    table[name] = nn.Parameter(empty, requires_grad=False) if table is m._parameters else empty
+    return module
+
+
 def _trim(cu: torch.Tensor) -> torch.Tensor:
     """A row's boundaries [0, l1, l1+l2, ..., T] from their fixed-length form (padded with T): on the CPU."""
     cu = cu.reshape(-1)
@@ -191,7 +203,7 @@ class Pipeline:
         self.elsewhere = [(decoder.layers, str(i)) for i in range(config.num_hidden_layers) if i not in kept]
         self.elsewhere += [(decoder, "embed_tokens")] if 0 not in mine else []
         self.elsewhere += [(decoder, "norm"), (lm, "lm_head")] if total - 1 not in mine else []
-        self.skeletons = [getattr(parent, name).to("meta") for parent, name in self.elsewhere]
+        self.skeletons = [_skeleton(getattr(parent, name)) for parent, name in self.elsewhere]
         for parent, name in self.elsewhere:
             setattr(parent, name, _Elsewhere())
         self.layers = {s: ranges[s] for s in mine}
