@@ -25,10 +25,10 @@ import torch
 from helpers import ENV, REPO, launch_finetune, load_weights, max_abs_diff, records, run_train, write_recipe
 
 from llmtrain.config import load_recipe
-from llmtrain.data.batching import collate, with_loss_positions
+from llmtrain.data.batching import collate, fixed_row, with_loss_positions
 from llmtrain.data.formats import IGNORE
 from llmtrain.errors import LLMTrainError
-from llmtrain.parallel.pipeline import fixed_row, stage_layers
+from llmtrain.parallel.pipeline import stage_layers
 
 CPU_DDP = REPO / "accelerate_configs" / "cpu_ddp.yaml"
 # Packed rows of several examples (the tiny task's are 10 to 16 tokens): a budget of 64 holds 4 or 5 of them.
@@ -215,6 +215,20 @@ def test_a_checkpoint_resumes_on_another_split_and_refuses_one_process(single, f
     want = records(reference)
     assert [abs(ours[w["step"]]["loss"] - w["loss"]) < 1e-6 for w in want] == [True] * len(want)
     assert max_abs_diff(load_weights(cut / "final"), load_weights(reference / "final")) < 1e-5
+
+
+def test_an_fsdp_launch_is_refused_with_the_config_to_use(four_layers, tmp_path, free_port):
+    import subprocess as sp
+
+    recipe = _recipe(four_layers, tmp_path, "fsdp.yaml", lora=False)
+    proc = sp.run([sys.executable, "-m", "accelerate.commands.launch", "--config_file",
+                   str(REPO / "accelerate_configs" / "cpu_fsdp.yaml"), "--num_processes", "2", "--main_process_port",
+                   str(free_port), "-m", "llmtrain", "finetune", str(recipe), "parallel.pipeline_parallel=2"],
+                  cwd=REPO, env=ENV, capture_output=True, text=True, timeout=600)
+    assert proc.returncode != 0
+    assert "not built inside pipeline stages yet" in proc.stdout + proc.stderr
+    assert "Traceback" not in proc.stdout
+    assert not (tmp_path / "fsdp").exists()  # nothing written
 
 
 @pytest.mark.slow

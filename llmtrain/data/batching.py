@@ -26,6 +26,7 @@ from typing import NamedTuple
 import torch
 
 from llmtrain.data.formats import IGNORE
+from llmtrain.errors import LLMTrainError
 
 
 class Counts(NamedTuple):
@@ -169,6 +170,25 @@ def with_loss_positions(batch: dict) -> dict:
     else:  # padded: one example per row
         example = torch.arange(targets.shape[0]).repeat_interleave(targets.shape[1])
     return {**batch, "loss_index": index, "loss_targets": flat[index], "loss_example": example[index]}
+
+
+def fixed_row(batch: dict, slots: int, *, pad_id: int) -> dict[str, torch.Tensor]:
+    """One packed micro-batch (CausalLM.collate's) as a row of exactly `slots` tokens: input_ids, position_ids,
+    targets [1, slots] and cu_seq_lens [1, slots + 1], the padding one more segment that trains nothing."""
+    ids, pos = batch["input_ids"].reshape(-1), batch["position_ids"].reshape(-1)
+    n = len(ids)
+    if n > slots:
+        raise LLMTrainError(f"a packed micro-batch of {n} tokens is longer than train.micro_batch_tokens={slots}: "
+                            "set data.max_seq_len to at most train.micro_batch_tokens")
+    targets = torch.full((n,), IGNORE, dtype=torch.long)
+    targets[batch["loss_index"]] = batch["loss_targets"]
+    pad = slots - n
+    cu = batch["cu_seq_lens"].to(torch.int32) if "cu_seq_lens" in batch else torch.tensor([0, n], dtype=torch.int32)
+    cu = torch.cat([cu, torch.full((slots + 1 - len(cu),), slots, dtype=torch.int32)])  # the pad segment ends at T
+    return {"input_ids": torch.cat([ids, torch.full((pad,), pad_id, dtype=ids.dtype)])[None],
+            "position_ids": torch.cat([pos, torch.arange(pad, dtype=pos.dtype)])[None],
+            "targets": torch.cat([targets, torch.full((pad,), IGNORE, dtype=torch.long)])[None],
+            "cu_seq_lens": cu[None]}
 
 
 def packs_rows(recipe) -> bool:

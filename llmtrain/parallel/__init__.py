@@ -1,7 +1,8 @@
 """Distribution, a file per job: building the Accelerator (`accelerator`), the device mesh and what a process reads
 from it, such as its data rank (`mesh`), each parallelism in its own file (`fsdp`: FSDP2 and HSDP; `tensor`: tensor
-parallelism), the collectives the rest of the package calls (`collectives`: `global_sum`, `data_sum`, `gathered`) and
-the launch config's checks (`launch`).
+parallelism; `sequence`: Ulysses groups; `pipeline`: pipeline stages' groups, split and checkpoint files), the
+collectives the rest of the package calls (`collectives`: `global_sum`, `data_sum`, `gathered`) and the launch
+config's checks (`launch`).
 
 May import: the schema (`config`, `errors`) and this folder. Inside it, `launch`, `mesh` and `tensor` import no
 other file of the folder, `fsdp` and `collectives` only `mesh`, `accelerator` the others. Code elsewhere asks this

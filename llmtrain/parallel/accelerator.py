@@ -58,6 +58,7 @@ def build_accelerator(recipe: Recipe):
     # CPU workers is MULTI_CPU until _fsdp_on_cpu makes it FSDP: there the mesh is attached afterwards.
     mesh = requested_mesh()
     sequence.check(recipe, world=int(os.environ.get("WORLD_SIZE", "1")), mesh=mesh)
+    pipeline.check(recipe, fsdp=fsdp_plugin is not None, mesh=mesh)
     if mesh is not None:  # refused before any process group exists, with the launch's own sizes
         check_mesh(mesh, world=int(os.environ.get("WORLD_SIZE", "1")), fsdp=fsdp_plugin is not None)
         check_tensor_parallel(mesh, recipe)

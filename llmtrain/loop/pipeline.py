@@ -1,0 +1,139 @@
+"""A training step on pipeline stages (parallel.pipeline_parallel): this process's stages of the model
+(model/stages.py, split by parallel/pipeline.py) and the torch.distributed.pipelining schedule that runs a window's
+micro-batches through them.
+
+Fixed shapes. A stage receives its input into buffers whose shape it learns on the first step, so every micro-batch
+is one packed row of exactly train.micro_batch_tokens slots (data/batching.fixed_row): the examples back to back, then
+the padding as one more segment of its own (positions from 0, nothing trained). The examples' boundaries go to every
+stage as a kwarg of one fixed length too (`cu_seq_lens` padded with its last value, trimmed in each stage on the CPU):
+no shape ever changes between steps, so no buffer is stale or mis-sized.
+
+The loss. The last stage's loss function is the run's chunked cross-entropy (model/loss.py) on the row's trained
+positions, times 1 / (the window's trained tokens on every pipeline), with the schedule's `scale_grads=False`: the
+sum over micro-batches and replicas of what each backpropagates is the gradient one process computes on the whole
+window. The replicas' gradients are then summed over the data-parallel group, and the norm for clipping is the square
+root of the squared norms summed over the stages (parallel/pipeline.py).
+"""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+
+import torch
+
+from llmtrain.data.batching import fixed_row
+from llmtrain.data.formats import IGNORE
+from llmtrain.errors import LLMTrainError
+from llmtrain.model.attention import NAME as VARLEN
+from llmtrain.model.loss import causal_lm
+from llmtrain.model.stages import Elsewhere, Stage, skeleton
+from llmtrain.parallel.pipeline import clip_grad_norm_, pipeline_group, stage_layers, sum_replicas
+
+SCHEDULES = {"gpipe": "ScheduleGPipe", "1f1b": "Schedule1F1B", "interleaved_1f1b": "ScheduleInterleaved1F1B"}
+
+
+class Pipeline:
+    """This process's stages of the model and the schedule that runs a window through them."""
+
+    def __init__(self, model, *, parallel, micro_batches: int, slots: int, pad_id: int, device):
+        from torch.distributed import pipelining
+
+        g = pipeline_group()
+        lm = causal_lm(model)
+        config = lm.config
+        if getattr(config, "tie_word_embeddings", False):
+            raise LLMTrainError(
+                f"parallel.pipeline_parallel={g.size}: this model ties its input embedding to its output head "
+                "(tie_word_embeddings), and the first and the last stage would each hold and update their own copy "
+                "of that one weight. Train it with FSDP (accelerate_configs/fsdp.yaml) or DDP instead")
+        if getattr(config, "_attn_implementation", None) != VARLEN:
+            raise LLMTrainError(
+                f"parallel.pipeline_parallel={g.size} attends within each packed row's examples with llmtrain's "
+                "varlen attention (the boundaries travel to every stage); set model.attn_implementation=auto or varlen")
+        chunks = parallel.stages_per_rank
+        total = g.size * chunks
+        ranges = stage_layers(config.num_hidden_layers, total)
+        mine = [g.rank + k * g.size for k in range(chunks)]  # torch's loop order: virtual stage s on rank s % P
+        self.modules = [Stage(lm, ranges[s], first=s == 0, last=s == total - 1) for s in mine]
+        kept = {i for s in mine for i in ranges[s]}
+        decoder = lm.model
+        # what other stages hold, as shapes without storage (the meta device): put back for the export's names only
+        self.elsewhere = [(decoder.layers, str(i)) for i in range(config.num_hidden_layers) if i not in kept]
+        self.elsewhere += [(decoder, "embed_tokens")] if 0 not in mine else []
+        self.elsewhere += [(decoder, "norm"), (lm, "lm_head")] if total - 1 not in mine else []
+        self.skeletons = [skeleton(getattr(parent, name)) for parent, name in self.elsewhere]
+        for parent, name in self.elsewhere:
+            setattr(parent, name, Elsewhere())
+        self.layers = {s: ranges[s] for s in mine}
+        self.stages = [pipelining.PipelineStage(m, s, total, device, group=g.group)
+                       for s, m in zip(mine, self.modules)]
+        self.last = next((m for s, m in zip(mine, self.modules) if s == total - 1), None)
+        self.first = 0 in mine
+        schedule = getattr(pipelining, SCHEDULES[parallel.pipeline_schedule])
+        stages = self.stages if parallel.pipeline_schedule == "interleaved_1f1b" else self.stages[0]
+        self.schedule = schedule(stages, n_microbatches=micro_batches, loss_fn=self._loss, scale_grads=False)
+        self.micro_batches, self.slots, self.pad_id, self.device = micro_batches, slots, pad_id, device
+        self.scale: torch.Tensor | float = 1.0
+        self.sums: list[torch.Tensor] = []  # the last stage's summed loss of each micro-batch of the step
+
+    def describe(self) -> str:
+        g = pipeline_group()
+        runs = ", ".join(f"stage {s}: layers {r.start}-{r.stop - 1}" for s, r in self.layers.items())
+        replicas = f" x {g.replicas} replicas" if g.replicas > 1 else ""
+        return (f"pipeline parallelism: {g.size} stages{replicas}; this process: {runs} "
+                f"({type(self.schedule).__name__}, {self.micro_batches} micro-batches of {self.slots} slots a step)")
+
+    @contextmanager
+    def whole(self):
+        """The model with every module in place (other stages' as storage-less skeletons), for the export: peft and
+        transformers name what they save from the modules they find."""
+        held = [getattr(parent, name) for parent, name in self.elsewhere]
+        for (parent, name), shape in zip(self.elsewhere, self.skeletons):
+            setattr(parent, name, shape)
+        try:
+            yield
+        finally:
+            for (parent, name), module in zip(self.elsewhere, held):
+                setattr(parent, name, module)
+
+    def _loss(self, hidden: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """The last stage's loss of one micro-batch: its summed cross-entropy (kept for the metrics) times the
+        step's scale (1 / the window's trained tokens on every pipeline)."""
+        flat, t = hidden.flatten(0, 1), targets.flatten()
+        index = (t != IGNORE).nonzero().flatten()
+        if index.numel() == 0:  # a placeholder row: a zero loss that still reaches the head
+            loss = self.last.head(flat[:1], targets=t.new_zeros(1))[0] * 0.0
+        else:
+            loss = self.last.head(flat[index], targets=t[index])[0]
+        self.sums.append(loss.detach())
+        return loss * self.scale
+
+    def run(self, batches: list[dict], *, scale) -> torch.Tensor:
+        """Forward and backward of a window's micro-batches through the schedule; returns this process's summed
+        loss (0 except on the last stage). `scale`: 1 / the window's loss units over every pipeline."""
+        rows = [fixed_row(b, self.slots, pad_id=self.pad_id) for b in batches]
+        while len(rows) < self.micro_batches:  # a short window (the end of the data): rows that train nothing
+            rows.append(fixed_row({"input_ids": torch.tensor([self.pad_id]), "position_ids": torch.tensor([0]),
+                                   "loss_index": torch.zeros(0, dtype=torch.long),
+                                   "loss_targets": torch.zeros(0, dtype=torch.long)}, self.slots, pad_id=self.pad_id))
+        stacked = {k: torch.cat([r[k] for r in rows]) for k in rows[0]}
+        self.scale, self.sums = scale, []
+        args = (stacked["input_ids"].to(self.device),) if self.first else ()
+        self.schedule.step(*args, target=stacked["targets"].to(self.device),
+                           position_ids=stacked["position_ids"].to(self.device),
+                           cu_seq_lens=stacked["cu_seq_lens"])  # the boundaries stay on the CPU (each stage trims them)
+        sum_replicas(self.parameters())
+        # the last M calls are the micro-batches': on its first step torch (2.13) also calls the loss function on
+        # placeholder tensors to infer the gradients' shapes
+        return torch.stack(self.sums[-self.micro_batches:]).sum() if self.sums else torch.zeros((), device=self.device)
+
+    def parameters(self):
+        seen = set()
+        for m in self.modules:
+            for p in m.parameters():
+                if p.requires_grad and id(p) not in seen:
+                    seen.add(id(p))
+                    yield p
+
+    def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
+        return clip_grad_norm_(list(self.parameters()), max_norm, self.device)

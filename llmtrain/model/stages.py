@@ -1,0 +1,61 @@
+"""A pipeline stage of a Llama-layout causal LM (Llama, Mistral and their kin), cut by hand: the modules a stage
+runs, and the storage-less placeholders of the ones other stages hold. Where the stages run and how they are split:
+loop/pipeline.py and parallel/pipeline.py.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+
+class Elsewhere(nn.Module):
+    """A module another pipeline stage holds: no parameters here, and never called."""
+
+    def forward(self, *args, **kwargs):
+        raise RuntimeError("this module lives on another pipeline stage")
+
+
+
+class Stage(nn.Module):
+    """One pipeline stage of a Llama-layout causal LM: the embedding (first stage), a run of decoder layers, the
+    final norm and the head (last stage). Every stage computes the rotary embedding from the positions it is
+    given, and the varlen attention takes the row's example boundaries from `cu_seq_lens`."""
+
+    def __init__(self, lm, layers: range, *, first: bool, last: bool):
+        super().__init__()
+        decoder = lm.model
+        self.embed = decoder.embed_tokens if first else None
+        self.layers = nn.ModuleList(decoder.layers[i] for i in layers)
+        self.rotary = decoder.rotary_emb
+        self.norm = decoder.norm if last else None
+        self.head = lm.lm_head if last else None
+
+    def forward(self, x, position_ids, cu_seq_lens):
+        h = self.embed(x) if self.embed is not None else x
+        cu = _trim(cu_seq_lens)
+        longest = int((cu[1:] - cu[:-1]).max())
+        pe = self.rotary(h, position_ids=position_ids)
+        for layer in self.layers:
+            h = layer(h, attention_mask=None, position_ids=position_ids, position_embeddings=pe,
+                      cu_seq_lens_q=cu, cu_seq_lens_k=cu, max_length_q=longest, max_length_k=longest)
+        return self.norm(h) if self.norm is not None else h
+
+
+def skeleton(module: nn.Module) -> nn.Module:
+    """`module` with every parameter and buffer replaced by a storage-less one of its shape (the meta device), its
+    memory freed. By hand, not .to("meta"): a 4-bit base's Params4bit cannot be moved there."""
+    for m in module.modules():
+        for table in (m._parameters, m._buffers):
+            for name, t in list(table.items()):
+                if t is not None:
+                    empty = torch.empty(t.shape, dtype=t.dtype, device="meta")
+                    table[name] = nn.Parameter(empty, requires_grad=False) if table is m._parameters else empty
+    return module
+
+
+def _trim(cu: torch.Tensor) -> torch.Tensor:
+    """A row's boundaries [0, l1, l1+l2, ..., T] from their fixed-length form (padded with T): on the CPU."""
+    cu = cu.reshape(-1)
+    n = int((cu[1:] > cu[:-1]).sum())
+    return cu[: n + 1]
