@@ -255,7 +255,8 @@ def build_model(recipe: Recipe, accelerator, *, total_steps: int, say, pad: int 
     # A quantised base is loaded (and quantised) by every process itself: 4-bit weights cannot be broadcast into an
     # empty model.
     model = load_model(recipe.model, recipe.lora, device=accelerator.device,
-                       empty=receives_weights(accelerator) and not recipe.model.quantize,
+                       empty=(receives_weights(accelerator) and not recipe.model.quantize
+                              and recipe.parallel.pipeline_parallel == 1),  # stages: each loads, keeps its own
                        compute_dtype={"bf16": torch.bfloat16, "fp16": torch.float16}.get(tc.mixed_precision))
     if (tp := tensor_parallel_size(accelerator)) > 1:
         layers = apply_tensor_parallel(model, accelerator.torch_device_mesh["tp"])
@@ -288,10 +289,12 @@ def build_model(recipe: Recipe, accelerator, *, total_steps: int, say, pad: int 
         # the whole model's names, before each process drops the stages it does not hold: what a checkpoint's stage
         # files must hold between them
         whole = (frozenset(n for n, _ in model.named_parameters()),
-                 frozenset(n for n, p in model.named_parameters() if p.requires_grad) if recipe.lora else None)  # keep this process's stages (the optimizer sees only theirs)
+                 frozenset(n for n, p in model.named_parameters() if p.requires_grad) if recipe.lora else None)
+        # keep this process's stages (the optimizer sees only theirs), sharded over their replicas by an FSDP launch
+        plugin = accelerator.state.fsdp_plugin if uses_fsdp(accelerator) else None
         stages = Pipeline(model, parallel=recipe.parallel, micro_batches=tc.grad_accum_steps,
-                          slots=tc.micro_batch_tokens, pad_id=pad,
-                          device=accelerator.device)
+                          slots=tc.micro_batch_tokens, pad_id=pad, device=accelerator.device,
+                          fsdp=None if plugin is None else plugin.mixed_precision_policy or True)
         say(stages.describe())
     optimizer = build_optimizer(model, lr=tc.lr, weight_decay=tc.weight_decay, betas=tc.betas, eps=tc.eps,
                                 fused=use_fused_adamw(accelerator))

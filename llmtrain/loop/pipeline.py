@@ -35,7 +35,11 @@ SCHEDULES = {"gpipe": "ScheduleGPipe", "1f1b": "Schedule1F1B", "interleaved_1f1b
 class Pipeline:
     """This process's stages of the model and the schedule that runs a window through them."""
 
-    def __init__(self, model, *, parallel, micro_batches: int, slots: int, pad_id: int, device):
+    def __init__(self, model, *, parallel, micro_batches: int, slots: int, pad_id: int, device, fsdp=None):
+        """`fsdp`: None, or the FSDP launch's MixedPrecisionPolicy (or True without one): each stage is then sharded
+        over its replicas (FSDP2's fully_shard on each decoder layer and on the stage), kept unsharded between its
+        forward and backward as torchtitan does under pipelining (reshard_after_forward=False: the schedule runs
+        several micro-batches' forwards before their backwards)."""
         from torch.distributed import pipelining
 
         g = pipeline_group()
@@ -65,6 +69,15 @@ class Pipeline:
         for parent, name in self.elsewhere:
             setattr(parent, name, Elsewhere())
         self.layers = {s: ranges[s] for s in mine}
+        self.sharded = fsdp is not None and g.replicas > 1
+        if self.sharded:
+            from torch.distributed.fsdp import fully_shard
+
+            policy = {} if fsdp is True else {"mp_policy": fsdp}
+            for m in self.modules:
+                for layer in m.layers:
+                    fully_shard(layer, mesh=g.mesh["dp"], reshard_after_forward=False, **policy)
+                fully_shard(m, mesh=g.mesh["dp"], reshard_after_forward=False, **policy)
         self.stages = [pipelining.PipelineStage(m, s, total, device, group=g.group)
                        for s, m in zip(mine, self.modules)]
         self.last = next((m for s, m in zip(mine, self.modules) if s == total - 1), None)
@@ -79,7 +92,7 @@ class Pipeline:
     def describe(self) -> str:
         g = pipeline_group()
         runs = ", ".join(f"stage {s}: layers {r.start}-{r.stop - 1}" for s, r in self.layers.items())
-        replicas = f" x {g.replicas} replicas" if g.replicas > 1 else ""
+        replicas = (f" x {g.replicas} {'FSDP shards' if self.sharded else 'replicas'}" if g.replicas > 1 else "")
         return (f"pipeline parallelism: {g.size} stages{replicas}; this process: {runs} "
                 f"({type(self.schedule).__name__}, {self.micro_batches} micro-batches of {self.slots} slots a step)")
 
@@ -117,12 +130,14 @@ class Pipeline:
                                    "loss_index": torch.zeros(0, dtype=torch.long),
                                    "loss_targets": torch.zeros(0, dtype=torch.long)}, self.slots, pad_id=self.pad_id))
         stacked = {k: torch.cat([r[k] for r in rows]) for k in rows[0]}
-        self.scale, self.sums = scale, []
+        # FSDP's reduce-scatter averages the replicas' gradients, where the loss wants their sum
+        self.scale, self.sums = scale * (pipeline_group().replicas if self.sharded else 1), []
         args = (stacked["input_ids"].to(self.device),) if self.first else ()
         self.schedule.step(*args, target=stacked["targets"].to(self.device),
                            position_ids=stacked["position_ids"].to(self.device),
                            cu_seq_lens=stacked["cu_seq_lens"])  # the boundaries stay on the CPU (each stage trims them)
-        sum_replicas(self.parameters())
+        if not self.sharded:
+            sum_replicas(self.parameters())
         # the last M calls are the micro-batches': on its first step torch (2.13) also calls the loss function on
         # placeholder tensors to infer the gradients' shapes
         return torch.stack(self.sums[-self.micro_batches:]).sum() if self.sums else torch.zeros((), device=self.device)
@@ -136,4 +151,4 @@ class Pipeline:
                     yield p
 
     def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
-        return clip_grad_norm_(list(self.parameters()), max_norm, self.device)
+        return clip_grad_norm_(list(self.parameters()), max_norm, self.device, sharded=self.sharded)

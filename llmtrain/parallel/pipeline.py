@@ -29,6 +29,7 @@ class PipelineGroup:
     replica: int = 0  # which pipeline this process is in: its data rank
     group: object = None  # the process group of this process's pipeline (its stages)
     data_group: object = None  # the process group of the replicas of this process's stage
+    mesh: object = None  # the (pp, dp) DeviceMesh: FSDP shards a stage over its dp dimension
 
 
 _GROUP = PipelineGroup()
@@ -43,12 +44,14 @@ def pipeline_parallel_size() -> int:
 
 
 def setup(size: int) -> None:
-    """Form the pipeline and replica groups once the process group exists (size 1: none, any earlier forgotten)."""
+    """Form the pipelines and their stages' replicas once the process group exists, as a (pp, dp) device mesh whose
+    dp dimension FSDP shards over when the launch asks for it (size 1: none, any earlier one forgotten)."""
     global _GROUP
     if size == 1:
         _GROUP = PipelineGroup()
         return
     import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
 
     world, rank = dist.get_world_size(), dist.get_rank()
     if world % size:
@@ -56,17 +59,11 @@ def setup(size: int) -> None:
                             f"own processes, but the launch has {world} processes: launch a multiple of {size} "
                             f"(--num_processes), or set parallel.pipeline_parallel to a divisor of {world}")
     replicas = world // size
-    mine = mine_data = None
-    for d in range(replicas):  # every process creates every group, in the same order
-        g = dist.new_group([d + k * replicas for k in range(size)])
-        if rank % replicas == d:
-            mine = g
-    for s in range(size):
-        g = dist.new_group([s * replicas + j for j in range(replicas)])
-        if rank // replicas == s:
-            mine_data = g
-    _GROUP = PipelineGroup(size=size, rank=rank // replicas, replicas=replicas, replica=rank % replicas, group=mine,
-                           data_group=mine_data)
+    # row-major: mesh[s][d] is rank s * replicas + d, stage s of pipeline d
+    mesh = init_device_mesh("cuda" if torch.cuda.is_available() else "cpu", (size, replicas),
+                            mesh_dim_names=("pp", "dp"))
+    _GROUP = PipelineGroup(size=size, rank=rank // replicas, replicas=replicas, replica=rank % replicas,
+                           group=mesh["pp"].get_group(), data_group=mesh["dp"].get_group(), mesh=mesh)
 
 
 def check(recipe, *, fsdp: bool, mesh) -> None:
@@ -74,13 +71,17 @@ def check(recipe, *, fsdp: bool, mesh) -> None:
     p = recipe.parallel.pipeline_parallel
     if p == 1:
         return
-    if fsdp or mesh is not None:
-        what = "an FSDP launch config" if fsdp else "a parallelism_config mesh (HSDP or tensor parallelism)"
+    if mesh is not None:
         raise LLMTrainError(
-            f"parallel.pipeline_parallel={p} runs on a plain multi-process launch (accelerate_configs/ddp.yaml, "
-            f"cpu_ddp.yaml): the processes of one stage replicate it and sum their gradients. This launch uses "
-            f"{what}, which is not built inside pipeline stages yet. Launch with accelerate_configs/ddp.yaml, or "
-            "set parallel.pipeline_parallel=1 to shard with FSDP alone")
+            f"parallel.pipeline_parallel={p} runs on a plain multi-process launch (the replicas of a stage sum their "
+            "gradients: accelerate_configs/ddp.yaml) or an FSDP one (each stage sharded over its replicas: "
+            "fsdp.yaml); this launch has a parallelism_config mesh (HSDP or tensor parallelism), which is not built "
+            "inside pipeline stages yet. Drop the parallelism_config section, or set parallel.pipeline_parallel=1")
+    if fsdp and recipe.model.quantize:
+        raise LLMTrainError(
+            f"parallel.pipeline_parallel={p} with a 4-bit base (model.quantize) runs on a plain multi-process launch "
+            "(accelerate_configs/ddp.yaml): a QLoRA stage under FSDP is untested. The adapters are small, so the "
+            "stages' replicas lose little by not sharding")
 
 
 def stage_layers(num_layers: int, stages: int) -> list[range]:
@@ -98,7 +99,8 @@ def stage_layers(num_layers: int, stages: int) -> list[range]:
 
 def sum_replicas(params) -> None:
     """Data parallelism across pipelines: each stage's gradients summed over its replicas (one all-reduce a
-    parameter; a parameter without a gradient on this replica, e.g. a placeholder row's, adds zeros)."""
+    parameter; a parameter without a gradient on this replica, e.g. a placeholder row's, adds zeros). Not under
+    FSDP, whose reduce-scatter does it."""
     g = pipeline_group()
     if g.replicas == 1:
         return
@@ -110,14 +112,19 @@ def sum_replicas(params) -> None:
         dist.all_reduce(p.grad, group=g.data_group)
 
 
-def clip_grad_norm_(params, max_norm: float, device) -> torch.Tensor:
-    """torch.nn.utils.clip_grad_norm_ over the whole model: the squared norms summed over the stages."""
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if hasattr(t, "to_local") else t
+
+
+def clip_grad_norm_(params, max_norm: float, device, *, sharded: bool) -> torch.Tensor:
+    """torch.nn.utils.clip_grad_norm_ over the whole model: the squared norms summed over the stages (and over the
+    shards of each, under FSDP: every process then holds a disjoint piece)."""
     import torch.distributed as dist
 
-    grads = [p.grad for p in params if p.grad is not None]
+    grads = [_local(p.grad) for p in params if p.grad is not None]
     squares = (torch.stack([torch.linalg.vector_norm(gr, dtype=torch.float32) ** 2 for gr in grads]).sum()
                if grads else torch.zeros((), device=device))
-    dist.all_reduce(squares, group=pipeline_group().group)
+    dist.all_reduce(squares, group=None if sharded else pipeline_group().group)
     norm = squares.sqrt()
     coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
     if grads:
@@ -138,24 +145,41 @@ def _names(model) -> dict[int, str]:
     return {id(p): n for n, p in model.named_parameters()}
 
 
+def _whole(t: torch.Tensor) -> torch.Tensor:
+    """A tensor whole, on the CPU: a DTensor's shards gathered (a collective: every replica of the stage calls it)."""
+    return (t.full_tensor() if hasattr(t, "full_tensor") else t).detach().cpu().contiguous()
+
+
 def write_stage(folder, model, optimizer, *, trainable_only: bool) -> None:
-    """This process's stages' weights (the adapter's alone for LoRA) and optimizer state, by parameter name; only
-    the first replica of each stage writes (the replicas hold the same)."""
+    """This process's stages' weights (the adapter's alone for LoRA) and optimizer state, whole, by parameter name;
+    the first replica of each stage writes them (the others hold the same, or under FSDP their shards, gathered)."""
     from safetensors.torch import save_file
 
     g = pipeline_group()
+    weights = {n: _whole(p) for n, p in model.named_parameters() if p.requires_grad or not trainable_only}
+    names, state = _names(model), optimizer.state_dict()
+    order = [names[id(p)] for group in optimizer.param_groups for p in group["params"]]
+    moments = {order[i]: {k: _whole(v) if torch.is_tensor(v) else v for k, v in s.items()}
+               for i, s in state["state"].items()}
     if g.replica != 0:
         return
     out = folder / FOLDER
     out.mkdir(parents=True, exist_ok=True)
-    weights = {n: p.detach().cpu().contiguous() for n, p in model.named_parameters()
-               if p.requires_grad or not trainable_only}
     save_file(weights, str(out / f"stage_{g.rank:03d}.safetensors"))
-    names, state = _names(model), optimizer.state_dict()
-    order = [names[id(p)] for group in optimizer.param_groups for p in group["params"]]
-    torch.save({"state": {order[i]: s for i, s in state["state"].items()},
+    torch.save({"state": moments,
                 "groups": [{k: v for k, v in group.items() if k != "params"} for group in state["param_groups"]]},
                out / f"stage_{g.rank:03d}_optimizer.pt")
+
+
+def _placed(t: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    """A whole tensor read from a checkpoint as `like` holds it: under FSDP this process's shard (every process read
+    the same file, so each takes its own piece without communication)."""
+    if not hasattr(like, "device_mesh") or t.shape != like.shape:
+        return t
+    from torch.distributed.tensor import distribute_tensor
+
+    return distribute_tensor(t.to(like.device_mesh.device_type), like.device_mesh, like.placements,
+                             src_data_rank=None)
 
 
 def read_stages(folder, model, optimizer, *, trainable_only: bool) -> None:
@@ -178,18 +202,16 @@ def read_stages(folder, model, optimizer, *, trainable_only: bool) -> None:
                             f"Resume with the recipe that wrote it ({folder}/recipe.yaml)")
     with torch.no_grad():
         for n, t in found.items():
-            wanted[n].copy_(t)
+            wanted[n].copy_(_placed(t, wanted[n]))
     names, state = _names(model), optimizer.state_dict()
     order = [names[id(p)] for group in optimizer.param_groups for p in group["params"]]
-    state["state"] = {i: moments[n] for i, n in enumerate(order) if n in moments}
+    params = {names[id(p)]: p for group in optimizer.param_groups for p in group["params"]}
+    state["state"] = {i: {k: _placed(v, params[n]) if torch.is_tensor(v) else v for k, v in moments[n].items()}
+                      for i, n in enumerate(order) if n in moments}
     for group in state["param_groups"]:  # the saved group of the same weight decay (decayed or not)
         saved = next(s for s in groups if s["weight_decay"] == group["weight_decay"])
         group.update({k: v for k, v in saved.items() if k != "params"})
     optimizer.load_state_dict(state)
-
-
-def stage_files(folder) -> list:
-    return sorted((folder / FOLDER).glob("stage_*.safetensors"))
 
 
 def gather_state_dict(model, *, trainable_only: bool) -> dict:
@@ -198,9 +220,9 @@ def gather_state_dict(model, *, trainable_only: bool) -> dict:
     import torch.distributed as dist
 
     g = pipeline_group()
-    mine = ({n: t.detach().cpu() for n, t in model.state_dict().items()
-             if not trainable_only or n in {k for k, p in model.named_parameters() if p.requires_grad}}
-            if g.replica == 0 else {})
+    trained = {k for k, p in model.named_parameters() if p.requires_grad}
+    mine = {n: _whole(t) for n, t in model.state_dict().items() if not trainable_only or n in trained}
+    mine = mine if g.replica == 0 else {}
     parts = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
     dist.gather_object(mine, parts, dst=0)
     return {k: v for part in parts for k, v in part.items()} if parts else {}

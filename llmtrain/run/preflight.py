@@ -68,7 +68,7 @@ def check_resume(ckpt: Path, recipe: Recipe, *, world: int, fsdp: bool, allow_re
             raise LLMTrainError(f"checkpoint {ckpt} was written with {key}={_get(saved, key)!r}; this recipe has "
                                 f"{_get(now, key)!r}. That is another model or other data, not the same run. {how}")
     sharded = (ckpt / FSDP_MODEL_DIR).is_dir()
-    if sharded != fsdp:
+    if sharded != fsdp and not (ckpt / "pipeline").is_dir():  # a pipeline's stage files are whole, FSDP or not
         raise LLMTrainError(
             f"checkpoint {ckpt} was written {'under' if sharded else 'without'} FSDP and this launch "
             f"{'does not use' if sharded else 'uses'} it. Resume it with "
