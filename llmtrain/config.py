@@ -565,9 +565,12 @@ class Recipe(Section):
             raise ValueError(f"{key} sends each micro-batch's hidden states between stages in buffers of one fixed "
                              "shape: every micro-batch is one packed row of train.micro_batch_tokens slots (padded "
                              "to it). Set train.micro_batch_tokens (e.g. 4096) instead of train.micro_batch_size")
-        if self.data.eval_split is not None:
-            raise ValueError(f"{key} trains without evaluation for now (an eval pass through the stages is not "
-                             "built yet): set data.eval_split=null, and evaluate final/ after the run")
+        if self.data.eval_split is not None and self.train.eval_batch_size is not None:
+            raise ValueError(f"{key} evaluates through the stages in rows of train.micro_batch_tokens slots, as it "
+                             "trains (one fixed shape): unset train.eval_batch_size")
+        if self.train.eval_samples:
+            raise ValueError(f"{key} holds each stage on its own processes, and generating samples needs the whole "
+                             "model on one: set train.eval_samples=0, and sample from final/ after the run")
         if self.train.mixed_precision == "fp16":
             raise ValueError(f"{key} runs in fp32 or bf16; fp16's loss scaling is not built for pipeline stages. "
                              "Set train.mixed_precision=bf16")

@@ -75,7 +75,8 @@ def test_every_row_has_the_budgets_shape_and_trains_what_the_packed_batch_trains
 
 @pytest.mark.parametrize("overrides,says", [
     (["train.micro_batch_tokens=null", "train.micro_batch_size=2"], "one fixed shape"),
-    (["data.eval_split=assets/x.jsonl"], "without evaluation"),
+    (["data.eval_split=assets/x.jsonl", "train.eval_batch_size=8"], "unset train.eval_batch_size"),
+    (["train.eval_samples=2"], "set train.eval_samples=0"),
     (["parallel.pipeline_chunks=2"], "only interleaved_1f1b"),
     (["parallel.sequence_parallel=2"], "do not compose"),
     (["train.mixed_precision=fp16"], "bf16"),
@@ -147,6 +148,21 @@ def test_two_stages_train_what_one_process_trains(single, four_layers, tmp_path,
     assert f"this process: stage 0: layers 0-{4 // (2 * chunks) - 1}" in out
     assert len({r["tokens"] for r in records(reference)}) > 1  # the rows change from step to step
     _same(tmp_path / "pp", reference, lora=kind != "full")
+
+
+def test_the_eval_through_the_stages_counts_what_one_process_counts(four_layers, tmp_path, free_port):
+    """An eval pass runs M micro-batches at a time forward through the stages (the last pass filled with rows that
+    count nothing); loss, token accuracy and teacher-forced match equal the 1-process eval's."""
+    recipe = _recipe(four_layers, tmp_path, "eval.yaml", lora=False, eval_every_steps=3)
+    evals = ["data.eval_split=" + str(four_layers / "data" / "eval.jsonl"), "data.eval_max_examples=50"]
+    run_train(recipe, *evals, f"output_dir={tmp_path / 'one'}")
+    launch_finetune(CPU_DDP, 2, free_port, recipe, *evals, "parallel.pipeline_parallel=2",
+                    f"output_dir={tmp_path / 'pp'}")
+    got, want = records(tmp_path / "pp", "eval"), records(tmp_path / "one", "eval")
+    assert [r["step"] for r in got] == [r["step"] for r in want] == [3]
+    for key in ("eval_loss", "eval_token_accuracy", "eval_teacher_forced_match"):
+        assert abs(got[0][key] - want[0][key]) < 1e-6, key
+    assert want[0]["eval_token_accuracy"] > 0  # a count of something
 
 
 def test_final_loads_in_transformers_and_peft_and_gives_the_one_process_logits(single, four_layers, tmp_path,

@@ -26,7 +26,7 @@ from llmtrain.data.formats import IGNORE
 from llmtrain.errors import LLMTrainError
 from llmtrain.model.attention import NAME as VARLEN
 from llmtrain.model.loss import causal_lm
-from llmtrain.model.stages import Elsewhere, Stage, skeleton
+from llmtrain.model.stages import Elsewhere, Stage, cut_points, skeleton
 from llmtrain.parallel.pipeline import clip_grad_norm_, pipeline_group, stage_layers, sum_replicas
 
 SCHEDULES = {"gpipe": "ScheduleGPipe", "1f1b": "Schedule1F1B", "interleaved_1f1b": "ScheduleInterleaved1F1B"}
@@ -88,6 +88,7 @@ class Pipeline:
         self.micro_batches, self.slots, self.pad_id, self.device = micro_batches, slots, pad_id, device
         self.scale: torch.Tensor | float = 1.0
         self.sums: list[torch.Tensor] = []  # the last stage's summed loss of each micro-batch of the step
+        self.evaluating = False
 
     def describe(self) -> str:
         g = pipeline_group()
@@ -111,7 +112,10 @@ class Pipeline:
 
     def _loss(self, hidden: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         """The last stage's loss of one micro-batch: its summed cross-entropy (kept for the metrics) times the
-        step's scale (1 / the window's trained tokens on every pipeline)."""
+        step's scale (1 / the window's trained tokens on every pipeline). Evaluating, the micro-batch's eval sums
+        (CausalLM.eval_sums's), from targets that carry each position's example beside its token."""
+        if self.evaluating:
+            return self._eval_sums(hidden, targets)
         flat, t = hidden.flatten(0, 1), targets.flatten()
         index = (t != IGNORE).nonzero().flatten()
         if index.numel() == 0:  # a placeholder row: a zero loss that still reaches the head
@@ -121,15 +125,50 @@ class Pipeline:
         self.sums.append(loss.detach())
         return loss * self.scale
 
-    def run(self, batches: list[dict], *, scale) -> torch.Tensor:
-        """Forward and backward of a window's micro-batches through the schedule; returns this process's summed
-        loss (0 except on the last stage). `scale`: 1 / the window's loss units over every pipeline."""
+    def _eval_sums(self, hidden: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """[loss, trained tokens, argmax hits, teacher-forced matches, examples] of one row, as CausalLM.eval_sums
+        counts them (float64)."""
+        flat, t, example = hidden.flatten(0, 1), targets[..., 0].flatten(), targets[..., 1].flatten()
+        index = (t != IGNORE).nonzero().flatten()
+        if index.numel() == 0:
+            return torch.zeros(5, dtype=torch.float64, device=hidden.device)
+        loss, hits = self.last.head(flat[index], targets=t[index], with_hits=True)
+        example = example[index]
+        n = int(example.max()) + 1
+        trained = torch.bincount(example, minlength=n).double()
+        right = torch.zeros(n, dtype=torch.float64, device=example.device).index_add(0, example, hits.double())
+        return torch.stack([loss.double(), hits.new_tensor(hits.numel(), dtype=torch.float64), hits.double().sum(),
+                            ((right == trained) & (trained > 0)).double().sum(), (trained > 0).double().sum()])
+
+    def _rows(self, batches: list[dict]) -> dict[str, torch.Tensor]:
+        """The micro-batches as M rows of the fixed shape (a short list filled with rows that train nothing)."""
         rows = [fixed_row(b, self.slots, pad_id=self.pad_id) for b in batches]
-        while len(rows) < self.micro_batches:  # a short window (the end of the data): rows that train nothing
+        while len(rows) < self.micro_batches:
             rows.append(fixed_row({"input_ids": torch.tensor([self.pad_id]), "position_ids": torch.tensor([0]),
                                    "loss_index": torch.zeros(0, dtype=torch.long),
                                    "loss_targets": torch.zeros(0, dtype=torch.long)}, self.slots, pad_id=self.pad_id))
-        stacked = {k: torch.cat([r[k] for r in rows]) for k in rows[0]}
+        return {k: torch.cat([r[k] for r in rows]) for k in rows[0]}
+
+    def evaluate(self, batches: list[dict]) -> torch.Tensor:
+        """The eval sums of up to M micro-batches, forward only through the stages; zeros except on the last."""
+        stacked = self._rows(batches)
+        # each position's example: its segment of the row (the padding's positions are never trained)
+        example = torch.stack([torch.bucketize(torch.arange(self.slots), cut_points(cu).long(), right=True) - 1
+                               for cu in stacked["cu_seq_lens"]])
+        target = torch.stack([stacked["targets"], example], dim=-1).to(self.device)
+        self.evaluating, sums = True, []
+        try:
+            args = (stacked["input_ids"].to(self.device),) if self.first else ()
+            self.schedule.eval(*args, target=target, losses=sums, position_ids=stacked["position_ids"].to(self.device),
+                               cu_seq_lens=stacked["cu_seq_lens"])
+        finally:
+            self.evaluating = False
+        return torch.stack(sums).sum(0) if sums else torch.zeros(5, dtype=torch.float64, device=self.device)
+
+    def run(self, batches: list[dict], *, scale) -> torch.Tensor:
+        """Forward and backward of a window's micro-batches through the schedule; returns this process's summed
+        loss (0 except on the last stage). `scale`: 1 / the window's loss units over every pipeline."""
+        stacked = self._rows(batches)  # a short window (the end of the data): filled with rows that train nothing
         # FSDP's reduce-scatter averages the replicas' gradients, where the loss wants their sum
         self.scale, self.sums = scale * (pipeline_group().replicas if self.sharded else 1), []
         args = (stacked["input_ids"].to(self.device),) if self.first else ()

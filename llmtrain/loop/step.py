@@ -96,19 +96,22 @@ def train_step(model, optimizer, scheduler, accelerator, objective: Objective, w
 
 @torch.no_grad()
 def evaluate(model, dataset, accelerator, objective: Objective, *, batch_size: int, batch_tokens: int | None,
-             on_batch=lambda done, total: None) -> dict:
-    """The objective's eval metrics over the whole eval set, sharded over ranks, in its natural order."""
+             on_batch=lambda done, total: None, pipeline=None) -> dict:
+    """The objective's eval metrics over the whole eval set, sharded over ranks, in its natural order. `pipeline`:
+    the stages evaluate M micro-batches a pass (parallel.pipeline_parallel; a supervised run's eval sums)."""
     model.eval()
     world, rank = data_ranks(accelerator)
     batches = global_micro_batches(len(dataset), seed=0, epoch=0, world_size=world,
                                    micro_batch_size=batch_size, micro_batch_tokens=batch_tokens,
                                    lengths=dataset["length"] if batch_tokens else None, shuffle=False)
     plan = [g[rank] for g in batches]
-    totals = None
-    for done, window in enumerate(windows(dataset, lambda _: plan, epoch=0, micro=0, steps=len(plan), accum=1,
+    totals, accum = None, pipeline.micro_batches if pipeline is not None else 1
+    passes = -(-len(plan) // accum)
+    for done, window in enumerate(windows(dataset, lambda _: plan, epoch=0, micro=0, steps=passes, accum=accum,
                                           collate=objective.collate, pin=False, columns=objective.columns)):
-        on_batch(done, len(plan))
-        sums = objective.eval_sums(model, window.batches[0], accelerator.device)
+        on_batch(done, passes)
+        sums = (pipeline.evaluate(window.batches) if pipeline is not None
+                else objective.eval_sums(model, window.batches[0], accelerator.device))
         totals = sums if totals is None else totals + sums
     model.train()
     return objective.eval_metrics(data_sum(accelerator, *totals.tolist()))

@@ -227,7 +227,8 @@ def evaluate_and_sample(run: Run, state: TrainState, progress) -> dict:
     ev = evaluate(run.model.model, eval_ds, accelerator, run.objective,
                   batch_size=tc.eval_batch_size or tc.micro_batch_size,
                   batch_tokens=tc.micro_batch_tokens if tc.eval_batch_size is None else None,
-                  on_batch=lambda done, total: progress.update(shown, completed=done, total=total))
+                  on_batch=lambda done, total: progress.update(shown, completed=done, total=total),
+                  pipeline=run.model.pipeline)
     progress.remove_task(shown)
     samples = []
     if tc.eval_samples:  # every rank generates (under FSDP each forward gathers all ranks' shards)

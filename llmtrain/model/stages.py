@@ -33,7 +33,7 @@ class Stage(nn.Module):
 
     def forward(self, x, position_ids, cu_seq_lens):
         h = self.embed(x) if self.embed is not None else x
-        cu = _trim(cu_seq_lens)
+        cu = cut_points(cu_seq_lens)
         longest = int((cu[1:] - cu[:-1]).max())
         pe = self.rotary(h, position_ids=position_ids)
         for layer in self.layers:
@@ -54,7 +54,7 @@ def skeleton(module: nn.Module) -> nn.Module:
     return module
 
 
-def _trim(cu: torch.Tensor) -> torch.Tensor:
+def cut_points(cu: torch.Tensor) -> torch.Tensor:
     """A row's boundaries [0, l1, l1+l2, ..., T] from their fixed-length form (padded with T): on the CPU."""
     cu = cu.reshape(-1)
     n = int((cu[1:] > cu[:-1]).sum())
