@@ -87,6 +87,24 @@ def test_recipes_a_pipeline_cannot_run_are_refused_naming_the_key(tiny_assets, t
         load_recipe(recipe, ["parallel.pipeline_parallel=2", *overrides])
 
 
+@pytest.mark.parametrize("change,says", [({"tie_word_embeddings": True}, "ties its input embedding"),
+                                          ({"_attn_implementation": "sdpa"}, "llmtrain's varlen attention")])
+def test_a_model_the_stages_cannot_split_is_refused_with_the_reason(tiny_assets, tmp_path, change, says):
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from llmtrain.loop.pipeline import Pipeline
+    from llmtrain.model.attention import register
+
+    config = AutoConfig.from_pretrained(tiny_assets / "model")
+    config._attn_implementation = register()
+    for k, v in change.items():
+        setattr(config, k, v)
+    model = AutoModelForCausalLM.from_config(config)
+    parallel = load_recipe(write_recipe(tiny_assets, tmp_path, **PIPE), ["parallel.pipeline_parallel=2"]).parallel
+    with pytest.raises(LLMTrainError, match=says):
+        Pipeline(model, parallel=parallel, micro_batches=4, slots=64, pad_id=0, device=torch.device("cpu"))
+
+
 # --------------------------------------------------------------------------- through accelerate launch
 
 

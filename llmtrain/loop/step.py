@@ -16,8 +16,8 @@ from __future__ import annotations
 
 import math
 from contextlib import nullcontext
-from functools import partial
 from dataclasses import dataclass
+from functools import partial
 
 import torch
 
