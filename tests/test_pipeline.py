@@ -4,7 +4,7 @@ several processes trains what one process trains.
 In-process: the split (balanced, every layer once, the embedding and the head counted), the fixed-shape rows (every
 micro-batch exactly train.micro_batch_tokens slots, the boundaries of one fixed length), the refusals. Through
 `accelerate launch` on gloo: 2 processes with 2 stages equal 1 process (losses to 1e-6, weights to 1e-5) for GPipe,
-1F1B and interleaved 1F1B, with gradient accumulation, full, LoRA and QLoRA; micro-batches whose rows differ in their
+1F1B and interleaved 1F1B, with gradient accumulation, full, LoRA, QLoRA, bf16 with gradient checkpointing; micro-batches whose rows differ in their
 examples and boundaries from step to step (a stage reading a stale or another micro-batch's buffer changes the loss);
 4 processes (2 stages x 2 replicas, and 2 stages each sharded over 2 by FSDP) equal 1; kill -9 and a resume equal the uninterrupted run; final/ (the whole model
 or adapter, gathered from the stages) loads in transformers / peft and gives the 1-process run's logits.
@@ -121,22 +121,28 @@ def four_layers(tiny_assets, tmp_path_factory) -> Path:
     return out
 
 
-def _recipe(tiny: Path, tmp: Path, name: str, *, lora: bool, quantize: bool = False, **train) -> Path:
+def _recipe(tiny: Path, tmp: Path, name: str, *, lora: bool, quantize: bool = False, bf16: bool = False,
+            **train) -> Path:
     sections = {**PIPE, "train": {**PIPE["train"], **train}}
     if lora:
         sections["lora"] = {"r": 4, "dropout": 0.0, "target_modules": "all-linear"}
     if quantize:  # QLoRA: a 4-bit nf4 base in bfloat16 (bitsandbytes runs it on this CPU)
         sections["model"] = {**PIPE["model"], "quantize": "nf4", "dtype": "bfloat16"}
+    if bf16:  # bf16 autocast (around each stage's forward alone, as Accelerate puts it) and recomputed layers
+        sections["model"] = {**PIPE["model"], "gradient_checkpointing": True}
+        sections["train"]["mixed_precision"] = "bf16"
     return write_recipe(tiny, tmp, name=name, **sections, output_dir=str(tmp / name.removesuffix(".yaml")))
 
 
 @pytest.fixture(scope="module")
 def single(four_layers, tmp_path_factory):
-    """One process, full, LoRA and QLoRA: the runs every pipeline layout must equal."""
+    """One process, full, LoRA, QLoRA and full in bf16 with checkpointing: the runs every pipeline layout must
+    equal."""
     tmp = tmp_path_factory.mktemp("single")
     runs = {}
-    for kind in ("full", "lora", "qlora"):
-        recipe = _recipe(four_layers, tmp, f"{kind}.yaml", lora=kind != "full", quantize=kind == "qlora")
+    for kind in ("full", "lora", "qlora", "bf16"):
+        recipe = _recipe(four_layers, tmp, f"{kind}.yaml", lora=kind in ("lora", "qlora"), quantize=kind == "qlora",
+                         bf16=kind == "bf16")
         run_train(recipe)
         runs[kind] = (recipe, tmp / kind)
     return runs
@@ -155,7 +161,7 @@ def _same(run: Path, reference: Path, *, lora: bool, tol: float = 1e-6) -> None:
 
 
 @pytest.mark.parametrize("schedule,kind", [("1f1b", "full"), ("gpipe", "lora"), ("interleaved_1f1b", "full"),
-                                           ("1f1b", "qlora")])
+                                           ("1f1b", "qlora"), ("1f1b", "bf16")])
 def test_two_stages_train_what_one_process_trains(single, four_layers, tmp_path, free_port, schedule, kind):
     """Each step's 4 micro-batches are rows of different examples, lengths and boundaries (the tokens a step differ
     too): a stage that read a stale buffer, or another micro-batch's, would change the loss and the gradient."""
@@ -165,7 +171,7 @@ def test_two_stages_train_what_one_process_trains(single, four_layers, tmp_path,
     chunks = 2 if schedule == "interleaved_1f1b" else 1
     assert f"this process: stage 0: layers 0-{4 // (2 * chunks) - 1}" in out
     assert len({r["tokens"] for r in records(reference)}) > 1  # the rows change from step to step
-    _same(tmp_path / "pp", reference, lora=kind != "full")
+    _same(tmp_path / "pp", reference, lora=kind in ("lora", "qlora"))
 
 
 def test_the_eval_through_the_stages_counts_what_one_process_counts(four_layers, tmp_path, free_port):

@@ -294,7 +294,8 @@ def build_model(recipe: Recipe, accelerator, *, total_steps: int, say, pad: int 
         plugin = accelerator.state.fsdp_plugin if uses_fsdp(accelerator) else None
         stages = Pipeline(model, parallel=recipe.parallel, micro_batches=tc.grad_accum_steps,
                           slots=tc.micro_batch_tokens, pad_id=pad, device=accelerator.device,
-                          fsdp=None if plugin is None else plugin.mixed_precision_policy or True)
+                          fsdp=None if plugin is None else plugin.mixed_precision_policy or True,
+                          precision=accelerator.autocast)
         say(stages.describe())
     optimizer = build_optimizer(model, lr=tc.lr, weight_decay=tc.weight_decay, betas=tc.betas, eps=tc.eps,
                                 fused=use_fused_adamw(accelerator))

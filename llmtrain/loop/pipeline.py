@@ -17,7 +17,7 @@ root of the squared norms summed over the stages (parallel/pipeline.py).
 
 from __future__ import annotations
 
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 
 import torch
 
@@ -35,11 +35,13 @@ SCHEDULES = {"gpipe": "ScheduleGPipe", "1f1b": "Schedule1F1B", "interleaved_1f1b
 class Pipeline:
     """This process's stages of the model and the schedule that runs a window through them."""
 
-    def __init__(self, model, *, parallel, micro_batches: int, slots: int, pad_id: int, device, fsdp=None):
+    def __init__(self, model, *, parallel, micro_batches: int, slots: int, pad_id: int, device, fsdp=None,
+                 precision=nullcontext):
         """`fsdp`: None, or the FSDP launch's MixedPrecisionPolicy (or True without one): each stage is then sharded
         over its replicas (FSDP2's fully_shard on each decoder layer and on the stage), kept unsharded between its
         forward and backward as torchtitan does under pipelining (reshard_after_forward=False: the schedule runs
-        several micro-batches' forwards before their backwards)."""
+        several micro-batches' forwards before their backwards). `precision`: the run's autocast, around each
+        stage's forward and the loss (the stages are not prepared by Accelerate, which would put it there)."""
         from torch.distributed import pipelining
 
         g = pipeline_group()
@@ -58,7 +60,8 @@ class Pipeline:
         total = g.size * chunks
         ranges = stage_layers(config.num_hidden_layers, total)
         mine = [g.rank + k * g.size for k in range(chunks)]  # torch's loop order: virtual stage s on rank s % P
-        self.modules = [Stage(lm, ranges[s], first=s == 0, last=s == total - 1) for s in mine]
+        self.modules = [Stage(lm, ranges[s], first=s == 0, last=s == total - 1, precision=precision) for s in mine]
+        self.precision = precision
         kept = {i for s in mine for i in ranges[s]}
         decoder = lm.model
         # what other stages hold, as shapes without storage (the meta device): put back for the export's names only
@@ -114,8 +117,12 @@ class Pipeline:
         """The last stage's loss of one micro-batch: its summed cross-entropy (kept for the metrics) times the
         step's scale (1 / the window's trained tokens on every pipeline). Evaluating, the micro-batch's eval sums
         (CausalLM.eval_sums's), from targets that carry each position's example beside its token."""
-        if self.evaluating:
-            return self._eval_sums(hidden, targets)
+        with self.precision():
+            if self.evaluating:
+                return self._eval_sums(hidden, targets)
+            return self._train_loss(hidden, targets)
+
+    def _train_loss(self, hidden: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         flat, t = hidden.flatten(0, 1), targets.flatten()
         index = (t != IGNORE).nonzero().flatten()
         if index.numel() == 0:  # a placeholder row: a zero loss that still reaches the head

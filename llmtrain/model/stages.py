@@ -5,6 +5,8 @@ loop/pipeline.py and parallel/pipeline.py.
 
 from __future__ import annotations
 
+from contextlib import nullcontext
+
 import torch
 from torch import nn
 
@@ -22,8 +24,11 @@ class Stage(nn.Module):
     final norm and the head (last stage). Every stage computes the rotary embedding from the positions it is
     given, and the varlen attention takes the row's example boundaries from `cu_seq_lens`."""
 
-    def __init__(self, lm, layers: range, *, first: bool, last: bool):
+    def __init__(self, lm, layers: range, *, first: bool, last: bool, precision=nullcontext):
         super().__init__()
+        # the run's autocast (train.mixed_precision) around the forward alone, as Accelerate's prepare puts it: a
+        # backward under autocast rounds differently (bf16: grad norms 4e-5 apart from a 1-process run)
+        self.precision = precision
         decoder = lm.model
         self.embed = decoder.embed_tokens if first else None
         self.layers = nn.ModuleList(decoder.layers[i] for i in layers)
@@ -32,6 +37,10 @@ class Stage(nn.Module):
         self.head = lm.lm_head if last else None
 
     def forward(self, x, position_ids, cu_seq_lens):
+        with self.precision():
+            return self._forward(x, position_ids, cu_seq_lens)
+
+    def _forward(self, x, position_ids, cu_seq_lens):
         h = self.embed(x) if self.embed is not None else x
         cu = cut_points(cu_seq_lens)
         longest = int((cu[1:] - cu[:-1]).max())
