@@ -162,6 +162,7 @@ def _same(run: Path, reference: Path, *, lora: bool, tol: float = 1e-6) -> None:
 
 @pytest.mark.parametrize("schedule,kind", [("1f1b", "full"), ("gpipe", "lora"), ("interleaved_1f1b", "full"),
                                            ("1f1b", "qlora"), ("1f1b", "bf16")])
+@pytest.mark.slow
 def test_two_stages_train_what_one_process_trains(single, four_layers, tmp_path, free_port, schedule, kind):
     """Each step's 4 micro-batches are rows of different examples, lengths and boundaries (the tokens a step differ
     too): a stage that read a stale buffer, or another micro-batch's, would change the loss and the gradient."""
@@ -174,6 +175,7 @@ def test_two_stages_train_what_one_process_trains(single, four_layers, tmp_path,
     _same(tmp_path / "pp", reference, lora=kind in ("lora", "qlora"))
 
 
+@pytest.mark.slow
 def test_the_eval_through_the_stages_counts_what_one_process_counts(four_layers, tmp_path, free_port):
     """An eval pass runs M micro-batches at a time forward through the stages (the last pass filled with rows that
     count nothing); loss, token accuracy and teacher-forced match equal the 1-process eval's."""
@@ -189,6 +191,7 @@ def test_the_eval_through_the_stages_counts_what_one_process_counts(four_layers,
     assert want[0]["eval_token_accuracy"] > 0  # a count of something
 
 
+@pytest.mark.slow
 def test_final_loads_in_transformers_and_peft_and_gives_the_one_process_logits(single, four_layers, tmp_path,
                                                                                free_port):
     from peft import PeftModel
@@ -213,6 +216,7 @@ def test_final_loads_in_transformers_and_peft_and_gives_the_one_process_logits(s
             assert (base(ids).logits - want).abs().max() > 1e-3
 
 
+@pytest.mark.slow
 def test_kill_9_and_a_resume_equal_the_uninterrupted_run_to_the_bit(four_layers, tmp_path, free_port):
     recipe = _recipe(four_layers, tmp_path, "long.yaml", lora=False, max_steps=300)
     recipe.write_text(recipe.read_text().replace("save_final: true", "save_final: true\n  every_steps: 3"))
@@ -238,6 +242,7 @@ def test_kill_9_and_a_resume_equal_the_uninterrupted_run_to_the_bit(four_layers,
     assert max_abs_diff(load_weights(cut / "final"), load_weights(straight / "final")) == 0.0
 
 
+@pytest.mark.slow
 def test_a_checkpoint_resumes_on_another_split_and_refuses_one_process(single, four_layers, tmp_path, free_port):
     """The stages' files hold every weight and moment by name: written by 2 stages of 2 layers (1F1B) at step 2,
     resumed by 4 interleaved stages of 1 layer, step 3 trains as the 1-process run's. One process is refused: it
