@@ -35,12 +35,12 @@ def write_jsonl(path, rows):
     return path
 
 
-def reversal_feedback(tiny_assets, n: int) -> list[dict]:
+def reversal_feedback(tiny_assets, n: int, *, start: int = 0) -> list[dict]:
     """Unpaired rows from the tiny reversal task, balanced: the reversed string desirable (even rows), the reversed
     string run on with "zz" undesirable (odd rows): something a tiny random model learns to avoid in a few steps."""
-    rows = [json.loads(line) for line in (tiny_assets / "data" / "train.jsonl").read_text().splitlines()[:n]]
+    lines = (tiny_assets / "data" / "train.jsonl").read_text().splitlines()[start:start + n]
     return [{"prompt": r["prompt"], "completion": r["completion"] + ("" if i % 2 == 0 else "zz"), "label": i % 2 == 0}
-            for i, r in enumerate(rows)]
+            for i, r in enumerate(map(json.loads, lines))]
 
 
 # --------------------------------------------------------------------------- the loss, by hand
