@@ -103,3 +103,23 @@ def test_two_processes_train_as_one(tiny_assets, tmp_path, free_port):
     for key in ("eval_loss", "eval_kl", "eval_rewards/margins"):
         assert eval_two[key] == pytest.approx(eval_one[key], abs=tol[key[5:].split("/")[0]]), key
     assert max_abs_diff(final_weights(tmp_path / "two"), final_weights(tmp_path / "one")) < 1e-5
+
+
+@pytest.mark.slow
+def test_the_tiny_recipe_separates_reversals_from_copies(tiny_assets, tmp_path):
+    """recipes/tiny-kto.yaml as `make demo-kto` runs it, on this session's tiny assets: the short SFT run, then KTO
+    (a full fine-tune on prepare-tiny's unpaired rows): the held-out margin between the reversals' and the copies'
+    rewards opens (0 at the start: the policy is the reference), the copies lose log-probability and the eval loss
+    falls below the starting 0.5."""
+    sft = tmp_path / "sft"
+    run_train(REPO / "recipes" / "tiny.yaml", f"model.name_or_path={tiny_assets / 'model'}",
+              f"data.path={tiny_assets / 'data' / 'train.jsonl'}", f"data.eval_split={tiny_assets / 'data' / 'eval.jsonl'}",
+              f"data.cache_dir={tmp_path / 'cache'}", "train.max_steps=150", f"output_dir={sft}")
+    run_train(REPO / "recipes" / "tiny-kto.yaml", f"model.name_or_path={sft / 'final'}",
+              f"data.path={tiny_assets / 'data' / 'train_unpaired.jsonl'}",
+              f"data.eval_split={tiny_assets / 'data' / 'eval_unpaired.jsonl'}", f"data.cache_dir={tmp_path / 'cache'}",
+              f"output_dir={tmp_path / 'kto'}")
+    evals = records(tmp_path / "kto", "eval")
+    assert [e["step"] for e in evals] == [50, 100]
+    assert evals[-1]["eval_rewards/margins"] > 0.3 > evals[0]["eval_rewards/margins"] > 0.1  # 0.23, 0.44 measured
+    assert evals[-1]["eval_rewards/rejected"] < -0.5 and evals[-1]["eval_loss"] < 0.47  # -0.78, 0.452 measured
