@@ -267,3 +267,33 @@ def test_doctor_checks_the_data_and_warns_of_an_unbalanced_file_as_trl(tiny_asse
     status, detail = checks["desirable balance"]
     assert status == "warn" and "30 desirable and 5 undesirable completions" in detail
     assert "Set EITHER kto.desirable_weight in [0.17, 0.22] or kto.undesirable_weight in [4.51, 6.0]" in detail
+
+
+def test_inspect_data_shows_the_labels_and_their_balance(tiny_assets, tmp_path):
+    """`llmtrain inspect-data` on unpaired rows: each example says whether it is desirable, and each split's counts
+    follow the statistics, with TRL's advice where the balance and the weights are off."""
+    from typer.testing import CliRunner
+
+    from llmtrain.cli import app
+
+    rows = reversal_feedback(tiny_assets, 40)
+    data, held = write_jsonl(tmp_path / "k.jsonl", rows[:30]), write_jsonl(tmp_path / "e.jsonl", rows[30:])
+    recipe = write_recipe(tiny_assets, tmp_path, data={"path": str(data), "format": "unpaired", "eval_split": str(held),
+                                                       "cache_dir": str(tmp_path / "cache")},
+                          kto={"beta": 0.1}, lora={"r": 4, "alpha": 8})
+
+    def shown(*overrides: str) -> str:
+        result = CliRunner().invoke(app, ["inspect-data", str(recipe), "--n", "2", *overrides],
+                                    env={"COLUMNS": "240", "NO_COLOR": "1"})
+        assert result.exit_code == 0, result.output
+        return " ".join(result.output.split())
+
+    out = shown()
+    assert re.search(r"example 1, (un)?desirable: \d+ tokens", out)
+    assert "train: 15 desirable and 15 undesirable completions (50.0% desirable)" in out
+    assert "eval: 5 desirable and 5 undesirable completions" in out
+    assert "desirable balance: kto.desirable_weight=1 and kto.undesirable_weight=1 suit these counts" in out
+    unbalanced = write_jsonl(tmp_path / "u.jsonl", [r for r in rows if r["label"]] + rows[1:10:2])
+    out = shown(f"data.path={unbalanced}", "data.eval_split=null", "train.eval_every_steps=null")
+    assert "train: 20 desirable and 5 undesirable completions (80.0% desirable)" in out
+    assert "warning (desirable balance): 20 desirable and 5 undesirable completions" in out
