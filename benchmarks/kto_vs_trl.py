@@ -26,12 +26,12 @@ from __future__ import annotations
 import argparse
 import json
 import resource
-import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 
+from grpo_vs_trl import both_sides
 from preference_step import GSM8K, MISTRAL, SMALL  # the same model and data as the DPO step's benchmark
 
 SKIP = 2  # warm-up steps left out of the means
@@ -129,18 +129,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(tmp)
         write_inputs(work, a.steps * a.batch)
-        results = {}
-        for name in ("trl", "llmtrain"):  # one after the other, each in its own process (its own peak RSS)
-            out = subprocess.run([sys.executable, __file__, "--side", name, "--work", str(work),
-                                  *sum(([f"--{k.replace('_', '-')}", str(getattr(a, k))] for k in
-                                        ("steps", "batch", "max_length", "seed")), [])],
-                                 capture_output=True, text=True)
-            if out.returncode != 0:
-                sys.exit(f"{name} failed:\n{out.stderr[-3000:]}")
-            line = next(x for x in reversed(out.stdout.splitlines()) if x.startswith("{"))
-            print(line, flush=True)
-            results[name] = json.loads(line)
-        t, m = results["trl"], results["llmtrain"]
+        t, m = both_sides(__file__, work, a, ("steps", "batch", "max_length", "seed"))
         print(json.dumps({"speedup": round(t["step_s"] / m["step_s"], 2),
                           "rss_ratio": round(m["peak_rss_mib"] / t["peak_rss_mib"], 2)}))
 
