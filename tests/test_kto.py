@@ -148,9 +148,9 @@ def fresh_accelerate_state():
     AcceleratorState._reset_state(reset_partial_state=True)
 
 
-@pytest.mark.parametrize("loss_type, weights, lora", [("kto", (1.0, 1.0), True), ("kto", (1.3, 0.7), True),
-                                                      ("apo_zero_unpaired", (1.0, 1.0), True),
-                                                      ("kto", (1.3, 0.7), False), ("apo_zero_unpaired", (1.0, 1.0), False)])
+@pytest.mark.parametrize("loss_type, weights, lora", [
+    ("kto", (1.0, 1.0), True), ("kto", (1.3, 0.7), True), ("apo_zero_unpaired", (1.0, 1.0), True),
+    ("kto", (1.3, 0.7), False), ("apo_zero_unpaired", (1.0, 1.0), False)])
 def test_loss_and_gradient_match_trl_kto_trainer(tiny_assets, tiny_tok, tmp_path, loss_type, weights, lora,
                                                  fresh_accelerate_state):
     """TRL's KTOTrainer (padded, its own tokenisation, KL completions rotated within the batch) against llmtrain's

@@ -59,10 +59,11 @@ def same_kl_pairs(rows: list[dict], order: list[int]) -> list[dict]:
 
 
 @pytest.mark.slow
-def test_two_processes_train_as_one(tiny_assets, tmp_path, free_port):
-    """2 DDP processes (gloo, accelerate launch) x micro-batch 2 against 1 process x micro-batch 4, accumulation 2:
-    the same examples per step, the same losses, KL estimates and metrics (1e-6), the same adapter (1e-5), in
-    training and in the eval.
+@pytest.mark.parametrize("launch", ["cpu_ddp", "cpu_fsdp"])
+def test_two_processes_train_as_one(tiny_assets, tmp_path, free_port, launch):
+    """2 processes (gloo, accelerate launch; DDP, or FSDP2 sharding every layer with LoRA's reference the disabled
+    adapter of the sharded model) x micro-batch 2 against 1 process x micro-batch 4, accumulation 2: the same examples
+    per step, the same losses, KL estimates and metrics (1e-6), the same adapter (1e-5), in training and in the eval.
 
     TRL's KL estimate on 2 processes is the mean of each process's own mean over its micro-batch's KL sequences
     (gather_for_metrics(kl).mean()), each process rotating the completions within its own share: with x1..x4 and
@@ -71,7 +72,8 @@ def test_two_processes_train_as_one(tiny_assets, tmp_path, free_port):
     The two are the same set where y2 = y4, the last completion of each process's share: the data are arranged so
     (`same_kl_pairs`, on the seeded epoch order that both runs draw), and then the mean over the four equals the
     mean of the two means over two. A process that kept its own estimate (no all-reduce) would differ. 21 rows: the
-    last global micro-batch has one example, so process 1 idles there and still takes part in the average."""
+    last global micro-batch has one example, so process 1 idles there: it still takes part in the average, and under
+FSDP it runs as many forwards as process 0 (each gathers every layer from both), else the run hangs."""
     seed, n = 7, 21
     # Mostly desirable completions: training raises completions' log-probabilities broadly, mismatched ones too, so
     # the KL estimate is positive (not clamped to 0) at the steps after the first and the average matters.
@@ -85,11 +87,13 @@ def test_two_processes_train_as_one(tiny_assets, tmp_path, free_port):
     recipe = write_recipe(tiny_assets, tmp_path, data={"path": str(data), "format": "unpaired", "max_seq_len": 32,
                                                        "eval_split": str(held_path)},
                           kto={"beta": 0.5}, lora={"r": 4, "alpha": 8, "dropout": 0.0},
-                          train={"max_steps": 3, "micro_batch_size": 2 * PER_RANK, "grad_accum_steps": 2, "lr": 1e-2, "eps": 1e-6,
-                                 "warmup_steps": 0, "seed": seed, "eval_every_steps": 3, "eval_samples": 0})
+                          train={"max_steps": 3, "micro_batch_size": 2 * PER_RANK, "grad_accum_steps": 2, "lr": 1e-2,
+                                 "eps": 1e-6, "warmup_steps": 0, "seed": seed, "eval_every_steps": 3,
+                                 "eval_samples": 0})
     run_train(recipe, f"output_dir={tmp_path / 'one'}")
-    launch_finetune(REPO / "accelerate_configs" / "cpu_ddp.yaml", 2, free_port, recipe, f"output_dir={tmp_path / 'two'}",
-                    f"train.micro_batch_size={PER_RANK}", f"train.eval_batch_size={PER_RANK}")
+    launch_finetune(REPO / "accelerate_configs" / f"{launch}.yaml", 2, free_port, recipe,
+                    f"output_dir={tmp_path / 'two'}", f"train.micro_batch_size={PER_RANK}",
+                    f"train.eval_batch_size={PER_RANK}")
     one, two = records(tmp_path / "one"), records(tmp_path / "two")
     assert len(one) == len(two) == 3 and max(r["kl"] for r in one[1:]) > 0.01  # the KL term is live after step 1
     # A summed log-probability near -40 is held in fp32 to 64 x 2^-24 = 3.8e-6 (one ulp, summed in another order by
@@ -112,12 +116,13 @@ def test_the_tiny_recipe_separates_reversals_from_copies(tiny_assets, tmp_path):
     rewards opens (0 at the start: the policy is the reference), the copies lose log-probability and the eval loss
     falls below the starting 0.5."""
     sft = tmp_path / "sft"
+    data = tiny_assets / "data"
     run_train(REPO / "recipes" / "tiny.yaml", f"model.name_or_path={tiny_assets / 'model'}",
-              f"data.path={tiny_assets / 'data' / 'train.jsonl'}", f"data.eval_split={tiny_assets / 'data' / 'eval.jsonl'}",
+              f"data.path={data / 'train.jsonl'}", f"data.eval_split={data / 'eval.jsonl'}",
               f"data.cache_dir={tmp_path / 'cache'}", "train.max_steps=150", f"output_dir={sft}")
     run_train(REPO / "recipes" / "tiny-kto.yaml", f"model.name_or_path={sft / 'final'}",
-              f"data.path={tiny_assets / 'data' / 'train_unpaired.jsonl'}",
-              f"data.eval_split={tiny_assets / 'data' / 'eval_unpaired.jsonl'}", f"data.cache_dir={tmp_path / 'cache'}",
+              f"data.path={data / 'train_unpaired.jsonl'}", f"data.eval_split={data / 'eval_unpaired.jsonl'}",
+              f"data.cache_dir={tmp_path / 'cache'}",
               f"output_dir={tmp_path / 'kto'}")
     evals = records(tmp_path / "kto", "eval")
     assert [e["step"] for e in evals] == [50, 100]

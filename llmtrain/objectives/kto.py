@@ -29,6 +29,7 @@ set of weights (in the estimate) and no extra passes over the data.
 from __future__ import annotations
 
 import copy
+from contextlib import nullcontext
 
 import torch
 import torch.nn.functional as F
@@ -123,13 +124,17 @@ class KTO:
         return batch, Counts(units=float(len(examples)), trained=float(len(batch["loss_index"])),
                              tokens=float(sum(lengths)), squares=float(sum(n * n for n in lengths)))
 
+    def _reference_model(self):
+        """The reference and the context it runs in: the frozen copy, or the base model (the adapter disabled)."""
+        if self.reference is not None:
+            return self.reference, nullcontext()
+        return self.model, self.model.disable_adapter()  # the base model: the reference, with no copy of it
+
     def _reference(self, batch: dict) -> torch.Tensor:
         """The reference's summed completion log-probabilities, under no_grad."""
-        with torch.no_grad():
-            if self.reference is not None:
-                return sequence_logps(self.reference, batch)
-            with self.model.disable_adapter():  # the base model: the reference, with no copy of it
-                return sequence_logps(self.model, batch)
+        model, context = self._reference_model()
+        with torch.no_grad(), context:
+            return sequence_logps(model, batch)
 
     def _kl(self, batch: dict) -> torch.Tensor | None:
         """TRL's KL estimate: the mean over the KL sequences of (policy - reference) log-probabilities, averaged over
@@ -150,7 +155,7 @@ class KTO:
 
     def loss(self, model, batch: dict) -> tuple[torch.Tensor, torch.Tensor]:
         if batch["sequence_tokens"].numel() == 0:  # an idle rank's placeholder: zero, yet reaching every parameter
-            self._kl(batch)  # and its share (none) of the processes' KL estimate
+            self._idle(batch)
             return compute_loss(model, batch), torch.zeros(len(SUMS), device=batch["input_ids"].device)
         kl = self._kl(batch)  # no-grad forwards first: they leave no graph behind
         ref = self._reference(batch)
@@ -166,6 +171,21 @@ class KTO:
                                  (logps.detach() * u).sum(), d.sum(), u.sum(),
                                  (kl if kl is not None else logps.new_zeros(())) * n])
         return losses.sum(), stats
+
+    def _idle(self, batch: dict) -> None:
+        """An idle rank's no-grad passes on its one-token row, in a working rank's order around the KL all-reduce
+        (policy and reference over the KL sequences, the all-reduce with nothing to add, the reference over the
+        micro-batch): under FSDP every forward gathers each layer from every rank, so each rank runs as many."""
+        with torch.no_grad():
+            if self.cfg.loss_type == "kto":
+                compute_loss(self.model, batch)
+                model, context = self._reference_model()
+                with context:
+                    compute_loss(model, batch)
+            self._kl(batch)
+            model, context = self._reference_model()
+            with context:
+                compute_loss(model, batch)
 
     def step_metrics(self, stats: list[float], units: float) -> dict[str, float]:
         """TRL's metrics: rewards and log-probabilities averaged over the desirable (chosen) and undesirable
