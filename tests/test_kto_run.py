@@ -128,3 +128,28 @@ def test_the_tiny_recipe_separates_reversals_from_copies(tiny_assets, tmp_path):
     assert [e["step"] for e in evals] == [50, 100]
     assert evals[-1]["eval_rewards/margins"] > 0.3 > evals[0]["eval_rewards/margins"] > 0.1  # 0.23, 0.44 measured
     assert evals[-1]["eval_rewards/rejected"] < -0.5 and evals[-1]["eval_loss"] < 0.47  # -0.78, 0.452 measured
+
+
+@pytest.mark.slow
+def test_a_full_fine_tune_under_fsdp_is_refused_with_one_paragraph(tiny_assets, tmp_path, free_port):
+    """The frozen reference is whole on every process; a launch that shards the model stops before training, with
+    the reason and the two ways out, and no traceback of llmtrain's (accelerate's launcher prints its own, of the
+    child that exited non-zero)."""
+    import re
+    import subprocess
+    import sys
+
+    from helpers import ENV
+
+    recipe = kto_recipe(tiny_assets, tmp_path, lora=False)
+    proc = subprocess.run(
+        [sys.executable, "-m", "accelerate.commands.launch", "--config_file",
+         str(REPO / "accelerate_configs" / "cpu_fsdp.yaml"), "--main_process_port", str(free_port),
+         "-m", "llmtrain", "finetune", str(recipe), f"output_dir={tmp_path / 'run'}"],
+        env=ENV, cwd=REPO, capture_output=True, text=True, timeout=600)
+    said = " ".join((proc.stdout + proc.stderr).split())
+    assert proc.returncode != 0
+    assert "keeps a frozen copy of the starting model as its reference" in said
+    assert "Add a lora: section" in said and "accelerate_configs/ddp.yaml" in said
+    assert not re.search(r'File "[^"]*/llmtrain/', proc.stdout + proc.stderr)
+    assert not (tmp_path / "run" / "metrics.jsonl").exists()
