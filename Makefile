@@ -6,7 +6,7 @@ BIN   := $(VENV)/bin
 # On a GPU machine: make install TORCH=torch
 TORCH ?= torch==2.13.0
 
-.PHONY: install demo demo-rl test test-dist clean
+.PHONY: install demo demo-rl demo-kto test test-dist clean
 
 $(BIN)/.installed: pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -27,6 +27,12 @@ demo-rl: install
 	$(BIN)/llmtrain finetune recipes/tiny.yaml train.max_steps=150 output_dir=runs/tiny-sft --overwrite
 	$(BIN)/llmtrain finetune recipes/tiny-grpo.yaml --overwrite
 
+# KTO on the same task's unpaired feedback (each string's reversal desirable, its copy not), from the same short SFT.
+demo-kto: install
+	$(BIN)/llmtrain prepare-tiny assets/tiny
+	$(BIN)/llmtrain finetune recipes/tiny.yaml train.max_steps=150 output_dir=runs/tiny-sft --overwrite
+	$(BIN)/llmtrain finetune recipes/tiny-kto.yaml --overwrite
+
 # Two pytest-xdist workers, each running whole test files (a file's shared runs are made once), the long
 # multi-process files first (tests/conftest.py); a plain `pytest -q` runs the same tests one after another.
 test: install
@@ -38,7 +44,7 @@ test: install
 # Without PY=..., the project's .venv.
 DIST_TESTS := tests/test_fsdp.py tests/test_hsdp.py tests/test_ddp.py tests/test_tp.py tests/test_scaleout.py \
 	tests/test_mesh.py tests/test_launch.py tests/test_grpo.py tests/test_grpo_run.py tests/test_fast_sample.py \
-	tests/test_samples.py tests/test_sequence_parallel.py tests/test_pipeline.py
+	tests/test_samples.py tests/test_sequence_parallel.py tests/test_pipeline.py tests/test_kto_run.py
 DIST_PY = $(if $(filter command line environment,$(origin PY)),$(PY),$(BIN)/python)
 
 test-dist:

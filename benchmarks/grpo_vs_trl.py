@@ -133,6 +133,22 @@ def side(name: str, work: Path, a) -> None:
                       "mean_completion_tokens": round(sum(times["lengths"]) / len(times["lengths"]), 2)}))
 
 
+def both_sides(script: str, work: Path, a, options: tuple[str, ...]) -> tuple[dict, dict]:
+    """TRL's side, then llmtrain's, each `script --side NAME` in its own process (its own peak RSS) with the given
+    options of `a`; each side's JSON line printed as it comes, and returned: (trl, llmtrain)."""
+    results = {}
+    for name in ("trl", "llmtrain"):
+        flags = sum(([f"--{k.replace('_', '-')}", str(getattr(a, k))] for k in options), [])
+        out = subprocess.run([sys.executable, script, "--side", name, "--work", str(work), *flags],
+                             capture_output=True, text=True)
+        if out.returncode != 0:
+            sys.exit(f"{name} failed:\n{out.stderr[-3000:]}")
+        line = next(x for x in reversed(out.stdout.splitlines()) if x.startswith("{"))
+        print(line, flush=True)
+        results[name] = json.loads(line)
+    return results["trl"], results["llmtrain"]
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--steps", type=int, default=6)
@@ -150,16 +166,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(tmp)
         write_inputs(work, a.prompts, a.steps)
-        results = {}
-        for name in ("trl", "llmtrain"):  # one after the other, each in its own process (its own peak RSS)
-            out = subprocess.run([sys.executable, __file__, "--side", name, "--work", str(work),
-                                  *sum(([f"--{k}", str(getattr(a, k))] for k in
-                                        ("steps", "prompts", "generations", "completion", "seed")), [])],
-                                 capture_output=True, text=True, check=True)
-            line = next(x for x in reversed(out.stdout.splitlines()) if x.startswith("{"))
-            print(line, flush=True)
-            results[name] = json.loads(line)
-        t, m = results["trl"], results["llmtrain"]
+        t, m = both_sides(__file__, work, a, ("steps", "prompts", "generations", "completion", "seed"))
         print(json.dumps({"step_speedup": round(t["step_s"] / m["step_s"], 2),
                           "generation_speedup": round(t["generation_s"] / m["generation_s"], 2),
                           "update_speedup": round(t["update_s"] / m["update_s"], 2),

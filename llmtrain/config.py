@@ -534,11 +534,6 @@ class Recipe(Section):
                              "or not train with KTO (add kto: {beta: 0.1}), and kto: needs such rows")
         if self.kto is None:
             return self
-        if self.lora is None:
-            raise ValueError("kto: needs the starting model as its reference, for the completions and for the KL "
-                             "estimate's mismatched pairs, which are made from each micro-batch as it is drawn; a "
-                             "LoRA run has it for free (the adapter disabled), a full fine-tune would need a second, "
-                             "frozen copy of the weights, which llmtrain does not build. Add a lora: section")
         if self.data.train_on_prompt:
             raise ValueError("kto: compares the log-probabilities of the completions only; unset data.train_on_prompt")
         if self.train.micro_batch_tokens is not None:

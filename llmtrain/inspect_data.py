@@ -77,7 +77,7 @@ def inspect_data(recipe: Recipe, *, n: int, as_json: bool) -> None:
 
     datasets.disable_progress_bars()
     tokenizer = load_tokenizer(recipe.model)
-    train, _, stats, _ = prepare_datasets(recipe.data, tokenizer, seed=recipe.train.seed)
+    train, evald, stats, _ = prepare_datasets(recipe.data, tokenizer, seed=recipe.train.seed)
     rows = train.select(range(min(n, len(train))))
     if "chosen_ids" in train.column_names:
         return _show_pairs(rows, stats, tokenizer, as_json=as_json)
@@ -110,6 +110,27 @@ def inspect_data(recipe: Recipe, *, n: int, as_json: bool) -> None:
                             title=f"example {i + 1}{said}: {len(ids)} tokens, {trained} trained ({how})",
                             title_align="left"))
     console.print(_stats_table(stats))
+    if recipe.kto is not None:
+        console.print(feedback_balance(recipe, {"train": train, **({"eval": evald} if evald is not None else {})}))
+
+
+def feedback_balance(recipe: Recipe, splits: dict) -> str:
+    """KTO's unpaired rows: each split's desirable and undesirable counts, and TRL's warning where the train split's
+    balance and the recipe's kto weights are outside the range the KTO paper advises (as `llmtrain doctor` says)."""
+    from llmtrain.data.unpaired import balance_warning
+
+    lines = []
+    for name, ds in splits.items():
+        desirable = sum(ds["label"])
+        lines.append(f"{name}: {desirable:,} desirable and {len(ds) - desirable:,} undesirable completions "
+                     f"({desirable / max(len(ds), 1):.1%} desirable)")
+    k = recipe.kto
+    warn = balance_warning(splits["train"]["label"], desirable_weight=k.desirable_weight,
+                           undesirable_weight=k.undesirable_weight)
+    lines.append(f"warning (desirable balance): {warn}" if warn else
+                 f"desirable balance: kto.desirable_weight={k.desirable_weight:g} and kto.undesirable_weight="
+                 f"{k.undesirable_weight:g} suit these counts, as TRL's KTOTrainer advises")
+    return "\n".join(lines)
 
 
 def _show_pairs(rows, stats, tokenizer, *, as_json: bool) -> None:

@@ -8,7 +8,9 @@
   real 7B checkpoint;
 - `out/data/`: the string-reversal task (`reverse abcde =` -> ` edcba`) in prompt_completion format
   (`train.jsonl`, `eval.jsonl`) and the same training examples as chat messages
-  (`train_messages.jsonl`) and alpaca records (`train_alpaca.jsonl`).
+  (`train_messages.jsonl`) and alpaca records (`train_alpaca.jsonl`); and as unpaired feedback for KTO
+  (`train_unpaired.jsonl`, `eval_unpaired.jsonl`: each string's reversal labelled true, the string copied
+  unreversed, the mistake an untrained model makes most, labelled false).
 """
 
 from __future__ import annotations
@@ -133,6 +135,18 @@ def _write_jsonl(path: Path, rows: list[dict]) -> None:
             f.write(json.dumps(row, ensure_ascii=False) + "\n")
 
 
+def unpaired(examples: list[tuple[str, str]]) -> list[dict]:
+    """KTO rows from reversal problems, as a pair's chosen and rejected: the reversal desirable, the copy not (a
+    palindrome's copy is its reversal: that row is left out)."""
+    rows = []
+    for prompt, completion in examples:
+        copied = " " + completion.strip()[::-1]
+        rows.append({"prompt": prompt, "completion": completion, "label": True})
+        if copied != completion:
+            rows.append({"prompt": prompt, "completion": copied, "label": False})
+    return rows
+
+
 def write_data(out: Path, *, seed: int) -> None:
     rng = random.Random(seed)
     evals = make_split(rng, N_EVAL)
@@ -140,6 +154,8 @@ def write_data(out: Path, *, seed: int) -> None:
     out.mkdir(parents=True, exist_ok=True)
     _write_jsonl(out / "train.jsonl", [{"prompt": p, "completion": c} for p, c in train])
     _write_jsonl(out / "eval.jsonl", [{"prompt": p, "completion": c} for p, c in evals])
+    _write_jsonl(out / "train_unpaired.jsonl", unpaired(train))
+    _write_jsonl(out / "eval_unpaired.jsonl", unpaired(evals))
     _write_jsonl(
         out / "train_messages.jsonl",
         [

@@ -35,12 +35,12 @@ def write_jsonl(path, rows):
     return path
 
 
-def reversal_feedback(tiny_assets, n: int) -> list[dict]:
+def reversal_feedback(tiny_assets, n: int, *, start: int = 0) -> list[dict]:
     """Unpaired rows from the tiny reversal task, balanced: the reversed string desirable (even rows), the reversed
     string run on with "zz" undesirable (odd rows): something a tiny random model learns to avoid in a few steps."""
-    rows = [json.loads(line) for line in (tiny_assets / "data" / "train.jsonl").read_text().splitlines()[:n]]
+    lines = (tiny_assets / "data" / "train.jsonl").read_text().splitlines()[start:start + n]
     return [{"prompt": r["prompt"], "completion": r["completion"] + ("" if i % 2 == 0 else "zz"), "label": i % 2 == 0}
-            for i, r in enumerate(rows)]
+            for i, r in enumerate(map(json.loads, lines))]
 
 
 # --------------------------------------------------------------------------- the loss, by hand
@@ -122,7 +122,7 @@ def test_balance_warning_follows_trl():
     assert balance_warning([True] * 2 + [False] * 8, desirable_weight=1.0, undesirable_weight=0.2) is None
 
 
-def test_kto_section_and_format_go_together_and_need_lora(tiny_assets, tmp_path):
+def test_kto_section_and_format_go_together(tiny_assets, tmp_path):
     from llmtrain.config import load_recipe
 
     data = write_jsonl(tmp_path / "k.jsonl", ROWS)
@@ -131,8 +131,7 @@ def test_kto_section_and_format_go_together_and_need_lora(tiny_assets, tmp_path)
     assert load_recipe(recipe).kto.loss_type == "kto"
     with pytest.raises(RecipeError, match="data.format: unpaired and the kto: section go together"):
         load_recipe(recipe, ["kto=null"])
-    with pytest.raises(RecipeError, match="kto: needs the starting model as its reference"):
-        load_recipe(recipe, ["lora=null"])
+    assert load_recipe(recipe, ["lora=null"]).lora is None  # a full fine-tune: a frozen copy is the reference
     with pytest.raises(RecipeError, match="needs train.micro_batch_size of at least 2"):
         load_recipe(recipe, ["train.micro_batch_size=1"])
 
@@ -149,30 +148,37 @@ def fresh_accelerate_state():
     AcceleratorState._reset_state(reset_partial_state=True)
 
 
-@pytest.mark.parametrize("loss_type, weights", [("kto", (1.0, 1.0)), ("kto", (1.3, 0.7)),
-                                                ("apo_zero_unpaired", (1.0, 1.0))])
-def test_loss_and_gradient_match_trl_kto_trainer(tiny_assets, tiny_tok, tmp_path, loss_type, weights,
+@pytest.mark.parametrize("loss_type, weights, lora", [
+    ("kto", (1.0, 1.0), True), ("kto", (1.3, 0.7), True), ("apo_zero_unpaired", (1.0, 1.0), True),
+    ("kto", (1.3, 0.7), False), ("apo_zero_unpaired", (1.0, 1.0), False)])
+def test_loss_and_gradient_match_trl_kto_trainer(tiny_assets, tiny_tok, tmp_path, loss_type, weights, lora,
                                                  fresh_accelerate_state):
-    """TRL's KTOTrainer (padded, its own tokenisation, KL completions rotated within the batch, the LoRA adapter
-    disabled as the reference) against llmtrain's padding-free KTO on one mixed batch, LoRA B perturbed so the
-    policy differs from the reference: the same mean loss and the same LoRA gradients, fp32."""
+    """TRL's KTOTrainer (padded, its own tokenisation, KL completions rotated within the batch) against llmtrain's
+    padding-free KTO on one mixed batch, fp32: the same mean loss, metrics and gradients. LoRA: the reference is the
+    disabled adapter (TRL's copy of the fresh adapter, B = 0), LoRA B perturbed so the policy differs from it. Full
+    fine-tune: TRL loads its ref_model from the model's folder, llmtrain keeps a frozen copy of the starting
+    weights (kto.frozen_copy); every weight of both policies is then moved off it by the same noise."""
     trl = pytest.importorskip("trl")
     from datasets import Dataset
 
     from llmtrain.model.loss import attach_loss
     from llmtrain.model.modeling import load_model
+    from llmtrain.objectives.kto import frozen_copy
 
     torch.manual_seed(0)
     model = load_model(ModelConfig(name_or_path=str(tiny_assets / "model"), attn_implementation="eager"),
-                       LoraConfig(r=4, alpha=8, dropout=0.0), device=torch.device("cpu"), empty=False)
-    # TRL copies a PeftModel's adapter as its reference ("ref"): given the fresh adapter (B = 0), that is the base
-    # model, as llmtrain's disabled adapter. Both policies are then moved off it by the same noise.
+                       LoraConfig(r=4, alpha=8, dropout=0.0) if lora else None, device=torch.device("cpu"),
+                       empty=False)
+    reference = None if lora else frozen_copy(model)
     theirs_model, ours = copy.deepcopy(model), model  # before TRL patches its own copy
+    # the parameters moved off the reference: LoRA's (TRL's policy adapter is "default", beside its "ref" copy)
+    moved = (lambda n: "lora_" in n) if lora else (lambda n: True)
+    theirs_moved = (lambda n: ".default." in n) if lora else (lambda n: True)
     g = torch.Generator().manual_seed(0)
     with torch.no_grad():
         for name, p in ours.named_parameters():
-            if "lora_" in name:
-                p.copy_(torch.randn(p.shape, generator=g) * 0.3)
+            if moved(name):
+                p.add_(torch.randn(p.shape, generator=g) * (0.3 if lora else 0.02))
     args = trl.KTOConfig(output_dir=str(tmp_path / "trl"), per_device_train_batch_size=len(ROWS), report_to="none",
                          beta=0.1, loss_type=loss_type, desirable_weight=weights[0], undesirable_weight=weights[1],
                          max_length=None, use_cpu=True, bf16=False, fp16=False)
@@ -180,8 +186,8 @@ def test_loss_and_gradient_match_trl_kto_trainer(tiny_assets, tiny_tok, tmp_path
                              processing_class=tiny_tok)
     with torch.no_grad():
         mine = dict(ours.named_parameters())
-        moved = [p.copy_(mine[n]) for n, p in trainer.model.named_parameters() if ".default." in n]
-    assert moved and len(moved) == sum(".default." in n for n in mine)
+        copied = [p.copy_(mine[n]) for n, p in trainer.model.named_parameters() if theirs_moved(n)]
+    assert copied and len(copied) == sum(moved(n) for n in mine)
     trainer.model.train()
     inputs = trainer.data_collator([trainer.train_dataset[i] for i in range(len(ROWS))])
     theirs = trainer.compute_loss(trainer.model, inputs)
@@ -194,11 +200,12 @@ def test_loss_and_gradient_match_trl_kto_trainer(tiny_assets, tiny_tok, tmp_path
     for i, row in enumerate(rows):  # the same tokens as TRL's (prompt, completion + EOS)
         tr = trainer.train_dataset[i]
         assert row["input_ids"] == tr["prompt_ids"] + tr["completion_ids"]
-    attach_loss(ours, chunk=8)
+    for m in (ours, reference) if reference is not None else (ours,):  # as the loop's build_model does
+        attach_loss(m, chunk=8)
     ours.train()
     objective = KTO(KTOConfig(loss_type=loss_type, beta=0.1, desirable_weight=weights[0],
                               undesirable_weight=weights[1]),
-                    pad_id=tiny_tok.pad_token_id, packing=True, max_seq_len=2048, model=ours)
+                    pad_id=tiny_tok.pad_token_id, packing=True, max_seq_len=2048, model=ours, reference=reference)
     batch, counts = objective.collate(rows)
     assert counts.units == len(ROWS)
     loss, stats = objective.loss(ours, batch)
@@ -260,3 +267,33 @@ def test_doctor_checks_the_data_and_warns_of_an_unbalanced_file_as_trl(tiny_asse
     status, detail = checks["desirable balance"]
     assert status == "warn" and "30 desirable and 5 undesirable completions" in detail
     assert "Set EITHER kto.desirable_weight in [0.17, 0.22] or kto.undesirable_weight in [4.51, 6.0]" in detail
+
+
+def test_inspect_data_shows_the_labels_and_their_balance(tiny_assets, tmp_path):
+    """`llmtrain inspect-data` on unpaired rows: each example says whether it is desirable, and each split's counts
+    follow the statistics, with TRL's advice where the balance and the weights are off."""
+    from typer.testing import CliRunner
+
+    from llmtrain.cli import app
+
+    rows = reversal_feedback(tiny_assets, 40)
+    data, held = write_jsonl(tmp_path / "k.jsonl", rows[:30]), write_jsonl(tmp_path / "e.jsonl", rows[30:])
+    recipe = write_recipe(tiny_assets, tmp_path, data={"path": str(data), "format": "unpaired", "eval_split": str(held),
+                                                       "cache_dir": str(tmp_path / "cache")},
+                          kto={"beta": 0.1}, lora={"r": 4, "alpha": 8})
+
+    def shown(*overrides: str) -> str:
+        result = CliRunner().invoke(app, ["inspect-data", str(recipe), "--n", "2", *overrides],
+                                    env={"COLUMNS": "240", "NO_COLOR": "1"})
+        assert result.exit_code == 0, result.output
+        return " ".join(result.output.split())
+
+    out = shown()
+    assert re.search(r"example 1, (un)?desirable: \d+ tokens", out)
+    assert "train: 15 desirable and 15 undesirable completions (50.0% desirable)" in out
+    assert "eval: 5 desirable and 5 undesirable completions" in out
+    assert "desirable balance: kto.desirable_weight=1 and kto.undesirable_weight=1 suit these counts" in out
+    unbalanced = write_jsonl(tmp_path / "u.jsonl", [r for r in rows if r["label"]] + rows[1:10:2])
+    out = shown(f"data.path={unbalanced}", "data.eval_split=null", "train.eval_every_steps=null")
+    assert "train: 20 desirable and 5 undesirable completions (80.0% desirable)" in out
+    assert "warning (desirable balance): 20 desirable and 5 undesirable completions" in out

@@ -44,7 +44,7 @@ from llmtrain.memory.fit import out_of_memory_text
 from llmtrain.objectives.objective import Objective, objective_for, rl_rewards
 from llmtrain.objectives.sequence import SequenceShards
 from llmtrain.parallel.accelerator import build_accelerator
-from llmtrain.parallel.collectives import gathered
+from llmtrain.parallel.collectives import device_sum, gathered
 from llmtrain.parallel.mesh import data_ranks
 from llmtrain.parallel.pipeline import gather_state_dict, write_stage
 from llmtrain.run.checkpoint import save_checkpoint
@@ -55,7 +55,6 @@ from llmtrain.run.plot import update_loss_plot
 from llmtrain.run.samples import format_sample, generate_samples, mark_answers
 from llmtrain.run.state import TrainState
 from llmtrain.run.trackers import check_trackers
-
 
 _KEEP_UNTIL_EXIT: list = []  # a launched process's trained model, never freed before the process exits
 
@@ -98,7 +97,8 @@ def _train(recipe: Recipe, accelerator, console: RunConsole, cleanup: ExitStack,
         trainable = build_model(recipe, accelerator, total_steps=data.total_steps, say=say, pad=data.pad_id)
         objective = objective_for(recipe, pad_id=data.pad_id, model=trainable.unwrapped, tokenizer=data.tokenizer,
                                   train=data.train, world=data_ranks(accelerator)[0], total_steps=data.total_steps,
-                                  rewards=rewards, gather=partial(gathered, accelerator))
+                                  rewards=rewards, gather=partial(gathered, accelerator),
+                                  reduce=partial(device_sum, accelerator))
         if recipe.parallel.sequence_parallel > 1:  # each process of a sequence group collates its slice of the row
             objective = SequenceShards(objective, pad_id=data.pad_id)
         data = reference_logps(recipe, accelerator, data, trainable, objective, console=console)  # preference only

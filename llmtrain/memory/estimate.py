@@ -200,9 +200,14 @@ def estimate(shape: ModelShape, spec: TrainSpec) -> Estimate:
         # (fsdp.gathered_for_generation): the whole model, unsharded, in FSDP's param dtype
         gathered = shape.layers * unit + tail + embed_unit if fsdp else 0
         phases.update(_generation_phases(shape, spec, base, cached=sum(cached), fsdp_unit=gathered))
+    if spec.no_grad_forwards:  # KTO: the micro-batch's KL and reference passes, the window's gradients so far held
+        phases.update(_eval_phases(shape, spec, {**base, "gradients": g_acc}, adapted=adapted, cached=sum(cached),
+                                   head_copies=head_copies, fsdp_unit=2 * unit + always, tail=tail,
+                                   examples=spec.micro_batch, budget=spec.micro_batch_tokens, name="no_grad"))
     if spec.eval_micro_batch:
         phases.update(_eval_phases(shape, spec, base, adapted=adapted, cached=sum(cached), head_copies=head_copies,
-                                   fsdp_unit=2 * unit + always, tail=tail))
+                                   fsdp_unit=2 * unit + always, tail=tail, examples=spec.eval_micro_batch,
+                                   budget=spec.eval_micro_batch_tokens, name="eval"))
     est = _finish(whole, spec, plan, st, phases, notes=_notes(shape, spec, p))
     est = replace(est, long_context=_long_context(whole, spec, est, p, kept if offload else None))
     if spec.completion_tokens and spec.prompt_tokens < spec.prompt_cap:  # at the data's lengths: the worst case too
@@ -277,18 +282,19 @@ def _backward_layers(p, shape: ModelShape, spec: TrainSpec, st, plan, base: dict
 
 
 def _eval_phases(shape: ModelShape, spec: TrainSpec, base: dict, *, adapted, cached: int, head_copies: int,
-                 fsdp_unit: int, tail: int) -> dict[str, dict[str, int]]:
-    """Evaluation, no graph: a layer's transients; then the hidden states, gathered, and a loss chunk."""
-    e = make_pass(shape, spec, examples=spec.eval_micro_batch, budget=spec.eval_micro_batch_tokens)
+                 fsdp_unit: int, tail: int, examples: int, budget: int | None, name: str) -> dict[str, dict[str, int]]:
+    """A forward with no graph (evaluation; KTO's no-grad passes, `name` no_grad) of `examples` sequences (or a
+    token `budget`): a layer's transients; then the hidden states, gathered, and a loss chunk."""
+    e = make_pass(shape, spec, examples=examples, budget=budget)
     ce = act.loss_chunk(e, spec.loss_chunk_tokens)
+    layer = act.eval_layer_bytes(e, shape, adapted[-1]) + act.all_to_all_temp(e, shape)
     return {
-        "eval_forward": _phase(**base, autocast_copies=cached, activations=act.mask_bytes(e),
-                               temporaries=act.eval_layer_bytes(e, shape, adapted[-1]) + act.all_to_all_temp(e, shape),
-                               fsdp_buffers=fsdp_unit),
-        "eval_loss": _phase(**base, autocast_copies=cached + head_copies,
-                            temporaries=(e.tokens + e.loss_tokens) * shape.hidden * e.resid,
-                            logits=act.chunk_eval_bytes(e, shape.vocab, ce, -(-e.loss_tokens // ce)),
-                            fsdp_buffers=tail),
+        f"{name}_forward": _phase(**base, autocast_copies=cached, activations=act.mask_bytes(e), temporaries=layer,
+                                  fsdp_buffers=fsdp_unit),
+        f"{name}_loss": _phase(**base, autocast_copies=cached + head_copies,
+                               temporaries=(e.tokens + e.loss_tokens) * shape.hidden * e.resid,
+                               logits=act.chunk_eval_bytes(e, shape.vocab, ce, -(-e.loss_tokens // ce)),
+                               fsdp_buffers=tail),
     }
 
 

@@ -96,6 +96,12 @@ class TrainSpec:
     # sequences one recipe example makes (micro_batch counts sequences): 2 for a preference pair (chosen and
     # rejected), num_generations for an online-RL prompt; --fit sizes micro-batches in whole examples
     per_example: int = 1
+    # KTO: before each micro-batch's training forward, no-grad forwards of as many sequences (its KL sequences, by the
+    # policy and the reference, and the reference's pass over the micro-batch), with the window's gradients so far held
+    no_grad_forwards: bool = False
+    # KTO's full fine-tune: a frozen copy of the starting weights (the reference), in the storage dtype, whole on
+    # every GPU (objectives/kto.frozen_copy; refused where the model is sharded)
+    frozen_reference: bool = False
 
     @property
     def world(self) -> int:
@@ -251,7 +257,8 @@ def spec_from_recipe(recipe: Recipe, *, strategy: Strategy = "single", num_gpus:
     # An online-RL micro-batch of N prompts is N x num_generations sequences: sampled together with their KV cache,
     # then one packed forward and backward (its eval samples greedily: no loss pass).
     # A token budget bounds a micro-batch's tokens, whatever the sequences per example (micro_batch_size stays 1).
-    # KTO: N sequences with backward; its KL sequences (another N) and the reference pass run under no_grad
+    # KTO: N sequences with backward; its KL sequences (another N) and the reference pass run under no_grad first
+    # (no_grad_forwards), and a full fine-tune holds a frozen copy of the weights (frozen_reference)
     per_example = 2 if recipe.preference is not None else recipe.rl.num_generations if recipe.rl is not None else 1
     evaluates = evaluates and recipe.rl is None
     rl = {}
@@ -281,6 +288,7 @@ def spec_from_recipe(recipe: Recipe, *, strategy: Strategy = "single", num_gpus:
         strategy=strategy, num_gpus=num_gpus, num_nodes=num_nodes,
         sequence_parallel=recipe.parallel.sequence_parallel,
         generations=recipe.rl.num_generations if recipe.rl is not None else 0, per_example=per_example, **rl,
+        no_grad_forwards=recipe.kto is not None, frozen_reference=recipe.kto is not None and lora is None,
         **launch,
     )
 

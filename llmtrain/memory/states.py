@@ -54,7 +54,8 @@ def states(shape: ModelShape, spec: TrainSpec, plan: LoraPlan | None) -> States:
     every gradient into flat buckets allocated once (gradient_as_bucket_view=False, Accelerate's
     default); the 25 MB bucket_cap_mb only sets how they are grouped for all-reduce.
     FSDP2 under mixed precision keeps trainable parameters as fp32 master shards (Accelerate upcasts
-    them); everything is divided by the world size, and cpu offload moves it all to the host."""
+    them); everything is divided by the world size, and cpu offload moves it all to the host. A KTO full fine-tune's
+    frozen reference (spec.frozen_reference) is one more whole copy of the weights in the storage dtype."""
     sd = DTYPE_BYTES[spec.dtype]
     fsdp = spec.sharded
     master = 4 if (fsdp and spec.mixed_precision != "no") else sd  # bytes of a trainable base parameter
@@ -74,10 +75,11 @@ def states(shape: ModelShape, spec: TrainSpec, plan: LoraPlan | None) -> States:
     shard = spec.shards
     optim = optimizer_bytes(trainable_bytes)
     weights = frozen_bytes + trainable_bytes
+    reference = shape.params_total * sd if spec.frozen_reference else 0  # KTO's frozen copy: whole, never sharded
     if spec.cpu_offload:
         return States(0, 0, 0, (0,) * shape.layers, 0, 0, weights + trainable_bytes + optim)
     return States(
-        weights=weights // shard, grads=trainable_bytes // shard, grads_head=head // shard,
+        weights=weights // shard + reference, grads=trainable_bytes // shard, grads_head=head // shard,
         grads_layer=tuple(g // shard for g in layer), optimizer=optim // shard,
         ddp_buckets=trainable_bytes if spec.strategy == "ddp" else 0, host_offload=0,
     )

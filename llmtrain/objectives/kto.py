@@ -11,22 +11,32 @@ The loss, TRL's `kto_loss`: z = max(0, mean over the micro-batch of (policy - re
 sequences), detached; a desirable completion costs desirable_weight (1 - sigmoid(beta (logratio - z))), an
 undesirable one undesirable_weight (1 - sigmoid(beta (z - logratio))); apo_zero_unpaired: 1 - sigmoid(beta
 logratio) and sigmoid(beta logratio), no KL. TRL takes the mean over the micro-batch's examples; here the step
-divides the sum by the examples of the window (Counts.units = examples), the same on one micro-batch. The KL
-estimate is each micro-batch's own, as TRL's under gradient accumulation (under several processes TRL also averages
-it over the processes; here each process keeps its own).
+divides the sum by the examples of the window (Counts.units = examples), the same on one micro-batch.
 
-The reference: the same model with the LoRA adapter disabled, under no_grad (recipes without lora: are refused in
-config.py: the KL sequences are made per drawn micro-batch, so they cannot be precomputed before training as
-preference.py precomputes DPO's reference).
+The KL estimate under several processes, as TRL's `gather_for_metrics(kl).mean()`: each process's mean over its own
+micro-batch's KL sequences, averaged over the processes (one all-reduce of [mean, 1] a micro-batch: collectives.
+device_sum), then clamped. A process with no examples (an idle rank at the end of an epoch) adds [0, 0]: it still
+takes part in the collective, and the average is over the processes that have a micro-batch. Under gradient
+accumulation each micro-batch has its own estimate, as TRL's.
+
+The reference: with lora:, the same model with the adapter disabled, under no_grad (no copy of the weights); a full
+fine-tune keeps a frozen copy of the starting weights (`frozen_copy`, made before a resume loads a checkpoint into the
+policy), as TRL's KTOTrainer loads its ref_model. Precomputing the reference (TRL's precompute_ref_log_probs) would
+need the KL pairs before training, and here they follow each epoch's shuffled micro-batches; a copy costs one more
+set of weights (in the estimate) and no extra passes over the data.
 """
 
 from __future__ import annotations
+
+import copy
+from contextlib import nullcontext
 
 import torch
 import torch.nn.functional as F
 
 from llmtrain.data.batching import Counts, collate, to_device, with_loss_positions
 from llmtrain.data.formats import IGNORE
+from llmtrain.errors import LLMTrainError
 from llmtrain.model.loss import compute_loss
 from llmtrain.objectives.preference import sequence_logps
 
@@ -69,12 +79,32 @@ def kl_sequences(examples: list[dict], max_seq_len: int) -> list[dict]:
     return out
 
 
+def frozen_copy(model):
+    """A full fine-tune's reference: a copy of the (unwrapped) model's starting weights, in eval mode (no dropout, as
+    TRL's disable_dropout), that nothing trains. Refused where the model is sharded (FSDP, tensor parallelism): a
+    whole copy on every process is what sharding is there to avoid."""
+    from torch.distributed.tensor import DTensor
+
+    if any(isinstance(p, DTensor) for p in model.parameters()):
+        raise LLMTrainError(
+            "kto: a full fine-tune (no lora: section) keeps a frozen copy of the starting model as its reference, "
+            "whole on every process, and this launch shards the model (FSDP or tensor parallelism), which a whole "
+            "copy would undo. Add a lora: section (the reference is then the model with its adapter disabled, no "
+            "copy), or launch one process or DDP (accelerate_configs/ddp.yaml)")
+    reference = copy.deepcopy(model).eval()
+    reference.requires_grad_(False)
+    return reference
+
+
 class KTO:
     """The KTO objective (objective.Objective): labelled completions in, TRL's KTO loss out."""
 
-    def __init__(self, cfg, *, pad_id: int, packing: bool, max_seq_len: int, model=None):
+    def __init__(self, cfg, *, pad_id: int, packing: bool, max_seq_len: int, model=None, reference=None,
+                 reduce=None):
         self.cfg, self.pad_id, self.packing, self.max_seq_len = cfg, pad_id, packing, max_seq_len
-        self.model = model  # unwrapped: its adapter is disabled for the reference forward
+        self.model = model  # unwrapped (no DDP forward, so no collective): the KL pass, and the LoRA reference
+        self.reference = reference  # a full fine-tune's frozen copy (frozen_copy); None: the adapter disabled
+        self.reduce = reduce  # a device tensor summed over processes (collectives.device_sum); None: one process
         self.columns = ("input_ids", "labels", "label")
 
     def _collate(self, sequences: list[dict]) -> dict:
@@ -94,24 +124,41 @@ class KTO:
         return batch, Counts(units=float(len(examples)), trained=float(len(batch["loss_index"])),
                              tokens=float(sum(lengths)), squares=float(sum(n * n for n in lengths)))
 
-    def _kl(self, model, batch: dict) -> torch.Tensor | None:
-        """TRL's KL estimate: the mean over the KL sequences of (policy - reference) log-probabilities, no grad,
-        at least 0."""
-        kl = {k[3:]: v for k, v in batch.items() if k.startswith("kl:")}
-        if not kl:
+    def _reference_model(self):
+        """The reference and the context it runs in: the frozen copy, or the base model (the adapter disabled)."""
+        if self.reference is not None:
+            return self.reference, nullcontext()
+        return self.model, self.model.disable_adapter()  # the base model: the reference, with no copy of it
+
+    def _reference(self, batch: dict) -> torch.Tensor:
+        """The reference's summed completion log-probabilities, under no_grad."""
+        model, context = self._reference_model()
+        with torch.no_grad(), context:
+            return sequence_logps(model, batch)
+
+    def _kl(self, batch: dict) -> torch.Tensor | None:
+        """TRL's KL estimate: the mean over the KL sequences of (policy - reference) log-probabilities, averaged over
+        the processes, no grad, at least 0. An idle rank's placeholder (no KL sequences) takes part in the average
+        with nothing. None for apo_zero_unpaired."""
+        if self.cfg.loss_type != "kto":
             return None
+        kl = {k[3:]: v for k, v in batch.items() if k.startswith("kl:")}
         with torch.no_grad():
-            policy = sequence_logps(model, kl)
-            with self.model.disable_adapter():
-                ref = sequence_logps(self.model, kl)
-        return (policy - ref).mean().clamp(min=0)
+            if kl:  # the policy's pass is the unwrapped model's: a DDP forward would be a collective of its own
+                mean = torch.stack([(sequence_logps(self.model, kl) - self._reference(kl)).mean(),
+                                    torch.ones((), device=batch["input_ids"].device)])
+            else:
+                mean = torch.zeros(2, device=batch["input_ids"].device)
+            if self.reduce is not None:  # TRL's gather_for_metrics(kl).mean(): every process's mean, averaged
+                mean = self.reduce(mean)
+        return (mean[0] / mean[1].clamp(min=1)).clamp(min=0)
 
     def loss(self, model, batch: dict) -> tuple[torch.Tensor, torch.Tensor]:
         if batch["sequence_tokens"].numel() == 0:  # an idle rank's placeholder: zero, yet reaching every parameter
+            self._idle(batch)
             return compute_loss(model, batch), torch.zeros(len(SUMS), device=batch["input_ids"].device)
-        kl = self._kl(model, batch)  # no-grad forwards first: they leave no graph behind
-        with torch.no_grad(), self.model.disable_adapter():  # the base model: the reference, with no copy of it
-            ref = sequence_logps(self.model, batch)
+        kl = self._kl(batch)  # no-grad forwards first: they leave no graph behind
+        ref = self._reference(batch)
         logps = sequence_logps(model, batch)
         desirable = batch["desirable"]
         losses, rewards = kto_losses(self.cfg.loss_type, logps, ref, desirable, kl, beta=self.cfg.beta,
@@ -124,6 +171,21 @@ class KTO:
                                  (logps.detach() * u).sum(), d.sum(), u.sum(),
                                  (kl if kl is not None else logps.new_zeros(())) * n])
         return losses.sum(), stats
+
+    def _idle(self, batch: dict) -> None:
+        """An idle rank's no-grad passes on its one-token row, in a working rank's order around the KL all-reduce
+        (policy and reference over the KL sequences, the all-reduce with nothing to add, the reference over the
+        micro-batch): under FSDP every forward gathers each layer from every rank, so each rank runs as many."""
+        with torch.no_grad():
+            if self.cfg.loss_type == "kto":
+                compute_loss(self.model, batch)
+                model, context = self._reference_model()
+                with context:
+                    compute_loss(model, batch)
+            self._kl(batch)
+            model, context = self._reference_model()
+            with context:
+                compute_loss(model, batch)
 
     def step_metrics(self, stats: list[float], units: float) -> dict[str, float]:
         """TRL's metrics: rewards and log-probabilities averaged over the desirable (chosen) and undesirable

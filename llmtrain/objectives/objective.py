@@ -124,13 +124,15 @@ def rl_rewards(recipe, train, *, total_steps: int | None) -> Rewards | None:
 
 
 def objective_for(recipe, *, pad_id: int, model=None, tokenizer=None, train=None, world: int = 1,
-                  total_steps: int | None = None, rewards: Rewards | None = None, gather=None) -> Objective:
+                  total_steps: int | None = None, rewards: Rewards | None = None, gather=None,
+                  reduce=None) -> Objective:
     """The recipe's objective: GRPO on prompts (rl:), a preference loss on pairs (preference:), KTO on labelled
     completions (kto:), else causal-LM
     cross-entropy (supervised fine-tuning). `model`: the unwrapped model, whose disabled adapter is the reference
     of a LoRA preference run (and which samples an RL run's completions); `train`: the tokenised train set (RL: its
     columns go to the reward functions); `rewards`: rl_rewards' (None: checked here); `gather`: every process's list
-    on every process (collectives.gathered; None: one process), for what reward functions log."""
+    on every process (collectives.gathered; None: one process), for what reward functions log; `reduce`: a device
+    tensor summed over every process (collectives.device_sum; None: one process), for KTO's KL estimate."""
     from llmtrain.data.batching import packs_rows
 
     if recipe.rl is not None:
@@ -152,10 +154,11 @@ def objective_for(recipe, *, pad_id: int, model=None, tokenizer=None, train=None
                     state=rewards.state, runner=rewards.runner, gather=gather)
 
     if recipe.kto is not None:
-        from llmtrain.objectives.kto import KTO
+        from llmtrain.objectives.kto import KTO, frozen_copy
 
+        # a full fine-tune's reference: the starting weights, copied before a resume loads its checkpoint
         return KTO(recipe.kto, pad_id=pad_id, packing=packs_rows(recipe), max_seq_len=recipe.data.max_seq_len,
-                   model=model)
+                   model=model, reference=frozen_copy(model) if recipe.lora is None else None, reduce=reduce)
     if recipe.preference is not None:
         from llmtrain.objectives.preference import Preference
 

@@ -1,6 +1,6 @@
 """Reductions across processes, each one collective: numbers summed over all processes (`global_sum`) or over
-the data-parallel ranks (`data_sum`: a tensor-parallel group's batch counted once), and lists gathered in rank order
-(`gathered`).
+the data-parallel ranks (`data_sum`: a tensor-parallel group's batch counted once), lists gathered in rank order (`gathered`), and a
+device tensor summed over all processes without a host sync (`device_sum`).
 """
 
 from __future__ import annotations
@@ -23,6 +23,14 @@ def gathered(accelerator, items: list) -> list:
     from accelerate.utils import gather_object
 
     return gather_object(list(items))
+
+
+def device_sum(accelerator, t: torch.Tensor) -> torch.Tensor:
+    """A tensor on the device summed over all processes (one all-reduce, no host sync): a statistic a loss needs
+    within the step (KTO's KL estimate). Not differentiable: for detached values."""
+    if accelerator.num_processes == 1:
+        return t
+    return accelerator.reduce(t, reduction="sum")  # on a copy: `t` itself is left as it was
 
 
 def data_sum(accelerator, *values: float | int) -> list[float]:

@@ -1,0 +1,155 @@
+"""KTO runs through the CLI: a crash mid-run and a resume end as the uninterrupted run (LoRA, and a full fine-tune,
+whose frozen reference must be the starting weights again, not the checkpoint's), and 2 DDP processes train as 1
+(TRL's KL estimate averaged over the processes)."""
+
+from __future__ import annotations
+
+import pytest
+from helpers import REPO, crash_at_step, launch_finetune, load_weights, max_abs_diff, records, run_train, write_recipe
+from test_kto import reversal_feedback, write_jsonl
+
+from llmtrain.data.batching import epoch_order
+
+
+def final_weights(run):
+    """The exported model's weights: the adapter of a LoRA run, the model of a full fine-tune."""
+    adapter = run / "final" / "adapter_model.safetensors"
+    return load_weights(adapter if adapter.is_file() else run / "final")
+
+
+def kto_recipe(tiny_assets, folder, *, lora: bool):
+    data = write_jsonl(folder / "kto.jsonl", reversal_feedback(tiny_assets, 200))
+    return write_recipe(tiny_assets, folder, data={"path": str(data), "format": "unpaired", "max_seq_len": 32},
+                        kto={"beta": 0.5}, **({"lora": {"r": 4, "alpha": 8, "dropout": 0.0}} if lora else {}),
+                        train={"max_steps": 6, "micro_batch_size": 8, "lr": 5e-3 if lora else 1e-3,
+                               "warmup_steps": 0, "seed": 7},
+                        checkpoint={"every_steps": 3})
+
+
+@pytest.mark.parametrize("lora", [True, False], ids=["lora", "full"])
+def test_a_crash_and_resume_end_as_the_uninterrupted_run(tiny_assets, tmp_path, monkeypatch, lora):
+    """Died during step 5 (after the step-3 checkpoint), resumed: the same losses, KL estimates and final weights,
+    bit for bit. A full fine-tune's reference is a frozen copy made from the starting weights before the checkpoint
+    is loaded: a copy of the checkpoint would change steps 4-6."""
+    recipe = kto_recipe(tiny_assets, tmp_path, lora=lora)
+    run_train(recipe, f"output_dir={tmp_path / 'straight'}")
+    crash_at_step(monkeypatch, recipe, 5, f"output_dir={tmp_path / 'cut'}")
+    assert len(records(tmp_path / "cut")) == 4
+    run_train(recipe, f"output_dir={tmp_path / 'cut'}", resume="auto")
+    straight, cut = records(tmp_path / "straight"), records(tmp_path / "cut")
+    assert straight[0]["loss"] == pytest.approx(0.5, abs=1e-6)  # step 1: the policy is its reference
+    assert straight[-1]["loss"] < 0.45 and max(r["kl"] for r in straight) > 0  # it trained; the KL term is live
+    assert [(r["step"], r["loss"], r["kl"]) for r in cut] == [(r["step"], r["loss"], r["kl"]) for r in straight]
+    assert max_abs_diff(final_weights(tmp_path / "cut"), final_weights(tmp_path / "straight")) == 0
+
+
+PER_RANK = 2  # examples of one process's micro-batch; one process takes both shares: 2 x PER_RANK
+
+
+def same_kl_pairs(rows: list[dict], order: list[int]) -> list[dict]:
+    """The rows with the last example of each process's share of every global micro-batch (in `order`) given the
+    same completion (labelled undesirable: it answers another prompt), so that the KL sequences of 1 process and of 2
+    are the same set (see the test)."""
+    rows = [dict(r) for r in rows]
+    width = 2 * PER_RANK
+    for start in range(0, len(order) - width + 1, width):
+        first, second = order[start + PER_RANK - 1], order[start + width - 1]
+        rows[second].update(completion=rows[first]["completion"], label=False)
+    return rows
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("launch", ["cpu_ddp", "cpu_fsdp"])
+def test_two_processes_train_as_one(tiny_assets, tmp_path, free_port, launch):
+    """2 processes (gloo, accelerate launch; DDP, or FSDP2 sharding every layer with LoRA's reference the disabled
+    adapter of the sharded model) x micro-batch 2 against 1 process x micro-batch 4, accumulation 2: the same examples
+    per step, the same losses, KL estimates and metrics (1e-6), the same adapter (1e-5), in training and in the eval.
+
+    TRL's KL estimate on 2 processes is the mean of each process's own mean over its micro-batch's KL sequences
+    (gather_for_metrics(kl).mean()), each process rotating the completions within its own share: with x1..x4 and
+    y1..y4 the global micro-batch's prompts and completions, process 0 has (x1, y2), (x2, y1) and process 1 (x3, y4),
+    (x4, y3). One process with the whole micro-batch rotates over all four: (x1, y4), (x2, y1), (x3, y2), (x4, y3).
+    The two are the same set where y2 = y4, the last completion of each process's share: the data are arranged so
+    (`same_kl_pairs`, on the seeded epoch order that both runs draw), and then the mean over the four equals the
+    mean of the two means over two. A process that kept its own estimate (no all-reduce) would differ. 21 rows: the
+    last global micro-batch has one example, so process 1 idles there: it still takes part in the average, and under
+FSDP it runs as many forwards as process 0 (each gathers every layer from both), else the run hangs."""
+    seed, n = 7, 21
+    # Mostly desirable completions: training raises completions' log-probabilities broadly, mismatched ones too, so
+    # the KL estimate is positive (not clamped to 0) at the steps after the first and the average matters.
+    desirable = [{**r, "completion": r["completion"].removesuffix("zz"), "label": True}
+                 for r in reversal_feedback(tiny_assets, n + 9)]
+    rows = same_kl_pairs(desirable[:n], epoch_order(n, seed=seed, epoch=0))
+    held = same_kl_pairs(desirable[n:], list(range(9)))  # eval: in file order
+    data, held_path = write_jsonl(tmp_path / "kto.jsonl", rows), write_jsonl(tmp_path / "held.jsonl", held)
+    # Adam's eps 1e-6: Adam scales each gradient element by its own size, so an element that is rounding alone would
+    # move its weight by a fair part of lr in one run and not the other (1.6e-5 at lr 5e-3 with eps 1e-8, measured)
+    recipe = write_recipe(tiny_assets, tmp_path, data={"path": str(data), "format": "unpaired", "max_seq_len": 32,
+                                                       "eval_split": str(held_path)},
+                          kto={"beta": 0.5}, lora={"r": 4, "alpha": 8, "dropout": 0.0},
+                          train={"max_steps": 3, "micro_batch_size": 2 * PER_RANK, "grad_accum_steps": 2, "lr": 1e-2,
+                                 "eps": 1e-6, "warmup_steps": 0, "seed": seed, "eval_every_steps": 3,
+                                 "eval_samples": 0})
+    run_train(recipe, f"output_dir={tmp_path / 'one'}")
+    launch_finetune(REPO / "accelerate_configs" / f"{launch}.yaml", 2, free_port, recipe,
+                    f"output_dir={tmp_path / 'two'}", f"train.micro_batch_size={PER_RANK}",
+                    f"train.eval_batch_size={PER_RANK}")
+    one, two = records(tmp_path / "one"), records(tmp_path / "two")
+    assert len(one) == len(two) == 3 and max(r["kl"] for r in one[1:]) > 0.01  # the KL term is live after step 1
+    # A summed log-probability near -40 is held in fp32 to 64 x 2^-24 = 3.8e-6 (one ulp, summed in another order by
+    # another batch shape); a reward is beta x the difference of two such sums: within beta x 2 ulp; the KL estimate
+    # is a mean of such differences: within an ulp (1.4e-6 measured, at KL 3.5).
+    ulp = 64 * 2.0**-24
+    tol = {"loss": 1e-6, "kl": ulp, "logps": ulp, "rewards": 0.5 * 2 * ulp}
+    for key in ("loss", "kl", "rewards/chosen", "rewards/rejected", "logps/chosen", "logps/rejected"):
+        assert [r[key] for r in two] == pytest.approx([r[key] for r in one], abs=tol[key.split("/")[0]]), key
+    (eval_one,), (eval_two,) = records(tmp_path / "one", "eval"), records(tmp_path / "two", "eval")
+    for key in ("eval_loss", "eval_kl", "eval_rewards/margins"):
+        assert eval_two[key] == pytest.approx(eval_one[key], abs=tol[key[5:].split("/")[0]]), key
+    assert max_abs_diff(final_weights(tmp_path / "two"), final_weights(tmp_path / "one")) < 1e-5
+
+
+@pytest.mark.slow
+def test_the_tiny_recipe_separates_reversals_from_copies(tiny_assets, tmp_path):
+    """recipes/tiny-kto.yaml as `make demo-kto` runs it, on this session's tiny assets: the short SFT run, then KTO
+    (a full fine-tune on prepare-tiny's unpaired rows): the held-out margin between the reversals' and the copies'
+    rewards opens (0 at the start: the policy is the reference), the copies lose log-probability and the eval loss
+    falls below the starting 0.5."""
+    sft = tmp_path / "sft"
+    data = tiny_assets / "data"
+    run_train(REPO / "recipes" / "tiny.yaml", f"model.name_or_path={tiny_assets / 'model'}",
+              f"data.path={data / 'train.jsonl'}", f"data.eval_split={data / 'eval.jsonl'}",
+              f"data.cache_dir={tmp_path / 'cache'}", "train.max_steps=150", f"output_dir={sft}")
+    run_train(REPO / "recipes" / "tiny-kto.yaml", f"model.name_or_path={sft / 'final'}",
+              f"data.path={data / 'train_unpaired.jsonl'}", f"data.eval_split={data / 'eval_unpaired.jsonl'}",
+              f"data.cache_dir={tmp_path / 'cache'}",
+              f"output_dir={tmp_path / 'kto'}")
+    evals = records(tmp_path / "kto", "eval")
+    assert [e["step"] for e in evals] == [50, 100]
+    assert evals[-1]["eval_rewards/margins"] > 0.3 > evals[0]["eval_rewards/margins"] > 0.1  # 0.23, 0.44 measured
+    assert evals[-1]["eval_rewards/rejected"] < -0.5 and evals[-1]["eval_loss"] < 0.47  # -0.78, 0.452 measured
+
+
+@pytest.mark.slow
+def test_a_full_fine_tune_under_fsdp_is_refused_with_one_paragraph(tiny_assets, tmp_path, free_port):
+    """The frozen reference is whole on every process; a launch that shards the model stops before training, with
+    the reason and the two ways out, and no traceback of llmtrain's (accelerate's launcher prints its own, of the
+    child that exited non-zero)."""
+    import re
+    import subprocess
+    import sys
+
+    from helpers import ENV
+
+    recipe = kto_recipe(tiny_assets, tmp_path, lora=False)
+    proc = subprocess.run(
+        [sys.executable, "-m", "accelerate.commands.launch", "--config_file",
+         str(REPO / "accelerate_configs" / "cpu_fsdp.yaml"), "--main_process_port", str(free_port),
+         "-m", "llmtrain", "finetune", str(recipe), f"output_dir={tmp_path / 'run'}"],
+        env=ENV, cwd=REPO, capture_output=True, text=True, timeout=600)
+    said = " ".join((proc.stdout + proc.stderr).split())
+    assert proc.returncode != 0
+    assert "keeps a frozen copy of the starting model as its reference" in said
+    assert "Add a lora: section" in said and "accelerate_configs/ddp.yaml" in said
+    assert not re.search(r'File "[^"]*/llmtrain/', proc.stdout + proc.stderr)
+    assert not (tmp_path / "run" / "metrics.jsonl").exists()

@@ -1,0 +1,58 @@
+"""estimate-memory for KTO: the micro-batch's no-grad passes (its KL sequences and the reference) are phases of their
+own, each the eval's forward of as many sequences with the window's gradients so far held; a full fine-tune holds one
+more whole copy of the weights (its frozen reference). Numbers against the same estimate without them."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+
+from llmtrain.config import Recipe
+from llmtrain.memory.estimate import estimate
+from llmtrain.memory.params import load_model_shape
+from llmtrain.memory.spec import spec_from_recipe
+
+MISTRAL = load_model_shape("mistral-7b")
+
+
+def kto_recipe(*, lora: bool, accum: int = 1) -> Recipe:
+    return Recipe.model_validate({
+        "model": {"name_or_path": "mistral-7b", "dtype": "bfloat16" if lora else "float32", "kernels": "none",
+                  "gradient_checkpointing": True},
+        "data": {"path": "unread.jsonl", "format": "unpaired", "max_seq_len": 1024},
+        "kto": {"beta": 0.1},
+        **({"lora": {"r": 16, "alpha": 32, "dropout": 0.0}} if lora else {}),
+        "train": {"micro_batch_size": 4, "grad_accum_steps": accum, "mixed_precision": "bf16"},
+        "output_dir": "unwritten"})
+
+
+@pytest.mark.parametrize("accum", [1, 4])
+def test_the_no_grad_passes_are_the_evals_forward_of_the_micro_batch_with_its_gradients(accum):
+    spec = spec_from_recipe(kto_recipe(lora=True, accum=accum))
+    assert spec.no_grad_forwards and not spec.frozen_reference and spec.micro_batch == 4
+    est = estimate(MISTRAL, spec)
+    # The same run evaluated in micro-batches of 4, without the no-grad passes: its eval phases are theirs, less the
+    # gradients the window holds between micro-batches (the whole LoRA gradient under accumulation, none without).
+    as_eval = estimate(MISTRAL, replace(spec, no_grad_forwards=False, eval_micro_batch=4))
+    held = est.phase_parts["no_grad_forward"].get("gradients", 0)
+    assert held == (0 if accum == 1 else est.phase_parts["optimizer_step"]["gradients"])
+    for ours, theirs in (("no_grad_forward", "eval_forward"), ("no_grad_loss", "eval_loss")):
+        assert est.phases[ours] == as_eval.phases[theirs] + held
+    # Without a graph they stay below the training forward and backward: the peak is where it was.
+    plain = estimate(MISTRAL, replace(spec, no_grad_forwards=False))
+    assert est.peak_phase == plain.peak_phase and est.per_gpu_peak_bytes == plain.per_gpu_peak_bytes
+    assert max(est.phases["no_grad_forward"], est.phases["no_grad_loss"]) < est.phases[est.peak_phase]
+
+
+def test_a_full_fine_tune_holds_its_frozen_reference_whole_in_the_storage_dtype():
+    spec = spec_from_recipe(kto_recipe(lora=False))
+    assert spec.frozen_reference and spec.method == "full"
+    est = estimate(MISTRAL, spec)
+    without = estimate(MISTRAL, replace(spec, frozen_reference=False))
+    copy = MISTRAL.params_total * 4  # fp32 storage: the copy of 7.25e9 weights, 27 GiB
+    for phase, parts in est.phase_parts.items():
+        assert parts["weights"] == without.phase_parts[phase]["weights"] + copy, phase
+    assert est.per_gpu_peak_allocated_bytes == without.per_gpu_peak_allocated_bytes + copy
+    # a LoRA run's reference is its base with the adapter off: nothing more
+    assert not spec_from_recipe(kto_recipe(lora=True)).frozen_reference
