@@ -343,3 +343,15 @@ def test_estimate_memory_of_an_rloo_recipe_is_grpos(tiny_assets, tmp_path):
     out = estimate_memory(str(recipe)).stdout  # the command, on a recipe
     shipped = estimate_memory(str(REPO / "recipes" / "tiny-rloo.yaml"), f"model.name_or_path={tiny_assets / 'model'}")
     assert "GiB" in out and "GiB" in shipped.stdout
+
+
+def test_doctor_and_the_run_header_name_rloo(tiny_assets, tmp_path):
+    """doctor checks an RLOO recipe's rewards and prompt room as GRPO's; the run's header says which algorithm."""
+    from llmtrain.config import load_recipe
+    from llmtrain.doctor import run_doctor
+
+    recipe = rloo_recipe(tiny_assets, tmp_path, train={"max_steps": 1, "eval_every_steps": None})
+    checks = {name: status for name, status, _ in run_doctor(load_recipe(recipe))}
+    assert checks["rewards"] == "pass" and checks["prompt room"] == "pass"
+    run_train(recipe, f"output_dir={tmp_path / 'run'}")
+    assert "4 completions each a step, RLOO (rl.sampler=" in (tmp_path / "run" / "train.log").read_text()
