@@ -31,7 +31,7 @@ from helpers import (
     run_train,
 )
 from test_grpo import tiny_model
-from test_grpo_run import CPU_DDP, grpo_recipe, killed_and_resumed, rollouts
+from test_grpo_run import CPU_DDP, CPU_FSDP, grpo_recipe, killed_and_resumed, rollouts
 
 from llmtrain.objectives.rloo import (
     completion_logps,
@@ -297,6 +297,25 @@ def test_normalized_advantages_over_two_processes_equal_one(tiny_assets, tmp_pat
         assert adv.mean().abs() < 1e-5 and adv.std().item() == pytest.approx(1.0, abs=1e-3)
     assert [r["advantage"] for r in two] == pytest.approx([r["advantage"] for r in one], abs=1e-6)
     assert losses(tmp_path / "two") == pytest.approx(losses(tmp_path / "one"), abs=1e-6)
+
+
+@pytest.mark.slow
+def test_two_fsdp_processes_with_the_kl_in_the_reward_train_what_one_does(tiny_assets, tmp_path, free_port):
+    """LoRA with TRL's beta 0.05: the rollout's no-grad policy and reference forwards run while FSDP holds the whole
+    model gathered (no collective per pass); 2 FSDP processes give one process's completions, k1 KLs, advantages
+    and losses."""
+    recipe = rloo_recipe(tiny_assets, tmp_path, lora={"r": 4, "alpha": 8, "dropout": 0.0}, rl={"beta": 0.05},
+                         train={"max_steps": 2, "lr": 5e-2, "eval_every_steps": None},
+                         data={"eval_split": None, "eval_max_examples": None})
+    run_train(recipe, f"output_dir={tmp_path / 'one'}")
+    launch_finetune(CPU_FSDP, 2, free_port, recipe, f"output_dir={tmp_path / 'fsdp'}", "train.micro_batch_size=2")
+    one, fsdp = rollouts(tmp_path / "one"), rollouts(tmp_path / "fsdp")
+    assert [(r["step"], r["row"], r["completion_ids"], r["reward"]) for r in fsdp] == [
+        (r["step"], r["row"], r["completion_ids"], r["reward"]) for r in one]
+    assert [r["kl"] for r in fsdp] == pytest.approx([r["kl"] for r in one], abs=1e-5)
+    assert max(abs(r["kl"]) for r in one if r["step"] == 2) > 1e-4  # the adapter has moved: a KL to subtract
+    assert [r["advantage"] for r in fsdp] == pytest.approx([r["advantage"] for r in one], abs=1e-5)
+    assert losses(tmp_path / "fsdp") == pytest.approx(losses(tmp_path / "one"), abs=1e-6)
 
 
 # --------------------------------------------------------------------------- refused with one paragraph
