@@ -27,6 +27,13 @@ demo-rl: install
 	$(BIN)/llmtrain finetune recipes/tiny.yaml train.max_steps=150 output_dir=runs/tiny-sft --overwrite
 	$(BIN)/llmtrain finetune recipes/tiny-grpo.yaml --overwrite
 
+# The same task with RLOO (rl.algorithm: rloo) after the same SFT part; docs/rl.md gives what it measured.
+.PHONY: demo-rloo
+demo-rloo: install
+	$(BIN)/llmtrain prepare-tiny assets/tiny
+	$(BIN)/llmtrain finetune recipes/tiny.yaml train.max_steps=150 output_dir=runs/tiny-sft --overwrite
+	$(BIN)/llmtrain finetune recipes/tiny-rloo.yaml --overwrite
+
 # Two pytest-xdist workers, each running whole test files (a file's shared runs are made once), the long
 # multi-process files first (tests/conftest.py); a plain `pytest -q` runs the same tests one after another.
 test: install
