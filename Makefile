@@ -6,7 +6,7 @@ BIN   := $(VENV)/bin
 # On a GPU machine: make install TORCH=torch
 TORCH ?= torch==2.13.0
 
-.PHONY: install demo demo-rl demo-kto test test-dist clean
+.PHONY: install demo demo-rl demo-kto demo-rloo test test-dist clean
 
 $(BIN)/.installed: pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -32,6 +32,12 @@ demo-kto: install
 	$(BIN)/llmtrain prepare-tiny assets/tiny
 	$(BIN)/llmtrain finetune recipes/tiny.yaml train.max_steps=150 output_dir=runs/tiny-sft --overwrite
 	$(BIN)/llmtrain finetune recipes/tiny-kto.yaml --overwrite
+
+# The same task with RLOO (rl.algorithm: rloo) after the same SFT part; docs/rl.md gives what it measured.
+demo-rloo: install
+	$(BIN)/llmtrain prepare-tiny assets/tiny
+	$(BIN)/llmtrain finetune recipes/tiny.yaml train.max_steps=150 output_dir=runs/tiny-sft --overwrite
+	$(BIN)/llmtrain finetune recipes/tiny-rloo.yaml --overwrite
 
 # Two pytest-xdist workers, each running whole test files (a file's shared runs are made once), the long
 # multi-process files first (tests/conftest.py); a plain `pytest -q` runs the same tests one after another.

@@ -446,27 +446,40 @@ class RewardConfig(Section):
 
 
 class RLConfig(Section):
+    algorithm: Literal["grpo", "rloo"] = Field(
+        "grpo", description="grpo: TRL's GRPOTrainer (group-normalised advantages, per-token loss, k3 KL in the "
+        "loss); rloo: TRL's RLOOTrainer (each completion's reward minus the mean of its group's other completions, "
+        "the k1 KL subtracted from the reward, one ratio per sequence). docs/rl.md says what else differs.")
     num_generations: int = Field(8, ge=2, description="Completions sampled per prompt: a group, whose rewards are "
-                                 "compared with each other (GRPO's advantages).")
+                                 "compared with each other (GRPO's advantages, RLOO's leave-one-out baseline).")
     max_completion_tokens: int = Field(256, gt=0, description="Most tokens of a completion; one that reaches it "
                                        "without a stop token is clipped (completions/clipped_ratio).")
     temperature: float = Field(1.0, gt=0, allow_inf_nan=False, description="Sampling temperature; the policy's "
                                "log-probabilities are taken at the same temperature (as TRL).")
     top_p: float = Field(1.0, gt=0, le=1, description="Nucleus sampling: the smallest set of tokens whose "
                          "probabilities add up to top_p.")
-    loss_type: Literal["dapo", "grpo", "dr_grpo"] = Field(
-        "dapo", description="How the loss is normalised, as TRL 1.16: dapo, every completion token of the step "
-        "weighs the same (TRL's default); grpo, each completion's mean over its tokens, then the mean over "
-        "completions; dr_grpo, the token sum over completions x max_completion_tokens.")
-    beta: float = Field(0.0, ge=0, allow_inf_nan=False, description="Weight of the k3 KL estimate to the reference "
-                        "(the starting model; LoRA: the adapter disabled). 0 (TRL's default) needs no reference.")
+    loss_type: Literal["dapo", "grpo", "dr_grpo"] | None = Field(
+        None, description="grpo only, how the loss is normalised, as TRL 1.16: dapo (the default, TRL's), every "
+        "completion token of the step weighs the same; grpo, each completion's mean over its tokens, then the mean "
+        "over completions; dr_grpo, the token sum over completions x max_completion_tokens. rloo: unset (its loss "
+        "is the mean over completions of a per-sequence loss).")
+    beta: float | None = Field(
+        None, ge=0, allow_inf_nan=False, description="Weight of the KL to the reference (the starting model; LoRA: "
+        "the adapter disabled). Default TRL's for the algorithm: 0 for grpo (no reference needed), 0.05 for rloo "
+        "(which subtracts beta x the completion's summed k1 log-ratio from its reward).")
     epsilon: float = Field(0.2, gt=0, lt=1, description="The clipped surrogate's lower (and upper) bound: ratios "
                            "outside [1 - epsilon, 1 + epsilon] are clipped.")
     epsilon_high: float | None = Field(None, gt=0, description="DAPO's separate upper bound (e.g. 0.28); default "
                                        "epsilon.")
-    scale_rewards: Literal["group", "none"] = Field(
-        "group", description="group: advantages are (reward - group mean) / group std; none: reward - group mean "
-        "(Dr. GRPO).")
+    scale_rewards: Literal["group", "none"] | None = Field(
+        None, description="grpo only: group (the default), advantages are (reward - group mean) / group std; none, "
+        "reward - group mean (Dr. GRPO). rloo: unset (see normalize_advantages).")
+    normalize_advantages: bool = Field(
+        False, description="rloo only (TRL's, default off): the step's leave-one-out advantages, over every "
+        "process, shifted to mean 0 and divided by their std (+ 1e-4).")
+    reward_clip_range: tuple[float, float] | None = Field(
+        None, description="rloo only (TRL's): each completion's summed reward clamped to [min, max] before the KL "
+        "penalty and the baseline; default no clipping.")
     rewards: list[RewardConfig] = Field(min_length=1, description="The reward functions, summed with their weights.")
     sampler: Literal["static", "graph", "reference"] = Field(
         "graph", description="How completions are sampled (the same tokens up to rounding, docs/rl.md): graph, a "
@@ -477,6 +490,37 @@ class RLConfig(Section):
         None, gt=0, description="The update's token budget: a micro-batch's prompt + completion sequences go "
         "through the forward and backward in passes of at most this many tokens (a sequence is never split, so at "
         "least data.max_seq_len), with the same loss and gradient as one pass. Default: one pass per micro-batch.")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _algorithm_defaults(cls, data: Any) -> Any:
+        """The defaults that depend on rl.algorithm (TRL's for each trainer), filled in here so the resolved recipe
+        states them; the other algorithm's knobs are refused rather than ignored."""
+        if not isinstance(data, dict):
+            return data
+        data = dict(data)
+        rloo = data.get("algorithm", "grpo") == "rloo"
+        if data.get("beta") is None:
+            data["beta"] = 0.05 if rloo else 0.0
+        given = [k for k in (("loss_type", "scale_rewards") if rloo else ("normalize_advantages", "reward_clip_range"))
+                 if data.get(k) not in (None, False)]
+        if given:
+            mine, theirs = ("rloo", "grpo") if rloo else ("grpo", "rloo")
+            raise ValueError(f"rl.{given[0]} is read by rl.algorithm: {theirs}, and this recipe runs {mine}: remove "
+                             f"{', '.join('rl.' + k for k in given)} (or set rl.algorithm={theirs})")
+        if not rloo:
+            if data.get("loss_type") is None:
+                data["loss_type"] = "dapo"
+            if data.get("scale_rewards") is None:
+                data["scale_rewards"] = "group"
+        return data
+
+    @field_validator("reward_clip_range")
+    @classmethod
+    def _ordered(cls, v: tuple[float, float] | None) -> tuple[float, float] | None:
+        if v is not None and not v[0] <= v[1]:
+            raise ValueError(f"rl.reward_clip_range is [min, max], and {v[0]} > {v[1]}: swap them")
+        return v
 
     @model_validator(mode="after")
     def _unique_names(self) -> RLConfig:
@@ -498,7 +542,7 @@ class Recipe(Section):
     kto: KTOConfig | None = Field(
         None, description="KTO on unpaired feedback (data.format: unpaired); absent means no KTO.")
     rl: RLConfig | None = Field(
-        None, description="Online RL with verifiable rewards, GRPO (data.format: prompt); absent means no RL.")
+        None, description="Online RL with verifiable rewards, GRPO or RLOO (data.format: prompt); absent means no RL.")
     train: TrainConfig = Field(default_factory=TrainConfig, description="Optimisation, schedule and batch.")
     parallel: ParallelConfig = Field(default_factory=ParallelConfig,
                                      description="What the launch's processes split beyond the data (sequence).")
@@ -577,10 +621,11 @@ class Recipe(Section):
             raise ValueError("data.format: prompt and the rl: section go together: prompts alone train with rewards "
                              "(add rl: {rewards: [{type: answer_match}]}), and rl: needs prompts")
         if self.rl is not None and self.rl.beta > 0 and self.lora is None:
-            raise ValueError(f"rl.beta={self.rl.beta} needs the starting model as a reference; a LoRA run has it "
-                             "for free (the adapter disabled), a full fine-tune would need a second, frozen copy of "
-                             "the weights, which llmtrain does not build. Set rl.beta=0 (TRL's default), or add a "
-                             "lora: section")
+            default = " (rl.algorithm: rloo's default, TRL's)" if self.rl.algorithm == "rloo" else ""
+            raise ValueError(f"rl.beta={self.rl.beta}{default} needs the starting model as a reference; a LoRA run "
+                             "has it for free (the adapter disabled), a full fine-tune would need a second, frozen "
+                             "copy of the weights, which llmtrain does not build. Set rl.beta=0 (no KL penalty), or "
+                             "add a lora: section")
         if self.rl is not None and self.train.micro_batch_tokens is not None:
             raise ValueError("rl: a micro-batch is train.micro_batch_size prompts, each with rl.num_generations "
                              "completions packed padding-free into one row; unset train.micro_batch_tokens (a token "

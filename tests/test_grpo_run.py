@@ -218,7 +218,12 @@ main()
 @pytest.mark.slow
 def test_killed_mid_run_resumes_to_the_same_completions_losses_and_weights(straight, tmp_path):
     recipe, full, _ = straight
-    cut = tmp_path / "cut"
+    killed_and_resumed(recipe, full, tmp_path / "cut")
+
+
+def killed_and_resumed(recipe: Path, full: Path, cut: Path) -> None:
+    """The run of `recipe` killed like kill -9 mid step 3 into `cut`, resumed: `full`'s completions, losses and
+    weights (tests/test_rloo.py runs it for RLOO)."""
     killed = subprocess.run([sys.executable, "-c", KILL_AT_STEP_3, "finetune", str(recipe), f"output_dir={cut}"],
                             env=ENV, cwd=REPO, capture_output=True, text=True, timeout=300)
     assert killed.returncode == 137, killed.stderr[-3000:]

@@ -150,7 +150,8 @@ def prepare_data(recipe: Recipe, accelerator, *, say) -> Data:
     if recipe.rl is not None:
         sampler = sampler_text(recipe.rl.sampler, accelerator.device)
         say(f"data: {s.examples} train {unit} ({cache_line(int(cache_reads), accelerator.num_processes)}), "
-            f"{recipe.rl.num_generations} completions each a step (rl.sampler={sampler}); {evals}")
+            f"{recipe.rl.num_generations} completions each a step, {recipe.rl.algorithm.upper()} "
+            f"(rl.sampler={sampler}); {evals}")
     else:
         say(f"data: {s.examples} train {unit} ({cache_line(int(cache_reads), accelerator.num_processes)}), "
             f"{s.truncated} truncated, {s.dropped} dropped, {s.trained_fraction:.1%} of tokens trained; {evals}")

@@ -6,6 +6,8 @@
 - `grpo.py`: online RL (GRPO): group advantages and the clipped per-token loss with its k3 KL, normalised per
   loss_type as TRL 1.16 does (equal to its GRPOTrainer to 1e-6, packed against padded), and the objective the
   loop runs: its `rollout` samples each step's completions (model/generate.py), scores and packs them.
+- `rloo.py`: online RL (RLOO, rl.algorithm: rloo) on GRPO's rollout: the leave-one-out advantage, the k1 KL in the
+  reward and the per-sequence clipped loss, as TRL 1.16's RLOOTrainer (equal to it to 1e-6).
 - `rewards.py`: reward functions (answer_match, format, the user's own with TRL's signature) and their checks.
 
 May import: the schema, `data`, `model`, `parallel` and this folder. Never the run folder or the loop.

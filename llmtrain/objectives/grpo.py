@@ -123,7 +123,11 @@ class GRPO:
     rollout samples rl.num_generations completions of each with the model being trained (model/generate.py: each
     from its own seed), scores them (rewards.py), turns each group's rewards into advantages, and packs prompt +
     completion sequences padding-free; `loss` is then the GRPO loss of those sequences, only completion tokens
-    counting, log-probabilities from the chunked per-token path (no full logits)."""
+    counting, log-probabilities from the chunked per-token path (no full logits). rloo.RLOO changes the advantages,
+    the loss and their metrics through the methods marked as its hooks."""
+
+    advantage_stats: tuple[str, ...] = ()  # rollout statistics the advantages add (RLOO's)
+    loss_stats: tuple[str, ...] = tuple(LOSS_STATS)
 
     def __init__(self, rl, *, tokenizer, pad_id: int, packing: bool, seed: int, rewards, model, columns,
                  stop_ids: list[int], world: int, sources: tuple[str, str | None] = ("the data", None), state=None,
@@ -146,8 +150,8 @@ class GRPO:
         self.warned: set[str] = set()  # reward functions already said to have scored nothing
         answer_columns = [self.reward_columns.get(c.column, c.column) for c in rl.rewards if c.type == "answer_match"]
         self.expected_column = answer_columns[0] if answer_columns else None  # the eval samples' expected text
-        self.stats = [*ROLLOUT_STATS, *(f"rewards/{n}/sum" for n, _, _ in rewards),
-                      *(f"rewards/{n}/count" for n, _, _ in rewards), *LOSS_STATS]
+        self.stats = [*ROLLOUT_STATS, *self.advantage_stats, *(f"rewards/{n}/sum" for n, _, _ in rewards),
+                      *(f"rewards/{n}/count" for n, _, _ in rewards), *self.loss_stats]
 
     def collate(self, examples: list[dict]) -> tuple[dict, Counts]:
         """The prompts as they are: the rollout makes the tensors (and the counts) once the completions exist."""
@@ -191,7 +195,7 @@ class GRPO:
         from llmtrain.data.batching import collate, with_loss_positions
 
         batch = with_loss_positions(collate([], pad_id=self.pad_id, packing=self.packing))
-        return {**batch, "rollout_stats": torch.zeros(len(self.stats) - len(LOSS_STATS))}
+        return {**batch, "rollout_stats": torch.zeros(len(self.stats) - len(self.loss_stats))}
 
     def _rollout_batch(self, examples: list[dict], step: int) -> tuple[list[dict], Counts, list[dict]]:
         import time
@@ -213,21 +217,22 @@ class GRPO:
         for name, values in extra.metrics.items():
             self.logs.metrics[name] += values
         rows = [e["row"] + 1 for e in examples for _ in range(g)]
-        advantages, std = group_advantages(total, g, scale_rewards=rl.scale_rewards)
-
         sequences = [{"input_ids": p + c, "labels": [IGNORE] * len(p) + c} for p, c in zip(prompt_ids, completions)]
-        batches, lengths = self._passes(sequences, advantages)
+        batches, parts, lengths = self._passes(sequences)
+        advantages, std, more, columns = self._advantages(total, g, batches, parts)
+        for batch, part, n in zip(batches, parts, lengths.split([len(part) for part in parts])):
+            self._attach(batch, advantages[part], n)
         clipped = [not c or c[-1] not in self.stop_ids for c in completions]  # ended by max_completion_tokens
         scored = ~per_function.isnan()
         stats = torch.tensor([
             len(completions), float(total.nansum()), float(std.nan_to_num().sum()),
             float((std.nan_to_num() < 1e-8).sum()), float(lengths.sum()), float(sum(clipped)),
-            generation_s / self.world, *per_function.nan_to_num().sum(0).tolist(), *scored.sum(0).tolist()],
+            generation_s / self.world, *more, *per_function.nan_to_num().sum(0).tolist(), *scored.sum(0).tolist()],
             dtype=torch.float32)
         for k, batch in enumerate(batches):  # the passes' statistics are summed: the rollout's go in once
             batch["rollout_stats"] = stats if k == 0 else torch.zeros_like(stats)
         full = [len(s["input_ids"]) for s in sequences]
-        counts = Counts(units=loss_units(lengths, rl.loss_type, max_completion_tokens=rl.max_completion_tokens),
+        counts = Counts(units=self._loss_units(lengths),
                         trained=float(lengths.sum()), tokens=float(sum(full)), squares=float(sum(n * n for n in full)))
         names = [n for n, _, _ in self.rewards]
         records = [{"step": step + 1, "row": rows[i], "generation": i % g,
@@ -235,27 +240,42 @@ class GRPO:
                     "completion": texts[i], "prompt_ids": prompt_ids[i], "completion_ids": completions[i],
                     **{name: _number(per_function[i, k]) for k, name in enumerate(names)},
                     "reward": _number(total[i]), "advantage": float(advantages[i]),
+                    **{column: values[i] for column, values in columns.items()},
                     # log_extra's columns, where a function gave one value per completion (as TRL's table needs)
                     **{column: values[i] for column, values in extra.extra.items() if len(values) == len(completions)}}
                    for i in range(len(completions))]
         return batches, counts, records
 
-    def _passes(self, sequences: list[dict], advantages: torch.Tensor) -> tuple[list[dict], torch.Tensor]:
-        """The update's batches of the sequences (one packed row each; several under rl.micro_batch_tokens), each
-        token with its completion's advantage and its weight in the loss sum; and each completion's trained tokens."""
+    def _passes(self, sequences: list[dict]) -> tuple[list[dict], list[list[int]], torch.Tensor]:
+        """The update's batches of the sequences (one packed row each; several under rl.micro_batch_tokens), the
+        sequences of each, and each completion's trained tokens."""
         from llmtrain.data.batching import collate, with_loss_positions
 
-        batches, lengths = [], []
+        batches, parts, lengths = [], [], []
         for part in token_chunks([len(s["input_ids"]) for s in sequences], self.rl.micro_batch_tokens):
             batch = with_loss_positions(collate([sequences[i] for i in part], pad_id=self.pad_id,
                                                 packing=self.packing))
-            completion = batch["loss_example"]  # each token's completion within the part
-            lengths.append(torch.bincount(completion, minlength=len(part)))
-            batch["advantages"] = advantages.float()[part][completion]
-            # a token's weight depends on its own completion only: any split gives each token the same weight
-            batch["weights"] = token_weights(completion, lengths[-1], self.rl.loss_type)
+            lengths.append(torch.bincount(batch["loss_example"], minlength=len(part)))  # loss_example: its completion
             batches.append(batch)
-        return batches, torch.cat(lengths)
+            parts.append(part)
+        return batches, parts, torch.cat(lengths)
+
+    def _advantages(self, total: torch.Tensor, g: int, batches: list[dict], parts: list[list[int]]):
+        """(RLOO's hook) Each completion's advantage from the summed rewards `total`, each one's group std, more
+        rollout statistics (advantage_stats) and more columns for rollouts.jsonl."""
+        advantages, std = group_advantages(total, g, scale_rewards=self.rl.scale_rewards)
+        return advantages, std, [], {}
+
+    def _loss_units(self, lengths: torch.Tensor) -> float:
+        """(RLOO's hook) What these completions' summed loss is divided by (see loss_units)."""
+        return loss_units(lengths, self.rl.loss_type, max_completion_tokens=self.rl.max_completion_tokens)
+
+    def _attach(self, batch: dict, advantages: torch.Tensor, lengths: torch.Tensor) -> None:
+        """(RLOO's hook) Put a pass's advantages (one per completion) in its batch: each token gets its completion's,
+        and its weight in the loss sum (which depends on its own completion only: any split gives the same)."""
+        completion = batch["loss_example"]
+        batch["advantages"] = advantages.float()[completion]
+        batch["weights"] = token_weights(completion, lengths, self.rl.loss_type)
 
     def _generate(self, prompt_ids: list[list[int]], seeds: list[int], *, temperature: float,
                   top_p: float) -> list[list[int]]:
@@ -300,9 +320,9 @@ class GRPO:
     def loss(self, model, batch: dict) -> tuple[torch.Tensor, torch.Tensor]:
         from llmtrain.model.loss import compute_loss
 
+        if (idle := self._idle_loss(model, batch)) is not None:
+            return idle
         rollout = batch["rollout_stats"].to(batch["input_ids"].device)
-        if batch["loss_index"].numel() == 0:  # an idle rank's placeholder: zero, yet reaching every parameter
-            return compute_loss(model, batch), torch.cat([rollout, rollout.new_zeros(len(LOSS_STATS))])
         rl, ref = self.rl, None
         if rl.beta:  # first: its no-grad forward leaves no graph behind
             with torch.no_grad(), self.lm.disable_adapter():  # the starting model: the LoRA adapter off
@@ -315,19 +335,36 @@ class GRPO:
                                  logps.new_tensor(float(logps.numel()))])
         return (losses * batch["weights"]).sum(), torch.cat([rollout, stats])
 
+    def _idle_loss(self, model, batch: dict) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """An idle rank's placeholder pass: zero, yet reaching every parameter; None for a real pass."""
+        from llmtrain.model.loss import compute_loss
+
+        if batch["loss_index"].numel():
+            return None
+        rollout = batch["rollout_stats"].to(batch["input_ids"].device)
+        return compute_loss(model, batch), torch.cat([rollout, rollout.new_zeros(len(self.loss_stats))])
+
+    def _reward_metrics(self, s: dict, n: float) -> dict[str, float]:
+        """(RLOO's hook) reward, reward_std and frac_reward_zero_std of the step's statistics `s`."""
+        return {"reward": s["reward"] / n, "reward_std": s["reward_std"] / n, "frac_reward_zero_std": s["zero_std"] / n}
+
+    def _policy_metrics(self, s: dict, n: float) -> dict[str, float]:
+        """(RLOO's hook) kl (beta > 0) and clip_ratio/region_mean."""
+        tokens = max(s["tokens"], 1.0)
+        return {**({"kl": s["kl"] / tokens} if self.rl.beta else {}),
+                "clip_ratio/region_mean": s["clipped_tokens"] / tokens}
+
     def step_metrics(self, stats: list[float], units: float) -> dict[str, float]:
         from llmtrain.objectives.rewards import metric_means
 
         s = dict(zip(self.stats, stats))
-        n, tokens = max(s["completions"], 1.0), max(s["tokens"], 1.0)
-        out = {"reward": s["reward"] / n, "reward_std": s["reward_std"] / n, "frac_reward_zero_std": s["zero_std"] / n}
+        n = max(s["completions"], 1.0)
+        out = self._reward_metrics(s, n)
         for name, _, _ in self.rewards:
             if s[f"rewards/{name}/count"]:
                 out[f"rewards/{name}/mean"] = s[f"rewards/{name}/sum"] / s[f"rewards/{name}/count"]
         out.update({"completions/mean_length": s["length"] / n, "completions/clipped_ratio": s["clipped"] / n})
-        if self.rl.beta:
-            out["kl"] = s["kl"] / tokens
-        out["clip_ratio/region_mean"] = s["clipped_tokens"] / tokens
+        out.update(self._policy_metrics(s, n))
         out["generation_s"] = s["generation_s"]
         out["generation_tokens_per_s"] = s["length"] / max(s["generation_s"], 1e-9)
         # log_metric's numbers since the last line, averaged over every process's (every rank makes this call, so

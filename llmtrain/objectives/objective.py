@@ -126,7 +126,7 @@ def rl_rewards(recipe, train, *, total_steps: int | None) -> Rewards | None:
 def objective_for(recipe, *, pad_id: int, model=None, tokenizer=None, train=None, world: int = 1,
                   total_steps: int | None = None, rewards: Rewards | None = None, gather=None,
                   reduce=None) -> Objective:
-    """The recipe's objective: GRPO on prompts (rl:), a preference loss on pairs (preference:), KTO on labelled
+    """The recipe's objective: GRPO or RLOO on prompts (rl:), a preference loss on pairs (preference:), KTO on labelled
     completions (kto:), else causal-LM
     cross-entropy (supervised fine-tuning). `model`: the unwrapped model, whose disabled adapter is the reference
     of a LoRA preference run (and which samples an RL run's completions); `train`: the tokenised train set (RL: its
@@ -140,6 +140,7 @@ def objective_for(recipe, *, pad_id: int, model=None, tokenizer=None, train=None
         from llmtrain.model.generate import stop_tokens
         from llmtrain.model.loss import causal_lm
         from llmtrain.objectives.grpo import GRPO
+        from llmtrain.objectives.rloo import RLOO
 
         rewards = rewards if rewards is not None else rl_rewards(recipe, train, total_steps=total_steps)
         turn = None
@@ -148,10 +149,11 @@ def objective_for(recipe, *, pad_id: int, model=None, tokenizer=None, train=None
                 turn = end_of_turn(tokenizer, read_template(recipe.data))
             except Exception:  # a template that cannot render a reply: stop at EOS and the configured ends only
                 turn = None
-        return GRPO(recipe.rl, tokenizer=tokenizer, pad_id=pad_id, packing=packs_rows(recipe),
-                    seed=recipe.train.seed, rewards=rewards.functions, model=model, columns=train.column_names,
-                    stop_ids=stop_tokens(causal_lm(model), tokenizer, turn), world=world, sources=rewards.sources,
-                    state=rewards.state, runner=rewards.runner, gather=gather)
+        online = RLOO if recipe.rl.algorithm == "rloo" else GRPO  # RLOO: GRPO's rollout, its own advantage and loss
+        return online(recipe.rl, tokenizer=tokenizer, pad_id=pad_id, packing=packs_rows(recipe),
+                      seed=recipe.train.seed, rewards=rewards.functions, model=model, columns=train.column_names,
+                      stop_ids=stop_tokens(causal_lm(model), tokenizer, turn), world=world, sources=rewards.sources,
+                      state=rewards.state, runner=rewards.runner, gather=gather)
 
     if recipe.kto is not None:
         from llmtrain.objectives.kto import KTO, frozen_copy

@@ -1,0 +1,148 @@
+"""RLOO (Ahmadian et al. 2024, "Back to Basics"): TRL 1.16's RLOOTrainer, as a variant of the GRPO objective.
+
+The rollout is GRPO's (grpo.py: the sampler, the rewards, the packed passes, rollouts.jsonl, exact resume); what
+RLOO changes, as TRL's RLOOTrainer does it:
+- The KL goes into the reward, not the loss: with beta > 0, each completion's reward loses beta x its summed
+  first-order log-ratio to the reference (k1: log pi_old - log pi_ref over its tokens, which can be negative), the
+  log-probabilities taken without gradient right after sampling (TRL's old_per_token_logps and ref_per_token_logps).
+- The advantage is the reward minus the mean of the OTHER completions of its prompt (the leave-one-out baseline),
+  over the ones some reward function scored; optionally normalised over the whole step (normalize_advantages).
+  A reward function's None and a group with one scored completion give advantage 0.
+- The loss is per sequence: the ratio is exp(sum of the completion's log-probabilities - the same at sampling),
+  clipped as PPO's, and the loss is the mean over completions. In this package's contract (a SUM over loss units,
+  divided by the window's units on every process): a sum over completions, units = completions. TRL takes the
+  mean of each micro-batch and divides by the accumulation steps; its micro-batches are equal, so that is the same.
+With one update per generation round (num_iterations 1) the sampling policy is the one being updated: the ratio
+is 1 in value and carries the gradient of the sequence's log-probability.
+
+The metrics keep TRL's names and meanings: `reward` and `reward_std` over the scored completions of the step (every
+process), `kl` the mean per-token k1 over every completion token, `clip_ratio/region_mean` per sequence.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from llmtrain.data.batching import to_device
+from llmtrain.model.loss import compute_loss
+from llmtrain.objectives.grpo import GRPO, STD_EPS, _nanstd
+
+
+def leave_one_out_advantages(rewards: torch.Tensor, num_generations: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(advantages, each completion's group std) of `rewards` [prompts x num_generations], a prompt's completions
+    consecutive: each reward minus the mean of its group's other scored rewards (NaN: scored by no function). NaN
+    stays NaN where there is no baseline (the completion unscored, or alone scored in its group): the caller zeroes
+    them after any normalisation, as TRL does."""
+    grouped = rewards.view(-1, num_generations)
+    scored = (~grouped.isnan()).sum(dim=1, keepdim=True)
+    baselines = (torch.nansum(grouped, dim=1, keepdim=True) - grouped) / (scored - 1)
+    std = _nanstd(grouped, dim=1).repeat_interleave(num_generations)
+    return rewards - baselines.view(-1), std
+
+
+def normalized(advantages: torch.Tensor) -> torch.Tensor:
+    """TRL's normalize_advantages: over every scored completion of the step (NaN left out), mean 0 and std 1."""
+    return (advantages - torch.nanmean(advantages)) / (_nanstd(advantages, dim=0) + STD_EPS)
+
+
+def sequence_sums(per_token: torch.Tensor, completion: torch.Tensor, n: int) -> torch.Tensor:
+    """Each of the `n` completions' sum over its tokens (`completion`: each token's completion; one with no token
+    sums to 0, as TRL's masked sum does)."""
+    return per_token.new_zeros(n).index_add(0, completion, per_token)
+
+
+def sequence_losses(logps: torch.Tensor, advantages: torch.Tensor, *, old_logps: torch.Tensor | None = None,
+                    epsilon: float, epsilon_high: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per completion: (loss, clipped: whether the ratio was clipped where it mattered), from its summed
+    log-probability `logps`. old_logps None: the policy that sampled is this one (the ratio is 1 in value)."""
+    old = logps.detach() if old_logps is None else old_logps
+    low, high = 1 - epsilon, 1 + (epsilon if epsilon_high is None else epsilon_high)
+    ratio = torch.exp(logps - old)
+    loss = -torch.min(ratio * advantages, torch.clamp(ratio, low, high) * advantages)
+    clipped = ((ratio < low) & (advantages < 0)) | ((ratio > high) & (advantages > 0))
+    return loss, clipped
+
+
+def completion_logps(model, batch: dict, *, temperature: float) -> torch.Tensor:
+    """Every completion token's log-probability at the sampling temperature, from the chunked per-token loss path
+    (no full logits)."""
+    return -compute_loss(model, batch, per_token=True, temperature=temperature).float()
+
+
+class RLOO(GRPO):
+    """GRPO's rollout and evaluation, with RLOO's reward (KL penalised), advantage, loss and metrics."""
+
+    # rollout statistics beside GRPO's: the summed k1 over every completion token, and the scored rewards' sum of
+    # squares and count (TRL's reward_std is their std over the step, not a mean of group stds)
+    advantage_stats = ("kl", "reward_squares", "scored")
+    loss_stats = ("clipped_sequences",)
+
+    def _advantages(self, total, g, batches, parts):
+        rl = self.rl
+        kl = torch.zeros_like(total)
+        if rl.beta:
+            kl = torch.cat([self._sequence_kl(b, len(part)) for b, part in zip(batches, parts)])
+        rewards = total if rl.reward_clip_range is None else total.clamp(*rl.reward_clip_range)
+        advantages, std = leave_one_out_advantages(rewards - rl.beta * kl, g)
+        scored = ~total.isnan()
+        stats = [float(kl.sum()), float((total[scored] ** 2).sum()), float(scored.sum())]
+        return advantages, std, stats, ({"kl": kl.tolist()} if rl.beta else {})
+
+    def _sequence_kl(self, batch: dict, n: int) -> torch.Tensor:
+        """Each completion's summed k1 log-ratio of the policy as it sampled to the reference (the LoRA adapter
+        disabled), without gradient: TRL's old and reference log-probabilities, taken before the update. Run
+        within the rollout, so under FSDP while the whole model is gathered (no collective per pass)."""
+        batch = to_device(batch, self.lm.device)
+        with torch.no_grad():
+            policy = completion_logps(self.lm, batch, temperature=self.rl.temperature)
+            with self.lm.disable_adapter():
+                ref = completion_logps(self.lm, batch, temperature=self.rl.temperature)
+        return sequence_sums(policy - ref, batch["loss_example"], n).cpu()
+
+    def _loss_units(self, lengths: torch.Tensor) -> float:
+        return float(len(lengths))  # the mean over completions
+
+    def _attach(self, batch: dict, advantages: torch.Tensor, lengths: torch.Tensor) -> None:
+        batch["advantages"] = advantages.float()  # one per completion, NaN until rollout() zeroes them
+
+    def rollout(self, window, *, step: int):
+        """GRPO's rollout, then the step's advantages: normalised over every process's completions where asked
+        (one gather of floats a step), and those without a baseline zeroed, in the batches and in rollouts.jsonl."""
+        window = super().rollout(window, step=step)
+        passes = [b for b in window.batches if "advantages" in b]  # not an idle rank's placeholders
+        mine = torch.cat([b["advantages"] for b in passes]) if passes else torch.zeros(0)
+        final = mine
+        if self.rl.normalize_advantages:
+            # float64: the same statistics whatever the processes' order of the completions (1 process equals 2)
+            everyone = torch.tensor(self.gather(mine.tolist()), dtype=torch.float64)
+            final = ((mine.double() - torch.nanmean(everyone)) / (_nanstd(everyone, dim=0) + STD_EPS)).float()
+        final = torch.nan_to_num(final, nan=0.0)
+        start = 0
+        for b in passes:
+            b["advantages"] = final[start:start + len(b["advantages"])]
+            start += len(b["advantages"])
+        for record, value in zip(window.rollouts, final.tolist()):  # in the order of the passes' completions
+            record["advantage"] = value
+        return window
+
+    def loss(self, model, batch: dict) -> tuple[torch.Tensor, torch.Tensor]:
+        if (idle := self._idle_loss(model, batch)) is not None:
+            return idle
+        rollout = batch["rollout_stats"].to(batch["input_ids"].device)
+        logps = completion_logps(model, batch, temperature=self.rl.temperature)
+        sequences = sequence_sums(logps, batch["loss_example"], len(batch["advantages"]))
+        losses, clipped = sequence_losses(sequences, batch["advantages"], epsilon=self.rl.epsilon,
+                                          epsilon_high=self.rl.epsilon_high)
+        return losses.sum(), torch.cat([rollout, clipped.float().sum().detach().view(1)])
+
+    def _reward_metrics(self, s: dict, n: float) -> dict[str, float]:
+        scored = s["scored"]
+        mean = s["reward"] / max(scored, 1.0)
+        out = {"reward": mean}
+        if scored > 1:  # the unbiased std of the scored rewards (TRL's nanstd), from their sums; none below 2
+            out["reward_std"] = (max(s["reward_squares"] - scored * mean * mean, 0.0) / (scored - 1)) ** 0.5
+        return {**out, "frac_reward_zero_std": s["zero_std"] / n}
+
+    def _policy_metrics(self, s: dict, n: float) -> dict[str, float]:
+        out = {"kl": s["kl"] / max(s["length"], 1.0)} if self.rl.beta else {}
+        return {**out, "clip_ratio/region_mean": s["clipped_sequences"] / n}
