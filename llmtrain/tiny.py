@@ -8,7 +8,8 @@
   real 7B checkpoint;
 - `out/data/`: the string-reversal task (`reverse abcde =` -> ` edcba`) in prompt_completion format
   (`train.jsonl`, `eval.jsonl`) and the same training examples as chat messages
-  (`train_messages.jsonl`) and alpaca records (`train_alpaca.jsonl`).
+  (`train_messages.jsonl`) and alpaca records (`train_alpaca.jsonl`); and preference pairs of the same prompts
+  (`train_pairs.jsonl`, `eval_pairs.jsonl`: the right reply against a near miss), for reward models.
 """
 
 from __future__ import annotations
@@ -158,6 +159,36 @@ def write_data(out: Path, *, seed: int) -> None:
     )
 
 
+def near_miss(rng: random.Random, answer: str) -> str:
+    """A wrong reply close to the right one `answer` (" edcba"), of the kinds a half-trained model writes: the string
+    not reversed, two neighbours swapped, one letter changed, one dropped or one repeated."""
+    s = answer.strip()
+    kind = rng.choice(["as_given", "swap", "change", "drop", "repeat"])
+    i = rng.randrange(len(s))
+    if kind == "as_given" and s != s[::-1]:
+        wrong = s[::-1]
+    elif kind == "swap" and len(set(s)) > 1:
+        j = next(k for k in [*range(i, len(s) - 1), *range(i)] if s[k] != s[k + 1])
+        wrong = s[:j] + s[j + 1] + s[j] + s[j + 2:]
+    elif kind == "drop":
+        wrong = s[:i] + s[i + 1:]
+    elif kind == "repeat":
+        wrong = s[:i] + s[i] + s[i:]
+    else:
+        wrong = s[:i] + rng.choice([c for c in string.ascii_lowercase if c != s[i]]) + s[i + 1:]
+    return " " + wrong
+
+
+def write_pairs(out: Path, *, seed: int) -> None:
+    """Preference pairs of the same task (reward models, DPO): each train and eval prompt once, chosen its right
+    reply, rejected a near miss (`near_miss`); from their own random stream, so the other files are unchanged."""
+    rng = random.Random(seed + 1)
+    for split in ("train", "eval"):
+        rows = [json.loads(line) for line in (out / f"{split}.jsonl").read_text().splitlines()]
+        _write_jsonl(out / f"{split}_pairs.jsonl", [{"prompt": r["prompt"], "chosen": r["completion"],
+                                                    "rejected": near_miss(rng, r["completion"])} for r in rows])
+
+
 # --------------------------------------------------------------------------- entry point
 
 
@@ -172,3 +203,4 @@ def prepare_tiny(out: Path, *, seed: int = 0) -> None:
     model.generation_config.save_pretrained(model_dir)
     tokenizer.save_pretrained(model_dir)
     write_data(out / "data", seed=seed)
+    write_pairs(out / "data", seed=seed)

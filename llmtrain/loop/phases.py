@@ -29,6 +29,7 @@ from llmtrain.errors import LLMTrainError
 from llmtrain.loop.determinism import deterministic_algorithms
 from llmtrain.model import ulysses
 from llmtrain.model.loss import attach_loss
+from llmtrain.model.score import attach_score
 from llmtrain.model.modeling import (
     build_optimizer,
     build_scheduler,
@@ -253,7 +254,8 @@ def build_model(recipe: Recipe, accelerator, *, total_steps: int, say) -> Traina
     # empty model.
     model = load_model(recipe.model, recipe.lora, device=accelerator.device,
                        empty=receives_weights(accelerator) and not recipe.model.quantize,
-                       compute_dtype={"bf16": torch.bfloat16, "fp16": torch.float16}.get(tc.mixed_precision))
+                       compute_dtype={"bf16": torch.bfloat16, "fp16": torch.float16}.get(tc.mixed_precision),
+                       reward_head=recipe.reward_model is not None)
     if (tp := tensor_parallel_size(accelerator)) > 1:
         layers = apply_tensor_parallel(model, accelerator.torch_device_mesh["tp"])
         say(f"tensor parallelism: {layers} linear layers split over {tp} processes "
@@ -264,7 +266,11 @@ def build_model(recipe: Recipe, accelerator, *, total_steps: int, say) -> Traina
         ulysses.attach(model, size=sp, group=sequence.sequence_group().group)
         say(sequence.describe(sp, accelerator.num_processes))
     fused_ce = fused_linear_cross_entropy(recipe.model, accelerator.device)  # None unless liger is in use
-    attach_loss(model, chunk=tc.loss_chunk_tokens, fused_linear_ce=fused_ce)
+    if recipe.reward_model is not None:  # a score head: one hidden state per sequence, no LM head, no logits
+        fused_ce = None
+        attach_score(model)
+    else:
+        attach_loss(model, chunk=tc.loss_chunk_tokens, fused_linear_ce=fused_ce)
     if recipe.model.compile:
         say(f"compile: {compile_layers(model)} decoder layers (regional torch.compile)")
     for name, status, detail in check_context(recipe.data.max_seq_len,

@@ -1,0 +1,125 @@
+"""Reward models (the reward_model: section, data.format: preference): the loss and gradient against TRL 1.16's
+RewardTrainer on the same batch; the score read at each sequence's last non-pad token only, packed as padded; a run on
+the tiny task's pairs that scores held-out pairs right; final/ loading with transformers and scoring as it trained
+(full and LoRA); a killed run resumed exactly; two DDP processes equal to one; the trained model as GRPO's reward
+(rl.rewards: type reward_model); and the folders and recipes refused."""
+
+from __future__ import annotations
+
+import copy
+import json
+import math
+
+import pytest
+import torch
+from helpers import REPO, crash_at_step, launch_finetune, load_weights, max_abs_diff, records, run_train, write_recipe
+
+from llmtrain.config import DataConfig, RewardModelConfig
+from llmtrain.data.pairs import encode_pair
+from llmtrain.errors import LLMTrainError, RecipeError
+from llmtrain.model.score import attach_score, scored_position, sequence_scores
+from llmtrain.objectives.reward_model import RewardModel
+
+PAIRS = [
+    {"prompt": "reverse abc =", "chosen": " cba", "rejected": " abc", "margin": 0.5},
+    {"prompt": "reverse hello =", "chosen": " olleh", "rejected": " hello", "margin": 1.0},
+    {"prompt": "reverse xy =", "chosen": " yx", "rejected": " xyy", "margin": 0.0},
+    {"prompt": "reverse stop =", "chosen": " pots", "rejected": " spot", "margin": 2.0},
+]
+
+
+def seq_cls(tiny_assets, *, lora: bool = False):
+    """The tiny Llama under a one-output score head, as a reward_model: run builds it (fp32, eager attention), its
+    decoder and head moved off the checkpoint's values so that no gradient is trivially zero."""
+    from llmtrain.config import LoraConfig, ModelConfig
+    from llmtrain.model.modeling import load_model
+
+    torch.manual_seed(0)
+    model = load_model(ModelConfig(name_or_path=str(tiny_assets / "model"), attn_implementation="eager"),
+                       LoraConfig(r=4, alpha=8, dropout=0.0) if lora else None, reward_head=True)
+    g = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn(p.shape, generator=g) * 0.05)
+    return model
+
+
+def encoded(tiny_tok, pairs=PAIRS) -> list[dict]:
+    cfg = DataConfig(path="x.jsonl", format="preference")
+    return [{**encode_pair(p, tiny_tok, cfg), "margin": p["margin"]} for p in pairs]
+
+
+# --------------------------------------------------------------------------- against TRL
+
+
+@pytest.fixture
+def fresh_accelerate_state():
+    """TRL's Trainer sets up Accelerate's process-wide state its own way (use_cpu); put it back afterwards."""
+    yield
+    from accelerate.state import AcceleratorState
+
+    AcceleratorState._reset_state(reset_partial_state=True)
+
+
+@pytest.mark.parametrize("margin, center", [(False, None), (True, None), (False, 0.01), (True, 0.5)])
+def test_loss_and_gradient_equal_trls_reward_trainer(tiny_assets, tiny_tok, tmp_path, fresh_accelerate_state,
+                                                     margin, center):
+    """TRL's RewardTrainer.compute_loss on its padded batch (its own tokenisation of the same rows, the scores
+    transformers' forward picks from every token's) against llmtrain's packed pairs (varlen-style restarts, the head
+    on the 8 scored tokens only): the same mean loss and the same gradient of every parameter, to 1e-6 in fp32."""
+    trl = pytest.importorskip("trl")
+    from datasets import Dataset
+
+    model = seq_cls(tiny_assets)
+    ours_model = copy.deepcopy(model)  # before TRL touches its own
+    rows = [p if margin else {k: v for k, v in p.items() if k != "margin"} for p in PAIRS]
+    args = trl.RewardConfig(output_dir=str(tmp_path / "trl"), per_device_train_batch_size=len(PAIRS),
+                            report_to="none", use_cpu=True, bf16=False, fp16=False, max_length=None,
+                            center_rewards_coefficient=center)
+    trainer = trl.RewardTrainer(model=model, args=args, train_dataset=Dataset.from_list(rows),
+                                processing_class=tiny_tok)
+    examples = [trainer.train_dataset[i] for i in range(len(PAIRS))]
+    ours_rows = encoded(tiny_tok)
+    for row, theirs in zip(ours_rows, examples):  # the same tokens: prompt + answer + EOS
+        assert (row["chosen_ids"], row["rejected_ids"]) == (theirs["chosen_ids"], theirs["rejected_ids"])
+    trainer.model.train()  # its metrics go under "train"
+    theirs_loss = trainer.compute_loss(trainer.model, trainer.data_collator(examples))
+    theirs_loss.backward()
+    theirs_grads = {n: p.grad.clone() for n, p in trainer.model.named_parameters()}
+
+    attach_score(ours_model)
+    objective = RewardModel(RewardModelConfig(center_rewards_coefficient=center), pad_id=tiny_tok.pad_token_id,
+                            score_pad_id=tiny_tok.pad_token_id, packing=True, margin=margin)
+    batch, counts = objective.collate(ours_rows)
+    assert "cu_seq_lens" in batch and batch["score_index"].numel() == 2 * len(PAIRS) and counts.units == len(PAIRS)
+    loss, stats = objective.loss(ours_model, batch)
+    (loss / counts.units).backward()  # the step's normalisation: the sum over the window's pairs
+    assert loss.item() / len(PAIRS) == pytest.approx(theirs_loss.item(), rel=1e-6, abs=1e-6)
+    worst = max((p.grad - theirs_grads[n]).abs().max().item() for n, p in ours_model.named_parameters())
+    assert worst < 1e-6, worst
+    assert theirs_loss.item() > 0.1 and max(g.abs().max().item() for g in theirs_grads.values()) > 1e-3
+    metrics = objective.step_metrics(stats.tolist(), counts.units)
+    logged = trainer._metrics["train"]
+    assert metrics["accuracy"] == pytest.approx(logged["accuracy"][-1], abs=1e-6)
+    assert metrics["margin"] == pytest.approx(logged["margin"][-1], abs=1e-5)
+    assert metrics["mean_reward"] == pytest.approx(logged["mean_reward"][-1], abs=1e-5)
+
+
+def test_the_score_is_the_last_non_pad_tokens_packed_or_padded(tiny_assets, tiny_tok):
+    """Packed (restarting positions) and padded rows give each sequence the score transformers' own forward gives it
+    alone; a pad token that is also EOS moves the scored token before a final EOS, as transformers reads it."""
+    model = seq_cls(tiny_assets)
+    rows = encoded(tiny_tok)
+    sequences = [r[f"{side}_ids"] for r in rows for side in ("chosen", "rejected")]
+    with torch.no_grad():
+        alone = torch.stack([model(input_ids=torch.tensor([s])).logits[0, 0] for s in sequences])
+        attach_score(model)
+        for packing in (True, False):
+            objective = RewardModel(RewardModelConfig(), pad_id=tiny_tok.pad_token_id,
+                                    score_pad_id=tiny_tok.pad_token_id, packing=packing, margin=False)
+            scores = sequence_scores(model, objective.collate(rows)[0])
+            assert scores.tolist() == pytest.approx(alone.tolist(), abs=1e-5)
+    eos = tiny_tok.eos_token_id
+    assert scored_position([1, 5, 6, eos], tiny_tok.pad_token_id) == 3
+    assert scored_position([1, 5, 6, eos, eos], eos) == 2
+    assert scored_position([1, 5, 6], None) == 2
