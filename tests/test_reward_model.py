@@ -123,3 +123,125 @@ def test_the_score_is_the_last_non_pad_tokens_packed_or_padded(tiny_assets, tiny
     assert scored_position([1, 5, 6, eos], tiny_tok.pad_token_id) == 3
     assert scored_position([1, 5, 6, eos, eos], eos) == 2
     assert scored_position([1, 5, 6], None) == 2
+
+
+# --------------------------------------------------------------------------- training runs
+
+
+def reward_recipe(tiny_assets, folder, **sections):
+    """6 steps of 8 pairs of the tiny task (prepare-tiny's train_pairs.jsonl), its 200 held-out pairs, a checkpoint
+    every 3 steps."""
+    data = {"path": str(tiny_assets / "data" / "train_pairs.jsonl"), "format": "preference", "max_seq_len": 32,
+            "eval_split": str(tiny_assets / "data" / "eval_pairs.jsonl"),
+            **sections.pop("data", {})}
+    return write_recipe(tiny_assets, folder, data=data, reward_model=sections.pop("reward_model", {}),
+                        train={"max_steps": 6, "micro_batch_size": 8, "lr": 1e-3, "warmup_steps": 0, "seed": 7,
+                               "eval_every_steps": 6, "eval_batch_size": 50, **sections.pop("train", {})},
+                        checkpoint={"every_steps": 3, "keep_last": 3, "save_final": True}, **sections)
+
+
+LORA = ["lora.r=4", "lora.alpha=8", "lora.dropout=0.0", "train.lr=1e-2"]
+
+
+@pytest.fixture(scope="module")
+def straight(tiny_assets, tmp_path_factory):
+    """`straight(lora)` -> (recipe, run): the reward recipe's uninterrupted run on 1 process (full or LoRA), made
+    once for the module's comparisons."""
+    folder, made = tmp_path_factory.mktemp("reward"), set()
+    recipe = reward_recipe(tiny_assets, folder)
+
+    def get(lora: bool):
+        run = folder / ("lora" if lora else "full")
+        if lora not in made:
+            run_train(recipe, f"output_dir={run}", *(LORA if lora else []))
+            made.add(lora)
+        return recipe, run
+
+    return get
+
+
+def held_out_scores(final, tiny_assets, *, lora: bool = False, n: int = 200) -> tuple[torch.Tensor, torch.Tensor]:
+    """(chosen, rejected) scores of the first n held-out pairs by final/ loaded as transformers loads it (full:
+    AutoModelForSequenceClassification; LoRA: the base under peft's adapter), one unpadded sequence at a time,
+    tokenised here as text + EOS."""
+    from transformers import AutoModelForSequenceClassification, AutoTokenizer
+
+    if lora:
+        from peft import PeftModel
+
+        base = AutoModelForSequenceClassification.from_pretrained(tiny_assets / "model", num_labels=1)
+        model = PeftModel.from_pretrained(base, final)
+    else:
+        model = AutoModelForSequenceClassification.from_pretrained(final)
+    tok = AutoTokenizer.from_pretrained(final)
+    rows = [json.loads(line) for line in (tiny_assets / "data" / "eval_pairs.jsonl").read_text().splitlines()[:n]]
+    out = []
+    with torch.no_grad():
+        for side in ("chosen", "rejected"):
+            ids = [tok(r["prompt"] + r[side])["input_ids"] + [tok.eos_token_id] for r in rows]
+            out.append(torch.stack([model.eval()(input_ids=torch.tensor([x])).logits[0, 0] for x in ids]))
+    return out[0], out[1]
+
+
+@pytest.mark.parametrize("lora", [False, True])
+def test_final_loads_with_transformers_and_scores_as_it_trained(straight, tiny_assets, lora):
+    """final/ is a LlamaForSequenceClassification with one output (LoRA: a SEQ_CLS adapter whose score head is saved
+    whole): loaded by transformers (and peft), it gives the held-out pairs the accuracy and margin the run's last
+    eval logged, and the metrics carry TRL's names."""
+    _, run = straight(lora)
+    config = json.loads((run / "final" / ("adapter_config.json" if lora else "config.json")).read_text())
+    if lora:
+        assert config["task_type"] == "SEQ_CLS" and "score" in config["modules_to_save"]
+    else:
+        assert config["architectures"] == ["LlamaForSequenceClassification"] and len(config["id2label"]) == 1
+    chosen, rejected = held_out_scores(run / "final", tiny_assets, lora=lora)
+    (last,) = records(run, "eval")
+    # 6 steps leave some margins near 0, where fp32 rounding (one sequence alone, or packed) may flip a comparison
+    ties = ((chosen - rejected).abs() < 1e-5).sum().item()
+    assert abs((chosen > rejected).double().mean().item() - last["eval_accuracy"]) <= ties / len(chosen)
+    assert (chosen - rejected).mean().item() == pytest.approx(last["eval_margin"], abs=1e-5)
+    assert (chosen + rejected).mean().item() / 2 == pytest.approx(last["eval_mean_reward"], abs=1e-5)
+    for line in records(run):
+        assert {"loss", "accuracy", "margin", "mean_reward", "rewards/chosen", "rewards/rejected"} <= line.keys()
+        assert line["trained_tokens"] == 16  # one scored token per sequence: 8 pairs
+
+
+def test_killed_mid_run_resumes_to_the_same_losses_and_weights(straight, tmp_path, monkeypatch):
+    recipe, full = straight(False)
+    crash_at_step(monkeypatch, recipe, 5, f"output_dir={tmp_path / 'cut'}")  # dies in step 5: step 3's checkpoint
+    run_train(recipe, f"output_dir={tmp_path / 'cut'}", resume="auto")
+    assert [r["loss"] for r in records(tmp_path / "cut")] == [r["loss"] for r in records(full)]
+    assert [r["accuracy"] for r in records(tmp_path / "cut")] == [r["accuracy"] for r in records(full)]
+    assert max_abs_diff(load_weights(tmp_path / "cut" / "final"), load_weights(full / "final")) == 0
+
+
+@pytest.mark.slow
+def test_two_ddp_processes_train_what_one_does(straight, tmp_path, free_port):
+    """2 CPU processes (gloo DDP) x 4 pairs against 1 x 8: the same pairs a step, the same losses, accuracies and
+    gradient norms, the same final weights up to fp32 reduction order."""
+    recipe, one = straight(False)
+    launch_finetune(REPO / "accelerate_configs" / "cpu_ddp.yaml", 2, free_port, recipe,
+                    f"output_dir={tmp_path / 'two'}", "train.micro_batch_size=4")
+    ours, theirs = records(tmp_path / "two"), records(one)
+    for key in ("loss", "margin", "mean_reward", "accuracy"):
+        assert [r[key] for r in ours] == pytest.approx([r[key] for r in theirs], rel=1e-5, abs=1e-5), key
+    assert [r["grad_norm"] for r in ours] == pytest.approx([r["grad_norm"] for r in theirs], rel=1e-5)
+    assert [r["tokens"] for r in ours] == [r["tokens"] for r in theirs]
+    assert records(tmp_path / "two", "eval")[-1]["eval_accuracy"] == records(one, "eval")[-1]["eval_accuracy"]
+    assert max_abs_diff(load_weights(tmp_path / "two" / "final"), load_weights(one / "final")) < 1e-5
+
+
+# --------------------------------------------------------------------------- refused
+
+
+def test_recipes_that_cannot_train_a_reward_model_are_refused(tiny_assets, tmp_path):
+    from llmtrain.config import load_recipe
+
+    recipe = reward_recipe(tiny_assets, tmp_path)
+    assert load_recipe(recipe).reward_model.center_rewards_coefficient is None  # TRL's default
+    with pytest.raises(RecipeError, match="one run does one of the two"):
+        load_recipe(recipe, ["preference.loss=dpo"])
+    with pytest.raises(RecipeError, match="has no LM head to generate eval samples"):
+        load_recipe(recipe, ["train.eval_samples=2"])
+    with pytest.raises(RecipeError, match="go together"):
+        load_recipe(recipe, ["data.format=prompt_completion"])
