@@ -245,3 +245,65 @@ def test_recipes_that_cannot_train_a_reward_model_are_refused(tiny_assets, tmp_p
         load_recipe(recipe, ["train.eval_samples=2"])
     with pytest.raises(RecipeError, match="go together"):
         load_recipe(recipe, ["data.format=prompt_completion"])
+
+
+# --------------------------------------------------------------------------- as GRPO's reward
+
+
+def test_a_grpo_step_with_a_reward_model_gets_the_scores_the_reward_model_gives(straight, tiny_assets, tmp_path):
+    """rl.rewards: [{type: reward_model, path: final/}]: each completion's reward (rollouts.jsonl) is the trained
+    reward model's score of its prompt + completion + EOS, as transformers scores that sequence alone; the reward
+    model is loaded before the policy and scores in batches (batch_size 5 over 16 completions)."""
+    from transformers import AutoModelForSequenceClassification
+
+    _, run = straight(False)
+    recipe = write_recipe(tiny_assets, tmp_path, data={"format": "prompt", "max_seq_len": 32},
+                          rl={"num_generations": 4, "max_completion_tokens": 6, "temperature": 1.0,
+                              "rewards": [{"type": "reward_model", "path": str(run / "final"), "batch_size": 5}]},
+                          train={"max_steps": 1, "micro_batch_size": 4, "lr": 1e-3})
+    run_train(recipe)
+    rolled = [json.loads(line) for line in (tmp_path / "run" / "rollouts.jsonl").read_text().splitlines()]
+    assert len(rolled) == 16
+    scorer = AutoModelForSequenceClassification.from_pretrained(run / "final").eval()
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(run / "final")
+    with torch.no_grad():
+        expected = [scorer(input_ids=torch.tensor([r["prompt_ids"] + tok(r["completion"], add_special_tokens=False)[
+            "input_ids"] + [tok.eos_token_id]])).logits[0, 0].item() for r in rolled]
+    assert [r["reward_model"] for r in rolled] == pytest.approx(expected, abs=1e-5)
+    assert [r["reward"] for r in rolled] == pytest.approx(expected, abs=1e-5)
+    assert len({round(x, 4) for x in expected}) > 4  # the completions differ, and so do their scores
+    (line,) = records(tmp_path / "run")
+    assert line["rewards/reward_model/mean"] == pytest.approx(sum(expected) / 16, abs=1e-5)
+
+
+@pytest.mark.parametrize("make, says", [
+    ("causal", "holds a LlamaForCausalLM with no sequence-classification head"),
+    ("two_labels", "has a classification head with 2 outputs; a reward model has one"),
+    ("missing", "does not exist"),
+])
+def test_a_folder_that_is_not_a_reward_model_is_refused_before_the_policy_loads(tiny_assets, tmp_path, monkeypatch,
+                                                                                 make, says):
+    import llmtrain.loop.train
+
+    folder = tmp_path / "rm"
+    if make == "causal":
+        folder = tiny_assets / "model"
+    elif make == "two_labels":
+        from transformers import AutoModelForSequenceClassification
+
+        AutoModelForSequenceClassification.from_pretrained(tiny_assets / "model", num_labels=2).save_pretrained(folder)
+
+    def no_model(*args, **kwargs):
+        raise AssertionError("the policy was built before the reward model was checked")
+
+    monkeypatch.setattr(llmtrain.loop.train, "build_model", no_model)
+    recipe = write_recipe(tiny_assets, tmp_path, data={"format": "prompt", "max_seq_len": 32},
+                          rl={"num_generations": 2, "max_completion_tokens": 4,
+                              "rewards": [{"type": "reward_model", "path": str(folder)}]})
+    with pytest.raises(LLMTrainError) as e:
+        run_train(recipe)
+    text = str(e.value)
+    assert says in text and f"'{folder}'" in text and "rl.rewards path:" in text and "\n" not in text
+    assert not (tmp_path / "run").exists()  # nothing written
