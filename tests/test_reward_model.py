@@ -186,8 +186,8 @@ def held_out_scores(final, tiny_assets, *, lora: bool = False, n: int = 200) -> 
 @pytest.mark.parametrize("lora", [False, True])
 def test_final_loads_with_transformers_and_scores_as_it_trained(straight, tiny_assets, lora):
     """final/ is a LlamaForSequenceClassification with one output (LoRA: a SEQ_CLS adapter whose score head is saved
-    whole): loaded by transformers (and peft), it gives the held-out pairs the accuracy and margin the run's last
-    eval logged, and the metrics carry TRL's names."""
+    whole, and its merged export): loaded by transformers (and peft), it gives the held-out pairs the accuracy and
+    margin the run's last eval logged, and the metrics carry TRL's names."""
     _, run = straight(lora)
     config = json.loads((run / "final" / ("adapter_config.json" if lora else "config.json")).read_text())
     if lora:
@@ -201,6 +201,13 @@ def test_final_loads_with_transformers_and_scores_as_it_trained(straight, tiny_a
     assert abs((chosen > rejected).double().mean().item() - last["eval_accuracy"]) <= ties / len(chosen)
     assert (chosen - rejected).mean().item() == pytest.approx(last["eval_margin"], abs=1e-5)
     assert (chosen + rejected).mean().item() / 2 == pytest.approx(last["eval_mean_reward"], abs=1e-5)
+    if lora:  # `llmtrain export RUN --merge`: a full sequence-classification model that scores as the adapter does
+        from llmtrain.run.export import export_merged
+
+        merged = export_merged(run, run.parent / "lora-merged")
+        assert json.loads((merged / "config.json").read_text())["architectures"] == ["LlamaForSequenceClassification"]
+        again = held_out_scores(merged, tiny_assets)
+        assert max((a - b).abs().max().item() for a, b in zip(again, (chosen, rejected))) < 1e-5
     for line in records(run):
         assert {"loss", "accuracy", "margin", "mean_reward", "rewards/chosen", "rewards/rejected"} <= line.keys()
         assert line["trained_tokens"] == 16  # one scored token per sequence: 8 pairs

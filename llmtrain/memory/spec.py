@@ -252,7 +252,8 @@ def spec_from_recipe(recipe: Recipe, *, strategy: Strategy = "single", num_gpus:
     # then one packed forward and backward (its eval samples greedily: no loss pass).
     # A token budget bounds a micro-batch's tokens, whatever the sequences per example (micro_batch_size stays 1).
     # KTO: N sequences with backward; its KL sequences (another N) and the reference pass run under no_grad
-    per_example = 2 if recipe.preference is not None else recipe.rl.num_generations if recipe.rl is not None else 1
+    # A reward model's pairs are 2N sequences too (its score head reads one token each: less than an LM head's chunk)
+    per_example = 2 if recipe.preference is not None or recipe.reward_model is not None else recipe.rl.num_generations if recipe.rl is not None else 1
     evaluates = evaluates and recipe.rl is None
     rl = {}
     if recipe.rl is not None:
