@@ -6,6 +6,7 @@
 - `tiled_mlp.py`: model.tiled_mlp, the MLP over shards of the tokens, recomputed shard by shard in backward.
 - `attention.py`: varlen attention over packed rows (flash `varlen_attn` on CUDA, SDPA per example elsewhere).
 - `loss.py`: the chunked cross-entropy and per-token log-probabilities from the final hidden states.
+- `score.py`: a reward model's score head on each sequence's last token only; checking and loading a reward model.
 - `generate.py`: sampling completions with the KV cache, each from its own seed (online RL's rollouts), and the
   attention switch generation needs.
 

@@ -7,6 +7,8 @@
   loss_type as TRL 1.16 does (equal to its GRPOTrainer to 1e-6, packed against padded), and the objective the
   loop runs: its `rollout` samples each step's completions (model/generate.py), scores and packs them.
 - `rewards.py`: reward functions (answer_match, format, the user's own with TRL's signature) and their checks.
+- `reward_model.py`: reward models on pairs (TRL's RewardTrainer loss on the score head's last-token scores).
+- `learned_reward.py`: a trained reward model as an RL reward (rl.rewards type reward_model).
 
 May import: the schema, `data`, `model`, `parallel` and this folder. Never the run folder or the loop.
 """

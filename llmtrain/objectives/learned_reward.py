@@ -20,7 +20,6 @@ def reward_model_function(reward, data, *, device):
     as the RL recipe's data section `data` says; the folder is checked before the model is read."""
     from llmtrain.data.chat import read_template
     from llmtrain.model.score import check_reward_folder, load_reward_model
-    from llmtrain.objectives.rewards import content
 
     check_reward_folder(reward.path)
     model, tokenizer = load_reward_model(reward.path, device if device is not None else "cpu")
@@ -34,8 +33,10 @@ def reward_model_function(reward, data, *, device):
 
     @torch.no_grad()
     def reward_model(prompts: list, completions: list, **columns) -> list[float]:
-        sequences = [encode_example({"prompt": p, "completion": content(c)}, tokenizer, render,
-                                    template=template)["input_ids"] for p, c in zip(prompts, completions)]
+        # a conversational completion is one assistant message (as TRL hands it to reward functions)
+        texts = [c[0]["content"] if isinstance(c, list) else c for c in completions]
+        sequences = [encode_example({"prompt": p, "completion": t}, tokenizer, render,
+                                    template=template)["input_ids"] for p, t in zip(prompts, texts)]
         scores = []
         for s in range(0, len(sequences), reward.batch_size):
             batch = sequences[s:s + reward.batch_size]
