@@ -161,7 +161,7 @@ def write_data(out: Path, *, seed: int) -> None:
 
 def near_miss(rng: random.Random, answer: str) -> str:
     """A wrong reply close to the right one `answer` (" edcba"), of the kinds a half-trained model writes: the string
-    not reversed, two neighbours swapped, one letter changed, one dropped or one repeated."""
+    not reversed, two neighbours swapped, one letter changed (to one the string lacks), one dropped or one repeated."""
     s = answer.strip()
     kind = rng.choice(["as_given", "swap", "change", "drop", "repeat"])
     i = rng.randrange(len(s))
@@ -174,8 +174,8 @@ def near_miss(rng: random.Random, answer: str) -> str:
         wrong = s[:i] + s[i + 1:]
     elif kind == "repeat":
         wrong = s[:i] + s[i] + s[i:]
-    else:
-        wrong = s[:i] + rng.choice([c for c in string.ascii_lowercase if c != s[i]]) + s[i + 1:]
+    else:  # a letter the string does not have
+        wrong = s[:i] + rng.choice([c for c in string.ascii_lowercase if c not in s]) + s[i + 1:]
     return " " + wrong
 
 

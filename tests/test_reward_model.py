@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import copy
 import json
-import math
 
 import pytest
 import torch

@@ -29,7 +29,6 @@ from llmtrain.errors import LLMTrainError
 from llmtrain.loop.determinism import deterministic_algorithms
 from llmtrain.model import ulysses
 from llmtrain.model.loss import attach_loss
-from llmtrain.model.score import attach_score
 from llmtrain.model.modeling import (
     build_optimizer,
     build_scheduler,
@@ -41,6 +40,7 @@ from llmtrain.model.modeling import (
     load_tokenizer,
     pad_id,
 )
+from llmtrain.model.score import attach_score
 from llmtrain.parallel import sequence
 from llmtrain.parallel.accelerator import use_fused_adamw
 from llmtrain.parallel.collectives import global_sum

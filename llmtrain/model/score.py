@@ -104,7 +104,8 @@ def check_reward_folder(path: str) -> None:
     config = json.loads((folder / "config.json").read_text())
     architectures = config.get("architectures") or []
     if not any(a.endswith("ForSequenceClassification") for a in architectures):
-        raise LLMTrainError(f"the reward model folder '{path}' (rl.rewards path:) holds a {', '.join(architectures) or 'model'} "
+        held = ", ".join(architectures) or "model"
+        raise LLMTrainError(f"the reward model folder '{path}' (rl.rewards path:) holds a {held} "
                             f"with no sequence-classification head to score a completion with (a causal LM is a "
                             f"policy, not a reward model). {fix}.")
     outputs = len(config["id2label"]) if "id2label" in config else config.get("num_labels", 2)

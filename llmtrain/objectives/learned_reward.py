@@ -28,7 +28,8 @@ def reward_model_function(reward, data, *, device):
     template = read_template(data)
     text_config = model.config.get_text_config()
     if text_config.pad_token_id is None:  # a reward model from elsewhere: TRL's rule, the tokenizer's pad, else EOS
-        text_config.pad_token_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+        text_config.pad_token_id = (tokenizer.pad_token_id if tokenizer.pad_token_id is not None
+                                    else tokenizer.eos_token_id)
     pad = text_config.pad_token_id
 
     @torch.no_grad()

@@ -25,6 +25,7 @@ import torch.nn.functional as F
 from llmtrain.data.batching import Counts, collate, to_device
 from llmtrain.data.formats import IGNORE
 from llmtrain.model.score import scored_position, sequence_scores
+from llmtrain.objectives.preference import Preference
 
 # Statistics summed over the window (and processes); step_metrics divides them by the pairs.
 STATS = ["accuracy", "margin", "mean_reward", "rewards/chosen", "rewards/rejected"]
@@ -91,7 +92,5 @@ class RewardModel:
         loss, stats = self.loss(model, to_device(batch, device))
         return torch.cat([loss.detach().reshape(1), stats, loss.new_tensor([pairs])]).double()
 
-    def eval_metrics(self, sums: list[float]) -> dict[str, float]:
-        loss, *stats, pairs = sums
-        return {"eval_loss": loss / max(pairs, 1),
-                **{f"eval_{k}": v for k, v in self.step_metrics(stats, pairs).items()}}
+    # [loss, statistics, pairs] summed over the eval set: the mean loss and each metric as DPO's eval lines have them
+    eval_metrics = Preference.eval_metrics
