@@ -6,7 +6,7 @@ BIN   := $(VENV)/bin
 # On a GPU machine: make install TORCH=torch
 TORCH ?= torch==2.13.0
 
-.PHONY: install demo demo-rl test test-dist clean
+.PHONY: install demo demo-rl demo-rm test test-dist clean
 
 $(BIN)/.installed: pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -26,6 +26,17 @@ demo-rl: install
 	$(BIN)/llmtrain prepare-tiny assets/tiny
 	$(BIN)/llmtrain finetune recipes/tiny.yaml train.max_steps=150 output_dir=runs/tiny-sft --overwrite
 	$(BIN)/llmtrain finetune recipes/tiny-grpo.yaml --overwrite
+
+# A learned reward on the same task: a reward model trained on the SFT model's pairs (right reversal against a near
+# miss), then GRPO from the short SFT run with the reward model's score as its only reward (answer_match, weight 0,
+# only measures eval_answer_accuracy).
+demo-rm: install
+	$(BIN)/llmtrain prepare-tiny assets/tiny
+	$(BIN)/llmtrain finetune recipes/tiny.yaml --overwrite
+	$(BIN)/llmtrain finetune recipes/tiny.yaml train.max_steps=150 output_dir=runs/tiny-sft --overwrite
+	$(BIN)/llmtrain finetune recipes/tiny-reward.yaml --overwrite
+	$(BIN)/llmtrain finetune recipes/tiny-grpo.yaml output_dir=runs/tiny-grpo-rm --overwrite \
+	    'rl.rewards=[{type: reward_model, path: runs/tiny-reward/final}, {type: answer_match, column: completion, weight: 0.0}]'
 
 # Two pytest-xdist workers, each running whole test files (a file's shared runs are made once), the long
 # multi-process files first (tests/conftest.py); a plain `pytest -q` runs the same tests one after another.

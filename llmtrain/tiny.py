@@ -160,22 +160,27 @@ def write_data(out: Path, *, seed: int) -> None:
 
 
 def near_miss(rng: random.Random, answer: str) -> str:
-    """A wrong reply close to the right one `answer` (" edcba"), of the kinds a half-trained model writes: the string
-    not reversed, two neighbours swapped, one letter changed (to one the string lacks), one dropped or one repeated."""
+    """A wrong reply close to the right one `answer` (" edcba"): one letter changed to one the string lacks, or to
+    another of its own letters (its letters then stay the string's, their counts do not: what a policy learning from
+    this reward would otherwise exploit, e.g. " tttt" for "ctvt"), two letters changed, one dropped or one repeated.
+    Not the string in another order (not reversed, two neighbours swapped): checking the order needs a comparison at
+    each position before the last token's score reads them, a layer more than the tiny 2-layer model has (on such
+    pairs it stays near chance)."""
     s = answer.strip()
-    kind = rng.choice(["as_given", "swap", "change", "drop", "repeat"])
+    kind = rng.choice(["change", "change_own", "change_two", "drop", "repeat"])
+    absent = [c for c in string.ascii_lowercase if c not in s]
     i = rng.randrange(len(s))
-    if kind == "as_given" and s != s[::-1]:
-        wrong = s[::-1]
-    elif kind == "swap" and len(set(s)) > 1:
-        j = next(k for k in [*range(i, len(s) - 1), *range(i)] if s[k] != s[k + 1])
-        wrong = s[:j] + s[j + 1] + s[j] + s[j + 2:]
-    elif kind == "drop":
-        wrong = s[:i] + s[i + 1:]
-    elif kind == "repeat":
-        wrong = s[:i] + s[i] + s[i:]
-    else:  # a letter the string does not have
-        wrong = s[:i] + rng.choice([c for c in string.ascii_lowercase if c not in s]) + s[i + 1:]
+    if kind == "drop":
+        return " " + s[:i] + s[i + 1:]
+    if kind == "repeat":
+        return " " + s[:i] + s[i] + s[i:]
+    own = [c for c in set(s) if c != s[i]]
+    if kind == "change_own" and own:
+        return " " + s[:i] + rng.choice(sorted(own)) + s[i + 1:]
+    wrong = s[:i] + rng.choice(absent) + s[i + 1:]
+    if kind == "change_two":
+        j = rng.choice([k for k in range(len(s)) if k != i])
+        wrong = wrong[:j] + rng.choice(absent) + wrong[j + 1:]
     return " " + wrong
 
 
