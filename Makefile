@@ -27,9 +27,10 @@ demo-rl: install
 	$(BIN)/llmtrain finetune recipes/tiny.yaml train.max_steps=150 output_dir=runs/tiny-sft --overwrite
 	$(BIN)/llmtrain finetune recipes/tiny-grpo.yaml --overwrite
 
-# A learned reward on the same task: a reward model trained on the SFT model's pairs (right reversal against a near
-# miss), then GRPO from the short SFT run with the reward model's score as its only reward (answer_match, weight 0,
-# only measures eval_answer_accuracy).
+# A learned reward on the same task: a reward model trained from the SFT model on pairs (the right reversal against a
+# near miss), then GRPO from the short SFT run with the reward model's score as its only reward (answer_match at
+# weight 0 only measures eval_answer_accuracy). On this task the policy exploits the tiny reward model (its answer
+# accuracy falls while the score rises: docs/reward-models.md).
 demo-rm: install
 	$(BIN)/llmtrain prepare-tiny assets/tiny
 	$(BIN)/llmtrain finetune recipes/tiny.yaml --overwrite
