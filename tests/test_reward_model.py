@@ -259,7 +259,7 @@ def test_killed_mid_run_resumes_to_the_same_losses_and_weights(straight, tmp_pat
 @pytest.mark.slow
 def test_two_ddp_processes_train_what_one_does(straight, tmp_path, free_port):
     """2 CPU processes (gloo DDP) x 4 pairs against 1 x 8: the same pairs a step, the same losses, accuracies and
-    gradient norms, the same final weights up to fp32 reduction order."""
+    gradient norms; the final weights within what Adam makes of fp32 reduction order."""
     recipe, one = straight(False)
     launch_finetune(REPO / "accelerate_configs" / "cpu_ddp.yaml", 2, free_port, recipe,
                     f"output_dir={tmp_path / 'two'}", "train.micro_batch_size=4")
@@ -269,7 +269,10 @@ def test_two_ddp_processes_train_what_one_does(straight, tmp_path, free_port):
     assert [r["grad_norm"] for r in ours] == pytest.approx([r["grad_norm"] for r in theirs], rel=1e-5)
     assert [r["tokens"] for r in ours] == [r["tokens"] for r in theirs]
     assert records(tmp_path / "two", "eval")[-1]["eval_accuracy"] == records(one, "eval")[-1]["eval_accuracy"]
-    assert max_abs_diff(load_weights(tmp_path / "two" / "final"), load_weights(one / "final")) < 1e-5
+    # Adam divides each element's step by its own gradient history, so rounding in a near-zero gradient moves a weight
+    # by a visible fraction of lr=1e-3 (7e-5 measured, as tests/test_preference.py finds): the losses, accuracies and
+    # gradient norms above are the tight checks
+    assert max_abs_diff(load_weights(tmp_path / "two" / "final"), load_weights(one / "final")) < 2e-4
 
 
 # --------------------------------------------------------------------------- refused
