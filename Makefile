@@ -6,7 +6,7 @@ BIN   := $(VENV)/bin
 # On a GPU machine: make install TORCH=torch
 TORCH ?= torch==2.13.0
 
-.PHONY: install demo demo-rl demo-kto demo-rloo test test-dist clean
+.PHONY: install demo demo-rl demo-kto demo-rloo demo-rm test test-dist clean
 
 $(BIN)/.installed: pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -38,6 +38,18 @@ demo-rloo: install
 	$(BIN)/llmtrain prepare-tiny assets/tiny
 	$(BIN)/llmtrain finetune recipes/tiny.yaml train.max_steps=150 output_dir=runs/tiny-sft --overwrite
 	$(BIN)/llmtrain finetune recipes/tiny-rloo.yaml --overwrite
+
+# A learned reward on the same task: a reward model trained from the SFT model on pairs (the right reversal against a
+# near miss), then GRPO from the short SFT run with the reward model's score as its only reward (answer_match at
+# weight 0 only measures eval_answer_accuracy). On this task the policy exploits the tiny reward model (its answer
+# accuracy falls while the score rises: docs/reward-models.md).
+demo-rm: install
+	$(BIN)/llmtrain prepare-tiny assets/tiny
+	$(BIN)/llmtrain finetune recipes/tiny.yaml --overwrite
+	$(BIN)/llmtrain finetune recipes/tiny.yaml train.max_steps=150 output_dir=runs/tiny-sft --overwrite
+	$(BIN)/llmtrain finetune recipes/tiny-reward.yaml --overwrite
+	$(BIN)/llmtrain finetune recipes/tiny-grpo.yaml output_dir=runs/tiny-grpo-rm --overwrite \
+	    'rl.rewards=[{type: reward_model, path: runs/tiny-reward/final}, {type: answer_match, column: completion, weight: 0.0}]'
 
 # Two pytest-xdist workers, each running whole test files (a file's shared runs are made once), the long
 # multi-process files first (tests/conftest.py); a plain `pytest -q` runs the same tests one after another.

@@ -401,10 +401,21 @@ class KTOConfig(Section):
                                       "completions.")
 
 
+class RewardModelConfig(Section):
+    """A reward model (TRL 1.16's RewardTrainer): a one-output sequence-classification head on the model, trained on
+    preference pairs with the Bradley-Terry loss -log sigmoid(r_chosen - r_rejected - margin)."""
+
+    center_rewards_coefficient: float | None = Field(
+        None, ge=0, allow_inf_nan=False, description="Adds this times mean((r_chosen + r_rejected)^2) to the loss, "
+        "keeping the rewards near zero mean (Eisenstein et al. 2023, eq. 2; TRL recommends 0.01). null: off (TRL's "
+        "default).")
+
+
 class RewardConfig(Section):
-    type: Literal["answer_match", "format", "function"] = Field(
+    type: Literal["answer_match", "format", "function", "reward_model"] = Field(
         description="answer_match: 1 where the completion's answer (the first group of `pattern`) equals the "
-        "`column`'s; format: 1 where the completion matches `pattern`; function: the user's `function`.")
+        "`column`'s; format: 1 where the completion matches `pattern`; function: the user's `function`; "
+        "reward_model: the score of a trained reward model (`path`) on prompt + completion.")
     weight: float = Field(1.0, allow_inf_nan=False, description="The reward's weight in the summed reward.")
     pattern: str | None = Field(
         None, description="answer_match: a regular expression whose first group is the answer (default "
@@ -414,6 +425,10 @@ class RewardConfig(Section):
         None, description="function: module:function with TRL's signature f(prompts, completions, completion_ids, "
         "trainer_state, **columns) -> list[float | None] (or an async one); the module is imported from PYTHONPATH "
         "or the working directory.")
+    path: str | None = Field(
+        None, description="reward_model: a folder with a one-output sequence-classification model (a reward-model "
+        "run's final/, or its LoRA adapter), scored in batches on the run's device under no_grad.")
+    batch_size: int = Field(64, gt=0, description="reward_model: completions scored in one forward pass.")
     name: str | None = Field(
         None, min_length=1, pattern=r"^[^/\s]+$",
         description="The reward's name in the metrics (rewards/<name>/mean) and rollouts.jsonl; default: the "
@@ -425,6 +440,10 @@ class RewardConfig(Section):
             raise ValueError("a reward of type function needs function: module:function")
         if self.type != "function" and self.function:
             raise ValueError(f"function: is read by rewards of type function, not {self.type}")
+        if (self.type == "reward_model") != (self.path is not None):
+            raise ValueError("path: goes with type: reward_model (the reward model's folder), and a reward_model "
+                             "needs it" if self.type == "reward_model" else
+                             f"path: is read by rewards of type reward_model, not {self.type}")
         if self.type == "format" and not self.pattern:
             raise ValueError("a reward of type format needs pattern: the regular expression a completion must match")
         if self.pattern is not None:
@@ -541,6 +560,9 @@ class Recipe(Section):
         None, description="Preference tuning on pairs (data.format: preference); absent means supervised fine-tuning.")
     kto: KTOConfig | None = Field(
         None, description="KTO on unpaired feedback (data.format: unpaired); absent means no KTO.")
+    reward_model: RewardModelConfig | None = Field(
+        None, description="Train a reward model on pairs (data.format: preference): a one-output sequence-"
+        "classification head, TRL's RewardTrainer loss; absent means no reward model.")
     rl: RLConfig | None = Field(
         None, description="Online RL with verifiable rewards, GRPO or RLOO (data.format: prompt); absent means no RL.")
     train: TrainConfig = Field(default_factory=TrainConfig, description="Optimisation, schedule and batch.")
@@ -563,12 +585,25 @@ class Recipe(Section):
 
     @model_validator(mode="after")
     def _check_preference(self) -> Recipe:
-        if (self.preference is None) != (self.data.format != "preference"):
+        if (self.preference is None and self.reward_model is None) != (self.data.format != "preference"):
             raise ValueError("data.format: preference and the preference: section go together: pairs train with a "
-                             "preference loss (add preference: {loss: dpo}), and a preference loss needs pairs")
+                             "preference loss (add preference: {loss: dpo}), and a preference loss needs pairs (a "
+                             "reward model also trains on pairs: reward_model: {})")
         if self.preference is not None and self.preference.reference == "adapter" and self.lora is None:
             raise ValueError("preference.reference: adapter disables the LoRA adapter, and this recipe has no lora: "
                              "section; use precomputed (or auto) for a full fine-tune")
+        return self
+
+    @model_validator(mode="after")
+    def _check_reward_model(self) -> Recipe:
+        if self.reward_model is None:
+            return self
+        if self.preference is not None:
+            raise ValueError("reward_model: trains a scoring head on the pairs and preference: a policy on them; one "
+                             "run does one of the two. Remove one section")
+        if self.train.eval_samples:
+            raise ValueError("reward_model: the model scores sequences and has no LM head to generate eval samples "
+                             "with; set train.eval_samples=0")
         return self
 
     @model_validator(mode="after")

@@ -309,7 +309,8 @@ def check_rewards_run(recipe: Recipe, tokenizer) -> list[Check]:
 
     try:
         train = prepare_datasets(recipe.data, tokenizer, seed=recipe.train.seed)[0]
-        rewards = build_rewards(recipe.rl, answer_pattern=recipe.train.eval_answer_pattern, columns=train.column_names)
+        rewards = build_rewards(recipe.rl, answer_pattern=recipe.train.eval_answer_pattern, columns=train.column_names,
+                                data=recipe.data)
         check_rewards(rewards, list(train.select(range(min(2, len(train))))), where=sources(recipe.data)[0],
                       state=trainer_state(recipe, total_steps=None))
     except LLMTrainError as e:

@@ -150,9 +150,25 @@ def check_data(recipe: Recipe, stats: DataStats, train, eval_ds, tokenizer) -> l
         rows.append(("desirable balance", "warn", warn) if warn else
                     ("desirable balance", "pass", f"{sum(train['label']):,} desirable, "
                      f"{len(train) - sum(train['label']):,} undesirable completions"))
+    if recipe.reward_model is not None:
+        rows.append(check_margin(train, eval_ds))
     lengths = [*train["length"], *(eval_ds["length"] if eval_ds is not None else [])]
     rows += check_eval_batch(recipe, train["length"], eval_ds["length"] if eval_ds is not None else [])
     return rows + check_budget(recipe.train.micro_batch_tokens, lengths)
+
+
+def check_margin(train, eval_ds) -> Check:
+    """A reward model's margins (TRL's optional margin column): in both splits or in neither."""
+    has_train, has_eval = "margin" in train.column_names, eval_ds is not None and "margin" in eval_ds.column_names
+    if eval_ds is not None and has_train != has_eval:
+        has, lacks = ("train", "eval") if has_train else ("eval", "train")
+        return ("margin", "fail", f"the {has} pairs have a margin column and the {lacks} pairs do not: a reward "
+                "model's loss subtracts each pair's margin, so both need it (or neither). Add the column to the "
+                f"{lacks} data, or drop it from the {has} data")
+    if has_train:
+        return ("margin", "pass", f"each pair's margin is subtracted from its score difference (mean "
+                f"{sum(train['margin']) / max(len(train), 1):.3g})")
+    return ("margin", "pass", "no margin column: the loss is -log sigmoid(r_chosen - r_rejected)")
 
 
 EVAL_BATCH_RATIO = 4  # an eval micro-batch more than this many times the training's tokens is warned about

@@ -22,6 +22,7 @@ from llmtrain.config import DataConfig
 from llmtrain.data.formats import IGNORE, encode_example
 
 PAIR_COLUMNS = ["chosen_ids", "chosen_labels", "rejected_ids", "rejected_labels", "length"]
+MARGIN = "margin"  # TRL's optional column: how much the chosen answer is better (reward models subtract it)
 
 
 def _get(example: dict, cfg: DataConfig, field: str) -> Any:
@@ -68,6 +69,10 @@ def pair_problem(example: dict, cfg: DataConfig) -> str | None:
                 "first messages could be the prompt")
     if isinstance(prompt, list) and not prompt:
         return "chosen and rejected share no first message, so there is no prompt (implicit-prompt rows)"
+    margin = _get(example, cfg, MARGIN)
+    if margin is not None and (isinstance(margin, (bool, str)) or not isinstance(margin, (int, float))
+                               or margin != margin or abs(margin) == float("inf")):
+        return f"'{cfg.fields.get(MARGIN, MARGIN)}' (margin) is {margin!r}, not a finite number"
     rk, ck = cfg.fields.get("role", "role"), cfg.fields.get("content", "content")
     for f, value in (("prompt", prompt), ("chosen", chosen), ("rejected", rejected)):
         if isinstance(value, list) and not all(isinstance(m, dict) and isinstance(m.get(rk), str)
@@ -89,7 +94,15 @@ def encode_pair(example: dict, tokenizer, cfg: DataConfig, *, template: str | No
     Too long: the prompt is cut from the left (after BOS) until the longer answer fits, but keeps at least its last
     max_seq_len / 4 tokens; what still does not fit is cut from the answers' ends, as SFT truncates. Both answers
     see the same cut prompt, so the policy and the reference compare them on the same context. Dropped: chosen
-    equal to rejected, and answers that are equal once cut (the pair would teach nothing)."""
+    equal to rejected, and answers that are equal once cut (the pair would teach nothing). TRL's optional margin
+    column, where the data have one, is kept as `margin` (0 where a row leaves it empty)."""
+    if cfg.fields.get(MARGIN, MARGIN) in example:  # a margin column: kept beside the tokens, in every row
+        margin = float(_get(example, cfg, MARGIN) or 0.0)
+        return {**_encode_pair(example, tokenizer, cfg, template=template), MARGIN: margin}
+    return _encode_pair(example, tokenizer, cfg, template=template)
+
+
+def _encode_pair(example: dict, tokenizer, cfg: DataConfig, *, template: str | None) -> dict:
     prompt, chosen, rejected = split_pair(example, cfg)
     if chosen == rejected:
         return _dropped("same")

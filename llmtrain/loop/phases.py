@@ -41,6 +41,7 @@ from llmtrain.model.modeling import (
     load_tokenizer,
     pad_id,
 )
+from llmtrain.model.score import attach_score
 from llmtrain.parallel import sequence
 from llmtrain.parallel.accelerator import use_fused_adamw
 from llmtrain.parallel.collectives import global_sum
@@ -258,7 +259,8 @@ def build_model(recipe: Recipe, accelerator, *, total_steps: int, say, pad: int 
     model = load_model(recipe.model, recipe.lora, device=accelerator.device,
                        empty=(receives_weights(accelerator) and not recipe.model.quantize
                               and recipe.parallel.pipeline_parallel == 1),  # stages: each loads, keeps its own
-                       compute_dtype={"bf16": torch.bfloat16, "fp16": torch.float16}.get(tc.mixed_precision))
+                       compute_dtype={"bf16": torch.bfloat16, "fp16": torch.float16}.get(tc.mixed_precision),
+                       reward_head=recipe.reward_model is not None)
     if (tp := tensor_parallel_size(accelerator)) > 1:
         layers = apply_tensor_parallel(model, accelerator.torch_device_mesh["tp"])
         say(f"tensor parallelism: {layers} linear layers split over {tp} processes "
@@ -269,7 +271,11 @@ def build_model(recipe: Recipe, accelerator, *, total_steps: int, say, pad: int 
         ulysses.attach(model, size=sp, group=sequence.sequence_group().group)
         say(sequence.describe(sp, accelerator.num_processes))
     fused_ce = fused_linear_cross_entropy(recipe.model, accelerator.device)  # None unless liger is in use
-    attach_loss(model, chunk=tc.loss_chunk_tokens, fused_linear_ce=fused_ce)
+    if recipe.reward_model is not None:  # a score head: one hidden state per sequence, no LM head, no logits
+        fused_ce = None
+        attach_score(model)
+    else:
+        attach_loss(model, chunk=tc.loss_chunk_tokens, fused_linear_ce=fused_ce)
     if recipe.model.compile:
         say(f"compile: {compile_layers(model)} decoder layers (regional torch.compile)")
     for name, status, detail in check_context(recipe.data.max_seq_len,

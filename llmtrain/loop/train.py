@@ -90,7 +90,8 @@ def _train(recipe: Recipe, accelerator, console: RunConsole, cleanup: ExitStack,
         return checked.finished
     seed_run(recipe.train, cleanup)
     data = prepare_data(recipe, accelerator, say=say)
-    rewards = rl_rewards(recipe, data.train, total_steps=data.total_steps)  # RL: checked before the model loads
+    # RL: checked before the model loads (a reward model is loaded now, on the run's device)
+    rewards = rl_rewards(recipe, data.train, total_steps=data.total_steps, device=accelerator.device)
     est = check_memory(recipe, accelerator, data, say=say)  # CUDA: the estimate on this GPU, a warning if over
     state = None
     try:

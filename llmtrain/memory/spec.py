@@ -258,8 +258,10 @@ def spec_from_recipe(recipe: Recipe, *, strategy: Strategy = "single", num_gpus:
     # then one packed forward and backward (its eval samples greedily: no loss pass).
     # A token budget bounds a micro-batch's tokens, whatever the sequences per example (micro_batch_size stays 1).
     # KTO: N sequences with backward; its KL sequences (another N) and the reference pass run under no_grad first
-    # (no_grad_forwards), and a full fine-tune holds a frozen copy of the weights (frozen_reference)
-    per_example = 2 if recipe.preference is not None else recipe.rl.num_generations if recipe.rl is not None else 1
+    # (no_grad_forwards), and a full fine-tune holds a frozen copy of the weights (frozen_reference). A reward model's
+    # pairs are 2N sequences too (its score head reads one token each: less than an LM head's chunk)
+    pairs = recipe.preference is not None or recipe.reward_model is not None
+    per_example = 2 if pairs else recipe.rl.num_generations if recipe.rl is not None else 1
     evaluates = evaluates and recipe.rl is None
     rl = {}
     if recipe.rl is not None:

@@ -76,8 +76,13 @@ def scale_rope(config, scaling: RopeScaling | None) -> None:
 
 
 def load_model(cfg: ModelConfig, lora: LoraConfig | None, *, device: torch.device | None = None,
-               empty: bool = False, compute_dtype: torch.dtype | None = None):
+               empty: bool = False, compute_dtype: torch.dtype | None = None, reward_head: bool = False):
     """The model as the recipe says, on the CPU (or on `device` for a random init).
+
+    reward_head: a reward model (the reward_model: section), the same decoder under a one-output
+    sequence-classification head (LlamaForSequenceClassification's `score`, no bias; what TRL's RewardTrainer
+    trains): from a causal-LM checkpoint the LM head is left out and the score head starts random, from the run's
+    seed, as AutoModelForSequenceClassification makes it.
 
     empty=True builds it without reading any weight, for the processes of an FSDP run that receive their
     shards from the main process in `prepare` (fsdp.receives_weights). Its parameters are
@@ -85,27 +90,31 @@ def load_model(cfg: ModelConfig, lora: LoraConfig | None, *, device: torch.devic
     parameters and persistent buffers only: non-persistent ones such as the rotary `inv_freq` are
     computed here from the config, exactly as the main process computes them.
     """
-    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForSequenceClassification
 
     kwargs = dict(dtype=DTYPES[cfg.dtype], attn_implementation=attention_backend(cfg),
                   trust_remote_code=cfg.trust_remote_code)
+    auto = AutoModelForSequenceClassification if reward_head else AutoModelForCausalLM
     try:
-        config = AutoConfig.from_pretrained(cfg.name_or_path, trust_remote_code=cfg.trust_remote_code)
+        config = AutoConfig.from_pretrained(cfg.name_or_path, trust_remote_code=cfg.trust_remote_code,
+                                            **({"num_labels": 1} if reward_head else {}))
         scale_rope(config, cfg.rope_scaling)
         if empty or cfg.random_init:
             from accelerate import init_empty_weights
 
             # A random init goes straight to the training device: a 7B random init on the CPU takes minutes.
             with init_empty_weights(include_buffers=False) if empty else torch.device(device or "cpu"):
-                model = AutoModelForCausalLM.from_config(config, **kwargs)
+                model = auto.from_config(config, **kwargs)
         elif cfg.quantize:
             # Every process quantises its own copy on its own device (never device_map="auto", which would put
             # every rank's model on GPU 0).
-            model = AutoModelForCausalLM.from_pretrained(
-                cfg.name_or_path, config=config, quantization_config=quantization_config(cfg, compute_dtype),
-                device_map={"": torch.device(device or "cpu")}, **kwargs)
+            with _quiet_new_head(reward_head):
+                model = auto.from_pretrained(
+                    cfg.name_or_path, config=config, quantization_config=quantization_config(cfg, compute_dtype),
+                    device_map={"": torch.device(device or "cpu")}, **kwargs)
         else:
-            model = AutoModelForCausalLM.from_pretrained(cfg.name_or_path, config=config, **kwargs)
+            with _quiet_new_head(reward_head):
+                model = auto.from_pretrained(cfg.name_or_path, config=config, **kwargs)
     except (OSError, ValueError) as e:
         raise _load_error("model", cfg.name_or_path, e) from None
     except Exception as e:  # a damaged weights file (safetensors raises its own error type), a bad config
@@ -134,10 +143,30 @@ def load_model(cfg: ModelConfig, lora: LoraConfig | None, *, device: torch.devic
 
         tile_mlps(model, cfg.tiled_mlp)
     if lora is not None:
-        model = apply_lora(model, lora)
+        model = apply_lora(model, lora, task="SEQ_CLS" if reward_head else "CAUSAL_LM")
     if empty:
         _uninitialised_parameters(model)
     return model
+
+
+def _quiet_new_head(reward_head: bool):
+    """transformers' report of the weights a sequence-classification model does not find in a causal-LM checkpoint
+    (the new score head) and of those it leaves (lm_head): expected for a reward model, so not printed."""
+    from contextlib import nullcontext
+
+    if not reward_head:
+        return nullcontext()
+    from transformers.utils import logging
+
+    class Quiet:
+        def __enter__(self):
+            self.level = logging.get_verbosity()
+            logging.set_verbosity_error()
+
+        def __exit__(self, *exc):
+            logging.set_verbosity(self.level)
+
+    return Quiet()
 
 
 def quantization_config(cfg: ModelConfig, compute_dtype: torch.dtype | None):
@@ -254,7 +283,9 @@ def _uninitialised_parameters(model) -> None:
                 module._parameters[name] = made[id(p)]
 
 
-def apply_lora(model, cfg: LoraConfig):
+def apply_lora(model, cfg: LoraConfig, *, task: str = "CAUSAL_LM"):
+    """LoRA adapters as lora: says. task SEQ_CLS (a reward model): peft also trains and saves the score head in full
+    (modules_to_save), and all-linear leaves the head out of the adapted layers."""
     import peft
 
     config = peft.LoraConfig(
@@ -263,7 +294,7 @@ def apply_lora(model, cfg: LoraConfig):
         lora_dropout=cfg.dropout,
         target_modules=cfg.target_modules,
         modules_to_save=cfg.modules_to_save,
-        task_type="CAUSAL_LM",
+        task_type=task,
     )
     try:
         # peft keeps the adapter weights in fp32 even on a bf16 base (autocast_adapter_dtype).

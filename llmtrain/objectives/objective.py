@@ -106,16 +106,18 @@ class Rewards:
     runner: object
 
 
-def rl_rewards(recipe, train, *, total_steps: int | None) -> Rewards | None:
+def rl_rewards(recipe, train, *, total_steps: int | None, device=None) -> Rewards | None:
     """An RL run's rewards, checked before the model is built: a wrong answer_match column, a function that cannot be
-    imported, asks for a column the data lack, raises or returns the wrong values stops the run without loading the
-    model. None for other objectives."""
+    imported, asks for a column the data lack, raises or returns the wrong values, a reward model folder without a
+    one-output score head stops the run without loading the model. A reward model is loaded on `device`. None for
+    other objectives."""
     if recipe.rl is None:
         return None
     from llmtrain.data.prepare import sources
     from llmtrain.objectives.rewards import AsyncRunner, build_rewards, check_rewards, trainer_state
 
-    functions = build_rewards(recipe.rl, answer_pattern=recipe.train.eval_answer_pattern, columns=train.column_names)
+    functions = build_rewards(recipe.rl, answer_pattern=recipe.train.eval_answer_pattern, columns=train.column_names,
+                              data=recipe.data, device=device)
     rewards = Rewards(functions=functions, sources=sources(recipe.data),
                       state=trainer_state(recipe, total_steps=total_steps), runner=AsyncRunner())
     check_rewards(functions, list(train.select(range(min(2, len(train))))), where=rewards.sources[0],
@@ -126,8 +128,8 @@ def rl_rewards(recipe, train, *, total_steps: int | None) -> Rewards | None:
 def objective_for(recipe, *, pad_id: int, model=None, tokenizer=None, train=None, world: int = 1,
                   total_steps: int | None = None, rewards: Rewards | None = None, gather=None,
                   reduce=None) -> Objective:
-    """The recipe's objective: GRPO or RLOO on prompts (rl:), a preference loss on pairs (preference:), KTO on labelled
-    completions (kto:), else causal-LM
+    """The recipe's objective: GRPO or RLOO on prompts (rl:), a preference loss on pairs (preference:), a reward
+    model's loss on pairs (reward_model:), KTO on labelled completions (kto:), else causal-LM
     cross-entropy (supervised fine-tuning). `model`: the unwrapped model, whose disabled adapter is the reference
     of a LoRA preference run (and which samples an RL run's completions); `train`: the tokenised train set (RL: its
     columns go to the reward functions); `rewards`: rl_rewards' (None: checked here); `gather`: every process's list
@@ -161,6 +163,15 @@ def objective_for(recipe, *, pad_id: int, model=None, tokenizer=None, train=None
         # a full fine-tune's reference: the starting weights, copied before a resume loads its checkpoint
         return KTO(recipe.kto, pad_id=pad_id, packing=packs_rows(recipe), max_seq_len=recipe.data.max_seq_len,
                    model=model, reference=frozen_copy(model) if recipe.lora is None else None, reduce=reduce)
+    if recipe.reward_model is not None:
+        from llmtrain.model.score import classifier
+        from llmtrain.objectives.reward_model import RewardModel
+
+        # TRL's RewardTrainer: the model's pad token is the tokenizer's (else EOS), so that final/ scores a padded
+        # batch at the token the training read
+        classifier(model).config.get_text_config().pad_token_id = pad_id
+        return RewardModel(recipe.reward_model, pad_id=pad_id, score_pad_id=pad_id, packing=packs_rows(recipe),
+                           margin="margin" in train.column_names)
     if recipe.preference is not None:
         from llmtrain.objectives.preference import Preference
 

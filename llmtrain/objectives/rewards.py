@@ -107,10 +107,12 @@ def import_reward(spec: str) -> RewardFn:
     return fn
 
 
-def build_rewards(rl, *, answer_pattern: str | None, columns) -> list[tuple[str, RewardFn, float]]:
+def build_rewards(rl, *, answer_pattern: str | None, columns, data=None,
+                  device=None) -> list[tuple[str, RewardFn, float]]:
     """The recipe's rl.rewards as (name, function, weight): answer_match reads `pattern` (default
     train.eval_answer_pattern) from its column, which must be one of the user's `columns` (their names as in the
-    file, prepared data's column_names, as reward_columns reads them)."""
+    file, prepared data's column_names, as reward_columns reads them); a reward_model is loaded on `device` and
+    renders prompt and completion as the data section `data` says (learned_reward.py)."""
     columns = list(reward_columns(columns))
     clash = [c for c in columns if c in TRL_ARGUMENTS]
     if clash:
@@ -127,6 +129,10 @@ def build_rewards(rl, *, answer_pattern: str | None, columns) -> list[tuple[str,
             fn = answer_match(r.pattern if r.pattern is not None else answer_pattern, column=r.column)
         elif r.type == "format":
             fn = format_match(r.pattern)
+        elif r.type == "reward_model":
+            from llmtrain.objectives.learned_reward import reward_model_function
+
+            fn = reward_model_function(r, data, device=device)
         else:
             fn = import_reward(r.function)
         out.append((r.label, fn, r.weight))

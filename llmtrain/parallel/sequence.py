@@ -75,13 +75,15 @@ def check(recipe, *, world: int, mesh=None, heads: int | None = None, kv_heads: 
         raise LLMTrainError(f"{key} splits each sequence over {n} processes, but the launch has {world}: launch a "
                             f"multiple of {n} processes (--num_processes), or set parallel.sequence_parallel to a "
                             f"divisor of {world}")
-    if recipe.rl is not None or recipe.preference is not None or recipe.kto is not None:
+    rm = recipe.reward_model is not None
+    if recipe.rl is not None or recipe.preference is not None or recipe.kto is not None or rm:
         mode = ("online RL (rl:)" if recipe.rl is not None else "preference pairs (preference:)"
-                if recipe.preference is not None else "KTO (kto:)")
+                if recipe.preference is not None else "a reward model (reward_model:)" if rm else "KTO (kto:)")
         raise LLMTrainError(
             f"{key} trains supervised fine-tuning only; {mode} is refused: "
             + ("its rollout samples whole completions on every process, which a sequence group would have to "
                "sample together" if recipe.rl is not None else
+               "its score head reads each sequence's last token, which one process of the group holds" if rm else
                "its loss needs each sequence's whole log-probability, which the sequence group would have to sum "
                "first")
             + ". Set parallel.sequence_parallel=1, or train the long sequences with model.gradient_checkpointing, "

@@ -87,6 +87,8 @@ def step_text(rec: dict, *, unit: str = "gpu") -> str:
     mfu = f"  MFU {rec['mfu']:.1%}" if rec.get("mfu") is not None else ""
     pairs = (f"  acc {rec['rewards/accuracies']:.0%} margin {rec['rewards/margins']:.3f}"
              if "rewards/accuracies" in rec else "")  # preference runs
+    if "accuracy" in rec and "margin" in rec:  # a reward model: its pairwise accuracy and score margin
+        pairs = f"  acc {rec['accuracy']:.0%} margin {rec['margin']:.3f}"
     if "kl" in rec and "rewards/accuracies" not in rec:  # KTO: the KL estimate, and the margin where both sides are
         margin = f" margin {rec['rewards/margins']:.3f}" if "rewards/margins" in rec else ""
         pairs = f"  kl {rec['kl']:.3f}{margin}"
@@ -122,6 +124,8 @@ def summary_table(summary: dict, *, out: Path, evals: list[dict], unit: str = "g
         best = min(evals, key=lambda e: e["eval_loss"])
         if "eval_rewards/accuracies" in best:
             what = f"reward accuracy {best['eval_rewards/accuracies']:.1%}"
+        elif "eval_accuracy" in best:  # a reward model: pairs whose chosen answer scores higher
+            what = f"pairwise accuracy {best['eval_accuracy']:.1%}, margin {best['eval_margin']:.3f}"
         elif best.get("eval_answer_accuracy") is not None:
             what = f"answer accuracy {best['eval_answer_accuracy']:.1%} of generated samples"
         elif "eval_kl" in best:  # KTO

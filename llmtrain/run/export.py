@@ -48,8 +48,18 @@ def export_merged(run_dir: Path, out: Path | None = None, *, say=lambda text: No
     out = out or run_dir / "final-merged"
     if out.exists():
         raise LLMTrainError(f"'{out}' already exists; remove it or pass --out <new folder>.")
-    base = AutoModelForCausalLM.from_pretrained(recipe["model"]["name_or_path"],
-                                                dtype=getattr(torch, recipe["model"]["dtype"]))
+    dtype = getattr(torch, recipe["model"]["dtype"])
+    if recipe.get("reward_model") is not None:  # a reward model: its base under the one-output score head the
+        # adapter saved whole; the pad token it scored with (the tokenizer's, else EOS), as objective_for set it
+        from transformers import AutoModelForSequenceClassification
+
+        base = AutoModelForSequenceClassification.from_pretrained(recipe["model"]["name_or_path"], num_labels=1,
+                                                                  dtype=dtype)
+        tok = AutoTokenizer.from_pretrained(str(final))
+        base.config.get_text_config().pad_token_id = (tok.pad_token_id if tok.pad_token_id is not None
+                                                       else tok.eos_token_id)
+    else:
+        base = AutoModelForCausalLM.from_pretrained(recipe["model"]["name_or_path"], dtype=dtype)
     if recipe["model"].get("quantize"):
         say(f"the adapter was trained on a {recipe['model']['quantize']} 4-bit base; it is merged into the unquantised "
             f"base read from {recipe['model']['name_or_path']} in {recipe['model']['dtype']}, not a dequantised copy.")

@@ -141,7 +141,12 @@ def flop_model(model) -> FlopModel:
 
     body = sum((6 if p.requires_grad else 4) * numel(p) for p in lm.model.layers.parameters()
                if p.ndim >= 2 or getattr(p, "quant_state", None) is not None)
-    head = lm.lm_head.weight
+    if hasattr(lm, "lm_head"):
+        head = lm.lm_head.weight
+    else:  # a reward model: its score head, on one token per sequence (Counts.trained)
+        from llmtrain.model.score import head_weight
+
+        head = head_weight(lm)
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
     return FlopModel(body_per_token=body, head_per_token=(6 if head.requires_grad else 4) * head.numel(),
                      attn_per_square=6.0 * cfg.num_hidden_layers * cfg.num_attention_heads * head_dim)

@@ -1,0 +1,135 @@
+"""A reward model's scores, padding-free: the one-output head applied to the last token of each sequence only.
+
+transformers' *ForSequenceClassification forward applies the head to every token of a padded batch and keeps the
+rightmost one that is not the pad token. `attach_score` gives the model a forward that, called with `score_index`
+(the flat position of each sequence's scored token in the packed or padded micro-batch, batching's layout), runs the
+decoder, gathers those rows of the final hidden states and applies the head to them alone: [sequences] scores, the
+same numbers (a linear head on one row is the same whichever rows are beside it), with no [tokens x 1] tensor. It
+runs inside the model's own forward, so DDP and FSDP see one ordinary call. Called without `score_index`, it is
+transformers' own forward (export, scoring a saved model).
+
+`scored_position` is that token as transformers picks it: the last one that is not the pad token (a tokenizer
+whose pad token is its EOS thus scores the token before a final EOS, as TRL's RewardTrainer then does), so a saved
+model scores a padded batch exactly as it trained.
+"""
+
+from __future__ import annotations
+
+import types
+
+import torch
+
+
+def scored_position(ids: list[int], pad_id: int | None) -> int:
+    """The index in `ids` of the token a sequence's score is read at: the last that is not `pad_id` (the last token
+    when every one is, or when the model has no pad token), as transformers' sequence classification reads it."""
+    if pad_id is not None:
+        for i in range(len(ids) - 1, -1, -1):
+            if ids[i] != pad_id:
+                return i
+    return len(ids) - 1
+
+
+def classifier(model):
+    """The transformers *ForSequenceClassification module inside `model` (which may be a peft model)."""
+    return model.get_base_model() if hasattr(model, "get_base_model") else model
+
+
+def head_weight(model) -> torch.Tensor:
+    """The weight the score head applies: under LoRA peft's trained copy (modules_to_save), which its wrapper
+    registers after the original."""
+    return [m for m in classifier(model).score.modules() if isinstance(m, torch.nn.Linear)][-1].weight
+
+
+def attach_score(model) -> None:
+    """Give the *ForSequenceClassification module a forward that returns {"scores": [sequences]} when called with
+    `score_index` (see the module's docstring)."""
+    seq_cls = classifier(model)
+    original = type(seq_cls).forward
+
+    def forward(self, *args, score_index=None, **kwargs):
+        if score_index is None:
+            return original(self, *args, **kwargs)
+        kwargs.pop("labels", None)  # peft passes labels=None through
+        kwargs.pop("use_cache", None)
+        hidden = self.model(*args, use_cache=False, **kwargs).last_hidden_state.flatten(0, 1)
+        if score_index.numel() == 0:  # an idle rank's placeholder row: a zero that still reaches every parameter,
+            # because DDP and FSDP reduce the gradients of all of them on every rank
+            return {"scores": self.score(hidden[:1]).float().sum() * 0.0}
+        return {"scores": self.score(hidden[score_index]).float().squeeze(-1)}
+
+    seq_cls.forward = types.MethodType(forward, seq_cls)
+
+
+# What the patched forward takes from a collated batch.
+MODEL_INPUTS = ("input_ids", "attention_mask", "position_ids", "score_index")
+
+
+def sequence_scores(model, batch: dict) -> torch.Tensor:
+    """The score of every sequence of a collated batch on the device (fp32, in batch order; a 0-dim zero for an idle
+    rank's placeholder). `cu_seq_lens` / `max_length` (packed rows) go to the varlen attention as in loss.py."""
+    inputs = {k: batch[k] for k in MODEL_INPUTS if k in batch}
+    if "cu_seq_lens" in batch:
+        inputs.update(cu_seq_lens_q=batch["cu_seq_lens"], cu_seq_lens_k=batch["cu_seq_lens"],
+                      max_length_q=batch["max_length"], max_length_k=batch["max_length"])
+    return model(**inputs)["scores"]
+
+
+# --------------------------------------------------------------------------- a trained reward model, for online RL
+
+
+def check_reward_folder(path: str) -> None:
+    """Refuse, before any weight is read, a folder that is not a reward model: not there, no config.json (nor a
+    LoRA adapter's adapter_config.json), a causal LM or another architecture without a sequence-classification
+    head, a head with other than one output, or a LoRA adapter of a causal LM."""
+    import json
+    from pathlib import Path
+
+    from llmtrain.errors import LLMTrainError
+
+    folder = Path(path).expanduser()
+    fix = ("rl.rewards: type reward_model reads a reward model: the final/ folder of a run with a reward_model: "
+           "section (docs/reward-models.md), or another one-output sequence-classification model")
+    if not folder.is_dir():
+        raise LLMTrainError(f"the reward model folder '{path}' (rl.rewards path:) does not exist. {fix}.")
+    if (folder / "adapter_config.json").is_file():
+        task = json.loads((folder / "adapter_config.json").read_text()).get("task_type")
+        if task != "SEQ_CLS":
+            raise LLMTrainError(f"the reward model folder '{path}' (rl.rewards path:) holds a LoRA adapter of task "
+                                f"{task}, not SEQ_CLS: it has no score head. {fix}.")
+        return
+    if not (folder / "config.json").is_file():
+        raise LLMTrainError(f"the reward model folder '{path}' (rl.rewards path:) has no config.json (nor a LoRA "
+                            f"adapter_config.json). {fix}.")
+    config = json.loads((folder / "config.json").read_text())
+    architectures = config.get("architectures") or []
+    if not any(a.endswith("ForSequenceClassification") for a in architectures):
+        held = ", ".join(architectures) or "model"
+        raise LLMTrainError(f"the reward model folder '{path}' (rl.rewards path:) holds a {held} "
+                            f"with no sequence-classification head to score a completion with (a causal LM is a "
+                            f"policy, not a reward model). {fix}.")
+    outputs = len(config["id2label"]) if "id2label" in config else config.get("num_labels", 2)
+    if outputs != 1:
+        raise LLMTrainError(f"the reward model folder '{path}' (rl.rewards path:) has a classification head with "
+                            f"{outputs} outputs; a reward model has one, its score. {fix}.")
+
+
+def load_reward_model(path: str, device):
+    """The reward model of `path` (checked by check_reward_folder: a full model, or a SEQ_CLS LoRA adapter on its
+    base) and its tokenizer, in eval mode, frozen, on `device`, in the dtype it was saved in."""
+    from pathlib import Path
+
+    from transformers import AutoModelForSequenceClassification, AutoTokenizer
+
+    folder = Path(path).expanduser()
+    if (folder / "adapter_config.json").is_file():
+        from peft import PeftConfig, PeftModel
+
+        base = PeftConfig.from_pretrained(str(folder)).base_model_name_or_path
+        model = AutoModelForSequenceClassification.from_pretrained(base, num_labels=1, dtype="auto")
+        model = PeftModel.from_pretrained(model, str(folder))
+    else:
+        model = AutoModelForSequenceClassification.from_pretrained(str(folder), dtype="auto")
+    tokenizer = AutoTokenizer.from_pretrained(str(folder))
+    model.requires_grad_(False)
+    return model.to(device).eval(), tokenizer
