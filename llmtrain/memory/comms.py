@@ -48,6 +48,7 @@ from llmtrain.memory.states import QUANT_BYTES_PER_WEIGHT
 
 NVLINK_GBPS = 3600.0  # H100 SXM, NVLink 4: 450 GB/s each way per GPU
 INFINIBAND_GBPS = 400.0  # one NDR InfiniBand card per GPU (the usual 8-GPU H100 node)
+ETHERNET_GBPS = 100.0 / 8  # one 100 Gb/s Ethernet card per 8-GPU node, shared by its GPUs: --inter-gbps 12.5
 H100_TFLOPS = 989.0  # dense bf16
 H100_HBM_TBPS = 3.35  # H100 SXM's memory bandwidth, TB/s (H200: 4.8)
 DEFAULT_MFU = 0.4
@@ -91,6 +92,7 @@ class Traffic:
     network: Network
     sampling_s: float = 0.0  # online RL: the step's sampling (sampling_seconds), part of compute_s
     sequence: SequenceTraffic | None = None  # sequence parallelism's all-to-alls (also among the parts)
+    pipeline: PipelineTraffic | None = None  # a pipeline stage's boundary sends (the parts' last) and its bubble
 
     @property
     def intra_bytes(self) -> float:
@@ -113,6 +115,22 @@ class Traffic:
         return self.intra_s + self.inter_s
 
     @property
+    def collectives_s(self) -> float:
+        """The network time of the collectives, which overlap with the compute: all of it but a pipeline's sends."""
+        return self.network_s - (self.pipeline.p2p_s(self.network) if self.pipeline else 0.0)
+
+    @property
+    def step_s(self) -> float:
+        """The step's time by the model. Data-parallel: the compute or the collectives, whichever is longer (perfect
+        overlap). A pipeline stage: M slots of its compute or collectives (overlapped) and then its boundary sends
+        (torch's schedules wait for each batch of sends and receives before the next micro-batch), stretched by
+        the bubble: (max(compute, collectives) + sends) / (1 - bubble), i.e. M + P - 1 slots (P - 1 idle)."""
+        if self.pipeline is None:
+            return max(self.compute_s, self.network_s)
+        slot = max(self.compute_s, self.collectives_s) + self.pipeline.p2p_s(self.network)
+        return slot / (1 - self.pipeline.bubble)
+
+    @property
     def network_bound(self) -> bool:
         """The collectives take longer than the compute they could overlap with."""
         return self.network_s > self.compute_s
@@ -122,6 +140,7 @@ class Traffic:
                 "intra_node_s": self.intra_s, "inter_node_s": self.inter_s, "compute_s": self.compute_s,
                 "sampling_s": self.sampling_s, "network_bound": self.network_bound,
                 "sequence_parallel": self.sequence.to_dict(self.network) if self.sequence else None,
+                "pipeline": self.pipeline.to_dict(self.network) if self.pipeline else None, "step_s": self.step_s,
                 "parts": [{"what": w, "intra_node_bytes": round(a), "inter_node_bytes": round(b)}
                           for w, a, b in self.parts],
                 "assumed": {"intra_gbps": self.network.intra_gbps, "inter_gbps": self.network.inter_gbps,
@@ -164,6 +183,29 @@ class SequenceTraffic:
                 "payload_bytes": round(self.payload), "per_layer_forward_bytes": round(self.per_layer),
                 "passes_per_layer": self.passes, "sent_bytes": round(self.sent), "intra_node_bytes": round(self.intra),
                 "inter_node_bytes": round(self.inter), **self.times(network)}
+
+
+@dataclass(frozen=True)
+class PipelineTraffic:
+    """The pacing stage of a pipeline step (per GPU): its point-to-point sends, where they go, and the bubble."""
+
+    stages: int
+    chunks: int
+    micro_batches: int
+    rank: int  # the stage whose slot (compute and collectives, then its sends) is the longest
+    send_bytes: float  # one boundary send: one micro-batch's tokens x hidden in the stream dtype
+    p2p_intra: float  # bytes the stage sends a step to stages on its node
+    p2p_inter: float  # ... and on other nodes
+    bubble: float
+
+    def p2p_s(self, network: Network) -> float:
+        return link_seconds(self.p2p_intra, network.intra_gbps) + link_seconds(self.p2p_inter, network.inter_gbps)
+
+    def to_dict(self, network: Network) -> dict:
+        return {"stages": self.stages, "chunks": self.chunks, "micro_batches": self.micro_batches,
+                "pacing_stage": self.rank, "bubble": self.bubble, "boundary_send_bytes": round(self.send_bytes),
+                "p2p_intra_node_bytes": round(self.p2p_intra), "p2p_inter_node_bytes": round(self.p2p_inter),
+                "p2p_s": self.p2p_s(network)}
 
 
 def sequence_traffic(shape: ModelShape, spec: TrainSpec) -> SequenceTraffic | None:
