@@ -94,11 +94,17 @@ def pipeline_estimate(shape: ModelShape, spec: TrainSpec) -> Estimate:
     return replace(worst, pipeline=summary)
 
 
+def stage_master(spec: TrainSpec) -> int:
+    """Bytes of a trained parameter, its gradient's too: fp32 master weights under FSDP's mixed precision (as
+    states.states), else the storage dtype."""
+    return 4 if (spec.sharded and spec.mixed_precision != "no") else DTYPE_BYTES[spec.dtype]
+
+
 def stage_states(shape: ModelShape, spec: TrainSpec, stage: Stage, modelled: int) -> States:
     """A full fine-tune's weights, gradients and AdamW state of the stage's parameters (its layers, and the
     embeddings or the head where it has them) in their master dtype, sharded over the FSDP group inside the stage
     (spec.shards: world / P); `modelled` of its layers are those estimate's phases walk (grads_layer)."""
-    master = 4 if (spec.sharded and spec.mixed_precision != "no") else DTYPE_BYTES[spec.dtype]
+    master = stage_master(spec)
     layer = shape.params_per_layer * master
     head = (shape.params_head + shape.params_final_norm) * master if stage.last else 0
     total = stage_shape(shape, stage).params_total * master
@@ -135,7 +141,10 @@ def stage_estimate(shape: ModelShape, spec: TrainSpec, stage: Stage) -> Estimate
     unit = sub.params_per_layer * pd if fsdp else 0  # FSDP: about two gathered layers in flight, as estimate.py
     unit_grads = sub.params_per_layer * (pd + 4 * amp) if fsdp else 0
     st = stage_states(shape, spec, stage, L)
-    others = st.grads - (sum(st.grads_layer) + st.grads_head)  # gradients of the other chunks (interleaved)
+    # gradients the rank's other chunks (interleaved) made before this one's backward: held beside it even when no
+    # accumulation holds them (grad_accum 1); the embeddings' come after
+    embed = shape.params_embed * stage_master(spec) // spec.shards if stage.first else 0
+    others = st.grads - sum(st.grads_layer) - st.grads_head - embed
     g_acc = max(accumulated_grads(spec, st), others)
     base = dict(weights=st.weights, optimizer=st.optimizer, ddp_buckets=st.ddp_buckets, pipeline_buffers=buffers)
     acts = sum(kept) + rope_ids + ends + held
@@ -222,8 +231,8 @@ def stage_traffic(shape: ModelShape, spec: TrainSpec, stage: Stage, network: Net
     group = spec.but(pipeline_parallel=1, num_gpus=min(d, g), num_nodes=max(1, d // g),
                      strategy=spec.strategy if d > 1 else "single")
     whole = stage_shape(shape, stage)
-    master = 4 if (spec.sharded and spec.mixed_precision != "no") else DTYPE_BYTES[spec.dtype]
-    inside = traffic(whole, group, trained_params=whole.params_total, trainable_bytes=whole.params_total * master,
+    inside = traffic(whole, group, trained_params=whole.params_total,
+                     trainable_bytes=whole.params_total * stage_master(spec),
                      network=network)
     flops = sum(step_flops(replace(shape, layers=len(c)), spec, 1.0) for c in stage.chunks)
     flops -= (len(stage.chunks) - stage.last) * spec.tokens * spec.grad_accum * shape.vocab * shape.hidden * 6

@@ -7,7 +7,7 @@ from rich.markup import escape
 from rich.table import Table
 
 from llmtrain.memory.comms import Traffic
-from llmtrain.memory.fit import FIT_SHARE, FitResult, launch_line, size
+from llmtrain.memory.fit import FIT_SHARE, FitResult, launch_line, layout, size
 from llmtrain.memory.spec import COMPONENTS, GIB, Estimate, TrainSpec
 
 WHAT = {
@@ -250,7 +250,7 @@ def render_fit(result: FitResult, *, target: str | None, console: Console | None
     for c in result.candidates:
         s, t = c.spec, c.traffic
         held = ("shards" if s.fsdp_accumulate == "sharded" else "unsharded") if s.sharded else "-"
-        table.add_row(s.strategy, "on" if s.grad_checkpointing else "off", held, str(size(s)),
+        table.add_row(layout(s), "on" if s.grad_checkpointing else "off", held, str(size(s)),
                       gib(c.estimate.per_gpu_peak_bytes), f"{c.score / top:.2f}",
                       *([f"{t.network_s:.3f} ({t.inter_s:.3f})"] if several else []))
     console.print(table)
