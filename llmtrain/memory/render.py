@@ -171,7 +171,8 @@ def render_stages(est: Estimate, *, console: Console) -> None:
                   "estimate above", caption_justify="left")
     for col in ("stage", "layers", "holds", "parameters", "weights+grads+AdamW", "in flight", "activations held",
                 "receive buffers", "peak", "at"):
-        table.add_column(col, justify="left" if col in ("stage", "layers", "holds", "at") else "right")
+        table.add_column(col, justify="left" if col in ("stage", "layers", "holds", "at") else "right",
+                         no_wrap=col in ("stage", "layers"))
     for s in pp["stages"]:
         holds = ", ".join([*(["embeddings"] if s["embedding"] else []), *(["head + loss"] if s["head"] else [])])
         table.add_row(f"stage {s['rank']}", " + ".join(f"{a}-{b - 1}" for a, b in s["layers"]), holds or "-",
