@@ -161,8 +161,10 @@ def test_the_cli_names_each_stage_and_compares_with_hsdp():
     text = " ".join(estimate_memory(*args).stdout.split())
     for rank, layers in enumerate(["0-6", "7-14", "15-23", "24-31"]):
         assert f"stage {rank}" in text and f" {layers} " in text
-    assert "embeddings" in text and "head + loss" in text and "bubble 27.3%" in text and "hsdp 32" in text
+    assert "bubble 27.3%" in text and "hsdp 32" in text and "fsdp 32" in text
     got = json.loads(estimate_memory(*args, "--json", "--inter-gbps", "12.5").stdout)
+    assert [(s["embedding"], s["head"]) for s in got["pipeline"]["stages"]] == \
+        [(True, False), (False, False), (False, False), (False, True)]
     assert [s["in_flight"] for s in got["pipeline"]["stages"]] == [[4], [3], [2], [1]]
     layouts = {r["layout"]: r["step_s"] for r in got["pipeline_compared"]}
     assert layouts["pipeline 4 x fsdp 8"] < layouts["hsdp 32"] < layouts["fsdp 32"]
