@@ -200,13 +200,15 @@ def pipeline_candidates(shape: ModelShape, spec: TrainSpec, global_batch: int | 
     """Full fine-tuning across nodes: pipelines of P stages of whole nodes (P dividing the nodes), FSDP inside each
     stage, spec's schedule, checkpointing off and on. Not the largest micro-batch that fits, as for the others: fewer,
     larger micro-batches widen the bubble; of the micro-batches that keep the global batch (P times the accumulation
-    on 1/P of the data ranks) and fit, the one with the least step time per token (or the largest, without a global
-    batch to keep)."""
+    on 1/P of the data ranks) and fit, the one with the least step time per token (without a global batch to keep, the
+    largest that fits, at P times the run's accumulation)."""
     out = []
     for p in (p for p in range(2, spec.num_nodes + 1) if spec.num_nodes % p == 0):
         for ckpt in (False, True):
             run = spec.but(strategy="fsdp", pipeline_parallel=p, grad_checkpointing=ckpt, fsdp_accumulate="sharded")
             choices = micro_batch_choices(run, global_batch)
+            if choices is None:  # no global batch to keep: P x the accumulation, the tokens a step of the others
+                run = run.but(grad_accum=spec.grad_accum * p)
             try:
                 fitting = [largest_fitting(shape, run, None)] if choices is None else [
                     estimate(shape, with_size(run, n).but(grad_accum=global_batch // run.data_ranks // n))
