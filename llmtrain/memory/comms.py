@@ -36,6 +36,11 @@ Per optimizer step of `grad_accum` micro-batches:
   (N-1)/N of its local [T/N tokens x heads] tensors. A group within a node (N <= GPUs a node, as it is meant to be)
   sends all of it over NVLink; one that spans nodes sends (N - G)/N of its tensors to the GPUs of other nodes, over
   the network. The data-parallel strategy's collectives stay over every GPU.
+- Pipeline parallelism (parallel.pipeline_parallel P, memory/pipeline.py): a stage's GPU runs its strategy's collectives
+  over the stage's parameters within its group of world / P GPUs, and per micro-batch and virtual stage sends its output
+  forward and its input's gradient backward (tokens x hidden each: PipelineTraffic), over the network where the
+  neighbouring stage is on another node. Its step time adds the sends to the slot and stretches it by the bubble
+  (Traffic.step_s).
 """
 
 from __future__ import annotations

@@ -181,7 +181,7 @@ class TrainSpec:
             problems.append(f"seq_len must be at least 2 (got {self.seq_len})")
         if self.gpu_memory_gib <= 0:
             problems.append(f"gpu memory must be positive (got {self.gpu_memory_gib} GiB)")
-        if self.strategy == "single" and self.world > 1:
+        if self.strategy == "single" and self.world > self.pipeline_parallel:  # (a pipeline: one GPU a stage)
             problems.append(f"strategy single runs one process, but {self.world} GPUs were given: use ddp or fsdp")
         if self.strategy == "ddp" and self.world < 2:
             problems.append("strategy ddp needs at least 2 GPUs (--num-gpus / --num-nodes)")
@@ -234,9 +234,9 @@ class TrainSpec:
         elif stage_gpus % self.num_gpus and self.num_gpus % stage_gpus:
             problems.append(f"a pipeline stage of {stage_gpus} GPUs must be whole nodes of {self.num_gpus} or divide a "
                             f"node: {self.world} GPUs in {p} stages straddle nodes unevenly")
-        if self.strategy not in ("single", "ddp", "fsdp") or (self.strategy == "single" and stage_gpus > 1):
-            problems.append(f"inside a pipeline stage the GPUs run fsdp or ddp (or single: one GPU a stage), not "
-                            f"{self.strategy}: the stages already split the model across nodes")
+        if self.strategy not in ("single", "ddp", "fsdp") or (self.strategy == "ddp" and stage_gpus == 1):
+            problems.append(f"inside a pipeline stage the GPUs run fsdp or ddp (single: one GPU a stage), not "
+                            f"{self.strategy} on {stage_gpus} GPU(s) a stage: the stages already split the model")
         if self.method != "full" or self.quantize or self.cpu_offload or self.tp > 1 or self.sequence_parallel > 1 \
                 or self.generations:
             problems.append("pipeline parallelism is modelled for full fine-tuning without LoRA, cpu offload, tensor or "
