@@ -27,8 +27,9 @@ def rows() -> list[str]:
 
     shape = load_model_shape("llama-2-7b")
     recipe = load_recipe(REPO / "recipes" / "llama7b.yaml", [])
-    out = ["| nodes x GPUs | network between nodes | layout | micro-batches a step per data rank | GiB per GPU | "
-           "compute s | network s | step s | its step time over the pipeline's |", "|---|---|---|---:|---:|---:|---:|---:|---:|"]
+    out = [("| nodes x GPUs | network between nodes | layout | micro-batches a step per data rank | GiB per GPU | "
+            "compute s | network s | step s | its step time over the pipeline's |"),
+           "|---|---|---|---:|---:|---:|---:|---:|---:|"]
     for nodes in (2, 4):
         spec = spec_from_recipe(recipe, strategy="fsdp", num_gpus=8, num_nodes=nodes, pipeline_parallel=nodes)
         spec = spec.but(grad_accum=spec.grad_accum * nodes)  # the same global batch on 1/P of the data ranks

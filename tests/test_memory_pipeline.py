@@ -6,6 +6,11 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import os
+import shlex
+import subprocess
+import sys
+from itertools import pairwise
 from types import SimpleNamespace
 
 import pytest
@@ -13,17 +18,18 @@ from conftest import REPO
 from helpers import estimate_memory
 
 from llmtrain.errors import LLMTrainError
-from llmtrain.memory import activations as act
-from llmtrain.memory.comms import Network
-from llmtrain.memory.estimate import make_pass
+from llmtrain.memory.comms import Network, step_flops
+from llmtrain.memory.estimate import estimate, make_pass
 from llmtrain.memory.params import load_model_shape
 from llmtrain.memory.pipeline import (
+    Stage,
     chunk_bytes,
     pipeline_estimate,
     pipeline_traffic,
     stage_estimate,
     stage_shape,
     stage_states,
+    stage_traffic,
     stages_of,
 )
 from llmtrain.memory.spec import MIB, TrainSpec
@@ -39,14 +45,14 @@ def spec(**kw) -> TrainSpec:
 
 
 def test_the_split_is_contiguous_balanced_and_weighs_the_embeddings_and_the_head():
-    assert stage_layers(32, 2) == [range(0, 16), range(16, 32)]  # 1 + 16 and 16 + 1 layers of cost
+    assert stage_layers(32, 2) == [range(16), range(16, 32)]  # 1 + 16 and 16 + 1 layers of cost
     assert [len(r) for r in stage_layers(32, 4)] == [7, 8, 9, 8]  # costs 8, 8, 9, 9: the least worst, then even
     assert [len(r) for r in stage_layers(5, 2)] == [2, 3]  # 3 and 4 (3 + 3 and 2 + 2 + 1 would give a worst of 4)
     assert [len(r) for r in stage_layers(32, 4, head_cost=2.4)] == [8, 9, 9, 6]  # Llama-3-8B's heavier head
     for layers, stages in [(32, 3), (32, 8), (40, 5), (3, 3), (80, 16)]:
         split = stage_layers(layers, stages)
         assert split[0].start == 0 and split[-1].stop == layers and all(len(r) >= 1 for r in split)
-        assert all(a.stop == b.start for a, b in zip(split, split[1:]))
+        assert all(a.stop == b.start for a, b in pairwise(split))
     with pytest.raises(ValueError, match="need at least one decoder layer each"):
         stage_layers(3, 4)
     assert [virtual_stage_rank(s, 4) for s in range(8)] == [0, 1, 2, 3, 0, 1, 2, 3] and rank_stages(1, 4, 2) == [1, 5]
@@ -104,6 +110,28 @@ def test_stage_parameters_sum_to_the_model(p, schedule, chunks):
     assert est.per_gpu_peak_bytes == max(x["per_gpu_peak_bytes"] for x in est.pipeline["stages"])
 
 
+@pytest.mark.parametrize("layout", [dict(strategy="fsdp", num_gpus=8), dict(strategy="fsdp", num_gpus=8, grad_accum=4),
+                                    dict(strategy="ddp", num_gpus=8), dict(strategy="single", num_gpus=1)])
+@pytest.mark.parametrize("ckpt", [True, False])
+def test_one_stage_holding_the_whole_model_is_the_estimates_model_phase_by_phase(layout, ckpt):
+    """The stage model reuses estimate.py's phases: a stage of every layer with the embeddings and the head, one
+    micro-batch in flight and no neighbour (no receive buffers) is the whole model's estimate, part by part."""
+    s = TrainSpec(**{**FULL, "grad_checkpointing": ckpt, **layout})
+    whole = Stage(0, (0,), (range(32),), True, True, (1,), 1)
+    got, want = stage_estimate(LLAMA, s, whole), estimate(LLAMA, s)
+    assert got.phase_parts == want.phase_parts and got.per_gpu_peak_bytes == want.per_gpu_peak_bytes
+    assert got.params_total == want.params_total
+
+
+def test_the_stages_compute_adds_up_to_the_models():
+    """Each stage's FLOPs (its layers, the head on the last) over M micro-batches sum to the whole model's step."""
+    net = Network()
+    for p in (2, 4):
+        sp = spec(num_nodes=p, pipeline_parallel=p)
+        total = sum(stage_traffic(LLAMA, sp, st, net).compute_s for st in stages_of(LLAMA, sp))
+        assert total == pytest.approx(step_flops(LLAMA, sp, 1.0) / (net.peak_tflops * 1e12 * net.mfu))
+
+
 def test_activations_in_flight_per_stage_by_hand():
     """Checkpointing, 4,096 tokens, 1F1B on 2 stages of 16 layers, M = 4: stage 0 holds 2 micro-batches, each 16
     layer inputs (4,096 x 4,096 x 2 bytes: bf16 under FSDP's mixed precision), RoPE (2 x 4,096 x 128 x 2) and the
@@ -149,7 +177,6 @@ def test_the_boundary_sends_and_the_step_time_by_hand():
     four = pipeline_traffic(LLAMA, spec(pipeline_parallel=4), net)
     stages = {s.rank: s for s in stages_of(LLAMA, spec(pipeline_parallel=4))}
     assert four.pipeline.rank in stages
-    from llmtrain.memory.pipeline import stage_traffic
     mid = stage_traffic(LLAMA, spec(pipeline_parallel=4), stages[1], net).pipeline
     assert (mid.p2p_intra, mid.p2p_inter) == (4 * 32 * MIB, 4 * 32 * MIB)
 
@@ -185,8 +212,8 @@ def test_fit_offers_a_pipeline_across_nodes_where_it_is_the_fastest():
 
 
 @pytest.mark.parametrize(("args", "message"), [
-    (("--pipeline-parallel", "33", "--num-gpus", "33"), "33 pipeline stages x 1 chunks need a decoder layer each and "
-                                                        "the model has 32"),
+    (("--pipeline-parallel", "33", "--num-gpus", "33"),
+     "33 pipeline stages x 1 chunks need a decoder layer each and the model has 32"),
     (("--pipeline-parallel", "2", "--pipeline-chunks", "2"), "2 pipeline chunks (stages a GPU) need the interleaved"),
     (("--pipeline-parallel", "2", "--pipeline-schedule", "interleaved_1f1b", "--pipeline-chunks", "1"),
      "the interleaved schedule runs at least 2 stages a GPU"),
@@ -216,3 +243,16 @@ def test_the_scaling_doc_shows_the_pipeline_table():
     doc = (REPO / "docs" / "scaling.md").read_text()
     for line in module.rows():
         assert line in doc, f"docs/scaling.md is out of date (python benchmarks/pipeline_table.py): {line}"
+
+
+def test_the_scaling_doc_shows_what_the_command_prints():
+    """docs/scaling.md's pipeline example is the command's output from its stages table on, 120 columns wide."""
+    doc = (REPO / "docs" / "scaling.md").read_text()
+    command = next(line.strip() for line in doc.splitlines() if "--pipeline-parallel 2" in line
+                   and line.strip().startswith("llmtrain estimate-memory"))
+    shown = doc.split(command, 1)[1].split("```\n", 1)[1].split("```", 1)[0]
+    env = {**os.environ, "COLUMNS": "120"}
+    out = subprocess.run([sys.executable, "-m", "llmtrain", *shlex.split(command)[1:]], cwd=REPO, env=env,
+                         capture_output=True, text=True, check=True).stdout
+    printed = out[out.index("Pipeline stages"):]
+    assert [line.rstrip() for line in printed.splitlines()] == shown.rstrip("\n").splitlines()

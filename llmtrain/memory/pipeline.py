@@ -135,8 +135,10 @@ def stage_estimate(shape: ModelShape, spec: TrainSpec, stage: Stage) -> Estimate
     buffers = receive_buffer_bytes(p, shape, stage, spec)
     mask = act.mask_bytes(p)
     mask_bwd = mask if ckpt else 0
-    copies = [sub.linear_params_per_layer * p.cd if p.separate_casts else 0] * L  # autocast's casts of fp32 weights
-    copies_fwd = sum(copies) if not ckpt else copies[-1]
+    # autocast's casts of fp32 weights (not under FSDP's mixed precision): its cache holds every trainable layer's until
+    # the forward returns, checkpointed or not; after it, only what the matmuls saved (none under checkpointing)
+    copies = [sub.linear_params_per_layer * p.cd if p.separate_casts else 0] * L
+    copies_fwd = sum(copies)
     pd = p.cd if amp else DTYPE_BYTES[spec.dtype]
     unit = sub.params_per_layer * pd if fsdp else 0  # FSDP: about two gathered layers in flight, as estimate.py
     unit_grads = sub.params_per_layer * (pd + 4 * amp) if fsdp else 0
@@ -208,9 +210,9 @@ def receive_buffer_bytes(p: act.Pass, shape: ModelShape, stage: Stage, spec: Tra
 
 def stage_notes(shape: ModelShape, spec: TrainSpec) -> tuple[str, ...]:
     b = bubble_fraction(spec.pipeline_parallel, spec.grad_accum, spec.chunks)
-    return (f"pipeline of {spec.pipeline_parallel} stages ({spec.pipeline_schedule}, {spec.chunks} chunk(s) a GPU, "
-            f"{spec.grad_accum} micro-batches a step: bubble {b:.1%}), each stage {spec.world // spec.pipeline_parallel}"
-            f" GPU(s) running {spec.strategy}; the worst stage's GPU is shown",)
+    return ((f"pipeline of {spec.pipeline_parallel} stages ({spec.pipeline_schedule}, {spec.chunks} chunk(s) a GPU, "
+             f"{spec.grad_accum} micro-batches a step: bubble {b:.1%}), each stage "
+             f"{spec.world // spec.pipeline_parallel} GPU(s) running {spec.strategy}; the worst stage's GPU is shown"),)
 
 
 # --------------------------------------------------------------------------- time
@@ -248,8 +250,8 @@ def stage_traffic(shape: ModelShape, spec: TrainSpec, stage: Stage, network: Net
                 else:
                     intra += nbytes
     links = "across nodes" if inter and not intra else "within the node" if intra and not inter else "both"
-    part = (f"point-to-point sends at the stage boundaries ({links}): forward activations and backward gradients, "
-            f"{spec.grad_accum} micro-batches", intra, inter)
+    part = ((f"point-to-point sends at the stage boundaries ({links}): forward activations and backward gradients, "
+             f"{spec.grad_accum} micro-batches"), intra, inter)
     info = PipelineTraffic(spec.pipeline_parallel, spec.chunks, spec.grad_accum, stage.rank, send, intra, inter,
                            bubble_fraction(spec.pipeline_parallel, spec.grad_accum, spec.chunks))
     compute = flops / (network.peak_tflops * 1e12 * network.mfu)

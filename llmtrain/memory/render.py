@@ -167,10 +167,10 @@ def render_stages(est: Estimate, *, console: Console) -> None:
     pp = est.pipeline
     table = Table(title=f"Pipeline stages ({pp['schedule']}, {pp['micro_batches']} micro-batches a step, "
                         f"{pp['stage_gpus']} GPU(s) a stage; GiB per GPU)", title_justify="left",
-                  caption=f"bubble {pp['bubble']:.1%} of the step; the worst stage (stage {pp['worst_stage']}) is the "
-                  "estimate above", caption_justify="left")
-    for col in ("stage", "layers", "holds", "parameters", "weights+grads+AdamW", "in flight", "activations held",
-                "receive buffers", "peak", "at"):
+                  caption=f"state: weights, gradients and AdamW state; held: the activations of the micro-batches in "
+                  f"flight; buffers: torch's receive buffers. Bubble {pp['bubble']:.1%} of the step; the worst stage "
+                  f"(stage {pp['worst_stage']}) is the estimate above", caption_justify="left")
+    for col in ("stage", "layers", "holds", "params", "state", "in flight", "held", "buffers", "peak", "at"):
         table.add_column(col, justify="left" if col in ("stage", "layers", "holds", "at") else "right",
                          no_wrap=col in ("stage", "layers"))
     for s in pp["stages"]:
