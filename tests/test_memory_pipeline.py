@@ -123,6 +123,26 @@ def test_one_stage_holding_the_whole_model_is_the_estimates_model_phase_by_phase
     assert got.params_total == want.params_total
 
 
+def test_unsharded_accumulation_is_how_torchs_pipeline_stage_runs_an_fsdp_stage():
+    """train.fsdp_accumulate=unsharded: torch's PipelineStage turns FSDP's gradient sync and resharding off in every
+    micro-batch's backward and reduce-scatters once after the last. A GPU of stage 0 then holds its stage's whole
+    gradient in fp32 and its parameters gathered in bf16, and sends one all-gather and one reduce-scatter a step
+    (7/8 of each over the 8 GPUs of its node); sharded holds 1/8 of the gradient and gathers twice a micro-batch."""
+    s = spec(fsdp_accumulate="unsharded")
+    zero = stages_of(LLAMA, s)[0]
+    n = stage_shape(LLAMA, zero).params_total
+    est = stage_estimate(LLAMA, s, zero)
+    assert est.breakdown["gradients"] >= n * 4 and est.breakdown["fsdp_buffers"] >= n * 2
+    assert est.phase_parts["reduce_gradients"]["gradients"] == n * 4 + n * 4 // 8
+    sharded = stage_estimate(LLAMA, spec(), zero)
+    assert sharded.breakdown["gradients"] <= n * 4 // 8 + 8 and "reduce_gradients" not in sharded.phase_parts
+    net = Network()
+    gather, scatter, _ = stage_traffic(LLAMA, s, zero, net).parts
+    assert gather[1:] == (pytest.approx(7 / 8 * n * 2), 0) and scatter[1:] == (pytest.approx(7 / 8 * n * 4), 0)
+    per_micro_batch = stage_traffic(LLAMA, spec(), zero, net).parts
+    assert per_micro_batch[0][1] == pytest.approx(4 * 2 * 7 / 8 * n * 2)  # 4 micro-batches, forward and backward
+
+
 def test_the_stages_compute_adds_up_to_the_models():
     """Each stage's FLOPs (its layers, the head on the last) over M micro-batches sum to the whole model's step."""
     net = Network()

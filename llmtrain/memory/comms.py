@@ -311,8 +311,14 @@ def data_parallel(spec: TrainSpec, *, trainable_bytes: float, gathered: Gathered
     """Per-GPU bytes sent in one optimizer step, within the node and across nodes. A collective over the whole job
     sends 1/(its GPUs per node) of a GPU's bytes over its network card when there are several nodes (under FSDP x TP
     an FSDP ring has GPUs per node / tp members on each node)."""
+    return parts_of(spec, collectives(spec, trainable_bytes=trainable_bytes, gathered=gathered,
+                                      activations=activations))
+
+
+def parts_of(spec: TrainSpec, found) -> Parts:
+    """The bytes each of `found`'s collectives sends, within the node and across (data_parallel's split)."""
     parts = []
-    for c in collectives(spec, trainable_bytes=trainable_bytes, gathered=gathered, activations=activations):
+    for c in found:
         sent = c.sent()
         per_node = spec.num_gpus // spec.tp
         across = {"job": sent / per_node if spec.num_nodes > 1 else 0.0, "node": 0.0, "across": sent}[c.scope]

@@ -16,7 +16,17 @@ from dataclasses import dataclass, replace
 
 from llmtrain.errors import LLMTrainError
 from llmtrain.memory import activations as act
-from llmtrain.memory.comms import Network, PipelineTraffic, Traffic, step_flops, step_traffic, traffic
+from llmtrain.memory.comms import (
+    Collective,
+    Network,
+    PipelineTraffic,
+    Traffic,
+    gathered_bytes,
+    parts_of,
+    step_flops,
+    step_traffic,
+    traffic,
+)
 from llmtrain.memory.estimate import _backward_layers, _finish, _loss_phases, _notes, _phase, estimate, make_pass
 from llmtrain.memory.params import ModelShape
 from llmtrain.memory.spec import DTYPE_BYTES, GIB, Estimate, TrainSpec
@@ -140,23 +150,33 @@ def stage_estimate(shape: ModelShape, spec: TrainSpec, stage: Stage) -> Estimate
     copies = [sub.linear_params_per_layer * p.cd if p.separate_casts else 0] * L
     copies_fwd = sum(copies)
     pd = p.cd if amp else DTYPE_BYTES[spec.dtype]
-    unit = sub.params_per_layer * pd if fsdp else 0  # FSDP: about two gathered layers in flight, as estimate.py
-    unit_grads = sub.params_per_layer * (pd + 4 * amp) if fsdp else 0
     st = stage_states(shape, spec, stage, L)
-    # gradients the rank's other chunks (interleaved) made before this one's backward: held beside it even when no
-    # accumulation holds them (grad_accum 1); the embeddings' come after
+    # FSDP inside a stage, by train.fsdp_accumulate. sharded (the default): as without a pipeline, each layer gathered
+    # for its forward and again for its backward (two in flight) and its gradients reduce-scattered every micro-batch.
+    # unsharded: as torch's PipelineStage runs a stage that is an FSDP2 module: every micro-batch's backward with
+    # set_requires_gradient_sync(False) and set_reshard_after_backward(False), one reduce-scatter after the last
+    # (perform_reduce_grad); so from the first backward a GPU holds its stage's whole gradient in fp32 (FSDP2
+    # accumulates unsharded in the reduce dtype) and all its parameters gathered in the compute dtype (torchtitan also
+    # keeps them gathered after forward under a pipeline, reshard_after_forward=False: one all-gather a step).
+    whole_grad = fsdp and spec.fsdp_accumulate == "unsharded"
+    unit = sub.params_per_layer * pd if fsdp else 0
+    gathered = stage_shape(shape, stage).params_total * pd if whole_grad else 2 * unit
+    unit_grads = sub.params_per_layer * (pd + 4 * amp) if fsdp else 0  # a layer's gradients being made
+    # The gradients the rank's other chunks (interleaved) made before this one's backward are held beside it even when
+    # no accumulation holds them (grad_accum 1); the embeddings' come after.
     embed = shape.params_embed * stage_master(spec) // spec.shards if stage.first else 0
     others = st.grads - sum(st.grads_layer) - st.grads_head - embed
-    g_acc = max(accumulated_grads(spec, st), others)
+    g_acc = st.grads * spec.shards if whole_grad else max(accumulated_grads(spec, st), others)
     base = dict(weights=st.weights, optimizer=st.optimizer, ddp_buckets=st.ddp_buckets, pipeline_buffers=buffers)
     acts = sum(kept) + rope_ids + ends + held
     phases = {"forward": _phase(**base, gradients=g_acc, autocast_copies=copies_fwd,
-                                activations=sum(kept) + rope_ids + held + mask, fsdp_buffers=2 * unit,
+                                activations=sum(kept) + rope_ids + held + mask, fsdp_buffers=gathered,
                                 temporaries=act.layer_forward_temp(p, sub, {}))}
     if last:
         phases.update(_loss_phases(
             p, sub, spec, st, head_copies=V * H * p.cd if p.separate_casts else 0,
-            tail=(V * H + shape.params_final_norm) * pd if fsdp else 0, fsdp_head=V * H * pd if fsdp else 0,
+            tail=gathered if whole_grad else (V * H + shape.params_final_norm) * pd if fsdp else 0,
+            fsdp_head=V * H * pd if fsdp else 0,
             forward=dict(**base, gradients=g_acc, autocast_copies=copies_fwd, activations=acts + mask),
             backward=dict(**base, gradients=g_acc, autocast_copies=0 if ckpt else sum(copies),
                           activations=acts + mask_bwd), head_adapter_r=0))
@@ -166,10 +186,15 @@ def stage_estimate(shape: ModelShape, spec: TrainSpec, stage: Stage) -> Estimate
     phases["backward_layers"] = _backward_layers(
         p, sub, spec, st, None, base, adapted=[{}] * L, saved=saved, kept=kept, on_gpu=kept, copies=copies,
         below_all=rope_ids + mask_bwd + held, g_acc=g_acc, temps=temps,
-        fsdp_buffers=2 * unit + 2 * unit_grads, embed_trains=True)
+        fsdp_buffers=gathered + 2 * unit_grads, embed_trains=True)
     if first:
-        phases["backward_embedding"] = _phase(**base, gradients=st.grads, temporaries=p.tokens * H * p.resid,
-                                              fsdp_buffers=2 * V * H * pd if fsdp else 0)
+        phases["backward_embedding"] = _phase(**base, gradients=max(g_acc, st.grads),
+                                              temporaries=p.tokens * H * p.resid,
+                                              fsdp_buffers=(gathered if whole_grad else V * H * pd) + V * H * pd
+                                              if fsdp else 0)
+    if whole_grad:  # the step's one reduce-scatter, unit by unit: the whole gradient, its shards, a unit's flat copy
+        phases["reduce_gradients"] = _phase(**base, gradients=g_acc + st.grads, fsdp_buffers=gathered,
+                                            temporaries=unit_grads)
     phases["optimizer_step"] = _phase(**base, gradients=st.grads)
     whole = stage_shape(shape, stage)
     est = _finish(whole, spec, None, st, phases, notes=_notes(sub, spec, p) + stage_notes(shape, spec))
@@ -233,9 +258,17 @@ def stage_traffic(shape: ModelShape, spec: TrainSpec, stage: Stage, network: Net
     group = spec.but(pipeline_parallel=1, num_gpus=min(d, g), num_nodes=max(1, d // g),
                      strategy=spec.strategy if d > 1 else "single")
     whole = stage_shape(shape, stage)
-    inside = traffic(whole, group, trained_params=whole.params_total,
-                     trainable_bytes=whole.params_total * stage_master(spec),
-                     network=network)
+    trainable = whole.params_total * stage_master(spec)
+    if spec.sharded and spec.fsdp_accumulate == "unsharded":  # once a step each (stage_estimate: torch's PipelineStage)
+        g = gathered_bytes(whole, group, trained_params=whole.params_total)
+        inside = parts_of(group, (
+            Collective("all-gather of the stage's parameters, once a step (kept gathered through its micro-batches)",
+                       "all_gather", g.resharded + g.tail, d, "job"),
+            Collective("reduce-scatter of the stage's gradients, once a step (after its last micro-batch)",
+                       "reduce_scatter", trainable, d, "job")))
+    else:
+        inside = traffic(whole, group, trained_params=whole.params_total, trainable_bytes=trainable,
+                         network=network).parts
     flops = sum(step_flops(replace(shape, layers=len(c)), spec, 1.0) for c in stage.chunks)
     flops -= (len(stage.chunks) - stage.last) * spec.tokens * spec.grad_accum * shape.vocab * shape.hidden * 6
     p = make_pass(shape, spec)
@@ -255,7 +288,7 @@ def stage_traffic(shape: ModelShape, spec: TrainSpec, stage: Stage, network: Net
     info = PipelineTraffic(spec.pipeline_parallel, spec.chunks, spec.grad_accum, stage.rank, send, intra, inter,
                            bubble_fraction(spec.pipeline_parallel, spec.grad_accum, spec.chunks))
     compute = flops / (network.peak_tflops * 1e12 * network.mfu)
-    return Traffic(inside.parts + (part,), compute, network, pipeline=info)
+    return Traffic(inside + (part,), compute, network, pipeline=info)
 
 
 def pipeline_traffic(shape: ModelShape, spec: TrainSpec, network: Network = Network()) -> Traffic:
