@@ -249,11 +249,16 @@ def test_bad_pipeline_flags_are_refused_in_one_paragraph(args, message):
     assert out.returncode == 2 and message in text and "Traceback" not in text
 
 
-def test_the_refusals_in_the_spec():
-    with pytest.raises(LLMTrainError, match="inside a pipeline stage the GPUs run fsdp or ddp"):
-        spec(strategy="hsdp").validate()
+def test_the_refusals_are_collected_into_one_paragraph():
+    with pytest.raises(LLMTrainError, match="inside a pipeline stage the GPUs run fsdp or ddp .*; pipeline "
+                                            "parallelism is modelled for full fine-tuning"):
+        pipeline_estimate(LLAMA, spec(strategy="hsdp", method="lora"))
     with pytest.raises(LLMTrainError, match="multiple of them"):
-        spec(pipeline_parallel=2, pipeline_schedule="interleaved_1f1b", grad_accum=5).validate()
+        pipeline_estimate(LLAMA, spec(pipeline_schedule="interleaved_1f1b", grad_accum=5))
+    with pytest.raises(LLMTrainError, match="need the interleaved schedule"):  # chunks without a pipeline too
+        spec(pipeline_parallel=1, pipeline_chunks=2).validate()
+    with pytest.raises(ValueError, match="estimate_run"):  # never a pipeline estimated as one model
+        estimate(LLAMA, spec())
 
 
 def test_the_scaling_doc_shows_the_pipeline_table():

@@ -7,7 +7,9 @@ runs the decoder layers parallel.stages.stage_layers gives rank r (interleaved: 
 D, or DDP) shards or replicates the group's parameters, each GPU training its own micro-batches (D data-parallel
 ranks, each a pipeline of M = grad_accum micro-batches a step). A GPU's peak is its stage's one-micro-batch peak
 (estimate.py's phases on the stage's layers) plus the activations of the other micro-batches its schedule holds
-(stages.in_flight) and torch's receive buffers; the worst GPU decides the fit.
+(stages.in_flight) and torch's receive buffers; the worst GPU decides the fit. FSDP inside a stage follows
+train.fsdp_accumulate: sharded (the default) as without a pipeline, unsharded as torch's PipelineStage runs an FSDP2
+stage (stage_estimate).
 """
 
 from __future__ import annotations
@@ -31,7 +33,7 @@ from llmtrain.memory.estimate import _backward_layers, _finish, _loss_phases, _n
 from llmtrain.memory.params import ModelShape
 from llmtrain.memory.spec import DTYPE_BYTES, GIB, Estimate, TrainSpec
 from llmtrain.memory.states import States, accumulated_grads
-from llmtrain.parallel.stages import bubble_fraction, in_flight, rank_stages, stage_layers
+from llmtrain.parallel.stages import bubble_fraction, in_flight, interleaved_rounds, rank_stages, stage_layers
 
 
 @dataclass(frozen=True)
@@ -52,16 +54,44 @@ class Stage:
         return sum(len(c) for c in self.chunks)
 
 
-def stages_of(shape: ModelShape, spec: TrainSpec) -> list[Stage]:
-    """The P ranks of spec's pipeline on this model (more stages than layers, or tied embeddings, refused)."""
-    p, v = spec.pipeline_parallel, spec.chunks
+def pipeline_problems(spec: TrainSpec, shape: ModelShape) -> list[str]:
+    """What the estimate refuses with a pipeline (spec.validate has checked the rest, the schedule and chunks too)."""
+    p, v, m, problems = spec.pipeline_parallel, spec.chunks, spec.grad_accum, []
+    stage_gpus = spec.world // p
     if p * v > shape.layers:
-        raise LLMTrainError(f"cannot estimate this run: {p} pipeline stages x {v} chunks need a decoder layer each "
-                            f"and the model has {shape.layers} ({shape.source}): use at most {shape.layers // v} "
-                            "stages (--pipeline-parallel, parallel.pipeline_parallel).")
+        problems.append(f"{p} pipeline stages x {v} chunks need a decoder layer each and the model has {shape.layers} "
+                        f"({shape.source}): use at most {shape.layers // v} stages (--pipeline-parallel, "
+                        "parallel.pipeline_parallel)")
     if shape.tied:
-        raise LLMTrainError(f"cannot estimate this run: the model ties its LM head to its embeddings "
-                            f"({shape.source}), which a pipeline puts on its first and last stages: not modelled.")
+        problems.append(f"the model ties its LM head to its embeddings ({shape.source}), which a pipeline puts on its "
+                        "first and last stages: not modelled")
+    if spec.world % p:
+        problems.append(f"pipeline parallelism {p} must divide the GPUs: {spec.world} ({spec.num_gpus} a node x "
+                        f"{spec.num_nodes}) do not split into {p} stages")
+    elif stage_gpus % spec.num_gpus and spec.num_gpus % stage_gpus:
+        problems.append(f"a pipeline stage of {stage_gpus} GPUs must be whole nodes of {spec.num_gpus} or divide a "
+                        f"node: {spec.world} GPUs in {p} stages straddle nodes unevenly")
+    if spec.strategy not in ("single", "ddp", "fsdp") or (spec.strategy == "ddp" and stage_gpus == 1):
+        problems.append(f"inside a pipeline stage the GPUs run fsdp or ddp (single: one GPU a stage), not "
+                        f"{spec.strategy} on {stage_gpus} GPU(s) a stage: the stages already split the model")
+    if spec.method != "full" or spec.quantize or spec.cpu_offload or spec.tp > 1 or spec.sequence_parallel > 1 \
+            or spec.generations or spec.activation_offload or spec.tiled_mlp:
+        problems.append("pipeline parallelism is modelled for full fine-tuning without LoRA, cpu offload, tensor or "
+                        "sequence parallelism, online RL, activation offload or the tiled MLP (LoRA of a 7B fits one "
+                        "GPU with DDP)")
+    if spec.pipeline_schedule == "interleaved_1f1b" and m % interleaved_rounds(p, m):
+        problems.append(f"the interleaved schedule runs {interleaved_rounds(p, m)} rounds of micro-batches here and "
+                        f"needs train.grad_accum_steps ({m}) to be a multiple of them (torch's "
+                        "ScheduleInterleaved1F1B)")
+    return problems
+
+
+def stages_of(shape: ModelShape, spec: TrainSpec) -> list[Stage]:
+    """The P ranks of spec's pipeline on this model (what pipeline_problems finds refused, in one paragraph)."""
+    spec.validate()
+    if problems := pipeline_problems(spec, shape):
+        raise LLMTrainError("cannot estimate this run: " + "; ".join(problems) + ".")
+    p, v = spec.pipeline_parallel, spec.chunks
     split = stage_layers(shape.layers, p * v)
     out = []
     for r in range(p):
@@ -93,7 +123,6 @@ def traffic_run(shape: ModelShape, spec: TrainSpec, network: Network = Network()
 
 def pipeline_estimate(shape: ModelShape, spec: TrainSpec) -> Estimate:
     """The estimate of the pipeline's worst GPU (the largest peak), with every stage's summary in `pipeline`."""
-    spec.validate()
     estimates = [stage_estimate(shape, spec, s) for s in stages_of(shape, spec)]
     worst = max(estimates, key=lambda e: e.per_gpu_peak_bytes)
     summary = {"stages": [e.pipeline["stage"] for e in estimates], "schedule": spec.pipeline_schedule,
@@ -294,7 +323,6 @@ def stage_traffic(shape: ModelShape, spec: TrainSpec, stage: Stage, network: Net
 def pipeline_traffic(shape: ModelShape, spec: TrainSpec, network: Network = Network()) -> Traffic:
     """The traffic of the stage that paces the pipeline: the longest slot, its compute or its collectives
     (overlapped) and then its sends (torch's schedules wait for them before the next micro-batch)."""
-    spec.validate()
     each = [stage_traffic(shape, spec, s, network) for s in stages_of(shape, spec)]
     return max(each, key=lambda t: max(t.compute_s, t.collectives_s) + t.pipeline.p2p_s(network))
 

@@ -12,7 +12,7 @@ from typing import Literal
 
 from llmtrain.config import DataConfig, LoraConfig, ModelConfig, ParallelConfig, Recipe, TrainConfig
 from llmtrain.errors import LLMTrainError
-from llmtrain.parallel.stages import SCHEDULES, interleaved_rounds
+from llmtrain.parallel.stages import SCHEDULES
 
 Method = Literal["full", "lora"]
 Strategy = Literal["single", "ddp", "fsdp", "hsdp"]
@@ -212,9 +212,8 @@ class TrainSpec:
         return self
 
     def _pipeline_problems(self) -> list[str]:
-        """What the estimate refuses with pipeline parallelism, besides more stages than layers (pipeline.stages_of:
-        that needs the model)."""
-        p, v, m, problems = self.pipeline_parallel, self.chunks, self.grad_accum, []
+        """The pipeline's schedule and chunks (what a pipeline itself needs: pipeline.pipeline_problems)."""
+        v, problems = self.chunks, []
         if self.pipeline_schedule not in SCHEDULES:
             problems.append(f"pipeline schedule {self.pipeline_schedule!r} is not one of {', '.join(SCHEDULES)}")
         if self.pipeline_chunks is not None and self.pipeline_chunks < 1:
@@ -225,26 +224,6 @@ class TrainSpec:
         elif self.pipeline_schedule != "interleaved_1f1b" and v != 1:
             problems.append(f"{v} pipeline chunks (stages a GPU) need the interleaved schedule (--pipeline-schedule "
                             f"interleaved_1f1b); {self.pipeline_schedule} runs one stage a GPU")
-        if p == 1:
-            return problems
-        stage_gpus = self.world // p
-        if self.world % p:
-            problems.append(f"pipeline parallelism {p} must divide the GPUs: {self.world} ({self.num_gpus} a node x "
-                            f"{self.num_nodes}) do not split into {p} stages")
-        elif stage_gpus % self.num_gpus and self.num_gpus % stage_gpus:
-            problems.append(f"a pipeline stage of {stage_gpus} GPUs must be whole nodes of {self.num_gpus} or divide a "
-                            f"node: {self.world} GPUs in {p} stages straddle nodes unevenly")
-        if self.strategy not in ("single", "ddp", "fsdp") or (self.strategy == "ddp" and stage_gpus == 1):
-            problems.append(f"inside a pipeline stage the GPUs run fsdp or ddp (single: one GPU a stage), not "
-                            f"{self.strategy} on {stage_gpus} GPU(s) a stage: the stages already split the model")
-        if self.method != "full" or self.quantize or self.cpu_offload or self.tp > 1 or self.sequence_parallel > 1 \
-                or self.generations:
-            problems.append("pipeline parallelism is modelled for full fine-tuning without LoRA, cpu offload, tensor or "
-                            "sequence parallelism, or online RL (LoRA of a 7B fits one GPU with DDP)")
-        if self.pipeline_schedule == "interleaved_1f1b" and m % interleaved_rounds(p, m):
-            problems.append(f"the interleaved schedule runs {interleaved_rounds(p, m)} rounds of micro-batches here and "
-                            f"needs train.grad_accum_steps ({m}) to be a multiple of them (torch's "
-                            "ScheduleInterleaved1F1B)")
         return problems
 
     def _sequence_problems(self) -> list[str]:
