@@ -95,6 +95,22 @@ def test_interleaved_in_flight_is_what_torchs_schedule_holds(stages, micro_batch
         assert in_flight("interleaved_1f1b", stages, micro_batches, rank, chunks) == at, rank
 
 
+@pytest.mark.parametrize(("schedule", "micro_batches", "chunks", "stages"),
+                         [("1f1b", 8, 1, 4), ("gpipe", 3, 1, 2), ("interleaved_1f1b", 6, 2, 3)])
+def test_in_flight_is_what_torchs_schedules_hold_when_they_run(schedule, micro_batches, chunks, stages, free_port,
+                                                               tmp_path):
+    """torch's own schedules run on gloo (tests/pipeline_probe.py: stages of one linear layer, their second step), as
+    `torch.distributed.run` launches them:
+    per rank and chunk, the micro-batches whose forward has run and whose backward has not begun, at the worst
+    moment, are in_flight's."""
+    subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(stages), "--master_port",
+                    str(free_port), str(REPO / "tests" / "pipeline_probe.py"), schedule, str(micro_batches),
+                    str(chunks), str(tmp_path)], check=True, capture_output=True, env={**os.environ,
+                                                                                          "OMP_NUM_THREADS": "1"})
+    got = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(stages)]
+    assert got == [in_flight(schedule, stages, micro_batches, r, chunks) for r in range(stages)]
+
+
 @pytest.mark.parametrize(("p", "schedule", "chunks"), [(2, "1f1b", None), (4, "1f1b", None),
                                                        (2, "interleaved_1f1b", 2)])
 def test_stage_parameters_sum_to_the_model(p, schedule, chunks):
@@ -175,7 +191,8 @@ def test_activations_in_flight_per_stage_by_hand():
     gpipe = pipeline_estimate(LLAMA, s.but(pipeline_schedule="gpipe")).pipeline["stages"]
     assert (gpipe[0]["in_flight_activation_bytes"], gpipe[1]["in_flight_activation_bytes"]) == (4 * first, 4 * last)
     # stage 0's peak is its one-micro-batch peak plus the other micro-batches it holds: GPipe's 3 are 2 more than 1F1B's
-    gpipe0 = stage_estimate(LLAMA, s.but(pipeline_schedule="gpipe"), stages_of(LLAMA, s.but(pipeline_schedule="gpipe"))[0])
+    g = s.but(pipeline_schedule="gpipe")
+    gpipe0 = stage_estimate(LLAMA, g, stages_of(LLAMA, g)[0])
     one0 = stage_estimate(LLAMA, s, stages[0])
     assert gpipe0.peak_phase == one0.peak_phase == "backward_layers"
     assert gpipe0.per_gpu_peak_allocated_bytes - one0.per_gpu_peak_allocated_bytes == 2 * first
@@ -238,6 +255,7 @@ def test_fit_offers_a_pipeline_across_nodes_where_it_is_the_fastest():
     (("--pipeline-parallel", "2", "--pipeline-schedule", "interleaved_1f1b", "--pipeline-chunks", "1"),
      "the interleaved schedule runs at least 2 stages a GPU"),
     (("--pipeline-parallel", "3"), "pipeline parallelism 3 must divide the GPUs: 16"),
+    (("--pipeline-parallel", "4", "--grad-accum", "2"), "Schedule1F1B needs at least as many micro-batches as stages"),
     (("--pipeline-parallel", "2", "--method", "lora"), "pipeline parallelism is modelled for full fine-tuning"),
 ])
 def test_bad_pipeline_flags_are_refused_in_one_paragraph(args, message):

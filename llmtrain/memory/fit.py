@@ -209,14 +209,16 @@ def pipeline_candidates(shape: ModelShape, spec: TrainSpec, global_batch: int | 
             choices = micro_batch_choices(run, global_batch)
             if choices is None:  # no global batch to keep: P x the accumulation, the tokens a step of the others
                 run = run.but(grad_accum=spec.grad_accum * p)
-            try:
-                fitting = [largest_fitting(shape, run, None)] if choices is None else [
-                    estimate(shape, with_size(run, n).but(grad_accum=global_batch // run.data_ranks // n))
-                    for n in choices]
-            except LLMTrainError:  # not a layout the pipeline takes (LoRA, offload, more stages than layers, ...)
-                continue
-            found = [Candidate(e, throughput_score(e.spec), step_traffic(shape, e.spec, network))
-                     for e in fitting if e is not None and fits_with_room(e)]
+            runs = [run] if choices is None else \
+                [with_size(run, n).but(grad_accum=global_batch // run.data_ranks // n) for n in choices]
+            found = []
+            for each in runs:
+                try:
+                    est = largest_fitting(shape, each, None) if choices is None else estimate(shape, each)
+                except LLMTrainError:  # not a layout the pipeline takes (LoRA, offload, fewer micro-batches than
+                    continue  # 1F1B's stages, more stages than layers, ...)
+                if est is not None and fits_with_room(est):
+                    found.append(Candidate(est, throughput_score(est.spec), step_traffic(shape, est.spec, network)))
             if found:
                 out.append(min(found, key=seconds_per_token))
     return out

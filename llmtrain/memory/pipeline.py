@@ -79,6 +79,9 @@ def pipeline_problems(spec: TrainSpec, shape: ModelShape) -> list[str]:
         problems.append("pipeline parallelism is modelled for full fine-tuning without LoRA, cpu offload, tensor or "
                         "sequence parallelism, online RL, activation offload or the tiled MLP (LoRA of a 7B fits one "
                         "GPU with DDP)")
+    if spec.pipeline_schedule == "1f1b" and m < p:
+        problems.append(f"torch's Schedule1F1B needs at least as many micro-batches as stages: train.grad_accum_steps "
+                        f"{m} < {p} (GPipe takes fewer: --pipeline-schedule gpipe)")
     if spec.pipeline_schedule == "interleaved_1f1b" and m % interleaved_rounds(p, m):
         problems.append(f"the interleaved schedule runs {interleaved_rounds(p, m)} rounds of micro-batches here and "
                         f"needs train.grad_accum_steps ({m}) to be a multiple of them (torch's "
