@@ -125,7 +125,7 @@ class TrainSpec:
     @property
     def shards(self) -> int:
         """Processes FSDP shards each parameter over: under FSDP x TP, the data-parallel ranks (each GPU's TP slice is
-        sharded among the GPUs holding the same slice)."""
+        sharded among the GPUs holding the same slice); under a pipeline, the GPUs of a stage (its parameters only)."""
         return {"fsdp": self.world // self.tp // self.pipeline_parallel,
                 "hsdp": self.num_gpus // self.tp}.get(self.strategy, 1)
 
