@@ -185,9 +185,9 @@ def check_memory(recipe: Recipe, launch_path: Path | None, gpu_memory: float | N
     does not fit (online RL: at the data's `prompt_lengths` where read). Returns the rows and the Estimate (None when
     it cannot be made)."""
     from llmtrain.memory import fit as fitting
-    from llmtrain.memory.estimate import estimate
     from llmtrain.memory.launch import read_accelerate_config
     from llmtrain.memory.params import load_model_shape
+    from llmtrain.memory.pipeline import estimate_run
     from llmtrain.memory.spec import spec_from_recipe
 
     rows: list[Check] = []
@@ -200,7 +200,7 @@ def check_memory(recipe: Recipe, launch_path: Path | None, gpu_memory: float | N
                       cpu_offload=lay.cpu_offload) if lay else {}
         shape = load_model_shape(recipe.model.name_or_path)
         spec = spec_from_recipe(recipe, gpu_memory_gib=gpu_memory or 80.0, prompt_lengths=prompt_lengths, **layout)
-        est = estimate(shape, spec)
+        est = estimate_run(shape, spec)  # a pipeline's worst stage, where the recipe has one
     except LLMTrainError as e:
         return rows + [("memory", "warn", f"no estimate: {e}")], None
     if gpu_memory is None:

@@ -73,6 +73,15 @@ def estimate_memory(
     sequence_parallel: Annotated[Optional[int], typer.Option(
         "--sequence-parallel", help="GPUs that share each micro-batch's tokens (parallel.sequence_parallel: Ulysses; "
         "the micro-batch is the group's, 1/N of it on each GPU; must divide the GPUs and the heads).")] = None,
+    pipeline_parallel: Annotated[Optional[int], typer.Option(
+        "--pipeline-parallel", help="Pipeline stages (parallel.pipeline_parallel P): the GPUs form P groups of "
+        "GPUs / P, each running a stage's layers with --strategy inside it; grad_accum micro-batches a step. Each "
+        "stage's memory is shown, and the step time beside FSDP and HSDP.")] = None,
+    pipeline_schedule: Annotated[Optional[Literal["gpipe", "1f1b", "interleaved_1f1b"]], typer.Option(
+        "--pipeline-schedule", help="The pipeline's schedule (parallel.pipeline_schedule; default 1f1b).")] = None,
+    pipeline_chunks: Annotated[Optional[int], typer.Option(
+        "--pipeline-chunks", help="Stages a GPU runs, interleaved only (parallel.pipeline_chunks; default 2 "
+        "there).")] = None,
     cpu_offload: Annotated[bool, typer.Option(
         "--cpu-offload", help="FSDP offload of weights, gradients and optimizer state.")] = False,
     tp: Annotated[Optional[int], typer.Option(
@@ -104,8 +113,8 @@ def estimate_memory(
     GPUs was found, 4 when none was), 2 on bad input.
     """
     from llmtrain.memory import fit as fitting
-    from llmtrain.memory.comms import Network, step_traffic
-    from llmtrain.memory.estimate import estimate
+    from llmtrain.memory.comms import Network
+    from llmtrain.memory.pipeline import compared, estimate_run, traffic_run
 
     run = {k: v for k, v in dict(method=method, lora_r=lora_r, micro_batch=micro_batch,
                                  micro_batch_tokens=micro_batch_tokens, grad_accum=grad_accum, seq_len=seq_len,
@@ -119,7 +128,9 @@ def estimate_memory(
             typer.echo(f"launch: {accelerate_config}, from the recipe's header (--accelerate-config FILE for another)")
     layout, launch_mp = _layout(accelerate_config, strategy=strategy, num_gpus=num_gpus, num_nodes=num_nodes,
                                 cpu_offload=cpu_offload, tp=tp, fit=fit)
-    launch = dict(gpu_memory_gib=gpu_memory, **layout)
+    pipe = dict(pipeline_parallel=pipeline_parallel, pipeline_schedule=pipeline_schedule,
+                pipeline_chunks=pipeline_chunks)
+    launch = dict(gpu_memory_gib=gpu_memory, **layout, **{k: v for k, v in pipe.items() if v is not None})
     if (recipe is None) == (model is None):
         raise LLMTrainError("give either a RECIPE.yaml or --model PATH_OR_ID (not both, not neither).")
     shape, spec, global_batch, target, assumed = (_from_recipe(recipe, overrides, run, launch) if recipe is not None
@@ -127,17 +138,22 @@ def estimate_memory(
     if longest_context and fit:
         raise LLMTrainError("--longest-context and --fit answer two questions: ask one at a time.")
     longest = fitting.longest_context(shape, spec) if longest_context else None
-    est = longest if longest is not None else estimate(shape, spec)
+    est = longest if longest is not None else estimate_run(shape, spec)
     est = dataclasses.replace(est, notes=assumed + est.notes)
     given = dict(intra_gbps=intra_gbps, inter_gbps=inter_gbps, peak_tflops=peak_tflops, mfu=mfu, hbm_tbps=hbm_tbps)
     network = Network(**{k: v for k, v in given.items() if v is not None})
-    traffic = step_traffic(shape, est.spec, network)  # with --longest-context: at that length
+    traffic = traffic_run(shape, est.spec, network)  # with --longest-context: at that length
+    beside = compared(shape, est.spec, network) if est.spec.pipeline_parallel > 1 else []
     result = fitting.fit(shape, spec, global_batch=global_batch, network=network) if fit else None
     advice = fitting.recommendation(shape, est, global_batch=global_batch, network=network)
     if as_json:
         out = est.to_dict()
         out["communication"] = traffic.to_dict()
         out["recommendation"] = advice
+        if beside:  # the pipeline, FSDP and HSDP on the same GPUs at the same global batch
+            out["pipeline_compared"] = [{"layout": label, "per_gpu_peak_bytes": e.per_gpu_peak_bytes,
+                                         "step_s": t.step_s, "compute_s": t.compute_s, "network_s": t.network_s}
+                                        for label, e, t in beside]
         if result is not None:
             out["fit"] = _fit_dict(result)
         if longest_context:
@@ -146,7 +162,7 @@ def estimate_memory(
     else:
         if longest_context:
             typer.echo(_longest_line(longest, spec))
-        _render(est, advice, traffic, launch_mp, result, global_batch=global_batch, target=target)
+        _render(est, advice, traffic, launch_mp, result, global_batch=global_batch, target=target, beside=beside)
     found = result.best is not None if result is not None else longest is not None if longest_context else est.fits
     if not found:
         raise typer.Exit(DOES_NOT_FIT)
@@ -169,11 +185,13 @@ def _longest_line(est, spec) -> str:
             f"90% of the card, as --fit; in steps of {LONGEST_STEP:,}){more}. The estimate at that length:")
 
 
-def _render(est, advice: str, traffic, launch_mp: str | None, result, *, global_batch: int | None, target) -> None:
-    """The tables: the estimate, and with --fit the search's result."""
+def _render(est, advice: str, traffic, launch_mp: str | None, result, *, global_batch: int | None, target,
+            beside) -> None:
+    """The tables: the estimate (a pipeline's stages, and the pipeline beside FSDP and HSDP), and with --fit the
+    search's result."""
     from llmtrain.memory.render import render_estimate, render_fit
 
-    render_estimate(est, advice, traffic=traffic, launch_mp=launch_mp)
+    render_estimate(est, advice, traffic=traffic, launch_mp=launch_mp, beside=beside)
     if result is not None:
         spec = est.spec
         if global_batch:  # the recipe's per-GPU batch times these GPUs: say what --fit keeps, it may not be intended
@@ -304,7 +322,8 @@ def _fit_dict(result) -> dict:
         "found": result.best is not None, "overrides": list(result.overrides),
         "accelerate_config": result.accelerate_config, "launch_flags": list(result.launch_flags), "note": result.note,
         "best": result.best.estimate.to_dict() if result.best else None,
-        "candidates": [{"strategy": c.spec.strategy, "grad_checkpointing": c.spec.grad_checkpointing,
+        "candidates": [{"strategy": c.spec.strategy, "pipeline_parallel": c.spec.pipeline_parallel,
+                        "grad_checkpointing": c.spec.grad_checkpointing,
                         "micro_batch": c.spec.micro_batch, "micro_batch_tokens": c.spec.micro_batch_tokens,
                         "size": size(c.spec), "per_gpu_peak_bytes": c.estimate.per_gpu_peak_bytes,
                         "relative_throughput": round(c.score, 4)} for c in result.candidates],

@@ -36,6 +36,11 @@ Per optimizer step of `grad_accum` micro-batches:
   (N-1)/N of its local [T/N tokens x heads] tensors. A group within a node (N <= GPUs a node, as it is meant to be)
   sends all of it over NVLink; one that spans nodes sends (N - G)/N of its tensors to the GPUs of other nodes, over
   the network. The data-parallel strategy's collectives stay over every GPU.
+- Pipeline parallelism (parallel.pipeline_parallel P, memory/pipeline.py): a stage's GPU runs its strategy's collectives
+  over the stage's parameters within its group of world / P GPUs, and per micro-batch and virtual stage sends its output
+  forward and its input's gradient backward (tokens x hidden each: PipelineTraffic), over the network where the
+  neighbouring stage is on another node. Its step time adds the sends to the slot and stretches it by the bubble
+  (Traffic.step_s).
 """
 
 from __future__ import annotations
@@ -48,6 +53,7 @@ from llmtrain.memory.states import QUANT_BYTES_PER_WEIGHT
 
 NVLINK_GBPS = 3600.0  # H100 SXM, NVLink 4: 450 GB/s each way per GPU
 INFINIBAND_GBPS = 400.0  # one NDR InfiniBand card per GPU (the usual 8-GPU H100 node)
+ETHERNET_GBPS = 100.0 / 8  # one 100 Gb/s Ethernet card per 8-GPU node, shared by its GPUs: --inter-gbps 12.5
 H100_TFLOPS = 989.0  # dense bf16
 H100_HBM_TBPS = 3.35  # H100 SXM's memory bandwidth, TB/s (H200: 4.8)
 DEFAULT_MFU = 0.4
@@ -91,6 +97,7 @@ class Traffic:
     network: Network
     sampling_s: float = 0.0  # online RL: the step's sampling (sampling_seconds), part of compute_s
     sequence: SequenceTraffic | None = None  # sequence parallelism's all-to-alls (also among the parts)
+    pipeline: PipelineTraffic | None = None  # a pipeline stage's boundary sends (the parts' last) and its bubble
 
     @property
     def intra_bytes(self) -> float:
@@ -113,6 +120,22 @@ class Traffic:
         return self.intra_s + self.inter_s
 
     @property
+    def collectives_s(self) -> float:
+        """The network time of the collectives, which overlap with the compute: all of it but a pipeline's sends."""
+        return self.network_s - (self.pipeline.p2p_s(self.network) if self.pipeline else 0.0)
+
+    @property
+    def step_s(self) -> float:
+        """The step's time by the model. Data-parallel: the compute or the collectives, whichever is longer (perfect
+        overlap). A pipeline stage: M slots of its compute or collectives (overlapped) and then its boundary sends
+        (torch's schedules wait for each batch of sends and receives before the next micro-batch), stretched by
+        the bubble: (max(compute, collectives) + sends) / (1 - bubble), i.e. M + P - 1 slots (P - 1 idle)."""
+        if self.pipeline is None:
+            return max(self.compute_s, self.network_s)
+        slot = max(self.compute_s, self.collectives_s) + self.pipeline.p2p_s(self.network)
+        return slot / (1 - self.pipeline.bubble)
+
+    @property
     def network_bound(self) -> bool:
         """The collectives take longer than the compute they could overlap with."""
         return self.network_s > self.compute_s
@@ -122,6 +145,7 @@ class Traffic:
                 "intra_node_s": self.intra_s, "inter_node_s": self.inter_s, "compute_s": self.compute_s,
                 "sampling_s": self.sampling_s, "network_bound": self.network_bound,
                 "sequence_parallel": self.sequence.to_dict(self.network) if self.sequence else None,
+                "pipeline": self.pipeline.to_dict(self.network) if self.pipeline else None, "step_s": self.step_s,
                 "parts": [{"what": w, "intra_node_bytes": round(a), "inter_node_bytes": round(b)}
                           for w, a, b in self.parts],
                 "assumed": {"intra_gbps": self.network.intra_gbps, "inter_gbps": self.network.inter_gbps,
@@ -164,6 +188,29 @@ class SequenceTraffic:
                 "payload_bytes": round(self.payload), "per_layer_forward_bytes": round(self.per_layer),
                 "passes_per_layer": self.passes, "sent_bytes": round(self.sent), "intra_node_bytes": round(self.intra),
                 "inter_node_bytes": round(self.inter), **self.times(network)}
+
+
+@dataclass(frozen=True)
+class PipelineTraffic:
+    """The pacing stage of a pipeline step (per GPU): its point-to-point sends, where they go, and the bubble."""
+
+    stages: int
+    chunks: int
+    micro_batches: int
+    rank: int  # the stage whose slot (compute and collectives, then its sends) is the longest
+    send_bytes: float  # one boundary send: one micro-batch's tokens x hidden in the stream dtype
+    p2p_intra: float  # bytes the stage sends a step to stages on its node
+    p2p_inter: float  # ... and on other nodes
+    bubble: float
+
+    def p2p_s(self, network: Network) -> float:
+        return link_seconds(self.p2p_intra, network.intra_gbps) + link_seconds(self.p2p_inter, network.inter_gbps)
+
+    def to_dict(self, network: Network) -> dict:
+        return {"stages": self.stages, "chunks": self.chunks, "micro_batches": self.micro_batches,
+                "pacing_stage": self.rank, "bubble": self.bubble, "boundary_send_bytes": round(self.send_bytes),
+                "p2p_intra_node_bytes": round(self.p2p_intra), "p2p_inter_node_bytes": round(self.p2p_inter),
+                "p2p_s": self.p2p_s(network)}
 
 
 def sequence_traffic(shape: ModelShape, spec: TrainSpec) -> SequenceTraffic | None:
@@ -264,8 +311,14 @@ def data_parallel(spec: TrainSpec, *, trainable_bytes: float, gathered: Gathered
     """Per-GPU bytes sent in one optimizer step, within the node and across nodes. A collective over the whole job
     sends 1/(its GPUs per node) of a GPU's bytes over its network card when there are several nodes (under FSDP x TP
     an FSDP ring has GPUs per node / tp members on each node)."""
+    return parts_of(spec, collectives(spec, trainable_bytes=trainable_bytes, gathered=gathered,
+                                      activations=activations))
+
+
+def parts_of(spec: TrainSpec, found) -> Parts:
+    """The bytes each of `found`'s collectives sends, within the node and across (data_parallel's split)."""
     parts = []
-    for c in collectives(spec, trainable_bytes=trainable_bytes, gathered=gathered, activations=activations):
+    for c in found:
         sent = c.sent()
         per_node = spec.num_gpus // spec.tp
         across = {"job": sent / per_node if spec.num_nodes > 1 else 0.0, "node": 0.0, "across": sent}[c.scope]
@@ -337,8 +390,8 @@ def traffic(shape: ModelShape, spec: TrainSpec, *, trained_params: int, trainabl
 def step_traffic(shape: ModelShape, spec: TrainSpec, network: Network = Network()) -> Traffic:
     """traffic() for the run spec describes: its trained parameters and the bytes of their gradients (under FSDP x TP,
     of one GPU's tensor-parallel slice, whose work is also the step's compute on that GPU)."""
-    from llmtrain.memory.states import states
     from llmtrain.memory.params import lora_plan, tensor_parallel_shape
+    from llmtrain.memory.states import states
 
     shape = tensor_parallel_shape(shape, spec.tp)
     plan = lora_plan(shape, r=spec.lora_r, targets=spec.lora_targets,

@@ -110,6 +110,8 @@ def _phase(**parts: int) -> dict[str, int]:
 def estimate(shape: ModelShape, spec: TrainSpec) -> Estimate:
     """The per-GPU peak of the run `spec` describes on the model `shape`. Under FSDP x TP every GPU runs its tensor-
     parallel slice of the model (params.tensor_parallel_shape), sharded by FSDP over the data-parallel ranks."""
+    if spec.pipeline_parallel > 1:  # each stage holds other layers: pipeline.estimate_run walks them
+        raise ValueError("a pipeline's stages are estimated by llmtrain.memory.pipeline.estimate_run")
     spec.validate()
     if problem := sequence_heads_problem(spec.sequence_parallel, shape.heads, shape.kv_heads):
         raise LLMTrainError(f"cannot estimate this run: {problem} ({shape.source}).")

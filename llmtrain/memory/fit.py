@@ -5,8 +5,9 @@ fits with room (FIT_SHARE of the card) is found (memory only grows with the micr
 candidates are ranked by a relative throughput score. Only configurations whose own estimate fits are
 ever candidates. A micro-batch is a number of examples, or a token budget when the run has one
 (train.micro_batch_tokens). Across several nodes the strategies are DDP, FSDP and HSDP, and the mesh whose
-network time per step is smallest (comms.py) is preferred among those that fit. When nothing fits, FSDP is tried on
-more GPUs (whole nodes past one) until something does.
+network time per step is smallest (comms.py) is preferred among those that fit; a full fine-tune across nodes also
+tries pipelines of whole nodes (P stages, FSDP inside each: memory/pipeline.py), taken where the model's step time per
+token beats that mesh's. When nothing fits, FSDP is tried on more GPUs (whole nodes past one) until something does.
 """
 
 from __future__ import annotations
@@ -14,11 +15,13 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 from llmtrain.errors import LLMTrainError
-from llmtrain.memory.comms import Network, Traffic, step_traffic
-from llmtrain.memory.estimate import estimate
+from llmtrain.memory.comms import Network, Traffic
 from llmtrain.memory.launch import shipped_config
 from llmtrain.memory.params import ModelShape
+from llmtrain.memory.pipeline import estimate_run as estimate
+from llmtrain.memory.pipeline import traffic_run as step_traffic
 from llmtrain.memory.spec import GIB, Estimate, TrainSpec
+from llmtrain.parallel.stages import bubble_fraction
 
 # Ranking heuristic (relative tokens/s; not a prediction, to be calibrated like the memory model):
 HALF_SATURATION_TOKENS = 256  # tokens per micro-batch at which a 7B's matmuls reach half their speed
@@ -78,7 +81,19 @@ def throughput_score(spec: TrainSpec) -> float:
     work = (6 if spec.method == "full" else 4) + (2 if spec.grad_checkpointing else 0)
     eff = STRATEGY_EFFICIENCY[spec.strategy] * (MULTI_NODE_EFFICIENCY if spec.num_nodes > 1 else 1.0)
     eff *= OFFLOAD_EFFICIENCY if spec.cpu_offload else 1.0
+    eff *= 1 - bubble_fraction(spec.pipeline_parallel, spec.grad_accum, spec.chunks)  # a pipeline idles in its bubble
     return spec.world * utilisation * eff / work
+
+
+def layout(spec: TrainSpec) -> str:
+    """The strategy as --fit's table names it: a pipeline's stages and the strategy inside them."""
+    return f"pp{spec.pipeline_parallel} x {spec.strategy}" if spec.pipeline_parallel > 1 else spec.strategy
+
+
+def seconds_per_token(c: Candidate) -> float:
+    """The model's step time per token of the global batch: comparable between pipelines and data-parallel meshes
+    (comms.Traffic.step_s)."""
+    return c.traffic.step_s / (c.spec.tokens * c.spec.grad_accum * c.spec.data_ranks)
 
 
 def network_per_token(c: Candidate) -> float:
@@ -160,6 +175,11 @@ def _search(shape: ModelShape, spec: TrainSpec, global_batch: int | None, networ
             best_of[c.spec.strategy, c.spec.fsdp_accumulate] = c  # each layout keeps its highest score
         best = min(best_of.values(), key=lambda c: (network_per_token(c), -c.score,
                                                     c.spec.fsdp_accumulate != "sharded"))
+        pipelines = pipeline_candidates(shape, spec, global_batch, network)
+        candidates += pipelines
+        faster = min(pipelines, key=seconds_per_token, default=None)
+        if faster is not None and seconds_per_token(faster) < seconds_per_token(best):
+            best = faster
     assert fits_with_room(best.estimate), "fit must only recommend configurations that fit"
     s = best.spec
     key = "train.micro_batch_tokens" if s.micro_batch_tokens else "train.micro_batch_size"
@@ -168,9 +188,40 @@ def _search(shape: ModelShape, spec: TrainSpec, global_batch: int | None, networ
         overrides.append(f"train.grad_accum_steps={s.grad_accum}")
     if s.fsdp_accumulate != spec.fsdp_accumulate and s.sharded:
         overrides.append(f"train.fsdp_accumulate={s.fsdp_accumulate}")
+    if s.pipeline_parallel > 1:
+        overrides.append(f"parallel.pipeline_parallel={s.pipeline_parallel}")
     config, flags = shipped_config(s.strategy, num_gpus=s.num_gpus, num_nodes=s.num_nodes)
     ranked = tuple(sorted(candidates, key=lambda c: -c.score))
     return FitResult(best, ranked, tuple(overrides), config, flags, note)
+
+
+def pipeline_candidates(shape: ModelShape, spec: TrainSpec, global_batch: int | None,
+                        network: Network) -> list[Candidate]:
+    """Full fine-tuning across nodes: pipelines of P stages of whole nodes (P dividing the nodes), FSDP inside each
+    stage, spec's schedule, checkpointing off and on. Not the largest micro-batch that fits, as for the others: fewer,
+    larger micro-batches widen the bubble; of the micro-batches that keep the global batch (P times the accumulation
+    on 1/P of the data ranks) and fit, the one with the least step time per token (without a global batch to keep, the
+    largest that fits, at P times the run's accumulation)."""
+    out = []
+    for p in (p for p in range(2, spec.num_nodes + 1) if spec.num_nodes % p == 0):
+        for ckpt in (False, True):
+            run = spec.but(strategy="fsdp", pipeline_parallel=p, grad_checkpointing=ckpt, fsdp_accumulate="sharded")
+            choices = micro_batch_choices(run, global_batch)
+            if choices is None:  # no global batch to keep: P x the accumulation, the tokens a step of the others
+                run = run.but(grad_accum=spec.grad_accum * p)
+            runs = [run] if choices is None else \
+                [with_size(run, n).but(grad_accum=global_batch // run.data_ranks // n) for n in choices]
+            found = []
+            for each in runs:
+                try:
+                    est = largest_fitting(shape, each, None) if choices is None else estimate(shape, each)
+                except LLMTrainError:  # not a layout the pipeline takes (LoRA, offload, fewer micro-batches than
+                    continue  # 1F1B's stages, more stages than layers, ...)
+                if est is not None and fits_with_room(est):
+                    found.append(Candidate(est, throughput_score(est.spec), step_traffic(shape, est.spec, network)))
+            if found:
+                out.append(min(found, key=seconds_per_token))
+    return out
 
 
 def more_gpus(shape: ModelShape, spec: TrainSpec, *, global_batch: int | None = None,
@@ -194,7 +245,7 @@ def fit(shape: ModelShape, spec: TrainSpec, *, global_batch: int | None = None,
     """Search strategy x checkpointing x micro-batch on spec's GPUs; keep `global_batch` (examples, or tokens
     with a budget) when given. When nothing fits, also the fewest GPUs that would do (`more_gpus`). The search is
     over the data-parallel layouts (DDP, FSDP, HSDP: tp 1); an FSDP x TP launch is estimated as it is, not searched."""
-    spec = spec.but(tp=1)
+    spec = spec.but(tp=1, pipeline_parallel=1)  # across nodes the search tries pipelines itself (the run's schedule)
     result = _search(shape, spec, global_batch, network)
     if result.best is None and spec.method == "lora" and not spec.quantize:
         # LoRA that does not fit these GPUs on a 16-bit base: the same adapters on a 4-bit base (QLoRA).

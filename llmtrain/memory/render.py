@@ -7,7 +7,7 @@ from rich.markup import escape
 from rich.table import Table
 
 from llmtrain.memory.comms import Traffic
-from llmtrain.memory.fit import FIT_SHARE, FitResult, launch_line, size
+from llmtrain.memory.fit import FIT_SHARE, FitResult, launch_line, layout, size
 from llmtrain.memory.spec import COMPONENTS, GIB, Estimate, TrainSpec
 
 WHAT = {
@@ -21,6 +21,7 @@ WHAT = {
     "fsdp_buffers": "all-gathered FSDP units in flight",
     "temporaries": "short-lived tensors (a layer's, or the loss's)",
     "kv_cache": "the sampler's static KV cache (no generation copy of the weights: adapters unmerged)",
+    "pipeline_buffers": "the pipeline's receive buffers (activations and gradients, one per micro-batch)",
     "overhead": "CUDA context, NCCL, allocator slack (reserved - allocated)",
 }
 
@@ -55,6 +56,10 @@ def describe(spec: TrainSpec) -> str:
         strategy = f"fsdp x tp ({spec.shards} shards{tp})"
     weights = (f"{spec.quantize} 4-bit base (its other weights {spec.dtype})" if spec.quantize
                else f"{spec.dtype} weights")
+    if spec.pipeline_parallel > 1:
+        strategy = (f"pipeline {spec.pipeline_parallel} ({spec.pipeline_schedule}"
+                    f"{f', {spec.chunks} chunks a GPU' if spec.chunks > 1 else ''}) x {strategy} "
+                    f"{spec.world // spec.pipeline_parallel}")
     if spec.sequence_parallel > 1:
         batch += (f", split over sequence groups of {spec.sequence_parallel} GPUs ({spec.gpu_tokens:,} tokens a GPU; "
                   f"{spec.data_ranks} data-parallel rank{'s' if spec.data_ranks > 1 else ''})")
@@ -63,7 +68,7 @@ def describe(spec: TrainSpec) -> str:
 
 
 def render_estimate(est: Estimate, advice: str, *, traffic: Traffic | None = None, launch_mp: str | None = None,
-                    console: Console | None = None) -> None:
+                    console: Console | None = None, beside=()) -> None:
     console = console or Console()
     spec = est.spec
     shard = (f", 1/{spec.tp} TP slice, 1/{spec.shards} shard" if spec.tp > 1 else
@@ -103,8 +108,12 @@ def render_estimate(est: Estimate, advice: str, *, traffic: Traffic | None = Non
     if launch_mp is not None and launch_mp != spec.mixed_precision:
         console.print(f"[dim]note: the launch config says mixed_precision={launch_mp}; llmtrain uses the "
                       f"recipe's ({spec.mixed_precision})[/]")
+    if est.pipeline:
+        render_stages(est, console=console)
     if traffic is not None:
         render_traffic(traffic, console=console)
+    if beside:
+        render_compared(beside, console=console)
     console.print(f"recommendation: {escape(advice)}", highlight=False)
 
 
@@ -145,10 +154,59 @@ def render_traffic(traffic: Traffic, *, console: Console | None = None) -> None:
         console.print(f"[dim]  {what}: {intra / 1e9:,.2f} GB within{across}[/]", highlight=False)
     if traffic.sequence is not None:
         console.print(sequence_line(traffic), highlight=False)
+    if traffic.pipeline is not None:
+        console.print(pipeline_line(traffic), highlight=False)
     if traffic.network_bound:
         console.print(f"[yellow]network-bound:[/] the collectives ({traffic.network_s:.3f} s) outlast the compute "
                       f"they can overlap ({traffic.compute_s:.3f} s); fewer, larger steps (a larger micro-batch, less "
                       "accumulation under FSDP), HSDP across nodes, or DDP for LoRA send less", highlight=False)
+
+
+def render_stages(est: Estimate, *, console: Console) -> None:
+    """A pipeline's stages: each GPU's layers, state, activations in flight and peak; the worst decides the fit."""
+    pp = est.pipeline
+    table = Table(title=f"Pipeline stages ({pp['schedule']}, {pp['micro_batches']} micro-batches a step, "
+                        f"{pp['stage_gpus']} GPU(s) a stage; GiB per GPU)", title_justify="left",
+                  caption=f"state: weights, gradients and AdamW state; held: the activations of the micro-batches in "
+                  f"flight; buffers: torch's receive buffers. Bubble {pp['bubble']:.1%} of the step; the worst stage "
+                  f"(stage {pp['worst_stage']}) is the estimate above", caption_justify="left")
+    for col in ("stage", "layers", "holds", "params", "state", "in flight", "held", "buffers", "peak", "at"):
+        table.add_column(col, justify="left" if col in ("stage", "layers", "holds", "at") else "right",
+                         no_wrap=col in ("stage", "layers"))
+    for s in pp["stages"]:
+        holds = ", ".join([*(["embeddings"] if s["embedding"] else []), *(["head + loss"] if s["head"] else [])])
+        table.add_row(f"stage {s['rank']}", " + ".join(f"{a}-{b - 1}" for a, b in s["layers"]), holds or "-",
+                      f"{s['params'] / 1e9:,.2f} B", gib(s["state_bytes"]), "+".join(map(str, s["in_flight"])),
+                      gib(s["in_flight_activation_bytes"]), gib(s["receive_buffer_bytes"]),
+                      gib(s["per_gpu_peak_bytes"]), s["peak_phase"].replace("_", " "))
+    console.print(table)
+
+
+def render_compared(rows, *, console: Console) -> None:
+    """The pipeline beside FSDP and HSDP on the same GPUs at the same global batch, by the model's step time."""
+    net = rows[0][2].network
+    table = Table(title=f"The same global batch on these GPUs (step time by the model: {net.intra_gbps:,g} Gb/s "
+                        f"within a node, {net.inter_gbps:,g} Gb/s a GPU between nodes)", title_justify="left")
+    for col in ("layout", "GiB per GPU", "compute s", "network s", "step s"):
+        table.add_column(col, justify="left" if col == "layout" else "right")
+    for label, e, t in rows:
+        table.add_row(label, gib(e.per_gpu_peak_bytes), f"{t.compute_s:.3f}", f"{t.network_s:.3f}", f"{t.step_s:.3f}")
+    console.print(table)
+    pipe, best = rows[0], min(rows[1:], key=lambda r: r[2].step_s, default=None)
+    if best is not None:
+        ratio = best[2].step_s / pipe[2].step_s
+        verdict = (f"the pipeline is {ratio:.2f}x as fast as {best[0]}" if ratio > 1 else
+                   f"{best[0]} is {1 / ratio:.2f}x as fast as the pipeline")
+        console.print(f"by the model, {verdict} (the fastest of the others)", highlight=False)
+
+
+def pipeline_line(traffic: Traffic) -> str:
+    """The boundary sends of the pacing stage and the bubble."""
+    pp, net = traffic.pipeline, traffic.network
+    return (f"pipeline: a boundary send is {pp.send_bytes / 2**20:,.0f} MiB (a micro-batch's tokens x hidden); stage "
+            f"{pp.rank} sends {(pp.p2p_intra + pp.p2p_inter) / 1e9:,.2f} GB a step ({pp.p2p_inter / 1e9:,.2f} GB across "
+            f"nodes), {pp.p2p_s(net):.3f} s; bubble {pp.bubble:.1%}; step {traffic.step_s:.3f} s = (max(compute "
+            f"{traffic.compute_s:.3f}, collectives {traffic.collectives_s:.3f}) + sends) / (1 - bubble)")
 
 
 def sequence_line(traffic: Traffic) -> str:
@@ -193,7 +251,7 @@ def render_fit(result: FitResult, *, target: str | None, console: Console | None
     for c in result.candidates:
         s, t = c.spec, c.traffic
         held = ("shards" if s.fsdp_accumulate == "sharded" else "unsharded") if s.sharded else "-"
-        table.add_row(s.strategy, "on" if s.grad_checkpointing else "off", held, str(size(s)),
+        table.add_row(layout(s), "on" if s.grad_checkpointing else "off", held, str(size(s)),
                       gib(c.estimate.per_gpu_peak_bytes), f"{c.score / top:.2f}",
                       *([f"{t.network_s:.3f} ({t.inter_s:.3f})"] if several else []))
     console.print(table)

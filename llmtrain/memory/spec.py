@@ -12,6 +12,7 @@ from typing import Literal
 
 from llmtrain.config import DataConfig, LoraConfig, ModelConfig, ParallelConfig, Recipe, TrainConfig
 from llmtrain.errors import LLMTrainError
+from llmtrain.parallel.stages import SCHEDULES
 
 Method = Literal["full", "lora"]
 Strategy = Literal["single", "ddp", "fsdp", "hsdp"]
@@ -25,7 +26,7 @@ DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 PRECISION_DTYPE = {"bf16": "bfloat16", "fp16": "float16"}
 # Every component a breakdown reports, in display order; the first six are always present.
 COMPONENTS = ("weights", "gradients", "optimizer", "activations", "logits", "overhead",
-              "autocast_copies", "ddp_buckets", "fsdp_buffers", "temporaries", "kv_cache")
+              "autocast_copies", "ddp_buckets", "fsdp_buffers", "temporaries", "kv_cache", "pipeline_buffers")
 # Online RL without readable data: each prompt is taken at its longest, data.max_seq_len - rl.max_completion_tokens (a
 # longer prompt is refused before training: data.checks.check_prompt_room), so every sequence is max_seq_len long.
 # With data, the prompts' PROMPT_QUANTILE: a step whose prompts are all that long or shorter (the mean of a
@@ -35,6 +36,12 @@ PROMPT_QUANTILE = 0.9
 
 def _default(section, name: str):
     return section.model_fields[name].default
+
+
+def _parallel_default(name: str, fallback):
+    """A pipeline key's schema default, or `fallback` while parallel.pipeline_* is not in the schema yet."""
+    found = ParallelConfig.model_fields.get(name)
+    return found.default if found is not None else fallback
 
 
 def _targets(value) -> str | tuple[str, ...]:
@@ -79,6 +86,14 @@ class TrainSpec:
     # row of `tokens` (the group's), ceil(tokens / N) of them on each; around attention an all-to-all gives each GPU
     # the whole row for 1/N of the heads. Weights, gradients and optimizer state are the strategy's over every GPU.
     sequence_parallel: int = _default(ParallelConfig, "sequence_parallel")
+    # Pipeline parallelism (parallel.pipeline_parallel P): the GPUs form P stage groups of world / P consecutive GPUs
+    # (stage s: GPUs [s W/P, (s+1) W/P), so with P = nodes a stage is a node), each running the decoder layers
+    # parallel.stages.stage_layers gives it, the strategy (fsdp or ddp) inside the group; grad_accum micro-batches a
+    # step go through the stages by pipeline_schedule; pipeline_chunks: (virtual) stages a GPU runs, interleaved only
+    # (None: 1, or 2 interleaved). memory/pipeline.py estimates it.
+    pipeline_parallel: int = _parallel_default("pipeline_parallel", 1)
+    pipeline_schedule: str = _parallel_default("pipeline_schedule", "1f1b")
+    pipeline_chunks: int | None = _parallel_default("pipeline_chunks", None)
     # online RL: the micro-batch's sequences are sampled together first (micro_batch = prompts x generations), each
     # up to seq_len with its KV cache; 0: no sampling
     generations: int = 0
@@ -116,13 +131,20 @@ class TrainSpec:
     @property
     def shards(self) -> int:
         """Processes FSDP shards each parameter over: under FSDP x TP, the data-parallel ranks (each GPU's TP slice is
-        sharded among the GPUs holding the same slice)."""
-        return {"fsdp": self.world // self.tp, "hsdp": self.num_gpus // self.tp}.get(self.strategy, 1)
+        sharded among the GPUs holding the same slice); under a pipeline, the GPUs of a stage (its parameters only)."""
+        return {"fsdp": self.world // self.tp // self.pipeline_parallel,
+                "hsdp": self.num_gpus // self.tp}.get(self.strategy, 1)
 
     @property
     def data_ranks(self) -> int:
-        """Processes that read different batches: a tensor-parallel group reads one, and so does a sequence group."""
-        return self.world // self.tp // self.sequence_parallel
+        """Processes that read different batches: a tensor-parallel group reads one, and so does a sequence group and a
+        pipeline (its first stage reads for it)."""
+        return self.world // self.tp // self.sequence_parallel // self.pipeline_parallel
+
+    @property
+    def chunks(self) -> int:
+        """(Virtual) pipeline stages a GPU runs: pipeline_chunks, or 2 interleaved and 1 otherwise."""
+        return self.pipeline_chunks or (2 if self.pipeline_schedule == "interleaved_1f1b" else 1)
 
     @property
     def kernel(self) -> str:
@@ -153,7 +175,7 @@ class TrainSpec:
     def validate(self) -> TrainSpec:
         problems = []
         for name in ("micro_batch", "grad_accum", "num_gpus", "num_nodes", "lora_r", "loss_chunk_tokens",
-                     "sequence_parallel"):
+                     "sequence_parallel", "pipeline_parallel"):
             if getattr(self, name) < 1:
                 problems.append(f"{name} must be at least 1 (got {getattr(self, name)})")
         if self.micro_batch_tokens is not None and self.micro_batch_tokens < 2:
@@ -165,7 +187,7 @@ class TrainSpec:
             problems.append(f"seq_len must be at least 2 (got {self.seq_len})")
         if self.gpu_memory_gib <= 0:
             problems.append(f"gpu memory must be positive (got {self.gpu_memory_gib} GiB)")
-        if self.strategy == "single" and self.world > 1:
+        if self.strategy == "single" and self.world > self.pipeline_parallel:  # (a pipeline: one GPU a stage)
             problems.append(f"strategy single runs one process, but {self.world} GPUs were given: use ddp or fsdp")
         if self.strategy == "ddp" and self.world < 2:
             problems.append("strategy ddp needs at least 2 GPUs (--num-gpus / --num-nodes)")
@@ -190,9 +212,25 @@ class TrainSpec:
                                 "FSDP shards")
         if self.sequence_parallel > 1:
             problems += self._sequence_problems()
+        problems += self._pipeline_problems()
         if problems:
             raise LLMTrainError("cannot estimate this run: " + "; ".join(problems) + ".")
         return self
+
+    def _pipeline_problems(self) -> list[str]:
+        """The pipeline's schedule and chunks (what a pipeline itself needs: pipeline.pipeline_problems)."""
+        v, problems = self.chunks, []
+        if self.pipeline_schedule not in SCHEDULES:
+            problems.append(f"pipeline schedule {self.pipeline_schedule!r} is not one of {', '.join(SCHEDULES)}")
+        if self.pipeline_chunks is not None and self.pipeline_chunks < 1:
+            problems.append(f"pipeline chunks must be at least 1 (got {self.pipeline_chunks})")
+        elif self.pipeline_schedule == "interleaved_1f1b" and v < 2:
+            problems.append("the interleaved schedule runs at least 2 stages a GPU (parallel.pipeline_chunks / "
+                            "--pipeline-chunks 2 or more); with 1 use 1f1b")
+        elif self.pipeline_schedule != "interleaved_1f1b" and v != 1:
+            problems.append(f"{v} pipeline chunks (stages a GPU) need the interleaved schedule (--pipeline-schedule "
+                            f"interleaved_1f1b); {self.pipeline_schedule} runs one stage a GPU")
+        return problems
 
     def _sequence_problems(self) -> list[str]:
         """What the estimate refuses with sequence parallelism, besides the heads (sequence_heads_problem: they need
@@ -291,8 +329,16 @@ def spec_from_recipe(recipe: Recipe, *, strategy: Strategy = "single", num_gpus:
         sequence_parallel=recipe.parallel.sequence_parallel,
         generations=recipe.rl.num_generations if recipe.rl is not None else 0, per_example=per_example, **rl,
         no_grad_forwards=recipe.kto is not None, frozen_reference=recipe.kto is not None and lora is None,
-        **launch,
+        **{**pipeline_keys(recipe), **launch},  # --pipeline-* options (in launch) win over the recipe's keys
     )
+
+
+def pipeline_keys(recipe: Recipe) -> dict:
+    """The recipe's parallel.pipeline_* keys, once the schema has them (until then: no pipeline)."""
+    parallel = recipe.parallel
+    return dict(pipeline_parallel=getattr(parallel, "pipeline_parallel", 1),
+                pipeline_schedule=getattr(parallel, "pipeline_schedule", "1f1b"),
+                pipeline_chunks=getattr(parallel, "pipeline_chunks", None))
 
 
 @dataclass(frozen=True)
@@ -324,6 +370,9 @@ class Estimate:
     # memory per process, offload_gpu_saved_bytes kept off the GPU by it, mlp_shard_tokens, and tiled_mlp_saved_bytes:
     # the peak without tiling minus the peak with it
     long_context: dict[str, int] = field(default_factory=dict)
+    # pipeline parallelism: the stage this estimate is ({"stage": ...}), and once the worst is chosen every stage's
+    # summary, the schedule and the bubble (memory/pipeline.py)
+    pipeline: dict = field(default_factory=dict)
 
     @property
     def gpu_memory_bytes(self) -> int:
@@ -362,6 +411,6 @@ class Estimate:
             "phase_parts": {k: dict(v) for k, v in self.phase_parts.items()},
             "largest": {k: {"bytes": n, "phase": ph} for k, (n, ph) in self.largest().items()},
             "host_ram_bytes": self.host_ram_bytes, "worst_case_per_gpu_peak_bytes": self.worst_case_bytes,
-            "long_context": dict(self.long_context),
+            "long_context": dict(self.long_context), "pipeline": self.pipeline or None,
             "spec": spec, "notes": list(self.notes),
         }

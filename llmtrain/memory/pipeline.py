@@ -1,0 +1,356 @@
+"""Pipeline parallelism (parallel.pipeline_parallel P): each stage's memory, and the step's time with its bubble and
+the stage boundaries' sends beside the collectives inside a stage (docs/scaling.md gives the formulas).
+
+The GPUs form P stage groups of D = world / P consecutive GPUs (with P = nodes a stage is a node); every GPU of group r
+runs the decoder layers parallel.stages.stage_layers gives rank r (interleaved: V chunks, virtual stages r, r + P,
+...), rank 0 also the embeddings, rank P - 1 the final norm, LM head and loss; inside a group the strategy (FSDP over
+D, or DDP) shards or replicates the group's parameters, each GPU training its own micro-batches (D data-parallel
+ranks, each a pipeline of M = grad_accum micro-batches a step). A GPU's peak is its stage's one-micro-batch peak
+(estimate.py's phases on the stage's layers) plus the activations of the other micro-batches its schedule holds
+(stages.in_flight) and torch's receive buffers; the worst GPU decides the fit. FSDP inside a stage follows
+train.fsdp_accumulate: sharded (the default) as without a pipeline, unsharded as torch's PipelineStage runs an FSDP2
+stage (stage_estimate).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+from llmtrain.errors import LLMTrainError
+from llmtrain.memory import activations as act
+from llmtrain.memory.comms import (
+    Collective,
+    Network,
+    PipelineTraffic,
+    Traffic,
+    gathered_bytes,
+    parts_of,
+    step_flops,
+    step_traffic,
+    traffic,
+)
+from llmtrain.memory.estimate import _backward_layers, _finish, _loss_phases, _notes, _phase, estimate, make_pass
+from llmtrain.memory.params import ModelShape
+from llmtrain.memory.spec import DTYPE_BYTES, GIB, Estimate, TrainSpec
+from llmtrain.memory.states import States, accumulated_grads
+from llmtrain.parallel.stages import bubble_fraction, in_flight, interleaved_rounds, rank_stages, stage_layers
+
+
+@dataclass(frozen=True)
+class Stage:
+    """What one GPU of pipeline rank `rank` runs: its chunks' decoder layers (one chunk unless interleaved), whether
+    it holds the embeddings (rank 0) and the head and loss (rank P - 1), and the micro-batches in flight per chunk."""
+
+    rank: int
+    virtual: tuple[int, ...]  # its virtual stages, first to last
+    chunks: tuple[range, ...]  # their decoder layers
+    first: bool
+    last: bool
+    held: tuple[int, ...]  # micro-batches whose activations each chunk holds at the worst moment
+    total: int  # virtual stages in the pipeline (P x V)
+
+    @property
+    def layers(self) -> int:
+        return sum(len(c) for c in self.chunks)
+
+
+def pipeline_problems(spec: TrainSpec, shape: ModelShape) -> list[str]:
+    """What the estimate refuses with a pipeline (spec.validate has checked the rest, the schedule and chunks too)."""
+    p, v, m, problems = spec.pipeline_parallel, spec.chunks, spec.grad_accum, []
+    stage_gpus = spec.world // p
+    if p * v > shape.layers:
+        problems.append(f"{p} pipeline stages x {v} chunks need a decoder layer each and the model has {shape.layers} "
+                        f"({shape.source}): use at most {shape.layers // v} stages (--pipeline-parallel, "
+                        "parallel.pipeline_parallel)")
+    if shape.tied:
+        problems.append(f"the model ties its LM head to its embeddings ({shape.source}), which a pipeline puts on its "
+                        "first and last stages: not modelled")
+    if spec.world % p:
+        problems.append(f"pipeline parallelism {p} must divide the GPUs: {spec.world} ({spec.num_gpus} a node x "
+                        f"{spec.num_nodes}) do not split into {p} stages")
+    elif stage_gpus % spec.num_gpus and spec.num_gpus % stage_gpus:
+        problems.append(f"a pipeline stage of {stage_gpus} GPUs must be whole nodes of {spec.num_gpus} or divide a "
+                        f"node: {spec.world} GPUs in {p} stages straddle nodes unevenly")
+    if spec.strategy not in ("single", "ddp", "fsdp") or (spec.strategy == "ddp" and stage_gpus == 1):
+        problems.append(f"inside a pipeline stage the GPUs run fsdp or ddp (single: one GPU a stage), not "
+                        f"{spec.strategy} on {stage_gpus} GPU(s) a stage: the stages already split the model")
+    if spec.method != "full" or spec.quantize or spec.cpu_offload or spec.tp > 1 or spec.sequence_parallel > 1 \
+            or spec.generations or spec.activation_offload or spec.tiled_mlp:
+        problems.append("pipeline parallelism is modelled for full fine-tuning without LoRA, cpu offload, tensor or "
+                        "sequence parallelism, online RL, activation offload or the tiled MLP (LoRA of a 7B fits one "
+                        "GPU with DDP)")
+    if spec.pipeline_schedule == "1f1b" and m < p:
+        problems.append(f"torch's Schedule1F1B needs at least as many micro-batches as stages: train.grad_accum_steps "
+                        f"{m} < {p} (GPipe takes fewer: --pipeline-schedule gpipe)")
+    if spec.pipeline_schedule == "interleaved_1f1b" and m % interleaved_rounds(p, m):
+        problems.append(f"the interleaved schedule runs {interleaved_rounds(p, m)} rounds of micro-batches here and "
+                        f"needs train.grad_accum_steps ({m}) to be a multiple of them (torch's "
+                        "ScheduleInterleaved1F1B)")
+    return problems
+
+
+def stages_of(shape: ModelShape, spec: TrainSpec) -> list[Stage]:
+    """The P ranks of spec's pipeline on this model (what pipeline_problems finds refused, in one paragraph)."""
+    spec.validate()
+    if problems := pipeline_problems(spec, shape):
+        raise LLMTrainError("cannot estimate this run: " + "; ".join(problems) + ".")
+    p, v = spec.pipeline_parallel, spec.chunks
+    split = stage_layers(shape.layers, p * v)
+    out = []
+    for r in range(p):
+        virtual = tuple(rank_stages(r, p, v))
+        out.append(Stage(r, virtual, tuple(split[s] for s in virtual), r == 0, r == p - 1,
+                         tuple(in_flight(spec.pipeline_schedule, p, spec.grad_accum, r, v)), p * v))
+    return out
+
+
+def stage_shape(shape: ModelShape, stage: Stage, layers: int | None = None) -> ModelShape:
+    """The model as one GPU of `stage` holds it: `layers` decoder layers (its own by default) and the embeddings,
+    final norm and head only where the stage has them, so that params_total counts the stage's parameters."""
+    return replace(shape, layers=stage.layers if layers is None else layers,
+                   params_embed=shape.params_embed if stage.first else 0,
+                   params_head=shape.params_head if stage.last else 0,
+                   params_final_norm=shape.params_final_norm if stage.last else 0)
+
+
+def estimate_run(shape: ModelShape, spec: TrainSpec) -> Estimate:
+    """estimate.estimate for a run without pipeline; with one, the estimate of its worst GPU (pipeline_estimate)."""
+    return estimate(shape, spec) if spec.pipeline_parallel == 1 else pipeline_estimate(shape, spec)
+
+
+def traffic_run(shape: ModelShape, spec: TrainSpec, network: Network = Network()) -> Traffic:
+    """comms.step_traffic for a run without pipeline; with one, its pacing stage's (pipeline_traffic)."""
+    return step_traffic(shape, spec, network) if spec.pipeline_parallel == 1 else \
+        pipeline_traffic(shape, spec, network)
+
+
+def pipeline_estimate(shape: ModelShape, spec: TrainSpec) -> Estimate:
+    """The estimate of the pipeline's worst GPU (the largest peak), with every stage's summary in `pipeline`."""
+    estimates = [stage_estimate(shape, spec, s) for s in stages_of(shape, spec)]
+    worst = max(estimates, key=lambda e: e.per_gpu_peak_bytes)
+    summary = {"stages": [e.pipeline["stage"] for e in estimates], "schedule": spec.pipeline_schedule,
+               "pipeline_parallel": spec.pipeline_parallel, "chunks": spec.chunks, "micro_batches": spec.grad_accum,
+               "stage_gpus": spec.world // spec.pipeline_parallel,
+               "bubble": bubble_fraction(spec.pipeline_parallel, spec.grad_accum, spec.chunks),
+               "worst_stage": worst.pipeline["stage"]["rank"]}
+    return replace(worst, pipeline=summary)
+
+
+def stage_master(spec: TrainSpec) -> int:
+    """Bytes of a trained parameter, its gradient's too: fp32 master weights under FSDP's mixed precision (as
+    states.states), else the storage dtype."""
+    return 4 if (spec.sharded and spec.mixed_precision != "no") else DTYPE_BYTES[spec.dtype]
+
+
+def stage_states(shape: ModelShape, spec: TrainSpec, stage: Stage, modelled: int) -> States:
+    """A full fine-tune's weights, gradients and AdamW state of the stage's parameters (its layers, and the
+    embeddings or the head where it has them) in their master dtype, sharded over the FSDP group inside the stage
+    (spec.shards: world / P); `modelled` of its layers are those estimate's phases walk (grads_layer)."""
+    master = stage_master(spec)
+    layer = shape.params_per_layer * master
+    head = (shape.params_head + shape.params_final_norm) * master if stage.last else 0
+    total = stage_shape(shape, stage).params_total * master
+    shard = spec.shards
+    return States(weights=total // shard, grads=total // shard, grads_head=head // shard,
+                  grads_layer=(layer // shard,) * modelled, optimizer=2 * total // shard,
+                  ddp_buckets=total if spec.strategy == "ddp" else 0, host_offload=0)
+
+
+def stage_estimate(shape: ModelShape, spec: TrainSpec, stage: Stage) -> Estimate:
+    """One GPU of `stage` at its worst moment: estimate.py's phases for one micro-batch through the chunk with the
+    embeddings, the head, or else the most layers (the forward of its last layer, the loss's chunks on the last
+    stage, each layer's backward, the embeddings' backward on the first, the optimizer step), plus, in every phase but
+    the optimizer's, what the other micro-batches in flight keep (each chunk's layers' saved tensors and RoPE; the
+    first chunk the token ids, the last the final norm's and the loss's inputs) and the receive buffers."""
+    c = stage.chunks.index(stage.chunks[-1] if stage.last else stage.chunks[0] if stage.first else
+                           max(stage.chunks, key=len))
+    sub = stage_shape(shape, stage, len(stage.chunks[c]))
+    p = make_pass(sub, spec)
+    L, V, H, ckpt, fsdp = sub.layers, shape.vocab, shape.hidden, spec.grad_checkpointing, spec.sharded
+    amp = p.autocast
+    saved = [act.layer_bytes(p, sub, {}, spec.lora_r)] * L
+    kept = [act.checkpoint_bytes(p, sub)] * L if ckpt else saved
+    first, last = stage.first and c == 0, stage.last and c == len(stage.chunks) - 1  # the modelled chunk's ends
+    rope_ids = act.stream_inputs_bytes(p, sub, embed_trainable=True) if first else act.rope_bytes(p, sub)
+    ends = act.norm_bytes(p, H, trainable=True) + act.loss_input_bytes(p, sub) if last else 0
+    held = in_flight_bytes(p, shape, stage, spec) - (sum(kept) + rope_ids + ends)  # the other micro-batches'
+    buffers = receive_buffer_bytes(p, shape, stage, spec)
+    mask = act.mask_bytes(p)
+    mask_bwd = mask if ckpt else 0
+    # autocast's casts of fp32 weights (not under FSDP's mixed precision): its cache holds every trainable layer's until
+    # the forward returns, checkpointed or not; after it, only what the matmuls saved (none under checkpointing)
+    copies = [sub.linear_params_per_layer * p.cd if p.separate_casts else 0] * L
+    copies_fwd = sum(copies)
+    pd = p.cd if amp else DTYPE_BYTES[spec.dtype]
+    st = stage_states(shape, spec, stage, L)
+    # FSDP inside a stage, by train.fsdp_accumulate. sharded (the default): as without a pipeline, each layer gathered
+    # for its forward and again for its backward (two in flight) and its gradients reduce-scattered every micro-batch.
+    # unsharded: as torch's PipelineStage runs a stage that is an FSDP2 module: every micro-batch's backward with
+    # set_requires_gradient_sync(False) and set_reshard_after_backward(False), one reduce-scatter after the last
+    # (perform_reduce_grad); so from the first backward a GPU holds its stage's whole gradient in fp32 (FSDP2
+    # accumulates unsharded in the reduce dtype) and all its parameters gathered in the compute dtype (torchtitan also
+    # keeps them gathered after forward under a pipeline, reshard_after_forward=False: one all-gather a step).
+    whole_grad = fsdp and spec.fsdp_accumulate == "unsharded"
+    unit = sub.params_per_layer * pd if fsdp else 0
+    gathered = stage_shape(shape, stage).params_total * pd if whole_grad else 2 * unit
+    unit_grads = sub.params_per_layer * (pd + 4 * amp) if fsdp else 0  # a layer's gradients being made
+    # The gradients the rank's other chunks (interleaved) made before this one's backward are held beside it even when
+    # no accumulation holds them (grad_accum 1); the embeddings' come after.
+    embed = shape.params_embed * stage_master(spec) // spec.shards if stage.first else 0
+    others = st.grads - sum(st.grads_layer) - st.grads_head - embed
+    g_acc = st.grads * spec.shards if whole_grad else max(accumulated_grads(spec, st), others)
+    base = dict(weights=st.weights, optimizer=st.optimizer, ddp_buckets=st.ddp_buckets, pipeline_buffers=buffers)
+    acts = sum(kept) + rope_ids + ends + held
+    phases = {"forward": _phase(**base, gradients=g_acc, autocast_copies=copies_fwd,
+                                activations=sum(kept) + rope_ids + held + mask, fsdp_buffers=gathered,
+                                temporaries=act.layer_forward_temp(p, sub, {}))}
+    if last:
+        phases.update(_loss_phases(
+            p, sub, spec, st, head_copies=V * H * p.cd if p.separate_casts else 0,
+            tail=gathered if whole_grad else (V * H + shape.params_final_norm) * pd if fsdp else 0,
+            fsdp_head=V * H * pd if fsdp else 0,
+            forward=dict(**base, gradients=g_acc, autocast_copies=copies_fwd, activations=acts + mask),
+            backward=dict(**base, gradients=g_acc, autocast_copies=0 if ckpt else sum(copies),
+                          activations=acts + mask_bwd), head_adapter_r=0))
+    mlp = [x.numel for x in sub.layer_linears if x.name.startswith("mlp.")]
+    attn = [x.numel for x in sub.layer_linears if not x.name.startswith("mlp.")]
+    temps = (max(mlp) * p.cd, max(attn) * p.cd) if p.separate_casts else (0, 0)  # a 16-bit weight gradient
+    phases["backward_layers"] = _backward_layers(
+        p, sub, spec, st, None, base, adapted=[{}] * L, saved=saved, kept=kept, on_gpu=kept, copies=copies,
+        below_all=rope_ids + mask_bwd + held, g_acc=g_acc, temps=temps,
+        fsdp_buffers=gathered + 2 * unit_grads, embed_trains=True)
+    if first:
+        phases["backward_embedding"] = _phase(**base, gradients=max(g_acc, st.grads),
+                                              temporaries=p.tokens * H * p.resid,
+                                              fsdp_buffers=(gathered if whole_grad else V * H * pd) + V * H * pd
+                                              if fsdp else 0)
+    if whole_grad:  # the step's one reduce-scatter, unit by unit: the whole gradient, its shards, a unit's flat copy
+        phases["reduce_gradients"] = _phase(**base, gradients=g_acc + st.grads, fsdp_buffers=gathered,
+                                            temporaries=unit_grads)
+    phases["optimizer_step"] = _phase(**base, gradients=st.grads)
+    whole = stage_shape(shape, stage)
+    est = _finish(whole, spec, None, st, phases, notes=_notes(sub, spec, p) + stage_notes(shape, spec))
+    state = st.weights + st.grads + st.optimizer + st.ddp_buckets
+    summary = {"rank": stage.rank, "virtual_stages": list(stage.virtual),
+               "layers": [[r.start, r.stop] for r in stage.chunks], "embedding": stage.first, "head": stage.last,
+               "in_flight": list(stage.held), "params": whole.params_total, "state_bytes": state,
+               "in_flight_activation_bytes": in_flight_bytes(p, shape, stage, spec), "receive_buffer_bytes": buffers,
+               "per_gpu_peak_bytes": est.per_gpu_peak_bytes, "peak_phase": est.peak_phase}
+    return replace(est, pipeline={"stage": summary})
+
+
+def chunk_bytes(p: act.Pass, shape: ModelShape, stage: Stage, k: int, ckpt: bool) -> int:
+    """What one micro-batch leaves saved in chunk k of `stage` after its forward: each layer's saved tensors (with
+    checkpointing its input; a later virtual stage's first input is its receive buffer, counted there), RoPE (each
+    stage makes its own), the token ids on the first virtual stage, the final norm's and loss's inputs on the last."""
+    sub = replace(shape, layers=len(stage.chunks[k]))
+    per_layer = act.checkpoint_bytes(p, sub) if ckpt else act.layer_bytes(p, sub, {}, 0)
+    s = stage.virtual[k]
+    own = per_layer * sub.layers - (per_layer if ckpt and s > 0 else 0)
+    ends = act.norm_bytes(p, shape.hidden, trainable=True) + act.loss_input_bytes(p, shape) \
+        if s == stage.total - 1 else 0
+    return own + (act.stream_inputs_bytes(p, sub, embed_trainable=True) if s == 0 else act.rope_bytes(p, sub)) + ends
+
+
+def in_flight_bytes(p: act.Pass, shape: ModelShape, stage: Stage, spec: TrainSpec) -> int:
+    """The activations the stage's schedule holds at once: chunk_bytes x the micro-batches in flight, every chunk."""
+    return sum(n * chunk_bytes(p, shape, stage, k, spec.grad_checkpointing) for k, n in enumerate(stage.held))
+
+
+def receive_buffer_bytes(p: act.Pass, shape: ModelShape, stage: Stage, spec: TrainSpec) -> int:
+    """torch's PipelineStage allocates, before the first step, one receive buffer per micro-batch (tokens x hidden in
+    the stream dtype) for the activations (every virtual stage but the first) and one for the gradients (every one
+    but the last): 2 M buffers a middle stage."""
+    ends = sum((s > 0) + (s < stage.total - 1) for s in stage.virtual)
+    return ends * spec.grad_accum * p.tokens * shape.hidden * p.resid
+
+
+def stage_notes(shape: ModelShape, spec: TrainSpec) -> tuple[str, ...]:
+    b = bubble_fraction(spec.pipeline_parallel, spec.grad_accum, spec.chunks)
+    return ((f"pipeline of {spec.pipeline_parallel} stages ({spec.pipeline_schedule}, {spec.chunks} chunk(s) a GPU, "
+             f"{spec.grad_accum} micro-batches a step: bubble {b:.1%}), each stage "
+             f"{spec.world // spec.pipeline_parallel} GPU(s) running {spec.strategy}; the worst stage's GPU is shown"),)
+
+
+# --------------------------------------------------------------------------- time
+
+
+def crosses_nodes(spec: TrainSpec, a: int, b: int) -> bool:
+    """Whether pipeline ranks a and b (their GPUs of the same place in the stage group) are on different nodes."""
+    d = spec.world // spec.pipeline_parallel
+    return (a * d) // spec.num_gpus != (b * d) // spec.num_gpus
+
+
+def stage_traffic(shape: ModelShape, spec: TrainSpec, stage: Stage, network: Network) -> Traffic:
+    """One GPU of `stage`: the collectives of the strategy inside its group of D GPUs over the stage's parameters
+    (comms.traffic on the stage's model), its compute (the stage's layers, and the head on the last, for M
+    micro-batches), and its boundary sends: per micro-batch and virtual stage, its output to the next stage (forward)
+    and its input's gradient to the previous one (backward), each tokens x hidden in the stream dtype."""
+    d, g = spec.world // spec.pipeline_parallel, spec.num_gpus
+    group = spec.but(pipeline_parallel=1, num_gpus=min(d, g), num_nodes=max(1, d // g),
+                     strategy=spec.strategy if d > 1 else "single")
+    whole = stage_shape(shape, stage)
+    trainable = whole.params_total * stage_master(spec)
+    if spec.sharded and spec.fsdp_accumulate == "unsharded":  # once a step each (stage_estimate: torch's PipelineStage)
+        g = gathered_bytes(whole, group, trained_params=whole.params_total)
+        inside = parts_of(group, (
+            Collective("all-gather of the stage's parameters, once a step (kept gathered through its micro-batches)",
+                       "all_gather", g.resharded + g.tail, d, "job"),
+            Collective("reduce-scatter of the stage's gradients, once a step (after its last micro-batch)",
+                       "reduce_scatter", trainable, d, "job")))
+    else:
+        inside = traffic(whole, group, trained_params=whole.params_total, trainable_bytes=trainable,
+                         network=network).parts
+    flops = sum(step_flops(replace(shape, layers=len(c)), spec, 1.0) for c in stage.chunks)
+    flops -= (len(stage.chunks) - stage.last) * spec.tokens * spec.grad_accum * shape.vocab * shape.hidden * 6
+    p = make_pass(shape, spec)
+    send = float(p.tokens * shape.hidden * p.resid)
+    intra = inter = 0.0
+    for s in stage.virtual:
+        for other in (s - 1, s + 1):  # backward's gradient to the previous stage, forward's output to the next
+            if 0 <= other < stage.total:
+                nbytes = spec.grad_accum * send
+                if crosses_nodes(spec, stage.rank, other % spec.pipeline_parallel):
+                    inter += nbytes
+                else:
+                    intra += nbytes
+    links = "across nodes" if inter and not intra else "within the node" if intra and not inter else "both"
+    part = ((f"point-to-point sends at the stage boundaries ({links}): forward activations and backward gradients, "
+             f"{spec.grad_accum} micro-batches"), intra, inter)
+    info = PipelineTraffic(spec.pipeline_parallel, spec.chunks, spec.grad_accum, stage.rank, send, intra, inter,
+                           bubble_fraction(spec.pipeline_parallel, spec.grad_accum, spec.chunks))
+    compute = flops / (network.peak_tflops * 1e12 * network.mfu)
+    return Traffic(inside + (part,), compute, network, pipeline=info)
+
+
+def pipeline_traffic(shape: ModelShape, spec: TrainSpec, network: Network = Network()) -> Traffic:
+    """The traffic of the stage that paces the pipeline: the longest slot, its compute or its collectives
+    (overlapped) and then its sends (torch's schedules wait for them before the next micro-batch)."""
+    each = [stage_traffic(shape, spec, s, network) for s in stages_of(shape, spec)]
+    return max(each, key=lambda t: max(t.compute_s, t.collectives_s) + t.pipeline.p2p_s(network))
+
+
+def same_batch(spec: TrainSpec, strategy: str) -> TrainSpec | None:
+    """The pipeline's run as a data-parallel one on the same GPUs, at the same global batch: P times the data ranks,
+    so grad_accum / P micro-batches each (None where P does not divide it)."""
+    p = spec.pipeline_parallel
+    if spec.grad_accum % p:
+        return None
+    return spec.but(pipeline_parallel=1, pipeline_schedule="1f1b", pipeline_chunks=None, strategy=strategy,
+                    grad_accum=spec.grad_accum // p)
+
+
+def compared(shape: ModelShape, spec: TrainSpec, network: Network) -> list[tuple[str, Estimate, Traffic]]:
+    """The pipeline beside FSDP and HSDP (HSDP where there are nodes to replicate over) on the same GPUs at the same
+    global batch: (label, estimate, traffic) each, the pipeline first."""
+    rows = [(f"pipeline {spec.pipeline_parallel} x {spec.strategy} {spec.world // spec.pipeline_parallel}",
+             pipeline_estimate(shape, spec), pipeline_traffic(shape, spec, network))]
+    for strategy in ("fsdp", "hsdp") if spec.num_nodes > 1 and spec.num_gpus > 1 else ("fsdp",):
+        other = same_batch(spec, strategy)
+        if other is not None:
+            rows.append((f"{strategy} {spec.world}", estimate(shape, other), step_traffic(shape, other, network)))
+    return rows
+
+
+def gib(n: int) -> str:
+    return f"{n / GIB:,.2f}"

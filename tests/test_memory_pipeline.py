@@ -1,0 +1,301 @@
+"""estimate-memory with pipeline parallelism (--pipeline-parallel P): the stage split, the schedules' bubble and
+micro-batches in flight (checked against torch's own interleaved schedule), per-stage memory and parameters, the
+boundary's bytes, the step time, the CLI's stages, --fit across nodes, the refusals, and docs/scaling.md's table."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import shlex
+import subprocess
+import sys
+from itertools import pairwise
+from types import SimpleNamespace
+
+import pytest
+from conftest import REPO
+from helpers import estimate_memory
+
+from llmtrain.errors import LLMTrainError
+from llmtrain.memory.comms import Network, step_flops
+from llmtrain.memory.estimate import estimate, make_pass
+from llmtrain.memory.params import load_model_shape
+from llmtrain.memory.pipeline import (
+    Stage,
+    chunk_bytes,
+    pipeline_estimate,
+    pipeline_traffic,
+    stage_estimate,
+    stage_shape,
+    stage_states,
+    stage_traffic,
+    stages_of,
+)
+from llmtrain.memory.spec import MIB, TrainSpec
+from llmtrain.parallel.stages import bubble_fraction, in_flight, rank_stages, stage_layers, virtual_stage_rank
+
+LLAMA = load_model_shape("llama-2-7b")
+FULL = dict(dtype="float32", mixed_precision="bf16", grad_checkpointing=True, strategy="fsdp", num_gpus=8,
+            micro_batch_tokens=4096, seq_len=4096)
+
+
+def spec(**kw) -> TrainSpec:
+    return TrainSpec(**{**FULL, "num_nodes": 2, "pipeline_parallel": 2, "grad_accum": 4, **kw})
+
+
+def test_the_split_is_contiguous_balanced_and_weighs_the_embeddings_and_the_head():
+    assert stage_layers(32, 2) == [range(16), range(16, 32)]  # 1 + 16 and 16 + 1 layers of cost
+    assert [len(r) for r in stage_layers(32, 4)] == [7, 8, 9, 8]  # costs 8, 8, 9, 9: the least worst, then even
+    assert [len(r) for r in stage_layers(5, 2)] == [2, 3]  # 3 and 4 (3 + 3 and 2 + 2 + 1 would give a worst of 4)
+    assert [len(r) for r in stage_layers(32, 4, head_cost=2.4)] == [8, 9, 9, 6]  # Llama-3-8B's heavier head
+    for layers, stages in [(32, 3), (32, 8), (40, 5), (3, 3), (80, 16)]:
+        split = stage_layers(layers, stages)
+        assert split[0].start == 0 and split[-1].stop == layers and all(len(r) >= 1 for r in split)
+        assert all(a.stop == b.start for a, b in pairwise(split))
+    with pytest.raises(ValueError, match="need at least one decoder layer each"):
+        stage_layers(3, 4)
+    assert [virtual_stage_rank(s, 4) for s in range(8)] == [0, 1, 2, 3, 0, 1, 2, 3] and rank_stages(1, 4, 2) == [1, 5]
+
+
+def test_the_bubble():
+    assert bubble_fraction(2, 4) == 1 / 5 and bubble_fraction(4, 8) == 3 / 11 and bubble_fraction(1, 8) == 0
+    assert bubble_fraction(4, 8, chunks=2) == 3 / 19  # the idle (P-1) slots of 1/V a stage's time: (P-1)/(VM+P-1)
+    assert bubble_fraction(4, 1) == 3 / 4  # GPipe with one micro-batch: plain model parallelism, busy 1/P
+
+
+def test_micro_batches_in_flight_for_gpipe_and_1f1b():
+    assert [in_flight("gpipe", 4, 8, r) for r in range(4)] == [[8]] * 4
+    assert [in_flight("1f1b", 4, 8, r) for r in range(4)] == [[4], [3], [2], [1]]
+    assert [in_flight("1f1b", 4, 2, r) for r in range(4)] == [[2], [2], [2], [1]]
+
+
+@pytest.mark.parametrize(("stages", "micro_batches", "chunks"), [(4, 8, 2), (2, 4, 2), (4, 4, 3), (2, 6, 2), (4, 3, 2)])
+def test_interleaved_in_flight_is_what_torchs_schedule_holds(stages, micro_batches, chunks):
+    """torch's ScheduleInterleaved1F1B's own op list for each rank (its _calculate_single_rank_operations, run on a
+    stand-in for the schedule: no process group), walked: forwards minus full backwards held, at most, per chunk."""
+    from torch.distributed.pipelining.schedules import ScheduleInterleaved1F1B, _ComputationType
+
+    rounds = max(1, micro_batches // stages)
+    fake = SimpleNamespace(n_local_stages=chunks, pp_group_size=stages, _n_microbatches=micro_batches,
+                           number_of_rounds=rounds, microbatches_per_round=micro_batches // rounds)
+    for rank in range(stages):
+        ops = ScheduleInterleaved1F1B._calculate_single_rank_operations(fake, rank)
+        held, most = [0] * chunks, 0
+        for op in ops:
+            if op is None:
+                continue
+            k = op.stage_index // stages
+            if op.computation_type == _ComputationType.FORWARD:
+                held[k] += 1
+            elif op.computation_type == _ComputationType.FULL_BACKWARD:
+                held[k] -= 1
+            if sum(held) > most:
+                most, at = sum(held), list(held)
+        assert in_flight("interleaved_1f1b", stages, micro_batches, rank, chunks) == at, rank
+
+
+@pytest.mark.parametrize(("schedule", "micro_batches", "chunks", "stages"),
+                         [("1f1b", 8, 1, 4), ("gpipe", 3, 1, 2), ("interleaved_1f1b", 6, 2, 3)])
+def test_in_flight_is_what_torchs_schedules_hold_when_they_run(schedule, micro_batches, chunks, stages, free_port,
+                                                               tmp_path):
+    """torch's own schedules run on gloo (tests/pipeline_probe.py: stages of one linear layer, their second step), as
+    `torch.distributed.run` launches them:
+    per rank and chunk, the micro-batches whose forward has run and whose backward has not begun, at the worst
+    moment, are in_flight's."""
+    subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(stages), "--master_port",
+                    str(free_port), str(REPO / "tests" / "pipeline_probe.py"), schedule, str(micro_batches),
+                    str(chunks), str(tmp_path)], check=True, capture_output=True, env={**os.environ,
+                                                                                          "OMP_NUM_THREADS": "1"})
+    got = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(stages)]
+    assert got == [in_flight(schedule, stages, micro_batches, r, chunks) for r in range(stages)]
+
+
+@pytest.mark.parametrize(("p", "schedule", "chunks"), [(2, "1f1b", None), (4, "1f1b", None),
+                                                       (2, "interleaved_1f1b", 2)])
+def test_stage_parameters_sum_to_the_model(p, schedule, chunks):
+    s = spec(num_nodes=p, pipeline_parallel=p, pipeline_schedule=schedule, pipeline_chunks=chunks)
+    stages = stages_of(LLAMA, s)
+    assert sum(stage_shape(LLAMA, st).params_total for st in stages) == LLAMA.params_total
+    assert sorted(layer for st in stages for c in st.chunks for layer in c) == list(range(32))
+    est = pipeline_estimate(LLAMA, s)
+    assert sum(x["params"] for x in est.pipeline["stages"]) == LLAMA.params_total
+    # each GPU's state: its stage's parameters in fp32 master weights, gradients and 2 AdamW moments over 8 shards
+    for st, x in zip(stages, est.pipeline["stages"]):
+        assert x["state_bytes"] == pytest.approx(stage_shape(LLAMA, st).params_total * 16 / 8, abs=8)
+    assert est.per_gpu_peak_bytes == max(x["per_gpu_peak_bytes"] for x in est.pipeline["stages"])
+
+
+@pytest.mark.parametrize("layout", [dict(strategy="fsdp", num_gpus=8), dict(strategy="fsdp", num_gpus=8, grad_accum=4),
+                                    dict(strategy="ddp", num_gpus=8), dict(strategy="single", num_gpus=1)])
+@pytest.mark.parametrize("ckpt", [True, False])
+def test_one_stage_holding_the_whole_model_is_the_estimates_model_phase_by_phase(layout, ckpt):
+    """The stage model reuses estimate.py's phases: a stage of every layer with the embeddings and the head, one
+    micro-batch in flight and no neighbour (no receive buffers) is the whole model's estimate, part by part."""
+    s = TrainSpec(**{**FULL, "grad_checkpointing": ckpt, **layout})
+    whole = Stage(0, (0,), (range(32),), True, True, (1,), 1)
+    got, want = stage_estimate(LLAMA, s, whole), estimate(LLAMA, s)
+    assert got.phase_parts == want.phase_parts and got.per_gpu_peak_bytes == want.per_gpu_peak_bytes
+    assert got.params_total == want.params_total
+
+
+def test_unsharded_accumulation_is_how_torchs_pipeline_stage_runs_an_fsdp_stage():
+    """train.fsdp_accumulate=unsharded: torch's PipelineStage turns FSDP's gradient sync and resharding off in every
+    micro-batch's backward and reduce-scatters once after the last. A GPU of stage 0 then holds its stage's whole
+    gradient in fp32 and its parameters gathered in bf16, and sends one all-gather and one reduce-scatter a step
+    (7/8 of each over the 8 GPUs of its node); sharded holds 1/8 of the gradient and gathers twice a micro-batch."""
+    s = spec(fsdp_accumulate="unsharded")
+    zero = stages_of(LLAMA, s)[0]
+    n = stage_shape(LLAMA, zero).params_total
+    est = stage_estimate(LLAMA, s, zero)
+    assert est.breakdown["gradients"] >= n * 4 and est.breakdown["fsdp_buffers"] >= n * 2
+    assert est.phase_parts["reduce_gradients"]["gradients"] == n * 4 + n * 4 // 8
+    sharded = stage_estimate(LLAMA, spec(), zero)
+    assert sharded.breakdown["gradients"] <= n * 4 // 8 + 8 and "reduce_gradients" not in sharded.phase_parts
+    net = Network()
+    gather, scatter, _ = stage_traffic(LLAMA, s, zero, net).parts
+    assert gather[1:] == (pytest.approx(7 / 8 * n * 2), 0) and scatter[1:] == (pytest.approx(7 / 8 * n * 4), 0)
+    per_micro_batch = stage_traffic(LLAMA, spec(), zero, net).parts
+    assert per_micro_batch[0][1] == pytest.approx(4 * 2 * 7 / 8 * n * 2)  # 4 micro-batches, forward and backward
+
+
+def test_the_stages_compute_adds_up_to_the_models():
+    """Each stage's FLOPs (its layers, the head on the last) over M micro-batches sum to the whole model's step."""
+    net = Network()
+    for p in (2, 4):
+        sp = spec(num_nodes=p, pipeline_parallel=p)
+        total = sum(stage_traffic(LLAMA, sp, st, net).compute_s for st in stages_of(LLAMA, sp))
+        assert total == pytest.approx(step_flops(LLAMA, sp, 1.0) / (net.peak_tflops * 1e12 * net.mfu))
+
+
+def test_activations_in_flight_per_stage_by_hand():
+    """Checkpointing, 4,096 tokens, 1F1B on 2 stages of 16 layers, M = 4: stage 0 holds 2 micro-batches, each 16
+    layer inputs (4,096 x 4,096 x 2 bytes: bf16 under FSDP's mixed precision), RoPE (2 x 4,096 x 128 x 2) and the
+    token ids (4,096 x 8); stage 1 holds 1: 15 layer inputs (the first is its receive buffer), RoPE, the final norm's
+    (its fp32 input, rsqrt, and the bf16 normalised input for its weight's gradient) and the loss's input (the 4,095
+    positions with a next token x (4,096 x 2 + 16)). Receive buffers: 4 micro-batches x 32 MiB."""
+    s = spec()
+    stages = stages_of(LLAMA, s)
+    p = make_pass(LLAMA, s)
+    t, h = 4096, 4096
+    layer_input, rope = t * h * 2, 2 * t * 128 * 2
+    first = 16 * layer_input + rope + t * 8
+    assert p.loss_tokens == t - 1
+    last = 15 * layer_input + rope + t * h * (4 + 2) + t * 4 + (t - 1) * (h * 2 + 16)
+    assert (chunk_bytes(p, LLAMA, stages[0], 0, True), chunk_bytes(p, LLAMA, stages[1], 0, True)) == (first, last)
+    est = pipeline_estimate(LLAMA, s)
+    a, b = est.pipeline["stages"]
+    assert (a["in_flight"], b["in_flight"]) == ([2], [1])
+    assert (a["in_flight_activation_bytes"], b["in_flight_activation_bytes"]) == (2 * first, last)
+    assert a["receive_buffer_bytes"] == b["receive_buffer_bytes"] == 4 * 32 * MIB
+    gpipe = pipeline_estimate(LLAMA, s.but(pipeline_schedule="gpipe")).pipeline["stages"]
+    assert (gpipe[0]["in_flight_activation_bytes"], gpipe[1]["in_flight_activation_bytes"]) == (4 * first, 4 * last)
+    # stage 0's peak is its one-micro-batch peak plus the other micro-batches it holds: GPipe's 3 are 2 more than 1F1B's
+    g = s.but(pipeline_schedule="gpipe")
+    gpipe0 = stage_estimate(LLAMA, g, stages_of(LLAMA, g)[0])
+    one0 = stage_estimate(LLAMA, s, stages[0])
+    assert gpipe0.peak_phase == one0.peak_phase == "backward_layers"
+    assert gpipe0.per_gpu_peak_allocated_bytes - one0.per_gpu_peak_allocated_bytes == 2 * first
+    assert stage_states(LLAMA, s, stages[1], 16).grads_head == (LLAMA.params_head + LLAMA.params_final_norm) * 4 // 8
+
+
+def test_the_boundary_sends_and_the_step_time_by_hand():
+    """A boundary send is 4,096 tokens x 4,096 hidden x 2 bytes = 32 MiB; the last stage sends each micro-batch's
+    input gradient back (4 a step) across the nodes; step = (max(compute, collectives) + sends) / (1 - 1/5)."""
+    net = Network(inter_gbps=12.5)
+    t = pipeline_traffic(LLAMA, spec(), net)
+    pp = t.pipeline
+    assert pp.send_bytes == 4096 * 4096 * 2 == 32 * MIB
+    assert (pp.rank, pp.p2p_intra, pp.p2p_inter) == (1, 0, 4 * 32 * MIB)
+    assert pp.p2p_s(net) == 4 * 32 * MIB * 8 / 12.5e9 and pp.bubble == 0.2
+    assert t.step_s == pytest.approx((max(t.compute_s, t.collectives_s) + pp.p2p_s(net)) / 0.8)
+    assert t.collectives_s == pytest.approx(t.intra_s)  # FSDP inside a node: NVLink only
+    # 4 stages on 2 nodes: stages 0-1 on node 0, 2-3 on node 1; stage 1 sends forward across, backward within
+    four = pipeline_traffic(LLAMA, spec(pipeline_parallel=4), net)
+    stages = {s.rank: s for s in stages_of(LLAMA, spec(pipeline_parallel=4))}
+    assert four.pipeline.rank in stages
+    mid = stage_traffic(LLAMA, spec(pipeline_parallel=4), stages[1], net).pipeline
+    assert (mid.p2p_intra, mid.p2p_inter) == (4 * 32 * MIB, 4 * 32 * MIB)
+
+
+def test_the_cli_names_each_stage_and_compares_with_hsdp():
+    args = ("--model", "llama-2-7b", "--mixed-precision", "bf16", "--grad-checkpointing", "--micro-batch-tokens",
+            "4096", "--seq-len", "4096", "--grad-accum", "8", "--num-gpus", "8", "--num-nodes", "4", "--strategy",
+            "fsdp", "--pipeline-parallel", "4")
+    text = " ".join(estimate_memory(*args).stdout.split())
+    for rank, layers in enumerate(["0-6", "7-14", "15-23", "24-31"]):
+        assert f"stage {rank}" in text and f" {layers} " in text
+    assert "bubble 27.3%" in text and "hsdp 32" in text and "fsdp 32" in text
+    got = json.loads(estimate_memory(*args, "--json", "--inter-gbps", "12.5").stdout)
+    assert [(s["embedding"], s["head"]) for s in got["pipeline"]["stages"]] == \
+        [(True, False), (False, False), (False, False), (False, True)]
+    assert [s["in_flight"] for s in got["pipeline"]["stages"]] == [[4], [3], [2], [1]]
+    layouts = {r["layout"]: r["step_s"] for r in got["pipeline_compared"]}
+    assert layouts["pipeline 4 x fsdp 8"] < layouts["hsdp 32"] < layouts["fsdp 32"]
+    assert got["communication"]["pipeline"]["boundary_send_bytes"] == 32 * MIB
+
+
+def test_fit_offers_a_pipeline_across_nodes_where_it_is_the_fastest():
+    """recipes/llama7b.yaml on 2 nodes of 8: over one 100 Gb/s Ethernet card a node the pipeline of the two nodes
+    is the fastest that fits; over InfiniBand HSDP stays the answer."""
+    ethernet = json.loads(estimate_memory(str(REPO / "recipes" / "llama7b.yaml"), "--num-gpus", "8", "--num-nodes",
+                                          "2", "--fit", "--inter-gbps", "12.5", "--json").stdout)["fit"]
+    assert "parallel.pipeline_parallel=2" in ethernet["overrides"]
+    assert ethernet["best"]["pipeline"]["pipeline_parallel"] == 2 and ethernet["best"]["fits"]
+    assert any(c["pipeline_parallel"] == 2 for c in ethernet["candidates"])
+    infiniband = json.loads(estimate_memory(str(REPO / "recipes" / "llama7b.yaml"), "--num-gpus", "8", "--num-nodes",
+                                            "2", "--fit", "--json").stdout)["fit"]
+    assert not any(o.startswith("parallel.pipeline") for o in infiniband["overrides"])
+
+
+@pytest.mark.parametrize(("args", "message"), [
+    (("--pipeline-parallel", "33", "--num-gpus", "33"),
+     "33 pipeline stages x 1 chunks need a decoder layer each and the model has 32"),
+    (("--pipeline-parallel", "2", "--pipeline-chunks", "2"), "2 pipeline chunks (stages a GPU) need the interleaved"),
+    (("--pipeline-parallel", "2", "--pipeline-schedule", "interleaved_1f1b", "--pipeline-chunks", "1"),
+     "the interleaved schedule runs at least 2 stages a GPU"),
+    (("--pipeline-parallel", "3"), "pipeline parallelism 3 must divide the GPUs: 16"),
+    (("--pipeline-parallel", "4", "--grad-accum", "2"), "Schedule1F1B needs at least as many micro-batches as stages"),
+    (("--pipeline-parallel", "2", "--method", "lora"), "pipeline parallelism is modelled for full fine-tuning"),
+])
+def test_bad_pipeline_flags_are_refused_in_one_paragraph(args, message):
+    base = ("--model", "llama-2-7b", "--strategy", "fsdp", "--num-gpus", "8", "--num-nodes", "2")
+    if "--num-gpus" in args:
+        base = ("--model", "llama-2-7b", "--strategy", "fsdp")
+    out = estimate_memory(*base, *args, check=False)
+    text = " ".join((out.stdout + out.stderr).split())
+    assert out.returncode == 2 and message in text and "Traceback" not in text
+
+
+def test_the_refusals_are_collected_into_one_paragraph():
+    with pytest.raises(LLMTrainError, match="inside a pipeline stage the GPUs run fsdp or ddp .*; pipeline "
+                                            "parallelism is modelled for full fine-tuning"):
+        pipeline_estimate(LLAMA, spec(strategy="hsdp", method="lora"))
+    with pytest.raises(LLMTrainError, match="multiple of them"):
+        pipeline_estimate(LLAMA, spec(pipeline_schedule="interleaved_1f1b", grad_accum=5))
+    with pytest.raises(LLMTrainError, match="need the interleaved schedule"):  # chunks without a pipeline too
+        spec(pipeline_parallel=1, pipeline_chunks=2).validate()
+    with pytest.raises(ValueError, match="estimate_run"):  # never a pipeline estimated as one model
+        estimate(LLAMA, spec())
+
+
+def test_the_scaling_doc_shows_the_pipeline_table():
+    table = importlib.util.spec_from_file_location("pipeline_table", REPO / "benchmarks" / "pipeline_table.py")
+    module = importlib.util.module_from_spec(table)
+    table.loader.exec_module(module)
+    doc = (REPO / "docs" / "scaling.md").read_text()
+    for line in module.rows():
+        assert line in doc, f"docs/scaling.md is out of date (python benchmarks/pipeline_table.py): {line}"
+
+
+def test_the_scaling_doc_shows_what_the_command_prints():
+    """docs/scaling.md's pipeline example is the command's output from its stages table on, 120 columns wide."""
+    doc = (REPO / "docs" / "scaling.md").read_text()
+    command = next(line.strip() for line in doc.splitlines() if "--pipeline-parallel 2" in line
+                   and line.strip().startswith("llmtrain estimate-memory"))
+    shown = doc.split(command, 1)[1].split("```\n", 1)[1].split("```", 1)[0]
+    env = {**os.environ, "COLUMNS": "120"}
+    out = subprocess.run([sys.executable, "-m", "llmtrain", *shlex.split(command)[1:]], cwd=REPO, env=env,
+                         capture_output=True, text=True, check=True).stdout
+    printed = out[out.index("Pipeline stages"):]
+    assert [line.rstrip() for line in printed.splitlines()] == shown.rstrip("\n").splitlines()
