@@ -639,6 +639,14 @@ class Recipe(Section):
             raise ValueError(f"{key} sends each micro-batch's hidden states between stages in buffers of one fixed "
                              "shape: every micro-batch is one packed row of train.micro_batch_tokens slots (padded "
                              "to it). Set train.micro_batch_tokens (e.g. 4096) instead of train.micro_batch_size")
+        m, schedule = self.train.grad_accum_steps, self.parallel.pipeline_schedule
+        if schedule != "gpipe" and m < p:
+            raise ValueError(f"{key} with pipeline_schedule={schedule}: torch's schedule needs at least as many "
+                             f"micro-batches a step as stages, and train.grad_accum_steps={m}. Set "
+                             f"train.grad_accum_steps to {p} or more (more shrink the bubble), or use gpipe")
+        if schedule == "interleaved_1f1b" and m % max(1, m // p):
+            raise ValueError(f"{key} with interleaved_1f1b runs {max(1, m // p)} rounds of micro-batches, which "
+                             f"train.grad_accum_steps={m} does not divide into: set it to a multiple of {p}")
         if self.data.eval_split is not None and self.train.eval_batch_size is not None:
             raise ValueError(f"{key} evaluates through the stages in rows of train.micro_batch_tokens slots, as it "
                              "trains (one fixed shape): unset train.eval_batch_size")

@@ -29,7 +29,7 @@ from llmtrain.data.batching import collate, fixed_row, with_loss_positions
 from llmtrain.data.formats import IGNORE
 from llmtrain.errors import LLMTrainError
 from llmtrain.parallel import pipeline
-from llmtrain.parallel.pipeline import stage_layers
+from llmtrain.parallel.stages import stage_layers
 
 CPU_DDP = REPO / "accelerate_configs" / "cpu_ddp.yaml"
 # Packed rows of several examples (the tiny task's are 10 to 16 tokens): a budget of 64 holds 4 or 5 of them.
@@ -53,7 +53,7 @@ def test_the_split_keeps_every_layer_once_in_order_and_balances_with_embedding_a
 
 
 def test_more_stages_than_layers_is_refused():
-    with pytest.raises(LLMTrainError, match="fewer than the 3 pipeline stages"):
+    with pytest.raises(ValueError, match="3 pipeline stages need at least one decoder layer each"):
         stage_layers(2, 3)
 
 
@@ -80,6 +80,8 @@ def test_every_row_has_the_budgets_shape_and_trains_what_the_packed_batch_trains
     (["parallel.pipeline_chunks=2"], "only interleaved_1f1b"),
     (["parallel.sequence_parallel=2"], "do not compose"),
     (["train.mixed_precision=fp16"], "bf16"),
+    (["train.grad_accum_steps=1"], "at least as many micro-batches a step as stages"),
+    (["train.grad_accum_steps=5", "parallel.pipeline_schedule=interleaved_1f1b"], "a multiple of 2"),
 ])
 def test_recipes_a_pipeline_cannot_run_are_refused_naming_the_key(tiny_assets, tmp_path, overrides, says):
     recipe = write_recipe(tiny_assets, tmp_path, **PIPE)

@@ -27,7 +27,8 @@ from llmtrain.errors import LLMTrainError
 from llmtrain.model.attention import NAME as VARLEN
 from llmtrain.model.loss import causal_lm
 from llmtrain.model.stages import Elsewhere, Stage, cut_points, skeleton
-from llmtrain.parallel.pipeline import clip_grad_norm_, pipeline_group, stage_layers, sum_replicas
+from llmtrain.parallel.pipeline import clip_grad_norm_, pipeline_group, sum_replicas
+from llmtrain.parallel.stages import rank_stages, stage_layers
 
 SCHEDULES = {"gpipe": "ScheduleGPipe", "1f1b": "Schedule1F1B", "interleaved_1f1b": "ScheduleInterleaved1F1B"}
 
@@ -58,8 +59,11 @@ class Pipeline:
                 "varlen attention (the boundaries travel to every stage); set model.attn_implementation=auto or varlen")
         chunks = parallel.stages_per_rank
         total = g.size * chunks
-        ranges = stage_layers(config.num_hidden_layers, total)
-        mine = [g.rank + k * g.size for k in range(chunks)]  # torch's loop order: virtual stage s on rank s % P
+        try:
+            ranges = stage_layers(config.num_hidden_layers, total)
+        except ValueError as e:
+            raise LLMTrainError(f"{e}: lower parallel.pipeline_parallel (or pipeline_chunks)") from None
+        mine = rank_stages(g.rank, g.size, chunks)  # torch's loop order: virtual stage s on rank s % P
         self.modules = [Stage(lm, ranges[s], first=s == 0, last=s == total - 1, precision=precision) for s in mine]
         self.precision = precision
         kept = {i for s in mine for i in ranges[s]}

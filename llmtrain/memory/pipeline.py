@@ -7,9 +7,9 @@ runs the decoder layers parallel.stages.stage_layers gives rank r (interleaved: 
 D, or DDP) shards or replicates the group's parameters, each GPU training its own micro-batches (D data-parallel
 ranks, each a pipeline of M = grad_accum micro-batches a step). A GPU's peak is its stage's one-micro-batch peak
 (estimate.py's phases on the stage's layers) plus the activations of the other micro-batches its schedule holds
-(stages.in_flight) and torch's receive buffers; the worst GPU decides the fit. FSDP inside a stage follows
-train.fsdp_accumulate: sharded (the default) as without a pipeline, unsharded as torch's PipelineStage runs an FSDP2
-stage (stage_estimate).
+(stages.in_flight) and torch's receive buffers; the worst GPU decides the fit. FSDP inside a stage: stage_estimate
+follows train.fsdp_accumulate (sharded as without a pipeline, unsharded as torch's PipelineStage runs an FSDP2 stage);
+a run is estimated as llmtrain trains it, unsharded (as_trained).
 """
 
 from __future__ import annotations
@@ -113,15 +113,23 @@ def stage_shape(shape: ModelShape, stage: Stage, layers: int | None = None) -> M
                    params_final_norm=shape.params_final_norm if stage.last else 0)
 
 
+def as_trained(spec: TrainSpec) -> TrainSpec:
+    """A pipeline run as llmtrain trains it (loop/pipeline.py): an FSDP stage is an FSDP2 module inside torch's
+    PipelineStage, which accumulates its gradients unsharded through the step's micro-batches whatever
+    train.fsdp_accumulate says (it turns gradient sync off in each micro-batch's backward and reduce-scatters once
+    after the last)."""
+    return spec.but(fsdp_accumulate="unsharded") if spec.pipeline_parallel > 1 and spec.sharded else spec
+
+
 def estimate_run(shape: ModelShape, spec: TrainSpec) -> Estimate:
     """estimate.estimate for a run without pipeline; with one, the estimate of its worst GPU (pipeline_estimate)."""
-    return estimate(shape, spec) if spec.pipeline_parallel == 1 else pipeline_estimate(shape, spec)
+    return estimate(shape, spec) if spec.pipeline_parallel == 1 else pipeline_estimate(shape, as_trained(spec))
 
 
 def traffic_run(shape: ModelShape, spec: TrainSpec, network: Network = Network()) -> Traffic:
     """comms.step_traffic for a run without pipeline; with one, its pacing stage's (pipeline_traffic)."""
     return step_traffic(shape, spec, network) if spec.pipeline_parallel == 1 else \
-        pipeline_traffic(shape, spec, network)
+        pipeline_traffic(shape, as_trained(spec), network)
 
 
 def pipeline_estimate(shape: ModelShape, spec: TrainSpec) -> Estimate:
@@ -344,7 +352,7 @@ def compared(shape: ModelShape, spec: TrainSpec, network: Network) -> list[tuple
     """The pipeline beside FSDP and HSDP (HSDP where there are nodes to replicate over) on the same GPUs at the same
     global batch: (label, estimate, traffic) each, the pipeline first."""
     rows = [(f"pipeline {spec.pipeline_parallel} x {spec.strategy} {spec.world // spec.pipeline_parallel}",
-             pipeline_estimate(shape, spec), pipeline_traffic(shape, spec, network))]
+             pipeline_estimate(shape, as_trained(spec)), pipeline_traffic(shape, as_trained(spec), network))]
     for strategy in ("fsdp", "hsdp") if spec.num_nodes > 1 and spec.num_gpus > 1 else ("fsdp",):
         other = same_batch(spec, strategy)
         if other is not None:

@@ -7,9 +7,9 @@ stage is the outer dimension: rank r is stage r // D of pipeline r % D, so neigh
 states, while the data-parallel gradient all-reduce stays inside each node). With interleaved_1f1b each process holds
 V = pipeline_chunks stages, virtual stage s on pipeline rank s % P (torch's loop order).
 
-The split (`stage_layers`): the embedding, the decoder layers and the head (with the final norm and the loss) in
-order, cut into P x V runs of consecutive layers, balanced by layer count with the embedding and the head each counted
-as one layer.
+The split is parallel/stages.py's (shared with the memory estimate): the embedding, the decoder layers and the head
+(with the final norm and the loss) in order, cut into P x V runs of consecutive layers, balanced by cost with the
+embedding and the head each counted as one layer.
 """
 
 from __future__ import annotations
@@ -88,19 +88,6 @@ def check(recipe, *, fsdp: bool, mesh) -> None:
             f"2.13; on torch 2.11 the schedule left every sharded gradient at zero (measured: grad norm 0, nothing "
             f"learned), and this is torch {torch.__version__}. Launch with accelerate_configs/ddp.yaml (the stages' "
             "replicas then sum their gradients), or install torch 2.13")
-
-
-def stage_layers(num_layers: int, stages: int) -> list[range]:
-    """The decoder layers of each of `stages` consecutive stages: the embedding, the layers and the head (counted as
-    one layer each) cut as evenly as possible, every stage keeping at least one layer."""
-    if num_layers < stages:
-        raise LLMTrainError(f"the model has {num_layers} decoder layers, fewer than the {stages} pipeline stages: "
-                            "lower parallel.pipeline_parallel (or pipeline_chunks)")
-    units = num_layers + 2  # embedding, layers, head
-    cuts = [round(k * units / stages) for k in range(stages + 1)]
-    # unit u is layer u - 1; clamp so that the embedding and the head never leave a stage without a layer
-    bounds = [0] + [min(max(c - 1, k), num_layers - (stages - k)) for k, c in enumerate(cuts[1:-1], 1)] + [num_layers]
-    return [range(a, b) for a, b in zip(bounds, bounds[1:])]
 
 
 def sum_replicas(params) -> None:
