@@ -1,0 +1,150 @@
+"""On-policy distillation (the distill: section): the loss and its gradient against TRL 1.16's DistillationTrainer on
+the same batch at beta 0, 0.5 and 1 and temperatures other than 1; the chunked loss equal to the unchunked one and
+never holding a micro-batch's logits; a short run whose student comes closer to its teacher, killed and resumed to
+the same steps, and two DDP processes equal to one; bad teachers and data refused in one paragraph."""
+
+from __future__ import annotations
+
+import copy
+import json
+import math
+from pathlib import Path
+
+import pytest
+import torch
+from helpers import REPO, launch_finetune, load_weights, losses, max_abs_diff, records, run_train, write_recipe
+
+from llmtrain.config import DataConfig, DistillConfig, ModelConfig
+from llmtrain.data.formats import encode_example
+from llmtrain.model.loss import attach_loss
+from llmtrain.model.modeling import load_model
+from llmtrain.objectives.distill import Distill, divergence, on_policy, split_prompt
+
+CPU_DDP = REPO / "accelerate_configs" / "cpu_ddp.yaml"
+ROWS = [  # prompts and completions of different lengths: TRL pads both, llmtrain packs them
+    {"prompt": "reverse abc =", "completion": " cba"},
+    {"prompt": "reverse hello =", "completion": " olleh"},
+    {"prompt": "reverse xy =", "completion": " yx"},
+    {"prompt": "reverse stop =", "completion": " pots"},
+]
+
+
+def write_jsonl(path: Path, rows: list[dict]) -> Path:
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+def wider_model(tiny: Path, out: Path, *, hidden: int, seed: int) -> Path:
+    """A random-init model of the tiny layout, `hidden` wide, with the tiny tokenizer: a teacher of another width
+    than the student (only the vocabulary must match)."""
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    config = AutoConfig.from_pretrained(tiny / "model")
+    config.hidden_size, config.intermediate_size, config.head_dim = hidden, 2 * hidden, hidden // 4
+    torch.manual_seed(seed)
+    AutoModelForCausalLM.from_config(config, dtype=torch.float32).save_pretrained(out)
+    AutoTokenizer.from_pretrained(tiny / "model").save_pretrained(out)
+    return out
+
+
+# --------------------------------------------------------------------------- the divergence, by hand
+
+
+def test_divergence_is_trls_generalised_jsd_worked_out_by_hand():
+    s, t = torch.tensor([[0.0, math.log(3.0)]]), torch.tensor([[math.log(3.0), 0.0]])  # p_s (1/4, 3/4), p_t (3/4, 1/4)
+    ps, pt = [0.25, 0.75], [0.75, 0.25]
+    kl = lambda p, q: sum(a * math.log(a / b) for a, b in zip(p, q))
+    assert divergence(s, t, beta=0.0)[0].item() == pytest.approx(kl(pt, ps), abs=1e-7)  # forward KL(teacher||student)
+    assert divergence(s, t, beta=1.0)[0].item() == pytest.approx(kl(ps, pt), abs=1e-7)  # reverse KL(student||teacher)
+    m = [0.7 * a + 0.3 * b for a, b in zip(ps, pt)]  # beta 0.3: m = (1 - beta) p_s + beta p_t
+    assert divergence(s, t, beta=0.3)[0].item() == pytest.approx(0.3 * kl(pt, m) + 0.7 * kl(ps, m), abs=1e-7)
+    assert divergence(s, t, beta=0.5)[1].item() == pytest.approx(-sum(p * math.log(p) for p in ps), abs=1e-7)
+
+
+def test_the_on_policy_coin_is_a_pure_function_of_seed_and_step():
+    coins = [on_policy(7, step, 0.5) for step in range(400)]
+    assert coins == [on_policy(7, step, 0.5) for step in range(400)]  # a resumed run draws the same
+    assert 0.4 < sum(coins) / len(coins) < 0.6
+    assert all(on_policy(7, s, 1.0) for s in range(50)) and not any(on_policy(7, s, 0.0) for s in range(50))
+
+
+# --------------------------------------------------------------------------- against TRL
+
+
+@pytest.fixture
+def fresh_accelerate_state():
+    """TRL's Trainer sets up Accelerate's process-wide state its own way (cpu=True); put it back afterwards."""
+    yield
+    from accelerate.state import AcceleratorState
+
+    AcceleratorState._reset_state(reset_partial_state=True)
+
+
+def _rows(tok) -> list[dict]:
+    cfg = DataConfig(path="x.jsonl", format="prompt_completion")
+    return [{**encode_example(r, tok, cfg), "row": i} for i, r in enumerate(ROWS)]
+
+
+def _objective(model, teacher, tok, *, beta: float, temperature: float, chunk: int) -> Distill:
+    attach_loss(model, chunk=chunk)
+    return Distill(DistillConfig(teacher="unused", beta=beta, temperature=temperature), teacher=teacher, model=model,
+                   pad_id=tok.pad_token_id, packing=True, seed=0, stop_ids=[tok.eos_token_id], world=1)
+
+
+@pytest.mark.parametrize("beta, temperature", [(0.0, 1.0), (0.5, 1.0), (1.0, 1.0), (0.0, 0.7), (0.5, 2.0),
+                                               (1.0, 0.7)])
+def test_loss_and_gradient_match_trl_distillation_trainer(tiny_assets, tiny_tok, tmp_path, beta, temperature,
+                                                          fresh_accelerate_state):
+    """TRL's DistillationTrainer._compute_loss (left-padded prompts, right-padded completions, its chunked divergence
+    over the teacher's and the student's hidden states) against llmtrain's on the same sequences packed into one
+    row, a 3-token chunk: the same loss, the same student gradients and the same entropy, fp32. The teacher is wider
+    than the student (192 against 128) and sure of itself."""
+    trl = pytest.importorskip("trl")
+    from datasets import Dataset
+    from transformers import AutoModelForCausalLM
+
+    teacher_dir = wider_model(tiny_assets, tmp_path / "teacher", hidden=192, seed=1)
+    teacher = AutoModelForCausalLM.from_pretrained(teacher_dir, dtype=torch.float32, attn_implementation="eager")
+    with torch.no_grad():  # a confident teacher, far from the near-uniform random student: a loss of order 1
+        teacher.lm_head.weight.mul_(10.0)
+    student = load_model(ModelConfig(name_or_path=str(tiny_assets / "model"), attn_implementation="eager"), None)
+    theirs_student = copy.deepcopy(student)
+    args = trl.DistillationConfig(output_dir=str(tmp_path / "trl"), per_device_train_batch_size=len(ROWS),
+                                  report_to="none", beta=beta, temperature=temperature, use_cpu=True, bf16=False,
+                                  fp16=False, gradient_checkpointing=False)
+    trainer = trl.DistillationTrainer(model=theirs_student, teacher_model=copy.deepcopy(teacher), args=args,
+                                      train_dataset=Dataset.from_list([{"prompt": r["prompt"]} for r in ROWS]),
+                                      processing_class=tiny_tok)
+    rows = _rows(tiny_tok)
+    prompts = [split_prompt(r) for r in rows]
+    completions = [r["input_ids"][len(p):] for r, p in zip(rows, prompts)]
+    width_p, width_c = max(map(len, prompts)), max(map(len, completions))
+    pad = tiny_tok.pad_token_id
+    inputs = {"prompt_ids": torch.tensor([[pad] * (width_p - len(p)) + p for p in prompts]),
+              "prompt_mask": torch.tensor([[0] * (width_p - len(p)) + [1] * len(p) for p in prompts]),
+              "completion_ids": torch.tensor([c + [pad] * (width_c - len(c)) for c in completions]),
+              "completion_mask": torch.tensor([[1] * len(c) + [0] * (width_c - len(c)) for c in completions])}
+    tokens = inputs["completion_mask"].sum()
+    trainer.model.train()
+    theirs, entropy_sum, n_valid = trainer._compute_loss(trainer.model, inputs, tokens)
+    theirs.backward()
+    their_grads = {n: p.grad for n, p in trainer.model.named_parameters() if p.grad is not None}
+
+    ours = student
+    ours.train()
+    objective = _objective(ours, teacher, tiny_tok, beta=beta, temperature=temperature, chunk=3)
+    batch, counts = objective.collate(rows)
+    assert counts.units == tokens.item() == n_valid.item() and len(batch["loss_index"]) > 3  # several chunks
+    loss, stats = objective.loss(ours, batch)
+    (loss / counts.units).backward()
+    our_grads = {n: p.grad for n, p in ours.named_parameters() if p.grad is not None}
+    metrics = objective.step_metrics(stats.tolist(), counts.units)
+
+    assert loss.item() / counts.units == pytest.approx(theirs.item(), rel=1e-6, abs=1e-7)
+    assert metrics["entropy"] == pytest.approx(entropy_sum.item() / n_valid.item(), rel=1e-6)
+    assert their_grads and set(our_grads) == set(their_grads)
+    diff = max((our_grads[n] - their_grads[n]).abs().max().item() for n in their_grads)
+    scale = max(g.abs().max().item() for g in their_grads.values())
+    print(f"beta {beta} T {temperature}: loss ours {loss.item() / counts.units:.9f} theirs {theirs.item():.9f}; "
+          f"max |grad diff| {diff:.3e} of max |grad| {scale:.3e}")
+    assert diff <= 1e-6 * max(1.0, scale)  # fp32: a millionth of the gradient
