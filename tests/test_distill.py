@@ -148,3 +148,76 @@ def test_loss_and_gradient_match_trl_distillation_trainer(tiny_assets, tiny_tok,
     print(f"beta {beta} T {temperature}: loss ours {loss.item() / counts.units:.9f} theirs {theirs.item():.9f}; "
           f"max |grad diff| {diff:.3e} of max |grad| {scale:.3e}")
     assert diff <= 1e-6 * max(1.0, scale)  # fp32: a millionth of the gradient
+
+
+# --------------------------------------------------------------------------- chunks
+
+
+def test_the_chunked_loss_equals_one_chunk_and_never_holds_a_micro_batchs_logits(tiny_assets, tiny_tok, monkeypatch):
+    """The same loss and gradient at 5 tokens a chunk as in one chunk of all of them; and at 5 tokens a chunk the
+    divergence never sees more than 5 rows of either model's logits (neither head runs over the micro-batch)."""
+    import llmtrain.objectives.distill as D
+
+    teacher = load_model(ModelConfig(name_or_path=str(tiny_assets / "model"), attn_implementation="eager"), None)
+    with torch.no_grad():
+        for p in teacher.parameters():  # another model than the student
+            p.add_(torch.randn_like(p) * 0.5)
+    results, rows_seen = [], []
+    real = D.divergence
+
+    def watched(student, teacher_logits, *, beta):
+        rows_seen.append((student.shape[0], teacher_logits.shape[0]))
+        return real(student, teacher_logits, beta=beta)
+
+    monkeypatch.setattr(D, "divergence", watched)
+    for chunk in (5, 10_000):
+        rows_seen.clear()
+        student = load_model(ModelConfig(name_or_path=str(tiny_assets / "model"), attn_implementation="eager"), None)
+        objective = _objective(student, teacher, tiny_tok, beta=0.5, temperature=1.0, chunk=chunk)
+        batch, counts = objective.collate(_rows(tiny_tok) * 3)
+        loss, _ = objective.loss(student, batch)
+        loss.backward()
+        results.append((loss.item(), {n: p.grad.clone() for n, p in student.named_parameters()}))
+        seen = max(max(r) for r in rows_seen)
+        assert seen == min(chunk, counts.trained), rows_seen
+    assert counts.trained > 5 * 4  # several chunks
+    (chunked, g1), (whole, g2) = results
+    assert chunked == pytest.approx(whole, rel=1e-6)
+    assert max((g1[n] - g2[n]).abs().max().item() for n in g1) < 1e-6
+
+
+def test_the_chunks_live_bytes_stay_below_a_micro_batchs_logits(tiny_assets, tiny_tok):
+    """Live tensor bytes (tests/live_bytes.py) over the loss's forward and backward from the hidden states on: at 8
+    tokens a chunk the peak stays below one model's fp32 logits of the micro-batch (beside the head's weight
+    gradient, which any path makes), while the unchunked path holds several such tensors more (both models'
+    logits, their log-softmax, their gradient)."""
+    from live_bytes import LiveBytes
+
+    from llmtrain.model.loss import chunked_token_loss
+
+    teacher = load_model(ModelConfig(name_or_path=str(tiny_assets / "model"), attn_implementation="eager"), None)
+    student = load_model(ModelConfig(name_or_path=str(tiny_assets / "model"), attn_implementation="eager"), None)
+    # a 7B-like vocabulary, larger than the hidden size (the tiny one, 101 ids, is smaller: its hidden states and
+    # their gradient would outweigh its logits)
+    tokens, vocab, width = 600, 4096, student.config.hidden_size
+    torch.manual_seed(0)
+    teacher.lm_head = torch.nn.Linear(teacher.config.hidden_size, vocab, bias=False).requires_grad_(False)
+    head = torch.nn.Linear(width, vocab, bias=False)
+    objective = _objective(student, teacher, tiny_tok, beta=0.5, temperature=1.0, chunk=8)
+    hidden = torch.randn(tokens, width, requires_grad=True)
+    teacher_hidden = torch.randn(tokens, teacher.config.hidden_size)
+    targets = torch.randint(0, vocab, (tokens,))
+    peaks, grads = {}, {}
+    for chunk in (8, tokens):
+        hidden.grad = None
+        with LiveBytes() as live:
+            loss, _ = chunked_token_loss(hidden, lambda h: torch.nn.functional.linear(h, head.weight), targets,
+                                         objective._token_loss(teacher_hidden), chunk=chunk)
+            loss.backward()
+        peaks[chunk], grads[chunk] = live.peak, hidden.grad.clone()
+    logits = tokens * vocab * 4  # one model's fp32 logits of the micro-batch
+    print(f"peak live bytes: chunked {peaks[8]:,}, unchunked {peaks[tokens]:,}; one logits tensor {logits:,}")
+    weight = head.weight.numel() * 4  # its gradient, and the running sum over the chunks, exist on either path
+    assert peaks[8] < logits + 2 * weight
+    assert peaks[tokens] - peaks[8] > 4 * logits
+    assert (grads[8] - grads[tokens]).abs().max().item() < 1e-6

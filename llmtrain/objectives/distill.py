@@ -36,6 +36,7 @@ from llmtrain.data.formats import IGNORE
 from llmtrain.model.loss import causal_lm, compute_loss, decoder_inputs
 
 # Statistics summed over the window and processes; step_metrics names them as TRL does where TRL has the number.
+# (length, clipped: of the student's own completions only)
 ROLLOUT_STATS = ["completions", "length", "clipped", "on_policy", "generation_s"]
 LOSS_STATS = ["entropy", "hits", "agree"]
 
@@ -110,8 +111,7 @@ class Distill:
 
         if not on_policy(self.seed, step, self.cfg.lmbda):
             for b in window.batches:
-                b["rollout_stats"] = torch.tensor([len(b["prompts"]), len(b["loss_index"]), 0, 0, 0],
-                                                  dtype=torch.float32)
+                b["rollout_stats"] = torch.tensor([len(b["prompts"]), 0, 0, 0, 0], dtype=torch.float32)
             return window
         batches, counts = [], Counts(0.0, 0.0, 0.0, 0.0)
         was_training = self.lm.training
