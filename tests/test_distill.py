@@ -221,3 +221,113 @@ def test_the_chunks_live_bytes_stay_below_a_micro_batchs_logits(tiny_assets, tin
     assert peaks[8] < logits + 2 * weight
     assert peaks[tokens] - peaks[8] > 4 * logits
     assert (grads[8] - grads[tokens]).abs().max().item() < 1e-6
+
+
+# --------------------------------------------------------------------------- training
+
+
+@pytest.fixture(scope="module")
+def teacher(tiny_assets, tmp_path_factory) -> Path:
+    """A teacher wider than the student (192 against 128) and trained on the task (150 steps of SFT, in this
+    process): the student is the tiny model as prepare-tiny writes it (random init)."""
+    tmp = tmp_path_factory.mktemp("teacher")
+    wider = wider_model(tiny_assets, tmp / "init", hidden=192, seed=3)
+    recipe = write_recipe(tiny_assets, tmp, model={"name_or_path": str(wider)},
+                          train={"max_steps": 150, "micro_batch_size": 16, "lr": 2e-3, "warmup_steps": 10},
+                          output_dir=str(tmp / "sft"))
+    run_train(recipe)
+    return tmp / "sft" / "final"
+
+
+def distill_recipe(tiny: Path, tmp: Path, teacher: Path, **sections) -> Path:
+    return write_recipe(tiny, tmp, data={"eval_split": str(tiny / "data" / "eval.jsonl"), "eval_max_examples": 32},
+                        distill={"teacher": str(teacher), "lmbda": 0.5, "max_completion_tokens": 8,
+                                 **sections.pop("distill", {})},
+                        train={"max_steps": 12, "micro_batch_size": 8, "lr": 3e-3, "eval_every_steps": 12,
+                               **sections.pop("train", {})},
+                        checkpoint={"every_steps": 4, "keep_last": 3}, logging={"progress": False, "plot": False,
+                                                                              "every_steps": 1}, **sections)
+
+
+@pytest.fixture(scope="module")
+def straight(tiny_assets, teacher, tmp_path_factory):
+    """12 steps of 8 prompts, in this process: (recipe, run folder)."""
+    tmp = tmp_path_factory.mktemp("distill")
+    recipe = distill_recipe(tiny_assets, tmp, teacher)
+    run_train(recipe, f"output_dir={tmp / 'straight'}")
+    return recipe, tmp / "straight"
+
+
+def test_a_short_run_brings_the_student_closer_to_its_teacher(straight):
+    """The loss falls, and on the held-out rows (the data's completions, teacher-forced) the divergence falls and
+    the student's argmax agrees with the teacher's more often; steps are on- and off-policy as the coin says, and
+    the metrics carry TRL's names."""
+    _, run = straight
+    lines = records(run)
+    assert [r["on_policy"] for r in lines] == [float(on_policy(7, s, 0.5)) for s in range(12)]
+    assert 0 < sum(r["on_policy"] for r in lines) < 12  # both kinds of step
+    sampled = [r for r in lines if r["on_policy"]]
+    assert all(0 < r["completions/mean_length"] <= 8 and 0 <= r["completions/clipped_ratio"] <= 1 for r in sampled)
+    assert all("completions/mean_length" not in r for r in lines if not r["on_policy"])
+    assert all(r["entropy"] > 0 for r in lines)
+    first, last = records(run, "eval")
+    assert (first["step"], last["step"]) == (0, 12)
+    print(f"eval divergence {first['eval_loss']:.3f} -> {last['eval_loss']:.3f}, teacher agreement "
+          f"{first['eval_teacher_agreement']:.3f} -> {last['eval_teacher_agreement']:.3f}; train loss "
+          f"{lines[0]['loss']:.3f} -> {lines[-1]['loss']:.3f}")
+    assert last["eval_loss"] < 0.7 * first["eval_loss"]
+    assert last["eval_teacher_agreement"] > first["eval_teacher_agreement"] + 0.1
+    assert sum(r["loss"] for r in lines[-3:]) < 0.8 * sum(r["loss"] for r in lines[:3])
+
+
+KILL_MID_STEP_7 = """
+import os, signal, sys
+import llmtrain.loop.step as step
+real = step.train_step
+def dying(*args, **kwargs):  # mid step 7, after the step-4 checkpoint: killed as kill -9 kills (no clean-up at all)
+    if kwargs["step"] == 6:
+        os.kill(os.getpid(), signal.SIGKILL)
+    return real(*args, **kwargs)
+import llmtrain.loop.train as train
+train.train_step = dying
+sys.argv = ["llmtrain", *sys.argv[1:]]
+from llmtrain.cli import main
+main()
+"""
+
+
+def test_killed_mid_run_resumes_to_the_same_coins_samples_losses_and_weights(straight, tmp_path):
+    """kill -9 in step 7; the resume from the step-4 checkpoint draws the same coins and samples the same
+    completions (their lengths logged each step), and ends with the same losses and the same weights."""
+    import subprocess
+    import sys
+
+    from helpers import ENV, cli
+
+    recipe, full = straight
+    cut = tmp_path / "cut"
+    killed = subprocess.run([sys.executable, "-c", KILL_MID_STEP_7, "finetune", str(recipe), f"output_dir={cut}"],
+                            env=ENV, cwd=REPO, capture_output=True, text=True, timeout=600)
+    assert killed.returncode == -9, killed.stderr[-3000:]
+    assert [r["step"] for r in records(cut)] == list(range(1, 7))
+    assert any(on_policy(7, s, 0.5) for s in range(4, 12))  # the resumed part samples
+    proc = cli("finetune", str(cut / "recipe.yaml"), "--resume", "auto")
+    assert "at step 4" in proc.stdout
+    keys = ("on_policy", "completions/mean_length", "completions/clipped_ratio", "token_accuracy", "teacher_agreement")
+    assert [[r.get(k) for k in keys] for r in records(cut)] == [[r.get(k) for k in keys] for r in records(full)]
+    assert losses(cut) == pytest.approx(losses(full), abs=1e-6)
+    assert max_abs_diff(load_weights(cut / "final"), load_weights(full / "final")) == 0.0
+
+
+def test_two_ddp_processes_sample_and_train_what_one_does(straight, tmp_path, free_port):
+    """Each rank samples its own 4 prompts' completions from their rows' seeds: the same steps as one process with
+    8 prompts, the same losses and eval, and the same weights."""
+    recipe, one = straight
+    two = tmp_path / "two"
+    launch_finetune(CPU_DDP, 2, free_port, recipe, f"output_dir={two}", "train.micro_batch_size=4")
+    keys = ("on_policy", "completions/mean_length", "completions/clipped_ratio")
+    assert [[r.get(k) for k in keys] for r in records(two)] == [[r.get(k) for k in keys] for r in records(one)]
+    assert losses(two) == pytest.approx(losses(one), abs=1e-6)
+    assert [e["eval_loss"] for e in records(two, "eval")] == pytest.approx(
+        [e["eval_loss"] for e in records(one, "eval")], abs=1e-6)
+    assert max_abs_diff(load_weights(two / "final"), load_weights(one / "final")) < 1e-5
