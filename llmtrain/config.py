@@ -517,6 +517,27 @@ class Recipe(Section):
         return self
 
     @model_validator(mode="after")
+    def _check_distill(self) -> Recipe:  # before the other sections' checks: a distill recipe hears its own
+        if self.distill is None:
+            return self
+        if self.data.format not in ("prompt_completion", "messages", "alpaca"):
+            raise ValueError(f"distill: needs rows with a prompt and a completion (data.format prompt_completion, "
+                             f"messages or alpaca): the prompt is what the student completes, and the data's "
+                             f"completion is what it trains on at off-policy steps; data.format={self.data.format} "
+                             "has none. Convert the rows, or set data.format")
+        if self.preference is not None or self.kto is not None or self.rl is not None:
+            raise ValueError("distill: is a training objective of its own; remove the preference:, kto: or rl: section")
+        if self.data.train_on_prompt:
+            raise ValueError("distill: matches the teacher on completion tokens only; unset data.train_on_prompt")
+        if self.train.micro_batch_tokens is not None:
+            raise ValueError("distill: a micro-batch is train.micro_batch_size prompts, whose completions the "
+                             "student samples; unset train.micro_batch_tokens")
+        if self.parallel.sequence_parallel > 1:
+            raise ValueError("distill: builds its sequences after sampling, which a sequence group cannot split "
+                             "(TRL refuses it too); set parallel.sequence_parallel=1")
+        return self
+
+    @model_validator(mode="after")
     def _check_preference(self) -> Recipe:
         if (self.preference is None) != (self.data.format != "preference"):
             raise ValueError("data.format: preference and the preference: section go together: pairs train with a "
@@ -568,27 +589,6 @@ class Recipe(Section):
             raise ValueError(f"rl.micro_batch_tokens={budget} is below data.max_seq_len={self.data.max_seq_len}: "
                              "a prompt and its completion are never split over two passes, so the budget must hold "
                              f"the longest. Set rl.micro_batch_tokens to at least {self.data.max_seq_len}")
-        return self
-
-    @model_validator(mode="after")
-    def _check_distill(self) -> Recipe:
-        if self.distill is None:
-            return self
-        if self.data.format not in ("prompt_completion", "messages", "alpaca"):
-            raise ValueError(f"distill: needs rows with a prompt and a completion (data.format prompt_completion, "
-                             f"messages or alpaca): the prompt is what the student completes, and the data's "
-                             f"completion is what it trains on at off-policy steps; data.format={self.data.format} "
-                             "has none. Convert the rows, or set data.format")
-        if self.preference is not None or self.kto is not None or self.rl is not None:
-            raise ValueError("distill: is a training objective of its own; remove the preference:, kto: or rl: section")
-        if self.data.train_on_prompt:
-            raise ValueError("distill: matches the teacher on completion tokens only; unset data.train_on_prompt")
-        if self.train.micro_batch_tokens is not None:
-            raise ValueError("distill: a micro-batch is train.micro_batch_size prompts, whose completions the "
-                             "student samples; unset train.micro_batch_tokens")
-        if self.parallel.sequence_parallel > 1:
-            raise ValueError("distill: builds its sequences after sampling, which a sequence group cannot split "
-                             "(TRL refuses it too); set parallel.sequence_parallel=1")
         return self
 
     def to_yaml(self) -> str:

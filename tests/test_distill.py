@@ -331,3 +331,78 @@ def test_two_ddp_processes_sample_and_train_what_one_does(straight, tmp_path, fr
     assert [e["eval_loss"] for e in records(two, "eval")] == pytest.approx(
         [e["eval_loss"] for e in records(one, "eval")], abs=1e-6)
     assert max_abs_diff(load_weights(two / "final"), load_weights(one / "final")) < 1e-5
+
+
+# --------------------------------------------------------------------------- bad input: one paragraph, nothing written
+
+
+def _refused(recipe: Path, *overrides: str) -> str:
+    """`llmtrain finetune RECIPE OVERRIDES` exits non-zero with one paragraph and no traceback, writing nothing."""
+    from helpers import invoke
+
+    out = Path(yaml_output_dir(recipe))
+    proc = invoke("finetune", str(recipe), *overrides, check=False)
+    said = proc.stdout + (proc.stderr or "")
+    assert proc.returncode != 0 and "Traceback" not in said, said
+    error = said[said.rindex("error"):] if "error" in said else said  # the paragraph, after the start-up lines
+    assert "\n\n" not in error.strip(), error
+    text = " ".join(error.split())
+    assert not out.exists(), sorted(out.rglob("*"))
+    return text
+
+
+def yaml_output_dir(recipe: Path) -> str:
+    import yaml
+
+    return yaml.safe_load(recipe.read_text())["output_dir"]
+
+
+def test_a_teacher_of_another_vocabulary_is_refused_in_one_paragraph(tiny_assets, tmp_path):
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.from_pretrained(tiny_assets / "model")
+    config.vocab_size = 120
+    AutoModelForCausalLM.from_config(config).save_pretrained(tmp_path / "big-vocab")
+    recipe = distill_recipe(tiny_assets, tmp_path, tmp_path / "big-vocab")
+    text = _refused(recipe)
+    assert f"distill.teacher '{tmp_path / 'big-vocab'}' has a vocabulary of 120 ids" in text
+    assert "one of 104" in text and "must share the vocabulary" in text
+
+
+def test_a_teacher_whose_tokenizer_gives_the_ids_other_tokens_is_refused(tiny_assets, tmp_path):
+    import shutil
+
+    swapped = tmp_path / "swapped"
+    shutil.copytree(tiny_assets / "model", swapped)
+    spec = json.loads((swapped / "tokenizer.json").read_text())
+    vocab = spec["model"]["vocab"]
+    vocab["a"], vocab["b"] = vocab["b"], vocab["a"]  # same size, two tokens at each other's ids
+    (swapped / "tokenizer.json").write_text(json.dumps(spec))
+    text = _refused(distill_recipe(tiny_assets, tmp_path, swapped))
+    assert "has 104 ids like the student, but its tokenizer gives 2 of them other tokens" in text
+    assert "token for token" in text
+
+
+def test_a_missing_teacher_is_refused_naming_the_key(tiny_assets, tmp_path):
+    text = _refused(distill_recipe(tiny_assets, tmp_path, tmp_path / "nowhere"))
+    assert f"distill.teacher '{tmp_path / 'nowhere'}' could not be read" in text
+
+
+@pytest.mark.parametrize("overrides, says", [
+    (["data.format=text"], "distill: needs rows with a prompt and a completion"),
+    (["data.format=prompt"], "data.format=prompt has none"),
+    (["data.train_on_prompt=true"], "unset data.train_on_prompt"),
+    (["train.micro_batch_size=1", "train.micro_batch_tokens=64"], "unset train.micro_batch_tokens"),
+    (["distill.beta=1.5"], "distill.beta"),
+    (["distill.lmbda=-0.1"], "distill.lmbda"),
+])
+def test_recipes_that_cannot_distill_are_refused_by_the_schema(tiny_assets, tmp_path, overrides, says):
+    text = _refused(distill_recipe(tiny_assets, tmp_path, tiny_assets / "model"), *overrides)
+    assert says in text
+
+
+def test_rows_without_completions_are_refused_naming_the_file(tiny_assets, tmp_path):
+    prompts = write_jsonl(tmp_path / "prompts.jsonl", [{"prompt": r["prompt"]} for r in ROWS])
+    text = _refused(distill_recipe(tiny_assets, tmp_path, tiny_assets / "model"), f"data.path={prompts}",
+                    "data.eval_split=null", "data.eval_max_examples=null", "train.eval_every_steps=null")
+    assert str(prompts) in text and "needs completion (column 'completion')" in text
