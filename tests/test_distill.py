@@ -406,3 +406,56 @@ def test_rows_without_completions_are_refused_naming_the_file(tiny_assets, tmp_p
     text = _refused(distill_recipe(tiny_assets, tmp_path, tiny_assets / "model"), f"data.path={prompts}",
                     "data.eval_split=null", "data.eval_max_examples=null", "train.eval_every_steps=null")
     assert str(prompts) in text and "needs completion (column 'completion')" in text
+
+
+# --------------------------------------------------------------------------- estimate-memory, doctor, inspect-data
+
+
+def test_the_estimate_counts_the_teachers_weights_hidden_states_and_chunk_logits(tiny_assets, tmp_path):
+    """Worked out by hand: the teacher (192 wide) on every phase in fp32 (in bf16 under mixed precision, where it
+    is stored so); in the loss's phases also its hidden states of the trained positions (8 prompts x 8 completion
+    tokens x 192 x 4 bytes) and a chunk's 4 fp32 tensors of 16 tokens x 104 ids; its own forward is a phase."""
+    from llmtrain.config import load_recipe
+    from llmtrain.memory import estimate_for_recipe
+
+    teacher = wider_model(tiny_assets, tmp_path / "teacher", hidden=192, seed=0)
+    params = sum(p.numel() for p in load_model(ModelConfig(name_or_path=str(teacher)), None).parameters())
+    recipe = load_recipe(distill_recipe(tiny_assets, tmp_path, teacher), ["train.loss_chunk_tokens=16"])
+    est = estimate_for_recipe(recipe)
+    parts = est.phase_parts
+    assert parts["optimizer_step"]["teacher"] == params * 4
+    assert parts["loss"]["teacher"] == params * 4 + 8 * 8 * 192 * 4 + 4 * 16 * 104 * 4
+    assert parts["teacher_forward"]["teacher"] > params * 4 + 8 * 8 * 192 * 4
+    assert {"generation", "generation_prefill"} <= parts.keys()  # the student samples (lmbda > 0)
+    assert any("the teacher" in note and "not sharded" in note for note in est.notes)
+    bf16 = estimate_for_recipe(load_recipe(distill_recipe(tiny_assets, tmp_path, teacher),
+                                           ["train.mixed_precision=bf16"]))
+    assert bf16.phase_parts["optimizer_step"]["teacher"] == params * 2
+    offline = estimate_for_recipe(load_recipe(distill_recipe(tiny_assets, tmp_path, teacher), ["distill.lmbda=0"]))
+    assert "generation" not in offline.phase_parts
+
+
+def test_doctor_checks_the_teachers_vocabulary(tiny_assets, tmp_path, teacher):
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from llmtrain.config import load_recipe
+    from llmtrain.doctor import run_doctor
+
+    recipe = distill_recipe(tiny_assets, tmp_path, teacher)
+    checks = {name: (status, detail) for name, status, detail in run_doctor(load_recipe(recipe), gpu_memory=80)}
+    assert checks["teacher"][0] == "pass" and "shares the student's vocabulary" in checks["teacher"][1]
+    assert "fail" not in {status for status, _ in checks.values()}
+    config = AutoConfig.from_pretrained(tiny_assets / "model")
+    config.vocab_size = 120
+    AutoModelForCausalLM.from_config(config).save_pretrained(tmp_path / "big-vocab")
+    checks = {name: (status, detail) for name, status, detail in
+              run_doctor(load_recipe(recipe, [f"distill.teacher={tmp_path / 'big-vocab'}"]), gpu_memory=80)}
+    assert checks["teacher"][0] == "fail" and "a vocabulary of 120 ids" in checks["teacher"][1]
+
+
+def test_inspect_data_shows_what_the_student_completes(tiny_assets, tmp_path):
+    from helpers import invoke
+
+    recipe = distill_recipe(tiny_assets, tmp_path, tiny_assets / "model")
+    shown = " ".join(invoke("inspect-data", str(recipe), "--n", "1").stdout.split())
+    assert "distill: the student samples a completion of the first" in shown

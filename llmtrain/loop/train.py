@@ -55,7 +55,6 @@ from llmtrain.run.samples import format_sample, generate_samples, mark_answers
 from llmtrain.run.state import TrainState
 from llmtrain.run.trackers import check_trackers
 
-
 _KEEP_UNTIL_EXIT: list = []  # a launched process's trained model, never freed before the process exits
 
 

@@ -21,6 +21,7 @@ WHAT = {
     "fsdp_buffers": "all-gathered FSDP units in flight",
     "temporaries": "short-lived tensors (a layer's, or the loss's)",
     "kv_cache": "the sampler's static KV cache (no generation copy of the weights: adapters unmerged)",
+    "teacher": "distillation's teacher: its weights (whole on every GPU), forward and chunk logits",
     "overhead": "CUDA context, NCCL, allocator slack (reserved - allocated)",
 }
 
