@@ -5,7 +5,9 @@
 - `offload.py`: model.activation_offload, the checkpointed layers' inputs in host memory (side-stream copies).
 - `tiled_mlp.py`: model.tiled_mlp, the MLP over shards of the tokens, recomputed shard by shard in backward.
 - `attention.py`: varlen attention over packed rows (flash `varlen_attn` on CUDA, SDPA per example elsewhere).
-- `loss.py`: the chunked cross-entropy and per-token log-probabilities from the final hidden states.
+- `loss.py`: the chunked cross-entropy and per-token log-probabilities from the final hidden states (and another
+  loss on the same chunks: distillation's).
+- `teacher.py`: distillation's teacher: its vocabulary checked against the student's, then loaded frozen.
 - `generate.py`: sampling completions with the KV cache, each from its own seed (online RL's rollouts), and the
   attention switch generation needs.
 

@@ -6,6 +6,8 @@
 - `grpo.py`: online RL (GRPO): group advantages and the clipped per-token loss with its k3 KL, normalised per
   loss_type as TRL 1.16 does (equal to its GRPOTrainer to 1e-6, packed against padded), and the objective the
   loop runs: its `rollout` samples each step's completions (model/generate.py), scores and packs them.
+- `distill.py`: on-policy distillation (TRL's DistillationTrainer): the generalised JSD to a teacher over completion
+  tokens, chunk by chunk beside the student's head, on completions the student samples (a seeded coin per step).
 - `rewards.py`: reward functions (answer_match, format, the user's own with TRL's signature) and their checks.
 
 May import: the schema, `data`, `model`, `parallel` and this folder. Never the run folder or the loop.
