@@ -21,6 +21,7 @@ from llmtrain.model.modeling import load_model
 from llmtrain.objectives.distill import Distill, divergence, on_policy, split_prompt
 
 CPU_DDP = REPO / "accelerate_configs" / "cpu_ddp.yaml"
+CPU_FSDP = REPO / "accelerate_configs" / "cpu_fsdp.yaml"
 ROWS = [  # prompts and completions of different lengths: TRL pads both, llmtrain packs them
     {"prompt": "reverse abc =", "completion": " cba"},
     {"prompt": "reverse hello =", "completion": " olleh"},
@@ -331,6 +332,20 @@ def test_two_ddp_processes_sample_and_train_what_one_does(straight, tmp_path, fr
     assert [e["eval_loss"] for e in records(two, "eval")] == pytest.approx(
         [e["eval_loss"] for e in records(one, "eval")], abs=1e-6)
     assert max_abs_diff(load_weights(two / "final"), load_weights(one / "final")) < 1e-5
+
+
+
+def test_two_fsdp_processes_gather_the_layers_to_sample_and_train_what_one_does(straight, tmp_path, free_port):
+    """FSDP shards the student (the teacher stays whole on each process); the rollout gathers the student's layers
+    to sample: the same steps, losses and eval as one process."""
+    recipe, one = straight
+    fsdp = tmp_path / "fsdp"
+    launch_finetune(CPU_FSDP, 2, free_port, recipe, f"output_dir={fsdp}", "train.micro_batch_size=4")
+    keys = ("on_policy", "completions/mean_length")
+    assert [[r.get(k) for k in keys] for r in records(fsdp)] == [[r.get(k) for k in keys] for r in records(one)]
+    assert losses(fsdp) == pytest.approx(losses(one), abs=1e-5)
+    assert [e["eval_loss"] for e in records(fsdp, "eval")] == pytest.approx(
+        [e["eval_loss"] for e in records(one, "eval")], abs=1e-5)
 
 
 # --------------------------------------------------------------------------- bad input: one paragraph, nothing written
