@@ -202,7 +202,8 @@ class Distill:
         from llmtrain.data.batching import to_device
 
         batch = to_device(batch, device)
-        if batch["loss_index"].numel() == 0:
+        if batch["loss_index"].numel() == 0:  # an idle rank: its forward still runs (FSDP gathers in it)
+            compute_loss(model, batch)
             return torch.zeros(2 + len(LOSS_STATS), dtype=torch.float64)
         loss, stats = compute_loss(model, batch, token_loss=self._token_loss(self._teacher_hidden(batch)))
         tokens = batch["loss_index"].new_tensor(batch["loss_index"].numel())
