@@ -337,8 +337,8 @@ def traffic(shape: ModelShape, spec: TrainSpec, *, trained_params: int, trainabl
 def step_traffic(shape: ModelShape, spec: TrainSpec, network: Network = Network()) -> Traffic:
     """traffic() for the run spec describes: its trained parameters and the bytes of their gradients (under FSDP x TP,
     of one GPU's tensor-parallel slice, whose work is also the step's compute on that GPU)."""
-    from llmtrain.memory.params import lora_plan, tensor_parallel_shape
     from llmtrain.memory.states import states
+    from llmtrain.memory.params import lora_plan, tensor_parallel_shape
 
     shape = tensor_parallel_shape(shape, spec.tp)
     plan = lora_plan(shape, r=spec.lora_r, targets=spec.lora_targets,
