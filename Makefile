@@ -6,7 +6,7 @@ BIN   := $(VENV)/bin
 # On a GPU machine: make install TORCH=torch
 TORCH ?= torch==2.13.0
 
-.PHONY: install demo demo-rl demo-kto demo-rloo demo-rm test test-dist clean
+.PHONY: install demo demo-rl demo-kto demo-rloo demo-rm demo-distill test test-dist clean
 
 $(BIN)/.installed: pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -50,6 +50,13 @@ demo-rm: install
 	$(BIN)/llmtrain finetune recipes/tiny-reward.yaml --overwrite
 	$(BIN)/llmtrain finetune recipes/tiny-grpo.yaml output_dir=runs/tiny-grpo-rm --overwrite \
 	    'rl.rewards=[{type: reward_model, path: runs/tiny-reward/final}, {type: answer_match, column: completion, weight: 0.0}]'
+
+# On-policy distillation on the same task: the short SFT run is the student, the full one the teacher.
+demo-distill: install
+	$(BIN)/llmtrain prepare-tiny assets/tiny
+	$(BIN)/llmtrain finetune recipes/tiny.yaml --overwrite
+	$(BIN)/llmtrain finetune recipes/tiny.yaml train.max_steps=150 output_dir=runs/tiny-sft --overwrite
+	$(BIN)/llmtrain finetune recipes/tiny-distill.yaml --overwrite
 
 # Two pytest-xdist workers, each running whole test files (a file's shared runs are made once), the long
 # multi-process files first (tests/conftest.py); a plain `pytest -q` runs the same tests one after another.

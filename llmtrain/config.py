@@ -552,6 +552,28 @@ class RLConfig(Section):
         return self
 
 
+class DistillConfig(Section):
+    """On-policy distillation (TRL 1.16's DistillationTrainer; lmbda < 1: GKD's mixed batches)."""
+
+    teacher: str = Field(description="The teacher: a local model folder or hub id, loaded as model.name_or_path is "
+                         "(model.dtype, or the mixed-precision dtype under train.mixed_precision; frozen, in eval "
+                         "mode). Its vocabulary must be the student's, token for token.")
+    beta: float = Field(1.0, ge=0, le=1, description="The generalised JSD's interpolation, as TRL's beta: 0 is the "
+                        "forward KL(teacher || student), 1 the reverse KL(student || teacher) (TRL's default), 0.5 "
+                        "the symmetric JSD.")
+    temperature: float = Field(1.0, gt=0, allow_inf_nan=False, description="Both models' logits are divided by it "
+                               "before the divergence, and the student samples at it (as TRL).")
+    lmbda: float = Field(1.0, ge=0, le=1, description="The fraction of steps whose completions the student samples "
+                         "(a coin per step, from the run's seed); the other steps train on the data's completions. "
+                         "1 (TRL's DistillationTrainer): always on-policy; GKD's default is 0.5.")
+    max_completion_tokens: int = Field(512, gt=0, description="Most tokens the student samples for a completion "
+                                       "(TRL's max_completion_length).")
+    top_p: float = Field(1.0, gt=0, le=1, description="Nucleus sampling for the student's completions.")
+    sampler: Literal["static", "graph", "reference"] = Field(
+        "graph", description="How the student samples, as rl.sampler: graph (CUDA graphs; static elsewhere), static, "
+        "or reference (the plain loop).")
+
+
 class Recipe(Section):
     model: ModelConfig = Field(description="The model to fine-tune and how to load it.")
     data: DataConfig = Field(description="Training (and eval) data, its format and tokenisation.")
@@ -565,6 +587,9 @@ class Recipe(Section):
         "classification head, TRL's RewardTrainer loss; absent means no reward model.")
     rl: RLConfig | None = Field(
         None, description="Online RL with verifiable rewards, GRPO or RLOO (data.format: prompt); absent means no RL.")
+    distill: DistillConfig | None = Field(
+        None, description="On-policy distillation from a teacher model (data.format: prompt_completion, messages "
+        "or alpaca); absent means no teacher.")
     train: TrainConfig = Field(default_factory=TrainConfig, description="Optimisation, schedule and batch.")
     parallel: ParallelConfig = Field(default_factory=ParallelConfig,
                                      description="What the launch's processes split beyond the data (sequence).")
@@ -581,6 +606,27 @@ class Recipe(Section):
         if self.model.quantize is not None and self.model.random_init:
             raise ValueError("model.quantize quantises weights read from model.name_or_path; model.random_init reads "
                              "none. Set one of them")
+        return self
+
+    @model_validator(mode="after")
+    def _check_distill(self) -> Recipe:  # before the other sections' checks: a distill recipe hears its own
+        if self.distill is None:
+            return self
+        if self.data.format not in ("prompt_completion", "messages", "alpaca"):
+            raise ValueError(f"distill: needs rows with a prompt and a completion (data.format prompt_completion, "
+                             f"messages or alpaca): the prompt is what the student completes, and the data's "
+                             f"completion is what it trains on at off-policy steps; data.format={self.data.format} "
+                             "has none. Convert the rows, or set data.format")
+        if self.preference is not None or self.kto is not None or self.rl is not None:
+            raise ValueError("distill: is a training objective of its own; remove the preference:, kto: or rl: section")
+        if self.data.train_on_prompt:
+            raise ValueError("distill: matches the teacher on completion tokens only; unset data.train_on_prompt")
+        if self.train.micro_batch_tokens is not None:
+            raise ValueError("distill: a micro-batch is train.micro_batch_size prompts, whose completions the "
+                             "student samples; unset train.micro_batch_tokens")
+        if self.parallel.sequence_parallel > 1:
+            raise ValueError("distill: builds its sequences after sampling, which a sequence group cannot split "
+                             "(TRL refuses it too); set parallel.sequence_parallel=1")
         return self
 
     @model_validator(mode="after")

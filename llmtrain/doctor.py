@@ -10,7 +10,6 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-
 from llmtrain import hub
 from llmtrain.config import Recipe
 from llmtrain.data.checks import Check, check_chat_template, check_context, check_tokenizer, load_data
@@ -318,6 +317,21 @@ def check_rewards_run(recipe: Recipe, tokenizer) -> list[Check]:
     return [("rewards", "pass", f"{', '.join(n for n, _, _ in rewards)} import and score the first rows")]
 
 
+def check_teacher(recipe: Recipe, tokenizer) -> list[Check]:
+    """Distillation: the teacher shares the student's vocabulary, id by id (as finetune checks it, from the teacher's
+    config.json and tokenizer: no weights)."""
+    if recipe.distill is None:
+        return []
+    from llmtrain.model.teacher import vocabulary_problem
+
+    if problem := vocabulary_problem(recipe, tokenizer):
+        return [("teacher", "fail", problem)]
+    d = recipe.distill
+    return [("teacher", "pass", f"{d.teacher} shares the student's vocabulary ({len(tokenizer.get_vocab()):,} "
+             f"tokens, id by id); beta={d.beta:g}, temperature={d.temperature:g}, the student samples "
+             f"{d.lmbda:.0%} of the steps' completions")]
+
+
 def run_doctor(recipe: Recipe, *, accelerate_config: Path | None = None,
                gpu_memory: float | None = None) -> list[Check]:
     hub = check_hub(recipe)  # first: before huggingface_hub, transformers and datasets read HF_HUB_OFFLINE
@@ -339,7 +353,7 @@ def run_doctor(recipe: Recipe, *, accelerate_config: Path | None = None,
     if tokenizer is not None:
         checks += check_tokenizer(tokenizer) + check_chat_template(recipe, tokenizer)
         checks += load_data(recipe, tokenizer, world=data_ranks(launch, recipe.parallel.sequence_parallel))
-        checks += check_rewards_run(recipe, tokenizer)
+        checks += check_rewards_run(recipe, tokenizer) + check_teacher(recipe, tokenizer)
     checks += check_context(recipe.data.max_seq_len, _max_positions(recipe.model.name_or_path))
     gpu = gpu_memory if gpu_memory is not None else gpu_memory_here()
     lengths = None

@@ -106,9 +106,13 @@ def inspect_data(recipe: Recipe, *, n: int, as_json: bool) -> None:
         trained = sum(lab != IGNORE for lab in labels[1:])
         how = "«between marks»" if marks else "green"
         said = "" if label is None else ", desirable" if label else ", undesirable"
+        prompt = next((k for k, lab in enumerate(labels) if lab != IGNORE), len(labels))
+        # distillation: what the student completes at on-policy steps, and what the others train on
+        student = (f"distill: the student samples a completion of the first {prompt} tokens at on-policy steps; "
+                   "the trained tokens are the data's (off-policy steps, eval)") if recipe.distill else None
         console.print(Panel(_highlight(ids, labels, tokenizer, marks=marks),
                             title=f"example {i + 1}{said}: {len(ids)} tokens, {trained} trained ({how})",
-                            title_align="left"))
+                            subtitle=student, title_align="left"))
     console.print(_stats_table(stats))
     if recipe.kto is not None:
         console.print(feedback_balance(recipe, {"train": train, **({"eval": evald} if evald is not None else {})}))

@@ -27,7 +27,7 @@ from llmtrain.data.sources import is_split_name, load_raw
 from llmtrain.data.unpaired import UNPAIRED_COLUMNS, encode_unpaired, unpaired_problem
 from llmtrain.errors import LLMTrainError
 
-CACHE_VERSION = 7  # bump when tokenisation or masking changes, so old caches are not reused
+CACHE_VERSION = 8  # bump when tokenisation or masking changes, so old caches are not reused
 ROW = "__llmtrain_row"  # a row's number in its file, kept through a shuffled eval split (0-based)
 SHOWN_ROWS = 5  # dropped rows named in the report
 KEEP_AT_LEAST = 0.1  # a source that keeps fewer of its rows stops the run: its recipe does not fit its data
@@ -179,8 +179,9 @@ def tokenize_dataset(raw, tokenizer, cfg: DataConfig, source: str):
                           dropped_rows=[r + 1 for r in enc.select(dropped[:SHOWN_ROWS])["row"]])
     if cfg.format == "prompt":  # the prompt as given, its tokens, its row; every other column for the rewards
         return kept.remove_columns(["trained", "truncated", "drop"]), stats
+    # row: an example's number in its file (on-policy distillation seeds its completion with it)
     columns = {"preference": PAIR_COLUMNS + ([MARGIN] if MARGIN in kept.column_names else []),
-               "unpaired": UNPAIRED_COLUMNS}.get(cfg.format, ["input_ids", "labels", "length"])
+               "unpaired": UNPAIRED_COLUMNS}.get(cfg.format, ["input_ids", "labels", "length", "row"])
     return kept.select_columns(columns), stats  # length: token budgets bin by it (a pair: both sequences)
 
 

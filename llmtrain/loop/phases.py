@@ -42,6 +42,7 @@ from llmtrain.model.modeling import (
     pad_id,
 )
 from llmtrain.model.score import attach_score
+from llmtrain.model.teacher import vocabulary_problem
 from llmtrain.parallel import sequence
 from llmtrain.parallel.accelerator import use_fused_adamw
 from llmtrain.parallel.collectives import global_sum
@@ -89,6 +90,10 @@ def read_only_checks(recipe: Recipe, accelerator, *, resume: str | None, overwri
                             "parallelism sampling would need each layer's split heads put back together, which "
                             "llmtrain does not do. Launch with a DDP or FSDP config (e.g. accelerate_configs/ddp.yaml "
                             "or fsdp.yaml); a 7B LoRA policy fits one GPU.")
+    if recipe.distill is not None and tensor_parallel_size(accelerator) > 1:
+        raise LLMTrainError("distill: the student samples its own completions, which under tensor parallelism would "
+                            "need each layer's split heads put back together, and the teacher is not split; llmtrain "
+                            "does neither. Launch with a DDP or FSDP config (e.g. accelerate_configs/ddp.yaml).")
     ckpt = check_output_dir(accelerator, out, resume=resume, overwrite=overwrite)
     notes = check_resume(ckpt, recipe, world=data_ranks(accelerator)[0], fsdp=uses_fsdp(accelerator),
                          allow_recipe_change=allow_recipe_change) if ckpt else []
@@ -161,6 +166,12 @@ def prepare_data(recipe: Recipe, accelerator, *, say) -> Data:
             raise LLMTrainError(f"{name}: {detail}")
         if status == "warn":
             say(f"warning ({name}): {detail}")
+    if (d := recipe.distill) is not None:  # the teacher's vocabulary, before either model's weights are read
+        if problem := vocabulary_problem(recipe, tokenizer):
+            raise LLMTrainError(problem)
+        say(f"distillation: teacher {d.teacher}, beta={d.beta:g} (0 forward KL, 1 reverse KL), temperature="
+            f"{d.temperature:g}; the student samples the completions of {d.lmbda:.0%} of the steps (distill.lmbda), "
+            "the others train on the data's")
     plan = DataPlan(train_ds["length"], seed=tc.seed, world=world, micro_batch_size=tc.micro_batch_size,
                     micro_batch_tokens=tc.micro_batch_tokens)
     per_epoch = [plan.steps_per_epoch(e, accum) for e in range(tc.epochs)]

@@ -159,8 +159,10 @@ def train_loop(run: Run, state: TrainState, meter: Meter) -> list[dict]:
                             f"sampled at rl.temperature={run.recipe.rl.temperature:g}; eval_reward and "
                             f"eval_answer_accuracy are of one greedy completion of each of the {len(run.data.eval):,} "
                             "eval prompts, so the train reward usually sits below them")
-        if run.recipe.rl is not None and run.data.eval is not None and state.step == 0:
-            with meter.paused():  # online RL: the starting policy's rewards, which the run is there to raise
+        starts_measured = run.recipe.rl is not None or run.recipe.distill is not None
+        if starts_measured and run.data.eval is not None and state.step == 0:
+            # online RL, distillation: the starting policy's rewards or divergence, which the run is there to improve
+            with meter.paused():
                 evals.append(evaluate_and_sample(run, state, progress))
         for window in stream:
             result = train_step(m.model, m.optimizer, m.scheduler, accelerator, run.objective, window,

@@ -33,6 +33,7 @@ from llmtrain.memory.states import (  # noqa: F401  (optimizer_bytes, quantized_
     quantized_base_bytes,
     states,
 )
+from llmtrain.memory.teacher import add_teacher
 
 # Outside PyTorch's allocator; constants to be calibrated on GPUs (see docs/memory.md).
 CUDA_CONTEXT_BYTES = 500 * MIB  # CUDA context, cuBLAS/cuDNN handles and kernels
@@ -210,6 +211,8 @@ def estimate(shape: ModelShape, spec: TrainSpec) -> Estimate:
         phases.update(_eval_phases(shape, spec, base, adapted=adapted, cached=sum(cached), head_copies=head_copies,
                                    fsdp_unit=2 * unit + always, tail=tail, examples=spec.eval_micro_batch,
                                    budget=spec.eval_micro_batch_tokens, name="eval"))
+    if spec.teacher is not None:  # distillation: a second, frozen model and its forward (memory/teacher.py)
+        add_teacher(phases, shape, spec, p, base, gradients=g_acc)
     est = _finish(whole, spec, plan, st, phases, notes=_notes(shape, spec, p))
     est = replace(est, long_context=_long_context(whole, spec, est, p, kept if offload else None))
     if spec.completion_tokens and spec.prompt_tokens < spec.prompt_cap:  # at the data's lengths: the worst case too
@@ -396,12 +399,16 @@ def _finish(shape: ModelShape, spec: TrainSpec, plan: LoraPlan | None, st: State
 def _notes(shape: ModelShape, spec: TrainSpec, p: act.Pass) -> tuple[str, ...]:
     notes = []
     if spec.completion_tokens:
-        notes.append(f"online RL: {spec.micro_batch} sequences a micro-batch ({spec.micro_batch // spec.per_example} "
+        kind = "distillation (the student samples)" if spec.teacher is not None else "online RL"
+        notes.append(f"{kind}: {spec.micro_batch} sequences a micro-batch ({spec.micro_batch // spec.per_example} "
                      f"prompts x {spec.generations}), each a prompt of {spec.prompt_tokens} tokens "
                      f"({spec.prompt_basis}) "
                      f"and up to {spec.completion_tokens} completion tokens (the loss trains the completions); sampled "
                      f"{sampling_rows(spec)} rows at once into a static KV cache of "
                      f"{kv_cache_bytes(shape, spec) / GIB:,.2f} GiB")
+    if spec.teacher is not None:
+        notes.append(f"the teacher ({spec.teacher.source}): {spec.teacher.params_total / 1e9:,.2f}B parameters in "
+                     f"{spec.teacher_dtype} on every GPU, not sharded")
     if p.varlen_repeats_kv and shape.kv_heads < shape.heads:
         extra = 2 * p.tokens * (shape.heads - shape.kv_heads) * shape.head_dim * p.cd
         notes.append(f"this torch's varlen_attn is torch 2.10's (no window_size): K/V are repeated to all "

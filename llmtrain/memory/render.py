@@ -22,6 +22,7 @@ WHAT = {
     "temporaries": "short-lived tensors (a layer's, or the loss's)",
     "kv_cache": "the sampler's static KV cache (no generation copy of the weights: adapters unmerged)",
     "pipeline_buffers": "the pipeline's receive buffers (activations and gradients, one per micro-batch)",
+    "teacher": "distillation's teacher: its weights (whole on every GPU), forward and chunk logits",
     "overhead": "CUDA context, NCCL, allocator slack (reserved - allocated)",
 }
 

@@ -26,7 +26,8 @@ DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 PRECISION_DTYPE = {"bf16": "bfloat16", "fp16": "float16"}
 # Every component a breakdown reports, in display order; the first six are always present.
 COMPONENTS = ("weights", "gradients", "optimizer", "activations", "logits", "overhead",
-              "autocast_copies", "ddp_buckets", "fsdp_buffers", "temporaries", "kv_cache", "pipeline_buffers")
+              "autocast_copies", "ddp_buckets", "fsdp_buffers", "temporaries", "kv_cache", "pipeline_buffers",
+              "teacher")
 # Online RL without readable data: each prompt is taken at its longest, data.max_seq_len - rl.max_completion_tokens (a
 # longer prompt is refused before training: data.checks.check_prompt_room), so every sequence is max_seq_len long.
 # With data, the prompts' PROMPT_QUANTILE: a step whose prompts are all that long or shorter (the mean of a
@@ -117,6 +118,10 @@ class TrainSpec:
     # KTO's full fine-tune: a frozen copy of the starting weights (the reference), in the storage dtype, whole on
     # every GPU (objectives/kto.frozen_copy; refused where the model is sharded)
     frozen_reference: bool = False
+    # distillation (distill:): the teacher's shape and storage dtype, a second frozen model on every GPU (memory/
+    # teacher.py); None: no teacher
+    teacher: object = None  # params.ModelShape
+    teacher_dtype: Dtype = "float32"
 
     @property
     def world(self) -> int:
@@ -301,7 +306,18 @@ def spec_from_recipe(recipe: Recipe, *, strategy: Strategy = "single", num_gpus:
     pairs = recipe.preference is not None or recipe.reward_model is not None
     per_example = 2 if pairs else recipe.rl.num_generations if recipe.rl is not None else 1
     evaluates = evaluates and recipe.rl is None
-    rl = {}
+    rl, teacher = {}, {}
+    if recipe.distill is not None:
+        # The student samples one completion a prompt (a generation of 1), sequences taken at data.max_seq_len: a
+        # prompt at its longest below it and max_completion_tokens; the teacher, read from its config.json
+        from llmtrain.memory.params import load_model_shape
+
+        most = min(recipe.distill.max_completion_tokens, d.max_seq_len - 1)
+        cap = d.max_seq_len - most
+        rl = dict(completion_tokens=most, prompt_tokens=cap, prompt_cap=cap, prompt_basis="every prompt at its "
+                  f"longest, data.max_seq_len - distill.max_completion_tokens ({cap})", update_tokens=None)
+        dtype = PRECISION_DTYPE.get(t.mixed_precision, m.dtype) if m.dtype == "float32" else m.dtype
+        teacher = dict(teacher=load_model_shape(recipe.distill.teacher), teacher_dtype=dtype)
     if recipe.rl is not None:
         most = recipe.rl.max_completion_tokens
         cap = max(1, d.max_seq_len - most)  # data.checks.check_prompt_room refuses a longer prompt
@@ -327,7 +343,8 @@ def spec_from_recipe(recipe: Recipe, *, strategy: Strategy = "single", num_gpus:
         eval_micro_batch_tokens=t.micro_batch_tokens if (evaluates and t.eval_batch_size is None) else None,
         strategy=strategy, num_gpus=num_gpus, num_nodes=num_nodes,
         sequence_parallel=recipe.parallel.sequence_parallel,
-        generations=recipe.rl.num_generations if recipe.rl is not None else 0, per_example=per_example, **rl,
+        generations=recipe.rl.num_generations if recipe.rl is not None else int(
+            recipe.distill is not None and recipe.distill.lmbda > 0), per_example=per_example, **rl, **teacher,
         no_grad_forwards=recipe.kto is not None, frozen_reference=recipe.kto is not None and lora is None,
         **{**pipeline_keys(recipe), **launch},  # --pipeline-* options (in launch) win over the recipe's keys
     )

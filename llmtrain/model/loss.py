@@ -56,6 +56,26 @@ def chunked_cross_entropy(hidden: torch.Tensor, head, targets: torch.Tensor, *, 
     return total, (torch.cat(hits) if with_hits else None)
 
 
+def _apply_token_loss(head, token_loss, start: int, hidden: torch.Tensor, targets: torch.Tensor):
+    return token_loss(head(hidden), targets, start)
+
+
+def chunked_token_loss(hidden: torch.Tensor, head, targets: torch.Tensor, token_loss, *,
+                       chunk: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Another loss than the cross-entropy over the same chunks: `token_loss(logits, targets, start)` gets one chunk's
+    logits (the tokens start:start + len) and returns its summed loss and a vector of summed statistics (detached).
+    Each chunk is recomputed in backward as the cross-entropy's is, so one chunk's logits exist at a time (and those
+    of whatever `token_loss` builds beside them: a teacher's, for distillation). Returns the loss and the statistics
+    summed over the chunks."""
+    total, stats = hidden.new_zeros((), dtype=torch.float32), None
+    for s in range(0, hidden.shape[0], chunk):
+        args = (head, token_loss, s, hidden[s : s + chunk], targets[s : s + chunk])
+        loss, part = (checkpoint(_apply_token_loss, *args, use_reentrant=False) if torch.is_grad_enabled()
+                      else _apply_token_loss(*args))
+        total, stats = total + loss, part if stats is None else stats + part
+    return total, stats
+
+
 def causal_lm(model):
     """The transformers *ForCausalLM module inside `model` (which may be a peft model)."""
     return model.get_base_model() if hasattr(model, "get_base_model") else model
@@ -82,7 +102,7 @@ def attach_loss(model, *, chunk: int, fused_linear_ce=None) -> None:
     original = type(lm).forward
 
     def forward(self, *args, loss_index=None, loss_targets=None, return_hits: bool = False, per_token: bool = False,
-                temperature: float = 1.0, **kwargs):
+                temperature: float = 1.0, token_loss=None, **kwargs):
         if loss_index is None:
             return original(self, *args, **kwargs)
         kwargs.pop("labels", None)  # peft passes labels=None through
@@ -92,8 +112,9 @@ def attach_loss(model, *, chunk: int, fused_linear_ce=None) -> None:
             # parameter, because DDP and FSDP reduce the gradients of all of them on every rank
             loss, _ = self.lm_head(hidden[:1], targets=hidden.new_zeros(1, dtype=torch.long))
             return {"loss": loss.sum() * 0.0, "hits": torch.zeros(0, dtype=torch.bool, device=hidden.device)}
+        # hits: with token_loss, its statistics instead
         loss, hits = self.lm_head(hidden[loss_index], targets=loss_targets, with_hits=return_hits, per_token=per_token,
-                                  temperature=temperature)
+                                  temperature=temperature, token_loss=token_loss)
         return {"loss": loss, "hits": hits}
 
     lm.forward = types.MethodType(forward, lm)
@@ -101,9 +122,12 @@ def attach_loss(model, *, chunk: int, fused_linear_ce=None) -> None:
 
 def _head_forward(chunk: int, fused_linear_ce):
     def forward(self, hidden, targets=None, with_hits: bool = False, per_token: bool = False,
-                temperature: float = 1.0):
+                temperature: float = 1.0, token_loss=None):
         if targets is None:  # an ordinary call: logits
             return torch.nn.functional.linear(hidden, self.weight, self.bias)
+        if token_loss is not None:  # another loss on the same chunks (distillation); it applies any temperature
+            return chunked_token_loss(hidden, lambda h: torch.nn.functional.linear(h, self.weight, self.bias),
+                                      targets, token_loss, chunk=chunk)
         if (fused_linear_ce is not None and not with_hits and not per_token and torch.is_grad_enabled()
                 and self.bias is None and temperature == 1.0):
             return fused_linear_ce(self.weight, hidden, targets), None
@@ -121,18 +145,29 @@ def _head_forward(chunk: int, fused_linear_ce):
 MODEL_INPUTS = ("input_ids", "attention_mask", "position_ids", "loss_index", "loss_targets")
 
 
-def compute_loss(model, batch: dict, *, return_hits: bool = False, per_token: bool = False, temperature: float = 1.0):
+def decoder_inputs(batch: dict) -> dict:
+    """What a decoder's forward takes from a collated batch: the ids and positions (and padding's mask), and a packed
+    row's boundaries under the names transformers forwards to the varlen attention."""
+    inputs = {k: batch[k] for k in MODEL_INPUTS[:3] if k in batch}
+    if "cu_seq_lens" in batch:
+        inputs.update(cu_seq_lens_q=batch["cu_seq_lens"], cu_seq_lens_k=batch["cu_seq_lens"],
+                      max_length_q=batch["max_length"], max_length_k=batch["max_length"])
+    return inputs
+
+
+def compute_loss(model, batch: dict, *, return_hits: bool = False, per_token: bool = False, temperature: float = 1.0,
+                 token_loss=None):
     """Summed token cross-entropy of one collated batch on the device (the one loss of train and eval).
 
     `batch` holds the model inputs plus `loss_index` / `loss_targets` (batching.with_loss_positions);
     `cu_seq_lens` / `max_length` (packed rows) are handed to the varlen attention under the names transformers
     forwards to it. per_token: the cross-entropy of every trained token instead of their sum (preference losses).
     temperature: of the logits (online RL takes the policy's log-probabilities at the sampling temperature, as TRL).
+    token_loss: another loss on the same chunks of the LM head's logits (chunked_token_loss): returns (its summed
+    loss, its summed statistics).
     """
-    inputs = {k: batch[k] for k in MODEL_INPUTS if k in batch}
-    if "cu_seq_lens" in batch:
-        inputs.update(cu_seq_lens_q=batch["cu_seq_lens"], cu_seq_lens_k=batch["cu_seq_lens"],
-                      max_length_q=batch["max_length"], max_length_k=batch["max_length"])
+    inputs = {**decoder_inputs(batch), **{k: batch[k] for k in MODEL_INPUTS[3:] if k in batch}}
     out = model(**inputs, return_hits=return_hits, per_token=per_token,
-                **({"temperature": temperature} if temperature != 1.0 else {}))
-    return (out["loss"], out["hits"]) if return_hits else out["loss"]
+                **({"temperature": temperature} if temperature != 1.0 else {}),
+                **({"token_loss": token_loss} if token_loss is not None else {}))
+    return (out["loss"], out["hits"]) if return_hits or token_loss is not None else out["loss"]

@@ -8,6 +8,8 @@
   loop runs: its `rollout` samples each step's completions (model/generate.py), scores and packs them.
 - `rloo.py`: online RL (RLOO, rl.algorithm: rloo) on GRPO's rollout: the leave-one-out advantage, the k1 KL in the
   reward and the per-sequence clipped loss, as TRL 1.16's RLOOTrainer (equal to it to 1e-6).
+- `distill.py`: on-policy distillation (TRL's DistillationTrainer): the generalised JSD to a teacher over completion
+  tokens, chunk by chunk beside the student's head, on completions the student samples (a seeded coin per step).
 - `rewards.py`: reward functions (answer_match, format, the user's own with TRL's signature) and their checks.
 - `reward_model.py`: reward models on pairs (TRL's RewardTrainer loss on the score head's last-token scores).
 - `learned_reward.py`: a trained reward model as an RL reward (rl.rewards type reward_model).

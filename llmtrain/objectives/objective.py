@@ -128,8 +128,9 @@ def rl_rewards(recipe, train, *, total_steps: int | None, device=None) -> Reward
 def objective_for(recipe, *, pad_id: int, model=None, tokenizer=None, train=None, world: int = 1,
                   total_steps: int | None = None, rewards: Rewards | None = None, gather=None,
                   reduce=None) -> Objective:
-    """The recipe's objective: GRPO or RLOO on prompts (rl:), a preference loss on pairs (preference:), a reward
-    model's loss on pairs (reward_model:), KTO on labelled completions (kto:), else causal-LM
+    """The recipe's objective: GRPO or RLOO on prompts (rl:), distillation from a teacher (distill:), a preference loss
+    on pairs (preference:), a reward model's loss on pairs (reward_model:), KTO on labelled completions (kto:), else
+    causal-LM
     cross-entropy (supervised fine-tuning). `model`: the unwrapped model, whose disabled adapter is the reference
     of a LoRA preference run (and which samples an RL run's completions); `train`: the tokenised train set (RL: its
     columns go to the reward functions); `rewards`: rl_rewards' (None: checked here); `gather`: every process's list
@@ -138,25 +139,23 @@ def objective_for(recipe, *, pad_id: int, model=None, tokenizer=None, train=None
     from llmtrain.data.batching import packs_rows
 
     if recipe.rl is not None:
-        from llmtrain.data.chat import end_of_turn, read_template
-        from llmtrain.model.generate import stop_tokens
-        from llmtrain.model.loss import causal_lm
         from llmtrain.objectives.grpo import GRPO
         from llmtrain.objectives.rloo import RLOO
 
         rewards = rewards if rewards is not None else rl_rewards(recipe, train, total_steps=total_steps)
-        turn = None
-        if recipe.data.chat_template is not False or tokenizer.chat_template is not None:
-            try:
-                turn = end_of_turn(tokenizer, read_template(recipe.data))
-            except Exception:  # a template that cannot render a reply: stop at EOS and the configured ends only
-                turn = None
         online = RLOO if recipe.rl.algorithm == "rloo" else GRPO  # RLOO: GRPO's rollout, its own advantage and loss
         return online(recipe.rl, tokenizer=tokenizer, pad_id=pad_id, packing=packs_rows(recipe),
                       seed=recipe.train.seed, rewards=rewards.functions, model=model, columns=train.column_names,
-                      stop_ids=stop_tokens(causal_lm(model), tokenizer, turn), world=world, sources=rewards.sources,
+                      stop_ids=stop_ids(recipe, model, tokenizer), world=world, sources=rewards.sources,
                       state=rewards.state, runner=rewards.runner, gather=gather)
 
+    if recipe.distill is not None:
+        from llmtrain.model.teacher import load_teacher
+        from llmtrain.objectives.distill import Distill
+
+        teacher = load_teacher(recipe, tokenizer, device=next(model.parameters()).device)
+        return Distill(recipe.distill, teacher=teacher, model=model, pad_id=pad_id, packing=packs_rows(recipe),
+                       seed=recipe.train.seed, stop_ids=stop_ids(recipe, model, tokenizer), world=world)
     if recipe.kto is not None:
         from llmtrain.objectives.kto import KTO, frozen_copy
 
@@ -178,6 +177,22 @@ def objective_for(recipe, *, pad_id: int, model=None, tokenizer=None, train=None
         return Preference(recipe.preference, pad_id=pad_id, packing=packs_rows(recipe),
                           reference=reference_kind(recipe), model=model)
     return CausalLM(pad_id=pad_id, packing=packs_rows(recipe))
+
+
+def stop_ids(recipe, model, tokenizer) -> list[int]:
+    """Where a sampled completion ends (online RL, distillation): the model's end tokens, EOS, and the chat template's
+    end of turn where the rows are chats."""
+    from llmtrain.data.chat import end_of_turn, read_template
+    from llmtrain.model.generate import stop_tokens
+    from llmtrain.model.loss import causal_lm
+
+    turn = None
+    if recipe.data.chat_template is not False or tokenizer.chat_template is not None:
+        try:
+            turn = end_of_turn(tokenizer, read_template(recipe.data))
+        except Exception:  # a template that cannot render a reply: stop at EOS and the configured ends only
+            turn = None
+    return stop_tokens(causal_lm(model), tokenizer, turn)
 
 
 def reference_kind(recipe) -> str:

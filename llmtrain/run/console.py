@@ -128,6 +128,8 @@ def summary_table(summary: dict, *, out: Path, evals: list[dict], unit: str = "g
             what = f"pairwise accuracy {best['eval_accuracy']:.1%}, margin {best['eval_margin']:.3f}"
         elif best.get("eval_answer_accuracy") is not None:
             what = f"answer accuracy {best['eval_answer_accuracy']:.1%} of generated samples"
+        elif "eval_teacher_agreement" in best:  # distillation: the loss is the divergence to the teacher
+            what = f"argmax as the teacher's {best['eval_teacher_agreement']:.1%}"
         elif "eval_kl" in best:  # KTO
             margin = best.get("eval_rewards/margins")
             what = f"kl {best['eval_kl']:.3f}" + (f", reward margin {margin:.3f}" if margin is not None else "")

@@ -1,0 +1,71 @@
+"""The teacher of on-policy distillation (distill.teacher): checked against the student's vocabulary, then loaded
+frozen.
+
+The divergence compares the two models' next-token distributions id by id, so the teacher must give the same id
+the same meaning: the same vocabulary size (TRL checks this much) and, where the teacher folder has a tokenizer, the
+same tokens at the same ids (a size that matches by chance would train the student towards the wrong tokens).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from llmtrain.config import ModelConfig, Recipe
+from llmtrain.errors import LLMTrainError
+from llmtrain.model.modeling import load_model
+
+
+def teacher_config(recipe: Recipe) -> ModelConfig:
+    """The teacher as model.name_or_path is loaded: the student's attention and trust_remote_code; stored in the
+    autocast dtype under mixed precision (a frozen model needs no fp32 master weights), else in model.dtype; none
+    of the student's memory savers (they trade compute for the memory of a backward the teacher never runs)."""
+    m, precision = recipe.model, recipe.train.mixed_precision
+    dtype = {"bf16": "bfloat16", "fp16": "float16"}.get(precision, m.dtype) if m.dtype == "float32" else m.dtype
+    return ModelConfig(name_or_path=recipe.distill.teacher, dtype=dtype, attn_implementation=m.attn_implementation,
+                       kernels=m.kernels, trust_remote_code=m.trust_remote_code)
+
+
+def vocabulary_problem(recipe: Recipe, tokenizer) -> str | None:
+    """Why the teacher cannot teach this student (one paragraph), or None. Reads the teacher's config.json and
+    tokenizer only: no weights."""
+    from transformers import AutoConfig, AutoTokenizer
+
+    path, trust = recipe.distill.teacher, recipe.model.trust_remote_code
+    try:
+        student = AutoConfig.from_pretrained(recipe.model.name_or_path, trust_remote_code=trust)
+    except (OSError, ValueError):  # the student's own loading says what is wrong with it
+        return None
+    try:
+        config = AutoConfig.from_pretrained(path, trust_remote_code=trust)
+    except (OSError, ValueError) as e:
+        return (f"distill.teacher '{path}' could not be read ({str(e).splitlines()[0]}). Give a local model folder "
+                "(config.json and weights) or a hub id that is in the local Hugging Face cache.")
+    theirs, ours = config.get_text_config().vocab_size, student.get_text_config().vocab_size
+    fix = ("Distill from a teacher of the student's family (the same tokenizer), or train the student on the "
+           "teacher's tokenizer first.")
+    if theirs != ours:
+        return (f"distill.teacher '{path}' has a vocabulary of {theirs:,} ids and the student "
+                f"(model.name_or_path '{recipe.model.name_or_path}') one of {ours:,}: the divergence compares the two "
+                f"models' probabilities id by id, so they must share the vocabulary. {fix}")
+    try:
+        their_tokens = AutoTokenizer.from_pretrained(path, trust_remote_code=trust).get_vocab()
+    except (OSError, ValueError, TypeError):  # a folder with weights and no tokenizer: the size is all we can check
+        return None
+    ours_tokens = tokenizer.get_vocab()
+    differ = sorted(i for t, i in their_tokens.items() if ours_tokens.get(t) != i)
+    if differ:
+        token = next(t for t, i in their_tokens.items() if i == differ[0])
+        return (f"distill.teacher '{path}' has {theirs:,} ids like the student, but its tokenizer gives {len(differ):,} "
+                f"of them other tokens (id {differ[0]} is {token!r} for the teacher, "
+                f"{tokenizer.convert_ids_to_tokens(differ[0])!r} for the student): the divergence compares the two "
+                f"models' probabilities id by id, so they must share the vocabulary token for token. {fix}")
+    return None
+
+
+def load_teacher(recipe: Recipe, tokenizer, *, device: torch.device):
+    """The teacher, checked (vocabulary_problem), on `device`, frozen and in eval mode (no dropout)."""
+    if problem := vocabulary_problem(recipe, tokenizer):
+        raise LLMTrainError(problem)
+    teacher = load_model(teacher_config(recipe), None, device=device).to(device)
+    teacher.requires_grad_(False)
+    return teacher.eval()
