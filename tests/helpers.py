@@ -9,9 +9,11 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import yaml
@@ -115,6 +117,25 @@ def launch_finetune(config: Path, processes: int, port: int, recipe: Path, *over
          *extra], env=ENV, cwd=REPO, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     return proc.stdout + ("\nSTDERR\n" + proc.stderr if proc.stderr else "")
+
+
+def kill_launch_mid_run(config: Path, processes: int, port: int, recipe: Path, *overrides: str, out: Path,
+                        after: int = 7) -> None:
+    """Launch `llmtrain finetune` like launch_finetune (output_dir=`out`), wait for its first checkpoint and `after`
+    metrics lines, then kill -9 every process of the launch mid-run, with no chance to save: torchrun starts its
+    workers in sessions of their own, so they are found by their command line."""
+    launch = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(config), "--num_processes",
+              str(processes), "--main_process_port", str(port), "-m", "llmtrain", "finetune", str(recipe), *overrides,
+              f"output_dir={out}"]
+    proc = subprocess.Popen(launch, env=ENV, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)
+    end = time.monotonic() + 180
+    while not list((out / "checkpoints").glob("step_*")) or len(records(out)) < after:
+        assert proc.poll() is None and time.monotonic() < end, proc.communicate()
+        time.sleep(0.02)
+    subprocess.run(["pkill", "-KILL", "-f", f"output_dir={out}"], check=False)
+    os.killpg(proc.pid, signal.SIGKILL)
+    proc.communicate(timeout=60)
 
 
 def records(run: Path, kind: str = "train") -> list[dict]:

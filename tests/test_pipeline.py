@@ -12,17 +12,21 @@ or adapter, gathered from the stages) loads in transformers / peft and gives the
 
 from __future__ import annotations
 
-import os
 import shutil
-import signal
-import subprocess
-import sys
-import time
 from pathlib import Path
 
 import pytest
 import torch
-from helpers import ENV, REPO, launch_finetune, load_weights, max_abs_diff, records, run_train, write_recipe
+from helpers import (
+    REPO,
+    kill_launch_mid_run,
+    launch_finetune,
+    load_weights,
+    max_abs_diff,
+    records,
+    run_train,
+    write_recipe,
+)
 
 from llmtrain.config import load_recipe
 from llmtrain.data.batching import collate, fixed_row, with_loss_positions
@@ -225,18 +229,7 @@ def test_kill_9_and_a_resume_equal_the_uninterrupted_run_to_the_bit(four_layers,
     straight, cut = tmp_path / "straight", tmp_path / "cut"
     pp = ["parallel.pipeline_parallel=2", "train.max_steps=12"]
     launch_finetune(CPU_DDP, 2, free_port + 2, recipe, *pp, f"output_dir={straight}")
-    launch = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(CPU_DDP), "--num_processes",
-              "2", "--main_process_port", str(free_port), "-m", "llmtrain", "finetune", str(recipe), *pp,
-              f"output_dir={cut}"]
-    proc = subprocess.Popen(launch, cwd=REPO, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            start_new_session=True)
-    end = time.monotonic() + 180
-    while not list((cut / "checkpoints").glob("step_*")) or len(records(cut)) < 7:
-        assert proc.poll() is None and time.monotonic() < end, proc.communicate()
-        time.sleep(0.02)
-    subprocess.run(["pkill", "-KILL", "-f", f"output_dir={cut}"], check=False)
-    os.killpg(proc.pid, signal.SIGKILL)
-    proc.communicate(timeout=60)
+    kill_launch_mid_run(CPU_DDP, 2, free_port, recipe, *pp, out=cut)
     assert len(records(cut)) < 12
     launch_finetune(CPU_DDP, 2, free_port + 1, recipe, *pp, f"output_dir={cut}", resume="auto")
     ours = {r["step"]: r["loss"] for r in records(cut)}  # a step logged twice (after its checkpoint): the resume's

@@ -12,16 +12,20 @@ vacuous); kill -9 and a resume equal the uninterrupted run; 4 processes (sequenc
 from __future__ import annotations
 
 import json
-import os
-import signal
-import subprocess
-import sys
-import time
 from pathlib import Path
 
 import pytest
 import torch
-from helpers import ENV, REPO, launch_finetune, load_weights, max_abs_diff, records, run_train, write_recipe
+from helpers import (
+    REPO,
+    kill_launch_mid_run,
+    launch_finetune,
+    load_weights,
+    max_abs_diff,
+    records,
+    run_train,
+    write_recipe,
+)
 
 from llmtrain.config import load_recipe
 from llmtrain.data.batching import Counts, collate, with_loss_positions
@@ -177,30 +181,13 @@ def test_a_sliding_window_and_a_replicated_kv_head_stay_exact(tiny_assets, tmp_p
     assert abs(records(unwindowed)[0]["loss"] - records(one)[0]["loss"]) > 1e-3
 
 
-def _start(args: list[str]) -> subprocess.Popen:
-    return subprocess.Popen(args, env=ENV, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            start_new_session=True)
-
-
 @pytest.mark.slow
 def test_kill_9_and_a_resume_equal_the_uninterrupted_run_to_the_bit(tiny_assets, tmp_path, free_port):
     recipe = write_recipe(tiny_assets, tmp_path, **{**PACKED, "train": {**PACKED["train"], "max_steps": 300}},
                           checkpoint={"every_steps": 3, "save_final": True})
     straight, cut = tmp_path / "straight", tmp_path / "cut"
     _launch(CPU_DDP, 2, free_port + 2, recipe, f"output_dir={straight}")  # the same layout, uninterrupted
-    launch = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(CPU_DDP), "--num_processes",
-              "2", "--main_process_port", str(free_port), "-m", "llmtrain", "finetune", str(recipe),
-              "parallel.sequence_parallel=2", f"output_dir={cut}"]
-    proc = _start(launch)
-    end = time.monotonic() + 180
-    while not list((cut / "checkpoints").glob("step_*")) or len(records(cut)) < 7:
-        assert proc.poll() is None and time.monotonic() < end, proc.communicate()
-        time.sleep(0.02)
-    # every process of the launch, mid-run, with no chance to save: torchrun starts its workers in sessions of their
-    # own, so they are found by their command line
-    subprocess.run(["pkill", "-KILL", "-f", f"output_dir={cut}"], check=False)
-    os.killpg(proc.pid, signal.SIGKILL)
-    proc.communicate(timeout=60)
+    kill_launch_mid_run(CPU_DDP, 2, free_port, recipe, "parallel.sequence_parallel=2", out=cut)
     assert len(records(cut)) < 300
     launch_finetune(CPU_DDP, 2, free_port + 1, recipe, "parallel.sequence_parallel=2", f"output_dir={cut}",
                     resume="auto")
