@@ -138,10 +138,10 @@ def test_lora_trains_only_the_adapter(tiny_assets, tmp_path, monkeypatch):
     captured = {}
     real_save_final = train_mod.save_final
 
-    def spy(accelerator, model, tokenizer, path):
+    def spy(accelerator, model, tokenizer, path, **kwargs):
         sd = accelerator.unwrap_model(model).state_dict()
         captured.update({k: v.detach().clone() for k, v in sd.items()})
-        real_save_final(accelerator, model, tokenizer, path)
+        real_save_final(accelerator, model, tokenizer, path, **kwargs)
 
     monkeypatch.setattr(train_mod, "save_final", spy)
     recipe = write_recipe(tiny_assets, tmp_path, lora={"r": 4, "alpha": 8, "dropout": 0.0},
