@@ -297,6 +297,7 @@ main()
 """
 
 
+@pytest.mark.slow
 def test_killed_mid_run_resumes_to_the_same_coins_samples_losses_and_weights(straight, tmp_path):
     """kill -9 in step 7; the resume from the step-4 checkpoint draws the same coins and samples the same
     completions (their lengths logged each step), and ends with the same losses and the same weights."""
@@ -320,6 +321,7 @@ def test_killed_mid_run_resumes_to_the_same_coins_samples_losses_and_weights(str
     assert max_abs_diff(load_weights(cut / "final"), load_weights(full / "final")) == 0.0
 
 
+@pytest.mark.slow
 def test_two_ddp_processes_sample_and_train_what_one_does(straight, tmp_path, free_port):
     """Each rank samples its own 4 prompts' completions from their rows' seeds: the same steps as one process with
     8 prompts, the same losses and eval, and the same weights."""
@@ -335,6 +337,7 @@ def test_two_ddp_processes_sample_and_train_what_one_does(straight, tmp_path, fr
 
 
 
+@pytest.mark.slow
 def test_two_fsdp_processes_gather_the_layers_to_sample_and_train_what_one_does(straight, tmp_path, free_port):
     """FSDP shards the student (the teacher stays whole on each process); the rollout gathers the student's layers
     to sample: the same steps, losses and eval as one process."""
