@@ -183,7 +183,7 @@ def fixed_row(batch: dict, slots: int, *, pad_id: int) -> dict[str, torch.Tensor
     targets = torch.full((n,), IGNORE, dtype=torch.long)
     targets[batch["loss_index"]] = batch["loss_targets"]
     pad = slots - n
-    cu = batch["cu_seq_lens"].to(torch.int32) if "cu_seq_lens" in batch else torch.tensor([0, n], dtype=torch.int32)
+    cu = batch["cu_seq_lens"].to(torch.int32)  # a token budget packs rows (config: pipelines need one)
     cu = torch.cat([cu, torch.full((slots + 1 - len(cu),), slots, dtype=torch.int32)])  # the pad segment ends at T
     return {"input_ids": torch.cat([ids, torch.full((pad,), pad_id, dtype=ids.dtype)])[None],
             "position_ids": torch.cat([pos, torch.arange(pad, dtype=pos.dtype)])[None],

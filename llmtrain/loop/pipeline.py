@@ -21,12 +21,13 @@ from contextlib import contextmanager, nullcontext
 
 import torch
 
-from llmtrain.data.batching import fixed_row
+from llmtrain.data.batching import collate, fixed_row, with_loss_positions
 from llmtrain.data.formats import IGNORE
 from llmtrain.errors import LLMTrainError
 from llmtrain.model.attention import NAME as VARLEN
 from llmtrain.model.loss import causal_lm
 from llmtrain.model.stages import Elsewhere, Stage, cut_points, skeleton
+from llmtrain.objectives.objective import eval_counts
 from llmtrain.parallel.pipeline import clip_grad_norm_, pipeline_group, sum_replicas
 from llmtrain.parallel.stages import rank_stages, stage_layers
 
@@ -145,19 +146,13 @@ class Pipeline:
             return torch.zeros(5, dtype=torch.float64, device=hidden.device)
         loss, hits = self.last.head(flat[index], targets=t[index], with_hits=True)
         example = example[index]
-        n = int(example.max()) + 1
-        trained = torch.bincount(example, minlength=n).double()
-        right = torch.zeros(n, dtype=torch.float64, device=example.device).index_add(0, example, hits.double())
-        return torch.stack([loss.double(), hits.new_tensor(hits.numel(), dtype=torch.float64), hits.double().sum(),
-                            ((right == trained) & (trained > 0)).double().sum(), (trained > 0).double().sum()])
+        return eval_counts(loss, hits, example, int(example.max()) + 1)
 
     def _rows(self, batches: list[dict]) -> dict[str, torch.Tensor]:
         """The micro-batches as M rows of the fixed shape (a short list filled with rows that train nothing)."""
-        rows = [fixed_row(b, self.slots, pad_id=self.pad_id) for b in batches]
-        while len(rows) < self.micro_batches:
-            rows.append(fixed_row({"input_ids": torch.tensor([self.pad_id]), "position_ids": torch.tensor([0]),
-                                   "loss_index": torch.zeros(0, dtype=torch.long),
-                                   "loss_targets": torch.zeros(0, dtype=torch.long)}, self.slots, pad_id=self.pad_id))
+        idle = with_loss_positions(collate([], pad_id=self.pad_id, packing=True))  # an idle rank's placeholder
+        filled = [*batches, *[idle] * (self.micro_batches - len(batches))]
+        rows = [fixed_row(b, self.slots, pad_id=self.pad_id) for b in filled]
         return {k: torch.cat([r[k] for r in rows]) for k in rows[0]}
 
     def evaluate(self, batches: list[dict]) -> torch.Tensor:
