@@ -111,7 +111,7 @@ def test_a_prepared_batch_of_long_rows_is_held_as_arrays_not_lists(mistral):
     assert tokens > 100_000
     assert peak / tokens < 40, f"{peak / tokens:.0f} bytes a token at the peak"  # 58 as lists
     assert str(prepared.features) == ("{'input_ids': List(Value('int32')), 'labels': List(Value('int64')), "
-                                      "'length': Value('int64')}")
+                                      "'length': Value('int64'), 'row': Value('int64')}")
     for k in (0, 23):
         expected = encode_example(rows[k], mistral, cfg)
         assert prepared[k]["input_ids"] == expected["input_ids"] and prepared[k]["labels"] == expected["labels"]
