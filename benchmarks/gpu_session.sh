@@ -216,7 +216,9 @@ EOF
   ;;
 vs-hf-7b|vs-hf-1b)
   shape=$( [[ $WHAT == vs-hf-7b ]] && echo mistral-7b-lora || echo llama-1b-full )
-  $PY benchmarks/vs_hf.py $( [[ $DRY == 1 ]] && echo --smoke || echo --shape $shape ) --mistral $G/mistral \
+  # hf-liger last (HF padding-free + use_liger_kernel, Triton: CUDA only), so that a failure there costs no other row
+  $PY benchmarks/vs_hf.py $( [[ $DRY == 1 ]] && echo --smoke || echo --shape $shape \
+    --systems llmtrain,llmtrain-baseline,hf-padded,hf-flatten,hf-liger ) --mistral $G/mistral \
     --gsm8k $G/gsm8k/train.jsonl > "$OUT/$WHAT.jsonl" 2> "$OUT/$WHAT.log"
   ;;
 fixed)  # fixed-length random tokens (benchmarks/throughput.py): speed, and predicted vs measured peak at seq 512-4096

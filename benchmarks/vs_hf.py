@@ -13,6 +13,7 @@ Four systems run one after the other, each in its own process, on a random init 
 - `hf-padded`: HF Trainer with `DataCollatorForSeq2Seq` (right padding to the longest example of the micro-batch).
 - `hf-flatten`: HF Trainer with `DataCollatorWithFlattening` (padding-free: one row, position ids that restart;
   flash-attention 2 where it is installed on CUDA, else SDPA, to which transformers gives a block-diagonal mask).
+- `hf-liger` (only with `--systems`, CUDA): `hf-flatten` with `use_liger_kernel=True` (liger-kernel installed).
 
 Same data: the first N rows of GSM8K (`../shared/data/gsm8k`) as user/assistant messages, tokenised ONCE with
 llmtrain's own `prepare_datasets` (Mistral-7B-Instruct-v0.3's chat template, loss on the assistant reply and its
@@ -50,6 +51,9 @@ SHARED = REPO.parent / "shared"
 MISTRAL = SHARED / "models" / "mistral-7b-instruct-v0.3"
 GSM8K = SHARED / "data" / "gsm8k" / "train.jsonl"
 SYSTEMS = ("llmtrain", "llmtrain-baseline", "hf-padded", "hf-flatten")
+# Only where asked (--systems): hf-flatten plus `use_liger_kernel=True` (Liger's fused linear cross-entropy, RMSNorm,
+# SwiGLU, RoPE), the strongest HF set-up a user would pick; Liger's kernels are Triton, so CUDA only.
+OPTIONAL_SYSTEMS = ("hf-liger",)
 TOKENS_PER_STEP_TOLERANCE = 0.05  # |mean real tokens per step / llmtrain's - 1| allowed in --smoke (see docs)
 
 
@@ -335,10 +339,12 @@ def hf_worker(spec_path: Path) -> None:
     # The folder llmtrain's own tokenisation wrote (read directly, not through its cache key): the same ids and labels.
     train_ds = datasets.load_from_disk(spec["dataset_dir"]).select_columns(["input_ids", "labels"])
 
+    liger = spec["collator"] == "liger"  # flattened as hf-flatten, with Liger's kernels patched in by the Trainer
+    flatten = spec["collator"] in ("flatten", "liger")
     attn = "sdpa"
-    if spec["collator"] == "flatten" and spec["hf_attn"] != "auto":
+    if flatten and spec["hf_attn"] != "auto":
         attn = spec["hf_attn"]
-    elif spec["collator"] == "flatten" and cuda:
+    elif flatten and cuda:
         import importlib.util
 
         attn = "flash_attention_2" if importlib.util.find_spec("flash_attn") else "sdpa"
@@ -352,7 +358,7 @@ def hf_worker(spec_path: Path) -> None:
 
         model = peft.get_peft_model(model, peft.LoraConfig(r=16, lora_alpha=32, lora_dropout=0.05,
                                                            target_modules="all-linear", task_type="CAUSAL_LM"))
-    if spec["collator"] == "flatten":
+    if flatten:
         # flash attention reads the example boundaries from cu_seq_lens; SDPA from the restarting position ids
         inner = DataCollatorWithFlattening(return_flash_attn_kwargs=attn.startswith("flash"))
     else:
@@ -398,12 +404,12 @@ def hf_worker(spec_path: Path) -> None:
         adam_beta1=0.9, adam_beta2=0.999, adam_epsilon=1e-8, optim="adamw_torch_fused" if cuda else "adamw_torch",
         bf16=spec["mixed_precision"] == "bf16", gradient_checkpointing=spec["grad_checkpointing"],
         gradient_checkpointing_kwargs={"use_reentrant": False}, seed=spec["seed"], data_seed=spec["seed"],
-        remove_unused_columns=False, dataloader_drop_last=False, use_cpu=not cuda,
+        remove_unused_columns=False, dataloader_drop_last=False, use_cpu=not cuda, use_liger_kernel=liger,
     )
     CountingTrainer(model=model, args=targs, train_dataset=train_ds, data_collator=collate,
                     callbacks=[StepTimer()]).train()
     result = {"micro_batch": f"{spec['hf_micro_batch']} examples, "
-                             + ("flattened" if spec["collator"] == "flatten" else "padded"),
+                             + ("flattened" if flatten else "padded") + (", liger kernels" if liger else ""),
               "grad_accum": spec["hf_grad_accum"], "attention": attn, "records": records,
               "max_memory_allocated": torch.cuda.max_memory_allocated() if cuda else None}
     (work / f"hf-{spec['collator']}.result.json").write_text(json.dumps(result))
@@ -497,7 +503,8 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--shape", choices=sorted(SHAPES), default="cpu-small")
     ap.add_argument("--smoke", action="store_true", help="CI: cpu-small, 2 steps; check instead of timing.")
-    ap.add_argument("--systems", default=",".join(SYSTEMS), help=f"Comma-separated subset of {','.join(SYSTEMS)}.")
+    ap.add_argument("--systems", default=",".join(SYSTEMS),
+                    help=f"Comma-separated, of {','.join(SYSTEMS + OPTIONAL_SYSTEMS)}.")
     ap.add_argument("--steps", type=int, help="Optimizer steps (one epoch of steps x HF examples per step).")
     ap.add_argument("--warmup", type=int, help="Steps left out of the timing.")
     ap.add_argument("--hf-micro-batch", type=int, help="Examples per micro-batch (HF, llmtrain-baseline).")
@@ -536,9 +543,9 @@ def main(argv: list[str] | None = None) -> int:
                                                "grad_checkpointing", "lora") if getattr(args, k) is not None}
     shape = Shape(**{**asdict(shape), **overrides})
     systems = [s for s in args.systems.split(",") if s]
-    unknown = set(systems) - set(SYSTEMS)
+    unknown = set(systems) - set(SYSTEMS) - set(OPTIONAL_SYSTEMS)
     if unknown or (args.smoke and set(systems) != set(SYSTEMS)):
-        ap.error(f"--systems: choose from {', '.join(SYSTEMS)} (--smoke runs all of them)")
+        ap.error(f"--systems: choose from {', '.join(SYSTEMS + OPTIONAL_SYSTEMS)} (--smoke runs {', '.join(SYSTEMS)})")
 
     tmp = None if args.workdir else tempfile.TemporaryDirectory(prefix="llmtrain-vs-hf-")
     work = args.workdir or Path(tmp.name)
@@ -552,13 +559,21 @@ def main(argv: list[str] | None = None) -> int:
         baseline_rss = import_baseline_rss(work) if plan.device == "cpu" else 0
         runs: dict[str, list[dict]] = {s: [] for s in systems}
         for r in range(args.repeat):  # round robin, so that a slow period of the machine hits every system alike
-            for system in systems:
+            for system in [s for s in systems if s in runs]:
                 log(f"running {system}" + (f" ({r + 1} of {args.repeat})" if args.repeat > 1 else ""))
                 load = os.getloadavg()[0]
-                if system.startswith("llmtrain"):
-                    run = run_llmtrain(plan, system)
-                else:
-                    run = run_hf(plan, system.removeprefix("hf-"))
+                try:
+                    if system.startswith("llmtrain"):
+                        run = run_llmtrain(plan, system)
+                    else:
+                        run = run_hf(plan, system.removeprefix("hf-"))
+                except SystemExit as failed:
+                    if system not in OPTIONAL_SYSTEMS:
+                        raise
+                    # an optional system that cannot run here (liger-kernel missing, no CUDA): said, then skipped
+                    print(json.dumps({"system": system, "failed": str(failed)[-1500:]}), flush=True)
+                    del runs[system]
+                    continue
                 runs[system].append(summarise(system, plan, run, baseline_rss))
                 # The machine's 1-minute load average before and after (the run itself adds about its threads):
                 # where other work shares the cores, the timings say so.
