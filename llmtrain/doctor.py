@@ -185,7 +185,7 @@ def check_memory(recipe: Recipe, launch_path: Path | None, gpu_memory: float | N
     it cannot be made)."""
     from llmtrain.memory import fit as fitting
     from llmtrain.memory.launch import read_accelerate_config
-    from llmtrain.memory.params import load_model_shape
+    from llmtrain.memory.params import recipe_model_shape
     from llmtrain.memory.pipeline import estimate_run
     from llmtrain.memory.spec import spec_from_recipe
 
@@ -197,7 +197,7 @@ def check_memory(recipe: Recipe, launch_path: Path | None, gpu_memory: float | N
         lay = read_accelerate_config(launch_path) if launch_path else None
         layout = dict(strategy=lay.strategy, num_gpus=lay.num_gpus, num_nodes=lay.num_nodes,
                       cpu_offload=lay.cpu_offload) if lay else {}
-        shape = load_model_shape(recipe.model.name_or_path)
+        shape = recipe_model_shape(recipe)
         spec = spec_from_recipe(recipe, gpu_memory_gib=gpu_memory or 80.0, prompt_lengths=prompt_lengths, **layout)
         est = estimate_run(shape, spec)  # a pipeline's worst stage, where the recipe has one
     except LLMTrainError as e:

@@ -214,4 +214,60 @@ def test_eval_phases_match_a_real_evaluation(tmp_path, monkeypatch, one_thread, 
         assert abs(predicted - measured) <= SMALL, (predicted, measured)
     else:  # a layer's transients with LoRA's casts: within 5%
         assert predicted == eval_phases["eval_forward"]
-        assert abs(predicted / measured - 1) <= 0.05, (predicted, measured)
+    assert abs(predicted / measured - 1) <= 0.05, (predicted, measured)
+
+
+# A reward model (reward_model:): the decoder under a one-output score head read at one token a sequence, packed
+# pairs (chosen then rejected), the Bradley-Terry loss. With a 16384 vocabulary an LM head and its loss chunk would be
+# a third of the step; the estimate leaves both out (params.score_head_shape).
+RM_CASES = [
+    TrainSpec(micro_batch=4, seq_len=128, packing=True),
+    TrainSpec(**LORA, mixed_precision="bf16", micro_batch=4, seq_len=128, packing=True),
+]
+
+
+@pytest.mark.parametrize("spec", RM_CASES)
+def test_reward_model_estimate_matches_a_real_step(tmp_path, monkeypatch, one_thread, spec):
+    from transformers import LlamaConfig
+
+    from llmtrain.config import LoraConfig, ModelConfig, RewardModelConfig
+    from llmtrain.memory.params import score_head_shape
+    from llmtrain.model.modeling import build_optimizer, load_model
+    from llmtrain.model.score import attach_score
+    from llmtrain.objectives.reward_model import RewardModel
+
+    monkeypatch.setattr(estimate_module, "DROPOUT_MASK_BYTES", 4)
+    lengths = [spec.seq_len] * spec.micro_batch  # two pairs filling the row: the estimate's full-length sequences
+    monkeypatch.setattr(estimate_module, "varlen_repeats_kv", lambda: False)
+    monkeypatch.setattr(act, "attention_bytes", lambda p, shape, *, o_trainable: cpu_varlen_attention_bytes(
+        p, shape, lengths, o_trainable=o_trainable))
+    cfg = {**CFG, "vocab_size": CHUNKED}
+    LlamaConfig(**{k: v for k, v in cfg.items() if k != "model_type"}).save_pretrained(tmp_path / "m")
+    torch.manual_seed(0)
+    model = load_model(ModelConfig(name_or_path=str(tmp_path / "m"), random_init=True, dtype=spec.dtype,
+                                   attn_implementation=spec.attn, kernels="none"),
+                       LoraConfig(r=spec.lora_r, dropout=spec.lora_dropout) if spec.method == "lora" else None,
+                       reward_head=True)
+    attach_score(model)
+    if spec.mixed_precision == "bf16":
+        from accelerate.utils import convert_outputs_to_fp32
+
+        model.forward = convert_outputs_to_fp32(torch.autocast("cpu", dtype=torch.bfloat16)(model.forward))
+    objective = RewardModel(RewardModelConfig(), pad_id=0, score_pad_id=None, packing=True, margin=False)
+    ids = [torch.randint(4, CHUNKED, (n,)).tolist() for n in lengths]
+    batch, _ = objective.collate([{"chosen_ids": ids[i], "rejected_ids": ids[i + 1]} for i in range(0, len(ids), 2)])
+    model.train()
+    optimizer = build_optimizer(model, lr=1e-4, weight_decay=0.0, betas=(0.9, 0.999), eps=1e-8, fused=True)
+
+    def step():
+        objective.loss(model, batch)[0].backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+
+    step()
+    measured = tracked_peak(monkeypatch, step, model, optimizer)
+    lm = _shape_from_json(json.dumps(cfg), "tiny")
+    predicted = estimate_module.estimate(score_head_shape(lm), spec).per_gpu_peak_allocated_bytes
+    as_lm = estimate_module.estimate(lm, spec).per_gpu_peak_allocated_bytes
+    assert abs(predicted / measured - 1) <= 0.05, (predicted, measured)
+    assert as_lm / measured - 1 > 0.25, (as_lm, measured)  # what the estimate said before: an LM head's step

@@ -55,11 +55,11 @@ def estimate_for_recipe(recipe: Recipe, *, num_processes: int = 1,
     with a built-in config or in the local cache). `prompt_lengths`: an online-RL recipe's prompt lengths in
     tokens (without them, every prompt is taken at data.max_seq_len: the worst case).
     """
-    from llmtrain.memory.params import load_model_shape
+    from llmtrain.memory.params import recipe_model_shape
     from llmtrain.memory.pipeline import estimate_run
     from llmtrain.memory.spec import spec_from_recipe
 
-    shape = load_model_shape(recipe.model.name_or_path)
+    shape = recipe_model_shape(recipe)
     return estimate_run(shape, spec_from_recipe(recipe, strategy=strategy, num_gpus=num_processes, num_nodes=num_nodes,
                                             cpu_offload=cpu_offload, prompt_lengths=prompt_lengths))
 

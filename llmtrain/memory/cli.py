@@ -208,7 +208,7 @@ def _render(est, advice: str, traffic, launch_mp: str | None, result, *, global_
 def _from_recipe(recipe: Path, overrides, run: dict, launch: dict):
     """(shape, spec, global batch kept by --fit, what --fit names, assumptions) of a recipe and its overrides."""
     from llmtrain.config import load_recipe
-    from llmtrain.memory.params import load_model_shape, reads_hub
+    from llmtrain.memory.params import reads_hub, recipe_model_shape
     from llmtrain.memory.spec import spec_from_recipe
 
     given = [f"--{k.replace('_', '-')} (set {RUN_OPTIONS[k]})" for k in run]
@@ -226,7 +226,7 @@ def _from_recipe(recipe: Path, overrides, run: dict, launch: dict):
         spec.data_ranks
     assumed = (f"online RL: the prompts could not be read ({unread}), so each is taken at data.max_seq_len",) \
         if unread else ()
-    return (load_model_shape(r.model.name_or_path), spec, global_batch,
+    return (recipe_model_shape(r), spec, global_batch,
             f"{recipe} {' '.join(overrides or [])}".strip(), assumed)
 
 

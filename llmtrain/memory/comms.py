@@ -342,7 +342,7 @@ def step_flops(shape: ModelShape, spec: TrainSpec, trainable_linear_share: float
     does 1/N of its group's: the layers on its 1/N of the tokens, attention for 1/N of the heads over all of them."""
     tokens = spec.tokens * spec.grad_accum
     body = shape.layers * shape.linear_params_per_layer * (4 + 2 * trainable_linear_share)
-    head = shape.vocab * shape.hidden * (6 if spec.method == "full" else 4)
+    head = shape.head_outputs * shape.hidden * (6 if spec.method == "full" else 4)
     attn = 6.0 * shape.layers * shape.heads * shape.head_dim * tokens * min(spec.seq_len, spec.tokens)
     return (tokens * (body + head) + attn) / spec.sequence_parallel
 
@@ -351,8 +351,9 @@ def sampling_seconds(shape: ModelShape, spec: TrainSpec, *, weight_bytes: float,
     """Online RL's sampling per optimizer step (0 without): grad_accum rounds, each the prefill of the micro-batch's
     prompts (their model FLOPs, 2 per parameter per token, at the stated MFU) and rl.max_completion_tokens decode
     steps. A decode step of a few dozen rows is bound by memory, not FLOPs: it reads every weight once (the
-    adapters unmerged beside them; under FSDP the whole gathered model, not the GPU's shard) and the static KV cache (estimate.kv_cache_bytes, whole: the step has a fixed
-    shape), so it takes those bytes over the GPU's memory bandwidth."""
+    adapters unmerged beside them; under FSDP the whole gathered model, not the GPU's shard) and the static KV cache
+    (estimate.kv_cache_bytes, whole: the step has a fixed shape), so it takes those bytes over the GPU's memory
+    bandwidth."""
     if not spec.generations:
         return 0.0
     from llmtrain.memory.estimate import kv_cache_bytes

@@ -87,8 +87,10 @@ def make_pass(shape: ModelShape, spec: TrainSpec, *, examples: int | None = None
                     dropout_mask_bytes=DROPOUT_MASK_BYTES,
                     varlen_repeats_kv=spec.kernel == "varlen" and varlen_repeats_kv(),
                     examples=1 if budget else examples,
-                    # online RL's update trains each sequence's completion only
-                    loss_positions=examples * spec.completion_tokens if training and spec.completion_tokens else None,
+                    # online RL's update trains each sequence's completion only; a reward model's score head reads
+                    # one position a sequence (a budget's row: at least a pair)
+                    loss_positions=(2 if budget else examples) if shape.score_head else
+                    examples * spec.completion_tokens if training and spec.completion_tokens else None,
                     # FSDP gathers the adapters in cd; peft's 4-bit layers do not cast their input under autocast
                     adapters_in_cd=spec.method == "lora" and amp and (spec.sharded or bool(spec.quantize)),
                     # the tiled MLP runs untiled on a micro-batch of at most one shard (model/tiled_mlp.py)
@@ -155,7 +157,7 @@ def estimate(shape: ModelShape, spec: TrainSpec) -> Estimate:
         qkv = [x for x in shape.layer_linears if x.name.endswith(("q_proj", "k_proj", "v_proj"))]
         copies[0] -= sum(x.numel for x in qkv) * p.cd if p.separate_casts else 0
         copies[0] -= sum(spec.lora_r * x.fan_in for x in qkv if x.name in adapted[0]) * p.cd if adapter_cast else 0
-    head_copies = (V * H * p.cd if p.separate_casts else 0) + (
+    head_copies = (shape.head_outputs * H * p.cd if p.separate_casts else 0) + (
         spec.lora_r * (H + V) * p.cd if (plan and plan.adapted_head and adapter_cast) else 0)
     copies_fwd = sum(copies) if not ckpt else sum(cached) + copies[-1] - cached[-1]
     # The loss runs inside the forward, so the autocast cache still holds its casts then; after it, only the
@@ -168,7 +170,7 @@ def estimate(shape: ModelShape, spec: TrainSpec) -> Estimate:
     # A unit's unsharded gradients, in the compute dtype and, under mixed precision, also as the fp32 copy that
     # is reduce-scattered (fsdp.fsdp_precision reduces in fp32).
     unit_grads = (shape.params_per_layer if full else max(adapter_params)) * (pd + 4 * amp) if fsdp else 0
-    tail = (V * H + shape.params_final_norm) * pd if fsdp else 0  # final norm + lm_head (+ tied embeddings)
+    tail = (shape.head_outputs * H + shape.params_final_norm) * pd if fsdp else 0  # final norm + head (+ tied embed.)
     embed_unit = V * H * pd if (fsdp and not shape.tied) else 0
     always = tail if shape.tied else 0
     g_acc = accumulated_grads(spec, st)
@@ -181,7 +183,7 @@ def estimate(shape: ModelShape, spec: TrainSpec) -> Estimate:
 
     phases.update(_loss_phases(
         p, shape, spec, st, head_copies=head_copies, tail=tail,
-        fsdp_head=V * H * pd if fsdp and head_trains else 0,
+        fsdp_head=shape.head_outputs * H * pd if fsdp and head_trains else 0,
         forward=dict(**base, gradients=g_acc, autocast_copies=copies_fwd, activations=acts_all + mask),
         backward=dict(**base, gradients=g_acc, autocast_copies=copies_kept, activations=acts_all + mask_bwd),
         head_adapter_r=spec.lora_r if plan and plan.adapted_head else 0))
@@ -298,7 +300,7 @@ def _eval_phases(shape: ModelShape, spec: TrainSpec, base: dict, *, adapted, cac
                                   fsdp_buffers=fsdp_unit),
         f"{name}_loss": _phase(**base, autocast_copies=cached + head_copies,
                                temporaries=(e.tokens + e.loss_tokens) * shape.hidden * e.resid,
-                               logits=act.chunk_eval_bytes(e, shape.vocab, ce, -(-e.loss_tokens // ce)),
+                               logits=act.chunk_eval_bytes(e, shape.head_outputs, ce, -(-e.loss_tokens // ce)),
                                fsdp_buffers=tail),
     }
 
@@ -349,7 +351,7 @@ def _loss_phases(p: act.Pass, shape: ModelShape, spec: TrainSpec, st: States, *,
     dtype; the engine sums the chunks' gradients out of place (the sum so far, the new one, the result),
     then the sum is cast to the fp32 gradient. FSDP does this on the unsharded tail unit (fsdp_head each).
     An adapter on the head (head_adapter_r) saves its chunk's tensors in the recompute."""
-    V, H = shape.vocab, shape.hidden
+    V, H = shape.head_outputs, shape.hidden
     c = act.loss_chunk(p, spec.loss_chunk_tokens)
     head_adapter = act.lora_bytes(replace(p, rows=1, row_len=c), H, head_adapter_r) if head_adapter_r else 0
     several = p.loss_tokens > c

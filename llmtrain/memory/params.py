@@ -80,6 +80,12 @@ class ModelShape:
     params_embed: int
     params_head: int  # 0 when the LM head is tied to the embeddings
     params_final_norm: int
+    score_head: bool = False  # a reward model's one-output score head in place of the LM head (score_head_shape)
+
+    @property
+    def head_outputs(self) -> int:
+        """Outputs of the head the loss runs: the vocabulary (the LM head), or 1 (a reward model's score head)."""
+        return 1 if self.score_head else self.vocab
 
     @property
     def params_total(self) -> int:
@@ -88,6 +94,16 @@ class ModelShape:
     @property
     def linear_params_per_layer(self) -> int:
         return sum(lin.numel for lin in self.layer_linears)
+
+
+def score_head_shape(shape: ModelShape) -> ModelShape:
+    """A reward model of `shape` (the reward_model: section; AutoModelForSequenceClassification, num_labels=1): the
+    same decoder under a `score` Linear of hidden size x 1, no bias, in place of the LM head, and read at one token a
+    sequence (model/score.py); embeddings tied to the LM head are then the embeddings alone."""
+    from dataclasses import replace
+
+    return replace(shape, source=f"{shape.source}, under a one-output score head", score_head=True, tied=False,
+                   params_head=shape.hidden)
 
 
 def tensor_parallel_shape(shape: ModelShape, tp: int) -> ModelShape:
@@ -253,3 +269,9 @@ def load_model_shape(name_or_path: str) -> ModelShape:
     """Read a model's config (path, preset or hub id) and count it exactly on the meta device."""
     cfg, source = read_config(name_or_path)
     return _shape_from_json(json.dumps(cfg, sort_keys=True, default=str), f"{name_or_path} ({source})")
+
+
+def recipe_model_shape(recipe) -> ModelShape:
+    """The model a recipe trains: model.name_or_path's, under a score head where it trains a reward model."""
+    shape = load_model_shape(recipe.model.name_or_path)
+    return score_head_shape(shape) if recipe.reward_model is not None else shape

@@ -62,7 +62,7 @@ def states(shape: ModelShape, spec: TrainSpec, plan: LoraPlan | None) -> States:
     V, H = shape.vocab, shape.hidden
     if plan is None:
         frozen_bytes = 0
-        head = (V * H + shape.params_final_norm) * master
+        head = (shape.head_outputs * H + shape.params_final_norm) * master
         layer = [shape.params_per_layer * master] * shape.layers
     else:
         frozen_bytes = shape.params_total * sd if not spec.quantize else quantized_base_bytes(shape, spec)
