@@ -206,7 +206,8 @@ def pipeline_line(traffic: Traffic) -> str:
     pp, net = traffic.pipeline, traffic.network
     return (f"pipeline: a boundary send is {pp.send_bytes / 2**20:,.0f} MiB (a micro-batch's tokens x hidden); stage "
             f"{pp.rank} sends {(pp.p2p_intra + pp.p2p_inter) / 1e9:,.2f} GB a step "
-            f"({pp.p2p_inter / 1e9:,.2f} GB across nodes), {pp.p2p_s(net):.3f} s; bubble {pp.bubble:.1%}; step {traffic.step_s:.3f} s = (max(compute "
+            f"({pp.p2p_inter / 1e9:,.2f} GB across nodes), {pp.p2p_s(net):.3f} s; bubble {pp.bubble:.1%}; "
+            f"step {traffic.step_s:.3f} s = (max(compute "
             f"{traffic.compute_s:.3f}, collectives {traffic.collectives_s:.3f}) + sends) / (1 - bubble)")
 
 
