@@ -81,6 +81,7 @@ def test_a_step_logs_trls_names_and_every_completion(straight, tiny_assets):
         rewards = torch.tensor([r["reward"] for r in mine], dtype=torch.float64)
         # the metrics line is the mean of the step's completions, the reward their weighted sum
         assert line["reward"] == pytest.approx(float(rewards.mean()), abs=1e-6)
+        assert line["reward_std"] == pytest.approx(float(rewards.std()), abs=1e-5)  # TRL's: over the step
         assert line["rewards/format/mean"] == pytest.approx(sum(r["format"] for r in mine) / len(mine), abs=1e-6)
         assert all(r["reward"] == pytest.approx(r["format"] + 2.0 * r["answer_match"]) for r in mine)
         assert line["completions/mean_length"] == pytest.approx(sum(len(r["completion_ids"]) for r in mine)

@@ -114,7 +114,8 @@ def token_chunks(sizes: list[int], budget: int | None) -> list[list[int]]:
 # --------------------------------------------------------------------------- the objective the loop runs
 
 # The metrics' names are TRL's (GRPOTrainer), so runs can be compared line by line.
-ROLLOUT_STATS = ["completions", "reward", "reward_std", "zero_std", "length", "clipped", "generation_s"]
+# reward_squares and scored: TRL's reward_std is the std of the step's scored rewards (not a mean of the groups' stds)
+ROLLOUT_STATS = ["completions", "reward", "reward_squares", "scored", "zero_std", "length", "clipped", "generation_s"]
 LOSS_STATS = ["kl", "clipped_tokens", "tokens"]
 
 
@@ -225,9 +226,10 @@ class GRPO:
         clipped = [not c or c[-1] not in self.stop_ids for c in completions]  # ended by max_completion_tokens
         scored = ~per_function.isnan()
         stats = torch.tensor([
-            len(completions), float(total.nansum()), float(std.nan_to_num().sum()),
-            float((std.nan_to_num() < 1e-8).sum()), float(lengths.sum()), float(sum(clipped)),
-            generation_s / self.world, *more, *per_function.nan_to_num().sum(0).tolist(), *scored.sum(0).tolist()],
+            len(completions), float(total.nansum()), float((total.nan_to_num() ** 2).sum()),
+            float((~total.isnan()).sum()), float((std.nan_to_num() < 1e-8).sum()), float(lengths.sum()),
+            float(sum(clipped)), generation_s / self.world, *more, *per_function.nan_to_num().sum(0).tolist(),
+            *scored.sum(0).tolist()],
             dtype=torch.float32)
         for k, batch in enumerate(batches):  # the passes' statistics are summed: the rollout's go in once
             batch["rollout_stats"] = stats if k == 0 else torch.zeros_like(stats)
@@ -345,8 +347,14 @@ class GRPO:
         return compute_loss(model, batch), torch.cat([rollout, rollout.new_zeros(len(self.loss_stats))])
 
     def _reward_metrics(self, s: dict, n: float) -> dict[str, float]:
-        """(RLOO's hook) reward, reward_std and frac_reward_zero_std of the step's statistics `s`."""
-        return {"reward": s["reward"] / n, "reward_std": s["reward_std"] / n, "frac_reward_zero_std": s["zero_std"] / n}
+        """reward and reward_std as TRL logs them: the mean and the unbiased std (its nanstd) of the step's scored
+        completions' rewards on every process, from their sums (no std below 2); frac_reward_zero_std."""
+        scored = s["scored"]
+        mean = s["reward"] / max(scored, 1.0)
+        out = {"reward": mean}
+        if scored > 1:
+            out["reward_std"] = (max(s["reward_squares"] - scored * mean * mean, 0.0) / (scored - 1)) ** 0.5
+        return {**out, "frac_reward_zero_std": s["zero_std"] / n}
 
     def _policy_metrics(self, s: dict, n: float) -> dict[str, float]:
         """(RLOO's hook) kl (beta > 0) and clip_ratio/region_mean."""

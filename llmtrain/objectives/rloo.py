@@ -72,9 +72,8 @@ def completion_logps(model, batch: dict, *, temperature: float) -> torch.Tensor:
 class RLOO(GRPO):
     """GRPO's rollout and evaluation, with RLOO's reward (KL penalised), advantage, loss and metrics."""
 
-    # rollout statistics beside GRPO's: the summed k1 over every completion token, and the scored rewards' sum of
-    # squares and count (TRL's reward_std is their std over the step, not a mean of group stds)
-    advantage_stats = ("kl", "reward_squares", "scored")
+    # rollout statistics beside GRPO's: the summed k1 over every completion token
+    advantage_stats = ("kl",)
     loss_stats = ("clipped_sequences",)
 
     def _advantages(self, total, g, batches, parts):
@@ -84,9 +83,7 @@ class RLOO(GRPO):
             kl = torch.cat([self._sequence_kl(b, len(part)) for b, part in zip(batches, parts)])
         rewards = total if rl.reward_clip_range is None else total.clamp(*rl.reward_clip_range)
         advantages, std = leave_one_out_advantages(rewards - rl.beta * kl, g)
-        scored = ~total.isnan()
-        stats = [float(kl.sum()), float((total[scored] ** 2).sum()), float(scored.sum())]
-        return advantages, std, stats, ({"kl": kl.tolist()} if rl.beta else {})
+        return advantages, std, [float(kl.sum())], ({"kl": kl.tolist()} if rl.beta else {})
 
     def _sequence_kl(self, batch: dict, n: int) -> torch.Tensor:
         """Each completion's summed k1 log-ratio of the policy as it sampled to the reference (the LoRA adapter
@@ -134,14 +131,6 @@ class RLOO(GRPO):
         losses, clipped = sequence_losses(sequences, batch["advantages"], epsilon=self.rl.epsilon,
                                           epsilon_high=self.rl.epsilon_high)
         return losses.sum(), torch.cat([rollout, clipped.float().sum().detach().view(1)])
-
-    def _reward_metrics(self, s: dict, n: float) -> dict[str, float]:
-        scored = s["scored"]
-        mean = s["reward"] / max(scored, 1.0)
-        out = {"reward": mean}
-        if scored > 1:  # the unbiased std of the scored rewards (TRL's nanstd), from their sums; none below 2
-            out["reward_std"] = (max(s["reward_squares"] - scored * mean * mean, 0.0) / (scored - 1)) ** 0.5
-        return {**out, "frac_reward_zero_std": s["zero_std"] / n}
 
     def _policy_metrics(self, s: dict, n: float) -> dict[str, float]:
         out = {"kl": s["kl"] / max(s["length"], 1.0)} if self.rl.beta else {}
