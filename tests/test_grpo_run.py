@@ -310,6 +310,25 @@ def test_two_fsdp_processes_with_a_token_budget_pass_alike_and_train_what_one_do
     assert max_abs_diff(load_weights(fsdp / "final"), load_weights(one / "final")) < 1e-5
 
 
+@pytest.mark.slow
+def test_a_kl_anchor_under_fsdp_with_placeholders_trains_what_one_process_does(tiny_assets, tmp_path, free_port):
+    """LoRA with rl.beta > 0 under FSDP and a token budget: a working pass runs the reference's no-grad forward (the
+    adapter off) before the policy's, and a rank's placeholder pass must run both too, since each forward gathers
+    every layer from every rank (without it: gloo's "Received data size doesn't match expected size", a hang on
+    NCCL). The run is still the one-process, unbudgeted one."""
+    recipe = grpo_recipe(tiny_assets, tmp_path, lora={"r": 4, "alpha": 8, "dropout": 0.0}, rl={"beta": 0.1},
+                         train={"max_steps": 3, "lr": 5e-2, "eval_every_steps": None})
+    one, fsdp = tmp_path / "one", tmp_path / "fsdp"
+    run_train(recipe, f"output_dir={one}")
+    launch_finetune(CPU_FSDP, 2, free_port, recipe, f"output_dir={fsdp}", "train.micro_batch_size=2",
+                    "rl.micro_batch_tokens=48")
+    assert [(r["step"], r["row"], r["completion_ids"]) for r in rollouts(fsdp)] == [
+        (r["step"], r["row"], r["completion_ids"]) for r in rollouts(one)]
+    assert losses(fsdp) == pytest.approx(losses(one), abs=1e-6)
+    assert [r["kl"] for r in records(fsdp)] == pytest.approx([r["kl"] for r in records(one)], abs=1e-6)
+    assert records(one)[-1]["kl"] > 1e-6  # the anchor is live: the adapter moved
+
+
 def test_a_rank_with_fewer_passes_adds_placeholders_that_train_nothing(monkeypatch):
     """Under a token budget the ranks' pass counts can differ; FSDP needs them equal, so the rank with fewer adds
     one-token passes with no trained token and no statistics."""

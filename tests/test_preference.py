@@ -398,3 +398,25 @@ def test_token_budgets_bin_whole_pairs_and_samples_show_the_chosen_answer(pref_r
     assert all(s["expected"].strip() and s["expected"].strip() != s["prompt"].split()[-2] for s in samples)
     rows = {name: status for name, status, _ in run_doctor(load_recipe(pref_recipe), gpu_memory=80)}
     assert rows["loss mask"] == "pass" and rows["eos trained"] == "pass" and "fail" not in rows.values()
+
+
+@pytest.mark.slow
+def test_an_idle_rank_under_fsdp_runs_the_reference_forward_too(tiny_assets, tmp_path, free_port):
+    """LoRA DPO under FSDP2 on 9 pairs, 2 processes x 4: step 2 has one pair, so process 1 idles. A working rank runs
+    two forwards (the reference's, adapter off, then the policy's), each gathering every layer from every rank, so the
+    idle rank's placeholder must run both (without it: gloo's "Received data size doesn't match expected size" at
+    step 2, a hang on NCCL). Both steps equal one process's with micro-batches of 8."""
+    from helpers import REPO, launch_finetune, write_recipe
+
+    data = write_jsonl(tmp_path / "pairs.jsonl", reversal_pairs(tiny_assets, 9))
+    recipe = write_recipe(tiny_assets, tmp_path, data={"path": str(data), "format": "preference", "max_seq_len": 32},
+                          preference={"loss": "dpo", "beta": 0.1}, lora={"r": 4, "alpha": 8, "dropout": 0.0},
+                          train={"max_steps": 2, "micro_batch_size": 8, "lr": 1e-2, "warmup_steps": 0, "seed": 7})
+    run_train(recipe, f"output_dir={tmp_path / 'one'}")
+    launch_finetune(REPO / "accelerate_configs" / "cpu_fsdp.yaml", 2, free_port, recipe,
+                    f"output_dir={tmp_path / 'two'}", "train.micro_batch_size=4")
+    one, two = records(tmp_path / "one"), records(tmp_path / "two")
+    assert [r["tokens"] for r in two] == [r["tokens"] for r in one] and len(one) == 2
+    assert one[1]["rewards/margins"] != 0  # step 2 is not the reference: the adapter moved at step 1
+    for key in ("loss", "rewards/margins", "logps/chosen"):
+        assert [r[key] for r in two] == pytest.approx([r[key] for r in one], rel=1e-5, abs=1e-5), key

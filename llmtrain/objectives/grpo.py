@@ -322,10 +322,13 @@ class GRPO:
     def loss(self, model, batch: dict) -> tuple[torch.Tensor, torch.Tensor]:
         from llmtrain.model.loss import compute_loss
 
+        rl, ref = self.rl, None
+        if rl.beta and not batch["loss_index"].numel():  # an idle rank runs the reference's forward too: under FSDP
+            with torch.no_grad(), self.lm.disable_adapter():  # each forward gathers every layer from every rank
+                compute_loss(self.lm, batch)
         if (idle := self._idle_loss(model, batch)) is not None:
             return idle
         rollout = batch["rollout_stats"].to(batch["input_ids"].device)
-        rl, ref = self.rl, None
         if rl.beta:  # first: its no-grad forward leaves no graph behind
             with torch.no_grad(), self.lm.disable_adapter():  # the starting model: the LoRA adapter off
                 ref = -compute_loss(self.lm, batch, per_token=True, temperature=rl.temperature).float()

@@ -95,6 +95,10 @@ class Preference:
 
     def loss(self, model, batch: dict) -> tuple[torch.Tensor, torch.Tensor]:
         if batch["sequence_tokens"].numel() == 0:  # an idle rank's placeholder: zero, yet reaching every parameter
+            if self.reference == "adapter":  # as many forwards as a working rank: under FSDP each one gathers every
+                # layer from every rank, and a rank that skipped the reference's would mismatch the collectives
+                with torch.no_grad(), self.model.disable_adapter():
+                    compute_loss(self.model, batch)
             return compute_loss(model, batch), torch.zeros(len(STATS), device=batch["input_ids"].device)
         ref_chosen, ref_rejected = self._reference(batch)  # first: its no-grad forward leaves no graph behind
         logps = sequence_logps(model, batch)
