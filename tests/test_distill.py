@@ -8,6 +8,7 @@ from __future__ import annotations
 import copy
 import json
 import math
+import os
 from pathlib import Path
 
 import pytest
@@ -477,3 +478,38 @@ def test_inspect_data_shows_what_the_student_completes(tiny_assets, tmp_path):
     recipe = distill_recipe(tiny_assets, tmp_path, tiny_assets / "model")
     shown = " ".join(invoke("inspect-data", str(recipe), "--n", "1").stdout.split())
     assert "distill: the student samples a completion of the first" in shown
+
+
+def test_the_teacher_and_a_reward_model_are_read_by_every_process_of_an_fsdp_launch(tiny_assets, tmp_path, teacher,
+                                                                                    monkeypatch):
+    """An FSDP launch with cpu_ram_efficient_loading sets FSDP_CPU_RAM_EFFICIENT_LOADING, and transformers' from_pretrained
+    then reads weights on the main process only (5.17 leaves zeros on the others: a 2-process FSDP distillation
+    logged 2.08 where one process logs 4.47). Neither frozen model is ever prepared by FSDP, so each process must read
+    it: both load with the variable off, and it is put back after."""
+    from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer, LlamaConfig
+
+    from llmtrain.config import load_recipe
+    from llmtrain.model.score import load_reward_model
+    from llmtrain.model.teacher import load_teacher
+
+    seen = []
+    for auto in (AutoModelForCausalLM, AutoModelForSequenceClassification):
+        original = auto.from_pretrained.__func__
+
+        def spy(cls, *args, _original=original, **kwargs):
+            seen.append((cls.__name__, os.environ.get("FSDP_CPU_RAM_EFFICIENT_LOADING")))
+            return _original(cls, *args, **kwargs)
+
+        monkeypatch.setattr(auto, "from_pretrained", classmethod(spy))
+    reward = tmp_path / "reward"
+    config = LlamaConfig.from_pretrained(tiny_assets / "model", num_labels=1)
+    AutoModelForSequenceClassification.from_config(config).save_pretrained(reward)
+    AutoTokenizer.from_pretrained(tiny_assets / "model").save_pretrained(reward)
+    monkeypatch.setenv("ACCELERATE_USE_FSDP", "true")
+    monkeypatch.setenv("FSDP_CPU_RAM_EFFICIENT_LOADING", "true")
+    recipe = load_recipe(distill_recipe(tiny_assets, tmp_path, teacher))
+    model = load_teacher(recipe, AutoTokenizer.from_pretrained(tiny_assets / "model"), device=torch.device("cpu"))
+    load_reward_model(str(reward), torch.device("cpu"))
+    assert seen == [("AutoModelForCausalLM", "false"), ("AutoModelForSequenceClassification", "false")]
+    assert os.environ["FSDP_CPU_RAM_EFFICIENT_LOADING"] == "true"  # the launch's setting, back for what follows
+    assert any(p.abs().sum() > 0 for p in model.parameters())

@@ -121,15 +121,18 @@ def load_reward_model(path: str, device):
 
     from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
-    folder = Path(path).expanduser()
-    if (folder / "adapter_config.json").is_file():
-        from peft import PeftConfig, PeftModel
+    from llmtrain.parallel.fsdp import every_process_reads
 
-        base = PeftConfig.from_pretrained(str(folder)).base_model_name_or_path
-        model = AutoModelForSequenceClassification.from_pretrained(base, num_labels=1, dtype="auto")
-        model = PeftModel.from_pretrained(model, str(folder))
-    else:
-        model = AutoModelForSequenceClassification.from_pretrained(str(folder), dtype="auto")
+    folder = Path(path).expanduser()
+    with every_process_reads():  # never prepared by FSDP: each process reads its own whole copy
+        if (folder / "adapter_config.json").is_file():
+            from peft import PeftConfig, PeftModel
+
+            base = PeftConfig.from_pretrained(str(folder)).base_model_name_or_path
+            model = AutoModelForSequenceClassification.from_pretrained(base, num_labels=1, dtype="auto")
+            model = PeftModel.from_pretrained(model, str(folder))
+        else:
+            model = AutoModelForSequenceClassification.from_pretrained(str(folder), dtype="auto")
     tokenizer = AutoTokenizer.from_pretrained(str(folder))
     model.requires_grad_(False)
     return model.to(device).eval(), tokenizer

@@ -66,6 +66,9 @@ def load_teacher(recipe: Recipe, tokenizer, *, device: torch.device):
     """The teacher, checked (vocabulary_problem), on `device`, frozen and in eval mode (no dropout)."""
     if problem := vocabulary_problem(recipe, tokenizer):
         raise LLMTrainError(problem)
-    teacher = load_model(teacher_config(recipe), None, device=device).to(device)
+    from llmtrain.parallel.fsdp import every_process_reads
+
+    with every_process_reads():  # never prepared by FSDP: each process reads its own whole copy
+        teacher = load_model(teacher_config(recipe), None, device=device).to(device)
     teacher.requires_grad_(False)
     return teacher.eval()

@@ -101,6 +101,30 @@ def fsdp_param_groups(state) -> list:
     return [] if group is None else [group]
 
 
+@contextmanager
+def every_process_reads():
+    """Weights read in this block are read by every process, also under an FSDP launch with cpu_ram_efficient_loading.
+
+    That launch sets FSDP_CPU_RAM_EFFICIENT_LOADING, and transformers' from_pretrained then reads the checkpoint on the
+    main process only, leaving the others' weights for FSDP's `prepare` to broadcast: right for the policy (which
+    llmtrain builds empty there, receives_weights), wrong for a frozen model that is never prepared: transformers 5.17
+    (the GPU machine's) fills the other processes' weights with zeros, and a 2-process FSDP distillation, its teacher
+    uniform on process 1, logged a loss of 2.08 where one process logs 4.47. The teacher and a reward model that
+    scores completions load in this block."""
+    import os
+
+    key = "FSDP_CPU_RAM_EFFICIENT_LOADING"
+    before = os.environ.get(key)
+    os.environ[key] = "false"
+    try:
+        yield
+    finally:
+        if before is None:
+            del os.environ[key]
+        else:
+            os.environ[key] = before
+
+
 def receives_weights(accelerator) -> bool:
     """This process builds an empty model and receives its weights from the main process.
 
