@@ -482,7 +482,7 @@ def test_inspect_data_shows_what_the_student_completes(tiny_assets, tmp_path):
 
 def test_the_teacher_and_a_reward_model_are_read_by_every_process_of_an_fsdp_launch(tiny_assets, tmp_path, teacher,
                                                                                     monkeypatch):
-    """An FSDP launch with cpu_ram_efficient_loading sets FSDP_CPU_RAM_EFFICIENT_LOADING, and transformers' from_pretrained
+    """An FSDP launch with cpu_ram_efficient_loading sets FSDP_CPU_RAM_EFFICIENT_LOADING, and from_pretrained
     then reads weights on the main process only (5.17 leaves zeros on the others: a 2-process FSDP distillation
     logged 2.08 where one process logs 4.47). Neither frozen model is ever prepared by FSDP, so each process must read
     it: both load with the variable off, and it is put back after."""
