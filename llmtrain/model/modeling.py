@@ -92,6 +92,8 @@ def load_model(cfg: ModelConfig, lora: LoraConfig | None, *, device: torch.devic
     """
     from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForSequenceClassification
 
+    from llmtrain.parallel.fsdp import every_process_reads
+
     kwargs = dict(dtype=DTYPES[cfg.dtype], attn_implementation=attention_backend(cfg),
                   trust_remote_code=cfg.trust_remote_code)
     auto = AutoModelForSequenceClassification if reward_head else AutoModelForCausalLM
@@ -108,12 +110,12 @@ def load_model(cfg: ModelConfig, lora: LoraConfig | None, *, device: torch.devic
         elif cfg.quantize:
             # Every process quantises its own copy on its own device (never device_map="auto", which would put
             # every rank's model on GPU 0).
-            with _quiet_new_head(reward_head):
+            with _quiet_new_head(reward_head), every_process_reads():
                 model = auto.from_pretrained(
                     cfg.name_or_path, config=config, quantization_config=quantization_config(cfg, compute_dtype),
                     device_map={"": torch.device(device or "cpu")}, **kwargs)
-        else:
-            with _quiet_new_head(reward_head):
+        else:  # a process that calls this reads the weights itself (FSDP's receiving processes build empty=True)
+            with _quiet_new_head(reward_head), every_process_reads():
                 model = auto.from_pretrained(cfg.name_or_path, config=config, **kwargs)
     except (OSError, ValueError) as e:
         raise _load_error("model", cfg.name_or_path, e) from None

@@ -66,9 +66,6 @@ def load_teacher(recipe: Recipe, tokenizer, *, device: torch.device):
     """The teacher, checked (vocabulary_problem), on `device`, frozen and in eval mode (no dropout)."""
     if problem := vocabulary_problem(recipe, tokenizer):
         raise LLMTrainError(problem)
-    from llmtrain.parallel.fsdp import every_process_reads
-
-    with every_process_reads():  # never prepared by FSDP: each process reads its own whole copy
-        teacher = load_model(teacher_config(recipe), None, device=device).to(device)
+    teacher = load_model(teacher_config(recipe), None, device=device).to(device)  # each process reads it whole
     teacher.requires_grad_(False)
     return teacher.eval()

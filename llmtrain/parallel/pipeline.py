@@ -82,12 +82,6 @@ def check(recipe, *, fsdp: bool, mesh) -> None:
             f"parallel.pipeline_parallel={p} with a 4-bit base (model.quantize) runs on a plain multi-process launch "
             "(accelerate_configs/ddp.yaml): a QLoRA stage under FSDP is untested. The adapters are small, so the "
             "stages' replicas lose little by not sharding")
-    if fsdp and tuple(int(x) for x in torch.__version__.split("+")[0].split(".")[:2]) < (2, 13):
-        raise LLMTrainError(
-            f"parallel.pipeline_parallel={p} under FSDP (each stage sharded over its replicas) is tested on torch "
-            f"2.13; on torch 2.11 the schedule left every sharded gradient at zero (measured: grad norm 0, nothing "
-            f"learned), and this is torch {torch.__version__}. Launch with accelerate_configs/ddp.yaml (the stages' "
-            "replicas then sum their gradients), or install torch 2.13")
 
 
 def sum_replicas(params) -> None:
