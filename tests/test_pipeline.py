@@ -285,7 +285,7 @@ def test_four_processes_two_stages_by_two_replicas_equal_one(four_layers, tmp_pa
 def test_four_processes_two_stages_each_sharded_by_fsdp_equal_one_and_resume(four_layers, tmp_path, free_port):
     """An FSDP launch shards each stage over its 2 replicas (mesh pp x dp): the 8 rows a step train what 1 process
     accumulating 8 micro-batches trains, and a checkpoint (the stages' shards gathered whole, by name) resumes each
-    shard where it was. Every process reads the weights itself (fsdp.every_process_reads): with transformers 5.17
+    shard where it was. Every process reads the weights itself (modeling.every_process_reads): with transformers 5.17
     the launch's cpu_ram_efficient_loading left zeros on all but the main process, and the stages learned nothing."""
     one = _recipe(four_layers, tmp_path, "one.yaml", lora=False, grad_accum_steps=8)
     run_train(one)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 import math
+from contextlib import contextmanager
 
 import torch
 
@@ -75,6 +76,33 @@ def scale_rope(config, scaling: RopeScaling | None) -> None:
     config.max_position_embeddings = int(original * scaling.factor)
 
 
+@contextmanager
+def every_process_reads():
+    """Weights read in this block are read by every process, also under an FSDP launch with cpu_ram_efficient_loading.
+
+    That launch sets FSDP_CPU_RAM_EFFICIENT_LOADING, and transformers' from_pretrained then reads the checkpoint on the
+    main process only, leaving the others' weights for FSDP's `prepare` to broadcast. llmtrain's receiving processes
+    build the policy empty instead (parallel/fsdp.receives_weights); every other read must be whole: a frozen model
+    never prepared (the distillation teacher, a reward model that scores completions) and a pipeline stage (each
+    process loads the model and keeps its stages). transformers 5.17 (the GPU machine's) filled the other processes'
+    weights with zeros: a 2-process FSDP distillation, its teacher uniform on process 1, logged a loss of 2.08 where
+    one process logs 4.47, and FSDP pipeline stages learned nothing (the last stage's head all zeros: loss ln 104, the
+    vocabulary's).
+    Every from_pretrained of llmtrain's runs in this block (load_model, model/score.py)."""
+    import os
+
+    key = "FSDP_CPU_RAM_EFFICIENT_LOADING"
+    before = os.environ.get(key)
+    os.environ[key] = "false"
+    try:
+        yield
+    finally:
+        if before is None:
+            del os.environ[key]
+        else:
+            os.environ[key] = before
+
+
 def load_model(cfg: ModelConfig, lora: LoraConfig | None, *, device: torch.device | None = None,
                empty: bool = False, compute_dtype: torch.dtype | None = None, reward_head: bool = False):
     """The model as the recipe says, on the CPU (or on `device` for a random init).
@@ -91,8 +119,6 @@ def load_model(cfg: ModelConfig, lora: LoraConfig | None, *, device: torch.devic
     computed here from the config, exactly as the main process computes them.
     """
     from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForSequenceClassification
-
-    from llmtrain.parallel.fsdp import every_process_reads
 
     kwargs = dict(dtype=DTYPES[cfg.dtype], attn_implementation=attention_backend(cfg),
                   trust_remote_code=cfg.trust_remote_code)

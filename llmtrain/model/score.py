@@ -121,7 +121,7 @@ def load_reward_model(path: str, device):
 
     from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
-    from llmtrain.parallel.fsdp import every_process_reads
+    from llmtrain.model.modeling import every_process_reads
 
     folder = Path(path).expanduser()
     with every_process_reads():  # never prepared by FSDP: each process reads its own whole copy

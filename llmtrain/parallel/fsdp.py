@@ -101,32 +101,6 @@ def fsdp_param_groups(state) -> list:
     return [] if group is None else [group]
 
 
-@contextmanager
-def every_process_reads():
-    """Weights read in this block are read by every process, also under an FSDP launch with cpu_ram_efficient_loading.
-
-    That launch sets FSDP_CPU_RAM_EFFICIENT_LOADING, and transformers' from_pretrained then reads the checkpoint on the
-    main process only, leaving the others' weights for FSDP's `prepare` to broadcast. llmtrain's receiving processes
-    build the policy empty instead (receives_weights); every other read must be whole: a frozen model never prepared
-    (the distillation teacher, a reward model that scores completions) and a pipeline stage (each process loads the
-    model and keeps its stages). transformers 5.17 (the GPU machine's) filled the other processes' weights with zeros:
-    a 2-process FSDP distillation, its teacher uniform on process 1, logged a loss of 2.08 where one process logs
-    4.47, and FSDP pipeline stages learned nothing (the last stage's head all zeros: loss ln 104, the vocabulary's).
-    Every from_pretrained of llmtrain's runs in this block (model.modeling.load_model, model.score)."""
-    import os
-
-    key = "FSDP_CPU_RAM_EFFICIENT_LOADING"
-    before = os.environ.get(key)
-    os.environ[key] = "false"
-    try:
-        yield
-    finally:
-        if before is None:
-            del os.environ[key]
-        else:
-            os.environ[key] = before
-
-
 def receives_weights(accelerator) -> bool:
     """This process builds an empty model and receives its weights from the main process.
 
