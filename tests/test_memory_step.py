@@ -52,25 +52,38 @@ def lengths_of(spec: TrainSpec) -> list[int]:
     return lengths
 
 
-def build(tmp_path, spec: TrainSpec, cfg: dict):
-    """The model as train() builds it for `spec`, and one micro-batch of `lengths_of(spec)` examples."""
+def build_model(tmp_path, spec: TrainSpec, cfg: dict, *, reward_head: bool = False):
+    """The model as train() builds it for `spec`: its loss attached (a reward model's score), under bf16 autocast
+    as Accelerator.prepare_model wraps the forward."""
     from accelerate.utils import convert_outputs_to_fp32
     from transformers import LlamaConfig
 
     from llmtrain.config import LoraConfig, ModelConfig
-    from llmtrain.data.batching import collate, with_loss_positions
     from llmtrain.model.loss import attach_loss
     from llmtrain.model.modeling import load_model
+    from llmtrain.model.score import attach_score
 
     LlamaConfig(**{k: v for k, v in cfg.items() if k != "model_type"}).save_pretrained(tmp_path / "m")
     torch.manual_seed(0)
     model = load_model(ModelConfig(name_or_path=str(tmp_path / "m"), random_init=True, dtype=spec.dtype,
                                    attn_implementation=spec.attn, gradient_checkpointing=spec.grad_checkpointing,
                                    kernels="none", tiled_mlp=spec.tiled_mlp),
-                       LoraConfig(r=spec.lora_r, dropout=spec.lora_dropout) if spec.method == "lora" else None)
-    attach_loss(model, chunk=spec.loss_chunk_tokens)
-    if spec.mixed_precision == "bf16":  # as Accelerator.prepare_model wraps the forward
+                       LoraConfig(r=spec.lora_r, dropout=spec.lora_dropout) if spec.method == "lora" else None,
+                       reward_head=reward_head)
+    if reward_head:
+        attach_score(model)
+    else:
+        attach_loss(model, chunk=spec.loss_chunk_tokens)
+    if spec.mixed_precision == "bf16":
         model.forward = convert_outputs_to_fp32(torch.autocast("cpu", dtype=torch.bfloat16)(model.forward))
+    return model
+
+
+def build(tmp_path, spec: TrainSpec, cfg: dict):
+    """The model as train() builds it for `spec`, and one micro-batch of `lengths_of(spec)` examples."""
+    from llmtrain.data.batching import collate, with_loss_positions
+
+    model = build_model(tmp_path, spec, cfg)
     vocab = cfg["vocab_size"]
     examples = [{"input_ids": torch.randint(0, vocab, (n,)).tolist(), "labels": torch.randint(0, vocab, (n,)).tolist()}
                 for n in lengths_of(spec)]
@@ -91,16 +104,16 @@ def tracked_peak(monkeypatch, run, *tracked) -> int:
     return tracker.get_tracker_snapshot("peak")[torch.device("cpu")]["Total"]
 
 
-def measured_peak(tmp_path, monkeypatch, spec: TrainSpec, cfg: dict) -> int:
-    from llmtrain.model.loss import compute_loss
+def step_peak(monkeypatch, spec: TrainSpec, model, batch: dict, loss) -> int:
+    """Peak live tensor bytes of the second of two training steps (`loss()`, backward, fused AdamW): the optimizer
+    state exists by then."""
     from llmtrain.model.modeling import build_optimizer
 
-    model, batch = build(tmp_path, spec, cfg)
     model.train()
     optimizer = build_optimizer(model, lr=1e-4, weight_decay=0.0, betas=(0.9, 0.999), eps=1e-8, fused=True)
 
     def step():
-        compute_loss(model, batch).backward()
+        loss().backward()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
 
@@ -112,6 +125,13 @@ def measured_peak(tmp_path, monkeypatch, spec: TrainSpec, cfg: dict) -> int:
             step()
         return live.peak
     return tracked_peak(monkeypatch, step, model, optimizer)
+
+
+def measured_peak(tmp_path, monkeypatch, spec: TrainSpec, cfg: dict) -> int:
+    from llmtrain.model.loss import compute_loss
+
+    model, batch = build(tmp_path, spec, cfg)
+    return step_peak(monkeypatch, spec, model, batch, lambda: compute_loss(model, batch))
 
 
 # Three shapes: with a 4096 vocabulary and one loss chunk, or 16384 and chunks of 128, the loss is the
@@ -228,12 +248,8 @@ RM_CASES = [
 
 @pytest.mark.parametrize("spec", RM_CASES)
 def test_reward_model_estimate_matches_a_real_step(tmp_path, monkeypatch, one_thread, spec):
-    from transformers import LlamaConfig
-
-    from llmtrain.config import LoraConfig, ModelConfig, RewardModelConfig
+    from llmtrain.config import RewardModelConfig
     from llmtrain.memory.params import score_head_shape
-    from llmtrain.model.modeling import build_optimizer, load_model
-    from llmtrain.model.score import attach_score
     from llmtrain.objectives.reward_model import RewardModel
 
     monkeypatch.setattr(estimate_module, "DROPOUT_MASK_BYTES", 4)
@@ -242,30 +258,11 @@ def test_reward_model_estimate_matches_a_real_step(tmp_path, monkeypatch, one_th
     monkeypatch.setattr(act, "attention_bytes", lambda p, shape, *, o_trainable: cpu_varlen_attention_bytes(
         p, shape, lengths, o_trainable=o_trainable))
     cfg = {**CFG, "vocab_size": CHUNKED}
-    LlamaConfig(**{k: v for k, v in cfg.items() if k != "model_type"}).save_pretrained(tmp_path / "m")
-    torch.manual_seed(0)
-    model = load_model(ModelConfig(name_or_path=str(tmp_path / "m"), random_init=True, dtype=spec.dtype,
-                                   attn_implementation=spec.attn, kernels="none"),
-                       LoraConfig(r=spec.lora_r, dropout=spec.lora_dropout) if spec.method == "lora" else None,
-                       reward_head=True)
-    attach_score(model)
-    if spec.mixed_precision == "bf16":
-        from accelerate.utils import convert_outputs_to_fp32
-
-        model.forward = convert_outputs_to_fp32(torch.autocast("cpu", dtype=torch.bfloat16)(model.forward))
+    model = build_model(tmp_path, spec, cfg, reward_head=True)
     objective = RewardModel(RewardModelConfig(), pad_id=0, score_pad_id=None, packing=True, margin=False)
     ids = [torch.randint(4, CHUNKED, (n,)).tolist() for n in lengths]
     batch, _ = objective.collate([{"chosen_ids": ids[i], "rejected_ids": ids[i + 1]} for i in range(0, len(ids), 2)])
-    model.train()
-    optimizer = build_optimizer(model, lr=1e-4, weight_decay=0.0, betas=(0.9, 0.999), eps=1e-8, fused=True)
-
-    def step():
-        objective.loss(model, batch)[0].backward()
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-
-    step()
-    measured = tracked_peak(monkeypatch, step, model, optimizer)
+    measured = step_peak(monkeypatch, spec, model, batch, lambda: objective.loss(model, batch)[0])
     lm = _shape_from_json(json.dumps(cfg), "tiny")
     predicted = estimate_module.estimate(score_head_shape(lm), spec).per_gpu_peak_allocated_bytes
     as_lm = estimate_module.estimate(lm, spec).per_gpu_peak_allocated_bytes

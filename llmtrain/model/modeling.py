@@ -87,8 +87,7 @@ def every_process_reads():
     process loads the model and keeps its stages). transformers 5.17 (the GPU machine's) filled the other processes'
     weights with zeros: a 2-process FSDP distillation, its teacher uniform on process 1, logged a loss of 2.08 where
     one process logs 4.47, and FSDP pipeline stages learned nothing (the last stage's head all zeros: loss ln 104, the
-    vocabulary's).
-    Every from_pretrained of llmtrain's runs in this block (load_model, model/score.py)."""
+    vocabulary's). Every from_pretrained of llmtrain's runs in this block (load_model, model/score.py)."""
     import os
 
     key = "FSDP_CPU_RAM_EFFICIENT_LOADING"

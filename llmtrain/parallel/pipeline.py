@@ -132,7 +132,7 @@ def _names(model) -> dict[int, str]:
     return {id(p): n for n, p in model.named_parameters()}
 
 
-def _only_first_replica_works(model) -> bool:
+def _skips_save(model) -> bool:
     """A replica that is not its stage's first has nothing to do at a save: its stage's tensors are whole on the
     first one too, unless FSDP shards them (then every replica takes part in gathering them)."""
     return pipeline_group().replica != 0 and not any(hasattr(p, "full_tensor") for p in model.parameters())
@@ -149,7 +149,7 @@ def write_stage(folder, model, optimizer, *, trainable_only: bool) -> None:
     from safetensors.torch import save_file
 
     g = pipeline_group()
-    if _only_first_replica_works(model):
+    if _skips_save(model):
         return
     weights = {n: _whole(p) for n, p in model.named_parameters() if p.requires_grad or not trainable_only}
     names, state = _names(model), optimizer.state_dict()
@@ -216,7 +216,7 @@ def gather_state_dict(model, *, trainable_only: bool) -> dict:
 
     g = pipeline_group()
     trained = {k for k, p in model.named_parameters() if p.requires_grad}
-    mine = ({} if _only_first_replica_works(model) else
+    mine = ({} if _skips_save(model) else
             {n: _whole(t) for n, t in model.state_dict().items() if not trainable_only or n in trained})
     mine = mine if g.replica == 0 else {}
     parts = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
