@@ -39,17 +39,21 @@ demo-rloo: install
 	$(BIN)/llmtrain finetune recipes/tiny.yaml train.max_steps=150 output_dir=runs/tiny-sft --overwrite
 	$(BIN)/llmtrain finetune recipes/tiny-rloo.yaml --overwrite
 
-# A learned reward on the same task: a reward model trained from the SFT model on pairs (the right reversal against a
-# near miss), then GRPO from the short SFT run with the reward model's score as its only reward (answer_match at
-# weight 0 only measures eval_answer_accuracy). On this task the policy exploits the tiny reward model (its answer
-# accuracy falls while the score rises: docs/reward-models.md).
+# A learned reward on the same task: the short SFT run (the policy) samples 16 replies of each train prompt, each
+# labelled against the data's answer (examples/policy_pairs.py: the labelling stage of RLHF); a reward model trained
+# from the full SFT model on those pairs (about 13 minutes); then GRPO from the short SFT run with the reward model's
+# score as its only reward (answer_match at weight 0 only measures eval_answer_accuracy), 200 steps at lr 2e-5.
+# Greedy accuracy 0.315 -> 0.39 (the verifiable reward: 0.46); docs/reward-models.md.
 demo-rm: install
 	$(BIN)/llmtrain prepare-tiny assets/tiny
 	$(BIN)/llmtrain finetune recipes/tiny.yaml --overwrite
 	$(BIN)/llmtrain finetune recipes/tiny.yaml train.max_steps=150 output_dir=runs/tiny-sft --overwrite
-	$(BIN)/llmtrain finetune recipes/tiny-reward.yaml --overwrite
-	$(BIN)/llmtrain finetune recipes/tiny-grpo.yaml output_dir=runs/tiny-grpo-rm --overwrite \
-	    'rl.rewards=[{type: reward_model, path: runs/tiny-reward/final}, {type: answer_match, column: completion, weight: 0.0}]'
+	rm -rf runs/tiny-rm-pairs
+	$(BIN)/python examples/policy_pairs.py runs/tiny-sft/final assets/tiny/data/train.jsonl runs/tiny-rm-pairs/train.jsonl
+	$(BIN)/python examples/policy_pairs.py runs/tiny-sft/final assets/tiny/data/eval.jsonl runs/tiny-rm-pairs/eval.jsonl
+	$(BIN)/llmtrain finetune recipes/tiny-reward-policy.yaml --overwrite
+	$(BIN)/llmtrain finetune recipes/tiny-grpo.yaml output_dir=runs/tiny-grpo-rm --overwrite train.lr=2.0e-5 train.max_steps=200 \
+	    'rl.rewards=[{type: reward_model, path: runs/tiny-reward-policy/final}, {type: answer_match, column: completion, weight: 0.0}]'
 
 # On-policy distillation on the same task: the short SFT run is the student, the full one the teacher.
 demo-distill: install
