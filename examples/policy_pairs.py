@@ -2,14 +2,13 @@
 
 A reward model for online RL must rank the policy's own samples of one prompt (GRPO learns from the differences
 within a group), not only a right answer against a made-up near miss. This script does what the labelling stage of
-RLHF does: it samples K completions of every prompt from the policy, labels each against the row's `completion` (the
-rule of `answer_match`: equal after stripping whitespace; here the stand-in for a person's judgement), and writes
-one pair per distinct wrong sample, the row's answer as `chosen` and the sample as `rejected`
+RLHF does: it samples K completions of every prompt from the policy, labels each against the row's `completion` with
+llmtrain's `answer_match` reward (equal after stripping whitespace; here the stand-in for a person's judgement), and
+writes one pair per distinct wrong sample, the row's answer as `chosen` and the sample as `rejected`
 (docs/reward-models.md, "A learned reward for GRPO").
 
     python examples/policy_pairs.py runs/tiny-sft/final assets/tiny/data/train.jsonl runs/tiny-rm-pairs/train.jsonl
-    python examples/policy_pairs.py runs/tiny-sft/final assets/tiny/data/eval.jsonl runs/tiny-rm-pairs/eval.jsonl \
-        --limit 25
+    python examples/policy_pairs.py runs/tiny-sft/final assets/tiny/data/eval.jsonl runs/tiny-rm-pairs/eval.jsonl
 
 Rows are `{"prompt": ..., "completion": ...}` text (the tiny task's format); prompts are tokenized as text, as
 llmtrain's GRPO renders a `format: prompt` row without a chat template.
@@ -22,22 +21,32 @@ import json
 import random
 from pathlib import Path
 
+from llmtrain.objectives.rewards import answer_match
 
-def pairs_from_samples(rows: list[dict], samples: list[list[str]], seed: int = 0) -> list[dict]:
+
+def label(rows: list[dict], samples: list[list[str]]) -> list[list[bool]]:
+    """Whether each sample of each row is right: GRPO's answer_match reward on the row's `completion` column."""
+    reward = answer_match(None, column="completion")
+    return [[score == 1.0 for score in reward([row["prompt"]] * len(group), group,
+                                              completion=[row["completion"]] * len(group))]
+            for row, group in zip(rows, samples, strict=True)]
+
+
+def pairs_from_samples(rows: list[dict], samples: list[list[str]], right: list[list[bool]],
+                       seed: int = 0) -> list[dict]:
     """One pair per distinct wrong, non-empty sample of each row: the row's answer chosen, the sample rejected.
 
-    samples[i] are row i's completions; a sample equal to the answer after stripping is right and makes no pair.
-    The pairs are shuffled with `seed` so that a prefix of the file mixes prompts.
+    samples[i] are row i's completions and right[i] their labels (`label`). The pairs are shuffled with `seed` so
+    that a prefix of the file mixes prompts.
     """
     pairs = []
-    for row, completions in zip(rows, samples, strict=True):
-        answer = row["completion"]
+    for row, completions, labels in zip(rows, samples, right, strict=True):
         seen = set()
-        for text in completions:
-            if not text.strip() or text.strip() == answer.strip() or text in seen:
+        for text, is_right in zip(completions, labels, strict=True):
+            if is_right or not text.strip() or text in seen:
                 continue
             seen.add(text)
-            pairs.append({"prompt": row["prompt"], "chosen": answer, "rejected": text})
+            pairs.append({"prompt": row["prompt"], "chosen": row["completion"], "rejected": text})
     random.Random(seed).shuffle(pairs)
     return pairs
 
@@ -76,20 +85,22 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
 
-    rows = [json.loads(line) for line in args.data.read_text().splitlines() if line.strip()][:args.limit]
-    for n, row in enumerate(rows, 1):
+    numbered = [(n, json.loads(line)) for n, line in enumerate(args.data.read_text().splitlines(), 1) if line.strip()]
+    for n, row in numbered[:args.limit]:
         if not isinstance(row.get("prompt"), str) or not isinstance(row.get("completion"), str):
             raise SystemExit(f"{args.data}, line {n}: each row needs text `prompt` and `completion` columns "
                              f"(the right answer the samples are labelled against); it has {sorted(row)}.")
+    rows = [row for _, row in numbered[:args.limit]]
     if args.out.exists():
         raise SystemExit(f"{args.out} exists; remove it or name another file (nothing was written).")
     samples = sample(args.policy, [r["prompt"] for r in rows], args.samples, args.temperature,
                      args.max_new_tokens, args.seed)
-    right = sum(s.strip() == r["completion"].strip() for r, group in zip(rows, samples) for s in group)
-    pairs = pairs_from_samples(rows, samples, seed=args.seed)
+    right = label(rows, samples)
+    pairs = pairs_from_samples(rows, samples, right, seed=args.seed)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text("".join(json.dumps(p) + "\n" for p in pairs))
-    print(f"{len(rows)} prompts x {args.samples} samples: {right / max(1, len(rows) * args.samples):.1%} right; "
+    share = sum(map(sum, right)) / max(1, len(rows) * args.samples)
+    print(f"{len(rows)} prompts x {args.samples} samples: {share:.1%} right; "
           f"{len(pairs)} pairs (the answer against each distinct wrong sample) written to {args.out}")
 
 

@@ -9,23 +9,24 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 SCRIPT = REPO / "examples" / "policy_pairs.py"
 sys.path.insert(0, str(SCRIPT.parent))
-from policy_pairs import pairs_from_samples  # noqa: E402
+from policy_pairs import label, pairs_from_samples  # noqa: E402
 
 
 def test_each_distinct_wrong_sample_is_rejected_beside_the_answer():
     rows = [{"prompt": "reverse abc =", "completion": " cba"}, {"prompt": "reverse xy =", "completion": " yx"}]
     samples = [[" cba", "cba ", " cab", " cab", " ccc", "  ", ""], [" yx", " yx"]]
-    pairs = pairs_from_samples(rows, samples, seed=0)
+    pairs = pairs_from_samples(rows, samples, label(rows, samples), seed=0)
     # Right answers (after stripping), repeats and empty replies make no pair; a prompt sampled right every time none.
     assert sorted(p["rejected"] for p in pairs) == [" cab", " ccc"]
     assert all(p == {"prompt": "reverse abc =", "chosen": " cba", "rejected": p["rejected"]} for p in pairs)
-    assert pairs_from_samples(rows, samples, seed=0) == pairs
+    assert pairs_from_samples(rows, samples, label(rows, samples), seed=0) == pairs
 
 
 def test_the_pairs_are_shuffled_across_prompts_by_the_seed():
     rows = [{"prompt": f"reverse {c}q =", "completion": f" q{c}"} for c in "abcdefgh"]
     samples = [[f" {c}{c}", f" q{c}q"] for c in "abcdefgh"]
-    orders = {tuple(p["rejected"] for p in pairs_from_samples(rows, samples, seed=s)) for s in range(3)}
+    right = label(rows, samples)
+    orders = {tuple(p["rejected"] for p in pairs_from_samples(rows, samples, right, seed=s)) for s in range(3)}
     assert len(orders) == 3 and all(len(o) == 16 for o in orders)
     assert sorted(next(iter(orders))) == sorted(s for group in samples for s in group)
 
@@ -62,3 +63,10 @@ def test_a_row_without_its_answer_is_refused_naming_the_line(tiny_assets, tmp_pa
     refused = run_script(tiny_assets / "model", data, tmp_path / "out.jsonl")
     assert refused.returncode != 0 and "line 2" in refused.stderr and "completion" in refused.stderr
     assert "Traceback" not in refused.stderr and not (tmp_path / "out.jsonl").exists()
+
+
+def test_the_refusal_counts_blank_lines_as_the_file_does(tiny_assets, tmp_path):
+    data = tmp_path / "rows.jsonl"
+    data.write_text('{"prompt": "reverse ab =", "completion": " ba"}\n\n{"prompt": "reverse cd ="}\n')
+    refused = run_script(tiny_assets / "model", data, tmp_path / "out.jsonl")
+    assert refused.returncode != 0 and "line 3" in refused.stderr
