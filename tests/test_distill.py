@@ -15,7 +15,7 @@ import pytest
 import torch
 from helpers import REPO, launch_finetune, load_weights, losses, max_abs_diff, records, run_train, write_recipe
 
-from llmtrain.config import DataConfig, DistillConfig, ModelConfig
+from llmtrain.config import DataConfig, DistillConfig, ModelConfig, load_recipe
 from llmtrain.data.formats import encode_example
 from llmtrain.model.loss import attach_loss
 from llmtrain.model.modeling import load_model
@@ -242,7 +242,8 @@ def teacher(tiny_assets, tmp_path_factory) -> Path:
 
 
 def distill_recipe(tiny: Path, tmp: Path, teacher: Path, **sections) -> Path:
-    return write_recipe(tiny, tmp, data={"eval_split": str(tiny / "data" / "eval.jsonl"), "eval_max_examples": 32},
+    return write_recipe(tiny, tmp, data={"eval_split": str(tiny / "data" / "eval.jsonl"), "eval_max_examples": 32,
+                                         **sections.pop("data", {})},
                         distill={"teacher": str(teacher), "lmbda": 0.5, "max_completion_tokens": 8,
                                  **sections.pop("distill", {})},
                         train={"max_steps": 12, "micro_batch_size": 8, "lr": 3e-3, "eval_every_steps": 12,
@@ -340,16 +341,38 @@ def test_two_ddp_processes_sample_and_train_what_one_does(straight, tmp_path, fr
 
 @pytest.mark.slow
 def test_two_fsdp_processes_gather_the_layers_to_sample_and_train_what_one_does(straight, tmp_path, free_port):
-    """FSDP shards the student (the teacher stays whole on each process); the rollout gathers the student's layers
-    to sample: the same steps, losses and eval as one process."""
+    """FSDP shards the student and the teacher alike (the teacher's LM head whole on each process); the rollout
+    gathers the student's layers to sample: the same steps, losses and eval as one process."""
+    from transformers import AutoModelForCausalLM
+
     recipe, one = straight
     fsdp = tmp_path / "fsdp"
-    launch_finetune(CPU_FSDP, 2, free_port, recipe, f"output_dir={fsdp}", "train.micro_batch_size=4")
+    shown = launch_finetune(CPU_FSDP, 2, free_port, recipe, f"output_dir={fsdp}", "train.micro_batch_size=4")
+    teacher = AutoModelForCausalLM.from_pretrained(load_recipe(recipe).distill.teacher)
+    # FSDP2 splits each decoder tensor's first dimension in 2, the main process keeping the first ceil(n / 2) rows
+    held = sum(math.ceil(p.shape[0] / 2) * p[0].numel() for p in teacher.get_decoder().parameters())
+    head = teacher.get_output_embeddings().weight.numel()  # a tied head is a copy of the embeddings then
+    total = sum(p.numel() for p in teacher.get_decoder().parameters()) + head
+    assert f"teacher: sharded like the student, {held + head:,} of its {total:,} parameters" in " ".join(shown.split())
+    assert held + head < 0.75 * total
     keys = ("on_policy", "completions/mean_length")
     assert [[r.get(k) for k in keys] for r in records(fsdp)] == [[r.get(k) for k in keys] for r in records(one)]
     assert losses(fsdp) == pytest.approx(losses(one), abs=1e-5)
     assert [e["eval_loss"] for e in records(fsdp, "eval")] == pytest.approx(
         [e["eval_loss"] for e in records(one, "eval")], abs=1e-5)
+
+
+@pytest.mark.slow
+def test_an_idle_fsdp_rank_still_runs_the_sharded_teachers_forward(tiny_assets, teacher, tmp_path, free_port):
+    """9 eval rows on 2 processes of 4: one rank's last eval micro-batch is an idle placeholder, whose forward
+    still gathers the teacher's shards with the other rank's (else both wait for ever): the eval of one process."""
+    recipe = distill_recipe(tiny_assets, tmp_path, teacher, train={"max_steps": 2, "eval_every_steps": 2},
+                            data={"eval_max_examples": 9})
+    run_train(recipe, f"output_dir={tmp_path / 'one'}")
+    launch_finetune(CPU_FSDP, 2, free_port, recipe, f"output_dir={tmp_path / 'two'}", "train.micro_batch_size=4")
+    assert [e["eval_loss"] for e in records(tmp_path / "two", "eval")] == pytest.approx(
+        [e["eval_loss"] for e in records(tmp_path / "one", "eval")], abs=1e-5)
+    assert losses(tmp_path / "two") == pytest.approx(losses(tmp_path / "one"), abs=1e-5)
 
 
 # --------------------------------------------------------------------------- bad input: one paragraph, nothing written
@@ -446,7 +469,23 @@ def test_the_estimate_counts_the_teachers_weights_hidden_states_and_chunk_logits
     assert parts["loss"]["teacher"] == params * 4 + 8 * 8 * 192 * 4 + 4 * 16 * 104 * 4
     assert parts["teacher_forward"]["teacher"] > params * 4 + 8 * 8 * 192 * 4
     assert {"generation", "generation_prefill"} <= parts.keys()  # the student samples (lmbda > 0)
-    assert any("the teacher" in note and "not sharded" in note for note in est.notes)
+    assert any("the teacher" in note and "whole on every GPU" in note for note in est.notes)
+    # FSDP over 2 GPUs: the decoder in halves, the LM head (104 x 192) whole; its forward gathers the embeddings,
+    # final norm and two layers besides
+    from transformers import AutoConfig
+
+    head = 104 * 192
+    decoder = params - (0 if AutoConfig.from_pretrained(teacher).tie_word_embeddings else head)
+    fsdp = estimate_for_recipe(recipe, num_processes=2, strategy="fsdp")
+    assert fsdp.phase_parts["optimizer_step"]["teacher"] == (-(-decoder // 2) + head) * 4
+    assert any("the teacher" in note and "sharded by FSDP over 2 GPUs" in note for note in fsdp.notes)
+    assert fsdp.host_ram_bytes == params * 4  # the main process reads the teacher (larger than the student) alone
+    assert estimate_for_recipe(recipe, num_processes=2, strategy="ddp").host_ram_bytes == 2 * params * 4
+    first = load_model(ModelConfig(name_or_path=str(teacher)), None).model.layers[0]
+    layer = sum(p.numel() for p in first.parameters())
+    gathered = (head + 192 + 2 * layer) * 4  # embeddings (104 x 192), the final norm, two layers
+    assert (fsdp.phase_parts["teacher_forward"]["teacher"] - fsdp.phase_parts["optimizer_step"]["teacher"]
+            == parts["teacher_forward"]["teacher"] - parts["optimizer_step"]["teacher"] + gathered)
     bf16 = estimate_for_recipe(load_recipe(distill_recipe(tiny_assets, tmp_path, teacher),
                                            ["train.mixed_precision=bf16"]))
     assert bf16.phase_parts["optimizer_step"]["teacher"] == params * 2

@@ -42,11 +42,11 @@ from llmtrain.model.modeling import (
     pad_id,
 )
 from llmtrain.model.score import attach_score
-from llmtrain.model.teacher import vocabulary_problem
+from llmtrain.model.teacher import load_teacher, vocabulary_problem
 from llmtrain.parallel import sequence
 from llmtrain.parallel.accelerator import use_fused_adamw
 from llmtrain.parallel.collectives import global_sum
-from llmtrain.parallel.fsdp import receives_weights, uses_fsdp
+from llmtrain.parallel.fsdp import receives_weights, shard_frozen, uses_fsdp
 from llmtrain.parallel.mesh import data_ranks, mesh_line, tensor_parallel_size
 from llmtrain.parallel.pipeline import read_stages
 from llmtrain.parallel.tensor import apply_tensor_parallel
@@ -334,6 +334,21 @@ def build_model(recipe: Recipe, accelerator, *, total_steps: int, say, pad: int 
                      trainable_names=trainable_names, model_keys=model_keys,
                      params_total=n_total, params_trainable=n_trainable, flops=flops,
                      peak_flops=peak_flops(accelerator.device, recipe.logging.peak_tflops), pipeline=stages)
+
+
+def build_teacher(recipe: Recipe, accelerator, trainable: Trainable, tokenizer, *, say):
+    """Distillation's teacher (None for other modes): whole on this process's device, or under FSDP sharded as the
+    student is (fsdp.shard_frozen), the main process reading the weights and the others receiving their shards."""
+    if recipe.distill is None:
+        return None
+    if not uses_fsdp(accelerator):
+        return load_teacher(recipe, tokenizer, device=accelerator.device)
+    teacher = load_teacher(recipe, tokenizer, device=None, empty=not accelerator.is_main_process)
+    held = shard_frozen(teacher, trainable.unwrapped, accelerator)
+    total = sum(p.numel() for p in teacher.parameters())  # DTensors count their whole shape
+    say(f"teacher: sharded like the student, {held:,} of its {total:,} parameters on the main process "
+        "(the LM head whole)")
+    return teacher
 
 
 def reference_logps(recipe: Recipe, accelerator, data: Data, trainable: Trainable, objective, *, console) -> Data:

@@ -409,8 +409,10 @@ def _notes(shape: ModelShape, spec: TrainSpec, p: act.Pass) -> tuple[str, ...]:
                      f"{sampling_rows(spec)} rows at once into a static KV cache of "
                      f"{kv_cache_bytes(shape, spec) / GIB:,.2f} GiB")
     if spec.teacher is not None:
+        where = (f"sharded by FSDP over {spec.shards} GPUs like the student (its LM head whole on every GPU)"
+                 if spec.sharded else "whole on every GPU")
         notes.append(f"the teacher ({spec.teacher.source}): {spec.teacher.params_total / 1e9:,.2f}B parameters in "
-                     f"{spec.teacher_dtype} on every GPU, not sharded")
+                     f"{spec.teacher_dtype}, {where}")
     if p.varlen_repeats_kv and shape.kv_heads < shape.heads:
         extra = 2 * p.tokens * (shape.heads - shape.kv_heads) * shape.head_dim * p.cd
         notes.append(f"this torch's varlen_attn is torch 2.10's (no window_size): K/V are repeated to all "

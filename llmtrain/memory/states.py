@@ -100,7 +100,8 @@ def accumulated_grads(spec: TrainSpec, st: States) -> int:
 def host_ram_bytes(shape: ModelShape, spec: TrainSpec, st: States) -> int:
     """Host RAM per node for loading: every process materialises the model on the host in its storage
     dtype before moving it to its GPU, except under FSDP (cpu_ram_efficient_loading: rank 0 alone, after
-    upcasting trainable weights to fp32 under mixed precision) and model.random_init (built on the GPU).
+    upcasting trainable weights to fp32 under mixed precision) and model.random_init (built on the GPU); then a
+    distillation teacher, read the same way.
     Offloaded state (sharded weights, gradients, optimizer) adds the node's share. Python, CUDA and
     library memory of each process is not included."""
     sd = DTYPE_BYTES[spec.dtype]
@@ -113,4 +114,8 @@ def host_ram_bytes(shape: ModelShape, spec: TrainSpec, st: States) -> int:
         loading = shape.params_total * (4 if widen else sd)
     else:
         loading = spec.num_gpus * shape.params_total * sd
+    if spec.teacher is not None:  # read once the student's host copies are freed (loop/phases.build_teacher): the
+        # main process alone under FSDP (its shards broadcast), else every process; the larger of the two loads
+        teacher = spec.teacher.params_total * DTYPE_BYTES[spec.teacher_dtype]
+        loading = max(loading, teacher if spec.sharded else spec.num_gpus * teacher)
     return loading + st.host_offload // spec.num_nodes

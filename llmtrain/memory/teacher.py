@@ -1,9 +1,12 @@
 """The teacher of on-policy distillation (distill: section) in the estimate: what it adds to each phase of the step.
 
-The teacher is a second, frozen model on every GPU (never sharded: model/teacher.py loads it whole on each
-process), stored in its own dtype (model.dtype, or the autocast dtype under mixed precision). Beside its weights:
+The teacher is a second, frozen model, stored in its own dtype (model.dtype, or the autocast dtype under mixed
+precision): whole on every GPU (one GPU, DDP), or under FSDP/HSDP sharded as the student is (fsdp.shard_frozen), its
+LM head whole on every GPU (a tied head a copy of the embeddings). Beside its weights:
 - its forward, under no_grad, before the student's: one decoder layer's transients at a time over the micro-batch
   (as evaluation's), which ends by keeping the final hidden states of the trained positions only (N x its hidden);
+  sharded, the decoder's root unit (embeddings, final norm) and about two layers gathered meanwhile, as the
+  student's forward gathers them;
 - those hidden states stay until the student's loss has run backward (each chunk's recompute projects them again);
 - each loss chunk holds, beside the student's logits the cross-entropy's chunk counts, the teacher's logits in fp32,
   both log-softmaxes and one product of the divergence: 4 x C x V in fp32.
@@ -23,13 +26,17 @@ def add_teacher(phases: dict[str, dict[str, int]], shape: ModelShape, spec: Trai
                 *, gradients: int) -> None:
     """Each phase with the teacher's bytes (its weights, and in the loss's phases its hidden states and a chunk's
     logits), and the teacher's own forward as a phase: `base` and `gradients` are what is alive then."""
-    t = spec.teacher
-    weights = t.params_total * DTYPE_BYTES[spec.teacher_dtype]
-    hidden = p.loss_tokens * t.hidden * DTYPE_BYTES[spec.teacher_dtype]
+    t, b = spec.teacher, DTYPE_BYTES[spec.teacher_dtype]
+    weights, gathered = t.params_total * b, 0
+    if spec.sharded:  # the decoder in shards, the head whole; in its forward the root and ~2 layers gathered
+        head = t.vocab * t.hidden
+        weights = -(-(t.params_total - t.params_head) // spec.shards) * b + head * b
+        gathered = (t.params_embed + t.params_final_norm + 2 * t.params_per_layer) * b
+    hidden = p.loss_tokens * t.hidden * b
     chunk = 4 * act.loss_chunk(p, spec.loss_chunk_tokens) * shape.vocab * act.FP32
     for name, parts in phases.items():
         extra = hidden + chunk if name in LOSS_PHASES else hidden if name in HELD_PHASES else 0
         parts["teacher"] = weights + extra
     teacher_pass = act.Pass(**{**vars(p), "trainable_base": False, "lora_dropout": 0.0})
     phases["teacher_forward"] = {**{k: v for k, v in base.items() if v}, "gradients": gradients,
-                                 "teacher": weights + act.eval_layer_bytes(teacher_pass, t, {}) + hidden}
+                                 "teacher": weights + gathered + act.eval_layer_bytes(teacher_pass, t, {}) + hidden}

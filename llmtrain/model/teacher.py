@@ -62,10 +62,14 @@ def vocabulary_problem(recipe: Recipe, tokenizer) -> str | None:
     return None
 
 
-def load_teacher(recipe: Recipe, tokenizer, *, device: torch.device):
-    """The teacher, checked (vocabulary_problem), on `device`, frozen and in eval mode (no dropout)."""
+def load_teacher(recipe: Recipe, tokenizer, *, device: torch.device | None, empty: bool = False):
+    """The teacher, checked (vocabulary_problem), frozen and in eval mode (no dropout): on `device`, or on the CPU
+    where `device` is None (to be sharded: fsdp.shard_frozen). empty=True builds it without reading the weights (an
+    FSDP process that receives its shards from the main process)."""
     if problem := vocabulary_problem(recipe, tokenizer):
         raise LLMTrainError(problem)
-    teacher = load_model(teacher_config(recipe), None, device=device).to(device)  # each process reads it whole
+    teacher = load_model(teacher_config(recipe), None, device=device, empty=empty)
+    if device is not None:
+        teacher = teacher.to(device)
     teacher.requires_grad_(False)
     return teacher.eval()

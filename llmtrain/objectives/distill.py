@@ -180,9 +180,10 @@ class Distill:
         rollout = batch.get("rollout_stats")
         rollout = rollout if rollout is not None else batch["input_ids"].new_zeros(len(ROLLOUT_STATS),
                                                                                    dtype=torch.float32)
+        hidden = self._teacher_hidden(batch)  # an idle rank's too: a sharded teacher gathers in its forward
         if batch["loss_index"].numel() == 0:  # an idle rank's placeholder: zero, yet reaching every parameter
             return compute_loss(model, batch), torch.cat([rollout, rollout.new_zeros(len(LOSS_STATS))])
-        loss, stats = compute_loss(model, batch, token_loss=self._token_loss(self._teacher_hidden(batch)))
+        loss, stats = compute_loss(model, batch, token_loss=self._token_loss(hidden))
         return loss, torch.cat([rollout.to(stats.device), stats])
 
     def step_metrics(self, stats: list[float], units: float) -> dict[str, float]:
@@ -202,10 +203,11 @@ class Distill:
         from llmtrain.data.batching import to_device
 
         batch = to_device(batch, device)
+        hidden = self._teacher_hidden(batch)  # an idle rank's too: a sharded teacher gathers in its forward
         if batch["loss_index"].numel() == 0:  # an idle rank: its forward still runs (FSDP gathers in it)
             compute_loss(model, batch)
             return torch.zeros(2 + len(LOSS_STATS), dtype=torch.float64)
-        loss, stats = compute_loss(model, batch, token_loss=self._token_loss(self._teacher_hidden(batch)))
+        loss, stats = compute_loss(model, batch, token_loss=self._token_loss(hidden))
         tokens = batch["loss_index"].new_tensor(batch["loss_index"].numel())
         return torch.cat([torch.stack([loss.double(), tokens.double()]), stats.double()]).cpu()
 

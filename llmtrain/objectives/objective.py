@@ -134,7 +134,7 @@ def rl_rewards(recipe, train, *, total_steps: int | None, device=None) -> Reward
 
 def objective_for(recipe, *, pad_id: int, model=None, tokenizer=None, train=None, world: int = 1,
                   total_steps: int | None = None, rewards: Rewards | None = None, gather=None,
-                  reduce=None) -> Objective:
+                  reduce=None, teacher=None) -> Objective:
     """The recipe's objective: GRPO or RLOO on prompts (rl:), distillation from a teacher (distill:), a preference loss
     on pairs (preference:), a reward model's loss on pairs (reward_model:), KTO on labelled completions (kto:), else
     causal-LM
@@ -142,7 +142,9 @@ def objective_for(recipe, *, pad_id: int, model=None, tokenizer=None, train=None
     of a LoRA preference run (and which samples an RL run's completions); `train`: the tokenised train set (RL: its
     columns go to the reward functions); `rewards`: rl_rewards' (None: checked here); `gather`: every process's list
     on every process (collectives.gathered; None: one process), for what reward functions log; `reduce`: a device
-    tensor summed over every process (collectives.device_sum; None: one process), for KTO's KL estimate."""
+    tensor summed over every process (collectives.device_sum; None: one process), for KTO's KL estimate; `teacher`:
+    distillation's teacher as the loop built it (phases.build_teacher: sharded under FSDP; None: loaded here, whole, on
+    the model's device)."""
     from llmtrain.data.batching import packs_rows
 
     if recipe.rl is not None:
@@ -160,7 +162,8 @@ def objective_for(recipe, *, pad_id: int, model=None, tokenizer=None, train=None
         from llmtrain.model.teacher import load_teacher
         from llmtrain.objectives.distill import Distill
 
-        teacher = load_teacher(recipe, tokenizer, device=next(model.parameters()).device)
+        if teacher is None:
+            teacher = load_teacher(recipe, tokenizer, device=next(model.parameters()).device)
         return Distill(recipe.distill, teacher=teacher, model=model, pad_id=pad_id, packing=packs_rows(recipe),
                        seed=recipe.train.seed, stop_ids=stop_ids(recipe, model, tokenizer), world=world)
     if recipe.kto is not None:

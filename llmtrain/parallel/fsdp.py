@@ -90,6 +90,44 @@ def gathered_for_generation(model):
                 group.post_forward_mesh_info = info
 
 
+def shard_frozen(frozen, trained, accelerator) -> int:
+    """A frozen model (distillation's teacher) sharded as FSDP shards `trained` (the prepared student): over the
+    student's mesh (FSDP's ranks, or HSDP's replicas of shards), each decoder layer a unit that all-gathers for its
+    forward and frees after it, the decoder (embeddings, final norm) the root unit, in its own dtype (no cast).
+    The LM head stays whole on every process, untied from the embeddings: the student's loss reads its weight chunk
+    by chunk, outside any forward of the teacher's. The weights are the main process's, broadcast a tensor at a time,
+    each process keeping its shard (Accelerate's fsdp2_load_full_state_dict, as it loads the student under
+    cpu_ram_efficient_loading); the other processes may have built the model empty (modeling.load_model). Returns
+    the parameters each process now holds (its shards and the whole head)."""
+    from accelerate.utils.fsdp_utils import fsdp2_load_full_state_dict
+    from accelerate.utils.modeling import get_non_persistent_buffers
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor import DTensor
+
+    mesh = next(p.device_mesh for p in trained.parameters() if isinstance(p, DTensor))
+    device = accelerator.device
+    head = frozen.get_output_embeddings()
+    # the head whole on every process, as the main process read it (a tied head: a copy of the embeddings)
+    for name, p in list(head.named_parameters(recurse=False)):
+        whole = p.detach().to(device, copy=True).contiguous()
+        torch.distributed.broadcast(whole, src=0)
+        setattr(head, name, torch.nn.Parameter(whole, requires_grad=False))
+    decoder = frozen.get_decoder()
+    weights = decoder.state_dict()  # the main process's are the ones broadcast; the others' are never read
+    keep = get_non_persistent_buffers(decoder, recurse=True, fqns=True)  # computed from the config on every process
+    buffers = {k: b for k, b in decoder.named_buffers() if k in keep}
+    decoder.to(torch.device("meta"))  # sharded on meta, then filled: no process ever holds the decoder whole on GPU
+    for layer in decoder.layers:
+        fully_shard(layer, mesh=mesh, reshard_after_forward=True)
+    fully_shard(decoder, mesh=mesh, reshard_after_forward=True)  # the root too: nothing kept gathered after forward
+    fsdp2_load_full_state_dict(accelerator, decoder, weights)
+    for fqn, b in buffers.items():
+        parent, _, leaf = fqn.rpartition(".")
+        decoder.get_submodule(parent).register_buffer(leaf, b.to(device), persistent=False)
+    frozen.requires_grad_(False)
+    return sum((p.to_local() if isinstance(p, DTensor) else p).numel() for p in frozen.parameters())
+
+
 def fsdp_param_groups(state) -> list:
     """An FSDP2 unit's parameter groups (`FSDPModule._get_fsdp_state()`), which torch reads through no public API
     and spells two ways: a list `_fsdp_param_groups` in torch 2.13 (one group per mesh), one `_fsdp_param_group`
