@@ -8,6 +8,7 @@
 # then, one device call each (carry .gpu):
 #
 #   bash benchmarks/gpu_session.sh smoke         # every code path a few steps, exact resume on the GPU
+#   bash benchmarks/gpu_session.sh distill       # distillation under FSDP on 1 process, the teacher sharded
 #   bash benchmarks/gpu_session.sh vs-hf-7b      # Mistral-7B LoRA: llmtrain vs HF Trainer (padded, flattening)
 #   bash benchmarks/gpu_session.sh vs-hf-1b      # ~1B Llama full fine-tune, the same comparison
 #   bash benchmarks/gpu_session.sh fixed         # random tokens at 2048 (and 512, 4096): 7B LoRA, 1B full, 7B full offloaded
@@ -31,7 +32,7 @@
 # (WORK=DIR moves the runs from /tmp/work, or /tmp/work-dry, to DIR.)
 set -uo pipefail
 cd "$(dirname "$0")/.."
-WHAT=${1:?usage: gpu_session.sh pack|i40|i40b|sp|smoke|vs-hf-7b|vs-hf-1b|fixed|calibrate|fit|profile|rl|long}
+WHAT=${1:?usage: gpu_session.sh pack|i40|i40b|sp|smoke|distill|vs-hf-7b|vs-hf-1b|fixed|calibrate|fit|profile|rl|long}
 G=.gpu
 OUT=${OUT:-/tmp/out}
 DRY=${GPU_SESSION_DRY:-0}
@@ -144,6 +145,20 @@ grpo_lora() {  # grpo_lora STEPS [UPDATE_BUDGET]: $W/lora.yaml (Mistral-7B LoRA)
 }
 FT="$PY -m llmtrain finetune"
 FSDP1="$PY -m accelerate.commands.launch --config_file $FSDP_CONFIG --num_processes 1 -m llmtrain finetune"
+distill_fsdp1() {  # on-policy distillation under FSDP on 1 process, the teacher sharded (fsdp.shard_frozen) on CUDA:
+  # the 1B's random weights saved once as the teacher, the student a LoRA on a random init of the same shape
+  [[ -d $W/models/llama-1b-weights ]] || $PY - "$LLAMA1B" "$W/models/llama-1b-weights" <<'PYEOF' >> "$OUT/$WHAT.log" 2>&1
+import sys, torch
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+with torch.device("cuda" if torch.cuda.is_available() else "cpu"):
+    model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(sys.argv[1]), dtype=torch.bfloat16)
+model.save_pretrained(sys.argv[2])
+AutoTokenizer.from_pretrained(sys.argv[1]).save_pretrained(sys.argv[2])
+PYEOF
+  recipe $W/distill.yaml "$LLAMA1B" 1 bfloat16
+  run distill-fsdp1 $FSDP1 $W/distill.yaml train.micro_batch_tokens=null train.micro_batch_size=4 train.max_steps=3 \
+    "distill={teacher: $W/models/llama-1b-weights, lmbda: 1.0, max_completion_tokens: $((128 / SCALE))}"
+}
 
 case $WHAT in
 smoke)
@@ -199,14 +214,7 @@ EOF
   run grpo-lora $FT $W/lora.yaml data.path=$W/gsm8k-prompts.jsonl data.format=prompt data.chat_template=true \
     data.max_seq_len=1024 train.micro_batch_tokens=null train.micro_batch_size=4 train.max_steps=3 \
     "rl={num_generations: 4, max_completion_tokens: $((256 / SCALE)), rewards: [{type: format, pattern: '[0-9][0-9]'}]}"
-  $PY - "$LLAMA1B" "$W/models/llama-1b-weights" <<'EOF' >> "$OUT/$WHAT.log" 2>&1
-import sys, torch
-from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
-with torch.device("cuda" if torch.cuda.is_available() else "cpu"):
-    model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(sys.argv[1]), dtype=torch.bfloat16)
-model.save_pretrained(sys.argv[2])
-AutoTokenizer.from_pretrained(sys.argv[1]).save_pretrained(sys.argv[2])
-EOF
+  distill_fsdp1  # also saves the 1B's random weights, which QLoRA quantises
   recipe $W/qlora.yaml "$W/models/llama-1b-weights" 1 bfloat16 4096
   run qlora-nf4 $FT $W/qlora.yaml model.random_init=false model.quantize=nf4
   run qlora-nf4-ckpt $FT $W/qlora.yaml model.random_init=false model.quantize=nf4 model.gradient_checkpointing=true
@@ -322,6 +330,9 @@ rl)  # the rollouts issue: sampling speed, then GRPO steps with the fast sampler
   grpo_lora 3
   run grpo-graph $FT $W/lora.yaml $GRPO "$RL" rl.sampler=graph
   run grpo-static $FT $W/lora.yaml $GRPO "$RL" rl.sampler=static train.max_steps=2
+  ;;
+distill)  # on-policy distillation under FSDP on 1 process, the teacher sharded (about 2 minutes; also in smoke)
+  distill_fsdp1
   ;;
 i40)  # issue 40 in one call (~9 minutes on an H200), by value: the sampler's speed, a GRPO step under FSDP on 1
   # process, the deterministic resume, then the long-context search and table in whatever time is left
