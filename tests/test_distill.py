@@ -283,6 +283,26 @@ def test_a_short_run_brings_the_student_closer_to_its_teacher(straight):
     assert sum(r["loss"] for r in lines[-3:]) < 0.8 * sum(r["loss"] for r in lines[:3])
 
 
+def test_the_teachers_forward_is_counted_in_tflops_and_mfu(straight):
+    """tflops_per_gpu / tokens_per_s is the step's model FLOPs a token: the student's step (6 a weight) and the
+    teacher's forward (2 a weight of its, 192 wide): above what the student alone could reach at any length."""
+    from llmtrain.config import load_recipe
+    from llmtrain.run.metrics import flop_model
+
+    recipe, run = straight
+    r = load_recipe(recipe)
+    student = flop_model(load_model(r.model, None))
+    teacher = flop_model(load_model(ModelConfig(name_or_path=r.distill.teacher), None), forward_only=True)
+    for line in records(run):
+        per_token = line["tflops_per_gpu"] * 1e12 / line["tokens_per_s_per_gpu"]
+        alone = (student.body_per_token + student.head_per_token * line["trained_tokens"] / line["tokens"]
+                 + student.attn_per_square * r.data.max_seq_len)  # every row at its longest: more than alone
+        with_teacher = student.plus(teacher)
+        assert alone < student.body_per_token + teacher.body_per_token <= per_token
+        assert per_token <= (with_teacher.body_per_token + with_teacher.head_per_token * line["trained_tokens"]
+                             / line["tokens"] + with_teacher.attn_per_square * r.data.max_seq_len) * 1.000001
+
+
 KILL_MID_STEP_7 = """
 import os, signal, sys
 import llmtrain.loop.step as step

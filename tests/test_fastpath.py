@@ -213,6 +213,12 @@ def test_flop_model_by_hand():
     for p in model.parameters():
         p.requires_grad_(False)
     assert flop_model(model).body_per_token == 4 * layers * per_layer
+    # a frozen model's forward alone (distillation's teacher): 2 a weight, attention a third; added to a step's
+    forward = flop_model(model, forward_only=True)
+    assert (forward.body_per_token, forward.head_per_token, forward.attn_per_square) == (
+        2 * layers * per_layer, 2 * vocab * h, 2 * layers * 64)
+    assert fm.plus(forward).step(tokens=10, trained=4, squares=50) == (
+        fm.step(tokens=10, trained=4, squares=50) + forward.step(tokens=10, trained=4, squares=50))
 
 
 def test_lora_wraps_the_projections_inside_liger_kernels(monkeypatch):

@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 import signal
 from contextlib import ExitStack, closing, nullcontext
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import partial
 from pathlib import Path
 
@@ -51,7 +51,7 @@ from llmtrain.parallel.pipeline import gather_state_dict, write_stage
 from llmtrain.run.checkpoint import save_checkpoint
 from llmtrain.run.console import RunConsole, step_text, summary_table
 from llmtrain.run.export import save_final
-from llmtrain.run.metrics import MetricsLog, strict_json
+from llmtrain.run.metrics import MetricsLog, flop_model, strict_json
 from llmtrain.run.plot import update_loss_plot
 from llmtrain.run.samples import format_sample, generate_samples, mark_answers
 from llmtrain.run.state import TrainState
@@ -97,11 +97,13 @@ def _train(recipe: Recipe, accelerator, console: RunConsole, cleanup: ExitStack,
     state = None
     try:
         trainable = build_model(recipe, accelerator, total_steps=data.total_steps, say=say, pad=data.pad_id)
+        teacher = build_teacher(recipe, accelerator, trainable, data.tokenizer, say=say)  # distillation's, or None
+        if teacher is not None:  # its forward is the step's work too: counted in tflops_per_gpu and mfu
+            trainable = replace(trainable, flops=trainable.flops.plus(flop_model(teacher, forward_only=True)))
         objective = objective_for(recipe, pad_id=data.pad_id, model=trainable.unwrapped, tokenizer=data.tokenizer,
                                   train=data.train, world=data_ranks(accelerator)[0], total_steps=data.total_steps,
                                   rewards=rewards, gather=partial(gathered, accelerator),
-                                  reduce=partial(device_sum, accelerator),
-                                  teacher=build_teacher(recipe, accelerator, trainable, data.tokenizer, say=say))
+                                  reduce=partial(device_sum, accelerator), teacher=teacher)
         if recipe.parallel.sequence_parallel > 1:  # each process of a sequence group collates its slice of the row
             objective = SequenceShards(objective, pad_id=data.pad_id)
         data = reference_logps(recipe, accelerator, data, trainable, objective, console=console)  # preference only

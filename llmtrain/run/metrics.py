@@ -131,15 +131,25 @@ class FlopModel:
     def step(self, tokens: float, trained: float, squares: float) -> float:
         return self.body_per_token * tokens + self.head_per_token * trained + self.attn_per_square * squares
 
+    def plus(self, other: FlopModel) -> FlopModel:
+        """Both models' FLOPs on the same tokens (distillation: the student's step and the teacher's forward)."""
+        return FlopModel(self.body_per_token + other.body_per_token, self.head_per_token + other.head_per_token,
+                         self.attn_per_square + other.attn_per_square)
 
-def flop_model(model) -> FlopModel:
+
+def flop_model(model, *, forward_only: bool = False) -> FlopModel:
+    """The FlopModel of a training step of `model`; forward_only: of a frozen model's forward alone (distillation's
+    teacher, under no_grad): 2 FLOPs per weight per token, attention a third of a trained step's."""
     from llmtrain.model.loss import causal_lm
 
     lm = causal_lm(model)
     cfg = lm.config
     from llmtrain.model.modeling import numel
 
-    body = sum((6 if p.requires_grad else 4) * numel(p) for p in lm.model.layers.parameters()
+    def per_weight(p) -> int:
+        return 2 if forward_only else 6 if p.requires_grad else 4
+
+    body = sum(per_weight(p) * numel(p) for p in lm.model.layers.parameters()
                if p.ndim >= 2 or getattr(p, "quant_state", None) is not None)
     if hasattr(lm, "lm_head"):
         head = lm.lm_head.weight
@@ -148,5 +158,6 @@ def flop_model(model) -> FlopModel:
 
         head = head_weight(lm)
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
-    return FlopModel(body_per_token=body, head_per_token=(6 if head.requires_grad else 4) * head.numel(),
-                     attn_per_square=6.0 * cfg.num_hidden_layers * cfg.num_attention_heads * head_dim)
+    return FlopModel(body_per_token=body, head_per_token=per_weight(head) * head.numel(),
+                     attn_per_square=(2.0 if forward_only else 6.0) * cfg.num_hidden_layers * cfg.num_attention_heads
+                     * head_dim)
