@@ -93,7 +93,8 @@ CASES = [
                                       "data.eval_split=null"], "has no 'role'"),
     ("no assistant turn", "full", [f"data.path={F('noreply.jsonl')}", "data.format=messages", "data.eval_split=null"],
      "no assistant message"),
-    ("malformed json", "full", [f"data.path={F('broken.jsonl')}", "data.eval_split=null"], "broken.jsonl"),
+    ("malformed json", "full", [f"data.path={F('broken.jsonl')}", "data.eval_split=null"],
+     "broken.jsonl' line 1: not valid JSON"),
     ("unpaired feedback as SFT", "full", [f"data.path={F('feedback.jsonl')}", "data.eval_split=null"],
      "boolean 'label' column: its rows look like unpaired feedback"),
     ("unpaired feedback as pairs", "full", [f"data.path={F('feedback.jsonl')}", "data.eval_split=null",
@@ -160,3 +161,40 @@ def test_a_complete_run_is_left_as_it_is(runs):
     assert "already complete" in " ".join(result.output.split())
     assert _snapshot(run) == before
     assert yaml.safe_load((run / "recipe.yaml").read_text())["train"]["max_steps"] == 2
+
+
+@pytest.mark.parametrize("args", [["train.max_steps=4", "--allow-recipe-change"], ["train.lr=1e-2"], []],
+                         ids=["longer", "changed lr", "same recipe"])
+def test_a_finished_run_without_a_checkpoint_is_never_restarted_by_resume(tiny_assets, tmp_path, args):
+    """checkpoint.every_steps above max_steps: only final/ is kept. --resume auto cannot continue it (no optimizer
+    state), and starting again from step 0 would replace its final/ and metrics: refused (or, unchanged, left as
+    complete), the folder byte for byte as it was, and the way to train further named."""
+    recipe = write_recipe(tiny_assets, tmp_path, train={"max_steps": 2}, checkpoint={"every_steps": 100},
+                          output_dir=str(tmp_path / "run"))
+    assert CliRunner().invoke(app, ["finetune", str(recipe)]).exit_code == 0
+    run = tmp_path / "run"
+    assert (run / "final").is_dir() and not list((run / "checkpoints").glob("step_*"))
+    before = _snapshot(run)
+    result = CliRunner().invoke(app, ["finetune", str(recipe), *args, "--resume", "auto"])
+    flat = " ".join(result.output.split())
+    assert result.exit_code == (0 if not args else 2), flat
+    assert "Traceback" not in result.output
+    assert f"model.name_or_path={run}/final" in flat and "no checkpoint" in flat
+    assert _snapshot(run) == before
+
+
+def test_a_malformed_data_file_is_named_with_its_first_bad_line_as_an_editor_counts(tmp_path):
+    from llmtrain.data.sources import bad_json_line, load_raw
+    from llmtrain.errors import LLMTrainError
+
+    good = '{"prompt": "a", "completion": "b"}'
+    cases = {"ok.jsonl": f"{good}\n\n{good}\n", "cut.jsonl": f"{good}\n\n{good}\n" + '{"prompt": "c"\n',
+             "list.jsonl": f"{good}\n[1, 2]\n", "array.json": f"[{good},\n{good}\n"}
+    for name, text in cases.items():
+        (tmp_path / name).write_text(text)
+    assert bad_json_line(str(tmp_path / "ok.jsonl")) is None
+    assert f"'{tmp_path / 'cut.jsonl'}' line 4: not valid JSON" in bad_json_line(str(tmp_path / "cut.jsonl"))
+    assert "line 2: a JSON list, not an object" in bad_json_line(str(tmp_path / "list.jsonl"))
+    assert "line 3, column 1: not valid JSON" in bad_json_line(str(tmp_path / "array.json"))  # the missing ]
+    with pytest.raises(LLMTrainError, match="cut.jsonl' line 4: not valid JSON"):
+        load_raw(str(tmp_path / "cut.jsonl"))

@@ -42,10 +42,16 @@ def load_raw(path: str | list[str], *, name: str | None = None, split: str = "tr
             raise LLMTrainError(
                 f"data files {paths} must all be one of {sorted(_LOADERS)}; mixed or unknown extensions."
             )
+        kind = kinds.pop()
+        verbosity = datasets.logging.get_verbosity()
+        datasets.logging.set_verbosity(datasets.logging.CRITICAL)  # its own log line of the failure: ours says it
         try:
-            return datasets.load_dataset(kinds.pop(), data_files=paths, split="train")
+            return datasets.load_dataset(kind, data_files=paths, split="train")
         except Exception as e:  # datasets raises many types for malformed files
-            raise LLMTrainError(f"could not read data file(s) {paths}: {e}") from None
+            where = next(filter(None, map(bad_json_line, paths)), None) if kind == "json" else None
+            raise LLMTrainError(where or f"could not read data file(s) {paths}: {e}") from None
+        finally:
+            datasets.logging.set_verbosity(verbosity)
     missing = _missing_local(paths[0])
     if missing:
         raise LLMTrainError(missing)
@@ -58,6 +64,34 @@ def load_raw(path: str | list[str], *, name: str | None = None, split: str = "tr
             f"data.eval_split): {e}. Without network access, download it first or point data.path at local "
             ".jsonl/.json/.parquet/.csv files."
         ) from None
+
+
+def bad_json_line(path: str) -> str | None:
+    """Where a .jsonl file (one object a line) or a .json file is not valid JSON: the file, its first bad line
+    (counted from 1, as an editor counts) and what is wrong there, in one paragraph; None if it parses."""
+    import json
+
+    text = Path(path).read_text(encoding="utf-8", errors="replace")
+    if path.endswith(".json"):
+        try:
+            json.loads(text)
+        except json.JSONDecodeError as e:
+            return (f"data file '{path}' line {e.lineno}, column {e.colno}: not valid JSON ({e.msg}). Fix the file, "
+                    "or give one JSON object a line as a .jsonl file.")
+        return None
+    for number, line in enumerate(text.splitlines(), start=1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError as e:
+            return (f"data file '{path}' line {number}: not valid JSON ({e.msg}, column {e.colno}): "
+                    f"{line[:80]!r}{'...' if len(line) > 80 else ''}. Fix or remove that line (a .jsonl file holds "
+                    "one JSON object a line).")
+        if not isinstance(row, dict):
+            return (f"data file '{path}' line {number}: a JSON {type(row).__name__}, not an object "
+                    "({\"prompt\": ..., ...}). Each line of a .jsonl file must be one JSON object, a row of the data.")
+    return None
 
 
 def _missing_local(value: str) -> str | None:

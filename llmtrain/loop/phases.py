@@ -53,7 +53,7 @@ from llmtrain.parallel.tensor import apply_tensor_parallel
 from llmtrain.run.checkpoint import load_checkpoint, lora_only_hooks
 from llmtrain.run.metrics import MetricsLog, flop_model, peak_flops
 from llmtrain.run.preflight import check_resume, finished_run
-from llmtrain.run.rundir import RunDir, check_output_dir, claim_output_dir
+from llmtrain.run.rundir import RunDir, check_output_dir, claim_output_dir, has_checkpoints
 from llmtrain.run.state import TrainState
 from llmtrain.run.trackers import open_trackers
 
@@ -81,8 +81,12 @@ def read_only_checks(recipe: Recipe, accelerator, *, resume: str | None, overwri
     out = Path(recipe.output_dir)
     done = finished_run(out, recipe, allow_recipe_change=allow_recipe_change) if resume == "auto" else None
     if done is not None:
-        say(f"the run in {out} is already complete ({done['steps']} steps, final/ written); nothing "
-            "was changed. Raise train.max_steps with --allow-recipe-change to train it further.")
+        further = ("Raise train.max_steps with --allow-recipe-change to train it further." if has_checkpoints(out)
+                   else "It kept no checkpoint to continue from: to train it further, start a new run from its "
+                   f"final weights (model.name_or_path={out}/final, another output_dir; a LoRA run's after "
+                   f"`llmtrain export {out} --merge`).")
+        say(f"the run in {out} is already complete ({done['steps']} steps, final/ written); nothing was changed. "
+            + further)
         return Checked(checkpoint=None, notes=(), finished=done)
     if recipe.rl is not None and tensor_parallel_size(accelerator) > 1:
         raise LLMTrainError("rl: online RL runs on one process, under DDP or under FSDP (each rank samples its own "

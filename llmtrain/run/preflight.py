@@ -16,6 +16,7 @@ import yaml
 from llmtrain.config import Recipe
 from llmtrain.errors import LLMTrainError
 from llmtrain.run.checkpoint import FSDP_MODEL_DIR
+from llmtrain.run.rundir import finished_without_checkpoint, has_checkpoints
 
 # Keys whose change makes a checkpoint a different run: refused, whatever the flags.
 IDENTITY = ["model.name_or_path", "model.dtype", "data.path", "data.name", "data.split", "data.format", "data.fields",
@@ -133,6 +134,8 @@ def finished_run(out: Path, recipe: Recipe, *, allow_recipe_change: bool) -> dic
         return {**recipe, "train": {k: v for k, v in recipe["train"].items() if f"train.{k}" not in changed}}
 
     same_otherwise = without_changed(saved) == without_changed(now)
+    if not has_checkpoints(out):  # whatever the recipe changes, nothing can continue this run (rundir's refusal)
+        raise LLMTrainError(finished_without_checkpoint(out, "auto"))
     if changed and same_otherwise and not allow_recipe_change:
         listed = ", ".join(f"{k} {_get(saved, k)!r} -> {_get(now, k)!r}" for k in changed)
         raise LLMTrainError(f"the run in {out} is complete, and this recipe changes {listed}. To train it further "

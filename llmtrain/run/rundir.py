@@ -111,7 +111,7 @@ def _check(out: Path, *, resume: str | None, overwrite: bool, warn, locked: bool
     if out.exists() and not out.is_dir():
         raise LLMTrainError(f"output_dir '{out}' is a file, not a folder. Set output_dir=<a folder path>.")
     present = _contents(out)
-    if present and not (_is_run(out) or (resume and _has_checkpoints(out))):
+    if present and not (_is_run(out) or (resume and has_checkpoints(out))):
         raise LLMTrainError(_not_a_run(out, present, resume=resume, overwrite=overwrite))
     holder = None if locked else _holder(out)
     if holder:
@@ -121,7 +121,23 @@ def _check(out: Path, *, resume: str | None, overwrite: bool, warn, locked: bool
             raise LLMTrainError(_exists(out))
         warn(f"output_dir '{out}' holds a run that ended before its first checkpoint ({', '.join(present[:4])}"
              f"{', ...' if len(present) > 4 else ''}): starting again there, its files replaced")
-    return resolve_resume(resume, out, warn=warn) if resume else None
+    if not resume:
+        return None
+    checkpoint = resolve_resume(resume, out, warn=warn)
+    if checkpoint is None and ((out / "final").exists() or (out / "summary.json").exists()):
+        raise LLMTrainError(finished_without_checkpoint(out, resume))
+    return checkpoint
+
+
+def finished_without_checkpoint(out: Path, resume: str) -> str:
+    """Why --resume cannot continue a run that finished without keeping a checkpoint: starting again from step 0
+    would replace its final/ and metrics, which nobody asked for."""
+    return (f"--resume {resume}: the run in {out} finished (final/ written) but kept no checkpoint to continue from "
+            f"(checkpoint.every_steps was above its steps, or checkpoint.keep_last removed them), and final/ holds the "
+            f"weights without the optimizer state an exact resume needs; nothing was changed. To train it further, "
+            f"start a new run from its weights: model.name_or_path={out}/final output_dir=<new path> (a LoRA run: "
+            f"`llmtrain export {out} --merge` first, then model.name_or_path={out}/final-merged); to train it again "
+            "from the start, use --overwrite without --resume.")
 
 
 def _make_ready(out: Path, *, resume: str | None, overwrite: bool) -> None:
@@ -150,11 +166,11 @@ def _is_run(out: Path) -> bool:
 def _restartable(out: Path) -> bool:
     """A run that ended before it saved anything to keep (a failed start, a reward function that raised at step 0):
     no checkpoint, no final/ and no summary.json. Starting again in it needs no --overwrite: nothing is lost."""
-    return (out / MARKER).is_file() and not (_has_checkpoints(out) or (out / "final").exists()
+    return (out / MARKER).is_file() and not (has_checkpoints(out) or (out / "final").exists()
                                              or (out / "summary.json").exists())
 
 
-def _has_checkpoints(out: Path) -> bool:
+def has_checkpoints(out: Path) -> bool:
     """llmtrain checkpoints copied into a folder: resumable, though the folder is not (yet) a run."""
     return any((d / "train_state.json").is_file() for d in (out / "checkpoints").glob("step_*"))
 
