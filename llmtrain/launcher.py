@@ -35,11 +35,11 @@ def split_finetune_options(args: list[str]) -> tuple[list[str], list[str]]:
 
 def accelerate_command(argv: list[str]) -> list[str]:
     """The `accelerate launch` command line for `llmtrain launch ARGV`, once its checks pass (LLMTrainError if not)."""
+    from accelerate.commands.launch import launch_command_parser
+
     from llmtrain.config import load_recipe
     from llmtrain.doctor import check_mesh_launch, check_tensor_parallel_launch
     from llmtrain.parallel.launch import check_launch, launch_settings
-
-    from accelerate.commands.launch import launch_command_parser
 
     args = launch_command_parser().parse_args(argv)
     if args.module or args.no_python or not args.training_script:

@@ -13,9 +13,8 @@ from pathlib import Path
 
 import pytest
 import yaml
-from typer.testing import CliRunner
-
 from helpers import run_train, write_recipe
+from typer.testing import CliRunner
 
 from llmtrain.cli import app
 
