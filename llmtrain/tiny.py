@@ -21,6 +21,9 @@ import random
 import string
 from pathlib import Path
 
+from llmtrain.errors import LLMTrainError
+from llmtrain.run.rundir import cannot_create
+
 # Special tokens first, so their ids are fixed: 0 unk, 1 bos, 2 eos, 3 pad.
 UNK, BOS, EOS, PAD = "<unk>", "<s>", "</s>", "<pad>"
 SPECIAL_TOKENS = [UNK, BOS, EOS, PAD]
@@ -212,6 +215,10 @@ def write_pairs(out: Path, *, seed: int) -> None:
 def prepare_tiny(out: Path, *, seed: int = 0) -> None:
     """Write the tiny model + tokenizer to `out/model` and the task data to `out/data`."""
     out = Path(out)
+    if out.exists() and not out.is_dir():
+        raise LLMTrainError(f"'{out}' is a file; prepare-tiny writes a folder (model/ and data/ in it). Give a folder.")
+    if problem := cannot_create(out / "model", "prepare-tiny's folder"):
+        raise LLMTrainError(problem)
     tokenizer = build_tokenizer()
     model = build_model(tokenizer, seed=seed)
     model_dir = out / "model"

@@ -197,3 +197,20 @@ def test_a_malformed_data_file_is_named_with_its_first_bad_line_as_an_editor_cou
     assert "line 3, column 1: not valid JSON" in bad_json_line(str(tmp_path / "array.json"))  # the missing ]
     with pytest.raises(LLMTrainError, match="cut.jsonl' line 4: not valid JSON"):
         load_raw(str(tmp_path / "cut.jsonl"))
+
+
+def test_an_output_path_under_a_file_is_refused_before_any_work(runs, tmp_path):
+    """prepare-tiny, plot --out, export --out and finetune's output_dir under a file: one paragraph naming the file,
+    exit 2, no traceback; finetune says it before reading data or the model."""
+    blocker = tmp_path / "a-file"
+    blocker.write_text("x")
+    for args in (["prepare-tiny", str(blocker)], ["prepare-tiny", str(blocker / "sub")],
+                 ["plot", str(runs["full_run"]), "--out", str(blocker / "loss.png")],
+                 ["export", str(runs["lora_run"]), "--merge", "--out", str(blocker / "merged")],
+                 ["finetune", str(runs["full"]), f"output_dir={blocker / 'run'}"]):
+        result = CliRunner().invoke(app, args)
+        flat = " ".join(result.output.split())
+        assert result.exit_code == 2 and "Traceback" not in result.output, (args, flat)
+        assert f"'{blocker}' is a file" in flat, (args, flat)
+        assert "data:" not in flat and "model:" not in flat, (args, flat)
+    assert blocker.read_text() == "x"

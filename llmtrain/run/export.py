@@ -12,6 +12,7 @@ from pathlib import Path
 import yaml
 
 from llmtrain.errors import LLMTrainError
+from llmtrain.run.rundir import cannot_create
 
 
 def save_final(accelerator, model, tokenizer, path: Path, *, state_dict: dict | None = None) -> None:
@@ -48,6 +49,8 @@ def export_merged(run_dir: Path, out: Path | None = None, *, say=lambda text: No
     out = out or run_dir / "final-merged"
     if out.exists():
         raise LLMTrainError(f"'{out}' already exists; remove it or pass --out <new folder>.")
+    if problem := cannot_create(out, "--out"):
+        raise LLMTrainError(problem)
     dtype = getattr(torch, recipe["model"]["dtype"])
     if recipe.get("reward_model") is not None:  # a reward model: its base under the one-output score head the
         # adapter saved whole; the pad token it scored with (the tokenizer's, else EOS), as objective_for set it

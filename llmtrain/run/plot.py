@@ -19,6 +19,7 @@ import math
 from pathlib import Path
 
 from llmtrain.errors import LLMTrainError
+from llmtrain.run.rundir import cannot_create
 from llmtrain.run.curves import Curves, _nan, _points, ema, smoothing_weight  # noqa: F401  (re-exported)
 
 # The loss axis turns logarithmic when the curves span more than this factor (a model learning from scratch
@@ -126,6 +127,8 @@ def plot_runs(runs: list[Path], out: Path, *, smoothing: float | None = None):
     if not runs:
         raise LLMTrainError("No run to plot: pass one or several run folders (output_dir of llmtrain finetune).")
     out = Path(out)
+    if problem := cannot_create(out, "--out"):
+        raise LLMTrainError(problem)
     formats = FigureCanvasAgg.get_supported_filetypes()
     suffix = out.suffix.lstrip(".").lower()
     if suffix not in formats:

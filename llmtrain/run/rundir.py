@@ -110,6 +110,8 @@ def _check(out: Path, *, resume: str | None, overwrite: bool, warn, locked: bool
     was; return the checkpoint to resume from."""
     if out.exists() and not out.is_dir():
         raise LLMTrainError(f"output_dir '{out}' is a file, not a folder. Set output_dir=<a folder path>.")
+    if not out.exists() and (problem := cannot_create(out, "output_dir")):
+        raise LLMTrainError(problem)
     present = _contents(out)
     if present and not (_is_run(out) or (resume and has_checkpoints(out))):
         raise LLMTrainError(_not_a_run(out, present, resume=resume, overwrite=overwrite))
@@ -138,6 +140,22 @@ def finished_without_checkpoint(out: Path, resume: str) -> str:
             f"start a new run from its weights: model.name_or_path={out}/final output_dir=<new path> (a LoRA run: "
             f"`llmtrain export {out} --merge` first, then model.name_or_path={out}/final-merged); to train it again "
             "from the start, use --overwrite without --resume.")
+
+
+def cannot_create(path: Path, what: str) -> str | None:
+    """Why the file or folder `path` cannot be made (one paragraph naming `what` sets it), checked before any work
+    begins: a folder on the way is a file, or the nearest existing folder is read-only; None if it can."""
+    path = Path(path)
+    for above in path.absolute().parents:
+        if not above.exists():
+            continue
+        if not above.is_dir():
+            return (f"{what} '{path}' cannot be created: '{above}' is a file, not a folder. Give a path whose "
+                    "folders are folders (or remove that file).")
+        if not os.access(above, os.W_OK | os.X_OK):
+            return f"{what} '{path}' cannot be created: the folder '{above}' is not writable. Give a writable path."
+        return None
+    return None
 
 
 def _make_ready(out: Path, *, resume: str | None, overwrite: bool) -> None:
