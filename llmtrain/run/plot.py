@@ -19,8 +19,8 @@ import math
 from pathlib import Path
 
 from llmtrain.errors import LLMTrainError
-from llmtrain.run.rundir import cannot_create
 from llmtrain.run.curves import Curves, _nan, _points, ema, smoothing_weight  # noqa: F401  (re-exported)
+from llmtrain.run.rundir import cannot_create
 
 # The loss axis turns logarithmic when the curves span more than this factor (a model learning from scratch
 # falls from ~10 to ~0.1: on a linear axis everything after the first steps is a flat line).
