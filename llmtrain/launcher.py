@@ -33,24 +33,49 @@ def split_finetune_options(args: list[str]) -> tuple[list[str], list[str]]:
     return overrides, options
 
 
+def check_model_files(recipe) -> None:
+    """The model's config and tokenizer, read as every process will read them (a local folder, or the hub's cache
+    when the hub does not answer, said in one line): a missing one is said once, here, instead of by each process."""
+    from llmtrain import hub
+    from llmtrain.model.modeling import load_model_config, load_tokenizer
+
+    if line := hub.fall_back(hub.recipe_hub_ids(recipe)):
+        print(line, file=sys.stderr)
+    load_model_config(recipe.model)
+    load_tokenizer(recipe.model)
+
+
 def accelerate_command(argv: list[str]) -> list[str]:
     """The `accelerate launch` command line for `llmtrain launch ARGV`, once its checks pass (LLMTrainError if not)."""
+    import torch
     from accelerate.commands.launch import launch_command_parser
 
     from llmtrain.config import load_recipe
     from llmtrain.doctor import check_mesh_launch, check_tensor_parallel_launch
-    from llmtrain.parallel.launch import check_launch, launch_settings
+    from llmtrain.parallel.launch import check_launch, gpus_problem, launch_settings
 
-    args = launch_command_parser().parse_args(argv)
+    usage = ("llmtrain launch takes accelerate launch's flags, then a recipe and its overrides, e.g. `llmtrain launch "
+             "--config_file accelerate_configs/fsdp.yaml recipes/llama7b.yaml train.max_steps=100` (no -m: it runs "
+             "llmtrain finetune itself; `accelerate launch --help` lists the flags)")
+    parser = launch_command_parser()
+
+    def refuse(message: str):  # argparse's own error prints accelerate's whole usage (130 lines) and exits 2
+        raise LLMTrainError(f"{message.rstrip('.')} (accelerate launch's parser). {usage}.")
+
+    parser.error = refuse
+    if not argv:
+        raise LLMTrainError(f"no recipe given. {usage}.")
+    args = parser.parse_args(argv)
     if args.module or args.no_python or not args.training_script:
-        raise LLMTrainError("llmtrain launch takes accelerate launch's flags, then a recipe and its overrides, e.g. "
-                            "`llmtrain launch --config_file accelerate_configs/fsdp.yaml recipes/llama7b.yaml "
-                            "train.max_steps=100` (no -m: it runs llmtrain finetune itself).")
+        raise LLMTrainError(f"{usage}.")
     recipe_path, rest = args.training_script, list(args.training_script_args)
     overrides, options = split_finetune_options(rest)
     recipe = load_recipe(Path(recipe_path), overrides)
     launch, where = launch_settings(argv)
     check_launch(launch, where=where)
+    if problem := gpus_problem(launch, where=where, gpus=torch.cuda.device_count()):
+        raise LLMTrainError(problem)
+    check_model_files(recipe)
     failed = [detail for _, status, detail in check_mesh_launch(launch) + check_tensor_parallel_launch(recipe, launch)
               if status == "fail"]
     if failed:

@@ -146,3 +146,44 @@ def test_finetune_under_a_plain_accelerate_launch_refuses_what_accelerate_ignore
     assert proc.returncode != 0
     assert "parallelism_config_pp_size: 2 asks for pipeline parallelism" in proc.stdout + proc.stderr
     assert not (tmp_path / "run" / "metrics.jsonl").exists()
+
+
+def test_llmtrain_launch_refuses_more_gpu_processes_than_this_machine_has_gpus(tiny_assets, tmp_path):
+    """A GPU config (use_cpu unset) on a machine with fewer GPUs: accelerate would start every process on the CPU.
+    Refused before any process starts, naming the counts and the CPU configs; a CPU config is let through."""
+    from llmtrain.parallel.launch import gpus_problem
+
+    gpu, _ = config(tmp_path, use_cpu=False, num_processes=8)
+    recipe = write_recipe(tiny_assets, tmp_path)
+    proc = cli("launch", "--config_file", str(gpu), str(recipe), "train.max_steps=2", check=False)
+    out = " ".join((proc.stdout + proc.stderr).split())
+    assert proc.returncode == 2 and out.count("error:") == 1 and "Traceback" not in out, out
+    assert "starts 8 processes on this machine, one a GPU" in out and "cpu_fsdp.yaml" in out
+    assert not (tmp_path / "run").exists()
+    launch = {"num_processes": 16, "num_machines": 2}
+    assert "starts 8 processes" in gpus_problem(launch, where="x", gpus=4)
+    assert "lower --num_processes to 4" in gpus_problem(launch, where="x", gpus=4)
+    assert gpus_problem(launch, where="x", gpus=8) is None
+    assert gpus_problem({**launch, "use_cpu": True}, where="x", gpus=0) is None
+
+
+def test_llmtrain_launch_says_a_missing_model_once_before_any_process_starts(tiny_assets, tmp_path):
+    """Each process would fail to find it and torchrun would report them all; launch reads the config and the
+    tokenizer first."""
+    recipe = write_recipe(tiny_assets, tmp_path)
+    proc = cli("launch", "--config_file", str(REPO / "accelerate_configs" / "cpu_ddp.yaml"), str(recipe),
+               f"model.name_or_path={tmp_path / 'no-such-model'}", check=False)
+    out = " ".join((proc.stdout + proc.stderr).split())
+    assert proc.returncode == 2 and out.count("error:") == 1 and "ChildFailedError" not in out, out
+    assert f"'{tmp_path / 'no-such-model'}'" in out and "does not exist" in out
+    assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.parametrize("args, said", [([], "no recipe given"), (["--bogus", "recipes/tiny.yaml"],
+                                                                   "unrecognized arguments: --bogus")])
+def test_llmtrain_launch_without_a_recipe_or_with_an_unknown_flag_says_so_in_one_paragraph(args, said):
+    """Not accelerate's 130-line usage: the problem, and how llmtrain launch is called."""
+    proc = cli("launch", *args, check=False)
+    out = " ".join((proc.stdout + proc.stderr).split())
+    assert proc.returncode == 2 and said in out and "llmtrain launch takes accelerate launch's flags" in out, out
+    assert "usage:" not in out and len(out) < 600

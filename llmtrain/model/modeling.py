@@ -42,6 +42,16 @@ def _load_error(what: str, path: str, err: Exception) -> LLMTrainError:
     )
 
 
+def load_model_config(cfg: ModelConfig):
+    """The model's config.json (no weights), with load_model's refusal where it cannot be read."""
+    from transformers import AutoConfig
+
+    try:
+        return AutoConfig.from_pretrained(cfg.name_or_path, trust_remote_code=cfg.trust_remote_code)
+    except (OSError, ValueError) as e:
+        raise _load_error("model", cfg.name_or_path, e) from None
+
+
 def load_tokenizer(cfg: ModelConfig):
     from transformers import AutoTokenizer
 

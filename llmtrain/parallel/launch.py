@@ -107,6 +107,22 @@ def check_launch(launch: dict, *, where: str) -> None:
 # --------------------------------------------------------------------------- the launch, from its command line
 
 
+def gpus_problem(launch: dict, *, where: str, gpus: int) -> str | None:
+    """Why this machine cannot run the launch's processes one a GPU (None: it can, or the launch is a CPU one,
+    use_cpu). Accelerate would start them all the same, on the CPU: an 8-process 7B run then fails minutes later in
+    every process at once, or crawls."""
+    if launch.get("use_cpu"):
+        return None
+    per_node = int(launch.get("num_processes") or 1) // max(int(launch.get("num_machines") or 1), 1)
+    if gpus >= per_node:
+        return None
+    have = f"{gpus} GPU{'s' if gpus != 1 else ''}" if gpus else "no GPU (torch sees no CUDA device)"
+    return (f"{where} starts {per_node} process{'es' if per_node != 1 else ''} on this machine, one a GPU "
+            f"(use_cpu is not set), and this machine has {have}. Run it where there are {per_node} GPUs"
+            + (f", lower --num_processes to {gpus}" if gpus else "") + ", or rehearse on the CPU with a CPU config "
+            "(e.g. accelerate_configs/cpu_fsdp.yaml or cpu_ddp.yaml: use_cpu: true).")
+
+
 def read_launch_file(path, *, name: str) -> dict:
     """An accelerate launch config's YAML as a dict; `name` says it in the error (the option or file it came from)."""
     import yaml
