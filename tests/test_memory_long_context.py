@@ -9,7 +9,7 @@ from dataclasses import replace
 import pytest
 import torch
 from helpers import estimate_memory
-from test_memory_saved import R, TINY, batch_for, saved_bytes
+from test_memory_saved import TINY, R, batch_for, saved_bytes
 
 from llmtrain.memory import activations as act
 from llmtrain.memory.estimate import estimate, make_pass
@@ -173,3 +173,15 @@ def test_doctor_checks_the_offloads_host_ram_against_the_machine():
     assert check_host_offload(estimate(shape, spec.but(activation_offload=False)), host_memory=32 * GIB) == []
     ddp = estimate(shape, spec.but(strategy="ddp", num_gpus=8))  # 8 processes a node, each its own
     assert "496.0 GiB of pinned host RAM per node" in check_host_offload(ddp, host_memory=None)[0][2]
+
+
+def test_longest_context_past_the_models_positions_says_so():
+    """Mistral-7B (max_position_embeddings 32,768) QLoRA with checkpointing reaches ~79K tokens: memory allows it,
+    the model was not trained for it, and the answer says how to go there (model.rope_scaling); a length within the
+    positions (24 GiB) says nothing of it."""
+    args = ["--model", "mistral-7b", "--method", "lora", "--mixed-precision", "bf16", "--dtype", "bfloat16",
+            "--grad-checkpointing", "--longest-context"]
+    flat = " ".join(estimate_memory(*args).stdout.split())
+    assert "past the model's max_position_embeddings=32,768" in flat and "model.rope_scaling" in flat, flat
+    small = " ".join(estimate_memory(*args, "--gpu-memory", "24").stdout.split())
+    assert "longest context that fits one 24 GiB GPU" in small and "max_position_embeddings" not in small, small

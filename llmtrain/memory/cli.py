@@ -163,15 +163,25 @@ def estimate_memory(
         typer.echo(json.dumps(out, indent=1))
     else:
         if longest_context:
-            typer.echo(_longest_line(longest, spec))
+            typer.echo(_longest_line(longest, spec, positions=shape.max_positions,
+                                     scaled=recipe is not None and _rope_scaled(recipe, overrides)))
         _render(est, advice, traffic, launch_mp, result, global_batch=global_batch, target=target, beside=beside)
     found = result.best is not None if result is not None else longest is not None if longest_context else est.fits
     if not found:
         raise typer.Exit(DOES_NOT_FIT)
 
 
-def _longest_line(est, spec) -> str:
-    """--longest-context's answer, above the estimate at that length (`est`: the search's; None when nothing fit)."""
+def _rope_scaled(recipe: Path, overrides) -> bool:
+    """The recipe extends the model's context itself (model.rope_scaling)."""
+    from llmtrain.config import load_recipe
+
+    return load_recipe(recipe, overrides).model.rope_scaling is not None
+
+
+def _longest_line(est, spec, *, positions: int | None = None, scaled: bool = False) -> str:
+    """--longest-context's answer, above the estimate at that length (`est`: the search's; None when nothing fit).
+    `positions`: the model's max_position_embeddings, said where the answer is past it and the run does not scale
+    RoPE (`scaled`): memory allows that length, the model was not trained for it."""
     from llmtrain.memory.fit import LONGEST_STEP
 
     gpus = f"{spec.world} x {spec.gpu_memory_gib:g} GiB" if spec.world > 1 else f"one {spec.gpu_memory_gib:g} GiB GPU"
@@ -183,8 +193,13 @@ def _longest_line(est, spec) -> str:
             f"({host * spec.num_gpus / 2**30:,.1f} GiB per node)") if host else ""
     split = (f", split {spec.sequence_parallel} ways ({est.spec.gpu_tokens:,} tokens a GPU)"
              if spec.sequence_parallel > 1 else "")
-    return (f"longest context that fits {gpus}: {est.spec.micro_batch_tokens:,} tokens in one sequence{split} (within "
-            f"90% of the card, as --fit; in steps of {LONGEST_STEP:,}){more}. The estimate at that length:")
+    tokens = est.spec.micro_batch_tokens
+    past = (f" That is past the model's max_position_embeddings={positions:,}: memory allows it, but positions past "
+            f"{positions:,} were never trained; train that long with model.rope_scaling (e.g. {{rope_type: yarn, "
+            f"factor: {-(-tokens // positions)}}}, docs/long-context.md), or keep data.max_seq_len at {positions:,}."
+            if positions and tokens > positions and not scaled else "")
+    return (f"longest context that fits {gpus}: {tokens:,} tokens in one sequence{split} (within "
+            f"90% of the card, as --fit; in steps of {LONGEST_STEP:,}){more}.{past} The estimate at that length:")
 
 
 def _render(est, advice: str, traffic, launch_mp: str | None, result, *, global_batch: int | None, target,

@@ -81,6 +81,7 @@ class ModelShape:
     params_head: int  # 0 when the LM head is tied to the embeddings
     params_final_norm: int
     score_head: bool = False  # a reward model's one-output score head in place of the LM head (score_head_shape)
+    max_positions: int | None = None  # config.json's max_position_embeddings: the context it was trained at
 
     @property
     def head_outputs(self) -> int:
@@ -256,6 +257,7 @@ def _shape_from_json(config_json: str, source: str) -> ModelShape:
         sliding_window=getattr(config, "sliding_window", None), layer_linears=linears,
         params_per_layer=per_layer, params_embed=embed.numel(), params_head=0 if tied else head.numel(),
         params_final_norm=sum(p.numel() for p in model.model.norm.parameters()),
+        max_positions=getattr(config, "max_position_embeddings", None),
     )
     total = sum(p.numel() for p in model.parameters())
     uniform = all(sum(p.numel() for p in layer.parameters()) == per_layer for layer in layers)
