@@ -31,9 +31,11 @@ def is_offline() -> bool:
 
 
 def hub_ids(*names) -> list[str]:
-    """The names that are not local paths, so hub ids (model, tokenizer, dataset), in order, once each."""
+    """The names that are not local paths, so hub ids (model, tokenizer, dataset), in order, once each. A hub id has
+    one slash at most (owner/name): runs/tiny-sft/final is a local folder, even one not made yet."""
     return list(dict.fromkeys(n for n in names if isinstance(n, str) and n and not Path(n).exists()
-                              and not n.startswith((".", "/", "~")) and not n.lower().endswith(DATA_FILES)))
+                              and not n.startswith((".", "/", "~")) and n.count("/") <= 1
+                              and not n.lower().endswith(DATA_FILES)))
 
 
 def recipe_hub_ids(recipe) -> list[str]:

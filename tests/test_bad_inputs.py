@@ -214,3 +214,18 @@ def test_an_output_path_under_a_file_is_refused_before_any_work(runs, tmp_path):
         assert f"'{blocker}' is a file" in flat, (args, flat)
         assert "data:" not in flat and "model:" not in flat, (args, flat)
     assert blocker.read_text() == "x"
+
+
+def test_a_run_not_trained_yet_as_the_model_is_named_as_such_and_not_asked_of_the_hub(runs, tmp_path):
+    """A GRPO or distillation recipe starts from an SFT run's final/: before that run exists, the refusal names the
+    run to train first (not prepare-tiny, not a 'tokenizer directory'), and the path is never taken for a hub id."""
+    from llmtrain.hub import hub_ids
+
+    assert hub_ids("runs/tiny-sft/final", "mistralai/Mistral-7B-v0.3", "gpt2") == ["mistralai/Mistral-7B-v0.3", "gpt2"]
+    missing = tmp_path / "runs" / "tiny-sft" / "final"
+    result = CliRunner().invoke(app, ["finetune", str(runs["full"]), f"model.name_or_path={missing}",
+                                      f"output_dir={tmp_path / 'out'}"])
+    flat = " ".join(result.output.split())
+    assert result.exit_code == 2 and "Traceback" not in result.output, flat
+    assert f"the model folder '{missing}'" in flat and f"the run '{missing.parent}', which has not been trained" in flat
+    assert "prepare-tiny" not in flat and not (tmp_path / "out").exists()

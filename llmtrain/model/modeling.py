@@ -19,9 +19,16 @@ def _load_error(what: str, path: str, err: Exception) -> LLMTrainError:
 
     local = path.startswith((".", "/", "~")) or path.count("/") != 1  # a hub id is exactly "owner/name"
     if local and not Path(path).expanduser().exists():
-        hint = (" The tiny demo's assets are made by `llmtrain prepare-tiny` (it writes assets/tiny)."
-                if "tiny" in path else "")
-        return LLMTrainError(f"the {what} directory '{path}' (model.name_or_path / model.tokenizer) does not "
+        run = Path(path).parent if Path(path).name in ("final", "final-merged") else None
+        if run is not None:  # another run's output, e.g. the SFT run a GRPO or distillation recipe starts from
+            hint = (f" It is the {Path(path).name}/ of the run '{run}', which has not been trained here: train that "
+                    "run first (the recipe's header comment names the command; the tiny demos: `make demo-rl`, "
+                    "`make demo-distill`, ...), or point the key at another model.")
+        elif "tiny" in path:
+            hint = " The tiny demo's assets are made by `llmtrain prepare-tiny` (it writes assets/tiny)."
+        else:
+            hint = ""
+        return LLMTrainError(f"the model folder '{path}' (model.name_or_path / model.tokenizer) does not "
                              f"exist. Give the path of a local model folder, or a hub id such as "
                              f"mistralai/Mistral-7B-Instruct-v0.3.{hint}")
     from llmtrain.hub import is_offline
