@@ -141,6 +141,34 @@ def test_mistral_7b_full_without_fsdp_fails(tmp_path):
 
 
 
+def test_many_passes_over_a_small_data_set_are_warned_by_doctor_and_finetune(tiny_assets, tmp_path):
+    """6 rows, max_steps=30: 30 passes at 1 step an epoch, memorised; 10 passes or fewer and epochs asked for are
+    not warned (nor online RL's prompts, sampled anew each pass)."""
+    from helpers import run_train, write_recipe
+
+    from llmtrain.config import load_recipe
+    from llmtrain.data.checks import check_epochs
+    from llmtrain.doctor import run_doctor
+
+    data = tmp_path / "six.jsonl"
+    six = (tiny_assets / "data" / "train.jsonl").read_text().splitlines()[:6]
+    data.write_text("".join(line + "\n" for line in six))
+    recipe = write_recipe(tiny_assets, tmp_path, data={"path": str(data), "eval_split": None},
+                          train={"max_steps": 30, "warmup_steps": 1})
+    r = load_recipe(recipe)
+    (name, status, detail), = check_epochs(r, steps_per_epoch=1, examples=6)
+    assert (name, status) == ("epochs", "warn")
+    assert "train.max_steps=30 is 30 passes over the 6 train examples" in detail
+    assert check_epochs(r, steps_per_epoch=3, examples=48) == []  # 10 passes
+    assert check_epochs(load_recipe(recipe, ["train.max_steps=null", "train.epochs=30"]), steps_per_epoch=1,
+                        examples=6) == []
+    found = {n: (st, d) for n, st, d in run_doctor(r, gpu_memory=80)}
+    assert found["epochs"][0] == "warn"
+    run_train(recipe)  # 4 rows a micro-batch here
+    assert "warning (epochs): train.max_steps=30 is 15 passes over the 6 train examples (2 steps an epoch)" in \
+        " ".join((tmp_path / "run" / "train.log").read_text().split())
+
+
 def test_warmup_at_or_past_the_run_length_is_warned_by_doctor_and_finetune(tiny_assets, tmp_path):
     """max_steps=20 with warmup_steps: 20 (a recipe shortened for a smoke test) trains on the ramp alone."""
     from helpers import run_train, write_recipe

@@ -250,6 +250,26 @@ def check_warmup(warmup: int, total_steps: int) -> list[Check]:
     return [("schedule", "pass", f"{warmup} warm-up steps of {total_steps}")]
 
 
+MANY_EPOCHS = 10  # passes over the data past which a supervised run is warned it will memorise it
+
+
+def check_epochs(recipe: Recipe, *, steps_per_epoch: int, examples: int) -> list[Check]:
+    """train.max_steps far past the data (a handful of rows trained for hundreds of steps): the model memorises
+    them, silently; its final/ is the last step, not the best. Online RL samples new completions of the same prompts
+    every pass, so it is not warned."""
+    t = recipe.train
+    if not t.max_steps or recipe.rl is not None or steps_per_epoch <= 0:
+        return []
+    epochs = t.max_steps / steps_per_epoch
+    if epochs <= MANY_EPOCHS:
+        return []
+    steps = f"{steps_per_epoch:,} step{'s' if steps_per_epoch != 1 else ''}"
+    return [("epochs", "warn", f"train.max_steps={t.max_steps} is {epochs:,.0f} passes over the {examples:,} train "
+             f"examples ({steps} an epoch): the model sees each one {epochs:,.0f} times and will learn them by "
+             "heart (eval loss rises while train loss falls; final/ is the last step, not the best). Lower "
+             "train.max_steps, or add data.")]
+
+
 def total_steps(recipe: Recipe, lengths: list[int], *, world: int) -> int:
     """The run's optimizer steps: train.max_steps, else its epochs over the data plan (as finetune counts them)."""
     from llmtrain.data.batching import DataPlan
@@ -279,5 +299,17 @@ def load_data(recipe: Recipe, tokenizer, *, world: int = 1) -> list[Check]:
         except LLMTrainError:
             return [("data", "fail", str(first))]
     rows = check_data(recipe, stats, train, eval_ds, tokenizer)
-    return rows + (check_warmup(recipe.train.warmup_steps, total_steps(recipe, train["length"], world=world))
-                   if len(train) else [])
+    if not len(train):
+        return rows
+    from llmtrain.data.batching import DataPlan
+
+    t = recipe.train
+    rows += check_warmup(t.warmup_steps, total_steps(recipe, train["length"], world=world))
+    if t.max_steps:
+        try:
+            per_epoch = DataPlan(train["length"], seed=t.seed, world=world, micro_batch_size=t.micro_batch_size,
+                                 micro_batch_tokens=t.micro_batch_tokens).steps_per_epoch(0, t.grad_accum_steps)
+        except ValueError:  # a token budget below an example: check_data has said so
+            return rows
+        rows += check_epochs(recipe, steps_per_epoch=per_epoch, examples=len(train))
+    return rows

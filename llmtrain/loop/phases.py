@@ -23,7 +23,7 @@ import torch
 from llmtrain.config import Recipe, tiled_mlp_shard
 from llmtrain.data.batching import DataPlan
 from llmtrain.data.chat import read_template
-from llmtrain.data.checks import check_context, check_data, check_warmup
+from llmtrain.data.checks import check_context, check_data, check_epochs, check_warmup
 from llmtrain.data.prepare import prepare_datasets
 from llmtrain.errors import LLMTrainError
 from llmtrain.loop.determinism import deterministic_algorithms
@@ -180,7 +180,8 @@ def prepare_data(recipe: Recipe, accelerator, *, say) -> Data:
                     micro_batch_tokens=tc.micro_batch_tokens)
     per_epoch = [plan.steps_per_epoch(e, accum) for e in range(tc.epochs)]
     total_steps = tc.max_steps or sum(per_epoch)
-    for name, status, detail in check_warmup(tc.warmup_steps, total_steps):  # as `llmtrain doctor`
+    for name, status, detail in (check_warmup(tc.warmup_steps, total_steps)  # as `llmtrain doctor`
+                                 + check_epochs(recipe, steps_per_epoch=per_epoch[0], examples=s.examples)):
         if status == "warn":
             say(f"warning ({name}): {detail}")
     efficiency = plan.packing_efficiency()
