@@ -768,10 +768,17 @@ def _suggest(key: str) -> str:
     return f" (did you mean {close[0]}?)" if close else ""
 
 
-def _format_errors(err: ValidationError, source: str) -> str:
+def _format_errors(err: ValidationError, source: str, overrides: list[str] | None = None) -> str:
+    """One line a bad key; a key set on the command line says so (`train.lr=abc`), not only the file."""
+    given = {o.split("=", 1)[0].strip(): o for o in overrides or [] if "=" in o}
     lines = []
     for e in err.errors():
         key = ".".join(str(p) for p in e["loc"] if not str(p).startswith("function-after"))
+        if key in given:
+            lines.append(f"  - {key} (the override {given[key]}): " + (
+                f"unknown key{_suggest(key)}" if e["type"] == "extra_forbidden"
+                else e["msg"].removeprefix("Value error, ")))
+            continue
         if e["type"] == "extra_forbidden":
             lines.append(f"  - {key}: unknown key{_suggest(key)}")
         elif e["type"] == "missing":
@@ -787,6 +794,8 @@ def _format_errors(err: ValidationError, source: str) -> str:
 def load_recipe(path: str | Path, overrides: list[str] | None = None) -> Recipe:
     """Read a YAML recipe, apply dotted overrides and validate the result."""
     path = Path(path)
+    if path.is_dir():
+        raise RecipeError(f"Recipe '{path}' is a folder. Pass the path to a YAML recipe file, e.g. recipes/tiny.yaml.")
     if not path.is_file():
         raise RecipeError(f"Recipe file '{path}' does not exist. Pass the path to a YAML recipe, e.g. recipes/tiny.yaml.")
     try:
@@ -802,4 +811,4 @@ def load_recipe(path: str | Path, overrides: list[str] | None = None) -> Recipe:
     try:
         return Recipe.model_validate(data)
     except ValidationError as e:
-        raise RecipeError(_format_errors(e, f"'{path}'")) from None
+        raise RecipeError(_format_errors(e, f"'{path}'", overrides)) from None

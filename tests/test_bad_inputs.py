@@ -229,3 +229,26 @@ def test_a_run_not_trained_yet_as_the_model_is_named_as_such_and_not_asked_of_th
     assert result.exit_code == 2 and "Traceback" not in result.output, flat
     assert f"the model folder '{missing}'" in flat and f"the run '{missing.parent}', which has not been trained" in flat
     assert "prepare-tiny" not in flat and not (tmp_path / "out").exists()
+
+
+def test_small_refusals_name_what_the_user_gave(runs, tmp_path):
+    """A folder as the recipe; a bad value set by an override (said as the override, not only the file); a missing
+    eval file named by its own key; a row without its completion key; --num-gpus 0."""
+    from llmtrain.data.formats import row_problem
+
+    def refused(*args: str) -> str:
+        result = CliRunner().invoke(app, list(args))
+        assert result.exit_code == 2 and "Traceback" not in result.output, result.output
+        return " ".join(result.output.split())
+
+    assert f"Recipe '{tmp_path}' is a folder" in refused("finetune", str(tmp_path))
+    assert "train.lr (the override train.lr=abc): Input should be a valid number" in refused(
+        "finetune", str(runs["full"]), "train.lr=abc")
+    assert f"'{tmp_path / 'nope.jsonl'}' does not exist (data.eval_split)" in refused(
+        "finetune", str(runs["full"]), f"data.eval_split={tmp_path / 'nope.jsonl'}", f"output_dir={tmp_path / 'o'}")
+    from llmtrain.config import load_recipe
+
+    cfg = load_recipe(runs["full"]).data
+    assert row_problem({"prompt": "a"}, cfg) == "'completion' (completion) is missing (no such key, or null)"
+    assert row_problem({"prompt": "a", "completion": None}, cfg).endswith("is missing (no such key, or null)")
+    assert "--num-gpus" in refused("estimate-memory", "--model", "mistral-7b", "--num-gpus", "0")

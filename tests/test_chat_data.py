@@ -191,7 +191,7 @@ def test_messages_without_the_mapped_content_key_name_it(tiny_tok, tmp_path):
     ({"prompt": [user("hi")], "completion": [user("again")]},
      "'completion' (completion) has no assistant message, so nothing would be trained (roles ['user']; map yours to "
      "the template's with data.roles, e.g. {human: user, gpt: assistant})"),
-    ({"prompt": [user("hi")], "completion": None}, "'completion' (completion) is empty"),
+    ({"prompt": [user("hi")], "completion": None}, "'completion' (completion) is missing (no such key, or null)"),
     ({"prompt": [{"role": "user"}], "completion": "x"},
      "message 1 (user) of 'prompt' (prompt) has no 'content' (its text; map the key with data.fields.content)"),
     ({"prompt": "hi", "completion": {"role": "assistant", "content": "x"}},

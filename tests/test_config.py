@@ -49,7 +49,7 @@ def test_overrides_are_typed_and_validated(recipe_file):
                                   "lora.target_modules=[q_proj, v_proj]", "data.packing=true"])
     assert r.train.max_steps == 8 and r.train.lr == 1e-4 and r.output_dir == "/tmp/x"
     assert r.lora.r == 8 and r.lora.target_modules == ["q_proj", "v_proj"] and r.data.packing is True
-    with pytest.raises(RecipeError, match=r"train.max_steps: Input should be greater than 0"):
+    with pytest.raises(RecipeError, match=r"train.max_steps \(the override train.max_steps=0\): Input should be greater"):
         load_recipe(recipe_file, ["train.max_steps=0"])
 
 

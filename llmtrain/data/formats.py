@@ -156,7 +156,7 @@ def row_problem(example: dict, cfg: DataConfig) -> str | None:
         # an empty completion still trains its end of turn ("empty replies" warns); an empty RL prompt is nothing
         empty = value is None or value == "" and cfg.format == "prompt"
         if empty and field not in OPTIONAL_FIELDS.get(cfg.format, ()):
-            return f"{name} is empty"
+            return f"{name} is missing (no such key, or null)" if value is None else f"{name} is empty"
         if isinstance(value, list) and cfg.format in ("prompt_completion", "prompt"):  # TRL's conversational rows
             problem = _messages_problem(value, cfg, name) or (
                 _no_reply_problem(value, cfg, name) if field == "completion" else None)

@@ -220,7 +220,7 @@ def load_eval(cfg: DataConfig, raw, *, seed: int):
                                 "as 0.05, or a hub dataset / dataset folder as data.path.")
         evald = load_raw(cfg.path, name=cfg.name, split=split)
     else:
-        evald = load_raw(split)
+        evald = load_raw(split, key="data.eval_split")
     if cfg.eval_max_examples is not None and len(evald) > cfg.eval_max_examples:
         # The first N of a seeded shuffle: the same rows on every run and every process, and no bias from how
         # the file is sorted. Numbered first, so that a row is still named by its place in the file.

@@ -26,9 +26,9 @@ def is_split_name(value: Any) -> bool:
             and re.fullmatch(r"[\w.-]+(\[[^\]]*\])?", value) is not None)
 
 
-def load_raw(path: str | list[str], *, name: str | None = None, split: str = "train"):
+def load_raw(path: str | list[str], *, name: str | None = None, split: str = "train", key: str = "data.path"):
     """Load local files (jsonl, json, parquet, csv), a dataset folder (its files named by split, as on the hub)
-    or a hub dataset into a `datasets.Dataset`."""
+    or a hub dataset into a `datasets.Dataset`. `key`: the recipe key that names it, for the refusals."""
     import datasets
 
     paths = files(path)
@@ -36,7 +36,7 @@ def load_raw(path: str | list[str], *, name: str | None = None, split: str = "tr
     if is_local(paths) and not folder:
         for p in paths:
             if not Path(p).is_file():
-                raise LLMTrainError(f"data file '{p}' does not exist (data.path or data.eval_split). Check the path.")
+                raise LLMTrainError(f"data file '{p}' does not exist ({key}). Check the path.")
         kinds = {_LOADERS.get(Path(p).suffix) for p in paths}
         if None in kinds or len(kinds) != 1:
             raise LLMTrainError(

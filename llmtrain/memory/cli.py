@@ -37,13 +37,14 @@ def estimate_memory(
     model: Annotated[Optional[str], typer.Option(
         "--model", help="Estimate from a model's config.json alone: a directory, a config.json, a preset "
         "(llama-2-7b, llama-3-8b, mistral-7b) or a hub id.")] = None,
-    method: Annotated[Optional[Literal["full", "lora"]], typer.Option(help="Full fine-tune or LoRA.")] = None,
+    method: Annotated[Optional[Literal["full", "lora"]], typer.Option(
+        help="Full fine-tune or LoRA (QLoRA: --method lora --quantize nf4).")] = None,
     lora_r: Annotated[Optional[int], typer.Option(help="LoRA rank (all linear layers but the LM head).")] = None,
     strategy: Annotated[Optional[Literal["single", "ddp", "fsdp", "hsdp"]], typer.Option(
         help="single GPU, DDP (whole model per GPU), FSDP (sharded over every GPU) or HSDP (sharded over a "
         "node's GPUs, replicated across nodes).")] = None,
-    num_gpus: Annotated[Optional[int], typer.Option(help="GPUs per node.")] = None,
-    num_nodes: Annotated[Optional[int], typer.Option(help="Nodes.")] = None,
+    num_gpus: Annotated[Optional[int], typer.Option(min=1, help="GPUs per node.")] = None,
+    num_nodes: Annotated[Optional[int], typer.Option(min=1, help="Nodes.")] = None,
     micro_batch: Annotated[Optional[int], typer.Option(help="Examples per forward pass on each GPU.")] = None,
     micro_batch_tokens: Annotated[Optional[int], typer.Option(
         help="Token budget of a micro-batch (train.micro_batch_tokens): whole examples packed into one row of at "
