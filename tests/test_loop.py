@@ -143,3 +143,19 @@ def test_causal_lm_counts_trained_and_real_tokens_and_nothing_for_an_idle_rank()
     assert batch["loss_targets"].tolist() == [3, 4, 6]
     assert objective.collate([])[1] == Counts(0, 0, 0, 0)
     assert counts.plus(counts) == Counts(6, 6, 12, 40)
+
+
+@pytest.mark.parametrize("method", ["full", "lora", "qlora"])
+def test_the_summary_says_where_the_logs_are_and_how_a_lora_adapter_becomes_a_model(method, tmp_path):
+    from rich.console import Console
+
+    from llmtrain.run.console import summary_table
+
+    summary = {"steps": 3, "tokens_seen": 100, "train_time_s": 2.0, "process_time_s": 2.0,
+               "tokens_per_s_per_gpu": 50.0, "wall_tokens_per_s_per_gpu": 40.0, "final_loss": 1.0,
+               "method": method, "final": str(tmp_path / "final")}
+    console = Console(record=True, width=300)
+    console.print(summary_table(summary, out=tmp_path, evals=[]))
+    text = " ".join(console.export_text().split())
+    assert f"{tmp_path}/metrics.jsonl" in text and f"`llmtrain plot {tmp_path}`" in text
+    assert (f"`llmtrain export {tmp_path} --merge`" in text) == (method != "full")

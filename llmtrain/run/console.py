@@ -140,7 +140,11 @@ def summary_table(summary: dict, *, out: Path, evals: list[dict], unit: str = "g
         table.add_row("peak GPU memory", f"{summary['max_memory_allocated'] / 2**30:.2f} GiB allocated, "
                                          f"{summary['max_memory_reserved'] / 2**30:.2f} GiB reserved")
     if summary.get("final"):
-        table.add_row("final model", summary["final"])
+        adapter = summary.get("method") in ("lora", "qlora")
+        table.add_row("final model", summary["final"] + (
+            f" (the LoRA adapter: `llmtrain export {out} --merge` writes a whole model)" if adapter else ""))
+    table.add_row("logged", f"{out}/metrics.jsonl (every step and eval) and train.log; `llmtrain plot {out}` "
+                            "draws the curves (several runs: overlaid)")
     return table
 
 
