@@ -160,6 +160,21 @@ def test_loss_axis_turns_logarithmic_for_a_wide_range(tmp_path):
     assert fig.axes[0].get_yscale() == "log" and fig.axes[1].get_yscale() == "log"
 
 
+def test_a_loss_at_or_below_zero_keeps_the_axis_linear_so_every_run_is_drawn(tmp_path):
+    """An online-RL run's loss (often negative) overlaid on a supervised run's wide range: on a log axis the RL run's
+    lines would be in the legend and nowhere on the plot."""
+    sft, rl = tmp_path / "sft", tmp_path / "rl"
+    for run, losses in ((sft, [10.0 / s ** 2 for s in range(1, 21)]), (rl, [0.05 - 0.01 * s for s in range(1, 21)])):
+        run.mkdir()
+        run.joinpath("metrics.jsonl").write_text("".join(json.dumps({"type": "train", "step": s, "loss": v, "lr": 1e-3,
+                                                                    "tokens_seen": 10 * s}) + "\n"
+                                                         for s, v in enumerate(losses, start=1)))
+    fig = plot_runs([sft, rl], tmp_path / "both.png")
+    assert fig.axes[0].get_yscale() == "linear"
+    low, _ = fig.axes[0].get_ylim()
+    assert low < -0.1  # the RL run's last losses are on the plot
+
+
 def test_a_short_run_draws_its_raw_loss_without_an_ema_0_line(tmp_path):
     """20 points or fewer are not smoothed: no "train loss (EMA 0)" copy of the raw curve; the raw one is solid."""
     run = tmp_path / "short"

@@ -170,8 +170,9 @@ def plot_runs(runs: list[Path], out: Path, *, smoothing: float | None = None):
         lr_s.plot(c.step, _nan(c.lr), color=colour, label=c.name)
         lr_t.plot(_nan(c.tokens), _nan(c.lr), color=colour, label=c.name)
 
-    values = [v for c in curves for v in (*c.loss, *c.eval_loss) if v is not None and v > 0]
-    if values and max(values) / min(values) > LOG_SCALE_RATIO:
+    values = [v for c in curves for v in (*c.loss, *c.eval_loss) if v is not None and not math.isnan(v)]
+    # a loss at or below 0 (an online-RL run's, beside supervised ones) has no place on a log axis: linear then
+    if values and min(values) > 0 and max(values) / min(values) > LOG_SCALE_RATIO:
         loss_s.set_yscale("log")
     loss_s.set_ylabel("loss (log scale)" if loss_s.get_yscale() == "log" else "loss")
     lr_s.set_ylabel("learning rate")
