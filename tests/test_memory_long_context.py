@@ -185,3 +185,12 @@ def test_longest_context_past_the_models_positions_says_so():
     assert "past the model's max_position_embeddings=32,768" in flat and "model.rope_scaling" in flat, flat
     small = " ".join(estimate_memory(*args, "--gpu-memory", "24").stdout.split())
     assert "longest context that fits one 24 GiB GPU" in small and "max_position_embeddings" not in small, small
+
+
+def test_a_bare_model_estimate_says_it_assumed_fp32_without_autocast():
+    """--model with no dtype or precision is a recipe's defaults (fp32, no autocast): said, with the options of a
+    bf16 run, so that 119 GiB for Mistral-7B is not read as what a full fine-tune needs; not said when one is given."""
+    bare = " ".join(estimate_memory("--model", "mistral-7b", check=False).stdout.split())
+    assert "float32 weights and no autocast, a recipe's defaults" in bare and "--mixed-precision bf16" in bare
+    given = " ".join(estimate_memory("--model", "mistral-7b", "--mixed-precision", "bf16", check=False).stdout.split())
+    assert "float32 weights and no autocast" not in given

@@ -276,6 +276,10 @@ def _from_model(model: str, overrides, run: dict, launch: dict):
         run = {**run, "dtype": LORA_BASE_DTYPE}
         assumed = (f"LoRA base weights in {LORA_BASE_DTYPE}, as the shipped LoRA recipes keep them "
                    "(--dtype float32 for an fp32 base)",)
+    elif "dtype" not in run and "mixed_precision" not in run and run.get("method") != "lora":
+        assumed = ("float32 weights and no autocast, a recipe's defaults: a full fine-tune as the shipped 7B recipes "
+                   "run it is --mixed-precision bf16 (fp32 master weights, bf16 compute); --dtype bfloat16 "
+                   "stores the weights in bf16 too",)
     return shape, TrainSpec(**run, **launch), None, None, assumed
 
 
