@@ -28,7 +28,8 @@ app = typer.Typer(
 # exits, so that the one that prints exits first: longer than printing and exiting take.
 QUIET_EXIT_DELAY_S = 3.0
 
-Overrides = Annotated[Optional[list[str]], typer.Argument(help="Dotted recipe overrides, e.g. train.max_steps=8.")]
+Overrides = Annotated[Optional[list[str]], typer.Argument(metavar="KEY=VALUE",
+                                                         help="Dotted recipe overrides, e.g. train.max_steps=8.")]
 
 
 @app.callback()
@@ -86,10 +87,10 @@ def ask_hub_first(recipe) -> None:
         typer.echo(line, err=True)
 
 
-@app.command()
+@app.command(short_help="Train as a recipe says (one process, or under accelerate launch).")
 @user_errors
 def finetune(
-    recipe: Annotated[Path, typer.Argument(help="YAML recipe.")],
+    recipe: Annotated[Path, typer.Argument(metavar="RECIPE.yaml", help="YAML recipe.")],
     overrides: Overrides = None,
     resume: Annotated[
         Optional[str], typer.Option(help="'auto' for the latest complete checkpoint in output_dir, or a path.")
@@ -109,7 +110,8 @@ def finetune(
     train(checked, resume=resume, overwrite=overwrite, allow_recipe_change=allow_recipe_change)
 
 
-@app.command(context_settings={"allow_extra_args": True, "ignore_unknown_options": True})
+@app.command(short_help="Check a recipe and its launch config, then accelerate launch it.",
+             context_settings={"allow_extra_args": True, "ignore_unknown_options": True})
 @user_errors
 def launch(ctx: typer.Context) -> None:
     """Check a recipe and its launch before any process starts, then run it under `accelerate launch`: `llmtrain
@@ -120,10 +122,10 @@ def launch(ctx: typer.Context) -> None:
     run(list(ctx.args))
 
 
-@app.command("inspect-data")
+@app.command("inspect-data", short_help="Formatted examples with the trained tokens, and data statistics.")
 @user_errors
 def inspect_data(
-    recipe: Annotated[Path, typer.Argument(help="YAML recipe.")],
+    recipe: Annotated[Path, typer.Argument(metavar="RECIPE.yaml", help="YAML recipe.")],
     overrides: Overrides = None,
     n: Annotated[int, typer.Option("--n", help="How many formatted examples to show.")] = 3,
     as_json: Annotated[bool, typer.Option("--json", help="One JSON object per example: input_ids and labels.")] = False,
@@ -137,10 +139,10 @@ def inspect_data(
     run(checked, n=n, as_json=as_json)
 
 
-@app.command()
+@app.command(short_help="Merge a LoRA run's adapter into its base: a whole model.")
 @user_errors
 def export(
-    run_dir: Annotated[Path, typer.Argument(help="A finished run's output_dir.")],
+    run_dir: Annotated[Path, typer.Argument(metavar="RUN_DIR", help="A finished run's output_dir.")],
     merge: Annotated[bool, typer.Option("--merge", help="Merge a LoRA adapter into its base and write a full model.")
                      ] = False,
     out: Annotated[Optional[Path], typer.Option(help="Where to write (default <run_dir>/final-merged).")] = None,
@@ -154,10 +156,11 @@ def export(
     typer.echo(str(path))
 
 
-@app.command("prepare-tiny")
+@app.command("prepare-tiny", short_help="Write the tiny model and task the demo recipes train.")
 @user_errors
 def prepare_tiny(
-    out: Annotated[Path, typer.Argument(help="Folder for the tiny model, tokenizer and data.")] = Path("assets/tiny"),
+    out: Annotated[Path, typer.Argument(metavar="DIR",
+                                          help="Folder for the tiny model, tokenizer and data.")] = Path("assets/tiny"),
 ) -> None:
     """Create the tiny random-init Llama, its tokenizer and the synthetic task data used by recipes/tiny.yaml."""
     from llmtrain.tiny import prepare_tiny as run
@@ -168,13 +171,14 @@ def prepare_tiny(
 
 from llmtrain.memory.cli import estimate_memory  # noqa: E402  (typer options only; no torch at import)
 
-app.command("estimate-memory")(user_errors(estimate_memory))
+app.command("estimate-memory", short_help="Per-GPU peak memory before renting a GPU; what fits (--fit).")(
+    user_errors(estimate_memory))
 
 
-@app.command()
+@app.command(short_help="Pass/warn/fail preflight: tokenizer, data, masks, memory, launch.")
 @user_errors
 def doctor(
-    recipe: Annotated[Path, typer.Argument(help="YAML recipe.")],
+    recipe: Annotated[Path, typer.Argument(metavar="RECIPE.yaml", help="YAML recipe.")],
     overrides: Overrides = None,
     accelerate_config: Annotated[Optional[Path], typer.Option(
         help="The accelerate launch config the run will use (mixed precision, FSDP, processes, machines).")] = None,
@@ -191,10 +195,11 @@ def doctor(
     raise typer.Exit(code)
 
 
-@app.command()
+@app.command(short_help="Loss, eval and lr curves of one run, or several overlaid.")
 @user_errors
 def plot(
-    runs: Annotated[list[Path], typer.Argument(help="One or several run folders (the output_dir of finetune).")],
+    runs: Annotated[list[Path], typer.Argument(
+        metavar="RUN", help="One or several run folders (the output_dir of finetune).")],
     out: Annotated[Optional[Path], typer.Option(
         help="Image to write (default RUN/loss.png for one run, ./loss-compare.png for several).")] = None,
 ) -> None:
