@@ -45,8 +45,10 @@ def check_model_files(recipe) -> None:
     load_tokenizer(recipe.model)
 
 
-def accelerate_command(argv: list[str]) -> list[str]:
-    """The `accelerate launch` command line for `llmtrain launch ARGV`, once its checks pass (LLMTrainError if not)."""
+def accelerate_command(argv: list[str], *, machine: bool = True) -> list[str]:
+    """The `accelerate launch` command line for `llmtrain launch ARGV`, once its checks pass (LLMTrainError if not).
+    machine=False leaves out what depends on this machine (its GPUs, the model files in its cache): the command
+    alone, as a page shows it."""
     import torch
     from accelerate.commands.launch import launch_command_parser
 
@@ -73,9 +75,10 @@ def accelerate_command(argv: list[str]) -> list[str]:
     recipe = load_recipe(Path(recipe_path), overrides)
     launch, where = launch_settings(argv)
     check_launch(launch, where=where)
-    if problem := gpus_problem(launch, where=where, gpus=torch.cuda.device_count()):
+    if machine and (problem := gpus_problem(launch, where=where, gpus=torch.cuda.device_count())):
         raise LLMTrainError(problem)
-    check_model_files(recipe)
+    if machine:
+        check_model_files(recipe)
     failed = [detail for _, status, detail in check_mesh_launch(launch) + check_tensor_parallel_launch(recipe, launch)
               if status == "fail"]
     if failed:

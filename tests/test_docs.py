@@ -80,7 +80,7 @@ def check_command(command: str) -> None:
     if words[:2] == ["llmtrain", "launch"]:  # its own checks: the launch config, the recipe, the overrides
         from llmtrain.launcher import accelerate_command
 
-        launch = accelerate_command(words[2:])
+        launch = accelerate_command(words[2:], machine=False)  # not this CPU machine's GPUs and cache
         assert launch[launch.index("--config_file") + 1] and (REPO / launch[launch.index("--config_file") + 1]
                                                                  ).is_file(), f"no launch config in {command}"
         return
