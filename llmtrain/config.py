@@ -774,20 +774,16 @@ def _format_errors(err: ValidationError, source: str, overrides: list[str] | Non
     lines = []
     for e in err.errors():
         key = ".".join(str(p) for p in e["loc"] if not str(p).startswith("function-after"))
-        if key in given:
-            lines.append(f"  - {key} (the override {given[key]}): " + (
-                f"unknown key{_suggest(key)}" if e["type"] == "extra_forbidden"
-                else e["msg"].removeprefix("Value error, ")))
-            continue
+        label = f"{key} (the override {given[key]})" if key in given else key  # the override shows the value
         if e["type"] == "extra_forbidden":
-            lines.append(f"  - {key}: unknown key{_suggest(key)}")
+            lines.append(f"  - {label}: unknown key{_suggest(key)}")
         elif e["type"] == "missing":
-            lines.append(f"  - {key}: required key is missing")
+            lines.append(f"  - {label}: required key is missing")
         else:
             got = e.get("input")
-            got_text = f" (got {got!r})" if not isinstance(got, dict) else ""
+            got_text = f" (got {got!r})" if not isinstance(got, dict) and key not in given else ""
             # a check of the whole recipe (several sections) has no key of its own: its message names the keys
-            lines.append(f"  - {key + ': ' if key else ''}{e['msg'].removeprefix('Value error, ')}{got_text}")
+            lines.append(f"  - {label + ': ' if key else ''}{e['msg'].removeprefix('Value error, ')}{got_text}")
     return f"Invalid recipe {source}:\n" + "\n".join(lines) + "\nFix these keys in the YAML or the key=value overrides."
 
 

@@ -75,14 +75,14 @@ def accelerate_command(argv: list[str], *, machine: bool = True) -> list[str]:
     recipe = load_recipe(Path(recipe_path), overrides)
     launch, where = launch_settings(argv)
     check_launch(launch, where=where)
-    if machine and (problem := gpus_problem(launch, where=where, gpus=torch.cuda.device_count())):
-        raise LLMTrainError(problem)
-    if machine:
-        check_model_files(recipe)
     failed = [detail for _, status, detail in check_mesh_launch(launch) + check_tensor_parallel_launch(recipe, launch)
               if status == "fail"]
     if failed:
         raise LLMTrainError(" ".join(failed))
+    if machine:  # after the checks of the command alone: these ask torch for GPUs and read the model's files
+        if problem := gpus_problem(launch, where=where, gpus=torch.cuda.device_count()):
+            raise LLMTrainError(problem)
+        check_model_files(recipe)
     flags = argv[:len(argv) - len(rest) - 1]  # accelerate's own flags, as given
     return [sys.executable, "-m", "accelerate.commands.launch", *flags, "-m", "llmtrain", "finetune", recipe_path,
             *rest]

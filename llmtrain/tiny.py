@@ -215,9 +215,7 @@ def write_pairs(out: Path, *, seed: int) -> None:
 def prepare_tiny(out: Path, *, seed: int = 0) -> None:
     """Write the tiny model + tokenizer to `out/model` and the task data to `out/data`."""
     out = Path(out)
-    if out.exists() and not out.is_dir():
-        raise LLMTrainError(f"'{out}' is a file; prepare-tiny writes a folder (model/ and data/ in it). Give a folder.")
-    if problem := cannot_create(out / "model", "prepare-tiny's folder"):
+    if problem := cannot_create(out / "model", "prepare-tiny's folder"):  # also where `out` itself is a file
         raise LLMTrainError(problem)
     tokenizer = build_tokenizer()
     model = build_model(tokenizer, seed=seed)

@@ -272,14 +272,20 @@ def check_epochs(recipe: Recipe, *, steps_per_epoch: int, examples: int) -> list
 
 def total_steps(recipe: Recipe, lengths: list[int], *, world: int) -> int:
     """The run's optimizer steps: train.max_steps, else its epochs over the data plan (as finetune counts them)."""
-    from llmtrain.data.batching import DataPlan
-
     t = recipe.train
     if t.max_steps:
         return t.max_steps
-    plan = DataPlan(lengths, seed=t.seed, world=world, micro_batch_size=t.micro_batch_size,
-                    micro_batch_tokens=t.micro_batch_tokens)
+    plan = data_plan(recipe, lengths, world=world)
     return sum(plan.steps_per_epoch(e, t.grad_accum_steps) for e in range(t.epochs))
+
+
+def data_plan(recipe: Recipe, lengths: list[int], *, world: int):
+    """The run's batching.DataPlan over examples of these lengths, as finetune builds it."""
+    from llmtrain.data.batching import DataPlan
+
+    t = recipe.train
+    return DataPlan(lengths, seed=t.seed, world=world, micro_batch_size=t.micro_batch_size,
+                    micro_batch_tokens=t.micro_batch_tokens)
 
 
 def load_data(recipe: Recipe, tokenizer, *, world: int = 1) -> list[Check]:
@@ -301,14 +307,11 @@ def load_data(recipe: Recipe, tokenizer, *, world: int = 1) -> list[Check]:
     rows = check_data(recipe, stats, train, eval_ds, tokenizer)
     if not len(train):
         return rows
-    from llmtrain.data.batching import DataPlan
-
     t = recipe.train
     rows += check_warmup(t.warmup_steps, total_steps(recipe, train["length"], world=world))
     if t.max_steps:
         try:
-            per_epoch = DataPlan(train["length"], seed=t.seed, world=world, micro_batch_size=t.micro_batch_size,
-                                 micro_batch_tokens=t.micro_batch_tokens).steps_per_epoch(0, t.grad_accum_steps)
+            per_epoch = data_plan(recipe, train["length"], world=world).steps_per_epoch(0, t.grad_accum_steps)
         except ValueError:  # a token budget below an example: check_data has said so
             return rows
         rows += check_epochs(recipe, steps_per_epoch=per_epoch, examples=len(train))

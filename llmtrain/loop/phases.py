@@ -23,7 +23,7 @@ import torch
 from llmtrain.config import Recipe, tiled_mlp_shard
 from llmtrain.data.batching import DataPlan
 from llmtrain.data.chat import read_template
-from llmtrain.data.checks import check_context, check_data, check_epochs, check_warmup
+from llmtrain.data.checks import check_context, check_data, check_epochs, check_warmup, data_plan
 from llmtrain.data.prepare import prepare_datasets
 from llmtrain.errors import LLMTrainError
 from llmtrain.loop.determinism import deterministic_algorithms
@@ -176,8 +176,7 @@ def prepare_data(recipe: Recipe, accelerator, *, say) -> Data:
         say(f"distillation: teacher {d.teacher}, beta={d.beta:g} (0 forward KL, 1 reverse KL), temperature="
             f"{d.temperature:g}; the student samples the completions of {d.lmbda:.0%} of the steps (distill.lmbda), "
             "the others train on the data's")
-    plan = DataPlan(train_ds["length"], seed=tc.seed, world=world, micro_batch_size=tc.micro_batch_size,
-                    micro_batch_tokens=tc.micro_batch_tokens)
+    plan = data_plan(recipe, train_ds["length"], world=world)
     per_epoch = [plan.steps_per_epoch(e, accum) for e in range(tc.epochs)]
     total_steps = tc.max_steps or sum(per_epoch)
     for name, status, detail in (check_warmup(tc.warmup_steps, total_steps)  # as `llmtrain doctor`
