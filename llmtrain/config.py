@@ -318,10 +318,19 @@ class ParallelConfig(Section):
             raise ValueError(f"parallel.pipeline_chunks={self.pipeline_chunks} gives each process several stages, "
                              "which only interleaved_1f1b schedules; set parallel.pipeline_schedule=interleaved_1f1b "
                              "or unset pipeline_chunks")
-        if self.pipeline_parallel > 1 and self.sequence_parallel > 1:
-            raise ValueError("parallel.pipeline_parallel and parallel.sequence_parallel do not compose yet: choose "
-                             "one (sequence parallelism for long rows, pipeline stages for a model split over nodes)")
+        unused = [k for k, off in (("pipeline_schedule", "1f1b"), ("pipeline_chunks", None)) if getattr(self, k) != off]
+        if self.pipeline_parallel == 1 and unused:
+            raise ValueError(f"parallel.{unused[0]} is read by pipeline stages, and parallel.pipeline_parallel is 1 "
+                             "(no stages): set parallel.pipeline_parallel to the stages (e.g. 2), or remove "
+                             f"{' and '.join('parallel.' + k for k in unused)}")
         return self
+
+    @field_validator("sequence_parallel", "pipeline_parallel", "pipeline_chunks", mode="before")
+    @classmethod
+    def _a_count(cls, v: Any) -> Any:
+        if isinstance(v, bool):  # YAML's true is not a number of processes (pydantic would read it as 1)
+            raise ValueError(f"is a number of processes (or stages), not {str(v).lower()}: e.g. 2")
+        return v
 
 
 class CheckpointConfig(Section):
@@ -609,121 +618,13 @@ class Recipe(Section):
         return self
 
     @model_validator(mode="after")
-    def _check_distill(self) -> Recipe:  # before the other sections' checks: a distill recipe hears its own
-        if self.distill is None:
-            return self
-        if self.data.format not in ("prompt_completion", "messages", "alpaca"):
-            raise ValueError(f"distill: needs rows with a prompt and a completion (data.format prompt_completion, "
-                             f"messages or alpaca): the prompt is what the student completes, and the data's "
-                             f"completion is what it trains on at off-policy steps; data.format={self.data.format} "
-                             "has none. Convert the rows, or set data.format")
-        if self.preference is not None or self.kto is not None or self.rl is not None:
-            raise ValueError("distill: is a training objective of its own; remove the preference:, kto: or rl: section")
-        if self.data.train_on_prompt:
-            raise ValueError("distill: matches the teacher on completion tokens only; unset data.train_on_prompt")
-        if self.train.micro_batch_tokens is not None:
-            raise ValueError("distill: a micro-batch is train.micro_batch_size prompts, whose completions the "
-                             "student samples; unset train.micro_batch_tokens")
-        if self.parallel.sequence_parallel > 1:
-            raise ValueError("distill: builds its sequences after sampling, which a sequence group cannot split "
-                             "(TRL refuses it too); set parallel.sequence_parallel=1")
-        return self
+    def _check_modes(self) -> Recipe:
+        """The training mode against the data, the batch and the recipe's own layout (sequence and pipeline degrees):
+        the capability table's (capabilities.py), every problem at once, one line each."""
+        from llmtrain.capabilities import recipe_problems
 
-    @model_validator(mode="after")
-    def _check_preference(self) -> Recipe:
-        if (self.preference is None and self.reward_model is None) != (self.data.format != "preference"):
-            raise ValueError("data.format: preference and the preference: section go together: pairs train with a "
-                             "preference loss (add preference: {loss: dpo}), and a preference loss needs pairs (a "
-                             "reward model also trains on pairs: reward_model: {})")
-        if self.preference is not None and self.preference.reference == "adapter" and self.lora is None:
-            raise ValueError("preference.reference: adapter disables the LoRA adapter, and this recipe has no lora: "
-                             "section; use precomputed (or auto) for a full fine-tune")
-        return self
-
-    @model_validator(mode="after")
-    def _check_reward_model(self) -> Recipe:
-        if self.reward_model is None:
-            return self
-        if self.preference is not None:
-            raise ValueError("reward_model: trains a scoring head on the pairs and preference: a policy on them; one "
-                             "run does one of the two. Remove one section")
-        if self.train.eval_samples:
-            raise ValueError("reward_model: the model scores sequences and has no LM head to generate eval samples "
-                             "with; set train.eval_samples=0")
-        return self
-
-    @model_validator(mode="after")
-    def _check_kto(self) -> Recipe:
-        if (self.kto is None) != (self.data.format != "unpaired"):
-            raise ValueError("data.format: unpaired and the kto: section go together: completions labelled desirable "
-                             "or not train with KTO (add kto: {beta: 0.1}), and kto: needs such rows")
-        if self.kto is None:
-            return self
-        if self.data.train_on_prompt:
-            raise ValueError("kto: compares the log-probabilities of the completions only; unset data.train_on_prompt")
-        if self.train.micro_batch_tokens is not None:
-            raise ValueError("kto: a micro-batch is train.micro_batch_size examples, each with its KL sequence "
-                             "(its prompt and the previous example's completion); unset train.micro_batch_tokens")
-        if self.kto.loss_type == "kto" and self.train.micro_batch_size < 2:
-            raise ValueError("kto.loss_type: kto estimates the KL term from mismatched pairs within a micro-batch, "
-                             "so it needs train.micro_batch_size of at least 2 (with 1, the KL term would be the "
-                             "implied reward itself, as TRL says)")
-        return self
-
-    @model_validator(mode="after")
-    def _check_pipeline(self) -> Recipe:
-        p = self.parallel.pipeline_parallel
-        if p == 1:
-            return self
-        key = f"parallel.pipeline_parallel={p}"
-        mode = ("rl:" if self.rl is not None else "preference:" if self.preference is not None else "kto:"
-                if self.kto is not None else None)
-        if mode is not None:
-            raise ValueError(f"{key} trains supervised fine-tuning (causal-LM cross-entropy) for now; {mode} runs its "
-                             "own passes per micro-batch. Set parallel.pipeline_parallel=1 and use FSDP or DDP")
-        if self.train.micro_batch_tokens is None:
-            raise ValueError(f"{key} sends each micro-batch's hidden states between stages in buffers of one fixed "
-                             "shape: every micro-batch is one packed row of train.micro_batch_tokens slots (padded "
-                             "to it). Set train.micro_batch_tokens (e.g. 4096) instead of train.micro_batch_size")
-        m, schedule = self.train.grad_accum_steps, self.parallel.pipeline_schedule
-        if schedule != "gpipe" and m < p:
-            raise ValueError(f"{key} with pipeline_schedule={schedule}: torch's schedule needs at least as many "
-                             f"micro-batches a step as stages, and train.grad_accum_steps={m}. Set "
-                             f"train.grad_accum_steps to {p} or more (more shrink the bubble), or use gpipe")
-        if schedule == "interleaved_1f1b" and m % max(1, m // p):
-            raise ValueError(f"{key} with interleaved_1f1b runs {max(1, m // p)} rounds of micro-batches, which "
-                             f"train.grad_accum_steps={m} does not divide into: set it to a multiple of {p}")
-        if self.data.eval_split is not None and self.train.eval_batch_size is not None:
-            raise ValueError(f"{key} evaluates through the stages in rows of train.micro_batch_tokens slots, as it "
-                             "trains (one fixed shape): unset train.eval_batch_size")
-        if self.train.eval_samples:
-            raise ValueError(f"{key} holds each stage on its own processes, and generating samples needs the whole "
-                             "model on one: set train.eval_samples=0, and sample from final/ after the run")
-        if self.train.mixed_precision == "fp16":
-            raise ValueError(f"{key} runs in fp32 or bf16; fp16's loss scaling is not built for pipeline stages. "
-                             "Set train.mixed_precision=bf16")
-        return self
-
-    @model_validator(mode="after")
-    def _check_rl(self) -> Recipe:
-        if (self.rl is None) != (self.data.format != "prompt"):
-            raise ValueError("data.format: prompt and the rl: section go together: prompts alone train with rewards "
-                             "(add rl: {rewards: [{type: answer_match}]}), and rl: needs prompts")
-        if self.rl is not None and self.rl.beta > 0 and self.lora is None:
-            default = " (rl.algorithm: rloo's default, TRL's)" if self.rl.algorithm == "rloo" else ""
-            raise ValueError(f"rl.beta={self.rl.beta}{default} needs the starting model as a reference; a LoRA run "
-                             "has it for free (the adapter disabled), a full fine-tune would need a second, frozen "
-                             "copy of the weights, which llmtrain does not build. Set rl.beta=0 (no KL penalty), or "
-                             "add a lora: section")
-        if self.rl is not None and self.train.micro_batch_tokens is not None:
-            raise ValueError("rl: a micro-batch is train.micro_batch_size prompts, each with rl.num_generations "
-                             "completions packed padding-free into one row; unset train.micro_batch_tokens (a token "
-                             "budget for the update's passes is rl.micro_batch_tokens)")
-        budget = self.rl.micro_batch_tokens if self.rl is not None else None
-        if budget is not None and budget < self.data.max_seq_len:
-            raise ValueError(f"rl.micro_batch_tokens={budget} is below data.max_seq_len={self.data.max_seq_len}: "
-                             "a prompt and its completion are never split over two passes, so the budget must hold "
-                             f"the longest. Set rl.micro_batch_tokens to at least {self.data.max_seq_len}")
+        if found := recipe_problems(self):
+            raise ValueError("\n  - ".join(p.rstrip(".") for p in found))
         return self
 
     def to_yaml(self) -> str:

@@ -43,7 +43,7 @@ def check_precision(recipe: Recipe, launch: dict) -> list[Check]:
 
 def launch_tp(launch: dict) -> int:
     """Tensor-parallel processes per group of the launch config's parallelism_config (1 without one)."""
-    from llmtrain.memory.launch import mesh_sizes
+    from llmtrain.layout import mesh_sizes
 
     return (mesh_sizes(launch) or {"tp": 1})["tp"]
 
@@ -54,30 +54,44 @@ def data_ranks(launch: dict, sequence_parallel: int = 1) -> int:
     return max(1, int(launch.get("num_processes", 1) or 1) // launch_tp(launch) // sequence_parallel)
 
 
+def check_layout(recipe: Recipe, launch: dict, *, where: str = "the launch config") -> list[Check]:
+    """The recipe on the launch's layout, as `llmtrain launch` and every process of finetune check it
+    (capabilities.py: the training mode's cell, each parallelism's rules, the mesh and degrees, and what they ask of
+    the model's heads and layers). Without a launch config, the layout the recipe alone sets (its processes unknown)."""
+    from llmtrain import capabilities
+    from llmtrain.layout import Layout
+    from llmtrain.model.modeling import load_model_config
+
+    layout = Layout.from_launch(launch, recipe, where=where) if launch else Layout.from_recipe(recipe)
+    found = capabilities.problems(recipe, layout)
+    unknown = ""
+    if layout.splits_the_model and not found:
+        try:
+            found = capabilities.problems(recipe, layout, model=load_model_config(recipe.model))
+        except LLMTrainError as e:
+            unknown = f"; the model's heads and layers are not known ({e})"
+    if found:
+        return [("layout", "fail", capabilities.paragraph(found))]
+    mode = capabilities.MODES[capabilities.mode_of(recipe)].name
+    return [("layout", "warn" if unknown else "pass", f"{mode} on {layout.describe()}{unknown}")]
+
+
 def check_sequence_parallel(recipe: Recipe, launch: dict) -> list[Check]:
-    """parallel.sequence_parallel N against the model's heads (N divides the query heads; N and the K/V heads divide
-    one another) and the launch's processes (a multiple of N: whole groups of N consecutive ranks); none when off."""
+    """How parallel.sequence_parallel N splits the model's heads and the launch's processes (none when off, or when
+    the layout row fails)."""
     from llmtrain.memory.params import load_model_shape
     from llmtrain.memory.spec import sequence_heads_problem, sequence_kv_heads
 
     n = recipe.parallel.sequence_parallel
-    if n == 1:
+    procs = int(launch.get("num_processes", 1) or 1)
+    if n == 1 or procs % n:
         return []
-    procs, name = int(launch.get("num_processes", 1) or 1), "sequence parallelism"
-    problems = []
-    if procs % n:
-        problems.append(f"parallel.sequence_parallel={n} needs the launch's processes in whole groups of {n}, and it "
-                        f"has {procs}: launch a multiple of {n} processes (--num_processes), or set "
-                        "parallel.sequence_parallel to a divisor of them")
     try:
         shape = load_model_shape(recipe.model.name_or_path)
-    except LLMTrainError as e:
-        return [(name, "fail" if problems else "warn", "; ".join(problems + [f"the model's heads are not known ({e})"])
-                 + ".")]
-    if (heads := sequence_heads_problem(n, shape.heads, shape.kv_heads)) is not None:
-        problems.append(f"{heads} (parallel.sequence_parallel)")
-    if problems:
-        return [(name, "fail", "; ".join(problems) + ".")]
+    except LLMTrainError:
+        return []
+    if sequence_heads_problem(n, shape.heads, shape.kv_heads) is not None:
+        return []
     kv = sequence_kv_heads(n, shape.kv_heads)
     split = f"{shape.kv_heads // n} K/V head(s)" if kv == shape.kv_heads else \
         f"1 K/V head (each of {shape.kv_heads} repeated {n // shape.kv_heads} times)"
@@ -85,44 +99,7 @@ def check_sequence_parallel(recipe: Recipe, launch: dict) -> list[Check]:
     detail = (f"{procs} processes = {groups} group{'s' if groups > 1 else ''} of {n}, each GPU with 1/{n} of every "
               f"micro-batch's tokens and, in attention, {shape.heads // n} of the {shape.heads} query heads and "
               f"{split}; keep a group inside a node (NVLink)")
-    return [(name, "pass", detail)]
-
-
-def check_tensor_parallel_launch(recipe: Recipe, launch: dict) -> list[Check]:
-    """What finetune refuses under tensor parallelism, shown here (none without TP)."""
-    from types import SimpleNamespace
-
-    from llmtrain.parallel.tensor import check_tensor_parallel
-
-    if launch_tp(launch) < 2:
-        return []
-    try:
-        check_tensor_parallel(SimpleNamespace(tp_size=launch_tp(launch)), recipe)
-    except LLMTrainError as e:
-        return [("tensor parallelism", "fail", str(e))]
-    return [("tensor parallelism", "pass", f"{launch_tp(launch)} processes per TP group")]
-
-
-def check_mesh_launch(launch: dict) -> list[Check]:
-    """The launch config's parallelism_config mesh against its processes, as finetune checks it (none without a
-    mesh)."""
-    from types import SimpleNamespace
-
-    from llmtrain.memory.launch import mesh_sizes
-    from llmtrain.parallel.mesh import check_mesh
-
-    sizes = mesh_sizes(launch)
-    if sizes is None:
-        return []
-    config = SimpleNamespace(**{f"{k}_size": v for k, v in sizes.items()})
-    world = int(launch.get("num_processes", 1) or 1)
-    try:
-        check_mesh(config, world=world, fsdp=launch.get("distributed_type") == "FSDP",
-                   nodes=int(launch.get("num_machines", 1) or 1))
-    except LLMTrainError as e:
-        return [("mesh", "fail", str(e))]
-    return [("mesh", "pass", f"{' x '.join(str(sizes[k]) for k in ('dp_replicate', 'dp_shard', 'tp'))} "
-             f"(replicas x shards x tp) = {world} processes")]
+    return [("sequence parallelism", "pass", detail)]
 
 
 def check_launch_settings(launch: dict) -> list[Check]:
@@ -365,8 +342,9 @@ def run_doctor(recipe: Recipe, *, accelerate_config: Path | None = None,
     checks += rows + check_host_offload(est, host_memory=host_memory_here()) + check_precision(recipe, launch)
     if est is not None:
         checks += check_fsdp(recipe, launch, params=est.params_total, fits=est.fits if gpu else None)
-    return checks + check_launch_settings(launch) + check_mesh_launch(launch) + \
-        check_tensor_parallel_launch(recipe, launch) + check_sequence_parallel(recipe, launch) + \
+    return checks + check_launch_settings(launch) + check_layout(recipe, launch, where=f"--accelerate-config "
+                                                                 f"{accelerate_config}") + \
+        check_sequence_parallel(recipe, launch) + \
         check_batch(recipe, launch) + check_shared_fs(recipe, launch)
 
 

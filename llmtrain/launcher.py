@@ -33,16 +33,18 @@ def split_finetune_options(args: list[str]) -> tuple[list[str], list[str]]:
     return overrides, options
 
 
-def check_model_files(recipe) -> None:
+def check_model_files(recipe):
     """The model's config and tokenizer, read as every process will read them (a local folder, or the hub's cache
-    when the hub does not answer, said in one line): a missing one is said once, here, instead of by each process."""
+    when the hub does not answer, said in one line): a missing one is said once, here, instead of by each process.
+    Returns the model's config."""
     from llmtrain import hub
     from llmtrain.model.modeling import load_model_config, load_tokenizer
 
     if line := hub.fall_back(hub.recipe_hub_ids(recipe)):
         print(line, file=sys.stderr)
-    load_model_config(recipe.model)
+    config = load_model_config(recipe.model)
     load_tokenizer(recipe.model)
+    return config
 
 
 def accelerate_command(argv: list[str], *, machine: bool = True) -> list[str]:
@@ -52,9 +54,11 @@ def accelerate_command(argv: list[str], *, machine: bool = True) -> list[str]:
     import torch
     from accelerate.commands.launch import launch_command_parser
 
+    from llmtrain import capabilities
     from llmtrain.config import load_recipe
-    from llmtrain.doctor import check_mesh_launch, check_tensor_parallel_launch
+    from llmtrain.layout import Layout
     from llmtrain.parallel.launch import check_launch, gpus_problem, launch_settings
+    from llmtrain.run.rundir import check_output_folder
 
     usage = ("llmtrain launch takes accelerate launch's flags, then a recipe and its overrides, e.g. `llmtrain launch "
              "--config_file accelerate_configs/fsdp.yaml recipes/llama7b.yaml train.max_steps=100` (no -m: it runs "
@@ -75,14 +79,16 @@ def accelerate_command(argv: list[str], *, machine: bool = True) -> list[str]:
     recipe = load_recipe(Path(recipe_path), overrides)
     launch, where = launch_settings(argv)
     check_launch(launch, where=where)
-    failed = [detail for _, status, detail in check_mesh_launch(launch) + check_tensor_parallel_launch(recipe, launch)
-              if status == "fail"]
-    if failed:
-        raise LLMTrainError(" ".join(failed))
+    layout = Layout.from_launch(launch, recipe, where=where)
+    capabilities.check(recipe, layout)  # the recipe on this layout: what every process would refuse, said once
+    if "--resume" not in options:  # a folder the run may not write into (the processes would each say it)
+        check_output_folder(Path(recipe.output_dir), overwrite="--overwrite" in options)
     if machine:  # after the checks of the command alone: these ask torch for GPUs and read the model's files
         if problem := gpus_problem(launch, where=where, gpus=torch.cuda.device_count()):
             raise LLMTrainError(problem)
-        check_model_files(recipe)
+        config = check_model_files(recipe)
+        if layout.splits_the_model:  # heads, layers, a tied embedding: what the layout asks of the model
+            capabilities.check(recipe, layout, model=config)
     flags = argv[:len(argv) - len(rest) - 1]  # accelerate's own flags, as given
     return [sys.executable, "-m", "accelerate.commands.launch", *flags, "-m", "llmtrain", "finetune", recipe_path,
             *rest]

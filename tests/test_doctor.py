@@ -193,12 +193,13 @@ def test_a_tensor_parallel_launch_counts_data_ranks_and_refuses_lora(tiny_assets
     fails the tensor-parallelism row, as finetune would refuse it."""
     launch = REPO / "accelerate_configs" / "fsdp_tp.yaml"
     full = rows(run_doctor(load_recipe(write_recipe(tiny_assets, tmp_path)), accelerate_config=launch, gpu_memory=80))
-    assert full["tensor parallelism"][0] == "pass"
+    assert full["layout"][0] == "pass" and "tensor parallelism" in full["layout"][1]
     assert full["global batch"][1].startswith("4 data-parallel ranks x 4 examples")
     lora = rows(run_doctor(load_recipe(write_recipe(tiny_assets, tmp_path, lora={"r": 4})), accelerate_config=launch,
                            gpu_memory=80))
-    assert lora["tensor parallelism"][0] == "fail" and "does not train LoRA" in lora["tensor parallelism"][1]
-    assert "tensor parallelism" not in rows(run_doctor(load_recipe(write_recipe(tiny_assets, tmp_path)), gpu_memory=80))
+    assert lora["layout"][0] == "fail" and "does not train LoRA" in lora["layout"][1]
+    alone = rows(run_doctor(load_recipe(write_recipe(tiny_assets, tmp_path)), gpu_memory=80))["layout"]
+    assert alone[0] == "pass" and "tensor" not in alone[1]
 
 
 def test_mesh_that_does_not_divide_the_processes_fails_with_an_example_that_fits():
@@ -206,19 +207,22 @@ def test_mesh_that_does_not_divide_the_processes_fails_with_an_example_that_fits
     passed), with flags that fit the launch; the shipped 2 x 2 passes."""
     import yaml
 
-    from llmtrain.doctor import check_mesh_launch
+    from llmtrain.doctor import check_layout
 
+    recipe = load_recipe(REPO / "recipes" / "tiny.yaml", ["model.name_or_path=x"])
     launch = yaml.safe_load((REPO / "accelerate_configs" / "cpu_hsdp.yaml").read_text())
-    assert check_mesh_launch(launch) == [("mesh", "pass", "2 x 2 x 1 (replicas x shards x tp) = 4 processes")]
+    (name, status, detail), = check_layout(recipe, launch)
+    assert (name, status) == ("layout", "pass") and detail == "supervised fine-tuning on 4 processes: FSDP / HSDP " \
+        "(2 replicas)"
     launch["parallelism_config"]["parallelism_config_dp_shard_size"] = 3
-    (name, status, detail), = check_mesh_launch(launch)
-    assert (name, status) == ("mesh", "fail")
+    (name, status, detail), = check_layout(recipe, launch)
+    assert (name, status) == ("layout", "fail")
     assert "mesh is 2 x 3 = 6 processes" in detail and "the job has 4 processes" in detail
     assert "for these 4 processes on 1 node: --parallelism_config_dp_shard_size 4" in detail
     launch["num_machines"], launch["num_processes"] = 2, 16
     assert "for these 16 processes on 2 nodes: --parallelism_config_dp_replicate_size 2 " \
-           "--parallelism_config_dp_shard_size 8" in check_mesh_launch(launch)[0][2]
-    assert check_mesh_launch({"num_processes": 2}) == []  # no mesh: nothing to check
+           "--parallelism_config_dp_shard_size 8" in check_layout(recipe, launch)[0][2]
+    assert check_layout(recipe, {"num_processes": 2})[0][:2] == ("layout", "pass")  # no mesh: DDP
 
 
 def test_a_max_seq_len_past_the_models_positions_warns(tiny_assets, tmp_path):

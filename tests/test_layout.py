@@ -23,8 +23,9 @@ LAYERS = [
     {"commands"},
 ]
 TOP = {
-    # the recipe schema, the errors every layer raises, and whether the hub answers (asked before any layer reads it)
-    "schema": {"errors", "config", "overrides", "hub"},
+    # the recipe schema, the layout and the capability table (what each mode trains on), the errors every layer
+    # raises, and whether the hub answers (asked before any layer reads it)
+    "schema": {"errors", "config", "overrides", "hub", "layout", "capabilities"},
     "commands": {"cli", "doctor", "inspect_data", "launcher", "tiny", "__main__", "__init__"},  # what the CLI runs
 }
 

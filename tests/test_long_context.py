@@ -252,13 +252,13 @@ def test_a_preempted_run_with_both_switches_resumes_exactly(tiny_assets, tmp_pat
 
 
 def test_a_tiled_mlp_under_fsdp_is_refused(tiny_assets, tmp_path, monkeypatch):
-    import llmtrain.loop.phases as phases
     from llmtrain.errors import LLMTrainError
 
     recipe = write_recipe(tiny_assets, tmp_path, model={"tiled_mlp": True})
-    monkeypatch.setattr(phases, "uses_fsdp", lambda accelerator: True)
+    monkeypatch.setenv("ACCELERATE_USE_FSDP", "true")  # as `accelerate launch` with an FSDP config sets it
     with pytest.raises(LLMTrainError, match="model.tiled_mlp runs on one process or under DDP"):
         run_train(recipe)
+    assert not (tmp_path / "run").exists()  # refused before anything is written
 
 
 @pytest.mark.slow

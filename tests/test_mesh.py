@@ -9,8 +9,17 @@ from __future__ import annotations
 import pytest
 
 from llmtrain.errors import LLMTrainError
-from llmtrain.parallel.mesh import check_mesh, mesh_line, requested_mesh
-from llmtrain.parallel.tensor import check_tensor_parallel
+from llmtrain.layout import Layout
+from llmtrain.parallel.mesh import mesh_line, requested_mesh
+
+
+def check_mesh(mesh, *, world: int, fsdp: bool) -> None:
+    """The mesh's problems as a process of the launch finds them (Layout.from_environment: the variables
+    `accelerate launch` sets, here from the ParallelismConfig that _mesh made of them)."""
+    layout = Layout(processes=world, fsdp=fsdp, mesh=True, replicate=mesh.dp_replicate_size,
+                    shard=mesh.dp_shard_size, tp=mesh.tp_size, cp=mesh.cp_size, accelerate_sp=mesh.sp_size)
+    if found := layout.problems():
+        raise LLMTrainError(" ".join(found))
 
 
 def _mesh(monkeypatch, **sizes: int):
@@ -74,10 +83,16 @@ def test_what_tensor_parallelism_does_not_train_is_refused(monkeypatch, tmp_path
 
     base = {"model": {"name_or_path": "m"}, "data": {"path": "d.jsonl", "format": "prompt_completion"},
             "output_dir": str(tmp_path)}
+    from llmtrain import capabilities
+
     recipe = Recipe.model_validate({**base, **{k: {**base.get(k, {}), **v} for k, v in section.items()}})
-    check_tensor_parallel(_mesh(monkeypatch, dp_shard=2), recipe)  # no TP: nothing to refuse
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    monkeypatch.setenv("ACCELERATE_USE_FSDP", "true")
+    _mesh(monkeypatch, dp_shard=4)
+    capabilities.check(recipe, Layout.from_environment(recipe))  # no TP: nothing to refuse
+    _mesh(monkeypatch, dp_shard=2, tp=2)
     with pytest.raises(LLMTrainError) as refused:
-        check_tensor_parallel(_mesh(monkeypatch, dp_shard=2, tp=2), recipe)
+        capabilities.check(recipe, Layout.from_environment(recipe))
     for name in names + ["parallelism_config_tp_size: 2"]:
         assert name in str(refused.value)
 

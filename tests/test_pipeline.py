@@ -32,7 +32,6 @@ from llmtrain.config import load_recipe
 from llmtrain.data.batching import collate, fixed_row, with_loss_positions
 from llmtrain.data.formats import IGNORE
 from llmtrain.errors import LLMTrainError
-from llmtrain.parallel import pipeline
 from llmtrain.parallel.stages import stage_layers
 
 CPU_DDP = REPO / "accelerate_configs" / "cpu_ddp.yaml"
@@ -94,20 +93,32 @@ def test_recipes_a_pipeline_cannot_run_are_refused_naming_the_key(tiny_assets, t
 
 
 @pytest.mark.parametrize("change,says", [({"tie_word_embeddings": True}, "ties its input embedding"),
-                                          ({"_attn_implementation": "sdpa"}, "llmtrain's varlen attention")])
+                                          ({"num_hidden_layers": 1}, "2 pipeline stages need at least one decoder")])
 def test_a_model_the_stages_cannot_split_is_refused_with_the_reason(tiny_assets, tmp_path, change, says):
+    from transformers import AutoConfig
+
+    from llmtrain import capabilities
+    from llmtrain.layout import Layout
+
+    config = AutoConfig.from_pretrained(tiny_assets / "model")
+    recipe = load_recipe(write_recipe(tiny_assets, tmp_path, **PIPE), ["parallel.pipeline_parallel=2"])
+    capabilities.check(recipe, Layout(processes=2, pp=2), model=config)  # the tiny model: 2 stages of a layer
+    for k, v in change.items():
+        setattr(config, k, v)
+    with pytest.raises(LLMTrainError, match=says):
+        capabilities.check(recipe, Layout(processes=2, pp=2), model=config)
+
+
+def test_the_stages_refuse_a_model_without_llmtrains_varlen_attention(tiny_assets, tmp_path):
     from transformers import AutoConfig, AutoModelForCausalLM
 
     from llmtrain.loop.pipeline import Pipeline
-    from llmtrain.model.attention import register
 
     config = AutoConfig.from_pretrained(tiny_assets / "model")
-    config._attn_implementation = register()
-    for k, v in change.items():
-        setattr(config, k, v)
+    config._attn_implementation = "sdpa"
     model = AutoModelForCausalLM.from_config(config)
     parallel = load_recipe(write_recipe(tiny_assets, tmp_path, **PIPE), ["parallel.pipeline_parallel=2"]).parallel
-    with pytest.raises(LLMTrainError, match=says):
+    with pytest.raises(LLMTrainError, match="llmtrain's varlen attention"):
         Pipeline(model, parallel=parallel, micro_batches=4, slots=64, pad_id=0, device=torch.device("cpu"))
 
 
@@ -260,13 +271,19 @@ def test_a_checkpoint_resumes_on_another_split_and_refuses_one_process(single, f
 
 def test_what_stages_do_not_compose_with_is_refused_before_any_process_group(tiny_assets, tmp_path):
     recipe = load_recipe(write_recipe(tiny_assets, tmp_path, **PIPE), ["parallel.pipeline_parallel=2"])
+    from llmtrain import capabilities
+    from llmtrain.layout import Layout
+
+    def check(recipe, *, fsdp: bool, mesh: bool) -> None:  # on 4 processes, as a launch config gives them
+        capabilities.check(recipe, Layout(processes=4, fsdp=fsdp, mesh=mesh, shard=4, pp=2))
+
     with pytest.raises(LLMTrainError, match="parallelism_config mesh"):
-        pipeline.check(recipe, fsdp=True, mesh=object())
+        check(recipe, fsdp=True, mesh=True)
     qlora = recipe.model_copy(update={"model": recipe.model.model_copy(update={"quantize": "nf4"})})
     with pytest.raises(LLMTrainError, match="QLoRA stage under FSDP is untested"):
-        pipeline.check(qlora, fsdp=True, mesh=None)
-    pipeline.check(qlora, fsdp=False, mesh=None)  # QLoRA stages with replicas: trained (above)
-    pipeline.check(recipe, fsdp=True, mesh=None)  # FSDP inside the stages: trained (below)
+        check(qlora, fsdp=True, mesh=False)
+    check(qlora, fsdp=False, mesh=False)  # QLoRA stages with replicas: trained (above)
+    check(recipe, fsdp=True, mesh=False)  # FSDP inside the stages: trained (below)
 
 
 @pytest.mark.slow

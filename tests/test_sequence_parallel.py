@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -27,11 +28,12 @@ from helpers import (
     write_recipe,
 )
 
+from llmtrain import capabilities
 from llmtrain.config import load_recipe
 from llmtrain.data.batching import Counts, collate, with_loss_positions
 from llmtrain.errors import LLMTrainError
+from llmtrain.layout import Layout
 from llmtrain.objectives.sequence import shard_batch
-from llmtrain.parallel import sequence
 
 CPU_DDP = REPO / "accelerate_configs" / "cpu_ddp.yaml"
 CPU_FSDP = REPO / "accelerate_configs" / "cpu_fsdp.yaml"
@@ -85,6 +87,11 @@ def test_a_row_that_does_not_divide_is_padded_with_an_example_of_its_own():
     assert all(p["examples"] == 2 for p, _ in shards)
 
 
+def check(recipe, *, world: int, model) -> None:
+    """The recipe on `world` DDP processes, as `llmtrain launch` and each process check it (model: its config)."""
+    capabilities.check(recipe, Layout(processes=world, sp=recipe.parallel.sequence_parallel), model=model)
+
+
 def _recipe(tiny_assets, tmp_path, **sections):
     sections.setdefault("model", {"attn_implementation": "auto"})
     return load_recipe(write_recipe(tiny_assets, tmp_path, **sections), [])
@@ -99,10 +106,11 @@ def _recipe(tiny_assets, tmp_path, **sections):
 ])
 def test_what_sequence_parallelism_does_not_train_is_refused(tiny_assets, tmp_path, world, heads, kv, sections, words):
     n = 4 if "into 4" in words or "divide 4" in words else 2
-    recipe = _recipe(tiny_assets, tmp_path, parallel={"sequence_parallel": n}, **sections)
-    with pytest.raises(LLMTrainError, match=words.replace("(", r"\(")):
-        sequence.check(recipe, world=world, heads=heads, kv_heads=kv)
-    sequence.check(_recipe(tiny_assets, tmp_path), world=3, heads=6, kv_heads=3)  # off: nothing to refuse
+    model = SimpleNamespace(num_attention_heads=heads, num_key_value_heads=kv, num_hidden_layers=2)
+    with pytest.raises(LLMTrainError, match=words.replace("(", r"\(")):  # the recipe alone, or on the layout
+        check(_recipe(tiny_assets, tmp_path, parallel={"sequence_parallel": n}, **sections), world=world, model=model)
+    check(_recipe(tiny_assets, tmp_path), world=3, model=SimpleNamespace(num_attention_heads=6, num_key_value_heads=3,
+                                                                          num_hidden_layers=2))  # off: nothing
 
 
 def _launch(config: Path, processes: int, port: int, recipe: Path, *overrides: str) -> str:

@@ -20,12 +20,14 @@ from pathlib import Path
 
 import torch
 
+from llmtrain import capabilities
 from llmtrain.config import Recipe, tiled_mlp_shard
 from llmtrain.data.batching import DataPlan
 from llmtrain.data.chat import read_template
 from llmtrain.data.checks import check_context, check_data, check_epochs, check_warmup, data_plan
 from llmtrain.data.prepare import prepare_datasets
 from llmtrain.errors import LLMTrainError
+from llmtrain.layout import Layout
 from llmtrain.loop.determinism import deterministic_algorithms
 from llmtrain.loop.pipeline import Pipeline
 from llmtrain.model import ulysses
@@ -38,6 +40,7 @@ from llmtrain.model.modeling import (
     describe_attention,
     fused_linear_cross_entropy,
     load_model,
+    load_model_config,
     load_tokenizer,
     pad_id,
 )
@@ -88,16 +91,10 @@ def read_only_checks(recipe: Recipe, accelerator, *, resume: str | None, overwri
         say(f"the run in {out} is already complete ({done['steps']} steps, final/ written); nothing was changed. "
             + further)
         return Checked(checkpoint=None, notes=(), finished=done)
-    if recipe.rl is not None and tensor_parallel_size(accelerator) > 1:
-        raise LLMTrainError("rl: online RL runs on one process, under DDP or under FSDP (each rank samples its own "
-                            "prompts' completions, FSDP with the layers gathered while sampling); under tensor "
-                            "parallelism sampling would need each layer's split heads put back together, which "
-                            "llmtrain does not do. Launch with a DDP or FSDP config (e.g. accelerate_configs/ddp.yaml "
-                            "or fsdp.yaml); a 7B LoRA policy fits one GPU.")
-    if recipe.distill is not None and tensor_parallel_size(accelerator) > 1:
-        raise LLMTrainError("distill: the student samples its own completions, which under tensor parallelism would "
-                            "need each layer's split heads put back together, and the teacher is not split; llmtrain "
-                            "does neither. Launch with a DDP or FSDP config (e.g. accelerate_configs/ddp.yaml).")
+    # The recipe on this launch's layout was checked before the process group existed (build_accelerator); what the
+    # layout asks of the model itself (heads, layers, a tied embedding) is checked now, from its config alone
+    if (layout := Layout.from_environment(recipe)).splits_the_model:
+        capabilities.check(recipe, layout, model=load_model_config(recipe.model))
     ckpt = check_output_dir(accelerator, out, resume=resume, overwrite=overwrite)
     notes = check_resume(ckpt, recipe, world=data_ranks(accelerator)[0], fsdp=uses_fsdp(accelerator),
                          allow_recipe_change=allow_recipe_change) if ckpt else []
@@ -263,12 +260,6 @@ def memory_line(cfg, config) -> str:
 
 def build_model(recipe: Recipe, accelerator, *, total_steps: int, say, pad: int = 0) -> Trainable:
     tc = recipe.train
-    if recipe.model.tiled_mlp and (uses_fsdp(accelerator) or tensor_parallel_size(accelerator) > 1):
-        # Its recompute runs the MLP's own forward on the parameters it saved; FSDP's resharding and TP's DTensors
-        # around that are untested.
-        raise LLMTrainError("model.tiled_mlp runs on one process or under DDP; this launch shards the model (FSDP or "
-                            "tensor parallelism), which it has not been tested with. Set model.tiled_mlp=null, or "
-                            "launch with a DDP config (accelerate_configs/).")
     # A quantised base is loaded (and quantised) by every process itself: 4-bit weights cannot be broadcast into an
     # empty model.
     model = load_model(recipe.model, recipe.lora, device=accelerator.device,
@@ -280,9 +271,7 @@ def build_model(recipe: Recipe, accelerator, *, total_steps: int, say, pad: int 
         layers = apply_tensor_parallel(model, accelerator.torch_device_mesh["tp"])
         say(f"tensor parallelism: {layers} linear layers split over {tp} processes "
             f"(PyTorch parallelize_module, the model's own plan)")
-    if (sp := recipe.parallel.sequence_parallel) > 1:  # the head counts, then the Ulysses attention
-        sequence.check(recipe, world=accelerator.num_processes, heads=model.config.num_attention_heads,
-                       kv_heads=getattr(model.config, "num_key_value_heads", None) or model.config.num_attention_heads)
+    if (sp := recipe.parallel.sequence_parallel) > 1:  # the Ulysses attention (its head counts: read_only_checks)
         ulysses.attach(model, size=sp, group=sequence.sequence_group().group)
         say(sequence.describe(sp, accelerator.num_processes))
     fused_ce = fused_linear_cross_entropy(recipe.model, accelerator.device)  # None unless liger is in use

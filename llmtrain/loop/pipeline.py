@@ -49,11 +49,7 @@ class Pipeline:
         g = pipeline_group()
         lm = causal_lm(model)
         config = lm.config
-        if getattr(config, "tie_word_embeddings", False):
-            raise LLMTrainError(
-                f"parallel.pipeline_parallel={g.size}: this model ties its input embedding to its output head "
-                "(tie_word_embeddings), and the first and the last stage would each hold and update their own copy "
-                "of that one weight. Train it with FSDP (accelerate_configs/fsdp.yaml) or DDP instead")
+        # a tied embedding, too few layers: refused with the rest of the layout (capabilities.model_problems)
         if getattr(config, "_attn_implementation", None) != VARLEN:
             raise LLMTrainError(
                 f"parallel.pipeline_parallel={g.size} attends within each packed row's examples with llmtrain's "

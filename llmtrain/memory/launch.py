@@ -6,6 +6,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from llmtrain.errors import LLMTrainError
+from llmtrain.layout import mesh_sizes
 from llmtrain.memory.spec import Strategy
 
 STRATEGIES = {"NO": "single", "MULTI_GPU": "ddp", "FSDP": "fsdp"}  # FSDP with a replicated mesh: "hsdp"
@@ -59,16 +60,6 @@ def read_accelerate_config(path: Path) -> Layout:
     mp = cfg.get("mixed_precision")
     return Layout(strategy, procs // machines, machines, offload and strategy == "fsdp",
                   None if mp is None else str(mp), tp)
-
-
-def mesh_sizes(cfg: dict) -> dict[str, int] | None:
-    """An accelerate launch config's parallelism_config section as its sizes (dp_replicate, dp_shard, tp, cp, sp:
-    1 where not given); None without one."""
-    mesh = cfg.get("parallelism_config")
-    if not isinstance(mesh, dict):
-        return None
-    return {k: int(mesh.get(f"parallelism_config_{k}_size", 1) or 1) for k in ("dp_replicate", "dp_shard", "tp",
-                                                                               "cp", "sp")}
 
 
 def _mesh_strategy(path: Path, sizes: dict[str, int], *, gpus: int, nodes: int) -> tuple[Strategy, int]:

@@ -1,7 +1,7 @@
 """Building the Accelerator: the one place a process joins the job.
 
-`build_accelerator` refuses a launch llmtrain does not train (launch.py, mesh.py, tensor.py) before any process group
-exists, builds Accelerate's FSDP plugin from the launch's variables, and does what Accelerate leaves undone: FSDP on
+`build_accelerator` refuses a launch llmtrain does not train (launch.py; the recipe on its layout: capabilities.py)
+before any process group exists, builds Accelerate's FSDP plugin from the launch's variables, and does what Accelerate leaves undone: FSDP on
 CPU workers (`_fsdp_on_cpu`) and the mesh attached once they are FSDP, or with tensor parallelism (`_attach_mesh`).
 
 Code elsewhere asks the Accelerator (`num_processes`, `process_index`, `is_main_process`) and never
@@ -15,13 +15,14 @@ from datetime import timedelta
 
 import torch
 
+from llmtrain import capabilities
 from llmtrain.config import Recipe
 from llmtrain.errors import LLMTrainError
+from llmtrain.layout import Layout
 from llmtrain.parallel import pipeline, sequence
 from llmtrain.parallel.fsdp import fsdp_precision
 from llmtrain.parallel.launch import check_parent_launch
-from llmtrain.parallel.mesh import check_mesh, requested_mesh
-from llmtrain.parallel.tensor import check_tensor_parallel
+from llmtrain.parallel.mesh import requested_mesh
 
 
 def fsdp_requested() -> bool:
@@ -36,6 +37,9 @@ def build_accelerator(recipe: Recipe):
     launched = os.environ.get("ACCELERATE_MIXED_PRECISION")  # set by `accelerate launch`
     if launched is not None:  # its settings that accelerate ignores or llmtrain does not follow, refused first
         check_parent_launch()
+    # The recipe on this launch's layout (capabilities.py's table), before any process group exists: every process
+    # says the same paragraph (`llmtrain launch` says it once, before starting them)
+    capabilities.check(recipe, Layout.from_environment(recipe))
     # Built here (from the launch's FSDP_* variables, as Accelerate itself would) to keep a handle on it.
     fsdp_plugin = FullyShardedDataParallelPlugin() if fsdp_requested() else None
     if fsdp_plugin is not None and fsdp_plugin.state_dict_type.name != "SHARDED_STATE_DICT":
@@ -57,11 +61,6 @@ def build_accelerator(recipe: Recipe):
     # and the mesh sizes. Accelerate validates the mesh against the distributed type in its constructor, which on
     # CPU workers is MULTI_CPU until _fsdp_on_cpu makes it FSDP: there the mesh is attached afterwards.
     mesh = requested_mesh()
-    sequence.check(recipe, world=int(os.environ.get("WORLD_SIZE", "1")), mesh=mesh)
-    pipeline.check(recipe, fsdp=fsdp_plugin is not None, mesh=mesh)
-    if mesh is not None:  # refused before any process group exists, with the launch's own sizes
-        check_mesh(mesh, world=int(os.environ.get("WORLD_SIZE", "1")), fsdp=fsdp_plugin is not None)
-        check_tensor_parallel(mesh, recipe)
     # Tensor parallelism is applied by llmtrain (apply_tensor_parallel), not by Accelerate: its mesh is attached
     # afterwards on GPUs too (see _attach_mesh).
     mesh_later = mesh is not None and (cpu or mesh.tp_size > 1)

@@ -10,6 +10,7 @@ it: the flags it was given and its config file).
 
 from __future__ import annotations
 
+import argparse
 import os
 from pathlib import Path
 
@@ -147,10 +148,13 @@ def launch_settings(argv: list[str]) -> tuple[dict, str]:
     args = parser.parse_args(argv)
     path = args.config_file or (default_config_file if os.path.isfile(default_config_file) else None)
     launch = read_launch_file(path, name=f"the accelerate config {path}") if path is not None else {}
+    for action in parser._actions:  # a flag's default is not a value given: `--parallelism_config_dp_shard_size 1`
+        action.default = argparse.SUPPRESS  # is, and wins over the config file's 2, as accelerate launch has it
+    given = vars(parser.parse_args(argv))
     for action in parser._actions:  # the flags given: each over the config's value
-        value = getattr(args, action.dest, None)
+        value = given.get(action.dest)
         if action.dest in ("help", "config_file", "training_script", "training_script_args", "module",
-                           "no_python") or value is None or value == action.default:
+                           "no_python") or action.dest not in given or value is None:
             continue
         if action.dest.startswith("parallelism_config_"):
             launch.setdefault("parallelism_config", {})[action.dest] = value

@@ -53,35 +53,13 @@ def setup(size: int) -> None:
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
 
-    world, rank = dist.get_world_size(), dist.get_rank()
-    if world % size:
-        raise LLMTrainError(f"parallel.pipeline_parallel={size} splits the model into {size} stages, each on its "
-                            f"own processes, but the launch has {world} processes: launch a multiple of {size} "
-                            f"(--num_processes), or set parallel.pipeline_parallel to a divisor of {world}")
+    world, rank = dist.get_world_size(), dist.get_rank()  # size divides world: layout.py checked it
     replicas = world // size
     # row-major: mesh[s][d] is rank s * replicas + d, stage s of pipeline d
     mesh = init_device_mesh("cuda" if torch.cuda.is_available() else "cpu", (size, replicas),
                             mesh_dim_names=("pp", "dp"))
     _GROUP = PipelineGroup(size=size, rank=rank // replicas, replicas=replicas, replica=rank % replicas,
                            group=mesh["pp"].get_group(), data_group=mesh["dp"].get_group(), mesh=mesh)
-
-
-def check(recipe, *, fsdp: bool, mesh) -> None:
-    """Refuse the launches pipeline stages do not compose with yet, before any process group exists."""
-    p = recipe.parallel.pipeline_parallel
-    if p == 1:
-        return
-    if mesh is not None:
-        raise LLMTrainError(
-            f"parallel.pipeline_parallel={p} runs on a plain multi-process launch (the replicas of a stage sum their "
-            "gradients: accelerate_configs/ddp.yaml) or an FSDP one (each stage sharded over its replicas: "
-            "fsdp.yaml); this launch has a parallelism_config mesh (HSDP or tensor parallelism), which is not built "
-            "inside pipeline stages yet. Drop the parallelism_config section, or set parallel.pipeline_parallel=1")
-    if fsdp and recipe.model.quantize:
-        raise LLMTrainError(
-            f"parallel.pipeline_parallel={p} with a 4-bit base (model.quantize) runs on a plain multi-process launch "
-            "(accelerate_configs/ddp.yaml): a QLoRA stage under FSDP is untested. The adapters are small, so the "
-            "stages' replicas lose little by not sharding")
 
 
 def sum_replicas(params) -> None:

@@ -8,7 +8,7 @@ slices of every head into every token of 1/N of the heads; the run's own varlen 
 packed row with its real example boundaries, sliding window included, and a second all-to-all turns the output back
 into slices. So packing and sliding windows are exact, with no ring and no load balancing. K/V heads fewer than N are
 replicated (each K/V head N / Hkv times, so every process gets the K/V head of its query heads); other splits are
-refused (`check`).
+refused with the rest of the layout (capabilities.model_problems).
 
 Gradients: each process backpropagates its slice's summed loss. DDP and FSDP average gradients over every process;
 the step multiplies the loss by the processes (not the data ranks) over the window's trained tokens, so the result is
@@ -18,8 +18,6 @@ the gradient of the group's summed loss, as one process computes it on the whole
 from __future__ import annotations
 
 from dataclasses import dataclass
-
-from llmtrain.errors import LLMTrainError
 
 
 @dataclass(frozen=True)
@@ -57,51 +55,6 @@ def setup(size: int) -> None:
         if start <= rank < start + size:
             mine = group
     _GROUP = SequenceGroup(size=size, rank=rank % size, group=mine)
-
-
-def check(recipe, *, world: int, mesh=None, heads: int | None = None, kv_heads: int | None = None) -> None:
-    """Refuse what sequence parallelism does not train, before the model loads (the head counts once known).
-    `mesh`: the launch's parallelism_config, if any."""
-    n = recipe.parallel.sequence_parallel
-    if n == 1:
-        return
-    key = f"parallel.sequence_parallel={n}"
-    if mesh is not None:
-        raise LLMTrainError(f"{key} runs on a plain DDP or FSDP launch (accelerate_configs/ddp.yaml, fsdp.yaml); "
-                            "this launch has a parallelism_config mesh (HSDP or tensor parallelism), which sequence "
-                            "parallelism is not built to compose with yet. Drop the parallelism_config section, or "
-                            "set parallel.sequence_parallel=1")
-    if world % n:
-        raise LLMTrainError(f"{key} splits each sequence over {n} processes, but the launch has {world}: launch a "
-                            f"multiple of {n} processes (--num_processes), or set parallel.sequence_parallel to a "
-                            f"divisor of {world}")
-    rm = recipe.reward_model is not None
-    if recipe.rl is not None or recipe.preference is not None or recipe.kto is not None or rm:
-        mode = ("online RL (rl:)" if recipe.rl is not None else "preference pairs (preference:)"
-                if recipe.preference is not None else "a reward model (reward_model:)" if rm else "KTO (kto:)")
-        raise LLMTrainError(
-            f"{key} trains supervised fine-tuning only; {mode} is refused: "
-            + ("its rollout samples whole completions on every process, which a sequence group would have to "
-               "sample together" if recipe.rl is not None else
-               "its score head reads each sequence's last token, which one process of the group holds" if rm else
-               "its loss needs each sequence's whole log-probability, which the sequence group would have to sum "
-               "first")
-            + ". Set parallel.sequence_parallel=1, or train the long sequences with model.gradient_checkpointing, "
-              "model.activation_offload and model.tiled_mlp on each GPU (docs/long-context.md)")
-    if recipe.model.attn_implementation not in ("auto", "varlen"):
-        raise LLMTrainError(f"{key} runs llmtrain's varlen attention on the gathered sequence; "
-                            f"model.attn_implementation={recipe.model.attn_implementation} is refused. Set it to "
-                            "auto")
-    if recipe.model.compile:
-        raise LLMTrainError(f"{key} with model.compile is untested; set model.compile=false")
-    if heads is not None:
-        if heads % n:
-            raise LLMTrainError(f"{key}: the model's {heads} attention heads do not split into {n} equal groups; "
-                                f"set parallel.sequence_parallel to a divisor of {heads}")
-        if kv_heads % n and n % kv_heads:
-            raise LLMTrainError(f"{key}: the model's {kv_heads} key/value heads neither split into {n} groups nor "
-                                f"divide {n} (to be replicated); set parallel.sequence_parallel to a divisor or a "
-                                f"multiple of {kv_heads} that divides {heads}")
 
 
 def describe(size: int, world: int) -> str:

@@ -1,5 +1,5 @@
-"""Tensor parallelism: what it does not train, refused before any process group exists, and the decoder's
-linear layers sharded over the mesh's `tp` dimension by the model's own plan.
+"""Tensor parallelism: the decoder's linear layers sharded over the mesh's `tp` dimension by the model's own plan
+(what it does not train is refused with the rest of the layout: capabilities.py).
 
 llmtrain applies the plan itself, not Accelerate (accelerator.py's `_attach_mesh` says why); FSDP2 then shards
 the tensor-parallel weights over the mesh's data-parallel dimensions.
@@ -7,23 +7,7 @@ the tensor-parallel weights over the mesh's data-parallel dimensions.
 
 from __future__ import annotations
 
-from llmtrain.config import Recipe
 from llmtrain.errors import LLMTrainError
-
-
-def check_tensor_parallel(config, recipe: Recipe) -> None:
-    """Refuse what tensor parallelism does not train, before any process group exists."""
-    if config.tp_size < 2:
-        return
-    where = f"parallelism_config_tp_size: {config.tp_size} in the launch config"
-    if recipe.lora is not None or recipe.model.quantize:
-        what = "a 4-bit base (model.quantize)" if recipe.model.quantize else "LoRA (the recipe's lora: section)"
-        raise LLMTrainError(
-            f"tensor parallelism ({where}) does not train {what}: peft's adapters are whole matrices beside "
-            "the sharded base weights. A LoRA run of a 7B model fits one GPU: launch it with "
-            "accelerate_configs/ddp.yaml or accelerate_configs/fsdp.yaml (tp_size 1).")
-    if recipe.model.compile:
-        raise LLMTrainError(f"tensor parallelism ({where}) is not tested with model.compile: set model.compile=false.")
 
 
 def apply_tensor_parallel(model, mesh) -> int:

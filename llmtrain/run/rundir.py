@@ -53,6 +53,11 @@ def check_output_dir(accelerator, out: Path, *, resume: str | None, overwrite: b
     return _on_main(accelerator, out, lambda: _check(out, resume=resume, overwrite=overwrite, warn=accelerator.print))
 
 
+def check_output_folder(out: Path, *, overwrite: bool) -> None:
+    """check_output_dir for a run that does not resume, before any process exists (`llmtrain launch`)."""
+    _check(out, resume=None, overwrite=overwrite, warn=lambda _: None)
+
+
 def claim_output_dir(accelerator, out: Path, *, resume: str | None, overwrite: bool,
                      expected: Path | None = None) -> RunDir:
     """Lock the folder and make it ready (train calls it once every check has passed, right before training).

@@ -1,0 +1,393 @@
+"""The capability table: what each training mode takes and which layouts it trains on, each refusal with its reason.
+
+One row a mode (supervised fine-tuning, preference pairs, KTO, reward models, GRPO, RLOO, distillation): the data
+formats it trains on, its batch unit, whether a token budget (train.micro_batch_tokens) makes its micro-batches,
+what its evaluation reports, its model (a causal LM, or a score head), and, for each parallelism it does not train
+on (layout.PARALLELISMS: one process, DDP, FSDP/HSDP, tensor, sequence, pipeline), the reason and what to use
+instead. Beside the rows, what each parallelism refuses of any mode (`RULES`: a setting, e.g. LoRA under tensor
+parallelism) and of the model (`model_problems`: heads, layers, a tied embedding).
+
+`problems(recipe, layout, model=)` collects every problem of a recipe on a layout at once. Everything asks it: the
+recipe's schema (`recipe_problems`, with the layout the recipe alone gives), `llmtrain launch` and `llmtrain
+doctor` (the launch config's layout, before any process starts), and every process of `finetune` (its launch's, before
+the process group exists; with the model's config, before anything is written). A cell the table supports trains;
+a cell it does not is refused in one paragraph before any file is written (tests/test_capabilities.py walks them
+all). A new mode, layout or model family is a row, a column or a rule here, never an `if` elsewhere.
+
+May import: the schema (`config`, `errors`) and `layout` only.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from llmtrain.errors import LLMTrainError
+from llmtrain.layout import NAMES, PARALLELISMS, Layout
+
+# --------------------------------------------------------------------------- the rows
+
+_SAMPLING_TP = ("its rollouts sample completions, and sampling under tensor parallelism would need each layer's split heads put back together, which llmtrain does not do. Launch "
+                "with a DDP or FSDP config (e.g. accelerate_configs/ddp.yaml or fsdp.yaml); a 7B LoRA policy fits one "
+                "GPU")
+_WHOLE_MODEL_PP = ("sampling needs the whole model on one process, and each stage holds only its layers. Set "
+                   "parallel.pipeline_parallel=1 and shard with FSDP (accelerate_configs/fsdp.yaml) instead")
+_LOGPS_SP = ("its loss needs each sequence's whole log-probability, which the sequence group would have to sum "
+             "first. Set parallel.sequence_parallel=1, or train the long sequences with model.gradient_checkpointing, "
+             "model.activation_offload and model.tiled_mlp on each GPU (docs/long-context.md)")
+_OWN_PASSES_PP = ("its loss runs its own passes per micro-batch, which the stages' schedule does not. Set "
+                  "parallel.pipeline_parallel=1 and shard with FSDP (accelerate_configs/fsdp.yaml) or use DDP")
+
+
+@dataclass(frozen=True)
+class Mode:
+    key: str  # sft, preference, kto, reward_model, grpo, rloo, distill
+    name: str  # in the messages: "KTO (kto:)"
+    formats: tuple[str, ...]  # data.format values it trains on
+    unit: str  # what train.micro_batch_size counts
+    token_budget: bool  # train.micro_batch_tokens may make its micro-batches
+    evals: str  # what its evaluation reports
+    model: str  # "causal LM" or "score head"
+    samples: bool = True  # train.eval_samples (greedy generations at each eval)
+    refused: dict[str, str] = field(default_factory=dict)  # parallelism -> why, and what to use instead
+
+
+MODES: dict[str, Mode] = {m.key: m for m in (
+    Mode("sft", "supervised fine-tuning", ("alpaca", "messages", "prompt_completion", "text"), "examples", True,
+         "loss, samples", "causal LM"),
+    Mode("preference", "preference pairs (preference:)", ("preference",), "pairs", True,
+         "loss, reward margin and accuracy, samples", "causal LM",
+         refused={"sp": _LOGPS_SP, "pp": _OWN_PASSES_PP.replace("its own passes", "its own passes (chosen, rejected, "
+                                                                 "the reference)")}),
+    Mode("kto", "KTO (kto:)", ("unpaired",), "examples", False, "loss, reward margin", "causal LM",
+         refused={"tp": "a full fine-tune keeps a frozen copy of the starting model as its reference, whole on every "
+                        "process, which tensor parallelism's split would undo, and tensor parallelism does not train "
+                        "LoRA (the reference without a copy). Launch with a DDP or FSDP config "
+                        "(accelerate_configs/ddp.yaml or fsdp.yaml) and a lora: section",
+                  "sp": _LOGPS_SP, "pp": _OWN_PASSES_PP.replace("its own passes", "its own passes (the KL "
+                                                                "sequences, the reference)")}),
+    Mode("reward_model", "a reward model (reward_model:)", ("preference",), "pairs", True, "loss, accuracy, margin",
+         "score head", samples=False,
+         refused={"sp": "its score head reads each sequence's last token, which one process of the group holds. Set "
+                        "parallel.sequence_parallel=1, or train the long pairs with model.gradient_checkpointing on "
+                        "each GPU (docs/long-context.md)",
+                  "pp": "its score head replaces the LM head the last stage runs, and the stages are built for the "
+                        "LM head's loss. Set parallel.pipeline_parallel=1 and shard with FSDP "
+                        "(accelerate_configs/fsdp.yaml) or use DDP"}),
+    Mode("grpo", "online RL, GRPO (rl:)", ("prompt",), "prompts", False, "reward, answer accuracy", "causal LM",
+         refused={"tp": _SAMPLING_TP,
+                  "sp": "its rollout samples whole completions on every process, which a sequence group would have to "
+                        "sample together. Set parallel.sequence_parallel=1",
+                  "pp": _WHOLE_MODEL_PP}),
+    Mode("rloo", "online RL, RLOO (rl: {algorithm: rloo})", ("prompt",), "prompts", False, "reward, answer accuracy",
+         "causal LM",
+         refused={"tp": _SAMPLING_TP,
+                  "sp": "its rollout samples whole completions on every process, which a sequence group would have to "
+                        "sample together. Set parallel.sequence_parallel=1",
+                  "pp": _WHOLE_MODEL_PP}),
+    Mode("distill", "distillation (distill:)", ("prompt_completion", "messages", "alpaca"), "prompts", False,
+         "loss, answer accuracy, teacher agreement", "causal LM",
+         refused={"tp": "the student samples its own completions, which under tensor parallelism would need each "
+                        "layer's split heads put back together, and the teacher is not split; llmtrain does neither. "
+                        "Launch with a DDP or FSDP config (e.g. accelerate_configs/ddp.yaml)",
+                  "sp": "it builds its sequences after sampling, which a sequence group cannot split (TRL refuses it "
+                        "too). Set parallel.sequence_parallel=1",
+                  "pp": _WHOLE_MODEL_PP}),
+)}
+
+_SECTIONS = {"preference": "preference:", "kto": "kto:", "reward_model": "reward_model:", "rl": "rl:",
+             "distill": "distill:"}
+# What a format's rows train with, for a recipe whose sections do not match its data.format
+_FORMAT_HINT = {
+    "preference": "data.format: preference and the preference: section go together: pairs train with a preference "
+                  "loss (add preference: {loss: dpo}), and a preference loss needs pairs (a reward model also trains "
+                  "on pairs: reward_model: {})",
+    "unpaired": "data.format: unpaired and the kto: section go together: completions labelled desirable or not train "
+                "with KTO (add kto: {beta: 0.1}), and kto: needs such rows",
+    "prompt": "data.format: prompt and the rl: section go together: prompts alone train with rewards (add rl: "
+              "{rewards: [{type: answer_match}]}), and rl: needs prompts",
+}
+
+
+def mode_of(recipe) -> str:
+    """The recipe's training mode: its objective section (none: supervised fine-tuning). Several sections: the
+    first of them (recipe_problems refuses the recipe)."""
+    for section in _SECTIONS:
+        if getattr(recipe, section) is not None:
+            return recipe.rl.algorithm if section == "rl" else section
+    return "sft"
+
+
+# --------------------------------------------------------------------------- what each parallelism refuses of any mode
+
+
+@dataclass(frozen=True)
+class Rule:
+    parallelism: str  # the column it applies to
+    applies: object  # recipe, layout -> bool
+    reason: str  # why, and what to use instead; {key} is the parallelism's recipe key or the launch
+
+
+def _pp_budget(r, _):
+    return r.train.micro_batch_tokens is None
+
+
+def _pp_accum(r, _):
+    return r.parallel.pipeline_schedule != "gpipe" and r.train.grad_accum_steps < r.parallel.pipeline_parallel
+
+
+def _pp_rounds(r, _):
+    m, p = r.train.grad_accum_steps, r.parallel.pipeline_parallel
+    return r.parallel.pipeline_schedule == "interleaved_1f1b" and m % max(1, m // p) != 0
+
+
+def _kto_copy(r, layout):
+    return r.kto is not None and r.lora is None
+
+
+RULES: tuple[Rule, ...] = (
+    Rule("tp", lambda r, _: r.model.quantize is not None,
+         "{key} does not train a 4-bit base (model.quantize): peft's adapters are whole matrices "
+         "beside the sharded base weights. A LoRA run of a 7B model fits one GPU: launch it with "
+         "accelerate_configs/ddp.yaml or accelerate_configs/fsdp.yaml (tp_size 1)"),
+    Rule("tp", lambda r, _: r.lora is not None and r.model.quantize is None,
+         "{key} does not train LoRA (the recipe's lora: section): peft's adapters are whole "
+         "matrices beside the sharded base weights. A LoRA run of a 7B model fits one GPU: launch it with "
+         "accelerate_configs/ddp.yaml or accelerate_configs/fsdp.yaml (tp_size 1)"),
+    Rule("tp", lambda r, _: r.model.compile,
+         "{key} is not tested with model.compile: set model.compile=false"),
+    Rule("tp", lambda r, _: bool(r.model.tiled_mlp),
+         "model.tiled_mlp runs on one process or under DDP; this launch shards the model (FSDP or tensor "
+         "parallelism), which it has not been tested with. Set model.tiled_mlp=null, or launch with a DDP config "
+         "(accelerate_configs/)"),
+    Rule("fsdp", lambda r, _: bool(r.model.tiled_mlp),
+         "model.tiled_mlp runs on one process or under DDP; this launch shards the model (FSDP or tensor "
+         "parallelism), which it has not been tested with. Set model.tiled_mlp=null, or launch with a DDP config "
+         "(accelerate_configs/)"),
+    Rule("fsdp", _kto_copy,
+         "kto: a full fine-tune (no lora: section) keeps a frozen copy of the starting model as its reference, whole "
+         "on every process, and this launch shards the model (FSDP or tensor parallelism), which a whole copy would "
+         "undo. Add a lora: section (the reference is then the model with its adapter disabled, no copy), or launch "
+         "one process or DDP (accelerate_configs/ddp.yaml)"),
+    Rule("sp", lambda r, _: r.model.attn_implementation not in ("auto", "varlen"),
+         "{key} runs llmtrain's varlen attention on the gathered sequence; model.attn_implementation={attn} is "
+         "refused. Set it to auto"),
+    Rule("sp", lambda r, _: r.model.compile, "{key} with model.compile is untested; set model.compile=false"),
+    Rule("pp", lambda r, _: r.model.attn_implementation not in ("auto", "varlen"),
+         "{key} attends within each packed row's examples with llmtrain's varlen attention (the boundaries travel to "
+         "every stage); set model.attn_implementation=auto or varlen"),
+    Rule("pp", _pp_budget,
+         "{key} sends each micro-batch's hidden states between stages in buffers of one fixed shape: every "
+         "micro-batch is one packed row of train.micro_batch_tokens slots (padded to it). Set "
+         "train.micro_batch_tokens (e.g. 4096) instead of train.micro_batch_size"),
+    Rule("pp", _pp_accum,
+         "{key} with pipeline_schedule={schedule}: torch's schedule needs at least as many micro-batches a step as "
+         "stages, and train.grad_accum_steps={accum}. Set train.grad_accum_steps to {pp} or more (more shrink the "
+         "bubble), or use gpipe"),
+    Rule("pp", _pp_rounds,
+         "{key} with interleaved_1f1b runs {rounds} rounds of micro-batches, which train.grad_accum_steps={accum} "
+         "does not divide into: set it to a multiple of {pp}"),
+    Rule("pp", lambda r, _: r.data.eval_split is not None and r.train.eval_batch_size is not None,
+         "{key} evaluates through the stages in rows of train.micro_batch_tokens slots, as it trains (one fixed "
+         "shape): unset train.eval_batch_size"),
+    Rule("pp", lambda r, _: r.train.eval_samples > 0,
+         "{key} holds each stage on its own processes, and generating samples needs the whole model on one: set "
+         "train.eval_samples=0, and sample from final/ after the run"),
+    Rule("pp", lambda r, _: r.train.mixed_precision == "fp16",
+         "{key} runs in fp32 or bf16; fp16's loss scaling is not built for pipeline stages. Set "
+         "train.mixed_precision=bf16"),
+    Rule("pp", lambda r, layout: layout.fsdp and r.model.quantize is not None,
+         "{key} with a 4-bit base (model.quantize) runs on a plain multi-process launch (accelerate_configs/ddp.yaml): "
+         "a QLoRA stage under FSDP is untested. The adapters are small, so the stages' replicas lose little by not "
+         "sharding"),
+)
+
+
+def _key(parallelism: str, recipe, layout: Layout) -> str:
+    if parallelism == "sp":
+        return f"parallel.sequence_parallel={recipe.parallel.sequence_parallel}"
+    if parallelism == "pp":
+        return f"parallel.pipeline_parallel={recipe.parallel.pipeline_parallel}"
+    if parallelism == "tp":
+        return f"tensor parallelism (parallelism_config_tp_size: {layout.tp} in {layout.where})"
+    return NAMES[parallelism]
+
+
+def _fill(text: str, parallelism: str, recipe, layout: Layout) -> str:
+    m, p = recipe.train.grad_accum_steps, recipe.parallel.pipeline_parallel
+    return text.format(key=_key(parallelism, recipe, layout), attn=recipe.model.attn_implementation,
+                       schedule=recipe.parallel.pipeline_schedule, accum=m, pp=p, rounds=max(1, m // p))
+
+
+def cell(mode: str, parallelism: str) -> str | None:
+    """Why `mode` does not train on `parallelism` (None: it does, where the rules and the model allow)."""
+    return MODES[mode].refused.get(parallelism)
+
+
+# --------------------------------------------------------------------------- collecting the problems
+
+
+def recipe_problems(recipe) -> list[str]:
+    """Every problem the recipe alone shows: its sections against its data and batch, the mode's own settings, and
+    its sequence and pipeline degrees (the parts of a layout a recipe sets). The schema asks it (config.Recipe)."""
+    if found := _section_problems(recipe):  # which mode it is, first: the rest depends on it
+        return found
+    return _mode_problems(recipe) + problems(recipe, Layout.from_recipe(recipe))
+
+
+def problems(recipe, layout: Layout, *, model=None) -> list[str]:
+    """Every problem of `recipe` on `layout` (and, given its config, `model`), each one sentence naming the key and
+    what to use instead: the layout's degrees, the mode's cells, each parallelism's rules. A parallelism whose cell
+    refuses the mode adds nothing more: its own demands would only send the user between refusals."""
+    mode = mode_of(recipe)
+    out = layout.problems()
+    refused = set()
+    for parallelism in layout.parallelisms:
+        if (why := cell(mode, parallelism)) is not None:
+            refused.add(parallelism)
+            out.append(f"{_key(parallelism, recipe, layout)} trains {_trained_by(parallelism)}; "
+                       f"{MODES[mode].name} is refused: {why}")
+    for rule in RULES:
+        if rule.parallelism in layout.parallelisms and rule.parallelism not in refused and rule.applies(recipe, layout):
+            text = _fill(rule.reason, rule.parallelism, recipe, layout)
+            if text not in out:
+                out.append(text)
+    if model is not None:
+        out += [p for p in model_problems(recipe, layout, model) if p not in out]
+    return out
+
+
+def _trained_by(parallelism: str) -> str:
+    modes = [m.name for m in MODES.values() if parallelism not in m.refused]
+    return " and ".join([", ".join(modes[:-1]), modes[-1]] if len(modes) > 1 else modes)
+
+
+def model_problems(recipe, layout: Layout, config) -> list[str]:
+    """What the layout refuses of the model itself (`config`: its transformers config): heads a sequence or a
+    tensor-parallel group cannot split, fewer layers than stages, a tied embedding in a pipeline."""
+    out = []
+    heads = config.num_attention_heads
+    kv = getattr(config, "num_key_value_heads", None) or heads
+    if (n := layout.sp) > 1:
+        key = f"parallel.sequence_parallel={n}"
+        if heads % n:
+            out.append(f"{key}: the model's {heads} attention heads do not split into {n} equal groups; set "
+                       f"parallel.sequence_parallel to a divisor of {heads}")
+        elif kv % n and n % kv:
+            out.append(f"{key}: the model's {kv} key/value heads neither split into {n} groups nor divide {n} (to be "
+                       f"replicated); set parallel.sequence_parallel to a divisor or a multiple of {kv} that divides "
+                       f"{heads}")
+    if (tp := layout.tp) > 1:
+        for name, n in (("num_attention_heads", heads), ("num_key_value_heads", kv),
+                        ("intermediate_size", getattr(config, "intermediate_size", tp))):
+            if n % tp:
+                out.append(f"tensor parallelism over {tp} processes splits the model's {name} ({n}) evenly, and {n} "
+                           f"is not a multiple of {tp}: set parallelism_config_tp_size to a divisor of {n}")
+    if (p := layout.pp) > 1:
+        key, total = f"parallel.pipeline_parallel={p}", p * recipe.parallel.stages_per_rank
+        if config.num_hidden_layers < total:
+            out.append(f"{key}: {total} pipeline stages need at least one decoder layer each: the model has "
+                       f"{config.num_hidden_layers}; lower parallel.pipeline_parallel (or pipeline_chunks)")
+        if getattr(config, "tie_word_embeddings", False):
+            out.append(f"{key}: this model ties its input embedding to its output head (tie_word_embeddings), and "
+                       "the first and the last stage would each hold and update their own copy of that one weight. "
+                       "Train it with FSDP (accelerate_configs/fsdp.yaml) or DDP instead")
+    return out
+
+
+def check(recipe, layout: Layout, *, model=None) -> None:
+    """Refuse the recipe on the layout with every problem in one paragraph (LLMTrainError, exit 2)."""
+    if found := problems(recipe, layout, model=model):
+        raise LLMTrainError(paragraph(found))
+
+
+def paragraph(found: list[str]) -> str:
+    """Problems as one paragraph: the one, or each numbered."""
+    found = [p.rstrip(".") for p in found]
+    if len(found) == 1:
+        return found[0] + "."
+    return f"{len(found)} problems: " + " ".join(f"({i}) {p}." for i, p in enumerate(found, 1))
+
+
+# --------------------------------------------------------------------------- a mode's own settings
+
+
+def _section_problems(recipe) -> list[str]:
+    """The recipe's objective sections against each other and its data.format (the table's formats)."""
+    given = [s for s in _SECTIONS if getattr(recipe, s) is not None]
+    fmt = recipe.data.format
+    if "distill" in given and len(given) > 1:
+        return ["distill: is a training objective of its own; remove the preference:, kto: or rl: section"]
+    if "reward_model" in given and "preference" in given:
+        return ["reward_model: trains a scoring head on the pairs and preference: a policy on them; one run does one "
+                "of the two. Remove one section"]
+    if len(given) > 1:
+        return [f"one run trains one objective, and this recipe has {' and '.join(_SECTIONS[s] for s in given)}: "
+                "remove all but one"]
+    mode = MODES[mode_of(recipe)]
+    if fmt not in mode.formats:
+        if mode.key == "distill":
+            return [f"distill: needs rows with a prompt and a completion (data.format prompt_completion, messages or "
+                    f"alpaca): the prompt is what the student completes, and the data's completion is what it trains "
+                    f"on at off-policy steps; data.format={fmt} has none. Convert the rows, or set data.format"]
+        return [_FORMAT_HINT.get(fmt if mode.key == "sft" else mode.formats[0])]
+    return []
+
+
+def _mode_problems(recipe) -> list[str]:
+    """The mode's batch unit and evaluation (the table's), and the settings each mode reads (moved here from the
+    schema's validators, collected rather than stopping at the first)."""
+    mode = MODES[mode_of(recipe)]
+    out = []
+    t = recipe.train
+    if t.micro_batch_tokens is not None and not mode.token_budget:
+        out.append({"kto": "kto: a micro-batch is train.micro_batch_size examples, each with its KL sequence (its "
+                           "prompt and the previous example's completion); unset train.micro_batch_tokens",
+                    "distill": "distill: a micro-batch is train.micro_batch_size prompts, whose completions the "
+                               "student samples; unset train.micro_batch_tokens"}.get(
+            mode.key, "rl: a micro-batch is train.micro_batch_size prompts, each with rl.num_generations completions "
+                      "packed padding-free into one row; unset train.micro_batch_tokens (a token budget for the "
+                      "update's passes is rl.micro_batch_tokens)"))
+    if t.eval_samples and not mode.samples:
+        out.append("reward_model: the model scores sequences and has no LM head to generate eval samples with; set "
+                   "train.eval_samples=0")
+    if recipe.data.train_on_prompt and mode.key in ("kto", "distill"):
+        out.append("kto: compares the log-probabilities of the completions only; unset data.train_on_prompt"
+                   if mode.key == "kto" else
+                   "distill: matches the teacher on completion tokens only; unset data.train_on_prompt")
+    if (p := recipe.preference) is not None and p.reference == "adapter" and recipe.lora is None:
+        out.append("preference.reference: adapter disables the LoRA adapter, and this recipe has no lora: section; "
+                   "use precomputed (or auto) for a full fine-tune")
+    if (k := recipe.kto) is not None and k.loss_type == "kto" and t.micro_batch_size < 2:
+        out.append("kto.loss_type: kto estimates the KL term from mismatched pairs within a micro-batch, so it needs "
+                   "train.micro_batch_size of at least 2 (with 1, the KL term would be the implied reward itself, as "
+                   "TRL says)")
+    if (rl := recipe.rl) is not None:
+        if rl.beta > 0 and recipe.lora is None:
+            default = " (rl.algorithm: rloo's default, TRL's)" if rl.algorithm == "rloo" else ""
+            out.append(f"rl.beta={rl.beta}{default} needs the starting model as a reference; a LoRA run has it for "
+                       "free (the adapter disabled), a full fine-tune would need a second, frozen copy of the "
+                       "weights, which llmtrain does not build. Set rl.beta=0 (no KL penalty), or add a lora: section")
+        if rl.micro_batch_tokens is not None and rl.micro_batch_tokens < recipe.data.max_seq_len:
+            out.append(f"rl.micro_batch_tokens={rl.micro_batch_tokens} is below data.max_seq_len="
+                       f"{recipe.data.max_seq_len}: a prompt and its completion are never split over two passes, so "
+                       f"the budget must hold the longest. Set rl.micro_batch_tokens to at least "
+                       f"{recipe.data.max_seq_len}")
+    return out
+
+
+# --------------------------------------------------------------------------- the table, as docs/scaling.md prints it
+
+
+def table_markdown() -> str:
+    """The mode x parallelism table: 'trains' or 'refused' with the reason's first clause; the rules below it."""
+    head = "| mode | data formats | batch unit | token budget | " + " | ".join(NAMES[p] for p in PARALLELISMS) + " |"
+    rows = [head, "|" + " --- |" * (4 + len(PARALLELISMS))]
+    for m in MODES.values():
+        cells = [("trains" if (why := m.refused.get(p)) is None else f"refused: {why.split('. ')[0]}")
+                 for p in PARALLELISMS]
+        rows.append(f"| {m.name} | {', '.join(m.formats)} | {m.unit} | {'yes' if m.token_budget else 'no'} | "
+                    + " | ".join(cells) + " |")
+    rules = [f"- {NAMES[r.parallelism]}: {r.reason.split('. ')[0].replace('{key}', NAMES[r.parallelism])}"
+             .replace("{attn}", "other").replace("{schedule}", "1f1b").replace("{accum}", "m").replace("{pp}", "P")
+             .replace("{rounds}", "m / P") for r in RULES]
+    return "\n".join(rows) + "\n\nWhat each parallelism refuses of any mode:\n\n" + "\n".join(rules) + "\n"
