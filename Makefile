@@ -74,7 +74,7 @@ test: install
 DIST_TESTS := tests/test_fsdp.py tests/test_hsdp.py tests/test_ddp.py tests/test_tp.py tests/test_scaleout.py \
 	tests/test_mesh.py tests/test_launch.py tests/test_grpo.py tests/test_grpo_run.py tests/test_fast_sample.py \
 	tests/test_samples.py tests/test_sequence_parallel.py tests/test_pipeline.py tests/test_kto_run.py \
-	tests/test_rloo.py tests/test_distill.py tests/test_reward_model.py
+	tests/test_rloo.py tests/test_distill.py tests/test_reward_model.py tests/test_capabilities.py
 DIST_PY = $(if $(filter command line environment,$(origin PY)),$(PY),$(BIN)/python)
 
 test-dist:

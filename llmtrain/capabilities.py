@@ -387,7 +387,7 @@ def table_markdown() -> str:
                  for p in PARALLELISMS]
         rows.append(f"| {m.name} | {', '.join(m.formats)} | {m.unit} | {'yes' if m.token_budget else 'no'} | "
                     + " | ".join(cells) + " |")
-    rules = [f"- {NAMES[r.parallelism]}: {r.reason.split('. ')[0].replace('{key}', NAMES[r.parallelism])}"
+    rules = [f"- {NAMES[r.parallelism]}: {r.reason.split('. ')[0].replace('{key}', 'it')}"
              .replace("{attn}", "other").replace("{schedule}", "1f1b").replace("{accum}", "m").replace("{pp}", "P")
              .replace("{rounds}", "m / P") for r in RULES]
     return "\n".join(rows) + "\n\nWhat each parallelism refuses of any mode:\n\n" + "\n".join(rules) + "\n"

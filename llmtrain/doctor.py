@@ -58,16 +58,22 @@ def check_layout(recipe: Recipe, launch: dict, *, where: str = "the launch confi
     """The recipe on the launch's layout, as `llmtrain launch` and every process of finetune check it
     (capabilities.py: the training mode's cell, each parallelism's rules, the mesh and degrees, and what they ask of
     the model's heads and layers). Without a launch config, the layout the recipe alone sets (its processes unknown)."""
+    from types import SimpleNamespace
+
     from llmtrain import capabilities
     from llmtrain.layout import Layout
-    from llmtrain.model.modeling import load_model_config
+    from llmtrain.memory.params import load_model_shape
 
     layout = Layout.from_launch(launch, recipe, where=where) if launch else Layout.from_recipe(recipe)
     found = capabilities.problems(recipe, layout)
     unknown = ""
     if layout.splits_the_model and not found:
-        try:
-            found = capabilities.problems(recipe, layout, model=load_model_config(recipe.model))
+        try:  # the model's config (a folder, a preset, a built-in hub id) as far as the layout reads it
+            shape = load_model_shape(recipe.model.name_or_path)
+            config = SimpleNamespace(num_attention_heads=shape.heads, num_key_value_heads=shape.kv_heads,
+                                     num_hidden_layers=shape.layers, intermediate_size=shape.intermediate,
+                                     tie_word_embeddings=shape.tied)
+            found = capabilities.problems(recipe, layout, model=config)
         except LLMTrainError as e:
             unknown = f"; the model's heads and layers are not known ({e})"
     if found:

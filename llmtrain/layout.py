@@ -8,8 +8,9 @@ processes, the nodes, FSDP and its mesh (accelerate's parallelism_config: replic
 sp and pp. `Layout.problems` checks the degrees once, all of them together: the product of the mesh equals the
 processes, each degree divides what it must, and the dimensions that do not compose are not asked for together.
 
-Three places build one: `llmtrain launch` and `llmtrain doctor` from the launch config and its flags
-(`from_launch`), and every process of `finetune` from the variables `accelerate launch` set (`from_environment`).
+`llmtrain launch` and `llmtrain doctor` build one from the launch config and its flags (`from_launch`), every
+process of `finetune` from the variables `accelerate launch` set (`from_environment`), and `estimate-memory` from the
+strategy it estimates (`of_strategy`).
 What each training mode runs on each layout is capabilities.py's table.
 
 May import: the schema (`config`, `errors`) only.
@@ -63,6 +64,14 @@ class Layout:
                    replicate=sizes.get("dp_replicate", 1), shard=sizes.get("dp_shard", 1), tp=sizes.get("tp", 1),
                    cp=sizes.get("cp", 1), accelerate_sp=sizes.get("sp", 1), sp=recipe.parallel.sequence_parallel,
                    pp=recipe.parallel.pipeline_parallel, where=where)
+
+    @classmethod
+    def of_strategy(cls, recipe, strategy: str, *, gpus: int, nodes: int = 1, tp: int = 1) -> Layout:
+        """As estimate-memory names a launch: single, ddp, fsdp or hsdp (replicas = nodes) on `gpus` a node, x `tp`."""
+        world, hsdp = gpus * nodes, strategy == "hsdp"
+        return cls(processes=world, nodes=nodes, fsdp=strategy in ("fsdp", "hsdp"), mesh=hsdp or tp > 1,
+                   replicate=nodes if hsdp else 1, shard=world // (nodes if hsdp else 1) // tp, tp=tp,
+                   sp=recipe.parallel.sequence_parallel, pp=recipe.parallel.pipeline_parallel, where="the estimate")
 
     @classmethod
     def from_environment(cls, recipe, environ=None) -> Layout:

@@ -12,7 +12,7 @@ from conftest import REPO
 from helpers import estimate_memory, write_recipe
 
 from llmtrain.config import load_recipe
-from llmtrain.doctor import check_batch, check_sequence_parallel, run_doctor
+from llmtrain.doctor import check_batch, check_layout, check_sequence_parallel, run_doctor
 from llmtrain.errors import LLMTrainError
 from llmtrain.memory import activations as act
 from llmtrain.memory.comms import Network, sequence_traffic, step_traffic
@@ -186,12 +186,12 @@ def test_doctor_checks_the_heads_and_the_processes_against_n():
     (name, status, detail), = check_sequence_parallel(recipe, {"num_processes": 16})
     assert (name, status) == ("sequence parallelism", "pass")
     assert "16 processes = 2 groups of 8" in detail and "4 of the 32 query heads and 1 K/V head(s)" in detail
-    (name, status, detail), = check_sequence_parallel(recipe, {"num_processes": 12})
-    assert status == "fail" and "whole groups of 8, and it has 12" in detail
+    (name, status, detail), = check_layout(recipe, {"num_processes": 12})
+    assert status == "fail" and "splits each sequence over 8 processes, but the launch has 12" in detail
+    assert check_sequence_parallel(recipe, {"num_processes": 12}) == []  # the layout row says it
     assert check_batch(recipe, {"num_processes": 16})[0][2].startswith("2 data-parallel ranks x 131072 tokens")
-    (name, status, detail), = check_sequence_parallel(load_recipe(LONG, ["parallel.sequence_parallel=3"]),
-                                                      {"num_processes": 6})
-    assert status == "fail" and "must divide the model's 32 query heads" in detail
+    (name, status, detail), = check_layout(load_recipe(LONG, ["parallel.sequence_parallel=3"]), {"num_processes": 6})
+    assert status == "fail" and "the model's 32 attention heads do not split into 3 equal groups" in detail
     sixteen = check_sequence_parallel(load_recipe(LONG, ["parallel.sequence_parallel=16"]), {"num_processes": 16})
     assert sixteen[0][1] == "pass" and "each of 8 repeated 2 times" in sixteen[0][2]
     assert check_sequence_parallel(load_recipe(LONG), {"num_processes": 8}) == []
@@ -207,4 +207,4 @@ def test_doctor_runs_the_row_and_counts_the_groups_as_data_ranks(tiny_assets, tm
     assert got["sequence parallelism"][0] == "pass" and "8 processes = 4 groups of 2" in got["sequence parallelism"][1]
     assert got["global batch"][1].startswith("4 data-parallel ranks x 4 examples")
     assert got["memory"][0] == "pass"
-    assert check_sequence_parallel(recipe, {"num_processes": 3})[0][1] == "fail"
+    assert check_layout(recipe, {"num_processes": 3})[0][1] == "fail"

@@ -223,7 +223,9 @@ def _render(est, advice: str, traffic, launch_mp: str | None, result, *, global_
 
 def _from_recipe(recipe: Path, overrides, run: dict, launch: dict):
     """(shape, spec, global batch kept by --fit, what --fit names, assumptions) of a recipe and its overrides."""
+    from llmtrain import capabilities
     from llmtrain.config import load_recipe
+    from llmtrain.layout import Layout
     from llmtrain.memory.params import reads_hub, recipe_model_shape
     from llmtrain.memory.spec import spec_from_recipe
 
@@ -237,6 +239,11 @@ def _from_recipe(recipe: Path, overrides, run: dict, launch: dict):
     ask_hub(config, *prompts)
     lengths, unread = rl_prompt_lengths(r) if r.rl is not None else (None, None)
     spec = spec_from_recipe(r, prompt_lengths=lengths, **launch)
+    if found := capabilities.problems(r, Layout.of_strategy(r, spec.strategy, gpus=spec.num_gpus,
+                                                            nodes=spec.num_nodes, tp=spec.tp)):
+        raise LLMTrainError(f"{recipe} would be refused on {spec.num_gpus * spec.num_nodes} GPUs ({spec.strategy}"
+                            f"{f' x TP {spec.tp}' if spec.tp > 1 else ''}), so there is no run to estimate: "
+                            + capabilities.paragraph(found))
     # kept by --fit: examples per step, or tokens per step with a budget
     global_batch = (r.train.micro_batch_tokens or r.train.micro_batch_size) * r.train.grad_accum_steps * \
         spec.data_ranks

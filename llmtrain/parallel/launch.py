@@ -19,7 +19,7 @@ from llmtrain.errors import LLMTrainError
 # distributed_type values llmtrain trains (the others run another engine, or a device it is not tested on)
 DISTRIBUTED = {"NO", "MULTI_GPU", "MULTI_CPU", "FSDP"}
 # parallelism_config keys accelerate 1.15 knows; llmtrain honours the first three (cp/sp above 1 are refused by
-# mesh.check_mesh with their own reason), the others only matter with cp or sp above 1.
+# layout.Layout with their own reason), the others only matter with cp or sp above 1.
 MESH_KEYS = {"dp_replicate_size", "dp_shard_size", "tp_size", "cp_size", "sp_size", "cp_backend", "cp_comm_strategy",
              "sp_backend", "sp_seq_length", "sp_seq_length_is_variable", "sp_attn_implementation"}
 NOT_IMPLEMENTED = {"pp": "pipeline parallelism", "ep": "expert parallelism"}  # what an unknown size key asks for
