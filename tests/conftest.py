@@ -15,7 +15,8 @@ GSM8K = SHARED / "data" / "gsm8k"
 # The files of long multi-process and end-to-end tests, longest first (about 4 minutes down to 20 s on 2 cores).
 LONG_FILES = ["test_pipeline.py", "test_fsdp.py", "test_tp.py", "test_hsdp.py", "test_preemption.py",
               "test_preference.py", "test_rundir.py", "test_scaleout.py", "test_grpo_run.py", "test_kto_run.py",
-              "test_vs_hf.py", "test_comms_measured.py", "test_capabilities.py", "test_qlora.py", "test_durability.py", "test_ddp.py",
+              "test_vs_hf.py", "test_comms_measured.py", "test_capabilities.py", "test_qlora.py", "test_durability.py",
+              "test_ddp.py",
               "test_cli.py"]
 
 
