@@ -89,7 +89,7 @@ class Layout:
                    fsdp=env.get("ACCELERATE_USE_FSDP", "false").lower() == "true", mesh=mesh,
                    replicate=size("dp_replicate"), shard=size("dp_shard"), tp=size("tp"), cp=size("cp"),
                    accelerate_sp=size("sp"), sp=recipe.parallel.sequence_parallel,
-                   pp=recipe.parallel.pipeline_parallel, where="this launch")
+                   pp=recipe.parallel.pipeline_parallel, where="the launch config")
 
     # ------------------------------------------------------------------ what it is
 
