@@ -113,13 +113,15 @@ def test_the_stages_refuse_a_model_without_llmtrains_varlen_attention(tiny_asset
     from transformers import AutoConfig, AutoModelForCausalLM
 
     from llmtrain.loop.pipeline import Pipeline
+    from llmtrain.parallel.pipeline import PipelineGroup
 
     config = AutoConfig.from_pretrained(tiny_assets / "model")
     config._attn_implementation = "sdpa"
     model = AutoModelForCausalLM.from_config(config)
     parallel = load_recipe(write_recipe(tiny_assets, tmp_path, **PIPE), ["parallel.pipeline_parallel=2"]).parallel
     with pytest.raises(LLMTrainError, match="llmtrain's varlen attention"):
-        Pipeline(model, parallel=parallel, micro_batches=4, slots=64, pad_id=0, device=torch.device("cpu"))
+        Pipeline(model, parallel=parallel, micro_batches=4, slots=64, pad_id=0, device=torch.device("cpu"),
+                 group=PipelineGroup(size=2))
 
 
 # --------------------------------------------------------------------------- through accelerate launch

@@ -50,6 +50,7 @@ from llmtrain.parallel import sequence
 from llmtrain.parallel.accelerator import use_fused_adamw
 from llmtrain.parallel.collectives import global_sum
 from llmtrain.parallel.fsdp import receives_weights, shard_frozen, uses_fsdp
+from llmtrain.parallel.groups import groups
 from llmtrain.parallel.mesh import data_ranks, mesh_line, tensor_parallel_size
 from llmtrain.parallel.pipeline import read_stages
 from llmtrain.parallel.tensor import apply_tensor_parallel
@@ -272,7 +273,7 @@ def build_model(recipe: Recipe, accelerator, *, total_steps: int, say, pad: int 
         say(f"tensor parallelism: {layers} linear layers split over {tp} processes "
             f"(PyTorch parallelize_module, the model's own plan)")
     if (sp := recipe.parallel.sequence_parallel) > 1:  # the Ulysses attention (its head counts: read_only_checks)
-        ulysses.attach(model, size=sp, group=sequence.sequence_group().group)
+        ulysses.attach(model, size=sp, group=groups(accelerator).sequence.group)
         say(sequence.describe(sp, accelerator.num_processes))
     fused_ce = fused_linear_cross_entropy(recipe.model, accelerator.device)  # None unless liger is in use
     if recipe.reward_model is not None:  # a score head: one hidden state per sequence, no LM head, no logits
@@ -305,7 +306,7 @@ def build_model(recipe: Recipe, accelerator, *, total_steps: int, say, pad: int 
         plugin = accelerator.state.fsdp_plugin if uses_fsdp(accelerator) else None
         stages = Pipeline(model, parallel=recipe.parallel, micro_batches=tc.grad_accum_steps,
                           slots=tc.micro_batch_tokens, pad_id=pad, device=accelerator.device,
-                          fsdp=None if plugin is None else plugin.mixed_precision_policy or True,
+                          group=groups(accelerator).pipeline, fsdp=None if plugin is None else plugin.mixed_precision_policy or True,
                           precision=accelerator.autocast)
         say(stages.describe())
     optimizer = build_optimizer(model, lr=tc.lr, weight_decay=tc.weight_decay, betas=tc.betas, eps=tc.eps,

@@ -28,7 +28,7 @@ from llmtrain.model.attention import NAME as VARLEN
 from llmtrain.model.loss import causal_lm
 from llmtrain.model.stages import Elsewhere, Stage, cut_points, skeleton
 from llmtrain.objectives.objective import eval_counts
-from llmtrain.parallel.pipeline import clip_grad_norm_, pipeline_group, sum_replicas
+from llmtrain.parallel.pipeline import PipelineGroup, clip_grad_norm_, sum_replicas
 from llmtrain.parallel.stages import rank_stages, stage_layers
 
 SCHEDULES = {"gpipe": "ScheduleGPipe", "1f1b": "Schedule1F1B", "interleaved_1f1b": "ScheduleInterleaved1F1B"}
@@ -37,16 +37,17 @@ SCHEDULES = {"gpipe": "ScheduleGPipe", "1f1b": "Schedule1F1B", "interleaved_1f1b
 class Pipeline:
     """This process's stages of the model and the schedule that runs a window through them."""
 
-    def __init__(self, model, *, parallel, micro_batches: int, slots: int, pad_id: int, device, fsdp=None,
-                 precision=nullcontext):
+    def __init__(self, model, *, parallel, micro_batches: int, slots: int, pad_id: int, device,
+                 group: PipelineGroup, fsdp=None, precision=nullcontext):
         """`fsdp`: None, or the FSDP launch's MixedPrecisionPolicy (or True without one): each stage is then sharded
         over its replicas (FSDP2's fully_shard on each decoder layer and on the stage), kept unsharded between its
         forward and backward as torchtitan does under pipelining (reshard_after_forward=False: the schedule runs
         several micro-batches' forwards before their backwards). `precision`: the run's autocast, around each
-        stage's forward and the loss (the stages are not prepared by Accelerate, which would put it there)."""
+        stage's forward and the loss (the stages are not prepared by Accelerate, which would put it there). `group`:
+        this process's pipeline (parallel/groups.py)."""
         from torch.distributed import pipelining
 
-        g = pipeline_group()
+        g = self.group = group
         lm = causal_lm(model)
         config = lm.config
         # a tied embedding, too few layers: refused with the rest of the layout (capabilities.model_problems)
@@ -95,7 +96,7 @@ class Pipeline:
         self.evaluating = False
 
     def describe(self) -> str:
-        g = pipeline_group()
+        g = self.group
         runs = ", ".join(f"stage {s}: layers {r.start}-{r.stop - 1}" for s, r in self.layers.items())
         replicas = (f" x {g.replicas} {'FSDP shards' if self.sharded else 'replicas'}" if g.replicas > 1 else "")
         return (f"pipeline parallelism: {g.size} stages{replicas}; this process: {runs} "
@@ -172,13 +173,13 @@ class Pipeline:
         loss (0 except on the last stage). `scale`: 1 / the window's loss units over every pipeline."""
         stacked = self._rows(batches)  # a short window (the end of the data): filled with rows that train nothing
         # FSDP's reduce-scatter averages the replicas' gradients, where the loss wants their sum
-        self.scale, self.sums = scale * (pipeline_group().replicas if self.sharded else 1), []
+        self.scale, self.sums = scale * (self.group.replicas if self.sharded else 1), []
         args = (stacked["input_ids"].to(self.device),) if self.first else ()
         self.schedule.step(*args, target=stacked["targets"].to(self.device),
                            position_ids=stacked["position_ids"].to(self.device),
                            cu_seq_lens=stacked["cu_seq_lens"])  # the boundaries stay on the CPU (each stage trims them)
         if not self.sharded:
-            sum_replicas(self.parameters())
+            sum_replicas(self.parameters(), self.group)
         # the last M calls are the micro-batches': on its first step torch (2.13) also calls the loss function on
         # placeholder tensors to infer the gradients' shapes
         return torch.stack(self.sums[-self.micro_batches:]).sum() if self.sums else torch.zeros((), device=self.device)
@@ -192,4 +193,4 @@ class Pipeline:
                     yield p
 
     def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
-        return clip_grad_norm_(list(self.parameters()), max_norm, self.device, sharded=self.sharded)
+        return clip_grad_norm_(list(self.parameters()), max_norm, self.device, sharded=self.sharded, g=self.group)

@@ -26,8 +26,8 @@ from llmtrain.loop.determinism import sampling_warn_only
 from llmtrain.objectives.objective import Objective
 from llmtrain.parallel.collectives import data_sum
 from llmtrain.parallel.fsdp import accumulating
+from llmtrain.parallel.groups import groups
 from llmtrain.parallel.mesh import data_ranks, tensor_parallel_size
-from llmtrain.parallel.pipeline import pipeline_parallel_size
 
 
 @dataclass(frozen=True)
@@ -61,7 +61,7 @@ def train_step(model, optimizer, scheduler, accelerator, objective: Objective, w
         counts = accelerator.reduce(counts.to(accelerator.device, non_blocking=True), reduction="sum")
         # Each TP group's processes hold the same window: its counts are in the sum tp times (the stop votes are
         # summed over every process, so that a TP group never splits over a signal).
-        counts[:-1] /= tensor_parallel_size(accelerator) * pipeline_parallel_size()  # a pipeline's stages too
+        counts[:-1] /= tensor_parallel_size(accelerator) * groups(accelerator).pipeline.size  # a pipeline's stages too
         denominator = counts[0].clamp(min=1.0).float()  # stays on the device: no host sync
     loss_sum, stats_sum = torch.zeros((), device=accelerator.device), None
     if pipeline is not None:  # the schedule runs every micro-batch; the replicas' gradients are summed after it

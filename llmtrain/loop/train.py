@@ -46,6 +46,7 @@ from llmtrain.objectives.objective import Objective, objective_for, rl_rewards
 from llmtrain.objectives.sequence import SequenceShards
 from llmtrain.parallel.accelerator import build_accelerator
 from llmtrain.parallel.collectives import device_sum, gathered
+from llmtrain.parallel.groups import groups
 from llmtrain.parallel.mesh import data_ranks
 from llmtrain.parallel.pipeline import gather_state_dict, write_stage
 from llmtrain.run.checkpoint import save_checkpoint
@@ -105,7 +106,7 @@ def _train(recipe: Recipe, accelerator, console: RunConsole, cleanup: ExitStack,
                                   rewards=rewards, gather=partial(gathered, accelerator),
                                   reduce=partial(device_sum, accelerator), teacher=teacher)
         if recipe.parallel.sequence_parallel > 1:  # each process of a sequence group collates its slice of the row
-            objective = SequenceShards(objective, pad_id=data.pad_id)
+            objective = SequenceShards(objective, pad_id=data.pad_id, group=groups(accelerator).sequence)
         data = reference_logps(recipe, accelerator, data, trainable, objective, console=console)  # preference only
         run_dir = claim_run_dir(recipe, accelerator, console, checkpoint=checked.checkpoint, resume=resume,
                                 overwrite=overwrite)
@@ -271,6 +272,7 @@ def save(run: Run, state: TrainState, meter: Meter) -> Path:
                            keep_last=run.recipe.checkpoint.keep_last, model_keys=set(run.model.model_keys),
                            trainable=set(trainable) if trainable else None,
                            write_stage=partial(write_stage, model=run.model.model, optimizer=run.model.optimizer,
+                                               g=groups(run.accelerator).pipeline,
                                                trainable_only=run.recipe.lora is not None)
                            if run.model.pipeline is not None else None)
 
@@ -280,7 +282,8 @@ def finish(run: Run, state: TrainState, meter: Meter, evals: list[dict], est) ->
     accelerator, out, say, m = run.accelerator, run.out, run.console.say, run.model
     if run.recipe.checkpoint.save_final:
         check_finite_weights(accelerator, m.model, state.step)
-        whole = (gather_state_dict(m.model, trainable_only=run.recipe.lora is not None) if m.pipeline is not None
+        whole = (gather_state_dict(m.model, g=groups(accelerator).pipeline, trainable_only=run.recipe.lora is not None)
+                 if m.pipeline is not None
                  else None)  # the stages' weights, gathered: final/ holds the whole model
         with m.pipeline.whole() if m.pipeline is not None else nullcontext():
             save_final(accelerator, m.model, run.data.tokenizer, out / "final", state_dict=whole)

@@ -3,11 +3,13 @@ slice of the group's packed row (`shard_batch`), and the eval's per-example sums
 
 from __future__ import annotations
 
+from functools import partial
+
 import torch
 
 from llmtrain.data.batching import Counts
 from llmtrain.errors import LLMTrainError
-from llmtrain.parallel.sequence import sequence_group
+from llmtrain.parallel.sequence import SequenceGroup
 
 
 def shard_batch(batch: dict, counts: Counts, *, size: int, rank: int, pad_id: int) -> tuple[dict, Counts]:
@@ -44,25 +46,23 @@ class SequenceShards:
     """An objective whose batches are this process's slices (`shard_batch`); everything else is the wrapped
     objective's. Its eval's per-example sums (teacher-forced matches) are summed over the sequence group first."""
 
-    def __init__(self, objective, *, pad_id: int):
-        self.objective, self.pad_id = objective, pad_id
-        objective.example_sum = example_sum
+    def __init__(self, objective, *, pad_id: int, group: SequenceGroup):
+        self.objective, self.pad_id, self.group = objective, pad_id, group
+        objective.example_sum = partial(example_sum, group=group)
 
     def __getattr__(self, name):
         return getattr(self.objective, name)
 
     def collate(self, examples: list[dict]):
         batch, counts = self.objective.collate(examples)
-        group = sequence_group()
-        return shard_batch(batch, counts, size=group.size, rank=group.rank, pad_id=self.pad_id)
+        return shard_batch(batch, counts, size=self.group.size, rank=self.group.rank, pad_id=self.pad_id)
 
 
-def example_sum(*per_example: torch.Tensor) -> tuple[torch.Tensor, ...]:
+def example_sum(*per_example: torch.Tensor, group: SequenceGroup) -> tuple[torch.Tensor, ...]:
     """Per-example sums over the sequence group, on its first process only (zeros on the others), so that a sum over
     every process counts each example once."""
     import torch.distributed as dist
 
     both = torch.stack(per_example)
-    group = sequence_group()
     dist.all_reduce(both, group=group.group)
     return tuple(both * (group.rank == 0))

@@ -19,8 +19,8 @@ from llmtrain import capabilities
 from llmtrain.config import Recipe
 from llmtrain.errors import LLMTrainError
 from llmtrain.layout import Layout
-from llmtrain.parallel import pipeline, sequence
 from llmtrain.parallel.fsdp import fsdp_precision
+from llmtrain.parallel.groups import make_groups
 from llmtrain.parallel.launch import check_parent_launch
 from llmtrain.parallel.mesh import requested_mesh
 
@@ -81,8 +81,9 @@ def build_accelerator(recipe: Recipe):
             os.environ["ACCELERATE_USE_PARALLELISM_CONFIG"] = "true"
     if fsdp_plugin is not None and accelerator.distributed_type.name == "MULTI_CPU":
         _fsdp_on_cpu(accelerator, fsdp_plugin)
-    sequence.setup(recipe.parallel.sequence_parallel)  # its process groups (1: none, and any earlier one forgotten)
-    pipeline.setup(recipe.parallel.pipeline_parallel)  # the pipelines and their stages' replicas (1: none)
+    # the sequence groups and the pipelines with their stages' replicas (1: none), kept with this run's Accelerator
+    accelerator.llmtrain_groups = make_groups(sequence_parallel=recipe.parallel.sequence_parallel,
+                                              pipeline_parallel=recipe.parallel.pipeline_parallel)
     if mesh_later:
         _attach_mesh(accelerator, mesh)
     if mesh is not None and mesh.tp_size > 1:

@@ -43,12 +43,12 @@ def data_ranks(accelerator) -> tuple[int, int]:
     process is a data rank; with it, the processes of a TP group (consecutive ranks: `tp` is the mesh's innermost
     dimension in Accelerate's order) read the same batch, and so do those of a sequence group (each keeps its slice)
     and the stages of a pipeline (parallel/pipeline.py)."""
-    from llmtrain.parallel.pipeline import pipeline_group
-    from llmtrain.parallel.sequence import sequence_parallel_size
+    from llmtrain.parallel.groups import groups
 
-    if (pipe := pipeline_group()).size > 1:  # a pipeline's stages read one batch: a data rank is a pipeline
+    run = groups(accelerator)
+    if (pipe := run.pipeline).size > 1:  # a pipeline's stages read one batch: a data rank is a pipeline
         return pipe.replicas, pipe.replica
-    group = tensor_parallel_size(accelerator) * sequence_parallel_size()  # one of the two is 1 (layout.py)
+    group = tensor_parallel_size(accelerator) * run.sequence.size  # one of the two is 1 (layout.py)
     return accelerator.num_processes // group, accelerator.process_index // group
 
 

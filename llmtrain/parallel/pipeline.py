@@ -32,24 +32,12 @@ class PipelineGroup:
     mesh: object = None  # the (pp, dp) DeviceMesh: FSDP shards a stage over its dp dimension
 
 
-_GROUP = PipelineGroup()
-
-
-def pipeline_group() -> PipelineGroup:
-    return _GROUP
-
-
-def pipeline_parallel_size() -> int:
-    return _GROUP.size
-
-
-def setup(size: int) -> None:
-    """Form the pipelines and their stages' replicas once the process group exists, as a (pp, dp) device mesh whose
-    dp dimension FSDP shards over when the launch asks for it (size 1: none, any earlier one forgotten)."""
-    global _GROUP
+def make_group(size: int) -> PipelineGroup:
+    """This process's pipeline and its stage's replicas, formed once the process group exists as a (pp, dp) device
+    mesh whose dp dimension FSDP shards over when the launch asks for it; size 1: none. Kept with the run's other
+    groups (parallel/groups.py), never in a module global."""
     if size == 1:
-        _GROUP = PipelineGroup()
-        return
+        return PipelineGroup()
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
 
@@ -58,15 +46,14 @@ def setup(size: int) -> None:
     # row-major: mesh[s][d] is rank s * replicas + d, stage s of pipeline d
     mesh = init_device_mesh("cuda" if torch.cuda.is_available() else "cpu", (size, replicas),
                             mesh_dim_names=("pp", "dp"))
-    _GROUP = PipelineGroup(size=size, rank=rank // replicas, replicas=replicas, replica=rank % replicas,
-                           group=mesh["pp"].get_group(), data_group=mesh["dp"].get_group(), mesh=mesh)
+    return PipelineGroup(size=size, rank=rank // replicas, replicas=replicas, replica=rank % replicas,
+                         group=mesh["pp"].get_group(), data_group=mesh["dp"].get_group(), mesh=mesh)
 
 
-def sum_replicas(params) -> None:
+def sum_replicas(params, g: PipelineGroup) -> None:
     """Data parallelism across pipelines: each stage's gradients summed over its replicas (one all-reduce a
     parameter; a parameter without a gradient on this replica, e.g. a placeholder row's, adds zeros). Not under
     FSDP, whose reduce-scatter does it."""
-    g = pipeline_group()
     if g.replicas == 1:
         return
     import torch.distributed as dist
@@ -81,7 +68,7 @@ def _local(t: torch.Tensor) -> torch.Tensor:
     return t.to_local() if hasattr(t, "to_local") else t
 
 
-def clip_grad_norm_(params, max_norm: float, device, *, sharded: bool) -> torch.Tensor:
+def clip_grad_norm_(params, max_norm: float, device, *, sharded: bool, g: PipelineGroup) -> torch.Tensor:
     """torch.nn.utils.clip_grad_norm_ over the whole model: the squared norms summed over the stages (and over the
     shards of each, under FSDP: every process then holds a disjoint piece)."""
     import torch.distributed as dist
@@ -89,7 +76,7 @@ def clip_grad_norm_(params, max_norm: float, device, *, sharded: bool) -> torch.
     grads = [_local(p.grad) for p in params if p.grad is not None]
     squares = (torch.stack([torch.linalg.vector_norm(gr, dtype=torch.float32) ** 2 for gr in grads]).sum()
                if grads else torch.zeros((), device=device))
-    dist.all_reduce(squares, group=None if sharded else pipeline_group().group)
+    dist.all_reduce(squares, group=None if sharded else g.group)
     norm = squares.sqrt()
     coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
     if grads:
@@ -110,10 +97,10 @@ def _names(model) -> dict[int, str]:
     return {id(p): n for n, p in model.named_parameters()}
 
 
-def _skips_save(model) -> bool:
+def _skips_save(model, g: PipelineGroup) -> bool:
     """A replica that is not its stage's first has nothing to do at a save: its stage's tensors are whole on the
     first one too, unless FSDP shards them (then every replica takes part in gathering them)."""
-    return pipeline_group().replica != 0 and not any(hasattr(p, "full_tensor") for p in model.parameters())
+    return g.replica != 0 and not any(hasattr(p, "full_tensor") for p in model.parameters())
 
 
 def _whole(t: torch.Tensor) -> torch.Tensor:
@@ -121,13 +108,12 @@ def _whole(t: torch.Tensor) -> torch.Tensor:
     return (t.full_tensor() if hasattr(t, "full_tensor") else t).detach().cpu().contiguous()
 
 
-def write_stage(folder, model, optimizer, *, trainable_only: bool) -> None:
+def write_stage(folder, model, optimizer, *, g: PipelineGroup, trainable_only: bool) -> None:
     """This process's stages' weights (the adapter's alone for LoRA) and optimizer state, whole, by parameter name;
     the first replica of each stage writes them (the others hold the same, or under FSDP their shards, gathered)."""
     from safetensors.torch import save_file
 
-    g = pipeline_group()
-    if _skips_save(model):
+    if _skips_save(model, g):
         return
     weights = {n: _whole(p) for n, p in model.named_parameters() if p.requires_grad or not trainable_only}
     names, state = _names(model), optimizer.state_dict()
@@ -187,14 +173,13 @@ def read_stages(folder, model, optimizer, *, trainable_only: bool) -> None:
     optimizer.load_state_dict(state)
 
 
-def gather_state_dict(model, *, trainable_only: bool) -> dict:
+def gather_state_dict(model, *, g: PipelineGroup, trainable_only: bool) -> dict:
     """The whole model's state dict (the adapter's alone for LoRA) on the main process, from every stage's first
     replica ({} elsewhere): for final/, which holds the whole model as every other run's does."""
     import torch.distributed as dist
 
-    g = pipeline_group()
     trained = {k for k, p in model.named_parameters() if p.requires_grad}
-    mine = ({} if _skips_save(model) else
+    mine = ({} if _skips_save(model, g) else
             {n: _whole(t) for n, t in model.state_dict().items() if not trainable_only or n in trained})
     mine = mine if g.replica == 0 else {}
     parts = [None] * dist.get_world_size() if dist.get_rank() == 0 else None

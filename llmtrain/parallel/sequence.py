@@ -27,25 +27,11 @@ class SequenceGroup:
     group: object = None  # the torch.distributed process group of this process's sequence group
 
 
-_GROUP = SequenceGroup()  # set by setup() when the Accelerator is built; one per process, as torch.distributed's own
-
-
-def sequence_group() -> SequenceGroup:
-    """This process's sequence group (size 1: sequence parallelism is off)."""
-    return _GROUP
-
-
-def sequence_parallel_size() -> int:
-    return _GROUP.size
-
-
-def setup(size: int) -> None:
-    """Form the sequence groups (consecutive ranks) once the process group exists; size 1 forgets any earlier one
-    (a second train() in one process)."""
-    global _GROUP
+def make_group(size: int) -> SequenceGroup:
+    """This process's sequence group, the groups formed (consecutive ranks) once the process group exists; size 1:
+    none. Kept with the run's other groups (parallel/groups.py), never in a module global."""
     if size == 1:
-        _GROUP = SequenceGroup()
-        return
+        return SequenceGroup()
     import torch.distributed as dist
 
     world, rank = dist.get_world_size(), dist.get_rank()
@@ -54,7 +40,7 @@ def setup(size: int) -> None:
         group = dist.new_group(list(range(start, start + size)))
         if start <= rank < start + size:
             mine = group
-    _GROUP = SequenceGroup(size=size, rank=rank % size, group=mine)
+    return SequenceGroup(size=size, rank=rank % size, group=mine)
 
 
 def describe(size: int, world: int) -> str:
