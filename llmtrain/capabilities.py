@@ -261,10 +261,33 @@ def _trained_by(parallelism: str) -> str:
     return " and ".join([", ".join(modes[:-1]), modes[-1]] if len(modes) > 1 else modes)
 
 
+def experts(config) -> int:
+    """Experts of each layer's MLP (a mixture of experts: Qwen3-MoE's num_experts, Mixtral's num_local_experts,
+    DeepSeek's n_routed_experts); 0 for a dense MLP."""
+    return max(int(getattr(config, k, 0) or 0) for k in ("num_experts", "num_local_experts", "n_routed_experts"))
+
+
+def needs_model(recipe, layout: Layout) -> bool:
+    """Whether model_problems has anything to check: the layout splits the model, or a setting depends on its kind
+    (so that the model's config is read only where it matters)."""
+    return layout.splits_the_model or bool(recipe.model.tiled_mlp) or (
+        recipe.lora is not None and recipe.lora.dropout > 0)
+
+
 def model_problems(recipe, layout: Layout, config) -> list[str]:
-    """What the layout refuses of the model itself (`config`: its transformers config): heads a sequence or a
-    tensor-parallel group cannot split, fewer layers than stages, a tied embedding in a pipeline."""
+    """What the recipe and the layout refuse of the model itself (`config`: its transformers config): a mixture of
+    experts under the tiled MLP or LoRA dropout, heads a sequence or a tensor-parallel group cannot split, fewer
+    layers than stages, a tied embedding in a pipeline."""
     out = []
+    if n := experts(config):
+        kind = f"{getattr(config, 'model_type', 'this model')}'s MLP is a mixture of {n} experts"
+        if recipe.model.tiled_mlp:
+            out.append(f"model.tiled_mlp tiles a dense MLP (gate, up and down projections) over the tokens, and {kind} "
+                       "(a router and its experts), which it does not split: set model.tiled_mlp=null (the experts' "
+                       "activations are per routed token already)")
+        if recipe.lora is not None and recipe.lora.dropout > 0:
+            out.append(f"lora.dropout={recipe.lora.dropout:g}: {kind}, whose weights peft adapts as parameters "
+                       "(lora.ParamWrapper), and those take no dropout on their input. Set lora.dropout=0")
     heads = config.num_attention_heads
     kv = getattr(config, "num_key_value_heads", None) or heads
     if (n := layout.sp) > 1:

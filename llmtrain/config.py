@@ -36,6 +36,32 @@ class RopeScaling(BaseModel):
     original_max_position_embeddings: int | None = Field(
         None, gt=0, description="The context the model was trained at; unset: the model's max_position_embeddings.")
 
+    @model_validator(mode="after")
+    def _own_fields(self) -> RopeScaling:
+        """The fields transformers requires of a type beyond the factor (modeling_rope_utils' _validate_*), asked for
+        here rather than met as a KeyError when the model is built."""
+        missing = [k for k in ROPE_FIELDS.get(self.rope_type, {}) if getattr(self, k, None) is None]
+        if missing:
+            example = ", ".join(f"{k}: {v}" for k, v in ROPE_FIELDS[self.rope_type].items())
+            raise ValueError(f"rope_type {self.rope_type} also needs {' and '.join(missing)} (e.g. {{rope_type: "
+                             f"{self.rope_type}, factor: {self.factor:g}, {example}}}; the values of the model's own "
+                             "config.json where it was trained with this scaling)")
+        for k in ROPE_FIELDS.get(self.rope_type, {}):
+            v = getattr(self, k)
+            if self.rope_type == "longrope" and not (isinstance(v, list) and v and all(
+                    isinstance(x, (int, float)) and not isinstance(x, bool) for x in v)):
+                raise ValueError(f"rope_type longrope's {k} is a list of numbers, one a rotary frequency (head_dim / 2 "
+                                 f"of them), as in Phi-3's config.json; got {v!r}")
+            if self.rope_type == "llama3" and (isinstance(v, bool) or not isinstance(v, (int, float)) or v <= 0):
+                raise ValueError(f"rope_type llama3's {k} is a positive number (Llama 3.1: "
+                                 f"{ROPE_FIELDS['llama3'][k]}); got {v!r}")
+        return self
+
+
+# The fields each rope_type needs beyond the factor (transformers' required keys), with Llama 3.1's and a short example
+ROPE_FIELDS = {"llama3": {"low_freq_factor": 1.0, "high_freq_factor": 4.0},
+               "longrope": {"short_factor": "[1.0, ...]", "long_factor": "[1.0, ...]"}}
+
 
 def tiled_mlp_shard(setting: bool | int | None, hidden_size: int) -> int | None:
     """Tokens per shard of model.tiled_mlp: its number, or (true) the hidden size, as ALST chooses; None when off."""

@@ -63,19 +63,23 @@ def check_layout(recipe: Recipe, launch: dict, *, where: str = "the launch confi
     from llmtrain import capabilities
     from llmtrain.layout import Layout
     from llmtrain.memory.params import load_model_shape
+    from llmtrain.model.modeling import load_model_config
 
     layout = Layout.from_launch(launch, recipe, where=where) if launch else Layout.from_recipe(recipe)
     found = capabilities.problems(recipe, layout)
     unknown = ""
-    if layout.splits_the_model and not found:
-        try:  # the model's config (a folder, a preset, a built-in hub id) as far as the layout reads it
-            shape = load_model_shape(recipe.model.name_or_path)
-            config = SimpleNamespace(num_attention_heads=shape.heads, num_key_value_heads=shape.kv_heads,
-                                     num_hidden_layers=shape.layers, intermediate_size=shape.intermediate,
-                                     tie_word_embeddings=shape.tied)
+    if capabilities.needs_model(recipe, layout) and not found:
+        try:  # the model's config (a folder or the hub's cache; else a preset or a built-in hub id's shape)
+            try:
+                config = load_model_config(recipe.model)
+            except LLMTrainError:
+                shape = load_model_shape(recipe.model.name_or_path)
+                config = SimpleNamespace(num_attention_heads=shape.heads, num_key_value_heads=shape.kv_heads,
+                                         num_hidden_layers=shape.layers, intermediate_size=shape.intermediate,
+                                         tie_word_embeddings=shape.tied, model_type=shape.model_type)
             found = capabilities.problems(recipe, layout, model=config)
         except LLMTrainError as e:
-            unknown = f"; the model's heads and layers are not known ({e})"
+            unknown = f"; the model's config could not be read ({e}), so what the run asks of it is unchecked"
     if found:
         return [("layout", "fail", capabilities.paragraph(found))]
     mode = capabilities.MODES[capabilities.mode_of(recipe)].name

@@ -87,7 +87,7 @@ def accelerate_command(argv: list[str], *, machine: bool = True) -> list[str]:
         if problem := gpus_problem(launch, where=where, gpus=torch.cuda.device_count()):
             raise LLMTrainError(problem)
         config = check_model_files(recipe)
-        if layout.splits_the_model:  # heads, layers, a tied embedding: what the layout asks of the model
+        if capabilities.needs_model(recipe, layout):  # heads, layers, experts: what the run asks of the model
             capabilities.check(recipe, layout, model=config)
     flags = argv[:len(argv) - len(rest) - 1]  # accelerate's own flags, as given
     return [sys.executable, "-m", "accelerate.commands.launch", *flags, "-m", "llmtrain", "finetune", recipe_path,

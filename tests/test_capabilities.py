@@ -171,3 +171,41 @@ def test_a_supported_cell_trains_and_equals_one_process(mode_recipes, tmp_path, 
     assert len(ours) == len(theirs) == 2
     assert [r["loss"] for r in ours] == pytest.approx([r["loss"] for r in theirs], abs=1e-5)
     assert [r["grad_norm"] for r in ours] == pytest.approx([r["grad_norm"] for r in theirs], rel=1e-4)
+
+
+@pytest.fixture(scope="module")
+def tiny_moe(tiny_assets, tmp_path_factory) -> Path:
+    """A tiny random Qwen3-MoE (4 experts, 2 a token) beside the tiny task's tokenizer."""
+    import shutil
+
+    from transformers import AutoModelForCausalLM, Qwen3MoeConfig
+
+    out = tmp_path_factory.mktemp("moe")
+    config = Qwen3MoeConfig(hidden_size=64, intermediate_size=128, moe_intermediate_size=32, num_hidden_layers=2,
+                            num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_experts=4,
+                            num_experts_per_tok=2, vocab_size=512, max_position_embeddings=512)
+    AutoModelForCausalLM.from_config(config).save_pretrained(out)
+    for f in (tiny_assets / "model").glob("*token*"):
+        shutil.copy(f, out)
+    return out
+
+
+@pytest.mark.parametrize("changes, says", [(["model.tiled_mlp=true"], "model.tiled_mlp tiles a dense MLP"),
+                                           (["lora.r=4"], "lora.dropout=0.05: qwen3_moe's MLP is a mixture of 4 "
+                                                          "experts")])
+def test_a_mixture_of_experts_refuses_the_tiled_mlp_and_lora_dropout_in_one_paragraph(mode_recipes, tiny_moe,
+                                                                                       tmp_path, changes, says):
+    """Each ended in a traceback (the tiled MLP: 163 lines in the expert block) or a refusal naming the wrong keys
+    (LoRA dropout: lora.target_modules); doctor passed both. Now finetune refuses before writing, and doctor fails."""
+    from llmtrain.config import load_recipe
+    from llmtrain.doctor import check_layout
+
+    overrides = [f"model.name_or_path={tiny_moe}", "model.dtype=float32", *changes]
+    with pytest.raises(LLMTrainError, match=says):
+        run_train(mode_recipes["sft"], *overrides, f"output_dir={tmp_path / 'run'}")
+    assert not (tmp_path / "run").exists()
+    (name, status, detail), = check_layout(load_recipe(mode_recipes["sft"], overrides), {})
+    assert status == "fail" and says in detail
+    run_train(mode_recipes["sft"], *overrides, "lora.dropout=0", "model.tiled_mlp=null",
+              f"output_dir={tmp_path / 'fixed'}")  # the fix each names trains
+    assert (tmp_path / "fixed" / "summary.json").is_file()

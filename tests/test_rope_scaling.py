@@ -54,3 +54,27 @@ def test_the_context_warning_goes_once_the_scaled_context_covers_max_seq_len(tin
     assert "warning (context)" in (tmp_path / "run" / "train.log").read_text()
     run_train(recipe, "model.rope_scaling.rope_type=linear", "model.rope_scaling.factor=2", overwrite=True)
     assert "warning (context)" not in (tmp_path / "run" / "train.log").read_text()
+
+
+@pytest.mark.parametrize("scaling, missing", [({"rope_type": "llama3", "factor": 8}, "low_freq_factor and "
+                                                "high_freq_factor"),
+                                               ({"rope_type": "longrope", "factor": 4}, "short_factor and long_factor")])
+def test_a_type_without_its_own_fields_is_asked_for_them_by_the_recipe(tiny_assets, tmp_path, scaling, missing):
+    """llama3 and longrope read fields of their own (transformers' required keys): without them the model's build
+    ended in a KeyError (74 lines); the recipe now names them, with an example."""
+    from llmtrain.errors import RecipeError
+
+    with pytest.raises(RecipeError, match=f"rope_type {scaling['rope_type']} also needs {missing}"):
+        load_recipe(write_recipe(tiny_assets, tmp_path, model={"rope_scaling": scaling}))
+
+
+def test_llama3_and_longrope_with_their_fields_build_the_scaled_rotary_embedding(tiny_assets, tmp_path):
+    base_config, base = rotary(tiny_assets, tmp_path)
+    config, llama3 = rotary(tiny_assets, tmp_path, rope_scaling={"rope_type": "llama3", "factor": 8,
+                                                                 "low_freq_factor": 1, "high_freq_factor": 4})
+    assert config.max_position_embeddings == 8 * base_config.max_position_embeddings
+    assert not torch.equal(llama3.inv_freq, base.inv_freq) and torch.all(llama3.inv_freq <= base.inv_freq)
+    half = base_config.hidden_size // base_config.num_attention_heads // 2
+    _, longrope = rotary(tiny_assets, tmp_path, rope_scaling={"rope_type": "longrope", "factor": 4,
+                                                              "short_factor": [1.0] * half, "long_factor": [2.0] * half})
+    assert longrope.inv_freq.shape == base.inv_freq.shape

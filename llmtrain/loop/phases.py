@@ -93,8 +93,9 @@ def read_only_checks(recipe: Recipe, accelerator, *, resume: str | None, overwri
             + further)
         return Checked(checkpoint=None, notes=(), finished=done)
     # The recipe on this launch's layout was checked before the process group existed (build_accelerator); what the
-    # layout asks of the model itself (heads, layers, a tied embedding) is checked now, from its config alone
-    if (layout := Layout.from_environment(recipe)).splits_the_model:
+    # layout and the recipe ask of the model itself (heads, layers, a tied embedding, a mixture of experts) is checked
+    # now, from its config alone
+    if capabilities.needs_model(recipe, layout := Layout.from_environment(recipe)):
         capabilities.check(recipe, layout, model=load_model_config(recipe.model))
     ckpt = check_output_dir(accelerator, out, resume=resume, overwrite=overwrite)
     notes = check_resume(ckpt, recipe, world=data_ranks(accelerator)[0], fsdp=uses_fsdp(accelerator),
