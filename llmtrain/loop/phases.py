@@ -96,7 +96,11 @@ def read_only_checks(recipe: Recipe, accelerator, *, resume: str | None, overwri
     # layout and the recipe ask of the model itself (heads, layers, a tied embedding, a mixture of experts) is checked
     # now, from its config alone
     if capabilities.needs_model(recipe, layout := Layout.from_environment(recipe)):
-        capabilities.check(recipe, layout, model=load_model_config(recipe.model))
+        try:
+            config = load_model_config(recipe.model)
+        except LLMTrainError:  # a model that cannot be read is said where it is loaded (the tokenizer first)
+            config = None
+        capabilities.check(recipe, layout, model=config)
     ckpt = check_output_dir(accelerator, out, resume=resume, overwrite=overwrite)
     notes = check_resume(ckpt, recipe, world=data_ranks(accelerator)[0], fsdp=uses_fsdp(accelerator),
                          allow_recipe_change=allow_recipe_change) if ckpt else []
