@@ -26,9 +26,9 @@ from llmtrain.layout import NAMES, PARALLELISMS, Layout
 
 # --------------------------------------------------------------------------- the rows
 
-_SAMPLING_TP = ("its rollouts sample completions, and sampling under tensor parallelism would need each layer's split heads put back together, which llmtrain does not do. Launch "
-                "with a DDP or FSDP config (e.g. accelerate_configs/ddp.yaml or fsdp.yaml); a 7B LoRA policy fits one "
-                "GPU")
+_SAMPLING_TP = ("its rollouts sample completions, and sampling under tensor parallelism would need each layer's split "
+                "heads put back together, which llmtrain does not do. Launch with a DDP or FSDP config (e.g. "
+                "accelerate_configs/ddp.yaml or fsdp.yaml); a 7B LoRA policy fits one GPU")
 _WHOLE_MODEL_PP = ("sampling needs the whole model on one process, and each stage holds only its layers. Set "
                    "parallel.pipeline_parallel=1 and shard with FSDP (accelerate_configs/fsdp.yaml) instead")
 _LOGPS_SP = ("its loss needs each sequence's whole log-probability, which the sequence group would have to sum "
@@ -144,6 +144,10 @@ def _kto_copy(r, layout):
     return r.kto is not None and r.lora is None
 
 
+_TILED_SHARDED = ("model.tiled_mlp runs on one process or under DDP; this launch shards the model (FSDP or tensor "
+                  "parallelism), which it has not been tested with. Set model.tiled_mlp=null, or launch with a DDP "
+                  "config (accelerate_configs/)")
+
 RULES: tuple[Rule, ...] = (
     Rule("tp", lambda r, _: r.model.quantize is not None,
          "{key} does not train a 4-bit base (model.quantize): peft's adapters are whole matrices "
@@ -156,13 +160,9 @@ RULES: tuple[Rule, ...] = (
     Rule("tp", lambda r, _: r.model.compile,
          "{key} is not tested with model.compile: set model.compile=false"),
     Rule("tp", lambda r, _: bool(r.model.tiled_mlp),
-         "model.tiled_mlp runs on one process or under DDP; this launch shards the model (FSDP or tensor "
-         "parallelism), which it has not been tested with. Set model.tiled_mlp=null, or launch with a DDP config "
-         "(accelerate_configs/)"),
+         _TILED_SHARDED),
     Rule("fsdp", lambda r, _: bool(r.model.tiled_mlp),
-         "model.tiled_mlp runs on one process or under DDP; this launch shards the model (FSDP or tensor "
-         "parallelism), which it has not been tested with. Set model.tiled_mlp=null, or launch with a DDP config "
-         "(accelerate_configs/)"),
+         _TILED_SHARDED),
     Rule("fsdp", _kto_copy,
          "kto: a full fine-tune (no lora: section) keeps a frozen copy of the starting model as its reference, whole "
          "on every process, and this launch shards the model (FSDP or tensor parallelism), which a whole copy would "
@@ -315,6 +315,12 @@ def model_problems(recipe, layout: Layout, config) -> list[str]:
                        "the first and the last stage would each hold and update their own copy of that one weight. "
                        "Train it with FSDP (accelerate_configs/fsdp.yaml) or DDP instead")
     return out
+
+
+def check_model(recipe, layout: Layout, config) -> None:
+    """Refuse what the recipe and the layout, already checked (`check`), ask of the model itself (model_problems)."""
+    if found := model_problems(recipe, layout, config):
+        raise LLMTrainError(paragraph(found))
 
 
 def check(recipe, layout: Layout, *, model=None) -> None:

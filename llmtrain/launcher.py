@@ -88,7 +88,7 @@ def accelerate_command(argv: list[str], *, machine: bool = True) -> list[str]:
             raise LLMTrainError(problem)
         config = check_model_files(recipe)
         if capabilities.needs_model(recipe, layout):  # heads, layers, experts: what the run asks of the model
-            capabilities.check(recipe, layout, model=config)
+            capabilities.check_model(recipe, layout, config)
     flags = argv[:len(argv) - len(rest) - 1]  # accelerate's own flags, as given
     return [sys.executable, "-m", "accelerate.commands.launch", *flags, "-m", "llmtrain", "finetune", recipe_path,
             *rest]

@@ -100,7 +100,8 @@ def read_only_checks(recipe: Recipe, accelerator, *, resume: str | None, overwri
             config = load_model_config(recipe.model)
         except LLMTrainError:  # a model that cannot be read is said where it is loaded (the tokenizer first)
             config = None
-        capabilities.check(recipe, layout, model=config)
+        if config is not None:
+            capabilities.check_model(recipe, layout, config)
     ckpt = check_output_dir(accelerator, out, resume=resume, overwrite=overwrite)
     notes = check_resume(ckpt, recipe, world=data_ranks(accelerator)[0], fsdp=uses_fsdp(accelerator),
                          allow_recipe_change=allow_recipe_change) if ckpt else []
@@ -311,7 +312,8 @@ def build_model(recipe: Recipe, accelerator, *, total_steps: int, say, pad: int 
         plugin = accelerator.state.fsdp_plugin if uses_fsdp(accelerator) else None
         stages = Pipeline(model, parallel=recipe.parallel, micro_batches=tc.grad_accum_steps,
                           slots=tc.micro_batch_tokens, pad_id=pad, device=accelerator.device,
-                          group=groups(accelerator).pipeline, fsdp=None if plugin is None else plugin.mixed_precision_policy or True,
+                          group=groups(accelerator).pipeline,
+                          fsdp=None if plugin is None else plugin.mixed_precision_policy or True,
                           precision=accelerator.autocast)
         say(stages.describe())
     optimizer = build_optimizer(model, lr=tc.lr, weight_decay=tc.weight_decay, betas=tc.betas, eps=tc.eps,

@@ -1,9 +1,9 @@
 """Distribution, a file per job: building the Accelerator (`accelerator`), the device mesh and what a process reads
 from it, such as its data rank (`mesh`), each parallelism in its own file (`fsdp`: FSDP2 and HSDP; `tensor`: tensor
 parallelism; `sequence`: Ulysses groups; `pipeline`: pipeline stages' groups, norm and checkpoint files), the run's
-sequence group and pipeline kept with its Accelerator, never in a module global (`groups`), the collectives the rest of the package calls (`collectives`: `global_sum`, `data_sum`, `gathered`), the launch config's
-checks (`launch`), and the pipeline's stage split and schedule arithmetic (`stages`: pure, shared with the memory
-estimate).
+sequence group and pipeline kept with its Accelerator, never in a module global (`groups`), the collectives the rest
+of the package calls (`collectives`: `global_sum`, `data_sum`, `gathered`), the launch config's checks (`launch`),
+and the pipeline's stage split and schedule arithmetic (`stages`: pure, shared with the memory estimate).
 
 May import: the schema (`config`, `errors`, `layout`, `capabilities`) and this folder. Inside it, `launch`, `stages`
 and `tensor` import no other file of the folder, `sequence` and `pipeline` none, `groups` those

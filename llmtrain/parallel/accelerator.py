@@ -1,8 +1,9 @@
 """Building the Accelerator: the one place a process joins the job.
 
 `build_accelerator` refuses a launch llmtrain does not train (launch.py; the recipe on its layout: capabilities.py)
-before any process group exists, builds Accelerate's FSDP plugin from the launch's variables, and does what Accelerate leaves undone: FSDP on
-CPU workers (`_fsdp_on_cpu`) and the mesh attached once they are FSDP, or with tensor parallelism (`_attach_mesh`).
+before any process group exists, builds Accelerate's FSDP plugin from the launch's variables, and does what
+Accelerate leaves undone: FSDP on CPU workers (`_fsdp_on_cpu`) and the mesh attached once they are FSDP, or with
+tensor parallelism (`_attach_mesh`).
 
 Code elsewhere asks the Accelerator (`num_processes`, `process_index`, `is_main_process`) and never
 reads RANK or WORLD_SIZE itself.

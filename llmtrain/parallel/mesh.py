@@ -1,5 +1,6 @@
 """The device mesh: the one a launch asks for (its parallelism_config section: HSDP, FSDP x TP; its sizes are
-checked with the rest of the layout, layout.py), and what a process reads from it: the size of each dimension and which batch it reads.
+checked with the rest of the layout, layout.py), and what a process reads from it: the size of each dimension and
+which batch it reads.
 
 Each parallelism's own work lives in its own file (fsdp.py, tensor.py); the sizes of the mesh's dimensions are read
 here, for all of them: `tensor_parallel_size`, `replicas` (HSDP's dp_replicate) and `data_ranks`, the processes
