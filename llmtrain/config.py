@@ -121,8 +121,11 @@ class ModelConfig(Section):
     @field_validator("tiled_mlp")
     @classmethod
     def _shard_size(cls, v: bool | int | None) -> bool | int | None:
-        if v is not None and not isinstance(v, bool) and v < 1:
-            raise ValueError("a shard of the MLP is a number of tokens, at least 1 (or true: hidden_size tokens)")
+        if v is not None and not isinstance(v, bool) and v < 2:
+            raise ValueError("1 is read as the tokens of one shard of the MLP (every token's MLP run alone, hundreds "
+                             "of times slower), not as 'on'. Write true (shards of hidden_size tokens, as ALST), or a "
+                             "shard of at least 2 tokens" if v == 1 else "a shard of the MLP is a number of tokens, at "
+                             "least 2 (or true: hidden_size tokens; false or null: off)")
         return v
 
     @model_validator(mode="after")
@@ -246,7 +249,10 @@ class TrainConfig(Section):
     lr: float = Field(2e-5, gt=0, allow_inf_nan=False, description="Peak learning rate.")
     min_lr_ratio: float = Field(0.0, ge=0, le=1, description="Final lr as a fraction of the peak (linear, cosine).")
     schedule: Literal["linear", "cosine", "constant"] = Field("cosine", description="Learning-rate decay after warmup.")
-    warmup_steps: int = Field(0, ge=0, description="Linear warmup from 0 to lr over this many steps.")
+    warmup_steps: int = Field(
+        0, ge=0, description="Linear warm-up to lr over this many steps: update k (1 to warmup_steps) takes lr x k / "
+        "warmup_steps, so the first update is not spent at lr 0. Hugging Face's schedules (and TRL) give update k lr x "
+        "(k - 1) / warmup_steps: under warm-up, a run compared with theirs is one step ahead of it until the peak.")
     weight_decay: float = Field(0.0, ge=0, description="AdamW decoupled weight decay (not applied to norms/biases).")
     betas: tuple[float, float] = Field((0.9, 0.999), description="AdamW betas.")
     eps: float = Field(1e-8, gt=0, description="AdamW epsilon.")
@@ -644,6 +650,24 @@ class Recipe(Section):
         return self
 
     @model_validator(mode="after")
+    def _check_tiled_mlp(self) -> Recipe:
+        shard = self.model.tiled_mlp
+        if shard is None or isinstance(shard, bool):
+            return self
+        budget = self.train.micro_batch_tokens
+        row, key = (budget, f"train.micro_batch_tokens={budget}") if budget else \
+            (self.data.max_seq_len, f"data.max_seq_len={self.data.max_seq_len}")
+        degree = self.parallel.sequence_parallel
+        local = -(-row // degree)
+        if shard >= local:
+            held = f"a process holds at most {local:,} tokens of a row ({key}, sequence_parallel={degree})" \
+                if degree > 1 else f"a row holds at most {local:,} tokens ({key})"
+            raise ValueError(f"model.tiled_mlp={shard} tokens a shard, but {held}: the MLP would run in one shard and "
+                             "nothing would be tiled. Give a shard shorter than that (true: hidden_size tokens, as "
+                             "ALST), or leave model.tiled_mlp unset")
+        return self
+
+    @model_validator(mode="after")
     def _check_modes(self) -> Recipe:
         """The training mode against the data, the batch and the recipe's own layout (sequence and pipeline degrees):
         the capability table's (capabilities.py), every problem at once, one line each."""
@@ -686,8 +710,11 @@ def _suggest(key: str) -> str:
     section, _, leaf = key.rpartition(".")
     prefix = section + "." if section else ""
     siblings = [k.rsplit(".", 1)[-1] for k in keys if k.startswith(prefix) and k.count(".") == key.count(".")]
+    named = [prefix + k for k in siblings if k.startswith(leaf + "_")]  # parallel.pipeline: each pipeline_* key
     if _ALIASES.get(leaf) in siblings:
         close = [prefix + _ALIASES[leaf]]
+    elif len(named) > 1:
+        return f" (did you mean {', '.join(named[:-1])} or {named[-1]}?)"
     else:
         close = difflib.get_close_matches(key, keys, n=1, cutoff=0.75)
         if not close:
@@ -695,22 +722,52 @@ def _suggest(key: str) -> str:
     return f" (did you mean {close[0]}?)" if close else ""
 
 
+# pydantic's names for the members of a union (model.tiled_mlp: bool | int), as a reader would say them
+_KINDS = {"bool": "true or false", "int": "a whole number", "float": "a number", "str": "text",
+          "list[str]": "a list of text", "list[float]": "a list of numbers", "list[int]": "a list of whole numbers"}
+
+
+def _union_member(part) -> bool:
+    """A union member's name in an error's location (bool, int, list[str], literal[...], a section's class), which
+    is pydantic's, not a key of the recipe."""
+    return isinstance(part, str) and (part in _KINDS or "[" in part or part[:1].isupper())
+
+
 def _format_errors(err: ValidationError, source: str, overrides: list[str] | None = None) -> str:
-    """One line a bad key; a key set on the command line says so (`train.lr=abc`), not only the file."""
+    """One line a bad key; a key set on the command line says so (`train.lr=abc`), not only the file. A value no
+    member of a union takes is one line naming what each accepts; pydantic's own names never show."""
     given = {o.split("=", 1)[0].strip(): o for o in overrides or [] if "=" in o}
-    lines = []
+    lines, unions = [], {}
     for e in err.errors():
-        key = ".".join(str(p) for p in e["loc"] if not str(p).startswith("function-after"))
+        loc = [p for p in e["loc"] if not str(p).startswith("function-after")]
+        member = next((i for i, p in enumerate(loc) if _union_member(p)), None)
+        key = ".".join(str(p) for p in loc[:member])
         label = f"{key} (the override {given[key]})" if key in given else key  # the override shows the value
+        if member is not None and e["type"] not in ("extra_forbidden", "missing"):
+            if key not in unions:
+                unions[key] = []
+                lines.append((key, label))
+            unions[key].append((_KINDS.get(loc[member], loc[member]), e.get("input"), len(loc) == member + 1))
+            continue
         if e["type"] == "extra_forbidden":
             lines.append(f"  - {label}: unknown key{_suggest(key)}")
         elif e["type"] == "missing":
             lines.append(f"  - {label}: required key is missing")
+        elif e["type"] in ("model_type", "dict_type"):
+            lines.append(f"  - {label}: is a section of keys ({key}.KEY=VALUE on the command line, an indented block "
+                         f"under {key.rsplit('.', 1)[-1]}: in YAML), not {e.get('input')!r}")
         else:
             got = e.get("input")
             got_text = f" (got {got!r})" if not isinstance(got, dict) and key not in given else ""
             # a check of the whole recipe (several sections) has no key of its own: its message names the keys
             lines.append(f"  - {label + ': ' if key else ''}{e['msg'].removeprefix('Value error, ')}{got_text}")
+    for i, line in enumerate(lines):
+        if isinstance(line, tuple):
+            key, label = line
+            kinds = list(dict.fromkeys(kind for kind, _, _ in unions[key]))
+            got = next((value for _, value, whole in unions[key] if whole), unions[key][0][1])
+            lines[i] = f"  - {label}: expected {', '.join(kinds[:-1]) + ', or ' if len(kinds) > 1 else ''}" \
+                       f"{kinds[-1]}{f' (got {got!r})' if key not in given else ''}"
     return f"Invalid recipe {source}:\n" + "\n".join(lines) + "\nFix these keys in the YAML or the key=value overrides."
 
 

@@ -129,8 +129,8 @@ def check_batch(recipe: Recipe, launch: dict) -> list[Check]:
     t, procs = recipe.train, data_ranks(launch, recipe.parallel.sequence_parallel)
     unit = "tokens" if t.micro_batch_tokens else "prompts" if recipe.rl is not None else "examples"
     per = t.micro_batch_tokens or t.micro_batch_size
-    ranks = "processes" if launch_tp(launch) == 1 and recipe.parallel.sequence_parallel == 1 else \
-        "data-parallel ranks"
+    ranks = ("process" if procs == 1 else "processes") if launch_tp(launch) == 1 and \
+        recipe.parallel.sequence_parallel == 1 else "data-parallel rank" + "s" * (procs != 1)
     total = procs * per * t.grad_accum_steps
     sampled = f" ({total * recipe.rl.num_generations:,} completions)" if recipe.rl is not None else ""
     return [("global batch", "pass", f"{procs} {ranks} x {per} {unit} (train.micro_batch_"

@@ -109,7 +109,7 @@ CASES = [
     ("output_dir is a file", "full", [f"output_dir={F('not-a-dir')}"], "is a file"),
     ("overwrite a stranger", "full", [f"output_dir={F('stranger')}"], "not an llmtrain run"),
     # resume
-    ("resume a non-checkpoint", "full", ["--resume", "/nonexistent/step_000001"], "not a complete checkpoint"),
+    ("resume a non-checkpoint", "full", ["--resume", "/nonexistent/step_000001"], "does not exist"),
     ("LoRA recipe on a full run", "lora", ["output_dir={full_run}", "--resume", "auto"], "full fine-tuning"),
     ("full recipe on a LoRA run", "full", ["output_dir={lora_run}", "--resume", "auto"], "LoRA"),
     ("changed LoRA rank", "lora", ["lora.r=8", "--resume", "auto"], "lora.r=4"),

@@ -196,6 +196,10 @@ def test_messages_without_the_mapped_content_key_name_it(tiny_tok, tmp_path):
      "message 1 (user) of 'prompt' (prompt) has no 'content' (its text; map the key with data.fields.content)"),
     ({"prompt": "hi", "completion": {"role": "assistant", "content": "x"}},
      "'completion' (completion) is a dict, not text"),
+    ({"prompt": 5, "completion": "x"},  # was rendered as the text '5' (issue 53)
+     "'prompt' (prompt) is 5, an int, not text (quote it in the file if it is meant as text)"),
+    ({"prompt": "2 + 2", "completion": 4.0},
+     "'completion' (completion) is 4.0, a float, not text (quote it in the file if it is meant as text)"),
 ])
 def test_conversational_rows_that_cannot_be_rendered_are_named(row, problem):
     from llmtrain.data.formats import row_problem

@@ -110,6 +110,19 @@ def test_incomplete_tmp_checkpoint_is_never_resumed_and_is_cleaned(tiny_assets, 
     assert yaml.safe_load((run / "checkpoints" / "step_000006" / "train_state.json").read_text())["step"] == 6
 
 
+def test_a_complete_run_resumed_with_no_step_left_is_refused_and_untouched(tiny_assets, tmp_path):
+    """--allow-recipe-change on a complete run with a changed warm-up but the same max_steps: its newest checkpoint
+    is the last step. It trained 0 steps, wrote final/ again and said "final loss None" (issue 53); now refused."""
+    recipe = write_recipe(tiny_assets, tmp_path, train={"max_steps": 4}, checkpoint={"every_steps": 4})
+    run = tmp_path / "run"
+    run_train(recipe)
+    before = _snapshot(run)
+    with pytest.raises(LLMTrainError, match=r"checkpoint .*step_000004 is at step 4 and this recipe's run ends at step "
+                                            r"4 .* nothing is left to train. Raise train.max_steps above 4"):
+        run_train(recipe, "train.warmup_steps=1", resume="auto", allow_recipe_change=True)
+    assert _snapshot(run) == before
+
+
 def test_resume_auto_without_checkpoint_starts_from_zero(tiny_assets, tmp_path):
     """--resume auto on an empty output_dir (a job's first start under a requeue script) just trains."""
     recipe = write_recipe(tiny_assets, tmp_path, train={"max_steps": 2})
@@ -146,9 +159,19 @@ def test_resume_from_a_non_checkpoint_is_a_clear_error(tiny_assets, tmp_path):
     not_a_checkpoint.mkdir()
     with pytest.raises(LLMTrainError, match=r"is not a complete checkpoint \(no train_state.json\)"):
         run_train(recipe, resume=str(not_a_checkpoint))
-    with pytest.raises(LLMTrainError, match="is not a complete checkpoint"):
+    with pytest.raises(LLMTrainError, match=f"'{tmp_path / 'missing'}' does not exist; {tmp_path} holds no checkpoint"):
         run_train(recipe, resume=str(tmp_path / "missing"))
     assert not (tmp_path / "run").exists()  # refused before anything was written
+
+
+def test_a_mistyped_step_folder_is_said_missing_with_the_steps_there(tiny_assets, tmp_path):
+    """--resume runs/x/checkpoints/step_4 (the folder is step_000004) said "not a complete checkpoint" (issue 53)."""
+    recipe = write_recipe(tiny_assets, tmp_path, train={"max_steps": 4}, checkpoint={"every_steps": 2})
+    run_train(recipe)
+    ckpts = tmp_path / "run" / "checkpoints"
+    with pytest.raises(LLMTrainError, match=rf"'{ckpts / 'step_4'}' does not exist; the checkpoints in {ckpts} are "
+                                            r"step_000002, step_000004\. Use --resume auto for the newest"):
+        run_train(recipe, resume=str(ckpts / "step_4"))
 
 
 def test_resume_with_a_different_batch_layout_is_refused(tiny_assets, tmp_path):

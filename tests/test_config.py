@@ -58,11 +58,29 @@ def test_overrides_are_typed_and_validated(recipe_file):
     ("train.max_step=3", "train.max_steps"),
     ("checkpoint.save_steps=10", "checkpoint.every_steps"),
     ("trian.lr=1", "train"),
+    ("parallel.pipeline=2", "parallel.pipeline_parallel, parallel.pipeline_schedule or parallel.pipeline_chunks"),
 ])
 def test_typos_get_the_nearest_key(recipe_file, override, suggestion):
     with pytest.raises(RecipeError) as e:
         load_recipe(recipe_file, [override])
     assert f"did you mean {suggestion}" in str(e.value)
+
+
+@pytest.mark.parametrize(("override", "line"), [
+    ("model.tiled_mlp=abc", "model.tiled_mlp (the override model.tiled_mlp=abc): expected true or false, or a whole "
+                            "number"),
+    ("data.eval_split=[1]", "data.eval_split (the override data.eval_split=[1]): expected a number, text, or a list "
+                            "of text"),
+    ("kto=5", "kto (the override kto=5): is a section of keys (kto.KEY=VALUE on the command line, an indented block "
+              "under kto: in YAML), not 5"),
+])
+def test_pydantics_own_names_never_show(recipe_file, override, line):
+    """A union's members (model.tiled_mlp.bool, .int) and a section's class (instance of KTOConfig) are pydantic's
+    names, not the recipe's keys (issue 53): one line a key, in the recipe's words."""
+    with pytest.raises(RecipeError) as e:
+        load_recipe(recipe_file, [override])
+    assert f"\n  - {line}\n" in str(e.value) and "instance of" not in str(e.value)
+    assert str(e.value).count("\n  - ") == 1
 
 
 def test_all_problems_reported_together(recipe_file):

@@ -120,3 +120,23 @@ def test_every_relative_link_resolves(page):
 def test_the_readme_links_every_docs_page():
     readme = (REPO / "README.md").read_text()
     assert [p.name for p in PAGES[1:] if f"(docs/{p.name})" not in readme] == []
+
+
+def _changes_a_tiny_demo_run(command: str) -> bool:
+    """A training command on a tiny recipe (the ones `make demo*` runs) whose key=value overrides change the run but
+    keep the recipe's output_dir, without --overwrite or --resume: after the demo it stops on the demo's folder."""
+    words = shlex.split(command, comments=True)
+    if not ("finetune" in words or words[:2] == ["llmtrain", "launch"]):
+        return False
+    recipe = next((w for w in words if w.startswith("recipes/tiny")), None)
+    overrides = [w for w in words if "=" in w and not w.startswith("-")]
+    return bool(recipe and overrides and not any(w.startswith("output_dir=") for w in overrides)
+                and not any(w.startswith(("--overwrite", "--resume")) for w in words))
+
+
+def test_a_tiny_command_that_changes_the_run_names_its_own_output_dir():
+    """docs/pipeline-parallel.md's first command had no output_dir: after `make demo` it stopped on runs/tiny."""
+    assert _changes_a_tiny_demo_run("llmtrain finetune recipes/tiny.yaml parallel.pipeline_parallel=2")
+    assert not _changes_a_tiny_demo_run("llmtrain finetune recipes/tiny.yaml train.lr=1 output_dir=runs/x")
+    assert [(page, command) for page, command, error in COMMANDS
+            if not error and _changes_a_tiny_demo_run(command)] == []

@@ -242,6 +242,20 @@ def test_an_rl_recipes_global_batch_counts_prompts_and_their_completions():
     assert "x 8 prompts (train.micro_batch_size)" in detail
 
 
+def test_one_is_singular_and_the_chat_templates_trained_tokens_are_explained(tmp_path, tiny_tok):
+    """doctor said "1 processes", "1 warm-up steps" and "the reply trains as '4</s>'" (issue 53)."""
+    from llmtrain.data.checks import check_chat_template, check_warmup
+
+    recipe = load_recipe(REPO / "recipes" / "tiny.yaml")
+    assert rows(check_batch(recipe, {}))["global batch"][1].startswith("1 process x 16 examples")
+    assert rows(check_warmup(1, 300))["schedule"][1] == "1 warm-up step of 300"
+    assert rows(check_warmup(2, 300))["schedule"][1] == "2 warm-up steps of 300"
+    chat = load_recipe(REPO / "recipes" / "tiny.yaml", ["data.format=messages"])
+    detail = rows(check_chat_template(chat, tiny_tok))["chat template"][1]
+    assert detail.startswith("renders; of the chat [user: 'What is 2 + 2?', assistant: '4'], the tokens trained (the "
+                             "reply and its end of turn; the prompt is masked) read '4"), detail
+
+
 def test_an_unreachable_hub_is_found_once_and_said_in_one_row(tmp_path):
     """A recipe of hub ids with the hub out of reach (here: HF_ENDPOINT at a closed local port): doctor asks once,
     says so in its `hub` row and reads the hub ids from the cache only, instead of retrying every file for a

@@ -269,6 +269,20 @@ def test_doctor_checks_the_data_and_warns_of_an_unbalanced_file_as_trl(tiny_asse
     assert "Set EITHER kto.desirable_weight in [0.17, 0.22] or kto.undesirable_weight in [4.51, 6.0]" in detail
 
 
+@pytest.mark.parametrize("label", [True, False])
+def test_a_file_of_one_label_is_refused_before_anything_is_written(tiny_assets, tmp_path, label):
+    """All rows desirable (or all undesirable): nothing to set them against, said in one paragraph with the counts
+    (TRL's balance warning, copied, counted 1 undesirable completion and advised weights for it; issue 53)."""
+    rows = [r for r in reversal_feedback(tiny_assets, 30) if r["label"] is label]
+    only = write_jsonl(tmp_path / "only.jsonl", rows)
+    recipe = _kto_recipe(tiny_assets, tmp_path)
+    other = "undesirable \\(false\\)" if label else "desirable \\(true\\)"
+    with pytest.raises(LLMTrainError, match=rf"every one of the {len(rows)} training rows of .*only.jsonl has 'label' "
+                                            rf"{str(label).lower()}: .* no {other} row to set against"):
+        run_train(recipe, f"data.path={only}", "data.eval_split=null", "train.eval_every_steps=null")
+    assert not (tmp_path / "run").exists()
+
+
 def test_inspect_data_shows_the_labels_and_their_balance(tiny_assets, tmp_path):
     """`llmtrain inspect-data` on unpaired rows: each example says whether it is desirable, and each split's counts
     follow the statistics, with TRL's advice where the balance and the weights are off."""

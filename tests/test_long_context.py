@@ -112,10 +112,25 @@ def test_offload_without_checkpointing_is_refused(tiny_assets, tmp_path):
     recipe = write_recipe(tiny_assets, tmp_path)
     with pytest.raises(RecipeError, match="Set model.gradient_checkpointing=true"):
         load_recipe(recipe, ["model.activation_offload=true"])
-    with pytest.raises(RecipeError, match="at least 1"):
+    with pytest.raises(RecipeError, match="at least 2"):
         load_recipe(recipe, ["model.tiled_mlp=0"])
     assert load_recipe(recipe, ["model.tiled_mlp=true"]).model.tiled_mlp is True
-    assert load_recipe(recipe, ["model.tiled_mlp=4096"]).model.tiled_mlp == 4096
+    assert load_recipe(recipe, ["model.tiled_mlp=4096", "data.max_seq_len=8192"]).model.tiled_mlp == 4096
+
+
+@pytest.mark.parametrize("overrides, says", [
+    (["model.tiled_mlp=1"], "1 is read as the tokens of one shard of the MLP .* not as 'on'. Write true"),
+    (["model.tiled_mlp=100000"], r"model.tiled_mlp=100000 tokens a shard, but a row holds at most 2,048 tokens "
+                                 r"\(data.max_seq_len=2048\): .* nothing would be tiled"),
+    (["model.tiled_mlp=64", "train.micro_batch_size=1", "train.micro_batch_tokens=128", "parallel.sequence_parallel=2"],
+     r"a process holds at most 64 tokens of a row \(train.micro_batch_tokens=128, sequence_parallel=2\)"),
+])
+def test_a_shard_of_one_token_or_longer_than_the_rows_is_refused(tiny_assets, tmp_path, overrides, says):
+    """Values that would be accepted and do the opposite of what they say (issue 53, item 4): 1 read as a one-token
+    shard where a user meant 'on'; a shard no row reaches, which tiles nothing."""
+    recipe = write_recipe(tiny_assets, tmp_path, data={"max_seq_len": 2048})
+    with pytest.raises(RecipeError, match=says):
+        load_recipe(recipe, overrides)
 
 
 # --------------------------------------------------------------------------- tiled_mlp

@@ -159,3 +159,7 @@ def test_the_summary_says_where_the_logs_are_and_how_a_lora_adapter_becomes_a_mo
     text = " ".join(console.export_text().split())
     assert f"{tmp_path}/metrics.jsonl" in text and f"`llmtrain plot {tmp_path}`" in text
     assert (f"`llmtrain export {tmp_path} --merge`" in text) == (method != "full")
+    assert "metrics.jsonl (every step and every eval)" in text
+    console.print(summary_table(summary, out=tmp_path, evals=[], logged_every=10))  # not "every step" (issue 53)
+    text = " ".join(console.export_text().split())
+    assert "metrics.jsonl (every 10 steps (logging.every_steps) and every eval)" in text

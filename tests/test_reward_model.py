@@ -326,6 +326,8 @@ def test_a_grpo_step_with_a_reward_model_gets_the_scores_the_reward_model_gives(
     ("causal", "holds a LlamaForCausalLM with no sequence-classification head"),
     ("two_labels", "has a classification head with 2 outputs; a reward model has one"),
     ("missing", "does not exist"),
+    ("file", "is a file; give the folder that holds it"),  # said "does not exist" (issue 53)
+    ("run", "is a run's folder; its model is"),  # no hint to use its final/ (issue 53)
 ])
 def test_a_folder_that_is_not_a_reward_model_is_refused_before_the_policy_loads(tiny_assets, tmp_path, monkeypatch,
                                                                                  make, says):
@@ -338,6 +340,11 @@ def test_a_folder_that_is_not_a_reward_model_is_refused_before_the_policy_loads(
         from transformers import AutoModelForSequenceClassification
 
         AutoModelForSequenceClassification.from_pretrained(tiny_assets / "model", num_labels=2).save_pretrained(folder)
+    elif make == "file":
+        folder = tiny_assets / "model" / "config.json"
+    elif make == "run":
+        (folder / "final").mkdir(parents=True)
+        (folder / "summary.json").write_text("{}")
 
     def no_model(*args, **kwargs):
         raise AssertionError("the policy was built before the reward model was checked")

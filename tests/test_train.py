@@ -238,3 +238,21 @@ def test_a_lora_run_with_checkpointing_prints_no_future_warning(tiny_assets, tmp
 
     model = load_model(load_recipe(recipe).model, None)
     assert getattr(model, "is_activation_checkpointing", None) or model.is_gradient_checkpointing
+
+
+@pytest.mark.parametrize("schedule", ["linear", "cosine"])
+def test_the_warm_up_is_hfs_one_step_ahead_and_the_decay_is_hfs(schedule):
+    """What docs/recipes.md and train.warmup_steps' description say (issue 53): update k (0-based index k - 1) of the
+    warm-up is at lr x k / W, where transformers' schedules (which TRL uses) give lr x (k - 1) / W; from the peak on,
+    the two are the same."""
+    from transformers.optimization import get_cosine_schedule_with_warmup, get_linear_schedule_with_warmup
+
+    from llmtrain.model.modeling import lr_factor
+
+    warmup, total = 4, 20
+    hf = (get_linear_schedule_with_warmup if schedule == "linear" else get_cosine_schedule_with_warmup)(
+        torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=1.0), warmup, total).lr_lambdas[0]
+    ours = [lr_factor(i, warmup=warmup, total=total, schedule=schedule, min_ratio=0.0) for i in range(total)]
+    assert ours[:warmup] == [0.25, 0.5, 0.75, 1.0] and [hf(i) for i in range(warmup)] == [0.0, 0.25, 0.5, 0.75]
+    assert ours[:warmup - 1] == [hf(i + 1) for i in range(warmup - 1)]  # one step ahead
+    assert ours[warmup:] == pytest.approx([hf(i) for i in range(warmup, total)], abs=1e-12)

@@ -54,7 +54,8 @@ def check_chat_template(recipe: Recipe, tokenizer) -> list[Check]:
     except LLMTrainError as e:
         return [("chat template", "fail", f"{e} (data.chat_template)")]
     trained = tokenizer.decode([i for i, lab in zip(ids, labels) if lab != IGNORE])
-    return [("chat template", "pass", f"renders; the reply trains as {trained!r}")]
+    return [("chat template", "pass", f"renders; of the chat [user: 'What is 2 + 2?', assistant: '4'], the tokens "
+             f"trained (the reply and its end of turn; the prompt is masked) read {trained!r}")]
 
 
 # --------------------------------------------------------------------------- data and masks
@@ -247,7 +248,7 @@ def check_warmup(warmup: int, total_steps: int) -> list[Check]:
         return [("schedule", "warn", f"train.warmup_steps={warmup} is not below the run's {total_steps} steps: every "
                  "step is on the warm-up ramp, the peak train.lr is never reached and nothing decays. Lower "
                  f"train.warmup_steps (e.g. to {max(1, total_steps // 10)}) or raise train.max_steps.")]
-    return [("schedule", "pass", f"{warmup} warm-up steps of {total_steps}")]
+    return [("schedule", "pass", f"{warmup} warm-up step{'s' * (warmup != 1)} of {total_steps}")]
 
 
 MANY_EPOCHS = 10  # passes over the data past which a supervised run is warned it will memorise it

@@ -164,6 +164,10 @@ def row_problem(example: dict, cfg: DataConfig) -> str | None:
                 return problem
         elif isinstance(value, (dict, list)):
             return f"{name} is a {type(value).__name__}, not text"
+        elif value is not None and not isinstance(value, str):  # a number, which a template would print as text
+            kind = type(value).__name__
+            return (f"{name} is {value!r}, a{'n' * (kind[0] in 'aeiou')} {kind}, not text (quote it in the file if "
+                    "it is meant as text)")
     return None
 
 

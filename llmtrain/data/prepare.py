@@ -24,7 +24,7 @@ from llmtrain.data.pairs import DROPS, MARGIN, PAIR_COLUMNS, encode_pair, pair_p
 from llmtrain.data.sources import files as _files
 from llmtrain.data.sources import is_local as _is_local
 from llmtrain.data.sources import is_split_name, load_raw
-from llmtrain.data.unpaired import UNPAIRED_COLUMNS, encode_unpaired, unpaired_problem
+from llmtrain.data.unpaired import UNPAIRED_COLUMNS, encode_unpaired, one_kind_problem, unpaired_problem
 from llmtrain.errors import LLMTrainError
 
 CACHE_VERSION = 8  # bump when tokenisation or masking changes, so old caches are not reused
@@ -258,6 +258,8 @@ def prepare_datasets(cfg: DataConfig, tokenizer, *, seed: int):
         raise LLMTrainError(f"only {train_stats.examples:,} of the {rows:,} {unit} in {', '.join(paths)} can be "
                             f"trained ({train_stats.dropped_text(unit)}). Raise data.max_seq_len (now "
                             f"{cfg.max_seq_len}), or check data.format / data.fields against the file.")
+    if cfg.format == "unpaired" and (one_kind := one_kind_problem(train["label"], ", ".join(paths), cfg)):
+        raise LLMTrainError(one_kind)
     stats = {"train": train_stats}
     evald = None
     if raw_eval is not None:

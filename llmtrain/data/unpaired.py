@@ -43,7 +43,8 @@ def balance_warning(labels: list[bool], *, desirable_weight: float, undesirable_
     """TRL's KTOTrainer warning when desirable and undesirable counts differ and neither weight is in the range
     eq. (8) of the KTO paper advises (desirable_weight x n_desirable / (undesirable_weight x n_undesirable) in
     [1, 4/3]); None when they are balanced or a weight is in range. The bounds rounded to 2 places, as TRL."""
-    n_desirable = max(sum(bool(x) for x in labels), 1)
+    desirable = sum(bool(x) for x in labels)
+    n_desirable = max(desirable, 1)
     n_undesirable = max(len(labels) - n_desirable, 1)
     if n_desirable == n_undesirable:
         return None
@@ -53,8 +54,24 @@ def balance_warning(labels: list[bool], *, desirable_weight: float, undesirable_
            round(n_desirable * desirable_weight / n_undesirable, 2))
     if des[0] <= desirable_weight <= des[1] or und[0] <= undesirable_weight <= und[1]:
         return None
-    return (f"{n_desirable:,} desirable and {n_undesirable:,} undesirable completions, and the weights on their losses "
+    return (f"{desirable:,} desirable and {len(labels) - desirable:,} undesirable completions, and the weights on "
+            "their losses "
             f"(kto.desirable_weight={desirable_weight}, kto.undesirable_weight={undesirable_weight}) are outside the "
             "range the KTO paper advises (desirable_weight x desirable / (undesirable_weight x undesirable) in [1, "
             f"4/3]). Set EITHER kto.desirable_weight in [{des[0]}, {des[1]}] or kto.undesirable_weight in "
             f"[{und[0]}, {und[1]}] (but not both), as TRL's KTOTrainer advises")
+
+
+def one_kind_problem(labels: list[bool], source: str, cfg: DataConfig) -> str | None:
+    """Train rows of one label only: KTO weighs desirable completions against undesirable ones (kto.desirable_weight
+    against kto.undesirable_weight); with one kind there is nothing to weigh, and a label column that reads the same
+    on every row is far more often a mapping or export mistake than a choice. None when both kinds are there."""
+    if not labels or len(set(labels)) > 1:
+        return None
+    name, value = cfg.fields.get("label", "label"), bool(labels[0])
+    other = "undesirable (false)" if value else "desirable (true)"
+    return (f"every one of the {len(labels):,} training rows of {source} has '{name}' {str(value).lower()}: "
+            f"KTO learns from desirable completions set against undesirable ones, and these have no {other} row "
+            f"to set against. Check that data.fields maps 'label' to the column that marks each completion, or add "
+            f"{other} rows" + (". To train on desirable completions alone, use supervised fine-tuning (data.format: "
+                               "prompt_completion, without the kto: section)" if value else ""))

@@ -54,6 +54,7 @@ from llmtrain.run.console import RunConsole, step_text, summary_table
 from llmtrain.run.export import save_final
 from llmtrain.run.metrics import MetricsLog, flop_model, strict_json
 from llmtrain.run.plot import update_loss_plot
+from llmtrain.run.preflight import check_steps_left
 from llmtrain.run.samples import format_sample, generate_samples, mark_answers
 from llmtrain.run.state import TrainState
 from llmtrain.run.trackers import check_trackers
@@ -92,6 +93,7 @@ def _train(recipe: Recipe, accelerator, console: RunConsole, cleanup: ExitStack,
         return checked.finished
     seed_run(recipe.train, cleanup)
     data = prepare_data(recipe, accelerator, say=say)
+    check_steps_left(checked.checkpoint, data.total_steps, out=Path(recipe.output_dir))
     # RL: checked before the model loads (a reward model is loaded now, on the run's device)
     rewards = rl_rewards(recipe, data.train, total_steps=data.total_steps, device=accelerator.device)
     est = check_memory(recipe, accelerator, data, say=say)  # CUDA: the estimate on this GPU, a warning if over
@@ -300,7 +302,8 @@ def finish(run: Run, state: TrainState, meter: Meter, evals: list[dict], est) ->
     if accelerator.is_main_process:
         (out / "summary.json").write_text(json.dumps(strict_json(summary), indent=1, allow_nan=False))
         final_dir = str(out / "final") if run.recipe.checkpoint.save_final else None
-        say(summary_table({**summary, "final": final_dir}, out=out, evals=evals, unit=run.console.unit))
+        say(summary_table({**summary, "final": final_dir}, out=out, evals=evals, unit=run.console.unit,
+                          logged_every=run.recipe.logging.every_steps))
         final = summary["final_loss"]
         say(f"done: {state.step} steps, final loss {final if final is None else round(final, 4)}, wrote {out}")
         if run.recipe.logging.plot and (note := update_loss_plot(out)):

@@ -90,8 +90,14 @@ def check_reward_folder(path: str) -> None:
     folder = Path(path).expanduser()
     fix = ("rl.rewards: type reward_model reads a reward model: the final/ folder of a run with a reward_model: "
            "section (docs/reward-models.md), or another one-output sequence-classification model")
+    if folder.is_file():
+        raise LLMTrainError(f"the reward model folder '{path}' (rl.rewards path:) is a file; give the folder that "
+                            f"holds it{f' ({folder.parent})' if folder.parent != Path('.') else ''}. {fix}.")
     if not folder.is_dir():
         raise LLMTrainError(f"the reward model folder '{path}' (rl.rewards path:) does not exist. {fix}.")
+    if (folder / "summary.json").is_file() and (folder / "final").is_dir():  # a run's folder, not its model
+        raise LLMTrainError(f"the reward model folder '{path}' (rl.rewards path:) is a run's folder; its model is "
+                            f"{folder / 'final'}: set path: {folder / 'final'}. {fix}.")
     if (folder / "adapter_config.json").is_file():
         task = json.loads((folder / "adapter_config.json").read_text()).get("task_type")
         if task != "SEQ_CLS":

@@ -95,6 +95,13 @@ def resolve_resume(resume: str, output_dir: Path, *, warn) -> Path | None:
     if resume == "auto":
         return _newest_intact(output_dir / "checkpoints", warn)
     path = Path(resume)
+    if not path.exists():  # a mistyped step (step_300 for step_000300): say which there are
+        where = path.parent if path.parent.is_dir() else output_dir / "checkpoints"
+        steps = sorted(p.name for p in where.glob("step_*") if p.is_dir()) if where.is_dir() else []
+        there = (f"the checkpoints in {where} are {', '.join(steps[-4:])}" + (f" (and {len(steps) - 4} older)"
+                 if len(steps) > 4 else "")) if steps else f"{where} holds no checkpoint"
+        raise LLMTrainError(f"--resume {resume}: '{path}' does not exist; {there}. Use --resume auto for the newest, "
+                            "or --resume with one of them.")
     if not (path / "train_state.json").is_file():
         raise LLMTrainError(
             f"--resume {resume}: '{path}' is not a complete checkpoint (no train_state.json). "

@@ -98,7 +98,7 @@ def step_text(rec: dict, *, unit: str = "gpu") -> str:
     return f"loss {loss:.4f}{pairs}  lr {rec['lr']:.2e}  {rec['tokens_per_s_per_gpu']:,.0f} tok/s/{unit}{mfu}"
 
 
-def summary_table(summary: dict, *, out: Path, evals: list[dict], unit: str = "gpu"):
+def summary_table(summary: dict, *, out: Path, evals: list[dict], unit: str = "gpu", logged_every: int = 1):
     """The end-of-run table: steps, tokens, time, speed, the best eval, peak GPU memory, and where final/ is."""
     from rich.table import Table
 
@@ -143,7 +143,8 @@ def summary_table(summary: dict, *, out: Path, evals: list[dict], unit: str = "g
         adapter = summary.get("method") in ("lora", "qlora")
         table.add_row("final model", summary["final"] + (
             f" (the LoRA adapter: `llmtrain export {out} --merge` writes a whole model)" if adapter else ""))
-    table.add_row("logged", f"{out}/metrics.jsonl (every step and eval) and train.log; `llmtrain plot {out}` "
+    steps = "every step" if logged_every == 1 else f"every {logged_every} steps (logging.every_steps)"
+    table.add_row("logged", f"{out}/metrics.jsonl ({steps} and every eval) and train.log; `llmtrain plot {out}` "
                             "draws the curves (several runs: overlaid)")
     return table
 

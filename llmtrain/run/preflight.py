@@ -108,6 +108,17 @@ def check_resume(ckpt: Path, recipe: Recipe, *, world: int, fsdp: bool, allow_re
     return [f"{k} changed from {a!r} to {b!r} at resume" for k, a, b in changed]
 
 
+def check_steps_left(ckpt: Path | None, total_steps: int, *, out: Path) -> None:
+    """Refuse a resume from a checkpoint at or past the run's last step (a complete run resumed with a changed
+    schedule and --allow-recipe-change, the same train.max_steps): it would train 0 steps and write final/ again."""
+    if ckpt is None or (step := int(_state(ckpt).get("step", 0))) < total_steps:
+        return
+    raise LLMTrainError(f"checkpoint {ckpt} is at step {step:,} and this recipe's run ends at step {total_steps:,} "
+                        "(train.max_steps, or train.epochs over the data): nothing is left to train. Raise "
+                        f"train.max_steps above {step:,} (with --allow-recipe-change) to train {out} further, or start "
+                        "a new run in another output_dir; nothing was changed.")
+
+
 def _state(ckpt: Path) -> dict:
     try:
         return json.loads((ckpt / "train_state.json").read_text())
