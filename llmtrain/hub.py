@@ -30,12 +30,19 @@ def is_offline() -> bool:
     return os.environ.get("HF_HUB_OFFLINE", "0").upper() in ("1", "ON", "YES", "TRUE")
 
 
+def is_local_path(name: str) -> bool:
+    """Whether a model, tokenizer or data name is a local path (there, or not made yet) rather than a hub id: the one
+    rule every reader of a name asks. A hub id is owner/name, or a bare legacy name such as gpt2; a name is local
+    when it exists here, starts with . / or ~, has more than one slash (runs/tiny-sft/final), ends with a data
+    file's extension, or has a slash and its first folder exists here (runs/tiny-sft before that run is trained)."""
+    path = Path(name).expanduser()
+    return (path.exists() or name.startswith((".", "/", "~")) or name.count("/") > 1
+            or name.lower().endswith(DATA_FILES) or ("/" in name and path.parent.is_dir()))
+
+
 def hub_ids(*names) -> list[str]:
-    """The names that are not local paths, so hub ids (model, tokenizer, dataset), in order, once each. A hub id has
-    one slash at most (owner/name): runs/tiny-sft/final is a local folder, even one not made yet."""
-    return list(dict.fromkeys(n for n in names if isinstance(n, str) and n and not Path(n).exists()
-                              and not n.startswith((".", "/", "~")) and n.count("/") <= 1
-                              and not n.lower().endswith(DATA_FILES)))
+    """The names that are not local paths, so hub ids (model, tokenizer, dataset), in order, once each."""
+    return list(dict.fromkeys(n for n in names if isinstance(n, str) and n and not is_local_path(n)))
 
 
 def recipe_hub_ids(recipe) -> list[str]:

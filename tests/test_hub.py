@@ -9,6 +9,7 @@ import socket
 import subprocess
 import time
 
+import pytest
 from helpers import ENV, LLMTRAIN, REPO, open_port
 
 from llmtrain import hub
@@ -66,6 +67,27 @@ def test_local_paths_and_data_files_are_not_hub_ids(tmp_path):
     assert hub.hub_ids(str(tmp_path / "model"), "./m", "data/train.jsonl", None, ["a.jsonl"], "org/model",
                        "org/model", "openai/gsm8k") == ["org/model", "openai/gsm8k"]
     assert hub.check([]) is None  # nothing to read from the hub: nothing asked
+
+
+@pytest.mark.parametrize("name, local", [("gpt2", False), ("org/model", False), ("runs/sft", True),
+                                         ("runs/sft/final", True), ("./model", True), ("~/model", True),
+                                         ("train.jsonl", True)])
+def test_every_reader_of_a_name_agrees_whether_it_is_a_hub_id(tmp_path, monkeypatch, name, local):
+    """Four places decided it and disagreed on a bare name such as gpt2 (issue 53): the hub check, the model's
+    load error, the data's missing-path message and the estimate's config reader now ask hub.is_local_path.
+    (runs/sft: local because runs/ exists here, before that run is trained.)"""
+    from llmtrain.data.sources import _missing_local
+    from llmtrain.memory.params import reads_hub
+    from llmtrain.model.modeling import _load_error
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "runs").mkdir()
+    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
+    assert hub.is_local_path(name) == local
+    assert (hub.hub_ids(name) == []) == local
+    assert (_missing_local(name) is not None) == local
+    assert reads_hub(name) == (not local)
+    assert ("does not exist" in str(_load_error("model", name, OSError("404")))) == local
 
 
 def test_estimate_memory_offline_says_so_once_and_prints_its_table_at_once(tmp_path):

@@ -95,16 +95,14 @@ def bad_json_line(path: str) -> str | None:
 
 
 def _missing_local(value: str) -> str | None:
-    """What to say when `value` looks like a local path and nothing is there; None for what may be a hub id.
-
-    A path: it has a slash and starts with . / or ~, or has more than one slash, or its parent folder exists here
-    (../shared/data/gsm8kk). A hub id has exactly one slash, owner/name, and no such local parent."""
+    """What to say when `value` is a local path (hub.is_local_path: ../shared/data/gsm8kk) and nothing is there;
+    None for a hub id."""
     import difflib
 
+    from llmtrain.hub import is_local_path
+
     path = Path(value).expanduser()
-    if "/" not in value or path.exists():
-        return None
-    if not (value.startswith((".", "/", "~")) or value.count("/") != 1 or path.parent.is_dir()):
+    if path.exists() or not is_local_path(value):
         return None
     parent = path
     while not parent.parent.is_dir() and parent.parent != parent:

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from llmtrain.errors import LLMTrainError
+from llmtrain.hub import is_local_path
 
 SUPPORTED_TYPES = ("llama", "mistral")
 
@@ -178,15 +179,11 @@ def lora_plan(shape: ModelShape, *, r: int, targets: str | tuple[str, ...] = "al
 # --------------------------------------------------------------------------- reading a config
 
 
-def _looks_like_path(name: str) -> bool:
-    return name.startswith(("/", ".", "~")) or name.count("/") > 1 or name.endswith(".json")
-
-
 def reads_hub(name_or_path: str) -> bool:
     """Whether read_config asks the hub (or its local cache) for this name: not a local directory or file, a
     preset, a built-in config, or a path that is missing."""
     return not (Path(name_or_path).expanduser().exists() or name_or_path.lower() in PRESETS
-                or name_or_path in HUB_ALIASES or _looks_like_path(name_or_path))
+                or name_or_path in HUB_ALIASES or is_local_path(name_or_path))
 
 
 def read_config(name_or_path: str) -> tuple[dict, str]:
@@ -207,7 +204,7 @@ def read_config(name_or_path: str) -> tuple[dict, str]:
         return {**PRESETS[HUB_ALIASES[name_or_path]], **context}, f"built-in config of {name_or_path}"
     hint = (f"Give a directory with config.json, a config.json file, a preset ({', '.join(PRESETS)}) "
             "or a hub id in the local Hugging Face cache.")
-    if _looks_like_path(name_or_path):
+    if is_local_path(name_or_path):
         raise LLMTrainError(f"no model config at '{name_or_path}': no such directory or file. {hint}")
     try:
         from transformers import AutoConfig

@@ -17,7 +17,9 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 def _load_error(what: str, path: str, err: Exception) -> LLMTrainError:
     from pathlib import Path
 
-    local = path.startswith((".", "/", "~")) or path.count("/") != 1  # a hub id is exactly "owner/name"
+    from llmtrain.hub import is_local_path
+
+    local = is_local_path(path)
     if local and not Path(path).expanduser().exists():
         run = Path(path).parent if Path(path).name in ("final", "final-merged") else None
         if run is not None:  # another run's output, e.g. the SFT run a GRPO or distillation recipe starts from
