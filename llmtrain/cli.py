@@ -16,12 +16,32 @@ import typer
 
 from llmtrain.errors import LLMTrainError, Stopped
 
-app = typer.Typer(
+class _Command(typer.core.TyperCommand):
+    """A command whose help names each argument by its metavar alone, as click writes it: typer (0.29) adds the
+    argument's type after it (RECIPE.yaml <path>, KEY=VALUE <list[str]>) and braces a required one in the usage line
+    ({RECIPE.yaml})."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        for param in self.params:
+            if isinstance(param, typer.core.TyperArgument) and param.metavar:
+                shown = (param.metavar if param.required else f"[{param.metavar}]") + "..." * (param.nargs != 1)
+                param.display_type_rich = lambda ctx: None
+                param._usage_display_name = lambda shown=shown: shown
+
+
+class _Typer(typer.Typer):
+    def command(self, *args, **kwargs):
+        return super().command(*args, **{"cls": _Command, **kwargs})
+
+
+app = _Typer(
     help="Fine-tune 7B-class Llama and Mistral models with Hugging Face Accelerate.",
     no_args_is_help=True,
     add_completion=False,
     pretty_exceptions_enable=False,
     rich_markup_mode=None,  # plain help: whole option names in 80 columns, no <bool> after a flag
+    context_settings={"help_option_names": ["-h", "--help"]},
 )
 
 # How long a launched process that leaves the error's paragraph to another (cli.prints_error_here) waits before it
@@ -32,8 +52,27 @@ Overrides = Annotated[Optional[list[str]], typer.Argument(metavar="KEY=VALUE",
                                                          help="Dotted recipe overrides, e.g. train.max_steps=8.")]
 
 
+def _version(value: bool) -> None:
+    """llmtrain's version and the libraries' it trains with, read from the installed packages (nothing imported)."""
+    if value:
+        from importlib.metadata import PackageNotFoundError, version
+
+        def installed(name: str) -> str:
+            try:
+                return version(name)
+            except PackageNotFoundError:
+                return "not installed"
+
+        libraries = ", ".join(f"{name} {installed(name)}" for name in ("torch", "transformers", "accelerate", "peft"))
+        typer.echo(f"llmtrain {installed('llmtrain')} ({libraries})")
+        raise typer.Exit()
+
+
 @app.callback()
-def _root(debug: Annotated[bool, typer.Option("--debug", help="Show tracebacks for errors.")] = False) -> None:
+def _root(debug: Annotated[bool, typer.Option("--debug", help="Show tracebacks for errors.")] = False,
+          version: Annotated[bool, typer.Option("--version", callback=_version, is_eager=True,
+                                                help="Print the version (and torch's, transformers', accelerate's "
+                                                     "and peft's) and exit.")] = False) -> None:
     if debug:
         os.environ["LLMTRAIN_DEBUG"] = "1"
 
@@ -93,7 +132,8 @@ def finetune(
     recipe: Annotated[Path, typer.Argument(metavar="RECIPE.yaml", help="YAML recipe.")],
     overrides: Overrides = None,
     resume: Annotated[
-        Optional[str], typer.Option(help="'auto' for the latest complete checkpoint in output_dir, or a path.")
+        Optional[str], typer.Option(metavar="auto|PATH",
+                                    help="'auto' for the latest complete checkpoint in output_dir, or a path.")
     ] = None,
     overwrite: Annotated[bool, typer.Option(
         "--overwrite", help="Start again in an existing run folder (deletes the old run).")] = False,

@@ -42,7 +42,31 @@ def test_help(entry):
 
 def test_command_help():
     proc = _run([*LLMTRAIN, "finetune", "--help"])
-    assert proc.returncode == 0 and "--resume" in proc.stdout and "--overwrite" in proc.stdout
+    assert proc.returncode == 0 and "--resume auto|PATH" in proc.stdout and "--overwrite" in proc.stdout
+
+
+@pytest.mark.parametrize("command, usage", [
+    ("finetune", "Usage: llmtrain finetune [OPTIONS] RECIPE.yaml [KEY=VALUE]..."),
+    ("estimate-memory", "Usage: llmtrain estimate-memory [OPTIONS] [RECIPE.yaml] [KEY=VALUE]..."),
+    ("plot", "Usage: llmtrain plot [OPTIONS] RUN..."),
+])
+def test_h_is_help_and_arguments_are_named_in_the_recipes_words(command, usage):
+    """-h as --help, and no typer types (<path>, <list[str]>) or braces ({RECIPE.yaml}) around the arguments
+    (issue 53)."""
+    proc = _run([*LLMTRAIN, command, "-h"])
+    assert proc.returncode == 0 and proc.stdout.startswith(usage), proc.stdout + proc.stderr
+    rows = [line.split() for line in proc.stdout.splitlines() if line.strip().startswith(("RECIPE", "KEY", "RUN"))]
+    assert rows and all(not row[1].startswith("<") for row in rows if len(row) > 1), rows  # no <path>, <list[str]>
+    assert "{" not in proc.stdout.splitlines()[0]
+
+
+def test_version_names_llmtrain_and_the_libraries_it_trains_with():
+    from importlib.metadata import version
+
+    proc = _run([*LLMTRAIN, "--version"])
+    assert proc.returncode == 0 and proc.stdout.strip() == (
+        f"llmtrain {version('llmtrain')} (torch {version('torch')}, transformers {version('transformers')}, "
+        f"accelerate {version('accelerate')}, peft {version('peft')})")
 
 
 def test_cli_import_is_light():

@@ -32,8 +32,10 @@ DOES_NOT_FIT = 4
 
 
 def estimate_memory(
-    recipe: Annotated[Optional[Path], typer.Argument(help="YAML recipe to estimate (or use --model).")] = None,
-    overrides: Annotated[Optional[list[str]], typer.Argument(help="Dotted recipe overrides, as for finetune.")] = None,
+    recipe: Annotated[Optional[Path], typer.Argument(metavar="RECIPE.yaml",
+                                                     help="YAML recipe to estimate (or use --model).")] = None,
+    overrides: Annotated[Optional[list[str]], typer.Argument(metavar="KEY=VALUE",
+                                                             help="Dotted recipe overrides, as for finetune.")] = None,
     model: Annotated[Optional[str], typer.Option(
         "--model", help="Estimate from a model's config.json alone: a directory, a config.json, a preset "
         "(llama-2-7b, llama-3-8b, mistral-7b) or a hub id.")] = None,
