@@ -6,7 +6,7 @@ BIN   := $(VENV)/bin
 # On a GPU machine: make install TORCH=torch
 TORCH ?= torch==2.13.0
 
-.PHONY: install demo demo-rl demo-kto demo-rloo demo-rm demo-distill test test-dist clean
+.PHONY: install demo demo-rl demo-kto demo-rloo demo-rm demo-distill test test-all test-portable test-dist clean
 
 $(BIN)/.installed: pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -64,8 +64,23 @@ demo-distill: install
 
 # Two pytest-xdist workers, each running whole test files (a file's shared runs are made once), the long
 # multi-process files first (tests/conftest.py); a plain `pytest -q` runs the same tests one after another.
+# `make test` (CI) leaves out the tests marked `extended`: the longest multi-process scenarios, each beside a main-tier
+# test of the same path (the marker's comment names it); `make test-all` runs every test.
 test: install
+	OMP_NUM_THREADS=1 $(BIN)/python -m pytest -q -n 2 --dist loadfile --no-loadscope-reorder -m "not extended"
+
+test-all: install
 	OMP_NUM_THREADS=1 $(BIN)/python -m pytest -q -n 2 --dist loadfile --no-loadscope-reorder
+
+# The equality tests in bf16 and 4-bit (marked `precision`) under each set of CPU kernels torch may pick on an
+# x86-64 machine: ATen's scalar `default`, AVX2, AVX-512 where this CPU has it (torch would accept the setting on a
+# CPU without it), and oneDNN (the bf16 matmuls) capped at AVX2. Their bounds must hold under each (README).
+PORTABLE := ATEN_CPU_CAPABILITY=default ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2 \
+	$(if $(shell grep -qw avx512f /proc/cpuinfo 2>/dev/null && echo y),ATEN_CPU_CAPABILITY=avx512)
+
+test-portable: install
+	@set -e; for setting in $(PORTABLE); do echo "== $$setting"; env $$setting OMP_NUM_THREADS=1 \
+		$(BIN)/python -m pytest -q -m precision -n 2 --dist loadfile --no-loadscope-reorder -p no:cacheprovider; done
 
 # The distributed and RL test files on another torch, this checkout's llmtrain on the path: after a change to
 # parallel/, the sampler or the step, on a venv of the GPU machine's versions (README, Development):

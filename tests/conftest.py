@@ -20,6 +20,15 @@ LONG_FILES = ["test_pipeline.py", "test_fsdp.py", "test_tp.py", "test_hsdp.py", 
               "test_cli.py"]
 
 
+def pytest_report_header(config):
+    """The CPU kernels torch picked (ATEN_CPU_CAPABILITY, ONEDNN_MAX_CPU_ISA): `make test-portable` runs the tests
+    marked `precision` under each."""
+    import torch
+
+    isa = os.environ.get("ONEDNN_MAX_CPU_ISA", "the CPU's")
+    return f"torch {torch.__version__}: ATen CPU kernels {torch.backends.cpu.get_cpu_capability()}, oneDNN ISA {isa}"
+
+
 def pytest_collection_modifyitems(config, items):
     """Under pytest-xdist (`make test` runs `-n 2 --dist loadfile --no-loadscope-reorder`: each worker runs whole
     files, so a module's shared runs are made once) the long files are handed out first and the many short ones fill

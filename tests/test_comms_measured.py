@@ -75,7 +75,9 @@ def _predicted(tiny, strategy: str) -> dict:
     return dict(predicted)
 
 
-@pytest.mark.parametrize("strategy", ["ddp", "fsdp", "hsdp", "tp", "tp-ckpt"])
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp", pytest.param("hsdp", marks=pytest.mark.extended), "tp",
+                                      # extended: their parts are FSDP's, TP's
+                                      pytest.param("tp-ckpt", marks=pytest.mark.extended)])
 def test_predicted_payloads_are_what_crosses_the_process_group(tiny_assets, tmp_path, free_port, strategy):
     predicted = _predicted(tiny_assets, strategy)
     measured_all = _measured(tiny_assets, tmp_path, free_port, strategy)

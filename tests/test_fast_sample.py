@@ -187,6 +187,7 @@ def test_a_sliding_window_shorter_than_the_sequence_is_applied_as_the_reference_
     assert both(mistral, mixed_prompts(3, 2, seed=4), max_new_tokens=12, temperature=1.0, top_p=1.0)[1] != fast
 
 
+@pytest.mark.precision
 def test_a_4bit_base_on_a_small_case_draws_the_reference_loops_tokens(tiny_assets):
     pytest.importorskip("bitsandbytes")
     from llmtrain.config import LoraConfig, ModelConfig

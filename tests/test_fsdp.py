@@ -207,6 +207,7 @@ def test_lora_under_fsdp(tiny_assets, tmp_path, free_port):
     assert max_abs_diff(load_file(str(fsdp / "final" / "adapter_model.safetensors")), adapter) < 1e-6
 
 
+@pytest.mark.precision
 @pytest.mark.parametrize("kind", ["full", "lora"])
 def test_bf16_keeps_fp32_master_shards(tiny_assets, tmp_path, free_port, kind):
     """A bf16 model with train.mixed_precision=bf16: the trainable shards (what the optimizer updates, what
@@ -411,6 +412,7 @@ def test_fsdp_token_budgets_and_varlen_match_one_process(tiny_assets, tmp_path, 
     assert max_abs_diff(load_weights(resumed / "final"), load_weights(single / "final")) < 1e-5
 
 
+@pytest.mark.extended  # main tier: test_fastpath_train.py's compiled layers against eager, FSDP against one process
 def test_compiled_layers_under_fsdp_match_one_process(tiny_assets, tmp_path, free_port):
     """model.compile under FSDP2: each decoder layer is compiled inside its FSDP unit (the all-gathers stay
     outside the graphs); 2 processes train like 1 compiled process."""

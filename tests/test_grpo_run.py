@@ -270,6 +270,7 @@ def test_two_fsdp_processes_gather_the_layers_to_sample_and_train_what_one_does(
     assert max_abs_diff(load_weights(fsdp / "final"), load_weights(one / "final")) < 1e-5
 
 
+@pytest.mark.extended  # main tier: two DDP processes sample and train what one does
 @pytest.mark.slow
 def test_log_metric_is_averaged_over_both_processes(tiny_assets, tmp_path, free_port, monkeypatch):
     """A reward function logging each completion's length: 2 DDP processes write the mean over all 16 completions
@@ -295,6 +296,7 @@ def test_log_metric_is_averaged_over_both_processes(tiny_assets, tmp_path, free_
         [r["completion_len"] for r in records(tmp_path / "one")])
 
 
+@pytest.mark.extended  # main tier: two FSDP processes gather the layers to sample and train what one does
 @pytest.mark.slow
 def test_two_fsdp_processes_with_a_token_budget_pass_alike_and_train_what_one_does(straight, tmp_path, free_port):
     """rl.micro_batch_tokens=48 under FSDP (which gathers and reduce-scatters in every pass): a rank whose

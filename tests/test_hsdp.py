@@ -96,7 +96,8 @@ def straight(tiny_assets, tmp_path_factory):
     return get
 
 
-@pytest.mark.parametrize("kind", ["full", "lora"])
+# lora: extended (LoRA under FSDP: test_fsdp.py)
+@pytest.mark.parametrize("kind", ["full", pytest.param("lora", marks=pytest.mark.extended)])
 def test_hsdp_2x2_matches_one_process(straight, kind):
     """2 replicas x 2 shards x micro-batch 1 == 1 process x micro-batch 4, both accumulating 2 micro-batches a
     step: losses, gradient norms and final weights to 1e-5 in fp32, with the parameters really sharded in two (not
@@ -131,6 +132,7 @@ def test_hsdp_2x2_matches_one_process(straight, kind):
     assert sorted(c.offsets[0] for c in chunks) == [0, meta.state_dict_metadata[name].size[0] // 2]
 
 
+@pytest.mark.extended  # main tier: test_fsdp.py's sharded resume and test_scaleout.py's DDP-to-one resume
 def test_hsdp_checkpoints_move_between_hsdp_fsdp_and_one_process(straight, tmp_path, free_port):
     """An HSDP checkpoint resumes exactly on HSDP, on plain FSDP with 2 processes and on 1 process; and a 2-process
     FSDP checkpoint resumes on HSDP. The global batch is 8 examples everywhere (2 micro-batches of 4), so the data

@@ -59,7 +59,9 @@ def same_kl_pairs(rows: list[dict], order: list[int]) -> list[dict]:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("launch", ["cpu_ddp", "cpu_fsdp"])
+# FSDP: extended (its
+@pytest.mark.parametrize("launch", ["cpu_ddp", pytest.param("cpu_fsdp", marks=pytest.mark.extended)])
+# refusal of a full fine-tune and KTO's sums are the main tier's)
 def test_two_processes_train_as_one(tiny_assets, tmp_path, free_port, launch):
     """2 processes (gloo, accelerate launch; DDP, or FSDP2 sharding every layer with LoRA's reference the disabled
     adapter of the sharded model) x micro-batch 2 against 1 process x micro-batch 4, accumulation 2: the same examples
@@ -109,6 +111,7 @@ FSDP it runs as many forwards as process 0 (each gathers every layer from both),
     assert max_abs_diff(final_weights(tmp_path / "two"), final_weights(tmp_path / "one")) < 1e-5
 
 
+@pytest.mark.extended  # main tier: a quality check of the demo recipe; KTO's exactness: test_kto.py against TRL
 @pytest.mark.slow
 def test_the_tiny_recipe_separates_reversals_from_copies(tiny_assets, tmp_path):
     """recipes/tiny-kto.yaml as `make demo-kto` runs it, on this session's tiny assets: the short SFT run, then KTO
@@ -130,6 +133,7 @@ def test_the_tiny_recipe_separates_reversals_from_copies(tiny_assets, tmp_path):
     assert evals[-1]["eval_rewards/rejected"] < -0.5 and evals[-1]["eval_loss"] < 0.47  # -0.78, 0.452 measured
 
 
+@pytest.mark.extended  # main tier: the refusal's text (test_capabilities.py), printed once (test_tp.py's refusal)
 @pytest.mark.slow
 def test_a_full_fine_tune_under_fsdp_is_refused_with_one_paragraph(tiny_assets, tmp_path, free_port):
     """The frozen reference is whole on every process; a launch that shards the model stops before training, with

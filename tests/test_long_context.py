@@ -138,7 +138,7 @@ def test_a_shard_of_one_token_or_longer_than_the_rows_is_refused(tiny_assets, tm
 QLORA = dict(quantize="nf4")
 
 
-@pytest.mark.parametrize("method", ["full", "lora", "qlora"])
+@pytest.mark.parametrize("method", ["full", "lora", pytest.param("qlora", marks=pytest.mark.precision)])
 def test_tiled_mlp_equals_the_untiled_one(four_layers, method):
     if method == "qlora":
         pytest.importorskip("bitsandbytes")

@@ -141,17 +141,20 @@ LOSS, CHUNKED, LAYERS = 4096, 16384, 256
 LORA = dict(method="lora", lora_r=8, dtype="bfloat16")
 CASES = [  # (vocab, spec)
     (LOSS, TrainSpec(attn="eager", micro_batch=4, seq_len=128)),
-    (LOSS, TrainSpec(attn="sdpa", micro_batch=4, seq_len=128, mixed_precision="bf16", grad_checkpointing=True)),
-    (LOSS, TrainSpec(**LORA, attn="sdpa", mixed_precision="bf16", micro_batch=4, seq_len=128)),
+    pytest.param(LOSS, TrainSpec(attn="sdpa", micro_batch=4, seq_len=128, mixed_precision="bf16",
+                                 grad_checkpointing=True), marks=pytest.mark.extended),  # the LAYERS case of it: below
+    pytest.param(LOSS, TrainSpec(**LORA, attn="sdpa", mixed_precision="bf16", micro_batch=4, seq_len=128),
+                 marks=pytest.mark.extended),  # the LAYERS case of it: below
     (LOSS, TrainSpec(**LORA, attn="sdpa", micro_batch=1, seq_len=256)),
     (LOSS, TrainSpec(micro_batch=4, seq_len=128)),
     (LOSS, TrainSpec(**LORA, mixed_precision="bf16", micro_batch=4, seq_len=128)),
     (LOSS, TrainSpec(micro_batch_tokens=512, seq_len=256, mixed_precision="bf16", grad_checkpointing=True)),
     (CHUNKED, TrainSpec(attn="eager", micro_batch=4, seq_len=128, loss_chunk_tokens=128)),
-    (CHUNKED, TrainSpec(attn="sdpa", micro_batch=4, seq_len=128, mixed_precision="bf16", grad_checkpointing=True,
-                        loss_chunk_tokens=128)),
-    (CHUNKED, TrainSpec(**LORA, attn="sdpa", mixed_precision="bf16", micro_batch=4, seq_len=128,
-                        loss_chunk_tokens=128)),
+    # extended (the slowest, 25 s each): the chunked loss's bytes are the eager and token-budget cases' beside them
+    pytest.param(CHUNKED, TrainSpec(attn="sdpa", micro_batch=4, seq_len=128, mixed_precision="bf16",
+                                    grad_checkpointing=True, loss_chunk_tokens=128), marks=pytest.mark.extended),
+    pytest.param(CHUNKED, TrainSpec(**LORA, attn="sdpa", mixed_precision="bf16", micro_batch=4, seq_len=128,
+                                    loss_chunk_tokens=128), marks=pytest.mark.extended),
     (CHUNKED, TrainSpec(micro_batch_tokens=512, seq_len=256, loss_chunk_tokens=100)),
     (LAYERS, TrainSpec(attn="eager", micro_batch=4, seq_len=128)),
     (LAYERS, TrainSpec(attn="sdpa", micro_batch=4, seq_len=128, mixed_precision="bf16")),

@@ -67,7 +67,10 @@ def uninterrupted(tiny_assets, tmp_path_factory) -> tuple[Path, Path]:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize(("sig", "code"), [(signal.SIGTERM, 143), (signal.SIGINT, 130)])
+# One signal in the main tier: both take the same path (SIGTERM under DDP:
+# test_sigterm_under_ddp_stops_every_rank_at_one_step).
+@pytest.mark.parametrize(("sig", "code"), [pytest.param(signal.SIGTERM, 143, marks=pytest.mark.extended),
+                                           (signal.SIGINT, 130)])
 def test_signal_mid_run_saves_and_resumes_exactly(uninterrupted, tmp_path, sig, code):
     recipe, full = uninterrupted
     cut = tmp_path / "cut"

@@ -311,6 +311,7 @@ def test_resume_finds_the_reference_again_and_ends_as_the_uninterrupted_run(pref
     assert max_abs_diff(load_weights(tmp_path / "cut" / "final"), load_weights(tmp_path / "straight" / "final")) == 0
 
 
+@pytest.mark.extended  # main tier: a quality check on real data; exactness: the TRL comparisons
 @pytest.mark.slow  # a longer run: make test, not the fast tier
 @needs(GSM8K)
 def test_held_out_reward_accuracy_rises_on_gsm8k_pairs(tiny_assets, tmp_path):
@@ -340,7 +341,8 @@ def test_held_out_reward_accuracy_rises_on_gsm8k_pairs(tiny_assets, tmp_path):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("launch, lora", [("cpu_ddp", False), ("cpu_fsdp", False), ("cpu_fsdp", True),
+@pytest.mark.parametrize("launch, lora", [("cpu_ddp", False), ("cpu_fsdp", False),
+                                          pytest.param("cpu_fsdp", True, marks=pytest.mark.extended),
                                           ("cpu_tp", False)])
 def test_two_processes_train_the_pairs_of_one(one_process, tmp_path, free_port, launch, lora):
     """2 CPU data ranks (gloo, through accelerate launch; DDP, FSDP2 sharding every parameter, or FSDP x TP: 4

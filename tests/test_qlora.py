@@ -131,6 +131,7 @@ def test_quantised_layers_stay_linear4bit_through_prepare_on_one_process(qlora_r
             "['lora_A', 'lora_B']") in out, out
 
 
+@pytest.mark.precision
 def test_qlora_trains_only_the_adapter_and_resumes_exactly(qlora_recipe, tmp_path, monkeypatch):
     pytest.importorskip("bitsandbytes")
     common = ["checkpoint.every_steps=4", "logging.every_steps=1"]
@@ -151,6 +152,7 @@ def test_qlora_trains_only_the_adapter_and_resumes_exactly(qlora_recipe, tmp_pat
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
 
+@pytest.mark.precision
 def test_exported_adapter_loads_on_a_quantised_and_on_a_bf16_base(qlora_recipe, tiny_assets, tmp_path):
     pytest.importorskip("bitsandbytes")
     from peft import PeftModel
@@ -187,6 +189,7 @@ def one_process(tiny_assets, tmp_path_factory):
 
 
 @pytest.mark.slow
+@pytest.mark.precision
 @pytest.mark.parametrize("launch, share", [("cpu_ddp", "1.00"), ("cpu_fsdp", "0.50")])
 def test_two_processes_keep_the_base_4bit_and_train_as_one(qlora_recipe, one_process, tmp_path, free_port, launch,
                                                           share):
@@ -203,7 +206,12 @@ def test_two_processes_keep_the_base_4bit_and_train_as_one(qlora_recipe, one_pro
                 f"{share}; trainable ['lora_A', 'lora_B']") in out, out
     one, two = records(one_process), records(tmp_path / "two")
     assert [r["tokens"] for r in two] == [r["tokens"] for r in one]
-    # bf16 autocast on both sides; the 2-rank all-reduce rounds differently
+    # The first step, on the same weights: micro-batches of 4 rows against 8 change only the bf16 matmuls' blocking
+    # (measured 3.1e-7, under ATen's default and AVX2 kernels alike). After it, AdamW at lr 1e-2 turns the last bits
+    # of bf16 gradients into updates of the order of the lr on the parameters whose gradients are small, and the runs
+    # part like two bf16 runs do (measured at most 6.4e-3 over 8 steps): a wrong batch or a lost rank moves the loss
+    # by more than 0.1.
+    assert abs(two[0]["loss"] - one[0]["loss"]) < 1e-5
     assert [r["loss"] for r in two] == pytest.approx([r["loss"] for r in one], abs=2e-2)
     assert re.search(r"model: [\d,]+ parameters", out)
 

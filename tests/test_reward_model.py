@@ -197,6 +197,7 @@ def held_out_scores(final, tiny_assets, *, lora: bool = False, n: int = 200) -> 
     return out[0], out[1]
 
 
+@pytest.mark.extended  # main tier: a quality check of the demo recipe; exactness: the TRL comparison
 @pytest.mark.slow  # two runs of the shipped tiny recipes: about 2 minutes on 2 cores
 def test_the_tiny_reward_model_scores_held_out_pairs_right(tiny_assets, tmp_path):
     """recipes/tiny-reward.yaml as shipped (from recipes/tiny.yaml's SFT model): on the 200 held-out pairs of the

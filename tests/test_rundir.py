@@ -219,6 +219,7 @@ def launch(recipe, port, *args, check=True, **kwargs) -> subprocess.CompletedPro
     return proc
 
 
+@pytest.mark.extended  # main tier: test_cli_second_run_into_a_busy_folder_is_refused_and_kill_9_leaves_no_stale_lock
 @pytest.mark.slow
 def test_two_process_launch_locks_on_the_main_process_only(tiny_assets, tmp_path, long_run, free_port):
     """Into a busy folder every rank stops with the main process's refusal (none hangs); into a free one the

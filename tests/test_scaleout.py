@@ -69,6 +69,7 @@ def test_two_nodes_match_one_process(tiny_assets, tmp_path, free_port):
     assert max((a[k] - b[k]).abs().max().item() for k in a) < 1e-5
 
 
+@pytest.mark.extended  # main tier: test_ddp.py, and checkpoints moved in test_fsdp.py and test_pipeline.py
 def test_resume_ddp_checkpoint_on_one_process(tiny_assets, tmp_path, free_port):
     """Save with 2 DDP processes x micro-batch 2, resume on 1 process x micro-batch 4: same global batches,
     so the resumed run equals one uninterrupted single-process run (trained in this process) step for step."""

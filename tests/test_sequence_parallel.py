@@ -140,7 +140,10 @@ LONG = ["model.quantize=nf4", "model.gradient_checkpointing=true", "model.activa
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("lora, switches", [(False, []), (True, []), (True, LONG)], ids=["full", "lora", "qlora-long"])
+# lora: in qlora-long
+@pytest.mark.parametrize("lora, switches", [(False, []), pytest.param(True, [], marks=pytest.mark.extended),
+                                             pytest.param(True, LONG, marks=pytest.mark.precision)],
+                         ids=["full", "lora", "qlora-long"])
 def test_two_processes_of_one_sequence_train_what_one_process_trains(tiny_assets, tmp_path, free_port, lora,
                                                                       switches):
     recipe = write_recipe(tiny_assets, tmp_path, **PACKED, **({"lora": LORA} if lora else {}),
@@ -189,6 +192,8 @@ def test_a_sliding_window_and_a_replicated_kv_head_stay_exact(tiny_assets, tmp_p
     assert abs(records(unwindowed)[0]["loss"] - records(one)[0]["loss"]) > 1e-3
 
 
+# main tier: test_a_checkpoint_of_sequence_parallelism_resumes_on_one_process, kill -9 in test_preemption.py
+@pytest.mark.extended
 @pytest.mark.slow
 def test_kill_9_and_a_resume_equal_the_uninterrupted_run_to_the_bit(tiny_assets, tmp_path, free_port):
     recipe = write_recipe(tiny_assets, tmp_path, **{**PACKED, "train": {**PACKED["train"], "max_steps": 300}},

@@ -89,7 +89,8 @@ def straight(tiny_assets, tmp_path_factory):
     return get
 
 
-@pytest.mark.parametrize("attention", ["eager", "auto"])
+# auto: extended (varlen: FSDP)
+@pytest.mark.parametrize("attention", ["eager", pytest.param("auto", marks=pytest.mark.extended)])
 def test_fsdp_x_tp_2x2_trains_like_one_process(straight, attention):
     """2 shards x 2 TP x micro-batch 2 == 1 process x micro-batch 4: losses and gradient norms to 1e-6 (relative),
     final weights to 1e-6, with each TP'd weight stored in four pieces (2 shards x 2 TP) and each norm in two. With
@@ -119,6 +120,7 @@ def test_fsdp_x_tp_2x2_trains_like_one_process(straight, attention):
     assert pieces["layers.0.input_layernorm.weight"] == [(0,), (64,)]  # whole on each TP rank, sharded by FSDP
 
 
+@pytest.mark.extended  # main tier: test_fsdp_x_tp_2x2_trains_like_one_process, test_fsdp.py's sharded resume
 def test_fsdp_x_tp_checkpoints_move_between_tp_fsdp_and_one_process(straight, tmp_path, free_port):
     """An FSDP x TP checkpoint resumes on plain FSDP with 2 processes and on 1 process; and a 2-process FSDP
     checkpoint resumes on FSDP x TP. The global micro-batch is 4 examples everywhere, so the data order is kept:
@@ -151,6 +153,7 @@ def test_fsdp_x_tp_checkpoints_move_between_tp_fsdp_and_one_process(straight, tm
     _same_run(back, fsdp, tol=1e-6)
 
 
+@pytest.mark.extended  # main tier: 8 processes: FSDP x TP 2x2 and HSDP 2x2 each against one process
 def test_hsdp_x_tp_2x2x2_trains_like_one_process_and_resumes_on_fsdp_x_tp(straight, tmp_path, free_port):
     """3-D, 8 processes: 2 replicas x 2 shards x 2 TP x micro-batch 1 == 1 process x micro-batch 4 (losses, gradient
     norms and final weights to 1e-6), and its checkpoint (step 2 of 4) resumes on FSDP x TP 2 x 2 to the same end.

@@ -211,6 +211,7 @@ def test_allowed_recipe_change_at_resume_is_recorded(tiny_assets, tmp_path):
     assert notes[0]["step"] == 2 and [r["step"] for r in records(tmp_path / "run")] == [1, 2, 3, 4, 5]
 
 
+@pytest.mark.precision
 def test_runs_with_different_mixed_precision_in_one_process(recipe, tmp_path):
     """A notebook (or a test session) calls train() again with another train.mixed_precision: Accelerate keeps one
     state per process and refused the change ("AcceleratorState has already been initialized")."""

@@ -16,6 +16,7 @@ from helpers import ENV
 SYSTEMS = {"llmtrain", "llmtrain-baseline", "hf-padded", "hf-flatten"}
 
 
+@pytest.mark.extended  # main tier: a benchmark's smoke check; its systems' tokens are counted by test_loop_run.py
 @pytest.mark.slow
 @needs(MISTRAL)
 @needs(GSM8K)

@@ -64,6 +64,7 @@ class Pipeline:
         mine = rank_stages(g.rank, g.size, chunks)  # torch's loop order: virtual stage s on rank s % P
         self.modules = [Stage(lm, ranges[s], first=s == 0, last=s == total - 1, precision=precision) for s in mine]
         self.precision = precision
+        self.order = {id(p): i for i, p in enumerate(model.parameters())}  # the whole model's, for the norm
         kept = {i for s in mine for i in ranges[s]}
         decoder = lm.model
         # what other stages hold, as shapes without storage (the meta device): put back for the export's names only
@@ -193,4 +194,5 @@ class Pipeline:
                     yield p
 
     def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
-        return clip_grad_norm_(list(self.parameters()), max_norm, self.device, sharded=self.sharded, g=self.group)
+        return clip_grad_norm_(list(self.parameters()), max_norm, self.device, sharded=self.sharded, g=self.group,
+                               order=self.order)

@@ -68,16 +68,37 @@ def _local(t: torch.Tensor) -> torch.Tensor:
     return t.to_local() if hasattr(t, "to_local") else t
 
 
-def clip_grad_norm_(params, max_norm: float, device, *, sharded: bool, g: PipelineGroup) -> torch.Tensor:
-    """torch.nn.utils.clip_grad_norm_ over the whole model: the squared norms summed over the stages (and over the
-    shards of each, under FSDP: every process then holds a disjoint piece)."""
+def clip_grad_norm_(params, max_norm: float, device, *, sharded: bool, g: PipelineGroup,
+                    order: dict[int, int] | None = None) -> torch.Tensor:
+    """torch.nn.utils.clip_grad_norm_ over the whole model. Whole stages (`order`: each parameter's place in the
+    whole model's parameters): the norm exactly as one process computes it, the vector norm of the stacked
+    per-parameter norms (torch's own: foreach where it has it) in the model's order, gathered from the stages. A sum
+    of squares reduced over the stages differs from it in the last bits, which bf16 autocast turns into 1e-6 of loss
+    a step later (issue 59). Stages sharded by FSDP: the squared norms summed over the stages and the shards (every
+    process holds a disjoint piece)."""
     import torch.distributed as dist
 
     grads = [_local(p.grad) for p in params if p.grad is not None]
-    squares = (torch.stack([torch.linalg.vector_norm(gr, dtype=torch.float32) ** 2 for gr in grads]).sum()
-               if grads else torch.zeros((), device=device))
-    dist.all_reduce(squares, group=None if sharded else g.group)
-    norm = squares.sqrt()
+    if order is not None and not sharded:
+        from torch.utils._foreach_utils import _has_foreach_support
+
+        norms = list(torch._foreach_norm(grads, 2.0)) if grads and _has_foreach_support(grads, device) else \
+            [torch.linalg.vector_norm(gr, 2.0) for gr in grads]
+        held = torch.stack([n.double() for n in norms]).tolist() if norms else []  # exact; one sync
+        mine = [(order[id(p)], str(n.dtype), v) for p, n, v in zip([p for p in params if p.grad is not None], norms,
+                                                                    held)]
+        stages: list = [None] * g.size
+        dist.all_gather_object(stages, mine, group=g.group)
+        ranked = sorted(x for part in stages for x in part)
+        groups = list(dict.fromkeys(dtype for _, dtype, _ in ranked))  # torch groups the norms by dtype, in order
+        values = [torch.tensor(v, dtype=getattr(torch, d.removeprefix("torch.")), device=device)
+                  for dtype in groups for _, d, v in ranked if d == dtype]
+        norm = torch.linalg.vector_norm(torch.stack(values), 2.0) if values else torch.zeros((), device=device)
+    else:
+        squares = (torch.stack([torch.linalg.vector_norm(gr, dtype=torch.float32) ** 2 for gr in grads]).sum()
+                   if grads else torch.zeros((), device=device))
+        dist.all_reduce(squares, group=None if sharded else g.group)
+        norm = squares.sqrt()
     coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
     if grads:
         torch._foreach_mul_(grads, coef.to(grads[0].device))
