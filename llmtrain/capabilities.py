@@ -261,6 +261,23 @@ def _trained_by(parallelism: str) -> str:
     return " and ".join([", ".join(modes[:-1]), modes[-1]] if len(modes) > 1 else modes)
 
 
+def sequence_heads_problem(n: int, heads: int, kv_heads: int) -> str | None:
+    """Why a sequence group of `n` cannot split a model's heads (None when it can): each process attends with heads / n
+    query heads, and the K/V heads split into n groups or divide n (each then repeated n / kv_heads times). The one
+    definition: the layout's model check here, the estimate and doctor's row ask it."""
+    if n <= 1:
+        return None
+    key = f"parallel.sequence_parallel={n}"
+    if heads % n:
+        return (f"{key}: the model's {heads} attention heads do not split into {n} equal groups; set "
+                f"parallel.sequence_parallel to a divisor of {heads}")
+    if kv_heads % n and n % kv_heads:
+        return (f"{key}: the model's {kv_heads} key/value heads neither split into {n} groups nor divide {n} (to be "
+                f"replicated); set parallel.sequence_parallel to a divisor or a multiple of {kv_heads} that divides "
+                f"{heads}")
+    return None
+
+
 def experts(config) -> int:
     """Experts of each layer's MLP (a mixture of experts: Qwen3-MoE's num_experts, Mixtral's num_local_experts,
     DeepSeek's n_routed_experts); 0 for a dense MLP."""
@@ -290,15 +307,8 @@ def model_problems(recipe, layout: Layout, config) -> list[str]:
                        "(lora.ParamWrapper), and those take no dropout on their input. Set lora.dropout=0")
     heads = config.num_attention_heads
     kv = getattr(config, "num_key_value_heads", None) or heads
-    if (n := layout.sp) > 1:
-        key = f"parallel.sequence_parallel={n}"
-        if heads % n:
-            out.append(f"{key}: the model's {heads} attention heads do not split into {n} equal groups; set "
-                       f"parallel.sequence_parallel to a divisor of {heads}")
-        elif kv % n and n % kv:
-            out.append(f"{key}: the model's {kv} key/value heads neither split into {n} groups nor divide {n} (to be "
-                       f"replicated); set parallel.sequence_parallel to a divisor or a multiple of {kv} that divides "
-                       f"{heads}")
+    if problem := sequence_heads_problem(layout.sp, heads, kv):
+        out.append(problem)
     if (tp := layout.tp) > 1:
         for name, n in (("num_attention_heads", heads), ("num_key_value_heads", kv),
                         ("intermediate_size", getattr(config, "intermediate_size", tp))):

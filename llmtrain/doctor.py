@@ -89,8 +89,9 @@ def check_layout(recipe: Recipe, launch: dict, *, where: str = "the launch confi
 def check_sequence_parallel(recipe: Recipe, launch: dict) -> list[Check]:
     """How parallel.sequence_parallel N splits the model's heads and the launch's processes (none when off, or when
     the layout row fails)."""
+    from llmtrain.capabilities import sequence_heads_problem
     from llmtrain.memory.params import load_model_shape
-    from llmtrain.memory.spec import sequence_heads_problem, sequence_kv_heads
+    from llmtrain.memory.spec import sequence_kv_heads
 
     n = recipe.parallel.sequence_parallel
     procs = int(launch.get("num_processes", 1) or 1)
@@ -170,10 +171,10 @@ def check_memory(recipe: Recipe, launch_path: Path | None, gpu_memory: float | N
     """The per-GPU estimate against `gpu_memory` GiB (None: no GPU known, a warn), with the --fit advice when it
     does not fit (online RL: at the data's `prompt_lengths` where read). Returns the rows and the Estimate (None when
     it cannot be made)."""
+    from llmtrain.memory import estimate_run
     from llmtrain.memory import fit as fitting
     from llmtrain.memory.launch import read_accelerate_config
     from llmtrain.memory.params import recipe_model_shape
-    from llmtrain.memory.pipeline import estimate_run
     from llmtrain.memory.spec import spec_from_recipe
 
     rows: list[Check] = []

@@ -15,13 +15,12 @@ from helpers import estimate_memory
 
 from llmtrain.errors import LLMTrainError
 from llmtrain.memory import activations as act
-from llmtrain.memory import estimate_for_recipe
 from llmtrain.memory import estimate as estimate_module
+from llmtrain.memory import estimate_for_recipe, estimate_run
 from llmtrain.memory.estimate import ALLOCATOR_SLACK, CUDA_CONTEXT_BYTES, NCCL_BYTES, estimate, optimizer_bytes
 from llmtrain.memory.fit import FIT_SHARE, MAX_MICRO_BATCH, fit, throughput_score
 from llmtrain.memory.launch import SHIPPED, read_accelerate_config, shipped_config
 from llmtrain.memory.params import load_model_shape, lora_plan
-from llmtrain.memory.pipeline import estimate_run
 from llmtrain.memory.spec import GIB, TrainSpec
 
 REPO = Path(__file__).resolve().parents[1]

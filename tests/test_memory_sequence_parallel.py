@@ -108,7 +108,7 @@ def test_the_step_compute_of_a_gpu_is_1_over_n_of_its_groups():
 
 @pytest.mark.parametrize(("spec", "message"), [
     ({"num_gpus": 6, "sequence_parallel": 4}, "must divide the GPUs: 6 (6 a node x 1) do not split into groups of 4"),
-    ({"num_gpus": 6, "sequence_parallel": 3}, "must divide the model's 32 query heads"),
+    ({"num_gpus": 6, "sequence_parallel": 3}, "the model's 32 attention heads do not split into 3 equal groups"),
     ({"num_gpus": 8, "sequence_parallel": 2, "attn": "sdpa"}, "varlen attention"),
     ({"num_gpus": 8, "sequence_parallel": 2, "strategy": "fsdp", "method": "full", "tp": 2}, "tensor parallelism"),
 ])
@@ -125,13 +125,13 @@ def test_k_v_heads_and_n_that_do_not_divide_one_another_are_refused_naming_the_h
     shape = _shape_from_json(json.dumps({**json.loads(SMALL), "hidden_size": 96, "num_attention_heads": 12,
                                          "num_key_value_heads": 4}), "twelve")
     spec = TrainSpec(micro_batch_tokens=96, seq_len=96, strategy="ddp", num_gpus=12)
-    with pytest.raises(LLMTrainError, match="sequence parallelism 6 and the model's 4 K/V heads must divide one "
-                                            "another"):
+    with pytest.raises(LLMTrainError, match=r"parallel.sequence_parallel=6: the model's 4 key/value heads neither "
+                                            r"split into 6 groups nor divide 6"):
         estimate(shape, spec.but(sequence_parallel=6))
     assert estimate(shape, spec.but(sequence_parallel=2)) and estimate(shape, spec.but(sequence_parallel=12))
     out = estimate_memory("--model", "llama-3-8b", "--strategy", "ddp", "--num-gpus", "6", "--sequence-parallel", "3",
                           check=False)
-    assert out.returncode == 2 and "must divide the model's 32 query heads" in out.stdout + out.stderr
+    assert out.returncode == 2 and "the model's 32 attention heads do not split into 3" in out.stdout + out.stderr
 
 
 def test_the_recipe_key_sets_it_and_the_data_ranks_are_the_gpus_over_n():

@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Literal
 
 if TYPE_CHECKING:
     from llmtrain.config import Recipe
+    from llmtrain.memory.comms import Traffic
     from llmtrain.memory.params import ModelShape, load_model_shape, lora_plan
     from llmtrain.memory.spec import Estimate, TrainSpec, spec_from_recipe
 
@@ -33,10 +34,12 @@ __all__ = [
     "TrainSpec",
     "estimate_for_recipe",
     "estimate_for_run",
+    "estimate_run",
     "load_model_shape",
     "lora_plan",
     "predicted_for_run",
     "spec_from_recipe",
+    "traffic_run",
 ]
 
 
@@ -44,6 +47,27 @@ def __getattr__(name: str):
     if name in _LAZY:
         return getattr(importlib.import_module(f"llmtrain.memory.{_LAZY[name]}"), name)
     raise AttributeError(f"module 'llmtrain.memory' has no attribute {name!r}")
+
+
+def estimate_run(shape: ModelShape, spec: TrainSpec) -> Estimate:
+    """The per-GPU estimate of a run on any layout, the one entry every caller asks (the command, --fit, doctor, the
+    trainer): one GPU's phases of its strategy (estimate.estimate); with a pipeline, its worst GPU's
+    (pipeline.pipeline_estimate, the stages as llmtrain trains them)."""
+    from llmtrain.memory.estimate import estimate
+    from llmtrain.memory.pipeline import as_trained, pipeline_estimate
+
+    return estimate(shape, spec) if spec.pipeline_parallel == 1 else pipeline_estimate(shape, as_trained(spec))
+
+
+def traffic_run(shape: ModelShape, spec: TrainSpec, network=None) -> Traffic:
+    """The step's time and traffic of a run on any layout: comms.step_traffic, or with a pipeline its pacing
+    stage's (pipeline.pipeline_traffic)."""
+    from llmtrain.memory.comms import Network, step_traffic
+    from llmtrain.memory.pipeline import as_trained, pipeline_traffic
+
+    network = network or Network()
+    return step_traffic(shape, spec, network) if spec.pipeline_parallel == 1 else \
+        pipeline_traffic(shape, as_trained(spec), network)
 
 
 def estimate_for_recipe(recipe: Recipe, *, num_processes: int = 1,
@@ -56,7 +80,6 @@ def estimate_for_recipe(recipe: Recipe, *, num_processes: int = 1,
     tokens (without them, every prompt is taken at data.max_seq_len: the worst case).
     """
     from llmtrain.memory.params import recipe_model_shape
-    from llmtrain.memory.pipeline import estimate_run
     from llmtrain.memory.spec import spec_from_recipe
 
     shape = recipe_model_shape(recipe)

@@ -115,9 +115,10 @@ def estimate_memory(
     Exit status: 0 when it fits --gpu-memory, 4 when it does not (with --fit: 0 when a configuration that fits these
     GPUs was found, 4 when none was), 2 on bad input.
     """
+    from llmtrain.memory import estimate_run, traffic_run
     from llmtrain.memory import fit as fitting
     from llmtrain.memory.comms import Network
-    from llmtrain.memory.pipeline import compared, estimate_run, traffic_run
+    from llmtrain.memory.pipeline import compared
 
     run = {k: v for k, v in dict(method=method, lora_r=lora_r, micro_batch=micro_batch,
                                  micro_batch_tokens=micro_batch_tokens, grad_accum=grad_accum, seq_len=seq_len,

@@ -11,6 +11,7 @@ import functools
 import inspect
 from dataclasses import replace
 
+from llmtrain.capabilities import sequence_heads_problem
 from llmtrain.config import tiled_mlp_shard
 from llmtrain.errors import LLMTrainError
 from llmtrain.memory import activations as act
@@ -22,7 +23,6 @@ from llmtrain.memory.spec import (
     PRECISION_DTYPE,
     Estimate,
     TrainSpec,
-    sequence_heads_problem,
     sequence_kv_heads,
 )
 from llmtrain.memory.states import (  # noqa: F401  (optimizer_bytes, quantized_base_bytes: imported from here too)
@@ -113,8 +113,8 @@ def _phase(**parts: int) -> dict[str, int]:
 def estimate(shape: ModelShape, spec: TrainSpec) -> Estimate:
     """The per-GPU peak of the run `spec` describes on the model `shape`. Under FSDP x TP every GPU runs its tensor-
     parallel slice of the model (params.tensor_parallel_shape), sharded by FSDP over the data-parallel ranks."""
-    if spec.pipeline_parallel > 1:  # each stage holds other layers: pipeline.estimate_run walks them
-        raise ValueError("a pipeline's stages are estimated by llmtrain.memory.pipeline.estimate_run")
+    if spec.pipeline_parallel > 1:  # each stage holds other layers: memory.estimate_run walks them
+        raise ValueError("a pipeline's stages are estimated by llmtrain.memory.estimate_run")
     spec.validate()
     if problem := sequence_heads_problem(spec.sequence_parallel, shape.heads, shape.kv_heads):
         raise LLMTrainError(f"cannot estimate this run: {problem} ({shape.source}).")

@@ -15,11 +15,10 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 from llmtrain.errors import LLMTrainError
+from llmtrain.memory import estimate_run, traffic_run
 from llmtrain.memory.comms import Network, Traffic
 from llmtrain.memory.launch import shipped_config
 from llmtrain.memory.params import ModelShape
-from llmtrain.memory.pipeline import estimate_run as estimate
-from llmtrain.memory.pipeline import traffic_run as step_traffic
 from llmtrain.memory.spec import GIB, Estimate, TrainSpec
 from llmtrain.parallel.stages import bubble_fraction
 
@@ -126,7 +125,7 @@ def largest_fitting(shape: ModelShape, spec: TrainSpec, choices: list[int] | Non
     accumulation that keeps `global_batch`: what is held between micro-batches depends on it)."""
     if choices is not None:
         for n in sorted(choices, reverse=True):
-            est = estimate(shape, with_size(spec, n).but(grad_accum=global_batch // spec.data_ranks // n))
+            est = estimate_run(shape, with_size(spec, n).but(grad_accum=global_batch // spec.data_ranks // n))
             if fits_with_room(est):
                 return est
         return None
@@ -135,7 +134,7 @@ def largest_fitting(shape: ModelShape, spec: TrainSpec, choices: list[int] | Non
         else (1, MAX_MICRO_BATCH)
     while lo <= hi:  # memory grows with the micro-batch, so bisect
         mid = (lo + hi) // 2
-        est = estimate(shape, with_size(spec, mid))
+        est = estimate_run(shape, with_size(spec, mid))
         if fits_with_room(est):
             best, lo = est, mid + 1
         else:
@@ -158,7 +157,7 @@ def _search(shape: ModelShape, spec: TrainSpec, global_batch: int | None, networ
                     continue  # the tiled MLP under FSDP, a sequence group the GPUs do not divide): not a candidate
                 if est is not None and not (accumulate == "unsharded" and est.spec.grad_accum == 1):  # == sharded
                     candidates.append(Candidate(est, throughput_score(est.spec),
-                                                step_traffic(shape, est.spec, network)))
+                                                traffic_run(shape, est.spec, network)))
     note = None
     if global_batch and choices is None:
         note = (f"{spec.data_ranks} data-parallel ranks do not divide the global batch of {global_batch}; the "
@@ -214,11 +213,11 @@ def pipeline_candidates(shape: ModelShape, spec: TrainSpec, global_batch: int | 
             found = []
             for each in runs:
                 try:
-                    est = largest_fitting(shape, each, None) if choices is None else estimate(shape, each)
+                    est = largest_fitting(shape, each, None) if choices is None else estimate_run(shape, each)
                 except LLMTrainError:  # not a layout the pipeline takes (LoRA, offload, fewer micro-batches than
                     continue  # 1F1B's stages, more stages than layers, ...)
                 if est is not None and fits_with_room(est):
-                    found.append(Candidate(est, throughput_score(est.spec), step_traffic(shape, est.spec, network)))
+                    found.append(Candidate(est, throughput_score(est.spec), traffic_run(shape, est.spec, network)))
             if found:
                 out.append(min(found, key=seconds_per_token))
     return out
@@ -358,7 +357,7 @@ def longest_context(shape: ModelShape, spec: TrainSpec) -> Estimate | None:
     with room, as --fit requires (FIT_SHARE of the card); None when not even LONGEST_STEP tokens do. Bisection: the
     peak only grows with the tokens."""
     def fitting(n: int) -> Estimate | None:
-        est = estimate(shape, at_context(spec, n * LONGEST_STEP))
+        est = estimate_run(shape, at_context(spec, n * LONGEST_STEP))
         return est if fits_with_room(est) else None
 
     lo, hi = 0, LONGEST_MOST // LONGEST_STEP  # fitting(lo) holds (or lo is 0), fitting(hi + 1) is not known to

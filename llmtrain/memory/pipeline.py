@@ -121,17 +121,6 @@ def as_trained(spec: TrainSpec) -> TrainSpec:
     return spec.but(fsdp_accumulate="unsharded") if spec.pipeline_parallel > 1 and spec.sharded else spec
 
 
-def estimate_run(shape: ModelShape, spec: TrainSpec) -> Estimate:
-    """estimate.estimate for a run without pipeline; with one, the estimate of its worst GPU (pipeline_estimate)."""
-    return estimate(shape, spec) if spec.pipeline_parallel == 1 else pipeline_estimate(shape, as_trained(spec))
-
-
-def traffic_run(shape: ModelShape, spec: TrainSpec, network: Network = Network()) -> Traffic:
-    """comms.step_traffic for a run without pipeline; with one, its pacing stage's (pipeline_traffic)."""
-    return step_traffic(shape, spec, network) if spec.pipeline_parallel == 1 else \
-        pipeline_traffic(shape, as_trained(spec), network)
-
-
 def pipeline_estimate(shape: ModelShape, spec: TrainSpec) -> Estimate:
     """The estimate of the pipeline's worst GPU (the largest peak), with every stage's summary in `pipeline`."""
     estimates = [stage_estimate(shape, spec, s) for s in stages_of(shape, spec)]

@@ -238,8 +238,8 @@ class TrainSpec:
         return problems
 
     def _sequence_problems(self) -> list[str]:
-        """What the estimate refuses with sequence parallelism, besides the heads (sequence_heads_problem: they need
-        the model)."""
+        """What the estimate refuses with sequence parallelism, besides the heads (capabilities.sequence_heads_problem:
+        they need the model)."""
         n, problems = self.sequence_parallel, []
         if self.world % n:
             problems.append(f"sequence parallelism {n} (parallel.sequence_parallel) must divide the GPUs: {self.world} "
@@ -259,20 +259,6 @@ def sequence_kv_heads(n: int, kv_heads: int) -> int:
     divides them (each GPU gets kv_heads / n), else n (n a multiple of kv_heads: each head is repeated n / kv_heads
     times first, so that every GPU gets the K/V head its query heads read)."""
     return kv_heads if kv_heads % n == 0 else n
-
-
-def sequence_heads_problem(n: int, heads: int, kv_heads: int) -> str | None:
-    """Why a sequence group of `n` cannot split this model's heads (None when it can): the query heads must divide
-    by n, and the K/V heads must divide by n or divide n (then each is repeated n / kv_heads times)."""
-    if n <= 1:
-        return None
-    if heads % n:
-        return (f"sequence parallelism {n} must divide the model's {heads} query heads (each GPU of a group attends "
-                f"with {heads} / {n} of them): use a divisor of {heads}")
-    if kv_heads % n and n % kv_heads:
-        return (f"sequence parallelism {n} and the model's {kv_heads} K/V heads must divide one another (split them "
-                f"{kv_heads} / {n} a GPU, or repeat each {n} / {kv_heads} times): neither does")
-    return None
 
 
 def rl_prompt_tokens(lengths, *, cap: int) -> tuple[int, str]:
