@@ -16,7 +16,8 @@ PACKAGE = Path(__file__).resolve().parents[1] / "llmtrain"
 # or for the modules at the top of the package the name below.
 LAYERS = [
     {"schema"},
-    {"data", "model", "parallel"},
+    {"data", "model"},
+    {"parallel"},  # above the model and the data it parallelises: each parallelism in one room (parallel/pipeline/)
     {"objectives", "memory"},
     {"run"},
     {"loop"},

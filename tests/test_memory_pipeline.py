@@ -33,7 +33,7 @@ from llmtrain.memory.pipeline import (
     stages_of,
 )
 from llmtrain.memory.spec import MIB, TrainSpec
-from llmtrain.parallel.stages import bubble_fraction, in_flight, rank_stages, stage_layers, virtual_stage_rank
+from llmtrain.parallel.pipeline.split import bubble_fraction, in_flight, rank_stages, stage_layers, virtual_stage_rank
 
 LLAMA = load_model_shape("llama-2-7b")
 FULL = dict(dtype="float32", mixed_precision="bf16", grad_checkpointing=True, strategy="fsdp", num_gpus=8,

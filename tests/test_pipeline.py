@@ -32,7 +32,7 @@ from llmtrain.config import load_recipe
 from llmtrain.data.batching import collate, fixed_row, with_loss_positions
 from llmtrain.data.formats import IGNORE
 from llmtrain.errors import LLMTrainError
-from llmtrain.parallel.stages import stage_layers
+from llmtrain.parallel.pipeline.split import stage_layers
 
 CPU_DDP = REPO / "accelerate_configs" / "cpu_ddp.yaml"
 # Packed rows of several examples (the tiny task's are 10 to 16 tokens): a budget of 64 holds 4 or 5 of them.
@@ -112,8 +112,8 @@ def test_a_model_the_stages_cannot_split_is_refused_with_the_reason(tiny_assets,
 def test_the_stages_refuse_a_model_without_llmtrains_varlen_attention(tiny_assets, tmp_path):
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from llmtrain.loop.pipeline import Pipeline
-    from llmtrain.parallel.pipeline import PipelineGroup
+    from llmtrain.parallel.pipeline.schedule import Pipeline
+    from llmtrain.parallel.pipeline.group import PipelineGroup
 
     config = AutoConfig.from_pretrained(tiny_assets / "model")
     config._attn_implementation = "sdpa"

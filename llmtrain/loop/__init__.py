@@ -2,7 +2,7 @@
 
 - `phases.py`: the set-up phases, each returning a small frozen object (the run folder is first written by
   `claim_run_dir`).
-- `step.py`: `train_step` and `evaluate`; `pipeline.py`: the step on pipeline stages (a schedule runs the window).
+- `step.py`: `train_step` and `evaluate` (on pipeline stages, parallel/pipeline/schedule.py runs the window).
 - `cadence.py` (when to log, evaluate, save), `meter.py` (the metrics line and speed), `guards.py` (non-finite
   steps), `signals.py` (SIGTERM and Ctrl-C).
 

@@ -29,7 +29,7 @@ from llmtrain.data.prepare import prepare_datasets
 from llmtrain.errors import LLMTrainError
 from llmtrain.layout import Layout
 from llmtrain.loop.determinism import deterministic_algorithms
-from llmtrain.loop.pipeline import Pipeline
+from llmtrain.parallel.pipeline.schedule import Pipeline
 from llmtrain.model import ulysses
 from llmtrain.model.loss import attach_loss
 from llmtrain.model.modeling import (
@@ -52,7 +52,7 @@ from llmtrain.parallel.collectives import global_sum
 from llmtrain.parallel.fsdp import receives_weights, shard_frozen, uses_fsdp
 from llmtrain.parallel.groups import groups
 from llmtrain.parallel.mesh import data_ranks, mesh_line, tensor_parallel_size
-from llmtrain.parallel.pipeline import read_stages
+from llmtrain.parallel.pipeline.checkpoint import read_stages
 from llmtrain.parallel.tensor import apply_tensor_parallel
 from llmtrain.run.checkpoint import load_checkpoint, lora_only_hooks
 from llmtrain.run.metrics import MetricsLog, flop_model, peak_flops

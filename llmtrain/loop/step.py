@@ -48,7 +48,7 @@ def train_step(model, optimizer, scheduler, accelerator, objective: Objective, w
     """Forward and backward over the window's micro-batches, clip, and the optimizer step unless the gradient
     norm is not finite. An objective with a rollout (online RL) first turns the window's prompts into scored
     completions, sampled by the model as it is before this step (`step`: the steps taken before it). `pipeline`
-    (parallel/pipeline.py): this process's stages, which run the window's micro-batches through their schedule."""
+    (parallel/pipeline/schedule.py): this process's stages, which run the window's micro-batches through their schedule."""
     # the processes gradients are averaged over: every data rank, and the processes of a sequence group (each holds
     # a slice's loss); a TP group's processes hold one loss between them
     averaged = accelerator.num_processes // tensor_parallel_size(accelerator)

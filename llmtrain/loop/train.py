@@ -48,7 +48,7 @@ from llmtrain.parallel.accelerator import build_accelerator
 from llmtrain.parallel.collectives import device_sum, gathered
 from llmtrain.parallel.groups import groups
 from llmtrain.parallel.mesh import data_ranks
-from llmtrain.parallel.pipeline import gather_state_dict, write_stage
+from llmtrain.parallel.pipeline.checkpoint import gather_state_dict, write_stage
 from llmtrain.run.checkpoint import save_checkpoint
 from llmtrain.run.console import RunConsole, step_text, summary_table
 from llmtrain.run.export import save_final

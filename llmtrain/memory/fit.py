@@ -20,7 +20,7 @@ from llmtrain.memory.comms import Network, Traffic
 from llmtrain.memory.launch import shipped_config
 from llmtrain.memory.params import ModelShape
 from llmtrain.memory.spec import GIB, Estimate, TrainSpec
-from llmtrain.parallel.stages import bubble_fraction
+from llmtrain.parallel.pipeline.split import bubble_fraction
 
 # Ranking heuristic (relative tokens/s; not a prediction, to be calibrated like the memory model):
 HALF_SATURATION_TOKENS = 256  # tokens per micro-batch at which a 7B's matmuls reach half their speed

@@ -2,12 +2,12 @@
 the stage boundaries' sends beside the collectives inside a stage (docs/scaling.md gives the formulas).
 
 The GPUs form P stage groups of D = world / P consecutive GPUs (with P = nodes a stage is a node); every GPU of group r
-runs the decoder layers parallel.stages.stage_layers gives rank r (interleaved: V chunks, virtual stages r, r + P,
+runs the decoder layers parallel.pipeline.split.stage_layers gives rank r (interleaved: V chunks, virtual stages r, r + P,
 ...), rank 0 also the embeddings, rank P - 1 the final norm, LM head and loss; inside a group the strategy (FSDP over
 D, or DDP) shards or replicates the group's parameters, each GPU training its own micro-batches (D data-parallel
 ranks, each a pipeline of M = grad_accum micro-batches a step). A GPU's peak is its stage's one-micro-batch peak
 (estimate.py's phases on the stage's layers) plus the activations of the other micro-batches its schedule holds
-(stages.in_flight) and torch's receive buffers; the worst GPU decides the fit. FSDP inside a stage: stage_estimate
+(split.in_flight) and torch's receive buffers; the worst GPU decides the fit. FSDP inside a stage: stage_estimate
 follows train.fsdp_accumulate (sharded as without a pipeline, unsharded as torch's PipelineStage runs an FSDP2 stage);
 a run is estimated as llmtrain trains it, unsharded (as_trained).
 """
@@ -33,7 +33,7 @@ from llmtrain.memory.estimate import _backward_layers, _finish, _loss_phases, _n
 from llmtrain.memory.params import ModelShape
 from llmtrain.memory.spec import DTYPE_BYTES, GIB, Estimate, TrainSpec
 from llmtrain.memory.states import States, accumulated_grads
-from llmtrain.parallel.stages import bubble_fraction, in_flight, interleaved_rounds, rank_stages, stage_layers
+from llmtrain.parallel.pipeline.split import bubble_fraction, in_flight, interleaved_rounds, rank_stages, stage_layers
 
 
 @dataclass(frozen=True)
@@ -114,7 +114,7 @@ def stage_shape(shape: ModelShape, stage: Stage, layers: int | None = None) -> M
 
 
 def as_trained(spec: TrainSpec) -> TrainSpec:
-    """A pipeline run as llmtrain trains it (loop/pipeline.py): an FSDP stage is an FSDP2 module inside torch's
+    """A pipeline run as llmtrain trains it (parallel/pipeline/schedule.py): an FSDP stage is an FSDP2 module inside torch's
     PipelineStage, which accumulates its gradients unsharded through the step's micro-batches whatever
     train.fsdp_accumulate says (it turns gradient sync off in each micro-batch's backward and reduce-scatters once
     after the last)."""

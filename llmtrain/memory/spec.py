@@ -12,7 +12,7 @@ from typing import Literal
 
 from llmtrain.config import DataConfig, LoraConfig, ModelConfig, ParallelConfig, Recipe, TrainConfig
 from llmtrain.errors import LLMTrainError
-from llmtrain.parallel.stages import SCHEDULES
+from llmtrain.parallel.pipeline.split import SCHEDULES
 
 Method = Literal["full", "lora"]
 Strategy = Literal["single", "ddp", "fsdp", "hsdp"]
@@ -89,7 +89,7 @@ class TrainSpec:
     sequence_parallel: int = _default(ParallelConfig, "sequence_parallel")
     # Pipeline parallelism (parallel.pipeline_parallel P): the GPUs form P stage groups of world / P consecutive GPUs
     # (stage s: GPUs [s W/P, (s+1) W/P), so with P = nodes a stage is a node), each running the decoder layers
-    # parallel.stages.stage_layers gives it, the strategy (fsdp or ddp) inside the group; grad_accum micro-batches a
+    # parallel.pipeline.split.stage_layers gives it, the strategy (fsdp or ddp) inside the group; grad_accum micro-batches a
     # step go through the stages by pipeline_schedule; pipeline_chunks: (virtual) stages a GPU runs, interleaved only
     # (None: 1, or 2 interleaved). memory/pipeline.py estimates it.
     pipeline_parallel: int = _parallel_default("pipeline_parallel", 1)

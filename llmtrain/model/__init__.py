@@ -7,7 +7,6 @@
 - `attention.py`: varlen attention over packed rows (flash `varlen_attn` on CUDA, SDPA per example elsewhere).
 - `loss.py`: the chunked cross-entropy and per-token log-probabilities from the final hidden states (and another
   loss on the same chunks: distillation's).
-- `stages.py`: a pipeline stage of a Llama-layout model (its run of layers) and the placeholders of other stages'.
 - `score.py`: a reward model's score head on each sequence's last token only; checking and loading a reward model.
 - `teacher.py`: distillation's teacher: its vocabulary checked against the student's, then loaded frozen.
 - `generate.py`: sampling completions with the KV cache, each from its own seed (online RL's rollouts), and the

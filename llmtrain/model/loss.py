@@ -171,3 +171,17 @@ def compute_loss(model, batch: dict, *, return_hits: bool = False, per_token: bo
                 **({"temperature": temperature} if temperature != 1.0 else {}),
                 **({"token_loss": token_loss} if token_loss is not None else {}))
     return (out["loss"], out["hits"]) if return_hits or token_loss is not None else out["loss"]
+
+
+def eval_counts(loss: torch.Tensor, hits: torch.Tensor, example: torch.Tensor, n: int, *,
+                example_sum=None) -> torch.Tensor:
+    """CausalLM's eval sums of one batch, float64: [loss, trained tokens, argmax hits, teacher-forced matches,
+    examples], from the summed loss, each trained token's hit and its example (of `n`). `example_sum`: sequence
+    parallelism's sum of per-example counts over the sequence group (an example's tokens are on several processes)."""
+    trained = torch.bincount(example, minlength=n).double()
+    # index_add, not bincount(weights=): CUDA's weighted bincount has no deterministic kernel (train.deterministic)
+    right = torch.zeros(n, dtype=torch.float64, device=example.device).index_add(0, example, hits.double())
+    if example_sum is not None:
+        trained, right = example_sum(trained, right)
+    return torch.stack([loss.double(), hits.new_tensor(hits.numel(), dtype=torch.float64), hits.double().sum(),
+                        ((right == trained) & (trained > 0)).double().sum(), (trained > 0).double().sum()])

@@ -19,7 +19,7 @@ from typing import Protocol
 import torch
 
 from llmtrain.data.batching import Counts, collate, to_device, with_loss_positions
-from llmtrain.model.loss import compute_loss
+from llmtrain.model.loss import compute_loss, eval_counts
 
 
 class Objective(Protocol):
@@ -85,20 +85,6 @@ class CausalLM:
         mean = loss / max(tokens, 1)
         return {"eval_loss": mean, "eval_ppl": math.exp(min(mean, 50.0)),
                 "eval_token_accuracy": correct / max(tokens, 1), "eval_teacher_forced_match": exact / max(examples, 1)}
-
-
-def eval_counts(loss: torch.Tensor, hits: torch.Tensor, example: torch.Tensor, n: int, *,
-                example_sum=None) -> torch.Tensor:
-    """CausalLM's eval sums of one batch, float64: [loss, trained tokens, argmax hits, teacher-forced matches,
-    examples], from the summed loss, each trained token's hit and its example (of `n`). `example_sum`: sequence
-    parallelism's sum of per-example counts over the sequence group (an example's tokens are on several processes)."""
-    trained = torch.bincount(example, minlength=n).double()
-    # index_add, not bincount(weights=): CUDA's weighted bincount has no deterministic kernel (train.deterministic)
-    right = torch.zeros(n, dtype=torch.float64, device=example.device).index_add(0, example, hits.double())
-    if example_sum is not None:
-        trained, right = example_sum(trained, right)
-    return torch.stack([loss.double(), hits.new_tensor(hits.numel(), dtype=torch.float64), hits.double().sum(),
-                        ((right == trained) & (trained > 0)).double().sum(), (trained > 0).double().sum()])
 
 
 @dataclass(frozen=True)

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from llmtrain.parallel.pipeline import PipelineGroup
+from llmtrain.parallel.pipeline.group import PipelineGroup
 from llmtrain.parallel.sequence import SequenceGroup
 
 
@@ -21,9 +21,10 @@ class Groups:
 
 
 def make_groups(*, sequence_parallel: int, pipeline_parallel: int) -> Groups:
-    from llmtrain.parallel import pipeline, sequence
+    from llmtrain.parallel import sequence
+    from llmtrain.parallel.pipeline import group
 
-    return Groups(sequence=sequence.make_group(sequence_parallel), pipeline=pipeline.make_group(pipeline_parallel))
+    return Groups(sequence=sequence.make_group(sequence_parallel), pipeline=group.make_group(pipeline_parallel))
 
 
 def groups(accelerator) -> Groups:

@@ -43,7 +43,7 @@ def data_ranks(accelerator) -> tuple[int, int]:
     """(data-parallel ranks, this process's data rank): who reads which batch. Without tensor parallelism every
     process is a data rank; with it, the processes of a TP group (consecutive ranks: `tp` is the mesh's innermost
     dimension in Accelerate's order) read the same batch, and so do those of a sequence group (each keeps its slice)
-    and the stages of a pipeline (parallel/pipeline.py)."""
+    and the stages of a pipeline (parallel/pipeline/group.py)."""
     from llmtrain.parallel.groups import groups
 
     run = groups(accelerator)

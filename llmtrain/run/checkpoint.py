@@ -165,7 +165,7 @@ def verify_saved(path: Path, *, model_keys: set[str], trainable: set[str] | None
     the LoRA B matrices are loaded back from the shards in this one process.
     """
     weights, sharded, stages = path / "model.safetensors", path / FSDP_MODEL_DIR, sorted(path.glob("pipeline/stage_*"))
-    if stages:  # pipeline parallelism: each stage's weights by name in the whole model (parallel/pipeline.py)
+    if stages:  # pipeline parallelism: each stage's weights by name in the whole model (parallel/pipeline/checkpoint.py)
         from safetensors import safe_open
 
         saved, lora_b = set(), {}

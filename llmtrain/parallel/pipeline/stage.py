@@ -1,6 +1,6 @@
 """A pipeline stage of a Llama-layout causal LM (Llama, Mistral and their kin), cut by hand: the modules a stage
 runs, and the storage-less placeholders of the ones other stages hold. Where the stages run and how they are split:
-loop/pipeline.py and parallel/pipeline.py.
+schedule.py and group.py beside it.
 """
 
 from __future__ import annotations

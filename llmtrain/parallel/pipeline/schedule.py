@@ -1,5 +1,5 @@
 """A training step on pipeline stages (parallel.pipeline_parallel): this process's stages of the model
-(model/stages.py, split by parallel/pipeline.py) and the torch.distributed.pipelining schedule that runs a window's
+(stage.py, split by split.py) and the torch.distributed.pipelining schedule that runs a window's
 micro-batches through them.
 
 Fixed shapes. A stage receives its input into buffers whose shape it learns on the first step, so every micro-batch
@@ -12,7 +12,7 @@ The loss. The last stage's loss function is the run's chunked cross-entropy (mod
 positions, times 1 / (the window's trained tokens on every pipeline), with the schedule's `scale_grads=False`: the
 sum over micro-batches and replicas of what each backpropagates is the gradient one process computes on the whole
 window. The replicas' gradients are then summed over the data-parallel group, and the norm for clipping is the square
-root of the squared norms summed over the stages (parallel/pipeline.py).
+root of the squared norms summed over the stages (group.py).
 """
 
 from __future__ import annotations
@@ -25,11 +25,10 @@ from llmtrain.data.batching import collate, fixed_row, with_loss_positions
 from llmtrain.data.formats import IGNORE
 from llmtrain.errors import LLMTrainError
 from llmtrain.model.attention import NAME as VARLEN
-from llmtrain.model.loss import causal_lm
-from llmtrain.model.stages import Elsewhere, Stage, cut_points, skeleton
-from llmtrain.objectives.objective import eval_counts
-from llmtrain.parallel.pipeline import PipelineGroup, clip_grad_norm_, sum_replicas
-from llmtrain.parallel.stages import rank_stages, stage_layers
+from llmtrain.model.loss import causal_lm, eval_counts
+from llmtrain.parallel.pipeline.group import PipelineGroup, clip_grad_norm_, sum_replicas
+from llmtrain.parallel.pipeline.split import rank_stages, stage_layers
+from llmtrain.parallel.pipeline.stage import Elsewhere, Stage, cut_points, skeleton
 
 SCHEDULES = {"gpipe": "ScheduleGPipe", "1f1b": "Schedule1F1B", "interleaved_1f1b": "ScheduleInterleaved1F1B"}
 
