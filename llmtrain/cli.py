@@ -151,7 +151,12 @@ def finetune(
 
 
 @app.command(short_help="Check a recipe and its launch config, then accelerate launch it.",
-             context_settings={"allow_extra_args": True, "ignore_unknown_options": True})
+             context_settings={"allow_extra_args": True, "ignore_unknown_options": True},
+             options_metavar="[ACCELERATE LAUNCH FLAGS] RECIPE.yaml [KEY=VALUE]... [FINETUNE OPTIONS]", epilog=(
+                 "Accelerate's flags, as `accelerate launch --help` lists them: --config_file PATH, --num_processes "
+                 "N, --num_machines N, --machine_rank R, --main_process_ip IP, --main_process_port PORT, "
+                 "--parallelism_config_dp_shard_size N (a flag wins over the config file, as in accelerate). "
+                 "FINETUNE OPTIONS: --resume auto|PATH, --overwrite, --allow-recipe-change."))
 @user_errors
 def launch(ctx: typer.Context) -> None:
     """Check a recipe and its launch before any process starts, then run it under `accelerate launch`: `llmtrain

@@ -60,6 +60,14 @@ def test_h_is_help_and_arguments_are_named_in_the_recipes_words(command, usage):
     assert "{" not in proc.stdout.splitlines()[0]
 
 
+def test_launch_help_names_what_it_takes():
+    """`llmtrain launch --help` listed no options (issue 53): its usage names the recipe and the flags it passes on."""
+    out = " ".join(_run([*LLMTRAIN, "launch", "-h"], env={**ENV, "COLUMNS": "100"}).stdout.split())
+    assert out.startswith("Usage: llmtrain launch [ACCELERATE LAUNCH FLAGS] RECIPE.yaml [KEY=VALUE]... [FINETUNE "
+                          "OPTIONS]"), out
+    assert "--config_file PATH, --num_processes N" in out and "FINETUNE OPTIONS: --resume auto|PATH" in out
+
+
 def test_version_names_llmtrain_and_the_libraries_it_trains_with():
     from importlib.metadata import version
 
