@@ -386,3 +386,20 @@ def test_fit_says_which_global_batch_it_keeps_on_the_gpus_given():
     assert res.returncode == 0, res.stderr
     assert ("--fit keeps the global batch at 128 examples a step: the recipe's 4 x 2 accumulation per GPU on 16 "
             "data-parallel GPUs; set train.grad_accum_steps for another") in " ".join(res.stdout.split())
+
+
+def test_the_fit_table_keeps_whole_headers_at_80_columns():
+    """At 80 columns rich cut the --fit table's long headers ("checkpo…", "throughp…", issue 53): short headers, said
+    in full in the caption, and no line past 80."""
+    import contextlib
+
+    from typer.testing import CliRunner
+
+    from llmtrain.cli import app
+
+    with contextlib.chdir(REPO):
+        out = CliRunner().invoke(app, ["estimate-memory", "recipes/llama7b.yaml", "--fit", "--gpu-memory", "80"],
+                                 env={"COLUMNS": "80"}).stdout
+    table = out.split("Configurations that fit")[1].split("use:")[0]
+    assert "…" not in table and max(len(line) for line in table.splitlines()) <= 80, table
+    assert "ckpt: model.gradient_checkpointing; grads: the gradients held" in " ".join(out.split())

@@ -246,9 +246,15 @@ def render_fit(result: FitResult, *, target: str | None, console: Console | None
     table = Table(title=f"Configurations that fit (largest micro-batch each, in {FIT_SHARE:.0%} of the card: "
                         f"{room:.1f} GiB, the rest is room for the estimate's error)", title_justify="left")
     several = result.best.spec.world > 1
-    for col in ("strategy", "checkpointing", "gradients held", "tokens per micro-batch" if by_tokens else "micro-batch",
-                "GiB per GPU", "relative throughput", *(["network s/step (across nodes)"] if several else [])):
-        table.add_column(col, justify="right" if col != "strategy" else "left")
+    # short headers, said in full in the caption: at 80 columns rich cut the long ones ("checkpo…", "throughp…")
+    for col in ("strategy", "ckpt", "grads", "tokens" if by_tokens else "micro", "GiB/GPU", "speed",
+                *(["net s/step"] if several else [])):
+        table.add_column(col, justify="right" if col != "strategy" else "left", no_wrap=True)
+    batch = "tokens: train.micro_batch_tokens" if by_tokens else "micro: train.micro_batch_size"
+    table.caption = ("ckpt: model.gradient_checkpointing; grads: the gradients held between micro-batches "
+                     f"(train.fsdp_accumulate); {batch}; speed: throughput relative to the fastest"
+                     + ("; net s/step: network seconds a step (across nodes)" if several else ""))
+    table.caption_justify = "left"
     top = max(c.score for c in result.candidates)
     for c in result.candidates:
         s, t = c.spec, c.traffic
