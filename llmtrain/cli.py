@@ -198,7 +198,9 @@ def export(
     path = export_merged(run_dir, out, say=lambda text: typer.echo(text, err=True)) if merge else None
     if path is None:
         raise LLMTrainError("Nothing to do: `llmtrain export RUN_DIR --merge` merges a LoRA run's adapter.")
-    typer.echo(str(path))
+    typer.echo(f"merged {run_dir / 'final'} (a LoRA adapter) into its base model: a whole model in {path}, which "
+               "transformers' from_pretrained loads without peft", err=True)
+    typer.echo(str(path))  # stdout: the path alone, for scripts
 
 
 @app.command("prepare-tiny", short_help="Write the tiny model and task the demo recipes train.")
@@ -255,7 +257,9 @@ def plot(
 
     out = out or default_plot_path(runs)
     plot_runs(runs, out)
-    typer.echo(str(out))
+    typer.echo(f"wrote the curves of {len(runs)} run{'s' * (len(runs) > 1)} ({', '.join(map(str, runs))}) to {out}",
+               err=True)
+    typer.echo(str(out))  # stdout: the path alone, for scripts
 
 
 def run(args: list[str] | None = None) -> int | str | None:

@@ -86,8 +86,10 @@ def test_lora_final_is_an_adapter_equal_to_its_merged_export(lora_run, tiny_asse
     adapted = _logits(peft_model, tokenizer)
     assert (adapted - _logits(_load(tiny_assets / "model"), tokenizer)).abs().max() > 1e-4  # not a no-op
 
-    out = cli("export", str(lora_run), "--merge").stdout.strip()
-    merged_dir = lora_run / "final-merged"
+    proc = cli("export", str(lora_run), "--merge")
+    out, merged_dir = proc.stdout.strip(), lora_run / "final-merged"
+    # the path alone on stdout; on stderr what it is, and no transformers progress bar (issue 53)
+    assert f"a whole model in {merged_dir}" in proc.stderr and "Loading weights" not in proc.stderr
     assert out.endswith(str(merged_dir)) and (merged_dir / "model.safetensors").is_file()
     assert not (merged_dir / "adapter_config.json").exists()
     merged = _load(merged_dir)

@@ -50,7 +50,8 @@ def test_plot_one_run_cli_writes_loss_png_in_the_run(tmp_path):
     records = write_metrics(run)
     proc = cli("plot", str(run))
     out = run / "loss.png"
-    assert proc.stdout.strip() == str(out)
+    assert proc.stdout.strip() == str(out)  # the path alone for scripts; what it is on stderr (issue 53)
+    assert f"wrote the curves of 1 run ({run}) to {out}" in proc.stderr
     assert png_size(out) == PNG_SIZE
     assert not list(run.glob(".*.tmp"))  # written under a temporary name, then renamed
 

@@ -36,9 +36,11 @@ def export_merged(run_dir: Path, out: Path | None = None, *, say=lambda text: No
     model.name_or_path in model.dtype, unquantised even after a QLoRA run (merging into a dequantised 4-bit copy
     would bake the quantisation error into every weight)."""
     import torch
+    import transformers
     from peft import PeftModel
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    transformers.utils.logging.disable_progress_bar()  # "Loading weights", "Writing model shards": say() says it
     final = run_dir / "final"
     if not (final / "adapter_config.json").is_file():
         raise LLMTrainError(
