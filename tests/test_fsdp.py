@@ -391,6 +391,7 @@ def test_cpu_ram_efficient_loading_reads_weights_on_rank_0_only(tiny_assets, tmp
     assert found[0][-1] == found[1][-1]
 
 
+@pytest.mark.extended  # main tier: token budgets under DDP (test_ddp.py), FSDP against one process
 def test_fsdp_token_budgets_and_varlen_match_one_process(tiny_assets, tmp_path, free_port):
     """FSDP2 with token-budget bins and the varlen attention (its chunked loss runs inside the sharded
     root's forward): 2 processes x accumulation 1 == 1 process x accumulation 2, and a 2-process checkpoint

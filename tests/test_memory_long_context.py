@@ -58,9 +58,9 @@ def test_a_tiled_layer_saves_what_the_estimate_says(dtype, lora):
     assert untiled - (two - one) >= 3 * p.tokens * shape.intermediate * p.cd  # the SwiGLU's tensors at least
 
 
-# lora: extended (the tiled LoRA
-@pytest.mark.parametrize("method", [pytest.param("lora", marks=pytest.mark.extended), "full"])
-# layer's bytes: test_the_tiled_layers_bytes_are_the_estimates)
+# extended (80 s each on 2 busy cores); main tier: test_a_tiled_layer_saves_what_the_estimate_says (a layer's bytes)
+@pytest.mark.extended
+@pytest.mark.parametrize("method", ["lora", "full"])
 def test_a_tiled_step_allocates_what_the_estimate_says(tmp_path, monkeypatch, method):
     """A real training step (test_memory_step's model: 4 layers of hidden 256, intermediate 688; bf16 weights, bf16
     autocast, checkpointing, LoRA r 8 without dropout or a full fine-tune) on one row of 2,048 tokens, the MLP tiled in

@@ -159,6 +159,7 @@ def test_max_bad_steps_skips_updates_then_stops(tiny_assets, tmp_path):
     assert "update skipped (1 of train.max_bad_steps=2)" in proc.stdout + proc.stderr
 
 
+@pytest.mark.extended  # main tier: test_max_bad_steps_skips_updates_then_stops, the resumes
 @pytest.mark.slow  # a longer run: make test, not the fast tier
 def test_max_bad_steps_counts_across_a_resume(tiny_assets, tmp_path):
     """The skips are a count of the whole run: a resume from a checkpoint saved after two skips may not skip two
