@@ -101,7 +101,8 @@ class ModelConfig(Section):
     tiled_mlp: bool | int | None = Field(
         None, description="Run each decoder layer's MLP over shards of the tokens, keeping only its input and "
         "recomputing shard by shard in backward: the (tokens x intermediate_size) tensors exist for one shard. true: "
-        "shards of hidden_size tokens (as ALST); a number: that many tokens; null or false: off. Full fine-tune, LoRA "
+        "shards of hidden_size tokens (as ALST); a number: that many tokens (at least 2, shorter than the rows); null "
+        "or false: off. Full fine-tune, LoRA "
         "and QLoRA, one process or DDP.",
     )
     trust_remote_code: bool = Field(False, description="Allow model code from the hub to run. Off unless set.")
