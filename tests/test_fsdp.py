@@ -99,8 +99,12 @@ def test_fsdp_matches_one_process(tiny_assets, tmp_path, free_port):
     assert [r["trained_tokens"] for r in two] == [r["trained_tokens"] for r in one]
     assert [e["eval_loss"] for e in records(fsdp, "eval")] == pytest.approx(
         [e["eval_loss"] for e in records(single, "eval")], abs=1e-5)
-    # final/ holds the full model gathered from the shards, under the plain model's names.
-    assert max_abs_diff(load_weights(fsdp / "final"), load_weights(single / "final")) < 1e-5
+    # final/ holds the full model gathered from the shards, under the plain model's names. fp32, but not the same
+    # sums: 2 ranks' micro-batches of 2 reduce-scattered against one process's micro-batch of 4, and AdamW divides each
+    # gradient by its running RMS, so the round-off of a near-zero gradient reaches the update undamped. After 6 steps
+    # at lr 3e-3: measured 3.3e-6 under AVX2 kernels and 1.05e-5 under ATen's default ones (issue 59; the bound was
+    # 1e-5): 3e-5 holds both, a six-hundredth of the steps' reach (6 x 3e-3).
+    assert max_abs_diff(load_weights(fsdp / "final"), load_weights(single / "final")) < 3e-5
 
 
 @pytest.fixture(scope="module")
