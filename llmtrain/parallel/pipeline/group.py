@@ -76,15 +76,15 @@ def clip_grad_norm_(params, max_norm: float, device, *, sharded: bool, g: Pipeli
     process holds a disjoint piece)."""
     import torch.distributed as dist
 
-    grads = [_local(p.grad) for p in params if p.grad is not None]
+    params = [p for p in params if p.grad is not None]
+    grads = [_local(p.grad) for p in params]
     if order is not None and not sharded:
         from torch.utils._foreach_utils import _has_foreach_support
 
         norms = list(torch._foreach_norm(grads, 2.0)) if grads and _has_foreach_support(grads, device) else \
             [torch.linalg.vector_norm(gr, 2.0) for gr in grads]
         held = torch.stack([n.double() for n in norms]).tolist() if norms else []  # exact; one sync
-        mine = [(order[id(p)], str(n.dtype), v) for p, n, v in zip([p for p in params if p.grad is not None], norms,
-                                                                    held)]
+        mine = [(order[id(p)], str(n.dtype), v) for p, n, v in zip(params, norms, held)]
         stages: list = [None] * g.size
         dist.all_gather_object(stages, mine, group=g.group)
         ranked = sorted(x for part in stages for x in part)
