@@ -163,3 +163,8 @@ def test_the_summary_says_where_the_logs_are_and_how_a_lora_adapter_becomes_a_mo
     console.print(summary_table(summary, out=tmp_path, evals=[], logged_every=10))  # not "every step" (issue 53)
     text = " ".join(console.export_text().split())
     assert "metrics.jsonl (every 10 steps (logging.every_steps) and every eval)" in text
+    assert "about 0 by construction" not in text
+    console.print(summary_table({**summary, "final_loss": 0.0}, out=tmp_path, evals=[], online_rl=True))
+    text = " ".join(console.export_text().split())  # an online-RL run's 0.0000 says why (issue 53, item 9)
+    assert ("0.0000 (online RL: about 0 by construction, each prompt's advantages average 0; the "
+            "reward is the measure)") in text

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import replace
+from pathlib import Path
 
 import pytest
 import torch
@@ -153,6 +154,34 @@ def test_longest_context_finds_the_longest_that_fits_with_room():
                                        "--mixed-precision", "bf16", "--grad-checkpointing", "--longest-context",
                                        "--json").stdout)["longest_context_tokens"]
     assert plain < n / 3  # checkpointing alone: under a third of the length
+
+
+def test_the_docs_model_command_gives_the_docs_table():
+    """docs/long-context.md's `--model` command (LoRA dropout 0, as its table and the long-context recipes) gives the
+    table's Mistral-7B "+ both" row, 384,000 tokens; without --lora-dropout it is the schema's 0.05 (each attention
+    adapter keeps its own dropped copy of its input), a shorter context (issue 53, item 5)."""
+    doc = (Path(__file__).resolve().parents[1] / "docs" / "long-context.md").read_text()
+    command = next(block for block in doc.split("```") if "--model mistral-7b" in block and "--longest-context" in block)
+    args = command[command.index("--model"):].replace("\\\n", " ").split()
+    assert "--lora-dropout" in args
+    table = next(line for line in doc.splitlines() if line.startswith("| + both |"))
+    documented = int(table.split("|")[-3].strip(" *").replace(",", ""))
+    assert json.loads(estimate_memory(*args, "--json").stdout)["longest_context_tokens"] == documented == 384_000
+    at = args.index("--lora-dropout")
+    dropped = args[:at] + args[at + 2:]
+    assert json.loads(estimate_memory(*dropped, "--json").stdout)["longest_context_tokens"] < documented
+
+
+def test_overrides_after_model_name_the_options_that_set_them():
+    """`--model ... lora.dropout=0` is not a recipe: the refusal says which option sets each key, not "give either a
+    RECIPE.yaml or --model"."""
+    out = estimate_memory("--model", "mistral-7b", "--method", "lora", "lora.dropout=0", "train.grad_accum_steps=4",
+                          "model.gradient_checkpointing=true", "data.foo=1", check=False)
+    assert out.returncode == 2 and "Traceback" not in out.stderr
+    assert "not both" not in out.stderr
+    for said in ("lora.dropout=0 is --lora-dropout 0", "train.grad_accum_steps=4 is --grad-accum 4",
+                 "model.gradient_checkpointing=true is --grad-checkpointing", "data.foo=1 has no option"):
+        assert said in " ".join(out.stderr.split()), out.stderr
 
 
 def test_longest_context_that_nothing_reaches_exits_4():

@@ -292,3 +292,71 @@ def test_seven_rewards_get_a_panel_a_scale_and_a_colour_each_and_the_legend_is_o
     assert not any(box.overlaps(ax.get_window_extent()) for ax in fig.axes)
     assert "train, smoothed (exponential moving average, weight 0.8)" in [t.get_text()
                                                                           for t in fig.legends[0].get_texts()]
+
+
+def write_mode_metrics(run, train: dict, evals: dict, *, steps: int = 30, eval_every: int = 10):
+    """A KTO, reward-model or distillation run's metrics.jsonl: a falling loss, and each of `train` / `evals` (name:
+    value at step s) on the train / eval lines, as the trainer writes them."""
+    run.mkdir(parents=True, exist_ok=True)
+    lines = []
+    for step in range(1, steps + 1):
+        lines.append({"type": "train", "step": step, "loss": 0.7 - 0.01 * step, "lr": 1e-4, "tokens_seen": 100 * step,
+                      **{k: f(step) for k, f in train.items()}})
+        if step % eval_every == 0:
+            lines.append({"type": "eval", "step": step, "eval_loss": 0.72 - 0.01 * step,
+                          **{k: f(step) for k, f in evals.items()}})
+    (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in lines))
+
+
+MARGIN, RM_ACCURACY, RM_MARGIN = ("reward margin, chosen - rejected (DPO, KTO)",
+                                  "reward model: pairs scored the right way round",
+                                  "reward model: score margin, chosen - rejected")
+AGREEMENT, ANSWERS = ("distillation: the student's top token is the teacher's",
+                      "answer accuracy (greedy completions of the eval prompts)")
+
+
+@pytest.mark.parametrize("mode, train, evals, panels", [
+    ("kto", {"rewards/margins": lambda s: 0.1 * s}, {"eval_rewards/margins": lambda s: 0.09 * s},
+     [(MARGIN, "rewards/margins", "eval_rewards/margins")]),
+    ("reward", {"accuracy": lambda s: 0.5 + s / 100, "margin": lambda s: 0.2 * s},
+     {"eval_accuracy": lambda s: 0.5 + s / 120, "eval_margin": lambda s: 0.15 * s},
+     [(RM_ACCURACY, "accuracy", "eval_accuracy"), (RM_MARGIN, "margin", "eval_margin")]),
+    ("distill", {"teacher_agreement": lambda s: 0.3 + s / 100},
+     {"eval_teacher_agreement": lambda s: 0.3 + s / 110, "eval_answer_accuracy": lambda s: 0.2 + s / 200},
+     [(AGREEMENT, "teacher_agreement", "eval_teacher_agreement"), (ANSWERS, None, "eval_answer_accuracy")]),
+])
+def test_each_mode_plots_its_own_measure_under_the_loss(tmp_path, mode, train, evals, panels):
+    """KTO's reward margin, a reward model's accuracy and margin, distillation's teacher agreement and answer accuracy:
+    a panel each under the loss, the train values and the eval values as logged (issue 53, item 9)."""
+    run = tmp_path / mode
+    write_mode_metrics(run, train, evals)
+    fig = plot_runs([run], run / "loss.png")
+    assert [ax.get_title() for ax in fig.axes[4:]] == [title for title, _, _ in panels]
+    for ax, (_, train_key, eval_key) in zip(fig.axes[4:], panels):
+        drawn = lines_by_label(ax)
+        assert set(drawn) == ({"train", "eval"} if train_key else {"eval"})
+        if train_key:
+            assert drawn["train"] == (list(range(1, 31)), [train[train_key](s) for s in range(1, 31)])
+        assert drawn["eval"] == ([10, 20, 30], [evals[eval_key](s) for s in (10, 20, 30)])
+    assert png_size(run / "loss.png") == (1300, 1050)
+
+
+def test_sft_beside_an_rl_run_keeps_a_linear_axis_and_no_eval_loss_it_has_not(tmp_path):
+    """RLOO's loss (about 3e-9) beside an SFT run falling from 10: no log axis stretched over ten decades, the RL run's
+    loss said to be about 0 by construction, and no "eval loss" for a run whose eval lines carry none (issue 53,
+    item 9)."""
+    sft, rl = tmp_path / "sft", tmp_path / "rloo"
+    sft.mkdir()
+    sft.joinpath("metrics.jsonl").write_text("".join(json.dumps({"type": "train", "step": s, "loss": 10.0 / s ** 2,
+                                                                 "lr": 1e-3, "tokens_seen": 10 * s}) + "\n"
+                                                     for s in range(1, 21)))
+    write_rl_metrics(rl, steps=20)
+    text = rl.joinpath("metrics.jsonl").read_text().replace('"loss": 0.001', '"loss": 3e-09').replace(
+        '"loss": -0.001', '"loss": 3e-09')
+    rl.joinpath("metrics.jsonl").write_text(text)
+    fig = plot_runs([sft, rl], tmp_path / "both.png")
+    assert fig.axes[0].get_yscale() == "linear"
+    labels = list(lines_by_label(fig.axes[0]))
+    assert "rloo: train loss (online RL: about 0 by construction)" in labels
+    assert not any(label.startswith("rloo: eval loss") for label in labels)
+    assert len(fig.axes) == 4  # no mode panel: SFT and online RL log none of MEASURES

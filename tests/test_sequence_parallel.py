@@ -33,7 +33,7 @@ from llmtrain.config import load_recipe
 from llmtrain.data.batching import Counts, collate, with_loss_positions
 from llmtrain.errors import LLMTrainError
 from llmtrain.layout import Layout
-from llmtrain.objectives.sequence import shard_batch
+from llmtrain.parallel.sequence.shards import shard_batch
 
 CPU_DDP = REPO / "accelerate_configs" / "cpu_ddp.yaml"
 CPU_FSDP = REPO / "accelerate_configs" / "cpu_fsdp.yaml"

@@ -4,7 +4,8 @@ object.
 1. read_only_checks: a finished run, the output folder, whether the checkpoint can be resumed by this recipe;
 2. seed_run: the seed (and train.deterministic);
 3. prepare_data: tokenise (or read the cache), the shared data checks, the plan, the number of steps;
-4. build_model: the model, its loss, the optimizer and the schedule, prepared by Accelerate;
+4. build_model: the model and its loss, laid out over the processes (parallel/parallelize.py), the optimizer and
+   the schedule;
 5. claim_run_dir: the FIRST write. Every check above only read, so a refused run leaves the folder byte for
    byte as it was;
 6. restore: the TrainState, from the checkpoint when resuming.
@@ -16,6 +17,7 @@ import dataclasses
 import json
 import os
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -29,13 +31,10 @@ from llmtrain.data.prepare import prepare_datasets
 from llmtrain.errors import LLMTrainError
 from llmtrain.layout import Layout
 from llmtrain.loop.determinism import deterministic_algorithms
-from llmtrain.parallel.pipeline.schedule import Pipeline
-from llmtrain.model import ulysses
 from llmtrain.model.loss import attach_loss
 from llmtrain.model.modeling import (
     build_optimizer,
     build_scheduler,
-    compile_layers,
     count_parameters,
     describe_attention,
     fused_linear_cross_entropy,
@@ -46,14 +45,12 @@ from llmtrain.model.modeling import (
 )
 from llmtrain.model.score import attach_score
 from llmtrain.model.teacher import load_teacher, vocabulary_problem
-from llmtrain.parallel import sequence
 from llmtrain.parallel.accelerator import use_fused_adamw
 from llmtrain.parallel.collectives import global_sum
 from llmtrain.parallel.fsdp import receives_weights, shard_frozen, uses_fsdp
-from llmtrain.parallel.groups import groups
 from llmtrain.parallel.mesh import data_ranks, mesh_line, tensor_parallel_size
+from llmtrain.parallel.parallelize import parallelize
 from llmtrain.parallel.pipeline.checkpoint import read_stages
-from llmtrain.parallel.tensor import apply_tensor_parallel
 from llmtrain.run.checkpoint import load_checkpoint, lora_only_hooks
 from llmtrain.run.metrics import MetricsLog, flop_model, peak_flops
 from llmtrain.run.preflight import check_resume, finished_run
@@ -274,21 +271,12 @@ def build_model(recipe: Recipe, accelerator, *, total_steps: int, say, pad: int 
                               and recipe.parallel.pipeline_parallel == 1),  # stages: each loads, keeps its own
                        compute_dtype={"bf16": torch.bfloat16, "fp16": torch.float16}.get(tc.mixed_precision),
                        reward_head=recipe.reward_model is not None)
-    if (tp := tensor_parallel_size(accelerator)) > 1:
-        layers = apply_tensor_parallel(model, accelerator.torch_device_mesh["tp"])
-        say(f"tensor parallelism: {layers} linear layers split over {tp} processes "
-            f"(PyTorch parallelize_module, the model's own plan)")
-    if (sp := recipe.parallel.sequence_parallel) > 1:  # the Ulysses attention (its head counts: read_only_checks)
-        ulysses.attach(model, size=sp, group=groups(accelerator).sequence.group)
-        say(sequence.describe(sp, accelerator.num_processes))
     fused_ce = fused_linear_cross_entropy(recipe.model, accelerator.device)  # None unless liger is in use
     if recipe.reward_model is not None:  # a score head: one hidden state per sequence, no LM head, no logits
         fused_ce = None
         attach_score(model)
     else:
         attach_loss(model, chunk=tc.loss_chunk_tokens, fused_linear_ce=fused_ce)
-    if recipe.model.compile:
-        say(f"compile: {compile_layers(model)} decoder layers (regional torch.compile)")
     for name, status, detail in check_context(recipe.data.max_seq_len,
                                               getattr(model.config, "max_position_embeddings", None)):
         if status == "warn":  # as `llmtrain doctor`
@@ -302,34 +290,23 @@ def build_model(recipe: Recipe, accelerator, *, total_steps: int, say, pad: int 
         + memory_line(recipe.model, model.config)
         + ("; train.deterministic: strict deterministic kernels (flash attention's deterministic backward, "
            "cuBLAS workspace " + os.environ.get("CUBLAS_WORKSPACE_CONFIG", "?") + ")" if tc.deterministic else ""))
-    stages, whole = None, None
-    if recipe.parallel.pipeline_parallel > 1:
-        # the whole model's names, before each process drops the stages it does not hold: what a checkpoint's stage
-        # files must hold between them
-        whole = (frozenset(n for n, _ in model.named_parameters()),
-                 frozenset(n for n, p in model.named_parameters() if p.requires_grad) if recipe.lora else None)
-        # keep this process's stages (the optimizer sees only theirs), sharded over their replicas by an FSDP launch
-        plugin = accelerator.state.fsdp_plugin if uses_fsdp(accelerator) else None
-        stages = Pipeline(model, parallel=recipe.parallel, micro_batches=tc.grad_accum_steps,
-                          slots=tc.micro_batch_tokens, pad_id=pad, device=accelerator.device,
-                          group=groups(accelerator).pipeline,
-                          fsdp=None if plugin is None else plugin.mixed_precision_policy or True,
-                          precision=accelerator.autocast)
-        say(stages.describe())
-    optimizer = build_optimizer(model, lr=tc.lr, weight_decay=tc.weight_decay, betas=tc.betas, eps=tc.eps,
-                                fused=use_fused_adamw(accelerator))
-    scheduler = build_scheduler(optimizer, tc, total_steps=total_steps)
-    if stages is None:
-        model, optimizer = accelerator.prepare(model, optimizer)
-    # else: the stages are not wrapped (no DDP over all processes: replicas sum their gradients in Pipeline.run),
-    # and the optimizer stays a plain torch one, saved per process by the checkpoint (run/checkpoint.py)
+    # the whole model's names, before a pipeline's process drops the stages it does not hold: what a checkpoint's
+    # stage files must hold between them
+    whole = (frozenset(n for n, _ in model.named_parameters()),
+             frozenset(n for n, p in model.named_parameters() if p.requires_grad) if recipe.lora else None)
+    laid = parallelize(model, recipe, accelerator, pad_id=pad, say=say,
+                       make_optimizer=partial(build_optimizer, lr=tc.lr, weight_decay=tc.weight_decay,
+                                              betas=tc.betas, eps=tc.eps, fused=use_fused_adamw(accelerator)))
+    model, optimizer, stages = laid.model, laid.optimizer, laid.pipeline
+    # on the torch optimizer itself, not Accelerate's wrapper of it
+    scheduler = build_scheduler(getattr(optimizer, "optimizer", optimizer), tc, total_steps=total_steps)
     unwrapped = accelerator.unwrap_model(model)
     trainable_names = (frozenset(n for n, p in unwrapped.named_parameters() if p.requires_grad)
                        if recipe.lora else None)
     if trainable_names:
         lora_only_hooks(accelerator, set(trainable_names))
     model_keys = frozenset(unwrapped.state_dict())
-    if whole is not None:
+    if stages is not None:
         model_keys, trainable_names = whole
     return Trainable(model=model, optimizer=optimizer, scheduler=scheduler, unwrapped=unwrapped,
                      trainable_names=trainable_names, model_keys=model_keys,

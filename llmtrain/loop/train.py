@@ -43,10 +43,10 @@ from llmtrain.loop.step import evaluate, train_step
 from llmtrain.memory import predicted_for_run
 from llmtrain.memory.fit import out_of_memory_text
 from llmtrain.objectives.objective import Objective, objective_for, rl_rewards
-from llmtrain.objectives.sequence import SequenceShards
 from llmtrain.parallel.accelerator import build_accelerator
 from llmtrain.parallel.collectives import device_sum, gathered
 from llmtrain.parallel.groups import groups
+from llmtrain.parallel.sequence.shards import SequenceShards
 from llmtrain.parallel.mesh import data_ranks
 from llmtrain.parallel.pipeline.checkpoint import gather_state_dict, write_stage
 from llmtrain.run.checkpoint import save_checkpoint
@@ -303,7 +303,7 @@ def finish(run: Run, state: TrainState, meter: Meter, evals: list[dict], est) ->
         (out / "summary.json").write_text(json.dumps(strict_json(summary), indent=1, allow_nan=False))
         final_dir = str(out / "final") if run.recipe.checkpoint.save_final else None
         say(summary_table({**summary, "final": final_dir}, out=out, evals=evals, unit=run.console.unit,
-                          logged_every=run.recipe.logging.every_steps))
+                          logged_every=run.recipe.logging.every_steps, online_rl=run.recipe.rl is not None))
         final = summary["final_loss"]
         say(f"done: {state.step} steps, final loss {final if final is None else round(final, 4)}, wrote {out}")
         if run.recipe.logging.plot and (note := update_loss_plot(out)):

@@ -16,7 +16,8 @@ from llmtrain.errors import LLMTrainError
 
 # Options that describe the training run, and the recipe key that sets each in a recipe.
 RUN_OPTIONS = {
-    "method": "a lora section (e.g. lora.r=16)", "lora_r": "lora.r", "micro_batch": "train.micro_batch_size",
+    "method": "a lora section (e.g. lora.r=16)", "lora_r": "lora.r", "lora_dropout": "lora.dropout",
+    "micro_batch": "train.micro_batch_size",
     "micro_batch_tokens": "train.micro_batch_tokens", "grad_accum": "train.grad_accum_steps",
     "seq_len": "data.max_seq_len", "packing": "data.packing", "loss_chunk_tokens": "train.loss_chunk_tokens",
     "grad_checkpointing": "model.gradient_checkpointing", "dtype": "model.dtype",
@@ -42,6 +43,9 @@ def estimate_memory(
     method: Annotated[Optional[Literal["full", "lora"]], typer.Option(
         help="Full fine-tune or LoRA (QLoRA: --method lora --quantize nf4).")] = None,
     lora_r: Annotated[Optional[int], typer.Option(help="LoRA rank (all linear layers but the LM head).")] = None,
+    lora_dropout: Annotated[Optional[float], typer.Option(
+        min=0.0, max=1.0, help="LoRA dropout (lora.dropout; default 0.05): above 0 each adapter keeps its own dropped "
+        "copy of its input for backward; long-context recipes set 0.")] = None,
     strategy: Annotated[Optional[Literal["single", "ddp", "fsdp", "hsdp"]], typer.Option(
         help="single GPU, DDP (whole model per GPU), FSDP (sharded over every GPU) or HSDP (sharded over a "
         "node's GPUs, replicated across nodes).")] = None,
@@ -120,7 +124,7 @@ def estimate_memory(
     from llmtrain.memory.comms import Network
     from llmtrain.memory.pipeline import compared
 
-    run = {k: v for k, v in dict(method=method, lora_r=lora_r, micro_batch=micro_batch,
+    run = {k: v for k, v in dict(method=method, lora_r=lora_r, lora_dropout=lora_dropout, micro_batch=micro_batch,
                                  micro_batch_tokens=micro_batch_tokens, grad_accum=grad_accum, seq_len=seq_len,
                                  packing=packing, loss_chunk_tokens=loss_chunk_tokens,
                                  grad_checkpointing=grad_checkpointing, dtype=dtype, mixed_precision=mixed_precision,
@@ -135,6 +139,9 @@ def estimate_memory(
     pipe = dict(pipeline_parallel=pipeline_parallel, pipeline_schedule=pipeline_schedule,
                 pipeline_chunks=pipeline_chunks)
     launch = dict(gpu_memory_gib=gpu_memory, **layout, **{k: v for k, v in pipe.items() if v is not None})
+    if model is not None and recipe is not None and "=" in recipe.name and not recipe.exists():
+        overrides = [str(recipe), *(overrides or [])]  # KEY=VALUE after --model: typer read the first as RECIPE
+        recipe = None
     if (recipe is None) == (model is None):
         raise LLMTrainError("give either a RECIPE.yaml or --model PATH_OR_ID (not both, not neither).")
     shape, spec, global_batch, target, assumed = (_from_recipe(recipe, overrides, run, launch) if recipe is not None
@@ -279,7 +286,8 @@ def _from_model(model: str, overrides, run: dict, launch: dict):
     from llmtrain.memory.spec import TrainSpec
 
     if overrides:
-        raise LLMTrainError(f"key=value overrides need a recipe; with --model use options (got {overrides[0]}).")
+        raise LLMTrainError("KEY=VALUE overrides change a recipe; with --model the run is given by options: "
+                            + "; ".join(_option_for(o) for o in overrides) + ".")
     ask_hub(model if reads_hub(model) else None)
     shape, assumed = load_model_shape(model), ()
     if run.get("method") == "lora" and "dtype" not in run:
@@ -291,6 +299,18 @@ def _from_model(model: str, overrides, run: dict, launch: dict):
                    "run it is --mixed-precision bf16 (fp32 master weights, bf16 compute); --dtype bfloat16 "
                    "stores the weights in bf16 too",)
     return shape, TrainSpec(**run, **launch), None, None, assumed
+
+
+def _option_for(override: str) -> str:
+    """The --option that sets what a KEY=VALUE override would, for the refusal of overrides with --model."""
+    key, _, value = override.partition("=")
+    option = next((name for name, k in RUN_OPTIONS.items() if k == key), None)
+    if option is None:
+        return f"{override} has no option (write a recipe with it, and pass the recipe instead of --model)"
+    flag = "--" + option.replace("_", "-")
+    if value.lower() in ("true", "false"):
+        return f"{override} is {flag if value.lower() == 'true' else '--no-' + option.replace('_', '-')}"
+    return f"{override} is {flag} {value}"
 
 
 def ask_hub(*names: str | None) -> None:

@@ -19,7 +19,8 @@ import math
 import torch
 import torch.nn.functional as F
 
-NAME = "llmtrain_varlen"
+PREFIX = "llmtrain_"  # every attention llmtrain registers with transformers (generation swaps them for SDPA)
+NAME = PREFIX + "varlen"
 
 
 def varlen_available() -> bool:

@@ -50,12 +50,12 @@ def attention_as(config, implementation: str):
 
 
 def cached_attention(lm):
-    """SDPA instead of llmtrain's varlen attention (or its sequence-parallel one) while generating: it refuses a KV
-    cache, and every process generates on its own."""
-    from llmtrain.model.attention import NAME
-    from llmtrain.model.ulysses import NAME as SEQUENCE_NAME
+    """SDPA instead of llmtrain's own attentions while generating (the varlen one, and sequence parallelism's around
+    it, each registered under a name that starts with `llmtrain_`): they refuse a KV cache, and every process
+    generates on its own."""
+    from llmtrain.model.attention import PREFIX
 
-    return (attention_as(lm.config, "sdpa") if lm.config._attn_implementation in (NAME, SEQUENCE_NAME)
+    return (attention_as(lm.config, "sdpa") if str(lm.config._attn_implementation).startswith(PREFIX)
             else nullcontext())
 
 

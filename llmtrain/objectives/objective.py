@@ -49,7 +49,7 @@ class CausalLM:
     turn trained), computed from the hidden states without full logits (loss.compute_loss)."""
 
     columns = ("input_ids", "labels")
-    example_sum = None  # sequence parallelism: per-example sums over the sequence group (parallel/sequence.py)
+    example_sum = None  # sequence parallelism: per-example sums over the sequence group (parallel/sequence/shards.py)
 
     def __init__(self, *, pad_id: int, packing: bool):
         self.pad_id, self.packing = pad_id, packing

@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from llmtrain.parallel.pipeline.group import PipelineGroup
-from llmtrain.parallel.sequence import SequenceGroup
+from llmtrain.parallel.sequence.group import SequenceGroup
 
 
 @dataclass(frozen=True)
@@ -21,10 +21,10 @@ class Groups:
 
 
 def make_groups(*, sequence_parallel: int, pipeline_parallel: int) -> Groups:
-    from llmtrain.parallel import sequence
-    from llmtrain.parallel.pipeline import group
+    from llmtrain.parallel.pipeline import group as pipeline
+    from llmtrain.parallel.sequence import group as sequence
 
-    return Groups(sequence=sequence.make_group(sequence_parallel), pipeline=group.make_group(pipeline_parallel))
+    return Groups(sequence=sequence.make_group(sequence_parallel), pipeline=pipeline.make_group(pipeline_parallel))
 
 
 def groups(accelerator) -> Groups:

@@ -98,7 +98,8 @@ def step_text(rec: dict, *, unit: str = "gpu") -> str:
     return f"loss {loss:.4f}{pairs}  lr {rec['lr']:.2e}  {rec['tokens_per_s_per_gpu']:,.0f} tok/s/{unit}{mfu}"
 
 
-def summary_table(summary: dict, *, out: Path, evals: list[dict], unit: str = "gpu", logged_every: int = 1):
+def summary_table(summary: dict, *, out: Path, evals: list[dict], unit: str = "gpu", logged_every: int = 1,
+                  online_rl: bool = False):
     """The end-of-run table: steps, tokens, time, speed, the best eval, peak GPU memory, and where final/ is."""
     from rich.table import Table
 
@@ -114,7 +115,9 @@ def summary_table(summary: dict, *, out: Path, evals: list[dict], unit: str = "g
               f"eval and checkpoints{' (this process)' if resumed else ''}")
     table.add_row(f"tokens/s per {'GPU' if unit == 'gpu' else unit}", speeds)
     if summary.get("final_loss") is not None:
-        table.add_row("final train loss", f"{summary['final_loss']:.4f}")
+        table.add_row("final train loss", f"{summary['final_loss']:.4f}" + (
+            " (online RL: about 0 by construction, each prompt's advantages average 0; the reward is the measure)"
+            if online_rl else ""))
     if evals and "eval_reward" in evals[-1]:  # online RL: the best mean reward of greedy completions
         best = max(evals, key=lambda e: e["eval_reward"])
         accuracy = (f", answer accuracy {best['eval_answer_accuracy']:.1%}" if "eval_answer_accuracy" in best else "")

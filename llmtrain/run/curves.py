@@ -26,6 +26,10 @@ class Curves:
     # online RL: the RL_TRAIN / RL_EVAL metrics by name, one value per train / eval line (None where absent)
     rl: dict[str, list[float | None]] = field(default_factory=dict)
     eval_rl: dict[str, list[float | None]] = field(default_factory=dict)
+    # the other modes' own measures (plot.MEASURES: a preference margin, a reward model's accuracy, the teacher's
+    # agreement), by name, one value per train / eval line (None where absent)
+    measures: dict[str, list[float | None]] = field(default_factory=dict)
+    eval_measures: dict[str, list[float | None]] = field(default_factory=dict)
 
     @property
     def is_rl(self) -> bool:

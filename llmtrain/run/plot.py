@@ -1,4 +1,6 @@
-"""loss.png: train loss (raw and smoothed), eval loss and learning rate against steps and tokens seen; for an
+"""loss.png: train loss (raw and smoothed), eval loss and learning rate against steps and tokens seen, and below them
+each mode's own measure where its metrics carry one (MEASURES: the reward margin of DPO and KTO, a reward model's
+accuracy, distillation's agreement with its teacher, the greedy answer accuracy); for an
 online RL run (train lines with `reward`), rl_plot.py's panels: the reward and each reward function's on its own
 y-scale, the eval answer accuracy (greedy), the completions' mean length and the KL to the reference (or the loss
 without one) against steps: the GRPO loss alone (about 0 by construction) shows nothing.
@@ -25,6 +27,17 @@ from llmtrain.run.rundir import cannot_create
 # The loss axis turns logarithmic when the curves span more than this factor (a model learning from scratch
 # falls from ~10 to ~0.1: on a linear axis everything after the first steps is a flat line).
 LOG_SCALE_RATIO = 20.0
+# Each mode's own measure, drawn in a panel of its own under the loss where a run logs it: (the train lines' key, the
+# eval lines' key, the panel's title). The loss alone does not say whether a preference or reward model ranks the
+# pairs right, or whether a student agrees with its teacher.
+MEASURES = (
+    ("rewards/margins", "eval_rewards/margins", "reward margin, chosen - rejected (DPO, KTO)"),
+    ("rewards/accuracies", "eval_rewards/accuracies", "pairs whose chosen reply is rewarded higher (DPO)"),
+    ("accuracy", "eval_accuracy", "reward model: pairs scored the right way round"),
+    ("margin", "eval_margin", "reward model: score margin, chosen - rejected"),
+    ("teacher_agreement", "eval_teacher_agreement", "distillation: the student's top token is the teacher's"),
+    (None, "eval_answer_accuracy", "answer accuracy (greedy completions of the eval prompts)"),
+)
 
 
 def _rl_key(key: str, *, eval_line: bool) -> bool:
@@ -83,6 +96,11 @@ def read_curves(run: Path, name: str | None = None) -> Curves:
         # in the lines' order: the reward functions as the recipe lists them
         names = list(dict.fromkeys(k for rec in lines_.values() for k in rec if _rl_key(k, eval_line=eval_line)))
         into.update({k: [_finite(lines_[step].get(k)) for step in sorted(lines_)] for k in names})
+    if not c.is_rl:
+        for train_key, eval_key, _ in MEASURES:
+            for key, lines_, into in ((train_key, train, c.measures), (eval_key, evals, c.eval_measures)):
+                if key is not None and any(key in rec for rec in lines_.values()):
+                    into[key] = [_finite(lines_[step].get(key)) for step in sorted(lines_)]
     for step in sorted(train):
         rec = train[step]
         c.step.append(step)
@@ -143,9 +161,10 @@ def plot_runs(runs: list[Path], out: Path, *, smoothing: float | None = None):
         FigureCanvasAgg(fig)
         draw_rl(fig, curves, smoothing)
         return _save(fig, out, suffix)
-    fig = Figure(figsize=(13, 7.5), layout="constrained")
+    panels = [m for m in MEASURES if any(m[0] in c.measures or m[1] in c.eval_measures for c in curves)]
+    fig = Figure(figsize=(13, 10.5 if panels else 7.5), layout="constrained")
     FigureCanvasAgg(fig)
-    grid = fig.add_gridspec(2, 2, height_ratios=[3, 1])
+    grid = fig.add_gridspec(3 if panels else 2, 2, height_ratios=[3, 1, 1.6] if panels else [3, 1])
     loss_s = fig.add_subplot(grid[0, 0])
     loss_t = fig.add_subplot(grid[0, 1], sharey=loss_s)
     lr_s = fig.add_subplot(grid[1, 0], sharex=loss_s)
@@ -156,23 +175,30 @@ def plot_runs(runs: list[Path], out: Path, *, smoothing: float | None = None):
         label = "" if single else f"{c.name}: "
         weight = smoothing_weight(len(c.step)) if smoothing is None else smoothing
         smoothed = ema(c.loss, weight)
+        # beside supervised runs, an online-RL run's loss is about 0 by construction (each prompt's advantages average
+        # 0): drawn, and said in its label
+        about_zero = " (online RL: about 0 by construction)" if c.is_rl else ""
         for ax, x, ex in ((loss_s, c.step, c.eval_step), (loss_t, c.tokens, c.eval_tokens)):
             # The raw loss has a gap at a skipped update; the average and the eval line run through it.
             # 20 points or fewer are not smoothed (weight 0): the raw curve is drawn as the one to read
             ax.plot(_nan(x), _nan(c.loss), color=colour, alpha=0.3 if weight > 0 else 1.0,
-                    linewidth=0.8 if weight > 0 else 1.5, label=f"{label}train loss")
+                    linewidth=0.8 if weight > 0 else 1.5, label=f"{label}train loss{about_zero}")
             if weight > 0:
                 ax.plot(*_points(x, smoothed), color=colour, linewidth=1.8,
                         label=f"{label}train loss (EMA {weight:.2g})")
-            if c.eval_step:
+            if any(v is not None for v in c.eval_loss):  # an online-RL run's eval lines have no loss
                 ax.plot(*_points(ex, c.eval_loss), color=colour, linestyle="--", marker="o", markersize=4,
                         label=f"{label}eval loss")
         lr_s.plot(c.step, _nan(c.lr), color=colour, label=c.name)
         lr_t.plot(_nan(c.tokens), _nan(c.lr), color=colour, label=c.name)
+    if panels:
+        _draw_measures(fig, grid[2, :], panels, curves)
 
     values = [v for c in curves for v in (*c.loss, *c.eval_loss) if v is not None and not math.isnan(v)]
-    # a loss at or below 0 (an online-RL run's, beside supervised ones) has no place on a log axis: linear then
-    if values and min(values) > 0 and max(values) / min(values) > LOG_SCALE_RATIO:
+    # a loss at or below 0, or an online-RL run's about 0 (RLOO's 1e-9 would stretch a log axis over ten decades),
+    # has no place on a log axis: linear then, every run on it
+    if (values and min(values) > 0 and max(values) / min(values) > LOG_SCALE_RATIO
+            and not any(c.is_rl for c in curves)):
         loss_s.set_yscale("log")
     loss_s.set_ylabel("loss (log scale)" if loss_s.get_yscale() == "log" else "loss")
     lr_s.set_ylabel("learning rate")
@@ -191,6 +217,26 @@ def plot_runs(runs: list[Path], out: Path, *, smoothing: float | None = None):
         lr_s.legend(fontsize="small")
     fig.suptitle(_title(curves))
     return _save(fig, out, suffix)
+
+
+def _draw_measures(fig, cell, panels, curves: list[Curves]) -> None:
+    """One panel a measure (MEASURES) against steps: each run's train values (a thin line) and eval values (dashed,
+    with markers), in the run's colour."""
+    row = cell.subgridspec(1, len(panels))
+    for j, (train_key, eval_key, title) in enumerate(panels):
+        ax = fig.add_subplot(row[0, j])
+        for i, c in enumerate(curves):
+            label = "" if len(curves) == 1 else f"{c.name}: "
+            if train_key in c.measures:
+                ax.plot(*_points(c.step, c.measures[train_key]), color=f"C{i}", linewidth=1.0, alpha=0.8,
+                        label=f"{label}train")
+            if eval_key in c.eval_measures:
+                ax.plot(*_points(c.eval_step, c.eval_measures[eval_key]), color=f"C{i}", linestyle="--",
+                        marker="o", markersize=4, label=f"{label}eval")
+        ax.set_title(title, fontsize="medium")
+        ax.set_xlabel("step")
+        ax.grid(True, alpha=0.3)
+        ax.legend(fontsize="small")
 
 
 def _save(fig, out: Path, suffix: str):

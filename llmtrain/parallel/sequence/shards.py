@@ -1,4 +1,4 @@
-"""Sequence parallelism's side of the objective (parallel/sequence.py): each process of a sequence group collates its
+"""Sequence parallelism's side of the objective: each process of a sequence group collates its
 slice of the group's packed row (`shard_batch`), and the eval's per-example sums are summed over the group."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ import torch
 
 from llmtrain.data.batching import Counts
 from llmtrain.errors import LLMTrainError
-from llmtrain.parallel.sequence import SequenceGroup
+from llmtrain.parallel.sequence.group import SequenceGroup
 
 
 def shard_batch(batch: dict, counts: Counts, *, size: int, rank: int, pad_id: int) -> tuple[dict, Counts]:

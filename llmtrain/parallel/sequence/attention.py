@@ -1,4 +1,4 @@
-"""The Ulysses attention of sequence parallelism (parallel/sequence.py): each process of a sequence group holds a
+"""The Ulysses attention of sequence parallelism: each process of a sequence group holds a
 slice of the packed row's tokens; an all-to-all turns the slices of every head into every token of 1/N of the heads,
 llmtrain's varlen attention runs on the whole row with its real example boundaries (sliding window included), and a
 second all-to-all turns the output back into slices. Registered with transformers' AttentionInterface as NAME by
@@ -10,9 +10,9 @@ from functools import partial
 
 import torch
 
-from llmtrain.model.attention import varlen_attention_forward
+from llmtrain.model.attention import PREFIX, varlen_attention_forward
 
-NAME = "llmtrain_ulysses"
+NAME = PREFIX + "ulysses"
 
 
 class _AllToAll(torch.autograd.Function):

@@ -1,0 +1,62 @@
+"""The one place a loaded model is laid out over the run's processes: each parallelism applied from its own room, in
+this written order (torchtitan's):
+
+1. tensor (tensor.py): the decoder's linear layers split over the mesh's `tp` dimension;
+2. sequence (sequence/): the model's attention made the Ulysses all-to-all over this process's sequence group;
+3. compile: each decoder layer compiled (regional torch.compile), once the layers hold their final modules;
+4. pipeline (pipeline/): this process keeps its stages, and drops the others' layers;
+5. the optimizer over what this process holds, then DDP or FSDP (Accelerate's prepare, with the launch's plugin), except
+   for pipeline stages, whose replicas sum their gradients themselves (pipeline/group.py).
+
+The layout was checked before any process group existed (capabilities.py, on layout.Layout); each step here only
+applies what it was given, and says so in the start-up line.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from llmtrain.config import Recipe
+from llmtrain.model.modeling import compile_layers
+from llmtrain.parallel.fsdp import uses_fsdp
+from llmtrain.parallel.groups import groups
+from llmtrain.parallel.mesh import tensor_parallel_size
+from llmtrain.parallel.pipeline.schedule import Pipeline
+from llmtrain.parallel.sequence import attention as sequence_attention
+from llmtrain.parallel.sequence.group import describe as describe_sequence
+from llmtrain.parallel.tensor import apply_tensor_parallel
+
+
+@dataclass(frozen=True)
+class Parallelized:
+    model: object  # as Accelerate prepared it (DDP- or FSDP-wrapped), or this process's stages' model
+    optimizer: object
+    pipeline: Pipeline | None = None  # parallel.pipeline_parallel > 1: this process's stages and their schedule
+
+
+def parallelize(model, recipe: Recipe, accelerator, *, make_optimizer, pad_id: int, say) -> Parallelized:
+    """Apply the run's layout to `model` (loaded, adapters and loss attached) in the order above; `make_optimizer`
+    builds the optimizer over a model's trainable parameters once this process holds only its own."""
+    if (tp := tensor_parallel_size(accelerator)) > 1:
+        layers = apply_tensor_parallel(model, accelerator.torch_device_mesh["tp"])
+        say(f"tensor parallelism: {layers} linear layers split over {tp} processes "
+            f"(PyTorch parallelize_module, the model's own plan)")
+    if (sp := recipe.parallel.sequence_parallel) > 1:
+        sequence_attention.attach(model, size=sp, group=groups(accelerator).sequence.group)
+        say(describe_sequence(sp, accelerator.num_processes))
+    if recipe.model.compile:
+        say(f"compile: {compile_layers(model)} decoder layers (regional torch.compile)")
+    if recipe.parallel.pipeline_parallel > 1:
+        # this process's stages (the optimizer sees only theirs), sharded over their replicas by an FSDP launch
+        plugin = accelerator.state.fsdp_plugin if uses_fsdp(accelerator) else None
+        stages = Pipeline(model, parallel=recipe.parallel, micro_batches=recipe.train.grad_accum_steps,
+                          slots=recipe.train.micro_batch_tokens, pad_id=pad_id, device=accelerator.device,
+                          group=groups(accelerator).pipeline,
+                          fsdp=None if plugin is None else plugin.mixed_precision_policy or True,
+                          precision=accelerator.autocast)
+        say(stages.describe())
+        # not wrapped: no DDP over all processes (the replicas sum their gradients in Pipeline.run), and the optimizer
+        # stays a plain torch one, saved per process by the checkpoint (run/checkpoint.py)
+        return Parallelized(model=model, optimizer=make_optimizer(model), pipeline=stages)
+    model, optimizer = accelerator.prepare(model, make_optimizer(model))
+    return Parallelized(model=model, optimizer=optimizer)
