@@ -6,7 +6,7 @@ import json
 import sys
 
 from llmtrain.config import Recipe
-from llmtrain.data.formats import IGNORE
+from llmtrain.data.formats import IGNORE, prompt_length
 from llmtrain.data.prepare import DataStats, prepare_datasets
 from llmtrain.model.modeling import load_tokenizer
 
@@ -106,7 +106,7 @@ def inspect_data(recipe: Recipe, *, n: int, as_json: bool) -> None:
         trained = sum(lab != IGNORE for lab in labels[1:])
         how = "«between marks»" if marks else "green"
         said = "" if label is None else ", desirable" if label else ", undesirable"
-        prompt = next((k for k, lab in enumerate(labels) if lab != IGNORE), len(labels))
+        prompt = prompt_length(labels)
         # distillation: what the student completes at on-policy steps, and what the others train on
         student = (f"distill: the student samples a completion of the first {prompt} tokens at on-policy steps; "
                    "the trained tokens are the data's (off-policy steps, eval)") if recipe.distill else None
@@ -151,11 +151,11 @@ def _show_pairs(rows, stats, tokenizer, *, as_json: bool) -> None:
     console = Console()
     marks = console.no_color or console.color_system is None
     for i, (c_ids, c_labels, r_ids, r_labels) in enumerate(zip(*(rows[c] for c in columns))):
-        start = next((k for k, lab in enumerate(c_labels) if lab != IGNORE), len(c_labels))
+        start = prompt_length(c_labels)
         prompt = Text(tokenizer.decode(c_ids[:start]), style="dim")
         parts = [Text("prompt: ", style="bold"), prompt]
         for name, ids, labels in (("chosen", c_ids, c_labels), ("rejected", r_ids, r_labels)):
-            k = next((j for j, lab in enumerate(labels) if lab != IGNORE), len(labels))
+            k = prompt_length(labels)
             trained = sum(lab != IGNORE for lab in labels[1:])
             parts += [Text(f"\n{name} ({trained} trained tokens): ", style="bold"),
                       _highlight(ids[k:], labels[k:], tokenizer, marks=marks)]

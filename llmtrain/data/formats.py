@@ -356,3 +356,9 @@ def encode_example(example: dict, tokenizer, cfg: DataConfig, *, template: str |
     # The first token is never a target (nothing predicts it), so it does not count as trained.
     trained = len(labels) - labels.count(IGNORE) - (bool(labels) and labels[0] != IGNORE)
     return {"input_ids": ids, "labels": labels, "length": len(ids), "trained": trained, "truncated": truncated}
+
+
+def prompt_length(labels) -> int:
+    """A tokenised row's prompt, as every mode splits it: the tokens before its first trained label (all of them
+    when nothing is trained)."""
+    return next((k for k, label in enumerate(labels) if label != IGNORE), len(labels))

@@ -19,7 +19,7 @@ from __future__ import annotations
 from typing import Any
 
 from llmtrain.config import DataConfig
-from llmtrain.data.formats import IGNORE, encode_example
+from llmtrain.data.formats import IGNORE, encode_example, prompt_length
 
 PAIR_COLUMNS = ["chosen_ids", "chosen_labels", "rejected_ids", "rejected_labels", "length"]
 MARGIN = "margin"  # TRL's optional column: how much the chosen answer is better (reward models subtract it)
@@ -115,7 +115,7 @@ def _encode_pair(example: dict, tokenizer, cfg: DataConfig, *, template: str | N
     labels = [s["labels"] for s in sides]
     # The prompt: what comes before either answer's first trained token (with train_on_prompt, the shared start).
     shared = next((i for i, (a, b) in enumerate(zip(*ids)) if a != b), min(map(len, ids)))
-    starts = [next((i for i, lab in enumerate(lab_) if lab != IGNORE), len(lab_)) for lab_ in labels]
+    starts = [prompt_length(lab_) for lab_ in labels]
     prompt_len = shared if cfg.train_on_prompt else min(min(starts), shared)
     bos = 1 if ids[0] and ids[0][0] == tokenizer.bos_token_id else 0
     keep = min(prompt_len - bos, max(limit // 4, 1))  # prompt tokens after BOS that are never cut

@@ -10,6 +10,9 @@
   reward and the per-sequence clipped loss, as TRL 1.16's RLOOTrainer (equal to it to 1e-6).
 - `distill.py`: on-policy distillation (TRL's DistillationTrainer): the generalised JSD to a teacher over completion
   tokens, chunk by chunk beside the student's head, on completions the student samples (a seeded coin per step).
+- `rollouts.py`: what the sampling objectives share: the policy in sampling order for a window (eval mode, FSDP's
+  units gathered once), its completions by the recipe's sampler, each completion made a trained row, and PPO's
+  clipped surrogate (per token in GRPO, per sequence in RLOO).
 - `rewards.py`: reward functions (answer_match, format, the user's own with TRL's signature) and their checks.
 - `reward_model.py`: reward models on pairs (TRL's RewardTrainer loss on the score head's last-token scores).
 - `learned_reward.py`: a trained reward model as an RL reward (rl.rewards type reward_model).

@@ -32,8 +32,9 @@ import torch
 import torch.nn.functional as F
 
 from llmtrain.data.batching import Counts, collate, with_loss_positions
-from llmtrain.data.formats import IGNORE
+from llmtrain.data.formats import prompt_length
 from llmtrain.model.loss import causal_lm, compute_loss, decoder_inputs
+from llmtrain.objectives.rollouts import completion_rows, sample, sampling
 
 # Statistics summed over the window and processes; step_metrics names them as TRL does where TRL has the number.
 # (length, clipped: of the student's own completions only)
@@ -69,9 +70,7 @@ def on_policy(seed: int, step: int, lmbda: float) -> bool:
 
 def split_prompt(example: dict) -> list[int]:
     """A row's prompt: its tokens before the first trained one."""
-    labels = example["labels"]
-    start = next((k for k, lab in enumerate(labels) if lab != IGNORE), len(labels))
-    return list(example["input_ids"][:start])
+    return list(example["input_ids"][:prompt_length(example["labels"])])
 
 
 class Distill:
@@ -107,28 +106,20 @@ class Distill:
     def rollout(self, window, *, step: int):
         """The window with each micro-batch's completions sampled by the student (on-policy steps) or kept (the
         others), its counts recounted, and each micro-batch's completion statistics added."""
-        from llmtrain.parallel.fsdp import gathered_for_generation
-
         if not on_policy(self.seed, step, self.cfg.lmbda):
             for b in window.batches:
                 b["rollout_stats"] = torch.tensor([len(b["prompts"]), 0, 0, 0, 0], dtype=torch.float32)
             return window
         batches, counts = [], Counts(0.0, 0.0, 0.0, 0.0)
-        was_training = self.lm.training
-        self.lm.eval()  # no dropout while sampling; the update trains with it
-        try:
-            with gathered_for_generation(self.lm):  # FSDP: the layers gathered once for the window
-                for b in window.batches:
-                    batch, n = self._sample(b["prompts"], step)
-                    batches.append(batch)
-                    counts = counts.plus(n)
-        finally:
-            self.lm.train(was_training)
+        with sampling(self.lm):
+            for b in window.batches:
+                batch, n = self._sample(b["prompts"], step)
+                batches.append(batch)
+                counts = counts.plus(n)
         return dataclasses.replace(window, batches=batches, counts=counts)
 
     def _sample(self, prompts: list[tuple[list[int], int]], step: int) -> tuple[dict, Counts]:
         """The prompts' completions, sampled by the student, packed as a micro-batch."""
-        from llmtrain.model.fast_sample import sampler_for
         from llmtrain.model.generate import completion_seed
 
         cfg = self.cfg
@@ -137,12 +128,12 @@ class Distill:
             batch["rollout_stats"] = torch.zeros(len(ROLLOUT_STATS))
             return batch, counts
         begun = time.perf_counter()
-        completions = sampler_for(self.lm, cfg.sampler)(
-            self.lm, [p for p, _ in prompts], seeds=[completion_seed(self.seed, step, row, 0) for _, row in prompts],
-            max_new_tokens=cfg.max_completion_tokens, temperature=cfg.temperature, top_p=cfg.top_p,
-            stop_ids=self.stop_ids, pad_id=self.pad_id)
+        completions = sample(self.lm, cfg.sampler, [p for p, _ in prompts],
+                             [completion_seed(self.seed, step, row, 0) for _, row in prompts],
+                             max_new_tokens=cfg.max_completion_tokens, temperature=cfg.temperature, top_p=cfg.top_p,
+                             stop_ids=self.stop_ids, pad_id=self.pad_id)
         spent = time.perf_counter() - begun
-        sequences = [{"input_ids": p + c, "labels": [IGNORE] * len(p) + c} for (p, _), c in zip(prompts, completions)]
+        sequences = completion_rows([p for p, _ in prompts], completions)
         out, counts = self._batch(sequences, prompts)
         clipped = sum(not c or c[-1] not in self.stop_ids for c in completions)  # ended by max_completion_tokens
         out["rollout_stats"] = torch.tensor([len(completions), counts.trained, clipped, len(completions),

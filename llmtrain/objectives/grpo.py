@@ -26,6 +26,7 @@ from typing import Literal
 import torch
 
 from llmtrain.data.batching import Counts
+from llmtrain.objectives.rollouts import clipped_surrogate, completion_rows, sample, sampling
 
 LossType = Literal["dapo", "grpo", "dr_grpo"]
 STD_EPS = 1e-4  # TRL's: a group whose rewards are all equal gets advantages 0, not a division by zero
@@ -62,11 +63,8 @@ def token_losses(logps: torch.Tensor, advantages: torch.Tensor, *, old_logps: to
     """Per completion token: (loss, k3 KL to the reference or None, clipped: whether the ratio was clipped where it
     mattered). `advantages` are per token (each completion's, repeated over its tokens). old_logps None: the
     policy that sampled is this one (one update a generation round), so the ratio is exp(logps - logps.detach())."""
-    old = logps.detach() if old_logps is None else old_logps
-    low, high = 1 - epsilon, 1 + (epsilon if epsilon_high is None else epsilon_high)
-    ratio = torch.exp(logps - old)
-    loss = -torch.min(ratio * advantages, torch.clamp(ratio, low, high) * advantages)
-    clipped = ((ratio < low) & (advantages < 0)) | ((ratio > high) & (advantages > 0))
+    loss, ratio, clipped = clipped_surrogate(logps, logps.detach() if old_logps is None else old_logps, advantages,
+                                             epsilon=epsilon, epsilon_high=epsilon_high)
     kl = None
     if beta != 0.0:
         delta = ref_logps - logps
@@ -165,23 +163,15 @@ class GRPO:
         recounted, and `rollouts` (one record per completion, for rollouts.jsonl) filled in."""
         import dataclasses
 
-        from llmtrain.parallel.fsdp import gathered_for_generation
-
         batches, counts, records = [], None, []
         if self.state is not None:  # what a reward function sees: the steps done, as TRL's global_step
             self.state.global_step, self.state.epoch = step, float(window.epoch)
-        was_training = self.lm.training
-        self.lm.eval()  # no dropout while sampling (as vLLM samples); the update below trains with it
-        try:
-            # FSDP: every unit gathered once for the window's micro-batches, sharded again before the update
-            with gathered_for_generation(self.lm):
-                for b in window.batches:
-                    parts, n, recs = self._rollout_batch(b["examples"], step)
-                    batches += parts
-                    counts = n if counts is None else counts.plus(n)
-                    records += recs
-        finally:
-            self.lm.train(was_training)
+        with sampling(self.lm):
+            for b in window.batches:
+                parts, n, recs = self._rollout_batch(b["examples"], step)
+                batches += parts
+                counts = n if counts is None else counts.plus(n)
+                records += recs
         if self.rl.micro_batch_tokens is not None and self.world > 1:
             # Every rank must run as many forward/backward passes (FSDP gathers and reduce-scatters in each): the
             # ranks with fewer add placeholders (one token, nothing trained). One small gather a step.
@@ -201,7 +191,6 @@ class GRPO:
     def _rollout_batch(self, examples: list[dict], step: int) -> tuple[list[dict], Counts, list[dict]]:
         import time
 
-        from llmtrain.data.formats import IGNORE
         from llmtrain.model.generate import completion_seed
         from llmtrain.objectives.rewards import RewardLogs
 
@@ -218,7 +207,7 @@ class GRPO:
         for name, values in extra.metrics.items():
             self.logs.metrics[name] += values
         rows = [e["row"] + 1 for e in examples for _ in range(g)]
-        sequences = [{"input_ids": p + c, "labels": [IGNORE] * len(p) + c} for p, c in zip(prompt_ids, completions)]
+        sequences = completion_rows(prompt_ids, completions)
         batches, parts, lengths = self._passes(sequences)
         advantages, std, more, columns = self._advantages(total, g, batches, parts)
         for batch, part, n in zip(batches, parts, lengths.split([len(part) for part in parts])):
@@ -282,10 +271,7 @@ class GRPO:
     def _generate(self, prompt_ids: list[list[int]], seeds: list[int], *, temperature: float,
                   top_p: float) -> list[list[int]]:
         """The completions of `prompt_ids`, one per seed, with rl.sampler (the caller gathers FSDP's units)."""
-        from llmtrain.model.fast_sample import sampler_for
-
-        sample = sampler_for(self.lm, self.rl.sampler)
-        return sample(self.lm, prompt_ids, seeds=seeds, max_new_tokens=self.rl.max_completion_tokens,
+        return sample(self.lm, self.rl.sampler, prompt_ids, seeds, max_new_tokens=self.rl.max_completion_tokens,
                       temperature=temperature, top_p=top_p, stop_ids=self.stop_ids, pad_id=self.pad_id)
 
     def _score(self, examples: list[dict], completions: list[list[int]], g: int, *, where: str, logs=None):

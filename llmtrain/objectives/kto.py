@@ -35,7 +35,7 @@ import torch
 import torch.nn.functional as F
 
 from llmtrain.data.batching import Counts, collate, to_device, with_loss_positions
-from llmtrain.data.formats import IGNORE
+from llmtrain.data.formats import IGNORE, prompt_length
 from llmtrain.errors import LLMTrainError
 from llmtrain.model.loss import compute_loss
 from llmtrain.objectives.preference import sequence_logps
@@ -67,7 +67,7 @@ def kl_sequences(examples: list[dict], max_seq_len: int) -> list[dict]:
     labels, cut to max_seq_len. The prompt is what comes before an example's first trained label."""
     def split(e):
         labels = list(e["labels"])
-        start = next((k for k, lab in enumerate(labels) if lab != IGNORE), len(labels))
+        start = prompt_length(labels)
         return list(e["input_ids"][:start]), list(e["input_ids"][start:]), labels[start:]
 
     parts = [split(e) for e in examples]

@@ -26,6 +26,7 @@ import torch
 from llmtrain.data.batching import to_device
 from llmtrain.model.loss import compute_loss
 from llmtrain.objectives.grpo import GRPO, STD_EPS, _nanstd
+from llmtrain.objectives.rollouts import clipped_surrogate
 
 
 def leave_one_out_advantages(rewards: torch.Tensor, num_generations: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -55,11 +56,8 @@ def sequence_losses(logps: torch.Tensor, advantages: torch.Tensor, *, old_logps:
                     epsilon: float, epsilon_high: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Per completion: (loss, clipped: whether the ratio was clipped where it mattered), from its summed
     log-probability `logps`. old_logps None: the policy that sampled is this one (the ratio is 1 in value)."""
-    old = logps.detach() if old_logps is None else old_logps
-    low, high = 1 - epsilon, 1 + (epsilon if epsilon_high is None else epsilon_high)
-    ratio = torch.exp(logps - old)
-    loss = -torch.min(ratio * advantages, torch.clamp(ratio, low, high) * advantages)
-    clipped = ((ratio < low) & (advantages < 0)) | ((ratio > high) & (advantages > 0))
+    loss, _, clipped = clipped_surrogate(logps, logps.detach() if old_logps is None else old_logps, advantages,
+                                         epsilon=epsilon, epsilon_high=epsilon_high)
     return loss, clipped
 
 

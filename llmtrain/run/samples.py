@@ -22,7 +22,7 @@ from __future__ import annotations
 
 from contextlib import contextmanager
 
-from llmtrain.data.formats import IGNORE
+from llmtrain.data.formats import prompt_length
 from llmtrain.model.generate import cached_attention, stop_tokens
 from llmtrain.model.loss import causal_lm
 from llmtrain.objectives.rewards import answer
@@ -34,8 +34,7 @@ def split_example(example) -> tuple[list[int], list[int]]:
     token to continue from."""
     ids_key, labels_key = ("input_ids", "labels") if "input_ids" in example else ("chosen_ids", "chosen_labels")
     ids, labels = list(example[ids_key]), list(example[labels_key])
-    n = next((i for i, label in enumerate(labels) if label != IGNORE), len(labels))
-    n = max(n, 1)
+    n = max(prompt_length(labels), 1)
     return ids[:n], ids[n:]
 
 

@@ -1,0 +1,60 @@
+"""What the objectives that sample share (GRPO, RLOO as its subclass, and on-policy distillation): the policy put in
+sampling order for a window (`sampling`), its completions drawn by the recipe's sampler (`sample`), each prompt and
+completion made a trained row (`completion_rows`), and PPO's clipped surrogate (`clipped_surrogate`, per token for
+GRPO, per sequence for RLOO).
+
+Each completion depends only on the run's seed, the step, its row and its place in the group
+(model.generate.completion_seed), so 2 processes sample what 1 does and a resumed run draws the same.
+"""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+
+import torch
+
+from llmtrain.data.formats import IGNORE
+
+
+@contextmanager
+def sampling(lm):
+    """`lm` (the unwrapped policy) as it samples inside the block: in eval mode (no dropout, as vLLM samples; the
+    update after it trains with dropout) and, under FSDP, every unit gathered once for the whole window (sharded
+    again before the update). Its train mode is restored after, whatever happened."""
+    from llmtrain.parallel.fsdp import gathered_for_generation
+
+    was_training = lm.training
+    lm.eval()
+    try:
+        with gathered_for_generation(lm):
+            yield
+    finally:
+        lm.train(was_training)
+
+
+def sample(lm, sampler: str, prompts: list[list[int]], seeds: list[int], *, max_new_tokens: int, temperature: float,
+           top_p: float, stop_ids, pad_id: int) -> list[list[int]]:
+    """The completions of `prompts`, one per seed, by `sampler` (rl.sampler / distill.sampler: the captured graph,
+    the cached loop, or transformers' generate; model/fast_sample.py picks what runs)."""
+    from llmtrain.model.fast_sample import sampler_for
+
+    return sampler_for(lm, sampler)(lm, prompts, seeds=seeds, max_new_tokens=max_new_tokens,
+                                    temperature=temperature, top_p=top_p, stop_ids=stop_ids, pad_id=pad_id)
+
+
+def completion_rows(prompts: list[list[int]], completions: list[list[int]]) -> list[dict]:
+    """Each prompt and its completion as one tokenised row: the completion's tokens trained, the prompt's not."""
+    return [{"input_ids": p + c, "labels": [IGNORE] * len(p) + c} for p, c in zip(prompts, completions)]
+
+
+def clipped_surrogate(logps: torch.Tensor, old_logps: torch.Tensor, advantages: torch.Tensor, *, epsilon: float,
+                      epsilon_high: float | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """PPO's clipped objective as a loss: (-min(ratio A, clip(ratio, 1 - epsilon, 1 + epsilon_high) A), the ratio
+    exp(logps - old_logps), and whether the clip mattered: the ratio below the range with A < 0 or above it with
+    A > 0). Per token (GRPO: each completion's advantage repeated over its tokens) or per sequence (RLOO: summed
+    log-probabilities); epsilon_high None: epsilon."""
+    low, high = 1 - epsilon, 1 + (epsilon if epsilon_high is None else epsilon_high)
+    ratio = torch.exp(logps - old_logps)
+    loss = -torch.min(ratio * advantages, torch.clamp(ratio, low, high) * advantages)
+    clipped = ((ratio < low) & (advantages < 0)) | ((ratio > high) & (advantages > 0))
+    return loss, ratio, clipped
