@@ -40,6 +40,19 @@ class Counts(NamedTuple):
     def plus(self, other: Counts) -> Counts:
         return Counts(*(a + b for a, b in zip(self, other)))
 
+    @classmethod
+    def of(cls, sequences, *, units: float, trained: float) -> Counts:
+        """The counts of a micro-batch of `sequences` (rows with input_ids, or id lists): its real tokens and their
+        squares from the sequences' lengths, `units` and `trained` as the objective counts them."""
+        lengths = [len(s["input_ids"]) if isinstance(s, dict) else len(s) for s in sequences]
+        return cls(units=float(units), trained=float(trained), tokens=float(sum(lengths)),
+                   squares=float(sum(n * n for n in lengths)))
+
+    @classmethod
+    def none(cls) -> Counts:
+        """Nothing: an idle rank's micro-batch, or the start of a sum."""
+        return cls(0.0, 0.0, 0.0, 0.0)
+
 
 def epoch_order(num_examples: int, *, seed: int, epoch: int, shuffle: bool = True) -> list[int]:
     if not shuffle:

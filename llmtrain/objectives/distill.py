@@ -90,11 +90,9 @@ class Distill:
 
     def _batch(self, sequences: list[dict], prompts: list[tuple[list[int], int]]) -> tuple[dict, Counts]:
         batch = with_loss_positions(collate(sequences, pad_id=self.pad_id, packing=self.packing))
-        trained = float(len(batch["loss_index"]))
-        lengths = [len(s["input_ids"]) for s in sequences]
+        trained = len(batch["loss_index"])
         batch["prompts"] = prompts  # (prompt ids, row) of each sequence: what the rollout samples from
-        return batch, Counts(units=trained, trained=trained, tokens=float(sum(lengths)),
-                             squares=float(sum(n * n for n in lengths)))
+        return batch, Counts.of(sequences, units=trained, trained=trained)
 
     def collate(self, examples: list[dict]) -> tuple[dict, Counts]:
         """The rows as they are (the off-policy batch, and eval's), packed; their prompts kept for the rollout."""
@@ -110,7 +108,7 @@ class Distill:
             for b in window.batches:
                 b["rollout_stats"] = torch.tensor([len(b["prompts"]), 0, 0, 0, 0], dtype=torch.float32)
             return window
-        batches, counts = [], Counts(0.0, 0.0, 0.0, 0.0)
+        batches, counts = [], Counts.none()
         with sampling(self.lm):
             for b in window.batches:
                 batch, n = self._sample(b["prompts"], step)

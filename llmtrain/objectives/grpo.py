@@ -154,7 +154,7 @@ class GRPO:
 
     def collate(self, examples: list[dict]) -> tuple[dict, Counts]:
         """The prompts as they are: the rollout makes the tensors (and the counts) once the completions exist."""
-        return {"examples": examples}, Counts(0.0, 0.0, 0.0, 0.0)
+        return {"examples": examples}, Counts.none()
 
     # ---- the rollout: sample, score, pack
 
@@ -196,7 +196,7 @@ class GRPO:
 
         rl, g = self.rl, self.rl.num_generations
         if not examples:  # an idle rank at the end of an epoch: one token, nothing trained
-            return [self._idle_batch()], Counts(0.0, 0.0, 0.0, 0.0), []
+            return [self._idle_batch()], Counts.none(), []
         prompt_ids = [list(e["input_ids"]) for e in examples for _ in range(g)]
         seeds = [completion_seed(self.seed, step, e["row"], k) for e in examples for k in range(g)]
         begun = time.perf_counter()
@@ -222,9 +222,7 @@ class GRPO:
             dtype=torch.float32)
         for k, batch in enumerate(batches):  # the passes' statistics are summed: the rollout's go in once
             batch["rollout_stats"] = stats if k == 0 else torch.zeros_like(stats)
-        full = [len(s["input_ids"]) for s in sequences]
-        counts = Counts(units=self._loss_units(lengths),
-                        trained=float(lengths.sum()), tokens=float(sum(full)), squares=float(sum(n * n for n in full)))
+        counts = Counts.of(sequences, units=self._loss_units(lengths), trained=float(lengths.sum()))
         names = [n for n, _, _ in self.rewards]
         records = [{"step": step + 1, "row": rows[i], "generation": i % g,
                     "prompt": self.tokenizer.decode(prompt_ids[i], skip_special_tokens=False),

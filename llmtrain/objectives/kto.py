@@ -119,10 +119,7 @@ class KTO:
         kl = kl_sequences(examples, self.max_seq_len) if self.cfg.loss_type == "kto" and examples else []
         if kl:  # flat, under "kl:" names: the loop moves and pins a batch's own tensors, not nested ones
             batch.update({f"kl:{k}": v for k, v in self._collate(kl).items()})
-        everything = sequences + kl
-        lengths = [len(s["input_ids"]) for s in everything]
-        return batch, Counts(units=float(len(examples)), trained=float(len(batch["loss_index"])),
-                             tokens=float(sum(lengths)), squares=float(sum(n * n for n in lengths)))
+        return batch, Counts.of(sequences + kl, units=len(examples), trained=len(batch["loss_index"]))
 
     def _reference_model(self):
         """The reference and the context it runs in: the frozen copy, or the base model (the adapter disabled)."""

@@ -56,10 +56,8 @@ class CausalLM:
 
     def collate(self, examples: list[dict]) -> tuple[dict, Counts]:
         batch = with_loss_positions(collate(examples, pad_id=self.pad_id, packing=self.packing))
-        trained = float(len(batch["loss_index"]))  # an idle rank's placeholder row trains nothing
-        lengths = [len(e["input_ids"]) for e in examples]
-        return batch, Counts(units=trained, trained=trained, tokens=float(sum(lengths)),
-                             squares=float(sum(n * n for n in lengths)))
+        trained = len(batch["loss_index"])  # an idle rank's placeholder row trains nothing
+        return batch, Counts.of(examples, units=trained, trained=trained)
 
     def loss(self, model, batch: dict) -> tuple[torch.Tensor, torch.Tensor]:
         loss = compute_loss(model, batch)

@@ -80,9 +80,7 @@ class Preference:
         if self.reference == "precomputed" and examples:
             batch["reference"] = torch.tensor([[e["ref_chosen"], e["ref_rejected"]] for e in examples],
                                               dtype=torch.float32)
-        lengths = [len(s["input_ids"]) for s in sequences]
-        return batch, Counts(units=float(len(examples)), trained=float(len(batch["loss_index"])),
-                             tokens=float(sum(lengths)), squares=float(sum(n * n for n in lengths)))
+        return batch, Counts.of(sequences, units=len(examples), trained=len(batch["loss_index"]))
 
     def _reference(self, batch: dict) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         if self.reference == "none":

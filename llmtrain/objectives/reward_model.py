@@ -68,9 +68,7 @@ class RewardModel:
                                              for start, s in zip(starts, sequences)], dtype=torch.long)
         if "margin" in self.columns and examples:
             batch["margin"] = torch.tensor([float(e["margin"]) for e in examples], dtype=torch.float32)
-        lengths = [len(s) for s in sequences]
-        return batch, Counts(units=float(len(examples)), trained=float(len(sequences)), tokens=float(sum(lengths)),
-                             squares=float(sum(n * n for n in lengths)))
+        return batch, Counts.of(sequences, units=len(examples), trained=len(sequences))
 
     def loss(self, model, batch: dict) -> tuple[torch.Tensor, torch.Tensor]:
         scores = sequence_scores(model, batch)
