@@ -177,10 +177,6 @@ def check_memory(recipe: Recipe, launch_path: Path | None, gpu_memory: float | N
     from llmtrain.memory.params import recipe_model_shape
     from llmtrain.memory.spec import spec_from_recipe
 
-    rows: list[Check] = []
-    if gpu_memory is None:
-        rows.append(("memory", "info", "no GPU here: the estimate is not checked against a card; pass "
-                     "--gpu-memory 80 to check it against an H100"))
     try:
         lay = read_accelerate_config(launch_path) if launch_path else None
         layout = dict(strategy=lay.strategy, num_gpus=lay.num_gpus, num_nodes=lay.num_nodes,
@@ -188,10 +184,11 @@ def check_memory(recipe: Recipe, launch_path: Path | None, gpu_memory: float | N
         shape = recipe_model_shape(recipe)
         spec = spec_from_recipe(recipe, gpu_memory_gib=gpu_memory or 80.0, prompt_lengths=prompt_lengths, **layout)
         est = estimate_run(shape, spec)  # a pipeline's worst stage, where the recipe has one
-    except LLMTrainError as e:
-        return rows + [("memory", "warn", f"no estimate: {e}")], None
+    except LLMTrainError as e:  # one row: nothing to check against a card either
+        return [("memory", "warn", f"no estimate: {e}")], None
     if gpu_memory is None:
-        return rows, est
+        return [("memory", "info", f"no GPU here: {_gib(est.per_gpu_peak_bytes)} per GPU estimated, not checked "
+                 "against a card; pass --gpu-memory 80 to check it against an H100")], est
     t = recipe.train
     global_batch = (t.micro_batch_tokens or t.micro_batch_size) * t.grad_accum_steps * spec.data_ranks
     advice = fitting.recommendation(shape, est, global_batch=global_batch)

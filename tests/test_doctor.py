@@ -83,10 +83,27 @@ def test_good_tiny_recipe(tiny_assets, tmp_path):
     # a machine without a GPU is information, not a warning; rows that cannot run are shown as skipped
     no_gpu = rows(run_doctor(load_recipe(write_recipe(tiny_assets, tmp_path)), gpu_memory=None))
     if no_gpu["memory"][1].startswith("no GPU here"):
-        assert no_gpu["memory"][0] == "info"
+        assert no_gpu["memory"][0] == "info" and " per GPU estimated, not checked against a card" in no_gpu["memory"][1]
     broken = rows(run_doctor(load_recipe(write_recipe(tiny_assets, tmp_path), [f"model.tokenizer={tmp_path / 'no'}"]),
                              gpu_memory=80))
     assert broken["tokenizer eos/pad"][0] == "fail" and broken["loss mask"] == ("skipped", "needs the tokenizer")
+
+
+def test_a_model_the_estimate_cannot_shape_gets_one_memory_row(tiny_assets, tmp_path):
+    """No "pass --gpu-memory" beside "no estimate" (issue 53, item 11): without an estimate there is nothing to check
+    against a card, so the one row says why there is none."""
+    from llmtrain.doctor import check_memory
+
+    model = tmp_path / "other-model"
+    model.mkdir()
+    (model / "config.json").write_text(json.dumps({"model_type": "gpt2", "n_embd": 64, "n_layer": 2, "n_head": 4,
+                                                   "vocab_size": 128}))
+    recipe = load_recipe(write_recipe(tiny_assets, tmp_path), [f"model.name_or_path={model}"])
+    checks, est = check_memory(recipe, None, None)
+    assert est is None and len(checks) == 1, checks
+    (name, status, detail), = checks
+    assert (name, status) == ("memory", "warn") and detail.startswith("no estimate: ") and "gpt2" in detail
+    assert "--gpu-memory" not in detail
 
 
 def test_nothing_trained_fails(tiny_assets, tmp_path):
