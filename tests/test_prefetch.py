@@ -51,3 +51,19 @@ def test_stopping_early_ends_the_thread(consumed):
     # closed with a full queue: the reader saw the stop and returned, and was joined before close() returned
     assert not _prefetch_threads()
     assert len(read) <= consumed + 1 + 2 + 1  # consumed, the queue's depth, and the one in hand
+
+
+def test_the_thread_lives_until_the_consumer_is_done():
+    """The reader's thread does not exit while the last items are trained on (issue 53, item 7): a thread that ran
+    torch's OpenMP regions and exited mid-run made the last 2 steps of a 30-step CPU run ~20x slower. It ends when
+    the consumer finishes."""
+    import time
+
+    stream = prefetch(iter(range(5)), depth=2)
+    alive_at_last = None
+    for item in stream:
+        if item == 4:
+            time.sleep(0.3)  # the reader has long made its last item and its end marker
+            alive_at_last = bool(_prefetch_threads())
+    assert alive_at_last is True
+    assert not _prefetch_threads()

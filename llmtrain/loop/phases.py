@@ -249,10 +249,13 @@ def check_memory(recipe: Recipe, accelerator, data: Data, *, say):
     return est
 
 
-def memory_line(cfg, config) -> str:
+def memory_line(cfg, config, device: str = "cuda") -> str:
     """What the model does to save memory, for the start-up line: checkpointing, the offload, the tiled MLP, RoPE
-    scaling (cfg: the recipe's model section; config: the model's)."""
-    parts = ["gradient checkpointing" + (" (layer inputs offloaded to the host)" if cfg.activation_offload else "")
+    scaling (cfg: the recipe's model section; config: the model's; device: the run's device type: the offload
+    saves GPU memory, none on a CPU)."""
+    offload = (" (layer inputs offloaded to the host)" if device == "cuda" else
+               " (model.activation_offload: copies layer inputs, but on a CPU the host is the device: nothing saved)")
+    parts = ["gradient checkpointing" + (offload if cfg.activation_offload else "")
              ] if cfg.gradient_checkpointing else []
     if cfg.tiled_mlp:
         parts.append(f"MLP tiled in shards of {tiled_mlp_shard(cfg.tiled_mlp, config.hidden_size):,} tokens")
@@ -287,7 +290,7 @@ def build_model(recipe: Recipe, accelerator, *, total_steps: int, say, pad: int 
               f"QLoRA: LoRA on a 4-bit {recipe.model.quantize} base" if recipe.model.quantize else "LoRA")
     say(f"model: {n_total:,} parameters, {n_trainable:,} trainable ({method}); "
         f"attention: {describe_attention(recipe.model)}{'; liger kernels' if fused_ce else ''}"
-        + memory_line(recipe.model, model.config)
+        + memory_line(recipe.model, model.config, accelerator.device.type)
         + ("; train.deterministic: strict deterministic kernels (flash attention's deterministic backward, "
            "cuBLAS workspace " + os.environ.get("CUBLAS_WORKSPACE_CONFIG", "?") + ")" if tc.deterministic else ""))
     # the whole model's names, before a pipeline's process drops the stages it does not hold: what a checkpoint's
