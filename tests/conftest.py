@@ -12,12 +12,6 @@ REPO = Path(__file__).resolve().parents[1]
 SHARED = REPO.parent / "shared"
 MISTRAL = SHARED / "models" / "mistral-7b-instruct-v0.3"
 GSM8K = SHARED / "data" / "gsm8k"
-# The files of long multi-process and end-to-end tests, longest first (about 4 minutes down to 20 s on 2 cores).
-LONG_FILES = ["test_pipeline.py", "test_fsdp.py", "test_tp.py", "test_hsdp.py", "test_preemption.py",
-              "test_preference.py", "test_rundir.py", "test_scaleout.py", "test_grpo_run.py", "test_kto_run.py",
-              "test_vs_hf.py", "test_comms_measured.py", "test_capabilities.py", "test_qlora.py", "test_durability.py",
-              "test_ddp.py",
-              "test_cli.py"]
 
 
 def pytest_report_header(config):
@@ -31,11 +25,15 @@ def pytest_report_header(config):
 
 def pytest_collection_modifyitems(config, items):
     """Under pytest-xdist (`make test` runs `-n 2 --dist loadfile --no-loadscope-reorder`: each worker runs whole
-    files, so a module's shared runs are made once) the long files are handed out first and the many short ones fill
-    in after them, so neither worker is left alone with a long file at the end. A plain run keeps pytest's order."""
+    files, so a module's shared runs are made once) the files marked `long(seconds)` (a module's pytestmark: its
+    main-tier tests' time on 2 cores, measured) are handed out first, longest first, and the many short ones fill in
+    after them, so neither worker is left alone with a long file at the end. A plain run keeps pytest's order."""
     if os.environ.get("PYTEST_XDIST_WORKER"):
-        rank = {name: i for i, name in enumerate(LONG_FILES)}
-        items.sort(key=lambda item: rank.get(item.path.name, len(LONG_FILES)))
+        def seconds(item) -> float:
+            marker = item.get_closest_marker("long")
+            return marker.args[0] if marker else 0.0
+
+        items.sort(key=lambda item: -seconds(item))  # stable: a file's tests stay together, in their order
 
 
 @pytest.fixture(scope="session")

@@ -51,6 +51,9 @@ ELSEWHERE = {("sft", "ddp"): "test_ddp.py", ("sft", "fsdp"): "test_fsdp.py", ("s
 CELLS = [(m, layout) for m in capabilities.MODES for layout in LAYOUTS]
 
 
+pytestmark = pytest.mark.long(110)  # tests/conftest.py
+
+
 @pytest.fixture(scope="module")
 def mode_recipes(tiny_assets, tmp_path_factory) -> dict[str, Path]:
     """Each mode's tiny recipe on the tiny model (its teacher too), 2 steps, no eval, nothing saved but final/."""

@@ -17,6 +17,9 @@ SCRIPT = Path(sys.executable).with_name("llmtrain")  # the console script instal
 TINY_RECIPE = str(REPO / "recipes" / "tiny.yaml")
 
 
+pytestmark = pytest.mark.long(70)  # tests/conftest.py
+
+
 def _script() -> list[str]:
     if SCRIPT.is_file():
         return [str(SCRIPT)]

@@ -22,7 +22,7 @@ import pytest
 
 from helpers import ENV, REPO, records, write_recipe
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.long(80)]
 
 CONFIGS = {"ddp": ("cpu_ddp.yaml", 2), "fsdp": ("cpu_fsdp.yaml", 2), "hsdp": ("cpu_hsdp.yaml", 4),
            "tp": ("cpu_tp.yaml", 4), "tp-ckpt": ("cpu_tp.yaml", 4)}

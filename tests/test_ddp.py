@@ -16,7 +16,7 @@ import pytest
 
 from helpers import ENV, REPO, load_weights, max_abs_diff, records, run_train, write_recipe
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.long(100)]
 
 CPU_DDP = REPO / "accelerate_configs" / "cpu_ddp.yaml"
 

@@ -31,6 +31,9 @@ ROWS = [  # prompts and completions of different lengths: TRL pads both, llmtrai
 ]
 
 
+pytestmark = pytest.mark.long(70)  # tests/conftest.py
+
+
 def write_jsonl(path: Path, rows: list[dict]) -> Path:
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
     return path
@@ -320,6 +323,7 @@ main()
 
 
 @pytest.mark.slow
+@pytest.mark.extended  # main tier: GRPO's kill -9 resume (the same sampler seeds); the coin: test_distill's unit tests
 def test_killed_mid_run_resumes_to_the_same_coins_samples_losses_and_weights(straight, tmp_path):
     """kill -9 in step 7; the resume from the step-4 checkpoint draws the same coins and samples the same
     completions (their lengths logged each step), and ends with the same losses and the same weights."""
@@ -344,6 +348,7 @@ def test_killed_mid_run_resumes_to_the_same_coins_samples_losses_and_weights(str
 
 
 @pytest.mark.slow
+@pytest.mark.extended  # main tier: two FSDP processes sample and train what one does
 def test_two_ddp_processes_sample_and_train_what_one_does(straight, tmp_path, free_port):
     """Each rank samples its own 4 prompts' completions from their rows' seeds: the same steps as one process with
     8 prompts, the same losses and eval, and the same weights."""

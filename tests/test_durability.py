@@ -23,6 +23,9 @@ from llmtrain.run.checkpoint import MANIFEST, checkpoint_problem, step_dirs, wri
 # --------------------------------------------------------------------------- the manifest, on plain files
 
 
+pytestmark = pytest.mark.long(130)  # tests/conftest.py
+
+
 def test_manifest_catches_truncated_changed_and_missing_files(tmp_path, monkeypatch):
     monkeypatch.setattr(checkpoint, "_BLOCK", 1000)  # several blocks per file
     (tmp_path / "shards").mkdir()
@@ -143,6 +146,7 @@ def test_damaged_checkpoint_is_refused_by_path_and_all_damaged_refuse_auto(strai
 
 
 @pytest.mark.slow
+@pytest.mark.extended  # main tier: a failed save is one clear error and leaves nothing partial; one rank's failed write
 def test_failed_write_stops_the_run_and_keeps_the_previous_checkpoint(straight, tmp_path):
     """A real failed write through the CLI: files are capped at 3 MB (ulimit -f), so the resumed run's step-8
     save writes model.safetensors (2 MB) and fails inside torch's writer on optimizer.bin (4 MB), which is

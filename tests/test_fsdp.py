@@ -31,7 +31,7 @@ from pathlib import Path
 import pytest
 from helpers import ENV, REPO, cli, load_weights, losses, max_abs_diff, open_port, records, run_train, write_recipe
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.long(300)]
 
 CPU_FSDP = REPO / "accelerate_configs" / "cpu_fsdp.yaml"
 LORA = {"r": 4, "alpha": 8, "dropout": 0.0, "target_modules": ["q_proj", "v_proj"]}
@@ -212,7 +212,8 @@ def test_lora_under_fsdp(tiny_assets, tmp_path, free_port):
 
 
 @pytest.mark.precision
-@pytest.mark.parametrize("kind", ["full", "lora"])
+# lora: extended (make test-portable runs it; main tier: full, and LoRA under FSDP)
+@pytest.mark.parametrize("kind", ["full", pytest.param("lora", marks=pytest.mark.extended)])
 def test_bf16_keeps_fp32_master_shards(tiny_assets, tmp_path, free_port, kind):
     """A bf16 model with train.mixed_precision=bf16: the trainable shards (what the optimizer updates, what
     checkpoints hold) are fp32 and compute is bf16 (FSDP's MixedPrecisionPolicy); LoRA's frozen base stays

@@ -33,6 +33,9 @@ CPU_FSDP = REPO / "accelerate_configs" / "cpu_fsdp.yaml"
 G = 4  # completions per prompt
 
 
+pytestmark = pytest.mark.long(190)  # tests/conftest.py
+
+
 def grpo_recipe(tiny: Path, tmp: Path, **sections) -> Path:
     rl = {"num_generations": G, "max_completion_tokens": 8, "temperature": 1.0,
           "rewards": [{"type": "format", "pattern": "[aeiou]"}, {"type": "answer_match", "column": "completion",

@@ -16,6 +16,9 @@ from llmtrain.parallel.launch import launch_settings, unhonoured
 SHIPPED = sorted((REPO / "accelerate_configs").glob("*.yaml"))
 
 
+pytestmark = pytest.mark.long(70)  # tests/conftest.py
+
+
 def config(tmp_path, name="launch.yaml", base="cpu_fsdp.yaml", **changes) -> tuple:
     launch = yaml.safe_load((REPO / "accelerate_configs" / base).read_text())
     for key, value in changes.items():

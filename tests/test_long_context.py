@@ -25,6 +25,9 @@ POSITIONS = torch.tensor([list(range(12)) + list(range(15)) + list(range(10)), l
 LORA = LoraConfig(r=4, alpha=8.0, dropout=0.0)
 
 
+pytestmark = pytest.mark.long(80)  # tests/conftest.py
+
+
 @pytest.fixture(scope="module")
 def four_layers(tiny_assets, tmp_path_factory):
     """The tiny Llama with 4 decoder layers (random weights), so that 'once per layer' means something."""

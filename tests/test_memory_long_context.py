@@ -161,7 +161,7 @@ def test_the_docs_model_command_gives_the_docs_table():
     table's Mistral-7B "+ both" row, 384,000 tokens; without --lora-dropout it is the schema's 0.05 (each attention
     adapter keeps its own dropped copy of its input), a shorter context (issue 53, item 5)."""
     doc = (Path(__file__).resolve().parents[1] / "docs" / "long-context.md").read_text()
-    command = next(block for block in doc.split("```") if "--model mistral-7b" in block and "--longest-context" in block)
+    command = next(b for b in doc.split("```") if "--model mistral-7b" in b and "--longest-context" in b)
     args = command[command.index("--model"):].replace("\\\n", " ").split()
     assert "--lora-dropout" in args
     table = next(line for line in doc.splitlines() if line.startswith("| + both |"))

@@ -35,6 +35,9 @@ CFG = dict(model_type="llama", hidden_size=256, intermediate_size=688, num_atten
 PAD = 5  # padded batches: the last example is this much shorter
 
 
+pytestmark = pytest.mark.long(160)  # tests/conftest.py
+
+
 class _NoHook:
     def remove(self) -> None:
         pass

@@ -45,6 +45,9 @@ PIPE = {"model": {"attn_implementation": "auto"},
 # --------------------------------------------------------------------------- in-process
 
 
+pytestmark = pytest.mark.long(410)  # tests/conftest.py
+
+
 @pytest.mark.parametrize("layers,stages", [(2, 2), (4, 2), (4, 4), (32, 2), (32, 4), (32, 8), (7, 3)])
 def test_the_split_keeps_every_layer_once_in_order_and_balances_with_embedding_and_head(layers, stages):
     runs = stage_layers(layers, stages)
@@ -189,7 +192,10 @@ def _same(run: Path, reference: Path, *, lora: bool, tol: float = 1e-6) -> None:
 # bf16 and QLoRA: equal to one process bit for bit (the norm is one process's, parallel/pipeline.clip_grad_norm_), under
 # every CPU kernel set (make test-portable); the bounds are fp32's
 @pytest.mark.parametrize("schedule,kind", [("1f1b", "full"), ("gpipe", "lora"), ("interleaved_1f1b", "full"),
-                                           pytest.param("1f1b", "qlora", marks=pytest.mark.precision),
+                                           # extended: make test-portable runs it; main tier: bf16's, and QLoRA's
+                                           # two processes (test_qlora.py)
+                                           pytest.param("1f1b", "qlora", marks=[pytest.mark.precision,
+                                                                                pytest.mark.extended]),
                                            pytest.param("1f1b", "bf16", marks=pytest.mark.precision)])
 @pytest.mark.slow
 def test_two_stages_train_what_one_process_trains(single, four_layers, tmp_path, free_port, schedule, kind):

@@ -28,6 +28,9 @@ CPU_DDP = REPO / "accelerate_configs" / "cpu_ddp.yaml"
 STEPS = 40
 
 
+pytestmark = pytest.mark.long(180)  # tests/conftest.py
+
+
 def _start(args: list[str]) -> subprocess.Popen:
     # A session of its own: the test signals the whole group, as SLURM and Kubernetes do.
     return subprocess.Popen(args, env=ENV, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,

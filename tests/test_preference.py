@@ -30,6 +30,9 @@ PAIRS = [
 ]
 
 
+pytestmark = pytest.mark.long(120)  # tests/conftest.py
+
+
 def write_jsonl(path, rows):
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
     return path
@@ -341,7 +344,9 @@ def test_held_out_reward_accuracy_rises_on_gsm8k_pairs(tiny_assets, tmp_path):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("launch, lora", [("cpu_ddp", False), ("cpu_fsdp", False),
+# cpu_ddp: extended (main tier: FSDP's and TP's, and DDP's own equality in test_ddp.py)
+@pytest.mark.parametrize("launch, lora", [pytest.param("cpu_ddp", False, marks=pytest.mark.extended),
+                                          ("cpu_fsdp", False),
                                           pytest.param("cpu_fsdp", True, marks=pytest.mark.extended),
                                           ("cpu_tp", False)])
 def test_two_processes_train_the_pairs_of_one(one_process, tmp_path, free_port, launch, lora):

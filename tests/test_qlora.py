@@ -24,6 +24,9 @@ QLORA = {"model": {"dtype": "bfloat16", "quantize": "nf4", "attn_implementation"
                    "seed": 3}}
 
 
+pytestmark = pytest.mark.long(120)  # tests/conftest.py
+
+
 @pytest.fixture
 def qlora_recipe(tiny_assets, tmp_path):
     return write_recipe(tiny_assets, tmp_path, **QLORA)
@@ -190,7 +193,9 @@ def one_process(tiny_assets, tmp_path_factory):
 
 @pytest.mark.slow
 @pytest.mark.precision
-@pytest.mark.parametrize("launch, share", [("cpu_ddp", "1.00"), ("cpu_fsdp", "0.50")])
+# cpu_ddp: extended (make test-portable runs it; main tier: FSDP's, whose shards hold half the base)
+@pytest.mark.parametrize("launch, share", [pytest.param("cpu_ddp", "1.00", marks=pytest.mark.extended),
+                                           ("cpu_fsdp", "0.50")])
 def test_two_processes_keep_the_base_4bit_and_train_as_one(qlora_recipe, one_process, tmp_path, free_port, launch,
                                                           share):
     """2 processes, DDP and FSDP2, train as 1 process with the same global batch, and the base stays 4-bit through

@@ -95,7 +95,11 @@ def test_loss_and_gradient_equal_trls_reward_trainer(tiny_assets, tiny_tok, tmp_
     (loss / counts.units).backward()  # the step's normalisation: the sum over the window's pairs
     assert loss.item() / len(PAIRS) == pytest.approx(theirs_loss.item(), rel=1e-6, abs=1e-6)
     worst = max((p.grad - theirs_grads[n]).abs().max().item() for n, p in ours_model.named_parameters())
-    assert worst < 1e-6, worst
+    # fp32 to 1e-6 of the gradients' scale (1 at least): center 0.5's gradients reach 6.2, where one fp32 ulp is 4.8e-7
+    # and TRL's padded sums and the packed ones differ by a few (measured 2.1e-6 under ATen's default kernels, 7.2e-7
+    # under AVX2; issue 59); the others' stay below 0.12, so 1e-6 absolute
+    scale = max(1.0, max(g.abs().max().item() for g in theirs_grads.values()))
+    assert worst < 1e-6 * scale, (worst, scale)
     assert theirs_loss.item() > 0.1 and max(g.abs().max().item() for g in theirs_grads.values()) > 1e-3
     metrics = objective.step_metrics(stats.tolist(), counts.units)
     logged = trainer._metrics["train"]

@@ -49,6 +49,9 @@ COMPLETIONS = [[40, 41, 2], [42, 2], [43, 44, 45, 46, 2], [47], [48, 49, 2], [50
 REWARDS = [1.0, 0.0, 0.5, 2.0, float("nan"), 1.0]  # a None (NaN): left out of its group's baseline, advantage 0
 
 
+pytestmark = pytest.mark.long(80)  # tests/conftest.py
+
+
 def trl_rloo(model, tiny_assets, tmp_path, **config):
     import datasets
     from transformers import AutoTokenizer
@@ -279,12 +282,14 @@ def test_lora_with_the_default_beta_subtracts_the_k1_kl_from_the_reward(tiny_ass
 
 
 @pytest.mark.slow
+@pytest.mark.extended  # main tier: GRPO's kill -9 resume (test_grpo_run.py): RLOO's rollout and seeds are GRPO's
 def test_killed_mid_run_resumes_to_the_same_completions_losses_and_weights(straight, tmp_path):
     recipe, full, _ = straight
     killed_and_resumed(recipe, full, tmp_path / "cut")
 
 
 @pytest.mark.slow
+@pytest.mark.extended  # main tier: RLOO's two FSDP processes and its normalised advantages over two processes
 def test_two_ddp_processes_sample_and_train_what_one_does(straight, tmp_path, free_port):
     """Each rank samples its own 2 prompts from their own seeds: one process's completions, advantages, losses and
     (within the reduction order's rounding) weights."""

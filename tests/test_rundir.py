@@ -20,6 +20,9 @@ from llmtrain.run.rundir import MARKER, prepare_output_dir
 CPU_DDP = REPO / "accelerate_configs" / "cpu_ddp.yaml"
 
 
+pytestmark = pytest.mark.long(70)  # tests/conftest.py
+
+
 class OneProcess:
     """What prepare_output_dir asks of the Accelerator, for one process."""
 

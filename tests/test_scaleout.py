@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.long(80)]
 
 
 def _recipe(tiny: Path, tmp: Path) -> Path:

@@ -43,6 +43,9 @@ PACKED = {"model": {"attn_implementation": "auto"},
                     "lr": 1e-3}}
 
 
+pytestmark = pytest.mark.long(100)  # tests/conftest.py
+
+
 def _row(lengths: list[int], trained_from: int = 2) -> tuple[dict, Counts]:
     """A collated packed row of documents of these lengths (tokens 10, 11, ...), each trained from its
     `trained_from`-th token on."""
@@ -142,7 +145,9 @@ LONG = ["model.quantize=nf4", "model.gradient_checkpointing=true", "model.activa
 @pytest.mark.slow
 # lora: in qlora-long
 @pytest.mark.parametrize("lora, switches", [(False, []), pytest.param(True, [], marks=pytest.mark.extended),
-                                             pytest.param(True, LONG, marks=pytest.mark.precision)],
+                                             # extended: make test-portable runs it; main tier: full
+                                             pytest.param(True, LONG, marks=[pytest.mark.precision,
+                                                                             pytest.mark.extended])],
                          ids=["full", "lora", "qlora-long"])
 def test_two_processes_of_one_sequence_train_what_one_process_trains(tiny_assets, tmp_path, free_port, lora,
                                                                       switches):
@@ -210,6 +215,7 @@ def test_kill_9_and_a_resume_equal_the_uninterrupted_run_to_the_bit(tiny_assets,
 
 
 @pytest.mark.slow
+@pytest.mark.extended  # main tier: two processes of one sequence (full), FSDP against one process (test_fsdp.py)
 def test_four_processes_sequence_2_by_fsdp_2_equal_one(tiny_assets, tmp_path, free_port):
     recipe = write_recipe(tiny_assets, tmp_path, **{**PACKED, "train": {**PACKED["train"], "max_steps": 2}})
     one, four = tmp_path / "one", tmp_path / "four"

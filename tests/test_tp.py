@@ -36,7 +36,7 @@ from helpers import (
     write_recipe,
 )
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.long(90)]
 
 CONFIGS = {8: REPO / "accelerate_configs" / "cpu_hsdp_tp.yaml", 4: REPO / "accelerate_configs" / "cpu_tp.yaml",
            2: REPO / "accelerate_configs" / "cpu_fsdp.yaml", 1: REPO / "accelerate_configs" / "cpu_fsdp.yaml"}

@@ -14,6 +14,9 @@ import torch
 from helpers import load_weights, losses, max_abs_diff, records, run_train, write_recipe
 
 
+pytestmark = pytest.mark.long(60)  # tests/conftest.py
+
+
 @pytest.fixture
 def recipe(tiny_assets, tmp_path):
     return write_recipe(tiny_assets, tmp_path)
@@ -53,8 +56,12 @@ def test_packing_gives_the_same_losses(recipe, tmp_path, attn):
     # Padding-free: the packed run processes exactly the real tokens the padded run's attention mask counts.
     assert [r["tokens"] for r in packed] == [r["tokens"] for r in padded]
     if attn == "eager":
+        # fp32, but not the same sums (padded rows against one packed row), and AdamW passes a near-zero gradient's
+        # round-off to a whole update (it divides by the gradient's own scale): the final weights' bound is in
+        # updates, not ulps. Measured 2.0e-5 under ATen's default kernels, under 1e-5 under AVX2 (issue 59); bound
+        # 5e-5, a hundredth of 5 steps x lr 1e-3
         assert max_abs_diff(load_weights(tmp_path / "padded" / "final"),
-                            load_weights(tmp_path / "packed" / "final")) < 1e-5
+                            load_weights(tmp_path / "packed" / "final")) < 5e-5
 
 
 def test_two_identical_runs_are_bit_identical(recipe, tmp_path):
