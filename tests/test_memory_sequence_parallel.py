@@ -54,10 +54,11 @@ def test_a_gpu_of_a_sequence_group_holds_the_estimate_at_t_over_n_tokens(quantiz
         if phase == "forward":  # the last layer's forward, with its all-to-alls
             assert parts == {**other, "temporaries": other["temporaries"] + a2a}
         elif phase == "backward_layers":  # the worst moment of some layer's backward, with its all-to-alls
-            assert parts["activations"] - other["activations"] == o_input
-            # the all-to-all buffers live in attention's part of the backward; where the worst moment is the
-            # post-attention norm's fp32 backward (after the MLP's, before attention's: LoRA on a bf16 base here),
-            # they add nothing
+            # o_proj's all-to-all input (QLoRA) is saved until attention's backward, the worst moment here once the
+            # norms are tiled with the MLP (its o_proj freed first: 0), and all moments before it (o_input)
+            assert parts["activations"] - other["activations"] in (0, o_input)
+            # the all-to-all buffers live in attention's part of the backward; where the worst moment is another
+            # (the MLP's, LoRA on a bf16 base here), they add nothing
             assert 0 <= sum(parts.values()) - sum(other.values()) <= a2a + o_input
         else:  # the loss's chunks, the embedding's backward, the optimizer step (weights, gradients, AdamW, buckets)
             assert parts == other, phase
@@ -144,7 +145,7 @@ def test_the_recipe_key_sets_it_and_the_data_ranks_are_the_gpus_over_n():
 def test_llama_3_1_8b_lora_and_qlora_on_8_x_80gb_train_1m_tokens_in_one_sequence(quantize):
     """recipes/llama3-8b-qlora-long.yaml (QLoRA, or LoRA on a bf16 base) with checkpointing, activation offload and the
     tiled MLP, DDP over 8 GPUs in one sequence group of 8: --longest-context reaches past 1,048,576 tokens, where
-    without sequence parallelism the same 8 GPUs stop near 512K (each trains its own sequence). At 1M each GPU holds
+    without sequence parallelism the same 8 GPUs stop near 630K (QLoRA) and 410K (LoRA): each trains its own sequence. At 1M each GPU holds
     131,072 tokens; its all-to-alls send about 226 GB a step (one micro-batch), half a second of NVLink beside minutes
     of compute (attention over 1M tokens)."""
     args = (str(LONG), f"model.quantize={quantize}", "train.grad_accum_steps=1", "--strategy", "ddp", "--num-gpus",
@@ -152,7 +153,7 @@ def test_llama_3_1_8b_lora_and_qlora_on_8_x_80gb_train_1m_tokens_in_one_sequence
     got = json.loads(estimate_memory(*args, "parallel.sequence_parallel=8", "--longest-context").stdout)
     assert got["longest_context_tokens"] >= MILLION and got["spec"]["sequence_parallel"] == 8
     alone = json.loads(estimate_memory(*args, "--longest-context").stdout)["longest_context_tokens"]
-    assert alone < MILLION // 2
+    assert alone < MILLION * 2 // 3
     at = json.loads(estimate_memory(*args, "parallel.sequence_parallel=8", f"train.micro_batch_tokens={MILLION}",
                                     f"data.max_seq_len={MILLION}").stdout)
     assert at["per_gpu_peak_bytes"] <= 0.9 * 80 * GIB and at["long_context"]["offload_host_bytes"] == 31 * GIB

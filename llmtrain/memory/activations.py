@@ -75,6 +75,13 @@ def norm_bytes(p: Pass, hidden: int, *, trainable: bool) -> int:
     return p.tokens * hidden * (FP32 + (p.resid if trainable else 0)) + p.tokens * FP32
 
 
+def layer_norm_bytes(p: Pass, hidden: int, *, trainable: bool) -> int:
+    """A decoder layer's RMSNorm (before attention, before the MLP): norm_bytes, or under model.tiled_mlp, tiled with
+    the MLP (model/tiled_mlp.TILED_NORMS), only its input (T x H, stream dtype): a shard's fp32 tensors exist in its
+    backward only (norm_backward_temp)."""
+    return p.tokens * hidden * p.resid if p.mlp_shard else norm_bytes(p, hidden, trainable=trainable)
+
+
 def kv_width(p: Pass, shape: ModelShape) -> int:
     """K/V heads as attention saves them: repeated to all heads by eager, by SDPA when a mask is passed
     (transformers only uses SDPA's enable_gqa without a mask), and by varlen on a torch without GQA. Under sequence
@@ -171,7 +178,7 @@ def _adapters(adapted: dict[str, tuple[int, int]], half: str) -> list[int]:
 def attn_half_bytes(p: Pass, shape: ModelShape, adapted: dict[str, tuple[int, int]], r: int) -> int:
     """Saved by the first half of a decoder layer: input norm, q/k/v inputs, attention, its adapters."""
     full, H = p.trainable_base, shape.hidden
-    total = norm_bytes(p, H, trainable=full) + attention_bytes(p, shape, o_trainable=full)
+    total = layer_norm_bytes(p, H, trainable=full) + attention_bytes(p, shape, o_trainable=full)
     if full:  # q, k and v read one input; o_proj reads the attention output (counted above)
         total += linear_input_bytes(p, H, 3)
     # o_proj's input: the kernel's output (saved by it), or under sequence parallelism its all-to-all back
@@ -182,11 +189,12 @@ def attn_half_bytes(p: Pass, shape: ModelShape, adapted: dict[str, tuple[int, in
 
 
 def mlp_half_bytes(p: Pass, shape: ModelShape, adapted: dict[str, tuple[int, int]], r: int) -> int:
-    """Saved by the second half: post-attention norm, gate/up inputs, the SwiGLU, its adapters. Tiled, the MLP
-    keeps only its input (T x H, stream dtype); a shard's tensors exist in its backward only (tiled_shard_bytes)."""
+    """Saved by the second half: post-attention norm, gate/up inputs, the SwiGLU, its adapters. Tiled, the norm and
+    the MLP keep only their inputs (T x H each, stream dtype); a shard's tensors exist in its backward only
+    (tiled_shard_bytes, norm_backward_temp)."""
     full, H = p.trainable_base, shape.hidden
     if p.mlp_shard:
-        return norm_bytes(p, H, trainable=full) + p.tokens * H * p.resid
+        return layer_norm_bytes(p, H, trainable=full) + p.tokens * H * p.resid
     return norm_bytes(p, H, trainable=full) + mlp_tensors_bytes(p, shape, adapted, r)
 
 
@@ -230,7 +238,7 @@ def frozen_input_discount(p: Pass, shape: ModelShape, adapted: dict[str, tuple[i
     gradient, so the input norm saves nothing and q/k/v adapters keep no dropout mask."""
     attn_in = [fan_in for name, (fan_in, _) in adapted.items() if name.endswith(("q_proj", "k_proj", "v_proj"))]
     masks = sum(p.tokens * fan_in * p.dropout_mask_bytes for fan_in in attn_in) if p.lora_dropout > 0 else 0
-    return norm_bytes(p, shape.hidden, trainable=False) + masks
+    return layer_norm_bytes(p, shape.hidden, trainable=False) + masks
 
 
 def checkpoint_bytes(p: Pass, shape: ModelShape) -> int:
@@ -315,7 +323,13 @@ def norm_backward_temp(p: Pass, hidden: int) -> int:
     the input's gradient through x * rsqrt (held until pow's joins it), mean's expanded gradient, and pow's x**1,
     2 * x and their product with it: five fp32 T x H. It runs after the MLP's backward, with the MLP's tensors
     freed and attention's still saved: under model.tiled_mlp, whose MLP backward holds one shard's tensors only,
-    the post-attention norm's backward is the layer's largest moment."""
+    the post-attention norm's backward was the layer's largest moment. Tiled with the MLP (layer_norm_bytes): the
+    input's gradient (T x H, stream dtype, filled shard by shard) beside one shard's recompute (its fp32 input and
+    rsqrt) and those five temporaries at a shard's tokens."""
+    if p.mlp_shard:
+        s = mlp_pass(p)
+        return p.tokens * hidden * p.resid + norm_bytes(s, hidden, trainable=p.trainable_base) + \
+            5 * s.tokens * hidden * FP32
     return 5 * p.tokens * hidden * FP32
 
 

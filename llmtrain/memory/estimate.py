@@ -134,6 +134,8 @@ def estimate(shape: ModelShape, spec: TrainSpec) -> Estimate:
     saved = [act.layer_bytes(p, shape, adapted[i], spec.lora_r) for i in range(L)]
     if not embed_trains:  # the first layer's input needs no gradient
         saved[0] -= act.frozen_input_discount(p, shape, adapted[0])
+    if ckpt and p.mlp_shard:  # the tiled input norm keeps the layer's input: the checkpoint's own tensor, once
+        saved = [s - (act.checkpoint_bytes(p, shape) if (i or embed_trains) else 0) for i, s in enumerate(saved)]
     kept = [act.checkpoint_bytes(p, shape)] * L if ckpt else saved  # what each layer keeps after forward
     # model.activation_offload: the checkpointed inputs go to host memory as the forward moves on, all but the last
     # layer's; one is in flight at a time (copied out in forward; in backward the next one is fetched while a layer
@@ -273,7 +275,7 @@ def _backward_layers(p, shape: ModelShape, spec: TrainSpec, st, plan, base: dict
                 + act.tiled_shard_bytes(p, shape, a, spec.lora_r)),
             # the post-attention norm's backward: the MLP's gradients made, its input freed, the norm's fp32 input
             dict(gradients=max(g_acc, above + st.grads_layer[k] * _share(shape, plan, k, "mlp.")),
-                 activations=below + half_attn + act.norm_bytes(p, shape.hidden, trainable=False),
+                 activations=below + half_attn + act.layer_norm_bytes(p, shape.hidden, trainable=False),
                  temporaries=resid_grad + act.norm_backward_temp(p, shape.hidden)),
             dict(gradients=max(g_acc, above + st.grads_layer[k]), activations=below + half_attn,
                  temporaries=resid_grad + act.attn_backward_temp(p, shape, a) + temps[1]),

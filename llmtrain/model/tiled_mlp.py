@@ -1,5 +1,5 @@
 """model.tiled_mlp: each decoder layer's MLP run over shards of the tokens, as ALST's TiledMLP and unsloth_zoo's
-tiled_mlp.
+tiled_mlp, and its two RMSNorms the same way (their fp32 tensors are the next largest: TILED_NORMS).
 
 A SwiGLU MLP keeps gate, up, silu(gate) and their product for its backward, four (tokens x intermediate) tensors:
 3.5 times the layer's hidden width each on a 7B, more than the rest of the layer. Tiled, the forward runs the MLP
@@ -94,9 +94,18 @@ def tiled_forward(run, module: torch.nn.Module, shard: int, x: torch.Tensor) -> 
     return out.view(*x.shape[:-1], out.shape[-1])
 
 
+# The decoder layer's token-wise norms, tiled with the MLP: an RMSNorm computes in fp32 (transformers' LlamaRMSNorm and
+# its copies), so its backward holds five fp32 (tokens x hidden) temporaries and its forward keeps an fp32 copy of its
+# input: 100 KB a token at a hidden size of 4,096, the largest moment of a layer once its MLP is tiled (docs/
+# long-context.md). Tiled, each keeps only its input, and a shard's fp32 tensors exist in its backward only.
+TILED_NORMS = ("input_layernorm", "post_attention_layernorm")
+
+
 def tile_mlps(model, setting: bool | int) -> int:
-    """Give every decoder layer's `mlp` the tiled forward (before LoRA: peft then replaces the projections inside
-    it, which the tiled forward calls). Returns the shard size."""
+    """Give every decoder layer's `mlp`, and its norms before attention and before the MLP (TILED_NORMS, where the
+    layer has them), the tiled forward (before LoRA: peft then replaces the projections inside the MLP, which the
+    tiled forward calls). Each norm and the MLP are tiled on their own, so a layer that orders them otherwise
+    (Gemma's norm of the attention output before the residual add) runs as it did. Returns the shard size."""
     from llmtrain.config import tiled_mlp_shard
     from llmtrain.model.loss import causal_lm
 
@@ -104,5 +113,7 @@ def tile_mlps(model, setting: bool | int) -> int:
     shard = tiled_mlp_shard(setting, lm.config.hidden_size)
     for layer in lm.model.layers:
         # The module's forward as it is now (liger's, where liger patched it), called shard by shard.
-        layer.mlp.forward = functools.partial(tiled_forward, layer.mlp.forward, layer.mlp, shard)
+        for module in [getattr(layer, name, None) for name in TILED_NORMS] + [layer.mlp]:
+            if module is not None:
+                module.forward = functools.partial(tiled_forward, module.forward, module, shard)
     return shard
