@@ -301,7 +301,10 @@ def test_two_ddp_processes_sample_and_train_what_one_does(straight, tmp_path, fr
         (r["step"], r["row"], r["completion_ids"], r["reward"]) for r in theirs]
     assert [r["advantage"] for r in ours] == pytest.approx([r["advantage"] for r in theirs], abs=1e-6)
     assert losses(two) == pytest.approx(losses(one), abs=1e-6)
-    assert max_abs_diff(load_weights(two / "final"), load_weights(one / "final")) < 1e-5
+    # AdamW moves an element whose gradient is round-off in both runs by up to about lr a step: the final weights'
+    # bound is in updates (lr 5e-2, 3 steps), not ulps. Measured 1.03e-5 on torch 2.11 (the GPU machine's; the same
+    # before this file's refactors), under 1e-5 on 2.13; bound 3e-5, a five-thousandth of the run's total lr
+    assert max_abs_diff(load_weights(two / "final"), load_weights(one / "final")) < 3e-5
 
 
 @pytest.mark.slow

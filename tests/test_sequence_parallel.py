@@ -159,7 +159,8 @@ def test_two_processes_of_one_sequence_train_what_one_process_trains(tiny_assets
     out = _launch(CPU_DDP, 2, free_port, recipe, f"output_dir={two}", *overrides)
     assert "each sequence split over 2 processes" in out and "1 data-parallel ranks (2 processes" in out
     if switches:
-        assert "QLoRA" in out and "layer inputs offloaded" in out and "MLP tiled in shards of 8" in out
+        # on a CPU the offload saves nothing, and the line says so (loop/phases.memory_line)
+        assert "QLoRA" in out and "model.activation_offload" in out and "MLP tiled in shards of 8" in out
     _assert_equal(two, one)
     # the eval runs on the slices too, its per-example sums summed over the group
     evals, reference = records(two, "eval"), records(one, "eval")
