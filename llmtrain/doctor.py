@@ -241,7 +241,7 @@ def check_shared_fs(recipe: Recipe, launch: dict) -> list[Check]:
              "(not checked from here).")]
 
 
-def cpu_has_avx2() -> str | None:
+def cpu_vector_isa() -> str | None:
     """'avx512' or 'avx2' where this x86 processor has them, else None (torch.cpu asks cpuinfo, whatever kernel set
     ATEN_CPU_CAPABILITY chose)."""
     import torch
@@ -273,11 +273,11 @@ def check_quantize(recipe: Recipe) -> list[Check]:
     else:
         # the processor's own instructions, not the kernel set ATen picked (ATEN_CPU_CAPABILITY may lower that one,
         # as `make test-portable` does; bitsandbytes' 4-bit layers still run)
-        avx2 = cpu_has_avx2()
-        if not avx2:
+        isa = cpu_vector_isa()
+        if isa is None:
             return [(name, "fail", "no CUDA GPU and this CPU has no AVX2: bitsandbytes cannot run its 4-bit layers "
                      "here. Run on a GPU, or set model.quantize=null.")]
-        where = f"CPU ({'AVX-512' if avx2 == 'avx512' else 'AVX2'})"
+        where = f"CPU ({'AVX-512' if isa == 'avx512' else 'AVX2'})"
     return [(name, "pass", f"bitsandbytes {bitsandbytes.__version__} on {where}: {recipe.model.quantize}, double "
              f"quantisation, stored as {recipe.model.dtype}")]
 

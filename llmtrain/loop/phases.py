@@ -293,10 +293,12 @@ def build_model(recipe: Recipe, accelerator, *, total_steps: int, say, pad: int 
         + memory_line(recipe.model, model.config, accelerator.device.type)
         + ("; train.deterministic: strict deterministic kernels (flash attention's deterministic backward, "
            "cuBLAS workspace " + os.environ.get("CUBLAS_WORKSPACE_CONFIG", "?") + ")" if tc.deterministic else ""))
-    # the whole model's names, before a pipeline's process drops the stages it does not hold: what a checkpoint's
-    # stage files must hold between them
-    whole = (frozenset(n for n, _ in model.named_parameters()),
-             frozenset(n for n, p in model.named_parameters() if p.requires_grad) if recipe.lora else None)
+    whole = None
+    if recipe.parallel.pipeline_parallel > 1:
+        # the whole model's names, before this process drops the stages it does not hold: what a checkpoint's stage
+        # files must hold between them
+        whole = (frozenset(n for n, _ in model.named_parameters()),
+                 frozenset(n for n, p in model.named_parameters() if p.requires_grad) if recipe.lora else None)
     laid = parallelize(model, recipe, accelerator, pad_id=pad, say=say,
                        make_optimizer=partial(build_optimizer, lr=tc.lr, weight_decay=tc.weight_decay,
                                               betas=tc.betas, eps=tc.eps, fused=use_fused_adamw(accelerator)))
@@ -309,7 +311,7 @@ def build_model(recipe: Recipe, accelerator, *, total_steps: int, say, pad: int 
     if trainable_names:
         lora_only_hooks(accelerator, set(trainable_names))
     model_keys = frozenset(unwrapped.state_dict())
-    if stages is not None:
+    if whole is not None:
         model_keys, trainable_names = whole
     return Trainable(model=model, optimizer=optimizer, scheduler=scheduler, unwrapped=unwrapped,
                      trainable_names=trainable_names, model_keys=model_keys,

@@ -63,8 +63,8 @@ def token_losses(logps: torch.Tensor, advantages: torch.Tensor, *, old_logps: to
     """Per completion token: (loss, k3 KL to the reference or None, clipped: whether the ratio was clipped where it
     mattered). `advantages` are per token (each completion's, repeated over its tokens). old_logps None: the
     policy that sampled is this one (one update a generation round), so the ratio is exp(logps - logps.detach())."""
-    loss, ratio, clipped = clipped_surrogate(logps, logps.detach() if old_logps is None else old_logps, advantages,
-                                             epsilon=epsilon, epsilon_high=epsilon_high)
+    loss, ratio, clipped = clipped_surrogate(logps, advantages, old_logps=old_logps, epsilon=epsilon,
+                                             epsilon_high=epsilon_high)
     kl = None
     if beta != 0.0:
         delta = ref_logps - logps

@@ -56,8 +56,8 @@ def sequence_losses(logps: torch.Tensor, advantages: torch.Tensor, *, old_logps:
                     epsilon: float, epsilon_high: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Per completion: (loss, clipped: whether the ratio was clipped where it mattered), from its summed
     log-probability `logps`. old_logps None: the policy that sampled is this one (the ratio is 1 in value)."""
-    loss, _, clipped = clipped_surrogate(logps, logps.detach() if old_logps is None else old_logps, advantages,
-                                         epsilon=epsilon, epsilon_high=epsilon_high)
+    loss, _, clipped = clipped_surrogate(logps, advantages, old_logps=old_logps, epsilon=epsilon,
+                                         epsilon_high=epsilon_high)
     return loss, clipped
 
 

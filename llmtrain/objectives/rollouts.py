@@ -47,14 +47,15 @@ def completion_rows(prompts: list[list[int]], completions: list[list[int]]) -> l
     return [{"input_ids": p + c, "labels": [IGNORE] * len(p) + c} for p, c in zip(prompts, completions)]
 
 
-def clipped_surrogate(logps: torch.Tensor, old_logps: torch.Tensor, advantages: torch.Tensor, *, epsilon: float,
-                      epsilon_high: float | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def clipped_surrogate(logps: torch.Tensor, advantages: torch.Tensor, *, old_logps: torch.Tensor | None,
+                      epsilon: float, epsilon_high: float | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """PPO's clipped objective as a loss: (-min(ratio A, clip(ratio, 1 - epsilon, 1 + epsilon_high) A), the ratio
     exp(logps - old_logps), and whether the clip mattered: the ratio below the range with A < 0 or above it with
     A > 0). Per token (GRPO: each completion's advantage repeated over its tokens) or per sequence (RLOO: summed
-    log-probabilities); epsilon_high None: epsilon."""
+    log-probabilities); epsilon_high None: epsilon. old_logps None: the policy that sampled is this one (one update a
+    generation round), so the ratio is exp(logps - logps.detach()): 1 in value, carrying the gradient."""
     low, high = 1 - epsilon, 1 + (epsilon if epsilon_high is None else epsilon_high)
-    ratio = torch.exp(logps - old_logps)
+    ratio = torch.exp(logps - (logps.detach() if old_logps is None else old_logps))
     loss = -torch.min(ratio * advantages, torch.clamp(ratio, low, high) * advantages)
     clipped = ((ratio < low) & (advantages < 0)) | ((ratio > high) & (advantages > 0))
     return loss, ratio, clipped
