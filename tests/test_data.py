@@ -288,7 +288,7 @@ def test_padded_batch_masks_padding_and_shifts_the_same_way():
     assert batch["input_ids"].tolist() == [[1, 5, 6], [1, 7, 0]]
     assert batch["attention_mask"].tolist() == [[1, 1, 1], [1, 1, 0]]
     assert batch["targets"].tolist() == [[5, 6, IGNORE], [7, IGNORE, IGNORE]]
-    for packing in (False, True):  # an idle rank's empty micro-batch: one row, nothing trained
+    for packing in (False, True):  # a pipeline's filler (no examples): one row, nothing trained
         idle = collate([], pad_id=3, packing=packing)
         assert idle["input_ids"].tolist() == [[3]] and idle["targets"].tolist() == [[IGNORE]]
 

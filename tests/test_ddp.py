@@ -72,8 +72,8 @@ def test_two_processes_match_one(tiny_assets, tmp_path, free_port):
 
 
 def test_uneven_tail_and_epoch_boundary(tiny_assets, tmp_path, free_port):
-    """21 examples, global micro-batch 4: each epoch ends with one example, so rank 1 idles on an empty
-    micro-batch (no trained token, and no token counted) while rank 0 trains; two epochs cross the
+    """21 examples, global micro-batch 4: each epoch ends with one example, so rank 1 runs a stand-in
+    with weight 0 (nothing trained, no token counted) while rank 0 trains; two epochs cross the
     boundary. Still equal."""
     lines = (tiny_assets / "data" / "train.jsonl").read_text().splitlines()
     small = tmp_path / "train21.jsonl"
@@ -110,4 +110,6 @@ def test_token_budgets_and_varlen_match_one_process(tiny_assets, tmp_path, free_
     shutil.copytree(ddp / "checkpoints" / "step_000002", resumed / "checkpoints" / "step_000002")
     run_train(recipe, f"output_dir={resumed}", "train.grad_accum_steps=4", resume="auto")
     assert [r["loss"] for r in records(resumed)] == pytest.approx([r["loss"] for r in records(single)][2:], abs=1e-5)
-    assert max_abs_diff(load_weights(resumed / "final"), load_weights(single / "final")) < 1e-5
+    # fp32 sums in another order, passed through AdamW (lr 3e-3, 6 steps): measured 1.02e-5 with 2 OpenMP threads in
+    # the test's process, below 1e-5 with 1 (make test); the bound is a hundredth of one update
+    assert max_abs_diff(load_weights(resumed / "final"), load_weights(single / "final")) < 3e-5

@@ -389,7 +389,7 @@ def test_two_fsdp_processes_gather_the_layers_to_sample_and_train_what_one_does(
 
 @pytest.mark.slow
 def test_an_idle_fsdp_rank_still_runs_the_sharded_teachers_forward(tiny_assets, teacher, tmp_path, free_port):
-    """9 eval rows on 2 processes of 4: one rank's last eval micro-batch is an idle placeholder, whose forward
+    """9 eval rows on 2 processes of 4: one rank's last eval micro-batch is an idle stand-in (weight 0), whose forward
     still gathers the teacher's shards with the other rank's (else both wait for ever): the eval of one process."""
     recipe = distill_recipe(tiny_assets, tmp_path, teacher, train={"max_steps": 2, "eval_every_steps": 2},
                             data={"eval_max_examples": 9})

@@ -75,7 +75,7 @@ def test_fsdp_matches_one_process(tiny_assets, tmp_path, free_port):
     the loss normalised over all ranks' trained tokens, so losses, eval and final weights agree to round-off.
 
     21 examples with a global micro-batch of 4 and accumulation 2: each epoch's last window has a
-    micro-batch where rank 1 has no example and runs its placeholder row (under FSDP every rank must
+    micro-batch where rank 1 has no example and runs a stand-in with weight 0 (under FSDP every rank must
     run every forward: the all-gathers are collectives), and two epochs cross the epoch boundary."""
     lines = (tiny_assets / "data" / "train.jsonl").read_text().splitlines()
     small = tmp_path / "train21.jsonl"

@@ -303,8 +303,8 @@ def test_log_metric_is_averaged_over_both_processes(tiny_assets, tmp_path, free_
 @pytest.mark.slow
 def test_two_fsdp_processes_with_a_token_budget_pass_alike_and_train_what_one_does(straight, tmp_path, free_port):
     """rl.micro_batch_tokens=48 under FSDP (which gathers and reduce-scatters in every pass): a rank whose
-    completions fit fewer passes adds placeholders, so both run as many (here 4 against 5 to 7 at 3 of the 4
-    steps, measured); the run is still the one-process, unbudgeted one."""
+    completions fit fewer passes runs its last again with weight 0, so both run as many (here 4 against 5 to 7 at 3
+    of the 4 steps, measured); the run is still the one-process, unbudgeted one."""
     recipe, one, _ = straight
     fsdp = tmp_path / "fsdp"
     launch_finetune(CPU_FSDP, 2, free_port, recipe, f"output_dir={fsdp}", "train.micro_batch_size=2",
@@ -316,11 +316,11 @@ def test_two_fsdp_processes_with_a_token_budget_pass_alike_and_train_what_one_do
 
 
 @pytest.mark.slow
-def test_a_kl_anchor_under_fsdp_with_placeholders_trains_what_one_process_does(tiny_assets, tmp_path, free_port):
+def test_a_kl_anchor_under_fsdp_with_weight_0_passes_trains_what_one_process_does(tiny_assets, tmp_path, free_port):
     """LoRA with rl.beta > 0 under FSDP and a token budget: a working pass runs the reference's no-grad forward (the
-    adapter off) before the policy's, and a rank's placeholder pass must run both too, since each forward gathers
-    every layer from every rank (without it: gloo's "Received data size doesn't match expected size", a hang on
-    NCCL). The run is still the one-process, unbudgeted one."""
+    adapter off) before the policy's, and a rank's weight-0 pass must run both too, since each forward gathers
+    every layer from every rank (the normal path does; without it: gloo's "Received data size doesn't match expected
+    size", a hang on NCCL). The run is still the one-process, unbudgeted one."""
     recipe = grpo_recipe(tiny_assets, tmp_path, lora={"r": 4, "alpha": 8, "dropout": 0.0}, rl={"beta": 0.1},
                          train={"max_steps": 3, "lr": 5e-2, "eval_every_steps": None})
     one, fsdp = tmp_path / "one", tmp_path / "fsdp"
@@ -334,11 +334,12 @@ def test_a_kl_anchor_under_fsdp_with_placeholders_trains_what_one_process_does(t
     assert records(one)[-1]["kl"] > 1e-6  # the anchor is live: the adapter moved
 
 
-def test_a_rank_with_fewer_passes_adds_placeholders_that_train_nothing(monkeypatch):
-    """Under a token budget the ranks' pass counts can differ; FSDP needs them equal, so the rank with fewer adds
-    one-token passes with no trained token and no statistics."""
+def test_a_rank_with_fewer_passes_runs_its_last_again_with_weight_0(monkeypatch):
+    """Under a token budget the ranks' pass counts can differ; FSDP needs them equal, so the rank with fewer runs its
+    last pass again through the normal path with weight 0 (the loop multiplies its loss and statistics by it), and
+    the window's counts stay its real passes'."""
     from llmtrain.config import RLConfig
-    from llmtrain.data.batching import Counts, Window
+    from llmtrain.data.batching import Counts, Window, batch_weight
     from llmtrain.objectives.grpo import GRPO
 
     rl = RLConfig(rewards=[{"type": "format", "pattern": "x"}], micro_batch_tokens=64)
@@ -346,12 +347,13 @@ def test_a_rank_with_fewer_passes_adds_placeholders_that_train_nothing(monkeypat
                 model=torch.nn.Linear(2, 2), columns=["input_ids", "row", "prompt"], stop_ids=[], world=2,
                 gather=lambda mine: mine + [mine[0] + 2])  # the other rank: 2 passes more
     real = {"input_ids": torch.ones(1, 5, dtype=torch.long)}
-    monkeypatch.setattr(grpo, "_rollout_batch", lambda examples, step: ([real], Counts(3.0, 3.0, 5.0, 25.0), []))
+    monkeypatch.setattr(grpo, "_rollout_batch",
+                        lambda examples, step, stand_in: ([real], Counts(3.0, 3.0, 5.0, 25.0), []))
     window = Window(epoch=0, end=1, epoch_done=False, batches=[{"examples": [{}]}], counts=Counts(0, 0, 0, 0))
     out = grpo.rollout(window, step=0)
     assert out.batches[0] is real and len(out.batches) == 3 and out.counts == Counts(3.0, 3.0, 5.0, 25.0)
-    for idle in out.batches[1:]:
-        assert idle["loss_index"].numel() == 0 and not idle["rollout_stats"].any()
+    assert [batch_weight(b) for b in out.batches] == [1.0, 0.0, 0.0]
+    assert all(b["input_ids"] is real["input_ids"] for b in out.batches[1:])
 
 
 # --------------------------------------------------------------------------- refused before anything is written

@@ -9,7 +9,7 @@ import itertools
 import pytest
 import torch
 
-from llmtrain.data.batching import Counts, DataPlan, Window
+from llmtrain.data.batching import Counts, DataPlan, StandIn, Window
 from llmtrain.loop.cadence import Cadence
 from llmtrain.loop.meter import Meter
 from llmtrain.loop.step import StepResult
@@ -127,11 +127,38 @@ def test_data_plan_is_built_once_per_epoch_for_every_view(monkeypatch):
     ranks = [plan.for_rank(r) for r in range(2)]
     assert plan.steps_per_epoch(0, 2) == -(-len(plan.epoch(0)) // 2)
     interleaved = [b for pair in zip(ranks[0](0), ranks[1](0)) for b in pair]
-    assert [g[r] for g in plan.epoch(0) for r in range(2)] == interleaved
-    assert sorted(i for r in ranks for b in r(0) for i in b) == list(range(10))
+    assert [g[r] or g[0] for g in plan.epoch(0) for r in range(2)] == interleaved  # an empty place: rank 0's
+    assert sorted(i for r in ranks for b in r(0) if not isinstance(b, StandIn) for i in b) == list(range(10))
     assert 0 < plan.packing_efficiency() <= 1 and plan.packing_efficiency() == sum(lengths) / (plan.bins() * 12)
     ranks[1](1)
     assert calls == [0, 1]  # the global plan and both ranks' views: one build per epoch
+
+
+def test_an_idle_ranks_stand_in_is_the_first_ranks_examples_with_weight_0_and_no_counts():
+    """21 examples, global micro-batch 4 on 2 ranks: the epoch's last global micro-batch has one example, rank 1's
+    place is empty. Rank 1 runs rank 0's example as a stand-in: the same tensors, batch_weight 0, Counts none; rank 0
+    counts it. The loop (train_step) multiplies a stand-in's loss and statistics by its weight."""
+    from llmtrain.data.batching import batch_weight, global_micro_batches, rank_view, windows
+
+    rows = [{"input_ids": [1, 2, 3 + i % 5], "labels": [-100, 2, 3 + i % 5]} for i in range(21)]
+    dataset = {"input_ids": [r["input_ids"] for r in rows], "labels": [r["labels"] for r in rows]}
+
+    class Rows:  # dataset[indices] as a datasets.Dataset answers it: columns of the selected rows
+        def __getitem__(self, idx):
+            return {c: [dataset[c][i] for i in idx] for c in dataset}
+
+    plan = global_micro_batches(21, seed=0, epoch=0, world_size=2, micro_batch_size=2)
+    assert plan[-1][1] == [] and len(plan[-1][0]) == 1
+    objective = CausalLM(pad_id=0, packing=False)
+    last = []
+    for rank in range(2):
+        *_, window = windows(Rows(), lambda epoch, r=rank: rank_view(plan, r), epoch=0, micro=0, steps=len(plan),
+                             accum=1, collate=objective.collate, pin=False)
+        last.append(window)
+    (mine, counted), (stand_in, none) = [(w.batches[0], w.counts) for w in last]
+    assert isinstance(rank_view(plan, 1)[-1], StandIn) and rank_view(plan, 1)[-1] == plan[-1][0]
+    assert torch.equal(stand_in["input_ids"], mine["input_ids"]) and counted.units == 2
+    assert (batch_weight(mine), batch_weight(stand_in)) == (1.0, 0.0) and none == Counts.none()
 
 
 def test_causal_lm_counts_trained_and_real_tokens_and_nothing_for_an_idle_rank():

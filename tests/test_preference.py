@@ -411,7 +411,7 @@ def test_token_budgets_bin_whole_pairs_and_samples_show_the_chosen_answer(pref_r
 def test_an_idle_rank_under_fsdp_runs_the_reference_forward_too(tiny_assets, tmp_path, free_port):
     """LoRA DPO under FSDP2 on 9 pairs, 2 processes x 4: step 2 has one pair, so process 1 idles. A working rank runs
     two forwards (the reference's, adapter off, then the policy's), each gathering every layer from every rank, so the
-    idle rank's placeholder must run both (without it: gloo's "Received data size doesn't match expected size" at
+    idle rank's stand-in (weight 0, the normal path) must run both (without it: gloo's "Received data size doesn't match expected size" at
     step 2, a hang on NCCL). Both steps equal one process's with micro-batches of 8."""
     from helpers import REPO, launch_finetune, write_recipe
 

@@ -128,19 +128,24 @@ def test_the_score_is_the_last_non_pad_tokens_packed_or_padded(tiny_assets, tiny
     assert scored_position([1, 5, 6], None) == 2
 
 
-def test_an_idle_ranks_placeholder_counts_nothing_yet_reaches_every_parameter(tiny_assets, tiny_tok):
-    """The last global micro-batch may leave a process no pair: its placeholder row scores nothing, counts nothing,
-    and its zero loss still gives every parameter a (zero) gradient, as DDP and FSDP need on every rank."""
+def test_an_idle_ranks_stand_in_scores_real_pairs_yet_trains_and_counts_nothing(tiny_assets, tiny_tok):
+    """The last global micro-batch may leave a process no pair: it runs the first rank's pairs as a stand-in
+    (batching.StandIn) through the normal loss, and the loop's weight 0 leaves every parameter a zero gradient (DDP
+    and FSDP reduce all of them on every rank) and the statistics zero."""
+    from llmtrain.data.batching import Counts, batch_weight
+
     model = seq_cls(tiny_assets)
     attach_score(model)
     objective = RewardModel(RewardModelConfig(), pad_id=tiny_tok.pad_token_id, score_pad_id=tiny_tok.pad_token_id,
                             packing=True, margin=True)
-    batch, counts = objective.collate([])
-    assert counts.units == counts.trained == 0 and batch["score_index"].numel() == 0
-    loss, stats = objective.loss(model, batch)
-    loss.backward()
-    assert loss.item() == 0 and not stats.any()
+    batch, counts = objective.collate(encoded(tiny_tok)[:1])
+    assert counts.units == 1 and batch["score_index"].numel() == 2
+    stand_in = {**batch, "batch_weight": 0.0}
+    loss, stats = objective.loss(model, stand_in)
+    assert loss.item() != 0 and stats.abs().sum() > 0  # real pairs, scored as a working rank scores them
+    (loss * batch_weight(stand_in)).backward()  # what train_step backpropagates
     assert all(p.grad is not None and not p.grad.any() for p in model.parameters())
+    assert not (stats * batch_weight(stand_in)).any() and Counts.none().units == 0
 
 
 # --------------------------------------------------------------------------- training runs

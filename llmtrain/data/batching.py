@@ -50,7 +50,7 @@ class Counts(NamedTuple):
 
     @classmethod
     def none(cls) -> Counts:
-        """Nothing: an idle rank's micro-batch, or the start of a sum."""
+        """Nothing: an idle rank's stand-in, or the start of a sum."""
         return cls(0.0, 0.0, 0.0, 0.0)
 
 
@@ -95,7 +95,7 @@ def global_micro_batches(num_examples: int, *, seed: int, epoch: int, world_size
 
     Every example appears exactly once. Every rank gets the same number of micro-batches (collectives
     would hang otherwise); a rank whose share of the last global micro-batch is empty gets an empty list,
-    which the collator turns into a row with no trained token.
+    which it runs as a stand-in (`rank_view`).
     """
     if micro_batch_tokens is not None:
         bins = token_bins(lengths, micro_batch_tokens, seed=seed, epoch=epoch)
@@ -110,6 +110,23 @@ def global_micro_batches(num_examples: int, *, seed: int, epoch: int, world_size
         per_rank = -(-len(chunk) // world_size)
         out.append([chunk[r * per_rank : (r + 1) * per_rank] for r in range(world_size)])
     return out
+
+
+class StandIn(list):
+    """An idle rank's place in a global micro-batch: the first rank's examples, run with weight 0. The rank runs
+    them through the objective's normal path (every forward a working rank runs: reference, KL, teacher, sampling),
+    so FSDP's per-forward collectives line up without any objective counting its passes; the loop multiplies the
+    loss and statistics by 0 (`batch_weight`) and the counts are none, so nothing is trained or reported."""
+
+
+def rank_view(global_batches: list[list[list[int]]], rank: int) -> list[list[int]]:
+    """This rank's micro-batches of `global_batches`: its own example indices, a StandIn where it has none."""
+    return [g[rank] or StandIn(g[0]) for g in global_batches]
+
+
+def batch_weight(batch: dict) -> float:
+    """A micro-batch's weight in its step: 0 for an idle rank's stand-in, else 1."""
+    return batch.get("batch_weight", 1.0)
 
 
 def rank_micro_batches(num_examples: int, *, seed: int, epoch: int, micro_batch_size: int, rank: int,
@@ -133,7 +150,7 @@ def collate(examples: list[dict], *, pad_id: int, packing: bool) -> dict[str, to
       eager, transformers turns the restarts into a block-diagonal causal mask instead.
     Everything is computed here, on the CPU, so the training step never asks the GPU for a count.
     """
-    if not examples:  # an idle rank at the end of an epoch: one token, nothing trained
+    if not examples:  # a pipeline's filler for a short last window: one token, nothing trained
         examples = [{"input_ids": [pad_id], "labels": [IGNORE]}]
     ids = [list(e["input_ids"]) for e in examples]
     targets = [list(e["labels"][1:]) + [IGNORE] for e in examples]
@@ -229,7 +246,7 @@ class DataPlan:
 
     def for_rank(self, rank: int):
         """plan(epoch) -> this rank's micro-batches of that epoch, read from the global plan."""
-        return lambda epoch: [g[rank] for g in self.epoch(epoch)]
+        return lambda epoch: rank_view(self.epoch(epoch), rank)
 
     def steps_per_epoch(self, epoch: int, accum: int) -> int:
         return math.ceil(len(self.epoch(epoch)) / accum)
@@ -264,9 +281,9 @@ def _plan_epoch(lengths, epoch: int, *, seed, world, micro_batch_size, micro_bat
 def windows(dataset, plan, *, epoch: int, micro: int, steps: int, accum: int, collate, pin: bool,
             columns: tuple[str, ...] = ("input_ids", "labels")) -> Iterator[Window]:
     """The next `steps` windows from (epoch, micro), crossing epochs; `plan(epoch)` is this rank's
-    micro-batches of that epoch, `collate(examples) -> (batch, Counts)` the objective's (objective.py), fed
-    the dataset's `columns`. Pure and deterministic: run ahead in a thread (prefetch) without changing
-    anything."""
+    micro-batches of that epoch (rank_view: a StandIn is collated as it is, with weight 0 and no counts),
+    `collate(examples) -> (batch, Counts)` the objective's (objective.py), fed the dataset's `columns`. Pure and
+    deterministic: run ahead in a thread (prefetch) without changing anything."""
     batches = plan(epoch)
     for _ in range(steps):
         if micro >= len(batches):
@@ -274,8 +291,10 @@ def windows(dataset, plan, *, epoch: int, micro: int, steps: int, accum: int, co
         idx_lists = batches[micro : micro + accum]
         collated, counts = [], None
         for idx in idx_lists:
-            rows = dataset[idx] if idx else {c: [] for c in columns}
+            rows = dataset[list(idx)] if idx else {c: [] for c in columns}
             batch, n = collate([dict(zip(columns, values)) for values in zip(*(rows[c] for c in columns))])
+            if isinstance(idx, StandIn):
+                batch, n = {**batch, "batch_weight": 0.0}, Counts.none()
             counts = n if counts is None else counts.plus(n)
             collated.append({k: v.pin_memory() if pin and isinstance(v, torch.Tensor) else v for k, v in batch.items()})
         micro += len(idx_lists)

@@ -21,7 +21,7 @@ from functools import partial
 
 import torch
 
-from llmtrain.data.batching import Counts, global_micro_batches, to_device, windows
+from llmtrain.data.batching import Counts, batch_weight, global_micro_batches, rank_view, to_device, windows
 from llmtrain.loop.determinism import sampling_warn_only
 from llmtrain.objectives.objective import Objective
 from llmtrain.parallel.collectives import data_sum
@@ -73,6 +73,8 @@ def train_step(model, optimizer, scheduler, accelerator, objective: Objective, w
         last = i == len(window.batches) - 1
         with nullcontext() if last else accumulating(accelerator, model, fsdp_accumulate):
             loss, stats = objective.loss(model, to_device(batch, accelerator.device))
+            if (weight := batch_weight(batch)) != 1.0:  # an idle rank's stand-in: its passes ran, nothing counts
+                loss, stats = loss * weight, stats * weight
             # DDP and FSDP average gradients over the data ranks, hence the factor `averaged`: the result is
             # d(sum of all losses in the window) / (loss units in the window).
             accelerator.backward(loss * averaged / denominator)
@@ -103,14 +105,15 @@ def evaluate(model, dataset, accelerator, objective: Objective, *, batch_size: i
     batches = global_micro_batches(len(dataset), seed=0, epoch=0, world_size=world,
                                    micro_batch_size=batch_size, micro_batch_tokens=batch_tokens,
                                    lengths=dataset["length"] if batch_tokens else None, shuffle=False)
-    plan = [g[rank] for g in batches]
+    plan = rank_view(batches, rank)
     totals, accum = None, pipeline.micro_batches if pipeline is not None else 1
     passes = -(-len(plan) // accum)
     for done, window in enumerate(windows(dataset, lambda _: plan, epoch=0, micro=0, steps=passes, accum=accum,
                                           collate=objective.collate, pin=False, columns=objective.columns)):
         on_batch(done, passes)
+        first = window.batches[0]
         sums = (pipeline.evaluate(window.batches) if pipeline is not None
-                else objective.eval_sums(model, window.batches[0], accelerator.device))
+                else objective.eval_sums(model, first, accelerator.device) * batch_weight(first))
         totals = sums if totals is None else totals + sums
     model.train()
     return objective.eval_metrics(data_sum(accelerator, *totals.tolist()))

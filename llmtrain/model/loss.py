@@ -108,8 +108,8 @@ def attach_loss(model, *, chunk: int, fused_linear_ce=None) -> None:
         kwargs.pop("labels", None)  # peft passes labels=None through
         kwargs.pop("use_cache", None)
         hidden = self.model(*args, use_cache=False, **kwargs).last_hidden_state.flatten(0, 1)
-        if loss_index.numel() == 0:  # an idle rank's placeholder row: a zero loss that still reaches every
-            # parameter, because DDP and FSDP reduce the gradients of all of them on every rank
+        if loss_index.numel() == 0:  # no trained position (a sequence-parallel slice of prompt tokens, a pipeline's
+            # filler): a zero loss that still reaches every parameter, as DDP and FSDP reduce all their gradients
             loss, _ = self.lm_head(hidden[:1], targets=hidden.new_zeros(1, dtype=torch.long))
             return {"loss": loss.sum() * 0.0, "hits": torch.zeros(0, dtype=torch.bool, device=hidden.device)}
         # hits: with token_loss, its statistics instead

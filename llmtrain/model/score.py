@@ -53,9 +53,6 @@ def attach_score(model) -> None:
         kwargs.pop("labels", None)  # peft passes labels=None through
         kwargs.pop("use_cache", None)
         hidden = self.model(*args, use_cache=False, **kwargs).last_hidden_state.flatten(0, 1)
-        if score_index.numel() == 0:  # an idle rank's placeholder row: a zero that still reaches every parameter,
-            # because DDP and FSDP reduce the gradients of all of them on every rank
-            return {"scores": self.score(hidden[:1]).float().sum() * 0.0}
         return {"scores": self.score(hidden[score_index]).float().squeeze(-1)}
 
     seq_cls.forward = types.MethodType(forward, seq_cls)
@@ -66,8 +63,8 @@ MODEL_INPUTS = ("input_ids", "attention_mask", "position_ids", "score_index")
 
 
 def sequence_scores(model, batch: dict) -> torch.Tensor:
-    """The score of every sequence of a collated batch on the device (fp32, in batch order; a 0-dim zero for an idle
-    rank's placeholder). `cu_seq_lens` / `max_length` (packed rows) go to the varlen attention as in loss.py."""
+    """The score of every sequence of a collated batch on the device (fp32, in batch order). `cu_seq_lens` /
+    `max_length` (packed rows) go to the varlen attention as in loss.py."""
     inputs = {k: batch[k] for k in MODEL_INPUTS if k in batch}
     if "cu_seq_lens" in batch:
         inputs.update(cu_seq_lens_q=batch["cu_seq_lens"], cu_seq_lens_k=batch["cu_seq_lens"],

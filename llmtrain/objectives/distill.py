@@ -31,7 +31,7 @@ import time
 import torch
 import torch.nn.functional as F
 
-from llmtrain.data.batching import Counts, collate, with_loss_positions
+from llmtrain.data.batching import Counts, batch_weight, collate, with_loss_positions
 from llmtrain.data.formats import prompt_length
 from llmtrain.model.loss import causal_lm, compute_loss, decoder_inputs
 from llmtrain.objectives.rollouts import completion_rows, sample, sampling
@@ -112,6 +112,8 @@ class Distill:
         with sampling(self.lm):
             for b in window.batches:
                 batch, n = self._sample(b["prompts"], step)
+                if not batch_weight(b):  # an idle rank's stand-in: sampled and trained as a real one, counting nothing
+                    batch, n = {**batch, "batch_weight": 0.0}, Counts.none()
                 batches.append(batch)
                 counts = counts.plus(n)
         return dataclasses.replace(window, batches=batches, counts=counts)
@@ -121,10 +123,6 @@ class Distill:
         from llmtrain.model.generate import completion_seed
 
         cfg = self.cfg
-        if not prompts:  # an idle rank at the end of an epoch: nothing to sample, nothing trained
-            batch, counts = self._batch([], [])
-            batch["rollout_stats"] = torch.zeros(len(ROLLOUT_STATS))
-            return batch, counts
         begun = time.perf_counter()
         completions = sample(self.lm, cfg.sampler, [p for p, _ in prompts],
                              [completion_seed(self.seed, step, row, 0) for _, row in prompts],
@@ -169,9 +167,7 @@ class Distill:
         rollout = batch.get("rollout_stats")
         rollout = rollout if rollout is not None else batch["input_ids"].new_zeros(len(ROLLOUT_STATS),
                                                                                    dtype=torch.float32)
-        hidden = self._teacher_hidden(batch)  # an idle rank's too: a sharded teacher gathers in its forward
-        if batch["loss_index"].numel() == 0:  # an idle rank's placeholder: zero, yet reaching every parameter
-            return compute_loss(model, batch), torch.cat([rollout, rollout.new_zeros(len(LOSS_STATS))])
+        hidden = self._teacher_hidden(batch)
         loss, stats = compute_loss(model, batch, token_loss=self._token_loss(hidden))
         return loss, torch.cat([rollout.to(stats.device), stats])
 
@@ -192,10 +188,7 @@ class Distill:
         from llmtrain.data.batching import to_device
 
         batch = to_device(batch, device)
-        hidden = self._teacher_hidden(batch)  # an idle rank's too: a sharded teacher gathers in its forward
-        if batch["loss_index"].numel() == 0:  # an idle rank: its forward still runs (FSDP gathers in it)
-            compute_loss(model, batch)
-            return torch.zeros(2 + len(LOSS_STATS), dtype=torch.float64)
+        hidden = self._teacher_hidden(batch)
         loss, stats = compute_loss(model, batch, token_loss=self._token_loss(hidden))
         tokens = batch["loss_index"].new_tensor(batch["loss_index"].numel())
         return torch.cat([torch.stack([loss.double(), tokens.double()]), stats.double()]).cpu()

@@ -25,7 +25,7 @@ from typing import Literal
 
 import torch
 
-from llmtrain.data.batching import Counts
+from llmtrain.data.batching import Counts, batch_weight
 from llmtrain.objectives.rollouts import clipped_surrogate, completion_rows, sample, sampling
 
 LossType = Literal["dapo", "grpo", "dr_grpo"]
@@ -168,42 +168,41 @@ class GRPO:
             self.state.global_step, self.state.epoch = step, float(window.epoch)
         with sampling(self.lm):
             for b in window.batches:
-                parts, n, recs = self._rollout_batch(b["examples"], step)
+                parts, n, recs = self._rollout_batch(b["examples"], step, stand_in=not batch_weight(b))
                 batches += parts
                 counts = n if counts is None else counts.plus(n)
                 records += recs
         if self.rl.micro_batch_tokens is not None and self.world > 1:
             # Every rank must run as many forward/backward passes (FSDP gathers and reduce-scatters in each): the
-            # ranks with fewer add placeholders (one token, nothing trained). One small gather a step.
+            # ranks with fewer run their last pass again with weight 0. One small gather a step.
             most = max(self.gather([len(batches)]))
-            batches += [self._idle_batch() for _ in range(most - len(batches))]
+            batches += [{**batches[-1], "batch_weight": 0.0} for _ in range(most - len(batches))]
         if self.state is not None:  # an eval after this step's update sees it done
             self.state.global_step = step + 1
         return dataclasses.replace(window, batches=batches, counts=counts, rollouts=records)
 
-    def _idle_batch(self) -> dict:
-        """A pass that trains nothing: one token, zero loss, yet reaching every parameter (an idle rank's)."""
-        from llmtrain.data.batching import collate, with_loss_positions
-
-        batch = with_loss_positions(collate([], pad_id=self.pad_id, packing=self.packing))
-        return {**batch, "rollout_stats": torch.zeros(len(self.stats) - len(self.loss_stats))}
-
-    def _rollout_batch(self, examples: list[dict], step: int) -> tuple[list[dict], Counts, list[dict]]:
+    def _rollout_batch(self, examples: list[dict], step: int, *,
+                       stand_in: bool = False) -> tuple[list[dict], Counts, list[dict]]:
+        """The examples' completions, scored and packed into passes, their counts and rollouts.jsonl records. An
+        idle rank's stand-in (batching.StandIn) is sampled and packed as a real micro-batch, but never scored (a
+        reward function runs only on what trains) nor counted nor logged; its passes have weight 0."""
         import time
 
         from llmtrain.model.generate import completion_seed
         from llmtrain.objectives.rewards import RewardLogs
 
         rl, g = self.rl, self.rl.num_generations
-        if not examples:  # an idle rank at the end of an epoch: one token, nothing trained
-            return [self._idle_batch()], Counts.none(), []
         prompt_ids = [list(e["input_ids"]) for e in examples for _ in range(g)]
         seeds = [completion_seed(self.seed, step, e["row"], k) for e in examples for k in range(g)]
         begun = time.perf_counter()
         completions = self._generate(prompt_ids, seeds, temperature=rl.temperature, top_p=rl.top_p)
         generation_s = time.perf_counter() - begun
         extra = RewardLogs()
-        texts, per_function, total = self._score(examples, completions, g, where=self.sources[0], logs=extra)
+        if stand_in:
+            texts, total = [""] * len(completions), torch.zeros(len(completions))
+            per_function = torch.full((len(completions), len(self.rewards)), float("nan"))
+        else:
+            texts, per_function, total = self._score(examples, completions, g, where=self.sources[0], logs=extra)
         for name, values in extra.metrics.items():
             self.logs.metrics[name] += values
         rows = [e["row"] + 1 for e in examples for _ in range(g)]
@@ -222,6 +221,8 @@ class GRPO:
             dtype=torch.float32)
         for k, batch in enumerate(batches):  # the passes' statistics are summed: the rollout's go in once
             batch["rollout_stats"] = stats if k == 0 else torch.zeros_like(stats)
+        if stand_in:
+            return [{**batch, "batch_weight": 0.0} for batch in batches], Counts.none(), []
         counts = Counts.of(sequences, units=self._loss_units(lengths), trained=float(lengths.sum()))
         names = [n for n, _, _ in self.rewards]
         records = [{"step": step + 1, "row": rows[i], "generation": i % g,
@@ -307,11 +308,6 @@ class GRPO:
         from llmtrain.model.loss import compute_loss
 
         rl, ref = self.rl, None
-        if rl.beta and not batch["loss_index"].numel():  # an idle rank runs the reference's forward too: under FSDP
-            with torch.no_grad(), self.lm.disable_adapter():  # each forward gathers every layer from every rank
-                compute_loss(self.lm, batch)
-        if (idle := self._idle_loss(model, batch)) is not None:
-            return idle
         rollout = batch["rollout_stats"].to(batch["input_ids"].device)
         if rl.beta:  # first: its no-grad forward leaves no graph behind
             with torch.no_grad(), self.lm.disable_adapter():  # the starting model: the LoRA adapter off
@@ -323,15 +319,6 @@ class GRPO:
             stats = torch.stack([kl.sum() if kl is not None else logps.new_zeros(()), clipped.float().sum(),
                                  logps.new_tensor(float(logps.numel()))])
         return (losses * batch["weights"]).sum(), torch.cat([rollout, stats])
-
-    def _idle_loss(self, model, batch: dict) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """An idle rank's placeholder pass: zero, yet reaching every parameter; None for a real pass."""
-        from llmtrain.model.loss import compute_loss
-
-        if batch["loss_index"].numel():
-            return None
-        rollout = batch["rollout_stats"].to(batch["input_ids"].device)
-        return compute_loss(model, batch), torch.cat([rollout, rollout.new_zeros(len(self.loss_stats))])
 
     def _reward_metrics(self, s: dict, n: float) -> dict[str, float]:
         """reward and reward_std as TRL logs them: the mean and the unbiased std (its nanstd) of the step's scored
@@ -375,9 +362,7 @@ class GRPO:
         """[prompts, summed reward, each reward's sum, each reward's count] of greedy completions."""
         from llmtrain.parallel.fsdp import gathered_for_generation
 
-        examples, k = batch["examples"], len(self.rewards)
-        if not examples:
-            return torch.zeros(2 + 2 * k, dtype=torch.float64)
+        examples = batch["examples"]
         prompt_ids = [list(e["input_ids"]) for e in examples]
         with gathered_for_generation(self.lm):
             completions = self._generate(prompt_ids, [0] * len(examples), temperature=0.0, top_p=1.0)

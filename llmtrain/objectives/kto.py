@@ -15,8 +15,8 @@ divides the sum by the examples of the window (Counts.units = examples), the sam
 
 The KL estimate under several processes, as TRL's `gather_for_metrics(kl).mean()`: each process's mean over its own
 micro-batch's KL sequences, averaged over the processes (one all-reduce of [mean, 1] a micro-batch: collectives.
-device_sum), then clamped. A process with no examples (an idle rank at the end of an epoch) adds [0, 0]: it still
-takes part in the collective, and the average is over the processes that have a micro-batch. Under gradient
+device_sum), then clamped. An idle rank at the end of an epoch runs a stand-in (batching.StandIn) with weight 0 and
+adds [0, 0]: the average is over the processes that have a micro-batch. Under gradient
 accumulation each micro-batch has its own estimate, as TRL's.
 
 The reference: with lora:, the same model with the adapter disabled, under no_grad (no copy of the weights); a full
@@ -34,10 +34,9 @@ from contextlib import nullcontext
 import torch
 import torch.nn.functional as F
 
-from llmtrain.data.batching import Counts, collate, to_device, with_loss_positions
+from llmtrain.data.batching import Counts, batch_weight, collate, to_device, with_loss_positions
 from llmtrain.data.formats import IGNORE, prompt_length
 from llmtrain.errors import LLMTrainError
-from llmtrain.model.loss import compute_loss
 from llmtrain.objectives.preference import sequence_logps
 
 # Statistics summed over the window (and processes); step_metrics turns them into TRL's names.
@@ -135,25 +134,20 @@ class KTO:
 
     def _kl(self, batch: dict) -> torch.Tensor | None:
         """TRL's KL estimate: the mean over the KL sequences of (policy - reference) log-probabilities, averaged over
-        the processes, no grad, at least 0. An idle rank's placeholder (no KL sequences) takes part in the average
-        with nothing. None for apo_zero_unpaired."""
+        the processes, no grad, at least 0. An idle rank's stand-in (weight 0) takes part in the average with
+        nothing. None for apo_zero_unpaired."""
         if self.cfg.loss_type != "kto":
             return None
         kl = {k[3:]: v for k, v in batch.items() if k.startswith("kl:")}
         with torch.no_grad():
-            if kl:  # the policy's pass is the unwrapped model's: a DDP forward would be a collective of its own
-                mean = torch.stack([(sequence_logps(self.model, kl) - self._reference(kl)).mean(),
-                                    torch.ones((), device=batch["input_ids"].device)])
-            else:
-                mean = torch.zeros(2, device=batch["input_ids"].device)
+            # the policy's pass is the unwrapped model's: a DDP forward would be a collective of its own
+            mean = torch.stack([(sequence_logps(self.model, kl) - self._reference(kl)).mean(),
+                                torch.ones((), device=batch["input_ids"].device)]) * batch_weight(batch)
             if self.reduce is not None:  # TRL's gather_for_metrics(kl).mean(): every process's mean, averaged
                 mean = self.reduce(mean)
         return (mean[0] / mean[1].clamp(min=1)).clamp(min=0)
 
     def loss(self, model, batch: dict) -> tuple[torch.Tensor, torch.Tensor]:
-        if batch["sequence_tokens"].numel() == 0:  # an idle rank's placeholder: zero, yet reaching every parameter
-            self._idle(batch)
-            return compute_loss(model, batch), torch.zeros(len(SUMS), device=batch["input_ids"].device)
         kl = self._kl(batch)  # no-grad forwards first: they leave no graph behind
         ref = self._reference(batch)
         logps = sequence_logps(model, batch)
@@ -168,21 +162,6 @@ class KTO:
                                  (logps.detach() * u).sum(), d.sum(), u.sum(),
                                  (kl if kl is not None else logps.new_zeros(())) * n])
         return losses.sum(), stats
-
-    def _idle(self, batch: dict) -> None:
-        """An idle rank's no-grad passes on its one-token row, in a working rank's order around the KL all-reduce
-        (policy and reference over the KL sequences, the all-reduce with nothing to add, the reference over the
-        micro-batch): under FSDP every forward gathers each layer from every rank, so each rank runs as many."""
-        with torch.no_grad():
-            if self.cfg.loss_type == "kto":
-                compute_loss(self.model, batch)
-                model, context = self._reference_model()
-                with context:
-                    compute_loss(model, batch)
-            self._kl(batch)
-            model, context = self._reference_model()
-            with context:
-                compute_loss(model, batch)
 
     def step_metrics(self, stats: list[float], units: float) -> dict[str, float]:
         """TRL's metrics: rewards and log-probabilities averaged over the desirable (chosen) and undesirable

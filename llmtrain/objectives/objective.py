@@ -26,8 +26,8 @@ class Objective(Protocol):
     columns: tuple[str, ...]  # the dataset columns a batch is built from
 
     def collate(self, examples: list[dict]) -> tuple[dict, Counts]:
-        """CPU tensors of one micro-batch (no examples: an idle rank's placeholder, counting nothing), and its
-        counts."""
+        """CPU tensors of one micro-batch and its counts (an idle rank's stand-in is collated as any other:
+        batching.windows sets its weight to 0 and its counts to none)."""
 
     def loss(self, model, batch: dict) -> tuple[torch.Tensor, torch.Tensor]:
         """The summed loss of a batch already on the device (a 0-dim tensor that backpropagates), and a vector of
@@ -56,7 +56,7 @@ class CausalLM:
 
     def collate(self, examples: list[dict]) -> tuple[dict, Counts]:
         batch = with_loss_positions(collate(examples, pad_id=self.pad_id, packing=self.packing))
-        trained = len(batch["loss_index"])  # an idle rank's placeholder row trains nothing
+        trained = len(batch["loss_index"])
         return batch, Counts.of(examples, units=trained, trained=trained)
 
     def loss(self, model, batch: dict) -> tuple[torch.Tensor, torch.Tensor]:

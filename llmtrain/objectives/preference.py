@@ -92,12 +92,6 @@ class Preference:
         return ref[0::2], ref[1::2]
 
     def loss(self, model, batch: dict) -> tuple[torch.Tensor, torch.Tensor]:
-        if batch["sequence_tokens"].numel() == 0:  # an idle rank's placeholder: zero, yet reaching every parameter
-            if self.reference == "adapter":  # as many forwards as a working rank: under FSDP each one gathers every
-                # layer from every rank, and a rank that skipped the reference's would mismatch the collectives
-                with torch.no_grad(), self.model.disable_adapter():
-                    compute_loss(self.model, batch)
-            return compute_loss(model, batch), torch.zeros(len(STATS), device=batch["input_ids"].device)
         ref_chosen, ref_rejected = self._reference(batch)  # first: its no-grad forward leaves no graph behind
         logps = sequence_logps(model, batch)
         tokens = batch["sequence_tokens"]
@@ -136,7 +130,7 @@ def precompute_reference(model, dataset, accelerator, objective: Preference, *, 
     collective sums them, so all hold the whole; `on_batch(done, total)` after each micro-batch."""
     import os
 
-    from llmtrain.data.batching import global_micro_batches, to_device
+    from llmtrain.data.batching import StandIn, global_micro_batches, rank_view, to_device
 
     values = torch.load(cache) if cache.is_file() else torch.full((len(dataset), 2), math.nan, dtype=torch.float64)
     todo = [i for i in (range(len(dataset)) if needed is None else needed) if math.isnan(values[i, 0])]
@@ -151,15 +145,12 @@ def precompute_reference(model, dataset, accelerator, objective: Preference, *, 
     was_training = model.training
     model.eval()
     with torch.no_grad():
-        for done, g in enumerate(batches):
-            idx = [todo[i] for i in g[rank]]
-            rows = dataset[idx] if idx else {c: [] for c in plain.columns}
+        for done, mine in enumerate(rank_view(batches, rank)):
+            idx = [todo[i] for i in mine]
+            rows = dataset[idx]
             batch, _ = plain.collate([dict(zip(plain.columns, v)) for v in zip(*(rows[c] for c in plain.columns))])
-            batch = to_device(batch, device)
-            if not idx:  # an idle rank still runs its forward: under FSDP every rank gathers every layer
-                compute_loss(model, batch)
-            else:
-                logps = sequence_logps(model, batch).double()
+            logps = sequence_logps(model, to_device(batch, device)).double()  # a stand-in's too (FSDP gathers in it)
+            if not isinstance(mine, StandIn):
                 computed[idx] = torch.stack([logps[0::2], logps[1::2]], dim=1)
             on_batch(done + 1, len(batches))
     model.train(was_training)

@@ -72,8 +72,6 @@ class RewardModel:
 
     def loss(self, model, batch: dict) -> tuple[torch.Tensor, torch.Tensor]:
         scores = sequence_scores(model, batch)
-        if batch["score_index"].numel() == 0:  # an idle rank's placeholder: zero, yet reaching every parameter
-            return scores, torch.zeros(len(STATS), device=scores.device)
         chosen, rejected = scores[0::2], scores[1::2]
         losses = pair_losses(chosen, rejected, batch.get("margin"),
                              center_rewards_coefficient=self.cfg.center_rewards_coefficient)

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import torch
 
-from llmtrain.data.batching import to_device
+from llmtrain.data.batching import batch_weight, to_device
 from llmtrain.model.loss import compute_loss
 from llmtrain.objectives.grpo import GRPO, STD_EPS, _nanstd
 from llmtrain.objectives.rollouts import clipped_surrogate
@@ -104,7 +104,10 @@ class RLOO(GRPO):
         """GRPO's rollout, then the step's advantages: normalised over every process's completions where asked
         (one gather of floats a step), and those without a baseline zeroed, in the batches and in rollouts.jsonl."""
         window = super().rollout(window, step=step)
-        passes = [b for b in window.batches if "advantages" in b]  # not an idle rank's placeholders
+        passes = [b for b in window.batches if batch_weight(b)]  # not an idle rank's stand-ins (weight 0)
+        for b in window.batches:
+            if not batch_weight(b):  # finite, so that weight 0 leaves nothing (their NaNs would survive a product)
+                b["advantages"] = torch.nan_to_num(b["advantages"], nan=0.0)
         mine = torch.cat([b["advantages"] for b in passes]) if passes else torch.zeros(0)
         final = mine
         if self.rl.normalize_advantages:
@@ -121,8 +124,6 @@ class RLOO(GRPO):
         return window
 
     def loss(self, model, batch: dict) -> tuple[torch.Tensor, torch.Tensor]:
-        if (idle := self._idle_loss(model, batch)) is not None:
-            return idle
         rollout = batch["rollout_stats"].to(batch["input_ids"].device)
         logps = completion_logps(model, batch, temperature=self.rl.temperature)
         sequences = sequence_sums(logps, batch["loss_example"], len(batch["advantages"]))

@@ -21,7 +21,7 @@ from contextlib import contextmanager, nullcontext
 
 import torch
 
-from llmtrain.data.batching import collate, fixed_row, with_loss_positions
+from llmtrain.data.batching import batch_weight, collate, fixed_row, with_loss_positions
 from llmtrain.data.formats import IGNORE
 from llmtrain.errors import LLMTrainError
 from llmtrain.model.attention import NAME as VARLEN
@@ -146,9 +146,10 @@ class Pipeline:
         return eval_counts(loss, hits, example, int(example.max()) + 1)
 
     def _rows(self, batches: list[dict]) -> dict[str, torch.Tensor]:
-        """The micro-batches as M rows of the fixed shape (a short list filled with rows that train nothing)."""
-        idle = with_loss_positions(collate([], pad_id=self.pad_id, packing=True))  # an idle rank's placeholder
-        filled = [*batches, *[idle] * (self.micro_batches - len(batches))]
+        """The micro-batches as M rows of the fixed shape (a short list filled with rows that train nothing; an idle
+        replica's stand-in is such a row too: every row costs the same slots, and this one adds nothing)."""
+        idle = with_loss_positions(collate([], pad_id=self.pad_id, packing=True))
+        filled = [b if batch_weight(b) else idle for b in batches] + [idle] * (self.micro_batches - len(batches))
         rows = [fixed_row(b, self.slots, pad_id=self.pad_id) for b in filled]
         return {k: torch.cat([r[k] for r in rows]) for k in rows[0]}
 
