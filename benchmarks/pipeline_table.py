@@ -32,13 +32,14 @@ def rows() -> list[str]:
            "|---|---|---|---:|---:|---:|---:|---:|---:|"]
     for nodes in (2, 4):
         spec = spec_from_recipe(recipe, strategy="fsdp", num_gpus=8, num_nodes=nodes, pipeline_parallel=nodes)
-        spec = spec.but(grad_accum=spec.grad_accum * nodes)  # the same global batch on 1/P of the data ranks
+        # the same global batch on 1/P of the data ranks
+        spec = spec.but(grad_accum_steps=spec.grad_accum_steps * nodes)
         for link, gbps in LINKS.items():
             found = compared(shape, spec, Network(inter_gbps=gbps))
             pipe = found[0][2].step_s
             for label, est, t in found:
                 speedup = "" if t is found[0][2] else f"{t.step_s / pipe:.2f}x"
-                out.append(f"| {nodes} x 8 | {link} | {label} | {est.spec.grad_accum} | "
+                out.append(f"| {nodes} x 8 | {link} | {label} | {est.spec.grad_accum_steps} | "
                            f"{est.per_gpu_peak_bytes / GIB:.1f} | {t.compute_s:.3f} | {t.network_s:.3f} | "
                            f"{t.step_s:.3f} | {speedup} |")
     return out

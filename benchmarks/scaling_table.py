@@ -39,7 +39,8 @@ def rows(inter_gbps: float | None = None, *, multi_node_only: bool = False) -> l
             if (multi_node_only and nodes == 1) or (tp > 1 and recipe.lora):
                 continue
             spec = spec_from_recipe(recipe, strategy=strategy, num_gpus=gpus, num_nodes=nodes, tp=tp)
-            spec = spec.but(grad_accum=spec.grad_accum * tp)  # the same examples per step on tp x fewer data ranks
+            # the same examples per step on tp x fewer data ranks
+            spec = spec.but(grad_accum_steps=spec.grad_accum_steps * tp)
             est, traffic = estimate(shape, spec), step_traffic(shape, spec, network)
             memory = f"{est.per_gpu_peak_bytes / GIB:.1f}" + ("" if est.fits else " (does not fit 80)")
             bound = "-" if not traffic.parts else ("network" if traffic.network_bound else "compute")

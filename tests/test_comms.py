@@ -31,7 +31,7 @@ def test_ring_collectives():
 
 
 def _parts(strategy: str, gpus: int, nodes: int, accum: int = 1, tail: float = 0, **tp):
-    spec = TrainSpec(strategy=strategy, num_gpus=gpus, num_nodes=nodes, grad_accum=accum, **tp)
+    spec = TrainSpec(strategy=strategy, num_gpus=gpus, num_nodes=nodes, grad_accum_steps=accum, **tp)
     parts = data_parallel(spec, trainable_bytes=3200, gathered=Gathered(1600, tail), activations=100)
     return sum(p[1] for p in parts), sum(p[2] for p in parts)
 
@@ -78,7 +78,7 @@ def test_fsdp_x_tp_shards_the_slice_over_the_groups_and_all_reduces_activations_
     # 4 x 2 x 1/2 x 100 = 400
     assert _parts("fsdp", 8, 1, tp=2) == (5200, 0)
     # gradient checkpointing repeats attention's (its recompute stops before the MLP's all-reduce): 5 x 100 = 500
-    assert _parts("fsdp", 8, 1, tp=2, grad_checkpointing=True) == (5300, 0)
+    assert _parts("fsdp", 8, 1, tp=2, gradient_checkpointing=True) == (5300, 0)
     # 2 nodes x 8 as 8 shards x 2 TP: the FSDP rings have 4 members a node, so 1/4 of 2 x 7/8 x 1600 + 7/8 x 3200
     # = 5600 crosses the network (1400), more than flat FSDP's 1/8 (750); the TP groups stay in the node
     assert _parts("fsdp", 8, 2, tp=2) == (5600 - 1400 + 400, 1400)

@@ -63,8 +63,8 @@ def _predicted(tiny, strategy: str) -> dict:
 
     gpus, nodes, tp = {"ddp": (2, 1, 1), "fsdp": (2, 1, 1), "hsdp": (2, 2, 1), "tp": (4, 1, 2),
                        "tp-ckpt": (4, 1, 2)}[strategy]
-    spec = TrainSpec(strategy="fsdp" if tp > 1 else strategy, num_gpus=gpus, num_nodes=nodes, grad_accum=ACCUM,
-                     dtype="float32", tp=tp, micro_batch=2, seq_len=32, grad_checkpointing=strategy == "tp-ckpt")
+    spec = TrainSpec(strategy="fsdp" if tp > 1 else strategy, num_gpus=gpus, num_nodes=nodes, grad_accum_steps=ACCUM,
+                     dtype="float32", tp=tp, micro_batch=2, seq_len=32, gradient_checkpointing=strategy == "tp-ckpt")
     shape = tensor_parallel_shape(load_model_shape(str(tiny / "model")), tp)  # one GPU's slice
     gradients = states(shape, spec, None).grads * spec.shards
     predicted = defaultdict(float)

@@ -21,15 +21,29 @@ from llmtrain.model.loss import attach_loss, chunked_cross_entropy, compute_loss
 LENGTHS = [5, 9, 3, 12, 1]
 
 
+# What each family's tiny config needs besides the common shapes: Qwen3 and Gemma 3 their own head size (QK-norm);
+# Gemma 3 a local window shorter than the longest example on its first layer and a global second layer (two RoPE
+# bases); Phi-3 partial RoPE (Phi-4-mini's 0.75) and a pad id inside the vocabulary.
+FAMILY = {"qwen2": {}, "qwen3": dict(head_dim=16),
+          "gemma3_text": dict(head_dim=16, query_pre_attn_scalar=16,
+                              layer_types=["sliding_attention", "full_attention"]),
+          "phi3": dict(partial_rotary_factor=0.75, pad_token_id=0)}
+
+
 def tiny_model(attn: str, *, model_type: str = "llama", sliding_window: int | None = None, seed: int = 0):
-    from transformers import AutoModelForCausalLM, LlamaConfig, MistralConfig
+    from transformers import AutoConfig, AutoModelForCausalLM
 
     common = dict(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2,
                   num_hidden_layers=2, vocab_size=97, attention_dropout=0.0)
-    cfg = (MistralConfig(**common, sliding_window=sliding_window) if model_type == "mistral"
-           else LlamaConfig(**common))
+    window = {"sliding_window": sliding_window} if model_type != "llama" else {}
+    cfg = AutoConfig.for_model(model_type, **common, **window, **FAMILY.get(model_type, {}))
     torch.manual_seed(seed)
-    return AutoModelForCausalLM.from_config(cfg, dtype=torch.float32, attn_implementation=attn)
+    model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32, attn_implementation=attn)
+    with torch.no_grad():  # Gemma's norms start at zero (weight + 1): move them, so that a wrong one shows
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight"):
+                p.add_(torch.randn(p.shape) * 0.1)
+    return model
 
 
 def examples(lengths=LENGTHS, vocab: int = 97, seed: int = 1) -> list[dict]:
@@ -43,7 +57,8 @@ def per_example_logits(model, exs):
 
 
 @pytest.mark.parametrize(("model_type", "window", "boundaries"), [
-    ("llama", None, True), ("llama", None, False), ("mistral", 4, True)])
+    ("llama", None, True), ("llama", None, False), ("mistral", 4, True), ("qwen2", None, True), ("qwen3", None, True),
+    ("gemma3_text", 4, True), ("phi3", None, True)])
 def test_varlen_attention_equals_unpacked(model_type, window, boundaries):
     """One packed row through the varlen attention gives each example's logits, and the gradients of a
     loss over them, as if every example ran alone with transformers' eager attention."""
@@ -75,11 +90,15 @@ def test_sliding_window_matters_in_the_varlen_test():
     assert (per_example_logits(windowed, exs) - per_example_logits(full, exs)).abs().max() > 1e-3
 
 
-def test_packed_varlen_model_loss_equals_padded_eager_loss():
+@pytest.mark.parametrize("model_type", ["llama", "qwen3", "gemma3_text", "phi3"])
+def test_packed_varlen_model_loss_equals_padded_eager_loss(model_type):
     """The model-level loss (compute_loss through attach_loss): a packed varlen row and a padded eager batch
-    of the same examples give the same summed loss and the same gradients."""
+    of the same examples give the same summed loss and the same gradients, for each family's layer (Gemma 3's
+    scaled embeddings and tied head, Phi's fused projections, Qwen3's QK-norm)."""
     exs = examples()
-    ref, var = tiny_model("eager"), tiny_model(register())
+    window = 4 if model_type == "gemma3_text" else None
+    ref = tiny_model("eager", model_type=model_type, sliding_window=window)
+    var = tiny_model(register(), model_type=model_type, sliding_window=window)
     var.load_state_dict(ref.state_dict())
     for m in (ref, var):
         attach_loss(m, chunk=7)
@@ -301,3 +320,18 @@ def test_flash_varlen_call_adapts_to_each_signature(monkeypatch, kernel, scale):
     got = _flash_varlen(q, k, v, cu, 12, scale=d, window=None)
     want = _sdpa_per_example(q, k, v, cu.tolist(), scale=d, dropout=0.0, window=None, gqa=2)
     assert (got - want).abs().max() < 1e-5
+
+
+def test_a_model_that_caps_its_logits_is_refused():
+    """Gemma 2 computes tanh(logits / 30) * 30 before its loss; the chunked loss does not, so such a model would train
+    on other logits than its own: refused in one paragraph when the loss is attached (Gemma 3 has no cap)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from llmtrain.errors import LLMTrainError
+
+    cfg = AutoConfig.for_model("gemma2", hidden_size=64, intermediate_size=128, num_attention_heads=4,
+                               num_key_value_heads=2, head_dim=16, num_hidden_layers=2, vocab_size=97,
+                               final_logit_softcapping=30.0)
+    with pytest.raises(LLMTrainError, match=r"final_logit_softcapping=30\b.*Gemma 3"):
+        attach_loss(AutoModelForCausalLM.from_config(cfg), chunk=7)
+    attach_loss(tiny_model("eager", model_type="gemma3_text"), chunk=7)  # no cap: attached

@@ -612,13 +612,13 @@ def test_estimate_memory_counts_the_samples_kv_cache_and_the_step_over_every_com
 
     recipe = load_recipe(grpo_recipe(tiny_assets, tmp_path), ["train.eval_every_steps=null"])
     spec = spec_from_recipe(recipe)
-    assert spec.micro_batch == 4 * G and spec.generations == G  # the update is over prompts x completions
+    assert spec.micro_batch == 4 * G and spec.num_generations == G  # the update is over prompts x completions
     shape = load_model_shape(str(tiny_assets / "model"))
     est = estimate(shape, spec)
     kv = 4 * G * 32 * shape.layers * 2 * shape.kv_heads * shape.head_dim * 4  # fp32, every sequence at 32 tokens
     assert est.phase_parts["generation"]["kv_cache"] == kv
     assert est.phase_parts["generation"].get("gradients", 0) == 0  # freed by the previous step
-    sft = estimate(shape, spec.but(generations=0, micro_batch=4))  # the same run without its completions
+    sft = estimate(shape, spec.but(num_generations=0, micro_batch=4))  # the same run without its completions
     assert est.phases["backward_layers"] > sft.phases["backward_layers"]
 
 

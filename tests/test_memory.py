@@ -73,7 +73,7 @@ def test_lora_counts_equal_peft(tmp_path, targets, saved):
         r=4, target_modules=list(targets) if isinstance(targets, tuple) else targets,
         modules_to_save=list(saved) or None, task_type="CAUSAL_LM"))
     assert plan.trainable(shape) == sum(p.numel() for p in model.parameters() if p.requires_grad)
-    est = estimate(shape, TrainSpec(method="lora", lora_r=4, lora_targets=targets, lora_modules_to_save=saved))
+    est = estimate(shape, TrainSpec(method="lora", lora_r=4, lora_target_modules=targets, lora_modules_to_save=saved))
     assert est.params_total == sum(p.numel() for p in model.parameters())
     if targets == "all-linear" and not saved:
         # r*(in+out): q 4*(64+64) + k 4*(64+32) + v 4*(64+32) + o 4*(64+64) + 3 * 4*(64+160) = 4480 a layer
@@ -157,7 +157,7 @@ def test_full_finetune_states(mistral):
     # until the forward returns, which is after the loss (it runs inside the forward); in the loss's
     # backward the LM head's cast is made again by each chunk's recompute, and nothing else of the cache
     # is left under checkpointing.
-    ckpt = estimate(mistral, TrainSpec(mixed_precision="bf16", seq_len=512, grad_checkpointing=True)).phase_parts
+    ckpt = estimate(mistral, TrainSpec(mixed_precision="bf16", seq_len=512, gradient_checkpointing=True)).phase_parts
     head = 32768 * 4096
     assert ckpt["loss"]["autocast_copies"] == 2 * (32 * mistral.linear_params_per_layer + head)
     assert ckpt["backward_loss"]["autocast_copies"] == 2 * head
@@ -181,7 +181,7 @@ def test_lora_states(mistral):
 
 def test_peak_is_the_largest_phase_and_breakdown_adds_up(mistral):
     spec = TrainSpec(mixed_precision="bf16", strategy="ddp", num_gpus=4, micro_batch=2, seq_len=1024,
-                     eval_micro_batch=4, grad_accum=2)
+                     eval_micro_batch=4, grad_accum_steps=2)
     est = estimate(mistral, spec)
     assert est.per_gpu_peak_allocated_bytes == max(est.phases.values())
     assert sum(est.breakdown.values()) == est.per_gpu_peak_bytes
@@ -193,16 +193,17 @@ def test_peak_is_the_largest_phase_and_breakdown_adds_up(mistral):
 def test_levers_move_memory_the_right_way(mistral, monkeypatch):
     monkeypatch.setattr(estimate_module, "varlen_repeats_kv", lambda: False)  # torch >= 2.11: K/V not repeated
     base = TrainSpec(method="lora", dtype="bfloat16", mixed_precision="bf16", micro_batch=4, seq_len=2048,
-                     attn="sdpa")
+                     attn_implementation="sdpa")
 
     def peak(spec: TrainSpec) -> int:
         return estimate(mistral, spec).per_gpu_peak_allocated_bytes
 
-    assert peak(base.but(grad_checkpointing=True)) < peak(base)
-    assert peak(base.but(attn="eager")) > peak(base)
+    assert peak(base.but(gradient_checkpointing=True)) < peak(base)
+    assert peak(base.but(attn_implementation="eager")) > peak(base)
     assert peak(base.but(micro_batch=8)) > peak(base)
-    assert peak(base.but(attn="flash_attention_2")) < peak(base)
-    assert peak(base.but(attn="varlen")) == peak(base.but(attn="flash_attention_2")) == peak(base.but(attn="auto"))
+    assert peak(base.but(attn_implementation="flash_attention_2")) < peak(base)
+    assert peak(base.but(attn_implementation="varlen")) == peak(base.but(attn_implementation="flash_attention_2"))
+    assert peak(base.but(attn_implementation="varlen")) == peak(base.but(attn_implementation="auto"))
     assert peak(base.but(loss_chunk_tokens=1024)) < peak(base)
     packed = estimate(mistral, base.but(packing=True))
     assert packed.per_gpu_peak_allocated_bytes > peak(base)  # an 8192 x 8192 mask and bias
@@ -302,7 +303,7 @@ def test_fit_finds_nothing_rather_than_something_too_big(mistral):
 
 
 def test_fit_keeps_the_global_batch(mistral):
-    spec = TrainSpec(mixed_precision="bf16", seq_len=512, num_gpus=8, strategy="fsdp", grad_checkpointing=True)
+    spec = TrainSpec(mixed_precision="bf16", seq_len=512, num_gpus=8, strategy="fsdp", gradient_checkpointing=True)
     result = fit(mistral, spec, global_batch=64)
     s = result.best.spec
     accum = int(result.overrides[-1].split("=")[1])
@@ -313,7 +314,7 @@ def test_fit_keeps_the_global_batch(mistral):
 def test_throughput_score_by_hand():
     s = TrainSpec(micro_batch=2, seq_len=128)  # 256 tokens: half-saturated; full fine-tune: 6 units
     assert throughput_score(s) == pytest.approx(1 * 0.5 * 1.0 / 6)
-    assert throughput_score(s.but(grad_checkpointing=True)) == pytest.approx(0.5 / 8)
+    assert throughput_score(s.but(gradient_checkpointing=True)) == pytest.approx(0.5 / 8)
 
 
 def test_shipped_config_table_matches_the_files():

@@ -152,25 +152,25 @@ def test_attention_on_a_packed_row_by_hand(mistral):
     assert act.attention_bytes(repeated, mistral, o_trainable=False) - flash == 2 * T * 3072 * 2 == 192 * MIB
     # sdpa on the same packed row: transformers' block-diagonal mask (T x T bool, once) and, per layer,
     # K/V repeated and the mask as a bf16 bias: the row's square, 512 MiB a layer
-    sdpa = make_pass(mistral, spec.but(attn="sdpa", packing=True))
+    sdpa = make_pass(mistral, spec.but(attn_implementation="sdpa", packing=True))
     assert sdpa.mask and (sdpa.rows, sdpa.row_len) == (1, T)
     assert act.mask_bytes(sdpa) == T * T == 256 * MIB
     assert act.attention_bytes(sdpa, mistral, o_trainable=False) == flash + 192 * MIB + T * T * 2
     # eager: fp32 probabilities and their bf16 copy, 32 x T x T each: 48 GiB a layer
-    eager = make_pass(mistral, spec.but(attn="eager", packing=True))
+    eager = make_pass(mistral, spec.but(attn_implementation="eager", packing=True))
     assert act.attention_bytes(eager, mistral, o_trainable=False) == 3 * T * 4096 * 2 + 32 * T * T * 6
     assert act.mask_bytes(eager) == T * T * 2  # an additive mask in the stream dtype
     # whole estimates: sdpa and eager on a packed row need more than varlen, by far
-    peak = {a: estimate(mistral, spec.but(attn=a, packing=True)).per_gpu_peak_allocated_bytes
+    peak = {a: estimate(mistral, spec.but(attn_implementation=a, packing=True)).per_gpu_peak_allocated_bytes
             for a in ("auto", "sdpa", "eager")}
     assert peak["auto"] < peak["sdpa"] - 32 * 512 * MIB < peak["eager"]
 
 
 def test_padded_rows_without_varlen(mistral):
     """sdpa/eager without packing or a budget: one row per example, as before (a mask over padded rows)."""
-    p = make_pass(mistral, TrainSpec(attn="sdpa", micro_batch=4, seq_len=512))
+    p = make_pass(mistral, TrainSpec(attn_implementation="sdpa", micro_batch=4, seq_len=512))
     assert (p.rows, p.row_len, p.examples, p.mask) == (4, 512, 4, True)
-    one = make_pass(mistral, TrainSpec(attn="sdpa", micro_batch=1, seq_len=512))
+    one = make_pass(mistral, TrainSpec(attn_implementation="sdpa", micro_batch=1, seq_len=512))
     assert not one.mask and one.examples == 1
 
 
@@ -194,7 +194,7 @@ def test_token_budget_sets_the_tokens_of_a_micro_batch(mistral):
     assert diff["backward_loss"] == diff["backward_lm_head"] == 7 * (4096 * 2 + 16) + 7 * 4096 * 2
     assert diff["forward"] == diff["backward_layers"] == 0
     # a budget with sdpa still packs (batching.packs_rows): the mask is the budget's square
-    assert act.mask_bytes(make_pass(mistral, spec.but(attn="sdpa"))) == 16384 ** 2
+    assert act.mask_bytes(make_pass(mistral, spec.but(attn_implementation="sdpa"))) == 16384 ** 2
     with pytest.raises(LLMTrainError, match="micro-batch-tokens"):
         estimate(mistral, spec.but(micro_batch=4))
 
@@ -212,7 +212,8 @@ def test_spec_from_recipe_reads_the_fast_path_keys(tmp_path):
     from llmtrain.config import load_recipe
 
     spec = spec_from_recipe(load_recipe(_recipe(tmp_path, micro_batch_tokens=8192, loss_chunk_tokens=2048)))
-    assert (spec.attn, spec.kernel, spec.micro_batch_tokens, spec.loss_chunk_tokens) == ("auto", "varlen", 8192, 2048)
+    assert (spec.attn_implementation, spec.kernel, spec.micro_batch_tokens, spec.loss_chunk_tokens) == (
+        "auto", "varlen", 8192, 2048)
     assert spec.tokens == 8192 and spec.eval_micro_batch_tokens == 8192  # eval batches by the same budget
     by_examples = spec_from_recipe(load_recipe(_recipe(tmp_path, micro_batch_size=4, eval_batch_size=16)))
     assert by_examples.micro_batch_tokens is None and by_examples.eval_micro_batch == 16

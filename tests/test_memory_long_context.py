@@ -46,7 +46,7 @@ def test_a_tiled_layer_saves_what_the_estimate_says(dtype, lora):
     """One decoder layer with its MLP tiled keeps, besides its attention half, the post-attention norm's tensors and
     the MLP's input, nothing of the MLP's (T x I) tensors: the difference of a 2- and a 1-layer model."""
     shape = _shape_from_json(json.dumps({**TINY, "num_hidden_layers": 2}), "tiny")
-    spec = TrainSpec(attn="sdpa", dtype=dtype, micro_batch=2, seq_len=16, tiled_mlp=SHARD,
+    spec = TrainSpec(attn_implementation="sdpa", dtype=dtype, micro_batch=2, seq_len=16, tiled_mlp=SHARD,
                      method="full" if lora is None else "lora", lora_r=R, lora_dropout=lora or 0.0)
     p = replace(make_pass(shape, spec), mask=False, dropout_mask_bytes=4)
     assert p.mlp_shard == SHARD
@@ -75,8 +75,9 @@ def test_a_tiled_step_allocates_what_the_estimate_says(tmp_path, monkeypatch, me
 
     cfg = {**CFG, "vocab_size": 256}  # a small head: the layers make the peak
     kw = {"method": "lora", "lora_r": 8, "lora_dropout": 0.0} if method == "lora" else {}
-    spec = TrainSpec(**kw, dtype="bfloat16", attn="sdpa", mixed_precision="bf16", micro_batch=1, seq_len=2048,
-                     grad_checkpointing=True, tiled_mlp=True)
+    spec = TrainSpec(**kw, dtype="bfloat16", attn_implementation="sdpa", mixed_precision="bf16", micro_batch=1,
+                     seq_len=2048,
+                     gradient_checkpointing=True, tiled_mlp=True)
     shape = _shape_from_json(json.dumps(cfg), "tiny")
     p = make_pass(shape, spec)
     assert (p.tokens, p.mlp_shard, p.mask) == (2048, 256, False)
@@ -92,7 +93,7 @@ def test_a_tiled_step_allocates_what_the_estimate_says(tmp_path, monkeypatch, me
 def test_a_shard_is_the_untiled_mlp_at_a_shards_tokens():
     shape = load_model_shape("mistral-7b")
     spec = TrainSpec(method="lora", dtype="bfloat16", mixed_precision="bf16", quantize="nf4", lora_dropout=0.0,
-                     grad_checkpointing=True, micro_batch_tokens=65536, seq_len=65536, tiled_mlp=True)
+                     gradient_checkpointing=True, micro_batch_tokens=65536, seq_len=65536, tiled_mlp=True)
     p = make_pass(shape, spec)
     assert p.mlp_shard == 4096  # true: the hidden size, as ALST
     a = lora_plan(shape, r=16).adapted[0]
@@ -109,7 +110,8 @@ def test_the_offload_keeps_two_layer_inputs_on_the_gpu_and_the_rest_on_the_host(
     takes 31 of the 32, the GPU is spared 30 (the last layer's stays, one is in flight); the peak drops by at least
     29 of them (at a layer's backward the GPU holds its own and the prefetched next one)."""
     shape = load_model_shape("mistral-7b")
-    spec = TrainSpec(method="lora", dtype="bfloat16", mixed_precision="bf16", quantize="nf4", grad_checkpointing=True,
+    spec = TrainSpec(method="lora", dtype="bfloat16", mixed_precision="bf16", quantize="nf4",
+                     gradient_checkpointing=True,
                      micro_batch_tokens=65536, seq_len=65536)
     plain, off = estimate(shape, spec), estimate(shape, spec.but(activation_offload=True))
     one = 65536 * 4096 * 2
@@ -120,7 +122,7 @@ def test_the_offload_keeps_two_layer_inputs_on_the_gpu_and_the_rest_on_the_host(
     at_400k = estimate(shape, spec.but(activation_offload=True, micro_batch_tokens=409600, seq_len=409600))
     assert at_400k.long_context["offload_host_bytes"] == 31 * 4 * GIB
     with pytest.raises(Exception, match="needs gradient checkpointing"):
-        estimate(shape, spec.but(activation_offload=True, grad_checkpointing=False))
+        estimate(shape, spec.but(activation_offload=True, gradient_checkpointing=False))
 
 
 def test_everything_on_a_7b_qlora_costs_about_100_kb_a_token():
@@ -131,7 +133,7 @@ def test_everything_on_a_7b_qlora_costs_about_100_kb_a_token():
     shape = load_model_shape("mistral-7b")
     for n in (131072, 524288):
         spec = TrainSpec(method="lora", dtype="bfloat16", mixed_precision="bf16", quantize="nf4", lora_dropout=0.0,
-                         grad_checkpointing=True, micro_batch_tokens=n, seq_len=n, activation_offload=True,
+                         gradient_checkpointing=True, micro_batch_tokens=n, seq_len=n, activation_offload=True,
                          tiled_mlp=True)
         est = estimate(shape, spec)
         per_token = (est.per_gpu_peak_allocated_bytes - est.breakdown["weights"]) / n
@@ -147,7 +149,8 @@ def test_longest_context_finds_the_longest_that_fits_with_room():
     assert n % 1024 == 0 and n >= 300_000, n
     assert got["spec"]["micro_batch_tokens"] == got["spec"]["seq_len"] == n
     shape = load_model_shape("mistral-7b")
-    spec = TrainSpec(method="lora", dtype="bfloat16", mixed_precision="bf16", quantize="nf4", grad_checkpointing=True,
+    spec = TrainSpec(method="lora", dtype="bfloat16", mixed_precision="bf16", quantize="nf4",
+                     gradient_checkpointing=True,
                      activation_offload=True, tiled_mlp=True, micro_batch_tokens=n, seq_len=n)
     assert estimate(shape, spec).per_gpu_peak_bytes <= 0.9 * 80 * GIB < \
         estimate(shape, spec.but(micro_batch_tokens=n + 1024, seq_len=n + 1024)).per_gpu_peak_bytes
@@ -195,7 +198,8 @@ def test_doctor_checks_the_offloads_host_ram_against_the_machine():
     from llmtrain.doctor import check_host_offload
 
     shape = load_model_shape("mistral-7b")
-    spec = TrainSpec(method="lora", dtype="bfloat16", mixed_precision="bf16", quantize="nf4", grad_checkpointing=True,
+    spec = TrainSpec(method="lora", dtype="bfloat16", mixed_precision="bf16", quantize="nf4",
+                     gradient_checkpointing=True,
                      micro_batch_tokens=262144, seq_len=262144, activation_offload=True, tiled_mlp=True)
     est = estimate(shape, spec)  # 31 x 262144 x 4096 x 2 bytes = 62 GiB
     (name, status, detail), = check_host_offload(est, host_memory=128 * GIB)

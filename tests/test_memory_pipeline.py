@@ -36,12 +36,12 @@ from llmtrain.memory.spec import MIB, TrainSpec
 from llmtrain.parallel.pipeline.split import bubble_fraction, in_flight, rank_stages, stage_layers, virtual_stage_rank
 
 LLAMA = load_model_shape("llama-2-7b")
-FULL = dict(dtype="float32", mixed_precision="bf16", grad_checkpointing=True, strategy="fsdp", num_gpus=8,
+FULL = dict(dtype="float32", mixed_precision="bf16", gradient_checkpointing=True, strategy="fsdp", num_gpus=8,
             micro_batch_tokens=4096, seq_len=4096)
 
 
 def spec(**kw) -> TrainSpec:
-    return TrainSpec(**{**FULL, "num_nodes": 2, "pipeline_parallel": 2, "grad_accum": 4, **kw})
+    return TrainSpec(**{**FULL, "num_nodes": 2, "pipeline_parallel": 2, "grad_accum_steps": 4, **kw})
 
 
 def test_the_split_is_contiguous_balanced_and_weighs_the_embeddings_and_the_head():
@@ -126,13 +126,14 @@ def test_stage_parameters_sum_to_the_model(p, schedule, chunks):
     assert est.per_gpu_peak_bytes == max(x["per_gpu_peak_bytes"] for x in est.pipeline["stages"])
 
 
-@pytest.mark.parametrize("layout", [dict(strategy="fsdp", num_gpus=8), dict(strategy="fsdp", num_gpus=8, grad_accum=4),
+@pytest.mark.parametrize("layout", [dict(strategy="fsdp", num_gpus=8), dict(strategy="fsdp", num_gpus=8,
+                                                                            grad_accum_steps=4),
                                     dict(strategy="ddp", num_gpus=8), dict(strategy="single", num_gpus=1)])
 @pytest.mark.parametrize("ckpt", [True, False])
 def test_one_stage_holding_the_whole_model_is_the_estimates_model_phase_by_phase(layout, ckpt):
     """The stage model reuses estimate.py's phases: a stage of every layer with the embeddings and the head, one
     micro-batch in flight and no neighbour (no receive buffers) is the whole model's estimate, part by part."""
-    s = TrainSpec(**{**FULL, "grad_checkpointing": ckpt, **layout})
+    s = TrainSpec(**{**FULL, "gradient_checkpointing": ckpt, **layout})
     whole = Stage(0, (0,), (range(32),), True, True, (1,), 1)
     got, want = stage_estimate(LLAMA, s, whole), estimate(LLAMA, s)
     assert got.phase_parts == want.phase_parts and got.per_gpu_peak_bytes == want.per_gpu_peak_bytes
@@ -272,7 +273,7 @@ def test_the_refusals_are_collected_into_one_paragraph():
                                             "parallelism is modelled for full fine-tuning"):
         pipeline_estimate(LLAMA, spec(strategy="hsdp", method="lora"))
     with pytest.raises(LLMTrainError, match="multiple of them"):
-        pipeline_estimate(LLAMA, spec(pipeline_schedule="interleaved_1f1b", grad_accum=5))
+        pipeline_estimate(LLAMA, spec(pipeline_schedule="interleaved_1f1b", grad_accum_steps=5))
     with pytest.raises(LLMTrainError, match="need the interleaved schedule"):  # chunks without a pipeline too
         spec(pipeline_parallel=1, pipeline_chunks=2).validate()
     with pytest.raises(ValueError, match="estimate_run"):  # never a pipeline estimated as one model

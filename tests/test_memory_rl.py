@@ -63,7 +63,7 @@ def test_the_update_is_the_prompts_and_completions_and_trains_the_completions():
     """4 prompts x 4 completions at a 98-token prompt and 256 completion tokens: 16 sequences of 354 tokens packed
     in one row of 5664, of which the loss takes the 16 x 256 = 4096 completion tokens."""
     spec = spec_from_recipe(recipe(**GRPO), prompt_lengths=[98] * 10)
-    assert (spec.micro_batch, spec.seq_len, spec.prompt_tokens, spec.completion_tokens) == (16, 354, 98, 256)
+    assert (spec.micro_batch, spec.seq_len, spec.prompt_tokens, spec.max_completion_tokens) == (16, 354, 98, 256)
     p = make_pass(MISTRAL, spec)
     assert (p.rows, p.tokens, p.loss_tokens) == (1, 16 * 354, 4096)
     # evaluation and the sampler's prefill are not the update: every token but each example's last
@@ -75,7 +75,7 @@ def test_the_updates_token_budget_passes_whole_sequences():
     tokens, 1024 of them completions); the sampler still decodes all 16 at once, so the KV cache is unchanged."""
     grpo = {**GRPO, "rl": {**GRPO["rl"], "micro_batch_tokens": 1500}}
     spec = spec_from_recipe(recipe(**grpo), prompt_lengths=[98] * 10)
-    assert spec.update_tokens == 1500 and spec.micro_batch == 16
+    assert spec.rl_micro_batch_tokens == 1500 and spec.micro_batch == 16
     p = make_pass(MISTRAL, spec)
     assert (p.rows, p.tokens, p.loss_tokens) == (1, 4 * 354, 4 * 256)
     whole = spec_from_recipe(recipe(**GRPO), prompt_lengths=[98] * 10)
@@ -86,7 +86,7 @@ def test_the_updates_token_budget_passes_whole_sequences():
 @pytest.mark.parametrize("sequences", [2, 12, 40])
 def test_the_sampler_decodes_every_completion_of_the_micro_batch_at_once_and_no_more(sequences):
     """The fast sampler makes its cache for each rollout's rows exactly (no bucket: nothing is reused)."""
-    assert sampling_rows(TrainSpec(micro_batch=sequences, generations=2)) == sequences
+    assert sampling_rows(TrainSpec(micro_batch=sequences, num_generations=2)) == sequences
 
 
 def test_under_fsdp_sampling_holds_the_whole_model_gathered():
@@ -136,7 +136,7 @@ def test_sampling_time_is_the_decode_steps_reading_weights_and_cache():
     """Per round: 256 decode steps, each reading the weights a GPU holds and the whole static cache at 3.35 TB/s,
     plus the prefill of 4 prompts of 98 tokens at 2 FLOPs per matrix parameter (decoder linears and LM head) at
     40% of 989 TFLOP/s; two accumulation steps sample twice."""
-    spec = spec_from_recipe(recipe(**GRPO), prompt_lengths=[98] * 10).but(grad_accum=2)
+    spec = spec_from_recipe(recipe(**GRPO), prompt_lengths=[98] * 10).but(grad_accum_steps=2)
     weights = states(MISTRAL, spec, lora_plan(MISTRAL, r=16)).weights
     params = 32 * MISTRAL.linear_params_per_layer + 32768 * 4096
     by_hand = 2 * (256 * (weights + 742_391_808) / (H100_HBM_TBPS * 1e12)
@@ -145,10 +145,10 @@ def test_sampling_time_is_the_decode_steps_reading_weights_and_cache():
     assert 2.3 < by_hand < 2.5  # ~14.6 GB of weights, 256 times, twice
     traffic = step_traffic(MISTRAL, spec)
     assert traffic.sampling_s == pytest.approx(by_hand)
-    assert traffic.compute_s == pytest.approx(step_traffic(MISTRAL, spec.but(generations=0)).compute_s + by_hand)
+    assert traffic.compute_s == pytest.approx(step_traffic(MISTRAL, spec.but(num_generations=0)).compute_s + by_hand)
     # an H200's 4.8 TB/s reads them faster
     assert sampling_seconds(MISTRAL, spec, weight_bytes=weights, network=Network(hbm_tbps=4.8)) < by_hand
-    assert sampling_seconds(MISTRAL, spec.but(generations=0), weight_bytes=weights, network=Network()) == 0.0
+    assert sampling_seconds(MISTRAL, spec.but(num_generations=0), weight_bytes=weights, network=Network()) == 0.0
 
 
 def test_the_trainer_logs_the_estimate_at_its_prompts_and_the_worst_case_beside_it():

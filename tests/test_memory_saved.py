@@ -115,7 +115,7 @@ def test_layer_and_outside_bytes_equal_what_autograd_saves(attn, dtype, mp, padd
 
     shape = _shape_from_json(json.dumps({**TINY, "num_hidden_layers": 2}), "tiny")
     varlen = attn == "varlen"
-    spec = TrainSpec(attn=attn, dtype=dtype, mixed_precision=mp, micro_batch=B, seq_len=S,
+    spec = TrainSpec(attn_implementation=attn, dtype=dtype, mixed_precision=mp, micro_batch=B, seq_len=S,
                      method="full" if lora is None else "lora", lora_r=R, lora_dropout=lora or 0.0)
     p = make_pass(shape, spec)
     assert p.mask == (not varlen)  # padded rows are assumed whenever a micro-batch has more than one row
@@ -183,7 +183,8 @@ def test_adapters_without_dropout_share_their_input_only_in_the_compute_dtype(at
 
     shape = _shape_from_json(json.dumps({**TINY, "num_hidden_layers": 2}), "tiny")
     varlen = attn == "varlen"
-    spec = TrainSpec(attn=attn, dtype="bfloat16", mixed_precision="bf16", micro_batch=B, seq_len=S, method="lora",
+    spec = TrainSpec(attn_implementation=attn, dtype="bfloat16", mixed_precision="bf16", micro_batch=B, seq_len=S,
+                     method="lora",
                      lora_r=R, lora_dropout=0.0)
     p = replace(make_pass(shape, spec), mask=False, varlen_repeats_kv=False, adapters_in_cd=in_cd)
     lengths = [S + 6, S - 6] if varlen else [S] * B

@@ -30,7 +30,8 @@ SMALL = json.dumps({"model_type": "llama", "hidden_size": 64, "intermediate_size
 
 def long_context(**kw) -> TrainSpec:
     """Llama-3.1-8B LoRA (bf16 base, or nf4 with quantize) with the long-context switches, DDP on 8 GPUs."""
-    return TrainSpec(method="lora", dtype="bfloat16", mixed_precision="bf16", lora_dropout=0.0, grad_checkpointing=True,
+    return TrainSpec(method="lora", dtype="bfloat16", mixed_precision="bf16", lora_dropout=0.0,
+                     gradient_checkpointing=True,
                      activation_offload=True, tiled_mlp=True, strategy="ddp", num_gpus=8, **kw)
 
 
@@ -73,8 +74,8 @@ def test_the_all_to_all_bytes_by_hand_on_a_small_shape():
     2 micro-batches = 98,304 bytes, of which a GPU sends 3/4: 73,728. The buffers in flight add the K and V they were
     repeated from: 2 x 16 x 2 x 16 x 2 = 2,048."""
     shape = _shape_from_json(SMALL, "small")
-    spec = TrainSpec(mixed_precision="bf16", dtype="bfloat16", micro_batch_tokens=64, seq_len=64, grad_accum=2,
-                     grad_checkpointing=True, strategy="fsdp", num_gpus=4, sequence_parallel=4)
+    spec = TrainSpec(mixed_precision="bf16", dtype="bfloat16", micro_batch_tokens=64, seq_len=64, grad_accum_steps=2,
+                     gradient_checkpointing=True, strategy="fsdp", num_gpus=4, sequence_parallel=4)
     p = make_pass(shape, spec)
     assert (p.tokens, act.all_to_all_bytes(p, shape), act.all_to_all_temp(p, shape)) == (16, 8192, 8192 + 2048)
     sq = sequence_traffic(shape, spec)
@@ -89,7 +90,7 @@ def test_the_all_to_all_bytes_by_hand_on_a_small_shape():
         ("nvlink", 73728, 73728 * 8 / 3600e9, 73728 * 8 / 400e9)
     # N = 2 divides the 2 K/V heads (1 a GPU): 32 tokens x (64 + 16 + 16 + 64) x 2 = 12,288 a layer, nothing
     # repeated; without checkpointing 2 rounds x 2 layers x 1 micro-batch, half of it sent
-    two = spec.but(sequence_parallel=2, grad_accum=1, grad_checkpointing=False)
+    two = spec.but(sequence_parallel=2, grad_accum_steps=1, gradient_checkpointing=False)
     p2 = make_pass(shape, two)
     assert act.all_to_all_bytes(p2, shape) == act.all_to_all_temp(p2, shape) == 12288
     assert (sequence_traffic(shape, two).payload, sequence_traffic(shape, two).sent) == (49152, 24576)
@@ -110,7 +111,7 @@ def test_the_step_compute_of_a_gpu_is_1_over_n_of_its_groups():
 @pytest.mark.parametrize(("spec", "message"), [
     ({"num_gpus": 6, "sequence_parallel": 4}, "must divide the GPUs: 6 (6 a node x 1) do not split into groups of 4"),
     ({"num_gpus": 6, "sequence_parallel": 3}, "the model's 32 attention heads do not split into 3 equal groups"),
-    ({"num_gpus": 8, "sequence_parallel": 2, "attn": "sdpa"}, "varlen attention"),
+    ({"num_gpus": 8, "sequence_parallel": 2, "attn_implementation": "sdpa"}, "varlen attention"),
     ({"num_gpus": 8, "sequence_parallel": 2, "strategy": "fsdp", "method": "full", "tp": 2}, "tensor parallelism"),
 ])
 def test_the_refusals(spec, message):

@@ -59,17 +59,19 @@ def build_model(tmp_path, spec: TrainSpec, cfg: dict, *, reward_head: bool = Fal
     """The model as train() builds it for `spec`: its loss attached (a reward model's score), under bf16 autocast
     as Accelerator.prepare_model wraps the forward."""
     from accelerate.utils import convert_outputs_to_fp32
-    from transformers import LlamaConfig
+    from transformers import AutoConfig
 
     from llmtrain.config import LoraConfig, ModelConfig
     from llmtrain.model.loss import attach_loss
     from llmtrain.model.modeling import load_model
     from llmtrain.model.score import attach_score
 
-    LlamaConfig(**{k: v for k, v in cfg.items() if k != "model_type"}).save_pretrained(tmp_path / "m")
+    AutoConfig.for_model(cfg["model_type"], **{k: v for k, v in cfg.items() if k != "model_type"}).save_pretrained(
+        tmp_path / "m")
     torch.manual_seed(0)
     model = load_model(ModelConfig(name_or_path=str(tmp_path / "m"), random_init=True, dtype=spec.dtype,
-                                   attn_implementation=spec.attn, gradient_checkpointing=spec.grad_checkpointing,
+                                   attn_implementation=spec.attn_implementation,
+                                   gradient_checkpointing=spec.gradient_checkpointing,
                                    kernels="none", tiled_mlp=spec.tiled_mlp),
                        LoraConfig(r=spec.lora_r, dropout=spec.lora_dropout) if spec.method == "lora" else None,
                        reward_head=reward_head)
@@ -139,33 +141,36 @@ def measured_peak(tmp_path, monkeypatch, spec: TrainSpec, cfg: dict) -> int:
 
 # Three shapes: with a 4096 vocabulary and one loss chunk, or 16384 and chunks of 128, the loss is the
 # step's peak (exact bookkeeping); with 256 a decoder layer's backward or forward is, where temporaries
-# are modelled per op and land within 5%. `attn="auto"` is the trainer's default: varlen on one packed row.
+# are modelled per op and land within 5%. `attn_implementation="auto"` is the trainer's default: varlen on one packed
+# row.
 LOSS, CHUNKED, LAYERS = 4096, 16384, 256
 LORA = dict(method="lora", lora_r=8, dtype="bfloat16")
 CASES = [  # (vocab, spec)
-    (LOSS, TrainSpec(attn="eager", micro_batch=4, seq_len=128)),
-    pytest.param(LOSS, TrainSpec(attn="sdpa", micro_batch=4, seq_len=128, mixed_precision="bf16",
-                                 grad_checkpointing=True), marks=pytest.mark.extended),  # the LAYERS case of it: below
-    pytest.param(LOSS, TrainSpec(**LORA, attn="sdpa", mixed_precision="bf16", micro_batch=4, seq_len=128),
-                 marks=pytest.mark.extended),  # the LAYERS case of it: below
-    (LOSS, TrainSpec(**LORA, attn="sdpa", micro_batch=1, seq_len=256)),
+    (LOSS, TrainSpec(attn_implementation="eager", micro_batch=4, seq_len=128)),
+    # extended: the LAYERS cases of these two, below
+    pytest.param(LOSS, TrainSpec(attn_implementation="sdpa", micro_batch=4, seq_len=128, mixed_precision="bf16",
+                                 gradient_checkpointing=True), marks=pytest.mark.extended),
+    pytest.param(LOSS, TrainSpec(**LORA, attn_implementation="sdpa", mixed_precision="bf16", micro_batch=4,
+                                 seq_len=128), marks=pytest.mark.extended),
+    (LOSS, TrainSpec(**LORA, attn_implementation="sdpa", micro_batch=1, seq_len=256)),
     (LOSS, TrainSpec(micro_batch=4, seq_len=128)),
     (LOSS, TrainSpec(**LORA, mixed_precision="bf16", micro_batch=4, seq_len=128)),
-    (LOSS, TrainSpec(micro_batch_tokens=512, seq_len=256, mixed_precision="bf16", grad_checkpointing=True)),
-    (CHUNKED, TrainSpec(attn="eager", micro_batch=4, seq_len=128, loss_chunk_tokens=128)),
+    (LOSS, TrainSpec(micro_batch_tokens=512, seq_len=256, mixed_precision="bf16", gradient_checkpointing=True)),
+    (CHUNKED, TrainSpec(attn_implementation="eager", micro_batch=4, seq_len=128, loss_chunk_tokens=128)),
     # extended (the slowest, 25 s each): the chunked loss's bytes are the eager and token-budget cases' beside them
-    pytest.param(CHUNKED, TrainSpec(attn="sdpa", micro_batch=4, seq_len=128, mixed_precision="bf16",
-                                    grad_checkpointing=True, loss_chunk_tokens=128), marks=pytest.mark.extended),
-    pytest.param(CHUNKED, TrainSpec(**LORA, attn="sdpa", mixed_precision="bf16", micro_batch=4, seq_len=128,
-                                    loss_chunk_tokens=128), marks=pytest.mark.extended),
+    pytest.param(CHUNKED, TrainSpec(attn_implementation="sdpa", micro_batch=4, seq_len=128, mixed_precision="bf16",
+                                    gradient_checkpointing=True, loss_chunk_tokens=128), marks=pytest.mark.extended),
+    pytest.param(CHUNKED, TrainSpec(**LORA, attn_implementation="sdpa", mixed_precision="bf16", micro_batch=4,
+                                    seq_len=128, loss_chunk_tokens=128), marks=pytest.mark.extended),
     (CHUNKED, TrainSpec(micro_batch_tokens=512, seq_len=256, loss_chunk_tokens=100)),
-    (LAYERS, TrainSpec(attn="eager", micro_batch=4, seq_len=128)),
-    (LAYERS, TrainSpec(attn="sdpa", micro_batch=4, seq_len=128, mixed_precision="bf16")),
-    (LAYERS, TrainSpec(attn="eager", micro_batch=4, seq_len=128, mixed_precision="bf16", grad_checkpointing=True)),
-    (LAYERS, TrainSpec(attn="sdpa", micro_batch=4, seq_len=64, packing=True, mixed_precision="bf16")),
-    (LAYERS, TrainSpec(**LORA, attn="sdpa", mixed_precision="bf16", micro_batch=4, seq_len=128)),
-    (LAYERS, TrainSpec(**LORA, attn="sdpa", mixed_precision="bf16", micro_batch=4, seq_len=128,
-                       grad_checkpointing=True)),
+    (LAYERS, TrainSpec(attn_implementation="eager", micro_batch=4, seq_len=128)),
+    (LAYERS, TrainSpec(attn_implementation="sdpa", micro_batch=4, seq_len=128, mixed_precision="bf16")),
+    (LAYERS, TrainSpec(attn_implementation="eager", micro_batch=4, seq_len=128, mixed_precision="bf16",
+                       gradient_checkpointing=True)),
+    (LAYERS, TrainSpec(attn_implementation="sdpa", micro_batch=4, seq_len=64, packing=True, mixed_precision="bf16")),
+    (LAYERS, TrainSpec(**LORA, attn_implementation="sdpa", mixed_precision="bf16", micro_batch=4, seq_len=128)),
+    (LAYERS, TrainSpec(**LORA, attn_implementation="sdpa", mixed_precision="bf16", micro_batch=4, seq_len=128,
+                       gradient_checkpointing=True)),
     (LAYERS, TrainSpec(micro_batch=4, seq_len=128, mixed_precision="bf16")),
     (LAYERS, TrainSpec(**LORA, mixed_precision="bf16", micro_batch_tokens=512, seq_len=256)),
 ]
@@ -217,7 +222,8 @@ def test_estimate_matches_a_real_step(tmp_path, monkeypatch, one_thread, vocab, 
 EVAL_CASES = [  # (vocab, spec): evaluate() runs compute_loss(return_hits=True) under no_grad
     (LOSS, TrainSpec(micro_batch=4, seq_len=128, eval_micro_batch=4)),
     (LOSS, TrainSpec(micro_batch=4, seq_len=128, eval_micro_batch=4, mixed_precision="bf16", loss_chunk_tokens=100)),
-    (LOSS, TrainSpec(attn="eager", micro_batch=4, seq_len=128, eval_micro_batch=4, loss_chunk_tokens=100)),
+    (LOSS, TrainSpec(attn_implementation="eager", micro_batch=4, seq_len=128, eval_micro_batch=4,
+                     loss_chunk_tokens=100)),
     (LAYERS, TrainSpec(**LORA, mixed_precision="bf16", micro_batch=4, seq_len=128, eval_micro_batch=4)),
     (LAYERS, TrainSpec(**LORA, micro_batch=4, seq_len=128, eval_micro_batch=4)),
 ]

@@ -1,4 +1,5 @@
-"""Bytes that a Llama/Mistral forward keeps for backward, as transformers and peft run it.
+"""Bytes that a decoder's forward keeps for backward, as transformers and peft run it: Llama's layer, and where a
+family's differs (params.FAMILIES: QK-norm, Gemma's four fp32 norms and two RoPEs, Phi's fused projections), theirs.
 
 Every function here is plain arithmetic on a `Pass` (the shapes and dtypes of one micro-batch), so
 each can be checked by hand. The per-layer terms were read off transformers' LlamaDecoderLayer and
@@ -69,25 +70,57 @@ class Pass:
         return self.loss_positions if self.loss_positions is not None else max(1, self.tokens - self.examples)
 
 
-def norm_bytes(p: Pass, hidden: int, *, trainable: bool) -> int:
-    """RMSNorm: the fp32 input for pow/mul (x itself when the stream is fp32), rsqrt (T x 1 fp32), and
-    the normalised input in the stream dtype for the weight's gradient when the weight trains."""
-    return p.tokens * hidden * (FP32 + (p.resid if trainable else 0)) + p.tokens * FP32
+def norm_bytes(p: Pass, hidden: int, *, trainable: bool, gemma: bool = False, width: int | None = None,
+               groups: int = 1) -> int:
+    """RMSNorm: the fp32 input for pow/mul (x itself when the stream is fp32), rsqrt (T x groups fp32: one per
+    token, or per head for QK-norm), and, when the weight trains, the normalised input for its gradient: in the
+    input's dtype (`width`, the stream's unless given) for Llama's `w * x.to(dtype)`, in fp32 for Gemma's
+    `(x * rsqrt) * (1 + w.float())`."""
+    trained = (FP32 if gemma else width or p.resid) if trainable else 0
+    return p.tokens * hidden * (FP32 + trained) + p.tokens * groups * FP32
 
 
-def layer_norm_bytes(p: Pass, hidden: int, *, trainable: bool) -> int:
+def layer_norm_bytes(p: Pass, hidden: int, *, trainable: bool, gemma: bool = False) -> int:
     """A decoder layer's RMSNorm (before attention, before the MLP): norm_bytes, or under model.tiled_mlp, tiled with
     the MLP (model/tiled_mlp.TILED_NORMS), only its input (T x H, stream dtype): a shard's fp32 tensors exist in its
     backward only (norm_backward_temp)."""
-    return p.tokens * hidden * p.resid if p.mlp_shard else norm_bytes(p, hidden, trainable=trainable)
+    return p.tokens * hidden * p.resid if p.mlp_shard else norm_bytes(p, hidden, trainable=trainable, gemma=gemma)
+
+
+def qk_norm_bytes(p: Pass, shape: ModelShape) -> int:
+    """QK-norm (Qwen3, Gemma 3): an RMSNorm over each head of q and of k, on q_proj's and k_proj's outputs (the
+    compute dtype) before RoPE; 0 for the families without it."""
+    if not shape.qk_norm:
+        return 0
+    full, g = p.trainable_base, shape.gemma_norms
+    return sum(norm_bytes(p, heads * shape.head_dim, trainable=full, gemma=g, width=p.cd, groups=heads)
+               for heads in (shape.heads, shape.kv_heads))
+
+
+def post_norm_bytes(p: Pass, shape: ModelShape) -> int:
+    """Gemma's norm of a half's output (of o_proj, of down_proj) before the residual add: T x H in fp32 from the
+    compute dtype; 0 for the families without it."""
+    return norm_bytes(p, shape.hidden, trainable=p.trainable_base, gemma=True) if shape.gemma_norms else 0
 
 
 def kv_width(p: Pass, shape: ModelShape) -> int:
     """K/V heads as attention saves them: repeated to all heads by eager, by SDPA when a mask is passed
     (transformers only uses SDPA's enable_gqa without a mask), and by varlen on a torch without GQA. Under sequence
     parallelism, per token of this GPU's share: the heads that enter the all-to-all (sequence_kv_heads)."""
-    repeated = p.attn == "eager" or (p.attn == "sdpa" and p.mask) or (p.attn == "varlen" and p.varlen_repeats_kv)
-    return (shape.heads if repeated else sequence_kv_heads(p.sequence_parallel, shape.kv_heads)) * shape.head_dim
+    return (shape.heads if kv_repeated(p) else sequence_kv_heads(p.sequence_parallel, shape.kv_heads)) * shape.head_dim
+
+
+def kv_repeated(p: Pass) -> bool:
+    """Attention gets K/V repeated to every query head (eager, SDPA with a mask, varlen on a torch without GQA)."""
+    return p.attn == "eager" or (p.attn == "sdpa" and p.mask) or (p.attn == "varlen" and p.varlen_repeats_kv)
+
+
+def fused_view_bytes(p: Pass, shape: ModelShape) -> int:
+    """Phi's fused qkv_proj: v is a view of its output, so where attention saves v as it is (K/V not repeated, or
+    as many K/V heads as query heads) the whole output stays alive, q's and k's parts beside v's."""
+    if not shape.fused_qkv or (kv_repeated(p) and shape.heads != shape.kv_heads):
+        return 0
+    return p.tokens * (shape.heads + shape.kv_heads) * shape.head_dim * p.cd
 
 
 def all_to_all_bytes(p: Pass, shape: ModelShape) -> int:
@@ -122,11 +155,11 @@ def attention_bytes(p: Pass, shape: ModelShape, *, o_trainable: bool) -> int:
     scores = p.rows * shape.heads * p.row_len * p.row_len
     if p.attn == "eager":
         probs = scores * (FP32 + (p.cd if p.cd != FP32 else 0))
-        return qkv + probs + (T * hq * p.cd if o_trainable else 0)
+        return qkv + probs + (T * hq * p.cd if o_trainable else 0) + fused_view_bytes(p, shape)
     lse = p.rows * shape.heads * p.row_len * FP32
     bias = p.rows * p.row_len * p.row_len * p.cd if (p.attn == "sdpa" and p.mask) else 0
     o_input = T * hq * p.cd if (o_trainable and p.sequence_parallel > 1) else 0
-    return qkv + T * hq * p.cd + lse + bias + o_input
+    return qkv + T * hq * p.cd + lse + bias + o_input + fused_view_bytes(p, shape)
 
 
 def mlp_pass(p: Pass) -> Pass:
@@ -176,15 +209,17 @@ def _adapters(adapted: dict[str, tuple[int, int]], half: str) -> list[int]:
 
 
 def attn_half_bytes(p: Pass, shape: ModelShape, adapted: dict[str, tuple[int, int]], r: int) -> int:
-    """Saved by the first half of a decoder layer: input norm, q/k/v inputs, attention, its adapters."""
+    """Saved by the first half of a decoder layer: input norm, q/k/v inputs, QK-norm, attention, its adapters (and
+    Gemma's norm of its output)."""
     full, H = p.trainable_base, shape.hidden
-    total = layer_norm_bytes(p, H, trainable=full) + attention_bytes(p, shape, o_trainable=full)
-    if full:  # q, k and v read one input; o_proj reads the attention output (counted above)
-        total += linear_input_bytes(p, H, 3)
+    readers = shape.input_linears[0]
+    total = layer_norm_bytes(p, H, trainable=full, gemma=shape.gemma_norms) + \
+        attention_bytes(p, shape, o_trainable=full) + qk_norm_bytes(p, shape) + post_norm_bytes(p, shape)
+    if full:  # q, k and v (or qkv_proj) read one input; o_proj reads the attention output (counted above)
+        total += linear_input_bytes(p, H, len(readers))
     # o_proj's input: the kernel's output (saved by it), or under sequence parallelism its all-to-all back
     o_input = {("self_attn.o_proj",): shape.heads * shape.head_dim} if p.sequence_parallel > 1 else {}
-    total += shared_adapter_inputs(p, adapted, {("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"): H,
-                                                **o_input})
+    total += shared_adapter_inputs(p, adapted, {readers: H, **o_input})
     return total + sum(lora_bytes(p, fan_in, r) for fan_in in _adapters(adapted, "self_attn."))
 
 
@@ -192,10 +227,11 @@ def mlp_half_bytes(p: Pass, shape: ModelShape, adapted: dict[str, tuple[int, int
     """Saved by the second half: post-attention norm, gate/up inputs, the SwiGLU, its adapters. Tiled, the norm and
     the MLP keep only their inputs (T x H each, stream dtype); a shard's tensors exist in its backward only
     (tiled_shard_bytes, norm_backward_temp)."""
-    full, H = p.trainable_base, shape.hidden
+    full, H, g = p.trainable_base, shape.hidden, shape.gemma_norms
     if p.mlp_shard:
-        return layer_norm_bytes(p, H, trainable=full) + p.tokens * H * p.resid
-    return norm_bytes(p, H, trainable=full) + mlp_tensors_bytes(p, shape, adapted, r)
+        return layer_norm_bytes(p, H, trainable=full, gemma=g) + p.tokens * H * p.resid + post_norm_bytes(p, shape)
+    return norm_bytes(p, H, trainable=full, gemma=g) + mlp_tensors_bytes(p, shape, adapted, r) + \
+        post_norm_bytes(p, shape)
 
 
 def tiled_shard_bytes(p: Pass, shape: ModelShape, adapted: dict[str, tuple[int, int]], r: int) -> int:
@@ -207,11 +243,11 @@ def tiled_shard_bytes(p: Pass, shape: ModelShape, adapted: dict[str, tuple[int, 
 def mlp_tensors_bytes(p: Pass, shape: ModelShape, adapted: dict[str, tuple[int, int]], r: int) -> int:
     """The MLP's own saved tensors (gate/up inputs, the SwiGLU, its adapters), the norm before it not counted."""
     full, H = p.trainable_base, shape.hidden
+    readers = shape.input_linears[1]
     total = mlp_bytes(p, shape, down_trainable=full)
-    if full:  # gate and up read one input; down_proj reads the product (counted above)
-        total += linear_input_bytes(p, H, 2)
-    total += shared_adapter_inputs(p, adapted, {("mlp.gate_proj", "mlp.up_proj"): H,
-                                                ("mlp.down_proj",): shape.intermediate})
+    if full:  # gate and up (or gate_up_proj) read one input; down_proj reads the product (counted above)
+        total += linear_input_bytes(p, H, len(readers))
+    total += shared_adapter_inputs(p, adapted, {readers: H, ("mlp.down_proj",): shape.intermediate})
     return total + sum(lora_bytes(p, fan_in, r) for fan_in in _adapters(adapted, "mlp."))
 
 
@@ -238,7 +274,7 @@ def frozen_input_discount(p: Pass, shape: ModelShape, adapted: dict[str, tuple[i
     gradient, so the input norm saves nothing and q/k/v adapters keep no dropout mask."""
     attn_in = [fan_in for name, (fan_in, _) in adapted.items() if name.endswith(("q_proj", "k_proj", "v_proj"))]
     masks = sum(p.tokens * fan_in * p.dropout_mask_bytes for fan_in in attn_in) if p.lora_dropout > 0 else 0
-    return layer_norm_bytes(p, shape.hidden, trainable=False) + masks
+    return layer_norm_bytes(p, shape.hidden, trainable=False, gemma=shape.gemma_norms) + masks
 
 
 def checkpoint_bytes(p: Pass, shape: ModelShape) -> int:
@@ -247,8 +283,9 @@ def checkpoint_bytes(p: Pass, shape: ModelShape) -> int:
 
 
 def rope_bytes(p: Pass, shape: ModelShape) -> int:
-    """RoPE cos and sin, b x s x head_dim each in the stream dtype, made once and saved by every layer."""
-    return 2 * p.rows * p.row_len * shape.head_dim * p.resid
+    """RoPE cos and sin, b x s x the rotated dims each in the stream dtype, made once and saved by every layer (Gemma
+    3: a pair for its local layers and one for its global ones)."""
+    return 2 * shape.rope_sets * p.rows * p.row_len * shape.rotary_dim * p.resid
 
 
 def stream_inputs_bytes(p: Pass, shape: ModelShape, *, embed_trainable: bool) -> int:
@@ -261,15 +298,16 @@ def outside_layers_bytes(p: Pass, shape: ModelShape, *, embed_trainable: bool, n
     """Saved outside the decoder layers: the stream's inputs, the final norm, and the loss's input. The LM
     head saves nothing past the forward (trainable or not, adapted or not): it runs inside the chunks."""
     return (stream_inputs_bytes(p, shape, embed_trainable=embed_trainable)
-            + norm_bytes(p, shape.hidden, trainable=norm_trainable) + loss_input_bytes(p, shape))
+            + norm_bytes(p, shape.hidden, trainable=norm_trainable, gemma=shape.gemma_norms)
+            + loss_input_bytes(p, shape))
 
 
-def mask_bytes(p: Pass) -> int:
-    """The 4-D mask transformers builds once per forward: bool for SDPA, a stream-dtype additive mask
-    for eager (always built); flash-attention needs none."""
+def mask_bytes(p: Pass, masks: int = 1) -> int:
+    """The 4-D masks transformers builds once per forward (`masks`: Gemma 3 builds a causal and a sliding-window
+    one): bool for SDPA, a stream-dtype additive mask for eager (always built); flash-attention needs none."""
     if p.attn == "eager":
-        return p.rows * p.row_len * p.row_len * p.resid
-    return p.rows * p.row_len * p.row_len if (p.attn == "sdpa" and p.mask) else 0
+        return masks * p.rows * p.row_len * p.row_len * p.resid
+    return masks * p.rows * p.row_len * p.row_len if (p.attn == "sdpa" and p.mask) else 0
 
 
 def lora_forward_temp(p: Pass, fan_in: int, fan_out: int) -> int:
@@ -343,7 +381,9 @@ def attn_backward_temp(p: Pass, shape: ModelShape, adapted: dict[str, tuple[int,
         attn = p.rows * shape.heads * p.row_len * p.row_len * 2 * FP32
     else:
         attn = T * (hq * (2 * p.cd + FP32) + 2 * kv_width(p, shape) * p.cd)
-    return max([attn] + [lora_backward_temp(p, fan_in) for fan_in in _adapters(adapted, "self_attn.")]) + \
+    # QK-norm's backward, once the kernel's is done: dq, dk, dv held, and q's norm's five fp32 temporaries
+    qk = T * ((hq + 2 * shape.kv_heads * shape.head_dim) * p.cd + 5 * hq * FP32) if shape.qk_norm else 0
+    return max([attn, qk] + [lora_backward_temp(p, fan_in) for fan_in in _adapters(adapted, "self_attn.")]) + \
         all_to_all_temp(p, shape)
 
 
@@ -357,7 +397,7 @@ def eval_layer_bytes(p: Pass, shape: ModelShape, adapted: dict[str, tuple[int, i
     T, I, m = p.tokens, shape.intermediate, mlp_pass(p).tokens  # m: the tokens the MLP runs at once
     scores = p.rows * shape.heads * p.row_len * p.row_len if p.attn == "eager" else 0
     mlp = 3 * m * I * p.cd
-    if "mlp.up_proj" in adapted:
+    if any(name in adapted for name in shape.input_linears[1]):  # up_proj (Phi: gate_up_proj) adapted
         cast = m * shape.hidden * FP32 if p.resid != FP32 else 0
         mlp = max(mlp, m * I * (2 * p.cd + 2 * (p.cd if p.autocast else FP32)) + cast)
     return 4 * T * shape.hidden * p.resid + rope_bytes(p, shape) + max(mlp + scores * p.resid, scores * (p.cd + FP32))

@@ -25,6 +25,9 @@ RUN_OPTIONS = {
     "activation_offload": "model.activation_offload", "tiled_mlp": "model.tiled_mlp",
     "sequence_parallel": "parallel.sequence_parallel",
 }
+# The options whose TrainSpec field is named after its recipe key, not after the (shorter) option.
+SPEC_FIELDS = {"grad_accum": "grad_accum_steps", "grad_checkpointing": "gradient_checkpointing",
+               "attn": "attn_implementation"}
 # What `--method lora` without --dtype assumes: every shipped LoRA recipe keeps its frozen base in bf16.
 LORA_BASE_DTYPE = "bfloat16"
 # The exit status when the run does not fit (with --fit: when no configuration fits the GPUs), so that a script can
@@ -39,7 +42,8 @@ def estimate_memory(
                                                              help="Dotted recipe overrides, as for finetune.")] = None,
     model: Annotated[Optional[str], typer.Option(
         "--model", help="Estimate from a model's config.json alone: a directory, a config.json, a preset "
-        "(llama-2-7b, llama-3-8b, mistral-7b) or a hub id.")] = None,
+        "(llama-2-7b, llama-3-8b, mistral-7b, llama-3.2-3b, qwen3-8b, qwen2.5-7b, gemma-3-4b, gemma-3-12b, phi-4, "
+        "phi-4-mini) or a hub id.")] = None,
     method: Annotated[Optional[Literal["full", "lora"]], typer.Option(
         help="Full fine-tune or LoRA (QLoRA: --method lora --quantize nf4).")] = None,
     lora_r: Annotated[Optional[int], typer.Option(help="LoRA rank (all linear layers but the LM head).")] = None,
@@ -225,9 +229,9 @@ def _render(est, advice: str, traffic, launch_mp: str | None, result, *, global_
         if global_batch:  # the recipe's per-GPU batch times these GPUs: say what --fit keeps, it may not be intended
             unit = "tokens" if spec.micro_batch_tokens else "examples"
             typer.echo(f"--fit keeps the global batch at {global_batch:,} {unit} a step: the recipe's "
-                       f"{global_batch // (spec.grad_accum * spec.data_ranks)} x {spec.grad_accum} accumulation per "
-                       f"GPU on "
-                       f"{spec.data_ranks} data-parallel GPUs; set train.grad_accum_steps for another")
+                       f"{global_batch // (spec.grad_accum_steps * spec.data_ranks)} x {spec.grad_accum_steps} "
+                       f"accumulation per GPU on {spec.data_ranks} data-parallel GPUs; set train.grad_accum_steps "
+                       "for another")
         render_fit(result, target=target)
 
 
@@ -298,7 +302,7 @@ def _from_model(model: str, overrides, run: dict, launch: dict):
         assumed = ("float32 weights and no autocast, a recipe's defaults: a full fine-tune as the shipped 7B recipes "
                    "run it is --mixed-precision bf16 (fp32 master weights, bf16 compute); --dtype bfloat16 "
                    "stores the weights in bf16 too",)
-    return shape, TrainSpec(**run, **launch), None, None, assumed
+    return shape, TrainSpec(**{SPEC_FIELDS.get(k, k): v for k, v in run.items()}, **launch), None, None, assumed
 
 
 def _option_for(override: str) -> str:
@@ -375,7 +379,7 @@ def _fit_dict(result) -> dict:
         "accelerate_config": result.accelerate_config, "launch_flags": list(result.launch_flags), "note": result.note,
         "best": result.best.estimate.to_dict() if result.best else None,
         "candidates": [{"strategy": c.spec.strategy, "pipeline_parallel": c.spec.pipeline_parallel,
-                        "grad_checkpointing": c.spec.grad_checkpointing,
+                        "gradient_checkpointing": c.spec.gradient_checkpointing,
                         "micro_batch": c.spec.micro_batch, "micro_batch_tokens": c.spec.micro_batch_tokens,
                         "size": size(c.spec), "per_gpu_peak_bytes": c.estimate.per_gpu_peak_bytes,
                         "relative_throughput": round(c.score, 4)} for c in result.candidates],

@@ -10,7 +10,7 @@ over the GPUs' own network cards, so of what a GPU sends, 1/(GPUs per node) leav
 rest goes over NVLink. HSDP's replica all-reduce runs between the GPUs of the same place on each node: all of it
 crosses the network.
 
-Per optimizer step of `grad_accum` micro-batches:
+Per optimizer step of `grad_accum_steps` micro-batches:
 - DDP: one all-reduce of the trainable gradients (the other micro-batches accumulate under no_sync).
 - FSDP: every micro-batch all-gathers the parameters of each decoder layer and of the input embeddings for forward
   and again for backward (they are resharded after forward), and those of the tail (final norm and LM head, with the
@@ -224,8 +224,8 @@ def sequence_traffic(shape: ModelShape, spec: TrainSpec) -> SequenceTraffic | No
     from llmtrain.memory.estimate import make_pass
 
     per_layer = float(act.all_to_all_bytes(make_pass(shape, spec), shape))
-    passes = 3 if spec.grad_checkpointing else 2
-    payload = spec.grad_accum * shape.layers * passes * per_layer
+    passes = 3 if spec.gradient_checkpointing else 2
+    payload = spec.grad_accum_steps * shape.layers * passes * per_layer
     g = spec.num_gpus
     inter = (n - g) / n * payload if n > g else 0.0
     return SequenceTraffic(n, g, payload, per_layer, passes, all_to_all(payload, n) - inter, inter)
@@ -279,7 +279,7 @@ def collectives(spec: TrainSpec, *, trainable_bytes: float, gathered: Gathered,
     """The collectives of one optimizer step for spec's strategy over its GPUs and nodes. Under FSDP x TP the
     payloads are those of one GPU's slice, and `activations` the bytes of one micro-batch's tokens x hidden summed
     over the decoder layers (tensor_parallel_activations)."""
-    m, a = spec.num_nodes, spec.grad_accum
+    m, a = spec.num_nodes, spec.grad_accum_steps
     per_step = a * (2 * gathered.resharded + gathered.tail)
     scatters = a if spec.fsdp_accumulate == "sharded" else 1  # reduce-scatters of the gradients per step
     each = f" x {scatters} micro-batches" if scatters > 1 else ""
@@ -289,7 +289,7 @@ def collectives(spec: TrainSpec, *, trainable_bytes: float, gathered: Gathered,
         return (Collective("all-reduce of the trainable gradients", "all_reduce", trainable_bytes, spec.world, "job"),)
     tp = ()
     if spec.tp > 1:
-        per_layer = 5 if spec.grad_checkpointing else 4
+        per_layer = 5 if spec.gradient_checkpointing else 4
         tp = (Collective(f"all-reduce of the activations in the TP group, {per_layer} a layer x {a} micro-batches",
                          "all_reduce", a * per_layer * activations, spec.tp, "node"),)
     if spec.strategy == "fsdp":
@@ -340,7 +340,7 @@ def step_flops(shape: ModelShape, spec: TrainSpec, trainable_linear_share: float
     trained and 4 per frozen matrix parameter per token, and attention's 6 L heads head_dim per l^2, with every
     example seq_len long (a token budget: as many full-length examples as fit). Under sequence parallelism a GPU
     does 1/N of its group's: the layers on its 1/N of the tokens, attention for 1/N of the heads over all of them."""
-    tokens = spec.tokens * spec.grad_accum
+    tokens = spec.tokens * spec.grad_accum_steps
     body = shape.layers * shape.linear_params_per_layer * (4 + 2 * trainable_linear_share)
     head = shape.head_outputs * shape.hidden * (6 if spec.method == "full" else 4)
     attn = 6.0 * shape.layers * shape.heads * shape.head_dim * tokens * min(spec.seq_len, spec.tokens)
@@ -348,23 +348,23 @@ def step_flops(shape: ModelShape, spec: TrainSpec, trainable_linear_share: float
 
 
 def sampling_seconds(shape: ModelShape, spec: TrainSpec, *, weight_bytes: float, network: Network) -> float:
-    """Online RL's sampling per optimizer step (0 without): grad_accum rounds, each the prefill of the micro-batch's
-    prompts (their model FLOPs, 2 per parameter per token, at the stated MFU) and rl.max_completion_tokens decode
-    steps. A decode step of a few dozen rows is bound by memory, not FLOPs: it reads every weight once (the
-    adapters unmerged beside them; under FSDP the whole gathered model, not the GPU's shard) and the static KV cache
-    (estimate.kv_cache_bytes, whole: the step has a fixed shape), so it takes those bytes over the GPU's memory
-    bandwidth."""
-    if not spec.generations:
+    """Online RL's sampling per optimizer step (0 without): grad_accum_steps rounds, each the prefill of the
+    micro-batch's prompts (their model FLOPs, 2 per parameter per token, at the stated MFU) and
+    rl.max_completion_tokens decode steps. A decode step of a few dozen rows is bound by memory, not FLOPs: it reads
+    every weight once (the adapters unmerged beside them; under FSDP the whole gathered model, not the GPU's shard)
+    and the static KV cache (estimate.kv_cache_bytes, whole: the step has a fixed shape), so it takes those bytes over
+    the GPU's memory bandwidth."""
+    if not spec.num_generations:
         return 0.0
     from llmtrain.memory.estimate import kv_cache_bytes
 
-    prompts = max(1, spec.micro_batch // spec.generations)
+    prompts = max(1, spec.micro_batch // spec.num_generations)
     if spec.sharded:  # FSDP: the rollout gathered the whole model (gathered_for_generation), in the compute dtype
         weight_bytes = shape.params_total * DTYPE_BYTES[PRECISION_DTYPE.get(spec.mixed_precision, spec.dtype)]
     params = shape.layers * shape.linear_params_per_layer + shape.vocab * shape.hidden
     prefill = 2.0 * params * prompts * spec.prompt_tokens / (network.peak_tflops * 1e12 * network.mfu)
-    decode = spec.completion_tokens * (weight_bytes + kv_cache_bytes(shape, spec)) / (network.hbm_tbps * 1e12)
-    return spec.grad_accum * (prefill + decode)
+    decode = spec.max_completion_tokens * (weight_bytes + kv_cache_bytes(shape, spec)) / (network.hbm_tbps * 1e12)
+    return spec.grad_accum_steps * (prefill + decode)
 
 
 def traffic(shape: ModelShape, spec: TrainSpec, *, trained_params: int, trainable_bytes: float,
@@ -383,7 +383,7 @@ def traffic(shape: ModelShape, spec: TrainSpec, *, trained_params: int, trainabl
     if sequence is not None:
         within = "spanning nodes" if sequence.spans_nodes else "within the node"
         what = (f"all-to-all of q, k, v and the attention output in the sequence group of {sequence.group} ({within}), "
-                f"{sequence.passes} a layer x {spec.grad_accum} micro-batches")
+                f"{sequence.passes} a layer x {spec.grad_accum_steps} micro-batches")
         parts += ((what, sequence.intra, sequence.inter),)
     return Traffic(parts, compute, network, sampling, sequence)
 
@@ -395,7 +395,7 @@ def step_traffic(shape: ModelShape, spec: TrainSpec, network: Network = Network(
     from llmtrain.memory.states import states
 
     shape = tensor_parallel_shape(shape, spec.tp)
-    plan = lora_plan(shape, r=spec.lora_r, targets=spec.lora_targets,
+    plan = lora_plan(shape, r=spec.lora_r, targets=spec.lora_target_modules,
                      modules_to_save=spec.lora_modules_to_save) if spec.method == "lora" else None
     whole = spec.but(cpu_offload=False)
     held = states(shape, whole, plan)

@@ -66,8 +66,8 @@ def make_pass(shape: ModelShape, spec: TrainSpec, *, examples: int | None = None
     training = examples is None
     if training:
         examples, budget = spec.micro_batch, spec.micro_batch_tokens
-        if spec.update_tokens:  # online RL's update in passes of whole sequences within its budget
-            examples = min(examples, max(1, spec.update_tokens // spec.seq_len))
+        if spec.rl_micro_batch_tokens:  # online RL's update in passes of whole sequences within its budget
+            examples = min(examples, max(1, spec.rl_micro_batch_tokens // spec.seq_len))
     tokens = budget or examples * spec.seq_len
     n = spec.sequence_parallel
     if n > 1:  # this GPU's share of the group's packed row (the estimate at ceil(T / N) tokens)
@@ -90,7 +90,7 @@ def make_pass(shape: ModelShape, spec: TrainSpec, *, examples: int | None = None
                     # online RL's update trains each sequence's completion only; a reward model's score head reads
                     # one position a sequence (a budget's row: at least a pair)
                     loss_positions=(2 if budget else examples) if shape.score_head else
-                    examples * spec.completion_tokens if training and spec.completion_tokens else None,
+                    examples * spec.max_completion_tokens if training and spec.max_completion_tokens else None,
                     # FSDP gathers the adapters in cd; peft's 4-bit layers do not cast their input under autocast
                     adapters_in_cd=spec.method == "lora" and amp and (spec.sharded or bool(spec.quantize)),
                     # the tiled MLP runs untiled on a micro-batch of at most one shard (model/tiled_mlp.py)
@@ -119,12 +119,12 @@ def estimate(shape: ModelShape, spec: TrainSpec) -> Estimate:
     if problem := sequence_heads_problem(spec.sequence_parallel, shape.heads, shape.kv_heads):
         raise LLMTrainError(f"cannot estimate this run: {problem} ({shape.source}).")
     whole, shape = shape, tensor_parallel_shape(shape, spec.tp)
-    plan = lora_plan(shape, r=spec.lora_r, targets=spec.lora_targets,
+    plan = lora_plan(shape, r=spec.lora_r, targets=spec.lora_target_modules,
                      modules_to_save=spec.lora_modules_to_save) if spec.method == "lora" else None
     st = states(shape, spec, plan)
     p = make_pass(shape, spec)
     L, V, H = shape.layers, shape.vocab, shape.hidden
-    full, fsdp, ckpt = plan is None, spec.sharded, spec.grad_checkpointing
+    full, fsdp, ckpt = plan is None, spec.sharded, spec.gradient_checkpointing
     amp = p.autocast
     adapted = [plan.adapted[i] if plan else {} for i in range(L)]
     head_trains = full or (plan is not None and "lm_head" in plan.saved_copies)
@@ -145,7 +145,7 @@ def estimate(shape: ModelShape, spec: TrainSpec) -> Estimate:
     in_flight = kept[0] if offload and L > 1 else 0
     rope_ids = act.stream_inputs_bytes(p, shape, embed_trainable=embed_trains)
     outside = act.outside_layers_bytes(p, shape, embed_trainable=embed_trains, norm_trainable=full)
-    mask = act.mask_bytes(p)
+    mask = act.mask_bytes(p, shape.masks)
     mask_bwd = mask if ckpt else 0  # checkpointed layers hold the mask for their recompute
 
     # -- autocast copies of weights (non-FSDP mixed precision; FSDP gathers in the compute dtype)
@@ -202,7 +202,7 @@ def estimate(shape: ModelShape, spec: TrainSpec) -> Estimate:
     phases["backward_embedding"] = _phase(**base, gradients=st.grads, temporaries=p.tokens * H * p.resid,
                                           fsdp_buffers=embed_unit * (2 if full else 1) + always)
     phases["optimizer_step"] = _phase(**base, gradients=st.grads)
-    if spec.generations:
+    if spec.num_generations:
         # FSDP: the rollout gathers every unit at once and keeps them so while it samples
         # (fsdp.gathered_for_generation): the whole model, unsharded, in FSDP's param dtype
         gathered = shape.layers * unit + tail + embed_unit if fsdp else 0
@@ -219,11 +219,11 @@ def estimate(shape: ModelShape, spec: TrainSpec) -> Estimate:
         add_teacher(phases, shape, spec, p, base, gradients=g_acc)
     est = _finish(whole, spec, plan, st, phases, notes=_notes(shape, spec, p))
     est = replace(est, long_context=_long_context(whole, spec, est, p, kept if offload else None))
-    if spec.completion_tokens and spec.prompt_tokens < spec.prompt_cap:  # at the data's lengths: the worst case too
+    if spec.max_completion_tokens and spec.prompt_tokens < spec.prompt_cap:  # at the data's lengths: the worst case too
         cap = spec.prompt_cap
-        worst = estimate(whole, spec.but(prompt_tokens=cap, seq_len=cap + spec.completion_tokens, prompt_basis=""))
+        worst = estimate(whole, spec.but(prompt_tokens=cap, seq_len=cap + spec.max_completion_tokens, prompt_basis=""))
         est = replace(est, worst_case_bytes=worst.per_gpu_peak_bytes, notes=est.notes + (
-            f"worst case, every prompt at its longest ({cap} tokens) + {spec.completion_tokens} completion tokens, "
+            f"worst case, every prompt at its longest ({cap} tokens) + {spec.max_completion_tokens} completion tokens, "
             f"sequences of data.max_seq_len: {worst.per_gpu_peak_bytes / GIB:,.2f} GiB per GPU (allocated "
             f"{worst.per_gpu_peak_allocated_bytes / GIB:,.2f}, at the {worst.peak_phase.replace('_', ' ')} phase)",))
     return est
@@ -256,7 +256,7 @@ def _backward_layers(p, shape: ModelShape, spec: TrainSpec, st, plan, base: dict
     every moment keeps besides the layers (rope ids, the mask); `temps`: the MLP's and attention's 16-bit weight
     gradients before their cast. `on_gpu`: what each layer keeps on the GPU (with activation offload, the last
     layer's input only: layer k's comes back for its backward, and layer k-1's is fetched meanwhile)."""
-    ckpt = spec.grad_checkpointing
+    ckpt = spec.gradient_checkpointing
     offload = ckpt and spec.activation_offload
     resid_grad = act.residual_grad_bytes(p, shape)
     worst: dict[str, int] = {}
@@ -275,11 +275,15 @@ def _backward_layers(p, shape: ModelShape, spec: TrainSpec, st, plan, base: dict
                 + act.tiled_shard_bytes(p, shape, a, spec.lora_r)),
             # the post-attention norm's backward: the MLP's gradients made, its input freed, the norm's fp32 input
             dict(gradients=max(g_acc, above + st.grads_layer[k] * _share(shape, plan, k, "mlp.")),
-                 activations=below + half_attn + act.layer_norm_bytes(p, shape.hidden, trainable=False),
+                 activations=below + half_attn + act.layer_norm_bytes(p, shape.hidden, trainable=False,
+                                                                      gemma=shape.gemma_norms),
                  temporaries=resid_grad + act.norm_backward_temp(p, shape.hidden)),
             dict(gradients=max(g_acc, above + st.grads_layer[k]), activations=below + half_attn,
                  temporaries=resid_grad + act.attn_backward_temp(p, shape, a) + temps[1]),
         ]
+        if shape.gemma_norms:  # Gemma's norm of the MLP's output runs its backward first, with the layer all saved
+            moments.append(dict(gradients=max(g_acc, above), activations=below + saved[k],
+                                temporaries=resid_grad + act.norm_backward_temp(p, shape.hidden)))
         if ckpt:
             moments.append(dict(gradients=max(g_acc, above), activations=below + saved[k],
                                 temporaries=resid_grad + act.layer_forward_temp(p, shape, a)))
@@ -298,8 +302,8 @@ def _eval_phases(shape: ModelShape, spec: TrainSpec, base: dict, *, adapted, cac
     ce = act.loss_chunk(e, spec.loss_chunk_tokens)
     layer = act.eval_layer_bytes(e, shape, adapted[-1]) + act.all_to_all_temp(e, shape)
     return {
-        f"{name}_forward": _phase(**base, autocast_copies=cached, activations=act.mask_bytes(e), temporaries=layer,
-                                  fsdp_buffers=fsdp_unit),
+        f"{name}_forward": _phase(**base, autocast_copies=cached, activations=act.mask_bytes(e, shape.masks),
+                                  temporaries=layer, fsdp_buffers=fsdp_unit),
         f"{name}_loss": _phase(**base, autocast_copies=cached + head_copies,
                                temporaries=(e.tokens + e.loss_tokens) * shape.hidden * e.resid,
                                logits=act.chunk_eval_bytes(e, shape.head_outputs, ce, -(-e.loss_tokens // ce)),
@@ -326,7 +330,7 @@ def _generation_phases(shape: ModelShape, spec: TrainSpec, base: dict, *, cached
     once per distinct prompt (the micro-batch's prompts, not x num_generations): a layer's transients over them.
     Then each decode step: the logits of one token per row in fp32, and the sampler's fp32 softmax, cumulative
     sum and nucleus sort over the vocabulary."""
-    rows, prompts = sampling_rows(spec), max(1, spec.micro_batch // max(1, spec.generations))
+    rows, prompts = sampling_rows(spec), max(1, spec.micro_batch // max(1, spec.num_generations))
     prefill = make_pass(shape, spec.but(seq_len=max(2, spec.prompt_tokens or spec.seq_len)), examples=prompts)
     common = dict(**base, autocast_copies=cached, kv_cache=kv_cache_bytes(shape, spec), fsdp_buffers=fsdp_unit)
     return {"generation_prefill": _phase(**common, temporaries=act.eval_layer_bytes(prefill, shape, {}),
@@ -402,13 +406,13 @@ def _finish(shape: ModelShape, spec: TrainSpec, plan: LoraPlan | None, st: State
 
 def _notes(shape: ModelShape, spec: TrainSpec, p: act.Pass) -> tuple[str, ...]:
     notes = []
-    if spec.completion_tokens:
+    if spec.max_completion_tokens:
         kind = "distillation (the student samples)" if spec.teacher is not None else "online RL"
         notes.append(f"{kind}: {spec.micro_batch} sequences a micro-batch ({spec.micro_batch // spec.per_example} "
-                     f"prompts x {spec.generations}), each a prompt of {spec.prompt_tokens} tokens "
+                     f"prompts x {spec.num_generations}), each a prompt of {spec.prompt_tokens} tokens "
                      f"({spec.prompt_basis}) "
-                     f"and up to {spec.completion_tokens} completion tokens (the loss trains the completions); sampled "
-                     f"{sampling_rows(spec)} rows at once into a static KV cache of "
+                     f"and up to {spec.max_completion_tokens} completion tokens (the loss trains the completions); "
+                     f"sampled {sampling_rows(spec)} rows at once into a static KV cache of "
                      f"{kv_cache_bytes(shape, spec) / GIB:,.2f} GiB")
     if spec.teacher is not None:
         where = (f"sharded by FSDP over {spec.shards} GPUs like the student (its LM head whole on every GPU)"
@@ -444,10 +448,10 @@ def _notes(shape: ModelShape, spec: TrainSpec, p: act.Pass) -> tuple[str, ...]:
                      "activations are whole on every GPU of a group")
     if spec.strategy == "ddp" and spec.method == "full":
         notes.append("DDP buckets hold a second copy of every gradient (gradient_as_bucket_view=False)")
-    if spec.grad_accum > 1 and spec.sharded and spec.fsdp_accumulate == "unsharded":
+    if spec.grad_accum_steps > 1 and spec.sharded and spec.fsdp_accumulate == "unsharded":
         notes.append("every GPU holds the whole fp32 gradient between the micro-batches of a step "
                      "(train.fsdp_accumulate=unsharded); sharded, the default, holds only its shard")
-    elif spec.grad_accum > 1:
+    elif spec.grad_accum_steps > 1:
         held = "gradient shards" if spec.sharded else "gradients"
         notes.append(f"{held} stay allocated between the micro-batches of an accumulation window")
     if spec.lora_dropout == 0 and spec.method == "lora" and spec.mixed_precision == "no":

@@ -77,10 +77,11 @@ def throughput_score(spec: TrainSpec) -> float:
     token (6 units for a full fine-tune's forward and backward, 4 for LoRA's, which computes no weight
     gradients for the base, plus 2 for the forward that gradient checkpointing repeats)."""
     utilisation = spec.gpu_tokens / (spec.gpu_tokens + HALF_SATURATION_TOKENS)
-    work = (6 if spec.method == "full" else 4) + (2 if spec.grad_checkpointing else 0)
+    work = (6 if spec.method == "full" else 4) + (2 if spec.gradient_checkpointing else 0)
     eff = STRATEGY_EFFICIENCY[spec.strategy] * (MULTI_NODE_EFFICIENCY if spec.num_nodes > 1 else 1.0)
     eff *= OFFLOAD_EFFICIENCY if spec.cpu_offload else 1.0
-    eff *= 1 - bubble_fraction(spec.pipeline_parallel, spec.grad_accum, spec.chunks)  # a pipeline idles in its bubble
+    # a pipeline idles in its bubble
+    eff *= 1 - bubble_fraction(spec.pipeline_parallel, spec.grad_accum_steps, spec.chunks)
     return spec.world * utilisation * eff / work
 
 
@@ -92,12 +93,12 @@ def layout(spec: TrainSpec) -> str:
 def seconds_per_token(c: Candidate) -> float:
     """The model's step time per token of the global batch: comparable between pipelines and data-parallel meshes
     (comms.Traffic.step_s)."""
-    return c.traffic.step_s / (c.spec.tokens * c.spec.grad_accum * c.spec.data_ranks)
+    return c.traffic.step_s / (c.spec.tokens * c.spec.grad_accum_steps * c.spec.data_ranks)
 
 
 def network_per_token(c: Candidate) -> float:
     """Seconds of collectives per token trained: comparable between micro-batches and accumulations."""
-    return c.traffic.network_s / (c.spec.gpu_tokens * c.spec.grad_accum)
+    return c.traffic.network_s / (c.spec.gpu_tokens * c.spec.grad_accum_steps)
 
 
 def strategies_for(spec: TrainSpec) -> tuple[str, ...]:
@@ -125,7 +126,7 @@ def largest_fitting(shape: ModelShape, spec: TrainSpec, choices: list[int] | Non
     accumulation that keeps `global_batch`: what is held between micro-batches depends on it)."""
     if choices is not None:
         for n in sorted(choices, reverse=True):
-            est = estimate_run(shape, with_size(spec, n).but(grad_accum=global_batch // spec.data_ranks // n))
+            est = estimate_run(shape, with_size(spec, n).but(grad_accum_steps=global_batch // spec.data_ranks // n))
             if fits_with_room(est):
                 return est
         return None
@@ -151,11 +152,11 @@ def _search(shape: ModelShape, spec: TrainSpec, global_batch: int | None, networ
         for accumulate in ("sharded", "unsharded") if strategy in ("fsdp", "hsdp") else (spec.fsdp_accumulate,):
             for ckpt in (False, True):
                 try:
-                    est = largest_fitting(shape, spec.but(strategy=strategy, grad_checkpointing=ckpt,
+                    est = largest_fitting(shape, spec.but(strategy=strategy, gradient_checkpointing=ckpt,
                                                           fsdp_accumulate=accumulate), choices, global_batch)
                 except LLMTrainError:  # a layout the run cannot take (activation offload without checkpointing,
                     continue  # the tiled MLP under FSDP, a sequence group the GPUs do not divide): not a candidate
-                if est is not None and not (accumulate == "unsharded" and est.spec.grad_accum == 1):  # == sharded
+                if est is not None and not (accumulate == "unsharded" and est.spec.grad_accum_steps == 1):  # == sharded
                     candidates.append(Candidate(est, throughput_score(est.spec),
                                                 traffic_run(shape, est.spec, network)))
     note = None
@@ -166,7 +167,7 @@ def _search(shape: ModelShape, spec: TrainSpec, global_batch: int | None, networ
         return FitResult(None, (), (), None, (), note)
     # Highest score; on a tie the simpler layout (single, ddp, fsdp) without checkpointing, gradients sharded.
     order = {"single": 0, "ddp": 1, "fsdp": 2, "hsdp": 3}
-    best = max(candidates, key=lambda c: (round(c.score, 9), -order[c.spec.strategy], not c.spec.grad_checkpointing,
+    best = max(candidates, key=lambda c: (round(c.score, 9), -order[c.spec.strategy], not c.spec.gradient_checkpointing,
                                           c.spec.fsdp_accumulate == "sharded"))
     if spec.num_nodes > 1:  # across nodes: the mesh that spends least time on the network per token, at its best
         best_of = {}
@@ -182,9 +183,9 @@ def _search(shape: ModelShape, spec: TrainSpec, global_batch: int | None, networ
     assert fits_with_room(best.estimate), "fit must only recommend configurations that fit"
     s = best.spec
     key = "train.micro_batch_tokens" if s.micro_batch_tokens else "train.micro_batch_size"
-    overrides = [f"{key}={size(s)}", f"model.gradient_checkpointing={str(s.grad_checkpointing).lower()}"]
+    overrides = [f"{key}={size(s)}", f"model.gradient_checkpointing={str(s.gradient_checkpointing).lower()}"]
     if choices is not None:
-        overrides.append(f"train.grad_accum_steps={s.grad_accum}")
+        overrides.append(f"train.grad_accum_steps={s.grad_accum_steps}")
     if s.fsdp_accumulate != spec.fsdp_accumulate and s.sharded:
         overrides.append(f"train.fsdp_accumulate={s.fsdp_accumulate}")
     if s.pipeline_parallel > 1:
@@ -204,12 +205,12 @@ def pipeline_candidates(shape: ModelShape, spec: TrainSpec, global_batch: int | 
     out = []
     for p in (p for p in range(2, spec.num_nodes + 1) if spec.num_nodes % p == 0):
         for ckpt in (False, True):
-            run = spec.but(strategy="fsdp", pipeline_parallel=p, grad_checkpointing=ckpt, fsdp_accumulate="sharded")
+            run = spec.but(strategy="fsdp", pipeline_parallel=p, gradient_checkpointing=ckpt, fsdp_accumulate="sharded")
             choices = micro_batch_choices(run, global_batch)
             if choices is None:  # no global batch to keep: P x the accumulation, the tokens a step of the others
-                run = run.but(grad_accum=spec.grad_accum * p)
+                run = run.but(grad_accum_steps=spec.grad_accum_steps * p)
             runs = [run] if choices is None else \
-                [with_size(run, n).but(grad_accum=global_batch // run.data_ranks // n) for n in choices]
+                [with_size(run, n).but(grad_accum_steps=global_batch // run.data_ranks // n) for n in choices]
             found = []
             for each in runs:
                 try:
@@ -297,15 +298,15 @@ def overflow_advice(est: Estimate) -> str:
     batch = sum(n for k, n in parts.items() if k not in (*STATE_PARTS, "overhead"))
     advice = []
     if batch > room or states <= room and batch >= states:
-        fewer = [] if s.grad_checkpointing else ["gradient checkpointing (model.gradient_checkpointing=true / "
+        fewer = [] if s.gradient_checkpointing else ["gradient checkpointing (model.gradient_checkpointing=true / "
                                                  "--grad-checkpointing)"]
-        if s.grad_checkpointing and not s.activation_offload:
+        if s.gradient_checkpointing and not s.activation_offload:
             fewer.append("activation offload (model.activation_offload=true / --activation-offload)")
         if not s.tiled_mlp and not s.sharded:
             fewer.append("a tiled MLP (model.tiled_mlp=true / --tiled-mlp)")
-        if s.generations and s.update_tokens is None:
+        if s.num_generations and s.rl_micro_batch_tokens is None:
             fewer.append("the update in passes of fewer tokens (rl.micro_batch_tokens, e.g. 8192)")
-        if s.world > s.sequence_parallel and s.kernel == "varlen" and s.tp == 1 and not s.generations:
+        if s.world > s.sequence_parallel and s.kernel == "varlen" and s.tp == 1 and not s.num_generations:
             fewer.append(f"a larger sequence group (parallel.sequence_parallel / --sequence-parallel, now "
                          f"{s.sequence_parallel}, up to the {s.world} GPUs: each holds 1/N of the tokens)")
         if s.micro_batch_tokens:

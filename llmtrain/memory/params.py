@@ -2,7 +2,9 @@
 
 Counts come from the real architecture built on the meta device (no memory, no weights), so tied
 embeddings, the LM head and grouped-query attention are counted as transformers builds them. The
-few shapes the activation formulas need are read off the same meta model.
+few shapes the activation formulas need are read off the same meta model, and so is what sets each family's
+decoder layer apart from Llama's (FAMILIES): QK-norm (Qwen3, Gemma 3), Gemma's fp32 (1 + w) RMSNorm, four of them a
+layer and a second RoPE (Gemma 3), fused q/k/v and gate/up projections and partial RoPE (Phi-3, Phi-4).
 """
 
 from __future__ import annotations
@@ -16,7 +18,10 @@ from pathlib import Path
 from llmtrain.errors import LLMTrainError
 from llmtrain.hub import is_local_path
 
-SUPPORTED_TYPES = ("llama", "mistral")
+# The decoder families the estimate models, each by its real layer (activations.py), and what a user calls them.
+FAMILIES = {"llama": "Llama (2, 3, 3.1, 3.2)", "mistral": "Mistral", "qwen2": "Qwen2 / Qwen2.5", "qwen3": "Qwen3",
+            "gemma3_text": "Gemma 3 (its text model)", "phi3": "Phi-3 / Phi-4"}
+SUPPORTED_TYPES = tuple(FAMILIES)
 
 _LLAMA_COMMON = {"hidden_act": "silu", "rms_norm_eps": 1e-5, "tie_word_embeddings": False, "bos_token_id": 1,
                  "eos_token_id": 2}
@@ -33,6 +38,45 @@ PRESETS: dict[str, dict] = {
                    "num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 8,
                    "vocab_size": 32768, "max_position_embeddings": 32768, "rope_theta": 1000000.0,
                    "sliding_window": None},
+    # The families people start from in 2026, as their hub config.json has them (the shapes; RoPE scaling, which
+    # changes no byte, left out: the context a model was trained at is max_position_embeddings).
+    "llama-3.2-3b": {**_LLAMA_COMMON, "model_type": "llama", "hidden_size": 3072, "intermediate_size": 8192,
+                     "num_hidden_layers": 28, "num_attention_heads": 24, "num_key_value_heads": 8, "head_dim": 128,
+                     "vocab_size": 128256, "max_position_embeddings": 131072, "rope_theta": 500000.0,
+                     "tie_word_embeddings": True, "bos_token_id": 128000, "eos_token_id": 128009},
+    "qwen3-8b": {"model_type": "qwen3", "hidden_size": 4096, "intermediate_size": 12288, "num_hidden_layers": 36,
+                 "num_attention_heads": 32, "num_key_value_heads": 8, "head_dim": 128, "vocab_size": 151936,
+                 "max_position_embeddings": 40960, "rope_theta": 1000000.0, "rms_norm_eps": 1e-6,
+                 "tie_word_embeddings": False, "hidden_act": "silu", "attention_bias": False,
+                 "bos_token_id": 151643, "eos_token_id": 151645},
+    "qwen2.5-7b": {"model_type": "qwen2", "hidden_size": 3584, "intermediate_size": 18944, "num_hidden_layers": 28,
+                   "num_attention_heads": 28, "num_key_value_heads": 4, "vocab_size": 152064,
+                   "max_position_embeddings": 32768, "rope_theta": 1000000.0, "rms_norm_eps": 1e-6,
+                   "tie_word_embeddings": False, "hidden_act": "silu", "use_sliding_window": False,
+                   "bos_token_id": 151643, "eos_token_id": 151645},
+    "gemma-3-4b": {"model_type": "gemma3_text", "hidden_size": 2560, "intermediate_size": 10240,
+                   "num_hidden_layers": 34, "num_attention_heads": 8, "num_key_value_heads": 4, "head_dim": 256,
+                   "vocab_size": 262208, "max_position_embeddings": 131072, "sliding_window": 1024,
+                   "query_pre_attn_scalar": 256, "rope_theta": 1000000.0, "rms_norm_eps": 1e-6,
+                   "hidden_activation": "gelu_pytorch_tanh", "tie_word_embeddings": True,
+                   "bos_token_id": 2, "eos_token_id": 106},
+    "gemma-3-12b": {"model_type": "gemma3_text", "hidden_size": 3840, "intermediate_size": 15360,
+                    "num_hidden_layers": 48, "num_attention_heads": 16, "num_key_value_heads": 8, "head_dim": 256,
+                    "vocab_size": 262208, "max_position_embeddings": 131072, "sliding_window": 1024,
+                    "query_pre_attn_scalar": 256, "rope_theta": 1000000.0, "rms_norm_eps": 1e-6,
+                    "hidden_activation": "gelu_pytorch_tanh", "tie_word_embeddings": True,
+                    "bos_token_id": 2, "eos_token_id": 106},
+    "phi-4": {"model_type": "phi3", "hidden_size": 5120, "intermediate_size": 17920, "num_hidden_layers": 40,
+              "num_attention_heads": 40, "num_key_value_heads": 10, "vocab_size": 100352,
+              "max_position_embeddings": 16384, "rope_theta": 250000.0, "rms_norm_eps": 1e-5,
+              "tie_word_embeddings": False, "hidden_act": "silu", "sliding_window": None,
+              "bos_token_id": 100257, "eos_token_id": 100265, "pad_token_id": 100349},
+    "phi-4-mini": {"model_type": "phi3", "hidden_size": 3072, "intermediate_size": 8192, "num_hidden_layers": 32,
+                   "num_attention_heads": 24, "num_key_value_heads": 8, "vocab_size": 200064,
+                   "max_position_embeddings": 131072, "partial_rotary_factor": 0.75, "rope_theta": 10000.0,
+                   "rms_norm_eps": 1e-5, "tie_word_embeddings": True, "hidden_act": "silu",
+                   "sliding_window": 262144, "bos_token_id": 199999, "eos_token_id": 199999,
+                   "pad_token_id": 199999},
 }
 # Hub ids whose config.json is exactly a preset's (for the shapes that matter here), so the shipped
 # recipes can be estimated without network access.
@@ -42,6 +86,12 @@ HUB_ALIASES = {
     # Llama 3.1 8B: Llama 3 8B's shapes (its longer context changes no estimate; doctor reads it: ALIAS_CONTEXT)
     "meta-llama/Llama-3.1-8B": "llama-3-8b", "meta-llama/Llama-3.1-8B-Instruct": "llama-3-8b",
     "mistralai/Mistral-7B-v0.3": "mistral-7b", "mistralai/Mistral-7B-Instruct-v0.3": "mistral-7b",
+    "meta-llama/Llama-3.2-3B": "llama-3.2-3b", "meta-llama/Llama-3.2-3B-Instruct": "llama-3.2-3b",
+    "Qwen/Qwen3-8B": "qwen3-8b", "Qwen/Qwen3-8B-Base": "qwen3-8b",
+    "Qwen/Qwen2.5-7B": "qwen2.5-7b", "Qwen/Qwen2.5-7B-Instruct": "qwen2.5-7b",
+    "google/gemma-3-4b-it": "gemma-3-4b", "google/gemma-3-4b-pt": "gemma-3-4b",
+    "google/gemma-3-12b-it": "gemma-3-12b", "google/gemma-3-12b-pt": "gemma-3-12b",
+    "microsoft/phi-4": "phi-4", "microsoft/Phi-4-mini-instruct": "phi-4-mini",
 }
 # An alias's max_position_embeddings where it is not its preset's (Llama 3.1: 131072 with llama3 rope scaling).
 ALIAS_CONTEXT = {"meta-llama/Llama-3.1-8B": 131072, "meta-llama/Llama-3.1-8B-Instruct": 131072}
@@ -83,6 +133,30 @@ class ModelShape:
     params_final_norm: int
     score_head: bool = False  # a reward model's one-output score head in place of the LM head (score_head_shape)
     max_positions: int | None = None  # config.json's max_position_embeddings: the context it was trained at
+    # What sets a family's layer apart from Llama's (read off the meta model in _shape_from_json):
+    qk_norm: bool = False  # an RMSNorm over each head of q and of k before RoPE (Qwen3, Gemma 3)
+    gemma_norms: bool = False  # Gemma's RMSNorm: all in fp32, (1 + w), and four a layer (around attention and MLP)
+    rope_sets: int = 1  # cos/sin pairs a forward makes and every layer of its kind saves (Gemma 3: local, global)
+    rope_dim: int | None = None  # the rotated part of a head (Phi-4-mini's partial RoPE); None: the whole head
+    masks: int = 1  # 4-D masks sdpa/eager get (Gemma 3 builds a causal one and a sliding-window one)
+
+    @property
+    def rotary_dim(self) -> int:
+        return self.rope_dim or self.head_dim
+
+    @property
+    def input_linears(self) -> tuple[tuple[str, ...], tuple[str, ...]]:
+        """The linears reading the attention's input and the MLP's: q/k/v and gate/up, or Phi's fused qkv_proj and
+        gate_up_proj."""
+        attn = tuple(x.name for x in self.layer_linears if x.name.startswith("self_attn.") and
+                     not x.name.endswith("o_proj"))
+        mlp = tuple(x.name for x in self.layer_linears if x.name.startswith("mlp.") and
+                    not x.name.endswith("down_proj"))
+        return attn, mlp
+
+    @property
+    def fused_qkv(self) -> bool:
+        return self.input_linears[0] == ("self_attn.qkv_proj",)
 
     @property
     def head_outputs(self) -> int:
@@ -224,9 +298,12 @@ def _shape_from_json(config_json: str, source: str) -> ModelShape:
 
     cfg_dict = json.loads(config_json)
     model_type = cfg_dict.get("model_type")
+    if model_type == "gemma3" and isinstance(cfg_dict.get("text_config"), dict):  # the multimodal checkpoint's text
+        cfg_dict, model_type = {**cfg_dict["text_config"], "model_type": "gemma3_text"}, "gemma3_text"
     if model_type not in SUPPORTED_TYPES:
-        raise LLMTrainError(f"estimate-memory models Llama and Mistral decoder layers; {source} has "
-                            f"model_type {model_type!r}.")
+        raise LLMTrainError(f"estimate-memory models the decoder layers of {', '.join(FAMILIES.values())}; {source} "
+                            f"has model_type {model_type!r}, whose layer it does not know, so it makes no estimate "
+                            "(training it may still work: `llmtrain doctor` and a short run say).")
     kwargs = {k: v for k, v in cfg_dict.items() if k not in ("model_type", "architectures", "transformers_version")}
     verbosity = hf_logging.get_verbosity()
     hf_logging.set_verbosity_error()
@@ -246,15 +323,24 @@ def _shape_from_json(config_json: str, source: str) -> ModelShape:
     embed, head = model.get_input_embeddings().weight, model.get_output_embeddings().weight
     tied = head is embed
     heads = config.num_attention_heads
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+    rotary = int(head_dim * getattr(config, "partial_rotary_factor", 1.0) or head_dim)
+    kinds = set(getattr(config, "layer_types", None) or ())
+    gemma = model_type == "gemma3_text"
     shape = ModelShape(
         source=source, model_type=model_type, vocab=embed.shape[0], hidden=embed.shape[1],
         intermediate=config.intermediate_size, layers=len(layers), heads=heads,
-        kv_heads=getattr(config, "num_key_value_heads", None) or heads,
-        head_dim=layer0.self_attn.q_proj.out_features // heads, tied=tied,
-        sliding_window=getattr(config, "sliding_window", None), layer_linears=linears,
-        params_per_layer=per_layer, params_embed=embed.numel(), params_head=0 if tied else head.numel(),
+        kv_heads=getattr(config, "num_key_value_heads", None) or heads, head_dim=head_dim, tied=tied,
+        # a window where some layer applies one (Qwen2's config names one its layers do not use)
+        sliding_window=None if kinds == {"full_attention"} and model_type != "mistral" else
+        getattr(config, "sliding_window", None),
+        layer_linears=linears, params_per_layer=per_layer, params_embed=embed.numel(),
+        params_head=0 if tied else head.numel(),
         params_final_norm=sum(p.numel() for p in model.model.norm.parameters()),
         max_positions=getattr(config, "max_position_embeddings", None),
+        qk_norm=hasattr(layer0.self_attn, "q_norm"), gemma_norms=gemma,
+        rope_sets=max(1, len(kinds)) if gemma else 1, rope_dim=rotary if rotary != head_dim else None,
+        masks=2 if gemma else 1,
     )
     total = sum(p.numel() for p in model.parameters())
     uniform = all(sum(p.numel() for p in layer.parameters()) == per_layer for layer in layers)

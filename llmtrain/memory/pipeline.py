@@ -5,7 +5,7 @@ The GPUs form P stage groups of D = world / P consecutive GPUs (with P = nodes a
 runs the decoder layers parallel.pipeline.split.stage_layers gives rank r (interleaved: V chunks, virtual stages r, r + P,
 ...), rank 0 also the embeddings, rank P - 1 the final norm, LM head and loss; inside a group the strategy (FSDP over
 D, or DDP) shards or replicates the group's parameters, each GPU training its own micro-batches (D data-parallel
-ranks, each a pipeline of M = grad_accum micro-batches a step). A GPU's peak is its stage's one-micro-batch peak
+ranks, each a pipeline of M = grad_accum_steps micro-batches a step). A GPU's peak is its stage's one-micro-batch peak
 (estimate.py's phases on the stage's layers) plus the activations of the other micro-batches its schedule holds
 (split.in_flight) and torch's receive buffers; the worst GPU decides the fit. FSDP inside a stage: stage_estimate
 follows train.fsdp_accumulate (sharded as without a pipeline, unsharded as torch's PipelineStage runs an FSDP2 stage);
@@ -56,7 +56,7 @@ class Stage:
 
 def pipeline_problems(spec: TrainSpec, shape: ModelShape) -> list[str]:
     """What the estimate refuses with a pipeline (spec.validate has checked the rest, the schedule and chunks too)."""
-    p, v, m, problems = spec.pipeline_parallel, spec.chunks, spec.grad_accum, []
+    p, v, m, problems = spec.pipeline_parallel, spec.chunks, spec.grad_accum_steps, []
     stage_gpus = spec.world // p
     if p * v > shape.layers:
         problems.append(f"{p} pipeline stages x {v} chunks need a decoder layer each and the model has {shape.layers} "
@@ -75,7 +75,7 @@ def pipeline_problems(spec: TrainSpec, shape: ModelShape) -> list[str]:
         problems.append(f"inside a pipeline stage the GPUs run fsdp or ddp (single: one GPU a stage), not "
                         f"{spec.strategy} on {stage_gpus} GPU(s) a stage: the stages already split the model")
     if spec.method != "full" or spec.quantize or spec.cpu_offload or spec.tp > 1 or spec.sequence_parallel > 1 \
-            or spec.generations or spec.activation_offload or spec.tiled_mlp:
+            or spec.num_generations or spec.activation_offload or spec.tiled_mlp:
         problems.append("pipeline parallelism is modelled for full fine-tuning without LoRA, cpu offload, tensor or "
                         "sequence parallelism, online RL, activation offload or the tiled MLP (LoRA of a 7B fits one "
                         "GPU with DDP)")
@@ -100,7 +100,7 @@ def stages_of(shape: ModelShape, spec: TrainSpec) -> list[Stage]:
     for r in range(p):
         virtual = tuple(rank_stages(r, p, v))
         out.append(Stage(r, virtual, tuple(split[s] for s in virtual), r == 0, r == p - 1,
-                         tuple(in_flight(spec.pipeline_schedule, p, spec.grad_accum, r, v)), p * v))
+                         tuple(in_flight(spec.pipeline_schedule, p, spec.grad_accum_steps, r, v)), p * v))
     return out
 
 
@@ -126,9 +126,10 @@ def pipeline_estimate(shape: ModelShape, spec: TrainSpec) -> Estimate:
     estimates = [stage_estimate(shape, spec, s) for s in stages_of(shape, spec)]
     worst = max(estimates, key=lambda e: e.per_gpu_peak_bytes)
     summary = {"stages": [e.pipeline["stage"] for e in estimates], "schedule": spec.pipeline_schedule,
-               "pipeline_parallel": spec.pipeline_parallel, "chunks": spec.chunks, "micro_batches": spec.grad_accum,
+               "pipeline_parallel": spec.pipeline_parallel, "chunks": spec.chunks,
+               "micro_batches": spec.grad_accum_steps,
                "stage_gpus": spec.world // spec.pipeline_parallel,
-               "bubble": bubble_fraction(spec.pipeline_parallel, spec.grad_accum, spec.chunks),
+               "bubble": bubble_fraction(spec.pipeline_parallel, spec.grad_accum_steps, spec.chunks),
                "worst_stage": worst.pipeline["stage"]["rank"]}
     return replace(worst, pipeline=summary)
 
@@ -163,7 +164,7 @@ def stage_estimate(shape: ModelShape, spec: TrainSpec, stage: Stage) -> Estimate
                            max(stage.chunks, key=len))
     sub = stage_shape(shape, stage, len(stage.chunks[c]))
     p = make_pass(sub, spec)
-    L, V, H, ckpt, fsdp = sub.layers, shape.vocab, shape.hidden, spec.grad_checkpointing, spec.sharded
+    L, V, H, ckpt, fsdp = sub.layers, shape.vocab, shape.hidden, spec.gradient_checkpointing, spec.sharded
     amp = p.autocast
     saved = [act.layer_bytes(p, sub, {}, spec.lora_r)] * L
     kept = [act.checkpoint_bytes(p, sub)] * L if ckpt else saved
@@ -172,7 +173,7 @@ def stage_estimate(shape: ModelShape, spec: TrainSpec, stage: Stage) -> Estimate
     ends = act.norm_bytes(p, H, trainable=True) + act.loss_input_bytes(p, sub) if last else 0
     held = in_flight_bytes(p, shape, stage, spec) - (sum(kept) + rope_ids + ends)  # the other micro-batches'
     buffers = receive_buffer_bytes(p, shape, stage, spec)
-    mask = act.mask_bytes(p)
+    mask = act.mask_bytes(p, shape.masks)
     mask_bwd = mask if ckpt else 0
     # autocast's casts of fp32 weights (not under FSDP's mixed precision): its cache holds every trainable layer's until
     # the forward returns, checkpointed or not; after it, only what the matmuls saved (none under checkpointing)
@@ -192,7 +193,7 @@ def stage_estimate(shape: ModelShape, spec: TrainSpec, stage: Stage) -> Estimate
     gathered = stage_shape(shape, stage).params_total * pd if whole_grad else 2 * unit
     unit_grads = sub.params_per_layer * (pd + 4 * amp) if fsdp else 0  # a layer's gradients being made
     # The gradients the rank's other chunks (interleaved) made before this one's backward are held beside it even when
-    # no accumulation holds them (grad_accum 1); the embeddings' come after.
+    # no accumulation holds them (grad_accum_steps 1); the embeddings' come after.
     embed = shape.params_embed * stage_master(spec) // spec.shards if stage.first else 0
     others = st.grads - sum(st.grads_layer) - st.grads_head - embed
     g_acc = st.grads * spec.shards if whole_grad else max(accumulated_grads(spec, st), others)
@@ -251,7 +252,7 @@ def chunk_bytes(p: act.Pass, shape: ModelShape, stage: Stage, k: int, ckpt: bool
 
 def in_flight_bytes(p: act.Pass, shape: ModelShape, stage: Stage, spec: TrainSpec) -> int:
     """The activations the stage's schedule holds at once: chunk_bytes x the micro-batches in flight, every chunk."""
-    return sum(n * chunk_bytes(p, shape, stage, k, spec.grad_checkpointing) for k, n in enumerate(stage.held))
+    return sum(n * chunk_bytes(p, shape, stage, k, spec.gradient_checkpointing) for k, n in enumerate(stage.held))
 
 
 def receive_buffer_bytes(p: act.Pass, shape: ModelShape, stage: Stage, spec: TrainSpec) -> int:
@@ -259,13 +260,13 @@ def receive_buffer_bytes(p: act.Pass, shape: ModelShape, stage: Stage, spec: Tra
     the stream dtype) for the activations (every virtual stage but the first) and one for the gradients (every one
     but the last): 2 M buffers a middle stage."""
     ends = sum((s > 0) + (s < stage.total - 1) for s in stage.virtual)
-    return ends * spec.grad_accum * p.tokens * shape.hidden * p.resid
+    return ends * spec.grad_accum_steps * p.tokens * shape.hidden * p.resid
 
 
 def stage_notes(shape: ModelShape, spec: TrainSpec) -> tuple[str, ...]:
-    b = bubble_fraction(spec.pipeline_parallel, spec.grad_accum, spec.chunks)
+    b = bubble_fraction(spec.pipeline_parallel, spec.grad_accum_steps, spec.chunks)
     return ((f"pipeline of {spec.pipeline_parallel} stages ({spec.pipeline_schedule}, {spec.chunks} chunk(s) a GPU, "
-             f"{spec.grad_accum} micro-batches a step: bubble {b:.1%}), each stage "
+             f"{spec.grad_accum_steps} micro-batches a step: bubble {b:.1%}), each stage "
              f"{spec.world // spec.pipeline_parallel} GPU(s) running {spec.strategy}; the worst stage's GPU is shown"),)
 
 
@@ -299,23 +300,23 @@ def stage_traffic(shape: ModelShape, spec: TrainSpec, stage: Stage, network: Net
         inside = traffic(whole, group, trained_params=whole.params_total, trainable_bytes=trainable,
                          network=network).parts
     flops = sum(step_flops(replace(shape, layers=len(c)), spec, 1.0) for c in stage.chunks)
-    flops -= (len(stage.chunks) - stage.last) * spec.tokens * spec.grad_accum * shape.vocab * shape.hidden * 6
+    flops -= (len(stage.chunks) - stage.last) * spec.tokens * spec.grad_accum_steps * shape.vocab * shape.hidden * 6
     p = make_pass(shape, spec)
     send = float(p.tokens * shape.hidden * p.resid)
     intra = inter = 0.0
     for s in stage.virtual:
         for other in (s - 1, s + 1):  # backward's gradient to the previous stage, forward's output to the next
             if 0 <= other < stage.total:
-                nbytes = spec.grad_accum * send
+                nbytes = spec.grad_accum_steps * send
                 if crosses_nodes(spec, stage.rank, other % spec.pipeline_parallel):
                     inter += nbytes
                 else:
                     intra += nbytes
     links = "across nodes" if inter and not intra else "within the node" if intra and not inter else "both"
     part = ((f"point-to-point sends at the stage boundaries ({links}): forward activations and backward gradients, "
-             f"{spec.grad_accum} micro-batches"), intra, inter)
-    info = PipelineTraffic(spec.pipeline_parallel, spec.chunks, spec.grad_accum, stage.rank, send, intra, inter,
-                           bubble_fraction(spec.pipeline_parallel, spec.grad_accum, spec.chunks))
+             f"{spec.grad_accum_steps} micro-batches"), intra, inter)
+    info = PipelineTraffic(spec.pipeline_parallel, spec.chunks, spec.grad_accum_steps, stage.rank, send, intra, inter,
+                           bubble_fraction(spec.pipeline_parallel, spec.grad_accum_steps, spec.chunks))
     compute = flops / (network.peak_tflops * 1e12 * network.mfu)
     return Traffic(inside + (part,), compute, network, pipeline=info)
 
@@ -329,12 +330,12 @@ def pipeline_traffic(shape: ModelShape, spec: TrainSpec, network: Network = Netw
 
 def same_batch(spec: TrainSpec, strategy: str) -> TrainSpec | None:
     """The pipeline's run as a data-parallel one on the same GPUs, at the same global batch: P times the data ranks,
-    so grad_accum / P micro-batches each (None where P does not divide it)."""
+    so grad_accum_steps / P micro-batches each (None where P does not divide it)."""
     p = spec.pipeline_parallel
-    if spec.grad_accum % p:
+    if spec.grad_accum_steps % p:
         return None
     return spec.but(pipeline_parallel=1, pipeline_schedule="1f1b", pipeline_chunks=None, strategy=strategy,
-                    grad_accum=spec.grad_accum // p)
+                    grad_accum_steps=spec.grad_accum_steps // p)
 
 
 def compared(shape: ModelShape, spec: TrainSpec, network: Network) -> list[tuple[str, Estimate, Traffic]]:

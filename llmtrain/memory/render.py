@@ -41,14 +41,14 @@ def describe(spec: TrainSpec) -> str:
         batch = f"packed {spec.micro_batch} x {spec.seq_len} tokens"
     else:
         batch = f"micro-batch {spec.micro_batch} x {spec.seq_len} tokens, padded"
-    ckpt = "checkpointing on" if spec.grad_checkpointing else "checkpointing off"
+    ckpt = "checkpointing on" if spec.gradient_checkpointing else "checkpointing off"
     ckpt += " (inputs offloaded to the host)" if spec.activation_offload else ""
     ckpt += f"; MLP tiled ({'hidden-size' if spec.tiled_mlp is True else spec.tiled_mlp}-token shards)" \
         if spec.tiled_mlp else ""
     off = ", cpu offload" if spec.cpu_offload else ""
-    if spec.sharded and spec.grad_accum > 1 and spec.fsdp_accumulate == "unsharded":
+    if spec.sharded and spec.grad_accum_steps > 1 and spec.fsdp_accumulate == "unsharded":
         off += ", gradients accumulated unsharded"
-    attn = "varlen (auto)" if spec.attn == "auto" else spec.attn
+    attn = "varlen (auto)" if spec.attn_implementation == "auto" else spec.attn_implementation
     strategy = spec.strategy
     tp = f" x {spec.tp} tensor-parallel" if spec.tp > 1 else ""
     if strategy == "hsdp":
@@ -259,7 +259,7 @@ def render_fit(result: FitResult, *, target: str | None, console: Console | None
     for c in result.candidates:
         s, t = c.spec, c.traffic
         held = ("shards" if s.fsdp_accumulate == "sharded" else "unsharded") if s.sharded else "-"
-        table.add_row(layout(s), "on" if s.grad_checkpointing else "off", held, str(size(s)),
+        table.add_row(layout(s), "on" if s.gradient_checkpointing else "off", held, str(size(s)),
                       gib(c.estimate.per_gpu_peak_bytes), f"{c.score / top:.2f}",
                       *([f"{t.network_s:.3f} ({t.inter_s:.3f})"] if several else []))
     console.print(table)

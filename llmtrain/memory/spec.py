@@ -55,21 +55,21 @@ class TrainSpec:
 
     method: Method = "full"
     lora_r: int = _default(LoraConfig, "r")
-    lora_targets: str | tuple[str, ...] = _targets(_default(LoraConfig, "target_modules"))
+    lora_target_modules: str | tuple[str, ...] = _targets(_default(LoraConfig, "target_modules"))
     lora_dropout: float = _default(LoraConfig, "dropout")
     lora_modules_to_save: tuple[str, ...] = ()
     dtype: Dtype = _default(ModelConfig, "dtype")  # storage dtype of the weights
     quantize: str | None = _default(ModelConfig, "quantize")  # QLoRA: the decoder layers' linears in 4 bits
     mixed_precision: Precision = _default(TrainConfig, "mixed_precision")
-    attn: Attn = _default(ModelConfig, "attn_implementation")  # 'auto' is 'varlen', as in training
-    grad_checkpointing: bool = _default(ModelConfig, "gradient_checkpointing")
+    attn_implementation: Attn = _default(ModelConfig, "attn_implementation")  # 'auto' is 'varlen', as in training
+    gradient_checkpointing: bool = _default(ModelConfig, "gradient_checkpointing")
     # long context: the checkpointed layers' inputs in host memory; the MLP over shards of tokens (True: hidden size)
     activation_offload: bool = _default(ModelConfig, "activation_offload")
     tiled_mlp: bool | int | None = _default(ModelConfig, "tiled_mlp")
     random_init: bool = _default(ModelConfig, "random_init")  # weights made on the GPU: none read on the host
     micro_batch: int = _default(TrainConfig, "micro_batch_size")
     micro_batch_tokens: int | None = _default(TrainConfig, "micro_batch_tokens")  # a token budget instead
-    grad_accum: int = _default(TrainConfig, "grad_accum_steps")
+    grad_accum_steps: int = _default(TrainConfig, "grad_accum_steps")
     # FSDP/HSDP between micro-batches: sharded (reduce-scatter each) or unsharded (whole fp32 gradient, sent once)
     fsdp_accumulate: str = _default(TrainConfig, "fsdp_accumulate")
     seq_len: int = _default(DataConfig, "max_seq_len")
@@ -89,26 +89,26 @@ class TrainSpec:
     sequence_parallel: int = _default(ParallelConfig, "sequence_parallel")
     # Pipeline parallelism (parallel.pipeline_parallel P): the GPUs form P stage groups of world / P consecutive GPUs
     # (stage s: GPUs [s W/P, (s+1) W/P), so with P = nodes a stage is a node), each running the decoder layers
-    # parallel.pipeline.split.stage_layers gives it, the strategy (fsdp or ddp) inside the group; grad_accum micro-batches a
-    # step go through the stages by pipeline_schedule; pipeline_chunks: (virtual) stages a GPU runs, interleaved only
-    # (None: 1, or 2 interleaved). memory/pipeline.py estimates it.
+    # parallel.pipeline.split.stage_layers gives it, the strategy (fsdp or ddp) inside the group; grad_accum_steps
+    # micro-batches a step go through the stages by pipeline_schedule; pipeline_chunks: (virtual) stages a GPU runs,
+    # interleaved only (None: 1, or 2 interleaved). memory/pipeline.py estimates it.
     pipeline_parallel: int = _parallel_default("pipeline_parallel", 1)
     pipeline_schedule: str = _parallel_default("pipeline_schedule", "1f1b")
     pipeline_chunks: int | None = _parallel_default("pipeline_chunks", None)
-    # online RL: the micro-batch's sequences are sampled together first (micro_batch = prompts x generations), each
+    # online RL: the micro-batch's sequences are sampled together first (micro_batch = prompts x num_generations), each
     # up to seq_len with its KV cache; 0: no sampling
-    generations: int = 0
-    # online RL: a sequence is a prompt of prompt_tokens and a completion of up to completion_tokens (seq_len is their
-    # sum), of which only the completion goes through the loss; prompt_cap is the longest prompt the trainer takes,
-    # data.max_seq_len - completion_tokens (the worst case's prompt_tokens); prompt_basis says where prompt_tokens
-    # came from
-    completion_tokens: int = 0
+    num_generations: int = 0
+    # online RL: a sequence is a prompt of prompt_tokens and a completion of up to max_completion_tokens (seq_len is
+    # their sum), of which only the completion goes through the loss; prompt_cap is the longest prompt the trainer
+    # takes, data.max_seq_len - max_completion_tokens (the worst case's prompt_tokens); prompt_basis says where
+    # prompt_tokens came from
+    max_completion_tokens: int = 0
     prompt_tokens: int = 0
     prompt_cap: int = 0
     prompt_basis: str = ""
     # online RL: the update's token budget (rl.micro_batch_tokens): the micro-batch's sequences go through forward and
     # backward in passes of at most this many tokens, whole sequences each; None: one pass
-    update_tokens: int | None = None
+    rl_micro_batch_tokens: int | None = None
     # sequences one recipe example makes (micro_batch counts sequences): 2 for a preference pair (chosen and
     # rejected), num_generations for an online-RL prompt; --fit sizes micro-batches in whole examples
     per_example: int = 1
@@ -154,7 +154,7 @@ class TrainSpec:
     @property
     def kernel(self) -> str:
         """The attention that runs: 'auto' is llmtrain's varlen attention."""
-        return "varlen" if self.attn == "auto" else self.attn
+        return "varlen" if self.attn_implementation == "auto" else self.attn_implementation
 
     @property
     def packed(self) -> bool:
@@ -179,7 +179,7 @@ class TrainSpec:
 
     def validate(self) -> TrainSpec:
         problems = []
-        for name in ("micro_batch", "grad_accum", "num_gpus", "num_nodes", "lora_r", "loss_chunk_tokens",
+        for name in ("micro_batch", "grad_accum_steps", "num_gpus", "num_nodes", "lora_r", "loss_chunk_tokens",
                      "sequence_parallel", "pipeline_parallel"):
             if getattr(self, name) < 1:
                 problems.append(f"{name} must be at least 1 (got {getattr(self, name)})")
@@ -196,7 +196,7 @@ class TrainSpec:
             problems.append(f"strategy single runs one process, but {self.world} GPUs were given: use ddp or fsdp")
         if self.strategy == "ddp" and self.world < 2:
             problems.append("strategy ddp needs at least 2 GPUs (--num-gpus / --num-nodes)")
-        if self.activation_offload and not self.grad_checkpointing:
+        if self.activation_offload and not self.gradient_checkpointing:
             problems.append("activation offload moves the checkpointed layers' inputs to the host: it needs "
                             "gradient checkpointing")
         if self.tiled_mlp and (self.sharded or self.tp > 1):
@@ -248,8 +248,8 @@ class TrainSpec:
             problems.append("sequence parallelism with tensor parallelism (tp > 1) is not modelled")
         if self.kernel != "varlen":
             problems.append(f"sequence parallelism runs llmtrain's varlen attention on the whole packed row "
-                            f"(model.attn_implementation auto or varlen), not {self.attn}")
-        if self.generations:
+                            f"(model.attn_implementation auto or varlen), not {self.attn_implementation}")
+        if self.num_generations:
             problems.append("sequence parallelism with online RL (its sampling) is not modelled")
         return problems
 
@@ -300,36 +300,37 @@ def spec_from_recipe(recipe: Recipe, *, strategy: Strategy = "single", num_gpus:
 
         most = min(recipe.distill.max_completion_tokens, d.max_seq_len - 1)
         cap = d.max_seq_len - most
-        rl = dict(completion_tokens=most, prompt_tokens=cap, prompt_cap=cap, prompt_basis="every prompt at its "
-                  f"longest, data.max_seq_len - distill.max_completion_tokens ({cap})", update_tokens=None)
+        rl = dict(max_completion_tokens=most, prompt_tokens=cap, prompt_cap=cap, prompt_basis="every prompt at its "
+                  f"longest, data.max_seq_len - distill.max_completion_tokens ({cap})", rl_micro_batch_tokens=None)
         dtype = PRECISION_DTYPE.get(t.mixed_precision, m.dtype) if m.dtype == "float32" else m.dtype
         teacher = dict(teacher=load_model_shape(recipe.distill.teacher), teacher_dtype=dtype)
     if recipe.rl is not None:
         most = recipe.rl.max_completion_tokens
         cap = max(1, d.max_seq_len - most)  # data.checks.check_prompt_room refuses a longer prompt
         prompt, basis = rl_prompt_tokens(prompt_lengths, cap=cap)
-        rl = dict(completion_tokens=most, prompt_tokens=prompt, prompt_cap=cap, prompt_basis=basis,
-                  update_tokens=recipe.rl.micro_batch_tokens)
+        rl = dict(max_completion_tokens=most, prompt_tokens=prompt, prompt_cap=cap, prompt_basis=basis,
+                  rl_micro_batch_tokens=recipe.rl.micro_batch_tokens)
     return TrainSpec(
         method="lora" if lora else "full",
         lora_r=lora.r if lora else _default(LoraConfig, "r"),
-        lora_targets=_targets(lora.target_modules) if lora else "all-linear",
+        lora_target_modules=_targets(lora.target_modules) if lora else "all-linear",
         lora_dropout=lora.dropout if lora else 0.0,
         lora_modules_to_save=tuple(lora.modules_to_save or ()) if lora else (),
-        dtype=m.dtype, quantize=m.quantize, mixed_precision=t.mixed_precision, attn=m.attn_implementation,
-        grad_checkpointing=m.gradient_checkpointing, random_init=m.random_init,
+        dtype=m.dtype, quantize=m.quantize, mixed_precision=t.mixed_precision,
+        attn_implementation=m.attn_implementation,
+        gradient_checkpointing=m.gradient_checkpointing, random_init=m.random_init,
         activation_offload=m.activation_offload, tiled_mlp=m.tiled_mlp,
         micro_batch=1 if t.micro_batch_tokens else t.micro_batch_size * per_example,
         micro_batch_tokens=t.micro_batch_tokens,
-        grad_accum=t.grad_accum_steps, fsdp_accumulate=t.fsdp_accumulate,
-        seq_len=rl["prompt_tokens"] + rl["completion_tokens"] if rl else d.max_seq_len, packing=d.packing,
+        grad_accum_steps=t.grad_accum_steps, fsdp_accumulate=t.fsdp_accumulate,
+        seq_len=rl["prompt_tokens"] + rl["max_completion_tokens"] if rl else d.max_seq_len, packing=d.packing,
         loss_chunk_tokens=t.loss_chunk_tokens,
         # evaluate() batches by the train budget unless eval_batch_size is set
         eval_micro_batch=(t.eval_batch_size or t.micro_batch_size) * per_example if evaluates else None,
         eval_micro_batch_tokens=t.micro_batch_tokens if (evaluates and t.eval_batch_size is None) else None,
         strategy=strategy, num_gpus=num_gpus, num_nodes=num_nodes,
         sequence_parallel=recipe.parallel.sequence_parallel,
-        generations=recipe.rl.num_generations if recipe.rl is not None else int(
+        num_generations=recipe.rl.num_generations if recipe.rl is not None else int(
             recipe.distill is not None and recipe.distill.lmbda > 0), per_example=per_example, **rl, **teacher,
         no_grad_forwards=recipe.kto is not None, frozen_reference=recipe.kto is not None and lora is None,
         **{**pipeline_keys(recipe), **launch},  # --pipeline-* options (in launch) win over the recipe's keys

@@ -90,7 +90,7 @@ def accumulated_grads(spec: TrainSpec, st: States) -> int:
     train.fsdp_accumulate: sharded (the default) reduce-scatters each micro-batch, so a GPU keeps its shard;
     unsharded keeps the whole gradient of the GPU's slice (in fp32 under mixed precision: FSDP2 accumulates in
     the reduce dtype) until the last micro-batch: st.grads x shards, on every GPU."""
-    if spec.grad_accum == 1:
+    if spec.grad_accum_steps == 1:
         return 0
     if spec.sharded and spec.fsdp_accumulate == "unsharded":
         return st.grads * spec.shards

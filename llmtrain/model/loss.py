@@ -20,6 +20,8 @@ import torch
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
+from llmtrain.errors import LLMTrainError
+
 
 def _chunk_loss(head, hidden: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     # Cross-entropy in fp32: bf16 log-softmax over a 32k vocabulary loses digits the loss needs.
@@ -95,6 +97,11 @@ def attach_loss(model, *, chunk: int, fused_linear_ce=None) -> None:
     in training.
     """
     lm = causal_lm(model)
+    if cap := getattr(lm.config, "final_logit_softcapping", None):  # Gemma 2: tanh(logits / cap) * cap
+        raise LLMTrainError(
+            f"model {lm.config.model_type} caps its logits (final_logit_softcapping={cap:g}), which llmtrain's "
+            "chunked loss does not apply, so it would train on other logits than the model's. Train a model without "
+            "it (Gemma 3, whose text model has none, Llama, Qwen, Mistral, Phi)")
     vocab = lm.get_output_embeddings().weight.shape[0]
     # The LM head may be wrapped (peft's modules_to_save): patch every Linear in it that maps to the vocabulary.
     for head in [m for m in lm.lm_head.modules() if isinstance(m, torch.nn.Linear) and m.out_features == vocab]:
