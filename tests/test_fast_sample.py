@@ -187,6 +187,38 @@ def test_a_sliding_window_shorter_than_the_sequence_is_applied_as_the_reference_
     assert both(mistral, mixed_prompts(3, 2, seed=4), max_new_tokens=12, temperature=1.0, top_p=1.0)[1] != fast
 
 
+FAMILIES = {  # each with a window shorter than its sequences where the family has one
+    "qwen3": dict(head_dim=16, tie_word_embeddings=True),  # QK-norm, tied as below 8B
+    "qwen2": dict(attention_bias=True),
+    "phi3": dict(partial_rotary_factor=0.75, sliding_window=6, pad_token_id=0),  # fused projections, every layer
+    # local layers with a window and their own RoPE base, a global one: scaled embeddings, QK-norm, four norms
+    "gemma3_text": dict(head_dim=16, query_pre_attn_scalar=16, sliding_window=6,
+                        layer_types=["sliding_attention", "full_attention"]),
+}
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_each_family_draws_the_reference_loops_tokens(family):
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    config = AutoConfig.for_model(family, vocab_size=100, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
+                                  **FAMILIES[family])
+    model = AutoModelForCausalLM.from_config(config).eval()
+    with torch.no_grad():  # Gemma's norms start at zero (weight + 1): move every norm, so that a wrong one shows
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight"):
+                p.add_(torch.randn(p.shape) * 0.3)
+    assert supports(model)
+    prompts = mixed_prompts(3, 2, seed=4)
+    reference, fast = both(model, prompts, max_new_tokens=12, temperature=1.0, top_p=1.0)
+    assert fast == reference and sum(map(len, fast)) > 12
+    if config.sliding_window:  # the window changes the tokens: it is applied, not ignored
+        config.sliding_window = 1000  # longer than any sequence here
+        assert both(model, prompts, max_new_tokens=12, temperature=1.0, top_p=1.0)[1] != fast
+
+
 @pytest.mark.precision
 def test_a_4bit_base_on_a_small_case_draws_the_reference_loops_tokens(tiny_assets):
     pytest.importorskip("bitsandbytes")

@@ -37,6 +37,9 @@ SPECS = {
     "lora-bf16-sdpa": TrainSpec(**LORA, attn_implementation="sdpa", mixed_precision="bf16", micro_batch=4, seq_len=128),
     "full-bf16-sdpa": TrainSpec(attn_implementation="sdpa", mixed_precision="bf16", micro_batch=4, seq_len=128),
     "full-fp32-eager": TrainSpec(attn_implementation="eager", micro_batch=4, seq_len=128),
+    # checkpointed: a layer's backward is the peak, where QK-norm's and Gemma's post-MLP norm's fp32 backward count
+    "lora-bf16-sdpa-ckpt": TrainSpec(**LORA, attn_implementation="sdpa", mixed_precision="bf16", micro_batch=4,
+                                     seq_len=128, gradient_checkpointing=True),
 }
 # The main tier runs LoRA for every family and a full fine-tune (its norms' weights trained) for the two QK-norm
 # families; the rest is extended.
@@ -54,6 +57,7 @@ def test_each_familys_estimate_matches_a_real_step(tmp_path, monkeypatch, one_th
     measured = measured_peak(tmp_path, monkeypatch, spec, cfg)
     predicted = est.per_gpu_peak_allocated_bytes
     assert abs(predicted / measured - 1) <= 0.05, (predicted, measured, est.peak_phase)
-    if shape.qk_norm or shape.gemma_norms:  # the family's own terms matter: Llama's layer would be more than 4% off
+    # the family's own terms matter: Llama's layer would be more than 4% off (where every layer's tensors are saved)
+    if (shape.qk_norm or shape.gemma_norms) and not spec.gradient_checkpointing:
         plain = replace(shape, qk_norm=False, gemma_norms=False, rope_sets=1, masks=1)
         assert (predicted - estimate_module.estimate(plain, spec).per_gpu_peak_allocated_bytes) / measured > 0.04

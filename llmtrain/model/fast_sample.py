@@ -27,8 +27,10 @@ agreement rate), while a completion never depends on its batch. What changes is 
   in-place bf16 merge/unmerge, which does not restore the base (TRL #6688). With the step captured, the adapters'
   extra kernels cost no launch overhead; whether a merged copy is faster is for a GPU measurement to say.
 
-Models: the Llama layout (llama, mistral, qwen2, qwen3: `model.layers`, `embed_tokens`, `rotary_emb`, `norm`,
-`lm_head`, attention that updates a cache object). Others sample with the reference loop (`supports`).
+Models: the Llama layout (`model.layers`, `embed_tokens`, `rotary_emb`, `norm`, `lm_head`, attention that updates a
+cache object): llama, mistral, qwen2, qwen3, phi3 (fused projections, a window on every layer as Mistral's) and
+gemma3_text (scaled embeddings in embed_tokens, a RoPE per kind of layer, local layers' windows). Others sample with
+the reference loop (`supports`).
 """
 
 from __future__ import annotations
@@ -42,7 +44,9 @@ from llmtrain.model.loss import causal_lm
 
 CHECK_EVERY = 16  # tokens between two looks at the end-of-turn flags (the only host syncs while decoding)
 SPAN = 256  # a decode step attends to the cache's slots up to the next multiple of this (one graph per span)
-LAYOUTS = ("llama", "mistral", "qwen2", "qwen3")  # models whose forward is embed -> layers -> norm -> head
+# models whose forward is embed -> layers -> norm -> head
+LAYOUTS = ("llama", "mistral", "qwen2", "qwen3", "phi3", "gemma3_text")
+WINDOWED = ("mistral", "phi3")  # no layer_types: config.sliding_window applies to every layer
 
 
 def supports(lm) -> bool:
@@ -83,18 +87,23 @@ class _Forward:
         params = inspect.signature(self.layers[0].forward).parameters
         self.cache_arg = "cache" if "cache" in params else "past_key_values"  # transformers 5.2x renamed it
         cfg = self.model.config
-        types = getattr(cfg, "layer_types", None) or ["full_attention"] * len(self.layers)
+        self.types = getattr(cfg, "layer_types", None) or ["full_attention"] * len(self.layers)
         window = getattr(cfg, "sliding_window", None)
-        self.windows = [window if t == "sliding_attention" or (window and cfg.model_type == "mistral") else None
-                        for t in types]
+        self.windows = [window if t == "sliding_attention" or (window and cfg.model_type in WINDOWED) else None
+                        for t in self.types]
+        # Gemma 3: a RoPE of its own (base, scaling) for each kind of layer, as its model makes them
+        self.per_kind = "layer_type" in inspect.signature(inner.rotary_emb.forward).parameters
         self.head = self.model.get_output_embeddings()
 
     def __call__(self, ids, positions, masks: dict, cache: _SlotCache) -> torch.Tensor:
         hidden = self.inner.embed_tokens(ids)
-        rotary = self.inner.rotary_emb(hidden, position_ids=positions)
-        for layer, window in zip(self.layers, self.windows):
+        if self.per_kind:
+            rotary = {t: self.inner.rotary_emb(hidden, positions, t) for t in dict.fromkeys(self.types)}
+        else:
+            rotary = dict.fromkeys(self.types, self.inner.rotary_emb(hidden, position_ids=positions))
+        for layer, window, kind in zip(self.layers, self.windows, self.types):
             hidden = layer(hidden, attention_mask=masks[window], position_ids=positions,
-                           position_embeddings=rotary, **{self.cache_arg: cache})
+                           position_embeddings=rotary[kind], **{self.cache_arg: cache})
         return self.head(self.inner.norm(hidden[:, -1:]))[:, -1]  # [rows, vocab]: logits_to_keep=1
 
 
