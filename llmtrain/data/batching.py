@@ -221,11 +221,17 @@ def fixed_row(batch: dict, slots: int, *, pad_id: int) -> dict[str, torch.Tensor
             "cu_seq_lens": cu[None]}
 
 
-def packs_rows(recipe) -> bool:
+def packs(*, packing: bool, micro_batch_tokens: int | None, attn_implementation: str) -> bool:
     """Micro-batches are padding-free packed rows: asked for, implied by a token budget, or required by the
-    varlen attention (which reads the example boundaries of a packed row)."""
-    return bool(recipe.data.packing or recipe.train.micro_batch_tokens
-                or recipe.model.attn_implementation in ("auto", "varlen"))
+    varlen attention (which reads the example boundaries of a packed row). The one rule; the estimate asks it too
+    (memory.spec.TrainSpec.packed)."""
+    return bool(packing or micro_batch_tokens or attn_implementation in ("auto", "varlen"))
+
+
+def packs_rows(recipe) -> bool:
+    """`packs` for a recipe's data.packing, train.micro_batch_tokens and model.attn_implementation."""
+    return packs(packing=recipe.data.packing, micro_batch_tokens=recipe.train.micro_batch_tokens,
+                 attn_implementation=recipe.model.attn_implementation)
 
 
 def to_device(batch: dict, device) -> dict:

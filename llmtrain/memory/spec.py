@@ -158,9 +158,11 @@ class TrainSpec:
 
     @property
     def packed(self) -> bool:
-        """A micro-batch is one padding-free row, as batching.packs_rows decides: asked for, implied by a token
-        budget, or required by the varlen attention (which reads the examples' boundaries in a packed row)."""
-        return self.packing or self.micro_batch_tokens is not None or self.kernel == "varlen"
+        """A micro-batch is one padding-free row, as training decides it (batching.packs)."""
+        from llmtrain.data.batching import packs
+
+        return packs(packing=self.packing, micro_batch_tokens=self.micro_batch_tokens,
+                     attn_implementation=self.attn_implementation)
 
     @property
     def tokens(self) -> int:
