@@ -297,7 +297,7 @@ def windows(dataset, plan, *, epoch: int, micro: int, steps: int, accum: int, co
         idx_lists = batches[micro : micro + accum]
         collated, counts = [], None
         for idx in idx_lists:
-            rows = dataset[list(idx)] if idx else {c: [] for c in columns}
+            rows = dataset[list(idx)]  # never empty: rank_view gives an idle place a StandIn
             batch, n = collate([dict(zip(columns, values)) for values in zip(*(rows[c] for c in columns))])
             if isinstance(idx, StandIn):
                 batch, n = {**batch, "batch_weight": 0.0}, Counts.none()

@@ -272,7 +272,7 @@ def down_input_bytes(p: Pass, shape: ModelShape, adapted: dict[str, tuple[int, i
 def frozen_input_discount(p: Pass, shape: ModelShape, adapted: dict[str, tuple[int, int]]) -> int:
     """What the first layer does not save when the embeddings are frozen (LoRA): its input needs no
     gradient, so the input norm saves nothing and q/k/v adapters keep no dropout mask."""
-    attn_in = [fan_in for name, (fan_in, _) in adapted.items() if name.endswith(("q_proj", "k_proj", "v_proj"))]
+    attn_in = [fan_in for name, (fan_in, _) in adapted.items() if name in shape.input_linears[0]]
     masks = sum(p.tokens * fan_in * p.dropout_mask_bytes for fan_in in attn_in) if p.lora_dropout > 0 else 0
     return layer_norm_bytes(p, shape.hidden, trainable=False, gemma=shape.gemma_norms) + masks
 

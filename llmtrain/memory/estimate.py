@@ -156,7 +156,7 @@ def estimate(shape: ModelShape, spec: TrainSpec) -> Estimate:
     # The autocast cache holds casts of trainable fp32 leaves until the forward returns.
     cached = [(base_copies if full else 0) + (n * p.cd if adapter_cast else 0) for n in adapter_params]
     if not embed_trains:  # nor does it keep casts of its q/k/v weights (saved for the input's gradient)
-        qkv = [x for x in shape.layer_linears if x.name.endswith(("q_proj", "k_proj", "v_proj"))]
+        qkv = [x for x in shape.layer_linears if x.name in shape.input_linears[0]]
         copies[0] -= sum(x.numel for x in qkv) * p.cd if p.separate_casts else 0
         copies[0] -= sum(spec.lora_r * x.fan_in for x in qkv if x.name in adapted[0]) * p.cd if adapter_cast else 0
     head_copies = (shape.head_outputs * H * p.cd if p.separate_casts else 0) + (

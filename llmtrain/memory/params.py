@@ -25,6 +25,11 @@ SUPPORTED_TYPES = tuple(FAMILIES)
 
 _LLAMA_COMMON = {"hidden_act": "silu", "rms_norm_eps": 1e-5, "tie_word_embeddings": False, "bos_token_id": 1,
                  "eos_token_id": 2}
+# What Gemma 3's text models (4B, 12B) share: their head size, vocabulary, local window and norms.
+_GEMMA3_COMMON = {"model_type": "gemma3_text", "head_dim": 256, "vocab_size": 262208,
+                  "max_position_embeddings": 131072, "sliding_window": 1024, "query_pre_attn_scalar": 256,
+                  "rope_theta": 1000000.0, "rms_norm_eps": 1e-6, "hidden_activation": "gelu_pytorch_tanh",
+                  "tie_word_embeddings": True, "bos_token_id": 2, "eos_token_id": 106}
 # Built-in configs (as in the models' config.json), so the well-known models work offline.
 PRESETS: dict[str, dict] = {
     "llama-2-7b": {**_LLAMA_COMMON, "model_type": "llama", "hidden_size": 4096, "intermediate_size": 11008,
@@ -54,18 +59,10 @@ PRESETS: dict[str, dict] = {
                    "max_position_embeddings": 32768, "rope_theta": 1000000.0, "rms_norm_eps": 1e-6,
                    "tie_word_embeddings": False, "hidden_act": "silu", "use_sliding_window": False,
                    "bos_token_id": 151643, "eos_token_id": 151645},
-    "gemma-3-4b": {"model_type": "gemma3_text", "hidden_size": 2560, "intermediate_size": 10240,
-                   "num_hidden_layers": 34, "num_attention_heads": 8, "num_key_value_heads": 4, "head_dim": 256,
-                   "vocab_size": 262208, "max_position_embeddings": 131072, "sliding_window": 1024,
-                   "query_pre_attn_scalar": 256, "rope_theta": 1000000.0, "rms_norm_eps": 1e-6,
-                   "hidden_activation": "gelu_pytorch_tanh", "tie_word_embeddings": True,
-                   "bos_token_id": 2, "eos_token_id": 106},
-    "gemma-3-12b": {"model_type": "gemma3_text", "hidden_size": 3840, "intermediate_size": 15360,
-                    "num_hidden_layers": 48, "num_attention_heads": 16, "num_key_value_heads": 8, "head_dim": 256,
-                    "vocab_size": 262208, "max_position_embeddings": 131072, "sliding_window": 1024,
-                    "query_pre_attn_scalar": 256, "rope_theta": 1000000.0, "rms_norm_eps": 1e-6,
-                    "hidden_activation": "gelu_pytorch_tanh", "tie_word_embeddings": True,
-                    "bos_token_id": 2, "eos_token_id": 106},
+    "gemma-3-4b": {**_GEMMA3_COMMON, "hidden_size": 2560, "intermediate_size": 10240, "num_hidden_layers": 34,
+                   "num_attention_heads": 8, "num_key_value_heads": 4},
+    "gemma-3-12b": {**_GEMMA3_COMMON, "hidden_size": 3840, "intermediate_size": 15360, "num_hidden_layers": 48,
+                    "num_attention_heads": 16, "num_key_value_heads": 8},
     "phi-4": {"model_type": "phi3", "hidden_size": 5120, "intermediate_size": 17920, "num_hidden_layers": 40,
               "num_attention_heads": 40, "num_key_value_heads": 10, "vocab_size": 100352,
               "max_position_embeddings": 16384, "rope_theta": 250000.0, "rms_norm_eps": 1e-5,
