@@ -294,7 +294,7 @@ def needs_model(recipe, layout: Layout) -> bool:
 def model_problems(recipe, layout: Layout, config) -> list[str]:
     """What the recipe and the layout refuse of the model itself (`config`: its transformers config): a mixture of
     experts under the tiled MLP or LoRA dropout, heads a sequence or a tensor-parallel group cannot split, fewer
-    layers than stages, a tied embedding in a pipeline."""
+    layers than stages."""
     out = []
     if n := experts(config):
         kind = f"{getattr(config, 'model_type', 'this model')}'s MLP is a mixture of {n} experts"
@@ -320,10 +320,6 @@ def model_problems(recipe, layout: Layout, config) -> list[str]:
         if config.num_hidden_layers < total:
             out.append(f"{key}: {total} pipeline stages need at least one decoder layer each: the model has "
                        f"{config.num_hidden_layers}; lower parallel.pipeline_parallel (or pipeline_chunks)")
-        if getattr(config, "tie_word_embeddings", False):
-            out.append(f"{key}: this model ties its input embedding to its output head (tie_word_embeddings), and "
-                       "the first and the last stage would each hold and update their own copy of that one weight. "
-                       "Train it with FSDP (accelerate_configs/fsdp.yaml) or DDP instead")
     return out
 
 

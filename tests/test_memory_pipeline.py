@@ -126,6 +126,23 @@ def test_stage_parameters_sum_to_the_model(p, schedule, chunks):
     assert est.per_gpu_peak_bytes == max(x["per_gpu_peak_bytes"] for x in est.pipeline["stages"])
 
 
+def test_a_tied_embedding_is_two_copies_the_first_stages_embedding_and_the_last_stages_head():
+    """Llama 3.2 3B ties its head to its embeddings: a pipeline holds the weight on its first stage as the embedding
+    and on its last as the head (parallel/pipeline/schedule.py sums their gradients), so the stages hold the model
+    and one more vocabulary x hidden matrix, each copy with its gradient and moments."""
+    tied = load_model_shape("llama-3.2-3b")
+    assert tied.tied and tied.params_head == 0
+    s = spec(num_nodes=2, pipeline_parallel=2)
+    stages = stages_of(tied, s)
+    first, last = (stage_shape(tied, st) for st in stages)
+    assert first.params_embed == last.params_head == tied.vocab * tied.hidden
+    assert first.params_head == last.params_embed == 0
+    est = pipeline_estimate(tied, s)
+    assert sum(x["params"] for x in est.pipeline["stages"]) == tied.params_total + tied.vocab * tied.hidden
+    for st, x in zip(stages, est.pipeline["stages"]):
+        assert x["state_bytes"] == pytest.approx(stage_shape(tied, st).params_total * 16 / 8, abs=8)
+
+
 @pytest.mark.parametrize("layout", [dict(strategy="fsdp", num_gpus=8), dict(strategy="fsdp", num_gpus=8,
                                                                             grad_accum_steps=4),
                                     dict(strategy="ddp", num_gpus=8), dict(strategy="single", num_gpus=1)])

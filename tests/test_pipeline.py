@@ -4,10 +4,12 @@ several processes trains what one process trains.
 In-process: the split (balanced, every layer once, the embedding and the head counted), the fixed-shape rows (every
 micro-batch exactly train.micro_batch_tokens slots, the boundaries of one fixed length), the refusals. Through
 `accelerate launch` on gloo: 2 processes with 2 stages equal 1 process (losses to 1e-6, weights to 1e-5) for GPipe,
-1F1B and interleaved 1F1B, with gradient accumulation, full, LoRA, QLoRA, bf16 with gradient checkpointing; micro-batches whose rows differ in their
-examples and boundaries from step to step (a stage reading a stale or another micro-batch's buffer changes the loss);
-4 processes (2 stages x 2 replicas, and 2 stages each sharded over 2 by FSDP) equal 1; kill -9 and a resume equal the uninterrupted run; final/ (the whole model
-or adapter, gathered from the stages) loads in transformers / peft and gives the 1-process run's logits.
+1F1B and interleaved 1F1B, with gradient accumulation, full, LoRA, QLoRA, bf16 with gradient checkpointing, and a
+model whose head is tied to its embeddings (two copies, their gradients summed); micro-batches whose rows differ in
+their examples and boundaries from step to step (a stage reading a stale or another micro-batch's buffer changes the
+loss); 4 processes (2 stages x 2 replicas, and 2 stages each sharded over 2 by FSDP) equal 1; kill -9 and a resume
+equal the uninterrupted run; final/ (the whole model or adapter, gathered from the stages) loads in transformers /
+peft and gives the 1-process run's logits. The other model families' stages: tests/test_families.py.
 """
 
 from __future__ import annotations
@@ -95,8 +97,7 @@ def test_recipes_a_pipeline_cannot_run_are_refused_naming_the_key(tiny_assets, t
         load_recipe(recipe, ["parallel.pipeline_parallel=2", *overrides])
 
 
-@pytest.mark.parametrize("change,says", [({"tie_word_embeddings": True}, "ties its input embedding"),
-                                          ({"num_hidden_layers": 1}, "2 pipeline stages need at least one decoder")])
+@pytest.mark.parametrize("change,says", [({"num_hidden_layers": 1}, "2 pipeline stages need at least one decoder")])
 def test_a_model_the_stages_cannot_split_is_refused_with_the_reason(tiny_assets, tmp_path, change, says):
     from transformers import AutoConfig
 
@@ -140,6 +141,21 @@ def four_layers(tiny_assets, tmp_path_factory) -> Path:
     config = AutoConfig.from_pretrained(out / "model", num_hidden_layers=4)
     torch.manual_seed(0)
     AutoModelForCausalLM.from_config(config).save_pretrained(out / "model")
+    return out
+
+
+@pytest.fixture(scope="module")
+def tied(four_layers, tmp_path_factory) -> Path:
+    """The four-layer task with its LM head tied to its embeddings (tie_word_embeddings: Llama 3.2, Gemma 3)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    out = tmp_path_factory.mktemp("tied")
+    shutil.copytree(four_layers, out, dirs_exist_ok=True)
+    config = AutoConfig.from_pretrained(out / "model", tie_word_embeddings=True)
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config)
+    assert model.lm_head.weight is model.model.embed_tokens.weight
+    model.save_pretrained(out / "model")
     return out
 
 
@@ -208,6 +224,25 @@ def test_two_stages_train_what_one_process_trains(single, four_layers, tmp_path,
     assert f"this process: stage 0: layers 0-{4 // (2 * chunks) - 1}" in out
     assert len({r["tokens"] for r in records(reference)}) > 1  # the rows change from step to step
     _same(tmp_path / "pp", reference, lora=kind in ("lora", "qlora"))
+
+
+@pytest.mark.slow
+def test_a_tied_embedding_trains_on_two_stages_what_one_process_trains(tied, tmp_path, free_port):
+    """The first stage holds the tied weight as the embedding and the last as the head: each copy's gradient is
+    summed with the other's (the one weight's gradient), counted once in the norm, so both take one process's step.
+    Without the sum the embedding would miss the head's gradient and the losses part from the second step; counted
+    twice, the clipped norm would differ (max_grad_norm 0.5 clips these steps)."""
+    from transformers import AutoModelForCausalLM
+
+    recipe = _recipe(tied, tmp_path, "tied.yaml", lora=False)
+    run_train(recipe, f"output_dir={tmp_path / 'one'}")
+    launch_finetune(CPU_DDP, 2, free_port, recipe, "parallel.pipeline_parallel=2", f"output_dir={tmp_path / 'pp'}")
+    assert all(r["grad_norm"] > 0.5 for r in records(tmp_path / "one"))  # clipped: the norm matters
+    _same(tmp_path / "pp", tmp_path / "one", lora=False)
+    final = AutoModelForCausalLM.from_pretrained(tmp_path / "pp" / "final")
+    assert final.lm_head.weight is final.model.embed_tokens.weight  # still one weight
+    base = AutoModelForCausalLM.from_pretrained(tied / "model")
+    assert (final.model.embed_tokens.weight - base.model.embed_tokens.weight).abs().max() > 1e-4  # it trained
 
 
 @pytest.mark.slow

@@ -62,9 +62,6 @@ def pipeline_problems(spec: TrainSpec, shape: ModelShape) -> list[str]:
         problems.append(f"{p} pipeline stages x {v} chunks need a decoder layer each and the model has {shape.layers} "
                         f"({shape.source}): use at most {shape.layers // v} stages (--pipeline-parallel, "
                         "parallel.pipeline_parallel)")
-    if shape.tied:
-        problems.append(f"the model ties its LM head to its embeddings ({shape.source}), which a pipeline puts on its "
-                        "first and last stages: not modelled")
     if spec.world % p:
         problems.append(f"pipeline parallelism {p} must divide the GPUs: {spec.world} ({spec.num_gpus} a node x "
                         f"{spec.num_nodes}) do not split into {p} stages")
@@ -106,10 +103,12 @@ def stages_of(shape: ModelShape, spec: TrainSpec) -> list[Stage]:
 
 def stage_shape(shape: ModelShape, stage: Stage, layers: int | None = None) -> ModelShape:
     """The model as one GPU of `stage` holds it: `layers` decoder layers (its own by default) and the embeddings,
-    final norm and head only where the stage has them, so that params_total counts the stage's parameters."""
-    return replace(shape, layers=stage.layers if layers is None else layers,
+    final norm and head only where the stage has them, so that params_total counts the stage's parameters. A tied
+    embedding is two copies, the first stage's embedding and the last stage's head (parallel/pipeline/schedule.py)."""
+    head = shape.params_embed if shape.tied else shape.params_head
+    return replace(shape, layers=stage.layers if layers is None else layers, tied=False,
                    params_embed=shape.params_embed if stage.first else 0,
-                   params_head=shape.params_head if stage.last else 0,
+                   params_head=head if stage.last else 0,
                    params_final_norm=shape.params_final_norm if stage.last else 0)
 
 
@@ -146,8 +145,9 @@ def stage_states(shape: ModelShape, spec: TrainSpec, stage: Stage, modelled: int
     (spec.shards: world / P); `modelled` of its layers are those estimate's phases walk (grads_layer)."""
     master = stage_master(spec)
     layer = shape.params_per_layer * master
-    head = (shape.params_head + shape.params_final_norm) * master if stage.last else 0
-    total = stage_shape(shape, stage).params_total * master
+    own = stage_shape(shape, stage)
+    head = (own.params_head + own.params_final_norm) * master if stage.last else 0
+    total = own.params_total * master
     shard = spec.shards
     return States(weights=total // shard, grads=total // shard, grads_head=head // shard,
                   grads_layer=(layer // shard,) * modelled, optimizer=2 * total // shard,

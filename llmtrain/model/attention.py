@@ -34,6 +34,21 @@ def varlen_available() -> bool:
     return True
 
 
+def layer_kinds(config, layers: int) -> list[str]:
+    """Each decoder layer's kind (config.layer_types: Gemma 3's sliding_attention and full_attention); a model
+    without them: every layer full_attention."""
+    return list(getattr(config, "layer_types", None) or ["full_attention"] * layers)
+
+
+def rotary_by_kind(rotary_emb, hidden, position_ids, kinds) -> dict:
+    """The rotary embeddings (cos, sin) of `position_ids` for each kind of layer in `kinds`, as the decoder's
+    `rotary_emb` makes them: Gemma 3's takes a layer_type (a base and scaling of its own for local and global
+    layers); elsewhere one pair serves every layer."""
+    if "layer_type" in inspect.signature(rotary_emb.forward).parameters:
+        return {t: rotary_emb(hidden, position_ids, t) for t in dict.fromkeys(kinds)}
+    return dict.fromkeys(kinds, rotary_emb(hidden, position_ids=position_ids))
+
+
 def register() -> str:
     from transformers import AttentionInterface
 

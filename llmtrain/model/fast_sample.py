@@ -39,6 +39,7 @@ import inspect
 
 import torch
 
+from llmtrain.model.attention import layer_kinds, rotary_by_kind
 from llmtrain.model.generate import attention_as, next_tokens
 from llmtrain.model.loss import causal_lm
 
@@ -87,20 +88,15 @@ class _Forward:
         params = inspect.signature(self.layers[0].forward).parameters
         self.cache_arg = "cache" if "cache" in params else "past_key_values"  # transformers 5.2x renamed it
         cfg = self.model.config
-        self.types = getattr(cfg, "layer_types", None) or ["full_attention"] * len(self.layers)
+        self.types = layer_kinds(cfg, len(self.layers))
         window = getattr(cfg, "sliding_window", None)
         self.windows = [window if t == "sliding_attention" or (window and cfg.model_type in WINDOWED) else None
                         for t in self.types]
-        # Gemma 3: a RoPE of its own (base, scaling) for each kind of layer, as its model makes them
-        self.per_kind = "layer_type" in inspect.signature(inner.rotary_emb.forward).parameters
         self.head = self.model.get_output_embeddings()
 
     def __call__(self, ids, positions, masks: dict, cache: _SlotCache) -> torch.Tensor:
         hidden = self.inner.embed_tokens(ids)
-        if self.per_kind:
-            rotary = {t: self.inner.rotary_emb(hidden, positions, t) for t in dict.fromkeys(self.types)}
-        else:
-            rotary = dict.fromkeys(self.types, self.inner.rotary_emb(hidden, position_ids=positions))
+        rotary = rotary_by_kind(self.inner.rotary_emb, hidden, positions, self.types)  # Gemma 3: one per kind of layer
         for layer, window, kind in zip(self.layers, self.windows, self.types):
             hidden = layer(hidden, attention_mask=masks[window], position_ids=positions,
                            position_embeddings=rotary[kind], **{self.cache_arg: cache})

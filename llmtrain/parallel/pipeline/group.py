@@ -62,21 +62,52 @@ def sum_replicas(params, g: PipelineGroup) -> None:
         dist.all_reduce(p.grad, group=g.data_group)
 
 
+def ends_group(g: PipelineGroup):
+    """The process group of this process's pipeline's first and last stages (a tied embedding's two copies), None
+    on the stages between them. Every process calls it (each such group is made by all); with 2 stages, the
+    pipeline's own group."""
+    if g.size == 2:
+        return g.group
+    import torch.distributed as dist
+
+    mine = None
+    for d in range(g.replicas):  # rank s * replicas + d is stage s of pipeline d (make_group)
+        ranks = [d, (g.size - 1) * g.replicas + d]
+        made = dist.new_group(ranks)
+        mine = made if dist.get_rank() in ranks else mine
+    return mine
+
+
+def sum_tied(params, group) -> None:
+    """A weight the first stage reads as the embedding and the last as the LM head (tie_word_embeddings): each
+    copy's gradient becomes their sum, the gradient one process computes for the one weight, so both copies take
+    the same step. Under FSDP each process sums its shard with the same shard of the other end."""
+    import torch.distributed as dist
+
+    for p in params:
+        if p.grad is None:
+            p.grad = torch.zeros_like(p)
+        dist.all_reduce(_local(p.grad), group=group)
+
+
 def _local(t: torch.Tensor) -> torch.Tensor:
     return t.to_local() if hasattr(t, "to_local") else t
 
 
 def clip_grad_norm_(params, max_norm: float, device, *, sharded: bool, g: PipelineGroup,
-                    order: dict[int, int] | None = None) -> torch.Tensor:
+                    order: dict[int, int] | None = None, uncounted=()) -> torch.Tensor:
     """torch.nn.utils.clip_grad_norm_ over the whole model. Whole stages (`order`: each parameter's place in the
     whole model's parameters): the norm exactly as one process computes it, the vector norm of the stacked
     per-parameter norms (torch's own: foreach where it has it) in the model's order, gathered from the stages. A sum
     of squares reduced over the stages differs from it in the last bits, which bf16 autocast turns into 1e-6 of loss
     a step later (issue 59). Stages sharded by FSDP: the squared norms summed over the stages and the shards (every
-    process holds a disjoint piece)."""
+    process holds a disjoint piece). `uncounted`: parameters scaled but left out of the norm (the last stage's copy
+    of a tied embedding, which the first stage counts)."""
     import torch.distributed as dist
 
-    params = [p for p in params if p.grad is not None]
+    scaled = [_local(p.grad) for p in params if p.grad is not None]
+    skip = {id(p) for p in uncounted}
+    params = [p for p in params if p.grad is not None and id(p) not in skip]
     grads = [_local(p.grad) for p in params]
     if order is not None and not sharded:
         from torch.utils._foreach_utils import _has_foreach_support
@@ -98,6 +129,6 @@ def clip_grad_norm_(params, max_norm: float, device, *, sharded: bool, g: Pipeli
         dist.all_reduce(squares, group=None if sharded else g.group)
         norm = squares.sqrt()
     coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
-    if grads:
-        torch._foreach_mul_(grads, coef.to(grads[0].device))
+    if scaled:
+        torch._foreach_mul_(scaled, coef.to(scaled[0].device))
     return norm

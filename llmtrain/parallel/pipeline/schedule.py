@@ -26,7 +26,7 @@ from llmtrain.data.formats import IGNORE
 from llmtrain.errors import LLMTrainError
 from llmtrain.model.attention import NAME as VARLEN
 from llmtrain.model.loss import causal_lm, eval_counts
-from llmtrain.parallel.pipeline.group import PipelineGroup, clip_grad_norm_, sum_replicas
+from llmtrain.parallel.pipeline.group import PipelineGroup, clip_grad_norm_, ends_group, sum_replicas, sum_tied
 from llmtrain.parallel.pipeline.split import rank_stages, stage_layers
 from llmtrain.parallel.pipeline.stage import Elsewhere, Stage, cut_points, skeleton
 
@@ -49,7 +49,7 @@ class Pipeline:
         g = self.group = group
         lm = causal_lm(model)
         config = lm.config
-        # a tied embedding, too few layers: refused with the rest of the layout (capabilities.model_problems)
+        # too few layers: refused with the rest of the layout (capabilities.model_problems)
         if getattr(config, "_attn_implementation", None) != VARLEN:
             raise LLMTrainError(
                 f"parallel.pipeline_parallel={g.size} attends within each packed row's examples with llmtrain's "
@@ -61,6 +61,10 @@ class Pipeline:
         except ValueError as e:
             raise LLMTrainError(f"{e}: lower parallel.pipeline_parallel (or pipeline_chunks)") from None
         mine = rank_stages(g.rank, g.size, chunks)  # torch's loop order: virtual stage s on rank s % P
+        # a tied embedding (Llama 3.2, Gemma 3, small Qwen3): the first stage reads it as the embedding, the last as
+        # the head, each its own copy of the one weight; their gradients are summed after each step (group.sum_tied)
+        tied = lm.get_output_embeddings().weight is lm.get_input_embeddings().weight
+        self.ends = ends_group(g) if tied else None
         self.modules = [Stage(lm, ranges[s], first=s == 0, last=s == total - 1, precision=precision) for s in mine]
         self.precision = precision
         self.order = {id(p): i for i, p in enumerate(model.parameters())}  # the whole model's, for the norm
@@ -83,6 +87,10 @@ class Pipeline:
                 for layer in m.layers:
                     fully_shard(layer, mesh=g.mesh["dp"], reshard_after_forward=False, **policy)
                 fully_shard(m, mesh=g.mesh["dp"], reshard_after_forward=False, **policy)
+        # (read after fully_shard, which puts DTensor parameters in the modules' place)
+        held = [m.embed.weight for m in self.modules if m.embed is not None] + \
+            [m.head.weight for m in self.modules if m.head is not None]
+        self.tied = [p for p in held if p.requires_grad] if tied else []  # frozen under LoRA: nothing to sum
         self.stages = [pipelining.PipelineStage(m, s, total, device, group=g.group)
                        for s, m in zip(mine, self.modules)]
         self.last = next((m for s, m in zip(mine, self.modules) if s == total - 1), None)
@@ -179,6 +187,8 @@ class Pipeline:
         self.schedule.step(*args, target=stacked["targets"].to(self.device),
                            position_ids=stacked["position_ids"].to(self.device),
                            cu_seq_lens=stacked["cu_seq_lens"])  # the boundaries stay on the CPU (each stage trims them)
+        if self.tied:
+            sum_tied(self.tied, self.ends)
         if not self.sharded:
             sum_replicas(self.parameters(), self.group)
         # the last M calls are the micro-batches': on its first step torch (2.13) also calls the loss function on
@@ -195,4 +205,4 @@ class Pipeline:
 
     def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
         return clip_grad_norm_(list(self.parameters()), max_norm, self.device, sharded=self.sharded, g=self.group,
-                               order=self.order)
+                               order=self.order, uncounted=[] if self.first else self.tied)  # the first counts it

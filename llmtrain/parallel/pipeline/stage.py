@@ -1,4 +1,4 @@
-"""A pipeline stage of a Llama-layout causal LM (Llama, Mistral and their kin), cut by hand: the modules a stage
+"""A pipeline stage of a Llama-layout causal LM (Llama, Mistral, Qwen, Gemma 3, Phi), cut by hand: the modules a stage
 runs, and the storage-less placeholders of the ones other stages hold. Where the stages run and how they are split:
 schedule.py and group.py beside it.
 """
@@ -9,6 +9,8 @@ from contextlib import nullcontext
 
 import torch
 from torch import nn
+
+from llmtrain.model.attention import layer_kinds, rotary_by_kind
 
 
 class Elsewhere(nn.Module):
@@ -21,8 +23,11 @@ class Elsewhere(nn.Module):
 
 class Stage(nn.Module):
     """One pipeline stage of a Llama-layout causal LM: the embedding (first stage), a run of decoder layers, the
-    final norm and the head (last stage). Every stage computes the rotary embedding from the positions it is
-    given, and the varlen attention takes the row's example boundaries from `cu_seq_lens`."""
+    final norm and the head (last stage). Every stage computes the rotary embeddings from the positions it is
+    given (one pair for each kind of layer it holds: Gemma 3's local and global), and the varlen attention takes the
+    row's example boundaries from `cu_seq_lens` (a local layer's window from the layer itself). A tied embedding:
+    the first stage's embedding and the last stage's head are two copies of the one weight (schedule.py sums their
+    gradients)."""
 
     def __init__(self, lm, layers: range, *, first: bool, last: bool, precision=nullcontext):
         super().__init__()
@@ -32,6 +37,7 @@ class Stage(nn.Module):
         decoder = lm.model
         self.embed = decoder.embed_tokens if first else None
         self.layers = nn.ModuleList(decoder.layers[i] for i in layers)
+        self.kinds = [layer_kinds(lm.config, len(decoder.layers))[i] for i in layers]
         self.rotary = decoder.rotary_emb
         self.norm = decoder.norm if last else None
         self.head = lm.lm_head if last else None
@@ -44,9 +50,9 @@ class Stage(nn.Module):
         h = self.embed(x) if self.embed is not None else x
         cu = cut_points(cu_seq_lens)
         longest = int((cu[1:] - cu[:-1]).max())
-        pe = self.rotary(h, position_ids=position_ids)
-        for layer in self.layers:
-            h = layer(h, attention_mask=None, position_ids=position_ids, position_embeddings=pe,
+        pe = rotary_by_kind(self.rotary, h, position_ids, self.kinds)
+        for layer, kind in zip(self.layers, self.kinds):
+            h = layer(h, attention_mask=None, position_ids=position_ids, position_embeddings=pe[kind],
                       cu_seq_lens_q=cu, cu_seq_lens_k=cu, max_length_q=longest, max_length_k=longest)
         return self.norm(h) if self.norm is not None else h
 
