@@ -108,6 +108,44 @@ _FORMAT_HINT = {
 }
 
 
+# --------------------------------------------------------------------------- the model families (a third axis)
+
+_QK_NORM_TP = ("its attention normalises each head of q and k (QK-norm: q_norm, k_norm), whose weights each "
+               "tensor-parallel process would train on its own heads only, and llmtrain does not sum them (the "
+               "model's plan marks them replicated_with_grad_allreduce). Shard it with FSDP instead "
+               "(accelerate_configs/fsdp.yaml, or parallelism_config_tp_size: 1)")
+_FUSED_TP = ("it fuses q, k and v into one qkv_proj and gate and up into one gate_up_proj, which a column-wise split "
+             "would cut across (its plan gathers their outputs: colwise_gather_output, which llmtrain does not "
+             "build). Shard it with FSDP instead (accelerate_configs/fsdp.yaml, or parallelism_config_tp_size: 1)")
+
+
+@dataclass(frozen=True)
+class Family:
+    key: str  # config.model_type
+    name: str  # in the messages and docs/models.md
+    refused: dict[str, str] = field(default_factory=dict)  # parallelism -> why, and what to use instead
+
+
+# The families llmtrain knows layer by layer: the estimate models their layers (memory/params.py), the fast sampler
+# runs them (model/fast_sample.py), tests/test_families.py trains each on every column it does not refuse. Another
+# model_type trains where transformers builds it, with the checks every model gets (model_problems) and no estimate.
+FAMILIES: dict[str, Family] = {f.key: f for f in (
+    Family("llama", "Llama (2, 3, 3.1, 3.2)"),
+    Family("mistral", "Mistral"),
+    Family("qwen2", "Qwen2 / Qwen2.5"),
+    Family("qwen3", "Qwen3", refused={"tp": _QK_NORM_TP}),
+    Family("gemma3_text", "Gemma 3 (its text model)", refused={"tp": _QK_NORM_TP}),
+    Family("phi3", "Phi-3 / Phi-4", refused={"tp": _FUSED_TP}),
+)}
+
+
+def family_cell(model_type: str, parallelism: str) -> str | None:
+    """Why a model of `model_type` does not train on `parallelism` (None: it does, or the family is not in the table
+    and the generic checks decide)."""
+    family = FAMILIES.get(model_type)
+    return family.refused.get(parallelism) if family is not None else None
+
+
 def mode_of(recipe) -> str:
     """The recipe's training mode: its objective section (none: supervised fine-tuning). Several sections: the
     first of them (recipe_problems refuses the recipe)."""
@@ -292,10 +330,16 @@ def needs_model(recipe, layout: Layout) -> bool:
 
 
 def model_problems(recipe, layout: Layout, config) -> list[str]:
-    """What the recipe and the layout refuse of the model itself (`config`: its transformers config): a mixture of
-    experts under the tiled MLP or LoRA dropout, heads a sequence or a tensor-parallel group cannot split, fewer
-    layers than stages."""
+    """What the recipe and the layout refuse of the model itself (`config`: its transformers config): its family's
+    cells (FAMILIES), a mixture of experts under the tiled MLP or LoRA dropout, heads a sequence or a tensor-parallel
+    group cannot split, a tensor-parallel plan llmtrain does not build, fewer layers than stages."""
     out = []
+    kind = getattr(config, "model_type", None)
+    refused = set()
+    for parallelism in layout.parallelisms:
+        if (why := family_cell(kind, parallelism)) is not None:
+            refused.add(parallelism)
+            out.append(f"{_key(parallelism, recipe, layout)} is refused for {FAMILIES[kind].name} ({kind}): {why}")
     if n := experts(config):
         kind = f"{getattr(config, 'model_type', 'this model')}'s MLP is a mixture of {n} experts"
         if recipe.model.tiled_mlp:
@@ -309,18 +353,30 @@ def model_problems(recipe, layout: Layout, config) -> list[str]:
     kv = getattr(config, "num_key_value_heads", None) or heads
     if problem := sequence_heads_problem(layout.sp, heads, kv):
         out.append(problem)
-    if (tp := layout.tp) > 1:
-        for name, n in (("num_attention_heads", heads), ("num_key_value_heads", kv),
-                        ("intermediate_size", getattr(config, "intermediate_size", tp))):
-            if n % tp:
-                out.append(f"tensor parallelism over {tp} processes splits the model's {name} ({n}) evenly, and {n} "
-                           f"is not a multiple of {tp}: set parallelism_config_tp_size to a divisor of {n}")
+    if layout.tp > 1 and "tp" not in refused:
+        out += tensor_plan_problems(config, layout.tp)
     if (p := layout.pp) > 1:
         key, total = f"parallel.pipeline_parallel={p}", p * recipe.parallel.stages_per_rank
         if config.num_hidden_layers < total:
             out.append(f"{key}: {total} pipeline stages need at least one decoder layer each: the model has "
                        f"{config.num_hidden_layers}; lower parallel.pipeline_parallel (or pipeline_chunks)")
     return out
+
+
+def tensor_plan_problems(config, tp: int) -> list[str]:
+    """What tensor parallelism over `tp` processes refuses of a model: a plan (config.base_model_tp_plan) other than
+    column- and row-wise linear layers, and heads or MLP columns that `tp` does not divide."""
+    plan = dict(getattr(config, "base_model_tp_plan", None) or {})
+    if not plan or set(plan.values()) - {"colwise", "rowwise"}:
+        return [f"tensor parallelism needs a model whose tensor-parallel plan (config.base_model_tp_plan) is column- "
+                f"and row-wise linear layers, as Llama's and Mistral's are; {getattr(config, 'model_type', 'this')} "
+                f"has {sorted(set(plan.values())) or 'none'}. Set parallelism_config_tp_size: 1"]
+    heads = config.num_attention_heads
+    kv = getattr(config, "num_key_value_heads", None) or heads
+    return [f"tensor parallelism over {tp} processes splits the model's {name} ({n}) evenly, and {n} is not a "
+            f"multiple of {tp}: set parallelism_config_tp_size to a divisor of {n}"
+            for name, n in (("num_attention_heads", heads), ("num_key_value_heads", kv),
+                            ("intermediate_size", getattr(config, "intermediate_size", tp))) if n % tp]
 
 
 def check_model(recipe, layout: Layout, config) -> None:

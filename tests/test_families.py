@@ -1,24 +1,40 @@
-"""Each model family trains end to end through llmtrain: a tiny random model of the family, made with the tiny
-task's tokenizer and ids, fine-tuned by `llmtrain finetune` (in this process) on packed rows through the varlen
-attention, its loss falling on the tiny task; final/ loads back through transformers as the family's model with the
-trained weights. What each family's layer adds (QK-norm, Gemma 3's norms, windows and two RoPEs, Phi's fused
-projections and partial RoPE) is checked piece by piece in test_fastpath (packed = alone, the chunked loss),
-test_memory_families (the estimate) and test_fast_sample (the sampler); here the whole run. docs/models.md."""
+"""Each model family through llmtrain's paths: a tiny random model of the family (the tiny task's shapes, tokenizer
+and ids; Qwen3 and Gemma 3 tied, as Gemma 3 and Qwen3 below 8B are) on every path the capability table
+(capabilities.FAMILIES) does not refuse, and every refused cell refused before any process starts.
+
+- SFT end to end (`llmtrain finetune` in this process, packed rows through the varlen attention): the loss falls and
+  final/ loads back as the family's model with the trained weights.
+- LoRA by the family's module names (all-linear finds Phi's fused qkv_proj and gate_up_proj; Llama's names on Phi are
+  refused naming Phi's); QLoRA (bitsandbytes' 4-bit base on this CPU) on every linear and the loss falling.
+- DPO on 8 pairs: the first step's loss is log 2 (policy = reference), then it falls and every pair is ranked right.
+- GRPO with the fast sampler (rl.sampler: static) draws, steps and trains exactly what the reference sampler does.
+- Liger's kernels patch each family's layer (where liger-kernel is installed: its kernels need CUDA to run).
+- Through `accelerate launch`: FSDP on 2 processes, sequence parallelism over 2 and a pipeline of 2 stages (the tied
+  ones' two copies summed) each equal one process; tensor parallelism trains Qwen2 (biases) and is refused for QK-norm
+  and fused projections in one paragraph by `llmtrain launch`.
+What each family's layer adds is checked piece by piece in test_fastpath (packed = alone, the chunked loss),
+test_memory_families (the estimate) and test_fast_sample (the sampler). docs/models.md."""
 
 from __future__ import annotations
 
 import json
+import math
+import warnings
+from pathlib import Path
 
 import pytest
 import torch
-from helpers import records, run_train, write_recipe
+import yaml
+from helpers import REPO, assert_same_steps, launch_finetune, records, run_train, write_recipe
+
+from llmtrain import capabilities
 
 pytestmark = pytest.mark.long(40)  # tests/conftest.py
 
 FAMILIES = {
-    "qwen3": dict(head_dim=32),
+    "qwen3": dict(head_dim=32, tie_word_embeddings=True),
     "qwen2": dict(attention_bias=True),
-    "gemma3_text": dict(head_dim=32, query_pre_attn_scalar=32, sliding_window=16,
+    "gemma3_text": dict(head_dim=32, query_pre_attn_scalar=32, sliding_window=8,
                         layer_types=["sliding_attention", "full_attention"]),
     "phi3": dict(partial_rotary_factor=0.75),
 }
@@ -28,6 +44,8 @@ def family_model(tiny_assets, folder, family: str):
     """The tiny model's shapes and special ids in `family`'s layer, random weights, the tiny tokenizer beside them."""
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
+    if (folder / "config.json").exists():
+        return folder
     tiny = json.loads((tiny_assets / "model" / "config.json").read_text())
     keep = ("vocab_size", "hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads",
             "num_hidden_layers", "max_position_embeddings", "bos_token_id", "eos_token_id", "pad_token_id")
@@ -58,3 +76,196 @@ def test_each_family_trains_on_packed_rows_and_its_final_model_loads_back(tiny_a
     ids = torch.tensor([[1, 5, 9, 14, 20]])
     with torch.no_grad():
         assert (final(input_ids=ids).logits - base(input_ids=ids).logits).abs().max() > 1e-2  # the trained weights
+
+
+@pytest.fixture(scope="module")
+def models(tiny_assets, tmp_path_factory):
+    """Each family's tiny model, made once for the module."""
+    root = tmp_path_factory.mktemp("families")
+    return {f: family_model(tiny_assets, root / f, f) for f in FAMILIES}
+
+
+def _mode_recipe(tiny_assets, tmp_path, model, shipped: str, **sections) -> Path:
+    """A shipped tiny recipe on `model`: no eval, nothing saved, logged every step; `sections` update it."""
+    recipe = yaml.safe_load((REPO / "recipes" / shipped).read_text())
+    recipe["model"]["name_or_path"] = str(model)
+    recipe["data"].update(path=str(tiny_assets / "data" / Path(recipe["data"]["path"]).name), eval_split=None,
+                          cache_dir=str(tiny_assets.parent / "data-cache"))
+    recipe["train"].update(eval_every_steps=None, eval_batch_size=None, eval_samples=0, warmup_steps=0)
+    recipe["checkpoint"] = {"every_steps": None, "save_final": False}
+    recipe["logging"] = {"progress": False, "plot": False, "every_steps": 1}
+    for key, value in sections.items():
+        recipe[key] = {**recipe.get(key, {}), **value} if isinstance(value, dict) else value
+    out = tmp_path / f"{Path(recipe['output_dir']).name}.yaml"  # each run's own
+    out.write_text(yaml.safe_dump(recipe, sort_keys=False))
+    return out
+
+
+# --------------------------------------------------------------------------- in this process
+
+ADAPTED = {"phi3": {"qkv_proj", "o_proj", "gate_up_proj", "down_proj"}}
+LLAMA_NAMES = {"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"}
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_lora_adapts_each_familys_own_linear_layers_and_names_them_when_asked_for_others(models, family):
+    from llmtrain.config import LoraConfig, ModelConfig
+    from llmtrain.errors import LLMTrainError
+    from llmtrain.model.modeling import apply_lora, load_model
+
+    model = load_model(ModelConfig(name_or_path=str(models[family]), dtype="float32"), None)
+    adapted = apply_lora(model, LoraConfig(r=4, dropout=0.0))  # target_modules: all-linear
+    names = {n.split(".lora_A")[0].rsplit(".", 1)[-1] for n, _ in adapted.named_parameters() if "lora_A" in n}
+    assert names == ADAPTED.get(family, LLAMA_NAMES)
+    if family == "phi3":  # Llama's names on Phi's fused projections: refused, naming Phi's own
+        model = load_model(ModelConfig(name_or_path=str(models[family]), dtype="float32"), None)
+        with pytest.raises(LLMTrainError, match="named down_proj, gate_up_proj, lm_head, o_proj, qkv_proj"):
+            apply_lora(model, LoraConfig(r=4, dropout=0.0, target_modules=["q_proj", "k_proj", "v_proj"]))
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_dpo_starts_at_log_2_and_ranks_every_pair_right(models, tiny_assets, tmp_path, family):
+    """8 pairs, 10 full steps: at step 1 the policy is the reference (a loss of exactly log 2, margins 0); then the
+    pairs are learnt (measured over the four families: 0.693 -> 0.24-0.30, accuracy 1.0)."""
+    pairs = tmp_path / "pairs8.jsonl"
+    pairs.write_text("".join((tiny_assets / "data" / "train_pairs.jsonl").read_text().splitlines(True)[:8]))
+    recipe = _mode_recipe(tiny_assets, tmp_path, models[family], "tiny.yaml", preference={"loss": "dpo", "beta": 0.1},
+                          data={"path": str(pairs), "format": "preference"},
+                          train={"max_steps": 10, "micro_batch_size": 8, "lr": 3e-3},
+                          output_dir=str(tmp_path / "run"))
+    run_train(recipe)
+    lines = records(tmp_path / "run")
+    assert lines[0]["loss"] == pytest.approx(math.log(2), abs=1e-6) and lines[0]["rewards/margins"] == 0.0
+    assert lines[-1]["loss"] < 0.45 and lines[-1]["rewards/accuracies"] == 1.0, lines[-1]
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_grpo_with_the_fast_sampler_trains_exactly_what_the_reference_sampler_trains(models, tiny_assets, tmp_path,
+                                                                                     family):
+    """3 GRPO steps of 4 prompts x 8 completions at temperature 1, rewarded where a completion starts with a-m (about
+    a third do, so the groups' advantages move the weights): the fast sampler (its static cache, the family's norms,
+    windows and RoPEs) draws the reference loop's completions token for token at every step, so the losses and
+    updates are the same too."""
+    runs = {}
+    for sampler in ("static", "reference"):
+        out = tmp_path / sampler
+        recipe = _mode_recipe(tiny_assets, tmp_path, models[family], "tiny-grpo.yaml",
+                              rl={"num_generations": 8, "sampler": sampler, "temperature": 1.0,
+                                  "rewards": [{"type": "format", "pattern": r"^\s*[a-m]"}]},
+                              train={"max_steps": 3, "micro_batch_size": 4, "lr": 1e-3}, output_dir=str(out))
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", UserWarning)  # no fall-back to the slow loop
+            run_train(recipe)
+        rollouts = [json.loads(x) for x in (out / "rollouts.jsonl").read_text().splitlines()]
+        runs[sampler] = (records(out), [(r["step"], r["completion_ids"]) for r in rollouts])
+    (fast, drawn), (reference, want) = runs["static"], runs["reference"]
+    assert drawn == want and {s for s, _ in drawn} == {1, 2, 3}
+    assert [r["loss"] for r in fast] == [r["loss"] for r in reference]
+    assert any(r["reward_std"] > 0 for r in fast)  # the groups had something to learn from
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_qlora_quantizes_every_linear_layer_of_the_family_and_learns(models, tiny_assets, tmp_path, family):
+    """A 4-bit nf4 base (bitsandbytes on this CPU) under LoRA r16 on all-linear, 24 steps on 16 examples at lr 1e-2:
+    every decoder linear is a Linear4bit (Phi's fused ones too) and the loss falls (measured: the last step's over
+    the first's 0.52 Gemma 3, 0.80 Phi-3, 0.89 Qwen2, 0.69 Qwen3; adapters on a random base learn slowly)."""
+    import bitsandbytes as bnb
+
+    small = tmp_path / "train16.jsonl"
+    small.write_text("".join((tiny_assets / "data" / "train.jsonl").read_text().splitlines(True)[:16]))
+    recipe = write_recipe(tiny_assets, tmp_path, model={"name_or_path": str(models[family]), "quantize": "nf4",
+                                                        "dtype": "bfloat16", "attn_implementation": "auto"},
+                          data={"path": str(small)}, lora={"r": 16, "alpha": 32, "dropout": 0.0},
+                          train={"max_steps": 24, "micro_batch_size": 16, "lr": 1e-2})
+    from llmtrain.config import load_recipe
+    from llmtrain.model.modeling import load_model
+
+    loaded = load_model(load_recipe(recipe).model, None)
+    quantized = {n.rsplit(".", 1)[-1] for n, m in loaded.named_modules() if isinstance(m, bnb.nn.Linear4bit)}
+    assert quantized == ADAPTED.get(family, LLAMA_NAMES)
+    run_train(recipe)
+    lines = records(tmp_path / "run")
+    assert lines[-1]["loss"] < 0.9 * lines[0]["loss"], (lines[0]["loss"], lines[-1]["loss"])
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_liger_patches_each_familys_layer(models, family):
+    """liger-kernel's per-family patch (its kernels run on CUDA only; the patching itself runs anywhere): Gemma 3's
+    MLP is a GeGLU, which liger names geglu where the others take swiglu."""
+    pytest.importorskip("liger_kernel.transformers")
+    from llmtrain.config import ModelConfig
+    from llmtrain.model.modeling import _apply_liger, load_model
+
+    model = load_model(ModelConfig(name_or_path=str(models[family]), dtype="float32"), None)
+    _apply_liger(model)
+    layer = model.model.layers[0]  # liger patches the instances' forward (and their repr), not their classes
+    assert repr(layer.mlp).startswith("LigerGEGLUMLP" if family == "gemma3_text" else "Liger"), repr(layer.mlp)
+    assert repr(layer.input_layernorm).startswith("LigerRMSNorm")
+
+
+# --------------------------------------------------------------------------- the capability table's family column
+
+CONFIGS = REPO / "accelerate_configs"
+# layout -> (launch config, processes, overrides of every recipe on it, the 1-process run's micro-batch size)
+LAUNCH = {
+    "fsdp": ("cpu_fsdp.yaml", 2, ["train.micro_batch_size=2"], 4),
+    "tp": ("cpu_tp.yaml", 4, ["train.micro_batch_size=2"], 4),  # 2 FSDP shards x 2 tensor-parallel: 2 data ranks
+    "sp": ("cpu_ddp.yaml", 2, ["parallel.sequence_parallel=2", "train.micro_batch_size=1",
+                               "train.micro_batch_tokens=128"], None),
+    "pp": ("cpu_ddp.yaml", 2, ["parallel.pipeline_parallel=2", "train.micro_batch_size=1",
+                               "train.micro_batch_tokens=64", "train.grad_accum_steps=2"], None),
+}
+CELLS = [(f, layout) for f in sorted(FAMILIES) for layout in LAUNCH]
+
+
+def _family_recipe(tiny_assets, tmp_path, model) -> Path:
+    return write_recipe(tiny_assets, tmp_path, model={"name_or_path": str(model), "attn_implementation": "auto"},
+                        data={"eval_split": None}, train={"max_steps": 3, "lr": 1e-3, "max_grad_norm": 1.0})
+
+
+@pytest.mark.parametrize("family, layout", CELLS, ids=[f"{f}-{lay}" for f, lay in CELLS])
+def test_llmtrain_launch_passes_or_refuses_each_family_on_each_layout(models, tiny_assets, tmp_path, family, layout):
+    """`llmtrain launch`'s checks (no process starts): a cell the family's row refuses is refused in one paragraph
+    naming the family and the reason; every other cell passes."""
+    from llmtrain.errors import LLMTrainError
+    from llmtrain.launcher import accelerate_command
+
+    config, processes, overrides, _ = LAUNCH[layout]
+    out = tmp_path / "run"
+    argv = ["--config_file", str(CONFIGS / config), "--num_processes", str(processes), "--main_process_port", "0",
+            str(_family_recipe(tiny_assets, tmp_path, models[family])), *overrides, f"output_dir={out}"]
+    why = capabilities.family_cell(family, layout)
+    if why is None:
+        assert "finetune" in accelerate_command(argv)
+    else:
+        with pytest.raises(LLMTrainError) as refused:
+            accelerate_command(argv)
+        said = " ".join(str(refused.value).split())
+        assert capabilities.FAMILIES[family].name in said and why.split(". ")[0] in said, said
+    assert not out.exists()
+
+
+# Main tier: Gemma 3 on each (the most its own: tied, two RoPEs, windows, QK-norm) and Qwen2 under tensor parallelism;
+# the other families' cells in the extended tier (make test-all)
+MAIN = {("gemma3_text", "fsdp"), ("gemma3_text", "sp"), ("gemma3_text", "pp"), ("qwen2", "tp")}
+TRAINED = [pytest.param(f, lay, id=f"{f}-{lay}", marks=[pytest.mark.slow] + ([] if (f, lay) in MAIN else
+                                                                     [pytest.mark.extended]))
+           for f, lay in CELLS if capabilities.family_cell(f, lay) is None]
+
+
+@pytest.mark.parametrize("family, layout", TRAINED)
+def test_each_family_trains_on_each_layout_its_row_allows_what_one_process_trains(models, tiny_assets, tmp_path,
+                                                                                  free_port, family, layout):
+    """3 full steps through `accelerate launch` against one process reading the same examples a step: FSDP on 2
+    processes (the tied weight sharded once), sequence parallelism over 2 (the family's heads and windows on the
+    gathered sequence), a pipeline of 2 stages (the tied weight's two copies summed; Gemma 3's local layer on one
+    stage and its global layer on the other, each with its RoPE), tensor parallelism on 4 (2 shards x 2)."""
+    config, processes, overrides, single_batch = LAUNCH[layout]
+    recipe = _family_recipe(tiny_assets, tmp_path, models[family])
+    alone = [o for o in overrides if not o.startswith("parallel.")]
+    if single_batch is not None:
+        alone = [f"train.micro_batch_size={single_batch}"]
+    run_train(recipe, *alone, f"output_dir={tmp_path / 'one'}")
+    launch_finetune(CONFIGS / config, processes, free_port, recipe, *overrides, f"output_dir={tmp_path / 'many'}")
+    assert_same_steps(tmp_path / "many", tmp_path / "one", tol=1e-5)
+    assert len(records(tmp_path / "one")) == 3

@@ -15,12 +15,12 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
+from llmtrain import capabilities
 from llmtrain.errors import LLMTrainError
 from llmtrain.hub import is_local_path
 
 # The decoder families the estimate models, each by its real layer (activations.py), and what a user calls them.
-FAMILIES = {"llama": "Llama (2, 3, 3.1, 3.2)", "mistral": "Mistral", "qwen2": "Qwen2 / Qwen2.5", "qwen3": "Qwen3",
-            "gemma3_text": "Gemma 3 (its text model)", "phi3": "Phi-3 / Phi-4"}
+FAMILIES = {key: family.name for key, family in capabilities.FAMILIES.items()}  # the capability table's rows
 SUPPORTED_TYPES = tuple(FAMILIES)
 
 _LLAMA_COMMON = {"hidden_act": "silu", "rms_norm_eps": 1e-5, "tie_word_embeddings": False, "bos_token_id": 1,

@@ -39,6 +39,7 @@ import inspect
 
 import torch
 
+from llmtrain.capabilities import FAMILIES
 from llmtrain.model.attention import layer_kinds, rotary_by_kind
 from llmtrain.model.generate import attention_as, next_tokens
 from llmtrain.model.loss import causal_lm
@@ -46,7 +47,7 @@ from llmtrain.model.loss import causal_lm
 CHECK_EVERY = 16  # tokens between two looks at the end-of-turn flags (the only host syncs while decoding)
 SPAN = 256  # a decode step attends to the cache's slots up to the next multiple of this (one graph per span)
 # models whose forward is embed -> layers -> norm -> head
-LAYOUTS = ("llama", "mistral", "qwen2", "qwen3", "phi3", "gemma3_text")
+LAYOUTS = tuple(FAMILIES)  # the capability table's families, each with the Llama layout's modules
 WINDOWED = ("mistral", "phi3")  # no layer_types: config.sliding_window applies to every layer
 
 

@@ -151,6 +151,10 @@ def load_model(cfg: ModelConfig, lora: LoraConfig | None, *, device: torch.devic
             # A random init goes straight to the training device: a 7B random init on the CPU takes minutes.
             with init_empty_weights(include_buffers=False) if empty else torch.device(device or "cpu"):
                 model = auto.from_config(config, **kwargs)
+            if empty:  # init_empty_weights registers a new meta parameter for each module, the tied head's too: tie
+                # it again, as the main process's from_pretrained is (else FSDP's prepare finds a head parameter on
+                # this process that its own re-tying removes: Gemma 3, Llama 3.2 and small Qwen3 under FSDP)
+                model.tie_weights()
         elif cfg.quantize:
             # Every process quantises its own copy on its own device (never device_map="auto", which would put
             # every rank's model on GPU 0).
@@ -280,15 +284,19 @@ def use_liger(cfg: ModelConfig, device) -> bool:
 
 
 def _apply_liger(model) -> None:
-    """RMSNorm, RoPE and SwiGLU from liger on this model instance; the loss keeps to loss.py (which uses
-    liger's fused linear cross-entropy, see fused_linear_cross_entropy)."""
+    """RMSNorm, RoPE and the gated MLP (SwiGLU, or Gemma's GeGLU) from liger on this model instance; the loss keeps
+    to loss.py (which uses liger's fused linear cross-entropy, see fused_linear_cross_entropy)."""
+    import inspect
+
     from liger_kernel.transformers import monkey_patch
 
     patch = getattr(monkey_patch, f"apply_liger_kernel_to_{model.config.model_type}", None)
     if patch is None:
         raise LLMTrainError(f"liger-kernel has no kernels for model type '{model.config.model_type}'; "
                             "set model.kernels=none.")
-    patch(rope=True, rms_norm=True, swiglu=True, cross_entropy=False, fused_linear_cross_entropy=False, model=model)
+    mlp = "geglu" if "geglu" in inspect.signature(patch).parameters else "swiglu"  # Gemma 3's MLP is a GeGLU
+    patch(rope=True, rms_norm=True, **{mlp: True}, cross_entropy=False, fused_linear_cross_entropy=False,
+          model=model)
 
 
 def fused_linear_cross_entropy(cfg: ModelConfig, device):
@@ -346,7 +354,11 @@ def apply_lora(model, cfg: LoraConfig, *, task: str = "CAUSAL_LM"):
         # peft keeps the adapter weights in fp32 even on a bf16 base (autocast_adapter_dtype).
         return peft.get_peft_model(model, config)
     except ValueError as e:
-        raise LLMTrainError(f"invalid LoRA settings (lora.target_modules / lora.modules_to_save): {e}") from None
+        linears = sorted({n.rsplit(".", 1)[-1] for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)})
+        raise LLMTrainError(f"invalid LoRA settings (lora.target_modules / lora.modules_to_save): {e}. This "
+                            f"{model.config.model_type} model's linear layers are named {', '.join(linears)} "
+                            "(Phi-3/Phi-4 fuse q/k/v into qkv_proj and gate/up into gate_up_proj); "
+                            "lora.target_modules: all-linear adapts each of them but the LM head") from None
 
 
 def numel(p) -> int:

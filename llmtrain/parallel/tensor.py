@@ -7,6 +7,7 @@ the tensor-parallel weights over the mesh's data-parallel dimensions.
 
 from __future__ import annotations
 
+from llmtrain.capabilities import paragraph, tensor_plan_problems
 from llmtrain.errors import LLMTrainError
 
 
@@ -22,19 +23,9 @@ def apply_tensor_parallel(model, mesh) -> int:
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
     styles = {"colwise": ColwiseParallel, "rowwise": RowwiseParallel}
-    config, tp = model.config, mesh.size()
-    plan = dict(getattr(config, "base_model_tp_plan", None) or {})
-    if not plan or set(plan.values()) - set(styles):
-        raise LLMTrainError(
-            f"tensor parallelism needs a model whose tensor-parallel plan (config.base_model_tp_plan) is column- and "
-            f"row-wise linear layers, as Llama's and Mistral's are; {type(model).__name__} has "
-            f"{sorted(set(plan.values())) or 'none'}. Set parallelism_config_tp_size: 1.")
-    kv = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
-    for name, n in (("num_attention_heads", config.num_attention_heads), ("num_key_value_heads", kv),
-                    ("intermediate_size", config.intermediate_size)):
-        if n % tp:
-            raise LLMTrainError(f"tensor parallelism over {tp} processes splits the model's {name} ({n}) evenly, and "
-                                f"{n} is not a multiple of {tp}: set parallelism_config_tp_size to a divisor of {n}.")
+    if problems := tensor_plan_problems(model.config, mesh.size()):  # refused before any process starts, too
+        raise LLMTrainError(paragraph(problems))
+    plan = model.config.base_model_tp_plan
     base = getattr(model, model.base_model_prefix)
     layers = {name: styles[style]() for name, _ in base.named_modules()
               for pattern, style in plan.items() if fnmatchcase(name, pattern)}
