@@ -1,4 +1,4 @@
-"""The chat templates people fine-tune today, beside Mistral's: Llama 3.1, Qwen2.5, Qwen3, Gemma 2 and Gemma 3.
+"""The chat templates people fine-tune today, beside Mistral's: Llama 3.1, Qwen2.5, Qwen3, Gemma 2, Gemma 3 and Phi-3.
 
 Each template is the model's original (tests/fixtures/templates/, copied from TRL, which keeps them to recognise
 models and checks them against the hub weekly; README.md there gives sources and licences), rendered by transformers
@@ -31,12 +31,15 @@ from llmtrain.errors import LLMTrainError
 FIXTURES = Path(__file__).resolve().parent / "fixtures" / "templates"
 MODELS = sorted(p.name for p in FIXTURES.iterdir() if p.is_dir())
 TRL_NAMES = {"llama-3.1-8b-instruct": "llama3_1", "qwen2.5-7b-instruct": "qwen2_5", "qwen3-8b": "qwen3",
-             "gemma-2-9b-it": "gemma", "gemma-3-4b-it": "gemma3"}
+             "gemma-2-9b-it": "gemma", "gemma-3-4b-it": "gemma3", "phi-3-mini-4k-instruct": "phi3"}
 END = {"llama-3.1-8b-instruct": "<|eot_id|>", "qwen2.5-7b-instruct": "<|im_end|>", "qwen3-8b": "<|im_end|>",
-       "gemma-2-9b-it": "<end_of_turn>", "gemma-3-4b-it": "<end_of_turn>"}
+       "gemma-2-9b-it": "<end_of_turn>", "gemma-3-4b-it": "<end_of_turn>", "phi-3-mini-4k-instruct": "<|end|>"}
 # What the template puts after the reply's end-of-turn token (never trained: generation has stopped)
 AFTER = {"llama-3.1-8b-instruct": "", "qwen2.5-7b-instruct": "\n", "qwen3-8b": "\n", "gemma-2-9b-it": "\n",
-         "gemma-3-4b-it": "\n"}
+         "gemma-3-4b-it": "\n", "phi-3-mini-4k-instruct": ""}
+# What the template closes the conversation with after the last reply, trained with it: Phi-3 ends with its EOS (the
+# tokenizer's <|endoftext|>; generation stops at <|end|> or at it), as TRL's phi3_training template trains too.
+TAIL = {"phi-3-mini-4k-instruct": "\n<|endoftext|>"}
 # What the model generates after the generation prompt before the reply's text: Qwen3 (thinking mode, the default)
 # renders the last reply with its reasoning block, empty when there is none.
 BEFORE = {"qwen3-8b": "<think>\n\n</think>\n\n"}
@@ -110,9 +113,9 @@ def test_a_reply_is_trained_after_the_inference_prompt(model):
     messages = [user("How many apples are there?"), assistant("5 apples")]
     text, _ = render_chat(messages, tok)
     prompt = tok.apply_chat_template(messages[:1], tokenize=False, add_generation_prompt=True)
-    assert text == prompt + BEFORE.get(name, "") + "5 apples" + END[name] + AFTER[name]
+    assert text == prompt + BEFORE.get(name, "") + "5 apples" + END[name] + TAIL.get(name, "") + AFTER[name]
     enc = encode_example({"messages": messages}, tok, CHAT)
-    assert trained_runs(tok, enc) == [BEFORE.get(name, "") + "5 apples" + END[name]]
+    assert trained_runs(tok, enc) == [BEFORE.get(name, "") + "5 apples" + END[name] + TAIL.get(name, "")]
     assert untrained_text(tok, enc) == prompt + AFTER[name]  # the prompt (and the newline after the stop token)
     assert check_eos_trained([enc["labels"]], tok)[0][1] == "pass"
 
@@ -124,7 +127,7 @@ def test_every_reply_of_a_multi_turn_chat_is_trained(model):
     assert text.startswith(tok.apply_chat_template(messages[:3], tokenize=False, add_generation_prompt=True))
     enc = encode_example({"messages": messages}, tok, CHAT)
     # Qwen3 shows reasoning only after the last user turn: the earlier reply is rendered (and trained) without it
-    assert trained_runs(tok, enc) == ["5" + END[name], BEFORE.get(name, "") + "8" + END[name]]
+    assert trained_runs(tok, enc) == ["5" + END[name], BEFORE.get(name, "") + "8" + END[name] + TAIL.get(name, "")]
 
 
 SYSTEM_KEPT = [m for m in MODELS if m != "gemma-2-9b-it"]
@@ -139,7 +142,7 @@ def test_a_system_prompt_stays_where_inference_puts_it(name):
     enc = encode_example({"messages": messages}, tok, CHAT)
     prompt = tok.apply_chat_template(messages[:2], tokenize=False, add_generation_prompt=True)
     assert "Be brief." in prompt and untrained_text(tok, enc) == prompt + AFTER[name]
-    assert trained_runs(tok, enc) == [BEFORE.get(name, "") + "5" + END[name]]
+    assert trained_runs(tok, enc) == [BEFORE.get(name, "") + "5" + END[name] + TAIL.get(name, "")]
 
 
 def test_templates_that_add_their_own_system_text():
@@ -172,7 +175,8 @@ def test_qwen3_reasoning_in_the_last_reply_is_trained():
 
 @pytest.mark.parametrize("name, training", [("qwen2.5-7b-instruct", "qwen2_5_training"),
                                             ("gemma-2-9b-it", "gemma_training"),
-                                            ("gemma-3-4b-it", "gemma3_training")])
+                                            ("gemma-3-4b-it", "gemma3_training"),
+                                            ("phi-3-mini-4k-instruct", "phi3_training")])
 def test_trls_assistant_masks_train_ours_and_only_whitespace_more(name, training):
     """TRL's SFT assistant-only masks (its `{% generation %}` templates, return_assistant_tokens_mask) on the same
     chat and tokens: every token llmtrain trains, TRL trains too; what TRL trains beyond it is whitespace the model

@@ -269,3 +269,80 @@ def test_each_family_trains_on_each_layout_its_row_allows_what_one_process_train
     launch_finetune(CONFIGS / config, processes, free_port, recipe, *overrides, f"output_dir={tmp_path / 'many'}")
     assert_same_steps(tmp_path / "many", tmp_path / "one", tol=1e-5)
     assert len(records(tmp_path / "one")) == 3
+
+
+# --------------------------------------------------------------------------- Gemma 3's multimodal checkpoints
+
+
+def _multimodal_gemma3(text_folder: Path, out: Path, *, old_keys: bool) -> Path:
+    """A Gemma 3 checkpoint as the hub ships google/gemma-3-4b-it and up (model_type gemma3: a small vision tower, the
+    projector, the text model in text_config), whose text model is `text_folder`'s; `old_keys`: under the names
+    transformers 4.5x saved (language_model.model.*, as the hub's files are), else 5.x's (model.language_model.*)."""
+    from safetensors.torch import save_file
+    from transformers import (AutoConfig, AutoModelForCausalLM, AutoTokenizer, Gemma3Config,
+                              Gemma3ForConditionalGeneration)
+
+    text = AutoConfig.from_pretrained(text_folder).to_dict()
+    vision = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2, image_size=28,
+                  patch_size=14)
+    config = Gemma3Config(text_config=text, vision_config=vision, mm_tokens_per_image=4, image_token_index=100,
+                          boi_token_index=101, eoi_token_index=102)
+    torch.manual_seed(1)
+    model = Gemma3ForConditionalGeneration(config)
+    model.model.language_model.load_state_dict(AutoModelForCausalLM.from_pretrained(text_folder).model.state_dict())
+    model.save_pretrained(out)
+    AutoTokenizer.from_pretrained(text_folder).save_pretrained(out)
+    if old_keys:
+        old = {"model.language_model.": "language_model.model.", "model.vision_tower.": "vision_tower.",
+               "model.multi_modal_projector.": "multi_modal_projector."}
+        state = {}
+        for k, v in model.state_dict().items():
+            prefix = next((p for p in old if k.startswith(p)), None)
+            if k != "lm_head.weight":  # tied: the hub's files have no head
+                state[old[prefix] + k[len(prefix):] if prefix else k] = v.contiguous()
+        save_file(state, str(out / "model.safetensors"), metadata={"format": "pt"})
+    return out
+
+
+@pytest.mark.parametrize("old_keys", [True, False], ids=["hub-keys", "transformers-5-keys"])
+def test_a_gemma_3_multimodal_checkpoint_trains_its_text_model(models, tiny_assets, tmp_path, old_keys):
+    """google/gemma-3-4b-it and up are Gemma3ForConditionalGeneration checkpoints, which AutoModelForCausalLM builds
+    whole (vision tower included) and llmtrain's paths could not read (a traceback in the FLOP count, 2026-11-29).
+    llmtrain builds the text model alone from the checkpoint's language-model weights: the same logits as the text
+    model it holds, the vision weights unread; it fine-tunes, and final/ is a Gemma3ForCausalLM; the estimate reads
+    the same model; a LoRA adapter merges back onto it (`llmtrain export --merge`)."""
+    from transformers import AutoModelForCausalLM
+
+    from llmtrain.config import LoraConfig, ModelConfig
+    from llmtrain.memory.params import load_model_shape
+    from llmtrain.model.modeling import load_model
+    from llmtrain.run.export import export_merged
+
+    text = models["gemma3_text"]
+    mm = _multimodal_gemma3(text, tmp_path / "mm", old_keys=old_keys)
+    loaded = load_model(ModelConfig(name_or_path=str(mm), dtype="float32"), None)
+    assert type(loaded).__name__ == "Gemma3ForCausalLM" and loaded.config.model_type == "gemma3_text"
+    ids = torch.tensor([[1, 5, 9, 14, 20]])
+    with torch.no_grad():
+        want = AutoModelForCausalLM.from_pretrained(text).eval()(input_ids=ids).logits
+        assert (loaded.eval()(input_ids=ids).logits - want).abs().max() < 1e-5  # (its attention: sdpa here)
+    assert load_model_shape(str(mm)).params_total == load_model_shape(str(text)).params_total
+    assert load_model(ModelConfig(name_or_path=str(mm), dtype="float32"), LoraConfig(r=4, dropout=0.0)) is not None
+    recipe = write_recipe(tiny_assets, tmp_path, model={"name_or_path": str(mm), "attn_implementation": "auto"},
+                          lora={"r": 4, "dropout": 0.0}, train={"max_steps": 3, "lr": 1e-2})
+    run_train(recipe)
+    assert len(records(tmp_path / "run")) == 3
+    merged = AutoModelForCausalLM.from_pretrained(export_merged(tmp_path / "run"))
+    assert type(merged).__name__ == "Gemma3ForCausalLM"
+    from peft import PeftModel
+
+    adapted = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(text), tmp_path / "run" / "final")
+    with torch.no_grad():  # the adapter, trained on the text model of the checkpoint, merged into it
+        got, adapter = merged.eval()(input_ids=ids).logits, adapted.eval()(input_ids=ids).logits
+        assert (got - adapter).abs().max() < 1e-5 and (got - want).abs().max() > 1e-3
+    # a full fine-tune's final/ holds the text model under its own names (transformers 5 would save it under the
+    # checkpoint's language_model.* names it was read from, which no loader maps back: every weight random)
+    run_train(recipe, "lora=null", "train.lr=1e-3", f"output_dir={tmp_path / 'full'}")
+    final = AutoModelForCausalLM.from_pretrained(tmp_path / "full" / "final")
+    moved = (final.model.embed_tokens.weight - AutoModelForCausalLM.from_pretrained(text).model.embed_tokens.weight)
+    assert 0 < moved.abs().max() < 0.01  # trained 3 steps at 1e-3 (a random init is ~0.1 away)

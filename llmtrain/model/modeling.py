@@ -52,13 +52,53 @@ def _load_error(what: str, path: str, err: Exception) -> LLMTrainError:
 
 
 def load_model_config(cfg: ModelConfig):
-    """The model's config.json (no weights), with load_model's refusal where it cannot be read."""
+    """The config of the model llmtrain trains (no weights: text_model's for a multimodal checkpoint), with
+    load_model's refusal where it cannot be read."""
     from transformers import AutoConfig
 
     try:
-        return AutoConfig.from_pretrained(cfg.name_or_path, trust_remote_code=cfg.trust_remote_code)
+        return text_model(AutoConfig.from_pretrained(cfg.name_or_path, trust_remote_code=cfg.trust_remote_code))[0]
     except (OSError, ValueError) as e:
         raise _load_error("model", cfg.name_or_path, e) from None
+
+
+# A multimodal checkpoint whose text model llmtrain trains alone: its model_type -> the checkpoint keys of the text
+# model's decoder (transformers 4.5x saved language_model.model.*, 5.x saves model.language_model.*)
+TEXT_MODELS = {"gemma3": {r"^language_model\.model\.": "model.", r"^model\.language_model\.": "model.",
+                          r"^language_model\.lm_head\.": "lm_head."}}
+
+
+def pretrained(auto, path: str, **kwargs):
+    """`auto.from_pretrained(path, **kwargs)` of the model llmtrain trains from `path` (text_model: a multimodal
+    checkpoint's text model): for what reads a run's base again (the export's merge, a reward model's adapter)."""
+    from transformers import AutoConfig
+
+    config, mapping = text_model(AutoConfig.from_pretrained(path, **{k: v for k, v in kwargs.items()
+                                                                     if k == "num_labels"}))
+    if not mapping:
+        return auto.from_pretrained(path, **kwargs)
+    if "num_labels" in kwargs:
+        config.num_labels = kwargs.pop("num_labels")
+    with _quiet_new_head(True):
+        return _own_names(auto.from_pretrained(path, config=config, key_mapping=mapping, **kwargs))
+
+
+def _own_names(model):
+    """A text model read from a multimodal checkpoint saves under its own names: transformers 5 saves a model in the
+    format it was read from (the key mapping reversed), which would give final/, a Gemma3ForCausalLM's config,
+    language_model.* weights that no loader maps back (every weight random on loading)."""
+    model._weight_conversions = []
+    return model
+
+
+def text_model(config):
+    """(config, key_mapping) of the model to train. Gemma 3's hub checkpoints from 4B up (google/gemma-3-4b-it, 12b,
+    27b) are its multimodal model (model_type gemma3: a vision tower, a projector, and the text model's config in
+    text_config), which AutoModelForCausalLM builds whole and llmtrain's layer-by-layer paths cannot read. llmtrain
+    fine-tunes text, so it builds the text model (Gemma3ForCausalLM, model_type gemma3_text) and reads its weights
+    from the checkpoint's language-model keys; the vision weights are never read, and final/ is the text model."""
+    mapping = TEXT_MODELS.get(getattr(config, "model_type", None))
+    return (config.get_text_config(), mapping) if mapping else (config, None)
 
 
 def load_tokenizer(cfg: ModelConfig):
@@ -142,8 +182,12 @@ def load_model(cfg: ModelConfig, lora: LoraConfig | None, *, device: torch.devic
                   trust_remote_code=cfg.trust_remote_code)
     auto = AutoModelForSequenceClassification if reward_head else AutoModelForCausalLM
     try:
-        config = AutoConfig.from_pretrained(cfg.name_or_path, trust_remote_code=cfg.trust_remote_code,
-                                            **({"num_labels": 1} if reward_head else {}))
+        config, key_mapping = text_model(AutoConfig.from_pretrained(
+            cfg.name_or_path, trust_remote_code=cfg.trust_remote_code, **({"num_labels": 1} if reward_head else {})))
+        if key_mapping:  # the text model of a multimodal checkpoint: its vision weights are left unread, unreported
+            kwargs["key_mapping"] = key_mapping
+            if reward_head:
+                config.num_labels = 1
         scale_rope(config, cfg.rope_scaling)
         if empty or cfg.random_init:
             from accelerate import init_empty_weights
@@ -158,12 +202,12 @@ def load_model(cfg: ModelConfig, lora: LoraConfig | None, *, device: torch.devic
         elif cfg.quantize:
             # Every process quantises its own copy on its own device (never device_map="auto", which would put
             # every rank's model on GPU 0).
-            with _quiet_new_head(reward_head), every_process_reads():
+            with _quiet_new_head(reward_head or key_mapping), every_process_reads():
                 model = auto.from_pretrained(
                     cfg.name_or_path, config=config, quantization_config=quantization_config(cfg, compute_dtype),
                     device_map={"": torch.device(device or "cpu")}, **kwargs)
         else:  # a process that calls this reads the weights itself (FSDP's receiving processes build empty=True)
-            with _quiet_new_head(reward_head), every_process_reads():
+            with _quiet_new_head(reward_head or key_mapping), every_process_reads():
                 model = auto.from_pretrained(cfg.name_or_path, config=config, **kwargs)
     except (OSError, ValueError) as e:
         raise _load_error("model", cfg.name_or_path, e) from None
@@ -172,6 +216,8 @@ def load_model(cfg: ModelConfig, lora: LoraConfig | None, *, device: torch.devic
             raise
         raise LLMTrainError(f"the model files in '{cfg.name_or_path}' could not be read ({type(e).__name__}: {e}): "
                             "a weights file is truncated or damaged. Download or copy the model again.") from None
+    if key_mapping:
+        _own_names(model)
     model.config.use_cache = False  # the KV cache is for generation; in training it only costs memory
     if cfg.quantize:
         _keep_cpu_4bit_layout(model)
@@ -199,12 +245,13 @@ def load_model(cfg: ModelConfig, lora: LoraConfig | None, *, device: torch.devic
     return model
 
 
-def _quiet_new_head(reward_head: bool):
+def _quiet_new_head(quiet):
     """transformers' report of the weights a sequence-classification model does not find in a causal-LM checkpoint
-    (the new score head) and of those it leaves (lm_head): expected for a reward model, so not printed."""
+    (the new score head) and of those it leaves (lm_head), or of a multimodal checkpoint's vision weights the text
+    model leaves: expected, so not printed."""
     from contextlib import nullcontext
 
-    if not reward_head:
+    if not quiet:
         return nullcontext()
     from transformers.utils import logging
 

@@ -124,7 +124,7 @@ def load_reward_model(path: str, device):
 
     from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
-    from llmtrain.model.modeling import every_process_reads
+    from llmtrain.model.modeling import every_process_reads, pretrained
 
     folder = Path(path).expanduser()
     with every_process_reads():  # never prepared by FSDP: each process reads its own whole copy
@@ -132,7 +132,7 @@ def load_reward_model(path: str, device):
             from peft import PeftConfig, PeftModel
 
             base = PeftConfig.from_pretrained(str(folder)).base_model_name_or_path
-            model = AutoModelForSequenceClassification.from_pretrained(base, num_labels=1, dtype="auto")
+            model = pretrained(AutoModelForSequenceClassification, base, num_labels=1, dtype="auto")
             model = PeftModel.from_pretrained(model, str(folder))
         else:
             model = AutoModelForSequenceClassification.from_pretrained(str(folder), dtype="auto")

@@ -40,6 +40,8 @@ def export_merged(run_dir: Path, out: Path | None = None, *, say=lambda text: No
     from peft import PeftModel
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    from llmtrain.model.modeling import pretrained
+
     transformers.utils.logging.disable_progress_bar()  # "Loading weights", "Writing model shards": say() says it
     final = run_dir / "final"
     if not (final / "adapter_config.json").is_file():
@@ -58,13 +60,13 @@ def export_merged(run_dir: Path, out: Path | None = None, *, say=lambda text: No
         # adapter saved whole; the pad token it scored with (the tokenizer's, else EOS), as objective_for set it
         from transformers import AutoModelForSequenceClassification
 
-        base = AutoModelForSequenceClassification.from_pretrained(recipe["model"]["name_or_path"], num_labels=1,
-                                                                  dtype=dtype)
+        base = pretrained(AutoModelForSequenceClassification, recipe["model"]["name_or_path"], num_labels=1,
+                          dtype=dtype)
         tok = AutoTokenizer.from_pretrained(str(final))
         base.config.get_text_config().pad_token_id = (tok.pad_token_id if tok.pad_token_id is not None
                                                        else tok.eos_token_id)
     else:
-        base = AutoModelForCausalLM.from_pretrained(recipe["model"]["name_or_path"], dtype=dtype)
+        base = pretrained(AutoModelForCausalLM, recipe["model"]["name_or_path"], dtype=dtype)  # a text model
     if recipe["model"].get("quantize"):
         say(f"the adapter was trained on a {recipe['model']['quantize']} 4-bit base; it is merged into the unquantised "
             f"base read from {recipe['model']['name_or_path']} in {recipe['model']['dtype']}, not a dequantised copy.")
