@@ -482,3 +482,15 @@ def table_markdown() -> str:
              .replace("{attn}", "other").replace("{schedule}", "1f1b").replace("{accum}", "m").replace("{pp}", "P")
              .replace("{rounds}", "m / P") for r in RULES]
     return "\n".join(rows) + "\n\nWhat each parallelism refuses of any mode:\n\n" + "\n".join(rules) + "\n"
+
+
+def families_markdown() -> str:
+    """The family x parallelism table (docs/models.md): 'trains' or 'refused' with the reason's first clause."""
+    columns = [p for p in PARALLELISMS if p != "single"]
+    rows = ["| family (`model_type`) | " + " | ".join(NAMES[p] for p in columns) + " |",
+            "|" + " --- |" * (1 + len(columns))]
+    for f in FAMILIES.values():
+        cells = [("trains" if (why := f.refused.get(p)) is None else f"refused: {why.split('. ')[0]}")
+                 for p in columns]
+        rows.append(f"| {f.name} (`{f.key}`) | " + " | ".join(cells) + " |")
+    return "\n".join(rows) + "\n"

@@ -346,3 +346,7 @@ def test_a_gemma_3_multimodal_checkpoint_trains_its_text_model(models, tiny_asse
     final = AutoModelForCausalLM.from_pretrained(tmp_path / "full" / "final")
     moved = (final.model.embed_tokens.weight - AutoModelForCausalLM.from_pretrained(text).model.embed_tokens.weight)
     assert 0 < moved.abs().max() < 0.01  # trained 3 steps at 1e-3 (a random init is ~0.1 away)
+
+
+def test_the_family_table_in_docs_models_is_the_tables_own():
+    assert capabilities.families_markdown() in (REPO / "docs" / "models.md").read_text()
