@@ -17,6 +17,8 @@
 #   bash benchmarks/gpu_session.sh profile       # torch.profiler of one 7B LoRA step: top kernels
 #   bash benchmarks/gpu_session.sh rl            # GRPO sampling: reference loop vs fast sampler (benchmarks/rollouts.py),
 #                                                # then Mistral-7B LoRA GRPO steps with it: sampling vs update, peak vs estimate
+#   bash benchmarks/gpu_session.sh families      # Qwen3-8B, Gemma 3 12B, Phi-4, Llama 3.2 3B, Qwen2.5-7B: LoRA at their
+#                                                # real shapes, peak vs estimate; Liger on Gemma 3 and Phi-4 (~8 min)
 #   bash benchmarks/gpu_session.sh long          # Llama-3.1-8B QLoRA (benchmarks/long_context_gpu.py): the longest
 #                                                # context that trains with offload + tiled MLP (16K-512K), tokens/s
 #                                                # at 16K-64K: plain, offload, tiled, both; peaks vs estimate (~4 min)
@@ -32,7 +34,7 @@
 # (WORK=DIR moves the runs from /tmp/work, or /tmp/work-dry, to DIR.)
 set -uo pipefail
 cd "$(dirname "$0")/.."
-WHAT=${1:?usage: gpu_session.sh pack|i40|i40b|sp|smoke|distill|vs-hf-7b|vs-hf-1b|fixed|calibrate|fit|profile|rl|long}
+WHAT=${1:?usage: gpu_session.sh pack|families|i40|i40b|sp|smoke|distill|vs-hf-7b|vs-hf-1b|fixed|calibrate|fit|profile|rl|long}
 G=.gpu
 OUT=${OUT:-/tmp/out}
 DRY=${GPU_SESSION_DRY:-0}
@@ -333,6 +335,23 @@ rl)  # the rollouts issue: sampling speed, then GRPO steps with the fast sampler
   ;;
 distill)  # on-policy distillation under FSDP on 1 process, the teacher sharded (about 2 minutes; also in smoke)
   distill_fsdp1
+  ;;
+families)  # issue 55 on CUDA (~8 minutes on an H200): each family's real shape (the estimate's built-in config, random
+  # init, Mistral's tokenizer: its ids are a subset of every family's vocabulary), LoRA r16 on GSM8K chats at 4,096
+  # tokens a micro-batch with checkpointing, its peak against the estimate the run prints; Liger's kernels on the two
+  # families whose patch llmtrain calls differently (Gemma 3's GeGLU) or whose layer it splits (Phi's fused ones)
+  for fam in qwen3-8b gemma-3-12b phi-4 llama-3.2-3b qwen2.5-7b; do
+    json=$($PY -c "import json, sys; from llmtrain.memory.params import PRESETS
+print(json.dumps({**PRESETS[sys.argv[1]], 'architectures': None}))" $fam)  # Mistral's config.json, the family's keys over it
+    dir=$(model_dir $fam "$json")
+    recipe $W/$fam.yaml "$dir" 1 bfloat16 4096
+    run $fam-lora $FT $W/$fam.yaml model.gradient_checkpointing=true train.loss_chunk_tokens=1024
+    echo "$fam: done at ${SECONDS}s" | tee -a "$OUT/$WHAT.log"
+  done
+  for fam in gemma-3-12b phi-4; do
+    run $fam-lora-liger $FT $W/$fam.yaml model.gradient_checkpointing=true train.loss_chunk_tokens=1024 \
+      model.kernels=liger train.max_steps=3
+  done
   ;;
 i40)  # issue 40 in one call (~9 minutes on an H200), by value: the sampler's speed, a GRPO step under FSDP on 1
   # process, the deterministic resume, then the long-context search and table in whatever time is left

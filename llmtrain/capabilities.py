@@ -229,7 +229,7 @@ RULES: tuple[Rule, ...] = (
          "shape): unset train.eval_batch_size"),
     Rule("pp", lambda r, _: r.train.eval_samples > 0,
          "{key} holds each stage on its own processes, and generating samples needs the whole model on one: set "
-         "train.eval_samples=0, and sample from final/ after the run"),
+         "train.eval_samples=0, and sample from final/ after the run (llmtrain generate RUN_DIR)"),
     Rule("pp", lambda r, _: r.train.mixed_precision == "fp16",
          "{key} runs in fp32 or bf16; fp16's loss scaling is not built for pipeline stages. Set "
          "train.mixed_precision=bf16"),

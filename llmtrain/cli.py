@@ -203,6 +203,53 @@ def export(
     typer.echo(str(path))  # stdout: the path alone, for scripts
 
 
+@app.command(short_help="Replies from a finished run (its final/) or a model, with llmtrain's sampler.")
+@user_errors
+def generate(
+    source: Annotated[str, typer.Argument(metavar="RUN_OR_MODEL",
+                                          help="A finished run's output_dir, a model folder or a hub id.")],
+    prompts: Annotated[Optional[list[str]], typer.Argument(metavar="PROMPT", help="Prompts to reply to.")] = None,
+    prompts_file: Annotated[Optional[Path], typer.Option(
+        "--prompts", help="A file of prompts: one a line, or JSON lines with a \"prompt\" (.jsonl).")] = None,
+    max_new_tokens: Annotated[Optional[int], typer.Option(
+        min=1, help="Most new tokens a reply has (default: the run's rl.max_completion_tokens, else 256).")] = None,
+    temperature: Annotated[Optional[float], typer.Option(
+        min=0.0, help="0: greedy (the default, or the run's rl.temperature).")] = None,
+    top_p: Annotated[Optional[float], typer.Option(min=0.0, max=1.0, help="Nucleus sampling.")] = None,
+    samples: Annotated[int, typer.Option(min=1, help="Replies a prompt (each from its own seed).")] = 1,
+    seed: Annotated[int, typer.Option(help="The replies' seed: the same seed, the same replies.")] = 0,
+    chat: Annotated[Optional[bool], typer.Option(
+        "--chat/--no-chat", help="Render prompts through the chat template (default: as the run's data did; a "
+        "model: where its tokenizer has one).")] = None,
+    system: Annotated[Optional[str], typer.Option(help="A system message before each prompt (chat only).")] = None,
+    out: Annotated[Optional[Path], typer.Option(help="Also write the replies as JSON lines to this new file.")] = None,
+) -> None:
+    """Reply to prompts with a finished run's model (a LoRA adapter applied to its base) or any model, through the
+    chat template as the run rendered its data, with llmtrain's own sampler: greedy unless a temperature is given."""
+    import json
+
+    from llmtrain.run.replies import generate_replies, load_source, read_prompts
+    from llmtrain.run.rundir import cannot_create
+
+    texts = list(prompts or []) + (read_prompts(prompts_file) if prompts_file is not None else [])
+    if out is not None and (out.exists() or (problem := cannot_create(out, "--out"))):
+        raise LLMTrainError(f"--out '{out}' already exists; give a new file" if out.exists() else problem)
+    if not texts:
+        raise LLMTrainError("no prompt to reply to: give prompts after the source, or --prompts FILE (one a line, "
+                            "or JSON lines with a \"prompt\")")
+    src = load_source(source)
+    typer.echo(f"replies from {src.describe}", err=True)
+    replies = generate_replies(src, texts, max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p,
+                               samples=samples, seed=seed, chat=chat, system_prompt=system)
+    for r in replies:
+        tag = f" (sample {r['sample']})" if samples > 1 else ""
+        typer.echo(f"prompt{tag}: {r['prompt']}\nreply: {r['reply']}" + ("" if r["stopped"] else " [cut at the limit]"))
+    if out is not None:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text("".join(json.dumps(r) + "\n" for r in replies))
+        typer.echo(f"wrote {len(replies)} replies to {out}", err=True)
+
+
 @app.command("prepare-tiny", short_help="Write the tiny model and task the demo recipes train.")
 @user_errors
 def prepare_tiny(

@@ -1,5 +1,5 @@
 """Each model family through llmtrain's paths: a tiny random model of the family (the tiny task's shapes, tokenizer
-and ids; Qwen3 and Gemma 3 tied, as Gemma 3 and Qwen3 below 8B are) on every path the capability table
+and ids; Llama, Qwen3 and Gemma 3 tied, as Llama 3.2, Gemma 3 and Qwen3 below 8B are) on every path the capability table
 (capabilities.FAMILIES) does not refuse, and every refused cell refused before any process starts.
 
 - SFT end to end (`llmtrain finetune` in this process, packed rows through the varlen attention): the loss falls and
@@ -32,6 +32,7 @@ from llmtrain import capabilities
 pytestmark = pytest.mark.long(100)  # tests/conftest.py
 
 FAMILIES = {
+    "llama": dict(tie_word_embeddings=True),  # Llama 3.2's tied head (the tiny task's own model is untied Llama)
     "qwen3": dict(head_dim=32, tie_word_embeddings=True),
     "qwen2": dict(attention_bias=True),
     "gemma3_text": dict(head_dim=32, query_pre_attn_scalar=32, sliding_window=8,

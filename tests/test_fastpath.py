@@ -90,11 +90,11 @@ def test_sliding_window_matters_in_the_varlen_test():
     assert (per_example_logits(windowed, exs) - per_example_logits(full, exs)).abs().max() > 1e-3
 
 
-@pytest.mark.parametrize("model_type", ["llama", "qwen3", "gemma3_text", "phi3"])
+@pytest.mark.parametrize("model_type", ["llama", "qwen2", "qwen3", "gemma3_text", "phi3"])
 def test_packed_varlen_model_loss_equals_padded_eager_loss(model_type):
     """The model-level loss (compute_loss through attach_loss): a packed varlen row and a padded eager batch
     of the same examples give the same summed loss and the same gradients, for each family's layer (Gemma 3's
-    scaled embeddings and tied head, Phi's fused projections, Qwen3's QK-norm)."""
+    scaled embeddings and tied head, Phi's fused projections, Qwen3's QK-norm, Qwen2's q/k/v biases)."""
     exs = examples()
     window = 4 if model_type == "gemma3_text" else None
     ref = tiny_model("eager", model_type=model_type, sliding_window=window)

@@ -1,0 +1,160 @@
+"""Replies from a finished run or a model (`llmtrain generate`): the prompts rendered as the run rendered its own,
+sampled with llmtrain's sampler (the fast one where the model's family has it), reproducible by seed.
+
+A source is a run folder (its final/: a whole model, or a LoRA adapter applied to the base its recipe names, on the
+base as the run loaded it: a QLoRA run's 4-bit), a model folder or a hub id. A run renders each prompt as its data
+did (a chat through the chat template, with the run's system prompt, where its rows were chats; else the text with
+the tokenizer's BOS); a model through its chat template where its tokenizer has one. The sampling settings are the
+run's rl: section's where it has one (temperature, top_p, max_completion_tokens), else greedy, 256 new tokens; flags
+override both. Completion i of prompt p draws its randomness from completion_seed(seed, 0, p, i), as online RL's do:
+the same seed gives the same replies, on any device count and batch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import yaml
+
+from llmtrain.errors import LLMTrainError
+
+GREEDY_TOKENS = 256  # new tokens a reply may have when neither the run nor a flag says
+
+
+@dataclass
+class Source:
+    model: object  # the model to sample from (a peft model for an adapter), in eval mode
+    tokenizer: object
+    chat: bool  # prompts rendered through the chat template
+    system_prompt: str | None
+    template: str | None  # a chat template file's text (data.chat_template: a path), None for the tokenizer's own
+    sampling: dict  # the run's temperature, top_p, max_new_tokens (those it sets)
+    describe: str
+
+
+def load_source(source: str, *, device=None) -> Source:
+    """The model and rendering of a run folder (its final/), a model folder or a hub id."""
+    import torch
+    import transformers
+
+    from llmtrain.config import ModelConfig, Recipe
+    from llmtrain.data.chat import read_template
+    from llmtrain.model.modeling import load_model, load_tokenizer
+
+    transformers.utils.logging.disable_progress_bar()  # "Loading weights": the command says what it reads
+    device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    path = Path(source).expanduser()
+    if not (path / "recipe.yaml").is_file():  # a model folder or a hub id
+        cfg = ModelConfig(name_or_path=source, dtype="bfloat16" if device.type == "cuda" else "float32")
+        tokenizer = load_tokenizer(cfg)
+        model = load_model(cfg, None).to(device)
+        return Source(model.eval(), tokenizer, tokenizer.chat_template is not None, None, None, {},
+                      f"{source} ({cfg.dtype})")
+    recipe = Recipe.model_validate(yaml.safe_load((path / "recipe.yaml").read_text()))
+    final = path / "final"
+    if recipe.reward_model is not None:
+        raise LLMTrainError(f"'{path}' is a reward model's run: its model scores sequences under a one-output head and "
+                            "has no LM head to generate with. Generate from the policy it was trained for")
+    if not final.is_dir():
+        raise LLMTrainError(f"'{path}' has no final/: the run has not finished (or ran with checkpoint.save_final: "
+                            f"false). Finish it with `llmtrain finetune {path}/recipe.yaml --resume auto`, then "
+                            "generate from it")
+    adapter = (final / "adapter_config.json").is_file()
+    trained = recipe.model.model_copy(update={"gradient_checkpointing": False, "activation_offload": False,
+                                              "tiled_mlp": None, "compile": False, "random_init": False,
+                                              "tokenizer": str(final)})
+    if not adapter:
+        trained = trained.model_copy(update={"name_or_path": str(final), "quantize": None})
+    tokenizer = load_tokenizer(trained)
+    model = load_model(trained, None, device=device if trained.quantize else None)
+    if adapter:
+        from peft import PeftModel
+
+        model = PeftModel.from_pretrained(model, str(final))
+    model = model.to(device) if not trained.quantize else model
+    data = recipe.data
+    chat = data.format == "messages" or data.chat_template is not False
+    rl = recipe.rl or recipe.distill
+    sampling = {} if rl is None else {"temperature": rl.temperature, "top_p": rl.top_p,
+                                      "max_new_tokens": rl.max_completion_tokens}
+    what = "a LoRA adapter on " + recipe.model.name_or_path if adapter else "a whole model"
+    return Source(model.eval(), tokenizer, chat, data.system_prompt, read_template(data) if chat else None, sampling,
+                  f"{final} ({what})")
+
+
+def prompt_ids(source: Source, prompt: str, *, chat: bool | None = None, system_prompt: str | None = None) -> list[int]:
+    """A prompt's ids as the source renders prompts (chat: override the source's choice)."""
+    chat = source.chat if chat is None else chat
+    system = system_prompt if system_prompt is not None else source.system_prompt
+    tok = source.tokenizer
+    if not chat:
+        return tok(prompt, add_special_tokens=True)["input_ids"]
+    if source.template is None and tok.chat_template is None:
+        raise LLMTrainError("--chat renders each prompt through the chat template, and this tokenizer has none; "
+                            "pass --no-chat to continue the text as it is")
+    messages = ([{"role": "system", "content": system}] if system is not None else []) + \
+        [{"role": "user", "content": prompt}]
+    text = tok.apply_chat_template(messages, chat_template=source.template, tokenize=False, add_generation_prompt=True)
+    return tok(text, add_special_tokens=False)["input_ids"]
+
+
+def generate_replies(source: Source, prompts: list[str], *, max_new_tokens: int | None = None,
+                     temperature: float | None = None, top_p: float | None = None, samples: int = 1, seed: int = 0,
+                     chat: bool | None = None, system_prompt: str | None = None, batch: int = 16) -> list[dict]:
+    """Each prompt's `samples` replies: [{"prompt", "sample", "reply", "tokens", "stopped"}] in prompt order."""
+    import torch
+
+    from llmtrain.data.chat import end_of_turn
+    from llmtrain.model.fast_sample import sampler_for
+    from llmtrain.model.generate import completion_seed, stop_tokens
+    from llmtrain.model.loss import causal_lm
+    from llmtrain.model.modeling import pad_id
+
+    settings = {"temperature": 0.0, "top_p": 1.0, "max_new_tokens": GREEDY_TOKENS, **source.sampling}
+    for key, value in (("temperature", temperature), ("top_p", top_p), ("max_new_tokens", max_new_tokens)):
+        settings[key] = value if value is not None else settings[key]
+    rendered_chat = source.chat if chat is None else chat
+    lm = causal_lm(source.model)
+    turn = end_of_turn(source.tokenizer, source.template) if rendered_chat else None
+    stops = set(stop_tokens(lm, source.tokenizer, turn))
+    ids = [prompt_ids(source, p, chat=chat, system_prompt=system_prompt) for p in prompts]
+    rows = [(p, i) for p in range(len(prompts)) for i in range(samples)]
+    sample = sampler_for(source.model, "graph")  # the fast sampler (CUDA graphs on CUDA), or the reference loop
+    out = []
+    with torch.no_grad():
+        for start in range(0, len(rows), batch):
+            part = rows[start:start + batch]
+            drawn = sample(source.model, [ids[p] for p, _ in part],
+                           seeds=[completion_seed(seed, 0, p, i) for p, i in part],
+                           max_new_tokens=settings["max_new_tokens"], temperature=settings["temperature"],
+                           top_p=settings["top_p"], stop_ids=stops, pad_id=pad_id(source.tokenizer))
+            for (p, i), tokens in zip(part, drawn):
+                out.append({"prompt": prompts[p], "sample": i,
+                            "reply": source.tokenizer.decode(tokens, skip_special_tokens=True),
+                            "tokens": tokens, "stopped": bool(tokens) and tokens[-1] in stops})
+    return out
+
+
+def read_prompts(path: Path) -> list[str]:
+    """Prompts from a file: JSON lines with a "prompt" (a .jsonl file), else one prompt a line."""
+    import json
+
+    if not path.is_file():
+        raise LLMTrainError(f"--prompts '{path}' is not a file. Give a text file (one prompt a line) or JSON lines "
+                            "with a \"prompt\" field")
+    lines = [line for line in path.read_text().splitlines() if line.strip()]
+    if path.suffix != ".jsonl":
+        return lines
+    prompts = []
+    for n, line in enumerate(lines, 1):
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise LLMTrainError(f"--prompts '{path}' line {n} is not JSON ({e.msg}); each line of a .jsonl file is "
+                                "an object with a \"prompt\"") from None
+        if not isinstance(row, dict) or not isinstance(row.get("prompt"), str):
+            raise LLMTrainError(f"--prompts '{path}' line {n} has no \"prompt\" string; each line of a .jsonl file is "
+                                "an object with a \"prompt\" (other fields are kept out)")
+        prompts.append(row["prompt"])
+    return prompts

@@ -1,0 +1,151 @@
+"""`llmtrain generate`: replies from a finished run (a whole model, or a LoRA adapter on its base) or a model folder.
+
+Greedy replies are what transformers' own generate gives for the same model and prompt ids, token for token (the
+adapter case through peft); sampled ones are reproducible by seed, differ between seeds, and are what the reference
+sampling loop draws. Prompts are rendered as the run's data was (text, or a chat through the template with the
+run's system prompt); bad input is refused in one paragraph before any model is loaded or file written.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from helpers import invoke, run_train, write_recipe
+
+pytestmark = pytest.mark.long(40)  # tests/conftest.py
+
+PROMPTS = ["reverse abc =", "reverse hello =", "reverse tiny =", "reverse model ="]
+
+
+@pytest.fixture(scope="module")
+def runs(tiny_assets, tmp_path_factory):
+    """A full fine-tune and a LoRA run of the tiny task (enough steps to reply with letters), final/ saved."""
+    root = tmp_path_factory.mktemp("generate")
+    made = {}
+    for kind, extra in (("full", {}), ("lora", {"lora": {"r": 8, "alpha": 16, "dropout": 0.0}})):
+        recipe = write_recipe(tiny_assets, root, name=f"{kind}.yaml", **extra,
+                              train={"max_steps": 60, "micro_batch_size": 16, "lr": 3e-3 if kind == "full" else 1e-2},
+                              output_dir=str(root / kind))
+        run_train(recipe)
+        made[kind] = root / kind
+    return made
+
+
+def _hf_greedy(model, tokenizer, prompt: str, max_new_tokens: int) -> list[int]:
+    from llmtrain.model.generate import stop_tokens
+    from llmtrain.model.loss import causal_lm
+
+    ids = torch.tensor([tokenizer(prompt)["input_ids"]])
+    out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens,
+                         do_sample=False, temperature=None, top_p=None, top_k=None,
+                         eos_token_id=stop_tokens(causal_lm(model), tokenizer), pad_token_id=tokenizer.eos_token_id)
+    tokens = out[0, ids.shape[1]:].tolist()
+    eos = set(stop_tokens(causal_lm(model), tokenizer))
+    end = next((k + 1 for k, t in enumerate(tokens) if t in eos), len(tokens))
+    return tokens[:end]
+
+
+@pytest.mark.parametrize("kind", ["full", "lora"])
+def test_greedy_replies_are_transformers_generate_token_for_token(runs, tiny_assets, kind):
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from llmtrain.run.replies import generate_replies, load_source
+
+    source = load_source(str(runs[kind]), device="cpu")
+    assert source.describe.endswith("(a LoRA adapter on " + str(tiny_assets / "model") + ")" if kind == "lora"
+                                    else "(a whole model)")
+    got = generate_replies(source, PROMPTS, max_new_tokens=12)
+    final = runs[kind] / "final"
+    tokenizer = AutoTokenizer.from_pretrained(final)
+    model = (AutoModelForCausalLM.from_pretrained(final) if kind == "full" else
+             PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(tiny_assets / "model"), final)).eval()
+    with torch.no_grad():
+        want = [_hf_greedy(model, tokenizer, p, 12) for p in PROMPTS]
+    assert [r["tokens"] for r in got] == want
+    if kind == "full":  # it learnt to reply and to stop (an adapter on the random tiny base learns far slower)
+        assert all(r["stopped"] and r["reply"].strip() for r in got), got
+
+
+def test_sampled_replies_are_reproducible_by_seed_and_the_reference_loops(runs):
+    from llmtrain.model import fast_sample
+    from llmtrain.run.replies import generate_replies, load_source
+
+    source = load_source(str(runs["full"]), device="cpu")
+    kw = dict(max_new_tokens=10, temperature=1.0, samples=3)
+    first, again = (generate_replies(source, PROMPTS, seed=5, **kw) for _ in range(2))
+    other = generate_replies(source, PROMPTS, seed=6, **kw)
+    assert [r["tokens"] for r in first] == [r["tokens"] for r in again]
+    assert [r["tokens"] for r in first] != [r["tokens"] for r in other]
+    assert len({tuple(r["tokens"]) for r in first}) > len(PROMPTS)  # the samples of a prompt differ
+    # 5 prompts in batches of 2 (another batch), through the reference loop: the same replies
+    original = fast_sample.sampler_for
+    fast_sample.sampler_for = lambda lm, kind: original(lm, "reference")
+    try:
+        reference = generate_replies(source, PROMPTS, seed=5, batch=2, **kw)
+    finally:
+        fast_sample.sampler_for = original
+    assert [r["tokens"] for r in reference] == [r["tokens"] for r in first]
+
+
+def test_a_chat_prompt_is_the_templates_generation_prompt_with_the_system_message(runs):
+    from llmtrain.run.replies import load_source, prompt_ids
+
+    source = load_source(str(runs["full"]), device="cpu")
+    assert not source.chat  # the tiny task's rows are text: its prompts are text too
+    tok = source.tokenizer
+    assert prompt_ids(source, "reverse abc =") == tok("reverse abc =")["input_ids"]
+    text = tok.apply_chat_template([{"role": "system", "content": "Be brief."}, {"role": "user", "content": "hi"}],
+                                   tokenize=False, add_generation_prompt=True)
+    assert prompt_ids(source, "hi", chat=True, system_prompt="Be brief.") == tok(text, add_special_tokens=False)[
+        "input_ids"]
+
+
+def test_the_command_prints_the_replies_and_writes_them_once(runs, tmp_path):
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps({"prompt": p, "id": i}) + "\n" for i, p in enumerate(PROMPTS[2:])))
+    out = tmp_path / "replies" / "r.jsonl"
+    result = invoke("generate", str(runs["full"]), *PROMPTS[:2], "--prompts", str(prompts), "--max-new-tokens", "12",
+                    "--out", str(out))
+    lines = [json.loads(x) for x in out.read_text().splitlines()]
+    assert [x["prompt"] for x in lines] == PROMPTS
+    for x in lines:
+        assert f"prompt: {x['prompt']}\nreply: {x['reply']}" in result.stdout
+    again = invoke("generate", str(runs["full"]), "reverse abc =", "--out", str(out), check=False)
+    assert again.returncode == 2 and "already exists" in again.stdout + again.stderr and len(out.read_text().splitlines()) == 4
+
+
+@pytest.mark.parametrize("case, says", [
+    ("unfinished", "has no final/"),
+    ("reward", "a reward model's run"),
+    ("no-prompt", "no prompt to reply to"),
+    ("bad-jsonl", "line 2 has no \"prompt\" string"),
+])
+def test_bad_input_is_one_paragraph_and_writes_nothing(runs, tmp_path, case, says):
+    import shutil
+
+    import yaml
+
+    run = runs["full"]
+    args = ["reverse abc ="]
+    if case in ("unfinished", "reward"):
+        run = tmp_path / "run"
+        shutil.copytree(runs["full"], run, ignore=shutil.ignore_patterns("final"))
+        if case == "reward":
+            recipe = yaml.safe_load((run / "recipe.yaml").read_text())
+            recipe["reward_model"] = {}
+            recipe["data"]["format"] = "preference"
+            (run / "recipe.yaml").write_text(yaml.safe_dump(recipe))
+    if case == "no-prompt":
+        args = []
+    if case == "bad-jsonl":
+        bad = tmp_path / "p.jsonl"
+        bad.write_text('{"prompt": "reverse a ="}\n{"text": "no prompt"}\n')
+        args = ["--prompts", str(bad)]
+    out = tmp_path / "r.jsonl"
+    result = invoke("generate", str(run), *args, "--out", str(out), check=False)
+    said = result.stdout + result.stderr
+    assert result.returncode == 2 and says in " ".join(said.split()), said
+    assert "Traceback" not in said and not out.exists()
