@@ -207,7 +207,8 @@ def export(
 @user_errors
 def generate(
     source: Annotated[str, typer.Argument(metavar="RUN_OR_MODEL",
-                                          help="A finished run's output_dir, a model folder or a hub id.")],
+                                          help="A finished run's output_dir, one of its checkpoints (checkpoints/"
+                                          "step_N), a model folder or a hub id.")],
     prompts: Annotated[Optional[list[str]], typer.Argument(metavar="PROMPT", help="Prompts to reply to.")] = None,
     prompts_file: Annotated[Optional[Path], typer.Option(
         "--prompts", help="A file of prompts: one a line, or JSON lines with a \"prompt\" (.jsonl).")] = None,

@@ -1,7 +1,7 @@
 """`llmtrain generate`: replies from a finished run (a whole model, or a LoRA adapter on its base) or a model folder.
 
 Greedy replies are what transformers' own generate gives for the same model and prompt ids, token for token (the
-adapter case through peft); sampled ones are reproducible by seed, differ between seeds, and are what the reference
+adapter case through peft); a checkpoint replies as the weights it holds; sampled ones are reproducible by seed, differ between seeds, and are what the reference
 sampling loop draws. Prompts are rendered as the run's data was (text, or a chat through the template with the
 run's system prompt); bad input is refused in one paragraph before any model is loaded or file written.
 """
@@ -27,7 +27,7 @@ def runs(tiny_assets, tmp_path_factory):
     for kind, extra in (("full", {}), ("lora", {"lora": {"r": 8, "alpha": 16, "dropout": 0.0}})):
         recipe = write_recipe(tiny_assets, root, name=f"{kind}.yaml", **extra,
                               train={"max_steps": 60, "micro_batch_size": 16, "lr": 3e-3 if kind == "full" else 1e-2},
-                              output_dir=str(root / kind))
+                              checkpoint={"save_final": True, "every_steps": 30}, output_dir=str(root / kind))
         run_train(recipe)
         made[kind] = root / kind
     return made
@@ -67,6 +67,21 @@ def test_greedy_replies_are_transformers_generate_token_for_token(runs, tiny_ass
     assert [r["tokens"] for r in got] == want
     if kind == "full":  # it learnt to reply and to stop (an adapter on the random tiny base learns far slower)
         assert all(r["stopped"] and r["reply"].strip() for r in got), got
+
+
+@pytest.mark.parametrize("kind", ["full", "lora"])
+def test_a_checkpoint_replies_as_the_model_it_holds(runs, kind):
+    """The last checkpoint (step 60, the final weights) gives final/'s replies; the one at step 30 its own weights',
+    other replies (the adapter's alone was saved for LoRA, read into the base made as the run made it)."""
+    from llmtrain.run.replies import generate_replies, load_source
+
+    kw = dict(max_new_tokens=12, temperature=1.0, samples=2, seed=3)
+    final = generate_replies(load_source(str(runs[kind]), device="cpu"), PROMPTS, **kw)
+    last = load_source(str(runs[kind] / "checkpoints" / "step_000060"), device="cpu")
+    assert "a checkpoint of" in last.describe
+    assert [r["tokens"] for r in generate_replies(last, PROMPTS, **kw)] == [r["tokens"] for r in final]
+    early = generate_replies(load_source(str(runs[kind] / "checkpoints" / "step_000030"), device="cpu"), PROMPTS, **kw)
+    assert [r["tokens"] for r in early] != [r["tokens"] for r in final]
 
 
 def test_sampled_replies_are_reproducible_by_seed_and_the_reference_loops(runs):
@@ -119,7 +134,8 @@ def test_the_command_prints_the_replies_and_writes_them_once(runs, tmp_path):
 
 
 @pytest.mark.parametrize("case, says", [
-    ("unfinished", "has no final/"),
+    ("unfinished", "has no final/: the run has not finished (or ran with checkpoint.save_final: false). Generate "
+                   "from one of its checkpoints"),
     ("reward", "a reward model's run"),
     ("no-prompt", "no prompt to reply to"),
     ("bad-jsonl", "line 2 has no \"prompt\" string"),

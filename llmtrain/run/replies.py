@@ -2,7 +2,8 @@
 sampled with llmtrain's sampler (the fast one where the model's family has it), reproducible by seed.
 
 A source is a run folder (its final/: a whole model, or a LoRA adapter applied to the base its recipe names, on the
-base as the run loaded it: a QLoRA run's 4-bit), a model folder or a hub id. A run renders each prompt as its data
+base as the run loaded it: a QLoRA run's 4-bit), one of its checkpoints (checkpoints/step_N of a run whose processes
+each kept the whole model), a model folder or a hub id. A run renders each prompt as its data
 did (a chat through the chat template, with the run's system prompt, where its rows were chats; else the text with
 the tokenizer's BOS); a model through its chat template where its tokenizer has one. The sampling settings are the
 run's rl: section's where it has one (temperature, top_p, max_completion_tokens), else greedy, 256 new tokens; flags
@@ -52,18 +53,20 @@ def load_source(source: str, *, device=None) -> Source:
         return Source(model.eval(), tokenizer, tokenizer.chat_template is not None, None, None, {},
                       f"{source} ({cfg.dtype})")
     recipe = Recipe.model_validate(yaml.safe_load((path / "recipe.yaml").read_text()))
-    final = path / "final"
+    checkpoint = (path / "train_state.json").is_file()  # a checkpoint folder (checkpoints/step_N) rather than a run
+    final = path if checkpoint else path / "final"
     if recipe.reward_model is not None:
         raise LLMTrainError(f"'{path}' is a reward model's run: its model scores sequences under a one-output head and "
                             "has no LM head to generate with. Generate from the policy it was trained for")
     if not final.is_dir():
+        steps = sorted((path / "checkpoints").glob("step_*"))
         raise LLMTrainError(f"'{path}' has no final/: the run has not finished (or ran with checkpoint.save_final: "
-                            f"false). Finish it with `llmtrain finetune {path}/recipe.yaml --resume auto`, then "
-                            "generate from it")
+                            f"false). Generate from one of its checkpoints ({steps[-1] if steps else 'it has none'}), "
+                            f"or finish it with `llmtrain finetune {path}/recipe.yaml --resume auto`")
+    if checkpoint:
+        return _from_checkpoint(path, recipe, device)
     adapter = (final / "adapter_config.json").is_file()
-    trained = recipe.model.model_copy(update={"gradient_checkpointing": False, "activation_offload": False,
-                                              "tiled_mlp": None, "compile": False, "random_init": False,
-                                              "tokenizer": str(final)})
+    trained = _trained_model(recipe).model_copy(update={"tokenizer": str(final)})
     if not adapter:
         trained = trained.model_copy(update={"name_or_path": str(final), "quantize": None})
     tokenizer = load_tokenizer(trained)
@@ -73,14 +76,64 @@ def load_source(source: str, *, device=None) -> Source:
 
         model = PeftModel.from_pretrained(model, str(final))
     model = model.to(device) if not trained.quantize else model
+    what = "a LoRA adapter on " + recipe.model.name_or_path if adapter else "a whole model"
+    return _source(model, tokenizer, recipe, f"{final} ({what})", read_template)
+
+
+def _trained_model(recipe):
+    """The recipe's model section as generation loads it: no training switches."""
+    return recipe.model.model_copy(update={"gradient_checkpointing": False, "activation_offload": False,
+                                           "tiled_mlp": None, "compile": False, "random_init": False})
+
+
+def _from_checkpoint(path: Path, recipe, device) -> Source:
+    """A checkpoint of a run that kept each process's whole model (one process, DDP): the base as the run loaded it,
+    its adapter made as the run made it, and the checkpoint's weights (the adapter's alone for LoRA) read into it by
+    name. FSDP's and a pipeline's sharded checkpoints are refused: their weights are in pieces."""
+    from safetensors.torch import load_file
+
+    from llmtrain.data.chat import read_template
+    from llmtrain.model.modeling import load_model, load_tokenizer
+
+    weights = path / "model.safetensors"
+    if not weights.is_file():
+        raise LLMTrainError(f"checkpoint '{path}' holds its weights in pieces (FSDP's or a pipeline's shards), not "
+                            "one model.safetensors; generate from the run's final/ (resume it to the end: "
+                            f"`llmtrain finetune {path}/recipe.yaml --resume {path}`), which holds the whole model")
+    cfg = _trained_model(recipe)
+    model = load_model(cfg, recipe.lora, device=device if cfg.quantize else None)
+    saved = load_file(str(weights))
+    known = model.state_dict()
+    if unknown := sorted(set(saved) - set(known)):
+        raise LLMTrainError(f"checkpoint '{path}' holds {len(unknown)} weights this recipe's model does not have "
+                            f"(e.g. {unknown[0]}): it was written by another model. Generate with the recipe that "
+                            "wrote it")
+    if recipe.lora is None and (missing := sorted(set(known) - set(saved) - _tied(model))):
+        raise LLMTrainError(f"checkpoint '{path}' lacks {len(missing)} of the model's weights (e.g. {missing[0]})")
+    model.load_state_dict(saved, strict=False)
+    model = model.to(device) if not cfg.quantize else model
+    return _source(model, load_tokenizer(cfg), recipe, f"{path} (a checkpoint of {recipe.model.name_or_path}"
+                   f"{', its LoRA adapter' if recipe.lora is not None else ''})", read_template)
+
+
+def _tied(model) -> set[str]:
+    """Names of parameters that share another's storage (a tied head): a state dict may hold them once."""
+    seen, tied = {}, set()
+    for name, t in model.state_dict(keep_vars=True).items():
+        if t.data_ptr() in seen:
+            tied.add(name)
+        seen.setdefault(t.data_ptr(), name)
+    return tied
+
+
+def _source(model, tokenizer, recipe, describe: str, read_template) -> Source:
     data = recipe.data
     chat = data.format == "messages" or data.chat_template is not False
     rl = recipe.rl or recipe.distill
     sampling = {} if rl is None else {"temperature": rl.temperature, "top_p": rl.top_p,
                                       "max_new_tokens": rl.max_completion_tokens}
-    what = "a LoRA adapter on " + recipe.model.name_or_path if adapter else "a whole model"
     return Source(model.eval(), tokenizer, chat, data.system_prompt, read_template(data) if chat else None, sampling,
-                  f"{final} ({what})")
+                  describe)
 
 
 def prompt_ids(source: Source, prompt: str, *, chat: bool | None = None, system_prompt: str | None = None) -> list[int]:
