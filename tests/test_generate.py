@@ -1,9 +1,11 @@
-"""`llmtrain generate`: replies from a finished run (a whole model, or a LoRA adapter on its base) or a model folder.
+"""`llmtrain generate`: replies from a finished run (a whole model, or a LoRA adapter on its base), one of its
+checkpoints, or a model folder.
 
 Greedy replies are what transformers' own generate gives for the same model and prompt ids, token for token (the
-adapter case through peft); a checkpoint replies as the weights it holds; sampled ones are reproducible by seed, differ between seeds, and are what the reference
-sampling loop draws. Prompts are rendered as the run's data was (text, or a chat through the template with the
-run's system prompt); bad input is refused in one paragraph before any model is loaded or file written.
+adapter case through peft); a checkpoint replies as the weights it holds; sampled ones are reproducible by seed,
+differ between seeds, and are what the reference sampling loop draws. Prompts are rendered as the run's data was
+(text, or a chat through the template with the run's system prompt); bad input is refused in one paragraph before any
+model is loaded or file written.
 """
 
 from __future__ import annotations
