@@ -75,8 +75,9 @@ def _predicted(tiny, strategy: str) -> dict:
     return dict(predicted)
 
 
-@pytest.mark.parametrize("strategy", ["ddp", "fsdp", pytest.param("hsdp", marks=pytest.mark.extended), "tp",
-                                      # extended: their parts are FSDP's, TP's
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp", pytest.param("hsdp", marks=pytest.mark.extended),
+                                      # extended: their parts are FSDP's and TP's (TP's own collectives: test_tp.py)
+                                      pytest.param("tp", marks=pytest.mark.extended),
                                       pytest.param("tp-ckpt", marks=pytest.mark.extended)])
 def test_predicted_payloads_are_what_crosses_the_process_group(tiny_assets, tmp_path, free_port, strategy):
     predicted = _predicted(tiny_assets, strategy)

@@ -47,9 +47,13 @@ def test_varlen_attention_trains_like_eager_padded(recipe, tmp_path):
 def test_token_budget_epoch_covers_every_example_once(tiny_assets, tmp_path):
     """A token-budget epoch: the steps' input tokens add up to the dataset's tokens exactly (no example
     dropped or repeated), every micro-batch stays within the budget, and the packing efficiency
-    reported in summary.json is real tokens / (bins x budget)."""
-    recipe = write_recipe(tiny_assets, tmp_path, train={"max_steps": None, "epochs": 1, "micro_batch_size": 1,
-                                                        "micro_batch_tokens": 160, "grad_accum_steps": 2})
+    reported in summary.json is real tokens / (bins x budget). The first 1,001 examples of the task (an odd count:
+    the epoch's last step may hold one bin)."""
+    rows = tmp_path / "train1001.jsonl"
+    rows.write_text("".join((tiny_assets / "data" / "train.jsonl").read_text().splitlines(True)[:1001]))
+    recipe = write_recipe(tiny_assets, tmp_path, data={"path": str(rows)},
+                          train={"max_steps": None, "epochs": 1, "micro_batch_size": 1, "micro_batch_tokens": 160,
+                                 "grad_accum_steps": 2})
     summary = run_train(recipe, "model.attn_implementation=auto")
     steps = records(tmp_path / "run")
     data = summary["data"]["train"]

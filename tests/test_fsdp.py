@@ -170,6 +170,7 @@ def test_sharded_checkpoint_resumes_exactly(straight, tmp_path, free_port):
     assert sorted(p.name for p in (one / "checkpoints").iterdir()) == before
 
 
+@pytest.mark.extended  # main tier: LoRA under FSDP in test_qlora.py (on a 4-bit base) and test_preference.py (DPO)
 def test_lora_under_fsdp(tiny_assets, tmp_path, free_port):
     """LoRA on a sharded frozen base: the same losses and adapter as 1 process, final/ is a PEFT adapter that
     loads in a plain single process, and a sharded LoRA checkpoint resumes exactly."""

@@ -297,6 +297,7 @@ def test_two_ddp_processes_with_both_switches_train_as_one(tiny_assets, tmp_path
     assert [r["grad_norm"] for r in two] == pytest.approx([r["grad_norm"] for r in one], rel=1e-4)
 
 
+@pytest.mark.extended  # main tier: test_two_ddp_processes_with_both_switches_train_as_one
 @pytest.mark.slow
 def test_offload_under_fsdp_trains_as_plain_checkpointing(tiny_assets, tmp_path, free_port):
     """FSDP2 on 2 gloo processes, full fine-tune with gradient checkpointing: the offload's hooks around each

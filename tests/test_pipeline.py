@@ -261,6 +261,8 @@ def test_the_eval_through_the_stages_counts_what_one_process_counts(four_layers,
     assert want[0]["eval_token_accuracy"] > 0  # a count of something
 
 
+@pytest.mark.extended  # main tier: final/'s weights against one process's in test_two_stages_train_what_one_process_
+# trains, and a tied final/ loaded by transformers in test_a_tied_embedding_trains_on_two_stages_what_one_process_trains
 @pytest.mark.slow
 def test_final_loads_in_transformers_and_peft_and_gives_the_one_process_logits(single, four_layers, tmp_path,
                                                                                free_port):

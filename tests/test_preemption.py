@@ -93,6 +93,7 @@ def test_signal_mid_run_saves_and_resumes_exactly(uninterrupted, tmp_path, sig, 
     assert max_abs_diff(load_weights(cut / "final"), load_weights(full / "final")) == 0.0
 
 
+@pytest.mark.extended  # main tier: test_signal_mid_run_saves_and_resumes_exactly (2 DDP processes)
 @pytest.mark.slow
 def test_sigterm_under_ddp_stops_every_rank_at_one_step(tiny_assets, tmp_path, free_port):
     """2 gloo processes: the ranks vote in the step's collective, so both stop after the same step; the

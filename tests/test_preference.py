@@ -348,7 +348,9 @@ def test_held_out_reward_accuracy_rises_on_gsm8k_pairs(tiny_assets, tmp_path):
 @pytest.mark.parametrize("launch, lora", [pytest.param("cpu_ddp", False, marks=pytest.mark.extended),
                                           ("cpu_fsdp", False),
                                           pytest.param("cpu_fsdp", True, marks=pytest.mark.extended),
-                                          ("cpu_tp", False)])
+                                          # extended: tensor parallelism's own test_tp.py, and the reward
+                                          # model's tp cell (test_capabilities.py) run in the main tier
+                                          pytest.param("cpu_tp", False, marks=pytest.mark.extended)])
 def test_two_processes_train_the_pairs_of_one(one_process, tmp_path, free_port, launch, lora):
     """2 CPU data ranks (gloo, through accelerate launch; DDP, FSDP2 sharding every parameter, or FSDP x TP: 4
     processes as 2 shards x 2 tensor-parallel) x micro-batch 4 against 1 process x 8: the same pairs per step, the

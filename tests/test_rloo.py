@@ -307,6 +307,7 @@ def test_two_ddp_processes_sample_and_train_what_one_does(straight, tmp_path, fr
     assert max_abs_diff(load_weights(two / "final"), load_weights(one / "final")) < 3e-5
 
 
+@pytest.mark.extended  # main tier: test_two_fsdp_processes_with_the_kl_in_the_reward_train_what_one_does
 @pytest.mark.slow
 def test_normalized_advantages_over_two_processes_equal_one(tiny_assets, tmp_path, free_port):
     recipe = rloo_recipe(tiny_assets, tmp_path, rl={"normalize_advantages": True}, train={"max_steps": 2},
