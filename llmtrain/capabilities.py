@@ -334,12 +334,13 @@ def model_problems(recipe, layout: Layout, config) -> list[str]:
     cells (FAMILIES), a mixture of experts under the tiled MLP or LoRA dropout, heads a sequence or a tensor-parallel
     group cannot split, a tensor-parallel plan llmtrain does not build, fewer layers than stages."""
     out = []
-    kind = getattr(config, "model_type", None)
+    model_type = getattr(config, "model_type", None)
     refused = set()
     for parallelism in layout.parallelisms:
-        if (why := family_cell(kind, parallelism)) is not None:
+        if (why := family_cell(model_type, parallelism)) is not None:
             refused.add(parallelism)
-            out.append(f"{_key(parallelism, recipe, layout)} is refused for {FAMILIES[kind].name} ({kind}): {why}")
+            out.append(f"{_key(parallelism, recipe, layout)} is refused for {FAMILIES[model_type].name} "
+                       f"({model_type}): {why}")
     if n := experts(config):
         kind = f"{getattr(config, 'model_type', 'this model')}'s MLP is a mixture of {n} experts"
         if recipe.model.tiled_mlp:

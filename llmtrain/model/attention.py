@@ -44,9 +44,15 @@ def rotary_by_kind(rotary_emb, hidden, position_ids, kinds) -> dict:
     """The rotary embeddings (cos, sin) of `position_ids` for each kind of layer in `kinds`, as the decoder's
     `rotary_emb` makes them: Gemma 3's takes a layer_type (a base and scaling of its own for local and global
     layers); elsewhere one pair serves every layer."""
-    if "layer_type" in inspect.signature(rotary_emb.forward).parameters:
+    if _per_kind(type(rotary_emb)):
         return {t: rotary_emb(hidden, position_ids, t) for t in dict.fromkeys(kinds)}
     return dict.fromkeys(kinds, rotary_emb(hidden, position_ids=position_ids))
+
+
+@functools.cache
+def _per_kind(rotary_class) -> bool:
+    """Whether a rotary embedding class takes a layer_type (read once a class: rotary_by_kind runs every step)."""
+    return "layer_type" in inspect.signature(rotary_class.forward).parameters
 
 
 def register() -> str:

@@ -37,7 +37,8 @@ class Stage(nn.Module):
         decoder = lm.model
         self.embed = decoder.embed_tokens if first else None
         self.layers = nn.ModuleList(decoder.layers[i] for i in layers)
-        self.kinds = [layer_kinds(lm.config, len(decoder.layers))[i] for i in layers]
+        kinds = layer_kinds(lm.config, len(decoder.layers))
+        self.kinds = [kinds[i] for i in layers]
         self.rotary = decoder.rotary_emb
         self.norm = decoder.norm if last else None
         self.head = lm.lm_head if last else None
