@@ -257,17 +257,20 @@ class DataPlan:
     def steps_per_epoch(self, epoch: int, accum: int) -> int:
         return math.ceil(len(self.epoch(epoch)) / accum)
 
-    def examples_in(self, steps: int, accum: int) -> list[int]:
-        """The examples the first `steps` optimizer steps train on, crossing epochs as `windows` does (sorted)."""
-        seen: set[int] = set()
+    def global_batches_in(self, steps: int, accum: int) -> Iterator[list[list[int]]]:
+        """The global micro-batches the first `steps` optimizer steps run, in order, crossing epochs as `windows`
+        does (each a list of one list of example indices per rank)."""
         epoch, micro, batches = 0, 0, self.epoch(0)
         for _ in range(steps):
             if micro >= len(batches):
                 epoch, micro, batches = epoch + 1, 0, self.epoch(epoch + 1)
-            for global_batch in batches[micro: micro + accum]:
-                seen.update(i for idx in global_batch for i in idx)
+            yield from batches[micro: micro + accum]
             micro += len(batches[micro: micro + accum])
-        return sorted(seen)
+
+    def examples_in(self, steps: int, accum: int) -> list[int]:
+        """The examples the first `steps` optimizer steps train on (sorted)."""
+        return sorted({i for global_batch in self.global_batches_in(steps, accum) for idx in global_batch
+                       for i in idx})
 
     def bins(self) -> int:
         """Token bins of the first epoch (idle ranks' empty places not counted)."""

@@ -221,7 +221,8 @@ def estimate(shape: ModelShape, spec: TrainSpec) -> Estimate:
     est = replace(est, long_context=_long_context(whole, spec, est, p, kept if offload else None))
     if spec.max_completion_tokens and spec.prompt_tokens < spec.prompt_cap:  # at the data's lengths: the worst case too
         cap = spec.prompt_cap
-        worst = estimate(whole, spec.but(prompt_tokens=cap, seq_len=cap + spec.max_completion_tokens, prompt_basis=""))
+        worst = estimate(whole, spec.but(prompt_tokens=cap, prompt_longest=cap,
+                                         seq_len=cap + spec.max_completion_tokens, prompt_basis=""))
         est = replace(est, worst_case_bytes=worst.per_gpu_peak_bytes, notes=est.notes + (
             f"worst case, every prompt at its longest ({cap} tokens) + {spec.max_completion_tokens} completion tokens, "
             f"sequences of data.max_seq_len: {worst.per_gpu_peak_bytes / GIB:,.2f} GiB per GPU (allocated "
@@ -319,9 +320,11 @@ def sampling_rows(spec: TrainSpec) -> int:
 
 def kv_cache_bytes(shape: ModelShape, spec: TrainSpec) -> int:
     """The sampler's static KV cache, allocated once a round: K and V of kv_heads x head_dim per layer in the compute
-    dtype, for sampling_rows x (the longest prompt + rl.max_completion_tokens) positions."""
+    dtype, for sampling_rows x (the longest prompt + rl.max_completion_tokens) positions (the sampler left-pads every
+    prompt to the micro-batch's longest)."""
     cd = DTYPE_BYTES[PRECISION_DTYPE.get(spec.mixed_precision, spec.dtype)]
-    return sampling_rows(spec) * spec.seq_len * shape.layers * 2 * shape.kv_heads * shape.head_dim * cd
+    width = spec.prompt_longest + spec.max_completion_tokens if spec.prompt_longest else spec.seq_len
+    return sampling_rows(spec) * width * shape.layers * 2 * shape.kv_heads * shape.head_dim * cd
 
 
 def _generation_phases(shape: ModelShape, spec: TrainSpec, base: dict, *, cached: int, fsdp_unit: int) -> dict:
@@ -331,7 +334,8 @@ def _generation_phases(shape: ModelShape, spec: TrainSpec, base: dict, *, cached
     Then each decode step: the logits of one token per row in fp32, and the sampler's fp32 softmax, cumulative
     sum and nucleus sort over the vocabulary."""
     rows, prompts = sampling_rows(spec), max(1, spec.micro_batch // max(1, spec.num_generations))
-    prefill = make_pass(shape, spec.but(seq_len=max(2, spec.prompt_tokens or spec.seq_len)), examples=prompts)
+    prefill = make_pass(shape, spec.but(seq_len=max(2, spec.prompt_longest or spec.prompt_tokens or spec.seq_len)),
+                        examples=prompts)
     common = dict(**base, autocast_copies=cached, kv_cache=kv_cache_bytes(shape, spec), fsdp_buffers=fsdp_unit)
     return {"generation_prefill": _phase(**common, temporaries=act.eval_layer_bytes(prefill, shape, {}),
                                          logits=prompts * shape.vocab * (prefill.cd + act.FP32)),

@@ -30,8 +30,9 @@ COMPONENTS = ("weights", "gradients", "optimizer", "activations", "logits", "ove
               "teacher")
 # Online RL without readable data: each prompt is taken at its longest, data.max_seq_len - rl.max_completion_tokens (a
 # longer prompt is refused before training: data.checks.check_prompt_room), so every sequence is max_seq_len long.
-# With data, the prompts' PROMPT_QUANTILE: a step whose prompts are all that long or shorter (the mean of a
-# micro-batch's prompts passes it in few steps).
+# With data, the micro-batches of prompts the run will sample (its data plan: a pure function of the seed): the
+# heaviest one's prompt tokens (the update's packed row), and the longest prompt among them (the KV cache's width, to
+# which the sampler left-pads); without the plan, the prompts' PROMPT_QUANTILE for both.
 PROMPT_QUANTILE = 0.9
 
 
@@ -101,9 +102,11 @@ class TrainSpec:
     # online RL: a sequence is a prompt of prompt_tokens and a completion of up to max_completion_tokens (seq_len is
     # their sum), of which only the completion goes through the loss; prompt_cap is the longest prompt the trainer
     # takes, data.max_seq_len - max_completion_tokens (the worst case's prompt_tokens); prompt_basis says where
-    # prompt_tokens came from
+    # prompt_tokens came from; prompt_longest: the longest prompt one micro-batch samples (the KV cache and the
+    # prefill are that wide), 0: prompt_tokens
     max_completion_tokens: int = 0
     prompt_tokens: int = 0
+    prompt_longest: int = 0
     prompt_cap: int = 0
     prompt_basis: str = ""
     # online RL: the update's token budget (rl.micro_batch_tokens): the micro-batch's sequences go through forward and
@@ -263,16 +266,38 @@ def sequence_kv_heads(n: int, kv_heads: int) -> int:
     return kv_heads if kv_heads % n == 0 else n
 
 
-def rl_prompt_tokens(lengths, *, cap: int) -> tuple[int, str]:
-    """An online-RL run's prompt tokens for the estimate, and what they are: the data's PROMPT_QUANTILE of its prompt
-    lengths (`lengths`, tokenised as training does; at most `cap`, the longest prompt the trainer takes), or `cap`
-    without data."""
+def rl_prompt_tokens(lengths, *, cap: int, batches=None, prompts: int = 1) -> tuple[int, int, str]:
+    """An online-RL run's prompts for the estimate: (tokens a prompt, the longest prompt, what they are). `lengths`:
+    the prompts' lengths in tokens, tokenised as training does (each at most `cap`, the longest prompt the trainer
+    takes); `batches`: the micro-batches of example indices the run will sample (one rank's, each up to `prompts`
+    prompts). With them, the heaviest micro-batch's prompt tokens over `prompts` (rounded up: its packed update is
+    that many tokens a prompt) and the longest prompt any of them holds. Without: the data's PROMPT_QUANTILE for both;
+    without data, `cap`."""
     if not lengths:
-        return cap, f"worst case: every prompt at its longest, data.max_seq_len - rl.max_completion_tokens ({cap})"
-    ordered = sorted(min(n, cap) for n in lengths)
+        return cap, cap, f"worst case: every prompt at its longest, data.max_seq_len - rl.max_completion_tokens ({cap})"
+    clipped = [min(n, cap) for n in lengths]
+    data = f"the data's prompts: mean {sum(clipped) / len(clipped):.0f} tokens, longest {max(clipped)}"
+    if batches:
+        heaviest = max(sum(clipped[i] for i in b) for b in batches)
+        longest = max(clipped[i] for b in batches for i in b)
+        per_prompt = -(-heaviest // prompts)
+        runs = f"{len(batches):,} micro-batch{'es' * (len(batches) > 1)} of {prompts} prompt{'s' * (prompts > 1)}"
+        return per_prompt, longest, (f"the run's {runs}: the heaviest {heaviest:,} prompt tokens ({per_prompt} a "
+                                     f"prompt), the longest prompt {longest}; {data}")
+    ordered = sorted(clipped)
     at = ordered[max(0, math.ceil(PROMPT_QUANTILE * len(ordered)) - 1)]
-    return at, (f"the data's prompts: {PROMPT_QUANTILE:.0%} have at most {at} tokens (mean "
-                f"{sum(ordered) / len(ordered):.0f}, longest {ordered[-1]})")
+    return at, at, f"{data}; {PROMPT_QUANTILE:.0%} have at most {at} tokens"
+
+
+def rl_batches(recipe: Recipe, lengths: list[int], *, data_ranks: int) -> list[list[int]]:
+    """The micro-batches of prompts (example indices) one rank samples over the run `recipe` describes on
+    `data_ranks` data-parallel ranks: its data plan, as finetune builds it (each rank's share of every global one)."""
+    from llmtrain.data.checks import data_plan, total_steps
+
+    plan = data_plan(recipe, lengths, world=data_ranks)
+    steps = total_steps(recipe, lengths, world=data_ranks)
+    return [share for batch in plan.global_batches_in(steps, recipe.train.grad_accum_steps) for share in batch
+            if share]
 
 
 def spec_from_recipe(recipe: Recipe, *, strategy: Strategy = "single", num_gpus: int = 1, num_nodes: int = 1,
@@ -309,10 +334,10 @@ def spec_from_recipe(recipe: Recipe, *, strategy: Strategy = "single", num_gpus:
     if recipe.rl is not None:
         most = recipe.rl.max_completion_tokens
         cap = max(1, d.max_seq_len - most)  # data.checks.check_prompt_room refuses a longer prompt
-        prompt, basis = rl_prompt_tokens(prompt_lengths, cap=cap)
+        prompt, _, basis = rl_prompt_tokens(None, cap=cap)  # the data's, below, once the layout is known
         rl = dict(max_completion_tokens=most, prompt_tokens=prompt, prompt_cap=cap, prompt_basis=basis,
                   rl_micro_batch_tokens=recipe.rl.micro_batch_tokens)
-    return TrainSpec(
+    spec = TrainSpec(
         method="lora" if lora else "full",
         lora_r=lora.r if lora else _default(LoraConfig, "r"),
         lora_target_modules=_targets(lora.target_modules) if lora else "all-linear",
@@ -337,6 +362,14 @@ def spec_from_recipe(recipe: Recipe, *, strategy: Strategy = "single", num_gpus:
         no_grad_forwards=recipe.kto is not None, frozen_reference=recipe.kto is not None and lora is None,
         **{**pipeline_keys(recipe), **launch},  # --pipeline-* options (in launch) win over the recipe's keys
     )
+    if recipe.rl is not None and prompt_lengths:  # the micro-batches of prompts this layout's ranks will sample
+        batches = rl_batches(recipe, list(prompt_lengths), data_ranks=spec.data_ranks)
+        prompt, longest, basis = rl_prompt_tokens(prompt_lengths, cap=spec.prompt_cap, batches=batches,
+                                                  prompts=t.micro_batch_size)
+        # the update packs the sequences into one row (or pads each to the micro-batch's longest)
+        spec = spec.but(prompt_tokens=prompt, prompt_longest=longest, prompt_basis=basis,
+                        seq_len=(prompt if spec.packed else longest) + spec.max_completion_tokens)
+    return spec
 
 
 def pipeline_keys(recipe: Recipe) -> dict:
