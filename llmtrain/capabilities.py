@@ -422,6 +422,12 @@ def _section_problems(recipe) -> list[str]:
                     f"alpaca): the prompt is what the student completes, and the data's completion is what it trains "
                     f"on at off-policy steps; data.format={fmt} has none. Convert the rows, or set data.format"]
         return [_FORMAT_HINT.get(fmt if mode.key == "sft" else mode.formats[0])]
+    others = [f"data.sources[{i}] ({s.format})" for i, s in enumerate(recipe.data.sources or ())
+              if s.format not in mode.formats]
+    if others:  # a mixture trains in one mode: its first source's format sets data.format
+        return [f"the sources of a mixture train in one mode, and this recipe's is {mode.name} (data.sources[0]'s "
+                f"format {fmt}), which trains on data.format {', '.join(mode.formats)}; {' and '.join(others)} "
+                f"cannot train with it. Convert those rows, or train them in a run of their own"]
     return []
 
 

@@ -157,18 +157,52 @@ class LoraConfig(Section):
 DataFormat = Literal["alpaca", "messages", "prompt_completion", "text", "preference", "unpaired", "prompt"]
 
 
+class SourceConfig(Section):
+    """One dataset of a mixture (data.sources): where it is, how its rows are laid out, and its part of each step."""
+
+    path: str | list[str] = Field(description="As data.path: local file(s), a dataset folder or a hub dataset name.")
+    name: str | None = Field(None, description="Hub dataset configuration name, as data.name.")
+    split: str = Field("train", description="Split to train on, as data.split.")
+    format: DataFormat = Field(description="How this source's rows are laid out, as data.format; every source must "
+                               "train in the recipe's mode (alpaca, messages, prompt_completion and text together).")
+    fields: dict[str, str] = Field(default_factory=dict, description="As data.fields, for this source's rows.")
+    roles: dict[str, str] = Field(default_factory=dict, description="As data.roles, for this source's rows.")
+    eval_split: float | str | list[str] | None = Field(
+        None, description="This source's held-out eval data, as data.eval_split (unset: data.eval_split's, where "
+        "that is a fraction).")
+    weight: float | None = Field(
+        None, gt=0, description="This source's share of the examples of every step, relative to the other sources' "
+        "weights (0.7 and 0.3: 70% and 30%). An epoch is as many examples as all sources have rows: a source with "
+        "fewer rows than its share repeats them, one with more is subsampled, reshuffled each time round.")
+    count: int | None = Field(
+        None, gt=0, description="Instead of a weight: this many of this source's examples an epoch (its rows "
+        "repeated or subsampled as for a weight); the epoch is the counts' sum.")
+
+    @model_validator(mode="after")
+    def _one_amount(self) -> SourceConfig:
+        if (self.weight is None) == (self.count is None):
+            raise ValueError("give this source either a weight (its share of each step, e.g. weight: 0.3) or a "
+                             "count (its examples an epoch, e.g. count: 5000), not both and not neither")
+        return self
+
+
 class DataConfig(Section):
-    path: str | list[str] = Field(
-        description="One or several local files (.jsonl, .json, .parquet, .csv), a dataset folder (its files named "
-        "by split, as on the hub) or a hub dataset name."
+    path: str | list[str] | None = Field(
+        None, description="One or several local files (.jsonl, .json, .parquet, .csv), a dataset folder (its files "
+        "named by split, as on the hub) or a hub dataset name. Or data.sources, for a weighted mixture."
     )
+    sources: list[SourceConfig] | None = Field(
+        None, description="A weighted mixture of datasets instead of data.path: each with its own path, format, "
+        "fields and roles, and a weight (its share of the examples of every step) or a count (its examples an "
+        "epoch). Which source an example comes from depends only on the seed and its place in the run, so resume "
+        "and a change of process count keep the order; data.max_seq_len, chat_template and the rest apply to all.")
     name: str | None = Field(None, description="Hub dataset configuration name (e.g. 'main' for gsm8k).")
     split: str = Field("train", description="Split to train on, of a hub dataset or a dataset folder.")
-    format: DataFormat = Field(description="How examples are laid out: alpaca, messages, prompt_completion, text, "
-                               "preference (prompt, chosen, rejected: pairs for the preference: section), unpaired "
-                               "(prompt, completion, label: a boolean, desirable or not, for the kto: section), or prompt "
-                               "(prompts alone, for online RL: the rl: section; every other column goes to the "
-                               "reward functions).")
+    format: DataFormat | None = Field(
+        None, description="How examples are laid out: alpaca, messages, prompt_completion, text, preference (prompt, "
+        "chosen, rejected: pairs for the preference: section), unpaired (prompt, completion, label: a boolean, "
+        "desirable or not, for the kto: section), or prompt (prompts alone, for online RL: the rl: section; every "
+        "other column goes to the reward functions). With data.sources: each source's.")
     fields: dict[str, str] = Field(
         default_factory=dict,
         description="Names in the data for the format's names: columns (prompt, completion, instruction, input, "
@@ -213,8 +247,40 @@ class DataConfig(Section):
             raise ValueError("as a fraction it must be in (0, 1); or give eval file(s) or a split name")
         return v
 
+    @model_validator(mode="before")
+    @classmethod
+    def _mixture_format(cls, values: Any) -> Any:
+        """A mixture's format is its first source's (the mode's checks read data.format; capabilities checks that
+        every source trains in that mode)."""
+        if isinstance(values, dict) and isinstance(values.get("sources"), list) and values["sources"] and \
+                values.get("format") is None and isinstance(values["sources"][0], dict):
+            values = {**values, "format": values["sources"][0].get("format")}
+        return values
+
     @model_validator(mode="after")
     def _check_chat(self) -> DataConfig:
+        if self.sources is not None:
+            own = [k for k in ("path", "name", "split", "fields", "roles") if k in self.model_fields_set]
+            if own:
+                raise ValueError(f"data.sources gives each dataset's own {', '.join(own)}; remove data."
+                                 f"{own[0]} and set it on its source (data.sources[N].{own[0]})")
+            if not self.sources:
+                raise ValueError("data.sources is empty: give at least one dataset, or use data.path")
+            if len({s.weight is None for s in self.sources}) > 1:
+                raise ValueError("data.sources mixes weights and counts: give every source a weight (its share of "
+                                 "each step) or every source a count (its examples an epoch)")
+            if self.eval_split is not None and not isinstance(self.eval_split, float):
+                raise ValueError("with data.sources, data.eval_split is a fraction of every source (e.g. 0.05); eval "
+                                 "files or a split name belong to their source: data.sources[N].eval_split")
+            if self.format != self.sources[0].format:
+                raise ValueError(f"data.format is {self.format} but the first source's format is "
+                                 f"{self.sources[0].format}: with data.sources remove data.format (each source has "
+                                 "its own)")
+        elif self.path is None or self.format is None:
+            missing = " and ".join(k for k in ("path", "format") if getattr(self, k) is None)
+            raise ValueError(f"missing data.{missing.replace(' and ', ' and data.')}: give data.path (file(s), a "
+                             "dataset folder or a hub dataset) and data.format (how its rows are laid out), or "
+                             "data.sources (a mixture, each source with both)")
         if self.chat_template is not False and self.format not in ("prompt_completion", "messages", "preference",
                                                                    "unpaired", "prompt"):
             raise ValueError(f"data.chat_template applies to formats prompt_completion, messages, preference, "
@@ -225,6 +291,26 @@ class DataConfig(Section):
         if self.eval_max_examples is not None and self.eval_split is None:
             raise ValueError("data.eval_max_examples caps the eval data, but data.eval_split gives none")
         return self
+
+
+def source_configs(d: DataConfig) -> list[DataConfig]:
+    """A data section as one DataConfig per dataset: data.path's alone, or each of data.sources' with the shared
+    settings (max_seq_len, chat_template, ...) and its own path, format, fields, roles and eval split."""
+    if d.sources is None:
+        return [d]
+    out = []
+    for i, s in enumerate(d.sources):
+        own = s.model_dump(exclude={"weight", "count"})
+        if own["eval_split"] is None:  # data.eval_split, a fraction, applies to every source without its own
+            own["eval_split"] = d.eval_split
+        if own["eval_split"] is None:
+            own["eval_max_examples"] = None  # data.eval_max_examples caps each source's eval rows, where it has some
+        try:
+            out.append(DataConfig.model_validate({**d.model_dump(exclude={"sources", "path", "format", "name", "split",
+                                                                          "fields", "roles", "eval_split"}), **own}))
+        except ValidationError as e:
+            raise RecipeError(f"data.sources[{i}] ({s.path}): " + "; ".join(err["msg"] for err in e.errors())) from None
+    return out
 
 
 class TrainConfig(Section):

@@ -47,7 +47,8 @@ def hub_ids(*names) -> list[str]:
 
 def recipe_hub_ids(recipe) -> list[str]:
     """What a run of `recipe` may read from the hub: its model, its tokenizer, its data."""
-    return hub_ids(recipe.model.name_or_path, recipe.model.tokenizer, recipe.data.path)
+    return hub_ids(recipe.model.name_or_path, recipe.model.tokenizer, recipe.data.path,
+                   *(s.path for s in recipe.data.sources or ()))
 
 
 def endpoint() -> tuple[str, int]:

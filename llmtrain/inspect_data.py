@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import sys
+from pathlib import Path
 
 from llmtrain.config import Recipe
 from llmtrain.data.formats import IGNORE, prompt_length
@@ -79,12 +80,24 @@ def inspect_data(recipe: Recipe, *, n: int, as_json: bool) -> None:
     tokenizer = load_tokenizer(recipe.model)
     train, evald, stats, _ = prepare_datasets(recipe.data, tokenizer, seed=recipe.train.seed)
     rows = train.select(range(min(n, len(train))))
+    if recipe.data.sources is not None:  # a mixture: its first examples in the order training reads them
+        from llmtrain.data.mixture import Mixture, describe, label, source_sizes
+
+        sizes = source_sizes(train["source"])
+        rows = train.select(Mixture.of(recipe.data.sources, sizes).order(seed=recipe.train.seed, epoch=0)[:n])
+        for line in ([] if as_json else describe(recipe.data, stats, sizes)):
+            Console(stderr=True).print(f"data source: {line}", highlight=False)
+        # the totals first, then each source by its file's name
+        names = {f"source{i}": Path(label(source).split(", ")[0]).name for i, source in enumerate(recipe.data.sources)}
+        stats = {names.get(k.removesuffix("_eval"), k) + (" eval" if k.endswith("_eval") else ""): v
+                 for k, v in sorted(stats.items(), key=lambda kv: not kv[0] in ("train", "eval"))}
     if "chosen_ids" in train.column_names:
         return _show_pairs(rows, stats, tokenizer, as_json=as_json)
     if as_json:
         # Exactly the rows training reads (before packing and the per-example shift), one per line.
         for k, (ids, labels) in enumerate(zip(rows["input_ids"], rows["labels"])):
             extra = {"label": rows["label"][k]} if "label" in rows.column_names else {}  # KTO
+            extra |= {"source": rows["source"][k]} if "source" in rows.column_names else {}  # a mixture's
             sys.stdout.write(json.dumps({"input_ids": ids, "labels": labels, **extra}) + "\n")
         return
     console = Console()

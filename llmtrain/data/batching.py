@@ -61,18 +61,21 @@ def epoch_order(num_examples: int, *, seed: int, epoch: int, shuffle: bool = Tru
     return torch.randperm(num_examples, generator=g).tolist()
 
 
-def token_bins(lengths: list[int], budget: int, *, seed: int, epoch: int) -> list[list[int]]:
+def token_bins(lengths: list[int], budget: int, *, seed: int, epoch: int,
+               order: list[int] | None = None) -> list[list[int]]:
     """Whole examples packed into bins of at most `budget` tokens, best-fit decreasing; a pure function of
     (lengths, budget, seed, epoch).
 
     Longest first, each example goes into the fullest bin it still fits in (a new bin when none has room).
     Equal lengths keep the epoch's shuffled order, and the finished bins are shuffled too, so neither the
     bins' content nor their order repeats from epoch to epoch, and long examples are not all at the start.
+    `order`: the epoch's examples where they are not a shuffle of all of them (a mixture's, mixture.py).
     """
     too_long = [i for i, n in enumerate(lengths) if n > budget]
     if too_long:
         raise ValueError(f"example {too_long[0]} has {lengths[too_long[0]]} tokens, more than the budget {budget}")
-    order = sorted(epoch_order(len(lengths), seed=seed, epoch=epoch), key=lambda i: -lengths[i])
+    order = sorted(epoch_order(len(lengths), seed=seed, epoch=epoch) if order is None else order,
+                   key=lambda i: -lengths[i])
     bins: list[list[int]] = []
     room: list[tuple[int, int]] = []  # (free tokens, bin index), kept sorted: best fit is a bisection
     for i in order:
@@ -90,21 +93,22 @@ def token_bins(lengths: list[int], budget: int, *, seed: int, epoch: int) -> lis
 
 def global_micro_batches(num_examples: int, *, seed: int, epoch: int, world_size: int, micro_batch_size: int = 1,
                          micro_batch_tokens: int | None = None, lengths: list[int] | None = None,
-                         shuffle: bool = True) -> list[list[list[int]]]:
+                         shuffle: bool = True, order: list[int] | None = None) -> list[list[list[int]]]:
     """Every global micro-batch of one epoch, each as `world_size` lists of example indices (one per rank).
 
-    Every example appears exactly once. Every rank gets the same number of micro-batches (collectives
+    Every example appears exactly once (or, given the epoch's `order`, as often as it has it: a mixture's). Every rank gets the same number of micro-batches (collectives
     would hang otherwise); a rank whose share of the last global micro-batch is empty gets an empty list,
     which it runs as a stand-in (`rank_view`).
     """
     if micro_batch_tokens is not None:
-        bins = token_bins(lengths, micro_batch_tokens, seed=seed, epoch=epoch)
+        bins = token_bins(lengths, micro_batch_tokens, seed=seed, epoch=epoch, order=order)
         return [bins[s : s + world_size] + [[]] * (s + world_size - len(bins))
                 for s in range(0, len(bins), world_size)]
-    order = epoch_order(num_examples, seed=seed, epoch=epoch, shuffle=shuffle)
+    if order is None:
+        order = epoch_order(num_examples, seed=seed, epoch=epoch, shuffle=shuffle)
     per_global = micro_batch_size * world_size
     out = []
-    for start in range(0, num_examples, per_global):
+    for start in range(0, len(order), per_global):
         chunk = order[start : start + per_global]
         # Spread a short last chunk evenly so no rank idles while another has two examples too many.
         per_rank = -(-len(chunk) // world_size)
@@ -244,11 +248,11 @@ class DataPlan:
     from it: steps per epoch, packing efficiency, and each rank's own view (`for_rank`)."""
 
     def __init__(self, lengths: list[int], *, seed: int, world: int, micro_batch_size: int,
-                 micro_batch_tokens: int | None):
+                 micro_batch_tokens: int | None, mixture=None):
         self.lengths, self.world, self.budget = lengths, world, micro_batch_tokens
         self.epoch = functools.lru_cache(maxsize=2)(functools.partial(
             _plan_epoch, lengths, seed=seed, world=world, micro_batch_size=micro_batch_size,
-            micro_batch_tokens=micro_batch_tokens))
+            micro_batch_tokens=micro_batch_tokens, mixture=mixture))
 
     def for_rank(self, rank: int):
         """plan(epoch) -> this rank's micro-batches of that epoch, read from the global plan."""
@@ -278,13 +282,16 @@ class DataPlan:
 
     def packing_efficiency(self) -> float | None:
         """Real tokens / token budget over the first epoch's bins; None without a token budget."""
-        return sum(self.lengths) / (self.bins() * self.budget) if self.budget else None
+        if not self.budget:
+            return None
+        return sum(self.lengths[i] for g in self.epoch(0) for idx in g for i in idx) / (self.bins() * self.budget)
 
 
-def _plan_epoch(lengths, epoch: int, *, seed, world, micro_batch_size, micro_batch_tokens):
+def _plan_epoch(lengths, epoch: int, *, seed, world, micro_batch_size, micro_batch_tokens, mixture):
     return global_micro_batches(len(lengths), seed=seed, epoch=epoch, world_size=world,
                                 micro_batch_size=micro_batch_size, micro_batch_tokens=micro_batch_tokens,
-                                lengths=lengths)
+                                lengths=lengths,
+                                order=mixture.order(seed=seed, epoch=epoch) if mixture is not None else None)
 
 
 def windows(dataset, plan, *, epoch: int, micro: int, steps: int, accum: int, collate, pin: bool,

@@ -271,22 +271,29 @@ def check_epochs(recipe: Recipe, *, steps_per_epoch: int, examples: int) -> list
              "train.max_steps, or add data.")]
 
 
-def total_steps(recipe: Recipe, lengths: list[int], *, world: int) -> int:
+def total_steps(recipe: Recipe, lengths: list[int], *, world: int, sources=None) -> int:
     """The run's optimizer steps: train.max_steps, else its epochs over the data plan (as finetune counts them)."""
     t = recipe.train
     if t.max_steps:
         return t.max_steps
-    plan = data_plan(recipe, lengths, world=world)
+    plan = data_plan(recipe, lengths, world=world, sources=sources)
     return sum(plan.steps_per_epoch(e, t.grad_accum_steps) for e in range(t.epochs))
 
 
-def data_plan(recipe: Recipe, lengths: list[int], *, world: int):
-    """The run's batching.DataPlan over examples of these lengths, as finetune builds it."""
+def data_plan(recipe: Recipe, lengths: list[int], *, world: int, sources=None):
+    """The run's batching.DataPlan over examples of these lengths, as finetune builds it; `sources`: a mixture's
+    `source` column (data.sources: the plan follows the mixture's order, data/mixture.py)."""
     from llmtrain.data.batching import DataPlan
+    from llmtrain.data.mixture import Mixture, source_sizes
 
     t = recipe.train
+    mixture = None
+    if recipe.data.sources is not None:
+        if sources is None:
+            raise ValueError("a mixture's data plan needs its rows' sources")
+        mixture = Mixture.of(recipe.data.sources, source_sizes(sources))
     return DataPlan(lengths, seed=t.seed, world=world, micro_batch_size=t.micro_batch_size,
-                    micro_batch_tokens=t.micro_batch_tokens)
+                    micro_batch_tokens=t.micro_batch_tokens, mixture=mixture)
 
 
 def load_data(recipe: Recipe, tokenizer, *, world: int = 1) -> list[Check]:
@@ -299,6 +306,8 @@ def load_data(recipe: Recipe, tokenizer, *, world: int = 1) -> list[Check]:
         train, eval_ds, stats, _ = prepare_datasets(recipe.data, tokenizer, seed=recipe.train.seed)
         stats = stats["train"]
     except LLMTrainError as first:
+        if recipe.data.sources is not None:
+            return [("data", "fail", str(first))]
         try:
             train, stats = tokenize_dataset(load_raw(recipe.data.path, name=recipe.data.name,
                                                      split=recipe.data.split), tokenizer, recipe.data, "data.path")
@@ -309,10 +318,12 @@ def load_data(recipe: Recipe, tokenizer, *, world: int = 1) -> list[Check]:
     if not len(train):
         return rows
     t = recipe.train
-    rows += check_warmup(t.warmup_steps, total_steps(recipe, train["length"], world=world))
+    mixed = train["source"] if recipe.data.sources is not None else None
+    rows += check_warmup(t.warmup_steps, total_steps(recipe, train["length"], world=world, sources=mixed))
     if t.max_steps:
         try:
-            per_epoch = data_plan(recipe, train["length"], world=world).steps_per_epoch(0, t.grad_accum_steps)
+            per_epoch = data_plan(recipe, train["length"], world=world, sources=mixed).steps_per_epoch(
+                0, t.grad_accum_steps)
         except ValueError:  # a token budget below an example: check_data has said so
             return rows
         rows += check_epochs(recipe, steps_per_epoch=per_epoch, examples=len(train))

@@ -12,12 +12,12 @@ import json
 import os
 import shutil
 from collections import Counter
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 import numpy as np
 
-from llmtrain.config import DataConfig
+from llmtrain.config import DataConfig, source_configs
 from llmtrain.data.chat import read_template
 from llmtrain.data.formats import check_columns, check_feedback_labels, encode_example, encode_prompt, row_problem
 from llmtrain.data.pairs import DROPS, MARGIN, PAIR_COLUMNS, encode_pair, pair_problem
@@ -28,6 +28,7 @@ from llmtrain.data.unpaired import UNPAIRED_COLUMNS, encode_unpaired, one_kind_p
 from llmtrain.errors import LLMTrainError
 
 CACHE_VERSION = 8  # bump when tokenisation or masking changes, so old caches are not reused
+SOURCE = "source"  # a mixture's rows: which of data.sources a row comes from (its index)
 ROW = "__llmtrain_row"  # a row's number in its file, kept through a shuffled eval split (0-based)
 SHOWN_ROWS = 5  # dropped rows named in the report
 KEEP_AT_LEAST = 0.1  # a source that keeps fewer of its rows stops the run: its recipe does not fit its data
@@ -187,7 +188,10 @@ def tokenize_dataset(raw, tokenizer, cfg: DataConfig, source: str):
 
 def sources(cfg: DataConfig) -> tuple[str, str | None]:
     """Where the train rows and the eval rows come from, in words (for the errors that name a row): the files of
-    data.path, and the eval part or file(s) (None without data.eval_split)."""
+    data.path, and the eval part or file(s) (None without data.eval_split); a mixture's sources' together."""
+    if cfg.sources is not None:
+        parts = [sources(part) for part in source_configs(cfg)]
+        return ", ".join(t for t, _ in parts), ", ".join(e for _, e in parts if e) or None
     paths, split = _files(cfg.path), cfg.eval_split
     if split is None:
         where = None
@@ -235,13 +239,16 @@ def prepare_datasets(cfg: DataConfig, tokenizer, *, seed: int):
 
     Results are cached under data.cache_dir keyed by the files, the tokenizer, the formatting options
     and the seed of the eval split. Call it on the main process first (`main_process_first`): the other
-    processes then read the cache instead of tokenising again.
+    processes then read the cache instead of tokenising again. A mixture (data.sources) is each source prepared as
+    data.path would be, concatenated in the recipe's order with a `source` column (its index); its stats add
+    "source0", "source1", ... beside the totals.
     """
     import datasets
 
-    paths = _files(cfg.path)
-    eval_paths = _files(cfg.eval_split) if isinstance(cfg.eval_split, (str, list)) and not is_split_name(
-        cfg.eval_split) else []
+    parts = source_configs(cfg)
+    paths = [f for part in parts for f in _files(part.path)]
+    eval_paths = [f for part in parts if isinstance(part.eval_split, (str, list)) and not is_split_name(
+        part.eval_split) for f in _files(part.eval_split)]
     key = _fingerprint(paths + eval_paths, tokenizer, cfg, str(seed))
     cache = Path(cfg.cache_dir) / key
     if (cache / "stats.json").is_file():
@@ -250,20 +257,24 @@ def prepare_datasets(cfg: DataConfig, tokenizer, *, seed: int):
         evald = datasets.load_from_disk(str(cache / "eval")) if (cache / "eval").exists() else None
         return train, evald, stats, True
 
-    raw, raw_eval, where = load_eval(cfg, load_raw(cfg.path, name=cfg.name, split=cfg.split), seed=seed)
-    train, train_stats = tokenize_dataset(raw, tokenizer, cfg, source=", ".join(paths))
-    rows = train_stats.examples + train_stats.dropped
-    if train_stats.examples < KEEP_AT_LEAST * rows:  # nothing, or almost nothing, is left to train on
-        unit = "pairs" if cfg.format == "preference" else "examples"  # unpaired (KTO): one completion a row
-        raise LLMTrainError(f"only {train_stats.examples:,} of the {rows:,} {unit} in {', '.join(paths)} can be "
-                            f"trained ({train_stats.dropped_text(unit)}). Raise data.max_seq_len (now "
-                            f"{cfg.max_seq_len}), or check data.format / data.fields against the file.")
-    if cfg.format == "unpaired" and (one_kind := one_kind_problem(train["label"], ", ".join(paths), cfg)):
-        raise LLMTrainError(one_kind)
-    stats = {"train": train_stats}
-    evald = None
-    if raw_eval is not None:
-        evald, stats["eval"] = tokenize_dataset(raw_eval, tokenizer, cfg, source=where)
+    trains, evals, stats = [], [], {}
+    for i, part in enumerate(parts):
+        train, evald, part_stats = _prepare_source(part, tokenizer, seed=seed)
+        if cfg.sources is not None:
+            train = train.add_column(SOURCE, [i] * len(train))
+            evald = evald.add_column(SOURCE, [i] * len(evald)) if evald is not None else None
+            stats.update({f"{SOURCE}{i}": part_stats["train"]}
+                         | ({f"{SOURCE}{i}_eval": part_stats["eval"]} if "eval" in part_stats else {}))
+        trains.append(train)
+        evals += [evald] if evald is not None else []
+    if cfg.sources is None:
+        stats = part_stats
+    else:
+        train = _concatenate(trains, parts, "train")
+        evald = _concatenate(evals, [p for p in parts if p.eval_split is not None], "eval") if evals else None
+        stats["train"] = merge_stats([stats[f"{SOURCE}{i}"] for i in range(len(parts))], train["length"])
+        if evals:
+            stats["eval"] = merge_stats([stats[k] for k in stats if k.endswith("_eval")], evald["length"])
 
     # Write under a temporary name and rename, so a crash never leaves a half-written cache behind.
     tmp = cache.with_name(f".{key}.tmp{os.getpid()}")
@@ -278,3 +289,54 @@ def prepare_datasets(cfg: DataConfig, tokenizer, *, seed: int):
         shutil.rmtree(tmp, ignore_errors=True)
     return (datasets.load_from_disk(str(cache / "train")),
             datasets.load_from_disk(str(cache / "eval")) if (cache / "eval").exists() else None, stats, False)
+
+
+def _prepare_source(cfg: DataConfig, tokenizer, *, seed: int):
+    """One dataset's train and eval rows, tokenised and checked: (train, eval or None, its stats)."""
+    paths = _files(cfg.path)
+    raw, raw_eval, where = load_eval(cfg, load_raw(cfg.path, name=cfg.name, split=cfg.split), seed=seed)
+    train, train_stats = tokenize_dataset(raw, tokenizer, cfg, source=", ".join(paths))
+    rows = train_stats.examples + train_stats.dropped
+    if train_stats.examples < KEEP_AT_LEAST * rows:  # nothing, or almost nothing, is left to train on
+        unit = "pairs" if cfg.format == "preference" else "examples"  # unpaired (KTO): one completion a row
+        raise LLMTrainError(f"only {train_stats.examples:,} of the {rows:,} {unit} in {', '.join(paths)} can be "
+                            f"trained ({train_stats.dropped_text(unit)}). Raise data.max_seq_len (now "
+                            f"{cfg.max_seq_len}), or check data.format / data.fields against the file.")
+    if cfg.format == "unpaired" and (one_kind := one_kind_problem(train["label"], ", ".join(paths), cfg)):
+        raise LLMTrainError(one_kind)
+    stats = {"train": train_stats}
+    evald = None
+    if raw_eval is not None:
+        evald, stats["eval"] = tokenize_dataset(raw_eval, tokenizer, cfg, source=where)
+    return train, evald, stats
+
+
+def _concatenate(parts: list, configs: list[DataConfig], what: str):
+    """The sources' prepared rows as one dataset, in the recipe's order; they must have the same columns (a mode's
+    rows do, but for online RL's prompts, whose other columns go to the reward functions)."""
+    import datasets
+
+    columns = [set(p.column_names) for p in parts]
+    for cfg, cols in zip(configs[1:], columns[1:]):
+        if cols != columns[0]:
+            raise LLMTrainError(
+                f"the {what} rows of data.sources do not have the same columns: {configs[0].path} has "
+                f"{sorted(columns[0] - {SOURCE})}, {cfg.path} has {sorted(cols - {SOURCE})}. A mixture trains "
+                "rows of one shape: rename the columns with each source's fields, or give the sources the same "
+                "columns (online RL's reward functions read them).")
+    try:
+        return datasets.concatenate_datasets([p.cast(parts[0].features) for p in parts])
+    except (ValueError, TypeError) as e:
+        raise LLMTrainError(f"the {what} rows of data.sources cannot be put together: {str(e).splitlines()[0]}. "
+                            "Give every source's columns the same types.") from None
+
+
+def merge_stats(parts: list[DataStats], lengths) -> DataStats:
+    """The sources' stats as one dataset's: counts added, percentiles over every kept example's length."""
+    drops: Counter = Counter()
+    for part in parts:
+        drops.update(part.drops)
+    merged = compute_stats(list(lengths), [], [], dropped=sum(p.dropped for p in parts), drops=dict(drops),
+                           dropped_rows=next((p.dropped_rows for p in parts if p.dropped_rows), []))
+    return replace(merged, truncated=sum(p.truncated for p in parts),
+                   trained_tokens=sum(p.trained_tokens for p in parts))

@@ -166,6 +166,11 @@ def prepare_data(recipe: Recipe, accelerator, *, say) -> Data:
     else:
         say(f"data: {s.examples} train {unit} ({cache_line(int(cache_reads), accelerator.num_processes)}), "
             f"{s.truncated} truncated, {s.dropped} dropped, {s.trained_fraction:.1%} of tokens trained; {evals}")
+    if recipe.data.sources is not None:
+        from llmtrain.data.mixture import describe, source_sizes
+
+        for line in describe(recipe.data, stats, source_sizes(train_ds["source"])):
+            say(f"data source: {line}")
     for name, status, detail in check_data(recipe, s, train_ds, eval_ds, tokenizer):  # as `llmtrain doctor`
         if status == "fail":
             raise LLMTrainError(f"{name}: {detail}")
@@ -177,7 +182,8 @@ def prepare_data(recipe: Recipe, accelerator, *, say) -> Data:
         say(f"distillation: teacher {d.teacher}, beta={d.beta:g} (0 forward KL, 1 reverse KL), temperature="
             f"{d.temperature:g}; the student samples the completions of {d.lmbda:.0%} of the steps (distill.lmbda), "
             "the others train on the data's")
-    plan = data_plan(recipe, train_ds["length"], world=world)
+    plan = data_plan(recipe, train_ds["length"], world=world,
+                     sources=train_ds["source"] if recipe.data.sources is not None else None)
     per_epoch = [plan.steps_per_epoch(e, accum) for e in range(tc.epochs)]
     total_steps = tc.max_steps or sum(per_epoch)
     for name, status, detail in (check_warmup(tc.warmup_steps, total_steps)  # as `llmtrain doctor`

@@ -100,6 +100,14 @@ def evaluate(model, dataset, accelerator, objective: Objective, *, batch_size: i
              on_batch=lambda done, total: None, pipeline=None) -> dict:
     """The objective's eval metrics over the whole eval set, sharded over ranks, in its natural order. `pipeline`:
     the stages evaluate M micro-batches a pass (parallel.pipeline_parallel; a supervised run's eval sums)."""
+    return objective.eval_metrics(eval_sums(model, dataset, accelerator, objective, batch_size=batch_size,
+                                            batch_tokens=batch_tokens, on_batch=on_batch, pipeline=pipeline))
+
+
+def eval_sums(model, dataset, accelerator, objective: Objective, *, batch_size: int, batch_tokens: int | None,
+              on_batch=lambda done, total: None, pipeline=None) -> list[float]:
+    """What `evaluate` reports, before it becomes metrics: the objective's eval sums over the eval set, summed over
+    the data-parallel ranks (sums of parts of an eval set add up to the whole's)."""
     model.eval()
     world, rank = data_ranks(accelerator)
     batches = global_micro_batches(len(dataset), seed=0, epoch=0, world_size=world,
@@ -116,4 +124,4 @@ def evaluate(model, dataset, accelerator, objective: Objective, *, batch_size: i
                 else objective.eval_sums(model, first, accelerator.device) * batch_weight(first))
         totals = sums if totals is None else totals + sums
     model.train()
-    return objective.eval_metrics(data_sum(accelerator, *totals.tolist()))
+    return data_sum(accelerator, *totals.tolist())

@@ -39,7 +39,7 @@ from llmtrain.loop.phases import (
     seed_run,
 )
 from llmtrain.loop.signals import StopRequests
-from llmtrain.loop.step import evaluate, train_step
+from llmtrain.loop.step import eval_sums, evaluate, train_step
 from llmtrain.memory import predicted_for_run
 from llmtrain.memory.fit import out_of_memory_text
 from llmtrain.objectives.objective import Objective, objective_for, rl_rewards
@@ -234,11 +234,21 @@ def evaluate_and_sample(run: Run, state: TrainState, progress) -> dict:
     """Eval metrics (metrics.jsonl), generated samples (samples.jsonl), and loss.png brought up to date."""
     tc, accelerator, eval_ds, say = run.recipe.train, run.accelerator, run.data.eval, run.console.say
     shown = progress.add_task("eval", total=None, info=f"{len(eval_ds)} examples")
-    ev = evaluate(run.model.model, eval_ds, accelerator, run.objective,
-                  batch_size=tc.eval_batch_size or tc.micro_batch_size,
-                  batch_tokens=tc.micro_batch_tokens if tc.eval_batch_size is None else None,
-                  on_batch=lambda done, total: progress.update(shown, completed=done, total=total),
-                  pipeline=run.model.pipeline)
+    how = dict(batch_size=tc.eval_batch_size or tc.micro_batch_size,
+               batch_tokens=tc.micro_batch_tokens if tc.eval_batch_size is None else None,
+               on_batch=lambda done, total: progress.update(shown, completed=done, total=total),
+               pipeline=run.model.pipeline)
+    if run.recipe.data.sources is not None:  # a mixture: each source's eval rows apart, and together (their sums)
+        from llmtrain.data.mixture import eval_parts
+
+        parts = {name: eval_sums(run.model.model, part, accelerator, run.objective, **how)
+                 for name, part in eval_parts(run.recipe.data, eval_ds).items()}
+        ev = run.objective.eval_metrics([sum(v) for v in zip(*parts.values())])
+        if len(parts) > 1:
+            ev |= {f"{k}[{name}]": v for name, sums in parts.items()
+                   for k, v in run.objective.eval_metrics(sums).items()}
+    else:
+        ev = evaluate(run.model.model, eval_ds, accelerator, run.objective, **how)
     progress.remove_task(shown)
     samples = []
     if tc.eval_samples:  # every rank generates (under FSDP each forward gathers all ranks' shards)

@@ -249,7 +249,8 @@ def _from_recipe(recipe: Path, overrides, run: dict, launch: dict):
                             + ", ".join(given) + ".")
     r = load_recipe(recipe, overrides)
     config = r.model.name_or_path if reads_hub(r.model.name_or_path) else None  # None: local or built in
-    prompts = (r.model.tokenizer or r.model.name_or_path, r.data.path) if r.rl is not None else ()  # their lengths
+    prompts = (r.model.tokenizer or r.model.name_or_path, r.data.path,  # their lengths
+               *(s.path for s in r.data.sources or ())) if r.rl is not None else ()
     ask_hub(config, *prompts)
     lengths, unread = rl_prompt_lengths(r) if r.rl is not None else (None, None)
     spec = spec_from_recipe(r, prompt_lengths=lengths, **launch)

@@ -362,7 +362,8 @@ def spec_from_recipe(recipe: Recipe, *, strategy: Strategy = "single", num_gpus:
         no_grad_forwards=recipe.kto is not None, frozen_reference=recipe.kto is not None and lora is None,
         **{**pipeline_keys(recipe), **launch},  # --pipeline-* options (in launch) win over the recipe's keys
     )
-    if recipe.rl is not None and prompt_lengths:  # the micro-batches of prompts this layout's ranks will sample
+    if recipe.rl is not None and prompt_lengths and recipe.data.sources is None:  # the micro-batches of prompts
+        # this layout's ranks will sample (a mixture's plan needs its rows' sources: the percentile, below)
         batches = rl_batches(recipe, list(prompt_lengths), data_ranks=spec.data_ranks)
         prompt, longest, basis = rl_prompt_tokens(prompt_lengths, cap=spec.prompt_cap, batches=batches,
                                                   prompts=t.micro_batch_size)

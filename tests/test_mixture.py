@@ -1,0 +1,184 @@
+"""Weighted mixtures of datasets (data.sources): which source each example comes from, by the seed and its place in
+the run alone; measured in what the trainer's data plan hands to its steps, in real runs (a crash resumed, 2
+processes against 1), and refused in one paragraph where a mixture cannot train."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from helpers import REPO, invoke, launch_finetune, records, run_train, write_recipe
+
+from llmtrain.data.mixture import Mixture, shares
+
+pytestmark = pytest.mark.long(90)  # tests/conftest.py
+
+
+# --------------------------------------------------------------------------- the order, as a pure function
+
+
+def test_quotas_split_the_epoch_by_largest_remainder():
+    assert shares([0.7, 0.3], 5035) == (3525, 1510)  # 3524.5 and 1510.5: the tie to the first source
+    assert shares([1, 1, 1], 10) == (4, 3, 3)
+    assert sum(shares([0.2, 0.5, 0.3], 997)) == 997
+    assert Mixture.of([type("S", (), {"count": 50, "weight": None})(),
+                       type("S", (), {"count": 20, "weight": None})()], [10, 1000]).quotas == (50, 20)
+
+
+def test_every_run_of_examples_holds_each_sources_share_to_one_example():
+    """0.7 / 0.3 over sources of 100 and 900 rows: every prefix of the epoch's order has each source's share of it to
+    within one example (so every step of any micro-batch size does); source 0's 100 rows are each read 7 times an
+    epoch, in a new shuffle each time round; source 1's 900 give 300, none twice."""
+    mix = Mixture((100, 900), shares([0.7, 0.3], 1000))
+    order = mix.order(seed=3, epoch=0)
+    assert len(order) == 1000 == mix.examples
+    seen = [0, 0]
+    for k, i in enumerate(order, 1):
+        seen[i >= 100] += 1
+        assert abs(seen[0] - 0.7 * k) <= 1 and abs(seen[1] - 0.3 * k) <= 1
+    first = [i for i in order if i < 100]
+    assert all(sorted(first[t * 100:(t + 1) * 100]) == list(range(100)) for t in range(7))  # each round: every row
+    assert first[:100] != first[100:200]  # reshuffled
+    second = [i for i in order if i >= 100]
+    assert len(set(second)) == 300
+    # the next epoch goes on where this one stopped: source 1's next 300 rows, not the same ones
+    assert not set(second) & {i for i in mix.order(seed=3, epoch=1) if i >= 100}
+    assert mix.order(seed=3, epoch=0) == order and mix.order(seed=4, epoch=0) != order
+
+
+# --------------------------------------------------------------------------- in the trainer
+
+
+def mixture_recipe(tiny: Path, folder: Path, *, weights=(0.7, 0.3), **sections) -> Path:
+    """The tiny task as a mixture: its prompt/completion file and its chat (messages) file, 300 rows of it."""
+    messages = folder / "messages.jsonl"
+    if not messages.exists():
+        lines = (tiny / "data" / "train_messages.jsonl").read_text().splitlines()[:300]
+        messages.write_text("\n".join(lines) + "\n")
+    data = {"sources": [{"path": str(tiny / "data" / "train.jsonl"), "format": "prompt_completion",
+                         "weight": weights[0]},
+                        {"path": str(messages), "format": "messages", "weight": weights[1]}],
+            "max_seq_len": 32, "cache_dir": str(tiny.parent / "data-cache")}
+    recipe = write_recipe(tiny, folder, **sections)
+    text = recipe.read_text()
+    import yaml
+
+    values = yaml.safe_load(text)
+    values["data"] = {**data, **sections.get("data", {})}
+    recipe.write_text(yaml.safe_dump(values, sort_keys=False))
+    return recipe
+
+
+def planned_sources(recipe_path: Path, *, steps: int, world: int, micro: int) -> list[list[int]]:
+    """The sources of every example the trainer's data plan gives each of `steps` steps (all ranks together)."""
+    from llmtrain.config import load_recipe
+    from llmtrain.data.checks import data_plan
+    from llmtrain.data.prepare import prepare_datasets
+    from llmtrain.model.modeling import load_tokenizer
+
+    recipe = load_recipe(recipe_path, [f"train.micro_batch_size={micro}"])
+    train = prepare_datasets(recipe.data, load_tokenizer(recipe.model), seed=recipe.train.seed)[0]
+    source = train["source"]
+    plan = data_plan(recipe, train["length"], world=world, sources=source)
+    return [sorted(source[i] for rank in batch for i in rank) for batch in plan.global_batches_in(steps, 1)]
+
+
+def test_the_trained_examples_have_each_sources_weight(tiny_assets, tmp_path):
+    """100 steps of 16 examples: the prompt/completion source is 70% of them and the chat source 30%, each within 2
+    points (to one example of a step, by construction); the same on 2 data-parallel ranks of 8, step by step."""
+    recipe = mixture_recipe(tiny_assets, tmp_path)
+    one = planned_sources(recipe, steps=100, world=1, micro=16)
+    share = sum(s.count(1) for s in one) / sum(map(len, one))
+    assert abs(share - 0.3) <= 0.02, share
+    assert all(abs(s.count(1) - 0.3 * 16) <= 1 for s in one)
+    assert planned_sources(recipe, steps=100, world=2, micro=8) == one
+
+
+@pytest.mark.slow
+def test_a_crash_and_resume_end_as_the_uninterrupted_run(tiny_assets, tmp_path, monkeypatch):
+    from helpers import crash_at_step, load_weights, max_abs_diff
+
+    recipe = mixture_recipe(tiny_assets, tmp_path, train={"max_steps": 8, "micro_batch_size": 8},
+                            checkpoint={"every_steps": 3})
+    run_train(recipe, f"output_dir={tmp_path / 'straight'}")
+    crash_at_step(monkeypatch, recipe, 5, f"output_dir={tmp_path / 'cut'}")
+    run_train(recipe, f"output_dir={tmp_path / 'cut'}", resume="auto")
+    straight, cut = records(tmp_path / "straight"), records(tmp_path / "cut")
+    assert [(r["step"], r["loss"]) for r in cut] == [(r["step"], r["loss"]) for r in straight]
+    assert max_abs_diff(load_weights(tmp_path / "cut" / "final"), load_weights(tmp_path / "straight" / "final")) == 0
+
+
+@pytest.mark.slow
+def test_two_processes_train_as_one(tiny_assets, tmp_path, free_port):
+    recipe = mixture_recipe(tiny_assets, tmp_path, train={"max_steps": 6, "micro_batch_size": 4,
+                                                          "grad_accum_steps": 1})
+    run_train(recipe, "train.micro_batch_size=8", f"output_dir={tmp_path / 'one'}")
+    out = launch_finetune(REPO / "accelerate_configs" / "cpu_ddp.yaml", 2, free_port, recipe,
+                          f"output_dir={tmp_path / 'two'}")
+    assert "data source:" in out and "70.0% of each step" in out
+    one, two = records(tmp_path / "one"), records(tmp_path / "two")
+    assert [r["loss"] for r in two] == pytest.approx([r["loss"] for r in one], abs=1e-5)
+
+
+def test_each_sources_eval_is_reported_and_the_whole_is_their_sum(tiny_assets, tmp_path):
+    """With data.eval_split a fraction of every source: eval_loss[FILE] and the rest for each source, and the eval
+    line over all of them is the token-weighted mean of the sources' (their sums added, as one pass over all)."""
+    from llmtrain.config import load_recipe
+    from llmtrain.data.formats import IGNORE
+    from llmtrain.data.prepare import prepare_datasets
+    from llmtrain.model.modeling import load_tokenizer
+
+    recipe = mixture_recipe(tiny_assets, tmp_path, data={"eval_split": 0.05},
+                            train={"max_steps": 2, "eval_every_steps": 2})
+    run_train(recipe)
+    ev = records(tmp_path / "run", "eval")[-1]
+    loaded = load_recipe(recipe, [])
+    evald = prepare_datasets(loaded.data, load_tokenizer(loaded.model), seed=loaded.train.seed)[1]
+    tokens = {name: sum(sum(x != IGNORE for x in row["labels"][1:]) for row in evald if row["source"] == i)
+              for i, name in enumerate(["train.jsonl", "messages.jsonl"])}
+    assert tokens["train.jsonl"] > 0 and tokens["messages.jsonl"] > 0
+    for key in ("eval_loss", "eval_token_accuracy"):
+        mean = sum(ev[f"{key}[{n}]"] * t for n, t in tokens.items()) / sum(tokens.values())
+        assert ev[key] == pytest.approx(mean, abs=1e-6)
+    assert ev["eval_loss[train.jsonl]"] != ev["eval_loss[messages.jsonl]"]
+
+
+# --------------------------------------------------------------------------- refused in one paragraph
+
+
+@pytest.mark.parametrize(("change", "says"), [
+    ({"weight": -0.5}, "data.sources.1.weight"),
+    ({"weight": 0.3, "count": 10}, "either a weight"),
+    ({"weight": None, "count": 10}, "mixes weights and counts"),
+    ({"format": "prompt"}, "cannot train with it"),
+    ({"format": "preference"}, "cannot train with it"),
+])
+def test_a_mixture_that_cannot_train_is_refused_before_anything_is_written(tiny_assets, tmp_path, change, says):
+    recipe = mixture_recipe(tiny_assets, tmp_path)
+    import yaml
+
+    values = yaml.safe_load(recipe.read_text())
+    source = {k: v for k, v in {**values["data"]["sources"][1], **change}.items() if v is not None}
+    values["data"]["sources"][1] = source
+    recipe.write_text(yaml.safe_dump(values, sort_keys=False))
+    proc = invoke("finetune", str(recipe), check=False)
+    assert proc.returncode != 0 and "Traceback" not in proc.stdout + proc.stderr
+    assert says in " ".join((proc.stdout + proc.stderr).split()), proc.stdout + proc.stderr
+    assert not (tmp_path / "run").exists()
+
+
+def test_data_path_beside_sources_is_refused(tiny_assets, tmp_path):
+    recipe = mixture_recipe(tiny_assets, tmp_path)
+    proc = invoke("finetune", str(recipe), f"data.path={tiny_assets / 'data' / 'train.jsonl'}", check=False)
+    assert proc.returncode != 0 and "remove data.path and set it on its source" in " ".join(proc.stderr.split())
+
+
+def test_inspect_data_shows_each_source_and_the_order_training_reads(tiny_assets, tmp_path):
+    recipe = mixture_recipe(tiny_assets, tmp_path)
+    proc = invoke("inspect-data", str(recipe), "--n", "10", "--json")
+    rows = [json.loads(line) for line in proc.stdout.splitlines()]
+    assert [r["source"] for r in rows].count(1) == 3 and len(rows) == 10  # 30% of the first ten
+    proc = invoke("inspect-data", str(recipe), "--n", "2")
+    text = " ".join((proc.stdout + proc.stderr).split())
+    assert "messages.jsonl (messages): 300 rows" in text and "30.0% of each step" in text
