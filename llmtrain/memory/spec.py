@@ -334,7 +334,7 @@ def spec_from_recipe(recipe: Recipe, *, strategy: Strategy = "single", num_gpus:
     if recipe.rl is not None:
         most = recipe.rl.max_completion_tokens
         cap = max(1, d.max_seq_len - most)  # data.checks.check_prompt_room refuses a longer prompt
-        prompt, _, basis = rl_prompt_tokens(None, cap=cap)  # the data's, below, once the layout is known
+        prompt, _, basis = rl_prompt_tokens(prompt_lengths, cap=cap)  # the run's micro-batches, below, where known
         rl = dict(max_completion_tokens=most, prompt_tokens=prompt, prompt_cap=cap, prompt_basis=basis,
                   rl_micro_batch_tokens=recipe.rl.micro_batch_tokens)
     spec = TrainSpec(
