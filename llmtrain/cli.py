@@ -251,6 +251,94 @@ def generate(
         typer.echo(f"wrote {len(replies)} replies to {out}", err=True)
 
 
+@app.command("eval", short_help="Benchmark scores of a run or a model through lm-evaluation-harness.")
+@user_errors
+def eval_(
+    target: Annotated[str, typer.Argument(metavar="RUN_OR_MODEL",
+                                          help="A finished run's output_dir (its final/: a LoRA adapter on its base), "
+                                          "one of its checkpoints, a model folder or a hub id.")],
+    tasks: Annotated[str, typer.Option(
+        metavar="TASKS", help="The harness's task names, comma-separated (gsm8k,hellaswag).")],
+    num_fewshot: Annotated[Optional[int], typer.Option(
+        min=0, metavar="N", help="Few-shot examples (default: each task's).")] = None,
+    batch_size: Annotated[str, typer.Option(metavar="N|auto", help="Examples a forward pass, or 'auto'.")] = "1",
+    limit: Annotated[Optional[float], typer.Option(
+        min=0.0, metavar="N", help="At most this many examples a task (or, below 1, this share of them).")] = None,
+    include_path: Annotated[Optional[list[Path]], typer.Option(
+        "--include-path", metavar="DIR",
+        help="A folder of task YAML files (tasks on local data; tasks/ has the tiny task's).")] = None,
+    baseline: Annotated[Optional[str], typer.Option(
+        metavar="RUN_OR_MODEL|base", help="Also score this model (a run, a model folder or a hub id; 'base': the "
+        "run's base model) and print the two side by side.")] = None,
+    chat_template: Annotated[bool, typer.Option(
+        "--apply-chat-template", help="Render each request through the model's chat template (the harness's "
+        "--apply_chat_template).")] = False,
+    dtype: Annotated[str, typer.Option(
+        metavar="DTYPE", help="The weights' dtype as the harness loads them (auto: the model's).")] = "auto",
+    device: Annotated[Optional[str], typer.Option(
+        metavar="DEVICE", help="cuda, cpu, ... (default: cuda where there is one).")] = None,
+) -> None:
+    """Score a finished run (a LoRA adapter on its base, as `lm_eval --model_args pretrained=BASE,peft=ADAPTER` loads
+    it) or any model on lm-evaluation-harness tasks, with the harness's own defaults: the same numbers its CLI
+    prints. The results go into the run's lm_eval/ folder; --baseline scores a second model beside it."""
+    from llmtrain.run import benchmarks
+
+    names = [t.strip() for t in tasks.split(",") if t.strip()]
+    if not names:
+        raise LLMTrainError("--tasks names no task: give the harness's task names, comma-separated (e.g. gsm8k)")
+    size: int | str = batch_size if batch_size.startswith("auto") else int(batch_size)
+    main = int(os.environ.get("RANK", "0")) == 0
+    ours = benchmarks.resolve(target, dtype=dtype)
+    base = None
+    if baseline is not None:
+        if baseline == "base":
+            if ours.run is None:
+                raise LLMTrainError("--baseline base means the run's base model, and the target is not a run; give "
+                                    "the baseline model's folder or hub id")
+            import yaml
+
+            from llmtrain.config import Recipe
+
+            baseline = Recipe.model_validate(yaml.safe_load((ours.run / "recipe.yaml").read_text())).model.name_or_path
+        base = benchmarks.resolve(baseline, dtype=dtype)
+    benchmarks.quiet()
+    manager = benchmarks.task_manager([str(p) for p in include_path or []])
+    benchmarks.check_tasks(names, manager)
+    how = dict(num_fewshot=num_fewshot, batch_size=size, limit=limit, apply_chat_template=chat_template, device=device)
+    if main:
+        typer.echo(f"scoring {ours.name} on {', '.join(names)} (lm-evaluation-harness)", err=True)
+    results = benchmarks.evaluate(ours, names, manager, **how)
+    base_results = benchmarks.evaluate(base, names, manager, **how) if base else None
+    if not main or results is None:
+        return
+    typer.echo(benchmarks.table(results))
+    if base_results is not None:
+        from rich.console import Console
+        from rich.table import Table
+
+        side = Table(title=f"{ours.name} against {base.name}")
+        for column in ("task", "metric", "model", "baseline", "difference"):
+            side.add_column(column, justify="left" if column in ("task", "metric") else "right")
+        for row in benchmarks.side_by_side(results, base_results, names=(ours.name, base.name)):
+            side.add_row(*row)
+        Console().print(side)
+    if ours.run is not None:
+        record = {"target": ours.name, "tasks": names, "model_args": ours.model_args, **how,
+                  "results": results["results"], "versions": results.get("versions"),
+                  "n-shot": results.get("n-shot"), "lm_eval_version": _package_version("lm_eval"),
+                  **({"baseline": {"target": base.name, "results": base_results["results"]}} if base else {})}
+        typer.echo(f"wrote {benchmarks.write(ours.run, record)}", err=True)
+
+
+def _package_version(package: str) -> str | None:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version(package.replace("_", "-"))
+    except PackageNotFoundError:
+        return None
+
+
 @app.command("prepare-tiny", short_help="Write the tiny model and task the demo recipes train.")
 @user_errors
 def prepare_tiny(

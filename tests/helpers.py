@@ -69,7 +69,8 @@ def run_train(recipe: Path, *overrides: str, resume: str | None = None, overwrit
 
 def cli(*args: str, check: bool = True, timeout: float = 600, **kwargs) -> subprocess.CompletedProcess:
     """`python -m llmtrain ARGS...` in a subprocess, text output captured."""
-    proc = subprocess.run([*LLMTRAIN, *args], env=ENV, cwd=REPO, capture_output=True, text=True, timeout=timeout,
+    proc = subprocess.run([*LLMTRAIN, *args], env=kwargs.pop("env", ENV), cwd=REPO, capture_output=True, text=True,
+                          timeout=timeout,
                           **kwargs)
     if check and proc.returncode != 0:
         raise AssertionError(f"llmtrain {' '.join(args)} exited {proc.returncode}:\n{proc.stdout[-3000:]}\n"

@@ -110,6 +110,7 @@ def test_a_crash_and_resume_end_as_the_uninterrupted_run(tiny_assets, tmp_path, 
 
 
 @pytest.mark.slow
+@pytest.mark.extended  # main tier: test_the_trained_examples_have_each_sources_weight's 2 ranks = 1 (the plan)
 def test_two_processes_train_as_one(tiny_assets, tmp_path, free_port):
     recipe = mixture_recipe(tiny_assets, tmp_path, train={"max_steps": 6, "micro_batch_size": 4,
                                                           "grad_accum_steps": 1})

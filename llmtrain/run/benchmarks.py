@@ -1,0 +1,193 @@
+"""Benchmark scores of a run or a model (`llmtrain eval`), through EleutherAI's lm-evaluation-harness.
+
+llmtrain does not re-implement the harness: it says which model a run is in the harness's own terms (model "hf" and
+its model_args: a whole model's folder, or a LoRA adapter with `peft=` on the base its recipe names, as `lm_eval
+--model_args pretrained=BASE,peft=ADAPTER` loads it), checks the tasks and their data before any model is loaded, and
+calls `lm_eval.simple_evaluate` with the CLI's defaults, so the numbers are the ones `lm_eval` prints for the same
+folder. A checkpoint (checkpoints/step_N) is handed over as the model llmtrain loads from it (one process). Results
+go into the run folder (lm_eval/, one JSON a call, never overwritten) and a table is printed; `--baseline` scores a
+second model on the same tasks and prints the two side by side.
+"""
+
+from __future__ import annotations
+
+import difflib
+import json
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+
+import yaml
+
+from llmtrain.errors import LLMTrainError
+
+INSTALL = ("llmtrain eval runs EleutherAI's lm-evaluation-harness, which is not installed here: pip install "
+           "'llmtrain[eval]' (or pip install lm-eval)")
+
+
+@dataclass
+class Target:
+    """A model as the harness is given it."""
+
+    name: str  # in the table and the messages
+    model_args: dict  # lm_eval's model_args for model "hf" (pretrained, peft, tokenizer, dtype)
+    run: Path | None  # the run folder results are written into; None for a model folder or hub id
+    load: object = None  # a checkpoint: a function of the device returning (model, tokenizer), handed over as objects
+
+
+def resolve(target: str, *, dtype: str) -> Target:
+    """What `target` is: a run folder (its final/), a checkpoint of one, a model folder or a hub id."""
+    path = Path(target).expanduser()
+    if not (path / "recipe.yaml").is_file():
+        if path.exists() and not (path / "config.json").is_file():
+            raise LLMTrainError(f"'{target}' is neither a run folder (recipe.yaml), a checkpoint of one nor a model "
+                                "folder (config.json). Give a run's folder (runs/NAME), one of its "
+                                "checkpoints/step_N, a model folder or a hub id")
+        return Target(target, {"pretrained": target, "dtype": dtype}, None)
+    from llmtrain.config import Recipe
+
+    recipe = Recipe.model_validate(yaml.safe_load((path / "recipe.yaml").read_text()))
+    checkpoint = (path / "train_state.json").is_file()
+    run = path.parent.parent if checkpoint else path
+    if recipe.reward_model is not None:
+        raise LLMTrainError(f"'{target}' is a reward model's run: it scores sequences under a one-output head and has "
+                            "no LM head for a benchmark's likelihoods or generations. Evaluate the policy it trained")
+    if checkpoint:
+        def load(device: str):
+            from llmtrain.run.replies import load_source
+
+            source = load_source(str(path), device=device)
+            base = source.model.get_base_model() if hasattr(source.model, "get_base_model") else source.model
+            base.set_attn_implementation("sdpa")  # the run's varlen attention trains only (no KV cache)
+            return source.model, source.tokenizer
+        return Target(str(path), {}, run, load)
+    final = path / "final"
+    if not final.is_dir():
+        steps = sorted((path / "checkpoints").glob("step_*"))
+        raise LLMTrainError(f"'{target}' has no final/: the run has not finished (or ran with checkpoint.save_final: "
+                            f"false). Evaluate one of its checkpoints ({steps[-1] if steps else 'it has none'}), or "
+                            f"finish it with `llmtrain finetune {path}/recipe.yaml --resume auto`")
+    if not (final / "adapter_config.json").is_file():
+        return Target(str(final), {"pretrained": str(final), "dtype": dtype}, run)
+    base = recipe.model.name_or_path
+    if recipe.model.random_init:
+        raise LLMTrainError(f"'{target}' trained a LoRA adapter on a randomly initialised {base} "
+                            "(model.random_init: true), whose weights were never saved: the harness cannot load the "
+                            "base the adapter belongs to. Evaluate a run on saved weights, or a whole model")
+    if recipe.model.quantize:
+        raise LLMTrainError(f"'{target}' is a QLoRA run (model.quantize: {recipe.model.quantize}): its adapter was "
+                            "trained on the 4-bit base, which the harness's hf model does not rebuild the way "
+                            f"llmtrain loads it. Evaluate the merged model: `llmtrain export {path}` writes it, then "
+                            "`llmtrain eval` that folder")
+    return Target(f"{final} (LoRA on {base})", {"pretrained": base, "peft": str(final), "tokenizer": str(final),
+                                                 "dtype": dtype}, run)
+
+
+def task_manager(include_path: list[str] | None):
+    """The harness's tasks, with the YAML task folders given (tasks on local files)."""
+    try:
+        from lm_eval.tasks import TaskManager
+    except ImportError:
+        raise LLMTrainError(INSTALL) from None
+    for folder in include_path or []:
+        if not Path(folder).is_dir():
+            raise LLMTrainError(f"--include-path '{folder}' is not a folder; give a folder of the harness's task YAML "
+                                "files (tasks/ has the tiny task's)")
+    return TaskManager(include_path=include_path or None)
+
+
+def check_tasks(names: list[str], manager) -> None:
+    """The tasks by name, their data read now (datasets caches it for the evaluation), before any model is loaded: an
+    unknown name is said with the nearest ones, a task whose data is on the hub (unreachable, or offline) with where
+    to point it instead."""
+    known = set(manager.all_tasks)
+    if unknown := [n for n in names if n not in known]:
+        near = {n: difflib.get_close_matches(n, known, n=3) for n in unknown}
+        raise LLMTrainError("unknown task" + ("s " if len(unknown) > 1 else " ") + "; ".join(
+            f"'{n}'" + (f" (nearest: {', '.join(near[n])})" if near[n] else "") for n in unknown)
+            + f". `lm_eval ls tasks` lists the {len(known):,} the harness knows; a task on local files is a YAML "
+            "file in a folder given with --include-path (tasks/tiny_reverse.yaml)")
+    for name in names:
+        try:
+            manager.load([name])
+        except Exception as e:  # datasets' ConnectionError, DatasetNotFoundError, offline mode, a missing file
+            config = getattr(manager.task_index.get(name), "yaml_path", None) or ""
+            raise LLMTrainError(
+                f"task '{name}' could not read its data ({type(e).__name__}: {str(e).splitlines()[0][:200]}). A "
+                "task whose dataset_path is a hub dataset needs the hub (or the dataset in the local Hugging Face "
+                "cache); without it, copy its YAML" + (f" ({config})" if config else "") + " into a folder of your "
+                "own with dataset_path: json and dataset_kwargs: {data_files: {test: FILE}} pointing at local files, "
+                "and pass that folder with --include-path") from None
+
+
+def evaluate(target: Target, tasks: list[str], manager, *, num_fewshot: int | None, batch_size: int | str,
+             limit: float | None, apply_chat_template: bool, device: str | None) -> dict | None:
+    """The harness's results for `target` on the tasks, with its CLI's defaults (None on every process but the main
+    one)."""
+    import torch
+    from lm_eval import simple_evaluate
+
+    device = device or ("cuda" if torch.cuda.is_available() else "cpu")  # the harness's own default is cuda
+    model, args = "hf", dict(target.model_args)
+    if target.load is not None:
+        from lm_eval.models.huggingface import HFLM
+
+        instance, tokenizer = target.load(device)
+        model, args = HFLM(pretrained=instance, tokenizer=tokenizer, batch_size=batch_size), None
+    return simple_evaluate(model=model, model_args=args, tasks=tasks, num_fewshot=num_fewshot,
+                           batch_size=batch_size, device=device, limit=limit, apply_chat_template=apply_chat_template,
+                           log_samples=False, task_manager=manager)
+
+
+def quiet() -> None:
+    """The harness's and datasets' INFO lines and progress bars off: the command says what it does."""
+    import os
+
+    os.environ.setdefault("TQDM_DISABLE", "1")  # the harness's request bars (tqdm reads it as a bar is made)
+    import datasets
+    import transformers
+
+    datasets.disable_progress_bars()
+    transformers.utils.logging.disable_progress_bar()
+    transformers.utils.logging.set_verbosity_error()
+    for name in ("lm-eval", "lm_eval", "lm_eval.models.huggingface", "lm_eval.evaluator"):
+        logging.getLogger(name).setLevel(logging.ERROR)
+
+
+def table(results: dict) -> str:
+    """The harness's own markdown table (what `lm_eval` prints)."""
+    from lm_eval.utils import make_table
+
+    return make_table(results)
+
+
+def scores(results: dict) -> dict[str, dict[str, float]]:
+    """{task: {metric: value}} of the harness's results (numbers only, stderr apart)."""
+    return {task: {k.split(",")[0]: v for k, v in metrics.items() if isinstance(v, (int, float))
+                   and "_stderr" not in k and k != "alias"}
+            for task, metrics in results["results"].items()}
+
+
+def side_by_side(ours: dict, base: dict, *, names: tuple[str, str]) -> list[tuple[str, str, str, str, str]]:
+    """(task, metric, model, baseline, difference) for every metric both have."""
+    rows = []
+    a, b = scores(ours), scores(base)
+    for task in a:
+        for metric, value in a[task].items():
+            if metric in b.get(task, {}) and metric != "sample_len":
+                rows.append((task, metric, f"{value:.4g}", f"{b[task][metric]:.4g}", f"{value - b[task][metric]:+.4g}"))
+    return rows
+
+
+def write(run: Path, record: dict) -> Path:
+    """The call's results as a new JSON file in RUN/lm_eval/ (never over an earlier one)."""
+    folder = run / "lm_eval"
+    folder.mkdir(exist_ok=True)
+    stem = "-".join(record["tasks"])[:80]
+    path = folder / f"{stem}.json"
+    n = 1
+    while path.exists():
+        n += 1
+        path = folder / f"{stem}-{n}.json"
+    path.write_text(json.dumps(record, indent=1, default=str))
+    return path

@@ -1,0 +1,163 @@
+"""`llmtrain eval`: a run's benchmark scores through lm-evaluation-harness are the numbers the harness's own CLI prints
+for the same model (a whole model, and a LoRA adapter on its base), on 2 processes as on 1; bad input is one
+paragraph and writes nothing. The tasks are the tiny task on local files (tasks/tiny_reverse*.yaml, pointed here at
+the test's data), and GSM8K's test split from ../shared where this machine has it."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from helpers import ENV, REPO, cli, invoke, run_train, write_recipe
+
+pytest.importorskip("lm_eval")
+pytestmark = pytest.mark.long(200)  # tests/conftest.py
+
+OFFLINE = {**ENV, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}
+LIMIT = "40"
+
+
+def task_folder(tiny: Path, folder: Path) -> Path:
+    """The shipped tiny tasks, their data path pointed at this test's tiny data."""
+    out = folder / "tasks"
+    out.mkdir(exist_ok=True)
+    for name in ("tiny_reverse.yaml", "tiny_reverse_ll.yaml"):
+        text = (REPO / "tasks" / name).read_text()
+        assert "assets/tiny/data/eval.jsonl" in text
+        (out / name).write_text(text.replace("assets/tiny/data/eval.jsonl", str(tiny / "data" / "eval.jsonl")))
+    return out
+
+
+def table_rows(output: str) -> list[str]:
+    """The harness's results table: its rows, as printed."""
+    return [line for line in output.splitlines() if line.startswith("|")]
+
+
+def harness_cli(model_args: str, tasks: Path) -> list[str]:
+    proc = subprocess.run([sys.executable, "-m", "lm_eval", "--model", "hf", "--model_args", model_args, "--tasks",
+                           "tiny_reverse,tiny_reverse_ll", "--include_path", str(tasks), "--limit", LIMIT,
+                           "--batch_size", "8", "--device", "cpu"],
+                          env=OFFLINE, cwd=REPO, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return table_rows(proc.stdout)
+
+
+@pytest.fixture(scope="module")
+def trained(tiny_assets, tmp_path_factory) -> tuple[Path, Path]:
+    """(a full fine-tune's run, the task folder): 120 steps of the tiny task, part-way to learning it (the scores
+    are neither 0 nor 1)."""
+    folder = tmp_path_factory.mktemp("eval")
+    recipe = write_recipe(tiny_assets, folder, data={"max_seq_len": 64},
+                          train={"max_steps": 120, "micro_batch_size": 16, "lr": 1e-3, "warmup_steps": 10},
+                          checkpoint={"every_steps": 60, "save_final": True})
+    run_train(recipe)
+    return folder / "run", task_folder(tiny_assets, folder)
+
+
+@pytest.mark.slow
+@pytest.mark.extended  # main tier: the LoRA run's test below (the harness's CLI on a model and its adapter)
+def test_a_runs_scores_are_the_harness_clis_for_its_final_model(trained):
+    run, tasks = trained
+    ours = cli("eval", str(run), "--tasks", "tiny_reverse,tiny_reverse_ll", "--include-path", str(tasks),
+               "--limit", LIMIT, "--batch-size", "8", env=OFFLINE)
+    rows = table_rows(ours.stdout)
+    assert rows == harness_cli(f"pretrained={run / 'final'}", tasks)
+    written = json.loads((run / "lm_eval" / "tiny_reverse-tiny_reverse_ll.json").read_text())
+    exact = written["results"]["tiny_reverse"]["exact_match,none"]
+    assert 0 < exact < 1 and any("exact_match" in row and f"{exact:g}" in row for row in rows)
+    assert written["limit"] == float(LIMIT) and written["model_args"]["pretrained"] == str(run / "final")
+    # its last checkpoint is the same weights, loaded by llmtrain and handed over as a model object
+    last = sorted((run / "checkpoints").glob("step_*"))[-1]
+    assert last.name == "step_000120"
+    again = cli("eval", str(last), "--tasks", "tiny_reverse,tiny_reverse_ll", "--include-path", str(tasks),
+                "--limit", LIMIT, "--batch-size", "8", env=OFFLINE)
+    assert table_rows(again.stdout) == rows
+    assert (run / "lm_eval" / "tiny_reverse-tiny_reverse_ll-2.json").is_file()  # a second call: a new file
+
+
+@pytest.mark.slow
+def test_a_lora_run_is_its_adapter_on_its_base_as_the_harness_loads_it(tiny_assets, tmp_path):
+    recipe = write_recipe(tiny_assets, tmp_path, data={"max_seq_len": 64}, lora={"r": 8, "alpha": 16, "dropout": 0.0},
+                          train={"max_steps": 60, "micro_batch_size": 16, "lr": 1e-2, "warmup_steps": 5})
+    run_train(recipe)
+    tasks = task_folder(tiny_assets, tmp_path)
+    ours = cli("eval", str(tmp_path / "run"), "--tasks", "tiny_reverse,tiny_reverse_ll", "--include-path",
+               str(tasks), "--limit", LIMIT, "--batch-size", "8", "--baseline", "base", env=OFFLINE)
+    final = tmp_path / "run" / "final"
+    harness = harness_cli(f"pretrained={tiny_assets / 'model'},peft={final},tokenizer={final}", tasks)
+    assert table_rows(ours.stdout) == harness
+    assert "against" in ours.stdout and "difference" in ours.stdout  # the base model beside it
+    written = json.loads((tmp_path / "run" / "lm_eval" / "tiny_reverse-tiny_reverse_ll.json").read_text())
+    assert written["model_args"]["peft"] == str(final) and written["limit"] == float(LIMIT)
+    assert written["baseline"]["target"] == str(tiny_assets / "model")
+
+
+@pytest.mark.slow
+@pytest.mark.extended  # main tier: the 1-process tests above, whose numbers this one equals
+def test_two_processes_give_the_same_scores_and_write_once(trained, free_port):
+    run, tasks = trained
+    one = table_rows(cli("eval", str(run), "--tasks", "tiny_reverse", "--include-path", str(tasks), "--limit", LIMIT,
+                         "--batch-size", "8", env=OFFLINE).stdout)
+    before = set((run / "lm_eval").glob("*.json"))
+    proc = subprocess.run([sys.executable, "-m", "accelerate.commands.launch", "--config_file",
+                           str(REPO / "accelerate_configs" / "cpu_ddp.yaml"), "--num_processes", "2",
+                           "--main_process_port", str(free_port), "-m", "llmtrain", "eval", str(run), "--tasks",
+                           "tiny_reverse", "--include-path", str(tasks), "--limit", LIMIT, "--batch-size", "8"],
+                          env=OFFLINE, cwd=REPO, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert table_rows(proc.stdout) == one
+    assert len(set((run / "lm_eval").glob("*.json")) - before) == 1
+
+
+@pytest.mark.slow
+@pytest.mark.extended  # GSM8K's real test split through the harness's own gsm8k task settings, on local files
+def test_a_task_on_local_gsm8k_runs_offline(trained, tmp_path):
+    shared = Path(__file__).resolve().parents[2] / "shared" / "data" / "gsm8k" / "test.jsonl"
+    if not shared.is_file():
+        pytest.skip("no GSM8K in ../shared")
+    run, _ = trained
+    (tmp_path / "gsm8k_local.yaml").write_text(
+        "include: " + str(Path(__import__("lm_eval").__file__).parent / "tasks" / "gsm8k" / "gsm8k.yaml") + "\n"
+        "task: gsm8k_local\ndataset_path: json\ndataset_name: null\n"
+        f"dataset_kwargs:\n  data_files:\n    test: {shared}\ntraining_split: null\nfewshot_split: test\n")
+    ours = cli("eval", str(run), "--tasks", "gsm8k_local", "--include-path", str(tmp_path), "--limit", "3",
+               "--num-fewshot", "0", env=OFFLINE)
+    assert any("gsm8k_local" in row and "exact_match" in row for row in table_rows(ours.stdout))
+
+
+def test_an_unknown_task_is_named_with_the_nearest_and_nothing_is_written(tiny_assets, tmp_path):
+    recipe = write_recipe(tiny_assets, tmp_path)
+    (tmp_path / "run" / "final").mkdir(parents=True)  # a finished run's folder, as resolve reads it
+    (tmp_path / "run" / "recipe.yaml").write_text(recipe.read_text())
+    (tmp_path / "run" / "final" / "config.json").write_text((tiny_assets / "model" / "config.json").read_text())
+    proc = invoke("eval", str(tmp_path / "run"), "--tasks", "tiny_revers", "--include-path",
+                  str(task_folder(tiny_assets, tmp_path)), check=False)
+    said = " ".join((proc.stdout + proc.stderr).split())
+    assert proc.returncode != 0 and "unknown task 'tiny_revers' (nearest: tiny_reverse" in said, said
+    assert not (tmp_path / "run" / "lm_eval").exists()
+
+
+def test_a_hub_task_offline_says_where_to_point_it(tiny_assets, monkeypatch):
+    for key, value in (("HF_HUB_OFFLINE", "1"), ("HF_DATASETS_OFFLINE", "1")):
+        monkeypatch.setenv(key, value)
+    import datasets.config
+
+    monkeypatch.setattr(datasets.config, "HF_DATASETS_OFFLINE", True)
+    monkeypatch.setattr(datasets.config, "HF_HUB_OFFLINE", True, raising=False)
+    proc = invoke("eval", str(tiny_assets / "model"), "--tasks", "gsm8k", check=False)
+    said = " ".join((proc.stdout + proc.stderr).split())
+    assert proc.returncode != 0 and "task 'gsm8k' could not read its data" in said and "--include-path" in said, said
+    assert "Traceback" not in said
+
+
+def test_a_reward_model_or_an_unfinished_run_is_refused(tmp_path, tiny_assets):
+    recipe = write_recipe(tiny_assets, tmp_path, train={"max_steps": 1})
+    (tmp_path / "run").mkdir()
+    (tmp_path / "run" / "recipe.yaml").write_text(recipe.read_text())
+    proc = invoke("eval", str(tmp_path / "run"), "--tasks", "tiny_reverse", check=False)
+    assert proc.returncode != 0 and "has no final/" in " ".join(proc.stderr.split())
+    assert not os.path.exists(tmp_path / "run" / "lm_eval")
