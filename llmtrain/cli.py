@@ -323,20 +323,8 @@ def eval_(
             side.add_row(*row)
         Console().print(side)
     if ours.run is not None:
-        record = {"target": ours.name, "tasks": names, "model_args": ours.model_args, **how,
-                  "results": results["results"], "versions": results.get("versions"),
-                  "n-shot": results.get("n-shot"), "lm_eval_version": _package_version("lm_eval"),
-                  **({"baseline": {"target": base.name, "results": base_results["results"]}} if base else {})}
+        record = benchmarks.record(ours, names, how, results, base, base_results)
         typer.echo(f"wrote {benchmarks.write(ours.run, record)}", err=True)
-
-
-def _package_version(package: str) -> str | None:
-    from importlib.metadata import PackageNotFoundError, version
-
-    try:
-        return version(package.replace("_", "-"))
-    except PackageNotFoundError:
-        return None
 
 
 @app.command("prepare-tiny", short_help="Write the tiny model and task the demo recipes train.")

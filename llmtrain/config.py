@@ -702,6 +702,18 @@ class DistillConfig(Section):
         "or reference (the plain loop).")
 
 
+class BenchmarkConfig(Section):
+    """Benchmarks scored on final/ when training ends, through lm-evaluation-harness (`llmtrain eval`'s settings)."""
+
+    tasks: list[str] = Field(min_length=1, description="The harness's task names (gsm8k, mmlu, or a task of "
+                             "include_path).")
+    num_fewshot: int | None = Field(None, ge=0, description="Few-shot examples; unset: each task's own.")
+    limit: float | None = Field(None, gt=0, description="At most this many examples a task (below 1: a share).")
+    batch_size: int | Literal["auto"] = Field(1, description="Examples a forward pass, or auto.")
+    include_path: list[str] = Field(default_factory=list, description="Folders of task YAML files (local data).")
+    apply_chat_template: bool = Field(False, description="Render each request through the model's chat template.")
+
+
 class Recipe(Section):
     model: ModelConfig = Field(description="The model to fine-tune and how to load it.")
     data: DataConfig = Field(description="Training (and eval) data, its format and tokenisation.")
@@ -723,6 +735,9 @@ class Recipe(Section):
                                      description="What the launch's processes split beyond the data (sequence).")
     checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig, description="Resumable state and export.")
     logging: LoggingConfig = Field(default_factory=LoggingConfig, description="Progress bar and TensorBoard.")
+    eval: BenchmarkConfig | None = Field(
+        None, description="Benchmarks scored with lm-evaluation-harness on final/ when training ends, as `llmtrain "
+        "eval RUN` would (results in RUN/lm_eval/; docs/eval.md); absent: none.")
     output_dir: str = Field(description="Where metrics, checkpoints and the final model go (default runs/<stem>).")
 
     @model_validator(mode="after")

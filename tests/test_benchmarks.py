@@ -161,3 +161,37 @@ def test_a_reward_model_or_an_unfinished_run_is_refused(tmp_path, tiny_assets):
     proc = invoke("eval", str(tmp_path / "run"), "--tasks", "tiny_reverse", check=False)
     assert proc.returncode != 0 and "has no final/" in " ".join(proc.stderr.split())
     assert not os.path.exists(tmp_path / "run" / "lm_eval")
+
+
+# --------------------------------------------------------------------------- eval: in a recipe
+
+
+@pytest.mark.slow
+@pytest.mark.extended  # main tier: the refusals below, and llmtrain eval's own tests above
+def test_a_recipes_eval_scores_final_when_training_ends_as_llmtrain_eval_does(tiny_assets, tmp_path):
+    tasks = task_folder(tiny_assets, tmp_path)
+    benchmark = {"tasks": ["tiny_reverse"], "include_path": [str(tasks)], "limit": 40, "batch_size": 8}
+    recipe = write_recipe(tiny_assets, tmp_path, data={"max_seq_len": 64}, eval=benchmark,
+                          train={"max_steps": 120, "micro_batch_size": 16, "lr": 1e-3, "warmup_steps": 10})
+    cli("finetune", str(recipe), env=OFFLINE)
+    at_the_end = json.loads((tmp_path / "run" / "lm_eval" / "tiny_reverse.json").read_text())
+    cli("eval", str(tmp_path / "run"), "--tasks", "tiny_reverse", "--include-path", str(tasks), "--limit", "40",
+        "--batch-size", "8", env=OFFLINE)
+    afterwards = json.loads((tmp_path / "run" / "lm_eval" / "tiny_reverse-2.json").read_text())
+    assert at_the_end["results"] == afterwards["results"]
+    assert 0 < at_the_end["results"]["tiny_reverse"]["exact_match,none"] < 1
+
+
+@pytest.mark.parametrize(("change", "says"), [
+    ({"eval": {"tasks": ["tiny_revers"]}}, "unknown task 'tiny_revers'"),
+    ({"eval": {"tasks": ["tiny_reverse"]}, "checkpoint": {"save_final": False}}, "checkpoint.save_final is false"),
+    ({"eval": {"tasks": ["tiny_reverse"]}, "lora": {"r": 4}, "model": {"random_init": True}}, "randomly initialised"),
+])
+def test_a_recipes_eval_that_cannot_run_is_refused_before_anything_is_written(tiny_assets, tmp_path, change, says):
+    tasks = task_folder(tiny_assets, tmp_path)
+    change["eval"]["include_path"] = [str(tasks)]
+    recipe = write_recipe(tiny_assets, tmp_path, **change)
+    proc = invoke("finetune", str(recipe), check=False)
+    said = " ".join((proc.stdout + proc.stderr).split())
+    assert proc.returncode != 0 and says in said and "Traceback" not in said, said
+    assert not (tmp_path / "run").exists()

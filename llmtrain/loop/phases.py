@@ -99,6 +99,10 @@ def read_only_checks(recipe: Recipe, accelerator, *, resume: str | None, overwri
             config = None
         if config is not None:
             capabilities.check_model(recipe, layout, config)
+    if recipe.eval is not None:  # the benchmark at the end: its tasks and their data, before anything is written
+        from llmtrain.run.benchmarks import check_recipe
+
+        check_recipe(recipe)
     ckpt = check_output_dir(accelerator, out, resume=resume, overwrite=overwrite)
     notes = check_resume(ckpt, recipe, world=data_ranks(accelerator)[0], fsdp=uses_fsdp(accelerator),
                          allow_recipe_change=allow_recipe_change) if ckpt else []

@@ -124,12 +124,19 @@ def _train(recipe: Recipe, accelerator, console: RunConsole, cleanup: ExitStack,
         meter = Meter(accelerator, flops=trainable.flops, peak=trainable.peak_flops,
                       elapsed_before=state.elapsed_s + data.reference_s, objective=run.objective)
         evals = train_loop(run, state, meter)
-        return finish(run, state, meter, evals, est)
+        summary = finish(run, state, meter, evals, est)
     except torch.OutOfMemoryError as e:  # one paragraph with the estimate and what to change, not a traceback
         recipe_path = Path(recipe.output_dir) / "recipe.yaml" if state is not None else "RECIPE.yaml"
         raise LLMTrainError(out_of_memory_text(est, step=state.step if state is not None else -1,
                                                detail=". ".join(str(e).split(". ")[:2]),
                                                recipe_path=str(recipe_path))) from e
+    if recipe.eval is not None and recipe.checkpoint.save_final:  # the recipe's benchmark, on final/
+        from llmtrain.run.benchmarks import after_training
+
+        del run, trainable, objective, teacher, data, rewards  # the training's memory, given back for the harness's model
+        accelerator.free_memory()
+        after_training(recipe, accelerator, say)
+    return summary
 
 
 @dataclass(frozen=True)

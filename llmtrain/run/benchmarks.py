@@ -49,9 +49,8 @@ def resolve(target: str, *, dtype: str) -> Target:
     recipe = Recipe.model_validate(yaml.safe_load((path / "recipe.yaml").read_text()))
     checkpoint = (path / "train_state.json").is_file()
     run = path.parent.parent if checkpoint else path
-    if recipe.reward_model is not None:
-        raise LLMTrainError(f"'{target}' is a reward model's run: it scores sequences under a one-output head and has "
-                            "no LM head for a benchmark's likelihoods or generations. Evaluate the policy it trained")
+    if checkpoint and (problem := recipe_problem(recipe, target, adapter=False)):
+        raise LLMTrainError(problem)
     if checkpoint:
         def load(device: str):
             from llmtrain.run.replies import load_source
@@ -68,19 +67,88 @@ def resolve(target: str, *, dtype: str) -> Target:
                             f"false). Evaluate one of its checkpoints ({steps[-1] if steps else 'it has none'}), or "
                             f"finish it with `llmtrain finetune {path}/recipe.yaml --resume auto`")
     if not (final / "adapter_config.json").is_file():
+        if problem := recipe_problem(recipe, target, adapter=False):
+            raise LLMTrainError(problem)
         return Target(str(final), {"pretrained": str(final), "dtype": dtype}, run)
+    if problem := recipe_problem(recipe, target, adapter=True):
+        raise LLMTrainError(problem)
     base = recipe.model.name_or_path
-    if recipe.model.random_init:
-        raise LLMTrainError(f"'{target}' trained a LoRA adapter on a randomly initialised {base} "
-                            "(model.random_init: true), whose weights were never saved: the harness cannot load the "
-                            "base the adapter belongs to. Evaluate a run on saved weights, or a whole model")
-    if recipe.model.quantize:
-        raise LLMTrainError(f"'{target}' is a QLoRA run (model.quantize: {recipe.model.quantize}): its adapter was "
-                            "trained on the 4-bit base, which the harness's hf model does not rebuild the way "
-                            f"llmtrain loads it. Evaluate the merged model: `llmtrain export {path}` writes it, then "
-                            "`llmtrain eval` that folder")
     return Target(f"{final} (LoRA on {base})", {"pretrained": base, "peft": str(final), "tokenizer": str(final),
                                                  "dtype": dtype}, run)
+
+
+def recipe_problem(recipe, target: str, *, adapter: bool) -> str | None:
+    """Why the harness cannot score a run of `recipe` (its final/ a LoRA adapter where `adapter`), in a paragraph; None
+    where it can. Asked by `llmtrain eval` and, for eval: in a recipe, before training starts."""
+    if recipe.reward_model is not None:
+        return (f"'{target}' is a reward model's run: it scores sequences under a one-output head and has no LM head "
+                "for a benchmark's likelihoods or generations. Evaluate the policy it trained")
+    if not adapter:
+        return None
+    base = recipe.model.name_or_path
+    if recipe.model.random_init:
+        return (f"'{target}' trains a LoRA adapter on a randomly initialised {base} (model.random_init: true), whose "
+                "weights are never saved: the harness cannot load the base the adapter belongs to. Evaluate a run on "
+                "saved weights, or a whole model")
+    if recipe.model.quantize:
+        return (f"'{target}' is a QLoRA run (model.quantize: {recipe.model.quantize}): its adapter is trained on the "
+                "4-bit base, which the harness's hf model does not rebuild the way llmtrain loads it. Evaluate the "
+                "merged model: `llmtrain export RUN --merge` writes it, then `llmtrain eval` that folder")
+    return None
+
+
+def check_recipe(recipe) -> None:
+    """A recipe's eval: section, before anything is written: the harness installed, the run scorable, final/ saved,
+    the tasks known and their data readable."""
+    if recipe.eval is None:
+        return
+    if problem := recipe_problem(recipe, recipe.output_dir, adapter=recipe.lora is not None):
+        raise LLMTrainError(f"eval: {problem}; or remove the eval: section")
+    if not recipe.checkpoint.save_final:
+        raise LLMTrainError("eval: scores final/, and checkpoint.save_final is false: set it true, or remove the "
+                            "eval: section (and run `llmtrain eval` on a checkpoint)")
+    quiet()
+    check_tasks(recipe.eval.tasks, task_manager(recipe.eval.include_path))
+
+
+def after_training(recipe, accelerator, say) -> Path | None:
+    """eval: on the finished run's final/, every process taking part as under `accelerate launch` (the harness splits
+    the requests over GPUs); the main process prints the table and writes RUN/lm_eval/. The training's model and
+    optimizer are gone by now (their memory given back first)."""
+    import gc
+
+    import torch
+
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+    b = recipe.eval
+    target = resolve(recipe.output_dir, dtype="auto")
+    how = dict(num_fewshot=b.num_fewshot, batch_size=b.batch_size, limit=b.limit,
+               apply_chat_template=b.apply_chat_template, device=str(accelerator.device))
+    say(f"eval: scoring {target.name} on {', '.join(b.tasks)} (lm-evaluation-harness)")
+    results = evaluate(target, b.tasks, task_manager(b.include_path), **how)
+    if not accelerator.is_main_process or results is None:
+        return None
+    say(table(results))
+    path = write(target.run, record(target, b.tasks, how, results))
+    say(f"eval: wrote {path}")
+    return path
+
+
+def record(target: Target, tasks: list[str], how: dict, results: dict, base: Target | None = None,
+           base_results: dict | None = None) -> dict:
+    """What RUN/lm_eval/TASKS.json holds: the model, the settings, the harness's results and versions."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        harness = version("lm-eval")
+    except PackageNotFoundError:
+        harness = None
+    return {"target": target.name, "tasks": tasks, "model_args": target.model_args, **how,
+            "results": results["results"], "versions": results.get("versions"), "n-shot": results.get("n-shot"),
+            "lm_eval_version": harness,
+            **({"baseline": {"target": base.name, "results": base_results["results"]}} if base else {})}
 
 
 def task_manager(include_path: list[str] | None):
@@ -112,12 +180,17 @@ def check_tasks(names: list[str], manager) -> None:
             manager.load([name])
         except Exception as e:  # datasets' ConnectionError, DatasetNotFoundError, offline mode, a missing file
             config = getattr(manager.task_index.get(name), "yaml_path", None) or ""
+            if isinstance(e, FileNotFoundError):
+                raise LLMTrainError(
+                    f"task '{name}' reads files that are not there ({str(e).splitlines()[0][:200]}). A task's "
+                    f"data_files are read from the folder the command runs in ({Path.cwd()}): run it from the folder "
+                    f"they are relative to, or give absolute paths in its YAML ({config or 'the task file'})") from None
             raise LLMTrainError(
                 f"task '{name}' could not read its data ({type(e).__name__}: {str(e).splitlines()[0][:200]}). A "
                 "task whose dataset_path is a hub dataset needs the hub (or the dataset in the local Hugging Face "
                 "cache); without it, copy its YAML" + (f" ({config})" if config else "") + " into a folder of your "
                 "own with dataset_path: json and dataset_kwargs: {data_files: {test: FILE}} pointing at local files, "
-                "and pass that folder with --include-path") from None
+                "and pass that folder with --include-path (eval.include_path in a recipe)") from None
 
 
 def evaluate(target: Target, tasks: list[str], manager, *, num_fewshot: int | None, batch_size: int | str,
