@@ -133,7 +133,7 @@ def _train(recipe: Recipe, accelerator, console: RunConsole, cleanup: ExitStack,
     if recipe.eval is not None and recipe.checkpoint.save_final:  # the recipe's benchmark, on final/
         from llmtrain.run.benchmarks import after_training
 
-        del run, trainable, objective, teacher, data, rewards  # the training's memory, given back for the harness's model
+        del run, trainable, objective, teacher, data, rewards  # the training's memory, for the harness's model
         accelerator.free_memory()
         after_training(recipe, accelerator, say)
     return summary
