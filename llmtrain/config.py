@@ -260,7 +260,9 @@ class DataConfig(Section):
     @model_validator(mode="after")
     def _check_chat(self) -> DataConfig:
         if self.sources is not None:
-            own = [k for k in ("path", "name", "split", "fields", "roles") if k in self.model_fields_set]
+            # set to anything but their defaults (a saved recipe.yaml writes every key, the defaults too)
+            own = [k for k in ("path", "name", "split", "fields", "roles")
+                   if getattr(self, k) != DataConfig.model_fields[k].get_default(call_default_factory=True)]
             if own:
                 raise ValueError(f"data.sources gives each dataset's own {', '.join(own)}; remove data."
                                  f"{own[0]} and set it on its source (data.sources[N].{own[0]})")
