@@ -86,7 +86,7 @@ def inspect_data(recipe: Recipe, *, n: int, as_json: bool) -> None:
         sizes = source_sizes(train["source"])
         rows = train.select(Mixture.of(recipe.data.sources, sizes).order(seed=recipe.train.seed, epoch=0)[:n])
         for line in ([] if as_json else describe(recipe.data, stats, sizes)):
-            Console(stderr=True).print(f"data source: {line}", highlight=False)
+            Console(stderr=True).print(f"data source: {line}", highlight=False, soft_wrap=True)  # paths unbroken
         # the totals first, then each source by its file's name
         names = {f"source{i}": Path(label(source).split(", ")[0]).name for i, source in enumerate(recipe.data.sources)}
         stats = {names.get(k.removesuffix("_eval"), k) + (" eval" if k.endswith("_eval") else ""): v
