@@ -15,7 +15,7 @@ import pytest
 from helpers import ENV, REPO, cli, invoke, run_train, write_recipe
 
 pytest.importorskip("lm_eval")
-pytestmark = pytest.mark.long(200)  # tests/conftest.py
+pytestmark = pytest.mark.long(110)  # tests/conftest.py
 
 OFFLINE = {**ENV, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}
 LIMIT = "40"
@@ -63,13 +63,17 @@ def trained(tiny_assets, tmp_path_factory) -> tuple[Path, Path]:
 def test_a_runs_scores_are_the_harness_clis_for_its_final_model(trained):
     run, tasks = trained
     ours = cli("eval", str(run), "--tasks", "tiny_reverse,tiny_reverse_ll", "--include-path", str(tasks),
-               "--limit", LIMIT, "--batch-size", "8", env=OFFLINE)
+               "--limit", LIMIT, "--batch-size", "8", "--baseline", "base", env=OFFLINE)
     rows = table_rows(ours.stdout)
     assert rows == harness_cli(f"pretrained={run / 'final'}", tasks)
+    assert "against" in ours.stdout and "difference" in ours.stdout  # the base model beside it
     written = json.loads((run / "lm_eval" / "tiny_reverse-tiny_reverse_ll.json").read_text())
     exact = written["results"]["tiny_reverse"]["exact_match,none"]
     assert 0 < exact < 1 and any("exact_match" in row and f"{exact:g}" in row for row in rows)
     assert written["limit"] == float(LIMIT) and written["model_args"]["pretrained"] == str(run / "final")
+    # the recipe's base, the random tiny model: it reverses nothing
+    assert written["baseline"]["target"].endswith("model") and written["baseline"]["target"] != str(run / "final")
+    assert written["baseline"]["results"]["tiny_reverse"]["exact_match,none"] == 0.0
     # its last checkpoint is the same weights, loaded by llmtrain and handed over as a model object
     last = sorted((run / "checkpoints").glob("step_*"))[-1]
     assert last.name == "step_000120"
@@ -86,14 +90,12 @@ def test_a_lora_run_is_its_adapter_on_its_base_as_the_harness_loads_it(tiny_asse
     run_train(recipe)
     tasks = task_folder(tiny_assets, tmp_path)
     ours = cli("eval", str(tmp_path / "run"), "--tasks", "tiny_reverse,tiny_reverse_ll", "--include-path",
-               str(tasks), "--limit", LIMIT, "--batch-size", "8", "--baseline", "base", env=OFFLINE)
+               str(tasks), "--limit", LIMIT, "--batch-size", "8", env=OFFLINE)
     final = tmp_path / "run" / "final"
     harness = harness_cli(f"pretrained={tiny_assets / 'model'},peft={final},tokenizer={final}", tasks)
     assert table_rows(ours.stdout) == harness
-    assert "against" in ours.stdout and "difference" in ours.stdout  # the base model beside it
     written = json.loads((tmp_path / "run" / "lm_eval" / "tiny_reverse-tiny_reverse_ll.json").read_text())
     assert written["model_args"]["peft"] == str(final) and written["limit"] == float(LIMIT)
-    assert written["baseline"]["target"] == str(tiny_assets / "model")
 
 
 @pytest.mark.slow
