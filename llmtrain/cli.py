@@ -295,11 +295,7 @@ def eval_(
             if ours.run is None:
                 raise LLMTrainError("--baseline base means the run's base model, and the target is not a run; give "
                                     "the baseline model's folder or hub id")
-            import yaml
-
-            from llmtrain.config import Recipe
-
-            baseline = Recipe.model_validate(yaml.safe_load((ours.run / "recipe.yaml").read_text())).model.name_or_path
+            baseline = ours.base
         base = benchmarks.resolve(baseline, dtype=dtype)
     benchmarks.quiet()
     manager = benchmarks.task_manager([str(p) for p in include_path or []])

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import sys
-from pathlib import Path
 
 from llmtrain.config import Recipe
 from llmtrain.data.formats import IGNORE, prompt_length
@@ -81,14 +80,14 @@ def inspect_data(recipe: Recipe, *, n: int, as_json: bool) -> None:
     train, evald, stats, _ = prepare_datasets(recipe.data, tokenizer, seed=recipe.train.seed)
     rows = train.select(range(min(n, len(train))))
     if recipe.data.sources is not None:  # a mixture: its first examples in the order training reads them
-        from llmtrain.data.mixture import Mixture, describe, label, source_sizes
+        from llmtrain.data.mixture import Mixture, describe, short_name, source_sizes
 
         sizes = source_sizes(train["source"])
         rows = train.select(Mixture.of(recipe.data.sources, sizes).order(seed=recipe.train.seed, epoch=0)[:n])
         for line in ([] if as_json else describe(recipe.data, stats, sizes)):
             Console(stderr=True).print(f"data source: {line}", highlight=False, soft_wrap=True)  # paths unbroken
         # the totals first, then each source by its file's name
-        names = {f"source{i}": Path(label(source).split(", ")[0]).name for i, source in enumerate(recipe.data.sources)}
+        names = {f"source{i}": short_name(source) for i, source in enumerate(recipe.data.sources)}
         stats = {names.get(k.removesuffix("_eval"), k) + (" eval" if k.endswith("_eval") else ""): v
                  for k, v in sorted(stats.items(), key=lambda kv: not kv[0] in ("train", "eval"))}
     if "chosen_ids" in train.column_names:

@@ -96,9 +96,9 @@ def global_micro_batches(num_examples: int, *, seed: int, epoch: int, world_size
                          shuffle: bool = True, order: list[int] | None = None) -> list[list[list[int]]]:
     """Every global micro-batch of one epoch, each as `world_size` lists of example indices (one per rank).
 
-    Every example appears exactly once (or, given the epoch's `order`, as often as it has it: a mixture's). Every rank gets the same number of micro-batches (collectives
-    would hang otherwise); a rank whose share of the last global micro-batch is empty gets an empty list,
-    which it runs as a stand-in (`rank_view`).
+    Every example appears exactly once (or, given the epoch's `order`, as often as it has it: a mixture's). Every rank
+    gets the same number of micro-batches (collectives would hang otherwise); a rank whose share of the last global
+    micro-batch is empty gets an empty list, which it runs as a stand-in (`rank_view`).
     """
     if micro_batch_tokens is not None:
         bins = token_bins(lengths, micro_batch_tokens, seed=seed, epoch=epoch, order=order)

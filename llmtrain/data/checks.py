@@ -271,12 +271,13 @@ def check_epochs(recipe: Recipe, *, steps_per_epoch: int, examples: int) -> list
              "train.max_steps, or add data.")]
 
 
-def total_steps(recipe: Recipe, lengths: list[int], *, world: int, sources=None) -> int:
-    """The run's optimizer steps: train.max_steps, else its epochs over the data plan (as finetune counts them)."""
+def total_steps(recipe: Recipe, lengths: list[int], *, world: int, sources=None, plan=None) -> int:
+    """The run's optimizer steps: train.max_steps, else its epochs over the data plan (as finetune counts them;
+    `plan`: that plan, where the caller has it)."""
     t = recipe.train
     if t.max_steps:
         return t.max_steps
-    plan = data_plan(recipe, lengths, world=world, sources=sources)
+    plan = plan or data_plan(recipe, lengths, world=world, sources=sources)
     return sum(plan.steps_per_epoch(e, t.grad_accum_steps) for e in range(t.epochs))
 
 

@@ -81,6 +81,13 @@ def label(source) -> str:
     return source.path if isinstance(source.path, str) else ", ".join(source.path)
 
 
+def short_name(source) -> str:
+    """A source in a table's header or an eval metric's name: its (first) file's name."""
+    from pathlib import Path
+
+    return Path(label(source).split(", ")[0]).name
+
+
 def describe(data, stats: dict, sizes: list[int]) -> list[str]:
     """Each source of a mixture in a line: its rows and tokens, its share of every step and how often an epoch reads
     each of its rows (the start-up lines and inspect-data)."""
@@ -97,13 +104,11 @@ def describe(data, stats: dict, sizes: list[int]) -> list[str]:
 
 def eval_parts(data, eval_ds) -> dict:
     """A mixture's eval rows by source ({its file's name: its rows}, the sources that have eval rows, in order)."""
-    from pathlib import Path
-
     column = eval_ds["source"]
     parts = {}
     for i, source in enumerate(data.sources):
         rows = [k for k, s in enumerate(column) if s == i]
-        name = Path(label(source).split(", ")[0]).name
+        name = short_name(source)
         if rows:
             parts[name if name not in parts else f"{name}#{i}"] = eval_ds.select(rows)
     return parts

@@ -295,7 +295,7 @@ def rl_batches(recipe: Recipe, lengths: list[int], *, data_ranks: int) -> list[l
     from llmtrain.data.checks import data_plan, total_steps
 
     plan = data_plan(recipe, lengths, world=data_ranks)
-    steps = total_steps(recipe, lengths, world=data_ranks)
+    steps = total_steps(recipe, lengths, world=data_ranks, plan=plan)
     return [share for batch in plan.global_batches_in(steps, recipe.train.grad_accum_steps) for share in batch
             if share]
 

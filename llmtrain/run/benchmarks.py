@@ -33,6 +33,7 @@ class Target:
     model_args: dict  # lm_eval's model_args for model "hf" (pretrained, peft, tokenizer, dtype)
     run: Path | None  # the run folder results are written into; None for a model folder or hub id
     load: object = None  # a checkpoint: a function of the device returning (model, tokenizer), handed over as objects
+    base: str | None = None  # a run's base model (its recipe's model.name_or_path): --baseline base
 
 
 def resolve(target: str, *, dtype: str) -> Target:
@@ -59,7 +60,7 @@ def resolve(target: str, *, dtype: str) -> Target:
             base = source.model.get_base_model() if hasattr(source.model, "get_base_model") else source.model
             base.set_attn_implementation("sdpa")  # the run's varlen attention trains only (no KV cache)
             return source.model, source.tokenizer
-        return Target(str(path), {}, run, load)
+        return Target(str(path), {}, run, load, recipe.model.name_or_path)
     final = path / "final"
     if not final.is_dir():
         steps = sorted((path / "checkpoints").glob("step_*"))
@@ -69,12 +70,12 @@ def resolve(target: str, *, dtype: str) -> Target:
     if not (final / "adapter_config.json").is_file():
         if problem := recipe_problem(recipe, target, adapter=False):
             raise LLMTrainError(problem)
-        return Target(str(final), {"pretrained": str(final), "dtype": dtype}, run)
+        return Target(str(final), {"pretrained": str(final), "dtype": dtype}, run, base=recipe.model.name_or_path)
     if problem := recipe_problem(recipe, target, adapter=True):
         raise LLMTrainError(problem)
     base = recipe.model.name_or_path
     return Target(f"{final} (LoRA on {base})", {"pretrained": base, "peft": str(final), "tokenizer": str(final),
-                                                 "dtype": dtype}, run)
+                                                 "dtype": dtype}, run, base=base)
 
 
 def recipe_problem(recipe, target: str, *, adapter: bool) -> str | None:
