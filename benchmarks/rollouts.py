@@ -1,14 +1,18 @@
 """Sampling speed for online RL: the reference loop (model/generate.sample) against the fast sampler
-(model/fast_sample.py, eager static cache and CUDA graph), as GRPO's rollout calls them.
+(model/fast_sample.py, eager static cache and CUDA graph), as GRPO's rollout calls them, with and without its merged
+generation copy (rl.merged_copy) and finished rows dropped from the batch (the `-before` samplers have neither).
 
 For each number of completions (prompts x --generations) and of new tokens: generated tokens/s, ms per decode
-step, the prefill's seconds and the peak memory, one JSON line each. Prompts are ~--prompt-tokens long (GSM8K
-questions through the chat template where --gsm8k is given, else random ids), no stop tokens (every completion runs
-to the limit: the worst case, and what a random-init model does anyway). The slow samplers can be timed over fewer
-new tokens (--cap reference=64: ms per step grows slowly with the length; the line says so).
+step, the completions' lengths and the peak memory, one JSON line each. Prompts are ~--prompt-tokens long (GSM8K
+questions through the chat template where --gsm8k is given, else random ids). --lengths limit: no stop tokens (every
+completion runs to the limit: the worst case); --lengths gsm8k: stop tokens that end completions after GSM8K's mean
+reply length on average (random-init weights draw near uniformly: geometric lengths), where dropping finished rows
+pays. The slow samplers can be timed over fewer new tokens (--cap reference=64: the line says so).
 
   # Mistral-7B LoRA, random init, on a GPU (benchmarks/gpu_session.sh rl runs this)
   python benchmarks/rollouts.py --model .gpu/mistral --gsm8k .gpu/gsm8k/train.jsonl --lora 16 --dtype bfloat16
+  python benchmarks/rollouts.py --model .gpu/mistral --gsm8k .gpu/gsm8k/train.jsonl --lora 16 --dtype bfloat16 \
+      --lengths gsm8k --new-tokens 512 --completions 16 64 --samplers graph-before graph-merged graph-compact graph
   # the tiny model on the CPU
   python benchmarks/rollouts.py --model assets/tiny/model --completions 16 64 256 --new-tokens 12 64 --dtype float32
 """
@@ -68,21 +72,21 @@ def prompts_of(n: int, tokens: int, *, tokenizer_dir: str, gsm8k: str | None, vo
             for _ in range(n)]
 
 
-def timed(fn, lm, prompts, *, new_tokens: int, cuda: bool, **kw) -> dict:
+def timed(fn, lm, prompts, *, new_tokens: int, cuda: bool, stop_ids=frozenset(), **kw) -> dict:
     seeds = [completion_seed(1, 0, i // 8, i % 8) for i in range(len(prompts))]
     if cuda:  # from an empty cache: what the call reserves (a captured graph's private pool included) is its own
         torch.cuda.synchronize()
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats()
     begun = time.perf_counter()
-    out = fn(lm, prompts, seeds=seeds, max_new_tokens=new_tokens, temperature=1.0, top_p=1.0, stop_ids=set(),
+    out = fn(lm, prompts, seeds=seeds, max_new_tokens=new_tokens, temperature=1.0, top_p=1.0, stop_ids=set(stop_ids),
              pad_id=0, **kw)
     if cuda:
         torch.cuda.synchronize()
     seconds = time.perf_counter() - begun
     generated = sum(map(len, out))
     return {"seconds": seconds, "generated": generated, "tokens_per_s": generated / seconds,
-            "ms_per_step": 1e3 * seconds / new_tokens,
+            "ms_per_step": 1e3 * seconds / new_tokens, **length_stats(out),
             "peak_allocated_gib": torch.cuda.max_memory_allocated() / 2**30 if cuda else None,
             # issue 53, item 14: what stays reserved after the call beside what stays allocated (the graphs' pool and
             # the freed KV cache, held by the caching allocator), and the reserved peak
@@ -91,19 +95,41 @@ def timed(fn, lm, prompts, *, new_tokens: int, cuda: bool, **kw) -> dict:
             "allocated_after_gib": torch.cuda.memory_allocated() / 2**30 if cuda else None, "_out": out}
 
 
-def merged_speed(lm, prompts, **kw):
-    """What sampling from a merged generation copy (W + s B A, rebuilt each step) would cost, without building one:
-    the captured step with the adapters off (the base's shapes: a merged copy's kernels), plus the rebuild, timed
-    as the matmuls it takes. Its tokens are the base model's, so it is left out of the token comparison."""
-    with torch.no_grad():
-        for module in lm.modules():
-            if "default" in getattr(module, "lora_A", {}):
-                a, b = module.lora_A["default"].weight, module.lora_B["default"].weight
-                _ = module.base_layer.weight + (b @ a).to(module.base_layer.weight.dtype) * module.scaling["default"]
-    if not hasattr(lm, "disable_adapter"):
-        return sample_fast(lm, prompts, capture=True, **kw)
-    with lm.disable_adapter():
-        return sample_fast(lm, prompts, capture=True, **kw)
+def reply_lengths(gsm8k: str, tokenizer_dir: str) -> list[int]:
+    """GSM8K's reference replies (the answer column) in the model's tokens: what a trained policy's completions run to."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(tokenizer_dir)
+    answers = [json.loads(line)["answer"] for line in open(gsm8k)]
+    return [len(tok(a, add_special_tokens=False)["input_ids"]) + 1 for a in answers]  # + the end of turn
+
+
+def stops_for_lengths(mean: float, vocab: int, *, seed: int = 0) -> set[int]:
+    """Stop tokens that end a random-init model's completions after `mean` tokens on average: at temperature 1 its
+    next-token distribution is near uniform, so vocab / mean stop ids stop a row with probability about 1 / mean a
+    token (geometric lengths: a wider spread than GSM8K's; each line reports the lengths drawn)."""
+    rng = random.Random(seed)
+    return set(rng.sample(range(3, vocab), max(1, round(vocab / mean))))
+
+
+def length_stats(out: list[list[int]]) -> dict:
+    lengths = sorted(map(len, out))
+    at = lambda q: lengths[min(len(lengths) - 1, int(q * len(lengths)))]  # noqa: E731
+    return {"length_mean": sum(lengths) / len(lengths), "length_p10": at(0.1), "length_p50": at(0.5),
+            "length_p90": at(0.9)}
+
+
+# name: (fast sampler, capture, merged copy, finished rows dropped); "-before": the sampler as it was before both
+SAMPLERS = {"reference": None, "static-before": (False, "off", False), "static": (False, "rollout", True),
+            "graph-before": (True, "off", False), "graph-merged": (True, "rollout", False),
+            "graph-compact": (True, "off", True), "graph": (True, "rollout", True)}
+
+
+def sampler(name: str):
+    if SAMPLERS[name] is None:
+        return sample
+    capture, copy, compact = SAMPLERS[name]
+    return lambda *a, **k: sample_fast(*a, capture=capture, copy=copy, compact=compact, **k)
 
 
 def main() -> None:
@@ -116,8 +142,13 @@ def main() -> None:
     ap.add_argument("--generations", type=int, default=8, help="completions per prompt")
     ap.add_argument("--prompt-tokens", type=int, default=150)
     ap.add_argument("--new-tokens", type=int, nargs="+", default=[256, 1024])
-    ap.add_argument("--samplers", nargs="+", default=["reference", "static", "graph", "graph-merged"],
-                    help="graph-merged: the speed a merged generation copy would give (adapters off + the rebuild)")
+    ap.add_argument("--samplers", nargs="+", default=["reference", "static-before", "static", "graph-before",
+                                                      "graph-merged", "graph"], choices=sorted(SAMPLERS),
+                    help="static/graph: with rl.merged_copy=rollout and finished rows dropped; -before: neither; "
+                         "graph-merged: the copy only; graph-compact: dropping rows only")
+    ap.add_argument("--lengths", choices=["limit", "gsm8k"], default="limit",
+                    help="limit: no stop tokens, every completion runs to the limit (the worst case); gsm8k: stop "
+                         "tokens that end completions after GSM8K's mean reply length (needs --gsm8k)")
     ap.add_argument("--cap", nargs="*", default=["reference=64"],
                     help="sampler=tokens: time that sampler over at most this many new tokens (the reference is slow)")
     ap.add_argument("--skip", nargs="*", default=[], help="completions:new_tokens pairs to leave out, e.g. 256:1024")
@@ -128,10 +159,16 @@ def main() -> None:
     measured = set()  # (sampler, completions, new tokens) already timed
     lm = build(args.model, dtype=args.dtype, lora=args.lora, device="cuda" if cuda else "cpu")
     vocab = lm.config.vocab_size if hasattr(lm, "config") else 32000
-    samplers = {"reference": sample, "static": sample_fast, "graph": lambda *a, **k: sample_fast(*a, capture=True, **k),
-                "graph-merged": merged_speed}
+    stops, header = set(), {}
+    if args.lengths == "gsm8k":
+        replies = reply_lengths(args.gsm8k, args.model)
+        mean = sum(replies) / len(replies)
+        stops = stops_for_lengths(mean, vocab)
+        header = {"lengths": "gsm8k", "gsm8k_reply_tokens": {"mean": mean, **{
+            k: v for k, v in length_stats([[0] * n for n in replies]).items() if k != "length_mean"}},
+            "stop_ids": len(stops)}
     print(json.dumps({"device": torch.cuda.get_device_name() if cuda else "cpu", "torch": torch.__version__,
-                      "model": args.model, "dtype": args.dtype, "lora": args.lora}), flush=True)
+                      "model": args.model, "dtype": args.dtype, "lora": args.lora, **header}), flush=True)
     for n in args.completions:
         distinct = prompts_of(max(n // args.generations, 1), args.prompt_tokens, tokenizer_dir=args.model,
                               gsm8k=args.gsm8k, vocab=vocab)
@@ -147,8 +184,8 @@ def main() -> None:
                 if (name, n, steps) in measured:  # capped: this length was timed already at a shorter --new-tokens
                     continue
                 measured.add((name, n, steps))
-                timed(samplers[name], lm, prompts[:8], new_tokens=4, cuda=cuda)  # warm-up: kernels, allocator
-                r = timed(samplers[name], lm, prompts, new_tokens=steps, cuda=cuda)
+                timed(sampler(name), lm, prompts[:8], new_tokens=4, cuda=cuda)  # warm-up: kernels, allocator
+                r = timed(sampler(name), lm, prompts, new_tokens=steps, cuda=cuda, stop_ids=stops)
                 out = r.pop("_out")
                 firsts[name] = [c[:steps] for c in out]
                 line = {"sampler": name, "completions": n, "prompts": len(distinct),
@@ -157,7 +194,7 @@ def main() -> None:
                     line["note"] = f"timed over {steps} of {new} new tokens"
                 print(json.dumps(line), flush=True)
             # the samplers' tokens, compared over the tokens both drew (bf16: a tie can flip a token, then the rest)
-            names = [n for n in firsts if n != "graph-merged"]
+            names = list(firsts)
             for other in names[1:]:
                 a, b = firsts[names[0]], firsts[other]
                 k = min(len(a[0]), len(b[0]))

@@ -594,6 +594,19 @@ class RewardConfig(Section):
         return self.function.rpartition(":")[2] if self.type == "function" else self.type
 
 
+# The fast sampler's prefill forwards at most this many prompt positions at once (model/fast_sample.py: a longer
+# prompt goes in chunks, each attending to the ones before it through the cache); the estimate's prefill phase too.
+PREFILL_CHUNK = 1024
+MergedCopy = Literal["rollout", "kept", "off"]
+MERGED_COPY = (
+    "LoRA and QLoRA: what the fast sampler (static, graph) forwards each adapted linear through (docs/rl.md): rollout, "
+    "a merged generation copy (base + scaled adapter product, in the compute dtype; a 4-bit base dequantized) built "
+    "from the current weights for each rollout and freed after it; kept, the same copy kept between rollouts (rebuilt "
+    "in place: no allocation, its memory held through the update too); off, the adapters unmerged beside the base "
+    "(no copy: the least memory, slower). A copy that does not fit beside the KV cache samples unmerged, with a "
+    "warning. The same tokens up to rounding either way.")
+
+
 class RLConfig(Section):
     algorithm: Literal["grpo", "rloo"] = Field(
         "grpo", description="grpo: TRL's GRPOTrainer (group-normalised advantages, per-token loss, k3 KL in the "
@@ -635,6 +648,7 @@ class RLConfig(Section):
         "preallocated KV cache and a fixed-shape decode step with no host sync per token, replayed as a CUDA graph "
         "(on CUDA; static elsewhere); static, that step run eagerly; reference, the plain loop over transformers' "
         "growing cache (the oracle).")
+    merged_copy: MergedCopy = Field("rollout", description=MERGED_COPY)
     micro_batch_tokens: int | None = Field(
         None, gt=0, description="The update's token budget: a micro-batch's prompt + completion sequences go "
         "through the forward and backward in passes of at most this many tokens (a sequence is never split, so at "
@@ -702,6 +716,7 @@ class DistillConfig(Section):
     sampler: Literal["static", "graph", "reference"] = Field(
         "graph", description="How the student samples, as rl.sampler: graph (CUDA graphs; static elsewhere), static, "
         "or reference (the plain loop).")
+    merged_copy: MergedCopy = Field("rollout", description=MERGED_COPY)
 
 
 class BenchmarkConfig(Section):

@@ -161,6 +161,36 @@ def test_a_token_budget_splits_the_update_into_passes_with_the_same_losses_and_w
         load_recipe(recipe, ["rl.micro_batch_tokens=16"])
 
 
+def test_lora_samples_on_a_merged_copy_with_finished_rows_dropped_what_the_reference_loop_samples(
+        tiny_assets, tmp_path, monkeypatch):
+    """A LoRA policy under the default sampler (2 steps: the second samples adapters the first trained): each rollout
+    on a merged generation copy (rl.merged_copy=rollout),
+    and (looked at every 2 tokens here, dropped as soon as one row ends) finished rows leave the decode batch; the
+    reference loop over the unmerged adapters draws the same completions (fp32: the two paths round apart by ~1e-7,
+    test_fast_sample measures it), so the losses and the final adapters are the same; the trained weights were never
+    merged in place."""
+    from llmtrain.model import fast_sample
+
+    monkeypatch.setattr(fast_sample, "CHECK_EVERY", 2)
+    monkeypatch.setattr(fast_sample, "COMPACT_AT", 0.99)
+    dropped = []
+    compact = fast_sample._Decode.compact
+    monkeypatch.setattr(fast_sample._Decode, "compact", lambda self, live, filled: dropped.append(
+        len(self.rows) - live.numel()) or compact(self, live, filled))
+    recipe = grpo_recipe(tiny_assets, tmp_path, lora={"r": 4, "alpha": 8, "dropout": 0.0},
+                         train={"max_steps": 2, "eval_every_steps": 2})
+    run_train(recipe, f"output_dir={tmp_path / 'fast'}")
+    run_train(recipe, f"output_dir={tmp_path / 'reference'}", "rl.sampler=reference")
+    log = (tmp_path / "fast" / "train.log").read_text()
+    assert "(rl.sampler=graph: static off CUDA, LoRA on a merged copy built each rollout)" in log
+    assert sum(dropped) > 0  # rows left the batch
+    assert rollouts(tmp_path / "fast") == rollouts(tmp_path / "reference")
+    assert losses(tmp_path / "fast") == losses(tmp_path / "reference")
+    fast, reference = (load_weights(tmp_path / run / "final" / "adapter_model.safetensors")
+                       for run in ("fast", "reference"))
+    assert max_abs_diff(fast, reference) == 0.0 and any(v.abs().max() > 0 for k, v in fast.items() if "lora_B" in k)
+
+
 def test_lora_with_beta_takes_the_disabled_adapter_as_reference(tiny_assets, tmp_path):
     """beta > 0 with LoRA: the reference is the same model with its adapter off, so the KL starts at 0 (lora_B is
     zero at init) and grows once the adapter has moved; it is logged as TRL's `kl`."""

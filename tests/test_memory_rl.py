@@ -195,3 +195,28 @@ def test_the_trainer_logs_the_estimate_at_its_prompts_and_the_worst_case_beside_
     assert rl["predicted_worst_case_peak_bytes"] == estimate_for_recipe(recipe(**GRPO)).per_gpu_peak_bytes
     assert "predicted_worst_case_peak_bytes" not in predicted_for_run(estimate_for_run(recipe(), accelerator))
     assert predicted_for_run(None) == {}  # a model the estimator cannot read
+
+
+def test_the_merged_generation_copy_by_hand():
+    """rl.merged_copy with an all-linear LoRA on Mistral-7B: every decoder linear's [out, in] weight in bf16, 32 x
+    (2 x 4096^2 + 2 x 4096 x 1024 + 3 x 4096 x 14336) x 2 bytes = 13.0 GiB; rollout holds it while sampling only,
+    kept throughout, off never; the reference loop samples without it."""
+    from llmtrain.memory.estimate import generation_copy_bytes
+
+    copy = 32 * (2 * 4096**2 + 2 * 4096 * 1024 + 3 * 4096 * 14336) * 2
+    assert copy == 13_958_643_712
+    phases = {}
+    for policy in ("rollout", "kept", "off"):
+        spec = spec_from_recipe(recipe(**{**GRPO, "rl": {**GRPO["rl"], "merged_copy": policy}}),
+                                prompt_lengths=[98] * 10)
+        assert generation_copy_bytes(MISTRAL, spec, lora_plan(MISTRAL, r=16)) == (copy if policy != "off" else 0)
+        phases[policy] = estimate(MISTRAL, spec).phase_parts
+    assert phases["rollout"]["generation"]["generation_copy"] == copy
+    assert "generation_copy" not in phases["rollout"]["forward"]
+    assert "generation_copy" not in phases["off"]["generation"]
+    assert all(parts["generation_copy"] == copy for parts in phases["kept"].values())
+    for name in phases["off"]:  # the copy is the only difference
+        assert sum(phases["rollout"][name].values()) - sum(phases["off"][name].values()) == (
+            copy if name.startswith("generation") else 0)
+    reference = spec_from_recipe(recipe(**{**GRPO, "rl": {**GRPO["rl"], "sampler": "reference"}}))
+    assert reference.merged_copy == "off"

@@ -165,14 +165,17 @@ CASES = [  # (vocab, spec)
     (CHUNKED, TrainSpec(micro_batch_tokens=512, seq_len=256, loss_chunk_tokens=100)),
     (LAYERS, TrainSpec(attn_implementation="eager", micro_batch=4, seq_len=128)),
     (LAYERS, TrainSpec(attn_implementation="sdpa", micro_batch=4, seq_len=128, mixed_precision="bf16")),
-    (LAYERS, TrainSpec(attn_implementation="eager", micro_batch=4, seq_len=128, mixed_precision="bf16",
-                       gradient_checkpointing=True)),
+    # extended: eager attention's bytes (the first LAYERS case) and checkpointing's (the LoRA case below)
+    pytest.param(LAYERS, TrainSpec(attn_implementation="eager", micro_batch=4, seq_len=128, mixed_precision="bf16",
+                                   gradient_checkpointing=True), marks=pytest.mark.extended),
     (LAYERS, TrainSpec(attn_implementation="sdpa", micro_batch=4, seq_len=64, packing=True, mixed_precision="bf16")),
     (LAYERS, TrainSpec(**LORA, attn_implementation="sdpa", mixed_precision="bf16", micro_batch=4, seq_len=128)),
     (LAYERS, TrainSpec(**LORA, attn_implementation="sdpa", mixed_precision="bf16", micro_batch=4, seq_len=128,
                        gradient_checkpointing=True)),
     (LAYERS, TrainSpec(micro_batch=4, seq_len=128, mixed_precision="bf16")),
-    (LAYERS, TrainSpec(**LORA, mixed_precision="bf16", micro_batch_tokens=512, seq_len=256)),
+    # extended: a token budget's varlen rows (the full fine-tune's budget case above) with LoRA's bytes (the LoRA cases)
+    pytest.param(LAYERS, TrainSpec(**LORA, mixed_precision="bf16", micro_batch_tokens=512, seq_len=256),
+                 marks=pytest.mark.extended),
 ]
 
 

@@ -40,13 +40,13 @@ def _losses(run: Path) -> list[float]:
 
 
 def test_two_nodes_match_one_process(tiny_assets, tmp_path, free_port):
+    from helpers import run_train
     from safetensors.torch import load_file
 
     recipe = _recipe(tiny_assets, tmp_path)
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     single = tmp_path / "single"
-    subprocess.run([sys.executable, "-m", "llmtrain", "finetune", str(recipe), f"output_dir={single}",
-                    "train.micro_batch_size=4"], check=True, env=env, capture_output=True)
+    run_train(recipe, f"output_dir={single}", "train.micro_batch_size=4")  # in this process, as finetune runs it
 
     multi = tmp_path / "multi"
     nodes = [

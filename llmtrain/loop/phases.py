@@ -163,7 +163,8 @@ def prepare_data(recipe: Recipe, accelerator, *, say) -> Data:
     unit = {"preference": "pairs", "prompt": "prompts"}.get(recipe.data.format, "examples")
     evals = f"eval: {stats['eval'].examples if 'eval' in stats else 0} {unit}"
     if recipe.rl is not None:
-        sampler = sampler_text(recipe.rl.sampler, accelerator.device)
+        sampler = sampler_text(recipe.rl.sampler, accelerator.device, copy=recipe.rl.merged_copy,
+                               lora=recipe.lora is not None, four_bit=recipe.model.quantize is not None)
         say(f"data: {s.examples} train {unit} ({cache_line(int(cache_reads), accelerator.num_processes)}), "
             f"{recipe.rl.num_generations} completions each a step, {recipe.rl.algorithm.upper()} "
             f"(rl.sampler={sampler}); {evals}")
@@ -209,9 +210,17 @@ def prepare_data(recipe: Recipe, accelerator, *, say) -> Data:
                 pad_id=pad_id(tokenizer), plan=plan, total_steps=total_steps, packing_efficiency=efficiency)
 
 
-def sampler_text(sampler: str, device) -> str:
-    """The sampler the run uses, for its header: graph replays static's step on CUDA only."""
-    return "graph: static off CUDA" if sampler == "graph" and device.type != "cuda" else sampler
+COPY_TEXT = {"rollout": "LoRA on a merged copy built each rollout", "kept": "LoRA on a merged copy kept between "
+             "rollouts", "off": "LoRA unmerged"}
+
+
+def sampler_text(sampler: str, device, *, copy: str = "off", lora: bool = False, four_bit: bool = False) -> str:
+    """The sampler the run uses, for its header: graph replays static's step on CUDA only; with LoRA, what the fast
+    sampler forwards the adapted linears through (rl.merged_copy)."""
+    text = "graph: static off CUDA" if sampler == "graph" and device.type != "cuda" else sampler
+    if lora and sampler != "reference":
+        text += ", " + COPY_TEXT[copy] + (" (4-bit dequantized where it fits)" if four_bit and copy != "off" else "")
+    return text
 
 
 def cache_line(reads: int, world: int) -> str:

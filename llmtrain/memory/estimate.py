@@ -12,7 +12,7 @@ import inspect
 from dataclasses import replace
 
 from llmtrain.capabilities import sequence_heads_problem
-from llmtrain.config import tiled_mlp_shard
+from llmtrain.config import PREFILL_CHUNK, tiled_mlp_shard
 from llmtrain.errors import LLMTrainError
 from llmtrain.memory import activations as act
 from llmtrain.memory.params import LoraPlan, ModelShape, lora_plan, tensor_parallel_shape
@@ -217,6 +217,10 @@ def estimate(shape: ModelShape, spec: TrainSpec) -> Estimate:
                                    budget=spec.eval_micro_batch_tokens, name="eval"))
     if spec.teacher is not None:  # distillation: a second, frozen model and its forward (memory/teacher.py)
         add_teacher(phases, shape, spec, p, base, gradients=g_acc)
+    if copy := generation_copy_bytes(shape, spec, plan):  # while the sampler runs, or throughout where it is kept
+        for name, parts in phases.items():
+            if spec.merged_copy == "kept" or name.startswith("generation"):
+                parts["generation_copy"] = copy
     est = _finish(whole, spec, plan, st, phases, notes=_notes(shape, spec, p))
     est = replace(est, long_context=_long_context(whole, spec, est, p, kept if offload else None))
     if spec.max_completion_tokens and spec.prompt_tokens < spec.prompt_cap:  # at the data's lengths: the worst case too
@@ -327,14 +331,27 @@ def kv_cache_bytes(shape: ModelShape, spec: TrainSpec) -> int:
     return sampling_rows(spec) * width * shape.layers * 2 * shape.kv_heads * shape.head_dim * cd
 
 
+def generation_copy_bytes(shape: ModelShape, spec: TrainSpec, plan) -> int:
+    """The fast sampler's merged generation copy (model/merged_copy.py; rl.merged_copy not off): each adapted
+    linear's [out, in] weight in the compute dtype, whole on every GPU (under FSDP it is made from the gathered
+    units; a 4-bit base's is dequantized)."""
+    if spec.merged_copy == "off" or plan is None or not spec.num_generations:
+        return 0
+    cd = DTYPE_BYTES[PRECISION_DTYPE.get(spec.mixed_precision, spec.dtype)]
+    per_layers = sum(i * o for layer in plan.adapted for i, o in layer.values())
+    return (per_layers + (shape.hidden * shape.vocab if plan.adapted_head else 0)) * cd
+
+
 def _generation_phases(shape: ModelShape, spec: TrainSpec, base: dict, *, cached: int, fsdp_unit: int) -> dict:
     """Online RL's sampling, no graph and no gradients (freed by the previous step), beside the static KV cache
-    (kv_cache_bytes; the adapters stay unmerged, so there is no generation copy of the weights). The prefill runs
-    once per distinct prompt (the micro-batch's prompts, not x num_generations): a layer's transients over them.
+    (kv_cache_bytes; the merged generation copy, generation_copy_bytes, is added by the caller). The prefill runs
+    once per distinct prompt (the micro-batch's prompts, not x num_generations), PREFILL_CHUNK positions at a time:
+    a layer's transients over a chunk.
     Then each decode step: the logits of one token per row in fp32, and the sampler's fp32 softmax, cumulative
     sum and nucleus sort over the vocabulary."""
     rows, prompts = sampling_rows(spec), max(1, spec.micro_batch // max(1, spec.num_generations))
-    prefill = make_pass(shape, spec.but(seq_len=max(2, spec.prompt_longest or spec.prompt_tokens or spec.seq_len)),
+    width = spec.prompt_longest or spec.prompt_tokens or spec.seq_len
+    prefill = make_pass(shape, spec.but(seq_len=max(2, min(width, PREFILL_CHUNK))),
                         examples=prompts)
     common = dict(**base, autocast_copies=cached, kv_cache=kv_cache_bytes(shape, spec), fsdp_buffers=fsdp_unit)
     return {"generation_prefill": _phase(**common, temporaries=act.eval_layer_bytes(prefill, shape, {}),

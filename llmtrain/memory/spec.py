@@ -26,8 +26,8 @@ DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 PRECISION_DTYPE = {"bf16": "bfloat16", "fp16": "float16"}
 # Every component a breakdown reports, in display order; the first six are always present.
 COMPONENTS = ("weights", "gradients", "optimizer", "activations", "logits", "overhead",
-              "autocast_copies", "ddp_buckets", "fsdp_buffers", "temporaries", "kv_cache", "pipeline_buffers",
-              "teacher")
+              "autocast_copies", "ddp_buckets", "fsdp_buffers", "temporaries", "kv_cache", "generation_copy",
+              "pipeline_buffers", "teacher")
 # Online RL without readable data: each prompt is taken at its longest, data.max_seq_len - rl.max_completion_tokens (a
 # longer prompt is refused before training: data.checks.check_prompt_room), so every sequence is max_seq_len long.
 # With data, the micro-batches of prompts the run will sample (its data plan: a pure function of the seed): the
@@ -112,6 +112,9 @@ class TrainSpec:
     # online RL: the update's token budget (rl.micro_batch_tokens): the micro-batch's sequences go through forward and
     # backward in passes of at most this many tokens, whole sequences each; None: one pass
     rl_micro_batch_tokens: int | None = None
+    # online RL and distillation with LoRA: the fast sampler's merged generation copy of the adapted linears
+    # (rl.merged_copy): "rollout", held while it samples; "kept", held throughout; "off", none
+    merged_copy: str = "off"
     # sequences one recipe example makes (micro_batch counts sequences): 2 for a preference pair (chosen and
     # rejected), num_generations for an online-RL prompt; --fit sizes micro-batches in whole examples
     per_example: int = 1
@@ -360,6 +363,7 @@ def spec_from_recipe(recipe: Recipe, *, strategy: Strategy = "single", num_gpus:
         num_generations=recipe.rl.num_generations if recipe.rl is not None else int(
             recipe.distill is not None and recipe.distill.lmbda > 0), per_example=per_example, **rl, **teacher,
         no_grad_forwards=recipe.kto is not None, frozen_reference=recipe.kto is not None and lora is None,
+        merged_copy=_merged_copy(recipe),
         **{**pipeline_keys(recipe), **launch},  # --pipeline-* options (in launch) win over the recipe's keys
     )
     if recipe.rl is not None and prompt_lengths and recipe.data.sources is None:  # the micro-batches of prompts
@@ -371,6 +375,14 @@ def spec_from_recipe(recipe: Recipe, *, strategy: Strategy = "single", num_gpus:
         spec = spec.but(prompt_tokens=prompt, prompt_longest=longest, prompt_basis=basis,
                         seq_len=(prompt if spec.packed else longest) + spec.max_completion_tokens)
     return spec
+
+
+def _merged_copy(recipe: Recipe) -> str:
+    """rl.merged_copy (distill.merged_copy) where the fast sampler samples a LoRA policy, else "off"."""
+    sampling = recipe.rl or recipe.distill
+    if sampling is None or recipe.lora is None or sampling.sampler == "reference":
+        return "off"
+    return sampling.merged_copy
 
 
 def pipeline_keys(recipe: Recipe) -> dict:

@@ -22,10 +22,15 @@ agreement rate), while a completion never depends on its batch. What changes is 
   a device buffer and advances its counters in place. Its inputs and outputs are tensors allocated before the
   loop, so the step can be captured once and replayed (`capture=True`, CUDA only). End-of-turn flags stay on the
   device: the host looks at them every CHECK_EVERY tokens, and copies the tokens back once.
-- LoRA stays unmerged: the adapters run beside the base inside the step (two small matmuls per adapted linear).
-  Merging into the base for sampling would need either a generation copy of every adapted weight (memory) or an
-  in-place bf16 merge/unmerge, which does not restore the base (TRL #6688). With the step captured, the adapters'
-  extra kernels cost no launch overhead; whether a merged copy is faster is for a GPU measurement to say.
+- LoRA: each adapted linear forwards through a merged generation copy of its weight (W + s B A, built beside the
+  trained weights for the rollout: model/merged_copy.py, rl.merged_copy), or unmerged beside the base (off, or
+  where the copy does not fit). Never an in-place merge/unmerge: in bf16 it does not restore the base (TRL #6688).
+- Finished rows leave the batch: at a look at the end-of-turn flags, once no more than COMPACT_AT of the rows are
+  still going, the live rows (their state, uniforms and KV cache) move to the front and the step runs on them only
+  (a captured graph per batch size), so the cost follows the rows still running. A completion is the same either
+  way: no row reads another's, and its uniforms go with it.
+- The prefill forwards at most PREFILL_CHUNK prompt positions at once (config.py), each chunk attending to
+  the ones before it through the cache: a long prompt group needs a chunk's activations, not the whole width's.
 
 Models: the Llama layout (`model.layers`, `embed_tokens`, `rotary_emb`, `norm`, `lm_head`, attention that updates a
 cache object): llama, mistral, qwen2, qwen3, phi3 (fused projections, a window on every layer as Mistral's) and
@@ -40,12 +45,14 @@ import inspect
 import torch
 
 from llmtrain.capabilities import FAMILIES
+from llmtrain.config import PREFILL_CHUNK  # noqa: F401  (read as fast_sample.PREFILL_CHUNK: the tests set it)
 from llmtrain.model.attention import layer_kinds, rotary_by_kind
 from llmtrain.model.generate import attention_as, next_tokens
 from llmtrain.model.loss import causal_lm
 
 CHECK_EVERY = 16  # tokens between two looks at the end-of-turn flags (the only host syncs while decoding)
 SPAN = 256  # a decode step attends to the cache's slots up to the next multiple of this (one graph per span)
+COMPACT_AT = 0.5  # the decode batch drops its finished rows once no more than this share of its rows is still going
 # models whose forward is embed -> layers -> norm -> head
 LAYOUTS = tuple(FAMILIES)  # the capability table's families, each with the Llama layout's modules
 WINDOWED = ("mistral", "phi3")  # no layer_types: config.sliding_window applies to every layer
@@ -141,25 +148,43 @@ def _window_mask(allowed: torch.Tensor, query_slots: torch.Tensor, key_slots: to
 
 @torch.no_grad()
 def sample_fast(lm, prompts: list[list[int]], *, seeds: list[int], max_new_tokens: int, temperature: float,
-                top_p: float, stop_ids: set[int], pad_id: int, capture: bool = False) -> list[list[int]]:
+                top_p: float, stop_ids: set[int], pad_id: int, capture: bool = False, copy: str = "off",
+                compact: bool = True) -> list[list[int]]:
     """Each prompt's completion, as `generate.sample` returns it: at most max_new_tokens ids, ending with a stop id
-    where one was drawn. capture: replay the decode step as a CUDA graph (CUDA only)."""
+    where one was drawn. capture: replay the decode step as a CUDA graph (CUDA only); copy: rl.merged_copy (the
+    adapted linears on a merged generation copy, model/merged_copy.py); compact: drop finished rows from the decode
+    batch (the same tokens either way)."""
+    from llmtrain.model.merged_copy import merged_for_sampling
+
     device = lm.device
     forward = _Forward(lm)
     uniforms = torch.stack([torch.rand(max_new_tokens, generator=torch.Generator().manual_seed(s),
                                        dtype=torch.float64) for s in seeds]).to(device=device, dtype=torch.float32)
-    with _sample_attention(lm), torch.compiler.set_stance("force_eager"):
+    cache = _cache_bytes(forward, len(prompts), max(map(len, prompts)) + max_new_tokens)
+    with _sample_attention(lm), torch.compiler.set_stance("force_eager"), \
+            merged_for_sampling(lm, copy, spare_bytes=cache):
         logits, keys, values = _prefill(forward, prompts, steps=max_new_tokens, pad_id=pad_id, device=device)
         decode = _Decode(forward, prompts, keys, values, uniforms=uniforms, stop_ids=stop_ids, pad_id=pad_id,
                          sampling=dict(temperature=temperature, top_p=top_p))
         decode.first(logits)
-        decode.run(capture=capture)
-    return _trim(decode.state["out"].tolist(), set(stop_ids))  # the one copy back to the host
+        decode.run(capture=capture, compact=compact)
+    return _trim(decode.result.tolist(), set(stop_ids))  # the one copy back to the host
+
+
+def _cache_bytes(forward: _Forward, rows: int, length: int) -> int:
+    """The static KV cache's size for `rows` x `length` slots, in the dtype the layers compute in."""
+    cfg, weight = forward.model.config, forward.inner.embed_tokens.weight
+    heads = cfg.num_attention_heads
+    kv, dim = getattr(cfg, "num_key_value_heads", None) or heads, getattr(cfg, "head_dim", None)
+    dim = dim or cfg.hidden_size // heads
+    element = 2 if torch.is_autocast_enabled(weight.device.type) else weight.element_size()
+    return 2 * len(forward.layers) * rows * kv * length * dim * element
 
 
 def _prefill(forward: _Forward, prompts: list[list[int]], *, steps: int, pad_id: int, device: torch.device):
-    """Each distinct prompt forwarded once, left-padded to the common width: (each row's last logits [rows, vocab],
-    the static cache's keys and values per layer [rows, kv heads, width + steps, head dim], each row's prompt prefix
+    """Each distinct prompt forwarded once, left-padded to the common width, in chunks of PREFILL_CHUNK positions (a
+    chunk attends to the slots before it through the prefill's cache): (each row's last logits [rows, vocab], the
+    static cache's keys and values per layer [rows, kv heads, width + steps, head dim], each row's prompt prefix
     copied into its first width slots, the rest zero)."""
     rows, width = len(prompts), max(map(len, prompts))
     length = width + steps  # the cache's slots: the longest prompt, then one slot per decoded token
@@ -168,12 +193,16 @@ def _prefill(forward: _Forward, prompts: list[list[int]], *, steps: int, pad_id:
     ids = torch.tensor([[pad_id] * (width - len(p)) + list(p) for p in distinct], device=device)
     real = ids.new_tensor([[0] * (width - len(p)) + [1] * len(p) for p in distinct])
     positions = (real.cumsum(-1) - 1).clamp(min=0)
-    q = torch.arange(width, device=device)
-    causal = (q[None, :] <= q[:, None])[None] & (real[:, None, :] == 1)
-    causal |= torch.eye(width, dtype=torch.bool, device=device)  # a pad attends to itself: no all-masked row
-    masks = {w: _window_mask(causal, q[:, None], q[None, :], w)[:, None] for w in set(forward.windows)}
-    small = _PrefillCache(len(forward.layers))  # the distinct prompts' keys and values, as the layers make them
-    logits = forward(ids, positions, masks, small)
+    slots = torch.arange(width, device=device)
+    small = _PrefillCache(len(forward.layers), width)  # the distinct prompts' keys and values, chunk after chunk
+    for a in range(0, width, PREFILL_CHUNK):
+        b = min(width, a + PREFILL_CHUNK)
+        q, k = slots[a:b, None], slots[None, :b]
+        causal = (k <= q)[None] & (real[:, None, :b] == 1)
+        causal |= (k == q)[None]  # a pad attends to itself: no all-masked row
+        masks = {w: _window_mask(causal, q, k, w)[:, None] for w in set(forward.windows)}
+        small.start, small.stop = a, b
+        logits = forward(ids[:, a:b], positions[:, a:b], masks, small)
     keys, values = [], []  # the static cache: each row gets its prompt's prefix
     for k, v in zip(small.keys, small.values):
         keys.append(k.new_zeros(rows, k.size(1), length, k.size(3)))
@@ -185,7 +214,9 @@ def _prefill(forward: _Forward, prompts: list[list[int]], *, steps: int, pad_id:
 
 class _Decode:
     """The decode state, every tensor the step reads or writes allocated once (`state`), and the step: one token
-    per row, in place, no host sync, fixed shapes, so it can be captured and replayed."""
+    per row, in place, no host sync, fixed shapes, so it can be captured and replayed. Its rows are the rows still
+    going: `compact` drops the finished ones (`rows`: each one's place in the rollout; `result` keeps what every row
+    drew)."""
 
     def __init__(self, forward: _Forward, prompts: list[list[int]], keys: list, values: list, *,
                  uniforms: torch.Tensor, stop_ids: set[int], pad_id: int, sampling: dict):
@@ -197,6 +228,8 @@ class _Decode:
         self.key_slots = torch.arange(self.length, device=device)
         self.start = torch.tensor([width - len(p) for p in prompts], device=device)  # each row's first real slot
         self.windows = set(forward.windows)
+        self.rows = torch.arange(rows, device=device)
+        self.result = torch.full((rows, steps), pad_id, dtype=torch.long, device=device)
         self.state = dict(
             ids=torch.zeros(rows, 1, dtype=torch.long, device=device),  # the token each row forwards next
             positions=torch.tensor([[len(p)] for p in prompts], device=device),  # its position (rotary)
@@ -229,21 +262,47 @@ class _Decode:
         s["slot"].add_(1)
         s["column"].add_(1)
 
-    def run(self, *, capture: bool) -> None:
+    def compact(self, live: torch.Tensor, filled: int) -> None:
+        """Keep the rows at `live` only (the ones still going), in order: what the finished rows drew goes to
+        `result`, and every per-row buffer is cut to the live rows, the KV cache in place (its first `filled` slots
+        moved to the front rows, layer by layer: no second cache). A row's tokens do not change: its uniforms,
+        positions and cache go with it, and no row reads another's."""
+        s, n = self.state, live.numel()
+        self.result.index_copy_(0, self.rows, s["out"])
+        self.rows, self.start, self.uniforms = self.rows[live], self.start[live], self.uniforms[live]
+        for key in ("ids", "positions", "column", "done", "out"):
+            s[key] = s[key][live]
+        for cache in (self.cache.keys, self.cache.values):
+            for i, x in enumerate(cache):
+                x[:n, :, :filled] = x[live, :, :filled]
+                cache[i] = x[:n]
+
+    def run(self, *, capture: bool, compact: bool = True) -> None:
         """The tokens after the first, until every row is done (looked at every CHECK_EVERY tokens) or the last;
-        capture: each span's step captured once as a CUDA graph and replayed (eager where capture fails)."""
+        capture: each span's step captured once as a CUDA graph and replayed (eager where capture fails); compact:
+        once no more than COMPACT_AT of the rows are going, the finished ones leave the batch (at a look), so the
+        step's cost follows the rows still running (a few batch sizes: each at most COMPACT_AT of the last)."""
         state, cache, width, length = self.state, self.cache, self.width, self.length
-        graphs = {} if capture and _can_capture(self.uniforms.device) else None  # one captured step per span
+        # one captured step per span and batch size, in one pool (they never run at once: the memory a capture
+        # frees is the next one's)
+        graphs = {} if capture and _can_capture(self.uniforms.device) else None
         for t in range(1, self.uniforms.size(1)):
-            if t % CHECK_EVERY == 0 and bool(state["done"].all()):  # host sync, every CHECK_EVERY tokens only
-                break
+            if t % CHECK_EVERY == 0:  # host sync, every CHECK_EVERY tokens only
+                going = ~state["done"]
+                live = int(going.sum())
+                if live == 0:
+                    break
+                if compact and live <= COMPACT_AT * going.numel():
+                    self.compact(going.nonzero().squeeze(1), filled=width + t - 1)
+                    state = self.state
             # Attention reads the slots up to the next multiple of SPAN only (the host knows the step's slot,
             # width + t - 1, without asking the device): early tokens do not pay for the whole cache.
             cache.length = min(length, (width + t - 1) // SPAN * SPAN + SPAN)
-            if graphs is not None and cache.length not in graphs:
+            key = (cache.length, len(self.rows))
+            if graphs is not None and key not in graphs:
                 try:
-                    graphs[cache.length] = _captured(self.step, state, warmup=min(2, length - (width + t - 1)),
-                                                     pool=next(iter(graphs.values())).pool() if graphs else None)
+                    graphs[key] = _captured(self.step, state, warmup=min(2, length - (width + t - 1)),
+                                            pool=next(iter(graphs.values())).pool() if graphs else None)
                 except RuntimeError as e:  # an op that cannot be captured (a kernel library's): eager from here
                     import warnings
 
@@ -253,19 +312,28 @@ class _Decode:
             if graphs is None:
                 self.step()
             else:
-                graphs[cache.length].replay()
+                graphs[key].replay()
+        self.result.index_copy_(0, self.rows, state["out"])
 
 
 class _PrefillCache:
-    """The prefill's cache: it keeps each layer's keys and values as the attention made them (the prompt's slots)."""
+    """The prefill's cache: each layer's keys and values of the distinct prompts [prompts, kv heads, width, head dim],
+    the chunk's written at its slots [start, stop), and the slots up to stop given back to its attention."""
 
-    def __init__(self, layers: int):
+    def __init__(self, layers: int, width: int):
+        self.width, self.start, self.stop = width, 0, width
         self.keys: list = [None] * layers
         self.values: list = [None] * layers
 
     def update(self, key_states, value_states, layer_idx, *args, **kwargs):
-        self.keys[layer_idx], self.values[layer_idx] = key_states, value_states
-        return key_states, value_states
+        if self.keys[layer_idx] is None:
+            shape = (*key_states.shape[:2], self.width, key_states.size(3))
+            self.keys[layer_idx] = key_states.new_zeros(shape)
+            self.values[layer_idx] = value_states.new_zeros(shape[:3] + (value_states.size(3),))
+        k, v = self.keys[layer_idx], self.values[layer_idx]
+        k[:, :, self.start:self.stop] = key_states
+        v[:, :, self.start:self.stop] = value_states
+        return k[:, :, : self.stop], v[:, :, : self.stop]
 
 
 def _can_capture(device: torch.device) -> bool:
@@ -302,9 +370,9 @@ def _trim(tokens: list[list[int]], stop_ids: set[int]) -> list[list[int]]:
     return out
 
 
-def sampler_for(lm, kind: str):
+def sampler_for(lm, kind: str, *, copy: str = "off"):
     """The sampling function rl.sampler names for this model (generate.sample's signature): the reference loop where
-    asked, or where the fast sampler cannot run the model (`supports`)."""
+    asked, or where the fast sampler cannot run the model (`supports`); copy: rl.merged_copy, for the fast sampler."""
     from functools import partial
 
     from llmtrain.model.generate import sample
@@ -318,4 +386,4 @@ def sampler_for(lm, kind: str):
                       f"parameters; this {causal_lm(lm).config.model_type} model samples with the reference loop "
                       "(slower; the same tokens up to rounding)", stacklevel=2)
         return sample
-    return partial(sample_fast, capture=kind == "graph")
+    return partial(sample_fast, capture=kind == "graph", copy=copy)

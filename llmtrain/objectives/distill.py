@@ -127,7 +127,7 @@ class Distill:
         completions = sample(self.lm, cfg.sampler, [p for p, _ in prompts],
                              [completion_seed(self.seed, step, row, 0) for _, row in prompts],
                              max_new_tokens=cfg.max_completion_tokens, temperature=cfg.temperature, top_p=cfg.top_p,
-                             stop_ids=self.stop_ids, pad_id=self.pad_id)
+                             stop_ids=self.stop_ids, pad_id=self.pad_id, copy=cfg.merged_copy)
         spent = time.perf_counter() - begun
         sequences = completion_rows([p for p, _ in prompts], completions)
         out, counts = self._batch(sequences, prompts)

@@ -271,7 +271,8 @@ class GRPO:
                   top_p: float) -> list[list[int]]:
         """The completions of `prompt_ids`, one per seed, with rl.sampler (the caller gathers FSDP's units)."""
         return sample(self.lm, self.rl.sampler, prompt_ids, seeds, max_new_tokens=self.rl.max_completion_tokens,
-                      temperature=temperature, top_p=top_p, stop_ids=self.stop_ids, pad_id=self.pad_id)
+                      temperature=temperature, top_p=top_p, stop_ids=self.stop_ids, pad_id=self.pad_id,
+                      copy=self.rl.merged_copy)
 
     def _score(self, examples: list[dict], completions: list[list[int]], g: int, *, where: str, logs=None):
         """(texts, each reward [completions x functions], their weighted sum) of the completions of `examples`,
