@@ -108,14 +108,14 @@ def estimate_memory(*args: str, check: bool = True) -> subprocess.CompletedProce
 
 
 def launch_finetune(config: Path, processes: int, port: int, recipe: Path, *overrides: str,
-                    resume: str | None = None) -> str:
+                    resume: str | None = None, env: dict | None = None) -> str:
     """`accelerate launch --config_file CONFIG --num_processes N -m llmtrain finetune RECIPE OVERRIDES...` (with
-    --resume); asserts it exits 0 and returns what the main process printed."""
+    --resume; in `env`, default ENV); asserts it exits 0 and returns what the main process printed."""
     extra = ["--resume", resume] if resume else []
     proc = subprocess.run(
         [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(config), "--num_processes",
          str(processes), "--main_process_port", str(port), "-m", "llmtrain", "finetune", str(recipe), *overrides,
-         *extra], env=ENV, cwd=REPO, capture_output=True, text=True, timeout=600)
+         *extra], env=env or ENV, cwd=REPO, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     return proc.stdout + ("\nSTDERR\n" + proc.stderr if proc.stderr else "")
 

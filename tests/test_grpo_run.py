@@ -9,6 +9,7 @@ differ, and the update is not zero; answer_match (against the data's completion 
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -161,34 +162,89 @@ def test_a_token_budget_splits_the_update_into_passes_with_the_same_losses_and_w
         load_recipe(recipe, ["rl.micro_batch_tokens=16"])
 
 
-def test_lora_samples_on_a_merged_copy_with_finished_rows_dropped_what_the_reference_loop_samples(
-        tiny_assets, tmp_path, monkeypatch):
-    """A LoRA policy under the default sampler (2 steps: the second samples adapters the first trained): each rollout
-    on a merged generation copy (rl.merged_copy=rollout),
-    and (looked at every 2 tokens here, dropped as soon as one row ends) finished rows leave the decode batch; the
-    reference loop over the unmerged adapters draws the same completions (fp32: the two paths round apart by ~1e-7,
-    test_fast_sample measures it), so the losses and the final adapters are the same; the trained weights were never
-    merged in place."""
+# Finished rows leave the decode batch at its looks at the end-of-turn flags (every 16 tokens), which these 8-token
+# completions never reach: the runs below look every 2 tokens and drop rows as soon as one ends, in this process
+# (monkeypatched) and in the launched ones (a sitecustomize module sets the same in every Python process).
+COMPACTING = """import os
+import llmtrain.model.fast_sample as f
+f.CHECK_EVERY, f.COMPACT_AT = 2, 0.99
+compact = f._Decode.compact
+def counted(self, live, filled):  # each compaction, a line in the file the test reads
+    with open(os.environ["COMPACTIONS"], "a") as out:
+        out.write(f"{len(self.rows)} {live.numel()}\\n")
+    return compact(self, live, filled)
+f._Decode.compact = counted
+"""
+
+
+@pytest.fixture(scope="module")
+def compacting(tiny_assets, tmp_path_factory):
+    """A LoRA policy under the default sampler (rl.merged_copy=rollout), 4 steps in this process with rows dropped
+    at every look: (recipe, run folder, rows dropped over its rollouts, env for launched processes that do the
+    same)."""
     from llmtrain.model import fast_sample
 
-    monkeypatch.setattr(fast_sample, "CHECK_EVERY", 2)
-    monkeypatch.setattr(fast_sample, "COMPACT_AT", 0.99)
+    tmp = tmp_path_factory.mktemp("compacting")
+    (tmp / "site").mkdir()
+    (tmp / "site" / "sitecustomize.py").write_text(COMPACTING)
+    env = {**ENV, "PYTHONPATH": os.pathsep.join(filter(None, [str(tmp / "site"), ENV.get("PYTHONPATH")])),
+           "COMPACTIONS": str(tmp / "compactions.txt")}
     dropped = []
     compact = fast_sample._Decode.compact
-    monkeypatch.setattr(fast_sample._Decode, "compact", lambda self, live, filled: dropped.append(
-        len(self.rows) - live.numel()) or compact(self, live, filled))
-    recipe = grpo_recipe(tiny_assets, tmp_path, lora={"r": 4, "alpha": 8, "dropout": 0.0},
-                         train={"max_steps": 2, "eval_every_steps": 2})
-    run_train(recipe, f"output_dir={tmp_path / 'fast'}")
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(fast_sample, "CHECK_EVERY", 2)
+        mp.setattr(fast_sample, "COMPACT_AT", 0.99)
+        mp.setattr(fast_sample._Decode, "compact", lambda self, live, filled: dropped.append(
+            len(self.rows) - live.numel()) or compact(self, live, filled))
+        recipe = grpo_recipe(tiny_assets, tmp, lora={"r": 4, "alpha": 8, "dropout": 0.0})
+        run_train(recipe, f"output_dir={tmp / 'one'}")
+    return recipe, tmp / "one", sum(dropped), env
+
+
+ADAPTER = "adapter_model.safetensors"
+
+
+@pytest.mark.slow
+def test_lora_samples_on_a_merged_copy_with_finished_rows_dropped_what_the_reference_loop_samples(compacting,
+                                                                                                  tmp_path):
+    """Each rollout on a merged generation copy, finished rows leaving the batch: the reference loop over the
+    unmerged adapters draws the same completions (fp32: the two paths round apart by ~1e-7, test_fast_sample
+    measures it), so the losses and the final adapters are the same; the trained weights were never merged in
+    place."""
+    recipe, one, dropped, _ = compacting
     run_train(recipe, f"output_dir={tmp_path / 'reference'}", "rl.sampler=reference")
-    log = (tmp_path / "fast" / "train.log").read_text()
-    assert "(rl.sampler=graph: static off CUDA, LoRA on a merged copy built each rollout)" in log
-    assert sum(dropped) > 0  # rows left the batch
-    assert rollouts(tmp_path / "fast") == rollouts(tmp_path / "reference")
-    assert losses(tmp_path / "fast") == losses(tmp_path / "reference")
-    fast, reference = (load_weights(tmp_path / run / "final" / "adapter_model.safetensors")
-                       for run in ("fast", "reference"))
+    assert "(rl.sampler=graph: static off CUDA, LoRA on a merged copy built each rollout)" in (
+        one / "train.log").read_text()
+    assert dropped > 0  # rows left the batch
+    assert rollouts(one) == rollouts(tmp_path / "reference")
+    assert losses(one) == losses(tmp_path / "reference")
+    fast, reference = (load_weights(run / "final" / ADAPTER) for run in (one, tmp_path / "reference"))
     assert max_abs_diff(fast, reference) == 0.0 and any(v.abs().max() > 0 for k, v in fast.items() if "lora_B" in k)
+
+
+@pytest.mark.slow
+def test_two_processes_dropping_rows_on_a_merged_copy_sample_and_train_what_one_does(compacting, tmp_path,
+                                                                                     free_port):
+    """Each rank samples its 2 prompts' completions (a batch of 8 rows, compacted at its own times): the same
+    completions as the one process's batches of 16, the same losses, the same adapters."""
+    recipe, one, _, env = compacting
+    two = tmp_path / "two"
+    launch_finetune(CPU_DDP, 2, free_port, recipe, f"output_dir={two}", "train.micro_batch_size=2",
+                    env={**env, "COMPACTIONS": str(tmp_path / "compactions.txt")})
+    assert len((tmp_path / "compactions.txt").read_text().splitlines()) > 1  # rows left both ranks' batches
+    assert [(r["step"], r["row"], r["completion_ids"]) for r in rollouts(two)] == [
+        (r["step"], r["row"], r["completion_ids"]) for r in rollouts(one)]
+    assert losses(two) == pytest.approx(losses(one), abs=1e-6)
+    assert max_abs_diff(load_weights(two / "final" / ADAPTER), load_weights(one / "final" / ADAPTER)) < 1e-5
+
+
+@pytest.mark.slow
+@pytest.mark.extended  # main tier: the two processes above, and test_killed_mid_run_resumes_... (rows kept)
+def test_a_run_dropping_rows_on_a_merged_copy_killed_mid_run_resumes_to_the_same_completions(compacting, tmp_path):
+    recipe, one, _, env = compacting
+    killed_and_resumed(recipe, one, tmp_path / "cut", env={**env, "COMPACTIONS": str(tmp_path / "compactions.txt")},
+                       weights=ADAPTER)
+    assert (tmp_path / "compactions.txt").read_text()  # rows left the batches, before the kill and after
 
 
 def test_lora_with_beta_takes_the_disabled_adapter_as_reference(tiny_assets, tmp_path):
@@ -255,18 +311,19 @@ def test_killed_mid_run_resumes_to_the_same_completions_losses_and_weights(strai
     killed_and_resumed(recipe, full, tmp_path / "cut")
 
 
-def killed_and_resumed(recipe: Path, full: Path, cut: Path) -> None:
+def killed_and_resumed(recipe: Path, full: Path, cut: Path, *, env: dict | None = None,
+                       weights: str = "model.safetensors") -> None:
     """The run of `recipe` killed like kill -9 mid step 3 into `cut`, resumed: `full`'s completions, losses and
     weights (tests/test_rloo.py runs it for RLOO)."""
     killed = subprocess.run([sys.executable, "-c", KILL_AT_STEP_3, "finetune", str(recipe), f"output_dir={cut}"],
-                            env=ENV, cwd=REPO, capture_output=True, text=True, timeout=300)
+                            env=env or ENV, cwd=REPO, capture_output=True, text=True, timeout=300)
     assert killed.returncode == 137, killed.stderr[-3000:]
     assert {r["step"] for r in rollouts(cut)} == {1, 2}
-    proc = cli("finetune", str(cut / "recipe.yaml"), "--resume", "auto")
+    proc = cli("finetune", str(cut / "recipe.yaml"), "--resume", "auto", env=env or ENV)
     assert "at step 2" in proc.stdout
     assert rollouts(cut) == rollouts(full)  # the same completions, rewards and advantages, line for line
     assert losses(cut) == pytest.approx(losses(full), abs=1e-6)
-    assert max_abs_diff(load_weights(cut / "final"), load_weights(full / "final")) == 0.0
+    assert max_abs_diff(load_weights(cut / "final" / weights), load_weights(full / "final" / weights)) == 0.0
 
 
 @pytest.mark.slow
