@@ -358,19 +358,19 @@ i40)  # issue 40 in one call (~9 minutes on an H200), by value: the sampler's sp
   $PY -m pytest -q -p no:cacheprovider tests/test_cuda.py -k sampler -rs -s > "$OUT/i40-cuda-tests.txt" 2>&1
   echo "tests/test_cuda.py -k sampler: exit $? at ${SECONDS}s" | tee -a "$OUT/$WHAT.log"
   # issue 56: the merged copy at the limit (every row to 256), then GSM8K-like lengths (finished rows dropped)
-  sizes="--completions 16 64 --new-tokens 256 --samplers graph-before graph-merged graph"
+  sizes="--completions 16 64 --new-tokens 256 --samplers graph-before graph graph-merged"
   [[ $DRY == 1 ]] && sizes="--completions 16 64 --new-tokens 32 --prompt-tokens 40 --samplers graph-before graph"
   $PY benchmarks/rollouts.py --model "$MISTRAL7B" --gsm8k $G/gsm8k/train.jsonl --lora 16 --dtype bfloat16 $sizes \
     >> "$OUT/$WHAT.jsonl" 2>> "$OUT/$WHAT.log"
   echo "rollouts.py: exit $? at ${SECONDS}s" | tee -a "$OUT/$WHAT.log"
-  sizes="--completions 16 64 --new-tokens 512 --lengths gsm8k --samplers graph-before graph-compact graph"
+  sizes="--completions 16 64 --new-tokens 512 --lengths gsm8k --samplers graph-before graph graph-merged"
   [[ $DRY == 1 ]] && sizes="--completions 16 --new-tokens 32 --prompt-tokens 40 --lengths gsm8k --samplers graph"
   $PY benchmarks/rollouts.py --model "$MISTRAL7B" --gsm8k $G/gsm8k/train.jsonl --lora 16 --dtype bfloat16 $sizes \
     >> "$OUT/$WHAT.jsonl" 2>> "$OUT/$WHAT.log"
   echo "rollouts.py --lengths gsm8k: exit $? at ${SECONDS}s" | tee -a "$OUT/$WHAT.log"
   grpo_lora 2
   run grpo-graph $FT $W/lora.yaml $GRPO "$RL" rl.sampler=graph
-  run grpo-unmerged $FT $W/lora.yaml $GRPO "$RL" rl.sampler=graph rl.merged_copy=off
+  run grpo-merged $FT $W/lora.yaml $GRPO "$RL" rl.sampler=graph rl.merged_copy=rollout
   run grpo-fsdp1 $FSDP1 $W/lora.yaml $GRPO "$RL" train.max_steps=1
   echo "grpo: done at ${SECONDS}s" | tee -a "$OUT/$WHAT.log"
   recipe $W/full.yaml "$LLAMA1B" 0 float32

@@ -1,6 +1,7 @@
 """Sampling speed for online RL: the reference loop (model/generate.sample) against the fast sampler
 (model/fast_sample.py, eager static cache and CUDA graph), as GRPO's rollout calls them, with and without its merged
-generation copy (rl.merged_copy) and finished rows dropped from the batch (the `-before` samplers have neither).
+generation copy (rl.merged_copy: the `-merged` samplers) and finished rows dropped from the batch (the `-before`
+samplers have neither).
 
 For each number of completions (prompts x --generations) and of new tokens: generated tokens/s, ms per decode
 step, the completions' lengths and the peak memory, one JSON line each. Prompts are ~--prompt-tokens long (GSM8K
@@ -12,7 +13,7 @@ pays. The slow samplers can be timed over fewer new tokens (--cap reference=64: 
   # Mistral-7B LoRA, random init, on a GPU (benchmarks/gpu_session.sh rl runs this)
   python benchmarks/rollouts.py --model .gpu/mistral --gsm8k .gpu/gsm8k/train.jsonl --lora 16 --dtype bfloat16
   python benchmarks/rollouts.py --model .gpu/mistral --gsm8k .gpu/gsm8k/train.jsonl --lora 16 --dtype bfloat16 \
-      --lengths gsm8k --new-tokens 512 --completions 16 64 --samplers graph-before graph-merged graph-compact graph
+      --lengths gsm8k --new-tokens 512 --completions 16 64 --samplers graph-before graph graph-merged
   # the tiny model on the CPU
   python benchmarks/rollouts.py --model assets/tiny/model --completions 16 64 256 --new-tokens 12 64 --dtype float32
 """
@@ -37,6 +38,7 @@ def build(path: str, *, dtype: str, lora: int, device: str):
 
     from transformers import AutoConfig, AutoModelForCausalLM
 
+    torch.manual_seed(0)  # a random init, the same each time
     kwargs = dict(dtype=getattr(torch, dtype), attn_implementation="sdpa")
     if any(Path(path).glob("*.safetensors")):
         model = AutoModelForCausalLM.from_pretrained(path, **kwargs).to(device)
@@ -119,11 +121,11 @@ def length_stats(out: list[list[int]]) -> dict:
             "length_p90": at(0.9)}
 
 
-# name: (fast sampler, capture, merged copy, finished rows dropped); "-before": the sampler as it was before both
-SAMPLERS = {"reference": None, "static-before": (False, "off", False), "static-merged": (False, "rollout", False),
-            "static-compact": (False, "off", True), "static": (False, "rollout", True),
-            "graph-before": (True, "off", False), "graph-merged": (True, "rollout", False),
-            "graph-compact": (True, "off", True), "graph": (True, "rollout", True)}
+# name: (capture, rl.merged_copy, finished rows dropped): static and graph as rl.sampler runs them by default (rows
+# dropped, adapters unmerged); -merged: on a merged copy (rl.merged_copy=rollout); -before: neither (as before issue 56)
+SAMPLERS = {"reference": None, "static-before": (False, "off", False), "static": (False, "off", True),
+            "static-merged": (False, "rollout", True), "graph-before": (True, "off", False),
+            "graph": (True, "off", True), "graph-merged": (True, "rollout", True)}
 
 
 def sampler(name: str):
@@ -143,10 +145,10 @@ def main() -> None:
     ap.add_argument("--generations", type=int, default=8, help="completions per prompt")
     ap.add_argument("--prompt-tokens", type=int, default=150)
     ap.add_argument("--new-tokens", type=int, nargs="+", default=[256, 1024])
-    ap.add_argument("--samplers", nargs="+", default=["reference", "static-before", "static", "graph-before",
-                                                      "graph-merged", "graph"], choices=sorted(SAMPLERS),
-                    help="static/graph: with rl.merged_copy=rollout and finished rows dropped; -before: neither; "
-                         "graph-merged: the copy only; graph-compact: dropping rows only")
+    ap.add_argument("--samplers", nargs="+", default=["reference", "static-before", "static", "graph-before", "graph",
+                                                      "graph-merged"], choices=sorted(SAMPLERS),
+                    help="static/graph: as rl.sampler runs them (finished rows dropped); -merged: also on a merged "
+                         "copy (rl.merged_copy=rollout); -before: neither")
     ap.add_argument("--lengths", choices=["limit", "gsm8k"], default="limit",
                     help="limit: no stop tokens, every completion runs to the limit (the worst case); gsm8k: stop "
                          "tokens that end completions after GSM8K's mean reply length (needs --gsm8k)")

@@ -599,12 +599,13 @@ class RewardConfig(Section):
 PREFILL_CHUNK = 1024
 MergedCopy = Literal["rollout", "kept", "off"]
 MERGED_COPY = (
-    "LoRA and QLoRA: what the fast sampler (static, graph) forwards each adapted linear through (docs/rl.md): rollout, "
-    "a merged generation copy (base + scaled adapter product, in the compute dtype; a 4-bit base dequantized) built "
-    "from the current weights for each rollout and freed after it; kept, the same copy kept between rollouts (rebuilt "
-    "in place: no allocation, its memory held through the update too); off, the adapters unmerged beside the base "
-    "(no copy: the least memory, slower). A copy that does not fit beside the KV cache samples unmerged, with a "
-    "warning. The same tokens up to rounding either way.")
+    "LoRA and QLoRA: what the fast sampler (static, graph) forwards each adapted linear through (docs/rl.md): off (the "
+    "default), the adapters unmerged beside the base, exactly the trained policy; rollout, a merged generation copy "
+    "(base + scaled adapter product, in the compute dtype; a 4-bit base dequantized) built from the current weights "
+    "for each rollout and freed after it: fewer kernels a token, but in bf16 the copy rounds each weight to bf16, so "
+    "an adapter change under half a bf16 step of its weight (|w| / 512) does not reach the samples (most of a young "
+    "adapter); kept, the same copy kept between rollouts (rebuilt in place: no allocation, its memory held through "
+    "the update too). A copy that does not fit beside the KV cache samples unmerged, with a warning.")
 
 
 class RLConfig(Section):
@@ -648,7 +649,7 @@ class RLConfig(Section):
         "preallocated KV cache and a fixed-shape decode step with no host sync per token, replayed as a CUDA graph "
         "(on CUDA; static elsewhere); static, that step run eagerly; reference, the plain loop over transformers' "
         "growing cache (the oracle).")
-    merged_copy: MergedCopy = Field("rollout", description=MERGED_COPY)
+    merged_copy: MergedCopy = Field("off", description=MERGED_COPY)
     micro_batch_tokens: int | None = Field(
         None, gt=0, description="The update's token budget: a micro-batch's prompt + completion sequences go "
         "through the forward and backward in passes of at most this many tokens (a sequence is never split, so at "
@@ -716,7 +717,7 @@ class DistillConfig(Section):
     sampler: Literal["static", "graph", "reference"] = Field(
         "graph", description="How the student samples, as rl.sampler: graph (CUDA graphs; static elsewhere), static, "
         "or reference (the plain loop).")
-    merged_copy: MergedCopy = Field("rollout", description=MERGED_COPY)
+    merged_copy: MergedCopy = Field("off", description=MERGED_COPY)
 
 
 class BenchmarkConfig(Section):

@@ -123,3 +123,40 @@ def test_the_captured_sampler_equals_the_eager_one_and_the_reference_loop(dtype,
         assert same == len(prompts)
     else:
         assert same >= (len(prompts) - 1 if dtype == torch.float32 else 0.75 * len(prompts))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_captured_sampler_on_a_merged_copy_dropping_finished_rows(dtype):
+    """Issue 56 on CUDA: the captured step with the merged generation copy and finished rows dropped (graphs captured
+    per batch size) draws exactly what the same run eagerly draws. Against the rows kept and the adapters unmerged it
+    is equal up to rounding (a smaller batch can pick another matmul kernel; x W + s (x A) B and x (W + s B A) round
+    apart): in fp32 all but one of 32, in bf16 at least 3 in 4."""
+    from collections import Counter
+
+    from llmtrain.model import fast_sample
+    from llmtrain.model.fast_sample import sample_fast
+    from llmtrain.model.generate import completion_seed
+
+    lm = _sampling_model(dtype)
+    g = torch.Generator().manual_seed(3)
+    distinct = [[1, *torch.randint(3, 512, (n,), generator=g).tolist()] for n in (5, 40, 17, 29)]
+    prompts = [p for p in distinct for _ in range(8)]
+    kwargs = dict(seeds=[completion_seed(3, 2, i // 8, i % 8) for i in range(32)], max_new_tokens=64,
+                  temperature=1.0, top_p=0.9, stop_ids=set(), pad_id=0)
+    free = sample_fast(lm, prompts, **kwargs)  # the tokens drawn most often stop rows at very different lengths
+    kwargs["stop_ids"] = {t for t, _ in Counter(t for c in free for t in c).most_common(3)}
+    sizes = []
+    compact = fast_sample._Decode.compact
+    fast_sample._Decode.compact = lambda self, live, filled: sizes.append(live.numel()) or compact(self, live, filled)
+    try:
+        captured = sample_fast(lm, prompts, capture=True, copy="rollout", **kwargs)
+        eager = sample_fast(lm, prompts, copy="rollout", **kwargs)
+    finally:
+        fast_sample._Decode.compact = compact
+    before = sample_fast(lm, prompts, capture=True, copy="off", compact=False, **kwargs)
+    print(sizes, captured == eager)
+    assert captured == eager and sizes and sizes[: len(sizes) // 2] == sizes[len(sizes) // 2:]
+    same = sum(a == b for a, b in zip(captured, before))
+    print(f"{dtype}: compacted to {sizes[: len(sizes) // 2]} rows; {same} of 32 completions equal to the "
+          "unmerged sampler's with every row kept")
+    assert same >= (len(prompts) - 1 if dtype == torch.float32 else 0.75 * len(prompts))

@@ -179,9 +179,9 @@ f._Decode.compact = counted
 
 @pytest.fixture(scope="module")
 def compacting(tiny_assets, tmp_path_factory):
-    """A LoRA policy under the default sampler (rl.merged_copy=rollout), 4 steps in this process with rows dropped
-    at every look: (recipe, run folder, rows dropped over its rollouts, env for launched processes that do the
-    same)."""
+    """A LoRA policy on a merged copy (rl.merged_copy=rollout; fp32: exact to ~1e-7), 4 steps in this process, rows
+    dropped at every look: (recipe, run folder, rows dropped over its rollouts, env for launched processes that do
+    the same)."""
     from llmtrain.model import fast_sample
 
     tmp = tmp_path_factory.mktemp("compacting")
@@ -196,7 +196,8 @@ def compacting(tiny_assets, tmp_path_factory):
         mp.setattr(fast_sample, "COMPACT_AT", 0.99)
         mp.setattr(fast_sample._Decode, "compact", lambda self, live, filled: dropped.append(
             len(self.rows) - live.numel()) or compact(self, live, filled))
-        recipe = grpo_recipe(tiny_assets, tmp, lora={"r": 4, "alpha": 8, "dropout": 0.0})
+        recipe = grpo_recipe(tiny_assets, tmp, lora={"r": 4, "alpha": 8, "dropout": 0.0},
+                             rl={"merged_copy": "rollout"})
         run_train(recipe, f"output_dir={tmp / 'one'}")
     return recipe, tmp / "one", sum(dropped), env
 
@@ -207,7 +208,7 @@ ADAPTER = "adapter_model.safetensors"
 @pytest.mark.slow
 def test_lora_samples_on_a_merged_copy_with_finished_rows_dropped_what_the_reference_loop_samples(compacting,
                                                                                                   tmp_path):
-    """Each rollout on a merged generation copy, finished rows leaving the batch: the reference loop over the
+    """Each rollout on a merged generation copy (fp32), finished rows leaving the batch: the reference loop over the
     unmerged adapters draws the same completions (fp32: the two paths round apart by ~1e-7, test_fast_sample
     measures it), so the losses and the final adapters are the same; the trained weights were never merged in
     place."""

@@ -163,8 +163,11 @@ def prepare_data(recipe: Recipe, accelerator, *, say) -> Data:
     unit = {"preference": "pairs", "prompt": "prompts"}.get(recipe.data.format, "examples")
     evals = f"eval: {stats['eval'].examples if 'eval' in stats else 0} {unit}"
     if recipe.rl is not None:
+        sixteen = recipe.model.quantize is not None or "float16" in recipe.model.dtype or (
+            recipe.train.mixed_precision != "no")
         sampler = sampler_text(recipe.rl.sampler, accelerator.device, copy=recipe.rl.merged_copy,
-                               lora=recipe.lora is not None, four_bit=recipe.model.quantize is not None)
+                               lora=recipe.lora is not None, four_bit=recipe.model.quantize is not None,
+                               sixteen_bit=sixteen)
         say(f"data: {s.examples} train {unit} ({cache_line(int(cache_reads), accelerator.num_processes)}), "
             f"{recipe.rl.num_generations} completions each a step, {recipe.rl.algorithm.upper()} "
             f"(rl.sampler={sampler}); {evals}")
@@ -214,12 +217,17 @@ COPY_TEXT = {"rollout": "LoRA on a merged copy built each rollout", "kept": "LoR
              "rollouts", "off": "LoRA unmerged"}
 
 
-def sampler_text(sampler: str, device, *, copy: str = "off", lora: bool = False, four_bit: bool = False) -> str:
+def sampler_text(sampler: str, device, *, copy: str = "off", lora: bool = False, four_bit: bool = False,
+                 sixteen_bit: bool = False) -> str:
     """The sampler the run uses, for its header: graph replays static's step on CUDA only; with LoRA, what the fast
-    sampler forwards the adapted linears through (rl.merged_copy)."""
+    sampler forwards the adapted linears through (rl.merged_copy), and what a 16-bit copy loses."""
     text = "graph: static off CUDA" if sampler == "graph" and device.type != "cuda" else sampler
     if lora and sampler != "reference":
-        text += ", " + COPY_TEXT[copy] + (" (4-bit dequantized where it fits)" if four_bit and copy != "off" else "")
+        text += ", " + COPY_TEXT[copy]
+        if copy != "off":
+            text += " (4-bit dequantized where it fits)" if four_bit else ""
+            text += (" in 16 bits: adapter changes under half a 16-bit step of a weight do not reach the samples; "
+                     "rl.merged_copy=off samples the exact adapters" if sixteen_bit else "")
     return text
 
 
