@@ -224,13 +224,16 @@ def test_lora_samples_on_a_merged_copy_with_finished_rows_dropped_what_the_refer
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("config", [CPU_DDP, pytest.param(CPU_FSDP, marks=pytest.mark.extended)],
+                         ids=["ddp", "fsdp"])  # fsdp extended: main tier, DDP here and FSDP's full fine-tune above
 def test_two_processes_dropping_rows_on_a_merged_copy_sample_and_train_what_one_does(compacting, tmp_path,
-                                                                                     free_port):
+                                                                                     free_port, config):
     """Each rank samples its 2 prompts' completions (a batch of 8 rows, compacted at its own times): the same
-    completions as the one process's batches of 16, the same losses, the same adapters."""
+    completions as the one process's batches of 16, the same losses, the same adapters. Under FSDP each rank
+    builds the copy from the layers the rollout gathers."""
     recipe, one, _, env = compacting
     two = tmp_path / "two"
-    launch_finetune(CPU_DDP, 2, free_port, recipe, f"output_dir={two}", "train.micro_batch_size=2",
+    launch_finetune(config, 2, free_port, recipe, f"output_dir={two}", "train.micro_batch_size=2",
                     env={**env, "COMPACTIONS": str(tmp_path / "compactions.txt")})
     assert len((tmp_path / "compactions.txt").read_text().splitlines()) > 1  # rows left both ranks' batches
     assert [(r["step"], r["row"], r["completion_ids"]) for r in rollouts(two)] == [
