@@ -5,6 +5,7 @@ model.activation_offload.
     OMP_NUM_THREADS=1 python benchmarks/long_context.py --tokens 8192 --layers 1 --doc 256 --configs plain tiled
     OMP_NUM_THREADS=1 python benchmarks/long_context.py --tokens 16384 --layers 1 --doc 256 --configs tiled
     OMP_NUM_THREADS=1 python benchmarks/long_context.py --tokens 8192 --layers 2 --doc 256 --configs plain offload
+    python benchmarks/long_context.py --tokens 2048 --layers 2 --doc 256 --dtype float32   # each switch's time
 
 Decoder layers shaped like Mistral-7B's (hidden 4096, intermediate 14336, 32 heads, 8 KV heads), random init in bf16,
 a 1,024-token vocabulary, LoRA r=16 on every linear layer, gradient checkpointing on, llmtrain's varlen attention and
@@ -58,7 +59,7 @@ def packed_batch(tokens: int, doc: int, vocab: int) -> dict:
     return with_loss_positions(collate(examples, pad_id=0, packing=True))
 
 
-def one(name: str, tokens: int, layers: int, doc: int) -> dict:
+def one(name: str, tokens: int, layers: int, doc: int, dtype: str = "bfloat16") -> dict:
     """One configuration, in this process: build, one step, peak."""
     import torch
     from transformers import MistralConfig
@@ -70,7 +71,7 @@ def one(name: str, tokens: int, layers: int, doc: int) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
         MistralConfig(num_hidden_layers=layers, **SHAPE).save_pretrained(tmp)
         torch.manual_seed(0)
-        cfg = ModelConfig(name_or_path=tmp, dtype="bfloat16", random_init=True, gradient_checkpointing=True,
+        cfg = ModelConfig(name_or_path=tmp, dtype=dtype, random_init=True, gradient_checkpointing=True,
                           **CONFIGS[name])
         model = load_model(cfg, LoraConfig(r=16, dropout=0.0)).train()
     attach_loss(model, chunk=4096)
@@ -81,7 +82,7 @@ def one(name: str, tokens: int, layers: int, doc: int) -> dict:
     seconds = time.perf_counter() - start
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     step = peak - before
-    return {"config": name, "tokens": tokens, "doc": doc, "layers": layers, "rss_before_gib": round(before / 2**30, 2),
+    return {"config": name, "tokens": tokens, "doc": doc, "layers": layers, "dtype": dtype, "rss_before_gib": round(before / 2**30, 2),
             "peak_gib": round(peak / 2**30, 2), "step_gib": round(step / 2**30, 2),
             "step_kb_per_token": round(step / tokens / 1e3, 1), "build_peak_gib": round(peak_before / 2**30, 2),
             "step_s": round(seconds, 1)}
@@ -93,15 +94,18 @@ def main() -> None:
     parser.add_argument("--layers", type=int, default=2)
     parser.add_argument("--doc", type=int, default=2048, help="tokens of each document packed into the row")
     parser.add_argument("--configs", nargs="+", choices=list(CONFIGS), default=list(CONFIGS))
+    parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"],
+                        help="float32 for the step's time on a CPU whose bf16 matmuls are slow (this project's)")
     parser.add_argument("--one", choices=list(CONFIGS), help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.one:
-        print(json.dumps(one(args.one, args.tokens[0], args.layers, args.doc)), flush=True)
+        print(json.dumps(one(args.one, args.tokens[0], args.layers, args.doc, args.dtype)), flush=True)
         return
     for tokens in args.tokens:
         for name in args.configs:
             proc = subprocess.run([sys.executable, __file__, "--one", name, "--tokens", str(tokens), "--layers",
-                                   str(args.layers), "--doc", str(args.doc)], capture_output=True, text=True)
+                                   str(args.layers), "--doc", str(args.doc), "--dtype", args.dtype],
+                                  capture_output=True, text=True)
             lines = [line for line in proc.stdout.splitlines() if line.startswith("{")]
             print(lines[-1] if proc.returncode == 0 and lines else
                   json.dumps({"config": name, "tokens": tokens, "error": proc.stderr[-800:]}), flush=True)
