@@ -127,10 +127,11 @@ def test_the_captured_sampler_equals_the_eager_one_and_the_reference_loop(dtype,
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_the_captured_sampler_on_a_merged_copy_dropping_finished_rows(dtype):
-    """Issue 56 on CUDA: the captured step with the merged generation copy and finished rows dropped (graphs captured
-    per batch size) draws exactly what the same run eagerly draws. Against the rows kept and the adapters unmerged it
-    is equal up to rounding (a smaller batch can pick another matmul kernel; x W + s (x A) B and x (W + s B A) round
-    apart): in fp32 all but one of 32, in bf16 at least 3 in 4."""
+    """Issue 56 on CUDA: the captured step on the merged generation copy with finished rows dropped (graphs captured
+    per batch size) draws exactly what the same run eagerly draws. Dropping rows against keeping them (adapters
+    unmerged both): equal up to rounding (a smaller batch can pick another matmul kernel): in fp32 all but one of 32,
+    in bf16 at least 3 in 4. The merged copy against the unmerged adapters: in fp32 all but one; in bf16 it is
+    printed, not bounded (a bf16 copy is a rounded policy: on the CPU 15 of 32 alike here, docs/rl.md)."""
     from collections import Counter
 
     from llmtrain.model import fast_sample
@@ -153,10 +154,11 @@ def test_the_captured_sampler_on_a_merged_copy_dropping_finished_rows(dtype):
         eager = sample_fast(lm, prompts, copy="rollout", **kwargs)
     finally:
         fast_sample._Decode.compact = compact
-    before = sample_fast(lm, prompts, capture=True, copy="off", compact=False, **kwargs)
-    print(sizes, captured == eager)
     assert captured == eager and sizes and sizes[: len(sizes) // 2] == sizes[len(sizes) // 2:]
-    same = sum(a == b for a, b in zip(captured, before))
-    print(f"{dtype}: compacted to {sizes[: len(sizes) // 2]} rows; {same} of 32 completions equal to the "
-          "unmerged sampler's with every row kept")
+    dropped = sample_fast(lm, prompts, capture=True, **kwargs)
+    kept = sample_fast(lm, prompts, capture=True, compact=False, **kwargs)
+    same, merged = sum(a == b for a, b in zip(dropped, kept)), sum(a == b for a, b in zip(captured, dropped))
+    print(f"{dtype}: compacted to {sizes[: len(sizes) // 2]} rows; rows dropped vs kept {same} of 32 alike; merged "
+          f"vs unmerged {merged} of 32")
     assert same >= (len(prompts) - 1 if dtype == torch.float32 else 0.75 * len(prompts))
+    assert dtype != torch.float32 or merged >= len(prompts) - 1
