@@ -18,10 +18,11 @@ def _mark(i: int) -> str:
     return f"\ue000{i}\ue001"  # private-use characters: never in real text, never merged with template markup
 
 
-def _apply(tokenizer, messages: list[dict], template: str | None, *, generation_prompt: bool) -> str:
+def _apply(tokenizer, messages: list[dict], template: str | None, *, generation_prompt: bool,
+           tools: list[dict] | None = None) -> str:
     try:
         return tokenizer.apply_chat_template(messages, chat_template=template, tokenize=False,
-                                             add_generation_prompt=generation_prompt)
+                                             add_generation_prompt=generation_prompt, tools=tools)
     except Exception as e:  # jinja's TemplateError, or the template's own raise_exception
         advice = ""
         if "system" in str(e).lower() and any(m.get("role") == "system" for m in messages):  # Gemma 1 and 2
@@ -190,6 +191,58 @@ def render_chat(messages: list[dict], tokenizer, *, template: str | None = None,
         trained.append((a - len(sep) if sep and prompt.endswith(sep, 0, a) else a, b))
     trained.append((len(prompt), len(prompt) + len(sep) + len(shown)))
     return prompt + sep + shown + after, trained
+
+
+def template_source(tokenizer, template: str | None) -> str:
+    """The Jinja text that renders the chats: `template`, or the tokenizer's (its default where it keeps several)."""
+    source = template or tokenizer.chat_template or ""
+    return source.get("default", "") if isinstance(source, dict) else source
+
+
+def render_tool_chat(messages: list[dict], tokenizer, *, template: str | None = None, tools: list[dict] | None = None,
+                     first: int = 0) -> tuple[str, list[tuple[int, int]]]:
+    """render_chat for a tool-use conversation (data/tools.py): the chat through its last assistant turn rendered
+    with `tools`, and each assistant turn's span from the end of its generation prompt (the history before it
+    rendered with add_generation_prompt=True) to its end of turn: its content and its tool calls as the template
+    writes them, trained; the tools' schemas, the user's text and the tools' results (`tool` messages), not. The
+    template must read the tools and the tool calls (transformers passes them; a template that never looks at them
+    would drop them silently) and render each turn's history as its own generation prompt renders it."""
+    source = template_source(tokenizer, template)
+    calls = any(m.get("tool_calls") for m in messages)
+    missing = [what for what, needed in (("tools", tools), ("tool_calls", calls)) if needed and what not in source]
+    if missing:
+        raise LLMTrainError(f"the chat template never reads {' or '.join(repr(m) for m in missing)}, so it cannot show "
+                            "this conversation's tools or tool calls to the model (they would be dropped silently). "
+                            "Use a model whose template renders tool calls (Llama 3.1, Qwen2.5, Qwen3, "
+                            "Mistral-7B-Instruct-v0.3), or give one with data.chat_template: path/to/template.jinja.")
+    last = max(i for i, m in enumerate(messages) if m["role"] == "assistant")
+    text = _apply(tokenizer, messages[: last + 1], template, generation_prompt=False, tools=tools)
+    eot = end_of_turn(tokenizer, template)
+    if not eot:
+        raise LLMTrainError("the chat template renders nothing after an assistant turn, so where a turn with tool "
+                            "calls ends cannot be read off the text. Give a template that closes each turn "
+                            "(data.chat_template: path/to/template.jinja).")
+    spans = []
+    for k in range(first, last + 1):
+        if messages[k]["role"] != "assistant":
+            continue
+        prompt = _apply(tokenizer, messages[:k], template, generation_prompt=True, tools=tools)
+        end = text.find(eot, len(prompt))
+        if not text.startswith(prompt) or end < 0:
+            raise LLMTrainError(
+                f"the chat template renders the conversation before message {k + 1} (assistant) differently once "
+                "more messages follow (Mistral's puts the tools before the last user message only), so that turn "
+                "cannot be trained after the prompt inference would give it. Split the conversation into rows that "
+                "end at each assistant turn, or give a template that renders the history as it goes "
+                "(data.chat_template: path/to/template.jinja).")
+        shown = text[len(prompt):end]
+        for call in messages[k].get("tool_calls", []):
+            if call["function"]["name"] not in shown:
+                raise LLMTrainError(f"the chat template does not show the call to '{call['function']['name']}' in "
+                                    f"message {k + 1} (assistant), so it cannot be trained. Give a template that "
+                                    "renders tool calls (data.chat_template: path/to/template.jinja).")
+        spans.append((len(prompt), end))
+    return text, spans
 
 
 def closing(text: str, spans: list[tuple[int, int]]) -> str:

@@ -14,7 +14,8 @@ from typing import Any
 import numpy as np
 
 from llmtrain.config import DataConfig
-from llmtrain.data.chat import closing, read_template, render_chat
+from llmtrain.data.chat import closing, read_template, render_chat, render_tool_chat
+from llmtrain.data.tools import is_tool_chat, tool_messages, tool_schemas
 from llmtrain.errors import LLMTrainError
 
 IGNORE = -100
@@ -22,14 +23,15 @@ IGNORE = -100
 # The columns each format reads, by their canonical names; `data.fields` maps them to dataset columns.
 FORMAT_FIELDS = {
     "alpaca": ("instruction", "input", "output"),
-    "messages": ("messages",),
+    "messages": ("messages", "tools"),  # tools: a tool-use conversation's functions (data/tools.py)
     "prompt_completion": ("prompt", "completion"),
     "text": ("text",),
     "preference": ("prompt", "chosen", "rejected"),
     "unpaired": ("prompt", "completion", "label"),  # KTO: a boolean label, true for a desirable completion
     "prompt": ("prompt",),  # online RL: the completions are sampled; the other columns go to the reward functions
 }
-OPTIONAL_FIELDS = {"alpaca": {"input"}, "preference": {"prompt"}}  # preference: implicit-prompt rows have none
+# preference: implicit-prompt rows have none; messages: tools only in tool-use rows
+OPTIONAL_FIELDS = {"alpaca": {"input"}, "preference": {"prompt"}, "messages": {"tools"}}
 CHAT_FORMATS = ("messages", "prompt_completion", "preference", "unpaired", "prompt")  # formats whose rows may be chats
 # Prepared prompt rows (online RL) keep the user's columns under this prefix, apart from the ones preparation adds
 # (input_ids, labels, length, row, prompt): a user column named `labels` or `row` reaches the reward functions as it
@@ -127,6 +129,8 @@ def _messages_problem(messages: Any, cfg: DataConfig, what: str) -> str | None:
         if not isinstance(m, dict) or not isinstance(m.get(rk), str):
             return f"message {k + 1} of {what} has no '{rk}' (its role; map the key with data.fields.role)"
         got = m.get(ck)
+        if got is None and m.get("tool_calls"):  # an assistant turn that only calls tools (data/tools.py)
+            continue
         if not isinstance(got, str):
             return (f"message {k + 1} ({m[rk]}) of {what} has no '{ck}' (its text; map the key with "
                     "data.fields.content)"
@@ -235,8 +239,9 @@ _SPECIAL_IDS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # tokeniz
 
 
 def encode_messages(messages: list[dict], tokenizer, *, train_on_prompt: bool, template: str | None = None,
-                    first: int = 0) -> tuple[list, list]:
-    """Render a chat with its template (the tokenizer's, or `template`) and train the assistant replies.
+                    first: int = 0, tools: list[dict] | None = None) -> tuple[list, list]:
+    """Render a chat with its template (the tokenizer's, or `template`) and train the assistant replies (a tool-use
+    chat, with its `tools`: chat.render_tool_chat, each assistant turn with its tool calls).
 
     The mask comes from character offsets (see `render_chat`): every token that overlaps what the model must
     generate after a generation prompt is trained, up to and including the end of the turn: what the template
@@ -252,7 +257,11 @@ def encode_messages(messages: list[dict], tokenizer, *, train_on_prompt: bool, t
             "template file with data.chat_template: path/to/template.jinja, or use format prompt_completion "
             "without data.chat_template."
         )
-    text, spans = render_chat(messages, tokenizer, template=template, first=first)
+    if is_tool_chat(messages, tools):
+        text, spans = render_tool_chat(tool_messages(messages, "the row"), tokenizer, template=template, tools=tools,
+                                       first=first)
+    else:
+        text, spans = render_chat(messages, tokenizer, template=template, first=first)
     ids, offsets = _tokens_and_offsets(tokenizer, text)
     special = special_ids(tokenizer)
     bounds = np.fromiter(itertools.chain.from_iterable(offsets), dtype=np.int64, count=2 * len(offsets))
@@ -344,8 +353,9 @@ def encode_example(example: dict, tokenizer, cfg: DataConfig, *, template: str |
     if chat is not None:
         if template is None and isinstance(cfg.chat_template, str):
             template = read_template(cfg)
+        tools = tool_schemas(_column(example, cfg, "tools"), "a row") if cfg.format == "messages" else None
         ids, labels = encode_messages(chat[0], tokenizer, train_on_prompt=cfg.train_on_prompt, template=template,
-                                      first=chat[1])
+                                      first=chat[1], tools=tools)
     elif cfg.format == "text":
         ids, labels = encode_text(str(_column(example, cfg, "text")), tokenizer)
     else:

@@ -1,0 +1,183 @@
+"""SFT on tool-use conversations (issue 57): TRL's conversational format with a `tools` column, assistant messages
+that call tools (`tool_calls`) and `tool` messages with the results (llmtrain/data/tools.py), rendered through the
+model's own chat template with its tools argument (data/chat.render_tool_chat). Trained: each assistant turn as the
+template writes it, its tool calls included, with its end of turn; never the tools' schemas, the user's text or the
+tools' results. Checked on Qwen2.5, Qwen3 and Llama 3.1's templates (tests/fixtures/templates, with the stand-in
+tokenizers of test_chat_templates) and Mistral-7B-Instruct-v0.3's real tokenizer (../shared), against TRL's own
+assistant masks where TRL keeps a training template for the model (Qwen2.5)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from conftest import MISTRAL, needs
+from test_chat_templates import CHAT, stand_in_tokenizer, trained_runs, untrained_text
+
+from llmtrain.data.formats import IGNORE, encode_example, row_problem
+from llmtrain.errors import LLMTrainError
+
+TOOLS = [{"type": "function", "function": {
+    "name": "lookup", "description": "Look up a word's code.",
+    "parameters": {"type": "object", "properties": {"word": {"type": "string", "description": "the word"}},
+                   "required": ["word"]}}}]
+CALL = {"type": "function", "id": "abcdefghi", "function": {"name": "lookup", "arguments": {"word": "apple"}}}
+CHATS = [{"role": "user", "content": "What is the code of apple?"},
+         {"role": "assistant", "content": "", "tool_calls": [CALL]},
+         {"role": "tool", "name": "lookup", "tool_call_id": "abcdefghi", "content": "XK-42"},
+         {"role": "assistant", "content": "The code is XK-42."}]
+# What each template trains: the turn that calls the tool (as the model must write it) and the reply after the result
+TRAINED = {
+    "qwen2.5-7b-instruct": ['<tool_call>\n{"name": "lookup", "arguments": {"word": "apple"}}\n</tool_call><|im_end|>',
+                            "The code is XK-42.<|im_end|>"],
+    # Qwen3 renders the last reply with its (empty) reasoning block, as inference generates it in thinking mode
+    "qwen3-8b": ['<tool_call>\n{"name": "lookup", "arguments": {"word": "apple"}}\n</tool_call><|im_end|>',
+                 "<think>\n\n</think>\n\nThe code is XK-42.<|im_end|>"],
+    "llama-3.1-8b-instruct": ['{"name": "lookup", "parameters": {"word": "apple"}}<|eot_id|>',
+                              "The code is XK-42.<|eot_id|>"],
+    "mistral": ['[TOOL_CALLS] [{"name": "lookup", "arguments": {"word": "apple"}, "id": "abcdefghi"}]</s>',
+                "The code is XK-42.</s>"],
+}
+
+
+def tokenizer_for(name: str):
+    if name == "mistral":
+        if not MISTRAL.exists():
+            pytest.skip(f"{MISTRAL} is not available")
+        from transformers import AutoTokenizer
+
+        return AutoTokenizer.from_pretrained(MISTRAL)
+    return stand_in_tokenizer(name)
+
+
+@pytest.mark.parametrize("name", sorted(TRAINED))
+def test_each_template_trains_the_tool_calls_and_replies_never_the_tools_or_their_results(name):
+    tok = tokenizer_for(name)
+    enc = encode_example({"messages": CHATS, "tools": TOOLS}, tok, CHAT)
+    assert trained_runs(tok, enc) == TRAINED[name]
+    shown = untrained_text(tok, enc)
+    assert "Look up a word's code." in shown and "XK-42" in shown and "What is the code of apple?" in shown
+    assert row_problem({"messages": CHATS, "tools": TOOLS}, CHAT) is None
+
+
+def test_trls_assistant_masks_on_tool_calls_train_ours_and_only_whitespace_more():
+    """TRL's SFTTrainer (assistant_only_loss, its qwen2_5_training template, tools passed as it passes them): the
+    same token ids; every token llmtrain trains TRL trains; TRL's extra tokens are newlines the model never writes
+    (the generation prompt's, and the one after <|im_end|>)."""
+    trl = pytest.importorskip("trl")
+    tok = stand_in_tokenizer("qwen2.5-7b-instruct")
+    template = (Path(trl.__file__).parent / "chat_templates" / "qwen2_5_training.jinja").read_text()
+    theirs = tok.apply_chat_template(CHATS, tools=TOOLS, chat_template=template, tokenize=True, return_dict=True,
+                                     return_assistant_tokens_mask=True)
+    enc = encode_example({"messages": CHATS, "tools": TOOLS}, tok, CHAT)
+    assert theirs["input_ids"] == enc["input_ids"]
+    ours = {i for i, label in enumerate(enc["labels"]) if label != IGNORE}
+    trl_trained = {i for i, m in enumerate(theirs["assistant_masks"]) if m}
+    assert ours <= trl_trained and len(ours) > 20
+    assert {tok.decode([theirs["input_ids"][i]]) for i in trl_trained - ours} == {"\n"}
+
+
+def test_json_strings_and_python_functions_give_the_same_rows(tmp_path, monkeypatch):
+    """Tools as a JSON string (how a dataset keeps rows whose schemas differ), a call's arguments as a JSON string,
+    and a tool named module:function (type hints and an Args docstring: transformers' get_json_schema, TRL's
+    contract) render as the schemas and dicts do."""
+    (tmp_path / "codebook.py").write_text('def lookup(word: str) -> str:\n    """Look up a word\'s code.\n\n'
+                                          '    Args:\n        word: the word\n    """\n    return "XK-42"\n')
+    monkeypatch.syspath_prepend(str(tmp_path))
+    tok = stand_in_tokenizer("qwen2.5-7b-instruct")
+    want = encode_example({"messages": CHATS, "tools": TOOLS}, tok, CHAT)
+    as_strings = [dict(m) for m in CHATS]
+    as_strings[1] = {**CHATS[1], "tool_calls": [{**CALL, "function": {"name": "lookup",
+                                                                     "arguments": '{"word": "apple"}'}}]}
+    assert encode_example({"messages": as_strings, "tools": json.dumps(TOOLS)}, tok, CHAT) == want
+    described = [{"type": "function", "function": {**TOOLS[0]["function"], "return": {"type": "string"}}}]
+    assert encode_example({"messages": CHATS, "tools": ["codebook:lookup"]}, tok, CHAT) == encode_example(
+        {"messages": CHATS, "tools": described}, tok, CHAT) != want  # the schema says what it returns, too
+
+
+@pytest.mark.parametrize(("row", "says"), [
+    ({"tools": ["codebook_missing:lookup"]}, "the tool 'codebook_missing:lookup' cannot be imported"),
+    ({"tools": ["json:dumps"]}, "the tool 'json:dumps' cannot be described to the model"),
+    ({"tools": "[{"}, "'tools' is a string that is not JSON"),
+    ({"tools": [5]}, "tool 1 is '5': give a JSON schema"),
+    ({"messages": [CHATS[0], {"role": "assistant", "tool_calls": [{"function": {"name": "lookup",
+                                                                                "arguments": "{word"}}]}]},
+     "the arguments of the call to 'lookup' are not JSON"),
+    ({"messages": [CHATS[0], {"role": "assistant", "tool_calls": [{"function": {"arguments": {}}}]}]},
+     "a tool call is"),
+])
+def test_a_tool_that_cannot_be_shown_is_refused_naming_it(row, says):
+    tok = stand_in_tokenizer("qwen2.5-7b-instruct")
+    with pytest.raises(LLMTrainError, match=says.replace("(", r"\(").replace("[", r"\[")):
+        encode_example({"messages": CHATS, "tools": TOOLS, **row}, tok, CHAT)
+
+
+def test_a_template_without_tools_is_refused_in_one_paragraph():
+    """Gemma 3's template never reads `tools` or `tool_calls`: transformers would render the chat without them and
+    the model would learn replies to calls it never saw."""
+    tok = stand_in_tokenizer("gemma-3-4b-it")
+    with pytest.raises(LLMTrainError, match="the chat template never reads 'tools' or 'tool_calls'"):
+        encode_example({"messages": CHATS, "tools": TOOLS}, tok, CHAT)
+    assert encode_example({"messages": [CHATS[0], CHATS[3]]}, tok, CHAT)["trained"] > 0  # plain chats still train
+
+
+def test_chats_without_tools_render_as_before():
+    """A row with no tools, tool calls or tool messages takes the plain chat path, whatever its `tools` column
+    holds for other rows (null or [] from a dataset)."""
+    tok = stand_in_tokenizer("qwen2.5-7b-instruct")
+    plain = {"messages": [CHATS[0], CHATS[3]]}
+    assert encode_example({**plain, "tools": None}, tok, CHAT) == encode_example(plain, tok, CHAT)
+    assert encode_example({**plain, "tools": []}, tok, CHAT) == encode_example(plain, tok, CHAT)
+
+
+
+
+def test_a_tool_use_dataset_prepares_and_trains_as_each_row_encodes(tmp_path):
+    """A JSON-lines file of tool conversations with different tools and arguments (and one plain chat), read by
+    datasets and prepared as a run prepares it: `inspect-data --json` gives each row's tokens and labels as
+    encode_example gives them from the file's rows, and a 3-step run on a tiny Qwen2 with the stand-in Qwen2.5
+    tokenizer trains on them (the loss falls)."""
+    from helpers import cli, records, run_train
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    tok = stand_in_tokenizer("qwen2.5-7b-instruct")
+    model = tmp_path / "model"
+    tok.save_pretrained(model)
+    Qwen2ForCausalLM(Qwen2Config(vocab_size=len(tok), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                 num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2048,
+                                 tie_word_embeddings=False)).save_pretrained(model)
+    weather = {"type": "function", "function": {"name": "weather", "description": "The weather.", "parameters": {
+        "type": "object", "properties": {"city": {"type": "string"}, "days": {"type": "integer"}}}}}
+    rows = [{"messages": CHATS, "tools": TOOLS},
+            {"messages": [{"role": "user", "content": "Weather in Paris?"},
+                          {"role": "assistant", "content": "", "tool_calls": [
+                              {"type": "function", "function": {"name": "weather",
+                                                                "arguments": {"city": "Paris", "days": 2}}}]},
+                          {"role": "tool", "content": "sunny"}, {"role": "assistant", "content": "Sunny."}],
+             "tools": [weather]},
+            {"messages": [CHATS[0], CHATS[3]]}]
+    data = tmp_path / "tools.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    recipe = tmp_path / "recipe.yaml"
+    recipe.write_text(f"model: {{name_or_path: {model}, dtype: float32}}\n"
+                      f"data: {{path: {data}, format: messages, max_seq_len: 1024, cache_dir: {tmp_path / 'cache'}}}\n"
+                      f"train: {{max_steps: 3, micro_batch_size: 3, lr: 3e-3}}\noutput_dir: {tmp_path / 'run'}\n")
+    shown = [json.loads(line) for line in cli("inspect-data", str(recipe), "--json").stdout.splitlines()
+             if line.startswith("{")]
+    want = [encode_example(r, tok, CHAT) for r in rows]
+    assert [(s["input_ids"], s["labels"]) for s in shown] == [(w["input_ids"], w["labels"]) for w in want]
+    run_train(recipe)
+    losses = [r["loss"] for r in records(tmp_path / "run")]
+    assert len(losses) == 3 and losses[-1] < losses[0]
+
+
+@needs(MISTRAL)
+def test_mistrals_tools_before_the_last_user_turn_only_refuse_an_earlier_turn_with_advice(mistral):
+    """Mistral v0.3 renders [AVAILABLE_TOOLS] before the last user message: with a second user turn after the tool
+    call, the call's turn would be trained after a prompt inference never gives it, so the row is refused."""
+    later = [*CHATS, {"role": "user", "content": "And of pear?"}, {"role": "assistant", "content": "I do not know."}]
+    with pytest.raises(LLMTrainError, match="Split the conversation into rows that end at each assistant turn"):
+        encode_example({"messages": later, "tools": TOOLS}, mistral, CHAT)
+    assert trained_runs(mistral, encode_example({"messages": CHATS, "tools": TOOLS}, mistral, CHAT)) == TRAINED[
+        "mistral"]
