@@ -224,8 +224,9 @@ def test_lora_samples_on_a_merged_copy_with_finished_rows_dropped_what_the_refer
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("config", [CPU_DDP, pytest.param(CPU_FSDP, marks=pytest.mark.extended)],
-                         ids=["ddp", "fsdp"])  # fsdp extended: main tier, DDP here and FSDP's full fine-tune above
+@pytest.mark.extended  # main tier: test_fast_sample's rows dropped in each micro-batch alone (what a rank samples),
+# test_two_ddp_processes_sample_and_train_what_one_does (rows kept), and the in-process run against the reference loop
+@pytest.mark.parametrize("config", [CPU_DDP, CPU_FSDP], ids=["ddp", "fsdp"])
 def test_two_processes_dropping_rows_on_a_merged_copy_sample_and_train_what_one_does(compacting, tmp_path,
                                                                                      free_port, config):
     """Each rank samples its 2 prompts' completions (a batch of 8 rows, compacted at its own times): the same

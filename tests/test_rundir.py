@@ -11,7 +11,7 @@ import sys
 import time
 
 import pytest
-from helpers import ENV, LLMTRAIN, REPO, cli, records, write_recipe
+from helpers import ENV, LLMTRAIN, REPO, cli, invoke, records, write_recipe
 
 from llmtrain.errors import LLMTrainError
 from llmtrain.run.checkpoint import MANIFEST, checkpoint_problem, step_dirs
@@ -195,8 +195,8 @@ def test_cli_second_run_into_a_busy_folder_is_refused_and_kill_9_leaves_no_stale
                                                                                          long_run):
     recipe, run = _long_recipe(tiny_assets, tmp_path), tmp_path / "run"
     first = long_run(recipe, run)
-    for flags in (["--overwrite"], ["--resume", "auto"]):
-        proc = cli("finetune", str(recipe), f"output_dir={run}", *flags, check=False)
+    for flags in (["--overwrite"], ["--resume", "auto"]):  # in this process (invoke): the same command and words
+        proc = invoke("finetune", str(recipe), f"output_dir={run}", *flags, check=False)
         assert proc.returncode == 2, proc.stderr
         assert f"output_dir '{run}' is in use by another llmtrain run: pid {first.pid}" in proc.stderr
         assert "wait for it to finish or stop it" in proc.stderr and "Traceback" not in proc.stderr + proc.stdout
@@ -207,7 +207,7 @@ def test_cli_second_run_into_a_busy_folder_is_refused_and_kill_9_leaves_no_stale
 
     first.kill()  # SIGKILL: no clean-up of any kind; the kernel drops the lock with the process
     first.wait()
-    again = cli("finetune", str(recipe), f"output_dir={run}", "train.max_steps=2", "--overwrite")
+    again = invoke("finetune", str(recipe), f"output_dir={run}", "train.max_steps=2", "--overwrite")
     assert again.returncode == 0
     assert [r["step"] for r in records(run)] == [1, 2]
     assert f"pid: {first.pid}\n" not in (run / MARKER).read_text()
