@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from helpers import ENV, LLMTRAIN, REPO, cli, records, write_recipe
+from helpers import ENV, LLMTRAIN, REPO, cli, invoke, records, write_recipe
 
 SCRIPT = Path(sys.executable).with_name("llmtrain")  # the console script installed beside this Python
 TINY_RECIPE = str(REPO / "recipes" / "tiny.yaml")
@@ -148,15 +148,17 @@ def test_finetune_end_to_end(tiny_assets, tmp_path):
     assert json.loads((run / "summary.json").read_text())["steps"] == 3
     assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["step_000002"]
 
-    # Running it again into the same folder is refused with a hint, exit 2, no traceback.
-    again = cli("finetune", str(recipe), f"output_dir={run}", check=False)
+    # Running it again into the same folder is refused with a hint, exit 2, no traceback (the rest in this process,
+    # as `llmtrain` runs them: the same exit codes and words, without a subprocess's import of torch each).
+    again = invoke("finetune", str(recipe), f"output_dir={run}", check=False)
     assert again.returncode == 2 and "--resume auto" in again.stderr and "Traceback" not in again.stderr
     # --resume auto continues it from the step-2 checkpoint up to the new max_steps, once that change is
     # allowed explicitly (it changes the learning-rate curve); without the flag nothing is touched.
-    refused = cli("finetune", str(recipe), f"output_dir={run}", "train.max_steps=4", "--resume", "auto", check=False)
+    refused = invoke("finetune", str(recipe), f"output_dir={run}", "train.max_steps=4", "--resume", "auto",
+                     check=False)
     assert refused.returncode == 2 and "--allow-recipe-change" in refused.stderr
-    proc = cli("finetune", str(recipe), f"output_dir={run}", "train.max_steps=4", "--resume", "auto",
-               "--allow-recipe-change")
+    proc = invoke("finetune", str(recipe), f"output_dir={run}", "train.max_steps=4", "--resume", "auto",
+                  "--allow-recipe-change")
     assert "at step 2" in proc.stdout
     assert [r["step"] for r in records(run)] == [1, 2, 3, 4]
 

@@ -208,11 +208,12 @@ def _same(run: Path, reference: Path, *, lora: bool, tol: float = 1e-6) -> None:
 # bf16 and QLoRA: equal to one process bit for bit (the norm is one process's, parallel/pipeline.clip_grad_norm_), under
 # every CPU kernel set (make test-portable); the bounds are fp32's
 @pytest.mark.parametrize("schedule,kind", [("1f1b", "full"), ("gpipe", "lora"), ("interleaved_1f1b", "full"),
-                                           # extended: make test-portable runs it; main tier: bf16's, and QLoRA's
-                                           # two processes (test_qlora.py)
+                                           # extended: make test-portable runs them; main tier: the fp32 rows here,
+                                           # QLoRA's two processes (test_qlora.py), bf16 under FSDP (test_fsdp.py)
                                            pytest.param("1f1b", "qlora", marks=[pytest.mark.precision,
                                                                                 pytest.mark.extended]),
-                                           pytest.param("1f1b", "bf16", marks=pytest.mark.precision)])
+                                           pytest.param("1f1b", "bf16", marks=[pytest.mark.precision,
+                                                                               pytest.mark.extended])])
 @pytest.mark.slow
 def test_two_stages_train_what_one_process_trains(single, four_layers, tmp_path, free_port, schedule, kind):
     """Each step's 4 micro-batches are rows of different examples, lengths and boundaries (the tokens a step differ
