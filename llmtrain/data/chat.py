@@ -60,7 +60,8 @@ def _marked_history(tokenizer, history: list[dict], template: str | None) -> str
     return renders[key]
 
 
-_MARKED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # tokenizer -> {(template, shape): marked prompt}
+# tokenizer -> {(template, shape): marked prompt, ("end of turn", template, its own template): end_of_turn}
+_MARKED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 def _fill(pieces: list[str], text: str, messages: list[dict]) -> tuple[dict[int, tuple[int, int]], int] | None:
@@ -253,10 +254,15 @@ def closing(text: str, spans: list[tuple[int, int]]) -> str:
 
 
 def end_of_turn(tokenizer, template: str | None = None) -> str:
-    """The template's end of turn (`closing`), read off a two-message chat."""
-    text, spans = render_chat([{"role": "user", "content": "1 + 1?"}, {"role": "assistant", "content": "2"}],
-                              tokenizer, template=template)
-    return closing(text, spans)
+    """The template's end of turn (`closing`), read off a two-message chat: rendered once per tokenizer and
+    template (render_tool_chat asks for it for every row)."""
+    key = ("end of turn", template, json.dumps(tokenizer.chat_template, sort_keys=True, default=str))
+    renders = _MARKED.setdefault(tokenizer, {})
+    if key not in renders:
+        text, spans = render_chat([{"role": "user", "content": "1 + 1?"}, {"role": "assistant", "content": "2"}],
+                                  tokenizer, template=template)
+        renders[key] = closing(text, spans)
+    return renders[key]
 
 
 def read_template(cfg: DataConfig) -> str | None:

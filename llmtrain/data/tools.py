@@ -3,8 +3,7 @@ assistant messages and its `tool` messages, made ready for the model's chat temp
 
 - `tools`: a list of JSON schemas (as transformers' `get_json_schema` writes them), or of Python functions named
   `module:function` (type hints and a Google-style docstring: turned into schemas by transformers, as TRL does), or
-  a JSON string of either (what a dataset holds when rows' schemas differ: Arrow would merge their keys, filling the
-  missing ones with null).
+  a JSON string of either (as TRL reads it).
 - An assistant message's `tool_calls`: [{"type": "function", "function": {"name": ..., "arguments": {...}}}] (or
   each call's {"name", "arguments"} directly); `arguments` a dict or a JSON string of one. Its `content` may be empty.
 - A `tool` message: the tool's result as its content (masked out of the loss, as the user's text is).
