@@ -644,6 +644,19 @@ class RLConfig(Section):
         None, description="rloo only (TRL's): each completion's summed reward clamped to [min, max] before the KL "
         "penalty and the baseline; default no clipping.")
     rewards: list[RewardConfig] = Field(min_length=1, description="The reward functions, summed with their weights.")
+    tools: list[str] = Field(
+        default_factory=list, description="Python functions the model may call mid-completion, each named "
+        "module:function (TRL's contract: type hints and a docstring with an Args section; sync or async; "
+        "deterministic, so a resumed run samples the same). Their schemas are rendered into the prompts by the chat "
+        "template; a turn that ends with calls (as the template writes them) has them run, their results appended "
+        "as the template renders tool messages, and the completion goes on. Tool results are not trained "
+        "(docs/tools.md).")
+    max_tool_calls: int | None = Field(
+        None, ge=0, description="The most rounds of tool calls a completion makes (TRL's max_tool_calling_iterations; "
+        "a round runs every call of one turn); default no limit but max_completion_tokens, which counts the tools' "
+        "results too.")
+    tool_timeout_s: float = Field(30.0, gt=0, allow_inf_nan=False, description="A tool call running longer gets "
+                                  "an error as its result (and counts as a failure).")
     sampler: Literal["static", "graph", "reference"] = Field(
         "graph", description="How completions are sampled (the same tokens up to rounding, docs/rl.md): graph, a "
         "preallocated KV cache and a fixed-shape decode step with no host sync per token, replayed as a CUDA graph "
@@ -678,6 +691,22 @@ class RLConfig(Section):
             if data.get("scale_rewards") is None:
                 data["scale_rewards"] = "group"
         return data
+
+    @field_validator("tools")
+    @classmethod
+    def _named_tools(cls, v: list[str]) -> list[str]:
+        bad = [t for t in v if ":" not in t]
+        if bad:
+            raise ValueError(f"rl.tools names functions as module:function; '{bad[0]}' has no ':' (e.g. "
+                             "my_tools:lookup, with my_tools.py on the Python path)")
+        return v
+
+    @model_validator(mode="after")
+    def _tool_settings(self) -> RLConfig:
+        if self.max_tool_calls is not None and not self.tools:
+            raise ValueError("rl.max_tool_calls limits the calls to rl.tools, and no tools are given: add rl.tools "
+                             "(module:function names) or remove rl.max_tool_calls")
+        return self
 
     @field_validator("reward_clip_range")
     @classmethod

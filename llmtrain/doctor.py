@@ -302,11 +302,11 @@ def check_rewards_run(recipe: Recipe, tokenizer) -> list[Check]:
     writes anything)."""
     if recipe.rl is None:
         return []
-    from llmtrain.data.prepare import prepare_datasets, sources
+    from llmtrain.data.prepare import prepare_recipe, sources
     from llmtrain.objectives.rewards import build_rewards, check_rewards, trainer_state
 
     try:
-        train = prepare_datasets(recipe.data, tokenizer, seed=recipe.train.seed)[0]
+        train = prepare_recipe(recipe, tokenizer)[0]
         rewards = build_rewards(recipe.rl, answer_pattern=recipe.train.eval_answer_pattern, columns=train.column_names,
                                 data=recipe.data)
         check_rewards(rewards, list(train.select(range(min(2, len(train))))), where=sources(recipe.data)[0],

@@ -7,7 +7,7 @@ import sys
 
 from llmtrain.config import Recipe
 from llmtrain.data.formats import IGNORE, prompt_length
-from llmtrain.data.prepare import DataStats, prepare_datasets
+from llmtrain.data.prepare import DataStats, prepare_recipe
 from llmtrain.model.modeling import load_tokenizer
 
 
@@ -77,7 +77,7 @@ def inspect_data(recipe: Recipe, *, n: int, as_json: bool) -> None:
 
     datasets.disable_progress_bars()
     tokenizer = load_tokenizer(recipe.model)
-    train, evald, stats, _ = prepare_datasets(recipe.data, tokenizer, seed=recipe.train.seed)
+    train, evald, stats, _ = prepare_recipe(recipe, tokenizer)
     rows = train.select(range(min(n, len(train))))
     if recipe.data.sources is not None:  # a mixture: its first examples in the order training reads them
         from llmtrain.data.mixture import Mixture, describe, short_name, source_sizes

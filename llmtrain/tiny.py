@@ -44,6 +44,24 @@ CHAT_TEMPLATE = (
     "{% if add_generation_prompt %}<|ASSISTANT|>{% endif %}"
 )
 
+# The same markers with tools (the tool-calling demo, docs/tools.md): the tools' names after a system marker, a call
+# as <call>{"name": ..., "arguments": {...}}</call> in the assistant's turn, a tool's result as
+# <result>...</result> in a user turn. Written to data/tools.jinja (data.chat_template names it).
+TOOLS_TEMPLATE = (
+    "{{ bos_token }}"
+    "{% if tools %}<|SYSTEM|>tools:{% for t in tools %} {{ (t.function if t.function is defined else t).name }}"
+    "{% endfor %}{% endif %}"
+    "{% for m in messages %}"
+    "{% if m['role'] == 'tool' %}<|USER|><result>{{ m['content'] }}</result>"
+    "{% else %}<|{{ m['role'] | upper }}|>{{ m['content'] }}"
+    "{% if m['tool_calls'] is defined and m['tool_calls'] %}{% for c in m['tool_calls'] %}"
+    "<call>{{ {'name': c['function']['name'], 'arguments': c['function']['arguments']} | tojson }}</call>"
+    "{% endfor %}{% endif %}{% endif %}"
+    "{% if m['role'] == 'assistant' %}{{ eos_token }}{% endif %}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}<|ASSISTANT|>{% endif %}"
+)
+
 MODEL_KWARGS = dict(
     hidden_size=128,
     intermediate_size=512,
@@ -178,6 +196,43 @@ def write_data(out: Path, *, seed: int) -> None:
     )
 
 
+def code_of(word: str) -> str:
+    """Look up the secret code of a word.
+
+    Args:
+        word: the word (lower-case letters)
+    """
+    import hashlib
+
+    digest = hashlib.sha256(word.encode()).digest()
+    return "".join(string.ascii_lowercase[b % 26] for b in digest[:4])
+
+
+def write_tool_data(out: Path, *, seed: int) -> None:
+    """The tool-calling demo (docs/tools.md): a word's secret code, which only the tool `code_of` knows (a hash: the
+    model cannot learn it, and the eval words are never seen in training). `train_tools.jsonl`: tool-use conversations
+    for SFT (the call, the tool's result, the reply); `train_tool_prompts.jsonl` / `eval_tool_prompts.jsonl`: chat
+    prompts with the expected code in `answer`, for GRPO with rl.tools; data/tools.jinja: the template with tools.
+    From their own random stream: the other files are unchanged."""
+    rng = random.Random(seed + 2)
+    words = list(dict.fromkeys(p.split()[1] for p, _ in make_split(rng, 2400)))
+    evals, train = words[:200], words[200:]
+    (out / "tools.jinja").write_text(TOOLS_TEMPLATE)
+    tools = ["llmtrain.tiny:code_of"]
+
+    def chat(word: str) -> dict:
+        call = {"type": "function", "function": {"name": "code_of", "arguments": {"word": word}}}
+        return {"tools": tools, "messages": [
+            {"role": "user", "content": f"code of {word}"}, {"role": "assistant", "content": "", "tool_calls": [call]},
+            {"role": "tool", "name": "code_of", "content": code_of(word)},
+            {"role": "assistant", "content": code_of(word)}]}
+
+    _write_jsonl(out / "train_tools.jsonl", [chat(w) for w in train[:1000]])
+    for name, part in (("train", train[1000:]), ("eval", evals)):
+        _write_jsonl(out / f"{name}_tool_prompts.jsonl",
+                     [{"prompt": [{"role": "user", "content": f"code of {w}"}], "answer": code_of(w)} for w in part])
+
+
 def near_miss(rng: random.Random, answer: str) -> str:
     """A wrong reply close to the right one `answer` (" edcba"), of the kinds most of the short SFT run's wrong greedy
     replies are (107 of its 137 on the eval prompts: a letter the string lacks, or a wrong length): one or two letters
@@ -226,3 +281,4 @@ def prepare_tiny(out: Path, *, seed: int = 0) -> None:
     tokenizer.save_pretrained(model_dir)
     write_data(out / "data", seed=seed)
     write_pairs(out / "data", seed=seed)
+    write_tool_data(out / "data", seed=seed)

@@ -300,18 +300,20 @@ def data_plan(recipe: Recipe, lengths: list[int], *, world: int, sources=None):
 def load_data(recipe: Recipe, tokenizer, *, world: int = 1) -> list[Check]:
     """prepare_datasets (filling the cache finetune reads) and check_data; when preparing refuses, tokenise the
     train split alone to say why (all examples dropped gives stats with 0 examples)."""
-    from llmtrain.data.prepare import prepare_datasets, tokenize_dataset
+    from llmtrain.data.prepare import prepare_recipe, tokenize_dataset
+    from llmtrain.data.tools import prompt_tools
     from llmtrain.data.sources import load_raw
 
     try:
-        train, eval_ds, stats, _ = prepare_datasets(recipe.data, tokenizer, seed=recipe.train.seed)
+        train, eval_ds, stats, _ = prepare_recipe(recipe, tokenizer)
         stats = stats["train"]
     except LLMTrainError as first:
         if recipe.data.sources is not None:
             return [("data", "fail", str(first))]
         try:
             train, stats = tokenize_dataset(load_raw(recipe.data.path, name=recipe.data.name,
-                                                     split=recipe.data.split), tokenizer, recipe.data, "data.path")
+                                                     split=recipe.data.split), tokenizer, recipe.data, "data.path",
+                                           tools=prompt_tools(recipe))
             eval_ds = None
         except LLMTrainError:
             return [("data", "fail", str(first))]

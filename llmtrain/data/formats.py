@@ -317,11 +317,13 @@ def _tokens_and_offsets(tokenizer, text: str) -> tuple[list[int], list[tuple[int
     return enc["input_ids"], enc["offset_mapping"]
 
 
-def encode_prompt(example: dict, tokenizer, cfg: DataConfig, *, template: str | None = None) -> dict:
+def encode_prompt(example: dict, tokenizer, cfg: DataConfig, *, template: str | None = None,
+                  tools: list[dict] | None = None) -> dict:
     """A prompt for online RL (data.format: prompt), as generation will continue it: a chat (a messages prompt, or
     data.chat_template set) rendered with its generation prompt, else the text with the tokenizer's BOS rule.
     Nothing is trained and nothing is cut: a prompt that leaves no room for the completion is refused
-    (checks.check_prompt_room). Every other column of the row is kept for the reward functions."""
+    (checks.check_prompt_room). Every other column of the row is kept for the reward functions. `tools`: rl.tools'
+    schemas, rendered into a chat prompt as the template shows tools (TRL's GRPOTrainer passes them the same way)."""
     prompt = _column(example, cfg, "prompt")
     if isinstance(prompt, list) or cfg.chat_template is not False:
         messages = ([_message(m, cfg) for m in prompt] if isinstance(prompt, list)
@@ -332,8 +334,12 @@ def encode_prompt(example: dict, tokenizer, cfg: DataConfig, *, template: str | 
             raise LLMTrainError("rendering a chat prompt needs a chat template, and this tokenizer (model.tokenizer) "
                                 "has none. Give a Jinja template file with data.chat_template: path/to/template.jinja")
         text = tokenizer.apply_chat_template(messages, chat_template=template, tokenize=False,
-                                             add_generation_prompt=True)
+                                             add_generation_prompt=True, tools=tools or None)
         ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+    elif tools:
+        raise LLMTrainError("rl.tools are shown to the model through the chat template, and these prompts are plain "
+                            "text rendered without one (data.chat_template: false). Give chat prompts (a list of "
+                            "messages) or set data.chat_template: true.")
     else:
         ids = tokenizer(str(prompt), add_special_tokens=True)["input_ids"]
     prompt_column = cfg.fields.get("prompt", "prompt")

@@ -7,6 +7,7 @@ trained token are dropped and counted, and the result is cached under data.cache
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import os
@@ -141,8 +142,9 @@ def _fingerprint(paths: list[str], tokenizer, cfg: DataConfig, extra: str) -> st
     return h.hexdigest()[:16]
 
 
-def tokenize_dataset(raw, tokenizer, cfg: DataConfig, source: str):
-    """Tokenise a raw dataset; drop examples with no trained token left. Returns (dataset, stats)."""
+def tokenize_dataset(raw, tokenizer, cfg: DataConfig, source: str, *, tools: list[dict] | None = None):
+    """Tokenise a raw dataset; drop examples with no trained token left. Returns (dataset, stats). `tools`: the
+    schemas online RL's prompts are rendered with (rl.tools: data.tools.prompt_tools)."""
     check_columns(raw.column_names, cfg, source)
     check_feedback_labels(raw, cfg, source)
     check_rows(raw, cfg, source)
@@ -150,6 +152,8 @@ def tokenize_dataset(raw, tokenizer, cfg: DataConfig, source: str):
 
     encoder = {"preference": encode_pair, "unpaired": encode_unpaired, "prompt": encode_prompt}.get(cfg.format,
                                                                                                  encode_example)
+    if tools:
+        encoder = functools.partial(encode_prompt, tools=tools)
 
     def encode(example: dict, i: int) -> dict:
         row = example.get(ROW, i)
@@ -234,11 +238,11 @@ def load_eval(cfg: DataConfig, raw, *, seed: int):
     return raw, evald, where
 
 
-def prepare_datasets(cfg: DataConfig, tokenizer, *, seed: int):
+def prepare_datasets(cfg: DataConfig, tokenizer, *, seed: int, tools: list[dict] | None = None):
     """Return (train, eval or None, {"train": DataStats, "eval": DataStats}, cache_hit).
 
     Results are cached under data.cache_dir keyed by the files, the tokenizer, the formatting options
-    and the seed of the eval split. Call it on the main process first (`main_process_first`): the other
+    and the seed of the eval split (and online RL's tools, which its prompts are rendered with). Call it on the main process first (`main_process_first`): the other
     processes then read the cache instead of tokenising again. A mixture (data.sources) is each source prepared as
     data.path would be, concatenated in the recipe's order with a `source` column (its index); its stats add
     "source0", "source1", ... beside the totals.
@@ -249,7 +253,7 @@ def prepare_datasets(cfg: DataConfig, tokenizer, *, seed: int):
     paths = [f for part in parts for f in _files(part.path)]
     eval_paths = [f for part in parts if isinstance(part.eval_split, (str, list)) and not is_split_name(
         part.eval_split) for f in _files(part.eval_split)]
-    key = _fingerprint(paths + eval_paths, tokenizer, cfg, str(seed))
+    key = _fingerprint(paths + eval_paths, tokenizer, cfg, str(seed) + (json.dumps(tools, sort_keys=True) if tools else ""))
     cache = Path(cfg.cache_dir) / key
     if (cache / "stats.json").is_file():
         stats = {k: DataStats(**v) for k, v in json.loads((cache / "stats.json").read_text()).items()}
@@ -259,7 +263,7 @@ def prepare_datasets(cfg: DataConfig, tokenizer, *, seed: int):
 
     trains, evals, stats = [], [], {}
     for i, part in enumerate(parts):
-        train, evald, part_stats = _prepare_source(part, tokenizer, seed=seed)
+        train, evald, part_stats = _prepare_source(part, tokenizer, seed=seed, tools=tools)
         if cfg.sources is not None:
             train = train.add_column(SOURCE, [i] * len(train))
             evald = evald.add_column(SOURCE, [i] * len(evald)) if evald is not None else None
@@ -291,11 +295,18 @@ def prepare_datasets(cfg: DataConfig, tokenizer, *, seed: int):
             datasets.load_from_disk(str(cache / "eval")) if (cache / "eval").exists() else None, stats, False)
 
 
-def _prepare_source(cfg: DataConfig, tokenizer, *, seed: int):
+def prepare_recipe(recipe, tokenizer):
+    """prepare_datasets for a recipe: its data, its seed, and online RL's tools (rendered into its prompts)."""
+    from llmtrain.data.tools import prompt_tools
+
+    return prepare_datasets(recipe.data, tokenizer, seed=recipe.train.seed, tools=prompt_tools(recipe))
+
+
+def _prepare_source(cfg: DataConfig, tokenizer, *, seed: int, tools: list[dict] | None = None):
     """One dataset's train and eval rows, tokenised and checked: (train, eval or None, its stats)."""
     paths = _files(cfg.path)
     raw, raw_eval, where = load_eval(cfg, load_raw(cfg.path, name=cfg.name, split=cfg.split), seed=seed)
-    train, train_stats = tokenize_dataset(raw, tokenizer, cfg, source=", ".join(paths))
+    train, train_stats = tokenize_dataset(raw, tokenizer, cfg, source=", ".join(paths), tools=tools)
     rows = train_stats.examples + train_stats.dropped
     if train_stats.examples < KEEP_AT_LEAST * rows:  # nothing, or almost nothing, is left to train on
         unit = "pairs" if cfg.format == "preference" else "examples"  # unpaired (KTO): one completion a row
@@ -307,7 +318,7 @@ def _prepare_source(cfg: DataConfig, tokenizer, *, seed: int):
     stats = {"train": train_stats}
     evald = None
     if raw_eval is not None:
-        evald, stats["eval"] = tokenize_dataset(raw_eval, tokenizer, cfg, source=where)
+        evald, stats["eval"] = tokenize_dataset(raw_eval, tokenizer, cfg, source=where, tools=tools)
     return train, evald, stats
 
 

@@ -16,6 +16,7 @@ from __future__ import annotations
 import functools
 import importlib
 import json
+from dataclasses import dataclass
 from typing import Any
 
 from llmtrain.errors import LLMTrainError
@@ -27,17 +28,12 @@ def is_tool_chat(messages: list[dict], tools: Any) -> bool:
 
 
 @functools.lru_cache(maxsize=256)
-def _schema_of(name: str) -> dict:
+def schema_of(name: str) -> dict:
     """The JSON schema of the function `module:function`, as transformers makes it (TRL's contract: type hints and a
     docstring with an Args section)."""
     from transformers.utils import get_json_schema
 
-    module, _, attr = name.partition(":")
-    try:
-        fn = getattr(importlib.import_module(module), attr)
-    except (ImportError, AttributeError) as e:
-        raise LLMTrainError(f"the tool '{name}' cannot be imported ({e}). Name it as module:function, with the module "
-                            "on the Python path (PYTHONPATH), or give its JSON schema instead.") from None
+    fn = function_of(name)
     try:
         return get_json_schema(fn)
     except Exception as e:  # transformers' TypeHintParsingException / DocstringParsingException
@@ -62,7 +58,7 @@ def tool_schemas(value: Any, where: str) -> list[dict] | None:
     out = []
     for k, tool in enumerate(value):
         if isinstance(tool, str) and ":" in tool:
-            out.append(_schema_of(tool))
+            out.append(schema_of(tool))
         elif isinstance(tool, dict) and ("function" in tool or "name" in tool):
             out.append(tool)
         else:
@@ -105,3 +101,180 @@ def tool_messages(messages: list[dict], where: str) -> list[dict]:
         m.setdefault("content", "")
         out.append(m)
     return out
+
+
+# --------------------------------------------------------------------------- tool calls in sampled text (online RL)
+
+def prompt_tools(recipe) -> list[dict] | None:
+    """The JSON schemas online RL's prompts are rendered with: rl.tools' (None without tools)."""
+    rl = getattr(recipe, "rl", None)
+    return [schema_of(name) for name in rl.tools] if rl is not None and rl.tools else None
+
+
+def function_of(name: str):
+    """The Python callable `module:function` (a tool), or a clear error."""
+    module, _, attr = name.partition(":")
+    try:
+        return getattr(importlib.import_module(module), attr)
+    except (ImportError, AttributeError, ValueError) as e:
+        raise LLMTrainError(f"the tool '{name}' cannot be imported ({e}). Name it as module:function, with the module "
+                            "on the Python path (PYTHONPATH).") from None
+
+
+PROBE_ARGS = {"probe_argument": "probe value"}
+PROBE_IDS = ("abcdefghi", "bcdefghij")  # Mistral's template wants 9-character call ids
+
+
+@dataclass(frozen=True)
+class CallSyntax:
+    """How the chat template writes a turn's tool calls, read off the template itself (`call_syntax`): the text that
+    opens the calls (Qwen's `<tool_call>`, Mistral's `[TOOL_CALLS]`, '' for Llama 3.1, whose whole turn is the call's
+    JSON), the keys of a call's name and arguments (`arguments`, or Llama's `parameters`), and whether the template
+    shows a call's id (Mistral's; the tool message then names it)."""
+
+    opener: str
+    name_key: str
+    arguments_key: str
+    shows_id: bool
+
+
+@dataclass
+class Turn:
+    """One sampled assistant turn, parsed: its text before the calls, its calls ({"type": "function", "function":
+    {"name", "arguments"}} plus "id" where the model wrote one), and whether it opened calls it did not write
+    readably (then it counts as text: its calls are not run, as TRL treats a malformed call)."""
+
+    content: str
+    calls: list[dict]
+    unreadable: bool = False
+
+    def message(self) -> dict:
+        return {"role": "assistant", "content": self.content, **({"tool_calls": self.calls} if self.calls else {})}
+
+
+def call_syntax(tokenizer, template: str | None = None) -> CallSyntax:
+    """The template's CallSyntax, found by rendering a turn with two probe calls (one where the template allows only
+    one: Llama 3.1's) and locating the calls' JSON in it. Refused in one paragraph for a template that does not show
+    tool calls in a form that can be read back."""
+    from llmtrain.data.chat import _apply, end_of_turn
+
+    schema = {"type": "function", "function": {"name": "probe_tool_one", "description": "A probe.", "parameters": {
+        "type": "object", "properties": {"probe_argument": {"type": "string", "description": "a text"}}}}}
+    calls = [{"type": "function", "id": i, "function": {"name": n, "arguments": dict(PROBE_ARGS)}}
+             for i, n in zip(PROBE_IDS, ("probe_tool_one", "probe_tool_two"))]
+    user = {"role": "user", "content": "Call the probe."}
+    prompt = _apply(tokenizer, [user], template, generation_prompt=True, tools=[schema])
+    shown = None
+    for some in (calls, calls[:1]):
+        try:
+            text = _apply(tokenizer, [user, {"role": "assistant", "content": "", "tool_calls": some}], template,
+                          generation_prompt=False, tools=[schema])
+        except LLMTrainError:
+            continue
+        eot = end_of_turn(tokenizer, template)
+        end = text.find(eot, len(prompt)) if eot else -1
+        if text.startswith(prompt) and end >= 0:
+            shown = text[len(prompt):end]
+            break
+    found = _json_objects(shown or "")
+    first = next(((start, obj) for start, _, obj in found if "probe_tool_one" in obj.values()), None)
+    if first is None:
+        raise LLMTrainError("the chat template does not write tool calls as JSON after its generation prompt (or not "
+                            "at all), so the calls a model samples cannot be read back to run its tools. Use a model "
+                            "whose template renders tool calls (Qwen2.5, Qwen3, Llama 3.1, Mistral-7B-Instruct-v0.3), "
+                            "or give one with data.chat_template: path/to/template.jinja.")
+    start, obj = first
+    name_key = next(k for k, v in obj.items() if v == "probe_tool_one")
+    arguments_key = next((k for k, v in obj.items() if v == PROBE_ARGS or v == json.dumps(PROBE_ARGS)), None)
+    if arguments_key is None:
+        raise LLMTrainError(f"the chat template writes a tool call as {json.dumps(obj)[:120]}, without its arguments "
+                            "as an object, so sampled calls cannot be read back. Give a template that does "
+                            "(data.chat_template: path/to/template.jinja).")
+    # the last word before the calls (Qwen3's reasoning block before it is the model's to write or not); a JSON
+    # list's bracket (Mistral's) is read with the list
+    words = shown[:start].rstrip().removesuffix("[").split()
+    opener = words[-1] if words else ""
+    return CallSyntax(opener=opener, name_key=name_key, arguments_key=arguments_key,
+                      shows_id=PROBE_IDS[0] in obj.values())
+
+
+def _json_objects(text: str, start: int = 0) -> list[tuple[int, int, dict]]:
+    """Every JSON object (or list of objects) that starts at a '{' or '[' of `text` from `start` on, in order, not
+    nested in an earlier one: (start, end, object)."""
+    decoder, out, i = json.JSONDecoder(), [], start
+    while True:
+        i = min((k for k in (text.find("{", i), text.find("[", i)) if k >= 0), default=-1)
+        if i < 0:
+            return out
+        try:
+            value, end = decoder.raw_decode(text, i)
+        except json.JSONDecodeError:
+            i += 1
+            continue
+        for item in value if isinstance(value, list) else [value]:
+            if isinstance(item, dict):
+                out.append((i, end, item))
+        i = end
+
+
+def parse_turn(text: str, syntax: CallSyntax) -> Turn:
+    """A sampled turn's text (special tokens kept, its end of turn cut off) as a Turn: the calls after the template's
+    opener, each a JSON object with the name and arguments keys (arguments an object, or a JSON string of one)."""
+    if syntax.opener:
+        at = text.find(syntax.opener)
+        if at < 0:
+            return Turn(text.strip(), [])
+        content, rest = text[:at].strip(), text[at + len(syntax.opener):]
+    else:  # Llama 3.1: the turn is a call when it is one JSON object
+        content, rest = "", text.strip()
+        if not rest.startswith("{"):
+            return Turn(text.strip(), [])
+    calls, unreadable = [], False
+    for _, _, obj in _json_objects(rest):
+        call = _sampled_call(obj, syntax)
+        if call is None:
+            unreadable = True
+        else:
+            calls.append(call)
+    if not calls:
+        return Turn(text.strip(), [], unreadable=True)
+    return Turn(content, calls, unreadable)
+
+
+def _sampled_call(obj: dict, syntax: CallSyntax) -> dict | None:
+    name, arguments = obj.get(syntax.name_key), obj.get(syntax.arguments_key, {})
+    if isinstance(arguments, str):
+        try:
+            arguments = json.loads(arguments)
+        except json.JSONDecodeError:
+            return None
+    if not isinstance(name, str) or not isinstance(arguments, dict):
+        return None
+    ident = obj.get("id") if syntax.shows_id and isinstance(obj.get("id"), str) else None
+    return {"type": "function", **({"id": ident} if ident else {}), "function": {"name": name, "arguments": arguments}}
+
+
+def tool_suffix_ids(tokenizer, template: str | None, messages: list[dict]) -> list[int]:
+    """The tokens the template writes after an assistant turn's end of turn for these `tool` messages, up to the next
+    assistant turn's generation prompt: TRL's _get_tool_suffix_ids (a dummy call rendered with and without the
+    results; the text before the call's end of turn cut off)."""
+    from llmtrain.data.chat import _apply, end_of_turn
+
+    call = {"type": "function", "function": {"name": messages[0]["name"], "arguments": {}}}
+    if messages[0].get("tool_call_id"):
+        call["id"] = messages[0]["tool_call_id"]
+    dummy = [{"role": "user", "content": "dummy"}, {"role": "assistant", "content": "", "tool_calls": [call]}]
+    before = _apply(tokenizer, dummy, template, generation_prompt=False)
+    full = _apply(tokenizer, dummy + messages, template, generation_prompt=True)
+    eot = end_of_turn(tokenizer, template)
+    # after the call's end of turn: the end of turn as often in `full` as in `before` (Qwen3 renders the last
+    # assistant turn with a reasoning block and the same turn in the history without one: the texts differ before it)
+    ends, at = before.count(eot) if eot else 0, -1
+    for _ in range(ends):
+        at = full.find(eot, at + 1)
+    if not ends or at < 0 or not full[at + len(eot):].strip():
+        raise LLMTrainError("the chat template renders no tool result after an assistant turn that calls a tool, so "
+                            "the result cannot be appended to a sampled turn. Give a template that renders tool "
+                            "messages (data.chat_template: path/to/template.jinja).")
+    start = at + len(eot)
+    return tokenizer(full[start:], add_special_tokens=False)["input_ids"]

@@ -27,7 +27,7 @@ from llmtrain.config import Recipe, tiled_mlp_shard
 from llmtrain.data.batching import DataPlan
 from llmtrain.data.chat import read_template
 from llmtrain.data.checks import check_context, check_data, check_epochs, check_warmup, data_plan
-from llmtrain.data.prepare import prepare_datasets
+from llmtrain.data.prepare import prepare_recipe
 from llmtrain.errors import LLMTrainError
 from llmtrain.layout import Layout
 from llmtrain.loop.determinism import deterministic_algorithms
@@ -149,7 +149,7 @@ def prepare_data(recipe: Recipe, accelerator, *, say) -> Data:
     if (template := read_template(recipe.data)) is not None:  # a file: final/'s tokenizer renders as training did
         tokenizer.chat_template = template
     with accelerator.main_process_first():
-        train_ds, eval_ds, stats, cache_hit = prepare_datasets(recipe.data, tokenizer, seed=tc.seed)
+        train_ds, eval_ds, stats, cache_hit = prepare_recipe(recipe, tokenizer)
     (cache_reads,) = global_sum(accelerator, cache_hit)
     (world, _), accum, s = data_ranks(accelerator), tc.grad_accum_steps, stats["train"]  # world: data ranks
     tp = tensor_parallel_size(accelerator)

@@ -272,14 +272,14 @@ def rl_prompt_lengths(r) -> tuple[list[int] | None, str | None]:
     """An online-RL recipe's prompt lengths in tokens, tokenised as training does (and cached as training caches
     them); or None and why, where its tokenizer or data cannot be read."""
     from llmtrain.data.chat import read_template
-    from llmtrain.data.prepare import prepare_datasets
+    from llmtrain.data.prepare import prepare_recipe
     from llmtrain.model.modeling import load_tokenizer
 
     try:
         tokenizer = load_tokenizer(r.model)
         if (template := read_template(r.data)) is not None:
             tokenizer.chat_template = template
-        train = prepare_datasets(r.data, tokenizer, seed=r.train.seed)[0]
+        train = prepare_recipe(r, tokenizer)[0]
     except (LLMTrainError, OSError, ValueError) as e:
         return None, str(e).splitlines()[0] if str(e) else type(e).__name__
     return list(train["length"]), None

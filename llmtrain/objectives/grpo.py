@@ -113,7 +113,8 @@ def token_chunks(sizes: list[int], budget: int | None) -> list[list[int]]:
 
 # The metrics' names are TRL's (GRPOTrainer), so runs can be compared line by line.
 # reward_squares and scored: TRL's reward_std is the std of the step's scored rewards (not a mean of the groups' stds)
-ROLLOUT_STATS = ["completions", "reward", "reward_squares", "scored", "zero_std", "length", "clipped", "generation_s"]
+ROLLOUT_STATS = ["completions", "reward", "reward_squares", "scored", "zero_std", "length", "clipped", "generation_s",
+                 "tool_calls", "tool_failures"]
 LOSS_STATS = ["kl", "clipped_tokens", "tokens"]
 
 
@@ -130,7 +131,7 @@ class GRPO:
 
     def __init__(self, rl, *, tokenizer, pad_id: int, packing: bool, seed: int, rewards, model, columns,
                  stop_ids: list[int], world: int, sources: tuple[str, str | None] = ("the data", None), state=None,
-                 runner=None, gather=None):
+                 runner=None, gather=None, template: str | None = None):
         self.rl, self.tokenizer, self.pad_id, self.packing, self.seed = rl, tokenizer, pad_id, packing, seed
         self.rewards = rewards  # (name, function, weight): rewards.build_rewards
         self.lm = model  # unwrapped: generates, and with its adapter disabled is the reference (beta > 0)
@@ -147,6 +148,12 @@ class GRPO:
         # the event loop of the async reward functions, for the whole run (the start-up check's, where it ran one)
         self.runner = runner if runner is not None else AsyncRunner()
         self.warned: set[str] = set()  # reward functions already said to have scored nothing
+        self.tools = None  # rl.tools: tool_calls.Tools (the functions, the template's call syntax)
+        if rl.tools:
+            from llmtrain.objectives.tool_calls import Tools
+
+            self.tools = Tools(rl.tools, tokenizer=tokenizer, template=template, timeout_s=rl.tool_timeout_s,
+                               runner=self.runner, stop_ids=self.stop_ids)
         answer_columns = [self.reward_columns.get(c.column, c.column) for c in rl.rewards if c.type == "answer_match"]
         self.expected_column = answer_columns[0] if answer_columns else None  # the eval samples' expected text
         self.stats = [*ROLLOUT_STATS, *self.advantage_stats, *(f"rewards/{n}/sum" for n, _, _ in rewards),
@@ -195,18 +202,19 @@ class GRPO:
         prompt_ids = [list(e["input_ids"]) for e in examples for _ in range(g)]
         seeds = [completion_seed(self.seed, step, e["row"], k) for e in examples for k in range(g)]
         begun = time.perf_counter()
-        completions = self._generate(prompt_ids, seeds, temperature=rl.temperature, top_p=rl.top_p)
+        completions, tooled = self._complete(prompt_ids, seeds, temperature=rl.temperature, top_p=rl.top_p)
         generation_s = time.perf_counter() - begun
         extra = RewardLogs()
         if stand_in:
             texts, total = [""] * len(completions), torch.zeros(len(completions))
             per_function = torch.full((len(completions), len(self.rewards)), float("nan"))
         else:
-            texts, per_function, total = self._score(examples, completions, g, where=self.sources[0], logs=extra)
+            texts, per_function, total = self._score(examples, completions, g, where=self.sources[0], logs=extra,
+                                                     tooled=tooled)
         for name, values in extra.metrics.items():
             self.logs.metrics[name] += values
         rows = [e["row"] + 1 for e in examples for _ in range(g)]
-        sequences = completion_rows(prompt_ids, completions)
+        sequences = completion_rows(prompt_ids, completions, masks=[t.mask for t in tooled] if tooled else None)
         batches, parts, lengths = self._passes(sequences)
         advantages, std, more, columns = self._advantages(total, g, batches, parts)
         for batch, part, n in zip(batches, parts, lengths.split([len(part) for part in parts])):
@@ -216,7 +224,8 @@ class GRPO:
         stats = torch.tensor([
             len(completions), float(total.nansum()), float((total.nan_to_num() ** 2).sum()),
             float((~total.isnan()).sum()), float((std.nan_to_num() < 1e-8).sum()), float(lengths.sum()),
-            float(sum(clipped)), generation_s / self.world, *more, *per_function.nan_to_num().sum(0).tolist(),
+            float(sum(clipped)), generation_s / self.world, sum(len(t.calls) for t in tooled or []),
+            sum(t.failures for t in tooled or []), *more, *per_function.nan_to_num().sum(0).tolist(),
             *scored.sum(0).tolist()],
             dtype=torch.float32)
         for k, batch in enumerate(batches):  # the passes' statistics are summed: the rollout's go in once
@@ -231,6 +240,8 @@ class GRPO:
                     **{name: _number(per_function[i, k]) for k, name in enumerate(names)},
                     "reward": _number(total[i]), "advantage": float(advantages[i]),
                     **{column: values[i] for column, values in columns.items()},
+                    # the tools' calls, results and failures, and where the results' (untrained) tokens are
+                    **({"tool_calls": tooled[i].calls, "tool_mask": tooled[i].mask} if tooled else {}),
                     # log_extra's columns, where a function gave one value per completion (as TRL's table needs)
                     **{column: values[i] for column, values in extra.extra.items() if len(values) == len(completions)}}
                    for i in range(len(completions))]
@@ -268,22 +279,41 @@ class GRPO:
         batch["weights"] = token_weights(completion, lengths, self.rl.loss_type)
 
     def _generate(self, prompt_ids: list[list[int]], seeds: list[int], *, temperature: float,
-                  top_p: float) -> list[list[int]]:
+                  top_p: float, max_new_tokens: int | None = None) -> list[list[int]]:
         """The completions of `prompt_ids`, one per seed, with rl.sampler (the caller gathers FSDP's units)."""
-        return sample(self.lm, self.rl.sampler, prompt_ids, seeds, max_new_tokens=self.rl.max_completion_tokens,
-                      temperature=temperature, top_p=top_p, stop_ids=self.stop_ids, pad_id=self.pad_id,
-                      copy=self.rl.merged_copy)
+        return sample(self.lm, self.rl.sampler, prompt_ids, seeds,
+                      max_new_tokens=max_new_tokens or self.rl.max_completion_tokens, temperature=temperature,
+                      top_p=top_p, stop_ids=self.stop_ids, pad_id=self.pad_id, copy=self.rl.merged_copy)
 
-    def _score(self, examples: list[dict], completions: list[list[int]], g: int, *, where: str, logs=None):
+    def _complete(self, prompt_ids: list[list[int]], seeds: list[int], *, temperature: float, top_p: float):
+        """(the completions, their tool_calls.ToolRollout or None without rl.tools): each sampled to its end, its
+        tools' calls run and their results appended where rl.tools are given."""
+        if self.tools is None:
+            return self._generate(prompt_ids, seeds, temperature=temperature, top_p=top_p), None
+        from llmtrain.objectives.tool_calls import sample_with_tools
+
+        def turn(prompts, turn_seeds, room):
+            return self._generate(prompts, turn_seeds, temperature=temperature, top_p=top_p, max_new_tokens=room)
+
+        tooled = sample_with_tools(turn, prompt_ids, seeds, tools=self.tools,
+                                   max_new_tokens=self.rl.max_completion_tokens, max_rounds=self.rl.max_tool_calls)
+        return [t.ids for t in tooled], tooled
+
+    def _score(self, examples: list[dict], completions: list[list[int]], g: int, *, where: str, logs=None,
+               tooled=None):
         """(texts, each reward [completions x functions], their weighted sum) of the completions of `examples`,
         `g` consecutive completions per example, scored as TRL scores them (rewards.score); `where`: the examples'
-        file, for the errors."""
+        file, for the errors; `tooled`: their tool calls (rl.tools)."""
         from llmtrain.objectives.rewards import score
 
         texts = [self.tokenizer.decode(c, skip_special_tokens=True) for c in completions]
         prompts = [e["prompt"] for e in examples for _ in range(g)]
-        # TRL's convention: a conversational prompt's completion is a list with one assistant message
-        shown = [[{"role": "assistant", "content": t}] for t in texts] if isinstance(prompts[0], list) else texts
+        # TRL's convention: a conversational prompt's completion is a list with one assistant message; with tools,
+        # the conversation after the prompt (assistant turns with their tool_calls, the tools' messages)
+        if tooled:
+            shown = [t.messages for t in tooled]
+        else:
+            shown = [[{"role": "assistant", "content": t}] for t in texts] if isinstance(prompts[0], list) else texts
         columns = {name: [e[stored] for e in examples for _ in range(g)]
                    for name, stored in self.reward_columns.items()}
         return texts, *score(self.rewards, prompts, shown, completion_ids=[list(c) for c in completions],
@@ -348,6 +378,9 @@ class GRPO:
                 out[f"rewards/{name}/mean"] = s[f"rewards/{name}/sum"] / s[f"rewards/{name}/count"]
         out.update({"completions/mean_length": s["length"] / n, "completions/clipped_ratio": s["clipped"] / n})
         out.update(self._policy_metrics(s, n))
+        if self.tools is not None:  # TRL's: calls per completion, failures per call
+            out["tools/call_frequency"] = s["tool_calls"] / n
+            out["tools/failure_frequency"] = s["tool_failures"] / s["tool_calls"] if s["tool_calls"] else 0.0
         out["generation_s"] = s["generation_s"]
         out["generation_tokens_per_s"] = s["length"] / max(s["generation_s"], 1e-9)
         # log_metric's numbers since the last line, averaged over every process's (every rank makes this call, so
@@ -366,8 +399,9 @@ class GRPO:
         examples = batch["examples"]
         prompt_ids = [list(e["input_ids"]) for e in examples]
         with gathered_for_generation(self.lm):
-            completions = self._generate(prompt_ids, [0] * len(examples), temperature=0.0, top_p=1.0)
-        _, per_function, total = self._score(examples, completions, 1, where=self.sources[1] or self.sources[0])
+            completions, tooled = self._complete(prompt_ids, [0] * len(examples), temperature=0.0, top_p=1.0)
+        _, per_function, total = self._score(examples, completions, 1, where=self.sources[1] or self.sources[0],
+                                             tooled=tooled)
         return torch.tensor([len(examples), float(total.nansum()), *per_function.nan_to_num().sum(0).tolist(),
                              *(~per_function.isnan()).sum(0).tolist()], dtype=torch.float64)
 

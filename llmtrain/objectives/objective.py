@@ -132,6 +132,7 @@ def objective_for(recipe, *, pad_id: int, model=None, tokenizer=None, train=None
     from llmtrain.data.batching import packs_rows
 
     if recipe.rl is not None:
+        from llmtrain.data.chat import read_template
         from llmtrain.objectives.grpo import GRPO
         from llmtrain.objectives.rloo import RLOO
 
@@ -140,7 +141,8 @@ def objective_for(recipe, *, pad_id: int, model=None, tokenizer=None, train=None
         return online(recipe.rl, tokenizer=tokenizer, pad_id=pad_id, packing=packs_rows(recipe),
                       seed=recipe.train.seed, rewards=rewards.functions, model=model, columns=train.column_names,
                       stop_ids=stop_ids(recipe, model, tokenizer), world=world, sources=rewards.sources,
-                      state=rewards.state, runner=rewards.runner, gather=gather)
+                      state=rewards.state, runner=rewards.runner, gather=gather,
+                      template=read_template(recipe.data))
 
     if recipe.distill is not None:
         from llmtrain.model.teacher import load_teacher

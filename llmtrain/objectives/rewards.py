@@ -58,9 +58,11 @@ def reward_columns(columns) -> dict[str, str]:
 
 
 def content(completion) -> str:
-    """A completion's text: itself, or the content of its one assistant message (a conversational dataset, as TRL
-    hands completions to reward functions)."""
-    return completion[0]["content"] if isinstance(completion, list) else completion
+    """A completion's text: itself, or the content of its last message (a conversational dataset, as TRL hands
+    completions to reward functions: one assistant message, or with tools the turns and the tools' results)."""
+    if not isinstance(completion, list):
+        return completion
+    return next((m["content"] for m in reversed(completion) if m.get("role") == "assistant"), completion[-1]["content"])
 
 
 def answer_match(pattern: str | None, *, column: str = "answer") -> RewardFn:

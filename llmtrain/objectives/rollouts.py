@@ -43,9 +43,14 @@ def sample(lm, sampler: str, prompts: list[list[int]], seeds: list[int], *, max_
                                     temperature=temperature, top_p=top_p, stop_ids=stop_ids, pad_id=pad_id)
 
 
-def completion_rows(prompts: list[list[int]], completions: list[list[int]]) -> list[dict]:
-    """Each prompt and its completion as one tokenised row: the completion's tokens trained, the prompt's not."""
-    return [{"input_ids": p + c, "labels": [IGNORE] * len(p) + c} for p, c in zip(prompts, completions)]
+def completion_rows(prompts: list[list[int]], completions: list[list[int]],
+                    masks: list[list[int]] | None = None) -> list[dict]:
+    """Each prompt and its completion as one tokenised row: the completion's tokens trained, the prompt's not, nor
+    a completion's tokens whose mask is 0 (the tools' results: TRL's tool_mask)."""
+    if masks is None:
+        return [{"input_ids": p + c, "labels": [IGNORE] * len(p) + c} for p, c in zip(prompts, completions)]
+    return [{"input_ids": p + c, "labels": [IGNORE] * len(p) + [t if k else IGNORE for t, k in zip(c, m)]}
+            for p, c, m in zip(prompts, completions, masks)]
 
 
 def clipped_surrogate(logps: torch.Tensor, advantages: torch.Tensor, *, old_logps: torch.Tensor | None,

@@ -1,0 +1,183 @@
+"""Tool calling in online RL (rl.tools): completions that call Python functions mid-way, as TRL 1.16's GRPOTrainer
+samples them (its _tool_call_loop).
+
+A round samples each row to its end of turn. A turn whose text holds tool calls, as the chat template writes them
+(data/tools.call_syntax: Qwen's `<tool_call>{...}</tool_call>`, Llama 3.1's JSON turn, Mistral's `[TOOL_CALLS]
+[...]`), has every call run (`Tools.run`: sync or async, under rl.tool_timeout_s; an exception, an unknown name or
+a time-out becomes the result `{'error': ...}`, as TRL writes it); the results are appended as the template renders
+`tool` messages after the turn, up to the next generation prompt (data/tools.tool_suffix_ids), and the row samples
+on from there (its prompt + everything so far prefilled again). Up to rl.max_tool_calls rounds; a row whose results
+would take its completion past max_completion_tokens stops before them (TRL drops them the same way), and what a
+row samples after them is cut to what is left of max_completion_tokens.
+
+The completion is every token after the prompt; the results' tokens have mask 0 (TRL's tool_mask): they are not
+trained, not in the KL, not counted in the completion's length. Each round's seed is a pure function of the
+completion's seed and the round, so a completion still depends only on the run's seed, the step and its prompt
+(the tools must be deterministic for a resumed run to sample the same).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import inspect
+from dataclasses import dataclass, field
+
+from llmtrain.data.tools import CallSyntax, Turn, call_syntax, function_of, parse_turn, tool_suffix_ids
+from llmtrain.errors import LLMTrainError
+
+
+@dataclass
+class ToolRollout:
+    """One completion with its tool calls: its tokens after the prompt, the mask of those the model wrote (1) and
+    the tools' results (0), the conversation it makes (assistant turns parsed, tool messages: what reward functions
+    get, as TRL hands them), each call run ({"name", "arguments", "result", "failed"}), and turns that opened calls
+    no parser could read."""
+
+    ids: list[int]
+    mask: list[int]
+    messages: list[dict]
+    calls: list[dict] = field(default_factory=list)
+    unreadable: int = 0
+
+    @property
+    def failures(self) -> int:
+        return sum(c["failed"] for c in self.calls)
+
+
+class Tools:
+    """rl.tools, imported and described: the functions by name, the template's call syntax, and the runner of a
+    turn's calls. Built once a run; refused in one paragraph (a tool that cannot be imported or described, a
+    template that cannot show or read back tool calls) before anything is written."""
+
+    def __init__(self, names: list[str], *, tokenizer, template: str | None = None, timeout_s: float = 30.0,
+                 runner=None, stop_ids=()):
+        from llmtrain.data.tools import schema_of
+
+        self.functions = {}
+        for name in names:
+            schema_of(name)  # type hints and an Args docstring, or a clear error
+            fn = function_of(name)
+            if fn.__name__ in self.functions:
+                raise LLMTrainError(f"rl.tools names two functions called '{fn.__name__}': the model calls a tool by "
+                                    "its function's name, so each must have its own.")
+            self.functions[fn.__name__] = fn
+        self.tokenizer, self.template, self.timeout_s = tokenizer, template, timeout_s
+        self.syntax: CallSyntax = call_syntax(tokenizer, template)
+        from llmtrain.data.chat import end_of_turn
+
+        self.end_of_turn = end_of_turn(tokenizer, template)
+        self.stop_ids = set(stop_ids)
+        self.runner = runner
+        self._threads = concurrent.futures.ThreadPoolExecutor(max_workers=4, thread_name_prefix="llmtrain-tool")
+
+    def parse(self, ids: list[int]) -> Turn:
+        """A sampled turn (its tokens, the stop token included) as text and calls."""
+        ids = ids[:-1] if ids and ids[-1] in self.stop_ids else ids
+        text = self.tokenizer.decode(ids, skip_special_tokens=False)
+        if self.end_of_turn and self.end_of_turn in text:
+            text = text[: text.index(self.end_of_turn)]
+        turn = parse_turn(text, self.syntax)
+        if not turn.calls:  # what the turn says, as the reward functions read a plain completion
+            turn.content = self.tokenizer.decode(ids, skip_special_tokens=True)
+        return turn
+
+    def run(self, calls: list[dict]) -> list[dict]:
+        """Each call's record {"name", "arguments", "result" (the text the model reads), "failed"}: sync tools one
+        after the other, async ones together (TRL's order of results: the sync ones first)."""
+        done, waiting = [], []
+        for call in calls:
+            name, arguments = call["function"]["name"], call["function"]["arguments"]
+            fn = self.functions.get(name)
+            record = {"name": name, "arguments": arguments, **({"id": call["id"]} if "id" in call else {})}
+            if fn is None:
+                done.append({**record, "result": str({"error": f"Tool {name} not found."}), "failed": True})
+            elif inspect.iscoroutinefunction(fn):
+                waiting.append((record, fn, arguments))
+            else:
+                try:
+                    value = self._threads.submit(fn, **arguments).result(timeout=self.timeout_s)
+                    done.append({**record, "result": _text(value), "failed": False})
+                except concurrent.futures.TimeoutError:
+                    done.append({**record, "result": self._late(), "failed": True})
+                except Exception as e:  # the tool's own error is its result, as TRL's
+                    done.append({**record, "result": str({"error": str(e)}), "failed": True})
+        if waiting:
+            from llmtrain.objectives.rewards import AsyncRunner
+
+            self.runner = self.runner or AsyncRunner()
+
+            async def bounded(fn, arguments):
+                return await asyncio.wait_for(fn(**arguments), self.timeout_s)
+
+            for (record, _, _), value in zip(waiting, self.runner.gather([bounded(f, a) for _, f, a in waiting])):
+                if isinstance(value, asyncio.TimeoutError):
+                    done.append({**record, "result": self._late(), "failed": True})
+                elif isinstance(value, BaseException):
+                    done.append({**record, "result": str({"error": str(value)}), "failed": True})
+                else:
+                    done.append({**record, "result": _text(value), "failed": False})
+        return done
+
+    def _late(self) -> str:
+        return str({"error": f"the tool ran past rl.tool_timeout_s={self.timeout_s:g} s"})
+
+    def suffix(self, records: list[dict]) -> tuple[list[dict], list[int]]:
+        """The `tool` messages of a round's results and their tokens as the template renders them after the turn."""
+        messages = [{"role": "tool", "name": r["name"], "content": r["result"],
+                     **({"tool_call_id": r["id"]} if "id" in r else {})} for r in records]
+        return messages, tool_suffix_ids(self.tokenizer, self.template, messages)
+
+
+def _text(value) -> str:
+    return value if isinstance(value, str) else str(value)
+
+
+def round_seed(seed: int, round_: int) -> int:
+    """The seed of a completion's round after its tools' results: a pure function of its own seed and the round."""
+    from llmtrain.model.generate import completion_seed
+
+    return completion_seed(seed, round_, 0, 0)
+
+
+def sample_with_tools(generate, prompts: list[list[int]], seeds: list[int], *, tools: Tools, max_new_tokens: int,
+                      max_rounds: int | None) -> list[ToolRollout]:
+    """The completions of `prompts` with their tool calls run (the module's docstring says how). `generate(prompts,
+    seeds, max_new_tokens)` samples one turn of each (the recipe's sampler)."""
+    first = generate(prompts, seeds, max_new_tokens)
+    out, turns = [], []
+    for ids in first:
+        turn = tools.parse(list(ids))
+        turns.append(turn)
+        out.append(ToolRollout(list(ids), [1] * len(ids), [turn.message()], unreadable=int(turn.unreadable)))
+    live, rounds = [i for i, t in enumerate(turns) if t.calls], 0
+    while live and (max_rounds is None or rounds < max_rounds):
+        rounds += 1
+        going, room = [], []
+        for i in live:
+            records = tools.run(turns[i].calls)
+            out[i].calls += records
+            messages, suffix = tools.suffix(records)
+            if len(out[i].ids) + len(suffix) > max_new_tokens:  # TRL's: the results would not fit, the row stops
+                continue
+            out[i].messages += messages
+            out[i].ids += suffix
+            out[i].mask += [0] * len(suffix)
+            going.append(i)
+            room.append(max_new_tokens - len(out[i].ids))
+        if not going:
+            break
+        more = generate([prompts[i] + out[i].ids for i in going], [round_seed(seeds[i], rounds) for i in going],
+                        max(room)) if max(room) > 0 else [[] for _ in going]
+        live = []
+        for i, ids, left in zip(going, more, room):
+            ids = list(ids)[:left]  # what is left of max_completion_tokens (a sample depends only on what precedes)
+            out[i].ids += ids
+            out[i].mask += [1] * len(ids)
+            if ids:
+                turns[i] = tools.parse(ids)
+                out[i].messages.append(turns[i].message())
+                out[i].unreadable += int(turns[i].unreadable)
+                if turns[i].calls:
+                    live.append(i)
+    return out
