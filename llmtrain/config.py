@@ -651,6 +651,11 @@ class RLConfig(Section):
         "template; a turn that ends with calls (as the template writes them) has them run, their results appended "
         "as the template renders tool messages, and the completion goes on. Tool results are not trained "
         "(docs/tools.md).")
+    environment: str | None = Field(
+        None, description="A class module:Class (TRL's environment_factory), one instance per completion: "
+        "reset(**row) before it is sampled (the row's prompt and columns; text it returns is appended to the "
+        "prompt's last message), its public methods tools as rl.tools are (on that instance), and get_reward(), "
+        "where it has one, a reward named after the class (weight 1) beside rl.rewards.")
     max_tool_calls: int | None = Field(
         None, ge=0, description="The most rounds of tool calls a completion makes (TRL's max_tool_calling_iterations; "
         "a round runs every call of one turn); default no limit but max_completion_tokens, which counts the tools' "
@@ -703,9 +708,11 @@ class RLConfig(Section):
 
     @model_validator(mode="after")
     def _tool_settings(self) -> RLConfig:
-        if self.max_tool_calls is not None and not self.tools:
+        if self.max_tool_calls is not None and not (self.tools or self.environment):
             raise ValueError("rl.max_tool_calls limits the calls to rl.tools, and no tools are given: add rl.tools "
                              "(module:function names) or remove rl.max_tool_calls")
+        if self.environment is not None and ":" not in self.environment:
+            raise ValueError(f"rl.environment names a class as module:Class; '{self.environment}' has no ':'")
         return self
 
     @field_validator("reward_clip_range")

@@ -215,7 +215,10 @@ def write_tool_data(out: Path, *, seed: int) -> None:
     prompts with the expected code in `answer`, for GRPO with rl.tools; data/tools.jinja: the template with tools.
     From their own random stream: the other files are unchanged."""
     rng = random.Random(seed + 2)
-    words = list(dict.fromkeys(p.split()[1] for p, _ in make_split(rng, 2400)))
+    words: dict[str, None] = {}  # 4 letters: a copy at a fixed distance, which the 2-layer model learns
+    while len(words) < 2400:
+        words["".join(rng.choice(string.ascii_lowercase) for _ in range(4))] = None
+    words = list(words)
     evals, train = words[:200], words[200:]
     (out / "tools.jinja").write_text(TOOLS_TEMPLATE)
     tools = ["llmtrain.tiny:code_of"]

@@ -330,3 +330,86 @@ def test_the_rollout_with_tools_trains_what_trls_loss_trains_with_its_tool_mask(
     # the results' tokens are not trained: the loss counts exactly the tokens whose mask is 1 (dapo's units)
     assert sum(len(b["loss_example"]) for b in batches) == counts.units == sum(sum(m) for m in masks)
     assert all(len(m) == len(r["completion_ids"]) for m, r in zip(masks, records))
+
+
+class Vault:
+    """An environment as TRL's environment_factory takes one: reset per rollout, a tool method, get_reward."""
+
+    made = 0
+
+    def __init__(self):
+        Vault.made += 1
+        self.word, self.opened = None, 0
+
+    def reset(self, prompt, word, **columns):
+        self.word, self.opened = word, 0
+        return f" ({len(word)} letters)"
+
+    def open_vault(self, guess: str) -> str:
+        """Try to open the vault.
+
+        Args:
+            guess: the word
+        """
+        self.opened += 1
+        return "open" if guess == self.word else "shut"
+
+    def get_reward(self) -> float:
+        return float(self.opened)
+
+
+def test_an_environment_per_completion_is_reset_with_its_row_and_its_reward_counts(tiny_assets, monkeypatch):
+    """rl.environment: one instance per completion, reset with the row's prompt and columns (its observation added
+    to the prompt's last message, the prompt rendered again), its method called on that instance as a tool, its
+    get_reward a reward named after the class; the instances reused by the next rollout."""
+    from transformers import AutoTokenizer
+
+    from llmtrain.config import RLConfig
+    from llmtrain.objectives.grpo import GRPO
+    from llmtrain.objectives.tool_calls import round_seed
+
+    tok = AutoTokenizer.from_pretrained(tiny_assets / "model")
+    template = (tiny_assets / "data" / "tools.jinja").read_text()
+    tok.chat_template = template
+    rl = RLConfig(num_generations=2, max_completion_tokens=120, environment="test_tools_grpo:Vault",
+                  rewards=[{"type": "answer_match"}])
+    rendered = []
+
+    def render(prompt, row):
+        rendered.append((prompt, row))
+        return tok(tok.apply_chat_template(prompt, tokenize=False, add_generation_prompt=True,
+                                           tools=grpo.tools.schemas), add_special_tokens=False)["input_ids"]
+
+    grpo = GRPO(rl, tokenizer=tok, pad_id=tok.pad_token_id, packing=True, seed=0,
+                rewards=[("zero", lambda completions, **kw: [0.0] * len(completions), 1.0)], model=None,
+                columns=["input_ids", "row", "prompt", "user/word"], stop_ids=[tok.eos_token_id], world=1,
+                template=template, render=render)
+    assert [n for n, _, _ in grpo.rewards] == ["zero", "Vault"] and "rewards/Vault/sum" in grpo.stats
+    turns = [['<call>{"name": "open_vault", "arguments": {"guess": "abc"}}</call>', "ok"], ["no"],
+             ['<call>{"name": "open_vault", "arguments": {"guess": "xyz"}}</call>', "hm"], ["no"]]
+    which = {}
+
+    def generate(prompt_ids, seeds, *, temperature, top_p, max_new_tokens=None):
+        if not which:
+            which.update({round_seed(s, r) if r else s: (k, r) for k, s in enumerate(seeds) for r in range(3)})
+        return [tok(turns[k][r], add_special_tokens=False)["input_ids"] + [tok.eos_token_id]
+                for k, r in map(which.get, seeds)]
+
+    monkeypatch.setattr(grpo, "_generate", generate)
+    chat = [{"role": "user", "content": "open the vault"}]
+    examples = [{"input_ids": [1, 2, 3], "row": r, "prompt": chat, "user/word": w}
+                for r, w in enumerate(["abc", "xyz"])]
+    Vault.made = 0
+    _, _, records = grpo._rollout_batch(examples, step=0)
+    assert Vault.made == 4 and [p[-1]["content"] for p, _ in rendered] == ["open the vault (3 letters)"] * 4
+    assert "(3 letters)" in records[0]["prompt"]
+    assert [r["tool_calls"][0]["result"] if r["tool_calls"] else None for r in records] == ["open", None, "open", None]
+    assert [r["Vault"] for r in records] == [1.0, 0.0, 1.0, 0.0]
+    which.clear()
+    grpo._rollout_batch(examples, step=1)
+    assert Vault.made == 4  # reused, reset
+
+
+def test_an_environment_that_is_not_one_is_refused():
+    with pytest.raises(LLMTrainError, match="not a class with a reset method"):
+        Tools([], tokenizer=stand_in_tokenizer("qwen2.5-7b-instruct"), environment="test_tools_grpo:lookup")

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import functools
 import importlib
+import inspect
 import json
 from dataclasses import dataclass
 from typing import Any
@@ -106,9 +107,44 @@ def tool_messages(messages: list[dict], where: str) -> list[dict]:
 # --------------------------------------------------------------------------- tool calls in sampled text (online RL)
 
 def prompt_tools(recipe) -> list[dict] | None:
-    """The JSON schemas online RL's prompts are rendered with: rl.tools' (None without tools)."""
+    """The JSON schemas online RL's prompts are rendered with: rl.tools', then rl.environment's tool methods' (None
+    without either)."""
     rl = getattr(recipe, "rl", None)
-    return [schema_of(name) for name in rl.tools] if rl is not None and rl.tools else None
+    if rl is None or not (rl.tools or rl.environment):
+        return None
+    return [schema_of(name) for name in rl.tools] + (environment_tools(rl.environment)[2] if rl.environment else [])
+
+
+def environment_tools(name: str) -> tuple[type, list[str], list[dict]]:
+    """rl.environment's class `module:Class` (TRL's environment_factory: `reset`, tool methods, optionally
+    `get_reward`), its tool methods' names (the public ones but reset and get_reward) and their schemas (described
+    from one instance's bound methods, as TRL probes one). Refused in one paragraph where it is not such a class."""
+    from transformers.utils import get_json_schema
+
+    cls = function_of(name)
+    if not isinstance(cls, type) or not callable(getattr(cls, "reset", None)):
+        raise LLMTrainError(f"rl.environment '{name}' is not a class with a reset method: give module:Class, whose "
+                            "instances have reset(**row) (called before each rollout, with the row's columns; it may "
+                            "return text appended to the prompt), tool methods (type hints and an Args docstring) "
+                            "and optionally get_reward() (TRL's environment_factory).")
+    try:
+        probe = cls()
+    except Exception as e:
+        raise LLMTrainError(f"rl.environment '{name}' cannot be made without arguments ({e}): one instance is made "
+                            "per rollout, as TRL's environment_factory makes them.") from None
+    methods = [m for m, _ in inspect.getmembers(cls, predicate=inspect.isfunction)
+               if m not in ("reset", "get_reward") and not m.startswith("_")]
+    if not methods:
+        raise LLMTrainError(f"rl.environment '{name}' has no public method but reset and get_reward: its methods are "
+                            "the tools the model calls.")
+    schemas = []
+    for m in methods:
+        try:
+            schemas.append(get_json_schema(getattr(probe, m)))
+        except Exception as e:
+            raise LLMTrainError(f"the tool {name}.{m} cannot be described to the model: {e}. A tool needs type hints "
+                                "on every argument and a docstring whose Args section describes each one.") from None
+    return cls, methods, schemas
 
 
 def function_of(name: str):

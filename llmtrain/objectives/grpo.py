@@ -131,7 +131,7 @@ class GRPO:
 
     def __init__(self, rl, *, tokenizer, pad_id: int, packing: bool, seed: int, rewards, model, columns,
                  stop_ids: list[int], world: int, sources: tuple[str, str | None] = ("the data", None), state=None,
-                 runner=None, gather=None, template: str | None = None):
+                 runner=None, gather=None, template: str | None = None, render=None):
         self.rl, self.tokenizer, self.pad_id, self.packing, self.seed = rl, tokenizer, pad_id, packing, seed
         self.rewards = rewards  # (name, function, weight): rewards.build_rewards
         self.lm = model  # unwrapped: generates, and with its adapter disabled is the reference (beta > 0)
@@ -148,12 +148,16 @@ class GRPO:
         # the event loop of the async reward functions, for the whole run (the start-up check's, where it ran one)
         self.runner = runner if runner is not None else AsyncRunner()
         self.warned: set[str] = set()  # reward functions already said to have scored nothing
-        self.tools = None  # rl.tools: tool_calls.Tools (the functions, the template's call syntax)
-        if rl.tools:
+        self.tools = None  # rl.tools, rl.environment: tool_calls.Tools (the functions, the template's call syntax)
+        self.render = render  # a prompt (the row's, an environment's observation added) to its tokens
+        self._environments: list = []  # the rollout's rl.environment instances, one per completion
+        if rl.tools or rl.environment:
             from llmtrain.objectives.tool_calls import Tools
 
             self.tools = Tools(rl.tools, tokenizer=tokenizer, template=template, timeout_s=rl.tool_timeout_s,
-                               runner=self.runner, stop_ids=self.stop_ids)
+                               runner=self.runner, stop_ids=self.stop_ids, environment=rl.environment)
+            if callable(getattr(self.tools.environment, "get_reward", None)):  # TRL's: a reward named after it
+                rewards = self.rewards = [*rewards, (self.tools.environment.__name__, self._environment_reward(), 1.0)]
         answer_columns = [self.reward_columns.get(c.column, c.column) for c in rl.rewards if c.type == "answer_match"]
         self.expected_column = answer_columns[0] if answer_columns else None  # the eval samples' expected text
         self.stats = [*ROLLOUT_STATS, *self.advantage_stats, *(f"rewards/{n}/sum" for n, _, _ in rewards),
@@ -202,7 +206,8 @@ class GRPO:
         prompt_ids = [list(e["input_ids"]) for e in examples for _ in range(g)]
         seeds = [completion_seed(self.seed, step, e["row"], k) for e in examples for k in range(g)]
         begun = time.perf_counter()
-        completions, tooled = self._complete(prompt_ids, seeds, temperature=rl.temperature, top_p=rl.top_p)
+        completions, tooled = self._complete(prompt_ids, seeds, temperature=rl.temperature, top_p=rl.top_p,
+                                             rows=[e for e in examples for _ in range(g)])
         generation_s = time.perf_counter() - begun
         extra = RewardLogs()
         if stand_in:
@@ -285,19 +290,43 @@ class GRPO:
                       max_new_tokens=max_new_tokens or self.rl.max_completion_tokens, temperature=temperature,
                       top_p=top_p, stop_ids=self.stop_ids, pad_id=self.pad_id, copy=self.rl.merged_copy)
 
-    def _complete(self, prompt_ids: list[list[int]], seeds: list[int], *, temperature: float, top_p: float):
-        """(the completions, their tool_calls.ToolRollout or None without rl.tools): each sampled to its end, its
-        tools' calls run and their results appended where rl.tools are given."""
+    def _complete(self, prompt_ids: list[list[int]], seeds: list[int], *, temperature: float, top_p: float,
+                  rows: list[dict]):
+        """(the completions, their tool_calls.ToolRollout or None without tools): each sampled to its end, its
+        tools' calls run and their results appended where rl.tools or rl.environment are given (`rows`: each
+        completion's prompt row; an environment is reset with it, and what reset returns is added to the prompt:
+        `prompt_ids` is changed in place)."""
         if self.tools is None:
             return self._generate(prompt_ids, seeds, temperature=temperature, top_p=top_p), None
         from llmtrain.objectives.tool_calls import sample_with_tools
+
+        self._environments = self.tools.environments(len(prompt_ids))
+        for i, (environment, row) in enumerate(zip(self._environments, rows)):
+            if environment is not None:  # TRL's: reset with the row; an observation joins the prompt's last message
+                observation = environment.reset(prompt=row["prompt"], **{
+                    name: row[stored] for name, stored in self.reward_columns.items()})
+                if observation is not None:
+                    prompt_ids[i] = self.render(_observed(row["prompt"], str(observation)), row["row"])
 
         def turn(prompts, turn_seeds, room):
             return self._generate(prompts, turn_seeds, temperature=temperature, top_p=top_p, max_new_tokens=room)
 
         tooled = sample_with_tools(turn, prompt_ids, seeds, tools=self.tools,
-                                   max_new_tokens=self.rl.max_completion_tokens, max_rounds=self.rl.max_tool_calls)
+                                   max_new_tokens=self.rl.max_completion_tokens, max_rounds=self.rl.max_tool_calls,
+                                   environments=self._environments)
         return [t.ids for t in tooled], tooled
+
+    def _environment_reward(self):
+        """rl.environment's get_reward as a reward function: each completion's instance's (TRL's; async or not)."""
+        import inspect
+
+        if inspect.iscoroutinefunction(self.tools.environment.get_reward):
+            async def environment_reward(completions, **kwargs):
+                return [await e.get_reward() for e in self._environments]
+        else:
+            def environment_reward(completions, **kwargs):
+                return [e.get_reward() for e in self._environments]
+        return environment_reward
 
     def _score(self, examples: list[dict], completions: list[list[int]], g: int, *, where: str, logs=None,
                tooled=None):
@@ -399,7 +428,8 @@ class GRPO:
         examples = batch["examples"]
         prompt_ids = [list(e["input_ids"]) for e in examples]
         with gathered_for_generation(self.lm):
-            completions, tooled = self._complete(prompt_ids, [0] * len(examples), temperature=0.0, top_p=1.0)
+            completions, tooled = self._complete(prompt_ids, [0] * len(examples), temperature=0.0, top_p=1.0,
+                                                 rows=examples)
         _, per_function, total = self._score(examples, completions, 1, where=self.sources[1] or self.sources[0],
                                              tooled=tooled)
         return torch.tensor([len(examples), float(total.nansum()), *per_function.nan_to_num().sum(0).tolist(),
@@ -416,6 +446,13 @@ class GRPO:
         if first is not None and counts[first]:
             out["eval_answer_accuracy"] = per[first] / counts[first]  # the first answer_match's mean
         return out
+
+
+def _observed(prompt, observation: str):
+    """A prompt (text or messages) with an environment's observation added to its last message (TRL's)."""
+    if isinstance(prompt, str):
+        return prompt + observation
+    return [*prompt[:-1], {**prompt[-1], "content": prompt[-1]["content"] + observation}]
 
 
 def _number(value: torch.Tensor) -> float | None:

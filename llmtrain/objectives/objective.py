@@ -142,7 +142,7 @@ def objective_for(recipe, *, pad_id: int, model=None, tokenizer=None, train=None
                       seed=recipe.train.seed, rewards=rewards.functions, model=model, columns=train.column_names,
                       stop_ids=stop_ids(recipe, model, tokenizer), world=world, sources=rewards.sources,
                       state=rewards.state, runner=rewards.runner, gather=gather,
-                      template=read_template(recipe.data))
+                      template=read_template(recipe.data), render=prompt_renderer(recipe, tokenizer))
 
     if recipe.distill is not None:
         from llmtrain.model.teacher import load_teacher
@@ -173,6 +173,29 @@ def objective_for(recipe, *, pad_id: int, model=None, tokenizer=None, train=None
         return Preference(recipe.preference, pad_id=pad_id, packing=packs_rows(recipe),
                           reference=reference_kind(recipe), model=model)
     return CausalLM(pad_id=pad_id, packing=packs_rows(recipe))
+
+
+def prompt_renderer(recipe, tokenizer):
+    """render(prompt, row) -> its tokens as data preparation renders an RL prompt (the chat template, the system
+    prompt, the tools), for a prompt an rl.environment's reset added to; one that leaves no room for the completion is
+    refused, naming its row."""
+    from llmtrain.data.chat import read_template
+    from llmtrain.data.formats import encode_prompt
+    from llmtrain.data.tools import prompt_tools
+    from llmtrain.errors import LLMTrainError
+
+    data, template, tools = recipe.data, read_template(recipe.data), prompt_tools(recipe)
+
+    def render(prompt, row: int) -> list[int]:
+        ids = encode_prompt({data.fields.get("prompt", "prompt"): prompt}, tokenizer, data, template=template,
+                            tools=tools)["input_ids"]
+        if len(ids) + recipe.rl.max_completion_tokens > data.max_seq_len:
+            raise LLMTrainError(f"row {row + 1}: rl.environment's reset made the prompt {len(ids)} tokens, which with "
+                                f"rl.max_completion_tokens={recipe.rl.max_completion_tokens} passes data.max_seq_len="
+                                f"{data.max_seq_len}. Raise data.max_seq_len, or return a shorter observation.")
+        return ids
+
+    return render
 
 
 def stop_ids(recipe, model, tokenizer) -> list[int]:

@@ -46,22 +46,28 @@ class ToolRollout:
 
 
 class Tools:
-    """rl.tools, imported and described: the functions by name, the template's call syntax, and the runner of a
-    turn's calls. Built once a run; refused in one paragraph (a tool that cannot be imported or described, a
-    template that cannot show or read back tool calls) before anything is written."""
+    """rl.tools (and rl.environment's tool methods), imported and described: the functions by name, the template's
+    call syntax, and the runner of a turn's calls. Built once a run; refused in one paragraph (a tool that cannot be
+    imported or described, a template that cannot show or read back tool calls) before anything is written."""
 
     def __init__(self, names: list[str], *, tokenizer, template: str | None = None, timeout_s: float = 30.0,
-                 runner=None, stop_ids=()):
-        from llmtrain.data.tools import schema_of
+                 runner=None, stop_ids=(), environment: str | None = None):
+        from llmtrain.data.tools import environment_tools, schema_of
 
-        self.functions = {}
+        self.functions, self.schemas, methods = {}, [], []  # the schemas in prompt_tools' order
+        self.environment, self.methods = None, []  # rl.environment's class and its tool methods' names
+        if environment is not None:
+            self.environment, self.methods, methods = environment_tools(environment)
         for name in names:
-            schema_of(name)  # type hints and an Args docstring, or a clear error
+            self.schemas.append(schema_of(name))  # type hints and an Args docstring, or a clear error
             fn = function_of(name)
-            if fn.__name__ in self.functions:
-                raise LLMTrainError(f"rl.tools names two functions called '{fn.__name__}': the model calls a tool by "
-                                    "its function's name, so each must have its own.")
+            if fn.__name__ in self.functions or fn.__name__ in self.methods:
+                raise LLMTrainError(f"rl.tools names two functions called '{fn.__name__}' (rl.environment's methods "
+                                    "count): the model calls a tool by its function's name, so each must have its "
+                                    "own.")
             self.functions[fn.__name__] = fn
+        self.schemas += methods
+        self.pool: list = []  # the environment's instances, reused (reset) rollout after rollout
         self.tokenizer, self.template, self.timeout_s = tokenizer, template, timeout_s
         self.syntax: CallSyntax = call_syntax(tokenizer, template)
         from llmtrain.data.chat import end_of_turn
@@ -82,13 +88,23 @@ class Tools:
             turn.content = self.tokenizer.decode(ids, skip_special_tokens=True)
         return turn
 
-    def run(self, calls: list[dict]) -> list[dict]:
+    def environments(self, n: int) -> list:
+        """n instances of rl.environment (made once, then reused: reset before each rollout), or n Nones."""
+        if self.environment is None:
+            return [None] * n
+        while len(self.pool) < n:
+            self.pool.append(self.environment())
+        return self.pool[:n]
+
+    def run(self, calls: list[dict], environment=None) -> list[dict]:
         """Each call's record {"name", "arguments", "result" (the text the model reads), "failed"}: sync tools one
-        after the other, async ones together (TRL's order of results: the sync ones first)."""
+        after the other, async ones together (TRL's order of results: the sync ones first); `environment`: the
+        rollout's instance, whose tool methods are called on it."""
         done, waiting = [], []
         for call in calls:
             name, arguments = call["function"]["name"], call["function"]["arguments"]
-            fn = self.functions.get(name)
+            fn = getattr(environment, name) if environment is not None and name in self.methods else \
+                self.functions.get(name)
             record = {"name": name, "arguments": arguments, **({"id": call["id"]} if "id" in call else {})}
             if fn is None:
                 done.append({**record, "result": str({"error": f"Tool {name} not found."}), "failed": True})
@@ -141,9 +157,11 @@ def round_seed(seed: int, round_: int) -> int:
 
 
 def sample_with_tools(generate, prompts: list[list[int]], seeds: list[int], *, tools: Tools, max_new_tokens: int,
-                      max_rounds: int | None) -> list[ToolRollout]:
+                      max_rounds: int | None, environments: list | None = None) -> list[ToolRollout]:
     """The completions of `prompts` with their tool calls run (the module's docstring says how). `generate(prompts,
-    seeds, max_new_tokens)` samples one turn of each (the recipe's sampler)."""
+    seeds, max_new_tokens)` samples one turn of each (the recipe's sampler); `environments`: each completion's
+    rl.environment instance (reset already), whose methods its calls reach."""
+    environments = environments or [None] * len(prompts)
     first = generate(prompts, seeds, max_new_tokens)
     out, turns = [], []
     for ids in first:
@@ -155,7 +173,7 @@ def sample_with_tools(generate, prompts: list[list[int]], seeds: list[int], *, t
         rounds += 1
         going, room = [], []
         for i in live:
-            records = tools.run(turns[i].calls)
+            records = tools.run(turns[i].calls, environments[i])
             out[i].calls += records
             messages, suffix = tools.suffix(records)
             if len(out[i].ids) + len(suffix) > max_new_tokens:  # TRL's: the results would not fit, the row stops

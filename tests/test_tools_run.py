@@ -1,0 +1,99 @@
+"""GRPO with tools through the training loop (issue 57): the tiny model, taught to call `code_of` by a short SFT run
+on tool-use conversations (the demo's data: llmtrain/tiny.write_tool_data), samples completions that call it; the
+calls run, their results are appended and masked out of the loss; rollouts.jsonl and the metrics say so; a run
+killed like kill -9 resumes to the same completions, tool calls included; two processes sample and train what one
+does."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from helpers import launch_finetune, load_weights, losses, max_abs_diff, records, run_train, write_recipe
+from test_grpo_run import CPU_DDP, killed_and_resumed, rollouts
+
+from llmtrain.tiny import code_of
+
+pytestmark = pytest.mark.long(120)  # tests/conftest.py
+
+
+def tools_data(tiny: Path, **more) -> dict:
+    return {"chat_template": str(tiny / "data" / "tools.jinja"), "max_seq_len": 160, **more}
+
+
+@pytest.fixture(scope="module")
+def caller(tiny_assets, tmp_path_factory) -> Path:
+    """The tiny model after 120 steps of SFT on tool-use conversations: it calls code_of (its argument often
+    wrong), then replies."""
+    tmp = tmp_path_factory.mktemp("tools-sft")
+    recipe = write_recipe(tiny_assets, tmp, data=tools_data(
+        tiny_assets, path=str(tiny_assets / "data" / "train_tools.jsonl"), format="messages"),
+        train={"max_steps": 120, "micro_batch_size": 8, "lr": 3e-3, "warmup_steps": 10})
+    run_train(recipe, f"output_dir={tmp / 'sft'}")
+    return tmp / "sft" / "final"
+
+
+def tools_recipe(tiny: Path, model: Path, tmp: Path) -> Path:
+    data = tools_data(tiny, path=str(tiny / "data" / "train_tool_prompts.jsonl"), format="prompt",
+                      eval_split=str(tiny / "data" / "eval_tool_prompts.jsonl"), eval_max_examples=4)
+    rl = {"num_generations": 4, "max_completion_tokens": 96, "temperature": 1.0, "tools": ["llmtrain.tiny:code_of"],
+          "rewards": [{"type": "answer_match", "column": "answer"},
+                      {"type": "format", "pattern": "<call>", "weight": 0.5}]}
+    return write_recipe(tiny, tmp, model={"name_or_path": str(model), "dtype": "float32"}, data=data, rl=rl,
+                        train={"max_steps": 4, "micro_batch_size": 2, "lr": 1e-3, "eval_every_steps": 4},
+                        checkpoint={"every_steps": 2, "keep_last": 3})
+
+
+@pytest.fixture(scope="module")
+def straight(caller, tiny_assets, tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("tools-grpo")
+    recipe = tools_recipe(tiny_assets, caller, tmp)
+    run_train(recipe, f"output_dir={tmp / 'straight'}")
+    return recipe, tmp / "straight"
+
+
+def test_a_run_with_tools_runs_the_calls_and_trains_only_what_the_model_wrote(straight, tiny_assets):
+    from transformers import AutoTokenizer
+
+    _, run = straight
+    tok = AutoTokenizer.from_pretrained(run / "final")
+    rows = rollouts(run)
+    called = [r for r in rows if r["tool_calls"]]
+    assert len(called) >= len(rows) // 2  # the SFT run taught it to call
+    for r in called:
+        for call in r["tool_calls"]:
+            assert call["name"] == "code_of" and call["result"] == code_of(**call["arguments"])
+        results = tok.decode([t for t, m in zip(r["completion_ids"], r["tool_mask"]) if not m])
+        assert results == "".join(f"<|USER|><result>{c['result']}</result><|ASSISTANT|>" for c in r["tool_calls"])
+        assert "<result>" not in tok.decode([t for t, m in zip(r["completion_ids"], r["tool_mask"]) if m])
+    train = records(run, "train")
+    for step in (1, 2, 3, 4):
+        mine = [r for r in rows if r["step"] == step]
+        line = next(t for t in train if t["step"] == step)
+        assert line["tools/call_frequency"] == pytest.approx(sum(len(r["tool_calls"]) for r in mine) / len(mine))
+        assert line["completions/mean_length"] == pytest.approx(sum(sum(r["tool_mask"]) for r in mine) / len(mine))
+    assert any(t["grad_norm"] > 0 for t in train)
+    printed = (run / "train.log").read_text()
+    assert "tools: code_of, called as the template writes calls (<call> with 'name' and 'arguments')" in printed
+
+
+@pytest.mark.extended  # main tier: the straight run above
+@pytest.mark.slow
+def test_a_run_with_tools_killed_mid_run_resumes_to_the_same_completions_and_calls(straight, tmp_path):
+    recipe, full = straight
+    killed_and_resumed(recipe, full, tmp_path / "cut")
+    assert any(r["tool_calls"] for r in rollouts(tmp_path / "cut") if r["step"] > 2)
+
+
+@pytest.mark.extended
+@pytest.mark.slow
+def test_two_processes_with_tools_sample_and_train_what_one_does(straight, tmp_path, free_port):
+    recipe, one = straight
+    two = tmp_path / "two"
+    launch_finetune(CPU_DDP, 2, free_port, recipe, f"output_dir={two}", "train.micro_batch_size=1")
+    keys = ("step", "row", "completion_ids", "tool_mask", "tool_calls", "reward")
+    assert [[r[k] for k in keys] for r in rollouts(two)] == [[r[k] for k in keys] for r in rollouts(one)]
+    assert losses(two) == pytest.approx(losses(one), abs=1e-6)
+    assert max_abs_diff(load_weights(two / "final"), load_weights(one / "final")) < 1e-5
+    assert json.loads((two / "final" / "config.json").read_text())["model_type"] == "llama"
