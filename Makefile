@@ -6,7 +6,7 @@ BIN   := $(VENV)/bin
 # On a GPU machine: make install TORCH=torch
 TORCH ?= torch==2.13.0
 
-.PHONY: install demo demo-rl demo-kto demo-rloo demo-rm demo-distill test test-all test-portable test-dist clean
+.PHONY: install demo demo-rl demo-kto demo-rloo demo-rm demo-distill demo-tools test test-all test-portable test-dist clean
 
 $(BIN)/.installed: pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -61,6 +61,13 @@ demo-distill: install
 	$(BIN)/llmtrain finetune recipes/tiny.yaml --overwrite
 	$(BIN)/llmtrain finetune recipes/tiny.yaml train.max_steps=150 output_dir=runs/tiny-sft --overwrite
 	$(BIN)/llmtrain finetune recipes/tiny-distill.yaml --overwrite
+
+# Tool calling: SFT on tool-use conversations (a third call the CodeBook's lookup, the others answer from memory),
+# then GRPO with the tool (rl.environment): greedy accuracy on 200 held-out words 0% -> about 97% (docs/tools.md).
+demo-tools: install
+	$(BIN)/llmtrain prepare-tiny assets/tiny
+	$(BIN)/llmtrain finetune recipes/tiny-tools-sft.yaml --overwrite
+	$(BIN)/llmtrain finetune recipes/tiny-tools-grpo.yaml --overwrite
 
 # Two pytest-xdist workers, each running whole test files (a file's shared runs are made once), the long
 # multi-process files first (tests/conftest.py); a plain `pytest -q` runs the same tests one after another.

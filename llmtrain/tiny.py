@@ -208,32 +208,58 @@ def code_of(word: str) -> str:
     return "".join(string.ascii_lowercase[b % 26] for b in digest[:4])
 
 
+class CodeBook:
+    """The tool-calling demo's environment (rl.environment, TRL's environment_factory): reset with a prompt row, it
+    holds the row's word; its tool `lookup` tells the word's code, which the model cannot know otherwise."""
+
+    def __init__(self):
+        self.word = ""
+
+    def reset(self, prompt=None, word: str = "", **columns) -> None:
+        self.word = word
+
+    def lookup(self) -> str:
+        """Look up the secret code of the word in question."""
+        return code_of(self.word)
+
+
+CALLS_IN_SFT = 0.35  # the share of the SFT conversations that call the tool; the others answer from memory
+
+
 def write_tool_data(out: Path, *, seed: int) -> None:
-    """The tool-calling demo (docs/tools.md): a word's secret code, which only the tool `code_of` knows (a hash: the
-    model cannot learn it, and the eval words are never seen in training). `train_tools.jsonl`: tool-use conversations
-    for SFT (the call, the tool's result, the reply); `train_tool_prompts.jsonl` / `eval_tool_prompts.jsonl`: chat
-    prompts with the expected code in `answer`, for GRPO with rl.tools; data/tools.jinja: the template with tools.
-    From their own random stream: the other files are unchanged."""
+    """The tool-calling demo (docs/tools.md): a word's secret code (a hash: the model cannot learn it, and the eval
+    words are never seen in training), which only the CodeBook environment's `lookup` tool knows.
+    `train_tools.jsonl`: conversations for SFT, about a third of them (CALLS_IN_SFT) calling `lookup` (the call, its
+    result, the reply), the others answering from memory ("it is ...": right for that word, a guess for any other);
+    `train_tool_prompts.jsonl` / `eval_tool_prompts.jsonl`: chat prompts with the `word` and its code in `answer`,
+    for GRPO with rl.environment; data/tools.jinja: the template with tools. From their own random stream: the other
+    files are unchanged."""
     rng = random.Random(seed + 2)
-    words: dict[str, None] = {}  # 4 letters: a copy at a fixed distance, which the 2-layer model learns
+    words: dict[str, None] = {}
     while len(words) < 2400:
         words["".join(rng.choice(string.ascii_lowercase) for _ in range(4))] = None
     words = list(words)
     evals, train = words[:200], words[200:]
     (out / "tools.jinja").write_text(TOOLS_TEMPLATE)
-    tools = ["llmtrain.tiny:code_of"]
+    from transformers.utils import get_json_schema
 
-    def chat(word: str) -> dict:
-        call = {"type": "function", "function": {"name": "code_of", "arguments": {"word": word}}}
-        return {"tools": tools, "messages": [
-            {"role": "user", "content": f"code of {word}"}, {"role": "assistant", "content": "", "tool_calls": [call]},
-            {"role": "tool", "name": "code_of", "content": code_of(word)},
-            {"role": "assistant", "content": code_of(word)}]}
+    lookup = get_json_schema(CodeBook().lookup)  # the schema GRPO's prompts are rendered with
 
-    _write_jsonl(out / "train_tools.jsonl", [chat(w) for w in train[:1000]])
+    def chat(word: str, calls: bool) -> dict:
+        ask = {"role": "user", "content": f"code of {word}"}
+        if not calls:
+            return {"tools": [lookup], "messages": [ask, {"role": "assistant", "content": f"it is {code_of(word)}"}]}
+        call = {"type": "function", "function": {"name": "lookup", "arguments": {}}}
+        return {"tools": [lookup], "messages": [
+            ask, {"role": "assistant", "content": "", "tool_calls": [call]},
+            {"role": "tool", "name": "lookup", "content": code_of(word)},
+            {"role": "assistant", "content": f"it is {code_of(word)}"}]}
+
+    _write_jsonl(out / "train_tools.jsonl", [chat(w, rng.random() < CALLS_IN_SFT) for w in train[:1000]])
     for name, part in (("train", train[1000:]), ("eval", evals)):
         _write_jsonl(out / f"{name}_tool_prompts.jsonl",
-                     [{"prompt": [{"role": "user", "content": f"code of {w}"}], "answer": code_of(w)} for w in part])
+                     [{"prompt": [{"role": "user", "content": f"code of {w}"}], "word": w,
+                       "answer": f"it is {code_of(w)}"} for w in part])
 
 
 def near_miss(rng: random.Random, answer: str) -> str:

@@ -358,21 +358,25 @@ class Vault:
         return float(self.opened)
 
 
-def test_an_environment_per_completion_is_reset_with_its_row_and_its_reward_counts(tiny_assets, monkeypatch):
+@pytest.mark.parametrize("algorithm", ["grpo", "rloo"])
+def test_an_environment_per_completion_is_reset_with_its_row_and_its_reward_counts(tiny_assets, monkeypatch,
+                                                                                   algorithm):
     """rl.environment: one instance per completion, reset with the row's prompt and columns (its observation added
     to the prompt's last message, the prompt rendered again), its method called on that instance as a tool, its
-    get_reward a reward named after the class; the instances reused by the next rollout."""
+    get_reward a reward named after the class; the instances reused by the next rollout. RLOO rolls out the same
+    way (GRPO's rollout, its own advantages): the results masked out of its per-sequence loss too."""
     from transformers import AutoTokenizer
 
     from llmtrain.config import RLConfig
     from llmtrain.objectives.grpo import GRPO
+    from llmtrain.objectives.rloo import RLOO
     from llmtrain.objectives.tool_calls import round_seed
 
     tok = AutoTokenizer.from_pretrained(tiny_assets / "model")
     template = (tiny_assets / "data" / "tools.jinja").read_text()
     tok.chat_template = template
-    rl = RLConfig(num_generations=2, max_completion_tokens=120, environment="test_tools_grpo:Vault",
-                  rewards=[{"type": "answer_match"}])
+    rl = RLConfig(algorithm=algorithm, num_generations=2, max_completion_tokens=120, beta=0.0,
+                  environment="test_tools_grpo:Vault", rewards=[{"type": "answer_match"}])
     rendered = []
 
     def render(prompt, row):
@@ -380,7 +384,8 @@ def test_an_environment_per_completion_is_reset_with_its_row_and_its_reward_coun
         return tok(tok.apply_chat_template(prompt, tokenize=False, add_generation_prompt=True,
                                            tools=grpo.tools.schemas), add_special_tokens=False)["input_ids"]
 
-    grpo = GRPO(rl, tokenizer=tok, pad_id=tok.pad_token_id, packing=True, seed=0,
+    grpo = (RLOO if algorithm == "rloo" else GRPO)(
+                rl, tokenizer=tok, pad_id=tok.pad_token_id, packing=True, seed=0,
                 rewards=[("zero", lambda completions, **kw: [0.0] * len(completions), 1.0)], model=None,
                 columns=["input_ids", "row", "prompt", "user/word"], stop_ids=[tok.eos_token_id], world=1,
                 template=template, render=render)
@@ -400,7 +405,8 @@ def test_an_environment_per_completion_is_reset_with_its_row_and_its_reward_coun
     examples = [{"input_ids": [1, 2, 3], "row": r, "prompt": chat, "user/word": w}
                 for r, w in enumerate(["abc", "xyz"])]
     Vault.made = 0
-    _, _, records = grpo._rollout_batch(examples, step=0)
+    batches, counts, records = grpo._rollout_batch(examples, step=0)
+    assert counts.trained == sum(sum(r["tool_mask"]) for r in records) < sum(len(r["completion_ids"]) for r in records)
     assert Vault.made == 4 and [p[-1]["content"] for p, _ in rendered] == ["open the vault (3 letters)"] * 4
     assert "(3 letters)" in records[0]["prompt"]
     assert [r["tool_calls"][0]["result"] if r["tool_calls"] else None for r in records] == ["open", None, "open", None]

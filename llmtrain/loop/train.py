@@ -173,10 +173,13 @@ def train_loop(run: Run, state: TrainState, meter: Meter) -> list[dict]:
                             f"sampled at rl.temperature={run.recipe.rl.temperature:g}; eval_reward and "
                             f"eval_answer_accuracy are of one greedy completion of each of the {len(run.data.eval):,} "
                             "eval prompts, so the train reward usually sits below them")
-        if run.recipe.rl is not None and run.recipe.rl.tools:
-            rl, syntax = run.recipe.rl, run.objective.tools.syntax
-            rounds = "rounds of calls" if rl.max_tool_calls is None else f"at most {rl.max_tool_calls} rounds of calls"
-            run.console.say(f"tools: {', '.join(run.objective.tools.functions)}, called as the template writes calls "
+        if run.recipe.rl is not None and (run.recipe.rl.tools or run.recipe.rl.environment):
+            rl, tools = run.recipe.rl, run.objective.tools
+            syntax, env = tools.syntax, tools.environment
+            names = [*tools.functions, *(f"{env.__name__}.{m} (an instance a completion)" for m in tools.methods)]
+            rounds = ("rounds of calls" if rl.max_tool_calls is None else
+                      f"at most {rl.max_tool_calls} round{'s' * (rl.max_tool_calls != 1)} of calls")
+            run.console.say(f"tools: {', '.join(names)}, called as the template writes calls "
                             f"({syntax.opener or 'a JSON turn'} with {syntax.name_key!r} and {syntax.arguments_key!r}"
                             f"); {rounds} within max_completion_tokens={rl.max_completion_tokens} (the results count, "
                             f"and are not trained); each call at most {rl.tool_timeout_s:g} s")
