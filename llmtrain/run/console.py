@@ -116,7 +116,9 @@ def summary_table(summary: dict, *, out: Path, evals: list[dict], unit: str = "g
     table.add_row(f"tokens/s per {'GPU' if unit == 'gpu' else unit}", speeds)
     if summary.get("final_loss") is not None:
         table.add_row("final train loss", f"{summary['final_loss']:.4f}" + (
-            " (online RL: about 0 by construction, each prompt's advantages average 0; the reward is the measure)"
+            " (online RL: about 0 by construction, each prompt's advantages average 0, or below 0 where the rewarded "
+            "completions are the longer ones under loss_type dapo (each token weighs the same); the reward is the "
+            "measure)"
             if online_rl else ""))
     if evals and "eval_reward" in evals[-1]:  # online RL: the best mean reward of greedy completions
         best = max(evals, key=lambda e: e["eval_reward"])
