@@ -316,6 +316,24 @@ def check_rewards_run(recipe: Recipe, tokenizer) -> list[Check]:
     return [("rewards", "pass", f"{', '.join(n for n, _, _ in rewards)} import and score the first rows")]
 
 
+def check_tools(recipe: Recipe, tokenizer) -> list[Check]:
+    """Online RL with tools: each tool (or the environment's methods) imports and is described, and the chat template
+    writes tool calls in a form that can be read back (as finetune checks them before it writes anything)."""
+    if recipe.rl is None or not (recipe.rl.tools or recipe.rl.environment):
+        return []
+    from llmtrain.data.chat import read_template
+    from llmtrain.objectives.tool_calls import Tools
+
+    try:
+        tools = Tools(recipe.rl.tools, tokenizer=tokenizer, template=read_template(recipe.data),
+                      environment=recipe.rl.environment)
+    except LLMTrainError as e:
+        return [("tools", "fail", str(e))]
+    names = [*tools.functions, *(f"{tools.environment.__name__}.{m}" for m in tools.methods)]
+    return [("tools", "pass", f"{', '.join(names)} import and are described; the template writes calls as "
+             f"{tools.syntax.opener or 'a JSON turn'} {{{tools.syntax.name_key!r}, {tools.syntax.arguments_key!r}}}")]
+
+
 def check_teacher(recipe: Recipe, tokenizer) -> list[Check]:
     """Distillation: the teacher shares the student's vocabulary, id by id (as finetune checks it, from the teacher's
     config.json and tokenizer: no weights)."""
@@ -352,7 +370,8 @@ def run_doctor(recipe: Recipe, *, accelerate_config: Path | None = None,
     if tokenizer is not None:
         checks += check_tokenizer(tokenizer) + check_chat_template(recipe, tokenizer)
         checks += load_data(recipe, tokenizer, world=data_ranks(launch, recipe.parallel.sequence_parallel))
-        checks += check_rewards_run(recipe, tokenizer) + check_teacher(recipe, tokenizer)
+        checks += check_rewards_run(recipe, tokenizer) + check_tools(recipe, tokenizer) + check_teacher(recipe,
+                                                                                                          tokenizer)
     checks += check_context(recipe.data.max_seq_len, _max_positions(recipe.model.name_or_path))
     gpu = gpu_memory if gpu_memory is not None else gpu_memory_here()
     lengths = None

@@ -193,5 +193,6 @@ def test_the_summary_says_where_the_logs_are_and_how_a_lora_adapter_becomes_a_mo
     assert "about 0 by construction" not in text
     console.print(summary_table({**summary, "final_loss": 0.0}, out=tmp_path, evals=[], online_rl=True))
     text = " ".join(console.export_text().split())  # an online-RL run's 0.0000 says why (issue 53, item 9)
-    assert ("0.0000 (online RL: about 0 by construction, each prompt's advantages average 0; the "
-            "reward is the measure)") in text
+    assert ("0.0000 (online RL: about 0 by construction, each prompt's advantages average 0, or below 0 where the "
+            "rewarded completions are the longer ones under loss_type dapo (each token weighs the same); the reward is "
+            "the measure)") in text

@@ -100,3 +100,20 @@ def test_two_processes_with_tools_sample_and_train_what_one_does(straight, tmp_p
     assert losses(two) == pytest.approx(losses(one), abs=1e-6)
     assert max_abs_diff(load_weights(two / "final"), load_weights(one / "final")) < 1e-5
     assert json.loads((two / "final" / "config.json").read_text())["model_type"] == "llama"
+
+
+@pytest.mark.parametrize("overrides, says", [
+    (["data.chat_template=true"], "the chat template does not write tool calls as JSON"),
+    (["rl.tools=[no_such_module:f]"], "the tool 'no_such_module:f' cannot be imported"),
+    (["rl.environment=llmtrain.tiny:code_of"], "is not a class with a reset method"),
+    (["rl.tools=[llmtrain.tiny:near_miss]"], "cannot be described to the model"),
+])
+def test_bad_tools_are_refused_in_one_paragraph_before_anything_is_written(tiny_assets, tmp_path, overrides, says):
+    """The tiny model's own template has no tools; a tool that cannot be imported; an environment that is not a
+    class; a function without an Args docstring: each refused before the run folder exists."""
+    from llmtrain.errors import LLMTrainError
+
+    recipe = tools_recipe(tiny_assets, tiny_assets / "model", tmp_path)
+    with pytest.raises(LLMTrainError, match=says) as e:
+        run_train(recipe, *overrides, f"output_dir={tmp_path / 'run'}")
+    assert "\n" not in str(e.value) and not (tmp_path / "run").exists()

@@ -246,7 +246,8 @@ class GRPO:
                     "reward": _number(total[i]), "advantage": float(advantages[i]),
                     **{column: values[i] for column, values in columns.items()},
                     # the tools' calls, results and failures, and where the results' (untrained) tokens are
-                    **({"tool_calls": tooled[i].calls, "tool_mask": tooled[i].mask} if tooled else {}),
+                    **({"tool_calls": tooled[i].calls, "tool_mask": tooled[i].mask,
+                        "unreadable_tool_turns": tooled[i].unreadable} if tooled else {}),
                     # log_extra's columns, where a function gave one value per completion (as TRL's table needs)
                     **{column: values[i] for column, values in extra.extra.items() if len(values) == len(completions)}}
                    for i in range(len(completions))]
