@@ -228,6 +228,7 @@ def test_two_stages_train_what_one_process_trains(single, four_layers, tmp_path,
 
 
 @pytest.mark.slow
+@pytest.mark.extended  # main tier: two stages train what one process trains (the untied rows above)
 def test_a_tied_embedding_trains_on_two_stages_what_one_process_trains(tied, tmp_path, free_port):
     """The first stage holds the tied weight as the embedding and the last as the head: each copy's gradient is
     summed with the other's (the one weight's gradient), counted once in the norm, so both take one process's step.

@@ -117,3 +117,43 @@ def test_bad_tools_are_refused_in_one_paragraph_before_anything_is_written(tiny_
     with pytest.raises(LLMTrainError, match=says) as e:
         run_train(recipe, *overrides, f"output_dir={tmp_path / 'run'}")
     assert "\n" not in str(e.value) and not (tmp_path / "run").exists()
+
+
+def test_trls_loss_on_the_runs_completions_equals_the_logged_loss_and_grad_norm(straight, caller, tiny_assets,
+                                                                                 tmp_path):
+    """TRL 1.16's GRPOTrainer._compute_loss, given the model a step started from (the SFT model for step 1, the
+    step-2 checkpoint's weights for step 3) and that step's rollouts as rollouts.jsonl keeps them (prompts,
+    completions with the tools' results, advantages) with their tool_mask as TRL's: the loss and the gradient norm
+    the run logged for the step (each step whose advantages are not all 0)."""
+    import torch
+    from safetensors.torch import load_file
+    from test_grpo import padded_inputs, trl_trainer
+    from transformers import AutoModelForCausalLM
+
+    _, run = straight
+    compared = 0
+    for step, weights in ((1, None), (3, run / "checkpoints" / "step_000002" / "model.safetensors")):
+        rows = [r for r in rollouts(run) if r["step"] == step]
+        if not any(r["tool_calls"] for r in rows) or len({r["advantage"] for r in rows}) == 1:
+            continue  # nothing to train on at this step
+        model = AutoModelForCausalLM.from_pretrained(caller, dtype=torch.float32, attn_implementation="eager")
+        if weights is not None:
+            model.load_state_dict(load_file(weights))
+        model.train()
+        trainer = trl_trainer(model, tiny_assets, tmp_path / str(step), loss_type="dapo", beta=0.0)
+        trainer.max_completion_length = 96
+        inputs = padded_inputs([r["prompt_ids"] for r in rows], [r["completion_ids"] for r in rows],
+                               torch.tensor([r["advantage"] for r in rows]), pad=trainer.processing_class.pad_token_id)
+        width = inputs["completion_ids"].shape[1]
+        inputs["tool_mask"] = torch.tensor([r["tool_mask"] + [1] * (width - len(r["tool_mask"])) for r in rows])
+        inputs["num_items_in_batch"] = (inputs["completion_mask"] * inputs["tool_mask"]).sum()
+        loss = trainer._compute_loss(model, inputs)
+        loss.backward()
+        # per tensor, then over the tensors, as clip_grad_norm_ takes it (one fp32 norm over all 518,784 entries
+        # of a torch.cat is 9e-5 off the float64 value here; this way, 2e-7)
+        norm = torch.stack([p.grad.norm() for p in model.parameters() if p.grad is not None]).norm().item()
+        logged = next(t for t in records(run, "train") if t["step"] == step)
+        assert loss.item() == pytest.approx(logged["loss"], abs=1e-5)
+        assert norm == pytest.approx(logged["grad_norm"], rel=1e-5) and norm > 1e-3
+        compared += 1
+    assert compared  # at least one of the two steps had rewards that differ

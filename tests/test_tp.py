@@ -171,6 +171,7 @@ def test_hsdp_x_tp_2x2x2_trains_like_one_process_and_resumes_on_fsdp_x_tp(straig
     _same_run(run, single, tol=1e-6)
 
 
+@pytest.mark.extended  # main tier: llmtrain launch's refusals before any process (test_launch.py, test_capabilities.py)
 def test_a_refused_launch_says_why_once_and_writes_nothing(tiny_assets, tmp_path, free_port):
     """LoRA under cpu_tp.yaml is refused by all 4 processes before their process group exists: the paragraph is
     printed once (by the node's first process, not by every GPU's), every process exits 2, no run folder is made."""
