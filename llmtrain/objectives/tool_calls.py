@@ -19,8 +19,8 @@ completion's seed and the round, so a completion still depends only on the run's
 from __future__ import annotations
 
 import asyncio
-import concurrent.futures
 import inspect
+import threading
 from dataclasses import dataclass, field
 
 from llmtrain.data.tools import CallSyntax, Turn, call_syntax, function_of, parse_turn, tool_suffix_ids
@@ -75,7 +75,6 @@ class Tools:
         self.end_of_turn = end_of_turn(tokenizer, template)
         self.stop_ids = set(stop_ids)
         self.runner = runner
-        self._threads = concurrent.futures.ThreadPoolExecutor(max_workers=4, thread_name_prefix="llmtrain-tool")
 
     def parse(self, ids: list[int]) -> Turn:
         """A sampled turn (its tokens, the stop token included) as text and calls."""
@@ -112,9 +111,8 @@ class Tools:
                 waiting.append((record, fn, arguments))
             else:
                 try:
-                    value = self._threads.submit(fn, **arguments).result(timeout=self.timeout_s)
-                    done.append({**record, "result": _text(value), "failed": False})
-                except concurrent.futures.TimeoutError:
+                    done.append({**record, "result": _text(_within(self.timeout_s, fn, arguments)), "failed": False})
+                except TimeoutError:
                     done.append({**record, "result": self._late(), "failed": True})
                 except Exception as e:  # the tool's own error is its result, as TRL's
                     done.append({**record, "result": str({"error": str(e)}), "failed": True})
@@ -143,6 +141,27 @@ class Tools:
         messages = [{"role": "tool", "name": r["name"], "content": r["result"],
                      **({"tool_call_id": r["id"]} if "id" in r else {})} for r in records]
         return messages, tool_suffix_ids(self.tokenizer, self.template, messages)
+
+
+def _within(seconds: float, fn, arguments: dict):
+    """fn(**arguments) on a daemon thread, its result or its exception; TimeoutError after `seconds` (the thread is
+    left to finish on its own: a tool that never returns cannot hold the run, nor its exit)."""
+    box: dict = {}
+
+    def call():
+        try:
+            box["value"] = fn(**arguments)
+        except BaseException as e:  # handed to the caller
+            box["error"] = e
+
+    thread = threading.Thread(target=call, name="llmtrain-tool", daemon=True)
+    thread.start()
+    thread.join(seconds)
+    if thread.is_alive():
+        raise TimeoutError
+    if "error" in box:
+        raise box["error"]
+    return box["value"]
 
 
 def _text(value) -> str:
