@@ -22,6 +22,7 @@
 #   bash benchmarks/gpu_session.sh long          # Llama-3.1-8B QLoRA (benchmarks/long_context_gpu.py): the longest
 #                                                # context that trains with offload + tiled MLP (16K-512K), tokens/s
 #                                                # at 16K-64K: plain, offload, tiled, both; peaks vs estimate (~4 min)
+#   bash benchmarks/gpu_session.sh tools         # make demo-tools on CUDA: GRPO with a tool through the captured sampler
 #
 # Each writes $OUT/<name>.jsonl and $OUT/<name>.log.
 #
@@ -34,7 +35,7 @@
 # (WORK=DIR moves the runs from /tmp/work, or /tmp/work-dry, to DIR.)
 set -uo pipefail
 cd "$(dirname "$0")/.."
-WHAT=${1:?usage: gpu_session.sh pack|families|i40|i40b|sp|smoke|distill|vs-hf-7b|vs-hf-1b|fixed|calibrate|fit|profile|rl|long}
+WHAT=${1:?usage: gpu_session.sh pack|families|i40|i40b|sp|smoke|distill|vs-hf-7b|vs-hf-1b|fixed|calibrate|fit|profile|rl|long|tools}
 G=.gpu
 OUT=${OUT:-/tmp/out}
 DRY=${GPU_SESSION_DRY:-0}
@@ -450,6 +451,23 @@ EOF2
       $W/sp-$T.yaml parallel.sequence_parallel=$NGPU
     tail -n 1 "$OUT/$WHAT.jsonl" | grep -q '"rc": 0' || break  # the first size that fails ends the search
   done
+  ;;
+tools)  # issue 57 on CUDA (about 1 minute): make demo-tools's two recipes with the captured sampler, whose graphs are
+  # replayed round after round as the tool's results lengthen the rows; the same numbers as the CPU's (docs/tools.md:
+  # greedy accuracy 0% -> 97.5% at step 40) up to sampling's rounding, and generation_tokens_per_s
+  $PY -m llmtrain prepare-tiny $W/tiny >> "$OUT/$WHAT.log" 2>&1
+  A="data.chat_template=$W/tiny/data/tools.jinja logging.progress=false"
+  run tools-sft $FT recipes/tiny-tools-sft.yaml model.name_or_path=$W/tiny/model \
+    data.path=$W/tiny/data/train_tools.jsonl $A
+  run tools-grpo $FT recipes/tiny-tools-grpo.yaml model.name_or_path=$W/runs/tools-sft/final $A \
+    data.path=$W/tiny/data/train_tool_prompts.jsonl data.eval_split=$W/tiny/data/eval_tool_prompts.jsonl
+  $PY - "$W/runs/tools-grpo" >> "$OUT/$WHAT.jsonl" <<'EOF'
+import json, sys, pathlib
+lines = [json.loads(l) for l in (pathlib.Path(sys.argv[1]) / "metrics.jsonl").read_text().splitlines()]
+print(json.dumps({"check": "tools", "eval_answer_accuracy": [(l["step"], l["eval_answer_accuracy"]) for l in lines
+                  if l["type"] == "eval"], "call_frequency": [l.get("tools/call_frequency") for l in lines
+                  if l["type"] == "train"]}))
+EOF
   ;;
 long)  # issue 42 (benchmarks/long_context_gpu.py, about 4 minutes on an H100): Llama-3.1-8B QLoRA on one example
   # of T random tokens a step. The longest T that trains with offload + tiled MLP (16K doubling to 512K, 2 steps
