@@ -329,8 +329,7 @@ def check_tools(recipe: Recipe, tokenizer) -> list[Check]:
                       environment=recipe.rl.environment)
     except LLMTrainError as e:
         return [("tools", "fail", str(e))]
-    names = [*tools.functions, *(f"{tools.environment.__name__}.{m}" for m in tools.methods)]
-    return [("tools", "pass", f"{', '.join(names)} import and are described; the template writes calls as "
+    return [("tools", "pass", f"{', '.join(tools.names())} import and are described; the template writes calls as "
              f"{tools.syntax.opener or 'a JSON turn'} {{{tools.syntax.name_key!r}, {tools.syntax.arguments_key!r}}}")]
 
 

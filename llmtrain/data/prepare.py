@@ -150,10 +150,8 @@ def tokenize_dataset(raw, tokenizer, cfg: DataConfig, source: str, *, tools: lis
     check_rows(raw, cfg, source)
     template = read_template(cfg)
 
-    encoder = {"preference": encode_pair, "unpaired": encode_unpaired, "prompt": encode_prompt}.get(cfg.format,
-                                                                                                 encode_example)
-    if tools:
-        encoder = functools.partial(encode_prompt, tools=tools)
+    encoder = {"preference": encode_pair, "unpaired": encode_unpaired,
+               "prompt": functools.partial(encode_prompt, tools=tools)}.get(cfg.format, encode_example)
 
     def encode(example: dict, i: int) -> dict:
         row = example.get(ROW, i)
@@ -242,10 +240,10 @@ def prepare_datasets(cfg: DataConfig, tokenizer, *, seed: int, tools: list[dict]
     """Return (train, eval or None, {"train": DataStats, "eval": DataStats}, cache_hit).
 
     Results are cached under data.cache_dir keyed by the files, the tokenizer, the formatting options
-    and the seed of the eval split (and online RL's tools, which its prompts are rendered with). Call it on the main process first (`main_process_first`): the other
-    processes then read the cache instead of tokenising again. A mixture (data.sources) is each source prepared as
-    data.path would be, concatenated in the recipe's order with a `source` column (its index); its stats add
-    "source0", "source1", ... beside the totals.
+    and the seed of the eval split (and online RL's tools, which its prompts are rendered with). Call it on the
+    main process first (`main_process_first`): the other processes then read the cache instead of tokenising
+    again. A mixture (data.sources) is each source prepared as data.path would be, concatenated in the recipe's
+    order with a `source` column (its index); its stats add "source0", "source1", ... beside the totals.
     """
     import datasets
 
@@ -253,7 +251,8 @@ def prepare_datasets(cfg: DataConfig, tokenizer, *, seed: int, tools: list[dict]
     paths = [f for part in parts for f in _files(part.path)]
     eval_paths = [f for part in parts if isinstance(part.eval_split, (str, list)) and not is_split_name(
         part.eval_split) for f in _files(part.eval_split)]
-    key = _fingerprint(paths + eval_paths, tokenizer, cfg, str(seed) + (json.dumps(tools, sort_keys=True) if tools else ""))
+    tooled = json.dumps(tools, sort_keys=True) if tools else ""  # no tools: the key of before
+    key = _fingerprint(paths + eval_paths, tokenizer, cfg, str(seed) + tooled)
     cache = Path(cfg.cache_dir) / key
     if (cache / "stats.json").is_file():
         stats = {k: DataStats(**v) for k, v in json.loads((cache / "stats.json").read_text()).items()}

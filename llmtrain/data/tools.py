@@ -112,13 +112,22 @@ def prompt_tools(recipe) -> list[dict] | None:
     rl = getattr(recipe, "rl", None)
     if rl is None or not (rl.tools or rl.environment):
         return None
-    return [schema_of(name) for name in rl.tools] + (environment_tools(rl.environment)[2] if rl.environment else [])
+    return rl_tool_schemas(rl.tools, rl.environment)
 
 
+def rl_tool_schemas(names: list[str], environment: str | None) -> list[dict]:
+    """The schemas of the functions `names` (rl.tools), then of the tool methods of `environment` (rl.environment,
+    checked first), in the order the prompts show them."""
+    methods = environment_tools(environment)[2] if environment else []
+    return [schema_of(name) for name in names] + methods
+
+
+@functools.lru_cache(maxsize=16)
 def environment_tools(name: str) -> tuple[type, list[str], list[dict]]:
     """rl.environment's class `module:Class` (TRL's environment_factory: `reset`, tool methods, optionally
     `get_reward`), its tool methods' names (the public ones but reset and get_reward) and their schemas (described
-    from one instance's bound methods, as TRL probes one). Refused in one paragraph where it is not such a class."""
+    from one instance's bound methods, as TRL probes one): one probe a process (data preparation and the objective
+    both ask). Refused in one paragraph where it is not such a class."""
     from transformers.utils import get_json_schema
 
     cls = function_of(name)

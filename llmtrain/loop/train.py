@@ -175,8 +175,7 @@ def train_loop(run: Run, state: TrainState, meter: Meter) -> list[dict]:
                             "eval prompts, so the train reward usually sits below them")
         if run.recipe.rl is not None and (run.recipe.rl.tools or run.recipe.rl.environment):
             rl, tools = run.recipe.rl, run.objective.tools
-            syntax, env = tools.syntax, tools.environment
-            names = [*tools.functions, *(f"{env.__name__}.{m} (an instance a completion)" for m in tools.methods)]
+            syntax, names = tools.syntax, tools.names(per_instance=" (an instance a completion)")
             rounds = ("rounds of calls" if rl.max_tool_calls is None else
                       f"at most {rl.max_tool_calls} round{'s' * (rl.max_tool_calls != 1)} of calls")
             run.console.say(f"tools: {', '.join(names)}, called as the template writes calls "

@@ -52,21 +52,20 @@ class Tools:
 
     def __init__(self, names: list[str], *, tokenizer, template: str | None = None, timeout_s: float = 30.0,
                  runner=None, stop_ids=(), environment: str | None = None):
-        from llmtrain.data.tools import environment_tools, schema_of
+        from llmtrain.data.tools import environment_tools, rl_tool_schemas
 
-        self.functions, self.schemas, methods = {}, [], []  # the schemas in prompt_tools' order
-        self.environment, self.methods = None, []  # rl.environment's class and its tool methods' names
-        if environment is not None:
-            self.environment, self.methods, methods = environment_tools(environment)
+        # type hints and an Args docstring for each, or a clear error; the order the prompts show them
+        self.schemas = rl_tool_schemas(names, environment)
+        # rl.environment's class and its tool methods' names
+        self.environment, self.methods = environment_tools(environment)[:2] if environment else (None, [])
+        self.functions = {}
         for name in names:
-            self.schemas.append(schema_of(name))  # type hints and an Args docstring, or a clear error
             fn = function_of(name)
             if fn.__name__ in self.functions or fn.__name__ in self.methods:
                 raise LLMTrainError(f"rl.tools names two functions called '{fn.__name__}' (rl.environment's methods "
                                     "count): the model calls a tool by its function's name, so each must have its "
                                     "own.")
             self.functions[fn.__name__] = fn
-        self.schemas += methods
         self.pool: list = []  # the environment's instances, reused (reset) rollout after rollout
         self.tokenizer, self.template, self.timeout_s = tokenizer, template, timeout_s
         self.syntax: CallSyntax = call_syntax(tokenizer, template)
@@ -75,6 +74,10 @@ class Tools:
         self.end_of_turn = end_of_turn(tokenizer, template)
         self.stop_ids = set(stop_ids)
         self.runner = runner
+
+    def names(self, per_instance: str = "") -> list[str]:
+        """The tools' names as the model calls them, an environment's as Class.method (+ `per_instance`)."""
+        return [*self.functions, *(f"{self.environment.__name__}.{m}{per_instance}" for m in self.methods)]
 
     def parse(self, ids: list[int]) -> Turn:
         """A sampled turn (its tokens, the stop token included) as text and calls."""
