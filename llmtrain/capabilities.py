@@ -110,10 +110,6 @@ _FORMAT_HINT = {
 
 # --------------------------------------------------------------------------- the model families (a third axis)
 
-_QK_NORM_TP = ("its attention normalises each head of q and k (QK-norm: q_norm, k_norm), whose weights each "
-               "tensor-parallel process would train on its own heads only, and llmtrain does not sum them (the "
-               "model's plan marks them replicated_with_grad_allreduce). Shard it with FSDP instead "
-               "(accelerate_configs/fsdp.yaml, or parallelism_config_tp_size: 1)")
 _FUSED_TP = ("it fuses q, k and v into one qkv_proj and gate and up into one gate_up_proj, which a column-wise split "
              "would cut across (its plan gathers their outputs: colwise_gather_output, which llmtrain does not "
              "build). Shard it with FSDP instead (accelerate_configs/fsdp.yaml, or parallelism_config_tp_size: 1)")
@@ -133,8 +129,8 @@ FAMILIES: dict[str, Family] = {f.key: f for f in (
     Family("llama", "Llama (2, 3, 3.1, 3.2)"),
     Family("mistral", "Mistral"),
     Family("qwen2", "Qwen2 / Qwen2.5"),
-    Family("qwen3", "Qwen3", refused={"tp": _QK_NORM_TP}),
-    Family("gemma3_text", "Gemma 3 (its text model)", refused={"tp": _QK_NORM_TP}),
+    Family("qwen3", "Qwen3"),
+    Family("gemma3_text", "Gemma 3 (its text model)"),
     Family("phi3", "Phi-3 / Phi-4", refused={"tp": _FUSED_TP}),
 )}
 
@@ -368,9 +364,10 @@ def tensor_plan_problems(config, tp: int) -> list[str]:
     """What tensor parallelism over `tp` processes refuses of a model: a plan (config.base_model_tp_plan) other than
     column- and row-wise linear layers, and heads or MLP columns that `tp` does not divide."""
     plan = dict(getattr(config, "base_model_tp_plan", None) or {})
-    if not plan or set(plan.values()) - {"colwise", "rowwise"}:
+    if not plan or set(plan.values()) - {"colwise", "rowwise", "replicated_with_grad_allreduce"}:
         return [f"tensor parallelism needs a model whose tensor-parallel plan (config.base_model_tp_plan) is column- "
-                f"and row-wise linear layers, as Llama's and Mistral's are; {getattr(config, 'model_type', 'this')} "
+                f"and row-wise linear layers (and whole modules whose gradients are summed: Qwen3's QK-norm), as "
+                f"Llama's and Qwen3's are; {getattr(config, 'model_type', 'this')} "
                 f"has {sorted(set(plan.values())) or 'none'}. Set parallelism_config_tp_size: 1"]
     heads = config.num_attention_heads
     kv = getattr(config, "num_key_value_heads", None) or heads

@@ -298,7 +298,7 @@ def eval_(
             baseline = ours.base
         base = benchmarks.resolve(baseline, dtype=dtype)
     benchmarks.quiet()
-    manager = benchmarks.task_manager([str(p) for p in include_path or []])
+    manager = benchmarks.task_manager([str(p) for p in include_path or []], names)
     benchmarks.check_tasks(names, manager)
     how = dict(num_fewshot=num_fewshot, batch_size=size, limit=limit, apply_chat_template=chat_template, device=device)
     if main:

@@ -198,3 +198,29 @@ def test_a_recipes_eval_that_cannot_run_is_refused_before_anything_is_written(ti
     said = " ".join((proc.stdout + proc.stderr).split())
     assert proc.returncode != 0 and says in said and "Traceback" not in said, said
     assert not (tmp_path / "run").exists()
+
+
+def test_tasks_all_in_the_include_path_skip_the_harness_index(tiny_assets, tmp_path, monkeypatch):
+    """The harness's own index (~20 s a process) is built only when a task named may need it: one not in the local
+    folders, or a local group (which may name the harness's tasks)."""
+    import lm_eval.tasks
+
+    from llmtrain.run import benchmarks
+
+    built, real = [], lm_eval.tasks.TaskManager
+
+    def manager(include_path=None, include_defaults=True, **kw):
+        built.append(include_defaults)
+        return real(include_path=include_path, include_defaults=include_defaults, **kw) if not include_defaults \
+            else "full index"
+
+    monkeypatch.setattr(lm_eval.tasks, "TaskManager", manager)
+    tasks = task_folder(tiny_assets, tmp_path)
+    local = benchmarks.task_manager([str(tasks)], ["tiny_reverse", "tiny_reverse_ll"])
+    assert built == [False] and sorted(local.all_tasks) == ["tiny_reverse", "tiny_reverse_ll"]
+    (tasks / "group.yaml").write_text("group: tiny_group\ntask:\n  - tiny_reverse\n  - arc_easy\n")
+    for names in (["tiny_reverse", "arc_easy"], ["tiny_group"]):
+        built.clear()
+        assert benchmarks.task_manager([str(tasks)], names) == "full index" and built == [False, True]
+    built.clear()
+    assert benchmarks.task_manager([], ["tiny_reverse"]) == "full index" and built == [True]

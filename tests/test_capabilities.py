@@ -160,8 +160,11 @@ def test_every_supported_cell_is_launched_by_a_test():
     assert UNCOVERED == [("reward_model", "fsdp"), ("reward_model", "tp")]
 
 
+# reward_model-tp (4 processes, 37 s) in the extended tier: main tier, reward_model-fsdp (the score head's cell) and
+# test_tp.py's FSDP x TP against one process
 @pytest.mark.slow
-@pytest.mark.parametrize("mode, layout", UNCOVERED, ids=[f"{m}-{lay}" for m, lay in UNCOVERED])
+@pytest.mark.parametrize("mode, layout", [pytest.param(m, lay, id=f"{m}-{lay}", marks=[pytest.mark.extended] * (
+    lay == "tp")) for m, lay in UNCOVERED])
 def test_a_supported_cell_trains_and_equals_one_process(mode_recipes, tmp_path, free_port, mode, layout):
     """2 data ranks (FSDP's 2 shards; FSDP x TP's 2 shards of 2 tensor-parallel ranks) x 2 pairs a micro-batch: the
     step one process takes with 4."""

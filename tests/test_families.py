@@ -10,8 +10,9 @@ and ids; Llama, Qwen3 and Gemma 3 tied, as Llama 3.2, Gemma 3 and Qwen3 below 8B
 - GRPO with the fast sampler (rl.sampler: static) draws, steps and trains exactly what the reference sampler does.
 - Liger's kernels patch each family's layer (where liger-kernel is installed: its kernels need CUDA to run).
 - Through `accelerate launch`: FSDP on 2 processes, sequence parallelism over 2 and a pipeline of 2 stages (the tied
-  ones' two copies summed) each equal one process; tensor parallelism trains Qwen2 (biases) and is refused for QK-norm
-  and fused projections in one paragraph by `llmtrain launch`.
+  ones' two copies summed) and tensor parallelism on 4 (Qwen2's biases, QK-norm's gradients summed over the group) each
+  equal one process, final/ included (a tied head saved once); Phi's fused projections under tensor parallelism are
+  refused in one paragraph by `llmtrain launch`.
 What each family's layer adds is checked piece by piece in test_fastpath (packed = alone, the chunked loss),
 test_memory_families (the estimate) and test_fast_sample (the sampler). docs/models.md."""
 
@@ -25,7 +26,8 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
-from helpers import REPO, assert_same_steps, launch_finetune, records, run_train, write_recipe
+from helpers import (REPO, assert_same_steps, launch_finetune, load_weights, max_abs_diff, records, run_train,
+                     write_recipe)
 
 from llmtrain import capabilities
 
@@ -211,7 +213,9 @@ CONFIGS = REPO / "accelerate_configs"
 # layout -> (launch config, processes, overrides of every recipe on it, the 1-process run's micro-batch size)
 LAUNCH = {
     "fsdp": ("cpu_fsdp.yaml", 2, ["train.micro_batch_size=2"], 4),
-    "tp": ("cpu_tp.yaml", 4, ["train.micro_batch_size=2"], 4),  # 2 FSDP shards x 2 tensor-parallel: 2 data ranks
+    # 2 FSDP shards x 2 tensor-parallel: 2 data ranks, each 2 micro-batches a step (QK-norm's summed gradients
+    # accumulate across them)
+    "tp": ("cpu_tp.yaml", 4, ["train.micro_batch_size=1", "train.grad_accum_steps=2"], 4),
     "sp": ("cpu_ddp.yaml", 2, ["parallel.sequence_parallel=2", "train.micro_batch_size=1",
                                "train.micro_batch_tokens=128"], None),
     "pp": ("cpu_ddp.yaml", 2, ["parallel.pipeline_parallel=2", "train.micro_batch_size=1",
@@ -272,6 +276,9 @@ def test_each_family_trains_on_each_layout_its_row_allows_what_one_process_train
     launch_finetune(CONFIGS / config, processes, free_port, recipe, *overrides, f"output_dir={tmp_path / 'many'}")
     assert_same_steps(tmp_path / "many", tmp_path / "one", tol=1e-5)
     assert len(records(tmp_path / "one")) == 3
+    # every weight (QK-norm's too: one tensor-parallel rank's copy is saved, each rank's trained on its own heads'
+    # gradient part would be 3.7e-3 off after 3 steps)
+    assert max_abs_diff(load_weights(tmp_path / "many" / "final"), load_weights(tmp_path / "one" / "final")) < 1e-4
 
 
 # --------------------------------------------------------------------------- Gemma 3's multimodal checkpoints

@@ -28,11 +28,45 @@ def apply_tensor_parallel(model, mesh) -> int:
     plan = model.config.base_model_tp_plan
     base = getattr(model, model.base_model_prefix)
     layers = {name: styles[style]() for name, _ in base.named_modules()
-              for pattern, style in plan.items() if fnmatchcase(name, pattern)}
+              for pattern, style in plan.items() if style in styles and fnmatchcase(name, pattern)}
     parallelize_module(base, mesh, layers)
     for block in {name.rpartition(".")[0] for name, style in layers.items() if isinstance(style, ColwiseParallel)}:
         base.get_submodule(block).register_forward_pre_hook(_replicated_input(mesh), with_kwargs=True)
+    for name, _ in base.named_modules():  # QK-norm (Qwen3, Gemma 3): whole on every rank, applied to its own heads
+        if any(fnmatchcase(name, pattern) for pattern, style in plan.items() if style == SUMMED):
+            base.get_submodule(name).register_forward_pre_hook(_gradients_summed(mesh))
     return len(layers)
+
+
+SUMMED = "replicated_with_grad_allreduce"  # the plan's word for a whole module whose gradient each rank has in part
+
+
+def _gradients_summed(mesh):
+    """A module kept whole on every rank of the group but run on that rank's heads only (Qwen3's and Gemma 3's q_norm
+    and k_norm: one weight over head_dim, shared by the heads): each rank's weight gradient is its heads' part, so the
+    parts are summed over the group as each is made (a hook on the gradient before it is accumulated: with gradients
+    held across micro-batches, each micro-batch's part is summed once). Transformers' ReplicatedWithGradAllReduce sums
+    param.grad after accumulation instead, right where FSDP2 frees the gradient after each micro-batch, twice-counting
+    where it does not. The hook goes on the parameter the module runs with at its first forward with gradients (FSDP2
+    runs it with its own unsharded parameter, made once)."""
+    import torch
+    import torch.distributed as dist
+
+    group, hooked = mesh.get_group(), {}
+
+    def summed(grad):
+        grad = grad.clone()
+        dist.all_reduce(grad, group=group)
+        return grad
+
+    def hook(module, args):
+        if torch.is_grad_enabled():
+            for name, param in module.named_parameters(recurse=False):
+                if param.requires_grad and hooked.get(name) is not param:
+                    param.register_hook(summed)
+                    hooked[name] = param
+
+    return hook
 
 
 def _replicated_input(mesh):

@@ -53,14 +53,7 @@ def resolve(target: str, *, dtype: str) -> Target:
     if checkpoint and (problem := recipe_problem(recipe, target, adapter=False)):
         raise LLMTrainError(problem)
     if checkpoint:
-        def load(device: str):
-            from llmtrain.run.replies import load_source
-
-            source = load_source(str(path), device=device)
-            base = source.model.get_base_model() if hasattr(source.model, "get_base_model") else source.model
-            base.set_attn_implementation("sdpa")  # the run's varlen attention trains only (no KV cache)
-            return source.model, source.tokenizer
-        return Target(str(path), {}, run, load, recipe.model.name_or_path)
+        return Target(str(path), {}, run, _loader(path), recipe.model.name_or_path)
     final = path / "final"
     if not final.is_dir():
         steps = sorted((path / "checkpoints").glob("step_*"))
@@ -74,6 +67,10 @@ def resolve(target: str, *, dtype: str) -> Target:
     if problem := recipe_problem(recipe, target, adapter=True):
         raise LLMTrainError(problem)
     base = recipe.model.name_or_path
+    if recipe.model.quantize:  # the harness's hf model does not quantize a base as llmtrain does: handed over built
+        return Target(f"{final} (LoRA on {base} in 4 bits, {recipe.model.quantize})",
+                      {"pretrained": base, "peft": str(final), "quantize": recipe.model.quantize}, run, _loader(path),
+                      base)
     return Target(f"{final} (LoRA on {base})", {"pretrained": base, "peft": str(final), "tokenizer": str(final),
                                                  "dtype": dtype}, run, base=base)
 
@@ -91,11 +88,20 @@ def recipe_problem(recipe, target: str, *, adapter: bool) -> str | None:
         return (f"'{target}' trains a LoRA adapter on a randomly initialised {base} (model.random_init: true), whose "
                 "weights are never saved: the harness cannot load the base the adapter belongs to. Evaluate a run on "
                 "saved weights, or a whole model")
-    if recipe.model.quantize:
-        return (f"'{target}' is a QLoRA run (model.quantize: {recipe.model.quantize}): its adapter is trained on the "
-                "4-bit base, which the harness's hf model does not rebuild the way llmtrain loads it. Evaluate the "
-                "merged model: `llmtrain export RUN --merge` writes it, then `llmtrain eval` that folder")
     return None
+
+
+def _loader(path: Path):
+    """A function of the device returning (model, tokenizer) as `llmtrain generate` loads `path` (a checkpoint, or a
+    run whose final/ is an adapter on a 4-bit base): handed to the harness as objects."""
+    def load(device: str):
+        from llmtrain.run.replies import load_source
+
+        source = load_source(str(path), device=device)
+        base = source.model.get_base_model() if hasattr(source.model, "get_base_model") else source.model
+        base.set_attn_implementation("sdpa")  # the run's varlen attention trains only (no KV cache)
+        return source.model, source.tokenizer
+    return load
 
 
 def check_recipe(recipe) -> None:
@@ -109,7 +115,7 @@ def check_recipe(recipe) -> None:
         raise LLMTrainError("eval: scores final/, and checkpoint.save_final is false: set it true, or remove the "
                             "eval: section (and run `llmtrain eval` on a checkpoint)")
     quiet()
-    check_tasks(recipe.eval.tasks, task_manager(recipe.eval.include_path))
+    check_tasks(recipe.eval.tasks, task_manager(recipe.eval.include_path, recipe.eval.tasks))
 
 
 def after_training(recipe, accelerator, say) -> Path | None:
@@ -128,7 +134,7 @@ def after_training(recipe, accelerator, say) -> Path | None:
     how = dict(num_fewshot=b.num_fewshot, batch_size=b.batch_size, limit=b.limit,
                apply_chat_template=b.apply_chat_template, device=str(accelerator.device))
     say(f"eval: scoring {target.name} on {', '.join(b.tasks)} (lm-evaluation-harness)")
-    results = evaluate(target, b.tasks, task_manager(b.include_path), **how)
+    results = evaluate(target, b.tasks, task_manager(b.include_path, b.tasks), **how)
     if not accelerator.is_main_process or results is None:
         return None
     say(table(results))
@@ -152,8 +158,10 @@ def record(target: Target, tasks: list[str], how: dict, results: dict, base: Tar
             **({"baseline": {"target": base.name, "results": base_results["results"]}} if base else {})}
 
 
-def task_manager(include_path: list[str] | None):
-    """The harness's tasks, with the YAML task folders given (tasks on local files)."""
+def task_manager(include_path: list[str] | None, tasks: list[str] = ()):
+    """The harness's tasks, with the YAML task folders given (tasks on local files). When every task named is a plain
+    task in those folders, only they are indexed: the harness's own index of its ~14,000 YAML files takes about 20 s
+    a process, for tasks that are not used (a group or tag may name the harness's tasks, so it gets the full index)."""
     try:
         from lm_eval.tasks import TaskManager
     except ImportError:
@@ -162,6 +170,11 @@ def task_manager(include_path: list[str] | None):
         if not Path(folder).is_dir():
             raise LLMTrainError(f"--include-path '{folder}' is not a folder; give a folder of the harness's task YAML "
                                 "files (tasks/ has the tiny task's)")
+    if include_path and tasks:
+        local = TaskManager(include_path=include_path, include_defaults=False)
+        kinds = [getattr(getattr(local.task_index.get(n), "kind", None), "name", None) for n in tasks]
+        if all(kind in ("TASK", "PY_TASK") for kind in kinds):
+            return local
     return TaskManager(include_path=include_path or None)
 
 

@@ -23,12 +23,26 @@ def save_final(accelerator, model, tokenizer, path: Path, *, state_dict: dict | 
     if accelerator.is_main_process:
         tmp = path.with_name(path.name + ".tmp")
         shutil.rmtree(tmp, ignore_errors=True)
-        accelerator.unwrap_model(model).save_pretrained(tmp, state_dict=state_dict, safe_serialization=True)
+        unwrapped = accelerator.unwrap_model(model)
+        unwrapped.save_pretrained(tmp, state_dict=tied_once(state_dict, unwrapped), safe_serialization=True)
         tokenizer.save_pretrained(tmp)
         if path.exists():
             shutil.rmtree(path)
         tmp.rename(path)
     accelerator.wait_for_everyone()
+
+
+def tied_once(state: dict, model) -> dict:
+    """A tied embedding (Llama 3.2, small Qwen3, Gemma 3) saved once, under the embedding's name, as one process's
+    save_pretrained writes the one weight (transformers ties the head to it on loading). A gathered state dict (FSDP's
+    get_state_dict, the pipeline's stages) holds the head as a tensor of its own, equal to the embedding, which
+    save_pretrained would write a second time (Gemma 3's 262K x 2,560 embedding: 1.3 GB more in bf16)."""
+    from llmtrain.model.loss import causal_lm
+
+    if not getattr(causal_lm(model).config.get_text_config(), "tie_word_embeddings", False):
+        return state
+    embeds = [k for k in state if k.endswith("embed_tokens.weight")]
+    return {k: v for k, v in state.items() if not (embeds and k.endswith("lm_head.weight"))}
 
 
 def export_merged(run_dir: Path, out: Path | None = None, *, say=lambda text: None) -> Path:

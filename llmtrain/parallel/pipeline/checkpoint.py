@@ -108,16 +108,5 @@ def gather_state_dict(model, *, g: PipelineGroup, trainable_only: bool) -> dict:
     mine = mine if g.replica == 0 else {}
     parts = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
     dist.gather_object(mine, parts, dst=0)
-    whole = {k: v for part in parts for k, v in part.items()} if parts else {}
-    return _tied_once(whole, model)
+    return {k: v for part in parts for k, v in part.items()} if parts else {}  # a tied head: export.save_final
 
-
-def _tied_once(state: dict, model) -> dict:
-    """A tied embedding's two copies (the first stage's embedding, the last stage's head: equal) saved once, under
-    the embedding's name, as one process saves the one weight (transformers ties the head to it on loading)."""
-    from llmtrain.model.loss import causal_lm
-
-    if not getattr(causal_lm(model).config.get_text_config(), "tie_word_embeddings", False):
-        return state
-    embeds = [k for k in state if k.endswith("embed_tokens.weight")]
-    return {k: v for k, v in state.items() if not (embeds and k.endswith("lm_head.weight"))}
