@@ -12,6 +12,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import yaml
 from helpers import ENV, REPO, cli, invoke, run_train, write_recipe
 
 pytest.importorskip("lm_eval")
@@ -99,6 +100,57 @@ def test_a_lora_run_is_its_adapter_on_its_base_as_the_harness_loads_it(tiny_asse
 
 
 @pytest.mark.slow
+@pytest.mark.slow
+def test_a_qlora_run_is_its_adapter_on_its_4bit_base_as_transformers_and_peft_load_it(tiny_assets, tmp_path):
+    """The harness's hf model cannot quantize a base as llmtrain does, so llmtrain hands it the model built (4-bit
+    base, adapter): its scores are the harness's on the same model loaded with transformers' BitsAndBytesConfig and
+    peft here, and differ from the adapter on the unquantized base (what `pretrained=BASE,peft=` would score). The
+    tiny task's reversals scored by perplexity too: a continuous score, which 10 steps from a random base move."""
+    pytest.importorskip("bitsandbytes")
+    import torch
+    from lm_eval import simple_evaluate
+    from lm_eval.models.huggingface import HFLM
+    from lm_eval.tasks import TaskManager
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM, AutoTokenizer, BitsAndBytesConfig
+
+    from llmtrain.run.benchmarks import scores
+
+    base = tiny_assets / "model"
+    recipe = write_recipe(tiny_assets, tmp_path, data={"max_seq_len": 64}, lora={"r": 8, "alpha": 16, "dropout": 0.0},
+                          model={"dtype": "bfloat16", "quantize": "nf4"},
+                          train={"max_steps": 10, "micro_batch_size": 16, "lr": 1e-2, "warmup_steps": 0,
+                                 "mixed_precision": "bf16"})
+    run_train(recipe)
+    tasks = task_folder(tiny_assets, tmp_path)
+    (tasks / "tiny_reverse_ppl.yaml").write_text(yaml.safe_dump({
+        "task": "tiny_reverse_ppl", "dataset_path": "json", "test_split": "test",
+        "dataset_kwargs": {"data_files": {"test": str(tiny_assets / "data" / "eval.jsonl")}},
+        "output_type": "loglikelihood_rolling", "doc_to_text": "", "doc_to_target": "{{prompt}}{{completion}}",
+        "metric_list": [{"metric": "word_perplexity"}, {"metric": "bits_per_byte"}], "metadata": {"version": 1.0}}))
+    names = ["tiny_reverse_ll", "tiny_reverse_ppl"]
+    cli("eval", str(tmp_path / "run"), "--tasks", ",".join(names), "--include-path", str(tasks), "--limit", LIMIT,
+        "--batch-size", "8", env=OFFLINE)
+    final = tmp_path / "run" / "final"
+    written = json.loads((tmp_path / "run" / "lm_eval" / "tiny_reverse_ll-tiny_reverse_ppl.json").read_text())
+
+    def scored(quantize: bool) -> dict:
+        q = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True,
+                               bnb_4bit_compute_dtype=torch.bfloat16, bnb_4bit_quant_storage=torch.bfloat16)
+        model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.bfloat16, attn_implementation="sdpa",
+                                                     **({"quantization_config": q} if quantize else {}))
+        model = PeftModel.from_pretrained(model, str(final)).eval()
+        lm = HFLM(pretrained=model, tokenizer=AutoTokenizer.from_pretrained(final), batch_size=8)
+        return scores(simple_evaluate(model=lm, tasks=names, limit=float(LIMIT), log_samples=False,
+                                      task_manager=TaskManager(include_path=[str(tasks)], include_defaults=False)))
+
+    ours, theirs, unquantized = scores(written), scored(quantize=True), scored(quantize=False)
+    assert ours == theirs, (ours, theirs)
+    bits = ours["tiny_reverse_ppl"]["bits_per_byte"]
+    assert 0 < bits < 8 and abs(unquantized["tiny_reverse_ppl"]["bits_per_byte"] / bits - 1) > 1e-4, unquantized  # 4e-4
+    assert written["model_args"] == {"pretrained": str(base), "peft": str(final), "quantize": "nf4"}
+
+
 @pytest.mark.extended  # main tier: the 1-process tests above, whose numbers this one equals
 def test_two_processes_give_the_same_scores_and_write_once(trained, free_port):
     run, tasks = trained
