@@ -307,6 +307,40 @@ def lora_again(lora_lm):
     lora_lm.load_state_dict(state)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_merged_copy_is_peft_merge_and_unload_to_rounding(lora_lm, dtype):
+    """Each adapted linear's copy (merged_copy.merged_weight) against the weight peft's own merge_and_unload writes:
+    fp32 to 1e-6. In bf16 the copy is the exact fp32 sum rounded once, and peft's (the delta rounded to bf16, then
+    added in bf16) within a bf16 step of the base's and the delta's sizes, the same entry for most entries."""
+    import copy
+
+    from llmtrain.model.merged_copy import adapted_linears, merged_weight
+
+    model = copy.deepcopy(lora_lm).to(dtype)
+    names = {m: n for n, m in model.named_modules()}
+    ours = {names[m]: merged_weight(m) for m in adapted_linears(model)}
+    assert len(ours) == 7 * len(model.base_model.model.model.layers)
+    theirs = dict(copy.deepcopy(model).merge_and_unload().named_modules())
+    same = []
+    for name, weight in ours.items():
+        peft = theirs[name.removeprefix("base_model.model.")].weight
+        assert weight.dtype == peft.dtype == dtype
+        module = model.get_submodule(name)
+        delta = module.lora_B["default"].weight.float() @ module.lora_A["default"].weight.float() * module.scaling[
+            "default"]
+        exact = module.get_base_layer().weight.float() + delta
+        if dtype == torch.float32:
+            assert (weight - peft).abs().max().item() < 1e-6, name
+        else:  # the copy: the fp32 sum rounded once; peft's: within a bf16 step of the base and of the delta
+            assert torch.equal(weight, exact.to(dtype)), name
+            bound = (module.get_base_layer().weight.float().abs() + delta.abs()) * 2**-7
+            assert ((peft.float() - exact).abs() <= bound).all(), name
+            same.append((peft == weight).float().mean().item())
+    assert dtype == torch.float32 or 0.5 < min(same) < 1, same
+    base = model.base_model.model.model.layers[0].self_attn.q_proj.base_layer.weight
+    assert not torch.equal(ours["base_model.model.model.layers.0.self_attn.q_proj"], base)  # the adapters are in it
+
+
 def test_a_merged_copy_draws_the_unmerged_adapters_tokens_up_to_rounding_and_leaves_the_weights_alone(
         lora_again, lm, monkeypatch):
     """rl.merged_copy=rollout against off, on a GRPO-sized rollout of an all-linear LoRA (32 prompts x 16, fp32):
