@@ -291,12 +291,8 @@ def eval_(
     ours = benchmarks.resolve(target, dtype=dtype)
     base = None
     if baseline is not None:
-        if baseline == "base":
-            if ours.run is None:
-                raise LLMTrainError("--baseline base means the run's base model, and the target is not a run; give "
-                                    "the baseline model's folder or hub id")
-            baseline = ours.base
-        base = benchmarks.resolve(baseline, dtype=dtype)
+        base = (benchmarks.base_of(ours, dtype=dtype) if baseline == "base"
+                else benchmarks.resolve(baseline, dtype=dtype))
     benchmarks.quiet()
     manager = benchmarks.task_manager([str(p) for p in include_path or []], names)
     benchmarks.check_tasks(names, manager)

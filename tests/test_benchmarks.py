@@ -104,8 +104,9 @@ def test_a_lora_run_is_its_adapter_on_its_base_as_the_harness_loads_it(tiny_asse
 def test_a_qlora_run_is_its_adapter_on_its_4bit_base_as_transformers_and_peft_load_it(tiny_assets, tmp_path):
     """The harness's hf model cannot quantize a base as llmtrain does, so llmtrain hands it the model built (4-bit
     base, adapter): its scores are the harness's on the same model loaded with transformers' BitsAndBytesConfig and
-    peft here, and differ from the adapter on the unquantized base (what `pretrained=BASE,peft=` would score). The
-    tiny task's reversals scored by perplexity too: a continuous score, which 10 steps from a random base move."""
+    peft here, and differ from the adapter on the unquantized base (what `pretrained=BASE,peft=` would score);
+    --baseline base is the 4-bit base without the adapter. The tiny task's reversals scored by perplexity too: a
+    continuous score, which 10 steps from a random base move."""
     pytest.importorskip("bitsandbytes")
     import torch
     from lm_eval import simple_evaluate
@@ -130,16 +131,16 @@ def test_a_qlora_run_is_its_adapter_on_its_4bit_base_as_transformers_and_peft_lo
         "metric_list": [{"metric": "word_perplexity"}, {"metric": "bits_per_byte"}], "metadata": {"version": 1.0}}))
     names = ["tiny_reverse_ll", "tiny_reverse_ppl"]
     cli("eval", str(tmp_path / "run"), "--tasks", ",".join(names), "--include-path", str(tasks), "--limit", LIMIT,
-        "--batch-size", "8", env=OFFLINE)
+        "--batch-size", "8", "--baseline", "base", env=OFFLINE)
     final = tmp_path / "run" / "final"
     written = json.loads((tmp_path / "run" / "lm_eval" / "tiny_reverse_ll-tiny_reverse_ppl.json").read_text())
 
-    def scored(quantize: bool) -> dict:
+    def scored(quantize: bool, adapter: bool = True) -> dict:
         q = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True,
                                bnb_4bit_compute_dtype=torch.bfloat16, bnb_4bit_quant_storage=torch.bfloat16)
         model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.bfloat16, attn_implementation="sdpa",
                                                      **({"quantization_config": q} if quantize else {}))
-        model = PeftModel.from_pretrained(model, str(final)).eval()
+        model = (PeftModel.from_pretrained(model, str(final)) if adapter else model).eval()
         lm = HFLM(pretrained=model, tokenizer=AutoTokenizer.from_pretrained(final), batch_size=8)
         return scores(simple_evaluate(model=lm, tasks=names, limit=float(LIMIT), log_samples=False,
                                       task_manager=TaskManager(include_path=[str(tasks)], include_defaults=False)))
@@ -149,6 +150,9 @@ def test_a_qlora_run_is_its_adapter_on_its_4bit_base_as_transformers_and_peft_lo
     bits = ours["tiny_reverse_ppl"]["bits_per_byte"]
     assert 0 < bits < 8 and abs(unquantized["tiny_reverse_ppl"]["bits_per_byte"] / bits - 1) > 1e-4, unquantized  # 4e-4
     assert written["model_args"] == {"pretrained": str(base), "peft": str(final), "quantize": "nf4"}
+    # --baseline base: the 4-bit base the run started from, without the adapter
+    assert written["baseline"]["target"] == f"{base} (in 4 bits, nf4)"
+    assert scores(written["baseline"]) == scored(quantize=True, adapter=False) != ours
 
 
 @pytest.mark.extended  # main tier: the 1-process tests above, whose numbers this one equals

@@ -276,6 +276,7 @@ def test_a_short_run_brings_the_student_closer_to_its_teacher(straight):
     assert all(0 < r["completions/mean_length"] <= 8 and 0 <= r["completions/clipped_ratio"] <= 1 for r in sampled)
     assert all("completions/mean_length" not in r for r in lines if not r["on_policy"])
     assert all(r["entropy"] > 0 for r in lines)
+    assert "distill.sampler=graph: static off CUDA)" in (run / "train.log").read_text()  # the header says which
     first, last = records(run, "eval")
     assert (first["step"], last["step"]) == (0, 12)
     print(f"eval divergence {first['eval_loss']:.3f} -> {last['eval_loss']:.3f}, teacher agreement "

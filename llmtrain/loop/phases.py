@@ -162,12 +162,14 @@ def prepare_data(recipe: Recipe, accelerator, *, say) -> Data:
         procs = f"{accelerator.num_processes} processes" + (f" ({mesh})" if mesh else "")
     unit = {"preference": "pairs", "prompt": "prompts"}.get(recipe.data.format, "examples")
     evals = f"eval: {stats['eval'].examples if 'eval' in stats else 0} {unit}"
-    if recipe.rl is not None:
+    sampling = recipe.rl or recipe.distill  # what samples completions: rl.sampler / distill.sampler
+    if sampling is not None:
         sixteen = recipe.model.quantize is not None or "float16" in recipe.model.dtype or (
             recipe.train.mixed_precision != "no")
-        sampler = sampler_text(recipe.rl.sampler, accelerator.device, copy=recipe.rl.merged_copy,
+        sampler = sampler_text(sampling.sampler, accelerator.device, copy=sampling.merged_copy,
                                lora=recipe.lora is not None, four_bit=recipe.model.quantize is not None,
                                sixteen_bit=sixteen)
+    if recipe.rl is not None:
         say(f"data: {s.examples} train {unit} ({cache_line(int(cache_reads), accelerator.num_processes)}), "
             f"{recipe.rl.num_generations} completions each a step, {recipe.rl.algorithm.upper()} "
             f"(rl.sampler={sampler}); {evals}")
@@ -188,8 +190,8 @@ def prepare_data(recipe: Recipe, accelerator, *, say) -> Data:
         if problem := vocabulary_problem(recipe, tokenizer):
             raise LLMTrainError(problem)
         say(f"distillation: teacher {d.teacher}, beta={d.beta:g} (0 forward KL, 1 reverse KL), temperature="
-            f"{d.temperature:g}; the student samples the completions of {d.lmbda:.0%} of the steps (distill.lmbda), "
-            "the others train on the data's")
+            f"{d.temperature:g}; the student samples the completions of {d.lmbda:.0%} of the steps (distill.lmbda; "
+            f"distill.sampler={sampler}), the others train on the data's")
     plan = data_plan(recipe, train_ds["length"], world=world,
                      sources=train_ds["source"] if recipe.data.sources is not None else None)
     per_epoch = [plan.steps_per_epoch(e, accum) for e in range(tc.epochs)]

@@ -75,6 +75,33 @@ def resolve(target: str, *, dtype: str) -> Target:
                                                  "dtype": dtype}, run, base=base)
 
 
+def base_of(ours: Target, *, dtype: str) -> Target:
+    """--baseline base: the model the run started from. A QLoRA run's base is scored as it trained on it, quantized
+    (the unquantized base would put the quantization's cost into the difference); any other's as a model folder or
+    hub id."""
+    if ours.run is None or ours.base is None:
+        raise LLMTrainError("--baseline base means the run's base model, and the target is not a run; give the "
+                            "baseline model's folder or hub id")
+    from llmtrain.config import Recipe
+
+    recipe = Recipe.model_validate(yaml.safe_load((ours.run / "recipe.yaml").read_text()))
+    if not recipe.model.quantize:
+        return resolve(ours.base, dtype=dtype)
+
+    def load(device: str):
+        import torch
+
+        from llmtrain.model.modeling import load_model, load_tokenizer
+        from llmtrain.run.replies import trained_model
+
+        model_cfg = trained_model(recipe)
+        model = load_model(model_cfg, None, device=torch.device(device))
+        model.set_attn_implementation("sdpa")
+        return model.eval(), load_tokenizer(model_cfg)
+    return Target(f"{ours.base} (in 4 bits, {recipe.model.quantize})",
+                  {"pretrained": ours.base, "quantize": recipe.model.quantize}, None, load)
+
+
 def recipe_problem(recipe, target: str, *, adapter: bool) -> str | None:
     """Why the harness cannot score a run of `recipe` (its final/ a LoRA adapter where `adapter`), in a paragraph; None
     where it can. Asked by `llmtrain eval` and, for eval: in a recipe, before training starts."""

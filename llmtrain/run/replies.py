@@ -66,7 +66,7 @@ def load_source(source: str, *, device=None) -> Source:
     if checkpoint:
         return _from_checkpoint(path, recipe, device)
     adapter = (final / "adapter_config.json").is_file()
-    trained = _trained_model(recipe).model_copy(update={"tokenizer": str(final)})
+    trained = trained_model(recipe).model_copy(update={"tokenizer": str(final)})
     if not adapter:
         trained = trained.model_copy(update={"name_or_path": str(final), "quantize": None})
     tokenizer = load_tokenizer(trained)
@@ -80,7 +80,7 @@ def load_source(source: str, *, device=None) -> Source:
     return _source(model, tokenizer, recipe, f"{final} ({what})", read_template)
 
 
-def _trained_model(recipe):
+def trained_model(recipe):
     """The recipe's model section as generation loads it: no training switches."""
     return recipe.model.model_copy(update={"gradient_checkpointing": False, "activation_offload": False,
                                            "tiled_mlp": None, "compile": False, "random_init": False})
@@ -100,7 +100,7 @@ def _from_checkpoint(path: Path, recipe, device) -> Source:
         raise LLMTrainError(f"checkpoint '{path}' holds its weights in pieces (FSDP's or a pipeline's shards), not "
                             "one model.safetensors; generate from the run's final/ (resume it to the end: "
                             f"`llmtrain finetune {path}/recipe.yaml --resume {path}`), which holds the whole model")
-    cfg = _trained_model(recipe)
+    cfg = trained_model(recipe)
     model = load_model(cfg, recipe.lora, device=device if cfg.quantize else None)
     saved = load_file(str(weights))
     known = model.state_dict()
