@@ -364,6 +364,9 @@ def tensor_plan_problems(config, tp: int) -> list[str]:
     """What tensor parallelism over `tp` processes refuses of a model: a plan (config.base_model_tp_plan) other than
     column- and row-wise linear layers, and heads or MLP columns that `tp` does not divide."""
     plan = dict(getattr(config, "base_model_tp_plan", None) or {})
+    # transformers 5.17 adds "embed_tokens": "embedding_rowwise" to a tied model's plan (5.24 does not): llmtrain keeps
+    # the embedding whole on every TP rank (FSDP shards it), as it does for every model
+    plan.pop("embed_tokens", None)
     if not plan or set(plan.values()) - {"colwise", "rowwise", "replicated_with_grad_allreduce"}:
         return [f"tensor parallelism needs a model whose tensor-parallel plan (config.base_model_tp_plan) is column- "
                 f"and row-wise linear layers (and whole modules whose gradients are summed: Qwen3's QK-norm), as "

@@ -215,3 +215,21 @@ def test_a_mixture_of_experts_refuses_the_tiled_mlp_and_lora_dropout_in_one_para
     run_train(mode_recipes["sft"], *overrides, "lora.dropout=0", "model.tiled_mlp=null",
               f"output_dir={tmp_path / 'fixed'}")  # the fix each names trains
     assert (tmp_path / "fixed" / "summary.json").is_file()
+
+
+def test_the_tensor_parallel_plan_styles_llmtrain_builds_and_the_embedding_it_keeps_whole():
+    """Column- and row-wise linears and QK-norm's summed gradients are built; transformers 5.17 (the GPU machine's)
+    adds "embed_tokens": "embedding_rowwise" to a tied model's plan, which llmtrain keeps whole as it keeps every
+    embedding (before, every tied model under tensor parallelism was refused there); a style llmtrain does not build
+    (Phi's gathered column split) is refused naming it."""
+    from transformers import Phi3Config, Qwen3Config
+
+    from llmtrain.capabilities import tensor_plan_problems
+
+    qwen3 = Qwen3Config(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2,
+                        head_dim=16, tie_word_embeddings=True)
+    qwen3.base_model_tp_plan = {**qwen3.base_model_tp_plan, "embed_tokens": "embedding_rowwise"}
+    assert tensor_plan_problems(qwen3, 2) == []
+    assert "num_key_value_heads (2) evenly" in " ".join(tensor_plan_problems(qwen3, 4))
+    phi = Phi3Config(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2)
+    assert "colwise_gather_output" in " ".join(tensor_plan_problems(phi, 2))
