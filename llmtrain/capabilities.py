@@ -110,11 +110,6 @@ _FORMAT_HINT = {
 
 # --------------------------------------------------------------------------- the model families (a third axis)
 
-_FUSED_TP = ("it fuses q, k and v into one qkv_proj and gate and up into one gate_up_proj, which a column-wise split "
-             "would cut across (its plan gathers their outputs: colwise_gather_output, which llmtrain does not "
-             "build). Shard it with FSDP instead (accelerate_configs/fsdp.yaml, or parallelism_config_tp_size: 1)")
-
-
 @dataclass(frozen=True)
 class Family:
     key: str  # config.model_type
@@ -131,7 +126,7 @@ FAMILIES: dict[str, Family] = {f.key: f for f in (
     Family("qwen2", "Qwen2 / Qwen2.5"),
     Family("qwen3", "Qwen3"),
     Family("gemma3_text", "Gemma 3 (its text model)"),
-    Family("phi3", "Phi-3 / Phi-4", refused={"tp": _FUSED_TP}),
+    Family("phi3", "Phi-3 / Phi-4"),
 )}
 
 
@@ -367,17 +362,28 @@ def tensor_plan_problems(config, tp: int) -> list[str]:
     # transformers 5.17 adds "embed_tokens": "embedding_rowwise" to a tied model's plan (5.24 does not): llmtrain keeps
     # the embedding whole on every TP rank (FSDP shards it), as it does for every model
     plan.pop("embed_tokens", None)
-    if not plan or set(plan.values()) - {"colwise", "rowwise", "replicated_with_grad_allreduce"}:
+    if not plan or set(plan.values()) - set(TP_STYLES):
         return [f"tensor parallelism needs a model whose tensor-parallel plan (config.base_model_tp_plan) is column- "
-                f"and row-wise linear layers (and whole modules whose gradients are summed: Qwen3's QK-norm), as "
-                f"Llama's and Qwen3's are; {getattr(config, 'model_type', 'this')} "
+                f"and row-wise linear layers (fused ones gathered, as Phi's; and whole modules whose gradients are "
+                f"summed: Qwen3's QK-norm), as Llama's, Qwen3's and Phi's are; {getattr(config, 'model_type', 'this')} "
                 f"has {sorted(set(plan.values())) or 'none'}. Set parallelism_config_tp_size: 1"]
     heads = config.num_attention_heads
     kv = getattr(config, "num_key_value_heads", None) or heads
+    split = (("num_attention_heads", heads), ("num_key_value_heads", kv))
+    if set(plan.values()) & {"colwise_gather_output", "rowwise_split_input"}:  # the weights split, the heads whole
+        head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+        split = (("qkv_proj's outputs, (num_attention_heads + 2 x num_key_value_heads) x head_dim",
+                  (heads + 2 * kv) * head_dim), ("o_proj's inputs, num_attention_heads x head_dim", heads * head_dim))
     return [f"tensor parallelism over {tp} processes splits the model's {name} ({n}) evenly, and {n} is not a "
             f"multiple of {tp}: set parallelism_config_tp_size to a divisor of {n}"
-            for name, n in (("num_attention_heads", heads), ("num_key_value_heads", kv),
-                            ("intermediate_size", getattr(config, "intermediate_size", tp))) if n % tp]
+            for name, n in (*split, ("intermediate_size", getattr(config, "intermediate_size", tp))) if n % tp]
+
+
+# The tensor-parallel plan's styles llmtrain builds (parallel/tensor.py): linear layers column- and row-wise; a fused
+# column-wise layer whose output is gathered whole and the row-wise layer after it, which takes its slice of the
+# input (Phi's qkv_proj / gate_up_proj and o_proj / down_proj); a whole module whose gradient each rank has in part
+# and sums (QK-norm)
+TP_STYLES = ("colwise", "rowwise", "colwise_gather_output", "rowwise_split_input", "replicated_with_grad_allreduce")
 
 
 def check_model(recipe, layout: Layout, config) -> None:

@@ -220,9 +220,10 @@ def test_a_mixture_of_experts_refuses_the_tiled_mlp_and_lora_dropout_in_one_para
 def test_the_tensor_parallel_plan_styles_llmtrain_builds_and_the_embedding_it_keeps_whole():
     """Column- and row-wise linears and QK-norm's summed gradients are built; transformers 5.17 (the GPU machine's)
     adds "embed_tokens": "embedding_rowwise" to a tied model's plan, which llmtrain keeps whole as it keeps every
-    embedding (before, every tied model under tensor parallelism was refused there); a style llmtrain does not build
-    (Phi's gathered column split) is refused naming it."""
-    from transformers import Phi3Config, Qwen3Config
+    embedding (before, every tied model under tensor parallelism was refused there). Phi's gathered plan splits the
+    weights, not the heads: its fused qkv_proj's outputs must divide, not the K/V heads. A style llmtrain does not build
+    (Mixtral's packed experts) is refused naming it."""
+    from transformers import MixtralConfig, Phi3Config, Qwen3Config
 
     from llmtrain.capabilities import tensor_plan_problems
 
@@ -232,4 +233,9 @@ def test_the_tensor_parallel_plan_styles_llmtrain_builds_and_the_embedding_it_ke
     assert tensor_plan_problems(qwen3, 2) == []
     assert "num_key_value_heads (2) evenly" in " ".join(tensor_plan_problems(qwen3, 4))
     phi = Phi3Config(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2)
-    assert "colwise_gather_output" in " ".join(tensor_plan_problems(phi, 2))
+    assert tensor_plan_problems(phi, 2) == [] and tensor_plan_problems(phi, 4) == []  # 2 K/V heads on 4: gathered
+    said = " ".join(tensor_plan_problems(phi, 3))
+    assert "qkv_proj's outputs, (num_attention_heads + 2 x num_key_value_heads) x head_dim (128) evenly" in said, said
+    assert "num_key_value_heads (2)" not in said and "intermediate_size (128)" in said
+    mixtral = MixtralConfig(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2)
+    assert "packed_colwise" in " ".join(tensor_plan_problems(mixtral, 2))

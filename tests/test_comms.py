@@ -114,6 +114,36 @@ def test_the_tensor_parallel_slice_of_llama_2_7b():
     assert half.params_total == whole.params_total - 32 * 101_187_584
 
 
+def test_the_tensor_parallel_slice_of_phi_4_splits_its_weights_and_keeps_its_heads():
+    """Phi-4's gathered plan on a TP pair: the fused qkv_proj keeps half its output rows and gate_up_proj half, o_proj
+    and down_proj half their inputs (the same weights a GPU as a Llama plan), but attention and the MLP run whole
+    (40 query and 10 K/V heads, 17,920 MLP columns), so the estimate's activations are one process's; a token
+    all-gathers (40 + 2 x 10) x 128 + 2 x 17,920 elements a layer in forward and 40 x 128 + 17,920 in backward."""
+    from llmtrain.memory.comms import tensor_parallel_gathers
+    from llmtrain.memory.estimate import estimate
+    from llmtrain.memory.params import load_model_shape, tensor_parallel_shape
+
+    whole = load_model_shape("phi-4")
+    half = tensor_parallel_shape(whole, 2)
+    assert (half.heads, half.kv_heads, half.intermediate) == (whole.heads, whole.kv_heads, whole.intermediate)
+    linears = {lin.name: (lin.fan_in, lin.fan_out) for lin in half.layer_linears}
+    assert linears["self_attn.qkv_proj"] == (5120, 3840) and linears["self_attn.o_proj"] == (2560, 5120)
+    assert linears["mlp.gate_up_proj"] == (5120, 17920) and linears["mlp.down_proj"] == (8960, 5120)
+    assert half.params_total == whole.params_total - 40 * whole.linear_params_per_layer // 2
+    assert half.tp_gathers == (7680 + 35840, 5120 + 17920) and whole.tp_gathers == (0, 0)
+    spec = TrainSpec(strategy="fsdp", num_gpus=8, tp=2, micro_batch=1, seq_len=2048, mixed_precision="bf16")
+    assert tensor_parallel_gathers(half, spec) == (40 * 2048 * 43520 * 2, 40 * 2048 * 23040 * 2)
+    assert tensor_parallel_gathers(load_model_shape("llama-2-7b"), spec) == (0.0, 0.0)
+    def activations(shape, spec) -> int:  # the saved activations' largest, over the step's phases
+        return max(part.get("activations", 0) for part in estimate(shape, spec).phase_parts.values())
+
+    # the same activations as FSDP alone over the 8 GPUs; a Llama plan's are 0.68 of its own (the heads' and the MLP's
+    # halved, the residual stream's and the norms' whole)
+    assert activations(whole, spec) == activations(whole, spec.but(tp=1))
+    llama = load_model_shape("llama-2-7b")
+    assert activations(llama, spec) < 0.7 * activations(llama, spec.but(tp=1))
+
+
 def test_times_at_the_stated_bandwidth_and_when_the_network_binds():
     from llmtrain.memory.comms import Traffic
 

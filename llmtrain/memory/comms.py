@@ -274,11 +274,12 @@ class Collective:
             self.nbytes, self.group)
 
 
-def collectives(spec: TrainSpec, *, trainable_bytes: float, gathered: Gathered,
-                activations: float = 0.0) -> tuple[Collective, ...]:
+def collectives(spec: TrainSpec, *, trainable_bytes: float, gathered: Gathered, activations: float = 0.0,
+                gathers: tuple[float, float] = (0.0, 0.0)) -> tuple[Collective, ...]:
     """The collectives of one optimizer step for spec's strategy over its GPUs and nodes. Under FSDP x TP the
-    payloads are those of one GPU's slice, and `activations` the bytes of one micro-batch's tokens x hidden summed
-    over the decoder layers (tensor_parallel_activations)."""
+    payloads are those of one GPU's slice, `activations` the bytes of one micro-batch's tokens x hidden summed
+    over the decoder layers (tensor_parallel_activations), and `gathers` what a gathered plan (Phi's fused layers)
+    all-gathers a micro-batch in forward and in backward (tensor_parallel_gathers)."""
     m, a = spec.num_nodes, spec.grad_accum_steps
     per_step = a * (2 * gathered.resharded + gathered.tail)
     scatters = a if spec.fsdp_accumulate == "sharded" else 1  # reduce-scatters of the gradients per step
@@ -292,6 +293,11 @@ def collectives(spec: TrainSpec, *, trainable_bytes: float, gathered: Gathered,
         per_layer = 5 if spec.gradient_checkpointing else 4
         tp = (Collective(f"all-reduce of the activations in the TP group, {per_layer} a layer x {a} micro-batches",
                          "all_reduce", a * per_layer * activations, spec.tp, "node"),)
+        forward, backward = gathers  # a checkpointed layer's recompute gathers the fused outputs again
+        if forward:
+            tp += (Collective(f"all-gather of the fused layers' outputs and of their inputs' gradients in the TP "
+                              f"group x {a} micro-batches", "all_gather",
+                              a * ((2 if spec.gradient_checkpointing else 1) * forward + backward), spec.tp, "node"),)
     if spec.strategy == "fsdp":
         return (Collective(f"all-gather of the parameters, forward and backward x {a} micro-batches", "all_gather",
                            per_step, spec.shards, "job"),
@@ -307,12 +313,13 @@ def collectives(spec: TrainSpec, *, trainable_bytes: float, gathered: Gathered,
                        "across"), *tp)
 
 
-def data_parallel(spec: TrainSpec, *, trainable_bytes: float, gathered: Gathered, activations: float = 0.0) -> Parts:
+def data_parallel(spec: TrainSpec, *, trainable_bytes: float, gathered: Gathered, activations: float = 0.0,
+                  gathers: tuple[float, float] = (0.0, 0.0)) -> Parts:
     """Per-GPU bytes sent in one optimizer step, within the node and across nodes. A collective over the whole job
     sends 1/(its GPUs per node) of a GPU's bytes over its network card when there are several nodes (under FSDP x TP
     an FSDP ring has GPUs per node / tp members on each node)."""
     return parts_of(spec, collectives(spec, trainable_bytes=trainable_bytes, gathered=gathered,
-                                      activations=activations))
+                                      activations=activations, gathers=gathers))
 
 
 def parts_of(spec: TrainSpec, found) -> Parts:
@@ -333,6 +340,16 @@ def tensor_parallel_activations(shape: ModelShape, spec: TrainSpec) -> float:
         return 0.0
     return float(shape.layers * spec.tokens * shape.hidden * DTYPE_BYTES[PRECISION_DTYPE.get(spec.mixed_precision,
                                                                                            spec.dtype)])
+
+
+def tensor_parallel_gathers(shape: ModelShape, spec: TrainSpec) -> tuple[float, float]:
+    """What one micro-batch all-gathers in the TP group under a gathered plan (Phi's fused qkv_proj and gate_up_proj,
+    shape.tp_gathers): in forward their outputs, in backward the gradients of o_proj's and down_proj's inputs, each
+    tokens x the layer's elements in the compute dtype, summed over the layers; (0, 0) for every other plan."""
+    if spec.tp == 1:
+        return 0.0, 0.0
+    unit = shape.layers * spec.tokens * DTYPE_BYTES[PRECISION_DTYPE.get(spec.mixed_precision, spec.dtype)]
+    return float(unit * shape.tp_gathers[0]), float(unit * shape.tp_gathers[1])
 
 
 def step_flops(shape: ModelShape, spec: TrainSpec, trainable_linear_share: float) -> float:
@@ -378,7 +395,8 @@ def traffic(shape: ModelShape, spec: TrainSpec, *, trained_params: int, trainabl
     sampling = sampling_seconds(shape, spec, weight_bytes=weight_bytes, network=network)
     compute = step_flops(shape, spec, share) / (network.peak_tflops * 1e12 * network.mfu) + sampling
     parts = data_parallel(spec, trainable_bytes=trainable_bytes, gathered=gathered,
-                          activations=tensor_parallel_activations(shape, spec))
+                          activations=tensor_parallel_activations(shape, spec),
+                          gathers=tensor_parallel_gathers(shape, spec))
     sequence = sequence_traffic(shape, spec)
     if sequence is not None:
         within = "spanning nodes" if sequence.spans_nodes else "within the node"

@@ -462,7 +462,13 @@ def _notes(shape: ModelShape, spec: TrainSpec, p: act.Pass) -> tuple[str, ...]:
                      f"(one layer's buffers in flight: {act.all_to_all_temp(p, shape) / MIB:,.0f} MiB); weights, "
                      f"gradients and optimizer state are {spec.strategy}'s over all {spec.world} GPUs, and "
                      f"{spec.data_ranks} data-parallel rank(s) read different batches")
-    if spec.tp > 1:
+    if spec.tp > 1 and any(shape.tp_gathers):
+        notes.append(f"tensor parallelism over {spec.tp} GPUs: each holds 1/{spec.tp} of every layer's linear weights "
+                     f"(the fused qkv_proj and gate_up_proj by output rows, o_proj and down_proj by input columns), "
+                     f"the embeddings, norms and LM head whole, all sharded by FSDP over {spec.shards} data-parallel "
+                     f"ranks; the fused layers' outputs are gathered, so attention ({shape.heads} query heads) and "
+                     "the MLP run whole on every GPU of a group, with the activations of one process")
+    elif spec.tp > 1:
         notes.append(f"tensor parallelism over {spec.tp} GPUs: each holds {shape.heads} query and {shape.kv_heads} KV "
                      f"heads and {shape.intermediate} MLP columns of every layer, the embeddings, norms and LM head "
                      f"whole, all sharded by FSDP over {spec.shards} data-parallel ranks; the residual stream's "

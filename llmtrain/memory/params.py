@@ -136,6 +136,9 @@ class ModelShape:
     rope_sets: int = 1  # cos/sin pairs a forward makes and every layer of its kind saves (Gemma 3: local, global)
     rope_dim: int | None = None  # the rotated part of a head (Phi-4-mini's partial RoPE); None: the whole head
     masks: int = 1  # 4-D masks sdpa/eager get (Gemma 3 builds a causal one and a sliding-window one)
+    # Under tensor parallelism by a gathered plan (Phi's fused layers; tensor_parallel_shape): the elements a token
+    # all-gathers in one layer's forward and in its backward
+    tp_gathers: tuple[int, int] = (0, 0)
 
     @property
     def rotary_dim(self) -> int:
@@ -183,7 +186,11 @@ def tensor_parallel_shape(shape: ModelShape, tp: int) -> ModelShape:
     """What one GPU of a tensor-parallel group holds and runs: every decoder layer with the model's TP plan applied
     (transformers' base_model_tp_plan, as llmtrain's tensor.apply_tensor_parallel applies it): the column-wise
     layers (q/k/v, gate/up) keep fan_out / tp outputs, the row-wise ones (o, down) fan_in / tp inputs, so a layer has
-    heads / tp query and KV heads and intermediate / tp MLP columns. The embeddings, norms and LM head stay whole."""
+    heads / tp query and KV heads and intermediate / tp MLP columns. The embeddings, norms and LM head stay whole.
+
+    Phi's plan gathers its fused qkv_proj's and gate_up_proj's outputs (colwise_gather_output, rowwise_split_input
+    after them): the weights are split the same way, but attention and the MLP run whole on every GPU (its heads and
+    intermediate stay the model's), and `tp_gathers` counts the elements a token all-gathers a layer."""
     if tp == 1:
         return shape
     from dataclasses import replace
@@ -192,13 +199,20 @@ def tensor_parallel_shape(shape: ModelShape, tp: int) -> ModelShape:
 
     plan = CONFIG_MAPPING[shape.model_type].base_model_tp_plan
     style = {pattern.rsplit("*.", 1)[-1]: how for pattern, how in plan.items()}  # 'self_attn.q_proj' -> 'colwise'
-    local = tuple(Linear(lin.name, lin.fan_in, lin.fan_out // tp, lin.bias) if style.get(lin.name) == "colwise"
-                  else Linear(lin.name, lin.fan_in // tp, lin.fan_out, lin.bias) if style.get(lin.name) == "rowwise"
+    cut = {"colwise": "out", "colwise_gather_output": "out", "rowwise": "in", "rowwise_split_input": "in"}
+    local = tuple(Linear(lin.name, lin.fan_in, lin.fan_out // tp, lin.bias) if cut.get(style.get(lin.name)) == "out"
+                  else Linear(lin.name, lin.fan_in // tp, lin.fan_out, lin.bias) if cut.get(style.get(lin.name)) == "in"
                   else lin for lin in shape.layer_linears)
     linear = sum(lin.numel for lin in local)
-    return replace(shape, source=f"{shape.source}, 1/{tp} tensor-parallel slice", intermediate=shape.intermediate // tp,
-                   heads=shape.heads // tp, kv_heads=shape.kv_heads // tp, layer_linears=local,
-                   params_per_layer=shape.params_per_layer - shape.linear_params_per_layer + linear)
+    sliced = replace(shape, source=f"{shape.source}, 1/{tp} tensor-parallel slice", layer_linears=local,
+                     params_per_layer=shape.params_per_layer - shape.linear_params_per_layer + linear)
+    if "colwise_gather_output" in style.values():  # forward: the fused outputs; backward: the gradients of the inputs
+        # the row-wise layers sliced (their input's gradient is gathered whole again)
+        return replace(sliced, tp_gathers=(
+            sum(lin.fan_out for lin in shape.layer_linears if style.get(lin.name) == "colwise_gather_output"),
+            sum(lin.fan_in for lin in shape.layer_linears if style.get(lin.name) == "rowwise_split_input")))
+    return replace(sliced, intermediate=shape.intermediate // tp, heads=shape.heads // tp,
+                   kv_heads=shape.kv_heads // tp)
 
 
 @dataclass(frozen=True)

@@ -17,12 +17,21 @@ def apply_tensor_parallel(model, mesh) -> int:
     parallelize_module. Each attention layer then holds heads / tp query and KV heads, each MLP intermediate / tp
     columns; a row-wise layer all-reduces its output, so every process of the group holds the same hidden states
     and the same loss. Embeddings, norms and the LM head stay whole on every TP rank (FSDP still shards them over
-    the data-parallel dimension). Returns the number of layers sharded."""
+    the data-parallel dimension). Returns the number of layers sharded.
+
+    Phi-3/Phi-4's plan is the gathered one: its fused qkv_proj and gate_up_proj hold q, k, v (gate, up)
+    one after another, which a column-wise split would cut across, so each keeps its 1/tp of the output rows and
+    all-gathers its output; attention and the MLP's product then run whole on every rank, and o_proj and down_proj
+    take their 1/tp of the input columns (a slice, no communication) and all-reduce their output. The weights are
+    split as for Llama; the activations are not."""
     from fnmatch import fnmatchcase
 
+    from torch.distributed.tensor import Replicate
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
-    styles = {"colwise": ColwiseParallel, "rowwise": RowwiseParallel}
+    styles = {"colwise": ColwiseParallel, "rowwise": RowwiseParallel,
+              "colwise_gather_output": lambda: ColwiseParallel(output_layouts=Replicate()),
+              "rowwise_split_input": lambda: RowwiseParallel(input_layouts=Replicate())}
     if problems := tensor_plan_problems(model.config, mesh.size()):  # refused before any process starts, too
         raise LLMTrainError(paragraph(problems))
     plan = model.config.base_model_tp_plan
