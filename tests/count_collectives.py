@@ -68,8 +68,13 @@ def _group_size(group) -> int:
 def _wrap_functional() -> None:
     import torch.distributed._functional_collectives as funcol
 
+    # DTensor's redistributions call the *_single forms on torch 2.13 (whose all_gather_tensor / reduce_scatter_tensor
+    # call them in turn), all_gather_tensor / reduce_scatter_tensor on torch 2.11, which has no *_single form
+    single = hasattr(funcol, "all_gather_single")
     for name, kind in [("all_reduce", "all_reduce"), ("all_gather_single", "all_gather"),
-                       ("reduce_scatter_single", "reduce_scatter")]:
+                       ("reduce_scatter_single", "reduce_scatter"),
+                       *([] if single else [("all_gather_tensor", "all_gather"),
+                                            ("reduce_scatter_tensor", "reduce_scatter")])]:
         original = getattr(funcol, name, None)
         if original is None:
             continue
