@@ -110,16 +110,26 @@ _FORMAT_HINT = {
 
 # --------------------------------------------------------------------------- the model families (a third axis)
 
+_EXPERTS_TP = ("its experts are 3-D parameters (every expert's gate_up_proj in one tensor, every down_proj in "
+               "another), which its plan splits expert by expert (packed_colwise, moe_tp_experts), which llmtrain "
+               "does not build. Shard it with FSDP instead (accelerate_configs/fsdp.yaml, or "
+               "parallelism_config_tp_size: 1)")
+
+
 @dataclass(frozen=True)
 class Family:
     key: str  # config.model_type
     name: str  # in the messages and docs/models.md
     refused: dict[str, str] = field(default_factory=dict)  # parallelism -> why, and what to use instead
+    # llmtrain models its decoder layer: the estimate (memory/params.py) and the fast sampler (model/fast_sample.py).
+    # False: it trains through transformers' own layer on the columns it does not refuse, with no estimate and
+    # online RL's reference sampler
+    layer: bool = True
 
 
-# The families llmtrain knows layer by layer: the estimate models their layers (memory/params.py), the fast sampler
-# runs them (model/fast_sample.py), tests/test_families.py trains each on every column it does not refuse. Another
-# model_type trains where transformers builds it, with the checks every model gets (model_problems) and no estimate.
+# The families of the capability table: tests/test_families.py trains each on every column it does not refuse (and
+# checks the estimate and the fast sampler of those whose layer llmtrain models). Another model_type trains where
+# transformers builds it, with the checks every model gets (model_problems) and no estimate.
 FAMILIES: dict[str, Family] = {f.key: f for f in (
     Family("llama", "Llama (2, 3, 3.1, 3.2)"),
     Family("mistral", "Mistral"),
@@ -127,6 +137,9 @@ FAMILIES: dict[str, Family] = {f.key: f for f in (
     Family("qwen3", "Qwen3"),
     Family("gemma3_text", "Gemma 3 (its text model)"),
     Family("phi3", "Phi-3 / Phi-4"),
+    # mixtures of experts: the router and the experts as transformers runs them
+    Family("qwen3_moe", "Qwen3-MoE", refused={"tp": _EXPERTS_TP}, layer=False),
+    Family("mixtral", "Mixtral", refused={"tp": _EXPERTS_TP}, layer=False),
 )}
 
 
@@ -498,12 +511,14 @@ def table_markdown() -> str:
 
 
 def families_markdown() -> str:
-    """The family x parallelism table (docs/models.md): 'trains' or 'refused' with the reason's first clause."""
+    """The family x parallelism table (docs/models.md): 'trains' or 'refused' with the reason's first clause, and
+    whether llmtrain models the family's layer (the estimate, the fast sampler)."""
     columns = [p for p in PARALLELISMS if p != "single"]
-    rows = ["| family (`model_type`) | " + " | ".join(NAMES[p] for p in columns) + " |",
-            "|" + " --- |" * (1 + len(columns))]
+    rows = ["| family (`model_type`) | " + " | ".join(NAMES[p] for p in columns) + " | estimate, fast sampler |",
+            "|" + " --- |" * (2 + len(columns))]
     for f in FAMILIES.values():
         cells = [("trains" if (why := f.refused.get(p)) is None else f"refused: {why.split('. ')[0]}")
                  for p in columns]
-        rows.append(f"| {f.name} (`{f.key}`) | " + " | ".join(cells) + " |")
+        layer = "its layer modelled" if f.layer else "transformers' layer: no estimate, the reference sampler"
+        rows.append(f"| {f.name} (`{f.key}`) | " + " | ".join(cells) + f" | {layer} |")
     return "\n".join(rows) + "\n"

@@ -10,9 +10,9 @@ and ids; Llama, Qwen3 and Gemma 3 tied, as Llama 3.2, Gemma 3 and Qwen3 below 8B
 - GRPO with the fast sampler (rl.sampler: static) draws, steps and trains exactly what the reference sampler does.
 - Liger's kernels patch each family's layer (where liger-kernel is installed: its kernels need CUDA to run).
 - Through `accelerate launch`: FSDP on 2 processes, sequence parallelism over 2 and a pipeline of 2 stages (the tied
-  ones' two copies summed) and tensor parallelism on 4 (Qwen2's biases, QK-norm's gradients summed over the group) each
-  equal one process, final/ included (a tied head saved once); Phi's fused projections under tensor parallelism are
-  refused in one paragraph by `llmtrain launch`.
+  ones' two copies summed) and tensor parallelism on 4 (Qwen2's biases, QK-norm's gradients summed over the group,
+  Phi's fused projections gathered) each equal one process, final/ included (a tied head saved once); a cell the
+  table refuses is refused in one paragraph by `llmtrain launch`.
 What each family's layer adds is checked piece by piece in test_fastpath (packed = alone, the chunked loss),
 test_memory_families (the estimate) and test_fast_sample (the sampler). docs/models.md."""
 
@@ -41,6 +41,13 @@ FAMILIES = {
                         layer_types=["sliding_attention", "full_attention"]),
     "phi3": dict(partial_rotary_factor=0.75),
 }
+# The mixtures of experts (the capability table's families whose layer llmtrain leaves to transformers): the tiny
+# model's attention, 4 experts of 64 columns a layer, 2 a token
+MOE = {
+    "qwen3_moe": dict(head_dim=32, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=64,
+                      decoder_sparse_step=1),
+    "mixtral": dict(num_local_experts=4, num_experts_per_tok=2, intermediate_size=64),
+}
 
 
 def family_model(tiny_assets, folder, family: str):
@@ -52,7 +59,7 @@ def family_model(tiny_assets, folder, family: str):
     tiny = json.loads((tiny_assets / "model" / "config.json").read_text())
     keep = ("vocab_size", "hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads",
             "num_hidden_layers", "max_position_embeddings", "bos_token_id", "eos_token_id", "pad_token_id")
-    config = AutoConfig.for_model(family, **{k: tiny[k] for k in keep}, **FAMILIES[family])
+    config = AutoConfig.for_model(family, **{**{k: tiny[k] for k in keep}, **{**FAMILIES, **MOE}[family]})
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(config)
     model.save_pretrained(folder)
@@ -60,7 +67,7 @@ def family_model(tiny_assets, folder, family: str):
     return folder
 
 
-@pytest.mark.parametrize("family", sorted(FAMILIES))
+@pytest.mark.parametrize("family", sorted(FAMILIES) + [pytest.param(f, marks=pytest.mark.extended) for f in MOE])
 def test_each_family_trains_on_packed_rows_and_its_final_model_loads_back(tiny_assets, tmp_path, family):
     from transformers import AutoModelForCausalLM
 
@@ -85,7 +92,7 @@ def test_each_family_trains_on_packed_rows_and_its_final_model_loads_back(tiny_a
 def models(tiny_assets, tmp_path_factory):
     """Each family's tiny model, made once for the module."""
     root = tmp_path_factory.mktemp("families")
-    return {f: family_model(tiny_assets, root / f, f) for f in FAMILIES}
+    return {f: family_model(tiny_assets, root / f, f) for f in {**FAMILIES, **MOE}}
 
 
 def _mode_recipe(tiny_assets, tmp_path, model, shipped: str, **sections) -> Path:
@@ -212,6 +219,7 @@ def test_liger_patches_each_familys_layer(models, family):
 CONFIGS = REPO / "accelerate_configs"
 # layout -> (launch config, processes, overrides of every recipe on it, the 1-process run's micro-batch size)
 LAUNCH = {
+    "ddp": ("cpu_ddp.yaml", 2, ["train.micro_batch_size=2"], 4),
     "fsdp": ("cpu_fsdp.yaml", 2, ["train.micro_batch_size=2"], 4),
     # 2 FSDP shards x 2 tensor-parallel: 2 data ranks, each 2 micro-batches a step (QK-norm's summed gradients
     # accumulate across them)
@@ -221,7 +229,7 @@ LAUNCH = {
     "pp": ("cpu_ddp.yaml", 2, ["parallel.pipeline_parallel=2", "train.micro_batch_size=1",
                                "train.micro_batch_tokens=64", "train.grad_accum_steps=2"], None),
 }
-CELLS = [(f, layout) for f in sorted(FAMILIES) for layout in LAUNCH]
+CELLS = [(f, layout) for f in sorted({**FAMILIES, **MOE}) for layout in LAUNCH]
 
 
 def _family_recipe(tiny_assets, tmp_path, model) -> Path:

@@ -20,7 +20,8 @@ from llmtrain.errors import LLMTrainError
 from llmtrain.hub import is_local_path
 
 # The decoder families the estimate models, each by its real layer (activations.py), and what a user calls them.
-FAMILIES = {key: family.name for key, family in capabilities.FAMILIES.items()}  # the capability table's rows
+# the capability table's families whose decoder layer llmtrain models
+FAMILIES = {key: family.name for key, family in capabilities.FAMILIES.items() if family.layer}
 SUPPORTED_TYPES = tuple(FAMILIES)
 
 _LLAMA_COMMON = {"hidden_act": "silu", "rms_norm_eps": 1e-5, "tie_word_embeddings": False, "bos_token_id": 1,

@@ -54,7 +54,8 @@ CHECK_EVERY = 16  # tokens between two looks at the end-of-turn flags (the only 
 SPAN = 256  # a decode step attends to the cache's slots up to the next multiple of this (one graph per span)
 COMPACT_AT = 0.5  # the decode batch drops its finished rows once no more than this share of its rows is still going
 # models whose forward is embed -> layers -> norm -> head
-LAYOUTS = tuple(FAMILIES)  # the capability table's families, each with the Llama layout's modules
+# the capability table's families whose layer llmtrain models, each with the Llama layout's modules
+LAYOUTS = tuple(key for key, family in FAMILIES.items() if family.layer)
 WINDOWED = ("mistral", "phi3")  # no layer_types: config.sliding_window applies to every layer
 
 
