@@ -199,6 +199,28 @@ def test_qlora_quantizes_every_linear_layer_of_the_family_and_learns(models, tin
     assert lines[-1]["loss"] < 0.9 * lines[0]["loss"], (lines[0]["loss"], lines[-1]["loss"])
 
 
+@pytest.mark.parametrize("quantize", [None, "nf4"])
+def test_lora_on_a_mixture_of_experts_says_what_a_4bit_base_leaves_whole(models, tiny_assets, tmp_path, quantize):
+    """bitsandbytes quantizes linear layers, and each layer's experts are two 3-D parameters, which stay bf16: the
+    start-up says how many weights and bytes (Qwen3-30B-A3B: 29 B of 30.5 B weights, 54 GiB), so "QLoRA" is not read
+    as a 4-bit base. peft's own patterns for the experts' fused gate_up_proj (warned as matching no module) are not
+    printed; LoRA on an unquantized base says nothing of it."""
+    recipe = write_recipe(tiny_assets, tmp_path, model={"name_or_path": str(models["qwen3_moe"]), "quantize": quantize,
+                                                        "dtype": "bfloat16", "attn_implementation": "auto"},
+                          lora={"r": 4, "dropout": 0.0}, train={"max_steps": 2}, checkpoint={"save_final": False})
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        run_train(recipe)
+    assert not [str(w.message) for w in caught if "_pattern keys" in str(w.message)]
+    log = " ".join((tmp_path / "run" / "train.log").read_text().split())
+    # 2 layers x 4 experts x (gate_up 128 x 128 + down 128 x 64) in bf16
+    said = ("warning (model.quantize=nf4): bitsandbytes quantizes linear layers, and this qwen3_moe model's experts "
+            "are 3-D parameters (every expert of a layer in one tensor), so they stay bfloat16: 196,608 of the base's")
+    assert (said in log) == (quantize is not None), log[:600]
+    if quantize:
+        assert f"{2 * 4 * (128 * 128 + 128 * 64) * 2 / 2**30:,.2f} GiB per process" in log
+
+
 @pytest.mark.parametrize("family", sorted(FAMILIES))
 def test_liger_patches_each_familys_layer(models, family):
     """liger-kernel's per-family patch (its kernels run on CUDA only; the patching itself runs anywhere): Gemma 3's

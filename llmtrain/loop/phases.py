@@ -42,6 +42,7 @@ from llmtrain.model.modeling import (
     load_model_config,
     load_tokenizer,
     pad_id,
+    unquantized_experts,
 )
 from llmtrain.model.score import attach_score
 from llmtrain.model.teacher import load_teacher, vocabulary_problem
@@ -317,6 +318,12 @@ def build_model(recipe: Recipe, accelerator, *, total_steps: int, say, pad: int 
     flops = flop_model(model)
     method = ("full" if recipe.lora is None else
               f"QLoRA: LoRA on a 4-bit {recipe.model.quantize} base" if recipe.model.quantize else "LoRA")
+    if (whole := unquantized_experts(model))[0]:
+        say(f"warning (model.quantize={recipe.model.quantize}): bitsandbytes quantizes linear layers, and this "
+            f"{model.config.model_type} model's experts are 3-D parameters (every expert of a layer in one tensor), "
+            f"so they stay {str(whole[2]).removeprefix('torch.')}: {whole[0]:,} of the base's "
+            f"{n_total - n_trainable:,} weights, {whole[1] / 2**30:,.2f} GiB per process. The base takes that "
+            "much more memory than a 4-bit one would; LoRA trains as asked")
     say(f"model: {n_total:,} parameters, {n_trainable:,} trainable ({method}); "
         f"attention: {describe_attention(recipe.model)}{'; liger kernels' if fused_ce else ''}"
         + memory_line(recipe.model, model.config, accelerator.device.type)

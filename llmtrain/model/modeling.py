@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 import math
+import warnings
 from contextlib import contextmanager
 
 import torch
@@ -398,8 +399,14 @@ def apply_lora(model, cfg: LoraConfig, *, task: str = "CAUSAL_LM"):
         task_type=task,
     )
     try:
-        # peft keeps the adapter weights in fp32 even on a bf16 base (autocast_adapter_dtype).
-        return peft.get_peft_model(model, config)
+        with warnings.catch_warnings():
+            # a mixture of experts: peft maps all-linear onto the experts' 3-D parameters itself and adds rank and
+            # alpha patterns for their fused gate_up_proj, which it then reports as matching no module (it adapts
+            # them as parameters); llmtrain sets no pattern
+            warnings.filterwarnings("ignore", r"The following (rank|alpha)_pattern keys did not match any targeted "
+                                    r"module and were ignored: \['[^,]*gate_up_proj'\]", RuntimeWarning)
+            # peft keeps the adapter weights in fp32 even on a bf16 base (autocast_adapter_dtype).
+            return peft.get_peft_model(model, config)
     except ValueError as e:
         linears = sorted({n.rsplit(".", 1)[-1] for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)})
         raise LLMTrainError(f"invalid LoRA settings (lora.target_modules / lora.modules_to_save): {e}. This "
@@ -412,6 +419,18 @@ def numel(p) -> int:
     """The parameter's number of weights: a 4-bit bitsandbytes weight (Params4bit) packs them, and knows its shape."""
     state = getattr(p, "quant_state", None)
     return math.prod(state.shape) if state is not None else p.numel()
+
+
+def unquantized_experts(model) -> tuple[int, int]:
+    """What a 4-bit base leaves whole of a mixture of experts: bitsandbytes quantizes linear layers, and transformers
+    holds each layer's experts as 3-D parameters (all experts' gate_up_proj in one, down_proj in another), which stay
+    in the dtype they were loaded in. Returns their weights, their bytes and that dtype; (0, 0, None) for a dense
+    model or an unquantized base."""
+    whole = [p for p in model.parameters() if p.ndim == 3 and not p.requires_grad
+             and getattr(p, "quant_state", None) is None]
+    if not whole or not any(getattr(p, "quant_state", None) is not None for p in model.parameters()):
+        return 0, 0, None
+    return sum(p.numel() for p in whole), sum(p.numel() * p.element_size() for p in whole), whole[0].dtype
 
 
 def count_parameters(model) -> tuple[int, int]:
