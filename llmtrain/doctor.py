@@ -279,7 +279,37 @@ def check_quantize(recipe: Recipe) -> list[Check]:
                      "here. Run on a GPU, or set model.quantize=null.")]
         where = f"CPU ({'AVX-512' if isa == 'avx512' else 'AVX2'})"
     return [(name, "pass", f"bitsandbytes {bitsandbytes.__version__} on {where}: {recipe.model.quantize}, double "
-             f"quantisation, stored as {recipe.model.dtype}")]
+             f"quantisation, stored as {recipe.model.dtype}")] + check_experts_quantized(recipe)
+
+
+def check_experts_quantized(recipe: Recipe) -> list[Check]:
+    """model.quantize on a mixture of experts: bitsandbytes quantizes linear layers, and transformers holds each
+    layer's experts as 3-D parameters, which stay in model.dtype (the run says the same at start-up, from the loaded
+    model). Counted on the meta device from the model's config; nothing where the config cannot be read."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from llmtrain.capabilities import experts
+    from llmtrain.memory.params import read_config
+
+    try:
+        raw = read_config(recipe.model.name_or_path)[0]
+        kwargs = {k: v for k, v in raw.items() if k not in ("model_type", "architectures", "transformers_version")}
+        config = AutoConfig.for_model(raw["model_type"], **kwargs)
+        if not experts(config):
+            return []
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(config)
+    except (LLMTrainError, KeyError, TypeError, ValueError):  # no config here, or none transformers builds
+        return []
+    whole = sum(p.numel() for p in model.parameters() if p.ndim == 3)
+    total = sum(p.numel() for p in model.parameters())
+    size = torch.finfo(getattr(torch, recipe.model.dtype)).bits // 8
+    return [("4-bit experts", "warn", f"model.quantize={recipe.model.quantize} quantizes linear layers, and "
+             f"{raw['model_type']}'s experts are 3-D parameters (every expert of a layer in one tensor), which "
+             f"bitsandbytes leaves in {recipe.model.dtype}: {whole:,} of its {total:,} weights, "
+             f"{_gib(whole * size)} on every process (at 4 bits a weight: {_gib(whole // 2)}). LoRA trains as "
+             "asked")]
 
 
 # --------------------------------------------------------------------------- all together

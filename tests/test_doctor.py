@@ -106,6 +106,30 @@ def test_a_model_the_estimate_cannot_shape_gets_one_memory_row(tiny_assets, tmp_
     assert "--gpu-memory" not in detail
 
 
+def test_a_4bit_mixture_of_experts_is_told_its_experts_stay_whole(tiny_assets, tmp_path):
+    """bitsandbytes quantizes linear layers; a mixture of experts' experts are 3-D parameters it leaves in model.dtype,
+    which doctor counts from the config (the run says the same from the loaded model). A dense model gets no row.
+    (Qwen/Qwen3-30B-A3B's config: 28,991,029,248 of 30,532,122,624 weights, 54.0 GiB in bf16.)"""
+    from llmtrain.doctor import check_experts_quantized
+
+    model = tmp_path / "moe"
+    model.mkdir()
+    (model / "config.json").write_text(json.dumps(
+        {"model_type": "qwen3_moe", "hidden_size": 256, "intermediate_size": 512, "moe_intermediate_size": 64,
+         "num_experts": 8, "num_experts_per_tok": 2, "num_hidden_layers": 2, "num_attention_heads": 4,
+         "num_key_value_heads": 2, "head_dim": 64, "vocab_size": 1000, "tie_word_embeddings": False}))
+    recipe = load_recipe(write_recipe(tiny_assets, tmp_path, lora={"r": 4, "dropout": 0.0}),
+                         [f"model.name_or_path={model}", "model.quantize=nf4", "model.dtype=bfloat16"])
+    (name, status, detail), = check_experts_quantized(recipe)
+    experts = 2 * 8 * 3 * 256 * 64  # layers x experts x (gate, up, down) x hidden x moe_intermediate
+    # + attention (q, o: 256 x 256; k, v: 128 x 256), router 8 x 256, norms, embeddings and head 1000 x 256 each
+    total = experts + 2 * (2 * 256 * 256 + 2 * 128 * 256 + 8 * 256 + 2 * 256 + 2 * 64) + 2 * 1000 * 256 + 256
+    assert (name, status) == ("4-bit experts", "warn")
+    assert f"leaves in bfloat16: {experts:,} of its {total:,} weights, {experts * 2 / 2**30:.1f} GiB" in detail, detail
+    dense = load_recipe(write_recipe(tiny_assets, tmp_path, lora={"r": 4}), ["model.quantize=nf4"])
+    assert check_experts_quantized(dense) == []
+
+
 def test_nothing_trained_fails(tiny_assets, tmp_path):
     # prompts of ~16 tokens cut at 8: no completion token is left in any example
     recipe = write_recipe(tiny_assets, tmp_path, data={"max_seq_len": 8})
