@@ -99,7 +99,7 @@ def test_what_tensor_parallelism_does_not_train_is_refused(monkeypatch, tmp_path
 
 def test_tensor_parallel_plan_needs_heads_and_columns_that_divide(tiny_assets):
     """apply_tensor_parallel refuses, before it shards anything, a TP size that does not divide the KV heads
-    (the tiny Llama has 4 query heads, 2 KV heads, an MLP of 512) or a model without a column/row-wise plan."""
+    (the tiny Llama has 4 query heads, 2 KV heads, an MLP of 512) or a plan with a style llmtrain does not build."""
     import types
 
     from llmtrain.config import ModelConfig
@@ -109,8 +109,8 @@ def test_tensor_parallel_plan_needs_heads_and_columns_that_divide(tiny_assets):
     model = load_model(ModelConfig(name_or_path=str(tiny_assets / "model"), dtype="float32"), None)
     with pytest.raises(LLMTrainError, match=r"num_key_value_heads \(2\) .* not a multiple of 4"):
         apply_tensor_parallel(model, types.SimpleNamespace(size=lambda: 4))
-    model.config.base_model_tp_plan = {"layers.*.self_attn.q_proj": "colwise_gather_output"}
-    with pytest.raises(LLMTrainError, match="colwise_gather_output"):
+    model.config.base_model_tp_plan = {"layers.*.mlp.experts.gate_up_proj": "packed_colwise"}  # Mixtral's experts
+    with pytest.raises(LLMTrainError, match="packed_colwise"):
         apply_tensor_parallel(model, types.SimpleNamespace(size=lambda: 2))
 
 

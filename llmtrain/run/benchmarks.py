@@ -255,17 +255,29 @@ def evaluate(target: Target, tasks: list[str], manager, *, num_fewshot: int | No
 
 def quiet() -> None:
     """The harness's and datasets' INFO lines and progress bars off: the command says what it does."""
-    import os
+    import importlib
 
-    os.environ.setdefault("TQDM_DISABLE", "1")  # the harness's request bars (tqdm reads it as a bar is made)
     import datasets
     import transformers
+    from tqdm import tqdm
 
     datasets.disable_progress_bars()
     transformers.utils.logging.disable_progress_bar()
     transformers.utils.logging.set_verbosity_error()
     for name in ("lm-eval", "lm_eval", "lm_eval.models.huggingface", "lm_eval.evaluator"):
         logging.getLogger(name).setLevel(logging.ERROR)
+
+    class Silent(tqdm):  # the harness's bars (building contexts, running requests) pass disable= themselves, so
+        def __init__(self, *args, **kwargs):  # neither TQDM_DISABLE nor a default reaches them
+            super().__init__(*args, **{**kwargs, "disable": True})
+
+    for name in ("lm_eval.api.task", "lm_eval.api.model", "lm_eval.models.huggingface"):
+        try:
+            module = importlib.import_module(name)
+        except ImportError:  # not installed: task_manager says how to install it
+            return
+        if getattr(module, "tqdm", None) is tqdm:
+            module.tqdm = Silent
 
 
 def table(results: dict) -> str:
