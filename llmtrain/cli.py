@@ -224,6 +224,9 @@ def generate(
         "model: where its tokenizer has one).")] = None,
     system: Annotated[Optional[str], typer.Option(help="A system message before each prompt (chat only).")] = None,
     out: Annotated[Optional[Path], typer.Option(help="Also write the replies as JSON lines to this new file.")] = None,
+    tools: Annotated[Optional[bool], typer.Option(
+        "--tools/--no-tools", help="Run the replies' tool calls as the run's rollouts did (default: where the run "
+        "sampled with rl.tools or rl.environment; --prompts rows' other fields reset its environment).")] = None,
 ) -> None:
     """Reply to prompts with a finished run's model (a LoRA adapter applied to its base) or any model, through the
     chat template as the run rendered its data, with llmtrain's own sampler: greedy unless a temperature is given."""
@@ -241,10 +244,14 @@ def generate(
     src = load_source(source)
     typer.echo(f"replies from {src.describe}", err=True)
     replies = generate_replies(src, texts, max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p,
-                               samples=samples, seed=seed, chat=chat, system_prompt=system)
+                               samples=samples, seed=seed, chat=chat, system_prompt=system, tools=tools)
     for r in replies:
         tag = f" (sample {r['sample']})" if samples > 1 else ""
-        typer.echo(f"prompt{tag}: {r['prompt']}\nreply: {r['reply']}" + ("" if r["stopped"] else " [cut at the limit]"))
+        prompt = r["prompt"] if isinstance(r["prompt"], str) else r["prompt"][-1]["content"]
+        typer.echo(f"prompt{tag}: {prompt}\nreply: {r['reply']}" + ("" if r["stopped"] else " [cut at the limit]"))
+        for call in r.get("calls", []):
+            typer.echo(f"  tool call: {call['name']}({json.dumps(call['arguments'])}) -> {call['result']}"
+                       + (" [failed]" if call["failed"] else ""))
     if out is not None:
         out.parent.mkdir(parents=True, exist_ok=True)
         out.write_text("".join(json.dumps(r) + "\n" for r in replies))

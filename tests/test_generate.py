@@ -144,7 +144,8 @@ def test_the_command_prints_the_replies_and_writes_them_once(runs, tmp_path):
                    "from one of its checkpoints"),
     ("reward", "a reward model's run"),
     ("no-prompt", "no prompt to reply to"),
-    ("bad-jsonl", "line 2 has no \"prompt\" string"),
+    ("bad-jsonl", "line 2 has no \"prompt\": each line of a .jsonl file is an object with a \"prompt\", a text or "
+                  "a chat's messages"),
 ])
 def test_bad_input_is_one_paragraph_and_writes_nothing(runs, tmp_path, case, says):
     import shutil

@@ -11,7 +11,7 @@ import json
 from pathlib import Path
 
 import pytest
-from helpers import launch_finetune, load_weights, losses, max_abs_diff, records, run_train, write_recipe
+from helpers import invoke, launch_finetune, load_weights, losses, max_abs_diff, records, run_train, write_recipe
 from test_grpo_run import CPU_DDP, killed_and_resumed, rollouts
 
 from llmtrain.tiny import code_of
@@ -79,6 +79,36 @@ def test_a_run_with_tools_runs_the_calls_and_trains_only_what_the_model_wrote(st
     printed = (run / "train.log").read_text()
     assert ("tools: CodeBook.lookup (an instance a completion), called as the template writes calls (<call> with "
             "'name' and 'arguments')") in printed
+
+
+def test_generate_runs_a_runs_tools_as_its_rollouts_did(straight, tiny_assets, tmp_path):
+    """`llmtrain generate` on a run that sampled with tools renders the prompts showing them, resets the run's
+    environment with each --prompts row's columns (its word) and runs each reply's calls: the word's code follows the
+    call, as in the rollouts, and the reply goes on after it. With --no-tools each reply is its first turn alone: the
+    same tokens up to where the tooled one's results begin (a completion depends only on its seed and prompt)."""
+    from transformers import AutoTokenizer
+
+    _, run = straight
+    tok = AutoTokenizer.from_pretrained(run / "final")
+    rows = tmp_path / "prompts.jsonl"
+    rows.write_text("".join((tiny_assets / "data" / "eval_tool_prompts.jsonl").read_text().splitlines(True)[:16]))
+    out, alone = tmp_path / "tools.jsonl", tmp_path / "alone.jsonl"
+    printed = invoke("generate", str(run), "--prompts", str(rows), "--samples", "4", "--out", str(out)).stdout
+    invoke("generate", str(run), "--prompts", str(rows), "--samples", "4", "--no-tools", "--out", str(alone))
+    tooled, plain = ([json.loads(x) for x in f.read_text().splitlines()] for f in (out, alone))
+    called = [r for r in tooled if r["calls"]]
+    # this run's model calls now and then (after 120 SFT steps and 4 GRPO steps): measured 2 of the first 32
+    assert len(tooled) == 64 and len(called) >= 2, len(called)
+    for r in called:
+        word = r["prompt"][-1]["content"].split("code of ")[1][:4]
+        assert [c["name"] for c in r["calls"]] == ["lookup"] * len(r["calls"])
+        assert all(c["result"] == code_of(word) for c in r["calls"])
+        assert f"<result>{code_of(word)}</result>" in tok.decode(r["tokens"])
+        assert [m["role"] for m in r["messages"][:2]] == ["assistant", "tool"]
+        assert f"tool call: lookup({{}}) -> {code_of(word)}" in printed
+    for t, p in zip(tooled, plain):
+        assert "calls" not in p and t["tokens"][:len(p["tokens"])] == p["tokens"]
+        assert (t["tokens"] == p["tokens"]) == (not t["calls"])
 
 
 @pytest.mark.extended  # main tier: the straight run above

@@ -299,7 +299,7 @@ class GRPO:
         `prompt_ids` is changed in place)."""
         if self.tools is None:
             return self._generate(prompt_ids, seeds, temperature=temperature, top_p=top_p), None
-        from llmtrain.objectives.tool_calls import sample_with_tools
+        from llmtrain.objectives.tool_calls import observed, sample_with_tools
 
         self._environments = self.tools.environments(len(prompt_ids))
         for i, (environment, row) in enumerate(zip(self._environments, rows)):
@@ -307,7 +307,7 @@ class GRPO:
                 observation = environment.reset(prompt=row["prompt"], **{
                     name: row[stored] for name, stored in self.reward_columns.items()})
                 if observation is not None:
-                    prompt_ids[i] = self.render(_observed(row["prompt"], str(observation)), row["row"])
+                    prompt_ids[i] = self.render(observed(row["prompt"], str(observation)), row["row"])
 
         def turn(prompts, turn_seeds, room):
             return self._generate(prompts, turn_seeds, temperature=temperature, top_p=top_p, max_new_tokens=room)
@@ -447,13 +447,6 @@ class GRPO:
         if first is not None and counts[first]:
             out["eval_answer_accuracy"] = per[first] / counts[first]  # the first answer_match's mean
         return out
-
-
-def _observed(prompt, observation: str):
-    """A prompt (text or messages) with an environment's observation added to its last message (TRL's)."""
-    if isinstance(prompt, str):
-        return prompt + observation
-    return [*prompt[:-1], {**prompt[-1], "content": prompt[-1]["content"] + observation}]
 
 
 def _number(value: torch.Tensor) -> float | None:

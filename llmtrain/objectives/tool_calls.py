@@ -171,6 +171,13 @@ def _text(value) -> str:
     return value if isinstance(value, str) else str(value)
 
 
+def observed(prompt, observation: str):
+    """A prompt (text or messages) with an environment's observation added to its last message (TRL's)."""
+    if isinstance(prompt, str):
+        return prompt + observation
+    return [*prompt[:-1], {**prompt[-1], "content": prompt[-1]["content"] + observation}]
+
+
 def round_seed(seed: int, round_: int) -> int:
     """The seed of a completion's round after its tools' results: a pure function of its own seed and the round."""
     from llmtrain.model.generate import completion_seed

@@ -32,6 +32,13 @@ class Source:
     template: str | None  # a chat template file's text (data.chat_template: a path), None for the tokenizer's own
     sampling: dict  # the run's temperature, top_p, max_new_tokens (those it sets)
     describe: str
+    recipe: object = None  # the run's recipe (None for a model folder or a hub id): its rl.tools / rl.environment
+
+    @property
+    def tools(self) -> bool:
+        """Whether the run sampled with tools (rl.tools or rl.environment): its replies run their calls too."""
+        rl = getattr(self.recipe, "rl", None)
+        return rl is not None and bool(rl.tools or rl.environment)
 
 
 def load_source(source: str, *, device=None) -> Source:
@@ -133,12 +140,13 @@ def _source(model, tokenizer, recipe, describe: str, read_template) -> Source:
     sampling = {} if rl is None else {"temperature": rl.temperature, "top_p": rl.top_p,
                                       "max_new_tokens": rl.max_completion_tokens}
     return Source(model.eval(), tokenizer, chat, data.system_prompt, read_template(data) if chat else None, sampling,
-                  describe)
+                  describe, recipe)
 
 
-def prompt_ids(source: Source, prompt: str, *, chat: bool | None = None, system_prompt: str | None = None) -> list[int]:
-    """A prompt's ids as the source renders prompts (chat: override the source's choice)."""
-    chat = source.chat if chat is None else chat
+def prompt_ids(source: Source, prompt, *, chat: bool | None = None, system_prompt: str | None = None) -> list[int]:
+    """A prompt's ids as the source renders prompts (chat: override the source's choice); a prompt is a text, or a
+    chat's messages (a .jsonl row's "prompt", as an RL run's data has them)."""
+    chat = source.chat if chat is None else chat or not isinstance(prompt, str)
     system = system_prompt if system_prompt is not None else source.system_prompt
     tok = source.tokenizer
     if not chat:
@@ -146,16 +154,23 @@ def prompt_ids(source: Source, prompt: str, *, chat: bool | None = None, system_
     if source.template is None and tok.chat_template is None:
         raise LLMTrainError("--chat renders each prompt through the chat template, and this tokenizer has none; "
                             "pass --no-chat to continue the text as it is")
-    messages = ([{"role": "system", "content": system}] if system is not None else []) + \
-        [{"role": "user", "content": prompt}]
+    given = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else list(prompt)
+    messages = ([{"role": "system", "content": system}] if system is not None and given[0]["role"] != "system"
+                else []) + given
     text = tok.apply_chat_template(messages, chat_template=source.template, tokenize=False, add_generation_prompt=True)
     return tok(text, add_special_tokens=False)["input_ids"]
 
 
-def generate_replies(source: Source, prompts: list[str], *, max_new_tokens: int | None = None,
+def generate_replies(source: Source, prompts: list, *, max_new_tokens: int | None = None,
                      temperature: float | None = None, top_p: float | None = None, samples: int = 1, seed: int = 0,
-                     chat: bool | None = None, system_prompt: str | None = None, batch: int = 16) -> list[dict]:
-    """Each prompt's `samples` replies: [{"prompt", "sample", "reply", "tokens", "stopped"}] in prompt order."""
+                     chat: bool | None = None, system_prompt: str | None = None, batch: int = 16,
+                     tools: bool | None = None) -> list[dict]:
+    """Each prompt's `samples` replies: [{"prompt", "sample", "reply", "tokens", "stopped"}] in prompt order. A prompt
+    is a text, or a row {"prompt": a text or a chat's messages, other columns}. A run that sampled with rl.tools or
+    rl.environment renders prompts as its own were, showing the tools; with tools (its default) each reply's calls run
+    as its rollouts ran them (tool_calls.sample_with_tools; an environment reset with the row's
+    columns, as GRPO resets it): the reply is everything after the prompt, the tools' results included, and its row
+    adds "calls" and "messages"."""
     import torch
 
     from llmtrain.data.chat import end_of_turn
@@ -167,30 +182,88 @@ def generate_replies(source: Source, prompts: list[str], *, max_new_tokens: int 
     settings = {"temperature": 0.0, "top_p": 1.0, "max_new_tokens": GREEDY_TOKENS, **source.sampling}
     for key, value in (("temperature", temperature), ("top_p", top_p), ("max_new_tokens", max_new_tokens)):
         settings[key] = value if value is not None else settings[key]
+    rows_in = [p if isinstance(p, dict) else {"prompt": p} for p in prompts]
+    tooled = source.tools if tools is None else tools
+    if tooled and not source.tools:
+        raise LLMTrainError(f"--tools runs the tools a run sampled with (its rl.tools or rl.environment), and "
+                            f"{source.describe} has none; leave --tools out")
     rendered_chat = source.chat if chat is None else chat
     lm = causal_lm(source.model)
-    turn = end_of_turn(source.tokenizer, source.template) if rendered_chat else None
+    turn = end_of_turn(source.tokenizer, source.template) if rendered_chat or tooled else None
     stops = set(stop_tokens(lm, source.tokenizer, turn))
-    ids = [prompt_ids(source, p, chat=chat, system_prompt=system_prompt) for p in prompts]
+    render = _run_rendering(source) if source.tools else None  # the tools shown, as the run's prompts (--no-tools too)
+    ids = [render(r["prompt"], n) if render else prompt_ids(source, r["prompt"], chat=chat, system_prompt=system_prompt)
+           for n, r in enumerate(rows_in)]
+    calls = _run_tools(source, stops) if tooled else None
     rows = [(p, i) for p in range(len(prompts)) for i in range(samples)]
     sample = sampler_for(source.model, "graph")  # the fast sampler (CUDA graphs on CUDA), or the reference loop
     out = []
+
+    def draw(prompts_ids, seeds, room):
+        return sample(source.model, prompts_ids, seeds=seeds, max_new_tokens=room, temperature=settings["temperature"],
+                      top_p=settings["top_p"], stop_ids=stops, pad_id=pad_id(source.tokenizer))
+
     with torch.no_grad():
         for start in range(0, len(rows), batch):
             part = rows[start:start + batch]
-            drawn = sample(source.model, [ids[p] for p, _ in part],
-                           seeds=[completion_seed(seed, 0, p, i) for p, i in part],
-                           max_new_tokens=settings["max_new_tokens"], temperature=settings["temperature"],
-                           top_p=settings["top_p"], stop_ids=stops, pad_id=pad_id(source.tokenizer))
-            for (p, i), tokens in zip(part, drawn):
-                out.append({"prompt": prompts[p], "sample": i,
-                            "reply": source.tokenizer.decode(tokens, skip_special_tokens=True),
-                            "tokens": tokens, "stopped": bool(tokens) and tokens[-1] in stops})
+            seeds = [completion_seed(seed, 0, p, i) for p, i in part]
+            firsts = [ids[p] for p, _ in part]
+            rolled = [None] * len(part)
+            if calls is None:
+                drawn = draw(firsts, seeds, settings["max_new_tokens"])
+            else:
+                from llmtrain.objectives.tool_calls import observed, sample_with_tools
+
+                environments = calls.environments(len(part))
+                for k, ((p, _), environment) in enumerate(zip(part, environments)):
+                    if environment is not None:  # as GRPO resets it: the prompt and the row's other columns
+                        row = rows_in[p]
+                        observation = environment.reset(**_accepted(environment.reset, row))
+                        if observation is not None:
+                            firsts[k] = render(observed(row["prompt"], str(observation)), p)
+                rolled = sample_with_tools(draw, firsts, seeds, tools=calls, max_new_tokens=settings["max_new_tokens"],
+                                           max_rounds=source.recipe.rl.max_tool_calls, environments=environments)
+                drawn = [r.ids for r in rolled]
+            for (p, i), tokens, roll in zip(part, drawn, rolled):
+                reply = {"prompt": rows_in[p]["prompt"], "sample": i,
+                         "reply": source.tokenizer.decode(tokens, skip_special_tokens=True),
+                         "tokens": tokens, "stopped": bool(tokens) and tokens[-1] in stops}
+                if roll is not None:
+                    reply.update(calls=roll.calls, messages=roll.messages)
+                out.append(reply)
     return out
 
 
-def read_prompts(path: Path) -> list[str]:
-    """Prompts from a file: JSON lines with a "prompt" (a .jsonl file), else one prompt a line."""
+def _accepted(fn, row: dict) -> dict:
+    """The row's fields `fn` takes by name (all of them where it takes **kwargs)."""
+    import inspect
+
+    params = inspect.signature(fn).parameters.values()
+    if any(p.kind is p.VAR_KEYWORD for p in params):
+        return row
+    return {k: v for k, v in row.items() if k in {p.name for p in params}}
+
+
+def _run_rendering(source: Source):
+    """render(prompt, row) -> ids: a prompt as the run's data preparation rendered its RL prompts (the chat template,
+    the system prompt, the tools' schemas)."""
+    from llmtrain.objectives.objective import prompt_renderer
+
+    return prompt_renderer(source.recipe, source.tokenizer)
+
+
+def _run_tools(source: Source, stops: set[int]):
+    """The run's tools (rl.tools and rl.environment's methods), built as its rollouts built them."""
+    from llmtrain.objectives.tool_calls import Tools
+
+    rl = source.recipe.rl
+    return Tools(rl.tools, tokenizer=source.tokenizer, template=source.template, timeout_s=rl.tool_timeout_s,
+                 stop_ids=stops, environment=rl.environment)
+
+
+def read_prompts(path: Path) -> list:
+    """Prompts from a file: one a line, or (a .jsonl file) rows with a "prompt" (a text or a chat's messages) and
+    any other columns (a run's rl.environment is reset with them)."""
     import json
 
     if not path.is_file():
@@ -206,8 +279,11 @@ def read_prompts(path: Path) -> list[str]:
         except json.JSONDecodeError as e:
             raise LLMTrainError(f"--prompts '{path}' line {n} is not JSON ({e.msg}); each line of a .jsonl file is "
                                 "an object with a \"prompt\"") from None
-        if not isinstance(row, dict) or not isinstance(row.get("prompt"), str):
-            raise LLMTrainError(f"--prompts '{path}' line {n} has no \"prompt\" string; each line of a .jsonl file is "
-                                "an object with a \"prompt\" (other fields are kept out)")
-        prompts.append(row["prompt"])
+        prompt = row.get("prompt") if isinstance(row, dict) else None
+        if not (isinstance(prompt, str) or isinstance(prompt, list) and prompt and all(
+                isinstance(m, dict) and isinstance(m.get("role"), str) and "content" in m for m in prompt)):
+            raise LLMTrainError(f"--prompts '{path}' line {n} has no \"prompt\": each line of a .jsonl file is an "
+                                "object with a \"prompt\", a text or a chat's messages ([{\"role\": \"user\", "
+                                "\"content\": ...}]); its other fields are the row's columns")
+        prompts.append(row if len(row) > 1 or isinstance(prompt, list) else prompt)
     return prompts
