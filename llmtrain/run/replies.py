@@ -146,7 +146,7 @@ def _source(model, tokenizer, recipe, describe: str, read_template) -> Source:
 def prompt_ids(source: Source, prompt, *, chat: bool | None = None, system_prompt: str | None = None) -> list[int]:
     """A prompt's ids as the source renders prompts (chat: override the source's choice); a prompt is a text, or a
     chat's messages (a .jsonl row's "prompt", as an RL run's data has them)."""
-    chat = source.chat if chat is None else chat or not isinstance(prompt, str)
+    chat = (source.chat if chat is None else chat) or not isinstance(prompt, str)  # messages are a chat
     system = system_prompt if system_prompt is not None else source.system_prompt
     tok = source.tokenizer
     if not chat:
@@ -168,9 +168,9 @@ def generate_replies(source: Source, prompts: list, *, max_new_tokens: int | Non
     """Each prompt's `samples` replies: [{"prompt", "sample", "reply", "tokens", "stopped"}] in prompt order. A prompt
     is a text, or a row {"prompt": a text or a chat's messages, other columns}. A run that sampled with rl.tools or
     rl.environment renders prompts as its own were, showing the tools; with tools (its default) each reply's calls run
-    as its rollouts ran them (tool_calls.sample_with_tools; an environment reset with the row's
-    columns, as GRPO resets it): the reply is everything after the prompt, the tools' results included, and its row
-    adds "calls" and "messages"."""
+    as its rollouts ran them (tool_calls.sample_with_tools; an environment reset with the row's columns, as GRPO
+    resets it): the reply is everything after the prompt, the tools' results included, and its row adds "calls" and
+    "messages"."""
     import torch
 
     from llmtrain.data.chat import end_of_turn
