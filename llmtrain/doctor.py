@@ -287,20 +287,17 @@ def check_experts_quantized(recipe: Recipe) -> list[Check]:
     layer's experts as 3-D parameters, which stay in model.dtype (the run says the same at start-up, from the loaded
     model). Counted on the meta device from the model's config; nothing where the config cannot be read."""
     import torch
-    from transformers import AutoConfig, AutoModelForCausalLM
 
     from llmtrain.capabilities import experts
-    from llmtrain.memory.params import read_config
+    from llmtrain.memory.params import hf_config, meta_model, read_config
 
     try:
-        raw = read_config(recipe.model.name_or_path)[0]
-        kwargs = {k: v for k, v in raw.items() if k not in ("model_type", "architectures", "transformers_version")}
-        config = AutoConfig.for_model(raw["model_type"], **kwargs)
+        raw, source = read_config(recipe.model.name_or_path)
+        config = hf_config(raw.get("model_type"), raw, source)
         if not experts(config):
             return []
-        with torch.device("meta"):
-            model = AutoModelForCausalLM.from_config(config)
-    except (LLMTrainError, KeyError, TypeError, ValueError):  # no config here, or none transformers builds
+        model = meta_model(config, source)
+    except LLMTrainError:  # no config here, or none transformers builds
         return []
     whole = sum(p.numel() for p in model.parameters() if p.ndim == 3)
     total = sum(p.numel() for p in model.parameters())

@@ -12,6 +12,7 @@ from __future__ import annotations
 import functools
 import json
 import re
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -301,12 +302,46 @@ def read_config(name_or_path: str) -> tuple[dict, str]:
         raise LLMTrainError(f"could not read a model config for '{name_or_path}' ({first}). {hint}") from None
 
 
+def hf_config(model_type: str, cfg_dict: dict, source: str):
+    """transformers' config of model_type from a config.json's fields; one it cannot build is refused naming
+    `source`."""
+    from transformers import AutoConfig
+
+    kwargs = {k: v for k, v in cfg_dict.items() if k not in ("model_type", "architectures", "transformers_version")}
+    with _transformers_quiet():
+        try:
+            return AutoConfig.for_model(model_type, **kwargs)
+        except (TypeError, ValueError) as e:
+            raise LLMTrainError(f"the config from {source} does not build a model: {e}") from None
+
+
+def meta_model(config, source: str):
+    """The causal LM `config` describes, built on the meta device (no memory, no weights)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    with _transformers_quiet(), torch.device("meta"):
+        try:
+            return AutoModelForCausalLM.from_config(config)
+        except (TypeError, ValueError) as e:
+            raise LLMTrainError(f"the config from {source} does not build a model: {e}") from None
+
+
+@contextmanager
+def _transformers_quiet():
+    from transformers.utils import logging as hf_logging
+
+    verbosity = hf_logging.get_verbosity()
+    hf_logging.set_verbosity_error()
+    try:
+        yield
+    finally:
+        hf_logging.set_verbosity(verbosity)
+
+
 @functools.lru_cache(maxsize=32)
 def _shape_from_json(config_json: str, source: str) -> ModelShape:
-    import torch
     from torch import nn
-    from transformers import AutoConfig, AutoModelForCausalLM
-    from transformers.utils import logging as hf_logging
 
     cfg_dict = json.loads(config_json)
     model_type = cfg_dict.get("model_type")
@@ -316,17 +351,8 @@ def _shape_from_json(config_json: str, source: str) -> ModelShape:
         raise LLMTrainError(f"estimate-memory models the decoder layers of {', '.join(FAMILIES.values())}; {source} "
                             f"has model_type {model_type!r}, whose layer it does not know, so it makes no estimate "
                             "(training it may still work: `llmtrain doctor` and a short run say).")
-    kwargs = {k: v for k, v in cfg_dict.items() if k not in ("model_type", "architectures", "transformers_version")}
-    verbosity = hf_logging.get_verbosity()
-    hf_logging.set_verbosity_error()
-    try:
-        config = AutoConfig.for_model(model_type, **kwargs)
-        with torch.device("meta"):
-            model = AutoModelForCausalLM.from_config(config)
-    except (TypeError, ValueError) as e:
-        raise LLMTrainError(f"the config from {source} does not build a model: {e}") from None
-    finally:
-        hf_logging.set_verbosity(verbosity)
+    config = hf_config(model_type, cfg_dict, source)
+    model = meta_model(config, source)
     layers = model.model.layers
     layer0 = layers[0]
     linears = tuple(Linear(n, m.in_features, m.out_features, m.bias is not None)

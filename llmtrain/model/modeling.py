@@ -421,7 +421,7 @@ def numel(p) -> int:
     return math.prod(state.shape) if state is not None else p.numel()
 
 
-def unquantized_experts(model) -> tuple[int, int]:
+def unquantized_experts(model) -> tuple[int, int, torch.dtype | None]:
     """What a 4-bit base leaves whole of a mixture of experts: bitsandbytes quantizes linear layers, and transformers
     holds each layer's experts as 3-D parameters (all experts' gate_up_proj in one, down_proj in another), which stay
     in the dtype they were loaded in. Returns their weights, their bytes and that dtype; (0, 0, None) for a dense

@@ -154,8 +154,8 @@ class GRPO:
         if rl.tools or rl.environment:
             from llmtrain.objectives.tool_calls import Tools
 
-            self.tools = Tools(rl.tools, tokenizer=tokenizer, template=template, timeout_s=rl.tool_timeout_s,
-                               runner=self.runner, stop_ids=self.stop_ids, environment=rl.environment)
+            self.tools = Tools.of_run(rl, tokenizer=tokenizer, template=template, stop_ids=self.stop_ids,
+                                      runner=self.runner)
             if callable(getattr(self.tools.environment, "get_reward", None)):  # TRL's: a reward named after it
                 rewards = self.rewards = [*rewards, (self.tools.environment.__name__, self._environment_reward(), 1.0)]
         answer_columns = [self.reward_columns.get(c.column, c.column) for c in rl.rewards if c.type == "answer_match"]

@@ -75,6 +75,12 @@ class Tools:
         self.stop_ids = set(stop_ids)
         self.runner = runner
 
+    @classmethod
+    def of_run(cls, rl, *, tokenizer, template: str | None, stop_ids, runner=None) -> Tools:
+        """A run's tools: rl.tools and rl.environment's methods, under its rl.tool_timeout_s."""
+        return cls(rl.tools, tokenizer=tokenizer, template=template, timeout_s=rl.tool_timeout_s, runner=runner,
+                   stop_ids=stop_ids, environment=rl.environment)
+
     def names(self, per_instance: str = "") -> list[str]:
         """The tools' names as the model calls them, an environment's as Class.method (+ `per_instance`)."""
         return [*self.functions, *(f"{self.environment.__name__}.{m}{per_instance}" for m in self.methods)]

@@ -178,6 +178,8 @@ def generate_replies(source: Source, prompts: list, *, max_new_tokens: int | Non
     from llmtrain.model.generate import completion_seed, stop_tokens
     from llmtrain.model.loss import causal_lm
     from llmtrain.model.modeling import pad_id
+    from llmtrain.objectives.objective import prompt_renderer
+    from llmtrain.objectives.tool_calls import Tools, observed, sample_with_tools
 
     settings = {"temperature": 0.0, "top_p": 1.0, "max_new_tokens": GREEDY_TOKENS, **source.sampling}
     for key, value in (("temperature", temperature), ("top_p", top_p), ("max_new_tokens", max_new_tokens)):
@@ -191,10 +193,12 @@ def generate_replies(source: Source, prompts: list, *, max_new_tokens: int | Non
     lm = causal_lm(source.model)
     turn = end_of_turn(source.tokenizer, source.template) if rendered_chat or tooled else None
     stops = set(stop_tokens(lm, source.tokenizer, turn))
-    render = _run_rendering(source) if source.tools else None  # the tools shown, as the run's prompts (--no-tools too)
+    # a tool run's prompts show the tools, as its own did (--no-tools too)
+    render = prompt_renderer(source.recipe, source.tokenizer) if source.tools else None
     ids = [render(r["prompt"], n) if render else prompt_ids(source, r["prompt"], chat=chat, system_prompt=system_prompt)
            for n, r in enumerate(rows_in)]
-    calls = _run_tools(source, stops) if tooled else None
+    calls = Tools.of_run(source.recipe.rl, tokenizer=source.tokenizer, template=source.template,
+                         stop_ids=stops) if tooled else None
     rows = [(p, i) for p in range(len(prompts)) for i in range(samples)]
     sample = sampler_for(source.model, "graph")  # the fast sampler (CUDA graphs on CUDA), or the reference loop
     out = []
@@ -212,8 +216,6 @@ def generate_replies(source: Source, prompts: list, *, max_new_tokens: int | Non
             if calls is None:
                 drawn = draw(firsts, seeds, settings["max_new_tokens"])
             else:
-                from llmtrain.objectives.tool_calls import observed, sample_with_tools
-
                 environments = calls.environments(len(part))
                 for k, ((p, _), environment) in enumerate(zip(part, environments)):
                     if environment is not None:  # as GRPO resets it: the prompt and the row's other columns
@@ -242,23 +244,6 @@ def _accepted(fn, row: dict) -> dict:
     if any(p.kind is p.VAR_KEYWORD for p in params):
         return row
     return {k: v for k, v in row.items() if k in {p.name for p in params}}
-
-
-def _run_rendering(source: Source):
-    """render(prompt, row) -> ids: a prompt as the run's data preparation rendered its RL prompts (the chat template,
-    the system prompt, the tools' schemas)."""
-    from llmtrain.objectives.objective import prompt_renderer
-
-    return prompt_renderer(source.recipe, source.tokenizer)
-
-
-def _run_tools(source: Source, stops: set[int]):
-    """The run's tools (rl.tools and rl.environment's methods), built as its rollouts built them."""
-    from llmtrain.objectives.tool_calls import Tools
-
-    rl = source.recipe.rl
-    return Tools(rl.tools, tokenizer=source.tokenizer, template=source.template, timeout_s=rl.tool_timeout_s,
-                 stop_ids=stops, environment=rl.environment)
 
 
 def read_prompts(path: Path) -> list:
