@@ -121,10 +121,11 @@ class Family:
     key: str  # config.model_type
     name: str  # in the messages and docs/models.md
     refused: dict[str, str] = field(default_factory=dict)  # parallelism -> why, and what to use instead
-    # llmtrain models its decoder layer: the estimate (memory/params.py) and the fast sampler (model/fast_sample.py).
-    # False: it trains through transformers' own layer on the columns it does not refuse, with no estimate and
-    # online RL's reference sampler
-    layer: bool = True
+    # It trains through transformers' own layer on every column it does not refuse; llmtrain also models its layer:
+    # estimate-memory's bytes (memory/params.py, memory/activations.py) and online RL's fast sampler
+    # (model/fast_sample.py, its own decoder layer). Where a flag is False: no estimate, or the reference sampler.
+    estimate: bool = True
+    fast_sampler: bool = True
 
 
 # The families of the capability table: tests/test_families.py trains each on every column it does not refuse (and
@@ -137,9 +138,10 @@ FAMILIES: dict[str, Family] = {f.key: f for f in (
     Family("qwen3", "Qwen3"),
     Family("gemma3_text", "Gemma 3 (its text model)"),
     Family("phi3", "Phi-3 / Phi-4"),
-    # mixtures of experts: the router and the experts as transformers runs them
-    Family("qwen3_moe", "Qwen3-MoE", refused={"tp": _EXPERTS_TP}, layer=False),
-    Family("mixtral", "Mixtral", refused={"tp": _EXPERTS_TP}, layer=False),
+    # mixtures of experts: the router and the experts as transformers runs them (grouped_mm), sampled by the reference
+    # sampler
+    Family("qwen3_moe", "Qwen3-MoE", refused={"tp": _EXPERTS_TP}, fast_sampler=False),
+    Family("mixtral", "Mixtral", refused={"tp": _EXPERTS_TP}, fast_sampler=False),
 )}
 
 
@@ -514,11 +516,11 @@ def families_markdown() -> str:
     """The family x parallelism table (docs/models.md): 'trains' or 'refused' with the reason's first clause, and
     whether llmtrain models the family's layer (the estimate, the fast sampler)."""
     columns = [p for p in PARALLELISMS if p != "single"]
-    rows = ["| family (`model_type`) | " + " | ".join(NAMES[p] for p in columns) + " | estimate, fast sampler |",
-            "|" + " --- |" * (2 + len(columns))]
+    rows = ["| family (`model_type`) | " + " | ".join(NAMES[p] for p in columns) + " | estimate | fast sampler |",
+            "|" + " --- |" * (3 + len(columns))]
     for f in FAMILIES.values():
         cells = [("trains" if (why := f.refused.get(p)) is None else f"refused: {why.split('. ')[0]}")
                  for p in columns]
-        layer = "its layer modelled" if f.layer else "transformers' layer: no estimate, the reference sampler"
-        rows.append(f"| {f.name} (`{f.key}`) | " + " | ".join(cells) + f" | {layer} |")
+        models = ("yes" if f.estimate else "no", "yes" if f.fast_sampler else "no: the reference sampler")
+        rows.append(f"| {f.name} (`{f.key}`) | " + " | ".join(cells) + f" | {models[0]} | {models[1]} |")
     return "\n".join(rows) + "\n"

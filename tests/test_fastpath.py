@@ -240,6 +240,29 @@ def test_flop_model_by_hand():
         fm.step(tokens=10, trained=4, squares=50) + forward.step(tokens=10, trained=4, squares=50))
 
 
+def test_a_mixture_of_experts_counts_the_experts_a_token_goes_through():
+    """Qwen3-MoE's model FLOPs: the router's weight for every token, and of its 8 experts the 2 a token is routed to,
+    not all 8 (which would count 4x the experts' work; Qwen3-30B-A3B's 128 experts, 8 a token, 16x). The estimate's
+    step FLOPs count the same weights (params.ModelShape.active_params_per_layer)."""
+    import json
+
+    from transformers import AutoModelForCausalLM, Qwen3MoeConfig
+
+    from llmtrain.memory.params import _shape_from_json
+    from llmtrain.run.metrics import flop_model
+
+    cfg = dict(hidden_size=64, intermediate_size=128, moe_intermediate_size=32, num_experts=8, num_experts_per_tok=2,
+               num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16, vocab_size=97)
+    model = AutoModelForCausalLM.from_config(Qwen3MoeConfig(**cfg))
+    h, kv, layers = 64, 2 * 16, 2
+    attention = h * h + 2 * h * kv + h * h
+    routed = 2 * 3 * h * 32  # 2 experts' gate, up and down projections
+    assert flop_model(model).body_per_token == 6 * layers * (attention + 8 * h + routed)
+    shape = _shape_from_json(json.dumps({**cfg, "model_type": "qwen3_moe"}), "tiny")
+    assert shape.active_params_per_layer == attention + 8 * h + routed
+    assert shape.params_per_layer > attention + 8 * h + 4 * routed  # all 8 experts are held
+
+
 def test_lora_wraps_the_projections_inside_liger_kernels(monkeypatch):
     """model.kernels=liger patches the model before peft: LoRA must still adapt every projection, now inside
     liger's SwiGLU MLP, and the norms and RoPE must be liger's. (Structure only: the kernels need CUDA.)"""

@@ -103,6 +103,38 @@ def test_presets_give_the_published_counts():
     assert lora_plan(shape, r=16).trainable(shape) == 32 * 1_310_720 == 41_943_040
 
 
+def test_mixtures_of_experts_count_their_experts_and_the_adapters_peft_gives_them():
+    """Qwen3-30B-A3B and Mixtral 8x7B: the published totals; 3 of 128 experts' 768 columns x 2048 (and 2 of 8 x 14336 x
+    4096) a token, the router beside them; peft's LoRA at r=16 on all-linear: attention's adapters, the router's
+    (16 x (2048 + 128)) and every expert's, gate_up_proj at twice the rank (2 x 16 x (2048 + 1536) each) and
+    down_proj (16 x (768 + 2048) each)."""
+    qwen, mixtral = load_model_shape("Qwen/Qwen3-30B-A3B"), load_model_shape("mixtral-8x7b")
+    assert qwen.params_total == 30_532_122_624 and mixtral.params_total == 46_702_792_704
+    assert (qwen.experts.count, qwen.experts.top_k, qwen.experts.intermediate) == (128, 8, 768)
+    attention = 2048 * 4096 + 2 * 2048 * 512 + 4096 * 2048
+    assert qwen.active_params_per_layer == attention + 128 * 2048 + 8 * 3 * 768 * 2048
+    plan = lora_plan(qwen, r=16)
+    assert plan.moe_params == {"mlp.gate": 16 * (2048 + 128), "mlp.experts.gate_up_proj": 128 * 32 * (2048 + 1536),
+                               "mlp.experts.down_proj": 128 * 16 * (768 + 2048)}
+    attention_adapters = 16 * ((2048 + 4096) * 2 + (2048 + 512) * 2)
+    assert plan.trainable(qwen) == 48 * (attention_adapters + sum(plan.moe_params.values())) == 996_507_648
+    assert lora_plan(qwen, r=16, targets=("q_proj", "k_proj", "v_proj", "o_proj")).moe_params == {}
+
+
+def test_a_mixture_of_experts_estimate_refuses_what_its_training_refuses():
+    """LoRA dropout (peft adapts the experts as parameters, which take none) and the tiled MLP are refused by the
+    estimate as by the recipe, naming the fix; without dropout, LoRA on Qwen3-30B-A3B is estimated and says what the
+    merged experts cost."""
+    shape = load_model_shape("qwen3-30b-a3b")
+    with pytest.raises(LLMTrainError, match=r"lora.dropout \(--lora-dropout\) is 0.05: set it to 0"):
+        estimate(shape, TrainSpec(method="lora", lora_dropout=0.05))
+    with pytest.raises(LLMTrainError, match="model.tiled_mlp tiles a dense MLP"):
+        estimate(shape, TrainSpec(tiled_mlp=True, gradient_checkpointing=True))
+    est = estimate(shape, TrainSpec(method="lora", lora_dropout=0.0, dtype="bfloat16", seq_len=512))
+    note = next(n for n in est.notes if n.startswith("a mixture of 128 experts"))
+    assert "1.12 GiB a layer that backward keeps: all 48 layers'" in " ".join(note.split())
+
+
 # --------------------------------------------------------------------------- formulas, by hand
 
 

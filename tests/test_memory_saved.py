@@ -205,3 +205,66 @@ def test_adapters_without_dropout_share_their_input_only_in_the_compute_dtype(at
     inputs = (2 * H + I) if in_cd else (5 * H + shape.heads * shape.head_dim + I)
     assert layer == act.layer_bytes(replace(p, adapters_in_cd=False, lora_dropout=0.0), shape, {}, R) + T * (
         inputs + 7 * R) * 2
+
+
+# A mixture of experts (memory/activations.py: router_bytes, experts_bytes): the tiny shape's attention, 8 experts of
+# 48 columns, 2 a token. LoRA: peft's all-linear adapts the router and both expert parameters (merged for the
+# forward: the whole parameter saved again); q_proj + down_proj adapts one of them (Qwen3-MoE's names; Mixtral's
+# down_proj is w2, so there it adapts q_proj alone); q_proj + v_proj none (the experts save no input).
+MOE = {"qwen3_moe": dict(moe_intermediate_size=48, num_experts=8, num_experts_per_tok=2, head_dim=16,
+                         norm_topk_prob=True),
+       "mixtral": dict(intermediate_size=48, num_local_experts=8, num_experts_per_tok=2)}
+MOE_CASES = [  # storage dtype, mixed precision, lora.target_modules (None: full fine-tune)
+    ("float32", "no", None), ("float32", "bf16", None), ("bfloat16", "no", None),
+    ("bfloat16", "bf16", "all-linear"), ("float32", "bf16", "all-linear"), ("bfloat16", "bf16", ("q_proj", "v_proj")),
+    ("bfloat16", "bf16", ("q_proj", "down_proj")),
+]
+
+
+def build_moe(family: str, layers: int, dtype: torch.dtype, targets):
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from llmtrain.model.loss import attach_loss
+
+    torch.manual_seed(0)
+    tiny = {k: v for k, v in TINY.items() if k != "model_type"}
+    cfg = AutoConfig.for_model(family, **{**tiny, **MOE[family]}, num_hidden_layers=layers)
+    model = AutoModelForCausalLM.from_config(cfg, dtype=dtype, attn_implementation="sdpa")
+    if targets is not None:
+        import peft
+
+        model = peft.get_peft_model(model, peft.LoraConfig(r=R, lora_alpha=8, lora_dropout=0.0, task_type="CAUSAL_LM",
+                                                           target_modules=targets))
+    attach_loss(model, chunk=7)
+    return model
+
+
+@pytest.mark.parametrize("family", sorted(MOE))
+@pytest.mark.parametrize(("dtype", "mp", "targets"), MOE_CASES)
+def test_a_mixture_of_experts_layer_saves_what_the_estimate_says(family, dtype, mp, targets):
+    """One decoder layer of Qwen3-MoE and of Mixtral, to the byte: attention as any family's, then the router and the
+    grouped_mm experts (in their weights' dtype, whatever the autocast), and under LoRA peft's merged expert
+    parameters. The weights' casts are counted apart, as the estimate's autocast_copies: an fp32 model's router weight
+    under autocast, the adapters' casts (autocast's of the router's and the attention's; peft's own of the experts'
+    A and B, to a 16-bit base's dtype only). The LoRA plan's adapter weights are peft's, one layer's counted."""
+    shape = _shape_from_json(json.dumps({**TINY, **MOE[family], "model_type": family, "num_hidden_layers": 2}), "tiny")
+    spec = TrainSpec(attn_implementation="sdpa", dtype=dtype, mixed_precision=mp, micro_batch=B, seq_len=S,
+                     method="full" if targets is None else "lora", lora_r=R, lora_dropout=0.0)
+    p = replace(make_pass(shape, spec), mask=False)
+    batch = batch_for([S] * B, packing=False)
+    autocast = mp != "no"
+    one = saved_bytes(build_moe(family, 1, getattr(torch, dtype), targets), batch, autocast=autocast)
+    model = build_moe(family, 2, getattr(torch, dtype), targets)
+    two = saved_bytes(model, batch, autocast=autocast)
+
+    plan = lora_plan(shape, r=R, targets=targets) if targets else None
+    adapted = plan.adapted[0] if plan else {}
+    copies = (shape.linear_params_per_layer + 8 * TINY["hidden_size"]) * 2 if (autocast and dtype == "float32") else 0
+    if plan:
+        factors = sum(n for name, n in plan.moe_params.items() if name.startswith("mlp.experts."))
+        copies += (plan.layer_params(0) - factors) * 2 * autocast + factors * 2 * (dtype == "bfloat16")
+        trained = sum(t.numel() for n, t in model.named_parameters() if t.requires_grad and ".layers.0." in n)
+        assert plan.layer_params(0) == trained
+    assert two - one == act.layer_bytes(p, shape, adapted, R) + copies
+    if targets == "all-linear":  # the merged copies: every expert's gate_up_proj and down_proj, again
+        assert act.merged_experts_bytes(p, shape, adapted) == 8 * 3 * 48 * TINY["hidden_size"] * p.resid

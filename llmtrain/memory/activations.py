@@ -242,6 +242,8 @@ def tiled_shard_bytes(p: Pass, shape: ModelShape, adapted: dict[str, tuple[int, 
 
 def mlp_tensors_bytes(p: Pass, shape: ModelShape, adapted: dict[str, tuple[int, int]], r: int) -> int:
     """The MLP's own saved tensors (gate/up inputs, the SwiGLU, its adapters), the norm before it not counted."""
+    if shape.experts:
+        return router_bytes(p, shape, adapted) + experts_bytes(p, shape, adapted)
     full, H = p.trainable_base, shape.hidden
     readers = shape.input_linears[1]
     total = mlp_bytes(p, shape, down_trainable=full)
@@ -249,6 +251,94 @@ def mlp_tensors_bytes(p: Pass, shape: ModelShape, adapted: dict[str, tuple[int, 
         total += linear_input_bytes(p, H, len(readers))
     total += shared_adapter_inputs(p, adapted, {readers: H, ("mlp.down_proj",): shape.intermediate})
     return total + sum(lora_bytes(p, fan_in, r) for fan_in in _adapters(adapted, "mlp."))
+
+
+# --------------------------------------------------------------------------- a mixture of experts (params.Experts)
+# transformers' router and grouped_mm experts (integrations/moe.py), on T tokens, S = T x top_k token-expert pairs,
+# E experts of I columns. The experts run in their weights' dtype (the stream's, `resid`: autocast does not reach
+# grouped_mm), the router's matmul in cd. LoRA on an expert parameter (peft's ParamWrapper) merges it for the forward:
+# W + B A for every expert, a tensor the size of the whole parameter, which the grouped matmul saves for backward.
+
+
+def _trains(p: Pass, adapted: dict[str, tuple[int, int]], name: str) -> bool:
+    return p.trainable_base or name in adapted
+
+
+def _expert_fans(shape: ModelShape) -> dict[str, tuple[int, int]]:
+    e = shape.experts
+    return {"mlp.experts.gate_up_proj": (shape.hidden, 2 * e.intermediate),
+            "mlp.experts.down_proj": (e.intermediate, shape.hidden)}
+
+
+def merged_experts_bytes(p: Pass, shape: ModelShape, adapted: dict[str, tuple[int, int]], names=None) -> int:
+    """The merged (W + B A) copies of the adapted expert parameters among `names` (all by default)."""
+    return sum(shape.experts.count * i * o * p.resid for name, (i, o) in _expert_fans(shape).items()
+               if name in adapted and (names is None or name in names))
+
+
+def router_bytes(p: Pass, shape: ModelShape, adapted: dict[str, tuple[int, int]]) -> int:
+    """The router: its input (T x H, cd) where its weight trains, the merged weight where LoRA adapts it (E x H, cd;
+    an fp32 base's is autocast's copy, counted with the weights' casts), the fp32 softmax over the experts, the top_k
+    indices (int64) and, where the top_k weights are normalised, their fp32 values and sum."""
+    e, T = shape.experts, p.tokens
+    merged = e.count * shape.hidden * p.cd if ("mlp.gate" in adapted and not p.separate_casts) else 0
+    x = T * shape.hidden * p.cd if _trains(p, adapted, "mlp.gate") else 0
+    return x + merged + T * e.count * FP32 + T * e.top_k * 8 + (T * (e.top_k + 1) * FP32 if e.normalised else 0)
+
+
+def experts_bytes(p: Pass, shape: ModelShape, adapted: dict[str, tuple[int, int]]) -> int:
+    """The experts: the pairs' gathered input (S x H) where gate_up_proj trains, gate_up_proj's output (S x 2I: silu
+    keeps the gate half, and with it the whole tensor), silu's output (S x I), their product (S x I) where
+    down_proj trains, down_proj's output (S x H, for the routing weights' gradient) and the routing weights (S, fp32
+    or cd), all in the experts' dtype; the sort's three int64 permutations (S each) and the groups' int32 offsets;
+    and the merged copies of the adapted parameters."""
+    e, w = shape.experts, p.resid
+    S, H, i = e.pairs(p.tokens), shape.hidden, e.intermediate
+    gathered = S * H * w if _trains(p, adapted, "mlp.experts.gate_up_proj") else 0
+    product = S * i * w if _trains(p, adapted, "mlp.experts.down_proj") else 0
+    weights = S * (FP32 if e.fp32_weights else p.cd)
+    return (gathered + S * 3 * i * w + product + S * H * w + weights + 3 * S * 8 + e.count * 4
+            + merged_experts_bytes(p, shape, adapted))
+
+
+def _weighted_width(p: Pass, shape: ModelShape) -> int:
+    """Bytes an element of the routing-weighted output: the experts' dtype times the routing weights' (fp32 where
+    either is: Mixtral's weights, an fp32 model's experts)."""
+    return max(p.resid, FP32 if shape.experts.fp32_weights else p.cd)
+
+
+def experts_backward_temp(p: Pass, shape: ModelShape, adapted: dict[str, tuple[int, int]]) -> int:
+    """The experts' backward at its largest, step by step: the output's gradient cast to the weighted width
+    (_weighted_width; T x H) beside the scattered gradient of the pairs (S x H); the routing weights' product's (its
+    gradient, the routing weights' gradient temporary and the output's gradient cast to the experts' dtype); then in
+    the experts' dtype, down_proj's (its output's gradient, S x H, its input's, S x I, and where LoRA adapts it the
+    merged weight's gradient, the whole parameter), the SwiGLU's (the gradients of the product, of silu's output and
+    of up, S x I each, beside gate_up_proj's output gradient, S x 2I), gate_up_proj's (that gradient, its input's,
+    S x H, and an adapted weight's gradient), then the gather's (the pairs' input gradient beside the tokens').
+    Every moment before down_proj's backward has run also holds its input and merged weight (down_input_bytes), which
+    the caller counts as freed."""
+    e, w, ww = shape.experts, p.resid, _weighted_width(p, shape)
+    S, T, H, i = e.pairs(p.tokens), p.tokens, shape.hidden, e.intermediate
+    merged_down = merged_experts_bytes(p, shape, adapted, ("mlp.experts.down_proj",))
+    merged_gate_up = merged_experts_bytes(p, shape, adapted, ("mlp.experts.gate_up_proj",))
+    before_down = max(T * H * ww * (ww != w) + S * H * ww, S * H * (2 * ww + w * (ww != w)),
+                      w * S * (H + i) + merged_down) + down_input_bytes(p, shape, adapted, 0)
+    return max(before_down, w * S * 5 * i, w * S * (2 * i + H) + merged_gate_up, w * (S + T) * H)
+
+
+def experts_forward_temp(p: Pass, shape: ModelShape) -> int:
+    """Beside what the experts save, in their forward: the routing-weighted output (S x H at the weighted width) and
+    its copy back in token order, or that copy and its sum over the top_k (T x H) with its cast."""
+    S, T, H, ww = shape.experts.pairs(p.tokens), p.tokens, shape.hidden, _weighted_width(p, shape)
+    return max(2 * S * H * ww, S * H * ww + T * H * (ww + p.resid))
+
+
+def experts_eval_bytes(p: Pass, shape: ModelShape, adapted: dict[str, tuple[int, int]]) -> int:
+    """The experts' forward without a graph, at its largest: the pairs' input (S x H) beside gate_up_proj's output
+    (S x 2I), silu's and the product (S x I each), or beside down_proj's output, the weighted one and its reordered
+    copy (S x H each); with the merged copies of the adapted parameters, alive through the experts' forward."""
+    S, H, i = shape.experts.pairs(p.tokens), shape.hidden, shape.experts.intermediate
+    return p.resid * S * (H + max(4 * i, 3 * H)) + merged_experts_bytes(p, shape, adapted)
 
 
 def layer_bytes(p: Pass, shape: ModelShape, adapted: dict[str, tuple[int, int]], r: int) -> int:
@@ -261,6 +351,10 @@ def down_input_bytes(p: Pass, shape: ModelShape, adapted: dict[str, tuple[int, i
     shard's, counted in tiled_shard_bytes)."""
     if p.mlp_shard:
         return 0
+    if shape.experts:  # the experts' product and down_proj's merged copy
+        down = "mlp.experts.down_proj"
+        product = shape.experts.pairs(p.tokens) * shape.intermediate * p.resid if _trains(p, adapted, down) else 0
+        return product + merged_experts_bytes(p, shape, adapted, (down,))
     if p.trainable_base:
         return p.tokens * shape.intermediate * p.cd
     if "mlp.down_proj" not in adapted:
@@ -336,8 +430,12 @@ def layer_forward_temp(p: Pass, shape: ModelShape, adapted: dict[str, tuple[int,
     else:
         attn = T * (shape.heads + shape.kv_heads) * shape.head_dim * FP32
     lora = [lora_forward_temp(p, i, o) for name, (i, o) in adapted.items() if not name.startswith("mlp.")]
-    lora += [lora_forward_temp(m, i, o) + (m.tokens * i * p.cd if name == "mlp.down_proj" and not p.trainable_base
-                                           else 0) for name, (i, o) in adapted.items() if name.startswith("mlp.")]
+    if shape.experts:
+        lora.append(experts_forward_temp(p, shape))
+    else:
+        lora += [lora_forward_temp(m, i, o) + (m.tokens * i * p.cd if name == "mlp.down_proj" and
+                                               not p.trainable_base else 0)
+                 for name, (i, o) in adapted.items() if name.startswith("mlp.")]
     return T * shape.hidden * p.resid + max([attn] + lora) + all_to_all_temp(p, shape)
 
 
@@ -350,6 +448,8 @@ def mlp_backward_temp(p: Pass, shape: ModelShape, adapted: dict[str, tuple[int, 
     """Gradients alive in the MLP's backward: of the product, then of silu's output and up's output
     (three T x I at once), or an adapter's fp32 input gradients. Tiled: those of one shard, beside the tensors its
     recompute saved (tiled_shard_bytes)."""
+    if shape.experts:
+        return experts_backward_temp(p, shape, adapted)
     m = mlp_pass(p)
     mlp = 3 * m.tokens * shape.intermediate * p.cd
     dx = p.tokens * shape.hidden * p.resid if p.mlp_shard else 0  # tiled: the input's gradient, filled shard by shard
@@ -397,7 +497,9 @@ def eval_layer_bytes(p: Pass, shape: ModelShape, adapted: dict[str, tuple[int, i
     T, I, m = p.tokens, shape.intermediate, mlp_pass(p).tokens  # m: the tokens the MLP runs at once
     scores = p.rows * shape.heads * p.row_len * p.row_len if p.attn == "eager" else 0
     mlp = 3 * m * I * p.cd
-    if any(name in adapted for name in shape.input_linears[1]):  # up_proj (Phi: gate_up_proj) adapted
+    if shape.experts:
+        mlp = experts_eval_bytes(p, shape, adapted)
+    elif any(name in adapted for name in shape.input_linears[1]):  # up_proj (Phi: gate_up_proj) adapted
         cast = m * shape.hidden * FP32 if p.resid != FP32 else 0
         mlp = max(mlp, m * I * (2 * p.cd + 2 * (p.cd if p.autocast else FP32)) + cast)
     return 4 * T * shape.hidden * p.resid + rope_bytes(p, shape) + max(mlp + scores * p.resid, scores * (p.cd + FP32))

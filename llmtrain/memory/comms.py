@@ -354,11 +354,12 @@ def tensor_parallel_gathers(shape: ModelShape, spec: TrainSpec) -> tuple[float, 
 
 def step_flops(shape: ModelShape, spec: TrainSpec, trainable_linear_share: float) -> float:
     """Model FLOPs of one GPU's optimizer step, as llmtrain's MFU counts them (metrics.flop_model): 6 per
-    trained and 4 per frozen matrix parameter per token, and attention's 6 L heads head_dim per l^2, with every
+    trained and 4 per frozen matrix parameter per token (of a mixture of experts, the top_k experts a token goes
+    through), and attention's 6 L heads head_dim per l^2, with every
     example seq_len long (a token budget: as many full-length examples as fit). Under sequence parallelism a GPU
     does 1/N of its group's: the layers on its 1/N of the tokens, attention for 1/N of the heads over all of them."""
     tokens = spec.tokens * spec.grad_accum_steps
-    body = shape.layers * shape.linear_params_per_layer * (4 + 2 * trainable_linear_share)
+    body = shape.layers * shape.active_params_per_layer * (4 + 2 * trainable_linear_share)
     head = shape.head_outputs * shape.hidden * (6 if spec.method == "full" else 4)
     attn = 6.0 * shape.layers * shape.heads * shape.head_dim * tokens * min(spec.seq_len, spec.tokens)
     return (tokens * (body + head) + attn) / spec.sequence_parallel
@@ -378,7 +379,7 @@ def sampling_seconds(shape: ModelShape, spec: TrainSpec, *, weight_bytes: float,
     prompts = max(1, spec.micro_batch // spec.num_generations)
     if spec.sharded:  # FSDP: the rollout gathered the whole model (gathered_for_generation), in the compute dtype
         weight_bytes = shape.params_total * DTYPE_BYTES[PRECISION_DTYPE.get(spec.mixed_precision, spec.dtype)]
-    params = shape.layers * shape.linear_params_per_layer + shape.vocab * shape.hidden
+    params = shape.layers * shape.active_params_per_layer + shape.vocab * shape.hidden
     prefill = 2.0 * params * prompts * spec.prompt_tokens / (network.peak_tflops * 1e12 * network.mfu)
     decode = spec.max_completion_tokens * (weight_bytes + kv_cache_bytes(shape, spec)) / (network.hbm_tbps * 1e12)
     return spec.grad_accum_steps * (prefill + decode)

@@ -11,7 +11,7 @@ import functools
 import inspect
 from dataclasses import replace
 
-from llmtrain.capabilities import sequence_heads_problem
+from llmtrain.capabilities import FAMILIES, sequence_heads_problem
 from llmtrain.config import PREFILL_CHUNK, tiled_mlp_shard
 from llmtrain.errors import LLMTrainError
 from llmtrain.memory import activations as act
@@ -97,12 +97,46 @@ def make_pass(shape: ModelShape, spec: TrainSpec, *, examples: int | None = None
                     mlp_shard=shard if shard and tokens > shard else None, sequence_parallel=n)
 
 
+def _experts_problem(spec: TrainSpec) -> str | None:
+    """What a mixture of experts cannot run (capabilities.model_problems says the same to a recipe)."""
+    if spec.tiled_mlp:
+        return "model.tiled_mlp tiles a dense MLP, and this model's MLP is a mixture of experts: set it to null"
+    if spec.method == "lora" and spec.lora_dropout > 0:
+        return (f"LoRA on a mixture of experts' experts takes no dropout (peft's ParamWrapper), and lora.dropout "
+                f"(--lora-dropout) is {spec.lora_dropout}: set it to 0")
+    return None
+
+
+def _experts_note(shape: ModelShape, spec: TrainSpec, p: act.Pass) -> str:
+    """What a mixture of experts' layer holds: its experts whole on every GPU, top_k a token; under LoRA, peft's merged
+    copy of each adapted expert parameter, saved by every layer whose tensors are (one, checkpointed); a 4-bit base
+    leaves the experts in the storage dtype."""
+    e = shape.experts
+    moe = e.params(shape.hidden)
+    experts = moe["mlp.experts.gate_up_proj"] + moe["mlp.experts.down_proj"]
+    text = (f"a mixture of {e.count} experts a layer, {e.top_k} a token ({e.pairs(p.tokens):,} token-expert pairs "
+            f"a micro-batch, run by transformers' grouped_mm in the weights' dtype)")
+    if spec.method == "lora":
+        plan = lora_plan(shape, r=spec.lora_r, targets=spec.lora_target_modules)
+        if merged := act.merged_experts_bytes(p, shape, plan.adapted[0]):
+            held = "one layer's (checkpointed)" if spec.gradient_checkpointing else f"all {shape.layers} layers'"
+            text += (f"; LoRA on the experts (peft adapts each expert, {sum(plan.moe_params.values()):,} adapter "
+                     f"weights a layer) merges them for the forward, W + B A for every expert, "
+                     f"{merged / GIB:,.2f} GiB a layer that backward keeps: {held}")
+    if spec.quantize:
+        text += (f"; {spec.quantize} quantizes the linear layers only: the experts' {experts * shape.layers:,} "
+                 f"weights stay in {spec.dtype}")
+    return text
+
+
 def _share(shape: ModelShape, plan: LoraPlan | None, k: int, prefix: str) -> float:
     """The fraction of decoder layer k's trainable parameters in the linears named `prefix`... (or in their adapters):
     "mlp.down_proj", or "mlp." for the whole MLP."""
     if plan is None:
-        return sum(x.numel for x in shape.layer_linears if x.name.startswith(prefix)) / shape.params_per_layer
-    sizes = {name: plan.r * (i + o) for name, (i, o) in plan.adapted[k].items()}
+        sizes = {x.name: x.numel for x in shape.layer_linears}
+        sizes.update(shape.experts.params(shape.hidden) if shape.experts else {})
+        return sum(n for name, n in sizes.items() if name.startswith(prefix)) / shape.params_per_layer
+    sizes = plan.layer_sizes(k)
     return sum(n for name, n in sizes.items() if name.startswith(prefix)) / max(1, sum(sizes.values()))
 
 
@@ -117,6 +151,8 @@ def estimate(shape: ModelShape, spec: TrainSpec) -> Estimate:
         raise ValueError("a pipeline's stages are estimated by llmtrain.memory.estimate_run")
     spec.validate()
     if problem := sequence_heads_problem(spec.sequence_parallel, shape.heads, shape.kv_heads):
+        raise LLMTrainError(f"cannot estimate this run: {problem} ({shape.source}).")
+    if shape.experts and (problem := _experts_problem(spec)):
         raise LLMTrainError(f"cannot estimate this run: {problem} ({shape.source}).")
     whole, shape = shape, tensor_parallel_shape(shape, spec.tp)
     plan = lora_plan(shape, r=spec.lora_r, targets=spec.lora_target_modules,
@@ -149,12 +185,17 @@ def estimate(shape: ModelShape, spec: TrainSpec) -> Estimate:
     mask_bwd = mask if ckpt else 0  # checkpointed layers hold the mask for their recompute
 
     # -- autocast copies of weights (non-FSDP mixed precision; FSDP gathers in the compute dtype)
-    adapter_params = [sum(spec.lora_r * (i + o) for i, o in a.values()) for a in adapted]
-    base_copies = shape.linear_params_per_layer * p.cd if p.separate_casts else 0  # fp32 base linears
+    adapter_params = [plan.layer_params(i) if plan else 0 for i in range(L)]
+    router = shape.experts.count * H if shape.experts else 0  # a mixture of experts' router weight (E x H)
+    base_copies = (shape.linear_params_per_layer + router) * p.cd if p.separate_casts else 0  # fp32 base linears
     adapter_cast = amp and not fsdp  # fp32 adapters under autocast
-    copies = [base_copies + (n * p.cd if adapter_cast else 0) for n in adapter_params]
+    # peft casts an expert parameter's A and B to the parameter's dtype for its merge (not autocast: where that is
+    # 16-bit and they are not, outside FSDP), and the merge saves the casts
+    factors = sum(n for name, n in plan.moe_params.items() if name.startswith("mlp.experts.")) if plan else 0
+    factor_copies = factors * DTYPE_BYTES[spec.dtype] if (not fsdp and DTYPE_BYTES[spec.dtype] == 2) else 0
+    copies = [base_copies + ((n - factors) * p.cd if adapter_cast else 0) + factor_copies for n in adapter_params]
     # The autocast cache holds casts of trainable fp32 leaves until the forward returns.
-    cached = [(base_copies if full else 0) + (n * p.cd if adapter_cast else 0) for n in adapter_params]
+    cached = [(base_copies if full else 0) + ((n - factors) * p.cd if adapter_cast else 0) for n in adapter_params]
     if not embed_trains:  # nor does it keep casts of its q/k/v weights (saved for the input's gradient)
         qkv = [x for x in shape.layer_linears if x.name in shape.input_linears[0]]
         copies[0] -= sum(x.numel for x in qkv) * p.cd if p.separate_casts else 0
@@ -191,7 +232,8 @@ def estimate(shape: ModelShape, spec: TrainSpec) -> Estimate:
         head_adapter_r=spec.lora_r if plan and plan.adapted_head else 0))
     cast_temp = p.separate_casts and full  # a 16-bit weight gradient before it is cast to the fp32 .grad
     mlp_names = [x for x in shape.layer_linears if x.name.startswith("mlp.")]
-    down_temp = max(x.numel for x in mlp_names) * p.cd if cast_temp else 0
+    # (a mixture of experts' run in their weights' dtype: its router's is the one cast)
+    down_temp = max([x.numel for x in mlp_names] + [router]) * p.cd if cast_temp else 0
     if p.mlp_shard and full:  # the tiled MLP returns its weights' gradients summed over the shards: one more copy
         down_temp += sum(x.numel for x in mlp_names) * DTYPE_BYTES[spec.dtype]
     attn_temp = max(x.numel for x in shape.layer_linears if x not in mlp_names) * p.cd if cast_temp else 0
@@ -335,7 +377,8 @@ def generation_copy_bytes(shape: ModelShape, spec: TrainSpec, plan) -> int:
     """The fast sampler's merged generation copy (model/merged_copy.py; rl.merged_copy not off): each adapted
     linear's [out, in] weight in the compute dtype, whole on every GPU (under FSDP it is made from the gathered
     units; a 4-bit base's is dequantized)."""
-    if spec.merged_copy == "off" or plan is None or not spec.num_generations:
+    if spec.merged_copy == "off" or plan is None or not spec.num_generations or not FAMILIES[
+            shape.model_type].fast_sampler:  # the reference sampler runs the training model as it is
         return 0
     cd = DTYPE_BYTES[PRECISION_DTYPE.get(spec.mixed_precision, spec.dtype)]
     per_layers = sum(i * o for layer in plan.adapted for i, o in layer.values())
@@ -473,6 +516,8 @@ def _notes(shape: ModelShape, spec: TrainSpec, p: act.Pass) -> tuple[str, ...]:
                      f"heads and {shape.intermediate} MLP columns of every layer, the embeddings, norms and LM head "
                      f"whole, all sharded by FSDP over {spec.shards} data-parallel ranks; the residual stream's "
                      "activations are whole on every GPU of a group")
+    if shape.experts:
+        notes.append(_experts_note(shape, spec, p))
     if spec.strategy == "ddp" and spec.method == "full":
         notes.append("DDP buckets hold a second copy of every gradient (gradient_as_bucket_view=False)")
     if spec.grad_accum_steps > 1 and spec.sharded and spec.fsdp_accumulate == "unsharded":

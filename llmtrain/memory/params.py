@@ -4,7 +4,9 @@ Counts come from the real architecture built on the meta device (no memory, no w
 embeddings, the LM head and grouped-query attention are counted as transformers builds them. The
 few shapes the activation formulas need are read off the same meta model, and so is what sets each family's
 decoder layer apart from Llama's (FAMILIES): QK-norm (Qwen3, Gemma 3), Gemma's fp32 (1 + w) RMSNorm, four of them a
-layer and a second RoPE (Gemma 3), fused q/k/v and gate/up projections and partial RoPE (Phi-3, Phi-4).
+layer and a second RoPE (Gemma 3), fused q/k/v and gate/up projections and partial RoPE (Phi-3, Phi-4), a router and
+experts in place of the MLP (Qwen3-MoE, Mixtral: `Experts`). What LoRA adapts of a mixture of experts is peft's own
+answer, read off peft applied to one layer on the meta device (`_peft_adapted`).
 """
 
 from __future__ import annotations
@@ -12,8 +14,9 @@ from __future__ import annotations
 import functools
 import json
 import re
+import warnings
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from llmtrain import capabilities
@@ -22,7 +25,7 @@ from llmtrain.hub import is_local_path
 
 # The decoder families the estimate models, each by its real layer (activations.py), and what a user calls them.
 # the capability table's families whose decoder layer llmtrain models
-FAMILIES = {key: family.name for key, family in capabilities.FAMILIES.items() if family.layer}
+FAMILIES = {key: family.name for key, family in capabilities.FAMILIES.items() if family.estimate}
 SUPPORTED_TYPES = tuple(FAMILIES)
 
 _LLAMA_COMMON = {"hidden_act": "silu", "rms_norm_eps": 1e-5, "tie_word_embeddings": False, "bos_token_id": 1,
@@ -76,6 +79,18 @@ PRESETS: dict[str, dict] = {
                    "rms_norm_eps": 1e-5, "tie_word_embeddings": True, "hidden_act": "silu",
                    "sliding_window": 262144, "bos_token_id": 199999, "eos_token_id": 199999,
                    "pad_token_id": 199999},
+    # mixtures of experts: the router and its experts in place of the MLP (Experts)
+    "qwen3-30b-a3b": {"model_type": "qwen3_moe", "hidden_size": 2048, "intermediate_size": 6144,
+                      "moe_intermediate_size": 768, "num_experts": 128, "num_experts_per_tok": 8,
+                      "norm_topk_prob": True, "decoder_sparse_step": 1, "mlp_only_layers": [],
+                      "num_hidden_layers": 48, "num_attention_heads": 32, "num_key_value_heads": 4, "head_dim": 128,
+                      "vocab_size": 151936, "max_position_embeddings": 40960, "rope_theta": 1000000.0,
+                      "rms_norm_eps": 1e-6, "tie_word_embeddings": False, "hidden_act": "silu",
+                      "bos_token_id": 151643, "eos_token_id": 151645},
+    "mixtral-8x7b": {**_LLAMA_COMMON, "model_type": "mixtral", "hidden_size": 4096, "intermediate_size": 14336,
+                     "num_local_experts": 8, "num_experts_per_tok": 2, "num_hidden_layers": 32,
+                     "num_attention_heads": 32, "num_key_value_heads": 8, "vocab_size": 32000,
+                     "max_position_embeddings": 32768, "rope_theta": 1000000.0, "sliding_window": None},
 }
 # Hub ids whose config.json is exactly a preset's (for the shapes that matter here), so the shipped
 # recipes can be estimated without network access.
@@ -91,6 +106,8 @@ HUB_ALIASES = {
     "google/gemma-3-4b-it": "gemma-3-4b", "google/gemma-3-4b-pt": "gemma-3-4b",
     "google/gemma-3-12b-it": "gemma-3-12b", "google/gemma-3-12b-pt": "gemma-3-12b",
     "microsoft/phi-4": "phi-4", "microsoft/Phi-4-mini-instruct": "phi-4-mini",
+    "Qwen/Qwen3-30B-A3B": "qwen3-30b-a3b", "Qwen/Qwen3-30B-A3B-Base": "qwen3-30b-a3b",
+    "mistralai/Mixtral-8x7B-v0.1": "mixtral-8x7b", "mistralai/Mixtral-8x7B-Instruct-v0.1": "mixtral-8x7b",
 }
 # An alias's max_position_embeddings where it is not its preset's (Llama 3.1: 131072 with llama3 rope scaling).
 ALIAS_CONTEXT = {"meta-llama/Llama-3.1-8B": 131072, "meta-llama/Llama-3.1-8B-Instruct": 131072}
@@ -108,6 +125,30 @@ class Linear:
     @property
     def numel(self) -> int:
         return self.fan_in * self.fan_out + (self.fan_out if self.bias else 0)
+
+
+@dataclass(frozen=True)
+class Experts:
+    """A mixture of experts' MLP (Qwen3-MoE, Mixtral), as transformers runs it: a router (`mlp.gate`, an experts x
+    hidden weight) scores every expert, keeps the top_k a token, and the token-expert pairs, sorted by expert, run
+    through all experts' SwiGLUs at once (grouped_mm over two 3-D parameters: gate_up_proj, experts x 2I x H, and
+    down_proj, experts x H x I)."""
+
+    count: int
+    top_k: int
+    intermediate: int  # I: one expert's MLP columns
+    normalised: bool  # the top_k weights are divided by their sum (Mixtral; Qwen3-MoE's norm_topk_prob)
+    fp32_weights: bool  # the routing weights stay fp32 (Mixtral), or are cast to the router's dtype (Qwen3-MoE)
+
+    def pairs(self, tokens: int) -> int:
+        """S: the token-expert pairs the experts run for `tokens` tokens."""
+        return tokens * self.top_k
+
+    def params(self, hidden: int) -> dict[str, int]:
+        """Weights of one layer's router and experts, by parameter."""
+        e, i = self.count, self.intermediate
+        return {"mlp.gate": e * hidden, "mlp.experts.gate_up_proj": e * 2 * i * hidden,
+                "mlp.experts.down_proj": e * hidden * i}
 
 
 @dataclass(frozen=True)
@@ -141,6 +182,8 @@ class ModelShape:
     # Under tensor parallelism by a gathered plan (Phi's fused layers; tensor_parallel_shape): the elements a token
     # all-gathers in one layer's forward and in its backward
     tp_gathers: tuple[int, int] = (0, 0)
+    experts: Experts | None = None  # a mixture of experts in place of the MLP (its layer_linears: attention's)
+    config_json: str = field(default="", repr=False, compare=False)  # what it was read from (for peft, _peft_adapted)
 
     @property
     def rotary_dim(self) -> int:
@@ -172,6 +215,16 @@ class ModelShape:
     @property
     def linear_params_per_layer(self) -> int:
         return sum(lin.numel for lin in self.layer_linears)
+
+    @property
+    def active_params_per_layer(self) -> int:
+        """The matrix weights a token goes through in a decoder layer: its linears, and a mixture of experts' router
+        and top_k of its experts."""
+        if self.experts is None:
+            return self.linear_params_per_layer
+        moe = self.experts.params(self.hidden)
+        experts = moe["mlp.experts.gate_up_proj"] + moe["mlp.experts.down_proj"]
+        return self.linear_params_per_layer + moe["mlp.gate"] + experts * self.experts.top_k // self.experts.count
 
 
 def score_head_shape(shape: ModelShape) -> ModelShape:
@@ -219,15 +272,26 @@ def tensor_parallel_shape(shape: ModelShape, tp: int) -> ModelShape:
 
 @dataclass(frozen=True)
 class LoraPlan:
-    """Where LoRA adapters go: adapted[i] maps linear name -> (fan_in, fan_out) in decoder layer i."""
+    """Where LoRA adapters go: adapted[i] maps linear name -> (fan_in, fan_out) in decoder layer i. A mixture of
+    experts' adapted parameters are there too, by their names in Experts.params, with one expert's (fan_in, fan_out)
+    (the router's: hidden, experts); peft adapts them as parameters (its ParamWrapper: every expert's A and B at a
+    rank of its own), whose adapter weights a layer are in `moe_params`."""
 
     r: int
     adapted: tuple[dict[str, tuple[int, int]], ...]
     adapted_head: bool  # an adapter on lm_head (only when targeted by name)
     saved_copies: tuple[str, ...]  # modules_to_save: trained in full as a copy beside the frozen original
+    moe_params: dict[str, int] = field(default_factory=dict)
+
+    def layer_sizes(self, k: int) -> dict[str, int]:
+        """Adapter weights of decoder layer k, by adapted linear or parameter."""
+        return {name: self.moe_params.get(name, self.r * (i + o)) for name, (i, o) in self.adapted[k].items()}
+
+    def layer_params(self, k: int) -> int:
+        return sum(self.layer_sizes(k).values())
 
     def adapter_params(self, shape: ModelShape) -> int:
-        per_layers = sum(self.r * (i + o) for layer in self.adapted for i, o in layer.values())
+        per_layers = sum(self.layer_params(k) for k in range(len(self.adapted)))
         return per_layers + (self.r * (shape.hidden + shape.vocab) if self.adapted_head else 0)
 
     def copy_params(self, shape: ModelShape) -> int:
@@ -246,7 +310,10 @@ def _matches(full_name: str, targets: str | tuple[str, ...]) -> bool:
 
 def lora_plan(shape: ModelShape, *, r: int, targets: str | tuple[str, ...] = "all-linear",
               modules_to_save: tuple[str, ...] = ()) -> LoraPlan:
-    """Which linears get adapters, as peft decides; 'all-linear' is every linear but the LM head."""
+    """Which linears get adapters, as peft decides; 'all-linear' is every linear but the LM head. A mixture of
+    experts: peft's own answer (_peft_adapted), the same in every layer."""
+    if shape.experts is not None:
+        return _moe_lora_plan(shape, r=r, targets=targets, modules_to_save=modules_to_save)
     adapted = []
     for i in range(shape.layers):
         names = {lin.name: (lin.fan_in, lin.fan_out) for lin in shape.layer_linears
@@ -261,6 +328,58 @@ def lora_plan(shape: ModelShape, *, r: int, targets: str | tuple[str, ...] = "al
         raise LLMTrainError(f"estimate-memory handles lora.modules_to_save of lm_head and embed_tokens only "
                             f"(got {unknown}).")
     return LoraPlan(r=r, adapted=tuple(adapted), adapted_head=head, saved_copies=tuple(modules_to_save))
+
+
+def _moe_lora_plan(shape: ModelShape, *, r: int, targets: str | tuple[str, ...],
+                   modules_to_save: tuple[str, ...]) -> LoraPlan:
+    linears, params = _peft_adapted(shape.config_json, shape.model_type, r, targets)
+    fans = {lin.name: (lin.fan_in, lin.fan_out) for lin in shape.layer_linears}
+    e, i, h = shape.experts.count, shape.experts.intermediate, shape.hidden
+    fans.update({"mlp.gate": (h, e), "mlp.experts.gate_up_proj": (h, 2 * i), "mlp.experts.down_proj": (i, h)})
+    layer = {name: fans[name] for name in (*linears, *params)}
+    if not layer:
+        raise LLMTrainError(f"lora.target_modules {targets!r} matches no linear layer or expert of this model; its "
+                            f"decoder layers have {', '.join(fans)}.")
+    if unknown := [m for m in modules_to_save if m not in ("lm_head", "embed_tokens")]:
+        raise LLMTrainError(f"estimate-memory handles lora.modules_to_save of lm_head and embed_tokens only "
+                            f"(got {unknown}).")
+    return LoraPlan(r=r, adapted=(layer,) * shape.layers, adapted_head=False, saved_copies=tuple(modules_to_save),
+                    moe_params=params)
+
+
+@functools.lru_cache(maxsize=32)
+def _peft_adapted(config_json: str, model_type: str, r: int, targets: str | tuple[str, ...]
+                  ) -> tuple[tuple[str, ...], dict[str, int]]:
+    """What peft adapts in a mixture of experts' decoder layer for lora.target_modules `targets`: the linear layers
+    (lora.Linear), and the parameters it adapts as such (ParamWrapper: the router's weight, the experts' gate_up_proj
+    at twice the rank, down_proj), with their adapter weights. peft decides by the model's own names (all-linear
+    and gate_proj/up_proj map onto the experts, w1/w3 do for Mixtral), so it is asked: one layer of the model, built on
+    the meta device, under peft's LoraConfig."""
+    import peft
+
+    cfg = {**json.loads(config_json), "num_hidden_layers": 1}
+    if "layer_types" in cfg:
+        cfg["layer_types"] = cfg["layer_types"][:1]
+    model = meta_model(hf_config(model_type, cfg, model_type), model_type)
+    config = peft.LoraConfig(r=r, lora_alpha=2 * r, lora_dropout=0.0, task_type="CAUSAL_LM",
+                             target_modules=list(targets) if isinstance(targets, tuple) else targets)
+    try:
+        with _transformers_quiet(), warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # peft's notes on its own patterns for the fused gate_up_proj
+            model = peft.get_peft_model(model, config, low_cpu_mem_usage=True)
+    except ValueError as e:
+        raise LLMTrainError(f"lora.target_modules {targets!r}: peft adapts nothing of this model ({e}).") from None
+    linears, params = [], {}
+    for name, module in model.named_modules():
+        if not isinstance(module, peft.tuners.lora.LoraLayer) or ".layers.0." not in name:
+            continue
+        local = name.split(".layers.0.", 1)[1]
+        size = module.lora_A["default"].weight.numel() + module.lora_B["default"].weight.numel()
+        if hasattr(module, "parameter_name"):  # ParamWrapper: mlp.gate's weight, mlp.experts(.base_layer)'s
+            params[f"{local.removesuffix('.base_layer')}.{module.parameter_name}".replace(".weight", "")] = size
+        else:
+            linears.append(local)
+    return tuple(linears), params
 
 
 # --------------------------------------------------------------------------- reading a config
@@ -365,9 +484,10 @@ def _shape_from_json(config_json: str, source: str) -> ModelShape:
     rotary = int(head_dim * getattr(config, "partial_rotary_factor", 1.0) or head_dim)
     kinds = set(getattr(config, "layer_types", None) or ())
     gemma = model_type == "gemma3_text"
+    experts = _experts(layers, source)
     shape = ModelShape(
         source=source, model_type=model_type, vocab=embed.shape[0], hidden=embed.shape[1],
-        intermediate=config.intermediate_size, layers=len(layers), heads=heads,
+        intermediate=experts.intermediate if experts else config.intermediate_size, layers=len(layers), heads=heads,
         kv_heads=getattr(config, "num_key_value_heads", None) or heads, head_dim=head_dim, tied=tied,
         # a window where some layer applies one (Qwen2's config names one its layers do not use)
         sliding_window=None if kinds == {"full_attention"} and model_type != "mistral" else
@@ -378,7 +498,7 @@ def _shape_from_json(config_json: str, source: str) -> ModelShape:
         max_positions=getattr(config, "max_position_embeddings", None),
         qk_norm=hasattr(layer0.self_attn, "q_norm"), gemma_norms=gemma,
         rope_sets=max(1, len(kinds)) if gemma else 1, rope_dim=rotary if rotary != head_dim else None,
-        masks=2 if gemma else 1,
+        masks=2 if gemma else 1, experts=experts, config_json=config_json,
     )
     total = sum(p.numel() for p in model.parameters())
     uniform = all(sum(p.numel() for p in layer.parameters()) == per_layer for layer in layers)
@@ -386,6 +506,21 @@ def _shape_from_json(config_json: str, source: str) -> ModelShape:
         raise LLMTrainError(f"{source}: unexpected parameter layout ({total:,} parameters counted, "
                             f"{shape.params_total:,} from embeddings + layers + head).")
     return shape
+
+
+def _experts(layers, source: str) -> Experts | None:
+    """The mixture of experts every decoder layer has in place of its MLP (None: a dense model). One whose layers
+    differ (Qwen3-MoE's mlp_only_layers, decoder_sparse_step) is refused: the estimate walks one kind of layer."""
+    blocks = [getattr(layer.mlp, "experts", None) for layer in layers]
+    if blocks[0] is None and not any(blocks):
+        return None
+    if not all(blocks):
+        raise LLMTrainError(f"{source}: some decoder layers have a dense MLP and others experts (mlp_only_layers or "
+                            "decoder_sparse_step); estimate-memory models models whose layers are all alike.")
+    router, block = layers[0].mlp.gate, blocks[0]
+    return Experts(count=block.num_experts, top_k=router.top_k, intermediate=block.intermediate_dim,
+                   normalised=getattr(router, "norm_topk_prob", True), fp32_weights=not hasattr(router,
+                                                                                             "norm_topk_prob"))
 
 
 def load_model_shape(name_or_path: str) -> ModelShape:

@@ -177,7 +177,8 @@ def stage_estimate(shape: ModelShape, spec: TrainSpec, stage: Stage) -> Estimate
     mask_bwd = mask if ckpt else 0
     # autocast's casts of fp32 weights (not under FSDP's mixed precision): its cache holds every trainable layer's until
     # the forward returns, checkpointed or not; after it, only what the matmuls saved (none under checkpointing)
-    copies = [sub.linear_params_per_layer * p.cd if p.separate_casts else 0] * L
+    router = shape.experts.count * H if shape.experts else 0  # a mixture of experts' router weight, its one cast
+    copies = [(sub.linear_params_per_layer + router) * p.cd if p.separate_casts else 0] * L
     copies_fwd = sum(copies)
     pd = p.cd if amp else DTYPE_BYTES[spec.dtype]
     st = stage_states(shape, spec, stage, L)
@@ -210,7 +211,7 @@ def stage_estimate(shape: ModelShape, spec: TrainSpec, stage: Stage) -> Estimate
             forward=dict(**base, gradients=g_acc, autocast_copies=copies_fwd, activations=acts + mask),
             backward=dict(**base, gradients=g_acc, autocast_copies=0 if ckpt else sum(copies),
                           activations=acts + mask_bwd), head_adapter_r=0))
-    mlp = [x.numel for x in sub.layer_linears if x.name.startswith("mlp.")]
+    mlp = [x.numel for x in sub.layer_linears if x.name.startswith("mlp.")] + [router]
     attn = [x.numel for x in sub.layer_linears if not x.name.startswith("mlp.")]
     temps = (max(mlp) * p.cd, max(attn) * p.cd) if p.separate_casts else (0, 0)  # a 16-bit weight gradient
     phases["backward_layers"] = _backward_layers(

@@ -68,7 +68,7 @@ def states(shape: ModelShape, spec: TrainSpec, plan: LoraPlan | None) -> States:
         frozen_bytes = shape.params_total * sd if not spec.quantize else quantized_base_bytes(shape, spec)
         copies = {m: V * H * master for m in plan.saved_copies}
         head = copies.get("lm_head", 0) + (plan.r * (H + V) * 4 if plan.adapted_head else 0)
-        layer = [sum(plan.r * (i + o) for i, o in adapted.values()) * 4 for adapted in plan.adapted]
+        layer = [plan.layer_params(k) * 4 for k in range(len(plan.adapted))]
     embed = (V * H * master if plan is None and not shape.tied else 0) + (
         V * H * master if plan is not None and "embed_tokens" in plan.saved_copies else 0)
     trainable_bytes = head + sum(layer) + embed

@@ -55,7 +55,7 @@ SPAN = 256  # a decode step attends to the cache's slots up to the next multiple
 COMPACT_AT = 0.5  # the decode batch drops its finished rows once no more than this share of its rows is still going
 # models whose forward is embed -> layers -> norm -> head
 # the capability table's families whose layer llmtrain models, each with the Llama layout's modules
-LAYOUTS = tuple(key for key, family in FAMILIES.items() if family.layer)
+LAYOUTS = tuple(key for key, family in FAMILIES.items() if family.fast_sampler)
 WINDOWED = ("mistral", "phi3")  # no layer_types: config.sliding_window applies to every layer
 
 
