@@ -138,10 +138,9 @@ FAMILIES: dict[str, Family] = {f.key: f for f in (
     Family("qwen3", "Qwen3"),
     Family("gemma3_text", "Gemma 3 (its text model)"),
     Family("phi3", "Phi-3 / Phi-4"),
-    # mixtures of experts: the router and the experts as transformers runs them (grouped_mm), sampled by the reference
-    # sampler
-    Family("qwen3_moe", "Qwen3-MoE", refused={"tp": _EXPERTS_TP}, fast_sampler=False),
-    Family("mixtral", "Mixtral", refused={"tp": _EXPERTS_TP}, fast_sampler=False),
+    # mixtures of experts: the router and the experts as transformers runs them (grouped_mm)
+    Family("qwen3_moe", "Qwen3-MoE", refused={"tp": _EXPERTS_TP}),
+    Family("mixtral", "Mixtral", refused={"tp": _EXPERTS_TP}),
 )}
 
 

@@ -149,20 +149,26 @@ def test_dpo_starts_at_log_2_and_ranks_every_pair_right(models, tiny_assets, tmp
     assert lines[-1]["loss"] < 0.45 and lines[-1]["rewards/accuracies"] == 1.0, lines[-1]
 
 
-@pytest.mark.parametrize("family", sorted(FAMILIES))
+# the mixtures of experts: trained in full and under LoRA (peft's parameter adapters on the router and experts, merged
+# by peft at each forward, beside the merged copy of attention's linears); Qwen3-MoE's LoRA in the main tier
+@pytest.mark.parametrize("family", sorted(FAMILIES) + [
+    pytest.param(f, marks=[] if f == "qwen3_moe-lora" else [pytest.mark.extended])
+    for f in sorted(MOE) + [f"{f}-lora" for f in sorted(MOE)]])
 def test_grpo_with_the_fast_sampler_trains_exactly_what_the_reference_sampler_trains(models, tiny_assets, tmp_path,
                                                                                      family):
     """3 GRPO steps of 4 prompts x 8 completions at temperature 1, rewarded where a completion starts with a-m (about
     a third do, so the groups' advantages move the weights): the fast sampler (its static cache, the family's norms,
-    windows and RoPEs) draws the reference loop's completions token for token at every step, so the losses and
-    updates are the same too."""
+    windows and RoPEs; a mixture's router and experts) draws the reference loop's completions token for token at
+    every step, so the losses and updates are the same too."""
+    family, lora = family.removesuffix("-lora"), family.endswith("-lora")
     runs = {}
     for sampler in ("static", "reference"):
         out = tmp_path / sampler
         recipe = _mode_recipe(tiny_assets, tmp_path, models[family], "tiny-grpo.yaml",
                               rl={"num_generations": 8, "sampler": sampler, "temperature": 1.0,
                                   "rewards": [{"type": "format", "pattern": r"^\s*[a-m]"}]},
-                              train={"max_steps": 3, "micro_batch_size": 4, "lr": 1e-3}, output_dir=str(out))
+                              train={"max_steps": 3, "micro_batch_size": 4, "lr": 1e-3 * (1 + 9 * lora)},
+                              **({"lora": {"r": 8, "dropout": 0.0}} if lora else {}), output_dir=str(out))
         with warnings.catch_warnings():
             warnings.simplefilter("error", UserWarning)  # no fall-back to the slow loop
             run_train(recipe)

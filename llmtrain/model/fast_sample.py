@@ -33,9 +33,10 @@ agreement rate), while a completion never depends on its batch. What changes is 
   the ones before it through the cache: a long prompt group needs a chunk's activations, not the whole width's.
 
 Models: the Llama layout (`model.layers`, `embed_tokens`, `rotary_emb`, `norm`, `lm_head`, attention that updates a
-cache object): llama, mistral, qwen2, qwen3, phi3 (fused projections, a window on every layer as Mistral's) and
-gemma3_text (scaled embeddings in embed_tokens, a RoPE per kind of layer, local layers' windows). Others sample with
-the reference loop (`supports`).
+cache object): llama, mistral, qwen2, qwen3, phi3 (fused projections, a window on every layer as Mistral's),
+gemma3_text (scaled embeddings in embed_tokens, a RoPE per kind of layer, local layers' windows) and the mixtures of
+experts qwen3_moe and mixtral (their router and experts run inside transformers' layer; peft merges LoRA-adapted
+experts itself at every forward). Others sample with the reference loop (`supports`).
 """
 
 from __future__ import annotations

@@ -44,6 +44,8 @@ def adapted_linears(lm) -> list:
             continue
         if not hasattr(module.get_base_layer(), "weight") or module.get_base_layer().weight.dim() != 2:
             continue
+        if hasattr(module, "parameter_name"):  # peft's ParamWrapper (a router's weight): not a linear's forward
+            continue
         out.append(module)
     return out
 
