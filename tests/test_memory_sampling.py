@@ -20,6 +20,17 @@ CFG = dict(model_type="llama", hidden_size=256, intermediate_size=688, num_atten
            vocab_size=4096, num_hidden_layers=4)
 
 
+def sampling_estimate(cfg: dict, dtype: str, copy: str):
+    """The estimate of the rollouts below (16 rows, 4 prompts of 32 tokens x 4 completions of 64, LoRA r16), its
+    sampling phases and their largest total without the optimizer's state."""
+    spec = TrainSpec(method="lora", lora_r=16, lora_dropout=0.0, dtype=dtype, micro_batch=16, num_generations=4,
+                     max_completion_tokens=64, prompt_tokens=32, prompt_longest=32, seq_len=96, merged_copy=copy,
+                     attn_implementation="sdpa")
+    est = estimate(_shape_from_json(json.dumps(cfg), "tiny"), spec)
+    sampling = {name: parts for name, parts in est.phase_parts.items() if name.startswith("generation")}
+    return est, sampling, max(sum(parts.values()) - parts.get("optimizer", 0) for parts in sampling.values())
+
+
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 @pytest.mark.parametrize("copy", ["rollout", "off"])
 def test_a_rollouts_peak_with_and_without_the_merged_copy_is_the_estimates(copy, dtype):
@@ -40,12 +51,7 @@ def test_a_rollouts_peak_with_and_without_the_merged_copy_is_the_estimates(copy,
         live.track(*model.parameters())
         sample_fast(model, prompts, seeds=list(range(16)), max_new_tokens=64, temperature=1.0, top_p=1.0,
                     stop_ids=set(), pad_id=0, copy=copy)
-    spec = TrainSpec(method="lora", lora_r=16, lora_dropout=0.0, dtype=dtype, micro_batch=16, num_generations=4,
-                     max_completion_tokens=64, prompt_tokens=32, prompt_longest=32, seq_len=96, merged_copy=copy,
-                     attn_implementation="sdpa")
-    est = estimate(_shape_from_json(json.dumps(CFG), "tiny"), spec)
-    sampling = {name: parts for name, parts in est.phase_parts.items() if name.startswith("generation")}
-    predicted = max(sum(parts.values()) - parts.get("optimizer", 0) for parts in sampling.values())
+    est, sampling, predicted = sampling_estimate(CFG, dtype, copy)
     print(f"{copy} {dtype}: measured {live.peak:,} B, estimated {predicted:,} B ({predicted / live.peak - 1:+.1%})")
     assert abs(predicted / live.peak - 1) <= 0.10
     copied = sampling["generation"].get("generation_copy", 0)
@@ -108,12 +114,7 @@ def test_a_mixture_of_experts_rollout_holds_its_merged_experts_one_layer_at_a_ti
         live.track(*model.parameters())
         sample_fast(model, prompts, seeds=list(range(16)), max_new_tokens=64, temperature=1.0, top_p=1.0,
                     stop_ids=set(), pad_id=0, copy="rollout")
-    spec = TrainSpec(method="lora", lora_r=16, lora_dropout=0.0, dtype="bfloat16", micro_batch=16, num_generations=4,
-                     max_completion_tokens=64, prompt_tokens=32, prompt_longest=32, seq_len=96, merged_copy="rollout",
-                     attn_implementation="sdpa")
-    est = estimate(_shape_from_json(json.dumps(cfg), "tiny"), spec)
-    sampling = {name: parts for name, parts in est.phase_parts.items() if name.startswith("generation")}
-    predicted = max(sum(parts.values()) - parts.get("optimizer", 0) for parts in sampling.values())
+    _, sampling, predicted = sampling_estimate(cfg, "bfloat16", "rollout")
     print(f"moe: measured {live.peak:,} B, estimated {predicted:,} B ({predicted / live.peak - 1:+.1%})")
     assert abs(predicted / live.peak - 1) <= 0.10
     assert sampling["generation"]["generation_copy"] == copy_bytes(adapted_linears(model))
