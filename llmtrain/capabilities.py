@@ -49,11 +49,12 @@ class Mode:
     model: str  # "causal LM" or "score head"
     samples: bool = True  # train.eval_samples (greedy generations at each eval)
     refused: dict[str, str] = field(default_factory=dict)  # parallelism -> why, and what to use instead
+    router_aux: bool = False  # model.router_aux_loss_coef (a mixture of experts' load-balancing loss) joins its loss
 
 
 MODES: dict[str, Mode] = {m.key: m for m in (
     Mode("sft", "supervised fine-tuning", ("alpaca", "messages", "prompt_completion", "text"), "examples", True,
-         "loss, samples", "causal LM"),
+         "loss, samples", "causal LM", router_aux=True),
     Mode("preference", "preference pairs (preference:)", ("preference",), "pairs", True,
          "loss, reward margin and accuracy, samples", "causal LM",
          refused={"sp": _LOGPS_SP, "pp": _OWN_PASSES_PP.replace("its own passes", "its own passes (chosen, rejected, "
@@ -238,6 +239,14 @@ RULES: tuple[Rule, ...] = (
     Rule("pp", lambda r, _: r.train.mixed_precision == "fp16",
          "{key} runs in fp32 or bf16; fp16's loss scaling is not built for pipeline stages. Set "
          "train.mixed_precision=bf16"),
+    Rule("sp", lambda r, _: r.model.router_aux_loss_coef is not None,
+         "{key} gives each process a slice of a row, and the load-balancing loss (model.router_aux_loss_coef) is "
+         "the product of two means over every token of the micro-batch, which a slice's tokens alone do not give. "
+         "Unset model.router_aux_loss_coef, or set parallel.sequence_parallel=1"),
+    Rule("pp", lambda r, _: r.model.router_aux_loss_coef is not None,
+         "{key} computes the loss on the last stage, and the load-balancing loss (model.router_aux_loss_coef) needs "
+         "every layer's router logits, which are on every stage. Unset model.router_aux_loss_coef, or set "
+         "parallel.pipeline_parallel=1 and shard with FSDP"),
     Rule("pp", lambda r, layout: layout.fsdp and r.model.quantize is not None,
          "{key} with a 4-bit base (model.quantize) runs on a plain multi-process launch (accelerate_configs/ddp.yaml): "
          "a QLoRA stage under FSDP is untested. The adapters are small, so the stages' replicas lose little by not "
@@ -331,7 +340,7 @@ def needs_model(recipe, layout: Layout) -> bool:
     """Whether model_problems has anything to check: the layout splits the model, or a setting depends on its kind
     (so that the model's config is read only where it matters)."""
     return layout.splits_the_model or bool(recipe.model.tiled_mlp) or (
-        recipe.lora is not None and recipe.lora.dropout > 0)
+        recipe.lora is not None and recipe.lora.dropout > 0) or recipe.model.router_aux_loss_coef is not None
 
 
 def model_problems(recipe, layout: Layout, config) -> list[str]:
@@ -355,6 +364,9 @@ def model_problems(recipe, layout: Layout, config) -> list[str]:
         if recipe.lora is not None and recipe.lora.dropout > 0:
             out.append(f"lora.dropout={recipe.lora.dropout:g}: {kind}, whose weights peft adapts as parameters "
                        "(lora.ParamWrapper), and those take no dropout on their input. Set lora.dropout=0")
+    elif (coef := recipe.model.router_aux_loss_coef) is not None:
+        out.append(f"model.router_aux_loss_coef={coef:g} weighs a mixture of experts' load-balancing loss, and "
+                   f"{model_type or 'this model'} has no experts (a dense MLP): unset it")
     heads = config.num_attention_heads
     kv = getattr(config, "num_key_value_heads", None) or heads
     if problem := sequence_heads_problem(layout.sp, heads, kv):
@@ -472,6 +484,9 @@ def _mode_problems(recipe) -> list[str]:
         out.append("kto: compares the log-probabilities of the completions only; unset data.train_on_prompt"
                    if mode.key == "kto" else
                    "distill: matches the teacher on completion tokens only; unset data.train_on_prompt")
+    if (coef := recipe.model.router_aux_loss_coef) is not None and not mode.router_aux:
+        out.append(f"model.router_aux_loss_coef={coef:g}: the load-balancing loss joins supervised fine-tuning's loss, "
+                   f"and this recipe trains {mode.name}, whose loss llmtrain does not add it to. Unset it")
     if (p := recipe.preference) is not None and p.reference == "adapter" and recipe.lora is None:
         out.append("preference.reference: adapter disables the LoRA adapter, and this recipe has no lora: section; "
                    "use precomputed (or auto) for a full fine-tune")

@@ -118,6 +118,11 @@ class ModelConfig(Section):
         "double quantisation on, computing in train.mixed_precision's dtype; the quantised weights are stored in "
         "model.dtype so that FSDP2 can shard them. Needs a lora: section (pip install 'llmtrain[qlora]').",
     )
+    router_aux_loss_coef: float | None = Field(
+        None, ge=0, description="A mixture of experts (Qwen3-MoE, Mixtral): add its routers' load-balancing loss "
+        "(Switch Transformer's, transformers' load_balancing_loss_func over every layer) with this weight, as "
+        "transformers does with output_router_logits (router_aux_loss_coef: 0.001 in Qwen3-MoE's config, 0.02 in "
+        "Mixtral's). Supervised fine-tuning; logged as aux_loss. Unset: off, transformers' default.")
 
     @field_validator("tiled_mlp")
     @classmethod

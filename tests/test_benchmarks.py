@@ -173,6 +173,59 @@ def test_two_processes_give_the_same_scores_and_write_once(trained, free_port):
     assert len(set((run / "lm_eval").glob("*.json")) - before) == 1
 
 
+@pytest.mark.extended  # a 2-process run, beside the one-process tests of a checkpoint and a QLoRA run (Target.load)
+def test_a_model_handed_to_the_harness_is_scored_once_over_two_processes(trained, tmp_path, free_port):
+    """A checkpoint is loaded by llmtrain and handed to the harness built (as a QLoRA run's 4-bit base is), which
+    would have every process score every request: over 2 processes each scores its half (the loglikelihood requests
+    counted per rank: 20 + 20 = the one process's 40, one a document), and the table is the one process's."""
+    run, tasks = trained
+    checkpoint = sorted((run / "checkpoints").glob("step_*"))[-1]  # step 120: scores neither 0 nor 1
+    args = ["eval", str(checkpoint), "--tasks", "tiny_reverse_ll", "--include-path", str(tasks), "--limit", LIMIT,
+            "--batch-size", "8"]
+    counts = {n: tmp_path / f"{n}-processes" for n in (1, 2)}
+    for n, folder in counts.items():
+        folder.mkdir()
+        proc = subprocess.run([sys.executable, "-m", "accelerate.commands.launch", "--config_file",
+                               str(REPO / "accelerate_configs" / "cpu_ddp.yaml"), "--num_processes", str(n),
+                               "--main_process_port", str(free_port), str(REPO / "tests" / "eval_probe.py"),
+                               str(folder), *args], env=OFFLINE, cwd=REPO, capture_output=True, text=True, timeout=600)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        counts[n] = ({p.name: json.loads(p.read_text()) for p in folder.glob("rank*.json")}, table_rows(proc.stdout))
+    (one, rows), (two, rows_two) = counts[1], counts[2]
+    assert one == {"rank0.json": 40} and two == {"rank0.json": 20, "rank1.json": 20}, (one, two)
+    assert rows_two == rows and rows and "|acc   |↑  |    0|" not in rows[-1], rows
+
+
+@pytest.mark.extended  # 2 processes; main tier: the recipe's eval on one process (below)
+@pytest.mark.slow
+def test_a_qlora_runs_recipe_eval_on_two_processes_scores_each_request_once(tiny_assets, tmp_path, free_port):
+    """A QLoRA run (its final/ handed to the harness built) with an eval: section, trained and scored on 2 processes:
+    the process group lives until final/ is scored (it ended with the training: the harness's gather then failed), each
+    process scores half of the requests, and the scores are `llmtrain eval`'s on one process."""
+    pytest.importorskip("bitsandbytes")
+    tasks = task_folder(tiny_assets, tmp_path)
+    benchmark = {"tasks": ["tiny_reverse_ll"], "include_path": [str(tasks)], "limit": 40, "batch_size": 8}
+    recipe = write_recipe(tiny_assets, tmp_path, data={"max_seq_len": 64}, eval=benchmark,
+                          lora={"r": 8, "alpha": 16, "dropout": 0.0}, model={"dtype": "bfloat16", "quantize": "nf4"},
+                          train={"max_steps": 10, "micro_batch_size": 8, "lr": 1e-2, "warmup_steps": 0,
+                                 "mixed_precision": "bf16"})
+    counts = tmp_path / "counts"
+    counts.mkdir()
+    proc = subprocess.run([sys.executable, "-m", "accelerate.commands.launch", "--config_file",
+                           str(REPO / "accelerate_configs" / "cpu_ddp.yaml"), "--num_processes", "2",
+                           "--main_process_port", str(free_port), str(REPO / "tests" / "eval_probe.py"), str(counts),
+                           "finetune", str(recipe)], env=OFFLINE, cwd=REPO, capture_output=True, text=True,
+                          timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert {p.name: json.loads(p.read_text()) for p in counts.glob("rank*.json")} == {"rank0.json": 20,
+                                                                                      "rank1.json": 20}
+    at_the_end = json.loads((tmp_path / "run" / "lm_eval" / "tiny_reverse_ll.json").read_text())
+    cli("eval", str(tmp_path / "run"), "--tasks", "tiny_reverse_ll", "--include-path", str(tasks), "--limit", "40",
+        "--batch-size", "8", env=OFFLINE)
+    again = json.loads((tmp_path / "run" / "lm_eval" / "tiny_reverse_ll-2.json").read_text())
+    assert again["results"] == at_the_end["results"] and at_the_end["results"]["tiny_reverse_ll"]["sample_len"] == 40
+
+
 @pytest.mark.slow
 @pytest.mark.extended  # GSM8K's real test split through the harness's own gsm8k task settings, on local files
 def test_a_task_on_local_gsm8k_runs_offline(trained, tmp_path):

@@ -111,6 +111,33 @@ def test_generate_runs_a_runs_tools_as_its_rollouts_did(straight, tiny_assets, t
         assert (t["tokens"] == p["tokens"]) == (not t["calls"])
 
 
+def test_generate_on_a_tool_run_takes_system_and_refuses_no_chat(straight, tmp_path, monkeypatch):
+    """--system on a tool run's prompts: they are rendered as its RL prompts were (the chat template showing the
+    tools), with the given system message in place of the run's; --no-chat is refused in one paragraph (its prompts
+    show the tools through the template), before any reply is sampled."""
+    from llmtrain.run import replies
+
+    _, run = straight
+    source = replies.load_source(str(run), device="cpu")
+    seen = []
+
+    def fake(model, prompts, **kwargs):  # the prompts as the sampler gets them; no reply
+        seen.extend(prompts)
+        return [[] for _ in prompts]
+
+    monkeypatch.setattr("llmtrain.model.fast_sample.sampler_for", lambda *a, **k: fake)
+    rows = [{"prompt": [{"role": "user", "content": "the code of abcd?"}]}]
+    replies.generate_replies(source, rows, samples=1, tools=False)
+    replies.generate_replies(source, rows, samples=1, tools=False, system_prompt="Answer with the code alone.")
+    plain, told = (source.tokenizer.decode(ids) for ids in seen)
+    assert "Answer with the code alone." in told and "Answer with the code alone." not in plain
+    assert "lookup" in plain and "lookup" in told  # the tools' schema shown either way
+    refused = invoke("generate", str(run), "the code of abcd?", "--no-chat", check=False)
+    said = " ".join((refused.stdout + refused.stderr).split())
+    assert refused.returncode == 2 and "--no-chat" in said and "Leave --no-chat out" in said, said
+    assert "Traceback" not in refused.stdout + refused.stderr
+
+
 @pytest.mark.extended  # main tier: the straight run above
 @pytest.mark.slow
 def test_a_run_with_tools_killed_mid_run_resumes_to_the_same_completions_and_calls(straight, tmp_path):

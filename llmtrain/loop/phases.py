@@ -309,7 +309,8 @@ def build_model(recipe: Recipe, accelerator, *, total_steps: int, say, pad: int 
         fused_ce = None
         attach_score(model)
     else:
-        attach_loss(model, chunk=tc.loss_chunk_tokens, fused_linear_ce=fused_ce)
+        attach_loss(model, chunk=tc.loss_chunk_tokens, fused_linear_ce=fused_ce,
+                    router_aux=recipe.model.router_aux_loss_coef)
     for name, status, detail in check_context(recipe.data.max_seq_len,
                                               getattr(model.config, "max_position_embeddings", None)):
         if status == "warn":  # as `llmtrain doctor`

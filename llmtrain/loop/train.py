@@ -124,18 +124,21 @@ def _train(recipe: Recipe, accelerator, console: RunConsole, cleanup: ExitStack,
         meter = Meter(accelerator, flops=trainable.flops, peak=trainable.peak_flops,
                       elapsed_before=state.elapsed_s + data.reference_s, objective=run.objective)
         evals = train_loop(run, state, meter)
-        summary = finish(run, state, meter, evals, est)
+        # the recipe's benchmark (below) scores final/ over the processes: their group stays until it has
+        summary = finish(run, state, meter, evals, est, end=recipe.eval is None)
     except torch.OutOfMemoryError as e:  # one paragraph with the estimate and what to change, not a traceback
         recipe_path = Path(recipe.output_dir) / "recipe.yaml" if state is not None else "RECIPE.yaml"
         raise LLMTrainError(out_of_memory_text(est, step=state.step if state is not None else -1,
                                                detail=". ".join(str(e).split(". ")[:2]),
                                                recipe_path=str(recipe_path))) from e
-    if recipe.eval is not None and recipe.checkpoint.save_final:  # the recipe's benchmark, on final/
+    if recipe.eval is not None:  # the recipe's benchmark, on final/ (check_recipe: it is saved)
         from llmtrain.run.benchmarks import after_training
 
-        del run, trainable, objective, teacher, data, rewards  # the training's memory, for the harness's model
+        # the training's memory, for the harness's model (freed while the process group lives: see finish)
+        del run, trainable, objective, teacher, data, rewards
         accelerator.free_memory()
         after_training(recipe, accelerator, say)
+        accelerator.end_training()
     return summary
 
 
@@ -305,8 +308,9 @@ def save(run: Run, state: TrainState, meter: Meter) -> Path:
                            if run.model.pipeline is not None else None)
 
 
-def finish(run: Run, state: TrainState, meter: Meter, evals: list[dict], est) -> dict:
-    """final/ (the exportable model), summary.json, the summary table and the last loss.png."""
+def finish(run: Run, state: TrainState, meter: Meter, evals: list[dict], est, *, end: bool = True) -> dict:
+    """final/ (the exportable model), summary.json, the summary table and the last loss.png; `end`: then the process
+    group's end (False: the caller ends it after scoring final/ over the processes, the model freed first)."""
     accelerator, out, say, m = run.accelerator, run.out, run.console.say, run.model
     if run.recipe.checkpoint.save_final:
         check_finite_weights(accelerator, m.model, state.step)
@@ -334,6 +338,8 @@ def finish(run: Run, state: TrainState, meter: Meter, evals: list[dict], est) ->
         say(f"done: {state.step} steps, final loss {final if final is None else round(final, 4)}, wrote {out}")
         if run.recipe.logging.plot and (note := update_loss_plot(out)):
             say(note)
+    if not end:
+        return summary
     accelerator.end_training()
     if accelerator.num_processes > 1:
         # end_training destroyed the process group, so the DDP model's Reducer holds the last reference to the gloo

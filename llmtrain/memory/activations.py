@@ -1,5 +1,6 @@
 """Bytes that a decoder's forward keeps for backward, as transformers and peft run it: Llama's layer, and where a
-family's differs (params.FAMILIES: QK-norm, Gemma's four fp32 norms and two RoPEs, Phi's fused projections), theirs.
+family's differs (params.FAMILIES: QK-norm, Gemma's four fp32 norms and two RoPEs, Phi's fused projections, a mixture
+of experts' router and grouped experts), theirs.
 
 Every function here is plain arithmetic on a `Pass` (the shapes and dtypes of one micro-batch), so
 each can be checked by hand. The per-layer terms were read off transformers' LlamaDecoderLayer and

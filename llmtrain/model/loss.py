@@ -83,7 +83,7 @@ def causal_lm(model):
     return model.get_base_model() if hasattr(model, "get_base_model") else model
 
 
-def attach_loss(model, *, chunk: int, fused_linear_ce=None) -> None:
+def attach_loss(model, *, chunk: int, fused_linear_ce=None, router_aux: float | None = None) -> None:
     """Give the *ForCausalLM module a forward that returns the summed loss when called with `loss_index`.
 
     Called with `loss_index` / `loss_targets` (batching.with_loss_positions), the forward runs the decoder,
@@ -94,7 +94,8 @@ def attach_loss(model, *, chunk: int, fused_linear_ce=None) -> None:
     `loss_index`, both are transformers' own forwards (generation, export). The result is a dict, a
     pytree in which FSDP2 finds the loss to hook the root's backward.
     `fused_linear_ce`, when given (liger's fused linear cross-entropy on CUDA), replaces the chunked loop
-    in training.
+    in training. `router_aux` (model.router_aux_loss_coef): a mixture of experts' load-balancing loss joins the training
+    loss (router_aux_loss) with this weight; the result's "aux" is that loss times the trained tokens, for the log.
     """
     lm = causal_lm(model)
     if cap := getattr(lm.config, "final_logit_softcapping", None):  # Gemma 2: tanh(logits / cap) * cap
@@ -114,17 +115,42 @@ def attach_loss(model, *, chunk: int, fused_linear_ce=None) -> None:
             return original(self, *args, **kwargs)
         kwargs.pop("labels", None)  # peft passes labels=None through
         kwargs.pop("use_cache", None)
-        hidden = self.model(*args, use_cache=False, **kwargs).last_hidden_state.flatten(0, 1)
+        # training's summed loss (not evaluation's, nor another objective's per-token or token_loss one)
+        aux = router_aux is not None and not (return_hits or per_token or token_loss is not None)
+        outputs = self.model(*args, use_cache=False, **kwargs, **({"output_router_logits": True} if aux else {}))
+        hidden = outputs.last_hidden_state.flatten(0, 1)
         if loss_index.numel() == 0:  # no trained position (a sequence-parallel slice of prompt tokens, a pipeline's
             # filler): a zero loss that still reaches every parameter, as DDP and FSDP reduce all their gradients
             loss, _ = self.lm_head(hidden[:1], targets=hidden.new_zeros(1, dtype=torch.long))
-            return {"loss": loss.sum() * 0.0, "hits": torch.zeros(0, dtype=torch.bool, device=hidden.device)}
+            return {"loss": loss.sum() * 0.0, "hits": torch.zeros(0, dtype=torch.bool, device=hidden.device),
+                    **({"aux": loss.new_zeros(())} if aux else {})}
         # hits: with token_loss, its statistics instead
         loss, hits = self.lm_head(hidden[loss_index], targets=loss_targets, with_hits=return_hits, per_token=per_token,
                                   temperature=temperature, token_loss=token_loss)
-        return {"loss": loss, "hits": hits}
+        if not aux:
+            return {"loss": loss, "hits": hits}
+        balance = router_aux_loss(self, outputs.router_logits, kwargs.get("attention_mask")) * loss_index.numel()
+        return {"loss": loss + router_aux * balance, "hits": hits, "aux": balance.detach()}
 
     lm.forward = types.MethodType(forward, lm)
+
+
+def router_aux_loss(lm, router_logits, attention_mask) -> torch.Tensor:
+    """A mixture of experts' load-balancing loss on one micro-batch, as its transformers model computes it with
+    output_router_logits (its module's load_balancing_loss_func: the experts' share of the routed tokens times their
+    mean routing probability, summed, times the experts; padding left out). Added to the summed cross-entropy times
+    the micro-batch's trained tokens, so that the step's loss (divided by the window's trained tokens) is the
+    cross-entropy's mean plus the coefficient times the micro-batches' token-weighted mean of it: on one micro-batch,
+    transformers' own loss."""
+    import sys
+
+    from llmtrain.capabilities import experts
+
+    # the model's own modeling module (under FSDP2 its class is a subclass that fully_shard made elsewhere)
+    module = next(sys.modules[c.__module__] for c in type(lm).__mro__
+                  if hasattr(sys.modules[c.__module__], "load_balancing_loss_func"))
+    return module.load_balancing_loss_func(router_logits, experts(lm.config), lm.config.num_experts_per_tok,
+                                           attention_mask)
 
 
 def _head_forward(chunk: int, fused_linear_ce):
@@ -163,7 +189,7 @@ def decoder_inputs(batch: dict) -> dict:
 
 
 def compute_loss(model, batch: dict, *, return_hits: bool = False, per_token: bool = False, temperature: float = 1.0,
-                 token_loss=None):
+                 token_loss=None, return_aux: bool = False):
     """Summed token cross-entropy of one collated batch on the device (the one loss of train and eval).
 
     `batch` holds the model inputs plus `loss_index` / `loss_targets` (batching.with_loss_positions);
@@ -171,12 +197,15 @@ def compute_loss(model, batch: dict, *, return_hits: bool = False, per_token: bo
     forwards to it. per_token: the cross-entropy of every trained token instead of their sum (preference losses).
     temperature: of the logits (online RL takes the policy's log-probabilities at the sampling temperature, as TRL).
     token_loss: another loss on the same chunks of the LM head's logits (chunked_token_loss): returns (its summed
-    loss, its summed statistics).
+    loss, its summed statistics). return_aux: (the loss, the load-balancing loss times the trained tokens, attach_loss's
+    router_aux; None without it).
     """
     inputs = {**decoder_inputs(batch), **{k: batch[k] for k in MODEL_INPUTS[3:] if k in batch}}
     out = model(**inputs, return_hits=return_hits, per_token=per_token,
                 **({"temperature": temperature} if temperature != 1.0 else {}),
                 **({"token_loss": token_loss} if token_loss is not None else {}))
+    if return_aux:
+        return out["loss"], out.get("aux")
     return (out["loss"], out["hits"]) if return_hits or token_loss is not None else out["loss"]
 
 

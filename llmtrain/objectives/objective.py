@@ -51,8 +51,9 @@ class CausalLM:
     columns = ("input_ids", "labels")
     example_sum = None  # sequence parallelism: per-example sums over the sequence group (parallel/sequence/shards.py)
 
-    def __init__(self, *, pad_id: int, packing: bool):
-        self.pad_id, self.packing = pad_id, packing
+    def __init__(self, *, pad_id: int, packing: bool, router_aux: bool = False):
+        # router_aux: the loss carries a mixture of experts' load-balancing loss (model.router_aux_loss_coef), logged
+        self.pad_id, self.packing, self.router_aux = pad_id, packing, router_aux
 
     def collate(self, examples: list[dict]) -> tuple[dict, Counts]:
         batch = with_loss_positions(collate(examples, pad_id=self.pad_id, packing=self.packing))
@@ -60,11 +61,12 @@ class CausalLM:
         return batch, Counts.of(examples, units=trained, trained=trained)
 
     def loss(self, model, batch: dict) -> tuple[torch.Tensor, torch.Tensor]:
-        loss = compute_loss(model, batch)
-        return loss, loss.new_zeros(0)
+        loss, aux = compute_loss(model, batch, return_aux=True)
+        return loss, aux.reshape(1) if self.router_aux else loss.new_zeros(0)
 
     def step_metrics(self, stats: list[float], units: float) -> dict[str, float]:
-        return {}
+        # the load-balancing loss, the micro-batches' mean weighted by their trained tokens (without its coefficient)
+        return {"aux_loss": stats[0] / max(units, 1.0)} if self.router_aux else {}
 
     def eval_sums(self, model, batch: dict, device) -> torch.Tensor:
         """[loss, trained tokens, argmax hits, teacher-forced matches, examples]. An example is a teacher-forced match
@@ -172,7 +174,8 @@ def objective_for(recipe, *, pad_id: int, model=None, tokenizer=None, train=None
 
         return Preference(recipe.preference, pad_id=pad_id, packing=packs_rows(recipe),
                           reference=reference_kind(recipe), model=model)
-    return CausalLM(pad_id=pad_id, packing=packs_rows(recipe))
+    return CausalLM(pad_id=pad_id, packing=packs_rows(recipe),
+                    router_aux=recipe.model.router_aux_loss_coef is not None)
 
 
 def prompt_renderer(recipe, tokenizer):

@@ -161,7 +161,7 @@ def after_training(recipe, accelerator, say) -> Path | None:
     how = dict(num_fewshot=b.num_fewshot, batch_size=b.batch_size, limit=b.limit,
                apply_chat_template=b.apply_chat_template, device=str(accelerator.device))
     say(f"eval: scoring {target.name} on {', '.join(b.tasks)} (lm-evaluation-harness)")
-    results = evaluate(target, b.tasks, task_manager(b.include_path, b.tasks), **how)
+    results = evaluate(target, b.tasks, task_manager(b.include_path, b.tasks), **how, accelerator=accelerator)
     if not accelerator.is_main_process or results is None:
         return None
     say(table(results))
@@ -235,9 +235,9 @@ def check_tasks(names: list[str], manager) -> None:
 
 
 def evaluate(target: Target, tasks: list[str], manager, *, num_fewshot: int | None, batch_size: int | str,
-             limit: float | None, apply_chat_template: bool, device: str | None) -> dict | None:
+             limit: float | None, apply_chat_template: bool, device: str | None, accelerator=None) -> dict | None:
     """The harness's results for `target` on the tasks, with its CLI's defaults (None on every process but the main
-    one)."""
+    one); `accelerator`: the processes taking part (a finished run's; else accelerate launch's, share_requests)."""
     import torch
     from lm_eval import simple_evaluate
 
@@ -247,10 +247,27 @@ def evaluate(target: Target, tasks: list[str], manager, *, num_fewshot: int | No
         from lm_eval.models.huggingface import HFLM
 
         instance, tokenizer = target.load(device)
-        model, args = HFLM(pretrained=instance, tokenizer=tokenizer, batch_size=batch_size), None
+        model = share_requests(HFLM(pretrained=instance, tokenizer=tokenizer, batch_size=batch_size), accelerator)
+        args = None
     return simple_evaluate(model=model, model_args=args, tasks=tasks, num_fewshot=num_fewshot,
                            batch_size=batch_size, device=device, limit=limit, apply_chat_template=apply_chat_template,
                            log_samples=False, task_manager=manager)
+
+
+def share_requests(lm, accelerator=None):
+    """The harness scores a model it is handed built (a checkpoint, a 4-bit base: Target.load) as if alone, so under
+    `accelerate launch` every process would score every request. Give it the processes, as it takes them for a model
+    it loads itself on GPUs: each scores its share of the requests (by rank) and the main process gathers them (over
+    gloo on CPUs, as llmtrain's Accelerator joins them: cpu=True). `accelerator`: the run's, after training."""
+    import torch
+    from accelerate import Accelerator, PartialState
+
+    cpu = not torch.cuda.is_available()
+    if accelerator is None and PartialState(cpu=cpu).num_processes > 1:
+        accelerator = Accelerator(cpu=cpu)
+    if accelerator is not None and accelerator.num_processes > 1:
+        lm._rank, lm._world_size, lm.accelerator = accelerator.process_index, accelerator.num_processes, accelerator
+    return lm
 
 
 def quiet() -> None:

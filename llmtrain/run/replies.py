@@ -193,8 +193,8 @@ def generate_replies(source: Source, prompts: list, *, max_new_tokens: int | Non
     lm = causal_lm(source.model)
     turn = end_of_turn(source.tokenizer, source.template) if rendered_chat or tooled else None
     stops = set(stop_tokens(lm, source.tokenizer, turn))
-    # a tool run's prompts show the tools, as its own did (--no-tools too)
-    render = prompt_renderer(source.recipe, source.tokenizer) if source.tools else None
+    # a tool run's prompts show the tools, as its own did (--no-tools too), with --system in place of its system prompt
+    render = prompt_renderer(_with_system(source, chat, system_prompt), source.tokenizer) if source.tools else None
     ids = [render(r["prompt"], n) if render else prompt_ids(source, r["prompt"], chat=chat, system_prompt=system_prompt)
            for n, r in enumerate(rows_in)]
     calls = Tools.of_run(source.recipe.rl, tokenizer=source.tokenizer, template=source.template,
@@ -234,6 +234,18 @@ def generate_replies(source: Source, prompts: list, *, max_new_tokens: int | Non
                     reply.update(calls=roll.calls, messages=roll.messages)
                 out.append(reply)
     return out
+
+
+def _with_system(source: Source, chat: bool | None, system_prompt: str | None):
+    """A tool run's recipe as its prompts are rendered here: through its chat template (the tools are shown there:
+    --no-chat is refused), with --system as the system prompt where given."""
+    if chat is False:
+        raise LLMTrainError(f"--no-chat: {source.describe} sampled with tools, which its prompts show through the chat "
+                            "template; its replies are sampled from prompts rendered so. Leave --no-chat out")
+    if system_prompt is None:
+        return source.recipe
+    data = source.recipe.data.model_copy(update={"system_prompt": system_prompt})
+    return source.recipe.model_copy(update={"data": data})
 
 
 def _accepted(fn, row: dict) -> dict:

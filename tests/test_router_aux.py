@@ -1,0 +1,164 @@
+"""model.router_aux_loss_coef: a mixture of experts' load-balancing loss in the training loss, as transformers adds it
+with output_router_logits (the model module's own load_balancing_loss_func), on tiny random Qwen3-MoE and Mixtral.
+
+- One micro-batch: llmtrain's loss (summed cross-entropy + coefficient x the load-balancing loss x the trained tokens,
+  over the trained tokens) is transformers' `model(..., labels=, output_router_logits=True).loss`, and so are the
+  routers' gradients (fp32, to 1e-6); the same examples packed in one row (no mask) give the padded batch's.
+- A run: the step's logged loss is the cross-entropy of the run without it plus the coefficient times the logged
+  aux_loss; its routers then train differently; checkpointed layers give the same losses.
+- Where it cannot apply (a dense model, another mode than supervised fine-tuning, a sequence group's slices, pipeline
+  stages) it is refused in one paragraph before anything is written.
+"""
+
+from __future__ import annotations
+
+import copy
+import re
+
+import pytest
+import torch
+from helpers import records, run_train, write_recipe
+from test_families import family_model
+
+from llmtrain.config import load_recipe
+from llmtrain.errors import LLMTrainError
+
+TINY = dict(hidden_size=64, intermediate_size=48, num_attention_heads=4, num_key_value_heads=2, num_hidden_layers=2,
+            vocab_size=97)
+MOE = {"qwen3_moe": dict(head_dim=16, moe_intermediate_size=48, num_experts=8, num_experts_per_tok=2),
+       "mixtral": dict(num_local_experts=8, num_experts_per_tok=2)}
+COEF = 0.25
+
+
+def moe_model(family: str):
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    config = AutoConfig.for_model(family, **TINY, **MOE[family], router_aux_loss_coef=COEF)  # transformers' weight
+    return AutoModelForCausalLM.from_config(config, attn_implementation="sdpa")
+
+
+def batch_of(lengths: list[int], *, packing: bool) -> dict:
+    from llmtrain.data.batching import collate, with_loss_positions
+
+    g = torch.Generator().manual_seed(1)
+    examples = [{"input_ids": (ids := torch.randint(3, 97, (n,), generator=g).tolist()), "labels": ids}
+                for n in lengths]
+    return with_loss_positions(collate(examples, pad_id=0, packing=packing))
+
+
+def router_grads(model) -> list[torch.Tensor]:
+    return [p.grad.clone() for n, p in model.named_parameters() if n.endswith("mlp.gate.weight")]
+
+
+@pytest.mark.parametrize("family", sorted(MOE))
+def test_one_micro_batch_is_transformers_loss_with_output_router_logits(family):
+    from llmtrain.model.attention import register
+    from llmtrain.model.loss import attach_loss, compute_loss
+
+    theirs = moe_model(family)
+    padded = batch_of([12, 7, 9], packing=False)
+    labels = padded["input_ids"].masked_fill(padded["attention_mask"] == 0, -100)  # every real token trained
+    out = theirs(input_ids=padded["input_ids"], attention_mask=padded["attention_mask"], labels=labels,
+                 output_router_logits=True)
+    out.loss.backward()
+
+    ours = copy.deepcopy(theirs)
+    ours.zero_grad(set_to_none=True)
+    attach_loss(ours, chunk=5, router_aux=COEF)
+    loss, aux = compute_loss(ours, padded, return_aux=True)
+    n = len(padded["loss_index"])
+    (loss / n).backward()
+    assert (loss / n).item() == pytest.approx(out.loss.item(), abs=1e-6)
+    assert (aux / n).item() == pytest.approx(out.aux_loss.item(), abs=1e-6)
+    assert all(torch.allclose(a, b, atol=1e-6) for a, b in zip(router_grads(ours), router_grads(theirs)))
+    assert len(router_grads(ours)) == 2 and out.aux_loss.item() > 1.0  # top_k 2: at least ~2, balanced or not
+
+    # the same examples in one packed row (varlen attention, no mask): the same real tokens, the same loss
+    ours.config._attn_implementation = register()
+    loss_packed, aux_packed = compute_loss(ours, batch_of([12, 7, 9], packing=True), return_aux=True)
+    assert loss_packed.item() == pytest.approx(loss.item(), rel=1e-6)
+    assert aux_packed.item() == pytest.approx(aux.item(), rel=1e-6)
+    # evaluation's loss (return_hits) is the cross-entropy alone
+    with torch.no_grad():
+        ce, _ = compute_loss(ours, padded, return_hits=True)
+    assert ce.item() == pytest.approx(loss.item() - COEF * aux.item(), rel=1e-6)
+
+
+def test_a_sharded_models_class_still_finds_its_load_balancing_loss():
+    """FSDP2's fully_shard swaps the model's class for a subclass defined in torch's own module (found on 2 processes:
+    an AttributeError on that module); the loss is looked up along the class's bases."""
+    from llmtrain.model.loss import router_aux_loss
+
+    model = moe_model("qwen3_moe")
+    out = model(input_ids=torch.arange(3, 19).reshape(2, 8), output_router_logits=True)
+    want = router_aux_loss(model, out.router_logits, None)
+    model.__class__ = type("FSDPQwen3MoeForCausalLM", (type(model),),
+                           {"__module__": "torch.distributed.fsdp._fully_shard._fsdp_init"})
+    assert router_aux_loss(model, out.router_logits, None).item() == want.item() > 1.0
+
+
+@pytest.mark.extended  # 2 processes; main tier: the one-process run below and the sharded class above
+@pytest.mark.slow
+def test_ddp_and_fsdp_train_the_same_with_it(tiny_assets, tmp_path, free_port):
+    """2 processes of 2 examples under DDP and under FSDP: the same losses and aux_loss (each process's micro-batch
+    has its own load-balancing loss, so these are the halves' token-weighted mean, not one process's 4 examples')."""
+    from helpers import REPO, launch_finetune
+
+    model = family_model(tiny_assets, tmp_path / "qwen3_moe", "qwen3_moe")
+    recipe = write_recipe(tiny_assets, tmp_path, model={"name_or_path": str(model)}, data={"eval_split": None},
+                          train={"max_steps": 3, "micro_batch_size": 2, "lr": 3e-3, "warmup_steps": 0})
+    logged = {}
+    for config in ("cpu_ddp.yaml", "cpu_fsdp.yaml"):
+        launch_finetune(REPO / "accelerate_configs" / config, 2, free_port, recipe, f"output_dir={tmp_path / config}",
+                        f"model.router_aux_loss_coef={COEF}")
+        logged[config] = [v for r in records(tmp_path / config) for v in (r["loss"], r["aux_loss"])]
+    assert logged["cpu_fsdp.yaml"] == pytest.approx(logged["cpu_ddp.yaml"], abs=1e-5)
+
+
+def test_a_runs_loss_adds_the_logged_aux_loss_and_its_routers_train_by_it(tiny_assets, tmp_path):
+    model = family_model(tiny_assets, tmp_path / "qwen3_moe", "qwen3_moe")
+    recipe = write_recipe(tiny_assets, tmp_path, model={"name_or_path": str(model)},
+                          data={"eval_split": None}, train={"max_steps": 3, "micro_batch_size": 4, "lr": 3e-3,
+                                                            "warmup_steps": 0})
+    run_train(recipe, f"output_dir={tmp_path / 'plain'}")
+    run_train(recipe, f"output_dir={tmp_path / 'aux'}", f"model.router_aux_loss_coef={COEF}")
+    run_train(recipe, f"output_dir={tmp_path / 'ckpt'}", f"model.router_aux_loss_coef={COEF}",
+              "model.gradient_checkpointing=true")
+    plain, aux = records(tmp_path / "plain"), records(tmp_path / "aux")
+    # checkpointed layers (their routers run again in backward) give the same losses
+    assert [v for r in records(tmp_path / "ckpt") for v in (r["loss"], r["aux_loss"])] == pytest.approx(
+        [v for r in aux for v in (r["loss"], r["aux_loss"])], abs=1e-6)
+    assert "aux_loss" not in plain[0] and all(r["aux_loss"] > 1.0 for r in aux)
+    # step 1: the same weights and batch, so the same cross-entropy; the loss adds the coefficient x aux_loss
+    assert aux[0]["loss"] == pytest.approx(plain[0]["loss"] + COEF * aux[0]["aux_loss"], abs=1e-5)
+    assert aux[-1]["loss"] - COEF * aux[-1]["aux_loss"] != pytest.approx(plain[-1]["loss"], abs=1e-6)
+    from safetensors.torch import load_file
+
+    routers = [{k: v for k, v in load_file(tmp_path / run / "final" / "model.safetensors").items()
+                if k.endswith("mlp.gate.weight")} for run in ("plain", "aux")]
+    assert routers[0].keys() == routers[1].keys() and any(
+        not torch.equal(routers[0][k], routers[1][k]) for k in routers[0])
+
+
+@pytest.mark.parametrize("recipe, overrides, says", [
+    ("tiny.yaml", [], "has no experts (a dense MLP): unset it"),
+    ("tiny-dpo", [], "whose loss llmtrain does not add it to"),
+    ("moe", ["parallel.sequence_parallel=2"], "the product of two means over every token"),
+    ("moe", ["parallel.pipeline_parallel=2"], "needs every layer's router logits, which are on every stage"),
+])
+def test_where_it_cannot_apply_it_is_refused_in_one_paragraph(tiny_assets, tmp_path, recipe, overrides, says):
+    if recipe == "tiny-dpo":
+        path = write_recipe(tiny_assets, tmp_path, preference={"loss": "dpo"},
+                            data={"path": str(tiny_assets / "data" / "train_pairs.jsonl"), "format": "preference"})
+    else:
+        path = write_recipe(tiny_assets, tmp_path)
+    if recipe == "moe":
+        overrides = [f"model.name_or_path={family_model(tiny_assets, tmp_path / 'moe', 'qwen3_moe')}", *overrides]
+    overrides = [*overrides, f"model.router_aux_loss_coef={COEF}", f"output_dir={tmp_path / 'run'}"]
+    with pytest.raises(LLMTrainError, match=re.escape(says)):
+        run_train(path, *overrides)
+    assert not (tmp_path / "run").exists()
+    if recipe != "tiny.yaml":  # the recipe alone says it (the schema's check), before any model is read
+        with pytest.raises(LLMTrainError, match=re.escape(says)):
+            load_recipe(path, overrides)
