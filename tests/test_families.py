@@ -149,8 +149,8 @@ def test_dpo_starts_at_log_2_and_ranks_every_pair_right(models, tiny_assets, tmp
     assert lines[-1]["loss"] < 0.45 and lines[-1]["rewards/accuracies"] == 1.0, lines[-1]
 
 
-# the mixtures of experts: trained in full and under LoRA (peft's parameter adapters on the router and experts, merged
-# by peft at each forward, beside the merged copy of attention's linears); Qwen3-MoE's LoRA in the main tier
+# the mixtures of experts: trained in full and under LoRA (peft's parameter adapters on the router and experts; the
+# experts' run beside them while sampling, model/lora_experts.py); Qwen3-MoE's LoRA in the main tier
 @pytest.mark.parametrize("family", sorted(FAMILIES) + [
     pytest.param(f, marks=[] if f == "qwen3_moe-lora" else [pytest.mark.extended])
     for f in sorted(MOE) + [f"{f}-lora" for f in sorted(MOE)]])

@@ -91,11 +91,11 @@ def test_a_long_prompt_prefilled_in_chunks_holds_less_and_the_estimate_follows_t
     assert out == chunked  # the same completions either way
 
 
-def test_a_mixture_of_experts_rollout_holds_its_merged_experts_one_layer_at_a_time():
+def test_a_mixture_of_experts_rollout_merges_none_of_its_experts():
     """A tiny Qwen3-MoE (8 experts of 128 columns, 2 a token) under an all-linear LoRA r16 (bf16, the merged copy on):
-    the copy holds attention's linears only (peft adapts the router and the experts as parameters, and merges those
-    itself at every forward: one layer's merged experts exist at a time, which the estimate's sampling phases hold);
-    the rollout's peak within 10% of the estimate's."""
+    the copy holds attention's linears only (peft adapts the router and the experts as parameters), and the experts
+    run their adapters beside them (model/lora_experts.py: peft would merge a layer's experts at every forward, 8 x 3
+    x 128 x 256 x 2 bytes, and the peak would hold them); the rollout's peak within 10% of the estimate's."""
     from peft import LoraConfig, get_peft_model
     from transformers import AutoConfig, AutoModelForCausalLM
 
@@ -118,5 +118,4 @@ def test_a_mixture_of_experts_rollout_holds_its_merged_experts_one_layer_at_a_ti
     print(f"moe: measured {live.peak:,} B, estimated {predicted:,} B ({predicted / live.peak - 1:+.1%})")
     assert abs(predicted / live.peak - 1) <= 0.10
     assert sampling["generation"]["generation_copy"] == copy_bytes(adapted_linears(model))
-    merged = 8 * 3 * 128 * 256 * 2  # one layer's gate_up_proj and down_proj, every expert, bf16
-    assert sampling["generation"]["temporaries"] == merged
+    assert "temporaries" not in sampling["generation"]

@@ -248,8 +248,7 @@ def estimate(shape: ModelShape, spec: TrainSpec) -> Estimate:
         # FSDP: the rollout gathers every unit at once and keeps them so while it samples
         # (fsdp.gathered_for_generation): the whole model, unsharded, in FSDP's param dtype
         gathered = shape.layers * unit + tail + embed_unit if fsdp else 0
-        experts = {k: v for k, v in adapted[-1].items() if k.startswith("mlp.experts.")}  # merged by peft
-        phases.update(_generation_phases(shape, spec, base, cached=sum(cached), fsdp_unit=gathered, experts=experts))
+        phases.update(_generation_phases(shape, spec, base, cached=sum(cached), fsdp_unit=gathered))
     if spec.no_grad_forwards:  # KTO: the micro-batch's KL and reference passes, the window's gradients so far held
         phases.update(_eval_phases(shape, spec, {**base, "gradients": g_acc}, adapted=adapted, cached=sum(cached),
                                    head_copies=head_copies, fsdp_unit=2 * unit + always, tail=tail,
@@ -382,30 +381,28 @@ def generation_copy_bytes(shape: ModelShape, spec: TrainSpec, plan) -> int:
             shape.model_type].fast_sampler:  # the reference sampler runs the training model as it is
         return 0
     cd = DTYPE_BYTES[PRECISION_DTYPE.get(spec.mixed_precision, spec.dtype)]
-    # (a mixture of experts' adapted router and experts are peft's parameter adapters, merged by peft itself at each
-    # forward: _generation_phases)
+    # (a mixture of experts' adapted router and experts are peft's parameter adapters: the router's merged by peft at
+    # each forward, the experts' run beside them, model/lora_experts.py)
     per_layers = sum(i * o for layer in plan.adapted for name, (i, o) in layer.items() if name not in plan.moe_params)
     return (per_layers + (shape.hidden * shape.vocab if plan.adapted_head else 0)) * cd
 
 
-def _generation_phases(shape: ModelShape, spec: TrainSpec, base: dict, *, cached: int, fsdp_unit: int,
-                       experts: dict) -> dict:
+def _generation_phases(shape: ModelShape, spec: TrainSpec, base: dict, *, cached: int, fsdp_unit: int) -> dict:
     """Online RL's sampling, no graph and no gradients (freed by the previous step), beside the static KV cache
     (kv_cache_bytes; the merged generation copy, generation_copy_bytes, is added by the caller). The prefill runs
     once per distinct prompt (the micro-batch's prompts, not x num_generations), PREFILL_CHUNK positions at a time:
     a layer's transients over a chunk.
     Then each decode step: the logits of one token per row in fp32, and the sampler's fp32 softmax, cumulative
-    sum and nucleus sort over the vocabulary; beside them, a mixture of experts' LoRA-adapted experts (`experts`)
-    merged by peft for each layer's forward (one layer's at a time)."""
+    sum and nucleus sort over the vocabulary. (A mixture of experts' LoRA-adapted experts run unmerged, their
+    adapters beside them: model/lora_experts.py.)"""
     rows, prompts = sampling_rows(spec), max(1, spec.micro_batch // max(1, spec.num_generations))
     width = spec.prompt_longest or spec.prompt_tokens or spec.seq_len
     prefill = make_pass(shape, spec.but(seq_len=max(2, min(width, PREFILL_CHUNK))),
                         examples=prompts)
     common = dict(**base, autocast_copies=cached, kv_cache=kv_cache_bytes(shape, spec), fsdp_buffers=fsdp_unit)
-    merged = act.merged_experts_bytes(prefill, shape, experts) if experts else 0
-    return {"generation_prefill": _phase(**common, temporaries=act.eval_layer_bytes(prefill, shape, experts),
+    return {"generation_prefill": _phase(**common, temporaries=act.eval_layer_bytes(prefill, shape, {}),
                                          logits=prompts * shape.vocab * (prefill.cd + act.FP32)),
-            "generation": _phase(**common, logits=rows * shape.vocab * 4 * act.FP32, temporaries=merged)}
+            "generation": _phase(**common, logits=rows * shape.vocab * 4 * act.FP32)}
 
 
 def _plus(parts: dict[str, int], **more: int) -> dict[str, int]:

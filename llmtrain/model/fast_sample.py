@@ -35,8 +35,9 @@ agreement rate), while a completion never depends on its batch. What changes is 
 Models: the Llama layout (`model.layers`, `embed_tokens`, `rotary_emb`, `norm`, `lm_head`, attention that updates a
 cache object): llama, mistral, qwen2, qwen3, phi3 (fused projections, a window on every layer as Mistral's),
 gemma3_text (scaled embeddings in embed_tokens, a RoPE per kind of layer, local layers' windows) and the mixtures of
-experts qwen3_moe and mixtral (their router and experts run inside transformers' layer; peft merges LoRA-adapted
-experts itself at every forward). Others sample with the reference loop (`supports`).
+experts qwen3_moe and mixtral (their router and experts run inside transformers' layer; LoRA-adapted experts run
+their adapters beside the base experts, unmerged: model/lora_experts.py). Others sample with the reference loop
+(`supports`).
 """
 
 from __future__ import annotations
@@ -154,8 +155,10 @@ def sample_fast(lm, prompts: list[list[int]], *, seeds: list[int], max_new_token
                 compact: bool = True) -> list[list[int]]:
     """Each prompt's completion, as `generate.sample` returns it: at most max_new_tokens ids, ending with a stop id
     where one was drawn. capture: replay the decode step as a CUDA graph (CUDA only); copy: rl.merged_copy (the
-    adapted linears on a merged generation copy, model/merged_copy.py); compact: drop finished rows from the decode
-    batch (the same tokens either way)."""
+    adapted linears on a merged generation copy, model/merged_copy.py; LoRA-adapted experts run their adapters beside
+    the base experts whatever it says, model/lora_experts.py); compact: drop finished rows from the decode batch (the
+    same tokens either way)."""
+    from llmtrain.model.lora_experts import unmerged_experts
     from llmtrain.model.merged_copy import merged_for_sampling
 
     device = lm.device
@@ -164,7 +167,7 @@ def sample_fast(lm, prompts: list[list[int]], *, seeds: list[int], max_new_token
                                        dtype=torch.float64) for s in seeds]).to(device=device, dtype=torch.float32)
     cache = _cache_bytes(forward, len(prompts), max(map(len, prompts)) + max_new_tokens)
     with _sample_attention(lm), torch.compiler.set_stance("force_eager"), \
-            merged_for_sampling(lm, copy, spare_bytes=cache):
+            merged_for_sampling(lm, copy, spare_bytes=cache), unmerged_experts(lm):
         logits, keys, values = _prefill(forward, prompts, steps=max_new_tokens, pad_id=pad_id, device=device)
         decode = _Decode(forward, prompts, keys, values, uniforms=uniforms, stop_ids=stop_ids, pad_id=pad_id,
                          sampling=dict(temperature=temperature, top_p=top_p))
