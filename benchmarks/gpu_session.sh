@@ -23,6 +23,8 @@
 #                                                # context that trains with offload + tiled MLP (16K-512K), tokens/s
 #                                                # at 16K-64K: plain, offload, tiled, both; peaks vs estimate (~4 min)
 #   bash benchmarks/gpu_session.sh tools         # make demo-tools on CUDA: GRPO with a tool through the captured sampler
+#   bash benchmarks/gpu_session.sh moe           # Qwen3-30B-A3B's shape: LoRA (experts, attention, the load-balancing
+#                                                # loss) peaks vs estimate; GRPO with the experts unmerged (5-8 min)
 #
 # Each writes $OUT/<name>.jsonl and $OUT/<name>.log.
 #
@@ -35,7 +37,7 @@
 # (WORK=DIR moves the runs from /tmp/work, or /tmp/work-dry, to DIR.)
 set -uo pipefail
 cd "$(dirname "$0")/.."
-WHAT=${1:?usage: gpu_session.sh pack|families|i40|i40b|sp|smoke|distill|vs-hf-7b|vs-hf-1b|fixed|calibrate|fit|profile|rl|long|tools}
+WHAT=${1:?usage: gpu_session.sh pack|families|i40|i40b|sp|smoke|distill|vs-hf-7b|vs-hf-1b|fixed|calibrate|fit|profile|rl|long|tools|moe}
 G=.gpu
 OUT=${OUT:-/tmp/out}
 DRY=${GPU_SESSION_DRY:-0}
@@ -482,6 +484,23 @@ long)  # issue 42 (benchmarks/long_context_gpu.py, about 4 minutes on an H100): 
   $PY benchmarks/long_context_gpu.py --config "$LLAMA8B" --work $W/long --out "$OUT/$WHAT.jsonl" "${LONG[@]}" \
     >> "$OUT/$WHAT.log" 2>&1
   echo "long_context_gpu.py: exit $?" | tee -a "$OUT/$WHAT.log"
+  ;;
+moe)  # the mixtures of experts on CUDA (5-8 minutes on an H200, its own call): Qwen3-30B-A3B's shape (the estimate's built-in
+  # config, random init in bf16: 57 GiB, Mistral's tokenizer), LoRA r16 on GSM8K chats at 4,096 tokens with
+  # checkpointing, each run's peak against the estimate it prints: all-linear (the router and every expert adapted and
+  # merged by peft: 83.8 GiB by estimate-memory), attention alone, and all-linear with the load-balancing loss; then
+  # 2 GRPO steps (the fast sampler with the experts' adapters unmerged: generation tokens/s)
+  json=$($PY -c "import json; from llmtrain.memory.params import PRESETS
+print(json.dumps({**PRESETS['qwen3-30b-a3b'], 'architectures': None}))")
+  MOE=$(model_dir qwen3-30b-a3b "$json")
+  recipe $W/moe.yaml "$MOE" 1 bfloat16 4096
+  M="model.gradient_checkpointing=true train.loss_chunk_tokens=1024 train.max_steps=3"
+  run moe-lora $FT $W/moe.yaml $M
+  run moe-lora-attention $FT $W/moe.yaml $M "lora.target_modules=[q_proj,k_proj,v_proj,o_proj]"
+  run moe-lora-aux $FT $W/moe.yaml $M model.router_aux_loss_coef=0.001
+  echo "training: done at ${SECONDS}s" | tee -a "$OUT/$WHAT.log"
+  grpo_lora 2  # its GRPO and RL overrides (8 prompts x 8 completions x 256 new tokens), on the MoE's recipe
+  run moe-grpo $FT $W/moe.yaml $GRPO "$RL" rl.sampler=graph model.gradient_checkpointing=true
   ;;
 esac
 echo "done: $WHAT" >> "$OUT/$WHAT.log"
