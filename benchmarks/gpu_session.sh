@@ -487,9 +487,10 @@ long)  # issue 42 (benchmarks/long_context_gpu.py, about 4 minutes on an H100): 
   ;;
 moe)  # the mixtures of experts on CUDA (5-8 minutes on an H200, its own call): Qwen3-30B-A3B's shape (the estimate's built-in
   # config, random init in bf16: 57 GiB, Mistral's tokenizer), LoRA r16 on GSM8K chats at 4,096 tokens with
-  # checkpointing, each run's peak against the estimate it prints: all-linear (the router and every expert adapted and
-  # merged by peft: 83.8 GiB by estimate-memory), attention alone, and all-linear with the load-balancing loss; then
-  # 2 GRPO steps (the fast sampler with the experts' adapters unmerged: generation tokens/s)
+  # checkpointing, each run's peak against the estimate it prints: all-linear (the router and every expert adapted,
+  # the experts' adapters unmerged: 83.8 GiB by estimate-memory), attention alone, and all-linear with the
+  # load-balancing loss; then 2 GRPO steps (the fast sampler: generation tokens/s); then a LoRA step of a small
+  # Qwen3-MoE, unmerged against peft's merge (seconds and peak bytes, benchmarks/moe_lora_step.py)
   json=$($PY -c "import json; from llmtrain.memory.params import PRESETS
 print(json.dumps({**PRESETS['qwen3-30b-a3b'], 'architectures': None}))")
   MOE=$(model_dir qwen3-30b-a3b "$json")
@@ -501,6 +502,8 @@ print(json.dumps({**PRESETS['qwen3-30b-a3b'], 'architectures': None}))")
   echo "training: done at ${SECONDS}s" | tee -a "$OUT/$WHAT.log"
   grpo_lora 2  # its GRPO and RL overrides (8 prompts x 8 completions x 256 new tokens), on the MoE's recipe
   run moe-grpo $FT $W/moe.yaml $GRPO "$RL" rl.sampler=graph model.gradient_checkpointing=true
+  STEP=( --dtype bfloat16 --rows 8 --seq 1024 ); [[ $DRY == 1 ]] && STEP=( --rows 1 --seq 64 --repeat 1 )
+  $PY benchmarks/moe_lora_step.py "${STEP[@]}" 2>>"$OUT/$WHAT.log" | tee "$OUT/moe-lora-step.jsonl"
   ;;
 esac
 echo "done: $WHAT" >> "$OUT/$WHAT.log"

@@ -13,36 +13,46 @@ from __future__ import annotations
 import argparse
 import json
 import time
-from unittest import mock
 
 import torch
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser()
+def shape_arguments(ap: argparse.ArgumentParser) -> None:
+    """The small Qwen3-MoE's options, shared with benchmarks/moe_lora_step.py."""
     ap.add_argument("--hidden", type=int, default=512)
     ap.add_argument("--experts", type=int, default=64)
     ap.add_argument("--expert-columns", type=int, default=256)
     ap.add_argument("--top-k", type=int, default=4)
     ap.add_argument("--layers", type=int, default=4)
+    ap.add_argument("--dtype", default="float32")
+
+
+def moe_config(args):
+    from transformers import AutoConfig
+
+    return AutoConfig.for_model(
+        "qwen3_moe", hidden_size=args.hidden, intermediate_size=2 * args.hidden,
+        moe_intermediate_size=args.expert_columns, num_experts=args.experts, num_experts_per_tok=args.top_k,
+        num_hidden_layers=args.layers, num_attention_heads=8, num_key_value_heads=2, head_dim=args.hidden // 8,
+        vocab_size=4096, attn_implementation="sdpa")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    shape_arguments(ap)
     ap.add_argument("--rows", type=int, default=16)
     ap.add_argument("--new-tokens", type=int, default=32)
     ap.add_argument("--repeat", type=int, default=2)
-    ap.add_argument("--dtype", default="float32")
     args = ap.parse_args()
 
     from peft import LoraConfig, get_peft_model
-    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM
 
     from llmtrain.model import lora_experts
     from llmtrain.model.fast_sample import sample_fast
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    config = AutoConfig.for_model(
-        "qwen3_moe", hidden_size=args.hidden, intermediate_size=2 * args.hidden,
-        moe_intermediate_size=args.expert_columns, num_experts=args.experts, num_experts_per_tok=args.top_k,
-        num_hidden_layers=args.layers, num_attention_heads=8, num_key_value_heads=2, head_dim=args.hidden // 8,
-        vocab_size=4096, attn_implementation="sdpa")
+    config = moe_config(args)
     prompts = [[1] + [5 + (i * 7 + j) % 4000 for j in range(31)] for i in range(args.rows // 4) for _ in range(4)]
     cases = [("no LoRA", None, True), ("LoRA on attention", ["q_proj", "k_proj", "v_proj", "o_proj"], True),
              ("LoRA all-linear, experts unmerged", "all-linear", True),
@@ -52,16 +62,17 @@ def main() -> None:
         model = AutoModelForCausalLM.from_config(config).to(device=device, dtype=getattr(torch, args.dtype))
         if targets:
             model = get_peft_model(model, LoraConfig(r=16, lora_alpha=32, target_modules=targets, lora_dropout=0.0))
+            if unmerged:  # as model/modeling.apply_lora does
+                lora_experts.install(model)
         model.eval()
         seconds = []
-        with mock.patch.object(lora_experts, "_supported", lora_experts._supported if unmerged else lambda m: False):
-            for _ in range(args.repeat + 1):  # the first round warms up
-                t = time.perf_counter()
-                sample_fast(model, prompts, seeds=list(range(len(prompts))), max_new_tokens=args.new_tokens,
-                            temperature=1.0, top_p=1.0, stop_ids=set(), pad_id=0, copy="rollout")
-                if device == "cuda":
-                    torch.cuda.synchronize()
-                seconds.append(time.perf_counter() - t)
+        for _ in range(args.repeat + 1):  # the first round warms up
+            t = time.perf_counter()
+            sample_fast(model, prompts, seeds=list(range(len(prompts))), max_new_tokens=args.new_tokens,
+                        temperature=1.0, top_p=1.0, stop_ids=set(), pad_id=0, copy="rollout")
+            if device == "cuda":
+                torch.cuda.synchronize()
+            seconds.append(time.perf_counter() - t)
         best = min(seconds[1:])
         print(json.dumps({"case": name, "seconds": round(best, 3), "tokens_per_s": round(len(prompts) *
                           args.new_tokens / best, 1), "device": device, "dtype": args.dtype}), flush=True)

@@ -1,8 +1,11 @@
-"""model/lora_experts.py: LoRA-adapted experts run their adapters beside the base experts (no merge) while the fast
-sampler runs: the same logits as peft's merged forward (to 1e-5 in fp32, Qwen3-MoE and Mixtral; both expert parameters
-adapted, or down_proj alone), peft's own forward back after the block, and experts it does not handle left to peft."""
+"""model/lora_experts.py: LoRA-adapted experts run their adapters beside the base experts (no merge), in training and
+sampling: the same logits as peft's merged forward (to 1e-5 in fp32, Qwen3-MoE and Mixtral; both expert parameters
+adapted, or down_proj alone), the same loss and adapter gradients (to 1e-6), peft's own forward while the adapters are
+disabled, and experts it does not handle left to peft."""
 
 from __future__ import annotations
+
+from unittest import mock
 
 import pytest
 import torch
@@ -12,45 +15,117 @@ MOE = {"qwen3_moe": dict(head_dim=16, moe_intermediate_size=48, num_experts=8, n
        "mixtral": dict(intermediate_size=48, num_local_experts=8, num_experts_per_tok=2)}
 
 
-def adapted(family: str, targets, implementation: str = "grouped_mm"):
+def adapted(family: str, targets, implementation: str = "grouped_mm", r: int = 4):
     from peft import LoraConfig, get_peft_model
     from transformers import AutoConfig, AutoModelForCausalLM
 
     torch.manual_seed(0)
     config = AutoConfig.for_model(family, **TINY, **MOE[family])
     model = AutoModelForCausalLM.from_config(config, experts_implementation=implementation)
-    model = get_peft_model(model, LoraConfig(r=4, lora_alpha=8, target_modules=targets, lora_dropout=0.0))
+    model = get_peft_model(model, LoraConfig(r=r, lora_alpha=8, target_modules=targets, lora_dropout=0.0))
     for name, p in model.named_parameters():  # B is zero at the start: give the adapters something to add
         if "lora_B" in name:
             torch.nn.init.normal_(p, std=0.1)
     return model.eval()
 
 
+def _ids():
+    return torch.randint(3, 97, (3, 11), generator=torch.Generator().manual_seed(1))
+
+
 @pytest.mark.parametrize("family, targets, swapped", [
     ("qwen3_moe", "all-linear", 2), ("mixtral", "all-linear", 2), ("qwen3_moe", ["q_proj", "down_proj"], 2),
     ("qwen3_moe", ["q_proj", "v_proj"], 0), ("mixtral", ["q_proj", "v_proj"], 0)])
 def test_unmerged_experts_give_peft_merged_forward(family, targets, swapped):
-    from llmtrain.model.lora_experts import unmerged_experts
+    from llmtrain.model import lora_experts
 
-    model = adapted(family, targets)
-    ids = torch.randint(3, 97, (3, 11), generator=torch.Generator().manual_seed(1))
+    peft_own, model = adapted(family, targets), adapted(family, targets)
+    assert lora_experts.install(model) == swapped  # one experts module a layer where LoRA adapts an expert parameter
+    assert lora_experts.install(model) == swapped  # again: the same forward
+    ids = _ids()
     with torch.no_grad():
-        merged = model(input_ids=ids).logits
-        with unmerged_experts(model) as n:
-            beside = model(input_ids=ids).logits
-        again = model(input_ids=ids).logits
-    assert n == swapped  # one experts module a layer where LoRA adapts an expert parameter
+        merged = peft_own(input_ids=ids).logits
+        beside = model(input_ids=ids).logits
+        with peft_own.disable_adapter(), model.disable_adapter():  # peft's forward: the base model's logits
+            base, disabled = peft_own(input_ids=ids).logits, model(input_ids=ids).logits
     assert (beside - merged).abs().max().item() < 1e-5
-    assert torch.equal(again, merged)  # peft's forward back
+    assert torch.equal(disabled, base)
     if swapped:  # the adapters matter: without them the logits move
-        with torch.no_grad(), model.disable_adapter():
-            assert (model(input_ids=ids).logits - merged).abs().max().item() > 1e-3
+        assert (base - merged).abs().max().item() > 1e-3
+
+
+def _loss_and_grads(model, ids):
+    model.train()
+    model.zero_grad()
+    loss = model(input_ids=ids, labels=ids).loss
+    loss.backward()
+    return loss.item(), {n: p.grad for n, p in model.named_parameters() if p.requires_grad}
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "mixtral"])
+def test_unmerged_experts_train_as_peft_merged_ones(family):
+    """A training step through the unmerged experts: peft's loss and every adapter's gradient (the experts' A and B, the
+    router's and attention's), to 1e-6."""
+    from llmtrain.model import lora_experts
+
+    peft_own, model = adapted(family, "all-linear"), adapted(family, "all-linear")
+    lora_experts.install(model)
+    ids = _ids()
+    (want, expected), (got, grads) = _loss_and_grads(peft_own, ids), _loss_and_grads(model, ids)
+    assert abs(got - want) < 1e-6
+    assert expected.keys() == grads.keys() and any("experts" in n for n in grads)
+    for name in expected:
+        assert (grads[name] - expected[name]).abs().max().item() < 1e-6, name
+
+
+def test_zero_ranks_added_change_nothing():
+    """torch's grouped matmul takes rows of a multiple of 16 bytes, so a rank such as 4 in bf16 or 3 in fp32 is padded
+    with zero ranks: the padded product and gradients are the unpadded ones (4 more forced on rank 4 in fp32), and
+    rank 3 trains as peft's merge does."""
+    from llmtrain.model import lora_experts
+
+    plain, padded = adapted("qwen3_moe", "all-linear"), adapted("qwen3_moe", "all-linear")
+    lora_experts.install(plain), lora_experts.install(padded)
+    ids = _ids()
+    want, expected = _loss_and_grads(plain, ids)
+    with mock.patch.object(lora_experts, "_rank_padding", lambda first: 4):
+        got, grads = _loss_and_grads(padded, ids)
+    assert abs(got - want) < 1e-6
+    for name in expected:
+        assert (grads[name] - expected[name]).abs().max().item() < 1e-6, name
+
+    peft_own, model = adapted("qwen3_moe", "all-linear", r=3), adapted("qwen3_moe", "all-linear", r=3)
+    lora_experts.install(model)
+    (want, expected), (got, grads) = _loss_and_grads(peft_own, ids), _loss_and_grads(model, ids)
+    assert abs(got - want) < 1e-6
+    for name in expected:
+        assert (grads[name] - expected[name]).abs().max().item() < 1e-6, name
+
+
+def test_rank_padding_makes_16_byte_rows():
+    from llmtrain.model.lora_experts import _rank_padding
+
+    pads = {(r, dtype): _rank_padding(torch.empty(2, 5, r, dtype=dtype))
+            for r in (3, 4, 8, 16) for dtype in (torch.float32, torch.bfloat16)}
+    assert pads == {(3, torch.float32): 1, (3, torch.bfloat16): 5, (4, torch.float32): 0, (4, torch.bfloat16): 4,
+                    (8, torch.float32): 0, (8, torch.bfloat16): 0, (16, torch.float32): 0, (16, torch.bfloat16): 0}
 
 
 def test_experts_it_does_not_handle_stay_peft():
     """transformers' eager experts (a loop over the experts) are left to peft's merged forward."""
-    from llmtrain.model.lora_experts import unmerged_experts
+    from llmtrain.model import lora_experts
 
-    model = adapted("qwen3_moe", "all-linear", implementation="eager")
-    with unmerged_experts(model) as n:
-        assert n == 0
+    assert lora_experts.install(adapted("qwen3_moe", "all-linear", implementation="eager")) == 0
+
+
+def test_apply_lora_installs_them():
+    """llmtrain's LoRA (model/modeling.apply_lora) runs the experts unmerged from the start."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from llmtrain.config import LoraConfig
+    from llmtrain.model.modeling import apply_lora
+
+    model = AutoModelForCausalLM.from_config(AutoConfig.for_model("qwen3_moe", **TINY, **MOE["qwen3_moe"]))
+    model = apply_lora(model, LoraConfig(r=4, alpha=8, dropout=0.0))
+    experts = [m for n, m in model.named_modules() if n.endswith("mlp.experts")]
+    assert len(experts) == 2 and all("forward" in m.__dict__ for m in experts)

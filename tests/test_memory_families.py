@@ -4,8 +4,8 @@ MemTracker, the second step's peak of live tensor bytes), on a tiny random model
 What sets each family's layer apart from Llama's is in the estimate (memory/params.FAMILIES, memory/activations.py):
 Qwen3's QK-norm, Qwen2's q/k/v biases (no saved bytes of their own), Gemma 3's four fp32 (1 + w) norms a layer,
 QK-norm, two RoPEs and two masks, Phi-3/Phi-4's fused qkv_proj and gate_up_proj (and partial RoPE), Llama 3.2's tied
-embeddings, Qwen3-MoE's and Mixtral's router and experts (and under LoRA, peft's merged copy of each expert parameter,
-which the grouped matmul saves: within 3%, Mixtral's LoRA cases the farthest at -2.3% and -2.7%). With a 256-token
+embeddings, Qwen3-MoE's and Mixtral's router and experts (and under LoRA, the experts' adapters run unmerged beside
+them, model/lora_experts.py: within 3%, Mixtral's LoRA cases the farthest at -2.6% and -2.9%). With a 256-token
 vocabulary the decoder layers are the step's peak, as in test_memory_step's LAYERS cases: within 5%.
 """
 

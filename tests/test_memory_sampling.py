@@ -99,6 +99,7 @@ def test_a_mixture_of_experts_rollout_merges_none_of_its_experts():
     from peft import LoraConfig, get_peft_model
     from transformers import AutoConfig, AutoModelForCausalLM
 
+    from llmtrain.model import lora_experts
     from llmtrain.model.merged_copy import adapted_linears, copy_bytes
 
     cfg = dict(CFG, model_type="qwen3_moe", head_dim=32, moe_intermediate_size=128, num_experts=8,
@@ -107,6 +108,7 @@ def test_a_mixture_of_experts_rollout_merges_none_of_its_experts():
     config = AutoConfig.for_model(**cfg, attn_implementation="sdpa")
     model = AutoModelForCausalLM.from_config(config).to(torch.bfloat16)
     model = get_peft_model(model, LoraConfig(r=16, lora_alpha=32, target_modules="all-linear", lora_dropout=0.0))
+    assert lora_experts.install(model) == 4  # one a layer, as model/modeling.apply_lora does
     model.eval()
     assert {m.get_base_layer().__class__.__name__ for m in adapted_linears(model)} == {"Linear"}
     prompts = [[1] + [5 + (i * 7 + j) % 4000 for j in range(31)] for i in range(4) for _ in range(4)]

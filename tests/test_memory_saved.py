@@ -208,9 +208,10 @@ def test_adapters_without_dropout_share_their_input_only_in_the_compute_dtype(at
 
 
 # A mixture of experts (memory/activations.py: router_bytes, experts_bytes): the tiny shape's attention, 8 experts of
-# 48 columns, 2 a token. LoRA: peft's all-linear adapts the router and both expert parameters (merged for the
-# forward: the whole parameter saved again); q_proj + down_proj adapts one of them (Qwen3-MoE's names; Mixtral's
-# down_proj is w2, so there it adapts q_proj alone); q_proj + v_proj none (the experts save no input).
+# 48 columns, 2 a token. LoRA: peft's all-linear adapts the router and both expert parameters (run unmerged beside
+# them, model/lora_experts.py: the rank-r rows and the factors saved); q_proj + down_proj adapts one of them
+# (Qwen3-MoE's names; Mixtral's down_proj is w2, so there it adapts q_proj alone); q_proj + v_proj none (the experts
+# save no input).
 MOE = {"qwen3_moe": dict(moe_intermediate_size=48, num_experts=8, num_experts_per_tok=2, head_dim=16,
                          norm_topk_prob=True),
        "mixtral": dict(intermediate_size=48, num_local_experts=8, num_experts_per_tok=2)}
@@ -233,8 +234,11 @@ def build_moe(family: str, layers: int, dtype: torch.dtype, targets):
     if targets is not None:
         import peft
 
+        from llmtrain.model import lora_experts
+
         model = peft.get_peft_model(model, peft.LoraConfig(r=R, lora_alpha=8, lora_dropout=0.0, task_type="CAUSAL_LM",
                                                            target_modules=targets))
+        lora_experts.install(model)  # as model/modeling.apply_lora does
     attach_loss(model, chunk=7)
     return model
 
@@ -243,13 +247,15 @@ def build_moe(family: str, layers: int, dtype: torch.dtype, targets):
 @pytest.mark.parametrize(("dtype", "mp", "targets"), MOE_CASES)
 def test_a_mixture_of_experts_layer_saves_what_the_estimate_says(family, dtype, mp, targets):
     """One decoder layer of Qwen3-MoE and of Mixtral, to the byte: attention as any family's, then the router and the
-    grouped_mm experts (in their weights' dtype, whatever the autocast), and under LoRA peft's merged expert
-    parameters. The weights' casts are counted apart, as the estimate's autocast_copies: an fp32 model's router weight
-    under autocast, the adapters' casts (autocast's of the router's and the attention's; peft's own of the experts'
-    A and B, to a 16-bit base's dtype only). The LoRA plan's adapter weights are peft's, one layer's counted."""
+    grouped_mm experts (in their weights' dtype, whatever the autocast), and under LoRA the experts' adapters run
+    beside them, unmerged (model/lora_experts.py, installed as apply_lora does; their factors, and peft's casts of
+    them to a 16-bit base's dtype, in act.expert_adapter_bytes). Autocast's casts of the weights are counted apart, as
+    the estimate's autocast_copies: an fp32 model's router weight, the router's and the attention's adapters. The
+    LoRA plan's adapter weights are peft's, one layer's counted."""
     shape = _shape_from_json(json.dumps({**TINY, **MOE[family], "model_type": family, "num_hidden_layers": 2}), "tiny")
     spec = TrainSpec(attn_implementation="sdpa", dtype=dtype, mixed_precision=mp, micro_batch=B, seq_len=S,
-                     method="full" if targets is None else "lora", lora_r=R, lora_dropout=0.0)
+                     method="full" if targets is None else "lora", lora_r=R, lora_dropout=0.0,
+                     lora_target_modules=targets or "all-linear")
     p = replace(make_pass(shape, spec), mask=False)
     batch = batch_for([S] * B, packing=False)
     autocast = mp != "no"
@@ -260,11 +266,15 @@ def test_a_mixture_of_experts_layer_saves_what_the_estimate_says(family, dtype, 
     plan = lora_plan(shape, r=R, targets=targets) if targets else None
     adapted = plan.adapted[0] if plan else {}
     copies = (shape.linear_params_per_layer + 8 * TINY["hidden_size"]) * 2 if (autocast and dtype == "float32") else 0
-    if plan:
+    if plan:  # (the experts' A and B are cast by peft, not autocast: counted in act.expert_adapter_bytes)
         factors = sum(n for name, n in plan.moe_params.items() if name.startswith("mlp.experts."))
-        copies += (plan.layer_params(0) - factors) * 2 * autocast + factors * 2 * (dtype == "bfloat16")
+        copies += (plan.layer_params(0) - factors) * 2 * autocast
         trained = sum(t.numel() for n, t in model.named_parameters() if t.requires_grad and ".layers.0." in n)
         assert plan.layer_params(0) == trained
     assert two - one == act.layer_bytes(p, shape, adapted, R) + copies
-    if targets == "all-linear":  # the merged copies: every expert's gate_up_proj and down_proj, again
-        assert act.merged_experts_bytes(p, shape, adapted) == 8 * 3 * 48 * TINY["hidden_size"] * p.resid
+    if targets == "all-linear" and dtype == "bfloat16":  # unmerged: no copy of an expert (8 x 3 x 48 x 64 x 2 bytes)
+        # gate_up_proj at rank 8: x A^T (64 pairs x 8), B^T (8 experts x 8 x 96) and A's cast (8 x 64 x 8);
+        # down_proj at rank 4, padded to 8 for 16-byte rows: x A^T (64 x 8), B^T (8 x 8 x 64), A^T padded (8 x 48 x 8)
+        assert dict(p.expert_ranks) == {"mlp.experts.gate_up_proj": 8, "mlp.experts.down_proj": 4}
+        assert act.expert_adapter_bytes(p, shape, adapted) == 2 * (64 * 8 + 8 * 8 * 96 + 8 * 64 * 8 + 64 * 8 +
+                                                                    8 * 8 * 64 + 8 * 48 * 8) == 36_864

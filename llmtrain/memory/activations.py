@@ -53,6 +53,11 @@ class Pass:
     # 4-bit layers under autocast): the adapters reading one input then save that one tensor (without dropout).
     adapters_in_cd: bool = False
     loss_positions: int | None = None  # N where only part of each sequence is trained (online RL: the completions)
+    # LoRA on a mixture of experts' expert parameters (model/lora_experts.py): peft's rank of each (gate_up_proj at
+    # twice lora.r), and whether its fp32 A and B are cast to the parameter's dtype to run (a 16-bit base outside
+    # FSDP's mixed precision, which gathers them in it)
+    expert_ranks: tuple[tuple[str, int], ...] = ()
+    expert_factors_cast: bool = False
     # model.tiled_mlp: the MLP runs over shards of this many tokens, keeping only its input (model/tiled_mlp.py)
     mlp_shard: int | None = None
     # parallel.sequence_parallel: the GPUs of a sequence group (rows x row_len are then this GPU's 1/N of the group's
@@ -257,24 +262,39 @@ def mlp_tensors_bytes(p: Pass, shape: ModelShape, adapted: dict[str, tuple[int, 
 # --------------------------------------------------------------------------- a mixture of experts (params.Experts)
 # transformers' router and grouped_mm experts (integrations/moe.py), on T tokens, S = T x top_k token-expert pairs,
 # E experts of I columns. The experts run in their weights' dtype (the stream's, `resid`: autocast does not reach
-# grouped_mm), the router's matmul in cd. LoRA on an expert parameter (peft's ParamWrapper) merges it for the forward:
-# W + B A for every expert, a tensor the size of the whole parameter, which the grouped matmul saves for backward.
+# grouped_mm), the router's matmul in cd. LoRA on an expert parameter (peft's ParamWrapper) runs unmerged beside it,
+# model/lora_experts.py: x W^T + s (x A^T) B^T in grouped matmuls over the pairs, never a merged W + B A.
 
 
 def _trains(p: Pass, adapted: dict[str, tuple[int, int]], name: str) -> bool:
     return p.trainable_base or name in adapted
 
 
-def _expert_fans(shape: ModelShape) -> dict[str, tuple[int, int]]:
+def expert_fans(shape: ModelShape) -> dict[str, tuple[int, int]]:
     e = shape.experts
     return {"mlp.experts.gate_up_proj": (shape.hidden, 2 * e.intermediate),
             "mlp.experts.down_proj": (e.intermediate, shape.hidden)}
 
 
-def merged_experts_bytes(p: Pass, shape: ModelShape, adapted: dict[str, tuple[int, int]], names=None) -> int:
-    """The merged (W + B A) copies of the adapted expert parameters among `names` (all by default)."""
-    return sum(shape.experts.count * i * o * p.resid for name, (i, o) in _expert_fans(shape).items()
-               if name in adapted and (names is None or name in names))
+def expert_rank(p: Pass, name: str) -> tuple[int, int]:
+    """An adapted expert parameter's LoRA rank r, and the rank r' it runs at: padded with zero ranks so that a row of
+    r' values in the experts' dtype is a multiple of 16 bytes, which torch's grouped matmul takes."""
+    r = dict(p.expert_ranks)[name]
+    return r, r + (-r % (16 // p.resid))
+
+
+def expert_adapter_bytes(p: Pass, shape: ModelShape, adapted: dict[str, tuple[int, int]], names=None) -> int:
+    """What the adapters of the adapted expert parameters among `names` (all by default) save for backward, run
+    unmerged: the rank-r' rows x A^T (S x r'), B^T copied with the experts outermost (E x r' x out), and A^T (E x in x
+    r'): a view of peft's fp32 A, or its cast to a 16-bit base's dtype, or, padded, a copy; all in the experts' dtype
+    (expert_rank)."""
+    total, S, E, w = 0, shape.experts.pairs(p.tokens), shape.experts.count, p.resid
+    for name, (i, o) in expert_fans(shape).items():
+        if name in adapted and (names is None or name in names):
+            r, padded = expert_rank(p, name)
+            a = E * i * padded * w if (padded != r or p.expert_factors_cast) else 0
+            total += S * padded * w + E * padded * o * w + a
+    return total
 
 
 def router_bytes(p: Pass, shape: ModelShape, adapted: dict[str, tuple[int, int]]) -> int:
@@ -292,14 +312,14 @@ def experts_bytes(p: Pass, shape: ModelShape, adapted: dict[str, tuple[int, int]
     keeps the gate half, and with it the whole tensor), silu's output (S x I), their product (S x I) where
     down_proj trains, down_proj's output (S x H, for the routing weights' gradient) and the routing weights (S, fp32
     or cd), all in the experts' dtype; the sort's three int64 permutations (S each) and the groups' int32 offsets;
-    and the merged copies of the adapted parameters."""
+    and what the adapters of the adapted parameters save (expert_adapter_bytes)."""
     e, w = shape.experts, p.resid
     S, H, i = e.pairs(p.tokens), shape.hidden, e.intermediate
     gathered = S * H * w if _trains(p, adapted, "mlp.experts.gate_up_proj") else 0
     product = S * i * w if _trains(p, adapted, "mlp.experts.down_proj") else 0
     weights = S * (FP32 if e.fp32_weights else p.cd)
     return (gathered + S * 3 * i * w + product + S * H * w + weights + 3 * S * 8 + e.count * 4
-            + merged_experts_bytes(p, shape, adapted))
+            + expert_adapter_bytes(p, shape, adapted))
 
 
 def _weighted_width(p: Pass, shape: ModelShape) -> int:
@@ -308,23 +328,33 @@ def _weighted_width(p: Pass, shape: ModelShape) -> int:
     return max(p.resid, FP32 if shape.experts.fp32_weights else p.cd)
 
 
+def _adapter_backward(p: Pass, shape: ModelShape, adapted: dict[str, tuple[int, int]], name: str) -> int:
+    """An adapted expert parameter's adapter in backward, beside the base's gradients: its input's gradient (S x in,
+    summed into the base's after), the rank-r' rows' (S x r') and B^T's and A^T's (E x r' x (in + out))."""
+    if name not in adapted:
+        return 0
+    i, o = expert_fans(shape)[name]
+    _, padded = expert_rank(p, name)
+    S = shape.experts.pairs(p.tokens)
+    return p.resid * (S * i + S * padded + shape.experts.count * padded * (i + o))
+
+
 def experts_backward_temp(p: Pass, shape: ModelShape, adapted: dict[str, tuple[int, int]]) -> int:
     """The experts' backward at its largest, step by step: the output's gradient cast to the weighted width
     (_weighted_width; T x H) beside the scattered gradient of the pairs (S x H); the routing weights' product's (its
     gradient, the routing weights' gradient temporary and the output's gradient cast to the experts' dtype); then in
     the experts' dtype, down_proj's (its output's gradient, S x H, its input's, S x I, and where LoRA adapts it the
-    merged weight's gradient, the whole parameter), the SwiGLU's (the gradients of the product, of silu's output and
-    of up, S x I each, beside gate_up_proj's output gradient, S x 2I), gate_up_proj's (that gradient, its input's,
-    S x H, and an adapted weight's gradient), then the gather's (the pairs' input gradient beside the tokens').
-    Every moment before down_proj's backward has run also holds its input and merged weight (down_input_bytes), which
-    the caller counts as freed."""
+    adapter's, _adapter_backward), the SwiGLU's (the gradients of the product, of silu's output and of up, S x I each,
+    beside gate_up_proj's output gradient, S x 2I), gate_up_proj's (that gradient, its input's, S x H, and an
+    adapter's), then the gather's (the pairs' input gradient beside the tokens'). Every moment before down_proj's
+    backward has run also holds what down_proj saved (down_input_bytes), which the caller counts as freed."""
     e, w, ww = shape.experts, p.resid, _weighted_width(p, shape)
     S, T, H, i = e.pairs(p.tokens), p.tokens, shape.hidden, e.intermediate
-    merged_down = merged_experts_bytes(p, shape, adapted, ("mlp.experts.down_proj",))
-    merged_gate_up = merged_experts_bytes(p, shape, adapted, ("mlp.experts.gate_up_proj",))
+    down = _adapter_backward(p, shape, adapted, "mlp.experts.down_proj")
+    gate_up = _adapter_backward(p, shape, adapted, "mlp.experts.gate_up_proj")
     before_down = max(T * H * ww * (ww != w) + S * H * ww, S * H * (2 * ww + w * (ww != w)),
-                      w * S * (H + i) + merged_down) + down_input_bytes(p, shape, adapted, 0)
-    return max(before_down, w * S * 5 * i, w * S * (2 * i + H) + merged_gate_up, w * (S + T) * H)
+                      w * S * (H + i) + down) + down_input_bytes(p, shape, adapted, 0)
+    return max(before_down, w * S * 5 * i, w * S * (2 * i + H) + gate_up, w * (S + T) * H)
 
 
 def experts_forward_temp(p: Pass, shape: ModelShape) -> int:
@@ -334,12 +364,12 @@ def experts_forward_temp(p: Pass, shape: ModelShape) -> int:
     return max(2 * S * H * ww, S * H * ww + T * H * (ww + p.resid))
 
 
-def experts_eval_bytes(p: Pass, shape: ModelShape, adapted: dict[str, tuple[int, int]]) -> int:
+def experts_eval_bytes(p: Pass, shape: ModelShape) -> int:
     """The experts' forward without a graph, at its largest: the pairs' input (S x H) beside gate_up_proj's output
     (S x 2I), silu's and the product (S x I each), or beside down_proj's output, the weighted one and its reordered
-    copy (S x H each); with the merged copies of the adapted parameters, alive through the experts' forward."""
+    copy (S x H each). (The adapters' rank-r' rows are small beside them.)"""
     S, H, i = shape.experts.pairs(p.tokens), shape.hidden, shape.experts.intermediate
-    return p.resid * S * (H + max(4 * i, 3 * H)) + merged_experts_bytes(p, shape, adapted)
+    return p.resid * S * (H + max(4 * i, 3 * H))
 
 
 def layer_bytes(p: Pass, shape: ModelShape, adapted: dict[str, tuple[int, int]], r: int) -> int:
@@ -352,10 +382,10 @@ def down_input_bytes(p: Pass, shape: ModelShape, adapted: dict[str, tuple[int, i
     shard's, counted in tiled_shard_bytes)."""
     if p.mlp_shard:
         return 0
-    if shape.experts:  # the experts' product and down_proj's merged copy
+    if shape.experts:  # the experts' product and what down_proj's adapter saved
         down = "mlp.experts.down_proj"
         product = shape.experts.pairs(p.tokens) * shape.intermediate * p.resid if _trains(p, adapted, down) else 0
-        return product + merged_experts_bytes(p, shape, adapted, (down,))
+        return product + expert_adapter_bytes(p, shape, adapted, (down,))
     if p.trainable_base:
         return p.tokens * shape.intermediate * p.cd
     if "mlp.down_proj" not in adapted:
@@ -499,7 +529,7 @@ def eval_layer_bytes(p: Pass, shape: ModelShape, adapted: dict[str, tuple[int, i
     scores = p.rows * shape.heads * p.row_len * p.row_len if p.attn == "eager" else 0
     mlp = 3 * m * I * p.cd
     if shape.experts:
-        mlp = experts_eval_bytes(p, shape, adapted)
+        mlp = experts_eval_bytes(p, shape)
     elif any(name in adapted for name in shape.input_linears[1]):  # up_proj (Phi: gate_up_proj) adapted
         cast = m * shape.hidden * FP32 if p.resid != FP32 else 0
         mlp = max(mlp, m * I * (2 * p.cd + 2 * (p.cd if p.autocast else FP32)) + cast)

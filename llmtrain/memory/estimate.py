@@ -94,7 +94,20 @@ def make_pass(shape: ModelShape, spec: TrainSpec, *, examples: int | None = None
                     # FSDP gathers the adapters in cd; peft's 4-bit layers do not cast their input under autocast
                     adapters_in_cd=spec.method == "lora" and amp and (spec.sharded or bool(spec.quantize)),
                     # the tiled MLP runs untiled on a micro-batch of at most one shard (model/tiled_mlp.py)
-                    mlp_shard=shard if shard and tokens > shard else None, sequence_parallel=n)
+                    mlp_shard=shard if shard and tokens > shard else None, sequence_parallel=n,
+                    **_expert_adapters(shape, spec, DTYPE_BYTES[stream]))
+
+
+def _expert_adapters(shape: ModelShape, spec: TrainSpec, stream: int) -> dict:
+    """Pass.expert_ranks (peft's, read off its plan) and expert_factors_cast for LoRA on a mixture of experts."""
+    if spec.method != "lora" or shape.experts is None:
+        return {}
+    plan = lora_plan(shape, r=spec.lora_r, targets=spec.lora_target_modules)
+    fans = act.expert_fans(shape)
+    ranks = tuple((name, n // (shape.experts.count * sum(fans[name]))) for name, n in plan.moe_params.items()
+                  if name in fans)
+    return dict(expert_ranks=ranks, expert_factors_cast=stream == 2 and not (spec.sharded and
+                                                                             spec.mixed_precision != "no"))
 
 
 def _experts_problem(spec: TrainSpec) -> str | None:
@@ -108,9 +121,8 @@ def _experts_problem(spec: TrainSpec) -> str | None:
 
 
 def _experts_note(shape: ModelShape, spec: TrainSpec, p: act.Pass) -> str:
-    """What a mixture of experts' layer holds: its experts whole on every GPU, top_k a token; under LoRA, peft's merged
-    copy of each adapted expert parameter, saved by every layer whose tensors are (one, checkpointed); a 4-bit base
-    leaves the experts in the storage dtype."""
+    """What a mixture of experts' layer holds: its experts whole on every GPU, top_k a token; under LoRA, what the
+    experts' adapters save; a 4-bit base leaves the experts in the storage dtype."""
     e = shape.experts
     moe = e.params(shape.hidden)
     experts = moe["mlp.experts.gate_up_proj"] + moe["mlp.experts.down_proj"]
@@ -118,11 +130,9 @@ def _experts_note(shape: ModelShape, spec: TrainSpec, p: act.Pass) -> str:
             f"a micro-batch, run by transformers' grouped_mm in the weights' dtype)")
     if spec.method == "lora":
         plan = lora_plan(shape, r=spec.lora_r, targets=spec.lora_target_modules)
-        if merged := act.merged_experts_bytes(p, shape, plan.adapted[0]):
-            held = "one layer's (checkpointed)" if spec.gradient_checkpointing else f"all {shape.layers} layers'"
-            text += (f"; LoRA on the experts (peft adapts each expert, {sum(plan.moe_params.values()):,} adapter "
-                     f"weights a layer) merges them for the forward, W + B A for every expert, "
-                     f"{merged / GIB:,.2f} GiB a layer that backward keeps: {held}")
+        if saved := act.expert_adapter_bytes(p, shape, plan.adapted[0]):
+            text += (f"; LoRA on the experts ({sum(plan.moe_params.values()):,} adapter weights a layer) runs each "
+                     f"expert's adapter beside it, unmerged ({saved / 2**20:,.1f} MiB a layer saved for backward)")
     if spec.quantize:
         text += (f"; {spec.quantize} quantizes the linear layers only: the experts' {experts * shape.layers:,} "
                  f"weights stay in {spec.dtype}")
@@ -189,11 +199,9 @@ def estimate(shape: ModelShape, spec: TrainSpec) -> Estimate:
     router = shape.experts.count * H if shape.experts else 0  # a mixture of experts' router weight (E x H)
     base_copies = (shape.linear_params_per_layer + router) * p.cd if p.separate_casts else 0  # fp32 base linears
     adapter_cast = amp and not fsdp  # fp32 adapters under autocast
-    # peft casts an expert parameter's A and B to the parameter's dtype for its merge (not autocast: where that is
-    # 16-bit and they are not, outside FSDP), and the merge saves the casts
+    # (an expert parameter's A and B are not autocast's: peft casts them itself, act.expert_adapter_bytes)
     factors = sum(n for name, n in plan.moe_params.items() if name.startswith("mlp.experts.")) if plan else 0
-    factor_copies = factors * DTYPE_BYTES[spec.dtype] if (not fsdp and DTYPE_BYTES[spec.dtype] == 2) else 0
-    copies = [base_copies + ((n - factors) * p.cd if adapter_cast else 0) + factor_copies for n in adapter_params]
+    copies = [base_copies + ((n - factors) * p.cd if adapter_cast else 0) for n in adapter_params]
     # The autocast cache holds casts of trainable fp32 leaves until the forward returns.
     cached = [(base_copies if full else 0) + ((n - factors) * p.cd if adapter_cast else 0) for n in adapter_params]
     if not embed_trains:  # nor does it keep casts of its q/k/v weights (saved for the input's gradient)

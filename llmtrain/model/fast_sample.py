@@ -156,9 +156,8 @@ def sample_fast(lm, prompts: list[list[int]], *, seeds: list[int], max_new_token
     """Each prompt's completion, as `generate.sample` returns it: at most max_new_tokens ids, ending with a stop id
     where one was drawn. capture: replay the decode step as a CUDA graph (CUDA only); copy: rl.merged_copy (the
     adapted linears on a merged generation copy, model/merged_copy.py; LoRA-adapted experts run their adapters beside
-    the base experts whatever it says, model/lora_experts.py); compact: drop finished rows from the decode batch (the
-    same tokens either way)."""
-    from llmtrain.model.lora_experts import unmerged_experts
+    the base experts whatever it says, as they train: model/lora_experts.py); compact: drop finished rows from the
+    decode batch (the same tokens either way)."""
     from llmtrain.model.merged_copy import merged_for_sampling
 
     device = lm.device
@@ -167,7 +166,7 @@ def sample_fast(lm, prompts: list[list[int]], *, seeds: list[int], max_new_token
                                        dtype=torch.float64) for s in seeds]).to(device=device, dtype=torch.float32)
     cache = _cache_bytes(forward, len(prompts), max(map(len, prompts)) + max_new_tokens)
     with _sample_attention(lm), torch.compiler.set_stance("force_eager"), \
-            merged_for_sampling(lm, copy, spare_bytes=cache), unmerged_experts(lm):
+            merged_for_sampling(lm, copy, spare_bytes=cache):
         logits, keys, values = _prefill(forward, prompts, steps=max_new_tokens, pad_id=pad_id, device=device)
         decode = _Decode(forward, prompts, keys, values, uniforms=uniforms, stop_ids=stop_ids, pad_id=pad_id,
                          sampling=dict(temperature=temperature, top_p=top_p))

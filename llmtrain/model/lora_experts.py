@@ -1,26 +1,29 @@
-"""LoRA on a mixture of experts' experts without merging them, for sampling: the adapters beside the base experts,
-token-expert pair by pair, in grouped matmuls.
+"""LoRA on a mixture of experts' experts without merging them: the adapters beside the base experts, token-expert pair
+by pair, in grouped matmuls, in training as in sampling.
 
 peft adapts an expert parameter (gate_up_proj, down_proj: every expert in one 3-D tensor) as a parameter
 (lora.ParamWrapper): each forward it merges the whole tensor, W + s B A for every expert, and the grouped matmul runs
-on the merged copy. That is what training saves for backward, and in sampling it is work every decode step repeats
-for every layer: reading all the experts and writing their merged copy, for the few rows a step decodes (on the CPU,
-a Qwen3-MoE of 64 experts decoded 24x slower with LoRA on its experts than without the merge). Here each pair's
+on the merged copy. Training saves that copy for backward and its backward makes a gradient of the same size: for
+Qwen3-30B-A3B, 1.12 GiB a layer, 54 GiB over 48 layers at any context length. In sampling it is work every decode step
+repeats for every layer: reading all the experts and writing their merged copy for the few rows a step decodes (on the
+CPU, a Qwen3-MoE of 64 experts decoded 24x slower with LoRA on its experts than without the merge). Here each pair's
 rows go through the base expert and its adapter: x W^T + s (x A^T) B^T, with A and B grouped by expert as W is, so a
-step reads the experts once and the adapters (rank r a expert) beside them. The same function up to rounding
-(tests/test_lora_experts.py: to 1e-5 in fp32 against peft's merged forward).
+step reads the experts once and the adapters (rank r a expert) beside them, and backward saves the rank-r rows x A^T.
+The same function and the same gradients up to rounding (tests/test_lora_experts.py: to 1e-5 in fp32 against peft's
+merged forward, the adapters' gradients to 1e-6).
 
-`unmerged_experts(lm)` swaps the forward of each LoRA-adapted experts module for this one, inside a `with` block, where
-the module is transformers' grouped experts (its default `grouped_mm` implementation, no biases, a gate) under one
-or two of peft's ParamWrappers with one active adapter; any other stays peft's.
+`install(model)` gives each LoRA-adapted experts module of `model` this forward, where the module is transformers'
+grouped experts (its default `grouped_mm` implementation, no biases, a gate) under one or two of peft's
+ParamWrappers. Whenever its adapters are disabled (a preference run's reference pass), merged or more than one is
+active, the module runs peft's own forward; other experts stay peft's throughout.
 """
 
 from __future__ import annotations
 
 import functools
-from contextlib import contextmanager
 
 import torch
+import torch.nn.functional as F
 
 
 def _wrappers(module) -> tuple[list, object]:
@@ -33,6 +36,7 @@ def _wrappers(module) -> tuple[list, object]:
 
 
 def _supported(module) -> bool:
+    """Whether `module` (the outermost of its ParamWrappers) wraps experts this forward runs."""
     chain, experts = _wrappers(module)
     if not chain or getattr(getattr(experts, "config", None), "_experts_implementation", None) != "grouped_mm":
         return False
@@ -40,20 +44,25 @@ def _supported(module) -> bool:
         return False
     if getattr(experts, "has_post_expert_norm", False) or getattr(experts, "_is_expert_parallel", False):
         return False
-    for w in chain:
-        active = [a for a in w.active_adapters if a in w.lora_A]
-        if w.disable_adapters or w.merged or len(active) != 1 or w.parameter_name not in ("gate_up_proj", "down_proj"):
-            return False
-    return True
+    return all(w.parameter_name in ("gate_up_proj", "down_proj") for w in chain)
 
 
-def _factors(chain) -> dict[str, tuple[torch.Tensor, torch.Tensor, float]]:
-    """{parameter name: (lhs, rhs, scaling)}, the adapter's delta = scaling x lhs @ rhs in the parameter's layout."""
+def _factors(chain) -> dict[str, tuple[torch.Tensor, torch.Tensor, float]] | None:
+    """{parameter name: (lhs, rhs, scaling)}, the adapter's delta = scaling x lhs @ rhs in the parameter's layout;
+    None where an adapter is disabled or merged, or other than one is active (peft's forward then)."""
     out = {}
     for w in chain:
-        (name,) = [a for a in w.active_adapters if a in w.lora_A]
-        out[w.parameter_name] = w.get_delta_factors(name)
+        active = [a for a in w.active_adapters if a in w.lora_A]
+        if w.disable_adapters or w.merged or len(active) != 1:
+            return None
+        out[w.parameter_name] = w.get_delta_factors(active[0])
     return out
+
+
+def _rank_padding(first) -> int:
+    """Zero ranks to add so that a row of rank values is a multiple of 16 bytes, which torch's grouped matmul takes
+    (on the CPU as on CUDA: rank 4 in bf16, rank 6 in fp32 are refused)."""
+    return -first.size(-1) % (16 // first.element_size())
 
 
 def _linear(x, weight, offsets, factors, transposed: bool):
@@ -67,16 +76,24 @@ def _linear(x, weight, offsets, factors, transposed: bool):
         out = _grouped_mm(x, weight.transpose(-2, -1), offs=offsets)
     if factors is None:
         return out
-    lhs, rhs, s = factors  # rank-r matrices a expert: laid out as the grouped matmul takes them (contiguous)
-    first, second = (lhs, rhs) if transposed else (rhs.transpose(-2, -1), lhs.transpose(-2, -1))
-    low = _grouped_mm(x, first.contiguous(), offs=offsets)
-    return out + s * _grouped_mm(low, second.contiguous(), offs=offsets)
+    lhs, rhs, s = factors
+    first, second = (lhs, rhs) if transposed else (rhs.transpose(-2, -1), lhs.transpose(-2, -1))  # [E,in,r], [E,r,out]
+    pad = _rank_padding(first)
+    if pad:  # zero ranks added: the same product
+        first, second = F.pad(first, (0, pad)), F.pad(second, (0, 0, 0, pad))
+    low = _grouped_mm(x, first, offs=offsets) * s  # A^T: a view of peft's A (or of its cast), a layout it takes
+    # B^T is a view of peft's B with the experts innermost (stride 1), which the matmul does not take: one copy, rank r
+    # a expert. The sum in place: the base's output is saved by nothing, and a pair's rows are not held three times.
+    return out.add_(_grouped_mm(low, second.contiguous(), offs=offsets))
 
 
 def _forward(module, hidden_states, top_k_index, top_k_weights):
-    """transformers' grouped_mm_experts_forward (integrations/moe.py), each adapted parameter's adapter beside it."""
+    """transformers' grouped_mm_experts_forward (integrations/moe.py), each adapted parameter's adapter beside it;
+    peft's own forward where _factors says so."""
     chain, experts = _wrappers(module)
     factors = _factors(chain)
+    if factors is None:
+        return type(module).forward(module, hidden_states, top_k_index, top_k_weights)
     k = top_k_index.size(-1)
     tokens, hidden = hidden_states.shape
     weights, ids = top_k_weights.reshape(-1), top_k_index.reshape(-1)
@@ -95,19 +112,13 @@ def _forward(module, hidden_states, top_k_index, top_k_weights):
     return out[inverse].view(tokens, k, hidden).sum(dim=1).to(hidden_states.dtype)
 
 
-@contextmanager
-def unmerged_experts(lm):
-    """Inside the block, each LoRA-adapted experts module of `lm` that `_supported` runs its adapters beside the base
-    experts (no merge); yields how many. (Of nested ParamWrappers, the outermost is the one its layer calls.)"""
-    wrappers = [m for m in lm.modules() if hasattr(m, "parameter_name")]
+def install(model) -> int:
+    """From now on, each LoRA-adapted experts module of `model` that `_supported` runs its adapters beside the base
+    experts (no merge); returns how many (of nested ParamWrappers, the outermost is the one its layer calls). Calling
+    it again changes nothing."""
+    wrappers = [m for m in model.modules() if hasattr(m, "parameter_name")]
     inner = {id(m.base_layer) for m in wrappers}
-    swapped = []
-    try:
-        for module in wrappers:
-            if id(module) not in inner and _supported(module):
-                swapped.append(module)
-                module.__dict__["forward"] = functools.partial(_forward, module)
-        yield len(swapped)
-    finally:
-        for module in swapped:
-            module.__dict__.pop("forward", None)
+    outermost = [m for m in wrappers if id(m) not in inner and _supported(m)]
+    for module in outermost:
+        module.__dict__["forward"] = functools.partial(_forward, module)
+    return len(outermost)

@@ -11,6 +11,7 @@ import torch
 
 from llmtrain.config import LoraConfig, ModelConfig, RopeScaling
 from llmtrain.errors import LLMTrainError
+from llmtrain.model import lora_experts
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -406,13 +407,15 @@ def apply_lora(model, cfg: LoraConfig, *, task: str = "CAUSAL_LM"):
             warnings.filterwarnings("ignore", r"The following (rank|alpha)_pattern keys did not match any targeted "
                                     r"module and were ignored: \['[^,]*gate_up_proj'\]", RuntimeWarning)
             # peft keeps the adapter weights in fp32 even on a bf16 base (autocast_adapter_dtype).
-            return peft.get_peft_model(model, config)
+            model = peft.get_peft_model(model, config)
     except ValueError as e:
         linears = sorted({n.rsplit(".", 1)[-1] for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)})
         raise LLMTrainError(f"invalid LoRA settings (lora.target_modules / lora.modules_to_save): {e}. This "
                             f"{model.config.model_type} model's linear layers are named {', '.join(linears)} "
                             "(Phi-3/Phi-4 fuse q/k/v into qkv_proj and gate/up into gate_up_proj); "
                             "lora.target_modules: all-linear adapts each of them but the LM head") from None
+    lora_experts.install(model)  # adapted experts run their adapters beside the base experts, unmerged
+    return model
 
 
 def numel(p) -> int:

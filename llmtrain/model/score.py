@@ -133,7 +133,10 @@ def load_reward_model(path: str, device):
 
             base = PeftConfig.from_pretrained(str(folder)).base_model_name_or_path
             model = pretrained(AutoModelForSequenceClassification, base, num_labels=1, dtype="auto")
+            from llmtrain.model import lora_experts
+
             model = PeftModel.from_pretrained(model, str(folder))
+            lora_experts.install(model)
         else:
             model = AutoModelForSequenceClassification.from_pretrained(str(folder), dtype="auto")
     tokenizer = AutoTokenizer.from_pretrained(str(folder))

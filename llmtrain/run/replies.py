@@ -81,7 +81,10 @@ def load_source(source: str, *, device=None) -> Source:
     if adapter:
         from peft import PeftModel
 
+        from llmtrain.model import lora_experts
+
         model = PeftModel.from_pretrained(model, str(final))
+        lora_experts.install(model)
     model = model.to(device) if not trained.quantize else model
     what = "a LoRA adapter on " + recipe.model.name_or_path if adapter else "a whole model"
     return _source(model, tokenizer, recipe, f"{final} ({what})", read_template)
