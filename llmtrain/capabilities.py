@@ -343,6 +343,23 @@ def needs_model(recipe, layout: Layout) -> bool:
         recipe.lora is not None and recipe.lora.dropout > 0) or recipe.model.router_aux_loss_coef is not None
 
 
+def experts_problems(model_type: str | None, n: int, *, tiled_mlp: bool, lora_dropout: float,
+                     flags: dict[str, str] | None = None) -> list[str]:
+    """What a mixture of `n` experts cannot run: the tiled MLP, LoRA dropout (peft adapts the experts as parameters).
+    `flags`: the command-line options beside the recipe keys (estimate-memory's)."""
+    flags = flags or {}
+    kind = f"{model_type or 'this model'}'s MLP is a mixture of {n} experts"
+    out = []
+    if tiled_mlp:
+        out.append(f"model.tiled_mlp{flags.get('tiled_mlp', '')} tiles a dense MLP (gate, up and down projections) "
+                   f"over the tokens, and {kind} (a router and its experts), which it does not split: set it to null "
+                   "(the experts' activations are per routed token already)")
+    if lora_dropout > 0:
+        out.append(f"lora.dropout{flags.get('lora_dropout', '')}={lora_dropout:g}: {kind}, whose weights peft adapts "
+                   "as parameters (lora.ParamWrapper), and those take no dropout on their input: set it to 0")
+    return out
+
+
 def model_problems(recipe, layout: Layout, config) -> list[str]:
     """What the recipe and the layout refuse of the model itself (`config`: its transformers config): its family's
     cells (FAMILIES), a mixture of experts under the tiled MLP or LoRA dropout, heads a sequence or a tensor-parallel
@@ -356,14 +373,8 @@ def model_problems(recipe, layout: Layout, config) -> list[str]:
             out.append(f"{_key(parallelism, recipe, layout)} is refused for {FAMILIES[model_type].name} "
                        f"({model_type}): {why}")
     if n := experts(config):
-        kind = f"{getattr(config, 'model_type', 'this model')}'s MLP is a mixture of {n} experts"
-        if recipe.model.tiled_mlp:
-            out.append(f"model.tiled_mlp tiles a dense MLP (gate, up and down projections) over the tokens, and {kind} "
-                       "(a router and its experts), which it does not split: set model.tiled_mlp=null (the experts' "
-                       "activations are per routed token already)")
-        if recipe.lora is not None and recipe.lora.dropout > 0:
-            out.append(f"lora.dropout={recipe.lora.dropout:g}: {kind}, whose weights peft adapts as parameters "
-                       "(lora.ParamWrapper), and those take no dropout on their input. Set lora.dropout=0")
+        out += experts_problems(model_type, n, tiled_mlp=bool(recipe.model.tiled_mlp),
+                                lora_dropout=recipe.lora.dropout if recipe.lora is not None else 0.0)
     elif (coef := recipe.model.router_aux_loss_coef) is not None:
         out.append(f"model.router_aux_loss_coef={coef:g} weighs a mixture of experts' load-balancing loss, and "
                    f"{model_type or 'this model'} has no experts (a dense MLP): unset it")

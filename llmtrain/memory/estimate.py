@@ -11,7 +11,7 @@ import functools
 import inspect
 from dataclasses import replace
 
-from llmtrain.capabilities import FAMILIES, sequence_heads_problem
+from llmtrain.capabilities import FAMILIES, experts_problems, sequence_heads_problem
 from llmtrain.config import PREFILL_CHUNK, tiled_mlp_shard
 from llmtrain.errors import LLMTrainError
 from llmtrain.memory import activations as act
@@ -110,16 +110,6 @@ def _expert_adapters(shape: ModelShape, spec: TrainSpec, stream: int) -> dict:
                                                                              spec.mixed_precision != "no"))
 
 
-def _experts_problem(spec: TrainSpec) -> str | None:
-    """What a mixture of experts cannot run (capabilities.model_problems says the same to a recipe)."""
-    if spec.tiled_mlp:
-        return "model.tiled_mlp tiles a dense MLP, and this model's MLP is a mixture of experts: set it to null"
-    if spec.method == "lora" and spec.lora_dropout > 0:
-        return (f"LoRA on a mixture of experts' experts takes no dropout (peft's ParamWrapper), and lora.dropout "
-                f"(--lora-dropout) is {spec.lora_dropout}: set it to 0")
-    return None
-
-
 def _experts_note(shape: ModelShape, spec: TrainSpec, p: act.Pass) -> str:
     """What a mixture of experts' layer holds: its experts whole on every GPU, top_k a token; under LoRA, what the
     experts' adapters save; a 4-bit base leaves the experts in the storage dtype."""
@@ -162,8 +152,11 @@ def estimate(shape: ModelShape, spec: TrainSpec) -> Estimate:
     spec.validate()
     if problem := sequence_heads_problem(spec.sequence_parallel, shape.heads, shape.kv_heads):
         raise LLMTrainError(f"cannot estimate this run: {problem} ({shape.source}).")
-    if shape.experts and (problem := _experts_problem(spec)):
-        raise LLMTrainError(f"cannot estimate this run: {problem} ({shape.source}).")
+    if shape.experts and (problems := experts_problems(
+            shape.model_type, shape.experts.count, tiled_mlp=bool(spec.tiled_mlp),
+            lora_dropout=spec.lora_dropout if spec.method == "lora" else 0.0,
+            flags={"tiled_mlp": " (--tiled-mlp)", "lora_dropout": " (--lora-dropout)"})):
+        raise LLMTrainError(f"cannot estimate this run: {problems[0]} ({shape.source}).")
     whole, shape = shape, tensor_parallel_shape(shape, spec.tp)
     plan = lora_plan(shape, r=spec.lora_r, targets=spec.lora_target_modules,
                      modules_to_save=spec.lora_modules_to_save) if spec.method == "lora" else None
