@@ -7,6 +7,7 @@ loads model weights: the memory check is the estimator's arithmetic on config.js
 
 from __future__ import annotations
 
+import json
 import os
 from pathlib import Path
 
@@ -74,9 +75,11 @@ def check_layout(recipe: Recipe, launch: dict, *, where: str = "the launch confi
                 config = load_model_config(recipe.model)
             except LLMTrainError:
                 shape = load_model_shape(recipe.model.name_or_path)
-                config = SimpleNamespace(num_attention_heads=shape.heads, num_key_value_heads=shape.kv_heads,
-                                         num_hidden_layers=shape.layers, intermediate_size=shape.intermediate,
-                                         tie_word_embeddings=shape.tied, model_type=shape.model_type)
+                # the config it was read from (a mixture's experts among it), with what the shape resolved
+                config = SimpleNamespace(**{**json.loads(shape.config_json or "{}"),
+                                            **dict(num_attention_heads=shape.heads, num_key_value_heads=shape.kv_heads,
+                                                   num_hidden_layers=shape.layers, intermediate_size=shape.intermediate,
+                                                   tie_word_embeddings=shape.tied, model_type=shape.model_type)})
             found = capabilities.problems(recipe, layout, model=config)
         except LLMTrainError as e:
             unknown = f"; the model's config could not be read ({e}), so what the run asks of it is unchecked"

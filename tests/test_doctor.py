@@ -351,3 +351,39 @@ def test_the_context_check_reads_a_hub_ids_built_in_or_cached_config(tmp_path):
     context = [line for line in proc.stdout.splitlines() if line.startswith("│ context")]
     assert len(context) == 1 and "warn" in context[0], proc.stdout + proc.stderr
     assert "max_position_embeddings=4096" in context[0] and "Lower data.max_seq_len to 4096" in context[0]
+
+
+def test_a_hub_mixture_of_experts_is_checked_by_its_built_in_config(monkeypatch):
+    """With no config to read (offline, nothing cached), the layout row reads a hub id's built-in one: it took heads
+    and layers only from there, so the shipped Qwen3-30B-A3B recipe (model.router_aux_loss_coef) failed as "qwen3_moe
+    has no experts (a dense MLP)". Now it passes, and lora.dropout is refused naming its 128 experts."""
+    from llmtrain.doctor import check_layout
+    from llmtrain.errors import LLMTrainError
+    from llmtrain.model import modeling
+
+    def offline(cfg):
+        raise LLMTrainError("cannot read it offline")
+
+    monkeypatch.setattr(modeling, "load_model_config", offline)
+    path = REPO / "recipes" / "qwen3-30b-a3b-lora.yaml"
+    (_, status, detail), = check_layout(load_recipe(path), {})
+    assert status == "pass", detail
+    (_, status, detail), = check_layout(load_recipe(path, ["lora.dropout=0.05"]), {})
+    assert status == "fail" and "lora.dropout=0.05: qwen3_moe's MLP is a mixture of 128 experts" in detail
+
+
+def test_doctor_checks_a_recipe_as_its_header_launches_it(tiny_assets, tmp_path):
+    """Without --accelerate-config, doctor takes the launch config of the recipe's header, as estimate-memory does, and
+    says so: llama7b.yaml's FSDP over 8 GPUs (19.2 GiB per GPU of 8, which fits an 80 GB card), where it checked one
+    process holding the whole model before (126.2 GiB: a fail), as it still does when given that launch."""
+    def rows(*args):
+        proc = invoke("doctor", str(REPO / "recipes" / "llama7b.yaml"), "--gpu-memory", "80", *args, check=False)
+        said = " ".join(proc.stdout.split())
+        return said, {row: said.split(f"│ {row} │ ")[1].split(" ")[0] for row in ("memory", "layout")}
+
+    said, header = rows()
+    assert "launch: accelerate_configs/fsdp.yaml, from the recipe's header" in said, said
+    assert header == {"memory": "pass", "layout": "pass"} and "(8 x 80 GiB)" in said
+    assert "on 8 processes: FSDP" in said
+    said, alone = rows("--accelerate-config", "accelerate_configs/single_gpu.yaml")
+    assert "from the recipe's header" not in said and alone["memory"] == "fail", said

@@ -100,14 +100,18 @@ def test_a_sharded_models_class_still_finds_its_load_balancing_loss():
 
 @pytest.mark.extended  # 2 processes; main tier: the one-process run below and the sharded class above
 @pytest.mark.slow
-def test_ddp_and_fsdp_train_the_same_with_it(tiny_assets, tmp_path, free_port):
+@pytest.mark.parametrize("lora", [False, True], ids=["full", "lora"])
+def test_ddp_and_fsdp_train_the_same_with_it(tiny_assets, tmp_path, free_port, lora):
     """2 processes of 2 examples under DDP and under FSDP: the same losses and aux_loss (each process's micro-batch
-    has its own load-balancing loss, so these are the halves' token-weighted mean, not one process's 4 examples')."""
+    has its own load-balancing loss, so these are the halves' token-weighted mean, not one process's 4 examples').
+    Full, and under LoRA on all-linear (recipes/qwen3-30b-a3b-lora.yaml's: the router's and the experts' adapters, the
+    experts' run unmerged beside them inside FSDP's gathered layers, model/lora_experts.py)."""
     from helpers import REPO, launch_finetune
 
     model = family_model(tiny_assets, tmp_path / "qwen3_moe", "qwen3_moe")
     recipe = write_recipe(tiny_assets, tmp_path, model={"name_or_path": str(model)}, data={"eval_split": None},
-                          train={"max_steps": 3, "micro_batch_size": 2, "lr": 3e-3, "warmup_steps": 0})
+                          train={"max_steps": 3, "micro_batch_size": 2, "lr": 3e-3, "warmup_steps": 0},
+                          **({"lora": {"r": 8, "dropout": 0.0}} if lora else {}))
     logged = {}
     for config in ("cpu_ddp.yaml", "cpu_fsdp.yaml"):
         launch_finetune(REPO / "accelerate_configs" / config, 2, free_port, recipe, f"output_dir={tmp_path / config}",
