@@ -56,10 +56,10 @@ MODES: dict[str, Mode] = {m.key: m for m in (
     Mode("sft", "supervised fine-tuning", ("alpaca", "messages", "prompt_completion", "text"), "examples", True,
          "loss, samples", "causal LM", router_aux=True),
     Mode("preference", "preference pairs (preference:)", ("preference",), "pairs", True,
-         "loss, reward margin and accuracy, samples", "causal LM",
+         "loss, reward margin and accuracy, samples", "causal LM", router_aux=True,
          refused={"sp": _LOGPS_SP, "pp": _OWN_PASSES_PP.replace("its own passes", "its own passes (chosen, rejected, "
                                                                  "the reference)")}),
-    Mode("kto", "KTO (kto:)", ("unpaired",), "examples", False, "loss, reward margin", "causal LM",
+    Mode("kto", "KTO (kto:)", ("unpaired",), "examples", False, "loss, reward margin", "causal LM", router_aux=True,
          refused={"tp": "a full fine-tune keeps a frozen copy of the starting model as its reference, whole on every "
                         "process, which tensor parallelism's split would undo, and tensor parallelism does not train "
                         "LoRA (the reference without a copy). Launch with a DDP or FSDP config "
@@ -496,8 +496,9 @@ def _mode_problems(recipe) -> list[str]:
                    if mode.key == "kto" else
                    "distill: matches the teacher on completion tokens only; unset data.train_on_prompt")
     if (coef := recipe.model.router_aux_loss_coef) is not None and not mode.router_aux:
-        out.append(f"model.router_aux_loss_coef={coef:g}: the load-balancing loss joins supervised fine-tuning's loss, "
-                   f"and this recipe trains {mode.name}, whose loss llmtrain does not add it to. Unset it")
+        takes = ", ".join(m.name for m in MODES.values() if m.router_aux)
+        out.append(f"model.router_aux_loss_coef={coef:g}: the load-balancing loss joins the loss of {takes}, and this "
+                   f"recipe trains {mode.name}, whose loss llmtrain does not add it to. Unset it")
     if (p := recipe.preference) is not None and p.reference == "adapter" and recipe.lora is None:
         out.append("preference.reference: adapter disables the LoRA adapter, and this recipe has no lora: section; "
                    "use precomputed (or auto) for a full fine-tune")

@@ -122,7 +122,8 @@ class ModelConfig(Section):
         None, ge=0, description="A mixture of experts (Qwen3-MoE, Mixtral): add its routers' load-balancing loss "
         "(Switch Transformer's, transformers' load_balancing_loss_func over every layer) with this weight, as "
         "transformers does with output_router_logits (router_aux_loss_coef: 0.001 in Qwen3-MoE's config, 0.02 in "
-        "Mixtral's). Supervised fine-tuning; logged as aux_loss. Unset: off, transformers' default.")
+        "Mixtral's). Supervised fine-tuning, preference pairs and KTO (as TRL adds it); logged as aux_loss. Unset: "
+        "off, transformers' default (TRL's trainers default to the config's own weight).")
 
     @field_validator("tiled_mlp")
     @classmethod

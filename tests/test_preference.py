@@ -234,17 +234,25 @@ def fresh_accelerate_state():
     AcceleratorState._reset_state(reset_partial_state=True)
 
 
-@pytest.mark.parametrize("loss_type, ours", [("sigmoid", "dpo"), ("ipo", "ipo")])
-def test_loss_matches_trl_dpo_trainer(tiny_assets, tiny_tok, tmp_path, loss_type, ours, fresh_accelerate_state):
+@pytest.mark.parametrize("loss_type, ours, family", [("sigmoid", "dpo", "llama"), ("ipo", "ipo", "llama"),
+                                                     ("sigmoid", "dpo", "qwen3_moe")])
+def test_loss_matches_trl_dpo_trainer(tiny_assets, tiny_tok, tmp_path, loss_type, ours, family,
+                                      fresh_accelerate_state):
     """TRL's DPOTrainer (padded, its own tokenisation and fused LM head) against llmtrain's padding-free pairs, on
-    a policy that differs from its reference: the same mean loss to 1e-6."""
+    a policy that differs from its reference: the same mean loss to 1e-6. A tiny Qwen3-MoE with the load-balancing
+    loss at 0.25 (TRL's router_aux_loss_coef, llmtrain's model.router_aux_loss_coef): TRL adds it to the micro-batch's
+    mean loss from its one padded pass over chosen and rejected, llmtrain from its one packed row of them (padding
+    left out either way): the same loss, and the gradients of the routers and experts the same to 1e-6."""
     trl = pytest.importorskip("trl")
     from datasets import Dataset
+    from test_families import family_model
     from transformers import AutoModelForCausalLM
 
     from llmtrain.model.loss import attach_loss
 
-    ref = AutoModelForCausalLM.from_pretrained(tiny_assets / "model", dtype=torch.float32, attn_implementation="eager")
+    coef = 0.25 if family == "qwen3_moe" else None
+    folder = tiny_assets / "model" if family == "llama" else family_model(tiny_assets, tmp_path / family, family)
+    ref = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32, attn_implementation="eager")
     policy = copy.deepcopy(ref)
     g = torch.Generator().manual_seed(0)
     with torch.no_grad():
@@ -252,11 +260,13 @@ def test_loss_matches_trl_dpo_trainer(tiny_assets, tiny_tok, tmp_path, loss_type
             p.add_(torch.randn(p.shape, generator=g) * 0.02)
     ours_policy, ours_ref = copy.deepcopy(policy), copy.deepcopy(ref)  # before TRL patches its own copies
     args = trl.DPOConfig(output_dir=str(tmp_path / "trl"), per_device_train_batch_size=len(PAIRS), report_to="none",
-                         beta=0.1, loss_type=[loss_type], max_length=None, use_cpu=True, bf16=False, fp16=False)
+                         beta=0.1, loss_type=[loss_type], max_length=None, use_cpu=True, bf16=False, fp16=False,
+                         router_aux_loss_coef=coef)
     trainer = trl.DPOTrainer(model=policy, ref_model=ref, args=args, train_dataset=Dataset.from_list(PAIRS),
                              processing_class=tiny_tok)
+    assert trainer.aux_loss_enabled is (coef is not None)
     theirs = trainer.compute_loss(trainer.model, trainer.data_collator([trainer.train_dataset[i]
-                                                                        for i in range(len(PAIRS))])).item()
+                                                                        for i in range(len(PAIRS))]))
 
     cfg = DataConfig(path="x.jsonl", format="preference")
     rows = [encode_pair(p, tiny_tok, cfg) for p in PAIRS]
@@ -264,16 +274,24 @@ def test_loss_matches_trl_dpo_trainer(tiny_assets, tiny_tok, tmp_path, loss_type
         tr = trainer.train_dataset[i]
         assert row["chosen_ids"] == tr["prompt_ids"] + tr["chosen_ids"]
     for m in (ours_policy, ours_ref):
-        attach_loss(m, chunk=8)
+        attach_loss(m, chunk=8, router_aux=coef)
     objective = Preference(PreferenceConfig(loss=ours, beta=0.1), pad_id=tiny_tok.pad_token_id, packing=True,
-                           reference="precomputed")
+                           reference="precomputed", router_aux=coef)
     with torch.no_grad():
         plain = Preference(objective.cfg, pad_id=objective.pad_id, packing=True, reference="none")
         ref_logps = sequence_logps(ours_ref, plain.collate(rows)[0])
     batch, _ = objective.collate([{**r, "ref_chosen": float(a), "ref_rejected": float(b)}
                                   for r, a, b in zip(rows, ref_logps[0::2], ref_logps[1::2])])
-    loss, _ = objective.loss(ours_policy, batch)
-    assert loss.item() / len(PAIRS) == pytest.approx(theirs, rel=1e-6, abs=1e-6)
+    loss, stats = objective.loss(ours_policy, batch)
+    assert loss.item() / len(PAIRS) == pytest.approx(theirs.item(), rel=1e-6, abs=1e-6)
+    if coef is not None:  # the load-balancing loss counts, and trains what TRL's trains
+        assert objective.step_metrics(stats.tolist(), len(PAIRS))["aux_loss"] == pytest.approx(
+            trainer._metrics["train" if trainer.model.training else "eval"]["aux_loss"][-1], rel=1e-6)
+        theirs.backward()
+        (loss / len(PAIRS)).backward()
+        mine = dict(ours_policy.named_parameters())
+        moe = [(n, p) for n, p in trainer.model.named_parameters() if ".mlp." in n]
+        assert moe and all((mine[n].grad - p.grad).abs().max() < 1e-6 for n, p in moe)
 
 
 # --------------------------------------------------------------------------- training

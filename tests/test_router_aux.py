@@ -6,8 +6,10 @@ with output_router_logits (the model module's own load_balancing_loss_func), on 
   routers' gradients (fp32, to 1e-6); the same examples packed in one row (no mask) give the padded batch's.
 - A run: the step's logged loss is the cross-entropy of the run without it plus the coefficient times the logged
   aux_loss; its routers then train differently; checkpointed layers give the same losses.
-- Where it cannot apply (a dense model, another mode than supervised fine-tuning, a sequence group's slices, pipeline
-  stages) it is refused in one paragraph before anything is written.
+- Preference pairs (DPO) and KTO add it as TRL's DPOTrainer and KTOTrainer do: their micro-batch's mean loss plus the
+  coefficient times the load-balancing loss of the policy's pass (to 1e-6 against TRL).
+- Where it cannot apply (a dense model, a mode whose loss llmtrain does not add it to, a sequence group's slices,
+  pipeline stages) it is refused in one paragraph before anything is written.
 """
 
 from __future__ import annotations
@@ -70,7 +72,7 @@ def test_one_micro_batch_is_transformers_loss_with_output_router_logits(family):
     n = len(padded["loss_index"])
     (loss / n).backward()
     assert (loss / n).item() == pytest.approx(out.loss.item(), abs=1e-6)
-    assert (aux / n).item() == pytest.approx(out.aux_loss.item(), abs=1e-6)
+    assert aux.item() == pytest.approx(out.aux_loss.item(), abs=1e-6)
     assert all(torch.allclose(a, b, atol=1e-6) for a, b in zip(router_grads(ours), router_grads(theirs)))
     assert len(router_grads(ours)) == 2 and out.aux_loss.item() > 1.0  # top_k 2: at least ~2, balanced or not
 
@@ -82,7 +84,7 @@ def test_one_micro_batch_is_transformers_loss_with_output_router_logits(family):
     # evaluation's loss (return_hits) is the cross-entropy alone
     with torch.no_grad():
         ce, _ = compute_loss(ours, padded, return_hits=True)
-    assert ce.item() == pytest.approx(loss.item() - COEF * aux.item(), rel=1e-6)
+    assert ce.item() == pytest.approx(loss.item() - COEF * aux.item() * n, rel=1e-6)
 
 
 def test_a_sharded_models_class_still_finds_its_load_balancing_loss():
@@ -147,13 +149,13 @@ def test_a_runs_loss_adds_the_logged_aux_loss_and_its_routers_train_by_it(tiny_a
 
 @pytest.mark.parametrize("recipe, overrides, says", [
     ("tiny.yaml", [], "has no experts (a dense MLP): unset it"),
-    ("tiny-dpo", [], "whose loss llmtrain does not add it to"),
+    ("tiny-reward", [], "whose loss llmtrain does not add it to"),
     ("moe", ["parallel.sequence_parallel=2"], "the product of two means over every token"),
     ("moe", ["parallel.pipeline_parallel=2"], "needs every layer's router logits, which are on every stage"),
 ])
 def test_where_it_cannot_apply_it_is_refused_in_one_paragraph(tiny_assets, tmp_path, recipe, overrides, says):
-    if recipe == "tiny-dpo":
-        path = write_recipe(tiny_assets, tmp_path, preference={"loss": "dpo"},
+    if recipe == "tiny-reward":
+        path = write_recipe(tiny_assets, tmp_path, reward_model={"center_rewards_coefficient": None},
                             data={"path": str(tiny_assets / "data" / "train_pairs.jsonl"), "format": "preference"})
     else:
         path = write_recipe(tiny_assets, tmp_path)

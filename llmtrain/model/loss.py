@@ -94,8 +94,9 @@ def attach_loss(model, *, chunk: int, fused_linear_ce=None, router_aux: float | 
     `loss_index`, both are transformers' own forwards (generation, export). The result is a dict, a
     pytree in which FSDP2 finds the loss to hook the root's backward.
     `fused_linear_ce`, when given (liger's fused linear cross-entropy on CUDA), replaces the chunked loop
-    in training. `router_aux` (model.router_aux_loss_coef): a mixture of experts' load-balancing loss joins the training
-    loss (router_aux_loss) with this weight; the result's "aux" is that loss times the trained tokens, for the log.
+    in training. `router_aux` (model.router_aux_loss_coef): a mixture of experts' load-balancing loss (router_aux_loss)
+    joins the summed training loss with this weight, times the trained tokens; `with_aux` asks for it beside the
+    per-token losses too (a preference or KTO objective weighs it itself). The result's "aux" is that loss, unweighted.
     """
     lm = causal_lm(model)
     if cap := getattr(lm.config, "final_logit_softcapping", None):  # Gemma 2: tanh(logits / cap) * cap
@@ -110,13 +111,14 @@ def attach_loss(model, *, chunk: int, fused_linear_ce=None, router_aux: float | 
     original = type(lm).forward
 
     def forward(self, *args, loss_index=None, loss_targets=None, return_hits: bool = False, per_token: bool = False,
-                temperature: float = 1.0, token_loss=None, **kwargs):
+                temperature: float = 1.0, token_loss=None, with_aux: bool = False, **kwargs):
         if loss_index is None:
             return original(self, *args, **kwargs)
         kwargs.pop("labels", None)  # peft passes labels=None through
         kwargs.pop("use_cache", None)
-        # training's summed loss (not evaluation's, nor another objective's per-token or token_loss one)
-        aux = router_aux is not None and not (return_hits or per_token or token_loss is not None)
+        # training's summed loss (not evaluation's, nor another objective's token_loss one), or where asked for
+        summed = not (return_hits or per_token or token_loss is not None)
+        aux = router_aux is not None and (summed or with_aux)
         outputs = self.model(*args, use_cache=False, **kwargs, **({"output_router_logits": True} if aux else {}))
         hidden = outputs.last_hidden_state.flatten(0, 1)
         if loss_index.numel() == 0:  # no trained position (a sequence-parallel slice of prompt tokens, a pipeline's
@@ -129,8 +131,10 @@ def attach_loss(model, *, chunk: int, fused_linear_ce=None, router_aux: float | 
                                   temperature=temperature, token_loss=token_loss)
         if not aux:
             return {"loss": loss, "hits": hits}
-        balance = router_aux_loss(self, outputs.router_logits, kwargs.get("attention_mask")) * loss_index.numel()
-        return {"loss": loss + router_aux * balance, "hits": hits, "aux": balance.detach()}
+        balance = router_aux_loss(self, outputs.router_logits, kwargs.get("attention_mask"))
+        if summed:  # the micro-batch's share of the step's loss: the weight times the balance times its tokens
+            return {"loss": loss + router_aux * balance * loss_index.numel(), "hits": hits, "aux": balance.detach()}
+        return {"loss": loss, "hits": hits, "aux": balance}
 
     lm.forward = types.MethodType(forward, lm)
 
@@ -138,10 +142,11 @@ def attach_loss(model, *, chunk: int, fused_linear_ce=None, router_aux: float | 
 def router_aux_loss(lm, router_logits, attention_mask) -> torch.Tensor:
     """A mixture of experts' load-balancing loss on one micro-batch, as its transformers model computes it with
     output_router_logits (its module's load_balancing_loss_func: the experts' share of the routed tokens times their
-    mean routing probability, summed, times the experts; padding left out). Added to the summed cross-entropy times
-    the micro-batch's trained tokens, so that the step's loss (divided by the window's trained tokens) is the
-    cross-entropy's mean plus the coefficient times the micro-batches' token-weighted mean of it: on one micro-batch,
-    transformers' own loss."""
+    mean routing probability, summed, times the experts; padding left out). Supervised fine-tuning adds it to the
+    summed cross-entropy times the micro-batch's trained tokens, so that the step's loss (divided by the window's
+    trained tokens) is the cross-entropy's mean plus the coefficient times the micro-batches' token-weighted mean of
+    it: on one micro-batch, transformers' own loss. Preference pairs and KTO add it times the micro-batch's pairs or
+    examples, as TRL's DPOTrainer and KTOTrainer add it to their micro-batch's mean loss."""
     import sys
 
     from llmtrain.capabilities import experts
@@ -197,13 +202,14 @@ def compute_loss(model, batch: dict, *, return_hits: bool = False, per_token: bo
     forwards to it. per_token: the cross-entropy of every trained token instead of their sum (preference losses).
     temperature: of the logits (online RL takes the policy's log-probabilities at the sampling temperature, as TRL).
     token_loss: another loss on the same chunks of the LM head's logits (chunked_token_loss): returns (its summed
-    loss, its summed statistics). return_aux: (the loss, the load-balancing loss times the trained tokens, attach_loss's
-    router_aux; None without it).
+    loss, its summed statistics). return_aux: (the loss, the micro-batch's load-balancing loss, attach_loss's
+    router_aux, or None without it); with per_token, the load-balancing loss is computed for the caller to weigh.
     """
     inputs = {**decoder_inputs(batch), **{k: batch[k] for k in MODEL_INPUTS[3:] if k in batch}}
     out = model(**inputs, return_hits=return_hits, per_token=per_token,
                 **({"temperature": temperature} if temperature != 1.0 else {}),
-                **({"token_loss": token_loss} if token_loss is not None else {}))
+                **({"token_loss": token_loss} if token_loss is not None else {}),
+                **({"with_aux": True} if return_aux and per_token else {}))
     if return_aux:
         return out["loss"], out.get("aux")
     return (out["loss"], out["hits"]) if return_hits or token_loss is not None else out["loss"]

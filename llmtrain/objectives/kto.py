@@ -99,8 +99,10 @@ class KTO:
     """The KTO objective (objective.Objective): labelled completions in, TRL's KTO loss out."""
 
     def __init__(self, cfg, *, pad_id: int, packing: bool, max_seq_len: int, model=None, reference=None,
-                 reduce=None):
+                 reduce=None, router_aux: float | None = None):
         self.cfg, self.pad_id, self.packing, self.max_seq_len = cfg, pad_id, packing, max_seq_len
+        # model.router_aux_loss_coef: the policy pass's load-balancing loss joins the loss, as TRL's KTOTrainer adds it
+        self.router_aux = router_aux
         self.model = model  # unwrapped (no DDP forward, so no collective): the KL pass, and the LoRA reference
         self.reference = reference  # a full fine-tune's frozen copy (frozen_copy); None: the adapter disabled
         self.reduce = reduce  # a device tensor summed over processes (collectives.device_sum); None: one process
@@ -147,10 +149,15 @@ class KTO:
                 mean = self.reduce(mean)
         return (mean[0] / mean[1].clamp(min=1)).clamp(min=0)
 
-    def loss(self, model, batch: dict) -> tuple[torch.Tensor, torch.Tensor]:
+    def loss(self, model, batch: dict, *, aux: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+        """The examples' summed loss and statistics; under model.router_aux_loss_coef (and `aux`: training), plus the
+        weight times the load-balancing loss of the completions' pass (not the KL sequences') times the examples,
+        and that times the examples last among the statistics (as Preference.loss)."""
         kl = self._kl(batch)  # no-grad forwards first: they leave no graph behind
         ref = self._reference(batch)
-        logps = sequence_logps(model, batch)
+        balance = aux and self.router_aux is not None
+        logps, router = sequence_logps(model, batch, with_aux=True) if balance else (sequence_logps(model, batch),
+                                                                                      None)
         desirable = batch["desirable"]
         losses, rewards = kto_losses(self.cfg.loss_type, logps, ref, desirable, kl, beta=self.cfg.beta,
                                      desirable_weight=self.cfg.desirable_weight,
@@ -160,15 +167,16 @@ class KTO:
             n = float(desirable.numel())
             stats = torch.stack([(rewards * d).sum(), (rewards * u).sum(), (logps.detach() * d).sum(),
                                  (logps.detach() * u).sum(), d.sum(), u.sum(),
-                                 (kl if kl is not None else logps.new_zeros(())) * n])
-        return losses.sum(), stats
+                                 (kl if kl is not None else logps.new_zeros(())) * n]
+                                + ([router.detach().float() * n] if balance else []))
+        return losses.sum() + (self.router_aux * router * n if balance else 0.0), stats
 
     def step_metrics(self, stats: list[float], units: float) -> dict[str, float]:
         """TRL's metrics: rewards and log-probabilities averaged over the desirable (chosen) and undesirable
         (rejected) completions apart (a side with none is left out, as TRL leaves it), margins where both are,
         and kl, the micro-batches' estimates averaged over the examples."""
-        chosen_r, rejected_r, chosen_l, rejected_l, chosen, rejected, kl = stats
-        out = {"kl": kl / max(units, 1)}
+        chosen_r, rejected_r, chosen_l, rejected_l, chosen, rejected, kl, *router = stats
+        out = {"kl": kl / max(units, 1), **({"aux_loss": router[0] / max(units, 1)} if router else {})}
         if chosen:
             out.update({"rewards/chosen": chosen_r / chosen, "logps/chosen": chosen_l / chosen})
         if rejected:
@@ -179,7 +187,7 @@ class KTO:
 
     def eval_sums(self, model, batch: dict, device) -> torch.Tensor:
         examples = batch["sequence_tokens"].numel()
-        loss, stats = self.loss(model, to_device(batch, device))
+        loss, stats = self.loss(model, to_device(batch, device), aux=False)  # evaluation: the KTO loss alone
         return torch.cat([loss.detach().reshape(1), stats, loss.new_tensor([examples])]).double()
 
     def eval_metrics(self, sums: list[float]) -> dict[str, float]:

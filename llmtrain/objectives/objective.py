@@ -62,7 +62,8 @@ class CausalLM:
 
     def loss(self, model, batch: dict) -> tuple[torch.Tensor, torch.Tensor]:
         loss, aux = compute_loss(model, batch, return_aux=True)
-        return loss, aux.reshape(1) if self.router_aux else loss.new_zeros(0)
+        # the load-balancing loss times the trained tokens: its token-weighted mean over the step
+        return loss, (aux * len(batch["loss_index"])).reshape(1) if self.router_aux else loss.new_zeros(0)
 
     def step_metrics(self, stats: list[float], units: float) -> dict[str, float]:
         # the load-balancing loss, the micro-batches' mean weighted by their trained tokens (without its coefficient)
@@ -159,7 +160,8 @@ def objective_for(recipe, *, pad_id: int, model=None, tokenizer=None, train=None
 
         # a full fine-tune's reference: the starting weights, copied before a resume loads its checkpoint
         return KTO(recipe.kto, pad_id=pad_id, packing=packs_rows(recipe), max_seq_len=recipe.data.max_seq_len,
-                   model=model, reference=frozen_copy(model) if recipe.lora is None else None, reduce=reduce)
+                   model=model, reference=frozen_copy(model) if recipe.lora is None else None, reduce=reduce,
+                   router_aux=recipe.model.router_aux_loss_coef)
     if recipe.reward_model is not None:
         from llmtrain.model.score import classifier
         from llmtrain.objectives.reward_model import RewardModel
@@ -173,7 +175,7 @@ def objective_for(recipe, *, pad_id: int, model=None, tokenizer=None, train=None
         from llmtrain.objectives.preference import Preference
 
         return Preference(recipe.preference, pad_id=pad_id, packing=packs_rows(recipe),
-                          reference=reference_kind(recipe), model=model)
+                          reference=reference_kind(recipe), model=model, router_aux=recipe.model.router_aux_loss_coef)
     return CausalLM(pad_id=pad_id, packing=packs_rows(recipe),
                     router_aux=recipe.model.router_aux_loss_coef is not None)
 

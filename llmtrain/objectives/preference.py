@@ -54,20 +54,26 @@ def pair_losses(kind: str, chosen: torch.Tensor, rejected: torch.Tensor, ref_cho
     raise ValueError(f"unknown preference loss {kind!r}")
 
 
-def sequence_logps(model, batch: dict) -> torch.Tensor:
-    """Summed answer log-probability of every sequence of a collated batch (on the device), in batch order."""
-    token_loss = compute_loss(model, batch, per_token=True)  # cross-entropy = -log p, one per trained token
+def sequence_logps(model, batch: dict, *, with_aux: bool = False):
+    """Summed answer log-probability of every sequence of a collated batch (on the device), in batch order; with_aux:
+    and the batch's load-balancing loss (a mixture of experts under model.router_aux_loss_coef, loss.attach_loss)."""
+    # cross-entropy = -log p, one per trained token
+    token_loss, aux = compute_loss(model, batch, per_token=True, return_aux=True) if with_aux else (
+        compute_loss(model, batch, per_token=True), None)
     n = batch["sequence_tokens"].numel()
-    return -torch.zeros(n, device=token_loss.device, dtype=torch.float32).index_add(
+    logps = -torch.zeros(n, device=token_loss.device, dtype=torch.float32).index_add(
         0, batch["loss_example"], token_loss.float())
+    return (logps, aux) if with_aux else logps
 
 
 class Preference:
     """The preference objective (objective.Objective): pairs in, a preference loss out."""
 
-    def __init__(self, cfg, *, pad_id: int, packing: bool, reference: str, model=None):
+    def __init__(self, cfg, *, pad_id: int, packing: bool, reference: str, model=None, router_aux: float | None = None):
         self.cfg, self.pad_id, self.packing, self.reference = cfg, pad_id, packing, reference
         self.model = model  # unwrapped: its adapter is disabled for the reference forward
+        # model.router_aux_loss_coef: the policy pass's load-balancing loss joins the loss, as TRL's DPOTrainer adds it
+        self.router_aux = router_aux
         self.columns = ("chosen_ids", "chosen_labels", "rejected_ids", "rejected_labels") + (
             ("ref_chosen", "ref_rejected") if reference == "precomputed" else ())
 
@@ -91,27 +97,35 @@ class Preference:
             ref = sequence_logps(self.model, batch)
         return ref[0::2], ref[1::2]
 
-    def loss(self, model, batch: dict) -> tuple[torch.Tensor, torch.Tensor]:
+    def loss(self, model, batch: dict, *, aux: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+        """The pairs' summed loss and statistics; under model.router_aux_loss_coef (and `aux`: training), plus the
+        weight times the load-balancing loss of the micro-batch's one pass times its pairs (so that the step's loss
+        is the pairs' mean plus the weight times the micro-batches' pair-weighted mean of it: on one micro-batch,
+        TRL's), and that times the pairs last among the statistics."""
         ref_chosen, ref_rejected = self._reference(batch)  # first: its no-grad forward leaves no graph behind
-        logps = sequence_logps(model, batch)
+        balance = aux and self.router_aux is not None
+        logps, router = sequence_logps(model, batch, with_aux=True) if balance else (sequence_logps(model, batch),
+                                                                                      None)
         tokens = batch["sequence_tokens"]
         losses, chosen_rewards, rejected_rewards = pair_losses(
             self.cfg.loss, logps[0::2], logps[1::2], ref_chosen, ref_rejected, tokens[0::2], tokens[1::2],
             beta=self.cfg.beta, gamma=self.cfg.simpo_gamma)
+        pairs = losses.numel()
         with torch.no_grad():
             stats = torch.stack([chosen_rewards.sum(), rejected_rewards.sum(),
                                  (chosen_rewards > rejected_rewards).float().sum(),
-                                 (chosen_rewards - rejected_rewards).sum(), logps[0::2].sum(), logps[1::2].sum()])
-        return losses.sum(), stats
+                                 (chosen_rewards - rejected_rewards).sum(), logps[0::2].sum(), logps[1::2].sum()]
+                                + ([router.detach().float() * pairs] if balance else []))
+        return losses.sum() + (self.router_aux * router * pairs if balance else 0.0), stats
 
     def step_metrics(self, stats: list[float], units: float) -> dict[str, float]:
-        return {name: value / max(units, 1) for name, value in zip(STATS, stats)}
+        return {name: value / max(units, 1) for name, value in zip(STATS + ["aux_loss"], stats)}
 
     def eval_sums(self, model, batch: dict, device) -> torch.Tensor:
         from llmtrain.data.batching import to_device
 
         pairs = batch["sequence_tokens"].numel() // 2
-        loss, stats = self.loss(model, to_device(batch, device))
+        loss, stats = self.loss(model, to_device(batch, device), aux=False)  # evaluation: the preference loss alone
         return torch.cat([loss.detach().reshape(1), stats, loss.new_tensor([pairs])]).double()
 
     def eval_metrics(self, sums: list[float]) -> dict[str, float]:
