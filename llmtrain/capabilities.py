@@ -355,7 +355,7 @@ def experts_problems(model_type: str | None, n: int, *, tiled_mlp: bool, lora_dr
                    f"over the tokens, and {kind} (a router and its experts), which it does not split: set it to null "
                    "(the experts' activations are per routed token already)")
     if lora_dropout > 0:
-        out.append(f"lora.dropout{flags.get('lora_dropout', '')}={lora_dropout:g}: {kind}, whose weights peft adapts "
+        out.append(f"lora.dropout={lora_dropout:g}{flags.get('lora_dropout', '')}: {kind}, whose weights peft adapts "
                    "as parameters (lora.ParamWrapper), and those take no dropout on their input: set it to 0")
     return out
 

@@ -168,6 +168,8 @@ def test_llmtrain_launch_refuses_more_gpu_processes_than_this_machine_has_gpus(t
     assert "lower --num_processes to 4" in gpus_problem(launch, where="x", gpus=4)
     assert gpus_problem(launch, where="x", gpus=8) is None
     assert gpus_problem({**launch, "use_cpu": True}, where="x", gpus=0) is None
+    one = gpus_problem({"num_processes": 1}, where="x", gpus=0)  # said in the singular ("there are 1 GPUs" before)
+    assert "starts 1 process on this machine" in one and "Run it where there is 1 GPU," in one
 
 
 def test_llmtrain_launch_says_a_missing_model_once_before_any_process_starts(tiny_assets, tmp_path):

@@ -128,7 +128,7 @@ def test_a_mixture_of_experts_estimate_refuses_what_its_training_refuses():
     B^T copies (128 experts x (32 x 1536 + 16 x 2048)) and A's casts to the bf16 base (128 x (2048 x 32 + 768 x 16)),
     2 bytes each: 39.4 MiB a layer, where peft's merge held 1.12 GiB."""
     shape = load_model_shape("qwen3-30b-a3b")
-    with pytest.raises(LLMTrainError, match=r"lora.dropout \(--lora-dropout\)=0.05: qwen3_moe's MLP is a mixture of "
+    with pytest.raises(LLMTrainError, match=r"lora.dropout=0.05 \(--lora-dropout\): qwen3_moe's MLP is a mixture of "
                        r"128 experts, whose weights peft adapts as parameters .*: set it to 0"):
         estimate(shape, TrainSpec(method="lora", lora_dropout=0.05))
     with pytest.raises(LLMTrainError, match=r"model.tiled_mlp \(--tiled-mlp\) tiles a dense MLP"):
