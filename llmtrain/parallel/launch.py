@@ -118,8 +118,9 @@ def gpus_problem(launch: dict, *, where: str, gpus: int) -> str | None:
     if gpus >= per_node:
         return None
     have = f"{gpus} GPU{'s' if gpus != 1 else ''}" if gpus else "no GPU (torch sees no CUDA device)"
+    need = f"are {per_node} GPUs" if per_node != 1 else "is 1 GPU"
     return (f"{where} starts {per_node} process{'es' if per_node != 1 else ''} on this machine, one a GPU "
-            f"(use_cpu is not set), and this machine has {have}. Run it where there {'are' if per_node != 1 else 'is'} {per_node} GPU{'s' if per_node != 1 else ''}"
+            f"(use_cpu is not set), and this machine has {have}. Run it where there {need}"
             + (f", lower --num_processes to {gpus}" if gpus else "") + ", or rehearse on the CPU with a CPU config "
             "(e.g. accelerate_configs/cpu_fsdp.yaml or cpu_ddp.yaml: use_cpu: true).")
 
