@@ -313,6 +313,7 @@ MARGIN, RM_ACCURACY, RM_MARGIN = ("reward margin, chosen - rejected (DPO, KTO)",
                                   "reward model: score margin, chosen - rejected")
 AGREEMENT, ANSWERS = ("distillation: the student's top token is the teacher's",
                       "answer accuracy (greedy completions of the eval prompts)")
+BALANCE = "routers' load-balancing loss (model.router_aux_loss_coef; top_k when balanced)"
 
 
 @pytest.mark.parametrize("mode, train, evals, panels", [
@@ -324,20 +325,25 @@ AGREEMENT, ANSWERS = ("distillation: the student's top token is the teacher's",
     ("distill", {"teacher_agreement": lambda s: 0.3 + s / 100},
      {"eval_teacher_agreement": lambda s: 0.3 + s / 110, "eval_answer_accuracy": lambda s: 0.2 + s / 200},
      [(AGREEMENT, "teacher_agreement", "eval_teacher_agreement"), (ANSWERS, None, "eval_answer_accuracy")]),
+    ("moe-dpo", {"rewards/margins": lambda s: 0.1 * s, "aux_loss": lambda s: 2.2 - s / 100},
+     {"eval_rewards/margins": lambda s: 0.09 * s},
+     [(MARGIN, "rewards/margins", "eval_rewards/margins"), (BALANCE, "aux_loss", None)]),
 ])
 def test_each_mode_plots_its_own_measure_under_the_loss(tmp_path, mode, train, evals, panels):
-    """KTO's reward margin, a reward model's accuracy and margin, distillation's teacher agreement and answer accuracy:
-    a panel each under the loss, the train values and the eval values as logged (issue 53, item 9)."""
+    """KTO's reward margin, a reward model's accuracy and margin, distillation's teacher agreement and answer accuracy,
+    a mixture of experts' load-balancing loss (aux_loss, train lines only): a panel each under the loss, the train
+    values and the eval values as logged (issue 53, item 9)."""
     run = tmp_path / mode
     write_mode_metrics(run, train, evals)
     fig = plot_runs([run], run / "loss.png")
     assert [ax.get_title() for ax in fig.axes[4:]] == [title for title, _, _ in panels]
     for ax, (_, train_key, eval_key) in zip(fig.axes[4:], panels):
         drawn = lines_by_label(ax)
-        assert set(drawn) == ({"train", "eval"} if train_key else {"eval"})
+        assert set(drawn) == {k for k, key in (("train", train_key), ("eval", eval_key)) if key}
         if train_key:
             assert drawn["train"] == (list(range(1, 31)), [train[train_key](s) for s in range(1, 31)])
-        assert drawn["eval"] == ([10, 20, 30], [evals[eval_key](s) for s in (10, 20, 30)])
+        if eval_key:
+            assert drawn["eval"] == ([10, 20, 30], [evals[eval_key](s) for s in (10, 20, 30)])
     assert png_size(run / "loss.png") == (1300, 1050)
 
 

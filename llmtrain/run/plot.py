@@ -37,6 +37,7 @@ MEASURES = (
     ("margin", "eval_margin", "reward model: score margin, chosen - rejected"),
     ("teacher_agreement", "eval_teacher_agreement", "distillation: the student's top token is the teacher's"),
     (None, "eval_answer_accuracy", "answer accuracy (greedy completions of the eval prompts)"),
+    ("aux_loss", None, "routers' load-balancing loss (model.router_aux_loss_coef; top_k when balanced)"),
 )
 
 
