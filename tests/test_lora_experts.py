@@ -9,10 +9,7 @@ from unittest import mock
 
 import pytest
 import torch
-
-TINY = dict(hidden_size=64, num_attention_heads=4, num_key_value_heads=2, num_hidden_layers=2, vocab_size=97)
-MOE = {"qwen3_moe": dict(head_dim=16, moe_intermediate_size=48, num_experts=8, num_experts_per_tok=2),
-       "mixtral": dict(intermediate_size=48, num_local_experts=8, num_experts_per_tok=2)}
+from test_router_aux import MOE, TINY  # the same tiny Qwen3-MoE and Mixtral: 8 experts of 48 columns, 2 a token
 
 
 def adapted(family: str, targets, implementation: str = "grouped_mm", r: int = 4):
