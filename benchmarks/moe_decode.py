@@ -37,6 +37,23 @@ def moe_config(args):
         vocab_size=4096, attn_implementation="sdpa")
 
 
+def lora_moe(config, args, device: str, targets, *, unmerged: bool):
+    """The small Qwen3-MoE (seed 0) in args.dtype on `device`, under LoRA r16 on `targets` (None: none); unmerged: its
+    adapted experts run beside the base ones, as model/modeling.apply_lora installs them."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    from llmtrain.model import lora_experts
+
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config).to(device=device, dtype=getattr(torch, args.dtype))
+    if targets:
+        model = get_peft_model(model, LoraConfig(r=16, lora_alpha=32, target_modules=targets, lora_dropout=0.0))
+        if unmerged:
+            lora_experts.install(model)
+    return model
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     shape_arguments(ap)
@@ -45,10 +62,6 @@ def main() -> None:
     ap.add_argument("--repeat", type=int, default=2)
     args = ap.parse_args()
 
-    from peft import LoraConfig, get_peft_model
-    from transformers import AutoModelForCausalLM
-
-    from llmtrain.model import lora_experts
     from llmtrain.model.fast_sample import sample_fast
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -58,13 +71,7 @@ def main() -> None:
              ("LoRA all-linear, experts unmerged", "all-linear", True),
              ("LoRA all-linear, peft's merge", "all-linear", False)]
     for name, targets, unmerged in cases:
-        torch.manual_seed(0)
-        model = AutoModelForCausalLM.from_config(config).to(device=device, dtype=getattr(torch, args.dtype))
-        if targets:
-            model = get_peft_model(model, LoraConfig(r=16, lora_alpha=32, target_modules=targets, lora_dropout=0.0))
-            if unmerged:  # as model/modeling.apply_lora does
-                lora_experts.install(model)
-        model.eval()
+        model = lora_moe(config, args, device, targets, unmerged=unmerged).eval()
         seconds = []
         for _ in range(args.repeat + 1):  # the first round warms up
             t = time.perf_counter()

@@ -22,7 +22,7 @@ import torch
 
 
 def main() -> None:
-    from moe_decode import moe_config, shape_arguments  # benchmarks/: the same small Qwen3-MoE
+    from moe_decode import lora_moe, moe_config, shape_arguments  # benchmarks/: the same small Qwen3-MoE
 
     ap = argparse.ArgumentParser()
     shape_arguments(ap)
@@ -31,25 +31,15 @@ def main() -> None:
     ap.add_argument("--repeat", type=int, default=3)
     args = ap.parse_args()
 
-    from peft import LoraConfig, get_peft_model
-    from transformers import AutoModelForCausalLM
-
-    from llmtrain.model import lora_experts
-
     device = "cuda" if torch.cuda.is_available() else "cpu"
     config = moe_config(args)
     ids = torch.randint(5, 4000, (args.rows, args.seq), generator=torch.Generator().manual_seed(0)).to(device)
     grads = {}
     for name, unmerged in (("experts unmerged (llmtrain)", True), ("peft's merge", False)):
-        torch.manual_seed(0)
-        model = AutoModelForCausalLM.from_config(config).to(device=device, dtype=getattr(torch, args.dtype))
-        model = get_peft_model(model, LoraConfig(r=16, lora_alpha=32, target_modules="all-linear", lora_dropout=0.0))
+        model = lora_moe(config, args, device, "all-linear", unmerged=unmerged).train()
         for n, p in model.named_parameters():  # B is zero at the start: give the adapters something to add
             if "lora_B" in n:
                 torch.nn.init.normal_(p, std=0.02)
-        if unmerged:
-            lora_experts.install(model)
-        model.train()
 
         def step(model=model):
             model.zero_grad(set_to_none=False)

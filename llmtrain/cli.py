@@ -359,12 +359,10 @@ def doctor(
     """Check a recipe before spending GPU time: tokenizer, data and masks, memory, launch config. Exit 1 on a fail."""
     from llmtrain.config import load_recipe
     from llmtrain.doctor import doctor as run
-    from llmtrain.memory.cli import header_launch
+    from llmtrain.memory.cli import launch_from_header
 
     loaded = load_recipe(recipe, overrides)
-    if accelerate_config is None and (accelerate_config := header_launch(recipe)) is not None:
-        typer.echo(f"launch: {accelerate_config}, from the recipe's header (--accelerate-config FILE for another)")
-    code = run(loaded, accelerate_config=accelerate_config, gpu_memory=gpu_memory,
+    code = run(loaded, accelerate_config=accelerate_config or launch_from_header(recipe), gpu_memory=gpu_memory,
                show_recipe=show_recipe)
     raise typer.Exit(code)
 

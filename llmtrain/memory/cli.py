@@ -135,9 +135,7 @@ def estimate_memory(
                                  attn=attn, quantize=quantize, activation_offload=activation_offload,
                                  tiled_mlp=tiled_mlp, sequence_parallel=sequence_parallel).items() if v is not None}
     if recipe is not None and accelerate_config is None and not (strategy or num_gpus or num_nodes):
-        accelerate_config = header_launch(recipe)  # as the recipe's header launches it
-        if accelerate_config is not None and not as_json:
-            typer.echo(f"launch: {accelerate_config}, from the recipe's header (--accelerate-config FILE for another)")
+        accelerate_config = launch_from_header(recipe, say=not as_json)
     layout, launch_mp = _layout(accelerate_config, strategy=strategy, num_gpus=num_gpus, num_nodes=num_nodes,
                                 cpu_offload=cpu_offload, tp=tp, fit=fit)
     pipe = dict(pipeline_parallel=pipeline_parallel, pipeline_schedule=pipeline_schedule,
@@ -327,6 +325,14 @@ def ask_hub(*names: str | None) -> None:
     line = hub.fall_back(hub.hub_ids(*names))
     if line:
         typer.echo(line, err=True)
+
+
+def launch_from_header(recipe: Path, *, say: bool = True) -> Path | None:
+    """header_launch, said in one line where a command reads the launch from the recipe (estimate-memory, doctor)."""
+    found = header_launch(recipe)
+    if found is not None and say:
+        typer.echo(f"launch: {found}, from the recipe's header (--accelerate-config FILE for another)")
+    return found
 
 
 def header_launch(recipe: Path) -> Path | None:

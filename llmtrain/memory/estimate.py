@@ -122,7 +122,7 @@ def _experts_note(shape: ModelShape, spec: TrainSpec, p: act.Pass) -> str:
         plan = lora_plan(shape, r=spec.lora_r, targets=spec.lora_target_modules)
         if saved := act.expert_adapter_bytes(p, shape, plan.adapted[0]):
             text += (f"; LoRA on the experts ({sum(plan.moe_params.values()):,} adapter weights a layer) runs each "
-                     f"expert's adapter beside it, unmerged ({saved / 2**20:,.1f} MiB a layer saved for backward)")
+                     f"expert's adapter beside it, unmerged ({saved / MIB:,.1f} MiB a layer saved for backward)")
     if spec.quantize:
         text += (f"; {spec.quantize} quantizes the linear layers only: the experts' {experts * shape.layers:,} "
                  f"weights stay in {spec.dtype}")

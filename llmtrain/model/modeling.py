@@ -418,6 +418,16 @@ def apply_lora(model, cfg: LoraConfig, *, task: str = "CAUSAL_LM"):
     return model
 
 
+def load_adapter(model, folder: str):
+    """A saved LoRA adapter (peft's PeftModel.from_pretrained) on `model`, its adapted experts unmerged as apply_lora
+    runs them (model/lora_experts.py)."""
+    from peft import PeftModel
+
+    model = PeftModel.from_pretrained(model, folder)
+    lora_experts.install(model)
+    return model
+
+
 def numel(p) -> int:
     """The parameter's number of weights: a 4-bit bitsandbytes weight (Params4bit) packs them, and knows its shape."""
     state = getattr(p, "quant_state", None)

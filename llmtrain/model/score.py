@@ -129,14 +129,13 @@ def load_reward_model(path: str, device):
     folder = Path(path).expanduser()
     with every_process_reads():  # never prepared by FSDP: each process reads its own whole copy
         if (folder / "adapter_config.json").is_file():
-            from peft import PeftConfig, PeftModel
+            from peft import PeftConfig
+
+            from llmtrain.model.modeling import load_adapter
 
             base = PeftConfig.from_pretrained(str(folder)).base_model_name_or_path
             model = pretrained(AutoModelForSequenceClassification, base, num_labels=1, dtype="auto")
-            from llmtrain.model import lora_experts
-
-            model = PeftModel.from_pretrained(model, str(folder))
-            lora_experts.install(model)
+            model = load_adapter(model, str(folder))
         else:
             model = AutoModelForSequenceClassification.from_pretrained(str(folder), dtype="auto")
     tokenizer = AutoTokenizer.from_pretrained(str(folder))

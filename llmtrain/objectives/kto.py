@@ -37,7 +37,7 @@ import torch.nn.functional as F
 from llmtrain.data.batching import Counts, batch_weight, collate, to_device, with_loss_positions
 from llmtrain.data.formats import IGNORE, prompt_length
 from llmtrain.errors import LLMTrainError
-from llmtrain.objectives.preference import sequence_logps
+from llmtrain.objectives.preference import policy_logps, sequence_logps
 
 # Statistics summed over the window (and processes); step_metrics turns them into TRL's names.
 SUMS = ["chosen_rewards", "rejected_rewards", "chosen_logps", "rejected_logps", "chosen", "rejected", "kl"]
@@ -155,9 +155,7 @@ class KTO:
         and that times the examples last among the statistics (as Preference.loss)."""
         kl = self._kl(batch)  # no-grad forwards first: they leave no graph behind
         ref = self._reference(batch)
-        balance = aux and self.router_aux is not None
-        logps, router = sequence_logps(model, batch, with_aux=True) if balance else (sequence_logps(model, batch),
-                                                                                      None)
+        logps, router = policy_logps(model, batch, self.router_aux, aux=aux)
         desirable = batch["desirable"]
         losses, rewards = kto_losses(self.cfg.loss_type, logps, ref, desirable, kl, beta=self.cfg.beta,
                                      desirable_weight=self.cfg.desirable_weight,
@@ -168,8 +166,8 @@ class KTO:
             stats = torch.stack([(rewards * d).sum(), (rewards * u).sum(), (logps.detach() * d).sum(),
                                  (logps.detach() * u).sum(), d.sum(), u.sum(),
                                  (kl if kl is not None else logps.new_zeros(())) * n]
-                                + ([router.detach().float() * n] if balance else []))
-        return losses.sum() + (self.router_aux * router * n if balance else 0.0), stats
+                                + ([router.detach().float() * n] if router is not None else []))
+        return losses.sum() + (self.router_aux * router * n if router is not None else 0.0), stats
 
     def step_metrics(self, stats: list[float], units: float) -> dict[str, float]:
         """TRL's metrics: rewards and log-probabilities averaged over the desirable (chosen) and undesirable

@@ -66,6 +66,14 @@ def sequence_logps(model, batch: dict, *, with_aux: bool = False):
     return (logps, aux) if with_aux else logps
 
 
+def policy_logps(model, batch: dict, router_aux: float | None, *, aux: bool):
+    """The policy pass's sequence_logps and, where model.router_aux_loss_coef weighs it in training (`aux`), that
+    pass's load-balancing loss; else None (preference pairs and KTO, as TRL adds it to their mean loss)."""
+    if aux and router_aux is not None:
+        return sequence_logps(model, batch, with_aux=True)
+    return sequence_logps(model, batch), None
+
+
 class Preference:
     """The preference objective (objective.Objective): pairs in, a preference loss out."""
 
@@ -103,9 +111,7 @@ class Preference:
         is the pairs' mean plus the weight times the micro-batches' pair-weighted mean of it: on one micro-batch,
         TRL's), and that times the pairs last among the statistics."""
         ref_chosen, ref_rejected = self._reference(batch)  # first: its no-grad forward leaves no graph behind
-        balance = aux and self.router_aux is not None
-        logps, router = sequence_logps(model, batch, with_aux=True) if balance else (sequence_logps(model, batch),
-                                                                                      None)
+        logps, router = policy_logps(model, batch, self.router_aux, aux=aux)
         tokens = batch["sequence_tokens"]
         losses, chosen_rewards, rejected_rewards = pair_losses(
             self.cfg.loss, logps[0::2], logps[1::2], ref_chosen, ref_rejected, tokens[0::2], tokens[1::2],
@@ -115,8 +121,8 @@ class Preference:
             stats = torch.stack([chosen_rewards.sum(), rejected_rewards.sum(),
                                  (chosen_rewards > rejected_rewards).float().sum(),
                                  (chosen_rewards - rejected_rewards).sum(), logps[0::2].sum(), logps[1::2].sum()]
-                                + ([router.detach().float() * pairs] if balance else []))
-        return losses.sum() + (self.router_aux * router * pairs if balance else 0.0), stats
+                                + ([router.detach().float() * pairs] if router is not None else []))
+        return losses.sum() + (self.router_aux * router * pairs if router is not None else 0.0), stats
 
     def step_metrics(self, stats: list[float], units: float) -> dict[str, float]:
         return {name: value / max(units, 1) for name, value in zip(STATS + ["aux_loss"], stats)}

@@ -79,12 +79,9 @@ def load_source(source: str, *, device=None) -> Source:
     tokenizer = load_tokenizer(trained)
     model = load_model(trained, None, device=device if trained.quantize else None)
     if adapter:
-        from peft import PeftModel
+        from llmtrain.model.modeling import load_adapter
 
-        from llmtrain.model import lora_experts
-
-        model = PeftModel.from_pretrained(model, str(final))
-        lora_experts.install(model)
+        model = load_adapter(model, str(final))
     model = model.to(device) if not trained.quantize else model
     what = "a LoRA adapter on " + recipe.model.name_or_path if adapter else "a whole model"
     return _source(model, tokenizer, recipe, f"{final} ({what})", read_template)
