@@ -31,9 +31,6 @@ _SAMPLING_TP = ("its rollouts sample completions, and sampling under tensor para
                 "accelerate_configs/ddp.yaml or fsdp.yaml); a 7B LoRA policy fits one GPU")
 _WHOLE_MODEL_PP = ("sampling needs the whole model on one process, and each stage holds only its layers. Set "
                    "parallel.pipeline_parallel=1 and shard with FSDP (accelerate_configs/fsdp.yaml) instead")
-_LOGPS_SP = ("its loss needs each sequence's whole log-probability, which the sequence group would have to sum "
-             "first. Set parallel.sequence_parallel=1, or train the long sequences with model.gradient_checkpointing, "
-             "model.activation_offload and model.tiled_mlp on each GPU (docs/long-context.md)")
 _OWN_PASSES_PP = ("its loss runs its own passes per micro-batch, which the stages' schedule does not. Set "
                   "parallel.pipeline_parallel=1 and shard with FSDP (accelerate_configs/fsdp.yaml) or use DDP")
 
@@ -57,21 +54,18 @@ MODES: dict[str, Mode] = {m.key: m for m in (
          "loss, samples", "causal LM", router_aux=True),
     Mode("preference", "preference pairs (preference:)", ("preference",), "pairs", True,
          "loss, reward margin and accuracy, samples", "causal LM", router_aux=True,
-         refused={"sp": _LOGPS_SP, "pp": _OWN_PASSES_PP.replace("its own passes", "its own passes (chosen, rejected, "
+         refused={"pp": _OWN_PASSES_PP.replace("its own passes", "its own passes (chosen, rejected, "
                                                                  "the reference)")}),
     Mode("kto", "KTO (kto:)", ("unpaired",), "examples", False, "loss, reward margin", "causal LM", router_aux=True,
          refused={"tp": "a full fine-tune keeps a frozen copy of the starting model as its reference, whole on every "
                         "process, which tensor parallelism's split would undo, and tensor parallelism does not train "
                         "LoRA (the reference without a copy). Launch with a DDP or FSDP config "
                         "(accelerate_configs/ddp.yaml or fsdp.yaml) and a lora: section",
-                  "sp": _LOGPS_SP, "pp": _OWN_PASSES_PP.replace("its own passes", "its own passes (the KL "
+                  "pp": _OWN_PASSES_PP.replace("its own passes", "its own passes (the KL "
                                                                 "sequences, the reference)")}),
     Mode("reward_model", "a reward model (reward_model:)", ("preference",), "pairs", True, "loss, accuracy, margin",
          "score head", samples=False,
-         refused={"sp": "its score head reads each sequence's last token, which one process of the group holds. Set "
-                        "parallel.sequence_parallel=1, or train the long pairs with model.gradient_checkpointing on "
-                        "each GPU (docs/long-context.md)",
-                  "pp": "its score head replaces the LM head the last stage runs, and the stages are built for the "
+         refused={"pp": "its score head replaces the LM head the last stage runs, and the stages are built for the "
                         "LM head's loss. Set parallel.pipeline_parallel=1 and shard with FSDP "
                         "(accelerate_configs/fsdp.yaml) or use DDP"}),
     Mode("grpo", "online RL, GRPO (rl:)", ("prompt",), "prompts", False, "reward, answer accuracy", "causal LM",

@@ -47,7 +47,8 @@ ELSEWHERE = {("sft", "ddp"): "test_ddp.py", ("sft", "fsdp"): "test_fsdp.py", ("s
              ("preference", "tp"): "test_preference.py", ("kto", "ddp"): "test_kto_run.py",
              ("reward_model", "ddp"): "test_reward_model.py", ("grpo", "ddp"): "test_grpo_run.py",
              ("grpo", "fsdp"): "test_grpo_run.py", ("rloo", "ddp"): "test_rloo.py", ("rloo", "fsdp"): "test_rloo.py",
-             ("distill", "ddp"): "test_distill.py", ("distill", "fsdp"): "test_distill.py"}
+             ("distill", "ddp"): "test_distill.py", ("distill", "fsdp"): "test_distill.py",
+             **{(m, "sp"): "test_sequence_parallel.py" for m in ("preference", "kto", "reward_model")}}
 CELLS = [(m, layout) for m in capabilities.MODES for layout in LAYOUTS]
 
 
@@ -82,8 +83,10 @@ def mode_recipes(tiny_assets, tmp_path_factory) -> dict[str, Path]:
     return recipes
 
 
-def _argv(recipe: Path, layout: str, out: Path, port: int = 0) -> list[str]:
+def _argv(recipe: Path, layout: str, out: Path, port: int = 0, *, mode: str = "sft") -> list[str]:
     config, processes, overrides = LAYOUTS[layout]
+    if not capabilities.MODES[mode].token_budget:  # KTO: micro-batches of examples (packed rows all the same)
+        overrides = [o for o in overrides if not o.startswith(("train.micro_batch_size", "train.micro_batch_tokens"))]
     return ["--config_file", str(CONFIGS / config), "--num_processes", str(processes), "--main_process_port",
             str(port), str(recipe), *overrides, f"output_dir={out}"]
 
@@ -102,11 +105,11 @@ def test_llmtrain_launch_refuses_each_unsupported_cell_and_passes_each_supported
     out = tmp_path / "run"
     expected = _expected(mode, layout)
     if expected is None:
-        command = accelerate_command(_argv(mode_recipes[mode], layout, out))
+        command = accelerate_command(_argv(mode_recipes[mode], layout, out, mode=mode))
         assert command[-1].startswith("output_dir=") and "finetune" in command  # accelerate launch ... -m llmtrain
     else:
         with pytest.raises(LLMTrainError) as refused:
-            accelerate_command(_argv(mode_recipes[mode], layout, out))
+            accelerate_command(_argv(mode_recipes[mode], layout, out, mode=mode))
         assert expected in " ".join(str(refused.value).split()), str(refused.value)
     assert not out.exists()  # nothing written either way
 
@@ -133,8 +136,9 @@ def test_the_table_in_docs_scaling_is_the_tables_own():
 @pytest.mark.parametrize("mode, layout", [("reward_model", "pp"), ("distill", "pp"), ("kto", "tp"), ("grpo", "sp")])
 def test_a_refused_cell_exits_2_with_one_paragraph_and_writes_nothing(mode_recipes, tmp_path, mode, layout):
     out = tmp_path / "run"
-    proc = subprocess.run([sys.executable, "-m", "llmtrain", "launch", *_argv(mode_recipes[mode], layout, out)],
-                          env=ENV, cwd=REPO, capture_output=True, text=True, timeout=300)
+    argv = _argv(mode_recipes[mode], layout, out, mode=mode)
+    proc = subprocess.run([sys.executable, "-m", "llmtrain", "launch", *argv], env=ENV, cwd=REPO, capture_output=True,
+                          text=True, timeout=300)
     assert proc.returncode == 2, proc.stdout + proc.stderr
     assert proc.stderr.startswith("error: ") and "Traceback" not in proc.stderr
     assert _expected(mode, layout) in " ".join(proc.stderr.split())

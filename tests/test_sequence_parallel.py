@@ -6,7 +6,9 @@ of a row that does not divide), and the refusals. Through `accelerate launch` on
 parallelism 2 equal 1 process (losses to 1e-6, weights to 1e-5) on packed rows of several documents of unequal
 length, for Llama (full and LoRA, with an eval) and for a Mistral whose sliding window is shorter than its documents
 and whose single K/V head is replicated to both processes; the window changes the result (so the equality is not
-vacuous); kill -9 and a resume equal the uninterrupted run; 4 processes (sequence 2 x FSDP 2) equal 1.
+vacuous); kill -9 and a resume equal the uninterrupted run; 4 processes (sequence 2 x FSDP 2) equal 1. The modes whose
+loss reads whole sequences (DPO with the disabled adapter or a precomputed reference, KTO with its KL sequences, a
+reward model's scores) equal 1 process too: each sequence's sum is added over the group.
 """
 
 from __future__ import annotations
@@ -90,6 +92,38 @@ def test_a_row_that_does_not_divide_is_padded_with_an_example_of_its_own():
     assert all(p["examples"] == 2 for p, _ in shards)
 
 
+def test_a_reward_models_scored_tokens_and_ktos_kl_row_are_split_with_the_row():
+    """A reward model's scored positions go to the slice that holds them (renumbered, with their sequence's number);
+    KTO's second row of KL sequences is split as the first; a loss of whole sequences counts its units (pairs,
+    examples) once, on the group's first process."""
+    from llmtrain.objectives.kto import KTO
+    from llmtrain.objectives.reward_model import RewardModel
+
+    pairs = [{"chosen_ids": list(range(10, 16)), "rejected_ids": list(range(20, 27))},
+             {"chosen_ids": list(range(30, 33)), "rejected_ids": list(range(40, 46))}]  # 22 tokens
+    batch, counts = RewardModel(SimpleNamespace(), pad_id=0, score_pad_id=0, packing=True,
+                                margin=False).collate(pairs)
+    assert batch["score_index"].tolist() == [5, 12, 15, 21]  # each sequence's last token
+    shards = [shard_batch(batch, counts, size=2, rank=r, pad_id=0, whole_sequences=True) for r in range(2)]
+    assert [p["score_index"].tolist() for p, _ in shards] == [[5], [1, 4, 10]]
+    assert [p["score_sequence"].tolist() for p, _ in shards] == [[0], [1, 2, 3]]
+    assert all(p["sequences"] == 4 for p, _ in shards)
+    assert [c.units for _, c in shards] == [2.0, 0.0] and [c.trained for _, c in shards] == [1.0, 3.0]
+
+    rows = [{"input_ids": list(range(10, 10 + n)), "labels": [-100] * 3 + list(range(13, 10 + n)), "label": i % 2 == 0}
+            for i, n in enumerate((6, 9, 5))]
+    batch, counts = KTO(SimpleNamespace(loss_type="kto"), pad_id=0, packing=True, max_seq_len=32).collate(rows)
+    shards = [shard_batch(batch, counts, size=2, rank=r, pad_id=0, whole_sequences=True) for r in range(2)]
+    total = batch["kl:input_ids"].shape[1]
+    assert [p["kl:input_ids"].shape[1] for p, _ in shards] == [(total + 1) // 2] * 2
+    assert torch.cat([p["kl:input_ids"] for p, _ in shards], dim=1)[:, :total].tolist() == \
+        batch["kl:input_ids"].tolist()
+    kl_index = [p["kl:loss_index"] + r * shards[0][0]["kl:input_ids"].shape[1] for r, (p, _) in enumerate(shards)]
+    assert torch.cat(kl_index).tolist() == batch["kl:loss_index"].tolist()  # every KL position once
+    assert [c.units for _, c in shards] == [3.0, 0.0]
+    assert sum(c.tokens for _, c in shards) == counts.tokens  # both rows' real tokens, counted once
+
+
 def check(recipe, *, world: int, model) -> None:
     """The recipe on `world` DDP processes, as `llmtrain launch` and each process check it (model: its config)."""
     capabilities.check(recipe, Layout(processes=world, sp=recipe.parallel.sequence_parallel), model=model)
@@ -104,7 +138,7 @@ def _recipe(tiny_assets, tmp_path, **sections):
     (3, 4, 2, {}, "the launch has 3: launch a multiple of 2"),
     (4, 6, 2, {}, "6 attention heads do not split into 4"),
     (4, 12, 3, {}, "3 key/value heads neither split into 4 groups nor divide 4"),
-    (2, 4, 2, {"preference": {"loss": "dpo"}, "data": {"format": "preference"}}, "preference pairs"),
+    (2, 4, 2, {"rl": {"rewards": [{"type": "answer_match"}]}, "data": {"format": "prompt"}}, "online RL, GRPO"),
     (2, 4, 2, {"model": {"attn_implementation": "sdpa"}}, "model.attn_implementation=sdpa is refused"),
 ])
 def test_what_sequence_parallelism_does_not_train_is_refused(tiny_assets, tmp_path, world, heads, kv, sections, words):
@@ -120,10 +154,10 @@ def _launch(config: Path, processes: int, port: int, recipe: Path, *overrides: s
     return launch_finetune(config, processes, port, recipe, "parallel.sequence_parallel=2", *overrides)
 
 
-def _assert_equal(run: Path, reference: Path, *, weights: float = 1e-5) -> None:
+def _assert_equal(run: Path, reference: Path, *, weights: float = 1e-5, loss: float = 1e-6) -> None:
     ours, theirs = records(run), records(reference)
     assert len(ours) == len(theirs) > 0
-    assert [r["loss"] for r in ours] == pytest.approx([r["loss"] for r in theirs], abs=1e-6)
+    assert [r["loss"] for r in ours] == pytest.approx([r["loss"] for r in theirs], abs=loss)
     assert [r["grad_norm"] for r in ours] == pytest.approx([r["grad_norm"] for r in theirs], rel=1e-5)
     assert [r["tokens"] for r in ours] == [r["tokens"] for r in theirs]  # the same rows, counted once
     assert [r["trained_tokens"] for r in ours] == [r["trained_tokens"] for r in theirs]
@@ -144,8 +178,10 @@ LONG = ["model.quantize=nf4", "model.gradient_checkpointing=true", "model.activa
 
 @pytest.mark.slow
 # lora: in qlora-long
-@pytest.mark.parametrize("lora, switches", [(False, []), pytest.param(True, [], marks=pytest.mark.extended),
-                                             # extended: make test-portable runs it; main tier: full
+# extended (make test-portable runs them); main tier: the sliding window's test below (an eval too), the checkpoint's
+# and the modes of whole sequences, each 2 processes of one sequence against 1
+@pytest.mark.parametrize("lora, switches", [pytest.param(False, [], marks=pytest.mark.extended),
+                                             pytest.param(True, [], marks=pytest.mark.extended),
                                              pytest.param(True, LONG, marks=[pytest.mark.precision,
                                                                              pytest.mark.extended])],
                          ids=["full", "lora", "qlora-long"])
@@ -187,11 +223,18 @@ def _tiny_mistral(tiny_assets: Path, out: Path, window: int | None) -> Path:
 def test_a_sliding_window_and_a_replicated_kv_head_stay_exact(tiny_assets, tmp_path, free_port):
     model = _tiny_mistral(tiny_assets, tmp_path / "mistral", window=4)
     recipe = write_recipe(tiny_assets, tmp_path, **{**PACKED, "model": {"attn_implementation": "auto",
-                                                                         "name_or_path": str(model)}})
+                                                                         "name_or_path": str(model)}},
+                          data={"eval_split": str(tiny_assets / "data" / "eval.jsonl")})
     one, two, unwindowed = tmp_path / "one", tmp_path / "two", tmp_path / "unwindowed"
-    run_train(recipe, f"output_dir={one}")
-    _launch(CPU_DDP, 2, free_port, recipe, f"output_dir={two}")
+    run_train(recipe, f"output_dir={one}", "train.eval_every_steps=2")
+    out = _launch(CPU_DDP, 2, free_port, recipe, f"output_dir={two}", "train.eval_every_steps=2")
+    assert "each sequence split over 2 processes" in out and "1 data-parallel ranks (2 processes" in out
     _assert_equal(two, one)
+    # the eval runs on the slices too, its per-example sums summed over the group
+    evals, reference = records(two, "eval"), records(one, "eval")
+    assert len(evals) == 2
+    for key in ("eval_loss", "eval_token_accuracy", "eval_teacher_forced_match"):
+        assert [e[key] for e in evals] == pytest.approx([e[key] for e in reference], abs=1e-6)
     # not vacuous: without the window the same weights train to other losses from the first step on
     wide = _tiny_mistral(tiny_assets, tmp_path / "mistral-wide", window=None)
     run_train(recipe, f"output_dir={unwindowed}", f"model.name_or_path={wide}")
@@ -239,3 +282,66 @@ def test_a_checkpoint_of_sequence_parallelism_resumes_on_one_process(tiny_assets
     run_train(recipe, f"output_dir={cut}", resume="auto", allow_recipe_change=True)
     assert "resumed from" in (cut / "train.log").read_text()
     _assert_equal(cut, one)
+
+
+def _pairs_and_feedback(tiny_assets: Path, folder: Path) -> tuple[Path, Path]:
+    """Preference pairs (prepare-tiny's) and unpaired feedback from the tiny task: the reversed string desirable (even
+    rows), the string as given undesirable (odd rows)."""
+    lines = (tiny_assets / "data" / "train.jsonl").read_text().splitlines()[:64]
+    feedback = [{"prompt": r["prompt"], "completion": r["completion"] if i % 2 == 0 else " " + r["prompt"].split()[1],
+                 "label": i % 2 == 0} for i, r in enumerate(map(json.loads, lines))]
+    (folder / "feedback.jsonl").write_text("".join(json.dumps(r) + "\n" for r in feedback))
+    return tiny_assets / "data" / "train_pairs.jsonl", folder / "feedback.jsonl"
+
+
+# Each mode whose loss reads whole sequences: the sections it trains with, a LoRA reference (DPO: the disabled adapter,
+# KTO: with its KL sequences) or a full fine-tune's (DPO: precomputed before the first step; a reward model's head)
+WHOLE_SEQUENCES = {
+    "dpo-lora": ("pairs", {"preference": {"loss": "dpo", "beta": 0.1}, "lora": LORA}),
+    "dpo-full": ("pairs", {"preference": {"loss": "dpo", "beta": 0.1}}),
+    "kto-lora": ("feedback", {"kto": {"beta": 0.1}, "lora": LORA}),
+    "reward-model": ("pairs", {"reward_model": {}}),
+}
+
+
+@pytest.mark.slow
+# dpo-lora extended (make test-portable runs it): the main tier's kto-lora runs the same policy and disabled-adapter
+# passes through sequence_logps, and dpo-full the pairs' loss and its precomputed reference
+@pytest.mark.parametrize("mode", [pytest.param(m, marks=[pytest.mark.extended] * (m == "dpo-lora"))
+                                  for m in WHOLE_SEQUENCES])
+def test_modes_of_whole_sequences_train_on_two_processes_of_one_sequence_as_on_one(tiny_assets, tmp_path, free_port,
+                                                                                   mode):
+    """Preference pairs, KTO and a reward model read each sequence's whole log-probability (or its last token's score):
+    under sequence parallelism 2 each sequence's sum (or score) is added over the group's slices, and the loss,
+    its statistics, the eval and the weights equal one process's on the whole rows."""
+    kind, sections = WHOLE_SEQUENCES[mode]
+    pairs, feedback = _pairs_and_feedback(tiny_assets, tmp_path)
+    data = {"path": str(pairs if kind == "pairs" else feedback), "format": "preference" if kind == "pairs" else
+            "unpaired", "eval_split": 0.01 if kind == "pairs" else 0.1}  # 45 pairs, 6 examples
+    budget = {"micro_batch_tokens": 96} if kind == "pairs" else {"micro_batch_size": 4}
+    recipe = write_recipe(tiny_assets, tmp_path, data=data, model={"attn_implementation": "auto"},
+                          train={"max_steps": 4, "grad_accum_steps": 2, "lr": 1e-2 if "lora" in mode else 1e-3,
+                                 "eval_every_steps": 2,
+                                 "micro_batch_size": 1, **budget}, **sections)
+    one, two = tmp_path / "one", tmp_path / "two"
+    run_train(recipe, f"output_dir={one}")
+    out = _launch(CPU_DDP, 2, free_port, recipe, f"output_dir={two}")
+    assert "each sequence split over 2 processes" in out
+    ours, theirs = records(two), records(one)
+    if "lora" in mode:
+        _assert_equal(two, one)
+    else:
+        # The first step's gradient to 1e-6 (a scale error would show here: Adam's update would hide it). Then Adam
+        # moves every weight by about lr whatever its gradient's size, so a gradient of rounding size (1e-9 on one
+        # side, -1e-9 on the other) moves it by lr either way: the later steps agree to 1e-4
+        assert ours[0]["loss"] == pytest.approx(theirs[0]["loss"], abs=1e-6)
+        assert ours[0]["grad_norm"] == pytest.approx(theirs[0]["grad_norm"], rel=1e-6)
+        for key in ("loss", "grad_norm"):
+            assert [r[key] for r in ours] == pytest.approx([r[key] for r in theirs], rel=1e-4)
+        assert [r["tokens"] for r in ours] == [r["tokens"] for r in theirs]
+        assert max_abs_diff(_final(two), _final(one)) < 2e-4
+    stat = {"pairs": "rewards/margins", "feedback": "kl"}[kind] if mode != "reward-model" else "margin"
+    assert [r[stat] for r in ours] == pytest.approx([r[stat] for r in theirs], abs=1e-5)
+    assert any(r[stat] != 0 for r in theirs)  # not vacuous: the policy moved from its reference
+    evals, reference = records(two, "eval"), records(one, "eval")
+    assert [e["eval_loss"] for e in evals] == pytest.approx([e["eval_loss"] for e in reference], abs=1e-6)

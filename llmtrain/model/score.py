@@ -64,12 +64,17 @@ MODEL_INPUTS = ("input_ids", "attention_mask", "position_ids", "score_index")
 
 def sequence_scores(model, batch: dict) -> torch.Tensor:
     """The score of every sequence of a collated batch on the device (fp32, in batch order). `cu_seq_lens` /
-    `max_length` (packed rows) go to the varlen attention as in loss.py."""
+    `max_length` (packed rows) go to the varlen attention as in loss.py. A sequence-parallel slice
+    (parallel/sequence/shards.py) scores the sequences whose last token it holds (`score_sequence`) and gives the
+    others 0, for the group's sum."""
     inputs = {k: batch[k] for k in MODEL_INPUTS if k in batch}
     if "cu_seq_lens" in batch:
         inputs.update(cu_seq_lens_q=batch["cu_seq_lens"], cu_seq_lens_k=batch["cu_seq_lens"],
                       max_length_q=batch["max_length"], max_length_k=batch["max_length"])
-    return model(**inputs)["scores"]
+    scores = model(**inputs)["scores"]
+    if "score_sequence" in batch:
+        scores = scores.new_zeros(batch["sequences"]).index_add(0, batch["score_sequence"], scores)
+    return scores
 
 
 # --------------------------------------------------------------------------- a trained reward model, for online RL

@@ -98,6 +98,9 @@ def frozen_copy(model):
 class KTO:
     """The KTO objective (objective.Objective): labelled completions in, TRL's KTO loss out."""
 
+    whole_sequences = True  # its loss reads each sequence's whole log-probability (parallel/sequence/shards.py)
+    sequence_sum = None  # sequence parallelism: a sequence's log-probability from its slices' parts
+
     def __init__(self, cfg, *, pad_id: int, packing: bool, max_seq_len: int, model=None, reference=None,
                  reduce=None, router_aux: float | None = None):
         self.cfg, self.pad_id, self.packing, self.max_seq_len = cfg, pad_id, packing, max_seq_len
@@ -132,7 +135,7 @@ class KTO:
         """The reference's summed completion log-probabilities, under no_grad."""
         model, context = self._reference_model()
         with torch.no_grad(), context:
-            return sequence_logps(model, batch)
+            return sequence_logps(model, batch, total=self.sequence_sum)
 
     def _kl(self, batch: dict) -> torch.Tensor | None:
         """TRL's KL estimate: the mean over the KL sequences of (policy - reference) log-probabilities, averaged over
@@ -143,8 +146,9 @@ class KTO:
         kl = {k[3:]: v for k, v in batch.items() if k.startswith("kl:")}
         with torch.no_grad():
             # the policy's pass is the unwrapped model's: a DDP forward would be a collective of its own
-            mean = torch.stack([(sequence_logps(self.model, kl) - self._reference(kl)).mean(),
-                                torch.ones((), device=batch["input_ids"].device)]) * batch_weight(batch)
+            policy = sequence_logps(self.model, kl, total=self.sequence_sum)
+            one = torch.ones((), device=batch["input_ids"].device)
+            mean = torch.stack([(policy - self._reference(kl)).mean(), one]) * batch_weight(batch)
             if self.reduce is not None:  # TRL's gather_for_metrics(kl).mean(): every process's mean, averaged
                 mean = self.reduce(mean)
         return (mean[0] / mean[1].clamp(min=1)).clamp(min=0)
@@ -155,7 +159,7 @@ class KTO:
         and that times the examples last among the statistics (as Preference.loss)."""
         kl = self._kl(batch)  # no-grad forwards first: they leave no graph behind
         ref = self._reference(batch)
-        logps, router = policy_logps(model, batch, self.router_aux, aux=aux)
+        logps, router = policy_logps(model, batch, self.router_aux, aux=aux, total=self.sequence_sum)
         desirable = batch["desirable"]
         losses, rewards = kto_losses(self.cfg.loss_type, logps, ref, desirable, kl, beta=self.cfg.beta,
                                      desirable_weight=self.cfg.desirable_weight,

@@ -22,7 +22,7 @@ import torch.nn.functional as F
 
 from llmtrain.data.batching import Counts, collate, with_loss_positions
 from llmtrain.model.loss import compute_loss
-from llmtrain.parallel.mesh import data_ranks, tensor_parallel_size
+from llmtrain.parallel.mesh import data_ranks
 
 # TRL's names for the same numbers (DPOTrainer), so runs can be compared line by line.
 STATS = ["rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/margins", "logps/chosen",
@@ -54,28 +54,35 @@ def pair_losses(kind: str, chosen: torch.Tensor, rejected: torch.Tensor, ref_cho
     raise ValueError(f"unknown preference loss {kind!r}")
 
 
-def sequence_logps(model, batch: dict, *, with_aux: bool = False):
+def sequence_logps(model, batch: dict, *, with_aux: bool = False, total=None):
     """Summed answer log-probability of every sequence of a collated batch (on the device), in batch order; with_aux:
-    and the batch's load-balancing loss (a mixture of experts under model.router_aux_loss_coef, loss.attach_loss)."""
+    and the batch's load-balancing loss (a mixture of experts under model.router_aux_loss_coef, loss.attach_loss).
+    `total`: each sequence's sum from the parts of it on each process (sequence parallelism: shards.sequence_sum,
+    differentiable; None: the batch holds whole sequences)."""
     # cross-entropy = -log p, one per trained token
     token_loss, aux = compute_loss(model, batch, per_token=True, return_aux=True) if with_aux else (
         compute_loss(model, batch, per_token=True), None)
     n = batch["sequence_tokens"].numel()
     logps = -torch.zeros(n, device=token_loss.device, dtype=torch.float32).index_add(
         0, batch["loss_example"], token_loss.float())
+    if total is not None:
+        logps = total(logps)
     return (logps, aux) if with_aux else logps
 
 
-def policy_logps(model, batch: dict, router_aux: float | None, *, aux: bool):
+def policy_logps(model, batch: dict, router_aux: float | None, *, aux: bool, total=None):
     """The policy pass's sequence_logps and, where model.router_aux_loss_coef weighs it in training (`aux`), that
     pass's load-balancing loss; else None (preference pairs and KTO, as TRL adds it to their mean loss)."""
     if aux and router_aux is not None:
-        return sequence_logps(model, batch, with_aux=True)
-    return sequence_logps(model, batch), None
+        return sequence_logps(model, batch, with_aux=True, total=total)
+    return sequence_logps(model, batch, total=total), None
 
 
 class Preference:
     """The preference objective (objective.Objective): pairs in, a preference loss out."""
+
+    whole_sequences = True  # its loss reads each sequence's whole log-probability (parallel/sequence/shards.py)
+    sequence_sum = None  # sequence parallelism: a sequence's log-probability from its slices' parts
 
     def __init__(self, cfg, *, pad_id: int, packing: bool, reference: str, model=None, router_aux: float | None = None):
         self.cfg, self.pad_id, self.packing, self.reference = cfg, pad_id, packing, reference
@@ -102,8 +109,16 @@ class Preference:
         if self.reference == "precomputed":
             return batch["reference"][:, 0], batch["reference"][:, 1]
         with torch.no_grad(), self.model.disable_adapter():  # the base model: the reference, with no copy of it
-            ref = sequence_logps(self.model, batch)
+            ref = self.logps(self.model, batch)
         return ref[0::2], ref[1::2]
+
+    def logps(self, model, batch: dict) -> torch.Tensor:
+        """sequence_logps of the batch's sequences, whole (summed over a sequence group)."""
+        return sequence_logps(model, batch, total=self.sequence_sum)
+
+    def reference_free(self) -> Preference:
+        """The same objective without a reference: the pass that precomputes it."""
+        return Preference(self.cfg, pad_id=self.pad_id, packing=self.packing, reference="none")
 
     def loss(self, model, batch: dict, *, aux: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
         """The pairs' summed loss and statistics; under model.router_aux_loss_coef (and `aux`: training), plus the
@@ -111,7 +126,7 @@ class Preference:
         is the pairs' mean plus the weight times the micro-batches' pair-weighted mean of it: on one micro-batch,
         TRL's), and that times the pairs last among the statistics."""
         ref_chosen, ref_rejected = self._reference(batch)  # first: its no-grad forward leaves no graph behind
-        logps, router = policy_logps(model, batch, self.router_aux, aux=aux)
+        logps, router = policy_logps(model, batch, self.router_aux, aux=aux, total=self.sequence_sum)
         tokens = batch["sequence_tokens"]
         losses, chosen_rewards, rejected_rewards = pair_losses(
             self.cfg.loss, logps[0::2], logps[1::2], ref_chosen, ref_rejected, tokens[0::2], tokens[1::2],
@@ -157,7 +172,7 @@ def precompute_reference(model, dataset, accelerator, objective: Preference, *, 
     if not todo:
         return values
     (world, rank), device = data_ranks(accelerator), accelerator.device
-    plain = Preference(objective.cfg, pad_id=objective.pad_id, packing=objective.packing, reference="none")
+    plain = objective.reference_free()  # under sequence parallelism: its slices, each sequence summed over them
     computed = torch.zeros(len(dataset), 2, dtype=torch.float64, device=device)
     lengths = dataset.select(todo)["length"] if batch_tokens else None
     batches = global_micro_batches(len(todo), seed=0, epoch=0, world_size=world, micro_batch_size=batch_size,
@@ -169,13 +184,13 @@ def precompute_reference(model, dataset, accelerator, objective: Preference, *, 
             idx = [todo[i] for i in mine]
             rows = dataset[idx]
             batch, _ = plain.collate([dict(zip(plain.columns, v)) for v in zip(*(rows[c] for c in plain.columns))])
-            logps = sequence_logps(model, to_device(batch, device)).double()  # a stand-in's too (FSDP gathers in it)
+            logps = plain.logps(model, to_device(batch, device)).double()  # a stand-in's too (FSDP gathers in it)
             if not isinstance(mine, StandIn):
                 computed[idx] = torch.stack([logps[0::2], logps[1::2]], dim=1)
             on_batch(done + 1, len(batches))
     model.train(was_training)
-    if accelerator.num_processes > 1:  # each TP group's processes computed the same pairs: counted once
-        computed = accelerator.reduce(computed, reduction="sum") / tensor_parallel_size(accelerator)
+    if accelerator.num_processes > 1:  # a TP or sequence group's processes computed the same pairs: counted once
+        computed = accelerator.reduce(computed, reduction="sum") / (accelerator.num_processes // world)
     values[todo] = computed.cpu()[todo]
     if accelerator.is_main_process:  # written whole under a temporary name: a crash never leaves half a file
         tmp = cache.with_name(f".{cache.name}.tmp{os.getpid()}")

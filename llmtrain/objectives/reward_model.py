@@ -46,6 +46,9 @@ def pair_losses(chosen: torch.Tensor, rejected: torch.Tensor, margin: torch.Tens
 class RewardModel:
     """The reward-model objective (objective.Objective): pairs in, scores and the Bradley-Terry loss out."""
 
+    whole_sequences = True  # its loss reads each sequence's score (parallel/sequence/shards.py)
+    sequence_sum = None  # sequence parallelism: a score from the slice that holds the sequence's last token
+
     def __init__(self, cfg, *, pad_id: int, score_pad_id: int | None, packing: bool, margin: bool):
         """pad_id: what padded rows are filled with; score_pad_id: the model's config.pad_token_id, whose
         positions a score is never read at (transformers' rule); margin: the data has TRL's margin column."""
@@ -72,6 +75,8 @@ class RewardModel:
 
     def loss(self, model, batch: dict) -> tuple[torch.Tensor, torch.Tensor]:
         scores = sequence_scores(model, batch)
+        if self.sequence_sum is not None:
+            scores = self.sequence_sum(scores)
         chosen, rejected = scores[0::2], scores[1::2]
         losses = pair_losses(chosen, rejected, batch.get("margin"),
                              center_rewards_coefficient=self.cfg.center_rewards_coefficient)
@@ -84,7 +89,7 @@ class RewardModel:
         return {name: value / max(units, 1) for name, value in zip(STATS, stats)}
 
     def eval_sums(self, model, batch: dict, device) -> torch.Tensor:
-        pairs = batch["score_index"].numel() // 2
+        pairs = batch.get("sequences", batch["score_index"].numel()) // 2
         loss, stats = self.loss(model, to_device(batch, device))
         return torch.cat([loss.detach().reshape(1), stats, loss.new_tensor([pairs])]).double()
 

@@ -12,13 +12,29 @@ from llmtrain.errors import LLMTrainError
 from llmtrain.parallel.sequence.group import SequenceGroup
 
 
-def shard_batch(batch: dict, counts: Counts, *, size: int, rank: int, pad_id: int) -> tuple[dict, Counts]:
+def shard_batch(batch: dict, counts: Counts, *, size: int, rank: int, pad_id: int,
+                whole_sequences: bool = False) -> tuple[dict, Counts]:
     """This process's slice of a collated packed row: its tokens and positions, the whole row's example boundaries
-    (the attention sees the whole row), and the trained positions that fall in the slice, renumbered from it.
+    (the attention sees the whole row), and the trained positions (or a reward model's scored ones) that fall in the
+    slice, renumbered from it. A second packed row under "kl:" names (KTO's KL sequences) is split the same way.
 
     The row is padded to a multiple of `size` with pad tokens that form an example of their own (nothing trains on
     them, and no real token attends to them). Counts: the slice's trained and real tokens; the attention FLOPs of the
-    whole row divided by `size` (each process attends for 1/size of the heads)."""
+    whole row divided by `size` (each process attends for 1/size of the heads); the loss units: the slice's trained
+    tokens, or, for an objective of `whole_sequences` (pairs, examples: its loss is a function of each sequence's
+    sum over the group), the micro-batch's units on the group's first process and none on the others."""
+    out, held = _shard_row(batch, size=size, rank=rank, pad_id=pad_id)
+    if kl := {k[3:]: v for k, v in batch.items() if k.startswith("kl:")}:
+        kl, kl_held = _shard_row(kl, size=size, rank=rank, pad_id=pad_id)
+        out.update({f"kl:{k}": v for k, v in kl.items()})
+        held += kl_held
+    trained = float(len(out["loss_index"] if "loss_index" in out else out["score_index"]))
+    units = (counts.units if rank == 0 else 0.0) if whole_sequences else trained
+    return out, Counts(units=units, trained=trained, tokens=held * (counts.tokens > 0), squares=counts.squares / size)
+
+
+def _shard_row(batch: dict, *, size: int, rank: int, pad_id: int) -> tuple[dict, float]:
+    """One packed row's slice (shard_batch) and the real tokens it holds."""
     if "cu_seq_lens" not in batch:
         raise LLMTrainError("sequence parallelism needs packed rows (the varlen attention's example boundaries)")
     ids, pos, cu = batch["input_ids"], batch["position_ids"], batch["cu_seq_lens"]
@@ -32,30 +48,80 @@ def shard_batch(batch: dict, counts: Counts, *, size: int, rank: int, pad_id: in
         max_length = max(max_length, pad)
     width = (total + pad) // size
     lo, hi = rank * width, (rank + 1) * width
-    index = batch["loss_index"]
-    keep = (index >= lo) & (index < hi)
     out = {**batch, "input_ids": ids[:, lo:hi], "position_ids": pos[:, lo:hi], "cu_seq_lens": cu,
-           "max_length": max_length, "loss_index": index[keep] - lo, "loss_targets": batch["loss_targets"][keep],
-           "loss_example": batch["loss_example"][keep], "examples": len(batch["cu_seq_lens"]) - 1}
-    trained = float(keep.sum())
-    return out, Counts(units=trained, trained=trained, tokens=float(max(0, min(hi, total) - lo)) * (counts.tokens > 0),
-                       squares=counts.squares / size)
+           "max_length": max_length, "examples": len(batch["cu_seq_lens"]) - 1}
+    if "loss_index" in batch:
+        index = batch["loss_index"]
+        keep = (index >= lo) & (index < hi)
+        out.update(loss_index=index[keep] - lo, loss_targets=batch["loss_targets"][keep],
+                   loss_example=batch["loss_example"][keep])
+    if "score_index" in batch:  # a reward model: each sequence's scored token, on the process whose slice holds it
+        index = batch["score_index"]
+        keep = (index >= lo) & (index < hi)
+        out.update(score_index=index[keep] - lo, score_sequence=keep.nonzero().flatten(), sequences=len(index))
+    return out, float(max(0, min(hi, total) - lo))
 
 
 class SequenceShards:
     """An objective whose batches are this process's slices (`shard_batch`); everything else is the wrapped
-    objective's. Its eval's per-example sums (teacher-forced matches) are summed over the sequence group first."""
+    objective's. Its eval's per-example sums (teacher-forced matches) are summed over the sequence group first.
+
+    An objective of whole sequences (`whole_sequences`: preference pairs, KTO, a reward model) sums each sequence's
+    log-probability or score over the group (`sequence_sum`, set on it here) and computes its loss from the sums on
+    every process of the group. Each process backpropagates that same loss through its own slice, so the group's
+    gradient is the loss's once; its value, statistics and units count on the group's first process only."""
 
     def __init__(self, objective, *, pad_id: int, group: SequenceGroup):
         self.objective, self.pad_id, self.group = objective, pad_id, group
+        self.whole = getattr(objective, "whole_sequences", False)
         objective.example_sum = partial(example_sum, group=group)
+        objective.sequence_sum = partial(sequence_sum, group=group.group)
 
     def __getattr__(self, name):
         return getattr(self.objective, name)
 
     def collate(self, examples: list[dict]):
         batch, counts = self.objective.collate(examples)
-        return shard_batch(batch, counts, size=self.group.size, rank=self.group.rank, pad_id=self.pad_id)
+        return shard_batch(batch, counts, size=self.group.size, rank=self.group.rank, pad_id=self.pad_id,
+                           whole_sequences=self.whole)
+
+    def loss(self, model, batch: dict, **kwargs) -> tuple[torch.Tensor, torch.Tensor]:
+        loss, stats = self.objective.loss(model, batch, **kwargs)
+        if not self.whole or self.group.rank == 0:
+            return loss, stats
+        return loss - loss.detach(), stats * 0  # the same gradient, counted on the first process
+
+    def eval_sums(self, model, batch: dict, device) -> torch.Tensor:
+        sums = self.objective.eval_sums(model, batch, device)
+        return sums * (self.group.rank == 0) if self.whole else sums
+
+    def reference_free(self) -> SequenceShards:
+        """The wrapped preference objective without its reference (its precomputing pass), split the same way."""
+        return SequenceShards(self.objective.reference_free(), pad_id=self.pad_id, group=self.group)
+
+
+class _GroupSum(torch.autograd.Function):
+    """A sum over a process group whose backward passes the gradient through unchanged: every process computes the
+    same loss from the sum and backpropagates it through its own part, so the parts' gradients add up to the sum's
+    once (an all-reduce in the backward would count it once per process)."""
+
+    @staticmethod
+    def forward(ctx, t: torch.Tensor, group) -> torch.Tensor:
+        import torch.distributed as dist
+
+        t = t.clone()
+        dist.all_reduce(t, group=group)
+        return t
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return grad, None
+
+
+def sequence_sum(parts: torch.Tensor, *, group) -> torch.Tensor:
+    """Each sequence's sum (a log-probability, a score) from every process's part of it (its slice's tokens), on
+    every process of the sequence group; differentiable (`_GroupSum`)."""
+    return _GroupSum.apply(parts, group)
 
 
 def example_sum(*per_example: torch.Tensor, group: SequenceGroup) -> tuple[torch.Tensor, ...]:
