@@ -182,9 +182,9 @@ def _kto_copy(r, layout):
     return r.kto is not None and r.lora is None
 
 
-_TILED_SHARDED = ("model.tiled_mlp runs on one process or under DDP; this launch shards the model (FSDP or tensor "
-                  "parallelism), which it has not been tested with. Set model.tiled_mlp=null, or launch with a DDP "
-                  "config (accelerate_configs/)")
+_TILED_TP = ("model.tiled_mlp runs on one process, under DDP or under FSDP; tensor parallelism splits the MLP's "
+                  "layers over the processes, which it has not been tested with. Set model.tiled_mlp=null, or launch "
+                  "with a DDP or FSDP config (accelerate_configs/ddp.yaml or fsdp.yaml)")
 
 RULES: tuple[Rule, ...] = (
     Rule("tp", lambda r, _: r.model.quantize is not None,
@@ -198,9 +198,7 @@ RULES: tuple[Rule, ...] = (
     Rule("tp", lambda r, _: r.model.compile,
          "{key} is not tested with model.compile: set model.compile=false"),
     Rule("tp", lambda r, _: bool(r.model.tiled_mlp),
-         _TILED_SHARDED),
-    Rule("fsdp", lambda r, _: bool(r.model.tiled_mlp),
-         _TILED_SHARDED),
+         _TILED_TP),
     Rule("fsdp", _kto_copy,
          "kto: a full fine-tune (no lora: section) keeps a frozen copy of the starting model as its reference, whole "
          "on every process, and this launch shards the model (FSDP or tensor parallelism), which a whole copy would "

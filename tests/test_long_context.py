@@ -269,35 +269,45 @@ def test_a_preempted_run_with_both_switches_resumes_exactly(tiny_assets, tmp_pat
     assert losses(tmp_path / "cut") == losses(tmp_path / "straight") and len(losses(tmp_path / "cut")) == 4
 
 
-def test_a_tiled_mlp_under_fsdp_is_refused(tiny_assets, tmp_path, monkeypatch):
-    from llmtrain.errors import LLMTrainError
+def test_a_tiled_mlp_under_tensor_parallelism_is_refused_and_under_fsdp_is_not(tiny_assets, tmp_path):
+    from llmtrain import capabilities
+    from llmtrain.config import load_recipe
+    from llmtrain.layout import Layout
 
-    recipe = write_recipe(tiny_assets, tmp_path, model={"tiled_mlp": True})
-    monkeypatch.setenv("ACCELERATE_USE_FSDP", "true")  # as `accelerate launch` with an FSDP config sets it
-    with pytest.raises(LLMTrainError, match="model.tiled_mlp runs on one process or under DDP"):
-        run_train(recipe)
-    assert not (tmp_path / "run").exists()  # refused before anything is written
+    recipe = load_recipe(write_recipe(tiny_assets, tmp_path, model={"tiled_mlp": True}), [])
+    tp = capabilities.problems(recipe, Layout(processes=4, fsdp=True, mesh=True, shard=2, tp=2))
+    assert any("model.tiled_mlp runs on one process, under DDP or under FSDP; tensor parallelism splits" in p
+               for p in tp), tp
+    assert capabilities.problems(recipe, Layout(processes=2, fsdp=True)) == []
 
 
 @pytest.mark.slow
-def test_two_ddp_processes_with_both_switches_train_as_one(tiny_assets, tmp_path, free_port):
-    """The tiled MLP hands its parameters' gradients to autograd once a step, so DDP reduces each once: 2 gloo
-    processes x micro-batch 2 equal 1 process x micro-batch 4, offload and tiling on in both."""
-    from test_ddp import _launch
+# fsdp-lora extended (main tier: ddp-lora's adapters and fsdp-full's sharded MLP weights)
+@pytest.mark.parametrize("launch, lora", [("cpu_ddp", True), ("cpu_fsdp", False),
+                                          pytest.param("cpu_fsdp", True, marks=pytest.mark.extended)],
+                         ids=["ddp-lora", "fsdp-full", "fsdp-lora"])
+def test_two_processes_with_both_switches_train_as_one(tiny_assets, tmp_path, free_port, launch, lora):
+    """The tiled MLP hands its parameters' gradients to autograd once a step, so DDP reduces each once, and under
+    FSDP2 it runs on the layer's unsharded parameters (gathered before the layer's forward and again before its
+    backward, where the shards are recomputed) whose gradients FSDP reduce-scatters: 2 gloo processes x micro-batch 2
+    equal 1 process x micro-batch 4, offload and tiling on in both."""
+    from helpers import REPO, launch_finetune
 
-    recipe = write_recipe(tiny_assets, tmp_path, lora={"r": 4, "dropout": 0.0}, train={"max_steps": 3},
+    recipe = write_recipe(tiny_assets, tmp_path, **({"lora": {"r": 4, "dropout": 0.0}} if lora else {}),
+                          train={"max_steps": 3},
                           model={"gradient_checkpointing": True, "activation_offload": True, "tiled_mlp": 3},
                           logging={"every_steps": 1})
     run_train(recipe, f"output_dir={tmp_path / 'one'}")
-    proc = _launch(recipe, free_port, f"output_dir={tmp_path / 'two'}", "train.micro_batch_size=2")
-    assert "x 2 processes" in proc.stdout
+    out = launch_finetune(REPO / "accelerate_configs" / f"{launch}.yaml", 2, free_port, recipe,
+                          f"output_dir={tmp_path / 'two'}", "train.micro_batch_size=2")
+    assert "x 2 processes" in out and "MLP tiled in shards of 3 tokens" in out
     one, two = records(tmp_path / "one"), records(tmp_path / "two")
     assert len(two) == 3 and [r["tokens"] for r in two] == [r["tokens"] for r in one]
     assert [r["loss"] for r in two] == pytest.approx([r["loss"] for r in one], abs=1e-5)
     assert [r["grad_norm"] for r in two] == pytest.approx([r["grad_norm"] for r in one], rel=1e-4)
 
 
-@pytest.mark.extended  # main tier: test_two_ddp_processes_with_both_switches_train_as_one
+@pytest.mark.extended  # main tier: test_two_processes_with_both_switches_train_as_one
 @pytest.mark.slow
 def test_offload_under_fsdp_trains_as_plain_checkpointing(tiny_assets, tmp_path, free_port):
     """FSDP2 on 2 gloo processes, full fine-tune with gradient checkpointing: the offload's hooks around each
