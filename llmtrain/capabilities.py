@@ -231,10 +231,6 @@ RULES: tuple[Rule, ...] = (
     Rule("pp", lambda r, _: r.train.mixed_precision == "fp16",
          "{key} runs in fp32 or bf16; fp16's loss scaling is not built for pipeline stages. Set "
          "train.mixed_precision=bf16"),
-    Rule("sp", lambda r, _: r.model.router_aux_loss_coef is not None,
-         "{key} gives each process a slice of a row, and the load-balancing loss (model.router_aux_loss_coef) is "
-         "the product of two means over every token of the micro-batch, which a slice's tokens alone do not give. "
-         "Unset model.router_aux_loss_coef, or set parallel.sequence_parallel=1"),
     Rule("pp", lambda r, _: r.model.router_aux_loss_coef is not None,
          "{key} computes the loss on the last stage, and the load-balancing loss (model.router_aux_loss_coef) needs "
          "every layer's router logits, which are on every stage. Unset model.router_aux_loss_coef, or set "

@@ -8,8 +8,9 @@ with output_router_logits (the model module's own load_balancing_loss_func), on 
   aux_loss; its routers then train differently; checkpointed layers give the same losses.
 - Preference pairs (DPO) and KTO add it as TRL's DPOTrainer and KTOTrainer do: their micro-batch's mean loss plus the
   coefficient times the load-balancing loss of the policy's pass (to 1e-6 against TRL).
-- Where it cannot apply (a dense model, a mode whose loss llmtrain does not add it to, a sequence group's slices,
-  pipeline stages) it is refused in one paragraph before anything is written.
+- A sequence group (parallel.sequence_parallel 2) adds its sums over the slices: one process's losses and aux_loss.
+- Where it cannot apply (a dense model, a mode whose loss llmtrain does not add it to, pipeline stages) it is refused
+  in one paragraph before anything is written.
 """
 
 from __future__ import annotations
@@ -122,6 +123,37 @@ def test_ddp_and_fsdp_train_the_same_with_it(tiny_assets, tmp_path, free_port, l
     assert logged["cpu_fsdp.yaml"] == pytest.approx(logged["cpu_ddp.yaml"], abs=1e-5)
 
 
+@pytest.mark.slow
+# dpo-lora extended (2 processes; main tier: sft, and test_sequence_parallel.py's losses of whole sequences)
+@pytest.mark.parametrize("mode", ["sft", pytest.param("dpo-lora", marks=pytest.mark.extended)])
+def test_a_sequence_group_adds_it_over_its_slices_as_one_process_does(tiny_assets, tmp_path, free_port, mode):
+    """Sequence parallelism 2: each process routes its slice of the packed row; the experts' routed tokens, their
+    routing probabilities and the rows are added over the group before the product (the slices' padding left out),
+    so the loss, aux_loss and gradient norm equal one process's on the whole row. Supervised fine-tuning (each
+    process's loss its part of the group's) and DPO under LoRA (one loss, computed alike on both)."""
+    from helpers import REPO, launch_finetune
+
+    model = family_model(tiny_assets, tmp_path / "qwen3_moe", "qwen3_moe")
+    sections = {"preference": {"loss": "dpo", "beta": 0.1}, "lora": {"r": 4, "dropout": 0.0},
+                "data": {"path": str(tiny_assets / "data" / "train_pairs.jsonl"), "format": "preference",
+                         "eval_split": None}} if mode == "dpo-lora" else {"data": {"eval_split": None}}
+    recipe = write_recipe(tiny_assets, tmp_path, model={"name_or_path": str(model), "attn_implementation": "auto"},
+                          train={"max_steps": 3, "micro_batch_size": 1, "micro_batch_tokens": 90,
+                                 "grad_accum_steps": 2, "lr": 1e-2 if "lora" in mode else 3e-3, "warmup_steps": 0},
+                          **sections)
+    run_train(recipe, f"output_dir={tmp_path / 'one'}", f"model.router_aux_loss_coef={COEF}")
+    out = launch_finetune(REPO / "accelerate_configs" / "cpu_ddp.yaml", 2, free_port, recipe,
+                          f"output_dir={tmp_path / 'two'}", f"model.router_aux_loss_coef={COEF}",
+                          "parallel.sequence_parallel=2")
+    assert "each sequence split over 2 processes" in out
+    one, two = records(tmp_path / "one"), records(tmp_path / "two")
+    assert len(two) == 3 and [r["tokens"] for r in two] == [r["tokens"] for r in one]
+    assert all(r["aux_loss"] > 1.0 for r in one)
+    for key in ("loss", "aux_loss"):
+        assert [r[key] for r in two] == pytest.approx([r[key] for r in one], abs=1e-6), key
+    assert [r["grad_norm"] for r in two] == pytest.approx([r["grad_norm"] for r in one], rel=1e-5)
+
+
 def test_a_runs_loss_adds_the_logged_aux_loss_and_its_routers_train_by_it(tiny_assets, tmp_path):
     model = family_model(tiny_assets, tmp_path / "qwen3_moe", "qwen3_moe")
     recipe = write_recipe(tiny_assets, tmp_path, model={"name_or_path": str(model)},
@@ -150,7 +182,6 @@ def test_a_runs_loss_adds_the_logged_aux_loss_and_its_routers_train_by_it(tiny_a
 @pytest.mark.parametrize("recipe, overrides, says", [
     ("tiny.yaml", [], "has no experts (a dense MLP): unset it"),
     ("tiny-reward", [], "whose loss llmtrain does not add it to"),
-    ("moe", ["parallel.sequence_parallel=2"], "the product of two means over every token"),
     ("moe", ["parallel.pipeline_parallel=2"], "needs every layer's router logits, which are on every stage"),
 ])
 def test_where_it_cannot_apply_it_is_refused_in_one_paragraph(tiny_assets, tmp_path, recipe, overrides, says):

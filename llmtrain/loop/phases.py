@@ -49,9 +49,11 @@ from llmtrain.model.teacher import load_teacher, vocabulary_problem
 from llmtrain.parallel.accelerator import use_fused_adamw
 from llmtrain.parallel.collectives import global_sum
 from llmtrain.parallel.fsdp import receives_weights, shard_frozen, uses_fsdp
+from llmtrain.parallel.groups import groups
 from llmtrain.parallel.mesh import data_ranks, mesh_line, tensor_parallel_size
 from llmtrain.parallel.parallelize import parallelize
 from llmtrain.parallel.pipeline.checkpoint import read_stages
+from llmtrain.parallel.sequence.shards import balance_sums
 from llmtrain.run.checkpoint import load_checkpoint, lora_only_hooks
 from llmtrain.run.metrics import MetricsLog, flop_model, peak_flops
 from llmtrain.run.preflight import check_resume, finished_run
@@ -309,8 +311,10 @@ def build_model(recipe: Recipe, accelerator, *, total_steps: int, say, pad: int 
         fused_ce = None
         attach_score(model)
     else:
+        sequence = groups(accelerator).sequence  # a sequence group's slices add the load-balancing loss's sums
         attach_loss(model, chunk=tc.loss_chunk_tokens, fused_linear_ce=fused_ce,
-                    router_aux=recipe.model.router_aux_loss_coef)
+                    router_aux=recipe.model.router_aux_loss_coef,
+                    balance_sums=partial(balance_sums, group=sequence.group) if sequence.size > 1 else None)
     for name, status, detail in check_context(recipe.data.max_seq_len,
                                               getattr(model.config, "max_position_embeddings", None)):
         if status == "warn":  # as `llmtrain doctor`

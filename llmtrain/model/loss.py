@@ -83,7 +83,8 @@ def causal_lm(model):
     return model.get_base_model() if hasattr(model, "get_base_model") else model
 
 
-def attach_loss(model, *, chunk: int, fused_linear_ce=None, router_aux: float | None = None) -> None:
+def attach_loss(model, *, chunk: int, fused_linear_ce=None, router_aux: float | None = None,
+                balance_sums=None) -> None:
     """Give the *ForCausalLM module a forward that returns the summed loss when called with `loss_index`.
 
     Called with `loss_index` / `loss_targets` (batching.with_loss_positions), the forward runs the decoder,
@@ -97,6 +98,8 @@ def attach_loss(model, *, chunk: int, fused_linear_ce=None, router_aux: float | 
     in training. `router_aux` (model.router_aux_loss_coef): a mixture of experts' load-balancing loss (router_aux_loss)
     joins the summed training loss with this weight, times the trained tokens; `with_aux` asks for it beside the
     per-token losses too (a preference or KTO objective weighs it itself). The result's "aux" is that loss, unweighted.
+    `balance_sums`: under sequence parallelism, the load-balancing loss's per-expert sums added over the sequence group
+    (parallel/sequence/shards.balance_sums; None: the micro-batch is whole on this process).
     """
     lm = causal_lm(model)
     if cap := getattr(lm.config, "final_logit_softcapping", None):  # Gemma 2: tanh(logits / cap) * cap
@@ -111,7 +114,8 @@ def attach_loss(model, *, chunk: int, fused_linear_ce=None, router_aux: float | 
     original = type(lm).forward
 
     def forward(self, *args, loss_index=None, loss_targets=None, return_hits: bool = False, per_token: bool = False,
-                temperature: float = 1.0, token_loss=None, with_aux: bool = False, **kwargs):
+                temperature: float = 1.0, token_loss=None, with_aux: bool = False, real_tokens: int | None = None,
+                **kwargs):
         if loss_index is None:
             return original(self, *args, **kwargs)
         kwargs.pop("labels", None)  # peft passes labels=None through
@@ -131,7 +135,8 @@ def attach_loss(model, *, chunk: int, fused_linear_ce=None, router_aux: float | 
                                   temperature=temperature, token_loss=token_loss)
         if not aux:
             return {"loss": loss, "hits": hits}
-        balance = router_aux_loss(self, outputs.router_logits, kwargs.get("attention_mask"))
+        balance = router_aux_loss(self, outputs.router_logits, kwargs.get("attention_mask"), sums=balance_sums,
+                                  real=real_tokens, whole=not summed)
         if summed:  # the micro-batch's share of the step's loss: the weight times the balance times its tokens
             return {"loss": loss + router_aux * balance * loss_index.numel(), "hits": hits, "aux": balance.detach()}
         return {"loss": loss, "hits": hits, "aux": balance}
@@ -139,23 +144,56 @@ def attach_loss(model, *, chunk: int, fused_linear_ce=None, router_aux: float | 
     lm.forward = types.MethodType(forward, lm)
 
 
-def router_aux_loss(lm, router_logits, attention_mask) -> torch.Tensor:
+def router_aux_loss(lm, router_logits, attention_mask, *, sums=None, real: int | None = None,
+                    whole: bool = False) -> torch.Tensor:
     """A mixture of experts' load-balancing loss on one micro-batch, as its transformers model computes it with
     output_router_logits (its module's load_balancing_loss_func: the experts' share of the routed tokens times their
     mean routing probability, summed, times the experts; padding left out). Supervised fine-tuning adds it to the
     summed cross-entropy times the micro-batch's trained tokens, so that the step's loss (divided by the window's
     trained tokens) is the cross-entropy's mean plus the coefficient times the micro-batches' token-weighted mean of
     it: on one micro-batch, transformers' own loss. Preference pairs and KTO add it times the micro-batch's pairs or
-    examples, as TRL's DPOTrainer and KTOTrainer add it to their micro-batch's mean loss."""
+    examples, as TRL's DPOTrainer and KTOTrainer add it to their micro-batch's mean loss.
+
+    Under sequence parallelism (`sums`: shards.balance_sums) this process holds a slice of the micro-batch's tokens,
+    the first `real` of them real (the rest pad the row to a multiple of the group): the same function's sums (each
+    expert's routed tokens and routing probability, and the rows) are taken over the slice's real tokens and added over
+    the group before the product. `whole`: the caller's loss is the group's, computed alike on every process (a loss
+    of whole sequences); else each process's loss is its own part of the group's (supervised fine-tuning)."""
     import sys
 
     from llmtrain.capabilities import experts
+
+    if sums is not None:
+        return _group_balance(router_logits, experts(lm.config), lm.config.num_experts_per_tok, sums=sums,
+                              real=real, whole=whole)
 
     # the model's own modeling module (under FSDP2 its class is a subclass that fully_shard made elsewhere)
     module = next(sys.modules[c.__module__] for c in type(lm).__mro__
                   if hasattr(sys.modules[c.__module__], "load_balancing_loss_func"))
     return module.load_balancing_loss_func(router_logits, experts(lm.config), lm.config.num_experts_per_tok,
                                            attention_mask)
+
+
+def _group_balance(router_logits, num_experts: int, top_k: int, *, sums, real: int | None,
+                   whole: bool) -> torch.Tensor:
+    """transformers' load_balancing_loss_func (no attention mask: packed rows) on a sequence group's slices: each
+    expert's top-k assignments and summed routing probability over every layer, and the rows, from this slice's first
+    `real` rows, summed over the group by `sums`, then the same product."""
+    device = router_logits[0].device
+    # histc, as transformers: no host sync; integers on CUDA (deterministic), floats on the CPU
+    histc_dtype = torch.float32 if device.type in ("cpu", "mps") else torch.int32
+    counts = torch.zeros(num_experts, dtype=torch.float32, device=device)
+    probs = torch.zeros(num_experts, dtype=torch.float32, device=device)
+    rows = 0
+    for gate in router_logits:
+        gate = gate[:real] if real is not None else gate
+        weights = torch.nn.functional.softmax(gate.to(device), dim=-1)
+        _, chosen = torch.topk(weights, top_k, dim=-1)
+        counts = counts + torch.histc(chosen.reshape(-1).to(histc_dtype), bins=num_experts, min=0, max=num_experts)
+        probs = probs + weights.float().sum(dim=0)
+        rows += gate.shape[0]
+    counts, probs, rows = sums(counts, probs, rows, whole=whole)
+    return torch.sum(counts / rows * probs / rows) * num_experts
 
 
 def _head_forward(chunk: int, fused_linear_ce):
@@ -205,7 +243,8 @@ def compute_loss(model, batch: dict, *, return_hits: bool = False, per_token: bo
     loss, its summed statistics). return_aux: (the loss, the micro-batch's load-balancing loss, attach_loss's
     router_aux, or None without it); with per_token, the load-balancing loss is computed for the caller to weigh.
     """
-    inputs = {**decoder_inputs(batch), **{k: batch[k] for k in MODEL_INPUTS[3:] if k in batch}}
+    inputs = {**decoder_inputs(batch), **{k: batch[k] for k in MODEL_INPUTS[3:] if k in batch},
+              **({"real_tokens": batch["real_tokens"]} if "real_tokens" in batch else {})}  # a sequence slice's
     out = model(**inputs, return_hits=return_hits, per_token=per_token,
                 **({"temperature": temperature} if temperature != 1.0 else {}),
                 **({"token_loss": token_loss} if token_loss is not None else {}),

@@ -48,8 +48,9 @@ def _shard_row(batch: dict, *, size: int, rank: int, pad_id: int) -> tuple[dict,
         max_length = max(max_length, pad)
     width = (total + pad) // size
     lo, hi = rank * width, (rank + 1) * width
+    held = max(0, min(hi, total) - lo)  # the slice's real tokens: the first `held` (the pad example comes last)
     out = {**batch, "input_ids": ids[:, lo:hi], "position_ids": pos[:, lo:hi], "cu_seq_lens": cu,
-           "max_length": max_length, "examples": len(batch["cu_seq_lens"]) - 1}
+           "max_length": max_length, "examples": len(batch["cu_seq_lens"]) - 1, "real_tokens": held}
     if "loss_index" in batch:
         index = batch["loss_index"]
         keep = (index >= lo) & (index < hi)
@@ -59,7 +60,7 @@ def _shard_row(batch: dict, *, size: int, rank: int, pad_id: int) -> tuple[dict,
         index = batch["score_index"]
         keep = (index >= lo) & (index < hi)
         out.update(score_index=index[keep] - lo, score_sequence=keep.nonzero().flatten(), sequences=len(index))
-    return out, float(max(0, min(hi, total) - lo))
+    return out, float(held)
 
 
 class SequenceShards:
@@ -122,6 +123,21 @@ def sequence_sum(parts: torch.Tensor, *, group) -> torch.Tensor:
     """Each sequence's sum (a log-probability, a score) from every process's part of it (its slice's tokens), on
     every process of the sequence group; differentiable (`_GroupSum`)."""
     return _GroupSum.apply(parts, group)
+
+
+def balance_sums(counts: torch.Tensor, probs: torch.Tensor, rows: int, *, group, whole: bool):
+    """The load-balancing loss's sums (each expert's routed tokens and routing probability, and the rows: model/
+    loss.router_aux_loss) from every slice of the group, on every process. `whole`: the loss is computed alike on
+    every process and each backpropagates it through its own slice (a loss of whole sequences: `_GroupSum`); else
+    each process's loss holds its own part of the group's (supervised fine-tuning: its slice's tokens times the
+    balance), so the group's loss is their sum and the probabilities' backward is an all-reduce too."""
+    import torch.distributed as dist
+    from torch.distributed.nn.functional import all_reduce
+
+    counted = torch.cat([counts, counts.new_tensor([rows])])
+    dist.all_reduce(counted, group=group)  # routed tokens and rows: no gradient
+    probs = _GroupSum.apply(probs, group) if whole else all_reduce(probs, group=group)
+    return counted[:-1], probs, counted[-1]
 
 
 def example_sum(*per_example: torch.Tensor, group: SequenceGroup) -> tuple[torch.Tensor, ...]:
