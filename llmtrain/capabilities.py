@@ -182,9 +182,9 @@ def _kto_copy(r, layout):
     return r.kto is not None and r.lora is None
 
 
-_TILED_TP = ("model.tiled_mlp runs on one process, under DDP or under FSDP; tensor parallelism splits the MLP's "
-                  "layers over the processes, which it has not been tested with. Set model.tiled_mlp=null, or launch "
-                  "with a DDP or FSDP config (accelerate_configs/ddp.yaml or fsdp.yaml)")
+_TILED_TP = ("model.tiled_mlp runs on one process, under DDP or under FSDP; tensor parallelism splits the MLP's layers "
+             "over the processes, which it has not been tested with. Set model.tiled_mlp=null, or launch with a DDP or "
+             "FSDP config (accelerate_configs/ddp.yaml or fsdp.yaml)")
 
 RULES: tuple[Rule, ...] = (
     Rule("tp", lambda r, _: r.model.quantize is not None,
