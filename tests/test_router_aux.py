@@ -123,9 +123,43 @@ def test_ddp_and_fsdp_train_the_same_with_it(tiny_assets, tmp_path, free_port, l
     assert logged["cpu_fsdp.yaml"] == pytest.approx(logged["cpu_ddp.yaml"], abs=1e-5)
 
 
+def test_a_slices_sums_added_over_the_group_give_the_whole_rows_loss():
+    """Under sequence parallelism each process takes transformers' sums (routed tokens and routing probability per
+    expert, and the rows) over its slice's real tokens; added, they give load_balancing_loss_func of the whole row.
+    The pad tokens that fill the last slice are left out (counted, they change it)."""
+    from transformers.models.qwen3_moe.modeling_qwen3_moe import load_balancing_loss_func
+
+    from llmtrain.model.loss import _group_balance
+
+    torch.manual_seed(0)
+    experts, top_k = 8, 2
+    row = tuple(torch.randn(13, experts) for _ in range(2))  # 2 layers' router logits over a row of 13 tokens
+    want = load_balancing_loss_func(row, experts, top_k, None)
+    pad = torch.randn(1, experts) * 5
+    slices = [(tuple(g[:7] for g in row), 7), (tuple(torch.cat([g[7:], pad]) for g in row), 6)]  # 7 + 6 real, 1 pad
+    parts = []
+
+    def kept(counts, probs, rows, *, whole):  # one process's own sums, as it hands them to the all-reduce
+        parts.append((counts, probs, float(rows)))
+        return counts, probs, torch.tensor(float(rows))
+
+    for logits, real in slices:
+        _group_balance(logits, experts, top_k, sums=kept, real=real, whole=False)
+    total = [sum(x) for x in zip(*parts)]
+    assert total[2] == 2 * 13  # each layer's real rows
+    for logits, real in slices:  # every process of the group: the same loss
+        got = _group_balance(logits, experts, top_k, sums=lambda *_, whole: (total[0], total[1],
+                                                                              torch.tensor(total[2])), real=real,
+                             whole=False)
+        assert got.item() == pytest.approx(want.item(), abs=1e-6)
+    with_pad = _group_balance(slices[1][0], experts, top_k, sums=kept, real=None, whole=False)  # the pad counted
+    assert with_pad.item() != pytest.approx(_group_balance(slices[1][0], experts, top_k, sums=kept, real=6,
+                                                           whole=False).item(), abs=1e-4)
+
+
 @pytest.mark.slow
-# dpo-lora extended (2 processes; main tier: sft, and test_sequence_parallel.py's losses of whole sequences)
-@pytest.mark.parametrize("mode", ["sft", pytest.param("dpo-lora", marks=pytest.mark.extended)])
+@pytest.mark.extended  # 2 processes; main tier: the slices' sums above, and test_sequence_parallel.py's whole sequences
+@pytest.mark.parametrize("mode", ["sft", "dpo-lora"])
 def test_a_sequence_group_adds_it_over_its_slices_as_one_process_does(tiny_assets, tmp_path, free_port, mode):
     """Sequence parallelism 2: each process routes its slice of the packed row; the experts' routed tokens, their
     routing probabilities and the rows are added over the group before the product (the slices' padding left out),
