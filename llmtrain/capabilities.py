@@ -178,8 +178,8 @@ def _pp_rounds(r, _):
     return r.parallel.pipeline_schedule == "interleaved_1f1b" and m % max(1, m // p) != 0
 
 
-def _kto_copy(r, layout):
-    return r.kto is not None and r.lora is None
+def _kto_reread(r, layout):
+    return r.kto is not None and r.lora is None and r.model.random_init
 
 
 _TILED_TP = ("model.tiled_mlp runs on one process, under DDP or under FSDP; tensor parallelism splits the MLP's layers "
@@ -199,11 +199,11 @@ RULES: tuple[Rule, ...] = (
          "{key} is not tested with model.compile: set model.compile=false"),
     Rule("tp", lambda r, _: bool(r.model.tiled_mlp),
          _TILED_TP),
-    Rule("fsdp", _kto_copy,
-         "kto: a full fine-tune (no lora: section) keeps a frozen copy of the starting model as its reference, whole "
-         "on every process, and this launch shards the model (FSDP or tensor parallelism), which a whole copy would "
-         "undo. Add a lora: section (the reference is then the model with its adapter disabled, no copy), or launch "
-         "one process or DDP (accelerate_configs/ddp.yaml)"),
+    Rule("fsdp", _kto_reread,
+         "kto: a full fine-tune's reference under FSDP is the starting weights read again from model.name_or_path "
+         "and sharded like the policy, and model.random_init has none to read. Save the initial model first "
+         "(save_pretrained) and set model.name_or_path to it, or launch one process or DDP, where the reference is a "
+         "copy of the policy"),
     Rule("sp", lambda r, _: r.model.attn_implementation not in ("auto", "varlen"),
          "{key} runs llmtrain's varlen attention on the gathered sequence; model.attn_implementation={attn} is "
          "refused. Set it to auto"),

@@ -1,6 +1,7 @@
 """estimate-memory for KTO: the micro-batch's no-grad passes (its KL sequences and the reference) are phases of their
 own, each the eval's forward of as many sequences with the window's gradients so far held; a full fine-tune holds one
-more whole copy of the weights (its frozen reference). Numbers against the same estimate without them."""
+more whole copy of the weights (its frozen reference; under FSDP sharded like the policy, its head whole). Numbers
+against the same estimate without them."""
 
 from __future__ import annotations
 
@@ -56,3 +57,15 @@ def test_a_full_fine_tune_holds_its_frozen_reference_whole_in_the_storage_dtype(
     assert est.per_gpu_peak_allocated_bytes == without.per_gpu_peak_allocated_bytes + copy
     # a LoRA run's reference is its base with the adapter off: nothing more
     assert not spec_from_recipe(kto_recipe(lora=True)).frozen_reference
+
+
+def test_under_fsdp_the_reference_is_sharded_like_the_policy_with_its_head_whole():
+    """loop/phases.build_reference: under FSDP the reference's decoder is sharded over the GPUs as the policy's is, and
+    its LM head is whole on every one (fsdp.shard_frozen)."""
+    spec = replace(spec_from_recipe(kto_recipe(lora=False)), strategy="fsdp", num_gpus=8)
+    est = estimate(MISTRAL, spec)
+    without = estimate(MISTRAL, replace(spec, frozen_reference=False))
+    head = MISTRAL.vocab * MISTRAL.hidden * 4  # untied, fp32 storage
+    sharded = (MISTRAL.params_total * 4 - head) // 8 + head
+    assert est.phase_parts["optimizer_step"]["weights"] == without.phase_parts["optimizer_step"]["weights"] + sharded
+    assert sharded < MISTRAL.params_total * 4 / 6  # 3.6 GiB of the whole copy's 27

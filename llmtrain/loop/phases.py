@@ -375,6 +375,27 @@ def build_teacher(recipe: Recipe, accelerator, trainable: Trainable, tokenizer, 
     return teacher
 
 
+def build_reference(recipe: Recipe, accelerator, trainable: Trainable, *, say):
+    """A KTO full fine-tune's reference under FSDP (None for other runs; one process and DDP copy the policy before
+    it trains: objectives/kto.frozen_copy): the starting weights read again from model.name_or_path by the main
+    process and sharded as the policy is (fsdp.shard_frozen: every decoder layer a unit gathered for its forward, the
+    LM head whole), frozen, in eval mode, with the policy's loss forward (its trained positions through the head
+    chunk by chunk) and its attention (a sequence group's, if any). A whole copy on every process is what FSDP is
+    there to avoid; a resume's reference is still the starting weights, not the checkpoint's."""
+    if recipe.kto is None or recipe.lora is not None or not uses_fsdp(accelerator):
+        return None
+    from llmtrain.model.loss import causal_lm
+
+    reference = load_model(recipe.model, None, device=None, empty=not accelerator.is_main_process)
+    attach_loss(reference, chunk=recipe.train.loss_chunk_tokens)
+    causal_lm(reference).config._attn_implementation = causal_lm(trainable.unwrapped).config._attn_implementation
+    held = shard_frozen(reference, trainable.unwrapped, accelerator)
+    total = sum(p.numel() for p in reference.parameters())  # DTensors count their whole shape
+    say(f"reference: the starting weights, sharded like the policy, {held:,} of its {total:,} parameters on the main "
+        "process (the LM head whole)")
+    return reference.eval()
+
+
 def reference_logps(recipe: Recipe, accelerator, data: Data, trainable: Trainable, objective, *, console) -> Data:
     """Preference runs with a precomputed reference (a full fine-tune's dpo or ipo): the reference log-probabilities
     from the initial weights of the pairs the run will train on (all of them, unless max_steps ends it before the

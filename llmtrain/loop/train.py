@@ -27,6 +27,7 @@ from llmtrain.loop.phases import (
     Data,
     Trainable,
     build_model,
+    build_reference,
     build_teacher,
     check_memory,
     claim_run_dir,
@@ -106,7 +107,8 @@ def _train(recipe: Recipe, accelerator, console: RunConsole, cleanup: ExitStack,
         objective = objective_for(recipe, pad_id=data.pad_id, model=trainable.unwrapped, tokenizer=data.tokenizer,
                                   train=data.train, world=data_ranks(accelerator)[0], total_steps=data.total_steps,
                                   rewards=rewards, gather=partial(gathered, accelerator),
-                                  reduce=partial(device_sum, accelerator), teacher=teacher)
+                                  reduce=partial(device_sum, accelerator), teacher=teacher,
+                                  reference=build_reference(recipe, accelerator, trainable, say=say))  # KTO's
         if recipe.parallel.sequence_parallel > 1:  # each process of a sequence group collates its slice of the row
             objective = SequenceShards(objective, pad_id=data.pad_id, group=groups(accelerator).sequence)
         data = reference_logps(recipe, accelerator, data, trainable, objective, console=console)  # preference only

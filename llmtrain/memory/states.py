@@ -55,7 +55,8 @@ def states(shape: ModelShape, spec: TrainSpec, plan: LoraPlan | None) -> States:
     default); the 25 MB bucket_cap_mb only sets how they are grouped for all-reduce.
     FSDP2 under mixed precision keeps trainable parameters as fp32 master shards (Accelerate upcasts
     them); everything is divided by the world size, and cpu offload moves it all to the host. A KTO full fine-tune's
-    frozen reference (spec.frozen_reference) is one more whole copy of the weights in the storage dtype."""
+    frozen reference (spec.frozen_reference) is one more copy of the weights in the storage dtype: whole on one GPU
+    and under DDP, sharded like the policy under FSDP with its LM head whole (loop/phases.build_reference)."""
     sd = DTYPE_BYTES[spec.dtype]
     fsdp = spec.sharded
     master = 4 if (fsdp and spec.mixed_precision != "no") else sd  # bytes of a trainable base parameter
@@ -75,7 +76,12 @@ def states(shape: ModelShape, spec: TrainSpec, plan: LoraPlan | None) -> States:
     shard = spec.shards
     optim = optimizer_bytes(trainable_bytes)
     weights = frozen_bytes + trainable_bytes
-    reference = shape.params_total * sd if spec.frozen_reference else 0  # KTO's frozen copy: whole, never sharded
+    reference = 0
+    if spec.frozen_reference:  # KTO's frozen copy: whole, or under FSDP its decoder sharded and its head whole
+        reference = shape.params_total * sd
+        if fsdp:
+            whole_head = shape.head_outputs * H * sd
+            reference = (reference - (0 if shape.tied else whole_head)) // spec.shards + whole_head
     if spec.cpu_offload:
         return States(0, 0, 0, (0,) * shape.layers, 0, 0, weights + trainable_bytes + optim)
     return States(

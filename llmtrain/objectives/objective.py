@@ -121,7 +121,7 @@ def rl_rewards(recipe, train, *, total_steps: int | None, device=None) -> Reward
 
 def objective_for(recipe, *, pad_id: int, model=None, tokenizer=None, train=None, world: int = 1,
                   total_steps: int | None = None, rewards: Rewards | None = None, gather=None,
-                  reduce=None, teacher=None) -> Objective:
+                  reduce=None, teacher=None, reference=None) -> Objective:
     """The recipe's objective: GRPO or RLOO on prompts (rl:), distillation from a teacher (distill:), a preference loss
     on pairs (preference:), a reward model's loss on pairs (reward_model:), KTO on labelled completions (kto:), else
     causal-LM
@@ -131,7 +131,8 @@ def objective_for(recipe, *, pad_id: int, model=None, tokenizer=None, train=None
     on every process (collectives.gathered; None: one process), for what reward functions log; `reduce`: a device
     tensor summed over every process (collectives.device_sum; None: one process), for KTO's KL estimate; `teacher`:
     distillation's teacher as the loop built it (phases.build_teacher: sharded under FSDP; None: loaded here, whole, on
-    the model's device)."""
+    the model's device); `reference`: a KTO full fine-tune's as the loop built it (phases.build_reference: sharded under
+    FSDP; None: a frozen copy of `model` made here)."""
     from llmtrain.data.batching import packs_rows
 
     if recipe.rl is not None:
@@ -160,7 +161,8 @@ def objective_for(recipe, *, pad_id: int, model=None, tokenizer=None, train=None
 
         # a full fine-tune's reference: the starting weights, copied before a resume loads its checkpoint
         return KTO(recipe.kto, pad_id=pad_id, packing=packs_rows(recipe), max_seq_len=recipe.data.max_seq_len,
-                   model=model, reference=frozen_copy(model) if recipe.lora is None else None, reduce=reduce,
+                   model=model, reference=reference if reference is not None or recipe.lora is not None else
+                   frozen_copy(model), reduce=reduce,
                    router_aux=recipe.model.router_aux_loss_coef)
     if recipe.reward_model is not None:
         from llmtrain.model.score import classifier
