@@ -59,8 +59,10 @@ def same_kl_pairs(rows: list[dict], order: list[int]) -> list[dict]:
 
 
 @pytest.mark.slow
-# FSDP under LoRA: extended (main tier: DDP's LoRA, and FSDP's full fine-tune with its sharded reference)
-@pytest.mark.parametrize("launch, lora", [("cpu_ddp", True), pytest.param("cpu_fsdp", True, marks=pytest.mark.extended),
+# LoRA's: extended (main tier: FSDP's full fine-tune, its reference sharded, with the same KL average and idle rank;
+# the disabled adapter as the reference on several processes: test_preference.py's FSDP LoRA DPO)
+@pytest.mark.parametrize("launch, lora", [pytest.param("cpu_ddp", True, marks=pytest.mark.extended),
+                                          pytest.param("cpu_fsdp", True, marks=pytest.mark.extended),
                                           ("cpu_fsdp", False)], ids=["ddp-lora", "fsdp-lora", "fsdp-full"])
 def test_two_processes_train_as_one(tiny_assets, tmp_path, free_port, launch, lora):
     """2 processes (gloo, accelerate launch; DDP, or FSDP2 sharding every layer: LoRA's reference the disabled adapter
