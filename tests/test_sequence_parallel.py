@@ -260,8 +260,14 @@ def test_kill_9_and_a_resume_equal_the_uninterrupted_run_to_the_bit(tiny_assets,
 
 @pytest.mark.slow
 @pytest.mark.extended  # main tier: two processes of one sequence (full), FSDP against one process (test_fsdp.py)
-def test_four_processes_sequence_2_by_fsdp_2_equal_one(tiny_assets, tmp_path, free_port):
-    recipe = write_recipe(tiny_assets, tmp_path, **{**PACKED, "train": {**PACKED["train"], "max_steps": 2}})
+@pytest.mark.parametrize("mode", ["sft", "dpo-full"])
+def test_four_processes_sequence_2_by_fsdp_2_equal_one(tiny_assets, tmp_path, free_port, mode):
+    """SFT, and DPO's full fine-tune (its reference precomputed over the sharded model's slices, each pair's
+    log-probabilities summed over its group): 2 data ranks of 2 processes of one sequence equal one process."""
+    pairs = {"preference": {"loss": "dpo", "beta": 0.1},
+             "data": {"path": str(tiny_assets / "data" / "train_pairs.jsonl"), "format": "preference"}}
+    recipe = write_recipe(tiny_assets, tmp_path, **{**PACKED, "train": {**PACKED["train"], "max_steps": 2},
+                                                    **(pairs if mode == "dpo-full" else {})})
     one, four = tmp_path / "one", tmp_path / "four"
     run_train(recipe, f"output_dir={one}", "train.grad_accum_steps=4")  # 2 data ranks x 2 micro-batches
     out = _launch(CPU_FSDP, 4, free_port, recipe, f"output_dir={four}")
