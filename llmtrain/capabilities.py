@@ -207,7 +207,6 @@ RULES: tuple[Rule, ...] = (
     Rule("sp", lambda r, _: r.model.attn_implementation not in ("auto", "varlen"),
          "{key} runs llmtrain's varlen attention on the gathered sequence; model.attn_implementation={attn} is "
          "refused. Set it to auto"),
-    Rule("sp", lambda r, _: r.model.compile, "{key} with model.compile is untested; set model.compile=false"),
     Rule("pp", lambda r, _: r.model.attn_implementation not in ("auto", "varlen"),
          "{key} attends within each packed row's examples with llmtrain's varlen attention (the boundaries travel to "
          "every stage); set model.attn_implementation=auto or varlen"),

@@ -276,6 +276,18 @@ def test_four_processes_sequence_2_by_fsdp_2_equal_one(tiny_assets, tmp_path, fr
 
 
 @pytest.mark.slow
+@pytest.mark.extended  # each process compiles its layers: 4 minutes on 2 cores
+def test_compiled_layers_on_two_processes_of_one_sequence_train_what_one_compiled_process_trains(tiny_assets, tmp_path,
+                                                                                                free_port):
+    recipe = write_recipe(tiny_assets, tmp_path, **PACKED)
+    one, two = tmp_path / "one", tmp_path / "two"
+    run_train(recipe, f"output_dir={one}", "model.compile=true")
+    out = _launch(CPU_DDP, 2, free_port, recipe, f"output_dir={two}", "model.compile=true")
+    assert "compile: 2 decoder layers" in out and "each sequence split over 2 processes" in out
+    _assert_equal(two, one)
+
+
+@pytest.mark.slow
 def test_a_checkpoint_of_sequence_parallelism_resumes_on_one_process(tiny_assets, tmp_path, free_port):
     """The data position is kept per data-parallel rank, and a sequence group is one rank: a checkpoint written by 2
     processes sharing each sequence resumes on 1 process (the same bins a step), and trains on as the run that never
