@@ -235,8 +235,11 @@ def estimate(shape: ModelShape, spec: TrainSpec) -> Estimate:
     mlp_names = [x for x in shape.layer_linears if x.name.startswith("mlp.")]
     # (a mixture of experts' run in their weights' dtype: its router's is the one cast)
     down_temp = max([x.numel for x in mlp_names] + [router]) * p.cd if cast_temp else 0
-    if p.mlp_shard and full and not fsdp:  # the tiled MLP returns its weights' gradients summed over the shards: one
-        # more copy beside .grad (under FSDP it becomes the unit's unsharded gradient, counted in its buffers)
+    # the tiled MLP returns its weights' gradients summed over the shards: one more copy where .grad is already held
+    # (one GPU, DDP, FSDP keeping unsharded gradients over the window); under FSDP's default it becomes the unit's
+    # unsharded gradient, counted in its buffers
+    held = not fsdp or (spec.fsdp_accumulate == "unsharded" and spec.grad_accum_steps > 1)
+    if p.mlp_shard and full and held:
         down_temp += sum(x.numel for x in mlp_names) * DTYPE_BYTES[spec.dtype]
     attn_temp = max(x.numel for x in shape.layer_linears if x not in mlp_names) * p.cd if cast_temp else 0
     phases["backward_layers"] = _backward_layers(
