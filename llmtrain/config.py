@@ -904,7 +904,10 @@ def _format_errors(err: ValidationError, source: str, overrides: list[str] | Non
         loc = [p for p in e["loc"] if not str(p).startswith("function-after")]
         member = next((i for i, p in enumerate(loc) if _union_member(p)), None)
         key = ".".join(str(p) for p in loc[:member])
-        label = f"{key} (the override {given[key]})" if key in given else key  # the override shows the value
+        # the override shows the value; an unknown section shows the override that made it (`trian.max_steps=5`)
+        override = given.get(key) or (next((o for k, o in given.items() if k.startswith(f"{key}.")), None)
+                                      if e["type"] == "extra_forbidden" else None)
+        label = f"{key} (the override {override})" if override and key else key
         if member is not None and e["type"] not in ("extra_forbidden", "missing"):
             if key not in unions:
                 unions[key] = []

@@ -256,7 +256,7 @@ def cpu_vector_isa() -> str | None:
         return "avx512" if "AVX512" in capability else "avx2" if "AVX2" in capability else None
 
 
-def check_quantize(recipe: Recipe) -> list[Check]:
+def check_quantize(recipe: Recipe, launch: dict | None = None) -> list[Check]:
     """model.quantize: bitsandbytes is installed and runs on this machine's device (a CUDA GPU, or an x86 CPU with
     AVX2, where bitsandbytes 0.50 runs its 4-bit layers)."""
     import importlib.util
@@ -282,16 +282,18 @@ def check_quantize(recipe: Recipe) -> list[Check]:
                      "here. Run on a GPU, or set model.quantize=null.")]
         where = f"CPU ({'AVX-512' if isa == 'avx512' else 'AVX2'})"
     return [(name, "pass", f"bitsandbytes {bitsandbytes.__version__} on {where}: {recipe.model.quantize}, double "
-             f"quantisation, stored as {recipe.model.dtype}")] + check_experts_quantized(recipe)
+             f"quantisation, stored as {recipe.model.dtype}")] + check_experts_quantized(recipe, launch)
 
 
-def check_experts_quantized(recipe: Recipe) -> list[Check]:
+def check_experts_quantized(recipe: Recipe, launch: dict | None = None) -> list[Check]:
     """model.quantize on a mixture of experts: bitsandbytes quantizes linear layers, and transformers holds each
     layer's experts as 3-D parameters, which stay in model.dtype (the run says the same at start-up, from the loaded
-    model). Counted on the meta device from the model's config; nothing where the config cannot be read."""
+    model), each process holding its share on the launch's layout (FSDP's shards, the pipeline's stages). Counted on
+    the meta device from the model's config; nothing where the config cannot be read."""
     import torch
 
     from llmtrain.capabilities import experts
+    from llmtrain.layout import Layout
     from llmtrain.memory.params import hf_config, meta_model, read_config
 
     try:
@@ -305,10 +307,11 @@ def check_experts_quantized(recipe: Recipe) -> list[Check]:
     whole = sum(p.numel() for p in model.parameters() if p.ndim == 3)
     total = sum(p.numel() for p in model.parameters())
     size = torch.finfo(getattr(torch, recipe.model.dtype)).bits // 8
+    layout = Layout.from_launch(launch, recipe) if launch else Layout.from_recipe(recipe)
     return [("4-bit experts", "warn", f"model.quantize={recipe.model.quantize} quantizes linear layers, and "
              f"{raw['model_type']}'s experts are 3-D parameters (every expert of a layer in one tensor), which "
              f"bitsandbytes leaves in {recipe.model.dtype}: {whole:,} of its {total:,} weights, "
-             f"{_gib(whole * size)} on every process (at 4 bits a weight: {_gib(whole // 2)}). LoRA trains as "
+             f"{_gib(whole * size)} (at 4 bits a weight: {_gib(whole // 2)}){layout.each_holds()}. LoRA trains as "
              "asked")]
 
 
@@ -388,7 +391,7 @@ def run_doctor(recipe: Recipe, *, accelerate_config: Path | None = None,
     datasets.disable_progress_bars()
     launch = read_launch(accelerate_config)
     checks: list[Check] = [("recipe", "pass", "validates (--show-recipe prints it resolved)"), *hub,
-                           *check_quantize(recipe)]
+                           *check_quantize(recipe, launch)]
     try:
         tokenizer = load_tokenizer(recipe.model)
     except LLMTrainError as e:

@@ -66,6 +66,8 @@ def accelerate_command(argv: list[str], *, machine: bool = True) -> list[str]:
     parser = launch_command_parser()
 
     def refuse(message: str):  # argparse's own error prints accelerate's whole usage (130 lines) and exits 2
+        if "required: training_script" in message:  # flags, and no recipe after them
+            raise LLMTrainError(f"no recipe given. {usage}.")
         raise LLMTrainError(f"{message.rstrip('.')} (accelerate launch's parser). {usage}.")
 
     parser.error = refuse

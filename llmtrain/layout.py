@@ -114,6 +114,19 @@ class Layout:
         each read one."""
         return max(1, self.processes // (self.tp * self.sp * self.pp))
 
+    @property
+    def weight_share(self) -> int:
+        """Into how many parts a parameter that is not split by tensor parallelism is divided over the processes: FSDP's
+        shards (a mesh's dp_shard, else every process of a stage) times the pipeline's stages (each holds its own
+        layers); 1 on one process and under DDP, where every process holds the whole."""
+        shards = (max(1, self.shard) if self.mesh else max(1, self.processes // self.pp)) if self.fsdp else 1
+        return shards * self.pp
+
+    def each_holds(self) -> str:
+        """Where such a parameter's bytes are (after them in a sentence): ' on every process', or each one's share."""
+        n = self.weight_share
+        return " on every process" if n == 1 else f", 1/{n} of it on each process ({self.describe()})"
+
     def describe(self) -> str:
         """The layout in a few words: '4 processes: FSDP, 2 shards x 2 tensor-parallel'."""
         parts = [NAMES[k] for k in self.parallelisms]
@@ -138,7 +151,10 @@ class Layout:
                                  (self.pp, pp_key, "splits the model into stages on")):
                 if n == 1:
                     continue
-                if self.processes == 1:
+                if self.processes == 1 and self.where == "the estimate":
+                    out.append(f"{key} {what} {n} processes, and the estimate is of one GPU: give --num-gpus {n} "
+                               f"and --strategy ddp or fsdp, or set {key.split('=')[0]}=1")
+                elif self.processes == 1:
                     out.append(f"{key} {what} {n} processes, and this is one process (no launcher started it): run "
                                f"it with `llmtrain launch --config_file accelerate_configs/ddp.yaml --num_processes "
                                f"{n} RECIPE.yaml` (on a CPU: accelerate_configs/cpu_ddp.yaml), or set "
@@ -165,7 +181,7 @@ class Layout:
         process, and less clearly)."""
         if not self.mesh:
             return []
-        where = f"in {self.where}'s parallelism_config"
+        where = f"in the parallelism_config of {self.where}"
         if self.cp > 1 or self.accelerate_sp > 1:
             kind, key = ("context", "cp") if self.cp > 1 else ("sequence", "sp")
             return [f"{kind} parallelism through accelerate (parallelism_config_{key}_size > 1 {where}) is not what "

@@ -64,6 +64,7 @@ def test_typos_get_the_nearest_key(recipe_file, override, suggestion):
     with pytest.raises(RecipeError) as e:
         load_recipe(recipe_file, [override])
     assert f"did you mean {suggestion}" in str(e.value)
+    assert f"(the override {override})" in str(e.value)  # a mistyped section too names the override that made it
 
 
 @pytest.mark.parametrize(("override", "line"), [

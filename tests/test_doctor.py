@@ -126,6 +126,12 @@ def test_a_4bit_mixture_of_experts_is_told_its_experts_stay_whole(tiny_assets, t
     total = experts + 2 * (2 * 256 * 256 + 2 * 128 * 256 + 8 * 256 + 2 * 256 + 2 * 64) + 2 * 1000 * 256 + 256
     assert (name, status) == ("4-bit experts", "warn")
     assert f"leaves in bfloat16: {experts:,} of its {total:,} weights, {experts * 2 / 2**30:.1f} GiB" in detail, detail
+    assert "GiB) on every process" in detail  # the recipe alone: one process
+    # an FSDP launch of 8 shards each parameter: each process holds an eighth (a new user read 54 GiB a process)
+    (_, _, sharded), = check_experts_quantized(recipe, {"distributed_type": "FSDP", "num_processes": 8})
+    assert "GiB), 1/8 of it on each process (8 processes: FSDP / HSDP)" in sharded, sharded
+    (_, _, ddp), = check_experts_quantized(recipe, {"distributed_type": "MULTI_GPU", "num_processes": 8})
+    assert "on every process" in ddp
     dense = load_recipe(write_recipe(tiny_assets, tmp_path, lora={"r": 4}), ["model.quantize=nf4"])
     assert check_experts_quantized(dense) == []
 

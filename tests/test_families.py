@@ -228,7 +228,7 @@ def test_lora_on_a_mixture_of_experts_says_what_a_4bit_base_leaves_whole(models,
             "are 3-D parameters (every expert of a layer in one tensor), so they stay bfloat16: 196,608 of the base's")
     assert (said in log) == (quantize is not None), log[:600]
     if quantize:
-        assert f"{2 * 4 * (128 * 128 + 128 * 64) * 2 / 2**30:,.2f} GiB per process" in log
+        assert f"{2 * 4 * (128 * 128 + 128 * 64) * 2 / 2**30:,.2f} GiB on every process" in log
 
 
 @pytest.mark.parametrize("family", sorted(FAMILIES))

@@ -58,6 +58,16 @@ def test_a_setting_llmtrain_does_not_follow_is_named_with_its_fix(tmp_path, chan
     assert len(problems) == 1 and said in problems[0], problems
 
 
+def test_a_misspelt_fsdp_version_is_named_and_its_absence_said_as_such(tmp_path):
+    """A new user's `fsdp_versoin: 2`: the key is named, and the missing fsdp_version is said to be missing (it used
+    to be reported as `fsdp_version: 1`, which the file does not hold)."""
+    _, launch = config(tmp_path, fsdp_config={"fsdp_versoin": 2})
+    del launch["fsdp_config"]["fsdp_version"]
+    problems = unhonoured(launch)
+    assert len(problems) == 2 and "fsdp_versoin is not a setting accelerate knows" in problems[0]
+    assert problems[1].startswith("fsdp_config has no fsdp_version") and "fsdp_version: 1" not in problems[1]
+
+
 def test_a_size_of_1_asks_for_nothing_and_is_let_through(tmp_path):
     _, launch = config(tmp_path, parallelism_config={"parallelism_config_dp_shard_size": 2,
                                                      "parallelism_config_pp_size": 1})
@@ -69,7 +79,7 @@ def test_the_launch_is_its_config_file_with_the_command_lines_flags_over_it(tmp_
     launch, where = launch_settings(["--config_file", str(path), "--num_processes", "4",
                                      "--parallelism_config_tp_size", "2", "--dynamo_backend", "inductor",
                                      "recipes/tiny.yaml", "train.max_steps=2"])
-    assert where == f"the accelerate config {path}"
+    assert where == f"the accelerate config {path} with the command line's flags"  # what the messages name
     assert launch["num_processes"] == 4
     assert launch["parallelism_config"] == {"parallelism_config_dp_shard_size": 2, "parallelism_config_tp_size": 2}
     assert launch["dynamo_config"]["dynamo_backend"] == "inductor"

@@ -138,6 +138,11 @@ def test_a_mixture_of_experts_estimate_refuses_what_its_training_refuses():
     saved = 2 * (4096 * 48 + 128 * (32 * 1536 + 16 * 2048) + 128 * 2048 * 32 + 128 * 768 * 16)
     assert f"unmerged ({saved / 2**20:.1f} MiB a layer saved for backward)" in " ".join(note.split())
     assert f"{saved / 2**20:.1f}" == "39.4"
+    # --model without --lora-dropout: the 0 a recipe for it must set, said (a new user's first try was refused)
+    said = " ".join(estimate_memory("--model", "qwen3-30b-a3b", "--method", "lora").stdout.split())
+    assert "note: LoRA dropout 0, as a recipe for a mixture of experts must set it" in said
+    given = estimate_memory("--model", "qwen3-30b-a3b", "--method", "lora", "--lora-dropout", "0.05", check=False)
+    assert given.returncode == 2 and "lora.dropout=0.05 (--lora-dropout)" in given.stderr  # asked for: refused
 
 
 # --------------------------------------------------------------------------- formulas, by hand

@@ -122,6 +122,8 @@ def test_three_shapes_render_each_answer_as_sft_renders_the_row(tiny_tok):
 
 @pytest.mark.parametrize("row, problem", [
     ({"prompt": "a", "chosen": "", "rejected": "b"}, "row 2: 'chosen' (chosen) is empty"),
+    ({"prompt": "a", "chosen": "b", "rejectd": "c"},
+     "row 2: 'rejected' (rejected) is missing (no such key, or null); the row has 'prompt', 'chosen', 'rejectd'"),
     ({"prompt": "a", "chosen": [{"role": "assistant"}], "rejected": "b"}, "row 2: the chosen messages are not all"),
 ])
 def test_bad_pairs_are_refused_naming_file_and_row(tiny_tok, tmp_path, row, problem):

@@ -61,7 +61,11 @@ def pair_problem(example: dict, cfg: DataConfig) -> str | None:
     """What is wrong with one raw preference row, in words; None when it can be encoded."""
     names = {f: f"'{cfg.fields.get(f, f)}' ({f})" for f in ("prompt", "chosen", "rejected")}
     for f in ("chosen", "rejected"):
-        if _get(example, cfg, f) in (None, "", [], {}):
+        value = _get(example, cfg, f)
+        if value is None:
+            held = [repr(k) for k, v in example.items() if v is not None]  # (a file's other rows add their keys)
+            return f"{names[f]} is missing (no such key, or null); the row has {', '.join(held) or 'no values'}"
+        if value in ("", [], {}):
             return f"{names[f]} is empty"
     prompt, chosen, rejected = split_pair(example, cfg)
     if prompt is None:

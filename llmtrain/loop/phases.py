@@ -327,7 +327,8 @@ def build_model(recipe: Recipe, accelerator, *, total_steps: int, say, pad: int 
         say(f"warning (model.quantize={recipe.model.quantize}): bitsandbytes quantizes linear layers, and this "
             f"{model.config.model_type} model's experts are 3-D parameters (every expert of a layer in one tensor), "
             f"so they stay {str(whole[2]).removeprefix('torch.')}: {whole[0]:,} of the base's "
-            f"{n_total - n_trainable:,} weights, {whole[1] / 2**30:,.2f} GiB per process. The base takes that "
+            f"{n_total - n_trainable:,} weights, {whole[1] / 2**30:,.2f} GiB"
+            f"{Layout.from_environment(recipe).each_holds()}. The base takes that "
             "much more memory than a 4-bit one would; LoRA trains as asked")
     say(f"model: {n_total:,} parameters, {n_trainable:,} trainable ({method}); "
         f"attention: {describe_attention(recipe.model)}{'; liger kernels' if fused_ce else ''}"

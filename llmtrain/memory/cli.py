@@ -13,6 +13,7 @@ from typing import Annotated, Literal, Optional
 import typer
 
 from llmtrain.errors import LLMTrainError
+from llmtrain.memory.params import PRESETS
 
 # Options that describe the training run, and the recipe key that sets each in a recipe.
 RUN_OPTIONS = {
@@ -42,8 +43,7 @@ def estimate_memory(
                                                              help="Dotted recipe overrides, as for finetune.")] = None,
     model: Annotated[Optional[str], typer.Option(
         "--model", help="Estimate from a model's config.json alone: a directory, a config.json, a preset "
-        "(llama-2-7b, llama-3-8b, mistral-7b, llama-3.2-3b, qwen3-8b, qwen2.5-7b, gemma-3-4b, gemma-3-12b, phi-4, "
-        "phi-4-mini) or a hub id.")] = None,
+        f"({', '.join(PRESETS)}) or a hub id.")] = None,
     method: Annotated[Optional[Literal["full", "lora"]], typer.Option(
         help="Full fine-tune or LoRA (QLoRA: --method lora --quantize nf4).")] = None,
     lora_r: Annotated[Optional[int], typer.Option(help="LoRA rank (all linear layers but the LM head).")] = None,
@@ -254,7 +254,8 @@ def _from_recipe(recipe: Path, overrides, run: dict, launch: dict):
     spec = spec_from_recipe(r, prompt_lengths=lengths, **launch)
     if found := capabilities.problems(r, Layout.of_strategy(r, spec.strategy, gpus=spec.num_gpus,
                                                             nodes=spec.num_nodes, tp=spec.tp)):
-        raise LLMTrainError(f"{recipe} would be refused on {spec.num_gpus * spec.num_nodes} GPUs ({spec.strategy}"
+        gpus = spec.num_gpus * spec.num_nodes
+        raise LLMTrainError(f"{recipe} would be refused on {gpus} GPU{'s' if gpus != 1 else ''} ({spec.strategy}"
                             f"{f' x TP {spec.tp}' if spec.tp > 1 else ''}), so there is no run to estimate: "
                             + capabilities.paragraph(found))
     # kept by --fit: examples per step, or tokens per step with a budget
@@ -301,6 +302,11 @@ def _from_model(model: str, overrides, run: dict, launch: dict):
         assumed = ("float32 weights and no autocast, a recipe's defaults: a full fine-tune as the shipped 7B recipes "
                    "run it is --mixed-precision bf16 (fp32 master weights, bf16 compute); --dtype bfloat16 "
                    "stores the weights in bf16 too",)
+    if shape.experts and run.get("method") == "lora" and "lora_dropout" not in run:
+        # a recipe's lora.dropout default (0.05) is refused on a mixture of experts: estimate what it must set
+        run = {**run, "lora_dropout": 0.0}
+        assumed += ("LoRA dropout 0, as a recipe for a mixture of experts must set it (peft adapts the experts as "
+                    "parameters, which take no dropout)",)
     return shape, TrainSpec(**{SPEC_FIELDS.get(k, k): v for k, v in run.items()}, **launch), None, None, assumed
 
 

@@ -75,9 +75,12 @@ def _fsdp_problems(fsdp: dict, *, fsdp_on: bool) -> list[str]:
                 for key in sorted(set(fsdp) - FSDP_KEYS)]
     if not fsdp_on:
         return problems
-    if str(fsdp.get("fsdp_version", 1)) != "2":
-        problems.append(f"fsdp_config's fsdp_version: {fsdp.get('fsdp_version', 1)} is not supported: llmtrain "
-                        "shards with FSDP2, set fsdp_version: 2")
+    if "fsdp_version" not in fsdp:
+        problems.append("fsdp_config has no fsdp_version, so accelerate would shard with FSDP1: llmtrain shards with "
+                        "FSDP2, add fsdp_version: 2")
+    elif str(fsdp["fsdp_version"]) != "2":
+        problems.append(f"fsdp_config's fsdp_version: {fsdp['fsdp_version']} is not supported: llmtrain shards with "
+                        "FSDP2, set fsdp_version: 2")
     if not _off(fsdp.get("fsdp_activation_checkpointing")):
         problems.append("fsdp_config's fsdp_activation_checkpointing: true would wrap the layers a second time: set it "
                         "false and turn on model.gradient_checkpointing in the recipe")
@@ -152,11 +155,13 @@ def launch_settings(argv: list[str]) -> tuple[dict, str]:
     for action in parser._actions:  # a flag's default is not a value given: `--parallelism_config_dp_shard_size 1`
         action.default = argparse.SUPPRESS  # is, and wins over the config file's 2, as accelerate launch has it
     given = vars(parser.parse_args(argv))
+    flags = False  # a setting of the layout given on the command line (the messages then name both)
     for action in parser._actions:  # the flags given: each over the config's value
         value = given.get(action.dest)
         if action.dest in ("help", "config_file", "training_script", "training_script_args", "module",
                            "no_python") or action.dest not in given or value is None:
             continue
+        flags = True
         if action.dest.startswith("parallelism_config_"):
             launch.setdefault("parallelism_config", {})[action.dest] = value
         elif action.dest.startswith("fsdp_"):
@@ -169,7 +174,8 @@ def launch_settings(argv: list[str]) -> tuple[dict, str]:
             launch["distributed_type"] = kind
         elif action.dest in PLUMBING:
             launch[action.dest] = value
-    return launch, f"the accelerate config {path}" if path else "the accelerate launch"
+    where = f"the accelerate config {path}" if path else "the accelerate launch"
+    return launch, f"{where} with the command line's flags" if flags and path else where
 
 
 def parent_launch() -> list[str] | None:
