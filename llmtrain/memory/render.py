@@ -94,9 +94,9 @@ def render_estimate(est: Estimate, advice: str, *, traffic: Traffic | None = Non
     table.add_section()
     table.add_row("[bold]total per GPU[/]", f"[bold]{gib(est.per_gpu_peak_bytes)}[/]", "", f"at the {peak} phase")
     console.print(f"{describe(spec)}")
-    adapters = est.params_total - est.params_trainable if est.spec.method == "lora" else 0  # the base's
+    base = est.params_total - est.params_trainable if est.spec.method == "lora" else 0  # peft adds the adapters
     console.print(f"parameters: {est.params_total:,} total, {est.params_trainable:,} trainable"
-                  + (f" (the base's {adapters:,} and the adapters' {est.params_trainable:,})" if adapters else ""))
+                  + (f" (the base's {base:,} and the adapters' {est.params_trainable:,})" if base else ""))
     console.print(table)
     console.print(f"allocated {gib(est.per_gpu_peak_allocated_bytes)} GiB (torch max_memory_allocated), "
                   f"reserved {gib(est.per_gpu_peak_reserved_bytes)} GiB (max_memory_reserved)")
