@@ -196,7 +196,8 @@ RULES: tuple[Rule, ...] = (
          "matrices beside the sharded base weights. A LoRA run of a 7B model fits one GPU: launch it with "
          "accelerate_configs/ddp.yaml or accelerate_configs/fsdp.yaml (tp_size 1)"),
     Rule("tp", lambda r, _: r.model.compile,
-         "{key} is not tested with model.compile: set model.compile=false"),
+         "{key} with model.compile fails: inductor's compile of the tensor-parallel layers recursed without end at "
+         "the second step (torch 2.13 on gloo). Set model.compile=false"),
     Rule("tp", lambda r, _: bool(r.model.tiled_mlp),
          _TILED_TP),
     Rule("fsdp", _kto_reread,
