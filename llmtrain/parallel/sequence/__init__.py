@@ -3,7 +3,8 @@ torch.distributed collectives.
 
 - group.py: this process's sequence group (consecutive ranks) and the start-up line's words;
 - shards.py: each process's slice of the group's packed row (`shard_batch`), the objective that collates it
-  (`SequenceShards`), and the eval's per-example sums over the group;
+  (`SequenceShards`), and the sums over the group: the eval's per-example ones, each sequence's log-probability or
+  score for a loss of whole sequences (`sequence_sum`), the load-balancing loss's (`balance_sums`);
 - attention.py: the all-to-all around llmtrain's varlen attention, registered with transformers as the model's
   attention (`attach`).
 
@@ -16,7 +17,8 @@ sliding windows are exact, with no ring and no load balancing. K/V heads fewer t
 Hkv times, so every process gets the K/V head of its query heads); other splits are refused with the rest of the layout
 (capabilities.model_problems).
 
-Gradients: each process backpropagates its slice's summed loss. DDP and FSDP average gradients over every process;
+Gradients: each process backpropagates its slice's summed loss (a loss of whole sequences: the group's loss, computed
+from the summed log-probabilities on every process, through its own slice; shards.SequenceShards). DDP and FSDP average gradients over every process;
 the step multiplies the loss by the processes (not the data ranks) over the window's trained tokens, so the result is
 the gradient of the group's summed loss, as one process computes it on the whole row.
 

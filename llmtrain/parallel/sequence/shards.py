@@ -1,5 +1,7 @@
-"""Sequence parallelism's side of the objective: each process of a sequence group collates its
-slice of the group's packed row (`shard_batch`), and the eval's per-example sums are summed over the group."""
+"""Sequence parallelism's side of the objective: each process of a sequence group collates its slice of the group's
+packed row (`shard_batch`); the eval's per-example sums, each sequence's log-probability or score (the losses of whole
+sequences: preference pairs, KTO, reward models) and a mixture of experts' load-balancing sums are added over the
+group."""
 
 from __future__ import annotations
 
