@@ -18,9 +18,10 @@ Hkv times, so every process gets the K/V head of its query heads); other splits 
 (capabilities.model_problems).
 
 Gradients: each process backpropagates its slice's summed loss (a loss of whole sequences: the group's loss, computed
-from the summed log-probabilities on every process, through its own slice; shards.SequenceShards). DDP and FSDP average gradients over every process;
-the step multiplies the loss by the processes (not the data ranks) over the window's trained tokens, so the result is
-the gradient of the group's summed loss, as one process computes it on the whole row.
+from the summed log-probabilities on every process, through its own slice; shards.SequenceShards). DDP and FSDP
+average gradients over every process; the step multiplies the loss by the processes (not the data ranks) over the
+window's trained tokens, so the result is the gradient of the group's summed loss, as one process computes it on the
+whole row.
 
 May import: the schema, data/ and model/ (the batching's counts, the varlen attention), and this folder.
 """
