@@ -10,6 +10,7 @@ from dataclasses import dataclass
 
 from llmtrain.memory.params import LoraPlan, ModelShape
 from llmtrain.memory.spec import DTYPE_BYTES, PRECISION_DTYPE, TrainSpec
+from llmtrain.memory.teacher import sharded_frozen_bytes
 
 
 @dataclass(frozen=True)
@@ -78,10 +79,7 @@ def states(shape: ModelShape, spec: TrainSpec, plan: LoraPlan | None) -> States:
     weights = frozen_bytes + trainable_bytes
     reference = 0
     if spec.frozen_reference:  # KTO's frozen copy: whole, or under FSDP its decoder sharded and its head whole
-        reference = shape.params_total * sd
-        if fsdp:
-            whole_head = shape.head_outputs * H * sd
-            reference = (reference - (0 if shape.tied else whole_head)) // spec.shards + whole_head
+        reference = sharded_frozen_bytes(shape, spec, sd) if fsdp else shape.params_total * sd
     if spec.cpu_offload:
         return States(0, 0, 0, (0,) * shape.layers, 0, 0, weights + trainable_bytes + optim)
     return States(

@@ -22,6 +22,13 @@ LOSS_PHASES = ("loss", "backward_loss", "backward_lm_head", "eval_loss")
 HELD_PHASES = ("forward", "backward_layers", "backward_embedding")  # the teacher's hidden states are alive
 
 
+def sharded_frozen_bytes(shape: ModelShape, spec: TrainSpec, b: int) -> int:
+    """A frozen model's weights on each GPU as fsdp.shard_frozen holds them under FSDP/HSDP (distillation's teacher,
+    KTO's full fine-tune's reference): the decoder in shards, the LM head whole (a tied head a copy of the
+    embeddings); `b` bytes a weight."""
+    return -(-(shape.params_total - shape.params_head) // spec.shards) * b + shape.vocab * shape.hidden * b
+
+
 def add_teacher(phases: dict[str, dict[str, int]], shape: ModelShape, spec: TrainSpec, p: act.Pass, base: dict,
                 *, gradients: int) -> None:
     """Each phase with the teacher's bytes (its weights, and in the loss's phases its hidden states and a chunk's
@@ -29,8 +36,7 @@ def add_teacher(phases: dict[str, dict[str, int]], shape: ModelShape, spec: Trai
     t, b = spec.teacher, DTYPE_BYTES[spec.teacher_dtype]
     weights, gathered = t.params_total * b, 0
     if spec.sharded:  # the decoder in shards, the head whole; in its forward the root and ~2 layers gathered
-        head = t.vocab * t.hidden
-        weights = -(-(t.params_total - t.params_head) // spec.shards) * b + head * b
+        weights = sharded_frozen_bytes(t, spec, b)
         gathered = (t.params_embed + t.params_final_norm + 2 * t.params_per_layer) * b
     hidden = p.loss_tokens * t.hidden * b
     chunk = 4 * act.loss_chunk(p, spec.loss_chunk_tokens) * shape.vocab * act.FP32

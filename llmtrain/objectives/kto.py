@@ -135,7 +135,11 @@ class KTO:
         """The reference's summed completion log-probabilities, under no_grad."""
         model, context = self._reference_model()
         with torch.no_grad(), context:
-            return sequence_logps(model, batch, total=self.sequence_sum)
+            return self.logps(model, batch)
+
+    def logps(self, model, batch: dict) -> torch.Tensor:
+        """sequence_logps of the batch's sequences, whole (summed over a sequence group), as Preference.logps."""
+        return sequence_logps(model, batch, total=self.sequence_sum)
 
     def _kl(self, batch: dict) -> torch.Tensor | None:
         """TRL's KL estimate: the mean over the KL sequences of (policy - reference) log-probabilities, averaged over
@@ -146,7 +150,7 @@ class KTO:
         kl = {k[3:]: v for k, v in batch.items() if k.startswith("kl:")}
         with torch.no_grad():
             # the policy's pass is the unwrapped model's: a DDP forward would be a collective of its own
-            policy = sequence_logps(self.model, kl, total=self.sequence_sum)
+            policy = self.logps(self.model, kl)
             one = torch.ones((), device=batch["input_ids"].device)
             mean = torch.stack([(policy - self._reference(kl)).mean(), one]) * batch_weight(batch)
             if self.reduce is not None:  # TRL's gather_for_metrics(kl).mean(): every process's mean, averaged
