@@ -69,16 +69,10 @@ MODES: dict[str, Mode] = {m.key: m for m in (
                         "LM head's loss. Set parallel.pipeline_parallel=1 and shard with FSDP "
                         "(accelerate_configs/fsdp.yaml) or use DDP"}),
     Mode("grpo", "online RL, GRPO (rl:)", ("prompt",), "prompts", False, "reward, answer accuracy", "causal LM",
-         refused={"tp": _SAMPLING_TP,
-                  "sp": "its rollout samples whole completions on every process, which a sequence group would have to "
-                        "sample together. Set parallel.sequence_parallel=1",
-                  "pp": _WHOLE_MODEL_PP}),
+         refused={"tp": _SAMPLING_TP, "pp": _WHOLE_MODEL_PP}),
     Mode("rloo", "online RL, RLOO (rl: {algorithm: rloo})", ("prompt",), "prompts", False, "reward, answer accuracy",
          "causal LM",
-         refused={"tp": _SAMPLING_TP,
-                  "sp": "its rollout samples whole completions on every process, which a sequence group would have to "
-                        "sample together. Set parallel.sequence_parallel=1",
-                  "pp": _WHOLE_MODEL_PP}),
+         refused={"tp": _SAMPLING_TP, "pp": _WHOLE_MODEL_PP}),
     Mode("distill", "distillation (distill:)", ("prompt_completion", "messages", "alpaca"), "prompts", False,
          "loss, answer accuracy, teacher agreement", "causal LM",
          refused={"tp": "the student samples its own completions, which under tensor parallelism would need each "

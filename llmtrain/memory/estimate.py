@@ -89,8 +89,10 @@ def make_pass(shape: ModelShape, spec: TrainSpec, *, examples: int | None = None
                     examples=1 if budget else examples,
                     # online RL's update trains each sequence's completion only; a reward model's score head reads
                     # one position a sequence (a budget's row: at least a pair)
+                    # (under sequence parallelism, this GPU's share of them)
                     loss_positions=(2 if budget else examples) if shape.score_head else
-                    examples * spec.max_completion_tokens if training and spec.max_completion_tokens else None,
+                    -(-examples * spec.max_completion_tokens // n) if training and spec.max_completion_tokens else
+                    None,
                     # FSDP gathers the adapters in cd; peft's 4-bit layers do not cast their input under autocast
                     adapters_in_cd=spec.method == "lora" and amp and (spec.sharded or bool(spec.quantize)),
                     # the tiled MLP runs untiled on a micro-batch of at most one shard (model/tiled_mlp.py)
@@ -513,6 +515,10 @@ def _notes(shape: ModelShape, spec: TrainSpec, p: act.Pass) -> tuple[str, ...]:
                      f"(one layer's buffers in flight: {act.all_to_all_temp(p, shape) / MIB:,.0f} MiB); weights, "
                      f"gradients and optimizer state are {spec.strategy}'s over all {spec.world} GPUs, and "
                      f"{spec.data_ranks} data-parallel rank(s) read different batches")
+        if spec.num_generations:
+            notes.append("online RL under sequence parallelism: the group's first GPU samples and scores the "
+                         "micro-batch's completions alone (the generation phases above are its), then each GPU "
+                         "trains on its slice of every packed row")
     if spec.tp > 1 and any(shape.tp_gathers):
         notes.append(f"tensor parallelism over {spec.tp} GPUs: each holds 1/{spec.tp} of every layer's linear weights "
                      f"(the fused qkv_proj and gate_up_proj by output rows, o_proj and down_proj by input columns), "

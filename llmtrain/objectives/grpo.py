@@ -145,6 +145,9 @@ class GRPO:
         self.logs = RewardLogs()  # log_metric's numbers since the last metrics line
         # every process's list, concatenated, on every process (collectives.gathered); one process: its own
         self.gather = gather if gather is not None else list
+        # runs a micro-batch's sampling and scoring (train and eval): here; under sequence parallelism on the group's
+        # first process, its result given to the others (parallel/sequence/shards.SequenceShards sets both)
+        self.on_first_of_group = _here
         # the event loop of the async reward functions, for the whole run (the start-up check's, where it ran one)
         self.runner = runner if runner is not None else AsyncRunner()
         self.warned: set[str] = set()  # reward functions already said to have scored nothing
@@ -179,7 +182,8 @@ class GRPO:
             self.state.global_step, self.state.epoch = step, float(window.epoch)
         with sampling(self.lm):
             for b in window.batches:
-                parts, n, recs = self._rollout_batch(b["examples"], step, stand_in=not batch_weight(b))
+                parts, n, recs = self.on_first_of_group(
+                    lambda: self._rollout_batch(b["examples"], step, stand_in=not batch_weight(b)))
                 batches += parts
                 counts = n if counts is None else counts.plus(n)
                 records += recs
@@ -281,8 +285,8 @@ class GRPO:
         """(RLOO's hook) Put a pass's advantages (one per completion) in its batch: each token gets its completion's,
         and its weight in the loss sum (which depends on its own completion only: any split gives the same)."""
         completion = batch["loss_example"]
-        batch["advantages"] = advantages.float()[completion]
-        batch["weights"] = token_weights(completion, lengths, self.rl.loss_type)
+        batch["loss_advantages"] = advantages.float()[completion]  # "loss_": one per trained position
+        batch["loss_weights"] = token_weights(completion, lengths, self.rl.loss_type)
 
     def _generate(self, prompt_ids: list[list[int]], seeds: list[int], *, temperature: float,
                   top_p: float, max_new_tokens: int | None = None) -> list[list[int]]:
@@ -374,12 +378,12 @@ class GRPO:
             with torch.no_grad(), self.lm.disable_adapter():  # the starting model: the LoRA adapter off
                 ref = -compute_loss(self.lm, batch, per_token=True, temperature=rl.temperature).float()
         logps = -compute_loss(model, batch, per_token=True, temperature=rl.temperature).float()
-        losses, kl, clipped = token_losses(logps, batch["advantages"], ref_logps=ref, epsilon=rl.epsilon,
+        losses, kl, clipped = token_losses(logps, batch["loss_advantages"], ref_logps=ref, epsilon=rl.epsilon,
                                            epsilon_high=rl.epsilon_high, beta=rl.beta)
         with torch.no_grad():
             stats = torch.stack([kl.sum() if kl is not None else logps.new_zeros(()), clipped.float().sum(),
                                  logps.new_tensor(float(logps.numel()))])
-        return (losses * batch["weights"]).sum(), torch.cat([rollout, stats])
+        return (losses * batch["loss_weights"]).sum(), torch.cat([rollout, stats])
 
     def _reward_metrics(self, s: dict, n: float) -> dict[str, float]:
         """reward and reward_std as TRL logs them: the mean and the unbiased std (its nanstd) of the step's scored
@@ -427,14 +431,18 @@ class GRPO:
         from llmtrain.parallel.fsdp import gathered_for_generation
 
         examples = batch["examples"]
-        prompt_ids = [list(e["input_ids"]) for e in examples]
-        with gathered_for_generation(self.lm):
+
+        def sums() -> torch.Tensor:
+            prompt_ids = [list(e["input_ids"]) for e in examples]
             completions, tooled = self._complete(prompt_ids, [0] * len(examples), temperature=0.0, top_p=1.0,
                                                  rows=examples)
-        _, per_function, total = self._score(examples, completions, 1, where=self.sources[1] or self.sources[0],
-                                             tooled=tooled)
-        return torch.tensor([len(examples), float(total.nansum()), *per_function.nan_to_num().sum(0).tolist(),
-                             *(~per_function.isnan()).sum(0).tolist()], dtype=torch.float64)
+            _, per_function, total = self._score(examples, completions, 1, where=self.sources[1] or self.sources[0],
+                                                 tooled=tooled)
+            return torch.tensor([len(examples), float(total.nansum()), *per_function.nan_to_num().sum(0).tolist(),
+                                 *(~per_function.isnan()).sum(0).tolist()], dtype=torch.float64)
+
+        with gathered_for_generation(self.lm):
+            return self.on_first_of_group(sums)
 
     def eval_metrics(self, sums: list[float]) -> dict[str, float]:
         k = len(self.rewards)
@@ -447,6 +455,10 @@ class GRPO:
         if first is not None and counts[first]:
             out["eval_answer_accuracy"] = per[first] / counts[first]  # the first answer_match's mean
         return out
+
+
+def _here(compute):
+    return compute()
 
 
 def _number(value: torch.Tensor) -> float | None:

@@ -71,6 +71,8 @@ class RLOO(GRPO):
     """GRPO's rollout and evaluation, with RLOO's reward (KL penalised), advantage, loss and metrics."""
 
     # rollout statistics beside GRPO's: the summed k1 over every completion token
+    whole_sequences = True  # its loss reads each completion's whole log-probability (parallel/sequence/shards.py)
+    sequence_sum = None  # sequence parallelism: a completion's log-probability from its slices' parts
     advantage_stats = ("kl",)
     loss_stats = ("clipped_sequences",)
 
@@ -127,6 +129,8 @@ class RLOO(GRPO):
         rollout = batch["rollout_stats"].to(batch["input_ids"].device)
         logps = completion_logps(model, batch, temperature=self.rl.temperature)
         sequences = sequence_sums(logps, batch["loss_example"], len(batch["advantages"]))
+        if self.sequence_sum is not None:
+            sequences = self.sequence_sum(sequences)
         losses, clipped = sequence_losses(sequences, batch["advantages"], epsilon=self.rl.epsilon,
                                           epsilon_high=self.rl.epsilon_high)
         return losses.sum(), torch.cat([rollout, clipped.float().sum().detach().view(1)])

@@ -3,8 +3,9 @@ torch.distributed collectives.
 
 - group.py: this process's sequence group (consecutive ranks) and the start-up line's words;
 - shards.py: each process's slice of the group's packed row (`shard_batch`), the objective that collates it
-  (`SequenceShards`), and the sums over the group: the eval's per-example ones, each sequence's log-probability or
-  score for a loss of whole sequences (`sequence_sum`), the load-balancing loss's (`balance_sums`);
+  (`SequenceShards`; online RL's rollout: sampled on the group's first process, `on_first_of_group`, then split),
+  and the sums over the group: the eval's per-example ones, each sequence's log-probability or score for a loss of
+  whole sequences (`sequence_sum`), the load-balancing loss's (`balance_sums`);
 - attention.py: the all-to-all around llmtrain's varlen attention, registered with transformers as the model's
   attention (`attach`).
 

@@ -1,7 +1,7 @@
 """Sequence parallelism's side of the objective: each process of a sequence group collates its slice of the group's
 packed row (`shard_batch`); the eval's per-example sums, each sequence's log-probability or score (the losses of whole
-sequences: preference pairs, KTO, reward models) and a mixture of experts' load-balancing sums are added over the
-group."""
+sequences: preference pairs, KTO, reward models, RLOO) and a mixture of experts' load-balancing sums are added over the
+group. Online RL samples and scores on the group's first process (`on_first_of_group`) and splits the rows after."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from functools import partial
 
 import torch
 
-from llmtrain.data.batching import Counts
+from llmtrain.data.batching import Counts, batch_weight
 from llmtrain.errors import LLMTrainError
 from llmtrain.parallel.sequence.group import SequenceGroup
 
@@ -53,11 +53,11 @@ def _shard_row(batch: dict, *, size: int, rank: int, pad_id: int) -> tuple[dict,
     held = max(0, min(hi, total) - lo)  # the slice's real tokens: the first `held` (the pad example comes last)
     out = {**batch, "input_ids": ids[:, lo:hi], "position_ids": pos[:, lo:hi], "cu_seq_lens": cu,
            "max_length": max_length, "examples": len(batch["cu_seq_lens"]) - 1, "real_tokens": held}
-    if "loss_index" in batch:
+    if "loss_index" in batch:  # and every "loss_" tensor of one value per trained position (GRPO's advantages)
         index = batch["loss_index"]
         keep = (index >= lo) & (index < hi)
-        out.update(loss_index=index[keep] - lo, loss_targets=batch["loss_targets"][keep],
-                   loss_example=batch["loss_example"][keep])
+        out.update({k: v[keep] for k, v in batch.items() if k.startswith("loss_") and isinstance(v, torch.Tensor)},
+                   loss_index=index[keep] - lo)
     if "score_index" in batch:  # a reward model: each sequence's scored token, on the process whose slice holds it
         index = batch["score_index"]
         keep = (index >= lo) & (index < hi)
@@ -79,14 +79,45 @@ class SequenceShards:
         self.whole = getattr(objective, "whole_sequences", False)
         objective.example_sum = partial(example_sum, group=group)
         objective.sequence_sum = partial(sequence_sum, group=group.group)
+        # online RL: a group is one data rank for its rollout (see rollout)
+        self.samples = hasattr(objective, "rollout")
+        if self.samples:
+            self.rollout = self._rollout  # only then: the step looks for a rollout
+            objective.on_first_of_group = partial(on_first_of_group, group=group, lm=objective.lm)
+            everyone = objective.gather
+            objective.gather = lambda items: everyone(list(items) if group.rank == 0 else [])
 
     def __getattr__(self, name):
         return getattr(self.objective, name)
 
     def collate(self, examples: list[dict]):
         batch, counts = self.objective.collate(examples)
+        if self.samples:  # the prompts: the rollout makes the rows, and splits them
+            return batch, counts
         return shard_batch(batch, counts, size=self.group.size, rank=self.group.rank, pad_id=self.pad_id,
                            whole_sequences=self.whole)
+
+    def _rollout(self, window, *, step: int):
+        """Online RL: the group's first process samples and scores the micro-batches the group shares, as one
+        process of its data rank would (its records, rollout statistics, reward logs and gathers counted there
+        only); every process then keeps its slice of each packed row. The loss units (completions or completion
+        tokens, whole) count on the first process; the trained and real tokens are each slice's."""
+        import dataclasses
+
+        window = self.objective.rollout(window, step=step)
+        first, size, rank = self.group.rank == 0, self.group.size, self.group.rank
+        batches, trained, held = [], 0.0, 0.0
+        for batch in window.batches:
+            batch, tokens = _shard_row(batch, size=size, rank=rank, pad_id=self.pad_id)
+            if not first and "rollout_stats" in batch:
+                batch["rollout_stats"] = torch.zeros_like(batch["rollout_stats"])
+            batches.append(batch)
+            trained += len(batch["loss_index"]) * batch_weight(batch)  # a stand-in pass (weight 0) counts nothing
+            held += tokens * batch_weight(batch)
+        c = window.counts
+        counts = Counts(units=c.units if first else 0.0, trained=trained, tokens=held * (c.tokens > 0),
+                        squares=c.squares / size)
+        return dataclasses.replace(window, batches=batches, counts=counts, rollouts=window.rollouts if first else [])
 
     def loss(self, model, batch: dict, **kwargs) -> tuple[torch.Tensor, torch.Tensor]:
         loss, stats = self.objective.loss(model, batch, **kwargs)
@@ -96,7 +127,7 @@ class SequenceShards:
 
     def eval_sums(self, model, batch: dict, device) -> torch.Tensor:
         sums = self.objective.eval_sums(model, batch, device)
-        return sums * (self.group.rank == 0) if self.whole else sums
+        return sums * (self.group.rank == 0) if self.whole or self.samples else sums
 
     def reference_free(self) -> SequenceShards:
         """The wrapped preference objective without its reference (its precomputing pass), split the same way."""
@@ -125,6 +156,33 @@ def sequence_sum(parts: torch.Tensor, *, group) -> torch.Tensor:
     """Each sequence's sum (a log-probability, a score) from every process's part of it (its slice's tokens), on
     every process of the sequence group; differentiable (`_GroupSum`)."""
     return _GroupSum.apply(parts, group)
+
+
+def on_first_of_group(compute, *, group: SequenceGroup, lm):
+    """`compute()` run on the group's first process, its result (or its error) given to the others: online RL's
+    sampling and scoring of a micro-batch the group shares (reward functions run once, an environment's state stays
+    on one process). The first process attends there with llmtrain's varlen attention on whole rows (RLOO's
+    log-probabilities before the update), not the group's all-to-all, which the others do not join."""
+    import torch.distributed as dist
+
+    from llmtrain.model.attention import NAME
+    from llmtrain.model.generate import attention_as
+    from llmtrain.model.loss import causal_lm
+
+    box, error = [None], None
+    if group.rank == 0:
+        try:
+            with attention_as(causal_lm(lm).config, NAME):
+                box[0] = (True, compute())
+        except Exception as e:  # the others must not wait for a result that never comes: they get its words
+            box[0], error = (False, str(e)), e
+    dist.broadcast_object_list(box, src=dist.get_global_rank(group.group, 0), group=group.group)
+    done, result = box[0]
+    if error is not None:
+        raise error
+    if not done:
+        raise LLMTrainError(result)
+    return result
 
 
 def balance_sums(counts: torch.Tensor, probs: torch.Tensor, rows: int, *, group, whole: bool):
