@@ -64,10 +64,7 @@ MODES: dict[str, Mode] = {m.key: m for m in (
                   "pp": _OWN_PASSES_PP.replace("its own passes", "its own passes (the KL "
                                                                 "sequences, the reference)")}),
     Mode("reward_model", "a reward model (reward_model:)", ("preference",), "pairs", True, "loss, accuracy, margin",
-         "score head", samples=False,
-         refused={"pp": "its score head replaces the LM head the last stage runs, and the stages are built for the "
-                        "LM head's loss. Set parallel.pipeline_parallel=1 and shard with FSDP "
-                        "(accelerate_configs/fsdp.yaml) or use DDP"}),
+         "score head", samples=False),
     Mode("grpo", "online RL, GRPO (rl:)", ("prompt",), "prompts", False, "reward, answer accuracy", "causal LM",
          refused={"tp": _SAMPLING_TP, "pp": _WHOLE_MODEL_PP}),
     Mode("rloo", "online RL, RLOO (rl: {algorithm: rloo})", ("prompt",), "prompts", False, "reward, answer accuracy",

@@ -265,6 +265,39 @@ def test_the_eval_through_the_stages_counts_what_one_process_counts(four_layers,
     assert want[0]["eval_token_accuracy"] > 0  # a count of something
 
 
+@pytest.mark.slow
+# lora (extended): the score head as peft's modules_to_save copy on the last stage; main tier: the full fine-tune
+@pytest.mark.parametrize("lora", [False, pytest.param(True, marks=pytest.mark.extended)], ids=["full", "lora"])
+def test_a_reward_model_trains_and_evaluates_on_two_stages_as_on_one_process(four_layers, tmp_path, free_port, lora):
+    """The last stage runs the score head on each sequence's scored token (its targets: the sequence's index there)
+    and the pairs' Bradley-Terry loss: losses, accuracies, margins, gradient norms, the eval and final/ equal one
+    process's; final/ is a sequence-classification model transformers loads."""
+    from transformers import AutoModelForSequenceClassification
+
+    recipe = _recipe(four_layers, tmp_path, "reward.yaml", lora=lora, eval_every_steps=3, micro_batch_tokens=96,
+                     grad_accum_steps=2, max_steps=4)
+    sections = ["data.format=preference", f"data.path={four_layers / 'data' / 'train_pairs.jsonl'}",
+                "data.eval_split=0.05", "reward_model.center_rewards_coefficient=0.01"]
+    run_train(recipe, *sections, f"output_dir={tmp_path / 'one'}")
+    launch_finetune(CPU_DDP, 2, free_port, recipe, *sections, "parallel.pipeline_parallel=2",
+                    f"output_dir={tmp_path / 'pp'}")
+    got, want = records(tmp_path / "pp"), records(tmp_path / "one")
+    assert len(got) == len(want) == 4
+    for key in ("loss", "accuracy", "margin", "mean_reward", "rewards/chosen", "grad_norm"):
+        assert [r[key] for r in got] == pytest.approx([r[key] for r in want], rel=1e-5, abs=1e-6), key
+    assert len({r["margin"] for r in want}) == 4  # the scores move: not a head of zeros
+    (g,), (w,) = records(tmp_path / "pp", "eval")[-1:], records(tmp_path / "one", "eval")[-1:]
+    for key in ("eval_loss", "eval_accuracy", "eval_margin"):
+        assert g[key] == pytest.approx(w[key], abs=1e-6), key
+    name = "adapter_model.safetensors" if lora else "model.safetensors"
+    a, b = load_weights(tmp_path / "pp" / "final" / name), load_weights(tmp_path / "one" / "final" / name)
+    assert a.keys() == b.keys() and any("score" in k for k in a)
+    assert max_abs_diff(a, b) < 1e-5
+    if not lora:
+        scorer = AutoModelForSequenceClassification.from_pretrained(tmp_path / "pp" / "final")
+        assert scorer.config.num_labels == 1
+
+
 @pytest.mark.extended  # main tier: final/'s weights against one process's in test_two_stages_train_what_one_process_
 # trains, and a tied final/ loaded by transformers in test_a_tied_embedding_trains_on_two_stages_what_one_process_trains
 @pytest.mark.slow

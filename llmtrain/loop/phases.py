@@ -46,6 +46,7 @@ from llmtrain.model.modeling import (
 )
 from llmtrain.model.score import attach_score
 from llmtrain.model.teacher import load_teacher, vocabulary_problem
+from llmtrain.objectives.reward_model import StageScores
 from llmtrain.parallel.accelerator import use_fused_adamw
 from llmtrain.parallel.collectives import global_sum
 from llmtrain.parallel.fsdp import receives_weights, shard_frozen, uses_fsdp
@@ -342,6 +343,7 @@ def build_model(recipe: Recipe, accelerator, *, total_steps: int, say, pad: int 
         whole = (frozenset(n for n, _ in model.named_parameters()),
                  frozenset(n for n, p in model.named_parameters() if p.requires_grad) if recipe.lora else None)
     laid = parallelize(model, recipe, accelerator, pad_id=pad, say=say,
+                       scores=StageScores(recipe.reward_model) if recipe.reward_model is not None else None,
                        make_optimizer=partial(build_optimizer, lr=tc.lr, weight_decay=tc.weight_decay,
                                               betas=tc.betas, eps=tc.eps, fused=use_fused_adamw(accelerator)))
     model, optimizer, stages = laid.model, laid.optimizer, laid.pipeline

@@ -65,7 +65,7 @@ def train_step(model, optimizer, scheduler, accelerator, objective: Objective, w
         denominator = counts[0].clamp(min=1.0).float()  # stays on the device: no host sync
     loss_sum, stats_sum = torch.zeros((), device=accelerator.device), None
     if pipeline is not None:  # the schedule runs every micro-batch; the replicas' gradients are summed after it
-        loss_sum, stats_sum = pipeline.run(window.batches, scale=1.0 / denominator), loss_sum.new_zeros(0)
+        loss_sum, stats_sum = pipeline.run(window.batches, scale=1.0 / denominator)
     for i, batch in enumerate(window.batches if pipeline is None else ()):
         # DDP all-reduces the gradients on the window's last micro-batch only; the others accumulate locally.
         # FSDP reduce-scatters every micro-batch by default, so only gradient shards are held between them

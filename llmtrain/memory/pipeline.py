@@ -165,6 +165,7 @@ def stage_estimate(shape: ModelShape, spec: TrainSpec, stage: Stage) -> Estimate
     sub = stage_shape(shape, stage, len(stage.chunks[c]))
     p = make_pass(sub, spec)
     L, V, H, ckpt, fsdp = sub.layers, shape.vocab, shape.hidden, spec.gradient_checkpointing, spec.sharded
+    O = shape.head_outputs  # the last stage's head: the vocabulary, or a reward model's one score
     amp = p.autocast
     saved = [act.layer_bytes(p, sub, {}, spec.lora_r)] * L
     kept = [act.checkpoint_bytes(p, sub)] * L if ckpt else saved
@@ -205,9 +206,9 @@ def stage_estimate(shape: ModelShape, spec: TrainSpec, stage: Stage) -> Estimate
                                 temporaries=act.layer_forward_temp(p, sub, {}))}
     if last:
         phases.update(_loss_phases(
-            p, sub, spec, st, head_copies=V * H * p.cd if p.separate_casts else 0,
-            tail=gathered if whole_grad else (V * H + shape.params_final_norm) * pd if fsdp else 0,
-            fsdp_head=V * H * pd if fsdp else 0,
+            p, sub, spec, st, head_copies=O * H * p.cd if p.separate_casts else 0,
+            tail=gathered if whole_grad else (O * H + shape.params_final_norm) * pd if fsdp else 0,
+            fsdp_head=O * H * pd if fsdp else 0,
             forward=dict(**base, gradients=g_acc, autocast_copies=copies_fwd, activations=acts + mask),
             backward=dict(**base, gradients=g_acc, autocast_copies=0 if ckpt else sum(copies),
                           activations=acts + mask_bwd), head_adapter_r=0))

@@ -43,6 +43,66 @@ def pair_losses(chosen: torch.Tensor, rejected: torch.Tensor, margin: torch.Tens
     return losses
 
 
+def pairs_loss(scores: torch.Tensor, margin: torch.Tensor | None, *,
+               center_rewards_coefficient: float | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The summed loss of the pairs whose scores are `scores` (chosen, rejected, chosen, ...) and their statistics
+    (STATS, summed)."""
+    chosen, rejected = scores[0::2], scores[1::2]
+    losses = pair_losses(chosen, rejected, margin, center_rewards_coefficient=center_rewards_coefficient)
+    with torch.no_grad():
+        stats = torch.stack([(chosen > rejected).float().sum(), (chosen - rejected).sum(),
+                             (chosen + rejected).sum() / 2, chosen.sum(), rejected.sum()])
+    return losses.sum(), stats
+
+
+class StageScores:
+    """A reward model on pipeline stages (parallel/pipeline/schedule.py): the last stage's score head and loss. A
+    micro-batch reaches the last stage as the final hidden states of one row of `slots` tokens, with the [slots, 2]
+    targets of `targets` (each sequence's index at the token its score is read at, -1 elsewhere; a pair's margin
+    beside its chosen sequence's index), from which the scores, the pairs' loss and their statistics are RewardModel's
+    own (the same functions)."""
+
+    stats = len(STATS)  # the loss's statistics
+    eval_size = len(STATS) + 2  # [loss, statistics, pairs], as RewardModel.eval_sums
+
+    def __init__(self, cfg):
+        self.cfg = cfg
+
+    def targets(self, batch: dict, slots: int) -> torch.Tensor:
+        """[1, slots, 2] float32: a packed micro-batch's scored positions and margins (none: an idle row)."""
+        out = torch.zeros(slots, 2)
+        out[:, 0] = -1.0
+        if (index := batch.get("score_index")) is not None and len(index):
+            out[index, 0] = torch.arange(len(index), dtype=torch.float32)
+            if "margin" in batch:  # else 0: the same loss as none (x - 0 is x)
+                out[index[0::2], 1] = batch["margin"].float()
+        return out[None]
+
+    def _scores(self, head, hidden: torch.Tensor, target: torch.Tensor):
+        """(each sequence's score in order, its pairs' margins) of one row; None where it holds no pair."""
+        at = (target[:, 0] >= 0).nonzero().flatten()
+        if at.numel() == 0:
+            return None, None
+        order = target[at, 0].long().argsort()
+        at = at[order]
+        scores = head(hidden[at]).float().squeeze(-1)
+        return scores, target[at[0::2], 1]
+
+    def loss(self, head, hidden: torch.Tensor, target: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The row's summed pair loss and statistics (a row of no pair: a zero loss that still reaches the head)."""
+        scores, margin = self._scores(head, hidden, target)
+        if scores is None:
+            return head(hidden[:1]).float().sum() * 0.0, hidden.new_zeros(self.stats, dtype=torch.float32)
+        return pairs_loss(scores, margin, center_rewards_coefficient=self.cfg.center_rewards_coefficient)
+
+    def eval_sums(self, head, hidden: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        scores, margin = self._scores(head, hidden, target)
+        if scores is None:
+            return torch.zeros(self.eval_size, dtype=torch.float64, device=hidden.device)
+        loss, stats = pairs_loss(scores, margin, center_rewards_coefficient=self.cfg.center_rewards_coefficient)
+        return torch.cat([loss.detach().reshape(1), stats, loss.new_tensor([len(scores) // 2])]).double()
+
+
 class RewardModel:
     """The reward-model objective (objective.Objective): pairs in, scores and the Bradley-Terry loss out."""
 
@@ -77,13 +137,7 @@ class RewardModel:
         scores = sequence_scores(model, batch)
         if self.sequence_sum is not None:
             scores = self.sequence_sum(scores)
-        chosen, rejected = scores[0::2], scores[1::2]
-        losses = pair_losses(chosen, rejected, batch.get("margin"),
-                             center_rewards_coefficient=self.cfg.center_rewards_coefficient)
-        with torch.no_grad():
-            stats = torch.stack([(chosen > rejected).float().sum(), (chosen - rejected).sum(),
-                                 (chosen + rejected).sum() / 2, chosen.sum(), rejected.sum()])
-        return losses.sum(), stats
+        return pairs_loss(scores, batch.get("margin"), center_rewards_coefficient=self.cfg.center_rewards_coefficient)
 
     def step_metrics(self, stats: list[float], units: float) -> dict[str, float]:
         return {name: value / max(units, 1) for name, value in zip(STATS, stats)}

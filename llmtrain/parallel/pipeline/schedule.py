@@ -28,7 +28,7 @@ from llmtrain.model.attention import NAME as VARLEN
 from llmtrain.model.loss import causal_lm, eval_counts
 from llmtrain.parallel.pipeline.group import PipelineGroup, clip_grad_norm_, ends_group, sum_replicas, sum_tied
 from llmtrain.parallel.pipeline.split import rank_stages, stage_layers
-from llmtrain.parallel.pipeline.stage import Elsewhere, Stage, cut_points, skeleton
+from llmtrain.parallel.pipeline.stage import Elsewhere, Stage, cut_points, head_name, skeleton
 
 SCHEDULES = {"gpipe": "ScheduleGPipe", "1f1b": "Schedule1F1B", "interleaved_1f1b": "ScheduleInterleaved1F1B"}
 
@@ -37,13 +37,14 @@ class Pipeline:
     """This process's stages of the model and the schedule that runs a window through them."""
 
     def __init__(self, model, *, parallel, micro_batches: int, slots: int, pad_id: int, device,
-                 group: PipelineGroup, fsdp=None, precision=nullcontext):
+                 group: PipelineGroup, fsdp=None, precision=nullcontext, scores=None):
         """`fsdp`: None, or the FSDP launch's MixedPrecisionPolicy (or True without one): each stage is then sharded
         over its replicas (FSDP2's fully_shard on each decoder layer and on the stage), kept unsharded between its
         forward and backward as torchtitan does under pipelining (reshard_after_forward=False: the schedule runs
         several micro-batches' forwards before their backwards). `precision`: the run's autocast, around each
         stage's forward and the loss (the stages are not prepared by Accelerate, which would put it there). `group`:
-        this process's pipeline (parallel/groups.py)."""
+        this process's pipeline (parallel/groups.py). `scores`: a reward model's last-stage loss
+        (objectives/reward_model.StageScores); None: the LM head's cross-entropy."""
         from torch.distributed import pipelining
 
         g = self.group = group
@@ -63,7 +64,8 @@ class Pipeline:
         mine = rank_stages(g.rank, g.size, chunks)  # torch's loop order: virtual stage s on rank s % P
         # a tied embedding (Llama 3.2, Gemma 3, small Qwen3): the first stage reads it as the embedding, the last as
         # the head, each its own copy of the one weight; their gradients are summed after each step (group.sum_tied)
-        tied = lm.get_output_embeddings().weight is lm.get_input_embeddings().weight
+        head = lm.get_output_embeddings()  # None: a reward model's score head
+        tied = head is not None and head.weight is lm.get_input_embeddings().weight
         self.ends = ends_group(g) if tied else None
         self.modules = [Stage(lm, ranges[s], first=s == 0, last=s == total - 1, precision=precision) for s in mine]
         self.precision = precision
@@ -73,7 +75,7 @@ class Pipeline:
         # what other stages hold, as shapes without storage (the meta device): put back for the export's names only
         self.elsewhere = [(decoder.layers, str(i)) for i in range(config.num_hidden_layers) if i not in kept]
         self.elsewhere += [(decoder, "embed_tokens")] if 0 not in mine else []
-        self.elsewhere += [(decoder, "norm"), (lm, "lm_head")] if total - 1 not in mine else []
+        self.elsewhere += [(decoder, "norm"), (lm, head_name(lm))] if total - 1 not in mine else []
         self.skeletons = [skeleton(getattr(parent, name)) for parent, name in self.elsewhere]
         for parent, name in self.elsewhere:
             setattr(parent, name, Elsewhere())
@@ -101,6 +103,8 @@ class Pipeline:
         self.micro_batches, self.slots, self.pad_id, self.device = micro_batches, slots, pad_id, device
         self.scale: torch.Tensor | float = 1.0
         self.sums: list[torch.Tensor] = []  # the last stage's summed loss of each micro-batch of the step
+        self.stats: list[torch.Tensor] = []  # and its statistics (a reward model's; none for the LM head's loss)
+        self.scores = scores
         self.evaluating = False
 
     def describe(self) -> str:
@@ -128,6 +132,13 @@ class Pipeline:
         step's scale (1 / the window's trained tokens on every pipeline). Evaluating, the micro-batch's eval sums
         (CausalLM.eval_sums's), from targets that carry each position's example beside its token."""
         with self.precision():
+            if self.scores is not None:  # a reward model: the score head on each sequence's scored token
+                if self.evaluating:
+                    return self.scores.eval_sums(self.last.head, hidden.flatten(0, 1), targets.flatten(0, 1))
+                loss, stats = self.scores.loss(self.last.head, hidden.flatten(0, 1), targets.flatten(0, 1))
+                self.sums.append(loss.detach())
+                self.stats.append(stats)
+                return loss * self.scale
             if self.evaluating:
                 return self._eval_sums(hidden, targets)
             return self._train_loss(hidden, targets)
@@ -158,8 +169,16 @@ class Pipeline:
         replica's stand-in is such a row too: every row costs the same slots, and this one adds nothing)."""
         idle = with_loss_positions(collate([], pad_id=self.pad_id, packing=True))
         filled = [b if batch_weight(b) else idle for b in batches] + [idle] * (self.micro_batches - len(batches))
-        rows = [fixed_row(b, self.slots, pad_id=self.pad_id) for b in filled]
+        rows = [self._row(b) for b in filled]
         return {k: torch.cat([r[k] for r in rows]) for k in rows[0]}
+
+    def _row(self, batch: dict) -> dict[str, torch.Tensor]:
+        """One micro-batch as a row of the fixed shape; a reward model's targets are its scored positions."""
+        if self.scores is None:
+            return fixed_row(batch, self.slots, pad_id=self.pad_id)
+        none = torch.zeros(0, dtype=torch.long)
+        row = fixed_row({**batch, "loss_index": none, "loss_targets": none}, self.slots, pad_id=self.pad_id)
+        return {**row, "targets": self.scores.targets(batch, self.slots)}
 
     def evaluate(self, batches: list[dict]) -> torch.Tensor:
         """The eval sums of up to M micro-batches, forward only through the stages; zeros except on the last."""
@@ -167,7 +186,8 @@ class Pipeline:
         # each position's example: its segment of the row (the padding's positions are never trained)
         example = torch.stack([torch.bucketize(torch.arange(self.slots), cut_points(cu).long(), right=True) - 1
                                for cu in stacked["cu_seq_lens"]])
-        target = torch.stack([stacked["targets"], example], dim=-1).to(self.device)
+        target = (stacked["targets"] if self.scores is not None else
+                  torch.stack([stacked["targets"], example], dim=-1)).to(self.device)
         self.evaluating, sums = True, []
         try:
             args = (stacked["input_ids"].to(self.device),) if self.first else ()
@@ -175,14 +195,16 @@ class Pipeline:
                                cu_seq_lens=stacked["cu_seq_lens"])
         finally:
             self.evaluating = False
-        return torch.stack(sums).sum(0) if sums else torch.zeros(5, dtype=torch.float64, device=self.device)
+        size = self.scores.eval_size if self.scores is not None else 5
+        return torch.stack(sums).sum(0) if sums else torch.zeros(size, dtype=torch.float64, device=self.device)
 
-    def run(self, batches: list[dict], *, scale) -> torch.Tensor:
+    def run(self, batches: list[dict], *, scale) -> tuple[torch.Tensor, torch.Tensor]:
         """Forward and backward of a window's micro-batches through the schedule; returns this process's summed
-        loss (0 except on the last stage). `scale`: 1 / the window's loss units over every pipeline."""
+        loss and statistics (0 except on the last stage). `scale`: 1 / the window's loss units over every
+        pipeline."""
         stacked = self._rows(batches)  # a short window (the end of the data): filled with rows that train nothing
         # FSDP's reduce-scatter averages the replicas' gradients, where the loss wants their sum
-        self.scale, self.sums = scale * (self.group.replicas if self.sharded else 1), []
+        self.scale, self.sums, self.stats = scale * (self.group.replicas if self.sharded else 1), [], []
         args = (stacked["input_ids"].to(self.device),) if self.first else ()
         self.schedule.step(*args, target=stacked["targets"].to(self.device),
                            position_ids=stacked["position_ids"].to(self.device),
@@ -193,7 +215,10 @@ class Pipeline:
             sum_replicas(self.parameters(), self.group)
         # the last M calls are the micro-batches': on its first step torch (2.13) also calls the loss function on
         # placeholder tensors to infer the gradients' shapes
-        return torch.stack(self.sums[-self.micro_batches:]).sum() if self.sums else torch.zeros((), device=self.device)
+        m = self.micro_batches
+        stats = (torch.stack(self.stats[-m:]).sum(0) if self.stats else
+                 torch.zeros(self.scores.stats if self.scores is not None else 0, device=self.device))
+        return (torch.stack(self.sums[-m:]).sum() if self.sums else torch.zeros((), device=self.device)), stats
 
     def parameters(self):
         seen = set()

@@ -23,9 +23,9 @@ class Elsewhere(nn.Module):
 
 class Stage(nn.Module):
     """One pipeline stage of a Llama-layout causal LM: the embedding (first stage), a run of decoder layers, the
-    final norm and the head (last stage). Every stage computes the rotary embeddings from the positions it is
-    given (one pair for each kind of layer it holds: Gemma 3's local and global), and the varlen attention takes the
-    row's example boundaries from `cu_seq_lens` (a local layer's window from the layer itself). A tied embedding:
+    final norm and the head (last stage: the LM head, or a reward model's score head). Every stage computes the
+    rotary embeddings from the positions it is given (one pair for each kind of layer it holds: Gemma 3's local and
+    global), and the varlen attention takes the row's example boundaries from `cu_seq_lens` (a local layer's window from the layer itself). A tied embedding:
     the first stage's embedding and the last stage's head are two copies of the one weight (schedule.py sums their
     gradients)."""
 
@@ -41,7 +41,7 @@ class Stage(nn.Module):
         self.kinds = [kinds[i] for i in layers]
         self.rotary = decoder.rotary_emb
         self.norm = decoder.norm if last else None
-        self.head = lm.lm_head if last else None
+        self.head = getattr(lm, head_name(lm)) if last else None  # the LM head, or a reward model's score head
 
     def forward(self, x, position_ids, cu_seq_lens):
         with self.precision():
@@ -56,6 +56,12 @@ class Stage(nn.Module):
             h = layer(h, attention_mask=None, position_ids=position_ids, position_embeddings=pe[kind],
                       cu_seq_lens_q=cu, cu_seq_lens_k=cu, max_length_q=longest, max_length_k=longest)
         return self.norm(h) if self.norm is not None else h
+
+
+def head_name(lm) -> str:
+    """The last stage's head in `lm`: a causal LM's lm_head, or a reward model's (a *ForSequenceClassification's)
+    score."""
+    return "lm_head" if hasattr(lm, "lm_head") else "score"
 
 
 def skeleton(module: nn.Module) -> nn.Module:
