@@ -25,9 +25,9 @@ class Stage(nn.Module):
     """One pipeline stage of a Llama-layout causal LM: the embedding (first stage), a run of decoder layers, the
     final norm and the head (last stage: the LM head, or a reward model's score head). Every stage computes the
     rotary embeddings from the positions it is given (one pair for each kind of layer it holds: Gemma 3's local and
-    global), and the varlen attention takes the row's example boundaries from `cu_seq_lens` (a local layer's window from the layer itself). A tied embedding:
-    the first stage's embedding and the last stage's head are two copies of the one weight (schedule.py sums their
-    gradients)."""
+    global), and the varlen attention takes the row's example boundaries from `cu_seq_lens` (a local layer's window
+    from the layer itself). A tied embedding: the first stage's embedding and the last stage's head are two copies of
+    the one weight (schedule.py sums their gradients)."""
 
     def __init__(self, lm, layers: range, *, first: bool, last: bool, precision=nullcontext):
         super().__init__()
