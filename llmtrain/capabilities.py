@@ -75,8 +75,6 @@ MODES: dict[str, Mode] = {m.key: m for m in (
          refused={"tp": "the student samples its own completions, which under tensor parallelism would need each "
                         "layer's split heads put back together, and the teacher is not split; llmtrain does neither. "
                         "Launch with a DDP or FSDP config (e.g. accelerate_configs/ddp.yaml)",
-                  "sp": "it builds its sequences after sampling, which a sequence group cannot split (TRL refuses it "
-                        "too). Set parallel.sequence_parallel=1",
                   "pp": _WHOLE_MODEL_PP}),
 )}
 

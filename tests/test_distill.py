@@ -366,6 +366,30 @@ def test_two_ddp_processes_sample_and_train_what_one_does(straight, tmp_path, fr
 
 
 @pytest.mark.slow
+def test_two_processes_of_one_sequence_sample_once_and_train_what_one_process_does(tiny_assets, teacher, tmp_path,
+                                                                                 free_port):
+    """Sequence parallelism 2: the group's first process samples each on-policy micro-batch's completions and gives
+    them to the other; both (and the teacher, attending through the group's all-to-all) run their slice of each packed
+    row, on- and off-policy steps alike, and of the eval's teacher-forced rows: the coins, completions, losses, eval
+    and weights of one process."""
+    recipe = distill_recipe(tiny_assets, tmp_path, teacher, model={"attn_implementation": "auto"},
+                            train={"max_steps": 4, "eval_every_steps": 4})
+    one, two = tmp_path / "one", tmp_path / "two"
+    run_train(recipe, f"output_dir={one}")
+    out = launch_finetune(CPU_DDP, 2, free_port, recipe, "parallel.sequence_parallel=2", f"output_dir={two}")
+    assert "each sequence split over 2 processes" in out
+    keys = ("on_policy", "completions/mean_length", "completions/clipped_ratio", "tokens", "trained_tokens")
+    assert [[r.get(k) for k in keys] for r in records(two)] == [[r.get(k) for k in keys] for r in records(one)]
+    assert {r["on_policy"] for r in records(one)} == {0.0, 1.0}  # both kinds of step
+    for key in ("loss", "grad_norm", "entropy", "teacher_agreement"):
+        assert [r[key] for r in records(two)] == pytest.approx([r[key] for r in records(one)], rel=1e-5, abs=1e-6)
+    for key in ("eval_loss", "eval_teacher_agreement", "eval_token_accuracy"):
+        assert [e[key] for e in records(two, "eval")] == pytest.approx([e[key] for e in records(one, "eval")],
+                                                                         abs=1e-6), key
+    assert max_abs_diff(load_weights(two / "final"), load_weights(one / "final")) < 1e-5
+
+
+@pytest.mark.slow
 def test_two_fsdp_processes_gather_the_layers_to_sample_and_train_what_one_does(straight, tmp_path, free_port):
     """FSDP shards the student and the teacher alike (the teacher's LM head whole on each process); the rollout
     gathers the student's layers to sample: the same steps, losses and eval as one process."""

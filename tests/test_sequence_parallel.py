@@ -138,7 +138,6 @@ def _recipe(tiny_assets, tmp_path, **sections):
     (3, 4, 2, {}, "the launch has 3: launch a multiple of 2"),
     (4, 6, 2, {}, "6 attention heads do not split into 4"),
     (4, 12, 3, {}, "3 key/value heads neither split into 4 groups nor divide 4"),
-    (2, 4, 2, {"distill": {"teacher": "teacher"}}, "distillation .distill:. is refused"),
     (2, 4, 2, {"model": {"attn_implementation": "sdpa"}}, "model.attn_implementation=sdpa is refused"),
 ])
 def test_what_sequence_parallelism_does_not_train_is_refused(tiny_assets, tmp_path, world, heads, kv, sections, words):

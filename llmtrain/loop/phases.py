@@ -31,7 +31,7 @@ from llmtrain.data.prepare import prepare_recipe
 from llmtrain.errors import LLMTrainError
 from llmtrain.layout import Layout
 from llmtrain.loop.determinism import deterministic_algorithms
-from llmtrain.model.loss import attach_loss
+from llmtrain.model.loss import attach_loss, causal_lm
 from llmtrain.model.modeling import (
     build_optimizer,
     build_scheduler,
@@ -369,12 +369,27 @@ def build_teacher(recipe: Recipe, accelerator, trainable: Trainable, tokenizer, 
     if recipe.distill is None:
         return None
     if not uses_fsdp(accelerator):
-        return load_teacher(recipe, tokenizer, device=accelerator.device)
+        return _teacher_attention(recipe, load_teacher(recipe, tokenizer, device=accelerator.device), trainable)
     teacher = load_teacher(recipe, tokenizer, device=None, empty=not accelerator.is_main_process)
+    _teacher_attention(recipe, teacher, trainable)
     held = shard_frozen(teacher, trainable.unwrapped, accelerator)
     total = sum(p.numel() for p in teacher.parameters())  # DTensors count their whole shape
     say(f"teacher: sharded like the student, {held:,} of its {total:,} parameters on the main process "
         "(the LM head whole)")
+    return teacher
+
+
+def _teacher_attention(recipe: Recipe, teacher, trainable: Trainable):
+    """Under sequence parallelism the teacher reads the student's slices of each row, so it attends as the student
+    does (the group's all-to-all around the varlen attention), its heads split the same way (refused, naming the
+    teacher, where they cannot be)."""
+    if (n := recipe.parallel.sequence_parallel) > 1:
+        config = causal_lm(teacher).config
+        if problem := capabilities.sequence_heads_problem(n, config.num_attention_heads,
+                                             getattr(config, "num_key_value_heads", None) or
+                                             config.num_attention_heads):
+            raise LLMTrainError(f"the teacher {recipe.distill.teacher}: {problem.replace('the model', 'its')}")
+        config._attn_implementation = causal_lm(trainable.unwrapped).config._attn_implementation
     return teacher
 
 
@@ -387,8 +402,6 @@ def build_reference(recipe: Recipe, accelerator, trainable: Trainable, *, say):
     there to avoid; a resume's reference is still the starting weights, not the checkpoint's."""
     if recipe.kto is None or recipe.lora is not None or not uses_fsdp(accelerator):
         return None
-    from llmtrain.model.loss import causal_lm
-
     reference = load_model(recipe.model, None, device=None, empty=not accelerator.is_main_process)
     attach_loss(reference, chunk=recipe.train.loss_chunk_tokens)
     causal_lm(reference).config._attn_implementation = causal_lm(trainable.unwrapped).config._attn_implementation

@@ -516,9 +516,11 @@ def _notes(shape: ModelShape, spec: TrainSpec, p: act.Pass) -> tuple[str, ...]:
                      f"gradients and optimizer state are {spec.strategy}'s over all {spec.world} GPUs, and "
                      f"{spec.data_ranks} data-parallel rank(s) read different batches")
         if spec.num_generations:
-            notes.append("online RL under sequence parallelism: the group's first GPU samples and scores the "
+            kind = "distillation" if spec.teacher is not None else "online RL"
+            notes.append(f"{kind} under sequence parallelism: the group's first GPU samples (and scores) the "
                          "micro-batch's completions alone (the generation phases above are its), then each GPU "
-                         "trains on its slice of every packed row")
+                         "trains on its slice of every packed row" + (", the teacher's forward too"
+                                                                       if spec.teacher is not None else ""))
     if spec.tp > 1 and any(shape.tp_gathers):
         notes.append(f"tensor parallelism over {spec.tp} GPUs: each holds 1/{spec.tp} of every layer's linear weights "
                      f"(the fused qkv_proj and gate_up_proj by output rows, o_proj and down_proj by input columns), "

@@ -257,8 +257,6 @@ class TrainSpec:
         if self.kernel != "varlen":
             problems.append(f"sequence parallelism runs llmtrain's varlen attention on the whole packed row "
                             f"(model.attn_implementation auto or varlen), not {self.attn_implementation}")
-        if self.teacher is not None:
-            problems.append("sequence parallelism with distillation is not modelled (llmtrain refuses it)")
         return problems
 
 

@@ -34,7 +34,7 @@ import torch.nn.functional as F
 from llmtrain.data.batching import Counts, batch_weight, collate, with_loss_positions
 from llmtrain.data.formats import prompt_length
 from llmtrain.model.loss import causal_lm, compute_loss, decoder_inputs
-from llmtrain.objectives.rollouts import completion_rows, sample, sampling
+from llmtrain.objectives.rollouts import completion_rows, here, sample, sampling
 
 # Statistics summed over the window and processes; step_metrics names them as TRL does where TRL has the number.
 # (length, clipped: of the student's own completions only)
@@ -87,6 +87,7 @@ class Distill:
         self.lm = model  # the unwrapped student: it samples
         self.stop_ids, self.world = set(stop_ids), world
         self.stats = [*ROLLOUT_STATS, *LOSS_STATS]
+        self.on_first_of_group = here  # where a micro-batch is sampled (rollouts.here)
 
     def _batch(self, sequences: list[dict], prompts: list[tuple[list[int], int]]) -> tuple[dict, Counts]:
         batch = with_loss_positions(collate(sequences, pad_id=self.pad_id, packing=self.packing))
@@ -111,7 +112,7 @@ class Distill:
         batches, counts = [], Counts.none()
         with sampling(self.lm):
             for b in window.batches:
-                batch, n = self._sample(b["prompts"], step)
+                batch, n = self.on_first_of_group(lambda: self._sample(b["prompts"], step))
                 if not batch_weight(b):  # an idle rank's stand-in: sampled and trained as a real one, counting nothing
                     batch, n = {**batch, "batch_weight": 0.0}, Counts.none()
                 batches.append(batch)

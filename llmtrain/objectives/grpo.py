@@ -26,7 +26,7 @@ from typing import Literal
 import torch
 
 from llmtrain.data.batching import Counts, batch_weight
-from llmtrain.objectives.rollouts import clipped_surrogate, completion_rows, sample, sampling
+from llmtrain.objectives.rollouts import clipped_surrogate, completion_rows, here, sample, sampling
 
 LossType = Literal["dapo", "grpo", "dr_grpo"]
 STD_EPS = 1e-4  # TRL's: a group whose rewards are all equal gets advantages 0, not a division by zero
@@ -147,7 +147,7 @@ class GRPO:
         self.gather = gather if gather is not None else list
         # runs a micro-batch's sampling and scoring (train and eval): here; under sequence parallelism on the group's
         # first process, its result given to the others (parallel/sequence/shards.SequenceShards sets both)
-        self.on_first_of_group = _here
+        self.on_first_of_group = here
         # the event loop of the async reward functions, for the whole run (the start-up check's, where it ran one)
         self.runner = runner if runner is not None else AsyncRunner()
         self.warned: set[str] = set()  # reward functions already said to have scored nothing
@@ -455,10 +455,6 @@ class GRPO:
         if first is not None and counts[first]:
             out["eval_answer_accuracy"] = per[first] / counts[first]  # the first answer_match's mean
         return out
-
-
-def _here(compute):
-    return compute()
 
 
 def _number(value: torch.Tensor) -> float | None:

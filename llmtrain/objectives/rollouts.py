@@ -43,6 +43,13 @@ def sample(lm, sampler: str, prompts: list[list[int]], seeds: list[int], *, max_
                                     temperature=temperature, top_p=top_p, stop_ids=stop_ids, pad_id=pad_id)
 
 
+def here(compute):
+    """`compute()`, here: where a micro-batch's sampling (and scoring) runs on a process of its own. Under sequence
+    parallelism the objective's `on_first_of_group` is instead the group's first process's, given to the others
+    (parallel/sequence/shards.on_first_of_group)."""
+    return compute()
+
+
 def completion_rows(prompts: list[list[int]], completions: list[list[int]],
                     masks: list[list[int]] | None = None) -> list[dict]:
     """Each prompt and its completion as one tokenised row: the completion's tokens trained, the prompt's not, nor

@@ -79,12 +79,12 @@ class SequenceShards:
         self.whole = getattr(objective, "whole_sequences", False)
         objective.example_sum = partial(example_sum, group=group)
         objective.sequence_sum = partial(sequence_sum, group=group.group)
-        # online RL: a group is one data rank for its rollout (see rollout)
+        # online RL and distillation: a group is one data rank for its rollout (see rollout)
         self.samples = hasattr(objective, "rollout")
         if self.samples:
             self.rollout = self._rollout  # only then: the step looks for a rollout
             objective.on_first_of_group = partial(on_first_of_group, group=group, lm=objective.lm)
-            everyone = objective.gather
+        if everyone := getattr(objective, "gather", None):  # what RL gathers over every process, from its first
             objective.gather = lambda items: everyone(list(items) if group.rank == 0 else [])
 
     def __getattr__(self, name):
@@ -92,16 +92,17 @@ class SequenceShards:
 
     def collate(self, examples: list[dict]):
         batch, counts = self.objective.collate(examples)
-        if self.samples:  # the prompts: the rollout makes the rows, and splits them
+        if self.samples:  # the rollout makes (or keeps) the rows, and splits them
             return batch, counts
         return shard_batch(batch, counts, size=self.group.size, rank=self.group.rank, pad_id=self.pad_id,
                            whole_sequences=self.whole)
 
     def _rollout(self, window, *, step: int):
-        """Online RL: the group's first process samples and scores the micro-batches the group shares, as one
-        process of its data rank would (its records, rollout statistics, reward logs and gathers counted there
-        only); every process then keeps its slice of each packed row. The loss units (completions or completion
-        tokens, whole) count on the first process; the trained and real tokens are each slice's."""
+        """Online RL and distillation: the group's first process samples (and scores) the micro-batches the group
+        shares, as one process of its data rank would (its records, rollout statistics, reward logs and gathers
+        counted there only); every process then keeps its slice of each packed row (distillation's off-policy rows
+        too). The loss units (completions or completion tokens, whole) count on the first process; the trained and
+        real tokens are each slice's."""
         import dataclasses
 
         window = self.objective.rollout(window, step=step)
@@ -126,7 +127,10 @@ class SequenceShards:
         return loss - loss.detach(), stats * 0  # the same gradient, counted on the first process
 
     def eval_sums(self, model, batch: dict, device) -> torch.Tensor:
-        sums = self.objective.eval_sums(model, batch, device)
+        if self.samples and "cu_seq_lens" in batch:  # distillation's teacher-forced rows: sums over the slices
+            batch, _ = shard_batch(batch, Counts.none(), size=self.group.size, rank=self.group.rank, pad_id=self.pad_id)
+            return self.objective.eval_sums(model, batch, device)
+        sums = self.objective.eval_sums(model, batch, device)  # online RL's: sampled and scored on the first process
         return sums * (self.group.rank == 0) if self.whole or self.samples else sums
 
     def reference_free(self) -> SequenceShards:
