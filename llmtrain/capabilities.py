@@ -290,18 +290,19 @@ def _trained_by(parallelism: str) -> str:
     return " and ".join([", ".join(modes[:-1]), modes[-1]] if len(modes) > 1 else modes)
 
 
-def sequence_heads_problem(n: int, heads: int, kv_heads: int) -> str | None:
+def sequence_heads_problem(n: int, heads: int, kv_heads: int, *, whose: str = "the model's") -> str | None:
     """Why a sequence group of `n` cannot split a model's heads (None when it can): each process attends with heads / n
     query heads, and the K/V heads split into n groups or divide n (each then repeated n / kv_heads times). The one
-    definition: the layout's model check here, the estimate and doctor's row ask it."""
+    definition: the layout's model check here, the estimate and doctor's row ask it (`whose`: a distillation
+    teacher's, "its")."""
     if n <= 1:
         return None
     key = f"parallel.sequence_parallel={n}"
     if heads % n:
-        return (f"{key}: the model's {heads} attention heads do not split into {n} equal groups; set "
+        return (f"{key}: {whose} {heads} attention heads do not split into {n} equal groups; set "
                 f"parallel.sequence_parallel to a divisor of {heads}")
     if kv_heads % n and n % kv_heads:
-        return (f"{key}: the model's {kv_heads} key/value heads neither split into {n} groups nor divide {n} (to be "
+        return (f"{key}: {whose} {kv_heads} key/value heads neither split into {n} groups nor divide {n} (to be "
                 f"replicated); set parallel.sequence_parallel to a divisor or a multiple of {kv_heads} that divides "
                 f"{heads}")
     return None

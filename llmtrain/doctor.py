@@ -91,7 +91,7 @@ def check_layout(recipe: Recipe, launch: dict, *, where: str = "the launch confi
 
 def check_sequence_parallel(recipe: Recipe, launch: dict) -> list[Check]:
     """How parallel.sequence_parallel N splits the model's heads and the launch's processes (none when off, or when
-    the layout row fails)."""
+    the layout row fails); a distillation teacher's heads must split too (it attends through the same all-to-all)."""
     from llmtrain.capabilities import sequence_heads_problem
     from llmtrain.memory.params import load_model_shape
     from llmtrain.memory.spec import sequence_kv_heads
@@ -113,6 +113,15 @@ def check_sequence_parallel(recipe: Recipe, launch: dict) -> list[Check]:
     detail = (f"{procs} processes = {groups} group{'s' if groups > 1 else ''} of {n}, each GPU with 1/{n} of every "
               f"micro-batch's tokens and, in attention, {shape.heads // n} of the {shape.heads} query heads and "
               f"{split}; keep a group inside a node (NVLink)")
+    if recipe.distill is not None:
+        try:
+            teacher = load_model_shape(recipe.distill.teacher)
+        except LLMTrainError:  # the teacher's own row says why it cannot be read
+            teacher = None
+        if teacher is not None and (problem := sequence_heads_problem(n, teacher.heads, teacher.kv_heads,
+                                                                      whose="its")):
+            return [("sequence parallelism", "fail", f"the teacher {recipe.distill.teacher} (distill.teacher) "
+                     f"attends through the group's all-to-all too: {problem}")]
     return [("sequence parallelism", "pass", detail)]
 
 

@@ -368,10 +368,10 @@ def test_two_ddp_processes_sample_and_train_what_one_does(straight, tmp_path, fr
 @pytest.mark.slow
 def test_two_processes_of_one_sequence_sample_once_and_train_what_one_process_does(tiny_assets, teacher, tmp_path,
                                                                                  free_port):
-    """Sequence parallelism 2: the group's first process samples each on-policy micro-batch's completions and gives
-    them to the other; both (and the teacher, attending through the group's all-to-all) run their slice of each packed
-    row, on- and off-policy steps alike, and of the eval's teacher-forced rows: the coins, completions, losses, eval
-    and weights of one process."""
+    """Sequence parallelism 2: each process of the group samples half of each on-policy micro-batch's completions and
+    gets the other half; both (and the teacher, attending through the group's all-to-all) run their slice of each
+    packed row, on- and off-policy steps alike, and of the eval's teacher-forced rows: the coins, completions,
+    losses, eval and weights of one process."""
     recipe = distill_recipe(tiny_assets, tmp_path, teacher, model={"attn_implementation": "auto"},
                             train={"max_steps": 4, "eval_every_steps": 4})
     one, two = tmp_path / "one", tmp_path / "two"

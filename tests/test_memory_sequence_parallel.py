@@ -199,6 +199,31 @@ def test_doctor_checks_the_heads_and_the_processes_against_n():
     assert check_sequence_parallel(load_recipe(LONG), {"num_processes": 8}) == []
 
 
+def test_a_teacher_whose_heads_the_group_cannot_split_fails_doctors_row_and_the_run_before_it_writes(tiny_assets,
+                                                                                                    tmp_path):
+    """Distillation under sequence parallelism: the teacher attends through the group's all-to-all as the student
+    does, so its heads must split too. A teacher of 3 heads under N = 2: doctor's row fails naming it, and the run
+    refuses it as the teacher is built (before the run folder is claimed), naming it too."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from llmtrain.loop.phases import _teacher_attention
+
+    config = AutoConfig.from_pretrained(tiny_assets / "model", num_attention_heads=3, num_key_value_heads=3,
+                                        head_dim=32, hidden_size=96)
+    teacher = tmp_path / "teacher"
+    AutoModelForCausalLM.from_config(config).save_pretrained(teacher)
+    for f in (tiny_assets / "model").glob("*token*"):
+        (teacher / f.name).write_bytes(f.read_bytes())
+    recipe = load_recipe(write_recipe(tiny_assets, tmp_path, parallel={"sequence_parallel": 2},
+                                      model={"attn_implementation": "auto"},
+                                      distill={"teacher": str(teacher), "max_completion_tokens": 8}))
+    (name, status, detail), = check_sequence_parallel(recipe, {"num_processes": 2})
+    assert status == "fail" and f"the teacher {teacher}" in detail and "its 3 attention heads" in detail
+    assert check_sequence_parallel(recipe.model_copy(update={"distill": None}), {"num_processes": 2})[0][1] == "pass"
+    with pytest.raises(LLMTrainError, match=f"the teacher {teacher}: .*its 3 attention heads do not split into 2"):
+        _teacher_attention(recipe, AutoModelForCausalLM.from_pretrained(teacher), trainable=None)
+
+
 def test_doctor_runs_the_row_and_counts_the_groups_as_data_ranks(tiny_assets, tmp_path):
     """The tiny model (4 query heads, 2 K/V heads) with parallel.sequence_parallel=2 on ddp.yaml's 8 processes: 4
     groups, so 4 data-parallel ranks read the batches; 3 processes fail the row."""

@@ -346,7 +346,7 @@ def test_modes_of_whole_sequences_train_on_two_processes_of_one_sequence_as_on_o
     assert "each sequence split over 2 processes" in out
     ours, theirs = records(two), records(one)
     if "lora" in mode:
-        _assert_equal(two, one)
+        _assert_equal(two, one, weights=5e-5)  # Adam at lr 1e-2 over rounding-size gradients: dpo-lora 1.2e-5
     else:
         # The first step's gradient to 1e-6 (a scale error would show here: Adam's update would hide it). Then Adam
         # moves every weight by about lr whatever its gradient's size, so a gradient of rounding size (1e-9 on one
@@ -381,10 +381,11 @@ ONLINE = {"grpo": {"loss_type": "grpo"}, "rloo": {"algorithm": "rloo", "normaliz
 def test_online_rl_on_two_processes_of_one_sequence_samples_and_trains_what_one_process_does(tiny_assets, tmp_path,
                                                                                              free_port, algorithm,
                                                                                              config):
-    """The group's first process samples and scores its micro-batch's completions (once: the rewards, rollouts.jsonl
-    and the eval's rewards count there), every process trains on its slice of each packed row: GRPO's per-token loss
-    adds up over the slices, RLOO's per-completion log-probability is summed over the group. The completions, rewards,
-    losses, KL, eval and adapter equal one process's."""
+    """Each process of the group samples half of its micro-batch's completions (every other one) and gets the other
+    half; the first scores them (once: the rewards, rollouts.jsonl and the eval's rewards count there); every process
+    trains on its slice of each packed row: GRPO's per-token loss adds up over the slices, RLOO's per-completion
+    log-probability is summed over the group. The completions, rewards, losses, KL, eval and adapter equal one
+    process's."""
     recipe = write_recipe(tiny_assets, tmp_path, model={"attn_implementation": "auto"}, lora=LORA,
                           data={"format": "prompt", "max_seq_len": 32, "eval_split": str(tiny_assets / "data" /
                                                                                          "eval.jsonl"),

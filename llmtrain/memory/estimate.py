@@ -367,8 +367,10 @@ def _eval_phases(shape: ModelShape, spec: TrainSpec, base: dict, *, adapted, cac
 
 def sampling_rows(spec: TrainSpec) -> int:
     """Completions the sampler decodes at once (model/fast_sample.py): the micro-batch's prompts x
-    rl.num_generations, exactly (its cache and graphs are made for each rollout: no bucket of rows)."""
-    return spec.micro_batch
+    rl.num_generations, exactly (its cache and graphs are made for each rollout: no bucket of rows); under sequence
+    parallelism each GPU of the group draws its share of them (parallel/sequence/shards.shared_sampling; with
+    rl.tools the first GPU draws them all, which this does not model)."""
+    return -(-spec.micro_batch // spec.sequence_parallel)
 
 
 def kv_cache_bytes(shape: ModelShape, spec: TrainSpec) -> int:
@@ -517,10 +519,10 @@ def _notes(shape: ModelShape, spec: TrainSpec, p: act.Pass) -> tuple[str, ...]:
                      f"{spec.data_ranks} data-parallel rank(s) read different batches")
         if spec.num_generations:
             kind = "distillation" if spec.teacher is not None else "online RL"
-            notes.append(f"{kind} under sequence parallelism: the group's first GPU samples (and scores) the "
-                         "micro-batch's completions alone (the generation phases above are its), then each GPU "
-                         "trains on its slice of every packed row" + (", the teacher's forward too"
-                                                                       if spec.teacher is not None else ""))
+            notes.append(f"{kind} under sequence parallelism: each GPU of the group samples 1/{n} of the "
+                         "micro-batch's completions (its KV cache holds those rows; with rl.tools the first GPU "
+                         "samples them all), then each trains on its slice of every packed row"
+                         + (", the teacher's forward too" if spec.teacher is not None else ""))
     if spec.tp > 1 and any(shape.tp_gathers):
         notes.append(f"tensor parallelism over {spec.tp} GPUs: each holds 1/{spec.tp} of every layer's linear weights "
                      f"(the fused qkv_proj and gate_up_proj by output rows, o_proj and down_proj by input columns), "

@@ -34,7 +34,7 @@ import torch.nn.functional as F
 from llmtrain.data.batching import Counts, batch_weight, collate, with_loss_positions
 from llmtrain.data.formats import prompt_length
 from llmtrain.model.loss import causal_lm, compute_loss, decoder_inputs
-from llmtrain.objectives.rollouts import completion_rows, here, sample, sampling
+from llmtrain.objectives.rollouts import all_here, completion_rows, sample, sampling
 
 # Statistics summed over the window and processes; step_metrics names them as TRL does where TRL has the number.
 # (length, clipped: of the student's own completions only)
@@ -87,7 +87,7 @@ class Distill:
         self.lm = model  # the unwrapped student: it samples
         self.stop_ids, self.world = set(stop_ids), world
         self.stats = [*ROLLOUT_STATS, *LOSS_STATS]
-        self.on_first_of_group = here  # where a micro-batch is sampled (rollouts.here)
+        self.share_sampling = all_here  # where a micro-batch's completions are drawn (rollouts.all_here)
 
     def _batch(self, sequences: list[dict], prompts: list[tuple[list[int], int]]) -> tuple[dict, Counts]:
         batch = with_loss_positions(collate(sequences, pad_id=self.pad_id, packing=self.packing))
@@ -112,7 +112,7 @@ class Distill:
         batches, counts = [], Counts.none()
         with sampling(self.lm):
             for b in window.batches:
-                batch, n = self.on_first_of_group(lambda: self._sample(b["prompts"], step))
+                batch, n = self._sample(b["prompts"], step)
                 if not batch_weight(b):  # an idle rank's stand-in: sampled and trained as a real one, counting nothing
                     batch, n = {**batch, "batch_weight": 0.0}, Counts.none()
                 batches.append(batch)
@@ -125,10 +125,11 @@ class Distill:
 
         cfg = self.cfg
         begun = time.perf_counter()
-        completions = sample(self.lm, cfg.sampler, [p for p, _ in prompts],
-                             [completion_seed(self.seed, step, row, 0) for _, row in prompts],
-                             max_new_tokens=cfg.max_completion_tokens, temperature=cfg.temperature, top_p=cfg.top_p,
-                             stop_ids=self.stop_ids, pad_id=self.pad_id, copy=cfg.merged_copy)
+        completions = self.share_sampling(
+            lambda ids, seeds: sample(self.lm, cfg.sampler, ids, seeds, max_new_tokens=cfg.max_completion_tokens,
+                                      temperature=cfg.temperature, top_p=cfg.top_p, stop_ids=self.stop_ids,
+                                      pad_id=self.pad_id, copy=cfg.merged_copy),
+            [p for p, _ in prompts], [completion_seed(self.seed, step, row, 0) for _, row in prompts])
         spent = time.perf_counter() - begun
         sequences = completion_rows([p for p, _ in prompts], completions)
         out, counts = self._batch(sequences, prompts)

@@ -26,7 +26,7 @@ from typing import Literal
 import torch
 
 from llmtrain.data.batching import Counts, batch_weight
-from llmtrain.objectives.rollouts import clipped_surrogate, completion_rows, here, sample, sampling
+from llmtrain.objectives.rollouts import all_here, clipped_surrogate, completion_rows, here, sample, sampling
 
 LossType = Literal["dapo", "grpo", "dr_grpo"]
 STD_EPS = 1e-4  # TRL's: a group whose rewards are all equal gets advantages 0, not a division by zero
@@ -145,9 +145,11 @@ class GRPO:
         self.logs = RewardLogs()  # log_metric's numbers since the last metrics line
         # every process's list, concatenated, on every process (collectives.gathered); one process: its own
         self.gather = gather if gather is not None else list
-        # runs a micro-batch's sampling and scoring (train and eval): here; under sequence parallelism on the group's
-        # first process, its result given to the others (parallel/sequence/shards.SequenceShards sets both)
-        self.on_first_of_group = here
+        # runs a micro-batch's scoring (train and eval; and its sampling, with tools): here; under sequence
+        # parallelism on the group's first process, its result given to the others; share_sampling: where a
+        # micro-batch's completions are drawn (without tools), the group's processes each drawing a share of them
+        # (parallel/sequence/shards.SequenceShards sets all three)
+        self.on_first_of_group, self.share_sampling = here, all_here
         # the event loop of the async reward functions, for the whole run (the start-up check's, where it ran one)
         self.runner = runner if runner is not None else AsyncRunner()
         self.warned: set[str] = set()  # reward functions already said to have scored nothing
@@ -182,8 +184,9 @@ class GRPO:
             self.state.global_step, self.state.epoch = step, float(window.epoch)
         with sampling(self.lm):
             for b in window.batches:
+                drawn = self._draw(b["examples"], step) if self.tools is None else None
                 parts, n, recs = self.on_first_of_group(
-                    lambda: self._rollout_batch(b["examples"], step, stand_in=not batch_weight(b)))
+                    lambda: self._rollout_batch(b["examples"], step, stand_in=not batch_weight(b), drawn=drawn))
                 batches += parts
                 counts = n if counts is None else counts.plus(n)
                 records += recs
@@ -196,23 +199,44 @@ class GRPO:
             self.state.global_step = step + 1
         return dataclasses.replace(window, batches=batches, counts=counts, rollouts=records)
 
-    def _rollout_batch(self, examples: list[dict], step: int, *,
-                       stand_in: bool = False) -> tuple[list[dict], Counts, list[dict]]:
-        """The examples' completions, scored and packed into passes, their counts and rollouts.jsonl records. An
-        idle rank's stand-in (batching.StandIn) is sampled and packed as a real micro-batch, but never scored (a
-        reward function runs only on what trains) nor counted nor logged; its passes have weight 0."""
+    def _prompts(self, examples: list[dict], step: int) -> tuple[list[list[int]], list[int]]:
+        """Each completion's prompt tokens and seed: num_generations of each example, consecutive."""
+        from llmtrain.model.generate import completion_seed
+
+        g = self.rl.num_generations
+        return ([list(e["input_ids"]) for e in examples for _ in range(g)],
+                [completion_seed(self.seed, step, e["row"], k) for e in examples for k in range(g)])
+
+    def _draw(self, examples: list[dict], step: int) -> tuple[list[list[int]], float]:
+        """(the examples' completions, the seconds spent) without tools, drawn where share_sampling draws them."""
         import time
 
-        from llmtrain.model.generate import completion_seed
+        begun = time.perf_counter()
+        rl = self.rl
+        completions = self.share_sampling(
+            lambda prompts, seeds: self._generate(prompts, seeds, temperature=rl.temperature, top_p=rl.top_p),
+            *self._prompts(examples, step))
+        return completions, time.perf_counter() - begun
+
+    def _rollout_batch(self, examples: list[dict], step: int, *, stand_in: bool = False,
+                       drawn: tuple[list[list[int]], float] | None = None) -> tuple[list[dict], Counts, list[dict]]:
+        """The examples' completions (`drawn` already, without tools: _draw), scored and packed into passes, their
+        counts and rollouts.jsonl records. An idle rank's stand-in (batching.StandIn) is sampled and packed as a real
+        micro-batch, but never scored (a reward function runs only on what trains) nor counted nor logged; its
+        passes have weight 0."""
+        import time
+
         from llmtrain.objectives.rewards import RewardLogs
 
         rl, g = self.rl, self.rl.num_generations
-        prompt_ids = [list(e["input_ids"]) for e in examples for _ in range(g)]
-        seeds = [completion_seed(self.seed, step, e["row"], k) for e in examples for k in range(g)]
-        begun = time.perf_counter()
-        completions, tooled = self._complete(prompt_ids, seeds, temperature=rl.temperature, top_p=rl.top_p,
-                                             rows=[e for e in examples for _ in range(g)])
-        generation_s = time.perf_counter() - begun
+        prompt_ids, seeds = self._prompts(examples, step)
+        begun, tooled = time.perf_counter(), None
+        if drawn is not None:
+            completions, generation_s = drawn
+        else:
+            completions, tooled = self._complete(prompt_ids, seeds, temperature=rl.temperature, top_p=rl.top_p,
+                                                 rows=[e for e in examples for _ in range(g)])
+            generation_s = time.perf_counter() - begun
         extra = RewardLogs()
         if stand_in:
             texts, total = [""] * len(completions), torch.zeros(len(completions))

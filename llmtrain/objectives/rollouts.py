@@ -44,10 +44,17 @@ def sample(lm, sampler: str, prompts: list[list[int]], seeds: list[int], *, max_
 
 
 def here(compute):
-    """`compute()`, here: where a micro-batch's sampling (and scoring) runs on a process of its own. Under sequence
-    parallelism the objective's `on_first_of_group` is instead the group's first process's, given to the others
-    (parallel/sequence/shards.on_first_of_group)."""
+    """`compute()`, here: where a micro-batch's scoring (and, with tools, its sampling) runs on a process of its own.
+    Under sequence parallelism the objective's `on_first_of_group` is instead the group's first process's, given to
+    the others (parallel/sequence/shards.on_first_of_group)."""
     return compute()
+
+
+def all_here(draw, prompts: list[list[int]], seeds: list[int]) -> list[list[int]]:
+    """`draw(prompts, seeds)`: every completion of a micro-batch sampled on this process. Under sequence parallelism
+    the objective's `share_sampling` is instead each process of the group sampling its share of them
+    (parallel/sequence/shards.shared_sampling), every process getting them all."""
+    return draw(prompts, seeds)
 
 
 def completion_rows(prompts: list[list[int]], completions: list[list[int]],

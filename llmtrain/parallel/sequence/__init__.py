@@ -3,7 +3,8 @@ torch.distributed collectives.
 
 - group.py: this process's sequence group (consecutive ranks) and the start-up line's words;
 - shards.py: each process's slice of the group's packed row (`shard_batch`), the objective that collates it
-  (`SequenceShards`; online RL's rollout: sampled on the group's first process, `on_first_of_group`, then split),
+  (`SequenceShards`; online RL's and distillation's rollout: each process samples a share, `shared_sampling`, the
+  first scores, `on_first_of_group`, then the rows are split),
   and the sums over the group: the eval's per-example ones, each sequence's log-probability or score for a loss of
   whole sequences (`sequence_sum`), the load-balancing loss's (`balance_sums`);
 - attention.py: the all-to-all around llmtrain's varlen attention, registered with transformers as the model's

@@ -1,7 +1,8 @@
 """Sequence parallelism's side of the objective: each process of a sequence group collates its slice of the group's
 packed row (`shard_batch`); the eval's per-example sums, each sequence's log-probability or score (the losses of whole
 sequences: preference pairs, KTO, reward models, RLOO) and a mixture of experts' load-balancing sums are added over the
-group. Online RL samples and scores on the group's first process (`on_first_of_group`) and splits the rows after."""
+group. Online RL and distillation sample a share of each micro-batch on each process (`shared_sampling`), score on the
+group's first (`on_first_of_group`), and split the rows after."""
 
 from __future__ import annotations
 
@@ -83,6 +84,8 @@ class SequenceShards:
         self.samples = hasattr(objective, "rollout")
         if self.samples:
             self.rollout = self._rollout  # only then: the step looks for a rollout
+            objective.share_sampling = partial(shared_sampling, group=group)
+        if hasattr(objective, "on_first_of_group"):  # online RL's scoring (and sampling with tools)
             objective.on_first_of_group = partial(on_first_of_group, group=group, lm=objective.lm)
         if everyone := getattr(objective, "gather", None):  # what RL gathers over every process, from its first
             objective.gather = lambda items: everyone(list(items) if group.rank == 0 else [])
@@ -98,11 +101,12 @@ class SequenceShards:
                            whole_sequences=self.whole)
 
     def _rollout(self, window, *, step: int):
-        """Online RL and distillation: the group's first process samples (and scores) the micro-batches the group
-        shares, as one process of its data rank would (its records, rollout statistics, reward logs and gathers
-        counted there only); every process then keeps its slice of each packed row (distillation's off-policy rows
-        too). The loss units (completions or completion tokens, whole) count on the first process; the trained and
-        real tokens are each slice's."""
+        """Online RL and distillation: each process of the group samples its share of the completions of the
+        micro-batches the group shares, and all get them all (`shared_sampling`); the first process scores them (and,
+        with tools, samples them all: an environment's state stays where its calls ran) as one process of its data
+        rank would, its records, rollout statistics, reward logs and gathers counted there only. Every process then
+        keeps its slice of each packed row (distillation's off-policy rows too). The loss units (completions or
+        completion tokens, whole) count on the first process; the trained and real tokens are each slice's."""
         import dataclasses
 
         window = self.objective.rollout(window, step=step)
@@ -162,11 +166,31 @@ def sequence_sum(parts: torch.Tensor, *, group) -> torch.Tensor:
     return _GroupSum.apply(parts, group)
 
 
+def shared_sampling(draw, prompts: list[list[int]], seeds: list[int], *,
+                    group: SequenceGroup) -> list[list[int]]:
+    """Every completion of a micro-batch the group shares, on every process of the group: each process draws every
+    N-th (`draw(its prompts, their seeds)`), and one all-gather of token ids puts them back in order. Each completion
+    depends on its seed alone (model/generate.completion_seed), so the share a process draws does not change it; the
+    KV cache of a process holds 1/N of the rows."""
+    import torch.distributed as dist
+
+    n, mine = group.size, range(group.rank, len(prompts), group.size)
+    drawn = draw([prompts[i] for i in mine], [seeds[i] for i in mine])
+    everyone = [None] * n
+    dist.all_gather_object(everyone, drawn, group=group.group)
+    out = [None] * len(prompts)
+    for r, part in enumerate(everyone):
+        for i, completion in zip(range(r, len(prompts), n), part):
+            out[i] = completion
+    return out
+
+
 def on_first_of_group(compute, *, group: SequenceGroup, lm):
     """`compute()` run on the group's first process, its result (or its error) given to the others: online RL's
-    sampling and scoring of a micro-batch the group shares (reward functions run once, an environment's state stays
-    on one process). The first process attends there with llmtrain's varlen attention on whole rows (RLOO's
-    log-probabilities before the update), not the group's all-to-all, which the others do not join."""
+    scoring of a micro-batch the group shares (reward functions run once), and its sampling with tools (an
+    environment's state stays on one process). The first process attends there with llmtrain's varlen attention on
+    whole rows (RLOO's log-probabilities before the update), not the group's all-to-all, which the others do not
+    join."""
     import torch.distributed as dist
 
     from llmtrain.model.attention import NAME
