@@ -85,6 +85,7 @@ def test_a_runs_scores_are_the_harness_clis_for_its_final_model(trained):
 
 
 @pytest.mark.slow
+@pytest.mark.extended  # 63 s; main tier: the QLoRA run's adapter on its 4-bit base as transformers and peft load it
 def test_a_lora_run_is_its_adapter_on_its_base_as_the_harness_loads_it(tiny_assets, tmp_path):
     recipe = write_recipe(tiny_assets, tmp_path, data={"max_seq_len": 64}, lora={"r": 8, "alpha": 16, "dropout": 0.0},
                           train={"max_steps": 20, "micro_batch_size": 16, "lr": 1e-2, "warmup_steps": 5})

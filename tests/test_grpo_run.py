@@ -332,6 +332,7 @@ def killed_and_resumed(recipe: Path, full: Path, cut: Path, *, env: dict | None 
 
 
 @pytest.mark.slow
+@pytest.mark.extended  # 24 s; main tier: two FSDP processes sample (the fast sampler) and train what one does
 def test_two_ddp_processes_sample_and_train_what_one_does(straight, tiny_assets, tmp_path, free_port):
     """Each rank samples its own 2 prompts' completions from their own seeds: the same completions as one process
     with 4 prompts, the same losses, the same weights."""
@@ -439,8 +440,9 @@ def test_a_rank_with_fewer_passes_runs_its_last_again_with_weight_0(monkeypatch)
                 model=torch.nn.Linear(2, 2), columns=["input_ids", "row", "prompt"], stop_ids=[], world=2,
                 gather=lambda mine: mine + [mine[0] + 2])  # the other rank: 2 passes more
     real = {"input_ids": torch.ones(1, 5, dtype=torch.long)}
+    monkeypatch.setattr(grpo, "_draw", lambda examples, step: ([], 0.0))  # nothing sampled: a Linear is no LM
     monkeypatch.setattr(grpo, "_rollout_batch",
-                        lambda examples, step, stand_in: ([real], Counts(3.0, 3.0, 5.0, 25.0), []))
+                        lambda examples, step, stand_in, drawn: ([real], Counts(3.0, 3.0, 5.0, 25.0), []))
     window = Window(epoch=0, end=1, epoch_done=False, batches=[{"examples": [{}]}], counts=Counts(0, 0, 0, 0))
     out = grpo.rollout(window, step=0)
     assert out.batches[0] is real and len(out.batches) == 3 and out.counts == Counts(3.0, 3.0, 5.0, 25.0)

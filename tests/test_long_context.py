@@ -282,8 +282,10 @@ def test_a_tiled_mlp_under_tensor_parallelism_is_refused_and_under_fsdp_is_not(t
 
 
 @pytest.mark.slow
-# fsdp-lora extended (main tier: ddp-lora's adapters and fsdp-full's sharded MLP weights)
-@pytest.mark.parametrize("launch, lora", [("cpu_ddp", True), ("cpu_fsdp", False),
+# ddp-lora (33 s) and fsdp-lora extended (main tier: fsdp-full's two processes with both switches; the adapters under
+# both switches on one process in this file's single-process tests)
+@pytest.mark.parametrize("launch, lora", [pytest.param("cpu_ddp", True, marks=pytest.mark.extended),
+                                          ("cpu_fsdp", False),
                                           pytest.param("cpu_fsdp", True, marks=pytest.mark.extended)],
                          ids=["ddp-lora", "fsdp-full", "fsdp-lora"])
 def test_two_processes_with_both_switches_train_as_one(tiny_assets, tmp_path, free_port, launch, lora):

@@ -75,6 +75,11 @@ def test_each_slice_holds_its_tokens_and_the_trained_positions_that_fall_in_it()
                                                  for i in flat]
     together = torch.cat([p["loss_index"] + 9 * r for r, (p, _) in enumerate(shards)])
     assert together.tolist() == batch["loss_index"].tolist()  # every trained position once, none lost at the cut
+    # any tensor of one value per trained position goes with it (GRPO's per-token advantages and weights)
+    batch["loss_weights"] = torch.arange(len(batch["loss_index"]), dtype=torch.float32) / 10
+    parts = [shard_batch(batch, counts, size=2, rank=r, pad_id=0)[0] for r in range(2)]
+    assert torch.cat([p["loss_weights"] for p in parts]).tolist() == batch["loss_weights"].tolist()
+    assert all(len(p["loss_weights"]) == len(p["loss_index"]) for p in parts)
     assert [c.tokens for _, c in shards] == [9.0, 9.0]
     assert sum(c.units for _, c in shards) == counts.units
     assert sum(c.squares for _, c in shards) == counts.squares
@@ -322,9 +327,9 @@ WHOLE_SEQUENCES = {
 
 
 @pytest.mark.slow
-# dpo-lora extended (make test-portable runs it): the main tier's kto-lora runs the same policy and disabled-adapter
-# passes through sequence_logps, and dpo-full the pairs' loss and its precomputed reference
-@pytest.mark.parametrize("mode", [pytest.param(m, marks=[pytest.mark.extended] * (m == "dpo-lora"))
+# dpo-lora and dpo-full extended (make test-portable runs them; dpo-full 62 s): the main tier's kto-lora runs the same
+# policy and disabled-adapter passes through sequence_logps, and the reward model the pairs' sums over the slices
+@pytest.mark.parametrize("mode", [pytest.param(m, marks=[pytest.mark.extended] * (m in ("dpo-lora", "dpo-full")))
                                   for m in WHOLE_SEQUENCES])
 def test_modes_of_whole_sequences_train_on_two_processes_of_one_sequence_as_on_one(tiny_assets, tmp_path, free_port,
                                                                                    mode):
@@ -375,7 +380,10 @@ ONLINE = {"grpo": {"loss_type": "grpo"}, "rloo": {"algorithm": "rloo", "normaliz
 @pytest.mark.slow
 # fsdp (extended): the rollout's gathered model, the first process sampling alone inside it, the slices' passes
 # sharded over both processes
-@pytest.mark.parametrize("algorithm, config", [("grpo", CPU_DDP), ("rloo", CPU_DDP),
+# grpo (extended, 39 s): main tier, rloo's launch (the shared sampling, the first process's scoring and forward) and
+# the slices of GRPO's per-token tensors in test_each_slice_holds_its_tokens_and_the_trained_positions_that_fall_in_it
+@pytest.mark.parametrize("algorithm, config", [pytest.param("grpo", CPU_DDP, marks=pytest.mark.extended),
+                                               ("rloo", CPU_DDP),
                                                pytest.param("rloo", CPU_FSDP, marks=pytest.mark.extended)],
                          ids=["grpo", "rloo", "rloo-fsdp"])
 def test_online_rl_on_two_processes_of_one_sequence_samples_and_trains_what_one_process_does(tiny_assets, tmp_path,
