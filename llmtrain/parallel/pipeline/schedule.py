@@ -12,7 +12,9 @@ The loss. The last stage's loss function is the run's chunked cross-entropy (mod
 positions, times 1 / (the window's trained tokens on every pipeline), with the schedule's `scale_grads=False`: the
 sum over micro-batches and replicas of what each backpropagates is the gradient one process computes on the whole
 window. The replicas' gradients are then summed over the data-parallel group, and the norm for clipping is the square
-root of the squared norms summed over the stages (group.py).
+root of the squared norms summed over the stages (group.py). A reward model's last stage runs its score head and the
+pairs' loss instead (`scores`: objectives/reward_model.StageScores), its targets each sequence's index at its scored
+token.
 """
 
 from __future__ import annotations
