@@ -197,7 +197,7 @@ def test_two_processes_of_one_sequence_train_what_one_process_trains(tiny_assets
     one, two = tmp_path / "one", tmp_path / "two"
     run_train(recipe, f"output_dir={one}", *overrides)
     out = _launch(CPU_DDP, 2, free_port, recipe, f"output_dir={two}", *overrides)
-    assert "each sequence split over 2 processes" in out and "1 data-parallel ranks (2 processes" in out
+    assert "each sequence split over 2 processes" in out and "1 data-parallel rank (2 processes" in out
     if switches:
         # on a CPU the offload saves nothing, and the line says so (loop/phases.memory_line)
         assert "QLoRA" in out and "model.activation_offload" in out and "MLP tiled in shards of 8" in out
@@ -232,7 +232,7 @@ def test_a_sliding_window_and_a_replicated_kv_head_stay_exact(tiny_assets, tmp_p
     one, two, unwindowed = tmp_path / "one", tmp_path / "two", tmp_path / "unwindowed"
     run_train(recipe, f"output_dir={one}", "train.eval_every_steps=2")
     out = _launch(CPU_DDP, 2, free_port, recipe, f"output_dir={two}", "train.eval_every_steps=2")
-    assert "each sequence split over 2 processes" in out and "1 data-parallel ranks (2 processes" in out
+    assert "each sequence split over 2 processes" in out and "1 data-parallel rank (2 processes" in out
     _assert_equal(two, one)
     # the eval runs on the slices too, its per-example sums summed over the group
     evals, reference = records(two, "eval"), records(one, "eval")

@@ -158,10 +158,13 @@ def prepare_data(recipe: Recipe, accelerator, *, say) -> Data:
     (world, _), accum, s = data_ranks(accelerator), tc.grad_accum_steps, stats["train"]  # world: data ranks
     tp = tensor_parallel_size(accelerator)
     mesh = mesh_line(accelerator.parallelism_config, tp)
+    ranks = f"{world} data-parallel rank{'s' * (world != 1)}"
     if tp > 1:  # a tensor-parallel group reads one batch: the batch multiplies by the data-parallel ranks
-        procs = f"{world} data-parallel ranks ({accelerator.num_processes} processes: {mesh})"
+        procs = f"{ranks} ({accelerator.num_processes} processes: {mesh})"
     elif (sp := recipe.parallel.sequence_parallel) > 1:  # so does a sequence group
-        procs = f"{world} data-parallel ranks ({accelerator.num_processes} processes, each sequence over {sp})"
+        procs = f"{ranks} ({accelerator.num_processes} processes, each sequence over {sp})"
+    elif (pp := recipe.parallel.pipeline_parallel) > 1:  # and a pipeline's stages
+        procs = f"{ranks} ({accelerator.num_processes} processes, {pp} pipeline stages each)"
     else:
         procs = f"{accelerator.num_processes} processes" + (f" ({mesh})" if mesh else "")
     unit = {"preference": "pairs", "prompt": "prompts"}.get(recipe.data.format, "examples")
