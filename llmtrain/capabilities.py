@@ -290,6 +290,12 @@ def _trained_by(parallelism: str) -> str:
     return " and ".join([", ".join(modes[:-1]), modes[-1]] if len(modes) > 1 else modes)
 
 
+def sequence_config_problem(n: int, config, *, whose: str = "the model's") -> str | None:
+    """sequence_heads_problem of a transformers config's heads (its K/V heads: all of them where it names none)."""
+    heads = config.num_attention_heads
+    return sequence_heads_problem(n, heads, getattr(config, "num_key_value_heads", None) or heads, whose=whose)
+
+
 def sequence_heads_problem(n: int, heads: int, kv_heads: int, *, whose: str = "the model's") -> str | None:
     """Why a sequence group of `n` cannot split a model's heads (None when it can): each process attends with heads / n
     query heads, and the K/V heads split into n groups or divide n (each then repeated n / kv_heads times). The one
@@ -356,9 +362,7 @@ def model_problems(recipe, layout: Layout, config) -> list[str]:
     elif (coef := recipe.model.router_aux_loss_coef) is not None:
         out.append(f"model.router_aux_loss_coef={coef:g} weighs a mixture of experts' load-balancing loss, and "
                    f"{model_type or 'this model'} has no experts (a dense MLP): unset it")
-    heads = config.num_attention_heads
-    kv = getattr(config, "num_key_value_heads", None) or heads
-    if problem := sequence_heads_problem(layout.sp, heads, kv):
+    if problem := sequence_config_problem(layout.sp, config):
         out.append(problem)
     if layout.tp > 1 and "tp" not in refused:
         out += tensor_plan_problems(config, layout.tp)

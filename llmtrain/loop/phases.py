@@ -388,9 +388,7 @@ def _teacher_attention(recipe: Recipe, teacher, trainable: Trainable):
     teacher, where they cannot be)."""
     if (n := recipe.parallel.sequence_parallel) > 1:
         config = causal_lm(teacher).config
-        if problem := capabilities.sequence_heads_problem(
-                n, config.num_attention_heads, getattr(config, "num_key_value_heads", None) or
-                config.num_attention_heads, whose="its"):
+        if problem := capabilities.sequence_config_problem(n, config, whose="its"):
             raise LLMTrainError(f"the teacher {recipe.distill.teacher}: {problem}")
         config._attn_implementation = causal_lm(trainable.unwrapped).config._attn_implementation
     return teacher

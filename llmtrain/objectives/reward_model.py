@@ -55,6 +55,11 @@ def pairs_loss(scores: torch.Tensor, margin: torch.Tensor | None, *,
     return losses.sum(), stats
 
 
+def eval_row(loss: torch.Tensor, stats: torch.Tensor, pairs: int) -> torch.Tensor:
+    """A micro-batch's eval sums, float64: [loss, statistics, pairs] (Preference.eval_metrics reads them)."""
+    return torch.cat([loss.detach().reshape(1), stats, loss.new_tensor([pairs])]).double()
+
+
 class StageScores:
     """A reward model on pipeline stages (parallel/pipeline/schedule.py): the last stage's score head and loss. A
     micro-batch reaches the last stage as the final hidden states of one row of `slots` tokens, with the [slots, 2]
@@ -100,7 +105,7 @@ class StageScores:
         if scores is None:
             return torch.zeros(self.eval_size, dtype=torch.float64, device=hidden.device)
         loss, stats = pairs_loss(scores, margin, center_rewards_coefficient=self.cfg.center_rewards_coefficient)
-        return torch.cat([loss.detach().reshape(1), stats, loss.new_tensor([len(scores) // 2])]).double()
+        return eval_row(loss, stats, len(scores) // 2)
 
 
 class RewardModel:
@@ -145,7 +150,7 @@ class RewardModel:
     def eval_sums(self, model, batch: dict, device) -> torch.Tensor:
         pairs = batch.get("sequences", batch["score_index"].numel()) // 2
         loss, stats = self.loss(model, to_device(batch, device))
-        return torch.cat([loss.detach().reshape(1), stats, loss.new_tensor([pairs])]).double()
+        return eval_row(loss, stats, pairs)
 
     # [loss, statistics, pairs] summed over the eval set: the mean loss and each metric as DPO's eval lines have them
     eval_metrics = Preference.eval_metrics

@@ -185,11 +185,13 @@ class Pipeline:
     def evaluate(self, batches: list[dict]) -> torch.Tensor:
         """The eval sums of up to M micro-batches, forward only through the stages; zeros except on the last."""
         stacked = self._rows(batches)
-        # each position's example: its segment of the row (the padding's positions are never trained)
-        example = torch.stack([torch.bucketize(torch.arange(self.slots), cut_points(cu).long(), right=True) - 1
-                               for cu in stacked["cu_seq_lens"]])
-        target = (stacked["targets"] if self.scores is not None else
-                  torch.stack([stacked["targets"], example], dim=-1)).to(self.device)
+        target = stacked["targets"]  # a reward model's: its scored positions already
+        if self.scores is None:  # beside each position's target, its example: its segment of the row (the padding's
+            # positions are never trained)
+            example = torch.stack([torch.bucketize(torch.arange(self.slots), cut_points(cu).long(), right=True) - 1
+                                   for cu in stacked["cu_seq_lens"]])
+            target = torch.stack([target, example], dim=-1)
+        target = target.to(self.device)
         self.evaluating, sums = True, []
         try:
             args = (stacked["input_ids"].to(self.device),) if self.first else ()
