@@ -53,9 +53,7 @@ MODES: dict[str, Mode] = {m.key: m for m in (
     Mode("sft", "supervised fine-tuning", ("alpaca", "messages", "prompt_completion", "text"), "examples", True,
          "loss, samples", "causal LM", router_aux=True),
     Mode("preference", "preference pairs (preference:)", ("preference",), "pairs", True,
-         "loss, reward margin and accuracy, samples", "causal LM", router_aux=True,
-         refused={"pp": _OWN_PASSES_PP.replace("its own passes", "its own passes (chosen, rejected, "
-                                                                 "the reference)")}),
+         "loss, reward margin and accuracy, samples", "causal LM", router_aux=True),
     Mode("kto", "KTO (kto:)", ("unpaired",), "examples", False, "loss, reward margin", "causal LM", router_aux=True,
          refused={"tp": "a full fine-tune keeps a frozen copy of the starting model as its reference, whole on every "
                         "process, which tensor parallelism's split would undo, and tensor parallelism does not train "
@@ -224,6 +222,10 @@ RULES: tuple[Rule, ...] = (
          "{key} computes the loss on the last stage, and the load-balancing loss (model.router_aux_loss_coef) needs "
          "every layer's router logits, which are on every stage. Unset model.router_aux_loss_coef, or set "
          "parallel.pipeline_parallel=1 and shard with FSDP"),
+    Rule("pp", lambda r, _: r.preference is not None and r.preference.reference == "adapter",
+         "{key} runs one pass a micro-batch through the stages, and preference.reference=adapter is a second (the "
+         "adapter disabled) in every step. Set preference.reference=auto: on pipeline stages the reference is "
+         "precomputed through them before training, the adapter disabled, and cached"),
     Rule("pp", lambda r, layout: layout.fsdp and r.model.quantize is not None,
          "{key} with a 4-bit base (model.quantize) runs on a plain multi-process launch (accelerate_configs/ddp.yaml): "
          "a QLoRA stage under FSDP is untested. The adapters are small, so the stages' replicas lose little by not "

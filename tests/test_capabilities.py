@@ -47,7 +47,8 @@ ELSEWHERE = {("sft", "ddp"): "test_ddp.py", ("sft", "fsdp"): "test_fsdp.py", ("s
              ("reward_model", "ddp"): "test_reward_model.py", ("grpo", "ddp"): "test_grpo_run.py",
              ("grpo", "fsdp"): "test_grpo_run.py", ("rloo", "ddp"): "test_rloo.py", ("rloo", "fsdp"): "test_rloo.py",
              ("distill", "ddp"): "test_distill.py", ("distill", "fsdp"): "test_distill.py",
-             ("reward_model", "pp"): "test_pipeline.py", ("distill", "sp"): "test_distill.py",
+             ("reward_model", "pp"): "test_pipeline.py", ("preference", "pp"): "test_pipeline.py",
+             ("distill", "sp"): "test_distill.py",
              **{(m, "sp"): "test_sequence_parallel.py" for m in ("preference", "kto", "reward_model", "grpo", "rloo")}}
 CELLS = [(m, layout) for m in capabilities.MODES for layout in LAYOUTS]
 
@@ -133,7 +134,7 @@ def test_the_table_in_docs_scaling_is_the_tables_own():
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("mode, layout", [("preference", "pp"), ("distill", "pp"), ("kto", "tp"), ("rloo", "tp")])
+@pytest.mark.parametrize("mode, layout", [("kto", "pp"), ("distill", "pp"), ("kto", "tp"), ("rloo", "tp")])
 def test_a_refused_cell_exits_2_with_one_paragraph_and_writes_nothing(mode_recipes, tmp_path, mode, layout):
     out = tmp_path / "run"
     argv = _argv(mode_recipes[mode], layout, out, mode=mode)

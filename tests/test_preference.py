@@ -216,6 +216,50 @@ def test_lora_reference_is_the_policy_at_the_first_step_so_every_pair_costs_ln2(
     assert stats[:4].abs().max().item() == 0  # rewards, accuracy (0 > 0 is false) and margins are all zero
 
 
+@pytest.mark.parametrize("kind", ["dpo", "ipo", "simpo"])
+def test_the_last_pipeline_stages_loss_is_the_objectives_on_the_same_row(tiny_assets, tiny_tok, kind):
+    """StagePairs (the last stage's loss on pipeline stages) from the row's final hidden states and its float targets
+    (each trained token's id and sequence, each sequence's reference and tokens): the loss, statistics, eval sums and
+    the head's gradient of Preference.loss on the same pairs; its reference pass's log-probabilities are
+    sequence_logps'; an idle row's loss is a zero that still reaches the head."""
+    from llmtrain.data.batching import collate, with_loss_positions
+    from llmtrain.model.loss import decoder_inputs
+    from llmtrain.objectives.preference import StagePairs
+
+    model, _, batch, counts = _objective_batch(tiny_assets, tiny_tok, packing=True)
+    reference = "none" if kind == "simpo" else "precomputed"
+    cfg = PreferenceConfig(loss=kind, beta=0.5, **({"reference": "precomputed"} if reference != "none" else {}))
+    objective = Preference(cfg, pad_id=tiny_tok.pad_token_id, packing=True, reference=reference, model=model)
+    pairs = int(counts.units)
+    batch = {**batch, "reference": -20.0 - torch.arange(2 * pairs, dtype=torch.float32).reshape(pairs, 2) * 1.5}
+    want, want_stats = objective.loss(model, batch)
+    want.backward()
+    head = model.lm_head
+    want_grad, head.weight.grad = head.weight.grad.clone(), None
+
+    stage = StagePairs(cfg, reference=reference)
+    tokens = batch["input_ids"].numel()
+    slots = tokens + 5  # the row's padding: never read
+    target = stage.targets(batch, slots)[0]
+    assert target.shape == (slots, 4) and int((target[:, 3] >= 0).sum()) == 2 * pairs
+    hidden = model.model(**decoder_inputs(batch)).last_hidden_state.flatten(0, 1)
+    hidden = torch.cat([hidden, torch.randn(slots - tokens, hidden.shape[1])])
+    got, stats = stage.loss(head, hidden, target)
+    assert got.item() == pytest.approx(want.item(), abs=1e-5)
+    assert stats.tolist() == pytest.approx(want_stats.tolist(), abs=1e-4)
+    got.backward()
+    assert torch.allclose(head.weight.grad, want_grad, atol=1e-6)
+    with torch.no_grad():
+        assert stage.eval_sums(head, hidden, target).tolist() == pytest.approx(
+            objective.eval_sums(model, batch, torch.device("cpu")).tolist(), abs=1e-4)
+        logps = stage.logps(head, hidden, target)
+        assert logps.shape == (slots,) and logps[2 * pairs:].abs().max().item() == 0
+        assert logps[: 2 * pairs].tolist() == pytest.approx(sequence_logps(model, batch).tolist(), abs=1e-5)
+    idle = stage.targets(with_loss_positions(collate([], pad_id=0, packing=True)), slots)[0]
+    loss, stats = stage.loss(head, hidden, idle)
+    assert loss.item() == 0 and loss.grad_fn is not None and stats.abs().max().item() == 0
+
+
 def test_packed_pairs_give_the_log_probabilities_of_padded_ones(tiny_assets, tiny_tok):
     model, _, packed, _ = _objective_batch(tiny_assets, tiny_tok, packing=True)
     _, _, padded, _ = _objective_batch(tiny_assets, tiny_tok, packing=False)

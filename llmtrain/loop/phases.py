@@ -16,6 +16,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+from contextlib import nullcontext
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
@@ -46,7 +47,7 @@ from llmtrain.model.modeling import (
 )
 from llmtrain.model.score import attach_score
 from llmtrain.model.teacher import load_teacher, vocabulary_problem
-from llmtrain.objectives.reward_model import StageScores
+from llmtrain.objectives.objective import head_loss_for
 from llmtrain.parallel.accelerator import use_fused_adamw
 from llmtrain.parallel.collectives import global_sum
 from llmtrain.parallel.fsdp import receives_weights, shard_frozen, uses_fsdp
@@ -346,7 +347,7 @@ def build_model(recipe: Recipe, accelerator, *, total_steps: int, say, pad: int 
         whole = (frozenset(n for n, _ in model.named_parameters()),
                  frozenset(n for n, p in model.named_parameters() if p.requires_grad) if recipe.lora else None)
     laid = parallelize(model, recipe, accelerator, pad_id=pad, say=say,
-                       scores=StageScores(recipe.reward_model) if recipe.reward_model is not None else None,
+                       head_loss=head_loss_for(recipe),
                        make_optimizer=partial(build_optimizer, lr=tc.lr, weight_decay=tc.weight_decay,
                                               betas=tc.betas, eps=tc.eps, fused=use_fused_adamw(accelerator)))
     model, optimizer, stages = laid.model, laid.optimizer, laid.pipeline
@@ -414,11 +415,12 @@ def build_reference(recipe: Recipe, accelerator, trainable: Trainable, *, say):
 
 
 def reference_logps(recipe: Recipe, accelerator, data: Data, trainable: Trainable, objective, *, console) -> Data:
-    """Preference runs with a precomputed reference (a full fine-tune's dpo or ipo): the reference log-probabilities
-    from the initial weights of the pairs the run will train on (all of them, unless max_steps ends it before the
-    epoch does) and of every eval pair, added to the data as columns ref_chosen, ref_rejected. Cached next to the
-    tokenised data, keyed by the model, so a resume or a later run computes only what is missing. Shown with a
-    progress bar and its eta (lines every tenth where there is no bar); its time counts in the run's. Any other run:
+    """Preference runs with a precomputed reference (a full fine-tune's dpo or ipo; any on pipeline stages): the
+    reference log-probabilities from the initial weights (LoRA: the adapter disabled) of the pairs the run will train
+    on (all of them, unless max_steps ends it before the epoch does) and of every eval pair, added to the data as
+    columns ref_chosen, ref_rejected. Cached next to the tokenised data, keyed by the model, so a resume or a later
+    run computes only what is missing. Shown with a progress bar and its eta (lines every tenth where there is no
+    bar); its time counts in the run's. On pipeline stages, M micro-batches a pass through them. Any other run:
     the data as it is."""
     if getattr(objective, "reference", None) != "precomputed":
         return data
@@ -427,6 +429,9 @@ def reference_logps(recipe: Recipe, accelerator, data: Data, trainable: Trainabl
     from llmtrain.objectives.preference import precompute_reference
 
     tc, say, start = recipe.train, console.say, time.perf_counter()
+    # LoRA (on pipeline stages, or asked for): the reference is the model with its adapter disabled, as it is for
+    # preference.reference=adapter, whatever the adapter's weights are now
+    adapter_off = trainable.unwrapped.disable_adapter if recipe.lora is not None else nullcontext
     needed = {"train": data.plan.examples_in(data.total_steps, tc.grad_accum_steps), "eval": None}
     splits = {"train": data.train, **({"eval": data.eval} if data.eval is not None else {})}
     key = model_key(recipe)
@@ -450,7 +455,8 @@ def reference_logps(recipe: Recipe, accelerator, data: Data, trainable: Trainabl
             values = precompute_reference(trainable.model, ds, accelerator, objective,
                                           batch_size=tc.eval_batch_size or tc.micro_batch_size,
                                           batch_tokens=tc.micro_batch_tokens if tc.eval_batch_size is None else None,
-                                          cache=cache, needed=needed[name], on_batch=on_batch)
+                                          cache=cache, needed=needed[name], on_batch=on_batch,
+                                          pipeline=trainable.pipeline, adapter_off=adapter_off)
         say(f"reference log-probabilities of the {pairs} {name} pairs the run uses (of {len(ds)}): "
             f"{time.perf_counter() - begun:.1f} s, cached in {cache}")
         splits[name] = ds.add_column("ref_chosen", values[:, 0].tolist()).add_column("ref_rejected",
@@ -466,6 +472,8 @@ def model_key(recipe: Recipe) -> str:
     m, h = recipe.model, hashlib.sha256()
     h.update(json.dumps([m.name_or_path, m.dtype, m.attn_implementation, recipe.train.mixed_precision,
                          recipe.train.loss_chunk_tokens]).encode())
+    if m.quantize is not None:  # a QLoRA run's reference: the 4-bit base
+        h.update(f"quantize={m.quantize}".encode())
     folder = Path(m.name_or_path)
     for f in sorted(q for q in folder.rglob("*") if q.is_file()) if folder.is_dir() else []:
         st = f.stat()

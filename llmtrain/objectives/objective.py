@@ -222,8 +222,26 @@ def stop_ids(recipe, model, tokenizer) -> list[int]:
 
 
 def reference_kind(recipe) -> str:
-    """Where a preference run's reference log-probabilities come from: adapter, precomputed or none."""
+    """Where a preference run's reference log-probabilities come from: adapter, precomputed or none. On pipeline
+    stages a LoRA run's is precomputed too, with the adapter disabled: the stages' schedule runs one pass a
+    micro-batch (an explicit adapter is refused there: capabilities.RULES)."""
     p = recipe.preference
     if p.reference != "auto":
         return p.reference
-    return "none" if p.loss == "simpo" else "adapter" if recipe.lora is not None else "precomputed"
+    if p.loss == "simpo":
+        return "none"
+    return "adapter" if recipe.lora is not None and recipe.parallel.pipeline_parallel == 1 else "precomputed"
+
+
+def head_loss_for(recipe):
+    """The objective's own loss on the last pipeline stage (parallel/pipeline/schedule.py): a reward model's score
+    head and pairs' loss, preference pairs' log-probabilities and loss; None: the LM head's cross-entropy."""
+    if recipe.reward_model is not None:
+        from llmtrain.objectives.reward_model import StageScores
+
+        return StageScores(recipe.reward_model)
+    if recipe.preference is not None:
+        from llmtrain.objectives.preference import StagePairs
+
+        return StagePairs(recipe.preference, reference=reference_kind(recipe))
+    return None

@@ -16,11 +16,13 @@ before training (`precompute`), cached with the tokenised data and found again b
 from __future__ import annotations
 
 import math
+from contextlib import nullcontext
 
 import torch
 import torch.nn.functional as F
 
 from llmtrain.data.batching import Counts, collate, with_loss_positions
+from llmtrain.data.formats import IGNORE
 from llmtrain.model.loss import compute_loss
 from llmtrain.parallel.mesh import data_ranks
 
@@ -52,6 +54,21 @@ def pair_losses(kind: str, chosen: torch.Tensor, rejected: torch.Tensor, ref_cho
         delta = chosen_ratio / chosen_tokens - rejected_ratio / rejected_tokens
         return (delta - 1 / (2 * beta)) ** 2, *rewards
     raise ValueError(f"unknown preference loss {kind!r}")
+
+
+def pairs_loss(cfg, logps: torch.Tensor, tokens: torch.Tensor, ref_chosen: torch.Tensor | None,
+               ref_rejected: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The summed preference loss (the preference: section's) of the pairs whose sequences' summed answer
+    log-probabilities and trained tokens are `logps` and `tokens` (chosen, rejected, chosen, ...), and its
+    statistics (STATS, summed over the pairs)."""
+    losses, chosen_rewards, rejected_rewards = pair_losses(
+        cfg.loss, logps[0::2], logps[1::2], ref_chosen, ref_rejected, tokens[0::2], tokens[1::2],
+        beta=cfg.beta, gamma=cfg.simpo_gamma)
+    with torch.no_grad():
+        stats = torch.stack([chosen_rewards.sum(), rejected_rewards.sum(),
+                             (chosen_rewards > rejected_rewards).float().sum(),
+                             (chosen_rewards - rejected_rewards).sum(), logps[0::2].sum(), logps[1::2].sum()])
+    return losses.sum(), stats
 
 
 def sequence_logps(model, batch: dict, *, with_aux: bool = False, total=None):
@@ -127,17 +144,11 @@ class Preference:
         TRL's), and that times the pairs last among the statistics."""
         ref_chosen, ref_rejected = self._reference(batch)  # first: its no-grad forward leaves no graph behind
         logps, router = policy_logps(model, batch, self.router_aux, aux=aux, total=self.sequence_sum)
-        tokens = batch["sequence_tokens"]
-        losses, chosen_rewards, rejected_rewards = pair_losses(
-            self.cfg.loss, logps[0::2], logps[1::2], ref_chosen, ref_rejected, tokens[0::2], tokens[1::2],
-            beta=self.cfg.beta, gamma=self.cfg.simpo_gamma)
-        pairs = losses.numel()
-        with torch.no_grad():
-            stats = torch.stack([chosen_rewards.sum(), rejected_rewards.sum(),
-                                 (chosen_rewards > rejected_rewards).float().sum(),
-                                 (chosen_rewards - rejected_rewards).sum(), logps[0::2].sum(), logps[1::2].sum()]
-                                + ([router.detach().float() * pairs] if router is not None else []))
-        return losses.sum() + (self.router_aux * router * pairs if router is not None else 0.0), stats
+        loss, stats = pairs_loss(self.cfg, logps, batch["sequence_tokens"], ref_chosen, ref_rejected)
+        if router is None:
+            return loss, stats
+        pairs = logps.numel() // 2
+        return loss + self.router_aux * router * pairs, torch.cat([stats, (router.detach().float() * pairs)[None]])
 
     def step_metrics(self, stats: list[float], units: float) -> dict[str, float]:
         return {name: value / max(units, 1) for name, value in zip(STATS + ["aux_loss"], stats)}
@@ -147,7 +158,7 @@ class Preference:
 
         pairs = batch["sequence_tokens"].numel() // 2
         loss, stats = self.loss(model, to_device(batch, device), aux=False)  # evaluation: the preference loss alone
-        return torch.cat([loss.detach().reshape(1), stats, loss.new_tensor([pairs])]).double()
+        return eval_row(loss, stats, pairs)
 
     def eval_metrics(self, sums: list[float]) -> dict[str, float]:
         loss, *stats, pairs = sums
@@ -155,14 +166,92 @@ class Preference:
                 **{f"eval_{k}": v for k, v in self.step_metrics(stats, pairs).items()}}
 
 
+def eval_row(loss: torch.Tensor, stats: torch.Tensor, pairs: int) -> torch.Tensor:
+    """A micro-batch's eval sums of pairs, float64: [loss, statistics, pairs] (Preference.eval_metrics reads them)."""
+    return torch.cat([loss.detach().reshape(1), stats, loss.new_tensor([pairs])]).double()
+
+
+class StagePairs:
+    """Preference pairs on pipeline stages (parallel/pipeline/schedule.py): the last stage's loss. A micro-batch
+    reaches the last stage as the final hidden states of one row of `slots` tokens, with the [slots, 4] float32
+    targets of `targets`: at each trained position its token and its sequence's index in the row (-1 elsewhere),
+    and at slot k the k-th sequence's reference log-probability and its trained tokens (-1 past the last sequence).
+    The reference is precomputed through the stages before training (`logps`, the pass precompute_reference runs:
+    the starting weights, or LoRA's adapter disabled), as the stages' schedule runs one pass a micro-batch. From
+    these, the sequences' log-probabilities, the pairs' loss and their statistics are Preference's own (the same
+    functions)."""
+
+    stats = len(STATS)  # the loss's statistics (the load-balancing loss is refused on stages)
+    eval_size = len(STATS) + 2  # [loss, statistics, pairs], as Preference.eval_sums
+
+    def __init__(self, cfg, *, reference: str):
+        self.cfg, self.reference = cfg, reference
+
+    def targets(self, batch: dict, slots: int) -> torch.Tensor:
+        """[1, slots, 4] float32 of a packed micro-batch (none: an idle row). Token ids are exact in float32 below
+        2^24."""
+        out = torch.zeros(slots, 4)
+        out[:, 0], out[:, 1], out[:, 3] = IGNORE, -1.0, -1.0
+        if (tokens := batch.get("sequence_tokens")) is not None and len(tokens):
+            index = batch["loss_index"]
+            out[index, 0] = batch["loss_targets"].float()
+            out[index, 1] = batch["loss_example"].float()
+            out[: len(tokens), 3] = tokens
+            if "reference" in batch:
+                out[: len(tokens), 2] = batch["reference"].reshape(-1)  # chosen, rejected of each pair in turn
+        return out[None]
+
+    def _logps(self, head, hidden: torch.Tensor, target: torch.Tensor):
+        """Each sequence's summed answer log-probability on the row (None where it holds no sequence)."""
+        n = int((target[:, 3] >= 0).sum())
+        if n == 0:
+            return None
+        at = (target[:, 1] >= 0).nonzero().flatten()
+        token_loss, _ = head(hidden[at], targets=target[at, 0].long(), per_token=True)
+        return -torch.zeros(n, device=hidden.device, dtype=torch.float32).index_add(
+            0, target[at, 1].long(), token_loss.float())
+
+    def _loss(self, head, hidden: torch.Tensor, target: torch.Tensor):
+        logps = self._logps(head, hidden, target)
+        if logps is None:
+            return None, 0
+        n = logps.numel()
+        ref = target[:n, 2] if self.reference != "none" else None
+        loss, stats = pairs_loss(self.cfg, logps, target[:n, 3], *((ref[0::2], ref[1::2]) if ref is not None
+                                                                   else (None, None)))
+        return (loss, stats), n // 2
+
+    def loss(self, head, hidden: torch.Tensor, target: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The row's summed pair loss and statistics (a row of no pair: a zero loss that still reaches the head)."""
+        out, _ = self._loss(head, hidden, target)
+        if out is None:
+            return head(hidden[:1]).float().sum() * 0.0, hidden.new_zeros(self.stats, dtype=torch.float32)
+        return out
+
+    def eval_sums(self, head, hidden: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        out, pairs = self._loss(head, hidden, target)
+        if out is None:
+            return torch.zeros(self.eval_size, dtype=torch.float64, device=hidden.device)
+        return eval_row(*out, pairs)
+
+    def logps(self, head, hidden: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        """[slots] float64: the row's sequences' log-probabilities in order, zeros after them (the reference pass)."""
+        out = torch.zeros(target.shape[0], dtype=torch.float64, device=hidden.device)
+        if (logps := self._logps(head, hidden, target)) is not None:
+            out[: logps.numel()] = logps.double()
+        return out
+
+
 def precompute_reference(model, dataset, accelerator, objective: Preference, *, batch_size: int,
                          batch_tokens: int | None, cache, needed: list[int] | None = None,
-                         on_batch=lambda done, total: None) -> torch.Tensor:
+                         on_batch=lambda done, total: None, pipeline=None, adapter_off=nullcontext) -> torch.Tensor:
     """The reference log-probabilities [pairs, 2] (chosen, rejected) of the pairs of `dataset` the run uses
-    (`needed`: the examples its steps visit; None: all), with the model as it is now (the initial weights), under
-    no_grad. `cache` (a file) keeps every pair computed so far, NaN for the others: a resume, a longer run or a
-    later run with the same model computes only what is missing. Each process computes its share and one
-    collective sums them, so all hold the whole; `on_batch(done, total)` after each micro-batch."""
+    (`needed`: the examples its steps visit; None: all), with the model as it is now (the initial weights; LoRA:
+    inside `adapter_off`, its adapter disabled), under no_grad. `cache` (a file) keeps every pair computed so far,
+    NaN for the others: a resume, a longer run or a later run with the same model computes only what is missing.
+    Each process computes its share and one collective sums them, so all hold the whole; `on_batch(done, total)`
+    after each micro-batch. `pipeline` (parallel.pipeline_parallel): the stages run M micro-batches a pass, and the
+    last stage alone holds their results."""
     import os
 
     from llmtrain.data.batching import StandIn, global_micro_batches, rank_view, to_device
@@ -177,20 +266,31 @@ def precompute_reference(model, dataset, accelerator, objective: Preference, *, 
     lengths = dataset.select(todo)["length"] if batch_tokens else None
     batches = global_micro_batches(len(todo), seed=0, epoch=0, world_size=world, micro_batch_size=batch_size,
                                    micro_batch_tokens=batch_tokens, lengths=lengths, shuffle=False)
+    mine, per_pass = list(rank_view(batches, rank)), pipeline.micro_batches if pipeline is not None else 1
     was_training = model.training
     model.eval()
-    with torch.no_grad():
-        for done, mine in enumerate(rank_view(batches, rank)):
-            idx = [todo[i] for i in mine]
-            rows = dataset[idx]
-            batch, _ = plain.collate([dict(zip(plain.columns, v)) for v in zip(*(rows[c] for c in plain.columns))])
-            logps = plain.logps(model, to_device(batch, device)).double()  # a stand-in's too (FSDP gathers in it)
-            if not isinstance(mine, StandIn):
-                computed[idx] = torch.stack([logps[0::2], logps[1::2]], dim=1)
-            on_batch(done + 1, len(batches))
+    with torch.no_grad(), adapter_off():
+        for start in range(0, len(mine), per_pass):
+            parts = []
+            for part in mine[start : start + per_pass]:
+                idx = [todo[i] for i in part]
+                rows = dataset[idx]
+                batch, _ = plain.collate([dict(zip(plain.columns, v)) for v in zip(*(rows[c] for c in plain.columns))])
+                parts.append((part, idx, batch))
+            if pipeline is None:  # a stand-in's too (FSDP gathers in it)
+                logps = [plain.logps(model, to_device(parts[0][2], device))]
+            else:  # none off the last stage
+                logps = pipeline.sequence_logps([batch for _, _, batch in parts]) or []
+            for (part, idx, _), sums in zip(parts, logps):
+                if not isinstance(part, StandIn):
+                    sums = sums[: 2 * len(idx)].double()  # a stage's row: zeros after its sequences
+                    computed[idx] = torch.stack([sums[0::2], sums[1::2]], dim=1)
+            on_batch(start + len(parts), len(batches))
     model.train(was_training)
-    if accelerator.num_processes > 1:  # a TP or sequence group's processes computed the same pairs: counted once
-        computed = accelerator.reduce(computed, reduction="sum") / (accelerator.num_processes // world)
+    if accelerator.num_processes > 1:  # a TP or sequence group's processes computed the same pairs: counted once;
+        # a pipeline's last stage alone holds them
+        copies = 1 if pipeline is not None else accelerator.num_processes // world
+        computed = accelerator.reduce(computed, reduction="sum") / copies
     values[todo] = computed.cpu()[todo]
     if accelerator.is_main_process:  # written whole under a temporary name: a crash never leaves half a file
         tmp = cache.with_name(f".{cache.name}.tmp{os.getpid()}")

@@ -25,7 +25,7 @@ import torch.nn.functional as F
 from llmtrain.data.batching import Counts, collate, to_device
 from llmtrain.data.formats import IGNORE
 from llmtrain.model.score import scored_position, sequence_scores
-from llmtrain.objectives.preference import Preference
+from llmtrain.objectives.preference import Preference, eval_row
 
 # Statistics summed over the window (and processes); step_metrics divides them by the pairs.
 STATS = ["accuracy", "margin", "mean_reward", "rewards/chosen", "rewards/rejected"]
@@ -53,11 +53,6 @@ def pairs_loss(scores: torch.Tensor, margin: torch.Tensor | None, *,
         stats = torch.stack([(chosen > rejected).float().sum(), (chosen - rejected).sum(),
                              (chosen + rejected).sum() / 2, chosen.sum(), rejected.sum()])
     return losses.sum(), stats
-
-
-def eval_row(loss: torch.Tensor, stats: torch.Tensor, pairs: int) -> torch.Tensor:
-    """A micro-batch's eval sums, float64: [loss, statistics, pairs] (Preference.eval_metrics reads them)."""
-    return torch.cat([loss.detach().reshape(1), stats, loss.new_tensor([pairs])]).double()
 
 
 class StageScores:

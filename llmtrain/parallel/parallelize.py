@@ -35,10 +35,11 @@ class Parallelized:
 
 
 def parallelize(model, recipe: Recipe, accelerator, *, make_optimizer, pad_id: int, say,
-                scores=None) -> Parallelized:
+                head_loss=None) -> Parallelized:
     """Apply the run's layout to `model` (loaded, adapters and loss attached) in the order above; `make_optimizer`
-    builds the optimizer over a model's trainable parameters once this process holds only its own; `scores`: a
-    reward model's last-stage loss for pipeline stages (objectives/reward_model.StageScores)."""
+    builds the optimizer over a model's trainable parameters once this process holds only its own; `head_loss`: an
+    objective's own last-stage loss for pipeline stages (a reward model's, preference pairs': objectives/
+    reward_model.StageScores, objectives/preference.StagePairs; None: the LM head's cross-entropy)."""
     if (tp := tensor_parallel_size(accelerator)) > 1:
         layers = apply_tensor_parallel(model, accelerator.torch_device_mesh["tp"])
         say(f"tensor parallelism: {layers} linear layers split over {tp} processes "
@@ -55,7 +56,7 @@ def parallelize(model, recipe: Recipe, accelerator, *, make_optimizer, pad_id: i
                           slots=recipe.train.micro_batch_tokens, pad_id=pad_id, device=accelerator.device,
                           group=groups(accelerator).pipeline,
                           fsdp=None if plugin is None else plugin.mixed_precision_policy or True,
-                          precision=accelerator.autocast, scores=scores)
+                          precision=accelerator.autocast, head_loss=head_loss)
         say(stages.describe())
         # not wrapped: no DDP over all processes (the replicas sum their gradients in Pipeline.run), and the optimizer
         # stays a plain torch one, saved per process by the checkpoint (run/checkpoint.py)

@@ -12,9 +12,12 @@ The loss. The last stage's loss function is the run's chunked cross-entropy (mod
 positions, times 1 / (the window's trained tokens on every pipeline), with the schedule's `scale_grads=False`: the
 sum over micro-batches and replicas of what each backpropagates is the gradient one process computes on the whole
 window. The replicas' gradients are then summed over the data-parallel group, and the norm for clipping is the square
-root of the squared norms summed over the stages (group.py). A reward model's last stage runs its score head and the
-pairs' loss instead (`scores`: objectives/reward_model.StageScores), its targets each sequence's index at its scored
-token.
+root of the squared norms summed over the stages (group.py). Objectives of whole sequences bring their own
+last-stage loss (`head_loss`), its targets built from each micro-batch by it: a reward model's score head and pairs'
+loss (objectives/reward_model.StageScores: its targets each sequence's index at its scored token), preference pairs'
+per-sequence log-probabilities and loss (objectives/preference.StagePairs: each trained token's sequence, each
+sequence's reference log-probability). Their reference is precomputed through the stages before training
+(`sequence_logps`, forward only), as the schedule runs one pass a micro-batch.
 """
 
 from __future__ import annotations
@@ -39,14 +42,14 @@ class Pipeline:
     """This process's stages of the model and the schedule that runs a window through them."""
 
     def __init__(self, model, *, parallel, micro_batches: int, slots: int, pad_id: int, device,
-                 group: PipelineGroup, fsdp=None, precision=nullcontext, scores=None):
+                 group: PipelineGroup, fsdp=None, precision=nullcontext, head_loss=None):
         """`fsdp`: None, or the FSDP launch's MixedPrecisionPolicy (or True without one): each stage is then sharded
         over its replicas (FSDP2's fully_shard on each decoder layer and on the stage), kept unsharded between its
         forward and backward as torchtitan does under pipelining (reshard_after_forward=False: the schedule runs
         several micro-batches' forwards before their backwards). `precision`: the run's autocast, around each
         stage's forward and the loss (the stages are not prepared by Accelerate, which would put it there). `group`:
-        this process's pipeline (parallel/groups.py). `scores`: a reward model's last-stage loss
-        (objectives/reward_model.StageScores); None: the LM head's cross-entropy."""
+        this process's pipeline (parallel/groups.py). `head_loss`: an objective's last-stage loss
+        (objectives/reward_model.StageScores, objectives/preference.StagePairs); None: the LM head's cross-entropy."""
         from torch.distributed import pipelining
 
         g = self.group = group
@@ -106,8 +109,8 @@ class Pipeline:
         self.scale: torch.Tensor | float = 1.0
         self.sums: list[torch.Tensor] = []  # the last stage's summed loss of each micro-batch of the step
         self.stats: list[torch.Tensor] = []  # and its statistics (a reward model's; none for the LM head's loss)
-        self.scores = scores
-        self.evaluating = False
+        self.head_loss = head_loss
+        self.forward_only = None  # evaluating, or the reference pass: what the loss function returns instead
 
     def describe(self) -> str:
         g = self.group
@@ -130,19 +133,17 @@ class Pipeline:
                 setattr(parent, name, module)
 
     def _loss(self, hidden: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        """The last stage's loss of one micro-batch: its summed cross-entropy (kept for the metrics) times the
-        step's scale (1 / the window's trained tokens on every pipeline). Evaluating, the micro-batch's eval sums
-        (CausalLM.eval_sums's), from targets that carry each position's example beside its token."""
+        """The last stage's loss of one micro-batch: its summed loss (kept for the metrics) times the step's scale
+        (1 / the window's loss units on every pipeline). Forward only (`forward_only`), what that function returns of
+        the micro-batch instead: its eval sums (evaluate), its sequences' log-probabilities (sequence_logps)."""
         with self.precision():
-            if self.scores is not None:  # a reward model: the score head on each sequence's scored token
-                if self.evaluating:
-                    return self.scores.eval_sums(self.last.head, hidden.flatten(0, 1), targets.flatten(0, 1))
-                loss, stats = self.scores.loss(self.last.head, hidden.flatten(0, 1), targets.flatten(0, 1))
+            if self.forward_only is not None:
+                return self.forward_only(hidden, targets)
+            if self.head_loss is not None:  # the objective's own: the head on each sequence's positions
+                loss, stats = self.head_loss.loss(self.last.head, hidden.flatten(0, 1), targets.flatten(0, 1))
                 self.sums.append(loss.detach())
                 self.stats.append(stats)
                 return loss * self.scale
-            if self.evaluating:
-                return self._eval_sums(hidden, targets)
             return self._train_loss(hidden, targets)
 
     def _train_loss(self, hidden: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
@@ -157,7 +158,10 @@ class Pipeline:
 
     def _eval_sums(self, hidden: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         """[loss, trained tokens, argmax hits, teacher-forced matches, examples] of one row, as CausalLM.eval_sums
-        counts them (float64)."""
+        counts them (float64), from targets that carry each position's example beside its token; an objective's own
+        eval sums where it brings its head's loss."""
+        if self.head_loss is not None:
+            return self.head_loss.eval_sums(self.last.head, hidden.flatten(0, 1), targets.flatten(0, 1))
         flat, t, example = hidden.flatten(0, 1), targets[..., 0].flatten(), targets[..., 1].flatten()
         index = (t != IGNORE).nonzero().flatten()
         if index.numel() == 0:
@@ -175,32 +179,46 @@ class Pipeline:
         return {k: torch.cat([r[k] for r in rows]) for k in rows[0]}
 
     def _row(self, batch: dict) -> dict[str, torch.Tensor]:
-        """One micro-batch as a row of the fixed shape; a reward model's targets are its scored positions."""
-        if self.scores is None:
+        """One micro-batch as a row of the fixed shape; an objective's own head loss builds its targets."""
+        if self.head_loss is None:
             return fixed_row(batch, self.slots, pad_id=self.pad_id)
         none = torch.zeros(0, dtype=torch.long)
         row = fixed_row({**batch, "loss_index": none, "loss_targets": none}, self.slots, pad_id=self.pad_id)
-        return {**row, "targets": self.scores.targets(batch, self.slots)}
+        return {**row, "targets": self.head_loss.targets(batch, self.slots)}
 
-    def evaluate(self, batches: list[dict]) -> torch.Tensor:
-        """The eval sums of up to M micro-batches, forward only through the stages; zeros except on the last."""
+    def _forward_only(self, batches: list[dict], fn) -> list[torch.Tensor]:
+        """`fn(hidden, targets)` of each of up to M micro-batches' rows, forward only through the stages: the last
+        stage's M results (filler rows' among them), none on the others."""
         stacked = self._rows(batches)
-        target = stacked["targets"]  # a reward model's: its scored positions already
-        if self.scores is None:  # beside each position's target, its example: its segment of the row (the padding's
-            # positions are never trained)
+        target = stacked["targets"]  # an objective's own head loss: its targets already
+        if self.head_loss is None:  # beside each position's target, its example: its segment of the row (the
+            # padding's positions are never trained)
             example = torch.stack([torch.bucketize(torch.arange(self.slots), cut_points(cu).long(), right=True) - 1
                                    for cu in stacked["cu_seq_lens"]])
             target = torch.stack([target, example], dim=-1)
-        target = target.to(self.device)
-        self.evaluating, sums = True, []
+        self.forward_only, out = fn, []
         try:
             args = (stacked["input_ids"].to(self.device),) if self.first else ()
-            self.schedule.eval(*args, target=target, losses=sums, position_ids=stacked["position_ids"].to(self.device),
+            self.schedule.eval(*args, target=target.to(self.device), losses=out,
+                               position_ids=stacked["position_ids"].to(self.device),
                                cu_seq_lens=stacked["cu_seq_lens"])
         finally:
-            self.evaluating = False
-        size = self.scores.eval_size if self.scores is not None else 5
+            self.forward_only = None
+        return out
+
+    def evaluate(self, batches: list[dict]) -> torch.Tensor:
+        """The eval sums of up to M micro-batches, forward only through the stages; zeros except on the last."""
+        sums = self._forward_only(batches, self._eval_sums)
+        size = self.head_loss.eval_size if self.head_loss is not None else 5
         return torch.stack(sums).sum(0) if sums else torch.zeros(size, dtype=torch.float64, device=self.device)
+
+    def sequence_logps(self, batches: list[dict]) -> list[torch.Tensor] | None:
+        """Each of up to M micro-batches' sequences' summed answer log-probabilities ([slots] each, zeros after its
+        sequences: objectives/preference.StagePairs.logps), forward only through the stages, with the model as it is
+        (a preference run's reference pass); None except on the last stage."""
+        out = self._forward_only(batches, lambda hidden, targets: self.head_loss.logps(
+            self.last.head, hidden.flatten(0, 1), targets.flatten(0, 1)))
+        return out[-self.micro_batches:][:len(batches)] if self.last is not None else None  # the fillers' dropped
 
     def run(self, batches: list[dict], *, scale) -> tuple[torch.Tensor, torch.Tensor]:
         """Forward and backward of a window's micro-batches through the schedule; returns this process's summed
@@ -221,7 +239,7 @@ class Pipeline:
         # placeholder tensors to infer the gradients' shapes
         m = self.micro_batches
         stats = (torch.stack(self.stats[-m:]).sum(0) if self.stats else
-                 torch.zeros(self.scores.stats if self.scores is not None else 0, device=self.device))
+                 torch.zeros(self.head_loss.stats if self.head_loss is not None else 0, device=self.device))
         return (torch.stack(self.sums[-m:]).sum() if self.sums else torch.zeros((), device=self.device)), stats
 
     def parameters(self):
