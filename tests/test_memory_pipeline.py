@@ -157,6 +157,68 @@ def test_one_stage_holding_the_whole_model_is_the_estimates_model_phase_by_phase
     assert got.params_total == want.params_total
 
 
+LORA = dict(method="lora", lora_r=16, dtype="bfloat16")
+
+
+@pytest.mark.parametrize("lora", [dict(LORA), dict(LORA, lora_dropout=0.05), dict(LORA, dtype="float32"),
+                                  dict(LORA, lora_modules_to_save=("embed_tokens", "lm_head")),
+                                  dict(LORA, quantize="nf4")], ids=["lora", "dropout", "fp32", "copies", "qlora"])
+@pytest.mark.parametrize("layout", [dict(strategy="fsdp", num_gpus=8), dict(strategy="ddp", num_gpus=8,
+                                                                            grad_accum_steps=4),
+                                    dict(strategy="single", num_gpus=1)])
+@pytest.mark.parametrize("ckpt", [True, False])
+def test_one_lora_stage_holding_the_whole_model_is_the_estimates_model_phase_by_phase(lora, layout, ckpt):
+    """LoRA and QLoRA on stages: the adapters' saved tensors and casts, a frozen embedding's first layer, the 4-bit
+    base, the head's and the embeddings' trained copies; one stage of every layer is the whole model's estimate."""
+    if lora.get("quantize") and layout["strategy"] == "fsdp":
+        pytest.skip("a QLoRA stage is not sharded (refused)")
+    s = TrainSpec(**{**FULL, "gradient_checkpointing": ckpt, **layout, **lora})
+    whole = Stage(0, (0,), (range(32),), True, True, (1,), 1)
+    got, want = stage_estimate(LLAMA, s, whole), estimate(LLAMA, s)
+    assert got.phase_parts == want.phase_parts and got.per_gpu_peak_bytes == want.per_gpu_peak_bytes
+    assert got.params_total == want.params_total and got.params_trainable == want.params_trainable
+
+
+@pytest.mark.parametrize("quantize", [None, "nf4"])
+def test_lora_stages_hold_the_adapters_of_their_layers_and_the_base_frozen(quantize):
+    """2 stages of Llama-2-7B's 32 layers, LoRA r 16 on every linear, DDP inside each: the stages' adapters add up
+    to the model's (and only their own layers': 16 each), their gradients and AdamW state are the adapters' alone
+    (fp32), the frozen base is in bf16 (QLoRA: 4-bit layers), stage 1's received input keeps its first layer's
+    input-norm tensors, which stage 0's first layer (the frozen embedding's) does not save, and the stage boundary's
+    step sends and compute are a LoRA step's (no weight gradients: 4 FLOPs a base parameter a token)."""
+    from llmtrain.memory.params import lora_plan
+    from llmtrain.memory.pipeline import stage_plan
+
+    s = spec(strategy="ddp", **LORA, quantize=quantize)
+    stages = stages_of(LLAMA, s)
+    plans = [stage_plan(LLAMA, s, st) for st in stages]
+    whole = lora_plan(LLAMA, r=16)
+    assert [len(p.adapted) for p in plans] == [16, 16]
+    assert sum(p.trainable(stage_shape(LLAMA, st)) for p, st in zip(plans, stages)) == whole.trainable(LLAMA)
+    for st, plan in zip(stages, plans):
+        held = stage_states(LLAMA, s, st, 16)
+        adapters = plan.trainable(stage_shape(LLAMA, st)) * 4
+        assert held.grads == adapters and held.optimizer == 2 * adapters and held.ddp_buckets == adapters
+        base = stage_shape(LLAMA, st).params_total * 2
+        assert (held.weights - adapters < base) == bool(quantize)  # 4-bit layers, the rest in bf16
+    p = make_pass(LLAMA, s.but(gradient_checkpointing=False))
+    first, second = (chunk_bytes(p, LLAMA, st, 0, False, plan) for st, plan in zip(stages, plans))
+    from llmtrain.memory import activations as act
+
+    discount = act.frozen_input_discount(p, LLAMA, whole.adapted[0])
+    ends = act.norm_bytes(p, LLAMA.hidden, trainable=False) + act.loss_input_bytes(p, LLAMA)
+    assert first + discount - act.stream_inputs_bytes(p, LLAMA, embed_trainable=False) == \
+        second - ends - act.rope_bytes(p, LLAMA)
+    est = pipeline_estimate(LLAMA, s)
+    assert est.params_trainable in {plan.trainable(stage_shape(LLAMA, st)) for st, plan in zip(stages, plans)}
+    full = pipeline_estimate(LLAMA, spec(strategy="ddp", dtype="bfloat16"))
+    assert est.per_gpu_peak_bytes < full.per_gpu_peak_bytes / 2  # no fp32 gradients and moments of the base
+    net = Network()
+    lora_t, full_t = pipeline_traffic(LLAMA, s, net), pipeline_traffic(LLAMA, spec(strategy="ddp", dtype="bfloat16"),
+                                                                          net)
+    assert lora_t.compute_s == pytest.approx(full_t.compute_s * 4 / 6, rel=0.05)
+
+
 def test_unsharded_accumulation_is_how_torchs_pipeline_stage_runs_an_fsdp_stage():
     """train.fsdp_accumulate=unsharded: torch's PipelineStage turns FSDP's gradient sync and resharding off in every
     micro-batch's backward and reduce-scatters once after the last. A GPU of stage 0 then holds its stage's whole
@@ -274,7 +336,8 @@ def test_fit_offers_a_pipeline_across_nodes_where_it_is_the_fastest():
      "the interleaved schedule runs at least 2 stages a GPU"),
     (("--pipeline-parallel", "3"), "pipeline parallelism 3 must divide the GPUs: 16"),
     (("--pipeline-parallel", "4", "--grad-accum", "2"), "Schedule1F1B needs at least as many micro-batches as stages"),
-    (("--pipeline-parallel", "2", "--method", "lora"), "pipeline parallelism is modelled for full fine-tuning"),
+    (("--pipeline-parallel", "2", "--method", "lora", "--quantize", "nf4"), "a QLoRA stage runs on a plain"),
+    (("--pipeline-parallel", "2", "--cpu-offload"), "pipeline parallelism is modelled without cpu offload"),
 ])
 def test_bad_pipeline_flags_are_refused_in_one_paragraph(args, message):
     base = ("--model", "llama-2-7b", "--strategy", "fsdp", "--num-gpus", "8", "--num-nodes", "2")
@@ -286,9 +349,9 @@ def test_bad_pipeline_flags_are_refused_in_one_paragraph(args, message):
 
 
 def test_the_refusals_are_collected_into_one_paragraph():
-    with pytest.raises(LLMTrainError, match="inside a pipeline stage the GPUs run fsdp or ddp .*; pipeline "
-                                            "parallelism is modelled for full fine-tuning"):
-        pipeline_estimate(LLAMA, spec(strategy="hsdp", method="lora"))
+    with pytest.raises(LLMTrainError, match="inside a pipeline stage the GPUs run fsdp or ddp .*; a QLoRA stage "
+                                            "runs on a plain multi-process launch"):
+        pipeline_estimate(LLAMA, spec(strategy="hsdp", method="lora", quantize="nf4"))
     with pytest.raises(LLMTrainError, match="multiple of them"):
         pipeline_estimate(LLAMA, spec(pipeline_schedule="interleaved_1f1b", grad_accum_steps=5))
     with pytest.raises(LLMTrainError, match="need the interleaved schedule"):  # chunks without a pipeline too

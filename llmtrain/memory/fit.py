@@ -203,6 +203,8 @@ def pipeline_candidates(shape: ModelShape, spec: TrainSpec, global_batch: int | 
     on 1/P of the data ranks) and fit, the one with the least step time per token (without a global batch to keep, the
     largest that fits, at P times the run's accumulation)."""
     out = []
+    if spec.method != "full":  # LoRA across nodes: DDP (or HSDP), whose traffic is the adapters
+        return out
     for p in (p for p in range(2, spec.num_nodes + 1) if spec.num_nodes % p == 0):
         for ckpt in (False, True):
             run = spec.but(strategy="fsdp", pipeline_parallel=p, gradient_checkpointing=ckpt, fsdp_accumulate="sharded")

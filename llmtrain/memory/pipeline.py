@@ -30,9 +30,9 @@ from llmtrain.memory.comms import (
     traffic,
 )
 from llmtrain.memory.estimate import _backward_layers, _finish, _loss_phases, _notes, _phase, estimate, make_pass
-from llmtrain.memory.params import ModelShape
+from llmtrain.memory.params import LoraPlan, ModelShape, lora_plan
 from llmtrain.memory.spec import DTYPE_BYTES, GIB, Estimate, TrainSpec
-from llmtrain.memory.states import States, accumulated_grads
+from llmtrain.memory.states import States, accumulated_grads, states
 from llmtrain.parallel.pipeline.split import bubble_fraction, in_flight, interleaved_rounds, rank_stages, stage_layers
 
 
@@ -71,11 +71,13 @@ def pipeline_problems(spec: TrainSpec, shape: ModelShape) -> list[str]:
     if spec.strategy not in ("single", "ddp", "fsdp") or (spec.strategy == "ddp" and stage_gpus == 1):
         problems.append(f"inside a pipeline stage the GPUs run fsdp or ddp (single: one GPU a stage), not "
                         f"{spec.strategy} on {stage_gpus} GPU(s) a stage: the stages already split the model")
-    if spec.method != "full" or spec.quantize or spec.cpu_offload or spec.tp > 1 or spec.sequence_parallel > 1 \
-            or spec.num_generations or spec.activation_offload or spec.tiled_mlp:
-        problems.append("pipeline parallelism is modelled for full fine-tuning without LoRA, cpu offload, tensor or "
-                        "sequence parallelism, online RL, activation offload or the tiled MLP (LoRA of a 7B fits one "
-                        "GPU with DDP)")
+    if spec.cpu_offload or spec.tp > 1 or spec.sequence_parallel > 1 or spec.num_generations \
+            or spec.activation_offload or spec.tiled_mlp:
+        problems.append("pipeline parallelism is modelled without cpu offload, tensor or sequence parallelism, online "
+                        "RL, activation offload or the tiled MLP (llmtrain's stages run none of them)")
+    if spec.quantize and spec.sharded:
+        problems.append("a QLoRA stage runs on a plain multi-process launch, not under FSDP (llmtrain refuses it "
+                        "untested): use --strategy ddp, or single with one GPU a stage")
     if spec.pipeline_schedule == "1f1b" and m < p:
         problems.append(f"torch's Schedule1F1B needs at least as many micro-batches as stages: train.grad_accum_steps "
                         f"{m} < {p} (GPipe takes fewer: --pipeline-schedule gpipe)")
@@ -139,10 +141,26 @@ def stage_master(spec: TrainSpec) -> int:
     return 4 if (spec.sharded and spec.mixed_precision != "no") else DTYPE_BYTES[spec.dtype]
 
 
+def stage_plan(shape: ModelShape, spec: TrainSpec, stage: Stage) -> LoraPlan | None:
+    """A LoRA run's adapters on the stage's GPU (None: a full fine-tune): its layers' (in the order of its chunks),
+    an adapted LM head and modules_to_save's copies only where it holds the head or the embeddings."""
+    if spec.method != "lora":
+        return None
+    plan = lora_plan(shape, r=spec.lora_r, targets=spec.lora_target_modules, modules_to_save=spec.lora_modules_to_save)
+    saved = tuple(m for m in plan.saved_copies
+                  if (m == "lm_head" and stage.last) or (m == "embed_tokens" and stage.first))
+    return replace(plan, adapted=tuple(plan.adapted[i] for c in stage.chunks for i in c),
+                   adapted_head=plan.adapted_head and stage.last, saved_copies=saved)
+
+
 def stage_states(shape: ModelShape, spec: TrainSpec, stage: Stage, modelled: int) -> States:
-    """A full fine-tune's weights, gradients and AdamW state of the stage's parameters (its layers, and the
-    embeddings or the head where it has them) in their master dtype, sharded over the FSDP group inside the stage
-    (spec.shards: world / P); `modelled` of its layers are those estimate's phases walk (grads_layer)."""
+    """The weights, gradients and AdamW state of the stage's parameters (its layers, and the embeddings or the head
+    where it has them), sharded over the FSDP group inside the stage (spec.shards: world / P): a full fine-tune's in
+    their master dtype; LoRA's as states.states has them (the frozen base, 4-bit under QLoRA, and the adapters);
+    `modelled` of its layers are those estimate's phases walk (grads_layer)."""
+    if (plan := stage_plan(shape, spec, stage)) is not None:
+        st = states(stage_shape(shape, stage), spec, plan)
+        return replace(st, grads_layer=st.grads_layer[:modelled])
     master = stage_master(spec)
     layer = shape.params_per_layer * master
     own = stage_shape(shape, stage)
@@ -159,7 +177,9 @@ def stage_estimate(shape: ModelShape, spec: TrainSpec, stage: Stage) -> Estimate
     embeddings, the head, or else the most layers (the forward of its last layer, the loss's chunks on the last
     stage, each layer's backward, the embeddings' backward on the first, the optimizer step), plus, in every phase but
     the optimizer's, what the other micro-batches in flight keep (each chunk's layers' saved tensors and RoPE; the
-    first chunk the token ids, the last the final norm's and the loss's inputs) and the receive buffers."""
+    first chunk the token ids, the last the final norm's and the loss's inputs) and the receive buffers. LoRA (and
+    QLoRA) as estimate.py counts it: the adapters' saved tensors and casts, a frozen embedding's first layer saving
+    less (on the first stage only: every other stage's input is received with its gradient wanted)."""
     c = stage.chunks.index(stage.chunks[-1] if stage.last else stage.chunks[0] if stage.first else
                            max(stage.chunks, key=len))
     sub = stage_shape(shape, stage, len(stage.chunks[c]))
@@ -167,11 +187,21 @@ def stage_estimate(shape: ModelShape, spec: TrainSpec, stage: Stage) -> Estimate
     L, V, H, ckpt, fsdp = sub.layers, shape.vocab, shape.hidden, spec.gradient_checkpointing, spec.sharded
     O = shape.head_outputs  # the last stage's head: the vocabulary, or a reward model's one score
     amp = p.autocast
-    saved = [act.layer_bytes(p, sub, {}, spec.lora_r)] * L
-    kept = [act.checkpoint_bytes(p, sub)] * L if ckpt else saved
+    plan = stage_plan(shape, spec, stage)
+    full = plan is None
+    offset = sum(len(x) for x in stage.chunks[:c])  # the modelled chunk's first layer among the stage's
+    adapted = [plan.adapted[offset + i] if plan else {} for i in range(L)]
+    chunk_plan = replace(plan, adapted=tuple(adapted)) if plan else None
     first, last = stage.first and c == 0, stage.last and c == len(stage.chunks) - 1  # the modelled chunk's ends
-    rope_ids = act.stream_inputs_bytes(p, sub, embed_trainable=True) if first else act.rope_bytes(p, sub)
-    ends = act.norm_bytes(p, H, trainable=True) + act.loss_input_bytes(p, sub) if last else 0
+    embed_trains = full or "embed_tokens" in plan.saved_copies  # (a stage's plan: the first stage's only)
+    head_trains = full or "lm_head" in plan.saved_copies
+    frozen_input = first and not embed_trains  # the first layer's input needs no gradient
+    saved = [act.layer_bytes(p, sub, adapted[i], spec.lora_r) for i in range(L)]
+    if frozen_input:
+        saved[0] -= act.frozen_input_discount(p, sub, adapted[0])
+    kept = [act.checkpoint_bytes(p, sub)] * L if ckpt else saved
+    rope_ids = act.stream_inputs_bytes(p, sub, embed_trainable=embed_trains) if first else act.rope_bytes(p, sub)
+    ends = act.norm_bytes(p, H, trainable=full, gemma=shape.gemma_norms) + act.loss_input_bytes(p, sub) if last else 0
     held = in_flight_bytes(p, shape, stage, spec) - (sum(kept) + rope_ids + ends)  # the other micro-batches'
     buffers = receive_buffer_bytes(p, shape, stage, spec)
     mask = act.mask_bytes(p, shape.masks)
@@ -179,8 +209,19 @@ def stage_estimate(shape: ModelShape, spec: TrainSpec, stage: Stage) -> Estimate
     # autocast's casts of fp32 weights (not under FSDP's mixed precision): its cache holds every trainable layer's until
     # the forward returns, checkpointed or not; after it, only what the matmuls saved (none under checkpointing)
     router = shape.experts.count * H if shape.experts else 0  # a mixture of experts' router weight, its one cast
-    copies = [(sub.linear_params_per_layer + router) * p.cd if p.separate_casts else 0] * L
-    copies_fwd = sum(copies)
+    adapter_params = [chunk_plan.layer_params(i) if chunk_plan else 0 for i in range(L)]
+    base_copies = (sub.linear_params_per_layer + router) * p.cd if p.separate_casts else 0
+    adapter_cast = amp and not fsdp  # fp32 adapters under autocast
+    factors = sum(n for name, n in plan.moe_params.items() if name.startswith("mlp.experts.")) if plan else 0
+    copies = [base_copies + ((n - factors) * p.cd if adapter_cast else 0) for n in adapter_params]
+    cached = [(base_copies if full else 0) + ((n - factors) * p.cd if adapter_cast else 0) for n in adapter_params]
+    if frozen_input:  # nor are its q/k/v weights' casts kept (saved for the input's gradient)
+        qkv = [x for x in sub.layer_linears if x.name in sub.input_linears[0]]
+        copies[0] -= sum(x.numel for x in qkv) * p.cd if p.separate_casts else 0
+        copies[0] -= sum(spec.lora_r * x.fan_in for x in qkv if x.name in adapted[0]) * p.cd if adapter_cast else 0
+    head_copies = (O * H * p.cd if p.separate_casts else 0) + (
+        spec.lora_r * (H + V) * p.cd if (plan and plan.adapted_head and adapter_cast) else 0)
+    copies_fwd = sum(copies) if not ckpt else sum(cached) + copies[-1] - cached[-1]
     pd = p.cd if amp else DTYPE_BYTES[spec.dtype]
     st = stage_states(shape, spec, stage, L)
     # FSDP inside a stage, by train.fsdp_accumulate. sharded (the default): as without a pipeline, each layer gathered
@@ -191,45 +232,49 @@ def stage_estimate(shape: ModelShape, spec: TrainSpec, stage: Stage) -> Estimate
     # accumulates unsharded in the reduce dtype) and all its parameters gathered in the compute dtype (torchtitan also
     # keeps them gathered after forward under a pipeline, reshard_after_forward=False: one all-gather a step).
     whole_grad = fsdp and spec.fsdp_accumulate == "unsharded"
-    unit = sub.params_per_layer * pd if fsdp else 0
-    gathered = stage_shape(shape, stage).params_total * pd if whole_grad else 2 * unit
-    unit_grads = sub.params_per_layer * (pd + 4 * amp) if fsdp else 0  # a layer's gradients being made
+    whole = stage_shape(shape, stage)
+    unit = (sub.params_per_layer + max(adapter_params)) * pd if fsdp else 0
+    gathered = (whole.params_total + (plan.trainable(whole) if plan else 0)) * pd if whole_grad else 2 * unit
+    # a layer's gradients being made
+    unit_grads = (sub.params_per_layer if full else max(adapter_params)) * (pd + 4 * amp) if fsdp else 0
     # The gradients the rank's other chunks (interleaved) made before this one's backward are held beside it even when
     # no accumulation holds them (grad_accum_steps 1); the embeddings' come after.
-    embed = shape.params_embed * stage_master(spec) // spec.shards if stage.first else 0
+    embed = (shape.params_embed if full else V * H * (not plan or "embed_tokens" in plan.saved_copies)) * \
+        stage_master(spec) // spec.shards if stage.first else 0
     others = st.grads - sum(st.grads_layer) - st.grads_head - embed
     g_acc = st.grads * spec.shards if whole_grad else max(accumulated_grads(spec, st), others)
     base = dict(weights=st.weights, optimizer=st.optimizer, ddp_buckets=st.ddp_buckets, pipeline_buffers=buffers)
     acts = sum(kept) + rope_ids + ends + held
     phases = {"forward": _phase(**base, gradients=g_acc, autocast_copies=copies_fwd,
                                 activations=sum(kept) + rope_ids + held + mask, fsdp_buffers=gathered,
-                                temporaries=act.layer_forward_temp(p, sub, {}))}
+                                temporaries=act.layer_forward_temp(p, sub, adapted[-1]))}
     if last:
         phases.update(_loss_phases(
-            p, sub, spec, st, head_copies=O * H * p.cd if p.separate_casts else 0,
+            p, sub, spec, st, head_copies=head_copies,
             tail=gathered if whole_grad else (O * H + shape.params_final_norm) * pd if fsdp else 0,
-            fsdp_head=O * H * pd if fsdp else 0,
+            fsdp_head=O * H * pd if fsdp and head_trains else 0,
             forward=dict(**base, gradients=g_acc, autocast_copies=copies_fwd, activations=acts + mask),
             backward=dict(**base, gradients=g_acc, autocast_copies=0 if ckpt else sum(copies),
-                          activations=acts + mask_bwd), head_adapter_r=0))
+                          activations=acts + mask_bwd),
+            head_adapter_r=spec.lora_r if plan and plan.adapted_head else 0))
     mlp = [x.numel for x in sub.layer_linears if x.name.startswith("mlp.")] + [router]
     attn = [x.numel for x in sub.layer_linears if not x.name.startswith("mlp.")]
-    temps = (max(mlp) * p.cd, max(attn) * p.cd) if p.separate_casts else (0, 0)  # a 16-bit weight gradient
+    # a 16-bit weight gradient before its cast (a full fine-tune's)
+    temps = (max(mlp) * p.cd, max(attn) * p.cd) if p.separate_casts and full else (0, 0)
     phases["backward_layers"] = _backward_layers(
-        p, sub, spec, st, None, base, adapted=[{}] * L, saved=saved, kept=kept, on_gpu=kept, copies=copies,
+        p, sub, spec, st, chunk_plan, base, adapted=adapted, saved=saved, kept=kept, on_gpu=kept, copies=copies,
         below_all=rope_ids + mask_bwd + held, g_acc=g_acc, temps=temps,
-        fsdp_buffers=gathered + 2 * unit_grads, embed_trains=True)
+        fsdp_buffers=gathered + 2 * unit_grads, embed_trains=not frozen_input)
     if first:
         phases["backward_embedding"] = _phase(**base, gradients=max(g_acc, st.grads),
                                               temporaries=p.tokens * H * p.resid,
-                                              fsdp_buffers=(gathered if whole_grad else V * H * pd) + V * H * pd
-                                              if fsdp else 0)
+                                              fsdp_buffers=(gathered if whole_grad else V * H * pd)
+                                              + (V * H * pd if full else 0) if fsdp else 0)
     if whole_grad:  # the step's one reduce-scatter, unit by unit: the whole gradient, its shards, a unit's flat copy
         phases["reduce_gradients"] = _phase(**base, gradients=g_acc + st.grads, fsdp_buffers=gathered,
                                             temporaries=unit_grads)
     phases["optimizer_step"] = _phase(**base, gradients=st.grads)
-    whole = stage_shape(shape, stage)
-    est = _finish(whole, spec, None, st, phases, notes=_notes(sub, spec, p) + stage_notes(shape, spec))
+    est = _finish(whole, spec, plan, st, phases, notes=_notes(sub, spec, p) + stage_notes(shape, spec))
     state = st.weights + st.grads + st.optimizer + st.ddp_buckets
     summary = {"rank": stage.rank, "virtual_stages": list(stage.virtual),
                "layers": [[r.start, r.stop] for r in stage.chunks], "embedding": stage.first, "head": stage.last,
@@ -239,22 +284,34 @@ def stage_estimate(shape: ModelShape, spec: TrainSpec, stage: Stage) -> Estimate
     return replace(est, pipeline={"stage": summary})
 
 
-def chunk_bytes(p: act.Pass, shape: ModelShape, stage: Stage, k: int, ckpt: bool) -> int:
+def chunk_bytes(p: act.Pass, shape: ModelShape, stage: Stage, k: int, ckpt: bool, plan: LoraPlan | None = None) -> int:
     """What one micro-batch leaves saved in chunk k of `stage` after its forward: each layer's saved tensors (with
     checkpointing its input; a later virtual stage's first input is its receive buffer, counted there), RoPE (each
-    stage makes its own), the token ids on the first virtual stage, the final norm's and loss's inputs on the last."""
+    stage makes its own), the token ids on the first virtual stage, the final norm's and loss's inputs on the last.
+    `plan`: the stage's LoRA adapters (stage_plan; None: a full fine-tune), whose saved tensors the layers add, and
+    whose frozen embedding the first virtual stage's first layer saves less for."""
     sub = replace(shape, layers=len(stage.chunks[k]))
-    per_layer = act.checkpoint_bytes(p, sub) if ckpt else act.layer_bytes(p, sub, {}, 0)
     s = stage.virtual[k]
-    own = per_layer * sub.layers - (per_layer if ckpt and s > 0 else 0)
-    ends = act.norm_bytes(p, shape.hidden, trainable=True) + act.loss_input_bytes(p, shape) \
+    full = plan is None
+    embed_trains = full or "embed_tokens" in plan.saved_copies
+    if ckpt:
+        own = act.checkpoint_bytes(p, sub) * sub.layers - (act.checkpoint_bytes(p, sub) if s > 0 else 0)
+    else:
+        offset = sum(len(x) for x in stage.chunks[:k])
+        adapted = [plan.adapted[offset + i] if plan else {} for i in range(sub.layers)]
+        own = sum(act.layer_bytes(p, sub, a, plan.r if plan else 0) for a in adapted)
+        own -= act.frozen_input_discount(p, sub, adapted[0]) if s == 0 and not embed_trains else 0
+    ends = act.norm_bytes(p, shape.hidden, trainable=full, gemma=shape.gemma_norms) + act.loss_input_bytes(p, shape) \
         if s == stage.total - 1 else 0
-    return own + (act.stream_inputs_bytes(p, sub, embed_trainable=True) if s == 0 else act.rope_bytes(p, sub)) + ends
+    return own + (act.stream_inputs_bytes(p, sub, embed_trainable=embed_trains) if s == 0 else act.rope_bytes(p, sub)) \
+        + ends
 
 
 def in_flight_bytes(p: act.Pass, shape: ModelShape, stage: Stage, spec: TrainSpec) -> int:
     """The activations the stage's schedule holds at once: chunk_bytes x the micro-batches in flight, every chunk."""
-    return sum(n * chunk_bytes(p, shape, stage, k, spec.gradient_checkpointing) for k, n in enumerate(stage.held))
+    plan = stage_plan(shape, spec, stage)
+    return sum(n * chunk_bytes(p, shape, stage, k, spec.gradient_checkpointing, plan)
+               for k, n in enumerate(stage.held))
 
 
 def receive_buffer_bytes(p: act.Pass, shape: ModelShape, stage: Stage, spec: TrainSpec) -> int:
@@ -290,19 +347,24 @@ def stage_traffic(shape: ModelShape, spec: TrainSpec, stage: Stage, network: Net
     group = spec.but(pipeline_parallel=1, num_gpus=min(d, g), num_nodes=max(1, d // g),
                      strategy=spec.strategy if d > 1 else "single")
     whole = stage_shape(shape, stage)
-    trainable = whole.params_total * stage_master(spec)
+    plan = stage_plan(shape, spec, stage)
+    trained = whole.params_total if plan is None else plan.trainable(whole)  # LoRA: the adapters (and copies)
+    # their gradients as they are reduced: the master dtype's, LoRA's fp32 adapters
+    trainable = (trained * stage_master(spec) if plan is None
+                 else stage_states(shape, spec, stage, 0).grads * spec.shards)
     if spec.sharded and spec.fsdp_accumulate == "unsharded":  # once a step each (stage_estimate: torch's PipelineStage)
-        g = gathered_bytes(whole, group, trained_params=whole.params_total)
+        g = gathered_bytes(whole, group, trained_params=trained)
         inside = parts_of(group, (
             Collective("all-gather of the stage's parameters, once a step (kept gathered through its micro-batches)",
                        "all_gather", g.resharded + g.tail, d, "job"),
             Collective("reduce-scatter of the stage's gradients, once a step (after its last micro-batch)",
                        "reduce_scatter", trainable, d, "job")))
     else:
-        inside = traffic(whole, group, trained_params=whole.params_total, trainable_bytes=trainable,
-                         network=network).parts
-    flops = sum(step_flops(replace(shape, layers=len(c)), spec, 1.0) for c in stage.chunks)
-    flops -= (len(stage.chunks) - stage.last) * spec.tokens * spec.grad_accum_steps * shape.vocab * shape.hidden * 6
+        inside = traffic(whole, group, trained_params=trained, trainable_bytes=trainable, network=network).parts
+    full = plan is None  # LoRA: no weight gradients of the base (4 FLOPs a frozen parameter a token, 6 a trained one)
+    flops = sum(step_flops(replace(shape, layers=len(c)), spec, 1.0 if full else 0.0) for c in stage.chunks)
+    flops -= (len(stage.chunks) - stage.last) * spec.tokens * spec.grad_accum_steps * shape.vocab * shape.hidden * (
+        6 if full else 4)
     p = make_pass(shape, spec)
     send = float(p.tokens * shape.hidden * p.resid)
     intra = inter = 0.0
