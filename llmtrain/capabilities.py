@@ -55,11 +55,7 @@ MODES: dict[str, Mode] = {m.key: m for m in (
     Mode("preference", "preference pairs (preference:)", ("preference",), "pairs", True,
          "loss, reward margin and accuracy, samples", "causal LM", router_aux=True),
     Mode("kto", "KTO (kto:)", ("unpaired",), "examples", False, "loss, reward margin", "causal LM", router_aux=True,
-         refused={"tp": "a full fine-tune keeps a frozen copy of the starting model as its reference, whole on every "
-                        "process, which tensor parallelism's split would undo, and tensor parallelism does not train "
-                        "LoRA (the reference without a copy). Launch with a DDP or FSDP config "
-                        "(accelerate_configs/ddp.yaml or fsdp.yaml) and a lora: section",
-                  "pp": _OWN_PASSES_PP.replace("its own passes", "its own passes (the KL "
+         refused={"pp": _OWN_PASSES_PP.replace("its own passes", "its own passes (the KL "
                                                                 "sequences, the reference)")}),
     Mode("reward_model", "a reward model (reward_model:)", ("preference",), "pairs", True, "loss, accuracy, margin",
          "score head", samples=False),
@@ -175,18 +171,18 @@ _TILED_TP = ("model.tiled_mlp runs on one process, under DDP or under FSDP; tens
 
 RULES: tuple[Rule, ...] = (
     Rule("tp", lambda r, _: r.model.quantize is not None,
-         "{key} does not train a 4-bit base (model.quantize): peft's adapters are whole matrices "
-         "beside the sharded base weights. A LoRA run of a 7B model fits one GPU: launch it with "
-         "accelerate_configs/ddp.yaml or accelerate_configs/fsdp.yaml (tp_size 1)"),
-    Rule("tp", lambda r, _: r.lora is not None and r.model.quantize is None,
-         "{key} does not train LoRA (the recipe's lora: section): peft's adapters are whole "
-         "matrices beside the sharded base weights. A LoRA run of a 7B model fits one GPU: launch it with "
-         "accelerate_configs/ddp.yaml or accelerate_configs/fsdp.yaml (tp_size 1)"),
+         "{key} does not train a 4-bit base (model.quantize): bitsandbytes' packed 4-bit weights cannot be split "
+         "by rows or columns. A QLoRA run of a 7B model fits one GPU: launch it with accelerate_configs/ddp.yaml "
+         "(tp_size 1), or train LoRA on a 16-bit base under tensor parallelism"),
     Rule("tp", lambda r, _: r.model.compile,
          "{key} with model.compile fails: inductor's compile of the tensor-parallel layers recursed without end at "
          "the second step (torch 2.13 on gloo). Set model.compile=false"),
     Rule("tp", lambda r, _: bool(r.model.tiled_mlp),
          _TILED_TP),
+    Rule("tp", lambda r, _: r.kto is not None and r.lora is None,
+         "{key} with kto: a full fine-tune keeps a frozen copy of the starting model as its reference, whole on "
+         "every process, which tensor parallelism's split would undo. Add a lora: section (the reference is then "
+         "the model with its adapter disabled, no copy), or launch with a DDP or FSDP config"),
     Rule("fsdp", _kto_reread,
          "kto: a full fine-tune's reference under FSDP is the starting weights read again from model.name_or_path "
          "and sharded like the policy, and model.random_init has none to read. Save the initial model first "

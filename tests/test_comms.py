@@ -238,8 +238,9 @@ def test_estimate_memory_models_hsdp_x_tp_from_the_hsdp_launch_and_tp(tmp_path):
 
 
 @pytest.mark.parametrize("spec, says", [
-    (dict(strategy="ddp", num_gpus=8, tp=2), "use strategy fsdp or hsdp and method full"),
-    (dict(strategy="fsdp", num_gpus=8, tp=2, method="lora"), "use strategy fsdp or hsdp and method full"),
+    (dict(strategy="ddp", num_gpus=8, tp=2), "use strategy fsdp or hsdp, no --quantize"),
+    (dict(strategy="fsdp", num_gpus=8, tp=2, method="lora", quantize="nf4"),
+     "use strategy fsdp or hsdp, no --quantize"),
     (dict(strategy="fsdp", num_gpus=8, tp=3), "tp 3 must divide the GPUs of a node (8)"),
     (dict(strategy="fsdp", num_gpus=2, tp=2), "leave at least 2 FSDP shards"),
 ])
@@ -248,3 +249,18 @@ def test_tensor_parallel_layouts_llmtrain_does_not_train_are_not_estimated(spec,
 
     with pytest.raises(LLMTrainError, match=re.escape(says)):
         TrainSpec(**spec).validate()
+
+
+def test_lora_under_tensor_parallelism_counts_each_gpus_adapters():
+    """LoRA r 16 under FSDP x TP 2 on Llama-2-7B (tensor.ADAPTER_STYLES): a column-wise layer's A is whole and its B
+    half (r x (in + out/2)), a row-wise layer's A half and its B whole (r x (in/2 + out)); 32 layers of that, before
+    FSDP shards them over the 4 data-parallel ranks."""
+    from llmtrain.memory.estimate import estimate
+    from llmtrain.memory.params import load_model_shape
+
+    shape = load_model_shape("llama-2-7b")
+    h, i, r = 4096, 11008, 16
+    layer = 3 * r * (h + h // 2) + 2 * r * (h + i // 2) + r * (h // 2 + h) + r * (i // 2 + h)
+    est = estimate(shape, TrainSpec(method="lora", lora_r=r, dtype="bfloat16", mixed_precision="bf16",
+                                    strategy="fsdp", num_gpus=8, tp=2, micro_batch=1, seq_len=1024))
+    assert est.params_trainable == 32 * layer

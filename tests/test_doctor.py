@@ -235,16 +235,20 @@ def test_warmup_at_or_past_the_run_length_is_warned_by_doctor_and_finetune(tiny_
         (tmp_path / "run" / "train.log").read_text()
 
 
-def test_a_tensor_parallel_launch_counts_data_ranks_and_refuses_lora(tiny_assets, tmp_path):
-    """fsdp_tp.yaml (8 processes as 4 shards x 2 TP): the global batch is over 4 data-parallel ranks; a LoRA recipe
-    fails the tensor-parallelism row, as finetune would refuse it."""
+def test_a_tensor_parallel_launch_counts_data_ranks_and_refuses_qlora(tiny_assets, tmp_path):
+    """fsdp_tp.yaml (8 processes as 4 shards x 2 TP): the global batch is over 4 data-parallel ranks; LoRA passes, a
+    QLoRA recipe (a 4-bit base) fails the tensor-parallelism row, as finetune would refuse it."""
     launch = REPO / "accelerate_configs" / "fsdp_tp.yaml"
     full = rows(run_doctor(load_recipe(write_recipe(tiny_assets, tmp_path)), accelerate_config=launch, gpu_memory=80))
     assert full["layout"][0] == "pass" and "tensor parallelism" in full["layout"][1]
     assert full["global batch"][1].startswith("4 data-parallel ranks x 4 examples")
     lora = rows(run_doctor(load_recipe(write_recipe(tiny_assets, tmp_path, lora={"r": 4})), accelerate_config=launch,
                            gpu_memory=80))
-    assert lora["layout"][0] == "fail" and "does not train LoRA" in lora["layout"][1]
+    assert lora["layout"][0] == "pass"
+    qlora = rows(run_doctor(load_recipe(write_recipe(tiny_assets, tmp_path, lora={"r": 4},
+                                                     model={"quantize": "nf4", "dtype": "bfloat16"})),
+                            accelerate_config=launch, gpu_memory=80))
+    assert qlora["layout"][0] == "fail" and "does not train a 4-bit base" in qlora["layout"][1]
     alone = rows(run_doctor(load_recipe(write_recipe(tiny_assets, tmp_path)), gpu_memory=80))["layout"]
     assert alone[0] == "pass" and "tensor" not in alone[1]
 

@@ -120,6 +120,63 @@ def test_fsdp_x_tp_2x2_trains_like_one_process(straight, attention):
     assert pieces["layers.0.input_layernorm.weight"] == [(0,), (64,)]  # whole on each TP rank, sharded by FSDP
 
 
+def test_lora_under_fsdp_x_tp_trains_like_one_process_and_resumes_on_one(tiny_assets, tmp_path, free_port):
+    """LoRA beside the split layers (tensor.ADAPTER_STYLES): a column-wise layer's B keeps its 1/tp of the output
+    rows and A runs whole; a row-wise layer's A takes its 1/tp of the input columns (its r outputs all-reduced) and
+    B runs whole. 2 shards x 2 TP x micro-batch 2 == 1 process x micro-batch 4: losses and gradient norms to 1e-6,
+    the final adapter (gathered whole, under peft's names) to 1e-6; its step-2 checkpoint resumes on 1 FSDP process
+    to the same end. An A or B laid out wrong (an adapter's output beside the wrong rows, or a gradient not summed over
+    the pair) changes the gradient norm at the first step."""
+    recipe = write_recipe(tiny_assets, tmp_path, lora={"r": 4, "alpha": 8, "dropout": 0.0},
+                          train={"max_steps": 4, "micro_batch_size": 4, **SGD_LIKE}, checkpoint={"every_steps": 2},
+                          model={"attn_implementation": "eager"})
+    single = tmp_path / "one"
+    run_train(recipe, f"output_dir={single}")
+    tp = tmp_path / "tp"
+    _launch(recipe, free_port, 4, f"output_dir={tp}")
+    assert_same_steps(tp, single, tol=1e-6)
+    assert losses(tp) == pytest.approx(losses(single), abs=1e-6) and losses(tp)[-1] < losses(tp)[0]
+    name = "adapter_model.safetensors"
+    a, b = load_weights(tp / "final" / name), load_weights(single / "final" / name)
+    assert a.keys() == b.keys() and any("lora_A" in k for k in a) and max_abs_diff(a, b) < 1e-6
+
+    run = Path(shutil.copytree(tp, tmp_path / "tp-on-one"))
+    shutil.rmtree(run / "checkpoints" / "step_000004")
+    shutil.rmtree(run / "final")
+    assert "resumed from" in _launch(recipe, free_port + 1, 1, f"output_dir={run}", resume="auto")  # FSDP, 1 process
+    assert losses(run) == pytest.approx(losses(single), abs=1e-6)
+    assert max_abs_diff(load_weights(run / "final" / name), b) < 1e-6
+
+
+@pytest.mark.extended  # main tier: LoRA under FSDP x TP above (KTO's passes are the policy's forward, with and
+# without the adapter), and KTO's FSDP launches in test_kto_run.py
+def test_kto_with_lora_under_fsdp_x_tp_trains_as_plain_fsdp(tiny_assets, tmp_path):
+    """KTO with LoRA (the reference: the adapter disabled) under 2 shards x 2 TP trains as plain FSDP on 2 processes,
+    the same 2 data ranks (so the same micro-batches and KL sequences): losses, KL estimates, rewards and gradient
+    norms to 1e-6, the adapter to 1e-4 (Adam at lr 1e-2; 1.9e-5 measured). A full fine-tune's frozen copy is refused
+    under tensor parallelism (test_capabilities.py)."""
+    import yaml
+
+    recipe = yaml.safe_load((REPO / "recipes" / "tiny-kto.yaml").read_text())
+    recipe["data"].update(path=str(tiny_assets / "data" / Path(recipe["data"]["path"]).name), eval_split=None)
+    recipe["model"]["name_or_path"] = str(tiny_assets / "model")
+    recipe["lora"] = {"r": 4, "alpha": 8, "dropout": 0.0}
+    recipe["train"].update(max_steps=3, micro_batch_size=4, eval_every_steps=None, eval_samples=0, warmup_steps=0,
+                           lr=1e-2)
+    recipe["logging"] = {"progress": False, "plot": False}
+    path = tmp_path / "kto.yaml"
+    path.write_text(yaml.safe_dump(recipe))
+    launch_finetune(CONFIGS[2], 2, open_port(), path, f"output_dir={tmp_path / 'fsdp'}")
+    launch_finetune(CONFIGS[4], 4, open_port(), path, f"output_dir={tmp_path / 'tp'}")
+    got, want = records(tmp_path / "tp"), records(tmp_path / "fsdp")
+    assert len(got) == len(want) == 3
+    for key in ("loss", "kl", "rewards/chosen", "grad_norm"):
+        assert [r[key] for r in got] == pytest.approx([r[key] for r in want], abs=1e-6), key
+    name = "adapter_model.safetensors"
+    assert max_abs_diff(load_weights(tmp_path / "tp" / "final" / name),
+                        load_weights(tmp_path / "fsdp" / "final" / name)) < 1e-4
+
+
 @pytest.mark.extended  # main tier: test_fsdp_x_tp_2x2_trains_like_one_process, test_fsdp.py's sharded resume
 def test_fsdp_x_tp_checkpoints_move_between_tp_fsdp_and_one_process(straight, tmp_path, free_port):
     """An FSDP x TP checkpoint resumes on plain FSDP with 2 processes and on 1 process; and a 2-process FSDP
@@ -173,21 +230,21 @@ def test_hsdp_x_tp_2x2x2_trains_like_one_process_and_resumes_on_fsdp_x_tp(straig
 
 @pytest.mark.extended  # main tier: llmtrain launch's refusals before any process (test_launch.py, test_capabilities.py)
 def test_a_refused_launch_says_why_once_and_writes_nothing(tiny_assets, tmp_path, free_port):
-    """LoRA under cpu_tp.yaml is refused by all 4 processes before their process group exists: the paragraph is
+    """QLoRA under cpu_tp.yaml is refused by all 4 processes before their process group exists: the paragraph is
     printed once (by the node's first process, not by every GPU's), every process exits 2, no run folder is made."""
     import subprocess
     import sys
 
     from helpers import ENV
 
-    recipe = write_recipe(tiny_assets, tmp_path, lora={"r": 4})
+    recipe = write_recipe(tiny_assets, tmp_path, lora={"r": 4}, model={"quantize": "nf4", "dtype": "bfloat16"})
     proc = subprocess.run(
         [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(CONFIGS[4]), "--main_process_port",
          str(free_port), "-m", "llmtrain", "finetune", str(recipe)], env=ENV, cwd=REPO, capture_output=True,
         text=True, timeout=300)
     assert proc.returncode != 0
     assert proc.stderr.count("error: tensor parallelism (parallelism_config_tp_size: 2 in the launch config) does "
-                             "not train LoRA") == 1, proc.stderr
+                             "not train a 4-bit base") == 1, proc.stderr
     assert "exitcode  : 2" in proc.stderr and not (tmp_path / "run").exists()
     # The printing process exits first (the others wait, cli.QUIET_EXIT_DELAY_S): torchrun's report names it, with
     # exit code 2, as the root cause; the launcher then ends the others.

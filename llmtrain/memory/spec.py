@@ -217,9 +217,9 @@ class TrainSpec:
         if self.cpu_offload and not self.sharded:
             problems.append("cpu offload is FSDP's (fsdp_offload_params): use strategy fsdp")
         if self.tp > 1:
-            if not self.sharded or self.method != "full" or self.quantize or self.cpu_offload:
-                problems.append("tensor parallelism (tp > 1) is trained as FSDP (or HSDP) x TP, full fine-tuning, "
-                                "without cpu offload: use strategy fsdp or hsdp and method full")
+            if not self.sharded or self.quantize or self.cpu_offload:
+                problems.append("tensor parallelism (tp > 1) is trained as FSDP (or HSDP) x TP, a full fine-tune or "
+                                "LoRA on a 16-bit base, without cpu offload: use strategy fsdp or hsdp, no --quantize")
             elif self.num_gpus % self.tp or self.shards < 2:
                 problems.append(f"tp {self.tp} must divide the GPUs of a node ({self.num_gpus}) and leave at least 2 "
                                 "FSDP shards")

@@ -7,8 +7,11 @@ the tensor-parallel weights over the mesh's data-parallel dimensions.
 
 from __future__ import annotations
 
+import torch
+
 from llmtrain.capabilities import paragraph, tensor_plan_problems
 from llmtrain.errors import LLMTrainError
+from llmtrain.model.loss import causal_lm
 
 
 def apply_tensor_parallel(model, mesh) -> int:
@@ -23,7 +26,12 @@ def apply_tensor_parallel(model, mesh) -> int:
     one after another, which a column-wise split would cut across, so each keeps its 1/tp of the output rows and
     all-gathers its output; attention and the MLP's product then run whole on every rank, and o_proj and down_proj
     take their 1/tp of the input columns (a slice, no communication) and all-reduce their output. The weights are
-    split as for Llama; the activations are not."""
+    split as for Llama; the activations are not.
+
+    LoRA (peft's layers): the base layer inside each is split as the plan says and its adapters beside it as
+    ADAPTER_STYLES says, so an adapter's output is laid out as its base layer's; the 4-bit base of QLoRA cannot be
+    split (refused: capabilities.RULES). With lora.dropout, a column-wise adapter draws its mask on the whole input
+    on every rank of the pair (the same seed, the same draws: the same mask)."""
     from fnmatch import fnmatchcase
 
     from torch.distributed.tensor import Replicate
@@ -34,17 +42,70 @@ def apply_tensor_parallel(model, mesh) -> int:
               "rowwise_split_input": lambda: RowwiseParallel(input_layouts=Replicate())}
     if problems := tensor_plan_problems(model.config, mesh.size()):  # refused before any process starts, too
         raise LLMTrainError(paragraph(problems))
-    plan = model.config.base_model_tp_plan
-    base = getattr(model, model.base_model_prefix)
-    layers = {name: styles[style]() for name, _ in base.named_modules()
-              for pattern, style in plan.items() if style in styles and fnmatchcase(name, pattern)}
+    lm = causal_lm(model)  # through a peft model to the transformers one
+    plan = lm.config.base_model_tp_plan
+    base = getattr(lm, lm.base_model_prefix)
+    matched = {name: style for name, _ in base.named_modules()
+               for pattern, style in plan.items() if style in styles and fnmatchcase(name, pattern)}
+    layers = {}
+    for name, style in matched.items():
+        module = base.get_submodule(name)
+        if not isinstance(getattr(module, "lora_A", None), torch.nn.ModuleDict):
+            layers[name] = styles[style]()
+            continue
+        # peft's LoRA layer: its base layer split as the plan says, its adapters beside it (ADAPTER_STYLES)
+        layers[f"{name}.base_layer"] = styles[style]()
+        down, up = ADAPTER_STYLES[style]
+        for adapter in module.lora_A:
+            if down is not None:
+                layers[f"{name}.lora_A.{adapter}"] = down()
+            if up is not None:
+                layers[f"{name}.lora_B.{adapter}"] = up()
+            # a column-wise layer's input is one replicated DTensor (below): its adapter takes the local (whole) tensor
+            module.lora_dropout[adapter].register_forward_pre_hook(_local_input)
     parallelize_module(base, mesh, layers)
-    for block in {name.rpartition(".")[0] for name, style in layers.items() if isinstance(style, ColwiseParallel)}:
+    for block in {name.rpartition(".")[0] for name, style in matched.items() if style.startswith("colwise")}:
         base.get_submodule(block).register_forward_pre_hook(_replicated_input(mesh), with_kwargs=True)
     for name, _ in base.named_modules():  # QK-norm (Qwen3, Gemma 3): whole on every rank, applied to its own heads
         if any(fnmatchcase(name, pattern) for pattern, style in plan.items() if style == SUMMED):
             base.get_submodule(name).register_forward_pre_hook(_gradients_summed(mesh))
-    return len(layers)
+    return len(matched)
+
+
+# LoRA beside a split layer (lora_A, lora_B styles; None: whole on every rank). Column-wise (q, k, v, gate, up): the
+# base layer keeps 1/tp of its output rows, so B does too, and A (r x in) runs whole on the replicated input, its
+# gradient made whole on every rank from B's all-reduced input gradient. Row-wise (o, down): the base layer takes
+# 1/tp of its input columns, so A does too and its r outputs are all-reduced (r numbers a token, not the layer's
+# width), and B (out x r) runs whole on them. Each adapter's output is then laid out as its base layer's.
+ADAPTER_STYLES = {
+    "colwise": (None, lambda: _colwise()),
+    "colwise_gather_output": (None, lambda: _colwise(gather=True)),
+    "rowwise": (lambda: _rowwise(), None),
+    "rowwise_split_input": (lambda: _rowwise(split=True), None),
+}
+
+
+def _colwise(gather: bool = False):
+    from torch.distributed.tensor import Replicate
+    from torch.distributed.tensor.parallel import ColwiseParallel
+
+    return ColwiseParallel(output_layouts=Replicate()) if gather else ColwiseParallel()
+
+
+def _rowwise(split: bool = False):
+    from torch.distributed.tensor import Replicate
+    from torch.distributed.tensor.parallel import RowwiseParallel
+
+    return RowwiseParallel(input_layouts=Replicate()) if split else RowwiseParallel()
+
+
+def _local_input(module, args):
+    """An adapter's input as this rank's local tensor (the whole of a replicated DTensor)."""
+    from torch.distributed.tensor import DTensor
+
+    if args and isinstance(args[0], DTensor):
+        return (args[0].to_local(), *args[1:])
+    return None
 
 
 SUMMED = "replicated_with_grad_allreduce"  # the plan's word for a whole module whose gradient each rank has in part
