@@ -26,9 +26,6 @@ from llmtrain.layout import NAMES, PARALLELISMS, Layout
 
 # --------------------------------------------------------------------------- the rows
 
-_SAMPLING_TP = ("its rollouts sample completions, and sampling under tensor parallelism would need each layer's split "
-                "heads put back together, which llmtrain does not do. Launch with a DDP or FSDP config (e.g. "
-                "accelerate_configs/ddp.yaml or fsdp.yaml); a 7B LoRA policy fits one GPU")
 _WHOLE_MODEL_PP = ("sampling needs the whole model on one process, and each stage holds only its layers. Set "
                    "parallel.pipeline_parallel=1 and shard with FSDP (accelerate_configs/fsdp.yaml) instead")
 _OWN_PASSES_PP = ("its loss runs its own passes per micro-batch, which the stages' schedule does not. Set "
@@ -60,15 +57,16 @@ MODES: dict[str, Mode] = {m.key: m for m in (
     Mode("reward_model", "a reward model (reward_model:)", ("preference",), "pairs", True, "loss, accuracy, margin",
          "score head", samples=False),
     Mode("grpo", "online RL, GRPO (rl:)", ("prompt",), "prompts", False, "reward, answer accuracy", "causal LM",
-         refused={"tp": _SAMPLING_TP, "pp": _WHOLE_MODEL_PP}),
+         refused={"pp": _WHOLE_MODEL_PP}),
     Mode("rloo", "online RL, RLOO (rl: {algorithm: rloo})", ("prompt",), "prompts", False, "reward, answer accuracy",
          "causal LM",
-         refused={"tp": _SAMPLING_TP, "pp": _WHOLE_MODEL_PP}),
+         refused={"pp": _WHOLE_MODEL_PP}),
     Mode("distill", "distillation (distill:)", ("prompt_completion", "messages", "alpaca"), "prompts", False,
          "loss, answer accuracy, teacher agreement", "causal LM",
-         refused={"tp": "the student samples its own completions, which under tensor parallelism would need each "
-                        "layer's split heads put back together, and the teacher is not split; llmtrain does neither. "
-                        "Launch with a DDP or FSDP config (e.g. accelerate_configs/ddp.yaml)",
+         refused={"tp": "its teacher is loaded whole or sharded over the data-parallel ranks, and llmtrain has not "
+                        "built it beside a tensor-parallel student (a 2 x 2 run's gradients differed from plain "
+                        "FSDP's on the same data ranks). Launch with a DDP or FSDP config (e.g. "
+                        "accelerate_configs/fsdp.yaml)",
                   "pp": _WHOLE_MODEL_PP}),
 )}
 

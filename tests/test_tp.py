@@ -148,6 +148,49 @@ def test_lora_under_fsdp_x_tp_trains_like_one_process_and_resumes_on_one(tiny_as
     assert max_abs_diff(load_weights(run / "final" / name), b) < 1e-6
 
 
+# rloo (extended): the same rollout, its KL pass with the adapter disabled and its advantages normalised over every
+# data rank's completions
+@pytest.mark.parametrize("algorithm", ["grpo", pytest.param("rloo", marks=pytest.mark.extended)])
+def test_online_rl_with_lora_under_fsdp_x_tp_equals_one_process(tiny_assets, tmp_path, free_port, algorithm):
+    """Sampling under tensor parallelism: each process of a TP pair runs the split model's forward (its heads' keys
+    and values in its cache) and gets the whole logits, so with the same completion seeds the pair draws the same
+    completions, which 2 shards x 2 TP x 2 prompts train as 1 process x 4 prompts: the tokens sampled, rewards,
+    losses and gradient norms equal, the adapter to 1e-5; rollouts.jsonl holds each completion once (the pair's
+    first process gives the records: collectives.gathered), the completions one process sampled."""
+    import json
+
+    import yaml
+
+    recipe = yaml.safe_load((REPO / "recipes" / "tiny-grpo.yaml").read_text())
+    recipe["data"].update(path=str(tiny_assets / "data" / "train.jsonl"), eval_split=None)
+    recipe["model"]["name_or_path"] = str(tiny_assets / "model")
+    recipe["lora"] = {"r": 4, "alpha": 8, "dropout": 0.0}
+    recipe["rl"].update(num_generations=4, algorithm=algorithm, rewards=[{"type": "format", "pattern": "[aeiou]"}])
+    if algorithm == "rloo":
+        recipe["rl"].pop("loss_type")
+    recipe["train"].update(max_steps=2, micro_batch_size=2, eval_every_steps=None, lr=1e-2)
+    recipe["checkpoint"] = {"every_steps": None}
+    recipe["logging"] = {"progress": False, "plot": False, "every_steps": 1}
+    path = tmp_path / "rl.yaml"
+    path.write_text(yaml.safe_dump(recipe))
+    run_train(path, "train.micro_batch_size=4", f"output_dir={tmp_path / 'one'}")
+    launch_finetune(CONFIGS[4], 4, free_port, path, f"output_dir={tmp_path / 'tp'}")
+    got, want = records(tmp_path / "tp"), records(tmp_path / "one")
+    assert [r["tokens"] for r in got] == [r["tokens"] for r in want]  # the same completions sampled
+    for key in ("reward", "loss", "grad_norm"):
+        assert [r[key] for r in got] == pytest.approx([r[key] for r in want], abs=1e-6), key
+    assert want[0]["grad_norm"] > 0 and want[0]["reward"] not in (0, 1)  # a signal to train on
+
+    def completions(run):
+        rows = [json.loads(line) for line in (run / "rollouts.jsonl").read_text().splitlines()]
+        return sorted((r["step"], r["row"], r["generation"], r["completion"], r["reward"]) for r in rows)
+
+    assert completions(tmp_path / "tp") == completions(tmp_path / "one") and len(completions(tmp_path / "one")) == 32
+    name = "adapter_model.safetensors"
+    assert max_abs_diff(load_weights(tmp_path / "tp" / "final" / name),
+                        load_weights(tmp_path / "one" / "final" / name)) < 1e-5
+
+
 @pytest.mark.extended  # main tier: LoRA under FSDP x TP above (KTO's passes are the policy's forward, with and
 # without the adapter), and KTO's FSDP launches in test_kto_run.py
 def test_kto_with_lora_under_fsdp_x_tp_trains_as_plain_fsdp(tiny_assets, tmp_path):

@@ -16,13 +16,15 @@ def global_sum(accelerator, *values: float | int) -> list[float]:
 
 
 def gathered(accelerator, items: list) -> list:
-    """Every process's list, concatenated in rank order, on every process (picklable items: online RL's rollout
-    records)."""
+    """Every data rank's list, concatenated in rank order, on every process (picklable items: online RL's rollout
+    records, the numbers its statistics are taken over). The processes of a tensor-parallel group sample, score and
+    hold the same completions: the group's first (TP groups are consecutive ranks) gives them, once."""
     if accelerator.num_processes == 1:
         return list(items)
     from accelerate.utils import gather_object
 
-    return gather_object(list(items))
+    first = accelerator.process_index % tensor_parallel_size(accelerator) == 0
+    return gather_object(list(items) if first else [])
 
 
 def device_sum(accelerator, t: torch.Tensor) -> torch.Tensor:
