@@ -63,11 +63,7 @@ MODES: dict[str, Mode] = {m.key: m for m in (
          refused={"pp": _WHOLE_MODEL_PP}),
     Mode("distill", "distillation (distill:)", ("prompt_completion", "messages", "alpaca"), "prompts", False,
          "loss, answer accuracy, teacher agreement", "causal LM",
-         refused={"tp": "its teacher is loaded whole or sharded over the data-parallel ranks, and llmtrain has not "
-                        "built it beside a tensor-parallel student (a 2 x 2 run's gradients differed from plain "
-                        "FSDP's on the same data ranks). Launch with a DDP or FSDP config (e.g. "
-                        "accelerate_configs/fsdp.yaml)",
-                  "pp": _WHOLE_MODEL_PP}),
+         refused={"pp": _WHOLE_MODEL_PP}),
 )}
 
 _SECTIONS = {"preference": "preference:", "kto": "kto:", "reward_model": "reward_model:", "rl": "rl:",

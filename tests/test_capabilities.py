@@ -49,6 +49,7 @@ ELSEWHERE = {("sft", "ddp"): "test_ddp.py", ("sft", "fsdp"): "test_fsdp.py", ("s
              ("distill", "ddp"): "test_distill.py", ("distill", "fsdp"): "test_distill.py",
              ("reward_model", "pp"): "test_pipeline.py", ("preference", "pp"): "test_pipeline.py",
              ("kto", "tp"): "test_tp.py", ("grpo", "tp"): "test_tp.py", ("rloo", "tp"): "test_tp.py",
+             ("distill", "tp"): "test_tp.py",
              ("distill", "sp"): "test_distill.py",
              **{(m, "sp"): "test_sequence_parallel.py" for m in ("preference", "kto", "reward_model", "grpo", "rloo")}}
 CELLS = [(m, layout) for m in capabilities.MODES for layout in LAYOUTS]
@@ -137,7 +138,7 @@ def test_the_table_in_docs_scaling_is_the_tables_own():
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("mode, layout", [("kto", "pp"), ("distill", "pp"), ("grpo", "pp"), ("distill", "tp")])
+@pytest.mark.parametrize("mode, layout", [("kto", "pp"), ("distill", "pp"), ("grpo", "pp"), ("rloo", "pp")])
 def test_a_refused_cell_exits_2_with_one_paragraph_and_writes_nothing(mode_recipes, tmp_path, mode, layout):
     out = tmp_path / "run"
     argv = _argv(mode_recipes[mode], layout, out, mode=mode)

@@ -13,6 +13,10 @@ moment, so a 1e-9 difference in a near-zero gradient element becomes a visible w
 after 4 steps at the default eps, where losses and gradient norms agree to 1e-7); with eps 1 the update is the
 momentum of the gradient itself, and the final weights compare the gradients element by element.
 
+LoRA under FSDP x TP (each adapter laid out beside its split base layer: tensor.ADAPTER_STYLES) trains like 1 process
+and resumes on 1; online RL (GRPO, RLOO) samples and trains like 1 process, rollouts.jsonl holding each completion
+once; KTO and distillation with LoRA train as plain FSDP on the same data ranks.
+
 Four processes on two cores are slow: these tests are few and small, and marked slow.
 """
 
@@ -23,6 +27,7 @@ import shutil
 from pathlib import Path
 
 import pytest
+import torch
 from helpers import (
     REPO,
     assert_same_steps,
@@ -189,6 +194,42 @@ def test_online_rl_with_lora_under_fsdp_x_tp_equals_one_process(tiny_assets, tmp
     name = "adapter_model.safetensors"
     assert max_abs_diff(load_weights(tmp_path / "tp" / "final" / name),
                         load_weights(tmp_path / "one" / "final" / name)) < 1e-5
+
+
+@pytest.mark.extended  # main tier: online RL under FSDP x TP (the same sampling), LoRA under FSDP x TP
+def test_distillation_with_lora_under_fsdp_x_tp_trains_as_plain_fsdp(tiny_assets, tmp_path):
+    """On-policy distillation (lmbda 1: the student samples every step) from a teacher of other weights, its decoder
+    sharded over the data ranks as the student's mesh has it, the student LoRA under 2 shards x 2 TP: the same
+    completions, losses and gradient norms as plain FSDP on the same 2 data ranks, the adapter to 1e-5. (A teacher
+    equal to the student trains on a loss of 0 plus rounding, which no two layouts share.)"""
+    import yaml
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    teacher = tmp_path / "teacher"
+    shutil.copytree(tiny_assets / "model", teacher)
+    torch.manual_seed(123)
+    AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(teacher)).save_pretrained(teacher)
+    recipe = yaml.safe_load((REPO / "recipes" / "tiny-distill.yaml").read_text())
+    recipe["data"].update(path=str(tiny_assets / "data" / "train.jsonl"), eval_split=None)
+    recipe["model"]["name_or_path"] = str(tiny_assets / "model")
+    recipe["distill"].update(teacher=str(teacher), lmbda=1.0)
+    recipe["lora"] = {"r": 4, "alpha": 8, "dropout": 0.0}
+    recipe["train"].update(max_steps=2, micro_batch_size=2, eval_every_steps=None, eval_samples=0,
+                           eval_batch_size=None, lr=1e-2)
+    recipe["checkpoint"] = {"every_steps": None}
+    recipe["logging"] = {"progress": False, "plot": False, "every_steps": 1}
+    path = tmp_path / "distill.yaml"
+    path.write_text(yaml.safe_dump(recipe))
+    launch_finetune(CONFIGS[2], 2, open_port(), path, f"output_dir={tmp_path / 'fsdp'}")
+    launch_finetune(CONFIGS[4], 4, open_port(), path, f"output_dir={tmp_path / 'tp'}")
+    got, want = records(tmp_path / "tp"), records(tmp_path / "fsdp")
+    assert [r["tokens"] for r in got] == [r["tokens"] for r in want]
+    for key in ("loss", "grad_norm"):
+        assert [r[key] for r in got] == pytest.approx([r[key] for r in want], abs=1e-6), key
+    assert want[0]["loss"] > 1e-3  # the teacher differs: a loss to train on
+    name = "adapter_model.safetensors"
+    assert max_abs_diff(load_weights(tmp_path / "tp" / "final" / name),
+                        load_weights(tmp_path / "fsdp" / "final" / name)) < 1e-5
 
 
 @pytest.mark.extended  # main tier: LoRA under FSDP x TP above (KTO's passes are the policy's forward, with and
