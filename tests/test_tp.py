@@ -41,7 +41,7 @@ from helpers import (
     write_recipe,
 )
 
-pytestmark = [pytest.mark.slow, pytest.mark.long(90)]
+pytestmark = [pytest.mark.slow, pytest.mark.long(200)]
 
 CONFIGS = {8: REPO / "accelerate_configs" / "cpu_hsdp_tp.yaml", 4: REPO / "accelerate_configs" / "cpu_tp.yaml",
            2: REPO / "accelerate_configs" / "cpu_fsdp.yaml", 1: REPO / "accelerate_configs" / "cpu_fsdp.yaml"}
