@@ -138,7 +138,9 @@ def test_the_table_in_docs_scaling_is_the_tables_own():
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("mode, layout", [("kto", "pp"), ("distill", "pp"), ("grpo", "pp"), ("rloo", "pp")])
+@pytest.mark.parametrize("mode, layout", [("kto", "pp"), ("distill", "pp"),  # extended for CI time: the same path
+                                          *(pytest.param(*c, marks=pytest.mark.extended) for c in [("grpo", "pp"),
+                                                                                                   ("rloo", "pp")])])
 def test_a_refused_cell_exits_2_with_one_paragraph_and_writes_nothing(mode_recipes, tmp_path, mode, layout):
     out = tmp_path / "run"
     argv = _argv(mode_recipes[mode], layout, out, mode=mode)

@@ -252,7 +252,7 @@ def test_tensor_parallel_layouts_llmtrain_does_not_train_are_not_estimated(spec,
 
 
 def test_lora_under_tensor_parallelism_counts_each_gpus_adapters():
-    """LoRA r 16 under FSDP x TP 2 on Llama-2-7B (tensor.ADAPTER_STYLES): a column-wise layer's A is whole and its B
+    """LoRA r 16 under FSDP x TP 2 on Llama-2-7B (tensor.ADAPTER_SPLIT): a column-wise layer's A is whole and its B
     half (r x (in + out/2)), a row-wise layer's A half and its B whole (r x (in/2 + out)); 32 layers of that, before
     FSDP shards them over the 4 data-parallel ranks."""
     from llmtrain.memory.estimate import estimate

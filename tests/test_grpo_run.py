@@ -735,18 +735,6 @@ def test_doctor_checks_the_reward_functions_and_the_prompt_room(tiny_assets, tmp
     assert bad["prompt room"][0] == "fail" and "rl.max_completion_tokens=30" in bad["prompt room"][1]
 
 
-
-def test_a_tensor_parallel_launch_is_refused_with_the_reason_and_nothing_written(tiny_assets, tmp_path,
-                                                                                monkeypatch):
-    """Under TP each layer's heads are split over the processes: refused before the process group exists, naming the
-    layouts that work (that tensor_parallel_size reads a launch right is tested with the TP launches in test_tp.py)."""
-    for key, value in {"WORLD_SIZE": "4", "ACCELERATE_USE_FSDP": "true", "ACCELERATE_USE_PARALLELISM_CONFIG": "true",
-                       "PARALLELISM_CONFIG_DP_SHARD_SIZE": "2", "PARALLELISM_CONFIG_TP_SIZE": "2"}.items():
-        monkeypatch.setenv(key, value)  # as `accelerate launch --config_file accelerate_configs/fsdp_tp.yaml` sets them
-    says = _refused(grpo_recipe(tiny_assets, tmp_path), tmp_path / "run")
-    assert "under tensor parallelism" in says and "DDP or FSDP config" in says
-
-
 def test_fit_sizes_the_micro_batch_in_prompts_each_num_generations_sequences(tiny_assets, tmp_path):
     """--fit searches micro-batches of whole prompts (a preference run's: whole pairs) and proposes them as
     train.micro_batch_size, while the estimate counts every completion's sequence."""

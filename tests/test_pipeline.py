@@ -211,7 +211,10 @@ def _same(run: Path, reference: Path, *, lora: bool, tol: float = 1e-6) -> None:
 
 # bf16 and QLoRA: equal to one process bit for bit (the norm is one process's, parallel/pipeline.clip_grad_norm_), under
 # every CPU kernel set (make test-portable); the bounds are fp32's
-@pytest.mark.parametrize("schedule,kind", [("1f1b", "full"), ("interleaved_1f1b", "full"),
+@pytest.mark.parametrize("schedule,kind", [("1f1b", "full"),
+                                           # extended for CI time: main tier, the resume onto 4 interleaved stages
+                                           # (test_a_checkpoint_resumes_on_another_split_and_refuses_one_process)
+                                           pytest.param("interleaved_1f1b", "full", marks=pytest.mark.extended),
                                            # extended for CI time (49 s): main tier, the two full rows beside it
                                            pytest.param("gpipe", "lora", marks=pytest.mark.extended),
                                            # extended: make test-portable runs them; main tier: the fp32 rows here,
@@ -254,6 +257,7 @@ def test_a_tied_embedding_trains_on_two_stages_what_one_process_trains(tied, tmp
 
 
 @pytest.mark.slow
+@pytest.mark.extended  # CI time; main tier: preference pairs' eval through the stages (the same forward-only pass)
 def test_the_eval_through_the_stages_counts_what_one_process_counts(four_layers, tmp_path, free_port):
     """An eval pass runs M micro-batches at a time forward through the stages (the last pass filled with rows that
     count nothing); loss, token accuracy and teacher-forced match equal the 1-process eval's."""

@@ -13,7 +13,7 @@ moment, so a 1e-9 difference in a near-zero gradient element becomes a visible w
 after 4 steps at the default eps, where losses and gradient norms agree to 1e-7); with eps 1 the update is the
 momentum of the gradient itself, and the final weights compare the gradients element by element.
 
-LoRA under FSDP x TP (each adapter laid out beside its split base layer: tensor.ADAPTER_STYLES) trains like 1 process
+LoRA under FSDP x TP (each adapter laid out beside its split base layer: tensor.ADAPTER_SPLIT) trains like 1 process
 and resumes on 1; online RL (GRPO, RLOO) samples and trains like 1 process, rollouts.jsonl holding each completion
 once; KTO and distillation with LoRA train as plain FSDP on the same data ranks.
 
@@ -41,7 +41,7 @@ from helpers import (
     write_recipe,
 )
 
-pytestmark = [pytest.mark.slow, pytest.mark.long(200)]
+pytestmark = [pytest.mark.slow, pytest.mark.long(140)]
 
 CONFIGS = {8: REPO / "accelerate_configs" / "cpu_hsdp_tp.yaml", 4: REPO / "accelerate_configs" / "cpu_tp.yaml",
            2: REPO / "accelerate_configs" / "cpu_fsdp.yaml", 1: REPO / "accelerate_configs" / "cpu_fsdp.yaml"}
@@ -125,8 +125,10 @@ def test_fsdp_x_tp_2x2_trains_like_one_process(straight, attention):
     assert pieces["layers.0.input_layernorm.weight"] == [(0,), (64,)]  # whole on each TP rank, sharded by FSDP
 
 
-def test_lora_under_fsdp_x_tp_trains_like_one_process_and_resumes_on_one(tiny_assets, tmp_path, free_port):
-    """LoRA beside the split layers (tensor.ADAPTER_STYLES): a column-wise layer's B keeps its 1/tp of the output
+# resume (extended for CI time): the adapter's sharded checkpoint read back on one FSDP process
+@pytest.mark.parametrize("resume", [False, pytest.param(True, marks=pytest.mark.extended)], ids=["train", "resume"])
+def test_lora_under_fsdp_x_tp_trains_like_one_process_and_resumes_on_one(tiny_assets, tmp_path, free_port, resume):
+    """LoRA beside the split layers (tensor.ADAPTER_SPLIT): a column-wise layer's B keeps its 1/tp of the output
     rows and A runs whole; a row-wise layer's A takes its 1/tp of the input columns (its r outputs all-reduced) and
     B runs whole. 2 shards x 2 TP x micro-batch 2 == 1 process x micro-batch 4: losses and gradient norms to 1e-6,
     the final adapter (gathered whole, under peft's names) to 1e-6; its step-2 checkpoint resumes on 1 FSDP process
@@ -144,7 +146,8 @@ def test_lora_under_fsdp_x_tp_trains_like_one_process_and_resumes_on_one(tiny_as
     name = "adapter_model.safetensors"
     a, b = load_weights(tp / "final" / name), load_weights(single / "final" / name)
     assert a.keys() == b.keys() and any("lora_A" in k for k in a) and max_abs_diff(a, b) < 1e-6
-
+    if not resume:
+        return
     run = Path(shutil.copytree(tp, tmp_path / "tp-on-one"))
     shutil.rmtree(run / "checkpoints" / "step_000004")
     shutil.rmtree(run / "final")
@@ -153,9 +156,11 @@ def test_lora_under_fsdp_x_tp_trains_like_one_process_and_resumes_on_one(tiny_as
     assert max_abs_diff(load_weights(run / "final" / name), b) < 1e-6
 
 
-# rloo (extended): the same rollout, its KL pass with the adapter disabled and its advantages normalised over every
-# data rank's completions
-@pytest.mark.parametrize("algorithm", ["grpo", pytest.param("rloo", marks=pytest.mark.extended)])
+# extended for CI time (48 s, 4 processes): main tier, LoRA under FSDP x TP (the split model's forward the sampler
+# runs), GRPO's rollouts and update on DDP and FSDP (test_grpo_run.py); rloo: its KL pass with the adapter disabled and
+# its advantages normalised over every data rank's completions
+@pytest.mark.extended
+@pytest.mark.parametrize("algorithm", ["grpo", "rloo"])
 def test_online_rl_with_lora_under_fsdp_x_tp_equals_one_process(tiny_assets, tmp_path, free_port, algorithm):
     """Sampling under tensor parallelism: each process of a TP pair runs the split model's forward (its heads' keys
     and values in its cache) and gets the whole logits, so with the same completion seeds the pair draws the same

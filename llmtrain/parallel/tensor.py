@@ -29,7 +29,7 @@ def apply_tensor_parallel(model, mesh) -> int:
     split as for Llama; the activations are not.
 
     LoRA (peft's layers): the base layer inside each is split as the plan says and its adapters beside it as
-    ADAPTER_STYLES says, so an adapter's output is laid out as its base layer's; the 4-bit base of QLoRA cannot be
+    ADAPTER_SPLIT says, so an adapter's output is laid out as its base layer's; the 4-bit base of QLoRA cannot be
     split (refused: capabilities.RULES). With lora.dropout, a column-wise adapter draws its mask on the whole input
     on every rank of the pair (the same seed, the same draws: the same mask)."""
     from fnmatch import fnmatchcase
@@ -53,14 +53,11 @@ def apply_tensor_parallel(model, mesh) -> int:
         if not isinstance(getattr(module, "lora_A", None), torch.nn.ModuleDict):
             layers[name] = styles[style]()
             continue
-        # peft's LoRA layer: its base layer split as the plan says, its adapters beside it (ADAPTER_STYLES)
+        # peft's LoRA layer: its base layer split as the plan says, and the adapter's matrix on the split side with
+        # the same style (ADAPTER_SPLIT)
         layers[f"{name}.base_layer"] = styles[style]()
-        down, up = ADAPTER_STYLES[style]
         for adapter in module.lora_A:
-            if down is not None:
-                layers[f"{name}.lora_A.{adapter}"] = down()
-            if up is not None:
-                layers[f"{name}.lora_B.{adapter}"] = up()
+            layers[f"{name}.{ADAPTER_SPLIT[style]}.{adapter}"] = styles[style]()
             # a column-wise layer's input is one replicated DTensor (below): its adapter takes the local (whole) tensor
             module.lora_dropout[adapter].register_forward_pre_hook(_local_input)
     parallelize_module(base, mesh, layers)
@@ -72,31 +69,14 @@ def apply_tensor_parallel(model, mesh) -> int:
     return len(matched)
 
 
-# LoRA beside a split layer (lora_A, lora_B styles; None: whole on every rank). Column-wise (q, k, v, gate, up): the
-# base layer keeps 1/tp of its output rows, so B does too, and A (r x in) runs whole on the replicated input, its
-# gradient made whole on every rank from B's all-reduced input gradient. Row-wise (o, down): the base layer takes
-# 1/tp of its input columns, so A does too and its r outputs are all-reduced (r numbers a token, not the layer's
-# width), and B (out x r) runs whole on them. Each adapter's output is then laid out as its base layer's.
-ADAPTER_STYLES = {
-    "colwise": (None, lambda: _colwise()),
-    "colwise_gather_output": (None, lambda: _colwise(gather=True)),
-    "rowwise": (lambda: _rowwise(), None),
-    "rowwise_split_input": (lambda: _rowwise(split=True), None),
-}
-
-
-def _colwise(gather: bool = False):
-    from torch.distributed.tensor import Replicate
-    from torch.distributed.tensor.parallel import ColwiseParallel
-
-    return ColwiseParallel(output_layouts=Replicate()) if gather else ColwiseParallel()
-
-
-def _rowwise(split: bool = False):
-    from torch.distributed.tensor import Replicate
-    from torch.distributed.tensor.parallel import RowwiseParallel
-
-    return RowwiseParallel(input_layouts=Replicate()) if split else RowwiseParallel()
+# LoRA beside a split layer: which of its matrices is split, with the base layer's own style (the other runs whole on
+# every rank). Column-wise (q, k, v, gate, up): the base layer keeps 1/tp of its output rows, so B does too, and A
+# (r x in) runs whole on the replicated input, its gradient made whole on every rank from B's all-reduced input
+# gradient. Row-wise (o, down): the base layer takes 1/tp of its input columns, so A does too and its r outputs are
+# all-reduced (r numbers a token, not the layer's width), and B (out x r) runs whole on them. Each adapter's output is
+# then laid out as its base layer's.
+ADAPTER_SPLIT = {"colwise": "lora_B", "colwise_gather_output": "lora_B", "rowwise": "lora_A",
+                 "rowwise_split_input": "lora_A"}
 
 
 def _local_input(module, args):
