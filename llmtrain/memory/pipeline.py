@@ -239,7 +239,7 @@ def stage_estimate(shape: ModelShape, spec: TrainSpec, stage: Stage) -> Estimate
     unit_grads = (sub.params_per_layer if full else max(adapter_params)) * (pd + 4 * amp) if fsdp else 0
     # The gradients the rank's other chunks (interleaved) made before this one's backward are held beside it even when
     # no accumulation holds them (grad_accum_steps 1); the embeddings' come after.
-    embed = (shape.params_embed if full else V * H * (not plan or "embed_tokens" in plan.saved_copies)) * \
+    embed = (shape.params_embed if full else V * H * ("embed_tokens" in plan.saved_copies)) * \
         stage_master(spec) // spec.shards if stage.first else 0
     others = st.grads - sum(st.grads_layer) - st.grads_head - embed
     g_acc = st.grads * spec.shards if whole_grad else max(accumulated_grads(spec, st), others)

@@ -71,6 +71,12 @@ def pairs_loss(cfg, logps: torch.Tensor, tokens: torch.Tensor, ref_chosen: torch
     return losses.sum(), stats
 
 
+def sequence_sums(token_loss: torch.Tensor, sequence: torch.Tensor, n: int) -> torch.Tensor:
+    """Each of `n` sequences' summed log-probability (fp32) from its trained tokens' cross-entropies (-log p) and each
+    token's sequence."""
+    return -torch.zeros(n, device=token_loss.device, dtype=torch.float32).index_add(0, sequence, token_loss.float())
+
+
 def sequence_logps(model, batch: dict, *, with_aux: bool = False, total=None):
     """Summed answer log-probability of every sequence of a collated batch (on the device), in batch order; with_aux:
     and the batch's load-balancing loss (a mixture of experts under model.router_aux_loss_coef, loss.attach_loss).
@@ -79,9 +85,7 @@ def sequence_logps(model, batch: dict, *, with_aux: bool = False, total=None):
     # cross-entropy = -log p, one per trained token
     token_loss, aux = compute_loss(model, batch, per_token=True, return_aux=True) if with_aux else (
         compute_loss(model, batch, per_token=True), None)
-    n = batch["sequence_tokens"].numel()
-    logps = -torch.zeros(n, device=token_loss.device, dtype=torch.float32).index_add(
-        0, batch["loss_example"], token_loss.float())
+    logps = sequence_sums(token_loss, batch["loss_example"], batch["sequence_tokens"].numel())
     if total is not None:
         logps = total(logps)
     return (logps, aux) if with_aux else logps
@@ -208,18 +212,15 @@ class StagePairs:
             return None
         at = (target[:, 1] >= 0).nonzero().flatten()
         token_loss, _ = head(hidden[at], targets=target[at, 0].long(), per_token=True)
-        return -torch.zeros(n, device=hidden.device, dtype=torch.float32).index_add(
-            0, target[at, 1].long(), token_loss.float())
+        return sequence_sums(token_loss, target[at, 1].long(), n)
 
     def _loss(self, head, hidden: torch.Tensor, target: torch.Tensor):
         logps = self._logps(head, hidden, target)
         if logps is None:
             return None, 0
-        n = logps.numel()
-        ref = target[:n, 2] if self.reference != "none" else None
-        loss, stats = pairs_loss(self.cfg, logps, target[:n, 3], *((ref[0::2], ref[1::2]) if ref is not None
-                                                                   else (None, None)))
-        return (loss, stats), n // 2
+        n, ref = logps.numel(), target[: logps.numel(), 2]
+        chosen, rejected = (ref[0::2], ref[1::2]) if self.reference != "none" else (None, None)
+        return pairs_loss(self.cfg, logps, target[:n, 3], chosen, rejected), n // 2
 
     def loss(self, head, hidden: torch.Tensor, target: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The row's summed pair loss and statistics (a row of no pair: a zero loss that still reaches the head)."""
