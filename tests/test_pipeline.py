@@ -345,6 +345,21 @@ def test_preference_pairs_train_and_evaluate_on_two_stages_as_on_one_process(fou
     assert max_abs_diff(a, b) < 1e-5
 
 
+@pytest.mark.slow
+@pytest.mark.extended  # main tier: the reference pass through the stages in the test above
+def test_the_stages_reference_pass_reads_the_token_budget_whatever_eval_batch_size_says(four_layers, tmp_path,
+                                                                                         free_port):
+    """train.eval_batch_size (64 pairs, recipes/tiny.yaml's) without an eval: the reference pass through the stages
+    still packs rows of train.micro_batch_tokens (it took 64 pairs a row before: 2,919 tokens for a row of 1,024)."""
+    recipe = _recipe(four_layers, tmp_path, "dpo.yaml", lora=True, micro_batch_tokens=128, grad_accum_steps=2,
+                     max_steps=2, eval_batch_size=64)
+    out = launch_finetune(CPU_DDP, 2, free_port, recipe, "data.format=preference", "preference.loss=dpo",
+                          f"data.path={four_layers / 'data' / 'train_pairs.jsonl'}", "parallel.pipeline_parallel=2",
+                          f"data.cache_dir={tmp_path / 'cache'}", f"output_dir={tmp_path / 'pp'}")
+    assert "reference log-probabilities of the" in out
+    assert records(tmp_path / "pp")[0]["loss"] == pytest.approx(math.log(2), abs=1e-6)
+
+
 @pytest.mark.extended  # main tier: final/'s weights against one process's in test_two_stages_train_what_one_process_
 # trains, and a tied final/ loaded by transformers in test_a_tied_embedding_trains_on_two_stages_what_one_process_trains
 @pytest.mark.slow

@@ -213,7 +213,9 @@ def fixed_row(batch: dict, slots: int, *, pad_id: int) -> dict[str, torch.Tensor
     n = len(ids)
     if n > slots:
         raise LLMTrainError(f"a packed micro-batch of {n} tokens is longer than train.micro_batch_tokens={slots}: "
-                            "set data.max_seq_len to at most train.micro_batch_tokens")
+                            "every micro-batch is one row of that many slots. Raise train.micro_batch_tokens, or lower "
+                            "data.max_seq_len until the longest example fits (a preference pair is both its sequences: "
+                            "at most half the budget each)")
     targets = torch.full((n,), IGNORE, dtype=torch.long)
     targets[batch["loss_index"]] = batch["loss_targets"]
     pad = slots - n
