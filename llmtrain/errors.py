@@ -17,6 +17,11 @@ class TrainingDiverged(LLMTrainError):
     exit_code = 3
 
 
+class Relayed(LLMTrainError):
+    """Another process's error, the same for every process: the main process's, handed to the others
+    (collectives.main_first). Each node's first process prints it, as before the process group exists."""
+
+
 class Stopped(LLMTrainError):
     """The run stopped on SIGTERM or Ctrl-C after saving a checkpoint; exits 128 + the signal number."""
 

@@ -4,7 +4,9 @@
 refusal is then followed by torchrun's report of the failed processes and exits 1. `llmtrain launch` takes the same
 arguments as `accelerate launch` (its flags, then the recipe and its overrides) and refuses before any process starts,
 with one paragraph and exit status 2; when everything passes it becomes that `accelerate launch` (exec), so its
-exit status and signals are the run's.
+exit status and signals are the run's. A process that stops once running (a refusal only the run can make, an error)
+has said why in its own words; torchrun's report of the failed processes (a traceback of its own ChildFailedError,
+40 lines) is then one line naming the processes and their exit status (`launched`; accelerate's --debug keeps it).
 """
 
 from __future__ import annotations
@@ -33,6 +35,16 @@ def split_finetune_options(args: list[str]) -> tuple[list[str], list[str]]:
     return overrides, options
 
 
+def _resume_path(options: list[str]) -> str | None:
+    """--resume's checkpoint folder among finetune's options (None: none, or auto)."""
+    for i, option in enumerate(options):
+        value = option.split("=", 1)[1] if option.startswith("--resume=") else \
+            options[i + 1] if option == "--resume" and i + 1 < len(options) else None
+        if value is not None:
+            return None if value == "auto" else value
+    return None
+
+
 def check_model_files(recipe):
     """The model's config and tokenizer, read as every process will read them (a local folder, or the hub's cache
     when the hub does not answer, said in one line): a missing one is said once, here, instead of by each process.
@@ -58,6 +70,7 @@ def accelerate_command(argv: list[str], *, machine: bool = True) -> list[str]:
     from llmtrain.config import load_recipe
     from llmtrain.layout import Layout
     from llmtrain.parallel.launch import check_launch, gpus_problem, launch_settings
+    from llmtrain.run.checkpoint import resolve_resume
     from llmtrain.run.rundir import check_output_folder
 
     usage = ("llmtrain launch takes accelerate launch's flags, then a recipe and its overrides, e.g. `llmtrain launch "
@@ -85,6 +98,10 @@ def accelerate_command(argv: list[str], *, machine: bool = True) -> list[str]:
     capabilities.check(recipe, layout)  # the recipe on this layout: what every process would refuse, said once
     if "--resume" not in options:  # a folder the run may not write into (the processes would each say it)
         check_output_folder(Path(recipe.output_dir), overwrite="--overwrite" in options)
+    elif (resume := _resume_path(options)) is not None and not Path(resume).exists():
+        # a mistyped checkpoint, said with the steps there are (whether one is intact each process checks: that reads
+        # every block of it)
+        resolve_resume(resume, Path(recipe.output_dir), warn=print)
     if machine:  # after the checks of the command alone: these ask torch for GPUs and read the model's files
         if problem := gpus_problem(launch, where=where, gpus=torch.cuda.device_count()):
             raise LLMTrainError(problem)
@@ -92,8 +109,44 @@ def accelerate_command(argv: list[str], *, machine: bool = True) -> list[str]:
         if capabilities.needs_model(recipe, layout):  # heads, layers, experts: what the run asks of the model
             capabilities.check_model(recipe, layout, config)
     flags = argv[:len(argv) - len(rest) - 1]  # accelerate's own flags, as given
-    return [sys.executable, "-m", "accelerate.commands.launch", *flags, "-m", "llmtrain", "finetune", recipe_path,
-            *rest]
+    return [sys.executable, "-m", "llmtrain.launcher", *flags, "-m", "llmtrain", "finetune", recipe_path, *rest]
+
+
+def launched(argv: list[str]) -> int:
+    """`accelerate launch ARGV` in this process (what `llmtrain launch` becomes): its exit status. Where processes
+    failed, one line names them and their exit status in place of torchrun's traceback: each has printed why."""
+    from accelerate.commands.launch import launch_command, launch_command_parser
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+
+    args = launch_command_parser().parse_args(argv)
+    try:
+        launch_command(args)
+    except ChildFailedError as e:
+        if args.debug:
+            raise
+        print(f"llmtrain launch: {failures(e.failures)}; what each said is above (accelerate launch --debug: "
+              "torchrun's own report)", file=sys.stderr)
+        # the first that exited with a status (the others may have been ended for it); a signal's: 128 + signal
+        code = next((f.exitcode for _, f in sorted(e.failures.items()) if f.exitcode > 0),
+                    min(e.failures.items())[1].exitcode)
+        return code if 0 < code < 256 else 128 - code if code < 0 else 1
+    return 0
+
+
+def failures(failed: dict) -> str:
+    """torchrun's failed processes ({global rank: ProcessFailure}) in words: those that exited with a status, and
+    those a signal ended (the launcher's SIGTERM to the others once one has failed, or a kill from outside)."""
+    def ranks(items) -> str:
+        return f"process{'es' if len(items) > 1 else ''} {', '.join(items)}"
+
+    exited = [f"{rank} (exit status {f.exitcode})" for rank, f in sorted(failed.items()) if f.exitcode >= 0]
+    signalled = [f"{rank} (signal {-f.exitcode})" for rank, f in sorted(failed.items()) if f.exitcode < 0]
+    return "; ".join([*([f"{ranks(exited)} stopped"] if exited else []),
+                      *([f"{ranks(signalled)} ended by a signal"] if signalled else [])])
+
+
+if __name__ == "__main__":
+    sys.exit(launched(sys.argv[1:]))
 
 
 def launch(argv: list[str]) -> None:

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 
@@ -129,11 +130,18 @@ def test_llmtrain_launch_refuses_before_any_process_starts(tiny_assets, tmp_path
     assert not (tmp_path / "run").exists()
 
 
-def test_llmtrain_launch_refuses_a_bad_override_before_any_process_starts(tiny_assets, tmp_path):
+@pytest.mark.parametrize("args, said", [(["train.max_stepz=2"], "max_stepz"),
+                                        (["--resume", "RUN/checkpoints/step_2"], "'RUN/checkpoints/step_2' does not "
+                                         "exist; RUN/checkpoints holds no checkpoint")],
+                         ids=["override", "resume"])
+def test_llmtrain_launch_refuses_a_bad_override_or_resume_before_any_process_starts(tiny_assets, tmp_path, args,
+                                                                                     said):
     recipe = write_recipe(tiny_assets, tmp_path)
+    run = str(tmp_path / "run")
     proc = cli("launch", "--config_file", str(REPO / "accelerate_configs" / "cpu_ddp.yaml"), str(recipe),
-               "train.max_stepz=2", check=False)
-    assert proc.returncode == 2 and "max_stepz" in proc.stderr and "Traceback" not in proc.stderr
+               *[a.replace("RUN", run) for a in args], check=False)
+    assert proc.returncode == 2 and said.replace("RUN", run) in proc.stderr, proc.stderr
+    assert proc.stderr.count("error:") == 1 and "Traceback" not in proc.stderr
     assert not (tmp_path / "run").exists()
 
 
@@ -144,6 +152,24 @@ def test_llmtrain_launch_runs_accelerate_launch_when_the_checks_pass(tiny_assets
                str(open_port()), str(recipe), "train.max_steps=2", "--overwrite")
     assert [r["step"] for r in records(tmp_path / "run")] == [1, 2], proc.stdout[-2000:]
     assert "2 processes" in (tmp_path / "run" / "train.log").read_text()
+
+
+@pytest.mark.slow
+def test_a_run_that_stops_under_llmtrain_launch_says_why_and_not_torchruns_traceback(tiny_assets, tmp_path):
+    """What only the processes can find (here a data row that is not JSON: the launch reads the recipe, not the data)
+    is said in each one's paragraph; torchrun's report (a 40-line ChildFailedError traceback) is one line naming the
+    processes; the exit status is the processes' own (2: a refusal)."""
+    data = tmp_path / "bad.jsonl"
+    data.write_text((tiny_assets / "data" / "train.jsonl").read_text() + "{not json\n")
+    recipe = write_recipe(tiny_assets, tmp_path, data={"path": str(data)})
+    proc = cli("launch", "--config_file", str(REPO / "accelerate_configs" / "cpu_ddp.yaml"), "--main_process_port",
+               str(open_port()), str(recipe), "train.max_steps=2", check=False)
+    said = proc.stdout + proc.stderr
+    assert proc.returncode == 2, said[-3000:]
+    assert "bad.jsonl" in said and "Traceback" not in said and "ChildFailedError" not in said, said[-3000:]
+    assert re.search(r"llmtrain launch: process(es)? 0 \(exit status 2\).* stopped.*; what each said is above", said)
+    assert said.count("error:") == 1  # the main process's paragraph; the other had it handed (errors.Relayed)
+    assert not (tmp_path / "run").exists()
 
 
 @pytest.mark.slow

@@ -419,3 +419,72 @@ def test_an_environment_per_completion_is_reset_with_its_row_and_its_reward_coun
 def test_an_environment_that_is_not_one_is_refused():
     with pytest.raises(LLMTrainError, match="not a class with a reset method"):
         Tools([], tokenizer=stand_in_tokenizer("qwen2.5-7b-instruct"), environment="test_tools_grpo:lookup")
+
+
+def test_under_tensor_parallelism_the_users_code_runs_on_one_process_of_the_pair(tiny_assets, monkeypatch):
+    """A tensor-parallel pair samples the same completions on both processes, but the user's code (reward
+    functions, an environment's reset, its tools, its get_reward) runs on the pair's first only (GRPO.user_code:
+    collectives.on_tensor_group_first), its results given to the other: here two objectives in one process, the
+    second's user_code handed the first's results as the broadcast would hand them. Both roll out the same records;
+    every function ran for the first alone, with what it logs coming back too."""
+    from transformers import AutoTokenizer
+
+    from llmtrain.config import RLConfig
+    from llmtrain.objectives.grpo import GRPO
+    from llmtrain.objectives.tool_calls import round_seed
+
+    tok = AutoTokenizer.from_pretrained(tiny_assets / "model")
+    template = (tiny_assets / "data" / "tools.jinja").read_text()
+    tok.chat_template = template
+    rl = RLConfig(num_generations=2, max_completion_tokens=120, beta=0.0, environment="test_tools_grpo:Vault",
+                  rewards=[{"type": "answer_match"}])
+    calls, given = [], []  # (process, function) of each reward function's call; the first's results, in order
+
+    def counted(process):
+        def reward(completions, log_metric, **kwargs):
+            calls.append(process)
+            log_metric("seen", float(len(completions)))
+            return [0.5] * len(completions)
+        return reward
+
+    def first(compute):
+        given.append(compute())
+        return given[-1]
+
+    def second(compute):  # the broadcast: the first's result, the compute never run here
+        return given.pop(0)
+
+    def objective(process, user_code):
+        grpo = GRPO(rl, tokenizer=tok, pad_id=tok.pad_token_id, packing=True, seed=0,
+                    rewards=[("counted", counted(process), 1.0)], model=None,
+                    columns=["input_ids", "row", "prompt", "user/word"], stop_ids=[tok.eos_token_id], world=1,
+                    template=template, user_code=user_code,
+                    render=lambda prompt, row: tok(tok.apply_chat_template(
+                        prompt, tokenize=False, add_generation_prompt=True, tools=grpo.tools.schemas),
+                        add_special_tokens=False)["input_ids"])
+        turns = [['<call>{"name": "open_vault", "arguments": {"guess": "abc"}}</call>', "ok"], ["no"],
+                 ['<call>{"name": "open_vault", "arguments": {"guess": "xyz"}}</call>', "hm"], ["no"]]
+        which = {}
+
+        def generate(prompt_ids, seeds, *, temperature, top_p, max_new_tokens=None):  # both processes sample
+            if not which:
+                which.update({round_seed(s, r) if r else s: (k, r) for k, s in enumerate(seeds) for r in range(3)})
+            return [tok(turns[k][r], add_special_tokens=False)["input_ids"] + [tok.eos_token_id]
+                    for k, r in map(which.get, seeds)]
+
+        monkeypatch.setattr(grpo, "_generate", generate)
+        return grpo
+
+    chat = [{"role": "user", "content": "open the vault"}]
+    examples = [{"input_ids": [1, 2, 3], "row": r, "prompt": chat, "user/word": w}
+                for r, w in enumerate(["abc", "xyz"])]
+    Vault.made = 0
+    pair = [objective(0, first), objective(1, second)]
+    results = [grpo._rollout_batch(examples, step=0) for grpo in pair]
+    assert Vault.made == 4 and calls == [0] and not given  # 4 completions' environments, on the first only
+    (_, _, mine), (_, _, theirs) = results
+    assert [r["Vault"] for r in mine] == [1.0, 0.0, 1.0, 0.0] and [r["counted"] for r in mine] == [0.5] * 4
+    assert [r["tool_calls"] for r in theirs] == [r["tool_calls"] for r in mine]  # the first's calls' results
+    assert theirs == mine and "(3 letters)" in theirs[0]["prompt"]  # the reset's observation rendered on both
+    assert [b["input_ids"].tolist() for b in results[1][0]] == [b["input_ids"].tolist() for b in results[0][0]]
+    assert [grpo.logs.metrics["seen"] for grpo in pair] == [[4.0], [4.0]]  # what the function logged, on both

@@ -159,6 +159,70 @@ def test_two_processes_with_tools_sample_and_train_what_one_does(straight, tmp_p
     assert json.loads((two / "final" / "config.json").read_text())["model_type"] == "llama"
 
 
+COUNTING = """import os
+
+from llmtrain.tiny import CodeBook
+
+
+def _note(what):
+    with open(os.environ["COUNTING_FILE"], "a") as f:
+        f.write(f"{os.environ['RANK']} {what}\\n")
+
+
+def calls(completions, completion_ids, **kwargs):
+    if all(completion_ids):  # not the start-up check's (its every other completion is empty)
+        _note(f"reward {len(completions)}")
+    return [0.0] * len(completions)
+
+
+class CountingBook(CodeBook):
+    def reset(self, prompt=None, word="", **columns):
+        _note("reset")
+        return super().reset(prompt, word, **columns)
+
+    def lookup(self) -> str:
+        \"\"\"Look up the secret code of the word in question.\"\"\"
+        _note("lookup")
+        return super().lookup()
+"""
+
+
+@pytest.mark.extended  # main tier: test_tools_grpo's pair in one process (GRPO.user_code), test_tp.py's LoRA
+@pytest.mark.slow  # under FSDP x TP (the split model's forward), the SP rollouts (collectives.on_first)
+def test_under_fsdp_x_tp_the_users_code_runs_once_a_completion_and_samples_what_one_process_does(
+        straight, tmp_path, free_port):
+    """2 shards x 2 tensor-parallel processes: each pair samples the same completions, but its reward functions,
+    environments' resets and tool calls run on the pair's first process (ranks 0 and 2) alone, once a completion;
+    the run samples, calls and trains what one process does."""
+    import os
+
+    import yaml
+    from helpers import ENV, REPO
+
+    recipe, one = straight
+    (tmp_path / "counting.py").write_text(COUNTING)
+    spec = yaml.safe_load(recipe.read_text())
+    spec["rl"]["environment"] = "counting:CountingBook"
+    spec["rl"]["rewards"].append({"type": "function", "function": "counting:calls", "weight": 0.0})
+    counted = tmp_path / "recipe.yaml"
+    counted.write_text(yaml.safe_dump(spec))
+    notes, tp = tmp_path / "calls.txt", tmp_path / "tp"
+    env = {**ENV, "COUNTING_FILE": str(notes),
+           "PYTHONPATH": os.pathsep.join([str(tmp_path), ENV.get("PYTHONPATH", "")])}
+    launch_finetune(REPO / "accelerate_configs" / "cpu_tp.yaml", 4, free_port, counted, f"output_dir={tp}",
+                    "train.micro_batch_size=1", env=env)
+    keys = ("step", "row", "completion_ids", "tool_mask", "tool_calls", "reward")
+    rows = rollouts(tp)
+    assert [[r[k] for k in keys] for r in rows] == [[r[k] for k in keys] for r in rollouts(one)]
+    assert losses(tp) == pytest.approx(losses(one), abs=1e-5)
+    lines = [line.split(" ", 1) for line in notes.read_text().splitlines()]
+    assert {rank for rank, _ in lines} == {"0", "2"}  # the pairs' first processes only
+    said = [what for _, what in lines]
+    assert said.count("reward 4") == 8  # 4 steps x 2 pairs, each 1 prompt x 4 completions
+    assert said.count("lookup") == sum(len(r["tool_calls"]) for r in rows) > 0
+    assert said.count("reset") >= len(rows)  # each completion's (and the eval's)
+
+
 @pytest.mark.parametrize("overrides, says", [
     (["data.chat_template=true"], "the chat template does not write tool calls as JSON"),
     (["rl.tools=[no_such_module:f]"], "the tool 'no_such_module:f' cannot be imported"),

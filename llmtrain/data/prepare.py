@@ -241,7 +241,7 @@ def prepare_datasets(cfg: DataConfig, tokenizer, *, seed: int, tools: list[dict]
 
     Results are cached under data.cache_dir keyed by the files, the tokenizer, the formatting options
     and the seed of the eval split (and online RL's tools, which its prompts are rendered with). Call it on the
-    main process first (`main_process_first`): the other processes then read the cache instead of tokenising
+    main process first (collectives.main_first): the other processes then read the cache instead of tokenising
     again. A mixture (data.sources) is each source prepared as data.path would be, concatenated in the recipe's
     order with a `source` column (its index); its stats add "source0", "source1", ... beside the totals.
     """

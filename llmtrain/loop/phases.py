@@ -49,7 +49,7 @@ from llmtrain.model.score import attach_score
 from llmtrain.model.teacher import load_teacher, vocabulary_problem
 from llmtrain.objectives.objective import head_loss_for
 from llmtrain.parallel.accelerator import use_fused_adamw
-from llmtrain.parallel.collectives import global_sum
+from llmtrain.parallel.collectives import global_sum, main_first
 from llmtrain.parallel.fsdp import receives_weights, shard_frozen, uses_fsdp
 from llmtrain.parallel.groups import groups
 from llmtrain.parallel.mesh import data_ranks, mesh_line, tensor_parallel_size
@@ -153,8 +153,8 @@ def prepare_data(recipe: Recipe, accelerator, *, say) -> Data:
     tokenizer = load_tokenizer(recipe.model)
     if (template := read_template(recipe.data)) is not None:  # a file: final/'s tokenizer renders as training did
         tokenizer.chat_template = template
-    with accelerator.main_process_first():
-        train_ds, eval_ds, stats, cache_hit = prepare_recipe(recipe, tokenizer)
+    # the others read the main process's cache; its error (a bad row) is theirs too
+    train_ds, eval_ds, stats, cache_hit = main_first(accelerator, lambda: prepare_recipe(recipe, tokenizer))
     (cache_reads,) = global_sum(accelerator, cache_hit)
     (world, _), accum, s = data_ranks(accelerator), tc.grad_accum_steps, stats["train"]  # world: data ranks
     tp = tensor_parallel_size(accelerator)

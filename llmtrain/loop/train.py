@@ -45,7 +45,7 @@ from llmtrain.memory import predicted_for_run
 from llmtrain.memory.fit import out_of_memory_text
 from llmtrain.objectives.objective import Objective, objective_for, rl_rewards
 from llmtrain.parallel.accelerator import build_accelerator
-from llmtrain.parallel.collectives import device_sum, gathered
+from llmtrain.parallel.collectives import device_sum, gathered, on_tensor_group_first
 from llmtrain.parallel.groups import groups
 from llmtrain.parallel.sequence.shards import SequenceShards
 from llmtrain.parallel.mesh import data_ranks
@@ -108,6 +108,7 @@ def _train(recipe: Recipe, accelerator, console: RunConsole, cleanup: ExitStack,
                                   train=data.train, world=data_ranks(accelerator)[0], total_steps=data.total_steps,
                                   rewards=rewards, gather=partial(gathered, accelerator),
                                   reduce=partial(device_sum, accelerator), teacher=teacher,
+                                  user_code=on_tensor_group_first(accelerator),
                                   reference=build_reference(recipe, accelerator, trainable, say=say))  # KTO's
         if recipe.parallel.sequence_parallel > 1:  # each process of a sequence group collates its slice of the row
             objective = SequenceShards(objective, pad_id=data.pad_id, group=groups(accelerator).sequence)

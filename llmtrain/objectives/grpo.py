@@ -131,7 +131,7 @@ class GRPO:
 
     def __init__(self, rl, *, tokenizer, pad_id: int, packing: bool, seed: int, rewards, model, columns,
                  stop_ids: list[int], world: int, sources: tuple[str, str | None] = ("the data", None), state=None,
-                 runner=None, gather=None, template: str | None = None, render=None):
+                 runner=None, gather=None, template: str | None = None, render=None, user_code=None):
         self.rl, self.tokenizer, self.pad_id, self.packing, self.seed = rl, tokenizer, pad_id, packing, seed
         self.rewards = rewards  # (name, function, weight): rewards.build_rewards
         self.lm = model  # unwrapped: generates, and with its adapter disabled is the reference (beta > 0)
@@ -150,6 +150,10 @@ class GRPO:
         # micro-batch's completions are drawn (without tools), the group's processes each drawing a share of them
         # (parallel/sequence/shards.SequenceShards sets all three)
         self.on_first_of_group, self.share_sampling = here, all_here
+        # where the user's code runs (the reward functions, the tools, an environment): here; under tensor
+        # parallelism on the TP group's first process, its result given to the other (collectives.
+        # on_tensor_group_first): both sample the same completions, and a function's side effects happen once
+        self.user_code = user_code if user_code is not None else here
         # the event loop of the async reward functions, for the whole run (the start-up check's, where it ran one)
         self.runner = runner if runner is not None else AsyncRunner()
         self.warned: set[str] = set()  # reward functions already said to have scored nothing
@@ -329,20 +333,24 @@ class GRPO:
             return self._generate(prompt_ids, seeds, temperature=temperature, top_p=top_p), None
         from llmtrain.objectives.tool_calls import observed, sample_with_tools
 
-        self._environments = self.tools.environments(len(prompt_ids))
-        for i, (environment, row) in enumerate(zip(self._environments, rows)):
-            if environment is not None:  # TRL's: reset with the row; an observation joins the prompt's last message
-                observation = environment.reset(prompt=row["prompt"], **{
-                    name: row[stored] for name, stored in self.reward_columns.items()})
-                if observation is not None:
-                    prompt_ids[i] = self.render(observed(row["prompt"], str(observation)), row["row"])
+        def reset() -> list:
+            """The rollout's environments (on the process that runs the user's code), each reset with its row."""
+            self._environments = self.tools.environments(len(prompt_ids))
+            # TRL's: reset with the row; an observation joins the prompt's last message
+            return [None if environment is None else environment.reset(prompt=row["prompt"], **{
+                        name: row[stored] for name, stored in self.reward_columns.items()})
+                    for environment, row in zip(self._environments, rows)]
+
+        for i, (observation, row) in enumerate(zip(self.user_code(reset), rows)):
+            if observation is not None:
+                prompt_ids[i] = self.render(observed(row["prompt"], str(observation)), row["row"])
 
         def turn(prompts, turn_seeds, room):
             return self._generate(prompts, turn_seeds, temperature=temperature, top_p=top_p, max_new_tokens=room)
 
         tooled = sample_with_tools(turn, prompt_ids, seeds, tools=self.tools,
                                    max_new_tokens=self.rl.max_completion_tokens, max_rounds=self.rl.max_tool_calls,
-                                   environments=self._environments)
+                                   environments=self._environments, user_code=self.user_code)
         return [t.ids for t in tooled], tooled
 
     def _environment_reward(self):
@@ -362,7 +370,7 @@ class GRPO:
         """(texts, each reward [completions x functions], their weighted sum) of the completions of `examples`,
         `g` consecutive completions per example, scored as TRL scores them (rewards.score); `where`: the examples'
         file, for the errors; `tooled`: their tool calls (rl.tools)."""
-        from llmtrain.objectives.rewards import score
+        from llmtrain.objectives.rewards import RewardLogs, score
 
         texts = [self.tokenizer.decode(c, skip_special_tokens=True) for c in completions]
         prompts = [e["prompt"] for e in examples for _ in range(g)]
@@ -374,9 +382,19 @@ class GRPO:
             shown = [[{"role": "assistant", "content": t}] for t in texts] if isinstance(prompts[0], list) else texts
         columns = {name: [e[stored] for e in examples for _ in range(g)]
                    for name, stored in self.reward_columns.items()}
-        return texts, *score(self.rewards, prompts, shown, completion_ids=[list(c) for c in completions],
-                             columns=columns, rows=[e["row"] + 1 for e in examples for _ in range(g)], where=where,
-                             state=self.state, logs=logs, runner=self.runner)
+        def scored():  # what the functions log comes back with their rewards, from where they ran
+            mine = RewardLogs()
+            return *score(self.rewards, prompts, shown, completion_ids=[list(c) for c in completions],
+                          columns=columns, rows=[e["row"] + 1 for e in examples for _ in range(g)], where=where,
+                          state=self.state, logs=mine, runner=self.runner), mine
+
+        per_function, total, mine = self.user_code(scored)
+        if logs is not None:
+            for name, values in mine.extra.items():
+                logs.extra[name] += values
+            for name, values in mine.metrics.items():
+                logs.metrics[name] += values
+        return texts, per_function, total
 
     def unscored(self, records: list[dict]) -> list[str]:
         """Warnings, each said once a run: a reward function that scored none of a step's completions (None for

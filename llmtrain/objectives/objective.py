@@ -121,7 +121,7 @@ def rl_rewards(recipe, train, *, total_steps: int | None, device=None) -> Reward
 
 def objective_for(recipe, *, pad_id: int, model=None, tokenizer=None, train=None, world: int = 1,
                   total_steps: int | None = None, rewards: Rewards | None = None, gather=None,
-                  reduce=None, teacher=None, reference=None) -> Objective:
+                  reduce=None, teacher=None, reference=None, user_code=None) -> Objective:
     """The recipe's objective: GRPO or RLOO on prompts (rl:), distillation from a teacher (distill:), a preference loss
     on pairs (preference:), a reward model's loss on pairs (reward_model:), KTO on labelled completions (kto:), else
     causal-LM
@@ -132,7 +132,8 @@ def objective_for(recipe, *, pad_id: int, model=None, tokenizer=None, train=None
     tensor summed over every process (collectives.device_sum; None: one process), for KTO's KL estimate; `teacher`:
     distillation's teacher as the loop built it (phases.build_teacher: sharded under FSDP; None: loaded here, whole, on
     the model's device); `reference`: a KTO full fine-tune's as the loop built it (phases.build_reference: sharded under
-    FSDP; None: a frozen copy of `model` made here)."""
+    FSDP; None: a frozen copy of `model` made here); `user_code`: where RL's reward functions, tools and environment
+    run (collectives.on_tensor_group_first; None: here)."""
     from llmtrain.data.batching import packs_rows
 
     if recipe.rl is not None:
@@ -146,7 +147,8 @@ def objective_for(recipe, *, pad_id: int, model=None, tokenizer=None, train=None
                       seed=recipe.train.seed, rewards=rewards.functions, model=model, columns=train.column_names,
                       stop_ids=stop_ids(recipe, model, tokenizer), world=world, sources=rewards.sources,
                       state=rewards.state, runner=rewards.runner, gather=gather,
-                      template=read_template(recipe.data), render=prompt_renderer(recipe, tokenizer))
+                      template=read_template(recipe.data), render=prompt_renderer(recipe, tokenizer),
+                      user_code=user_code)
 
     if recipe.distill is not None:
         from llmtrain.model.teacher import load_teacher

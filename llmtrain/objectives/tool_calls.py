@@ -192,11 +192,15 @@ def round_seed(seed: int, round_: int) -> int:
 
 
 def sample_with_tools(generate, prompts: list[list[int]], seeds: list[int], *, tools: Tools, max_new_tokens: int,
-                      max_rounds: int | None, environments: list | None = None) -> list[ToolRollout]:
+                      max_rounds: int | None, environments: list | None = None,
+                      user_code=None) -> list[ToolRollout]:
     """The completions of `prompts` with their tool calls run (the module's docstring says how). `generate(prompts,
     seeds, max_new_tokens)` samples one turn of each (the recipe's sampler); `environments`: each completion's
-    rl.environment instance (reset already), whose methods its calls reach."""
+    rl.environment instance (reset already), whose methods its calls reach; `user_code(compute)`: where a round's
+    calls run (GRPO.user_code: under tensor parallelism on one process of the pair, which holds the environments,
+    its records given to the other; None: here)."""
     environments = environments or [None] * len(prompts)
+    user_code = user_code or (lambda compute: compute())
     first = generate(prompts, seeds, max_new_tokens)
     out, turns = [], []
     for ids in first:
@@ -207,8 +211,8 @@ def sample_with_tools(generate, prompts: list[list[int]], seeds: list[int], *, t
     while live and (max_rounds is None or rounds < max_rounds):
         rounds += 1
         going, room = [], []
-        for i in live:
-            records = tools.run(turns[i].calls, environments[i])
+        ran = user_code(lambda: [tools.run(turns[i].calls, environments[i]) for i in live])
+        for i, records in zip(live, ran):
             out[i].calls += records
             messages, suffix = tools.suffix(records)
             if len(out[i].ids) + len(suffix) > max_new_tokens:  # TRL's: the results would not fit, the row stops

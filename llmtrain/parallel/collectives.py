@@ -1,6 +1,8 @@
 """Reductions across processes, each one collective: numbers summed over all processes (`global_sum`) or over
-the data-parallel ranks (`data_sum`: a tensor-parallel group's batch counted once), lists gathered in rank order (`gathered`), and a
-device tensor summed over all processes without a host sync (`device_sum`).
+the data-parallel ranks (`data_sum`: a tensor-parallel group's batch counted once), lists gathered in rank order
+(`gathered`), a device tensor summed over all processes without a host sync (`device_sum`), a computation run on
+a group's first process, its result given to the others (`on_first`; `on_tensor_group_first`: the user's code of
+online RL under tensor parallelism), and one run on the main process before the others (`main_first`).
 """
 
 from __future__ import annotations
@@ -25,6 +27,69 @@ def gathered(accelerator, items: list) -> list:
 
     first = accelerator.process_index % tensor_parallel_size(accelerator) == 0
     return gather_object(list(items) if first else [])
+
+
+def on_first(compute, *, group):
+    """`compute()` run on the first process of `group` (a torch process group), its result given to the others:
+    what must happen once for processes that hold the same batch (a reward function's call, a tool's, an
+    environment's; their side effects too). An error there reaches the others as its words, so none waits for a
+    result that never comes; the first raises the error itself."""
+    import torch.distributed as dist
+
+    from llmtrain.errors import LLMTrainError
+
+    box, error = [None], None
+    if dist.get_rank(group) == 0:
+        try:
+            box[0] = (True, compute())
+        except Exception as e:
+            box[0], error = (False, str(e)), e
+    dist.broadcast_object_list(box, src=dist.get_global_rank(group, 0), group=group)
+    done, result = box[0]
+    if error is not None:
+        raise error
+    if not done:
+        raise LLMTrainError(result)
+    return result
+
+
+def main_first(accelerator, compute):
+    """`compute()` on the main process, then on the others (which read what it cached: the tokenised data), as
+    accelerate's main_process_first, except that an error on the main process reaches the others (errors.Relayed,
+    its words) instead of leaving them at a barrier it never reaches, whose broken connection each would report
+    with a traceback."""
+    if accelerator.num_processes == 1:
+        return compute()
+    import torch.distributed as dist
+
+    from llmtrain.errors import LLMTrainError, Relayed
+
+    box = [None]  # the main process's error, in words; None: it has done its part
+    if accelerator.is_main_process:
+        try:
+            result = compute()
+        except Exception as e:
+            box[0] = str(e) if isinstance(e, LLMTrainError) else f"the main process stopped ({type(e).__name__}: {e})"
+            dist.broadcast_object_list(box, src=0)
+            raise
+        dist.broadcast_object_list(box, src=0)
+        return result
+    dist.broadcast_object_list(box, src=0)
+    if box[0] is not None:
+        raise Relayed(box[0])
+    return compute()
+
+
+def on_tensor_group_first(accelerator):
+    """Where online RL runs the user's code (its reward functions, tools and environment: GRPO.user_code): on this
+    process (None) without tensor parallelism; with it, on the TP group's first process, its result given to the
+    other (`on_first`), as both sample the same completions and a function's side effects (a file written, a call to
+    a service) must happen once."""
+    if tensor_parallel_size(accelerator) == 1:
+        return None
+    from functools import partial
+
+    return partial(on_first, group=accelerator.torch_device_mesh["tp"].get_group())
 
 
 def device_sum(accelerator, t: torch.Tensor) -> torch.Tensor:

@@ -180,14 +180,16 @@ def launch_settings(argv: list[str]) -> tuple[dict, str]:
 
 def parent_launch() -> list[str] | None:
     """The arguments of the `accelerate launch` that started this process (its parent: torchrun's agent runs inside
-    it), or None where there is none or it cannot be read (not Linux, another launcher)."""
+    it; `llmtrain launch` runs it as llmtrain.launcher), or None where there is none or it cannot be read (not
+    Linux, another launcher)."""
     try:
         argv = Path(f"/proc/{os.getppid()}/cmdline").read_bytes().split(b"\0")
     except OSError:
         return None
     argv = [a.decode(errors="replace") for a in argv if a]
     for i, arg in enumerate(argv):
-        if arg == "accelerate.commands.launch" or (arg == "launch" and i and argv[i - 1].endswith("accelerate")):
+        if arg in ("accelerate.commands.launch", "llmtrain.launcher") or (  # llmtrain.launcher: llmtrain launch's
+                arg == "launch" and i and argv[i - 1].endswith("accelerate")):
             return argv[i + 1:]
     return None
 

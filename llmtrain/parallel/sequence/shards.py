@@ -186,31 +186,21 @@ def shared_sampling(draw, prompts: list[list[int]], seeds: list[int], *,
 
 
 def on_first_of_group(compute, *, group: SequenceGroup, lm):
-    """`compute()` run on the group's first process, its result (or its error) given to the others: online RL's
-    scoring of a micro-batch the group shares (reward functions run once), and its sampling with tools (an
-    environment's state stays on one process). The first process attends there with llmtrain's varlen attention on
-    whole rows (RLOO's log-probabilities before the update), not the group's all-to-all, which the others do not
-    join."""
-    import torch.distributed as dist
-
+    """`compute()` run on the group's first process, its result (or its error) given to the others
+    (collectives.on_first): online RL's scoring of a micro-batch the group shares (reward functions run once), and its
+    sampling with tools (an environment's state stays on one process). The first process attends there with
+    llmtrain's varlen attention on whole rows (RLOO's log-probabilities before the update), not the group's
+    all-to-all, which the others do not join."""
     from llmtrain.model.attention import NAME
     from llmtrain.model.generate import attention_as
     from llmtrain.model.loss import causal_lm
+    from llmtrain.parallel.collectives import on_first
 
-    box, error = [None], None
-    if group.rank == 0:
-        try:
-            with attention_as(causal_lm(lm).config, NAME):
-                box[0] = (True, compute())
-        except Exception as e:  # the others must not wait for a result that never comes: they get its words
-            box[0], error = (False, str(e)), e
-    dist.broadcast_object_list(box, src=dist.get_global_rank(group.group, 0), group=group.group)
-    done, result = box[0]
-    if error is not None:
-        raise error
-    if not done:
-        raise LLMTrainError(result)
-    return result
+    def whole_rows():
+        with attention_as(causal_lm(lm).config, NAME):
+            return compute()
+
+    return on_first(whole_rows, group=group.group)
 
 
 def balance_sums(counts: torch.Tensor, probs: torch.Tensor, rows: int, *, group, whole: bool):
