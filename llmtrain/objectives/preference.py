@@ -24,6 +24,7 @@ import torch.nn.functional as F
 from llmtrain.data.batching import Counts, collate, with_loss_positions
 from llmtrain.data.formats import IGNORE
 from llmtrain.model.loss import compute_loss
+from llmtrain.parallel.collectives import on_main
 from llmtrain.parallel.mesh import data_ranks
 
 # TRL's names for the same numbers (DPOTrainer), so runs can be compared line by line.
@@ -293,9 +294,10 @@ def precompute_reference(model, dataset, accelerator, objective: Preference, *, 
         copies = 1 if pipeline is not None else accelerator.num_processes // world
         computed = accelerator.reduce(computed, reduction="sum") / copies
     values[todo] = computed.cpu()[todo]
-    if accelerator.is_main_process:  # written whole under a temporary name: a crash never leaves half a file
+    def write():  # written whole under a temporary name: a crash never leaves half a file
         tmp = cache.with_name(f".{cache.name}.tmp{os.getpid()}")
         torch.save(values, tmp)
         tmp.replace(cache)
-    accelerator.wait_for_everyone()
+
+    on_main(accelerator, write)  # the others wait for it (and get its error, should it fail)
     return values

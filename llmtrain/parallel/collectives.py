@@ -2,7 +2,8 @@
 the data-parallel ranks (`data_sum`: a tensor-parallel group's batch counted once), lists gathered in rank order
 (`gathered`), a device tensor summed over all processes without a host sync (`device_sum`), a computation run on
 a group's first process, its result given to the others (`on_first`; `on_tensor_group_first`: the user's code of
-online RL under tensor parallelism), and one run on the main process before the others (`main_first`).
+online RL under tensor parallelism), and one run on the main process alone (`on_main`) or before the others
+(`main_first`), its error handed to the others.
 """
 
 from __future__ import annotations
@@ -53,11 +54,10 @@ def on_first(compute, *, group):
     return result
 
 
-def main_first(accelerator, compute):
-    """`compute()` on the main process, then on the others (which read what it cached: the tokenised data), as
-    accelerate's main_process_first, except that an error on the main process reaches the others (errors.Relayed,
-    its words) instead of leaving them at a barrier it never reaches, whose broken connection each would report
-    with a traceback."""
+def on_main(accelerator, compute):
+    """`compute()` on the main process alone (what it writes for every process: the tokenised data's cache, final/),
+    the others waiting for it (they get None). An error there reaches the others (errors.Relayed, its words) instead
+    of leaving them at a barrier it never reaches, whose broken connection each would report with a traceback."""
     if accelerator.num_processes == 1:
         return compute()
     import torch.distributed as dist
@@ -77,7 +77,14 @@ def main_first(accelerator, compute):
     dist.broadcast_object_list(box, src=0)
     if box[0] is not None:
         raise Relayed(box[0])
-    return compute()
+    return None
+
+
+def main_first(accelerator, compute):
+    """`compute()` on the main process, then on the others (which read what it cached: the tokenised data), as
+    accelerate's main_process_first, with `on_main`'s handing of its error to the others."""
+    result = on_main(accelerator, compute)
+    return result if accelerator.is_main_process else compute()
 
 
 def on_tensor_group_first(accelerator):

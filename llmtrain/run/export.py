@@ -12,6 +12,7 @@ from pathlib import Path
 import yaml
 
 from llmtrain.errors import LLMTrainError
+from llmtrain.parallel.collectives import on_main
 from llmtrain.run.rundir import cannot_create
 
 
@@ -20,7 +21,7 @@ def save_final(accelerator, model, tokenizer, path: Path, *, state_dict: dict | 
     model's, already gathered (pipeline stages: parallel/pipeline.gather_state_dict)."""
     # get_state_dict gathers sharded (FSDP) weights, so every rank must call it.
     state_dict = accelerator.get_state_dict(model) if state_dict is None else state_dict
-    if accelerator.is_main_process:
+    def save():
         tmp = path.with_name(path.name + ".tmp")
         shutil.rmtree(tmp, ignore_errors=True)
         unwrapped = accelerator.unwrap_model(model)
@@ -29,7 +30,8 @@ def save_final(accelerator, model, tokenizer, path: Path, *, state_dict: dict | 
         if path.exists():
             shutil.rmtree(path)
         tmp.rename(path)
-    accelerator.wait_for_everyone()
+
+    on_main(accelerator, save)  # the others wait for it (and get its error, should it fail)
 
 
 def tied_once(state: dict, model) -> dict:
