@@ -114,13 +114,25 @@ def accelerate_command(argv: list[str], *, machine: bool = True) -> list[str]:
 
 def launched(argv: list[str]) -> int:
     """`accelerate launch ARGV` in this process (what `llmtrain launch` becomes): its exit status. Where processes
-    failed, one line names them and their exit status in place of torchrun's traceback: each has printed why."""
+    failed, one line names them and their exit status in place of torchrun's traceback: each has printed why. A
+    signal to the launcher (the whole job signalled: SLURM's preemption) is passed to the processes, which save a
+    checkpoint and stop; the launcher then exits 128 + the signal, as one process does, with one line, not torchrun's
+    traceback."""
+    import signal
+
     from accelerate.commands.launch import launch_command, launch_command_parser
+    from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
     args = launch_command_parser().parse_args(argv)
     try:
         launch_command(args)
+    except SignalException as e:  # SIGTERM (SLURM, Kubernetes) or Ctrl-C: torchrun passed it on to the processes
+        if args.debug:
+            raise
+        print(f"llmtrain launch: {signal.Signals(e.sigval).name} reached the launcher, which passed it to the "
+              "processes; what they said is above", file=sys.stderr)
+        return 128 + e.sigval  # as one process exits on it (143, 130)
     except ChildFailedError as e:
         if args.debug:
             raise
