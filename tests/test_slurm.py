@@ -2,7 +2,8 @@
 
 SLURM is not here, so `srun`, `scontrol` and `llmtrain` are stand-ins on PATH: srun runs its command once
 per node with that node's SLURM_NODEID (as `srun --ntasks-per-node=1` does), scontrol expands the node list,
-and llmtrain records its arguments (`llmtrain launch` takes accelerate launch's flags, then the recipe). The script itself runs unchanged, under bash.
+and llmtrain records its arguments (`llmtrain launch` takes accelerate launch's flags, then the
+recipe). The script itself runs unchanged, under bash.
 """
 
 from __future__ import annotations
