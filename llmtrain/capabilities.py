@@ -159,7 +159,8 @@ def _kto_reread(r, layout):
     return r.kto is not None and r.lora is None and r.model.random_init
 
 
-_TILED_TP = ("model.tiled_mlp runs on one process, under DDP or under FSDP; tensor parallelism splits the MLP's layers "
+_TILED_TP = ("{key} with model.tiled_mlp is untested: model.tiled_mlp runs on one process, under DDP or under FSDP; "
+             "tensor parallelism splits the MLP's layers "
              "over the processes, which it has not been tested with. Set model.tiled_mlp=null, or launch with a DDP or "
              "FSDP config (accelerate_configs/ddp.yaml or fsdp.yaml)")
 
@@ -173,10 +174,6 @@ RULES: tuple[Rule, ...] = (
          "the second step (torch 2.13 on gloo). Set model.compile=false"),
     Rule("tp", lambda r, _: bool(r.model.tiled_mlp),
          _TILED_TP),
-    Rule("tp", lambda r, _: r.kto is not None and r.lora is None,
-         "{key} with kto: a full fine-tune keeps a frozen copy of the starting model as its reference, whole on "
-         "every process, which tensor parallelism's split would undo. Add a lora: section (the reference is then "
-         "the model with its adapter disabled, no copy), or launch with a DDP or FSDP config"),
     Rule("fsdp", _kto_reread,
          "kto: a full fine-tune's reference under FSDP is the starting weights read again from model.name_or_path "
          "and sharded like the policy, and model.random_init has none to read. Save the initial model first "

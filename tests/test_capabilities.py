@@ -69,7 +69,7 @@ def mode_recipes(tiny_assets, tmp_path_factory) -> dict[str, Path]:
         if mode == "preference":
             recipe["data"].update(path=str(data / "train_pairs.jsonl"), format="preference")
             recipe["preference"] = {"loss": "dpo"}
-        if mode == "kto":  # LoRA: a full fine-tune's frozen reference copy is refused under tensor parallelism
+        if mode == "kto":  # LoRA (its reference the disabled adapter: no second model loaded in each cell)
             recipe["lora"] = {"r": 4, "alpha": 8, "dropout": 0.0}
         recipe["data"]["path"] = str(data / Path(recipe["data"]["path"]).name)
         recipe["data"].update(eval_split=None, cache_dir=str(tiny_assets.parent / "data-cache"))

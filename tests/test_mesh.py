@@ -76,9 +76,7 @@ def test_fsdp_x_tp_is_accepted_and_named(monkeypatch):
 @pytest.mark.parametrize("section, names", [
     ({"model": {"quantize": "nf4"}, "lora": {"r": 4}}, ["does not train a 4-bit base", "model.quantize", "ddp.yaml"]),
     ({"model": {"compile": True}}, ["model.compile=false"]),
-    # KTO with LoRA trains under TP (tests/test_tp.py); a full fine-tune's frozen reference copy would be whole
-    ({"data": {"format": "unpaired"}, "kto": {}, "train": {"micro_batch_size": 4}},
-     ["with kto: a full fine-tune keeps a frozen copy", "Add a lora: section"]),
+    ({"model": {"tiled_mlp": True}}, ["model.tiled_mlp=null"]),
 ])
 def test_what_tensor_parallelism_does_not_train_is_refused(monkeypatch, tmp_path, section, names):
     from llmtrain.config import Recipe
