@@ -69,3 +69,16 @@ def test_under_fsdp_the_reference_is_sharded_like_the_policy_with_its_head_whole
     sharded = (MISTRAL.params_total * 4 - head) // 8 + head
     assert est.phase_parts["optimizer_step"]["weights"] == without.phase_parts["optimizer_step"]["weights"] + sharded
     assert sharded < MISTRAL.params_total * 4 / 6  # 3.6 GiB of the whole copy's 27
+
+
+def test_under_fsdp_x_tp_the_reference_is_sharded_over_every_gpu_of_the_mesh():
+    """Under FSDP x TP (4 shards x 2 TP) the reference is not split by TP: fsdp.shard_frozen spreads its decoder's
+    shards over the TP pair too (fsdp._frozen_mesh), 1/8 a GPU as under plain FSDP on 8, its head whole; the
+    policy's own weights are its TP slice's 1/4 shard."""
+    spec = replace(spec_from_recipe(kto_recipe(lora=False)), strategy="fsdp", num_gpus=8, tp=2)
+    est = estimate(MISTRAL, spec)
+    without = estimate(MISTRAL, replace(spec, frozen_reference=False))
+    head = MISTRAL.vocab * MISTRAL.hidden * 4
+    sharded = -(-(MISTRAL.params_total * 4 - head) // 8) + head  # as on 8 FSDP shards (the test above)
+    assert est.phase_parts["optimizer_step"]["weights"] - without.phase_parts["optimizer_step"]["weights"] == \
+        pytest.approx(sharded, abs=8)

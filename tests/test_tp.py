@@ -204,7 +204,7 @@ def test_online_rl_with_lora_under_fsdp_x_tp_equals_one_process(tiny_assets, tmp
 @pytest.mark.extended  # main tier: online RL under FSDP x TP (the same sampling), LoRA under FSDP x TP
 def test_distillation_with_lora_under_fsdp_x_tp_trains_as_plain_fsdp(tiny_assets, tmp_path):
     """On-policy distillation (lmbda 1: the student samples every step) from a teacher of other weights, its decoder
-    sharded over the data ranks as the student's mesh has it, the student LoRA under 2 shards x 2 TP: the same
+    sharded over every process (the TP pairs' too), the student LoRA under 2 shards x 2 TP: the same
     completions, losses and gradient norms as plain FSDP on the same 2 data ranks, the adapter to 1e-5. (A teacher
     equal to the student trains on a loss of 0 plus rounding, which no two layouts share.)"""
     import yaml
@@ -235,6 +235,7 @@ def test_distillation_with_lora_under_fsdp_x_tp_trains_as_plain_fsdp(tiny_assets
     name = "adapter_model.safetensors"
     assert max_abs_diff(load_weights(tmp_path / "tp" / "final" / name),
                         load_weights(tmp_path / "fsdp" / "final" / name)) < 1e-5
+    _assert_frozen_spread(teacher, tmp_path, "teacher: sharded like the student,")
 
 
 @pytest.mark.extended  # main tier: LoRA under FSDP x TP above (KTO's passes are the policy's forward, with and
@@ -271,6 +272,24 @@ def test_kto_under_fsdp_x_tp_trains_as_plain_fsdp(tiny_assets, tmp_path, lora):
     name = "adapter_model.safetensors" if lora else "model.safetensors"
     assert max_abs_diff(load_weights(tmp_path / "tp" / "final" / name),
                         load_weights(tmp_path / "fsdp" / "final" / name)) < 1e-4
+    if not lora:
+        _assert_frozen_spread(tiny_assets / "model", tmp_path, "reference: the starting weights, sharded like the "
+                                                                "policy,")
+
+
+def _assert_frozen_spread(model: Path, runs: Path, line: str) -> None:
+    """A frozen model's decoder (distillation's teacher, KTO's reference) in 1/4 a process under 2 shards x 2 TP
+    (fsdp._frozen_mesh: spread over the TP pair too; it was 1/2, replicated over the shards), 1/2 under plain FSDP
+    on 2; its head whole on each: what the start-up line says the main process holds."""
+    import json
+
+    config = json.loads((model / "config.json").read_text())
+    head = config["vocab_size"] * config["hidden_size"]
+    for run, processes in (("tp", 4), ("fsdp", 2)):
+        said = re.search(re.escape(line) + r" ([\d,]+) of its ([\d,]+) parameters",
+                         (runs / run / "train.log").read_text())
+        held, total = (int(n.replace(",", "")) for n in said.groups())
+        assert held - head == pytest.approx((total - head) / processes, rel=0.02), run
 
 
 @pytest.mark.extended  # main tier: test_fsdp_x_tp_2x2_trains_like_one_process, test_fsdp.py's sharded resume

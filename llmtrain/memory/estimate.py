@@ -162,7 +162,7 @@ def estimate(shape: ModelShape, spec: TrainSpec) -> Estimate:
     whole, shape = shape, tensor_parallel_shape(shape, spec.tp)
     plan = lora_plan(shape, r=spec.lora_r, targets=spec.lora_target_modules,
                      modules_to_save=spec.lora_modules_to_save) if spec.method == "lora" else None
-    st = states(shape, spec, plan)
+    st = states(shape, spec, plan, whole=whole)
     p = make_pass(shape, spec)
     L, V, H = shape.layers, shape.vocab, shape.hidden
     full, fsdp, ckpt = plan is None, spec.sharded, spec.gradient_checkpointing

@@ -49,7 +49,7 @@ def quantized_base_bytes(shape: ModelShape, spec: TrainSpec) -> int:
             + in_flight)
 
 
-def states(shape: ModelShape, spec: TrainSpec, plan: LoraPlan | None) -> States:
+def states(shape: ModelShape, spec: TrainSpec, plan: LoraPlan | None, *, whole: ModelShape | None = None) -> States:
     """Weights in their storage dtype (LoRA adapters in fp32, as peft keeps them on a 16-bit base),
     gradients of trainable parameters only, optimizer state, and DDP's gradient buckets: DDP copies
     every gradient into flat buckets allocated once (gradient_as_bucket_view=False, Accelerate's
@@ -57,7 +57,8 @@ def states(shape: ModelShape, spec: TrainSpec, plan: LoraPlan | None) -> States:
     FSDP2 under mixed precision keeps trainable parameters as fp32 master shards (Accelerate upcasts
     them); everything is divided by the world size, and cpu offload moves it all to the host. A KTO full fine-tune's
     frozen reference (spec.frozen_reference) is one more copy of the weights in the storage dtype: whole on one GPU
-    and under DDP, sharded like the policy under FSDP with its LM head whole (loop/phases.build_reference)."""
+    and under DDP, sharded like the policy under FSDP with its LM head whole (loop/phases.build_reference); under
+    FSDP x TP `shape` is the TP slice and `whole` the model, whose reference is sharded over every GPU of a replica."""
     sd = DTYPE_BYTES[spec.dtype]
     fsdp = spec.sharded
     master = 4 if (fsdp and spec.mixed_precision != "no") else sd  # bytes of a trainable base parameter
@@ -79,7 +80,7 @@ def states(shape: ModelShape, spec: TrainSpec, plan: LoraPlan | None) -> States:
     weights = frozen_bytes + trainable_bytes
     reference = 0
     if spec.frozen_reference:  # KTO's frozen copy: whole, or under FSDP its decoder sharded and its head whole
-        reference = sharded_frozen_bytes(shape, spec, sd) if fsdp else shape.params_total * sd
+        reference = sharded_frozen_bytes(whole or shape, spec, sd) if fsdp else shape.params_total * sd
     if spec.cpu_offload:
         return States(0, 0, 0, (0,) * shape.layers, 0, 0, weights + trainable_bytes + optim)
     return States(

@@ -25,8 +25,9 @@ HELD_PHASES = ("forward", "backward_layers", "backward_embedding")  # the teache
 def sharded_frozen_bytes(shape: ModelShape, spec: TrainSpec, b: int) -> int:
     """A frozen model's weights on each GPU as fsdp.shard_frozen holds them under FSDP/HSDP (distillation's teacher,
     KTO's full fine-tune's reference): the decoder in shards, the LM head whole (a tied head a copy of the
-    embeddings); `b` bytes a weight."""
-    return -(-(shape.params_total - shape.params_head) // spec.shards) * b + shape.vocab * shape.hidden * b
+    embeddings); `b` bytes a weight. `shape`: the whole model (not a TP slice): under FSDP x TP its shards spread
+    over the TP ranks too (fsdp._frozen_mesh), 1 / (shards x tp) of the decoder a GPU."""
+    return -(-(shape.params_total - shape.params_head) // (spec.shards * spec.tp)) * b + shape.vocab * shape.hidden * b
 
 
 def add_teacher(phases: dict[str, dict[str, int]], shape: ModelShape, spec: TrainSpec, p: act.Pass, base: dict,

@@ -92,7 +92,8 @@ def gathered_for_generation(model):
 
 def shard_frozen(frozen, trained, accelerator) -> int:
     """A frozen model (distillation's teacher) sharded as FSDP shards `trained` (the prepared student): over the
-    student's mesh (FSDP's ranks, or HSDP's replicas of shards), each decoder layer a unit that all-gathers for its
+    student's mesh (FSDP's ranks, or HSDP's replicas of shards; under FSDP x TP the TP ranks too: _frozen_mesh),
+    each decoder layer a unit that all-gathers for its
     forward and frees after it, the decoder (embeddings, final norm) the root unit, in its own dtype (no cast).
     The LM head stays whole on every process, untied from the embeddings: the student's loss reads its weight chunk
     by chunk, outside any forward of the teacher's. The weights are the main process's, broadcast a tensor at a time,
@@ -104,7 +105,7 @@ def shard_frozen(frozen, trained, accelerator) -> int:
     from torch.distributed.fsdp import fully_shard
     from torch.distributed.tensor import DTensor
 
-    mesh = next(p.device_mesh for p in trained.parameters() if isinstance(p, DTensor))
+    mesh = _frozen_mesh(accelerator) or next(p.device_mesh for p in trained.parameters() if isinstance(p, DTensor))
     device = accelerator.device
     head = frozen.get_output_embeddings()
     # the head whole on every process, as the main process read it (a tied head: a copy of the embeddings)
@@ -126,6 +127,20 @@ def shard_frozen(frozen, trained, accelerator) -> int:
         decoder.get_submodule(parent).register_buffer(leaf, b.to(device), persistent=False)
     frozen.requires_grad_(False)
     return sum((p.to_local() if isinstance(p, DTensor) else p).numel() for p in frozen.parameters())
+
+
+def _frozen_mesh(accelerator):
+    """Under FSDP x TP, the mesh a frozen model is sharded over: it is not split by tensor parallelism, so its shards
+    spread over each TP group's processes too (the data ranks' shards x the TP ranks, flattened into one dimension;
+    HSDP's replicas stay replicas), each GPU holding 1 / (shards x tp) of its decoder as the policy holds of its own.
+    The policy's 2-D mesh would have it replicated over the shards and split over the TP pair alone. None without
+    tensor parallelism: the policy's mesh."""
+    root = accelerator.torch_device_mesh
+    names = (root.mesh_dim_names or ()) if root is not None else ()
+    if "tp" not in names or root["tp"].size() == 1:
+        return None
+    flat = root["dp_shard", "tp"]._flatten("dp_shard_tp")  # accelerate flattens its own joint dimensions so too
+    return root["dp_replicate", "dp_shard_tp"] if "dp_replicate" in names else flat
 
 
 def fsdp_param_groups(state) -> list:
