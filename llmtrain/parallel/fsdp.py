@@ -135,12 +135,17 @@ def _frozen_mesh(accelerator):
     HSDP's replicas stay replicas), each GPU holding 1 / (shards x tp) of its decoder as the policy holds of its own.
     The policy's 2-D mesh would have it replicated over the shards and split over the TP pair alone. None without
     tensor parallelism: the policy's mesh."""
+    from torch.distributed.device_mesh import DeviceMesh
+
     root = accelerator.torch_device_mesh
     names = (root.mesh_dim_names or ()) if root is not None else ()
     if "tp" not in names or root["tp"].size() == 1:
         return None
-    flat = root["dp_shard", "tp"]._flatten("dp_shard_tp")  # accelerate flattens its own joint dimensions so too
-    return root["dp_replicate", "dp_shard_tp"] if "dp_replicate" in names else flat
+    ranks = root.mesh  # [replicas,] shards, tp: the global ranks; TP groups are its last dimension
+    if "dp_replicate" in names:  # every process builds it (its process groups are made collectively)
+        return DeviceMesh(root.device_type, ranks.reshape(ranks.shape[0], -1),
+                          mesh_dim_names=("dp_replicate", "dp_shard_tp"))
+    return DeviceMesh(root.device_type, ranks.reshape(-1), mesh_dim_names=("dp_shard_tp",))
 
 
 def fsdp_param_groups(state) -> list:
