@@ -170,8 +170,8 @@ def _note(what):
 
 
 def calls(completions, completion_ids, **kwargs):
-    if all(completion_ids):  # not the start-up check's (its every other completion is empty)
-        _note(f"reward {len(completions)}")
+    # the start-up check's every other completion is empty
+    _note(f"reward {len(completions)}" if all(completion_ids) else "check")
     return [0.0] * len(completions)
 
 
@@ -192,8 +192,9 @@ class CountingBook(CodeBook):
 def test_under_fsdp_x_tp_the_users_code_runs_once_a_completion_and_samples_what_one_process_does(
         straight, tmp_path, free_port):
     """2 shards x 2 tensor-parallel processes: each pair samples the same completions, but its reward functions,
-    environments' resets and tool calls run on the pair's first process (ranks 0 and 2) alone, once a completion;
-    the run samples, calls and trains what one process does."""
+    environments' resets and tool calls run on the pair's first process (ranks 0 and 2) alone, once a completion,
+    and the start-up check of the reward functions on the main process alone; the run samples, calls and trains
+    what one process does."""
     import os
 
     import yaml
@@ -219,6 +220,7 @@ def test_under_fsdp_x_tp_the_users_code_runs_once_a_completion_and_samples_what_
     assert {rank for rank, _ in lines} == {"0", "2"}  # the pairs' first processes only
     said = [what for _, what in lines]
     assert said.count("reward 4") == 8  # 4 steps x 2 pairs, each 1 prompt x 4 completions
+    assert lines[0] == ["0", "check"] and said.count("check") == 1  # the start-up check: the main process's alone
     assert said.count("lookup") == sum(len(r["tool_calls"]) for r in rows) > 0
     assert said.count("reset") >= len(rows)  # each completion's (and the eval's)
 

@@ -45,7 +45,7 @@ from llmtrain.memory import predicted_for_run
 from llmtrain.memory.fit import out_of_memory_text
 from llmtrain.objectives.objective import Objective, objective_for, rl_rewards
 from llmtrain.parallel.accelerator import build_accelerator
-from llmtrain.parallel.collectives import device_sum, gathered, on_tensor_group_first
+from llmtrain.parallel.collectives import device_sum, gathered, on_main, on_tensor_group_first
 from llmtrain.parallel.groups import groups
 from llmtrain.parallel.sequence.shards import SequenceShards
 from llmtrain.parallel.mesh import data_ranks
@@ -96,7 +96,8 @@ def _train(recipe: Recipe, accelerator, console: RunConsole, cleanup: ExitStack,
     data = prepare_data(recipe, accelerator, say=say)
     check_steps_left(checked.checkpoint, data.total_steps, out=Path(recipe.output_dir))
     # RL: checked before the model loads (a reward model is loaded now, on the run's device)
-    rewards = rl_rewards(recipe, data.train, total_steps=data.total_steps, device=accelerator.device)
+    rewards = rl_rewards(recipe, data.train, total_steps=data.total_steps, device=accelerator.device,
+                         once=partial(on_main, accelerator))
     est = check_memory(recipe, accelerator, data, say=say)  # CUDA: the estimate on this GPU, a warning if over
     state = None
     try:
