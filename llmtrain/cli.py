@@ -107,8 +107,8 @@ def prints_error_here(*, stopped: bool = False) -> bool:
     """Whether this process prints the error it raised. Before the process group exists every process of a launch
     has checked the same recipe and launch config and raises the same paragraph: the first process of each node
     (torchrun's LOCAL_RANK 0) prints it, once per node's log, not once per GPU. So does a stop on a signal
-    (`stopped`): every rank stops after the same step, which they voted on together; and the main process's error
-    handed to the others (errors.Relayed: node 0's first process is the main one). Once the group exists
+    (`stopped`): every rank stops after the same step, which they voted on together; and another process's error
+    handed to this one (errors.Relayed), which that process prints itself. Once the group exists
     (Accelerate's PartialState is set up), every process prints any other error: a rank's error may be its alone."""
     state = sys.modules.get("accelerate.state")
     if not stopped and state is not None and state.PartialState._shared_state:

@@ -18,8 +18,9 @@ class TrainingDiverged(LLMTrainError):
 
 
 class Relayed(LLMTrainError):
-    """Another process's error, the same for every process: the main process's, handed to the others
-    (collectives.main_first). Each node's first process prints it, as before the process group exists."""
+    """Another process's error, handed to the processes that waited for its result (collectives.on_main: the main
+    process's; collectives.on_first: a group's first's). The process that raised it prints it, and each node's
+    first process (as before the process group exists), not every GPU of a launch."""
 
 
 class Stopped(LLMTrainError):

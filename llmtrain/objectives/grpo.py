@@ -337,9 +337,10 @@ class GRPO:
             """The rollout's environments (on the process that runs the user's code), each reset with its row."""
             self._environments = self.tools.environments(len(prompt_ids))
             # TRL's: reset with the row; an observation joins the prompt's last message
-            return [None if environment is None else environment.reset(prompt=row["prompt"], **{
-                        name: row[stored] for name, stored in self.reward_columns.items()})
-                    for environment, row in zip(self._environments, rows)]
+            observations = [None if environment is None else environment.reset(prompt=row["prompt"], **{
+                                name: row[stored] for name, stored in self.reward_columns.items()})
+                            for environment, row in zip(self._environments, rows)]
+            return [None if o is None else str(o) for o in observations]  # text: what travels to the other
 
         for i, (observation, row) in enumerate(zip(self.user_code(reset), rows)):
             if observation is not None:

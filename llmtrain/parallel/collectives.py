@@ -33,11 +33,11 @@ def gathered(accelerator, items: list) -> list:
 def on_first(compute, *, group):
     """`compute()` run on the first process of `group` (a torch process group), its result given to the others:
     what must happen once for processes that hold the same batch (a reward function's call, a tool's, an
-    environment's; their side effects too). An error there reaches the others as its words, so none waits for a
-    result that never comes; the first raises the error itself."""
+    environment's; their side effects too). An error there reaches the others as its words (errors.Relayed), so
+    none waits for a result that never comes; the first raises the error itself."""
     import torch.distributed as dist
 
-    from llmtrain.errors import LLMTrainError
+    from llmtrain.errors import Relayed
 
     box, error = [None], None
     if dist.get_rank(group) == 0:
@@ -50,7 +50,7 @@ def on_first(compute, *, group):
     if error is not None:
         raise error
     if not done:
-        raise LLMTrainError(result)
+        raise Relayed(result)
     return result
 
 
