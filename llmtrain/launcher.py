@@ -119,6 +119,7 @@ def launched(argv: list[str]) -> int:
     checkpoint and stop; the launcher then exits 128 + the signal, as one process does, with one line, not torchrun's
     traceback."""
     import signal
+    import subprocess
 
     from accelerate.commands.launch import launch_command, launch_command_parser
     from torch.distributed.elastic.multiprocessing.api import SignalException
@@ -133,6 +134,11 @@ def launched(argv: list[str]) -> int:
         print(f"llmtrain launch: {signal.Signals(e.sigval).name} reached the launcher, which passed it to the "
               "processes; what they said is above", file=sys.stderr)
         return 128 + e.sigval  # as one process exits on it (143, 130)
+    except subprocess.CalledProcessError as e:  # one process started without torchrun (a single-GPU config)
+        if args.debug:
+            raise
+        print(f"llmtrain launch: {failures({0: e})}; what it said is above", file=sys.stderr)
+        return e.returncode if 0 < e.returncode < 256 else 128 - e.returncode if e.returncode < 0 else 1
     except ChildFailedError as e:
         if args.debug:
             raise
@@ -146,13 +152,15 @@ def launched(argv: list[str]) -> int:
 
 
 def failures(failed: dict) -> str:
-    """torchrun's failed processes ({global rank: ProcessFailure}) in words: those that exited with a status, and
-    those a signal ended (the launcher's SIGTERM to the others once one has failed, or a kill from outside)."""
+    """The failed processes ({global rank: torchrun's ProcessFailure, or accelerate's CalledProcessError for a
+    process it started alone}) in words: those that exited with a status, and those a signal ended (the launcher's
+    SIGTERM to the others once one has failed, or a kill from outside)."""
     def ranks(items) -> str:
         return f"process{'es' if len(items) > 1 else ''} {', '.join(items)}"
 
-    exited = [f"{rank} (exit status {f.exitcode})" for rank, f in sorted(failed.items()) if f.exitcode >= 0]
-    signalled = [f"{rank} (signal {-f.exitcode})" for rank, f in sorted(failed.items()) if f.exitcode < 0]
+    codes = {rank: getattr(f, "exitcode", getattr(f, "returncode", 1)) for rank, f in sorted(failed.items())}
+    exited = [f"{rank} (exit status {code})" for rank, code in codes.items() if code >= 0]
+    signalled = [f"{rank} (signal {-code})" for rank, code in codes.items() if code < 0]
     return "; ".join([*([f"{ranks(exited)} stopped"] if exited else []),
                       *([f"{ranks(signalled)} ended by a signal"] if signalled else [])])
 

@@ -173,6 +173,22 @@ def test_a_run_that_stops_under_llmtrain_launch_says_why_and_not_torchruns_trace
 
 
 @pytest.mark.slow
+def test_one_process_launched_alone_that_stops_says_why_and_not_accelerates_traceback(tiny_assets, tmp_path):
+    """A launch of one process without torchrun (accelerate's simple launcher: a single-GPU config) reports a
+    failed process as a CalledProcessError traceback; what llmtrain launch runs (llmtrain.launcher) says the one
+    line and exits with the process's status."""
+    data = tmp_path / "bad.jsonl"
+    data.write_text((tiny_assets / "data" / "train.jsonl").read_text() + "{not json\n")
+    recipe = write_recipe(tiny_assets, tmp_path, data={"path": str(data)})
+    proc = subprocess.run([sys.executable, "-m", "llmtrain.launcher", "--cpu", "--num_processes", "1", "-m",
+                           "llmtrain", "finetune", str(recipe), "train.max_steps=2"], env=ENV, cwd=REPO,
+                          capture_output=True, text=True, timeout=300)
+    said = proc.stdout + proc.stderr
+    assert proc.returncode == 2 and "bad.jsonl" in said and "Traceback" not in said, said[-3000:]
+    assert "llmtrain launch: process 0 (exit status 2) stopped; what it said is above" in said
+
+
+@pytest.mark.slow
 def test_finetune_under_a_plain_accelerate_launch_refuses_what_accelerate_ignores(tiny_assets, tmp_path):
     """The pipeline key never reaches the processes' environment: each finds it in its launcher's command line and
     config file, and refuses before it writes anything."""
