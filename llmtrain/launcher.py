@@ -134,39 +134,31 @@ def launched(argv: list[str]) -> int:
         print(f"llmtrain launch: {signal.Signals(e.sigval).name} reached the launcher, which passed it to the "
               "processes; what they said is above", file=sys.stderr)
         return 128 + e.sigval  # as one process exits on it (143, 130)
-    except subprocess.CalledProcessError as e:  # one process started without torchrun (a single-GPU config)
+    except (subprocess.CalledProcessError, ChildFailedError) as e:
         if args.debug:
             raise
-        print(f"llmtrain launch: {failures({0: e})}; what it said is above", file=sys.stderr)
-        return e.returncode if 0 < e.returncode < 256 else 128 - e.returncode if e.returncode < 0 else 1
-    except ChildFailedError as e:
-        if args.debug:
-            raise
-        print(f"llmtrain launch: {failures(e.failures)}; what each said is above (accelerate launch --debug: "
-              "torchrun's own report)", file=sys.stderr)
+        alone = isinstance(e, subprocess.CalledProcessError)  # one process, started without torchrun (single GPU)
+        codes = {0: e.returncode} if alone else {rank: f.exitcode for rank, f in sorted(e.failures.items())}
+        said = "what it said is above" if alone else \
+            "what each said is above (accelerate launch --debug: torchrun's own report)"
+        print(f"llmtrain launch: {failures(codes)}; {said}", file=sys.stderr)
         # the first that exited with a status (the others may have been ended for it); a signal's: 128 + signal
-        code = next((f.exitcode for _, f in sorted(e.failures.items()) if f.exitcode > 0),
-                    min(e.failures.items())[1].exitcode)
+        code = next((c for c in codes.values() if c > 0), next(iter(codes.values())))
         return code if 0 < code < 256 else 128 - code if code < 0 else 1
     return 0
 
 
-def failures(failed: dict) -> str:
-    """The failed processes ({global rank: torchrun's ProcessFailure, or accelerate's CalledProcessError for a
-    process it started alone}) in words: those that exited with a status, and those a signal ended (the launcher's
-    SIGTERM to the others once one has failed, or a kill from outside)."""
+def failures(codes: dict[int, int]) -> str:
+    """The failed processes ({global rank: exit status, -signal where a signal ended it}) in words: those that
+    exited with a status, and those a signal ended (the launcher's SIGTERM to the others once one has failed, or a
+    kill from outside)."""
     def ranks(items) -> str:
         return f"process{'es' if len(items) > 1 else ''} {', '.join(items)}"
 
-    codes = {rank: getattr(f, "exitcode", getattr(f, "returncode", 1)) for rank, f in sorted(failed.items())}
     exited = [f"{rank} (exit status {code})" for rank, code in codes.items() if code >= 0]
     signalled = [f"{rank} (signal {-code})" for rank, code in codes.items() if code < 0]
     return "; ".join([*([f"{ranks(exited)} stopped"] if exited else []),
                       *([f"{ranks(signalled)} ended by a signal"] if signalled else [])])
-
-
-if __name__ == "__main__":
-    sys.exit(launched(sys.argv[1:]))
 
 
 def launch(argv: list[str]) -> None:
@@ -174,3 +166,7 @@ def launch(argv: list[str]) -> None:
     sys.stdout.flush()
     sys.stderr.flush()
     os.execv(command[0], command)
+
+
+if __name__ == "__main__":  # what `llmtrain launch` execs (accelerate_command)
+    sys.exit(launched(sys.argv[1:]))

@@ -241,13 +241,12 @@ class GRPO:
             completions, tooled = self._complete(prompt_ids, seeds, temperature=rl.temperature, top_p=rl.top_p,
                                                  rows=[e for e in examples for _ in range(g)])
             generation_s = time.perf_counter() - begun
-        extra = RewardLogs()
         if stand_in:
-            texts, total = [""] * len(completions), torch.zeros(len(completions))
+            texts, total, extra = [""] * len(completions), torch.zeros(len(completions)), RewardLogs()
             per_function = torch.full((len(completions), len(self.rewards)), float("nan"))
         else:
-            texts, per_function, total = self._score(examples, completions, g, where=self.sources[0], logs=extra,
-                                                     tooled=tooled)
+            texts, per_function, total, extra = self._score(examples, completions, g, where=self.sources[0],
+                                                            tooled=tooled)
         for name, values in extra.metrics.items():
             self.logs.metrics[name] += values
         rows = [e["row"] + 1 for e in examples for _ in range(g)]
@@ -344,7 +343,7 @@ class GRPO:
 
         for i, (observation, row) in enumerate(zip(self.user_code(reset), rows)):
             if observation is not None:
-                prompt_ids[i] = self.render(observed(row["prompt"], str(observation)), row["row"])
+                prompt_ids[i] = self.render(observed(row["prompt"], observation), row["row"])
 
         def turn(prompts, turn_seeds, room):
             return self._generate(prompts, turn_seeds, temperature=temperature, top_p=top_p, max_new_tokens=room)
@@ -366,11 +365,11 @@ class GRPO:
                 return [e.get_reward() for e in self._environments]
         return environment_reward
 
-    def _score(self, examples: list[dict], completions: list[list[int]], g: int, *, where: str, logs=None,
-               tooled=None):
-        """(texts, each reward [completions x functions], their weighted sum) of the completions of `examples`,
-        `g` consecutive completions per example, scored as TRL scores them (rewards.score); `where`: the examples'
-        file, for the errors; `tooled`: their tool calls (rl.tools)."""
+    def _score(self, examples: list[dict], completions: list[list[int]], g: int, *, where: str, tooled=None):
+        """(texts, each reward [completions x functions], their weighted sum, what the functions logged: a
+        rewards.RewardLogs) of the completions of `examples`, `g` consecutive completions per example, scored as TRL
+        scores them (rewards.score) where the user's code runs (user_code); `where`: the examples' file, for the
+        errors; `tooled`: their tool calls (rl.tools)."""
         from llmtrain.objectives.rewards import RewardLogs, score
 
         texts = [self.tokenizer.decode(c, skip_special_tokens=True) for c in completions]
@@ -384,18 +383,12 @@ class GRPO:
         columns = {name: [e[stored] for e in examples for _ in range(g)]
                    for name, stored in self.reward_columns.items()}
         def scored():  # what the functions log comes back with their rewards, from where they ran
-            mine = RewardLogs()
+            logs = RewardLogs()
             return *score(self.rewards, prompts, shown, completion_ids=[list(c) for c in completions],
                           columns=columns, rows=[e["row"] + 1 for e in examples for _ in range(g)], where=where,
-                          state=self.state, logs=mine, runner=self.runner), mine
+                          state=self.state, logs=logs, runner=self.runner), logs
 
-        per_function, total, mine = self.user_code(scored)
-        if logs is not None:
-            for name, values in mine.extra.items():
-                logs.extra[name] += values
-            for name, values in mine.metrics.items():
-                logs.metrics[name] += values
-        return texts, per_function, total
+        return texts, *self.user_code(scored)
 
     def unscored(self, records: list[dict]) -> list[str]:
         """Warnings, each said once a run: a reward function that scored none of a step's completions (None for
@@ -479,7 +472,8 @@ class GRPO:
             prompt_ids = [list(e["input_ids"]) for e in examples]
             completions, tooled = self._complete(prompt_ids, [0] * len(examples), temperature=0.0, top_p=1.0,
                                                  rows=examples)
-            _, per_function, total = self._score(examples, completions, 1, where=self.sources[1] or self.sources[0],
+            _, per_function, total, _ = self._score(examples, completions, 1,
+                                                    where=self.sources[1] or self.sources[0],
                                                  tooled=tooled)
             return torch.tensor([len(examples), float(total.nansum()), *per_function.nan_to_num().sum(0).tolist(),
                                  *(~per_function.isnan()).sum(0).tolist()], dtype=torch.float64)

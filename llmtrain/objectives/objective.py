@@ -20,6 +20,7 @@ import torch
 
 from llmtrain.data.batching import Counts, collate, to_device, with_loss_positions
 from llmtrain.model.loss import compute_loss, eval_counts
+from llmtrain.objectives.rollouts import here
 
 
 class Objective(Protocol):
@@ -100,12 +101,12 @@ class Rewards:
     runner: object
 
 
-def rl_rewards(recipe, train, *, total_steps: int | None, device=None, once=None) -> Rewards | None:
+def rl_rewards(recipe, train, *, total_steps: int | None, device=None, once=here) -> Rewards | None:
     """An RL run's rewards, checked before the model is built: a wrong answer_match column, a function that cannot be
     imported, asks for a column the data lack, raises or returns the wrong values, a reward model folder without a
     one-output score head stops the run without loading the model. A reward model is loaded on `device`. `once`:
     where the check calls the functions (collectives.on_main: the main process alone, its error handed to the
-    others, so a function's side effects happen once a run; None: here). None for other objectives."""
+    others, so a function's side effects happen once a run; default: here). None for other objectives."""
     if recipe.rl is None:
         return None
     from llmtrain.data.prepare import sources
@@ -116,8 +117,7 @@ def rl_rewards(recipe, train, *, total_steps: int | None, device=None, once=None
     rewards = Rewards(functions=functions, sources=sources(recipe.data),
                       state=trainer_state(recipe, total_steps=total_steps), runner=AsyncRunner())
     rows = list(train.select(range(min(2, len(train)))))
-    (once or (lambda compute: compute()))(lambda: check_rewards(functions, rows, where=rewards.sources[0],
-                                                                state=rewards.state, runner=rewards.runner))
+    once(lambda: check_rewards(functions, rows, where=rewards.sources[0], state=rewards.state, runner=rewards.runner))
     return rewards
 
 

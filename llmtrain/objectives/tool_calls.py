@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 
 from llmtrain.data.tools import CallSyntax, Turn, call_syntax, function_of, parse_turn, tool_suffix_ids
 from llmtrain.errors import LLMTrainError
+from llmtrain.objectives.rollouts import here
 
 
 @dataclass
@@ -193,14 +194,13 @@ def round_seed(seed: int, round_: int) -> int:
 
 def sample_with_tools(generate, prompts: list[list[int]], seeds: list[int], *, tools: Tools, max_new_tokens: int,
                       max_rounds: int | None, environments: list | None = None,
-                      user_code=None) -> list[ToolRollout]:
+                      user_code=here) -> list[ToolRollout]:
     """The completions of `prompts` with their tool calls run (the module's docstring says how). `generate(prompts,
     seeds, max_new_tokens)` samples one turn of each (the recipe's sampler); `environments`: each completion's
     rl.environment instance (reset already), whose methods its calls reach; `user_code(compute)`: where a round's
     calls run (GRPO.user_code: under tensor parallelism on one process of the pair, which holds the environments,
-    its records given to the other; None: here)."""
+    its records given to the other)."""
     environments = environments or [None] * len(prompts)
-    user_code = user_code or (lambda compute: compute())
     first = generate(prompts, seeds, max_new_tokens)
     out, turns = [], []
     for ids in first:

@@ -30,28 +30,32 @@ def gathered(accelerator, items: list) -> list:
     return gather_object(list(items) if first else [])
 
 
-def on_first(compute, *, group):
-    """`compute()` run on the first process of `group` (a torch process group), its result given to the others:
-    what must happen once for processes that hold the same batch (a reward function's call, a tool's, an
-    environment's; their side effects too). An error there reaches the others as its words (errors.Relayed), so
-    none waits for a result that never comes; the first raises the error itself."""
+def on_first(compute, *, group, share: bool = True):
+    """`compute()` run on the first process of `group` (a torch process group; None: every process), its result
+    given to the others: what must happen once for processes that hold the same batch (a reward function's call, a
+    tool's, an environment's; their side effects too). `share=False`: the others get None (what the first writes for
+    everyone: `on_main`). An error there reaches the others as its words (errors.Relayed) instead of leaving them
+    waiting for a result that never comes; the first raises the error itself."""
     import torch.distributed as dist
 
-    from llmtrain.errors import Relayed
+    from llmtrain.errors import LLMTrainError, Relayed
 
-    box, error = [None], None
+    box, error = [None], None  # (True, the result or None) or (False, the error in words)
     if dist.get_rank(group) == 0:
         try:
-            box[0] = (True, compute())
+            result = compute()
+            box[0] = (True, result if share else None)
         except Exception as e:
-            box[0], error = (False, str(e)), e
-    dist.broadcast_object_list(box, src=dist.get_global_rank(group, 0), group=group)
-    done, result = box[0]
+            error = e
+            who = "the main process" if group is None else "the group's first process"
+            box[0] = (False, str(e) if isinstance(e, LLMTrainError) else f"{who} stopped ({type(e).__name__}: {e})")
+    dist.broadcast_object_list(box, src=0 if group is None else dist.get_global_rank(group, 0), group=group)
+    done, shared = box[0]
     if error is not None:
         raise error
     if not done:
-        raise Relayed(result)
-    return result
+        raise Relayed(shared)
+    return result if dist.get_rank(group) == 0 else shared
 
 
 def on_main(accelerator, compute):
@@ -60,24 +64,7 @@ def on_main(accelerator, compute):
     of leaving them at a barrier it never reaches, whose broken connection each would report with a traceback."""
     if accelerator.num_processes == 1:
         return compute()
-    import torch.distributed as dist
-
-    from llmtrain.errors import LLMTrainError, Relayed
-
-    box = [None]  # the main process's error, in words; None: it has done its part
-    if accelerator.is_main_process:
-        try:
-            result = compute()
-        except Exception as e:
-            box[0] = str(e) if isinstance(e, LLMTrainError) else f"the main process stopped ({type(e).__name__}: {e})"
-            dist.broadcast_object_list(box, src=0)
-            raise
-        dist.broadcast_object_list(box, src=0)
-        return result
-    dist.broadcast_object_list(box, src=0)
-    if box[0] is not None:
-        raise Relayed(box[0])
-    return None
+    return on_first(compute, group=None, share=False)
 
 
 def main_first(accelerator, compute):
