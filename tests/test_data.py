@@ -226,6 +226,25 @@ def test_missing_column_names_the_field_and_the_columns(tiny_tok, tmp_path):
         prepare_datasets(pairs, tiny_tok, seed=0)  # a preference file's prompt is optional: not the advice
 
 
+def test_eval_rows_of_another_dataset_are_named_as_such_before_the_train_rows_are_tokenised(tiny_tok, tmp_path):
+    # A new user's override of data.path (and data.fields) on the tiny recipe keeps its eval file of other columns:
+    # the fix is the eval data, not data.fields, and nothing is tokenised (or cached) before it is said.
+    train = write_jsonl(tmp_path / "qa.jsonl", [{"question": "q", "answer": "a"}] * 4)
+    other = write_jsonl(tmp_path / "eval.jsonl", [{"prompt": "q", "completion": "a"}])
+    cfg = DataConfig(path=str(train), format="prompt_completion", eval_split=str(other),
+                     fields={"prompt": "question", "completion": "answer"}, cache_dir=str(tmp_path / "c"))
+    with pytest.raises(LLMTrainError) as err:
+        prepare_datasets(cfg, tiny_tok, seed=0)
+    said = str(err.value)
+    assert said.startswith(f"the eval rows ({other}, data.eval_split) have columns ['prompt', 'completion'], without "
+                           "['question', 'answer']")
+    assert "data.eval_split=0.05" in said and "Map them with data.fields" not in said
+    assert not (tmp_path / "c").exists() or not any((tmp_path / "c").iterdir())
+    wrong = cfg.model_copy(update={"fields": {"prompt": "question", "completion": "reply"}})
+    with pytest.raises(LLMTrainError, match=r"needs completion \(column 'reply'\) but .*qa\.jsonl"):
+        prepare_datasets(wrong, tiny_tok, seed=0)  # the train rows' own mismatch is still data.fields' advice
+
+
 def test_missing_data_file_names_the_path(tiny_tok, tmp_path):
     path = write_jsonl(tmp_path / "d.jsonl", [{"prompt": "q", "completion": "a"}])
     cfg = DataConfig(path=str(tmp_path / "nope.jsonl"), format="prompt_completion", cache_dir=str(tmp_path / "c"))

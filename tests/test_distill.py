@@ -477,7 +477,10 @@ def test_a_teacher_whose_tokenizer_gives_the_ids_other_tokens_is_refused(tiny_as
 
 def test_a_missing_teacher_is_refused_naming_the_key(tiny_assets, tmp_path):
     text = _refused(distill_recipe(tiny_assets, tmp_path, tmp_path / "nowhere"))
-    assert f"distill.teacher '{tmp_path / 'nowhere'}' could not be read" in text
+    assert f"distill.teacher '{tmp_path / 'nowhere'}' does not exist. Give a local model folder" in text
+    (tmp_path / "empty").mkdir()  # there, but not a model folder: transformers' words
+    text = _refused(distill_recipe(tiny_assets, tmp_path, tmp_path / "empty"), f"output_dir={tmp_path / 'run2'}")
+    assert f"distill.teacher '{tmp_path / 'empty'}' could not be read" in text
 
 
 @pytest.mark.parametrize("overrides, says", [

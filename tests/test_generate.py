@@ -144,10 +144,15 @@ def test_the_command_prints_the_replies_and_writes_them_once(runs, tmp_path):
                    "from one of its checkpoints"),
     ("reward", "a reward model's run"),
     ("no-prompt", "no prompt to reply to"),
+    # a mistyped step or run folder is said at once, with what is there (was: "the model folder ... (model.name_or_path
+    # / model.tokenizer) does not exist" after a minute of asking the hub for it as an id)
+    ("no-checkpoint", "checkpoints/step_30' does not exist; the checkpoints in"),
+    ("no-run", "does not exist. Give a run's output_dir, one of its checkpoints, a model folder or a hub id; the runs "
+               "in"),
     ("bad-jsonl", "line 2 has no \"prompt\": each line of a .jsonl file is an object with a \"prompt\", a text or "
                   "a chat's messages"),
 ])
-def test_bad_input_is_one_paragraph_and_writes_nothing(runs, tmp_path, case, says):
+def test_bad_input_is_one_paragraph_and_writes_nothing(runs, tmp_path, monkeypatch, case, says):
     import shutil
 
     import yaml
@@ -164,6 +169,20 @@ def test_bad_input_is_one_paragraph_and_writes_nothing(runs, tmp_path, case, say
             (run / "recipe.yaml").write_text(yaml.safe_dump(recipe))
     if case == "no-prompt":
         args = []
+    if case == "no-checkpoint":
+        run = runs["full"] / "checkpoints" / "step_30"
+        says += f" {runs['full'] / 'checkpoints'} are step_000030, step_000060. Generate from one of them"
+    if case == "no-run":
+        run = runs["full"].parent / "ful"
+        says += f" {runs['full'].parent} are full, lora"
+    if case in ("no-checkpoint", "no-run"):
+        import transformers
+
+        def asked(*a, **k):
+            raise AssertionError("the hub (or transformers) was asked for a path that is not there")
+
+        monkeypatch.setattr(transformers.AutoConfig, "from_pretrained", asked)
+        monkeypatch.setattr(transformers.AutoTokenizer, "from_pretrained", asked)
     if case == "bad-jsonl":
         bad = tmp_path / "p.jsonl"
         bad.write_text('{"prompt": "reverse a ="}\n{"text": "no prompt"}\n')

@@ -90,6 +90,38 @@ def test_every_reader_of_a_name_agrees_whether_it_is_a_hub_id(tmp_path, monkeypa
     assert ("does not exist" in str(_load_error("model", name, OSError("404")))) == local
 
 
+def test_a_local_model_path_that_is_not_there_is_refused_before_transformers_asks_the_hub(tmp_path, monkeypatch):
+    """A mistyped runs/tiny-sfT/final was handed to from_pretrained as a hub id: without network, a minute of
+    "Retrying" lines (70 s measured) before "does not exist". The tokenizer, the config, the model and a
+    distillation teacher now say it at once."""
+    import transformers
+
+    from llmtrain.config import ModelConfig, Recipe
+    from llmtrain.errors import LLMTrainError
+    from llmtrain.model.modeling import load_model, load_model_config, load_tokenizer
+    from llmtrain.model.teacher import vocabulary_problem
+
+    def asked(*a, **k):
+        raise AssertionError("transformers was asked for a local path that is not there")
+
+    for auto in (transformers.AutoConfig, transformers.AutoTokenizer, transformers.AutoModelForCausalLM):
+        monkeypatch.setattr(auto, "from_pretrained", asked)
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "runs").mkdir()
+    cfg = ModelConfig(name_or_path="runs/sft/final")
+    for load in (load_tokenizer, load_model_config, lambda c: load_model(c, None)):
+        with pytest.raises(LLMTrainError, match=r"the model folder 'runs/sft/final' .* does not exist\. .* It is the "
+                                                r"final/ of the run 'runs/sft', which has not been trained here"):
+            load(cfg)
+    recipe = Recipe.model_validate({"model": {"name_or_path": "gpt2"}, "output_dir": "runs/x",
+                                    "data": {"path": "d.jsonl", "format": "prompt_completion"},
+                                    "distill": {"teacher": "runs/teacher/final"}})
+    monkeypatch.setattr(transformers.AutoConfig, "from_pretrained", lambda *a, **k: None)  # the student's config
+    assert vocabulary_problem(recipe, None) == ("distill.teacher 'runs/teacher/final' does not exist. Give a local "
+                                                "model folder (config.json and weights; a run's final/ once it is "
+                                                "trained) or a hub id.")
+
+
 def test_estimate_memory_offline_says_so_once_and_prints_its_table_at_once(tmp_path):
     """Before: 10 'Retrying' lines and 52 s on this recipe (its tokenizer and data are read for the prompts'
     lengths)."""

@@ -20,7 +20,15 @@ import numpy as np
 
 from llmtrain.config import DataConfig, source_configs
 from llmtrain.data.chat import read_template
-from llmtrain.data.formats import check_columns, check_feedback_labels, encode_example, encode_prompt, row_problem
+from llmtrain.data.formats import (
+    FORMAT_FIELDS,
+    OPTIONAL_FIELDS,
+    check_columns,
+    check_feedback_labels,
+    encode_example,
+    encode_prompt,
+    row_problem,
+)
 from llmtrain.data.pairs import DROPS, MARGIN, PAIR_COLUMNS, encode_pair, pair_problem
 from llmtrain.data.sources import files as _files
 from llmtrain.data.sources import is_local as _is_local
@@ -305,6 +313,9 @@ def _prepare_source(cfg: DataConfig, tokenizer, *, seed: int, tools: list[dict] 
     """One dataset's train and eval rows, tokenised and checked: (train, eval or None, its stats)."""
     paths = _files(cfg.path)
     raw, raw_eval, where = load_eval(cfg, load_raw(cfg.path, name=cfg.name, split=cfg.split), seed=seed)
+    check_columns(raw.column_names, cfg, ", ".join(paths))
+    if raw_eval is not None:  # before the train rows are tokenised: eval rows of another dataset stop the run too
+        _check_eval_columns(raw_eval.column_names, cfg, where)
     train, train_stats = tokenize_dataset(raw, tokenizer, cfg, source=", ".join(paths), tools=tools)
     rows = train_stats.examples + train_stats.dropped
     if train_stats.examples < KEEP_AT_LEAST * rows:  # nothing, or almost nothing, is left to train on
@@ -319,6 +330,22 @@ def _prepare_source(cfg: DataConfig, tokenizer, *, seed: int, tools: list[dict] 
     if raw_eval is not None:
         evald, stats["eval"] = tokenize_dataset(raw_eval, tokenizer, cfg, source=where, tools=tools)
     return train, evald, stats
+
+
+def _check_eval_columns(columns: list[str], cfg: DataConfig, where: str) -> None:
+    """The eval rows' columns, once the train rows' fit data.format: eval data of another dataset (the tiny recipe's
+    eval file kept under a data.path override) is named as such, not as a data.fields problem."""
+    try:
+        check_columns(columns, cfg, where)
+    except LLMTrainError:
+        optional = OPTIONAL_FIELDS.get(cfg.format, ())
+        needs = [cfg.fields.get(f, f) for f in FORMAT_FIELDS[cfg.format] if f not in optional]
+        raise LLMTrainError(
+            f"the eval rows ({where}, data.eval_split) have columns {columns}, without "
+            f"{[c for c in needs if c not in columns]}, which data.path's rows "
+            f"have and data.format '{cfg.format}' reads: they are not the same kind of data. Give data.eval_split "
+            "eval rows with the train rows' columns, or a held-out fraction of data.path (data.eval_split=0.05)."
+        ) from None
 
 
 def _concatenate(parts: list, configs: list[DataConfig], what: str):

@@ -53,11 +53,23 @@ def _load_error(what: str, path: str, err: Exception) -> LLMTrainError:
     )
 
 
+def _must_exist(what: str, path: str) -> None:
+    """A local path (hub.is_local_path) that is not there is refused before transformers asks the hub for it as an
+    id, which without network retries for a minute: a mistyped runs/tiny-sfT/final is said at once."""
+    from pathlib import Path
+
+    from llmtrain.hub import is_local_path
+
+    if is_local_path(path) and not Path(path).expanduser().exists():
+        raise _load_error(what, path, FileNotFoundError(path))
+
+
 def load_model_config(cfg: ModelConfig):
     """The config of the model llmtrain trains (no weights: text_model's for a multimodal checkpoint), with
     load_model's refusal where it cannot be read."""
     from transformers import AutoConfig
 
+    _must_exist("model", cfg.name_or_path)
     try:
         return text_model(AutoConfig.from_pretrained(cfg.name_or_path, trust_remote_code=cfg.trust_remote_code))[0]
     except (OSError, ValueError) as e:
@@ -107,6 +119,7 @@ def load_tokenizer(cfg: ModelConfig):
     from transformers import AutoTokenizer
 
     path = cfg.tokenizer or cfg.name_or_path
+    _must_exist("tokenizer", path)
     try:
         tok = AutoTokenizer.from_pretrained(path, trust_remote_code=cfg.trust_remote_code)
     except (OSError, ValueError) as e:
@@ -183,6 +196,7 @@ def load_model(cfg: ModelConfig, lora: LoraConfig | None, *, device: torch.devic
     kwargs = dict(dtype=DTYPES[cfg.dtype], attn_implementation=attention_backend(cfg),
                   trust_remote_code=cfg.trust_remote_code)
     auto = AutoModelForSequenceClassification if reward_head else AutoModelForCausalLM
+    _must_exist("model", cfg.name_or_path)
     try:
         config, key_mapping = text_model(AutoConfig.from_pretrained(
             cfg.name_or_path, trust_remote_code=cfg.trust_remote_code, **({"num_labels": 1} if reward_head else {})))

@@ -86,6 +86,16 @@ def _crc32(path: Path, offset: int) -> int:
         return zlib.crc32(f.read(_BLOCK))
 
 
+def checkpoints_there(where: Path) -> str:
+    """Which checkpoints a folder holds, in words (the newest four): what a mistyped step (step_300 for step_000300)
+    given to --resume or `llmtrain generate` is told."""
+    steps = sorted(p.name for p in where.glob("step_*") if p.is_dir()) if where.is_dir() else []
+    if not steps:
+        return f"{where} holds no checkpoint"
+    return f"the checkpoints in {where} are {', '.join(steps[-4:])}" + (f" (and {len(steps) - 4} older)"
+                                                                        if len(steps) > 4 else "")
+
+
 def resolve_resume(resume: str, output_dir: Path, *, warn) -> Path | None:
     """Map --resume auto|PATH to an intact checkpoint folder (None: auto found no checkpoint at all).
 
@@ -96,10 +106,7 @@ def resolve_resume(resume: str, output_dir: Path, *, warn) -> Path | None:
         return _newest_intact(output_dir / "checkpoints", warn)
     path = Path(resume)
     if not path.exists():  # a mistyped step (step_300 for step_000300): say which there are
-        where = path.parent if path.parent.is_dir() else output_dir / "checkpoints"
-        steps = sorted(p.name for p in where.glob("step_*") if p.is_dir()) if where.is_dir() else []
-        there = (f"the checkpoints in {where} are {', '.join(steps[-4:])}" + (f" (and {len(steps) - 4} older)"
-                 if len(steps) > 4 else "")) if steps else f"{where} holds no checkpoint"
+        there = checkpoints_there(path.parent if path.parent.is_dir() else output_dir / "checkpoints")
         raise LLMTrainError(f"--resume {resume}: '{path}' does not exist; {there}. Use --resume auto for the newest, "
                             "or --resume with one of them.")
     if not (path / "train_state.json").is_file():

@@ -48,11 +48,22 @@ def load_source(source: str, *, device=None) -> Source:
 
     from llmtrain.config import ModelConfig, Recipe
     from llmtrain.data.chat import read_template
+    from llmtrain.hub import is_local_path
     from llmtrain.model.modeling import load_model, load_tokenizer
 
     transformers.utils.logging.disable_progress_bar()  # "Loading weights": the command says what it reads
     device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     path = Path(source).expanduser()
+    if not path.exists() and path.parent.name == "checkpoints" and (path.parent.parent / "recipe.yaml").is_file():
+        from llmtrain.run.checkpoint import checkpoints_there
+
+        raise LLMTrainError(f"checkpoint '{path}' does not exist; {checkpoints_there(path.parent)}. Generate from one "
+                            f"of them, or from the run's final/ ({path.parent.parent})")
+    if not path.exists() and is_local_path(source):  # not a hub id: said before transformers asks the hub for it
+        runs = sorted(p.name for p in path.parent.glob("*") if (p / "recipe.yaml").is_file())
+        raise LLMTrainError(f"'{source}' does not exist. Give a run's output_dir, one of its checkpoints, a model "
+                            "folder or a hub id" + (f"; the runs in {path.parent} are {', '.join(runs[:8])}"
+                                                   if runs else ""))
     if not (path / "recipe.yaml").is_file():  # a model folder or a hub id
         cfg = ModelConfig(name_or_path=source, dtype="bfloat16" if device.type == "cuda" else "float32")
         tokenizer = load_tokenizer(cfg)
