@@ -159,11 +159,6 @@ def _kto_reread(r, layout):
     return r.kto is not None and r.lora is None and r.model.random_init
 
 
-_TILED_TP = ("{key} with model.tiled_mlp is untested: model.tiled_mlp runs on one process, under DDP or under FSDP; "
-             "tensor parallelism splits the MLP's layers "
-             "over the processes, which it has not been tested with. Set model.tiled_mlp=null, or launch with a DDP or "
-             "FSDP config (accelerate_configs/ddp.yaml or fsdp.yaml)")
-
 RULES: tuple[Rule, ...] = (
     Rule("tp", lambda r, _: r.model.quantize is not None,
          "{key} does not train a 4-bit base (model.quantize): bitsandbytes' packed 4-bit weights cannot be split "
@@ -172,8 +167,6 @@ RULES: tuple[Rule, ...] = (
     Rule("tp", lambda r, _: r.model.compile,
          "{key} with model.compile fails: inductor's compile of the tensor-parallel layers recursed without end at "
          "the second step (torch 2.13 on gloo). Set model.compile=false"),
-    Rule("tp", lambda r, _: bool(r.model.tiled_mlp),
-         _TILED_TP),
     Rule("fsdp", _kto_reread,
          "kto: a full fine-tune's reference under FSDP is the starting weights read again from model.name_or_path "
          "and sharded like the policy, and model.random_init has none to read. Save the initial model first "

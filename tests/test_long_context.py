@@ -269,16 +269,14 @@ def test_a_preempted_run_with_both_switches_resumes_exactly(tiny_assets, tmp_pat
     assert losses(tmp_path / "cut") == losses(tmp_path / "straight") and len(losses(tmp_path / "cut")) == 4
 
 
-def test_a_tiled_mlp_under_tensor_parallelism_is_refused_and_under_fsdp_is_not(tiny_assets, tmp_path):
+def test_a_tiled_mlp_is_refused_by_no_layout_that_trains_it(tiny_assets, tmp_path):
+    """Under FSDP x TP it was refused as untested; it trains like one process (tests/test_tp.py)."""
     from llmtrain import capabilities
     from llmtrain.config import load_recipe
     from llmtrain.layout import Layout
 
     recipe = load_recipe(write_recipe(tiny_assets, tmp_path, model={"tiled_mlp": True}), [])
-    tp = capabilities.problems(recipe, Layout(processes=4, fsdp=True, mesh=True, shard=2, tp=2))
-    assert any("with model.tiled_mlp is untested: model.tiled_mlp runs on one process, under DDP or under FSDP; "
-               "tensor parallelism splits" in p
-               for p in tp), tp
+    assert capabilities.problems(recipe, Layout(processes=4, fsdp=True, mesh=True, shard=2, tp=2)) == []
     assert capabilities.problems(recipe, Layout(processes=2, fsdp=True)) == []
 
 

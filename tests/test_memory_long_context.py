@@ -230,3 +230,27 @@ def test_a_bare_model_estimate_says_it_assumed_fp32_without_autocast():
     assert "float32 weights and no autocast, a recipe's defaults" in bare and "--mixed-precision bf16" in bare
     given = " ".join(estimate_memory("--model", "mistral-7b", "--mixed-precision", "bf16", check=False).stdout.split())
     assert "float32 weights and no autocast" not in given
+
+
+def test_under_tensor_parallelism_a_tiled_shard_is_the_split_mlp_at_a_shards_tokens():
+    """model.tiled_mlp under FSDP x TP (it trains: tests/test_tp.py): each GPU's shard recompute holds its own
+    1/tp of the MLP's columns, so the estimate takes the tiled MLP on the tensor-parallel slice as it takes the
+    untiled one (was: "the tiled MLP is refused under tensor parallelism")."""
+    from llmtrain.memory.params import tensor_parallel_shape
+
+    shape = load_model_shape("llama-3-8b")
+    spec = TrainSpec(strategy="fsdp", num_gpus=8, tp=2, dtype="bfloat16", mixed_precision="bf16",
+                     gradient_checkpointing=True, micro_batch=1, seq_len=65536, tiled_mlp=True)
+    assert spec.validate() is spec  # no problem said
+    split = tensor_parallel_shape(shape, 2)
+    p = make_pass(split, spec)
+    assert (p.mlp_shard, split.intermediate) == (4096, 14336 // 2)
+    shard = replace(p, rows=1, row_len=4096, mlp_shard=None)
+    assert act.tiled_shard_bytes(p, split, {}, 0) == act.mlp_tensors_bytes(shard, split, {}, 0)
+    assert act.tiled_shard_bytes(p, split, {}, 0) < act.tiled_shard_bytes(make_pass(shape, spec), shape, {}, 0)
+    def spared(tp: int) -> int:  # what tiling spares at the peak: the split MLP's (T x I/tp) tensors
+        one = spec.but(tp=tp)
+        return (estimate(shape, one.but(tiled_mlp=None)).per_gpu_peak_allocated_bytes
+                - estimate(shape, one).per_gpu_peak_allocated_bytes)
+
+    assert 0 < spared(2) < spared(1)

@@ -156,6 +156,32 @@ def test_lora_under_fsdp_x_tp_trains_like_one_process_and_resumes_on_one(tiny_as
     assert max_abs_diff(load_weights(run / "final" / name), b) < 1e-6
 
 
+@pytest.mark.extended  # main tier: test_fsdp_x_tp_2x2_trains_like_one_process, the tiled MLP under FSDP
+@pytest.mark.parametrize("lora", [False, True], ids=["full", "lora"])
+def test_a_tiled_mlp_under_fsdp_x_tp_trains_like_one_process(tiny_assets, tmp_path, free_port, lora):
+    """model.tiled_mlp under FSDP x TP (was refused as untested): each shard of 8 tokens runs the split MLP (gate and
+    up column-wise, down row-wise, its output all-reduced per shard), and the backward recomputes it shard by shard,
+    the split weights' gradients (DTensors) summed over the shards as the Function's outputs. Both processes of a
+    pair hold the same tokens, so they run the same shards and their collectives line up. 2 shards x 2 TP x
+    micro-batch 2 == 1 process x micro-batch 4, the MLP and both norms tiled on each: losses, gradient norms and the
+    final weights to 1e-6. With LoRA, the adapters beside the split layers (their split A or B DTensors) are the
+    Function's differentiated inputs. The full fine-tune runs with checkpointing and the offload too (each layer
+    recomputed, its tiled MLP's collectives again, in the same order on both processes of a pair)."""
+    switches = {} if lora else {"gradient_checkpointing": True, "activation_offload": True}  # both long-context ones
+    recipe = write_recipe(tiny_assets, tmp_path, model={"attn_implementation": "eager", "tiled_mlp": 8, **switches},
+                          train={"max_steps": 3, "micro_batch_size": 4, **SGD_LIKE},
+                          **({"lora": {"r": 4, "alpha": 8, "dropout": 0.0}} if lora else {}))
+    single = tmp_path / "one"
+    run_train(recipe, f"output_dir={single}")
+    tp = tmp_path / "tp"
+    out = _launch(recipe, free_port, 4, f"output_dir={tp}")
+    assert "MLP tiled in shards of 8 tokens" in out
+    assert_same_steps(tp, single, tol=1e-6)
+    assert losses(tp) == pytest.approx(losses(single), abs=1e-6) and losses(tp)[-1] < losses(tp)[0]
+    name = "adapter_model.safetensors" if lora else "model.safetensors"
+    assert max_abs_diff(load_weights(tp / "final" / name), load_weights(single / "final" / name)) < 1e-6
+
+
 # extended for CI time (48 s, 4 processes): main tier, LoRA under FSDP x TP (the split model's forward the sampler
 # runs), GRPO's rollouts and update on DDP and FSDP (test_grpo_run.py); rloo: its KL pass with the adapter disabled and
 # its advantages normalised over every data rank's completions

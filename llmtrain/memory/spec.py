@@ -207,8 +207,6 @@ class TrainSpec:
         if self.activation_offload and not self.gradient_checkpointing:
             problems.append("activation offload moves the checkpointed layers' inputs to the host: it needs "
                             "gradient checkpointing")
-        if self.tiled_mlp and self.tp > 1:
-            problems.append("the tiled MLP is refused under tensor parallelism (one process, DDP or FSDP)")
         if self.quantize and self.method != "lora":
             problems.append("a 4-bit base (quantize) trains LoRA adapters only: use method lora")
         if self.strategy == "hsdp" and (self.num_nodes < 2 or self.num_gpus < 2):
