@@ -40,6 +40,18 @@ def is_local_path(name: str) -> bool:
             or name.lower().endswith(DATA_FILES) or ("/" in name and path.parent.is_dir()))
 
 
+def surely_local(name: str) -> bool:
+    """A local path that cannot be a hub id, so that its absence is said without asking the hub: is_local_path, less
+    an owner/name whose owner is a folder here that holds no run (./mistralai/ beside a `hf download --local-dir` of
+    one model: mistralai/Other-Model is still the hub's). runs/tiny-sfT (runs/ holds runs) is local."""
+    if not is_local_path(name):
+        return False
+    if name.count("/") != 1 or name.startswith((".", "/", "~")) or name.lower().endswith(DATA_FILES):
+        return True
+    parent = Path(name).expanduser().parent
+    return any((p / "recipe.yaml").is_file() for p in parent.iterdir() if p.is_dir())
+
+
 def hub_ids(*names) -> list[str]:
     """The names that are not local paths, so hub ids (model, tokenizer, dataset), in order, once each."""
     return list(dict.fromkeys(n for n in names if isinstance(n, str) and n and not is_local_path(n)))

@@ -90,6 +90,20 @@ def test_every_reader_of_a_name_agrees_whether_it_is_a_hub_id(tmp_path, monkeypa
     assert ("does not exist" in str(_load_error("model", name, OSError("404")))) == local
 
 
+def test_what_is_surely_local_is_said_missing_without_the_hub_and_an_owner_folder_here_is_not(tmp_path, monkeypatch):
+    """A folder named like a hub owner beside a `hf download --local-dir` (./mistralai/Mistral-7B-v0.1) must not
+    turn mistralai/Other-Model into a missing local path: only a folder that holds runs does (runs/tiny-sfT)."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "mistralai" / "Mistral-7B-v0.1").mkdir(parents=True)
+    (tmp_path / "mistralai" / "Mistral-7B-v0.1" / "config.json").write_text("{}")
+    (tmp_path / "runs" / "tiny").mkdir(parents=True)
+    (tmp_path / "runs" / "tiny" / "recipe.yaml").write_text("{}")
+    assert hub.is_local_path("mistralai/Other-Model") and not hub.surely_local("mistralai/Other-Model")
+    assert hub.surely_local("runs/tiny-sfT") and hub.surely_local("runs/tiny-sfT/final")
+    assert hub.surely_local("./model") and hub.surely_local("data.jsonl") and not hub.surely_local("gpt2")
+    assert not hub.surely_local("org/model")  # no folder org/ here: a hub id
+
+
 def test_a_local_model_path_that_is_not_there_is_refused_before_transformers_asks_the_hub(tmp_path, monkeypatch):
     """A mistyped runs/tiny-sfT/final was handed to from_pretrained as a hub id: without network, a minute of
     "Retrying" lines (70 s measured) before "does not exist". The tokenizer, the config, the model and a

@@ -54,13 +54,13 @@ def _load_error(what: str, path: str, err: Exception) -> LLMTrainError:
 
 
 def _must_exist(what: str, path: str) -> None:
-    """A local path (hub.is_local_path) that is not there is refused before transformers asks the hub for it as an
+    """A local path (hub.surely_local) that is not there is refused before transformers asks the hub for it as an
     id, which without network retries for a minute: a mistyped runs/tiny-sfT/final is said at once."""
     from pathlib import Path
 
-    from llmtrain.hub import is_local_path
+    from llmtrain.hub import surely_local
 
-    if is_local_path(path) and not Path(path).expanduser().exists():
+    if surely_local(path) and not Path(path).expanduser().exists():
         raise _load_error(what, path, FileNotFoundError(path))
 
 
