@@ -118,6 +118,7 @@ def test_a_qlora_run_is_its_adapter_on_its_4bit_base_as_transformers_and_peft_lo
     from peft import PeftModel
     from transformers import AutoModelForCausalLM, AutoTokenizer, BitsAndBytesConfig
 
+    from llmtrain.model.modeling import _keep_cpu_4bit_layout
     from llmtrain.run.benchmarks import scores
 
     base = tiny_assets / "model"
@@ -143,6 +144,10 @@ def test_a_qlora_run_is_its_adapter_on_its_4bit_base_as_transformers_and_peft_lo
                                bnb_4bit_compute_dtype=torch.bfloat16, bnb_4bit_quant_storage=torch.bfloat16)
         model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.bfloat16, attn_implementation="sdpa",
                                                      **({"quantization_config": q} if quantize else {}))
+        # llmtrain keeps bitsandbytes' training kernel for its 4-bit layers on a CPU with AVX512-BF16 (its repacked
+        # inference kernel sums in another order: 2.7e-4 of bits_per_byte here), and the same weights through the
+        # same kernel are what is compared
+        _keep_cpu_4bit_layout(model)
         model = (PeftModel.from_pretrained(model, str(final)) if adapter else model).eval()
         lm = HFLM(pretrained=model, tokenizer=AutoTokenizer.from_pretrained(final), batch_size=8)
         return scores(simple_evaluate(model=lm, tasks=names, limit=float(LIMIT), log_samples=False,
