@@ -583,6 +583,32 @@ def test_columns_named_like_prepared_ones_reach_rewards_unchanged_called_as_trl_
         assert (r["their_row"], r["their_input_ids"]) == (mine["row"], mine["input_ids"])
 
 
+@pytest.mark.parametrize("reward, says", [
+    ({"type": "format", "pattern": "QQQQ"}, "no completion was rewarded (every reward 0)"),
+    ({"type": "format", "pattern": ".*"}, "the rewards were 1, each prompt's alike: sample more completions"),
+])
+def test_steps_that_train_nothing_are_said_once(tiny_assets, tmp_path, reward, says):
+    """Every completion rewarded alike (nothing matches; everything does) for 5 steps in a row: every advantage is 0
+    and the policy does not move, which the loss (about 0 in any GRPO run) hides. make demo-tools after an SFT that had
+    not learned to copy the tool's result ran 40 steps at reward 0.000 without a word; now one warning, at step 5.
+    The straight run (rewards that tell completions apart) says nothing of the kind."""
+    recipe = grpo_recipe(tiny_assets, tmp_path, rl={"rewards": [reward]},
+                         train={"max_steps": 6, "eval_every_steps": None, "eval_samples": 0},
+                         logging={"every_steps": 1, "progress": False, "plot": False})
+    run_train(recipe, f"output_dir={tmp_path / 'run'}")
+    assert all(r["advantage"] == 0 for r in rollouts(tmp_path / "run"))
+    log = " ".join((tmp_path / "run" / "train.log").read_text().split())
+    assert log.count("every advantage was 0") == 1, log
+    assert ("warning (rewards): for 5 steps in a row (to step 5) every prompt's completions got the same reward, so "
+            "every advantage was 0 and the policy did not move") in log and says in log
+
+
+def test_a_run_that_learns_is_not_told_it_does_not(straight):
+    _, run, _ = straight
+    assert any(r["advantage"] != 0 for r in rollouts(run))
+    assert "every advantage was 0" not in (run / "train.log").read_text()
+
+
 def test_a_reward_that_scores_nothing_is_warned_once_and_has_no_mean(tiny_assets, tmp_path, monkeypatch):
     """A function returning None for every completion: one warning in train.log naming it and the step; no
     rewards/<name>/mean in the train lines nor eval_rewards/<name>/mean in the eval lines (nothing was scored)."""

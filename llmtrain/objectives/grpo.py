@@ -113,6 +113,7 @@ def token_chunks(sizes: list[int], budget: int | None) -> list[list[int]]:
 
 # The metrics' names are TRL's (GRPOTrainer), so runs can be compared line by line.
 # reward_squares and scored: TRL's reward_std is the std of the step's scored rewards (not a mean of the groups' stds)
+FLAT_STEPS = 5  # steps in a row of all-zero advantages before a run is told it is learning nothing (`unscored`)
 ROLLOUT_STATS = ["completions", "reward", "reward_squares", "scored", "zero_std", "length", "clipped", "generation_s",
                  "tool_calls", "tool_failures"]
 LOSS_STATS = ["kl", "clipped_tokens", "tokens"]
@@ -156,7 +157,8 @@ class GRPO:
         self.user_code = user_code if user_code is not None else here
         # the event loop of the async reward functions, for the whole run (the start-up check's, where it ran one)
         self.runner = runner if runner is not None else AsyncRunner()
-        self.warned: set[str] = set()  # reward functions already said to have scored nothing
+        self.warned: set[str] = set()  # reward functions already said to have scored nothing (and FLAT: flat_steps)
+        self.flat_steps = 0  # steps in a row whose every advantage was 0: nothing trained (`unscored` says so once)
         self.tools = None  # rl.tools, rl.environment: tool_calls.Tools (the functions, the template's call syntax)
         self.render = render  # a prompt (the row's, an environment's observation added) to its tokens
         self._environments: list = []  # the rollout's rl.environment instances, one per completion
@@ -393,7 +395,10 @@ class GRPO:
     def unscored(self, records: list[dict]) -> list[str]:
         """Warnings, each said once a run: a reward function that scored none of a step's completions (None for
         every one; `records`: the step's rollouts from every process). TRL warns too: such a function adds nothing
-        to the step's rewards, and if every function is silent the step trains nothing (loss 0)."""
+        to the step's rewards, and if every function is silent the step trains nothing (loss 0). And FLAT_STEPS
+        steps in a row whose every advantage is 0 (each prompt's completions rewarded alike): the policy has not
+        moved, which the loss (about 0 in any GRPO run) does not show (make demo-tools after an SFT that had not
+        learned to copy the tool's result: reward 0.000 for 40 steps, without a word)."""
         notes = []
         for name, _, _ in self.rewards:
             if records and name not in self.warned and all(r[name] is None for r in records):
@@ -401,6 +406,20 @@ class GRPO:
                 notes.append(f"warning (rewards): reward function {name} returned None for all {len(records)} "
                              f"completions of step {records[0]['step']}: nothing it scores counts (None means 'does "
                              "not apply'). Check its columns and what it returns; said once a run.")
+        if records:
+            self.flat_steps = self.flat_steps + 1 if all(abs(r["advantage"]) < 1e-6 for r in records) else 0
+        if self.flat_steps == FLAT_STEPS and "flat" not in self.warned:
+            self.warned.add("flat")
+            rewards = sorted({r["reward"] for r in records})
+            why = ("no completion was rewarded (every reward 0): check the reward functions against rollouts.jsonl's "
+                   "completions and the data's columns, or start from a model that succeeds now and then (an SFT run "
+                   "first: docs/rl.md)" if rewards == [0.0] else
+                   f"the rewards were {', '.join(f'{x:g}' for x in rewards[:4])}{' ...' if len(rewards) > 4 else ''}, "
+                   "each prompt's alike: sample more completions a prompt (rl.num_generations) or at a higher "
+                   "rl.temperature, or use rewards that tell a prompt's completions apart")
+            notes.append(f"warning (rewards): for {FLAT_STEPS} steps in a row (to step {records[0]['step']}) every "
+                         f"prompt's completions got the same reward, so every advantage was 0 and the policy did not "
+                         f"move{' but for the KL term' if self.rl.beta else ''}: {why}. Said once a run.")
         return notes
 
     # ---- the update
