@@ -52,6 +52,11 @@ def surely_local(name: str) -> bool:
     return any((p / "recipe.yaml").is_file() for p in parent.iterdir() if p.is_dir())
 
 
+def missing_local(name: str) -> bool:
+    """A local path (surely_local: it cannot be a hub id) that is not there: said at once, the hub never asked."""
+    return surely_local(name) and not Path(name).expanduser().exists()
+
+
 def hub_ids(*names) -> list[str]:
     """The names that are not local paths, so hub ids (model, tokenizer, dataset), in order, once each."""
     return list(dict.fromkeys(n for n in names if isinstance(n, str) and n and not is_local_path(n)))

@@ -50,15 +50,20 @@ def _column(example: dict, cfg: DataConfig, field: str) -> Any:
     return example.get(cfg.fields.get(field, field))
 
 
+def absent_fields(columns: list[str], cfg: DataConfig) -> list[str]:
+    """The fields data.format needs (its optional ones left out) whose columns (data.fields maps them) `columns`
+    lack."""
+    return [f for f in FORMAT_FIELDS[cfg.format]
+            if f not in OPTIONAL_FIELDS.get(cfg.format, ()) and cfg.fields.get(f, f) not in columns]
+
+
 def check_columns(columns: list[str], cfg: DataConfig, source: str) -> None:
     known = set(FORMAT_FIELDS[cfg.format]) | ({"role", "content"} if cfg.format in CHAT_FORMATS else set())
     unknown = sorted(set(cfg.fields) - known)
     if unknown:
         raise LLMTrainError(f"data.fields maps {unknown}, which data.format '{cfg.format}' does not read; it reads "
                             f"{sorted(known)}. Fix the names in data.fields.")
-    absent = [f for f in FORMAT_FIELDS[cfg.format]
-              if f not in OPTIONAL_FIELDS.get(cfg.format, ()) and cfg.fields.get(f, f) not in columns]
-    if absent:
+    if absent := absent_fields(columns, cfg):
         missing = [f"{f} (column '{cfg.fields.get(f, f)}')" for f in absent]
         raise LLMTrainError(
             f"data.format '{cfg.format}' needs {', '.join(missing)} but {source} has columns {columns}. "

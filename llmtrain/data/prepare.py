@@ -21,8 +21,7 @@ import numpy as np
 from llmtrain.config import DataConfig, source_configs
 from llmtrain.data.chat import read_template
 from llmtrain.data.formats import (
-    FORMAT_FIELDS,
-    OPTIONAL_FIELDS,
+    absent_fields,
     check_columns,
     check_feedback_labels,
     encode_example,
@@ -335,17 +334,13 @@ def _prepare_source(cfg: DataConfig, tokenizer, *, seed: int, tools: list[dict] 
 def _check_eval_columns(columns: list[str], cfg: DataConfig, where: str) -> None:
     """The eval rows' columns, once the train rows' fit data.format: eval data of another dataset (the tiny recipe's
     eval file kept under a data.path override) is named as such, not as a data.fields problem."""
-    try:
-        check_columns(columns, cfg, where)
-    except LLMTrainError:
-        optional = OPTIONAL_FIELDS.get(cfg.format, ())
-        needs = [cfg.fields.get(f, f) for f in FORMAT_FIELDS[cfg.format] if f not in optional]
+    if absent := absent_fields(columns, cfg):
         raise LLMTrainError(
             f"the eval rows ({where}, data.eval_split) have columns {columns}, without "
-            f"{[c for c in needs if c not in columns]}, which data.path's rows "
+            f"{[cfg.fields.get(f, f) for f in absent]}, which data.path's rows "
             f"have and data.format '{cfg.format}' reads: they are not the same kind of data. Give data.eval_split "
             "eval rows with the train rows' columns, or a held-out fraction of data.path (data.eval_split=0.05)."
-        ) from None
+        )
 
 
 def _concatenate(parts: list, configs: list[DataConfig], what: str):

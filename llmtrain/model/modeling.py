@@ -54,13 +54,11 @@ def _load_error(what: str, path: str, err: Exception) -> LLMTrainError:
 
 
 def _must_exist(what: str, path: str) -> None:
-    """A local path (hub.surely_local) that is not there is refused before transformers asks the hub for it as an
+    """A local path that is not there (hub.missing_local) is refused before transformers asks the hub for it as an
     id, which without network retries for a minute: a mistyped runs/tiny-sfT/final is said at once."""
-    from pathlib import Path
+    from llmtrain.hub import missing_local
 
-    from llmtrain.hub import surely_local
-
-    if surely_local(path) and not Path(path).expanduser().exists():
+    if missing_local(path):
         raise _load_error(what, path, FileNotFoundError(path))
 
 

@@ -28,18 +28,16 @@ def teacher_config(recipe: Recipe) -> ModelConfig:
 def vocabulary_problem(recipe: Recipe, tokenizer) -> str | None:
     """Why the teacher cannot teach this student (one paragraph), or None. Reads the teacher's config.json and
     tokenizer only: no weights."""
-    from pathlib import Path
-
     from transformers import AutoConfig, AutoTokenizer
 
-    from llmtrain.hub import surely_local
+    from llmtrain.hub import missing_local
 
     path, trust = recipe.distill.teacher, recipe.model.trust_remote_code
     try:
         student = AutoConfig.from_pretrained(recipe.model.name_or_path, trust_remote_code=trust)
     except (OSError, ValueError):  # the student's own loading says what is wrong with it
         return None
-    if surely_local(path) and not Path(path).expanduser().exists():  # said before the hub is asked for it as an id
+    if missing_local(path):  # said before the hub is asked for it as an id
         return (f"distill.teacher '{path}' does not exist. Give a local model folder (config.json and weights; a "
                 "run's final/ once it is trained) or a hub id.")
     try:

@@ -157,8 +157,9 @@ class GRPO:
         self.user_code = user_code if user_code is not None else here
         # the event loop of the async reward functions, for the whole run (the start-up check's, where it ran one)
         self.runner = runner if runner is not None else AsyncRunner()
-        self.warned: set[str] = set()  # reward functions already said to have scored nothing (and FLAT: flat_steps)
+        self.warned: set[str] = set()  # reward functions already said to have scored nothing
         self.flat_steps = 0  # steps in a row whose every advantage was 0: nothing trained (`unscored` says so once)
+        self.flat_said = False
         self.tools = None  # rl.tools, rl.environment: tool_calls.Tools (the functions, the template's call syntax)
         self.render = render  # a prompt (the row's, an environment's observation added) to its tokens
         self._environments: list = []  # the rollout's rl.environment instances, one per completion
@@ -408,8 +409,8 @@ class GRPO:
                              "not apply'). Check its columns and what it returns; said once a run.")
         if records:
             self.flat_steps = self.flat_steps + 1 if all(abs(r["advantage"]) < 1e-6 for r in records) else 0
-        if self.flat_steps == FLAT_STEPS and "flat" not in self.warned:
-            self.warned.add("flat")
+        if self.flat_steps == FLAT_STEPS and not self.flat_said:
+            self.flat_said = True
             rewards = sorted({r["reward"] for r in records})
             why = ("no completion was rewarded (every reward 0): check the reward functions against rollouts.jsonl's "
                    "completions and the data's columns, or start from a model that succeeds now and then (an SFT run "

@@ -48,7 +48,7 @@ def load_source(source: str, *, device=None) -> Source:
 
     from llmtrain.config import ModelConfig, Recipe
     from llmtrain.data.chat import read_template
-    from llmtrain.hub import surely_local
+    from llmtrain.hub import missing_local
     from llmtrain.model.modeling import load_model, load_tokenizer
 
     transformers.utils.logging.disable_progress_bar()  # "Loading weights": the command says what it reads
@@ -59,7 +59,7 @@ def load_source(source: str, *, device=None) -> Source:
 
         raise LLMTrainError(f"checkpoint '{path}' does not exist; {checkpoints_there(path.parent)}. Generate from one "
                             f"of them, or from the run's final/ ({path.parent.parent})")
-    if not path.exists() and surely_local(source):  # not a hub id: said before transformers asks the hub for it
+    if missing_local(source):  # not a hub id: said before transformers asks the hub for it
         runs = sorted(p.name for p in path.parent.glob("*") if (p / "recipe.yaml").is_file())
         raise LLMTrainError(f"'{source}' does not exist. Give a run's output_dir, one of its checkpoints, a model "
                             "folder or a hub id" + (f"; the runs in {path.parent} are {', '.join(runs[:8])}"
