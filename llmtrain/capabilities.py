@@ -303,8 +303,9 @@ def experts(config) -> int:
 
 
 def needs_model(recipe, layout: Layout) -> bool:
-    """Whether model_problems has anything to check: the layout splits the model, or a setting depends on its kind
-    (so that the model's config is read only where it matters)."""
+    """Whether the layout or a setting depends on the model's shape or kind (the layout splits it, or a setting is
+    refused for some models): where its config cannot be read, doctor says that this is unchecked. (Every run checks
+    the model's attention whatever the layout: model_problems.)"""
     return layout.splits_the_model or bool(recipe.model.tiled_mlp) or (
         recipe.lora is not None and recipe.lora.dropout > 0) or recipe.model.router_aux_loss_coef is not None
 
@@ -326,10 +327,76 @@ def experts_problems(model_type: str | None, n: int, *, tiled_mlp: bool, lora_dr
     return out
 
 
+# --------------------------------------------------------------------------- what llmtrain's attention computes
+
+# The layer kinds (config.layer_types) whose attention llmtrain's varlen attention computes, each example of a packed
+# row on its own: full and sliding-window causal attention. Chunked attention (Llama 4) is attention too, refused below.
+ATTENTION_KINDS = ("full_attention", "sliding_attention", "chunked_attention")
+# Layers that are not attention, which transformers runs itself and keeps a packed row's examples apart in only with
+# an optional kernel package (without it, it raises at the first step): kind -> (its module, its pip name)
+KEEP_APART = {"linear_attention": ("fla", "flash-linear-attention")}
+
+
+def attention_problems(recipe, config, *, sinks: bool = False, installed=None) -> list[str]:
+    """What llmtrain's varlen attention (model.attn_implementation auto or varlen) and packed rows (data.packing) would
+    not compute of the model as the model does, so that it would train on other numbers than its own: layers that
+    are not attention without the kernel that keeps packed examples apart, chunked attention, capped attention
+    scores, attention sinks (`sinks`: the loaded model has them: loaded_model_problems). The families of the table
+    have none of these (tests/test_fastpath.py proves their packed rows equal each example alone); another
+    model_type gets these checks, from its config. `installed(module)`: whether a package is installed (importlib's
+    find_spec; the tests pass their own)."""
+    if installed is None:
+        from importlib.util import find_spec
+
+        def installed(module):
+            return find_spec(module) is not None
+    m = recipe.model
+    varlen, packing = m.attn_implementation in ("auto", "varlen"), recipe.data.packing
+    name = getattr(config, "model_type", None) or "this model"
+    attn = f"model.attn_implementation={m.attn_implementation} (llmtrain's varlen attention)"
+
+    def unpacked(attention: str) -> str:  # the settings that train each example as a padded row of its own
+        return " and ".join([f"model.attn_implementation={attention}"] * varlen + ["data.packing=false"] * packing)
+
+    out = []
+    other = [k for k in dict.fromkeys(getattr(config, "layer_types", None) or ()) if k not in ATTENTION_KINDS]
+    missing = [k for k in other if k not in KEEP_APART or not installed(KEEP_APART[k][0])]
+    if missing and (varlen or packing):
+        kernels = [KEEP_APART[k][1] for k in missing if k in KEEP_APART]
+        need = (f"only with {' and '.join(kernels)} (CUDA kernels), which is not installed here: install it, or "
+                if kernels else "with no kernel llmtrain knows of: ")
+        out.append(f"{name} has {' and '.join(missing)} layers (config.layer_types), which are not attention "
+                   f"(Qwen3.5's and Qwen3-Next's Gated DeltaNet are linear_attention): transformers runs them, and "
+                   f"keeps the examples of a packed row (data.packing, and the varlen attention's padded rows, each "
+                   f"pad an example of its own) apart in them {need}train each example as a padded row of its own: "
+                   f"{unpacked('sdpa')}")
+    if varlen and (chunk := getattr(config, "attention_chunk_size", None)):
+        out.append(f"{attn} lets each token see its whole example, and {name} attends within chunks of {chunk} "
+                   f"tokens (attention_chunk_size, Llama 4): set model.attn_implementation=sdpa (transformers' "
+                   f"chunked mask, which keeps a packed row's examples apart too)")
+    if varlen and (cap := getattr(config, "attn_logit_softcapping", None)):
+        out.append(f"{attn} does not cap attention scores, and {name} caps them (attn_logit_softcapping={cap:g}): "
+                   f"set model.attn_implementation=eager")
+    if sinks and (varlen or packing):
+        out.append(f"{name}'s attention has sinks (a learned logit per head in every token's softmax: GPT-OSS), "
+                   f"which llmtrain's varlen attention does not compute, and transformers builds its masks without a "
+                   f"packed row's position ids, so a packed row's examples would attend to each other: train each "
+                   f"example as a padded row of its own, in transformers' attention: {unpacked('eager')}")
+    return out
+
+
+def loaded_model_problems(recipe, model) -> list[str]:
+    """attention_problems of a loaded model, with what its config does not say: whether its attention has sinks (a
+    parameter named `sinks`: GPT-OSS, MiMo-V2-Flash). Asked once the model is built, before anything is written."""
+    sinks = any(n.rpartition(".")[2] == "sinks" for n, _ in model.named_parameters())
+    return attention_problems(recipe, model.config, sinks=sinks) if sinks else []
+
+
 def model_problems(recipe, layout: Layout, config) -> list[str]:
     """What the recipe and the layout refuse of the model itself (`config`: its transformers config): its family's
     cells (FAMILIES), a mixture of experts under the tiled MLP or LoRA dropout, heads a sequence or a tensor-parallel
-    group cannot split, a tensor-parallel plan llmtrain does not build, fewer layers than stages."""
+    group cannot split, a tensor-parallel plan llmtrain does not build, what the varlen attention and packed rows do
+    not compute of it (attention_problems), fewer layers than stages. Every run asks it, with the model's config."""
     out = []
     model_type = getattr(config, "model_type", None)
     refused = set()
@@ -348,6 +415,7 @@ def model_problems(recipe, layout: Layout, config) -> list[str]:
         out.append(problem)
     if layout.tp > 1 and "tp" not in refused:
         out += tensor_plan_problems(config, layout.tp)
+    out += attention_problems(recipe, config)
     if (p := layout.pp) > 1:
         key, total = f"parallel.pipeline_parallel={p}", p * recipe.parallel.stages_per_rank
         if config.num_hidden_layers < total:

@@ -82,7 +82,9 @@ class ModelConfig(Section):
         "auto",
         description="Attention kernel. 'varlen' attends per example inside a padding-free row (cost sum of "
         "l_i^2): PyTorch's flash varlen_attn on CUDA, SDPA per example elsewhere. 'auto' picks varlen. 'sdpa' / "
-        "'eager' / 'flash_attention_2' are transformers' own (a packed row then uses a block-diagonal mask).",
+        "'eager' / 'flash_attention_2' are transformers' own (a packed row then uses a block-diagonal mask). A model "
+        "whose attention varlen does not compute (sinks, chunks, capped scores, layers that are not attention) is "
+        "refused with the setting to use (docs/models.md).",
     )
     kernels: Literal["auto", "liger", "none"] = Field(
         "auto",

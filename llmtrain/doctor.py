@@ -69,7 +69,7 @@ def check_layout(recipe: Recipe, launch: dict, *, where: str = "the launch confi
     layout = Layout.from_launch(launch, recipe, where=where) if launch else Layout.from_recipe(recipe)
     found = capabilities.problems(recipe, layout)
     unknown = ""
-    if capabilities.needs_model(recipe, layout) and not found:
+    if not found:
         try:  # the model's config (a folder or the hub's cache; else a preset or a built-in hub id's shape)
             try:
                 config = load_model_config(recipe.model)
@@ -82,7 +82,8 @@ def check_layout(recipe: Recipe, launch: dict, *, where: str = "the launch confi
                                                    tie_word_embeddings=shape.tied, model_type=shape.model_type)})
             found = capabilities.problems(recipe, layout, model=config)
         except LLMTrainError as e:
-            unknown = f"; the model's config could not be read ({e}), so what the run asks of it is unchecked"
+            if capabilities.needs_model(recipe, layout):  # else the model's own row says it cannot be read
+                unknown = f"; the model's config could not be read ({e}), so what the run asks of it is unchecked"
     if found:
         return [("layout", "fail", capabilities.paragraph(found))]
     mode = capabilities.MODES[capabilities.mode_of(recipe)].name

@@ -105,9 +105,8 @@ def accelerate_command(argv: list[str], *, machine: bool = True) -> list[str]:
     if machine:  # after the checks of the command alone: these ask torch for GPUs and read the model's files
         if problem := gpus_problem(launch, where=where, gpus=torch.cuda.device_count()):
             raise LLMTrainError(problem)
-        config = check_model_files(recipe)
-        if capabilities.needs_model(recipe, layout):  # heads, layers, experts: what the run asks of the model
-            capabilities.check_model(recipe, layout, config)
+        # heads, layers, experts, attention: what the run asks of the model
+        capabilities.check_model(recipe, layout, check_model_files(recipe))
     flags = argv[:len(argv) - len(rest) - 1]  # accelerate's own flags, as given
     return [sys.executable, "-m", "llmtrain.launcher", *flags, "-m", "llmtrain", "finetune", recipe_path, *rest]
 

@@ -95,15 +95,14 @@ def read_only_checks(recipe: Recipe, accelerator, *, resume: str | None, overwri
             + further)
         return Checked(checkpoint=None, notes=(), finished=done)
     # The recipe on this launch's layout was checked before the process group existed (build_accelerator); what the
-    # layout and the recipe ask of the model itself (heads, layers, a tied embedding, a mixture of experts) is checked
-    # now, from its config alone
-    if capabilities.needs_model(recipe, layout := Layout.from_environment(recipe)):
-        try:
-            config = load_model_config(recipe.model)
-        except LLMTrainError:  # a model that cannot be read is said where it is loaded (the tokenizer first)
-            config = None
-        if config is not None:
-            capabilities.check_model(recipe, layout, config)
+    # layout and the recipe ask of the model itself (heads, layers, a tied embedding, a mixture of experts, what the
+    # varlen attention computes) is checked now, from its config alone
+    try:
+        config = load_model_config(recipe.model)
+    except LLMTrainError:  # a model that cannot be read is said where it is loaded (the tokenizer first)
+        config = None
+    if config is not None:
+        capabilities.check_model(recipe, Layout.from_environment(recipe), config)
     if recipe.eval is not None:  # the benchmark at the end: its tasks and their data, before anything is written
         from llmtrain.run.benchmarks import check_recipe
 
@@ -311,6 +310,8 @@ def build_model(recipe: Recipe, accelerator, *, total_steps: int, say, pad: int 
                               and recipe.parallel.pipeline_parallel == 1),  # stages: each loads, keeps its own
                        compute_dtype={"bf16": torch.bfloat16, "fp16": torch.float16}.get(tc.mixed_precision),
                        reward_head=recipe.reward_model is not None)
+    if found := capabilities.loaded_model_problems(recipe, model):  # what its config does not say (sinks)
+        raise LLMTrainError(capabilities.paragraph(found))
     fused_ce = fused_linear_cross_entropy(recipe.model, accelerator.device)  # None unless liger is in use
     if recipe.reward_model is not None:  # a score head: one hidden state per sequence, no LM head, no logits
         fused_ce = None

@@ -19,6 +19,8 @@ import math
 import torch
 import torch.nn.functional as F
 
+from llmtrain.errors import LLMTrainError
+
 PREFIX = "llmtrain_"  # every attention llmtrain registers with transformers (generation swaps them for SDPA)
 NAME = PREFIX + "varlen"
 
@@ -73,6 +75,11 @@ def _segments(cu_seq_lens, position_ids, total: int) -> torch.Tensor:
     return torch.cat([starts, torch.tensor([total], dtype=torch.int32)])
 
 
+# What a model may hand its attention that changes the scores or the softmax and llmtrain's varlen attention does not
+# compute: refused at the first call (capabilities.attention_problems refuses the models known to, before the run).
+UNCOMPUTED = {"s_aux": "attention sinks", "sinks": "attention sinks", "softcap": "a cap on the attention scores"}
+
+
 # Left out of torch.compile (model.compile): the example boundaries change every step, and the per-example
 # loop and the kernel's max length would make every new batch a recompile. The layers compile around it.
 @torch.compiler.disable
@@ -85,6 +92,12 @@ def varlen_attention_forward(module, query, key, value, attention_mask, dropout:
     example per row, right padding) works too when position ids restart on the pads: each pad is then
     its own one-token example and no real token ever sees one.
     """
+    if uncomputed := [f"{k} ({what})" for k, what in UNCOMPUTED.items() if kwargs.get(k) is not None]:
+        raise LLMTrainError(
+            f"{type(module).__name__} passes {', '.join(uncomputed)} to its attention, which llmtrain's varlen "
+            "attention does not compute: the model would train on other attention than its own. Set "
+            "model.attn_implementation=eager (and data.packing=false where transformers' masks do not keep a packed "
+            "row's examples apart: GPT-OSS's)")
     if kwargs.get("past_key_values") is not None or query.shape[2] != key.shape[2]:
         raise NotImplementedError("llmtrain's varlen attention is for training (no KV cache); generate with "
                                   "attn_implementation='sdpa'")
