@@ -78,6 +78,12 @@ def chunked_token_loss(hidden: torch.Tensor, head, targets: torch.Tensor, token_
     return total, stats
 
 
+def decoder_name(lm) -> str:
+    """The attribute of a *ForCausalLM that holds its decoder: `model`, or its base_model_prefix (GPT-NeoX's
+    gpt_neox; Llama 4's prefix names no attribute, its decoder is `model`)."""
+    return "model" if isinstance(getattr(lm, "model", None), torch.nn.Module) else lm.base_model_prefix
+
+
 def causal_lm(model):
     """The transformers *ForCausalLM module inside `model` (which may be a peft model)."""
     return model.get_base_model() if hasattr(model, "get_base_model") else model
@@ -107,10 +113,11 @@ def attach_loss(model, *, chunk: int, fused_linear_ce=None, router_aux: float | 
             f"model {lm.config.model_type} caps its logits (final_logit_softcapping={cap:g}), which llmtrain's "
             "chunked loss does not apply, so it would train on other logits than the model's. Train a model without "
             "it (Gemma 3, whose text model has none, Llama, Qwen, Mistral, Phi)")
+    scale = logit_scale(lm)
     vocab = lm.get_output_embeddings().weight.shape[0]
     # The LM head may be wrapped (peft's modules_to_save): patch every Linear in it that maps to the vocabulary.
     for head in [m for m in lm.lm_head.modules() if isinstance(m, torch.nn.Linear) and m.out_features == vocab]:
-        head.forward = types.MethodType(_head_forward(chunk, fused_linear_ce), head)
+        head.forward = types.MethodType(_head_forward(chunk, fused_linear_ce, scale=scale), head)
     original = type(lm).forward
 
     def forward(self, *args, loss_index=None, loss_targets=None, return_hits: bool = False, per_token: bool = False,
@@ -123,7 +130,8 @@ def attach_loss(model, *, chunk: int, fused_linear_ce=None, router_aux: float | 
         # training's summed loss (not evaluation's, nor another objective's token_loss one), or where asked for
         summed = not (return_hits or per_token or token_loss is not None)
         aux = router_aux is not None and (summed or with_aux)
-        outputs = self.model(*args, use_cache=False, **kwargs, **({"output_router_logits": True} if aux else {}))
+        decoder = getattr(self, decoder_name(self))
+        outputs = decoder(*args, use_cache=False, **kwargs, **({"output_router_logits": True} if aux else {}))
         hidden = outputs.last_hidden_state.flatten(0, 1)
         if loss_index.numel() == 0:  # no trained position (a sequence-parallel slice of prompt tokens, a pipeline's
             # filler): a zero loss that still reaches every parameter, as DDP and FSDP reduce all their gradients
@@ -196,21 +204,75 @@ def _group_balance(router_logits, num_experts: int, top_k: int, *, sums, real: i
     return torch.sum(counts / rows * probs / rows) * num_experts
 
 
-def _head_forward(chunk: int, fused_linear_ce):
+def logit_scale(lm) -> float:
+    """What the model's own forward multiplies its LM head's output by before the loss (1.0 for most models; Cohere's
+    logit_scale, Granite's 1 / logits_scaling, Falcon-H1's lm_head_multiplier), which the chunked loss, reading the LM
+    head alone, must apply too. Found by running the model's forward on stand-ins: its decoder replaced by one that
+    returns random hidden states and its head by a random 16-logit one, so no layer runs and nothing is read of the
+    weights. A forward that does anything else to the logits (a cap: tanh) is refused in one paragraph."""
+    from transformers.modeling_outputs import MoeModelOutputWithPast
+
+    hidden_size = lm.config.get_text_config().hidden_size
+    g = torch.Generator().manual_seed(0)
+    hidden = torch.randn(1, 3, hidden_size, generator=g)
+    stand_in = torch.nn.Linear(hidden_size, 16, bias=False)
+    with torch.no_grad():
+        stand_in.weight.copy_(torch.randn(16, hidden_size, generator=g) * 3 / hidden_size ** 0.5)  # logits of +-10
+
+    prefix = decoder_name(lm)
+    decoder, head = getattr(lm, prefix), lm.lm_head
+
+    class Decoder(torch.nn.Module):  # what the forward reads of the decoder besides its output is the real one's
+        def forward(self, *args, **kwargs):
+            return MoeModelOutputWithPast(last_hidden_state=hidden)
+
+        def __getattr__(self, name):  # (Falcon-H1's lm_head_multiplier)
+            try:
+                return super().__getattr__(name)
+            except AttributeError:
+                return getattr(decoder, name)
+
+    try:
+        setattr(lm, prefix, Decoder())
+        lm.lm_head = stand_in
+        with torch.no_grad():
+            logits = type(lm).forward(lm, input_ids=torch.zeros(1, 3, dtype=torch.long), use_cache=False).logits
+            plain = stand_in(hidden)
+    except Exception:  # a forward the stand-ins do not fit: its logits are taken as the head's
+        return 1.0
+    finally:
+        setattr(lm, prefix, decoder)
+        lm.lm_head = head
+    ratio = (logits.double() / plain.double()).flatten()
+    scale = float(ratio.median())
+    if (ratio - scale).abs().max() > 1e-5 * abs(scale) or not scale:
+        raise LLMTrainError(
+            f"model {lm.config.model_type}'s forward changes its LM head's logits in a way other than a scale "
+            "(a cap, a shift), which llmtrain's chunked loss, reading the LM head alone, does not apply: it would "
+            "train on other logits than the model's. Train a model whose logits are its LM head's (Llama, Qwen, "
+            "Mistral, Phi, Gemma 3)")
+    return 1.0 if abs(scale - 1.0) < 1e-6 else scale
+
+
+def _head_forward(chunk: int, fused_linear_ce, *, scale: float = 1.0):
+    """The LM head's forward, patched: given targets, the chunked loss from its weight, the logits times `scale`
+    (logit_scale: the model's own forward's) and over the sampling temperature."""
     def forward(self, hidden, targets=None, with_hits: bool = False, per_token: bool = False,
                 temperature: float = 1.0, token_loss=None):
-        if targets is None:  # an ordinary call: logits
+        if targets is None:  # an ordinary call: logits (the model's own forward applies its scale)
             return torch.nn.functional.linear(hidden, self.weight, self.bias)
         if token_loss is not None:  # another loss on the same chunks (distillation); it applies any temperature
-            return chunked_token_loss(hidden, lambda h: torch.nn.functional.linear(h, self.weight, self.bias),
+            return chunked_token_loss(hidden, lambda h: torch.nn.functional.linear(h, self.weight, self.bias) * scale
+                                      if scale != 1.0 else torch.nn.functional.linear(h, self.weight, self.bias),
                                       targets, token_loss, chunk=chunk)
         if (fused_linear_ce is not None and not with_hits and not per_token and torch.is_grad_enabled()
-                and self.bias is None and temperature == 1.0):
+                and self.bias is None and temperature == 1.0 and scale == 1.0):
             return fused_linear_ce(self.weight, hidden, targets), None
+        divide = temperature / scale  # online RL's sampling temperature, and the model's own scale
 
         def head(h):  # self.weight is read when each chunk runs (and again when it is recomputed in backward)
             logits = torch.nn.functional.linear(h, self.weight, self.bias)
-            return logits if temperature == 1.0 else logits / temperature  # online RL: the sampling's temperature
+            return logits if divide == 1.0 else logits / divide
 
         return chunked_cross_entropy(hidden, head, targets, chunk=chunk, with_hits=with_hits, per_token=per_token)
 

@@ -33,7 +33,7 @@ import torch.nn.functional as F
 
 from llmtrain.data.batching import Counts, batch_weight, collate, with_loss_positions
 from llmtrain.data.formats import prompt_length
-from llmtrain.model.loss import causal_lm, compute_loss, decoder_inputs
+from llmtrain.model.loss import causal_lm, compute_loss, decoder_inputs, decoder_name, logit_scale
 from llmtrain.objectives.rollouts import all_here, completion_rows, sample, sampling
 
 # Statistics summed over the window and processes; step_metrics names them as TRL does where TRL has the number.
@@ -84,6 +84,7 @@ class Distill:
                  world: int):
         self.cfg, self.pad_id, self.packing, self.seed = cfg, pad_id, packing, seed
         self.teacher = causal_lm(teacher)  # frozen, eval mode (model/teacher.py)
+        self.teacher_scale = logit_scale(self.teacher)  # what its own forward multiplies its head's logits by
         self.lm = model  # the unwrapped student: it samples
         self.stop_ids, self.world = set(stop_ids), world
         self.stats = [*ROLLOUT_STATS, *LOSS_STATS]
@@ -143,19 +144,20 @@ class Distill:
     def _teacher_hidden(self, batch: dict) -> torch.Tensor:
         """The teacher's final hidden states at the trained positions, under no_grad: [tokens, teacher hidden]."""
         with torch.no_grad():
-            hidden = self.teacher.model(**decoder_inputs(batch), use_cache=False).last_hidden_state
+            decoder = getattr(self.teacher, decoder_name(self.teacher))
+            hidden = decoder(**decoder_inputs(batch), use_cache=False).last_hidden_state
             return hidden.flatten(0, 1)[batch["loss_index"]]
 
     def _token_loss(self, teacher_hidden: torch.Tensor):
         """The divergence of one chunk of the student's logits (loss.chunked_token_loss) to the teacher's logits on
         the same tokens, made here from the teacher's hidden states; and [entropy, student argmax = the token,
         student argmax = teacher argmax] summed."""
-        head, t = self.teacher.lm_head, self.cfg.temperature
+        head, t = self.teacher.lm_head, self.cfg.temperature / self.teacher_scale
 
         def token_loss(logits: torch.Tensor, targets: torch.Tensor, start: int):
             with torch.no_grad():
                 teacher = F.linear(teacher_hidden[start : start + len(logits)], head.weight, head.bias).float() / t
-            student = logits.float() / t
+            student = logits.float() / self.cfg.temperature  # the student's scale is in its logits already
             value, entropy = divergence(student, teacher, beta=self.cfg.beta)
             with torch.no_grad():
                 picked = student.argmax(-1)
