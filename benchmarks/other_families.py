@@ -22,7 +22,7 @@ import torch.nn.functional as F
 TYPES = ["gemma4_text", "olmo2", "olmo3", "smollm3", "granite", "granitemoe", "cohere", "cohere2", "glm4", "glm4_moe",
          "exaone4", "seed_oss", "hunyuan_v1_dense", "ernie4_5", "qwen2_moe", "ministral3", "apertus", "phimoe", "olmoe",
          "helium", "stablelm", "starcoder2", "gpt_neox", "hyperclovax", "gpt_oss", "llama4_text", "qwen3_next",
-         "minimax", "falcon_h1", "bamba", "granitemoehybrid", "nemotron_h", "lfm2"]
+         "minimax", "falcon_h1", "bamba", "granitemoehybrid", "nemotron_h", "lfm2", "gemma2"]
 COMMON = dict(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2, num_hidden_layers=2,
               vocab_size=97, attention_dropout=0.0, head_dim=16, pad_token_id=0, bos_token_id=1, eos_token_id=2)
 OWN = {"lfm2": dict(layer_types=["conv", "full_attention"])}  # its checkpoints' convolution layers (defaults: none)

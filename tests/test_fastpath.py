@@ -345,16 +345,28 @@ def test_flash_varlen_call_adapts_to_each_signature(monkeypatch, kernel, scale):
     assert (got - want).abs().max() < 1e-5
 
 
-def test_a_model_that_caps_its_logits_is_refused():
-    """Gemma 2 computes tanh(logits / 30) * 30 before its loss; the chunked loss does not, so such a model would train
-    on other logits than its own: refused in one paragraph when the loss is attached (Gemma 3 has no cap)."""
+def test_a_model_that_caps_its_logits_trains_on_its_capped_logits():
+    """Gemma 2 (and Gemma 3n) compute cap tanh(logits / cap) before their loss: the chunked loss caps each chunk's
+    logits as the model's forward does (loss.logit_transform finds the cap), so the summed loss and every gradient
+    equal the full-logit cross-entropy of the model's own logits (it was refused before). A cap of 0.5 bends a random
+    model's logits enough to matter."""
     from transformers import AutoConfig, AutoModelForCausalLM
-
-    from llmtrain.errors import LLMTrainError
 
     cfg = AutoConfig.for_model("gemma2", hidden_size=64, intermediate_size=128, num_attention_heads=4,
                                num_key_value_heads=2, head_dim=16, num_hidden_layers=2, vocab_size=97,
-                               final_logit_softcapping=30.0)
-    with pytest.raises(LLMTrainError, match=r"final_logit_softcapping=30\b.*Gemma 3"):
-        attach_loss(AutoModelForCausalLM.from_config(cfg), chunk=7)
-    attach_loss(tiny_model("eager", model_type="gemma3_text"), chunk=7)  # no cap: attached
+                               final_logit_softcapping=0.5, query_pre_attn_scalar=16, sliding_window=4)
+    torch.manual_seed(0)
+    ref = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32, attn_implementation="eager")
+    ours = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32, attn_implementation="eager")
+    ours.load_state_dict(ref.state_dict())
+    attach_loss(ours, chunk=7)
+    exs = examples()
+    logits = per_example_logits(ref, exs)  # the model's own, capped
+    targets = torch.tensor([t for e in exs for t in e["labels"][1:] + [-100]])
+    want = F.cross_entropy(logits, targets, ignore_index=-100, reduction="sum")
+    got = compute_loss(ours, with_loss_positions(collate(exs, pad_id=0, packing=False)))
+    assert got.item() == pytest.approx(want.item(), rel=1e-6)
+    want.backward()
+    got.backward()
+    for (name, p), q in zip(ours.named_parameters(), ref.parameters()):
+        assert (p.grad - q.grad).abs().max() < 1e-5, name

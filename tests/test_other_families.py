@@ -213,20 +213,27 @@ def test_doctor_refuses_from_the_config_what_finetune_would(tmp_path, model_type
 
 # --------------------------------------------------------------------------- the logits the loss reads
 
-# Models whose own forward scales their LM head's logits (config values of their released checkpoints' kind), and
-# one whose decoder is not `model`: the loss was 3.1e-4 (Granite) and 3.2e-3 (Cohere 2) off the model's own before
-# llmtrain applied the scale, 1.9e-3 (Falcon-H1), and GPT-NeoX's ended in an AttributeError.
-SCALED = {"granite": dict(logits_scaling=8.0), "cohere2": dict(logit_scale=0.0625, sliding_window=4),
-          "falcon_h1": dict(lm_head_multiplier=0.5), "gpt_neox": dict(rotary_pct=0.5)}
+# Models whose own forward scales or caps their LM head's logits (config values of their released checkpoints' kind;
+# Gemma 2's cap lowered from 30 so that it bends a random model's logits), and one whose decoder is not `model`: the
+# loss was 3.1e-4 (Granite), 3.2e-3 (Cohere 2) and 1.9e-3 (Falcon-H1) off the model's own before llmtrain applied the
+# scale; Gemma 2 (and any final_logit_softcapping) was refused; GPT-NeoX's ended in an AttributeError.
+SCALED = {"granite": (dict(logits_scaling=8.0), dict(scale=1 / 8)),
+          "cohere2": (dict(logit_scale=0.0625, sliding_window=4), dict(scale=0.0625)),
+          "falcon_h1": (dict(lm_head_multiplier=0.5), dict(scale=0.5)),
+          "gemma2": (dict(final_logit_softcapping=0.5, attn_logit_softcapping=50.0, query_pre_attn_scalar=16,
+                          sliding_window=4), dict(cap=0.5)),
+          "gemma3_text": (dict(final_logit_softcapping=0.5, query_pre_attn_scalar=16), dict(cap=0.5)),
+          "gpt_neox": (dict(rotary_pct=0.5), {})}
 
 
 @pytest.mark.parametrize("model_type", sorted(SCALED))
 def test_the_loss_reads_the_logits_the_models_own_forward_makes(model_type):
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from llmtrain.model.loss import logit_scale
+    from llmtrain.model.loss import Logits, logit_transform
 
-    cfg = AutoConfig.for_model(model_type, **{**COMMON, **SCALED[model_type]})
+    extra, transform = SCALED[model_type]
+    cfg = AutoConfig.for_model(model_type, **{**COMMON, **extra})
     torch.manual_seed(0)
     m = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32, attn_implementation="eager").eval()
     exs = examples()
@@ -234,12 +241,18 @@ def test_the_loss_reads_the_logits_the_models_own_forward_makes(model_type):
         logits = torch.cat([m(input_ids=torch.tensor([e["input_ids"]]), use_cache=False).logits[0] for e in exs])
     targets = torch.tensor([t for e in exs for t in e["labels"][1:] + [-100]])
     want = F.cross_entropy(logits, targets, ignore_index=-100, reduction="sum").item()
-    assert logit_scale(m) == pytest.approx({"granite": 1 / 8, "cohere2": 0.0625, "falcon_h1": 0.5,
-                                            "gpt_neox": 1.0}[model_type], rel=1e-6)
+    found = logit_transform(m)
+    assert found.scale == pytest.approx(Logits(**transform).scale, rel=1e-6) and found.cap == Logits(**transform).cap
     attach_loss(m, chunk=7)
     with torch.no_grad():
         got = compute_loss(m, with_loss_positions(collate(exs, pad_id=0, packing=False))).item()
     assert got == pytest.approx(want, rel=1e-6)
+    if found.cap is not None:  # the cap matters here: the head's logits alone give another loss (6.1e-4 off)
+        with torch.no_grad():
+            heads = torch.cat([m.lm_head(m.model(input_ids=torch.tensor([e["input_ids"]]),
+                                                 use_cache=False).last_hidden_state[0]) for e in exs])
+        plain = F.cross_entropy(heads, targets, ignore_index=-100, reduction="sum").item()
+        assert abs(plain - want) / want > 3e-4, (plain, want)
 
 
 def test_a_forward_that_changes_the_logits_otherwise_is_refused():
@@ -261,31 +274,31 @@ def test_a_forward_that_changes_the_logits_otherwise_is_refused():
 
 
 def test_a_distillation_teacher_s_logits_are_its_own_forward_s():
-    """The teacher's logits in the divergence are made from its hidden states and head: times its own scale."""
+    """The teacher's logits in the divergence are made from its hidden states and head: scaled and capped as its
+    own forward makes them (a Gemma 2 teacher's cap)."""
     from transformers import AutoConfig, AutoModelForCausalLM
-
-    from llmtrain.objectives.distill import Distill
-
-    cfg = AutoConfig.for_model("granite", **{**COMMON, "logits_scaling": 8.0})
-    torch.manual_seed(0)
-    teacher = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).eval()
-    objective = Distill(SimpleNamespace(temperature=0.5, beta=0.0), teacher=teacher, model=None, pad_id=0,
-                        packing=True, seed=0, stop_ids=[2], world=1)
-    ids = torch.tensor([examples()[1]["input_ids"]])
-    with torch.no_grad():
-        own = teacher(input_ids=ids, use_cache=False).logits[0]
-        hidden = teacher.model(input_ids=ids, use_cache=False).last_hidden_state[0]
-    seen = {}
-
-    def spy(student, teacher_logits, beta):
-        seen["teacher"] = teacher_logits
-        return student.sum(-1), student.sum(-1)
 
     import llmtrain.objectives.distill as distill
 
-    original, distill.divergence = distill.divergence, spy
-    try:
-        objective._token_loss(hidden)(own.clone(), torch.zeros(len(ids[0]), dtype=torch.long), 0)
-    finally:
-        distill.divergence = original
-    assert torch.allclose(seen["teacher"], own / 0.5, rtol=1e-5, atol=1e-5)
+    for model_type, extra in [("granite", dict(logits_scaling=8.0)), ("gemma2", SCALED["gemma2"][0])]:
+        cfg = AutoConfig.for_model(model_type, **{**COMMON, **extra})
+        torch.manual_seed(0)
+        teacher = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32, attn_implementation="eager").eval()
+        objective = distill.Distill(SimpleNamespace(temperature=0.5, beta=0.0), teacher=teacher, model=None,
+                                    pad_id=0, packing=True, seed=0, stop_ids=[2], world=1)
+        ids = torch.tensor([examples()[1]["input_ids"]])
+        with torch.no_grad():
+            own = teacher(input_ids=ids, use_cache=False).logits[0]
+            hidden = teacher.model(input_ids=ids, use_cache=False).last_hidden_state[0]
+        seen = {}
+
+        def spy(student, teacher_logits, beta):
+            seen["teacher"] = teacher_logits
+            return student.sum(-1), student.sum(-1)
+
+        original, distill.divergence = distill.divergence, spy
+        try:
+            objective._token_loss(hidden)(own.clone(), torch.zeros(len(ids[0]), dtype=torch.long), 0)
+        finally:
+            distill.divergence = original
+        assert torch.allclose(seen["teacher"], own / 0.5, rtol=1e-5, atol=1e-5), model_type

@@ -15,6 +15,7 @@ fp32 logits plus as much again for their gradient become 0.5 GiB + 0.5 GiB at ch
 from __future__ import annotations
 
 import types
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -108,16 +109,11 @@ def attach_loss(model, *, chunk: int, fused_linear_ce=None, router_aux: float | 
     (parallel/sequence/shards.balance_sums; None: the micro-batch is whole on this process).
     """
     lm = causal_lm(model)
-    if cap := getattr(lm.config, "final_logit_softcapping", None):  # Gemma 2: tanh(logits / cap) * cap
-        raise LLMTrainError(
-            f"model {lm.config.model_type} caps its logits (final_logit_softcapping={cap:g}), which llmtrain's "
-            "chunked loss does not apply, so it would train on other logits than the model's. Train a model without "
-            "it (Gemma 3, whose text model has none, Llama, Qwen, Mistral, Phi)")
-    scale = logit_scale(lm)
+    logits = logit_transform(lm)
     vocab = lm.get_output_embeddings().weight.shape[0]
     # The LM head may be wrapped (peft's modules_to_save): patch every Linear in it that maps to the vocabulary.
     for head in [m for m in lm.lm_head.modules() if isinstance(m, torch.nn.Linear) and m.out_features == vocab]:
-        head.forward = types.MethodType(_head_forward(chunk, fused_linear_ce, scale=scale), head)
+        head.forward = types.MethodType(_head_forward(chunk, fused_linear_ce, logits=logits), head)
     original = type(lm).forward
 
     def forward(self, *args, loss_index=None, loss_targets=None, return_hits: bool = False, per_token: bool = False,
@@ -204,20 +200,40 @@ def _group_balance(router_logits, num_experts: int, top_k: int, *, sums, real: i
     return torch.sum(counts / rows * probs / rows) * num_experts
 
 
-def logit_scale(lm) -> float:
-    """What the model's own forward multiplies its LM head's output by before the loss (1.0 for most models; Cohere's
-    logit_scale, Granite's 1 / logits_scaling, Falcon-H1's lm_head_multiplier), which the chunked loss, reading the LM
-    head alone, must apply too. Found by running the model's forward on stand-ins: its decoder replaced by one that
-    returns random hidden states and its head by a random 16-logit one, so no layer runs and nothing is read of the
-    weights. A forward that does anything else to the logits (a cap: tanh) is refused in one paragraph."""
+@dataclass(frozen=True)
+class Logits:
+    """What a model's own forward does to its LM head's output before the loss: times `scale` (Cohere's logit_scale,
+    Granite's 1 / logits_scaling, Falcon-H1's lm_head_multiplier), then capped at `cap` (cap tanh(x / cap): Gemma 2's
+    and Gemma 3n's final_logit_softcapping). The chunked loss computes the head's logits itself, so it applies this too
+    (logit_transform finds it)."""
+
+    scale: float = 1.0
+    cap: float | None = None
+
+    @property
+    def plain(self) -> bool:
+        return self.scale == 1.0 and self.cap is None
+
+    def __call__(self, logits: torch.Tensor) -> torch.Tensor:
+        if self.scale != 1.0:
+            logits = logits * self.scale
+        return logits if self.cap is None else torch.tanh(logits / self.cap) * self.cap
+
+
+def logit_transform(lm) -> Logits:
+    """What the model's own forward does to its LM head's output (Logits), which the chunked loss, reading the LM head
+    alone, must do too. Found by running the model's forward on stand-ins: its decoder replaced by one that returns
+    random hidden states and its head by a random 16-logit one, so no layer runs and nothing is read of the weights.
+    A cap is the config's final_logit_softcapping; a scale, the constant ratio of the forward's logits to the head's.
+    A forward that does anything else to them (a shift) is refused in one paragraph."""
     from transformers.modeling_outputs import MoeModelOutputWithPast
 
-    hidden_size = lm.config.get_text_config().hidden_size
+    config = lm.config.get_text_config()
     g = torch.Generator().manual_seed(0)
-    hidden = torch.randn(1, 3, hidden_size, generator=g)
-    stand_in = torch.nn.Linear(hidden_size, 16, bias=False)
-    with torch.no_grad():
-        stand_in.weight.copy_(torch.randn(16, hidden_size, generator=g) * 3 / hidden_size ** 0.5)  # logits of +-10
+    hidden = torch.randn(1, 3, config.hidden_size, generator=g)
+    stand_in = torch.nn.Linear(config.hidden_size, 16, bias=False)
+    with torch.no_grad():  # logits of about +-10: a cap of 30 bends them measurably
+        stand_in.weight.copy_(torch.randn(16, config.hidden_size, generator=g) * 3 / config.hidden_size ** 0.5)
 
     prefix = decoder_name(lm)
     decoder, head = getattr(lm, prefix), lm.lm_head
@@ -236,43 +252,46 @@ def logit_scale(lm) -> float:
         setattr(lm, prefix, Decoder())
         lm.lm_head = stand_in
         with torch.no_grad():
-            logits = type(lm).forward(lm, input_ids=torch.zeros(1, 3, dtype=torch.long), use_cache=False).logits
+            out = type(lm).forward(lm, input_ids=torch.zeros(1, 3, dtype=torch.long), use_cache=False).logits
             plain = stand_in(hidden)
     except Exception:  # a forward the stand-ins do not fit: its logits are taken as the head's
-        return 1.0
+        return Logits()
     finally:
         setattr(lm, prefix, decoder)
         lm.lm_head = head
-    ratio = (logits.double() / plain.double()).flatten()
-    scale = float(ratio.median())
-    if (ratio - scale).abs().max() > 1e-5 * abs(scale) or not scale:
+    out, plain = out.double(), plain.double()
+    if cap := getattr(config, "final_logit_softcapping", None):
+        found = Logits(cap=float(cap))
+    else:
+        ratio = (out / plain).flatten()
+        scale = float(ratio.median())
+        found = Logits(scale=1.0 if abs(scale - 1.0) < 1e-6 else scale)
+    if not torch.allclose(found(plain), out, rtol=1e-5, atol=1e-6):
         raise LLMTrainError(
-            f"model {lm.config.model_type}'s forward changes its LM head's logits in a way other than a scale "
-            "(a cap, a shift), which llmtrain's chunked loss, reading the LM head alone, does not apply: it would "
-            "train on other logits than the model's. Train a model whose logits are its LM head's (Llama, Qwen, "
-            "Mistral, Phi, Gemma 3)")
-    return 1.0 if abs(scale - 1.0) < 1e-6 else scale
+            f"model {lm.config.model_type}'s forward changes its LM head's logits in a way other than a scale or a "
+            "cap (final_logit_softcapping), which llmtrain's chunked loss, reading the LM head alone, does not apply: "
+            "it would train on other logits than the model's. Train a model whose logits are its LM head's (Llama, "
+            "Qwen, Mistral, Phi, Gemma)")
+    return found
 
 
-def _head_forward(chunk: int, fused_linear_ce, *, scale: float = 1.0):
-    """The LM head's forward, patched: given targets, the chunked loss from its weight, the logits times `scale`
-    (logit_scale: the model's own forward's) and over the sampling temperature."""
+def _head_forward(chunk: int, fused_linear_ce, *, logits: Logits = Logits()):
+    """The LM head's forward, patched: given targets, the chunked loss from its weight, of the logits the model's own
+    forward makes (`logits`: logit_transform), over the sampling temperature."""
     def forward(self, hidden, targets=None, with_hits: bool = False, per_token: bool = False,
                 temperature: float = 1.0, token_loss=None):
-        if targets is None:  # an ordinary call: logits (the model's own forward applies its scale)
+        if targets is None:  # an ordinary call: logits (the model's own forward transforms them)
             return torch.nn.functional.linear(hidden, self.weight, self.bias)
         if token_loss is not None:  # another loss on the same chunks (distillation); it applies any temperature
-            return chunked_token_loss(hidden, lambda h: torch.nn.functional.linear(h, self.weight, self.bias) * scale
-                                      if scale != 1.0 else torch.nn.functional.linear(h, self.weight, self.bias),
+            return chunked_token_loss(hidden, lambda h: logits(torch.nn.functional.linear(h, self.weight, self.bias)),
                                       targets, token_loss, chunk=chunk)
         if (fused_linear_ce is not None and not with_hits and not per_token and torch.is_grad_enabled()
-                and self.bias is None and temperature == 1.0 and scale == 1.0):
+                and self.bias is None and temperature == 1.0 and logits.plain):
             return fused_linear_ce(self.weight, hidden, targets), None
-        divide = temperature / scale  # online RL's sampling temperature, and the model's own scale
 
         def head(h):  # self.weight is read when each chunk runs (and again when it is recomputed in backward)
-            logits = torch.nn.functional.linear(h, self.weight, self.bias)
-            return logits if divide == 1.0 else logits / divide
+            out = logits(torch.nn.functional.linear(h, self.weight, self.bias))
+            return out if temperature == 1.0 else out / temperature  # online RL: the sampling's temperature
 
         return chunked_cross_entropy(hidden, head, targets, chunk=chunk, with_hits=with_hits, per_token=per_token)
 

@@ -33,7 +33,7 @@ import torch.nn.functional as F
 
 from llmtrain.data.batching import Counts, batch_weight, collate, with_loss_positions
 from llmtrain.data.formats import prompt_length
-from llmtrain.model.loss import causal_lm, compute_loss, decoder_inputs, decoder_name, logit_scale
+from llmtrain.model.loss import causal_lm, compute_loss, decoder_inputs, decoder_name, logit_transform
 from llmtrain.objectives.rollouts import all_here, completion_rows, sample, sampling
 
 # Statistics summed over the window and processes; step_metrics names them as TRL does where TRL has the number.
@@ -84,7 +84,7 @@ class Distill:
                  world: int):
         self.cfg, self.pad_id, self.packing, self.seed = cfg, pad_id, packing, seed
         self.teacher = causal_lm(teacher)  # frozen, eval mode (model/teacher.py)
-        self.teacher_scale = logit_scale(self.teacher)  # what its own forward multiplies its head's logits by
+        self.teacher_logits = logit_transform(self.teacher)  # what its own forward does to its head's logits
         self.lm = model  # the unwrapped student: it samples
         self.stop_ids, self.world = set(stop_ids), world
         self.stats = [*ROLLOUT_STATS, *LOSS_STATS]
@@ -152,12 +152,12 @@ class Distill:
         """The divergence of one chunk of the student's logits (loss.chunked_token_loss) to the teacher's logits on
         the same tokens, made here from the teacher's hidden states; and [entropy, student argmax = the token,
         student argmax = teacher argmax] summed."""
-        head, t = self.teacher.lm_head, self.cfg.temperature / self.teacher_scale
+        head, t, own = self.teacher.lm_head, self.cfg.temperature, self.teacher_logits
 
         def token_loss(logits: torch.Tensor, targets: torch.Tensor, start: int):
             with torch.no_grad():
-                teacher = F.linear(teacher_hidden[start : start + len(logits)], head.weight, head.bias).float() / t
-            student = logits.float() / self.cfg.temperature  # the student's scale is in its logits already
+                teacher = own(F.linear(teacher_hidden[start : start + len(logits)], head.weight, head.bias)).float() / t
+            student = logits.float() / t  # the student's own transform is in its logits already
             value, entropy = divergence(student, teacher, beta=self.cfg.beta)
             with torch.no_grad():
                 picked = student.argmax(-1)
