@@ -337,11 +337,12 @@ ATTENTION_KINDS = ("full_attention", "sliding_attention", "chunked_attention")
 KEEP_APART = {"linear_attention": ("fla", "flash-linear-attention")}
 
 
-def attention_problems(recipe, config, *, sinks: bool = False, installed=None) -> list[str]:
+def attention_problems(recipe, config, *, sinks: bool = False, sp: int = 1, installed=None) -> list[str]:
     """What llmtrain's varlen attention (model.attn_implementation auto or varlen) and packed rows (data.packing) would
     not compute of the model as the model does, so that it would train on other numbers than its own: layers that
     are not attention without the kernel that keeps packed examples apart, chunked attention, capped attention
-    scores, attention sinks (`sinks`: the loaded model has them: loaded_model_problems). The families of the table
+    scores; attention sinks (`sinks`: the loaded model has them: loaded_model_problems), which the varlen attention
+    computes, packed under transformers' masks or split over a sequence group of `sp`. The families of the table
     have none of these (tests/test_fastpath.py proves their packed rows equal each example alone); another
     model_type gets these checks, from its config. `installed(module)`: whether a package is installed (importlib's
     find_spec; the tests pass their own)."""
@@ -377,11 +378,15 @@ def attention_problems(recipe, config, *, sinks: bool = False, installed=None) -
     if varlen and (cap := getattr(config, "attn_logit_softcapping", None)):
         out.append(f"{attn} does not cap attention scores, and {name} caps them (attn_logit_softcapping={cap:g}): "
                    f"set model.attn_implementation=eager")
-    if sinks and (varlen or packing):
-        out.append(f"{name}'s attention has sinks (a learned logit per head in every token's softmax: GPT-OSS), "
-                   f"which llmtrain's varlen attention does not compute, and transformers builds its masks without a "
-                   f"packed row's position ids, so a packed row's examples would attend to each other: train each "
-                   f"example as a padded row of its own, in transformers' attention: {unpacked('eager')}")
+    if sinks and packing and not varlen:
+        out.append(f"data.packing with model.attn_implementation={m.attn_implementation}: {name}'s attention has "
+                   f"sinks (GPT-OSS), and transformers builds its masks without a packed row's position ids, so a "
+                   f"packed row's examples would attend to each other: set model.attn_implementation=auto "
+                   f"(llmtrain's varlen attention computes the sinks, each example on its own), or data.packing=false")
+    if sinks and sp > 1:
+        out.append(f"parallel.sequence_parallel={sp}: each process of a sequence group attends with its share of "
+                   f"the heads, and {name}'s attention sinks (one per head) are not split with them: set "
+                   f"parallel.sequence_parallel=1")
     return out
 
 
@@ -389,7 +394,8 @@ def loaded_model_problems(recipe, model) -> list[str]:
     """attention_problems of a loaded model, with what its config does not say: whether its attention has sinks (a
     parameter named `sinks`: GPT-OSS, MiMo-V2-Flash). Asked once the model is built, before anything is written."""
     sinks = any(n.rpartition(".")[2] == "sinks" for n, _ in model.named_parameters())
-    return attention_problems(recipe, model.config, sinks=sinks) if sinks else []
+    return (attention_problems(recipe, model.config, sinks=True, sp=recipe.parallel.sequence_parallel) if sinks
+            else [])
 
 
 def model_problems(recipe, layout: Layout, config) -> list[str]:

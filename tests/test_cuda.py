@@ -3,7 +3,8 @@
 benchmarks/gpu_session.sh smoke runs this file first on the H100. What the CPU suite cannot reach:
 - torch's flash varlen_attn through llmtrain's call (GQA handed to the kernel as is on torch 2.11, the window,
   the model's scale), forward and backward, against SDPA per example;
-- a packed varlen forward and backward of a tiny Mistral under bf16 autocast against the same examples unpacked.
+- a packed varlen forward and backward of a tiny Mistral under bf16 autocast against the same examples unpacked;
+- attention sinks (GPT-OSS) on the flash kernel, with the log-sum-exp gradient it leaves out restored.
 """
 
 from __future__ import annotations
@@ -36,6 +37,35 @@ def test_flash_varlen_equals_sdpa_per_example(hq, hkv, window, scale):
         out.float().backward(grad.float())
         outs.append(out.float())
         grads.append([x.grad.float() for x in (q, k, v)])
+    assert (outs[0] - outs[1]).abs().max() < 2e-2
+    for a, b in zip(grads[0], grads[1]):
+        assert (a - b).abs().max() < 5e-2 * max(1.0, b.abs().max().item())
+
+
+@pytest.mark.parametrize("window", [None, 6])
+def test_flash_varlen_computes_attention_sinks_as_the_per_example_path(window):
+    """GPT-OSS's sinks on the real kernel: its output times sigmoid(lse - sink) and the log-sum-exp's gradient that
+    the kernel leaves out (attention._SinkShare), against the per-example path in fp32 (tests/test_fastpath.py checks
+    the same against a stand-in kernel on the CPU)."""
+    from llmtrain.model.attention import _flash_varlen, _sdpa_per_example, varlen_available
+
+    assert varlen_available()
+    torch.manual_seed(0)
+    cu = torch.tensor([0, 5, 14, 17, 40, 41], dtype=torch.int32)
+    t, d, hq, hkv = int(cu[-1]), 64, 8, 2
+    base = [torch.randn(t, h, d, device="cuda", dtype=torch.bfloat16) for h in (hq, hkv, hkv)]
+    sinks0 = torch.randn(hq, device="cuda")
+    grad = torch.randn(t, hq, d, device="cuda", dtype=torch.bfloat16)
+    outs, grads = [], []
+    for fn in (lambda q, k, v, z: _flash_varlen(q, k, v, cu.cuda(), 23, scale=0.125, window=window, sinks=z),
+               lambda q, k, v, z: _sdpa_per_example(q.float(), k.float(), v.float(), cu.tolist(), scale=0.125,
+                                                    dropout=0.0, window=window, gqa=hq // hkv, sinks=z)):
+        q, k, v = (x.clone().requires_grad_() for x in base)
+        z = sinks0.clone().requires_grad_()
+        out = fn(q, k, v, z)
+        out.float().backward(grad.float())
+        outs.append(out.float())
+        grads.append([x.grad.float() for x in (q, k, v, z)])
     assert (outs[0] - outs[1]).abs().max() < 2e-2
     for a, b in zip(grads[0], grads[1]):
         assert (a - b).abs().max() < 5e-2 * max(1.0, b.abs().max().item())

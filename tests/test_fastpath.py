@@ -370,3 +370,69 @@ def test_a_model_that_caps_its_logits_trains_on_its_capped_logits():
     got.backward()
     for (name, p), q in zip(ours.named_parameters(), ref.parameters()):
         assert (p.grad - q.grad).abs().max() < 1e-5, name
+
+
+def _lse(q, k, cu, *, window=(-1, -1), scale=None) -> torch.Tensor:
+    """Each row's log-sum-exp of its causal scores, (heads, tokens) as the flash kernel returns it, with no gradient
+    (torch's varlen_attn takes none for it in backward)."""
+    out = []
+    with torch.no_grad():
+        for s, e in zip(cu[:-1].tolist(), cu[1:].tolist()):
+            qi, ki = q[s:e].transpose(0, 1), k[s:e].transpose(0, 1)
+            ki = ki.repeat_interleave(qi.shape[0] // ki.shape[0], dim=0)
+            scores = qi @ ki.transpose(1, 2) * (scale if scale is not None else qi.shape[-1] ** -0.5)
+            i = torch.arange(e - s)
+            mask = i[:, None] >= i[None, :]
+            if window[0] >= 0:
+                mask &= i[:, None] - i[None, :] <= window[0]
+            out.append(torch.logsumexp(scores.masked_fill(~mask, float("-inf")), dim=-1))
+    return torch.cat(out, dim=1).float()
+
+
+def varlen_2_12_lse(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, *, return_aux=None, scale=None,
+                    window_size=(-1, -1), enable_gqa=False, seqused_k=None, block_table=None, num_splits=None):
+    """torch 2.12+'s varlen_attn with return_aux: its output, and its log-sum-exp without a gradient."""
+    out = varlen_2_12(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, scale=scale, window_size=window_size,
+                      enable_gqa=enable_gqa)
+    if return_aux is not None and return_aux.lse:
+        return out, _lse(query, key, cu_seq_q, window=window_size, scale=scale)
+    return out
+
+
+@pytest.mark.parametrize("window", [None, 4])
+def test_the_flash_path_computes_attention_sinks_and_their_gradients(monkeypatch, window):
+    """GPT-OSS's sinks on the CUDA path, checked on the CPU against a stand-in for torch's varlen_attn whose
+    log-sum-exp carries no gradient, as the real kernel's: the output rescaled by sigmoid(lse - sink) and the gradient
+    the kernel leaves out restored (attention._SinkShare) give the output and every gradient (q, k, v, the sinks) of
+    the per-example path, which computes the sinks in the softmax itself (and equals GPT-OSS's eager attention:
+    tests/test_other_families.py). Without the restored gradient, q's is off by far more."""
+    import torch.nn.attention.varlen as varlen
+
+    from llmtrain.model.attention import _flash_varlen, _sdpa_per_example
+
+    monkeypatch.setattr(varlen, "varlen_attn", varlen_2_12_lse)
+    torch.manual_seed(0)
+    leaves = [torch.randn(29, 4, 16), torch.randn(29, 2, 16), torch.randn(29, 2, 16), torch.randn(4)]
+    cu = torch.tensor([0, 5, 14, 17, 29], dtype=torch.int32)
+    weights = torch.randn(29, 4, 16)
+
+    def run(fn):
+        q, k, v, sinks = (t.clone().requires_grad_() for t in leaves)
+        out = fn(q, k, v, sinks)
+        (out * weights).sum().backward()
+        return [out.detach()] + [t.grad for t in (q, k, v, sinks)]
+
+    got = run(lambda q, k, v, sinks: _flash_varlen(q, k, v, cu, 12, scale=0.3, window=window, sinks=sinks))
+    want = run(lambda q, k, v, sinks: _sdpa_per_example(q, k, v, cu.tolist(), scale=0.3, dropout=0.0, window=window,
+                                                        gqa=2, sinks=sinks))
+    for name, a, b in zip(["out", "q", "k", "v", "sinks"], got, want):
+        assert (a - b).abs().max() < 1e-5, (name, (a - b).abs().max())
+
+    def naive(q, k, v, sinks):  # the kernel's lse taken as it comes: no gradient through it
+        from torch.nn.attention.varlen import AuxRequest
+
+        out, lse = varlen_2_12_lse(q, k, v, cu, cu, 12, 12, return_aux=AuxRequest(lse=True), scale=0.3,
+                                   window_size=(window - 1 if window else -1, 0), enable_gqa=True)
+        return out * torch.sigmoid(lse.transpose(0, 1) - sinks).unsqueeze(-1)
+
+    assert (run(naive)[1] - want[1]).abs().max() > 1e-3
