@@ -52,11 +52,14 @@ def attention_as(config, implementation: str):
 def cached_attention(lm):
     """SDPA instead of llmtrain's own attentions while generating (the varlen one, and sequence parallelism's around
     it, each registered under a name that starts with `llmtrain_`): they refuse a KV cache, and every process
-    generates on its own."""
+    generates on its own. A model whose attention transformers' SDPA does not compute (_supports_sdpa False: GPT-OSS's
+    sinks, Gemma 2's capped scores, which SDPA would leave out without a word) generates with its eager attention."""
     from llmtrain.model.attention import PREFIX
+    from llmtrain.model.loss import causal_lm
 
-    return (attention_as(lm.config, "sdpa") if str(lm.config._attn_implementation).startswith(PREFIX)
-            else nullcontext())
+    if not str(lm.config._attn_implementation).startswith(PREFIX):
+        return nullcontext()
+    return attention_as(lm.config, "sdpa" if getattr(type(causal_lm(lm)), "_supports_sdpa", True) else "eager")
 
 
 def next_tokens(logits: torch.Tensor, uniforms: torch.Tensor, *, temperature: float, top_p: float) -> torch.Tensor:
