@@ -44,8 +44,7 @@ def main(types: list[str]) -> None:
     exs = [{"input_ids": torch.randint(3, 97, (n,), generator=g).tolist(),
             "labels": torch.randint(3, 97, (n,), generator=g).tolist()} for n in [5, 9, 3, 12, 1]]
     targets = torch.tensor([t for e in exs for t in e["labels"][1:] + [-100]])
-    packed = SimpleNamespace(model=SimpleNamespace(attn_implementation="auto"), data=SimpleNamespace(packing=True),
-                             parallel=SimpleNamespace(sequence_parallel=1))
+    packed = SimpleNamespace(model=SimpleNamespace(attn_implementation="auto"), data=SimpleNamespace(packing=True))
     print(f"{'model_type':18s} {'packed, varlen: relative loss error':40s} llmtrain")
     for mt in types:
         def config():  # one each model: from_config keeps the config it is given, attention included

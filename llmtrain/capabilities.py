@@ -337,12 +337,12 @@ ATTENTION_KINDS = ("full_attention", "sliding_attention", "chunked_attention")
 KEEP_APART = {"linear_attention": ("fla", "flash-linear-attention")}
 
 
-def attention_problems(recipe, config, *, sinks: bool = False, sp: int = 1, installed=None) -> list[str]:
+def attention_problems(recipe, config, *, sinks: bool = False, installed=None) -> list[str]:
     """What llmtrain's varlen attention (model.attn_implementation auto or varlen) and packed rows (data.packing) would
     not compute of the model as the model does, so that it would train on other numbers than its own: layers that
     are not attention without the kernel that keeps packed examples apart, chunked attention, capped attention
     scores; attention sinks (`sinks`: the loaded model has them: loaded_model_problems), which the varlen attention
-    computes, packed under transformers' masks or split over a sequence group of `sp`. The families of the table
+    computes, packed under transformers' masks. The families of the table
     have none of these (tests/test_fastpath.py proves their packed rows equal each example alone); another
     model_type gets these checks, from its config. `installed(module)`: whether a package is installed (importlib's
     find_spec; the tests pass their own)."""
@@ -383,10 +383,6 @@ def attention_problems(recipe, config, *, sinks: bool = False, sp: int = 1, inst
                    f"sinks (GPT-OSS), and transformers builds its masks without a packed row's position ids, so a "
                    f"packed row's examples would attend to each other: set model.attn_implementation=auto "
                    f"(llmtrain's varlen attention computes the sinks, each example on its own), or data.packing=false")
-    if sinks and sp > 1:
-        out.append(f"parallel.sequence_parallel={sp}: each process of a sequence group attends with its share of "
-                   f"the heads, and {name}'s attention sinks (one per head) are not split with them: set "
-                   f"parallel.sequence_parallel=1")
     return out
 
 
@@ -394,8 +390,7 @@ def loaded_model_problems(recipe, model) -> list[str]:
     """attention_problems of a loaded model, with what its config does not say: whether its attention has sinks (a
     parameter named `sinks`: GPT-OSS, MiMo-V2-Flash). Asked once the model is built, before anything is written."""
     sinks = any(n.rpartition(".")[2] == "sinks" for n, _ in model.named_parameters())
-    return (attention_problems(recipe, model.config, sinks=True, sp=recipe.parallel.sequence_parallel) if sinks
-            else [])
+    return attention_problems(recipe, model.config, sinks=True) if sinks else []
 
 
 def model_problems(recipe, layout: Layout, config) -> list[str]:

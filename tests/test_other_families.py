@@ -116,9 +116,8 @@ def test_what_a_refused_setting_would_get_wrong_and_the_advised_setting_gets_rig
     assert batch_loss(model_type, impl(advised[0]), packing=advised[1]) == pytest.approx(want, rel=1e-6)
 
 
-def recipe(attn: str = "auto", packing: bool = False, sp: int = 1):
-    return SimpleNamespace(model=SimpleNamespace(attn_implementation=attn), data=SimpleNamespace(packing=packing),
-                           parallel=SimpleNamespace(sequence_parallel=sp))
+def recipe(attn: str = "auto", packing: bool = False):
+    return SimpleNamespace(model=SimpleNamespace(attn_implementation=attn), data=SimpleNamespace(packing=packing))
 
 
 def test_the_rules_refuse_each_from_its_config_and_pass_the_setting_they_give():
@@ -147,8 +146,6 @@ def test_the_rules_refuse_each_from_its_config_and_pass_the_setting_they_give():
                    "on its own), or data.packing=false"), p
     assert capabilities.attention_problems(recipe("eager"), oss, sinks=True) == []
     assert capabilities.attention_problems(recipe(packing=True), oss, sinks=True) == []  # the varlen attention's
-    [p] = capabilities.attention_problems(recipe(), oss, sinks=True, sp=2)
-    assert p.startswith("parallel.sequence_parallel=2: each process of a sequence group attends with its share"), p
 
 
 @pytest.mark.parametrize("model_type", sorted(capabilities.FAMILIES))
@@ -161,7 +158,6 @@ def test_the_tables_families_pass_every_attention_rule(model_type):
 
 def test_sinks_are_found_on_the_loaded_model():
     assert "sinks" in capabilities.loaded_model_problems(recipe("eager", packing=True), model("gpt_oss", "eager"))[0]
-    assert "sinks" in capabilities.loaded_model_problems(recipe(sp=2), model("gpt_oss", "eager"))[0]
     assert capabilities.loaded_model_problems(recipe(packing=True), model("gpt_oss", "eager")) == []
     assert capabilities.loaded_model_problems(recipe("eager", packing=True), model("llama4_text", "sdpa")) == []
 

@@ -245,6 +245,36 @@ def test_a_sliding_window_and_a_replicated_kv_head_stay_exact(tiny_assets, tmp_p
     assert abs(records(unwindowed)[0]["loss"] - records(one)[0]["loss"]) > 1e-3
 
 
+@pytest.mark.slow
+def test_attention_sinks_split_with_the_heads_train_what_one_process_trains(tiny_assets, tmp_path, free_port):
+    """GPT-OSS's sinks (one per query head) under sequence parallelism: each process attends with its share of the
+    heads and takes those heads' sinks, their gradient summed over the group as every other one; a window shorter than
+    the documents. Before, the whole sinks met half the heads (refused in the varlen attention)."""
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    tiny = json.loads((tiny_assets / "model" / "config.json").read_text())
+    keep = ("vocab_size", "hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads",
+            "num_hidden_layers", "bos_token_id", "eos_token_id", "pad_token_id")
+    config = AutoConfig.for_model("gpt_oss", **{k: tiny[k] for k in keep}, head_dim=32, num_local_experts=4,
+                                  num_experts_per_tok=2, sliding_window=4)
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    with torch.no_grad():
+        for layer in model.model.layers:
+            layer.self_attn.sinks.normal_()  # sinks that matter, each head its own
+    model.save_pretrained(tmp_path / "gpt-oss")
+    AutoTokenizer.from_pretrained(tiny_assets / "model").save_pretrained(tmp_path / "gpt-oss")
+    recipe = write_recipe(tiny_assets, tmp_path, **{**PACKED, "model": {"attn_implementation": "auto",
+                                                                         "name_or_path": str(tmp_path / "gpt-oss")}})
+    one, two = tmp_path / "one", tmp_path / "two"
+    run_train(recipe, f"output_dir={one}")
+    out = _launch(CPU_DDP, 2, free_port, recipe, f"output_dir={two}")
+    assert "each sequence split over 2 processes" in out
+    _assert_equal(two, one)
+    sinks = [k for k in _final(one) if k.endswith("sinks")]
+    assert sinks and max_abs_diff({k: _final(two)[k] for k in sinks}, {k: _final(one)[k] for k in sinks}) < 1e-6
+
+
 # main tier: test_a_checkpoint_of_sequence_parallelism_resumes_on_one_process, kill -9 in test_preemption.py
 @pytest.mark.extended
 @pytest.mark.slow

@@ -10,7 +10,7 @@ from functools import partial
 
 import torch
 
-from llmtrain.model.attention import PREFIX, varlen_attention_forward
+from llmtrain.model.attention import PREFIX, SINKS, varlen_attention_forward
 
 NAME = PREFIX + "ulysses"
 
@@ -53,6 +53,13 @@ def ulysses_attention(module, query, key, value, attention_mask, *, size: int, g
     (1, Hkv, T/n, D) -> (1, T/n, Hq, D), attending over the whole packed row (`cu_seq_lens_q` is the row's)."""
     if key.shape[1] < size:  # fewer K/V heads than processes: each goes to the processes of its query heads
         key, value = (t.repeat_interleave(size // t.shape[1], dim=1) for t in (key, value))
+    for name in SINKS:  # a sink a query head (GPT-OSS): this process's heads' (to_heads sends process j chunk j)
+        if (sinks := kwargs.get(name)) is not None:
+            import torch.distributed as dist
+
+            share = query.shape[1] // size
+            rank = dist.get_rank(group)
+            kwargs[name] = sinks[rank * share:(rank + 1) * share]  # its gradient: these heads', summed over the group
     out, weights = varlen_attention_forward(module, *(to_heads(t, size, group) for t in (query, key, value)),
                                             attention_mask, **kwargs)
     return to_sequence(out, size, group), weights
