@@ -107,6 +107,29 @@ def estimate_memory(*args: str, check: bool = True) -> subprocess.CompletedProce
     return proc
 
 
+def tiny_gpt_oss(tiny: Path, folder: Path, *, window: int, sinks: bool = False) -> Path:
+    """The tiny model's shapes and special ids as a GPT-OSS (attention sinks, 4 experts of which 2 a token, a sliding
+    window on every other layer), random weights, the tiny tokenizer beside them; `sinks`: drawn from N(0, 1) each, so
+    that they matter (transformers starts them at 0)."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    config = json.loads((tiny / "model" / "config.json").read_text())
+    keep = ("vocab_size", "hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads",
+            "num_hidden_layers", "bos_token_id", "eos_token_id", "pad_token_id")
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(AutoConfig.for_model(
+        "gpt_oss", **{k: config[k] for k in keep}, head_dim=32, num_local_experts=4, num_experts_per_tok=2,
+        sliding_window=window), dtype=torch.float32)
+    if sinks:
+        with torch.no_grad():
+            for layer in model.model.layers:
+                layer.self_attn.sinks.normal_()
+    model.save_pretrained(folder)
+    AutoTokenizer.from_pretrained(tiny / "model").save_pretrained(folder)
+    return folder
+
+
 def launch_finetune(config: Path, processes: int, port: int, recipe: Path, *overrides: str,
                     resume: str | None = None, env: dict | None = None) -> str:
     """`accelerate launch --config_file CONFIG --num_processes N -m llmtrain finetune RECIPE OVERRIDES...` (with

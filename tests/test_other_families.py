@@ -24,7 +24,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 import torch.nn.functional as F
-from helpers import REPO, cli, write_recipe
+from helpers import REPO, cli, tiny_gpt_oss, write_recipe
 
 from llmtrain import capabilities
 from llmtrain.data.batching import collate, with_loss_positions
@@ -176,17 +176,7 @@ def test_the_varlen_attention_refuses_what_it_does_not_compute():
 
 @pytest.mark.slow
 def test_finetune_trains_a_model_with_sinks_packed_and_refuses_its_eager_packing(tiny_assets, tmp_path):
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
-
-    tiny = json.loads((tiny_assets / "model" / "config.json").read_text())
-    keep = ("vocab_size", "hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads",
-            "num_hidden_layers", "bos_token_id", "eos_token_id", "pad_token_id")
-    cfg = AutoConfig.for_model("gpt_oss", **{k: tiny[k] for k in keep}, head_dim=32, num_local_experts=4,
-                               num_experts_per_tok=2, sliding_window=8)
-    torch.manual_seed(0)
-    folder = tmp_path / "gpt-oss"
-    AutoModelForCausalLM.from_config(cfg).save_pretrained(folder)
-    AutoTokenizer.from_pretrained(tiny_assets / "model").save_pretrained(folder)
+    folder = tiny_gpt_oss(tiny_assets, tmp_path / "gpt-oss", window=8)
     path = write_recipe(tiny_assets, tmp_path, model={"name_or_path": str(folder), "attn_implementation": "eager"},
                         data={"packing": True}, train={"max_steps": 12, "lr": 3e-3, "micro_batch_size": 8})
     out = tmp_path / "run"

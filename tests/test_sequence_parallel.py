@@ -27,6 +27,7 @@ from helpers import (
     max_abs_diff,
     records,
     run_train,
+    tiny_gpt_oss,
     write_recipe,
 )
 
@@ -250,20 +251,7 @@ def test_attention_sinks_split_with_the_heads_train_what_one_process_trains(tiny
     """GPT-OSS's sinks (one per query head) under sequence parallelism: each process attends with its share of the
     heads and takes those heads' sinks, their gradient summed over the group as every other one; a window shorter than
     the documents. Before, the whole sinks met half the heads (refused in the varlen attention)."""
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
-
-    tiny = json.loads((tiny_assets / "model" / "config.json").read_text())
-    keep = ("vocab_size", "hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads",
-            "num_hidden_layers", "bos_token_id", "eos_token_id", "pad_token_id")
-    config = AutoConfig.for_model("gpt_oss", **{k: tiny[k] for k in keep}, head_dim=32, num_local_experts=4,
-                                  num_experts_per_tok=2, sliding_window=4)
-    torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    with torch.no_grad():
-        for layer in model.model.layers:
-            layer.self_attn.sinks.normal_()  # sinks that matter, each head its own
-    model.save_pretrained(tmp_path / "gpt-oss")
-    AutoTokenizer.from_pretrained(tiny_assets / "model").save_pretrained(tmp_path / "gpt-oss")
+    tiny_gpt_oss(tiny_assets, tmp_path / "gpt-oss", window=4, sinks=True)
     recipe = write_recipe(tiny_assets, tmp_path, **{**PACKED, "model": {"attn_implementation": "auto",
                                                                          "name_or_path": str(tmp_path / "gpt-oss")}})
     one, two = tmp_path / "one", tmp_path / "two"
