@@ -88,6 +88,11 @@ _EXPERTS_TP = ("its experts are 3-D parameters (every expert's gate_up_proj in o
                "parallelism_config_tp_size: 1)")
 
 
+_GPT_OSS_TP = ("its tensor-parallel plan (config.base_model_tp_plan) splits only the embedding, and its experts are "
+               "3-D parameters with biases, which llmtrain does not split. Shard it with FSDP instead "
+               "(accelerate_configs/fsdp.yaml, or parallelism_config_tp_size: 1)")
+
+
 @dataclass(frozen=True)
 class Family:
     key: str  # config.model_type
@@ -113,6 +118,9 @@ FAMILIES: dict[str, Family] = {f.key: f for f in (
     # mixtures of experts: the router and the experts as transformers runs them (grouped_mm)
     Family("qwen3_moe", "Qwen3-MoE", refused={"tp": _EXPERTS_TP}),
     Family("mixtral", "Mixtral", refused={"tp": _EXPERTS_TP}),
+    # attention sinks (the varlen attention computes them), a window on every other layer, experts with biases (LoRA
+    # adapts its attention: peft maps no all-linear onto its router or experts)
+    Family("gpt_oss", "GPT-OSS", refused={"tp": _GPT_OSS_TP}, estimate=False, fast_sampler=False),
 )}
 
 

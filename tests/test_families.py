@@ -42,11 +42,13 @@ FAMILIES = {
     "phi3": dict(partial_rotary_factor=0.75),
 }
 # The mixtures of experts (the capability table's families whose layer llmtrain leaves to transformers): the tiny
-# model's attention, 4 experts of 64 columns a layer, 2 a token
+# model's attention, 4 experts of 64 columns a layer, 2 a token; GPT-OSS's with its sinks and a window of 8 on every
+# other layer
 MOE = {
     "qwen3_moe": dict(head_dim=32, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=64,
                       decoder_sparse_step=1),
     "mixtral": dict(num_local_experts=4, num_experts_per_tok=2, intermediate_size=64),
+    "gpt_oss": dict(head_dim=32, num_local_experts=4, num_experts_per_tok=2, intermediate_size=64, sliding_window=8),
 }
 
 
@@ -157,7 +159,8 @@ def test_dpo_starts_at_log_2_and_ranks_every_pair_right(models, tiny_assets, tmp
 # experts' run beside them while sampling, model/lora_experts.py); Qwen3-MoE's LoRA in the main tier
 @pytest.mark.parametrize("family", sorted(FAMILIES) + [
     pytest.param(f, marks=[] if f == "qwen3_moe-lora" else [pytest.mark.extended])
-    for f in sorted(MOE) + [f"{f}-lora" for f in sorted(MOE)]])
+    for f in sorted(m for m in MOE if capabilities.FAMILIES[m].fast_sampler)
+    + [f"{f}-lora" for f in sorted(m for m in MOE if capabilities.FAMILIES[m].fast_sampler)]])
 def test_grpo_with_the_fast_sampler_trains_exactly_what_the_reference_sampler_trains(models, tiny_assets, tmp_path,
                                                                                      family):
     """3 GRPO steps of 4 prompts x 8 completions at temperature 1, rewarded where a completion starts with a-m (about
@@ -291,10 +294,11 @@ def test_llmtrain_launch_passes_or_refuses_each_family_on_each_layout(models, ti
     assert not out.exists()
 
 
-# Main tier: Gemma 3 under FSDP and on pipeline stages (the most its own: tied, two RoPEs, windows, QK-norm); the other
+# Main tier: Gemma 3 under FSDP and on pipeline stages (the most its own: tied, two RoPEs, windows, QK-norm), GPT-OSS
+# under FSDP (sinks, windows, experts with biases); the other
 # cells in the extended tier (make test-all), each beside a main-tier test of the same layout on Llama's layer
 # (test_fsdp.py, test_tp.py, test_sequence_parallel.py, test_pipeline.py)
-MAIN = {("gemma3_text", "fsdp"), ("gemma3_text", "pp")}
+MAIN = {("gemma3_text", "fsdp"), ("gemma3_text", "pp"), ("gpt_oss", "fsdp")}
 TRAINED = [pytest.param(f, lay, id=f"{f}-{lay}", marks=[pytest.mark.slow] + ([] if (f, lay) in MAIN else
                                                                      [pytest.mark.extended]))
            for f, lay in CELLS if capabilities.family_cell(f, lay) is None]
