@@ -160,6 +160,10 @@ class LoraConfig(Section):
         "all-linear", description="Module names to adapt, or 'all-linear' for every linear layer but the LM head."
     )
     modules_to_save: list[str] | None = Field(None, description="Modules trained in full and saved with the adapter.")
+    target_parameters: list[str] | None = Field(
+        None, description="Parameters to adapt besides the modules, by name (a suffix: mlp.experts.gate_up_proj): a "
+        "mixture of experts' 3-D expert weights where all-linear does not reach them (GPT-OSS's), as peft's "
+        "target_parameters. Each expert gets its own A and B; lora.dropout must be 0.")
 
 
 DataFormat = Literal["alpaca", "messages", "prompt_completion", "text", "preference", "unpaired", "prompt"]

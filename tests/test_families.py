@@ -212,6 +212,47 @@ def test_qlora_quantizes_every_linear_layer_of_the_family_and_learns(models, tin
     assert lines[-1]["loss"] < 0.9 * lines[0]["loss"], (lines[0]["loss"], lines[-1]["loss"])
 
 
+def test_lora_reaches_gpt_oss_experts_by_target_parameters(models, tiny_assets, tmp_path):
+    """all-linear adapts GPT-OSS's attention only (peft maps it onto no expert of GPT-OSS's); lora.target_parameters
+    names its 3-D experts (peft's ParamWrapper: each expert its own A and B, merged into the experts each forward, as
+    they carry biases llmtrain's unmerged run does not take): they train, are saved in the adapter, and merge back
+    (`llmtrain export --merge`) into a model that computes what the adapter on the base computes."""
+    from peft import PeftModel
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    from llmtrain.run.export import export_merged
+
+    recipe = write_recipe(tiny_assets, tmp_path, model={"name_or_path": str(models["gpt_oss"]),
+                                                        "attn_implementation": "auto"},
+                          lora={"r": 4, "alpha": 8, "dropout": 0.0,
+                                "target_parameters": ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]},
+                          train={"max_steps": 12, "micro_batch_size": 8, "lr": 1e-2})
+    from llmtrain.config import load_recipe
+    from llmtrain.errors import LLMTrainError
+    from llmtrain.memory.spec import spec_from_recipe
+
+    with pytest.raises(LLMTrainError, match=r"estimate-memory does not model lora.target_parameters"):
+        spec_from_recipe(load_recipe(recipe, ["model.name_or_path=qwen3-30b-a3b"]))  # a family it models
+    run_train(recipe)
+    lines = records(tmp_path / "run")
+    assert lines[-1]["loss"] < 0.9 * lines[0]["loss"], (lines[0]["loss"], lines[-1]["loss"])
+    saved = load_file(str(tmp_path / "run" / "final" / "adapter_model.safetensors"))
+    experts = sorted({k.split(".layers.")[1].split(".", 1)[1] for k in saved if ".experts." in k})
+    assert experts == ["mlp.experts.base_layer.lora_A.weight", "mlp.experts.base_layer.lora_B.weight",
+                       "mlp.experts.lora_A.weight", "mlp.experts.lora_B.weight"], experts
+    assert any(k.endswith("q_proj.lora_A.weight") for k in saved)  # all-linear's attention too
+    ids = torch.tensor([[1, 5, 9, 14, 20, 33]])
+    adapted = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(models["gpt_oss"]),
+                                        tmp_path / "run" / "final").eval()
+    merged = AutoModelForCausalLM.from_pretrained(export_merged(tmp_path / "run")).eval()
+    base = AutoModelForCausalLM.from_pretrained(models["gpt_oss"]).eval()
+    with torch.no_grad():
+        want = adapted(input_ids=ids).logits
+        assert (merged(input_ids=ids).logits - want).abs().max() < 1e-4
+        assert (base(input_ids=ids).logits - want).abs().max() > 1e-3  # the adapter changed the model
+
+
 @pytest.mark.parametrize("quantize", [None, "nf4"])
 def test_lora_on_a_mixture_of_experts_says_what_a_4bit_base_leaves_whole(models, tiny_assets, tmp_path, quantize):
     """bitsandbytes quantizes linear layers, and each layer's experts are two 3-D parameters, which stay bf16: the

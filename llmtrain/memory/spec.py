@@ -336,6 +336,10 @@ def spec_from_recipe(recipe: Recipe, *, strategy: Strategy = "single", num_gpus:
         prompt, _, basis = rl_prompt_tokens(prompt_lengths, cap=cap)  # the run's micro-batches, below, where known
         rl = dict(max_completion_tokens=most, prompt_tokens=prompt, prompt_cap=cap, prompt_basis=basis,
                   rl_micro_batch_tokens=recipe.rl.micro_batch_tokens)
+    if lora is not None and lora.target_parameters:
+        raise LLMTrainError(f"estimate-memory does not model lora.target_parameters ({lora.target_parameters}): "
+                            "it counts the adapters of lora.target_modules (all-linear reaches Qwen3-MoE's and "
+                            "Mixtral's experts itself)")
     spec = TrainSpec(
         method="lora" if lora else "full",
         lora_r=lora.r if lora else _default(LoraConfig, "r"),

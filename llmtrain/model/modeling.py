@@ -409,6 +409,7 @@ def apply_lora(model, cfg: LoraConfig, *, task: str = "CAUSAL_LM"):
         lora_dropout=cfg.dropout,
         target_modules=cfg.target_modules,
         modules_to_save=cfg.modules_to_save,
+        target_parameters=cfg.target_parameters,
         task_type=task,
     )
     try:
