@@ -214,10 +214,6 @@ RULES: tuple[Rule, ...] = (
          "{key} runs one pass a micro-batch through the stages, and preference.reference=adapter is a second (the "
          "adapter disabled) in every step. Set preference.reference=auto: on pipeline stages the reference is "
          "precomputed through them before training, the adapter disabled, and cached"),
-    Rule("pp", lambda r, layout: layout.fsdp and r.model.quantize is not None,
-         "{key} with a 4-bit base (model.quantize) runs on a plain multi-process launch (accelerate_configs/ddp.yaml): "
-         "a QLoRA stage under FSDP is untested. The adapters are small, so the stages' replicas lose little by not "
-         "sharding"),
 )
 
 

@@ -171,7 +171,7 @@ def test_one_lora_stage_holding_the_whole_model_is_the_estimates_model_phase_by_
     """LoRA and QLoRA on stages: the adapters' saved tensors and casts, a frozen embedding's first layer, the 4-bit
     base, the head's and the embeddings' trained copies; one stage of every layer is the whole model's estimate."""
     if lora.get("quantize") and layout["strategy"] == "fsdp":
-        pytest.skip("a QLoRA stage is not sharded (refused)")
+        pytest.skip("a QLoRA stage under FSDP is not modelled (refused by the estimate)")
     s = TrainSpec(**{**FULL, "gradient_checkpointing": ckpt, **layout, **lora})
     whole = Stage(0, (0,), (range(32),), True, True, (1,), 1)
     got, want = stage_estimate(LLAMA, s, whole), estimate(LLAMA, s)
@@ -336,7 +336,8 @@ def test_fit_offers_a_pipeline_across_nodes_where_it_is_the_fastest():
      "the interleaved schedule runs at least 2 stages a GPU"),
     (("--pipeline-parallel", "3"), "pipeline parallelism 3 must divide the GPUs: 16"),
     (("--pipeline-parallel", "4", "--grad-accum", "2"), "Schedule1F1B needs at least as many micro-batches as stages"),
-    (("--pipeline-parallel", "2", "--method", "lora", "--quantize", "nf4"), "a QLoRA stage runs on a plain"),
+    (("--pipeline-parallel", "2", "--method", "lora", "--quantize", "nf4"),
+     "a QLoRA stage under FSDP (which llmtrain trains) is not modelled"),
     (("--pipeline-parallel", "2", "--cpu-offload"), "pipeline parallelism is modelled without cpu offload"),
 ])
 def test_bad_pipeline_flags_are_refused_in_one_paragraph(args, message):
@@ -350,7 +351,7 @@ def test_bad_pipeline_flags_are_refused_in_one_paragraph(args, message):
 
 def test_the_refusals_are_collected_into_one_paragraph():
     with pytest.raises(LLMTrainError, match="inside a pipeline stage the GPUs run fsdp or ddp .*; a QLoRA stage "
-                                            "runs on a plain multi-process launch"):
+                                            r"under FSDP \(which llmtrain trains\) is not modelled"):
         pipeline_estimate(LLAMA, spec(strategy="hsdp", method="lora", quantize="nf4"))
     with pytest.raises(LLMTrainError, match="multiple of them"):
         pipeline_estimate(LLAMA, spec(pipeline_schedule="interleaved_1f1b", grad_accum_steps=5))

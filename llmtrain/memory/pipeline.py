@@ -76,8 +76,9 @@ def pipeline_problems(spec: TrainSpec, shape: ModelShape) -> list[str]:
         problems.append("pipeline parallelism is modelled without cpu offload, tensor or sequence parallelism, online "
                         "RL, activation offload or the tiled MLP (llmtrain's stages run none of them)")
     if spec.quantize and spec.sharded:
-        problems.append("a QLoRA stage runs on a plain multi-process launch, not under FSDP (llmtrain refuses it "
-                        "untested): use --strategy ddp, or single with one GPU a stage")
+        problems.append("a QLoRA stage under FSDP (which llmtrain trains) is not modelled: estimate it with "
+                        "--strategy ddp (each stage's replicas holding its whole 4-bit base), or single with one GPU a "
+                        "stage")
     if spec.pipeline_schedule == "1f1b" and m < p:
         problems.append(f"torch's Schedule1F1B needs at least as many micro-batches as stages: train.grad_accum_steps "
                         f"{m} < {p} (GPipe takes fewer: --pipeline-schedule gpipe)")
