@@ -328,6 +328,27 @@ def check_experts_quantized(recipe: Recipe, launch: dict | None = None) -> list[
 # --------------------------------------------------------------------------- all together
 
 
+def check_family(recipe: Recipe) -> list[Check]:
+    """Whether the model is a family of the capability table (docs/models.md), whose every allowed path is tested, or
+    another model_type, which trains through transformers with llmtrain's checks of what its attention and packed
+    rows compute (the layout row) and nothing else of it tested. Nothing where the config cannot be read (the rows
+    that read the model say why)."""
+    from llmtrain import capabilities
+    from llmtrain.model.modeling import load_model_config
+
+    try:
+        model_type = getattr(load_model_config(recipe.model), "model_type", None)
+    except LLMTrainError:
+        return []
+    if (family := capabilities.FAMILIES.get(model_type)) is not None:
+        return [("model family", "pass", f"{family.name} ({model_type}): a family of the capability table "
+                 "(docs/models.md), each path its row allows tested")]
+    return [("model family", "warn", f"{model_type} is not a family of the capability table (docs/models.md): it "
+             "trains through transformers, with llmtrain's checks of what its varlen attention and packed rows "
+             "compute of it (the layout row); its other paths (the estimate, tensor and pipeline parallelism, the "
+             "tiled MLP, the fast sampler) are untested on it. Try a short run (train.max_steps=20) before a long one")]
+
+
 def _max_positions(name_or_path: str) -> int | None:
     """max_position_embeddings of the model's config as estimate-memory reads it (params.read_config: a local
     config.json, a hub id's in the local cache, or the built-in config of a shipped recipe's hub id); None when
@@ -415,6 +436,7 @@ def run_doctor(recipe: Recipe, *, accelerate_config: Path | None = None,
         checks += check_rewards_run(recipe, tokenizer) + check_tools(recipe, tokenizer) + check_teacher(recipe,
                                                                                                           tokenizer)
     checks += check_context(recipe.data.max_seq_len, _max_positions(recipe.model.name_or_path))
+    checks += check_family(recipe)
     gpu = gpu_memory if gpu_memory is not None else gpu_memory_here()
     lengths = None
     if recipe.rl is not None and tokenizer is not None:  # the estimate at the prompts' real lengths

@@ -321,3 +321,21 @@ def test_generation_attends_as_the_model_does():
                 got = m(input_ids=ids).logits  # with a KV cache, as generate runs it
                 assert m.config._attn_implementation == ("eager" if model_type == "gpt_oss" else "sdpa")
         assert (got - want).abs().max() < 1e-5, model_type
+
+
+def test_doctor_says_whether_the_model_is_a_family_of_the_table(tmp_path):
+    from transformers import AutoConfig
+
+    from llmtrain.config import load_recipe
+    from llmtrain.doctor import check_family
+
+    AutoConfig.for_model("gemma4_text", **COMMON).save_pretrained(tmp_path / "gemma4")
+    [(name, status, detail)] = check_family(load_recipe(REPO / "recipes" / "tiny.yaml",
+                                                        [f"model.name_or_path={tmp_path / 'gemma4'}"]))
+    assert (name, status) == ("model family", "warn") and detail.startswith(
+        "gemma4_text is not a family of the capability table") and "Try a short run" in detail
+    AutoConfig.for_model("gpt_oss", **COMMON, **OTHER["gpt_oss"]).save_pretrained(tmp_path / "oss")
+    [(name, status, detail)] = check_family(load_recipe(REPO / "recipes" / "tiny.yaml",
+                                                        [f"model.name_or_path={tmp_path / 'oss'}"]))
+    assert (name, status) == ("model family", "pass") and detail.startswith("GPT-OSS (gpt_oss): a family of the")
+    assert check_family(load_recipe(REPO / "recipes" / "tiny.yaml", [f"model.name_or_path={tmp_path / 'none'}"])) == []
