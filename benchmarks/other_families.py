@@ -19,7 +19,7 @@ from types import SimpleNamespace
 import torch
 import torch.nn.functional as F
 
-TYPES = ["gemma4_text", "olmo2", "olmo3", "smollm3", "granite", "granitemoe", "cohere", "cohere2", "glm4", "glm4_moe",
+TYPES = ["olmo2", "olmo3", "smollm3", "granite", "granitemoe", "cohere", "cohere2", "glm4", "glm4_moe",
          "exaone4", "seed_oss", "hunyuan_v1_dense", "ernie4_5", "qwen2_moe", "ministral3", "apertus", "phimoe", "olmoe",
          "helium", "stablelm", "starcoder2", "gpt_neox", "hyperclovax", "gpt_oss", "llama4_text", "qwen3_next",
          "minimax", "falcon_h1", "bamba", "granitemoehybrid", "nemotron_h", "lfm2", "gemma2"]

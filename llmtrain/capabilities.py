@@ -93,6 +93,13 @@ _GPT_OSS_TP = ("its tensor-parallel plan (config.base_model_tp_plan) splits only
                "(accelerate_configs/fsdp.yaml, or parallelism_config_tp_size: 1)")
 
 
+_GEMMA4_PP = ("its per-layer embeddings (hidden_size_per_layer_input) are looked up from the input ids, which only "
+              "the first stage holds, for every layer. Shard it with FSDP instead (accelerate_configs/fsdp.yaml)")
+_GEMMA4_TP = ("its plan (config.base_model_tp_plan) holds its experts' styles too (packed_colwise, moe_tp_experts), "
+              "which llmtrain does not build. Shard it with FSDP instead (accelerate_configs/fsdp.yaml, or "
+              "parallelism_config_tp_size: 1)")
+
+
 @dataclass(frozen=True)
 class Family:
     key: str  # config.model_type
@@ -121,6 +128,10 @@ FAMILIES: dict[str, Family] = {f.key: f for f in (
     # attention sinks (the varlen attention computes them), a window on every other layer, experts with biases (LoRA
     # adapts its attention: peft maps no all-linear onto its router or experts)
     Family("gpt_oss", "GPT-OSS", refused={"tp": _GPT_OSS_TP}, estimate=False, fast_sampler=False),
+    # per-layer embeddings (PLE), a learned scalar a layer (a persistent buffer), local and global layers with their
+    # own head sizes
+    Family("gemma4_text", "Gemma 4 (its text model)", refused={"tp": _GEMMA4_TP, "pp": _GEMMA4_PP}, estimate=False,
+           fast_sampler=False),
 )}
 
 

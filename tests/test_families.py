@@ -50,6 +50,10 @@ MOE = {
     "mixtral": dict(num_local_experts=4, num_experts_per_tok=2, intermediate_size=64),
     "gpt_oss": dict(head_dim=32, num_local_experts=4, num_experts_per_tok=2, intermediate_size=64, sliding_window=8),
 }
+# Gemma 4's text model (dense; its layer as transformers runs it): per-layer embeddings of 16 a layer, a window of 8 on
+# its local layer, a global layer
+OWN_LAYER = {"gemma4_text": dict(head_dim=32, global_head_dim=32, sliding_window=8, vocab_size_per_layer_input=104,
+                                 hidden_size_per_layer_input=16, layer_types=["sliding_attention", "full_attention"])}
 
 
 def family_model(tiny_assets, folder, family: str):
@@ -61,15 +65,20 @@ def family_model(tiny_assets, folder, family: str):
     tiny = json.loads((tiny_assets / "model" / "config.json").read_text())
     keep = ("vocab_size", "hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads",
             "num_hidden_layers", "max_position_embeddings", "bos_token_id", "eos_token_id", "pad_token_id")
-    config = AutoConfig.for_model(family, **{**{k: tiny[k] for k in keep}, **{**FAMILIES, **MOE}[family]})
+    own = {**FAMILIES, **MOE, **OWN_LAYER}[family]
+    config = AutoConfig.for_model(family, **{**{k: tiny[k] for k in keep}, **own})
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(config)
+    with torch.no_grad():  # Gemma 4's learned scalar a layer (a buffer read from the checkpoint): not its init's 1
+        for i, (name, buffer) in enumerate((n, b) for n, b in model.named_buffers() if n.endswith("layer_scalar")):
+            buffer.fill_(0.9 + 0.2 * i)
     model.save_pretrained(folder)
     AutoTokenizer.from_pretrained(tiny_assets / "model").save_pretrained(folder)
     return folder
 
 
-@pytest.mark.parametrize("family", sorted(FAMILIES) + [pytest.param(f, marks=pytest.mark.extended) for f in MOE])
+@pytest.mark.parametrize("family", sorted(FAMILIES) + [pytest.param(f, marks=pytest.mark.extended)
+                                                      for f in [*MOE, *OWN_LAYER]])
 def test_each_family_trains_on_packed_rows_and_its_final_model_loads_back(tiny_assets, tmp_path, family):
     from transformers import AutoModelForCausalLM
 
@@ -94,7 +103,7 @@ def test_each_family_trains_on_packed_rows_and_its_final_model_loads_back(tiny_a
 def models(tiny_assets, tmp_path_factory):
     """Each family's tiny model, made once for the module."""
     root = tmp_path_factory.mktemp("families")
-    return {f: family_model(tiny_assets, root / f, f) for f in {**FAMILIES, **MOE}}
+    return {f: family_model(tiny_assets, root / f, f) for f in {**FAMILIES, **MOE, **OWN_LAYER}}
 
 
 def _mode_recipe(tiny_assets, tmp_path, model, shipped: str, **sections) -> Path:
@@ -305,7 +314,7 @@ LAUNCH = {
     "pp": ("cpu_ddp.yaml", 2, ["parallel.pipeline_parallel=2", "train.micro_batch_size=1",
                                "train.micro_batch_tokens=64", "train.grad_accum_steps=2"], None),
 }
-CELLS = [(f, layout) for f in sorted({**FAMILIES, **MOE}) for layout in LAUNCH]
+CELLS = [(f, layout) for f in sorted({**FAMILIES, **MOE, **OWN_LAYER}) for layout in LAUNCH]
 
 
 def _family_recipe(tiny_assets, tmp_path, model) -> Path:
@@ -339,7 +348,7 @@ def test_llmtrain_launch_passes_or_refuses_each_family_on_each_layout(models, ti
 # under FSDP (sinks, windows, experts with biases); the other
 # cells in the extended tier (make test-all), each beside a main-tier test of the same layout on Llama's layer
 # (test_fsdp.py, test_tp.py, test_sequence_parallel.py, test_pipeline.py)
-MAIN = {("gemma3_text", "fsdp"), ("gemma3_text", "pp"), ("gpt_oss", "fsdp")}
+MAIN = {("gemma3_text", "fsdp"), ("gemma3_text", "pp"), ("gpt_oss", "fsdp"), ("gemma4_text", "fsdp")}
 TRAINED = [pytest.param(f, lay, id=f"{f}-{lay}", marks=[pytest.mark.slow] + ([] if (f, lay) in MAIN else
                                                                      [pytest.mark.extended]))
            for f, lay in CELLS if capabilities.family_cell(f, lay) is None]

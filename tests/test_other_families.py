@@ -329,11 +329,11 @@ def test_doctor_says_whether_the_model_is_a_family_of_the_table(tmp_path):
     from llmtrain.config import load_recipe
     from llmtrain.doctor import check_family
 
-    AutoConfig.for_model("gemma4_text", **COMMON).save_pretrained(tmp_path / "gemma4")
+    AutoConfig.for_model("olmo3", **COMMON).save_pretrained(tmp_path / "olmo3")
     [(name, status, detail)] = check_family(load_recipe(REPO / "recipes" / "tiny.yaml",
-                                                        [f"model.name_or_path={tmp_path / 'gemma4'}"]))
+                                                        [f"model.name_or_path={tmp_path / 'olmo3'}"]))
     assert (name, status) == ("model family", "warn") and detail.startswith(
-        "gemma4_text is not a family of the capability table") and "Try a short run" in detail
+        "olmo3 is not a family of the capability table") and "Try a short run" in detail
     AutoConfig.for_model("gpt_oss", **COMMON, **OTHER["gpt_oss"]).save_pretrained(tmp_path / "oss")
     [(name, status, detail)] = check_family(load_recipe(REPO / "recipes" / "tiny.yaml",
                                                         [f"model.name_or_path={tmp_path / 'oss'}"]))

@@ -90,6 +90,47 @@ def gathered_for_generation(model):
                 group.post_forward_mesh_info = info
 
 
+def wrap_classes_present(model) -> None:
+    """Accelerate's transformer-based wrap (the launch's fsdp_auto_wrap_policy) makes an FSDP unit of each class the
+    model's _no_split_modules names and raises where the model holds none of one: a multimodal family's text model
+    names its vision and audio blocks too (Gemma 4's: "Could not find the transformer layer class
+    Gemma4VisionPatchEmbedder in the model", a traceback on every process). Keep the names of the classes the model
+    holds (its decoder layers), on this model only."""
+    from llmtrain.model.loss import causal_lm
+
+    lm = causal_lm(model)
+    names = list(getattr(lm, "_no_split_modules", None) or [])
+    present = {type(m).__name__ for m in lm.modules()}
+    if (kept := [n for n in names if n in present]) and kept != names:
+        lm._no_split_modules = kept
+
+
+@contextmanager
+def buffers_from_the_main_process(model, accelerator):
+    """The model's persistent buffers (Gemma 4's layer_scalar: read from the checkpoint, not made from the config) as
+    the main process read them, on every process, around Accelerate's prepare. Under cpu_ram_efficient_loading the
+    other processes built the model empty, their buffers as the config makes them, and Accelerate's loading
+    broadcasts the main process's state dict as sharded parameters, a buffer among them, which it cannot shard
+    ("'Tensor' object has no attribute 'device_mesh'"). So each is broadcast here, and marked non-persistent for the
+    prepare, which keeps non-persistent buffers as they are; persistent again after (the checkpoint and final/ save
+    them)."""
+    if not (uses_fsdp(accelerator) and getattr(accelerator.state.fsdp_plugin, "cpu_ram_efficient_loading", False)):
+        yield
+        return
+    held = [(module, name) for module in model.modules() for name, b in module._buffers.items()
+            if b is not None and name not in module._non_persistent_buffers_set]
+    for module, name in held:
+        whole = module._buffers[name].to(accelerator.device).contiguous()
+        torch.distributed.broadcast(whole, src=0)
+        module._buffers[name] = whole
+        module._non_persistent_buffers_set.add(name)
+    try:
+        yield
+    finally:
+        for module, name in held:
+            module._non_persistent_buffers_set.discard(name)
+
+
 def shard_frozen(frozen, trained, accelerator) -> int:
     """A frozen model (distillation's teacher) sharded as FSDP shards `trained` (the prepared student): over the
     student's mesh (FSDP's ranks, or HSDP's replicas of shards; under FSDP x TP the TP ranks too: _frozen_mesh),
