@@ -452,5 +452,40 @@ def test_a_gemma_3_multimodal_checkpoint_trains_its_text_model(models, tiny_asse
     assert 0 < moved.abs().max() < 0.01  # trained 3 steps at 1e-3 (a random init is ~0.1 away)
 
 
+def test_a_gemma_4_multimodal_checkpoint_trains_its_text_model(models, tiny_assets, tmp_path):
+    """google/gemma-4-* are Gemma4ForConditionalGeneration checkpoints (model_type gemma4: its text model under
+    model.language_model.*, beside vision and audio towers): llmtrain builds the text model alone from them, as for
+    Gemma 3's, with the same logits as the text model it holds, and fine-tunes it; final/ is a Gemma4ForCausalLM."""
+    from transformers import (AutoConfig, AutoModelForCausalLM, AutoTokenizer, Gemma4Config,
+                              Gemma4ForConditionalGeneration)
+
+    from llmtrain.config import ModelConfig
+    from llmtrain.model.modeling import load_model
+    from llmtrain.run.export import export_merged
+
+    text = models["gemma4_text"]
+    torch.manual_seed(1)
+    whole = Gemma4ForConditionalGeneration(Gemma4Config(text_config=AutoConfig.from_pretrained(text).to_dict(),
+                                                        vision_config=None, audio_config=None))
+    whole.model.language_model.load_state_dict(AutoModelForCausalLM.from_pretrained(text).model.state_dict())
+    whole.save_pretrained(tmp_path / "mm")
+    AutoTokenizer.from_pretrained(text).save_pretrained(tmp_path / "mm")
+    loaded = load_model(ModelConfig(name_or_path=str(tmp_path / "mm"), dtype="float32"), None)
+    assert type(loaded).__name__ == "Gemma4ForCausalLM" and loaded.config.model_type == "gemma4_text"
+    ids = torch.tensor([[1, 5, 9, 14, 20]])
+    with torch.no_grad():
+        want = AutoModelForCausalLM.from_pretrained(text).eval()(input_ids=ids).logits
+        assert (loaded.eval()(input_ids=ids).logits - want).abs().max() < 1e-5
+    recipe = write_recipe(tiny_assets, tmp_path, model={"name_or_path": str(tmp_path / "mm"),
+                                                        "attn_implementation": "auto"},
+                          lora={"r": 4, "dropout": 0.0}, train={"max_steps": 3, "lr": 1e-2})
+    run_train(recipe)
+    assert len(records(tmp_path / "run")) == 3
+    merged = AutoModelForCausalLM.from_pretrained(export_merged(tmp_path / "run"))  # the adapter on the text model
+    assert type(merged).__name__ == "Gemma4ForCausalLM"
+    with torch.no_grad():
+        assert (merged.eval()(input_ids=ids).logits - want).abs().max() > 1e-3  # trained
+
+
 def test_the_family_table_in_docs_models_is_the_tables_own():
     assert capabilities.families_markdown() in (REPO / "docs" / "models.md").read_text()

@@ -76,8 +76,9 @@ def load_model_config(cfg: ModelConfig):
 
 # A multimodal checkpoint whose text model llmtrain trains alone: its model_type -> the checkpoint keys of the text
 # model's decoder (transformers 4.5x saved language_model.model.*, 5.x saves model.language_model.*)
-TEXT_MODELS = {"gemma3": {r"^language_model\.model\.": "model.", r"^model\.language_model\.": "model.",
-                          r"^language_model\.lm_head\.": "lm_head."}}
+_LANGUAGE_MODEL_KEYS = {r"^language_model\.model\.": "model.", r"^model\.language_model\.": "model.",
+                        r"^language_model\.lm_head\.": "lm_head."}
+TEXT_MODELS = {"gemma3": _LANGUAGE_MODEL_KEYS, "gemma4": _LANGUAGE_MODEL_KEYS}
 
 
 def pretrained(auto, path: str, **kwargs):
@@ -106,9 +107,10 @@ def _own_names(model):
 def text_model(config):
     """(config, key_mapping) of the model to train. Gemma 3's hub checkpoints from 4B up (google/gemma-3-4b-it, 12b,
     27b) are its multimodal model (model_type gemma3: a vision tower, a projector, and the text model's config in
-    text_config), which AutoModelForCausalLM builds whole and llmtrain's layer-by-layer paths cannot read. llmtrain
-    fine-tunes text, so it builds the text model (Gemma3ForCausalLM, model_type gemma3_text) and reads its weights
-    from the checkpoint's language-model keys; the vision weights are never read, and final/ is the text model."""
+    text_config), which AutoModelForCausalLM builds whole and llmtrain's layer-by-layer paths cannot read; so are
+    Gemma 4's (model_type gemma4, an audio tower too). llmtrain fine-tunes text, so it builds the text model
+    (Gemma3ForCausalLM, Gemma4ForCausalLM) and reads its weights from the checkpoint's language-model keys; the
+    vision and audio weights are never read, and final/ is the text model."""
     mapping = TEXT_MODELS.get(getattr(config, "model_type", None))
     return (config.get_text_config(), mapping) if mapping else (config, None)
 
