@@ -9,6 +9,7 @@ import functools
 import os
 import sys
 import time
+import warnings
 from pathlib import Path
 from typing import Annotated, Optional
 
@@ -75,6 +76,17 @@ def _root(debug: Annotated[bool, typer.Option("--debug", help="Show tracebacks f
                                                      "and peft's) and exit.")] = False) -> None:
     if debug:
         os.environ["LLMTRAIN_DEBUG"] = "1"
+    else:
+        warnings.formatwarning = one_line_warning
+
+
+def one_line_warning(message, category, filename, lineno, line=None, *, _default=warnings.formatwarning) -> str:
+    """llmtrain's own warnings (warnings.warn in its modules: the fast sampler's fall-back to the reference loop) as
+    one line, `warning: ...`, as the run's other warnings read, not Python's file, line and source line; the
+    libraries' warnings as Python writes them (with --debug, every warning as Python writes it)."""
+    if str(filename).startswith(str(Path(__file__).parent)):
+        return f"warning: {message}\n"
+    return _default(message, category, filename, lineno, line)
 
 
 def user_errors(fn):

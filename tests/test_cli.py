@@ -80,6 +80,20 @@ def test_version_names_llmtrain_and_the_libraries_it_trains_with():
         f"accelerate {version('accelerate')}, peft {version('peft')})")
 
 
+def test_llmtrains_own_warnings_are_one_line_and_the_libraries_are_pythons():
+    """A warning llmtrain raises (the fast sampler's fall-back, from its modules) reads `warning: ...`, as the run's
+    other warnings; one from a library keeps Python's file and line (it showed llmtrain's file, line and source
+    line before: `.../rollouts.py:42: UserWarning: ...` and the call beneath it)."""
+    import llmtrain
+    from llmtrain.cli import one_line_warning
+
+    here = str(Path(llmtrain.__file__).parent / "objectives" / "rollouts.py")
+    assert one_line_warning("rl.sampler=graph: ...", UserWarning, here, 42) == "warning: rl.sampler=graph: ...\n"
+    theirs = "/site-packages/peft/tuners/tuners_utils.py"
+    assert one_line_warning("keys ignored", RuntimeWarning, theirs, 7).startswith(
+        f"{theirs}:7: RuntimeWarning: keys ignored")
+
+
 def test_cli_import_is_light():
     """`llmtrain --help` must not pay for torch/transformers: the CLI module imports neither."""
     code = ("import sys, llmtrain.cli; "
