@@ -339,3 +339,22 @@ def test_doctor_says_whether_the_model_is_a_family_of_the_table(tmp_path):
                                                         [f"model.name_or_path={tmp_path / 'oss'}"]))
     assert (name, status) == ("model family", "pass") and detail.startswith("GPT-OSS (gpt_oss): a family of the")
     assert check_family(load_recipe(REPO / "recipes" / "tiny.yaml", [f"model.name_or_path={tmp_path / 'none'}"])) == []
+
+
+def test_the_estimate_says_a_family_without_one_trains_and_how_to_measure_it(tmp_path):
+    """GPT-OSS and Gemma 4 (a gemma4 checkpoint's text model too) are rows of the table whose layer the estimate does
+    not model: said as such, with how to measure the run; another model_type as one the estimate does not know."""
+    from transformers import AutoConfig, Gemma4Config
+
+    from llmtrain.memory.params import load_model_shape
+
+    AutoConfig.for_model("gpt_oss", **COMMON, **OTHER["gpt_oss"]).save_pretrained(tmp_path / "oss")
+    Gemma4Config(text_config=AutoConfig.for_model("gemma4_text", **COMMON).to_dict(), vision_config=None,
+                 audio_config=None).save_pretrained(tmp_path / "gemma4")
+    AutoConfig.for_model("olmo3", **COMMON).save_pretrained(tmp_path / "olmo3")
+    for folder, said in [("oss", "is GPT-OSS (gpt_oss), which llmtrain trains"),
+                         ("gemma4", "is Gemma 4 (its text model) (gemma4_text), which llmtrain trains"),
+                         ("olmo3", "has model_type 'olmo3', whose layer it does not know")]:
+        with pytest.raises(LLMTrainError) as refused:
+            load_model_shape(str(tmp_path / folder))
+        assert said in str(refused.value) and "short run" in str(refused.value), str(refused.value)

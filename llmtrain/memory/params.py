@@ -27,6 +27,7 @@ from llmtrain.hub import is_local_path
 # the capability table's families whose decoder layer llmtrain models
 FAMILIES = {key: family.name for key, family in capabilities.FAMILIES.items() if family.estimate}
 SUPPORTED_TYPES = tuple(FAMILIES)
+TEXT_MODEL_TYPES = ("gemma4",)  # a multimodal checkpoint whose text model (text_config) is a family without an estimate
 
 _LLAMA_COMMON = {"hidden_act": "silu", "rms_norm_eps": 1e-5, "tie_word_embeddings": False, "bos_token_id": 1,
                  "eos_token_id": 2}
@@ -466,10 +467,18 @@ def _shape_from_json(config_json: str, source: str) -> ModelShape:
     model_type = cfg_dict.get("model_type")
     if model_type == "gemma3" and isinstance(cfg_dict.get("text_config"), dict):  # the multimodal checkpoint's text
         cfg_dict, model_type = {**cfg_dict["text_config"], "model_type": "gemma3_text"}, "gemma3_text"
+    if model_type in TEXT_MODEL_TYPES and isinstance(cfg_dict.get("text_config"), dict):  # Gemma 4's checkpoints
+        model_type = cfg_dict["text_config"].get("model_type", model_type)
     if model_type not in SUPPORTED_TYPES:
+        if (family := capabilities.FAMILIES.get(model_type)) is not None:  # a row of the table, its layer unmodelled
+            raise LLMTrainError(f"{source} is {family.name} ({model_type}), which llmtrain trains (a row of the "
+                                "family table, docs/models.md) and whose layer estimate-memory does not model yet, so "
+                                "it makes no estimate: a short run on the GPU measures it (its peak is in the run's "
+                                f"summary). estimate-memory models {', '.join(FAMILIES.values())}.")
         raise LLMTrainError(f"estimate-memory models the decoder layers of {', '.join(FAMILIES.values())}; {source} "
                             f"has model_type {model_type!r}, whose layer it does not know, so it makes no estimate "
-                            "(training it may still work: `llmtrain doctor` and a short run say).")
+                            "(training it may still work: `llmtrain doctor` checks the rest, and a short run "
+                            "measures it).")
     config = hf_config(model_type, cfg_dict, source)
     model = meta_model(config, source)
     layers = model.model.layers
