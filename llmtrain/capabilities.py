@@ -357,10 +357,10 @@ def attention_problems(recipe, config, *, sinks: bool = False, installed=None) -
     not compute of the model as the model does, so that it would train on other numbers than its own: layers that
     are not attention without the kernel that keeps packed examples apart, chunked attention, capped attention
     scores; attention sinks (`sinks`: the loaded model has them: loaded_model_problems), which the varlen attention
-    computes, packed under transformers' masks. The families of the table
-    have none of these (tests/test_fastpath.py proves their packed rows equal each example alone); another
-    model_type gets these checks, from its config. `installed(module)`: whether a package is installed (importlib's
-    find_spec; the tests pass their own)."""
+    computes, packed under transformers' masks. The table's families pass them (their packed rows equal each example
+    alone: tests/test_fastpath.py, GPT-OSS's sinks tests/test_other_families.py); another model_type gets them, from
+    its config. `installed(module)`: whether a package is installed (importlib's find_spec; the tests pass their
+    own)."""
     if installed is None:
         from importlib.util import find_spec
 
