@@ -27,7 +27,6 @@ from llmtrain.hub import is_local_path
 # the capability table's families whose decoder layer llmtrain models
 FAMILIES = {key: family.name for key, family in capabilities.FAMILIES.items() if family.estimate}
 SUPPORTED_TYPES = tuple(FAMILIES)
-TEXT_MODEL_TYPES = ("gemma4",)  # a multimodal checkpoint whose text model (text_config) is a family without an estimate
 
 _LLAMA_COMMON = {"hidden_act": "silu", "rms_norm_eps": 1e-5, "tie_word_embeddings": False, "bos_token_id": 1,
                  "eos_token_id": 2}
@@ -463,12 +462,14 @@ def _transformers_quiet():
 def _shape_from_json(config_json: str, source: str) -> ModelShape:
     from torch import nn
 
+    from llmtrain.model.modeling import TEXT_MODELS
+
     cfg_dict = json.loads(config_json)
     model_type = cfg_dict.get("model_type")
-    if model_type == "gemma3" and isinstance(cfg_dict.get("text_config"), dict):  # the multimodal checkpoint's text
-        cfg_dict, model_type = {**cfg_dict["text_config"], "model_type": "gemma3_text"}, "gemma3_text"
-    if model_type in TEXT_MODEL_TYPES and isinstance(cfg_dict.get("text_config"), dict):  # Gemma 4's checkpoints
-        model_type = cfg_dict["text_config"].get("model_type", model_type)
+    if model_type in TEXT_MODELS and isinstance(cfg_dict.get("text_config"), dict):  # a multimodal checkpoint (Gemma
+        # 3's, 4's): its text model, the one llmtrain trains (modeling.text_model)
+        model_type = cfg_dict["text_config"].get("model_type", f"{model_type}_text")
+        cfg_dict = {**cfg_dict["text_config"], "model_type": model_type}
     if model_type not in SUPPORTED_TYPES:
         if (family := capabilities.FAMILIES.get(model_type)) is not None:  # a row of the table, its layer unmodelled
             raise LLMTrainError(f"{source} is {family.name} ({model_type}), which llmtrain trains (a row of the "

@@ -90,15 +90,12 @@ def gathered_for_generation(model):
                 group.post_forward_mesh_info = info
 
 
-def wrap_classes_present(model) -> None:
+def _wrap_classes_present(lm) -> None:
     """Accelerate's transformer-based wrap (the launch's fsdp_auto_wrap_policy) makes an FSDP unit of each class the
     model's _no_split_modules names and raises where the model holds none of one: a multimodal family's text model
     names its vision and audio blocks too (Gemma 4's: "Could not find the transformer layer class
     Gemma4VisionPatchEmbedder in the model", a traceback on every process). Keep the names of the classes the model
     holds (its decoder layers), on this model only."""
-    from llmtrain.model.loss import causal_lm
-
-    lm = causal_lm(model)
     names = list(getattr(lm, "_no_split_modules", None) or [])
     present = {type(m).__name__ for m in lm.modules()}
     if (kept := [n for n in names if n in present]) and kept != names:
@@ -106,19 +103,25 @@ def wrap_classes_present(model) -> None:
 
 
 @contextmanager
-def buffers_from_the_main_process(model, accelerator):
-    """The model's persistent buffers (Gemma 4's layer_scalar: read from the checkpoint, not made from the config) as
-    the main process read them, on every process, around Accelerate's prepare. Under cpu_ram_efficient_loading the
+def prepared_for_fsdp(model, accelerator):
+    """Around Accelerate's prepare under FSDP (nothing otherwise): the units its wrap makes are the classes the model
+    holds (_wrap_classes_present), and the model's persistent buffers (Gemma 4's layer_scalar: read from the
+    checkpoint, not made from the config) are the main process's on every process. Under cpu_ram_efficient_loading the
     other processes built the model empty, their buffers as the config makes them, and Accelerate's loading
     broadcasts the main process's state dict as sharded parameters, a buffer among them, which it cannot shard
     ("'Tensor' object has no attribute 'device_mesh'"). So each is broadcast here, and marked non-persistent for the
     prepare, which keeps non-persistent buffers as they are; persistent again after (the checkpoint and final/ save
     them)."""
-    if not (uses_fsdp(accelerator) and getattr(accelerator.state.fsdp_plugin, "cpu_ram_efficient_loading", False)):
+    from llmtrain.model.loss import causal_lm
+
+    if not uses_fsdp(accelerator):
         yield
         return
-    held = [(module, name) for module in model.modules() for name, b in module._buffers.items()
-            if b is not None and name not in module._non_persistent_buffers_set]
+    _wrap_classes_present(causal_lm(model))
+    held = []
+    if getattr(accelerator.state.fsdp_plugin, "cpu_ram_efficient_loading", False):
+        held = [(module, name) for module in model.modules() for name, b in module._buffers.items()
+                if b is not None and name not in module._non_persistent_buffers_set]
     for module, name in held:
         whole = module._buffers[name].to(accelerator.device).contiguous()
         torch.distributed.broadcast(whole, src=0)

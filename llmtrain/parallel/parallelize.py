@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 from llmtrain.config import Recipe
 from llmtrain.model.modeling import compile_layers
-from llmtrain.parallel.fsdp import buffers_from_the_main_process, uses_fsdp, wrap_classes_present
+from llmtrain.parallel.fsdp import prepared_for_fsdp, uses_fsdp
 from llmtrain.parallel.groups import groups
 from llmtrain.parallel.mesh import tensor_parallel_size
 from llmtrain.parallel.pipeline.schedule import Pipeline
@@ -61,8 +61,6 @@ def parallelize(model, recipe: Recipe, accelerator, *, make_optimizer, pad_id: i
         # not wrapped: no DDP over all processes (the replicas sum their gradients in Pipeline.run), and the optimizer
         # stays a plain torch one, saved per process by the checkpoint (run/checkpoint.py)
         return Parallelized(model=model, optimizer=make_optimizer(model), pipeline=stages)
-    if uses_fsdp(accelerator):
-        wrap_classes_present(model)  # the units Accelerate's wrap makes: the classes the model holds
-    with buffers_from_the_main_process(model, accelerator):
+    with prepared_for_fsdp(model, accelerator):  # its wrap's classes, the main process's buffers (fsdp.py)
         model, optimizer = accelerator.prepare(model, make_optimizer(model))
     return Parallelized(model=model, optimizer=optimizer)
