@@ -4,6 +4,7 @@ saves the merged copy for backward and makes its gradient, the whole parameter's
 
     OMP_NUM_THREADS=2 python benchmarks/moe_lora_step.py       # CPU, fp32: a Qwen3-MoE of hidden 512, 64 experts
     python benchmarks/moe_lora_step.py --dtype bfloat16          # on a GPU
+    python benchmarks/moe_lora_step.py --family gpt_oss          # GPT-OSS's biased experts, by target_parameters
 
 One forward and backward of --rows x --seq tokens (LoRA all-linear, r 16; the loss over every position), after one
 step to warm up. Prints one JSON line a path: seconds (best of --repeat), the step's peak bytes (live tensors on the

@@ -1,7 +1,7 @@
 """model/lora_experts.py: LoRA-adapted experts run their adapters beside the base experts (no merge), in training and
-sampling: the same logits as peft's merged forward (to 1e-5 in fp32, Qwen3-MoE and Mixtral; both expert parameters
-adapted, or down_proj alone), the same loss and adapter gradients (to 1e-6), peft's own forward while the adapters are
-disabled, and experts it does not handle left to peft."""
+sampling: the same logits as peft's merged forward (to 1e-5 in fp32, Qwen3-MoE, Mixtral and GPT-OSS, whose experts
+have biases; both expert parameters adapted, or down_proj alone), the same loss and adapter gradients (to 1e-6),
+peft's own forward while the adapters are disabled, and experts it does not handle left to peft."""
 
 from __future__ import annotations
 
@@ -12,14 +12,26 @@ import torch
 from test_router_aux import MOE, TINY  # the same tiny Qwen3-MoE and Mixtral: 8 experts of 48 columns, 2 a token
 
 
-def adapted(family: str, targets, implementation: str = "grouped_mm", r: int = 4):
+# GPT-OSS: 4 experts of 48 columns, 2 a token, biases on every expert, its own gate; LoRA reaches its experts by
+# lora.target_parameters (peft maps all-linear onto its attention only)
+GPT_OSS = dict(head_dim=16, num_local_experts=4, num_experts_per_tok=2, sliding_window=4)
+EXPERT_PARAMETERS = ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]
+
+
+def adapted(family: str, targets, implementation: str = "grouped_mm", r: int = 4, parameters=None):
     from peft import LoraConfig, get_peft_model
     from transformers import AutoConfig, AutoModelForCausalLM
 
     torch.manual_seed(0)
-    config = AutoConfig.for_model(family, **TINY, **MOE[family])
+    config = AutoConfig.for_model(family, **TINY, **(GPT_OSS if family == "gpt_oss" else MOE[family]))
     model = AutoModelForCausalLM.from_config(config, experts_implementation=implementation)
-    model = get_peft_model(model, LoraConfig(r=r, lora_alpha=8, target_modules=targets, lora_dropout=0.0))
+    if family == "gpt_oss":  # biases and sinks away from transformers' zeros, so that they matter
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                if name.endswith(("_bias", "sinks")):
+                    p.normal_(std=0.5)
+    model = get_peft_model(model, LoraConfig(r=r, lora_alpha=8, target_modules=targets, lora_dropout=0.0,
+                                             target_parameters=parameters))
     for name, p in model.named_parameters():  # B is zero at the start: give the adapters something to add
         if "lora_B" in name:
             torch.nn.init.normal_(p, std=0.1)
@@ -30,13 +42,15 @@ def _ids():
     return torch.randint(3, 97, (3, 11), generator=torch.Generator().manual_seed(1))
 
 
-@pytest.mark.parametrize("family, targets, swapped", [
-    ("qwen3_moe", "all-linear", 2), ("mixtral", "all-linear", 2), ("qwen3_moe", ["q_proj", "down_proj"], 2),
-    ("qwen3_moe", ["q_proj", "v_proj"], 0), ("mixtral", ["q_proj", "v_proj"], 0)])
-def test_unmerged_experts_give_peft_merged_forward(family, targets, swapped):
+@pytest.mark.parametrize("family, targets, parameters, swapped", [
+    ("qwen3_moe", "all-linear", None, 2), ("mixtral", "all-linear", None, 2),
+    ("qwen3_moe", ["q_proj", "down_proj"], None, 2), ("qwen3_moe", ["q_proj", "v_proj"], None, 0),
+    ("mixtral", ["q_proj", "v_proj"], None, 0), ("gpt_oss", "all-linear", EXPERT_PARAMETERS, 2),
+    ("gpt_oss", ["q_proj"], ["mlp.experts.down_proj"], 2), ("gpt_oss", "all-linear", None, 0)])
+def test_unmerged_experts_give_peft_merged_forward(family, targets, parameters, swapped):
     from llmtrain.model import lora_experts
 
-    peft_own, model = adapted(family, targets), adapted(family, targets)
+    peft_own, model = adapted(family, targets, parameters=parameters), adapted(family, targets, parameters=parameters)
     assert lora_experts.install(model) == swapped  # one experts module a layer where LoRA adapts an expert parameter
     assert lora_experts.install(model) == swapped  # again: the same forward
     ids = _ids()
@@ -59,13 +73,15 @@ def _loss_and_grads(model, ids):
     return loss.item(), {n: p.grad for n, p in model.named_parameters() if p.requires_grad}
 
 
-@pytest.mark.parametrize("family", ["qwen3_moe", "mixtral"])
+@pytest.mark.parametrize("family", ["qwen3_moe", "mixtral", "gpt_oss"])
 def test_unmerged_experts_train_as_peft_merged_ones(family):
     """A training step through the unmerged experts: peft's loss and every adapter's gradient (the experts' A and B, the
-    router's and attention's), to 1e-6."""
+    router's and attention's), to 1e-6; GPT-OSS's with its experts' biases in the forward."""
     from llmtrain.model import lora_experts
 
-    peft_own, model = adapted(family, "all-linear"), adapted(family, "all-linear")
+    parameters = EXPERT_PARAMETERS if family == "gpt_oss" else None
+    peft_own, model = adapted(family, "all-linear", parameters=parameters), adapted(family, "all-linear",
+                                                                                   parameters=parameters)
     lora_experts.install(model)
     ids = _ids()
     (want, expected), (got, grads) = _loss_and_grads(peft_own, ids), _loss_and_grads(model, ids)

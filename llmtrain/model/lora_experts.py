@@ -13,9 +13,10 @@ The same function and the same gradients up to rounding (tests/test_lora_experts
 merged forward, the adapters' gradients to 1e-6).
 
 `install(model)` gives each LoRA-adapted experts module of `model` this forward, where the module is transformers'
-grouped experts (its default `grouped_mm` implementation, no biases, a gate) under one or two of peft's
-ParamWrappers. Whenever its adapters are disabled (a preference run's reference pass), merged or more than one is
-active, the module runs peft's own forward; other experts stay peft's throughout.
+grouped experts (its default `grouped_mm` implementation, a gate, with or without biases: GPT-OSS's have them) under
+one or two of peft's ParamWrappers (all-linear or gate_up_proj/down_proj in lora.target_modules, or GPT-OSS's
+lora.target_parameters). Whenever its adapters are disabled (a preference run's reference pass), merged or more than
+one is active, the module runs peft's own forward; other experts stay peft's throughout.
 """
 
 from __future__ import annotations
@@ -40,7 +41,7 @@ def _supported(module) -> bool:
     chain, experts = _wrappers(module)
     if not chain or getattr(getattr(experts, "config", None), "_experts_implementation", None) != "grouped_mm":
         return False
-    if getattr(experts, "has_bias", True) or not getattr(experts, "has_gate", False):
+    if not getattr(experts, "has_gate", False):
         return False
     if getattr(experts, "has_post_expert_norm", False) or getattr(experts, "_is_expert_parallel", False):
         return False
@@ -104,8 +105,12 @@ def _forward(module, hidden_states, top_k_index, top_k_weights):
                            dtype=torch.int32)
     gate_up, down = experts.gate_up_proj, experts.down_proj
     h = _linear(x.to(gate_up.dtype), gate_up, offsets, factors.get("gate_up_proj"), experts.is_transposed)
+    if experts.has_bias:  # each pair's expert's bias (GPT-OSS), added in place as transformers does
+        h.add_(experts.gate_up_proj_bias[ids_sorted])
     h = experts._apply_gate(h)
     out = _linear(h.to(down.dtype), down, offsets, factors.get("down_proj"), experts.is_transposed)
+    if experts.has_bias:
+        out.add_(experts.down_proj_bias[ids_sorted])
     out = out * weights[perm].unsqueeze(-1)
     inverse = torch.empty_like(perm)
     inverse[perm] = torch.arange(perm.size(0), device=perm.device)
