@@ -223,8 +223,8 @@ def test_qlora_quantizes_every_linear_layer_of_the_family_and_learns(models, tin
 
 def test_lora_reaches_gpt_oss_experts_by_target_parameters(models, tiny_assets, tmp_path):
     """all-linear adapts GPT-OSS's attention only (peft maps it onto no expert of GPT-OSS's); lora.target_parameters
-    names its 3-D experts (peft's ParamWrapper: each expert its own A and B, merged into the experts each forward, as
-    they carry biases llmtrain's unmerged run does not take): they train, are saved in the adapter, and merge back
+    names its 3-D experts (peft's ParamWrapper: each expert its own A and B, run unmerged beside the biased experts,
+    model/lora_experts.py): they train, are saved in the adapter, are counted by the recipe's estimate, and merge back
     (`llmtrain export --merge`) into a model that computes what the adapter on the base computes."""
     from peft import PeftModel
     from safetensors.torch import load_file
@@ -238,11 +238,13 @@ def test_lora_reaches_gpt_oss_experts_by_target_parameters(models, tiny_assets, 
                                 "target_parameters": ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]},
                           train={"max_steps": 12, "micro_batch_size": 8, "lr": 1e-2})
     from llmtrain.config import load_recipe
-    from llmtrain.errors import LLMTrainError
+    from llmtrain.memory.params import lora_plan, recipe_model_shape
     from llmtrain.memory.spec import spec_from_recipe
 
-    with pytest.raises(LLMTrainError, match=r"estimate-memory does not model lora.target_parameters"):
-        spec_from_recipe(load_recipe(recipe, ["model.name_or_path=qwen3-30b-a3b"]))  # a family it models
+    loaded = load_recipe(recipe)
+    spec, shape = spec_from_recipe(loaded), recipe_model_shape(loaded)
+    counted = lora_plan(shape, r=spec.lora_r, targets=spec.lora_target_modules,
+                        parameters=spec.lora_target_parameters).trainable(shape)
     run_train(recipe)
     lines = records(tmp_path / "run")
     assert lines[-1]["loss"] < 0.9 * lines[0]["loss"], (lines[0]["loss"], lines[-1]["loss"])
@@ -256,6 +258,7 @@ def test_lora_reaches_gpt_oss_experts_by_target_parameters(models, tiny_assets, 
                                         tmp_path / "run" / "final").eval()
     merged = AutoModelForCausalLM.from_pretrained(export_merged(tmp_path / "run")).eval()
     base = AutoModelForCausalLM.from_pretrained(models["gpt_oss"]).eval()
+    assert counted == sum(p.numel() for n, p in adapted.named_parameters() if "lora_" in n) > 20_000
     with torch.no_grad():
         want = adapted(input_ids=ids).logits
         assert (merged(input_ids=ids).logits - want).abs().max() < 1e-4

@@ -97,6 +97,12 @@ def test_presets_give_the_published_counts():
     assert load_model_shape("llama-2-7b").params_total == 6_738_415_616
     assert load_model_shape("llama-3-8b").params_total == 8_030_261_248
     assert load_model_shape("mistral-7b").params_total == 7_248_023_552
+    # GPT-OSS: 20.9 B and 116.8 B, of which 3.6 B and 5.1 B active a token besides the embeddings (OpenAI's model card)
+    for name, total, active in [("openai/gpt-oss-20b", 20_914_757_184, 3.61e9),
+                                ("openai/gpt-oss-120b", 116_829_156_672, 5.13e9)]:
+        oss = load_model_shape(name)
+        assert oss.params_total == total and abs(oss.layers * oss.active_params_per_layer + oss.params_head
+                                                 - active) < 0.01e9
     # LoRA r=16 on every linear of Mistral-7B: per layer 16*(4096+4096)*2 (q, o) + 16*(4096+1024)*2 (k, v)
     # + 16*(4096+14336)*3 (gate, up, down) = 1,310,720; 32 layers.
     shape = load_model_shape("mistral-7b")

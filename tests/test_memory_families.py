@@ -5,7 +5,8 @@ What sets each family's layer apart from Llama's is in the estimate (memory/para
 Qwen3's QK-norm, Qwen2's q/k/v biases (no saved bytes of their own), Gemma 3's four fp32 (1 + w) norms a layer,
 QK-norm, two RoPEs and two masks, Phi-3/Phi-4's fused qkv_proj and gate_up_proj (and partial RoPE), Llama 3.2's tied
 embeddings, Qwen3-MoE's and Mixtral's router and experts (and under LoRA, the experts' adapters run unmerged beside
-them, model/lora_experts.py: within 3%, Mixtral's LoRA cases the farthest at -2.6% and -2.9%). With a 256-token
+them, model/lora_experts.py: within 3%, Mixtral's LoRA cases the farthest at -2.6% and -2.9%), GPT-OSS's (below: its
+sinks, router, biased experts and clamped gate, under eager attention: SDPA would drop its sinks). With a 256-token
 vocabulary the decoder layers are the step's peak, as in test_memory_step's LAYERS cases: within 5%.
 """
 
@@ -48,6 +49,27 @@ SPECS = {
 }
 # The main tier runs LoRA for every family and a full fine-tune (its norms' weights trained) for the two QK-norm
 # families; the rest is extended.
+# GPT-OSS has no SDPA (its sinks): eager attention, at 4 x 128 tokens where attention's scores are the layer's largest
+# tensors (the sinks' column, the softmax in the dtype the mask promotes it to) and at 16 x 32 tokens with experts of
+# 512 columns, 4 a token, where the experts are (its clamped gate saves 6 S x I; its biases); LoRA on attention, or
+# on its experts too by lora.target_parameters
+OSS = dict(TINY, model_type="gpt_oss", head_dim=32, intermediate_size=128, num_local_experts=8, num_experts_per_tok=2,
+           sliding_window=64)
+OSS_EXPERTS = dict(OSS, intermediate_size=512, num_experts_per_tok=4)
+EXPERT_PARAMETERS = dict(lora_target_parameters=("mlp.experts.gate_up_proj", "mlp.experts.down_proj"))
+OSS_SPECS = {
+    "lora-bf16": TrainSpec(**LORA, lora_dropout=0.0, attn_implementation="eager", mixed_precision="bf16"),
+    "lora-experts-bf16": TrainSpec(**LORA, **EXPERT_PARAMETERS, lora_dropout=0.0, attn_implementation="eager",
+                                   mixed_precision="bf16"),
+    "full-bf16": TrainSpec(attn_implementation="eager", mixed_precision="bf16"),
+    "full-fp32": TrainSpec(attn_implementation="eager"),
+    "lora-experts-bf16-ckpt": TrainSpec(**LORA, **EXPERT_PARAMETERS, lora_dropout=0.0, attn_implementation="eager",
+                                        mixed_precision="bf16", gradient_checkpointing=True),
+    "full-bf16-ckpt": TrainSpec(attn_implementation="eager", mixed_precision="bf16", gradient_checkpointing=True),
+}
+OSS_MAIN = {("attention", "full-bf16"), ("experts", "lora-experts-bf16"), ("experts", "lora-experts-bf16-ckpt")}
+OSS_CASES = [pytest.param(where, name, marks=() if (where, name) in OSS_MAIN else pytest.mark.extended,
+                          id=f"{where}-{name}") for where in ("attention", "experts") for name in OSS_SPECS]
 MAIN = {("lora-bf16-sdpa", f) for f in FAMILIES} | {("full-bf16-sdpa", "qwen3"), ("full-bf16-sdpa", "gemma3_text"),
                                                     ("full-bf16-sdpa", "qwen3_moe")}
 CASES = [pytest.param(family, name, marks=() if (name, family) in MAIN else pytest.mark.extended,
@@ -69,3 +91,56 @@ def test_each_familys_estimate_matches_a_real_step(tmp_path, monkeypatch, one_th
     if (shape.qk_norm or shape.gemma_norms) and not spec.gradient_checkpointing:
         plain = replace(shape, qk_norm=False, gemma_norms=False, rope_sets=1, masks=1)
         assert (predicted - estimate_module.estimate(plain, spec).per_gpu_peak_allocated_bytes) / measured > 0.04
+
+
+@pytest.mark.parametrize(("where", "name"), OSS_CASES)
+def test_gpt_oss_estimate_matches_a_real_step(tmp_path, monkeypatch, one_thread, where, name):  # noqa: F811
+    """GPT-OSS's layer (memory/params.Experts: its router, biased experts and clamped gate; its sinks in eager
+    attention) against a real step, within 5%; its own terms matter: without them (Qwen3-MoE's gate, no sinks) the
+    estimate is more than 4% off where every layer's tensors are saved."""
+    monkeypatch.setattr(estimate_module, "DROPOUT_MASK_BYTES", 4)
+    cfg = OSS if where == "attention" else OSS_EXPERTS
+    spec = OSS_SPECS[name].but(micro_batch=4, seq_len=128) if where == "attention" else \
+        OSS_SPECS[name].but(micro_batch=16, seq_len=32)
+    shape = _shape_from_json(json.dumps(cfg), "gpt_oss")
+    assert shape.sinks and shape.experts.clamped_gate and shape.experts.biases and shape.masks == 2
+    est = estimate_module.estimate(shape, spec)
+    measured = measured_peak(tmp_path, monkeypatch, spec, cfg)
+    predicted = est.per_gpu_peak_allocated_bytes
+    assert abs(predicted / measured - 1) <= 0.05, (predicted, measured, est.peak_phase)
+    if not spec.gradient_checkpointing:
+        plain = replace(shape, sinks=False, experts=replace(shape.experts, clamped_gate=False))
+        assert abs(predicted - estimate_module.estimate(plain, spec).per_gpu_peak_allocated_bytes) / measured > 0.04
+
+
+def test_the_varlen_attentions_sinks_save_what_the_estimate_adds(monkeypatch):
+    """GPT-OSS on the varlen attention's CUDA path (model/attention._flash_varlen, run here with test_fastpath's
+    stand-in for torch's kernel): beside what the kernel saves (q, k, v, its output; the estimate's formula), the
+    sinks save the sigmoid of each row's share (T x heads, fp32) and its cast to cd, what act.sink_share_bytes adds
+    (with o_proj's input, the product, which o_proj saves where it trains)."""
+    import torch
+    import torch.nn.attention.varlen as varlen
+    from test_fastpath import varlen_2_12_lse
+
+    from llmtrain.memory import activations as act
+    from llmtrain.model.attention import _flash_varlen
+
+    monkeypatch.setattr(varlen, "varlen_attn", varlen_2_12_lse)
+    tokens, heads, dim = 29, 4, 16
+    cu = torch.tensor([0, 5, 14, 17, 29], dtype=torch.int32)
+    q, k, v = (torch.randn(tokens, h, dim, dtype=torch.bfloat16, requires_grad=True) for h in (heads, 2, 2))
+    sinks = torch.randn(heads, requires_grad=True)
+    kept = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: kept.append(t) or t, lambda t: t):
+        out = _flash_varlen(q, k, v, cu, 12, scale=0.25, window=None, sinks=sinks)
+    inputs = {t.untyped_storage().data_ptr() for t in (q, k, v, sinks)}
+    # the stand-in kernel's own saved tensors come from its inputs and output, which the real kernel saves
+    ours = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in kept
+            if t.numel() == tokens * heads and t.untyped_storage().data_ptr() not in inputs}
+    shape = replace(_shape_from_json(json.dumps(OSS), "gpt_oss"), heads=heads, head_dim=dim)
+    p = act.Pass(rows=1, row_len=tokens, resid=2, cd=2, autocast=False, attn="varlen", mask=False,
+                 trainable_base=False)
+    assert out.dtype == torch.bfloat16 and sum(ours.values()) == act.sink_share_bytes(p, shape, o_trainable=False) \
+        == tokens * heads * (4 + 2)
+    assert act.sink_share_bytes(p, shape, o_trainable=True) - act.sink_share_bytes(p, shape, o_trainable=False) == \
+        out.numel() * 2

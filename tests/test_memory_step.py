@@ -73,7 +73,9 @@ def build_model(tmp_path, spec: TrainSpec, cfg: dict, *, reward_head: bool = Fal
                                    attn_implementation=spec.attn_implementation,
                                    gradient_checkpointing=spec.gradient_checkpointing,
                                    kernels="none", tiled_mlp=spec.tiled_mlp),
-                       LoraConfig(r=spec.lora_r, dropout=spec.lora_dropout) if spec.method == "lora" else None,
+                       LoraConfig(r=spec.lora_r, dropout=spec.lora_dropout,
+                                  target_parameters=list(spec.lora_target_parameters) or None)
+                       if spec.method == "lora" else None,
                        reward_head=reward_head)
     if reward_head:
         attach_score(model)

@@ -161,11 +161,34 @@ def attention_bytes(p: Pass, shape: ModelShape, *, o_trainable: bool) -> int:
     scores = p.rows * shape.heads * p.row_len * p.row_len
     if p.attn == "eager":
         probs = scores * (FP32 + (p.cd if p.cd != FP32 else 0))
+        if shape.sinks:  # GPT-OSS's: the softmax over each row and its sink, and the row max's indices
+            probs = sink_softmax_bytes(p, shape)
         return qkv + probs + (T * hq * p.cd if o_trainable else 0) + fused_view_bytes(p, shape)
     lse = p.rows * shape.heads * p.row_len * FP32
     bias = p.rows * p.row_len * p.row_len * p.cd if (p.attn == "sdpa" and p.mask) else 0
     o_input = T * hq * p.cd if (o_trainable and p.sequence_parallel > 1) else 0
-    return qkv + T * hq * p.cd + lse + bias + o_input + fused_view_bytes(p, shape)
+    return qkv + T * hq * p.cd + lse + bias + o_input + fused_view_bytes(p, shape) + sink_share_bytes(
+        p, shape, o_trainable=o_trainable)
+
+
+def sink_softmax_bytes(p: Pass, shape: ModelShape) -> int:
+    """GPT-OSS's eager attention: the scores (cd) plus the mask (the stream's dtype) with each head's sink logit as
+    one more column, less the row's max (its indices saved, int64), through a softmax in the dtype they were promoted
+    to (the wider of cd and the stream's), saved; where that is not cd, its cast to cd without the sink column,
+    which the product with v saves."""
+    rows = p.rows * shape.heads * p.row_len
+    wide = max(p.cd, p.resid)
+    return rows * (p.row_len + 1) * wide + (rows * p.row_len * p.cd if wide != p.cd else 0) + rows * 8
+
+
+def sink_share_bytes(p: Pass, shape: ModelShape, *, o_trainable: bool) -> int:
+    """The varlen attention's sinks (GPT-OSS; model/attention._flash_varlen): its output times each row's share of
+    the softmax that the sink leaves, sigmoid(lse - sink): the sigmoid (T x heads, fp32) and its cd cast, saved, and
+    the product, o_proj's input, a tensor of its own that a trained o_proj saves (0 without sinks or varlen)."""
+    if not shape.sinks or p.attn != "varlen":
+        return 0
+    o_input = p.tokens * shape.heads * shape.head_dim * p.cd if (o_trainable and p.sequence_parallel == 1) else 0
+    return p.tokens * shape.heads * (FP32 + p.cd) + o_input
 
 
 def mlp_pass(p: Pass) -> Pass:
@@ -302,8 +325,10 @@ def router_bytes(p: Pass, shape: ModelShape, adapted: dict[str, tuple[int, int]]
     an fp32 base's is autocast's copy, counted with the weights' casts), the fp32 softmax over the experts, the top_k
     indices (int64) and, where the top_k weights are normalised, their fp32 values and sum."""
     e, T = shape.experts, p.tokens
-    merged = e.count * shape.hidden * p.cd if ("mlp.gate" in adapted and not p.separate_casts) else 0
-    x = T * shape.hidden * p.cd if _trains(p, adapted, "mlp.gate") else 0
+    merged = e.count * shape.hidden * p.cd if (e.router in adapted and not p.separate_casts) else 0
+    x = T * shape.hidden * p.cd if _trains(p, adapted, e.router) else 0
+    if e.router == "mlp.router":  # GPT-OSS's: the softmax of the top_k logits (T x top_k, cd) and their indices
+        return x + merged + T * e.top_k * (8 + p.cd)
     return x + merged + T * e.count * FP32 + T * e.top_k * 8 + (T * (e.top_k + 1) * FP32 if e.normalised else 0)
 
 
@@ -318,7 +343,11 @@ def experts_bytes(p: Pass, shape: ModelShape, adapted: dict[str, tuple[int, int]
     gathered = S * H * w if _trains(p, adapted, "mlp.experts.gate_up_proj") else 0
     product = S * i * w if _trains(p, adapted, "mlp.experts.down_proj") else 0
     weights = S * (FP32 if e.fp32_weights else p.cd)
-    return (gathered + S * 3 * i * w + product + S * H * w + weights + 3 * S * 8 + e.count * 4
+    # GPT-OSS's clamped gate saves, beside gate_up_proj's output (S x 2I, its clamps' input), the clamped gate, its
+    # sigmoid, their product and clamp(up) + 1 (S x I each); a trained bias's gather keeps the sorted expert ids
+    gate = S * (6 if e.clamped_gate else 3) * i * w
+    bias_ids = S * 8 if (e.biases and p.trainable_base) else 0
+    return (gathered + gate + product + S * H * w + weights + 3 * S * 8 + bias_ids + e.count * 4
             + expert_adapter_bytes(p, shape, adapted))
 
 
@@ -346,7 +375,8 @@ def experts_backward_temp(p: Pass, shape: ModelShape, adapted: dict[str, tuple[i
     the experts' dtype, down_proj's (its output's gradient, S x H, its input's, S x I, and where LoRA adapts it the
     adapter's, _adapter_backward), the SwiGLU's (the gradients of the product, of silu's output and of up, S x I each,
     beside gate_up_proj's output gradient, S x 2I), gate_up_proj's (that gradient, its input's, S x H, and an
-    adapter's), then the gather's (the pairs' input gradient beside the tokens'). Every moment before down_proj's
+    adapter's), then the gather's (the pairs' input gradient beside the tokens'). (GPT-OSS's clamped gate, measured:
+    the product's gradient and two more S x I at its largest.) Every moment before down_proj's
     backward has run also holds what down_proj saved (down_input_bytes), which the caller counts as freed."""
     e, w, ww = shape.experts, p.resid, _weighted_width(p, shape)
     S, T, H, i = e.pairs(p.tokens), p.tokens, shape.hidden, e.intermediate
@@ -354,7 +384,8 @@ def experts_backward_temp(p: Pass, shape: ModelShape, adapted: dict[str, tuple[i
     gate_up = _adapter_backward(p, shape, adapted, "mlp.experts.gate_up_proj")
     before_down = max(T * H * ww * (ww != w) + S * H * ww, S * H * (2 * ww + w * (ww != w)),
                       w * S * (H + i) + down) + down_input_bytes(p, shape, adapted, 0)
-    return max(before_down, w * S * 5 * i, w * S * (2 * i + H) + gate_up, w * (S + T) * H)
+    gate = (3 if e.clamped_gate else 5) * i
+    return max(before_down, w * S * gate, w * S * (2 * i + H) + gate_up, w * (S + T) * H)
 
 
 def experts_forward_temp(p: Pass, shape: ModelShape) -> int:
@@ -410,7 +441,7 @@ def checkpoint_bytes(p: Pass, shape: ModelShape) -> int:
 def rope_bytes(p: Pass, shape: ModelShape) -> int:
     """RoPE cos and sin, b x s x the rotated dims each in the stream dtype, made once and saved by every layer (Gemma
     3: a pair for its local layers and one for its global ones)."""
-    return 2 * shape.rope_sets * p.rows * p.row_len * shape.rotary_dim * p.resid
+    return 2 * shape.rope_sets * p.rows * p.row_len * (shape.rope_width or shape.rotary_dim) * p.resid
 
 
 def stream_inputs_bytes(p: Pass, shape: ModelShape, *, embed_trainable: bool) -> int:
@@ -456,7 +487,10 @@ def layer_forward_temp(p: Pass, shape: ModelShape, adapted: dict[str, tuple[int,
     not save, while down_proj's adapter runs). Under sequence parallelism, plus the all-to-all buffers
     (all_to_all_temp)."""
     T, m = p.tokens, mlp_pass(p)
-    if p.attn == "eager":
+    if p.attn == "eager" and shape.sinks:  # GPT-OSS's, beside its softmax's output: the masked scores and the
+        # softmax's input (those and the sink column, less the row max), in the dtype they were promoted to
+        attn = p.rows * shape.heads * p.row_len * (2 * p.row_len + 1) * max(p.cd, p.resid)
+    elif p.attn == "eager":
         attn = p.rows * shape.heads * p.row_len * p.row_len * (p.cd + FP32)
     else:
         attn = T * (shape.heads + shape.kv_heads) * shape.head_dim * FP32
@@ -508,7 +542,10 @@ def attn_backward_temp(p: Pass, shape: ModelShape, adapted: dict[str, tuple[int,
     accumulator; or an adapter's fp32 input gradients. Under sequence parallelism, plus the all-to-all buffers of
     the gradients of the output, q, k and v (all_to_all_temp)."""
     T, hq = p.tokens, shape.heads * shape.head_dim
-    if p.attn == "eager":
+    if p.attn == "eager" and shape.sinks:  # GPT-OSS's: the gradients of the softmax's input with its sink column,
+        # three at a time (its output's, its input's, and the row max's scattered back), in the softmax's dtype
+        attn = p.rows * shape.heads * p.row_len * (p.row_len + 1) * 3 * max(p.cd, p.resid)
+    elif p.attn == "eager":
         attn = p.rows * shape.heads * p.row_len * p.row_len * 2 * FP32
     else:
         attn = T * (hq * (2 * p.cd + FP32) + 2 * kv_width(p, shape) * p.cd)

@@ -415,6 +415,7 @@ def step_traffic(shape: ModelShape, spec: TrainSpec, network: Network = Network(
 
     shape = tensor_parallel_shape(shape, spec.tp)
     plan = lora_plan(shape, r=spec.lora_r, targets=spec.lora_target_modules,
+                     parameters=spec.lora_target_parameters,
                      modules_to_save=spec.lora_modules_to_save) if spec.method == "lora" else None
     whole = spec.but(cpu_offload=False)
     held = states(shape, whole, plan)

@@ -104,7 +104,8 @@ def _expert_adapters(shape: ModelShape, spec: TrainSpec, stream: int) -> dict:
     """Pass.expert_ranks (peft's, read off its plan) and expert_factors_cast for LoRA on a mixture of experts."""
     if spec.method != "lora" or shape.experts is None:
         return {}
-    plan = lora_plan(shape, r=spec.lora_r, targets=spec.lora_target_modules)
+    plan = lora_plan(shape, r=spec.lora_r, targets=spec.lora_target_modules,
+                     parameters=spec.lora_target_parameters)
     fans = act.expert_fans(shape)
     ranks = tuple((name, n // (shape.experts.count * sum(fans[name]))) for name, n in plan.moe_params.items()
                   if name in fans)
@@ -121,7 +122,8 @@ def _experts_note(shape: ModelShape, spec: TrainSpec, p: act.Pass) -> str:
     text = (f"a mixture of {e.count} experts a layer, {e.top_k} a token ({e.pairs(p.tokens):,} token-expert pairs "
             f"a micro-batch, run by transformers' grouped_mm in the weights' dtype)")
     if spec.method == "lora":
-        plan = lora_plan(shape, r=spec.lora_r, targets=spec.lora_target_modules)
+        plan = lora_plan(shape, r=spec.lora_r, targets=spec.lora_target_modules,
+                         parameters=spec.lora_target_parameters)
         if saved := act.expert_adapter_bytes(p, shape, plan.adapted[0]):
             text += (f"; LoRA on the experts ({sum(plan.moe_params.values()):,} adapter weights a layer) runs each "
                      f"expert's adapter beside it, unmerged ({saved / MIB:,.1f} MiB a layer saved for backward)")
@@ -161,6 +163,7 @@ def estimate(shape: ModelShape, spec: TrainSpec) -> Estimate:
         raise LLMTrainError(f"cannot estimate this run: {problems[0]} ({shape.source}).")
     whole, shape = shape, tensor_parallel_shape(shape, spec.tp)
     plan = lora_plan(shape, r=spec.lora_r, targets=spec.lora_target_modules,
+                     parameters=spec.lora_target_parameters,
                      modules_to_save=spec.lora_modules_to_save) if spec.method == "lora" else None
     st = states(shape, spec, plan, whole=whole)
     p = make_pass(shape, spec)

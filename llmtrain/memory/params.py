@@ -91,7 +91,20 @@ PRESETS: dict[str, dict] = {
                      "num_local_experts": 8, "num_experts_per_tok": 2, "num_hidden_layers": 32,
                      "num_attention_heads": 32, "num_key_value_heads": 8, "vocab_size": 32000,
                      "max_position_embeddings": 32768, "rope_theta": 1000000.0, "sliding_window": None},
+    # GPT-OSS (its config.json less the MXFP4 quantization_config: the estimate counts the experts in model.dtype,
+    # as they train, dequantized): attention sinks, a window of 128 on every other layer, 32 or 128 experts, 4 a token
+    "gpt-oss-20b": {"model_type": "gpt_oss", "hidden_size": 2880, "intermediate_size": 2880, "num_hidden_layers": 24,
+                    "num_attention_heads": 64, "num_key_value_heads": 8, "head_dim": 64, "num_local_experts": 32,
+                    "num_experts_per_tok": 4, "vocab_size": 201088, "sliding_window": 128,
+                    "layer_types": ["sliding_attention", "full_attention"] * 12, "max_position_embeddings": 131072,
+                    "rope_theta": 150000.0, "rope_scaling": {"rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0,
+                                                             "beta_slow": 1.0, "truncate": False,
+                                                             "original_max_position_embeddings": 4096},
+                    "rms_norm_eps": 1e-5, "swiglu_limit": 7.0, "attention_bias": True, "tie_word_embeddings": False,
+                    "hidden_act": "silu", "eos_token_id": 200002, "pad_token_id": 199999},
 }
+PRESETS["gpt-oss-120b"] = {**PRESETS["gpt-oss-20b"], "num_hidden_layers": 36, "num_local_experts": 128,
+                           "layer_types": ["sliding_attention", "full_attention"] * 18}
 # Hub ids whose config.json is exactly a preset's (for the shapes that matter here), so the shipped
 # recipes can be estimated without network access.
 HUB_ALIASES = {
@@ -108,6 +121,7 @@ HUB_ALIASES = {
     "microsoft/phi-4": "phi-4", "microsoft/Phi-4-mini-instruct": "phi-4-mini",
     "Qwen/Qwen3-30B-A3B": "qwen3-30b-a3b", "Qwen/Qwen3-30B-A3B-Base": "qwen3-30b-a3b",
     "mistralai/Mixtral-8x7B-v0.1": "mixtral-8x7b", "mistralai/Mixtral-8x7B-Instruct-v0.1": "mixtral-8x7b",
+    "openai/gpt-oss-20b": "gpt-oss-20b", "openai/gpt-oss-120b": "gpt-oss-120b",
 }
 # An alias's max_position_embeddings where it is not its preset's (Llama 3.1: 131072 with llama3 rope scaling).
 ALIAS_CONTEXT = {"meta-llama/Llama-3.1-8B": 131072, "meta-llama/Llama-3.1-8B-Instruct": 131072}
@@ -139,16 +153,22 @@ class Experts:
     intermediate: int  # I: one expert's MLP columns
     normalised: bool  # the top_k weights are divided by their sum (Mixtral; Qwen3-MoE's norm_topk_prob)
     fp32_weights: bool  # the routing weights stay fp32 (Mixtral), or are cast to the router's dtype (Qwen3-MoE)
+    # GPT-OSS's: its router (`mlp.router`) has a bias and takes the softmax of the top_k logits only; each expert's
+    # gate_up_proj and down_proj have a bias; its gate is a clamped SwiGLU, (clamp(up) + 1) * g * sigmoid(1.702 g)
+    # with g = clamp(gate), on the interleaved halves of gate_up_proj's output
+    router: str = "mlp.gate"
+    biases: bool = False
+    clamped_gate: bool = False
 
     def pairs(self, tokens: int) -> int:
         """S: the token-expert pairs the experts run for `tokens` tokens."""
         return tokens * self.top_k
 
     def params(self, hidden: int) -> dict[str, int]:
-        """Weights of one layer's router and experts, by parameter."""
-        e, i = self.count, self.intermediate
-        return {"mlp.gate": e * hidden, "mlp.experts.gate_up_proj": e * 2 * i * hidden,
-                "mlp.experts.down_proj": e * hidden * i}
+        """Weights of one layer's router and experts, by parameter (their biases with them)."""
+        e, i, b = self.count, self.intermediate, self.biases
+        return {self.router: e * hidden + e * b, "mlp.experts.gate_up_proj": e * 2 * i * (hidden + b),
+                "mlp.experts.down_proj": e * hidden * (i + b)}
 
 
 @dataclass(frozen=True)
@@ -178,7 +198,9 @@ class ModelShape:
     gemma_norms: bool = False  # Gemma's RMSNorm: all in fp32, (1 + w), and four a layer (around attention and MLP)
     rope_sets: int = 1  # cos/sin pairs a forward makes and every layer of its kind saves (Gemma 3: local, global)
     rope_dim: int | None = None  # the rotated part of a head (Phi-4-mini's partial RoPE); None: the whole head
-    masks: int = 1  # 4-D masks sdpa/eager get (Gemma 3 builds a causal one and a sliding-window one)
+    rope_width: int | None = None  # cos and sin's last dimension where it is not rotary_dim (GPT-OSS: half of it)
+    masks: int = 1  # 4-D masks sdpa/eager get (Gemma 3, GPT-OSS build a causal one and a sliding-window one)
+    sinks: bool = False  # a learned logit per head in every softmax of attention (GPT-OSS)
     # Under tensor parallelism by a gathered plan (Phi's fused layers; tensor_parallel_shape): the elements a token
     # all-gathers in one layer's forward and in its backward
     tp_gathers: tuple[int, int] = (0, 0)
@@ -224,7 +246,8 @@ class ModelShape:
             return self.linear_params_per_layer
         moe = self.experts.params(self.hidden)
         experts = moe["mlp.experts.gate_up_proj"] + moe["mlp.experts.down_proj"]
-        return self.linear_params_per_layer + moe["mlp.gate"] + experts * self.experts.top_k // self.experts.count
+        return self.linear_params_per_layer + moe[self.experts.router] + \
+            experts * self.experts.top_k // self.experts.count
 
 
 def score_head_shape(shape: ModelShape) -> ModelShape:
@@ -309,11 +332,15 @@ def _matches(full_name: str, targets: str | tuple[str, ...]) -> bool:
 
 
 def lora_plan(shape: ModelShape, *, r: int, targets: str | tuple[str, ...] = "all-linear",
-              modules_to_save: tuple[str, ...] = ()) -> LoraPlan:
+              modules_to_save: tuple[str, ...] = (), parameters: tuple[str, ...] = ()) -> LoraPlan:
     """Which linears get adapters, as peft decides; 'all-linear' is every linear but the LM head. A mixture of
-    experts: peft's own answer (_peft_adapted), the same in every layer."""
+    experts: peft's own answer (_peft_adapted), the same in every layer, with the parameters lora.target_parameters
+    names (GPT-OSS's experts)."""
     if shape.experts is not None:
-        return _moe_lora_plan(shape, r=r, targets=targets, modules_to_save=modules_to_save)
+        return _moe_lora_plan(shape, r=r, targets=targets, modules_to_save=modules_to_save, parameters=parameters)
+    if parameters:
+        raise LLMTrainError(f"estimate-memory counts lora.target_parameters ({list(parameters)}) on a mixture of "
+                            f"experts' experts; this {shape.model_type} model has none.")
     adapted = []
     for i in range(shape.layers):
         names = {lin.name: (lin.fan_in, lin.fan_out) for lin in shape.layer_linears
@@ -331,11 +358,12 @@ def lora_plan(shape: ModelShape, *, r: int, targets: str | tuple[str, ...] = "al
 
 
 def _moe_lora_plan(shape: ModelShape, *, r: int, targets: str | tuple[str, ...],
-                   modules_to_save: tuple[str, ...]) -> LoraPlan:
-    linears, params = _peft_adapted(shape.config_json, shape.model_type, r, targets)
+                   modules_to_save: tuple[str, ...], parameters: tuple[str, ...] = ()) -> LoraPlan:
+    linears, params = _peft_adapted(shape.config_json, shape.model_type, r, targets, tuple(parameters))
     fans = {lin.name: (lin.fan_in, lin.fan_out) for lin in shape.layer_linears}
     e, i, h = shape.experts.count, shape.experts.intermediate, shape.hidden
-    fans.update({"mlp.gate": (h, e), "mlp.experts.gate_up_proj": (h, 2 * i), "mlp.experts.down_proj": (i, h)})
+    fans.update({shape.experts.router: (h, e), "mlp.experts.gate_up_proj": (h, 2 * i),
+                 "mlp.experts.down_proj": (i, h)})
     layer = {name: fans[name] for name in (*linears, *params)}
     if not layer:
         raise LLMTrainError(f"lora.target_modules {targets!r} matches no linear layer or expert of this model; its "
@@ -348,13 +376,14 @@ def _moe_lora_plan(shape: ModelShape, *, r: int, targets: str | tuple[str, ...],
 
 
 @functools.lru_cache(maxsize=32)
-def _peft_adapted(config_json: str, model_type: str, r: int, targets: str | tuple[str, ...]
-                  ) -> tuple[tuple[str, ...], dict[str, int]]:
-    """What peft adapts in a mixture of experts' decoder layer for lora.target_modules `targets`: the linear layers
-    (lora.Linear), and the parameters it adapts as such (ParamWrapper: the router's weight, the experts' gate_up_proj
-    at twice the rank, down_proj), with their adapter weights. peft decides by the model's own names (all-linear
-    and gate_proj/up_proj map onto the experts, w1/w3 do for Mixtral), so it is asked: one layer of the model, built on
-    the meta device, under peft's LoraConfig."""
+def _peft_adapted(config_json: str, model_type: str, r: int, targets: str | tuple[str, ...],
+                  parameters: tuple[str, ...] = ()) -> tuple[tuple[str, ...], dict[str, int]]:
+    """What peft adapts in a mixture of experts' decoder layer for lora.target_modules `targets` (and
+    lora.target_parameters `parameters`): the linear layers (lora.Linear), and the parameters it adapts as such
+    (ParamWrapper: the router's weight, the experts' gate_up_proj at twice the rank, down_proj), with their adapter
+    weights. peft decides by the model's own names (all-linear and gate_proj/up_proj map onto the experts, w1/w3 do
+    for Mixtral; GPT-OSS's experts only by target_parameters), so it is asked: one layer of the model, built on the
+    meta device, under peft's LoraConfig."""
     import peft
 
     cfg = {**json.loads(config_json), "num_hidden_layers": 1}
@@ -362,7 +391,8 @@ def _peft_adapted(config_json: str, model_type: str, r: int, targets: str | tupl
         cfg["layer_types"] = cfg["layer_types"][:1]
     model = meta_model(hf_config(model_type, cfg, model_type), model_type)
     config = peft.LoraConfig(r=r, lora_alpha=2 * r, lora_dropout=0.0, task_type="CAUSAL_LM",
-                             target_modules=list(targets) if isinstance(targets, tuple) else targets)
+                             target_modules=list(targets) if isinstance(targets, tuple) else targets,
+                             target_parameters=list(parameters) or None)
     try:
         with _transformers_quiet(), warnings.catch_warnings():
             warnings.simplefilter("ignore")  # peft's notes on its own patterns for the fused gate_up_proj
@@ -495,6 +525,7 @@ def _shape_from_json(config_json: str, source: str) -> ModelShape:
     kinds = set(getattr(config, "layer_types", None) or ())
     gemma = model_type == "gemma3_text"
     experts = _experts(layers, source)
+    sinks = hasattr(layer0.self_attn, "sinks")
     shape = ModelShape(
         source=source, model_type=model_type, vocab=embed.shape[0], hidden=embed.shape[1],
         intermediate=experts.intermediate if experts else config.intermediate_size, layers=len(layers), heads=heads,
@@ -508,7 +539,10 @@ def _shape_from_json(config_json: str, source: str) -> ModelShape:
         max_positions=getattr(config, "max_position_embeddings", None),
         qk_norm=hasattr(layer0.self_attn, "q_norm"), gemma_norms=gemma,
         rope_sets=max(1, len(kinds)) if gemma else 1, rope_dim=rotary if rotary != head_dim else None,
-        masks=2 if gemma else 1, experts=experts, config_json=config_json,
+        # transformers builds a mask for each kind of layer (a causal and a sliding-window one)
+        masks=max(1, len(kinds)), experts=experts, config_json=config_json,
+        # GPT-OSS rotates by halves with one frequency table, not two copies of it; its sinks
+        rope_width=rotary // 2 if sinks else None, sinks=sinks,
     )
     total = sum(p.numel() for p in model.parameters())
     uniform = all(sum(p.numel() for p in layer.parameters()) == per_layer for layer in layers)
@@ -527,7 +561,15 @@ def _experts(layers, source: str) -> Experts | None:
     if not all(blocks):
         raise LLMTrainError(f"{source}: some decoder layers have a dense MLP and others experts (mlp_only_layers or "
                             "decoder_sparse_step); estimate-memory models models whose layers are all alike.")
-    router, block = layers[0].mlp.gate, blocks[0]
+    from transformers.integrations.moe import _default_apply_gate
+
+    block = blocks[0]
+    if hasattr(layers[0].mlp, "router"):  # GPT-OSS's: a bias, the softmax of the top_k logits, in the router's dtype
+        router = layers[0].mlp.router
+        return Experts(count=block.num_experts, top_k=router.top_k, intermediate=block.intermediate_size,
+                       normalised=False, fp32_weights=False, router="mlp.router", biases=block.has_bias,
+                       clamped_gate=type(block)._apply_gate is not _default_apply_gate)
+    router = layers[0].mlp.gate
     return Experts(count=block.num_experts, top_k=router.top_k, intermediate=block.intermediate_dim,
                    normalised=getattr(router, "norm_topk_prob", True), fp32_weights=not hasattr(router,
                                                                                              "norm_topk_prob"))

@@ -147,7 +147,8 @@ def stage_plan(shape: ModelShape, spec: TrainSpec, stage: Stage) -> LoraPlan | N
     an adapted LM head and modules_to_save's copies only where it holds the head or the embeddings."""
     if spec.method != "lora":
         return None
-    plan = lora_plan(shape, r=spec.lora_r, targets=spec.lora_target_modules, modules_to_save=spec.lora_modules_to_save)
+    plan = lora_plan(shape, r=spec.lora_r, targets=spec.lora_target_modules,
+                     parameters=spec.lora_target_parameters, modules_to_save=spec.lora_modules_to_save)
     saved = tuple(m for m in plan.saved_copies
                   if (m == "lm_head" and stage.last) or (m == "embed_tokens" and stage.first))
     return replace(plan, adapted=tuple(plan.adapted[i] for c in stage.chunks for i in c),

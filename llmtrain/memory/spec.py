@@ -59,6 +59,7 @@ class TrainSpec:
     lora_target_modules: str | tuple[str, ...] = _targets(_default(LoraConfig, "target_modules"))
     lora_dropout: float = _default(LoraConfig, "dropout")
     lora_modules_to_save: tuple[str, ...] = ()
+    lora_target_parameters: tuple[str, ...] = ()  # peft's parameter adapters (GPT-OSS's experts)
     dtype: Dtype = _default(ModelConfig, "dtype")  # storage dtype of the weights
     quantize: str | None = _default(ModelConfig, "quantize")  # QLoRA: the decoder layers' linears in 4 bits
     mixed_precision: Precision = _default(TrainConfig, "mixed_precision")
@@ -336,16 +337,13 @@ def spec_from_recipe(recipe: Recipe, *, strategy: Strategy = "single", num_gpus:
         prompt, _, basis = rl_prompt_tokens(prompt_lengths, cap=cap)  # the run's micro-batches, below, where known
         rl = dict(max_completion_tokens=most, prompt_tokens=prompt, prompt_cap=cap, prompt_basis=basis,
                   rl_micro_batch_tokens=recipe.rl.micro_batch_tokens)
-    if lora is not None and lora.target_parameters:
-        raise LLMTrainError(f"estimate-memory does not model lora.target_parameters ({lora.target_parameters}): "
-                            "it counts the adapters of lora.target_modules (all-linear reaches Qwen3-MoE's and "
-                            "Mixtral's experts itself)")
     spec = TrainSpec(
         method="lora" if lora else "full",
         lora_r=lora.r if lora else _default(LoraConfig, "r"),
         lora_target_modules=_targets(lora.target_modules) if lora else "all-linear",
         lora_dropout=lora.dropout if lora else 0.0,
         lora_modules_to_save=tuple(lora.modules_to_save or ()) if lora else (),
+        lora_target_parameters=tuple(lora.target_parameters or ()) if lora else (),
         dtype=m.dtype, quantize=m.quantize, mixed_precision=t.mixed_precision,
         attn_implementation=m.attn_implementation,
         gradient_checkpointing=m.gradient_checkpointing, random_init=m.random_init,
