@@ -127,7 +127,7 @@ FAMILIES: dict[str, Family] = {f.key: f for f in (
     Family("mixtral", "Mixtral", refused={"tp": _EXPERTS_TP}),
     # attention sinks (the varlen attention computes them), a window on every other layer, experts with biases (LoRA
     # adapts its attention: peft maps no all-linear onto its router or experts)
-    Family("gpt_oss", "GPT-OSS", refused={"tp": _GPT_OSS_TP}, fast_sampler=False),
+    Family("gpt_oss", "GPT-OSS", refused={"tp": _GPT_OSS_TP}),
     # per-layer embeddings (PLE), a learned scalar a layer (a persistent buffer), local and global layers with their
     # own head sizes
     Family("gemma4_text", "Gemma 4 (its text model)", refused={"tp": _GEMMA4_TP, "pp": _GEMMA4_PP}, estimate=False,

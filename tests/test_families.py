@@ -50,6 +50,8 @@ MOE = {
     "mixtral": dict(num_local_experts=4, num_experts_per_tok=2, intermediate_size=64),
     "gpt_oss": dict(head_dim=32, num_local_experts=4, num_experts_per_tok=2, intermediate_size=64, sliding_window=8),
 }
+# what LoRA adapts of a family's experts beyond lora.target_modules (GPT-OSS's, by name)
+EXPERT_PARAMETERS = {"gpt_oss": {"target_parameters": ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]}}
 # Gemma 4's text model (dense; its layer as transformers runs it): per-layer embeddings of 16 a layer, a window of 8 on
 # its local layer, a global layer
 OWN_LAYER = {"gemma4_text": dict(head_dim=32, global_head_dim=32, sliding_window=8, vocab_size_per_layer_input=104,
@@ -165,17 +167,17 @@ def test_dpo_starts_at_log_2_and_ranks_every_pair_right(models, tiny_assets, tmp
 
 
 # the mixtures of experts: trained in full and under LoRA (peft's parameter adapters on the router and experts; the
-# experts' run beside them while sampling, model/lora_experts.py); Qwen3-MoE's LoRA in the main tier
+# experts' run beside them while sampling, model/lora_experts.py); Qwen3-MoE's and GPT-OSS's LoRA in the main tier
 @pytest.mark.parametrize("family", sorted(FAMILIES) + [
-    pytest.param(f, marks=[] if f == "qwen3_moe-lora" else [pytest.mark.extended])
+    pytest.param(f, marks=[] if f in ("qwen3_moe-lora", "gpt_oss-lora") else [pytest.mark.extended])
     for f in sorted(m for m in MOE if capabilities.FAMILIES[m].fast_sampler)
     + [f"{f}-lora" for f in sorted(m for m in MOE if capabilities.FAMILIES[m].fast_sampler)]])
 def test_grpo_with_the_fast_sampler_trains_exactly_what_the_reference_sampler_trains(models, tiny_assets, tmp_path,
                                                                                      family):
     """3 GRPO steps of 4 prompts x 8 completions at temperature 1, rewarded where a completion starts with a-m (about
     a third do, so the groups' advantages move the weights): the fast sampler (its static cache, the family's norms,
-    windows and RoPEs; a mixture's router and experts) draws the reference loop's completions token for token at
-    every step, so the losses and updates are the same too."""
+    windows and RoPEs; a mixture's router and experts; GPT-OSS's sinks, and under LoRA its experts' adapters) draws
+    the reference loop's completions token for token at every step, so the losses and updates are the same too."""
     family, lora = family.removesuffix("-lora"), family.endswith("-lora")
     runs = {}
     for sampler in ("static", "reference"):
@@ -184,7 +186,8 @@ def test_grpo_with_the_fast_sampler_trains_exactly_what_the_reference_sampler_tr
                               rl={"num_generations": 8, "sampler": sampler, "temperature": 1.0,
                                   "rewards": [{"type": "format", "pattern": r"^\s*[a-m]"}]},
                               train={"max_steps": 3, "micro_batch_size": 4, "lr": 1e-3 * (1 + 9 * lora)},
-                              **({"lora": {"r": 8, "dropout": 0.0}} if lora else {}), output_dir=str(out))
+                              **({"lora": {"r": 8, "dropout": 0.0, **EXPERT_PARAMETERS.get(family, {})}}
+                                 if lora else {}), output_dir=str(out))
         with warnings.catch_warnings():
             warnings.simplefilter("error", UserWarning)  # no fall-back to the slow loop
             run_train(recipe)

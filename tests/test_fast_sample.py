@@ -194,6 +194,8 @@ FAMILIES = {  # each with a window shorter than its sequences where the family h
     # local layers with a window and their own RoPE base, a global one: scaled embeddings, QK-norm, four norms
     "gemma3_text": dict(head_dim=16, query_pre_attn_scalar=16, sliding_window=6,
                         layer_types=["sliding_attention", "full_attention"]),
+    # attention sinks (drawn below), a window on every other layer, 4 experts with biases of which 2 a token
+    "gpt_oss": dict(head_dim=16, sliding_window=6, num_local_experts=4, num_experts_per_tok=2),
 }
 
 
@@ -210,10 +212,17 @@ def test_each_family_draws_the_reference_loops_tokens(family):
         for name, p in model.named_parameters():
             if name.endswith("norm.weight"):
                 p.add_(torch.randn(p.shape) * 0.3)
+            if name.endswith(("sinks", "_bias")):  # GPT-OSS's sinks and experts' biases start near 0
+                p.normal_()
     assert supports(model)
     prompts = mixed_prompts(3, 2, seed=4)
     reference, fast = both(model, prompts, max_new_tokens=12, temperature=1.0, top_p=1.0)
     assert fast == reference and sum(map(len, fast)) > 12
+    if family == "gpt_oss":  # the sinks change the tokens: they are computed, not left out
+        with torch.no_grad():
+            for layer in model.model.layers:
+                layer.self_attn.sinks.fill_(-1e4)
+        assert both(model, prompts, max_new_tokens=12, temperature=1.0, top_p=1.0)[1] != fast
     if config.sliding_window:  # the window changes the tokens: it is applied, not ignored
         config.sliding_window = 1000  # longer than any sequence here
         assert both(model, prompts, max_new_tokens=12, temperature=1.0, top_p=1.0)[1] != fast

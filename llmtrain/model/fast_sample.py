@@ -35,9 +35,9 @@ agreement rate), while a completion never depends on its batch. What changes is 
 Models: the Llama layout (`model.layers`, `embed_tokens`, `rotary_emb`, `norm`, `lm_head`, attention that updates a
 cache object): llama, mistral, qwen2, qwen3, phi3 (fused projections, a window on every layer as Mistral's),
 gemma3_text (scaled embeddings in embed_tokens, a RoPE per kind of layer, local layers' windows) and the mixtures of
-experts qwen3_moe and mixtral (their router and experts run inside transformers' layer; LoRA-adapted experts run
-their adapters beside the base experts, unmerged: model/lora_experts.py). Others sample with the reference loop
-(`supports`).
+experts qwen3_moe, mixtral and gpt_oss (their router and experts run inside transformers' layer; LoRA-adapted experts
+run their adapters beside the base experts, unmerged: model/lora_experts.py; GPT-OSS's attention sinks in
+`_with_sinks`). Others sample with the reference loop (`supports`).
 """
 
 from __future__ import annotations
@@ -48,7 +48,7 @@ import torch
 
 from llmtrain.capabilities import FAMILIES
 from llmtrain.config import PREFILL_CHUNK  # noqa: F401  (read as fast_sample.PREFILL_CHUNK: the tests set it)
-from llmtrain.model.attention import layer_kinds, rotary_by_kind
+from llmtrain.model.attention import SINKS, layer_kinds, rotary_by_kind
 from llmtrain.model.generate import attention_as, next_tokens
 from llmtrain.model.loss import causal_lm
 
@@ -121,7 +121,11 @@ def sample_attention(module, query, key, value, attention_mask, scaling=None, dr
     """SDPA over the static cache with the step's boolean mask [rows, 1, q, slots], whatever the run trains with.
     A decode step (one query a row) with grouped K/V runs each K/V head's query heads as its queries, so the cache
     is read once, never repeated to every query head (transformers' SDPA path repeats it under a mask: a copy of
-    4x the cache a layer a token for Mistral's 32 query / 8 K/V heads). The prefill repeats it (once a rollout)."""
+    4x the cache a layer a token for Mistral's 32 query / 8 K/V heads). The prefill repeats it (once a rollout).
+    Attention sinks (GPT-OSS's, handed as s_aux): _with_sinks."""
+    sinks = next((kwargs[name] for name in SINKS if kwargs.get(name) is not None), None)
+    if sinks is not None:
+        return _with_sinks(query, key, value, attention_mask, scaling, sinks)
     rows, heads, q, dim = query.shape
     groups = heads // key.shape[1]
     if q == 1 and groups > 1:
@@ -134,6 +138,23 @@ def sample_attention(module, query, key, value, attention_mask, scaling=None, dr
         out = torch.nn.functional.scaled_dot_product_attention(query, key, value, attn_mask=attention_mask,
                                                                scale=scaling)
     return out.transpose(1, 2).contiguous(), None
+
+
+def _with_sinks(query, key, value, mask, scaling, sinks):
+    """Attention over the cache whose softmax over each row also holds its head's sink logit (which takes probability
+    and gives nothing), as GPT-OSS's eager attention computes it (SDPA has no such column): each K/V head's query heads
+    as its queries, so the cache is read as it is, not repeated; the softmax in fp32. A query whose slots are all
+    masked (a left pad's, in the prefill) gives zeros, its weight all on the sink."""
+    rows, heads, q, dim = query.shape
+    kv_heads, slots = key.shape[1], key.shape[2]
+    groups = heads // kv_heads
+    scale = scaling if scaling is not None else dim ** -0.5
+    scores = (query.reshape(rows, kv_heads, groups * q, dim) @ key.transpose(-1, -2)).float() * scale
+    scores = scores.view(rows, kv_heads, groups, q, slots).masked_fill(~mask.unsqueeze(1), float("-inf"))
+    sink = sinks.float().view(1, kv_heads, groups, 1, 1).expand(rows, kv_heads, groups, q, 1)
+    probs = torch.softmax(torch.cat([scores, sink], dim=-1), dim=-1)[..., :-1].to(value.dtype)
+    out = probs.reshape(rows, kv_heads, groups * q, slots) @ value  # [rows, kv heads, groups x q, dim]
+    return out.view(rows, heads, q, dim).transpose(1, 2).contiguous(), None
 
 
 def _sample_attention(lm):
