@@ -181,6 +181,15 @@ def sink_softmax_bytes(p: Pass, shape: ModelShape) -> int:
     return rows * (p.row_len + 1) * wide + (rows * p.row_len * p.cd if wide != p.cd else 0) + rows * 8
 
 
+def sink_sampling_bytes(shape: ModelShape, rows: int, queries: int, slots: int, cd: int) -> int:
+    """GPT-OSS's attention in the fast sampler (model/fast_sample._with_sinks), a layer at a time: the scores of each
+    query head's `queries` positions a row over `slots` cache slots in one fp32 tensor (the softmax made in place),
+    and the probabilities' cast to cd; 0 without sinks."""
+    if not shape.sinks:
+        return 0
+    return rows * shape.heads * queries * slots * (FP32 + (cd if cd != FP32 else 0))
+
+
 def sink_share_bytes(p: Pass, shape: ModelShape, *, o_trainable: bool) -> int:
     """The varlen attention's sinks (GPT-OSS; model/attention._flash_varlen): its output times each row's share of
     the softmax that the sink leaves, sigmoid(lse - sink): the sigmoid (T x heads, fp32) and its cd cast, saved, and

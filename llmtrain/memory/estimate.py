@@ -409,15 +409,25 @@ def _generation_phases(shape: ModelShape, spec: TrainSpec, base: dict, *, cached
     a layer's transients over a chunk.
     Then each decode step: the logits of one token per row in fp32, and the sampler's fp32 softmax, cumulative
     sum and nucleus sort over the vocabulary. (A mixture of experts' LoRA-adapted experts run unmerged, their
-    adapters beside them: model/lora_experts.py.)"""
+    adapters beside them: model/lora_experts.py; GPT-OSS's attention holds its scores over the cache:
+    act.sink_sampling_bytes.)"""
     rows, prompts = sampling_rows(spec), max(1, spec.micro_batch // max(1, spec.num_generations))
     width = spec.prompt_longest or spec.prompt_tokens or spec.seq_len
-    prefill = make_pass(shape, spec.but(seq_len=max(2, min(width, PREFILL_CHUNK))),
-                        examples=prompts)
+    chunk = max(2, min(width, PREFILL_CHUNK))
+    # the sampler's own attention, whatever the run trains with: SDPA over padded rows (GPT-OSS's: its scores, below)
+    prefill = make_pass(shape, spec.but(seq_len=chunk, attn_implementation="sdpa", packing=False,
+                                        micro_batch_tokens=None), examples=prompts)
     common = dict(**base, autocast_copies=cached, kv_cache=kv_cache_bytes(shape, spec), fsdp_buffers=fsdp_unit)
-    return {"generation_prefill": _phase(**common, temporaries=act.eval_layer_bytes(prefill, shape, {}),
-                                         logits=prompts * shape.vocab * (prefill.cd + act.FP32)),
-            "generation": _phase(**common, logits=rows * shape.vocab * 4 * act.FP32)}
+    # GPT-OSS's sinks: its scores over the cache (the prefill's last chunk reads the whole width; a decode step, the
+    # cache), in attention, beside the layer's stream (its input, the embeddings, the residual, the normalised input)
+    slots = width + spec.max_completion_tokens
+    scores = act.sink_sampling_bytes(shape, prompts, chunk, width, prefill.cd)
+    stream = 4 * prefill.tokens * shape.hidden * prefill.resid
+    return {"generation_prefill": _phase(**common, logits=prompts * shape.vocab * (prefill.cd + act.FP32),
+                                         temporaries=max(act.eval_layer_bytes(prefill, shape, {}),
+                                                         stream + scores if scores else 0)),
+            "generation": _phase(**common, logits=rows * shape.vocab * 4 * act.FP32,
+                                 temporaries=act.sink_sampling_bytes(shape, rows, 1, slots, prefill.cd))}
 
 
 def _plus(parts: dict[str, int], **more: int) -> dict[str, int]:

@@ -143,17 +143,20 @@ def sample_attention(module, query, key, value, attention_mask, scaling=None, dr
 def _with_sinks(query, key, value, mask, scaling, sinks):
     """Attention over the cache whose softmax over each row also holds its head's sink logit (which takes probability
     and gives nothing), as GPT-OSS's eager attention computes it (SDPA has no such column): each K/V head's query heads
-    as its queries, so the cache is read as it is, not repeated; the softmax in fp32. A query whose slots are all
-    masked (a left pad's, in the prefill) gives zeros, its weight all on the sink."""
+    as its queries, so the cache is read as it is, not repeated; the softmax in fp32, in place on one tensor of the
+    scores (the sink enters its max and its sum: no column is concatenated). A query whose slots are all masked
+    gives zeros, its weight all on the sink."""
     rows, heads, q, dim = query.shape
     kv_heads, slots = key.shape[1], key.shape[2]
     groups = heads // kv_heads
     scale = scaling if scaling is not None else dim ** -0.5
-    scores = (query.reshape(rows, kv_heads, groups * q, dim) @ key.transpose(-1, -2)).float() * scale
-    scores = scores.view(rows, kv_heads, groups, q, slots).masked_fill(~mask.unsqueeze(1), float("-inf"))
-    sink = sinks.float().view(1, kv_heads, groups, 1, 1).expand(rows, kv_heads, groups, q, 1)
-    probs = torch.softmax(torch.cat([scores, sink], dim=-1), dim=-1)[..., :-1].to(value.dtype)
-    out = probs.reshape(rows, kv_heads, groups * q, slots) @ value  # [rows, kv heads, groups x q, dim]
+    scores = (query.reshape(rows, kv_heads, groups * q, dim) @ key.transpose(-1, -2)).float().mul_(scale)
+    scores = scores.view(rows, kv_heads, groups, q, slots).masked_fill_(~mask.unsqueeze(1), float("-inf"))
+    sink = sinks.float().view(1, kv_heads, groups, 1, 1)
+    top = torch.maximum(scores.amax(-1, keepdim=True), sink)
+    scores = scores.sub_(top).exp_()
+    probs = scores.div_(scores.sum(-1, keepdim=True) + (sink - top).exp_()).to(value.dtype)
+    out = probs.view(rows, kv_heads, groups * q, slots) @ value  # [rows, kv heads, groups x q, dim]
     return out.view(rows, heads, q, dim).transpose(1, 2).contiguous(), None
 
 
