@@ -37,7 +37,7 @@
 # (WORK=DIR moves the runs from /tmp/work, or /tmp/work-dry, to DIR.)
 set -uo pipefail
 cd "$(dirname "$0")/.."
-WHAT=${1:?usage: gpu_session.sh pack|families|i40|i40b|sp|smoke|distill|vs-hf-7b|vs-hf-1b|fixed|calibrate|fit|profile|rl|long|tools|moe}
+WHAT=${1:?usage: gpu_session.sh pack|families|i40|i40b|sp|smoke|distill|vs-hf-7b|vs-hf-1b|fixed|calibrate|fit|profile|rl|long|tools|moe|oss}
 G=.gpu
 OUT=${OUT:-/tmp/out}
 DRY=${GPU_SESSION_DRY:-0}
@@ -484,6 +484,21 @@ long)  # issue 42 (benchmarks/long_context_gpu.py, about 4 minutes on an H100): 
   $PY benchmarks/long_context_gpu.py --config "$LLAMA8B" --work $W/long --out "$OUT/$WHAT.jsonl" "${LONG[@]}" \
     >> "$OUT/$WHAT.log" 2>&1
   echo "long_context_gpu.py: exit $?" | tee -a "$OUT/$WHAT.log"
+  ;;
+oss)  # GPT-OSS-20B's shape on CUDA (~3 minutes on an H200): random init, LoRA r16 on attention and on its experts
+  # (lora.target_parameters, run unmerged beside the biased experts) at 4,096 tokens a micro-batch, checkpointed: its
+  # sinks on the flash path (attention._SinkShare, never run on a GPU), its peak against the estimate the run prints;
+  # then tests/test_cuda.py's sinks test (the flash path against the per-example one). Rehearsed (GPU_SESSION_DRY=1):
+  # 4 steps, exit 0
+  json=$($PY -c "import json; from llmtrain.memory.params import PRESETS
+c = {**PRESETS['gpt-oss-20b'], 'architectures': None}; c.pop('layer_types'); print(json.dumps(c))")
+  dir=$(model_dir gpt-oss-20b "$json")
+  recipe $W/gpt-oss-20b.yaml "$dir" 1 bfloat16 4096
+  run gpt-oss-20b-lora-experts $FT $W/gpt-oss-20b.yaml model.gradient_checkpointing=true train.loss_chunk_tokens=1024 \
+    train.max_steps=4 'lora.target_parameters=[mlp.experts.gate_up_proj,mlp.experts.down_proj]'
+  echo "gpt-oss-20b: done at ${SECONDS}s" | tee -a "$OUT/$WHAT.log"
+  $PY -m pytest -q -p no:cacheprovider tests/test_cuda.py -k sinks -rs > "$OUT/oss-cuda-tests.txt" 2>&1
+  echo "tests/test_cuda.py -k sinks: exit $? at ${SECONDS}s" | tee -a "$OUT/$WHAT.log"
   ;;
 moe)  # the mixtures of experts on CUDA (5-8 minutes on an H200, its own call): Qwen3-30B-A3B's shape (the estimate's built-in
   # config, random init in bf16: 57 GiB, Mistral's tokenizer), LoRA r16 on GSM8K chats at 4,096 tokens with
