@@ -408,6 +408,15 @@ def loaded_model_problems(recipe, model) -> list[str]:
     return attention_problems(recipe, model.config, sinks=True) if sinks else []
 
 
+def stored_quantization(config) -> str | None:
+    """How a checkpoint's weights are stored quantized, by its config's quantization_config (GPT-OSS's hub
+    checkpoints: 'mxfp4'); None: not at all."""
+    quantization = getattr(config, "quantization_config", None) or {}
+    method = quantization.get("quant_method") if isinstance(quantization, dict) else getattr(quantization,
+                                                                                              "quant_method", None)
+    return None if method is None else str(getattr(method, "value", method))
+
+
 def model_problems(recipe, layout: Layout, config) -> list[str]:
     """What the recipe and the layout refuse of the model itself (`config`: its transformers config): its family's
     cells (FAMILIES), a mixture of experts under the tiled MLP or LoRA dropout, heads a sequence or a tensor-parallel
@@ -429,6 +438,12 @@ def model_problems(recipe, layout: Layout, config) -> list[str]:
                    f"{model_type or 'this model'} has no experts (a dense MLP): unset it")
     if problem := sequence_config_problem(layout.sp, config):
         out.append(problem)
+    if recipe.model.quantize and (stored := stored_quantization(config)) == "mxfp4":
+        out.append(f"model.quantize={recipe.model.quantize}: the checkpoint is stored in {stored.upper()} (its "
+                   "config.json's quantization_config), which bitsandbytes cannot quantize again, and a mixture of "
+                   "experts' experts, most of its weights, are 3-D parameters that bitsandbytes leaves whole anyway. "
+                   "Unset model.quantize: llmtrain reads the checkpoint dequantized to model.dtype (bfloat16: 42 GB "
+                   "for gpt-oss-20b), which LoRA trains")
     if layout.tp > 1 and "tp" not in refused:
         out += tensor_plan_problems(config, layout.tp)
     out += attention_problems(recipe, config)

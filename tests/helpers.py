@@ -130,6 +130,32 @@ def tiny_gpt_oss(tiny: Path, folder: Path, *, window: int, sinks: bool = False) 
     return folder
 
 
+def tiny_gpt_oss_mxfp4(tiny: Path, folder: Path) -> tuple[Path, dict]:
+    """tiny_gpt_oss's model with its experts stored as GPT-OSS's hub checkpoints store them: MXFP4 (each expert
+    parameter as 4-bit blocks, two values a byte, and a power-of-two scale a group of 32 inputs, `<name>_blocks` and
+    `<name>_scales`; `quantization_config: {quant_method: mxfp4}` in config.json); random blocks and scales of 2^-7
+    to 2^-4. Returns the folder and each expert parameter as transformers dequantizes it (fp32)."""
+    import torch
+    from safetensors.torch import load_file, save_file
+    from transformers.integrations.mxfp4 import convert_moe_packed_tensors
+
+    tiny_gpt_oss(tiny, folder, window=8, sinks=True)
+    state = load_file(str(folder / "model.safetensors"))
+    generator, dense = torch.Generator().manual_seed(1), {}
+    for name in [k for k in state if k.endswith(("mlp.experts.gate_up_proj", "mlp.experts.down_proj"))]:
+        experts, fan_in, fan_out = state.pop(name).shape  # [E, in, out]; the blocks are [E, out, in / 32, 16]
+        blocks = torch.randint(0, 256, (experts, fan_out, fan_in // 32, 16), dtype=torch.uint8, generator=generator)
+        scales = torch.randint(120, 124, (experts, fan_out, fan_in // 32), dtype=torch.uint8, generator=generator)
+        state[f"{name}_blocks"], state[f"{name}_scales"] = blocks, scales
+        dense[name] = convert_moe_packed_tensors(blocks, scales, dtype=torch.float32)
+    save_file(state, str(folder / "model.safetensors"), metadata={"format": "pt"})
+    config = json.loads((folder / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "mxfp4", "modules_to_not_convert": [
+        "model.layers.*.self_attn", "model.layers.*.mlp.router", "model.embed_tokens", "lm_head"]}
+    (folder / "config.json").write_text(json.dumps(config, indent=1))
+    return folder, dense
+
+
 def launch_finetune(config: Path, processes: int, port: int, recipe: Path, *overrides: str,
                     resume: str | None = None, env: dict | None = None) -> str:
     """`accelerate launch --config_file CONFIG --num_processes N -m llmtrain finetune RECIPE OVERRIDES...` (with

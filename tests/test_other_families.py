@@ -24,7 +24,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 import torch.nn.functional as F
-from helpers import REPO, cli, tiny_gpt_oss, write_recipe
+from helpers import REPO, cli, records, run_train, tiny_gpt_oss, tiny_gpt_oss_mxfp4, write_recipe
 
 from llmtrain import capabilities
 from llmtrain.data.batching import collate, with_loss_positions
@@ -359,3 +359,57 @@ def test_the_estimate_says_a_family_without_one_trains_and_how_to_measure_it(tmp
         with pytest.raises(LLMTrainError) as refused:
             load_model_shape(str(tmp_path / folder))
         assert said in str(refused.value) and "short run" in str(refused.value), str(refused.value)
+
+
+def test_a_gpt_oss_checkpoint_stored_in_mxfp4_trains_dequantized_and_its_final_model_is_dense(tiny_assets, tmp_path):
+    """GPT-OSS's hub checkpoints store the experts in MXFP4, which does not train; transformers keeps it where its
+    kernels are installed (a GPU with triton and `kernels`) and dequantizes elsewhere. llmtrain asks it to
+    dequantize, whatever is installed (modeling.dequantized: Mxfp4Config(dequantize=True)): the experts load as the
+    dense weights transformers' own conversion gives, to the bit, train (the loss falls), and final/ is a dense
+    GPT-OSS without a quantization_config; a LoRA run on its experts merges back onto the base read again the same
+    way (`llmtrain export --merge`). model.quantize on it is refused before anything is written."""
+    from unittest import mock
+
+    from transformers import AutoModelForCausalLM
+
+    from llmtrain.config import ModelConfig
+    from llmtrain.model.modeling import load_model
+
+    folder, dense = tiny_gpt_oss_mxfp4(tiny_assets, tmp_path / "mxfp4")
+    original = AutoModelForCausalLM.from_pretrained
+    with mock.patch.object(AutoModelForCausalLM, "from_pretrained", side_effect=original) as loads:
+        model = load_model(ModelConfig(name_or_path=str(folder), dtype="float32"), None)
+    asked = loads.call_args.kwargs["quantization_config"]
+    assert type(asked).__name__ == "Mxfp4Config" and asked.dequantize
+    for name, want in dense.items():
+        assert torch.equal(model.get_parameter(name), want) and model.get_parameter(name).requires_grad, name
+
+    recipe = write_recipe(tiny_assets, tmp_path, model={"name_or_path": str(folder), "attn_implementation": "auto"},
+                          train={"max_steps": 12, "lr": 3e-3, "micro_batch_size": 8})
+    refused = cli("finetune", str(recipe), "model.quantize=nf4", "model.dtype=bfloat16", "lora.r=4", check=False)
+    assert refused.returncode == 2 and "Traceback" not in refused.stderr, refused.stderr[-2000:]
+    assert "model.quantize=nf4: the checkpoint is stored in MXFP4" in refused.stderr
+    assert "Unset model.quantize" in refused.stderr and not (tmp_path / "run").exists()
+    run_train(recipe)
+    lines = records(tmp_path / "run")
+    first, last = (sum(r["loss"] for r in part) / 3 for part in (lines[:3], lines[-3:]))
+    assert last < 0.9 * first, (first, last)
+    final = tmp_path / "run" / "final"
+    assert "quantization_config" not in json.loads((final / "config.json").read_text())
+    trained = AutoModelForCausalLM.from_pretrained(final)
+    name = next(iter(dense))
+    assert trained.get_parameter(name).shape == dense[name].shape
+    assert not torch.equal(trained.get_parameter(name), dense[name])  # the experts trained
+
+    # LoRA on its experts, merged back by `llmtrain export --merge`, which reads the MXFP4 base again dequantized
+    from llmtrain.run.export import export_merged
+
+    lora = write_recipe(tiny_assets, tmp_path, name="lora.yaml", model={"name_or_path": str(folder),
+                                                                        "attn_implementation": "auto"},
+                        lora={"r": 4, "alpha": 8, "dropout": 0.0, "target_parameters": [
+                            "mlp.experts.gate_up_proj", "mlp.experts.down_proj"]},
+                        train={"max_steps": 4, "lr": 1e-2}, output_dir=str(tmp_path / "lora-run"))
+    run_train(lora)
+    merged = AutoModelForCausalLM.from_pretrained(export_merged(tmp_path / "lora-run"))
+    assert type(merged.model.layers[0].mlp.experts).__name__ == "GptOssExperts"
+    assert not torch.equal(merged.get_parameter(name), dense[name])  # the experts' adapters merged in

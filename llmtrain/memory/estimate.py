@@ -128,8 +128,8 @@ def _experts_note(shape: ModelShape, spec: TrainSpec, p: act.Pass) -> str:
             text += (f"; LoRA on the experts ({sum(plan.moe_params.values()):,} adapter weights a layer) runs each "
                      f"expert's adapter beside it, unmerged ({saved / MIB:,.1f} MiB a layer saved for backward)")
     if e.clamped_gate:  # GPT-OSS: the hub's checkpoints hold the experts in MXFP4, which does not train
-        text += (f"; the experts counted in {spec.dtype}: a checkpoint's MXFP4 experts (openai/gpt-oss-*) taken "
-                 "as dequantized to train (transformers' Mxfp4Config(dequantize=True)), which is untried here")
+        text += (f"; the experts counted in {spec.dtype}: a checkpoint's MXFP4 experts (openai/gpt-oss-*) are "
+                 "read dequantized to it, as llmtrain loads them to train (modeling.dequantized)")
     if spec.quantize:
         text += (f"; {spec.quantize} quantizes the linear layers only: the experts' {experts * shape.layers:,} "
                  f"weights stay in {spec.dtype}")

@@ -88,6 +88,7 @@ def pretrained(auto, path: str, **kwargs):
 
     config, mapping = text_model(AutoConfig.from_pretrained(path, **{k: v for k, v in kwargs.items()
                                                                      if k == "num_labels"}))
+    kwargs.update(dequantized(config))
     if not mapping:
         return auto.from_pretrained(path, **kwargs)
     if "num_labels" in kwargs:
@@ -224,7 +225,7 @@ def load_model(cfg: ModelConfig, lora: LoraConfig | None, *, device: torch.devic
                     device_map={"": torch.device(device or "cpu")}, **kwargs)
         else:  # a process that calls this reads the weights itself (FSDP's receiving processes build empty=True)
             with _quiet_new_head(reward_head or key_mapping), every_process_reads():
-                model = auto.from_pretrained(cfg.name_or_path, config=config, **kwargs)
+                model = auto.from_pretrained(cfg.name_or_path, config=config, **kwargs, **dequantized(config))
     except (OSError, ValueError) as e:
         raise _load_error("model", cfg.name_or_path, e) from None
     except Exception as e:  # a damaged weights file (safetensors raises its own error type), a bad config
@@ -280,6 +281,24 @@ def _quiet_new_head(quiet):
             logging.set_verbosity(self.level)
 
     return Quiet()
+
+
+def dequantized(config) -> dict:
+    """from_pretrained's arguments that read a checkpoint stored in MXFP4 (GPT-OSS's hub checkpoints: its experts in
+    4-bit blocks and scales, `quantization_config: {quant_method: mxfp4}`) as dense weights in model.dtype, which
+    train: transformers keeps MXFP4 where its kernels are installed (a GPU with triton and `kernels`), and that does
+    not train; elsewhere it dequantizes with warnings. Empty for any other checkpoint."""
+    from llmtrain.capabilities import stored_quantization
+
+    if stored_quantization(config) != "mxfp4":
+        return {}
+    import logging
+
+    from transformers import Mxfp4Config
+
+    # its notes on running MXFP4 natively (kernels, triton, use_kernels) are moot once it is asked to dequantize
+    logging.getLogger("transformers.quantizers.quantizer_mxfp4").setLevel(logging.ERROR)
+    return {"quantization_config": Mxfp4Config(dequantize=True)}
 
 
 def quantization_config(cfg: ModelConfig, compute_dtype: torch.dtype | None):
