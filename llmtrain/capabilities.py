@@ -130,8 +130,7 @@ FAMILIES: dict[str, Family] = {f.key: f for f in (
     Family("gpt_oss", "GPT-OSS", refused={"tp": _GPT_OSS_TP}),
     # per-layer embeddings (PLE), a learned scalar a layer (a persistent buffer), local and global layers with their
     # own head sizes
-    Family("gemma4_text", "Gemma 4 (its text model)", refused={"tp": _GEMMA4_TP, "pp": _GEMMA4_PP}, estimate=False,
-           fast_sampler=False),
+    Family("gemma4_text", "Gemma 4 (its text model)", refused={"tp": _GEMMA4_TP, "pp": _GEMMA4_PP}, estimate=False),
 )}
 
 

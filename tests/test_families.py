@@ -169,15 +169,16 @@ def test_dpo_starts_at_log_2_and_ranks_every_pair_right(models, tiny_assets, tmp
 # the mixtures of experts: trained in full and under LoRA (peft's parameter adapters on the router and experts; the
 # experts' run beside them while sampling, model/lora_experts.py); Qwen3-MoE's and GPT-OSS's LoRA in the main tier
 @pytest.mark.parametrize("family", sorted(FAMILIES) + [
-    pytest.param(f, marks=[] if f in ("qwen3_moe-lora", "gpt_oss-lora") else [pytest.mark.extended])
-    for f in sorted(m for m in MOE if capabilities.FAMILIES[m].fast_sampler)
-    + [f"{f}-lora" for f in sorted(m for m in MOE if capabilities.FAMILIES[m].fast_sampler)]])
+    pytest.param(f, marks=[] if f in ("qwen3_moe-lora", "gpt_oss-lora", "gemma4_text") else [pytest.mark.extended])
+    for f in sorted(m for m in {**MOE, **OWN_LAYER} if capabilities.FAMILIES[m].fast_sampler)
+    + [f"{f}-lora" for f in sorted(m for m in {**MOE, **OWN_LAYER} if capabilities.FAMILIES[m].fast_sampler)]])
 def test_grpo_with_the_fast_sampler_trains_exactly_what_the_reference_sampler_trains(models, tiny_assets, tmp_path,
                                                                                      family):
     """3 GRPO steps of 4 prompts x 8 completions at temperature 1, rewarded where a completion starts with a-m (about
     a third do, so the groups' advantages move the weights): the fast sampler (its static cache, the family's norms,
-    windows and RoPEs; a mixture's router and experts; GPT-OSS's sinks, and under LoRA its experts' adapters) draws
-    the reference loop's completions token for token at every step, so the losses and updates are the same too."""
+    windows and RoPEs; a mixture's router and experts; GPT-OSS's sinks, and under LoRA its experts' adapters; Gemma
+    4's per-layer inputs) draws the reference loop's completions token for token at every step, so the losses and
+    updates are the same too."""
     family, lora = family.removesuffix("-lora"), family.endswith("-lora")
     runs = {}
     for sampler in ("static", "reference"):

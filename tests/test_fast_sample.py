@@ -196,6 +196,12 @@ FAMILIES = {  # each with a window shorter than its sequences where the family h
                         layer_types=["sliding_attention", "full_attention"]),
     # attention sinks (drawn below), a window on every other layer, 4 experts with biases of which 2 a token
     "gpt_oss": dict(head_dim=16, sliding_window=6, num_local_experts=4, num_experts_per_tok=2),
+    # per-layer embeddings, a local layer with a window, global layers of their own head size, the last layer reading
+    # the keys and values of the global one before it (kv sharing), the logits capped
+    "gemma4_text": dict(head_dim=16, global_head_dim=32, sliding_window=6, hidden_size_per_layer_input=8,
+                        vocab_size_per_layer_input=100, num_hidden_layers=3, num_kv_shared_layers=1,
+                        layer_types=["sliding_attention", "full_attention", "full_attention"],
+                        final_logit_softcapping=1.0),
 }
 
 
@@ -204,9 +210,9 @@ def test_each_family_draws_the_reference_loops_tokens(family):
     from transformers import AutoConfig, AutoModelForCausalLM
 
     torch.manual_seed(0)
-    config = AutoConfig.for_model(family, vocab_size=100, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
-                                  **FAMILIES[family])
+    config = AutoConfig.for_model(family, **{**dict(
+        vocab_size=100, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=128), **FAMILIES[family]})
     model = AutoModelForCausalLM.from_config(config).eval()
     with torch.no_grad():  # Gemma's norms start at zero (weight + 1): move every norm, so that a wrong one shows
         for name, p in model.named_parameters():

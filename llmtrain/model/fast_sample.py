@@ -37,7 +37,8 @@ cache object): llama, mistral, qwen2, qwen3, phi3 (fused projections, a window o
 gemma3_text (scaled embeddings in embed_tokens, a RoPE per kind of layer, local layers' windows) and the mixtures of
 experts qwen3_moe, mixtral and gpt_oss (their router and experts run inside transformers' layer; LoRA-adapted experts
 run their adapters beside the base experts, unmerged: model/lora_experts.py; GPT-OSS's attention sinks in
-`_with_sinks`). Others sample with the reference loop (`supports`).
+`_with_sinks`), and gemma4_text (its per-layer inputs and shared keys and values: `_Forward`). Others sample with the
+reference loop (`supports`).
 """
 
 from __future__ import annotations
@@ -90,28 +91,45 @@ class _SlotCache:
 
 class _Forward:
     """The model's forward over the cache: embed, each decoder layer with a boolean mask [rows, 1, q, kv] and the
-    rotary embeddings of the rows' positions, the final norm and the head on the last position only."""
+    rotary embeddings of the rows' positions, the final norm and the head on the last position only, its logits as the
+    model's own forward makes them (loss.logit_transform: a cap, a scale). Gemma 4's layers also take their per-layer
+    inputs (its per-layer embeddings of the ids, projected with the embeddings, as its model computes them) and the
+    keys and values its later layers share (`shared_kv_states`: a storing layer puts there what the cache gives it,
+    the sharing layers read them: they write no cache of their own)."""
 
     def __init__(self, lm):
+        from llmtrain.model.loss import logit_transform
+
         self.model = causal_lm(lm)
         inner = self.model.model
         self.inner, self.layers = inner, list(inner.layers)
         params = inspect.signature(self.layers[0].forward).parameters
         self.cache_arg = "cache" if "cache" in params else "past_key_values"  # transformers 5.2x renamed it
+        self.shares_kv = "shared_kv_states" in params
+        self.per_layer = bool(getattr(inner, "hidden_size_per_layer_input", None))
         cfg = self.model.config
         self.types = layer_kinds(cfg, len(self.layers))
         window = getattr(cfg, "sliding_window", None)
         self.windows = [window if t == "sliding_attention" or (window and cfg.model_type in WINDOWED) else None
                         for t in self.types]
         self.head = self.model.get_output_embeddings()
+        self.logits = logit_transform(self.model)
 
     def __call__(self, ids, positions, masks: dict, cache: _SlotCache) -> torch.Tensor:
         hidden = self.inner.embed_tokens(ids)
         rotary = rotary_by_kind(self.inner.rotary_emb, hidden, positions, self.types)  # Gemma 3: one per kind of layer
-        for layer, window, kind in zip(self.layers, self.windows, self.types):
+        extra = {self.cache_arg: cache}
+        if self.shares_kv:
+            extra["shared_kv_states"] = {}
+        per_layer = self.inner.project_per_layer_inputs(hidden, self.inner.get_per_layer_inputs(ids)) \
+            if self.per_layer else None
+        for i, (layer, window, kind) in enumerate(zip(self.layers, self.windows, self.types)):
+            if per_layer is not None:
+                extra["per_layer_input"] = per_layer[:, :, i, :]
             hidden = layer(hidden, attention_mask=masks[window], position_ids=positions,
-                           position_embeddings=rotary[kind], **{self.cache_arg: cache})
-        return self.head(self.inner.norm(hidden[:, -1:]))[:, -1]  # [rows, vocab]: logits_to_keep=1
+                           position_embeddings=rotary[kind], **extra)
+        logits = self.head(self.inner.norm(hidden[:, -1:]))[:, -1]  # [rows, vocab]: logits_to_keep=1
+        return logits if self.logits.plain else self.logits(logits)
 
 
 ATTENTION = "llmtrain_sample"
@@ -200,13 +218,20 @@ def sample_fast(lm, prompts: list[list[int]], *, seeds: list[int], max_new_token
 
 
 def _cache_bytes(forward: _Forward, rows: int, length: int) -> int:
-    """The static KV cache's size for `rows` x `length` slots, in the dtype the layers compute in."""
+    """The static KV cache's size for `rows` x `length` slots, in the dtype the layers compute in: each layer's K/V
+    heads x head size (Gemma 4's global layers have a head size of their own; its layers that share an earlier one's
+    keys and values hold none)."""
     cfg, weight = forward.model.config, forward.inner.embed_tokens.weight
     heads = cfg.num_attention_heads
-    kv, dim = getattr(cfg, "num_key_value_heads", None) or heads, getattr(cfg, "head_dim", None)
-    dim = dim or cfg.hidden_size // heads
     element = 2 if torch.is_autocast_enabled(weight.device.type) else weight.element_size()
-    return 2 * len(forward.layers) * rows * kv * length * dim * element
+    total = 0
+    for layer in forward.layers:
+        attn = layer.self_attn
+        if getattr(attn, "is_kv_shared_layer", False):
+            continue
+        dim = getattr(attn, "head_dim", None) or cfg.hidden_size // heads
+        total += heads // getattr(attn, "num_key_value_groups", 1) * dim
+    return 2 * rows * length * total * element
 
 
 def _prefill(forward: _Forward, prompts: list[list[int]], *, steps: int, pad_id: int, device: torch.device):
@@ -233,6 +258,9 @@ def _prefill(forward: _Forward, prompts: list[list[int]], *, steps: int, pad_id:
         logits = forward(ids[:, a:b], positions[:, a:b], masks, small)
     keys, values = [], []  # the static cache: each row gets its prompt's prefix
     for k, v in zip(small.keys, small.values):
+        if k is None:  # a layer that reads an earlier one's keys and values (Gemma 4's shared ones) holds none
+            keys.append(None), values.append(None)
+            continue
         keys.append(k.new_zeros(rows, k.size(1), length, k.size(3)))
         values.append(v.new_zeros(rows, v.size(1), length, v.size(3)))
         keys[-1][:, :, :width] = k[which]
@@ -302,8 +330,9 @@ class _Decode:
             s[key] = s[key][live]
         for cache in (self.cache.keys, self.cache.values):
             for i, x in enumerate(cache):
-                x[:n, :, :filled] = x[live, :, :filled]
-                cache[i] = x[:n]
+                if x is not None:  # (a layer that shares another's keys and values holds none)
+                    x[:n, :, :filled] = x[live, :, :filled]
+                    cache[i] = x[:n]
 
     def run(self, *, capture: bool, compact: bool = True) -> None:
         """The tokens after the first, until every row is done (looked at every CHECK_EVERY tokens) or the last;

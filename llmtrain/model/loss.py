@@ -238,9 +238,15 @@ def logit_transform(lm) -> Logits:
     prefix = decoder_name(lm)
     decoder, head = getattr(lm, prefix), lm.lm_head
 
+    class Output(MoeModelOutputWithPast):  # any other field the forward reads of it (Gemma 4's shared_kv_states): none
+        def __getattr__(self, name):
+            if name.startswith("__"):
+                raise AttributeError(name)
+            return None
+
     class Decoder(torch.nn.Module):  # what the forward reads of the decoder besides its output is the real one's
         def forward(self, *args, **kwargs):
-            return MoeModelOutputWithPast(last_hidden_state=hidden)
+            return Output(last_hidden_state=hidden)
 
         def __getattr__(self, name):  # (Falcon-H1's lm_head_multiplier)
             try:
@@ -254,8 +260,9 @@ def logit_transform(lm) -> Logits:
         with torch.no_grad():
             out = type(lm).forward(lm, input_ids=torch.zeros(1, 3, dtype=torch.long), use_cache=False).logits
             plain = stand_in(hidden)
-    except Exception:  # a forward the stand-ins do not fit: its logits are taken as the head's
-        return Logits()
+    except Exception:  # a forward the stand-ins do not fit: its logits taken as the head's, capped as its config says
+        cap = getattr(config, "final_logit_softcapping", None)
+        return Logits(cap=float(cap)) if cap else Logits()
     finally:
         setattr(lm, prefix, decoder)
         lm.lm_head = head
