@@ -380,6 +380,25 @@ def test_shipped_config_table_matches_the_files():
 # --------------------------------------------------------------------------- command line
 
 
+def test_cli_counts_lora_on_gpt_oss_experts_by_target_parameters(tmp_path):
+    """--lora-target-parameters (lora.target_parameters, once each) adds GPT-OSS's experts' adapters to the ones
+    all-linear gives (its attention alone): peft's own count, each expert its own A and B; with a recipe the recipe
+    says it."""
+    base = ("--model", "openai/gpt-oss-20b", "--method", "lora", "--lora-r", "8", "--seq-len", "1024", "--json")
+    attention = json.loads(estimate_memory(*base).stdout)
+    experts = json.loads(estimate_memory(*base, "--lora-target-parameters", "mlp.experts.gate_up_proj",
+                                         "--lora-target-parameters", "mlp.experts.down_proj").stdout)
+    # r 8 a layer: q, k, v, o (8 x (2,880 + 4,096) + 2 x 8 x (2,880 + 512) + 8 x (4,096 + 2,880)) = 165,888; the
+    # experts: 32 x 8 x ((2,880 + 5,760) + (2,880 + 2,880)) = 3,686,400 (an A and a B an expert); 24 layers
+    assert attention["params_trainable"] == 24 * 165_888 == 3_981_312
+    assert experts["params_trainable"] == 24 * (165_888 + 3_686_400) == 92_454_912
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text("model: {name_or_path: openai/gpt-oss-20b}\nlora: {r: 8, dropout: 0.0}\n"
+                      "data: {path: x.jsonl}\n")
+    refused = estimate_memory(str(recipe), "--lora-target-parameters", "mlp.experts.down_proj", check=False)
+    assert refused.returncode == 2 and "--lora-target-parameters (set lora.target_parameters)" in refused.stderr
+
+
 def test_cli_json_has_the_required_keys():
     res = estimate_memory("--model", "mistral-7b", "--method", "lora", "--dtype", "bfloat16", "--mixed-precision",
                           "bf16", "--micro-batch", "4", "--seq-len", "512", "--json")

@@ -18,6 +18,7 @@ from llmtrain.memory.params import PRESETS
 # Options that describe the training run, and the recipe key that sets each in a recipe.
 RUN_OPTIONS = {
     "method": "a lora section (e.g. lora.r=16)", "lora_r": "lora.r", "lora_dropout": "lora.dropout",
+    "lora_target_parameters": "lora.target_parameters",
     "micro_batch": "train.micro_batch_size",
     "micro_batch_tokens": "train.micro_batch_tokens", "grad_accum": "train.grad_accum_steps",
     "seq_len": "data.max_seq_len", "packing": "data.packing", "loss_chunk_tokens": "train.loss_chunk_tokens",
@@ -50,6 +51,9 @@ def estimate_memory(
     lora_dropout: Annotated[Optional[float], typer.Option(
         min=0.0, max=1.0, help="LoRA dropout (lora.dropout; default 0.05): above 0 each adapter keeps its own dropped "
         "copy of its input for backward; long-context recipes set 0.")] = None,
+    lora_target_parameters: Annotated[Optional[list[str]], typer.Option(
+        metavar="<name>", help="A parameter LoRA adapts beside the linear layers (lora.target_parameters; once "
+        "each): GPT-OSS's experts, mlp.experts.gate_up_proj and mlp.experts.down_proj.")] = None,
     strategy: Annotated[Optional[Literal["single", "ddp", "fsdp", "hsdp"]], typer.Option(
         help="single GPU, DDP (whole model per GPU), FSDP (sharded over every GPU) or HSDP (sharded over a "
         "node's GPUs, replicated across nodes).")] = None,
@@ -128,7 +132,9 @@ def estimate_memory(
     from llmtrain.memory.comms import Network
     from llmtrain.memory.pipeline import compared
 
-    run = {k: v for k, v in dict(method=method, lora_r=lora_r, lora_dropout=lora_dropout, micro_batch=micro_batch,
+    parameters = tuple(lora_target_parameters) if lora_target_parameters else None
+    run = {k: v for k, v in dict(method=method, lora_r=lora_r, lora_dropout=lora_dropout,
+                                 lora_target_parameters=parameters, micro_batch=micro_batch,
                                  micro_batch_tokens=micro_batch_tokens, grad_accum=grad_accum, seq_len=seq_len,
                                  packing=packing, loss_chunk_tokens=loss_chunk_tokens,
                                  grad_checkpointing=grad_checkpointing, dtype=dtype, mixed_precision=mixed_precision,
