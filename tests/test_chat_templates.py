@@ -31,18 +31,24 @@ from llmtrain.errors import LLMTrainError
 FIXTURES = Path(__file__).resolve().parent / "fixtures" / "templates"
 MODELS = sorted(p.name for p in FIXTURES.iterdir() if p.is_dir())
 TRL_NAMES = {"llama-3.1-8b-instruct": "llama3_1", "qwen2.5-7b-instruct": "qwen2_5", "qwen3-8b": "qwen3",
-             "gemma-2-9b-it": "gemma", "gemma-3-4b-it": "gemma3", "phi-3-mini-4k-instruct": "phi3"}
+             "gemma-2-9b-it": "gemma", "gemma-3-4b-it": "gemma3", "phi-3-mini-4k-instruct": "phi3",
+             "gemma-4-e2b-it": "gemma4_v5", "gpt-oss-20b": "gptoss"}
 END = {"llama-3.1-8b-instruct": "<|eot_id|>", "qwen2.5-7b-instruct": "<|im_end|>", "qwen3-8b": "<|im_end|>",
-       "gemma-2-9b-it": "<end_of_turn>", "gemma-3-4b-it": "<end_of_turn>", "phi-3-mini-4k-instruct": "<|end|>"}
+       "gemma-2-9b-it": "<end_of_turn>", "gemma-3-4b-it": "<end_of_turn>", "phi-3-mini-4k-instruct": "<|end|>",
+       "gemma-4-e2b-it": "<turn|>", "gpt-oss-20b": "<|return|>"}
 # What the template puts after the reply's end-of-turn token (never trained: generation has stopped)
 AFTER = {"llama-3.1-8b-instruct": "", "qwen2.5-7b-instruct": "\n", "qwen3-8b": "\n", "gemma-2-9b-it": "\n",
-         "gemma-3-4b-it": "\n", "phi-3-mini-4k-instruct": ""}
+         "gemma-3-4b-it": "\n", "phi-3-mini-4k-instruct": "", "gemma-4-e2b-it": "\n", "gpt-oss-20b": ""}
+# GPT-OSS (harmony) ends an earlier reply with <|end|> and the last with <|return|>, and writes every reply in its
+# final channel: the model generates the channel's header after the generation prompt (<|start|>assistant)
+EARLIER_END = {"gpt-oss-20b": "<|end|>"}
+EARLIER_BEFORE = {"gpt-oss-20b": "<|channel|>final<|message|>"}
 # What the template closes the conversation with after the last reply, trained with it: Phi-3 ends with its EOS (the
 # tokenizer's <|endoftext|>; generation stops at <|end|> or at it), as TRL's phi3_training template trains too.
 TAIL = {"phi-3-mini-4k-instruct": "\n<|endoftext|>"}
 # What the model generates after the generation prompt before the reply's text: Qwen3 (thinking mode, the default)
 # renders the last reply with its reasoning block, empty when there is none.
-BEFORE = {"qwen3-8b": "<think>\n\n</think>\n\n"}
+BEFORE = {"qwen3-8b": "<think>\n\n</think>\n\n", "gpt-oss-20b": "<|channel|>final<|message|>"}
 CORPUS = ["How many apples are there? 5 apples and 3 pears make 8 fruits.", "Solve it step by step. #### 42",
           "You are a helpful assistant. Be brief.", "Natalia sold clips to 48 of her friends in April."] * 8
 CHAT = DataConfig(path="unused.jsonl", format="messages", max_seq_len=4096)
@@ -127,7 +133,8 @@ def test_every_reply_of_a_multi_turn_chat_is_trained(model):
     assert text.startswith(tok.apply_chat_template(messages[:3], tokenize=False, add_generation_prompt=True))
     enc = encode_example({"messages": messages}, tok, CHAT)
     # Qwen3 shows reasoning only after the last user turn: the earlier reply is rendered (and trained) without it
-    assert trained_runs(tok, enc) == ["5" + END[name], BEFORE.get(name, "") + "8" + END[name] + TAIL.get(name, "")]
+    earlier = EARLIER_BEFORE.get(name, "") + "5" + EARLIER_END.get(name, END[name])
+    assert trained_runs(tok, enc) == [earlier, BEFORE.get(name, "") + "8" + END[name] + TAIL.get(name, "")]
 
 
 SYSTEM_KEPT = [m for m in MODELS if m != "gemma-2-9b-it"]
@@ -171,6 +178,20 @@ def test_qwen3_reasoning_in_the_last_reply_is_trained():
     reply = "<think>\nadd 5 and 3\n</think>\n\n8"
     enc = encode_example({"messages": [user("5+3?"), assistant(reply)]}, tok, CHAT)
     assert trained_runs(tok, enc) == [reply + "<|im_end|>"]
+
+
+def test_gpt_oss_reasoning_in_the_last_reply_is_trained_and_earlier_reasoning_is_dropped():
+    """GPT-OSS's template renders a reply's `thinking` in its analysis channel for the last reply only (harmony drops
+    earlier reasoning from the history): the last reply is trained with its reasoning and both channels' headers, as
+    the model generates them after <|start|>assistant; the earlier one with its final channel alone."""
+    tok = stand_in_tokenizer("gpt-oss-20b")
+    messages = [user("2+3?"), {**assistant("5"), "thinking": "add 2 and 3"}, user("And 5+3?"),
+                {**assistant("8"), "thinking": "add 5 and 3"}]
+    enc = encode_example({"messages": messages}, tok, CHAT)
+    assert trained_runs(tok, enc) == [
+        "<|channel|>final<|message|>5<|end|>",
+        "<|channel|>analysis<|message|>add 5 and 3<|end|><|start|>assistant<|channel|>final<|message|>8<|return|>"]
+    assert "add 2 and 3" not in untrained_text(tok, enc)
 
 
 @pytest.mark.parametrize("name, training", [("qwen2.5-7b-instruct", "qwen2_5_training"),

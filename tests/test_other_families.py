@@ -41,6 +41,11 @@ OTHER = {
     "qwen3_5_text": dict(layer_types=["linear_attention", "full_attention"]),
     "gemma2": dict(final_logit_softcapping=None, attn_logit_softcapping=0.5, query_pre_attn_scalar=16,
                    sliding_window=4, layer_types=["sliding_attention", "full_attention"]),
+    # per-layer inputs, a local layer, two global ones of their own head size, the last reusing the keys and values of
+    # the one before it (kv sharing), the logits capped
+    "gemma4_text": dict(global_head_dim=32, sliding_window=4, hidden_size_per_layer_input=8,
+                        vocab_size_per_layer_input=97, num_kv_shared_layers=1, final_logit_softcapping=1.0,
+                        layer_types=["sliding_attention", "full_attention", "full_attention"]),
 }
 LENGTHS = [5, 9, 3, 12, 1]
 
@@ -48,7 +53,8 @@ LENGTHS = [5, 9, 3, 12, 1]
 def config(model_type: str):
     from transformers import AutoConfig
 
-    return AutoConfig.for_model(model_type, **COMMON, **OTHER[model_type])
+    return AutoConfig.for_model(model_type, **{**COMMON, "num_hidden_layers": len(OTHER[model_type].get(
+        "layer_types", "ab")), **OTHER[model_type]})
 
 
 def model(model_type: str, attn: str):
@@ -154,6 +160,16 @@ def test_the_tables_families_pass_every_attention_rule(model_type):
 
     cfg = AutoConfig.for_model(model_type)  # the family's defaults: Gemma 3's window layers, the experts
     assert capabilities.attention_problems(recipe(packing=True), cfg, installed=lambda module: False) == []
+
+
+def test_gemma_4s_shared_keys_and_values_train_packed_as_each_example_alone():
+    """Gemma 4's last layers reuse an earlier layer's keys and values (kv sharing): packed rows on the varlen
+    attention, and padded rows under SDPA, give each example's loss alone through transformers' eager attention."""
+    assert config("gemma4_text").kv_sharing_modes == ["store", "store", "reuse"]
+    want = alone("gemma4_text")
+    for attn, packing in [(register(), True), ("sdpa", False)]:
+        got = batch_loss("gemma4_text", attn, packing=packing)
+        assert abs(got - want) / want < 1e-6, (attn, got, want)
 
 
 def test_sinks_are_found_on_the_loaded_model():

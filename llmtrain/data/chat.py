@@ -186,10 +186,15 @@ def render_chat(messages: list[dict], tokenizer, *, template: str | None = None,
     if prompt is None:
         prompt = _apply(tokenizer, history, template, generation_prompt=True)
     spans = _locate(_marked_history(tokenizer, history, template), prompt, history)
+    # An earlier reply stands in the history as a reply of its text alone: where the last one carries more (GPT-OSS's
+    # `thinking`, rendered in its analysis channel for the last reply only), the separator of its text alone
+    reply = messages[last]
+    earlier = sep if set(reply) <= {"role", "content"} else _reply_parts(
+        [*history, {"role": reply["role"], "content": reply["content"]}], last, tokenizer, template)[0]
     trained = []
     for k in sorted((k for k in spans if history[k]["role"] == "assistant" and k >= first), key=spans.get):
         a, b = spans[k]
-        trained.append((a - len(sep) if sep and prompt.endswith(sep, 0, a) else a, b))
+        trained.append((a - len(earlier) if earlier and prompt.endswith(earlier, 0, a) else a, b))
     trained.append((len(prompt), len(prompt) + len(sep) + len(shown)))
     return prompt + sep + shown + after, trained
 
