@@ -15,6 +15,7 @@ fp32 logits plus as much again for their gradient become 0.5 GiB + 0.5 GiB at ch
 from __future__ import annotations
 
 import types
+import weakref
 from dataclasses import dataclass
 
 import torch
@@ -222,10 +223,21 @@ class Logits:
 
 def logit_transform(lm) -> Logits:
     """What the model's own forward does to its LM head's output (Logits), which the chunked loss, reading the LM head
-    alone, must do too. Found by running the model's forward on stand-ins: its decoder replaced by one that returns
-    random hidden states and its head by a random 16-logit one, so no layer runs and nothing is read of the weights.
-    A cap is the config's final_logit_softcapping; a scale, the constant ratio of the forward's logits to the head's.
-    A forward that does anything else to them (a shift) is refused in one paragraph."""
+    alone, must do too (and the fast sampler, model/fast_sample.py). Found once a model (_found_transform), when the
+    loss is attached, and kept: the sampler asks at every rollout, of a model FSDP may have wrapped since."""
+    if (known := _TRANSFORMS.get(lm)) is None:
+        known = _TRANSFORMS[lm] = _found_transform(lm)
+    return known
+
+
+_TRANSFORMS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def _found_transform(lm) -> Logits:
+    """Found by running the model's forward on stand-ins: its decoder replaced by one that returns random hidden states
+    and its head by a random 16-logit one, so no layer runs and nothing is read of the weights. A cap is the config's
+    final_logit_softcapping; a scale, the constant ratio of the forward's logits to the head's. A forward that does
+    anything else to them (a shift) is refused in one paragraph."""
     from transformers.modeling_outputs import MoeModelOutputWithPast
 
     config = lm.config.get_text_config()
