@@ -234,6 +234,14 @@ def test_each_family_draws_the_reference_loops_tokens(family):
         assert both(model, prompts, max_new_tokens=12, temperature=1.0, top_p=1.0)[1] != fast
 
 
+def test_gemma_4s_mixture_of_experts_draws_the_reference_loops_tokens(monkeypatch):
+    """Gemma 4's mixture-of-experts variant (4 experts, 2 a token, beside its dense MLP; its router and experts run
+    inside transformers' layer), with the rest of the case above."""
+    monkeypatch.setitem(FAMILIES, "gemma4_text", {**FAMILIES["gemma4_text"], "enable_moe_block": True,
+                                                  "num_experts": 4, "top_k_experts": 2, "moe_intermediate_size": 32})
+    test_each_family_draws_the_reference_loops_tokens("gemma4_text")
+
+
 @pytest.mark.precision
 def test_a_4bit_base_on_a_small_case_draws_the_reference_loops_tokens(tiny_assets):
     pytest.importorskip("bitsandbytes")

@@ -162,10 +162,16 @@ def test_the_tables_families_pass_every_attention_rule(model_type):
     assert capabilities.attention_problems(recipe(packing=True), cfg, installed=lambda module: False) == []
 
 
-def test_gemma_4s_shared_keys_and_values_train_packed_as_each_example_alone():
+@pytest.mark.parametrize("moe", [False, True])
+def test_gemma_4s_shared_keys_and_values_train_packed_as_each_example_alone(monkeypatch, moe):
     """Gemma 4's last layers reuse an earlier layer's keys and values (kv sharing): packed rows on the varlen
-    attention, and padded rows under SDPA, give each example's loss alone through transformers' eager attention."""
+    attention, and padded rows under SDPA, give each example's loss alone through transformers' eager attention; so
+    does its mixture-of-experts variant (4 experts, 2 a token, beside its dense MLP)."""
+    if moe:
+        monkeypatch.setitem(OTHER, "gemma4_text", {**OTHER["gemma4_text"], "enable_moe_block": True, "num_experts": 4,
+                                                   "top_k_experts": 2, "moe_intermediate_size": 32})
     assert config("gemma4_text").kv_sharing_modes == ["store", "store", "reuse"]
+    assert capabilities.experts(config("gemma4_text")) == (4 if moe else 0)
     want = alone("gemma4_text")
     for attn, packing in [(register(), True), ("sdpa", False)]:
         got = batch_loss("gemma4_text", attn, packing=packing)
