@@ -382,6 +382,28 @@ def test_each_family_trains_on_each_layout_its_row_allows_what_one_process_train
     assert max_abs_diff(load_weights(tmp_path / "many" / "final"), load_weights(tmp_path / "one" / "final")) < 1e-4
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("layout", ["fsdp", pytest.param("ddp", marks=pytest.mark.extended)])
+def test_lora_on_gpt_oss_experts_trains_on_two_processes_what_one_process_trains(models, tiny_assets, tmp_path,
+                                                                                 free_port, layout):
+    """LoRA on GPT-OSS's attention and experts (lora.target_parameters: the experts' adapters run unmerged beside the
+    biased experts, model/lora_experts.py; under FSDP each on the unsharded experts of its layer) through `accelerate
+    launch` on 2 processes: the losses and every adapter weight of one process's run."""
+    config, processes, overrides, single_batch = LAUNCH[layout]
+    recipe = write_recipe(tiny_assets, tmp_path, model={"name_or_path": str(models["gpt_oss"]),
+                                                        "attn_implementation": "auto"},
+                          lora={"r": 4, "alpha": 8, "dropout": 0.0, **EXPERT_PARAMETERS["gpt_oss"]},
+                          data={"eval_split": None}, train={"max_steps": 3, "lr": 1e-3, "max_grad_norm": 1.0})
+    run_train(recipe, f"train.micro_batch_size={single_batch}", f"output_dir={tmp_path / 'one'}")
+    launch_finetune(CONFIGS / config, processes, free_port, recipe, *overrides, f"output_dir={tmp_path / 'many'}")
+    assert_same_steps(tmp_path / "many", tmp_path / "one", tol=1e-5)
+    from safetensors.torch import load_file
+
+    one, many = (load_file(str(tmp_path / run / "final" / "adapter_model.safetensors")) for run in ("one", "many"))
+    assert one.keys() == many.keys() and any(".experts." in k for k in one)
+    assert max((one[k] - many[k]).abs().max().item() for k in one) < 1e-4
+
+
 # --------------------------------------------------------------------------- Gemma 3's multimodal checkpoints
 
 
