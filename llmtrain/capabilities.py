@@ -416,6 +416,17 @@ def stored_quantization(config) -> str | None:
     return None if method is None else str(getattr(method, "value", method))
 
 
+def stored_quantization_problem(quantize: str | None, config, *, key: str = "model.quantize") -> str | None:
+    """A 4-bit base (`quantize`, set by `key`) asked of a checkpoint stored in MXFP4 (GPT-OSS's hub checkpoints)."""
+    if not quantize or (stored := stored_quantization(config)) != "mxfp4":
+        return None
+    asked = f"{key}={quantize}" if not key.startswith("--") else f"{key} {quantize}"
+    return (f"{asked}: the checkpoint is stored in {stored.upper()} (its config.json's quantization_config), "
+            "which bitsandbytes cannot quantize again, and a mixture of experts' experts, most of its weights, are "
+            f"3-D parameters that bitsandbytes leaves whole anyway. Unset {key}: llmtrain reads the checkpoint "
+            "dequantized to model.dtype (bfloat16: 42 GB for gpt-oss-20b), which LoRA trains")
+
+
 def model_problems(recipe, layout: Layout, config) -> list[str]:
     """What the recipe and the layout refuse of the model itself (`config`: its transformers config): its family's
     cells (FAMILIES), a mixture of experts under the tiled MLP or LoRA dropout, heads a sequence or a tensor-parallel
@@ -437,12 +448,8 @@ def model_problems(recipe, layout: Layout, config) -> list[str]:
                    f"{model_type or 'this model'} has no experts (a dense MLP): unset it")
     if problem := sequence_config_problem(layout.sp, config):
         out.append(problem)
-    if recipe.model.quantize and (stored := stored_quantization(config)) == "mxfp4":
-        out.append(f"model.quantize={recipe.model.quantize}: the checkpoint is stored in {stored.upper()} (its "
-                   "config.json's quantization_config), which bitsandbytes cannot quantize again, and a mixture of "
-                   "experts' experts, most of its weights, are 3-D parameters that bitsandbytes leaves whole anyway. "
-                   "Unset model.quantize: llmtrain reads the checkpoint dequantized to model.dtype (bfloat16: 42 GB "
-                   "for gpt-oss-20b), which LoRA trains")
+    if problem := stored_quantization_problem(recipe.model.quantize, config):
+        out.append(problem)
     if layout.tp > 1 and "tp" not in refused:
         out += tensor_plan_problems(config, layout.tp)
     out += attention_problems(recipe, config)

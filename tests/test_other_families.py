@@ -417,6 +417,8 @@ def test_a_gpt_oss_checkpoint_stored_in_mxfp4_trains_dequantized_and_its_final_m
     assert refused.returncode == 2 and "Traceback" not in refused.stderr, refused.stderr[-2000:]
     assert "model.quantize=nf4: the checkpoint is stored in MXFP4" in refused.stderr
     assert "Unset model.quantize" in refused.stderr and not (tmp_path / "run").exists()
+    estimated = cli("estimate-memory", "--model", str(folder), "--method", "lora", "--quantize", "nf4", check=False)
+    assert estimated.returncode == 2 and "--quantize nf4: the checkpoint is stored in MXFP4" in estimated.stderr
     run_train(recipe)
     lines = records(tmp_path / "run")
     first, last = (sum(r["loss"] for r in part) / 3 for part in (lines[:3], lines[-3:]))

@@ -300,6 +300,15 @@ def _from_model(model: str, overrides, run: dict, launch: dict):
                             + "; ".join(_option_for(o) for o in overrides) + ".")
     ask_hub(model if reads_hub(model) else None)
     shape, assumed = load_model_shape(model), ()
+    if run.get("quantize"):  # what training refuses of the checkpoint (capabilities.model_problems)
+        from types import SimpleNamespace
+
+        from llmtrain.capabilities import stored_quantization_problem
+        from llmtrain.memory.params import read_config
+
+        stored = SimpleNamespace(quantization_config=read_config(model)[0].get("quantization_config"))
+        if problem := stored_quantization_problem(run["quantize"], stored, key="--quantize"):
+            raise LLMTrainError(f"{model}: {problem}.")
     if run.get("method") == "lora" and "dtype" not in run:
         run = {**run, "dtype": LORA_BASE_DTYPE}
         assumed = (f"LoRA base weights in {LORA_BASE_DTYPE}, as the shipped LoRA recipes keep them "
