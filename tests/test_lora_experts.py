@@ -147,7 +147,15 @@ def test_apply_lora_installs_them():
     from llmtrain.config import LoraConfig
     from llmtrain.model.modeling import apply_lora
 
+    from llmtrain.model.modeling import unadapted_experts
+
     model = AutoModelForCausalLM.from_config(AutoConfig.for_model("qwen3_moe", **TINY, **MOE["qwen3_moe"]))
     model = apply_lora(model, LoraConfig(r=4, alpha=8, dropout=0.0))
     experts = [m for n, m in model.named_modules() if n.endswith("mlp.experts")]
     assert len(experts) == 2 and all("forward" in m.__dict__ for m in experts)
+    assert unadapted_experts(model) == (0, ())  # all-linear reaches Qwen3-MoE's experts
+    # GPT-OSS's it does not (the start-up says what lora.target_parameters would name), and target_parameters does
+    for parameters, unadapted in [(None, tuple(EXPERT_PARAMETERS)), (EXPERT_PARAMETERS, ())]:
+        oss = AutoModelForCausalLM.from_config(AutoConfig.for_model("gpt_oss", **TINY, **GPT_OSS))
+        oss = apply_lora(oss, LoraConfig(r=4, alpha=8, dropout=0.0, target_parameters=parameters))
+        assert unadapted_experts(oss)[1] == unadapted

@@ -43,6 +43,7 @@ from llmtrain.model.modeling import (
     load_model_config,
     load_tokenizer,
     pad_id,
+    unadapted_experts,
     unquantized_experts,
 )
 from llmtrain.model.score import attach_score
@@ -336,6 +337,10 @@ def build_model(recipe: Recipe, accelerator, *, total_steps: int, say, pad: int 
             f"{n_total - n_trainable:,} weights, {whole[1] / 2**30:,.2f} GiB"
             f"{Layout.from_environment(recipe).each_holds()}. The base takes that "
             "much more memory than a 4-bit one would; LoRA trains as asked")
+    if recipe.lora is not None and (unadapted := unadapted_experts(model))[0]:
+        say(f"note (lora): this {model.config.model_type} model's experts ({unadapted[0]:,} of its {n_total:,} "
+            "weights) are 3-D parameters that lora.target_modules does not reach, so LoRA adapts its other layers "
+            f"only; lora.target_parameters: [{', '.join(unadapted[1])}] adapts them too (with lora.dropout: 0)")
     say(f"model: {n_total:,} parameters, {n_trainable:,} trainable ({method}); "
         f"attention: {describe_attention(recipe.model)}{'; liger kernels' if fused_ce else ''}"
         + memory_line(recipe.model, model.config, accelerator.device.type)

@@ -480,6 +480,17 @@ def unquantized_experts(model) -> tuple[int, int, torch.dtype | None]:
     return sum(p.numel() for p in whole), sum(p.numel() * p.element_size() for p in whole), whole[0].dtype
 
 
+def unadapted_experts(model) -> tuple[int, tuple[str, ...]]:
+    """Under LoRA, a mixture of experts whose experts no adapter reaches (lora.target_modules maps onto GPT-OSS's and
+    Gemma 4's 3-D expert parameters no adapter, as it does Qwen3-MoE's and Mixtral's): their weights, and their names
+    in a decoder layer (what lora.target_parameters would name); (0, ()) where they are adapted, or there are none."""
+    if any(hasattr(m, "parameter_name") for m in model.modules()):  # peft's ParamWrapper: an expert adapter
+        return 0, ()
+    experts = [(n, p) for n, p in model.named_parameters() if p.ndim == 3 and not p.requires_grad]
+    names = tuple(dict.fromkeys(n.split(".layers.0.", 1)[1] for n, _ in experts if ".layers.0." in n))
+    return (sum(p.numel() for _, p in experts), names) if names else (0, ())
+
+
 def count_parameters(model) -> tuple[int, int]:
     total = sum(numel(p) for p in model.parameters())
     trainable = sum(numel(p) for p in model.parameters() if p.requires_grad)
