@@ -110,6 +110,9 @@ class Family:
     # (model/fast_sample.py, its own decoder layer). Where a flag is False: no estimate, or the reference sampler.
     estimate: bool = True
     fast_sampler: bool = True
+    # A mixture of experts: whether peft's all-linear reaches its experts (as parameters: ParamWrapper, which takes no
+    # LoRA dropout), or only lora.target_parameters does (GPT-OSS's, Gemma 4's)
+    all_linear_experts: bool = True
 
 
 # The families of the capability table: tests/test_families.py trains each on every column it does not refuse (and
@@ -127,10 +130,11 @@ FAMILIES: dict[str, Family] = {f.key: f for f in (
     Family("mixtral", "Mixtral", refused={"tp": _EXPERTS_TP}),
     # attention sinks (the varlen attention computes them), a window on every other layer, experts with biases (LoRA
     # adapts its attention: peft maps no all-linear onto its router or experts)
-    Family("gpt_oss", "GPT-OSS", refused={"tp": _GPT_OSS_TP}),
+    Family("gpt_oss", "GPT-OSS", refused={"tp": _GPT_OSS_TP}, all_linear_experts=False),
     # per-layer embeddings (PLE), a learned scalar a layer (a persistent buffer), local and global layers with their
     # own head sizes
-    Family("gemma4_text", "Gemma 4 (its text model)", refused={"tp": _GEMMA4_TP, "pp": _GEMMA4_PP}, estimate=False),
+    Family("gemma4_text", "Gemma 4 (its text model)", refused={"tp": _GEMMA4_TP, "pp": _GEMMA4_PP}, estimate=False,
+           all_linear_experts=False),
 )}
 
 
@@ -325,9 +329,11 @@ def needs_model(recipe, layout: Layout) -> bool:
 
 
 def experts_problems(model_type: str | None, n: int, *, tiled_mlp: bool, lora_dropout: float,
-                     flags: dict[str, str] | None = None) -> list[str]:
-    """What a mixture of `n` experts cannot run: the tiled MLP, LoRA dropout (peft adapts the experts as parameters).
-    `flags`: the command-line options beside the recipe keys (estimate-memory's)."""
+                     parameters_adapted: bool = True, flags: dict[str, str] | None = None) -> list[str]:
+    """What a mixture of `n` experts cannot run: the tiled MLP, LoRA dropout where peft adapts parameters (its
+    ParamWrapper, which takes none: Qwen3-MoE's and Mixtral's experts and router under all-linear, any under
+    lora.target_parameters; `parameters_adapted`, lora_adapts_parameters). `flags`: the command-line options beside the
+    recipe keys (estimate-memory's)."""
     flags = flags or {}
     kind = f"{model_type or 'this model'}'s MLP is a mixture of {n} experts"
     out = []
@@ -335,10 +341,20 @@ def experts_problems(model_type: str | None, n: int, *, tiled_mlp: bool, lora_dr
         out.append(f"model.tiled_mlp{flags.get('tiled_mlp', '')} tiles a dense MLP (gate, up and down projections) "
                    f"over the tokens, and {kind} (a router and its experts), which it does not split: set it to null "
                    "(the experts' activations are per routed token already)")
-    if lora_dropout > 0:
+    if lora_dropout > 0 and parameters_adapted:
         out.append(f"lora.dropout={lora_dropout:g}{flags.get('lora_dropout', '')}: {kind}, whose weights peft adapts "
                    "as parameters (lora.ParamWrapper), and those take no dropout on their input: set it to 0")
     return out
+
+
+def lora_adapts_parameters(model_type: str | None, lora) -> bool:
+    """Whether peft adapts parameters of a mixture of experts as such (its ParamWrapper) under the `lora` section: any
+    named by lora.target_parameters, and the experts of a family whose experts peft's all-linear reaches (Qwen3-MoE's,
+    Mixtral's: Family.all_linear_experts; a model outside the table is taken to be such)."""
+    if lora is None:
+        return False
+    family = FAMILIES.get(model_type)
+    return bool(lora.target_parameters) or family is None or family.all_linear_experts
 
 
 # --------------------------------------------------------------------------- what llmtrain's attention computes
@@ -442,7 +458,8 @@ def model_problems(recipe, layout: Layout, config) -> list[str]:
                        f"({model_type}): {why}")
     if n := experts(config):
         out += experts_problems(model_type, n, tiled_mlp=bool(recipe.model.tiled_mlp),
-                                lora_dropout=recipe.lora.dropout if recipe.lora is not None else 0.0)
+                                lora_dropout=recipe.lora.dropout if recipe.lora is not None else 0.0,
+                                parameters_adapted=lora_adapts_parameters(model_type, recipe.lora))
     elif (coef := recipe.model.router_aux_loss_coef) is not None:
         out.append(f"model.router_aux_loss_coef={coef:g} weighs a mixture of experts' load-balancing loss, and "
                    f"{model_type or 'this model'} has no experts (a dense MLP): unset it")

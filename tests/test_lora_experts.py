@@ -159,3 +159,32 @@ def test_apply_lora_installs_them():
         oss = AutoModelForCausalLM.from_config(AutoConfig.for_model("gpt_oss", **TINY, **GPT_OSS))
         oss = apply_lora(oss, LoraConfig(r=4, alpha=8, dropout=0.0, target_parameters=parameters))
         assert unadapted_experts(oss)[1] == unadapted
+
+
+def test_the_family_table_says_whether_all_linear_reaches_each_mixtures_experts():
+    """capabilities.Family.all_linear_experts (whether lora.dropout is refused under all-linear) is peft's own answer
+    on one layer of each mixture of experts of the table (its tiny config above): Qwen3-MoE's and Mixtral's experts
+    are adapted as parameters, GPT-OSS's and Gemma 4's (its MoE variant) are not; lora.target_parameters adapts
+    them."""
+    import json
+
+    from transformers import AutoConfig
+
+    from llmtrain import capabilities
+    from llmtrain.config import LoraConfig
+    from llmtrain.memory.params import _peft_adapted
+
+    mixtures = {**MOE, **OWN}  # the tiny ones above (Gemma 4's MoE variant)
+    seen = []
+    for key, family in capabilities.FAMILIES.items():
+        if key not in mixtures:
+            assert not capabilities.experts(AutoConfig.for_model(key)), key  # a dense family
+            continue
+        config = AutoConfig.for_model(key, **TINY, **mixtures[key])
+        cfg = json.dumps(config.to_dict(), sort_keys=True, default=str)
+        assert bool(_peft_adapted(cfg, key, 4, "all-linear")[1]) == family.all_linear_experts, key
+        assert capabilities.lora_adapts_parameters(key, LoraConfig(r=4, dropout=0.0)) == family.all_linear_experts
+        seen.append(key)
+    assert sorted(seen) == ["gemma4_text", "gpt_oss", "mixtral", "qwen3_moe"]
+    named = LoraConfig(r=4, dropout=0.0, target_parameters=["mlp.experts.down_proj"])
+    assert all(capabilities.lora_adapts_parameters(key, named) for key in seen)

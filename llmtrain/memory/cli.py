@@ -292,7 +292,7 @@ def rl_prompt_lengths(r) -> tuple[list[int] | None, str | None]:
 
 def _from_model(model: str, overrides, run: dict, launch: dict):
     """The same from a model's config.json and the run options."""
-    from llmtrain.memory.params import load_model_shape, reads_hub
+    from llmtrain.memory.params import load_model_shape, lora_plan, reads_hub
     from llmtrain.memory.spec import TrainSpec
 
     if overrides:
@@ -317,8 +317,10 @@ def _from_model(model: str, overrides, run: dict, launch: dict):
         assumed = ("float32 weights and no autocast, a recipe's defaults: a full fine-tune as the shipped 7B recipes "
                    "run it is --mixed-precision bf16 (fp32 master weights, bf16 compute); --dtype bfloat16 "
                    "stores the weights in bf16 too",)
-    if shape.experts and run.get("method") == "lora" and "lora_dropout" not in run:
-        # a recipe's lora.dropout default (0.05) is refused on a mixture of experts: estimate what it must set
+    if shape.experts and run.get("method") == "lora" and "lora_dropout" not in run and lora_plan(
+            shape, r=run.get("lora_r", 16), parameters=run.get("lora_target_parameters", ())).moe_params:
+        # a recipe's lora.dropout default (0.05) is refused where peft adapts the experts as parameters (Qwen3-MoE's
+        # under all-linear, any under lora.target_parameters): estimate what it must set
         run = {**run, "lora_dropout": 0.0}
         assumed += ("LoRA dropout 0, as a recipe for a mixture of experts must set it (peft adapts the experts as "
                     "parameters, which take no dropout)",)

@@ -159,9 +159,11 @@ def estimate(shape: ModelShape, spec: TrainSpec) -> Estimate:
     spec.validate()
     if problem := sequence_heads_problem(spec.sequence_parallel, shape.heads, shape.kv_heads):
         raise LLMTrainError(f"cannot estimate this run: {problem} ({shape.source}).")
+    dropout = spec.lora_dropout if spec.method == "lora" else 0.0
     if shape.experts and (problems := experts_problems(
-            shape.model_type, shape.experts.count, tiled_mlp=bool(spec.tiled_mlp),
-            lora_dropout=spec.lora_dropout if spec.method == "lora" else 0.0,
+            shape.model_type, shape.experts.count, tiled_mlp=bool(spec.tiled_mlp), lora_dropout=dropout,
+            parameters_adapted=dropout > 0 and bool(lora_plan(shape, r=spec.lora_r, targets=spec.lora_target_modules,
+                                                              parameters=spec.lora_target_parameters).moe_params),
             flags={"tiled_mlp": " (--tiled-mlp)", "lora_dropout": " (--lora-dropout)"})):
         raise LLMTrainError(f"cannot estimate this run: {problems[0]} ({shape.source}).")
     whole, shape = shape, tensor_parallel_shape(shape, spec.tp)

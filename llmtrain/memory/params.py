@@ -389,6 +389,8 @@ def _peft_adapted(config_json: str, model_type: str, r: int, targets: str | tupl
     cfg = {**json.loads(config_json), "num_hidden_layers": 1}
     if "layer_types" in cfg:
         cfg["layer_types"] = cfg["layer_types"][:1]
+    if isinstance(cfg.get("per_layer_config"), dict):  # Gemma 4's overrides of later layers: none left
+        cfg["per_layer_config"] = {k: v for k, v in cfg["per_layer_config"].items() if str(k) == "0"}
     model = meta_model(hf_config(model_type, cfg, model_type), model_type)
     config = peft.LoraConfig(r=r, lora_alpha=2 * r, lora_dropout=0.0, task_type="CAUSAL_LM",
                              target_modules=list(targets) if isinstance(targets, tuple) else targets,
