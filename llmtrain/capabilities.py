@@ -425,8 +425,9 @@ def loaded_model_problems(recipe, model) -> list[str]:
 
 def stored_quantization(config) -> str | None:
     """How a checkpoint's weights are stored quantized, by its config's quantization_config (GPT-OSS's hub
-    checkpoints: 'mxfp4'); None: not at all."""
-    quantization = getattr(config, "quantization_config", None) or {}
+    checkpoints: 'mxfp4'); None: not at all. `config`: transformers' config, or its config.json as a dict."""
+    quantization = (config.get("quantization_config") if isinstance(config, dict) else
+                    getattr(config, "quantization_config", None)) or {}
     method = quantization.get("quant_method") if isinstance(quantization, dict) else getattr(quantization,
                                                                                               "quant_method", None)
     return None if method is None else str(getattr(method, "value", method))

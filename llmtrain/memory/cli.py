@@ -292,7 +292,7 @@ def rl_prompt_lengths(r) -> tuple[list[int] | None, str | None]:
 
 def _from_model(model: str, overrides, run: dict, launch: dict):
     """The same from a model's config.json and the run options."""
-    from llmtrain.memory.params import load_model_shape, lora_plan, reads_hub
+    from llmtrain.memory.params import load_model_shape, reads_hub, run_lora_plan
     from llmtrain.memory.spec import TrainSpec
 
     if overrides:
@@ -301,13 +301,10 @@ def _from_model(model: str, overrides, run: dict, launch: dict):
     ask_hub(model if reads_hub(model) else None)
     shape, assumed = load_model_shape(model), ()
     if run.get("quantize"):  # what training refuses of the checkpoint (capabilities.model_problems)
-        from types import SimpleNamespace
-
         from llmtrain.capabilities import stored_quantization_problem
         from llmtrain.memory.params import read_config
 
-        stored = SimpleNamespace(quantization_config=read_config(model)[0].get("quantization_config"))
-        if problem := stored_quantization_problem(run["quantize"], stored, key="--quantize"):
+        if problem := stored_quantization_problem(run["quantize"], read_config(model)[0], key="--quantize"):
             raise LLMTrainError(f"{model}: {problem}.")
     if run.get("method") == "lora" and "dtype" not in run:
         run = {**run, "dtype": LORA_BASE_DTYPE}
@@ -317,14 +314,14 @@ def _from_model(model: str, overrides, run: dict, launch: dict):
         assumed = ("float32 weights and no autocast, a recipe's defaults: a full fine-tune as the shipped 7B recipes "
                    "run it is --mixed-precision bf16 (fp32 master weights, bf16 compute); --dtype bfloat16 "
                    "stores the weights in bf16 too",)
-    if shape.experts and run.get("method") == "lora" and "lora_dropout" not in run and lora_plan(
-            shape, r=run.get("lora_r", 16), parameters=run.get("lora_target_parameters", ())).moe_params:
+    spec = TrainSpec(**{SPEC_FIELDS.get(k, k): v for k, v in run.items()}, **launch)
+    if shape.experts and "lora_dropout" not in run and spec.method == "lora" and run_lora_plan(shape, spec).moe_params:
         # a recipe's lora.dropout default (0.05) is refused where peft adapts the experts as parameters (Qwen3-MoE's
         # under all-linear, any under lora.target_parameters): estimate what it must set
-        run = {**run, "lora_dropout": 0.0}
+        spec = spec.but(lora_dropout=0.0)
         assumed += ("LoRA dropout 0, as a recipe for a mixture of experts must set it (peft adapts the experts as "
                     "parameters, which take no dropout)",)
-    return shape, TrainSpec(**{SPEC_FIELDS.get(k, k): v for k, v in run.items()}, **launch), None, None, assumed
+    return shape, spec, None, None, assumed
 
 
 def _option_for(override: str) -> str:

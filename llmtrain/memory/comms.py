@@ -410,13 +410,11 @@ def traffic(shape: ModelShape, spec: TrainSpec, *, trained_params: int, trainabl
 def step_traffic(shape: ModelShape, spec: TrainSpec, network: Network = Network()) -> Traffic:
     """traffic() for the run spec describes: its trained parameters and the bytes of their gradients (under FSDP x TP,
     of one GPU's tensor-parallel slice, whose work is also the step's compute on that GPU)."""
-    from llmtrain.memory.params import lora_plan, tensor_parallel_shape
+    from llmtrain.memory.params import run_lora_plan, tensor_parallel_shape
     from llmtrain.memory.states import states
 
     shape = tensor_parallel_shape(shape, spec.tp)
-    plan = lora_plan(shape, r=spec.lora_r, targets=spec.lora_target_modules,
-                     parameters=spec.lora_target_parameters,
-                     modules_to_save=spec.lora_modules_to_save) if spec.method == "lora" else None
+    plan = run_lora_plan(shape, spec)
     whole = spec.but(cpu_offload=False)
     held = states(shape, whole, plan)
     gradients = held.grads * whole.shards  # one GPU's shard times the shards

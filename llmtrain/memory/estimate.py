@@ -15,7 +15,7 @@ from llmtrain.capabilities import FAMILIES, experts_problems, sequence_heads_pro
 from llmtrain.config import PREFILL_CHUNK, tiled_mlp_shard
 from llmtrain.errors import LLMTrainError
 from llmtrain.memory import activations as act
-from llmtrain.memory.params import LoraPlan, ModelShape, lora_plan, tensor_parallel_shape
+from llmtrain.memory.params import LoraPlan, ModelShape, run_lora_plan, tensor_parallel_shape
 from llmtrain.memory.spec import (
     DTYPE_BYTES,
     GIB,
@@ -104,8 +104,7 @@ def _expert_adapters(shape: ModelShape, spec: TrainSpec, stream: int) -> dict:
     """Pass.expert_ranks (peft's, read off its plan) and expert_factors_cast for LoRA on a mixture of experts."""
     if spec.method != "lora" or shape.experts is None:
         return {}
-    plan = lora_plan(shape, r=spec.lora_r, targets=spec.lora_target_modules,
-                     parameters=spec.lora_target_parameters)
+    plan = run_lora_plan(shape, spec)
     fans = act.expert_fans(shape)
     ranks = tuple((name, n // (shape.experts.count * sum(fans[name]))) for name, n in plan.moe_params.items()
                   if name in fans)
@@ -122,8 +121,7 @@ def _experts_note(shape: ModelShape, spec: TrainSpec, p: act.Pass) -> str:
     text = (f"a mixture of {e.count} experts a layer, {e.top_k} a token ({e.pairs(p.tokens):,} token-expert pairs "
             f"a micro-batch, run by transformers' grouped_mm in the weights' dtype)")
     if spec.method == "lora":
-        plan = lora_plan(shape, r=spec.lora_r, targets=spec.lora_target_modules,
-                         parameters=spec.lora_target_parameters)
+        plan = run_lora_plan(shape, spec)
         if saved := act.expert_adapter_bytes(p, shape, plan.adapted[0]):
             text += (f"; LoRA on the experts ({sum(plan.moe_params.values()):,} adapter weights a layer) runs each "
                      f"expert's adapter beside it, unmerged ({saved / MIB:,.1f} MiB a layer saved for backward)")
@@ -162,14 +160,11 @@ def estimate(shape: ModelShape, spec: TrainSpec) -> Estimate:
     dropout = spec.lora_dropout if spec.method == "lora" else 0.0
     if shape.experts and (problems := experts_problems(
             shape.model_type, shape.experts.count, tiled_mlp=bool(spec.tiled_mlp), lora_dropout=dropout,
-            parameters_adapted=dropout > 0 and bool(lora_plan(shape, r=spec.lora_r, targets=spec.lora_target_modules,
-                                                              parameters=spec.lora_target_parameters).moe_params),
+            parameters_adapted=dropout > 0 and bool(run_lora_plan(shape, spec).moe_params),
             flags={"tiled_mlp": " (--tiled-mlp)", "lora_dropout": " (--lora-dropout)"})):
         raise LLMTrainError(f"cannot estimate this run: {problems[0]} ({shape.source}).")
     whole, shape = shape, tensor_parallel_shape(shape, spec.tp)
-    plan = lora_plan(shape, r=spec.lora_r, targets=spec.lora_target_modules,
-                     parameters=spec.lora_target_parameters,
-                     modules_to_save=spec.lora_modules_to_save) if spec.method == "lora" else None
+    plan = run_lora_plan(shape, spec)
     st = states(shape, spec, plan, whole=whole)
     p = make_pass(shape, spec)
     L, V, H = shape.layers, shape.vocab, shape.hidden

@@ -324,6 +324,15 @@ class LoraPlan:
         return self.adapter_params(shape) + self.copy_params(shape)
 
 
+def run_lora_plan(shape: ModelShape, spec) -> LoraPlan | None:
+    """lora_plan for the run `spec` (a memory.spec.TrainSpec) describes: its rank, targets, target_parameters and
+    modules_to_save; None for a full fine-tune."""
+    if spec.method != "lora":
+        return None
+    return lora_plan(shape, r=spec.lora_r, targets=spec.lora_target_modules, parameters=spec.lora_target_parameters,
+                     modules_to_save=spec.lora_modules_to_save)
+
+
 def _matches(full_name: str, targets: str | tuple[str, ...]) -> bool:
     """peft's rule: a list matches a module whose name ends in '.<target>'; a string is a full regex."""
     if isinstance(targets, str):

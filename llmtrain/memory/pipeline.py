@@ -30,7 +30,7 @@ from llmtrain.memory.comms import (
     traffic,
 )
 from llmtrain.memory.estimate import _backward_layers, _finish, _loss_phases, _notes, _phase, estimate, make_pass
-from llmtrain.memory.params import LoraPlan, ModelShape, lora_plan
+from llmtrain.memory.params import LoraPlan, ModelShape, run_lora_plan
 from llmtrain.memory.spec import DTYPE_BYTES, GIB, Estimate, TrainSpec
 from llmtrain.memory.states import States, accumulated_grads, states
 from llmtrain.parallel.pipeline.split import bubble_fraction, in_flight, interleaved_rounds, rank_stages, stage_layers
@@ -145,10 +145,8 @@ def stage_master(spec: TrainSpec) -> int:
 def stage_plan(shape: ModelShape, spec: TrainSpec, stage: Stage) -> LoraPlan | None:
     """A LoRA run's adapters on the stage's GPU (None: a full fine-tune): its layers' (in the order of its chunks),
     an adapted LM head and modules_to_save's copies only where it holds the head or the embeddings."""
-    if spec.method != "lora":
+    if (plan := run_lora_plan(shape, spec)) is None:
         return None
-    plan = lora_plan(shape, r=spec.lora_r, targets=spec.lora_target_modules,
-                     parameters=spec.lora_target_parameters, modules_to_save=spec.lora_modules_to_save)
     saved = tuple(m for m in plan.saved_copies
                   if (m == "lm_head" and stage.last) or (m == "embed_tokens" and stage.first))
     return replace(plan, adapted=tuple(plan.adapted[i] for c in stage.chunks for i in c),
