@@ -217,6 +217,33 @@ def test_trls_assistant_masks_train_ours_and_only_whitespace_more(name, training
     assert len(ours) >= 4  # "5 apples" + end, "8" + end
 
 
+def test_trls_gpt_oss_masks_train_ours_and_the_generation_prompts_header_more():
+    """TRL's gptoss_training template (its `{% generation %}` blocks) on the same chat and tokens: every token llmtrain
+    trains, TRL trains too; beyond them TRL trains each reply's `<|start|>assistant`, which is GPT-OSS's generation
+    prompt (add_generation_prompt writes it at inference, the model does not), and nothing else."""
+    trl = pytest.importorskip("trl")
+    tok = stand_in_tokenizer("gpt-oss-20b")
+    messages = [user("2+3?"), assistant("5 apples"), user("And 5+3?"), assistant("8")]
+    template = (Path(trl.__file__).parent / "chat_templates" / "gptoss_training.jinja").read_text()
+    theirs = tok.apply_chat_template(messages, chat_template=template, tokenize=True, return_dict=True,
+                                     return_assistant_tokens_mask=True)
+    enc = encode_example({"messages": messages}, tok, CHAT)
+    assert theirs["input_ids"][: len(enc["input_ids"])] == enc["input_ids"]
+    ours = {i for i, lab in enumerate(enc["labels"]) if lab != IGNORE}
+    trl_trained = {i for i, m in enumerate(theirs["assistant_masks"]) if m}
+    assert ours <= trl_trained and len(ours) >= 4
+    more = sorted(trl_trained - ours)
+    runs = [[more[0]]]
+    for i in more[1:]:
+        if i == runs[-1][-1] + 1:
+            runs[-1].append(i)
+        else:
+            runs.append([i])
+    assert [tok.decode([theirs["input_ids"][i] for i in run]) for run in runs] == ["<|start|>assistant"] * 2
+    assert tok.apply_chat_template(messages[:1], tokenize=False, add_generation_prompt=True).endswith(
+        "<|start|>assistant")
+
+
 def test_doctors_data_checks_pass_on_gsm8k_style_chats(model, tmp_path):
     """Question/answer rows through each template (data.chat_template: true, a system prompt where the template has
     a system role), tokenised as finetune does: doctor's data checks (masks, stop token, budget) have no fail."""
