@@ -95,10 +95,6 @@ _GPT_OSS_TP = ("its tensor-parallel plan (config.base_model_tp_plan) splits only
 
 _GEMMA4_PP = ("its per-layer embeddings (hidden_size_per_layer_input) are looked up from the input ids, which only "
               "the first stage holds, for every layer. Shard it with FSDP instead (accelerate_configs/fsdp.yaml)")
-_GEMMA4_TP = ("its plan (config.base_model_tp_plan) holds its experts' styles too (packed_colwise, moe_tp_experts), "
-              "which llmtrain does not build. Shard it with FSDP instead (accelerate_configs/fsdp.yaml, or "
-              "parallelism_config_tp_size: 1)")
-
 
 @dataclass(frozen=True)
 class Family:
@@ -132,8 +128,8 @@ FAMILIES: dict[str, Family] = {f.key: f for f in (
     # adapts its attention: peft maps no all-linear onto its router or experts)
     Family("gpt_oss", "GPT-OSS", refused={"tp": _GPT_OSS_TP}, all_linear_experts=False),
     # per-layer embeddings (PLE), a learned scalar a layer (a persistent buffer), local and global layers with their
-    # own head sizes
-    Family("gemma4_text", "Gemma 4 (its text model)", refused={"tp": _GEMMA4_TP, "pp": _GEMMA4_PP}, estimate=False,
+    # own head sizes (tensor parallelism: its dense layers, tensor_plan_problems refuses its experts' styles)
+    Family("gemma4_text", "Gemma 4 (its text model)", refused={"pp": _GEMMA4_PP}, estimate=False,
            all_linear_experts=False),
 )}
 
@@ -291,9 +287,23 @@ def _trained_by(parallelism: str) -> str:
 
 
 def sequence_config_problem(n: int, config, *, whose: str = "the model's") -> str | None:
-    """sequence_heads_problem of a transformers config's heads (its K/V heads: all of them where it names none)."""
+    """sequence_heads_problem of a transformers config's heads (its K/V heads: all of them where it names none; each
+    layer's where its layers differ, layer_values)."""
     heads = config.num_attention_heads
-    return sequence_heads_problem(n, heads, getattr(config, "num_key_value_heads", None) or heads, whose=whose)
+    for kv in dict.fromkeys(layer_values(config, "num_key_value_heads", heads)):
+        if problem := sequence_heads_problem(n, heads, kv, whose=whose):
+            return problem
+    return None
+
+
+def layer_values(config, name: str, default=None) -> list:
+    """A transformers config's `name` for each decoder layer. A heterogeneous config (transformers' per_layer_config:
+    Gemma 4's global layers have a head_dim and K/V heads of their own) raises where the value is read off the config
+    itself; here each layer's is read off its own."""
+    if getattr(config, "is_heterogeneous", False):
+        layers = config.per_layer_config
+        return [getattr(layers[i], name, None) or default for i in range(config.num_hidden_layers)]
+    return [getattr(config, name, None) or default] * config.num_hidden_layers
 
 
 def sequence_heads_problem(n: int, heads: int, kv_heads: int, *, whose: str = "the model's") -> str | None:
@@ -486,16 +496,27 @@ def tensor_plan_problems(config, tp: int) -> list[str]:
     # transformers 5.17 adds "embed_tokens": "embedding_rowwise" to a tied model's plan (5.24 does not): llmtrain keeps
     # the embedding whole on every TP rank (FSDP shards it), as it does for every model
     plan.pop("embed_tokens", None)
+    if not (n := experts(config)):  # a dense variant of a family with experts (Gemma 4's): those entries name nothing
+        plan = {k: v for k, v in plan.items() if ".experts" not in k}
+    elif set(plan.values()) & {"packed_colwise", "moe_tp_experts"}:
+        return [f"tensor parallelism over {tp} processes: {getattr(config, 'model_type', 'this model')}'s layers hold "
+                f"a mixture of {n} experts (Gemma 4's enable_moe_block), and {_EXPERTS_TP}"]
     if not plan or set(plan.values()) - set(TP_STYLES):
         return [f"tensor parallelism needs a model whose tensor-parallel plan (config.base_model_tp_plan) is column- "
                 f"and row-wise linear layers (fused ones gathered, as Phi's; and whole modules whose gradients are "
                 f"summed: Qwen3's QK-norm), as Llama's, Qwen3's and Phi's are; {getattr(config, 'model_type', 'this')} "
                 f"has {sorted(set(plan.values())) or 'none'}. Set parallelism_config_tp_size: 1"]
     heads = config.num_attention_heads
-    kv = getattr(config, "num_key_value_heads", None) or heads
-    split = (("num_attention_heads", heads), ("num_key_value_heads", kv))
+    kvs = layer_values(config, "num_key_value_heads", heads)  # each layer's (Gemma 4's global layers have their own)
+    kv = kvs[0]
+    others: dict[int, list[str]] = {}
+    for i, n in enumerate(kvs):
+        if n != kv:
+            others.setdefault(n, []).append(str(i))
+    split = (("num_attention_heads", heads), ("num_key_value_heads", kv),
+             *((f"key/value heads of layers {', '.join(layers)}", n) for n, layers in others.items()))
     if set(plan.values()) & {"colwise_gather_output", "rowwise_split_input"}:  # the weights split, the heads whole
-        head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+        head_dim = layer_values(config, "head_dim", config.hidden_size // heads)[0]
         split = (("qkv_proj's outputs, (num_attention_heads + 2 x num_key_value_heads) x head_dim",
                   (heads + 2 * kv) * head_dim), ("o_proj's inputs, num_attention_heads x head_dim", heads * head_dim))
     return [f"tensor parallelism over {tp} processes splits the model's {name} ({n}) evenly, and {n} is not a "

@@ -250,3 +250,50 @@ def test_the_tensor_parallel_plan_styles_llmtrain_builds_and_the_embedding_it_ke
     assert "num_key_value_heads (2)" not in said and "intermediate_size (128)" in said
     mixtral = MixtralConfig(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2)
     assert "packed_colwise" in " ".join(tensor_plan_problems(mixtral, 2))
+
+
+def test_gemma_4s_heterogeneous_config_is_read_layer_by_layer():
+    """Gemma 4's checkpoints give their global layers a head size and K/V heads of their own (global_head_dim,
+    num_global_key_value_heads): transformers makes the config heterogeneous (per_layer_config) and raises where
+    num_key_value_heads or head_dim is read off the config itself, which every Gemma 4 run did at its first check (a
+    traceback). Each layer's value is read off its own (layer_values): the sequence and tensor-parallel checks ask
+    each layer's K/V heads, the FLOP count each layer's head size. Under tensor parallelism its dense layers split
+    (the plan's expert entries name nothing there); its mixture-of-experts variant is refused naming its experts."""
+    from transformers import Gemma4TextConfig
+
+    from llmtrain.capabilities import layer_values, sequence_config_problem, tensor_plan_problems
+
+    def gemma4(**own):
+        return Gemma4TextConfig(**{**dict(hidden_size=64, intermediate_size=96, num_hidden_layers=4,
+                                          num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                                          global_head_dim=32, num_global_key_value_heads=1, attention_k_eq_v=True,
+                                          layer_types=["sliding_attention", "full_attention"] * 2), **own})
+
+    config = gemma4()
+    with pytest.raises(RuntimeError, match="per-layer attribute"):  # what every check had read
+        config.num_key_value_heads  # noqa: B018
+    assert layer_values(config, "num_key_value_heads") == [2, 1, 2, 1]
+    assert layer_values(config, "head_dim") == [16, 32, 16, 32]
+    assert sequence_config_problem(2, config) is None  # 2 K/V heads split, 1 is replicated
+    assert "3 key/value heads" in sequence_config_problem(2, gemma4(num_key_value_heads=4,
+                                                                    num_global_key_value_heads=3))
+    said = " ".join(tensor_plan_problems(config, 2))  # the global layers' one K/V head does not split over 2
+    assert "key/value heads of layers 1, 3 (1) evenly" in said and "experts" not in said, said
+    assert tensor_plan_problems(gemma4(num_global_key_value_heads=2), 2) == []
+    moe = " ".join(tensor_plan_problems(gemma4(num_global_key_value_heads=2, enable_moe_block=True, num_experts=4,
+                                               top_k_experts=2, moe_intermediate_size=32), 2))
+    assert "a mixture of 4 experts" in moe and "packed_colwise" in moe, moe
+
+
+def test_the_flop_count_takes_each_layers_head_size():
+    """MFU's attention FLOPs (run/metrics.flop_model): 6 x heads x each layer's head size a query-key pair, Gemma 4's
+    global layers at their own (a config that raised before)."""
+    from transformers import AutoModelForCausalLM, Gemma4TextConfig
+
+    from llmtrain.run.metrics import flop_model
+
+    config = Gemma4TextConfig(hidden_size=64, intermediate_size=96, num_hidden_layers=4, num_attention_heads=4,
+                              num_key_value_heads=2, head_dim=16, global_head_dim=32, vocab_size=64,
+                              vocab_size_per_layer_input=64, hidden_size_per_layer_input=8,
+                              layer_types=["sliding_attention", "full_attention"] * 2)
+    assert flop_model(AutoModelForCausalLM.from_config(config)).attn_per_square == 6 * 4 * (16 + 32 + 16 + 32)

@@ -140,7 +140,7 @@ class FlopModel:
 def flop_model(model, *, forward_only: bool = False) -> FlopModel:
     """The FlopModel of a training step of `model`; forward_only: of a frozen model's forward alone (distillation's
     teacher, under no_grad): 2 FLOPs per weight per token, attention a third of a trained step's."""
-    from llmtrain.capabilities import experts
+    from llmtrain.capabilities import experts, layer_values
     from llmtrain.model.loss import causal_lm
 
     lm = causal_lm(model)
@@ -161,7 +161,7 @@ def flop_model(model, *, forward_only: bool = False) -> FlopModel:
         from llmtrain.model.score import head_weight
 
         head = head_weight(lm)
-    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    # each layer's head size (Gemma 4's global layers have their own)
+    head_dims = layer_values(cfg, "head_dim", cfg.hidden_size // cfg.num_attention_heads)
     return FlopModel(body_per_token=body, head_per_token=per_weight(head) * head.numel(),
-                     attn_per_square=(2.0 if forward_only else 6.0) * cfg.num_hidden_layers * cfg.num_attention_heads
-                     * head_dim)
+                     attn_per_square=(2.0 if forward_only else 6.0) * cfg.num_attention_heads * sum(head_dims))
