@@ -129,8 +129,7 @@ FAMILIES: dict[str, Family] = {f.key: f for f in (
     Family("gpt_oss", "GPT-OSS", refused={"tp": _GPT_OSS_TP}, all_linear_experts=False),
     # per-layer embeddings (PLE), a learned scalar a layer (a persistent buffer), local and global layers with their
     # own head sizes (tensor parallelism: its dense layers, tensor_plan_problems refuses its experts' styles)
-    Family("gemma4_text", "Gemma 4 (its text model)", refused={"pp": _GEMMA4_PP}, estimate=False,
-           all_linear_experts=False),
+    Family("gemma4_text", "Gemma 4 (its text model)", refused={"pp": _GEMMA4_PP}, all_linear_experts=False),
 )}
 
 

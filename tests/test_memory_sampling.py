@@ -163,3 +163,43 @@ def test_a_gpt_oss_rollout_holds_its_scores_over_the_cache_as_the_estimate_says(
     print(f"gpt_oss: measured {live.peak:,} B, estimated {predicted:,} B ({predicted / live.peak - 1:+.1%}), "
           f"without the scores {without:,} B")
     assert abs(predicted / live.peak - 1) <= 0.10 and without < 0.9 * live.peak
+
+
+def test_a_gemma_4_rollout_holds_each_layers_own_cache_as_the_estimate_says():
+    """A tiny Gemma 4 as its checkpoints are (local layers with heads of 32 and 4 K/V heads, global ones of 64 with
+    2, the last two layers sharing the keys and values of the two before them, their MLPs double-wide, per-layer
+    inputs; bf16) under LoRA r16, the merged copy on: 4 prompts of 128 tokens x 4 completions of 64. The static cache
+    holds each layer's own heads and none for a layer that shares (model/fast_sample.py; estimate.kv_cache_bytes:
+    half what four layers like the first would hold), the copy each adapted linear of every layer's own shape (the
+    double-wide MLPs' too), and the rollout's peak is within 10% of the estimate's."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from llmtrain.memory.estimate import kv_cache_bytes
+    from llmtrain.model.merged_copy import adapted_linears, copy_bytes
+
+    cfg = dict(CFG, model_type="gemma4_text", head_dim=32, global_head_dim=64, num_key_value_heads=4,
+               num_global_key_value_heads=2, attention_k_eq_v=True, num_kv_shared_layers=2, use_double_wide_mlp=True,
+               sliding_window=64, vocab_size_per_layer_input=4096, hidden_size_per_layer_input=64,
+               layer_types=["sliding_attention", "full_attention"] * 2, final_logit_softcapping=None)
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(AutoConfig.for_model(**cfg, attn_implementation="sdpa"))
+    model = get_peft_model(model.to(torch.bfloat16), LoraConfig(r=16, lora_alpha=32, target_modules="all-linear",
+                                                                lora_dropout=0.0))
+    model.eval()
+    prompts = [[1] + [5 + (i * 7 + j) % 4000 for j in range(127)] for i in range(4) for _ in range(4)]
+    with LiveBytes() as live:
+        live.track(*model.parameters(), *model.buffers())
+        sample_fast(model, prompts, seeds=list(range(16)), max_new_tokens=64, temperature=1.0, top_p=1.0,
+                    stop_ids=set(), pad_id=0, copy="rollout")
+    spec = TrainSpec(method="lora", lora_r=16, lora_dropout=0.0, dtype="bfloat16", micro_batch=16, num_generations=4,
+                     max_completion_tokens=64, prompt_tokens=128, prompt_longest=128, seq_len=192,
+                     merged_copy="rollout", attn_implementation="sdpa")
+    shape = _shape_from_json(json.dumps(cfg), "tiny")
+    parts = {n: p for n, p in estimate(shape, spec).phase_parts.items() if n.startswith("generation")}
+    predicted = max(sum(p.values()) - p.get("optimizer", 0) for p in parts.values())
+    print(f"gemma4: measured {live.peak:,} B, estimated {predicted:,} B ({predicted / live.peak - 1:+.1%})")
+    assert abs(predicted / live.peak - 1) <= 0.10
+    # 16 rows x 192 positions, K and V of the two layers that store them (4 x 32 and 2 x 64), bf16
+    assert parts["generation"]["kv_cache"] == kv_cache_bytes(shape, spec) == 16 * 192 * 2 * (4 * 32 + 2 * 64) * 2
+    assert parts["generation"]["generation_copy"] == copy_bytes(adapted_linears(model))

@@ -74,6 +74,8 @@ def build_model(tmp_path, spec: TrainSpec, cfg: dict, *, reward_head: bool = Fal
                                    gradient_checkpointing=spec.gradient_checkpointing,
                                    kernels="none", tiled_mlp=spec.tiled_mlp),
                        LoraConfig(r=spec.lora_r, dropout=spec.lora_dropout,
+                                  target_modules=spec.lora_target_modules if isinstance(spec.lora_target_modules, str)
+                                  else list(spec.lora_target_modules),
                                   target_parameters=list(spec.lora_target_parameters) or None)
                        if spec.method == "lora" else None,
                        reward_head=reward_head)

@@ -64,6 +64,8 @@ class Pass:
     # row); around attention an all-to-all turns each GPU's [T tokens x all heads] into [N T tokens x 1/N of the
     # heads], the same bytes, and back
     sequence_parallel: int = 1
+    # Gemma 4's per-layer inputs get a gradient (the embeddings' projection trains, or an adapter on it)
+    per_layer_inputs_train: bool = False
 
     @property
     def tokens(self) -> int:
@@ -94,13 +96,16 @@ def layer_norm_bytes(p: Pass, hidden: int, *, trainable: bool, gemma: bool = Fal
 
 
 def qk_norm_bytes(p: Pass, shape: ModelShape) -> int:
-    """QK-norm (Qwen3, Gemma 3): an RMSNorm over each head of q and of k, on q_proj's and k_proj's outputs (the
-    compute dtype) before RoPE; 0 for the families without it."""
+    """QK-norm (Qwen3, Gemma 3, 4): an RMSNorm over each head of q and of k, on q_proj's and k_proj's outputs (the
+    compute dtype) before RoPE (Gemma 4's of v too, weightless); 0 for the families without it."""
     if not shape.qk_norm:
         return 0
     full, g = p.trainable_base, shape.gemma_norms
-    return sum(norm_bytes(p, heads * shape.head_dim, trainable=full, gemma=g, width=p.cd, groups=heads)
-               for heads in (shape.heads, shape.kv_heads))
+    # Gemma 4: a layer sharing an earlier layer's keys has no norm of its own; its V norm has no weight
+    v = norm_bytes(p, shape.kv_heads * shape.head_dim, trainable=False, gemma=g, groups=shape.kv_heads) \
+        if shape.v_norm else 0
+    return v + sum(norm_bytes(p, heads * shape.head_dim, trainable=full, gemma=g, width=p.cd, groups=heads)
+                   for heads in (shape.heads, 0 if shape.kv_shared else shape.kv_heads))
 
 
 def post_norm_bytes(p: Pass, shape: ModelShape) -> int:
@@ -119,6 +124,13 @@ def kv_width(p: Pass, shape: ModelShape) -> int:
 def kv_repeated(p: Pass) -> bool:
     """Attention gets K/V repeated to every query head (eager, SDPA with a mask, varlen on a torch without GQA)."""
     return p.attn == "eager" or (p.attn == "sdpa" and p.mask) or (p.attn == "varlen" and p.varlen_repeats_kv)
+
+
+def own_kv(p: Pass, shape: ModelShape) -> bool:
+    """Whether the K/V that attention saves are this layer's own tensors: not where it shares an earlier layer's
+    (Gemma 4's kv sharing) and attention takes them as they are (SDPA without repeating them); the varlen attention
+    and a repeat copy them."""
+    return not shape.kv_shared or p.attn == "varlen" or (kv_repeated(p) and shape.heads != shape.kv_heads)
 
 
 def fused_view_bytes(p: Pass, shape: ModelShape) -> int:
@@ -157,7 +169,7 @@ def attention_bytes(p: Pass, shape: ModelShape, *, o_trainable: bool) -> int:
     Under sequence parallelism the kernel saves the gathered [N T x heads/N] q, k, v, output and logsumexp, as many
     bytes; o_proj's input is then the output's all-to-all back, a tensor of its own, saved by a trained o_proj."""
     T, hq = p.tokens, shape.heads * shape.head_dim
-    qkv = T * (hq + 2 * kv_width(p, shape)) * p.cd
+    qkv = T * (hq + 2 * kv_width(p, shape) * own_kv(p, shape)) * p.cd
     scores = p.rows * shape.heads * p.row_len * p.row_len
     if p.attn == "eager":
         probs = scores * (FP32 + (p.cd if p.cd != FP32 else 0))
@@ -414,7 +426,67 @@ def experts_eval_bytes(p: Pass, shape: ModelShape) -> int:
 
 def layer_bytes(p: Pass, shape: ModelShape, adapted: dict[str, tuple[int, int]], r: int) -> int:
     """Everything one decoder layer saves for backward (gradient checkpointing off)."""
-    return attn_half_bytes(p, shape, adapted, r) + mlp_half_bytes(p, shape, adapted, r)
+    return attn_half_bytes(p, shape, adapted, r) + mlp_half_bytes(p, shape, adapted, r) + \
+        per_layer_input_bytes(p, shape, adapted, r)
+
+
+# --------------------------------------------------------------------------- Gemma 4's per-layer inputs (PLE)
+# Before the layers: the per-layer embeddings of the ids (a table of layers x D a token, in the weights' dtype) plus
+# the embeddings' projection to as many (per_layer_model_projection, normed over each layer's D), summed: one
+# [T, layers, D] tensor, each layer reading its slice. At the end of each layer: gate = gelu(per_layer_input_gate(h)),
+# h + norm(per_layer_projection(gate * its slice)).
+
+
+def _ple_width(p: Pass) -> int:
+    """The per-layer inputs' dtype: the table's (the stream's) and the projection's (cd) promoted."""
+    return max(p.cd, p.resid)
+
+
+def per_layer_input_bytes(p: Pass, shape: ModelShape, adapted: dict[str, tuple[int, int]], r: int) -> int:
+    """What a layer's per-layer input block saves: gelu's input (the gate's output, T x D in cd), its output (for
+    the product's gradient towards the per-layer input, where that trains: Pass.per_layer_inputs_train), the gate's
+    and the projection's inputs where their weights train (T x H, and the product cast to cd, T x D), their adapters,
+    and the norm after the projection (Gemma's fp32 norm over T x H). The slice of the per-layer inputs it multiplies
+    is a view of theirs (per_layer_inputs_bytes). 0 without per-layer inputs."""
+    if not shape.per_layer_input:
+        return 0
+    full, H, D, T = p.trainable_base, shape.hidden, shape.per_layer_input, p.tokens
+    total = T * D * p.cd * (1 + p.per_layer_inputs_train)
+    if full:
+        total += linear_input_bytes(p, H, 1) + T * D * p.cd
+    total += shared_adapter_inputs(p, adapted, {("per_layer_input_gate",): H, ("per_layer_projection",): D})
+    total += sum(lora_bytes(p, fan_in, r) for name, (fan_in, _) in adapted.items()
+                 if name in ("per_layer_input_gate", "per_layer_projection"))
+    return total + norm_bytes(p, H, trainable=full, gemma=True)
+
+
+def per_layer_inputs_bytes(p: Pass, shape: ModelShape, other_adapted: dict[str, tuple[int, int]], r: int) -> int:
+    """Saved before the layers, alive until the first layer's backward: the per-layer inputs (T x layers x D, their
+    dtype: _ple_width), and where they train (Pass.per_layer_inputs_train: the projection's weight or an adapter on
+    it), the norm over the projection's output (its fp32 input, the rsqrt per token and layer, the normed fp32 where
+    its weight trains), the projection's input (the embeddings, cast to cd under autocast) where its weight trains,
+    its adapter."""
+    if not shape.per_layer_input:
+        return 0
+    n = p.tokens * shape.layers * shape.per_layer_input
+    total = n * _ple_width(p)
+    if not p.per_layer_inputs_train:
+        return total
+    total += n * FP32 * (1 + p.trainable_base) + p.tokens * shape.layers * FP32
+    if p.trainable_base:
+        total += linear_input_bytes(p, shape.hidden, 1)
+    if (lin := other_adapted.get("per_layer_model_projection")) is not None:
+        total += lora_bytes(p, lin[0], r)
+    return total
+
+
+def per_layer_inputs_grad_bytes(p: Pass, shape: ModelShape) -> int:
+    """The per-layer inputs' gradient through the layers' backward, where they train: autograd makes each layer's
+    slice's gradient as a whole [T, layers, D] tensor and sums them into one, held from the last layer's backward to
+    the projection's (one, and a second while a layer's is summed in)."""
+    if not shape.per_layer_input or not p.per_layer_inputs_train:
+        return 0
+    return p.tokens * shape.layers * shape.per_layer_input * _ple_width(p)
 
 
 def down_input_bytes(p: Pass, shape: ModelShape, adapted: dict[str, tuple[int, int]], r: int) -> int:
@@ -459,12 +531,14 @@ def stream_inputs_bytes(p: Pass, shape: ModelShape, *, embed_trainable: bool) ->
     return (p.tokens * 8 if embed_trainable else 0) + rope_bytes(p, shape)
 
 
-def outside_layers_bytes(p: Pass, shape: ModelShape, *, embed_trainable: bool, norm_trainable: bool) -> int:
-    """Saved outside the decoder layers: the stream's inputs, the final norm, and the loss's input. The LM
-    head saves nothing past the forward (trainable or not, adapted or not): it runs inside the chunks."""
+def outside_layers_bytes(p: Pass, shape: ModelShape, *, embed_trainable: bool, norm_trainable: bool,
+                         other_adapted: dict[str, tuple[int, int]] | None = None, r: int = 0) -> int:
+    """Saved outside the decoder layers: the stream's inputs, the final norm, and the loss's input (and Gemma 4's
+    per-layer inputs: per_layer_inputs_bytes). The LM head saves nothing past the forward (trainable or not, adapted
+    or not): it runs inside the chunks."""
     return (stream_inputs_bytes(p, shape, embed_trainable=embed_trainable)
             + norm_bytes(p, shape.hidden, trainable=norm_trainable, gemma=shape.gemma_norms)
-            + loss_input_bytes(p, shape))
+            + loss_input_bytes(p, shape) + per_layer_inputs_bytes(p, shape, other_adapted or {}, r))
 
 
 def mask_bytes(p: Pass, masks: int = 1) -> int:

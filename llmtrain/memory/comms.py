@@ -223,9 +223,11 @@ def sequence_traffic(shape: ModelShape, spec: TrainSpec) -> SequenceTraffic | No
     from llmtrain.memory import activations as act
     from llmtrain.memory.estimate import make_pass
 
-    per_layer = float(act.all_to_all_bytes(make_pass(shape, spec), shape))
+    p = make_pass(shape, spec)
+    layers = float(sum(act.all_to_all_bytes(p, shape.layer(i)) for i in range(shape.layers)))
+    per_layer = layers / shape.layers  # (each layer's own where they differ: Gemma 4's heads)
     passes = 3 if spec.gradient_checkpointing else 2
-    payload = spec.grad_accum_steps * shape.layers * passes * per_layer
+    payload = spec.grad_accum_steps * passes * layers
     g = spec.num_gpus
     inter = (n - g) / n * payload if n > g else 0.0
     return SequenceTraffic(n, g, payload, per_layer, passes, all_to_all(payload, n) - inter, inter)
@@ -245,7 +247,7 @@ def gathered_bytes(shape: ModelShape, spec: TrainSpec, *, trained_params: int) -
     """Every parameter in its compute dtype (bf16 under mixed precision), a 4-bit base as stored (4 bits and the
     quantisation constants a weight), and LoRA's trained parameters (counted with the layers they adapt)."""
     compute = DTYPE_BYTES[PRECISION_DTYPE.get(spec.mixed_precision, spec.dtype)]
-    in_layers = shape.layers * shape.params_per_layer
+    in_layers = shape.layer_params_total
     embed = 0 if shape.tied else shape.params_embed
     tail = shape.params_total - in_layers - embed
     if spec.method == "full":
@@ -253,7 +255,7 @@ def gathered_bytes(shape: ModelShape, spec: TrainSpec, *, trained_params: int) -
     base = DTYPE_BYTES[spec.dtype] if spec.quantize else compute
     layers = float(in_layers * base)
     if spec.quantize:
-        quantized = shape.linear_params_per_layer * shape.layers
+        quantized = shape.layer_linear_params_total
         layers = quantized * QUANT_BYTES_PER_WEIGHT + (in_layers - quantized) * base
     return Gathered(layers + embed * base + trained_params * compute, float(tail * base))
 
@@ -359,9 +361,9 @@ def step_flops(shape: ModelShape, spec: TrainSpec, trainable_linear_share: float
     example seq_len long (a token budget: as many full-length examples as fit). Under sequence parallelism a GPU
     does 1/N of its group's: the layers on its 1/N of the tokens, attention for 1/N of the heads over all of them."""
     tokens = spec.tokens * spec.grad_accum_steps
-    body = shape.layers * shape.active_params_per_layer * (4 + 2 * trainable_linear_share)
+    body = shape.active_params_total * (4 + 2 * trainable_linear_share)
     head = shape.head_outputs * shape.hidden * (6 if spec.method == "full" else 4)
-    attn = 6.0 * shape.layers * shape.heads * shape.head_dim * tokens * min(spec.seq_len, spec.tokens)
+    attn = 6.0 * shape.attention_width_total * tokens * min(spec.seq_len, spec.tokens)
     return (tokens * (body + head) + attn) / spec.sequence_parallel
 
 
@@ -379,7 +381,7 @@ def sampling_seconds(shape: ModelShape, spec: TrainSpec, *, weight_bytes: float,
     prompts = max(1, spec.micro_batch // spec.num_generations)
     if spec.sharded:  # FSDP: the rollout gathered the whole model (gathered_for_generation), in the compute dtype
         weight_bytes = shape.params_total * DTYPE_BYTES[PRECISION_DTYPE.get(spec.mixed_precision, spec.dtype)]
-    params = shape.layers * shape.active_params_per_layer + shape.vocab * shape.hidden
+    params = shape.active_params_total + shape.vocab * shape.hidden
     prefill = 2.0 * params * prompts * spec.prompt_tokens / (network.peak_tflops * 1e12 * network.mfu)
     decode = spec.max_completion_tokens * (weight_bytes + kv_cache_bytes(shape, spec)) / (network.hbm_tbps * 1e12)
     return spec.grad_accum_steps * (prefill + decode)

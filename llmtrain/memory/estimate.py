@@ -11,11 +11,11 @@ import functools
 import inspect
 from dataclasses import replace
 
-from llmtrain.capabilities import FAMILIES, experts_problems, sequence_heads_problem
+from llmtrain.capabilities import FAMILIES, experts_problems, family_cell, sequence_heads_problem
 from llmtrain.config import PREFILL_CHUNK, tiled_mlp_shard
 from llmtrain.errors import LLMTrainError
 from llmtrain.memory import activations as act
-from llmtrain.memory.params import LoraPlan, ModelShape, run_lora_plan, tensor_parallel_shape
+from llmtrain.memory.params import LoraPlan, ModelShape, run_lora_plan, tensor_parallel_shape, tensor_problems
 from llmtrain.memory.spec import (
     DTYPE_BYTES,
     GIB,
@@ -97,6 +97,8 @@ def make_pass(shape: ModelShape, spec: TrainSpec, *, examples: int | None = None
                     adapters_in_cd=spec.method == "lora" and amp and (spec.sharded or bool(spec.quantize)),
                     # the tiled MLP runs untiled on a micro-batch of at most one shard (model/tiled_mlp.py)
                     mlp_shard=shard if shard and tokens > shard else None, sequence_parallel=n,
+                    per_layer_inputs_train=bool(shape.per_layer_input) and (spec.method == "full" or (
+                        "per_layer_model_projection" in run_lora_plan(shape, spec).adapted_other)),
                     **_expert_adapters(shape, spec, DTYPE_BYTES[stream]))
 
 
@@ -138,9 +140,10 @@ def _share(shape: ModelShape, plan: LoraPlan | None, k: int, prefix: str) -> flo
     """The fraction of decoder layer k's trainable parameters in the linears named `prefix`... (or in their adapters):
     "mlp.down_proj", or "mlp." for the whole MLP."""
     if plan is None:
-        sizes = {x.name: x.numel for x in shape.layer_linears}
+        layer = shape.layer(k)
+        sizes = {x.name: x.numel for x in layer.layer_linears}
         sizes.update(shape.experts.params(shape.hidden) if shape.experts else {})
-        return sum(n for name, n in sizes.items() if name.startswith(prefix)) / shape.params_per_layer
+        return sum(n for name, n in sizes.items() if name.startswith(prefix)) / layer.params_per_layer
     sizes = plan.layer_sizes(k)
     return sum(n for name, n in sizes.items() if name.startswith(prefix)) / max(1, sum(sizes.values()))
 
@@ -155,8 +158,15 @@ def estimate(shape: ModelShape, spec: TrainSpec) -> Estimate:
     if spec.pipeline_parallel > 1:  # each stage holds other layers: memory.estimate_run walks them
         raise ValueError("a pipeline's stages are estimated by llmtrain.memory.estimate_run")
     spec.validate()
-    if problem := sequence_heads_problem(spec.sequence_parallel, shape.heads, shape.kv_heads):
-        raise LLMTrainError(f"cannot estimate this run: {problem} ({shape.source}).")
+    for n, kv in dict.fromkeys((1, shape.layer(i).kv_heads) for i in range(shape.layers)):
+        if problem := sequence_heads_problem(spec.sequence_parallel, shape.heads, kv):
+            raise LLMTrainError(f"cannot estimate this run: {problem} ({shape.source}).")
+    if spec.tp > 1 and (why := family_cell(shape.model_type, "tp")):
+        raise LLMTrainError(f"cannot estimate this run: tensor parallelism is refused for "
+                            f"{FAMILIES[shape.model_type].name}: {why}.")
+    if spec.tp > 1 and shape.config_json and (problems := tensor_problems(shape.config_json, shape.model_type,
+                                                                           spec.tp)):
+        raise LLMTrainError(f"cannot estimate this run: {'; '.join(problems)} ({shape.source}).")
     dropout = spec.lora_dropout if spec.method == "lora" else 0.0
     if shape.experts and (problems := experts_problems(
             shape.model_type, shape.experts.count, tiled_mlp=bool(spec.tiled_mlp), lora_dropout=dropout,
@@ -175,9 +185,9 @@ def estimate(shape: ModelShape, spec: TrainSpec) -> Estimate:
     embed_trains = full or (plan is not None and "embed_tokens" in plan.saved_copies)
 
     # -- activations
-    saved = [act.layer_bytes(p, shape, adapted[i], spec.lora_r) for i in range(L)]
+    saved = [act.layer_bytes(p, shape.layer(i), adapted[i], spec.lora_r) for i in range(L)]
     if not embed_trains:  # the first layer's input needs no gradient
-        saved[0] -= act.frozen_input_discount(p, shape, adapted[0])
+        saved[0] -= act.frozen_input_discount(p, shape.layer(0), adapted[0])
     if ckpt and p.mlp_shard:  # the tiled input norm keeps the layer's input: the checkpoint's own tensor, once
         saved = [s - (act.checkpoint_bytes(p, shape) if (i or embed_trains) else 0) for i, s in enumerate(saved)]
     kept = [act.checkpoint_bytes(p, shape)] * L if ckpt else saved  # what each layer keeps after forward
@@ -188,22 +198,32 @@ def estimate(shape: ModelShape, spec: TrainSpec) -> Estimate:
     on_gpu = [0] * (L - 1) + [kept[-1]] if offload else kept
     in_flight = kept[0] if offload and L > 1 else 0
     rope_ids = act.stream_inputs_bytes(p, shape, embed_trainable=embed_trains)
-    outside = act.outside_layers_bytes(p, shape, embed_trainable=embed_trains, norm_trainable=full)
+    outside = act.outside_layers_bytes(p, shape, embed_trainable=embed_trains, norm_trainable=full,
+                                       other_adapted=plan.adapted_other if plan else {}, r=spec.lora_r)
     mask = act.mask_bytes(p, shape.masks)
     mask_bwd = mask if ckpt else 0  # checkpointed layers hold the mask for their recompute
 
     # -- autocast copies of weights (non-FSDP mixed precision; FSDP gathers in the compute dtype)
     adapter_params = [plan.layer_params(i) if plan else 0 for i in range(L)]
     router = shape.experts.count * H if shape.experts else 0  # a mixture of experts' router weight (E x H)
-    base_copies = (shape.linear_params_per_layer + router) * p.cd if p.separate_casts else 0  # fp32 base linears
+    # fp32 base linears, each layer's
+    base_copies = [(shape.layer(i).linear_params_per_layer + router) * p.cd if p.separate_casts else 0
+                   for i in range(L)]
     adapter_cast = amp and not fsdp  # fp32 adapters under autocast
     # (an expert parameter's A and B are not autocast's: peft casts them itself, act.expert_adapter_bytes)
     factors = sum(n for name, n in plan.moe_params.items() if name.startswith("mlp.experts.")) if plan else 0
-    copies = [base_copies + ((n - factors) * p.cd if adapter_cast else 0) for n in adapter_params]
+    copies = [base_copies[i] + ((n - factors) * p.cd if adapter_cast else 0) for i, n in enumerate(adapter_params)]
     # The autocast cache holds casts of trainable fp32 leaves until the forward returns.
-    cached = [(base_copies if full else 0) + ((n - factors) * p.cd if adapter_cast else 0) for n in adapter_params]
+    cached = [(base_copies[i] if full else 0) + ((n - factors) * p.cd if adapter_cast else 0)
+              for i, n in enumerate(adapter_params)]
+    # the linears outside the layers (Gemma 4's projection of the embeddings): the casts of those that train, their
+    # adapters', held from before the first layer
+    other = (sum(x.numel for x in shape.other_linears) * p.cd if full and p.separate_casts else 0) + (
+        plan.other_params * p.cd if plan and adapter_cast else 0)
+    copies[0] += other
+    cached[0] += other
     if not embed_trains:  # nor does it keep casts of its q/k/v weights (saved for the input's gradient)
-        qkv = [x for x in shape.layer_linears if x.name in shape.input_linears[0]]
+        qkv = [x for x in shape.layer(0).layer_linears if x.name in shape.layer(0).input_linears[0]]
         copies[0] -= sum(x.numel for x in qkv) * p.cd if p.separate_casts else 0
         copies[0] -= sum(spec.lora_r * x.fan_in for x in qkv if x.name in adapted[0]) * p.cd if adapter_cast else 0
     head_copies = (shape.head_outputs * H * p.cd if p.separate_casts else 0) + (
@@ -215,10 +235,11 @@ def estimate(shape: ModelShape, spec: TrainSpec) -> Estimate:
 
     # -- FSDP: gathered (unsharded) units in the compute dtype, about two decoder layers in flight
     pd = p.cd if amp else DTYPE_BYTES[spec.dtype]
-    unit = (shape.params_per_layer + max(adapter_params)) * pd if fsdp else 0
+    largest = max(shape.layer(i).params_per_layer for i in range(L))
+    unit = (largest + max(adapter_params)) * pd if fsdp else 0
     # A unit's unsharded gradients, in the compute dtype and, under mixed precision, also as the fp32 copy that
     # is reduce-scattered (fsdp.fsdp_precision reduces in fp32).
-    unit_grads = (shape.params_per_layer if full else max(adapter_params)) * (pd + 4 * amp) if fsdp else 0
+    unit_grads = (largest if full else max(adapter_params)) * (pd + 4 * amp) if fsdp else 0
     tail = (shape.head_outputs * H + shape.params_final_norm) * pd if fsdp else 0  # final norm + head (+ tied embed.)
     embed_unit = V * H * pd if (fsdp and not shape.tied) else 0
     always = tail if shape.tied else 0
@@ -228,7 +249,7 @@ def estimate(shape: ModelShape, spec: TrainSpec) -> Estimate:
     acts_all = sum(on_gpu) + in_flight + outside
     phases = {"forward": _phase(**base, gradients=g_acc, autocast_copies=copies_fwd,
                                 activations=sum(on_gpu) + in_flight + rope_ids + mask, fsdp_buffers=2 * unit + always,
-                                temporaries=act.layer_forward_temp(p, shape, adapted[-1]))}
+                                temporaries=act.layer_forward_temp(p, shape.layer(L - 1), adapted[-1]))}
 
     phases.update(_loss_phases(
         p, shape, spec, st, head_copies=head_copies, tail=tail,
@@ -237,7 +258,8 @@ def estimate(shape: ModelShape, spec: TrainSpec) -> Estimate:
         backward=dict(**base, gradients=g_acc, autocast_copies=copies_kept, activations=acts_all + mask_bwd),
         head_adapter_r=spec.lora_r if plan and plan.adapted_head else 0))
     cast_temp = p.separate_casts and full  # a 16-bit weight gradient before it is cast to the fp32 .grad
-    mlp_names = [x for x in shape.layer_linears if x.name.startswith("mlp.")]
+    every = [x for i in range(L) for x in shape.layer(i).layer_linears]  # every layer's linears
+    mlp_names = [x for x in every if x.name.startswith("mlp.")]
     # (a mixture of experts' run in their weights' dtype: its router's is the one cast)
     down_temp = max([x.numel for x in mlp_names] + [router]) * p.cd if cast_temp else 0
     # the tiled MLP returns its weights' gradients summed over the shards: one more copy where .grad is already held
@@ -245,8 +267,9 @@ def estimate(shape: ModelShape, spec: TrainSpec) -> Estimate:
     # unsharded gradient, counted in its buffers
     held = not fsdp or (spec.fsdp_accumulate == "unsharded" and spec.grad_accum_steps > 1)
     if p.mlp_shard and full and held:
-        down_temp += sum(x.numel for x in mlp_names) * DTYPE_BYTES[spec.dtype]
-    attn_temp = max(x.numel for x in shape.layer_linears if x not in mlp_names) * p.cd if cast_temp else 0
+        down_temp += max(sum(x.numel for x in shape.layer(i).layer_linears if x.name.startswith("mlp."))
+                         for i in range(L)) * DTYPE_BYTES[spec.dtype]
+    attn_temp = max(x.numel for x in every if x not in mlp_names) * p.cd if cast_temp else 0
     phases["backward_layers"] = _backward_layers(
         p, shape, spec, st, plan, base, adapted=adapted, saved=saved, kept=kept, on_gpu=on_gpu, copies=copies,
         below_all=rope_ids + mask_bwd, g_acc=g_acc, temps=(down_temp, attn_temp),
@@ -318,32 +341,40 @@ def _backward_layers(p, shape: ModelShape, spec: TrainSpec, st, plan, base: dict
     resid_grad = act.residual_grad_bytes(p, shape)
     worst: dict[str, int] = {}
     for k in range(shape.layers - 1, -1, -1):
-        a = adapted[k]
+        a, layer = adapted[k], shape.layer(k)
         above = st.grads_head + sum(st.grads_layer[k + 1:])
         g_down = st.grads_layer[k] * _share(shape, plan, k, "mlp.down_proj")
         fetched = kept[k - 1] if (offload and k > 0) else 0  # offload: the next layer's, prefetched
         below = sum(on_gpu[:k]) + (kept[k] if ckpt else 0) + fetched + below_all
         live_copies = sum(copies[: k + 1]) if not ckpt else copies[k]
-        half_attn = act.attn_half_bytes(p, shape, a, spec.lora_r) - (
-            act.frozen_input_discount(p, shape, a) if (k == 0 and not embed_trains) else 0)
+        half_attn = act.attn_half_bytes(p, layer, a, spec.lora_r) - (
+            act.frozen_input_discount(p, layer, a) if (k == 0 and not embed_trains) else 0)
+        # Gemma 4's per-layer input block, the first to run its backward (its tensors then freed), and the per-layer
+        # inputs' gradient, summed over the layers so far (a whole one more while a layer's slice is summed in)
+        ple, ple_grad = act.per_layer_input_bytes(p, layer, a, spec.lora_r), act.per_layer_inputs_grad_bytes(p, shape)
+        grad = resid_grad + ple_grad
+        held = grad if k < shape.layers - 1 else resid_grad  # before this layer's per-layer input's backward
         moments = [
-            dict(gradients=max(g_acc, above + g_down), activations=below + saved[k] - act.down_input_bytes(
-                p, shape, a, spec.lora_r), temporaries=resid_grad + act.mlp_backward_temp(p, shape, a) + temps[0]
-                + act.tiled_shard_bytes(p, shape, a, spec.lora_r)),
+            dict(gradients=max(g_acc, above + g_down), activations=below + saved[k] - ple - act.down_input_bytes(
+                p, layer, a, spec.lora_r), temporaries=grad + act.mlp_backward_temp(p, layer, a) + temps[0]
+                + act.tiled_shard_bytes(p, layer, a, spec.lora_r)),
             # the post-attention norm's backward: the MLP's gradients made, its input freed, the norm's fp32 input
             dict(gradients=max(g_acc, above + st.grads_layer[k] * _share(shape, plan, k, "mlp.")),
                  activations=below + half_attn + act.layer_norm_bytes(p, shape.hidden, trainable=False,
                                                                       gemma=shape.gemma_norms),
-                 temporaries=resid_grad + act.norm_backward_temp(p, shape.hidden)),
+                 temporaries=grad + act.norm_backward_temp(p, shape.hidden)),
             dict(gradients=max(g_acc, above + st.grads_layer[k]), activations=below + half_attn,
-                 temporaries=resid_grad + act.attn_backward_temp(p, shape, a) + temps[1]),
+                 temporaries=grad + act.attn_backward_temp(p, layer, a) + temps[1]),
         ]
-        if shape.gemma_norms:  # Gemma's norm of the MLP's output runs its backward first, with the layer all saved
+        if ple:
             moments.append(dict(gradients=max(g_acc, above), activations=below + saved[k],
-                                temporaries=resid_grad + act.norm_backward_temp(p, shape.hidden)))
+                                temporaries=held + ple_grad + act.norm_backward_temp(p, shape.hidden)))
+        if shape.gemma_norms:  # Gemma's norm of the MLP's output runs its backward first, with the layer all saved
+            moments.append(dict(gradients=max(g_acc, above), activations=below + saved[k] - ple,
+                                temporaries=grad + act.norm_backward_temp(p, shape.hidden)))
         if ckpt:
             moments.append(dict(gradients=max(g_acc, above), activations=below + saved[k],
-                                temporaries=resid_grad + act.layer_forward_temp(p, shape, a)))
+                                temporaries=held + act.layer_forward_temp(p, layer, a)))
         for m in moments:
             ph = _phase(**base, autocast_copies=live_copies, fsdp_buffers=fsdp_buffers, **m)
             if sum(ph.values()) > sum(worst.values()):
@@ -357,7 +388,9 @@ def _eval_phases(shape: ModelShape, spec: TrainSpec, base: dict, *, adapted, cac
     token `budget`): a layer's transients; then the hidden states, gathered, and a loss chunk."""
     e = make_pass(shape, spec, examples=examples, budget=budget)
     ce = act.loss_chunk(e, spec.loss_chunk_tokens)
-    layer = act.eval_layer_bytes(e, shape, adapted[-1]) + act.all_to_all_temp(e, shape)
+    layer = max(act.eval_layer_bytes(e, shape.layer(i), adapted[i]) + act.all_to_all_temp(e, shape.layer(i))
+                for i in range(shape.layers)) if shape.layer_shapes else \
+        act.eval_layer_bytes(e, shape, adapted[-1]) + act.all_to_all_temp(e, shape)
     return {
         f"{name}_forward": _phase(**base, autocast_copies=cached, activations=act.mask_bytes(e, shape.masks),
                                   temporaries=layer, fsdp_buffers=fsdp_unit),
@@ -379,10 +412,13 @@ def sampling_rows(spec: TrainSpec) -> int:
 def kv_cache_bytes(shape: ModelShape, spec: TrainSpec) -> int:
     """The sampler's static KV cache, allocated once a round: K and V of kv_heads x head_dim per layer in the compute
     dtype, for sampling_rows x (the longest prompt + rl.max_completion_tokens) positions (the sampler left-pads every
-    prompt to the micro-batch's longest)."""
+    prompt to the micro-batch's longest). Each layer's own heads (Gemma 4's); a layer sharing an earlier layer's keys
+    and values holds none."""
     cd = DTYPE_BYTES[PRECISION_DTYPE.get(spec.mixed_precision, spec.dtype)]
     width = spec.prompt_longest + spec.max_completion_tokens if spec.prompt_longest else spec.seq_len
-    return sampling_rows(spec) * width * shape.layers * 2 * shape.kv_heads * shape.head_dim * cd
+    per_token = sum(2 * shape.layer(i).kv_heads * shape.layer(i).head_dim for i in range(shape.layers)
+                    if not shape.layer(i).kv_shared)
+    return sampling_rows(spec) * width * per_token * cd
 
 
 def generation_copy_bytes(shape: ModelShape, spec: TrainSpec, plan) -> int:
@@ -396,7 +432,8 @@ def generation_copy_bytes(shape: ModelShape, spec: TrainSpec, plan) -> int:
     # (a mixture of experts' adapted router and experts are peft's parameter adapters: the router's merged by peft at
     # each forward, the experts' run beside them, model/lora_experts.py)
     per_layers = sum(i * o for layer in plan.adapted for name, (i, o) in layer.items() if name not in plan.moe_params)
-    return (per_layers + (shape.hidden * shape.vocab if plan.adapted_head else 0)) * cd
+    other = sum(i * o for i, o in plan.adapted_other.values())  # Gemma 4's projection of the embeddings
+    return (per_layers + other + (shape.hidden * shape.vocab if plan.adapted_head else 0)) * cd
 
 
 def _generation_phases(shape: ModelShape, spec: TrainSpec, base: dict, *, cached: int, fsdp_unit: int) -> dict:
@@ -421,7 +458,8 @@ def _generation_phases(shape: ModelShape, spec: TrainSpec, base: dict, *, cached
     scores = act.sink_sampling_bytes(shape, prompts, chunk, width, prefill.cd)
     stream = 4 * prefill.tokens * shape.hidden * prefill.resid
     return {"generation_prefill": _phase(**common, logits=prompts * shape.vocab * (prefill.cd + act.FP32),
-                                         temporaries=max(act.eval_layer_bytes(prefill, shape, {}),
+                                         temporaries=max(*(act.eval_layer_bytes(prefill, shape.layer(i), {})
+                                                           for i in range(shape.layers)),
                                                          stream + scores if scores else 0)),
             "generation": _phase(**common, logits=rows * shape.vocab * 4 * act.FP32,
                                  temporaries=act.sink_sampling_bytes(shape, rows, 1, slots, prefill.cd))}

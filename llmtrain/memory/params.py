@@ -5,7 +5,8 @@ embeddings, the LM head and grouped-query attention are counted as transformers 
 few shapes the activation formulas need are read off the same meta model, and so is what sets each family's
 decoder layer apart from Llama's (FAMILIES): QK-norm (Qwen3, Gemma 3), Gemma's fp32 (1 + w) RMSNorm, four of them a
 layer and a second RoPE (Gemma 3), fused q/k/v and gate/up projections and partial RoPE (Phi-3, Phi-4), a router and
-experts in place of the MLP (Qwen3-MoE, Mixtral: `Experts`). What LoRA adapts of a mixture of experts is peft's own
+experts in place of the MLP (Qwen3-MoE, Mixtral: `Experts`), layers that are not all alike and per-layer inputs (Gemma
+4: `ModelShape.layer_shapes`, `per_layer_input`). What LoRA adapts of a mixture of experts is peft's own
 answer, read off peft applied to one layer on the meta device (`_peft_adapted`).
 """
 
@@ -206,6 +207,51 @@ class ModelShape:
     tp_gathers: tuple[int, int] = (0, 0)
     experts: Experts | None = None  # a mixture of experts in place of the MLP (its layer_linears: attention's)
     config_json: str = field(default="", repr=False, compare=False)  # what it was read from (for peft, _peft_adapted)
+    # Layers that are not all alike (Gemma 4): each layer's own shape (heads, kv_heads, head_dim, intermediate,
+    # layer_linears, params_per_layer and the flags below), `layer(i)`; () where every layer is this shape's
+    layer_shapes: tuple[ModelShape, ...] = field(default=(), repr=False)
+    # Gemma 4's layer: its keys and values are an earlier layer's (kv sharing: no k/v projections or norms of its own)
+    kv_shared: bool = False
+    k_eq_v: bool = False  # its values are its keys' projection (attention_k_eq_v's global layers: no v_proj)
+    v_norm: bool = False  # an RMSNorm without a weight over each head of v (Gemma 4)
+    # Gemma 4's per-layer embeddings (PLE): per_layer_input values a token a layer, from a second embedding table and a
+    # projection of the embeddings (made once, for all layers: `other_linears`), gated into each layer's output
+    per_layer_input: int = 0
+    params_other: int = 0  # weights outside the decoder layers, the embeddings, the final norm and the head (PLE's)
+    other_linears: tuple[Linear, ...] = ()  # linears among them (peft's all-linear reaches them)
+
+    def layer(self, i: int) -> ModelShape:
+        """Decoder layer i's shape: its own where the layers differ (layer_shapes), else this one."""
+        return self.layer_shapes[i] if self.layer_shapes else self
+
+    def summed(self, per_layer) -> int:
+        """per_layer(layer shape), summed over the decoder layers (each its own where they differ)."""
+        return sum(per_layer(self.layer(i)) for i in range(self.layers))
+
+    @property
+    def layer_params_total(self) -> int:
+        """Weights of all decoder layers."""
+        return self.summed(lambda layer: layer.params_per_layer)
+
+    @property
+    def layer_linear_params_total(self) -> int:
+        """Weights of the decoder layers' linears."""
+        return self.summed(lambda layer: layer.linear_params_per_layer)
+
+    @property
+    def linear_params_total(self) -> int:
+        """Weights of every linear layer but the head: the decoder layers' and those outside them (other_linears)."""
+        return self.layer_linear_params_total + sum(lin.numel for lin in self.other_linears)
+
+    @property
+    def active_params_total(self) -> int:
+        """The matrix weights a token goes through in the decoder layers (active_params_per_layer, summed)."""
+        return self.summed(lambda layer: layer.active_params_per_layer)
+
+    @property
+    def attention_width_total(self) -> int:
+        """Query heads x head size, summed over the decoder layers (attention's FLOPs a query-key pair, / 6)."""
+        return self.summed(lambda layer: layer.heads * layer.head_dim)
 
     @property
     def rotary_dim(self) -> int:
@@ -232,7 +278,8 @@ class ModelShape:
 
     @property
     def params_total(self) -> int:
-        return self.params_embed + self.params_head + self.params_final_norm + self.layers * self.params_per_layer
+        return self.params_embed + self.params_head + self.params_final_norm + self.params_other + \
+            self.layer_params_total
 
     @property
     def linear_params_per_layer(self) -> int:
@@ -275,6 +322,11 @@ def tensor_parallel_shape(shape: ModelShape, tp: int) -> ModelShape:
 
     from transformers import CONFIG_MAPPING
 
+    if shape.layer_shapes:  # each layer's own slice (Gemma 4), from its own heads and columns
+        layers = tuple(tensor_parallel_shape(replace(layer, layer_shapes=()), tp) for layer in shape.layer_shapes)
+        return replace(layers[0], layer_shapes=layers, params_other=shape.params_other,
+                       other_linears=shape.other_linears, per_layer_input=shape.per_layer_input)
+
     plan = CONFIG_MAPPING[shape.model_type].base_model_tp_plan
     style = {pattern.rsplit("*.", 1)[-1]: how for pattern, how in plan.items()}  # 'self_attn.q_proj' -> 'colwise'
     cut = {"colwise": "out", "colwise_gather_output": "out", "rowwise": "in", "rowwise_split_input": "in"}
@@ -305,6 +357,8 @@ class LoraPlan:
     adapted_head: bool  # an adapter on lm_head (only when targeted by name)
     saved_copies: tuple[str, ...]  # modules_to_save: trained in full as a copy beside the frozen original
     moe_params: dict[str, int] = field(default_factory=dict)
+    # adapted linears outside the decoder layers (ModelShape.other_linears: Gemma 4's per_layer_model_projection)
+    adapted_other: dict[str, tuple[int, int]] = field(default_factory=dict)
 
     def layer_sizes(self, k: int) -> dict[str, int]:
         """Adapter weights of decoder layer k, by adapted linear or parameter."""
@@ -315,7 +369,12 @@ class LoraPlan:
 
     def adapter_params(self, shape: ModelShape) -> int:
         per_layers = sum(self.layer_params(k) for k in range(len(self.adapted)))
-        return per_layers + (self.r * (shape.hidden + shape.vocab) if self.adapted_head else 0)
+        return per_layers + (self.r * (shape.hidden + shape.vocab) if self.adapted_head else 0) + self.other_params
+
+    @property
+    def other_params(self) -> int:
+        """Adapter weights on the linears outside the decoder layers."""
+        return sum(self.r * (i + o) for i, o in self.adapted_other.values())
 
     def copy_params(self, shape: ModelShape) -> int:
         return sum(shape.hidden * shape.vocab for _ in self.saved_copies)
@@ -352,18 +411,22 @@ def lora_plan(shape: ModelShape, *, r: int, targets: str | tuple[str, ...] = "al
                             f"experts' experts; this {shape.model_type} model has none.")
     adapted = []
     for i in range(shape.layers):
-        names = {lin.name: (lin.fan_in, lin.fan_out) for lin in shape.layer_linears
+        names = {lin.name: (lin.fan_in, lin.fan_out) for lin in shape.layer(i).layer_linears
                  if targets == "all-linear" or _matches(f"model.layers.{i}.{lin.name}", targets)}
         adapted.append(names)
+    other = {lin.name: (lin.fan_in, lin.fan_out) for lin in shape.other_linears
+             if targets == "all-linear" or _matches(f"model.{lin.name}", targets)}
     head = targets != "all-linear" and _matches("lm_head", targets)
-    if not head and not any(adapted):
+    if not head and not any(adapted) and not other:
+        names = dict.fromkeys(lin.name for i in range(shape.layers) for lin in shape.layer(i).layer_linears)
         raise LLMTrainError(f"lora.target_modules {targets!r} matches no linear layer of this model; "
-                            f"its decoder layers have {', '.join(lin.name for lin in shape.layer_linears)}.")
+                            f"its decoder layers have {', '.join(names)}.")
     unknown = [m for m in modules_to_save if m not in ("lm_head", "embed_tokens")]
     if unknown:
         raise LLMTrainError(f"estimate-memory handles lora.modules_to_save of lm_head and embed_tokens only "
                             f"(got {unknown}).")
-    return LoraPlan(r=r, adapted=tuple(adapted), adapted_head=head, saved_copies=tuple(modules_to_save))
+    return LoraPlan(r=r, adapted=tuple(adapted), adapted_head=head, saved_copies=tuple(modules_to_save),
+                    adapted_other=other)
 
 
 def _moe_lora_plan(shape: ModelShape, *, r: int, targets: str | tuple[str, ...],
@@ -501,8 +564,6 @@ def _transformers_quiet():
 
 @functools.lru_cache(maxsize=32)
 def _shape_from_json(config_json: str, source: str) -> ModelShape:
-    from torch import nn
-
     from llmtrain.model.modeling import TEXT_MODELS
 
     cfg_dict = json.loads(config_json)
@@ -522,25 +583,30 @@ def _shape_from_json(config_json: str, source: str) -> ModelShape:
                             "(training it may still work: `llmtrain doctor` checks the rest, and a short run "
                             "measures it).")
     config = hf_config(model_type, cfg_dict, source)
+    if getattr(config, "enable_moe_block", False):
+        raise LLMTrainError(f"{source} is Gemma 4's mixture-of-experts variant (enable_moe_block: a router and "
+                            "experts beside each layer's dense MLP), whose layer estimate-memory does not model yet "
+                            "(its dense variant it does), so it makes no estimate: a short run on the GPU measures it "
+                            "(its peak is in the run's summary).")
     model = meta_model(config, source)
     layers = model.model.layers
     layer0 = layers[0]
-    linears = tuple(Linear(n, m.in_features, m.out_features, m.bias is not None)
-                    for n, m in layer0.named_modules() if isinstance(m, nn.Linear))
+    linears = _linears(layer0)
     per_layer = sum(p.numel() for p in layer0.parameters())
     embed, head = model.get_input_embeddings().weight, model.get_output_embeddings().weight
     tied = head is embed
     heads = config.num_attention_heads
-    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+    head_dim = getattr(layer0.self_attn, "head_dim", None) or capabilities.layer_values(
+        config, "head_dim", config.hidden_size // heads)[0]
     rotary = int(head_dim * getattr(config, "partial_rotary_factor", 1.0) or head_dim)
     kinds = set(getattr(config, "layer_types", None) or ())
-    gemma = model_type == "gemma3_text"
+    gemma = model_type in ("gemma3_text", "gemma4_text")
     experts = _experts(layers, source)
     sinks = hasattr(layer0.self_attn, "sinks")
     shape = ModelShape(
         source=source, model_type=model_type, vocab=embed.shape[0], hidden=embed.shape[1],
         intermediate=experts.intermediate if experts else config.intermediate_size, layers=len(layers), heads=heads,
-        kv_heads=getattr(config, "num_key_value_heads", None) or heads, head_dim=head_dim, tied=tied,
+        kv_heads=capabilities.layer_values(config, "num_key_value_heads", heads)[0], head_dim=head_dim, tied=tied,
         # a window where some layer applies one (Qwen2's config names one its layers do not use)
         sliding_window=None if kinds == {"full_attention"} and model_type != "mistral" else
         getattr(config, "sliding_window", None),
@@ -549,18 +615,60 @@ def _shape_from_json(config_json: str, source: str) -> ModelShape:
         params_final_norm=sum(p.numel() for p in model.model.norm.parameters()),
         max_positions=getattr(config, "max_position_embeddings", None),
         qk_norm=hasattr(layer0.self_attn, "q_norm"), gemma_norms=gemma,
-        rope_sets=max(1, len(kinds)) if gemma else 1, rope_dim=rotary if rotary != head_dim else None,
+        rope_sets=max(1, len(kinds)) if model_type == "gemma3_text" else 1,
+        rope_dim=rotary if rotary != head_dim else None,
         # transformers builds a mask for each kind of layer (a causal and a sliding-window one)
-        masks=max(1, len(kinds)), experts=experts, config_json=config_json,
+        masks=max(1, len(kinds)), experts=experts, config_json=json.dumps(cfg_dict, sort_keys=True, default=str),
         # GPT-OSS rotates by halves with one frequency table, not two copies of it; its sinks
         rope_width=rotary // 2 if sinks else None, sinks=sinks,
     )
+    if model_type == "gemma4_text":
+        shape = _gemma4_shape(shape, model, config)
     total = sum(p.numel() for p in model.parameters())
-    uniform = all(sum(p.numel() for p in layer.parameters()) == per_layer for layer in layers)
+    uniform = shape.layer_shapes or all(sum(p.numel() for p in layer.parameters()) == per_layer for layer in layers)
     if total != shape.params_total or not uniform:  # a layout the per-layer formulas would get wrong
         raise LLMTrainError(f"{source}: unexpected parameter layout ({total:,} parameters counted, "
                             f"{shape.params_total:,} from embeddings + layers + head).")
     return shape
+
+
+def _linears(module) -> tuple[Linear, ...]:
+    from torch import nn
+
+    return tuple(Linear(n, m.in_features, m.out_features, m.bias is not None)
+                 for n, m in module.named_modules() if isinstance(m, nn.Linear))
+
+
+def _gemma4_shape(shape: ModelShape, model, config) -> ModelShape:
+    """Gemma 4's text model: each layer's own shape (layer_shapes: its head size and K/V heads, its keys as its values
+    on attention_k_eq_v's global layers, no keys or values of its own where it shares an earlier layer's, a double-wide
+    MLP there, the per-layer input's gate and projection), the per-layer embeddings outside the layers (params_other:
+    the table of vocab_size_per_layer_input x layers x hidden_size_per_layer_input, the projection of the embeddings
+    to as many, a norm), and RoPE's cos and sin at each kind of layer's head size."""
+    from dataclasses import replace
+
+    kv = capabilities.layer_values(config, "num_key_value_heads", config.num_attention_heads)
+    ple = config.hidden_size_per_layer_input or 0
+    layers = []
+    for i, layer in enumerate(model.model.layers):
+        attn = layer.self_attn
+        layers.append(replace(shape, kv_heads=kv[i], head_dim=attn.head_dim, intermediate=layer.mlp.intermediate_size,
+                              layer_linears=_linears(layer),
+                              params_per_layer=sum(p.numel() for p in layer.parameters()),
+                              kv_shared=attn.is_kv_shared_layer, v_norm=hasattr(attn, "v_norm"),
+                              k_eq_v=not attn.is_kv_shared_layer and attn.v_proj is None, per_layer_input=ple))
+    inner = model.model
+    others = [getattr(inner, name) for name in ("embed_tokens_per_layer", "per_layer_model_projection",
+                                                "per_layer_projection_norm") if hasattr(inner, name)]
+    projection = getattr(inner, "per_layer_model_projection", None)
+    widths = {}  # each kind of layer's head size: its cos and sin
+    for kind, layer in zip(config.layer_types, layers):
+        widths.setdefault(kind, layer.head_dim)
+    layers = [replace(layer, rope_width=sum(widths.values())) for layer in layers]
+    return replace(layers[0], layer_shapes=tuple(layers), per_layer_input=ple,
+                   params_other=sum(p.numel() for m in others for p in m.parameters()),
+                   other_linears=(Linear("per_layer_model_projection", projection.in_features, projection.out_features,
+                                         False),) if projection is not None else ())
 
 
 def _experts(layers, source: str) -> Experts | None:
@@ -584,6 +692,13 @@ def _experts(layers, source: str) -> Experts | None:
     return Experts(count=block.num_experts, top_k=router.top_k, intermediate=block.intermediate_dim,
                    normalised=getattr(router, "norm_topk_prob", True), fp32_weights=not hasattr(router,
                                                                                              "norm_topk_prob"))
+
+
+@functools.lru_cache(maxsize=64)
+def tensor_problems(config_json: str, model_type: str, tp: int) -> tuple[str, ...]:
+    """What tensor parallelism over `tp` GPUs refuses of the model (capabilities.tensor_plan_problems, which training
+    asks): its plan's styles, heads or MLP columns `tp` does not divide (each layer's)."""
+    return tuple(capabilities.tensor_plan_problems(hf_config(model_type, json.loads(config_json), model_type), tp))
 
 
 def load_model_shape(name_or_path: str) -> ModelShape:

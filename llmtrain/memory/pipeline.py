@@ -16,6 +16,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
+from llmtrain import capabilities
 from llmtrain.errors import LLMTrainError
 from llmtrain.memory import activations as act
 from llmtrain.memory.comms import (
@@ -58,6 +59,8 @@ def pipeline_problems(spec: TrainSpec, shape: ModelShape) -> list[str]:
     """What the estimate refuses with a pipeline (spec.validate has checked the rest, the schedule and chunks too)."""
     p, v, m, problems = spec.pipeline_parallel, spec.chunks, spec.grad_accum_steps, []
     stage_gpus = spec.world // p
+    if why := capabilities.family_cell(shape.model_type, "pp"):  # a family the stages do not train
+        problems.append(f"pipeline parallelism is refused for {capabilities.FAMILIES[shape.model_type].name}: {why}")
     if p * v > shape.layers:
         problems.append(f"{p} pipeline stages x {v} chunks need a decoder layer each and the model has {shape.layers} "
                         f"({shape.source}): use at most {shape.layers // v} stages (--pipeline-parallel, "

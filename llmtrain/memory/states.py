@@ -42,9 +42,9 @@ def quantized_base_bytes(shape: ModelShape, spec: TrainSpec) -> int:
     """The frozen base of a QLoRA run: the decoder layers' linears in 4 bits with their quantisation constants, the
     rest (embeddings, LM head, norms) in the storage dtype, and the largest linear dequantised to the compute dtype
     while its matmul runs (bitsandbytes dequantises a weight per call, forward and backward)."""
-    quantized = shape.linear_params_per_layer * shape.layers
+    quantized = shape.linear_params_total
     compute = DTYPE_BYTES[PRECISION_DTYPE.get(spec.mixed_precision, spec.dtype)]
-    in_flight = max(lin.numel for lin in shape.layer_linears) * compute
+    in_flight = max(lin.numel for i in range(shape.layers) for lin in shape.layer(i).layer_linears) * compute
     return (round(quantized * QUANT_BYTES_PER_WEIGHT) + (shape.params_total - quantized) * DTYPE_BYTES[spec.dtype]
             + in_flight)
 
@@ -66,7 +66,7 @@ def states(shape: ModelShape, spec: TrainSpec, plan: LoraPlan | None, *, whole: 
     if plan is None:
         frozen_bytes = 0
         head = (shape.head_outputs * H + shape.params_final_norm) * master
-        layer = [shape.params_per_layer * master] * shape.layers
+        layer = [shape.layer(k).params_per_layer * master for k in range(shape.layers)]
     else:
         frozen_bytes = shape.params_total * sd if not spec.quantize else quantized_base_bytes(shape, spec)
         copies = {m: V * H * master for m in plan.saved_copies}
@@ -74,6 +74,9 @@ def states(shape: ModelShape, spec: TrainSpec, plan: LoraPlan | None, *, whole: 
         layer = [plan.layer_params(k) * 4 for k in range(len(plan.adapted))]
     embed = (V * H * master if plan is None and not shape.tied else 0) + (
         V * H * master if plan is not None and "embed_tokens" in plan.saved_copies else 0)
+    # the weights outside the layers (Gemma 4's per-layer embeddings, made before the first layer, their gradients
+    # last): trained in full, or their adapters
+    embed += shape.params_other * master if plan is None else plan.other_params * 4
     trainable_bytes = head + sum(layer) + embed
     shard = spec.shards
     optim = optimizer_bytes(trainable_bytes)
