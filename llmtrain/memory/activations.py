@@ -680,10 +680,11 @@ def chunk_forward_bytes(p: Pass, vocab: int, chunk: int) -> int:
     return chunk * vocab * max(p.cd + FP32, 2 * FP32)
 
 
-def chunk_backward_bytes(vocab: int, chunk: int) -> int:
+def chunk_backward_bytes(vocab: int, chunk: int, cap: int = 0) -> int:
     """One chunk's backward once its forward is recomputed: the saved log-softmax, NLL's dense gradient and
-    log-softmax's input gradient, all fp32 C x V: 12 bytes a logit. This is the loss's peak."""
-    return chunk * vocab * 3 * FP32
+    log-softmax's input gradient, all fp32 C x V: 12 bytes a logit. This is the loss's peak. A capped model's
+    logits (cap tanh(x / cap), loss.logit_transform) also keep tanh's output, `cap` bytes a logit (cd)."""
+    return chunk * vocab * (3 * FP32 + cap)
 
 
 def chunk_logits_grad_bytes(p: Pass, vocab: int, chunk: int) -> int:

@@ -202,6 +202,7 @@ class ModelShape:
     rope_width: int | None = None  # cos and sin's last dimension where it is not rotary_dim (GPT-OSS: half of it)
     masks: int = 1  # 4-D masks sdpa/eager get (Gemma 3, GPT-OSS build a causal one and a sliding-window one)
     sinks: bool = False  # a learned logit per head in every softmax of attention (GPT-OSS)
+    logit_cap: bool = False  # the logits capped, cap tanh(x / cap) (final_logit_softcapping: Gemma 4's checkpoints)
     # Under tensor parallelism by a gathered plan (Phi's fused layers; tensor_parallel_shape): the elements a token
     # all-gathers in one layer's forward and in its backward
     tp_gathers: tuple[int, int] = (0, 0)
@@ -621,6 +622,7 @@ def _shape_from_json(config_json: str, source: str) -> ModelShape:
         masks=max(1, len(kinds)), experts=experts, config_json=json.dumps(cfg_dict, sort_keys=True, default=str),
         # GPT-OSS rotates by halves with one frequency table, not two copies of it; its sinks
         rope_width=rotary // 2 if sinks else None, sinks=sinks,
+        logit_cap=bool(getattr(config, "final_logit_softcapping", None)),
     )
     if model_type == "gemma4_text":
         shape = _gemma4_shape(shape, model, config)
