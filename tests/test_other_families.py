@@ -369,19 +369,22 @@ def test_doctor_says_whether_the_model_is_a_family_of_the_table(tmp_path):
 
 
 def test_the_estimate_says_a_family_without_one_trains_and_how_to_measure_it(tmp_path):
-    """Gemma 4 (a gemma4 checkpoint's text model too) is a row of the table whose layer the estimate does not model:
-    said as such, with how to measure the run; another model_type as one the estimate does not know. (GPT-OSS's it
-    models: tests/test_memory_families.py.)"""
+    """Gemma 4's mixture-of-experts variant (a gemma4 checkpoint's text model) is a row of the table whose layer the
+    estimate does not model: said as such, with how to measure the run; another model_type as one the estimate does not
+    know. (GPT-OSS's and Gemma 4's dense layer it models: tests/test_memory_families.py.)"""
     from transformers import AutoConfig, Gemma4Config
 
     from llmtrain.memory.params import load_model_shape
 
     AutoConfig.for_model("gpt_oss", **COMMON, **OTHER["gpt_oss"]).save_pretrained(tmp_path / "oss")
-    Gemma4Config(text_config=AutoConfig.for_model("gemma4_text", **COMMON).to_dict(), vision_config=None,
-                 audio_config=None).save_pretrained(tmp_path / "gemma4")
+    for folder, own in (("gemma4", {}), ("gemma4-moe", dict(enable_moe_block=True, num_experts=4, top_k_experts=2,
+                                                             moe_intermediate_size=32))):
+        Gemma4Config(text_config=AutoConfig.for_model("gemma4_text", **COMMON, **own).to_dict(), vision_config=None,
+                     audio_config=None).save_pretrained(tmp_path / folder)
     AutoConfig.for_model("olmo3", **COMMON).save_pretrained(tmp_path / "olmo3")
     assert load_model_shape(str(tmp_path / "oss")).sinks
-    for folder, said in [("gemma4", "is Gemma 4 (its text model) (gemma4_text), which llmtrain trains"),
+    assert load_model_shape(str(tmp_path / "gemma4")).per_layer_input > 0  # its text model, read off text_config
+    for folder, said in [("gemma4-moe", "is Gemma 4's mixture-of-experts variant (enable_moe_block"),
                          ("olmo3", "has model_type 'olmo3', whose layer it does not know")]:
         with pytest.raises(LLMTrainError) as refused:
             load_model_shape(str(tmp_path / folder))

@@ -158,7 +158,7 @@ def estimate(shape: ModelShape, spec: TrainSpec) -> Estimate:
     if spec.pipeline_parallel > 1:  # each stage holds other layers: memory.estimate_run walks them
         raise ValueError("a pipeline's stages are estimated by llmtrain.memory.estimate_run")
     spec.validate()
-    for n, kv in dict.fromkeys((1, shape.layer(i).kv_heads) for i in range(shape.layers)):
+    for kv in dict.fromkeys(shape.layer(i).kv_heads for i in range(shape.layers)):  # each layer's (Gemma 4's)
         if problem := sequence_heads_problem(spec.sequence_parallel, shape.heads, kv):
             raise LLMTrainError(f"cannot estimate this run: {problem} ({shape.source}).")
     if spec.tp > 1 and (why := family_cell(shape.model_type, "tp")):
