@@ -368,10 +368,10 @@ def test_doctor_says_whether_the_model_is_a_family_of_the_table(tmp_path):
     assert check_family(load_recipe(REPO / "recipes" / "tiny.yaml", [f"model.name_or_path={tmp_path / 'none'}"])) == []
 
 
-def test_the_estimate_says_a_family_without_one_trains_and_how_to_measure_it(tmp_path):
-    """Gemma 4's mixture-of-experts variant (a gemma4 checkpoint's text model) is a row of the table whose layer the
-    estimate does not model: said as such, with how to measure the run; another model_type as one the estimate does not
-    know. (GPT-OSS's and Gemma 4's dense layer it models: tests/test_memory_families.py.)"""
+def test_the_estimate_reads_a_checkpoints_text_model_and_refuses_a_layer_it_does_not_know(tmp_path):
+    """Gemma 4's checkpoints (a gemma4 config, its text model under text_config), dense or with experts beside each
+    MLP, are estimated as their text model (GPT-OSS's and Gemma 4's layers: tests/test_memory_families.py); another
+    model_type is one the estimate does not know, said with how to measure the run."""
     from transformers import AutoConfig, Gemma4Config
 
     from llmtrain.memory.params import load_model_shape
@@ -383,12 +383,12 @@ def test_the_estimate_says_a_family_without_one_trains_and_how_to_measure_it(tmp
                      audio_config=None).save_pretrained(tmp_path / folder)
     AutoConfig.for_model("olmo3", **COMMON).save_pretrained(tmp_path / "olmo3")
     assert load_model_shape(str(tmp_path / "oss")).sinks
-    assert load_model_shape(str(tmp_path / "gemma4")).per_layer_input > 0  # its text model, read off text_config
-    for folder, said in [("gemma4-moe", "is Gemma 4's mixture-of-experts variant (enable_moe_block"),
-                         ("olmo3", "has model_type 'olmo3', whose layer it does not know")]:
-        with pytest.raises(LLMTrainError) as refused:
-            load_model_shape(str(tmp_path / folder))
-        assert said in str(refused.value) and "short run" in str(refused.value), str(refused.value)
+    dense, moe = (load_model_shape(str(tmp_path / folder)) for folder in ("gemma4", "gemma4-moe"))
+    assert dense.per_layer_input > 0 and dense.experts is None and moe.experts.beside and moe.experts.count == 4
+    with pytest.raises(LLMTrainError) as refused:
+        load_model_shape(str(tmp_path / "olmo3"))
+    said = str(refused.value)
+    assert "has model_type 'olmo3', whose layer it does not know" in said and "short run" in said, said
 
 
 def test_a_gpt_oss_checkpoint_stored_in_mxfp4_trains_dequantized_and_its_final_model_is_dense(tiny_assets, tmp_path):

@@ -291,16 +291,24 @@ def tiled_shard_bytes(p: Pass, shape: ModelShape, adapted: dict[str, tuple[int, 
 
 
 def mlp_tensors_bytes(p: Pass, shape: ModelShape, adapted: dict[str, tuple[int, int]], r: int) -> int:
-    """The MLP's own saved tensors (gate/up inputs, the SwiGLU, its adapters), the norm before it not counted."""
-    if shape.experts:
+    """The MLP's own saved tensors (gate/up inputs, the SwiGLU, its adapters), the norm before it not counted. Gemma
+    4's experts beside it: theirs too, the router's (and its adapter), and the three norms around them (of the MLP's
+    output, of the residual into the experts, of their output)."""
+    e = shape.experts
+    if e and not e.beside:
         return router_bytes(p, shape, adapted) + experts_bytes(p, shape, adapted)
     full, H = p.trainable_base, shape.hidden
+    moe = 0
+    if e:
+        moe = router_bytes(p, shape, adapted) + experts_bytes(p, shape, adapted) + \
+            3 * norm_bytes(p, H, trainable=full, gemma=True) + \
+            (lora_bytes(p, H, r) if e.router in adapted else 0)
     readers = shape.input_linears[1]
     total = mlp_bytes(p, shape, down_trainable=full)
     if full:  # gate and up (or gate_up_proj) read one input; down_proj reads the product (counted above)
         total += linear_input_bytes(p, H, len(readers))
     total += shared_adapter_inputs(p, adapted, {readers: H, ("mlp.down_proj",): shape.intermediate})
-    return total + sum(lora_bytes(p, fan_in, r) for fan_in in _adapters(adapted, "mlp."))
+    return moe + total + sum(lora_bytes(p, fan_in, r) for fan_in in _adapters(adapted, "mlp."))
 
 
 # --------------------------------------------------------------------------- a mixture of experts (params.Experts)
@@ -316,8 +324,7 @@ def _trains(p: Pass, adapted: dict[str, tuple[int, int]], name: str) -> bool:
 
 def expert_fans(shape: ModelShape) -> dict[str, tuple[int, int]]:
     e = shape.experts
-    return {"mlp.experts.gate_up_proj": (shape.hidden, 2 * e.intermediate),
-            "mlp.experts.down_proj": (e.intermediate, shape.hidden)}
+    return {e.gate_up: (shape.hidden, 2 * e.intermediate), e.down: (e.intermediate, shape.hidden)}
 
 
 def expert_rank(p: Pass, name: str) -> tuple[int, int]:
@@ -346,6 +353,13 @@ def router_bytes(p: Pass, shape: ModelShape, adapted: dict[str, tuple[int, int]]
     an fp32 base's is autocast's copy, counted with the weights' casts), the fp32 softmax over the experts, the top_k
     indices (int64) and, where the top_k weights are normalised, their fp32 values and sum."""
     e, T = shape.experts, p.tokens
+    if e.beside:  # Gemma 4's: a weightless norm of the residual, times a learned scale, then router.proj (a Linear)
+        H, k = shape.hidden, e.top_k
+        norm = norm_bytes(p, H, trainable=False, gemma=True) + (T * H * p.resid if p.trainable_base else 0)
+        proj = linear_input_bytes(p, H, 1) if p.trainable_base else 0  # (its adapter: mlp_tensors_bytes)
+        # the fp32 softmax over the experts; the top_k's indices, twice (their gather of per_expert_scale), the
+        # renormalised weights and their sum, the scales gathered
+        return norm + proj + T * e.count * FP32 + T * k * (2 * 8 + 3 * FP32) + T * FP32
     merged = e.count * shape.hidden * p.cd if (e.router in adapted and not p.separate_casts) else 0
     x = T * shape.hidden * p.cd if _trains(p, adapted, e.router) else 0
     if e.router == "mlp.router":  # GPT-OSS's: the softmax of the top_k logits (T x top_k, cd) and their indices
@@ -361,8 +375,8 @@ def experts_bytes(p: Pass, shape: ModelShape, adapted: dict[str, tuple[int, int]
     and what the adapters of the adapted parameters save (expert_adapter_bytes)."""
     e, w = shape.experts, p.resid
     S, H, i = e.pairs(p.tokens), shape.hidden, e.intermediate
-    gathered = S * H * w if _trains(p, adapted, "mlp.experts.gate_up_proj") else 0
-    product = S * i * w if _trains(p, adapted, "mlp.experts.down_proj") else 0
+    gathered = S * H * w if _trains(p, adapted, e.gate_up) else 0
+    product = S * i * w if _trains(p, adapted, e.down) else 0
     weights = S * (FP32 if e.fp32_weights else p.cd)
     # GPT-OSS's clamped gate saves, beside gate_up_proj's output (S x 2I, its clamps' input), the clamped gate, its
     # sigmoid, their product and clamp(up) + 1 (S x I each); a trained bias's gather keeps the sorted expert ids
@@ -401,8 +415,8 @@ def experts_backward_temp(p: Pass, shape: ModelShape, adapted: dict[str, tuple[i
     backward has run also holds what down_proj saved (down_input_bytes), which the caller counts as freed."""
     e, w, ww = shape.experts, p.resid, _weighted_width(p, shape)
     S, T, H, i = e.pairs(p.tokens), p.tokens, shape.hidden, e.intermediate
-    down = _adapter_backward(p, shape, adapted, "mlp.experts.down_proj")
-    gate_up = _adapter_backward(p, shape, adapted, "mlp.experts.gate_up_proj")
+    down = _adapter_backward(p, shape, adapted, e.down)
+    gate_up = _adapter_backward(p, shape, adapted, e.gate_up)
     before_down = max(T * H * ww * (ww != w) + S * H * ww, S * H * (2 * ww + w * (ww != w)),
                       w * S * (H + i) + down) + down_input_bytes(p, shape, adapted, 0)
     gate = (3 if e.clamped_gate else 5) * i
@@ -494,10 +508,13 @@ def down_input_bytes(p: Pass, shape: ModelShape, adapted: dict[str, tuple[int, i
     shard's, counted in tiled_shard_bytes)."""
     if p.mlp_shard:
         return 0
-    if shape.experts:  # the experts' product and what down_proj's adapter saved
-        down = "mlp.experts.down_proj"
-        product = shape.experts.pairs(p.tokens) * shape.intermediate * p.resid if _trains(p, adapted, down) else 0
-        return product + expert_adapter_bytes(p, shape, adapted, (down,))
+    e = shape.experts
+    if e:  # the experts' product and what down_proj's adapter saved
+        product = e.pairs(p.tokens) * e.intermediate * p.resid if _trains(p, adapted, e.down) else 0
+        moe = product + expert_adapter_bytes(p, shape, adapted, (e.down,))
+        if not e.beside:
+            return moe
+        return moe + down_input_bytes(p, replace(shape, experts=None), adapted, r)  # Gemma 4's MLP beside them
     if p.trainable_base:
         return p.tokens * shape.intermediate * p.cd
     if "mlp.down_proj" not in adapted:
@@ -580,7 +597,7 @@ def layer_forward_temp(p: Pass, shape: ModelShape, adapted: dict[str, tuple[int,
     lora = [lora_forward_temp(p, i, o) for name, (i, o) in adapted.items() if not name.startswith("mlp.")]
     if shape.experts:
         lora.append(experts_forward_temp(p, shape))
-    else:
+    if not shape.experts or shape.experts.beside:
         lora += [lora_forward_temp(m, i, o) + (m.tokens * i * p.cd if name == "mlp.down_proj" and
                                                not p.trainable_base else 0)
                  for name, (i, o) in adapted.items() if name.startswith("mlp.")]
@@ -596,8 +613,11 @@ def mlp_backward_temp(p: Pass, shape: ModelShape, adapted: dict[str, tuple[int, 
     """Gradients alive in the MLP's backward: of the product, then of silu's output and up's output
     (three T x I at once), or an adapter's fp32 input gradients. Tiled: those of one shard, beside the tensors its
     recompute saved (tiled_shard_bytes)."""
-    if shape.experts:
+    if shape.experts and not shape.experts.beside:
         return experts_backward_temp(p, shape, adapted)
+    if shape.experts:  # Gemma 4's: the experts' backward or the MLP's beside them
+        return max(experts_backward_temp(p, shape, adapted), mlp_backward_temp(p, replace(shape, experts=None),
+                                                                                adapted))
     m = mlp_pass(p)
     mlp = 3 * m.tokens * shape.intermediate * p.cd
     dx = p.tokens * shape.hidden * p.resid if p.mlp_shard else 0  # tiled: the input's gradient, filled shard by shard
@@ -648,7 +668,9 @@ def eval_layer_bytes(p: Pass, shape: ModelShape, adapted: dict[str, tuple[int, i
     T, I, m = p.tokens, shape.intermediate, mlp_pass(p).tokens  # m: the tokens the MLP runs at once
     scores = p.rows * shape.heads * p.row_len * p.row_len if p.attn == "eager" else 0
     mlp = 3 * m * I * p.cd
-    if shape.experts:
+    if shape.experts and shape.experts.beside:  # Gemma 4's: the MLP's output (normed) held while the experts run
+        mlp = max(mlp, 2 * T * shape.hidden * p.resid + experts_eval_bytes(p, shape))
+    elif shape.experts:
         mlp = experts_eval_bytes(p, shape)
     elif any(name in adapted for name in shape.input_linears[1]):  # up_proj (Phi: gate_up_proj) adapted
         cast = m * shape.hidden * FP32 if p.resid != FP32 else 0

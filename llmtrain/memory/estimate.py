@@ -119,7 +119,7 @@ def _experts_note(shape: ModelShape, spec: TrainSpec, p: act.Pass) -> str:
     experts' adapters save; a 4-bit base leaves the experts in the storage dtype."""
     e = shape.experts
     moe = e.params(shape.hidden)
-    experts = moe["mlp.experts.gate_up_proj"] + moe["mlp.experts.down_proj"]
+    experts = moe[e.gate_up] + moe[e.down]
     text = (f"a mixture of {e.count} experts a layer, {e.top_k} a token ({e.pairs(p.tokens):,} token-expert pairs "
             f"a micro-batch, run by transformers' grouped_mm in the weights' dtype)")
     if spec.method == "lora":
@@ -205,13 +205,15 @@ def estimate(shape: ModelShape, spec: TrainSpec) -> Estimate:
 
     # -- autocast copies of weights (non-FSDP mixed precision; FSDP gathers in the compute dtype)
     adapter_params = [plan.layer_params(i) if plan else 0 for i in range(L)]
-    router = shape.experts.count * H if shape.experts else 0  # a mixture of experts' router weight (E x H)
+    # a mixture of experts' router weight (E x H; Gemma 4's is one of the layer's linears)
+    router = shape.experts.count * H if shape.experts and not shape.experts.beside else 0
     # fp32 base linears, each layer's
     base_copies = [(shape.layer(i).linear_params_per_layer + router) * p.cd if p.separate_casts else 0
                    for i in range(L)]
     adapter_cast = amp and not fsdp  # fp32 adapters under autocast
     # (an expert parameter's A and B are not autocast's: peft casts them itself, act.expert_adapter_bytes)
-    factors = sum(n for name, n in plan.moe_params.items() if name.startswith("mlp.experts.")) if plan else 0
+    factors = sum(n for name, n in plan.moe_params.items() if shape.experts and name in (
+        shape.experts.gate_up, shape.experts.down)) if plan else 0
     copies = [base_copies[i] + ((n - factors) * p.cd if adapter_cast else 0) for i, n in enumerate(adapter_params)]
     # The autocast cache holds casts of trainable fp32 leaves until the forward returns.
     cached = [(base_copies[i] if full else 0) + ((n - factors) * p.cd if adapter_cast else 0)

@@ -160,6 +160,20 @@ class Experts:
     router: str = "mlp.gate"
     biases: bool = False
     clamped_gate: bool = False
+    # Gemma 4's (enable_moe_block): the experts at `experts.*` beside each layer's dense MLP, on the layer's residual
+    # normed again, their output normed and added to the MLP's (normed too); its router a linear of the layer
+    # (router.proj, in layer_linears) after a weightless norm and a learned scale, the top_k of the softmax renormalised
+    # and scaled per expert; gelu on the gate
+    prefix: str = "mlp.experts"
+    beside: bool = False
+
+    @property
+    def gate_up(self) -> str:
+        return f"{self.prefix}.gate_up_proj"
+
+    @property
+    def down(self) -> str:
+        return f"{self.prefix}.down_proj"
 
     def pairs(self, tokens: int) -> int:
         """S: the token-expert pairs the experts run for `tokens` tokens."""
@@ -168,8 +182,8 @@ class Experts:
     def params(self, hidden: int) -> dict[str, int]:
         """Weights of one layer's router and experts, by parameter (their biases with them)."""
         e, i, b = self.count, self.intermediate, self.biases
-        return {self.router: e * hidden + e * b, "mlp.experts.gate_up_proj": e * 2 * i * (hidden + b),
-                "mlp.experts.down_proj": e * hidden * (i + b)}
+        return {self.router: e * hidden + e * b, self.gate_up: e * 2 * i * (hidden + b),
+                self.down: e * hidden * (i + b)}
 
 
 @dataclass(frozen=True)
@@ -292,10 +306,10 @@ class ModelShape:
         and top_k of its experts."""
         if self.experts is None:
             return self.linear_params_per_layer
-        moe = self.experts.params(self.hidden)
-        experts = moe["mlp.experts.gate_up_proj"] + moe["mlp.experts.down_proj"]
-        return self.linear_params_per_layer + moe[self.experts.router] + \
-            experts * self.experts.top_k // self.experts.count
+        e = self.experts
+        moe = e.params(self.hidden)
+        router = 0 if e.beside else moe[e.router]  # (Gemma 4's router is one of the layer's linears)
+        return self.linear_params_per_layer + router + (moe[e.gate_up] + moe[e.down]) * e.top_k // e.count
 
 
 def score_head_shape(shape: ModelShape) -> ModelShape:
@@ -433,19 +447,22 @@ def lora_plan(shape: ModelShape, *, r: int, targets: str | tuple[str, ...] = "al
 def _moe_lora_plan(shape: ModelShape, *, r: int, targets: str | tuple[str, ...],
                    modules_to_save: tuple[str, ...], parameters: tuple[str, ...] = ()) -> LoraPlan:
     linears, params = _peft_adapted(shape.config_json, shape.model_type, r, targets, tuple(parameters))
-    fans = {lin.name: (lin.fan_in, lin.fan_out) for lin in shape.layer_linears}
-    e, i, h = shape.experts.count, shape.experts.intermediate, shape.hidden
-    fans.update({shape.experts.router: (h, e), "mlp.experts.gate_up_proj": (h, 2 * i),
-                 "mlp.experts.down_proj": (i, h)})
-    layer = {name: fans[name] for name in (*linears, *params)}
-    if not layer:
+    e, i, h = shape.experts, shape.experts.intermediate, shape.hidden
+    adapted = []
+    for k in range(shape.layers):  # each layer's own linears (Gemma 4's differ), peft's names from the first
+        fans = {lin.name: (lin.fan_in, lin.fan_out) for lin in shape.layer(k).layer_linears}
+        fans.update({e.router: (h, e.count), e.gate_up: (h, 2 * i), e.down: (i, h)})
+        adapted.append({name: fans[name] for name in (*linears, *params) if name in fans})
+    if not adapted[0]:
         raise LLMTrainError(f"lora.target_modules {targets!r} matches no linear layer or expert of this model; its "
                             f"decoder layers have {', '.join(fans)}.")
     if unknown := [m for m in modules_to_save if m not in ("lm_head", "embed_tokens")]:
         raise LLMTrainError(f"estimate-memory handles lora.modules_to_save of lm_head and embed_tokens only "
                             f"(got {unknown}).")
-    return LoraPlan(r=r, adapted=(layer,) * shape.layers, adapted_head=False, saved_copies=tuple(modules_to_save),
-                    moe_params=params)
+    other = {lin.name: (lin.fan_in, lin.fan_out) for lin in shape.other_linears
+             if targets == "all-linear" or _matches(f"model.{lin.name}", targets)}
+    return LoraPlan(r=r, adapted=tuple(adapted), adapted_head=False, saved_copies=tuple(modules_to_save),
+                    moe_params=params, adapted_other=other)
 
 
 @functools.lru_cache(maxsize=32)
@@ -464,6 +481,8 @@ def _peft_adapted(config_json: str, model_type: str, r: int, targets: str | tupl
         cfg["layer_types"] = cfg["layer_types"][:1]
     if isinstance(cfg.get("per_layer_config"), dict):  # Gemma 4's overrides of later layers: none left
         cfg["per_layer_config"] = {k: v for k, v in cfg["per_layer_config"].items() if str(k) == "0"}
+    if cfg.get("num_kv_shared_layers"):  # nor its later layers sharing keys and values
+        cfg["num_kv_shared_layers"] = 0
     model = meta_model(hf_config(model_type, cfg, model_type), model_type)
     config = peft.LoraConfig(r=r, lora_alpha=2 * r, lora_dropout=0.0, task_type="CAUSAL_LM",
                              target_modules=list(targets) if isinstance(targets, tuple) else targets,
@@ -584,11 +603,6 @@ def _shape_from_json(config_json: str, source: str) -> ModelShape:
                             "(training it may still work: `llmtrain doctor` checks the rest, and a short run "
                             "measures it).")
     config = hf_config(model_type, cfg_dict, source)
-    if getattr(config, "enable_moe_block", False):
-        raise LLMTrainError(f"{source} is Gemma 4's mixture-of-experts variant (enable_moe_block: a router and "
-                            "experts beside each layer's dense MLP), whose layer estimate-memory does not model yet "
-                            "(its dense variant it does), so it makes no estimate: a short run on the GPU measures it "
-                            "(its peak is in the run's summary).")
     model = meta_model(config, source)
     layers = model.model.layers
     layer0 = layers[0]
@@ -651,6 +665,10 @@ def _gemma4_shape(shape: ModelShape, model, config) -> ModelShape:
 
     kv = capabilities.layer_values(config, "num_key_value_heads", config.num_attention_heads)
     ple = config.hidden_size_per_layer_input or 0
+    if getattr(config, "enable_moe_block", False):  # experts beside each layer's dense MLP
+        shape = replace(shape, experts=Experts(
+            count=config.num_experts, top_k=config.top_k_experts, intermediate=config.moe_intermediate_size,
+            normalised=True, fp32_weights=True, router="router.proj", prefix="experts", beside=True))
     layers = []
     for i, layer in enumerate(model.model.layers):
         attn = layer.self_attn

@@ -215,7 +215,8 @@ def stage_estimate(shape: ModelShape, spec: TrainSpec, stage: Stage) -> Estimate
     adapter_params = [chunk_plan.layer_params(i) if chunk_plan else 0 for i in range(L)]
     base_copies = (sub.linear_params_per_layer + router) * p.cd if p.separate_casts else 0
     adapter_cast = amp and not fsdp  # fp32 adapters under autocast
-    factors = sum(n for name, n in plan.moe_params.items() if name.startswith("mlp.experts.")) if plan else 0
+    factors = sum(n for name, n in plan.moe_params.items() if shape.experts and name in (
+        shape.experts.gate_up, shape.experts.down)) if plan else 0
     copies = [base_copies + ((n - factors) * p.cd if adapter_cast else 0) for n in adapter_params]
     cached = [(base_copies if full else 0) + ((n - factors) * p.cd if adapter_cast else 0) for n in adapter_params]
     if frozen_input:  # nor are its q/k/v weights' casts kept (saved for the input's gradient)
