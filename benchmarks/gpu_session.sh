@@ -25,6 +25,8 @@
 #   bash benchmarks/gpu_session.sh tools         # make demo-tools on CUDA: GRPO with a tool through the captured sampler
 #   bash benchmarks/gpu_session.sh moe           # Qwen3-30B-A3B's shape: LoRA (experts, attention, the load-balancing
 #                                                # loss) peaks vs estimate; GRPO with the experts unmerged (5-8 min)
+#   bash benchmarks/gpu_session.sh gemma4        # a Gemma 4 of transformers' default shape, dense and with experts:
+#                                                # LoRA peaks vs estimate; liger's Gemma 4 kernels (~4 min)
 #
 # Each writes $OUT/<name>.jsonl and $OUT/<name>.log.
 #
@@ -37,7 +39,7 @@
 # (WORK=DIR moves the runs from /tmp/work, or /tmp/work-dry, to DIR.)
 set -uo pipefail
 cd "$(dirname "$0")/.."
-WHAT=${1:?usage: gpu_session.sh pack|families|i40|i40b|sp|smoke|distill|vs-hf-7b|vs-hf-1b|fixed|calibrate|fit|profile|rl|long|tools|moe|oss}
+WHAT=${1:?usage: gpu_session.sh pack|families|i40|i40b|sp|smoke|distill|vs-hf-7b|vs-hf-1b|fixed|calibrate|fit|profile|rl|long|tools|moe|oss|gemma4}
 G=.gpu
 OUT=${OUT:-/tmp/out}
 DRY=${GPU_SESSION_DRY:-0}
@@ -499,6 +501,43 @@ c = {**PRESETS['gpt-oss-20b'], 'architectures': None}; c.pop('layer_types'); pri
   echo "gpt-oss-20b: done at ${SECONDS}s" | tee -a "$OUT/$WHAT.log"
   $PY -m pytest -q -p no:cacheprovider tests/test_cuda.py -k sinks -rs > "$OUT/oss-cuda-tests.txt" 2>&1
   echo "tests/test_cuda.py -k sinks: exit $? at ${SECONDS}s" | tee -a "$OUT/$WHAT.log"
+  ;;
+gemma4)  # Gemma 4 on CUDA (~4 minutes on an H200): no checkpoint config is on the CPU machine, so a text model shaped
+  # from transformers' own Gemma4TextConfig defaults (30 layers of 2,304, a 262,144-token vocabulary, per-layer inputs
+  # of 256 a layer, local layers of head size 256 and global ones of 512 with 2 K/V heads whose keys are their values,
+  # the last 10 sharing keys and values with double-wide MLPs, logits capped at 30: 5.64B parameters), random init in
+  # bf16, LoRA r16 at 4,096 tokens checkpointed: its peak against the estimate the run prints (the estimate's
+  # layer_shapes and per-layer inputs, CPU-checked only); the same with experts beside each MLP (32 of 1,024 columns,
+  # 4 a token, shaped by hand); then liger's Gemma 4 kernels on the dense one (3 steps). Rehearsed (GPU_SESSION_DRY=1).
+  for variant in dense moe; do
+    d=$W/models/gemma4-$variant
+    mkdir -p "$d"
+    cp $G/mistral/*.json "$d/"  # Mistral's tokenizer (its ids are below Gemma 4's vocabulary); config.json replaced
+    $PY - "$d/config.json" "$variant" "$DRY" <<'PYEOF'
+import json, sys
+path, variant, dry = sys.argv[1], sys.argv[2], sys.argv[3] == "1"
+c = dict(model_type="gemma4_text", architectures=["Gemma4ForCausalLM"], vocab_size=262144, hidden_size=2304,
+         intermediate_size=9216, num_hidden_layers=30, num_attention_heads=8, num_key_value_heads=4, head_dim=256,
+         global_head_dim=512, num_global_key_value_heads=2, attention_k_eq_v=True, num_kv_shared_layers=10,
+         use_double_wide_mlp=True, hidden_size_per_layer_input=256, vocab_size_per_layer_input=262144,
+         sliding_window=512, final_logit_softcapping=30.0, tie_word_embeddings=True, pad_token_id=0,
+         bos_token_id=1, eos_token_id=2)
+if dry:  # 4 layers of 128, a local and a global one, then the two sharing theirs
+    c.update(vocab_size=32768, vocab_size_per_layer_input=32768, hidden_size=128, intermediate_size=256,
+             num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, head_dim=32, global_head_dim=64,
+             num_global_key_value_heads=2, num_kv_shared_layers=2, hidden_size_per_layer_input=16,
+             layer_types=["sliding_attention", "full_attention"] * 2)
+if variant == "moe":
+    c.update(enable_moe_block=True, num_experts=32, top_k_experts=4, moe_intermediate_size=64 if dry else 1024)
+json.dump(c, open(path, "w"), indent=1)
+PYEOF
+    recipe $W/gemma4-$variant.yaml "$d" 1 bfloat16 4096
+    run gemma4-$variant-lora $FT $W/gemma4-$variant.yaml model.gradient_checkpointing=true train.loss_chunk_tokens=1024 \
+      train.max_steps=4
+    echo "gemma4 $variant: done at ${SECONDS}s" | tee -a "$OUT/$WHAT.log"
+  done
+  run gemma4-dense-lora-liger $FT $W/gemma4-dense.yaml model.gradient_checkpointing=true train.loss_chunk_tokens=1024 \
+    train.max_steps=3 model.kernels=liger
   ;;
 moe)  # the mixtures of experts on CUDA (5-8 minutes on an H200, its own call): Qwen3-30B-A3B's shape (the estimate's built-in
   # config, random init in bf16: 57 GiB, Mistral's tokenizer), LoRA r16 on GSM8K chats at 4,096 tokens with

@@ -109,6 +109,9 @@ class Family:
     # A mixture of experts: whether peft's all-linear reaches its experts (as parameters: ParamWrapper, which takes no
     # LoRA dropout), or only lora.target_parameters does (GPT-OSS's, Gemma 4's)
     all_linear_experts: bool = True
+    # A mixture of experts: whether transformers gives it a load-balancing loss (load_balancing_loss_func over its
+    # router logits), which model.router_aux_loss_coef adds (Gemma 4's records its router's probabilities, and has none)
+    load_balancing: bool = True
 
 
 # The families of the capability table: tests/test_families.py trains each on every column it does not refuse (and
@@ -129,7 +132,8 @@ FAMILIES: dict[str, Family] = {f.key: f for f in (
     Family("gpt_oss", "GPT-OSS", refused={"tp": _GPT_OSS_TP}, all_linear_experts=False),
     # per-layer embeddings (PLE), a learned scalar a layer (a persistent buffer), local and global layers with their
     # own head sizes (tensor parallelism: its dense layers, tensor_plan_problems refuses its experts' styles)
-    Family("gemma4_text", "Gemma 4 (its text model)", refused={"pp": _GEMMA4_PP}, all_linear_experts=False),
+    Family("gemma4_text", "Gemma 4 (its text model)", refused={"pp": _GEMMA4_PP}, all_linear_experts=False,
+           load_balancing=False),
 )}
 
 
@@ -329,6 +333,11 @@ def experts(config) -> int:
     return max(int(getattr(config, k, 0) or 0) for k in ("num_experts", "num_local_experts", "n_routed_experts"))
 
 
+def experts_per_token(config) -> int:
+    """The experts each token goes through (num_experts_per_tok; Gemma 4's top_k_experts); 0 for a dense MLP."""
+    return max(int(getattr(config, k, 0) or 0) for k in ("num_experts_per_tok", "top_k_experts"))
+
+
 def needs_model(recipe, layout: Layout) -> bool:
     """Whether the layout or a setting depends on the model's shape or kind (the layout splits it, or a setting is
     refused for some models): where its config cannot be read, doctor says that this is unchecked. (Every run checks
@@ -470,6 +479,11 @@ def model_problems(recipe, layout: Layout, config) -> list[str]:
         out += experts_problems(model_type, n, tiled_mlp=bool(recipe.model.tiled_mlp),
                                 lora_dropout=recipe.lora.dropout if recipe.lora is not None else 0.0,
                                 parameters_adapted=lora_adapts_parameters(model_type, recipe.lora))
+        family = FAMILIES.get(model_type)
+        if (coef := recipe.model.router_aux_loss_coef) is not None and family and not family.load_balancing:
+            out.append(f"model.router_aux_loss_coef={coef:g} adds transformers' load-balancing loss of a mixture of "
+                       f"experts, and {family.name} has none (its router records the routing probabilities, not "
+                       "the logits that loss takes): unset it")
     elif (coef := recipe.model.router_aux_loss_coef) is not None:
         out.append(f"model.router_aux_loss_coef={coef:g} weighs a mixture of experts' load-balancing loss, and "
                    f"{model_type or 'this model'} has no experts (a dense MLP): unset it")

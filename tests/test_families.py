@@ -556,3 +556,43 @@ def test_gemma_4s_tensor_parallel_split_is_exact_in_float64(free_port, tmp_path)
         assert [local * 2 for _, local in got["q_rows"]] == [whole for whole, _ in got["q_rows"]] == [64, 128] * 2
         # q, k, v, o and the MLP's three; no v on a global layer (its keys are its values), no k or v where shared
         assert got["sharded"] == 7 + 6 + 5 + 5
+
+
+@pytest.mark.slow
+def test_gemma_4s_mixture_of_experts_trains_end_to_end(tiny_assets, tmp_path):
+    """Gemma 4 with experts beside each MLP (enable_moe_block; its config names the experts a token goes through
+    top_k_experts, not num_experts_per_tok): `llmtrain finetune` with LoRA on its linears and its experts
+    (lora.target_parameters) trains, MFU counting 2 of its 4 experts a token (run/metrics.flop_model had read
+    num_experts_per_tok and ended every such run in an AttributeError); model.router_aux_loss_coef is refused in one
+    paragraph before anything is written (transformers gives Gemma 4 no load-balancing loss)."""
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    from llmtrain.errors import LLMTrainError
+    from llmtrain.run.metrics import flop_model
+
+    tiny = json.loads((tiny_assets / "model" / "config.json").read_text())
+    keep = ("vocab_size", "hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads",
+            "max_position_embeddings", "bos_token_id", "eos_token_id", "pad_token_id")
+    config = AutoConfig.for_model("gemma4_text", **{**{k: tiny[k] for k in keep}, **OWN_LAYER["gemma4_text"],
+                                                    "enable_moe_block": True, "num_experts": 4, "top_k_experts": 2,
+                                                    "moe_intermediate_size": 64})
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config)
+    model.save_pretrained(tmp_path / "model")
+    AutoTokenizer.from_pretrained(tiny_assets / "model").save_pretrained(tmp_path / "model")
+    experts = sum(p.numel() for n, p in model.named_parameters() if ".experts." in n)
+    dense = flop_model(AutoModelForCausalLM.from_config(config)).body_per_token
+    assert flop_model(model).body_per_token == dense  # (the same model)
+    config.top_k_experts = 4
+    assert flop_model(AutoModelForCausalLM.from_config(config)).body_per_token - dense == 6 * experts // 2
+    recipe = write_recipe(tiny_assets, tmp_path, model={"name_or_path": str(tmp_path / "model"),
+                                                        "attn_implementation": "auto"},
+                          lora={"r": 4, "alpha": 8, "dropout": 0.0,
+                                "target_parameters": ["experts.gate_up_proj", "experts.down_proj"]},
+                          data={"eval_split": None}, train={"max_steps": 3, "lr": 1e-3})
+    summary = run_train(recipe, f"output_dir={tmp_path / 'run'}")
+    losses = [r["loss"] for r in records(tmp_path / "run")]
+    assert len(losses) == 3 and all(math.isfinite(x) for x in losses) and summary["final_loss"] == losses[-1]
+    with pytest.raises(LLMTrainError, match="has none") as refused:
+        run_train(recipe, "model.router_aux_loss_coef=0.001", f"output_dir={tmp_path / 'aux'}")
+    assert "model.router_aux_loss_coef=0.001" in str(refused.value) and not (tmp_path / "aux").exists()
