@@ -509,11 +509,11 @@ def tensor_plan_problems(config, tp: int) -> list[str]:
     # transformers 5.17 adds "embed_tokens": "embedding_rowwise" to a tied model's plan (5.24 does not): llmtrain keeps
     # the embedding whole on every TP rank (FSDP shards it), as it does for every model
     plan.pop("embed_tokens", None)
-    if not (n := experts(config)):  # a dense variant of a family with experts (Gemma 4's): those entries name nothing
-        plan = {k: v for k, v in plan.items() if ".experts" not in k}
-    elif set(plan.values()) & {"packed_colwise", "moe_tp_experts"}:
+    if not (count := experts(config)):  # a dense variant of a family with experts (Gemma 4's): their entries name
+        plan = {k: v for k, v in plan.items() if ".experts" not in k}  # nothing
+    elif set(plan.values()) & {"packed_colwise", "moe_tp_experts"}:  # (Gemma 4's with enable_moe_block)
         return [f"tensor parallelism over {tp} processes: {getattr(config, 'model_type', 'this model')}'s layers hold "
-                f"a mixture of {n} experts (Gemma 4's enable_moe_block), and {_EXPERTS_TP}"]
+                f"a mixture of {count} experts, and {_EXPERTS_TP}"]
     if not plan or set(plan.values()) - set(TP_STYLES):
         return [f"tensor parallelism needs a model whose tensor-parallel plan (config.base_model_tp_plan) is column- "
                 f"and row-wise linear layers (fused ones gathered, as Phi's; and whole modules whose gradients are "
