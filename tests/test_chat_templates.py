@@ -194,14 +194,10 @@ def test_gpt_oss_reasoning_in_the_last_reply_is_trained_and_earlier_reasoning_is
     assert "add 2 and 3" not in untrained_text(tok, enc)
 
 
-@pytest.mark.parametrize("name, training", [("qwen2.5-7b-instruct", "qwen2_5_training"),
-                                            ("gemma-2-9b-it", "gemma_training"),
-                                            ("gemma-3-4b-it", "gemma3_training"),
-                                            ("phi-3-mini-4k-instruct", "phi3_training")])
-def test_trls_assistant_masks_train_ours_and_only_whitespace_more(name, training):
-    """TRL's SFT assistant-only masks (its `{% generation %}` templates, return_assistant_tokens_mask) on the same
-    chat and tokens: every token llmtrain trains, TRL trains too; what TRL trains beyond it is whitespace the model
-    never generates (Qwen's newline of the generation prompt before the reply, the newline after the stop token)."""
+def _trl_masks_beside_ours(name: str, training: str):
+    """A two-turn chat through TRL's `{training}.jinja` (its `{% generation %}` blocks, return_assistant_tokens_mask)
+    and through llmtrain's encoding, on the fixture `name`'s tokenizer, the same tokens (checked): the tokenizer, the
+    chat, TRL's encoding, and the positions each trains."""
     trl = pytest.importorskip("trl")
     tok = stand_in_tokenizer(name)
     messages = [user("2+3?"), assistant("5 apples"), user("And 5+3?"), assistant("8")]
@@ -211,7 +207,18 @@ def test_trls_assistant_masks_train_ours_and_only_whitespace_more(name, training
     enc = encode_example({"messages": messages}, tok, CHAT)
     assert theirs["input_ids"][: len(enc["input_ids"])] == enc["input_ids"]
     ours = {i for i, lab in enumerate(enc["labels"]) if lab != IGNORE}
-    trl_trained = {i for i, m in enumerate(theirs["assistant_masks"]) if m}
+    return tok, messages, theirs, ours, {i for i, m in enumerate(theirs["assistant_masks"]) if m}
+
+
+@pytest.mark.parametrize("name, training", [("qwen2.5-7b-instruct", "qwen2_5_training"),
+                                            ("gemma-2-9b-it", "gemma_training"),
+                                            ("gemma-3-4b-it", "gemma3_training"),
+                                            ("phi-3-mini-4k-instruct", "phi3_training")])
+def test_trls_assistant_masks_train_ours_and_only_whitespace_more(name, training):
+    """TRL's SFT assistant-only masks (its `{% generation %}` templates, return_assistant_tokens_mask) on the same
+    chat and tokens: every token llmtrain trains, TRL trains too; what TRL trains beyond it is whitespace the model
+    never generates (Qwen's newline of the generation prompt before the reply, the newline after the stop token)."""
+    tok, _, theirs, ours, trl_trained = _trl_masks_beside_ours(name, training)
     assert ours <= trl_trained
     assert all(tok.decode([theirs["input_ids"][i]]).strip() == "" for i in trl_trained - ours)
     assert len(ours) >= 4  # "5 apples" + end, "8" + end
@@ -221,16 +228,7 @@ def test_trls_gpt_oss_masks_train_ours_and_the_generation_prompts_header_more():
     """TRL's gptoss_training template (its `{% generation %}` blocks) on the same chat and tokens: every token llmtrain
     trains, TRL trains too; beyond them TRL trains each reply's `<|start|>assistant`, which is GPT-OSS's generation
     prompt (add_generation_prompt writes it at inference, the model does not), and nothing else."""
-    trl = pytest.importorskip("trl")
-    tok = stand_in_tokenizer("gpt-oss-20b")
-    messages = [user("2+3?"), assistant("5 apples"), user("And 5+3?"), assistant("8")]
-    template = (Path(trl.__file__).parent / "chat_templates" / "gptoss_training.jinja").read_text()
-    theirs = tok.apply_chat_template(messages, chat_template=template, tokenize=True, return_dict=True,
-                                     return_assistant_tokens_mask=True)
-    enc = encode_example({"messages": messages}, tok, CHAT)
-    assert theirs["input_ids"][: len(enc["input_ids"])] == enc["input_ids"]
-    ours = {i for i, lab in enumerate(enc["labels"]) if lab != IGNORE}
-    trl_trained = {i for i, m in enumerate(theirs["assistant_masks"]) if m}
+    tok, messages, theirs, ours, trl_trained = _trl_masks_beside_ours("gpt-oss-20b", "gptoss_training")
     assert ours <= trl_trained and len(ours) >= 4
     more = sorted(trl_trained - ours)
     runs = [[more[0]]]

@@ -64,8 +64,9 @@ OWN_LAYER = {"gemma4_text": dict(head_dim=32, global_head_dim=64, num_key_value_
                                  layer_types=["sliding_attention", "full_attention"] * 2)}
 
 
-def family_model(tiny_assets, folder, family: str):
-    """The tiny model's shapes and special ids in `family`'s layer, random weights, the tiny tokenizer beside them."""
+def family_model(tiny_assets, folder, family: str, **more):
+    """The tiny model's shapes and special ids in `family`'s layer (and `more` of its config), random weights, the tiny
+    tokenizer beside them."""
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
     if (folder / "config.json").exists():
@@ -74,7 +75,7 @@ def family_model(tiny_assets, folder, family: str):
     keep = ("vocab_size", "hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads",
             "num_hidden_layers", "max_position_embeddings", "bos_token_id", "eos_token_id", "pad_token_id")
     own = {**FAMILIES, **MOE, **OWN_LAYER}[family]
-    config = AutoConfig.for_model(family, **{**{k: tiny[k] for k in keep}, **own})
+    config = AutoConfig.for_model(family, **{**{k: tiny[k] for k in keep}, **own, **more})
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(config)
     with torch.no_grad():  # Gemma 4's learned scalar a layer (a buffer read from the checkpoint): not its init's 1
@@ -558,21 +559,8 @@ def test_gemma_4s_tensor_parallel_split_is_exact_in_float64(free_port, tmp_path)
         assert got["sharded"] == 7 + 6 + 5 + 5
 
 
-def _gemma4_moe(tiny_assets, folder: Path):
-    """The tests' Gemma 4 (OWN_LAYER) with 4 experts of 64 beside each MLP, 2 a token: its config, and its folder."""
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
-
-    tiny = json.loads((tiny_assets / "model" / "config.json").read_text())
-    keep = ("vocab_size", "hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads",
-            "max_position_embeddings", "bos_token_id", "eos_token_id", "pad_token_id")
-    config = AutoConfig.for_model("gemma4_text", **{**{k: tiny[k] for k in keep}, **OWN_LAYER["gemma4_text"],
-                                                    "enable_moe_block": True, "num_experts": 4, "top_k_experts": 2,
-                                                    "moe_intermediate_size": 64})
-    if not (folder / "config.json").exists():
-        torch.manual_seed(0)
-        AutoModelForCausalLM.from_config(config).save_pretrained(folder)
-        AutoTokenizer.from_pretrained(tiny_assets / "model").save_pretrained(folder)
-    return config, folder
+# Gemma 4 with 4 experts of 64 beside each MLP, 2 a token (its config's own name for them: top_k_experts)
+GEMMA4_EXPERTS = dict(enable_moe_block=True, num_experts=4, top_k_experts=2, moe_intermediate_size=64)
 
 
 @pytest.mark.slow
@@ -581,9 +569,10 @@ def _gemma4_moe(tiny_assets, folder: Path):
 def test_gemma_4s_mixture_of_experts_trains_on_two_processes(tiny_assets, tmp_path, free_port, layout):
     """Gemma 4 with experts beside each MLP under FSDP and sequence parallelism on 2 processes, 3 full steps, against
     one process reading the same examples: the first step's loss to 1e-6 and gradient norm to 1e-6 (relative: the
-    reductions), the later ones to 2e-3 (measured: 1.2e-4 and 5.6e-4 under FSDP, 6.4e-4 and 1.4e-3 under sequence
-    parallelism, as rounding grows through AdamW and flips a token's expert now and then)."""
-    _, model = _gemma4_moe(tiny_assets, tmp_path / "model")
+    reductions), the later ones to 2e-3 (measured on the tests' model, its layer scalars 0.9 to 1.5: 8.3e-6 and
+    2.1e-4 under FSDP, 1.8e-5 and 1.3e-4 under sequence parallelism; up to 1.4e-3 with every layer scalar 1), as
+    rounding grows through AdamW and flips a token's expert now and then."""
+    model = family_model(tiny_assets, tmp_path / "model", "gemma4_text", **GEMMA4_EXPERTS)
     config, processes, overrides, single_batch = LAUNCH[layout]
     recipe = _family_recipe(tiny_assets, tmp_path, model)
     alone = [o for o in overrides if not o.startswith("parallel.")]
@@ -608,8 +597,9 @@ def test_gemma_4s_mixture_of_experts_trains_end_to_end(tiny_assets, tmp_path):
     from llmtrain.errors import LLMTrainError
     from llmtrain.run.metrics import flop_model
 
-    config, folder = _gemma4_moe(tiny_assets, tmp_path / "model")
+    folder = family_model(tiny_assets, tmp_path / "model", "gemma4_text", **GEMMA4_EXPERTS)
     model = AutoModelForCausalLM.from_pretrained(folder)
+    config = model.config
     experts = sum(p.numel() for n, p in model.named_parameters() if ".experts." in n)
     two = flop_model(model).body_per_token
     config.top_k_experts = 4  # every expert a token

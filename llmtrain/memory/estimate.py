@@ -418,8 +418,7 @@ def kv_cache_bytes(shape: ModelShape, spec: TrainSpec) -> int:
     and values holds none."""
     cd = DTYPE_BYTES[PRECISION_DTYPE.get(spec.mixed_precision, spec.dtype)]
     width = spec.prompt_longest + spec.max_completion_tokens if spec.prompt_longest else spec.seq_len
-    per_token = sum(2 * shape.layer(i).kv_heads * shape.layer(i).head_dim for i in range(shape.layers)
-                    if not shape.layer(i).kv_shared)
+    per_token = shape.summed(lambda layer: 0 if layer.kv_shared else 2 * layer.kv_heads * layer.head_dim)
     return sampling_rows(spec) * width * per_token * cd
 
 

@@ -166,16 +166,16 @@ def router_aux_loss(lm, router_logits, attention_mask, *, sums=None, real: int |
     of whole sequences); else each process's loss is its own part of the group's (supervised fine-tuning)."""
     import sys
 
-    from llmtrain.capabilities import experts
+    from llmtrain.capabilities import experts, experts_per_token
 
     if sums is not None:
-        return _group_balance(router_logits, experts(lm.config), lm.config.num_experts_per_tok, sums=sums,
+        return _group_balance(router_logits, experts(lm.config), experts_per_token(lm.config), sums=sums,
                               real=real, whole=whole)
 
     # the model's own modeling module (under FSDP2 its class is a subclass that fully_shard made elsewhere)
     module = next(sys.modules[c.__module__] for c in type(lm).__mro__
                   if hasattr(sys.modules[c.__module__], "load_balancing_loss_func"))
-    return module.load_balancing_loss_func(router_logits, experts(lm.config), lm.config.num_experts_per_tok,
+    return module.load_balancing_loss_func(router_logits, experts(lm.config), experts_per_token(lm.config),
                                            attention_mask)
 
 
