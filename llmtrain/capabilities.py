@@ -82,12 +82,6 @@ _FORMAT_HINT = {
 
 # --------------------------------------------------------------------------- the model families (a third axis)
 
-_EXPERTS_TP = ("its experts are 3-D parameters (every expert's gate_up_proj in one tensor, every down_proj in "
-               "another), which its plan splits expert by expert (packed_colwise, moe_tp_experts), which llmtrain "
-               "does not build. Shard it with FSDP instead (accelerate_configs/fsdp.yaml, or "
-               "parallelism_config_tp_size: 1)")
-
-
 _GPT_OSS_TP = ("its tensor-parallel plan (config.base_model_tp_plan) splits only the embedding, and its experts are "
                "3-D parameters with biases, which llmtrain does not split. Shard it with FSDP instead "
                "(accelerate_configs/fsdp.yaml, or parallelism_config_tp_size: 1)")
@@ -125,13 +119,13 @@ FAMILIES: dict[str, Family] = {f.key: f for f in (
     Family("gemma3_text", "Gemma 3 (its text model)"),
     Family("phi3", "Phi-3 / Phi-4"),
     # mixtures of experts: the router and the experts as transformers runs them (grouped_mm)
-    Family("qwen3_moe", "Qwen3-MoE", refused={"tp": _EXPERTS_TP}),
-    Family("mixtral", "Mixtral", refused={"tp": _EXPERTS_TP}),
+    Family("qwen3_moe", "Qwen3-MoE"),
+    Family("mixtral", "Mixtral"),
     # attention sinks (the varlen attention computes them), a window on every other layer, experts with biases (LoRA
     # adapts its attention: peft maps no all-linear onto its router or experts)
     Family("gpt_oss", "GPT-OSS", refused={"tp": _GPT_OSS_TP}, all_linear_experts=False),
     # per-layer embeddings (PLE), a learned scalar a layer (a persistent buffer), local and global layers with their
-    # own head sizes (tensor parallelism: its dense layers, tensor_plan_problems refuses its experts' styles)
+    # own head sizes
     Family("gemma4_text", "Gemma 4 (its text model)", refused={"pp": _GEMMA4_PP}, all_linear_experts=False,
            load_balancing=False),
 )}
@@ -333,6 +327,11 @@ def experts(config) -> int:
     return max(int(getattr(config, k, 0) or 0) for k in ("num_experts", "num_local_experts", "n_routed_experts"))
 
 
+def experts_held(config, tp: int) -> str:
+    """What each process of a tensor-parallel group holds of a layer's experts (parallel/tensor._split_experts)."""
+    return f"each process {experts(config) // tp} of each layer's {experts(config)}"
+
+
 def experts_per_token(config) -> int:
     """The experts each token goes through (num_experts_per_tok; Gemma 4's top_k_experts); 0 for a dense MLP."""
     return max(int(getattr(config, k, 0) or 0) for k in ("num_experts_per_tok", "top_k_experts"))
@@ -509,11 +508,8 @@ def tensor_plan_problems(config, tp: int) -> list[str]:
     # transformers 5.17 adds "embed_tokens": "embedding_rowwise" to a tied model's plan (5.24 does not): llmtrain keeps
     # the embedding whole on every TP rank (FSDP shards it), as it does for every model
     plan.pop("embed_tokens", None)
-    if not (count := experts(config)):  # a dense variant of a family with experts (Gemma 4's): their entries name
-        plan = {k: v for k, v in plan.items() if ".experts" not in k}  # nothing
-    elif set(plan.values()) & {"packed_colwise", "moe_tp_experts"}:  # (Gemma 4's with enable_moe_block)
-        return [f"tensor parallelism over {tp} processes: {getattr(config, 'model_type', 'this model')}'s layers hold "
-                f"a mixture of {count} experts, and {_EXPERTS_TP}"]
+    if not experts(config):  # a dense variant of a family with experts (Gemma 4's): their entries name nothing
+        plan = {k: v for k, v in plan.items() if ".experts" not in k}
     if not plan or set(plan.values()) - set(TP_STYLES):
         return [f"tensor parallelism needs a model whose tensor-parallel plan (config.base_model_tp_plan) is column- "
                 f"and row-wise linear layers (fused ones gathered, as Phi's; and whole modules whose gradients are "
@@ -532,6 +528,8 @@ def tensor_plan_problems(config, tp: int) -> list[str]:
         head_dim = layer_values(config, "head_dim", config.hidden_size // heads)[0]
         split = (("qkv_proj's outputs, (num_attention_heads + 2 x num_key_value_heads) x head_dim",
                   (heads + 2 * kv) * head_dim), ("o_proj's inputs, num_attention_heads x head_dim", heads * head_dim))
+    if count := experts(config):  # split by expert (parallel/tensor._split_experts)
+        split += (("experts of each layer", count),)
     return [f"tensor parallelism over {tp} processes splits the model's {name} ({n}) evenly, and {n} is not a "
             f"multiple of {tp}: set parallelism_config_tp_size to a divisor of {n}"
             for name, n in (*split, ("intermediate_size", getattr(config, "intermediate_size", tp))) if n % tp]
@@ -540,8 +538,10 @@ def tensor_plan_problems(config, tp: int) -> list[str]:
 # The tensor-parallel plan's styles llmtrain builds (parallel/tensor.py): linear layers column- and row-wise; a fused
 # column-wise layer whose output is gathered whole and the row-wise layer after it, which takes its slice of the
 # input (Phi's qkv_proj / gate_up_proj and o_proj / down_proj); a whole module whose gradient each rank has in part
-# and sums (QK-norm)
-TP_STYLES = ("colwise", "rowwise", "colwise_gather_output", "rowwise_split_input", "replicated_with_grad_allreduce")
+# and sums (QK-norm); a mixture of experts' experts, split by expert (the plan's moe_tp_experts; its packed_colwise
+# gate_up_proj and rowwise down_proj name the parameters of that module, which llmtrain splits whole)
+TP_STYLES = ("colwise", "rowwise", "colwise_gather_output", "rowwise_split_input", "replicated_with_grad_allreduce",
+             "packed_colwise", "moe_tp_experts")
 
 
 def check_model(recipe, layout: Layout, config) -> None:

@@ -232,8 +232,8 @@ def test_the_tensor_parallel_plan_styles_llmtrain_builds_and_the_embedding_it_ke
     """Column- and row-wise linears and QK-norm's summed gradients are built; transformers 5.17 (the GPU machine's)
     adds "embed_tokens": "embedding_rowwise" to a tied model's plan, which llmtrain keeps whole as it keeps every
     embedding (before, every tied model under tensor parallelism was refused there). Phi's gathered plan splits the
-    weights, not the heads: its fused qkv_proj's outputs must divide, not the K/V heads. A style llmtrain does not build
-    (Mixtral's packed experts) is refused naming it."""
+    weights, not the heads: its fused qkv_proj's outputs must divide, not the K/V heads. A mixture of experts (Mixtral)
+    splits by expert: its experts a layer must divide."""
     from transformers import MixtralConfig, Phi3Config, Qwen3Config
 
     from llmtrain.capabilities import tensor_plan_problems
@@ -248,8 +248,11 @@ def test_the_tensor_parallel_plan_styles_llmtrain_builds_and_the_embedding_it_ke
     said = " ".join(tensor_plan_problems(phi, 3))
     assert "qkv_proj's outputs, (num_attention_heads + 2 x num_key_value_heads) x head_dim (128) evenly" in said, said
     assert "num_key_value_heads (2)" not in said and "intermediate_size (128)" in said
+    # a mixture of experts splits by expert: Mixtral's 8 a layer over 2 or 4, not over 3 (nor its heads)
     mixtral = MixtralConfig(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2)
-    assert "packed_colwise" in " ".join(tensor_plan_problems(mixtral, 2))
+    assert tensor_plan_problems(mixtral, 2) == [] and tensor_plan_problems(mixtral, 4) != []  # 2 K/V heads
+    said = " ".join(tensor_plan_problems(mixtral, 3))
+    assert "experts of each layer (8) evenly, and 8 is not a multiple of 3" in said, said
 
 
 def test_gemma_4s_heterogeneous_config_is_read_layer_by_layer():
@@ -258,7 +261,7 @@ def test_gemma_4s_heterogeneous_config_is_read_layer_by_layer():
     num_key_value_heads or head_dim is read off the config itself, which every Gemma 4 run did at its first check (a
     traceback). Each layer's value is read off its own (layer_values): the sequence and tensor-parallel checks ask
     each layer's K/V heads, the FLOP count each layer's head size. Under tensor parallelism its dense layers split
-    (the plan's expert entries name nothing there); its mixture-of-experts variant is refused naming its experts."""
+    (the plan's expert entries name nothing there); its mixture-of-experts variant splits its experts by expert."""
     from transformers import Gemma4TextConfig
 
     from llmtrain.capabilities import layer_values, sequence_config_problem, tensor_plan_problems
@@ -280,9 +283,9 @@ def test_gemma_4s_heterogeneous_config_is_read_layer_by_layer():
     said = " ".join(tensor_plan_problems(config, 2))  # the global layers' one K/V head does not split over 2
     assert "key/value heads of layers 1, 3 (1) evenly" in said and "experts" not in said, said
     assert tensor_plan_problems(gemma4(num_global_key_value_heads=2), 2) == []
-    moe = " ".join(tensor_plan_problems(gemma4(num_global_key_value_heads=2, enable_moe_block=True, num_experts=4,
-                                               top_k_experts=2, moe_intermediate_size=32), 2))
-    assert "a mixture of 4 experts" in moe and "packed_colwise" in moe, moe
+    moe = dict(num_global_key_value_heads=2, enable_moe_block=True, top_k_experts=2, moe_intermediate_size=32)
+    assert tensor_plan_problems(gemma4(num_experts=4, **moe), 2) == []  # its experts split by expert, 2 a process
+    assert "experts of each layer (3) evenly" in " ".join(tensor_plan_problems(gemma4(num_experts=3, **moe), 2))
 
 
 def test_the_flop_count_takes_each_layers_head_size():

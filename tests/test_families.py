@@ -399,6 +399,43 @@ def test_each_family_trains_on_each_layout_its_row_allows_what_one_process_train
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("lora", [True, pytest.param(False, marks=pytest.mark.extended)], ids=["lora", "full"])
+def test_a_mixture_of_experts_under_fsdp_x_tp_trains_like_one_process_and_resumes(models, tiny_assets, tmp_path,
+                                                                                 free_port, lora):
+    """Qwen3-MoE under FSDP x TP 2 x 2 (each expert split as a dense MLP, parallel/tensor._split_experts; with LoRA
+    on its linears and experts, their adapters unmerged beside the split experts in grouped matmuls) through
+    `accelerate launch`, 4 steps, against one process reading the same examples: losses and gradient norms to 1e-5,
+    the final weights (gathered whole from the experts' interleaved gate and up rows) to 1e-4. Its step-2 checkpoint
+    (the sharded experts, or their adapters, in the checkpoint's pieces) resumes on FSDP x TP to the same end."""
+    import shutil
+
+    config, processes, overrides, single_batch = LAUNCH["tp"]
+    recipe = write_recipe(tiny_assets, tmp_path, model={"name_or_path": str(models["qwen3_moe"]),
+                                                        "attn_implementation": "auto"},
+                          **({"lora": {"r": 4, "alpha": 8, "dropout": 0.0}} if lora else {}),
+                          data={"eval_split": None}, checkpoint={"every_steps": 2},
+                          train={"max_steps": 4, "lr": 1e-3, "max_grad_norm": 1.0})
+    run_train(recipe, f"train.micro_batch_size={single_batch}", f"output_dir={tmp_path / 'one'}")
+    out = launch_finetune(CONFIGS / config, processes, free_port, recipe, *overrides, f"output_dir={tmp_path / 'tp'}")
+    assert ("tensor parallelism: 8 linear layers split over 2 processes, and 2 layers' experts split by expert "
+            "(each process 2 of each layer's 4)") in out, out
+    assert_same_steps(tmp_path / "tp", tmp_path / "one", tol=1e-5)
+    name = "adapter_model.safetensors" if lora else ""
+    one = load_weights(tmp_path / "one" / "final" / name)
+    many = load_weights(tmp_path / "tp" / "final" / name)
+    assert one.keys() == many.keys() and any(".experts." in k for k in one)
+    assert max_abs_diff(many, one) < 1e-4
+    run = Path(shutil.copytree(tmp_path / "tp", tmp_path / "resumed"))
+    shutil.rmtree(run / "checkpoints" / "step_000004")
+    shutil.rmtree(run / "final")
+    out = launch_finetune(CONFIGS / config, processes, free_port + 1, recipe, *overrides, f"output_dir={run}",
+                          resume="auto")
+    assert "resumed from" in out
+    assert [r["loss"] for r in records(run)] == pytest.approx([r["loss"] for r in records(tmp_path / "tp")], abs=1e-6)
+    assert max_abs_diff(load_weights(run / "final" / name), many) < 1e-6
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize("layout", ["fsdp", pytest.param("ddp", marks=pytest.mark.extended)])
 def test_lora_on_gpt_oss_experts_trains_on_two_processes_what_one_process_trains(models, tiny_assets, tmp_path,
                                                                                  free_port, layout):
@@ -537,26 +574,65 @@ def test_the_family_table_in_docs_models_is_the_tables_own():
 
 
 @pytest.mark.slow
+def _tp_probe(port: int, out: Path, *args: str) -> list[dict]:
+    """tests/tp_probe.py through `torch.distributed.run` on 2 processes: each rank's record."""
+    import os
+    import subprocess
+    import sys
+
+    subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
+                    str(port), str(REPO / "tests" / "tp_probe.py"), str(out), *args], check=True,
+                   capture_output=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    return [json.loads((out / f"rank{rank}.json").read_text()) for rank in range(2)]
+
+
 def test_gemma_4s_tensor_parallel_split_is_exact_in_float64(free_port, tmp_path):
     """Gemma 4's dense layer under llmtrain's tensor parallelism over 2 processes (tests/tp_probe.py through
     `torch.distributed.run`: local and global layers of their own head sizes and K/V heads, keys that are the values,
     kv sharing, double-wide MLPs, per-layer embeddings), in float64 with its norms in float64 too, three AdamW steps:
     each step's loss equals one process's to 1e-12 and every weight's gradient to 1e-10, and each q_proj holds half
     its rows. (With QK-norm's gradient left unsummed over the pair, the first step's is 3.2e-2 off.)"""
-    import os
-    import subprocess
-    import sys
-
-    subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
-                    str(free_port), str(REPO / "tests" / "tp_probe.py"), str(tmp_path)], check=True,
-                   capture_output=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
-    for rank in range(2):
-        got = json.loads((tmp_path / f"rank{rank}.json").read_text())
+    for got in _tp_probe(free_port, tmp_path):
         for step in got["steps"]:  # three AdamW steps: a difference grows about tenfold a step from 5e-15
             assert step["loss_diff"] < 1e-12 and step["grad_diff"] < 1e-10 and step["largest_grad"] > 0.1, got
         assert [local * 2 for _, local in got["q_rows"]] == [whole for whole, _ in got["q_rows"]] == [64, 128] * 2
         # q, k, v, o and the MLP's three; no v on a global layer (its keys are its values), no k or v where shared
         assert got["sharded"] == 7 + 6 + 5 + 5
+
+
+# model, LoRA -> the largest gradient difference a step allows in float64, the layers split (the experts' modules
+# counted), the trained tensors. Measured: 1e-16 (Qwen3-MoE, Mixtral: each token's pair with an expert is computed whole
+# on one rank, so only the sums over the pair differ in order) and 6e-13 (Gemma 4's third step, as its dense layer's)
+EXPERTS_PROBE = {("qwen3_moe", False): (1e-14, 5 * 2, 25), ("qwen3_moe", True): (1e-14, 5 * 2, 28),
+                 ("mixtral", False): (1e-14, 5 * 2, 21), ("mixtral", True): (1e-14, 5 * 2, 28),
+                 ("gemma4_moe", False): (1e-11, 27, 94), ("gemma4_moe", True): (1e-11, 27, 88)}
+
+
+@pytest.mark.parametrize("model, lora", [pytest.param(m, lo, id=f"{m}-{'lora' if lo else 'full'}",
+                                                      marks=[] if (m, lo) == ("qwen3_moe", True) else
+                                                      [pytest.mark.extended]) for m, lo in EXPERTS_PROBE])
+def test_a_mixture_of_experts_tensor_parallel_split_is_exact_in_float64(free_port, tmp_path, model, lora):
+    """A mixture of experts under llmtrain's tensor parallelism over 2 processes (tests/tp_probe.py), its experts split
+    by expert (each rank 2 of each layer's 4, whole; a token's pair with the other rank's expert goes to none here),
+    the router whole, in float64, three AdamW steps: each step's loss equals one process's to 1e-12 and every trained
+    weight's gradient to EXPERTS_PROBE's bound. With LoRA on every linear layer and on the experts (B random, so the
+    adapters count from the first step): each rank runs its experts' rows of the whole factors, whose gradients are
+    summed over the pair. Caught (Qwen3-MoE with LoRA, the first step's largest gradient difference): the tokens'
+    gradient left unsummed, 1.2e-2; the routing weights', 3.0e-3; the factors', 1.5e-2."""
+    bound, sharded, trained = EXPERTS_PROBE[model, lora]
+    for got in _tp_probe(free_port, tmp_path, model, *(["lora"] if lora else [])):
+        for step in got["steps"]:
+            assert step["loss_diff"] < 1e-12 and step["grad_diff"] < bound, got
+            assert step["largest_grad"] > 0.03
+            assert step["trained"] == trained
+        assert got["sharded"] == sharded
+        assert got["experts"] == [[4, 2]] * (2 if model != "gemma4_moe" else 4)  # each rank 2 of each layer's 4
+        # estimate-memory's tensor-parallel slice counts the weights each rank holds of a layer (the router whole)
+        from llmtrain.memory.params import _shape_from_json, tensor_parallel_shape
+
+        shape = tensor_parallel_shape(_shape_from_json(got["config"], "probe"), 2)
+        assert shape.experts.local == 2 and (shape.layer(0) if shape.layer_shapes else shape).params_per_layer == \
+            got["layer_params"]
 
 
 # Gemma 4 with 4 experts of 64 beside each MLP, 2 a token (its config's own name for them: top_k_experts)

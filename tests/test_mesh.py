@@ -108,9 +108,9 @@ def test_tensor_parallel_plan_needs_heads_and_columns_that_divide(tiny_assets):
     model = load_model(ModelConfig(name_or_path=str(tiny_assets / "model"), dtype="float32"), None)
     with pytest.raises(LLMTrainError, match=r"num_key_value_heads \(2\) .* not a multiple of 4"):
         apply_tensor_parallel(model, types.SimpleNamespace(size=lambda: 4))
-    # a packed style on a fused MLP (the experts' entries of a plan name nothing in a dense model, and are dropped)
-    model.config.base_model_tp_plan = {"layers.*.mlp.gate_up_proj": "packed_colwise"}
-    with pytest.raises(LLMTrainError, match="packed_colwise"):
+    # a style llmtrain does not build (transformers' sequence-parallel norm)
+    model.config.base_model_tp_plan = {"layers.*.input_layernorm": "sequence_parallel"}
+    with pytest.raises(LLMTrainError, match="sequence_parallel"):
         apply_tensor_parallel(model, types.SimpleNamespace(size=lambda: 2))
 
 

@@ -1,10 +1,14 @@
-"""Run by tests/test_families.py under `torch.distributed.run` (gloo, CPU): a tiny Gemma 4 text model in float64, its
-loss and every weight's gradient on one process against the same model under llmtrain's tensor parallelism over all
-the ranks (parallel/tensor.apply_tensor_parallel). In float64 what fp32 leaves as rounding (the split matmuls and the
-all-reduces sum in another order) is gone, so any difference is the split's. Each rank writes, as JSON, the loss's
-difference, the largest gradient difference and its weight, and the local and whole rows of every layer's q_proj.
+"""Run by tests/test_families.py under `torch.distributed.run` (gloo, CPU): a tiny model in float64 (Gemma 4's text
+model, or a mixture of experts: Qwen3-MoE, Mixtral, Gemma 4's; with LoRA on every linear layer and the experts), its
+loss and every trained weight's gradient on one process against the same model under llmtrain's tensor parallelism
+over all the ranks (parallel/tensor.apply_tensor_parallel). In float64 what fp32 leaves as rounding (the split
+matmuls and the all-reduces sum in another order) is gone, so any difference is the split's. Each rank writes, as
+JSON, the loss's difference, the largest gradient difference and its weight, and the local and whole rows of every
+layer's q_proj (and the experts each layer holds of all).
 
-    python -m torch.distributed.run --nproc_per_node P tests/tp_probe.py OUT_DIR
+    python -m torch.distributed.run --nproc_per_node P tests/tp_probe.py OUT_DIR [MODEL] [lora]
+
+MODEL: gemma4 (the default), qwen3_moe, mixtral or gemma4_moe.
 """
 
 from __future__ import annotations
@@ -25,11 +29,21 @@ CONFIG = dict(vocab_size=96, hidden_size=64, intermediate_size=96, num_hidden_la
               attention_k_eq_v=True, num_kv_shared_layers=2, use_double_wide_mlp=True, sliding_window=4,
               layer_types=["sliding_attention", "full_attention"] * 2, vocab_size_per_layer_input=96,
               hidden_size_per_layer_input=8, final_logit_softcapping=30.0, pad_token_id=0)
+# The mixtures of experts: 4 experts of 32 columns a layer, 2 a token (Qwen3-MoE's QK-norm, Gemma 4's experts beside
+# its dense MLP)
+SMALL = dict(vocab_size=96, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+             head_dim=16, pad_token_id=0)
+MODELS = {"gemma4": ("gemma4_text", CONFIG),
+          "qwen3_moe": ("qwen3_moe", dict(SMALL, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+                                          intermediate_size=96, decoder_sparse_step=1, norm_topk_prob=True)),
+          "mixtral": ("mixtral", dict(SMALL, num_local_experts=4, num_experts_per_tok=2, intermediate_size=32)),
+          "gemma4_moe": ("gemma4_text", dict(CONFIG, enable_moe_block=True, num_experts=4, top_k_experts=2,
+                                             moe_intermediate_size=32))}
 
 
-def main(out: Path) -> None:
+def main(out: Path, name: str = "gemma4", lora: bool = False) -> None:
     from torch.distributed.device_mesh import init_device_mesh
-    from transformers import AutoModelForCausalLM, Gemma4TextConfig
+    from transformers import AutoConfig, AutoModelForCausalLM
 
     from llmtrain.parallel.tensor import apply_tensor_parallel
 
@@ -40,17 +54,43 @@ def main(out: Path) -> None:
         return normed * self.weight if self.with_scale else normed
 
     modeling_gemma4.Gemma4RMSNorm.forward = norm_in_float64
+    from transformers.models.mixtral import modeling_mixtral
+    from transformers.models.qwen3_moe import modeling_qwen3_moe
+
+    def llama_norm_in_float64(self, x):  # Llama's RMSNorm (Mixtral's, Qwen3-MoE's) computes in fp32 too
+        return self.weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.variance_epsilon))
+
+    modeling_mixtral.MixtralRMSNorm.forward = modeling_qwen3_moe.Qwen3MoeRMSNorm.forward = llama_norm_in_float64
+    from transformers.integrations import moe
+
+    can = moe._can_use_grouped_mm  # torch's grouped matmul takes no float64: transformers' own fallback op then does
+    moe._can_use_grouped_mm = lambda x, weight, offsets: weight.dtype != torch.float64 and can(x, weight, offsets)
     dist.init_process_group("gloo")
     rank, ranks = dist.get_rank(), dist.get_world_size()
     torch.manual_seed(0)
-    config = Gemma4TextConfig(**CONFIG)
+    model_type, kwargs = MODELS[name]
+    config = AutoConfig.for_model(model_type, **kwargs)
     config._attn_implementation = "sdpa"
     one = AutoModelForCausalLM.from_config(config).double()
     with torch.no_grad():  # learned layer scalars, not their init's 1
         for i, (_, buffer) in enumerate((n, b) for n, b in one.named_buffers() if n.endswith("layer_scalar")):
             buffer.fill_(0.8 + 0.1 * i)
+    if lora:  # every linear layer and the experts' 3-D parameters, the adapters unmerged beside them
+        from peft import LoraConfig, get_peft_model
+
+        from llmtrain.model import lora_experts
+
+        targets = {"target_parameters": ["experts.gate_up_proj", "experts.down_proj"]} if name == "gemma4_moe" else {}
+        one = get_peft_model(one, LoraConfig(r=4, lora_alpha=8, target_modules="all-linear", **targets))
+        with torch.no_grad():  # B's init is 0: a random B so that the adapters change the output from the first step
+            for n, p in one.named_parameters():
+                if "lora_B" in n:
+                    p.normal_(0, 0.1)
+        assert lora_experts.install(one) == config.num_hidden_layers
     many = copy.deepcopy(one)
-    ids = torch.randint(1, CONFIG["vocab_size"], (2, 12))
+    if lora:
+        lora_experts.install(many)  # (deepcopy copies the installed forward bound to the original module)
+    ids = torch.randint(1, config.vocab_size, (2, 12))
 
     def loss(model):  # in float64 (transformers' own loss casts the logits to fp32)
         logits = model(input_ids=ids).logits[:, :-1]
@@ -59,26 +99,37 @@ def main(out: Path) -> None:
     def whole(t):
         return t.full_tensor() if hasattr(t, "full_tensor") else t
 
-    sharded = apply_tensor_parallel(many, init_device_mesh("cpu", (ranks,), mesh_dim_names=("tp",)))
+    sharded = sum(apply_tensor_parallel(many, init_device_mesh("cpu", (ranks,), mesh_dim_names=("tp",))))
+    layers = (many.base_model.model if lora else many).model.layers
     q = [(whole(layer.self_attn.q_proj.weight).shape[0], layer.self_attn.q_proj.weight.to_local().shape[0])
-         for layer in many.model.layers]
-    optimizers = [torch.optim.AdamW(m.parameters(), lr=1e-3, foreach=False) for m in (one, many)]
+         for layer in layers]
+    experts = [(whole(p).shape[0], p.to_local().shape[0]) for n, p in many.named_parameters()
+               if n.endswith("gate_up_proj") and p.ndim == 3]
+    # the base weights this rank holds of the first decoder layer (what estimate-memory's tensor-parallel slice counts)
+    held = sum((p.to_local() if hasattr(p, "to_local") else p).numel() for n, p in layers[0].named_parameters()
+               if "lora_" not in n)
+    optimizers = [torch.optim.AdamW([p for p in m.parameters() if p.requires_grad], lr=1e-3, foreach=False)
+                  for m in (one, many)]
     steps = []
     for _ in range(3):  # AdamW's updates too: each of the three steps' loss and gradients
         loss_one, loss_many = loss(one), loss(many)
         loss_one.backward()
         loss_many.backward()
-        grads = {name: whole(p.grad) for name, p in many.named_parameters()}
-        worst = max(((float((grads[name] - p.grad).abs().max()), name) for name, p in one.named_parameters()))
+        grads = {n: whole(p.grad) for n, p in many.named_parameters() if p.requires_grad}
+        worst = max(((float((grads[n] - p.grad).abs().max()), n) for n, p in one.named_parameters()
+                     if p.requires_grad))
         steps.append({"loss": loss_one.item(), "loss_diff": (whole(loss_many) - loss_one).abs().item(),
                       "grad_diff": worst[0], "grad_diff_at": worst[1],
-                      "largest_grad": max(float(p.grad.abs().max()) for p in one.parameters())})
+                      "largest_grad": max(float(p.grad.abs().max()) for p in one.parameters() if p.requires_grad),
+                      "trained": sum(p.requires_grad for p in one.parameters())})
         for optimizer in optimizers:
             optimizer.step()
             optimizer.zero_grad()
-    (out / f"rank{rank}.json").write_text(json.dumps({"steps": steps, "sharded": sharded, "q_rows": q}))
+    (out / f"rank{rank}.json").write_text(json.dumps({"steps": steps, "sharded": sharded, "q_rows": q,
+                                                          "experts": experts,
+                                                          "layer_params": held, "config": config.to_json_string()}))
     dist.destroy_process_group()
 
 
 if __name__ == "__main__":
-    main(Path(sys.argv[1]))
+    main(Path(sys.argv[1]), *sys.argv[2:3], lora="lora" in sys.argv[3:])

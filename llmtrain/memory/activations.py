@@ -339,7 +339,7 @@ def expert_adapter_bytes(p: Pass, shape: ModelShape, adapted: dict[str, tuple[in
     unmerged: the rank-r' rows x A^T (S x r'), B^T copied with the experts outermost (E x r' x out), and A^T (E x in x
     r'): a view of peft's fp32 A, or its cast to a 16-bit base's dtype, or, padded, a copy; all in the experts' dtype
     (expert_rank)."""
-    total, S, E, w = 0, shape.experts.pairs(p.tokens), shape.experts.count, p.resid
+    total, S, E, w = 0, shape.experts.pairs(p.tokens), shape.experts.local, p.resid
     for name, (i, o) in expert_fans(shape).items():
         if name in adapted and (names is None or name in names):
             r, padded = expert_rank(p, name)
@@ -382,7 +382,7 @@ def experts_bytes(p: Pass, shape: ModelShape, adapted: dict[str, tuple[int, int]
     # sigmoid, their product and clamp(up) + 1 (S x I each); a trained bias's gather keeps the sorted expert ids
     gate = S * (6 if e.clamped_gate else 3) * i * w
     bias_ids = S * 8 if (e.biases and p.trainable_base) else 0
-    return (gathered + gate + product + S * H * w + weights + 3 * S * 8 + bias_ids + e.count * 4
+    return (gathered + gate + product + S * H * w + weights + 3 * S * 8 + bias_ids + e.local * 4
             + expert_adapter_bytes(p, shape, adapted))
 
 
@@ -400,7 +400,7 @@ def _adapter_backward(p: Pass, shape: ModelShape, adapted: dict[str, tuple[int, 
     i, o = expert_fans(shape)[name]
     _, padded = expert_rank(p, name)
     S = shape.experts.pairs(p.tokens)
-    return p.resid * (S * i + S * padded + shape.experts.count * padded * (i + o))
+    return p.resid * (S * i + S * padded + shape.experts.local * padded * (i + o))
 
 
 def experts_backward_temp(p: Pass, shape: ModelShape, adapted: dict[str, tuple[int, int]]) -> int:

@@ -166,6 +166,14 @@ class Experts:
     # and scaled per expert; gelu on the gate
     prefix: str = "mlp.experts"
     beside: bool = False
+    # Under tensor parallelism, the experts a GPU holds (parallel/tensor._split_experts splits them by expert; the
+    # router stays whole): 0, all of them
+    held: int = 0
+
+    @property
+    def local(self) -> int:
+        """The experts whose weights this GPU holds and runs."""
+        return self.held or self.count
 
     @property
     def gate_up(self) -> str:
@@ -182,8 +190,8 @@ class Experts:
     def params(self, hidden: int) -> dict[str, int]:
         """Weights of one layer's router and experts, by parameter (their biases with them)."""
         e, i, b = self.count, self.intermediate, self.biases
-        return {self.router: e * hidden + e * b, self.gate_up: e * 2 * i * (hidden + b),
-                self.down: e * hidden * (i + b)}
+        return {self.router: e * hidden + e * b, self.gate_up: self.local * 2 * i * (hidden + b),
+                self.down: self.local * hidden * (i + b)}
 
 
 @dataclass(frozen=True)
@@ -349,8 +357,14 @@ def tensor_parallel_shape(shape: ModelShape, tp: int) -> ModelShape:
                   else Linear(lin.name, lin.fan_in // tp, lin.fan_out, lin.bias) if cut.get(style.get(lin.name)) == "in"
                   else lin for lin in shape.layer_linears)
     linear = sum(lin.numel for lin in local)
+    experts, moe = shape.experts, 0
+    if experts is not None:  # split by expert: each GPU holds count / tp of them whole, the router whole, and runs
+        # every token-expert pair's rows (another GPU's expert's are zeros: the activations keep their size)
+        experts = replace(experts, held=experts.count // tp)
+        moe = sum(shape.experts.params(shape.hidden).values()) - sum(experts.params(shape.hidden).values())
     sliced = replace(shape, source=f"{shape.source}, 1/{tp} tensor-parallel slice", layer_linears=local,
-                     params_per_layer=shape.params_per_layer - shape.linear_params_per_layer + linear)
+                     params_per_layer=shape.params_per_layer - shape.linear_params_per_layer + linear - moe,
+                     experts=experts)
     if "colwise_gather_output" in style.values():  # forward: the fused outputs; backward: the gradients of the inputs
         # the row-wise layers sliced (their input's gradient is gathered whole again)
         return replace(sliced, tp_gathers=(

@@ -27,7 +27,7 @@ import torch
 import torch.nn.functional as F
 
 
-def _wrappers(module) -> tuple[list, object]:
+def wrappers(module) -> tuple[list, object]:
     """peft's ParamWrappers nested from `module` down, and the experts module they wrap."""
     chain = []
     while hasattr(module, "parameter_name"):
@@ -38,25 +38,29 @@ def _wrappers(module) -> tuple[list, object]:
 
 def _supported(module) -> bool:
     """Whether `module` (the outermost of its ParamWrappers) wraps experts this forward runs."""
-    chain, experts = _wrappers(module)
+    chain, experts = wrappers(module)
     if not chain or getattr(getattr(experts, "config", None), "_experts_implementation", None) != "grouped_mm":
         return False
     if not getattr(experts, "has_gate", False):
         return False
-    if getattr(experts, "has_post_expert_norm", False) or getattr(experts, "_is_expert_parallel", False):
+    if getattr(experts, "has_post_expert_norm", False):
         return False
     return all(w.parameter_name in ("gate_up_proj", "down_proj") for w in chain)
 
 
-def _factors(chain) -> dict[str, tuple[torch.Tensor, torch.Tensor, float]] | None:
-    """{parameter name: (lhs, rhs, scaling)}, the adapter's delta = scaling x lhs @ rhs in the parameter's layout;
-    None where an adapter is disabled or merged, or other than one is active (peft's forward then)."""
-    out = {}
+def _factors(chain, experts) -> dict[str, tuple[torch.Tensor, torch.Tensor, float]] | None:
+    """{parameter name: (lhs, rhs, scaling)}, the adapter's delta = scaling x lhs @ rhs in the parameter's layout
+    (each [experts, ., .]: the rows of the experts this module holds, where tensor parallelism split them by expert,
+    parallel/tensor._split_experts); None where an adapter is disabled or merged, or other than one is active (peft's
+    forward then)."""
+    out, first = {}, getattr(experts, "first_expert", 0)
+    held = slice(first, first + experts.num_experts)
     for w in chain:
         active = [a for a in w.active_adapters if a in w.lora_A]
         if w.disable_adapters or w.merged or len(active) != 1:
             return None
-        out[w.parameter_name] = w.get_delta_factors(active[0])
+        lhs, rhs, s = w.get_delta_factors(active[0])
+        out[w.parameter_name] = lhs[held], rhs[held], s
     return out
 
 
@@ -91,8 +95,8 @@ def _linear(x, weight, offsets, factors, transposed: bool):
 def _forward(module, hidden_states, top_k_index, top_k_weights):
     """transformers' grouped_mm_experts_forward (integrations/moe.py), each adapted parameter's adapter beside it;
     peft's own forward where _factors says so."""
-    chain, experts = _wrappers(module)
-    factors = _factors(chain)
+    chain, experts = wrappers(module)
+    factors = _factors(chain, experts)
     if factors is None:
         return type(module).forward(module, hidden_states, top_k_index, top_k_weights)
     k = top_k_index.size(-1)
@@ -103,14 +107,26 @@ def _forward(module, hidden_states, top_k_index, top_k_weights):
     histc = ids_sorted.float() if hidden_states.device.type in ("cpu", "mps") else ids_sorted.int()
     offsets = torch.cumsum(torch.histc(histc, bins=experts.num_experts, min=0, max=experts.num_experts - 1), dim=0,
                            dtype=torch.int32)
+    # Experts split by expert (parallel/tensor._split_experts): a pair with another rank's expert has the sentinel id
+    # num_experts, sorted last, past the offsets, so no matmul computes its rows; they are left as the kernel leaves
+    # them and zeroed after each (transformers' grouped_mm_experts_forward does the same), its input rows before
+    # (so the rows' gradient, which backward leaves alike, reaches no token)
+    elsewhere = (ids_sorted >= experts.num_experts).unsqueeze(-1) if experts._is_expert_parallel else None
+    if elsewhere is not None:
+        ids_sorted = ids_sorted.clamp(max=experts.num_experts - 1)
+        x = x.masked_fill(elsewhere, 0.0)
     gate_up, down = experts.gate_up_proj, experts.down_proj
     h = _linear(x.to(gate_up.dtype), gate_up, offsets, factors.get("gate_up_proj"), experts.is_transposed)
     if experts.has_bias:  # each pair's expert's bias (GPT-OSS), added in place as transformers does
         h.add_(experts.gate_up_proj_bias[ids_sorted])
+    if elsewhere is not None:
+        h = h.masked_fill(elsewhere, 0.0)
     h = experts._apply_gate(h)
     out = _linear(h.to(down.dtype), down, offsets, factors.get("down_proj"), experts.is_transposed)
     if experts.has_bias:
         out.add_(experts.down_proj_bias[ids_sorted])
+    if elsewhere is not None:
+        out = out.masked_fill(elsewhere, 0.0)
     out = out * weights[perm].unsqueeze(-1)
     inverse = torch.empty_like(perm)
     inverse[perm] = torch.arange(perm.size(0), device=perm.device)
@@ -121,9 +137,9 @@ def install(model) -> int:
     """From now on, each LoRA-adapted experts module of `model` that `_supported` runs its adapters beside the base
     experts (no merge); returns how many (of nested ParamWrappers, the outermost is the one its layer calls). Calling
     it again changes nothing."""
-    wrappers = [m for m in model.modules() if hasattr(m, "parameter_name")]
-    inner = {id(m.base_layer) for m in wrappers}
-    outermost = [m for m in wrappers if id(m) not in inner and _supported(m)]
+    wrapped = [m for m in model.modules() if hasattr(m, "parameter_name")]
+    inner = {id(m.base_layer) for m in wrapped}
+    outermost = [m for m in wrapped if id(m) not in inner and _supported(m)]
     for module in outermost:
         module.__dict__["forward"] = functools.partial(_forward, module)
     return len(outermost)

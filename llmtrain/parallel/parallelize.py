@@ -16,6 +16,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from llmtrain.capabilities import experts_held
 from llmtrain.config import Recipe
 from llmtrain.model.modeling import compile_layers
 from llmtrain.parallel.fsdp import prepared_for_fsdp, uses_fsdp
@@ -41,8 +42,9 @@ def parallelize(model, recipe: Recipe, accelerator, *, make_optimizer, pad_id: i
     objective's own last-stage loss for pipeline stages (a reward model's, preference pairs': objectives/
     reward_model.StageScores, objectives/preference.StagePairs; None: the LM head's cross-entropy)."""
     if (tp := tensor_parallel_size(accelerator)) > 1:
-        layers = apply_tensor_parallel(model, accelerator.torch_device_mesh["tp"])
-        say(f"tensor parallelism: {layers} linear layers split over {tp} processes "
+        layers, experts = apply_tensor_parallel(model, accelerator.torch_device_mesh["tp"])
+        held = f", and {experts} layers' experts split by expert ({experts_held(model.config, tp)})" if experts else ""
+        say(f"tensor parallelism: {layers} linear layers split over {tp} processes{held} "
             f"(PyTorch parallelize_module, the model's own plan)")
     if (sp := recipe.parallel.sequence_parallel) > 1:
         sequence_attention.attach(model, size=sp, group=groups(accelerator).sequence.group)

@@ -7,6 +7,9 @@ the tensor-parallel weights over the mesh's data-parallel dimensions.
 
 from __future__ import annotations
 
+import contextlib
+import functools
+
 import torch
 
 from llmtrain.capabilities import paragraph, tensor_plan_problems
@@ -14,13 +17,14 @@ from llmtrain.errors import LLMTrainError
 from llmtrain.model.loss import causal_lm
 
 
-def apply_tensor_parallel(model, mesh) -> int:
+def apply_tensor_parallel(model, mesh) -> tuple[int, int]:
     """Shard the decoder's linear layers over `mesh` (1-D, the `tp` dimension) by the model's own tensor-parallel
     plan (transformers' `base_model_tp_plan`: q/k/v and gate/up column-wise, o and down row-wise), with PyTorch's
     parallelize_module. Each attention layer then holds heads / tp query and KV heads, each MLP intermediate / tp
     columns; a row-wise layer all-reduces its output, so every process of the group holds the same hidden states
     and the same loss. Embeddings, norms and the LM head stay whole on every TP rank (FSDP still shards them over
-    the data-parallel dimension). Returns the number of layers sharded.
+    the data-parallel dimension). A mixture of experts' experts are split by expert (_split_experts). Returns the
+    number of linear layers split and of experts modules split.
 
     Phi-3/Phi-4's plan is the gathered one: its fused qkv_proj and gate_up_proj hold q, k, v (gate, up)
     one after another, which a column-wise split would cut across, so each keeps its 1/tp of the output rows and
@@ -61,12 +65,119 @@ def apply_tensor_parallel(model, mesh) -> int:
             # a column-wise layer's input is one replicated DTensor (below): its adapter takes the local (whole) tensor
             module.lora_dropout[adapter].register_forward_pre_hook(_local_input)
     parallelize_module(base, mesh, layers)
+    experts = [name for name, _ in base.named_modules()
+               for pattern, style in plan.items() if style == EXPERTS and fnmatchcase(name, pattern)]
+    for name in experts:
+        _split_experts(base.get_submodule(name), mesh)
     for block in {name.rpartition(".")[0] for name, style in matched.items() if style.startswith("colwise")}:
         base.get_submodule(block).register_forward_pre_hook(_replicated_input(mesh), with_kwargs=True)
     for name, _ in base.named_modules():  # QK-norm (Qwen3, Gemma 3): whole on every rank, applied to its own heads
         if any(fnmatchcase(name, pattern) for pattern, style in plan.items() if style == SUMMED):
             base.get_submodule(name).register_forward_pre_hook(_gradients_summed(mesh))
-    return len(matched)
+    return len(matched), len(experts)
+
+
+EXPERTS = "moe_tp_experts"  # the plan's word for a mixture of experts' module, its experts split within each expert
+
+
+def _split_experts(module, mesh) -> None:
+    """A mixture of experts' experts split by expert: each rank of the group holds tp-th of them whole (every expert's
+    gate_up_proj and down_proj, [E, ., .] placed Shard(0): rank t holds experts tE/tp..(t+1)E/tp - 1) and runs the
+    routed tokens through its own; the layer's output is the sum of the ranks' (one all-reduce, as a row-wise layer's),
+    and the tokens' gradient too. The router stays whole: every rank routes each token alike. This is expert
+    parallelism within the tensor-parallel group, with a dense layer's communication; transformers' own plan for these
+    models (packed_colwise) splits each expert's columns instead, in an interleaved layout (_StridedShard) that torch's
+    distributed checkpoint cannot write beside FSDP's shards ("overlapping chunks").
+
+    The module (transformers' experts, or the outermost of peft's ParamWrappers around them) runs on its experts as
+    plain tensors (_split_experts_forward), a token's pair with an expert of another rank routed to none (transformers'
+    expert-parallel sentinel, its weight 0 here). Under LoRA each adapter's factors stay whole on every rank (A is
+    [E r, in], B [out, E r] with the experts innermost: no contiguous split), each rank runs its experts' rows of them
+    (lora_experts slices them by `first_expert`), and their gradients, each rank's experts' rows, are summed over the
+    group as they are made."""
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    from llmtrain.model.lora_experts import wrappers
+
+    chain, experts = wrappers(module)
+    count, rank = experts.num_experts // mesh.size(), mesh.get_local_rank()
+    for name, param in list(experts.named_parameters(recurse=False)):  # gate_up_proj, down_proj (and any biases)
+        experts.register_parameter(name, torch.nn.Parameter(distribute_tensor(param.data, mesh, [Shard(0)]),
+                                                            requires_grad=param.requires_grad))
+    experts.num_experts, experts.first_expert, experts._is_expert_parallel = count, rank * count, True
+    whole = [(factor, _gradients_summed(mesh)) for wrapper in chain for adapter in wrapper.lora_A
+             for factor in (wrapper.lora_A[adapter], wrapper.lora_B[adapter])]
+    forward = module.forward  # lora_experts' unmerged forward where it installed one, else the module's own
+    module.__dict__["forward"] = functools.partial(_split_experts_forward, module, forward, experts, mesh.get_group(),
+                                                   whole)
+
+
+def _split_experts_forward(module, forward, experts, group, whole, hidden_states, top_k_index, top_k_weights):
+    """`forward` on this rank's experts (and their adapters' rows): the tokens and their routing weights come in whole
+    (the same on every rank; their gradients are each rank's part, summed in backward), each pair with another
+    rank's expert goes to the sentinel (expert num_experts: no expert, weight 0), and the output is this rank's part,
+    summed over the group."""
+    for factor, summed in whole:  # (each factor's own hook: it keeps the parameter it hooked by name)
+        summed(factor, ())
+    hidden_states, top_k_weights = _SumBackward.apply(hidden_states, group), _SumBackward.apply(top_k_weights, group)
+    local = top_k_index - experts.first_expert
+    elsewhere = (local < 0) | (local >= experts.num_experts)
+    local = local.masked_fill(elsewhere, experts.num_experts)
+    top_k_weights = top_k_weights.masked_fill(elsewhere, 0.0)
+    with _local_parameters(experts):
+        out = forward(hidden_states, local, top_k_weights)
+    return _SumForward.apply(out, group)
+
+
+@contextlib.contextmanager
+def _local_parameters(module):
+    """Each DTensor parameter of `module` as its local tensor (differentiable: its gradient comes back as the
+    DTensor's) for the time of a forward, then the DTensor again."""
+    from torch.distributed.tensor import DTensor
+
+    swapped = [(module, name, param) for name, param in module._parameters.items() if isinstance(param, DTensor)]
+    for owner, name, param in swapped:
+        owner._parameters[name] = param.to_local()
+    try:
+        yield
+    finally:
+        for owner, name, param in swapped:
+            owner._buffers.pop(name, None)  # (where peft's merged forward re-registered the local tensor as a buffer)
+            owner._parameters[name] = param
+
+
+class _SumForward(torch.autograd.Function):
+    """The group's parts summed in forward (every rank's output is its experts' share); the gradient, the same on
+    every rank, passes back as it is."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        import torch.distributed as dist
+
+        x = x.clone()
+        dist.all_reduce(x, group=group)
+        return x
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, None
+
+
+class _SumBackward(torch.autograd.Function):
+    """A whole input (the same on every rank) passed as it is; its gradient, each rank's part, summed."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        import torch.distributed as dist
+
+        grad = grad.contiguous()
+        dist.all_reduce(grad, group=ctx.group)
+        return grad, None
 
 
 # LoRA beside a split layer: which of its matrices is split, with the base layer's own style (the other runs whole on
