@@ -436,6 +436,32 @@ def test_a_mixture_of_experts_under_fsdp_x_tp_trains_like_one_process_and_resume
 
 
 @pytest.mark.slow
+@pytest.mark.extended  # main tier: the SFT launch above, DPO's reference pass on one process
+def test_dpo_with_lora_on_a_mixture_of_experts_under_fsdp_x_tp_equals_one_process(models, tiny_assets, tmp_path,
+                                                                                   free_port):
+    """DPO with LoRA on Qwen3-MoE's linears and experts under FSDP x TP 2 x 2, 6 steps on 8 pairs: the reference pass
+    (the adapters disabled: peft's forward, the base experts split by expert) and the policy's (the adapters unmerged
+    beside them) as one process runs them: the first step's loss is log 2, every step's loss and margin equal one
+    process's to 1e-5."""
+    pairs = tmp_path / "pairs8.jsonl"
+    pairs.write_text("".join((tiny_assets / "data" / "train_pairs.jsonl").read_text().splitlines(True)[:8]))
+    recipe = _mode_recipe(tiny_assets, tmp_path, models["qwen3_moe"], "tiny.yaml", preference={"loss": "dpo",
+                                                                                                "beta": 0.1},
+                          data={"path": str(pairs), "format": "preference"}, lora={"r": 8, "dropout": 0.0},
+                          train={"max_steps": 6, "micro_batch_size": 8, "lr": 1e-2})
+    run_train(recipe, f"output_dir={tmp_path / 'one'}")
+    config, processes, _, _ = LAUNCH["tp"]
+    launch_finetune(CONFIGS / config, processes, free_port, recipe, "train.micro_batch_size=2",
+                    "train.grad_accum_steps=2", f"output_dir={tmp_path / 'tp'}")
+    one, tp = records(tmp_path / "one"), records(tmp_path / "tp")
+    assert tp[0]["loss"] == pytest.approx(math.log(2), abs=1e-6) and len(tp) == len(one) == 6
+    for a, b in zip(tp, one):
+        assert a["loss"] == pytest.approx(b["loss"], abs=1e-5)
+        assert a["rewards/margins"] == pytest.approx(b["rewards/margins"], abs=1e-5)
+    assert tp[-1]["loss"] < tp[0]["loss"] - 0.05
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize("layout", ["fsdp", pytest.param("ddp", marks=pytest.mark.extended)])
 def test_lora_on_gpt_oss_experts_trains_on_two_processes_what_one_process_trains(models, tiny_assets, tmp_path,
                                                                                  free_port, layout):
