@@ -115,13 +115,16 @@ def _expert_adapters(shape: ModelShape, spec: TrainSpec, stream: int) -> dict:
 
 
 def _experts_note(shape: ModelShape, spec: TrainSpec, p: act.Pass) -> str:
-    """What a mixture of experts' layer holds: its experts whole on every GPU, top_k a token; under LoRA, what the
-    experts' adapters save; a 4-bit base leaves the experts in the storage dtype."""
+    """What a mixture of experts' layer holds: its experts (tp-th of them under tensor parallelism), top_k a token;
+    under LoRA, what the experts' adapters save; a 4-bit base leaves the experts in the storage dtype."""
     e = shape.experts
     moe = e.params(shape.hidden)
     experts = moe[e.gate_up] + moe[e.down]
     text = (f"a mixture of {e.count} experts a layer, {e.top_k} a token ({e.pairs(p.tokens):,} token-expert pairs "
             f"a micro-batch, run by transformers' grouped_mm in the weights' dtype)")
+    if e.held:
+        text += (f"; tensor parallelism splits them by expert: each GPU holds {e.held} of each layer's {e.count} "
+                 "and every pair's rows (zeros where another GPU's expert runs them)")
     if spec.method == "lora":
         plan = run_lora_plan(shape, spec)
         if saved := act.expert_adapter_bytes(p, shape, plan.adapted[0]):
