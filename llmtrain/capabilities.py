@@ -82,9 +82,11 @@ _FORMAT_HINT = {
 
 # --------------------------------------------------------------------------- the model families (a third axis)
 
-_GPT_OSS_TP = ("its tensor-parallel plan (config.base_model_tp_plan) splits only the embedding, and its experts are "
-               "3-D parameters with biases, which llmtrain does not split. Shard it with FSDP instead "
-               "(accelerate_configs/fsdp.yaml, or parallelism_config_tp_size: 1)")
+# GPT-OSS's own plan (config.base_model_tp_plan) splits only its embedding: llmtrain's splits its attention as Llama's
+# (its q/k/v/o biases with their rows; its sinks, one logit a query head, with the heads) and its experts by expert
+_GPT_OSS_PLAN = {"layers.*.self_attn.q_proj": "colwise", "layers.*.self_attn.k_proj": "colwise",
+                 "layers.*.self_attn.v_proj": "colwise", "layers.*.self_attn.o_proj": "rowwise",
+                 "layers.*.self_attn": "heads", "layers.*.mlp.experts": "moe_tp_experts"}
 
 
 _GEMMA4_PP = ("its per-layer embeddings (hidden_size_per_layer_input) are looked up from the input ids, which only "
@@ -106,6 +108,8 @@ class Family:
     # A mixture of experts: whether transformers gives it a load-balancing loss (load_balancing_loss_func over its
     # router logits), which model.router_aux_loss_coef adds (Gemma 4's records its router's probabilities, and has none)
     load_balancing: bool = True
+    # llmtrain's tensor-parallel plan where the family's own (config.base_model_tp_plan) does not split its layers
+    tp_plan: dict[str, str] | None = None
 
 
 # The families of the capability table: tests/test_families.py trains each on every column it does not refuse (and
@@ -123,7 +127,7 @@ FAMILIES: dict[str, Family] = {f.key: f for f in (
     Family("mixtral", "Mixtral"),
     # attention sinks (the varlen attention computes them), a window on every other layer, experts with biases (LoRA
     # adapts its attention: peft maps no all-linear onto its router or experts)
-    Family("gpt_oss", "GPT-OSS", refused={"tp": _GPT_OSS_TP}, all_linear_experts=False),
+    Family("gpt_oss", "GPT-OSS", all_linear_experts=False, tp_plan=_GPT_OSS_PLAN),
     # per-layer embeddings (PLE), a learned scalar a layer (a persistent buffer), local and global layers with their
     # own head sizes
     Family("gemma4_text", "Gemma 4 (its text model)", refused={"pp": _GEMMA4_PP}, all_linear_experts=False,
@@ -501,15 +505,23 @@ def model_problems(recipe, layout: Layout, config) -> list[str]:
     return out
 
 
-def tensor_plan_problems(config, tp: int) -> list[str]:
-    """What tensor parallelism over `tp` processes refuses of a model: a plan (config.base_model_tp_plan) other than
-    column- and row-wise linear layers, and heads or MLP columns that `tp` does not divide."""
-    plan = dict(getattr(config, "base_model_tp_plan", None) or {})
+def tensor_plan(config) -> dict[str, str]:
+    """The tensor-parallel plan llmtrain applies to a model (parallel/tensor.py) and estimates (memory/params.py): the
+    model's own (config.base_model_tp_plan), or its family's (Family.tp_plan: GPT-OSS's)."""
+    family = FAMILIES.get(getattr(config, "model_type", None))
+    plan = dict((family and family.tp_plan) or getattr(config, "base_model_tp_plan", None) or {})
     # transformers 5.17 adds "embed_tokens": "embedding_rowwise" to a tied model's plan (5.24 does not): llmtrain keeps
     # the embedding whole on every TP rank (FSDP shards it), as it does for every model
     plan.pop("embed_tokens", None)
     if not experts(config):  # a dense variant of a family with experts (Gemma 4's): their entries name nothing
         plan = {k: v for k, v in plan.items() if ".experts" not in k}
+    return plan
+
+
+def tensor_plan_problems(config, tp: int) -> list[str]:
+    """What tensor parallelism over `tp` processes refuses of a model: a plan (tensor_plan) other than column- and
+    row-wise linear layers, and heads, MLP columns or experts that `tp` does not divide."""
+    plan = tensor_plan(config)
     if not plan or set(plan.values()) - set(TP_STYLES):
         return [f"tensor parallelism needs a model whose tensor-parallel plan (config.base_model_tp_plan) is column- "
                 f"and row-wise linear layers (fused ones gathered, as Phi's; and whole modules whose gradients are "
@@ -539,9 +551,10 @@ def tensor_plan_problems(config, tp: int) -> list[str]:
 # column-wise layer whose output is gathered whole and the row-wise layer after it, which takes its slice of the
 # input (Phi's qkv_proj / gate_up_proj and o_proj / down_proj); a whole module whose gradient each rank has in part
 # and sums (QK-norm); a mixture of experts' experts, split by expert (the plan's moe_tp_experts; its packed_colwise
-# gate_up_proj and rowwise down_proj name the parameters of that module, which llmtrain splits whole)
+# gate_up_proj and rowwise down_proj name the parameters of that module, which llmtrain splits whole); a module's own
+# parameters of one value a query head, split with the heads (llmtrain's "heads": GPT-OSS's attention sinks)
 TP_STYLES = ("colwise", "rowwise", "colwise_gather_output", "rowwise_split_input", "replicated_with_grad_allreduce",
-             "packed_colwise", "moe_tp_experts")
+             "packed_colwise", "moe_tp_experts", "heads")
 
 
 def check_model(recipe, layout: Layout, config) -> None:

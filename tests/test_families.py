@@ -399,20 +399,25 @@ def test_each_family_trains_on_each_layout_its_row_allows_what_one_process_train
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("lora", [True, pytest.param(False, marks=pytest.mark.extended)], ids=["lora", "full"])
+@pytest.mark.parametrize("family, lora", [("qwen3_moe", True),
+                                          pytest.param("qwen3_moe", False, marks=pytest.mark.extended),
+                                          pytest.param("gpt_oss", True, marks=pytest.mark.extended)],
+                         ids=["qwen3_moe-lora", "qwen3_moe-full", "gpt_oss-lora"])
 def test_a_mixture_of_experts_under_fsdp_x_tp_trains_like_one_process_and_resumes(models, tiny_assets, tmp_path,
-                                                                                 free_port, lora):
-    """Qwen3-MoE under FSDP x TP 2 x 2 (each expert split as a dense MLP, parallel/tensor._split_experts; with LoRA
-    on its linears and experts, their adapters unmerged beside the split experts in grouped matmuls) through
-    `accelerate launch`, 4 steps, against one process reading the same examples: losses and gradient norms to 1e-5,
-    the final weights (gathered whole from the experts' interleaved gate and up rows) to 1e-4. Its step-2 checkpoint
-    (the sharded experts, or their adapters, in the checkpoint's pieces) resumes on FSDP x TP to the same end."""
+                                                                                 free_port, family, lora):
+    """A mixture of experts under FSDP x TP 2 x 2 (its experts split by expert, parallel/tensor._split_experts; with
+    LoRA on its linears and experts, their adapters unmerged beside the split experts in grouped matmuls; GPT-OSS's
+    sinks split with their heads) through `accelerate launch`, 4 steps, against one process reading the same examples:
+    losses and gradient norms to 1e-5, the final weights (gathered whole) to 1e-4. Its step-2 checkpoint (the experts
+    or their adapters, and the optimizer's state, in the checkpoint's pieces) resumes on FSDP x TP to the same end.
+    (transformers' own split of these experts, by columns in an interleaved layout, could not be written there.)"""
     import shutil
 
     config, processes, overrides, single_batch = LAUNCH["tp"]
-    recipe = write_recipe(tiny_assets, tmp_path, model={"name_or_path": str(models["qwen3_moe"]),
+    recipe = write_recipe(tiny_assets, tmp_path, model={"name_or_path": str(models[family]),
                                                         "attn_implementation": "auto"},
-                          **({"lora": {"r": 4, "alpha": 8, "dropout": 0.0}} if lora else {}),
+                          **({"lora": {"r": 4, "alpha": 8, "dropout": 0.0, **EXPERT_PARAMETERS.get(family, {})}}
+                             if lora else {}),
                           data={"eval_split": None}, checkpoint={"every_steps": 2},
                           train={"max_steps": 4, "lr": 1e-3, "max_grad_norm": 1.0})
     run_train(recipe, f"train.micro_batch_size={single_batch}", f"output_dir={tmp_path / 'one'}")
@@ -462,12 +467,14 @@ def test_dpo_with_lora_on_a_mixture_of_experts_under_fsdp_x_tp_equals_one_proces
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("layout", ["fsdp", pytest.param("ddp", marks=pytest.mark.extended)])
+@pytest.mark.parametrize("layout", ["fsdp", pytest.param("ddp", marks=pytest.mark.extended),
+                                    pytest.param("tp", marks=pytest.mark.extended)])
 def test_lora_on_gpt_oss_experts_trains_on_two_processes_what_one_process_trains(models, tiny_assets, tmp_path,
                                                                                  free_port, layout):
     """LoRA on GPT-OSS's attention and experts (lora.target_parameters: the experts' adapters run unmerged beside the
     biased experts, model/lora_experts.py; under FSDP each on the unsharded experts of its layer) through `accelerate
-    launch` on 2 processes: the losses and every adapter weight of one process's run."""
+    launch` on 2 processes (FSDP x TP: 4, its attention split by heads with their sinks, its experts by expert): the
+    losses and every adapter weight of one process's run."""
     config, processes, overrides, single_batch = LAUNCH[layout]
     recipe = write_recipe(tiny_assets, tmp_path, model={"name_or_path": str(models["gpt_oss"]),
                                                         "attn_implementation": "auto"},
@@ -631,7 +638,8 @@ def test_gemma_4s_tensor_parallel_split_is_exact_in_float64(free_port, tmp_path)
 # on one rank, so only the sums over the pair differ in order) and 6e-13 (Gemma 4's third step, as its dense layer's)
 EXPERTS_PROBE = {("qwen3_moe", False): (1e-14, 5 * 2, 25), ("qwen3_moe", True): (1e-14, 5 * 2, 28),
                  ("mixtral", False): (1e-14, 5 * 2, 21), ("mixtral", True): (1e-14, 5 * 2, 28),
-                 ("gemma4_moe", False): (1e-11, 27, 94), ("gemma4_moe", True): (1e-11, 27, 88)}
+                 ("gemma4_moe", False): (1e-11, 27, 94), ("gemma4_moe", True): (1e-11, 27, 88),
+                 ("gpt_oss", False): (1e-14, 5 * 2, 37), ("gpt_oss", True): (1e-14, 5 * 2, 24)}
 
 
 @pytest.mark.parametrize("model, lora", [pytest.param(m, lo, id=f"{m}-{'lora' if lo else 'full'}",
@@ -640,7 +648,8 @@ EXPERTS_PROBE = {("qwen3_moe", False): (1e-14, 5 * 2, 25), ("qwen3_moe", True): 
 def test_a_mixture_of_experts_tensor_parallel_split_is_exact_in_float64(free_port, tmp_path, model, lora):
     """A mixture of experts under llmtrain's tensor parallelism over 2 processes (tests/tp_probe.py), its experts split
     by expert (each rank 2 of each layer's 4, whole; a token's pair with the other rank's expert goes to none here),
-    the router whole, in float64, three AdamW steps: each step's loss equals one process's to 1e-12 and every trained
+    the router whole (GPT-OSS: llmtrain's own plan, its attention sinks split with their heads, its experts' biases
+    with their experts), in float64, three AdamW steps: each step's loss equals one process's to 1e-12 and every trained
     weight's gradient to EXPERTS_PROBE's bound. With LoRA on every linear layer and on the experts (B random, so the
     adapters count from the first step): each rank runs its experts' rows of the whole factors, whose gradients are
     summed over the pair. Caught (Qwen3-MoE with LoRA, the first step's largest gradient difference): the tokens'
@@ -653,6 +662,7 @@ def test_a_mixture_of_experts_tensor_parallel_split_is_exact_in_float64(free_por
             assert step["trained"] == trained
         assert got["sharded"] == sharded
         assert got["experts"] == [[4, 2]] * (2 if model != "gemma4_moe" else 4)  # each rank 2 of each layer's 4
+        assert got["sinks"] == ([[4, 2]] * 2 if model == "gpt_oss" else [])  # GPT-OSS's: with their heads
         # estimate-memory's tensor-parallel slice counts the weights each rank holds of a layer (the router whole)
         from llmtrain.memory.params import _shape_from_json, tensor_parallel_shape
 

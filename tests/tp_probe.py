@@ -1,14 +1,14 @@
 """Run by tests/test_families.py under `torch.distributed.run` (gloo, CPU): a tiny model in float64 (Gemma 4's text
-model, or a mixture of experts: Qwen3-MoE, Mixtral, Gemma 4's; with LoRA on every linear layer and the experts), its
-loss and every trained weight's gradient on one process against the same model under llmtrain's tensor parallelism
-over all the ranks (parallel/tensor.apply_tensor_parallel). In float64 what fp32 leaves as rounding (the split
-matmuls and the all-reduces sum in another order) is gone, so any difference is the split's. Each rank writes, as
-JSON, the loss's difference, the largest gradient difference and its weight, and the local and whole rows of every
-layer's q_proj (and the experts each layer holds of all).
+model, or a mixture of experts: Qwen3-MoE, Mixtral, Gemma 4's, GPT-OSS; with LoRA on every linear layer and the
+experts), its loss and every trained weight's gradient on one process against the same model under llmtrain's tensor
+parallelism over all the ranks (parallel/tensor.apply_tensor_parallel). In float64 what fp32 leaves as rounding (the
+split matmuls and the all-reduces sum in another order) is gone, so any difference is the split's. Each rank writes,
+as JSON, the loss's difference, the largest gradient difference and its weight, the local and whole rows of every
+layer's q_proj, the experts each layer holds of all (and GPT-OSS's sinks), and the weights it holds of a layer.
 
     python -m torch.distributed.run --nproc_per_node P tests/tp_probe.py OUT_DIR [MODEL] [lora]
 
-MODEL: gemma4 (the default), qwen3_moe, mixtral or gemma4_moe.
+MODEL: gemma4 (the default), qwen3_moe, mixtral, gemma4_moe or gpt_oss.
 """
 
 from __future__ import annotations
@@ -38,7 +38,13 @@ MODELS = {"gemma4": ("gemma4_text", CONFIG),
                                           intermediate_size=96, decoder_sparse_step=1, norm_topk_prob=True)),
           "mixtral": ("mixtral", dict(SMALL, num_local_experts=4, num_experts_per_tok=2, intermediate_size=32)),
           "gemma4_moe": ("gemma4_text", dict(CONFIG, enable_moe_block=True, num_experts=4, top_k_experts=2,
-                                             moe_intermediate_size=32))}
+                                             moe_intermediate_size=32)),
+          # GPT-OSS: attention sinks, biases on q/k/v/o, a window on every other layer, experts with biases
+          "gpt_oss": ("gpt_oss", dict(SMALL, num_local_experts=4, num_experts_per_tok=2, intermediate_size=32,
+                                      sliding_window=4, layer_types=["sliding_attention", "full_attention"]))}
+# their experts, which all-linear does not reach, by name
+EXPERT_TARGETS = {"gemma4_moe": ["experts.gate_up_proj", "experts.down_proj"],
+                  "gpt_oss": ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]}
 
 
 def main(out: Path, name: str = "gemma4", lora: bool = False) -> None:
@@ -54,13 +60,15 @@ def main(out: Path, name: str = "gemma4", lora: bool = False) -> None:
         return normed * self.weight if self.with_scale else normed
 
     modeling_gemma4.Gemma4RMSNorm.forward = norm_in_float64
+    from transformers.models.gpt_oss import modeling_gpt_oss
     from transformers.models.mixtral import modeling_mixtral
     from transformers.models.qwen3_moe import modeling_qwen3_moe
 
-    def llama_norm_in_float64(self, x):  # Llama's RMSNorm (Mixtral's, Qwen3-MoE's) computes in fp32 too
+    def llama_norm_in_float64(self, x):  # Llama's RMSNorm (Mixtral's, Qwen3-MoE's, GPT-OSS's) computes in fp32 too
         return self.weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.variance_epsilon))
 
-    modeling_mixtral.MixtralRMSNorm.forward = modeling_qwen3_moe.Qwen3MoeRMSNorm.forward = llama_norm_in_float64
+    for norm in (modeling_mixtral.MixtralRMSNorm, modeling_qwen3_moe.Qwen3MoeRMSNorm, modeling_gpt_oss.GptOssRMSNorm):
+        norm.forward = llama_norm_in_float64
     from transformers.integrations import moe
 
     can = moe._can_use_grouped_mm  # torch's grouped matmul takes no float64: transformers' own fallback op then does
@@ -70,7 +78,7 @@ def main(out: Path, name: str = "gemma4", lora: bool = False) -> None:
     torch.manual_seed(0)
     model_type, kwargs = MODELS[name]
     config = AutoConfig.for_model(model_type, **kwargs)
-    config._attn_implementation = "sdpa"
+    config._attn_implementation = "eager" if model_type == "gpt_oss" else "sdpa"  # (GPT-OSS's sinks: no sdpa)
     one = AutoModelForCausalLM.from_config(config).double()
     with torch.no_grad():  # learned layer scalars, not their init's 1
         for i, (_, buffer) in enumerate((n, b) for n, b in one.named_buffers() if n.endswith("layer_scalar")):
@@ -80,7 +88,7 @@ def main(out: Path, name: str = "gemma4", lora: bool = False) -> None:
 
         from llmtrain.model import lora_experts
 
-        targets = {"target_parameters": ["experts.gate_up_proj", "experts.down_proj"]} if name == "gemma4_moe" else {}
+        targets = {"target_parameters": EXPERT_TARGETS[name]} if name in EXPERT_TARGETS else {}
         one = get_peft_model(one, LoraConfig(r=4, lora_alpha=8, target_modules="all-linear", **targets))
         with torch.no_grad():  # B's init is 0: a random B so that the adapters change the output from the first step
             for n, p in one.named_parameters():
@@ -103,6 +111,8 @@ def main(out: Path, name: str = "gemma4", lora: bool = False) -> None:
     layers = (many.base_model.model if lora else many).model.layers
     q = [(whole(layer.self_attn.q_proj.weight).shape[0], layer.self_attn.q_proj.weight.to_local().shape[0])
          for layer in layers]
+    sinks = [(whole(layer.self_attn.sinks).shape[0], layer.self_attn.sinks.to_local().shape[0]) for layer in layers
+             if hasattr(layer.self_attn, "sinks")]  # GPT-OSS's: one a query head, split with the heads
     experts = [(whole(p).shape[0], p.to_local().shape[0]) for n, p in many.named_parameters()
                if n.endswith("gate_up_proj") and p.ndim == 3]
     # the base weights this rank holds of the first decoder layer (what estimate-memory's tensor-parallel slice counts)
@@ -126,7 +136,7 @@ def main(out: Path, name: str = "gemma4", lora: bool = False) -> None:
             optimizer.step()
             optimizer.zero_grad()
     (out / f"rank{rank}.json").write_text(json.dumps({"steps": steps, "sharded": sharded, "q_rows": q,
-                                                          "experts": experts,
+                                                          "experts": experts, "sinks": sinks,
                                                           "layer_params": held, "config": config.to_json_string()}))
     dist.destroy_process_group()
 

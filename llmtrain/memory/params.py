@@ -332,7 +332,7 @@ def score_head_shape(shape: ModelShape) -> ModelShape:
 
 def tensor_parallel_shape(shape: ModelShape, tp: int) -> ModelShape:
     """What one GPU of a tensor-parallel group holds and runs: every decoder layer with the model's TP plan applied
-    (transformers' base_model_tp_plan, as llmtrain's tensor.apply_tensor_parallel applies it): the column-wise
+    (capabilities.tensor_plan, as llmtrain's tensor.apply_tensor_parallel applies it): the column-wise
     layers (q/k/v, gate/up) keep fan_out / tp outputs, the row-wise ones (o, down) fan_in / tp inputs, so a layer has
     heads / tp query and KV heads and intermediate / tp MLP columns. The embeddings, norms and LM head stay whole.
 
@@ -350,7 +350,7 @@ def tensor_parallel_shape(shape: ModelShape, tp: int) -> ModelShape:
         return replace(layers[0], layer_shapes=layers, params_other=shape.params_other,
                        other_linears=shape.other_linears, per_layer_input=shape.per_layer_input)
 
-    plan = CONFIG_MAPPING[shape.model_type].base_model_tp_plan
+    plan = capabilities.tensor_plan(CONFIG_MAPPING[shape.model_type]())
     style = {pattern.rsplit("*.", 1)[-1]: how for pattern, how in plan.items()}  # 'self_attn.q_proj' -> 'colwise'
     cut = {"colwise": "out", "colwise_gather_output": "out", "rowwise": "in", "rowwise_split_input": "in"}
     local = tuple(Linear(lin.name, lin.fan_in, lin.fan_out // tp, lin.bias) if cut.get(style.get(lin.name)) == "out"
@@ -362,8 +362,9 @@ def tensor_parallel_shape(shape: ModelShape, tp: int) -> ModelShape:
         # every token-expert pair's rows (another GPU's expert's are zeros: the activations keep their size)
         experts = replace(experts, held=experts.count // tp)
         moe = sum(shape.experts.params(shape.hidden).values()) - sum(experts.params(shape.hidden).values())
+    sinks = shape.heads - shape.heads // tp if shape.sinks else 0  # GPT-OSS's: one a query head, split with them
     sliced = replace(shape, source=f"{shape.source}, 1/{tp} tensor-parallel slice", layer_linears=local,
-                     params_per_layer=shape.params_per_layer - shape.linear_params_per_layer + linear - moe,
+                     params_per_layer=shape.params_per_layer - shape.linear_params_per_layer + linear - moe - sinks,
                      experts=experts)
     if "colwise_gather_output" in style.values():  # forward: the fused outputs; backward: the gradients of the inputs
         # the row-wise layers sliced (their input's gradient is gathered whole again)

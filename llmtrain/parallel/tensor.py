@@ -12,7 +12,7 @@ import functools
 
 import torch
 
-from llmtrain.capabilities import paragraph, tensor_plan_problems
+from llmtrain.capabilities import paragraph, tensor_plan, tensor_plan_problems
 from llmtrain.errors import LLMTrainError
 from llmtrain.model.loss import causal_lm
 
@@ -47,7 +47,7 @@ def apply_tensor_parallel(model, mesh) -> tuple[int, int]:
     if problems := tensor_plan_problems(model.config, mesh.size()):  # refused before any process starts, too
         raise LLMTrainError(paragraph(problems))
     lm = causal_lm(model)  # through a peft model to the transformers one
-    plan = lm.config.base_model_tp_plan
+    plan = tensor_plan(lm.config)
     base = getattr(lm, lm.base_model_prefix)
     matched = {name: style for name, _ in base.named_modules()
                for pattern, style in plan.items() if style in styles and fnmatchcase(name, pattern)}
@@ -69,6 +69,9 @@ def apply_tensor_parallel(model, mesh) -> tuple[int, int]:
                for pattern, style in plan.items() if style == EXPERTS and fnmatchcase(name, pattern)]
     for name in experts:
         _split_experts(base.get_submodule(name), mesh)
+    for name, _ in base.named_modules():  # GPT-OSS's attention sinks
+        if any(fnmatchcase(name, pattern) for pattern, style in plan.items() if style == HEADS):
+            _split_heads(base.get_submodule(name), mesh)
     for block in {name.rpartition(".")[0] for name, style in matched.items() if style.startswith("colwise")}:
         base.get_submodule(block).register_forward_pre_hook(_replicated_input(mesh), with_kwargs=True)
     for name, _ in base.named_modules():  # QK-norm (Qwen3, Gemma 3): whole on every rank, applied to its own heads
@@ -127,6 +130,32 @@ def _split_experts_forward(module, forward, experts, group, whole, hidden_states
     with _local_parameters(experts):
         out = forward(hidden_states, local, top_k_weights)
     return _SumForward.apply(out, group)
+
+
+HEADS = "heads"  # llmtrain's style: a module's own parameters of one value a query head, split with the heads
+
+
+def _split_heads(module, mesh) -> None:
+    """The module's own 1-D parameters of one value a query head (GPT-OSS's attention sinks: a learned logit a head in
+    each softmax) split with its heads (Shard(0): rank t holds those of its heads, as q_proj's column-wise split gives
+    it), and the module run on them as plain tensors, as its heads' queries are."""
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    for name, param in list(module.named_parameters(recurse=False)):
+        if param.ndim == 1:
+            module.register_parameter(name, torch.nn.Parameter(distribute_tensor(param.data, mesh, [Shard(0)]),
+                                                               requires_grad=param.requires_grad))
+    local = {}
+
+    def enter(module, args):
+        local[id(module)] = _local_parameters(module)
+        local[id(module)].__enter__()
+
+    def leave(module, args, output):
+        local.pop(id(module)).__exit__(None, None, None)
+
+    module.register_forward_pre_hook(enter)
+    module.register_forward_hook(leave, always_call=True)
 
 
 @contextlib.contextmanager
