@@ -63,7 +63,7 @@ def check_layout(recipe: Recipe, launch: dict, *, where: str = "the launch confi
 
     from llmtrain import capabilities
     from llmtrain.layout import Layout
-    from llmtrain.memory.params import load_model_shape
+    from llmtrain.memory.params import hf_config, load_model_shape
     from llmtrain.model.modeling import load_model_config
 
     layout = Layout.from_launch(launch, recipe, where=where) if launch else Layout.from_recipe(recipe)
@@ -75,11 +75,13 @@ def check_layout(recipe: Recipe, launch: dict, *, where: str = "the launch confi
                 config = load_model_config(recipe.model)
             except LLMTrainError:
                 shape = load_model_shape(recipe.model.name_or_path)
-                # the config it was read from (a mixture's experts among it), with what the shape resolved
-                config = SimpleNamespace(**{**json.loads(shape.config_json or "{}"),
-                                            **dict(num_attention_heads=shape.heads, num_key_value_heads=shape.kv_heads,
-                                                   num_hidden_layers=shape.layers, intermediate_size=shape.intermediate,
-                                                   tie_word_embeddings=shape.tied, model_type=shape.model_type)})
+                # transformers' config built from the one it was read from (its tensor-parallel plan, a mixture's
+                # experts, Gemma 4's layers of their own); else what the shape resolved
+                config = hf_config(shape.model_type, json.loads(shape.config_json), recipe.model.name_or_path) \
+                    if shape.config_json else SimpleNamespace(
+                        num_attention_heads=shape.heads, num_key_value_heads=shape.kv_heads,
+                        num_hidden_layers=shape.layers, intermediate_size=shape.intermediate,
+                        tie_word_embeddings=shape.tied, model_type=shape.model_type)
             found = capabilities.problems(recipe, layout, model=config)
         except LLMTrainError as e:
             if capabilities.needs_model(recipe, layout):  # else the model's own row says it cannot be read

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import subprocess
 
+import pytest
 from conftest import GSM8K, MISTRAL, REPO, needs
 from helpers import invoke, write_recipe
 
@@ -380,6 +381,32 @@ def test_a_hub_mixture_of_experts_is_checked_by_its_built_in_config(monkeypatch)
     assert status == "pass", detail
     (_, status, detail), = check_layout(load_recipe(path, ["lora.dropout=0.05"]), {})
     assert status == "fail" and "lora.dropout=0.05: qwen3_moe's MLP is a mixture of 128 experts" in detail
+
+
+@pytest.mark.parametrize("shipped", ["qwen3-8b-lora.yaml", "qwen3-30b-a3b-lora.yaml", "gpt-oss-20b-lora.yaml"])
+def test_a_hub_model_under_tensor_parallelism_is_checked_by_its_built_in_config(monkeypatch, shipped):
+    """With no config to read (offline, nothing cached), the layout row read a hub id's built-in config as a bare
+    namespace, without the model's tensor-parallel plan: every shipped recipe on fsdp_tp.yaml failed as "qwen3 has
+    none" (its plan). Now transformers' config is built from it: the shipped recipes pass on FSDP x TP 2 x 4, and a
+    tensor-parallel size that does not divide the model's K/V heads (8) or experts is refused naming them."""
+    import yaml
+
+    from llmtrain.doctor import check_layout
+    from llmtrain.errors import LLMTrainError
+    from llmtrain.model import modeling
+
+    def offline(cfg):
+        raise LLMTrainError("cannot read it offline")
+
+    monkeypatch.setattr(modeling, "load_model_config", offline)
+    recipe = load_recipe(REPO / "recipes" / shipped)
+    launch = yaml.safe_load((REPO / "accelerate_configs" / "fsdp_tp.yaml").read_text())
+    (_, status, detail), = check_layout(recipe, launch)
+    assert status == "pass" and "tensor parallelism" in detail, detail
+    launch["parallelism_config"].update(parallelism_config_tp_size=16, parallelism_config_dp_shard_size=2)
+    launch["num_processes"] = 32
+    (_, status, detail), = check_layout(recipe, launch)
+    assert status == "fail" and "num_key_value_heads (" in detail and "not a multiple of 16" in detail, detail
 
 
 def test_doctor_checks_a_recipe_as_its_header_launches_it(tiny_assets, tmp_path):

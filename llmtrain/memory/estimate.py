@@ -586,8 +586,11 @@ def _notes(shape: ModelShape, spec: TrainSpec, p: act.Pass) -> tuple[str, ...]:
                      f"ranks; the fused layers' outputs are gathered, so attention ({shape.heads} query heads) and "
                      "the MLP run whole on every GPU of a group, with the activations of one process")
     elif spec.tp > 1:
+        e = shape.experts  # a mixture of experts has no dense MLP (Gemma 4's has one beside its experts)
+        mlp = f" and {shape.intermediate} MLP columns" if e is None or e.beside else ""
+        mlp += f" and {e.held} of its {e.count} experts" if e is not None else ""
         notes.append(f"tensor parallelism over {spec.tp} GPUs: each holds {shape.heads} query and {shape.kv_heads} KV "
-                     f"heads and {shape.intermediate} MLP columns of every layer, the embeddings, norms and LM head "
+                     f"heads{mlp} of every layer, the embeddings, norms and LM head "
                      f"whole, all sharded by FSDP over {spec.shards} data-parallel ranks; the residual stream's "
                      "activations are whole on every GPU of a group")
     if shape.experts:
