@@ -234,6 +234,28 @@ def test_each_family_draws_the_reference_loops_tokens(family):
         assert both(model, prompts, max_new_tokens=12, temperature=1.0, top_p=1.0)[1] != fast
 
 
+def test_gemma_4s_shared_layers_run_on_the_last_position_of_a_prefill():
+    """Gemma 4's kv-sharing layers (its last ones) write no cache, so only their last position's output is read: a
+    prefill runs them on that position alone (they had run on every prompt position, for Gemma 4 E2B 20 of its 35
+    layers); a decode step on its one. The tokens are the reference loop's (the case above)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    config = AutoConfig.for_model("gemma4_text", **{**dict(
+        vocab_size=100, hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2,
+        max_position_embeddings=128), **FAMILIES["gemma4_text"]})
+    model = AutoModelForCausalLM.from_config(config).eval()
+    seen = {i: [] for i in range(3)}
+    for i, layer in enumerate(model.model.layers):
+        layer.register_forward_pre_hook(lambda m, args, i=i: seen[i].append(args[0].shape[1]))
+    prompts = mixed_prompts(3, 2, seed=4)
+    sample_fast(model, prompts, seeds=[completion_seed(7, 3, 0, i) for i in range(len(prompts))], stop_ids={STOP},
+                pad_id=3, max_new_tokens=4, temperature=1.0, top_p=1.0)
+    width = max(map(len, prompts))
+    assert seen[0][0] == seen[1][0] == width > 1  # the storing layers: every prompt position (their cache)
+    assert seen[2] == [1] * len(seen[2]) and len(seen[2]) == len(seen[0])  # the sharing one: the last, each call
+
+
 def test_gemma_4s_mixture_of_experts_draws_the_reference_loops_tokens(monkeypatch):
     """Gemma 4's mixture-of-experts variant (4 experts, 2 a token, beside its dense MLP; its router and experts run
     inside transformers' layer), with the rest of the case above."""

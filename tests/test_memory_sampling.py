@@ -171,7 +171,10 @@ def test_a_gemma_4_rollout_holds_each_layers_own_cache_as_the_estimate_says():
     inputs; bf16) under LoRA r16, the merged copy on: 4 prompts of 128 tokens x 4 completions of 64. The static cache
     holds each layer's own heads and none for a layer that shares (model/fast_sample.py; estimate.kv_cache_bytes:
     half what four layers like the first would hold), the copy each adapted linear of every layer's own shape (the
-    double-wide MLPs' too), and the rollout's peak is within 10% of the estimate's."""
+    double-wide MLPs' too), and the rollout's peak is within 10% of the estimate's (measured 27,178,508 B, estimated
+    +8.2%: the peak is the static cache's build after the prefill, the distinct prompts' small cache beside it and one
+    layer's prefix copy, where the estimate counts the static cache beside the prefill's layer transients; the
+    sharing layers run on each row's last position, estimated so, which took 1.8 MB off both)."""
     from peft import LoraConfig, get_peft_model
     from transformers import AutoConfig, AutoModelForCausalLM
 

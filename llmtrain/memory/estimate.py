@@ -444,7 +444,7 @@ def _generation_phases(shape: ModelShape, spec: TrainSpec, base: dict, *, cached
     """Online RL's sampling, no graph and no gradients (freed by the previous step), beside the static KV cache
     (kv_cache_bytes; the merged generation copy, generation_copy_bytes, is added by the caller). The prefill runs
     once per distinct prompt (the micro-batch's prompts, not x num_generations), PREFILL_CHUNK positions at a time:
-    a layer's transients over a chunk.
+    a layer's transients over a chunk (Gemma 4's kv-sharing layers over each row's last position alone).
     Then each decode step: the logits of one token per row in fp32, and the sampler's fp32 softmax, cumulative
     sum and nucleus sort over the vocabulary. (A mixture of experts' LoRA-adapted experts run unmerged, their
     adapters beside them: model/lora_experts.py; GPT-OSS's attention holds its scores over the cache:
@@ -455,6 +455,9 @@ def _generation_phases(shape: ModelShape, spec: TrainSpec, base: dict, *, cached
     # the sampler's own attention, whatever the run trains with: SDPA over padded rows (GPT-OSS's: its scores, below)
     prefill = make_pass(shape, spec.but(seq_len=chunk, attn_implementation="sdpa", packing=False,
                                         micro_batch_tokens=None), examples=prompts)
+    # Gemma 4's kv-sharing layers (its last ones, no cache of their own) run on the last position of a row alone
+    last = make_pass(shape, spec.but(seq_len=1, attn_implementation="sdpa", packing=False, micro_batch_tokens=None),
+                     examples=prompts) if any(shape.layer(i).kv_shared for i in range(shape.layers)) else prefill
     common = dict(**base, autocast_copies=cached, kv_cache=kv_cache_bytes(shape, spec), fsdp_buffers=fsdp_unit)
     # GPT-OSS's sinks: its scores over the cache (the prefill's last chunk reads the whole width; a decode step, the
     # cache), in attention, beside the layer's stream (its input, the embeddings, the residual, the normalised input)
@@ -462,8 +465,9 @@ def _generation_phases(shape: ModelShape, spec: TrainSpec, base: dict, *, cached
     scores = act.sink_sampling_bytes(shape, prompts, chunk, width, prefill.cd)
     stream = 4 * prefill.tokens * shape.hidden * prefill.resid
     return {"generation_prefill": _phase(**common, logits=prompts * shape.vocab * (prefill.cd + act.FP32),
-                                         temporaries=max(*(act.eval_layer_bytes(prefill, shape.layer(i), {})
-                                                           for i in range(shape.layers)),
+                                         temporaries=max(*(act.eval_layer_bytes(
+                                             last if shape.layer(i).kv_shared else prefill, shape.layer(i), {})
+                                             for i in range(shape.layers)),
                                                          stream + scores if scores else 0)),
             "generation": _phase(**common, logits=rows * shape.vocab * 4 * act.FP32,
                                  temporaries=act.sink_sampling_bytes(shape, rows, 1, slots, prefill.cd))}

@@ -95,7 +95,9 @@ class _Forward:
     model's own forward makes them (loss.logit_transform: a cap, a scale). Gemma 4's layers also take their per-layer
     inputs (its per-layer embeddings of the ids, projected with the embeddings, as its model computes them) and the
     keys and values its later layers share (`shared_kv_states`: a storing layer puts there what the cache gives it,
-    the sharing layers read them: they write no cache of their own)."""
+    the sharing layers read them: they write no cache of their own). As those layers are the last ones and write no
+    cache, only the last position's output of theirs is ever read: a prefill runs them on that position alone, as
+    transformers' own generate does (Gemma4TextModel._maybe_slice_kv_shared_inputs)."""
 
     def __init__(self, lm):
         from llmtrain.model.loss import logit_transform
@@ -114,6 +116,8 @@ class _Forward:
                         for t in self.types]
         self.head = self.model.get_output_embeddings()
         self.logits = logit_transform(self.model)
+        shared = int(getattr(cfg, "num_kv_shared_layers", 0) or 0) if self.shares_kv else 0
+        self.first_shared = len(self.layers) - shared if shared else None  # Gemma 4's first kv-sharing layer
 
     def __call__(self, ids, positions, masks: dict, cache: _SlotCache) -> torch.Tensor:
         hidden = self.inner.embed_tokens(ids)
@@ -124,6 +128,11 @@ class _Forward:
         per_layer = self.inner.project_per_layer_inputs(hidden, self.inner.get_per_layer_inputs(ids)) \
             if self.per_layer else None
         for i, (layer, window, kind) in enumerate(zip(self.layers, self.windows, self.types)):
+            if i == self.first_shared and hidden.size(1) > 1:  # the rest write no cache: the last position alone
+                hidden, positions = hidden[:, -1:], positions[:, -1:]
+                rotary = {k: (cos[:, -1:], sin[:, -1:]) for k, (cos, sin) in rotary.items()}
+                masks = {w: m[:, :, -1:] for w, m in masks.items()}
+                per_layer = per_layer[:, -1:] if per_layer is not None else None
             if per_layer is not None:
                 extra["per_layer_input"] = per_layer[:, :, i, :]
             hidden = layer(hidden, attention_mask=masks[window], position_ids=positions,
