@@ -174,6 +174,12 @@ def _pp_rounds(r, _):
     return r.parallel.pipeline_schedule == "interleaved_1f1b" and m % max(1, m // p) != 0
 
 
+def _merged_copy(r, _):
+    sampling = r.rl or r.distill
+    return sampling is not None and r.lora is not None and sampling.sampler != "reference" and \
+        sampling.merged_copy != "off"
+
+
 def _kto_reread(r, layout):
     return r.kto is not None and r.lora is None and r.model.random_init
 
@@ -186,6 +192,10 @@ RULES: tuple[Rule, ...] = (
     Rule("tp", lambda r, _: r.model.compile,
          "{key} with model.compile fails: inductor's compile of the tensor-parallel layers recursed without end at "
          "the second step (torch 2.13 on gloo). Set model.compile=false"),
+    Rule("tp", _merged_copy,
+         "{key} samples with each process's split weights, and a merged generation copy (rl.merged_copy, "
+         "distill.merged_copy) is made of whole ones. Set merged_copy: off (the adapters run unmerged beside the "
+         "split layers)"),
     Rule("fsdp", _kto_reread,
          "kto: a full fine-tune's reference under FSDP is the starting weights read again from model.name_or_path "
          "and sharded like the policy, and model.random_init has none to read. Save the initial model first "

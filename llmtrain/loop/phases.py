@@ -176,7 +176,7 @@ def prepare_data(recipe: Recipe, accelerator, *, say) -> Data:
             recipe.train.mixed_precision != "no")
         sampler = sampler_text(sampling.sampler, accelerator.device, copy=sampling.merged_copy,
                                lora=recipe.lora is not None, four_bit=recipe.model.quantize is not None,
-                               sixteen_bit=sixteen)
+                               sixteen_bit=sixteen, split=tp > 1)
     if recipe.rl is not None:
         say(f"data: {s.examples} train {unit} ({cache_line(int(cache_reads), accelerator.num_processes)}), "
             f"{recipe.rl.num_generations} completions each a step, {recipe.rl.algorithm.upper()} "
@@ -228,10 +228,15 @@ COPY_TEXT = {"rollout": "LoRA on a merged copy built each rollout", "kept": "LoR
 
 
 def sampler_text(sampler: str, device, *, copy: str = "off", lora: bool = False, four_bit: bool = False,
-                 sixteen_bit: bool = False) -> str:
-    """The sampler the run uses, for its header: graph replays static's step on CUDA only; with LoRA, what the fast
-    sampler forwards the adapted linears through (rl.merged_copy), and what a 16-bit copy loses."""
-    text = "graph: static off CUDA" if sampler == "graph" and device.type != "cuda" else sampler
+                 sixteen_bit: bool = False, split: bool = False) -> str:
+    """The sampler the run uses, for its header: graph replays static's step on CUDA only, and not of a model split
+    by tensor parallelism (`split`: its layers' collectives run eagerly); with LoRA, what the fast sampler forwards
+    the adapted linears through (rl.merged_copy), and what a 16-bit copy loses."""
+    text = sampler
+    if sampler == "graph" and split:
+        text = "graph: static under tensor parallelism"
+    elif sampler == "graph" and device.type != "cuda":
+        text = "graph: static off CUDA"
     if lora and sampler != "reference":
         text += ", " + COPY_TEXT[copy]
         if copy != "off":

@@ -63,16 +63,22 @@ WINDOWED = ("mistral", "phi3")  # no layer_types: config.sliding_window applies 
 
 
 def supports(lm) -> bool:
-    """Whether the fast sampler can run this model: the Llama layout, with plain (unsharded) parameters."""
+    """Whether the fast sampler can run this model: the Llama layout, its parameters whole or split by tensor
+    parallelism (FSDP's shards are gathered for sampling first: fsdp.gathered_for_generation)."""
     model = causal_lm(lm)
     if getattr(model.config, "model_type", None) not in LAYOUTS:
         return False
     inner = getattr(model, "model", None)
-    if not all(hasattr(inner, a) for a in ("layers", "embed_tokens", "rotary_emb", "norm")):
-        return False
+    return all(hasattr(inner, a) for a in ("layers", "embed_tokens", "rotary_emb", "norm"))
+
+
+def tensor_parallel(lm) -> bool:
+    """Whether the model's layers are split by tensor parallelism (its parameters DTensors): each process of a group
+    runs its heads and columns (the layers' own collectives sum them), so the step runs eagerly (no CUDA graph of
+    collectives) on the split weights (no merged copy of them)."""
     from torch.distributed.tensor import DTensor
 
-    return not any(isinstance(p, DTensor) for p in model.parameters())
+    return any(isinstance(p, DTensor) for p in causal_lm(lm).parameters())
 
 
 class _SlotCache:
@@ -452,4 +458,6 @@ def sampler_for(lm, kind: str, *, copy: str = "off"):
                       f"parameters; this {causal_lm(lm).config.model_type} model samples with the reference loop "
                       "(slower; the same tokens up to rounding)", stacklevel=2)
         return sample
+    if tensor_parallel(lm):
+        return partial(sample_fast, capture=False, copy="off")
     return partial(sample_fast, capture=kind == "graph", copy=copy)
