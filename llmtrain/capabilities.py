@@ -552,9 +552,10 @@ def tensor_plan_problems(config, tp: int) -> list[str]:
                   (heads + 2 * kv) * head_dim), ("o_proj's inputs, num_attention_heads x head_dim", heads * head_dim))
     if count := experts(config):  # split by expert (parallel/tensor._split_experts)
         split += (("experts of each layer", count),)
+    if any(k.endswith(("mlp.gate_proj", "mlp.gate_up_proj", "mlp.down_proj")) for k in plan):  # a dense MLP's columns
+        split += (("intermediate_size", getattr(config, "intermediate_size", tp)),)  # (Mixtral's is its experts')
     return [f"tensor parallelism over {tp} processes splits the model's {name} ({n}) evenly, and {n} is not a "
-            f"multiple of {tp}: set parallelism_config_tp_size to a divisor of {n}"
-            for name, n in (*split, ("intermediate_size", getattr(config, "intermediate_size", tp))) if n % tp]
+            f"multiple of {tp}: set parallelism_config_tp_size to a divisor of {n}" for name, n in split if n % tp]
 
 
 # The tensor-parallel plan's styles llmtrain builds (parallel/tensor.py): linear layers column- and row-wise; a fused

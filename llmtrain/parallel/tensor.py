@@ -18,13 +18,14 @@ from llmtrain.model.loss import causal_lm
 
 
 def apply_tensor_parallel(model, mesh) -> tuple[int, int]:
-    """Shard the decoder's linear layers over `mesh` (1-D, the `tp` dimension) by the model's own tensor-parallel
-    plan (transformers' `base_model_tp_plan`: q/k/v and gate/up column-wise, o and down row-wise), with PyTorch's
-    parallelize_module. Each attention layer then holds heads / tp query and KV heads, each MLP intermediate / tp
-    columns; a row-wise layer all-reduces its output, so every process of the group holds the same hidden states
-    and the same loss. Embeddings, norms and the LM head stay whole on every TP rank (FSDP still shards them over
-    the data-parallel dimension). A mixture of experts' experts are split by expert (_split_experts). Returns the
-    number of linear layers split and of experts modules split.
+    """Shard the decoder's linear layers over `mesh` (1-D, the `tp` dimension) by the model's tensor-parallel plan
+    (capabilities.tensor_plan: transformers' `base_model_tp_plan`, or the family's own where that splits nothing, as
+    GPT-OSS's; q/k/v and gate/up column-wise, o and down row-wise), with PyTorch's parallelize_module. Each attention
+    layer then holds heads / tp query and KV heads, each MLP intermediate / tp columns; a row-wise layer all-reduces
+    its output, so every process of the group holds the same hidden states and the same loss. Embeddings, norms and
+    the LM head stay whole on every TP rank (FSDP still shards them over the data-parallel dimension). A mixture of
+    experts' experts are split by expert (_split_experts). Returns the number of linear layers split and of experts
+    modules split.
 
     Phi-3/Phi-4's plan is the gathered one: its fused qkv_proj and gate_up_proj hold q, k, v (gate, up)
     one after another, which a column-wise split would cut across, so each keeps its 1/tp of the output rows and
@@ -80,7 +81,7 @@ def apply_tensor_parallel(model, mesh) -> tuple[int, int]:
     return len(matched), len(experts)
 
 
-EXPERTS = "moe_tp_experts"  # the plan's word for a mixture of experts' module, its experts split within each expert
+EXPERTS = "moe_tp_experts"  # the plan's word for a mixture of experts' module (llmtrain splits it by expert)
 
 
 def _split_experts(module, mesh) -> None:
@@ -105,6 +106,8 @@ def _split_experts(module, mesh) -> None:
     chain, experts = wrappers(module)
     count, rank = experts.num_experts // mesh.size(), mesh.get_local_rank()
     for name, param in list(experts.named_parameters(recurse=False)):  # gate_up_proj, down_proj (and any biases)
+        if param.shape[0] != experts.num_experts:  # not one row an expert: whole on every rank
+            continue
         experts.register_parameter(name, torch.nn.Parameter(distribute_tensor(param.data, mesh, [Shard(0)]),
                                                             requires_grad=param.requires_grad))
     experts.num_experts, experts.first_expert, experts._is_expert_parallel = count, rank * count, True
