@@ -254,13 +254,15 @@ def test_tensor_parallel_layouts_llmtrain_does_not_train_are_not_estimated(spec,
 def test_lora_under_tensor_parallelism_counts_each_gpus_adapters():
     """LoRA r 16 under FSDP x TP 2 on Llama-2-7B (tensor.ADAPTER_SPLIT): a column-wise layer's A is whole and its B
     half (r x (in + out/2)), a row-wise layer's A half and its B whole (r x (in/2 + out)); 32 layers of that, before
-    FSDP shards them over the 4 data-parallel ranks."""
+    FSDP shards them over the 4 data-parallel ranks. The header's count stays the model's (the whole adapters)."""
     from llmtrain.memory.estimate import estimate
-    from llmtrain.memory.params import load_model_shape
+    from llmtrain.memory.params import load_model_shape, run_lora_plan, tensor_parallel_shape
 
     shape = load_model_shape("llama-2-7b")
     h, i, r = 4096, 11008, 16
     layer = 3 * r * (h + h // 2) + 2 * r * (h + i // 2) + r * (h // 2 + h) + r * (i // 2 + h)
-    est = estimate(shape, TrainSpec(method="lora", lora_r=r, dtype="bfloat16", mixed_precision="bf16",
-                                    strategy="fsdp", num_gpus=8, tp=2, micro_batch=1, seq_len=1024))
-    assert est.params_trainable == 32 * layer
+    spec = TrainSpec(method="lora", lora_r=r, dtype="bfloat16", mixed_precision="bf16", strategy="fsdp", num_gpus=8,
+                     tp=2, micro_batch=1, seq_len=1024)
+    assert run_lora_plan(tensor_parallel_shape(shape, 2), spec).trainable(shape) == 32 * layer  # what a GPU holds
+    # the model's: q, k, v, o r x (h + h) each, gate, up and down r x (h + i): 39,976,960 (it had been a GPU's)
+    assert estimate(shape, spec).params_trainable == 32 * r * (4 * 2 * h + 3 * (h + i)) == 39_976_960

@@ -471,3 +471,16 @@ def test_the_fit_table_keeps_whole_headers_at_80_columns():
     table = out.split("Configurations that fit")[1].split("use:")[0]
     assert "…" not in table and max(len(line) for line in table.splitlines()) <= 80, table
     assert "ckpt: model.gradient_checkpointing; grads: the gradients held" in " ".join(out.split())
+
+
+@pytest.mark.parametrize("model", ["qwen3-8b", "qwen3-30b-a3b"])
+def test_the_parameter_counts_are_the_models_under_tensor_parallelism(model):
+    """The header's parameter counts describe the model, whatever the layout: under FSDP x TP they had been one GPU's
+    tensor-parallel slice of the adapters (Qwen3-8B LoRA: 30,081,024 trainable on TP 2 against 43,646,976), while
+    each GPU's memory is still its slice's."""
+    shape = load_model_shape(model)
+    spec = TrainSpec(method="lora", lora_r=16, lora_dropout=0.0, strategy="fsdp", num_gpus=4, seq_len=4096,
+                     micro_batch=1, dtype="bfloat16")
+    one, two = estimate(shape, spec), estimate(shape, spec.but(tp=2))
+    assert (two.params_total, two.params_trainable) == (one.params_total, one.params_trainable)
+    assert one.params_trainable > 1e7 and two.per_gpu_peak_allocated_bytes != one.per_gpu_peak_allocated_bytes

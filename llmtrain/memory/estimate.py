@@ -301,7 +301,9 @@ def estimate(shape: ModelShape, spec: TrainSpec) -> Estimate:
         for name, parts in phases.items():
             if spec.merged_copy == "kept" or name.startswith("generation"):
                 parts["generation_copy"] = copy
-    est = _finish(whole, spec, plan, st, phases, notes=_notes(shape, spec, p))
+    # the model's parameters as a whole, under tensor parallelism too (`plan` adapts a GPU's slice of each layer)
+    counted = run_lora_plan(whole, spec) if whole is not shape else plan
+    est = _finish(whole, spec, counted, st, phases, notes=_notes(shape, spec, p))
     est = replace(est, long_context=_long_context(whole, spec, est, p, kept if offload else None))
     if spec.max_completion_tokens and spec.prompt_tokens < spec.prompt_cap:  # at the data's lengths: the worst case too
         cap = spec.prompt_cap
