@@ -15,7 +15,7 @@ from typing import Annotated, Optional
 
 import typer
 
-from llmtrain.errors import LLMTrainError, Relayed, Stopped
+from llmtrain.errors import Everywhere, LLMTrainError, Relayed, Stopped
 
 class _Command(typer.core.TyperCommand):
     """A command whose help names each argument by its metavar alone, as click writes it: typer (0.29) adds the
@@ -103,7 +103,7 @@ def user_errors(fn):
             from rich.markup import escape
 
             label = "stopped" if isinstance(e, Stopped) else "error"
-            if prints_error_here(stopped=isinstance(e, (Stopped, Relayed))):
+            if prints_error_here(stopped=isinstance(e, (Stopped, Relayed, Everywhere))):
                 Console(stderr=True).print(f"[bold red]{label}:[/] {escape(str(e))}", highlight=False, soft_wrap=True)
             else:
                 # The launcher ends every process as soon as the first one exits. Leave the first exit to the process
@@ -119,8 +119,9 @@ def prints_error_here(*, stopped: bool = False) -> bool:
     """Whether this process prints the error it raised. Before the process group exists every process of a launch
     has checked the same recipe and launch config and raises the same paragraph: the first process of each node
     (torchrun's LOCAL_RANK 0) prints it, once per node's log, not once per GPU. So does a stop on a signal
-    (`stopped`): every rank stops after the same step, which they voted on together; and another process's error
-    handed to this one (errors.Relayed), which that process prints itself. Once the group exists
+    (`stopped`): every rank stops after the same step, which they voted on together; another process's error
+    handed to this one (errors.Relayed), which that process prints itself; and an error every process finds alike
+    (errors.Everywhere: the data checks). Once the group exists
     (Accelerate's PartialState is set up), every process prints any other error: a rank's error may be its alone."""
     state = sys.modules.get("accelerate.state")
     if not stopped and state is not None and state.PartialState._shared_state:

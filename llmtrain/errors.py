@@ -23,6 +23,12 @@ class Relayed(LLMTrainError):
     first process (as before the process group exists), not every GPU of a launch."""
 
 
+class Everywhere(LLMTrainError):
+    """An error every process of a launch finds alike (a check of the same recipe and the same data, after the
+    process group exists: data.checks' fails): each node's first process prints it, as before the group exists, not
+    every GPU of a launch."""
+
+
 class Stopped(LLMTrainError):
     """The run stopped on SIGTERM or Ctrl-C after saving a checkpoint; exits 128 + the signal number."""
 

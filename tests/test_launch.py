@@ -173,6 +173,27 @@ def test_a_run_that_stops_under_llmtrain_launch_says_why_and_not_torchruns_trace
 
 
 @pytest.mark.slow
+def test_a_data_check_every_process_fails_alike_is_said_once(tiny_assets, tmp_path):
+    """A check of the data (here GRPO's prompt room: no room left for rl.max_completion_tokens) runs on every process
+    once the process group exists, each on the same data: each printed the same paragraph (2 copies on 2 processes,
+    4 under cpu_tp.yaml). It is said once a node now (errors.Everywhere), and the exit status is still 2."""
+    import yaml
+
+    recipe = yaml.safe_load((REPO / "recipes" / "tiny-grpo.yaml").read_text())
+    recipe["data"].update(path=str(tiny_assets / "data" / "train.jsonl"), eval_split=None)
+    recipe["model"]["name_or_path"] = str(tiny_assets / "model")
+    recipe["output_dir"] = str(tmp_path / "run")
+    path = tmp_path / "rl.yaml"
+    path.write_text(yaml.safe_dump(recipe))
+    proc = cli("launch", "--config_file", str(REPO / "accelerate_configs" / "cpu_ddp.yaml"), "--main_process_port",
+               str(open_port()), str(path), "rl.max_completion_tokens=64", "data.max_seq_len=64", check=False)
+    said = proc.stdout + proc.stderr
+    assert proc.returncode == 2, said[-3000:]
+    assert said.count("error: prompt room:") == 1 and "Traceback" not in said, said[-3000:]
+    assert not (tmp_path / "run" / "metrics.jsonl").exists()
+
+
+@pytest.mark.slow
 def test_one_process_launched_alone_that_stops_says_why_and_not_accelerates_traceback(tiny_assets, tmp_path):
     """A launch of one process without torchrun (accelerate's simple launcher: a single-GPU config) reports a
     failed process as a CalledProcessError traceback; what llmtrain launch runs (llmtrain.launcher) says the one

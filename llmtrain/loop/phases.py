@@ -29,7 +29,7 @@ from llmtrain.data.batching import DataPlan
 from llmtrain.data.chat import read_template
 from llmtrain.data.checks import check_context, check_data, check_epochs, check_warmup, data_plan
 from llmtrain.data.prepare import prepare_recipe
-from llmtrain.errors import LLMTrainError
+from llmtrain.errors import Everywhere, LLMTrainError
 from llmtrain.layout import Layout
 from llmtrain.loop.determinism import deterministic_algorithms
 from llmtrain.model.loss import attach_loss, causal_lm
@@ -190,8 +190,8 @@ def prepare_data(recipe: Recipe, accelerator, *, say) -> Data:
         for line in describe(recipe.data, stats, source_sizes(train_ds["source"])):
             say(f"data source: {line}")
     for name, status, detail in check_data(recipe, s, train_ds, eval_ds, tokenizer):  # as `llmtrain doctor`
-        if status == "fail":
-            raise LLMTrainError(f"{name}: {detail}")
+        if status == "fail":  # every process checks the same data: said once a node
+            raise Everywhere(f"{name}: {detail}")
         if status == "warn":
             say(f"warning ({name}): {detail}")
     if (d := recipe.distill) is not None:  # the teacher's vocabulary, before either model's weights are read
