@@ -59,8 +59,6 @@ def check_layout(recipe: Recipe, launch: dict, *, where: str = "the launch confi
     """The recipe on the launch's layout, as `llmtrain launch` and every process of finetune check it
     (capabilities.py: the training mode's cell, each parallelism's rules, the mesh and degrees, and what they ask of
     the model's heads and layers). Without a launch config, the layout the recipe alone sets (its processes unknown)."""
-    from types import SimpleNamespace
-
     from llmtrain import capabilities
     from llmtrain.layout import Layout
     from llmtrain.memory.params import hf_config, load_model_shape
@@ -76,12 +74,8 @@ def check_layout(recipe: Recipe, launch: dict, *, where: str = "the launch confi
             except LLMTrainError:
                 shape = load_model_shape(recipe.model.name_or_path)
                 # transformers' config built from the one it was read from (its tensor-parallel plan, a mixture's
-                # experts, Gemma 4's layers of their own); else what the shape resolved
-                config = hf_config(shape.model_type, json.loads(shape.config_json), recipe.model.name_or_path) \
-                    if shape.config_json else SimpleNamespace(
-                        num_attention_heads=shape.heads, num_key_value_heads=shape.kv_heads,
-                        num_hidden_layers=shape.layers, intermediate_size=shape.intermediate,
-                        tie_word_embeddings=shape.tied, model_type=shape.model_type)
+                # experts, Gemma 4's layers of their own)
+                config = hf_config(shape.model_type, json.loads(shape.config_json), recipe.model.name_or_path)
             found = capabilities.problems(recipe, layout, model=config)
         except LLMTrainError as e:
             if capabilities.needs_model(recipe, layout):  # else the model's own row says it cannot be read

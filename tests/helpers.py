@@ -169,6 +169,36 @@ def launch_finetune(config: Path, processes: int, port: int, recipe: Path, *over
     return proc.stdout + ("\nSTDERR\n" + proc.stderr if proc.stderr else "")
 
 
+def rl_under_tp_against_one(tiny: Path, tmp: Path, port: int, model: Path, *, tol: float,
+                            algorithm: str = "grpo") -> str:
+    """tiny-grpo.yaml with LoRA r4 on `model` (`algorithm`: grpo or rloo), 2 steps, trained by one process (4 prompts
+    a micro-batch) in `tmp`/one and launched on FSDP x TP 2 x 2 (cpu_tp.yaml: 2 data ranks x 2 prompts) in `tmp`/tp:
+    asserts the same completions (tokens) and the rewards, losses and gradient norms to `tol`, with a signal to train
+    on; returns what the launch printed."""
+    import pytest
+
+    recipe = yaml.safe_load((REPO / "recipes" / "tiny-grpo.yaml").read_text())
+    recipe["data"].update(path=str(tiny / "data" / "train.jsonl"), eval_split=None)
+    recipe["model"]["name_or_path"] = str(model)
+    recipe["lora"] = {"r": 4, "alpha": 8, "dropout": 0.0}
+    recipe["rl"].update(num_generations=4, algorithm=algorithm, rewards=[{"type": "format", "pattern": "[aeiou]"}])
+    if algorithm == "rloo":
+        recipe["rl"].pop("loss_type")
+    recipe["train"].update(max_steps=2, micro_batch_size=2, eval_every_steps=None, lr=1e-2)
+    recipe["checkpoint"] = {"every_steps": None}
+    recipe["logging"] = {"progress": False, "plot": False, "every_steps": 1}
+    path = tmp / "rl.yaml"
+    path.write_text(yaml.safe_dump(recipe))
+    run_train(path, "train.micro_batch_size=4", f"output_dir={tmp / 'one'}")
+    out = launch_finetune(REPO / "accelerate_configs" / "cpu_tp.yaml", 4, port, path, f"output_dir={tmp / 'tp'}")
+    got, want = records(tmp / "tp"), records(tmp / "one")
+    assert [r["tokens"] for r in got] == [r["tokens"] for r in want]  # the same completions sampled
+    for key in ("reward", "loss", "grad_norm"):
+        assert [r[key] for r in got] == pytest.approx([r[key] for r in want], abs=tol), key
+    assert want[0]["grad_norm"] > 0 and want[0]["reward"] not in (0, 1)  # a signal to train on
+    return out
+
+
 def kill_launch_mid_run(config: Path, processes: int, port: int, recipe: Path, *overrides: str, out: Path,
                         after: int = 7) -> None:
     """Launch `llmtrain finetune` like launch_finetune (output_dir=`out`), wait for its first checkpoint and `after`

@@ -26,8 +26,8 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
-from helpers import (REPO, assert_same_steps, launch_finetune, load_weights, max_abs_diff, records, run_train,
-                     write_recipe)
+from helpers import (REPO, assert_same_steps, launch_finetune, load_weights, max_abs_diff, records,
+                     rl_under_tp_against_one, run_train, write_recipe)
 
 from llmtrain import capabilities
 
@@ -474,24 +474,7 @@ def test_grpo_with_lora_on_a_mixture_of_experts_under_fsdp_x_tp_equals_one_proce
     its half of every layer's experts (the pair's outputs summed), so the pair draws the same completions as one
     process, which 2 data ranks x 2 prompts train as 1 process x 4 prompts: the tokens sampled, rewards, losses and
     gradient norms equal to 1e-5, the adapter to 1e-4."""
-    recipe = yaml.safe_load((REPO / "recipes" / "tiny-grpo.yaml").read_text())
-    recipe["data"].update(path=str(tiny_assets / "data" / "train.jsonl"), eval_split=None)
-    recipe["model"]["name_or_path"] = str(models["qwen3_moe"])
-    recipe["lora"] = {"r": 4, "alpha": 8, "dropout": 0.0}
-    recipe["rl"].update(num_generations=4, rewards=[{"type": "format", "pattern": "[aeiou]"}])
-    recipe["train"].update(max_steps=2, micro_batch_size=2, eval_every_steps=None, lr=1e-2)
-    recipe["checkpoint"] = {"every_steps": None}
-    recipe["logging"] = {"progress": False, "plot": False, "every_steps": 1}
-    path = tmp_path / "rl.yaml"
-    path.write_text(yaml.safe_dump(recipe))
-    run_train(path, "train.micro_batch_size=4", f"output_dir={tmp_path / 'one'}")
-    config, processes, _, _ = LAUNCH["tp"]
-    launch_finetune(CONFIGS / config, processes, free_port, path, f"output_dir={tmp_path / 'tp'}")
-    got, want = records(tmp_path / "tp"), records(tmp_path / "one")
-    assert [r["tokens"] for r in got] == [r["tokens"] for r in want]  # the same completions sampled
-    for key in ("reward", "loss", "grad_norm"):
-        assert [r[key] for r in got] == pytest.approx([r[key] for r in want], abs=1e-5), key
-    assert want[0]["grad_norm"] > 0 and want[0]["reward"] not in (0, 1)  # a signal to train on
+    rl_under_tp_against_one(tiny_assets, tmp_path, free_port, models["qwen3_moe"], tol=1e-5)
     name = "adapter_model.safetensors"
     assert max_abs_diff(load_weights(tmp_path / "tp" / "final" / name),
                         load_weights(tmp_path / "one" / "final" / name)) < 1e-4

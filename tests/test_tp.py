@@ -37,6 +37,7 @@ from helpers import (
     max_abs_diff,
     open_port,
     records,
+    rl_under_tp_against_one,
     run_train,
     write_recipe,
 )
@@ -196,28 +197,9 @@ def test_online_rl_with_lora_under_fsdp_x_tp_equals_one_process(tiny_assets, tmp
     first process gives the records: collectives.gathered), the completions one process sampled."""
     import json
 
-    import yaml
-
-    recipe = yaml.safe_load((REPO / "recipes" / "tiny-grpo.yaml").read_text())
-    recipe["data"].update(path=str(tiny_assets / "data" / "train.jsonl"), eval_split=None)
-    recipe["model"]["name_or_path"] = str(tiny_assets / "model")
-    recipe["lora"] = {"r": 4, "alpha": 8, "dropout": 0.0}
-    recipe["rl"].update(num_generations=4, algorithm=algorithm, rewards=[{"type": "format", "pattern": "[aeiou]"}])
-    if algorithm == "rloo":
-        recipe["rl"].pop("loss_type")
-    recipe["train"].update(max_steps=2, micro_batch_size=2, eval_every_steps=None, lr=1e-2)
-    recipe["checkpoint"] = {"every_steps": None}
-    recipe["logging"] = {"progress": False, "plot": False, "every_steps": 1}
-    path = tmp_path / "rl.yaml"
-    path.write_text(yaml.safe_dump(recipe))
-    run_train(path, "train.micro_batch_size=4", f"output_dir={tmp_path / 'one'}")
-    out = launch_finetune(CONFIGS[4], 4, free_port, path, f"output_dir={tmp_path / 'tp'}")
+    out = rl_under_tp_against_one(tiny_assets, tmp_path, free_port, tiny_assets / "model", tol=1e-6,
+                                  algorithm=algorithm)
     assert "samples with the reference loop" not in out  # the fast sampler, eager, on the split weights
-    got, want = records(tmp_path / "tp"), records(tmp_path / "one")
-    assert [r["tokens"] for r in got] == [r["tokens"] for r in want]  # the same completions sampled
-    for key in ("reward", "loss", "grad_norm"):
-        assert [r[key] for r in got] == pytest.approx([r[key] for r in want], abs=1e-6), key
-    assert want[0]["grad_norm"] > 0 and want[0]["reward"] not in (0, 1)  # a signal to train on
 
     def completions(run):
         rows = [json.loads(line) for line in (run / "rollouts.jsonl").read_text().splitlines()]

@@ -343,15 +343,12 @@ def tensor_parallel_shape(shape: ModelShape, tp: int) -> ModelShape:
         return shape
     from dataclasses import replace
 
-    from transformers import CONFIG_MAPPING
-
     if shape.layer_shapes:  # each layer's own slice (Gemma 4), from its own heads and columns
         layers = tuple(tensor_parallel_shape(replace(layer, layer_shapes=()), tp) for layer in shape.layer_shapes)
         return replace(layers[0], layer_shapes=layers, params_other=shape.params_other,
                        other_linears=shape.other_linears, per_layer_input=shape.per_layer_input)
 
-    plan = capabilities.tensor_plan(CONFIG_MAPPING[shape.model_type]())
-    style = {pattern.rsplit("*.", 1)[-1]: how for pattern, how in plan.items()}  # 'self_attn.q_proj' -> 'colwise'
+    style = _tp_styles(shape.model_type)
     cut = {"colwise": "out", "colwise_gather_output": "out", "rowwise": "in", "rowwise_split_input": "in"}
     local = tuple(Linear(lin.name, lin.fan_in, lin.fan_out // tp, lin.bias) if cut.get(style.get(lin.name)) == "out"
                   else Linear(lin.name, lin.fan_in // tp, lin.fan_out, lin.bias) if cut.get(style.get(lin.name)) == "in"
@@ -373,6 +370,16 @@ def tensor_parallel_shape(shape: ModelShape, tp: int) -> ModelShape:
             sum(lin.fan_in for lin in shape.layer_linears if style.get(lin.name) == "rowwise_split_input")))
     return replace(sliced, intermediate=shape.intermediate // tp, heads=shape.heads // tp,
                    kv_heads=shape.kv_heads // tp)
+
+
+@functools.cache
+def _tp_styles(model_type: str) -> dict[str, str]:
+    """The tensor-parallel style of each layer module of a model type (capabilities.tensor_plan, read once a type:
+    tensor_parallel_shape runs for every estimate, once a layer of Gemma 4's): 'self_attn.q_proj' -> 'colwise'."""
+    from transformers import CONFIG_MAPPING
+
+    plan = capabilities.tensor_plan(CONFIG_MAPPING[model_type]())
+    return {pattern.rsplit("*.", 1)[-1]: how for pattern, how in plan.items()}
 
 
 @dataclass(frozen=True)
