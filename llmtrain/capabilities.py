@@ -89,9 +89,6 @@ _GPT_OSS_PLAN = {"layers.*.self_attn.q_proj": "colwise", "layers.*.self_attn.k_p
                  "layers.*.self_attn": "heads", "layers.*.mlp.experts": "moe_tp_experts"}
 
 
-_GEMMA4_PP = ("its per-layer embeddings (hidden_size_per_layer_input) are looked up from the input ids, which only "
-              "the first stage holds, for every layer. Shard it with FSDP instead (accelerate_configs/fsdp.yaml)")
-
 @dataclass(frozen=True)
 class Family:
     key: str  # config.model_type
@@ -130,7 +127,7 @@ FAMILIES: dict[str, Family] = {f.key: f for f in (
     Family("gpt_oss", "GPT-OSS", all_linear_experts=False, tp_plan=_GPT_OSS_PLAN),
     # per-layer embeddings (PLE), a learned scalar a layer (a persistent buffer), local and global layers with their
     # own head sizes
-    Family("gemma4_text", "Gemma 4 (its text model)", refused={"pp": _GEMMA4_PP}, all_linear_experts=False,
+    Family("gemma4_text", "Gemma 4 (its text model)", all_linear_experts=False,
            load_balancing=False),
 )}
 

@@ -362,7 +362,8 @@ def test_llmtrain_launch_passes_or_refuses_each_family_on_each_layout(models, ti
 # under FSDP (sinks, windows, experts with biases); the other
 # cells in the extended tier (make test-all), each beside a main-tier test of the same layout on Llama's layer
 # (test_fsdp.py, test_tp.py, test_sequence_parallel.py, test_pipeline.py)
-MAIN = {("gemma3_text", "fsdp"), ("gemma3_text", "pp"), ("gpt_oss", "fsdp"), ("gemma4_text", "fsdp")}
+MAIN = {("gemma3_text", "fsdp"), ("gemma3_text", "pp"), ("gpt_oss", "fsdp"), ("gemma4_text", "fsdp"),
+        ("gemma4_text", "pp")}
 TRAINED = [pytest.param(f, lay, id=f"{f}-{lay}", marks=[pytest.mark.slow] + ([] if (f, lay) in MAIN else
                                                                      [pytest.mark.extended]))
            for f, lay in CELLS if capabilities.family_cell(f, lay) is None]
@@ -396,6 +397,101 @@ def test_each_family_trains_on_each_layout_its_row_allows_what_one_process_train
     # every weight (QK-norm's too: one tensor-parallel rank's copy is saved, each rank's trained on its own heads'
     # gradient part would be 3.7e-3 off after 3 steps)
     assert max_abs_diff(load_weights(tmp_path / "many" / "final"), load_weights(tmp_path / "one" / "final")) < weights
+
+
+# Gemma 4 of 6 layers (local and global in turn), the last 3 sharing the keys and values of layers 1 (global) and 2
+# (local): every split of it into stages hands a different set of them across its boundaries
+GEMMA4_SIX = dict(num_hidden_layers=6, num_kv_shared_layers=3, layer_types=["sliding_attention", "full_attention"] * 3)
+
+
+@pytest.mark.parametrize("moe", [False, True], ids=["dense", "moe"])
+def test_gemma_4s_stages_chained_in_one_process_are_its_forward_and_backward_in_float64(tiny_assets, tmp_path,
+                                                                                         monkeypatch, moe):
+    """Gemma 4's pipeline stages (parallel/pipeline/stage.py) run one after the other in one process, each on what the
+    one before it handed on (the hidden states, the later layers' per-layer inputs made on the first stage, the keys
+    and values a later stage's sharing layers read), for every split of its 6 layers into 2 and 3 stages and into 6:
+    the last stage's output is the decoder's own (transformers' forward on the packed row) to 1e-12 in float64, and so
+    is every parameter's gradient, the per-layer embedding's and projection's (on the first stage) among them."""
+    import itertools
+
+    from transformers.integrations import moe as experts
+
+    from llmtrain.config import ModelConfig
+    from llmtrain.model.modeling import load_model
+    from llmtrain.parallel.pipeline.stage import Stage, kv_handoffs
+
+    can = experts._can_use_grouped_mm  # torch's grouped matmul takes no float64: transformers' fallback op then does
+    monkeypatch.setattr(experts, "_can_use_grouped_mm", lambda x, w, offsets: w.dtype != torch.float64 and
+                        can(x, w, offsets))
+
+    folder = family_model(tiny_assets, tmp_path / "model", "gemma4_text", **GEMMA4_SIX,
+                          **(GEMMA4_EXPERTS if moe else {}))
+    lm = load_model(ModelConfig(name_or_path=str(folder), dtype="float32", attn_implementation="varlen"), None)
+    lm = lm.double()
+    config = lm.config
+    assert config.kv_sharing_modes == [None, "store", "store", "reuse", "reuse", "reuse"]
+    # what crosses each boundary: nothing before the first store, then the global layer's, then both kinds' until the
+    # last local layer that reads them
+    assert [kv_handoffs(config, b) for b in range(1, 6)] == [
+        [], ["full_attention"], ["full_attention", "sliding_attention"], ["full_attention", "sliding_attention"],
+        ["full_attention"]]
+    g = torch.Generator().manual_seed(3)
+    lengths = [9, 14, 5, 20]
+    ids = torch.randint(3, config.vocab_size, (1, sum(lengths)), generator=g)
+    positions = torch.cat([torch.arange(n) for n in lengths])[None]
+    cu = torch.tensor([0, *itertools.accumulate(lengths)], dtype=torch.int32)
+    probe = torch.randn(1, sum(lengths), config.hidden_size, generator=g, dtype=torch.float64)
+
+    def grads(out):
+        lm.zero_grad()
+        (out * probe).sum().backward()
+        return {n: p.grad.clone() for n, p in lm.named_parameters() if p.grad is not None}
+
+    want = lm.model(input_ids=ids, position_ids=positions).last_hidden_state
+    want_grads = grads(want)
+    assert any("per_layer_model_projection" in n for n in want_grads)
+    splits = [(1, 5), (2, 4), (3, 3), (4, 2), (5, 1), (2, 2, 2), (1, 3, 2), (1,) * 6]
+    for split in splits:
+        ranges = stage_layers_of(split)
+        stages = [Stage(lm, r, first=i == 0, last=i == len(ranges) - 1) for i, r in enumerate(ranges)]
+        out = ids
+        for stage in stages:
+            out = stage(*(out if isinstance(out, tuple) else (out,)), position_ids=positions, cu_seq_lens=cu)
+        assert (out - want).abs().max() < 1e-12, split
+        got = grads(out)
+        assert got.keys() == want_grads.keys()
+        assert max((got[n] - want_grads[n]).abs().max() for n in got) < 1e-12, split
+
+
+def stage_layers_of(counts) -> list[range]:
+    out, start = [], 0
+    for n in counts:
+        out.append(range(start, start + n))
+        start += n
+    return out
+
+
+@pytest.mark.slow
+def test_gemma_4_with_lora_on_interleaved_stages_trains_what_one_process_trains(models, tiny_assets, tmp_path,
+                                                                               free_port):
+    """Gemma 4 with LoRA on 2 processes of interleaved 1F1B, 4 virtual stages of one layer (so each boundary hands on
+    its own set of shared keys and values, and the per-layer inputs, which nothing trains under LoRA, travel without
+    a gradient), 3 steps of 2 micro-batches against one process: losses to 1e-6, gradient norms to 1e-5, the adapter
+    to 1e-5 (measured 3.6e-6: fp32's rounding of the micro-batches' gradients summed in another order)."""
+    recipe = _family_recipe(tiny_assets, tmp_path, models["gemma4_text"])
+    common = ["lora.r=4", "lora.dropout=0", "train.micro_batch_size=1", "train.micro_batch_tokens=64",
+              "train.grad_accum_steps=2"]
+    run_train(recipe, *common, f"output_dir={tmp_path / 'one'}")
+    out = launch_finetune(CONFIGS / "cpu_ddp.yaml", 2, free_port, recipe, *common, "parallel.pipeline_parallel=2",
+                          "parallel.pipeline_schedule=interleaved_1f1b", "parallel.pipeline_chunks=2",
+                          f"output_dir={tmp_path / 'pp'}")
+    assert "stage 0: layers 0-0, stage 2: layers 2-2 (ScheduleInterleaved1F1B" in out, out
+    assert_same_steps(tmp_path / "pp", tmp_path / "one", tol=1e-5)
+    assert [r["loss"] for r in records(tmp_path / "pp")] == pytest.approx(
+        [r["loss"] for r in records(tmp_path / "one")], abs=1e-6)
+    name = "adapter_model.safetensors"
+    assert max_abs_diff(load_weights(tmp_path / "pp" / "final" / name),
+                        load_weights(tmp_path / "one" / "final" / name)) < 1e-5
 
 
 @pytest.mark.slow

@@ -61,6 +61,10 @@ def pipeline_problems(spec: TrainSpec, shape: ModelShape) -> list[str]:
     stage_gpus = spec.world // p
     if why := capabilities.family_cell(shape.model_type, "pp"):  # a family the stages do not train
         problems.append(f"pipeline parallelism is refused for {capabilities.FAMILIES[shape.model_type].name}: {why}")
+    if shape.layer_shapes or shape.per_layer_input:
+        problems.append("the stages of a model whose layers differ, with per-layer inputs and keys and values handed "
+                        f"between them (Gemma 4: {shape.source}), are not modelled yet: estimate it with --strategy "
+                        "fsdp (llmtrain trains it on pipeline stages all the same)")
     if p * v > shape.layers:
         problems.append(f"{p} pipeline stages x {v} chunks need a decoder layer each and the model has {shape.layers} "
                         f"({shape.source}): use at most {shape.layers // v} stages (--pipeline-parallel, "

@@ -33,7 +33,7 @@ from llmtrain.model.attention import NAME as VARLEN
 from llmtrain.model.loss import causal_lm, eval_counts
 from llmtrain.parallel.pipeline.group import PipelineGroup, clip_grad_norm_, ends_group, sum_replicas, sum_tied
 from llmtrain.parallel.pipeline.split import rank_stages, stage_layers
-from llmtrain.parallel.pipeline.stage import Elsewhere, Stage, cut_points, head_name, skeleton
+from llmtrain.parallel.pipeline.stage import PER_LAYER_MODULES, Elsewhere, Stage, cut_points, head_name, skeleton
 
 SCHEDULES = {"gpipe": "ScheduleGPipe", "1f1b": "Schedule1F1B", "interleaved_1f1b": "ScheduleInterleaved1F1B"}
 
@@ -79,7 +79,8 @@ class Pipeline:
         decoder = lm.model
         # what other stages hold, as shapes without storage (the meta device): put back for the export's names only
         self.elsewhere = [(decoder.layers, str(i)) for i in range(config.num_hidden_layers) if i not in kept]
-        self.elsewhere += [(decoder, "embed_tokens")] if 0 not in mine else []
+        per_layer = PER_LAYER_MODULES if getattr(config, "hidden_size_per_layer_input", None) else ()
+        self.elsewhere += [(decoder, n) for n in ("embed_tokens", *per_layer)] if 0 not in mine else []
         self.elsewhere += [(decoder, "norm"), (lm, head_name(lm))] if total - 1 not in mine else []
         self.skeletons = [skeleton(getattr(parent, name)) for parent, name in self.elsewhere]
         for parent, name in self.elsewhere:

@@ -42,20 +42,78 @@ class Stage(nn.Module):
         self.rotary = decoder.rotary_emb
         self.norm = decoder.norm if last else None
         self.head = getattr(lm, head_name(lm)) if last else None  # the LM head, or a reward model's score head
+        # Gemma 4: its per-layer inputs, made on the first stage from the token ids and the embeddings (the modules
+        # that make them live there) and handed on with the hidden states, each stage reading its layers' and passing
+        # the later layers' on; and the keys and values a layer stores for later layers of its kind (KV sharing),
+        # handed on while a later stage reads them
+        self.per_layer = bool(getattr(lm.config, "hidden_size_per_layer_input", None))
+        # (the decoder's own methods, bound: not a submodule, which would bring every layer)
+        self.make_per_layer = (decoder.get_per_layer_inputs, decoder.project_per_layer_inputs) \
+            if first and self.per_layer else None
+        if self.make_per_layer is not None:
+            self.per_layer_modules = nn.ModuleList(getattr(decoder, n) for n in PER_LAYER_MODULES)
+        self.kv_in, self.kv_out = kv_handoffs(lm.config, layers.start), kv_handoffs(lm.config, layers.stop)
+        self.shares_kv = bool(kv_sharing(lm.config))
 
-    def forward(self, x, position_ids, cu_seq_lens):
+    def forward(self, x, *handed, position_ids, cu_seq_lens):
         with self.precision():
-            return self._forward(x, position_ids, cu_seq_lens)
+            return self._forward(x, handed, position_ids, cu_seq_lens)
 
-    def _forward(self, x, position_ids, cu_seq_lens):
+    def _forward(self, x, handed, position_ids, cu_seq_lens):
         h = self.embed(x) if self.embed is not None else x
         cu = cut_points(cu_seq_lens)
         longest = int((cu[1:] - cu[:-1]).max())
         pe = rotary_by_kind(self.rotary, h, position_ids, self.kinds)
-        for layer, kind in zip(self.layers, self.kinds):
+        handed = [_ContiguousGrad.apply(t) for t in handed]
+        per_layer, handed = (handed[0], handed[1:]) if self.per_layer and self.embed is None else (None, handed)
+        if self.make_per_layer is not None:  # as transformers' Gemma4TextModel makes them
+            lookup, project = self.make_per_layer
+            per_layer = project(h, lookup(x, h))
+        shared = {kind: (handed[2 * i], handed[2 * i + 1]) for i, kind in enumerate(self.kv_in)}
+        extra = {"shared_kv_states": shared} if self.shares_kv else {}
+        for i, (layer, kind) in enumerate(zip(self.layers, self.kinds)):
+            if per_layer is not None:  # this stage's layers first, in order
+                extra["per_layer_input"] = per_layer[:, :, i]
             h = layer(h, attention_mask=None, position_ids=position_ids, position_embeddings=pe[kind],
-                      cu_seq_lens_q=cu, cu_seq_lens_k=cu, max_length_q=longest, max_length_k=longest)
-        return self.norm(h) if self.norm is not None else h
+                      cu_seq_lens_q=cu, cu_seq_lens_k=cu, max_length_q=longest, max_length_k=longest, **extra)
+        if self.norm is not None:
+            return self.norm(h)
+        out = [per_layer[:, :, len(self.layers):].contiguous()] if per_layer is not None else []
+        out += [t.contiguous() for kind in self.kv_out for t in shared[kind]]
+        return (h, *out) if out else h
+
+
+# Gemma 4's modules that make the per-layer inputs (Gemma4TextModel.get_per_layer_inputs, project_per_layer_inputs):
+# the first stage's
+PER_LAYER_MODULES = ("embed_tokens_per_layer", "per_layer_model_projection", "per_layer_projection_norm")
+
+
+def kv_sharing(config) -> list:
+    """Each layer's part in Gemma 4's KV sharing (config.kv_sharing_modes: "store" for the last layer of each kind
+    before the sharing ones, "reuse" for those, None); [] for a model without it."""
+    return list(getattr(config, "kv_sharing_modes", None) or []) if getattr(config, "num_kv_shared_layers", 0) else []
+
+
+def kv_handoffs(config, boundary: int) -> list[str]:
+    """The layer kinds whose shared keys and values cross the stage boundary before layer `boundary`: stored by a layer
+    before it, read by one at or after it (sorted: the order they travel in, keys then values)."""
+    modes, kinds = kv_sharing(config), layer_kinds(config, config.num_hidden_layers)
+    stored = {kinds[i] for i, m in enumerate(modes[:boundary]) if m == "store"}
+    return sorted(stored & {kinds[i] for i, m in enumerate(modes[boundary:], boundary) if m == "reuse"})
+
+
+class _ContiguousGrad(torch.autograd.Function):
+    """The identity, whose backward makes the gradient contiguous: torch's PipelineStage receives a gradient into a
+    buffer of the layout the sender's autograd made it in (a key's gradient is a transposed view), and gloo's receive
+    takes contiguous buffers only."""
+
+    @staticmethod
+    def forward(ctx, t):
+        return t.view_as(t)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad.contiguous()
 
 
 def head_name(lm) -> str:
