@@ -196,7 +196,7 @@ def test_lora_stages_hold_the_adapters_of_their_layers_and_the_base_frozen(quant
     assert [len(p.adapted) for p in plans] == [16, 16]
     assert sum(p.trainable(stage_shape(LLAMA, st)) for p, st in zip(plans, stages)) == whole.trainable(LLAMA)
     for st, plan in zip(stages, plans):
-        held = stage_states(LLAMA, s, st, 16)
+        held = stage_states(LLAMA, s, st)
         adapters = plan.trainable(stage_shape(LLAMA, st)) * 4
         assert held.grads == adapters and held.optimizer == 2 * adapters and held.ddp_buckets == adapters
         base = stage_shape(LLAMA, st).params_total * 2
@@ -276,7 +276,7 @@ def test_activations_in_flight_per_stage_by_hand():
     one0 = stage_estimate(LLAMA, s, stages[0])
     assert gpipe0.peak_phase == one0.peak_phase == "backward_layers"
     assert gpipe0.per_gpu_peak_allocated_bytes - one0.per_gpu_peak_allocated_bytes == 2 * first
-    assert stage_states(LLAMA, s, stages[1], 16).grads_head == (LLAMA.params_head + LLAMA.params_final_norm) * 4 // 8
+    assert stage_states(LLAMA, s, stages[1]).grads_head == (LLAMA.params_head + LLAMA.params_final_norm) * 4 // 8
 
 
 def test_the_boundary_sends_and_the_step_time_by_hand():
@@ -381,3 +381,86 @@ def test_the_scaling_doc_shows_what_the_command_prints():
                          capture_output=True, text=True, check=True).stdout
     printed = out[out.index("Pipeline stages"):]
     assert [line.rstrip() for line in printed.splitlines()] == shown.rstrip("\n").splitlines()
+
+
+# Gemma 4 of 8 layers (local and global in turn), the last 4 sharing the keys and values of layers 2 and 3, per-layer
+# inputs of 64 a layer: its layers differ (ModelShape.layer_shapes), so a stage must hold its own layers' shapes
+GEMMA4 = dict(model_type="gemma4_text", hidden_size=256, intermediate_size=688, num_attention_heads=8,
+              num_key_value_heads=2, vocab_size=4096, head_dim=32, global_head_dim=64, num_global_key_value_heads=2,
+              attention_k_eq_v=True, num_kv_shared_layers=4, use_double_wide_mlp=True, sliding_window=64,
+              vocab_size_per_layer_input=4096, hidden_size_per_layer_input=64, num_hidden_layers=8,
+              layer_types=["sliding_attention", "full_attention"] * 4, final_logit_softcapping=None,
+              tie_word_embeddings=False)
+GEMMA4_SPECS = {"full": dict(dtype="float32", mixed_precision="bf16"),
+                "lora": dict(method="lora", lora_r=8, dtype="bfloat16"),
+                "lora-all": dict(method="lora", lora_r=8, dtype="float32", mixed_precision="bf16"),
+                "lora-attention": dict(method="lora", lora_r=8, dtype="bfloat16",
+                                       lora_target_modules=("q_proj", "k_proj", "v_proj", "o_proj"))}
+
+
+def gemma4_shape():
+    from llmtrain.memory.params import _shape_from_json
+
+    return _shape_from_json(json.dumps(GEMMA4), "gemma4_text")
+
+
+@pytest.mark.parametrize("name", sorted(GEMMA4_SPECS))
+@pytest.mark.parametrize("layout", [dict(strategy="single", num_gpus=1), dict(strategy="fsdp", num_gpus=8)])
+@pytest.mark.parametrize("ckpt", [True, False])
+def test_one_gemma_4_stage_holding_the_whole_model_is_the_estimates_model_phase_by_phase(name, layout, ckpt):
+    """Gemma 4's layers differ, its per-layer inputs are made before them and its other linears (the projection of
+    the embeddings) train or take an adapter: one stage of every layer is still the whole model's estimate, part by
+    part."""
+    shape = gemma4_shape()
+    s = TrainSpec(**{**FULL, "micro_batch_tokens": 1024, "seq_len": 1024, "gradient_checkpointing": ckpt, **layout,
+                     **GEMMA4_SPECS[name]})
+    whole = Stage(0, (0,), (range(8),), True, True, (1,), 1)
+    got, want = stage_estimate(shape, s, whole), estimate(shape, s)
+    assert got.phase_parts == want.phase_parts and got.per_gpu_peak_bytes == want.per_gpu_peak_bytes
+    assert got.params_total == want.params_total and got.params_trainable == want.params_trainable
+
+
+def test_gemma_4s_stages_hold_their_own_layers_and_hand_on_per_layer_inputs_and_shared_keys_and_values():
+    """Gemma 4 of 8 layers on 2 stages of 4 (LoRA on attention, bf16, 4 micro-batches of 1,024 tokens, no
+    checkpointing): the first stage holds the per-layer embeddings and the projection (params_other), each stage its
+    own layers' shapes, and the stages' parameters add up to the model's; at the boundary (layer 4) the later 4 layers' per-layer inputs (64 each) and
+    both kinds' shared keys and values (layer 2's local 2 x 32 and layer 3's global 2 x 64, keys and values) cross
+    beside the hidden states: stage 1's receive buffers are 4 micro-batches x 1,024 tokens x (256 + 256 + 384) bf16
+    values, stage 0's gradient buffers the same without the per-layer inputs (nothing trains them under LoRA on
+    attention), and stage 0 keeps its handed-on copies of each micro-batch in flight."""
+    from llmtrain.memory import activations as act
+    from llmtrain.memory.pipeline import boundary_bytes, receive_buffer_bytes
+
+    shape = gemma4_shape()
+    assert shape.kv_handed == (0, 0, 0, 128, 384, 384, 384, 256, 0)  # layer 2 stores the local, 3 the global
+    s = spec(strategy="single", num_gpus=2, num_nodes=1, micro_batch_tokens=1024, seq_len=1024,
+             gradient_checkpointing=False,
+             **GEMMA4_SPECS["lora-attention"])
+    stages = stages_of(shape, s)
+    assert [st.chunks for st in stages] == [(range(0, 4),), (range(4, 8),)]
+    first, second = (stage_shape(shape, st) for st in stages)
+    assert first.params_other == shape.params_other > 0 and second.params_other == 0
+    assert [second.layer(i) for i in range(4)] == [shape.layer(i) for i in range(4, 8)]
+    assert first.params_total + second.params_total == shape.params_total
+    p = make_pass(shape, s)
+    assert (p.resid, p.cd, act.ple_width(p), p.per_layer_inputs_train) == (2, 2, 2, False)
+    assert boundary_bytes(p, shape, 4) == 1024 * (256 + 4 * 64 + 384) * 2
+    assert receive_buffer_bytes(p, shape, stages[1], s) == 4 * 1024 * (256 + 256 + 384) * 2
+    assert receive_buffer_bytes(p, shape, stages[0], s) == 4 * 1024 * (256 + 384) * 2
+    est = pipeline_estimate(shape, s)
+    zero, one = est.pipeline["stages"]
+    assert zero["params"] + one["params"] == shape.params_total
+    # stage 0 holds 2 micro-batches in flight under 1F1B, each with its copies of the later layers' per-layer inputs
+    # and of the shared keys and values (1,024 x (256 + 384) bf16) and every layer's per-layer inputs it made (1,024 x
+    # 8 x 64)
+    from llmtrain.memory.pipeline import handed_bytes, stage_plan
+
+    assert handed_bytes(p, shape, 4) == 1024 * (256 + 384) * 2
+    assert act.per_layer_inputs_bytes(p, shape, {}, 8) == 1024 * 8 * 64 * 2
+    plan = stage_plan(shape, s, stages[0])
+    layers = sum(act.layer_bytes(p, shape.layer(i), plan.adapted[i], 8) for i in range(4)) - \
+        act.frozen_input_discount(p, shape.layer(0), plan.adapted[0])
+    chunk = chunk_bytes(p, shape, stages[0], 0, False, plan)
+    assert chunk == layers + act.stream_inputs_bytes(p, shape, embed_trainable=False) + 1024 * (256 + 384) * 2 + \
+        1024 * 8 * 64 * 2
+    assert zero["in_flight_activation_bytes"] == 2 * chunk

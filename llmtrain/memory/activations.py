@@ -451,7 +451,7 @@ def layer_bytes(p: Pass, shape: ModelShape, adapted: dict[str, tuple[int, int]],
 # h + norm(per_layer_projection(gate * its slice)).
 
 
-def _ple_width(p: Pass) -> int:
+def ple_width(p: Pass) -> int:
     """The per-layer inputs' dtype: the table's (the stream's) and the projection's (cd) promoted."""
     return max(p.cd, p.resid)
 
@@ -476,14 +476,14 @@ def per_layer_input_bytes(p: Pass, shape: ModelShape, adapted: dict[str, tuple[i
 
 def per_layer_inputs_bytes(p: Pass, shape: ModelShape, other_adapted: dict[str, tuple[int, int]], r: int) -> int:
     """Saved before the layers, alive until the first layer's backward: the per-layer inputs (T x layers x D, their
-    dtype: _ple_width), and where they train (Pass.per_layer_inputs_train: the projection's weight or an adapter on
+    dtype: ple_width), and where they train (Pass.per_layer_inputs_train: the projection's weight or an adapter on
     it), the norm over the projection's output (its fp32 input, the rsqrt per token and layer, the normed fp32 where
     its weight trains), the projection's input (the embeddings, cast to cd under autocast) where its weight trains,
     its adapter."""
     if not shape.per_layer_input:
         return 0
     n = p.tokens * shape.layers * shape.per_layer_input
-    total = n * _ple_width(p)
+    total = n * ple_width(p)
     if not p.per_layer_inputs_train:
         return total
     total += n * FP32 * (1 + p.trainable_base) + p.tokens * shape.layers * FP32
@@ -500,7 +500,7 @@ def per_layer_inputs_grad_bytes(p: Pass, shape: ModelShape) -> int:
     the projection's (one, and a second while a layer's is summed in)."""
     if not shape.per_layer_input or not p.per_layer_inputs_train:
         return 0
-    return p.tokens * shape.layers * shape.per_layer_input * _ple_width(p)
+    return p.tokens * shape.layers * shape.per_layer_input * ple_width(p)
 
 
 def down_input_bytes(p: Pass, shape: ModelShape, adapted: dict[str, tuple[int, int]], r: int) -> int:

@@ -242,6 +242,9 @@ class ModelShape:
     per_layer_input: int = 0
     params_other: int = 0  # weights outside the decoder layers, the embeddings, the final norm and the head (PLE's)
     other_linears: tuple[Linear, ...] = ()  # linears among them (peft's all-linear reaches them)
+    # Gemma 4's KV sharing on pipeline stages: the key and value elements a token that cross the boundary before
+    # decoder layer b (b = 0 .. layers), those its store layers made for sharing layers after it (stage.kv_handoffs)
+    kv_handed: tuple[int, ...] = ()
 
     def layer(self, i: int) -> ModelShape:
         """Decoder layer i's shape: its own where the layers differ (layer_shapes), else this one."""
@@ -707,7 +710,12 @@ def _gemma4_shape(shape: ModelShape, model, config) -> ModelShape:
     for kind, layer in zip(config.layer_types, layers):
         widths.setdefault(kind, layer.head_dim)
     layers = [replace(layer, rope_width=sum(widths.values())) for layer in layers]
-    return replace(layers[0], layer_shapes=tuple(layers), per_layer_input=ple,
+    from llmtrain.parallel.pipeline.stage import kv_handoffs, kv_sharing
+
+    store = {config.layer_types[i]: layers[i] for i, mode in enumerate(kv_sharing(config)) if mode == "store"}
+    handed = tuple(sum(2 * store[kind].kv_heads * store[kind].head_dim for kind in kv_handoffs(config, b))
+                   for b in range(len(layers) + 1))
+    return replace(layers[0], layer_shapes=tuple(layers), per_layer_input=ple, kv_handed=handed,
                    params_other=sum(p.numel() for m in others for p in m.parameters()),
                    other_linears=(Linear("per_layer_model_projection", projection.in_features, projection.out_features,
                                          False),) if projection is not None else ())

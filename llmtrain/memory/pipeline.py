@@ -61,10 +61,6 @@ def pipeline_problems(spec: TrainSpec, shape: ModelShape) -> list[str]:
     stage_gpus = spec.world // p
     if why := capabilities.family_cell(shape.model_type, "pp"):  # a family the stages do not train
         problems.append(f"pipeline parallelism is refused for {capabilities.FAMILIES[shape.model_type].name}: {why}")
-    if shape.layer_shapes or shape.per_layer_input:
-        problems.append("the stages of a model whose layers differ, with per-layer inputs and keys and values handed "
-                        f"between them (Gemma 4: {shape.source}), are not modelled yet: estimate it with --strategy "
-                        "fsdp (llmtrain trains it on pipeline stages all the same)")
     if p * v > shape.layers:
         problems.append(f"{p} pipeline stages x {v} chunks need a decoder layer each and the model has {shape.layers} "
                         f"({shape.source}): use at most {shape.layers // v} stages (--pipeline-parallel, "
@@ -111,15 +107,22 @@ def stages_of(shape: ModelShape, spec: TrainSpec) -> list[Stage]:
     return out
 
 
-def stage_shape(shape: ModelShape, stage: Stage, layers: int | None = None) -> ModelShape:
-    """The model as one GPU of `stage` holds it: `layers` decoder layers (its own by default) and the embeddings,
-    final norm and head only where the stage has them, so that params_total counts the stage's parameters. A tied
-    embedding is two copies, the first stage's embedding and the last stage's head (parallel/pipeline/schedule.py)."""
+def stage_shape(shape: ModelShape, stage: Stage, chunk: int | None = None) -> ModelShape:
+    """The model as one GPU of `stage` holds it: its decoder layers (those of chunk `chunk` alone, if given; each
+    layer its own shape where the layers differ: Gemma 4's) and the embeddings, final norm and head only where the
+    stage has them, so that params_total counts the stage's parameters. A tied embedding is two copies, the first
+    stage's embedding and the last stage's head (parallel/pipeline/schedule.py); Gemma 4's per-layer embeddings and
+    the projection of the embeddings (params_other) are the first stage's."""
+    ranges = stage.chunks if chunk is None else (stage.chunks[chunk],)
     head = shape.params_embed if shape.tied else shape.params_head
-    return replace(shape, layers=stage.layers if layers is None else layers, tied=False,
-                   params_embed=shape.params_embed if stage.first else 0,
-                   params_head=head if stage.last else 0,
-                   params_final_norm=shape.params_final_norm if stage.last else 0)
+    own = replace(shape, layers=sum(len(r) for r in ranges), tied=False,
+                  params_embed=shape.params_embed if stage.first else 0,
+                  params_head=head if stage.last else 0,
+                  params_final_norm=shape.params_final_norm if stage.last else 0,
+                  params_other=shape.params_other if stage.first else 0)
+    if shape.layer_shapes:
+        own = replace(own, layer_shapes=tuple(shape.layer_shapes[i] for r in ranges for i in r))
+    return own
 
 
 def as_trained(spec: TrainSpec) -> TrainSpec:
@@ -157,26 +160,28 @@ def stage_plan(shape: ModelShape, spec: TrainSpec, stage: Stage) -> LoraPlan | N
     saved = tuple(m for m in plan.saved_copies
                   if (m == "lm_head" and stage.last) or (m == "embed_tokens" and stage.first))
     return replace(plan, adapted=tuple(plan.adapted[i] for c in stage.chunks for i in c),
-                   adapted_head=plan.adapted_head and stage.last, saved_copies=saved)
+                   adapted_head=plan.adapted_head and stage.last, saved_copies=saved,
+                   adapted_other=plan.adapted_other if stage.first else {})
 
 
-def stage_states(shape: ModelShape, spec: TrainSpec, stage: Stage, modelled: int) -> States:
+def stage_states(shape: ModelShape, spec: TrainSpec, stage: Stage, chunk: int | None = None) -> States:
     """The weights, gradients and AdamW state of the stage's parameters (its layers, and the embeddings or the head
     where it has them), sharded over the FSDP group inside the stage (spec.shards: world / P): a full fine-tune's in
     their master dtype; LoRA's as states.states has them (the frozen base, 4-bit under QLoRA, and the adapters);
-    `modelled` of its layers are those estimate's phases walk (grads_layer)."""
-    if (plan := stage_plan(shape, spec, stage)) is not None:
-        st = states(stage_shape(shape, stage), spec, plan)
-        return replace(st, grads_layer=st.grads_layer[:modelled])
-    master = stage_master(spec)
-    layer = shape.params_per_layer * master
+    grads_layer: those of chunk `chunk`'s layers (the ones estimate's phases walk), or of all the stage's (None)."""
     own = stage_shape(shape, stage)
+    start = sum(len(r) for r in stage.chunks[:chunk]) if chunk is not None else 0
+    walked = range(start, start + len(stage.chunks[chunk])) if chunk is not None else range(own.layers)
+    if (plan := stage_plan(shape, spec, stage)) is not None:
+        st = states(own, spec, plan)
+        return replace(st, grads_layer=tuple(st.grads_layer[i] for i in walked))
+    master = stage_master(spec)
     head = (own.params_head + own.params_final_norm) * master if stage.last else 0
     total = own.params_total * master
     shard = spec.shards
     return States(weights=total // shard, grads=total // shard, grads_head=head // shard,
-                  grads_layer=(layer // shard,) * modelled, optimizer=2 * total // shard,
-                  ddp_buckets=total if spec.strategy == "ddp" else 0, host_offload=0)
+                  grads_layer=tuple(own.layer(i).params_per_layer * master // shard for i in walked),
+                  optimizer=2 * total // shard, ddp_buckets=total if spec.strategy == "ddp" else 0, host_offload=0)
 
 
 def stage_estimate(shape: ModelShape, spec: TrainSpec, stage: Stage) -> Estimate:
@@ -189,7 +194,7 @@ def stage_estimate(shape: ModelShape, spec: TrainSpec, stage: Stage) -> Estimate
     less (on the first stage only: every other stage's input is received with its gradient wanted)."""
     c = stage.chunks.index(stage.chunks[-1] if stage.last else stage.chunks[0] if stage.first else
                            max(stage.chunks, key=len))
-    sub = stage_shape(shape, stage, len(stage.chunks[c]))
+    sub = stage_shape(shape, stage, c)
     p = make_pass(sub, spec)
     L, V, H, ckpt, fsdp = sub.layers, shape.vocab, shape.hidden, spec.gradient_checkpointing, spec.sharded
     O = shape.head_outputs  # the last stage's head: the vocabulary, or a reward model's one score
@@ -203,35 +208,48 @@ def stage_estimate(shape: ModelShape, spec: TrainSpec, stage: Stage) -> Estimate
     embed_trains = full or "embed_tokens" in plan.saved_copies  # (a stage's plan: the first stage's only)
     head_trains = full or "lm_head" in plan.saved_copies
     frozen_input = first and not embed_trains  # the first layer's input needs no gradient
-    saved = [act.layer_bytes(p, sub, adapted[i], spec.lora_r) for i in range(L)]
+    saved = [act.layer_bytes(p, sub.layer(i), adapted[i], spec.lora_r) for i in range(L)]
     if frozen_input:
-        saved[0] -= act.frozen_input_discount(p, sub, adapted[0])
+        saved[0] -= act.frozen_input_discount(p, sub.layer(0), adapted[0])
     kept = [act.checkpoint_bytes(p, sub)] * L if ckpt else saved
     rope_ids = act.stream_inputs_bytes(p, sub, embed_trainable=embed_trains) if first else act.rope_bytes(p, sub)
+    # Gemma 4's per-layer inputs, every layer's, made on the first stage and saved until its first layer's backward
+    # (as estimate.py counts them: in the loss's phases, part of outside_layers_bytes; the other micro-batches' in
+    # `held`, chunk_bytes)
+    made = act.per_layer_inputs_bytes(p, shape, plan.adapted_other if plan else {}, spec.lora_r) if first else 0
     ends = act.norm_bytes(p, H, trainable=full, gemma=shape.gemma_norms) + act.loss_input_bytes(p, sub) if last else 0
-    held = in_flight_bytes(p, shape, stage, spec) - (sum(kept) + rope_ids + ends)  # the other micro-batches'
+    out = handed_bytes(p, shape, stage.chunks[c].stop) if not last else 0  # its outputs beyond the hidden states
+    held = in_flight_bytes(p, shape, stage, spec) - (sum(kept) + rope_ids + made + ends + out)  # the others'
     buffers = receive_buffer_bytes(p, shape, stage, spec)
     mask = act.mask_bytes(p, shape.masks)
     mask_bwd = mask if ckpt else 0
     # autocast's casts of fp32 weights (not under FSDP's mixed precision): its cache holds every trainable layer's until
     # the forward returns, checkpointed or not; after it, only what the matmuls saved (none under checkpointing)
-    router = shape.experts.count * H if shape.experts else 0  # a mixture of experts' router weight, its one cast
+    # a mixture of experts' router weight, its one cast (Gemma 4's router is one of the layer's linears)
+    router = shape.experts.count * H if shape.experts and not shape.experts.beside else 0
     adapter_params = [chunk_plan.layer_params(i) if chunk_plan else 0 for i in range(L)]
-    base_copies = (sub.linear_params_per_layer + router) * p.cd if p.separate_casts else 0
+    base_copies = [(sub.layer(i).linear_params_per_layer + router) * p.cd if p.separate_casts else 0
+                   for i in range(L)]
     adapter_cast = amp and not fsdp  # fp32 adapters under autocast
     factors = sum(n for name, n in plan.moe_params.items() if shape.experts and name in (
         shape.experts.gate_up, shape.experts.down)) if plan else 0
-    copies = [base_copies + ((n - factors) * p.cd if adapter_cast else 0) for n in adapter_params]
-    cached = [(base_copies if full else 0) + ((n - factors) * p.cd if adapter_cast else 0) for n in adapter_params]
+    copies = [base_copies[i] + ((n - factors) * p.cd if adapter_cast else 0) for i, n in enumerate(adapter_params)]
+    cached = [(base_copies[i] if full else 0) + ((n - factors) * p.cd if adapter_cast else 0)
+              for i, n in enumerate(adapter_params)]
+    if first:  # the linears outside the layers (Gemma 4's projection of the embeddings): their casts, as estimate.py's
+        other = (sum(x.numel for x in shape.other_linears) * p.cd if full and p.separate_casts else 0) + (
+            plan.other_params * p.cd if plan and adapter_cast else 0)
+        copies[0] += other
+        cached[0] += other
     if frozen_input:  # nor are its q/k/v weights' casts kept (saved for the input's gradient)
-        qkv = [x for x in sub.layer_linears if x.name in sub.input_linears[0]]
+        qkv = [x for x in sub.layer(0).layer_linears if x.name in sub.layer(0).input_linears[0]]
         copies[0] -= sum(x.numel for x in qkv) * p.cd if p.separate_casts else 0
         copies[0] -= sum(spec.lora_r * x.fan_in for x in qkv if x.name in adapted[0]) * p.cd if adapter_cast else 0
     head_copies = (O * H * p.cd if p.separate_casts else 0) + (
         spec.lora_r * (H + V) * p.cd if (plan and plan.adapted_head and adapter_cast) else 0)
     copies_fwd = sum(copies) if not ckpt else sum(cached) + copies[-1] - cached[-1]
     pd = p.cd if amp else DTYPE_BYTES[spec.dtype]
-    st = stage_states(shape, spec, stage, L)
+    st = stage_states(shape, spec, stage, c)
     # FSDP inside a stage, by train.fsdp_accumulate. sharded (the default): as without a pipeline, each layer gathered
     # for its forward and again for its backward (two in flight) and its gradients reduce-scattered every micro-batch.
     # unsharded: as torch's PipelineStage runs a stage that is an FSDP2 module: every micro-batch's backward with
@@ -241,21 +259,20 @@ def stage_estimate(shape: ModelShape, spec: TrainSpec, stage: Stage) -> Estimate
     # keeps them gathered after forward under a pipeline, reshard_after_forward=False: one all-gather a step).
     whole_grad = fsdp and spec.fsdp_accumulate == "unsharded"
     whole = stage_shape(shape, stage)
-    unit = (sub.params_per_layer + max(adapter_params)) * pd if fsdp else 0
+    largest = max(sub.layer(i).params_per_layer for i in range(L))
+    unit = (largest + max(adapter_params)) * pd if fsdp else 0
     gathered = (whole.params_total + (plan.trainable(whole) if plan else 0)) * pd if whole_grad else 2 * unit
     # a layer's gradients being made
-    unit_grads = (sub.params_per_layer if full else max(adapter_params)) * (pd + 4 * amp) if fsdp else 0
+    unit_grads = (largest if full else max(adapter_params)) * (pd + 4 * amp) if fsdp else 0
     # The gradients the rank's other chunks (interleaved) made before this one's backward are held beside it even when
     # no accumulation holds them (grad_accum_steps 1); the embeddings' come after.
-    embed = (shape.params_embed if full else V * H * ("embed_tokens" in plan.saved_copies)) * \
-        stage_master(spec) // spec.shards if stage.first else 0
-    others = st.grads - sum(st.grads_layer) - st.grads_head - embed
+    others = sum(stage_states(shape, spec, stage).grads_layer) - sum(st.grads_layer)
     g_acc = st.grads * spec.shards if whole_grad else max(accumulated_grads(spec, st), others)
     base = dict(weights=st.weights, optimizer=st.optimizer, ddp_buckets=st.ddp_buckets, pipeline_buffers=buffers)
-    acts = sum(kept) + rope_ids + ends + held
+    acts = sum(kept) + rope_ids + made + ends + out + held
     phases = {"forward": _phase(**base, gradients=g_acc, autocast_copies=copies_fwd,
                                 activations=sum(kept) + rope_ids + held + mask, fsdp_buffers=gathered,
-                                temporaries=act.layer_forward_temp(p, sub, adapted[-1]))}
+                                temporaries=act.layer_forward_temp(p, sub.layer(L - 1), adapted[-1]))}
     if last:
         phases.update(_loss_phases(
             p, sub, spec, st, head_copies=head_copies,
@@ -265,13 +282,14 @@ def stage_estimate(shape: ModelShape, spec: TrainSpec, stage: Stage) -> Estimate
             backward=dict(**base, gradients=g_acc, autocast_copies=0 if ckpt else sum(copies),
                           activations=acts + mask_bwd),
             head_adapter_r=spec.lora_r if plan and plan.adapted_head else 0))
-    mlp = [x.numel for x in sub.layer_linears if x.name.startswith("mlp.")] + [router]
-    attn = [x.numel for x in sub.layer_linears if not x.name.startswith("mlp.")]
+    every = [x for i in range(L) for x in sub.layer(i).layer_linears]  # the chunk's layers' linears
+    mlp = [x.numel for x in every if x.name.startswith("mlp.")] + [router]
+    attn = [x.numel for x in every if not x.name.startswith("mlp.")]
     # a 16-bit weight gradient before its cast (a full fine-tune's)
     temps = (max(mlp) * p.cd, max(attn) * p.cd) if p.separate_casts and full else (0, 0)
     phases["backward_layers"] = _backward_layers(
         p, sub, spec, st, chunk_plan, base, adapted=adapted, saved=saved, kept=kept, on_gpu=kept, copies=copies,
-        below_all=rope_ids + mask_bwd + held, g_acc=g_acc, temps=temps,
+        below_all=rope_ids + out + mask_bwd + held, g_acc=g_acc, temps=temps,
         fsdp_buffers=gathered + 2 * unit_grads, embed_trains=not frozen_input)
     if first:
         phases["backward_embedding"] = _phase(**base, gradients=max(g_acc, st.grads),
@@ -298,7 +316,7 @@ def chunk_bytes(p: act.Pass, shape: ModelShape, stage: Stage, k: int, ckpt: bool
     stage makes its own), the token ids on the first virtual stage, the final norm's and loss's inputs on the last.
     `plan`: the stage's LoRA adapters (stage_plan; None: a full fine-tune), whose saved tensors the layers add, and
     whose frozen embedding the first virtual stage's first layer saves less for."""
-    sub = replace(shape, layers=len(stage.chunks[k]))
+    sub = stage_shape(shape, stage, k)
     s = stage.virtual[k]
     full = plan is None
     embed_trains = full or "embed_tokens" in plan.saved_copies
@@ -307,12 +325,14 @@ def chunk_bytes(p: act.Pass, shape: ModelShape, stage: Stage, k: int, ckpt: bool
     else:
         offset = sum(len(x) for x in stage.chunks[:k])
         adapted = [plan.adapted[offset + i] if plan else {} for i in range(sub.layers)]
-        own = sum(act.layer_bytes(p, sub, a, plan.r if plan else 0) for a in adapted)
-        own -= act.frozen_input_discount(p, sub, adapted[0]) if s == 0 and not embed_trains else 0
+        own = sum(act.layer_bytes(p, sub.layer(i), a, plan.r if plan else 0) for i, a in enumerate(adapted))
+        own -= act.frozen_input_discount(p, sub.layer(0), adapted[0]) if s == 0 and not embed_trains else 0
     ends = act.norm_bytes(p, shape.hidden, trainable=full, gemma=shape.gemma_norms) + act.loss_input_bytes(p, shape) \
-        if s == stage.total - 1 else 0
-    return own + (act.stream_inputs_bytes(p, sub, embed_trainable=embed_trains) if s == 0 else act.rope_bytes(p, sub)) \
-        + ends
+        if s == stage.total - 1 else handed_bytes(p, shape, stage.chunks[k].stop)
+    if s == 0:  # the token ids, RoPE, and Gemma 4's per-layer inputs of every layer
+        return own + act.stream_inputs_bytes(p, sub, embed_trainable=embed_trains) + ends + \
+            act.per_layer_inputs_bytes(p, shape, plan.adapted_other if plan else {}, plan.r if plan else 0)
+    return own + act.rope_bytes(p, sub) + ends
 
 
 def in_flight_bytes(p: act.Pass, shape: ModelShape, stage: Stage, spec: TrainSpec) -> int:
@@ -322,12 +342,33 @@ def in_flight_bytes(p: act.Pass, shape: ModelShape, stage: Stage, spec: TrainSpe
                for k, n in enumerate(stage.held))
 
 
+def boundary_bytes(p: act.Pass, shape: ModelShape, layer: int, *, gradient: bool = False) -> int:
+    """What one micro-batch sends across the stage boundary before decoder layer `layer` (its gradient coming back:
+    `gradient`): the hidden states (tokens x hidden, the stream dtype), and Gemma 4's per-layer inputs of the layers
+    from there on (where they train, their gradient too) and the keys and values its store layers made for sharing
+    layers from there on (ModelShape.kv_handed, the compute dtype). `shape`: the whole model."""
+    per_layer = (shape.layers - layer) * shape.per_layer_input * act.ple_width(p) \
+        if not gradient or p.per_layer_inputs_train else 0
+    kv = shape.kv_handed[layer] * p.cd if shape.kv_handed else 0
+    return p.tokens * (shape.hidden * p.resid + per_layer + kv)
+
+
+def handed_bytes(p: act.Pass, shape: ModelShape, layer: int) -> int:
+    """What a stage ending before decoder layer `layer` holds of one micro-batch's outputs beyond its last layer's
+    hidden states, until that micro-batch's backward (torch's PipelineStage keeps its outputs for it): Gemma 4's
+    contiguous copies of the later layers' per-layer inputs and of the shared keys and values it hands on."""
+    return boundary_bytes(p, shape, layer) - p.tokens * shape.hidden * p.resid
+
+
 def receive_buffer_bytes(p: act.Pass, shape: ModelShape, stage: Stage, spec: TrainSpec) -> int:
-    """torch's PipelineStage allocates, before the first step, one receive buffer per micro-batch (tokens x hidden in
-    the stream dtype) for the activations (every virtual stage but the first) and one for the gradients (every one
-    but the last): 2 M buffers a middle stage."""
-    ends = sum((s > 0) + (s < stage.total - 1) for s in stage.virtual)
-    return ends * spec.grad_accum_steps * p.tokens * shape.hidden * p.resid
+    """torch's PipelineStage allocates, before the first step, one receive buffer per micro-batch for the activations
+    (every virtual stage but the first) and one for the gradients (every one but the last): 2 M buffers a middle
+    stage, each what crosses its boundary (boundary_bytes: tokens x hidden in the stream dtype, and Gemma 4's
+    per-layer inputs and shared keys and values)."""
+    return spec.grad_accum_steps * sum(
+        (boundary_bytes(p, shape, c.start) if s > 0 else 0) +
+        (boundary_bytes(p, shape, c.stop, gradient=True) if s < stage.total - 1 else 0)
+        for s, c in zip(stage.virtual, stage.chunks))
 
 
 def stage_notes(shape: ModelShape, spec: TrainSpec) -> tuple[str, ...]:
@@ -359,7 +400,7 @@ def stage_traffic(shape: ModelShape, spec: TrainSpec, stage: Stage, network: Net
     trained = whole.params_total if plan is None else plan.trainable(whole)  # LoRA: the adapters (and copies)
     # their gradients as they are reduced: the master dtype's, LoRA's fp32 adapters
     trainable = (trained * stage_master(spec) if plan is None
-                 else stage_states(shape, spec, stage, 0).grads * spec.shards)
+                 else stage_states(shape, spec, stage).grads * spec.shards)
     if spec.sharded and spec.fsdp_accumulate == "unsharded":  # once a step each (stage_estimate: torch's PipelineStage)
         g = gathered_bytes(whole, group, trained_params=trained)
         inside = parts_of(group, (
@@ -376,10 +417,13 @@ def stage_traffic(shape: ModelShape, spec: TrainSpec, stage: Stage, network: Net
     p = make_pass(shape, spec)
     send = float(p.tokens * shape.hidden * p.resid)
     intra = inter = 0.0
-    for s in stage.virtual:
+    for s, c in zip(stage.virtual, stage.chunks):
         for other in (s - 1, s + 1):  # backward's gradient to the previous stage, forward's output to the next
             if 0 <= other < stage.total:
-                nbytes = spec.grad_accum_steps * send
+                sent = boundary_bytes(p, shape, c.start, gradient=True) if other < s else boundary_bytes(
+                    p, shape, c.stop)
+                send = max(send, float(sent))
+                nbytes = spec.grad_accum_steps * sent
                 if crosses_nodes(spec, stage.rank, other % spec.pipeline_parallel):
                     inter += nbytes
                 else:

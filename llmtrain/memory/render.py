@@ -207,7 +207,8 @@ def render_compared(rows, *, console: Console) -> None:
 def pipeline_line(traffic: Traffic) -> str:
     """The boundary sends of the pacing stage and the bubble."""
     pp, net = traffic.pipeline, traffic.network
-    return (f"pipeline: a boundary send is {pp.send_bytes / 2**20:,.0f} MiB (a micro-batch's tokens x hidden); stage "
+    return (f"pipeline: a boundary send is {pp.send_bytes / 2**20:,.0f} MiB at most (a micro-batch's hidden states, "
+            "and any per-layer inputs and shared keys and values handed on with them); stage "
             f"{pp.rank} sends {(pp.p2p_intra + pp.p2p_inter) / 1e9:,.2f} GB a step "
             f"({pp.p2p_inter / 1e9:,.2f} GB across nodes), {pp.p2p_s(net):.3f} s; bubble {pp.bubble:.1%}; "
             f"step {traffic.step_s:.3f} s = (max(compute "
