@@ -28,8 +28,6 @@ from llmtrain.layout import NAMES, PARALLELISMS, Layout
 
 _WHOLE_MODEL_PP = ("sampling needs the whole model on one process, and each stage holds only its layers. Set "
                    "parallel.pipeline_parallel=1 and shard with FSDP (accelerate_configs/fsdp.yaml) instead")
-_OWN_PASSES_PP = ("its loss runs its own passes per micro-batch, which the stages' schedule does not. Set "
-                  "parallel.pipeline_parallel=1 and shard with FSDP (accelerate_configs/fsdp.yaml) or use DDP")
 
 
 @dataclass(frozen=True)
@@ -51,9 +49,7 @@ MODES: dict[str, Mode] = {m.key: m for m in (
          "loss, samples", "causal LM", router_aux=True),
     Mode("preference", "preference pairs (preference:)", ("preference",), "pairs", True,
          "loss, reward margin and accuracy, samples", "causal LM", router_aux=True),
-    Mode("kto", "KTO (kto:)", ("unpaired",), "examples", False, "loss, reward margin", "causal LM", router_aux=True,
-         refused={"pp": _OWN_PASSES_PP.replace("its own passes", "its own passes (the KL "
-                                                                "sequences, the reference)")}),
+    Mode("kto", "KTO (kto:)", ("unpaired",), "examples", False, "loss, reward margin", "causal LM", router_aux=True),
     Mode("reward_model", "a reward model (reward_model:)", ("preference",), "pairs", True, "loss, accuracy, margin",
          "score head", samples=False),
     Mode("grpo", "online RL, GRPO (rl:)", ("prompt",), "prompts", False, "reward, answer accuracy", "causal LM",
@@ -159,7 +155,7 @@ class Rule:
 
 
 def _pp_budget(r, _):
-    return r.train.micro_batch_tokens is None
+    return r.train.micro_batch_tokens is None and MODES[mode_of(r)].token_budget
 
 
 def _pp_accum(r, _):
@@ -175,6 +171,10 @@ def _merged_copy(r, _):
     sampling = r.rl or r.distill
     return sampling is not None and r.lora is not None and sampling.sampler != "reference" and \
         sampling.merged_copy != "off"
+
+
+def _kto_copy(r, _):
+    return r.kto is not None and r.lora is None
 
 
 def _kto_reread(r, layout):
@@ -208,6 +208,10 @@ RULES: tuple[Rule, ...] = (
          "{key} sends each micro-batch's hidden states between stages in buffers of one fixed shape: every "
          "micro-batch is one packed row of train.micro_batch_tokens slots (padded to it). Set "
          "train.micro_batch_tokens (e.g. 4096) instead of train.micro_batch_size"),
+    Rule("pp", _kto_copy,
+         "kto: on pipeline stages the reference is the model with its LoRA adapter disabled, run through the stages "
+         "before each step; a full fine-tune's is a frozen copy of the starting weights, which the stages do not "
+         "hold. Add a lora: section, or set parallel.pipeline_parallel=1"),
     Rule("pp", _pp_accum,
          "{key} with pipeline_schedule={schedule}: torch's schedule needs at least as many micro-batches a step as "
          "stages, and train.grad_accum_steps={accum}. Set train.grad_accum_steps to {pp} or more (more shrink the "
@@ -216,8 +220,8 @@ RULES: tuple[Rule, ...] = (
          "{key} with interleaved_1f1b runs {rounds} rounds of micro-batches, which train.grad_accum_steps={accum} "
          "does not divide into: set it to a multiple of {pp}"),
     Rule("pp", lambda r, _: r.data.eval_split is not None and r.train.eval_batch_size is not None,
-         "{key} evaluates through the stages in rows of train.micro_batch_tokens slots, as it trains (one fixed "
-         "shape): unset train.eval_batch_size"),
+         "{key} evaluates through the stages in rows of the one shape it trains in (train.micro_batch_tokens slots; "
+         "KTO's train.micro_batch_size x data.max_seq_len): unset train.eval_batch_size"),
     Rule("pp", lambda r, _: r.train.eval_samples > 0,
          "{key} holds each stage on its own processes, and generating samples needs the whole model on one: set "
          "train.eval_samples=0, and sample from final/ after the run (llmtrain generate RUN_DIR)"),
@@ -228,10 +232,6 @@ RULES: tuple[Rule, ...] = (
          "{key} computes the loss on the last stage, and the load-balancing loss (model.router_aux_loss_coef) needs "
          "every layer's router logits, which are on every stage. Unset model.router_aux_loss_coef, or set "
          "parallel.pipeline_parallel=1 and shard with FSDP"),
-    Rule("pp", lambda r, _: r.preference is not None and r.preference.reference == "adapter",
-         "{key} runs one pass a micro-batch through the stages, and preference.reference=adapter is a second (the "
-         "adapter disabled) in every step. Set preference.reference=auto: on pipeline stages the reference is "
-         "precomputed through them before training, the adapter disabled, and cached"),
 )
 
 

@@ -1,6 +1,7 @@
 """KTO runs through the CLI: a crash mid-run and a resume end as the uninterrupted run (LoRA, and a full fine-tune,
-whose frozen reference must be the starting weights again, not the checkpoint's), and 2 DDP processes train as 1
-(TRL's KL estimate averaged over the processes)."""
+whose frozen reference must be the starting weights again, not the checkpoint's), 2 DDP processes train as 1
+(TRL's KL estimate averaged over the processes), and so do 2 pipeline stages (their reference and KL passes run
+through the stages before each step)."""
 
 from __future__ import annotations
 
@@ -102,19 +103,51 @@ FSDP it runs as many forwards as process 0 (each gathers every layer from both),
                           f"output_dir={tmp_path / 'two'}", f"train.micro_batch_size={PER_RANK}",
                           f"train.eval_batch_size={PER_RANK}")
     assert ("reference: the starting weights, sharded like the policy" in out) == (launch == "cpu_fsdp" and not lora)
-    one, two = records(tmp_path / "one"), records(tmp_path / "two")
-    assert len(one) == len(two) == 3 and max(r["kl"] for r in one[1:]) > 0.01  # the KL term is live after step 1
-    # A summed log-probability near -40 is held in fp32 to 64 x 2^-24 = 3.8e-6 (one ulp, summed in another order by
-    # another batch shape); a reward is beta x the difference of two such sums: within beta x 2 ulp; the KL estimate
-    # is a mean of such differences: within an ulp (1.4e-6 measured, at KL 3.5).
+    assert_same_runs(tmp_path / "two", tmp_path / "one")
+
+
+def assert_same_runs(run, one):
+    """3 steps and an eval of `run` as `one` trained them: losses to 1e-6, the KL estimates, log-probabilities and
+    rewards to an ulp of a summed log-probability, the adapter or model to 1e-5; the KL term live after step 1.
+    A summed log-probability near -40 is held in fp32 to 64 x 2^-24 = 3.8e-6 (one ulp, summed in another order by
+    another batch shape); a reward is beta x the difference of two such sums: within beta x 2 ulp; the KL estimate
+    is a mean of such differences: within an ulp (1.4e-6 measured, at KL 3.5)."""
+    got, want = records(run), records(one)
+    assert len(got) == len(want) == 3 and max(r["kl"] for r in want[1:]) > 0.01
     ulp = 64 * 2.0**-24
     tol = {"loss": 1e-6, "kl": ulp, "logps": ulp, "rewards": 0.5 * 2 * ulp}
     for key in ("loss", "kl", "rewards/chosen", "rewards/rejected", "logps/chosen", "logps/rejected"):
-        assert [r[key] for r in two] == pytest.approx([r[key] for r in one], abs=tol[key.split("/")[0]]), key
-    (eval_one,), (eval_two,) = records(tmp_path / "one", "eval"), records(tmp_path / "two", "eval")
+        assert [r[key] for r in got] == pytest.approx([r[key] for r in want], abs=tol[key.split("/")[0]]), key
+    (eval_want,), (eval_got,) = records(one, "eval"), records(run, "eval")
     for key in ("eval_loss", "eval_kl", "eval_rewards/margins"):
-        assert eval_two[key] == pytest.approx(eval_one[key], abs=tol[key[5:].split("/")[0]]), key
-    assert max_abs_diff(final_weights(tmp_path / "two"), final_weights(tmp_path / "one")) < 1e-5
+        assert eval_got[key] == pytest.approx(eval_want[key], abs=tol[key[5:].split("/")[0]]), key
+    assert max_abs_diff(final_weights(run), final_weights(one)) < 1e-5
+
+
+@pytest.mark.slow
+def test_two_pipeline_stages_train_as_one_process(tiny_assets, tmp_path, free_port):
+    """KTO with LoRA on a pipeline of 2 stages (2 processes, 1F1B, 2 micro-batches of 4 examples a step, each one row
+    of 4 x 32 slots): before each step (and each eval) the stages run the micro-batches' KL sequences with the policy,
+    then with the adapter disabled those and the completions (the reference), forward only, and the KL estimate and
+    the reference log-probabilities reach the last stage with the targets (objectives/kto.StageKTO). Against one
+    process (assert_same_runs; measured: every figure equal to the bit)."""
+    seed, n = 7, 24
+    rows = [{**r, "completion": r["completion"].removesuffix("zz"), "label": True}
+            for r in reversal_feedback(tiny_assets, n + 8)]
+    for r in rows[::3]:  # some undesirable ones: both sides' rewards and their margin
+        r["label"] = False
+    data, held = write_jsonl(tmp_path / "kto.jsonl", rows[:n]), write_jsonl(tmp_path / "held.jsonl", rows[n:])
+    recipe = write_recipe(tiny_assets, tmp_path, model={"attn_implementation": "auto"},
+                          data={"path": str(data), "format": "unpaired", "max_seq_len": 32, "eval_split": str(held)},
+                          kto={"beta": 0.5}, lora={"r": 4, "alpha": 8, "dropout": 0.0},
+                          train={"max_steps": 3, "micro_batch_size": 4, "grad_accum_steps": 2, "lr": 1e-2,
+                                 "eps": 1e-6, "warmup_steps": 0, "seed": seed, "eval_every_steps": 3,
+                                 "eval_samples": 0})
+    run_train(recipe, f"output_dir={tmp_path / 'one'}")
+    out = launch_finetune(REPO / "accelerate_configs" / "cpu_ddp.yaml", 2, free_port, recipe,
+                          "parallel.pipeline_parallel=2", f"output_dir={tmp_path / 'pp'}")
+    assert "2 micro-batches of 128 slots a step" in out, out  # 4 examples x data.max_seq_len 32
+    assert_same_runs(tmp_path / "pp", tmp_path / "one")
 
 
 @pytest.mark.extended  # main tier: a quality check of the demo recipe; KTO's exactness: test_kto.py against TRL

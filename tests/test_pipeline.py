@@ -91,9 +91,6 @@ def test_every_row_has_the_budgets_shape_and_trains_what_the_packed_batch_trains
     (["train.mixed_precision=fp16"], "bf16"),
     (["train.grad_accum_steps=1"], "at least as many micro-batches a step as stages"),
     (["train.grad_accum_steps=5", "parallel.pipeline_schedule=interleaved_1f1b"], "a multiple of 2"),
-    # the reference is precomputed through the stages; a second pass a step (the adapter disabled) is not
-    (["data.format=preference", "preference.loss=dpo", "preference.reference=adapter", "lora.r=4"],
-     "Set preference.reference=auto: on pipeline stages the reference is precomputed"),
 ])
 def test_recipes_a_pipeline_cannot_run_are_refused_naming_the_key(tiny_assets, tmp_path, overrides, says):
     recipe = write_recipe(tiny_assets, tmp_path, **PIPE)
@@ -313,13 +310,17 @@ def test_a_reward_model_trains_and_evaluates_on_two_stages_as_on_one_process(fou
 @pytest.mark.slow
 # full (extended): the same last-stage loss and reference pass, the reference the starting weights instead of the
 # adapter disabled; main tier: LoRA
-@pytest.mark.parametrize("lora", [True, pytest.param(False, marks=pytest.mark.extended)], ids=["lora", "full"])
-def test_preference_pairs_train_and_evaluate_on_two_stages_as_on_one_process(four_layers, tmp_path, free_port, lora):
+@pytest.mark.parametrize("lora, reference", [(True, "auto"), (True, "adapter"),
+                                             pytest.param(False, "auto", marks=pytest.mark.extended)],
+                         ids=["lora", "lora-adapter", "full"])
+def test_preference_pairs_train_and_evaluate_on_two_stages_as_on_one_process(four_layers, tmp_path, free_port, lora,
+                                                                             reference):
     """DPO on two stages: the reference is precomputed through the stages before training (LoRA: the adapter
-    disabled, where one process disables it in every step), and the last stage sums each sequence's answer
-    log-probabilities from its trained tokens (its targets: each token's sequence, each sequence's reference): losses,
-    rewards, accuracies, gradient norms, the eval and final/ equal one process's. A reference off by anything would
-    move the first step's loss off log 2 (policy = reference there)."""
+    disabled, where one process disables it in every step), or with preference.reference=adapter run through them
+    before each step and each eval, forward only with the adapter disabled; the last stage sums each sequence's
+    answer log-probabilities from its trained tokens (its targets: each token's sequence, each sequence's reference):
+    losses, rewards, accuracies, gradient norms, the eval and final/ equal one process's. A reference off by anything
+    would move the first step's loss off log 2 (policy = reference there)."""
     recipe = _recipe(four_layers, tmp_path, "dpo.yaml", lora=lora, eval_every_steps=3, micro_batch_tokens=96,
                      grad_accum_steps=2, max_steps=3, lr=1e-2 if lora else 1e-3)
     sections = ["data.format=preference", f"data.path={four_layers / 'data' / 'train_pairs.jsonl'}",
@@ -327,8 +328,10 @@ def test_preference_pairs_train_and_evaluate_on_two_stages_as_on_one_process(fou
     run_train(recipe, *sections, f"output_dir={tmp_path / 'one'}")
     # a cache of its own: the stages compute the reference (one process's full run would have cached the same)
     out = launch_finetune(CPU_DDP, 2, free_port, recipe, *sections, "parallel.pipeline_parallel=2",
-                          f"data.cache_dir={tmp_path / 'cache'}", f"output_dir={tmp_path / 'pp'}")
-    assert "reference log-probabilities (train): 6/6 micro-batches" in out  # computed through the stages
+                          f"preference.reference={reference}", f"data.cache_dir={tmp_path / 'cache'}",
+                          f"output_dir={tmp_path / 'pp'}")
+    # computed through the stages before training, or (adapter) before each step
+    assert ("reference log-probabilities (train): 6/6 micro-batches" in out) == (reference == "auto")
     got, want = records(tmp_path / "pp"), records(tmp_path / "one")
     assert len(got) == len(want) == 3
     assert got[0]["loss"] == pytest.approx(math.log(2), abs=1e-6)

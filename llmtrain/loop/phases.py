@@ -50,7 +50,7 @@ from llmtrain.model.score import attach_score
 from llmtrain.model.teacher import load_teacher, vocabulary_problem
 from llmtrain.objectives.objective import head_loss_for
 from llmtrain.parallel.accelerator import use_fused_adamw
-from llmtrain.parallel.collectives import global_sum, main_first
+from llmtrain.parallel.collectives import device_sum, global_sum, main_first
 from llmtrain.parallel.fsdp import receives_weights, shard_frozen, uses_fsdp
 from llmtrain.parallel.groups import groups
 from llmtrain.parallel.mesh import data_ranks, mesh_line, tensor_parallel_size
@@ -358,7 +358,7 @@ def build_model(recipe: Recipe, accelerator, *, total_steps: int, say, pad: int 
         whole = (frozenset(n for n, _ in model.named_parameters()),
                  frozenset(n for n, p in model.named_parameters() if p.requires_grad) if recipe.lora else None)
     laid = parallelize(model, recipe, accelerator, pad_id=pad, say=say,
-                       head_loss=head_loss_for(recipe),
+                       head_loss=head_loss_for(recipe, model=model, reduce=partial(device_sum, accelerator)),
                        make_optimizer=partial(build_optimizer, lr=tc.lr, weight_decay=tc.weight_decay,
                                               betas=tc.betas, eps=tc.eps, fused=use_fused_adamw(accelerator)))
     model, optimizer, stages = laid.model, laid.optimizer, laid.pipeline

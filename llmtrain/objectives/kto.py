@@ -37,7 +37,7 @@ import torch.nn.functional as F
 from llmtrain.data.batching import Counts, batch_weight, collate, to_device, with_loss_positions
 from llmtrain.data.formats import IGNORE, prompt_length
 from llmtrain.errors import LLMTrainError
-from llmtrain.objectives.preference import policy_logps, sequence_logps
+from llmtrain.objectives.preference import StagePairs, eval_row, policy_logps, sequence_logps
 
 # Statistics summed over the window (and processes); step_metrics turns them into TRL's names.
 SUMS = ["chosen_rewards", "rejected_rewards", "chosen_logps", "rejected_logps", "chosen", "rejected", "kl"]
@@ -200,3 +200,77 @@ class KTO:
         loss, *stats, examples = sums
         return {"eval_loss": loss / max(examples, 1),
                 **{f"eval_{k}": v for k, v in self.step_metrics(stats, examples).items()}}
+
+
+class StageKTO(StagePairs):
+    """KTO on pipeline stages (parallel/pipeline/schedule.py): the last stage's loss, KTO's own (kto_losses). Before a
+    window's training pass (and an eval's), `prepare` runs forward-only passes of its micro-batches through the
+    stages: the policy on each micro-batch's KL sequences, then with the adapter disabled (the reference: LoRA) on
+    those and on the completions. Each micro-batch's KL estimate (TRL's: the mean over its KL sequences of policy -
+    reference, averaged over the data-parallel replicas' last stages, at least 0, as KTO._kl) and each completion's
+    reference log-probability then travel to the last stage in the targets: StagePairs' columns (token, sequence,
+    reference, trained tokens), and at slot k the k-th completion's label, at every slot the KL estimate."""
+
+    stats = len(SUMS)
+    eval_size = len(SUMS) + 2  # [loss, statistics, examples], as KTO.eval_sums
+
+    def __init__(self, cfg, *, adapter_off, reduce=None):
+        super().__init__(cfg, reference="adapter", adapter_off=adapter_off)
+        self.reduce = reduce
+
+    def targets(self, batch: dict, slots: int) -> torch.Tensor:
+        out = torch.cat([super().targets(batch, slots), torch.zeros(1, slots, 2)], dim=-1)
+        if (desirable := batch.get("desirable")) is not None:
+            out[0, : len(desirable), 4] = desirable.float()
+        if "kl" in batch:
+            out[0, :, 5] = float(batch["kl"])
+        return out
+
+    def prepare(self, pipeline, batches: list[dict]) -> list[dict]:
+        """The window's micro-batches with their reference log-probabilities and KL estimate (forward only, through
+        the stages; every process takes part, the last stage alone holds the log-probabilities)."""
+        kl_rows = [{**{k[3:]: v for k, v in b.items() if k.startswith("kl:")},
+                    "batch_weight": batch_weight(b)} for b in batches] if self.cfg.loss_type == "kto" else None
+        policy = pipeline.sequence_logps(kl_rows) if kl_rows else None
+        with torch.no_grad(), self.adapter_off():
+            reference = pipeline.sequence_logps(batches)
+            reference_kl = pipeline.sequence_logps(kl_rows) if kl_rows else None
+        kl = [None] * len(batches)
+        if kl_rows:  # [mean x weight, weight] of each micro-batch, summed over every process (TRL's average)
+            sums = torch.zeros(len(batches), 2, dtype=torch.float64, device=pipeline.device)
+            for i, row in enumerate(kl_rows if policy is not None else ()):
+                n = len(row.get("sequence_tokens", ()))
+                if n and row["batch_weight"]:
+                    sums[i, 0] = (policy[i][:n] - reference_kl[i][:n]).mean() * row["batch_weight"]
+                    sums[i, 1] = row["batch_weight"]
+            sums = self.reduce(sums) if self.reduce is not None else sums
+            kl = (sums[:, 0] / sums[:, 1].clamp(min=1)).clamp(min=0).tolist()
+        out = []
+        for i, b in enumerate(batches):  # (the reference on the last stage only: nothing reads the targets elsewhere)
+            n = len(b.get("sequence_tokens", ()))
+            extra = {"reference": reference[i][:n].float().cpu()} if reference is not None else {}
+            out.append({**b, **extra, **({"kl": kl[i]} if kl[i] is not None else {})})
+        return out
+
+    def _loss(self, head, hidden: torch.Tensor, target: torch.Tensor):
+        logps = self._logps(head, hidden, target)
+        if logps is None:
+            return None, 0
+        n = logps.numel()
+        desirable = target[:n, 4] > 0
+        kl = target[0, 5] if self.cfg.loss_type == "kto" else None
+        losses, rewards = kto_losses(self.cfg.loss_type, logps, target[:n, 2].to(logps.dtype), desirable, kl,
+                                     beta=self.cfg.beta, desirable_weight=self.cfg.desirable_weight,
+                                     undesirable_weight=self.cfg.undesirable_weight)
+        with torch.no_grad():
+            d, u = desirable.float(), (~desirable).float()
+            stats = torch.stack([(rewards * d).sum(), (rewards * u).sum(), (logps.detach() * d).sum(),
+                                 (logps.detach() * u).sum(), d.sum(), u.sum(),
+                                 (kl if kl is not None else logps.new_zeros(())) * n]).float()
+        return (losses.sum(), stats), n
+
+    def eval_sums(self, head, hidden: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        out, n = self._loss(head, hidden, target)
+        if out is None:
+            return torch.zeros(self.eval_size, dtype=torch.float64, device=hidden.device)
+        return eval_row(*out, n)  # [loss, statistics, examples]

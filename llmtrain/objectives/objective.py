@@ -227,8 +227,8 @@ def stop_ids(recipe, model, tokenizer) -> list[int]:
 
 def reference_kind(recipe) -> str:
     """Where a preference run's reference log-probabilities come from: adapter, precomputed or none. On pipeline
-    stages a LoRA run's is precomputed too, with the adapter disabled: the stages' schedule runs one pass a
-    micro-batch (an explicit adapter is refused there: capabilities.RULES)."""
+    stages a LoRA run's is precomputed by default, with the adapter disabled, once and cached (an explicit adapter
+    runs them through the stages before each step: preference.StagePairs.prepare)."""
     p = recipe.preference
     if p.reference != "auto":
         return p.reference
@@ -237,9 +237,17 @@ def reference_kind(recipe) -> str:
     return "adapter" if recipe.lora is not None and recipe.parallel.pipeline_parallel == 1 else "precomputed"
 
 
-def head_loss_for(recipe):
+def head_loss_for(recipe, *, model=None, reduce=None):
     """The objective's own loss on the last pipeline stage (parallel/pipeline/schedule.py): a reward model's score
-    head and pairs' loss, preference pairs' log-probabilities and loss; None: the LM head's cross-entropy."""
+    head and pairs' loss, preference pairs' log-probabilities and loss, KTO's (its reference `model` with the adapter
+    disabled, its KL estimate summed over the processes by `reduce`: collectives.device_sum); None: the LM head's
+    cross-entropy, and for any run without stages."""
+    if recipe.parallel.pipeline_parallel == 1:
+        return None
+    if recipe.kto is not None:  # (LoRA's: a full fine-tune's is refused on stages, capabilities.RULES)
+        from llmtrain.objectives.kto import StageKTO
+
+        return StageKTO(recipe.kto, adapter_off=model.disable_adapter, reduce=reduce)
     if recipe.reward_model is not None:
         from llmtrain.objectives.reward_model import StageScores
 
@@ -247,5 +255,6 @@ def head_loss_for(recipe):
     if recipe.preference is not None:
         from llmtrain.objectives.preference import StagePairs
 
-        return StagePairs(recipe.preference, reference=reference_kind(recipe))
+        return StagePairs(recipe.preference, reference=reference_kind(recipe),
+                          adapter_off=model.disable_adapter if recipe.lora is not None else None)
     return None

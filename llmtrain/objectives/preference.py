@@ -182,15 +182,28 @@ class StagePairs:
     targets of `targets`: at each trained position its token and its sequence's index in the row (-1 elsewhere),
     and at slot k the k-th sequence's reference log-probability and its trained tokens (-1 past the last sequence).
     The reference is precomputed through the stages before training (`logps`, the pass precompute_reference runs:
-    the starting weights, or LoRA's adapter disabled), as the stages' schedule runs one pass a micro-batch. From
-    these, the sequences' log-probabilities, the pairs' loss and their statistics are Preference's own (the same
-    functions)."""
+    the starting weights, or LoRA's adapter disabled); with preference.reference=adapter it is run through them
+    before each step instead, forward only with the adapter disabled (`prepare`). From these, the sequences'
+    log-probabilities, the pairs' loss and their statistics are Preference's own (the same functions)."""
 
     stats = len(STATS)  # the loss's statistics (the load-balancing loss is refused on stages)
     eval_size = len(STATS) + 2  # [loss, statistics, pairs], as Preference.eval_sums
 
-    def __init__(self, cfg, *, reference: str):
-        self.cfg, self.reference = cfg, reference
+    def __init__(self, cfg, *, reference: str, adapter_off=None):
+        self.cfg, self.reference, self.adapter_off = cfg, reference, adapter_off
+
+    def prepare(self, pipeline, batches: list[dict]) -> list[dict]:
+        """preference.reference=adapter: the window's micro-batches with their sequences' reference log-probabilities
+        (the model with its adapter disabled, forward only through the stages; on the last stage), before the step
+        or the eval that reads them; otherwise as they are (their reference precomputed)."""
+        if self.reference != "adapter":
+            return batches
+        with torch.no_grad(), self.adapter_off():
+            reference = pipeline.sequence_logps(batches)
+        if reference is None:  # not the last stage: nothing reads the targets here
+            return batches
+        return [{**b, "reference": r[: len(b.get("sequence_tokens", ()))].float().cpu()}
+                for b, r in zip(batches, reference)]
 
     def targets(self, batch: dict, slots: int) -> torch.Tensor:
         """[1, slots, 4] float32 of a packed micro-batch (none: an idle row). Token ids are exact in float32 below

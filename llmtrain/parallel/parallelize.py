@@ -22,7 +22,7 @@ from llmtrain.model.modeling import compile_layers
 from llmtrain.parallel.fsdp import prepared_for_fsdp, uses_fsdp
 from llmtrain.parallel.groups import groups
 from llmtrain.parallel.mesh import tensor_parallel_size
-from llmtrain.parallel.pipeline.schedule import Pipeline
+from llmtrain.parallel.pipeline.schedule import Pipeline, row_slots
 from llmtrain.parallel.sequence import attention as sequence_attention
 from llmtrain.parallel.sequence.group import describe as describe_sequence
 from llmtrain.parallel.tensor import apply_tensor_parallel
@@ -40,7 +40,8 @@ def parallelize(model, recipe: Recipe, accelerator, *, make_optimizer, pad_id: i
     """Apply the run's layout to `model` (loaded, adapters and loss attached) in the order above; `make_optimizer`
     builds the optimizer over a model's trainable parameters once this process holds only its own; `head_loss`: an
     objective's own last-stage loss for pipeline stages (a reward model's, preference pairs': objectives/
-    reward_model.StageScores, objectives/preference.StagePairs; None: the LM head's cross-entropy)."""
+    reward_model.StageScores, objectives/preference.StagePairs, objectives/kto.StageKTO; None: the LM head's
+    cross-entropy)."""
     if (tp := tensor_parallel_size(accelerator)) > 1:
         layers, experts = apply_tensor_parallel(model, accelerator.torch_device_mesh["tp"])
         held = f", and {experts} layers' experts split by expert ({experts_held(model.config, tp)})" if experts else ""
@@ -55,7 +56,7 @@ def parallelize(model, recipe: Recipe, accelerator, *, make_optimizer, pad_id: i
         # this process's stages (the optimizer sees only theirs), sharded over their replicas by an FSDP launch
         plugin = accelerator.state.fsdp_plugin if uses_fsdp(accelerator) else None
         stages = Pipeline(model, parallel=recipe.parallel, micro_batches=recipe.train.grad_accum_steps,
-                          slots=recipe.train.micro_batch_tokens, pad_id=pad_id, device=accelerator.device,
+                          slots=row_slots(recipe.train, recipe.data), pad_id=pad_id, device=accelerator.device,
                           group=groups(accelerator).pipeline,
                           fsdp=None if plugin is None else plugin.mixed_precision_policy or True,
                           precision=accelerator.autocast, head_loss=head_loss)

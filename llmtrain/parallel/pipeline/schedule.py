@@ -38,6 +38,14 @@ from llmtrain.parallel.pipeline.stage import PER_LAYER_MODULES, Elsewhere, Stage
 SCHEDULES = {"gpipe": "ScheduleGPipe", "1f1b": "Schedule1F1B", "interleaved_1f1b": "ScheduleInterleaved1F1B"}
 
 
+def row_slots(train, data) -> int:
+    """The slots of the stages' one row shape: train.micro_batch_tokens; where a micro-batch is a count of examples
+    (KTO's: train.micro_batch_size, no token budget), as many as they can take, train.micro_batch_size x
+    data.max_seq_len, each row padded to it (its KL sequences, each a prompt with another's completion, hold as many
+    tokens as the completions' sequences at most)."""
+    return train.micro_batch_tokens or train.micro_batch_size * data.max_seq_len
+
+
 class Pipeline:
     """This process's stages of the model and the schedule that runs a window through them."""
 
@@ -207,9 +215,15 @@ class Pipeline:
             self.forward_only = None
         return out
 
+    def _prepared(self, batches: list[dict]) -> list[dict]:
+        """The micro-batches with what an objective's head loss computes of them through the stages first (its
+        `prepare`: KTO's reference log-probabilities and KL estimates, forward only); as they are otherwise."""
+        prepare = getattr(self.head_loss, "prepare", None)
+        return prepare(self, batches) if prepare is not None else batches
+
     def evaluate(self, batches: list[dict]) -> torch.Tensor:
         """The eval sums of up to M micro-batches, forward only through the stages; zeros except on the last."""
-        sums = self._forward_only(batches, self._eval_sums)
+        sums = self._forward_only(self._prepared(batches), self._eval_sums)
         size = self.head_loss.eval_size if self.head_loss is not None else 5
         return torch.stack(sums).sum(0) if sums else torch.zeros(size, dtype=torch.float64, device=self.device)
 
@@ -225,7 +239,7 @@ class Pipeline:
         """Forward and backward of a window's micro-batches through the schedule; returns this process's summed
         loss and statistics (0 except on the last stage). `scale`: 1 / the window's loss units over every
         pipeline."""
-        stacked = self._rows(batches)  # a short window (the end of the data): filled with rows that train nothing
+        stacked = self._rows(self._prepared(batches))  # a short window: filled with rows that train nothing
         # FSDP's reduce-scatter averages the replicas' gradients, where the loss wants their sum
         self.scale, self.sums, self.stats = scale * (self.group.replicas if self.sharded else 1), [], []
         args = (stacked["input_ids"].to(self.device),) if self.first else ()
