@@ -64,7 +64,9 @@ def same_kl_pairs(rows: list[dict], order: list[int]) -> list[dict]:
 # the disabled adapter as the reference on several processes: test_preference.py's FSDP LoRA DPO)
 @pytest.mark.parametrize("launch, lora", [pytest.param("cpu_ddp", True, marks=pytest.mark.extended),
                                           pytest.param("cpu_fsdp", True, marks=pytest.mark.extended),
-                                          ("cpu_fsdp", False)], ids=["ddp-lora", "fsdp-lora", "fsdp-full"])
+                                          ("cpu_fsdp", False),
+                                          pytest.param("pipeline", True, marks=pytest.mark.extended)],
+                         ids=["ddp-lora", "fsdp-lora", "fsdp-full", "pp-ddp-lora"])
 def test_two_processes_train_as_one(tiny_assets, tmp_path, free_port, launch, lora):
     """2 processes (gloo, accelerate launch; DDP, or FSDP2 sharding every layer: LoRA's reference the disabled adapter
     of the sharded model, a full fine-tune's the starting weights read again and sharded like the policy) x
@@ -80,7 +82,9 @@ def test_two_processes_train_as_one(tiny_assets, tmp_path, free_port, launch, lo
     (`same_kl_pairs`, on the seeded epoch order that both runs draw), and then the mean over the four equals the
     mean of the two means over two. A process that kept its own estimate (no all-reduce) would differ. 21 rows: the
     last global micro-batch has one example, so process 1 idles there: it still takes part in the average, and under
-FSDP it runs as many forwards as process 0 (each gathers every layer from both), else the run hangs."""
+FSDP it runs as many forwards as process 0 (each gathers every layer from both), else the run hangs. `pipeline`: the
+    same 2 data ranks, each a pipeline of 2 stages (4 processes): the KL estimates of the two pipelines' last stages
+    are averaged (the first stages add nothing), and the idle pipeline's stand-in rows weigh 0."""
     seed, n = 7, 21
     # Mostly desirable completions: training raises completions' log-probabilities broadly, mismatched ones too, so
     # the KL estimate is positive (not clamped to 0) at the steps after the first and the average matters.
@@ -98,10 +102,13 @@ FSDP it runs as many forwards as process 0 (each gathers every layer from both),
                                  "lr": 1e-2 if lora else 1e-3,
                                  "eps": 1e-6, "warmup_steps": 0, "seed": seed, "eval_every_steps": 3,
                                  "eval_samples": 0})
-    run_train(recipe, f"output_dir={tmp_path / 'one'}")
-    out = launch_finetune(REPO / "accelerate_configs" / f"{launch}.yaml", 2, free_port, recipe,
-                          f"output_dir={tmp_path / 'two'}", f"train.micro_batch_size={PER_RANK}",
-                          f"train.eval_batch_size={PER_RANK}")
+    varlen = ["model.attn_implementation=auto"] if launch == "pipeline" else []  # (the stages' attention)
+    run_train(recipe, *varlen, f"output_dir={tmp_path / 'one'}")
+    stages = ["parallel.pipeline_parallel=2", *varlen] if launch == "pipeline" else \
+        [f"train.eval_batch_size={PER_RANK}"]  # (stages evaluate micro-batches as they train)
+    out = launch_finetune(REPO / "accelerate_configs" / f"{'cpu_ddp' if launch == 'pipeline' else launch}.yaml",
+                          4 if launch == "pipeline" else 2, free_port, recipe, f"output_dir={tmp_path / 'two'}",
+                          f"train.micro_batch_size={PER_RANK}", *stages)
     assert ("reference: the starting weights, sharded like the policy" in out) == (launch == "cpu_fsdp" and not lora)
     assert_same_runs(tmp_path / "two", tmp_path / "one")
 
