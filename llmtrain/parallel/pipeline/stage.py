@@ -1,6 +1,7 @@
-"""A pipeline stage of a Llama-layout causal LM (Llama, Mistral, Qwen, Gemma 3, Phi), cut by hand: the modules a stage
-runs, and the storage-less placeholders of the ones other stages hold. Where the stages run and how they are split:
-schedule.py and group.py beside it.
+"""A pipeline stage of a Llama-layout causal LM (Llama, Mistral, Qwen, Gemma 3 and 4, Phi, the mixtures of experts),
+cut by hand: the modules a stage runs, and the storage-less placeholders of the ones other stages hold; what crosses a
+boundary beside the hidden states (Gemma 4's per-layer inputs and shared keys and values: kv_handoffs). Where the
+stages run and how they are split: schedule.py and group.py beside it.
 """
 
 from __future__ import annotations
