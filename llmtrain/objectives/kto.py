@@ -231,10 +231,11 @@ class StageKTO(StagePairs):
         the stages; every process takes part, the last stage alone holds the log-probabilities)."""
         kl_rows = [{**{k[3:]: v for k, v in b.items() if k.startswith("kl:")},
                     "batch_weight": batch_weight(b)} for b in batches] if self.cfg.loss_type == "kto" else None
-        policy = pipeline.sequence_logps(kl_rows) if kl_rows else None
-        with torch.no_grad(), self.adapter_off():
-            reference = pipeline.sequence_logps(batches)
-            reference_kl = pipeline.sequence_logps(kl_rows) if kl_rows else None
+        with torch.no_grad():  # (no graph kept by the passes' cached outputs)
+            policy = pipeline.sequence_logps(kl_rows) if kl_rows else None
+            with self.adapter_off():
+                reference = pipeline.sequence_logps(batches)
+                reference_kl = pipeline.sequence_logps(kl_rows) if kl_rows else None
         kl = [None] * len(batches)
         if kl_rows:  # [mean x weight, weight] of each micro-batch, summed over every process (TRL's average)
             sums = torch.zeros(len(batches), 2, dtype=torch.float64, device=pipeline.device)
