@@ -178,7 +178,7 @@ def _kto_copy(r, _):
 
 
 def _kto_reread(r, layout):
-    return r.kto is not None and r.lora is None and r.model.random_init
+    return _kto_copy(r, layout) and r.model.random_init
 
 
 RULES: tuple[Rule, ...] = (

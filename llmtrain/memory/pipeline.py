@@ -164,23 +164,20 @@ def stage_plan(shape: ModelShape, spec: TrainSpec, stage: Stage) -> LoraPlan | N
                    adapted_other=plan.adapted_other if stage.first else {})
 
 
-def stage_states(shape: ModelShape, spec: TrainSpec, stage: Stage, chunk: int | None = None) -> States:
+def stage_states(shape: ModelShape, spec: TrainSpec, stage: Stage) -> States:
     """The weights, gradients and AdamW state of the stage's parameters (its layers, and the embeddings or the head
     where it has them), sharded over the FSDP group inside the stage (spec.shards: world / P): a full fine-tune's in
     their master dtype; LoRA's as states.states has them (the frozen base, 4-bit under QLoRA, and the adapters);
-    grads_layer: those of chunk `chunk`'s layers (the ones estimate's phases walk), or of all the stage's (None)."""
+    grads_layer: each of the stage's layers', its chunks' in order."""
     own = stage_shape(shape, stage)
-    start = sum(len(r) for r in stage.chunks[:chunk]) if chunk is not None else 0
-    walked = range(start, start + len(stage.chunks[chunk])) if chunk is not None else range(own.layers)
     if (plan := stage_plan(shape, spec, stage)) is not None:
-        st = states(own, spec, plan)
-        return replace(st, grads_layer=tuple(st.grads_layer[i] for i in walked))
+        return states(own, spec, plan)
     master = stage_master(spec)
     head = (own.params_head + own.params_final_norm) * master if stage.last else 0
     total = own.params_total * master
     shard = spec.shards
     return States(weights=total // shard, grads=total // shard, grads_head=head // shard,
-                  grads_layer=tuple(own.layer(i).params_per_layer * master // shard for i in walked),
+                  grads_layer=tuple(own.layer(i).params_per_layer * master // shard for i in range(own.layers)),
                   optimizer=2 * total // shard, ddp_buckets=total if spec.strategy == "ddp" else 0, host_offload=0)
 
 
@@ -249,7 +246,8 @@ def stage_estimate(shape: ModelShape, spec: TrainSpec, stage: Stage) -> Estimate
         spec.lora_r * (H + V) * p.cd if (plan and plan.adapted_head and adapter_cast) else 0)
     copies_fwd = sum(copies) if not ckpt else sum(cached) + copies[-1] - cached[-1]
     pd = p.cd if amp else DTYPE_BYTES[spec.dtype]
-    st = stage_states(shape, spec, stage, c)
+    every = stage_states(shape, spec, stage)
+    st = replace(every, grads_layer=every.grads_layer[offset:offset + L])  # the modelled chunk's layers
     # FSDP inside a stage, by train.fsdp_accumulate. sharded (the default): as without a pipeline, each layer gathered
     # for its forward and again for its backward (two in flight) and its gradients reduce-scattered every micro-batch.
     # unsharded: as torch's PipelineStage runs a stage that is an FSDP2 module: every micro-batch's backward with
@@ -266,7 +264,7 @@ def stage_estimate(shape: ModelShape, spec: TrainSpec, stage: Stage) -> Estimate
     unit_grads = (largest if full else max(adapter_params)) * (pd + 4 * amp) if fsdp else 0
     # The gradients the rank's other chunks (interleaved) made before this one's backward are held beside it even when
     # no accumulation holds them (grad_accum_steps 1); the embeddings' come after.
-    others = sum(stage_states(shape, spec, stage).grads_layer) - sum(st.grads_layer)
+    others = sum(every.grads_layer) - sum(st.grads_layer)
     g_acc = st.grads * spec.shards if whole_grad else max(accumulated_grads(spec, st), others)
     base = dict(weights=st.weights, optimizer=st.optimizer, ddp_buckets=st.ddp_buckets, pipeline_buffers=buffers)
     acts = sum(kept) + rope_ids + made + ends + out + held

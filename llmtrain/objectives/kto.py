@@ -205,11 +205,12 @@ class KTO:
 class StageKTO(StagePairs):
     """KTO on pipeline stages (parallel/pipeline/schedule.py): the last stage's loss, KTO's own (kto_losses). Before a
     window's training pass (and an eval's), `prepare` runs forward-only passes of its micro-batches through the
-    stages: the policy on each micro-batch's KL sequences, then with the adapter disabled (the reference: LoRA) on
-    those and on the completions. Each micro-batch's KL estimate (TRL's: the mean over its KL sequences of policy -
-    reference, averaged over the data-parallel replicas' last stages, at least 0, as KTO._kl) and each completion's
-    reference log-probability then travel to the last stage in the targets: StagePairs' columns (token, sequence,
-    reference, trained tokens), and at slot k the k-th completion's label, at every slot the KL estimate."""
+    stages: the completions with the adapter disabled (the reference: LoRA's, as StagePairs' adapter reference), then
+    each micro-batch's KL sequences with the policy and with the adapter disabled. Each micro-batch's KL estimate
+    (TRL's: the mean over its KL sequences of policy - reference, averaged over the data-parallel replicas' last
+    stages, at least 0, as KTO._kl) and each completion's reference log-probability then travel to the last stage in
+    the targets: StagePairs' columns (token, sequence, reference, trained tokens), and at slot k the k-th completion's
+    label, at every slot the KL estimate."""
 
     stats = len(SUMS)
     eval_size = len(SUMS) + 2  # [loss, statistics, examples], as KTO.eval_sums
@@ -227,31 +228,28 @@ class StageKTO(StagePairs):
         return out
 
     def prepare(self, pipeline, batches: list[dict]) -> list[dict]:
-        """The window's micro-batches with their reference log-probabilities and KL estimate (forward only, through
-        the stages; every process takes part, the last stage alone holds the log-probabilities)."""
-        kl_rows = [{**{k[3:]: v for k, v in b.items() if k.startswith("kl:")},
-                    "batch_weight": batch_weight(b)} for b in batches] if self.cfg.loss_type == "kto" else None
+        """The window's micro-batches with their completions' reference log-probabilities (StagePairs.prepare) and
+        their KL estimates (forward only, through the stages; every process takes part, the last stage alone holds
+        the log-probabilities)."""
+        batches = super().prepare(pipeline, batches)
+        if self.cfg.loss_type != "kto":
+            return batches
+        rows = [{**{k[3:]: v for k, v in b.items() if k.startswith("kl:")}, "batch_weight": batch_weight(b)}
+                for b in batches]
         with torch.no_grad():  # (no graph kept by the passes' cached outputs)
-            policy = pipeline.sequence_logps(kl_rows) if kl_rows else None
+            policy = pipeline.sequence_logps(rows)
             with self.adapter_off():
-                reference = pipeline.sequence_logps(batches)
-                reference_kl = pipeline.sequence_logps(kl_rows) if kl_rows else None
-        kl = [None] * len(batches)
-        if kl_rows:  # [mean x weight, weight] of each micro-batch, summed over every process (TRL's average)
-            sums = torch.zeros(len(batches), 2, dtype=torch.float64, device=pipeline.device)
-            for i, row in enumerate(kl_rows if policy is not None else ()):
-                n = len(row.get("sequence_tokens", ()))
-                if n and row["batch_weight"]:
-                    sums[i, 0] = (policy[i][:n] - reference_kl[i][:n]).mean() * row["batch_weight"]
-                    sums[i, 1] = row["batch_weight"]
-            sums = self.reduce(sums) if self.reduce is not None else sums
-            kl = (sums[:, 0] / sums[:, 1].clamp(min=1)).clamp(min=0).tolist()
-        out = []
-        for i, b in enumerate(batches):  # (the reference on the last stage only: nothing reads the targets elsewhere)
-            n = len(b.get("sequence_tokens", ()))
-            extra = {"reference": reference[i][:n].float().cpu()} if reference is not None else {}
-            out.append({**b, **extra, **({"kl": kl[i]} if kl[i] is not None else {})})
-        return out
+                reference = pipeline.sequence_logps(rows)
+        # [mean x weight, weight] of each micro-batch, summed over every process (TRL's average)
+        sums = torch.zeros(len(batches), 2, dtype=torch.float64, device=pipeline.device)
+        for i, row in enumerate(rows if policy is not None else ()):
+            n = len(row.get("sequence_tokens", ()))
+            if n and row["batch_weight"]:
+                sums[i, 0] = (policy[i][:n] - reference[i][:n]).mean() * row["batch_weight"]
+                sums[i, 1] = row["batch_weight"]
+        sums = self.reduce(sums) if self.reduce is not None else sums
+        kl = (sums[:, 0] / sums[:, 1].clamp(min=1)).clamp(min=0).tolist()
+        return [{**b, "kl": k} for b, k in zip(batches, kl)]
 
     def _loss(self, head, hidden: torch.Tensor, target: torch.Tensor):
         logps = self._logps(head, hidden, target)
