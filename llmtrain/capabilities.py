@@ -207,7 +207,8 @@ RULES: tuple[Rule, ...] = (
     Rule("pp", _pp_budget,
          "{key} sends each micro-batch's hidden states between stages in buffers of one fixed shape: every "
          "micro-batch is one packed row of train.micro_batch_tokens slots (padded to it). Set "
-         "train.micro_batch_tokens (e.g. 4096) instead of train.micro_batch_size"),
+         "train.micro_batch_tokens={budget} (the slots of train.micro_batch_size={size} rows of data.max_seq_len) and "
+         "train.micro_batch_size=1"),
     Rule("pp", _kto_copy,
          "kto: on pipeline stages the reference is the model with its LoRA adapter disabled, run through the stages "
          "before each step; a full fine-tune's is a frozen copy of the starting weights, which the stages do not "
@@ -248,7 +249,9 @@ def _key(parallelism: str, recipe, layout: Layout) -> str:
 def _fill(text: str, parallelism: str, recipe, layout: Layout) -> str:
     m, p = recipe.train.grad_accum_steps, recipe.parallel.pipeline_parallel
     return text.format(key=_key(parallelism, recipe, layout), attn=recipe.model.attn_implementation,
-                       schedule=recipe.parallel.pipeline_schedule, accum=m, pp=p, rounds=max(1, m // p))
+                       schedule=recipe.parallel.pipeline_schedule, accum=m, pp=p, rounds=max(1, m // p),
+                       size=recipe.train.micro_batch_size,
+                       budget=recipe.train.micro_batch_size * recipe.data.max_seq_len)
 
 
 def cell(mode: str, parallelism: str) -> str | None:

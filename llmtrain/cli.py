@@ -105,6 +105,8 @@ def user_errors(fn):
             label = "stopped" if isinstance(e, Stopped) else "error"
             if prints_error_here(stopped=isinstance(e, (Stopped, Relayed, Everywhere))):
                 Console(stderr=True).print(f"[bold red]{label}:[/] {escape(str(e))}", highlight=False, soft_wrap=True)
+                if not isinstance(e, Stopped) and (hint := plain_launch_hint()):
+                    Console(stderr=True).print(hint, highlight=False, soft_wrap=True, style="dim")
             else:
                 # The launcher ends every process as soon as the first one exits. Leave the first exit to the process
                 # that prints: one that left sooner could have it ended before its paragraph is out, and torchrun's
@@ -113,6 +115,19 @@ def user_errors(fn):
             raise typer.Exit(e.exit_code) from None
 
     return wrapper
+
+
+def plain_launch_hint() -> str | None:
+    """Under a plain `accelerate launch` (torchrun's processes, not llmtrain launch's), a line after the error: torch's
+    launcher follows it with its report of the failed processes, a 40-line traceback of its own that reads as if
+    llmtrain had crashed. Said once a node; None otherwise."""
+    from llmtrain.launcher import LAUNCHED
+
+    if "TORCHELASTIC_RUN_ID" not in os.environ or os.environ.get(LAUNCHED) or os.environ.get("LOCAL_RANK", "0") != "0":
+        return None
+    return ("(torch's launcher reports the failed processes below with a traceback of its own: the reason is the "
+            "paragraph above. `llmtrain launch` takes accelerate launch's arguments, checks the recipe and the launch "
+            "before any process starts, and reports a failed process in one line.)")
 
 
 def prints_error_here(*, stopped: bool = False) -> bool:

@@ -418,7 +418,7 @@ class TrainConfig(Section):
         if self.micro_batch_tokens is not None and self.micro_batch_size != 1:
             raise ValueError(
                 "set train.micro_batch_size (examples per micro-batch) or train.micro_batch_tokens (a token budget "
-                "per micro-batch), not both: with micro_batch_tokens, leave micro_batch_size at 1"
+                "per micro-batch), not both: with micro_batch_tokens, set train.micro_batch_size=1 (its default)"
             )
         return self
 
@@ -883,8 +883,9 @@ def _suggest(key: str) -> str:
         close = [prefix + _ALIASES[leaf]]
     elif len(named) > 1:
         return f" (did you mean {', '.join(named[:-1])} or {named[-1]}?)"
-    else:
-        close = difflib.get_close_matches(key, keys, n=1, cutoff=0.75)
+    else:  # a misspelt alias counts as the alias (train.lerning_rate: train.lr)
+        aliases = {prefix + a: prefix + ours for a, ours in _ALIASES.items() if ours in siblings}
+        close = [aliases.get(k, k) for k in difflib.get_close_matches(key, keys + list(aliases), n=1, cutoff=0.75)]
         if not close:
             close = [prefix + m for m in difflib.get_close_matches(leaf, siblings, n=1, cutoff=0.5)]
     return f" (did you mean {close[0]}?)" if close else ""

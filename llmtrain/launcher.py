@@ -17,6 +17,7 @@ from pathlib import Path
 
 from llmtrain.errors import LLMTrainError
 
+LAUNCHED = "LLMTRAIN_LAUNCH"  # set for the processes llmtrain launch starts (their errors need no word on torchrun's report)
 FINETUNE_OPTIONS = {"--resume": 1, "--overwrite": 0, "--allow-recipe-change": 0}  # finetune's own, with arity
 
 
@@ -168,4 +169,5 @@ def launch(argv: list[str]) -> None:
 
 
 if __name__ == "__main__":  # what `llmtrain launch` execs (accelerate_command)
+    os.environ[LAUNCHED] = "1"
     sys.exit(launched(sys.argv[1:]))

@@ -55,6 +55,8 @@ def test_overrides_are_typed_and_validated(recipe_file):
 
 @pytest.mark.parametrize(("override", "suggestion"), [
     ("train.learning_rate=1e-4", "train.lr"),
+    ("train.lerning_rate=1e-4", "train.lr"),  # a misspelt alias: it had suggested train.min_lr_ratio
+    ("data.max_lenght=64", "data.max_seq_len"),
     ("train.max_step=3", "train.max_steps"),
     ("checkpoint.save_steps=10", "checkpoint.every_steps"),
     ("trian.lr=1", "train"),

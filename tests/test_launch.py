@@ -167,6 +167,7 @@ def test_a_run_that_stops_under_llmtrain_launch_says_why_and_not_torchruns_trace
     said = proc.stdout + proc.stderr
     assert proc.returncode == 2, said[-3000:]
     assert "bad.jsonl" in said and "Traceback" not in said and "ChildFailedError" not in said, said[-3000:]
+    assert "traceback of its own" not in said  # plain accelerate launch's word on torchrun's report: none here
     assert re.search(r"llmtrain launch: process(es)? 0 \(exit status 2\).* stopped.*; what each said is above", said)
     assert said.count("error:") == 1  # the main process's paragraph; the other had it handed (errors.Relayed)
     assert not (tmp_path / "run").exists()
@@ -220,7 +221,11 @@ def test_finetune_under_a_plain_accelerate_launch_refuses_what_accelerate_ignore
                            "--main_process_port", str(open_port()), "-m", "llmtrain", "finetune", str(recipe),
                            "train.max_steps=2"], env=ENV, cwd=REPO, capture_output=True, text=True, timeout=300)
     assert proc.returncode != 0
-    assert "parallelism_config_pp_size: 2 asks for pipeline parallelism" in proc.stdout + proc.stderr
+    said = proc.stdout + proc.stderr
+    assert "parallelism_config_pp_size: 2 asks for pipeline parallelism" in said
+    # torchrun's traceback follows; one line, once, says it is only the launcher's report and names llmtrain launch
+    assert said.count("reports the failed processes below with a traceback of its own") == 1, said[-3000:]
+    assert said.index("asks for pipeline parallelism") < said.index("`llmtrain launch` takes") < said.index("Traceback")
     assert not (tmp_path / "run" / "metrics.jsonl").exists()
 
 

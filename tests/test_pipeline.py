@@ -98,6 +98,22 @@ def test_recipes_a_pipeline_cannot_run_are_refused_naming_the_key(tiny_assets, t
         load_recipe(recipe, ["parallel.pipeline_parallel=2", *overrides])
 
 
+def test_the_token_budget_refusal_says_what_to_set_and_that_loads(tiny_assets, tmp_path):
+    """A recipe of micro_batch_size examples on stages: the refusal names a budget that holds them and the size to
+    set beside it (it had said 'e.g. 4096 instead of micro_batch_size', and the recipe then failed on 'not both')."""
+    import re
+
+    recipe = write_recipe(tiny_assets, tmp_path, **PIPE)
+    size = ["train.micro_batch_tokens=null", "train.micro_batch_size=4", "data.max_seq_len=48"]
+    with pytest.raises(Exception) as e:
+        load_recipe(recipe, ["parallel.pipeline_parallel=2", *size])
+    told = re.search(r"Set (train.micro_batch_tokens=\d+) \(the slots of train.micro_batch_size=4 rows of "
+                     r"data.max_seq_len\) and (train.micro_batch_size=1)", str(e.value))
+    assert told is not None and told[1] == "train.micro_batch_tokens=192", str(e.value)
+    r = load_recipe(recipe, ["parallel.pipeline_parallel=2", *size, told[1], told[2]])
+    assert (r.train.micro_batch_tokens, r.train.micro_batch_size) == (192, 1)
+
+
 @pytest.mark.parametrize("change,says", [({"num_hidden_layers": 1}, "2 pipeline stages need at least one decoder")])
 def test_a_model_the_stages_cannot_split_is_refused_with_the_reason(tiny_assets, tmp_path, change, says):
     from transformers import AutoConfig
