@@ -17,7 +17,7 @@ from pathlib import Path
 
 from llmtrain.errors import LLMTrainError
 
-LAUNCHED = "LLMTRAIN_LAUNCH"  # set for the processes llmtrain launch starts (their errors need no word on torchrun's report)
+LAUNCHED = "LLMTRAIN_LAUNCH"  # set for the processes llmtrain launch starts (no word on torchrun's report)
 FINETUNE_OPTIONS = {"--resume": 1, "--overwrite": 0, "--allow-recipe-change": 0}  # finetune's own, with arity
 
 
