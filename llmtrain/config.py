@@ -864,6 +864,21 @@ def all_keys(model: type[BaseModel] = Recipe, prefix: str = "") -> list[str]:
     return keys
 
 
+def _default(key: str, model: type[BaseModel] = Recipe):
+    """The schema's default of a dotted key (None: the key has none, or is not a key)."""
+    from pydantic_core import PydanticUndefined
+
+    head, _, rest = key.partition(".")
+    field = model.model_fields.get(head)
+    if field is None:
+        return None
+    if not rest:
+        return None if field.default is PydanticUndefined else field.default
+    sections = [a for a in (field.annotation, *getattr(field.annotation, "__args__", ()))
+                if isinstance(a, type) and issubclass(a, BaseModel)]
+    return _default(rest, sections[0]) if sections else None
+
+
 # Names people bring from other tools, mapped to ours.
 _ALIASES = {
     "learning_rate": "lr", "batch_size": "micro_batch_size", "per_device_train_batch_size": "micro_batch_size",
@@ -928,6 +943,10 @@ def _format_errors(err: ValidationError, source: str, overrides: list[str] | Non
         elif e["type"] in ("model_type", "dict_type"):
             lines.append(f"  - {label}: is a section of keys ({key}.KEY=VALUE on the command line, an indented block "
                          f"under {key.rsplit('.', 1)[-1]}: in YAML), not {e.get('input')!r}")
+        elif e.get("input") is None and e["type"].endswith("_type") and (default := _default(key)) is not None:
+            # `train.micro_batch_size=null`: pydantic's 'Input should be a valid integer' reads as a typo
+            lines.append(f"  - {label}: cannot be null (the key has no unset state; its default is {default!r}): "
+                         "set a value")
         else:
             got = e.get("input")
             got_text = f" (got {got!r})" if not isinstance(got, dict) and key not in given else ""

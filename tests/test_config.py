@@ -69,6 +69,17 @@ def test_typos_get_the_nearest_key(recipe_file, override, suggestion):
     assert f"(the override {override})" in str(e.value)  # a mistyped section too names the override that made it
 
 
+@pytest.mark.parametrize(("override", "default"), [("train.micro_batch_size=null", "1"), ("lora.r=null", "16"),
+                                                     ("train.lr=null", "2e-05")])
+def test_null_on_a_key_without_an_unset_state_says_so_and_its_default(recipe_file, override, default):
+    """It had said pydantic's 'Input should be a valid integer' of a null, which reads as a typo in the value."""
+    with pytest.raises(RecipeError) as e:
+        load_recipe(recipe_file, [override])
+    assert f"(the override {override}): cannot be null (the key has no unset state; its default is {default}): " \
+        "set a value" in str(e.value)
+    assert "Input should be" not in str(e.value)
+
+
 @pytest.mark.parametrize(("override", "line"), [
     ("model.tiled_mlp=abc", "model.tiled_mlp (the override model.tiled_mlp=abc): expected true or false, or a whole "
                             "number"),
