@@ -456,6 +456,26 @@ def test_fit_says_which_global_batch_it_keeps_on_the_gpus_given():
             "data-parallel GPUs; set train.grad_accum_steps for another") in " ".join(res.stdout.split())
 
 
+@pytest.mark.parametrize("gpus", [["--num-gpus", "8"], ["--num-gpus", "8", "--num-nodes", "2"]])
+def test_the_fits_command_is_one_llmtrain_launch_accepts(gpus):
+    """--fit's last line is a command to run: `llmtrain launch` (which checks the recipe and the launch before any
+    process starts; it had printed a plain `accelerate launch ... -m llmtrain finetune`), and its arguments pass
+    llmtrain launch's checks of the recipe, the launch config and the layout."""
+    import contextlib
+    import shlex
+
+    from llmtrain.launcher import accelerate_command
+
+    res = estimate_memory("recipes/llama7b.yaml", *gpus, "--fit")
+    assert res.returncode == 0, res.stderr
+    line = res.stdout.strip().splitlines()[-1].strip()
+    assert line.startswith("llmtrain launch --config_file accelerate_configs/") and " -m " not in line, line
+    words = shlex.split(line)
+    with contextlib.chdir(REPO):
+        command = accelerate_command(words[2:], machine=False)
+    assert command[command.index("finetune") + 1:] == words[4:]  # the recipe and --fit's overrides, as printed
+
+
 def test_the_fit_table_keeps_whole_headers_at_80_columns():
     """At 80 columns rich cut the --fit table's long headers ("checkpo…", "throughp…", issue 53): short headers, said
     in full in the caption, and no line past 80."""

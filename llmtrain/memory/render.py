@@ -270,5 +270,5 @@ def render_fit(result: FitResult, *, target: str | None, console: Console | None
     console.print(f"use: {launch_line(result)}", highlight=False)
     console.print(f"overrides: {' '.join(result.overrides)}", highlight=False)
     if target:
-        console.print(f"  accelerate launch {launch_line(result)} -m llmtrain finetune {escape(target)} "
+        console.print(f"  llmtrain launch {launch_line(result)} {escape(target)} "
                       f"{' '.join(result.overrides)}", highlight=False, soft_wrap=True)
