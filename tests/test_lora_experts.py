@@ -73,6 +73,20 @@ def test_unmerged_experts_give_peft_merged_forward(family, targets, parameters, 
         assert (base - merged).abs().max().item() > 1e-3
 
 
+def test_experts_of_a_transformers_without_the_expert_parallel_flag_run_as_peft():
+    """transformers 5.17 (the GPU machine's) gives its experts modules no _is_expert_parallel, which the forward read:
+    AttributeError in the first Qwen3-MoE LoRA step of the GPU rehearsal. Without it the experts are whole (only
+    parallel/tensor._split_experts splits them, and sets it)."""
+    from llmtrain.model import lora_experts
+
+    peft_own, model = adapted("qwen3_moe", "all-linear"), adapted("qwen3_moe", "all-linear")
+    assert lora_experts.install(model) == 2
+    for module in model.modules():
+        module.__dict__.pop("_is_expert_parallel", None)  # as 5.17 builds them
+    with torch.no_grad():
+        assert (model(input_ids=_ids()).logits - peft_own(input_ids=_ids()).logits).abs().max().item() < 1e-5
+
+
 def _loss_and_grads(model, ids):
     model.train()
     model.zero_grad()

@@ -111,7 +111,9 @@ def _forward(module, hidden_states, top_k_index, top_k_weights):
     # num_experts, sorted last, past the offsets, so no matmul computes its rows; they are left as the kernel leaves
     # them and zeroed after each (transformers' grouped_mm_experts_forward does the same), its input rows before
     # (so the rows' gradient, which backward leaves alike, reaches no token)
-    elsewhere = (ids_sorted >= experts.num_experts).unsqueeze(-1) if experts._is_expert_parallel else None
+    # (transformers 5.17, the GPU machine's, has no _is_expert_parallel: only parallel/tensor._split_experts sets it)
+    split = getattr(experts, "_is_expert_parallel", False)
+    elsewhere = (ids_sorted >= experts.num_experts).unsqueeze(-1) if split else None
     if elsewhere is not None:
         ids_sorted = ids_sorted.clamp(max=experts.num_experts - 1)
         x = x.masked_fill(elsewhere, 0.0)
