@@ -143,7 +143,7 @@ def estimate_memory(
     if recipe is not None and accelerate_config is None and not (strategy or num_gpus or num_nodes):
         accelerate_config = launch_from_header(recipe, say=not as_json)
     layout, launch_mp = _layout(accelerate_config, strategy=strategy, num_gpus=num_gpus, num_nodes=num_nodes,
-                                cpu_offload=cpu_offload, tp=tp, fit=fit)
+                                cpu_offload=cpu_offload, tp=tp, fit=fit, stages=pipeline_parallel)
     pipe = dict(pipeline_parallel=pipeline_parallel, pipeline_schedule=pipeline_schedule,
                 pipeline_chunks=pipeline_chunks)
     launch = dict(gpu_memory_gib=gpu_memory, **layout, **{k: v for k, v in pipe.items() if v is not None})
@@ -377,15 +377,18 @@ def header_launch(recipe: Path) -> Path | None:
 
 
 def _layout(path: Path | None, *, strategy, num_gpus, num_nodes, cpu_offload: bool, tp: int | None,
-            fit: bool) -> tuple[dict, str | None]:
+            fit: bool, stages: int | None = None) -> tuple[dict, str | None]:
     """Strategy and GPU counts (explicit options, else the accelerate config, else one GPU), and the
-    launch config's mixed_precision."""
+    launch config's mixed_precision. `stages`: --pipeline-parallel; as many as the GPUs is one GPU a stage, launched
+    with a DDP config, with nothing left to choose."""
     from llmtrain.memory.launch import read_accelerate_config
 
     base = read_accelerate_config(path) if path else None
     gpus = num_gpus or (base.num_gpus if base else 1)
     nodes = num_nodes or (base.num_nodes if base else 1)
     chosen = strategy or (base.strategy if base else None)
+    if chosen is None and stages == gpus * nodes > 1:
+        chosen = "ddp"
     if chosen is None:
         if gpus * nodes > 1 and not fit:
             raise LLMTrainError(f"{gpus * nodes} GPUs: say how they are used with --strategy ddp or --strategy fsdp "

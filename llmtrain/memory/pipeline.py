@@ -129,7 +129,10 @@ def as_trained(spec: TrainSpec) -> TrainSpec:
     """A pipeline run as llmtrain trains it (parallel/pipeline/schedule.py): an FSDP stage is an FSDP2 module inside torch's
     PipelineStage, which accumulates its gradients unsharded through the step's micro-batches whatever
     train.fsdp_accumulate says (it turns gradient sync off in each micro-batch's backward and reduce-scatters once
-    after the last)."""
+    after the last). A DDP launch of as many GPUs as stages (ddp.yaml with parallel.pipeline_parallel = its processes)
+    is one GPU a stage: no replica, nothing for DDP to hold (it had been refused: 'not ddp on 1 GPU(s) a stage')."""
+    if spec.pipeline_parallel > 1 and spec.strategy == "ddp" and spec.world == spec.pipeline_parallel:
+        return spec.but(strategy="single")
     return spec.but(fsdp_accumulate="unsharded") if spec.pipeline_parallel > 1 and spec.sharded else spec
 
 
@@ -186,7 +189,8 @@ def stage_estimate(shape: ModelShape, spec: TrainSpec, stage: Stage) -> Estimate
     embeddings, the head, or else the most layers (the forward of its last layer, the loss's chunks on the last
     stage, each layer's backward, the embeddings' backward on the first, the optimizer step), plus, in every phase but
     the optimizer's, what the other micro-batches in flight keep (each chunk's layers' saved tensors and RoPE; the
-    first chunk the token ids, the last the final norm's and the loss's inputs) and the receive buffers. LoRA (and
+    first chunk the token ids, the last the final norm's and the loss's inputs, every other its outputs) and the
+    receive buffers. LoRA (and
     QLoRA) as estimate.py counts it: the adapters' saved tensors and casts, a frozen embedding's first layer saving
     less (on the first stage only: every other stage's input is received with its gradient wanted)."""
     c = stage.chunks.index(stage.chunks[-1] if stage.last else stage.chunks[0] if stage.first else
@@ -215,7 +219,7 @@ def stage_estimate(shape: ModelShape, spec: TrainSpec, stage: Stage) -> Estimate
     # `held`, chunk_bytes)
     made = act.per_layer_inputs_bytes(p, shape, plan.adapted_other if plan else {}, spec.lora_r) if first else 0
     ends = act.norm_bytes(p, H, trainable=full, gemma=shape.gemma_norms) + act.loss_input_bytes(p, sub) if last else 0
-    out = handed_bytes(p, shape, stage.chunks[c].stop) if not last else 0  # its outputs beyond the hidden states
+    out = boundary_bytes(p, shape, stage.chunks[c].stop) if not last else 0  # its outputs, kept for its backward
     held = in_flight_bytes(p, shape, stage, spec) - (sum(kept) + rope_ids + made + ends + out)  # the others'
     buffers = receive_buffer_bytes(p, shape, stage, spec)
     mask = act.mask_bytes(p, shape.masks)
@@ -311,7 +315,9 @@ def stage_estimate(shape: ModelShape, spec: TrainSpec, stage: Stage) -> Estimate
 def chunk_bytes(p: act.Pass, shape: ModelShape, stage: Stage, k: int, ckpt: bool, plan: LoraPlan | None = None) -> int:
     """What one micro-batch leaves saved in chunk k of `stage` after its forward: each layer's saved tensors (with
     checkpointing its input; a later virtual stage's first input is its receive buffer, counted there), RoPE (each
-    stage makes its own), the token ids on the first virtual stage, the final norm's and loss's inputs on the last.
+    stage makes its own), the token ids on the first virtual stage, the final norm's and loss's inputs on the last,
+    on every other what it sent on (boundary_bytes: torch's PipelineStage keeps a micro-batch's outputs until its
+    backward, which starts from them; the hidden states were missing, 2 to 5% of a tiny stage's measured peak).
     `plan`: the stage's LoRA adapters (stage_plan; None: a full fine-tune), whose saved tensors the layers add, and
     whose frozen embedding the first virtual stage's first layer saves less for."""
     sub = stage_shape(shape, stage, k)
@@ -326,7 +332,7 @@ def chunk_bytes(p: act.Pass, shape: ModelShape, stage: Stage, k: int, ckpt: bool
         own = sum(act.layer_bytes(p, sub.layer(i), a, plan.r if plan else 0) for i, a in enumerate(adapted))
         own -= act.frozen_input_discount(p, sub.layer(0), adapted[0]) if s == 0 and not embed_trains else 0
     ends = act.norm_bytes(p, shape.hidden, trainable=full, gemma=shape.gemma_norms) + act.loss_input_bytes(p, shape) \
-        if s == stage.total - 1 else handed_bytes(p, shape, stage.chunks[k].stop)
+        if s == stage.total - 1 else boundary_bytes(p, shape, stage.chunks[k].stop)
     if s == 0:  # the token ids, RoPE, and Gemma 4's per-layer inputs of every layer
         return own + act.stream_inputs_bytes(p, sub, embed_trainable=embed_trains) + ends + \
             act.per_layer_inputs_bytes(p, shape, plan.adapted_other if plan else {}, plan.r if plan else 0)
@@ -349,13 +355,6 @@ def boundary_bytes(p: act.Pass, shape: ModelShape, layer: int, *, gradient: bool
         if not gradient or p.per_layer_inputs_train else 0
     kv = shape.kv_handed[layer] * p.cd if shape.kv_handed else 0
     return p.tokens * (shape.hidden * p.resid + per_layer + kv)
-
-
-def handed_bytes(p: act.Pass, shape: ModelShape, layer: int) -> int:
-    """What a stage ending before decoder layer `layer` holds of one micro-batch's outputs beyond its last layer's
-    hidden states, until that micro-batch's backward (torch's PipelineStage keeps its outputs for it): Gemma 4's
-    contiguous copies of the later layers' per-layer inputs and of the shared keys and values it hands on."""
-    return boundary_bytes(p, shape, layer) - p.tokens * shape.hidden * p.resid
 
 
 def receive_buffer_bytes(p: act.Pass, shape: ModelShape, stage: Stage, spec: TrainSpec) -> int:

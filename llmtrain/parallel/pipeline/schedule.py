@@ -210,7 +210,7 @@ class Pipeline:
             args = (stacked["input_ids"].to(self.device),) if self.first else ()
             self.schedule.eval(*args, target=target.to(self.device), losses=out,
                                position_ids=stacked["position_ids"].to(self.device),
-                               cu_seq_lens=stacked["cu_seq_lens"])
+                               cu_seq_lens=stacked["cu_seq_lens"], return_outputs=False)
         finally:
             self.forward_only = None
         return out
@@ -243,9 +243,12 @@ class Pipeline:
         # FSDP's reduce-scatter averages the replicas' gradients, where the loss wants their sum
         self.scale, self.sums, self.stats = scale * (self.group.replicas if self.sharded else 1), [], []
         args = (stacked["input_ids"].to(self.device),) if self.first else ()
+        # the boundaries stay on the CPU (each stage trims them). return_outputs=False: the last stage would otherwise
+        # keep every micro-batch's final hidden states until the next step (torch's output_chunks, for step()'s
+        # merged return, which nothing reads): M x tokens x hidden more at its peak (measured: tests/stage_peak.py)
         self.schedule.step(*args, target=stacked["targets"].to(self.device),
                            position_ids=stacked["position_ids"].to(self.device),
-                           cu_seq_lens=stacked["cu_seq_lens"])  # the boundaries stay on the CPU (each stage trims them)
+                           cu_seq_lens=stacked["cu_seq_lens"], return_outputs=False)
         if self.tied:
             sum_tied(self.tied, self.ends)
         if not self.sharded:
