@@ -42,17 +42,12 @@ def check_precision(recipe: Recipe, launch: dict) -> list[Check]:
              f"train.mixed_precision={ours}; the recipe wins. Set mixed_precision: {ours} in the launch config.")]
 
 
-def launch_tp(launch: dict) -> int:
-    """Tensor-parallel processes per group of the launch config's parallelism_config (1 without one)."""
-    from llmtrain.layout import mesh_sizes
+def data_ranks(launch: dict, recipe: Recipe) -> int:
+    """Processes that read different batches (layout.Layout.data_ranks): a tensor-parallel group reads one, and so do
+    a sequence group and a pipeline's stages."""
+    from llmtrain.layout import Layout
 
-    return (mesh_sizes(launch) or {"tp": 1})["tp"]
-
-
-def data_ranks(launch: dict, sequence_parallel: int = 1) -> int:
-    """Processes that read different batches: a tensor-parallel group reads one, and so does a sequence group
-    (parallel.sequence_parallel)."""
-    return max(1, int(launch.get("num_processes", 1) or 1) // launch_tp(launch) // sequence_parallel)
+    return Layout.from_launch(launch, recipe).data_ranks
 
 
 def check_layout(recipe: Recipe, launch: dict, *, where: str = "the launch config") -> list[Check]:
@@ -136,11 +131,14 @@ def check_launch_settings(launch: dict) -> list[Check]:
 
 
 def check_batch(recipe: Recipe, launch: dict) -> list[Check]:
-    t, procs = recipe.train, data_ranks(launch, recipe.parallel.sequence_parallel)
+    from llmtrain.layout import Layout
+
+    t, layout = recipe.train, Layout.from_launch(launch, recipe)
+    procs = layout.data_ranks
     unit = "tokens" if t.micro_batch_tokens else "prompts" if recipe.rl is not None else "examples"
     per = t.micro_batch_tokens or t.micro_batch_size
-    ranks = ("process" if procs == 1 else "processes") if launch_tp(launch) == 1 and \
-        recipe.parallel.sequence_parallel == 1 else "data-parallel rank" + "s" * (procs != 1)
+    ranks = ("process" if procs == 1 else "processes") if not layout.splits_the_model else \
+        "data-parallel rank" + "s" * (procs != 1)
     total = procs * per * t.grad_accum_steps
     sampled = f" ({total * recipe.rl.num_generations:,} completions)" if recipe.rl is not None else ""
     return [("global batch", "pass", f"{procs} {ranks} x {per} {unit} (train.micro_batch_"
@@ -428,7 +426,7 @@ def run_doctor(recipe: Recipe, *, accelerate_config: Path | None = None,
                                                                          "eos trained", "schedule")]
     if tokenizer is not None:
         checks += check_tokenizer(tokenizer) + check_chat_template(recipe, tokenizer)
-        checks += load_data(recipe, tokenizer, world=data_ranks(launch, recipe.parallel.sequence_parallel))
+        checks += load_data(recipe, tokenizer, world=data_ranks(launch, recipe))
         checks += check_rewards_run(recipe, tokenizer) + check_tools(recipe, tokenizer) + check_teacher(recipe,
                                                                                                           tokenizer)
     checks += check_context(recipe.data.max_seq_len, _max_positions(recipe.model.name_or_path))

@@ -254,6 +254,24 @@ def test_a_tensor_parallel_launch_counts_data_ranks_and_refuses_qlora(tiny_asset
     assert alone[0] == "pass" and "tensor" not in alone[1]
 
 
+def test_a_pipelines_stages_count_as_one_data_rank(tiny_assets, tmp_path):
+    """cpu_ddp.yaml's 2 processes as 2 pipeline stages read one batch between them: the global batch is 1 data rank's
+    (the run's own start-up line says 'x 1 data-parallel rank'); doctor had counted 2 processes, twice the batch. On 4
+    processes, 2 pipelines."""
+    from llmtrain.doctor import check_batch
+
+    recipe = load_recipe(write_recipe(tiny_assets, tmp_path, model={"attn_implementation": "auto"},
+                                      data={"eval_split": None},
+                                      train={"micro_batch_size": 1, "micro_batch_tokens": 64, "grad_accum_steps": 4}),
+                         ["parallel.pipeline_parallel=2"])
+    launch = {"num_processes": 2, "distributed_type": "MULTI_GPU"}
+    assert check_batch(recipe, launch)[0][2].startswith(
+        "1 data-parallel rank x 64 tokens (train.micro_batch_tokens) x 4 (train.grad_accum_steps) = 256 tokens")
+    assert check_batch(recipe, {**launch, "num_processes": 4})[0][2].startswith("2 data-parallel ranks x 64 tokens")
+    launched = rows(run_doctor(recipe, accelerate_config=REPO / "accelerate_configs" / "cpu_ddp.yaml"))
+    assert launched["global batch"][1].endswith("= 256 tokens per optimizer step")
+
+
 def test_mesh_that_does_not_divide_the_processes_fails_with_an_example_that_fits():
     """A 2 x 3 HSDP mesh on the 4 processes of cpu_hsdp.yaml: finetune refuses it, and so does doctor now (it
     passed), with flags that fit the launch; the shipped 2 x 2 passes."""
