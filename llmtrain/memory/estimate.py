@@ -93,8 +93,10 @@ def make_pass(shape: ModelShape, spec: TrainSpec, *, examples: int | None = None
                     loss_positions=(2 if budget else examples) if shape.score_head else
                     -(-examples * spec.max_completion_tokens // n) if training and spec.max_completion_tokens else
                     None,
-                    # FSDP gathers the adapters in cd; peft's 4-bit layers do not cast their input under autocast
-                    adapters_in_cd=spec.method == "lora" and amp and (spec.sharded or bool(spec.quantize)),
+                    # FSDP gathers the adapters in cd; peft's 4-bit layers do not cast their input under autocast;
+                    # without autocast on fp32 weights the fp32 adapters' cast of their fp32 input is no copy
+                    adapters_in_cd=spec.method == "lora" and (
+                        (amp and (spec.sharded or bool(spec.quantize))) or (not amp and stream == "float32")),
                     # the tiled MLP runs untiled on a micro-batch of at most one shard (model/tiled_mlp.py)
                     mlp_shard=shard if shard and tokens > shard else None, sequence_parallel=n,
                     per_layer_inputs_train=bool(shape.per_layer_input) and (spec.method == "full" or (
