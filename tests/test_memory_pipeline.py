@@ -471,28 +471,57 @@ def test_gemma_4s_stages_hold_their_own_layers_and_hand_on_per_layer_inputs_and_
 
 MEASURED = dict(hidden_size=256, intermediate_size=688, num_attention_heads=8, num_key_value_heads=2, vocab_size=256,
                 num_hidden_layers=4)
-STAGED = {  # (model config, overrides, bound on |estimate / measured - 1| for every stage)
-    "1f1b": (MEASURED, [], 0.02),
-    "interleaved": (MEASURED, ["parallel.pipeline_schedule=interleaved_1f1b", "parallel.pipeline_chunks=2"], 0.05),
-    "checkpointing": (MEASURED, ["model.gradient_checkpointing=true"], 0.05),
-    "gpipe": (MEASURED, ["parallel.pipeline_schedule=gpipe"], 0.05),
-    "gemma4": (GEMMA4, [], 0.02),
-    "gemma4-lora": (GEMMA4, ["lora.r=8", "lora.dropout=0", "model.dtype=bfloat16", "train.mixed_precision=bf16"], 0.04),
+LORA_FP32 = ["lora.r=8", "lora.dropout=0"]
+STAGED = {  # (model config, data, overrides, bound on |estimate / measured - 1| for every stage)
+    "1f1b": (MEASURED, "text", [], 0.02),
+    "interleaved": (MEASURED, "text", ["parallel.pipeline_schedule=interleaved_1f1b", "parallel.pipeline_chunks=2"],
+                    0.05),
+    "checkpointing": (MEASURED, "text", ["model.gradient_checkpointing=true"], 0.05),
+    "gpipe": (MEASURED, "text", ["parallel.pipeline_schedule=gpipe"], 0.05),
+    "gemma4": (GEMMA4, "text", [], 0.02),
+    "gemma4-lora": (GEMMA4, "text", [*LORA_FP32, "model.dtype=bfloat16", "train.mixed_precision=bf16"], 0.04),
+    "dpo": (MEASURED, "preference", [], 0.02),
+    "dpo-lora": (MEASURED, "preference", LORA_FP32, 0.06),
+    "kto-lora": (MEASURED, "unpaired", LORA_FP32, 0.06),
 }
+
+
+def _staged_data(path, kind: str) -> tuple[dict, list[int]]:
+    """Rows whose every sequence has one length (the char tokenizer: a token a letter, BOS and EOS), the recipe's
+    data and mode sections for them, and the lengths of the segments of each 512-slot row (the estimate's CPU
+    attention bytes depend on them): 4 texts of 128; 4 pairs of 63-token sequences and an 8-slot padding segment; KTO's
+    4 completions of 63 tokens (its row is micro_batch_size x max_seq_len slots) and a 260-slot padding segment."""
+    letters = "abcdefghij"
+
+    def text(i: int, n: int) -> str:
+        return "".join(letters[(i * 7 + j * j + n) % 10] for j in range(n))
+
+    rows = {"text": lambda i: {"text": text(i, 126)},
+            "preference": lambda i: {"prompt": text(i, 30), "chosen": text(i, 31), "rejected": text(i + 1, 31)},
+            "unpaired": lambda i: {"prompt": text(i, 30), "completion": text(i, 31), "label": i % 2 == 0}}[kind]
+    path.write_text("".join(json.dumps(rows(i)) + "\n" for i in range(64)))
+    data = {"path": str(path), "format": kind, "max_seq_len": 128, "chat_template": False}
+    if kind == "text":
+        return {"data": data, "train": {"micro_batch_tokens": 512}}, [128] * 4
+    if kind == "preference":
+        return {"data": data, "preference": {"beta": 0.1}, "train": {"micro_batch_tokens": 512}}, [63] * 8 + [8]
+    return {"data": data, "kto": {"beta": 0.1}, "train": {"micro_batch_size": 4}}, [63] * 4 + [260]
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("name", [pytest.param(n, marks=() if n in ("1f1b", "gemma4") else pytest.mark.extended)
                                   for n in STAGED])
 def test_each_stages_estimate_matches_its_measured_step(tiny_assets, tmp_path, monkeypatch, name):
-    """Two real stages (accelerate launch, gloo), full fine-tune in fp32, 4 micro-batches of 512 tokens (4 examples of
-    128 each): each process's peak of live tensor bytes in its second step (tests/stage_peak.py: what
-    max_memory_allocated reports on a GPU) against its stage's estimate, the CPU's kernels given to the estimate as
-    tests/test_memory_step.py gives them. A 4-layer Llama on 1F1B lands at 0.997 and 0.986 of the measured peaks;
-    before, the last stage kept every micro-batch's final hidden states until the next step (torch's outputs for
-    step()'s return, now return_outputs=False) and the estimate left out what a stage keeps of what it sent on: 0.984
-    and 0.959. Gemma 4 of 8 layers (the boundary at layer 4 carrying the later layers' per-layer inputs and the shared
-    keys and values of layers 2 and 3): 0.986 and 0.991; LoRA on its bf16 base under autocast 0.971 and 0.987."""
+    """Two real stages (accelerate launch, gloo), full fine-tune in fp32, 4 micro-batches of 512 slots: each
+    process's peak of live tensor bytes in its second step (tests/stage_peak.py: what max_memory_allocated reports on
+    a GPU) against its stage's estimate, the CPU's kernels given to the estimate as tests/test_memory_step.py gives
+    them. A 4-layer Llama on 1F1B lands at 0.997 and 0.986 of the measured peaks; before, the last stage kept every
+    micro-batch's final hidden states until the next step (torch's outputs for step()'s return, now
+    return_outputs=False) and the estimate left out what a stage keeps of what it sent on: 0.984 and 0.959. Gemma 4 of
+    8 layers (the boundary at layer 4 carrying the later layers' per-layer inputs and the shared keys and values of
+    layers 2 and 3): 0.986 and 0.991; LoRA on its bf16 base under autocast 0.971 and 0.987. DPO 0.997 and 0.986; with
+    LoRA on fp32 weights 0.959 and 0.949 (1.106 and 1.068 while the estimate counted a copy of each adapter's input);
+    KTO with LoRA 0.962 and 0.952."""
     import yaml
     from helpers import ENV, open_port
     from test_memory_saved import cpu_varlen_attention_bytes
@@ -505,20 +534,18 @@ def test_each_stages_estimate_matches_its_measured_step(tiny_assets, tmp_path, m
     from llmtrain.memory.pipeline import as_trained
     from llmtrain.memory.spec import spec_from_recipe
 
-    config, overrides, bound = STAGED[name]
+    config, kind, overrides, bound = STAGED[name]
     model = tmp_path / "model"
     AutoConfig.for_model(config.get("model_type", "llama"),
                          **{k: v for k, v in config.items() if k != "model_type"}, bos_token_id=1, eos_token_id=2,
                          pad_token_id=3).save_pretrained(model)
     AutoTokenizer.from_pretrained(tiny_assets / "model").save_pretrained(model)
-    letters = "abcdefghij"
-    (tmp_path / "train.jsonl").write_text("".join(
-        json.dumps({"text": "".join(letters[(i * 7 + j * j) % 10] for j in range(126))}) + "\n" for i in range(64)))
+    sections, lengths = _staged_data(tmp_path / "train.jsonl", kind)
     recipe = tmp_path / "recipe.yaml"
     recipe.write_text(yaml.safe_dump({
         "model": {"name_or_path": str(model), "dtype": "float32", "random_init": True, "attn_implementation": "auto"},
-        "data": {"path": str(tmp_path / "train.jsonl"), "format": "text", "max_seq_len": 128},
-        "train": {"max_steps": 2, "micro_batch_tokens": 512, "grad_accum_steps": 4, "lr": 1e-4, "warmup_steps": 0},
+        **sections,
+        "train": {"max_steps": 2, "grad_accum_steps": 4, "lr": 1e-4, "warmup_steps": 0, **sections["train"]},
         "parallel": {"pipeline_parallel": 2}, "checkpoint": {"save_final": False},
         "logging": {"progress": False, "plot": False}, "output_dir": str(tmp_path / "run")}))
     proc = subprocess.run([sys.executable, "-m", "accelerate.commands.launch", "--config_file",
@@ -527,12 +554,13 @@ def test_each_stages_estimate_matches_its_measured_step(tiny_assets, tmp_path, m
                           env={**ENV, "STAGE_PEAK_OUT": str(tmp_path / "peaks")}, cwd=REPO, capture_output=True,
                           text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    assert "packing efficiency 100.0%" in proc.stdout  # every row 4 examples of 128 tokens: the lengths below
+    if kind != "unpaired":  # every row 4 texts of 128 tokens, or 4 pairs of 126 in 512 slots: the lengths above
+        assert f"packing efficiency {'100.0' if kind == 'text' else '98.4'}%" in proc.stdout, proc.stdout[-2000:]
     measured = {r: json.loads((tmp_path / "peaks" / f"rank{r}.json").read_text())["peak"] for r in (0, 1)}
     monkeypatch.setattr(estimate_module, "DROPOUT_MASK_BYTES", 4)
     monkeypatch.setattr(estimate_module, "varlen_repeats_kv", lambda: False)
     monkeypatch.setattr(act, "attention_bytes", lambda p, shape, *, o_trainable: cpu_varlen_attention_bytes(
-        p, shape, [128] * 4, o_trainable=o_trainable))
+        p, shape, lengths, o_trainable=o_trainable))
     run = load_recipe(recipe, overrides)
     s = as_trained(spec_from_recipe(run, strategy="ddp", num_gpus=2))  # as the run estimates itself (cpu_ddp.yaml)
     shape = recipe_model_shape(run)
