@@ -190,9 +190,9 @@ def stage_estimate(shape: ModelShape, spec: TrainSpec, stage: Stage) -> Estimate
     stage, each layer's backward, the embeddings' backward on the first, the optimizer step), plus, in every phase but
     the optimizer's, what the other micro-batches in flight keep (each chunk's layers' saved tensors and RoPE; the
     first chunk the token ids, the last the final norm's and the loss's inputs, every other its outputs) and the
-    receive buffers. LoRA (and
-    QLoRA) as estimate.py counts it: the adapters' saved tensors and casts, a frozen embedding's first layer saving
-    less (on the first stage only: every other stage's input is received with its gradient wanted)."""
+    receive buffers. LoRA (and QLoRA) as estimate.py counts it: the adapters' saved tensors and casts, a frozen
+    embedding's first layer saving less (on the first stage only: every other stage's input is received with its
+    gradient wanted)."""
     c = stage.chunks.index(stage.chunks[-1] if stage.last else stage.chunks[0] if stage.first else
                            max(stage.chunks, key=len))
     sub = stage_shape(shape, stage, c)
