@@ -36,6 +36,17 @@
 #
 #   GPU_SESSION_DRY=1 PY=/work/gpuenv/bin/python OUT=/tmp/dry bash benchmarks/gpu_session.sh smoke
 #
+# That venv (about 3 minutes; torch 2.11's wheel from the registry is its CUDA build, which runs on the CPU too):
+#
+#   /root/.pyenv/versions/3.12.1/bin/python -m venv /work/gpuenv && /work/gpuenv/bin/pip install -q torch==2.11.0 \
+#     && /work/gpuenv/bin/pip install -q transformers==5.17.0 accelerate==1.15.0 peft typer rich matplotlib \
+#        tensorboard pyyaml safetensors \
+#     && /work/gpuenv/bin/pip install -q --no-deps ../shared/wheels-py312/*.whl \
+#     && /work/gpuenv/bin/pip install -q pyarrow pandas xxhash requests tqdm fsspec httpx
+#
+# (2026-12-01: i40, vs-hf-7b, distill, families, tools, moe, oss and gemma4 rehearsed so, every run exit 0 but the
+# liger rows, which need CUDA; moe had died on transformers 5.17 until lora_experts read _is_expert_parallel safely.)
+#
 # (WORK=DIR moves the runs from /tmp/work, or /tmp/work-dry, to DIR.)
 set -uo pipefail
 cd "$(dirname "$0")/.."
