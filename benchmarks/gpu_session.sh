@@ -45,7 +45,8 @@
 #     && /work/gpuenv/bin/pip install -q pyarrow pandas xxhash requests tqdm fsspec httpx
 #
 # (2026-12-01: i40, vs-hf-7b, distill, families, tools, moe, oss and gemma4 rehearsed so, every run exit 0 but the
-# liger rows, which need CUDA; moe had died on transformers 5.17 until lora_experts read _is_expert_parallel safely.)
+# liger rows, which need CUDA, and the tests/test_cuda.py steps, pytest not being in it; moe had died on transformers
+# 5.17 until lora_experts read _is_expert_parallel safely.)
 #
 # (WORK=DIR moves the runs from /tmp/work, or /tmp/work-dry, to DIR.)
 set -uo pipefail
