@@ -129,7 +129,8 @@ class Layout:
 
     def describe(self) -> str:
         """The layout in a few words: '4 processes: FSDP, 2 shards x 2 tensor-parallel'."""
-        parts = [NAMES[k] for k in self.parallelisms]
+        # DDP only where there is more than one replica (2 processes as 2 pipeline stages are none)
+        parts = [NAMES[k] for k in self.parallelisms if not (k == "ddp" and self.data_ranks == 1)]
         degrees = [f"{n} {name}" for n, name in ((self.replicate, "replicas"), (self.tp, "tensor-parallel"),
                                                  (self.sp, "a sequence"), (self.pp, "stages")) if n > 1]
         head = f"{self.processes} process{'es' if self.processes != 1 else ''}" if self.launched else "the recipe"

@@ -257,7 +257,7 @@ def test_a_tensor_parallel_launch_counts_data_ranks_and_refuses_qlora(tiny_asset
 def test_a_pipelines_stages_count_as_one_data_rank(tiny_assets, tmp_path):
     """cpu_ddp.yaml's 2 processes as 2 pipeline stages read one batch between them: the global batch is 1 data rank's
     (the run's own start-up line says 'x 1 data-parallel rank'); doctor had counted 2 processes, twice the batch. On 4
-    processes, 2 pipelines."""
+    processes, 2 pipelines. The layout row names no DDP."""
     from llmtrain.doctor import check_batch
 
     recipe = load_recipe(write_recipe(tiny_assets, tmp_path, model={"attn_implementation": "auto"},
@@ -270,6 +270,8 @@ def test_a_pipelines_stages_count_as_one_data_rank(tiny_assets, tmp_path):
     assert check_batch(recipe, {**launch, "num_processes": 4})[0][2].startswith("2 data-parallel ranks x 64 tokens")
     launched = rows(run_doctor(recipe, accelerate_config=REPO / "accelerate_configs" / "cpu_ddp.yaml"))
     assert launched["global batch"][1].endswith("= 256 tokens per optimizer step")
+    # and no DDP in the layout's words: there is no replica to average over (it had said "DDP + pipeline parallelism")
+    assert "on 2 processes: pipeline parallelism (2 stages)" in launched["layout"][1], launched["layout"]
 
 
 def test_mesh_that_does_not_divide_the_processes_fails_with_an_example_that_fits():

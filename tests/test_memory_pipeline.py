@@ -569,7 +569,7 @@ def test_each_stages_estimate_matches_its_measured_step(tiny_assets, tmp_path, m
     assert all(abs(r - 1) <= bound for r in ratios.values()), (ratios, measured)
 
 
-def test_a_ddp_launch_of_one_gpu_a_stage_is_estimated_as_it_trains():
+def test_a_ddp_launch_of_one_gpu_a_stage_is_estimated_as_it_trains(tiny_assets, tmp_path):
     """ddp.yaml on 2 GPUs with parallel.pipeline_parallel=2 (how docs/pipeline-parallel.md launches 2 stages) is one
     GPU a stage: estimated as such, where it had been refused ('not ddp on 1 GPU(s) a stage'), so that the run started
     without an estimate and `estimate-memory --num-gpus 2 --pipeline-parallel 2` asked for --strategy ddp, then refused
@@ -585,7 +585,12 @@ def test_a_ddp_launch_of_one_gpu_a_stage_is_estimated_as_it_trains():
     assert as_trained(two.but(num_gpus=4)).strategy == "ddp"
     args = ("--model", "llama-2-7b", "--method", "lora", "--mixed-precision", "bf16", "--num-gpus", "2",
             "--pipeline-parallel", "2", "--grad-accum", "4", "--micro-batch-tokens", "4096")
-    for extra in ((), ("--strategy", "ddp")):
-        out = estimate_memory(*args, *extra, check=False)
+    from helpers import write_recipe
+
+    staged = write_recipe(tiny_assets, tmp_path, model={"attn_implementation": "auto"}, data={"eval_split": None},
+                          train={"micro_batch_size": 1, "micro_batch_tokens": 64, "grad_accum_steps": 2},
+                          parallel={"pipeline_parallel": 2})
+    for extra in (args, (*args, "--strategy", "ddp"), (str(staged), "--num-gpus", "2")):  # the recipe's 2 stages too
+        out = estimate_memory(*extra, check=False)
         assert out.returncode == 0, out.stderr
         assert "each stage 1 GPU(s) running single" in " ".join(out.stdout.split())

@@ -143,7 +143,8 @@ def estimate_memory(
     if recipe is not None and accelerate_config is None and not (strategy or num_gpus or num_nodes):
         accelerate_config = launch_from_header(recipe, say=not as_json)
     layout, launch_mp = _layout(accelerate_config, strategy=strategy, num_gpus=num_gpus, num_nodes=num_nodes,
-                                cpu_offload=cpu_offload, tp=tp, fit=fit, stages=pipeline_parallel)
+                                cpu_offload=cpu_offload, tp=tp, fit=fit,
+                                stages=pipeline_parallel or _recipe_stages(recipe, overrides))
     pipe = dict(pipeline_parallel=pipeline_parallel, pipeline_schedule=pipeline_schedule,
                 pipeline_chunks=pipeline_chunks)
     launch = dict(gpu_memory_gib=gpu_memory, **layout, **{k: v for k, v in pipe.items() if v is not None})
@@ -188,6 +189,16 @@ def estimate_memory(
     found = result.best is not None if result is not None else longest is not None if longest_context else est.fits
     if not found:
         raise typer.Exit(DOES_NOT_FIT)
+
+
+def _recipe_stages(recipe: Path | None, overrides) -> int | None:
+    """The recipe's parallel.pipeline_parallel (None without a readable recipe: its own error comes later)."""
+    from llmtrain.config import load_recipe
+
+    try:
+        return load_recipe(recipe, overrides).parallel.pipeline_parallel if recipe is not None else None
+    except LLMTrainError:
+        return None
 
 
 def _rope_scaled(recipe: Path, overrides) -> bool:
