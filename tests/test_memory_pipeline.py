@@ -595,3 +595,4 @@ def test_a_ddp_launch_of_one_gpu_a_stage_is_estimated_as_it_trains(tiny_assets, 
         out = estimate_memory(*extra, check=False)
         assert out.returncode == 0, out.stderr
         assert "each stage 1 GPU(s) running single" in " ".join(out.stdout.split())
+        assert "│ pipeline 2 (a GPU a stage) │" in out.stdout  # beside FSDP 2 (it read "pipeline 2 x single 1")

@@ -2,8 +2,8 @@
 the stage boundaries' sends beside the collectives inside a stage (docs/scaling.md gives the formulas).
 
 The GPUs form P stage groups of D = world / P consecutive GPUs (with P = nodes a stage is a node); every GPU of group r
-runs the decoder layers parallel.pipeline.split.stage_layers gives rank r (interleaved: V chunks, virtual stages r, r + P,
-...), rank 0 also the embeddings, rank P - 1 the final norm, LM head and loss; inside a group the strategy (FSDP over
+runs the decoder layers parallel.pipeline.split.stage_layers gives rank r (interleaved: V chunks, virtual stages r,
+r + P, ...), rank 0 also the embeddings, rank P - 1 the final norm, LM head and loss; inside a group the strategy (FSDP over
 D, or DDP) shards or replicates the group's parameters, each GPU training its own micro-batches (D data-parallel
 ranks, each a pipeline of M = grad_accum_steps micro-batches a step). A GPU's peak is its stage's one-micro-batch peak
 (estimate.py's phases on the stage's layers) plus the activations of the other micro-batches its schedule holds
@@ -126,8 +126,8 @@ def stage_shape(shape: ModelShape, stage: Stage, chunk: int | None = None) -> Mo
 
 
 def as_trained(spec: TrainSpec) -> TrainSpec:
-    """A pipeline run as llmtrain trains it (parallel/pipeline/schedule.py): an FSDP stage is an FSDP2 module inside torch's
-    PipelineStage, which accumulates its gradients unsharded through the step's micro-batches whatever
+    """A pipeline run as llmtrain trains it (parallel/pipeline/schedule.py): an FSDP stage is an FSDP2 module inside
+    torch's PipelineStage, which accumulates its gradients unsharded through the step's micro-batches whatever
     train.fsdp_accumulate says (it turns gradient sync off in each micro-batch's backward and reduce-scatters once
     after the last). A DDP launch of as many GPUs as stages (ddp.yaml with parallel.pipeline_parallel = its processes)
     is one GPU a stage: no replica, nothing for DDP to hold (it had been refused: 'not ddp on 1 GPU(s) a stage')."""
@@ -461,8 +461,10 @@ def same_batch(spec: TrainSpec, strategy: str) -> TrainSpec | None:
 def compared(shape: ModelShape, spec: TrainSpec, network: Network) -> list[tuple[str, Estimate, Traffic]]:
     """The pipeline beside FSDP and HSDP (HSDP where there are nodes to replicate over) on the same GPUs at the same
     global batch: (label, estimate, traffic) each, the pipeline first."""
-    rows = [(f"pipeline {spec.pipeline_parallel} x {spec.strategy} {spec.world // spec.pipeline_parallel}",
-             pipeline_estimate(shape, as_trained(spec)), pipeline_traffic(shape, as_trained(spec), network))]
+    stage_gpus = spec.world // spec.pipeline_parallel
+    label = (f"pipeline {spec.pipeline_parallel} x {spec.strategy} {stage_gpus}" if stage_gpus > 1 else
+             f"pipeline {spec.pipeline_parallel} (a GPU a stage)")  # not "x single 1", nor "x ddp 1"
+    rows = [(label, pipeline_estimate(shape, as_trained(spec)), pipeline_traffic(shape, as_trained(spec), network))]
     for strategy in ("fsdp", "hsdp") if spec.num_nodes > 1 and spec.num_gpus > 1 else ("fsdp",):
         other = same_batch(spec, strategy)
         if other is not None:
