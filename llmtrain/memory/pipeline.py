@@ -1,15 +1,15 @@
 """Pipeline parallelism (parallel.pipeline_parallel P): each stage's memory, and the step's time with its bubble and
 the stage boundaries' sends beside the collectives inside a stage (docs/scaling.md gives the formulas).
 
-The GPUs form P stage groups of D = world / P consecutive GPUs (with P = nodes a stage is a node); every GPU of group r
-runs the decoder layers parallel.pipeline.split.stage_layers gives rank r (interleaved: V chunks, virtual stages r,
-r + P, ...), rank 0 also the embeddings, rank P - 1 the final norm, LM head and loss; inside a group the strategy (FSDP over
-D, or DDP) shards or replicates the group's parameters, each GPU training its own micro-batches (D data-parallel
-ranks, each a pipeline of M = grad_accum_steps micro-batches a step). A GPU's peak is its stage's one-micro-batch peak
-(estimate.py's phases on the stage's layers) plus the activations of the other micro-batches its schedule holds
-(split.in_flight) and torch's receive buffers; the worst GPU decides the fit. FSDP inside a stage: stage_estimate
-follows train.fsdp_accumulate (sharded as without a pipeline, unsharded as torch's PipelineStage runs an FSDP2 stage);
-a run is estimated as llmtrain trains it, unsharded (as_trained).
+The GPUs form P stage groups of D = world / P consecutive GPUs (with P = nodes a stage is a node); every GPU of group
+r runs the decoder layers parallel.pipeline.split.stage_layers gives rank r (interleaved: V chunks, virtual stages r,
+r + P, ...), rank 0 also the embeddings, rank P - 1 the final norm, LM head and loss; inside a group the strategy
+(FSDP over D, or DDP) shards or replicates the group's parameters, each GPU training its own micro-batches (D
+data-parallel ranks, each a pipeline of M = grad_accum_steps micro-batches a step). A GPU's peak is its stage's
+one-micro-batch peak (estimate.py's phases on the stage's layers) plus the activations of the other micro-batches its
+schedule holds (split.in_flight) and torch's receive buffers; the worst GPU decides the fit. FSDP inside a stage:
+stage_estimate follows train.fsdp_accumulate (sharded as without a pipeline, unsharded as torch's PipelineStage runs
+an FSDP2 stage); a run is estimated as llmtrain trains it, unsharded (as_trained).
 """
 
 from __future__ import annotations
