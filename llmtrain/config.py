@@ -852,15 +852,20 @@ class Recipe(Section):
 # --------------------------------------------------------------------------- loading and overrides
 
 
+def _sections(field) -> list[type[BaseModel]]:
+    """The sections a field holds: its annotation's BaseModel classes (LoraConfig of `LoraConfig | None`)."""
+    return [a for a in (field.annotation, *getattr(field.annotation, "__args__", ()))
+            if isinstance(a, type) and issubclass(a, BaseModel)]
+
+
 def all_keys(model: type[BaseModel] = Recipe, prefix: str = "") -> list[str]:
     """Every valid dotted key of the schema, e.g. 'train.lr'."""
     keys = []
     for name, field in model.model_fields.items():
         key = prefix + name
         keys.append(key)
-        for arg in (field.annotation, *getattr(field.annotation, "__args__", ())):
-            if isinstance(arg, type) and issubclass(arg, BaseModel):
-                keys.extend(all_keys(arg, key + "."))
+        for section in _sections(field):
+            keys.extend(all_keys(section, key + "."))
     return keys
 
 
@@ -874,8 +879,7 @@ def _default(key: str, model: type[BaseModel] = Recipe):
         return None
     if not rest:
         return None if field.default is PydanticUndefined else field.default
-    sections = [a for a in (field.annotation, *getattr(field.annotation, "__args__", ()))
-                if isinstance(a, type) and issubclass(a, BaseModel)]
+    sections = _sections(field)
     return _default(rest, sections[0]) if sections else None
 
 

@@ -198,7 +198,7 @@ def stage_estimate(shape: ModelShape, spec: TrainSpec, stage: Stage) -> Estimate
 
 
 def chunk_estimate(shape: ModelShape, spec: TrainSpec, stage: Stage, c: int) -> Estimate:
-    """stage_estimate with the one micro-batch going through chunk `c` (each held chunk's others' as in flight). An
+    """stage_estimate with the one micro-batch going through chunk `c` (every chunk's other micro-batches in flight). An
     interleaved stage's worst moment may be in the chunk without the head: on 2 GPUs of 2 chunks, the last GPU's first
     chunk holds twice the micro-batches of its second (measured: 0.962 of the peak when only the head's chunk was
     modelled, 0.983 with both)."""

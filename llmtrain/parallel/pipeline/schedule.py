@@ -245,7 +245,7 @@ class Pipeline:
         args = (stacked["input_ids"].to(self.device),) if self.first else ()
         # the boundaries stay on the CPU (each stage trims them). return_outputs=False: the last stage would otherwise
         # keep every micro-batch's final hidden states until the next step (torch's output_chunks, for step()'s
-        # merged return, which nothing reads): M x tokens x hidden more at its peak (measured: tests/stage_peak.py)
+        # merged return, which nothing reads): M - 1 x tokens x hidden more at its peak (measured: tests/stage_peak.py)
         self.schedule.step(*args, target=stacked["targets"].to(self.device),
                            position_ids=stacked["position_ids"].to(self.device),
                            cu_seq_lens=stacked["cu_seq_lens"], return_outputs=False)
