@@ -49,7 +49,7 @@ MODES: dict[str, Mode] = {m.key: m for m in (
          "loss, samples", "causal LM", router_aux=True),
     Mode("preference", "preference pairs (preference:)", ("preference",), "pairs", True,
          "loss, reward margin and accuracy, samples", "causal LM", router_aux=True),
-    Mode("kto", "KTO (kto:)", ("unpaired",), "examples", False, "loss, reward margin", "causal LM", router_aux=True),
+    Mode("kto", "KTO (kto:)", ("unpaired",), "examples", True, "loss, reward margin", "causal LM", router_aux=True),
     Mode("reward_model", "a reward model (reward_model:)", ("preference",), "pairs", True, "loss, accuracy, margin",
          "score head", samples=False),
     Mode("grpo", "online RL, GRPO (rl:)", ("prompt",), "prompts", False, "reward, answer accuracy", "causal LM",
@@ -221,8 +221,8 @@ RULES: tuple[Rule, ...] = (
          "{key} with interleaved_1f1b runs {rounds} rounds of micro-batches, which train.grad_accum_steps={accum} "
          "does not divide into: set it to a multiple of {pp}"),
     Rule("pp", lambda r, _: r.data.eval_split is not None and r.train.eval_batch_size is not None,
-         "{key} evaluates through the stages in rows of the one shape it trains in (train.micro_batch_tokens slots; "
-         "KTO's train.micro_batch_size x data.max_seq_len): unset train.eval_batch_size"),
+         "{key} evaluates through the stages in rows of the one shape it trains in (train.micro_batch_tokens slots): "
+         "unset train.eval_batch_size"),
     Rule("pp", lambda r, _: r.train.eval_samples > 0,
          "{key} holds each stage on its own processes, and generating samples needs the whole model on one: set "
          "train.eval_samples=0, and sample from final/ after the run (llmtrain generate RUN_DIR)"),
@@ -626,9 +626,7 @@ def _mode_problems(recipe) -> list[str]:
     out = []
     t = recipe.train
     if t.micro_batch_tokens is not None and not mode.token_budget:
-        out.append({"kto": "kto: a micro-batch is train.micro_batch_size examples, each with its KL sequence (its "
-                           "prompt and the previous example's completion); unset train.micro_batch_tokens",
-                    "distill": "distill: a micro-batch is train.micro_batch_size prompts, whose completions the "
+        out.append({"distill": "distill: a micro-batch is train.micro_batch_size prompts, whose completions the "
                                "student samples; unset train.micro_batch_tokens"}.get(
             mode.key, "rl: a micro-batch is train.micro_batch_size prompts, each with rl.num_generations completions "
                       "packed padding-free into one row; unset train.micro_batch_tokens (a token budget for the "
@@ -647,10 +645,11 @@ def _mode_problems(recipe) -> list[str]:
     if (p := recipe.preference) is not None and p.reference == "adapter" and recipe.lora is None:
         out.append("preference.reference: adapter disables the LoRA adapter, and this recipe has no lora: section; "
                    "use precomputed (or auto) for a full fine-tune")
-    if (k := recipe.kto) is not None and k.loss_type == "kto" and t.micro_batch_size < 2:
+    if (k := recipe.kto) is not None and k.loss_type == "kto" and t.micro_batch_tokens is None and \
+            t.micro_batch_size < 2:  # (under a token budget, data/checks.check_kl_pairs reads the lengths)
         out.append("kto.loss_type: kto estimates the KL term from mismatched pairs within a micro-batch, so it needs "
                    "train.micro_batch_size of at least 2 (with 1, the KL term would be the implied reward itself, as "
-                   "TRL says)")
+                   "TRL says), or a token budget (train.micro_batch_tokens) that holds two examples")
     if (rl := recipe.rl) is not None:
         if rl.beta > 0 and recipe.lora is None:
             default = " (rl.algorithm: rloo's default, TRL's)" if rl.algorithm == "rloo" else ""

@@ -11,7 +11,7 @@ import re
 
 import pytest
 import torch
-from helpers import records, run_train, write_recipe
+from helpers import load_weights, max_abs_diff, records, run_train, write_recipe
 
 from llmtrain.config import DataConfig, KTOConfig, LoraConfig, ModelConfig
 from llmtrain.data.formats import encode_example
@@ -324,3 +324,88 @@ def test_inspect_data_shows_the_labels_and_their_balance(tiny_assets, tmp_path):
     out = shown(f"data.path={unbalanced}", "data.eval_split=null", "train.eval_every_steps=null")
     assert "train: 20 desirable and 5 undesirable completions (80.0% desirable)" in out
     assert "warning (desirable balance): 20 desirable and 5 undesirable completions" in out
+
+
+# --------------------------------------------------------------------------- a token budget
+
+
+def _equal_length_rows(tiny_assets, tiny_tok, n: int) -> tuple[list[dict], int]:
+    """n rows of the reversal task that encode to one length (the commonest), mostly desirable (some undesirable):
+    a token budget of k times that length packs them k to a bin, in the epoch's order."""
+    rows = [{**r, "completion": r["completion"].removesuffix("zz"), "label": True}
+            for r in reversal_feedback(tiny_assets, 2000)]
+    cfg = DataConfig(path="x.jsonl", format="unpaired")
+    lengths = [len(encode_unpaired(r, tiny_tok, cfg)["input_ids"]) for r in rows]
+    common = max(set(lengths), key=lengths.count)
+    same = [r for r, n_ in zip(rows, lengths) if n_ == common][:n]
+    assert len(same) == n
+    for r in same[::3]:
+        r["label"] = False
+    return same, common
+
+
+def test_a_token_budget_trains_its_bins_as_micro_batches_of_examples(tiny_assets, tiny_tok, tmp_path):
+    """KTO under train.micro_batch_tokens: a micro-batch is the examples its bin holds, each with its KL sequence. On
+    24 rows of one length L, a budget of 4L packs them 4 to a bin in the epoch's order (best-fit decreasing keeps
+    equal lengths in order), the very micro-batches train.micro_batch_size=4 makes, in another order: with the
+    epoch's 6 micro-batches accumulated into one step, 2 steps of each are the same loss, KL estimate, rewards and
+    adapter (1e-6; the window's sum in another order). The KL term is live (positive) at step 2, so a bin whose
+    KL pairs were made across bins, or the budget's micro-batch taken as one example, would differ."""
+    rows, length = _equal_length_rows(tiny_assets, tiny_tok, 24)
+    data = write_jsonl(tmp_path / "kto.jsonl", rows)
+    recipe = write_recipe(tiny_assets, tmp_path, model={"attn_implementation": "auto"},
+                          data={"path": str(data), "format": "unpaired", "max_seq_len": 32},
+                          kto={"beta": 0.5}, lora={"r": 4, "alpha": 8, "dropout": 0.0},
+                          train={"max_steps": 2, "micro_batch_size": 4, "grad_accum_steps": 6, "lr": 1e-2,
+                                 "eps": 1e-6, "warmup_steps": 0, "seed": 7})
+    run_train(recipe, f"output_dir={tmp_path / 'examples'}")
+    run_train(recipe, "train.micro_batch_size=1", f"train.micro_batch_tokens={4 * length}",
+              f"output_dir={tmp_path / 'tokens'}")
+    assert f"bins of <= {4 * length} tokens" in (tmp_path / "tokens" / "train.log").read_text()
+    got, want = records(tmp_path / "tokens"), records(tmp_path / "examples")
+    assert len(got) == len(want) == 2 and want[1]["kl"] > 0.01
+    for key in ("loss", "kl", "rewards/chosen", "rewards/rejected", "logps/chosen", "logps/rejected"):
+        assert [r[key] for r in got] == pytest.approx([r[key] for r in want], abs=1e-5 if "/" in key else 1e-6), key
+    adapter = "final/adapter_model.safetensors"
+    assert max_abs_diff(load_weights(tmp_path / "tokens" / adapter), load_weights(tmp_path / "examples" / adapter)) \
+        < 1e-6
+
+
+def test_a_budget_that_two_examples_fit_leaves_at_most_one_example_alone_an_epoch():
+    """check_kl_pairs' claim about the budget's bins (batching.token_bins, best-fit decreasing): where the two longest
+    examples fit the budget together, at most one bin of an epoch holds a single example; where they do not, many
+    may (so the check is needed, not only prudent)."""
+    from llmtrain.data.batching import token_bins
+
+    g = torch.Generator().manual_seed(0)
+    for trial in range(200):
+        lengths = torch.randint(1, 200, (int(torch.randint(2, 300, (1,), generator=g)),), generator=g).tolist()
+        a, b = sorted(lengths)[-2:]
+        bins = token_bins(lengths, a + b + trial % 7, seed=trial, epoch=trial % 3)
+        assert sorted(i for b_ in bins for i in b_) == list(range(len(lengths)))
+        assert sum(len(b_) == 1 for b_ in bins) <= 1, (trial, lengths)
+    lengths = [150] * 10 + [10] * 4  # two long ones exceed the budget 200: the four short ones share one long
+    alone = sum(len(b_) == 1 for b_ in token_bins(lengths, 200, seed=0, epoch=0))  # one's bin (best fit), 9 alone
+    assert alone == 9
+
+
+def test_a_budget_that_two_examples_do_not_fit_is_refused_before_anything_is_written(tiny_assets, tiny_tok,
+                                                                                    tmp_path):
+    """Under a budget below the two longest examples together, a micro-batch may hold one example alone, whose KL
+    term is its own implied reward: finetune stops with the `KL pairs` check (doctor's too), naming the budget that
+    fits; apo_zero_unpaired (no KL term) trains under the same budget."""
+    rows, length = _equal_length_rows(tiny_assets, tiny_tok, 12)
+    data = write_jsonl(tmp_path / "kto.jsonl", rows)
+    recipe = write_recipe(tiny_assets, tmp_path, model={"attn_implementation": "auto"},
+                          data={"path": str(data), "format": "unpaired", "max_seq_len": 32},
+                          kto={"beta": 0.5}, lora={"r": 4, "alpha": 8, "dropout": 0.0},
+                          train={"max_steps": 1, "micro_batch_size": 1, "micro_batch_tokens": 2 * length - 1})
+    with pytest.raises(LLMTrainError) as refused:
+        run_train(recipe)
+    said = " ".join(str(refused.value).split())
+    assert (f"the two longest training examples ({length} and {length} tokens) do not fit "
+            f"train.micro_batch_tokens={2 * length - 1} together" in said), said
+    assert f"Raise train.micro_batch_tokens to at least {2 * length}" in said
+    assert not (tmp_path / "run").exists()
+    run_train(recipe, "kto.loss_type=apo_zero_unpaired")
+    assert records(tmp_path / "run")[0]["loss"] == pytest.approx(0.5, abs=1e-6)  # the adapter's B is 0 at step 1

@@ -1,7 +1,7 @@
 """KTO runs through the CLI: a crash mid-run and a resume end as the uninterrupted run (LoRA, and a full fine-tune,
 whose frozen reference must be the starting weights again, not the checkpoint's), 2 DDP processes train as 1
-(TRL's KL estimate averaged over the processes), and so do 2 pipeline stages (their reference and KL passes run
-through the stages before each step)."""
+(TRL's KL estimate averaged over the processes), and so do 2 pipeline stages under a token budget (their reference
+and KL passes run through the stages before each step)."""
 
 from __future__ import annotations
 
@@ -64,9 +64,8 @@ def same_kl_pairs(rows: list[dict], order: list[int]) -> list[dict]:
 # the disabled adapter as the reference on several processes: test_preference.py's FSDP LoRA DPO)
 @pytest.mark.parametrize("launch, lora", [pytest.param("cpu_ddp", True, marks=pytest.mark.extended),
                                           pytest.param("cpu_fsdp", True, marks=pytest.mark.extended),
-                                          ("cpu_fsdp", False),
-                                          pytest.param("pipeline", True, marks=pytest.mark.extended)],
-                         ids=["ddp-lora", "fsdp-lora", "fsdp-full", "pp-ddp-lora"])
+                                          ("cpu_fsdp", False)],
+                         ids=["ddp-lora", "fsdp-lora", "fsdp-full"])
 def test_two_processes_train_as_one(tiny_assets, tmp_path, free_port, launch, lora):
     """2 processes (gloo, accelerate launch; DDP, or FSDP2 sharding every layer: LoRA's reference the disabled adapter
     of the sharded model, a full fine-tune's the starting weights read again and sharded like the policy) x
@@ -82,9 +81,7 @@ def test_two_processes_train_as_one(tiny_assets, tmp_path, free_port, launch, lo
     (`same_kl_pairs`, on the seeded epoch order that both runs draw), and then the mean over the four equals the
     mean of the two means over two. A process that kept its own estimate (no all-reduce) would differ. 21 rows: the
     last global micro-batch has one example, so process 1 idles there: it still takes part in the average, and under
-FSDP it runs as many forwards as process 0 (each gathers every layer from both), else the run hangs. `pipeline`: the
-    same 2 data ranks, each a pipeline of 2 stages (4 processes): the KL estimates of the two pipelines' last stages
-    are averaged (the first stages add nothing), and the idle pipeline's stand-in rows weigh 0."""
+FSDP it runs as many forwards as process 0 (each gathers every layer from both), else the run hangs."""
     seed, n = 7, 21
     # Mostly desirable completions: training raises completions' log-probabilities broadly, mismatched ones too, so
     # the KL estimate is positive (not clamped to 0) at the steps after the first and the average matters.
@@ -102,13 +99,10 @@ FSDP it runs as many forwards as process 0 (each gathers every layer from both),
                                  "lr": 1e-2 if lora else 1e-3,
                                  "eps": 1e-6, "warmup_steps": 0, "seed": seed, "eval_every_steps": 3,
                                  "eval_samples": 0})
-    varlen = ["model.attn_implementation=auto"] if launch == "pipeline" else []  # (the stages' attention)
-    run_train(recipe, *varlen, f"output_dir={tmp_path / 'one'}")
-    stages = ["parallel.pipeline_parallel=2", *varlen] if launch == "pipeline" else \
-        [f"train.eval_batch_size={PER_RANK}"]  # (stages evaluate micro-batches as they train)
-    out = launch_finetune(REPO / "accelerate_configs" / f"{'cpu_ddp' if launch == 'pipeline' else launch}.yaml",
-                          4 if launch == "pipeline" else 2, free_port, recipe, f"output_dir={tmp_path / 'two'}",
-                          f"train.micro_batch_size={PER_RANK}", *stages)
+    run_train(recipe, f"output_dir={tmp_path / 'one'}")
+    out = launch_finetune(REPO / "accelerate_configs" / f"{launch}.yaml", 2, free_port, recipe,
+                          f"output_dir={tmp_path / 'two'}", f"train.micro_batch_size={PER_RANK}",
+                          f"train.eval_batch_size={PER_RANK}")
     assert ("reference: the starting weights, sharded like the policy" in out) == (launch == "cpu_fsdp" and not lora)
     assert_same_runs(tmp_path / "two", tmp_path / "one")
 
@@ -132,12 +126,15 @@ def assert_same_runs(run, one):
 
 
 @pytest.mark.slow
-def test_two_pipeline_stages_train_as_one_process(tiny_assets, tmp_path, free_port):
-    """KTO with LoRA on a pipeline of 2 stages (2 processes, 1F1B, 2 micro-batches of 4 examples a step, each one row
-    of 4 x 32 slots): before each step (and each eval) the stages run the micro-batches' KL sequences with the policy,
-    then with the adapter disabled those and the completions (the reference), forward only, and the KL estimate and
-    the reference log-probabilities reach the last stage with the targets (objectives/kto.StageKTO). Against one
-    process (assert_same_runs; measured: every figure equal to the bit)."""
+@pytest.mark.parametrize("replicas", [1, pytest.param(2, marks=pytest.mark.extended)], ids=["pp", "pp-ddp"])
+def test_pipeline_stages_train_as_without_them(tiny_assets, tmp_path, free_port, replicas):
+    """KTO with LoRA on a pipeline of 2 stages (1F1B, 2 micro-batches a step, each a bin of the token budget, one row
+    of its 128 slots): before each step (and each eval) the stages run the micro-batches' KL sequences with the
+    policy, then with the adapter disabled those and the completions (the reference), forward only, and the KL
+    estimate and the reference log-probabilities reach the last stage with the targets (objectives/kto.StageKTO).
+    Against one process (assert_same_runs; measured: every figure equal to the bit). `pp-ddp`: 2 pipelines of 2
+    stages (4 processes) against 2 DDP processes under the same budget: the KL estimates of the two pipelines' last
+    stages are averaged (the first stages add nothing), as the DDP processes' are."""
     seed, n = 7, 24
     rows = [{**r, "completion": r["completion"].removesuffix("zz"), "label": True}
             for r in reversal_feedback(tiny_assets, n + 8)]
@@ -147,13 +144,17 @@ def test_two_pipeline_stages_train_as_one_process(tiny_assets, tmp_path, free_po
     recipe = write_recipe(tiny_assets, tmp_path, model={"attn_implementation": "auto"},
                           data={"path": str(data), "format": "unpaired", "max_seq_len": 32, "eval_split": str(held)},
                           kto={"beta": 0.5}, lora={"r": 4, "alpha": 8, "dropout": 0.0},
-                          train={"max_steps": 3, "micro_batch_size": 4, "grad_accum_steps": 2, "lr": 1e-2,
-                                 "eps": 1e-6, "warmup_steps": 0, "seed": seed, "eval_every_steps": 3,
-                                 "eval_samples": 0})
-    run_train(recipe, f"output_dir={tmp_path / 'one'}")
-    out = launch_finetune(REPO / "accelerate_configs" / "cpu_ddp.yaml", 2, free_port, recipe,
-                          "parallel.pipeline_parallel=2", f"output_dir={tmp_path / 'pp'}")
-    assert "2 micro-batches of 128 slots a step" in out, out  # 4 examples x data.max_seq_len 32
+                          train={"max_steps": 3, "micro_batch_size": 1, "micro_batch_tokens": 128,
+                                 "grad_accum_steps": 2, "lr": 1e-2, "eps": 1e-6, "warmup_steps": 0, "seed": seed,
+                                 "eval_every_steps": 3, "eval_samples": 0})
+    ddp = REPO / "accelerate_configs" / "cpu_ddp.yaml"
+    if replicas == 1:
+        run_train(recipe, f"output_dir={tmp_path / 'one'}")
+    else:
+        launch_finetune(ddp, 2, free_port, recipe, f"output_dir={tmp_path / 'one'}")
+    out = launch_finetune(ddp, 2 * replicas, free_port, recipe, "parallel.pipeline_parallel=2",
+                          f"output_dir={tmp_path / 'pp'}")
+    assert "2 micro-batches of 128 slots a step" in out, out
     assert_same_runs(tmp_path / "pp", tmp_path / "one")
 
 

@@ -82,3 +82,34 @@ def test_under_fsdp_x_tp_the_reference_is_sharded_over_every_gpu_of_the_mesh():
     sharded = -(-(MISTRAL.params_total * 4 - head) // 8) + head  # as on 8 FSDP shards (the test above)
     assert est.phase_parts["optimizer_step"]["weights"] - without.phase_parts["optimizer_step"]["weights"] == \
         pytest.approx(sharded, abs=8)
+
+
+@pytest.mark.parametrize("budget", [False, True], ids=["examples", "tokens"])
+def test_fit_and_the_longest_context_keep_two_examples_a_micro_batch(budget):
+    """KTO's KL estimate pairs each prompt with another example's completion, so a micro-batch of one example is
+    refused (kto.loss_type kto): `--fit` never proposes one (on 17 GiB it had proposed train.micro_batch_size=1, which
+    the proposed command then refused), nor a token budget below two sequences of data.max_seq_len, with or without
+    a global batch to keep; the longest context is that of each of two sequences a micro-batch."""
+    from llmtrain.memory.fit import at_context, fit, least_micro_batch, longest_context
+
+    recipe = kto_recipe(lora=True, accum=8)
+    if budget:
+        recipe = recipe.model_copy(update={"train": recipe.train.model_copy(
+            update={"micro_batch_size": 1, "micro_batch_tokens": 4096})})
+    spec = spec_from_recipe(recipe, gpu_memory_gib=17)
+    assert spec.min_examples == 2 and least_micro_batch(spec) == (2048 if budget else 2)
+    for global_batch in (None, 32 if not budget else 4096 * 8):
+        result = fit(MISTRAL, spec, global_batch=global_batch)
+        assert result.candidates
+        for c in result.candidates:
+            assert (c.spec.micro_batch_tokens >= 2048) if budget else (c.spec.micro_batch >= 2), c.spec
+    one = replace(spec, min_examples=1)  # what a mode of single examples may take: 1 (the test can fail)
+    if not budget:
+        assert min(c.spec.micro_batch for c in fit(MISTRAL, one).candidates) == 1
+    assert at_context(spec, 8192).micro_batch_tokens == 16384 and at_context(spec, 8192).seq_len == 8192
+    card = dict(gpu_memory_gib=80)  # (on 17 GiB not 1,024 tokens fit beside the weights)
+    longest, alone = longest_context(MISTRAL, replace(spec, **card)), longest_context(MISTRAL, replace(one, **card))
+    assert longest.spec.micro_batch_tokens == 2 * longest.spec.seq_len
+    assert longest.spec.seq_len < alone.spec.seq_len  # two sequences of it must fit, not one
+    apo = recipe.model_copy(update={"kto": recipe.kto.model_copy(update={"loss_type": "apo_zero_unpaired"})})
+    assert spec_from_recipe(apo).min_examples == 1  # no KL term: one example a micro-batch is fine

@@ -129,6 +129,31 @@ def check_budget(budget: int | None, lengths: list[int]) -> list[Check]:
     return [("token budget", "pass", f"the longest example ({longest} tokens) fits train.micro_batch_tokens={budget}")]
 
 
+def check_kl_pairs(recipe: Recipe, train_lengths: list[int], eval_lengths: list[int]) -> list[Check]:
+    """KTO's KL estimate under a token budget: it is made of mismatched pairs within a micro-batch (each prompt with
+    another example's completion), so a micro-batch needs two examples or more. The budget's bins (best-fit
+    decreasing, batching.token_bins) open a new bin only for an example no open bin can take: where the two longest
+    examples of a split fit the budget together, a bin holding one example can take any other, so every bin but the
+    last opened holds two or more (at most one micro-batch an epoch holds one example, as the last of an epoch by
+    examples may). Where they do not
+    fit, any number of micro-batches may hold a long example alone, whose KL term would be its own implied reward."""
+    budget = recipe.train.micro_batch_tokens
+    if recipe.kto is None or recipe.kto.loss_type != "kto" or budget is None:
+        return []
+    for split, lengths in (("training", train_lengths), ("eval", eval_lengths)):
+        if len(lengths) < 2:
+            continue
+        a, b = sorted(lengths)[-2:]
+        if a + b > budget:
+            return [("KL pairs", "fail", f"kto.loss_type: kto estimates the KL term from mismatched pairs within a "
+                     f"micro-batch, and the two longest {split} examples ({b} and {a} tokens) do not fit "
+                     f"train.micro_batch_tokens={budget} together: a micro-batch could hold one example alone, whose "
+                     f"KL term would be its own implied reward. Raise train.micro_batch_tokens to at least {a + b}, "
+                     f"or cut the examples shorter (data.max_seq_len={budget // 2} makes any two fit)")]
+    return [("KL pairs", "pass", f"any two examples fit train.micro_batch_tokens={budget}: every micro-batch but "
+             "at most one an epoch holds two or more (KTO's KL estimate)")]
+
+
 def check_data(recipe: Recipe, stats: DataStats, train, eval_ds, tokenizer) -> list[Check]:
     """The data checks `finetune` (which stops on a fail) and `doctor` share: the loss mask, the stop token
     trained, and the token budget, on the tokenised train (and eval) sets."""
@@ -155,7 +180,8 @@ def check_data(recipe: Recipe, stats: DataStats, train, eval_ds, tokenizer) -> l
         rows.append(check_margin(train, eval_ds))
     lengths = [*train["length"], *(eval_ds["length"] if eval_ds is not None else [])]
     rows += check_eval_batch(recipe, train["length"], eval_ds["length"] if eval_ds is not None else [])
-    return rows + check_budget(recipe.train.micro_batch_tokens, lengths)
+    return rows + check_budget(recipe.train.micro_batch_tokens, lengths) + check_kl_pairs(
+        recipe, train["length"], eval_ds["length"] if eval_ds is not None else [])
 
 
 def check_margin(train, eval_ds) -> Check:

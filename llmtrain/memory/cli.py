@@ -179,7 +179,7 @@ def estimate_memory(
         if result is not None:
             out["fit"] = _fit_dict(result)
         if longest_context:
-            out["longest_context_tokens"] = longest.spec.micro_batch_tokens if longest is not None else None
+            out["longest_context_tokens"] = longest.spec.seq_len if longest is not None else None
         typer.echo(json.dumps(out, indent=1))
     else:
         if longest_context:
@@ -223,12 +223,15 @@ def _longest_line(est, spec, *, positions: int | None = None, scaled: bool = Fal
             f"({host * spec.num_gpus / 2**30:,.1f} GiB per node)") if host else ""
     split = (f", split {spec.sequence_parallel} ways ({est.spec.gpu_tokens:,} tokens a GPU)"
              if spec.sequence_parallel > 1 else "")
-    tokens = est.spec.micro_batch_tokens
+    tokens = est.spec.seq_len
+    each = ("in one sequence" if spec.min_examples == 1 else
+            f"a sequence, {spec.min_examples} sequences a micro-batch (KTO's KL estimate pairs each prompt with "
+            "another example's completion)")
     past = (f" That is past the model's max_position_embeddings={positions:,}: memory allows it, but positions past "
             f"{positions:,} were never trained; train that long with model.rope_scaling (e.g. {{rope_type: yarn, "
             f"factor: {-(-tokens // positions)}}}, docs/long-context.md), or keep data.max_seq_len at {positions:,}."
             if positions and tokens > positions and not scaled else "")
-    return (f"longest context that fits {gpus}: {tokens:,} tokens in one sequence{split} (within "
+    return (f"longest context that fits {gpus}: {tokens:,} tokens {each}{split} (within "
             f"90% of the card, as --fit; in steps of {LONGEST_STEP:,}){more}.{past} The estimate at that length:")
 
 

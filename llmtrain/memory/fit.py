@@ -116,8 +116,15 @@ def micro_batch_choices(spec: TrainSpec, global_batch: int | None) -> list[int] 
     if not global_batch or global_batch % spec.data_ranks:
         return None
     per_gpu = global_batch // spec.data_ranks
-    least = min(spec.micro_batch_tokens, spec.seq_len) if spec.micro_batch_tokens else 1
-    return [d for d in range(least, per_gpu + 1) if per_gpu % d == 0]
+    return [d for d in range(least_micro_batch(spec), per_gpu + 1) if per_gpu % d == 0]
+
+
+def least_micro_batch(spec: TrainSpec) -> int:
+    """The smallest micro-batch --fit tries: spec.min_examples examples (KTO's 2), or a budget that holds that many
+    sequences of seq_len (never below the run's own budget where that is smaller: its data fits it)."""
+    if spec.micro_batch_tokens:
+        return min(spec.micro_batch_tokens, spec.min_examples * spec.seq_len)
+    return spec.min_examples
 
 
 def largest_fitting(shape: ModelShape, spec: TrainSpec, choices: list[int] | None,
@@ -131,8 +138,7 @@ def largest_fitting(shape: ModelShape, spec: TrainSpec, choices: list[int] | Non
                 return est
         return None
     best = None
-    lo, hi = (min(spec.micro_batch_tokens, spec.seq_len), MAX_MICRO_BATCH * spec.seq_len) if spec.micro_batch_tokens \
-        else (1, MAX_MICRO_BATCH)
+    lo, hi = least_micro_batch(spec), MAX_MICRO_BATCH * (spec.seq_len if spec.micro_batch_tokens else 1)
     while lo <= hi:  # memory grows with the micro-batch, so bisect
         mid = (lo + hi) // 2
         est = estimate_run(shape, with_size(spec, mid))
@@ -313,7 +319,7 @@ def overflow_advice(est: Estimate) -> str:
                          f"{s.sequence_parallel}, up to the {s.world} GPUs: each holds 1/N of the tokens)")
         if s.micro_batch_tokens:
             fewer.append("a smaller token budget (train.micro_batch_tokens / --micro-batch-tokens)")
-        elif s.micro_batch > s.per_example:
+        elif s.micro_batch > s.per_example * s.min_examples:
             fewer.append("fewer examples a micro-batch (train.micro_batch_size / --micro-batch)")
         fewer.append("shorter sequences (data.max_seq_len / --seq-len)")
         if parts.get("logits", 0) >= max(parts.get("activations", 0), parts.get("temporaries", 0)):
@@ -349,10 +355,11 @@ LONGEST_MOST = 1 << 24  # and looks no further than 16M tokens
 
 
 def at_context(spec: TrainSpec, tokens: int) -> TrainSpec:
-    """The run with one sequence of `tokens` a micro-batch (the token budget and data.max_seq_len both that long;
-    an eval during training batched by the same budget)."""
-    evals = dict(eval_micro_batch=1, eval_micro_batch_tokens=tokens) if spec.eval_micro_batch else {}
-    return spec.but(micro_batch=1, micro_batch_tokens=tokens, seq_len=tokens, **evals)
+    """The run with sequences of `tokens` (data.max_seq_len that long), one a micro-batch (KTO's: two, its
+    min_examples), the token budget holding them; an eval during training batched by the same budget."""
+    budget = tokens * spec.min_examples
+    evals = dict(eval_micro_batch=1, eval_micro_batch_tokens=budget) if spec.eval_micro_batch else {}
+    return spec.but(micro_batch=1, micro_batch_tokens=budget, seq_len=tokens, **evals)
 
 
 def longest_context(shape: ModelShape, spec: TrainSpec) -> Estimate | None:

@@ -119,6 +119,9 @@ class TrainSpec:
     # sequences one recipe example makes (micro_batch counts sequences): 2 for a preference pair (chosen and
     # rejected), num_generations for an online-RL prompt; --fit sizes micro-batches in whole examples
     per_example: int = 1
+    # the fewest examples a micro-batch may hold: 2 for KTO's KL estimate (kto.loss_type kto), which pairs each prompt
+    # with another example's completion; --fit and --longest-context keep at least that many
+    min_examples: int = 1
     # KTO: before each micro-batch's training forward, no-grad forwards of as many sequences (its KL sequences, by the
     # policy and the reference, and the reference's pass over the micro-batch), with the window's gradients so far held
     no_grad_forwards: bool = False
@@ -361,6 +364,7 @@ def spec_from_recipe(recipe: Recipe, *, strategy: Strategy = "single", num_gpus:
         num_generations=recipe.rl.num_generations if recipe.rl is not None else int(
             recipe.distill is not None and recipe.distill.lmbda > 0), per_example=per_example, **rl, **teacher,
         no_grad_forwards=recipe.kto is not None, frozen_reference=recipe.kto is not None and lora is None,
+        min_examples=2 if recipe.kto is not None and recipe.kto.loss_type == "kto" else 1,
         merged_copy=_merged_copy(recipe),
         **{**pipeline_keys(recipe), **launch},  # --pipeline-* options (in launch) win over the recipe's keys
     )

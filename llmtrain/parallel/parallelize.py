@@ -56,7 +56,7 @@ def parallelize(model, recipe: Recipe, accelerator, *, make_optimizer, pad_id: i
         # this process's stages (the optimizer sees only theirs), sharded over their replicas by an FSDP launch
         plugin = accelerator.state.fsdp_plugin if uses_fsdp(accelerator) else None
         stages = Pipeline(model, parallel=recipe.parallel, micro_batches=recipe.train.grad_accum_steps,
-                          slots=row_slots(recipe.train, recipe.data), pad_id=pad_id, device=accelerator.device,
+                          slots=row_slots(recipe.train), pad_id=pad_id, device=accelerator.device,
                           group=groups(accelerator).pipeline,
                           fsdp=None if plugin is None else plugin.mixed_precision_policy or True,
                           precision=accelerator.autocast, head_loss=head_loss)

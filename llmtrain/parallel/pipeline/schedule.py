@@ -38,12 +38,11 @@ from llmtrain.parallel.pipeline.stage import PER_LAYER_MODULES, Elsewhere, Stage
 SCHEDULES = {"gpipe": "ScheduleGPipe", "1f1b": "Schedule1F1B", "interleaved_1f1b": "ScheduleInterleaved1F1B"}
 
 
-def row_slots(train, data) -> int:
-    """The slots of the stages' one row shape: train.micro_batch_tokens; where a micro-batch is a count of examples
-    (KTO's: train.micro_batch_size, no token budget), as many as they can take, train.micro_batch_size x
-    data.max_seq_len, each row padded to it (its KL sequences, each a prompt with another's completion, hold as many
-    tokens as the completions' sequences at most)."""
-    return train.micro_batch_tokens or train.micro_batch_size * data.max_seq_len
+def row_slots(train) -> int:
+    """The slots of the stages' one row shape: train.micro_batch_tokens, which every mode on stages sets (capabilities'
+    rule; a KTO micro-batch's KL sequences, each a prompt with another's completion, hold as many tokens as its
+    completions' sequences at most, so they fit the same row)."""
+    return train.micro_batch_tokens
 
 
 class Pipeline:
