@@ -302,8 +302,6 @@ class DataConfig(Section):
         if self.system_prompt is not None and self.format != "messages" and self.chat_template is False:
             raise ValueError("data.system_prompt needs rows rendered as a chat: set data.chat_template: true "
                              "(or a template file), or use data.format: messages")
-        if self.eval_max_examples is not None and self.eval_split is None:
-            raise ValueError("data.eval_max_examples caps the eval data, but data.eval_split gives none")
         return self
 
 

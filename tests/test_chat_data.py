@@ -316,8 +316,6 @@ def test_a_conversation_the_template_refuses_names_the_row(mistral, tmp_path):
     (["data.system_prompt=Be brief."],
      "data: data.system_prompt needs rows rendered as a chat: set data.chat_template: true (or a template file), "
      "or use data.format: messages"),
-    (["data.eval_split=null", "data.eval_max_examples=10"],
-     "data: data.eval_max_examples caps the eval data, but data.eval_split gives none"),
 ])
 def test_recipe_refuses_chat_keys_that_cannot_apply(overrides, message):
     with pytest.raises(RecipeError) as err:

@@ -444,3 +444,17 @@ def test_doctor_checks_a_recipe_as_its_header_launches_it(tiny_assets, tmp_path)
     assert "on 8 processes: FSDP" in said
     said, alone = rows("--accelerate-config", "accelerate_configs/single_gpu.yaml")
     assert "from the recipe's header" not in said and alone["memory"] == "fail", said
+
+
+def test_turning_evaluation_off_keeps_its_other_keys_with_a_warning(tiny_assets, tmp_path):
+    """data.eval_split=null turns evaluation off; a recipe's data.eval_max_examples then caps nothing (it had been a
+    refusal, so turning eval off took a second key) and its train.eval_every_steps acts on nothing (it had passed
+    without a word): the recipe loads, and doctor (and finetune, which runs the same checks) says both in one line."""
+    recipe = load_recipe(write_recipe(tiny_assets, tmp_path, data={"eval_max_examples": 10},
+                                      train={"eval_every_steps": 2}), ["data.eval_split=null"])
+    checks = {name: (status, detail) for name, status, detail in run_doctor(recipe, gpu_memory=80)}
+    status, detail = checks["no eval"]
+    assert status == "warn"
+    assert "train.eval_every_steps=2 and data.eval_max_examples=10 have nothing to act on" in " ".join(detail.split())
+    assert "no eval" not in {name for name, _, _ in run_doctor(
+        load_recipe(write_recipe(tiny_assets, tmp_path)), gpu_memory=80)}  # (write_recipe: no eval keys)

@@ -111,3 +111,38 @@ def test_merge_refuses_full_runs_and_existing_outputs(full_run, lora_run, tmp_pa
         export_merged(lora_run, taken)
     proc = cli("export", str(lora_run), check=False)
     assert proc.returncode == 2 and "Nothing to do" in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_a_base_that_cannot_be_read_again_is_said_in_a_paragraph(tiny_assets, tmp_path):
+    """A LoRA run's export and replies read its base again from model.name_or_path. A base drawn at random
+    (model.random_init: its weights never saved) is refused by export, generate and eval alike, naming the key (export
+    and generate had died in transformers' OSError, 'no file named model.safetensors', a traceback); a base folder
+    moved away since the run is a paragraph naming the path, where export had printed a traceback."""
+    import shutil
+
+    from llmtrain.config import load_recipe
+    from llmtrain.run.benchmarks import recipe_problem
+    from llmtrain.run.replies import load_source
+
+    model = tmp_path / "base"
+    shutil.copytree(tiny_assets / "model", model)
+    lora = {"r": 4, "alpha": 8, "dropout": 0.0}
+    run_train(write_recipe(tiny_assets, tmp_path, model={"name_or_path": str(model), "random_init": True},
+                           train={"max_steps": 1}, lora=lora))
+    run = tmp_path / "run"
+    for use in (lambda: export_merged(run), lambda: load_source(str(run))):
+        with pytest.raises(LLMTrainError) as refused:
+            use()
+        said = " ".join(str(refused.value).split())
+        assert "randomly initialised" in said and "(model.random_init: true), whose weights are never saved" in said
+    assert not (run / "final-merged").exists()
+    assert "whose weights are never saved" in recipe_problem(load_recipe(run / "recipe.yaml"), str(run), adapter=True)
+
+    run_train(write_recipe(tiny_assets, tmp_path, model={"name_or_path": str(model)}, train={"max_steps": 1},
+                           lora=lora), f"output_dir={tmp_path / 'saved'}")
+    model.rename(tmp_path / "moved")
+    proc = cli("export", str(tmp_path / "saved"), "--merge", check=False)
+    assert proc.returncode != 0 and "Traceback" not in proc.stderr, proc.stderr
+    assert f"the model folder '{model}' (model.name_or_path / model.tokenizer) does not exist" in " ".join(
+        proc.stderr.split()), proc.stderr
+    assert not (tmp_path / "saved" / "final-merged").exists()

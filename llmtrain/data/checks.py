@@ -157,11 +157,13 @@ def check_kl_pairs(recipe: Recipe, train_lengths: list[int], eval_lengths: list[
 def check_data(recipe: Recipe, stats: DataStats, train, eval_ds, tokenizer) -> list[Check]:
     """The data checks `finetune` (which stops on a fail) and `doctor` share: the loss mask, the stop token
     trained, and the token budget, on the tokenised train (and eval) sets."""
+    unused = check_no_eval(recipe, eval_ds)
     if recipe.data.format == "prompt":  # online RL: nothing is trained from the data; the completions need room
-        return check_prompt_room(recipe, train, eval_ds)
+        return unused + check_prompt_room(recipe, train, eval_ds)
     pairs = recipe.data.format == "preference"
-    rows = check_masks(stats, train_on_prompt=recipe.data.train_on_prompt, text=recipe.data.format == "text",
-                       max_seq_len=recipe.data.max_seq_len, unit="pairs" if pairs else "examples")
+    rows = unused + check_masks(stats, train_on_prompt=recipe.data.train_on_prompt,
+                                text=recipe.data.format == "text", max_seq_len=recipe.data.max_seq_len,
+                                unit="pairs" if pairs else "examples")
     if len(train):
         sample = train.select(range(min(EOS_SAMPLE, len(train))))
         labels = (list(sample["chosen_labels"]) + list(sample["rejected_labels"]) if pairs  # both answers must stop
@@ -199,6 +201,18 @@ def check_margin(train, eval_ds) -> Check:
 
 
 EVAL_BATCH_RATIO = 4  # an eval micro-batch more than this many times the training's tokens is warned about
+
+
+def check_no_eval(recipe: Recipe, eval_ds) -> list[Check]:
+    """No eval data (data.eval_split null, the way to turn evaluation off), and keys that would shape an evaluation
+    set: said once at the start (they are left as they are, so the recipe still evaluates where a split comes back)."""
+    keys = [f"{k}={v}" for k, v in (("train.eval_every_steps", recipe.train.eval_every_steps),
+                                     ("data.eval_max_examples", recipe.data.eval_max_examples)) if v is not None]
+    if eval_ds is not None or not keys:
+        return []
+    return [("no eval", "warn", f"data.eval_split gives no eval data, so the run does not evaluate, and "
+             f"{' and '.join(keys)} have nothing to act on. Give data.eval_split (a fraction, a split or a file) to "
+             "evaluate")]
 
 
 def check_eval_batch(recipe: Recipe, train_lengths: list[int], eval_lengths: list[int]) -> list[Check]:

@@ -86,15 +86,18 @@ def pretrained(auto, path: str, **kwargs):
     checkpoint's text model): for what reads a run's base again (the export's merge, a reward model's adapter)."""
     from transformers import AutoConfig
 
-    config, mapping = text_model(AutoConfig.from_pretrained(path, **{k: v for k, v in kwargs.items()
-                                                                     if k == "num_labels"}))
-    kwargs.update(dequantized(config))
-    if not mapping:
-        return auto.from_pretrained(path, **kwargs)
-    if "num_labels" in kwargs:
-        config.num_labels = kwargs.pop("num_labels")
-    with _quiet_new_head(True):
-        return _own_names(auto.from_pretrained(path, config=config, key_mapping=mapping, **kwargs))
+    try:
+        config, mapping = text_model(AutoConfig.from_pretrained(path, **{k: v for k, v in kwargs.items()
+                                                                         if k == "num_labels"}))
+        kwargs.update(dequantized(config))
+        if not mapping:
+            return auto.from_pretrained(path, **kwargs)
+        if "num_labels" in kwargs:
+            config.num_labels = kwargs.pop("num_labels")
+        with _quiet_new_head(True):
+            return _own_names(auto.from_pretrained(path, config=config, key_mapping=mapping, **kwargs))
+    except (OSError, ValueError) as e:  # the base moved, deleted or not in the cache: said as load_model says it
+        raise _load_error("model", path, e) from None
 
 
 def _own_names(model):

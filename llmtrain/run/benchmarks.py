@@ -110,12 +110,9 @@ def recipe_problem(recipe, target: str, *, adapter: bool) -> str | None:
                 "for a benchmark's likelihoods or generations. Evaluate the policy it trained")
     if not adapter:
         return None
-    base = recipe.model.name_or_path
-    if recipe.model.random_init:
-        return (f"'{target}' trains a LoRA adapter on a randomly initialised {base} (model.random_init: true), whose "
-                "weights are never saved: the harness cannot load the base the adapter belongs to. Evaluate a run on "
-                "saved weights, or a whole model")
-    return None
+    from llmtrain.run.replies import unsaved_base
+
+    return unsaved_base(recipe.model.model_dump(), target)
 
 
 def _loader(path: Path):

@@ -57,6 +57,7 @@ def export_merged(run_dir: Path, out: Path | None = None, *, say=lambda text: No
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from llmtrain.model.modeling import pretrained
+    from llmtrain.run.replies import unsaved_base
 
     transformers.utils.logging.disable_progress_bar()  # "Loading weights", "Writing model shards": say() says it
     final = run_dir / "final"
@@ -66,6 +67,8 @@ def export_merged(run_dir: Path, out: Path | None = None, *, say=lambda text: No
             "a full fine-tune's final/ is already a complete model."
         )
     recipe = yaml.safe_load((run_dir / "recipe.yaml").read_text())
+    if problem := unsaved_base(recipe["model"], str(run_dir)):
+        raise LLMTrainError(problem)
     out = out or run_dir / "final-merged"
     if out.exists():
         raise LLMTrainError(f"'{out}' already exists; remove it or pass --out <new folder>.")
