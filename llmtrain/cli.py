@@ -17,10 +17,23 @@ import typer
 
 from llmtrain.errors import Everywhere, LLMTrainError, Relayed, Stopped
 
+# typer's type labels of an option's value (--seed <int>, --top-p <float range>) as click names a value: N, X, PATH
+_VALUE_NAMES = {"int": "N", "int range": "N", "float": "X", "float range": "X", "path": "PATH", "file": "PATH",
+                "directory": "DIR", "str": "TEXT"}
+
+
+def _value_name(shown: str | None) -> str | None:
+    """An option's value as its help row shows it: a name for typer's <type> (its choices as a|b|c)."""
+    if not shown or not shown.startswith("<") or not shown.endswith(">"):
+        return shown
+    return _VALUE_NAMES.get(shown[1:-1], shown[1:-1])
+
+
 class _Command(typer.core.TyperCommand):
     """A command whose help names each argument by its metavar alone, as click writes it: typer (0.29) adds the
     argument's type after it (RECIPE.yaml <path>, KEY=VALUE <list[str]>) and braces a required one in the usage line
-    ({RECIPE.yaml})."""
+    ({RECIPE.yaml}); and each option's value by a name (--seed N, --out PATH, --method full|lora), where typer
+    writes its type (<int>, <path>, <int range>, <full|lora>)."""
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
@@ -29,6 +42,9 @@ class _Command(typer.core.TyperCommand):
                 shown = (param.metavar if param.required else f"[{param.metavar}]") + "..." * (param.nargs != 1)
                 param.display_type_rich = lambda ctx: None
                 param._usage_display_name = lambda shown=shown: shown
+            elif isinstance(param, typer.core.TyperOption) and not param.is_flag:
+                typed = param.display_type_rich
+                param.display_type_rich = lambda ctx, typed=typed: _value_name(typed(ctx))
 
 
 class _Typer(typer.Typer):
@@ -201,7 +217,7 @@ def launch(ctx: typer.Context) -> None:
 def inspect_data(
     recipe: Annotated[Path, typer.Argument(metavar="RECIPE.yaml", help="YAML recipe.")],
     overrides: Overrides = None,
-    n: Annotated[int, typer.Option("--n", help="How many formatted examples to show.")] = 3,
+    n: Annotated[int, typer.Option("--n", "-n", help="How many formatted examples to show.")] = 3,
     as_json: Annotated[bool, typer.Option("--json", help="One JSON object per example: input_ids and labels.")] = False,
 ) -> None:
     """Show formatted examples with trained tokens highlighted, and dataset statistics."""

@@ -63,6 +63,24 @@ def test_h_is_help_and_arguments_are_named_in_the_recipes_words(command, usage):
     assert "{" not in proc.stdout.splitlines()[0]
 
 
+@pytest.mark.parametrize("command", ["finetune", "inspect-data", "export", "generate", "eval", "prepare-tiny",
+                                     "estimate-memory", "doctor", "plot"])
+def test_each_option_names_its_value_not_its_type(command):
+    """typer writes an option's type where click names its value (--seed <int>, --top-p <float range>, --out <path>,
+    --method <full|lora>; issue 53): the help names it (N, X, PATH, full|lora), every option of every command."""
+    import re
+
+    proc = _run([*LLMTRAIN, command, "-h"], env={**ENV, "COLUMNS": "200"})
+    rows = [line.strip() for line in proc.stdout.splitlines() if line.strip().startswith("-")]
+    assert proc.returncode == 0 and rows, proc.stdout
+    typed = [row for row in rows if re.match(r"^[-\w, /]+ <", row)]
+    assert not typed, typed
+    if command == "generate":
+        assert any(row.startswith("--seed N ") for row in rows) and any(row.startswith("--out PATH ") for row in rows)
+    if command == "estimate-memory":
+        assert any(row.startswith("--method full|lora ") for row in rows), rows
+
+
 def test_launch_help_names_what_it_takes():
     """`llmtrain launch --help` listed no options (issue 53): its usage names the recipe and the flags it passes on."""
     out = " ".join(_run([*LLMTRAIN, "launch", "-h"], env={**ENV, "COLUMNS": "100"}).stdout.split())

@@ -43,7 +43,7 @@ def estimate_memory(
     overrides: Annotated[Optional[list[str]], typer.Argument(metavar="KEY=VALUE",
                                                              help="Dotted recipe overrides, as for finetune.")] = None,
     model: Annotated[Optional[str], typer.Option(
-        "--model", help="Estimate from a model's config.json alone: a directory, a config.json, a preset "
+        "--model", metavar="MODEL", help="Estimate from a model's config.json alone: a directory, a config.json, a preset "
         f"({', '.join(PRESETS)}) or a hub id.")] = None,
     method: Annotated[Optional[Literal["full", "lora"]], typer.Option(
         help="Full fine-tune or LoRA (QLoRA: --method lora --quantize nf4).")] = None,
@@ -52,7 +52,7 @@ def estimate_memory(
         min=0.0, max=1.0, help="LoRA dropout (lora.dropout; default 0.05): above 0 each adapter keeps its own dropped "
         "copy of its input for backward; long-context recipes set 0.")] = None,
     lora_target_parameters: Annotated[Optional[list[str]], typer.Option(
-        metavar="<name>", help="A parameter LoRA adapts beside the linear layers (lora.target_parameters; once "
+        metavar="NAME", help="A parameter LoRA adapts beside the linear layers (lora.target_parameters; once "
         "each): GPT-OSS's experts, mlp.experts.gate_up_proj and mlp.experts.down_proj.")] = None,
     strategy: Annotated[Optional[Literal["single", "ddp", "fsdp", "hsdp"]], typer.Option(
         help="single GPU, DDP (whole model per GPU), FSDP (sharded over every GPU) or HSDP (sharded over a "
