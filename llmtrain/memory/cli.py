@@ -43,8 +43,8 @@ def estimate_memory(
     overrides: Annotated[Optional[list[str]], typer.Argument(metavar="KEY=VALUE",
                                                              help="Dotted recipe overrides, as for finetune.")] = None,
     model: Annotated[Optional[str], typer.Option(
-        "--model", metavar="MODEL", help="Estimate from a model's config.json alone: a directory, a config.json, a preset "
-        f"({', '.join(PRESETS)}) or a hub id.")] = None,
+        "--model", metavar="MODEL", help="Estimate from a model's config.json alone: a directory, a config.json, a "
+        f"preset ({', '.join(PRESETS)}) or a hub id.")] = None,
     method: Annotated[Optional[Literal["full", "lora"]], typer.Option(
         help="Full fine-tune or LoRA (QLoRA: --method lora --quantize nf4).")] = None,
     lora_r: Annotated[Optional[int], typer.Option(help="LoRA rank (all linear layers but the LM head).")] = None,
