@@ -9,6 +9,7 @@ import copy
 import json
 import math
 import os
+import shutil
 from pathlib import Path
 
 import pytest
@@ -481,6 +482,16 @@ def test_a_missing_teacher_is_refused_naming_the_key(tiny_assets, tmp_path):
     (tmp_path / "empty").mkdir()  # there, but not a model folder: transformers' words
     text = _refused(distill_recipe(tiny_assets, tmp_path, tmp_path / "empty"), f"output_dir={tmp_path / 'run2'}")
     assert f"distill.teacher '{tmp_path / 'empty'}' could not be read" in text
+    config_only = tmp_path / "config-only"  # a config and a tokenizer (the vocabulary check passes), no weights
+    shutil.copytree(tiny_assets / "model", config_only, ignore=shutil.ignore_patterns("*.safetensors"))
+    text = _refused(distill_recipe(tiny_assets, tmp_path, config_only), f"output_dir={tmp_path / 'run3'}")
+    assert (f"the model folder '{config_only}' (distill.teacher) has a config.json but no weights" in text
+            and "set distill.teacher to a folder or hub id that has them" in text), text  # (it named model.*)
+    assert "model.random_init" not in text  # (a teacher is never random)
+    text = _refused(write_recipe(tiny_assets, tmp_path, model={"name_or_path": str(config_only)}),
+                    f"output_dir={tmp_path / 'run4'}")  # the student's: its own key, and the random start
+    assert "(model.name_or_path / model.tokenizer) has a config.json but no weights" in text
+    assert "or model.random_init: true, to train from random weights" in text
 
 
 @pytest.mark.parametrize("overrides, says", [

@@ -16,11 +16,23 @@ from llmtrain.model import lora_experts
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
-def _load_error(what: str, path: str, err: Exception) -> LLMTrainError:
+MODEL_KEYS = "model.name_or_path / model.tokenizer"
+WEIGHTS = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin", "pytorch_model.bin.index.json")
+
+
+def _load_error(what: str, path: str, err: Exception, *, key: str = MODEL_KEYS) -> LLMTrainError:
+    """The paragraph for a model or tokenizer that cannot be read from `path`, naming the recipe `key` it came from."""
     from pathlib import Path
 
     from llmtrain.hub import is_local_path
 
+    folder = Path(path).expanduser()
+    if what == "model" and (folder / "config.json").is_file() and not any((folder / w).is_file() for w in WEIGHTS):
+        return LLMTrainError(f"the model folder '{path}' ({key}) has a config.json but no weights ({', '.join(WEIGHTS)}"
+                             "): a config alone is enough for estimate-memory, not to train or generate. Copy the "
+                             f"weights into it, or set {key.split(' / ')[0]} to a folder or hub id that has them"
+                             + (" (or model.random_init: true, to train from random weights: a speed or memory "
+                                "check)" if key == MODEL_KEYS else ""))
     local = is_local_path(path)
     if local and not Path(path).expanduser().exists():
         run = Path(path).parent if Path(path).name in ("final", "final-merged") else None
@@ -32,7 +44,7 @@ def _load_error(what: str, path: str, err: Exception) -> LLMTrainError:
             hint = " The tiny demo's assets are made by `llmtrain prepare-tiny` (it writes assets/tiny)."
         else:
             hint = ""
-        return LLMTrainError(f"the model folder '{path}' (model.name_or_path / model.tokenizer) does not "
+        return LLMTrainError(f"the model folder '{path}' ({key}) does not "
                              f"exist. Give the path of a local model folder, or a hub id such as "
                              f"mistralai/Mistral-7B-Instruct-v0.3.{hint}")
     from llmtrain.hub import is_offline
@@ -41,25 +53,25 @@ def _load_error(what: str, path: str, err: Exception) -> LLMTrainError:
         from huggingface_hub.constants import HF_HUB_CACHE
 
         return LLMTrainError(
-            f"the {what} '{path}' (model.name_or_path / model.tokenizer) is not in the local Hugging Face cache "
+            f"the {what} '{path}' ({key}) is not in the local Hugging Face cache "
             f"({HF_HUB_CACHE}), and the hub is not asked (HF_HUB_OFFLINE=1; transformers says: "
             f"{str(err).splitlines()[0].rstrip('.')}). Download it "
             f"where there is network (`hf download {path}`, with the same HF_HOME), or give a local model folder.")
     return LLMTrainError(
-        f"could not load the {what} from '{path}' (model.name_or_path / model.tokenizer): {err}. "
+        f"could not load the {what} from '{path}' ({key}): {err}. "
         "Give a local directory with config.json and weights, or a hub id; without network access, the "
         "hub id must already be in the local Hugging Face cache, and HF_HUB_OFFLINE=1 makes every command say so "
         "at once instead of retrying the network for a minute."
     )
 
 
-def _must_exist(what: str, path: str) -> None:
+def _must_exist(what: str, path: str, *, key: str = MODEL_KEYS) -> None:
     """A local path that is not there (hub.missing_local) is refused before transformers asks the hub for it as an
     id, which without network retries for a minute: a mistyped runs/tiny-sfT/final is said at once."""
     from llmtrain.hub import missing_local
 
     if missing_local(path):
-        raise _load_error(what, path, FileNotFoundError(path))
+        raise _load_error(what, path, FileNotFoundError(path), key=key)
 
 
 def load_model_config(cfg: ModelConfig):
@@ -181,7 +193,8 @@ def every_process_reads():
 
 
 def load_model(cfg: ModelConfig, lora: LoraConfig | None, *, device: torch.device | None = None,
-               empty: bool = False, compute_dtype: torch.dtype | None = None, reward_head: bool = False):
+               empty: bool = False, compute_dtype: torch.dtype | None = None, reward_head: bool = False,
+               key: str = MODEL_KEYS):
     """The model as the recipe says, on the CPU (or on `device` for a random init).
 
     reward_head: a reward model (the reward_model: section), the same decoder under a one-output
@@ -194,13 +207,15 @@ def load_model(cfg: ModelConfig, lora: LoraConfig | None, *, device: torch.devic
     uninitialised (see `_uninitialised_parameters`); its buffers are real, because FSDP broadcasts
     parameters and persistent buffers only: non-persistent ones such as the rotary `inv_freq` are
     computed here from the config, exactly as the main process computes them.
+
+    key: the recipe keys the model came from, for the refusal where it cannot be read (distill.teacher's teacher).
     """
     from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForSequenceClassification
 
     kwargs = dict(dtype=DTYPES[cfg.dtype], attn_implementation=attention_backend(cfg),
                   trust_remote_code=cfg.trust_remote_code)
     auto = AutoModelForSequenceClassification if reward_head else AutoModelForCausalLM
-    _must_exist("model", cfg.name_or_path)
+    _must_exist("model", cfg.name_or_path, key=key)
     try:
         config, key_mapping = text_model(AutoConfig.from_pretrained(
             cfg.name_or_path, trust_remote_code=cfg.trust_remote_code, **({"num_labels": 1} if reward_head else {})))
@@ -230,7 +245,7 @@ def load_model(cfg: ModelConfig, lora: LoraConfig | None, *, device: torch.devic
             with _quiet_new_head(reward_head or key_mapping), every_process_reads():
                 model = auto.from_pretrained(cfg.name_or_path, config=config, **kwargs, **dequantized(config))
     except (OSError, ValueError) as e:
-        raise _load_error("model", cfg.name_or_path, e) from None
+        raise _load_error("model", cfg.name_or_path, e, key=key) from None
     except Exception as e:  # a damaged weights file (safetensors raises its own error type), a bad config
         if type(e).__name__ not in ("SafetensorError", "HeaderTooLarge", "JSONDecodeError"):
             raise

@@ -73,7 +73,7 @@ def load_teacher(recipe: Recipe, tokenizer, *, device: torch.device | None, empt
     FSDP process that receives its shards from the main process)."""
     if problem := vocabulary_problem(recipe, tokenizer):
         raise LLMTrainError(problem)
-    teacher = load_model(teacher_config(recipe), None, device=device, empty=empty)
+    teacher = load_model(teacher_config(recipe), None, device=device, empty=empty, key="distill.teacher")
     if device is not None:
         teacher = teacher.to(device)
     teacher.requires_grad_(False)
