@@ -843,8 +843,15 @@ class Recipe(Section):
             raise ValueError("\n  - ".join(p.rstrip(".") for p in found))
         return self
 
-    def to_yaml(self) -> str:
-        return yaml.safe_dump(self.model_dump(mode="json"), sort_keys=False)
+    def to_yaml(self, *, working_dir: str | None = None) -> str:
+        """The recipe as YAML; `working_dir`: a run's, named in a first comment line (rundir.run_recipe reads a
+        relative model path from there)."""
+        text = yaml.safe_dump(self.model_dump(mode="json"), sort_keys=False)
+        return f"# {WRITTEN_FROM}{working_dir}\n{text}" if working_dir else text
+
+
+# A run's recipe.yaml starts with this and the working directory it ran in: relative paths in it are from there
+WRITTEN_FROM = "the relative paths below are from the directory this run was started in: "
 
 
 # --------------------------------------------------------------------------- loading and overrides

@@ -146,3 +146,31 @@ def test_a_base_that_cannot_be_read_again_is_said_in_a_paragraph(tiny_assets, tm
     assert f"the model folder '{model}' (model.name_or_path / model.tokenizer) does not exist" in " ".join(
         proc.stderr.split()), proc.stderr
     assert not (tmp_path / "saved" / "final-merged").exists()
+
+
+def test_a_run_on_a_relative_model_path_is_used_from_any_directory(tiny_assets, tmp_path, monkeypatch):
+    """`llmtrain finetune RECIPE model.name_or_path=base` in one directory, then `generate`, `export --merge` and
+    `eval` of the run from another: the run's recipe.yaml (and each checkpoint's) names the directory it was started
+    in, and a relative base not found from here is read from there (it had been asked of the hub as the id 'base')."""
+    import shutil
+
+    from llmtrain.run.benchmarks import resolve
+    from llmtrain.run.replies import load_source
+
+    work, elsewhere = tmp_path / "work", tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    shutil.copytree(tiny_assets / "model", work / "base")
+    recipe = write_recipe(tiny_assets, work, model={"name_or_path": "base"}, train={"max_steps": 2},
+                          lora={"r": 4, "alpha": 8, "dropout": 0.0}, checkpoint={"every_steps": 1, "keep_last": 1},
+                          output_dir="run")
+    monkeypatch.chdir(work)
+    run_train(recipe)
+    run = work / "run"
+    for saved in (run / "recipe.yaml", run / "checkpoints" / "step_000002" / "recipe.yaml"):
+        assert saved.read_text().splitlines()[0].endswith(f"started in: {work}"), saved
+    monkeypatch.chdir(elsewhere)
+    assert load_source(str(run)).describe.endswith(f"(a LoRA adapter on {work / 'base'})")
+    assert export_merged(run) == run / "final-merged" and (run / "final-merged" / "model.safetensors").is_file()
+    assert resolve(str(run), dtype="float32").base == str(work / "base")  # eval's --baseline base
+    (elsewhere / "base").mkdir()  # a folder of that name here wins: the path is read as given first
+    assert not resolve(str(run), dtype="float32").base.startswith(str(work))

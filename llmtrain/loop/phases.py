@@ -505,7 +505,7 @@ def claim_run_dir(recipe: Recipe, accelerator, console, *, checkpoint: Path | No
     out = Path(recipe.output_dir)
     run_dir = claim_output_dir(accelerator, out, resume=resume, overwrite=overwrite, expected=checkpoint)
     if accelerator.is_main_process:
-        (out / "recipe.yaml").write_text(recipe.to_yaml())
+        (out / "recipe.yaml").write_text(recipe.to_yaml(working_dir=os.getcwd()))
         console.keep_log(out / "train.log")
     return run_dir
 

@@ -9,6 +9,7 @@ batch is and what is minimised is the objective's (objective.py): none of it is 
 from __future__ import annotations
 
 import json
+import os
 import signal
 from contextlib import ExitStack, closing, nullcontext
 from dataclasses import dataclass, replace
@@ -303,7 +304,7 @@ def save(run: Run, state: TrainState, meter: Meter) -> Path:
     check_finite_weights(run.accelerator, run.model.model, state.step)
     state.elapsed_s = meter.elapsed()
     trainable = run.model.trainable_names
-    return save_checkpoint(run.accelerator, output_dir=run.out, state=state, recipe_yaml=run.recipe.to_yaml(),
+    return save_checkpoint(run.accelerator, output_dir=run.out, state=state, recipe_yaml=run.recipe.to_yaml(working_dir=os.getcwd()),
                            keep_last=run.recipe.checkpoint.keep_last, model_keys=set(run.model.model_keys),
                            trainable=set(trainable) if trainable else None,
                            write_stage=partial(write_stage, model=run.model.model, optimizer=run.model.optimizer,

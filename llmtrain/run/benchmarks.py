@@ -17,7 +17,6 @@ import logging
 from dataclasses import dataclass
 from pathlib import Path
 
-import yaml
 
 from llmtrain.errors import LLMTrainError
 
@@ -45,9 +44,9 @@ def resolve(target: str, *, dtype: str) -> Target:
                                 "folder (config.json). Give a run's folder (runs/NAME), one of its "
                                 "checkpoints/step_N, a model folder or a hub id")
         return Target(target, {"pretrained": target, "dtype": dtype}, None)
-    from llmtrain.config import Recipe
+    from llmtrain.run.rundir import run_recipe
 
-    recipe = Recipe.model_validate(yaml.safe_load((path / "recipe.yaml").read_text()))
+    recipe = run_recipe(path)
     checkpoint = (path / "train_state.json").is_file()
     run = path.parent.parent if checkpoint else path
     if checkpoint and (problem := recipe_problem(recipe, target, adapter=False)):
@@ -82,9 +81,9 @@ def base_of(ours: Target, *, dtype: str) -> Target:
     if ours.run is None or ours.base is None:
         raise LLMTrainError("--baseline base means the run's base model, and the target is not a run; give the "
                             "baseline model's folder or hub id")
-    from llmtrain.config import Recipe
+    from llmtrain.run.rundir import run_recipe
 
-    recipe = Recipe.model_validate(yaml.safe_load((ours.run / "recipe.yaml").read_text()))
+    recipe = run_recipe(ours.run)
     if not recipe.model.quantize:
         return resolve(ours.base, dtype=dtype)
 

@@ -9,7 +9,6 @@ from __future__ import annotations
 import shutil
 from pathlib import Path
 
-import yaml
 
 from llmtrain.errors import LLMTrainError
 from llmtrain.parallel.collectives import on_main
@@ -58,6 +57,7 @@ def export_merged(run_dir: Path, out: Path | None = None, *, say=lambda text: No
 
     from llmtrain.model.modeling import pretrained
     from llmtrain.run.replies import unsaved_base
+    from llmtrain.run.rundir import run_recipe
 
     transformers.utils.logging.disable_progress_bar()  # "Loading weights", "Writing model shards": say() says it
     final = run_dir / "final"
@@ -66,7 +66,7 @@ def export_merged(run_dir: Path, out: Path | None = None, *, say=lambda text: No
             f"'{final}' holds no LoRA adapter (adapter_config.json). --merge needs a finished LoRA run; "
             "a full fine-tune's final/ is already a complete model."
         )
-    recipe = yaml.safe_load((run_dir / "recipe.yaml").read_text())
+    recipe = run_recipe(run_dir).model_dump(mode="json")  # its base found from any directory
     if problem := unsaved_base(recipe["model"], str(run_dir)):
         raise LLMTrainError(problem)
     out = out or run_dir / "final-merged"

@@ -16,7 +16,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-import yaml
 
 from llmtrain.errors import LLMTrainError
 
@@ -58,10 +57,11 @@ def load_source(source: str, *, device=None) -> Source:
     import torch
     import transformers
 
-    from llmtrain.config import ModelConfig, Recipe
+    from llmtrain.config import ModelConfig
     from llmtrain.data.chat import read_template
     from llmtrain.hub import missing_local
     from llmtrain.model.modeling import load_model, load_tokenizer
+    from llmtrain.run.rundir import run_recipe
 
     transformers.utils.logging.disable_progress_bar()  # "Loading weights": the command says what it reads
     device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
@@ -82,7 +82,7 @@ def load_source(source: str, *, device=None) -> Source:
         model = load_model(cfg, None).to(device)
         return Source(model.eval(), tokenizer, tokenizer.chat_template is not None, None, None, {},
                       f"{source} ({cfg.dtype})")
-    recipe = Recipe.model_validate(yaml.safe_load((path / "recipe.yaml").read_text()))
+    recipe = run_recipe(path)
     checkpoint = (path / "train_state.json").is_file()  # a checkpoint folder (checkpoints/step_N) rather than a run
     final = path if checkpoint else path / "final"
     if recipe.reward_model is not None:

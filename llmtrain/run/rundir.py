@@ -266,3 +266,30 @@ def _not_a_run(out: Path, present: list[str], *, resume: str | None, overwrite: 
     return (f"output_dir '{out}' is not empty ({shown}) and is not an llmtrain run folder (it has no {MARKER} "
             f"file), so {what}. Set output_dir=<new path> or an empty folder; if you really mean to discard what "
             f"it holds, delete it yourself first.")
+
+
+def run_recipe(folder: Path):
+    """The Recipe a run (or one of its checkpoints) saved in `folder`/recipe.yaml, its relative model paths
+    (model.name_or_path, model.tokenizer, distill.teacher) made absolute where they are not found from here but are
+    from the directory the run was started in (recipe.yaml's first line names it): `llmtrain generate`, `export` and
+    `eval` of a run trained on `model.name_or_path=my-model` then find its base from any directory."""
+    import yaml
+
+    from llmtrain.config import WRITTEN_FROM, Recipe
+
+    text = (folder / "recipe.yaml").read_text()
+    first = text.split("\n", 1)[0]
+    recipe = Recipe.model_validate(yaml.safe_load(text))
+    if not first.startswith(f"# {WRITTEN_FROM}"):
+        return recipe
+    started = Path(first[len(f"# {WRITTEN_FROM}"):])
+
+    def there(value: str | None) -> str | None:
+        if not value or Path(value).expanduser().is_absolute() or Path(value).exists():
+            return value
+        return str(started / value) if (started / value).exists() else value
+
+    model = recipe.model.model_copy(update={"name_or_path": there(recipe.model.name_or_path),
+                                            "tokenizer": there(recipe.model.tokenizer)})
+    distill = recipe.distill and recipe.distill.model_copy(update={"teacher": there(recipe.distill.teacher)})
+    return recipe.model_copy(update={"model": model, "distill": distill})
