@@ -304,7 +304,8 @@ def save(run: Run, state: TrainState, meter: Meter) -> Path:
     check_finite_weights(run.accelerator, run.model.model, state.step)
     state.elapsed_s = meter.elapsed()
     trainable = run.model.trainable_names
-    return save_checkpoint(run.accelerator, output_dir=run.out, state=state, recipe_yaml=run.recipe.to_yaml(working_dir=os.getcwd()),
+    return save_checkpoint(run.accelerator, output_dir=run.out, state=state,
+                           recipe_yaml=run.recipe.to_yaml(working_dir=os.getcwd()),
                            keep_last=run.recipe.checkpoint.keep_last, model_keys=set(run.model.model_keys),
                            trainable=set(trainable) if trainable else None,
                            write_stage=partial(write_stage, model=run.model.model, optimizer=run.model.optimizer,
