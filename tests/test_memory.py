@@ -456,24 +456,31 @@ def test_fit_says_which_global_batch_it_keeps_on_the_gpus_given():
             "data-parallel GPUs; set train.grad_accum_steps for another") in " ".join(res.stdout.split())
 
 
-@pytest.mark.parametrize("gpus", [["--num-gpus", "8"], ["--num-gpus", "8", "--num-nodes", "2"]])
-def test_the_fits_command_is_one_llmtrain_launch_accepts(gpus):
+@pytest.mark.parametrize("gpus, given", [(["--num-gpus", "8"], []), (["--num-gpus", "8", "--num-nodes", "2"], []),
+                                         (["--num-gpus", "8"], ["train.grad_accum_steps=2", "data.max_seq_len=1024"])])
+def test_the_fits_command_is_one_llmtrain_launch_accepts(gpus, given):
     """--fit's last line is a command to run: `llmtrain launch` (which checks the recipe and the launch before any
     process starts; it had printed a plain `accelerate launch ... -m llmtrain finetune`), and its arguments pass
-    llmtrain launch's checks of the recipe, the launch config and the layout."""
+    llmtrain launch's checks of the recipe, the launch config and the layout. The recipe's own overrides are kept,
+    less those of a key --fit sets: each key once (it had printed train.grad_accum_steps=2 and, after it, --fit's
+    own value)."""
     import contextlib
     import shlex
 
     from llmtrain.launcher import accelerate_command
 
-    res = estimate_memory("recipes/llama7b.yaml", *gpus, "--fit")
+    res = estimate_memory("recipes/llama7b.yaml", *given, *gpus, "--fit")
     assert res.returncode == 0, res.stderr
     line = res.stdout.strip().splitlines()[-1].strip()
     assert line.startswith("llmtrain launch --config_file accelerate_configs/") and " -m " not in line, line
     words = shlex.split(line)
     with contextlib.chdir(REPO):
         command = accelerate_command(words[2:], machine=False)
-    assert command[command.index("finetune") + 1:] == words[4:]  # the recipe and --fit's overrides, as printed
+    recipe = words.index("recipes/llama7b.yaml")
+    assert command[command.index("finetune") + 1:] == words[recipe:]  # the recipe and the overrides, as printed
+    keys = [w.split("=", 1)[0] for w in words[recipe + 1:]]
+    assert len(keys) == len(set(keys)) and "train.grad_accum_steps" in keys, keys
+    assert ("data.max_seq_len=1024" in words) == bool(given)
 
 
 def test_the_fit_table_keeps_whole_headers_at_80_columns():

@@ -283,8 +283,7 @@ def _from_recipe(recipe: Path, overrides, run: dict, launch: dict):
         spec.data_ranks
     assumed = (f"online RL: the prompts could not be read ({unread}), so each is taken at data.max_seq_len",) \
         if unread else ()
-    return (recipe_model_shape(r), spec, global_batch,
-            f"{recipe} {' '.join(overrides or [])}".strip(), assumed)
+    return recipe_model_shape(r), spec, global_batch, (str(recipe), tuple(overrides or ())), assumed
 
 
 def rl_prompt_lengths(r) -> tuple[list[int] | None, str | None]:

@@ -234,7 +234,17 @@ def sequence_line(traffic: Traffic) -> str:
     return f"{head}; {where}; compute {traffic.compute_s:.3f} s"
 
 
-def render_fit(result: FitResult, *, target: str | None, console: Console | None = None) -> None:
+def fit_command(result: FitResult, target: tuple[str, tuple[str, ...]]) -> str:
+    """`llmtrain launch` of the recipe with the search's configuration: the recipe's own overrides, less those of a
+    key the search sets (whose value it gives), then the search's."""
+    recipe, given = target
+    keys = {o.split("=", 1)[0] for o in result.overrides}
+    kept = [o for o in given if o.split("=", 1)[0] not in keys]
+    return " ".join(["llmtrain launch", launch_line(result), recipe, *kept, *result.overrides])
+
+
+def render_fit(result: FitResult, *, target: tuple[str, tuple[str, ...]] | None,
+               console: Console | None = None) -> None:
     console = console or Console()
     if result.note:
         console.print(f"[dim]note: {escape(result.note)}[/]")
@@ -270,5 +280,4 @@ def render_fit(result: FitResult, *, target: str | None, console: Console | None
     console.print(f"use: {launch_line(result)}", highlight=False)
     console.print(f"overrides: {' '.join(result.overrides)}", highlight=False)
     if target:
-        console.print(f"  llmtrain launch {launch_line(result)} {escape(target)} "
-                      f"{' '.join(result.overrides)}", highlight=False, soft_wrap=True)
+        console.print(f"  {escape(fit_command(result, target))}", highlight=False, soft_wrap=True)
