@@ -135,8 +135,8 @@ def check_kl_pairs(recipe: Recipe, train_lengths: list[int], eval_lengths: list[
     decreasing, batching.token_bins) open a new bin only for an example no open bin can take: where the two longest
     examples of a split fit the budget together, a bin holding one example can take any other, so every bin but the
     last opened holds two or more (at most one micro-batch an epoch holds one example, as the last of an epoch by
-    examples may). Where they do not
-    fit, any number of micro-batches may hold a long example alone, whose KL term would be its own implied reward."""
+    examples may). Where they do not fit, any number of micro-batches may hold a long example alone, whose KL term
+    would be its own implied reward."""
     budget = recipe.train.micro_batch_tokens
     if recipe.kto is None or recipe.kto.loss_type != "kto" or budget is None:
         return []

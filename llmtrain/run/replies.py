@@ -16,7 +16,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-
 from llmtrain.errors import LLMTrainError
 
 GREEDY_TOKENS = 256  # new tokens a reply may have when neither the run nor a flag says
