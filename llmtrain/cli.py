@@ -171,6 +171,26 @@ def ask_hub_first(recipe) -> None:
         typer.echo(line, err=True)
 
 
+def ask_hub_for(*sources: str | None, also: tuple[str, ...] = (), say: bool = True) -> None:
+    """ask_hub_first for a command given runs or models (generate, export, eval): the hub ids of each source's model
+    (a run's or a checkpoint's base and tokenizer, else the source itself) and `also` (what else it reads from the
+    hub, said in the line); without the hub they are read from the cache at once, where each would have retried the
+    network for most of a minute. `say`: print the line (the main process of several)."""
+    from llmtrain import hub
+    from llmtrain.run.rundir import run_recipe
+
+    ids: list[str] = []
+    for source in filter(None, sources):
+        path = Path(source).expanduser()
+        if (path / "recipe.yaml").is_file():
+            model = run_recipe(path).model
+            ids += hub.hub_ids(model.name_or_path, model.tokenizer)
+        else:
+            ids += hub.hub_ids(source)
+    if (line := hub.fall_back([*dict.fromkeys(ids), *also])) and say:
+        typer.echo(line, err=True)
+
+
 @app.command(short_help="Train as a recipe says (one process, or under accelerate launch).")
 @user_errors
 def finetune(
@@ -240,6 +260,8 @@ def export(
     """Write a merged full model from a LoRA run's final adapter."""
     from llmtrain.run.export import export_merged
 
+    if merge:
+        ask_hub_for(str(run_dir))
     path = export_merged(run_dir, out, say=lambda text: typer.echo(text, err=True)) if merge else None
     if path is None:
         raise LLMTrainError("Nothing to do: `llmtrain export RUN_DIR --merge` merges a LoRA run's adapter.")
@@ -286,6 +308,7 @@ def generate(
     if not texts:
         raise LLMTrainError("no prompt to reply to: give prompts after the source, or --prompts FILE (one a line, "
                             "or JSON lines with a \"prompt\")")
+    ask_hub_for(source)
     src = load_source(source)
     typer.echo(f"replies from {src.describe}", err=True)
     replies = generate_replies(src, texts, max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p,
@@ -340,6 +363,7 @@ def eval_(
         raise LLMTrainError("--tasks names no task: give the harness's task names, comma-separated (e.g. gsm8k)")
     size: int | str = batch_size if batch_size.startswith("auto") else int(batch_size)
     main = int(os.environ.get("RANK", "0")) == 0
+    ask_hub_for(target, None if baseline == "base" else baseline, also=("the tasks' datasets",), say=main)
     ours = benchmarks.resolve(target, dtype=dtype)
     base = None
     if baseline is not None:

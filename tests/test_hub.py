@@ -161,3 +161,21 @@ def test_finetune_of_a_hub_id_offline_ends_at_once_saying_it_is_not_in_the_cache
     assert ("the tokenizer 'meta-llama/Llama-2-7b-hf' (model.name_or_path / model.tokenizer) is not in the local "
             "Hugging Face cache") in said and "hf download meta-llama/Llama-2-7b-hf" in said
     assert not out.exists()
+
+
+@pytest.mark.parametrize("command", [["generate", "mistralai/Mistral-7B-v0.3", "hi"],
+                                     ["eval", "mistralai/Mistral-7B-v0.3", "--tasks", "tiny_reverse",
+                                      "--include-path", "tasks", "--limit", "1"]])
+def test_generate_and_eval_of_a_hub_id_offline_end_at_once(tmp_path, command):
+    """generate and eval ask the hub first too, as finetune does (they had each retried the network for about 50 s,
+    printing a 'Retrying' line a try): one line says the ids are read from the cache, then the paragraph (eval's had
+    been transformers' OSError in the harness, with its traceback)."""
+    began = time.monotonic()
+    proc = subprocess.run([*LLMTRAIN, *command], env=offline_env(tmp_path), cwd=REPO, capture_output=True, text=True,
+                          timeout=600)
+    said = proc.stdout + proc.stderr
+    assert proc.returncode != 0 and "Retrying" not in said and "Traceback" not in said, said
+    lines = [line for line in said.splitlines() if "cannot be reached" in line]
+    assert len(lines) == 1 and "mistralai/Mistral-7B-v0.3" in lines[0], said
+    assert "is not in the local Hugging Face cache" in said, said
+    assert time.monotonic() - began < 40  # (about 50 s of retries before)

@@ -43,6 +43,7 @@ def resolve(target: str, *, dtype: str) -> Target:
             raise LLMTrainError(f"'{target}' is neither a run folder (recipe.yaml), a checkpoint of one nor a model "
                                 "folder (config.json). Give a run's folder (runs/NAME), one of its "
                                 "checkpoints/step_N, a model folder or a hub id")
+        _readable(target)
         return Target(target, {"pretrained": target, "dtype": dtype}, None)
     from llmtrain.run.rundir import run_recipe
 
@@ -66,12 +67,23 @@ def resolve(target: str, *, dtype: str) -> Target:
     if problem := recipe_problem(recipe, target, adapter=True):
         raise LLMTrainError(problem)
     base = recipe.model.name_or_path
+    _readable(base)
     if recipe.model.quantize:  # the harness's hf model does not quantize a base as llmtrain does: handed over built
         return Target(f"{final} (LoRA on {base} in 4 bits, {recipe.model.quantize})",
                       {"pretrained": base, "peft": str(final), "quantize": recipe.model.quantize}, run, _loader(path),
                       base)
     return Target(f"{final} (LoRA on {base})", {"pretrained": base, "peft": str(final), "tokenizer": str(final),
                                                  "dtype": dtype}, run, base=base)
+
+
+def _readable(model: str) -> None:
+    """Refuse, in llmtrain's paragraph, a model the harness could not read (a hub id not in the cache without the
+    hub, a folder without a config): its config is read here, as load_model reads it (the harness would end in
+    transformers' OSError and its traceback)."""
+    from llmtrain.config import ModelConfig
+    from llmtrain.model.modeling import load_model_config
+
+    load_model_config(ModelConfig(name_or_path=model))
 
 
 def base_of(ours: Target, *, dtype: str) -> Target:
