@@ -151,6 +151,12 @@ def test_lora_adapts_each_familys_own_linear_layers_and_names_them_when_asked_fo
         model = load_model(ModelConfig(name_or_path=str(models[family]), dtype="float32"), None)
         with pytest.raises(LLMTrainError, match="named down_proj, gate_up_proj, lm_head, o_proj, qkv_proj"):
             apply_lora(model, LoraConfig(r=4, dropout=0.0, target_modules=["q_proj", "k_proj", "v_proj"]))
+    # one name of several that matches nothing (peft adapts the others without a word): refused, naming it
+    model = load_model(ModelConfig(name_or_path=str(models[family]), dtype="float32"), None)
+    with pytest.raises(LLMTrainError, match=r"lora.target_modules names vproj, which no module of this model is "
+                                            r"called, so no adapter would be put there\. This .* model's linear "
+                                            r"layers are named .*o_proj"):
+        apply_lora(model, LoraConfig(r=4, dropout=0.0, target_modules=["o_proj", "vproj"]))
 
 
 @pytest.mark.parametrize("family", sorted(FAMILIES) + ["qwen3_moe-lora"])

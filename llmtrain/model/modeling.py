@@ -461,13 +461,29 @@ def apply_lora(model, cfg: LoraConfig, *, task: str = "CAUSAL_LM"):
             # peft keeps the adapter weights in fp32 even on a bf16 base (autocast_adapter_dtype).
             model = peft.get_peft_model(model, config)
     except ValueError as e:
-        linears = sorted({n.rsplit(".", 1)[-1] for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)})
-        raise LLMTrainError(f"invalid LoRA settings (lora.target_modules / lora.modules_to_save): {e}. This "
-                            f"{model.config.model_type} model's linear layers are named {', '.join(linears)} "
-                            "(Phi-3/Phi-4 fuse q/k/v into qkv_proj and gate/up into gate_up_proj); "
-                            "lora.target_modules: all-linear adapts each of them but the LM head") from None
+        raise LLMTrainError(f"invalid LoRA settings (lora.target_modules / lora.modules_to_save): "
+                            f"{str(e).rstrip('.')}. "
+                            f"{_linear_names(model)}") from None
+    # peft refuses a list none of whose names matches, and adapts what the others match without a word where one
+    # does not (a typo such as vproj beside q_proj): each name must match a module (peft's rule: the name itself or
+    # the last parts of a module's dotted name)
+    if isinstance(cfg.target_modules, list):
+        tuner = model.base_model  # (a mixture of experts' 3-D experts are adapted as parameters)
+        hit = [*tuner.targeted_module_names, *getattr(tuner, "targeted_parameter_names", [])]
+        if missed := [t for t in cfg.target_modules if not any(k == t or k.endswith(f".{t}") for k in hit)]:
+            raise LLMTrainError(f"lora.target_modules names {', '.join(missed)}, which no module of this model is "
+                                f"called, so no adapter would be put there. {_linear_names(model)}")
     lora_experts.install(model)  # adapted experts run their adapters beside the base experts, unmerged
     return model
+
+
+def _linear_names(model) -> str:
+    """What lora.target_modules may name, for its refusals."""
+    linears = sorted({n.removesuffix(".base_layer").rsplit(".", 1)[-1] for n, m in model.named_modules()
+                      if isinstance(m, torch.nn.Linear) and "lora_" not in n})  # (an adapted one: its base_layer)
+    return (f"This {model.config.model_type} model's linear layers are named {', '.join(linears)} (Phi-3/Phi-4 fuse "
+            "q/k/v into qkv_proj and gate/up into gate_up_proj); lora.target_modules: all-linear adapts each of them "
+            "but the LM head")
 
 
 def load_adapter(model, folder: str):
