@@ -157,6 +157,11 @@ def test_lora_adapts_each_familys_own_linear_layers_and_names_them_when_asked_fo
                                             r"called, so no adapter would be put there\. This .* model's linear "
                                             r"layers are named .*o_proj"):
         apply_lora(model, LoraConfig(r=4, dropout=0.0, target_modules=["o_proj", "vproj"]))
+    model = load_model(ModelConfig(name_or_path=str(models[family]), dtype="float32"), None)
+    with pytest.raises(LLMTrainError, match=r"lora.modules_to_save names lmhead, which no module of this model is "
+                                            r"called, so nothing would be trained in full\..* Its embeddings .* are "
+                                            r".*embed_tokens"):  # (peft had trained no head in full, silently)
+        apply_lora(model, LoraConfig(r=4, dropout=0.0, modules_to_save=["lmhead"]))
 
 
 @pytest.mark.parametrize("family", sorted(FAMILIES) + ["qwen3_moe-lora"])

@@ -467,12 +467,20 @@ def apply_lora(model, cfg: LoraConfig, *, task: str = "CAUSAL_LM"):
     # peft refuses a list none of whose names matches, and adapts what the others match without a word where one
     # does not (a typo such as vproj beside q_proj): each name must match a module (peft's rule: the name itself or
     # the last parts of a module's dotted name)
-    if isinstance(cfg.target_modules, list):
-        tuner = model.base_model  # (a mixture of experts' 3-D experts are adapted as parameters)
-        hit = [*tuner.targeted_module_names, *getattr(tuner, "targeted_parameter_names", [])]
-        if missed := [t for t in cfg.target_modules if not any(k == t or k.endswith(f".{t}") for k in hit)]:
-            raise LLMTrainError(f"lora.target_modules names {', '.join(missed)}, which no module of this model is "
-                                f"called, so no adapter would be put there. {_linear_names(model)}")
+    tuner = model.base_model  # (a mixture of experts' 3-D experts are adapted as parameters)
+    saved = [n for n, m in model.named_modules() if isinstance(m, peft.utils.ModulesToSaveWrapper)]
+    for key, names, hit, what in (
+            ("lora.target_modules", cfg.target_modules if isinstance(cfg.target_modules, list) else [],
+             [*tuner.targeted_module_names, *getattr(tuner, "targeted_parameter_names", [])],
+             "no adapter would be put there"),
+            ("lora.modules_to_save", cfg.modules_to_save or [], saved, "nothing would be trained in full")):
+        if missed := [t for t in names if not any(k == t or k.endswith(f".{t}") for k in hit)]:
+            embeddings = sorted({n.rsplit(".", 1)[-1] for n, m in model.named_modules()
+                                 if isinstance(m, torch.nn.Embedding) and "lora_" not in n})
+            also = (f" Its embeddings (which lora.modules_to_save may name too) are {', '.join(embeddings)}."
+                    if key == "lora.modules_to_save" else "")
+            raise LLMTrainError(f"{key} names {', '.join(missed)}, which no module of this model is called, so "
+                                f"{what}. {_linear_names(model)}.{also}")
     lora_experts.install(model)  # adapted experts run their adapters beside the base experts, unmerged
     return model
 
