@@ -458,3 +458,16 @@ def test_turning_evaluation_off_keeps_its_other_keys_with_a_warning(tiny_assets,
     assert "train.eval_every_steps=2 and data.eval_max_examples=10 have nothing to act on" in " ".join(detail.split())
     assert "no eval" not in {name for name, _, _ in run_doctor(
         load_recipe(write_recipe(tiny_assets, tmp_path)), gpu_memory=80)}  # (write_recipe: no eval keys)
+
+
+def test_hub_dataset_keys_on_local_files_are_said_unused(tiny_assets, tmp_path):
+    """A recipe made for a hub dataset (`name: main`, a `split`) pointed at local files reads every row of them and
+    neither key (they had been ignored without a word): one warning names both, and how to quiet it."""
+    recipe = load_recipe(write_recipe(tiny_assets, tmp_path, data={"name": "main", "split": "test"}))
+    checks = {name: (status, detail) for name, status, detail in run_doctor(recipe, gpu_memory=80)}
+    status, detail = checks["hub keys"]
+    assert status == "warn" and " ".join(detail.split()).startswith(
+        "data.path is local files, which have no configurations or splits: every row of them is read, and "
+        "data.name=main and data.split=test are not used"), detail
+    assert "hub keys" not in {name for name, _, _ in run_doctor(
+        load_recipe(write_recipe(tiny_assets, tmp_path)), gpu_memory=80)}

@@ -8,6 +8,7 @@ budget, and the schedule's warm-up against the run's length.
 from __future__ import annotations
 
 import math
+from pathlib import Path
 
 from llmtrain.config import Recipe
 from llmtrain.data.formats import IGNORE, special_ids
@@ -157,7 +158,7 @@ def check_kl_pairs(recipe: Recipe, train_lengths: list[int], eval_lengths: list[
 def check_data(recipe: Recipe, stats: DataStats, train, eval_ds, tokenizer) -> list[Check]:
     """The data checks `finetune` (which stops on a fail) and `doctor` share: the loss mask, the stop token
     trained, and the token budget, on the tokenised train (and eval) sets."""
-    unused = check_no_eval(recipe, eval_ds)
+    unused = check_no_eval(recipe, eval_ds) + check_hub_keys(recipe)
     if recipe.data.format == "prompt":  # online RL: nothing is trained from the data; the completions need room
         return unused + check_prompt_room(recipe, train, eval_ds)
     pairs = recipe.data.format == "preference"
@@ -213,6 +214,27 @@ def check_no_eval(recipe: Recipe, eval_ds) -> list[Check]:
     return [("no eval", "warn", f"data.eval_split gives no eval data, so the run does not evaluate, and "
              f"{' and '.join(keys)} have nothing to act on. Give data.eval_split (a fraction, a split or a file) to "
              "evaluate")]
+
+
+def check_hub_keys(recipe: Recipe) -> list[Check]:
+    """data.name and data.split choose a hub dataset's (or a dataset folder's) configuration and split; local data
+    files have neither, and every row of them is read: said once where a recipe made for a hub dataset is pointed at
+    files (`data.path=train.jsonl` on a recipe with `name: main`)."""
+    from llmtrain.data.sources import files, is_local
+
+    d = recipe.data
+    paths = files(d.path) if d.path is not None else []
+    if not paths or not is_local(paths) or (len(paths) == 1 and Path(paths[0]).is_dir()):
+        return []
+    keys = [k for k, on in ((f"data.name={d.name}", d.name is not None), (f"data.split={d.split}", d.split != "train"))
+            if on]
+    if not keys:
+        return []
+    return [("hub keys", "warn", f"data.path is local files, which have no configurations or splits: every row of "
+             f"them is read, and {' and '.join(keys)} {'is' if len(keys) == 1 else 'are'} not used (a hub "
+             f"dataset's configuration and split). Unset "
+             f"{' and '.join(k.split('=')[0] for k in keys)}, or point data.path at the hub dataset or a dataset "
+             "folder")]
 
 
 def check_eval_batch(recipe: Recipe, train_lengths: list[int], eval_lengths: list[int]) -> list[Check]:
