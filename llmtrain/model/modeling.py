@@ -34,7 +34,7 @@ def _load_error(what: str, path: str, err: Exception, *, key: str = MODEL_KEYS) 
                              + (" (or model.random_init: true, to train from random weights: a speed or memory "
                                 "check)" if key == MODEL_KEYS else ""))
     local = is_local_path(path)
-    if local and not Path(path).expanduser().exists():
+    if local and not folder.exists():
         run = Path(path).parent if Path(path).name in ("final", "final-merged") else None
         if run is not None:  # another run's output, e.g. the SFT run a GRPO or distillation recipe starts from
             hint = (f" It is the {Path(path).name}/ of the run '{run}', which has not been trained here: train that "

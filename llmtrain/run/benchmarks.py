@@ -17,7 +17,6 @@ import logging
 from dataclasses import dataclass
 from pathlib import Path
 
-
 from llmtrain.errors import LLMTrainError
 
 INSTALL = ("llmtrain eval runs EleutherAI's lm-evaluation-harness, which is not installed here: pip install "
@@ -123,7 +122,7 @@ def recipe_problem(recipe, target: str, *, adapter: bool) -> str | None:
         return None
     from llmtrain.run.replies import unsaved_base
 
-    return unsaved_base(recipe.model.model_dump(), target)
+    return unsaved_base(recipe.model, target)
 
 
 def _loader(path: Path):

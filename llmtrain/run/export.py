@@ -9,7 +9,6 @@ from __future__ import annotations
 import shutil
 from pathlib import Path
 
-
 from llmtrain.errors import LLMTrainError
 from llmtrain.parallel.collectives import on_main
 from llmtrain.run.rundir import cannot_create
@@ -66,29 +65,29 @@ def export_merged(run_dir: Path, out: Path | None = None, *, say=lambda text: No
             f"'{final}' holds no LoRA adapter (adapter_config.json). --merge needs a finished LoRA run; "
             "a full fine-tune's final/ is already a complete model."
         )
-    recipe = run_recipe(run_dir).model_dump(mode="json")  # its base found from any directory
-    if problem := unsaved_base(recipe["model"], str(run_dir)):
+    recipe = run_recipe(run_dir)  # its base found from any directory
+    model = recipe.model
+    if problem := unsaved_base(model, str(run_dir)):
         raise LLMTrainError(problem)
     out = out or run_dir / "final-merged"
     if out.exists():
         raise LLMTrainError(f"'{out}' already exists; remove it or pass --out <new folder>.")
     if problem := cannot_create(out, "--out"):
         raise LLMTrainError(problem)
-    dtype = getattr(torch, recipe["model"]["dtype"])
-    if recipe.get("reward_model") is not None:  # a reward model: its base under the one-output score head the
+    dtype = getattr(torch, model.dtype)
+    if recipe.reward_model is not None:  # a reward model: its base under the one-output score head the
         # adapter saved whole; the pad token it scored with (the tokenizer's, else EOS), as objective_for set it
         from transformers import AutoModelForSequenceClassification
 
-        base = pretrained(AutoModelForSequenceClassification, recipe["model"]["name_or_path"], num_labels=1,
-                          dtype=dtype)
+        base = pretrained(AutoModelForSequenceClassification, model.name_or_path, num_labels=1, dtype=dtype)
         tok = AutoTokenizer.from_pretrained(str(final))
         base.config.get_text_config().pad_token_id = (tok.pad_token_id if tok.pad_token_id is not None
                                                        else tok.eos_token_id)
     else:
-        base = pretrained(AutoModelForCausalLM, recipe["model"]["name_or_path"], dtype=dtype)  # a text model
-    if recipe["model"].get("quantize"):
-        say(f"the adapter was trained on a {recipe['model']['quantize']} 4-bit base; it is merged into the unquantised "
-            f"base read from {recipe['model']['name_or_path']} in {recipe['model']['dtype']}, not a dequantised copy.")
+        base = pretrained(AutoModelForCausalLM, model.name_or_path, dtype=dtype)  # a text model
+    if model.quantize:
+        say(f"the adapter was trained on a {model.quantize} 4-bit base; it is merged into the unquantised base read "
+            f"from {model.name_or_path} in {model.dtype}, not a dequantised copy.")
     merged = PeftModel.from_pretrained(base, str(final)).merge_and_unload()
     tmp = out.with_name(out.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)

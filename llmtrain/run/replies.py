@@ -39,13 +39,13 @@ class Source:
         return rl is not None and bool(rl.tools or rl.environment)
 
 
-def unsaved_base(model: dict, target: str) -> str | None:
+def unsaved_base(model, target: str) -> str | None:
     """Why a LoRA run's adapter cannot be used (generated from, merged, scored), where its base was drawn at random
     (model.random_init: a speed or memory check) and never saved; None where the base can be read again. `model`: the
-    run's recipe's model section."""
-    if not model.get("random_init"):
+    run's recipe's model section (a ModelConfig)."""
+    if not model.random_init:
         return None
-    return (f"'{target}' trains a LoRA adapter on a randomly initialised {model.get('name_or_path')} "
+    return (f"'{target}' trains a LoRA adapter on a randomly initialised {model.name_or_path} "
             "(model.random_init: true), whose weights are never saved: the adapter has no base to be loaded onto. "
             "Train from saved weights (a model folder with its weights, or a hub id) to use the result, or train "
             "without lora: (a full fine-tune's final/ holds the whole model)")
@@ -95,7 +95,7 @@ def load_source(source: str, *, device=None) -> Source:
     if checkpoint:
         return _from_checkpoint(path, recipe, device)
     adapter = (final / "adapter_config.json").is_file()
-    if adapter and (problem := unsaved_base(recipe.model.model_dump(), str(path))):
+    if adapter and (problem := unsaved_base(recipe.model, str(path))):
         raise LLMTrainError(problem)
     trained = trained_model(recipe).model_copy(update={"tokenizer": str(final)})
     if not adapter:
