@@ -208,6 +208,9 @@ def finetune(
     """Fine-tune a model as the recipe describes (run it under `accelerate launch` to scale out)."""
     from llmtrain.config import load_recipe
 
+    from llmtrain.loop.signals import stop_with_the_launcher
+
+    stop_with_the_launcher()  # a launcher killed by SIGKILL leaves no process training on without it
     checked = load_recipe(recipe, overrides)  # a missing file or a bad key is said before torch is imported
     ask_hub_first(checked)
     from llmtrain.loop.train import train

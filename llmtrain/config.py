@@ -952,7 +952,8 @@ def _format_errors(err: ValidationError, source: str, overrides: list[str] | Non
         elif e["type"] in ("model_type", "dict_type"):
             lines.append(f"  - {label}: is a section of keys ({key}.KEY=VALUE on the command line, an indented block "
                          f"under {key.rsplit('.', 1)[-1]}: in YAML), not {e.get('input')!r}")
-        elif e.get("input") is None and e["type"].endswith("_type") and (default := _default(key)) is not None:
+        elif e.get("input") is None and (e["type"].endswith("_type") or e["type"] == "literal_error") \
+                and (default := _default(key)) is not None:
             # `train.micro_batch_size=null`: pydantic's 'Input should be a valid integer' reads as a typo
             lines.append(f"  - {label}: cannot be null (the key has no unset state; its default is {default!r}): "
                          "set a value")

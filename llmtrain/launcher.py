@@ -97,9 +97,11 @@ def accelerate_command(argv: list[str], *, machine: bool = True) -> list[str]:
     check_launch(launch, where=where)
     layout = Layout.from_launch(launch, recipe, where=where)
     capabilities.check(recipe, layout)  # the recipe on this layout: what every process would refuse, said once
-    if "--resume" not in options:  # a folder the run may not write into (the processes would each say it)
-        check_output_folder(Path(recipe.output_dir), overwrite="--overwrite" in options)
-    elif (resume := _resume_path(options)) is not None and not Path(resume).exists():
+    resuming = any(o == "--resume" or o.startswith("--resume=") for o in options)
+    # a folder the run may not write into, or one another run holds (the processes would each say it)
+    check_output_folder(Path(recipe.output_dir), overwrite="--overwrite" in options,
+                        resume=(_resume_path(options) or "auto") if resuming else None)
+    if resuming and (resume := _resume_path(options)) is not None and not Path(resume).exists():
         # a mistyped checkpoint, said with the steps there are (whether one is intact each process checks: that reads
         # every block of it)
         resolve_resume(resume, Path(recipe.output_dir), warn=print)

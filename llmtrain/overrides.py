@@ -18,7 +18,8 @@ from llmtrain.errors import RecipeError
 def parse_override(text: str, schema: type[BaseModel]) -> tuple[list[str], Any]:
     """`key=value` -> (the key's parts, the value). The value of a key whose schema type is text only (a string, a
     choice of strings, or either or null) is the text after the first `=`, exactly as given: `#`, `: `, `yes` or
-    `007` stay text. `null` (or `~`) unsets such a key where it may be null; a value in quotes is unquoted ('null'
+    `007` stay text. `null` (or `~`) unsets such a key where it may be null (and is refused, with the key's
+    default, where it may not: never taken as the text null); a value in quotes is unquoted ('null'
     is the text null). Every other key's value is read as YAML, so that 8 is an int, 1e-4 a float, true a bool,
     [a, b] a list and {prompt: question} a mapping."""
     if "=" not in text:
@@ -29,8 +30,8 @@ def parse_override(text: str, schema: type[BaseModel]) -> tuple[list[str], Any]:
     parts = key.split(".")
     kinds = _value_kinds(parts, schema)
     if kinds is not None and kinds <= {str, type(None)}:
-        if raw in ("null", "~", "") and type(None) in kinds:
-            return parts, None
+        if raw in ("null", "~") or raw == "" and type(None) in kinds:
+            return parts, None  # where the key may not be null, validation says so and names its default
         quoted = len(raw) >= 2 and raw[0] == raw[-1] and raw[0] in "'\""
         return parts, yaml.safe_load(raw) if quoted else raw
     return parts, yaml.safe_load(raw) if raw != "" else None

@@ -70,9 +70,12 @@ def test_typos_get_the_nearest_key(recipe_file, override, suggestion):
 
 
 @pytest.mark.parametrize(("override", "default"), [("train.micro_batch_size=null", "1"), ("lora.r=null", "16"),
-                                                     ("train.lr=null", "2e-05")])
+                                                     ("train.lr=null", "2e-05"), ("data.split=null", "'train'"),
+                                                     ("model.dtype=~", "'float32'")])
 def test_null_on_a_key_without_an_unset_state_says_so_and_its_default(recipe_file, override, default):
-    """It had said pydantic's 'Input should be a valid integer' of a null, which reads as a typo in the value."""
+    """It had said pydantic's 'Input should be a valid integer' of a null, which reads as a typo in the value; on a
+    text key (data.split=null) the null had been the text 'null', a split no dataset has, and on a choice of texts
+    (model.dtype) pydantic's list of choices."""
     with pytest.raises(RecipeError) as e:
         load_recipe(recipe_file, [override])
     assert f"(the override {override}): cannot be null (the key has no unset state; its default is {default}): " \

@@ -469,5 +469,25 @@ def test_hub_dataset_keys_on_local_files_are_said_unused(tiny_assets, tmp_path):
     assert status == "warn" and " ".join(detail.split()).startswith(
         "data.path is local files, which have no configurations or splits: every row of them is read, and "
         "data.name=main and data.split=test are not used"), detail
+    # the advice, taken as written, quiets it (it had said "Unset data.split", and data.split=null is refused)
+    assert "Unset data.name (data.name=null) and set data.split=train, its default" in " ".join(detail.split())
+    advised = load_recipe(write_recipe(tiny_assets, tmp_path, data={"name": "main", "split": "test"}),
+                          ["data.name=null", "data.split=train"])
+    assert "hub keys" not in {name for name, _, _ in run_doctor(advised, gpu_memory=80)}
     assert "hub keys" not in {name for name, _, _ in run_doctor(
         load_recipe(write_recipe(tiny_assets, tmp_path)), gpu_memory=80)}
+
+
+def test_preference_pairs_rendered_through_a_chat_template_are_checked_as_chats(tiny_tok):
+    """doctor had said "not used (data.format=preference, data.chat_template false)" of pairs whose recipe sets
+    data.chat_template: true (recipes/mistral7b-dpo.yaml), and rendered no chat: pairs were left out of the formats
+    that use a template."""
+    from llmtrain.data.checks import check_chat_template
+
+    pairs = load_recipe(REPO / "recipes" / "tiny-reward.yaml", ["data.chat_template=true"])
+    detail = rows(check_chat_template(pairs, tiny_tok))["chat template"][1]
+    assert detail.startswith("renders; of the chat [user: 'What is 2 + 2?', assistant: '4'], the tokens trained"), \
+        detail
+    text = load_recipe(REPO / "recipes" / "tiny-reward.yaml", ["data.chat_template=false"])
+    assert rows(check_chat_template(text, tiny_tok))["chat template"][1] == \
+        "not used (data.format=preference, data.chat_template false)"

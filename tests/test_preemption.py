@@ -130,6 +130,28 @@ def test_sigterm_under_ddp_stops_every_rank_at_one_step(tiny_assets, tmp_path, f
     assert max_abs_diff(load_weights(cut / "final"), load_weights(single / "final")) < 1e-5
 
 
+@pytest.mark.slow
+def test_a_launcher_killed_by_sigkill_stops_its_processes_as_a_preemption_does(tiny_assets, tmp_path, free_port):
+    """kill -9 of `llmtrain launch` alone (the OOM killer, a job's first process killed) passes no signal on: the 2
+    processes it started had trained on to the end unwatched, orphaned, holding the run folder (a --resume then
+    refused: in use). The kernel now sends each SIGTERM as its launcher dies: they stop after one step with a
+    complete checkpoint at it, as a preempted run does."""
+    recipe = write_recipe(tiny_assets, tmp_path, train={"max_steps": STEPS, "micro_batch_size": 2})
+    cut = tmp_path / "cut"
+    proc = _start([*LLMTRAIN, "launch", "--config_file", str(CPU_DDP), "--main_process_port", str(free_port),
+                   str(recipe), f"output_dir={cut}"])
+    _wait_for_steps(cut, proc, 3)
+    os.kill(proc.pid, signal.SIGKILL)  # the launcher alone, not its group
+    out, err = proc.communicate(timeout=120)  # the pipes close when the processes, which hold them too, have exited
+    output = out + err
+    assert output.count("stopped: SIGTERM at step") == 1, output[-3000:]
+    steps = _steps_on_disk(cut)
+    assert len(steps) == 1 and steps[0] == records(cut)[-1]["step"] < STEPS, (steps, output[-3000:])
+    ckpt = cut / "checkpoints" / f"step_{steps[0]:06d}"
+    assert {"random_states_0.pkl", "random_states_1.pkl", "train_state.json"} <= {p.name for p in ckpt.iterdir()}
+    assert not (cut / "final").exists() and "Traceback" not in output
+
+
 def test_second_ctrl_c_stops_at_once():
     from llmtrain.loop.signals import StopRequests
 

@@ -200,6 +200,11 @@ def test_cli_second_run_into_a_busy_folder_is_refused_and_kill_9_leaves_no_stale
         assert proc.returncode == 2, proc.stderr
         assert f"output_dir '{run}' is in use by another llmtrain run: pid {first.pid}" in proc.stderr
         assert "wait for it to finish or stop it" in proc.stderr and "Traceback" not in proc.stderr + proc.stdout
+    # llmtrain launch says it once, before any process starts (it had started both, and each said it)
+    proc = cli("launch", "--config_file", str(CPU_DDP), str(recipe), f"output_dir={run}", "--resume", "auto",
+               check=False)
+    assert proc.returncode == 2 and proc.stderr.count(f"is in use by another llmtrain run: pid {first.pid}") == 1
+    assert "llmtrain launch: process" not in proc.stderr, proc.stderr
     # The first run was neither deleted nor disturbed: still running, and its log still has one line per step.
     assert first.poll() is None
     steps = [r["step"] for r in records(run)]

@@ -38,7 +38,7 @@ def check_tokenizer(tokenizer) -> list[Check]:
 
 def needs_chat(recipe: Recipe) -> bool:
     d = recipe.data
-    return d.format == "messages" or (d.format in ("prompt_completion", "unpaired", "prompt")
+    return d.format == "messages" or (d.format in ("prompt_completion", "unpaired", "prompt", "preference")
                                       and d.chat_template is not False)
 
 
@@ -230,11 +230,14 @@ def check_hub_keys(recipe: Recipe) -> list[Check]:
             if on]
     if not keys:
         return []
+    fixes = [fix for fix, on in (("unset data.name (data.name=null)", d.name is not None),
+                                 ("set data.split=train, its default (or remove it from the recipe)",
+                                  d.split != "train")) if on]
+    fixes[0] = fixes[0][0].upper() + fixes[0][1:]
     return [("hub keys", "warn", f"data.path is local files, which have no configurations or splits: every row of "
              f"them is read, and {' and '.join(keys)} {'is' if len(keys) == 1 else 'are'} not used (a hub "
-             f"dataset's configuration and split). Unset "
-             f"{' and '.join(k.split('=')[0] for k in keys)}, or point data.path at the hub dataset or a dataset "
-             "folder")]
+             f"dataset's configuration and split). {' and '.join(fixes)} (or point data.path at the hub dataset or "
+             "a dataset folder)")]
 
 
 def check_eval_batch(recipe: Recipe, train_lengths: list[int], eval_lengths: list[int]) -> list[Check]:
@@ -281,7 +284,7 @@ def check_prompt_room(recipe: Recipe, train, eval_ds) -> list[Check]:
 def _end_of_turn(recipe: Recipe, tokenizer) -> str | None:
     """The template's end of turn where the data is rendered with one (None where it is not, or cannot render:
     check_chat_template says why)."""
-    if not (needs_chat(recipe) or recipe.data.format == "preference" and recipe.data.chat_template is not False):
+    if not needs_chat(recipe):
         return None
     from llmtrain.data.chat import end_of_turn, read_template
 

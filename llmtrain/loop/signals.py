@@ -1,5 +1,6 @@
 """Stop on request: SIGTERM (SLURM, Kubernetes, spot instances) or a first Ctrl-C asks the run to stop at the
-next step boundary, after a checkpoint; a second Ctrl-C stops at once.
+next step boundary, after a checkpoint; a second Ctrl-C stops at once. A process a launcher started is sent SIGTERM
+when its launcher dies (stop_with_the_launcher).
 
 The handler only records the signal; the training loop reads it at each step boundary. With several
 processes the ranks agree through the step's one collective (train.train_step), so every rank stops after
@@ -8,6 +9,7 @@ the same step and none waits in a collective for a rank that left.
 
 from __future__ import annotations
 
+import os
 import signal
 import sys
 import threading
@@ -38,3 +40,25 @@ class StopRequests:
             how = "again to stop at once" if signum == signal.SIGINT else ""
             print(f"\n{signal.Signals(signum).name}: finishing this step, then saving a checkpoint and stopping"
                   f"{' (Ctrl-C ' + how + ')' if how else ''}.", file=sys.stderr, flush=True)
+
+
+PR_SET_PDEATHSIG = 1  # linux/prctl.h
+
+
+def stop_with_the_launcher() -> bool:
+    """In a process torchrun started (`accelerate launch`, `llmtrain launch`), ask the kernel for SIGTERM when the
+    launcher dies. A launcher ended by SIGKILL (kill -9 of the job's first process, the OOM killer) passes nothing on,
+    and torch's launcher does not ask for this itself: its processes would train on without it, orphaned, holding the
+    GPUs and the run folder (the next --resume refused: in use by them), and finish unwatched. SIGTERM stops them as
+    a preemption does: the step finishes, a checkpoint is written at it, and --resume auto continues it. Whether it
+    was asked for (Linux, under torchrun)."""
+    if "TORCHELASTIC_RUN_ID" not in os.environ or not sys.platform.startswith("linux"):
+        return False
+    import ctypes
+
+    parent = os.getppid()
+    if ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0) != 0:
+        return False
+    if parent == 1 or os.getppid() != parent:  # the launcher died before the request: nothing will send it
+        os.kill(os.getpid(), signal.SIGTERM)
+    return True

@@ -53,9 +53,11 @@ def check_output_dir(accelerator, out: Path, *, resume: str | None, overwrite: b
     return _on_main(accelerator, out, lambda: _check(out, resume=resume, overwrite=overwrite, warn=accelerator.print))
 
 
-def check_output_folder(out: Path, *, overwrite: bool) -> None:
-    """check_output_dir for a run that does not resume, before any process exists (`llmtrain launch`)."""
-    _check(out, resume=None, overwrite=overwrite, warn=lambda _: None)
+def check_output_folder(out: Path, *, overwrite: bool, resume: str | None = None) -> None:
+    """check_output_dir before any process exists (`llmtrain launch`). A run that resumes is checked for what the
+    folder itself refuses (a file, not a run, in use by another run); which checkpoint it continues from, and whether
+    that one is intact (every block of it read), each process checks."""
+    _check(out, resume=resume, overwrite=overwrite, warn=lambda _: None, checkpoint=False)
 
 
 def claim_output_dir(accelerator, out: Path, *, resume: str | None, overwrite: bool,
@@ -110,9 +112,10 @@ def _on_main(accelerator, out: Path, fn, *, pair: bool = False):
     return (result[0], local[1]) if pair else result[0]
 
 
-def _check(out: Path, *, resume: str | None, overwrite: bool, warn, locked: bool = False) -> Path | None:
+def _check(out: Path, *, resume: str | None, overwrite: bool, warn, locked: bool = False,
+           checkpoint: bool = True) -> Path | None:
     """Refuse what must be refused, reading only, so that a refused run leaves the folder byte for byte as it
-    was; return the checkpoint to resume from."""
+    was; return the checkpoint to resume from (checkpoint=False: the folder's own checks alone, None)."""
     if out.exists() and not out.is_dir():
         raise LLMTrainError(f"output_dir '{out}' is a file, not a folder. Set output_dir=<a folder path>.")
     if not out.exists() and (problem := cannot_create(out, "output_dir")):
@@ -128,7 +131,7 @@ def _check(out: Path, *, resume: str | None, overwrite: bool, warn, locked: bool
             raise LLMTrainError(_exists(out))
         warn(f"output_dir '{out}' holds a run that ended before its first checkpoint ({', '.join(present[:4])}"
              f"{', ...' if len(present) > 4 else ''}): starting again there, its files replaced")
-    if not resume:
+    if not resume or not checkpoint:
         return None
     checkpoint = resolve_resume(resume, out, warn=warn)
     if checkpoint is None and ((out / "final").exists() or (out / "summary.json").exists()):
