@@ -191,6 +191,25 @@ def ask_hub_for(*sources: str | None, also: tuple[str, ...] = (), say: bool = Tr
         typer.echo(line, err=True)
 
 
+def where_it_started(recipe: Path, resume: str | None = None) -> tuple[Path, str | None]:
+    """A run's own saved recipe (its recipe.yaml or a checkpoint's, config.started_in) runs from the directory that
+    run was started in: this process works there, said in one line, so its relative paths (output_dir, data, model)
+    and the overrides' are read from there; the recipe's path and --resume's are made absolute first. Any other
+    recipe: as given, from here. Returns (recipe, resume)."""
+    from llmtrain.config import started_in
+
+    if (started := started_in(recipe)) is None:
+        return recipe, resume
+    recipe = recipe.resolve()
+    if resume is not None and resume != "auto":
+        resume = str(Path(resume).expanduser().resolve())
+    os.chdir(started)
+    if prints_error_here():
+        typer.echo(f"{recipe} is its run's saved recipe: its relative paths are from {started}, where the run was "
+                   "started, so llmtrain works there (relative paths in the overrides too)", err=True)
+    return recipe, resume
+
+
 @app.command(short_help="Train as a recipe says (one process, or under accelerate launch).")
 @user_errors
 def finetune(
@@ -207,10 +226,10 @@ def finetune(
 ) -> None:
     """Fine-tune a model as the recipe describes (run it under `accelerate launch` to scale out)."""
     from llmtrain.config import load_recipe
-
     from llmtrain.loop.signals import stop_with_the_launcher
 
     stop_with_the_launcher()  # a launcher killed by SIGKILL leaves no process training on without it
+    recipe, resume = where_it_started(recipe, resume)
     checked = load_recipe(recipe, overrides)  # a missing file or a bad key is said before torch is imported
     ask_hub_first(checked)
     from llmtrain.loop.train import train
@@ -247,6 +266,7 @@ def inspect_data(
     from llmtrain.config import load_recipe
     from llmtrain.inspect_data import inspect_data as run
 
+    recipe, _ = where_it_started(recipe)
     checked = load_recipe(recipe, overrides)
     ask_hub_first(checked)
     run(checked, n=n, as_json=as_json)
@@ -433,6 +453,8 @@ def doctor(
     from llmtrain.doctor import doctor as run
     from llmtrain.memory.cli import launch_from_header
 
+    accelerate_config = accelerate_config and accelerate_config.absolute()
+    recipe, _ = where_it_started(recipe)
     loaded = load_recipe(recipe, overrides)
     code = run(loaded, accelerate_config=accelerate_config or launch_from_header(recipe), gpu_memory=gpu_memory,
                show_recipe=show_recipe)

@@ -854,6 +854,30 @@ class Recipe(Section):
 WRITTEN_FROM = "the relative paths below are from the directory this run was started in: "
 
 
+def started_in(recipe: Path) -> Path | None:
+    """The directory a run was started in, where `recipe` is that run's own saved recipe.yaml (or one of its
+    checkpoints') and that directory is not this one: the recipe's relative paths (output_dir, data, model, reward
+    functions' modules) are from there, so `llmtrain finetune runs/x/recipe.yaml --resume auto` from another
+    directory had found no checkpoint in ./runs/x and started again from step 0. None for any other recipe, a copy of
+    a saved one elsewhere included (its paths are from here, as every recipe's)."""
+    try:
+        with open(recipe) as f:
+            first = f.readline().rstrip("\n")
+            if not first.startswith(f"# {WRITTEN_FROM}"):
+                return None
+            body = yaml.safe_load(f)
+            output_dir = body.get("output_dir") if isinstance(body, dict) else None
+    except (OSError, UnicodeDecodeError, yaml.YAMLError):
+        return None  # load_recipe says why
+    started = Path(first[len(f"# {WRITTEN_FROM}"):])
+    if not isinstance(output_dir, str) or not started.is_dir() or started.resolve() == Path.cwd().resolve():
+        return None
+    out = (started / Path(output_dir).expanduser()).resolve()
+    folder = recipe.resolve().parent
+    ours = folder == out or (folder.parent.name == "checkpoints" and folder.parent.parent == out)
+    return started if ours else None
+
+
 # --------------------------------------------------------------------------- loading and overrides
 
 

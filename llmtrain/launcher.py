@@ -68,7 +68,7 @@ def accelerate_command(argv: list[str], *, machine: bool = True) -> list[str]:
     from accelerate.commands.launch import launch_command_parser
 
     from llmtrain import capabilities
-    from llmtrain.config import load_recipe
+    from llmtrain.config import load_recipe, started_in
     from llmtrain.layout import Layout
     from llmtrain.parallel.launch import check_launch, gpus_problem, launch_settings
     from llmtrain.run.checkpoint import resolve_resume
@@ -91,6 +91,13 @@ def accelerate_command(argv: list[str], *, machine: bool = True) -> list[str]:
     if args.module or args.no_python or not args.training_script:
         raise LLMTrainError(f"{usage}.")
     recipe_path, rest = args.training_script, list(args.training_script_args)
+    if (started := started_in(Path(recipe_path))) is not None:  # a run's saved recipe: from where the run started
+        argv = _paths_from_here(argv, len(argv) - len(rest) - 1)
+        os.chdir(started)
+        args = parser.parse_args(argv)
+        recipe_path, rest = args.training_script, list(args.training_script_args)
+        print(f"{recipe_path} is its run's saved recipe: its relative paths are from {started}, where the run was "
+              "started, so llmtrain works there (relative paths in the overrides too)", file=sys.stderr)
     overrides, options = split_finetune_options(rest)
     recipe = load_recipe(Path(recipe_path), overrides)
     launch, where = launch_settings(argv)
@@ -112,6 +119,20 @@ def accelerate_command(argv: list[str], *, machine: bool = True) -> list[str]:
         capabilities.check_model(recipe, layout, check_model_files(recipe))
     flags = argv[:len(argv) - len(rest) - 1]  # accelerate's own flags, as given
     return [sys.executable, "-m", "llmtrain.launcher", *flags, "-m", "llmtrain", "finetune", recipe_path, *rest]
+
+
+def _paths_from_here(argv: list[str], recipe_at: int) -> list[str]:
+    """`argv` with the paths it names from this directory made absolute: the recipe (at `recipe_at`), accelerate's
+    --config_file and finetune's --resume PATH."""
+    out = list(argv)
+    out[recipe_at] = str(Path(argv[recipe_at]).resolve())
+    for i, arg in enumerate(out):
+        for flag in ("--config_file", "--config-file", "--resume"):
+            if arg.startswith(f"{flag}=") and arg != "--resume=auto":
+                out[i] = f"{flag}={Path(arg.split('=', 1)[1]).expanduser().resolve()}"
+            elif arg == flag and i + 1 < len(out) and out[i + 1] != "auto":
+                out[i + 1] = str(Path(out[i + 1]).expanduser().resolve())
+    return out
 
 
 def launched(argv: list[str]) -> int:

@@ -109,8 +109,11 @@ def read_only_checks(recipe: Recipe, accelerator, *, resume: str | None, overwri
 
         check_recipe(recipe)
     ckpt = check_output_dir(accelerator, out, resume=resume, overwrite=overwrite)
-    notes = check_resume(ckpt, recipe, world=data_ranks(accelerator)[0], fsdp=uses_fsdp(accelerator),
-                         allow_recipe_change=allow_recipe_change) if ckpt else []
+    try:
+        notes = check_resume(ckpt, recipe, world=data_ranks(accelerator)[0], fsdp=uses_fsdp(accelerator),
+                             allow_recipe_change=allow_recipe_change) if ckpt else []
+    except LLMTrainError as e:  # the same checkpoint against the same recipe on every process: said once a node
+        raise Everywhere(str(e)) from None
     if resume and ckpt is None:
         say(f"--resume {resume}: no complete checkpoint in {out}; starting from step 0.")
     return Checked(checkpoint=ckpt, notes=tuple(notes), finished=None)
