@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 import yaml
-from helpers import ENV, REPO, cli, invoke, run_train, write_recipe
+from helpers import ENV, LLMTRAIN, REPO, cli, invoke, run_train, write_recipe
 
 pytest.importorskip("lm_eval")
 pytestmark = pytest.mark.long(110)  # tests/conftest.py
@@ -243,9 +243,14 @@ def test_a_task_on_local_gsm8k_runs_offline(trained, tmp_path):
         "include: " + str(Path(__import__("lm_eval").__file__).parent / "tasks" / "gsm8k" / "gsm8k.yaml") + "\n"
         "task: gsm8k_local\ndataset_path: json\ndataset_name: null\n"
         f"dataset_kwargs:\n  data_files:\n    test: {shared}\ntraining_split: null\nfewshot_split: test\n")
-    ours = cli("eval", str(run), "--tasks", "gsm8k_local", "--include-path", str(tmp_path), "--limit", "3",
-               "--num-fewshot", "0", env=OFFLINE)
+    # from a folder outside any git repository, as a user's: the harness's git probe had printed "fatal: not a git
+    # repository" (git's stderr) once a model
+    ours = subprocess.run([*LLMTRAIN, "eval", str(run), "--tasks", "gsm8k_local", "--include-path", str(tmp_path),
+                           "--limit", "3", "--num-fewshot", "0"], env=OFFLINE, cwd=tmp_path, capture_output=True,
+                          text=True, timeout=600)
+    assert ours.returncode == 0, ours.stderr[-3000:]
     assert any("gsm8k_local" in row and "exact_match" in row for row in table_rows(ours.stdout))
+    assert "fatal" not in ours.stderr, ours.stderr
 
 
 def test_an_unknown_task_is_named_with_the_nearest_and_nothing_is_written(tiny_assets, tmp_path):

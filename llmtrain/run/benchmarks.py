@@ -14,6 +14,7 @@ from __future__ import annotations
 import difflib
 import json
 import logging
+import os
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -256,9 +257,28 @@ def evaluate(target: Target, tasks: list[str], manager, *, num_fewshot: int | No
         instance, tokenizer = target.load(device)
         model = share_requests(HFLM(pretrained=instance, tokenizer=tokenizer, batch_size=batch_size), accelerator)
         args = None
-    return simple_evaluate(model=model, model_args=args, tasks=tasks, num_fewshot=num_fewshot,
-                           batch_size=batch_size, device=device, limit=limit, apply_chat_template=apply_chat_template,
-                           log_samples=False, task_manager=manager)
+    import lm_eval.evaluator as harness
+
+    probe, harness.get_git_commit_hash = harness.get_git_commit_hash, _git_hash
+    try:
+        return simple_evaluate(model=model, model_args=args, tasks=tasks, num_fewshot=num_fewshot,
+                               batch_size=batch_size, device=device, limit=limit,
+                               apply_chat_template=apply_chat_template, log_samples=False, task_manager=manager)
+    finally:
+        harness.get_git_commit_hash = probe
+
+
+def _git_hash() -> str | None:
+    """The harness's results' git_hash (lm_eval.loggers.utils.get_git_commit_hash) as it finds it, without git's
+    "fatal: not a git repository" on the console, once a model, wherever llmtrain eval runs outside a repository."""
+    import subprocess
+
+    from lm_eval.loggers.utils import get_commit_from_path
+
+    try:
+        return subprocess.check_output(["git", "describe", "--always"], stderr=subprocess.DEVNULL).strip().decode()
+    except (subprocess.CalledProcessError, FileNotFoundError):
+        return get_commit_from_path(os.getcwd())
 
 
 def share_requests(lm, accelerator=None):
