@@ -440,6 +440,25 @@ def test_a_reward_function_that_cannot_be_imported_says_what_is_missing():
         import_reward("math:nope")
 
 
+def test_a_reward_function_or_tool_beside_the_recipe_is_found_by_the_llmtrain_command(tmp_path, monkeypatch):
+    """The `llmtrain` console script has its bin folder on sys.path, not the working directory (`python -m`'s): a
+    rewards module next to the recipe, run from there, was "No module named" with the advice to put it next to where
+    llmtrain runs, where it was."""
+    import sys
+
+    from llmtrain.data.tools import function_of
+    from llmtrain.objectives.rewards import import_reward
+
+    (tmp_path / "beside_the_recipe.py").write_text("def shorter(prompts, completions, **kw):\n"
+                                                   "    return [-len(c) for c in completions]\n")
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(sys, "path", [p for p in sys.path if p not in ("", str(tmp_path))])  # as the console script's
+    monkeypatch.delitem(sys.modules, "beside_the_recipe", raising=False)
+    assert import_reward("beside_the_recipe:shorter")([""], ["ab", "c"]) == [-2, -1]
+    assert function_of("beside_the_recipe:shorter") is import_reward("beside_the_recipe:shorter")
+    assert sys.path[-1] == str(tmp_path)  # last: a file of the user's never shadows an installed package
+
+
 # --------------------------------------------------------------------------- sampling completions
 
 

@@ -17,6 +17,8 @@ import functools
 import importlib
 import inspect
 import json
+import os
+import sys
 from dataclasses import dataclass
 from typing import Any
 
@@ -156,14 +158,25 @@ def environment_tools(name: str) -> tuple[type, list[str], list[dict]]:
     return cls, methods, schemas
 
 
+def user_module(name: str):
+    """Import the user's module `name` (reward functions, tools, environments) as `python -m llmtrain` and a script
+    would find it: from PYTHONPATH or the working directory. The `llmtrain` command, a console script, has its bin
+    folder on sys.path instead of the working directory, so a module beside the recipe was not found; the working
+    directory goes last, so that a file of the user's never shadows an installed package."""
+    here = os.getcwd()
+    if here not in sys.path and "" not in sys.path:
+        sys.path.append(here)
+    return importlib.import_module(name)
+
+
 def function_of(name: str):
     """The Python callable `module:function` (a tool), or a clear error."""
     module, _, attr = name.partition(":")
     try:
-        return getattr(importlib.import_module(module), attr)
+        return getattr(user_module(module), attr)
     except (ImportError, AttributeError, ValueError) as e:
         raise LLMTrainError(f"the tool '{name}' cannot be imported ({e}). Name it as module:function, with the module "
-                            "on the Python path (PYTHONPATH).") from None
+                            "on the Python path (PYTHONPATH) or in the working directory.") from None
 
 
 PROBE_ARGS = {"probe_argument": "probe value"}

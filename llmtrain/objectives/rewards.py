@@ -20,7 +20,6 @@ never a reward silently taken as 0.
 from __future__ import annotations
 
 import asyncio
-import importlib
 import inspect
 import math
 import re
@@ -33,6 +32,7 @@ from dataclasses import dataclass, field
 import torch
 
 from llmtrain.data.formats import pairs_note, user_columns
+from llmtrain.data.tools import user_module
 from llmtrain.errors import LLMTrainError
 
 RewardFn = Callable[..., list]
@@ -99,10 +99,10 @@ def import_reward(spec: str) -> RewardFn:
     if not module_name or not name:
         raise LLMTrainError(f"reward function '{spec}' is not of the form module:function (e.g. my_rewards:accuracy).")
     try:
-        module = importlib.import_module(module_name)
+        module = user_module(module_name)
     except Exception as e:  # an ImportError, or the module's own error while importing
         raise LLMTrainError(f"reward function '{spec}': importing {module_name} failed: {type(e).__name__}: {e}. "
-                            "Put the module on PYTHONPATH (or next to where you run llmtrain).") from None
+                            "Put the module on PYTHONPATH or in the working directory.") from None
     fn = getattr(module, name, None)
     if not callable(fn):
         raise LLMTrainError(f"reward function '{spec}': {module_name} has no function {name}.")
