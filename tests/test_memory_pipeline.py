@@ -314,7 +314,20 @@ def test_the_cli_names_each_stage_and_compares_with_hsdp():
     assert [s["in_flight"] for s in got["pipeline"]["stages"]] == [[4], [3], [2], [1]]
     layouts = {r["layout"]: r["step_s"] for r in got["pipeline_compared"]}
     assert layouts["pipeline 4 x fsdp 8"] < layouts["hsdp 32"] < layouts["fsdp 32"]
+    # DDP is beside them too: a whole 7B full fine-tune (weights, gradients, AdamW) a GPU does not fit 80 GiB
+    assert {r["layout"]: r["fits"] for r in got["pipeline_compared"]}["ddp 32"] is False
     assert got["communication"]["pipeline"]["boundary_send_bytes"] == 32 * MIB
+
+
+def test_the_pipeline_is_compared_with_ddp_where_a_whole_model_fits_a_gpu():
+    """The tiny model on 2 GPUs: DDP fits and is the fastest; it had not been in the comparison, whose verdict named
+    FSDP beside a --fit that recommends DDP."""
+    args = (str(REPO / "recipes" / "tiny.yaml"), "--pipeline-parallel", "2", "--num-gpus", "2",
+            "train.grad_accum_steps=2")
+    text = " ".join(estimate_memory(*args).stdout.split())
+    assert "by the model, ddp 2 is" in text and "as fast as the pipeline (the fastest of the others that fit)" in text
+    got = {r["layout"]: r["fits"] for r in json.loads(estimate_memory(*args, "--json").stdout)["pipeline_compared"]}
+    assert got == {"pipeline 2 (a GPU a stage)": True, "ddp 2": True, "fsdp 2": True}
 
 
 def test_fit_offers_a_pipeline_across_nodes_where_it_is_the_fastest():

@@ -172,8 +172,8 @@ def estimate_memory(
         out = est.to_dict()
         out["communication"] = traffic.to_dict()
         out["recommendation"] = advice
-        if beside:  # the pipeline, FSDP and HSDP on the same GPUs at the same global batch
-            out["pipeline_compared"] = [{"layout": label, "per_gpu_peak_bytes": e.per_gpu_peak_bytes,
+        if beside:  # the pipeline, DDP, FSDP and HSDP on the same GPUs at the same global batch
+            out["pipeline_compared"] = [{"layout": label, "per_gpu_peak_bytes": e.per_gpu_peak_bytes, "fits": e.fits,
                                          "step_s": t.step_s, "compute_s": t.compute_s, "network_s": t.network_s}
                                         for label, e, t in beside]
         if result is not None:
@@ -248,7 +248,8 @@ def _render(est, advice: str, traffic, launch_mp: str | None, result, *, global_
             unit = "tokens" if spec.micro_batch_tokens else "examples"
             typer.echo(f"--fit keeps the global batch at {global_batch:,} {unit} a step: the recipe's "
                        f"{global_batch // (spec.grad_accum_steps * spec.data_ranks)} x {spec.grad_accum_steps} "
-                       f"accumulation per GPU on {spec.data_ranks} data-parallel GPUs; set train.grad_accum_steps "
+                       f"accumulation per GPU on {spec.data_ranks} data-parallel GPU{'s' * (spec.data_ranks != 1)}; set "
+                       "train.grad_accum_steps "
                        "for another")
         render_fit(result, target=target)
 

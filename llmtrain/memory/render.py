@@ -187,21 +187,27 @@ def render_stages(est: Estimate, *, console: Console) -> None:
 
 
 def render_compared(rows, *, console: Console) -> None:
-    """The pipeline beside FSDP and HSDP on the same GPUs at the same global batch, by the model's step time."""
-    net = rows[0][2].network
+    """The pipeline beside DDP, FSDP and HSDP on the same GPUs at the same global batch, by the model's step time;
+    the verdict is between layouts that fit the GPUs."""
+    net, memory = rows[0][2].network, rows[0][1].spec.gpu_memory_gib
     table = Table(title=f"The same global batch on these GPUs (step time by the model: {net.intra_gbps:,g} Gb/s "
                         f"within a node, {net.inter_gbps:,g} Gb/s a GPU between nodes)", title_justify="left")
-    for col in ("layout", "GiB per GPU", "compute s", "network s", "step s"):
-        table.add_column(col, justify="left" if col == "layout" else "right")
+    for col in ("layout", "GiB per GPU", f"fits {memory:g} GiB", "compute s", "network s", "step s"):
+        table.add_column(col, justify="left" if col == "layout" else "right", no_wrap=col == "layout")
     for label, e, t in rows:
-        table.add_row(label, gib(e.per_gpu_peak_bytes), f"{t.compute_s:.3f}", f"{t.network_s:.3f}", f"{t.step_s:.3f}")
+        table.add_row(label, gib(e.per_gpu_peak_bytes), "yes" if e.fits else "no", f"{t.compute_s:.3f}",
+                      f"{t.network_s:.3f}", f"{t.step_s:.3f}")
     console.print(table)
-    pipe, best = rows[0], min(rows[1:], key=lambda r: r[2].step_s, default=None)
-    if best is not None:
+    pipe, best = rows[0], min((r for r in rows[1:] if r[1].fits), key=lambda r: r[2].step_s, default=None)
+    if best is None:
+        console.print(f"by the model: none of the others fits {memory:g} GiB per GPU", highlight=False)
+    else:
         ratio = best[2].step_s / pipe[2].step_s
         verdict = (f"the pipeline is {ratio:.2f}x as fast as {best[0]}" if ratio > 1 else
                    f"{best[0]} is {1 / ratio:.2f}x as fast as the pipeline")
-        console.print(f"by the model, {verdict} (the fastest of the others)", highlight=False)
+        console.print(f"by the model, {verdict} (the fastest of the others that fit)"
+                      f"{'' if pipe[1].fits else f'; the pipeline does not fit {memory:g} GiB per GPU'}",
+                      highlight=False)
 
 
 def pipeline_line(traffic: Traffic) -> str:
