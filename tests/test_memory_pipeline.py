@@ -534,8 +534,9 @@ def test_each_stages_estimate_matches_its_measured_step(tiny_assets, tmp_path, m
     8 layers (the boundary at layer 4 carrying the later layers' per-layer inputs and the shared keys and values of
     layers 2 and 3): 0.986 and 0.991; LoRA on its bf16 base under autocast 0.971 and 0.987. DPO 0.997 and 0.986; with
     LoRA on fp32 weights 0.959 and 0.949 (1.106 and 1.068 while the estimate counted a copy of each adapter's input);
-    KTO with LoRA (rows of 8 completions under a token budget) 0.958 and 0.948. Interleaved 1F1B (2 chunks a GPU): 0.987 and 0.983 (0.962 on the last GPU while
-    only its chunk with the head was modelled; its first chunk holds twice the micro-batches)."""
+    KTO with LoRA (rows of 8 completions under a token budget) 0.958 and 0.948. Interleaved 1F1B (2 chunks a GPU):
+    0.987 and 0.983 (0.962 on the last GPU while only its chunk with the head was modelled; its first chunk holds
+    twice the micro-batches)."""
     import yaml
     from helpers import ENV, open_port
     from test_memory_saved import cpu_varlen_attention_bytes

@@ -248,9 +248,8 @@ def _render(est, advice: str, traffic, launch_mp: str | None, result, *, global_
             unit = "tokens" if spec.micro_batch_tokens else "examples"
             typer.echo(f"--fit keeps the global batch at {global_batch:,} {unit} a step: the recipe's "
                        f"{global_batch // (spec.grad_accum_steps * spec.data_ranks)} x {spec.grad_accum_steps} "
-                       f"accumulation per GPU on {spec.data_ranks} data-parallel GPU{'s' * (spec.data_ranks != 1)}; set "
-                       "train.grad_accum_steps "
-                       "for another")
+                       f"accumulation per GPU on {spec.data_ranks} data-parallel "
+                       f"GPU{'s' * (spec.data_ranks != 1)}; set train.grad_accum_steps for another")
         render_fit(result, target=target)
 
 
