@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+from pathlib import Path
 
 import pytest
 import torch
@@ -196,3 +197,26 @@ def test_the_summary_says_where_the_logs_are_and_how_a_lora_adapter_becomes_a_mo
     assert ("0.0000 (online RL: about 0 by construction, each prompt's advantages average 0, or below 0 where the "
             "rewarded completions are the longer ones under loss_type dapo (each token weighs the same); the reward is "
             "the measure)") in text
+
+
+def test_the_summarys_best_eval_reward_says_where_it_was_and_what_came_after():
+    """An online-RL run whose starting policy's eval stayed the best had said "-0.0764 (step 0; first -0.0764 at step
+    0)"."""
+    from rich.console import Console
+
+    from llmtrain.run.console import summary_table
+
+    summary = {"steps": 3, "tokens_seen": 100, "train_time_s": 2.0, "process_time_s": 2.0,
+               "tokens_per_s_per_gpu": 50.0, "wall_tokens_per_s_per_gpu": 40.0, "final_loss": 0.0, "method": "lora"}
+
+    def best(*rewards: float) -> str:
+        console = Console(record=True, width=300)
+        evals = [{"step": 10 * i, "eval_reward": r} for i, r in enumerate(rewards)]
+        console.print(summary_table(summary, out=Path("runs/x"), evals=evals, online_rl=True))
+        return next(line.split("│")[2].strip() for line in console.export_text().splitlines()
+                    if "best eval reward" in line)
+
+    assert best(0.2, 0.5, 0.4) == "0.5000 (step 10; first 0.2000 at step 0)"
+    assert best(0.5, 0.2, 0.4) == "0.5000 (step 0; none of the 2 later evals higher)"
+    assert best(0.5, 0.2) == "0.5000 (step 0; the later eval no higher)"
+    assert best(0.5) == "0.5000 (step 0)"

@@ -145,6 +145,7 @@ def test_a_launcher_killed_by_sigkill_stops_its_processes_as_a_preemption_does(t
     out, err = proc.communicate(timeout=120)  # the pipes close when the processes, which hold them too, have exited
     output = out + err
     assert output.count("stopped: SIGTERM at step") == 1, output[-3000:]
+    assert output.count("SIGTERM: finishing this step") == 1, output[-3000:]  # once a node (it was once a process)
     steps = _steps_on_disk(cut)
     assert len(steps) == 1 and steps[0] == records(cut)[-1]["step"] < STEPS, (steps, output[-3000:])
     ckpt = cut / "checkpoints" / f"step_{steps[0]:06d}"

@@ -38,6 +38,8 @@ class StopRequests:
         if not self.signum:
             self.signum = signum
             how = "again to stop at once" if signum == signal.SIGINT else ""
+            if os.environ.get("LOCAL_RANK", "0") != "0":  # every process of a launch is signalled: said once a node
+                return
             print(f"\n{signal.Signals(signum).name}: finishing this step, then saving a checkpoint and stopping"
                   f"{' (Ctrl-C ' + how + ')' if how else ''}.", file=sys.stderr, flush=True)
 

@@ -123,8 +123,13 @@ def summary_table(summary: dict, *, out: Path, evals: list[dict], unit: str = "g
     if evals and "eval_reward" in evals[-1]:  # online RL: the best mean reward of greedy completions
         best = max(evals, key=lambda e: e["eval_reward"])
         accuracy = (f", answer accuracy {best['eval_answer_accuracy']:.1%}" if "eval_answer_accuracy" in best else "")
-        table.add_row("best eval reward", f"{best['eval_reward']:.4f} (step {best['step']}{accuracy}; first "
-                                          f"{evals[0]['eval_reward']:.4f} at step {evals[0]['step']})")
+        if best is not evals[0]:
+            since = f"; first {evals[0]['eval_reward']:.4f} at step {evals[0]['step']}"
+        else:  # it had said "-0.0764 (step 0; first -0.0764 at step 0)"
+            later = len(evals) - 1
+            since = f"; none of the {later} later evals higher" if later > 1 else "; the later eval no higher" \
+                if later else ""
+        table.add_row("best eval reward", f"{best['eval_reward']:.4f} (step {best['step']}{accuracy}{since})")
     elif evals:
         best = min(evals, key=lambda e: e["eval_loss"])
         if "eval_rewards/accuracies" in best:
