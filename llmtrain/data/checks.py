@@ -83,9 +83,9 @@ def check_masks(stats: DataStats, *, train_on_prompt: bool, text: bool, max_seq_
         rows.append(("dropped", "warn", f"{stats.dropped_text(unit)}; the rest trains. Raise data.max_seq_len "
                      f"(now {max_seq_len}) to keep those cut to nothing, or remove the rows."))
     if stats.truncated:
-        cut = "the prompt's start or the answers' end" if unit == "pairs" else "data.max_seq_len"
-        rows.append(("truncated", "warn", f"{stats.truncated:,} of {stats.examples:,} {unit} are cut at {cut} to "
-                     f"fit data.max_seq_len={max_seq_len}; raise it if what is cut matters."))
+        cut = " at the prompt's start or the answers' end" if unit == "pairs" else ""
+        rows.append(("truncated", "warn", f"{stats.truncated:,} of {stats.examples:,} {unit} are cut{cut} to fit "
+                     f"data.max_seq_len={max_seq_len}; raise it if what is cut matters."))
     return rows
 
 
