@@ -860,22 +860,53 @@ def started_in(recipe: Path) -> Path | None:
     functions' modules) are from there, so `llmtrain finetune runs/x/recipe.yaml --resume auto` from another
     directory had found no checkpoint in ./runs/x and started again from step 0. None for any other recipe, a copy of
     a saved one elsewhere included (its paths are from here, as every recipe's)."""
+    if (started := written_from(recipe)) is None:
+        return None
     try:
-        with open(recipe) as f:
-            first = f.readline().rstrip("\n")
-            if not first.startswith(f"# {WRITTEN_FROM}"):
-                return None
-            body = yaml.safe_load(f)
-            output_dir = body.get("output_dir") if isinstance(body, dict) else None
+        body = yaml.safe_load(Path(recipe).read_text())
     except (OSError, UnicodeDecodeError, yaml.YAMLError):
         return None  # load_recipe says why
-    started = Path(first[len(f"# {WRITTEN_FROM}"):])
+    output_dir = body.get("output_dir") if isinstance(body, dict) else None
     if not isinstance(output_dir, str) or not started.is_dir() or started.resolve() == Path.cwd().resolve():
         return None
     out = (started / Path(output_dir).expanduser()).resolve()
     folder = recipe.resolve().parent
     ours = folder == out or (folder.parent.name == "checkpoints" and folder.parent.parent == out)
     return started if ours else None
+
+
+def from_the_run(folder: Path, value: str | None) -> str | None:
+    """`value`, a relative path in the recipe a run saved in `folder` (its recipe.yaml), from the directory that run
+    was started in (the file's first line) where it is not found from here but is from there; else as given."""
+    if not value or Path(value).expanduser().is_absolute() or Path(value).exists():
+        return value
+    started = written_from(Path(folder) / "recipe.yaml")
+    return str(started / value) if started is not None and (started / value).exists() else value
+
+
+def written_from(recipe: Path) -> Path | None:
+    """The directory a run was started in, as the recipe.yaml it saved names it on its first line (None: a recipe
+    that names none, or no file)."""
+    try:
+        with open(recipe) as f:
+            first = f.readline().rstrip("\n")
+    except (OSError, UnicodeDecodeError):
+        return None
+    return Path(first[len(f"# {WRITTEN_FROM}"):]) if first.startswith(f"# {WRITTEN_FROM}") else None
+
+
+def adapter_base(folder) -> str:
+    """The base model of the LoRA adapter saved in `folder` (its adapter_config.json's base_model_name_or_path): a
+    relative base not found from here is read from where the adapter's run was started (`folder` a run's final/ or
+    checkpoint: from_the_run), so an RL run started elsewhere finds its reward model's base."""
+    import json
+
+    folder = Path(folder).expanduser()
+    base = json.loads((folder / "adapter_config.json").read_text()).get("base_model_name_or_path") or ""
+    for run in (folder.parent, folder):  # a run's final/, or one of its checkpoints (which holds its recipe.yaml)
+        if (found := from_the_run(run, base)) != base:
+            return found
+    return base
 
 
 # --------------------------------------------------------------------------- loading and overrides

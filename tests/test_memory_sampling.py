@@ -206,3 +206,92 @@ def test_a_gemma_4_rollout_holds_each_layers_own_cache_as_the_estimate_says():
     # 16 rows x 192 positions, K and V of the two layers that store them (4 x 32 and 2 x 64), bf16
     assert parts["generation"]["kv_cache"] == kv_cache_bytes(shape, spec) == 16 * 192 * 2 * (4 * 32 + 2 * 64) * 2
     assert parts["generation"]["generation_copy"] == copy_bytes(adapted_linears(model))
+
+
+def test_a_reward_model_is_on_every_phase_and_its_scoring_peak_is_the_estimates(tmp_path):
+    """rl.rewards of type reward_model: a frozen sequence-classification model every process holds whole, scoring the
+    completions after each rollout in batches of its batch_size (objectives/learned_reward). The estimate had left it
+    out (a 7B reward model beside recipes/llama3-8b-grpo.yaml: 47.2 GiB estimated, 13.25 GiB of reward model not
+    counted). Here: its weights are counted to the byte from its folder, in every phase, and the rollout then the
+    scoring of its 16 completions (8 at a time) peak within 10% of the sampling and scoring phases."""
+    from types import SimpleNamespace
+
+    from peft import LoraConfig, get_peft_model
+    from transformers import LlamaConfig, LlamaForCausalLM, LlamaForSequenceClassification
+
+    from llmtrain.memory.reward_models import reward_models_of
+
+    torch.manual_seed(0)
+    config = LlamaConfig(**{k: v for k, v in CFG.items() if k != "model_type"}, attn_implementation="sdpa")
+    policy = get_peft_model(LlamaForCausalLM(config), LoraConfig(r=16, lora_alpha=32, target_modules="all-linear",
+                                                                 lora_dropout=0.0)).eval()
+    labels = {k: v for k, v in config.to_dict().items() if k not in ("id2label", "label2id")}
+    reward = LlamaForSequenceClassification(LlamaConfig(**{**labels, "pad_token_id": 0}, num_labels=1)).eval()
+    reward.save_pretrained(tmp_path / "rm")
+    recipe = SimpleNamespace(rl=SimpleNamespace(rewards=[
+        SimpleNamespace(type="answer_match", path=None),
+        SimpleNamespace(type="reward_model", path=str(tmp_path / "rm"), batch_size=8)]))
+    (found,) = reward_models_of(recipe)
+    assert found.weight_bytes == sum(p.numel() * p.element_size() for p in reward.parameters())
+    prompts = [[1] + [5 + (i * 7 + j) % 4000 for j in range(31)] for i in range(4) for _ in range(4)]
+    with LiveBytes() as live:
+        live.track(*policy.parameters(), *reward.parameters())
+        completions = sample_fast(policy, prompts, seeds=list(range(16)), max_new_tokens=64, temperature=1.0,
+                                  top_p=1.0, stop_ids=set(), pad_id=0, copy="off")
+        sampled, live.peak = live.peak, live.now
+        sequences = [p + c for p, c in zip(prompts, completions)]
+        with torch.no_grad():  # as learned_reward scores: right-padded batches of batch_size, with their mask
+            for s in range(0, len(sequences), found.batch_size):
+                batch = sequences[s:s + found.batch_size]
+                width = max(map(len, batch))
+                reward(input_ids=torch.tensor([x + [0] * (width - len(x)) for x in batch]),
+                       attention_mask=torch.tensor([[1] * len(x) + [0] * (width - len(x)) for x in batch]))
+        scored = live.peak
+    spec = TrainSpec(method="lora", lora_r=16, lora_dropout=0.0, dtype="float32", micro_batch=16, num_generations=4,
+                     max_completion_tokens=64, prompt_tokens=32, prompt_longest=32, seq_len=96, merged_copy="off",
+                     attn_implementation="sdpa", reward_models=(found,))
+    est = estimate(_shape_from_json(json.dumps(CFG), "tiny"), spec)
+    assert all(parts["reward_models"] == found.weight_bytes for parts in est.phase_parts.values())
+
+    def total(name: str) -> int:
+        return sum(est.phase_parts[name].values()) - est.phase_parts[name].get("optimizer", 0)
+
+    sampling, scoring = max(total("generation_prefill"), total("generation")), total("reward_scoring")
+    print(f"sampling: measured {sampled:,} B, estimated {sampling:,} B ({sampling / sampled - 1:+.1%}); scoring: "
+          f"measured {scored:,} B, estimated {scoring:,} B ({scoring / scored - 1:+.1%})")
+    assert abs(sampling / sampled - 1) <= 0.10 and abs(scoring / scored - 1) <= 0.10
+
+
+def test_a_lora_reward_adapters_base_is_found_from_where_its_run_started(tmp_path, monkeypatch):
+    """A reward model trained with LoRA on `model.name_or_path=base` (relative) in one directory, used by an RL run
+    started in another: its adapter names the base as given, which is read from where the reward run was started
+    (its recipe.yaml's first line), for loading it (model/score.load_reward_model) and for the estimate: the base's
+    weights in its saved dtype, under the score head, and the adapter's file."""
+    from types import SimpleNamespace
+
+    from safetensors.torch import save_file
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from llmtrain.config import WRITTEN_FROM, adapter_base
+    from llmtrain.memory.params import load_model_shape, score_head_shape
+    from llmtrain.memory.reward_models import reward_models_of
+
+    work, elsewhere = tmp_path / "work", tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    LlamaForCausalLM(LlamaConfig(**{k: v for k, v in CFG.items() if k != "model_type"})).save_pretrained(
+        work / "base")
+    final = work / "runs" / "rm" / "final"
+    final.mkdir(parents=True)
+    (final / "adapter_config.json").write_text(json.dumps({"base_model_name_or_path": "base", "task_type": "SEQ_CLS"}))
+    save_file({"score.weight": torch.zeros(1, 256)}, final / "adapter_model.safetensors")
+    (final.parent / "recipe.yaml").write_text(f"# {WRITTEN_FROM}{work}\noutput_dir: runs/rm\n")
+    monkeypatch.chdir(elsewhere)
+    assert adapter_base(final) == str(work / "base")
+    recipe = SimpleNamespace(rl=SimpleNamespace(rewards=[SimpleNamespace(type="reward_model", path=str(final),
+                                                                         batch_size=4)]))
+    (found,) = reward_models_of(recipe)
+    shape = score_head_shape(load_model_shape(str(work / "base")))
+    assert found.dtype == "float32" and found.weight_bytes == shape.params_total * 4 + \
+        (final / "adapter_model.safetensors").stat().st_size
+    monkeypatch.chdir(work)  # from where it was started the base is found as given
+    assert adapter_base(final) == "base"

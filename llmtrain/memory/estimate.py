@@ -33,6 +33,7 @@ from llmtrain.memory.states import (  # noqa: F401  (optimizer_bytes, quantized_
     quantized_base_bytes,
     states,
 )
+from llmtrain.memory.reward_models import add_reward_models, reward_model_notes
 from llmtrain.memory.teacher import add_teacher
 
 # Outside PyTorch's allocator; constants to be calibrated on GPUs (see docs/memory.md).
@@ -299,6 +300,8 @@ def estimate(shape: ModelShape, spec: TrainSpec) -> Estimate:
                                    budget=spec.eval_micro_batch_tokens, name="eval"))
     if spec.teacher is not None:  # distillation: a second, frozen model and its forward (memory/teacher.py)
         add_teacher(phases, shape, spec, p, base, gradients=g_acc)
+    if spec.reward_models:  # online RL's learned rewards: frozen models, scoring after sampling (reward_models.py)
+        add_reward_models(phases, spec, rows=sampling_rows(spec))
     if copy := generation_copy_bytes(shape, spec, plan):  # while the sampler runs, or throughout where it is kept
         for name, parts in phases.items():
             if spec.merged_copy == "kept" or name.startswith("generation"):
@@ -559,6 +562,7 @@ def _notes(shape: ModelShape, spec: TrainSpec, p: act.Pass) -> tuple[str, ...]:
                  if spec.sharded else "whole on every GPU")
         notes.append(f"the teacher ({spec.teacher.source}): {spec.teacher.params_total / 1e9:,.2f}B parameters in "
                      f"{spec.teacher_dtype}, {where}")
+    notes += reward_model_notes(spec)
     if p.varlen_repeats_kv and shape.kv_heads < shape.heads:
         extra = 2 * p.tokens * (shape.heads - shape.kv_heads) * shape.head_dim * p.cd
         notes.append(f"this torch's varlen_attn is torch 2.10's (no window_size): K/V are repeated to all "

@@ -27,7 +27,7 @@ PRECISION_DTYPE = {"bf16": "bfloat16", "fp16": "float16"}
 # Every component a breakdown reports, in display order; the first six are always present.
 COMPONENTS = ("weights", "gradients", "optimizer", "activations", "logits", "overhead",
               "autocast_copies", "ddp_buckets", "fsdp_buffers", "temporaries", "kv_cache", "generation_copy",
-              "pipeline_buffers", "teacher")
+              "pipeline_buffers", "teacher", "reward_models")
 # Online RL without readable data: each prompt is taken at its longest, data.max_seq_len - rl.max_completion_tokens (a
 # longer prompt is refused before training: data.checks.check_prompt_room), so every sequence is max_seq_len long.
 # With data, the micro-batches of prompts the run will sample (its data plan: a pure function of the seed): the
@@ -132,6 +132,9 @@ class TrainSpec:
     # teacher.py); None: no teacher
     teacher: object = None  # params.ModelShape
     teacher_dtype: Dtype = "float32"
+    # online RL's learned rewards (rl.rewards of type reward_model): each a frozen model whole on every GPU
+    # (memory/reward_models.py); () where there are none
+    reward_models: tuple = ()  # reward_models.RewardModel
 
     @property
     def world(self) -> int:
@@ -335,6 +338,9 @@ def spec_from_recipe(recipe: Recipe, *, strategy: Strategy = "single", num_gpus:
         dtype = PRECISION_DTYPE.get(t.mixed_precision, m.dtype) if m.dtype == "float32" else m.dtype
         teacher = dict(teacher=load_model_shape(recipe.distill.teacher), teacher_dtype=dtype)
     if recipe.rl is not None:
+        from llmtrain.memory.reward_models import reward_models_of
+
+        teacher = dict(reward_models=reward_models_of(recipe))  # the learned rewards' models, frozen as a teacher is
         most = recipe.rl.max_completion_tokens
         cap = max(1, d.max_seq_len - most)  # data.checks.check_prompt_room refuses a longer prompt
         prompt, _, basis = rl_prompt_tokens(prompt_lengths, cap=cap)  # the run's micro-batches, below, where known

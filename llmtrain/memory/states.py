@@ -109,7 +109,7 @@ def host_ram_bytes(shape: ModelShape, spec: TrainSpec, st: States) -> int:
     """Host RAM per node for loading: every process materialises the model on the host in its storage
     dtype before moving it to its GPU, except under FSDP (cpu_ram_efficient_loading: rank 0 alone, after
     upcasting trainable weights to fp32 under mixed precision) and model.random_init (built on the GPU); then a
-    distillation teacher, read the same way.
+    distillation teacher, read the same way, and online RL's reward models (every process reads each whole).
     Offloaded state (sharded weights, gradients, optimizer) adds the node's share. Python, CUDA and
     library memory of each process is not included."""
     sd = DTYPE_BYTES[spec.dtype]
@@ -126,4 +126,6 @@ def host_ram_bytes(shape: ModelShape, spec: TrainSpec, st: States) -> int:
         # main process alone under FSDP (its shards broadcast), else every process; the larger of the two loads
         teacher = spec.teacher.params_total * DTYPE_BYTES[spec.teacher_dtype]
         loading = max(loading, teacher if spec.sharded else spec.num_gpus * teacher)
+    for reward in spec.reward_models:  # read by every process, whole, onto its GPU before the policy loads
+        loading = max(loading, spec.num_gpus * reward.weight_bytes)
     return loading + st.host_offload // spec.num_nodes

@@ -134,12 +134,11 @@ def load_reward_model(path: str, device):
     folder = Path(path).expanduser()
     with every_process_reads():  # never prepared by FSDP: each process reads its own whole copy
         if (folder / "adapter_config.json").is_file():
-            from peft import PeftConfig
-
             from llmtrain.model.modeling import load_adapter
 
-            base = PeftConfig.from_pretrained(str(folder)).base_model_name_or_path
-            model = pretrained(AutoModelForSequenceClassification, base, num_labels=1, dtype="auto")
+            from llmtrain.config import adapter_base
+
+            model = pretrained(AutoModelForSequenceClassification, adapter_base(folder), num_labels=1, dtype="auto")
             model = load_adapter(model, str(folder))
         else:
             model = AutoModelForSequenceClassification.from_pretrained(str(folder), dtype="auto")

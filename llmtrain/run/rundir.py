@@ -278,21 +278,11 @@ def run_recipe(folder: Path):
     `eval` of a run trained on `model.name_or_path=my-model` then find its base from any directory."""
     import yaml
 
-    from llmtrain.config import WRITTEN_FROM, Recipe
+    from llmtrain.config import Recipe, from_the_run
 
-    text = (folder / "recipe.yaml").read_text()
-    first = text.split("\n", 1)[0]
-    recipe = Recipe.model_validate(yaml.safe_load(text))
-    if not first.startswith(f"# {WRITTEN_FROM}"):
-        return recipe
-    started = Path(first[len(f"# {WRITTEN_FROM}"):])
-
-    def there(value: str | None) -> str | None:
-        if not value or Path(value).expanduser().is_absolute() or Path(value).exists():
-            return value
-        return str(started / value) if (started / value).exists() else value
-
-    model = recipe.model.model_copy(update={"name_or_path": there(recipe.model.name_or_path),
-                                            "tokenizer": there(recipe.model.tokenizer)})
-    distill = recipe.distill and recipe.distill.model_copy(update={"teacher": there(recipe.distill.teacher)})
+    recipe = Recipe.model_validate(yaml.safe_load((folder / "recipe.yaml").read_text()))
+    model = recipe.model.model_copy(update={"name_or_path": from_the_run(folder, recipe.model.name_or_path),
+                                            "tokenizer": from_the_run(folder, recipe.model.tokenizer)})
+    distill = recipe.distill and recipe.distill.model_copy(
+        update={"teacher": from_the_run(folder, recipe.distill.teacher)})
     return recipe.model_copy(update={"model": model, "distill": distill})
