@@ -350,8 +350,23 @@ rl)  # the rollouts issue: sampling speed, then GRPO steps with the fast sampler
   run grpo-graph $FT $W/lora.yaml $GRPO "$RL" rl.sampler=graph
   run grpo-static $FT $W/lora.yaml $GRPO "$RL" rl.sampler=static train.max_steps=2
   ;;
-distill)  # on-policy distillation under FSDP on 1 process, the teacher sharded (about 2 minutes; also in smoke)
+distill)  # on-policy distillation under FSDP on 1 process, the teacher sharded (about 2 minutes; also in smoke); then
+  # GRPO (Mistral-7B LoRA) scored by a learned reward: the 1B's random weights under a one-output score head, in bf16,
+  # whole on the GPU beside the policy (the estimate's reward_models and reward_scoring against the measured peak)
   distill_fsdp1
+  [[ -d $W/models/llama-1b-rm ]] || $PY - "$W/models/llama-1b-weights" "$W/models/llama-1b-rm" <<'PYEOF' >> "$OUT/$WHAT.log" 2>&1
+import sys, torch
+from transformers import AutoModelForSequenceClassification, AutoTokenizer
+model = AutoModelForSequenceClassification.from_pretrained(sys.argv[1], num_labels=1, dtype=torch.bfloat16)
+tokenizer = AutoTokenizer.from_pretrained(sys.argv[1])
+model.resize_token_embeddings(len(tokenizer))  # Mistral's 32,768 tokens on the 1B's 32,000 rows
+model.config.pad_token_id = model.config.eos_token_id if model.config.pad_token_id is None else model.config.pad_token_id
+model.save_pretrained(sys.argv[2])
+tokenizer.save_pretrained(sys.argv[2])
+PYEOF
+  grpo_lora 3
+  run grpo-reward-model $FT $W/lora.yaml $GRPO "rl={num_generations: 8, max_completion_tokens: $((256 / SCALE)), \
+rewards: [{type: reward_model, path: $W/models/llama-1b-rm, batch_size: 16}]}"
   ;;
 families)  # issue 55 on CUDA (~8 minutes on an H200): each family's real shape (the estimate's built-in config, random
   # init, Mistral's tokenizer: its ids are a subset of every family's vocabulary), LoRA r16 on GSM8K chats at 4,096

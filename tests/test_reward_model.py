@@ -368,3 +368,28 @@ def test_a_folder_that_is_not_a_reward_model_is_refused_before_the_policy_loads(
     text = str(e.value)
     assert says in text and f"'{folder}'" in text and "rl.rewards path:" in text and "\n" not in text
     assert not (tmp_path / "run").exists()  # nothing written
+
+
+def test_a_reward_model_whose_tokenizer_outgrows_its_embeddings_is_refused_when_it_loads(tiny_assets, tmp_path):
+    """A reward model saved with a tokenizer larger than its embeddings (a 32,000-row model under Mistral v0.3's
+    32,768 tokens: the GPU session's first try) had scored until a completion held a token past them, then stopped
+    with "reward function reward_model raised IndexError: index out of range in self"."""
+    from transformers import AutoModelForSequenceClassification, AutoTokenizer
+
+    from llmtrain.errors import LLMTrainError
+    from llmtrain.model.score import load_reward_model
+
+    model = AutoModelForSequenceClassification.from_pretrained(tiny_assets / "model", num_labels=1)
+    tokenizer = AutoTokenizer.from_pretrained(tiny_assets / "model")
+    rows = model.get_input_embeddings().num_embeddings
+    tokenizer.add_tokens([f"<extra_{i}>" for i in range(rows - len(tokenizer) + 3)])
+    model.save_pretrained(tmp_path / "rm")
+    tokenizer.save_pretrained(tmp_path / "rm")
+    with pytest.raises(LLMTrainError, match=rf"has a tokenizer of {len(tokenizer):,} tokens and embeddings of "
+                                            rf"{rows:,}: a completion holding a token id from {rows:,} on cannot be "
+                                            r"scored\. .*resize_token_embeddings"):
+        load_reward_model(str(tmp_path / "rm"), "cpu")
+    model.resize_token_embeddings(len(tokenizer))  # the fix it names
+    model.save_pretrained(tmp_path / "rm")
+    loaded, _ = load_reward_model(str(tmp_path / "rm"), "cpu")
+    assert loaded.get_input_embeddings().num_embeddings == len(tokenizer)

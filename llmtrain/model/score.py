@@ -143,5 +143,13 @@ def load_reward_model(path: str, device):
         else:
             model = AutoModelForSequenceClassification.from_pretrained(str(folder), dtype="auto")
     tokenizer = AutoTokenizer.from_pretrained(str(folder))
+    rows = model.get_input_embeddings().num_embeddings
+    if len(tokenizer) > rows:  # a completion with a token past the embeddings: an IndexError mid-run, said now
+        from llmtrain.errors import LLMTrainError
+
+        raise LLMTrainError(f"the reward model '{path}' (rl.rewards path:) has a tokenizer of {len(tokenizer):,} "
+                            f"tokens and embeddings of {rows:,}: a completion holding a token id from {rows:,} on "
+                            "cannot be scored. Save it with the tokenizer it was trained with, or with its embeddings "
+                            "resized to the tokenizer (model.resize_token_embeddings(len(tokenizer))).")
     model.requires_grad_(False)
     return model.to(device).eval(), tokenizer
