@@ -909,6 +909,21 @@ def adapter_base(folder) -> str:
     return base
 
 
+def run_folder_problem(path: str, key: str) -> str | None:
+    """Where `path` is an llmtrain run's folder rather than a model (`model.name_or_path=runs/sft`, the SFT run a
+    distillation or a next run starts from): which folder of it holds the model, and what to set `key` to."""
+    folder = Path(path).expanduser()
+    if not ((folder / "recipe.yaml").is_file() and (folder / "final").is_dir()) or (folder / "config.json").exists():
+        return None
+    final, set_ = folder / "final", " " if key.startswith("--") else "="  # a key, or an option (--model)
+    if (final / "adapter_config.json").is_file():
+        how = (f"its final/ is a LoRA adapter: `llmtrain export {path} --merge` writes the whole model to "
+               f"{final.parent / 'final-merged'}; then set {key}{set_}{final.parent / 'final-merged'}")
+    else:
+        how = f"set {key}{set_}{final}"
+    return f"'{path}' ({key}) is a run's folder, not a model: {how}."
+
+
 # --------------------------------------------------------------------------- loading and overrides
 
 

@@ -107,7 +107,7 @@ def check_sequence_parallel(recipe: Recipe, launch: dict) -> list[Check]:
               f"{split}; keep a group inside a node (NVLink)")
     if recipe.distill is not None:
         try:
-            teacher = load_model_shape(recipe.distill.teacher)
+            teacher = load_model_shape(recipe.distill.teacher, "distill.teacher")
         except LLMTrainError:  # the teacher's own row says why it cannot be read
             teacher = None
         if teacher is not None and (problem := sequence_heads_problem(n, teacher.heads, teacher.kv_heads,

@@ -105,6 +105,14 @@ CASES = [
     ("missing model dir", "full", ["model.name_or_path=/nonexistent/model"], "/nonexistent/model"),
     ("damaged weights", "full", [f"model.name_or_path={F('damaged-model')}"], "truncated or damaged"),
     ("unknown LoRA target", "lora", ["lora.target_modules=[nope_proj]"], "lora.target_modules"),
+    # a run's folder where its model is meant (the SFT run a next run starts from): which folder holds the model
+    ("a run as the model", "lora", ["model.name_or_path={full_run}"],
+     "'{full_run}' (model.name_or_path) is a run's folder, not a model: set model.name_or_path={full_run}/final."),
+    ("a LoRA run as the model", "full", ["model.name_or_path={lora_run}"],
+     "its final/ is a LoRA adapter: `llmtrain export {lora_run} --merge` writes the whole model to "
+     "{lora_run}/final-merged; then set model.name_or_path={lora_run}/final-merged."),
+    ("a run as the teacher", "full", ["distill={{teacher: {full_run}, max_completion_tokens: 4}}"],
+     "'{full_run}' (distill.teacher) is a run's folder, not a model: set distill.teacher={full_run}/final."),
     # output folder
     ("output_dir is a file", "full", [f"output_dir={F('not-a-dir')}"], "is a file"),
     ("overwrite a stranger", "full", [f"output_dir={F('stranger')}"], "not an llmtrain run"),

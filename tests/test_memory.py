@@ -418,6 +418,23 @@ def test_cli_bad_model_path_is_a_clear_error():
     assert "Traceback" not in res.stderr
 
 
+def test_a_folder_without_a_config_or_a_runs_folder_says_which_it_is(tmp_path):
+    """A folder without config.json had been "no such directory or file"; a run's folder given as the model (its
+    model is its final/) the same."""
+    (tmp_path / "notes").mkdir()
+    res = estimate_memory("--model", str(tmp_path / "notes"), check=False)
+    assert res.returncode == 2 and f"no model config at '{tmp_path / 'notes'}' (--model): the folder has no " \
+        "config.json" in " ".join(res.stderr.split())
+    run = tmp_path / "run"
+    (run / "final").mkdir(parents=True)
+    (run / "recipe.yaml").write_text("output_dir: run\n")
+    res = estimate_memory(str(REPO / "recipes" / "tiny.yaml"), f"model.name_or_path={run}", check=False)
+    assert res.returncode == 2 and f"'{run}' (model.name_or_path) is a run's folder, not a model: set " \
+        f"model.name_or_path={run / 'final'}." in " ".join(res.stderr.split()), res.stderr
+    res = estimate_memory("--model", str(run), check=False)
+    assert f"set --model {run / 'final'}." in " ".join(res.stderr.split()), res.stderr
+
+
 def test_cli_recipe_with_overrides_and_accelerate_config(tmp_path):
     recipe = _recipe(tmp_path, tiny_dir(tmp_path), lora=False)
     res = estimate_memory(str(recipe), "train.micro_batch_size=3", "--accelerate-config",

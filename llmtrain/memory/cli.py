@@ -312,7 +312,7 @@ def _from_model(model: str, overrides, run: dict, launch: dict):
         raise LLMTrainError("KEY=VALUE overrides change a recipe; with --model the run is given by options: "
                             + "; ".join(_option_for(o) for o in overrides) + ".")
     ask_hub(model if reads_hub(model) else None)
-    shape, assumed = load_model_shape(model), ()
+    shape, assumed = load_model_shape(model, "--model"), ()
     if run.get("quantize"):  # what training refuses of the checkpoint (capabilities.model_problems)
         from llmtrain.capabilities import stored_quantization_problem
         from llmtrain.memory.params import read_config

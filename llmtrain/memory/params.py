@@ -541,8 +541,9 @@ def reads_hub(name_or_path: str) -> bool:
                 or name_or_path in HUB_ALIASES or is_local_path(name_or_path))
 
 
-def read_config(name_or_path: str) -> tuple[dict, str]:
-    """The config.json dict and where it came from: a local dir/file, a preset, or the hub (or its cache)."""
+def read_config(name_or_path: str, field: str = "model.name_or_path") -> tuple[dict, str]:
+    """The config.json dict and where it came from: a local dir/file, a preset, or the hub (or its cache). `field`:
+    the recipe key it came from, for the paragraph where it cannot be read."""
     path = Path(name_or_path).expanduser()
     if path.is_dir():
         path = path / "config.json"
@@ -559,8 +560,14 @@ def read_config(name_or_path: str) -> tuple[dict, str]:
         return {**PRESETS[HUB_ALIASES[name_or_path]], **context}, f"built-in config of {name_or_path}"
     hint = (f"Give a directory with config.json, a config.json file, a preset ({', '.join(PRESETS)}) "
             "or a hub id in the local Hugging Face cache.")
+    from llmtrain.config import run_folder_problem
+
+    if problem := run_folder_problem(name_or_path, field):
+        raise LLMTrainError(problem)
+    if Path(name_or_path).expanduser().is_dir():  # it had said "no such directory or file" of a folder
+        raise LLMTrainError(f"no model config at '{name_or_path}' ({field}): the folder has no config.json. {hint}")
     if is_local_path(name_or_path):
-        raise LLMTrainError(f"no model config at '{name_or_path}': no such directory or file. {hint}")
+        raise LLMTrainError(f"no model config at '{name_or_path}' ({field}): no such directory or file. {hint}")
     try:
         from transformers import AutoConfig
 
@@ -751,9 +758,10 @@ def tensor_problems(config_json: str, model_type: str, tp: int) -> tuple[str, ..
     return tuple(capabilities.tensor_plan_problems(hf_config(model_type, json.loads(config_json), model_type), tp))
 
 
-def load_model_shape(name_or_path: str) -> ModelShape:
-    """Read a model's config (path, preset or hub id) and count it exactly on the meta device."""
-    cfg, source = read_config(name_or_path)
+def load_model_shape(name_or_path: str, field: str = "model.name_or_path") -> ModelShape:
+    """Read a model's config (path, preset or hub id; `field` the recipe key it came from) and count it exactly on
+    the meta device."""
+    cfg, source = read_config(name_or_path, field)
     return _shape_from_json(json.dumps(cfg, sort_keys=True, default=str), f"{name_or_path} ({source})")
 
 

@@ -336,7 +336,7 @@ def spec_from_recipe(recipe: Recipe, *, strategy: Strategy = "single", num_gpus:
         rl = dict(max_completion_tokens=most, prompt_tokens=cap, prompt_cap=cap, prompt_basis="every prompt at its "
                   f"longest, data.max_seq_len - distill.max_completion_tokens ({cap})", rl_micro_batch_tokens=None)
         dtype = PRECISION_DTYPE.get(t.mixed_precision, m.dtype) if m.dtype == "float32" else m.dtype
-        teacher = dict(teacher=load_model_shape(recipe.distill.teacher), teacher_dtype=dtype)
+        teacher = dict(teacher=load_model_shape(recipe.distill.teacher, "distill.teacher"), teacher_dtype=dtype)
     if recipe.rl is not None:
         from llmtrain.memory.reward_models import reward_models_of
 

@@ -26,6 +26,10 @@ def _load_error(what: str, path: str, err: Exception, *, key: str = MODEL_KEYS) 
 
     from llmtrain.hub import is_local_path
 
+    from llmtrain.config import run_folder_problem
+
+    if problem := run_folder_problem(path, key.split(" / ")[0]):
+        return LLMTrainError(problem)
     folder = Path(path).expanduser()
     if what == "model" and (folder / "config.json").is_file() and not any((folder / w).is_file() for w in WEIGHTS):
         return LLMTrainError(f"the model folder '{path}' ({key}) has a config.json but no weights ({', '.join(WEIGHTS)}"

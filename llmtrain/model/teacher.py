@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from llmtrain.config import ModelConfig, Recipe
+from llmtrain.config import ModelConfig, Recipe, run_folder_problem
 from llmtrain.errors import LLMTrainError
 from llmtrain.model.modeling import load_model
 
@@ -37,6 +37,8 @@ def vocabulary_problem(recipe: Recipe, tokenizer) -> str | None:
         student = AutoConfig.from_pretrained(recipe.model.name_or_path, trust_remote_code=trust)
     except (OSError, ValueError):  # the student's own loading says what is wrong with it
         return None
+    if problem := run_folder_problem(path, "distill.teacher"):
+        return problem
     if missing_local(path):  # said before the hub is asked for it as an id
         return (f"distill.teacher '{path}' does not exist. Give a local model folder (config.json and weights; a "
                 "run's final/ once it is trained) or a hub id.")
