@@ -219,7 +219,8 @@ def test_a_reward_model_is_on_every_phase_and_its_scoring_peak_is_the_estimates(
     from peft import LoraConfig, get_peft_model
     from transformers import LlamaConfig, LlamaForCausalLM, LlamaForSequenceClassification
 
-    from llmtrain.memory.reward_models import reward_models_of
+    from llmtrain.memory.params import reward_models_of
+    from llmtrain.memory.reward_models import weight_bytes
 
     torch.manual_seed(0)
     config = LlamaConfig(**{k: v for k, v in CFG.items() if k != "model_type"}, attn_implementation="sdpa")
@@ -232,7 +233,7 @@ def test_a_reward_model_is_on_every_phase_and_its_scoring_peak_is_the_estimates(
         SimpleNamespace(type="answer_match", path=None),
         SimpleNamespace(type="reward_model", path=str(tmp_path / "rm"), batch_size=8)]))
     (found,) = reward_models_of(recipe)
-    assert found.weight_bytes == sum(p.numel() * p.element_size() for p in reward.parameters())
+    assert weight_bytes(found) == sum(p.numel() * p.element_size() for p in reward.parameters())
     prompts = [[1] + [5 + (i * 7 + j) % 4000 for j in range(31)] for i in range(4) for _ in range(4)]
     with LiveBytes() as live:
         live.track(*policy.parameters(), *reward.parameters())
@@ -251,7 +252,7 @@ def test_a_reward_model_is_on_every_phase_and_its_scoring_peak_is_the_estimates(
                      max_completion_tokens=64, prompt_tokens=32, prompt_longest=32, seq_len=96, merged_copy="off",
                      attn_implementation="sdpa", reward_models=(found,))
     est = estimate(_shape_from_json(json.dumps(CFG), "tiny"), spec)
-    assert all(parts["reward_models"] == found.weight_bytes for parts in est.phase_parts.values())
+    assert all(parts["reward_models"] == weight_bytes(found) for parts in est.phase_parts.values())
 
     def total(name: str) -> int:
         return sum(est.phase_parts[name].values()) - est.phase_parts[name].get("optimizer", 0)
@@ -273,8 +274,8 @@ def test_a_lora_reward_adapters_base_is_found_from_where_its_run_started(tmp_pat
     from transformers import LlamaConfig, LlamaForCausalLM
 
     from llmtrain.config import WRITTEN_FROM, adapter_base
-    from llmtrain.memory.params import load_model_shape, score_head_shape
-    from llmtrain.memory.reward_models import reward_models_of
+    from llmtrain.memory.params import load_model_shape, reward_models_of, score_head_shape
+    from llmtrain.memory.reward_models import weight_bytes
 
     work, elsewhere = tmp_path / "work", tmp_path / "elsewhere"
     elsewhere.mkdir()
@@ -291,7 +292,7 @@ def test_a_lora_reward_adapters_base_is_found_from_where_its_run_started(tmp_pat
                                                                          batch_size=4)]))
     (found,) = reward_models_of(recipe)
     shape = score_head_shape(load_model_shape(str(work / "base")))
-    assert found.dtype == "float32" and found.weight_bytes == shape.params_total * 4 + \
-        (final / "adapter_model.safetensors").stat().st_size
+    assert found.dtype == "float32" and found.adapter_bytes == (final / "adapter_model.safetensors").stat().st_size
+    assert weight_bytes(found) == shape.params_total * 4 + found.adapter_bytes
     monkeypatch.chdir(work)  # from where it was started the base is found as given
     assert adapter_base(final) == "base"

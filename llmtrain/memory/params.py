@@ -765,6 +765,55 @@ def load_model_shape(name_or_path: str, field: str = "model.name_or_path") -> Mo
     return _shape_from_json(json.dumps(cfg, sort_keys=True, default=str), f"{name_or_path} ({source})")
 
 
+# --------------------------------------------------------------------------- a learned reward's model
+
+
+@dataclass(frozen=True)
+class RewardModel:
+    """A reward_model reward (rl.rewards) as the estimate counts it (memory/reward_models.py): its shape under its
+    score head, its saved dtype, a LoRA adapter's bytes and the completions it scores at once. shape None: the
+    folder is not there to read (not counted, and said)."""
+
+    source: str
+    shape: ModelShape | None
+    dtype: str
+    adapter_bytes: int  # a LoRA adapter's file beside its base (0: a whole model)
+    batch_size: int
+
+
+def _saved_dtype(config: dict) -> str:
+    """The dtype `from_pretrained(dtype="auto")` loads a model in: its config's (float32 where it names none)."""
+    dtype = str(config.get("dtype") or config.get("torch_dtype") or "float32").removeprefix("torch.")
+    return dtype if dtype in ("float32", "bfloat16", "float16") else "float32"
+
+
+def reward_models_of(recipe) -> tuple[RewardModel, ...]:
+    """The recipe's reward models, read from their folders (config.json, or a LoRA adapter's base config and its
+    adapter's file); a folder that is not there to read (the estimate made before it is trained) with no shape."""
+    from llmtrain.config import adapter_base
+
+    found = []
+    for reward in (recipe.rl.rewards if recipe.rl is not None else []):
+        if reward.type != "reward_model" or reward.path is None:
+            continue
+        folder = Path(reward.path).expanduser()
+        adapter = folder / "adapter_config.json"
+        config = folder / "config.json"
+        if not adapter.is_file() and not config.is_file():
+            found.append(RewardModel(reward.path, None, "float32", 0, reward.batch_size))
+            continue
+        extra = 0
+        if adapter.is_file():  # its base as saved, and the adapter's own weights (the score head among them)
+            base = adapter_base(folder)
+            shape, dtype = load_model_shape(base), _saved_dtype(read_config(base)[0])
+            extra = sum(f.stat().st_size for f in folder.glob("adapter_model*.safetensors"))
+        else:
+            shape, dtype = load_model_shape(str(folder)), _saved_dtype(json.loads(config.read_text()))
+        shape = shape if shape.score_head else score_head_shape(shape)
+        found.append(RewardModel(reward.path, shape, dtype, extra, reward.batch_size))
+    return tuple(found)
+
+
 def recipe_model_shape(recipe) -> ModelShape:
     """The model a recipe trains: model.name_or_path's, under a score head where it trains a reward model."""
     shape = load_model_shape(recipe.model.name_or_path)

@@ -10,60 +10,14 @@ layer's transients at a time, as evaluation's (activations.eval_layer_bytes over
 
 from __future__ import annotations
 
-import json
-from dataclasses import dataclass
-from pathlib import Path
-
 from llmtrain.memory import activations as act
-from llmtrain.memory.params import ModelShape, load_model_shape, read_config, score_head_shape
+from llmtrain.memory.params import RewardModel
 from llmtrain.memory.spec import DTYPE_BYTES, TrainSpec
 
 
-@dataclass(frozen=True)
-class RewardModel:
-    """A reward_model reward as the estimate counts it: its shape (under its score head), its weights' bytes on
-    each GPU, their dtype and the completions it scores at once. shape None: the folder is not there to read (not
-    counted, and said)."""
-
-    source: str
-    shape: ModelShape | None
-    weight_bytes: int
-    dtype: str
-    batch_size: int
-
-
-def _saved_dtype(config: dict) -> str:
-    """The dtype `from_pretrained(dtype="auto")` loads a model in: its config's (float32 where it names none)."""
-    dtype = str(config.get("dtype") or config.get("torch_dtype") or "float32").removeprefix("torch.")
-    return dtype if dtype in DTYPE_BYTES else "float32"
-
-
-def reward_models_of(recipe) -> tuple[RewardModel, ...]:
-    """The recipe's reward models, read from their folders (config.json, or a LoRA adapter's base config and its
-    adapter's file); a folder that is not there to read (the estimate made before it is trained) with no shape."""
-    from llmtrain.config import adapter_base
-
-    found = []
-    for reward in (recipe.rl.rewards if recipe.rl is not None else []):
-        if reward.type != "reward_model" or reward.path is None:
-            continue
-        folder = Path(reward.path).expanduser()
-        adapter = folder / "adapter_config.json"
-        config = folder / "config.json"
-        if not adapter.is_file() and not config.is_file():
-            found.append(RewardModel(reward.path, None, 0, "float32", reward.batch_size))
-            continue
-        extra = 0
-        if adapter.is_file():  # its base as saved, and the adapter's own weights (the score head among them)
-            base = adapter_base(folder)
-            shape, dtype = load_model_shape(base), _saved_dtype(read_config(base)[0])
-            extra = sum(f.stat().st_size for f in folder.glob("adapter_model*.safetensors"))
-        else:
-            shape, dtype = load_model_shape(str(folder)), _saved_dtype(json.loads(config.read_text()))
-        shape = shape if shape.score_head else score_head_shape(shape)
-        found.append(RewardModel(reward.path, shape, shape.params_total * DTYPE_BYTES[dtype] + extra, dtype,
-                                 reward.batch_size))
-    return tuple(found)
+def weight_bytes(r: RewardModel) -> int:
+    """A reward model's weights on each GPU: the model in its saved dtype, and a LoRA adapter's file beside."""
+    return r.shape.params_total * DTYPE_BYTES[r.dtype] + r.adapter_bytes if r.shape is not None else 0
 
 
 def add_reward_models(phases: dict[str, dict[str, int]], spec: TrainSpec, *, rows: int) -> None:
@@ -71,7 +25,7 @@ def add_reward_models(phases: dict[str, dict[str, int]], spec: TrainSpec, *, row
     (`phases["generation"]`) less its KV cache, logits and transients (what is alive once the sampler has returned),
     beside the reward models' weights and the largest one's forward over min(batch_size, `rows`) completions of the
     run's sequence length."""
-    weights = sum(r.weight_bytes for r in spec.reward_models)
+    weights = sum(map(weight_bytes, spec.reward_models))
     for parts in phases.values():
         parts["reward_models"] = weights
     forward = 0

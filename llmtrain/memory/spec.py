@@ -134,7 +134,7 @@ class TrainSpec:
     teacher_dtype: Dtype = "float32"
     # online RL's learned rewards (rl.rewards of type reward_model): each a frozen model whole on every GPU
     # (memory/reward_models.py); () where there are none
-    reward_models: tuple = ()  # reward_models.RewardModel
+    reward_models: tuple = ()  # params.RewardModel
 
     @property
     def world(self) -> int:
@@ -338,7 +338,7 @@ def spec_from_recipe(recipe: Recipe, *, strategy: Strategy = "single", num_gpus:
         dtype = PRECISION_DTYPE.get(t.mixed_precision, m.dtype) if m.dtype == "float32" else m.dtype
         teacher = dict(teacher=load_model_shape(recipe.distill.teacher, "distill.teacher"), teacher_dtype=dtype)
     if recipe.rl is not None:
-        from llmtrain.memory.reward_models import reward_models_of
+        from llmtrain.memory.params import reward_models_of
 
         teacher = dict(reward_models=reward_models_of(recipe))  # the learned rewards' models, frozen as a teacher is
         most = recipe.rl.max_completion_tokens

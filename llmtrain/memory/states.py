@@ -10,6 +10,7 @@ from dataclasses import dataclass
 
 from llmtrain.memory.params import LoraPlan, ModelShape
 from llmtrain.memory.spec import DTYPE_BYTES, PRECISION_DTYPE, TrainSpec
+from llmtrain.memory.reward_models import weight_bytes
 from llmtrain.memory.teacher import sharded_frozen_bytes
 
 
@@ -127,5 +128,5 @@ def host_ram_bytes(shape: ModelShape, spec: TrainSpec, st: States) -> int:
         teacher = spec.teacher.params_total * DTYPE_BYTES[spec.teacher_dtype]
         loading = max(loading, teacher if spec.sharded else spec.num_gpus * teacher)
     for reward in spec.reward_models:  # read by every process, whole, onto its GPU before the policy loads
-        loading = max(loading, spec.num_gpus * reward.weight_bytes)
+        loading = max(loading, spec.num_gpus * weight_bytes(reward))
     return loading + st.host_offload // spec.num_nodes
