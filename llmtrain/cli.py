@@ -196,7 +196,7 @@ def where_it_started(recipe: Path, resume: str | None = None) -> tuple[Path, str
     run was started in: this process works there, said in one line, so its relative paths (output_dir, data, model)
     and the overrides' are read from there; the recipe's path and --resume's are made absolute first. Any other
     recipe: as given, from here. Returns (recipe, resume)."""
-    from llmtrain.config import started_in
+    from llmtrain.config import started_in, working_there
 
     if (started := started_in(recipe)) is None:
         return recipe, resume
@@ -205,8 +205,7 @@ def where_it_started(recipe: Path, resume: str | None = None) -> tuple[Path, str
         resume = str(Path(resume).expanduser().resolve())
     os.chdir(started)
     if prints_error_here():
-        typer.echo(f"{recipe} is its run's saved recipe: its relative paths are from {started}, where the run was "
-                   "started, so llmtrain works there (relative paths in the overrides too)", err=True)
+        typer.echo(working_there(recipe, started), err=True)
     return recipe, resume
 
 

@@ -875,6 +875,12 @@ def started_in(recipe: Path) -> Path | None:
     return started if ours else None
 
 
+def working_there(recipe, started: Path) -> str:
+    """The line said where a run's saved recipe is run from the directory its run was started in (started_in)."""
+    return (f"{recipe} is its run's saved recipe: its relative paths are from {started}, where the run was started, "
+            "so llmtrain works there (relative paths in the overrides too)")
+
+
 def from_the_run(folder: Path, value: str | None) -> str | None:
     """`value`, a relative path in the recipe a run saved in `folder` (its recipe.yaml), from the directory that run
     was started in (the file's first line) where it is not found from here but is from there; else as given."""

@@ -68,7 +68,7 @@ def accelerate_command(argv: list[str], *, machine: bool = True) -> list[str]:
     from accelerate.commands.launch import launch_command_parser
 
     from llmtrain import capabilities
-    from llmtrain.config import load_recipe, started_in
+    from llmtrain.config import load_recipe, started_in, working_there
     from llmtrain.layout import Layout
     from llmtrain.parallel.launch import check_launch, gpus_problem, launch_settings
     from llmtrain.run.checkpoint import resolve_resume
@@ -96,8 +96,7 @@ def accelerate_command(argv: list[str], *, machine: bool = True) -> list[str]:
         os.chdir(started)
         args = parser.parse_args(argv)
         recipe_path, rest = args.training_script, list(args.training_script_args)
-        print(f"{recipe_path} is its run's saved recipe: its relative paths are from {started}, where the run was "
-              "started, so llmtrain works there (relative paths in the overrides too)", file=sys.stderr)
+        print(working_there(recipe_path, started), file=sys.stderr)
     overrides, options = split_finetune_options(rest)
     recipe = load_recipe(Path(recipe_path), overrides)
     launch, where = launch_settings(argv)

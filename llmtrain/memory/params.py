@@ -802,13 +802,12 @@ def reward_models_of(recipe) -> tuple[RewardModel, ...]:
         if not adapter.is_file() and not config.is_file():
             found.append(RewardModel(reward.path, None, "float32", 0, reward.batch_size))
             continue
-        extra = 0
-        if adapter.is_file():  # its base as saved, and the adapter's own weights (the score head among them)
-            base = adapter_base(folder)
-            shape, dtype = load_model_shape(base), _saved_dtype(read_config(base)[0])
-            extra = sum(f.stat().st_size for f in folder.glob("adapter_model*.safetensors"))
-        else:
-            shape, dtype = load_model_shape(str(folder)), _saved_dtype(json.loads(config.read_text()))
+        # a LoRA adapter: its base as saved, and the adapter's own weights (the score head among them)
+        name = adapter_base(folder) if adapter.is_file() else str(folder)
+        extra = sum(f.stat().st_size for f in folder.glob("adapter_model*.safetensors")) if adapter.is_file() else 0
+        cfg, source = read_config(name)  # read once: the shape and the saved dtype
+        shape = _shape_from_json(json.dumps(cfg, sort_keys=True, default=str), f"{name} ({source})")
+        dtype = _saved_dtype(cfg)
         shape = shape if shape.score_head else score_head_shape(shape)
         found.append(RewardModel(reward.path, shape, dtype, extra, reward.batch_size))
     return tuple(found)
