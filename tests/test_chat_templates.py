@@ -22,6 +22,7 @@ from pathlib import Path
 
 import pytest
 
+from conftest import MISTRAL, needs
 from llmtrain.config import DataConfig
 from llmtrain.data.chat import render_chat
 from llmtrain.data.checks import check_eos_trained
@@ -296,3 +297,58 @@ def test_an_end_of_turn_that_is_text_is_trained_as_the_template_renders_it():
     assert check_eos_trained([enc["labels"]], tok, end_of_turn="<|im_end|>")[0][1] == "pass"
     cut = [lab if i < len(enc["labels"]) - 3 else IGNORE for i, lab in enumerate(enc["labels"])]  # stop untrained
     assert check_eos_trained([cut], tok, end_of_turn="<|im_end|>")[0][1] == "fail"
+
+
+def test_a_text_end_of_turn_is_where_generation_stops_as_the_tokens_it_was_trained_as():
+    """The samplers stop at an end of turn the tokenizer splits (generate.Stops.sequences), read as the tokens every
+    trained reply ends with (chat.turn_tokens); the completion's text is read without it, as a special token's
+    would be; an end of turn that is one token is a stop id, not a sequence."""
+    from types import SimpleNamespace
+
+    from llmtrain.data.chat import turn_tokens
+    from llmtrain.objectives.objective import stops_for
+
+    tok = text_end_tokenizer()
+    runs = turn_tokens(tok, "<|im_end|>")
+    assert len(runs) == 1 and tok.decode(runs[0]) == "<|im_end|>" and len(runs[0]) > 1
+    messages = [user("How many apples are there?"), assistant("5 apples."), user("And pears?"), assistant("3")]
+    enc = encode_example({"messages": messages}, tok, CHAT)
+    trained = [t for t in enc["labels"] if t != IGNORE]
+    lm = SimpleNamespace(generation_config=SimpleNamespace(eos_token_id=tok.eos_token_id))
+    stops = stops_for(lm, tok, "<|im_end|>")
+    assert stops.sequences == runs and tok.eos_token_id in stops
+    first = stops.end(trained)  # the first reply's end: where a sampler drawing these tokens stops
+    assert tok.decode(trained[:first]) == "5 apples.<|im_end|>" and stops.ends(trained[:first])
+    assert not stops.ends(trained[:first - 1]) and stops.end(trained[:first - 1]) is None
+    assert stops.reply(tok.decode(trained[:first])) == "5 apples."
+    assert turn_tokens(tok, "</s>") == () and stops_for(lm, tok, "</s>").sequences == ()
+
+
+@needs(MISTRAL)
+def test_on_mistrals_tokenizer_a_text_end_of_turn_ends_every_reply_with_a_run_the_samplers_stop_at(mistral):
+    """`<|im_end|>` written into a template for Mistral's tokenizer: 7 pieces alone, `.<` merged after a period; the
+    six after the first are what every reply ends with. `### End` has no such common run (`▁###` after a space): each
+    way it is spelt alone is a run."""
+    from llmtrain.data.chat import _BEFORE, turn_tokens
+
+    (run,) = turn_tokens(mistral, "<|im_end|>")
+    assert mistral.decode(run) == "|im_end|>"
+    hashes = turn_tokens(mistral, "### End")
+    assert len(hashes) == 2 and {mistral.decode(r).strip() for r in hashes} == {"### End"}
+    for before in _BEFORE:
+        for turn, runs in (("<|im_end|>", [run]), ("### End", hashes)):
+            ids = mistral("The answer is 7" + before + turn, add_special_tokens=False)["input_ids"]
+            assert any(tuple(ids[-len(r):]) == r for r in runs), (before, turn)
+
+
+def test_an_end_of_turn_no_run_of_tokens_spells_fails_the_stop_check(monkeypatch):
+    """Where no run of tokens reliably ends a reply with the template's text end of turn, generation could not stop
+    at it: the check fails, saying so, instead of passing on the text."""
+    import llmtrain.data.chat as chat
+
+    tok = text_end_tokenizer()
+    enc = encode_example({"messages": [user("How many apples are there?"), assistant("5 apples")]}, tok, CHAT)
+    assert check_eos_trained([enc["labels"]], tok, end_of_turn="<|im_end|>")[0][1] == "pass"
+    monkeypatch.setattr(chat, "turn_tokens", lambda tokenizer, end: ())
+    (name, status, says), = check_eos_trained([enc["labels"]], tok, end_of_turn="<|im_end|>")
+    assert status == "fail" and "splits into pieces that change with the text before it" in says

@@ -172,6 +172,34 @@ def test_a_one_token_limit_and_no_stop_tokens(lm):
     assert free == sample(lm, prompts, **kwargs) and all(len(c) == 9 for c in free)
 
 
+def first_end(row: list[int], sequences) -> list[int]:
+    """`row` cut after the first place one of `sequences` is complete in it (all of it where none is)."""
+    for k in range(len(row)):
+        if any(tuple(row[max(0, k + 1 - len(s)):k + 1]) == s for s in sequences):
+            return row[:k + 1]
+    return row
+
+
+@pytest.mark.parametrize("compact", [True, False])
+def test_an_end_of_turn_of_several_tokens_stops_both_samplers_at_its_last_token(lm, compact):
+    """A template's end of turn the tokenizer splits into several tokens (Stops.sequences: `<|im_end|>` in a template
+    for a tokenizer without it) ends a completion where its last token is drawn, in the reference loop and in the
+    fast sampler (on the device, no host sync: compared in place, with finished rows leaving the batch or not),
+    as drawing nothing but the completion up to there: the free completion cut there."""
+    from llmtrain.model.generate import Stops
+
+    prompts = mixed_prompts(6, 4, seed=5)
+    seeds = [completion_seed(7, 3, i // 4, i % 4) for i in range(len(prompts))]
+    kwargs = dict(seeds=seeds, max_new_tokens=40, temperature=1.0, top_p=1.0, pad_id=3)
+    free = sample(lm, prompts, stop_ids=set(), **kwargs)  # nothing stops: every completion is 40 long
+    sequences = [tuple(free[0][9:11]), tuple(free[-1][20:23])]  # runs some completions draw, of 2 and 3 tokens
+    expected = [first_end(c, sequences) for c in free]
+    assert sum(len(c) < 40 for c in expected) >= 2 and any(len(c) == 40 for c in expected)
+    stops = Stops((), sequences, "")
+    assert sample(lm, prompts, stop_ids=stops, **kwargs) == expected
+    assert sample_fast(lm, prompts, stop_ids=stops, compact=compact, **kwargs) == expected
+
+
 def test_a_sliding_window_shorter_than_the_sequence_is_applied_as_the_reference_applies_it(tiny_assets):
     """A Mistral with a 6-token window: prompts and completions longer than it attend to the last 6 slots only."""
     from transformers import MistralConfig, MistralForCausalLM

@@ -195,3 +195,22 @@ def test_eval_answer_pattern_must_be_a_regex_with_a_group(tmp_path):
         load_recipe(path, ["train.eval_answer_pattern=####"])
     with pytest.raises(RecipeError, match="is not a regular expression"):
         load_recipe(path, ["train.eval_answer_pattern=(("])
+
+
+def test_an_end_of_turn_of_several_tokens_ends_a_sample_and_is_not_shown(tiny_assets, tiny_model):
+    """A template's end of turn the tokenizer splits (generate.Stops.text, as objective.stop_ids gives it for chat
+    data) ends the greedy generation where it is complete (transformers' stop string), and the sample reads without
+    it, as it would where the end of turn is a special token."""
+    from llmtrain.model.generate import Stops
+
+    model, tokenizer = tiny_model
+    examples = tokenised(tokenizer, eval_rows(tiny_assets, 3))
+    free = generate_samples(model, tokenizer, examples, max_new_tokens=12, step=1)
+    text = next(s["generated"][2:5] for s in free if len(s["generated"].strip()) >= 8)  # 3 characters it writes
+    ids = tuple(tokenizer(text, add_special_tokens=False)["input_ids"])
+    stops = Stops({tokenizer.eos_token_id}, [ids], text)
+    cut = generate_samples(model, tokenizer, examples, max_new_tokens=12, step=1, stops=stops)
+    for before, after in zip(free, cut):
+        at = before["generated"].find(text)
+        assert after["generated"] == (before["generated"] if at < 0 else before["generated"][:at])
+    assert any(text in s["generated"] for s in free) and not any(text in s["generated"] for s in cut)

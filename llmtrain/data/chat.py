@@ -279,3 +279,33 @@ def read_template(cfg: DataConfig) -> str | None:
         raise LLMTrainError(f"data.chat_template '{path}' is not a file. Give the path of a Jinja chat template, "
                             "or true for the tokenizer's own.")
     return path.read_text()
+
+
+# where a text end of turn is tokenized as a template puts it: after these, its first piece may merge with them
+_BEFORE = ("a", "Z", "4", ".", "!", "?", ")", "]", "}", "\"", "'", "`", ":", ";", ",", " ", "\n", "\u4e2d", "=")
+
+
+def turn_tokens(tokenizer, end_of_turn: str | None) -> tuple[tuple[int, ...], ...]:
+    """The token runs a reply ending with `end_of_turn` (closing: the template's end of turn) ends with, where the
+    tokenizer splits it into several tokens (`<|im_end|>` in a template for a tokenizer that does not know it: 7 pieces
+    of Mistral's); none where it is one token. Its first piece can merge with the reply's last character (`.<` is one
+    token of Mistral's, `▁###` one after a space), so it is tokenized after each of `_BEFORE`: the run common to all of
+    them where that is most of it (all its characters but two; a shorter one, `>`, would end a reply that only
+    contains it), else each distinct run that spells it alone."""
+    turn = (end_of_turn or "").strip()
+    if not turn or len(tokenizer(turn, add_special_tokens=False)["input_ids"]) < 2:
+        return ()
+    runs = []
+    for before in _BEFORE:
+        ids = tokenizer(before + turn, add_special_tokens=False)["input_ids"]
+        alone = tokenizer(before, add_special_tokens=False)["input_ids"]
+        runs.append(tuple(ids[len(alone):]) if ids[:len(alone)] == alone else tuple(ids))
+    common: list[int] = []
+    for column in zip(*(reversed(r) for r in runs)):
+        if len(set(column)) > 1:
+            break
+        common.insert(0, column[0])
+    text = tokenizer.decode(common, skip_special_tokens=False).strip()
+    if len(common) >= 2 and turn.endswith(text) and len(text) >= max(len(turn) - 2, 2):
+        return (tuple(common),)
+    return tuple(dict.fromkeys(r for r in runs if tokenizer.decode(r, skip_special_tokens=False).strip() == turn))

@@ -91,23 +91,34 @@ def check_masks(stats: DataStats, *, train_on_prompt: bool, text: bool, max_seq_
 
 def check_eos_trained(labels: list[list[int]], tokenizer, unit: str = "examples",
                       end_of_turn: str | None = None) -> list[Check]:
-    """The trained tokens of each row end with EOS, an end-of-turn special token, or the template's end of turn
-    (`end_of_turn`, chat.end_of_turn: `<|im_end|>` is text on a tokenizer that does not know it): the model learns
-    to stop where inference will (unit: examples, or answers: each pair's two)."""
+    """The trained tokens of each row end with a stop the samplers stop at (generate.Stops: EOS, an end-of-turn
+    special token, or the template's end of turn `end_of_turn` as one of the token runs chat.turn_tokens reads it as:
+    `<|im_end|>` is text on a tokenizer that does not know it), whitespace after it aside: the model learns to stop
+    where generation will (unit: examples, or answers: each pair's two)."""
+    from llmtrain.data.chat import turn_tokens
+
     stops = {tokenizer.eos_token_id, *special_ids(tokenizer)}
-    last = [[lab for lab in row if lab != IGNORE] for row in labels]
-    tail = len(tokenizer(end_of_turn, add_special_tokens=False)["input_ids"]) + 2 if end_of_turn else 0
+    sequences = turn_tokens(tokenizer, end_of_turn)
+    split = (end_of_turn and not sequences
+             and len(tokenizer(end_of_turn.strip(), add_special_tokens=False)["input_ids"]) > 1)
 
     def stops_there(trained: list[int]) -> bool:
-        return bool(trained) and (trained[-1] in stops or bool(end_of_turn) and tokenizer.decode(
-            trained[-tail:]).rstrip().endswith(end_of_turn))
+        while trained and trained[-1] not in stops and not tokenizer.decode(trained[-1:]).strip():
+            trained = trained[:-1]  # a newline trained after the end of turn
+        return bool(trained) and (trained[-1] in stops or any(tuple(trained[-len(s):]) == s for s in sequences))
 
+    last = [[lab for lab in row if lab != IGNORE] for row in labels]
     missing = sum(1 for t in last if not stops_there(t))
     only_stop = sum(1 for t in last if len(t) == 1 and t[0] in stops)
     name, n = "eos trained", len(labels)
     if n and missing == n:
-        return [(name, "fail", f"none of {n} {unit} ends with a trained {tokenizer.eos_token!r} or end-of-turn "
-                 "token: generation will not stop. Check the chat template (data.chat_template).")]
+        why = (f"the template ends a reply with {end_of_turn.strip()!r}, which this tokenizer splits into pieces that "
+               "change with the text before it, so generation cannot tell where a reply ends. Make it one token "
+               "(a template the tokenizer was trained with, whose end of turn is a special token of it), or end "
+               "each reply with the tokenizer's eos_token in the template" if split else
+               f"none of {n} {unit} ends with a trained {tokenizer.eos_token!r} or end-of-turn token: generation "
+               "will not stop. Check the chat template (data.chat_template)")
+        return [(name, "fail", f"{why}.")]
     rows = [(name, "warn" if missing else "pass",
              f"{n - missing} of {n} {unit} end with a trained stop token"
              + (f"; {missing} do not (cut at data.max_seq_len?)" if missing else ""))]

@@ -44,7 +44,7 @@ from llmtrain.loop.signals import StopRequests
 from llmtrain.loop.step import eval_sums, evaluate, train_step
 from llmtrain.memory import predicted_for_run
 from llmtrain.memory.fit import out_of_memory_text
-from llmtrain.objectives.objective import Objective, objective_for, rl_rewards
+from llmtrain.objectives.objective import Objective, objective_for, rl_rewards, stop_ids
 from llmtrain.parallel.accelerator import build_accelerator
 from llmtrain.parallel.collectives import device_sum, gathered, on_main, on_tensor_group_first
 from llmtrain.parallel.groups import groups
@@ -281,7 +281,8 @@ def evaluate_and_sample(run: Run, state: TrainState, progress) -> dict:
         samples = generate_samples(run.model.unwrapped, run.data.tokenizer, first,
                                    max_new_tokens=tc.eval_max_new_tokens, step=state.step,
                                    synced=accelerator.num_processes > 1,
-                                   expected=[str(v) for v in first[column]] if column else None)
+                                   expected=[str(v) for v in first[column]] if column else None,
+                                   stops=stop_ids(run.recipe, run.model.unwrapped, run.data.tokenizer))
         if (accuracy := mark_answers(samples, tc.eval_answer_pattern)) is not None:
             ev.setdefault("eval_answer_accuracy", accuracy)  # online RL's eval counted every eval prompt already
             if unparsed := sum(s["expected_answer"] is None for s in samples):  # misses that no reply can fix

@@ -50,7 +50,7 @@ import torch
 from llmtrain.capabilities import FAMILIES
 from llmtrain.config import PREFILL_CHUNK  # noqa: F401  (read as fast_sample.PREFILL_CHUNK: the tests set it)
 from llmtrain.model.attention import SINKS, layer_kinds, rotary_by_kind
-from llmtrain.model.generate import attention_as, next_tokens
+from llmtrain.model.generate import Stops, attention_as, next_tokens
 from llmtrain.model.loss import causal_lm
 
 CHECK_EVERY = 16  # tokens between two looks at the end-of-turn flags (the only host syncs while decoding)
@@ -229,7 +229,7 @@ def sample_fast(lm, prompts: list[list[int]], *, seeds: list[int], max_new_token
                          sampling=dict(temperature=temperature, top_p=top_p))
         decode.first(logits)
         decode.run(capture=capture, compact=compact)
-    return _trim(decode.result.tolist(), set(stop_ids))  # the one copy back to the host
+    return _trim(decode.result.tolist(), Stops.of(stop_ids))  # the one copy back to the host
 
 
 def _cache_bytes(forward: _Forward, rows: int, length: int) -> int:
@@ -295,7 +295,11 @@ class _Decode:
         self.forward, self.uniforms, self.pad_id, self.sampling = forward, uniforms, pad_id, sampling
         self.width = width = max(map(len, prompts))
         self.length = width + steps
+        stop_ids = Stops.of(stop_ids)
         self.stops = torch.tensor(sorted(stop_ids) or [-1], device=device)
+        # an end of turn of several tokens (Stops.sequences): each, and the columns back from a row's last token
+        self.sequences = [(torch.tensor(seq, device=device), torch.arange(1 - len(seq), 1, device=device))
+                          for seq in stop_ids.sequences]
         self.key_slots = torch.arange(self.length, device=device)
         self.start = torch.tensor([width - len(p) for p in prompts], device=device)  # each row's first real slot
         self.windows = set(forward.windows)
@@ -328,6 +332,9 @@ class _Decode:
         drawn = torch.where(s["done"], torch.full_like(drawn, self.pad_id), drawn)
         s["out"].scatter_(1, s["column"], drawn[:, None])
         s["done"] |= (drawn[:, None] == self.stops).any(-1)
+        for seq, back in self.sequences:  # its last len(seq) tokens are the sequence (a finished row's are pads)
+            window = s["out"].gather(1, (s["column"] + back).clamp(min=0))
+            s["done"] |= (window == seq).all(-1) & (s["column"].squeeze(1) >= seq.numel() - 1)
         s["ids"].copy_(drawn[:, None])
         s["positions"].add_(1)
         s["slot"].add_(1)
@@ -433,13 +440,9 @@ def _captured(step, state: dict, *, warmup: int, pool=None) -> torch.cuda.CUDAGr
     return graph
 
 
-def _trim(tokens: list[list[int]], stop_ids: set[int]) -> list[list[int]]:
-    """Each row's tokens up to and including its first stop token (all of them where none was drawn)."""
-    out = []
-    for row in tokens:
-        end = next((k + 1 for k, t in enumerate(row) if t in stop_ids), len(row))
-        out.append(row[:end])
-    return out
+def _trim(tokens: list[list[int]], stops: Stops) -> list[list[int]]:
+    """Each row's tokens up to and including its first stop (all of them where none was drawn)."""
+    return [row[:stops.end(row) or len(row)] for row in tokens]
 
 
 def sampler_for(lm, kind: str, *, copy: str = "off"):

@@ -29,13 +29,52 @@ def completion_seed(seed: int, step: int, prompt_index: int, generation: int) ->
 
 
 def stop_tokens(lm, tokenizer, end_of_turn: str | None = None) -> list[int]:
-    """Where a generation stops: the generation config's end tokens (which list a chat template's end-of-turn token),
-    the tokenizer's EOS, and the template's end of turn (data.chat.end_of_turn) where it is one token."""
+    """Where a generation stops, as one token: the generation config's end tokens (which list a chat template's
+    end-of-turn token), the tokenizer's EOS, and the template's end of turn (data.chat.end_of_turn) where it is one
+    token. `objective.stops_for` adds an end of turn the tokenizer splits into several (Stops.sequences)."""
     configured = lm.generation_config.eos_token_id
     configured = configured if isinstance(configured, list) else [configured]
     turn = tokenizer(end_of_turn.strip(), add_special_tokens=False)["input_ids"] if end_of_turn else []
     return list(dict.fromkeys(t for t in (*configured, tokenizer.eos_token_id, *turn[:1] * (len(turn) == 1))
                               if t is not None))
+
+
+class Stops(frozenset):
+    """Where a completion ends: one of these ids drawn (a frozenset of ints, so `token in stops` reads as before), or
+    the tokens of one of `sequences` drawn one after another. A sequence is a chat template's end of turn that the
+    tokenizer does not know as a token: `<|im_end|>` written into a template for Mistral's tokenizer is 7 pieces
+    (`<`, `|`, `im`, `_`, `end`, `|`, `>`), and a reply trained to end with it would otherwise run on to the limit."""
+
+    sequences: tuple[tuple[int, ...], ...]
+    text: str  # the end of turn the sequences spell ("" where there are none)
+
+    def __new__(cls, ids=(), sequences=(), text: str = ""):
+        self = super().__new__(cls, ids)
+        self.sequences, self.text = tuple(tuple(s) for s in sequences), text
+        return self
+
+    @classmethod
+    def of(cls, stops) -> Stops:
+        """`stops` as Stops: itself, or a plain collection of stop ids with no sequences."""
+        return stops if isinstance(stops, Stops) else cls(stops)
+
+    def end(self, row) -> int | None:
+        """The length of `row` up to and including its first stop (a stop id, or a sequence's last token); None
+        where it has none."""
+        for k, token in enumerate(row):
+            if token in self or any(k + 1 >= len(s) and tuple(row[k + 1 - len(s):k + 1]) == s
+                                    for s in self.sequences):
+                return k + 1
+        return None
+
+    def ends(self, row) -> bool:
+        """Whether `row` ends with a stop (a completion that was not cut at the limit)."""
+        return bool(row) and (row[-1] in self or any(tuple(row[-len(s):]) == s for s in self.sequences))
+
+    def reply(self, text: str) -> str:
+        """A completion's text (decoded without special tokens) without the text end of turn it stopped at: what it
+        reads as where the end of turn is a special token."""
+        return text[: -len(self.text)] if self.text and text.endswith(self.text) else text
 
 
 @contextmanager
@@ -81,7 +120,8 @@ def next_tokens(logits: torch.Tensor, uniforms: torch.Tensor, *, temperature: fl
 @torch.no_grad()
 def sample(lm, prompts: list[list[int]], *, seeds: list[int], max_new_tokens: int, temperature: float,
            top_p: float, stop_ids: set[int], pad_id: int) -> list[list[int]]:
-    """Each prompt's completion: at most max_new_tokens ids, ending with a stop id where one was drawn."""
+    """Each prompt's completion: at most max_new_tokens ids, ending with a stop where one was drawn (a stop id, or
+    the last token of one of `Stops.sequences`)."""
     device, rows = lm.device, len(prompts)
     width = max(map(len, prompts))
     ids = torch.tensor([[pad_id] * (width - len(p)) + p for p in prompts], device=device)
@@ -90,6 +130,7 @@ def sample(lm, prompts: list[list[int]], *, seeds: list[int], max_new_tokens: in
     # every uniform a completion will use, drawn from its own generator before decoding starts
     uniforms = torch.stack([torch.rand(max_new_tokens, generator=torch.Generator().manual_seed(s), dtype=torch.float64)
                             for s in seeds]).to(device=device, dtype=torch.float32)
+    stop_ids = Stops.of(stop_ids)
     stops = torch.tensor(sorted(stop_ids), device=device)
     out = [[] for _ in range(rows)]
     done = torch.zeros(rows, dtype=torch.bool, device=device)
@@ -104,6 +145,8 @@ def sample(lm, prompts: list[list[int]], *, seeds: list[int], max_new_tokens: in
                 if not finished:
                     out[i].append(value)
             done = done | torch.isin(token, stops)
+            if stop_ids.sequences:  # an end of turn of several tokens: the rows that just drew its last
+                done = done | torch.tensor([stop_ids.ends(row) for row in out], device=device)
             if bool(done.all()) or t == max_new_tokens - 1:
                 break
             mask = torch.cat([mask, torch.ones(rows, 1, dtype=mask.dtype, device=device)], dim=1)

@@ -33,6 +33,7 @@ import torch.nn.functional as F
 
 from llmtrain.data.batching import Counts, batch_weight, collate, with_loss_positions
 from llmtrain.data.formats import prompt_length
+from llmtrain.model.generate import Stops
 from llmtrain.model.loss import causal_lm, compute_loss, decoder_inputs, decoder_name, logit_transform
 from llmtrain.objectives.rollouts import all_here, completion_rows, sample, sampling
 
@@ -80,13 +81,13 @@ class Distill:
 
     columns = ("input_ids", "labels", "row")
 
-    def __init__(self, cfg, *, teacher, model, pad_id: int, packing: bool, seed: int, stop_ids: list[int],
+    def __init__(self, cfg, *, teacher, model, pad_id: int, packing: bool, seed: int, stop_ids,
                  world: int):
         self.cfg, self.pad_id, self.packing, self.seed = cfg, pad_id, packing, seed
         self.teacher = causal_lm(teacher)  # frozen, eval mode (model/teacher.py)
         self.teacher_logits = logit_transform(self.teacher)  # what its own forward does to its head's logits
         self.lm = model  # the unwrapped student: it samples
-        self.stop_ids, self.world = set(stop_ids), world
+        self.stop_ids, self.world = Stops.of(stop_ids), world
         self.stats = [*ROLLOUT_STATS, *LOSS_STATS]
         self.share_sampling = all_here  # where a micro-batch's completions are drawn (rollouts.all_here)
 
@@ -134,7 +135,7 @@ class Distill:
         spent = time.perf_counter() - begun
         sequences = completion_rows([p for p, _ in prompts], completions)
         out, counts = self._batch(sequences, prompts)
-        clipped = sum(not c or c[-1] not in self.stop_ids for c in completions)  # ended by max_completion_tokens
+        clipped = sum(not self.stop_ids.ends(c) for c in completions)  # ended by max_completion_tokens
         out["rollout_stats"] = torch.tensor([len(completions), counts.trained, clipped, len(completions),
                                              spent / self.world], dtype=torch.float32)
         return out, counts

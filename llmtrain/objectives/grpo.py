@@ -26,6 +26,7 @@ from typing import Literal
 import torch
 
 from llmtrain.data.batching import Counts, batch_weight
+from llmtrain.model.generate import Stops
 from llmtrain.objectives.rollouts import all_here, clipped_surrogate, completion_rows, here, sample, sampling
 
 LossType = Literal["dapo", "grpo", "dr_grpo"]
@@ -131,7 +132,7 @@ class GRPO:
     loss_stats: tuple[str, ...] = tuple(LOSS_STATS)
 
     def __init__(self, rl, *, tokenizer, pad_id: int, packing: bool, seed: int, rewards, model, columns,
-                 stop_ids: list[int], world: int, sources: tuple[str, str | None] = ("the data", None), state=None,
+                 stop_ids, world: int, sources: tuple[str, str | None] = ("the data", None), state=None,
                  runner=None, gather=None, template: str | None = None, render=None, user_code=None):
         self.rl, self.tokenizer, self.pad_id, self.packing, self.seed = rl, tokenizer, pad_id, packing, seed
         self.rewards = rewards  # (name, function, weight): rewards.build_rewards
@@ -140,7 +141,7 @@ class GRPO:
 
         self.reward_columns = reward_columns(columns)  # {the user's name: the prepared column}
         self.columns = ("input_ids", "row", "prompt", *self.reward_columns.values())
-        self.stop_ids, self.world = set(stop_ids), world
+        self.stop_ids, self.world = Stops.of(stop_ids), world
         self.sources = sources  # (train, eval): the files the errors name
         self.state = state  # the trainer_state reward functions get (rewards.trainer_state); the rollout moves it
         self.logs = RewardLogs()  # log_metric's numbers since the last metrics line
@@ -258,7 +259,7 @@ class GRPO:
         advantages, std, more, columns = self._advantages(total, g, batches, parts)
         for batch, part, n in zip(batches, parts, lengths.split([len(part) for part in parts])):
             self._attach(batch, advantages[part], n)
-        clipped = [not c or c[-1] not in self.stop_ids for c in completions]  # ended by max_completion_tokens
+        clipped = [not self.stop_ids.ends(c) for c in completions]  # ended by max_completion_tokens
         scored = ~per_function.isnan()
         stats = torch.tensor([
             len(completions), float(total.nansum()), float((total.nan_to_num() ** 2).sum()),
@@ -375,7 +376,7 @@ class GRPO:
         errors; `tooled`: their tool calls (rl.tools)."""
         from llmtrain.objectives.rewards import RewardLogs, score
 
-        texts = [self.tokenizer.decode(c, skip_special_tokens=True) for c in completions]
+        texts = [self.stop_ids.reply(self.tokenizer.decode(c, skip_special_tokens=True)) for c in completions]
         prompts = [e["prompt"] for e in examples for _ in range(g)]
         # TRL's convention: a conversational prompt's completion is a list with one assistant message; with tools,
         # the conversation after the prompt (assistant turns with their tool_calls, the tools' messages)

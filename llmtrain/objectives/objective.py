@@ -209,11 +209,20 @@ def prompt_renderer(recipe, tokenizer):
     return render
 
 
-def stop_ids(recipe, model, tokenizer) -> list[int]:
-    """Where a sampled completion ends (online RL, distillation): the model's end tokens, EOS, and the chat template's
-    end of turn where the rows are chats."""
+def stops_for(lm, tokenizer, end_of_turn: str | None = None):
+    """Where a completion of `lm` ends (generate.Stops): its end tokens, EOS, and the template's end of turn, as one
+    token or as the several the tokenizer splits it into (chat.turn_tokens)."""
+    from llmtrain.data.chat import turn_tokens
+    from llmtrain.model.generate import Stops, stop_tokens
+
+    sequences = turn_tokens(tokenizer, end_of_turn)
+    return Stops(stop_tokens(lm, tokenizer, end_of_turn), sequences, end_of_turn.strip() if sequences else "")
+
+
+def stop_ids(recipe, model, tokenizer):
+    """Where a sampled completion ends (online RL, distillation): `stops_for` the model, with the chat template's end
+    of turn where the rows are chats."""
     from llmtrain.data.chat import end_of_turn, read_template
-    from llmtrain.model.generate import stop_tokens
     from llmtrain.model.loss import causal_lm
 
     turn = None
@@ -222,7 +231,7 @@ def stop_ids(recipe, model, tokenizer) -> list[int]:
             turn = end_of_turn(tokenizer, read_template(recipe.data))
         except Exception:  # a template that cannot render a reply: stop at EOS and the configured ends only
             turn = None
-    return stop_tokens(causal_lm(model), tokenizer, turn)
+    return stops_for(causal_lm(model), tokenizer, turn)
 
 
 def reference_kind(recipe) -> str:

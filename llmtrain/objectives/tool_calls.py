@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 
 from llmtrain.data.tools import CallSyntax, Turn, call_syntax, function_of, parse_turn, tool_suffix_ids
 from llmtrain.errors import LLMTrainError
+from llmtrain.model.generate import Stops
 from llmtrain.objectives.rollouts import here
 
 
@@ -73,7 +74,7 @@ class Tools:
         from llmtrain.data.chat import end_of_turn
 
         self.end_of_turn = end_of_turn(tokenizer, template)
-        self.stop_ids = set(stop_ids)
+        self.stop_ids = Stops.of(stop_ids)
         self.runner = runner
 
     @classmethod
@@ -94,7 +95,7 @@ class Tools:
             text = text[: text.index(self.end_of_turn)]
         turn = parse_turn(text, self.syntax)
         if not turn.calls:  # what the turn says, as the reward functions read a plain completion
-            turn.content = self.tokenizer.decode(ids, skip_special_tokens=True)
+            turn.content = self.stop_ids.reply(self.tokenizer.decode(ids, skip_special_tokens=True))
         return turn
 
     def environments(self, n: int) -> list:

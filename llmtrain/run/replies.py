@@ -199,10 +199,10 @@ def generate_replies(source: Source, prompts: list, *, max_new_tokens: int | Non
 
     from llmtrain.data.chat import end_of_turn
     from llmtrain.model.fast_sample import sampler_for
-    from llmtrain.model.generate import completion_seed, stop_tokens
+    from llmtrain.model.generate import completion_seed
     from llmtrain.model.loss import causal_lm
     from llmtrain.model.modeling import pad_id
-    from llmtrain.objectives.objective import prompt_renderer
+    from llmtrain.objectives.objective import prompt_renderer, stops_for
     from llmtrain.objectives.tool_calls import Tools, observed, sample_with_tools
 
     settings = {"temperature": 0.0, "top_p": 1.0, "max_new_tokens": GREEDY_TOKENS, **source.sampling}
@@ -216,7 +216,7 @@ def generate_replies(source: Source, prompts: list, *, max_new_tokens: int | Non
     rendered_chat = source.chat if chat is None else chat
     lm = causal_lm(source.model)
     turn = end_of_turn(source.tokenizer, source.template) if rendered_chat or tooled else None
-    stops = set(stop_tokens(lm, source.tokenizer, turn))
+    stops = stops_for(lm, source.tokenizer, turn)
     # a tool run's prompts show the tools, as its own did (--no-tools too), with --system in place of its system prompt
     render = prompt_renderer(_with_system(source, chat, system_prompt), source.tokenizer) if source.tools else None
     ids = [render(r["prompt"], n) if render else prompt_ids(source, r["prompt"], chat=chat, system_prompt=system_prompt)
@@ -252,8 +252,8 @@ def generate_replies(source: Source, prompts: list, *, max_new_tokens: int | Non
                 drawn = [r.ids for r in rolled]
             for (p, i), tokens, roll in zip(part, drawn, rolled):
                 reply = {"prompt": rows_in[p]["prompt"], "sample": i,
-                         "reply": source.tokenizer.decode(tokens, skip_special_tokens=True),
-                         "tokens": tokens, "stopped": bool(tokens) and tokens[-1] in stops}
+                         "reply": stops.reply(source.tokenizer.decode(tokens, skip_special_tokens=True)),
+                         "tokens": tokens, "stopped": stops.ends(tokens)}
                 if roll is not None:
                     reply.update(calls=roll.calls, messages=roll.messages)
                 out.append(reply)

@@ -23,7 +23,7 @@ from __future__ import annotations
 from contextlib import contextmanager
 
 from llmtrain.data.formats import prompt_length
-from llmtrain.model.generate import cached_attention, stop_tokens
+from llmtrain.model.generate import Stops, cached_attention, stop_tokens
 from llmtrain.model.loss import causal_lm
 from llmtrain.objectives.rewards import answer
 
@@ -39,14 +39,18 @@ def split_example(example) -> tuple[list[int], list[int]]:
 
 
 def generate_samples(model, tokenizer, examples, *, max_new_tokens: int, step: int, synced: bool = False,
-                     expected: list[str] | None = None) -> list[dict]:
+                     expected: list[str] | None = None, stops=None) -> list[dict]:
     """Greedy generations for `examples`: [{"step", "index", "prompt", "expected", "generated"}], texts decoded
     without special tokens. `model` is the unwrapped model (accelerator.unwrap_model; peft models too). `expected`:
-    the expected texts where the rows hold none (online RL's prompts: their answer column)."""
+    the expected texts where the rows hold none (online RL's prompts: their answer column); `stops`: where a reply
+    ends (generate.Stops: objective.stop_ids, the template's end of turn too; default the model's end tokens and
+    EOS), an end of turn of several tokens as transformers' stop string."""
     import torch
 
     lm = causal_lm(model)
-    eos = stop_tokens(lm, tokenizer)
+    stops = Stops(stop_tokens(lm, tokenizer)) if stops is None else stops
+    eos = sorted(stops)
+    ends = {"stop_strings": [stops.text], "tokenizer": tokenizer} if stops.text else {}
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos[0]
     was_training = model.training
     model.eval()
@@ -61,11 +65,11 @@ def generate_samples(model, tokenizer, examples, *, max_new_tokens: int, step: i
                 out = model.generate(input_ids=input_ids, attention_mask=torch.ones_like(input_ids),
                                      max_new_tokens=max_new_tokens, do_sample=False, temperature=None, top_p=None,
                                      top_k=None, use_cache=True, eos_token_id=eos, pad_token_id=pad,
-                                     synced_gpus=synced)
+                                     synced_gpus=synced, **ends)
                 generated = out[0, len(prompt):].tolist()
                 samples.append({"step": step, "index": index, "prompt": _text(tokenizer, prompt),
                                 "expected": expected[index] if expected is not None else _text(tokenizer, expected_ids),
-                                "generated": _text(tokenizer, generated)})
+                                "generated": stops.reply(_text(tokenizer, generated))})
     finally:
         model.train(was_training)
     return samples
