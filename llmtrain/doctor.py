@@ -425,8 +425,12 @@ def run_doctor(recipe: Recipe, *, accelerate_config: Path | None = None,
         checks += [(name, "skipped", "needs the tokenizer") for name in ("chat template", "data", "loss mask",
                                                                          "eos trained", "schedule")]
     if tokenizer is not None:
-        checks += check_tokenizer(tokenizer) + check_chat_template(recipe, tokenizer)
-        checks += load_data(recipe, tokenizer, world=data_ranks(launch, recipe))
+        template = check_chat_template(recipe, tokenizer)
+        checks += check_tokenizer(tokenizer) + template
+        if any(status == "fail" for _, status, _ in template):  # every row would fail as the template does
+            checks.append(("data", "skipped", "needs a chat template that renders (the chat template row)"))
+        else:
+            checks += load_data(recipe, tokenizer, world=data_ranks(launch, recipe))
         checks += check_rewards_run(recipe, tokenizer) + check_tools(recipe, tokenizer) + check_teacher(recipe,
                                                                                                           tokenizer)
     checks += check_context(recipe.data.max_seq_len, _max_positions(recipe.model.name_or_path))

@@ -145,6 +145,18 @@ def test_nothing_trained_fails(tiny_assets, tmp_path):
     assert proc.returncode == 1 and "loss mask" in proc.stdout
 
 
+def test_a_chat_template_that_cannot_render_is_said_once_and_the_data_is_not_read(tiny_assets, tmp_path):
+    """The chat template's failure is its own row; the data row, whose every example would fail the same way, says it
+    waits on it instead of repeating the paragraph for one row of the data."""
+    template = tmp_path / "broken.jinja"
+    template.write_text("{% for m in messages %}{{ m['content'] }}{% endfor %}{{ raise_exception('no chats here') }}")
+    recipe = write_recipe(tiny_assets, tmp_path, data={"chat_template": str(template)})
+    got = rows(run_doctor(load_recipe(recipe), gpu_memory=80))
+    assert got["chat template"][0] == "fail" and "no chats here" in got["chat template"][1]
+    assert got["data"] == ("skipped", "needs a chat template that renders (the chat template row)")
+    assert "loss mask" not in got and "eos trained" not in got
+
+
 def test_empty_completions_warn(tiny_assets, tmp_path):
     data = tmp_path / "empty.jsonl"
     data.write_text("".join(json.dumps({"prompt": f"reverse ab{i} =", "completion": ""}) + "\n" for i in range(8)))
