@@ -1002,15 +1002,22 @@ def _union_member(part) -> bool:
     return isinstance(part, str) and (part in _KINDS or "[" in part or part[:1].isupper())
 
 
-def _format_errors(err: ValidationError, source: str, overrides: list[str] | None = None) -> str:
+def _format_errors(err: ValidationError, source: str, overrides: list[str] | None = None,
+                   made: set[str] = frozenset()) -> str:
     """One line a bad key; a key set on the command line says so (`train.lr=abc`), not only the file. A value no
-    member of a union takes is one line naming what each accepts; pydantic's own names never show."""
+    member of a union takes is one line naming what each accepts; pydantic's own names never show. `made`: the
+    sections only the overrides name: one made by a misspelt key (`eval.every_steps=5`) does not also report the
+    keys it lacks (`eval.tasks: required key is missing`)."""
     given = {o.split("=", 1)[0].strip(): o for o in overrides or [] if "=" in o}
+    errors = err.errors()
+    unknown = {".".join(map(str, e["loc"][:-1])) for e in errors if e["type"] == "extra_forbidden"}
     lines, unions = [], {}
-    for e in err.errors():
+    for e in errors:
         loc = [p for p in e["loc"] if not str(p).startswith("function-after")]
         member = next((i for i, p in enumerate(loc) if _union_member(p)), None)
         key = ".".join(str(p) for p in loc[:member])
+        if e["type"] == "missing" and (section := key.rpartition(".")[0]) in made and section in unknown:
+            continue
         # the override shows the value; an unknown section shows the override that made it (`trian.max_steps=5`)
         override = given.get(key) or (next((o for k, o in given.items() if k.startswith(f"{key}.")), None)
                                       if e["type"] == "extra_forbidden" else None)
@@ -1028,6 +1035,10 @@ def _format_errors(err: ValidationError, source: str, overrides: list[str] | Non
         elif e["type"] in ("model_type", "dict_type"):
             lines.append(f"  - {label}: is a section of keys ({key}.KEY=VALUE on the command line, an indented block "
                          f"under {key.rsplit('.', 1)[-1]}: in YAML), not {e.get('input')!r}")
+        elif e["type"] == "list_type" and e.get("input") is not None:
+            got = e.get("input")
+            lines.append(f"  - {label}: expected a list, not {got!r} ({key}=[a, b] on the command line, [a, b] or "
+                         "one item a line under it in YAML)")
         elif e.get("input") is None and (e["type"].endswith("_type") or e["type"] == "literal_error") \
                 and (default := _default(key)) is not None:
             # `train.micro_batch_size=null`: pydantic's 'Input should be a valid integer' reads as a typo
@@ -1063,9 +1074,24 @@ def load_recipe(path: str | Path, overrides: list[str] | None = None) -> Recipe:
         raise RecipeError(f"Recipe '{path}' is not valid YAML{where}: {getattr(e, 'problem', e)}.") from None
     if not isinstance(data, dict):
         raise RecipeError(f"Recipe '{path}' must be a mapping of sections (model, data, train, ...).")
+    made = _sections_made(data, overrides or [])
     data = apply_overrides(data, overrides or [], Recipe)
     data.setdefault("output_dir", f"runs/{path.stem}")
     try:
         return Recipe.model_validate(data)
     except ValidationError as e:
-        raise RecipeError(_format_errors(e, f"'{path}'", overrides)) from None
+        raise RecipeError(_format_errors(e, f"'{path}'", overrides, made)) from None
+
+
+def _sections_made(data: dict, overrides: list[str]) -> set[str]:
+    """The sections (dotted) that only the overrides name: not in the file's `data`."""
+    made = set()
+    for o in overrides:
+        parts = o.split("=", 1)[0].strip().split(".")[:-1]
+        node = data
+        for i, part in enumerate(parts):
+            if not isinstance(node, dict) or part not in node:
+                made |= {".".join(parts[:j + 1]) for j in range(i, len(parts))}
+                break
+            node = node[part]
+    return made

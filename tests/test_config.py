@@ -90,6 +90,11 @@ def test_null_on_a_key_without_an_unset_state_says_so_and_its_default(recipe_fil
                             "of text"),
     ("kto=5", "kto (the override kto=5): is a section of keys (kto.KEY=VALUE on the command line, an indented block "
               "under kto: in YAML), not 5"),
+    ("eval.tasks=gsm8k", "eval.tasks (the override eval.tasks=gsm8k): expected a list, not 'gsm8k' (eval.tasks=[a, "
+                         "b] on the command line, [a, b] or one item a line under it in YAML)"),
+    # a section made by a misspelt key is not also missing its required keys (eval.tasks)
+    ("eval.every_steps=5", "eval.every_steps (the override eval.every_steps=5): unknown key (did you mean "
+                           "train.eval_every_steps?)"),
 ])
 def test_pydantics_own_names_never_show(recipe_file, override, line):
     """A union's members (model.tiled_mlp.bool, .int) and a section's class (instance of KTOConfig) are pydantic's
@@ -122,6 +127,8 @@ def test_bad_files_and_overrides(tmp_path, recipe_file):
         empty = tmp_path / "empty.yaml"
         empty.write_text("train: {lr: 1.0e-4}\n")
         load_recipe(empty)
+    with pytest.raises(RecipeError, match=r"eval.tasks: required key is missing"):  # a known key: the section is meant
+        load_recipe(recipe_file, ["eval.batch_size=4"])
 
 
 def test_resolved_recipe_round_trips(recipe_file, tmp_path):

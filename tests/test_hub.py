@@ -179,3 +179,16 @@ def test_generate_and_eval_of_a_hub_id_offline_end_at_once(tmp_path, command):
     assert len(lines) == 1 and "mistralai/Mistral-7B-v0.3" in lines[0], said
     assert "is not in the local Hugging Face cache" in said, said
     assert time.monotonic() - began < 40  # (about 50 s of retries before)
+
+
+def test_a_recipes_eval_tasks_are_asked_for_with_its_hub_ids(tmp_path):
+    """A recipe's eval section checks its tasks at start-up, and a built-in task reads its dataset from the hub: the
+    one probe covers it, so offline it is read from the cache at once (it had retried for 24 s, in 5 'Retrying'
+    lines, before failing)."""
+    from llmtrain.config import Recipe
+
+    base = {"model": {"name_or_path": str(tmp_path)}, "data": {"path": str(tmp_path / "d.jsonl"), "format": "text"},
+            "output_dir": str(tmp_path / "run")}
+    assert hub.recipe_hub_ids(Recipe.model_validate(base)) == []
+    with_eval = Recipe.model_validate({**base, "eval": {"tasks": ["gsm8k"]}})
+    assert hub.recipe_hub_ids(with_eval) == ["eval.tasks' datasets"]
