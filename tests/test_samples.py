@@ -213,4 +213,5 @@ def test_an_end_of_turn_of_several_tokens_ends_a_sample_and_is_not_shown(tiny_as
     for before, after in zip(free, cut):
         at = before["generated"].find(text)
         assert after["generated"] == (before["generated"] if at < 0 else before["generated"][:at])
+        assert after["expected"] == before["expected"].removesuffix(text)  # the data's reply, read the same way
     assert any(text in s["generated"] for s in free) and not any(text in s["generated"] for s in cut)

@@ -67,9 +67,9 @@ def generate_samples(model, tokenizer, examples, *, max_new_tokens: int, step: i
                                      top_k=None, use_cache=True, eos_token_id=eos, pad_token_id=pad,
                                      synced_gpus=synced, **ends)
                 generated = out[0, len(prompt):].tolist()
+                reference = expected[index] if expected is not None else stops.reply(_text(tokenizer, expected_ids))
                 samples.append({"step": step, "index": index, "prompt": _text(tokenizer, prompt),
-                                "expected": expected[index] if expected is not None else _text(tokenizer, expected_ids),
-                                "generated": stops.reply(_text(tokenizer, generated))})
+                                "expected": reference, "generated": stops.reply(_text(tokenizer, generated))})
     finally:
         model.train(was_training)
     return samples
