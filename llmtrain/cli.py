@@ -432,8 +432,20 @@ def prepare_tiny(
 
 from llmtrain.memory.cli import estimate_memory  # noqa: E402  (typer options only; no torch at import)
 
+def _estimated_where_it_started(**kwargs) -> None:
+    """estimate-memory, a run's own saved recipe read from where that run started (where_it_started), as finetune,
+    launch and doctor read it: its data, model and reward models' relative paths are from there. --accelerate-config
+    is made absolute first."""
+    if isinstance(kwargs.get("recipe"), Path) and kwargs["recipe"].is_file():
+        if kwargs.get("accelerate_config") is not None:
+            kwargs["accelerate_config"] = kwargs["accelerate_config"].absolute()
+        kwargs["recipe"], _ = where_it_started(kwargs["recipe"])
+    estimate_memory(**kwargs)
+
+
+functools.update_wrapper(_estimated_where_it_started, estimate_memory)  # typer reads estimate_memory's options
 app.command("estimate-memory", short_help="Per-GPU peak memory before renting a GPU; what fits (--fit).")(
-    user_errors(estimate_memory))
+    user_errors(_estimated_where_it_started))
 
 
 @app.command(short_help="Pass/warn/fail preflight: tokenizer, data, masks, memory, launch.")

@@ -292,3 +292,25 @@ def test_a_runs_saved_recipe_resumes_it_from_any_directory(tiny_assets, tmp_path
     proc = llmtrain(elsewhere, "finetune", "mine.yaml", "train.max_steps=1")
     assert proc.returncode == 0 and "saved recipe" not in proc.stderr, proc.stderr[-3000:]
     assert [r["step"] for r in records(elsewhere / "runs" / "x")] == [1]
+
+
+@pytest.mark.slow
+def test_estimate_memory_reads_a_runs_saved_recipe_from_where_the_run_started(tiny_assets, tmp_path):
+    """estimate-memory of a run's saved recipe from another directory reads its relative model from where the run
+    was started, as finetune, launch and doctor do (it had looked for ./base here and stopped: "could not read a
+    model config for 'base'")."""
+    import shutil
+
+    work, elsewhere = tmp_path / "work", tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    shutil.copytree(tiny_assets / "model", work / "base")
+    recipe = write_recipe(tiny_assets, work, model={"name_or_path": "base"}, train={"max_steps": 1},
+                          output_dir="runs/x")
+    run = subprocess.run([*LLMTRAIN, "finetune", str(recipe)], env=ENV, cwd=work, capture_output=True, text=True,
+                         timeout=300)
+    assert run.returncode == 0, run.stderr[-3000:]
+    proc = subprocess.run([*LLMTRAIN, "estimate-memory", "../work/runs/x/recipe.yaml", "--json"], env=ENV,
+                          cwd=elsewhere, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "where the run was started" in " ".join(proc.stderr.split())
+    assert json.loads(proc.stdout)["per_gpu_peak_bytes"] > 0
