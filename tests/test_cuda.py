@@ -155,6 +155,34 @@ def test_the_captured_sampler_equals_the_eager_one_and_the_reference_loop(dtype,
         assert same >= (len(prompts) - 1 if dtype == torch.float32 else 0.75 * len(prompts))
 
 
+def test_the_captured_sampler_stops_at_an_end_of_turn_of_several_tokens():
+    """A text end of turn (generate.Stops.sequences: `<|im_end|>` in a template for a tokenizer without it) is
+    compared on the device inside the captured step: the captured sampler's completions are the eager one's, each the
+    free completion cut after the first place a sequence is complete (tests/test_fast_sample.py on the CPU)."""
+    from llmtrain.model.fast_sample import sample_fast
+    from llmtrain.model.generate import Stops, completion_seed
+
+    lm = _sampling_model(torch.float32)
+    g = torch.Generator().manual_seed(4)
+    distinct = [[1, *torch.randint(3, 512, (n,), generator=g).tolist()] for n in (5, 40, 17, 29)]
+    prompts = [p for p in distinct for _ in range(8)]
+    kwargs = dict(seeds=[completion_seed(3, 4, i // 8, i % 8) for i in range(32)], max_new_tokens=48,
+                  temperature=1.0, top_p=1.0, pad_id=0)
+    free = sample_fast(lm, prompts, capture=True, stop_ids=set(), **kwargs)
+    sequences = [tuple(free[0][10:12]), tuple(free[9][30:33]), tuple(free[20][3:5])]
+
+    def cut(row):
+        for k in range(len(row)):
+            if any(tuple(row[max(0, k + 1 - len(s)):k + 1]) == s for s in sequences):
+                return row[:k + 1]
+        return row
+
+    stops = Stops((), sequences, "")
+    captured = sample_fast(lm, prompts, capture=True, stop_ids=stops, **kwargs)
+    assert captured == sample_fast(lm, prompts, stop_ids=stops, **kwargs)
+    assert captured == [cut(c) for c in free] and sum(len(c) < 48 for c in captured) >= 3
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_the_captured_sampler_on_a_merged_copy_dropping_finished_rows(dtype):
     """Issue 56 on CUDA: the captured step on the merged generation copy with finished rows dropped (graphs captured
