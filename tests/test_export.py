@@ -174,3 +174,33 @@ def test_a_run_on_a_relative_model_path_is_used_from_any_directory(tiny_assets, 
     assert resolve(str(run), dtype="float32").base == str(work / "base")  # eval's --baseline base
     shutil.copytree(tiny_assets / "model", elsewhere / "base")  # one of that name here wins: read as given first
     assert resolve(str(run), dtype="float32").base == "base"
+
+
+def test_the_templates_end_of_turn_token_is_among_the_exported_models_end_tokens(tiny_assets, tmp_path, full_run):
+    """A base model trained with a chat template whose replies end with a token that is not its EOS (Qwen3-Base with
+    ChatML: <|im_end|>; here <|USER|>, the next turn's marker) lists only its EOS in generation_config.json, so
+    transformers' generate and servers reading it ran on past every reply. final/ (a whole model) and `export --merge`
+    (an adapter's base) list the end of turn after the ids the model had; a template that ends with EOS changes
+    nothing."""
+    import json
+
+    from transformers import AutoTokenizer
+
+    template = tmp_path / "next-marker.jinja"
+    template.write_text("{{ bos_token }}{% for m in messages %}<|{{ m['role'] | upper }}|>{{ m['content'] }}"
+                        "{% if m['role'] == 'assistant' %}<|USER|>{% endif %}{% endfor %}"
+                        "{% if add_generation_prompt %}<|ASSISTANT|>{% endif %}")
+    marker = AutoTokenizer.from_pretrained(str(tiny_assets / "model")).convert_tokens_to_ids("<|USER|>")
+    data = {"chat_template": str(template)}
+
+    def ends(folder):
+        return json.loads((folder / "generation_config.json").read_text())["eos_token_id"]
+
+    assert ends(tiny_assets / "model") == 2 and ends(full_run / "final") == 2  # EOS ends the tiny template's replies
+    for name in ("full", "lora"):
+        (tmp_path / name).mkdir()
+    run_train(write_recipe(tiny_assets, tmp_path / "full", data=data, train={"max_steps": 1}))
+    assert ends(tmp_path / "full" / "run" / "final") == [2, marker]
+    run_train(write_recipe(tiny_assets, tmp_path / "lora", data=data, train={"max_steps": 1}, lora={"r": 4}))
+    assert not (tmp_path / "lora" / "run" / "final" / "generation_config.json").exists()  # an adapter: its base's
+    assert ends(export_merged(tmp_path / "lora" / "run")) == [2, marker]

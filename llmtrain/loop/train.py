@@ -44,7 +44,7 @@ from llmtrain.loop.signals import StopRequests
 from llmtrain.loop.step import eval_sums, evaluate, train_step
 from llmtrain.memory import predicted_for_run
 from llmtrain.memory.fit import out_of_memory_text
-from llmtrain.objectives.objective import Objective, objective_for, rl_rewards, stop_ids
+from llmtrain.objectives.objective import Objective, end_of_turn_ids, objective_for, rl_rewards, stop_ids
 from llmtrain.parallel.accelerator import build_accelerator
 from llmtrain.parallel.collectives import device_sum, gathered, on_main, on_tensor_group_first
 from llmtrain.parallel.groups import groups
@@ -325,7 +325,8 @@ def finish(run: Run, state: TrainState, meter: Meter, evals: list[dict], est, *,
                  if m.pipeline is not None
                  else None)  # the stages' weights, gathered: final/ holds the whole model
         with m.pipeline.whole() if m.pipeline is not None else nullcontext():
-            save_final(accelerator, m.model, run.data.tokenizer, out / "final", state_dict=whole)
+            save_final(accelerator, m.model, run.data.tokenizer, out / "final", state_dict=whole,
+                       end_ids=end_of_turn_ids(run.recipe, run.data.tokenizer))
     method = "full" if run.recipe.lora is None else "qlora" if run.recipe.model.quantize else "lora"
     summary = {"steps": state.step, "method": method, "base_quantization": run.recipe.model.quantize,
                "params_total": m.params_total, "params_trainable": m.params_trainable,

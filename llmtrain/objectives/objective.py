@@ -219,19 +219,35 @@ def stops_for(lm, tokenizer, end_of_turn: str | None = None):
     return Stops(stop_tokens(lm, tokenizer, end_of_turn), sequences, end_of_turn.strip() if sequences else "")
 
 
-def stop_ids(recipe, model, tokenizer):
-    """Where a sampled completion ends (online RL, distillation): `stops_for` the model, with the chat template's end
-    of turn where the rows are chats."""
+def run_end_of_turn(recipe, tokenizer) -> str | None:
+    """The chat template's end of turn where a run's rows may be chats (data.chat_template, or a tokenizer with a
+    template); None where there is none, or the template cannot render a reply."""
     from llmtrain.data.chat import end_of_turn, read_template
+
+    if recipe.data.chat_template is False and tokenizer.chat_template is None:
+        return None
+    try:
+        return end_of_turn(tokenizer, read_template(recipe.data)) or None
+    except Exception:  # a template that cannot render a reply: stop at EOS and the configured ends only
+        return None
+
+
+def stop_ids(recipe, model, tokenizer):
+    """Where a sampled completion ends (online RL, distillation, eval samples): `stops_for` the model, with the chat
+    template's end of turn where the rows are chats."""
     from llmtrain.model.loss import causal_lm
 
-    turn = None
-    if recipe.data.chat_template is not False or tokenizer.chat_template is not None:
-        try:
-            turn = end_of_turn(tokenizer, read_template(recipe.data))
-        except Exception:  # a template that cannot render a reply: stop at EOS and the configured ends only
-            turn = None
-    return stops_for(causal_lm(model), tokenizer, turn)
+    return stops_for(causal_lm(model), tokenizer, run_end_of_turn(recipe, tokenizer))
+
+
+def end_of_turn_ids(recipe, tokenizer) -> list[int]:
+    """The template's end of turn where it is one token (`<|im_end|>`, `<|eot_id|>`): the id a model's
+    generation_config.json must list among its eos_token_id for transformers' generate, pipelines and servers to
+    stop where the run trained replies to end (a base model's lists only its EOS). [] where it is EOS already, text
+    of several tokens (a stop string there: docs/data.md), or there is none."""
+    turn = (run_end_of_turn(recipe, tokenizer) or "").strip()
+    ids = tokenizer(turn, add_special_tokens=False)["input_ids"] if turn else []
+    return ids if len(ids) == 1 else []
 
 
 def reference_kind(recipe) -> str:

@@ -14,9 +14,11 @@ from llmtrain.parallel.collectives import on_main
 from llmtrain.run.rundir import cannot_create
 
 
-def save_final(accelerator, model, tokenizer, path: Path, *, state_dict: dict | None = None) -> None:
+def save_final(accelerator, model, tokenizer, path: Path, *, state_dict: dict | None = None,
+               end_ids: list[int] = ()) -> None:
     """Write safetensors weights (or the adapter) and the tokenizer, via a temporary folder. `state_dict`: the whole
-    model's, already gathered (pipeline stages: parallel/pipeline.gather_state_dict)."""
+    model's, already gathered (pipeline stages: parallel/pipeline.gather_state_dict); `end_ids`: the template's end of
+    turn (objective.end_of_turn_ids), listed in a whole model's generation_config.json (ends_turns)."""
     # get_state_dict gathers sharded (FSDP) weights, so every rank must call it.
     state_dict = accelerator.get_state_dict(model) if state_dict is None else state_dict
     def save():
@@ -25,11 +27,31 @@ def save_final(accelerator, model, tokenizer, path: Path, *, state_dict: dict | 
         unwrapped = accelerator.unwrap_model(model)
         unwrapped.save_pretrained(tmp, state_dict=tied_once(state_dict, unwrapped), safe_serialization=True)
         tokenizer.save_pretrained(tmp)
+        ends_turns(tmp, end_ids)
         if path.exists():
             shutil.rmtree(path)
         tmp.rename(path)
 
     on_main(accelerator, save)  # the others wait for it (and get its error, should it fail)
+
+
+def ends_turns(folder: Path, end_ids) -> None:
+    """A whole model's generation_config.json lists `end_ids` (the chat template's end of turn, one token) among its
+    eos_token_id, after the ids it had: transformers' generate, pipelines and servers that read it stop where the run
+    trained replies to end. A base model trained with a chat template (Qwen3-Base with its ChatML, <|im_end|>) lists
+    only its EOS, and ran on past every reply. An adapter's folder has no generation config: its base's applies
+    (`llmtrain export --merge` writes the merged model's with these ids)."""
+    file = folder / "generation_config.json"
+    if not end_ids or not file.is_file():
+        return
+    from transformers import GenerationConfig
+
+    config = GenerationConfig.from_pretrained(folder)
+    had = config.eos_token_id if isinstance(config.eos_token_id, list) else \
+        [] if config.eos_token_id is None else [config.eos_token_id]
+    if (ids := list(dict.fromkeys([*had, *end_ids]))) != had:
+        config.eos_token_id = ids
+        config.save_pretrained(folder)
 
 
 def tied_once(state: dict, model) -> dict:
@@ -55,6 +77,7 @@ def export_merged(run_dir: Path, out: Path | None = None, *, say=lambda text: No
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from llmtrain.model.modeling import pretrained
+    from llmtrain.objectives.objective import end_of_turn_ids
     from llmtrain.run.replies import unsaved_base
     from llmtrain.run.rundir import run_recipe
 
@@ -92,6 +115,10 @@ def export_merged(run_dir: Path, out: Path | None = None, *, say=lambda text: No
     tmp = out.with_name(out.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
     merged.save_pretrained(tmp, safe_serialization=True)
-    AutoTokenizer.from_pretrained(str(final)).save_pretrained(tmp)
+    tokenizer = AutoTokenizer.from_pretrained(str(final))
+    tokenizer.save_pretrained(tmp)
+    # the end of turn as the run trained it: its template is final/'s tokenizer's (a data.chat_template file's too)
+    data = recipe.data.model_copy(update={"chat_template": recipe.data.chat_template is not False})
+    ends_turns(tmp, end_of_turn_ids(recipe.model_copy(update={"data": data}), tokenizer))
     tmp.rename(out)
     return out
