@@ -174,8 +174,29 @@ def test_sharegpt_conversations_through_fields_and_roles(mistral, tmp_path):
     assert refusal(no_roles, mistral) == (
         f"{path}, row 1: the conversation has no assistant message, so nothing would be trained (roles "
         "['gpt', 'human', 'system']; map yours to the template's with data.roles, e.g. {human: user, gpt: "
-        "assistant}) (data.format=messages). Fix or remove that row, or set data.format / data.fields / "
-        "data.roles to match the file.")
+        "assistant}) (data.format=messages). 1 other row of it has a problem too (every row: a setting, not the "
+        "data?). Fix or remove that row, or set data.format / data.fields / data.roles to match the file.")
+
+
+def test_a_bad_row_is_named_by_its_first_place_in_the_file_with_how_many_others(tiny_tok, tmp_path):
+    """An eval split shuffles the training rows, so the first bad row met was any row (row 147 of 300 where every
+    row lacked data.roles); the refusal names the first in the file that part holds, and counts the others."""
+    rows = [{"conversations": [{"from": "human", "value": f"say {i}"}, {"from": "gpt", "value": str(i)}]}
+            for i in range(40)]
+    path = write_jsonl(tmp_path / "d.jsonl", rows)
+    cfg = DataConfig(path=str(path), format="messages", cache_dir=str(tmp_path / "c"), eval_split=0.1,
+                     fields={"messages": "conversations", "role": "from", "content": "value"})
+    with pytest.raises(LLMTrainError) as e:
+        prepare_datasets(cfg, tiny_tok, seed=0)
+    first = int(str(e.value).split(", row ", 1)[1].split(":", 1)[0])
+    assert first <= 5 and "35 other rows of it have a problem too (every row: a setting, not the data?)" in str(
+        e.value)
+    rows[6]["conversations"][1]["from"] = "human"  # one row alone: named, and no others counted
+    path = write_jsonl(tmp_path / "one.jsonl", rows)
+    with pytest.raises(LLMTrainError, match=r"one.jsonl, row 7: the conversation has no assistant message") as e:
+        prepare_datasets(cfg.model_copy(update={"path": str(path), "roles": {"human": "user", "gpt": "assistant"},
+                                               "eval_split": None}), tiny_tok, seed=0)
+    assert "other row" not in str(e.value)
 
 
 def test_messages_without_the_mapped_content_key_name_it(tiny_tok, tmp_path):

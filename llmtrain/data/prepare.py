@@ -74,15 +74,23 @@ def as_arrays(out: dict) -> dict:
 
 
 def check_rows(raw, cfg: DataConfig, source: str) -> None:
-    """Refuse a dataset with a row the formatter cannot use, naming the file, the row and the problem (instead
+    """Refuse a dataset with a row the formatter cannot use, naming the file, the first such row in the file (an
+    eval split shuffles the rest: its first would be any row), its problem, and how many others have one (instead
     of a traceback from inside the tokeniser, or a row silently counted as dropped)."""
+    first, count = None, 0
     for i, example in enumerate(_rows(raw)):
         problem = {"preference": pair_problem, "unpaired": unpaired_problem}.get(cfg.format, row_problem)(example, cfg)
         if problem:
-            raise LLMTrainError(
-                f"{source}, row {example.get(ROW, i) + 1}: {problem} (data.format={cfg.format}). Fix or remove that "
-                "row, or set data.format / data.fields / data.roles to match the file."
-            )
+            count += 1
+            first = min(first or (example.get(ROW, i) + 1, problem), (example.get(ROW, i) + 1, problem))
+    if first is not None:
+        every = " (every row: a setting, not the data?)" if count == len(raw) else ""
+        others = (f" {count - 1:,} other row{'s' if count > 2 else ''} of it {'have' if count > 2 else 'has'} a "
+                  f"problem too{every}." if count > 1 else "")
+        raise LLMTrainError(
+            f"{source}, row {first[0]}: {first[1]} (data.format={cfg.format}).{others} Fix or remove that row, or set "
+            "data.format / data.fields / data.roles to match the file."
+        )
 
 
 # --------------------------------------------------------------------------- statistics
