@@ -314,6 +314,7 @@ MARGIN, RM_ACCURACY, RM_MARGIN = ("reward margin, chosen - rejected (DPO, KTO)",
 AGREEMENT, ANSWERS = ("distillation: the student's top token is the teacher's",
                       "answer accuracy (greedy completions of the eval prompts)")
 BALANCE = "routers' load-balancing loss (model.router_aux_loss_coef; top_k when balanced)"
+REWARD = "online RL: reward (train: the sampled completions'; eval: greedy)"
 
 
 @pytest.mark.parametrize("mode, train, evals, panels", [
@@ -365,4 +366,9 @@ def test_sft_beside_an_rl_run_keeps_a_linear_axis_and_no_eval_loss_it_has_not(tm
     labels = list(lines_by_label(fig.axes[0]))
     assert "rloo: train loss (online RL: about 0 by construction)" in labels
     assert not any(label.startswith("rloo: eval loss") for label in labels)
-    assert len(fig.axes) == 4  # no mode panel: SFT and online RL log none of MEASURES
+    # the RL run's own measures under the loss, as a DPO run's are (it had none: its reward was not drawn at all)
+    assert [ax.get_title() for ax in fig.axes[4:]] == [ANSWERS, REWARD]
+    assert lines_by_label(fig.axes[4]) == {"rloo: eval": ([0, 10, 20], [0.3, 0.4, 0.5])}
+    reward = lines_by_label(fig.axes[5])
+    assert set(reward) == {"rloo: train", "rloo: eval"} and reward["rloo: eval"] == ([0, 10, 20], [0.3, 0.4, 0.5])
+    assert reward["rloo: train"] == (list(range(1, 21)), pytest.approx([0.1 + 0.01 * s for s in range(1, 21)]))

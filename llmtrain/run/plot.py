@@ -37,6 +37,8 @@ MEASURES = (
     ("margin", "eval_margin", "reward model: score margin, chosen - rejected"),
     ("teacher_agreement", "eval_teacher_agreement", "distillation: the student's top token is the teacher's"),
     (None, "eval_answer_accuracy", "answer accuracy (greedy completions of the eval prompts)"),
+    # online RL's measure where its run is drawn beside others (alone, or with RL runs only: rl_plot's panels)
+    ("reward", "eval_reward", "online RL: reward (train: the sampled completions'; eval: greedy)"),
     ("aux_loss", None, "routers' load-balancing loss (model.router_aux_loss_coef; top_k when balanced)"),
 )
 
@@ -97,11 +99,10 @@ def read_curves(run: Path, name: str | None = None) -> Curves:
         # in the lines' order: the reward functions as the recipe lists them
         names = list(dict.fromkeys(k for rec in lines_.values() for k in rec if _rl_key(k, eval_line=eval_line)))
         into.update({k: [_finite(lines_[step].get(k)) for step in sorted(lines_)] for k in names})
-    if not c.is_rl:
-        for train_key, eval_key, _ in MEASURES:
-            for key, lines_, into in ((train_key, train, c.measures), (eval_key, evals, c.eval_measures)):
-                if key is not None and any(key in rec for rec in lines_.values()):
-                    into[key] = [_finite(lines_[step].get(key)) for step in sorted(lines_)]
+    for train_key, eval_key, _ in MEASURES:  # an RL run's too: drawn where it is beside a run of another mode
+        for key, lines_, into in ((train_key, train, c.measures), (eval_key, evals, c.eval_measures)):
+            if key is not None and any(key in rec for rec in lines_.values()):
+                into[key] = [_finite(lines_[step].get(key)) for step in sorted(lines_)]
     for step in sorted(train):
         rec = train[step]
         c.step.append(step)
