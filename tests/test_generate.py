@@ -151,6 +151,9 @@ def test_the_command_prints_the_replies_and_writes_them_once(runs, tmp_path):
                "in"),
     ("bad-jsonl", "line 2 has no \"prompt\": each line of a .jsonl file is an object with a \"prompt\", a text or "
                   "a chat's messages"),
+    # a base model's tokenizer without a template (was: transformers' "Cannot use chat template functions ...")
+    ("no-template", "--chat renders each prompt through the chat template, and this tokenizer has none; pass "
+                    "--no-chat to continue the text as it is"),
 ])
 def test_bad_input_is_one_paragraph_and_writes_nothing(runs, tmp_path, monkeypatch, case, says):
     import shutil
@@ -187,6 +190,17 @@ def test_bad_input_is_one_paragraph_and_writes_nothing(runs, tmp_path, monkeypat
         bad = tmp_path / "p.jsonl"
         bad.write_text('{"prompt": "reverse a ="}\n{"text": "no prompt"}\n')
         args = ["--prompts", str(bad)]
+    if case == "no-template":  # a model folder (a whole model's final/) whose tokenizer has no chat template
+        import json
+        import shutil
+
+        run = tmp_path / "model"
+        shutil.copytree(runs["full"] / "final", run)
+        (run / "chat_template.jinja").unlink(missing_ok=True)
+        config = json.loads((run / "tokenizer_config.json").read_text())
+        config.pop("chat_template", None)
+        (run / "tokenizer_config.json").write_text(json.dumps(config))
+        args = ["--chat", "reverse abc ="]
     out = tmp_path / "r.jsonl"
     result = invoke("generate", str(run), *args, "--out", str(out), check=False)
     said = result.stdout + result.stderr

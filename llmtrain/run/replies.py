@@ -167,6 +167,13 @@ def _source(model, tokenizer, recipe, describe: str, read_template) -> Source:
                   describe, recipe)
 
 
+def no_template(source: Source) -> None:
+    """Refuse rendering a chat where there is no template (neither the run's nor the tokenizer's own)."""
+    if source.template is None and source.tokenizer.chat_template is None:
+        raise LLMTrainError("--chat renders each prompt through the chat template, and this tokenizer has none; "
+                            "pass --no-chat to continue the text as it is")
+
+
 def prompt_ids(source: Source, prompt, *, chat: bool | None = None, system_prompt: str | None = None) -> list[int]:
     """A prompt's ids as the source renders prompts (chat: override the source's choice); a prompt is a text, or a
     chat's messages (a .jsonl row's "prompt", as an RL run's data has them)."""
@@ -175,9 +182,7 @@ def prompt_ids(source: Source, prompt, *, chat: bool | None = None, system_promp
     tok = source.tokenizer
     if not chat:
         return tok(prompt, add_special_tokens=True)["input_ids"]
-    if source.template is None and tok.chat_template is None:
-        raise LLMTrainError("--chat renders each prompt through the chat template, and this tokenizer has none; "
-                            "pass --no-chat to continue the text as it is")
+    no_template(source)
     given = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else list(prompt)
     messages = ([{"role": "system", "content": system}] if system is not None and given[0]["role"] != "system"
                 else []) + given
@@ -215,6 +220,8 @@ def generate_replies(source: Source, prompts: list, *, max_new_tokens: int | Non
                             f"{source.describe} has none; leave --tools out")
     rendered_chat = source.chat if chat is None else chat
     lm = causal_lm(source.model)
+    if rendered_chat:
+        no_template(source)
     turn = end_of_turn(source.tokenizer, source.template) if rendered_chat or tooled else None
     stops = stops_for(lm, source.tokenizer, turn)
     # a tool run's prompts show the tools, as its own did (--no-tools too), with --system in place of its system prompt
