@@ -348,7 +348,8 @@ def test_an_end_of_turn_no_run_of_tokens_spells_fails_the_stop_check(monkeypatch
 
     tok = text_end_tokenizer()
     enc = encode_example({"messages": [user("How many apples are there?"), assistant("5 apples")]}, tok, CHAT)
-    assert check_eos_trained([enc["labels"]], tok, end_of_turn="<|im_end|>")[0][1] == "pass"
+    (name, status, says), = check_eos_trained([enc["labels"]], tok, end_of_turn="<|im_end|>")
+    assert status == "pass" and "'<|im_end|>' is text of several tokens here: generation stops at them" in says
     monkeypatch.setattr(chat, "turn_tokens", lambda tokenizer, end: ())
     (name, status, says), = check_eos_trained([enc["labels"]], tok, end_of_turn="<|im_end|>")
     assert status == "fail" and "splits into pieces that change with the text before it" in says

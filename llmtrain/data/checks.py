@@ -119,8 +119,10 @@ def check_eos_trained(labels: list[list[int]], tokenizer, unit: str = "examples"
                f"none of {n} {unit} ends with a trained {tokenizer.eos_token!r} or end-of-turn token: generation "
                "will not stop. Check the chat template (data.chat_template)")
         return [(name, "fail", f"{why}.")]
+    text_end = (f" (the template's {end_of_turn.strip()!r} is text of several tokens here: generation stops at them; "
+                "a server of the exported model needs it as a stop string, docs/data.md)" if sequences else "")
     rows = [(name, "warn" if missing else "pass",
-             f"{n - missing} of {n} {unit} end with a trained stop token"
+             f"{n - missing} of {n} {unit} end with a trained stop token{text_end}"
              + (f"; {missing} do not (cut at data.max_seq_len?)" if missing else ""))]
     if only_stop:
         rows.append(("empty replies", "warn", f"{only_stop} of {n} {unit} train only the stop token: their "
