@@ -353,3 +353,25 @@ def test_an_end_of_turn_no_run_of_tokens_spells_fails_the_stop_check(monkeypatch
     monkeypatch.setattr(chat, "turn_tokens", lambda tokenizer, end: ())
     (name, status, says), = check_eos_trained([enc["labels"]], tok, end_of_turn="<|im_end|>")
     assert status == "fail" and "splits into pieces that change with the text before it" in says
+
+
+def test_online_rl_is_told_whether_its_completions_can_stop_at_a_text_end_of_turn(monkeypatch, tmp_path):
+    """doctor and finetune's data checks for online RL (format prompt): a text end of turn the samplers stop at is
+    said to pass; one no run of tokens spells is a warning that completions run to rl.max_completion_tokens; an end
+    of turn that is one token says nothing."""
+    import llmtrain.data.chat as chat
+    from llmtrain.config import Recipe
+    from llmtrain.data.checks import check_completion_stop
+
+    recipe = Recipe.model_validate({
+        "model": {"name_or_path": "unused"}, "output_dir": str(tmp_path),
+        "data": {"path": "prompts.jsonl", "format": "prompt", "chat_template": True},
+        "rl": {"max_completion_tokens": 64, "rewards": [{"type": "format", "pattern": "####"}]}})
+    tok = text_end_tokenizer()
+    (name, status, says), = check_completion_stop(recipe, tok)
+    assert (name, status) == ("completion stop", "pass") and "'<|im_end|>', text of several tokens" in says
+    monkeypatch.setattr(chat, "turn_tokens", lambda tokenizer, end: ())
+    (name, status, says), = check_completion_stop(recipe, tok)
+    assert status == "warn" and "most at rl.max_completion_tokens=64" in says
+    tok.chat_template = tok.chat_template.replace("<|im_end|>", "</s>")  # one token: nothing to say
+    assert check_completion_stop(recipe, tok) == []

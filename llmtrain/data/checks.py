@@ -173,7 +173,7 @@ def check_data(recipe: Recipe, stats: DataStats, train, eval_ds, tokenizer) -> l
     trained, and the token budget, on the tokenised train (and eval) sets."""
     unused = check_no_eval(recipe, eval_ds) + check_hub_keys(recipe)
     if recipe.data.format == "prompt":  # online RL: nothing is trained from the data; the completions need room
-        return unused + check_prompt_room(recipe, train, eval_ds)
+        return unused + check_prompt_room(recipe, train, eval_ds) + check_completion_stop(recipe, tokenizer)
     pairs = recipe.data.format == "preference"
     rows = unused + check_masks(stats, train_on_prompt=recipe.data.train_on_prompt,
                                 text=recipe.data.format == "text", max_seq_len=recipe.data.max_seq_len,
@@ -271,6 +271,23 @@ def check_eval_batch(recipe: Recipe, train_lengths: list[int], eval_lengths: lis
              f"{longest:,} = {evals:,} tokens into one eval forward, {evals / trains:.0f}x the training micro-batch's "
              f"{trains:,}: evaluation, not training, would set the run's memory peak. Unset train.eval_batch_size to "
              f"batch evaluation as the training{budget} is batched, or lower it to {fits}.")]
+
+
+def check_completion_stop(recipe: Recipe, tokenizer) -> list[Check]:
+    """Online RL: where the template's end of turn is text of several tokens, whether the samplers can stop at it
+    (chat.turn_tokens); nothing to say where it is one token."""
+    from llmtrain.data.chat import turn_tokens
+
+    turn = (_end_of_turn(recipe, tokenizer) or "").strip()
+    if not turn or len(tokenizer(turn, add_special_tokens=False)["input_ids"]) < 2:
+        return []
+    if turn_tokens(tokenizer, turn):
+        return [("completion stop", "pass", f"completions stop at the template's {turn!r}, text of several tokens "
+                 "here, where they are drawn")]
+    return [("completion stop", "warn", f"the template ends a reply with {turn!r}, which this tokenizer splits into "
+             "pieces that change with the text before it: completions stop only at EOS, most at "
+             f"rl.max_completion_tokens={recipe.rl.max_completion_tokens}. Use a template whose end of turn is a "
+             "token of the tokenizer, or that ends each reply with its eos_token")]
 
 
 def check_prompt_room(recipe: Recipe, train, eval_ds) -> list[Check]:
