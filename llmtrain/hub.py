@@ -65,7 +65,7 @@ def hub_ids(*names) -> list[str]:
 def recipe_hub_ids(recipe) -> list[str]:
     """What a run of `recipe` may read from the hub: its model, its tokenizer, its data, and its eval tasks' datasets
     (the recipe's eval section: the tasks are checked at start-up, and a built-in one such as gsm8k reads the hub)."""
-    tasks = ["eval.tasks' datasets"] if getattr(recipe, "eval", None) is not None and recipe.eval.tasks else []
+    tasks = ["eval.tasks' datasets"] if recipe.eval is not None and recipe.eval.tasks else []
     return hub_ids(recipe.model.name_or_path, recipe.model.tokenizer, recipe.data.path,
                    *(s.path for s in recipe.data.sources or ())) + tasks
 

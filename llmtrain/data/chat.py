@@ -285,6 +285,13 @@ def read_template(cfg: DataConfig) -> str | None:
 _BEFORE = ("a", "Z", "4", ".", "!", "?", ")", "]", "}", "\"", "'", "`", ":", ";", ",", " ", "\n", "\u4e2d", "=")
 
 
+def text_turn(tokenizer, end_of_turn: str | None) -> str:
+    """`end_of_turn` stripped where the tokenizer splits it into several tokens (text to it); "" where it is one token,
+    or none."""
+    turn = (end_of_turn or "").strip()
+    return turn if turn and len(tokenizer(turn, add_special_tokens=False)["input_ids"]) > 1 else ""
+
+
 def turn_tokens(tokenizer, end_of_turn: str | None) -> tuple[tuple[int, ...], ...]:
     """The token runs a reply ending with `end_of_turn` (closing: the template's end of turn) ends with, where the
     tokenizer splits it into several tokens (`<|im_end|>` in a template for a tokenizer that does not know it: 7 pieces
@@ -292,8 +299,7 @@ def turn_tokens(tokenizer, end_of_turn: str | None) -> tuple[tuple[int, ...], ..
     token of Mistral's, `▁###` one after a space), so it is tokenized after each of `_BEFORE`: the run common to all of
     them where that is most of it (all its characters but two; a shorter one, `>`, would end a reply that only
     contains it), else each distinct run that spells it alone."""
-    turn = (end_of_turn or "").strip()
-    if not turn or len(tokenizer(turn, add_special_tokens=False)["input_ids"]) < 2:
+    if not (turn := text_turn(tokenizer, end_of_turn)):
         return ()
     runs = []
     for before in _BEFORE:

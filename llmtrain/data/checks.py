@@ -95,12 +95,11 @@ def check_eos_trained(labels: list[list[int]], tokenizer, unit: str = "examples"
     special token, or the template's end of turn `end_of_turn` as one of the token runs chat.turn_tokens reads it as:
     `<|im_end|>` is text on a tokenizer that does not know it), whitespace after it aside: the model learns to stop
     where generation will (unit: examples, or answers: each pair's two)."""
-    from llmtrain.data.chat import turn_tokens
+    from llmtrain.data.chat import text_turn, turn_tokens
 
     stops = {tokenizer.eos_token_id, *special_ids(tokenizer)}
     sequences = turn_tokens(tokenizer, end_of_turn)
-    split = (end_of_turn and not sequences
-             and len(tokenizer(end_of_turn.strip(), add_special_tokens=False)["input_ids"]) > 1)
+    split = bool(text_turn(tokenizer, end_of_turn)) and not sequences
 
     def stops_there(trained: list[int]) -> bool:
         while trained and trained[-1] not in stops and not tokenizer.decode(trained[-1:]).strip():
@@ -276,10 +275,9 @@ def check_eval_batch(recipe: Recipe, train_lengths: list[int], eval_lengths: lis
 def check_completion_stop(recipe: Recipe, tokenizer) -> list[Check]:
     """Online RL: where the template's end of turn is text of several tokens, whether the samplers can stop at it
     (chat.turn_tokens); nothing to say where it is one token."""
-    from llmtrain.data.chat import turn_tokens
+    from llmtrain.data.chat import text_turn, turn_tokens
 
-    turn = (_end_of_turn(recipe, tokenizer) or "").strip()
-    if not turn or len(tokenizer(turn, add_special_tokens=False)["input_ids"]) < 2:
+    if not (turn := text_turn(tokenizer, _end_of_turn(recipe, tokenizer))):
         return []
     if turn_tokens(tokenizer, turn):
         return [("completion stop", "pass", f"completions stop at the template's {turn!r}, text of several tokens "

@@ -82,7 +82,8 @@ def check_rows(raw, cfg: DataConfig, source: str) -> None:
         problem = {"preference": pair_problem, "unpaired": unpaired_problem}.get(cfg.format, row_problem)(example, cfg)
         if problem:
             count += 1
-            first = min(first or (example.get(ROW, i) + 1, problem), (example.get(ROW, i) + 1, problem))
+            here = (example.get(ROW, i) + 1, problem)
+            first = here if first is None or here[0] < first[0] else first
     if first is not None:
         every = " (every row: a setting, not the data?)" if count == len(raw) else ""
         others = (f" {count - 1:,} other row{'s' if count > 2 else ''} of it {'have' if count > 2 else 'has'} a "

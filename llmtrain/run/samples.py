@@ -48,8 +48,9 @@ def generate_samples(model, tokenizer, examples, *, max_new_tokens: int, step: i
     import torch
 
     lm = causal_lm(model)
-    stops = Stops(stop_tokens(lm, tokenizer)) if stops is None else stops
-    eos = sorted(stops)
+    own = stop_tokens(lm, tokenizer)  # the model's end tokens first, in their order (pad falls back to the first)
+    stops = Stops(own) if stops is None else stops
+    eos = [*(t for t in own if t in stops), *sorted(stops.difference(own))]
     ends = {"stop_strings": [stops.text], "tokenizer": tokenizer} if stops.text else {}
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos[0]
     was_training = model.training
