@@ -73,6 +73,14 @@ def tiled_mlp_shard(setting: bool | int | None, hidden_size: int) -> int | None:
 class ModelConfig(Section):
     name_or_path: str = Field(description="Local directory or hub id passed to AutoModelForCausalLM.from_pretrained.")
     tokenizer: str | None = Field(None, description="Tokenizer directory or hub id; defaults to name_or_path.")
+    new_tokens: list[str] = Field(
+        default_factory=list, description="Tokens to add to the tokenizer as special tokens (each one id, never "
+        "split, skipped when replies are decoded): a chat template's markers a base model lacks, such as ChatML's "
+        "<|im_start|> and <|im_end|>. The embeddings and the LM head grow by their rows, each new row starting at "
+        "the mean of the model's own rows (a model with spare rows past its tokenizer, as Qwen's, gives the new "
+        "tokens those). A full fine-tune trains them with the rest; under LoRA, lora.modules_to_save gains "
+        "embed_tokens and lm_head (a reward model: embed_tokens), which train in full and are saved with the "
+        "adapter. final/ holds the grown tokenizer. A token the tokenizer already has keeps its id and its row.")
     dtype: Literal["float32", "bfloat16", "float16"] = Field(
         "float32",
         description="Storage dtype of the weights. Keep float32 for full fine-tunes under mixed precision "
@@ -135,6 +143,15 @@ class ModelConfig(Section):
                              "of times slower), not as 'on'. Write true (shards of hidden_size tokens, as ALST), or a "
                              "shard of at least 2 tokens" if v == 1 else "a shard of the MLP is a number of tokens, at "
                              "least 2 (or true: hidden_size tokens; false or null: off)")
+        return v
+
+    @field_validator("new_tokens")
+    @classmethod
+    def _distinct_tokens(cls, v: list[str]) -> list[str]:
+        if blank := [t for t in v if not t.strip()]:
+            raise ValueError(f"{blank[0]!r} is blank: a new token is a non-empty string such as <|im_end|>")
+        if twice := sorted({t for t in v if v.count(t) > 1}):
+            raise ValueError(f"{', '.join(twice)} is listed more than once")
         return v
 
     @model_validator(mode="after")
@@ -816,6 +833,17 @@ class Recipe(Section):
         return self
 
     @model_validator(mode="after")
+    def _train_new_rows(self) -> Recipe:
+        """model.new_tokens under LoRA: their embedding rows (and the LM head's) are new and must train, so
+        lora.modules_to_save holds the embeddings and the head (a reward model's score head peft saves itself)."""
+        if self.model.new_tokens and self.lora is not None:
+            need = ["embed_tokens"] + ([] if self.reward_model is not None else ["lm_head"])
+            have = self.lora.modules_to_save or []
+            if missing := [m for m in need if m not in have]:
+                self.lora.modules_to_save = [*have, *missing]
+        return self
+
+    @model_validator(mode="after")
     def _check_tiled_mlp(self) -> Recipe:
         shard = self.model.tiled_mlp
         if shard is None or isinstance(shard, bool):
@@ -919,9 +947,16 @@ def run_folder_problem(path: str, key: str) -> str | None:
     """Where `path` is an llmtrain run's folder rather than a model (`model.name_or_path=runs/sft`, the SFT run a
     distillation or a next run starts from): which folder of it holds the model, and what to set `key` to."""
     folder = Path(path).expanduser()
+    set_ = " " if key.startswith("--") else "="  # a key, or an option (--model)
+    if (folder / "adapter_config.json").is_file() and not (folder / "config.json").exists():
+        run = folder.parent if (folder.parent / "recipe.yaml").is_file() else None
+        how = (f"`llmtrain export {run} --merge` writes the whole model to {run / 'final-merged'}; then set "
+               f"{key}{set_}{run / 'final-merged'}") if run is not None else \
+            "merge it into its base (peft's merge_and_unload) and name the merged folder"
+        return f"'{path}' ({key}) is a LoRA adapter, not a whole model: {how}."
     if not ((folder / "recipe.yaml").is_file() and (folder / "final").is_dir()) or (folder / "config.json").exists():
         return None
-    final, set_ = folder / "final", " " if key.startswith("--") else "="  # a key, or an option (--model)
+    final = folder / "final"
     if (final / "adapter_config.json").is_file():
         how = (f"its final/ is a LoRA adapter: `llmtrain export {path} --merge` writes the whole model to "
                f"{final.parent / 'final-merged'}; then set {key}{set_}{final.parent / 'final-merged'}")

@@ -13,7 +13,8 @@ from pathlib import Path
 
 from llmtrain import hub
 from llmtrain.config import Recipe
-from llmtrain.data.checks import Check, check_chat_template, check_context, check_tokenizer, load_data
+from llmtrain.data.checks import (Check, check_chat_template, check_context, check_new_tokens, check_tokenizer,
+                                  load_data)
 from llmtrain.errors import LLMTrainError
 
 BIG_MODEL_PARAMS = 3e9  # above this a full fine-tune keeps ~16 bytes/param of state: FSDP, not DDP
@@ -426,7 +427,7 @@ def run_doctor(recipe: Recipe, *, accelerate_config: Path | None = None,
                                                                          "eos trained", "schedule")]
     if tokenizer is not None:
         template = check_chat_template(recipe, tokenizer)
-        checks += check_tokenizer(tokenizer) + template
+        checks += check_tokenizer(tokenizer) + check_new_tokens(recipe, tokenizer) + template
         if any(status == "fail" for _, status, _ in template):  # every row would fail as the template does
             checks.append(("data", "skipped", "needs a chat template that renders (the chat template row)"))
         else:

@@ -36,6 +36,18 @@ def check_tokenizer(tokenizer) -> list[Check]:
              f"(id {pad})")]
 
 
+def check_new_tokens(recipe: Recipe, tokenizer) -> list[Check]:
+    """model.new_tokens: each one's id in the grown tokenizer, and what trains their rows."""
+    new = recipe.model.new_tokens
+    if not new:
+        return []
+    ids = ", ".join(f"{t} {tokenizer.convert_tokens_to_ids(t)}" for t in new)
+    rows = ("as lora.modules_to_save " + ", ".join(recipe.lora.modules_to_save) + " (trained in full, saved with the "
+            "adapter)") if recipe.lora is not None else "with the rest of the model"
+    return [("new tokens", "pass", f"{len(new)} special token{'s' * (len(new) > 1)} (one id each, never split; ids: "
+             f"{ids}); the embedding rows of those past the model's own start at the mean row and train {rows}")]
+
+
 def needs_chat(recipe: Recipe) -> bool:
     d = recipe.data
     return d.format == "messages" or (d.format in ("prompt_completion", "unpaired", "prompt", "preference")

@@ -814,6 +814,19 @@ def reward_models_of(recipe) -> tuple[RewardModel, ...]:
 
 
 def recipe_model_shape(recipe) -> ModelShape:
-    """The model a recipe trains: model.name_or_path's, under a score head where it trains a reward model."""
-    shape = load_model_shape(recipe.model.name_or_path)
+    """The model a recipe trains: model.name_or_path's, its vocabulary grown by model.new_tokens, under a score head
+    where it trains a reward model."""
+    shape = grown_shape(load_model_shape(recipe.model.name_or_path), len(recipe.model.new_tokens))
     return score_head_shape(shape) if recipe.reward_model is not None else shape
+
+
+def grown_shape(shape: ModelShape, new: int) -> ModelShape:
+    """`shape` with `new` rows more in its embeddings and its untied LM head (model.new_tokens, as
+    modeling.grow_vocabulary grows them): an upper bound, counting no token the tokenizer already has and no spare
+    row a model has past its tokenizer (Qwen's), which take no new row."""
+    from dataclasses import replace
+
+    if not new:
+        return shape
+    return replace(shape, vocab=shape.vocab + new, params_embed=shape.params_embed + new * shape.hidden,
+                   params_head=shape.params_head + (new * shape.hidden if shape.params_head else 0))

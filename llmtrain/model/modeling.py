@@ -146,6 +146,8 @@ def load_tokenizer(cfg: ModelConfig):
         raise _load_error("tokenizer", path, e) from None
     if tok.eos_token_id is None:
         raise LLMTrainError(f"the tokenizer at '{path}' has no eos_token; training needs one to learn to stop.")
+    if cfg.new_tokens:  # (those it has already keep their ids: a run's final/ holds them)
+        tok.add_tokens(list(cfg.new_tokens), special_tokens=True)
     # transformers warns when a text is longer than the tokenizer's model_max_length; llmtrain tokenises whole rows
     # and cuts them at data.max_seq_len itself (and says how many), so the warning is noise on every long-data run.
     tok.deprecation_warnings["sequence-length-is-longer-than-the-specified-maximum"] = True
@@ -257,6 +259,8 @@ def load_model(cfg: ModelConfig, lora: LoraConfig | None, *, device: torch.devic
                             "a weights file is truncated or damaged. Download or copy the model again.") from None
     if key_mapping:
         _own_names(model)
+    if cfg.new_tokens:
+        grow_vocabulary(model, len(load_tokenizer(cfg)))
     model.config.use_cache = False  # the KV cache is for generation; in training it only costs memory
     if cfg.quantize:
         _keep_cpu_4bit_layout(model)
@@ -282,6 +286,25 @@ def load_model(cfg: ModelConfig, lora: LoraConfig | None, *, device: torch.devic
     if empty:
         _uninitialised_parameters(model)
     return model
+
+
+def grow_vocabulary(model, size: int) -> None:
+    """The embeddings and the LM head grown to `size` rows (model.new_tokens: the tokenizer's new length), each new row
+    the mean of the old ones: a new token starts where the model's tokens are on average, and its first logits are
+    the average logit (Hewitt, "Initializing new word embeddings", 2021). Not transformers' mean_resizing: it also
+    draws from the rows' covariance, an (hidden x hidden) product over the whole vocabulary that takes minutes on a
+    CPU for a 128K one. A model with rows to spare (Qwen's, past its tokenizer) or whose rows were already grown (a
+    run's final/) is left as it is; an empty model (FSDP's receiving processes) gets the main process's rows."""
+    old = model.get_input_embeddings().num_embeddings
+    if size <= old:
+        return
+    model.resize_token_embeddings(size, mean_resizing=False)
+    grown = {id(m.weight): m.weight for m in (model.get_input_embeddings(), model.get_output_embeddings())
+             if m is not None}
+    with torch.no_grad():
+        for w in grown.values():
+            if w.device.type != "meta":
+                w[old:] = w[:old].float().mean(0).to(w.dtype)
 
 
 def _quiet_new_head(quiet):

@@ -132,17 +132,18 @@ def load_reward_model(path: str, device):
     from llmtrain.model.modeling import every_process_reads, pretrained
 
     folder = Path(path).expanduser()
+    tokenizer = AutoTokenizer.from_pretrained(str(folder))
     with every_process_reads():  # never prepared by FSDP: each process reads its own whole copy
         if (folder / "adapter_config.json").is_file():
-            from llmtrain.model.modeling import load_adapter
+            from llmtrain.model.modeling import grow_vocabulary, load_adapter
 
             from llmtrain.config import adapter_base
 
             model = pretrained(AutoModelForSequenceClassification, adapter_base(folder), num_labels=1, dtype="auto")
+            grow_vocabulary(model, len(tokenizer))  # model.new_tokens: the rows the adapter's copy holds
             model = load_adapter(model, str(folder))
         else:
             model = AutoModelForSequenceClassification.from_pretrained(str(folder), dtype="auto")
-    tokenizer = AutoTokenizer.from_pretrained(str(folder))
     rows = model.get_input_embeddings().num_embeddings
     if len(tokenizer) > rows:  # a completion with a token past the embeddings: an IndexError mid-run, said now
         from llmtrain.errors import LLMTrainError

@@ -47,9 +47,13 @@ def vocabulary_problem(recipe: Recipe, tokenizer) -> str | None:
     except (OSError, ValueError) as e:
         return (f"distill.teacher '{path}' could not be read ({str(e).splitlines()[0]}). Give a local model folder "
                 "(config.json and weights) or a hub id that is in the local Hugging Face cache.")
-    theirs, ours = config.get_text_config().vocab_size, student.get_text_config().vocab_size
+    # the student's rows as modeling.grow_vocabulary makes them (model.new_tokens: the tokenizer's new ids)
+    theirs, ours = config.get_text_config().vocab_size, max(student.get_text_config().vocab_size, len(tokenizer))
     fix = ("Distill from a teacher of the student's family (the same tokenizer), or train the student on the "
            "teacher's tokenizer first.")
+    if recipe.model.new_tokens:
+        fix += (f" model.new_tokens gives the student {', '.join(recipe.model.new_tokens)}: the teacher needs them "
+                "too, as the final/ of a run with the same model.new_tokens has them.")
     if theirs != ours:
         return (f"distill.teacher '{path}' has a vocabulary of {theirs:,} ids and the student "
                 f"(model.name_or_path '{recipe.model.name_or_path}') one of {ours:,}: the divergence compares the two "

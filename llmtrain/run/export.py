@@ -25,7 +25,11 @@ def save_final(accelerator, model, tokenizer, path: Path, *, state_dict: dict | 
         tmp = path.with_name(path.name + ".tmp")
         shutil.rmtree(tmp, ignore_errors=True)
         unwrapped = accelerator.unwrap_model(model)
-        unwrapped.save_pretrained(tmp, state_dict=tied_once(state_dict, unwrapped), safe_serialization=True)
+        # an adapter of a grown vocabulary (model.new_tokens): peft would add the base's resized embeddings and head
+        # (two more copies of each); modules_to_save's trained copies are the model, and every loader grows the base
+        adapter = {"save_embedding_layers": False} if hasattr(unwrapped, "peft_config") else {}
+        unwrapped.save_pretrained(tmp, state_dict=tied_once(state_dict, unwrapped), safe_serialization=True,
+                                  **adapter)
         tokenizer.save_pretrained(tmp)
         ends_turns(tmp, end_ids)
         if path.exists():
@@ -76,7 +80,7 @@ def export_merged(run_dir: Path, out: Path | None = None, *, say=lambda text: No
     from peft import PeftModel
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from llmtrain.model.modeling import pretrained
+    from llmtrain.model.modeling import grow_vocabulary, pretrained
     from llmtrain.objectives.objective import end_of_turn_ids
     from llmtrain.run.replies import unsaved_base
     from llmtrain.run.rundir import run_recipe
@@ -98,24 +102,24 @@ def export_merged(run_dir: Path, out: Path | None = None, *, say=lambda text: No
     if problem := cannot_create(out, "--out"):
         raise LLMTrainError(problem)
     dtype = getattr(torch, model.dtype)
+    tokenizer = AutoTokenizer.from_pretrained(str(final))
     if recipe.reward_model is not None:  # a reward model: its base under the one-output score head the
         # adapter saved whole; the pad token it scored with (the tokenizer's, else EOS), as objective_for set it
         from transformers import AutoModelForSequenceClassification
 
         base = pretrained(AutoModelForSequenceClassification, model.name_or_path, num_labels=1, dtype=dtype)
-        tok = AutoTokenizer.from_pretrained(str(final))
-        base.config.get_text_config().pad_token_id = (tok.pad_token_id if tok.pad_token_id is not None
-                                                       else tok.eos_token_id)
+        base.config.get_text_config().pad_token_id = (tokenizer.pad_token_id if tokenizer.pad_token_id is not None
+                                                       else tokenizer.eos_token_id)
     else:
         base = pretrained(AutoModelForCausalLM, model.name_or_path, dtype=dtype)  # a text model
     if model.quantize:
         say(f"the adapter was trained on a {model.quantize} 4-bit base; it is merged into the unquantised base read "
             f"from {model.name_or_path} in {model.dtype}, not a dequantised copy.")
+    grow_vocabulary(base, len(tokenizer))  # model.new_tokens: the rows the adapter's copies of them hold
     merged = PeftModel.from_pretrained(base, str(final)).merge_and_unload()
     tmp = out.with_name(out.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
     merged.save_pretrained(tmp, safe_serialization=True)
-    tokenizer = AutoTokenizer.from_pretrained(str(final))
     tokenizer.save_pretrained(tmp)
     # the end of turn as the run trained it: its template is final/'s tokenizer's (a data.chat_template file's too)
     data = recipe.data.model_copy(update={"chat_template": recipe.data.chat_template is not False})
