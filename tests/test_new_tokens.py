@@ -95,10 +95,13 @@ def test_each_new_token_is_one_id_and_its_rows_start_at_the_mean_row(tiny_assets
     assert torch.equal(model.get_input_embeddings().weight, before)
 
 
-def test_a_tied_model_grows_its_one_table(tiny_assets, tmp_path):
+def test_a_tied_model_grows_its_one_table_and_trains_one_copy_of_it(tiny_assets, tmp_path):
+    """Under LoRA the embeddings' and the head's copies are one tensor (peft's ensure_weight_tying; untied, a merge
+    would keep only one of the two trained tables), and the estimate counts it once."""
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
+    from llmtrain.memory import estimate_for_recipe
     from llmtrain.model.modeling import load_model
 
     config = AutoConfig.from_pretrained(tiny_assets / "model")
@@ -107,10 +110,25 @@ def test_a_tied_model_grows_its_one_table(tiny_assets, tmp_path):
     torch.manual_seed(0)
     AutoModelForCausalLM.from_config(config).save_pretrained(folder)
     AutoTokenizer.from_pretrained(tiny_assets / "model").save_pretrained(folder)
-    model = load_model(_load(_recipe(tiny_assets, tmp_path, model={"name_or_path": str(folder)})).model, None)
+    recipe = _load(_recipe(tiny_assets, tmp_path, model={"name_or_path": str(folder)}, lora=LORA))
+    model = load_model(recipe.model, None)
     embed, head = model.get_input_embeddings().weight, model.get_output_embeddings().weight
     assert embed is head and embed.shape[0] == config.vocab_size + 2
     assert torch.allclose(embed[-1], embed[:-2].mean(0), atol=1e-7)
+
+    adapted = load_model(recipe.model, recipe.lora)
+    embed, head = adapted.get_input_embeddings(), adapted.base_model.model.lm_head
+    assert embed.modules_to_save["default"].weight is head.modules_to_save["default"].weight
+    assert recipe.lora.modules_to_save == ["embed_tokens", "lm_head"]  # (peft extends the list it is given)
+    est = estimate_for_recipe(recipe)
+    assert est.params_trainable == sum(p.numel() for p in adapted.parameters() if p.requires_grad)
+    assert est.params_total == sum(p.numel() for p in adapted.parameters())
+    # it trains (the chunked loss finds the tied head copy, whose Linear peft labels in x out the other way round)
+    run_train(_recipe(tiny_assets, tmp_path, model={"name_or_path": str(folder)}, lora=LORA,
+                      train={"max_steps": 2}))
+    saved = load_weights(tmp_path / "run" / "final" / "adapter_model.safetensors")
+    tables = [t for k, t in saved.items() if k.endswith(("embed_tokens.weight", "lm_head.weight"))]
+    assert tables and all(torch.equal(t, tables[0]) for t in tables) and tables[0].shape[0] == config.vocab_size + 2
 
 
 @pytest.mark.parametrize("lora", [False, True], ids=["full", "lora"])

@@ -417,7 +417,12 @@ class LoraPlan:
         return sum(self.r * (i + o) for i, o in self.adapted_other.values())
 
     def copy_params(self, shape: ModelShape) -> int:
-        return sum(shape.hidden * shape.vocab for _ in self.saved_copies)
+        return shape.hidden * shape.vocab * (len(self.saved_copies) - self.tied_copies(shape))
+
+    def tied_copies(self, shape: ModelShape) -> bool:
+        """The embeddings' and the head's copies are one (a tied model: modeling.apply_lora ties them, as the model
+        ties its own)."""
+        return shape.tied and {"embed_tokens", "lm_head"} <= set(self.saved_copies)
 
     def trainable(self, shape: ModelShape) -> int:
         return self.adapter_params(shape) + self.copy_params(shape)

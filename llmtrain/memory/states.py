@@ -74,7 +74,8 @@ def states(shape: ModelShape, spec: TrainSpec, plan: LoraPlan | None, *, whole: 
         head = copies.get("lm_head", 0) + (plan.r * (H + V) * 4 if plan.adapted_head else 0)
         layer = [plan.layer_params(k) * 4 for k in range(len(plan.adapted))]
     embed = (V * H * master if plan is None and not shape.tied else 0) + (
-        V * H * master if plan is not None and "embed_tokens" in plan.saved_copies else 0)
+        V * H * master if plan is not None and "embed_tokens" in plan.saved_copies and not plan.tied_copies(shape)
+        else 0)
     # the weights outside the layers (Gemma 4's per-layer embeddings, made before the first layer, their gradients
     # last): trained in full, or their adapters
     embed += shape.params_other * master if plan is None else plan.other_params * 4

@@ -112,8 +112,9 @@ def attach_loss(model, *, chunk: int, fused_linear_ce=None, router_aux: float | 
     lm = causal_lm(model)
     logits = logit_transform(lm)
     vocab = lm.get_output_embeddings().weight.shape[0]
-    # The LM head may be wrapped (peft's modules_to_save): patch every Linear in it that maps to the vocabulary.
-    for head in [m for m in lm.lm_head.modules() if isinstance(m, torch.nn.Linear) and m.out_features == vocab]:
+    # The LM head may be wrapped (peft's modules_to_save): patch every Linear in it that maps to the vocabulary (by its
+    # weight: the copy peft ties to a tied model's embeddings' copy has its in and out features the other way round)
+    for head in [m for m in lm.lm_head.modules() if isinstance(m, torch.nn.Linear) and m.weight.shape[0] == vocab]:
         head.forward = types.MethodType(_head_forward(chunk, fused_linear_ce, logits=logits), head)
     original = type(lm).forward
 

@@ -469,14 +469,19 @@ def apply_lora(model, cfg: LoraConfig, *, task: str = "CAUSAL_LM"):
     (modules_to_save), and all-linear leaves the head out of the adapted layers."""
     import peft
 
+    # a tied model's embeddings and head trained in full (model.new_tokens): one copy, tied as the model ties them
+    # (peft unties them otherwise, and a merge then keeps one of the two)
+    tied = bool(set(cfg.modules_to_save or ()) & {"embed_tokens", "lm_head"}) and \
+        getattr(model.config.get_text_config(), "tie_word_embeddings", False)
     config = peft.LoraConfig(
         r=cfg.r,
         lora_alpha=cfg.alpha,
         lora_dropout=cfg.dropout,
         target_modules=cfg.target_modules,
-        modules_to_save=cfg.modules_to_save,
+        modules_to_save=list(cfg.modules_to_save) if cfg.modules_to_save else None,  # (peft extends its list)
         target_parameters=cfg.target_parameters,
         task_type=task,
+        **({"ensure_weight_tying": True} if tied else {}),
     )
     try:
         with warnings.catch_warnings():
