@@ -348,8 +348,8 @@ def test_a_token_budget_trains_its_bins_as_micro_batches_of_examples(tiny_assets
     """KTO under train.micro_batch_tokens: a micro-batch is the examples its bin holds, each with its KL sequence. On
     24 rows of one length L, a budget of 4L packs them 4 to a bin in the epoch's order (best-fit decreasing keeps
     equal lengths in order), the very micro-batches train.micro_batch_size=4 makes, in another order: with the
-    epoch's 6 micro-batches accumulated into one step, 2 steps of each are the same loss, KL estimate, rewards and
-    adapter (1e-6; the window's sum in another order). The KL term is live (positive) at step 2, so a bin whose
+    epoch's 6 micro-batches accumulated into one step, 2 steps of each are the same loss, KL estimate, rewards (1e-6)
+    and adapter (1e-5; the window's sum in another order). The KL term is live (positive) at step 2, so a bin whose
     KL pairs were made across bins, or the budget's micro-batch taken as one example, would differ."""
     rows, length = _equal_length_rows(tiny_assets, tiny_tok, 24)
     data = write_jsonl(tmp_path / "kto.jsonl", rows)
@@ -367,8 +367,10 @@ def test_a_token_budget_trains_its_bins_as_micro_batches_of_examples(tiny_assets
     for key in ("loss", "kl", "rewards/chosen", "rewards/rejected", "logps/chosen", "logps/rejected"):
         assert [r[key] for r in got] == pytest.approx([r[key] for r in want], abs=1e-5 if "/" in key else 1e-6), key
     adapter = "final/adapter_model.safetensors"
+    # 1e-5: Adam (eps 1e-6) turns the last bits of a near-zero gradient's sums into 2.7e-6 of an update on some CPUs
+    # (2026-12-02's; 1e-6 held on others); the losses, KL and rewards above stay at 1e-6
     assert max_abs_diff(load_weights(tmp_path / "tokens" / adapter), load_weights(tmp_path / "examples" / adapter)) \
-        < 1e-6
+        < 1e-5
 
 
 def test_a_budget_that_two_examples_fit_leaves_at_most_one_example_alone_an_epoch():
