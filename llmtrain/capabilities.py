@@ -502,6 +502,11 @@ def model_problems(recipe, layout: Layout, config) -> list[str]:
                    f"{model_type or 'this model'} has no experts (a dense MLP): unset it")
     if problem := sequence_config_problem(layout.sp, config):
         out.append(problem)
+    if recipe.model.new_tokens and getattr(config, "vocab_size_per_layer_input", None):
+        out.append("model.new_tokens grows the embeddings and the LM head, and this model also looks each token up in "
+                   "its per-layer embeddings (vocab_size_per_layer_input: Gemma 4's), which are not grown: a new id "
+                   "would index past them. Use the markers its tokenizer has (Gemma's <start_of_turn> and "
+                   "<end_of_turn>), or unset model.new_tokens")
     if problem := stored_quantization_problem(recipe.model.quantize, config):
         out.append(problem)
     if layout.tp > 1 and "tp" not in refused:

@@ -150,6 +150,24 @@ def test_doctor_names_each_new_tokens_id_and_what_trains_it(tiny_assets, tmp_pat
     assert "lora.modules_to_save embed_tokens, lm_head" in " ".join(text.split())
 
 
+def test_a_model_with_per_layer_embeddings_is_refused_new_tokens(tiny_assets, tmp_path):
+    """Gemma 4 looks each id up in a second table (its per-layer embeddings) that resize_token_embeddings does not
+    grow: refused before any file is written, as every other model problem is (capabilities.model_problems)."""
+    from transformers import AutoConfig
+
+    from llmtrain.capabilities import model_problems
+    from llmtrain.layout import Layout
+
+    recipe = _load(_recipe(tiny_assets, tmp_path))
+    gemma4 = AutoConfig.for_model("gemma4_text", hidden_size=64, intermediate_size=128, num_attention_heads=2,
+                                  num_key_value_heads=1, num_hidden_layers=2, vocab_size=128, head_dim=32,
+                                  global_head_dim=32, vocab_size_per_layer_input=128)
+    (problem,) = model_problems(recipe, Layout.from_recipe(recipe), gemma4)
+    assert problem.startswith("model.new_tokens grows the embeddings") and "vocab_size_per_layer_input" in problem
+    llama = AutoConfig.from_pretrained(tiny_assets / "model")
+    assert model_problems(recipe, Layout.from_recipe(recipe), llama) == []
+
+
 def test_a_distillation_teacher_needs_the_students_new_tokens(tiny_assets, tmp_path):
     from llmtrain.model.modeling import load_model, load_tokenizer
     from llmtrain.model.teacher import vocabulary_problem
