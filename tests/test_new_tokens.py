@@ -261,3 +261,33 @@ def test_new_tokens_under_fsdp_and_pipeline_stages_train_as_one_process(tiny_ass
     assert losses(tmp_path / "one")[-1] < losses(tmp_path / "one")[0]
     saved = yaml.safe_load((tmp_path / layout / "recipe.yaml").read_text())
     assert saved["lora"]["modules_to_save"] == ["embed_tokens", "lm_head"]
+
+
+@pytest.mark.slow
+def test_a_reward_models_adapter_loads_onto_a_grown_base(tiny_assets, tmp_path):
+    """A reward model trained with new tokens (LoRA: the embeddings' copy and peft's score head) scores as it was
+    trained when online RL loads it (score.load_reward_model grows its base to final/'s tokenizer first)."""
+    import torch
+    from peft import PeftModel
+    from transformers import AutoModelForSequenceClassification
+
+    from llmtrain.model.modeling import grow_vocabulary
+    from llmtrain.model.score import load_reward_model
+
+    recipe = _recipe(tiny_assets, tmp_path, lora=LORA, reward_model={}, train={"max_steps": 3, "lr": 1e-2},
+                     data={"path": str(tiny_assets / "data" / "train_pairs.jsonl"), "format": "preference"})
+    run_train(recipe)
+    final = tmp_path / "run" / "final"
+    model, tokenizer = load_reward_model(str(final), torch.device("cpu"))
+    old = len(tokenizer) - 2
+    assert model.get_input_embeddings().num_embeddings == old + 2
+    base = AutoModelForSequenceClassification.from_pretrained(tiny_assets / "model", num_labels=1)
+    base.config.pad_token_id = tokenizer.pad_token_id
+    grow_vocabulary(base, old + 2)
+    trained = PeftModel.from_pretrained(base, str(final)).eval()
+    ids = torch.tensor([[old, 40, 41, old + 1, 10]])
+    with torch.no_grad():
+        assert torch.allclose(model(ids).logits, trained(ids).logits, atol=1e-6)
+    embed = model.get_input_embeddings()  # the trained copy's new rows moved from the mean they started at
+    moved = (embed.modules_to_save["default"].weight[old:] - embed.original_module.weight[old:]).abs().amax(1)
+    assert (moved > 1e-4).all(), moved
