@@ -948,18 +948,20 @@ def run_folder_problem(path: str, key: str) -> str | None:
     distillation or a next run starts from): which folder of it holds the model, and what to set `key` to."""
     folder = Path(path).expanduser()
     set_ = " " if key.startswith("--") else "="  # a key, or an option (--model)
+    def merge_then_set(shown, run: Path) -> str:
+        return (f"`llmtrain export {shown} --merge` writes the whole model to {run / 'final-merged'}; then set "
+                f"{key}{set_}{run / 'final-merged'}")
+
     if (folder / "adapter_config.json").is_file() and not (folder / "config.json").exists():
         run = folder.parent if (folder.parent / "recipe.yaml").is_file() else None
-        how = (f"`llmtrain export {run} --merge` writes the whole model to {run / 'final-merged'}; then set "
-               f"{key}{set_}{run / 'final-merged'}") if run is not None else \
+        how = merge_then_set(run, run) if run is not None else \
             "merge it into its base (peft's merge_and_unload) and name the merged folder"
         return f"'{path}' ({key}) is a LoRA adapter, not a whole model: {how}."
     if not ((folder / "recipe.yaml").is_file() and (folder / "final").is_dir()) or (folder / "config.json").exists():
         return None
     final = folder / "final"
     if (final / "adapter_config.json").is_file():
-        how = (f"its final/ is a LoRA adapter: `llmtrain export {path} --merge` writes the whole model to "
-               f"{final.parent / 'final-merged'}; then set {key}{set_}{final.parent / 'final-merged'}")
+        how = f"its final/ is a LoRA adapter: {merge_then_set(path, folder)}"
     else:
         how = f"set {key}{set_}{final}"
     return f"'{path}' ({key}) is a run's folder, not a model: {how}."
