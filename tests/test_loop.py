@@ -69,7 +69,8 @@ def test_meter_line_reports_the_last_step_and_the_speed_since_the_last_line(monk
     clock = iter([100.0, 104.0, 105.0, 110.0, 112.0]).__next__
     monkeypatch.setattr("llmtrain.loop.meter.time.perf_counter", clock)
     monkeypatch.setattr("llmtrain.loop.meter.data_sum", lambda acc, *v: [x * 2 for x in v])  # two data ranks, alike
-    meter = Meter(FakeAccelerator(), flops=FlopModel(1.0, 10.0, 0.5), peak=100.0, elapsed_before=50.0)  # t=100
+    meter = Meter(FakeAccelerator(), flops=FlopModel(1.0, 10.0, 0.5), peak=100.0, resumed_s=40.0,
+                  setup_s=10.0)  # t=100: 40 s before the resume, a 10 s reference pass
     state = TrainState(step=2, tokens_seen=700)
     meter.add(result(3.0, Counts(units=10, trained=10, tokens=300, squares=900)), epoch=0)
     meter.add(result(4.0, Counts(units=20, trained=20, tokens=400, squares=1600), lr=5e-4), epoch=1)
@@ -85,6 +86,7 @@ def test_meter_line_reports_the_last_step_and_the_speed_since_the_last_line(monk
     assert meter.pending == []
     summary = meter.summary()  # t=112: 12 s in this process, 1 s of it eval
     assert summary["train_time_s"] == pytest.approx(62.0) and summary["process_time_s"] == pytest.approx(12.0)
+    assert summary["resumed_time_s"] == 40.0 and summary["setup_time_s"] == 10.0
     assert summary["tokens_per_s_per_gpu"] == pytest.approx(700 / 2 / 11)
     assert summary["wall_tokens_per_s_per_gpu"] == pytest.approx(700 / 2 / 12)
     assert summary["final_loss"] == line["loss"]
@@ -197,6 +199,30 @@ def test_the_summary_says_where_the_logs_are_and_how_a_lora_adapter_becomes_a_mo
     assert ("0.0000 (online RL: about 0 by construction, each prompt's advantages average 0, or below 0 where the "
             "rewarded completions are the longer ones under loss_type dapo (each token weighs the same); the reward is "
             "the measure)") in text
+
+
+def test_the_summarys_time_names_what_came_before_this_processs_loop():
+    """A DPO run that was never resumed said "(this process 0:00:09; the rest before the resume)": the 2 s were its
+    reference pass."""
+    from rich.console import Console
+
+    from llmtrain.run.console import summary_table
+
+    def time_row(**times) -> str:
+        summary = {"steps": 3, "tokens_seen": 100, "tokens_per_s_per_gpu": 50.0, "wall_tokens_per_s_per_gpu": 40.0,
+                   "final_loss": 1.0, "method": "full", **times}
+        console = Console(record=True, width=300)
+        console.print(summary_table(summary, out=Path("runs/x"), evals=[]))
+        rows = {line.split("│")[1].strip(): line.split("│")[2].strip() for line in console.export_text().splitlines()
+                if line.count("│") == 3}
+        return rows["time"] + " | " + rows["tokens/s per GPU"]
+
+    assert time_row(train_time_s=9.5, process_time_s=9.5) == "0:00:09 | 50 training, 40 with eval and checkpoints"
+    assert time_row(train_time_s=11.4, process_time_s=9.2, setup_time_s=2.2) == (
+        "0:00:11 (this process's loop 0:00:09; 0:00:02 the reference log-probabilities) | 50 training, 40 with eval "
+        "and checkpoints (this process)")
+    assert time_row(train_time_s=62.0, process_time_s=12.0, resumed_time_s=40.0, setup_time_s=10.0).startswith(
+        "0:01:02 (this process's loop 0:00:12; 0:00:40 before the resume; 0:00:10 the reference log-probabilities)")
 
 
 def test_the_summarys_best_eval_reward_says_where_it_was_and_what_came_after():

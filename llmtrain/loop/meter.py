@@ -5,7 +5,8 @@ host sync of a logging step) and reports the last step's loss, the objective's s
 rewards and accuracies) as the mean over all of them, as TRL logs them, and the speed over all of them. Time spent in
 evaluation and checkpoints (`with meter.paused():`) is left out of the lines' tokens/s and of the summary's
 training speed; the summary's wall speed keeps it. The run's clock continues across resumes: `elapsed()`
-starts from the checkpoint's TrainState.elapsed_s.
+starts from the checkpoint's TrainState.elapsed_s (`resumed_s`), plus this process's set-up that is run time
+(`setup_s`: a preference run's reference pass); the summary keeps the parts apart, to say which is which.
 """
 
 from __future__ import annotations
@@ -19,11 +20,13 @@ from llmtrain.parallel.collectives import data_sum
 
 
 class Meter:
-    def __init__(self, accelerator, *, flops, peak: float | None, elapsed_before: float = 0.0, objective=None):
+    def __init__(self, accelerator, *, flops, peak: float | None, resumed_s: float = 0.0, setup_s: float = 0.0,
+                 objective=None):
         self.accelerator, self.flops, self.peak, self.objective = accelerator, flops, peak, objective
         self.world = accelerator.num_processes
         self.on_gpu = accelerator.device.type == "cuda"
-        self.elapsed_before = elapsed_before
+        self.resumed_s, self.setup_s = resumed_s, setup_s
+        self.elapsed_before = resumed_s + setup_s
         self.start = self.line_start = time.perf_counter()
         self.paused_s = 0.0  # eval and checkpoint time of this process
         self.tokens = 0.0  # input tokens (all ranks) trained by this process: the summary's speed
@@ -87,5 +90,6 @@ class Meter:
         wall = time.perf_counter() - self.start
         per_gpu = self.tokens / self.world
         return {"final_loss": self.last.get("loss"), "train_time_s": self.elapsed_before + wall, "process_time_s": wall,
+                "resumed_time_s": self.resumed_s, "setup_time_s": self.setup_s,
                 "tokens_per_s_per_gpu": per_gpu / max(wall - self.paused_s, 1e-9),
                 "wall_tokens_per_s_per_gpu": per_gpu / max(wall, 1e-9)}

@@ -127,7 +127,8 @@ def _train(recipe: Recipe, accelerator, console: RunConsole, cleanup: ExitStack,
         # ---- the loop, then the export and the summary
         # The run's clock: what earlier processes of the run spent, and this one's reference pass (preference)
         meter = Meter(accelerator, flops=trainable.flops, peak=trainable.peak_flops,
-                      elapsed_before=state.elapsed_s + data.reference_s, objective=run.objective)
+                      resumed_s=state.elapsed_s, setup_s=data.reference_s,
+                      objective=run.objective)
         evals = train_loop(run, state, meter)
         # the recipe's benchmark (below) scores final/ over the processes: their group stays until it has
         summary = finish(run, state, meter, evals, est, end=recipe.eval is None)
