@@ -36,7 +36,8 @@ LAYOUTS = {
     "pp": ("cpu_ddp.yaml", 2, ["parallel.pipeline_parallel=2", "train.micro_batch_size=1",
                                "train.micro_batch_tokens=128", "train.grad_accum_steps=2"]),
 }
-MODE_RECIPES = {"sft": "tiny.yaml", "preference": None, "kto": "tiny-kto.yaml", "reward_model": "tiny-reward.yaml",
+MODE_RECIPES = {"sft": "tiny.yaml", "preference": "tiny-dpo.yaml", "kto": "tiny-kto.yaml",
+                "reward_model": "tiny-reward.yaml",
                 "grpo": "tiny-grpo.yaml", "rloo": "tiny-rloo.yaml", "distill": "tiny-distill.yaml"}
 # Supported cells that another test already launches (and compares with one process): not launched again here
 ELSEWHERE = {("sft", "ddp"): "test_ddp.py", ("sft", "fsdp"): "test_fsdp.py", ("sft", "tp"): "test_tp.py",
@@ -65,10 +66,7 @@ def mode_recipes(tiny_assets, tmp_path_factory) -> dict[str, Path]:
     model, data = tiny_assets / "model", tiny_assets / "data"
     recipes = {}
     for mode, name in MODE_RECIPES.items():
-        recipe = yaml.safe_load((REPO / "recipes" / (name or "tiny.yaml")).read_text())
-        if mode == "preference":
-            recipe["data"].update(path=str(data / "train_pairs.jsonl"), format="preference")
-            recipe["preference"] = {"loss": "dpo"}
+        recipe = yaml.safe_load((REPO / "recipes" / name).read_text())
         if mode == "kto":  # LoRA (its reference the disabled adapter: no second model loaded in each cell)
             recipe["lora"] = {"r": 4, "alpha": 8, "dropout": 0.0}
         recipe["data"]["path"] = str(data / Path(recipe["data"]["path"]).name)
