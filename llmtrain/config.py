@@ -531,6 +531,10 @@ class PreferenceConfig(Section):
     beta: float = Field(0.1, gt=0, description="Strength of the reference (dpo, ipo: the KL weight) or reward scale "
                         "(simpo, where the paper uses about 2.0).")
     simpo_gamma: float = Field(0.5, ge=0, description="SimPO's target reward margin (gamma).")
+    sft_weight: float = Field(0.0, ge=0, description="Weight of a negative log-likelihood term on the chosen "
+                              "answers (RPO, Pang et al. 2024; Llama 3's DPO used 0.2): each pair adds weight x "
+                              "-log p(chosen) / its answer tokens, so the chosen answers keep their probability while "
+                              "the margin opens. 0: the loss alone.")
     reference: Literal["auto", "adapter", "precomputed", "none"] = Field(
         "auto", description="The reference model's log-probabilities. auto: adapter for LoRA, precomputed for a "
         "full fine-tune, none for simpo. adapter: the same model with the LoRA adapter disabled (no second copy); "

@@ -101,6 +101,22 @@ def test_losses_equal_values_worked_out_by_hand():
 # --------------------------------------------------------------------------- data
 
 
+def test_the_sft_term_adds_each_chosen_answers_mean_nll_per_token_to_its_pair():
+    """preference.sft_weight (RPO): per pair, not per micro-batch token, so two pairs of unequal chosen lengths weigh
+    the same whatever micro-batch they share."""
+    from llmtrain.objectives.preference import pairs_loss
+
+    t = torch.tensor
+    logps, tokens = t([-10.0, -12.0, -6.0, -9.0]), t([2.0, 4.0, 3.0, 3.0])  # chosen, rejected of two pairs
+    ref_c, ref_r = t([-11.0, -6.5]), t([-11.0, -8.0])
+    plain, stats = pairs_loss(PreferenceConfig(beta=0.1), logps, tokens, ref_c, ref_r)
+    loss, same = pairs_loss(PreferenceConfig(beta=0.1, sft_weight=0.2), logps, tokens, ref_c, ref_r)
+    assert loss.item() == pytest.approx(plain.item() + 0.2 * (10 / 2 + 6 / 3))  # not 0.2 x 2 x 16 / 5
+    assert torch.equal(stats, same)  # rewards and accuracies are the preference's alone
+    with pytest.raises(ValueError, match="sft_weight"):
+        PreferenceConfig(sft_weight=-0.1)
+
+
 def test_three_shapes_render_each_answer_as_sft_renders_the_row(tiny_tok):
     cfg = DataConfig(path="x.jsonl", format="preference", chat_template=True)
     sft = DataConfig(path="x.jsonl", format="prompt_completion", chat_template=True)
@@ -216,7 +232,7 @@ def test_lora_reference_is_the_policy_at_the_first_step_so_every_pair_costs_ln2(
     assert stats[:4].abs().max().item() == 0  # rewards, accuracy (0 > 0 is false) and margins are all zero
 
 
-@pytest.mark.parametrize("kind", ["dpo", "ipo", "simpo"])
+@pytest.mark.parametrize("kind", ["dpo", "ipo", "simpo", "dpo+sft"])
 def test_the_last_pipeline_stages_loss_is_the_objectives_on_the_same_row(tiny_assets, tiny_tok, kind):
     """StagePairs (the last stage's loss on pipeline stages) from the row's final hidden states and its float targets
     (each trained token's id and sequence, each sequence's reference and tokens): the loss, statistics, eval sums and
@@ -227,8 +243,10 @@ def test_the_last_pipeline_stages_loss_is_the_objectives_on_the_same_row(tiny_as
     from llmtrain.objectives.preference import StagePairs
 
     model, _, batch, counts = _objective_batch(tiny_assets, tiny_tok, packing=True)
+    kind, _, sft = kind.partition("+")
     reference = "none" if kind == "simpo" else "precomputed"
-    cfg = PreferenceConfig(loss=kind, beta=0.5, **({"reference": "precomputed"} if reference != "none" else {}))
+    cfg = PreferenceConfig(loss=kind, beta=0.5, sft_weight=0.3 if sft else 0.0,
+                           **({"reference": "precomputed"} if reference != "none" else {}))
     objective = Preference(cfg, pad_id=tiny_tok.pad_token_id, packing=True, reference=reference, model=model)
     pairs = int(counts.units)
     batch = {**batch, "reference": -20.0 - torch.arange(2 * pairs, dtype=torch.float32).reshape(pairs, 2) * 1.5}
@@ -280,15 +298,27 @@ def fresh_accelerate_state():
     AcceleratorState._reset_state(reset_partial_state=True)
 
 
+# Chosen answers of one length: TRL's sft term (the micro-batch's mean over chosen tokens) is then llmtrain's (the mean
+# over pairs of each one's mean)
+EQUAL_PAIRS = [
+    {"prompt": "reverse abc =", "chosen": " cba", "rejected": " abc"},
+    {"prompt": "reverse hello =", "chosen": " oll", "rejected": " hello"},
+    {"prompt": "reverse xy =", "chosen": " yxz", "rejected": " xyy"},
+    {"prompt": "reverse stop =", "chosen": " pot", "rejected": " spot"},
+]
+
+
 @pytest.mark.parametrize("loss_type, ours, family", [("sigmoid", "dpo", "llama"), ("ipo", "ipo", "llama"),
-                                                     ("sigmoid", "dpo", "qwen3_moe")])
+                                                     ("sigmoid", "dpo", "qwen3_moe"), ("sigmoid+sft", "dpo", "llama")])
 def test_loss_matches_trl_dpo_trainer(tiny_assets, tiny_tok, tmp_path, loss_type, ours, family,
                                       fresh_accelerate_state):
     """TRL's DPOTrainer (padded, its own tokenisation and fused LM head) against llmtrain's padding-free pairs, on
     a policy that differs from its reference: the same mean loss to 1e-6. A tiny Qwen3-MoE with the load-balancing
     loss at 0.25 (TRL's router_aux_loss_coef, llmtrain's model.router_aux_loss_coef): TRL adds it to the micro-batch's
     mean loss from its one padded pass over chosen and rejected, llmtrain from its one packed row of them (padding
-    left out either way): the same loss, and the gradients of the routers and experts the same to 1e-6."""
+    left out either way): the same loss, and the gradients of the routers and experts the same to 1e-6. sigmoid+sft:
+    TRL's loss_type [sigmoid, sft] weighted 1 and 0.3 against preference.sft_weight 0.3 (RPO), and the same
+    gradients."""
     trl = pytest.importorskip("trl")
     from datasets import Dataset
     from test_families import family_model
@@ -305,31 +335,45 @@ def test_loss_matches_trl_dpo_trainer(tiny_assets, tiny_tok, tmp_path, loss_type
         for p in policy.parameters():
             p.add_(torch.randn(p.shape, generator=g) * 0.02)
     ours_policy, ours_ref = copy.deepcopy(policy), copy.deepcopy(ref)  # before TRL patches its own copies
-    args = trl.DPOConfig(output_dir=str(tmp_path / "trl"), per_device_train_batch_size=len(PAIRS), report_to="none",
-                         beta=0.1, loss_type=[loss_type], max_length=None, use_cpu=True, bf16=False, fp16=False,
-                         router_aux_loss_coef=coef)
-    trainer = trl.DPOTrainer(model=policy, ref_model=ref, args=args, train_dataset=Dataset.from_list(PAIRS),
+    sft = 0.3 if loss_type.endswith("+sft") else 0.0
+    pairs = EQUAL_PAIRS if sft else PAIRS
+    args = trl.DPOConfig(output_dir=str(tmp_path / "trl"), per_device_train_batch_size=len(pairs), report_to="none",
+                         beta=0.1, loss_type=loss_type.split("+"), loss_weights=[1.0, sft] if sft else None,
+                         max_length=None, use_cpu=True, bf16=False, fp16=False, router_aux_loss_coef=coef)
+    trainer = trl.DPOTrainer(model=policy, ref_model=ref, args=args, train_dataset=Dataset.from_list(pairs),
                              processing_class=tiny_tok)
     assert trainer.aux_loss_enabled is (coef is not None)
     theirs = trainer.compute_loss(trainer.model, trainer.data_collator([trainer.train_dataset[i]
-                                                                        for i in range(len(PAIRS))]))
+                                                                        for i in range(len(pairs))]))
 
     cfg = DataConfig(path="x.jsonl", format="preference")
-    rows = [encode_pair(p, tiny_tok, cfg) for p in PAIRS]
+    rows = [encode_pair(p, tiny_tok, cfg) for p in pairs]
     for i, row in enumerate(rows):  # the same tokens as TRL's (prompt, answer + EOS)
         tr = trainer.train_dataset[i]
         assert row["chosen_ids"] == tr["prompt_ids"] + tr["chosen_ids"]
     for m in (ours_policy, ours_ref):
         attach_loss(m, chunk=8, router_aux=coef)
-    objective = Preference(PreferenceConfig(loss=ours, beta=0.1), pad_id=tiny_tok.pad_token_id, packing=True,
-                           reference="precomputed", router_aux=coef)
+    objective = Preference(PreferenceConfig(loss=ours, beta=0.1, sft_weight=sft), pad_id=tiny_tok.pad_token_id,
+                           packing=True, reference="precomputed", router_aux=coef)
     with torch.no_grad():
         plain = Preference(objective.cfg, pad_id=objective.pad_id, packing=True, reference="none")
         ref_logps = sequence_logps(ours_ref, plain.collate(rows)[0])
     batch, _ = objective.collate([{**r, "ref_chosen": float(a), "ref_rejected": float(b)}
                                   for r, a, b in zip(rows, ref_logps[0::2], ref_logps[1::2])])
     loss, stats = objective.loss(ours_policy, batch)
-    assert loss.item() / len(PAIRS) == pytest.approx(theirs.item(), rel=1e-6, abs=1e-6)
+    assert loss.item() / len(pairs) == pytest.approx(theirs.item(), rel=1e-6, abs=1e-6)
+    if sft:  # the term counts (0.3 x the chosen answers' mean NLL per token above DPO's), and trains what TRL's trains
+        dpo = Preference(PreferenceConfig(loss=ours, beta=0.1), pad_id=tiny_tok.pad_token_id, packing=True,
+                         reference="precomputed")
+        with torch.no_grad():
+            logps = sequence_logps(ours_policy, batch)
+            dpo_loss, _ = dpo.loss(ours_policy, batch)
+        nll = (-logps[0::2] / batch["sequence_tokens"][0::2]).mean().item()
+        assert nll > 1 and (loss.item() - dpo_loss.item()) / len(pairs) == pytest.approx(sft * nll, rel=1e-6)
+        theirs.backward()
+        (loss / len(pairs)).backward()
+        mine = dict(ours_policy.named_parameters())
+        assert max((mine[n].grad - p.grad).abs().max().item() for n, p in trainer.model.named_parameters()) < 1e-6
     if coef is not None:  # the load-balancing loss counts, and trains what TRL's trains
         assert objective.step_metrics(stats.tolist(), len(PAIRS))["aux_loss"] == pytest.approx(
             trainer._metrics["train" if trainer.model.training else "eval"]["aux_loss"][-1], rel=1e-6)
@@ -343,12 +387,16 @@ def test_loss_matches_trl_dpo_trainer(tiny_assets, tiny_tok, tmp_path, loss_type
 # --------------------------------------------------------------------------- training
 
 
-def test_packed_and_padded_runs_and_accumulation_agree(pref_recipe, tmp_path):
+@pytest.mark.parametrize("sft", [0.0, 0.5])
+def test_packed_and_padded_runs_and_accumulation_agree(pref_recipe, tmp_path, sft):
     """Full fine-tune, precomputed reference: varlen packed rows against eager padded rows, and micro-batch 8 against
-    4 x accumulation 2: the same losses, and the same weights for the accumulation pair."""
-    run_train(pref_recipe, f"output_dir={tmp_path / 'padded'}")
-    run_train(pref_recipe, f"output_dir={tmp_path / 'packed'}", "model.attn_implementation=auto")
-    run_train(pref_recipe, f"output_dir={tmp_path / 'accum'}", "train.micro_batch_size=4", "train.grad_accum_steps=2")
+    4 x accumulation 2: the same losses, and the same weights for the accumulation pair; with preference.sft_weight
+    too (its term a mean over pairs, not over a micro-batch's tokens)."""
+    term = f"preference.sft_weight={sft}"
+    run_train(pref_recipe, f"output_dir={tmp_path / 'padded'}", term)
+    run_train(pref_recipe, f"output_dir={tmp_path / 'packed'}", "model.attn_implementation=auto", term)
+    run_train(pref_recipe, f"output_dir={tmp_path / 'accum'}", "train.micro_batch_size=4", "train.grad_accum_steps=2",
+              term)
     padded, packed, accum = (records(tmp_path / n) for n in ("padded", "packed", "accum"))
     assert [r["loss"] for r in packed] == pytest.approx([r["loss"] for r in padded], abs=1e-5)
     assert [r["loss"] for r in accum] == pytest.approx([r["loss"] for r in padded], abs=1e-5)
@@ -357,7 +405,13 @@ def test_packed_and_padded_runs_and_accumulation_agree(pref_recipe, tmp_path):
     # Adam scales each element by its own gradient history, so rounding in near-zero gradients moves some weights
     # by a visible fraction of lr=1e-3 (7e-5 measured); the losses and gradient norms above are the tight checks.
     assert max_abs_diff(load_weights(tmp_path / "accum" / "final"), load_weights(tmp_path / "padded" / "final")) < 2e-4
-    assert padded[0]["loss"] == pytest.approx(math.log(2), abs=1e-6)  # the first step's policy is the reference
+    # the first step's policy is the reference: DPO's loss ln 2 (the sft term on top: its value by hand and against
+    # TRL's above), its rewards 0
+    assert padded[0]["rewards/margins"] == pytest.approx(0.0, abs=1e-6)
+    if sft:
+        assert padded[0]["loss"] > math.log(2) + 0.1
+    else:
+        assert padded[0]["loss"] == pytest.approx(math.log(2), abs=1e-6)
     assert {"rewards/chosen", "rewards/rejected", "rewards/accuracies", "logps/chosen"} <= padded[0].keys()
 
 

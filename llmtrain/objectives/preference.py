@@ -61,10 +61,15 @@ def pairs_loss(cfg, logps: torch.Tensor, tokens: torch.Tensor, ref_chosen: torch
                ref_rejected: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
     """The summed preference loss (the preference: section's) of the pairs whose sequences' summed answer
     log-probabilities and trained tokens are `logps` and `tokens` (chosen, rejected, chosen, ...), and its
-    statistics (STATS, summed over the pairs)."""
+    statistics (STATS, summed over the pairs). With preference.sft_weight, each pair's loss adds the weight times
+    its chosen answer's mean negative log-likelihood per token: a mean over pairs, as the rest of the loss, so
+    accumulation and packing leave it unchanged (TRL's loss_type [sigmoid, sft] takes the micro-batch's mean over
+    its chosen tokens instead: the same where the chosen answers are equally long)."""
     losses, chosen_rewards, rejected_rewards = pair_losses(
         cfg.loss, logps[0::2], logps[1::2], ref_chosen, ref_rejected, tokens[0::2], tokens[1::2],
         beta=cfg.beta, gamma=cfg.simpo_gamma)
+    if cfg.sft_weight:  # RPO: each pair's chosen answer's negative log-likelihood per token
+        losses = losses + cfg.sft_weight * -logps[0::2] / tokens[0::2]
     with torch.no_grad():
         stats = torch.stack([chosen_rewards.sum(), rejected_rewards.sum(),
                              (chosen_rewards > rejected_rewards).float().sum(),
