@@ -132,11 +132,12 @@ def check_launch_settings(launch: dict) -> list[Check]:
 
 
 def check_batch(recipe: Recipe, launch: dict) -> list[Check]:
+    from llmtrain import capabilities
     from llmtrain.layout import Layout
 
     t, layout = recipe.train, Layout.from_launch(launch, recipe)
     procs = layout.data_ranks
-    unit = "tokens" if t.micro_batch_tokens else "prompts" if recipe.rl is not None else "examples"
+    unit = "tokens" if t.micro_batch_tokens else capabilities.MODES[capabilities.mode_of(recipe)].unit
     per = t.micro_batch_tokens or t.micro_batch_size
     ranks = ("process" if procs == 1 else "processes") if not layout.splits_the_model else \
         "data-parallel rank" + "s" * (procs != 1)

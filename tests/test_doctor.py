@@ -326,6 +326,16 @@ def test_an_rl_recipes_global_batch_counts_prompts_and_their_completions():
     assert "x 8 prompts (train.micro_batch_size)" in detail
 
 
+@pytest.mark.parametrize("name, unit", [("tiny-dpo.yaml", "pairs"), ("tiny-reward.yaml", "pairs"),
+                                        ("tiny-kto.yaml", "examples"), ("tiny-distill.yaml", "prompts")])
+def test_the_global_batch_counts_what_the_modes_micro_batch_holds(name, unit):
+    """A DPO recipe's global batch had said "2 examples" of what are pairs (2 pairs: 4 sequences): the unit is the
+    capability table's, as finetune's start-up line says it."""
+    recipe = load_recipe(REPO / "recipes" / name)
+    per = recipe.train.micro_batch_size
+    assert rows(check_batch(recipe, {}))["global batch"][1].startswith(f"1 process x {per} {unit} ")
+
+
 def test_one_is_singular_and_the_chat_templates_trained_tokens_are_explained(tmp_path, tiny_tok):
     """doctor said "1 processes", "1 warm-up steps" and "the reply trains as '4</s>'" (issue 53)."""
     from llmtrain.data.checks import check_chat_template, check_warmup

@@ -171,7 +171,7 @@ def prepare_data(recipe: Recipe, accelerator, *, say) -> Data:
         procs = f"{ranks} ({accelerator.num_processes} processes, {pp} pipeline stages each)"
     else:
         procs = f"{accelerator.num_processes} processes" + (f" ({mesh})" if mesh else "")
-    unit = {"preference": "pairs", "prompt": "prompts"}.get(recipe.data.format, "examples")
+    unit = capabilities.MODES[capabilities.mode_of(recipe)].unit  # what a row and train.micro_batch_size count
     evals = f"eval: {stats['eval'].examples if 'eval' in stats else 0} {unit}"
     sampling = recipe.rl or recipe.distill  # what samples completions: rl.sampler / distill.sampler
     if sampling is not None:
