@@ -171,7 +171,11 @@ class ModelConfig(Section):
 
 class LoraConfig(Section):
     r: int = Field(16, gt=0, description="LoRA rank.")
-    alpha: float = Field(32.0, gt=0, description="LoRA scaling numerator (scale = alpha / r).")
+    alpha: float = Field(32.0, gt=0, description="LoRA scaling numerator (scale = alpha / r; alpha / sqrt(r) with "
+                         "lora.rslora).")
+    rslora: bool = Field(False, description="Rank-stabilised LoRA (Kalajdzievski 2023; peft's use_rslora): the "
+                         "adapter's scale is alpha / sqrt(r) instead of alpha / r, so that a higher rank does not "
+                         "learn more slowly at the same alpha and lr.")
     dropout: float = Field(0.05, ge=0.0, lt=1.0, description="Dropout on the LoRA input.")
     target_modules: str | list[str] = Field(
         "all-linear", description="Module names to adapt, or 'all-linear' for every linear layer but the LM head."

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers import cli, load_weights, run_train, write_recipe
+from helpers import cli, load_weights, records, run_train, write_recipe
 
 from llmtrain.errors import LLMTrainError
 from llmtrain.run.export import export_merged
@@ -99,6 +99,29 @@ def test_lora_final_is_an_adapter_equal_to_its_merged_export(lora_run, tiny_asse
     from transformers import AutoTokenizer
 
     assert AutoTokenizer.from_pretrained(str(merged_dir))(TEXT)["input_ids"] == tokenizer(TEXT)["input_ids"]
+
+
+def test_an_rslora_run_scales_by_alpha_over_root_r_and_exports_so(tiny_assets, tokenizer, tmp_path):
+    """lora.rslora (peft's use_rslora): the lora_run's settings (r 4, alpha 8) at scale 8 / sqrt(4) = 4 instead of
+    8 / 4 = 2. The first step is the base model's either way (B starts at 0), the later ones differ; the adapter
+    says use_rslora, so peft loads it at the same scale, and the merged export equals it."""
+    from peft import PeftModel
+
+    run = tmp_path / "run"
+    run_train(write_recipe(tiny_assets, tmp_path, train={"max_steps": 4, "lr": 1e-2}, checkpoint={"every_steps": 4},
+                           lora={"r": 4, "alpha": 8, "dropout": 0.1, "rslora": True}), "logging.every_steps=1")
+    ours = [r["loss"] for r in records(run)]
+    (plain := tmp_path / "plain").mkdir()
+    run_train(write_recipe(tiny_assets, plain, train={"max_steps": 4, "lr": 1e-2},
+                           lora={"r": 4, "alpha": 8, "dropout": 0.1}), "logging.every_steps=1")
+    theirs = [r["loss"] for r in records(plain / "run")]
+    assert ours[0] == pytest.approx(theirs[0], abs=1e-6) and abs(ours[-1] - theirs[-1]) > 1e-3
+    peft_model = PeftModel.from_pretrained(_load(tiny_assets / "model"), str(run / "final")).eval()
+    scales = {m.scaling["default"] for m in peft_model.modules() if isinstance(getattr(m, "scaling", None), dict)}
+    assert peft_model.peft_config["default"].use_rslora and scales == {4.0}
+    cli("export", str(run), "--merge")
+    torch.testing.assert_close(_logits(_load(run / "final-merged"), tokenizer), _logits(peft_model, tokenizer),
+                               atol=1e-5, rtol=1e-5)
 
 
 def test_merge_refuses_full_runs_and_existing_outputs(full_run, lora_run, tmp_path):

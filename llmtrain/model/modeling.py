@@ -476,6 +476,7 @@ def apply_lora(model, cfg: LoraConfig, *, task: str = "CAUSAL_LM"):
     config = peft.LoraConfig(
         r=cfg.r,
         lora_alpha=cfg.alpha,
+        use_rslora=cfg.rslora,
         lora_dropout=cfg.dropout,
         target_modules=cfg.target_modules,
         modules_to_save=list(cfg.modules_to_save) if cfg.modules_to_save else None,  # (peft extends its list)
