@@ -193,6 +193,13 @@ RULES: tuple[Rule, ...] = (
          "{key} samples with each process's split weights, and a merged generation copy (rl.merged_copy, "
          "distill.merged_copy) is made of whole ones. Set merged_copy: off (the adapters run unmerged beside the "
          "split layers)"),
+    Rule("fsdp", lambda r, _: r.train.optimizer == "adamw_8bit",
+         "train.optimizer=adamw_8bit under FSDP / HSDP: bitsandbytes' 8-bit AdamW updates plain tensors, and FSDP's "
+         "parameters are sharded DTensors. Set train.optimizer=adamw (FSDP already divides its state over the GPUs), "
+         "or launch one GPU or DDP"),
+    Rule("tp", lambda r, _: r.train.optimizer == "adamw_8bit",
+         "train.optimizer=adamw_8bit under {key}: bitsandbytes' 8-bit AdamW updates plain tensors, and tensor "
+         "parallelism's parameters are split DTensors. Set train.optimizer=adamw"),
     Rule("fsdp", _kto_reread,
          "kto: a full fine-tune's reference under FSDP is the starting weights read again from model.name_or_path "
          "and sharded like the policy, and model.random_init has none to read. Save the initial model first "

@@ -373,6 +373,13 @@ class TrainConfig(Section):
         0, ge=0, description="Linear warm-up to lr over this many steps: update k (1 to warmup_steps) takes lr x k / "
         "warmup_steps, so the first update is not spent at lr 0. Hugging Face's schedules (and TRL) give update k lr x "
         "(k - 1) / warmup_steps: under warm-up, a run compared with theirs is one step ahead of it until the peak.")
+    optimizer: Literal["adamw", "adamw_8bit"] = Field(
+        "adamw", description="adamw: torch's AdamW (fused on CUDA), its two moments in the parameters' dtype (8 "
+        "bytes a trainable parameter in fp32). adamw_8bit: bitsandbytes' AdamW8bit (Dettmers et al. 2022; HF "
+        "Trainer's adamw_bnb_8bit), both moments blockwise-quantised to 8 bits (about 2 bytes a parameter): "
+        "Mistral-7B's optimizer state 13.7 GiB instead of 54.0 (fp32 weights) or 27.0 (bf16). Needs bitsandbytes "
+        "(pip install 'llmtrain[qlora]'); one GPU, DDP, sequence and pipeline parallelism (FSDP's and tensor "
+        "parallelism's sharded parameters are refused).")
     weight_decay: float = Field(0.0, ge=0, description="AdamW decoupled weight decay (not applied to norms/biases).")
     betas: tuple[float, float] = Field((0.9, 0.999), description="AdamW betas.")
     eps: float = Field(1e-8, gt=0, description="AdamW epsilon.")

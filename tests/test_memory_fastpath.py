@@ -233,11 +233,14 @@ def test_cli_token_budget_and_chunk():
     assert out["largest"]["logits"]["phase"] == "backward_loss"
 
 
-def test_cli_has_no_optimizer_the_trainer_cannot_run():
+def test_cli_offers_only_the_optimizers_the_trainer_runs():
     res = estimate_memory("--model", "mistral-7b", "--optimizer", "sgd", check=False)
     assert res.returncode == 2 and "--optimizer" in res.stderr
     out = json.loads(estimate_memory("--model", "mistral-7b", "--json").stdout)
-    assert "optimizer" not in out["spec"]
+    assert out["spec"]["optimizer"] == "adamw"
+    eight = json.loads(estimate_memory("--model", "mistral-7b", "--optimizer", "adamw_8bit", "--json").stdout)
+    assert eight["spec"]["optimizer"] == "adamw_8bit"  # fp32 weights: 8 bytes a parameter against 2.03
+    assert eight["breakdown"]["optimizer"] / out["breakdown"]["optimizer"] == pytest.approx(2 * (1 + 4 / 256) / 8)
 
 
 def test_cli_lora_defaults_to_a_bf16_base_and_says_so():

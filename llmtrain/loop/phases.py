@@ -363,7 +363,8 @@ def build_model(recipe: Recipe, accelerator, *, total_steps: int, say, pad: int 
     laid = parallelize(model, recipe, accelerator, pad_id=pad, say=say,
                        head_loss=head_loss_for(recipe, model=model, reduce=partial(device_sum, accelerator)),
                        make_optimizer=partial(build_optimizer, lr=tc.lr, weight_decay=tc.weight_decay,
-                                              betas=tc.betas, eps=tc.eps, fused=use_fused_adamw(accelerator)))
+                                              betas=tc.betas, eps=tc.eps, fused=use_fused_adamw(accelerator),
+                                              kind=tc.optimizer))
     model, optimizer, stages = laid.model, laid.optimizer, laid.pipeline
     # on the torch optimizer itself, not Accelerate's wrapper of it
     scheduler = build_scheduler(getattr(optimizer, "optimizer", optimizer), tc, total_steps=total_steps)

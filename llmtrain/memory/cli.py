@@ -25,7 +25,7 @@ RUN_OPTIONS = {
     "grad_checkpointing": "model.gradient_checkpointing", "dtype": "model.dtype",
     "mixed_precision": "train.mixed_precision", "attn": "model.attn_implementation", "quantize": "model.quantize",
     "activation_offload": "model.activation_offload", "tiled_mlp": "model.tiled_mlp",
-    "sequence_parallel": "parallel.sequence_parallel",
+    "sequence_parallel": "parallel.sequence_parallel", "optimizer": "train.optimizer",
 }
 # The options whose TrainSpec field is named after its recipe key, not after the (shorter) option.
 SPEC_FIELDS = {"grad_accum": "grad_accum_steps", "grad_checkpointing": "gradient_checkpointing",
@@ -77,6 +77,8 @@ def estimate_memory(
         "(model.activation_offload; needs --grad-checkpointing).")] = None,
     tiled_mlp: Annotated[Optional[bool], typer.Option(
         "--tiled-mlp/--no-tiled-mlp", help="The MLP over shards of hidden-size tokens (model.tiled_mlp=true).")] = None,
+    optimizer: Annotated[Optional[Literal["adamw", "adamw_8bit"]], typer.Option(
+        help="train.optimizer: AdamW's two moments in the parameters' dtype, or 8-bit (bitsandbytes).")] = None,
     dtype: Annotated[Optional[Literal["float32", "bfloat16", "float16"]], typer.Option(
         help="Storage dtype of the weights (default: float32, and bfloat16 for a LoRA base).")] = None,
     mixed_precision: Annotated[Optional[Literal["no", "bf16", "fp16"]], typer.Option(
@@ -139,7 +141,8 @@ def estimate_memory(
                                  packing=packing, loss_chunk_tokens=loss_chunk_tokens,
                                  grad_checkpointing=grad_checkpointing, dtype=dtype, mixed_precision=mixed_precision,
                                  attn=attn, quantize=quantize, activation_offload=activation_offload,
-                                 tiled_mlp=tiled_mlp, sequence_parallel=sequence_parallel).items() if v is not None}
+                                 tiled_mlp=tiled_mlp, sequence_parallel=sequence_parallel,
+                                 optimizer=optimizer).items() if v is not None}
     if recipe is not None and accelerate_config is None and not (strategy or num_gpus or num_nodes):
         accelerate_config = launch_from_header(recipe, say=not as_json)
     layout, launch_mp = _layout(accelerate_config, strategy=strategy, num_gpus=num_gpus, num_nodes=num_nodes,

@@ -33,7 +33,7 @@ from llmtrain.memory.comms import (
 from llmtrain.memory.estimate import _backward_layers, _finish, _loss_phases, _notes, _phase, estimate, make_pass
 from llmtrain.memory.params import LoraPlan, ModelShape, run_lora_plan
 from llmtrain.memory.spec import DTYPE_BYTES, GIB, Estimate, TrainSpec
-from llmtrain.memory.states import States, accumulated_grads, states
+from llmtrain.memory.states import States, accumulated_grads, optimizer_bytes, states
 from llmtrain.parallel.pipeline.split import bubble_fraction, in_flight, interleaved_rounds, rank_stages, stage_layers
 
 
@@ -181,7 +181,8 @@ def stage_states(shape: ModelShape, spec: TrainSpec, stage: Stage) -> States:
     shard = spec.shards
     return States(weights=total // shard, grads=total // shard, grads_head=head // shard,
                   grads_layer=tuple(own.layer(i).params_per_layer * master // shard for i in range(own.layers)),
-                  optimizer=2 * total // shard, ddp_buckets=total if spec.strategy == "ddp" else 0, host_offload=0)
+                  optimizer=optimizer_bytes(total, spec.optimizer, param_bytes=master) // shard,
+                  ddp_buckets=total if spec.strategy == "ddp" else 0, host_offload=0)
 
 
 def stage_estimate(shape: ModelShape, spec: TrainSpec, stage: Stage) -> Estimate:

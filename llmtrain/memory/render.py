@@ -67,7 +67,8 @@ def describe(spec: TrainSpec) -> str:
         batch += (f", split over sequence groups of {spec.sequence_parallel} GPUs ({spec.gpu_tokens:,} tokens a GPU; "
                   f"{spec.data_ranks} data-parallel rank{'s' if spec.data_ranks > 1 else ''})")
     return (f"{method}, {strategy} on {where}{off}; {batch}; {weights}, {mp}; {ckpt}; "
-            f"{attn} attention; loss chunks of {spec.loss_chunk_tokens} tokens; AdamW")
+            f"{attn} attention; loss chunks of {spec.loss_chunk_tokens} tokens; "
+            f"{'8-bit AdamW (bitsandbytes)' if spec.optimizer == 'adamw_8bit' else 'AdamW'}")
 
 
 def render_estimate(est: Estimate, advice: str, *, traffic: Traffic | None = None, launch_mp: str | None = None,
@@ -91,7 +92,9 @@ def render_estimate(est: Estimate, advice: str, *, traffic: Traffic | None = Non
         most, phase = (overhead, est.peak_phase) if name == "overhead" else largest.get(name, (0, est.peak_phase))
         if at_peak or most or name in COMPONENTS[:6]:
             where = f" (largest at {phase.replace('_', ' ')})" if most > at_peak else ""
-            table.add_row(name, gib(at_peak), gib(most), WHAT[name].format(shard=shard) + where)
+            what = WHAT[name].format(shard=shard)
+            table.add_row(name, gib(at_peak), gib(most),
+                          ("8-bit " + what if name == "optimizer" and spec.optimizer == "adamw_8bit" else what) + where)
     table.add_section()
     table.add_row("[bold]total per GPU[/]", f"[bold]{gib(est.per_gpu_peak_bytes)}[/]", "", f"at the {peak} phase")
     console.print(f"{describe(spec)}")

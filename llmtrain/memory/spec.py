@@ -77,6 +77,7 @@ class TrainSpec:
     seq_len: int = _default(DataConfig, "max_seq_len")
     packing: bool = _default(DataConfig, "packing")
     loss_chunk_tokens: int = _default(TrainConfig, "loss_chunk_tokens")
+    optimizer: str = _default(TrainConfig, "optimizer")  # adamw, or adamw_8bit (bitsandbytes' 8-bit moments)
     eval_micro_batch: int | None = None  # None: no evaluation during training
     eval_micro_batch_tokens: int | None = None  # eval micro-batches by token budget (train's, no eval_batch_size)
     strategy: Strategy = "single"
@@ -361,7 +362,7 @@ def spec_from_recipe(recipe: Recipe, *, strategy: Strategy = "single", num_gpus:
         micro_batch_tokens=t.micro_batch_tokens,
         grad_accum_steps=t.grad_accum_steps, fsdp_accumulate=t.fsdp_accumulate,
         seq_len=rl["prompt_tokens"] + rl["max_completion_tokens"] if rl else d.max_seq_len, packing=d.packing,
-        loss_chunk_tokens=t.loss_chunk_tokens,
+        loss_chunk_tokens=t.loss_chunk_tokens, optimizer=t.optimizer,
         # evaluate() batches by the train budget unless eval_batch_size is set
         eval_micro_batch=(t.eval_batch_size or t.micro_batch_size) * per_example if evaluates else None,
         eval_micro_batch_tokens=t.micro_batch_tokens if (evaluates and t.eval_batch_size is None) else None,

@@ -27,10 +27,18 @@ class States:
     host_offload: int  # bytes moved to host RAM by cpu offload (whole node, see host_ram)
 
 
-def optimizer_bytes(trainable_bytes: int) -> int:
-    """AdamW, the trainer's only optimizer, keeps exp_avg and exp_avg_sq in the parameter's dtype (8 bytes
-    a parameter in fp32). The fused AdamW llmtrain uses on CUDA updates in place, so the step adds no
-    temporaries of parameter size."""
+# bitsandbytes' 8-bit AdamW: each moment one byte a parameter, and one fp32 absmax per block of 256 of them
+ADAMW_8BIT_BYTES_PER_PARAM = 2 * (1 + 4 / 256)
+
+
+def optimizer_bytes(trainable_bytes: int, optimizer: str = "adamw", *, param_bytes: int = 4) -> int:
+    """The state of train.optimizer for trainable parameters of `param_bytes` bytes each, `trainable_bytes` in all.
+    adamw keeps exp_avg and exp_avg_sq in the parameter's dtype (8 bytes a parameter in fp32); the fused AdamW
+    llmtrain uses on CUDA updates in place, so the step adds no temporaries of parameter size. adamw_8bit keeps both
+    moments in 8 bits with their blocks' absmax, whatever the parameter's dtype (bitsandbytes keeps a tensor of fewer
+    than 4,096 elements in 32 bits: norms and biases of small models, not counted)."""
+    if optimizer == "adamw_8bit":
+        return round(trainable_bytes / param_bytes * ADAMW_8BIT_BYTES_PER_PARAM)
     return 2 * trainable_bytes
 
 
@@ -81,7 +89,11 @@ def states(shape: ModelShape, spec: TrainSpec, plan: LoraPlan | None, *, whole: 
     embed += shape.params_other * master if plan is None else plan.other_params * 4
     trainable_bytes = head + sum(layer) + embed
     shard = spec.shards
-    optim = optimizer_bytes(trainable_bytes)
+    # trained in full at `master` bytes a parameter (a full fine-tune; LoRA's saved copies), the adapters in fp32
+    whole_bytes = trainable_bytes if plan is None else copies.get("lm_head", 0) + (
+        copies.get("embed_tokens", 0) if not plan.tied_copies(shape) else 0)
+    optim = (optimizer_bytes(whole_bytes, spec.optimizer, param_bytes=master)
+             + optimizer_bytes(trainable_bytes - whole_bytes, spec.optimizer, param_bytes=4))
     weights = frozen_bytes + trainable_bytes
     reference = 0
     if spec.frozen_reference:  # KTO's frozen copy: whole, or under FSDP its decoder sharded and its head whole

@@ -572,15 +572,26 @@ def count_parameters(model) -> tuple[int, int]:
     return total, trainable
 
 
-def build_optimizer(model, *, lr: float, weight_decay: float, betas, eps: float, fused: bool):
-    """AdamW; no weight decay on biases and norm weights (every 1-D parameter)."""
+def build_optimizer(model, *, lr: float, weight_decay: float, betas, eps: float, fused: bool,
+                    kind: str = "adamw"):
+    """AdamW (train.optimizer: torch's, or bitsandbytes' 8-bit one); no weight decay on biases and norm weights
+    (every 1-D parameter)."""
     decay, no_decay = [], []
     for p in model.parameters():
         if p.requires_grad:
             (decay if p.ndim >= 2 else no_decay).append(p)
-    groups = [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
-    return torch.optim.AdamW([g for g in groups if g["params"]], lr=lr, betas=tuple(betas), eps=eps,
-                             fused=fused or None)
+    groups = [g for g in ({"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0})
+              if g["params"]]
+    if kind == "adamw_8bit":
+        import importlib.util
+
+        if importlib.util.find_spec("bitsandbytes") is None:
+            raise LLMTrainError("train.optimizer=adamw_8bit needs bitsandbytes: pip install 'llmtrain[qlora]', or set "
+                                "train.optimizer=adamw.")
+        import bitsandbytes as bnb
+
+        return bnb.optim.AdamW8bit(groups, lr=lr, betas=tuple(betas), eps=eps)
+    return torch.optim.AdamW(groups, lr=lr, betas=tuple(betas), eps=eps, fused=fused or None)
 
 
 def lr_factor(step: int, *, warmup: int, total: int, schedule: str, min_ratio: float) -> float:
