@@ -64,5 +64,6 @@ def test_weights_that_do_not_fit_are_told_to_offload_or_train_fewer():
     """A 1.5 GiB card: the micro-batch is small, the full fine-tune's state is 100 GiB."""
     said = advice("--seq-len", "128", "--gpu-memory", "1.5")
     assert "weights, gradients and optimizer state are 100.4 GiB per GPU: try FSDP with --cpu-offload, LoRA on a " \
-           "bfloat16 base (--method lora --dtype bfloat16)" in said
+           "bfloat16 base (--method lora --dtype bfloat16), 8-bit AdamW (train.optimizer=adamw_8bit / --optimizer " \
+           "adamw_8bit)" in said
     assert "what the micro-batch keeps" not in said and "--seq-len" not in said

@@ -95,3 +95,28 @@ def test_layouts_with_sharded_parameters_refuse_it_in_one_paragraph(tiny_assets,
     assert status == "fail" and f"train.optimizer=adamw_8bit {words}" in detail and "train.optimizer=adamw" in detail
     ddp = yaml.safe_load((REPO / "accelerate_configs" / "cpu_ddp.yaml").read_text())
     assert check_layout(recipe, ddp)[0][1] == "pass"
+
+
+def test_fit_proposes_no_layout_that_refuses_it(tmp_path):
+    """--fit for an 8-bit full fine-tune on 8 GPUs had proposed FSDP (launch then refused it): DDP only, and no
+    'FSDP on more GPUs' where nothing fits."""
+    from llmtrain.memory import fit as fitting
+    from llmtrain.memory.params import load_model_shape
+    from llmtrain.memory.spec import TrainSpec
+
+    shape = load_model_shape("mistral-7b")
+    spec = TrainSpec(method="full", dtype="bfloat16", mixed_precision="bf16", strategy="ddp", num_gpus=8,
+                     optimizer="adamw_8bit", gpu_memory_gib=80.0)
+    result = fitting.fit(shape, spec)
+    assert result.best is not None and {c.spec.strategy for c in result.candidates} == {"ddp"}
+    assert fitting.more_gpus(shape, spec.but(gpu_memory_gib=16.0)) is None
+    assert "fsdp" in {c.spec.strategy for c in fitting.fit(shape, spec.but(optimizer="adamw")).candidates}
+    from llmtrain.memory import estimate_run
+
+    tight = spec.but(gpu_memory_gib=16.0, dtype="float32")
+    text = fitting.recommendation(shape, estimate_run(shape, tight))
+    assert "refuses the 8-bit optimizer" in text and "FSDP (with --cpu-offload where it alone does not fit) and " \
+        "train.optimizer=adamw" in text and "nor FSDP on up to" not in text
+    one = tight.but(optimizer="adamw", strategy="single", num_gpus=1)  # AdamW on one card: 8-bit is one way down
+    assert "8-bit AdamW (train.optimizer=adamw_8bit / --optimizer adamw_8bit)" in fitting.overflow_advice(
+        estimate_run(shape, one))
