@@ -286,14 +286,15 @@ def test_a_pipelines_stages_count_as_one_data_rank(tiny_assets, tmp_path):
     assert "on 2 processes: pipeline parallelism (2 stages)" in launched["layout"][1], launched["layout"]
 
 
-def test_mesh_that_does_not_divide_the_processes_fails_with_an_example_that_fits():
+def test_mesh_that_does_not_divide_the_processes_fails_with_an_example_that_fits(tiny_assets):
     """A 2 x 3 HSDP mesh on the 4 processes of cpu_hsdp.yaml: finetune refuses it, and so does doctor now (it
-    passed), with flags that fit the launch; the shipped 2 x 2 passes."""
+    passed), with flags that fit the launch; the shipped 2 x 2 passes. (The tiny model's local config: a hub id such
+    as "x" had each passing layout ask the hub for it, 49 s of retries without a network.)"""
     import yaml
 
     from llmtrain.doctor import check_layout
 
-    recipe = load_recipe(REPO / "recipes" / "tiny.yaml", ["model.name_or_path=x"])
+    recipe = load_recipe(REPO / "recipes" / "tiny.yaml", [f"model.name_or_path={tiny_assets / 'model'}"])
     launch = yaml.safe_load((REPO / "accelerate_configs" / "cpu_hsdp.yaml").read_text())
     (name, status, detail), = check_layout(recipe, launch)
     assert (name, status) == ("layout", "pass") and detail == "supervised fine-tuning on 4 processes: FSDP / HSDP " \

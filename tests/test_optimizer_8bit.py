@@ -120,3 +120,17 @@ def test_fit_proposes_no_layout_that_refuses_it(tmp_path):
     one = tight.but(optimizer="adamw", strategy="single", num_gpus=1)  # AdamW on one card: 8-bit is one way down
     assert "8-bit AdamW (train.optimizer=adamw_8bit / --optimizer adamw_8bit)" in fitting.overflow_advice(
         estimate_run(shape, one))
+
+
+def test_without_bitsandbytes_it_is_refused_in_one_line(monkeypatch):
+    import importlib.util
+
+    from llmtrain.errors import LLMTrainError
+    from llmtrain.model.modeling import build_optimizer
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "bitsandbytes" else real(name, *a))
+    with pytest.raises(LLMTrainError, match=r"^train.optimizer=adamw_8bit needs bitsandbytes: pip install "
+                       r"'llmtrain\[qlora\]', or set train.optimizer=adamw.$"):
+        build_optimizer(torch.nn.Linear(2, 2), lr=1e-3, weight_decay=0.0, betas=(0.9, 0.999), eps=1e-8, fused=False,
+                        kind="adamw_8bit")

@@ -533,7 +533,7 @@ def test_an_idle_rank_under_fsdp_runs_the_reference_forward_too(tiny_assets, tmp
     two forwards (the reference's, adapter off, then the policy's), each gathering every layer from every rank, so the
     idle rank's stand-in (weight 0, the normal path) must run both (without it: gloo's "Received data size doesn't match expected size" at
     step 2, a hang on NCCL). Both steps equal one process's with micro-batches of 8."""
-    from helpers import REPO, launch_finetune, write_recipe
+    from helpers import launch_finetune, write_recipe
 
     data = write_jsonl(tmp_path / "pairs.jsonl", reversal_pairs(tiny_assets, 9))
     recipe = write_recipe(tiny_assets, tmp_path, data={"path": str(data), "format": "preference", "max_seq_len": 32},

@@ -354,10 +354,7 @@ def quantization_config(cfg: ModelConfig, compute_dtype: torch.dtype | None):
     The layers that stay unquantised (embeddings, LM head, norms) keep model.dtype: they are frozen under LoRA, so
     fp32 copies (peft's prepare_model_for_kbit_training) would buy no precision in an update and cost 2 bytes per
     parameter (0.54 GB on Mistral-7B); RMSNorm computes in fp32 internally either way."""
-    import importlib.util
-
-    if importlib.util.find_spec("bitsandbytes") is None:
-        raise LLMTrainError(f"model.quantize={cfg.quantize} needs bitsandbytes: pip install 'llmtrain[qlora]'.")
+    need_bitsandbytes(f"model.quantize={cfg.quantize}", "")
     from transformers import BitsAndBytesConfig
 
     return BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type=cfg.quantize, bnb_4bit_use_double_quant=True,
@@ -572,6 +569,14 @@ def count_parameters(model) -> tuple[int, int]:
     return total, trainable
 
 
+def need_bitsandbytes(setting: str, alternative: str) -> None:
+    """The one-line refusal of a setting that needs bitsandbytes where it is not installed."""
+    import importlib.util
+
+    if importlib.util.find_spec("bitsandbytes") is None:
+        raise LLMTrainError(f"{setting} needs bitsandbytes: pip install 'llmtrain[qlora]'{alternative}.")
+
+
 def build_optimizer(model, *, lr: float, weight_decay: float, betas, eps: float, fused: bool,
                     kind: str = "adamw"):
     """AdamW (train.optimizer: torch's, or bitsandbytes' 8-bit one); no weight decay on biases and norm weights
@@ -583,11 +588,7 @@ def build_optimizer(model, *, lr: float, weight_decay: float, betas, eps: float,
     groups = [g for g in ({"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0})
               if g["params"]]
     if kind == "adamw_8bit":
-        import importlib.util
-
-        if importlib.util.find_spec("bitsandbytes") is None:
-            raise LLMTrainError("train.optimizer=adamw_8bit needs bitsandbytes: pip install 'llmtrain[qlora]', or set "
-                                "train.optimizer=adamw.")
+        need_bitsandbytes("train.optimizer=adamw_8bit", ", or set train.optimizer=adamw")
         import bitsandbytes as bnb
 
         return bnb.optim.AdamW8bit(groups, lr=lr, betas=tuple(betas), eps=eps)
