@@ -129,7 +129,8 @@ def test_without_bitsandbytes_it_is_refused_in_one_line(monkeypatch):
     from llmtrain.model.modeling import build_optimizer
 
     real = importlib.util.find_spec
-    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "bitsandbytes" else real(name, *a))
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *a: None if name == "bitsandbytes" else real(name, *a))
     with pytest.raises(LLMTrainError, match=r"^train.optimizer=adamw_8bit needs bitsandbytes: pip install "
                        r"'llmtrain\[qlora\]', or set train.optimizer=adamw.$"):
         build_optimizer(torch.nn.Linear(2, 2), lr=1e-3, weight_decay=0.0, betas=(0.9, 0.999), eps=1e-8, fused=False,
