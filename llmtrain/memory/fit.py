@@ -101,8 +101,14 @@ def network_per_token(c: Candidate) -> float:
     return c.traffic.network_s / (c.spec.gpu_tokens * c.spec.grad_accum_steps)
 
 
+def shardable(spec: TrainSpec) -> bool:
+    """Whether FSDP may hold the run: its sharded parameters refuse bitsandbytes' 8-bit AdamW (capabilities.RULES),
+    so --fit proposes no FSDP, HSDP, offload or FSDP inside pipeline stages for it."""
+    return spec.optimizer != "adamw_8bit"
+
+
 def strategies_for(spec: TrainSpec) -> tuple[str, ...]:
-    if spec.optimizer == "adamw_8bit":  # FSDP's sharded parameters refuse it (capabilities.RULES), offload is FSDP's
+    if not shardable(spec):  # offload is FSDP's
         return () if spec.cpu_offload else ("single",) if spec.world == 1 else ("ddp",)
     if spec.cpu_offload:
         return ("fsdp",)
@@ -211,8 +217,8 @@ def pipeline_candidates(shape: ModelShape, spec: TrainSpec, global_batch: int | 
     on 1/P of the data ranks) and fit, the one with the least step time per token (without a global batch to keep, the
     largest that fits, at P times the run's accumulation)."""
     out = []
-    if spec.method != "full" or spec.optimizer == "adamw_8bit":  # LoRA across nodes: DDP (or HSDP), whose traffic
-        return out  # is the adapters; FSDP inside the stages refuses the 8-bit optimizer
+    if spec.method != "full" or not shardable(spec):  # LoRA across nodes: DDP (or HSDP), whose traffic is the
+        return out  # adapters
     for p in (p for p in range(2, spec.num_nodes + 1) if spec.num_nodes % p == 0):
         for ckpt in (False, True):
             run = spec.but(strategy="fsdp", pipeline_parallel=p, gradient_checkpointing=ckpt, fsdp_accumulate="sharded")
@@ -239,7 +245,7 @@ def more_gpus(shape: ModelShape, spec: TrainSpec, *, global_batch: int | None = 
     """The search on the fewest GPUs beyond spec's with which something fits: FSDP shards weights, gradients
     and optimizer state, so its per-GPU share shrinks with the GPUs (activations do not). Within a node
     2, 4, ... GPUs, then whole nodes of spec.num_gpus (NODE_GPUS when one was given); None up to MAX_GPUS."""
-    if spec.optimizer == "adamw_8bit":  # more GPUs under DDP hold as much each: only FSDP's shards shrink
+    if not shardable(spec):  # more GPUs under DDP hold as much each: only FSDP's shards shrink
         return None
     per_node = spec.num_gpus if spec.num_gpus > 1 else NODE_GPUS
     sizes = [w for w in (2, 4) if w < per_node] + list(range(per_node, MAX_GPUS + 1, per_node))
@@ -290,7 +296,7 @@ def recommendation(shape: ModelShape, est: Estimate, *, global_batch: int | None
             return (f"{need}; no strategy, checkpointing or micro-batch fits {gpus}, but FSDP on {s.world} GPUs "
                     f"does ({more.best.estimate.per_gpu_peak_bytes / GIB:.1f} GiB per GPU): {launch_line(more)} "
                     f"with {' '.join(more.overrides)} (see --fit)")
-        nor = (f", nor FSDP on up to {MAX_GPUS} GPUs" if est.spec.optimizer != "adamw_8bit" else
+        nor = (f", nor FSDP on up to {MAX_GPUS} GPUs" if shardable(est.spec) else
                " (FSDP, whose shards shrink with more GPUs, refuses the 8-bit optimizer)")
         return f"{need}; nothing fits {gpus}{nor}: {overflow_advice(est)}"
     return f"{need}; on {gpus} use {launch_line(result)} with {' '.join(result.overrides)} (see --fit)"
@@ -334,7 +340,7 @@ def overflow_advice(est: Estimate) -> str:
                       f"does not divide it: try {', '.join(fewer)}")
     if states > room or batch <= room and states > batch:
         smaller = [] if s.cpu_offload else ["FSDP with --cpu-offload"]  # (FSDP alone on up to MAX_GPUS did not do)
-        if s.optimizer == "adamw_8bit" and smaller:  # which refuses the 8-bit optimizer (capabilities.RULES)
+        if not shardable(s) and smaller:
             smaller = ["FSDP (with --cpu-offload where it alone does not fit) and train.optimizer=adamw"]
         smaller += ["LoRA on a bfloat16 base (--method lora --dtype bfloat16)"] if s.method == "full" else \
             [] if s.quantize else ["QLoRA (model.quantize=nf4 / --quantize nf4)"]

@@ -81,17 +81,17 @@ def states(shape: ModelShape, spec: TrainSpec, plan: LoraPlan | None, *, whole: 
         copies = {m: V * H * master for m in plan.saved_copies}
         head = copies.get("lm_head", 0) + (plan.r * (H + V) * 4 if plan.adapted_head else 0)
         layer = [plan.layer_params(k) * 4 for k in range(len(plan.adapted))]
-    embed = (V * H * master if plan is None and not shape.tied else 0) + (
-        V * H * master if plan is not None and "embed_tokens" in plan.saved_copies and not plan.tied_copies(shape)
-        else 0)
+    # LoRA's trained copy of the embeddings (model.new_tokens), counted once where the head's copy is the same tensor
+    embed_copy = V * H * master if plan is not None and "embed_tokens" in plan.saved_copies and \
+        not plan.tied_copies(shape) else 0
+    embed = (V * H * master if plan is None and not shape.tied else 0) + embed_copy
     # the weights outside the layers (Gemma 4's per-layer embeddings, made before the first layer, their gradients
     # last): trained in full, or their adapters
     embed += shape.params_other * master if plan is None else plan.other_params * 4
     trainable_bytes = head + sum(layer) + embed
     shard = spec.shards
     # trained in full at `master` bytes a parameter (a full fine-tune; LoRA's saved copies), the adapters in fp32
-    whole_bytes = trainable_bytes if plan is None else copies.get("lm_head", 0) + (
-        copies.get("embed_tokens", 0) if not plan.tied_copies(shape) else 0)
+    whole_bytes = trainable_bytes if plan is None else copies.get("lm_head", 0) + embed_copy
     optim = (optimizer_bytes(whole_bytes, spec.optimizer, param_bytes=master)
              + optimizer_bytes(trainable_bytes - whole_bytes, spec.optimizer, param_bytes=4))
     weights = frozen_bytes + trainable_bytes
