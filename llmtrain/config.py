@@ -177,6 +177,13 @@ class LoraConfig(Section):
                          "adapter's scale is alpha / sqrt(r) instead of alpha / r, so that a higher rank does not "
                          "learn more slowly at the same alpha and lr.")
     dropout: float = Field(0.05, ge=0.0, lt=1.0, description="Dropout on the LoRA input.")
+    lr_ratio: float | None = Field(
+        None, gt=0, allow_inf_nan=False, description="LoRA+ (Hayou et al. 2024): the B matrices (and every trained "
+        "1-D parameter) learn at train.lr x this ratio, the A matrices at train.lr, grouped as peft's "
+        "create_loraplus_optimizer groups them (axolotl's and LLaMA-Factory's loraplus_lr_ratio; the paper suggests "
+        "16, with train.lr about half plain LoRA's). None: one rate for all.")
+    lr_embedding: float = Field(1e-6, gt=0, allow_inf_nan=False, description="With lora.lr_ratio: the learning rate "
+                                "of LoRA's matrices on an embedding layer (peft's loraplus_lr_embedding).")
     target_modules: str | list[str] = Field(
         "all-linear", description="Module names to adapt, or 'all-linear' for every linear layer but the LM head."
     )
@@ -535,12 +542,18 @@ class LoggingConfig(Section):
         return self
 
 
+REFERENCE_FREE = ("simpo", "orpo")  # the preference losses with no reference model
+
+
 class PreferenceConfig(Section):
-    loss: Literal["dpo", "ipo", "simpo"] = Field(
+    loss: Literal["dpo", "ipo", "simpo", "orpo"] = Field(
         "dpo", description="dpo: the sigmoid loss of Rafailov et al. 2023; ipo: Azar et al. 2023, on per-token "
-        "log-ratios (as TRL); simpo: Meng et al. 2024, reference-free, on per-token log-probabilities.")
-    beta: float = Field(0.1, gt=0, description="Strength of the reference (dpo, ipo: the KL weight) or reward scale "
-                        "(simpo, where the paper uses about 2.0).")
+        "log-ratios (as TRL); simpo: Meng et al. 2024, reference-free, on per-token log-probabilities; orpo: Hong et "
+        "al. 2024, reference-free, the chosen answers' NLL plus beta x an odds-ratio loss (one stage from a base "
+        "model, no SFT before it).")
+    beta: float = Field(0.1, gt=0, description="Strength of the reference (dpo, ipo: the KL weight), reward scale "
+                        "(simpo, where the paper uses about 2.0) or the odds-ratio term's weight (orpo: the paper's "
+                        "lambda, 0.1 as TRL's default).")
     simpo_gamma: float = Field(0.5, ge=0, description="SimPO's target reward margin (gamma).")
     sft_weight: float = Field(0.0, ge=0, description="Weight of a negative log-likelihood term on the chosen "
                               "answers (RPO, Pang et al. 2024; Llama 3's DPO used 0.2): each pair adds weight x "
@@ -548,16 +561,21 @@ class PreferenceConfig(Section):
                               "the margin opens. 0: the loss alone.")
     reference: Literal["auto", "adapter", "precomputed", "none"] = Field(
         "auto", description="The reference model's log-probabilities. auto: adapter for LoRA, precomputed for a "
-        "full fine-tune, none for simpo. adapter: the same model with the LoRA adapter disabled (no second copy); "
-        "precomputed: one no-grad pass over the data with the initial weights before training, cached with the "
+        "full fine-tune, none for simpo and orpo. adapter: the same model with the LoRA adapter disabled (no second "
+        "copy); precomputed: one no-grad pass over the data with the initial weights before training, cached with the "
         "tokenised data.")
 
     @model_validator(mode="after")
     def _check_reference(self) -> PreferenceConfig:
-        if self.loss == "simpo" and self.reference not in ("auto", "none"):
-            raise ValueError(f"simpo is reference-free; leave preference.reference at auto (got {self.reference})")
-        if self.loss != "simpo" and self.reference == "none":
+        if self.loss in REFERENCE_FREE and self.reference not in ("auto", "none"):
+            raise ValueError(f"{self.loss} is reference-free; leave preference.reference at auto (got "
+                             f"{self.reference})")
+        if self.loss not in REFERENCE_FREE and self.reference == "none":
             raise ValueError(f"preference.loss={self.loss} needs a reference: use auto, adapter or precomputed")
+        if self.loss == "orpo" and self.sft_weight:
+            raise ValueError("orpo's loss holds the chosen answers' negative log-likelihood already (weight 1, beta "
+                             "weighs the odds-ratio term against it): leave preference.sft_weight at 0, or raise "
+                             "preference.beta to weigh the preference more")
         return self
 
 

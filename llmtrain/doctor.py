@@ -291,6 +291,22 @@ def check_quantize(recipe: Recipe, launch: dict | None = None) -> list[Check]:
              f"quantisation, stored as {recipe.model.dtype}")] + check_experts_quantized(recipe, launch)
 
 
+def check_optimizer(recipe: Recipe) -> list[Check]:
+    """train.optimizer=adamw_8bit: bitsandbytes is installed (its 8-bit AdamW runs on CUDA and on an x86 CPU)."""
+    import importlib.util
+
+    if recipe.train.optimizer != "adamw_8bit":
+        return []
+    if importlib.util.find_spec("bitsandbytes") is None:
+        return [("8-bit AdamW", "fail", "train.optimizer=adamw_8bit needs bitsandbytes, which is not installed: pip "
+                 "install 'llmtrain[qlora]', or set train.optimizer=adamw.")]
+    import bitsandbytes
+
+    return [("8-bit AdamW", "pass", f"bitsandbytes {bitsandbytes.__version__}: both moments of each tensor of 4,096 "
+             "elements or more in 8 bits with their block scales (about 2 bytes a trained parameter against fp32 "
+             "AdamW's 8)")]
+
+
 def check_experts_quantized(recipe: Recipe, launch: dict | None = None) -> list[Check]:
     """model.quantize on a mixture of experts: bitsandbytes quantizes linear layers, and transformers holds each
     layer's experts as 3-D parameters, which stay in model.dtype (the run says the same at start-up, from the loaded
@@ -418,7 +434,7 @@ def run_doctor(recipe: Recipe, *, accelerate_config: Path | None = None,
     datasets.disable_progress_bars()
     launch = read_launch(accelerate_config)
     checks: list[Check] = [("recipe", "pass", "validates (--show-recipe prints it resolved)"), *hub,
-                           *check_quantize(recipe, launch)]
+                           *check_quantize(recipe, launch), *check_optimizer(recipe)]
     try:
         tokenizer = load_tokenizer(recipe.model)
     except LLMTrainError as e:

@@ -391,6 +391,7 @@ def test_two_processes_of_one_sequence_sample_once_and_train_what_one_process_do
 
 
 @pytest.mark.slow
+@pytest.mark.extended  # the main tier: the idle FSDP rank's test below, and test_grpo_run's gather of the layers
 def test_two_fsdp_processes_gather_the_layers_to_sample_and_train_what_one_does(straight, tmp_path, free_port):
     """FSDP shards the student and the teacher alike (the teacher's LM head whole on each process); the rollout
     gathers the student's layers to sample: the same steps, losses and eval as one process."""

@@ -244,7 +244,7 @@ def test_a_lora_run_trains_the_new_rows_and_every_loader_grows_the_base(tiny_ass
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("layout", ["fsdp", "pp"])
+@pytest.mark.parametrize("layout", ["fsdp", pytest.param("pp", marks=pytest.mark.extended)])
 def test_new_tokens_under_fsdp_and_pipeline_stages_train_as_one_process(tiny_assets, tmp_path, free_port, layout):
     """FSDP's receiving processes grow an empty model (the main process's rows reach them); a pipeline's first stage
     holds the embeddings' copy and its last the head's. LoRA, 3 steps: the losses of one process."""

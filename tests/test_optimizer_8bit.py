@@ -123,11 +123,21 @@ def test_fit_proposes_no_layout_that_refuses_it(tmp_path):
 
 
 def test_without_bitsandbytes_it_is_refused_in_one_line(monkeypatch):
+    """finetune's refusal, and doctor's row (it had none: the recipe passed doctor, then finetune stopped)."""
     import importlib.util
 
+    from llmtrain.config import Recipe
+    from llmtrain.doctor import check_optimizer
     from llmtrain.errors import LLMTrainError
     from llmtrain.model.modeling import build_optimizer
 
+    recipe = Recipe.model_validate({"model": {"name_or_path": "m"}, "output_dir": "runs/m",
+                                    "data": {"path": "d.jsonl", "format": "prompt_completion"},
+                                    "train": {"optimizer": "adamw_8bit"}})
+    ((name, status, said),) = check_optimizer(recipe)
+    assert (name, status) == ("8-bit AdamW", "pass") and said.startswith("bitsandbytes 0.")
+    assert check_optimizer(recipe.model_copy(update={"train": recipe.train.model_copy(update={"optimizer": "adamw"})}
+                                             )) == []
     real = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec",
                         lambda name, *a: None if name == "bitsandbytes" else real(name, *a))
@@ -135,3 +145,6 @@ def test_without_bitsandbytes_it_is_refused_in_one_line(monkeypatch):
                        r"'llmtrain\[qlora\]', or set train.optimizer=adamw.$"):
         build_optimizer(torch.nn.Linear(2, 2), lr=1e-3, weight_decay=0.0, betas=(0.9, 0.999), eps=1e-8, fused=False,
                         kind="adamw_8bit")
+    assert check_optimizer(recipe) == [("8-bit AdamW", "fail", "train.optimizer=adamw_8bit needs bitsandbytes, which "
+                                        "is not installed: pip install 'llmtrain[qlora]', or set "
+                                        "train.optimizer=adamw.")]

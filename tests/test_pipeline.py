@@ -326,7 +326,7 @@ def test_a_reward_model_trains_and_evaluates_on_two_stages_as_on_one_process(fou
 @pytest.mark.slow
 # full (extended): the same last-stage loss and reference pass, the reference the starting weights instead of the
 # adapter disabled; main tier: LoRA
-@pytest.mark.parametrize("lora, reference", [(True, "auto"), (True, "adapter"),
+@pytest.mark.parametrize("lora, reference", [(True, "auto"), pytest.param(True, "adapter", marks=pytest.mark.extended),
                                              pytest.param(False, "auto", marks=pytest.mark.extended)],
                          ids=["lora", "lora-adapter", "full"])
 def test_preference_pairs_train_and_evaluate_on_two_stages_as_on_one_process(four_layers, tmp_path, free_port, lora,
@@ -473,6 +473,7 @@ def test_four_processes_two_stages_by_two_replicas_equal_one(four_layers, tmp_pa
 
 
 @pytest.mark.slow
+@pytest.mark.extended  # the main tier: test_qlora's FSDP processes, and these stages' other layouts here
 def test_qlora_stages_each_sharded_by_fsdp_train_as_one_process(four_layers, tmp_path, free_port):
     """QLoRA on 2 stages x 2 FSDP shards (4 processes; refused as untested before): each stage's 4-bit base is
     sharded over its replicas (FSDP2 on the packed bf16 storage, as test_qlora.py's FSDP run) and its adapters train

@@ -98,6 +98,36 @@ def test_losses_equal_values_worked_out_by_hand():
     assert (chosen.item(), rejected.item()) == pytest.approx((-4.0, -6.0))
 
 
+def test_orpo_is_the_chosen_nll_plus_beta_times_the_odds_ratio_loss():
+    """ORPO (Hong et al. 2024) from each answer's mean log-probability per token: probabilities e^-1 and e^-3, odds
+    p / (1 - p), the loss -(-1) - beta log sigmoid(log odds ratio), worked out by hand; no reference. An answer whose
+    every token has probability 1 (mean log-probability 0) gives a finite loss and gradient, not log 0's NaN."""
+    t = torch.tensor
+    pc, pr, nc, nr = t([-2.0]), t([-12.0]), t([2.0]), t([4.0])
+    loss, chosen, rejected = pair_losses("orpo", pc, pr, None, None, nc, nr, beta=0.25)
+    odds = lambda p: p / (1 - p)  # noqa: E731
+    ratio = math.log(odds(math.exp(-1)) / odds(math.exp(-3)))
+    assert loss.item() == pytest.approx(1 + 0.25 * math.log(1 + math.exp(-ratio)), abs=1e-6)
+    assert (chosen.item(), rejected.item()) == pytest.approx((-0.25, -0.75))
+    sure = t([0.0], requires_grad=True)
+    loss, _, _ = pair_losses("orpo", sure, pr, None, None, nc, nr, beta=0.25)
+    loss.backward()
+    assert math.isfinite(loss.item()) and math.isfinite(sure.grad.item())
+
+
+def test_orpo_is_reference_free_and_holds_its_nll_term_already():
+    from llmtrain.objectives.objective import reference_kind
+
+    assert PreferenceConfig(loss="orpo").reference == "auto"
+    recipe = type("R", (), {"preference": PreferenceConfig(loss="orpo"), "lora": None,
+                            "parallel": type("P", (), {"pipeline_parallel": 1})()})()
+    assert reference_kind(recipe) == "none"  # no reference pass, no second model, LoRA or full
+    with pytest.raises(ValueError, match="orpo is reference-free; leave preference.reference at auto"):
+        PreferenceConfig(loss="orpo", reference="precomputed")
+    with pytest.raises(ValueError, match="orpo's loss holds the chosen answers' negative log-likelihood already"):
+        PreferenceConfig(loss="orpo", sft_weight=0.2)
+
+
 # --------------------------------------------------------------------------- data
 
 
@@ -232,7 +262,7 @@ def test_lora_reference_is_the_policy_at_the_first_step_so_every_pair_costs_ln2(
     assert stats[:4].abs().max().item() == 0  # rewards, accuracy (0 > 0 is false) and margins are all zero
 
 
-@pytest.mark.parametrize("kind", ["dpo", "ipo", "simpo", "dpo+sft"])
+@pytest.mark.parametrize("kind", ["dpo", "ipo", "simpo", "orpo", "dpo+sft"])
 def test_the_last_pipeline_stages_loss_is_the_objectives_on_the_same_row(tiny_assets, tiny_tok, kind):
     """StagePairs (the last stage's loss on pipeline stages) from the row's final hidden states and its float targets
     (each trained token's id and sequence, each sequence's reference and tokens): the loss, statistics, eval sums and
@@ -244,7 +274,7 @@ def test_the_last_pipeline_stages_loss_is_the_objectives_on_the_same_row(tiny_as
 
     model, _, batch, counts = _objective_batch(tiny_assets, tiny_tok, packing=True)
     kind, _, sft = kind.partition("+")
-    reference = "none" if kind == "simpo" else "precomputed"
+    reference = "none" if kind in ("simpo", "orpo") else "precomputed"
     cfg = PreferenceConfig(loss=kind, beta=0.5, sft_weight=0.3 if sft else 0.0,
                            **({"reference": "precomputed"} if reference != "none" else {}))
     objective = Preference(cfg, pad_id=tiny_tok.pad_token_id, packing=True, reference=reference, model=model)
@@ -384,19 +414,88 @@ def test_loss_matches_trl_dpo_trainer(tiny_assets, tiny_tok, tmp_path, loss_type
         assert moe and all((mine[n].grad - p.grad).abs().max() < 1e-6 for n, p in moe)
 
 
+# Pairs with an empty prompt (TRL's ORPO gives them BOS alone, as llmtrain does) and chosen answers of one length: TRL's
+# NLL term, a micro-batch mean over every token of the chosen rows after the first, prompt included, is then llmtrain's,
+# the mean over pairs of each chosen answer's mean NLL per token (the paper's term and LLaMA-Factory's)
+PROMPTLESS = [
+    {"prompt": "", "chosen": "cba", "rejected": "abc"},
+    {"prompt": "", "chosen": "oll", "rejected": "hello"},
+    {"prompt": "", "chosen": "yxz", "rejected": "xyy"},
+    {"prompt": "", "chosen": "pot", "rejected": "spot"},
+]
+
+
+def test_orpo_matches_trl_orpo_trainer(tiny_assets, tiny_tok, tmp_path, fresh_accelerate_state):
+    """TRL's ORPOTrainer (trl.experimental.orpo, padded, its own tokenisation) against llmtrain's padding-free pairs
+    with preference.loss=orpo, on a perturbed tiny model. Where TRL's NLL term is the paper's (PROMPTLESS): the same
+    mean loss and every parameter's gradient to 1e-6. With prompts of their own and answers of unequal lengths (PAIRS):
+    the odds-ratio term (TRL's logged log_odds_ratio), the rewards and the accuracy are the same; the NLL terms differ
+    only as TRL counts the prompt's tokens too."""
+    pytest.importorskip("trl")
+    from datasets import Dataset
+    from transformers import AutoModelForCausalLM
+    from trl.experimental.orpo import ORPOConfig, ORPOTrainer
+
+    from llmtrain.model.loss import attach_loss
+
+    policy = AutoModelForCausalLM.from_pretrained(tiny_assets / "model", dtype=torch.float32,
+                                                  attn_implementation="eager")
+    g = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for p in policy.parameters():
+            p.add_(torch.randn(p.shape, generator=g) * 0.02)
+    ours = copy.deepcopy(policy)
+    attach_loss(ours, chunk=8)
+    cfg = DataConfig(path="x.jsonl", format="preference")
+    objective = Preference(PreferenceConfig(loss="orpo", beta=0.1), pad_id=tiny_tok.pad_token_id, packing=True,
+                           reference="none")
+    args = ORPOConfig(output_dir=str(tmp_path / "trl"), per_device_train_batch_size=4, report_to="none", beta=0.1,
+                      max_length=64, use_cpu=True, bf16=False, fp16=False)
+    for pairs in (PROMPTLESS, PAIRS):
+        trainer = ORPOTrainer(model=copy.deepcopy(policy), args=args, train_dataset=Dataset.from_list(pairs),
+                              processing_class=tiny_tok)
+        rows = [encode_pair(p, tiny_tok, cfg) for p in pairs]
+        for i, row in enumerate(rows):  # the same tokens and trained labels as TRL's
+            tr = trainer.train_dataset[i]
+            assert (row["chosen_ids"], row["chosen_labels"]) == (tr["chosen_input_ids"], tr["chosen_labels"])
+        theirs, metrics = trainer.get_batch_loss_metrics(trainer.model, trainer.data_collator(
+            [trainer.train_dataset[i] for i in range(len(pairs))]))
+        batch, _ = objective.collate(rows)
+        ours.zero_grad()
+        loss, stats = objective.loss(ours, batch)
+        with torch.no_grad():
+            logps = sequence_logps(ours, batch)
+        nll = (-logps[0::2] / batch["sequence_tokens"][0::2]).mean().item()
+        n = len(pairs)
+        odds_term = (loss.item() / n - nll) / -0.1  # the mean log sigmoid of the log odds ratio
+        assert odds_term == pytest.approx(metrics["log_odds_ratio"], rel=1e-5, abs=1e-6)
+        assert stats[0].item() / n == pytest.approx(metrics["rewards/chosen"], rel=1e-5)
+        assert stats[2].item() / n == metrics["rewards/accuracies"]
+        if pairs is PROMPTLESS:
+            assert metrics["nll_loss"] == pytest.approx(nll, rel=1e-6)
+            assert loss.item() / n == pytest.approx(theirs.item(), rel=1e-6, abs=1e-6)
+            theirs.backward()
+            (loss / n).backward()
+            mine = dict(ours.named_parameters())
+            assert max((mine[k].grad - p.grad).abs().max().item() for k, p in trainer.model.named_parameters()) < 1e-6
+        else:  # TRL's NLL counts the prompts' tokens too: higher here, where the prompts are harder to predict
+            assert metrics["nll_loss"] != pytest.approx(nll, rel=1e-3)
+
+
 # --------------------------------------------------------------------------- training
 
 
-@pytest.mark.parametrize("sft", [0.0, 0.5])
-def test_packed_and_padded_runs_and_accumulation_agree(pref_recipe, tmp_path, sft):
+@pytest.mark.parametrize("loss", ["dpo", "dpo+sft", "orpo"])
+def test_packed_and_padded_runs_and_accumulation_agree(pref_recipe, tmp_path, loss):
     """Full fine-tune, precomputed reference: varlen packed rows against eager padded rows, and micro-batch 8 against
     4 x accumulation 2: the same losses, and the same weights for the accumulation pair; with preference.sft_weight
-    too (its term a mean over pairs, not over a micro-batch's tokens)."""
-    term = f"preference.sft_weight={sft}"
-    run_train(pref_recipe, f"output_dir={tmp_path / 'padded'}", term)
-    run_train(pref_recipe, f"output_dir={tmp_path / 'packed'}", "model.attn_implementation=auto", term)
+    too (its term a mean over pairs, not over a micro-batch's tokens), and for ORPO (no reference pass at all)."""
+    kind, _, sft = loss.partition("+")
+    terms = [f"preference.loss={kind}", f"preference.sft_weight={0.5 if sft else 0}"]
+    summary = run_train(pref_recipe, f"output_dir={tmp_path / 'padded'}", *terms)
+    run_train(pref_recipe, f"output_dir={tmp_path / 'packed'}", "model.attn_implementation=auto", *terms)
     run_train(pref_recipe, f"output_dir={tmp_path / 'accum'}", "train.micro_batch_size=4", "train.grad_accum_steps=2",
-              term)
+              *terms)
     padded, packed, accum = (records(tmp_path / n) for n in ("padded", "packed", "accum"))
     assert [r["loss"] for r in packed] == pytest.approx([r["loss"] for r in padded], abs=1e-5)
     assert [r["loss"] for r in accum] == pytest.approx([r["loss"] for r in padded], abs=1e-5)
@@ -405,6 +504,12 @@ def test_packed_and_padded_runs_and_accumulation_agree(pref_recipe, tmp_path, sf
     # Adam scales each element by its own gradient history, so rounding in near-zero gradients moves some weights
     # by a visible fraction of lr=1e-3 (7e-5 measured); the losses and gradient norms above are the tight checks.
     assert max_abs_diff(load_weights(tmp_path / "accum" / "final"), load_weights(tmp_path / "padded" / "final")) < 2e-4
+    assert {"rewards/chosen", "rewards/rejected", "rewards/accuracies", "logps/chosen"} <= padded[0].keys()
+    assert (summary["setup_time_s"] == 0) is (kind == "orpo")  # the time of the reference pass
+    if kind == "orpo":  # no reference pass; the loss falls as SFT's would (its NLL term)
+        assert padded[-1]["loss"] < padded[0]["loss"] - 0.5
+        assert padded[-1]["logps/chosen"] > padded[0]["logps/chosen"]
+        return
     # the first step's policy is the reference: DPO's loss ln 2 (the sft term on top: its value by hand and against
     # TRL's above), its rewards 0
     assert padded[0]["rewards/margins"] == pytest.approx(0.0, abs=1e-6)
@@ -412,7 +517,6 @@ def test_packed_and_padded_runs_and_accumulation_agree(pref_recipe, tmp_path, sf
         assert padded[0]["loss"] > math.log(2) + 0.1
     else:
         assert padded[0]["loss"] == pytest.approx(math.log(2), abs=1e-6)
-    assert {"rewards/chosen", "rewards/rejected", "rewards/accuracies", "logps/chosen"} <= padded[0].keys()
 
 
 def test_resume_finds_the_reference_again_and_ends_as_the_uninterrupted_run(pref_recipe, tmp_path, monkeypatch):

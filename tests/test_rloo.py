@@ -324,6 +324,7 @@ def test_normalized_advantages_over_two_processes_equal_one(tiny_assets, tmp_pat
 
 
 @pytest.mark.slow
+@pytest.mark.extended  # the main tier: test_grpo_run's KL anchor under FSDP, the same sampling and gathers
 def test_two_fsdp_processes_with_the_kl_in_the_reward_train_what_one_does(tiny_assets, tmp_path, free_port):
     """LoRA with TRL's beta 0.05: the rollout's no-grad policy and reference forwards run while FSDP holds the whole
     model gathered (no collective per pass); 2 FSDP processes give one process's completions, k1 KLs, advantages

@@ -250,13 +250,8 @@ def test_two_process_launch_locks_on_the_main_process_only(tiny_assets, tmp_path
         assert {"random_states_0.pkl", "random_states_1.pkl"} <= set(json.loads((ckpt / MANIFEST).read_text())["files"])
 
 
-@pytest.mark.slow
-def test_a_runs_saved_recipe_resumes_it_from_any_directory(tiny_assets, tmp_path, free_port):
-    """`llmtrain finetune runs/x/recipe.yaml --resume auto`, the command a stopped run prints, run from another
-    directory (a job script's): the recipe's relative output_dir and model are from where the run was started, and
-    had been read from here: "no complete checkpoint in runs/x; starting from step 0", a new run begun in ./runs/x.
-    Now the process works where the run was started, said in one line; `llmtrain launch` too (its relative
-    --config_file and --resume read from here first). A copy of the recipe elsewhere is any recipe: from here."""
+def _saved_run(tiny_assets, tmp_path):
+    """A 2-step run started in tmp_path/work (its relative model and output_dir), and an empty folder elsewhere."""
     import shutil
 
     work, elsewhere = tmp_path / "work", tmp_path / "elsewhere"
@@ -264,34 +259,57 @@ def test_a_runs_saved_recipe_resumes_it_from_any_directory(tiny_assets, tmp_path
     shutil.copytree(tiny_assets / "model", work / "base")
     recipe = write_recipe(tiny_assets, work, model={"name_or_path": "base"}, train={"max_steps": 2},
                           checkpoint={"every_steps": 1, "keep_last": 1}, output_dir="runs/x")
+    assert _llmtrain(work, "finetune", str(recipe)).returncode == 0
+    return work, elsewhere
 
-    def llmtrain(where, *args):
-        return subprocess.run([*LLMTRAIN, *args], env=ENV, cwd=where, capture_output=True, text=True, timeout=300)
 
-    assert llmtrain(work, "finetune", str(recipe)).returncode == 0
+def _llmtrain(where, *args):
+    return subprocess.run([*LLMTRAIN, *args], env=ENV, cwd=where, capture_output=True, text=True, timeout=300)
+
+
+@pytest.mark.slow
+def test_a_runs_saved_recipe_resumes_it_from_any_directory(tiny_assets, tmp_path):
+    """`llmtrain finetune runs/x/recipe.yaml --resume auto`, the command a stopped run prints, run from another
+    directory (a job script's): the recipe's relative output_dir and model are from where the run was started, and
+    had been read from here: "no complete checkpoint in runs/x; starting from step 0", a new run begun in ./runs/x.
+    Now the process works where the run was started, said in one line (`llmtrain launch` too: the test below). A copy
+    of the recipe elsewhere is any recipe: from here."""
+    import shutil
+
+    work, elsewhere = _saved_run(tiny_assets, tmp_path)
     saved = work / "runs" / "x" / "recipe.yaml"
-    proc = llmtrain(elsewhere, "finetune", "../work/runs/x/recipe.yaml", "--resume", "auto",
-                    "--allow-recipe-change", "train.max_steps=3")
+    proc = _llmtrain(elsewhere, "finetune", "../work/runs/x/recipe.yaml", "--resume", "auto",
+                     "--allow-recipe-change", "train.max_steps=3")
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert f"{saved} is its run's saved recipe: its relative paths are from {work}, where the run was started" in \
         " ".join(proc.stderr.split())
     assert [r["step"] for r in records(work / "runs" / "x")] == [1, 2, 3] and not (elsewhere / "runs").exists()
-    # under llmtrain launch, with a relative config file and checkpoint: 2 processes resume step 3's checkpoint
-    shutil.copy(CPU_DDP, elsewhere / "ddp.yaml")
-    args = ["launch", "--config_file", "ddp.yaml", "--main_process_port", str(free_port), "../work/runs/x/recipe.yaml",
-            "--resume", "../work/runs/x/checkpoints/step_000003", "--allow-recipe-change", "train.max_steps=4"]
-    proc = llmtrain(elsewhere, *args)  # 2 x 4 examples a micro-batch against the checkpoint's 4: said once, not twice
-    assert proc.returncode == 2 and proc.stderr.count("the checkpoint was written with micro_batch_size x processes "
-                                                      "= 4, this run has 4 x 2 = 8") == 1, proc.stderr[-3000:]
-    proc = llmtrain(elsewhere, *args, "train.micro_batch_size=2")
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    assert [r["step"] for r in records(work / "runs" / "x")] == [1, 2, 3, 4] and not (elsewhere / "runs").exists()
     # a copy of the saved recipe in another directory is read from there, as any recipe (its first line aside)
     shutil.copy(saved, elsewhere / "mine.yaml")
     shutil.copytree(tiny_assets / "model", elsewhere / "base")
-    proc = llmtrain(elsewhere, "finetune", "mine.yaml", "train.max_steps=1")
+    proc = _llmtrain(elsewhere, "finetune", "mine.yaml", "train.max_steps=1")
     assert proc.returncode == 0 and "saved recipe" not in proc.stderr, proc.stderr[-3000:]
     assert [r["step"] for r in records(elsewhere / "runs" / "x")] == [1]
+
+
+@pytest.mark.slow
+@pytest.mark.extended  # the main tier: the one-process resume above, and test_launch's checks before the launch
+def test_llmtrain_launch_resumes_a_saved_recipe_from_any_directory(tiny_assets, tmp_path, free_port):
+    """`llmtrain launch` of a run's saved recipe from another directory: its relative --config_file and --resume are
+    read from here first; 2 processes resume the step-2 checkpoint. A micro-batch check that every process would
+    fail alike is said once, not twice."""
+    import shutil
+
+    work, elsewhere = _saved_run(tiny_assets, tmp_path)
+    shutil.copy(CPU_DDP, elsewhere / "ddp.yaml")
+    args = ["launch", "--config_file", "ddp.yaml", "--main_process_port", str(free_port), "../work/runs/x/recipe.yaml",
+            "--resume", "../work/runs/x/checkpoints/step_000002", "--allow-recipe-change", "train.max_steps=3"]
+    proc = _llmtrain(elsewhere, *args)  # 2 x 4 examples a micro-batch against the checkpoint's 4: said once, not twice
+    assert proc.returncode == 2 and proc.stderr.count("the checkpoint was written with micro_batch_size x processes "
+                                                      "= 4, this run has 4 x 2 = 8") == 1, proc.stderr[-3000:]
+    proc = _llmtrain(elsewhere, *args, "train.micro_batch_size=2")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert [r["step"] for r in records(work / "runs" / "x")] == [1, 2, 3] and not (elsewhere / "runs").exists()
 
 
 @pytest.mark.slow

@@ -354,6 +354,8 @@ def build_model(recipe: Recipe, accelerator, *, total_steps: int, say, pad: int 
         + memory_line(recipe.model, model.config, accelerator.device.type)
         + ("; train.deterministic: strict deterministic kernels (flash attention's deterministic backward, "
            "cuBLAS workspace " + os.environ.get("CUBLAS_WORKSPACE_CONFIG", "?") + ")" if tc.deterministic else ""))
+    lora = recipe.lora
+    lora_plus = {} if lora is None else {"lora_lr_ratio": lora.lr_ratio, "lora_lr_embedding": lora.lr_embedding}
     whole = None
     if recipe.parallel.pipeline_parallel > 1:
         # the whole model's names, before this process drops the stages it does not hold: what a checkpoint's stage
@@ -364,7 +366,7 @@ def build_model(recipe: Recipe, accelerator, *, total_steps: int, say, pad: int 
                        head_loss=head_loss_for(recipe, model=model, reduce=partial(device_sum, accelerator)),
                        make_optimizer=partial(build_optimizer, lr=tc.lr, weight_decay=tc.weight_decay,
                                               betas=tc.betas, eps=tc.eps, fused=use_fused_adamw(accelerator),
-                                              kind=tc.optimizer))
+                                              kind=tc.optimizer, **lora_plus))
     model, optimizer, stages = laid.model, laid.optimizer, laid.pipeline
     # on the torch optimizer itself, not Accelerate's wrapper of it
     scheduler = build_scheduler(getattr(optimizer, "optimizer", optimizer), tc, total_steps=total_steps)

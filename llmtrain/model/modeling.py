@@ -578,15 +578,27 @@ def need_bitsandbytes(setting: str, alternative: str) -> None:
 
 
 def build_optimizer(model, *, lr: float, weight_decay: float, betas, eps: float, fused: bool,
-                    kind: str = "adamw"):
+                    kind: str = "adamw", lora_lr_ratio: float | None = None, lora_lr_embedding: float = 1e-6):
     """AdamW (train.optimizer: torch's, or bitsandbytes' 8-bit one); no weight decay on biases and norm weights
-    (every 1-D parameter)."""
-    decay, no_decay = [], []
-    for p in model.parameters():
-        if p.requires_grad:
-            (decay if p.ndim >= 2 else no_decay).append(p)
-    groups = [g for g in ({"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0})
-              if g["params"]]
+    (every 1-D parameter). With LoRA+ (lora.lr_ratio) the groups are peft's create_loraplus_optimizer's: the B
+    matrices and every trained 1-D parameter at lr x the ratio, LoRA's matrices on an embedding layer at
+    lora.lr_embedding, the rest (the A matrices, modules_to_save's) at lr; each group named, the plain rate's first
+    (the lr logged is group 0's)."""
+    groups: dict[str, dict] = {}
+    for name, p in model.named_parameters():
+        if not p.requires_grad:
+            continue
+        decay = p.ndim >= 2
+        role, rate = ("decay", lr) if decay else ("no_decay", lr)
+        if lora_lr_ratio is not None:
+            if "lora_embedding_" in name:
+                role, rate = "lora_embedding", lora_lr_embedding
+            elif "lora_B" in name or not decay:
+                role, rate = ("lora_B" if decay else "lora_B_no_decay"), lr * lora_lr_ratio
+        group = groups.setdefault(role, {"params": [], "weight_decay": weight_decay if decay else 0.0, "lr": rate})
+        group["params"].append(p)
+    order = ["decay", "no_decay", "lora_B", "lora_B_no_decay", "lora_embedding"]
+    groups = [({"name": role} if lora_lr_ratio is not None else {}) | groups[role] for role in order if role in groups]
     if kind == "adamw_8bit":
         need_bitsandbytes("train.optimizer=adamw_8bit", ", or set train.optimizer=adamw")
         import bitsandbytes as bnb

@@ -254,10 +254,12 @@ def reference_kind(recipe) -> str:
     """Where a preference run's reference log-probabilities come from: adapter, precomputed or none. On pipeline
     stages a LoRA run's is precomputed by default, with the adapter disabled, once and cached (an explicit adapter
     runs them through the stages before each step: preference.StagePairs.prepare)."""
+    from llmtrain.config import REFERENCE_FREE
+
     p = recipe.preference
     if p.reference != "auto":
         return p.reference
-    if p.loss == "simpo":
+    if p.loss in REFERENCE_FREE:
         return "none"
     return "adapter" if recipe.lora is not None and recipe.parallel.pipeline_parallel == 1 else "precomputed"
 

@@ -10,7 +10,8 @@ of the whole accumulation window on all processes (Counts.units = pairs).
 
 The reference log-probabilities (dpo, ipo): LoRA runs take them from the same model with the adapter disabled,
 under no_grad (no second copy of the weights); full fine-tunes from one no-grad pass with the initial weights
-before training (`precompute`), cached with the tokenised data and found again by a resume. simpo has none.
+before training (`precompute`), cached with the tokenised data and found again by a resume. simpo and orpo have
+none (config.REFERENCE_FREE).
 """
 
 from __future__ import annotations
@@ -43,10 +44,17 @@ def pair_losses(kind: str, chosen: torch.Tensor, rejected: torch.Tensor, ref_cho
     - ipo (Azar et al. 2023, as TRL computes it): ((pc - rc)/nc - (pr - rr)/nr - 1/(2 beta))^2, the log-ratios
       per answer token; rewards as dpo.
     - simpo (Meng et al. 2024, no reference): -log sigmoid(beta (pc/nc - pr/nr) - gamma); rewards beta p/n.
+    - orpo (Hong et al. 2024, no reference): with a = p/n, each answer's mean log-probability per token, the chosen
+      answer's negative log-likelihood -ac plus beta (the paper's lambda) x -log sigmoid of the log odds ratio
+      log(e^ac / (1 - e^ac)) - log(e^ar / (1 - e^ar)); rewards beta a, as TRL's ORPOTrainer logs them.
     """
     if kind == "simpo":
         rc_, rr_ = beta * chosen / chosen_tokens, beta * rejected / rejected_tokens
         return -F.logsigmoid(rc_ - rr_ - gamma), rc_, rr_
+    if kind == "orpo":
+        ac, ar = chosen / chosen_tokens, rejected / rejected_tokens
+        log_odds = (ac - ar) - (_log1mexp(ac) - _log1mexp(ar))
+        return -ac - beta * F.logsigmoid(log_odds), beta * ac, beta * ar
     chosen_ratio, rejected_ratio = chosen - ref_chosen, rejected - ref_rejected
     rewards = beta * chosen_ratio, beta * rejected_ratio
     if kind == "dpo":
@@ -55,6 +63,13 @@ def pair_losses(kind: str, chosen: torch.Tensor, rejected: torch.Tensor, ref_cho
         delta = chosen_ratio / chosen_tokens - rejected_ratio / rejected_tokens
         return (delta - 1 / (2 * beta)) ** 2, *rewards
     raise ValueError(f"unknown preference loss {kind!r}")
+
+
+def _log1mexp(x: torch.Tensor) -> torch.Tensor:
+    """log(1 - e^x) for x < 0, without cancellation (Maechler 2012, TRL's log1mexp). x is held below -1e-12: an
+    answer whose every token has probability 1 in float32 (x exactly 0) would give log 0 and a NaN gradient."""
+    x = x.clamp(max=-1e-12)
+    return torch.where(x < -math.log(2), torch.log1p(-torch.exp(x)), torch.log(-torch.expm1(x)))
 
 
 def pairs_loss(cfg, logps: torch.Tensor, tokens: torch.Tensor, ref_chosen: torch.Tensor | None,

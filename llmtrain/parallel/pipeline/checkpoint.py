@@ -91,8 +91,9 @@ def read_stages(folder, model, optimizer, *, trainable_only: bool) -> None:
     params = {names[id(p)]: p for group in optimizer.param_groups for p in group["params"]}
     state["state"] = {i: {k: _placed(v, params[n]) if torch.is_tensor(v) else v for k, v in moments[n].items()}
                       for i, n in enumerate(order) if n in moments}
-    for group in state["param_groups"]:  # the saved group of the same weight decay (decayed or not)
-        saved = next(s for s in groups if s["weight_decay"] == group["weight_decay"])
+    for group in state["param_groups"]:  # the saved group of the same name (LoRA+'s), else of the same weight decay
+        saved = next(s for s in groups if s.get("name") == group.get("name")
+                     and s["weight_decay"] == group["weight_decay"])
         group.update({k: v for k, v in saved.items() if k != "params"})
     optimizer.load_state_dict(state)
 
