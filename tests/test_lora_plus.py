@@ -79,3 +79,28 @@ def test_a_lora_plus_run_resumes_exactly(tiny_assets, tmp_path, monkeypatch):
     assert [r["loss"] for r in resumed] == [r["loss"] for r in straight]
     final = "final/adapter_model.safetensors"
     assert max_abs_diff(load_weights(tmp_path / "killed" / final), load_weights(tmp_path / "straight" / final)) == 0
+
+
+def test_a_pipeline_stages_checkpoint_gives_each_named_group_its_own_rate_back(tiny_assets, tmp_path):
+    """Pipeline stages save their optimizer state by parameter name (parallel/pipeline/checkpoint.py), and a resume
+    may split the model otherwise, so the groups' settings are found again by group: by name under LoRA+, whose
+    groups share a weight decay (0 here). Matched by weight decay alone, the B matrices had come back at the A
+    matrices' rate."""
+    from llmtrain.parallel.pipeline.checkpoint import read_stages, write_stage
+    from llmtrain.parallel.pipeline.group import PipelineGroup
+
+    def optimizer_of(model):
+        return build_optimizer(model, lr=1e-3, weight_decay=0.0, betas=(0.9, 0.999), eps=1e-8, fused=False,
+                               lora_lr_ratio=16)
+
+    model = _lora_model(tiny_assets)
+    saved = optimizer_of(model)
+    model(torch.tensor([[1, 5, 6, 7]]), labels=torch.tensor([[1, 5, 6, 7]])).loss.backward()
+    saved.step()
+    write_stage(tmp_path, model, saved, g=PipelineGroup(), trainable_only=True)
+    fresh = optimizer_of(model)
+    for group in fresh.param_groups:  # a scheduler's decay by now: the checkpoint's rates must come back
+        group["lr"] /= 10
+    read_stages(tmp_path, model, fresh, trainable_only=True)
+    assert [(g["name"], g["lr"]) for g in fresh.param_groups] == [("decay", 1e-3), ("lora_B", 1e-3 * 16)]
+    assert [(g["name"], g["lr"]) for g in saved.param_groups] == [(g["name"], g["lr"]) for g in fresh.param_groups]
