@@ -78,7 +78,7 @@ def read_stages(folder, model, optimizer, *, trainable_only: bool) -> None:
             found.update({k: r.get_tensor(k) for k in r.keys() if k in wanted})
         saved = torch.load(f.with_name(f.stem + "_optimizer.pt"), weights_only=True, mmap=True)
         moments.update({k: v for k, v in saved["state"].items() if k in wanted})
-        groups = groups or saved["groups"]
+        groups += saved["groups"]  # every stage's: a group held by one stage only (LoRA+'s embedding) is found
     if missing := sorted(set(wanted) - set(found)):
         raise LLMTrainError(f"checkpoint {folder} holds no weights for {len(missing)} parameters of this process's "
                             f"pipeline stages (e.g. {missing[0]}): it was written by another model or layout. "
@@ -91,9 +91,10 @@ def read_stages(folder, model, optimizer, *, trainable_only: bool) -> None:
     params = {names[id(p)]: p for group in optimizer.param_groups for p in group["params"]}
     state["state"] = {i: {k: _placed(v, params[n]) if torch.is_tensor(v) else v for k, v in moments[n].items()}
                       for i, n in enumerate(order) if n in moments}
-    for group in state["param_groups"]:  # the saved group of the same name (LoRA+'s), else of the same weight decay
-        saved = next(s for s in groups if s.get("name") == group.get("name")
-                     and s["weight_decay"] == group["weight_decay"])
+    for group in state["param_groups"]:  # the saved group of the same name (LoRA+'s) and weight decay; none saved
+        # (a group of parameters no stage trained: nothing of it to restore) leaves this one's settings as they are
+        saved = next((s for s in groups if s.get("name") == group.get("name")
+                      and s["weight_decay"] == group["weight_decay"]), {})
         group.update({k: v for k, v in saved.items() if k != "params"})
     optimizer.load_state_dict(state)
 
