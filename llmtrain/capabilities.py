@@ -42,11 +42,12 @@ class Mode:
     samples: bool = True  # train.eval_samples (greedy generations at each eval)
     refused: dict[str, str] = field(default_factory=dict)  # parallelism -> why, and what to use instead
     router_aux: bool = False  # model.router_aux_loss_coef (a mixture of experts' load-balancing loss) joins its loss
+    neftune: bool = False  # train.neftune_alpha: noise on the input embeddings of its examples in training
 
 
 MODES: dict[str, Mode] = {m.key: m for m in (
     Mode("sft", "supervised fine-tuning", ("alpaca", "messages", "prompt_completion", "text"), "examples", True,
-         "loss, samples", "causal LM", router_aux=True),
+         "loss, samples", "causal LM", router_aux=True, neftune=True),
     Mode("preference", "preference pairs (preference:)", ("preference",), "pairs", True,
          "loss, reward margin and accuracy, samples", "causal LM", router_aux=True),
     Mode("kto", "KTO (kto:)", ("unpaired",), "examples", True, "loss, reward margin", "causal LM", router_aux=True),
@@ -200,6 +201,12 @@ RULES: tuple[Rule, ...] = (
     Rule("tp", lambda r, _: r.train.optimizer == "adamw_8bit",
          "train.optimizer=adamw_8bit under {key}: bitsandbytes' 8-bit AdamW updates plain tensors, and tensor "
          "parallelism's parameters are split DTensors. Set train.optimizer=adamw"),
+    *(Rule(parallelism, lambda r, _: r.train.neftune_alpha is not None,
+           "train.neftune_alpha under {key}: NEFTune scales each example's noise by its whole length, and "
+           + what + ". Unset train.neftune_alpha, or launch one GPU, DDP or FSDP")
+      for parallelism, what in (("sp", "each process embeds a slice of the example"),
+                                ("pp", "the first stage embeds the rows apart from the model's forward"),
+                                ("tp", "the embedding is split over the processes"))),
     Rule("fsdp", _kto_reread,
          "kto: a full fine-tune's reference under FSDP is the starting weights read again from model.name_or_path "
          "and sharded like the policy, and model.random_init has none to read. Save the initial model first "
@@ -654,6 +661,11 @@ def _mode_problems(recipe) -> list[str]:
         takes = ", ".join(m.name for m in MODES.values() if m.router_aux)
         out.append(f"model.router_aux_loss_coef={coef:g}: the load-balancing loss joins the loss of {takes}, and this "
                    f"recipe trains {mode.name}, whose loss llmtrain does not add it to. Unset it")
+    if (alpha := t.neftune_alpha) is not None and not mode.neftune:
+        takes = ", ".join(m.name for m in MODES.values() if m.neftune)
+        out.append(f"train.neftune_alpha={alpha:g}: NEFTune's noise is for {takes}, and this recipe trains "
+                   f"{mode.name}, whose every forward (a reference's, a sampler's, a teacher's) would have to tell a "
+                   "trained pass from the rest. Unset it")
     if (p := recipe.preference) is not None and p.reference == "adapter" and recipe.lora is None:
         out.append("preference.reference: adapter disables the LoRA adapter, and this recipe has no lora: section; "
                    "use precomputed (or auto) for a full fine-tune")

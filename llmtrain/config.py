@@ -390,6 +390,11 @@ class TrainConfig(Section):
     weight_decay: float = Field(0.0, ge=0, description="AdamW decoupled weight decay (not applied to norms/biases).")
     betas: tuple[float, float] = Field((0.9, 0.999), description="AdamW betas.")
     eps: float = Field(1e-8, gt=0, description="AdamW epsilon.")
+    neftune_alpha: float | None = Field(
+        None, gt=0, allow_inf_nan=False, description="NEFTune (Jain et al. 2023; Hugging Face's and TRL's "
+        "neftune_noise_alpha, LLaMA-Factory's neftune_alpha): supervised fine-tuning's input embeddings gain uniform "
+        "noise in [-1, 1] x alpha / sqrt(L d) in training (L the example's tokens, d the hidden size; the paper uses "
+        "5 to 15). None: no noise.")
     max_grad_norm: float | None = Field(1.0, gt=0, allow_inf_nan=False,
                                         description="Clip the global gradient norm to this; null disables.")
     max_bad_steps: int = Field(

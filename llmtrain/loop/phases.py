@@ -330,6 +330,10 @@ def build_model(recipe: Recipe, accelerator, *, total_steps: int, say, pad: int 
         attach_loss(model, chunk=tc.loss_chunk_tokens, fused_linear_ce=fused_ce,
                     router_aux=recipe.model.router_aux_loss_coef,
                     balance_sums=partial(balance_sums, group=sequence.group) if sequence.size > 1 else None)
+    if tc.neftune_alpha is not None:
+        from llmtrain.model.neftune import attach_neftune
+
+        attach_neftune(model, tc.neftune_alpha)
     for name, status, detail in check_context(recipe.data.max_seq_len,
                                               getattr(model.config, "max_position_embeddings", None)):
         if status == "warn":  # as `llmtrain doctor`

@@ -1,0 +1,121 @@
+"""NEFTune (train.neftune_alpha): the noise against transformers' own hook, each example's scale in packed and
+padded rows, nothing in eval mode, an exact resume, and the modes and layouts that refuse it."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+import yaml
+from helpers import REPO, crash_at_step, load_weights, max_abs_diff, records, run_train, write_recipe
+
+from llmtrain.config import load_recipe
+from llmtrain.model.neftune import attach_neftune
+
+pytestmark = pytest.mark.long(60)  # tests/conftest.py
+
+
+def _model(tiny_assets):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(tiny_assets / "model", dtype=torch.float32,
+                                                attn_implementation="eager").train()
+
+
+def _embedded(model, seed: int = 0, **inputs) -> torch.Tensor:
+    """The input embeddings the decoder's layers receive (the hooks registered before this one applied)."""
+    out = {}
+    handle = model.get_input_embeddings().register_forward_hook(lambda m, a, o: out.setdefault("x", o))
+    torch.manual_seed(seed)
+    with torch.no_grad():
+        model.model(**inputs)
+    handle.remove()
+    return out["x"]
+
+
+def test_unpadded_rows_get_transformers_own_noise(tiny_assets):
+    """Rows of one length, no padding: the noise transformers' neftune_post_forward_hook draws (TRL's SFTTrainer's),
+    the same draws from the same seed, to float rounding."""
+    from transformers.integrations.neftune import neftune_post_forward_hook
+
+    ids = torch.randint(5, 90, (3, 12), generator=torch.Generator().manual_seed(1))
+    ours, theirs = _model(tiny_assets), _model(tiny_assets)
+    attach_neftune(ours, 5.0)
+    theirs.get_input_embeddings().neftune_noise_alpha = 5.0
+    theirs.get_input_embeddings().register_forward_hook(neftune_post_forward_hook)
+    got, want = _embedded(ours, input_ids=ids), _embedded(theirs, input_ids=ids)
+    clean = ours.get_input_embeddings().weight[ids]
+    assert (want - clean).abs().max().item() > 0.5 * 5 / math.sqrt(12 * clean.shape[-1])  # the noise is there
+    torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-6)
+
+
+def test_each_example_of_a_packed_or_padded_row_is_scaled_by_its_own_length(tiny_assets):
+    """A packed row of examples of 3 and 13 tokens: each token's noise within alpha / sqrt(L d) of its own example, and
+    reaching near it (the largest of 3 x d uniform draws); Hugging Face's hook would scale both by the row's 16. Padded
+    rows: each row by its real tokens."""
+    model = _model(tiny_assets)
+    attach_neftune(model, 5.0)
+    d = model.config.hidden_size
+    ids = torch.randint(5, 90, (1, 16), generator=torch.Generator().manual_seed(2))
+    packed = {"input_ids": ids, "position_ids": torch.cat([torch.arange(3), torch.arange(13)])[None],
+              "cu_seq_lens_q": torch.tensor([0, 3, 16]), "cu_seq_lens_k": torch.tensor([0, 3, 16]),
+              "max_length_q": 13, "max_length_k": 13}
+    noise = _embedded(model, **packed) - model.get_input_embeddings().weight[ids]
+    for part, length in ((noise[0, :3], 3), (noise[0, 3:], 13)):
+        bound = 5 / math.sqrt(length * d)
+        assert 0.95 * bound < part.abs().max().item() <= bound * (1 + 1e-6)
+    mask = torch.tensor([[1] * 16, [1] * 4 + [0] * 12])
+    noise = _embedded(model, input_ids=ids.repeat(2, 1), attention_mask=mask) - model.get_input_embeddings().weight[ids]
+    for row, length in ((0, 16), (1, 4)):
+        bound = 5 / math.sqrt(length * d)
+        assert 0.95 * bound < noise[row, :4].abs().max().item() <= bound * (1 + 1e-6)
+
+
+def test_eval_mode_adds_nothing(tiny_assets):
+    model = _model(tiny_assets)
+    attach_neftune(model, 5.0)
+    ids = torch.randint(5, 90, (2, 8), generator=torch.Generator().manual_seed(3))
+    model.eval()
+    assert torch.equal(_embedded(model, input_ids=ids), model.get_input_embeddings().weight[ids])
+
+
+def test_a_run_trains_with_the_noise_and_resumes_exactly(tiny_assets, tmp_path, monkeypatch):
+    """The first step's loss is already the noisy forward's (not the plain run's); killed in step 4 and resumed from
+    step 2's checkpoint, the noise draws come back with the random state: the same losses, evals and weights as the
+    run never stopped."""
+    recipe = write_recipe(tiny_assets, tmp_path, train={"max_steps": 4, "eval_every_steps": 2},
+                          checkpoint={"every_steps": 2, "keep_last": 2})
+    run_train(recipe, f"output_dir={tmp_path / 'plain'}")
+    run_train(recipe, f"output_dir={tmp_path / 'straight'}", "train.neftune_alpha=15")
+    crash_at_step(monkeypatch, recipe, 4, f"output_dir={tmp_path / 'killed'}", "train.neftune_alpha=15")
+    run_train(recipe, f"output_dir={tmp_path / 'killed'}", "train.neftune_alpha=15", resume="auto")
+    plain, straight, resumed = (records(tmp_path / n) for n in ("plain", "straight", "killed"))
+    assert abs(straight[0]["loss"] - plain[0]["loss"]) > 1e-4
+    assert [r["loss"] for r in resumed] == [r["loss"] for r in straight]
+    assert records(tmp_path / "killed", "eval") == records(tmp_path / "straight", "eval")
+    weights = "final/model.safetensors"
+    assert max_abs_diff(load_weights(tmp_path / "killed" / weights), load_weights(tmp_path / "straight" / weights)) == 0
+
+
+def test_other_modes_and_the_layouts_that_split_a_row_refuse_it(tiny_assets, tmp_path):
+    from llmtrain.doctor import check_layout
+    from llmtrain.errors import RecipeError
+
+    pairs = tmp_path / "pairs.jsonl"
+    pairs.write_text('{"prompt": "a", "chosen": " b", "rejected": " c"}\n')
+    dpo = write_recipe(tiny_assets, tmp_path, name="dpo.yaml", data={"path": str(pairs), "format": "preference"},
+                       preference={"loss": "dpo"})
+    with pytest.raises(RecipeError, match=r"train.neftune_alpha=5: NEFTune's noise is for supervised fine-tuning, "
+                                          r"and this recipe trains preference pairs \(preference:\)"):
+        load_recipe(dpo, ["train.neftune_alpha=5"])
+    sft = write_recipe(tiny_assets, tmp_path)
+    with pytest.raises(RecipeError, match="train.neftune_alpha under parallel.sequence_parallel=2: NEFTune scales "
+                                          "each example's noise by its whole length, and each process embeds a slice"):
+        load_recipe(sft, ["train.neftune_alpha=5", "parallel.sequence_parallel=2"])
+    recipe = load_recipe(sft, ["train.neftune_alpha=5"])
+    tp = yaml.safe_load((REPO / "accelerate_configs" / "cpu_tp.yaml").read_text())
+    ((_, status, detail),) = check_layout(recipe, tp)
+    assert status == "fail" and "the embedding is split over the processes" in detail
+    ddp = yaml.safe_load((REPO / "accelerate_configs" / "cpu_ddp.yaml").read_text())
+    assert check_layout(recipe, ddp)[0][1] == "pass"
