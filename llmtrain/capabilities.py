@@ -194,6 +194,10 @@ RULES: tuple[Rule, ...] = (
          "{key} samples with each process's split weights, and a merged generation copy (rl.merged_copy, "
          "distill.merged_copy) is made of whole ones. Set merged_copy: off (the adapters run unmerged beside the "
          "split layers)"),
+    Rule("tp", lambda r, _: r.lora is not None and r.lora.dora,
+         "lora.dora under {key}: DoRA divides each output row by the norm of its whole weight row (W + s B A), and "
+         "tensor parallelism splits the weights by rows or columns, each process holding a part of a row or of the "
+         "magnitudes. Set lora.dora=false, or launch FSDP (each layer's weights are whole in its forward)"),
     Rule("fsdp", lambda r, _: r.train.optimizer == "adamw_8bit",
          "train.optimizer=adamw_8bit under FSDP / HSDP: bitsandbytes' 8-bit AdamW updates plain tensors, and FSDP's "
          "parameters are sharded DTensors. Set train.optimizer=adamw (FSDP already divides its state over the GPUs), "
@@ -370,13 +374,15 @@ def needs_model(recipe, layout: Layout) -> bool:
     refused for some models): where its config cannot be read, doctor says that this is unchecked. (Every run checks
     the model's attention whatever the layout: model_problems.)"""
     return layout.splits_the_model or bool(recipe.model.tiled_mlp) or (
-        recipe.lora is not None and recipe.lora.dropout > 0) or recipe.model.router_aux_loss_coef is not None
+        recipe.lora is not None and (recipe.lora.dropout > 0 or recipe.lora.dora)) or \
+        recipe.model.router_aux_loss_coef is not None
 
 
 def experts_problems(model_type: str | None, n: int, *, tiled_mlp: bool, lora_dropout: float,
-                     parameters_adapted: bool = True, flags: dict[str, str] | None = None) -> list[str]:
-    """What a mixture of `n` experts cannot run: the tiled MLP, LoRA dropout where peft adapts parameters (its
-    ParamWrapper, which takes none: Qwen3-MoE's and Mixtral's experts and router under all-linear, any under
+                     parameters_adapted: bool = True, flags: dict[str, str] | None = None,
+                     dora: bool = False) -> list[str]:
+    """What a mixture of `n` experts cannot run: the tiled MLP, LoRA dropout or DoRA where peft adapts parameters (its
+    ParamWrapper, which takes neither: Qwen3-MoE's and Mixtral's experts and router under all-linear, any under
     lora.target_parameters; `parameters_adapted`, lora_adapts_parameters). `flags`: the command-line options beside the
     recipe keys (estimate-memory's)."""
     flags = flags or {}
@@ -389,6 +395,10 @@ def experts_problems(model_type: str | None, n: int, *, tiled_mlp: bool, lora_dr
     if lora_dropout > 0 and parameters_adapted:
         out.append(f"lora.dropout={lora_dropout:g}{flags.get('lora_dropout', '')}: {kind}, whose weights peft adapts "
                    "as parameters (lora.ParamWrapper), and those take no dropout on their input: set it to 0")
+    if dora and parameters_adapted:
+        out.append(f"lora.dora{flags.get('dora', '')}: {kind}, whose weights peft adapts as parameters "
+                   "(lora.ParamWrapper), and those take no DoRA magnitude: set lora.dora to false, or adapt the "
+                   "attention alone (lora.target_modules: [q_proj, k_proj, v_proj, o_proj])")
     return out
 
 
@@ -505,7 +515,8 @@ def model_problems(recipe, layout: Layout, config) -> list[str]:
     if n := experts(config):
         out += experts_problems(model_type, n, tiled_mlp=bool(recipe.model.tiled_mlp),
                                 lora_dropout=recipe.lora.dropout if recipe.lora is not None else 0.0,
-                                parameters_adapted=lora_adapts_parameters(model_type, recipe.lora))
+                                parameters_adapted=lora_adapts_parameters(model_type, recipe.lora),
+                                dora=recipe.lora is not None and recipe.lora.dora)
         family = FAMILIES.get(model_type)
         if (coef := recipe.model.router_aux_loss_coef) is not None and family and not family.load_balancing:
             out.append(f"model.router_aux_loss_coef={coef:g} adds transformers' load-balancing loss of a mixture of "

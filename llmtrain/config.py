@@ -177,6 +177,12 @@ class LoraConfig(Section):
                          "adapter's scale is alpha / sqrt(r) instead of alpha / r, so that a higher rank does not "
                          "learn more slowly at the same alpha and lr.")
     dropout: float = Field(0.05, ge=0.0, lt=1.0, description="Dropout on the LoRA input.")
+    dora: bool = Field(False, description="DoRA (Liu et al. 2024; peft's use_dora, axolotl's peft_use_dora, "
+                       "LLaMA-Factory's use_dora): each adapted weight is split into a trained magnitude per output "
+                       "row and a direction W + s B A normed row by row, so every forward also computes each adapted "
+                       "weight's row norms. With lora.dropout > 0 peft runs each adapted linear's base matmul a "
+                       "second time on the dropped-out input (and keeps a copy of its weight for backward under "
+                       "autocast or a 4-bit base): lora.dropout 0 is cheaper.")
     lr_ratio: float | None = Field(
         None, gt=0, allow_inf_nan=False, description="LoRA+ (Hayou et al. 2024): the B matrices (and every trained "
         "1-D parameter) learn at train.lr x this ratio, the A matrices at train.lr, grouped as peft's "

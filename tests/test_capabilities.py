@@ -230,7 +230,9 @@ def tiny_moe(tiny_assets, tmp_path_factory) -> Path:
 
 @pytest.mark.parametrize("changes, says", [(["model.tiled_mlp=true"], "model.tiled_mlp tiles a dense MLP"),
                                            (["lora.r=4"], "lora.dropout=0.05: qwen3_moe's MLP is a mixture of 4 "
-                                                          "experts")])
+                                                          "experts"),
+                                           (["lora.dropout=0", "lora.dora=true"], "lora.dora: qwen3_moe's MLP is a "
+                                                                                  "mixture of 4 experts")])
 def test_a_mixture_of_experts_refuses_the_tiled_mlp_and_lora_dropout_in_one_paragraph(mode_recipes, tiny_moe,
                                                                                        tmp_path, changes, says):
     """Each ended in a traceback (the tiled MLP: 163 lines in the expert block) or a refusal naming the wrong keys
@@ -244,7 +246,7 @@ def test_a_mixture_of_experts_refuses_the_tiled_mlp_and_lora_dropout_in_one_para
     assert not (tmp_path / "run").exists()
     (name, status, detail), = check_layout(load_recipe(mode_recipes["sft"], overrides), {})
     assert status == "fail" and says in detail
-    run_train(mode_recipes["sft"], *overrides, "lora.dropout=0", "model.tiled_mlp=null",
+    run_train(mode_recipes["sft"], *overrides, "lora.dropout=0", "model.tiled_mlp=null", "lora.dora=false",
               f"output_dir={tmp_path / 'fixed'}")  # the fix each names trains
     assert (tmp_path / "fixed" / "summary.json").is_file()
 

@@ -414,6 +414,20 @@ def test_the_merged_copy_is_peft_merge_and_unload_to_rounding(lora_lm, dtype):
     assert not torch.equal(ours["base_model.model.model.layers.0.self_attn.q_proj"], base)  # the adapters are in it
 
 
+def _merged_against_unmerged(model, prompts, monkeypatch, **kwargs) -> tuple[list[list[int]], float, float]:
+    """A rollout on the merged copy against one with the adapters unmerged: the merged one's completions, the share
+    of identical completions, and the largest logit difference where both are still going alike."""
+    unmerged, u_logits = _with_logits("llmtrain.model.fast_sample", sample_fast, monkeypatch, model, prompts,
+                                      copy="off", **kwargs)
+    merged, m_logits = _with_logits("llmtrain.model.fast_sample", sample_fast, monkeypatch, model, prompts,
+                                    copy="rollout", **kwargs)
+    same = sum(a == b for a, b in zip(merged, unmerged)) / len(prompts)
+    diff = max((m[i] - u[i]).abs().max().item() for t, (m, u) in enumerate(zip(m_logits, u_logits))
+               for i in range(len(prompts)) if min(len(merged[i]), len(unmerged[i])) > t
+               and merged[i][:t] == unmerged[i][:t])
+    return merged, same, diff
+
+
 def test_a_merged_copy_draws_the_unmerged_adapters_tokens_up_to_rounding_and_leaves_the_weights_alone(
         lora_again, lm, monkeypatch):
     """rl.merged_copy=rollout against off, on a GRPO-sized rollout of an all-linear LoRA (32 prompts x 16, fp32):
@@ -427,14 +441,7 @@ def test_a_merged_copy_draws_the_unmerged_adapters_tokens_up_to_rounding_and_lea
     prompts = mixed_prompts(32, 16, seed=13)
     seeds = [completion_seed(42, 1, i // 16, i % 16) for i in range(len(prompts))]
     kwargs = dict(seeds=seeds, max_new_tokens=16, temperature=0.5, top_p=1.0, stop_ids={STOP}, pad_id=3)
-    unmerged, u_logits = _with_logits("llmtrain.model.fast_sample", sample_fast, monkeypatch, lora, prompts,
-                                      copy="off", **kwargs)
-    merged, m_logits = _with_logits("llmtrain.model.fast_sample", sample_fast, monkeypatch, lora, prompts,
-                                    copy="rollout", **kwargs)
-    same = sum(a == b for a, b in zip(merged, unmerged)) / len(prompts)
-    diff = max((m[i] - u[i]).abs().max().item() for t, (m, u) in enumerate(zip(m_logits, u_logits))
-               for i in range(len(prompts)) if min(len(merged[i]), len(unmerged[i])) > t
-               and merged[i][:t] == unmerged[i][:t])
+    merged, same, diff = _merged_against_unmerged(lora, prompts, monkeypatch, **kwargs)
     print(f"merged vs unmerged: {same:.2%} of {len(prompts)} completions identical; logits within {diff:.1e}")
     assert same >= 0.95 and 0 < diff < 1e-4  # not the same code path (0 would say the copy was not used)
     assert all(torch.equal(v, before[k]) for k, v in lora.state_dict().items())
@@ -443,6 +450,40 @@ def test_a_merged_copy_draws_the_unmerged_adapters_tokens_up_to_rounding_and_lea
     assert merged[:32] != base  # the adapters are in the merged copy's tokens
     with lora.disable_adapter():  # adapters off: nothing to merge, the base model's tokens
         assert sample_fast(lora, prompts[:32], copy="rollout", **{**kwargs, "seeds": seeds[:32]}) == base
+
+
+def test_a_dora_policys_merged_copy_is_peft_merge_and_draws_its_unmerged_tokens(tiny_assets, lm, monkeypatch):
+    """lora.dora: each adapted linear's copy is (m / n) (W + s B A), peft's merge_and_unload weight to 1e-6 in fp32
+    (magnitudes off the base's row norms, B not zero), and a rollout on it draws the unmerged DoRA forward's tokens
+    (which computes the row norms in every forward) up to rounding."""
+    import copy
+
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    from llmtrain.model.merged_copy import adapted_linears, merged_weight
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_assets / "model", dtype=torch.float32)
+    model = get_peft_model(model, LoraConfig(r=8, lora_alpha=16, target_modules="all-linear", use_dora=True)).eval()
+    torch.manual_seed(0)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_B" in name:
+                torch.nn.init.normal_(p, std=0.05)
+            elif "lora_magnitude_vector" in name:
+                p.mul_(1 + 0.2 * torch.randn_like(p))
+    names = {m: n for n, m in model.named_modules()}
+    ours = {names[m]: merged_weight(m) for m in adapted_linears(model)}
+    assert len(ours) == 7 * len(model.base_model.model.model.layers)
+    theirs = dict(copy.deepcopy(model).merge_and_unload().named_modules())
+    for name, weight in ours.items():
+        assert (weight - theirs[name.removeprefix("base_model.model.")].weight).abs().max().item() < 1e-6, name
+    prompts = mixed_prompts(8, 4, seed=21)
+    seeds = [completion_seed(42, 1, i // 4, i % 4) for i in range(len(prompts))]
+    kwargs = dict(seeds=seeds, max_new_tokens=16, temperature=0.5, top_p=1.0, stop_ids={STOP}, pad_id=3)
+    merged, same, diff = _merged_against_unmerged(model, prompts, monkeypatch, **kwargs)
+    assert same >= 0.9 and 0 < diff < 1e-4
+    assert merged != sample_fast(lm, prompts, **kwargs)  # the adapters are in the copy's tokens
 
 
 def test_a_kept_copy_is_rewritten_in_place_from_the_current_weights(lora_again):

@@ -23,14 +23,17 @@ def _rates(optimizer) -> dict[int, tuple[float, float]]:
     return {id(p): (g["lr"], g["weight_decay"]) for g in optimizer.param_groups for p in g["params"]}
 
 
-def test_each_parameter_learns_at_the_rate_peft_gives_it(tiny_assets):
+@pytest.mark.parametrize("dora", [False, True])
+def test_each_parameter_learns_at_the_rate_peft_gives_it(tiny_assets, dora):
     """LoRA on the attention projections and on the embedding, the norms trained in full (modules_to_save): every
     parameter's rate is the one peft's create_loraplus_optimizer gives it (B matrices and the norms' 1-D weights at lr
-    x 16, the A matrices at lr, the embedding's LoRA at lora.lr_embedding), over the same parameters. Weight decay
-    stays llmtrain's (none on 1-D parameters). Without lora.lr_ratio, one rate."""
+    x 16, the A matrices at lr, the embedding's LoRA at lora.lr_embedding; DoRA's magnitudes, 1-D, as B), over the
+    same parameters. Weight decay stays llmtrain's (none on 1-D parameters). Without lora.lr_ratio, one rate."""
     from peft.optimizers import create_loraplus_optimizer
 
-    model = _lora_model(tiny_assets, target_modules=["q_proj", "v_proj", "embed_tokens"], modules_to_save=["norm"])
+    model = _lora_model(tiny_assets, target_modules=["q_proj", "v_proj", "embed_tokens"], modules_to_save=["norm"],
+                        dora=dora)
+    assert any("lora_magnitude_vector" in n for n, _ in model.named_parameters()) == dora
     ours = build_optimizer(model, lr=1e-3, weight_decay=0.1, betas=(0.9, 0.999), eps=1e-8, fused=False,
                            lora_lr_ratio=16, lora_lr_embedding=1e-5)
     theirs = create_loraplus_optimizer(model, torch.optim.AdamW, lr=1e-3, loraplus_lr_ratio=16,
@@ -44,9 +47,11 @@ def test_each_parameter_learns_at_the_rate_peft_gives_it(tiny_assets):
     by_kind = {}
     for key, (lr, _) in ours_rates.items():
         n = names[key]
-        kind = "embedding" if "lora_embedding" in n else "B" if "lora_B" in n else "A" if "lora_A" in n else "full"
+        kind = "embedding" if "lora_embedding" in n else "B" if "lora_B" in n else "A" if "lora_A" in n else \
+            "magnitude" if "lora_magnitude" in n else "full"
         by_kind.setdefault(kind, set()).add(lr)
-    assert by_kind == {"A": {1e-3}, "B": {1e-3 * 16}, "embedding": {1e-5}, "full": {1e-3 * 16}}
+    assert by_kind == {"A": {1e-3}, "B": {1e-3 * 16}, "embedding": {1e-5}, "full": {1e-3 * 16},
+                       **({"magnitude": {1e-3 * 16}} if dora else {})}
     assert ours.param_groups[0]["lr"] == 1e-3 and ours.param_groups[0]["name"] == "decay"  # the rate logged
     plain = build_optimizer(model, lr=1e-3, weight_decay=0.1, betas=(0.9, 0.999), eps=1e-8, fused=False)
     assert {lr for lr, _ in _rates(plain).values()} == {1e-3}

@@ -227,6 +227,9 @@ def test_the_merged_generation_copy_by_hand():
         spec = spec_from_recipe(recipe(**{**GRPO, "rl": {**GRPO["rl"], "merged_copy": policy}}),
                                 prompt_lengths=[98] * 10)
         assert generation_copy_bytes(MISTRAL, spec, lora_plan(MISTRAL, r=16)) == (copy if policy != "off" else 0)
+        # DoRA's copy is the same [out, in] weights, its magnitudes folded in (merged_copy.merged_weight)
+        assert generation_copy_bytes(MISTRAL, spec, lora_plan(MISTRAL, r=16, dora=True)) == (
+            copy if policy != "off" else 0)
         phases[policy] = estimate(MISTRAL, spec).phase_parts
     assert phases["rollout"]["generation"]["generation_copy"] == copy
     assert "generation_copy" not in phases["rollout"]["forward"]

@@ -42,7 +42,8 @@ def cpu_varlen_attention_bytes(p: act.Pass, shape: ModelShape, lengths: list[int
             + (p.tokens * hq * p.cd if o_trainable else 0))
 
 
-def build(layers: int, attn: str, dtype: torch.dtype, lora: float | None, adapters_in: torch.dtype | None = None):
+def build(layers: int, attn: str, dtype: torch.dtype, lora: float | None, adapters_in: torch.dtype | None = None,
+          dora: bool = False):
     from transformers import AutoModelForCausalLM, LlamaConfig
 
     from llmtrain.model.loss import attach_loss
@@ -53,7 +54,7 @@ def build(layers: int, attn: str, dtype: torch.dtype, lora: float | None, adapte
     if lora is not None:
         import peft
 
-        model = peft.get_peft_model(model, peft.LoraConfig(r=R, lora_alpha=8, lora_dropout=lora,
+        model = peft.get_peft_model(model, peft.LoraConfig(r=R, lora_alpha=8, lora_dropout=lora, use_dora=dora,
                                                            target_modules="all-linear", task_type="CAUSAL_LM"))
         if adapters_in is not None:  # as FSDP's mixed-precision policy gathers them for the forward
             model.to(adapters_in)
@@ -71,21 +72,27 @@ def batch_for(lengths: list[int], *, packing: bool) -> dict:
 
 
 def saved_bytes(model, batch: dict, *, autocast: bool) -> int:
-    """Bytes of distinct non-parameter storages saved for backward by one call of the training loss."""
+    """Bytes of distinct non-parameter storages saved for backward by one call of the training loss and still held
+    by its graph when it returns (DoRA's B A is made through autograd and then detached: what its graph saved is
+    freed in the forward)."""
+    import weakref
+
     from llmtrain.model.loss import compute_loss
 
     params = {p.untyped_storage().data_ptr() for p in model.parameters()}
-    kept = []  # held until counted, so that no storage's address is reused by another
+    kept = []  # weak: a tensor whose graph was dropped in the forward is gone by the count
 
     def pack(t: torch.Tensor) -> torch.Tensor:
         if t.untyped_storage().data_ptr() not in params:
-            kept.append(t)
+            kept.append(weakref.ref(t))
         return t
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
-            compute_loss(model, batch)
-    return sum({t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in kept}.values())
+            loss = compute_loss(model, batch)
+    alive = [t for ref in kept if (t := ref()) is not None]
+    del loss
+    return sum({t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in alive}.values())
 
 
 CASES = [  # attn, storage dtype, mixed precision, padded batch, lora dropout (None: full fine-tune)
@@ -111,12 +118,32 @@ CASES = [  # attn, storage dtype, mixed precision, padded batch, lora dropout (N
 
 @pytest.mark.parametrize(("attn", "dtype", "mp", "padded", "lora"), CASES)
 def test_layer_and_outside_bytes_equal_what_autograd_saves(attn, dtype, mp, padded, lora):
+    check_layer_and_outside(attn, dtype, mp, padded, lora)
+
+
+DORA_CASES = [  # lora.dora: attn, storage dtype, mixed precision, padded batch, lora dropout
+    ("sdpa", "float32", "no", False, 0.0),
+    ("sdpa", "float32", "no", True, 0.05),
+    ("sdpa", "float32", "bf16", False, 0.0),
+    ("sdpa", "float32", "bf16", True, 0.05),  # the second base matmul's weight: autocast's cast, saved
+    ("sdpa", "bfloat16", "bf16", False, 0.05),  # the bf16 weight cast to the adapters' fp32, then back by autocast
+    ("sdpa", "bfloat16", "no", False, 0.05),  # the bf16 weight cast to fp32 and an fp32 base output
+    ("varlen", "bfloat16", "bf16", False, 0.0),
+]
+
+
+@pytest.mark.parametrize(("attn", "dtype", "mp", "padded", "lora"), DORA_CASES)
+def test_dora_layers_save_what_the_estimate_says(attn, dtype, mp, padded, lora):
+    check_layer_and_outside(attn, dtype, mp, padded, lora, dora=True)
+
+
+def check_layer_and_outside(attn, dtype, mp, padded, lora, *, dora=False):
     from llmtrain.model.attention import register
 
     shape = _shape_from_json(json.dumps({**TINY, "num_hidden_layers": 2}), "tiny")
     varlen = attn == "varlen"
     spec = TrainSpec(attn_implementation=attn, dtype=dtype, mixed_precision=mp, micro_batch=B, seq_len=S,
-                     method="full" if lora is None else "lora", lora_r=R, lora_dropout=lora or 0.0)
+                     method="full" if lora is None else "lora", lora_r=R, lora_dropout=lora or 0.0, lora_dora=dora)
     p = make_pass(shape, spec)
     assert p.mask == (not varlen)  # padded rows are assumed whenever a micro-batch has more than one row
     assert (p.rows, p.row_len, p.examples) == ((1, B * S, B) if varlen else (B, S, B))
@@ -126,8 +153,8 @@ def test_layer_and_outside_bytes_equal_what_autograd_saves(attn, dtype, mp, padd
     batch = batch_for(lengths, packing=varlen)
     torch_dtype, autocast = getattr(torch, dtype), mp != "no"
     impl = register() if varlen else attn
-    one = saved_bytes(build(1, impl, torch_dtype, lora), batch, autocast=autocast)
-    two = saved_bytes(build(2, impl, torch_dtype, lora), batch, autocast=autocast)
+    one = saved_bytes(build(1, impl, torch_dtype, lora, dora=dora), batch, autocast=autocast)
+    two = saved_bytes(build(2, impl, torch_dtype, lora, dora=dora), batch, autocast=autocast)
 
     full = lora is None
     adapted = lora_plan(shape, r=R).adapted[0] if lora is not None else {}

@@ -73,7 +73,7 @@ def build_model(tmp_path, spec: TrainSpec, cfg: dict, *, reward_head: bool = Fal
                                    attn_implementation=spec.attn_implementation,
                                    gradient_checkpointing=spec.gradient_checkpointing,
                                    kernels="none", tiled_mlp=spec.tiled_mlp),
-                       LoraConfig(r=spec.lora_r, dropout=spec.lora_dropout,
+                       LoraConfig(r=spec.lora_r, dropout=spec.lora_dropout, dora=spec.lora_dora,
                                   target_modules=spec.lora_target_modules if isinstance(spec.lora_target_modules, str)
                                   else list(spec.lora_target_modules),
                                   target_parameters=list(spec.lora_target_parameters) or None)
@@ -181,6 +181,13 @@ CASES = [  # (vocab, spec)
     # cast to their fp32 is no copy); counted once per adapter, the estimate was 9% over (found by the stages' check)
     (LAYERS, TrainSpec(method="lora", lora_r=8, lora_dropout=0.0, attn_implementation="sdpa", micro_batch=4,
                        seq_len=128)),
+    # lora.dora: the base and adapter outputs each adapter keeps, the weight copy of dropout's second base matmul, the
+    # row norms' [out, in] temporaries in every forward (and in checkpointing's recompute)
+    pytest.param(LAYERS, TrainSpec(**LORA, attn_implementation="sdpa", mixed_precision="bf16", micro_batch=4,
+                                   seq_len=128, lora_dora=True), id="dora"),
+    pytest.param(LAYERS, TrainSpec(**LORA, attn_implementation="sdpa", mixed_precision="bf16", micro_batch=4,
+                                   seq_len=128, lora_dora=True, gradient_checkpointing=True), id="dora-checkpointed",
+                 marks=pytest.mark.extended),  # extended: the LoRA checkpointed case's recompute, DoRA's bytes above
     # extended: a token budget's varlen rows (the full fine-tune's budget case above) with LoRA's bytes (the LoRA cases)
     pytest.param(LAYERS, TrainSpec(**LORA, mixed_precision="bf16", micro_batch_tokens=512, seq_len=256),
                  marks=pytest.mark.extended),

@@ -66,6 +66,10 @@ class Pass:
     sequence_parallel: int = 1
     # Gemma 4's per-layer inputs get a gradient (the embeddings' projection trains, or an adapter on it)
     per_layer_inputs_train: bool = False
+    # lora.dora (peft's DoRA, dora_bytes); with LoRA dropout, the bytes an element of the weight copy that DoRA's
+    # second base matmul saves (0: its weight is the parameter itself)
+    dora: bool = False
+    dora_weight_copy: int = 0
 
     @property
     def tokens(self) -> int:
@@ -245,6 +249,25 @@ def lora_bytes(p: Pass, fan_in: int, r: int) -> int:
     return mask + p.tokens * ((0 if shares_adapter_inputs(p) else fan_in) + r) * width
 
 
+def dora_bytes(p: Pass, fan_in: int, fan_out: int) -> int:
+    """DoRA beside an adapter (peft's DoraLinearLayer): y = base + (m / n - 1) base + (m / n) s B A x, n the row
+    norms of W + s B A (detached). Saved for the magnitude's gradient: the base output and the adapter's (T x out each;
+    the base's in fp32 where dropout makes peft compute it again from the dropped fp32 input without autocast), m / n,
+    m / n - 1 and n (fp32, out each); with dropout, that second matmul's weight where it is a copy (a cast or a 4-bit
+    base's dequantized weight: Pass.dora_weight_copy). 0 without DoRA."""
+    if not p.dora:
+        return 0
+    base = p.cd if (p.autocast or p.lora_dropout == 0 or p.adapters_in_cd) else FP32
+    adapter = p.cd if p.autocast else FP32
+    copy = fan_in * fan_out * p.dora_weight_copy if p.lora_dropout > 0 else 0
+    return p.tokens * fan_out * (base + adapter) + 3 * fan_out * FP32 + copy
+
+
+def adapters_bytes(p: Pass, adapted: dict[str, tuple[int, int]], half: str, r: int) -> int:
+    """What the adapters of one half of a layer ('self_attn.' or 'mlp.') save: LoRA's and DoRA's."""
+    return sum(lora_bytes(p, i, r) + dora_bytes(p, i, o) for name, (i, o) in adapted.items() if name.startswith(half))
+
+
 def shared_adapter_inputs(p: Pass, adapted: dict[str, tuple[int, int]], inputs: dict[tuple[str, ...], int]) -> int:
     """The inputs that adapters share (shares_adapter_inputs), once each: `inputs` maps the linears reading one
     tensor that nothing else saves to its width (o_proj's input is attention's output, saved by the kernel)."""
@@ -270,7 +293,7 @@ def attn_half_bytes(p: Pass, shape: ModelShape, adapted: dict[str, tuple[int, in
     # o_proj's input: the kernel's output (saved by it), or under sequence parallelism its all-to-all back
     o_input = {("self_attn.o_proj",): shape.heads * shape.head_dim} if p.sequence_parallel > 1 else {}
     total += shared_adapter_inputs(p, adapted, {readers: H, **o_input})
-    return total + sum(lora_bytes(p, fan_in, r) for fan_in in _adapters(adapted, "self_attn."))
+    return total + adapters_bytes(p, adapted, "self_attn.", r)
 
 
 def mlp_half_bytes(p: Pass, shape: ModelShape, adapted: dict[str, tuple[int, int]], r: int) -> int:
@@ -308,7 +331,7 @@ def mlp_tensors_bytes(p: Pass, shape: ModelShape, adapted: dict[str, tuple[int, 
     if full:  # gate and up (or gate_up_proj) read one input; down_proj reads the product (counted above)
         total += linear_input_bytes(p, H, len(readers))
     total += shared_adapter_inputs(p, adapted, {readers: H, ("mlp.down_proj",): shape.intermediate})
-    return moe + total + sum(lora_bytes(p, fan_in, r) for fan_in in _adapters(adapted, "mlp."))
+    return moe + total + adapters_bytes(p, adapted, "mlp.", r)
 
 
 # --------------------------------------------------------------------------- a mixture of experts (params.Experts)
@@ -469,8 +492,8 @@ def per_layer_input_bytes(p: Pass, shape: ModelShape, adapted: dict[str, tuple[i
     if full:
         total += linear_input_bytes(p, H, 1) + T * D * p.cd
     total += shared_adapter_inputs(p, adapted, {("per_layer_input_gate",): H, ("per_layer_projection",): D})
-    total += sum(lora_bytes(p, fan_in, r) for name, (fan_in, _) in adapted.items()
-                 if name in ("per_layer_input_gate", "per_layer_projection"))
+    total += sum(lora_bytes(p, fan_in, r) + dora_bytes(p, fan_in, fan_out) for name, (fan_in, fan_out) in
+                 adapted.items() if name in ("per_layer_input_gate", "per_layer_projection"))
     return total + norm_bytes(p, H, trainable=full, gemma=True)
 
 
@@ -490,7 +513,7 @@ def per_layer_inputs_bytes(p: Pass, shape: ModelShape, other_adapted: dict[str, 
     if p.trainable_base:
         total += linear_input_bytes(p, shape.hidden, 1)
     if (lin := other_adapted.get("per_layer_model_projection")) is not None:
-        total += lora_bytes(p, lin[0], r)
+        total += lora_bytes(p, lin[0], r) + dora_bytes(p, *lin)
     return total
 
 
@@ -519,16 +542,19 @@ def down_input_bytes(p: Pass, shape: ModelShape, adapted: dict[str, tuple[int, i
         return p.tokens * shape.intermediate * p.cd
     if "mlp.down_proj" not in adapted:
         return 0
-    return lora_bytes(p, shape.intermediate, r) + shared_adapter_inputs(p, adapted, {("mlp.down_proj",):
-                                                                                   shape.intermediate})
+    return lora_bytes(p, shape.intermediate, r) + dora_bytes(p, *adapted["mlp.down_proj"]) + \
+        shared_adapter_inputs(p, adapted, {("mlp.down_proj",): shape.intermediate})
 
 
 def frozen_input_discount(p: Pass, shape: ModelShape, adapted: dict[str, tuple[int, int]]) -> int:
     """What the first layer does not save when the embeddings are frozen (LoRA): its input needs no
-    gradient, so the input norm saves nothing and q/k/v adapters keep no dropout mask."""
-    attn_in = [fan_in for name, (fan_in, _) in adapted.items() if name in shape.input_linears[0]]
-    masks = sum(p.tokens * fan_in * p.dropout_mask_bytes for fan_in in attn_in) if p.lora_dropout > 0 else 0
-    return layer_norm_bytes(p, shape.hidden, trainable=False, gemma=shape.gemma_norms) + masks
+    gradient, so the input norm saves nothing and q/k/v adapters keep no dropout mask; under DoRA, their base
+    outputs need none either: no m / n - 1 for it, nor the weight copy of the dropped input's matmul."""
+    attn_in = {name: fans for name, fans in adapted.items() if name in shape.input_linears[0]}
+    masks = sum(p.tokens * i * p.dropout_mask_bytes for i, _ in attn_in.values()) if p.lora_dropout > 0 else 0
+    dora = sum(o * FP32 + (i * o * p.dora_weight_copy if p.lora_dropout > 0 else 0)
+               for i, o in attn_in.values()) if p.dora else 0
+    return layer_norm_bytes(p, shape.hidden, trainable=False, gemma=shape.gemma_norms) + masks + dora
 
 
 def checkpoint_bytes(p: Pass, shape: ModelShape) -> int:
@@ -574,6 +600,17 @@ def lora_forward_temp(p: Pass, fan_in: int, fan_out: int) -> int:
     return p.tokens * (fan_in * FP32 * copies + fan_out * p.cd)
 
 
+def dora_forward_temp(p: Pass, fan_in: int, fan_out: int) -> int:
+    """DoRA's row norms of W + s B A, made in each forward (peft's get_lora_weight and get_weight_norm): B A as B(A(I)),
+    I the identity of fan_in rows in the adapters' dtype, then W and B A cast to the input's dtype (the adapters',
+    fp32 unless they run in cd), s B A and the sum: the identity and four [out, in] tensors at once at most. 0
+    without DoRA."""
+    if not p.dora:
+        return 0
+    width = p.cd if p.adapters_in_cd else FP32
+    return fan_in * fan_in * width + 4 * fan_in * fan_out * width
+
+
 def lora_backward_temp(p: Pass, fan_in: int) -> int:
     """Backward through an adapter's casts and dropout: fp32 gradients of its input (cd where the adapter runs in
     cd), two at a time."""
@@ -584,8 +621,8 @@ def layer_forward_temp(p: Pass, shape: ModelShape, adapted: dict[str, tuple[int,
     """Short-lived tensors inside one layer's forward, beside the residual (T x H) it carries: eager's
     cd scores and their fp32 softmax input, otherwise the fp32 RoPE outputs of q and k before they are
     cast; or an adapter's fp32 input copies (plus the SwiGLU product, which a frozen down_proj does
-    not save, while down_proj's adapter runs). Under sequence parallelism, plus the all-to-all buffers
-    (all_to_all_temp)."""
+    not save, while down_proj's adapter runs; under DoRA, its row norms' tensors too: dora_forward_temp). Under
+    sequence parallelism, plus the all-to-all buffers (all_to_all_temp)."""
     T, m = p.tokens, mlp_pass(p)
     if p.attn == "eager" and shape.sinks:  # GPT-OSS's, beside its softmax's output: the masked scores and the
         # softmax's input (those and the sink column, less the row max), in the dtype they were promoted to
@@ -594,12 +631,13 @@ def layer_forward_temp(p: Pass, shape: ModelShape, adapted: dict[str, tuple[int,
         attn = p.rows * shape.heads * p.row_len * p.row_len * (p.cd + FP32)
     else:
         attn = T * (shape.heads + shape.kv_heads) * shape.head_dim * FP32
-    lora = [lora_forward_temp(p, i, o) for name, (i, o) in adapted.items() if not name.startswith("mlp.")]
+    lora = [lora_forward_temp(p, i, o) + dora_forward_temp(p, i, o) for name, (i, o) in adapted.items()
+            if not name.startswith("mlp.")]
     if shape.experts:
         lora.append(experts_forward_temp(p, shape))
     if not shape.experts or shape.experts.beside:
-        lora += [lora_forward_temp(m, i, o) + (m.tokens * i * p.cd if name == "mlp.down_proj" and
-                                               not p.trainable_base else 0)
+        lora += [lora_forward_temp(m, i, o) + dora_forward_temp(m, i, o) + (
+                 m.tokens * i * p.cd if name == "mlp.down_proj" and not p.trainable_base else 0)
                  for name, (i, o) in adapted.items() if name.startswith("mlp.")]
     return T * shape.hidden * p.resid + max([attn] + lora) + all_to_all_temp(p, shape)
 

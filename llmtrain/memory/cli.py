@@ -18,7 +18,7 @@ from llmtrain.memory.params import PRESETS
 # Options that describe the training run, and the recipe key that sets each in a recipe.
 RUN_OPTIONS = {
     "method": "a lora section (e.g. lora.r=16)", "lora_r": "lora.r", "lora_dropout": "lora.dropout",
-    "lora_target_parameters": "lora.target_parameters",
+    "dora": "lora.dora", "lora_target_parameters": "lora.target_parameters",
     "micro_batch": "train.micro_batch_size",
     "micro_batch_tokens": "train.micro_batch_tokens", "grad_accum": "train.grad_accum_steps",
     "seq_len": "data.max_seq_len", "packing": "data.packing", "loss_chunk_tokens": "train.loss_chunk_tokens",
@@ -29,7 +29,7 @@ RUN_OPTIONS = {
 }
 # The options whose TrainSpec field is named after its recipe key, not after the (shorter) option.
 SPEC_FIELDS = {"grad_accum": "grad_accum_steps", "grad_checkpointing": "gradient_checkpointing",
-               "attn": "attn_implementation"}
+               "attn": "attn_implementation", "dora": "lora_dora"}
 # What `--method lora` without --dtype assumes: every shipped LoRA recipe keeps its frozen base in bf16.
 LORA_BASE_DTYPE = "bfloat16"
 # The exit status when the run does not fit (with --fit: when no configuration fits the GPUs), so that a script can
@@ -51,6 +51,9 @@ def estimate_memory(
     lora_dropout: Annotated[Optional[float], typer.Option(
         min=0.0, max=1.0, help="LoRA dropout (lora.dropout; default 0.05): above 0 each adapter keeps its own dropped "
         "copy of its input for backward; long-context recipes set 0.")] = None,
+    dora: Annotated[Optional[bool], typer.Option(
+        "--dora/--no-dora", help="DoRA beside the LoRA adapters (lora.dora): a magnitude per output row, the base "
+        "and adapter outputs kept for backward, each weight's row norms made in every forward.")] = None,
     lora_target_parameters: Annotated[Optional[list[str]], typer.Option(
         metavar="NAME", help="A parameter LoRA adapts beside the linear layers (lora.target_parameters; once "
         "each): GPT-OSS's experts, mlp.experts.gate_up_proj and mlp.experts.down_proj.")] = None,
@@ -135,7 +138,7 @@ def estimate_memory(
     from llmtrain.memory.pipeline import compared
 
     parameters = tuple(lora_target_parameters) if lora_target_parameters else None
-    run = {k: v for k, v in dict(method=method, lora_r=lora_r, lora_dropout=lora_dropout,
+    run = {k: v for k, v in dict(method=method, lora_r=lora_r, lora_dropout=lora_dropout, dora=dora,
                                  lora_target_parameters=parameters, micro_batch=micro_batch,
                                  micro_batch_tokens=micro_batch_tokens, grad_accum=grad_accum, seq_len=seq_len,
                                  packing=packing, loss_chunk_tokens=loss_chunk_tokens,

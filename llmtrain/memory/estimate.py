@@ -102,7 +102,21 @@ def make_pass(shape: ModelShape, spec: TrainSpec, *, examples: int | None = None
                     mlp_shard=shard if shard and tokens > shard else None, sequence_parallel=n,
                     per_layer_inputs_train=bool(shape.per_layer_input) and (spec.method == "full" or (
                         "per_layer_model_projection" in run_lora_plan(shape, spec).adapted_other)),
+                    dora=spec.method == "lora" and spec.lora_dora,
+                    dora_weight_copy=_dora_weight_copy(spec, DTYPE_BYTES[stream], DTYPE_BYTES[compute], amp),
                     **_expert_adapters(shape, spec, DTYPE_BYTES[stream]))
+
+
+def _dora_weight_copy(spec: TrainSpec, stream: int, cd: int, amp: bool) -> int:
+    """Pass.dora_weight_copy: with LoRA dropout, DoRA's second base matmul (peft's F.linear of the dropped input and
+    the weight cast to its dtype) saves a copy of the weight for the input's gradient: a 4-bit base's dequantized
+    weight; under autocast the cast to cd (none where FSDP gathers it and the adapters in cd already); without, the
+    cast of a 16-bit weight to the adapters' fp32."""
+    if spec.method != "lora" or not spec.lora_dora or spec.lora_dropout == 0:
+        return 0
+    if spec.quantize or (amp and not spec.sharded):
+        return cd
+    return 0 if amp or stream == 4 else 4
 
 
 def _expert_adapters(shape: ModelShape, spec: TrainSpec, stream: int) -> dict:
@@ -176,8 +190,9 @@ def estimate(shape: ModelShape, spec: TrainSpec) -> Estimate:
     dropout = spec.lora_dropout if spec.method == "lora" else 0.0
     if shape.experts and (problems := experts_problems(
             shape.model_type, shape.experts.count, tiled_mlp=bool(spec.tiled_mlp), lora_dropout=dropout,
-            parameters_adapted=dropout > 0 and bool(run_lora_plan(shape, spec).moe_params),
-            flags={"tiled_mlp": " (--tiled-mlp)", "lora_dropout": " (--lora-dropout)"})):
+            parameters_adapted=(dropout > 0 or spec.lora_dora) and bool(run_lora_plan(shape, spec).moe_params),
+            dora=spec.method == "lora" and spec.lora_dora,
+            flags={"tiled_mlp": " (--tiled-mlp)", "lora_dropout": " (--lora-dropout)", "dora": " (--dora)"})):
         raise LLMTrainError(f"cannot estimate this run: {problems[0]} ({shape.source}).")
     whole, shape = shape, tensor_parallel_shape(shape, spec.tp)
     plan = run_lora_plan(shape, spec)
@@ -211,6 +226,7 @@ def estimate(shape: ModelShape, spec: TrainSpec) -> Estimate:
 
     # -- autocast copies of weights (non-FSDP mixed precision; FSDP gathers in the compute dtype)
     adapter_params = [plan.layer_params(i) if plan else 0 for i in range(L)]
+    magnitudes = [plan.magnitudes(i) if plan else 0 for i in range(L)]
     # a mixture of experts' router weight (E x H; Gemma 4's is one of the layer's linears)
     router = shape.experts.count * H if shape.experts and not shape.experts.beside else 0
     # fp32 base linears, each layer's
@@ -220,14 +236,15 @@ def estimate(shape: ModelShape, spec: TrainSpec) -> Estimate:
     # (an expert parameter's A and B are not autocast's: peft casts them itself, act.expert_adapter_bytes)
     factors = sum(n for name, n in plan.moe_params.items() if shape.experts and name in (
         shape.experts.gate_up, shape.experts.down)) if plan else 0
-    copies = [base_copies[i] + ((n - factors) * p.cd if adapter_cast else 0) for i, n in enumerate(adapter_params)]
+    copies = [base_copies[i] + ((n - factors - magnitudes[i]) * p.cd if adapter_cast else 0)
+              for i, n in enumerate(adapter_params)]
     # The autocast cache holds casts of trainable fp32 leaves until the forward returns.
-    cached = [(base_copies[i] if full else 0) + ((n - factors) * p.cd if adapter_cast else 0)
+    cached = [(base_copies[i] if full else 0) + ((n - factors - magnitudes[i]) * p.cd if adapter_cast else 0)
               for i, n in enumerate(adapter_params)]
     # the linears outside the layers (Gemma 4's projection of the embeddings): the casts of those that train, their
     # adapters', held from before the first layer
     other = (sum(x.numel for x in shape.other_linears) * p.cd if full and p.separate_casts else 0) + (
-        plan.other_params * p.cd if plan and adapter_cast else 0)
+        (plan.other_params - plan.magnitudes()) * p.cd if plan and adapter_cast else 0)
     copies[0] += other
     cached[0] += other
     if not embed_trains:  # nor does it keep casts of its q/k/v weights (saved for the input's gradient)
@@ -435,7 +452,7 @@ def kv_cache_bytes(shape: ModelShape, spec: TrainSpec) -> int:
 def generation_copy_bytes(shape: ModelShape, spec: TrainSpec, plan) -> int:
     """The fast sampler's merged generation copy (model/merged_copy.py; rl.merged_copy not off): each adapted
     linear's [out, in] weight in the compute dtype, whole on every GPU (under FSDP it is made from the gathered
-    units; a 4-bit base's is dequantized)."""
+    units; a 4-bit base's is dequantized; DoRA's too, its magnitudes folded in)."""
     if spec.merged_copy == "off" or plan is None or not spec.num_generations or not FAMILIES[
             shape.model_type].fast_sampler:  # the reference sampler runs the training model as it is
         return 0

@@ -17,7 +17,7 @@ import json
 import re
 import warnings
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from llmtrain import capabilities
@@ -399,22 +399,34 @@ class LoraPlan:
     moe_params: dict[str, int] = field(default_factory=dict)
     # adapted linears outside the decoder layers (ModelShape.other_linears: Gemma 4's per_layer_model_projection)
     adapted_other: dict[str, tuple[int, int]] = field(default_factory=dict)
+    dora: bool = False  # lora.dora: each adapted linear also trains a magnitude per output row (peft's fp32 vector)
+
+    def linear_size(self, fan_in: int, fan_out: int) -> int:
+        """One adapted linear's adapter weights: A and B, and DoRA's magnitude vector."""
+        return self.r * (fan_in + fan_out) + (fan_out if self.dora else 0)
 
     def layer_sizes(self, k: int) -> dict[str, int]:
         """Adapter weights of decoder layer k, by adapted linear or parameter."""
-        return {name: self.moe_params.get(name, self.r * (i + o)) for name, (i, o) in self.adapted[k].items()}
+        return {name: self.moe_params.get(name, self.linear_size(i, o)) for name, (i, o) in self.adapted[k].items()}
 
     def layer_params(self, k: int) -> int:
         return sum(self.layer_sizes(k).values())
 
+    def magnitudes(self, k: int | None = None) -> int:
+        """DoRA's magnitude weights in decoder layer k (None: on the linears outside the layers). They scale outputs
+        elementwise, so autocast makes no copy of them, where it does of A and B."""
+        fans = self.adapted_other if k is None else self.adapted[k]
+        return sum(o for name, (_, o) in fans.items() if name not in self.moe_params) if self.dora else 0
+
     def adapter_params(self, shape: ModelShape) -> int:
         per_layers = sum(self.layer_params(k) for k in range(len(self.adapted)))
-        return per_layers + (self.r * (shape.hidden + shape.vocab) if self.adapted_head else 0) + self.other_params
+        return per_layers + (self.linear_size(shape.hidden, shape.vocab) if self.adapted_head else 0) + \
+            self.other_params
 
     @property
     def other_params(self) -> int:
         """Adapter weights on the linears outside the decoder layers."""
-        return sum(self.r * (i + o) for i, o in self.adapted_other.values())
+        return sum(self.linear_size(i, o) for i, o in self.adapted_other.values())
 
     def copy_params(self, shape: ModelShape) -> int:
         return shape.hidden * shape.vocab * (len(self.saved_copies) - self.tied_copies(shape))
@@ -434,7 +446,7 @@ def run_lora_plan(shape: ModelShape, spec) -> LoraPlan | None:
     if spec.method != "lora":
         return None
     return lora_plan(shape, r=spec.lora_r, targets=spec.lora_target_modules, parameters=spec.lora_target_parameters,
-                     modules_to_save=spec.lora_modules_to_save)
+                     modules_to_save=spec.lora_modules_to_save, dora=spec.lora_dora)
 
 
 def _matches(full_name: str, targets: str | tuple[str, ...]) -> bool:
@@ -445,12 +457,13 @@ def _matches(full_name: str, targets: str | tuple[str, ...]) -> bool:
 
 
 def lora_plan(shape: ModelShape, *, r: int, targets: str | tuple[str, ...] = "all-linear",
-              modules_to_save: tuple[str, ...] = (), parameters: tuple[str, ...] = ()) -> LoraPlan:
+              modules_to_save: tuple[str, ...] = (), parameters: tuple[str, ...] = (), dora: bool = False) -> LoraPlan:
     """Which linears get adapters, as peft decides; 'all-linear' is every linear but the LM head. A mixture of
     experts: peft's own answer (_peft_adapted), the same in every layer, with the parameters lora.target_parameters
-    names (GPT-OSS's experts)."""
+    names (GPT-OSS's experts). `dora`: DoRA's magnitude vectors too (lora.dora)."""
     if shape.experts is not None:
-        return _moe_lora_plan(shape, r=r, targets=targets, modules_to_save=modules_to_save, parameters=parameters)
+        return replace(_moe_lora_plan(shape, r=r, targets=targets, modules_to_save=modules_to_save,
+                                      parameters=parameters), dora=dora)
     if parameters:
         raise LLMTrainError(f"estimate-memory counts lora.target_parameters ({list(parameters)}) on a mixture of "
                             f"experts' experts; this {shape.model_type} model has none.")
@@ -471,7 +484,7 @@ def lora_plan(shape: ModelShape, *, r: int, targets: str | tuple[str, ...] = "al
         raise LLMTrainError(f"estimate-memory handles lora.modules_to_save of lm_head and embed_tokens only "
                             f"(got {unknown}).")
     return LoraPlan(r=r, adapted=tuple(adapted), adapted_head=head, saved_copies=tuple(modules_to_save),
-                    adapted_other=other)
+                    adapted_other=other, dora=dora)
 
 
 def _moe_lora_plan(shape: ModelShape, *, r: int, targets: str | tuple[str, ...],

@@ -237,17 +237,19 @@ def chunk_estimate(shape: ModelShape, spec: TrainSpec, stage: Stage, c: int) -> 
     # a mixture of experts' router weight, its one cast (Gemma 4's router is one of the layer's linears)
     router = shape.experts.count * H if shape.experts and not shape.experts.beside else 0
     adapter_params = [chunk_plan.layer_params(i) if chunk_plan else 0 for i in range(L)]
+    magnitudes = [chunk_plan.magnitudes(i) if chunk_plan else 0 for i in range(L)]
     base_copies = [(sub.layer(i).linear_params_per_layer + router) * p.cd if p.separate_casts else 0
                    for i in range(L)]
     adapter_cast = amp and not fsdp  # fp32 adapters under autocast
     factors = sum(n for name, n in plan.moe_params.items() if shape.experts and name in (
         shape.experts.gate_up, shape.experts.down)) if plan else 0
-    copies = [base_copies[i] + ((n - factors) * p.cd if adapter_cast else 0) for i, n in enumerate(adapter_params)]
-    cached = [(base_copies[i] if full else 0) + ((n - factors) * p.cd if adapter_cast else 0)
+    copies = [base_copies[i] + ((n - factors - magnitudes[i]) * p.cd if adapter_cast else 0)
+              for i, n in enumerate(adapter_params)]
+    cached = [(base_copies[i] if full else 0) + ((n - factors - magnitudes[i]) * p.cd if adapter_cast else 0)
               for i, n in enumerate(adapter_params)]
     if first:  # the linears outside the layers (Gemma 4's projection of the embeddings): their casts, as estimate.py's
         other = (sum(x.numel for x in shape.other_linears) * p.cd if full and p.separate_casts else 0) + (
-            plan.other_params * p.cd if plan and adapter_cast else 0)
+            (plan.other_params - plan.magnitudes()) * p.cd if plan and adapter_cast else 0)
         copies[0] += other
         cached[0] += other
     if frozen_input:  # nor are its q/k/v weights' casts kept (saved for the input's gradient)

@@ -58,6 +58,7 @@ class TrainSpec:
     lora_r: int = _default(LoraConfig, "r")
     lora_target_modules: str | tuple[str, ...] = _targets(_default(LoraConfig, "target_modules"))
     lora_dropout: float = _default(LoraConfig, "dropout")
+    lora_dora: bool = _default(LoraConfig, "dora")
     lora_modules_to_save: tuple[str, ...] = ()
     lora_target_parameters: tuple[str, ...] = ()  # peft's parameter adapters (GPT-OSS's experts)
     dtype: Dtype = _default(ModelConfig, "dtype")  # storage dtype of the weights
@@ -352,6 +353,7 @@ def spec_from_recipe(recipe: Recipe, *, strategy: Strategy = "single", num_gpus:
         lora_r=lora.r if lora else _default(LoraConfig, "r"),
         lora_target_modules=_targets(lora.target_modules) if lora else "all-linear",
         lora_dropout=lora.dropout if lora else 0.0,
+        lora_dora=lora.dora if lora else False,
         lora_modules_to_save=tuple(lora.modules_to_save or ()) if lora else (),
         lora_target_parameters=tuple(lora.target_parameters or ()) if lora else (),
         dtype=m.dtype, quantize=m.quantize, mixed_precision=t.mixed_precision,

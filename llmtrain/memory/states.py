@@ -79,7 +79,7 @@ def states(shape: ModelShape, spec: TrainSpec, plan: LoraPlan | None, *, whole: 
     else:
         frozen_bytes = shape.params_total * sd if not spec.quantize else quantized_base_bytes(shape, spec)
         copies = {m: V * H * master for m in plan.saved_copies}
-        head = copies.get("lm_head", 0) + (plan.r * (H + V) * 4 if plan.adapted_head else 0)
+        head = copies.get("lm_head", 0) + (plan.linear_size(H, V) * 4 if plan.adapted_head else 0)
         layer = [plan.layer_params(k) * 4 for k in range(len(plan.adapted))]
     # LoRA's trained copy of the embeddings (model.new_tokens), counted once where the head's copy is the same tensor
     embed_copy = V * H * master if plan is not None and "embed_tokens" in plan.saved_copies and \

@@ -44,6 +44,6 @@ def add_teacher(phases: dict[str, dict[str, int]], shape: ModelShape, spec: Trai
     for name, parts in phases.items():
         extra = hidden + chunk if name in LOSS_PHASES else hidden if name in HELD_PHASES else 0
         parts["teacher"] = weights + extra
-    teacher_pass = act.Pass(**{**vars(p), "trainable_base": False, "lora_dropout": 0.0})
+    teacher_pass = act.Pass(**{**vars(p), "trainable_base": False, "lora_dropout": 0.0, "dora": False})
     phases["teacher_forward"] = {**{k: v for k, v in base.items() if v}, "gradients": gradients,
                                  "teacher": weights + gathered + act.eval_layer_bytes(teacher_pass, t, {}) + hidden}

@@ -1,6 +1,7 @@
 """The generation copy of a LoRA policy's weights (rl.merged_copy): while the fast sampler runs, each adapted linear
 forwards through one weight, its base plus its scaled adapter product (W + s B A), instead of the base beside two
-small adapter matmuls.
+small adapter matmuls; a DoRA adapter's (lora.dora) with its magnitudes folded in, (m / n) (W + s B A), where the
+unmerged DoRA forward computes the row norms n of W + s B A again in every decode step.
 
 The copy is built beside the trained weights, never in place: a bf16 merge then unmerge does not give the base back
 (TRL #6688), and the update trains the adapters on the base as it was. It is made from the weights of the moment (the
@@ -30,7 +31,7 @@ KEPT = "_llmtrain_generation_copy"  # the attribute of the policy that holds a k
 
 def adapted_linears(lm) -> list:
     """The LoRA linears a merged copy can stand in for: peft's LoRA layers over a Linear (or a 4-bit Linear) with
-    their adapters on, plain LoRA (no DoRA, no adapter bias), not merged into the base already."""
+    their adapters on (DoRA's with one adapter active; no adapter bias), not merged into the base already."""
     from peft.tuners.lora import LoraLayer
 
     out = []
@@ -40,7 +41,8 @@ def adapted_linears(lm) -> list:
         names = [a for a in module.active_adapters if a in module.lora_A]
         if not names or getattr(module, "fan_in_fan_out", False):
             continue
-        if any(module.use_dora.get(a) or getattr(module, "lora_bias", {}).get(a) for a in names):
+        if any(getattr(module, "lora_bias", {}).get(a) for a in names) or (
+                len(names) > 1 and any(module.use_dora.get(a) for a in names)):
             continue
         if not hasattr(module.get_base_layer(), "weight") or module.get_base_layer().weight.dim() != 2:
             continue
@@ -74,7 +76,8 @@ def copy_bytes(modules: list) -> int:
 @torch.no_grad()
 def merged_weight(module, out: torch.Tensor | None = None) -> torch.Tensor:
     """W + sum over the active adapters of scaling x B A, computed in fp32 and cast to the layer's compute dtype
-    (written into `out` where given)."""
+    (written into `out` where given). A DoRA adapter's: (m / n) (W + s B A), n the row norms of W + s B A, which is
+    what peft's DoRA forward computes, base + (m / n - 1) base + (m / n) s B A x, in one matmul."""
     base = module.get_base_layer()
     if _four_bit(base):
         import bitsandbytes as bnb
@@ -85,6 +88,9 @@ def merged_weight(module, out: torch.Tensor | None = None) -> torch.Tensor:
     for a in module.active_adapters:
         if a in module.lora_A:
             w.addmm_(module.lora_B[a].weight.float(), module.lora_A[a].weight.float(), alpha=module.scaling[a])
+            if module.use_dora.get(a):
+                magnitude = module.lora_magnitude_vector[a].weight.float()
+                w.mul_((magnitude / torch.linalg.norm(w, dim=1)).unsqueeze(1))
     if out is None:
         return w.to(_compute_dtype(base))
     return out.copy_(w)

@@ -474,6 +474,7 @@ def apply_lora(model, cfg: LoraConfig, *, task: str = "CAUSAL_LM"):
         r=cfg.r,
         lora_alpha=cfg.alpha,
         use_rslora=cfg.rslora,
+        use_dora=cfg.dora,
         lora_dropout=cfg.dropout,
         target_modules=cfg.target_modules,
         modules_to_save=list(cfg.modules_to_save) if cfg.modules_to_save else None,  # (peft extends its list)

@@ -1,0 +1,103 @@
+"""DoRA (lora.dora, peft's use_dora): a run trains and saves each adapted linear's magnitudes, resumes exactly, loads
+back in peft and merges to the same model; the estimate counts the model's adapter weights; the layouts and models
+that cannot run it refuse it in one paragraph. (What its layers keep for backward and its step's peak:
+tests/test_memory_saved.py and test_memory_step.py.)"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+import yaml
+from helpers import REPO, cli, crash_at_step, load_weights, max_abs_diff, records, run_train, write_recipe
+
+from llmtrain.config import LoraConfig, ModelConfig, load_recipe
+
+pytestmark = pytest.mark.long(60)  # tests/conftest.py
+
+TEXT = ["reverse abcde = edcba", "reverse qwer = rewq"]
+
+
+@torch.no_grad()
+def _logits(model, tokenizer) -> torch.Tensor:
+    return model(**tokenizer(TEXT, return_tensors="pt", padding=True)).logits
+
+
+def _base(tiny_assets):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(str(tiny_assets / "model"), attn_implementation="eager").eval()
+
+
+@pytest.mark.parametrize("targets", ["all-linear", ["q_proj", "v_proj", "down_proj"]])
+def test_the_estimate_counts_the_models_adapter_weights(tiny_assets, targets):
+    """A and B of each adapted linear, and DoRA's magnitude (one per output row), as peft builds them."""
+    from llmtrain.memory.params import _shape_from_json, lora_plan
+    from llmtrain.model.modeling import load_model
+
+    shape = _shape_from_json((tiny_assets / "model" / "config.json").read_text(), "tiny")
+    counted = {}
+    for dora in (False, True):
+        model = load_model(ModelConfig(name_or_path=str(tiny_assets / "model"), attn_implementation="eager"),
+                           LoraConfig(r=4, dora=dora, target_modules=targets), device=torch.device("cpu"), empty=False)
+        trained = sum(p.numel() for p in model.parameters() if p.requires_grad)
+        plan = lora_plan(shape, r=4, targets=targets if isinstance(targets, str) else tuple(targets), dora=dora)
+        assert plan.trainable(shape) == trained
+        counted[dora] = trained
+    magnitudes = sum(o for layer in plan.adapted for _, o in layer.values())
+    assert counted[True] - counted[False] == magnitudes > 0
+
+
+def test_a_dora_run_saves_its_magnitudes_resumes_exactly_and_merges_to_the_same_model(tiny_assets, tmp_path,
+                                                                                       monkeypatch):
+    """Killed in step 4 and resumed from step 2's checkpoint: the same losses, evals and adapter bit for bit. The
+    adapter says use_dora and holds a magnitude per adapted linear, moved off the base's row norms (where peft starts
+    it); peft loads it to the logits the merged export gives."""
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    recipe = write_recipe(tiny_assets, tmp_path, train={"max_steps": 4, "eval_every_steps": 2, "lr": 1e-2},
+                          checkpoint={"every_steps": 2, "keep_last": 2},
+                          lora={"r": 4, "alpha": 8, "dropout": 0.1, "dora": True}, data={"eval_split": 0.05})
+    straight, killed = tmp_path / "straight", tmp_path / "killed"
+    run_train(recipe, f"output_dir={straight}", "logging.every_steps=1")
+    crash_at_step(monkeypatch, recipe, 4, f"output_dir={killed}", "logging.every_steps=1")
+    run_train(recipe, f"output_dir={killed}", "logging.every_steps=1", resume="auto")
+    assert [r["loss"] for r in records(killed)] == [r["loss"] for r in records(straight)]
+    assert records(killed, "eval") == records(straight, "eval") != []
+    adapter = "final/adapter_model.safetensors"
+    assert max_abs_diff(load_weights(killed / adapter), load_weights(straight / adapter)) == 0
+
+    final = straight / "final"
+    assert json.loads((final / "adapter_config.json").read_text())["use_dora"] is True
+    saved = load_weights(final / adapter.split("/")[1])
+    magnitudes = {k: v for k, v in saved.items() if k.endswith("lora_magnitude_vector")}
+    assert len(magnitudes) == 7 * 2  # q, k, v, o, gate, up and down of each of the two layers
+    base = _base(tiny_assets)
+    weights = dict(base.named_parameters())
+    for key, m in magnitudes.items():
+        row_norms = weights[key.removeprefix("base_model.model.").replace("lora_magnitude_vector", "weight")].norm(
+            dim=1)
+        assert m.shape == row_norms.shape and (m - row_norms).abs().max() > 1e-4, key  # trained
+
+    tokenizer = AutoTokenizer.from_pretrained(str(tiny_assets / "model"))
+    adapted = _logits(PeftModel.from_pretrained(_base(tiny_assets), str(final)).eval(), tokenizer)
+    assert (adapted - _logits(base, tokenizer)).abs().max() > 1e-4
+    cli("export", str(straight), "--merge")
+    merged = AutoModelForCausalLM.from_pretrained(str(straight / "final-merged"), attn_implementation="eager").eval()
+    torch.testing.assert_close(_logits(merged, tokenizer), adapted, atol=1e-5, rtol=1e-5)
+
+
+def test_tensor_parallelism_refuses_it_and_fsdp_takes_it(tiny_assets, tmp_path):
+    """Tensor parallelism splits the rows whose norms DoRA divides by: refused before any process starts; FSDP and DDP
+    pass (FSDP gathers each layer's weights whole for its forward)."""
+    from llmtrain.doctor import check_layout
+
+    recipe = load_recipe(write_recipe(tiny_assets, tmp_path, lora={"r": 4, "dora": True}), [])
+    layouts = {name: yaml.safe_load((REPO / "accelerate_configs" / f"cpu_{name}.yaml").read_text())
+               for name in ("tp", "fsdp", "ddp")}
+    ((_, status, detail),) = check_layout(recipe, layouts["tp"])
+    assert status == "fail" and detail.startswith("lora.dora under tensor parallelism") and \
+        "Set lora.dora=false, or launch FSDP" in detail
+    assert [check_layout(recipe, layouts[name])[0][1] for name in ("fsdp", "ddp")] == ["pass", "pass"]
