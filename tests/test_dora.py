@@ -10,7 +10,7 @@ import json
 import pytest
 import torch
 import yaml
-from helpers import REPO, cli, crash_at_step, load_weights, max_abs_diff, records, run_train, write_recipe
+from helpers import REPO, crash_at_step, invoke, load_weights, max_abs_diff, records, run_train, write_recipe
 
 from llmtrain.config import LoraConfig, ModelConfig, load_recipe
 
@@ -84,7 +84,7 @@ def test_a_dora_run_saves_its_magnitudes_resumes_exactly_and_merges_to_the_same_
     tokenizer = AutoTokenizer.from_pretrained(str(tiny_assets / "model"))
     adapted = _logits(PeftModel.from_pretrained(_base(tiny_assets), str(final)).eval(), tokenizer)
     assert (adapted - _logits(base, tokenizer)).abs().max() > 1e-4
-    cli("export", str(straight), "--merge")
+    invoke("export", str(straight), "--merge")
     merged = AutoModelForCausalLM.from_pretrained(str(straight / "final-merged"), attn_implementation="eager").eval()
     torch.testing.assert_close(_logits(merged, tokenizer), adapted, atol=1e-5, rtol=1e-5)
 
@@ -101,3 +101,25 @@ def test_tensor_parallelism_refuses_it_and_fsdp_takes_it(tiny_assets, tmp_path):
     assert status == "fail" and detail.startswith("lora.dora under tensor parallelism") and \
         "Set lora.dora=false, or launch FSDP" in detail
     assert [check_layout(recipe, layouts[name])[0][1] for name in ("fsdp", "ddp")] == ["pass", "pass"]
+
+
+def test_the_estimate_says_what_dora_keeps_a_layer_by_hand():
+    """Mistral-7B, all-linear, bf16 autocast, 4 x 2048 tokens: each adapted linear keeps its base and adapter outputs
+    (T x out x 2 bytes each; out sums to 43,008 a layer) and three fp32 vectors of out; with dropout 0.05 the weight
+    copy of every re-run base matmul too (218,103,808 weights a layer in bf16: 416.0 MiB)."""
+    from llmtrain.memory.estimate import estimate
+    from llmtrain.memory.params import load_model_shape
+    from llmtrain.memory.spec import TrainSpec
+
+    mistral = load_model_shape("mistral-7b")
+    spec = TrainSpec(method="lora", lora_r=16, dtype="bfloat16", mixed_precision="bf16", micro_batch=4, seq_len=2048,
+                     lora_dora=True)
+    outputs = 8192 * 43_008 * (2 + 2) + 3 * 43_008 * 4
+    copies = (2 * 4096 * 4096 + 2 * 4096 * 1024 + 3 * 4096 * 14336) * 2
+    assert copies == 436_207_616
+    (note,) = [n for n in estimate(mistral, spec).notes if n.startswith("lora.dora")]
+    assert f"{(outputs + copies) / 2**20:,.1f} MiB a layer, of which 416.0 MiB" in note
+    (note,) = [n for n in estimate(mistral, spec.but(lora_dropout=0.0)).notes if n.startswith("lora.dora")]
+    assert note.endswith(f"{outputs / 2**20:,.1f} MiB a layer")
+    plain = estimate(mistral, spec.but(lora_dora=False))
+    assert not any(n.startswith("lora.dora") for n in plain.notes)

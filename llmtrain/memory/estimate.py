@@ -107,6 +107,19 @@ def make_pass(shape: ModelShape, spec: TrainSpec, *, examples: int | None = None
                     **_expert_adapters(shape, spec, DTYPE_BYTES[stream]))
 
 
+def _dora_note(shape: ModelShape, spec: TrainSpec, p: act.Pass) -> str:
+    """What DoRA adds to a layer's saved tensors (act.dora_bytes), and the part lora.dropout=0 would save."""
+    adapted = run_lora_plan(shape, spec).adapted[0]
+    saved = sum(act.dora_bytes(p, i, o) for name, (i, o) in adapted.items())
+    copies = sum(i * o * p.dora_weight_copy for i, o in adapted.values()) if spec.lora_dropout > 0 else 0
+    text = (f"lora.dora: each adapted linear keeps its base and adapter outputs for the magnitude's gradient, "
+            f"{saved / MIB:,.1f} MiB a layer")
+    if copies:
+        text += (f", of which {copies / MIB:,.1f} MiB are the weight copies of the base matmuls peft runs again on "
+                 f"the dropped-out input (lora.dropout={spec.lora_dropout:g}; 0 saves the matmuls and the copies)")
+    return text
+
+
 def _dora_weight_copy(spec: TrainSpec, stream: int, cd: int, amp: bool) -> int:
     """Pass.dora_weight_copy: with LoRA dropout, DoRA's second base matmul (peft's F.linear of the dropped input and
     the weight cast to its dtype) saves a copy of the weight for the input's gradient: a 4-bit base's dequantized
@@ -632,6 +645,8 @@ def _notes(shape: ModelShape, spec: TrainSpec, p: act.Pass) -> tuple[str, ...]:
     elif spec.grad_accum_steps > 1:
         held = "gradient shards" if spec.sharded else "gradients"
         notes.append(f"{held} stay allocated between the micro-batches of an accumulation window")
+    if p.dora:
+        notes.append(_dora_note(shape, spec, p))
     if spec.lora_dropout == 0 and spec.method == "lora" and spec.mixed_precision == "no":
         notes.append("lora.dropout=0 without autocast: LoRA inputs counted per adapter (peft shares them), "
                      "an overestimate")
