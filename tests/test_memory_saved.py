@@ -305,3 +305,38 @@ def test_a_mixture_of_experts_layer_saves_what_the_estimate_says(family, dtype, 
         assert dict(p.expert_ranks) == {"mlp.experts.gate_up_proj": 8, "mlp.experts.down_proj": 4}
         assert act.expert_adapter_bytes(p, shape, adapted) == 2 * (64 * 8 + 8 * 8 * 96 + 8 * 64 * 8 + 64 * 8 +
                                                                     8 * 8 * 64 + 8 * 48 * 8) == 36_864
+
+
+@pytest.mark.parametrize("dropout", [0.0, 0.05])
+def test_dora_on_a_4bit_base_saves_what_the_estimate_says(tmp_path, dropout):
+    """QLoRA with DoRA (bf16 autocast): DoRA's bytes beyond LoRA's a layer equal dora_bytes; with dropout, the
+    re-run base matmul keeps the dequantized weight (in bf16) of every adapted linear."""
+    pytest.importorskip("bitsandbytes")
+    import peft
+    from transformers import AutoModelForCausalLM, BitsAndBytesConfig, LlamaConfig
+
+    from llmtrain.model.loss import attach_loss
+
+    def layer(dora: bool) -> int:
+        saved = []
+        for layers in (1, 2):
+            torch.manual_seed(0)
+            cfg = LlamaConfig(**{k: v for k, v in TINY.items() if k != "model_type"}, num_hidden_layers=layers)
+            AutoModelForCausalLM.from_config(cfg).save_pretrained(tmp_path / str(layers))
+            quantized = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4",
+                                           bnb_4bit_compute_dtype=torch.bfloat16)
+            model = AutoModelForCausalLM.from_pretrained(tmp_path / str(layers), quantization_config=quantized,
+                                                         dtype=torch.bfloat16, attn_implementation="sdpa")
+            model = peft.get_peft_model(model, peft.LoraConfig(r=R, lora_alpha=8, lora_dropout=dropout, use_dora=dora,
+                                                               target_modules="all-linear", task_type="CAUSAL_LM"))
+            attach_loss(model, chunk=7)
+            saved.append(saved_bytes(model.train(), batch_for([S] * B, packing=False), autocast=True))
+        return saved[1] - saved[0]
+
+    shape = _shape_from_json(json.dumps({**TINY, "num_hidden_layers": 2}), "tiny")
+    spec = TrainSpec(dtype="bfloat16", mixed_precision="bf16", quantize="nf4", micro_batch=B, seq_len=S,
+                     method="lora", lora_r=R, lora_dropout=dropout, lora_dora=True, attn_implementation="sdpa")
+    p = make_pass(shape, spec)
+    assert p.dora_weight_copy == (2 if dropout else 0)
+    adapted = lora_plan(shape, r=R).adapted[0]
+    assert layer(True) - layer(False) == sum(act.dora_bytes(p, i, o) for i, o in adapted.values())
