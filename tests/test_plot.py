@@ -8,7 +8,7 @@ import math
 import subprocess
 
 import pytest
-from helpers import ENV, LLMTRAIN, cli
+from helpers import ENV, LLMTRAIN, cli, invoke
 
 from llmtrain.errors import LLMTrainError
 from llmtrain.run.plot import default_plot_path, ema, plot_runs, read_curves, smoothing_weight, update_loss_plot
@@ -48,7 +48,7 @@ def png_size(path) -> tuple[int, int]:
 def test_plot_one_run_cli_writes_loss_png_in_the_run(tmp_path):
     run = tmp_path / "run"
     records = write_metrics(run)
-    proc = cli("plot", str(run))
+    proc = invoke("plot", str(run))
     out = run / "loss.png"
     assert proc.stdout.strip() == str(out)  # the path alone for scripts; what it is on stderr (issue 53)
     assert f"wrote the curves of 1 run ({run}) to {out}" in proc.stderr
@@ -86,7 +86,7 @@ def test_plot_several_runs_overlaid(tmp_path):
     write_metrics(a)
     write_metrics(b, steps=20, scale=0.5, skipped=())
     out = tmp_path / "cmp" / "both.png"
-    proc = cli("plot", str(a), str(b), "--out", str(out))
+    proc = invoke("plot", str(a), str(b), "--out", str(out))
     assert proc.stdout.strip() == str(out)
     assert png_size(out) == PNG_SIZE
 
@@ -264,7 +264,7 @@ def test_an_rl_run_plots_reward_eval_accuracy_length_and_kl_against_steps(tmp_pa
     fig = plot_runs([plain], plain / "loss.png")
     assert list(lines_by_label(fig.axes[3])) == ["loss (no kl: rl.beta is 0)"]
 
-    cli("plot", str(run), "--out", str(tmp_path / "cli.png"))
+    invoke("plot", str(run), "--out", str(tmp_path / "cli.png"))
     assert png_size(tmp_path / "cli.png") == png_size(run / "loss.png")
 
 
