@@ -214,6 +214,23 @@ def test_the_trainer_logs_the_estimate_at_its_prompts_and_the_worst_case_beside_
     assert predicted_for_run(None) == {}  # a model the estimator cannot read
 
 
+def test_doras_unmerged_sampler_makes_its_row_norms_at_every_step():
+    """lora.dora with the adapters unmerged (rl.merged_copy off): each forward, each decode step too, makes an adapted
+    weight's row norms (down_proj's the largest: 14336^2 + 4 x 14336 x 4096 fp32, 1.64 GiB); with a merged copy the
+    sampler never does."""
+    from llmtrain.memory import activations as act
+
+    norms = (14336**2 + 4 * 14336 * 4096) * 4
+    assert norms == 1_761_607_680
+    temps = {}
+    for policy in ("off", "rollout"):
+        spec = spec_from_recipe(recipe(**{**GRPO, "lora": {"dora": True}, "rl": {**GRPO["rl"], "merged_copy": policy}}),
+                                prompt_lengths=[98] * 10)
+        assert act.dora_norms_temp(make_pass(MISTRAL, spec), lora_plan(MISTRAL, r=16).adapted[0]) == norms
+        temps[policy] = estimate(MISTRAL, spec).phase_parts["generation"].get("temporaries", 0)
+    assert temps["off"] == norms > temps["rollout"]
+
+
 def test_the_merged_generation_copy_by_hand():
     """rl.merged_copy with an all-linear LoRA on Mistral-7B: every decoder linear's [out, in] weight in bf16, 32 x
     (2 x 4096^2 + 2 x 4096 x 1024 + 3 x 4096 x 14336) x 2 bytes = 13.0 GiB; rollout holds it while sampling only,

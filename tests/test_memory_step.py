@@ -244,6 +244,9 @@ EVAL_CASES = [  # (vocab, spec): evaluate() runs compute_loss(return_hits=True) 
                      loss_chunk_tokens=100)),
     (LAYERS, TrainSpec(**LORA, mixed_precision="bf16", micro_batch=4, seq_len=128, eval_micro_batch=4)),
     (LAYERS, TrainSpec(**LORA, micro_batch=4, seq_len=128, eval_micro_batch=4)),
+    # DoRA's row norms in each forward: down_proj's (688^2 + 4 x 688 x 256 fp32) is this layer's largest moment
+    pytest.param(LAYERS, TrainSpec(**LORA, mixed_precision="bf16", micro_batch=4, seq_len=128, eval_micro_batch=4,
+                                   lora_dora=True), id="dora"),
 ]
 
 

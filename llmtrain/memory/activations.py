@@ -611,6 +611,11 @@ def dora_forward_temp(p: Pass, fan_in: int, fan_out: int) -> int:
     return fan_in * fan_in * width + 4 * fan_in * fan_out * width
 
 
+def dora_norms_temp(p: Pass, adapted: dict[str, tuple[int, int]]) -> int:
+    """The largest of a layer's dora_forward_temp (its adapters make their row norms one after another)."""
+    return max((dora_forward_temp(p, i, o) for i, o in adapted.values()), default=0)
+
+
 def lora_backward_temp(p: Pass, fan_in: int) -> int:
     """Backward through an adapter's casts and dropout: fp32 gradients of its input (cd where the adapter runs in
     cd), two at a time."""
@@ -623,7 +628,7 @@ def layer_forward_temp(p: Pass, shape: ModelShape, adapted: dict[str, tuple[int,
     cast; or an adapter's fp32 input copies (plus the SwiGLU product, which a frozen down_proj does
     not save, while down_proj's adapter runs; under DoRA, its row norms' tensors too: dora_forward_temp). Under
     sequence parallelism, plus the all-to-all buffers (all_to_all_temp)."""
-    T, m = p.tokens, mlp_pass(p)
+    T = p.tokens
     if p.attn == "eager" and shape.sinks:  # GPT-OSS's, beside its softmax's output: the masked scores and the
         # softmax's input (those and the sink column, less the row max), in the dtype they were promoted to
         attn = p.rows * shape.heads * p.row_len * (2 * p.row_len + 1) * max(p.cd, p.resid)
@@ -631,15 +636,23 @@ def layer_forward_temp(p: Pass, shape: ModelShape, adapted: dict[str, tuple[int,
         attn = p.rows * shape.heads * p.row_len * p.row_len * (p.cd + FP32)
     else:
         attn = T * (shape.heads + shape.kv_heads) * shape.head_dim * FP32
-    lora = [lora_forward_temp(p, i, o) + dora_forward_temp(p, i, o) for name, (i, o) in adapted.items()
-            if not name.startswith("mlp.")]
+    lora = adapter_forward_temps(p, shape, adapted)
     if shape.experts:
         lora.append(experts_forward_temp(p, shape))
-    if not shape.experts or shape.experts.beside:
-        lora += [lora_forward_temp(m, i, o) + dora_forward_temp(m, i, o) + (
-                 m.tokens * i * p.cd if name == "mlp.down_proj" and not p.trainable_base else 0)
-                 for name, (i, o) in adapted.items() if name.startswith("mlp.")]
     return T * shape.hidden * p.resid + max([attn] + lora) + all_to_all_temp(p, shape)
+
+
+def adapter_forward_temps(p: Pass, shape: ModelShape, adapted: dict[str, tuple[int, int]]) -> list[int]:
+    """Each adapter's moment in a layer's forward (layer_forward_temp): its input copies and base output
+    (lora_forward_temp), DoRA's row norms (dora_forward_temp), and beside down_proj's the SwiGLU product it reads."""
+    m = mlp_pass(p)
+    temps = [lora_forward_temp(p, i, o) + dora_forward_temp(p, i, o) for name, (i, o) in adapted.items()
+             if not name.startswith("mlp.")]
+    if not shape.experts or shape.experts.beside:
+        temps += [lora_forward_temp(m, i, o) + dora_forward_temp(m, i, o) + (
+                  m.tokens * i * p.cd if name == "mlp.down_proj" and not p.trainable_base else 0)
+                  for name, (i, o) in adapted.items() if name.startswith("mlp.")]
+    return temps
 
 
 def residual_grad_bytes(p: Pass, shape: ModelShape) -> int:
@@ -702,7 +715,9 @@ def eval_layer_bytes(p: Pass, shape: ModelShape, adapted: dict[str, tuple[int, i
     stream dtype) and RoPE, beside the MLP's largest moment or eager's scores. The MLP holds gate, up and
     their product (3 x T x I, cd), with eager's probabilities (the decoder layer keeps the attention weights
     it ignores until it returns); an adapted up_proj holds silu's output, its base output, lora_B's output
-    and its scaled copy (in the adapter's fp32 without autocast), and the input's fp32 cast."""
+    and its scaled copy (in the adapter's fp32 without autocast), and the input's fp32 cast. Under DoRA, or an
+    adapter's forward as in training (adapter_forward_temps: its row norms beside its input copies), beside the
+    layer's stream."""
     T, I, m = p.tokens, shape.intermediate, mlp_pass(p).tokens  # m: the tokens the MLP runs at once
     scores = p.rows * shape.heads * p.row_len * p.row_len if p.attn == "eager" else 0
     mlp = 3 * m * I * p.cd
@@ -713,7 +728,9 @@ def eval_layer_bytes(p: Pass, shape: ModelShape, adapted: dict[str, tuple[int, i
     elif any(name in adapted for name in shape.input_linears[1]):  # up_proj (Phi: gate_up_proj) adapted
         cast = m * shape.hidden * FP32 if p.resid != FP32 else 0
         mlp = max(mlp, m * I * (2 * p.cd + 2 * (p.cd if p.autocast else FP32)) + cast)
-    return 4 * T * shape.hidden * p.resid + rope_bytes(p, shape) + max(mlp + scores * p.resid, scores * (p.cd + FP32))
+    dora = max(adapter_forward_temps(p, shape, adapted), default=0) if p.dora else 0
+    return 4 * T * shape.hidden * p.resid + rope_bytes(p, shape) + max(mlp + scores * p.resid, scores * (p.cd + FP32),
+                                                                      dora)
 
 
 # --------------------------------------------------------------------------- the loss (llmtrain.model.loss)

@@ -501,13 +501,17 @@ def _generation_phases(shape: ModelShape, spec: TrainSpec, base: dict, *, cached
     slots = width + spec.max_completion_tokens
     scores = act.sink_sampling_bytes(shape, prompts, chunk, width, prefill.cd)
     stream = 4 * prefill.tokens * shape.hidden * prefill.resid
+    # DoRA's adapters unmerged (no generation copy) make their row norms at each forward, every decode step too
+    plan = run_lora_plan(shape, spec)
+    norms = max((act.dora_norms_temp(prefill, a) for a in plan.adapted), default=0) if (
+        plan and spec.merged_copy == "off") else 0
     return {"generation_prefill": _phase(**common, logits=prompts * shape.vocab * (prefill.cd + act.FP32),
                                          temporaries=max(*(act.eval_layer_bytes(
                                              last if shape.layer(i).kv_shared else prefill, shape.layer(i), {})
                                              for i in range(shape.layers)),
-                                                         stream + scores if scores else 0)),
+                                                         stream + scores if scores else 0, norms)),
             "generation": _phase(**common, logits=rows * shape.vocab * 4 * act.FP32,
-                                 temporaries=act.sink_sampling_bytes(shape, rows, 1, slots, prefill.cd))}
+                                 temporaries=max(act.sink_sampling_bytes(shape, rows, 1, slots, prefill.cd), norms))}
 
 
 def _plus(parts: dict[str, int], **more: int) -> dict[str, int]:
