@@ -110,7 +110,7 @@ def make_pass(shape: ModelShape, spec: TrainSpec, *, examples: int | None = None
 def _dora_note(shape: ModelShape, spec: TrainSpec, p: act.Pass) -> str:
     """What DoRA adds to a layer's saved tensors (act.dora_bytes), and the part lora.dropout=0 would save."""
     adapted = run_lora_plan(shape, spec).adapted[0]
-    saved = sum(act.dora_bytes(p, i, o) for name, (i, o) in adapted.items())
+    saved = sum(act.dora_bytes(p, i, o) for i, o in adapted.values())
     copies = sum(i * o * p.dora_weight_copy for i, o in adapted.values()) if spec.lora_dropout > 0 else 0
     text = (f"lora.dora: each adapted linear keeps its base and adapter outputs for the magnitude's gradient, "
             f"{saved / MIB:,.1f} MiB a layer")
