@@ -29,6 +29,8 @@
 #                                                # LoRA peaks vs estimate; liger's Gemma 4 kernels (~4 min)
 #   bash benchmarks/gpu_session.sh optim8        # train.optimizer: Mistral-7B's shape, a bf16 full fine-tune on one
 #                                                # card with AdamW, then 8-bit AdamW: peaks vs estimate (~3 min)
+#   bash benchmarks/gpu_session.sh dora          # lora.dora: Mistral-7B's shape, LoRA against DoRA (dropout 0 and
+#                                                # 0.05) checkpointed: step time, peaks vs estimate (~3 min)
 #
 # Each writes $OUT/<name>.jsonl and $OUT/<name>.log.
 #
@@ -542,6 +544,17 @@ optim8)  # train.optimizer on CUDA (~3 minutes on an H200): Mistral-7B's shape (
       train.max_steps=4 train.optimizer=$opt
     echo "$opt: done at ${SECONDS}s" | tee -a "$OUT/$WHAT.log"
   done
+  ;;
+dora)  # lora.dora on CUDA (~3 minutes on an H200): Mistral-7B's shape (random init), LoRA r16 on every linear of a bf16
+  # base, 4,096 tokens a micro-batch, checkpointed: plain LoRA, then DoRA with dropout 0 and 0.05, each run's step time
+  # and peak against the estimate it prints (DoRA adds the base and adapter outputs and, with dropout, a weight copy
+  # per adapted linear to each layer's recompute, and 1.64 GiB of down_proj's row norms to each forward).
+  dir=$(model_dir mistral-7b-dora '{}')
+  recipe $W/mistral-7b-dora.yaml "$dir" 1 bfloat16 4096
+  M="model.gradient_checkpointing=true train.loss_chunk_tokens=1024 train.max_steps=4"
+  run mistral-7b-lora $FT $W/mistral-7b-dora.yaml $M
+  run mistral-7b-dora $FT $W/mistral-7b-dora.yaml $M lora.dora=true
+  run mistral-7b-dora-dropout $FT $W/mistral-7b-dora.yaml $M lora.dora=true lora.dropout=0.05
   ;;
 gemma4)  # Gemma 4 on CUDA (~4 minutes on an H200): no checkpoint config is on the CPU machine, so a text model shaped
   # from transformers' own Gemma4TextConfig defaults (30 layers of 2,304, a 262,144-token vocabulary, per-layer inputs
