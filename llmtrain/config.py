@@ -701,8 +701,16 @@ class RLConfig(Section):
         None, ge=0, allow_inf_nan=False, description="Weight of the KL to the reference (the starting model; LoRA: "
         "the adapter disabled). Default TRL's for the algorithm: 0 for grpo (no reference needed), 0.05 for rloo "
         "(which subtracts beta x the completion's summed k1 log-ratio from its reward).")
+    num_iterations: int = Field(
+        1, ge=1, description="Updates per generation round (TRL's num_iterations, the GRPO paper's mu): the step that "
+        "samples a window's completions is followed by num_iterations - 1 more optimizer steps on the same "
+        "completions and advantages, each against the log-probabilities of the policy that sampled them (taken "
+        "once, without gradient, after sampling), so the ratio moves away from 1 and rl.epsilon's clip binds. Every "
+        "update is a step (train.max_steps, the schedule, logging and checkpoints count updates; new prompts every "
+        "num_iterations steps, an epoch num_iterations times as many steps). 1: sample before every update.")
     epsilon: float = Field(0.2, gt=0, lt=1, description="The clipped surrogate's lower (and upper) bound: ratios "
-                           "outside [1 - epsilon, 1 + epsilon] are clipped.")
+                           "outside [1 - epsilon, 1 + epsilon] are clipped (with rl.num_iterations 1 the ratio is "
+                           "always 1: the clip never binds).")
     epsilon_high: float | None = Field(None, gt=0, description="DAPO's separate upper bound (e.g. 0.28); default "
                                        "epsilon.")
     scale_rewards: Literal["group", "none"] | None = Field(

@@ -31,6 +31,17 @@ def tiny_model(tiny_assets):
                                                 attn_implementation="sdpa").train()
 
 
+def two_copies_and_a_moved_one(tiny_assets, scale: float):
+    """TRL's copy, llmtrain's copy, and a third whose weights moved by `scale` x N(0, 1) (a reference, or the policy
+    that sampled)."""
+    theirs, ours, moved = tiny_model(tiny_assets), tiny_model(tiny_assets), tiny_model(tiny_assets)
+    torch.manual_seed(0)
+    with torch.no_grad():
+        for p in moved.parameters():
+            p.add_(scale * torch.randn_like(p))
+    return theirs, ours, moved
+
+
 def trl_trainer(model, tiny_assets, tmp_path, *, loss_type: str, beta: float):
     import datasets
     from transformers import AutoTokenizer
@@ -89,12 +100,7 @@ def test_loss_and_gradients_equal_trls_grpo_trainer(tiny_assets, tmp_path, loss_
     and used by llmtrain as its reference forward."""
     prompts = [[1] + PROMPTS[i // 2] for i in range(4)]
     advantages = torch.tensor([0.7, -0.7, 1.2, -1.2])
-    theirs_model, ours_model, reference = tiny_model(tiny_assets), tiny_model(tiny_assets), tiny_model(tiny_assets)
-    torch.manual_seed(0)
-    with torch.no_grad():
-        for p in reference.parameters():
-            p.add_(0.01 * torch.randn_like(p))
-
+    theirs_model, ours_model, reference = two_copies_and_a_moved_one(tiny_assets, 0.01)
     trainer = trl_trainer(theirs_model, tiny_assets, tmp_path, loss_type=loss_type, beta=beta)
     inputs = padded_inputs(prompts, COMPLETIONS, advantages, pad=trainer.processing_class.pad_token_id)
     if beta:
@@ -114,6 +120,55 @@ def test_loss_and_gradients_equal_trls_grpo_trainer(tiny_assets, tmp_path, loss_
     assert ours.item() == pytest.approx(theirs.item(), abs=1e-6)
     assert max(g.abs().max().item() for g in their_grads.values()) > 1e-3  # a gradient to compare, not zeros
     worst = max((p.grad - their_grads[n]).abs().max().item() for n, p in ours_model.named_parameters())
+    assert worst < 1e-6, worst
+
+
+@pytest.mark.parametrize("loss_type, epsilon_high", [("dapo", 0.28), ("grpo", None), ("dr_grpo", None)])
+def test_a_later_update_of_a_round_equals_trls_with_its_old_logps(tiny_assets, tmp_path, loss_type, epsilon_high):
+    """rl.num_iterations > 1: a round's later update divides by the log-probabilities of the policy that sampled
+    (TRL's old_per_token_logps), so the ratio is not 1 and the clip binds (epsilon 0.2, DAPO's epsilon_high 0.28):
+    the same loss, gradients and clipped tokens as TRL's _compute_loss given the same old log-probabilities (those
+    of a policy 0.05 away, taken by each side's own path: TRL's padded forward, llmtrain's packed one)."""
+    from llmtrain.data.batching import collate, with_loss_positions
+    from llmtrain.data.formats import IGNORE
+    from llmtrain.model.loss import attach_loss, compute_loss
+
+    prompts = [[1] + PROMPTS[i // 2] for i in range(4)]
+    advantages = torch.tensor([0.7, -0.7, 1.2, -1.2])
+    theirs_model, ours_model, sampler = two_copies_and_a_moved_one(tiny_assets, 0.05)
+    trainer = trl_trainer(theirs_model, tiny_assets, tmp_path, loss_type=loss_type, beta=0.0)
+    trainer.epsilon_high = epsilon_high if epsilon_high is not None else trainer.epsilon_low
+    inputs = padded_inputs(prompts, COMPLETIONS, advantages, pad=trainer.processing_class.pad_token_id)
+    with torch.no_grad():  # the sampler's weights in TRL's model (whose forward its trainer patched), then back
+        trained = {k: v.clone() for k, v in theirs_model.state_dict().items()}
+        theirs_model.load_state_dict(sampler.state_dict())
+        ids = torch.cat([inputs["prompt_ids"], inputs["completion_ids"]], dim=1)
+        mask = torch.cat([inputs["prompt_mask"], inputs["completion_mask"]], dim=1)
+        inputs["old_per_token_logps"], _, _ = trainer._get_per_token_logps_and_entropies(
+            theirs_model, ids, mask, inputs["completion_ids"].size(1), batch_size=4)
+        theirs_model.load_state_dict(trained)
+    theirs = trainer._compute_loss(theirs_model, inputs)
+    theirs.backward()
+
+    sequences = [{"input_ids": p + c, "labels": [IGNORE] * len(p) + c} for p, c in zip(prompts, COMPLETIONS)]
+    batch = with_loss_positions(collate(sequences, pad_id=0, packing=True))
+    attach_loss(ours_model, chunk=4096)
+    attach_loss(sampler, chunk=4096)
+    with torch.no_grad():
+        old = -compute_loss(sampler.eval(), batch, per_token=True).float()
+    logps = -compute_loss(ours_model, batch, per_token=True).float()
+    completion = batch["loss_example"]
+    lengths = torch.bincount(completion, minlength=len(COMPLETIONS))
+    loss, _, clipped = token_losses(logps, advantages[completion], old_logps=old, epsilon=0.2,
+                                    epsilon_high=epsilon_high)
+    ours = (loss * token_weights(completion, lengths, loss_type)).sum() / loss_units(
+        lengths, loss_type, max_completion_tokens=MAX_COMPLETION)
+    ours.backward()
+    assert ours.item() == pytest.approx(theirs.item(), abs=1e-6)
+    assert 0 < clipped.sum() < len(clipped)  # the clip binds on some tokens, not all
+    assert clipped.float().mean().item() == pytest.approx(trainer._metrics["train"]["clip_ratio/region_mean"][-1])
+    worst = max((p.grad - q.grad).abs().max().item()
+                for p, q in zip(ours_model.parameters(), theirs_model.parameters()))
     assert worst < 1e-6, worst
 
 

@@ -47,7 +47,7 @@ def grpo_recipe(tiny: Path, tmp: Path, **sections) -> Path:
                         rl={**rl, **sections.pop("rl", {})},
                         train={"max_steps": 4, "micro_batch_size": 4, "lr": 1e-3, "eval_every_steps": 4,
                                "eval_samples": 2, "eval_max_new_tokens": 8, **sections.pop("train", {})},
-                        checkpoint={"every_steps": 2, "keep_last": 3}, **sections)
+                        checkpoint={"every_steps": 2, "keep_last": 3, **sections.pop("checkpoint", {})}, **sections)
 
 
 def rollouts(run: Path) -> list[dict]:
@@ -331,6 +331,108 @@ def killed_and_resumed(recipe: Path, full: Path, cut: Path, *, env: dict | None 
     assert max_abs_diff(load_weights(cut / "final" / weights), load_weights(full / "final" / weights)) == 0.0
 
 
+def killed_and_resumed_within_a_round(recipe: Path, full: Path, cut: Path) -> None:
+    """rl.num_iterations 3 (rounds of steps 1-3 and 4), checkpoints every 2 steps: killed like kill -9 mid step 3,
+    the step-2 checkpoint is within the first round, and the resume finishes that round on the completions it
+    kept (none sampled again) and gives `full`'s losses, rollouts and weights to the bit."""
+    killed = subprocess.run([sys.executable, "-c", KILL_AT_STEP_3, "finetune", str(recipe), f"output_dir={cut}"],
+                            env=ENV, cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert killed.returncode == 137, killed.stderr[-3000:]
+    assert {r["step"] for r in rollouts(cut)} == {1}
+    assert (cut / "checkpoints" / "step_000002" / "rounds" / "process_0.pt").is_file()
+    proc = cli("finetune", str(cut / "recipe.yaml"), "--resume", "auto")
+    assert "at step 2" in proc.stdout
+    assert {r["step"] for r in rollouts(cut)} == {1, 4}  # step 3 reused round 1's completions; step 4 sampled
+    assert rollouts(cut) == rollouts(full)
+    assert losses(cut) == pytest.approx(losses(full), abs=1e-6)
+    assert max_abs_diff(load_weights(cut / "final"), load_weights(full / "final")) == 0.0
+
+
+def sequence_logps(model, records_: list[dict]) -> list[torch.Tensor]:
+    """Each record's completion tokens' log-probabilities under `model` (a plain transformers forward, full
+    logits, one sequence at a time)."""
+    out = []
+    with torch.no_grad():
+        for r in records_:
+            ids = torch.tensor([r["prompt_ids"] + r["completion_ids"]])
+            logp = torch.log_softmax(model(ids).logits[0, :-1].float(), dim=-1)
+            targets = ids[0, 1:]
+            n = len(r["completion_ids"])
+            out.append(logp[-n:].gather(1, targets[-n:, None])[:, 0])
+    return out
+
+
+@pytest.fixture(scope="module")
+def rounds(tiny_assets, tmp_path_factory):
+    """rl.num_iterations 2, 3 steps, a checkpoint after every step: (recipe's folder, run folder)."""
+    tmp = tmp_path_factory.mktemp("rounds")
+    recipe = grpo_recipe(tiny_assets, tmp, rl={"num_iterations": 2}, data={"eval_split": None,
+                                                                            "eval_max_examples": None},
+                         train={"max_steps": 3, "eval_every_steps": None, "eval_samples": 0},
+                         checkpoint={"every_steps": 1, "keep_last": 3}, logging={"every_steps": 1})
+    run_train(recipe, f"output_dir={tmp / 'run'}")
+    return tmp, tmp / "run"
+
+
+def test_a_rounds_second_update_reuses_its_completions_against_the_policy_that_sampled_them(rounds, tiny_assets):
+    """rl.num_iterations 2: step 1 samples (rollouts.jsonl's step 1), step 2 updates on the same completions and
+    advantages, step 3 samples again. Step 2's loss, worked by hand from rollouts.jsonl with plain transformers
+    forwards: the DAPO sum of -min(r A, clip(r, 0.8, 1.2) A) over every completion token / the tokens, r the
+    ratio of the step-1 checkpoint's policy to the starting one's (which sampled); its clipped share too. A
+    checkpoint within a round keeps it (rounds/), one at its end does not."""
+    from transformers import AutoModelForCausalLM
+
+    _, run = rounds
+    done = [json.loads(line) for line in (run / "rollouts.jsonl").read_text().splitlines()]
+    assert sorted({r["step"] for r in done}) == [1, 3]
+    first = [r for r in done if r["step"] == 1]
+    lines = records(run)
+    assert [line["step"] for line in lines] == [1, 2, 3]
+    assert "reward" in lines[0] and "reward" in lines[2] and "reward" not in lines[1]  # step 2 sampled nothing
+    assert lines[0]["clip_ratio/region_mean"] == 0.0  # the first update's ratio is 1
+
+    sampler = AutoModelForCausalLM.from_pretrained(tiny_assets / "model", dtype=torch.float32)
+    updated = AutoModelForCausalLM.from_pretrained(tiny_assets / "model", dtype=torch.float32)
+    updated.load_state_dict(load_weights(run / "checkpoints" / "step_000001"))
+    old, new = sequence_logps(sampler, first), sequence_logps(updated, first)
+    total, tokens, clipped = 0.0, 0, 0
+    for r, o, n in zip(first, old, new):
+        ratio, a = torch.exp(n - o), r["advantage"]
+        total += float(-torch.min(ratio * a, ratio.clamp(0.8, 1.2) * a).sum())
+        clipped += int((((ratio < 0.8) & (a < 0)) | ((ratio > 1.2) & (a > 0))).sum())
+        tokens += len(r["completion_ids"])
+    assert lines[1]["loss"] == pytest.approx(total / tokens, abs=1e-5)
+    assert lines[1]["loss"] != pytest.approx(lines[0]["loss"], abs=1e-4)  # not the first update's loss again
+    assert clipped > 0 and lines[1]["clip_ratio/region_mean"] == pytest.approx(clipped / tokens, abs=1e-6)
+    checkpoints = run / "checkpoints"
+    assert (checkpoints / "step_000001" / "rounds" / "process_0.pt").is_file()
+    assert not (checkpoints / "step_000002" / "rounds").exists()
+
+
+def test_a_checkpoint_within_a_round_is_refused_where_the_round_cannot_go_on(rounds):
+    """Before anything is written: another rl.num_iterations or another number of processes, with the fix."""
+    from llmtrain.loop.rounds import round_problem
+
+    _, run = rounds
+    within, end = run / "checkpoints" / "step_000001", run / "checkpoints" / "step_000002"
+    assert round_problem(within, every=2, processes=1) is None and round_problem(end, every=2, processes=1) is None
+    says = round_problem(within, every=3, processes=1)
+    assert "rl.num_iterations=2 (step 1)" in says and "Resume with rl.num_iterations=2" in says
+    says = round_problem(within, every=2, processes=2)
+    assert "by 1 process, each keeping its own completions, and this launch has 2: resume it on 1 process," in says
+    assert "holds no round" in round_problem(end, every=4, processes=1)  # step 2 is within a round of 4
+
+
+@pytest.mark.slow
+def test_killed_within_a_round_resumes_to_the_same_completions_losses_and_weights(tiny_assets, tmp_path):
+    recipe = grpo_recipe(tiny_assets, tmp_path, rl={"num_iterations": 3}, data={"eval_split": None,
+                                                                                  "eval_max_examples": None},
+                         train={"eval_every_steps": None, "eval_samples": 0})
+    full = tmp_path / "full"
+    run_train(recipe, f"output_dir={full}")
+    killed_and_resumed_within_a_round(recipe, full, tmp_path / "cut")
+
+
 @pytest.mark.slow
 @pytest.mark.extended  # 24 s; main tier: two FSDP processes sample (the fast sampler) and train what one does
 def test_two_ddp_processes_sample_and_train_what_one_does(straight, tiny_assets, tmp_path, free_port):
@@ -364,6 +466,23 @@ def test_two_fsdp_processes_gather_the_layers_to_sample_and_train_what_one_does(
     assert losses(fsdp) == pytest.approx(losses(one), abs=1e-6)
     assert [e["eval_reward"] for e in records(fsdp, "eval")] == [e["eval_reward"] for e in records(one, "eval")]
     assert max_abs_diff(load_weights(fsdp / "final"), load_weights(one / "final")) < 1e-5
+
+
+@pytest.mark.slow
+@pytest.mark.extended  # main tier: rounds under sequence parallelism (test_sequence_parallel.py), each process's
+# rollout under FSDP (the test above) and its old log-probabilities' forward there (RLOO's KL, test_rloo.py)
+def test_two_fsdp_processes_with_rounds_of_two_updates_train_what_one_does(rounds, free_port):
+    """rl.num_iterations 2 under FSDP2: each rank takes its completions' old log-probabilities while the model is
+    gathered for the rollout, and updates on them twice: one process's completions, losses and clipped shares."""
+    tmp, one = rounds
+    fsdp = tmp / "fsdp"
+    launch_finetune(CPU_FSDP, 2, free_port, tmp / "recipe.yaml", f"output_dir={fsdp}", "train.micro_batch_size=2",
+                    "checkpoint.every_steps=null")
+    assert [(r["step"], r["row"], r["completion_ids"]) for r in rollouts(fsdp)] == [
+        (r["step"], r["row"], r["completion_ids"]) for r in rollouts(one)]
+    assert losses(fsdp) == pytest.approx(losses(one), abs=1e-6)
+    assert [r["clip_ratio/region_mean"] for r in records(fsdp)] == pytest.approx(
+        [r["clip_ratio/region_mean"] for r in records(one)], abs=1e-6)
 
 
 @pytest.mark.extended  # main tier: two DDP processes sample and train what one does

@@ -257,3 +257,34 @@ def test_the_merged_generation_copy_by_hand():
             copy if name.startswith("generation") else 0)
     reference = spec_from_recipe(recipe(**{**GRPO, "rl": {**GRPO["rl"], "sampler": "reference"}}))
     assert reference.merged_copy == "off"
+
+
+def test_the_rollouts_old_logprob_forward_is_a_no_grad_pass_of_the_update_while_the_model_is_gathered():
+    """rl.num_iterations > 1 (and RLOO's KL with beta > 0): within the rollout, a no-grad forward of each of the
+    update's passes takes the completions' log-probabilities under the policy that sampled them. Under FSDP the
+    model is still gathered then (the whole model, as while sampling), and the pass is the update's: 16 sequences
+    of 354 tokens, the eval forward's transients of that pass. Plain GRPO has no such phase."""
+    spec = spec_from_recipe(recipe(**{**GRPO, "rl": {**GRPO["rl"], "num_iterations": 2}}),
+                            prompt_lengths=[98] * 10).but(strategy="fsdp", num_gpus=2)
+    assert spec.rollout_forwards and spec.micro_batch == 16 and spec.seq_len == 354
+    est = estimate(MISTRAL, spec)
+    forward, loss = est.phase_parts["rollout_logps_forward"], est.phase_parts["rollout_logps_loss"]
+    assert forward["fsdp_buffers"] == loss["fsdp_buffers"] == est.phase_parts["generation"]["fsdp_buffers"]
+    assert "gradients" not in forward and "kv_cache" not in forward  # freed before; the cache after sampling
+    # the same transients as an eval pass of the update's 16 sequences (evaluation batches 4 prompts' pairs: 16)
+    evaluated = estimate(MISTRAL, spec.but(rollout_forwards=False, eval_micro_batch=16, eval_micro_batch_tokens=None))
+    assert forward["temporaries"] == evaluated.phase_parts["eval_forward"]["temporaries"]
+    plain = spec_from_recipe(recipe(**GRPO), prompt_lengths=[98] * 10)
+    assert not plain.rollout_forwards and "rollout_logps_forward" not in estimate(MISTRAL, plain).phase_parts
+    kl = spec_from_recipe(recipe(**{**GRPO, "rl": {**GRPO["rl"], "algorithm": "rloo"}}), prompt_lengths=[98] * 10)
+    assert kl.rollout_forwards  # RLOO's default beta 0.05: the policy's and the reference's forwards in the rollout
+
+
+def test_with_rounds_a_step_samples_once_in_num_iterations():
+    """rl.num_iterations 4: sampling (the prefill and the decode steps) once a round of 4 steps, so a step's share of
+    it is a quarter of a plain GRPO step's."""
+    plain = spec_from_recipe(recipe(**GRPO), prompt_lengths=[98] * 10)
+    rounds = spec_from_recipe(recipe(**{**GRPO, "rl": {**GRPO["rl"], "num_iterations": 4}}), prompt_lengths=[98] * 10)
+    whole = MISTRAL.params_total * 2
+    assert sampling_seconds(MISTRAL, rounds, weight_bytes=whole, network=Network()) == pytest.approx(
+        sampling_seconds(MISTRAL, plain, weight_bytes=whole, network=Network()) / 4)

@@ -268,6 +268,26 @@ def test_an_rl_run_plots_reward_eval_accuracy_length_and_kl_against_steps(tmp_pa
     assert png_size(tmp_path / "cli.png") == png_size(run / "loss.png")
 
 
+def test_an_rl_run_with_rounds_draws_its_rewards_through_the_steps_that_sampled_nothing(tmp_path):
+    """rl.num_iterations 2: the even steps reused their round's completions and log no reward, length or KL (RLOO
+    logs its KL with the rollout). Their lines join the steps that sampled, rather than falling apart into points
+    that draw nothing."""
+    run = tmp_path / "rounds"
+    write_rl_metrics(run)
+    lines = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    sampled = {"reward", "rewards/answer_match/mean", "rewards/format/mean", "completions/mean_length", "kl"}
+    for line in lines:
+        if line["type"] == "train" and line["step"] % 2 == 0:
+            for key in sampled:
+                del line[key]
+    (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in lines))
+    reward, _, length, kl, *_ = plot_runs([run], run / "loss.png").axes
+    odd = list(range(1, 21, 2))
+    assert lines_by_label(reward)["reward (raw)"] == (odd, pytest.approx([0.1 + 0.01 * s for s in odd]))
+    assert lines_by_label(length)["mean length"][0] == odd
+    assert lines_by_label(kl)["kl"][0] == odd
+
+
 def test_seven_rewards_get_a_panel_a_scale_and_a_colour_each_and_the_legend_is_outside_the_data(tmp_path):
     """A length penalty near -14 beside 0-1 rewards: each on its own axis (its y-range its data's), in its own colour;
     100 steps are smoothed, and the legend (below the panels, overlapping none) says with what."""

@@ -190,6 +190,7 @@ class Window:
     batches: list[dict]
     counts: Counts  # this rank's real examples, summed over the window's micro-batches
     rollouts: list = field(default_factory=list)  # online RL: one record per completion sampled (rollouts.jsonl)
+    sampled: bool = False  # online RL: the batches are a round's completions already (loop/rounds.py), not prompts
 
 
 def with_loss_positions(batch: dict) -> dict:

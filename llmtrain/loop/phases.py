@@ -27,11 +27,19 @@ from llmtrain import capabilities
 from llmtrain.config import Recipe, tiled_mlp_shard
 from llmtrain.data.batching import DataPlan
 from llmtrain.data.chat import read_template
-from llmtrain.data.checks import check_context, check_data, check_epochs, check_warmup, data_plan
+from llmtrain.data.checks import (
+    check_context,
+    check_data,
+    check_epochs,
+    check_warmup,
+    data_plan,
+    updates_per_window,
+)
 from llmtrain.data.prepare import prepare_recipe
 from llmtrain.errors import Everywhere, LLMTrainError
 from llmtrain.layout import Layout
 from llmtrain.loop.determinism import deterministic_algorithms
+from llmtrain.loop.rounds import round_problem
 from llmtrain.model.loss import attach_loss, causal_lm
 from llmtrain.model.modeling import (
     build_optimizer,
@@ -112,6 +120,9 @@ def read_only_checks(recipe: Recipe, accelerator, *, resume: str | None, overwri
     try:
         notes = check_resume(ckpt, recipe, world=data_ranks(accelerator)[0], fsdp=uses_fsdp(accelerator),
                              allow_recipe_change=allow_recipe_change) if ckpt else []
+        if ckpt and (problem := round_problem(ckpt, every=updates_per_window(recipe),
+                                              processes=accelerator.num_processes)):
+            raise LLMTrainError(problem)
     except LLMTrainError as e:  # the same checkpoint against the same recipe on every process: said once a node
         raise Everywhere(str(e)) from None
     if resume and ckpt is None:
@@ -205,7 +216,7 @@ def prepare_data(recipe: Recipe, accelerator, *, say) -> Data:
             f"distill.sampler={sampler}), the others train on the data's")
     plan = data_plan(recipe, train_ds["length"], world=world,
                      sources=train_ds["source"] if recipe.data.sources is not None else None)
-    per_epoch = [plan.steps_per_epoch(e, accum) for e in range(tc.epochs)]
+    per_epoch = [plan.steps_per_epoch(e, accum) * updates_per_window(recipe) for e in range(tc.epochs)]
     total_steps = tc.max_steps or sum(per_epoch)
     for name, status, detail in (check_warmup(tc.warmup_steps, total_steps)  # as `llmtrain doctor`
                                  + check_epochs(recipe, steps_per_epoch=per_epoch[0], examples=s.examples)):
@@ -221,6 +232,8 @@ def prepare_data(recipe: Recipe, accelerator, *, say) -> Data:
         say(f"global batch: {mb} micro-batch x {accum} accumulation x {procs} = "
             f"{mb * accum * world} {unit}/step"
             + (f" ({mb * accum * world * recipe.rl.num_generations} completions)" if recipe.rl else "")
+            + (f", sampled every {recipe.rl.num_iterations} steps (rl.num_iterations: each round's completions "
+               f"trained {recipe.rl.num_iterations} times)" if recipe.rl and recipe.rl.num_iterations > 1 else "")
             + f"; {total_steps} steps ({per_epoch[0]}/epoch)")
     return Data(tokenizer=tokenizer, train=train_ds, eval=eval_ds, stats=stats, cache_reads=int(cache_reads),
                 pad_id=pad_id(tokenizer), plan=plan, total_steps=total_steps, packing_efficiency=efficiency)

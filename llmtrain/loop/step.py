@@ -40,6 +40,7 @@ class StepResult:
     skipped: bool  # no update: the gradient norm was not finite (every rank agrees: it is the global norm)
     stop_voted: bool  # some process had a stop signal when the step began (several processes only)
     rollouts: list | tuple = ()  # online RL: this rank's completions, one record each (rollouts.jsonl)
+    window: object = None  # the window as it trained (online RL: its completions, for a round's later updates)
 
 
 def train_step(model, optimizer, scheduler, accelerator, objective: Objective, window, *,
@@ -47,12 +48,13 @@ def train_step(model, optimizer, scheduler, accelerator, objective: Objective, w
                pipeline=None) -> StepResult:
     """Forward and backward over the window's micro-batches, clip, and the optimizer step unless the gradient
     norm is not finite. An objective with a rollout (online RL) first turns the window's prompts into scored
-    completions, sampled by the model as it is before this step (`step`: the steps taken before it). `pipeline`
+    completions, sampled by the model as it is before this step (`step`: the steps taken before it), unless the
+    window holds a generation round's completions already (rl.num_iterations: loop/rounds.py). `pipeline`
     (parallel/pipeline/schedule.py): this process's stages, which run the window's micro-batches through their schedule."""
     # the processes gradients are averaged over: every data rank, and the processes of a sequence group (each holds
     # a slice's loss); a TP group's processes hold one loss between them
     averaged = accelerator.num_processes // tensor_parallel_size(accelerator)
-    if (rollout := getattr(objective, "rollout", None)) is not None:  # before the counts: they are the completions'
+    if (rollout := getattr(objective, "rollout", None)) is not None and not window.sampled:  # before the counts
         with sampling_warn_only():  # train.deterministic: the sampler's float cumsum has no strict CUDA kernel
             window = rollout(window, step=step)
     counts = torch.tensor([*window.counts, float(stop_signal > 0)], dtype=torch.float64)
@@ -92,7 +94,7 @@ def train_step(model, optimizer, scheduler, accelerator, objective: Objective, w
     scheduler.step()
     optimizer.zero_grad(set_to_none=True)
     return StepResult(loss_sum=loss_sum, stats_sum=stats_sum, counts=Counts(*summed), grad_norm=grad_norm, lr=lr,
-                      skipped=skipped, stop_voted=votes > 0, rollouts=window.rollouts)
+                      skipped=skipped, stop_voted=votes > 0, rollouts=window.rollouts, window=window)
 
 
 @torch.no_grad()

@@ -24,6 +24,7 @@ from llmtrain.errors import LLMTrainError, Stopped
 from llmtrain.loop.cadence import Cadence
 from llmtrain.loop.guards import check_finite_weights, diverged
 from llmtrain.loop.meter import Meter
+from llmtrain.loop.rounds import Rounds
 from llmtrain.loop.phases import (
     Data,
     Trainable,
@@ -119,10 +120,14 @@ def _train(recipe: Recipe, accelerator, console: RunConsole, cleanup: ExitStack,
                                 overwrite=overwrite)
         cleanup.callback(run_dir.release)
         state = restore(recipe, accelerator, trainable, checkpoint=checked.checkpoint, say=say)
+        # online RL's generation rounds (rl.num_iterations): a checkpoint within one gives its completions back
+        rounds = Rounds(recipe.rl.num_iterations if recipe.rl is not None else 1, process=accelerator.process_index,
+                        processes=accelerator.num_processes)
+        rounds.restore(checked.checkpoint, step=state.step)
         log = open_log(recipe, accelerator, state, resumed=resume is not None, notes=checked.notes, say=say)
         cleanup.callback(log.close)
         run = Run(recipe=recipe, accelerator=accelerator, console=console, log=log, data=data, model=trainable,
-                  objective=objective,
+                  objective=objective, rounds=rounds,
                   cadence=Cadence.from_recipe(recipe, total_steps=data.total_steps, has_eval=data.eval is not None))
         # ---- the loop, then the export and the summary
         # The run's clock: what earlier processes of the run spent, and this one's reference pass (preference)
@@ -159,6 +164,7 @@ class Run:
     data: Data
     model: Trainable
     objective: Objective
+    rounds: Rounds
     cadence: Cadence
 
     @property
@@ -168,10 +174,10 @@ class Run:
 
 def train_loop(run: Run, state: TrainState, meter: Meter) -> list[dict]:
     """From the state's step to the last: each step, then what the cadence says is due. Returns the evals."""
-    tc, accelerator, m = run.recipe.train, run.accelerator, run.model
+    tc, accelerator, m, total = run.recipe.train, run.accelerator, run.model, run.cadence.total_steps
     evals, checkpoint = [], None
     stream = prefetch(windows(run.data.train, run.data.plan.for_rank(data_ranks(accelerator)[1]), epoch=state.epoch,
-                              micro=state.micro_in_epoch, steps=run.cadence.total_steps - state.step,
+                              micro=state.micro_in_epoch, steps=run.rounds.new_windows(state.step, total),
                               accum=tc.grad_accum_steps, collate=run.objective.collate, columns=run.objective.columns,
                               pin=accelerator.device.type == "cuda"))
     progress, task = run.console.progress(total=run.cadence.total_steps, completed=state.step)
@@ -196,10 +202,12 @@ def train_loop(run: Run, state: TrainState, meter: Meter) -> list[dict]:
             # online RL, distillation: the starting policy's rewards or divergence, which the run is there to improve
             with meter.paused():
                 evals.append(evaluate_and_sample(run, state, progress))
-        for window in stream:
+        # a new window a step; online RL with rl.num_iterations > 1: a new one a round, its later steps the round's
+        for window in run.rounds.windows(stream, step=state.step, total=total):
             result = train_step(m.model, m.optimizer, m.scheduler, accelerator, run.objective, window,
                                 max_grad_norm=tc.max_grad_norm, stop_signal=stop_requests.signum,
                                 fsdp_accumulate=tc.fsdp_accumulate, step=state.step, pipeline=m.pipeline)
+            run.rounds.trained(result.window)  # a round's first step: its completions, for the later updates
             # One process acts on a signal as soon as its step ends; several act on the votes of the step's
             # collective (a signal that lands during a step is voted on in the next one).
             stop = result.stop_voted if accelerator.num_processes > 1 else bool(stop_requests.signum)
@@ -307,6 +315,7 @@ def save(run: Run, state: TrainState, meter: Meter) -> Path:
     state.elapsed_s = meter.elapsed()
     trainable = run.model.trainable_names
     return save_checkpoint(run.accelerator, output_dir=run.out, state=state,
+                           write_round=partial(run.rounds.write, step=state.step),
                            recipe_yaml=run.recipe.to_yaml(working_dir=os.getcwd()),
                            keep_last=run.recipe.checkpoint.keep_last, model_keys=set(run.model.model_keys),
                            trainable=set(trainable) if trainable else None,

@@ -368,12 +368,12 @@ def step_flops(shape: ModelShape, spec: TrainSpec, trainable_linear_share: float
 
 
 def sampling_seconds(shape: ModelShape, spec: TrainSpec, *, weight_bytes: float, network: Network) -> float:
-    """Online RL's sampling per optimizer step (0 without): grad_accum_steps rounds, each the prefill of the
+    """Online RL's sampling per optimizer step (0 without): grad_accum_steps micro-batches, each the prefill of the
     micro-batch's prompts (their model FLOPs, 2 per parameter per token, at the stated MFU) and
     rl.max_completion_tokens decode steps. A decode step of a few dozen rows is bound by memory, not FLOPs: it reads
     every weight once (the adapters unmerged beside them; under FSDP the whole gathered model, not the GPU's shard)
     and the static KV cache (estimate.kv_cache_bytes, whole: the step has a fixed shape), so it takes those bytes over
-    the GPU's memory bandwidth."""
+    the GPU's memory bandwidth. With rl.num_iterations N a step samples once in N: 1 / N of that a step."""
     if not spec.num_generations:
         return 0.0
     from llmtrain.memory.estimate import kv_cache_bytes
@@ -384,7 +384,7 @@ def sampling_seconds(shape: ModelShape, spec: TrainSpec, *, weight_bytes: float,
     params = shape.active_params_total + shape.vocab * shape.hidden
     prefill = 2.0 * params * prompts * spec.prompt_tokens / (network.peak_tflops * 1e12 * network.mfu)
     decode = spec.max_completion_tokens * (weight_bytes + kv_cache_bytes(shape, spec)) / (network.hbm_tbps * 1e12)
-    return spec.grad_accum_steps * (prefill + decode)
+    return spec.grad_accum_steps * (prefill + decode) / spec.num_iterations
 
 
 def traffic(shape: ModelShape, spec: TrainSpec, *, trained_params: int, trainable_bytes: float,

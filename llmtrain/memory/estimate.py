@@ -320,6 +320,14 @@ def estimate(shape: ModelShape, spec: TrainSpec) -> Estimate:
         # (fsdp.gathered_for_generation): the whole model, unsharded, in FSDP's param dtype
         gathered = shape.layers * unit + tail + embed_unit if fsdp else 0
         phases.update(_generation_phases(shape, spec, base, cached=sum(cached), fsdp_unit=gathered))
+        if spec.rollout_forwards:  # the rollout's no-grad forwards of the update's passes (the old log-probabilities
+            # of rl.num_iterations > 1, RLOO's KL), the model still gathered; under sequence parallelism on the group's
+            # first GPU over whole rows
+            passes = min(spec.micro_batch, max(1, (spec.rl_micro_batch_tokens or 0) // spec.seq_len)) if (
+                spec.rl_micro_batch_tokens) else spec.micro_batch
+            phases.update(_eval_phases(shape, spec.but(sequence_parallel=1), base, adapted=adapted,
+                                       cached=sum(cached), head_copies=head_copies, fsdp_unit=gathered, tail=gathered,
+                                       examples=passes, budget=None, name="rollout_logps"))
     if spec.no_grad_forwards:  # KTO: the micro-batch's KL and reference passes, the window's gradients so far held
         phases.update(_eval_phases(shape, spec, {**base, "gradients": g_acc}, adapted=adapted, cached=sum(cached),
                                    head_copies=head_copies, fsdp_unit=2 * unit + always, tail=tail,

@@ -127,6 +127,12 @@ class TrainSpec:
     # KTO: before each micro-batch's training forward, no-grad forwards of as many sequences (its KL sequences, by the
     # policy and the reference, and the reference's pass over the micro-batch), with the window's gradients so far held
     no_grad_forwards: bool = False
+    # online RL: no-grad forwards of the update's passes within the rollout (rl.num_iterations > 1's old
+    # log-probabilities; RLOO's with beta > 0 for its KL), FSDP's units still gathered
+    rollout_forwards: bool = False
+    # online RL: optimizer steps a generation round trains (rl.num_iterations): a step samples 1 / num_iterations
+    # of the time
+    num_iterations: int = 1
     # KTO's full fine-tune: a frozen copy of the starting weights (the reference), in the storage dtype, whole on
     # every GPU (objectives/kto.frozen_copy; refused where the model is sharded)
     frozen_reference: bool = False
@@ -373,6 +379,9 @@ def spec_from_recipe(recipe: Recipe, *, strategy: Strategy = "single", num_gpus:
         num_generations=recipe.rl.num_generations if recipe.rl is not None else int(
             recipe.distill is not None and recipe.distill.lmbda > 0), per_example=per_example, **rl, **teacher,
         no_grad_forwards=recipe.kto is not None, frozen_reference=recipe.kto is not None and lora is None,
+        num_iterations=recipe.rl.num_iterations if recipe.rl is not None else 1,
+        rollout_forwards=recipe.rl is not None and (recipe.rl.num_iterations > 1 or (
+            recipe.rl.algorithm == "rloo" and bool(recipe.rl.beta))),
         min_examples=2 if recipe.kto is not None and recipe.kto.loss_type == "kto" else 1,
         merged_copy=_merged_copy(recipe),
         **{**pipeline_keys(recipe), **launch},  # --pipeline-* options (in launch) win over the recipe's keys

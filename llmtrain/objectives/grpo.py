@@ -5,8 +5,10 @@ each group's rewards into advantages (`group_advantages`: reward minus the group
 std unless scale_rewards is none). The policy update is one forward over the completions (each after its prompt;
 only completion tokens count) with the clipped surrogate of PPO per token and, with beta > 0, the k3 estimate of
 the KL divergence to the reference, weighted by the ratio for its unbiased gradient (`token_losses`). With one
-update per generation round (num_iterations 1) the old policy is the current one: the ratio is 1 in value and
-carries the gradient of the log-probability.
+update per generation round (rl.num_iterations 1) the old policy is the current one: the ratio is 1 in value and
+carries the gradient of the log-probability. With more (TRL's num_iterations), the rollout also takes each
+completion token's log-probability under the policy as it sampled (`loss_old_logps`, no gradient), and every
+update of the round (loop/rounds.py) divides by it: the ratio moves, and epsilon's clip binds.
 
 Normalisation, as TRL 1.16's GRPOTrainer normalises each loss_type, written in this package's contract (an
 objective's loss is a SUM over its loss units; the step divides by the units of the whole window on every
@@ -256,6 +258,9 @@ class GRPO:
         rows = [e["row"] + 1 for e in examples for _ in range(g)]
         sequences = completion_rows(prompt_ids, completions, masks=[t.mask for t in tooled] if tooled else None)
         batches, parts, lengths = self._passes(sequences)
+        if rl.num_iterations > 1:  # the round's later updates divide by the policy as it sampled
+            for batch in batches:
+                batch["loss_old_logps"] = self._sampling_logps(batch)
         advantages, std, more, columns = self._advantages(total, g, batches, parts)
         for batch, part, n in zip(batches, parts, lengths.split([len(part) for part in parts])):
             self._attach(batch, advantages[part], n)
@@ -301,6 +306,19 @@ class GRPO:
             batches.append(batch)
             parts.append(part)
         return batches, parts, torch.cat(lengths)
+
+    def _sampling_logps(self, batch: dict) -> torch.Tensor:
+        """Each trained token's log-probability (at rl.temperature, no gradient, on the CPU) under the policy as it
+        sampled: in eval mode, within the rollout (under FSDP while the whole model is gathered: no collective per
+        pass). rl.num_iterations > 1's old log-probabilities (TRL's old_per_token_logps), and RLOO's for its KL.
+        Under sequence parallelism, on the group's first process over whole rows (each process then keeps its
+        slice's, as the other `loss_` columns)."""
+        from llmtrain.data.batching import to_device
+        from llmtrain.model.loss import compute_loss
+
+        with torch.no_grad():
+            return -compute_loss(self.lm, to_device(batch, self.lm.device), per_token=True,
+                                 temperature=self.rl.temperature).float().cpu()
 
     def _advantages(self, total: torch.Tensor, g: int, batches: list[dict], parts: list[list[int]]):
         """(RLOO's hook) Each completion's advantage from the summed rewards `total`, each one's group std, more
@@ -435,8 +453,9 @@ class GRPO:
             with torch.no_grad(), self.lm.disable_adapter():  # the starting model: the LoRA adapter off
                 ref = -compute_loss(self.lm, batch, per_token=True, temperature=rl.temperature).float()
         logps = -compute_loss(model, batch, per_token=True, temperature=rl.temperature).float()
-        losses, kl, clipped = token_losses(logps, batch["loss_advantages"], ref_logps=ref, epsilon=rl.epsilon,
-                                           epsilon_high=rl.epsilon_high, beta=rl.beta)
+        losses, kl, clipped = token_losses(logps, batch["loss_advantages"], old_logps=batch.get("loss_old_logps"),
+                                           ref_logps=ref, epsilon=rl.epsilon, epsilon_high=rl.epsilon_high,
+                                           beta=rl.beta)
         with torch.no_grad():
             stats = torch.stack([kl.sum() if kl is not None else logps.new_zeros(()), clipped.float().sum(),
                                  logps.new_tensor(float(logps.numel()))])
@@ -462,6 +481,8 @@ class GRPO:
         from llmtrain.objectives.rewards import metric_means
 
         s = dict(zip(self.stats, stats))
+        if not s["completions"]:  # only updates that reused a round's completions (rl.num_iterations): nothing sampled
+            return self._policy_metrics(s, 0.0)
         n = max(s["completions"], 1.0)
         out = self._reward_metrics(s, n)
         for name, _, _ in self.rewards:

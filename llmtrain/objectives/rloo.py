@@ -12,8 +12,9 @@ RLOO changes, as TRL's RLOOTrainer does it:
   clipped as PPO's, and the loss is the mean over completions. In this package's contract (a SUM over loss units,
   divided by the window's units on every process): a sum over completions, units = completions. TRL takes the
   mean of each micro-batch and divides by the accumulation steps; its micro-batches are equal, so that is the same.
-With one update per generation round (num_iterations 1) the sampling policy is the one being updated: the ratio
-is 1 in value and carries the gradient of the sequence's log-probability.
+With one update per generation round (rl.num_iterations 1) the sampling policy is the one being updated: the ratio
+is 1 in value and carries the gradient of the sequence's log-probability; with more, each update of the round
+divides by the sequence's summed log-probability as it was sampled (grpo.py).
 
 The metrics keep TRL's names and meanings: `reward` and `reward_std` over the scored completions of the step (every
 process), `kl` the mean per-token k1 over every completion token, `clip_ratio/region_mean` per sequence.
@@ -74,7 +75,7 @@ class RLOO(GRPO):
     whole_sequences = True  # its loss reads each completion's whole log-probability (parallel/sequence/shards.py)
     sequence_sum = None  # sequence parallelism: a completion's log-probability from its slices' parts
     advantage_stats = ("kl",)
-    loss_stats = ("clipped_sequences",)
+    loss_stats = ("clipped_sequences", "sequences")
 
     def _advantages(self, total, g, batches, parts):
         rl = self.rl
@@ -89,12 +90,11 @@ class RLOO(GRPO):
         """Each completion's summed k1 log-ratio of the policy as it sampled to the reference (the LoRA adapter
         disabled), without gradient: TRL's old and reference log-probabilities, taken before the update. Run
         within the rollout, so under FSDP while the whole model is gathered (no collective per pass)."""
+        policy = batch["loss_old_logps"] if "loss_old_logps" in batch else self._sampling_logps(batch)
         batch = to_device(batch, self.lm.device)
-        with torch.no_grad():
-            policy = completion_logps(self.lm, batch, temperature=self.rl.temperature)
-            with self.lm.disable_adapter():
-                ref = completion_logps(self.lm, batch, temperature=self.rl.temperature)
-        return sequence_sums(policy - ref, batch["loss_example"], n).cpu()
+        with torch.no_grad(), self.lm.disable_adapter():
+            ref = completion_logps(self.lm, batch, temperature=self.rl.temperature)
+        return sequence_sums(policy.to(ref.device) - ref, batch["loss_example"], n).cpu()
 
     def _loss_units(self, lengths: torch.Tensor) -> float:
         return float(len(lengths))  # the mean over completions
@@ -128,13 +128,18 @@ class RLOO(GRPO):
     def loss(self, model, batch: dict) -> tuple[torch.Tensor, torch.Tensor]:
         rollout = batch["rollout_stats"].to(batch["input_ids"].device)
         logps = completion_logps(model, batch, temperature=self.rl.temperature)
-        sequences = sequence_sums(logps, batch["loss_example"], len(batch["advantages"]))
+        n = len(batch["advantages"])
+        sequences = sequence_sums(logps, batch["loss_example"], n)
+        old = (sequence_sums(batch["loss_old_logps"].to(logps.device), batch["loss_example"], n)
+               if "loss_old_logps" in batch else None)  # rl.num_iterations > 1: as it was sampled
         if self.sequence_sum is not None:
             sequences = self.sequence_sum(sequences)
-        losses, clipped = sequence_losses(sequences, batch["advantages"], epsilon=self.rl.epsilon,
+            old = self.sequence_sum(old) if old is not None else None
+        losses, clipped = sequence_losses(sequences, batch["advantages"], old_logps=old, epsilon=self.rl.epsilon,
                                           epsilon_high=self.rl.epsilon_high)
-        return losses.sum(), torch.cat([rollout, clipped.float().sum().detach().view(1)])
+        stats = torch.stack([clipped.float().sum(), logps.new_tensor(float(n))]).detach()
+        return losses.sum(), torch.cat([rollout, stats])
 
     def _policy_metrics(self, s: dict, n: float) -> dict[str, float]:
-        out = {"kl": s["kl"] / max(s["length"], 1.0)} if self.rl.beta else {}
-        return {**out, "clip_ratio/region_mean": s["clipped_sequences"] / n}
+        out = {"kl": s["kl"] / max(s["length"], 1.0)} if self.rl.beta and s["completions"] else {}  # a rollout's
+        return {**out, "clip_ratio/region_mean": s["clipped_sequences"] / max(s["sequences"], 1.0)}

@@ -27,7 +27,7 @@ IDENTITY = ["model.name_or_path", "model.dtype", "data.path", "data.sources", "d
 # (With token budgets, the bins of a step, accumulation x processes, are compared as a whole: 2 processes x
 # accumulation 2 resume as 1 process x 4.)
 SCHEDULE = ["train.max_steps", "train.epochs", "train.lr", "train.schedule", "train.warmup_steps",
-            "train.min_lr_ratio", "train.weight_decay", "train.betas"]
+            "train.min_lr_ratio", "train.weight_decay", "train.betas", "rl.num_iterations"]
 
 
 def _get(d: dict, dotted: str):

@@ -52,10 +52,11 @@ def draw_rl(fig, curves: list[Curves], smoothing: float | None) -> None:
         if "eval_answer_accuracy" in c.eval_rl:
             evals.plot(*_points(c.eval_step, c.eval_rl["eval_answer_accuracy"]), color=_colour(i), marker="o",
                        markersize=4, linestyle="--", label=f"{prefix}eval_answer_accuracy")
-        length.plot(c.step, _nan(c.rl.get("completions/mean_length", [])), color=_colour(i),
+        # (points where known: a step that reused its round's completions, rl.num_iterations, sampled none)
+        length.plot(*_points(c.step, c.rl.get("completions/mean_length", [])), color=_colour(i),
                     label=f"{prefix}mean length")
         if "kl" in c.rl:
-            kl.plot(c.step, _nan(c.rl["kl"]), color=_colour(i), label=f"{prefix}kl")
+            kl.plot(*_points(c.step, c.rl["kl"]), color=_colour(i), label=f"{prefix}kl")
         else:
             kl.plot(c.step, _nan(c.loss), color=_colour(i), alpha=0.6, label=f"{prefix}loss (no kl: rl.beta is 0)")
         for j, (ax, name) in enumerate(zip(panels, functions)):
@@ -86,11 +87,11 @@ def _train_and_eval(ax, c: Curves, key: str, eval_key: str, weight: float, colou
     where `weight` > 0, and the eval values (greedy completions) as points joined by a dashed line."""
     values = c.rl.get(key, [])
     if weight > 0:
-        ax.plot(c.step, _nan(values), color=colour, alpha=0.3, linewidth=0.8, label=f"{prefix}{key} (raw)")
+        ax.plot(*_points(c.step, values), color=colour, alpha=0.3, linewidth=0.8, label=f"{prefix}{key} (raw)")
         ax.plot(*_points(c.step, ema(values, weight)), color=colour, linewidth=1.8,
                 label=f"{prefix}{key} (EMA {weight:.2g})")
     else:  # too few points to smooth: the raw curve is the one to read
-        ax.plot(c.step, _nan(values), color=colour, linewidth=1.5, label=f"{prefix}{key} (raw)")
+        ax.plot(*_points(c.step, values), color=colour, linewidth=1.5, label=f"{prefix}{key} (raw)")
     if eval_key in c.eval_rl:
         ax.plot(*_points(c.eval_step, c.eval_rl[eval_key]), color=colour, marker="o", markersize=4, linestyle="--",
                 label=f"{prefix}{eval_key}")
