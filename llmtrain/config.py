@@ -697,6 +697,12 @@ class RLConfig(Section):
         "completion token of the step weighs the same; grpo, each completion's mean over its tokens, then the mean "
         "over completions; dr_grpo, the token sum over completions x max_completion_tokens. rloo: unset (its loss "
         "is the mean over completions of a per-sequence loss).")
+    importance_sampling_level: Literal["token", "sequence"] | None = Field(
+        None, description="grpo only (TRL's importance_sampling_level): token (the default), a ratio per completion "
+        "token; sequence, GSPO's (Zheng et al. 2025): one ratio per completion, exp of the mean of its tokens' "
+        "log-ratios, clipped as a whole and given to each of its tokens (GSPO's setup: loss_type grpo; dapo and "
+        "dr_grpo weigh each completion by its length). It differs from token only where the ratio is not 1: with "
+        "rl.num_iterations > 1. rloo: unset (its ratio is per sequence already).")
     beta: float | None = Field(
         None, ge=0, allow_inf_nan=False, description="Weight of the KL to the reference (the starting model; LoRA: "
         "the adapter disabled). Default TRL's for the algorithm: 0 for grpo (no reference needed), 0.05 for rloo "
@@ -763,8 +769,8 @@ class RLConfig(Section):
         rloo = data.get("algorithm", "grpo") == "rloo"
         if data.get("beta") is None:
             data["beta"] = 0.05 if rloo else 0.0
-        given = [k for k in (("loss_type", "scale_rewards") if rloo else ("normalize_advantages", "reward_clip_range"))
-                 if data.get(k) not in (None, False)]
+        given = [k for k in (("loss_type", "scale_rewards", "importance_sampling_level") if rloo else
+                             ("normalize_advantages", "reward_clip_range")) if data.get(k) not in (None, False)]
         if given:
             mine, theirs = ("rloo", "grpo") if rloo else ("grpo", "rloo")
             raise ValueError(f"rl.{given[0]} is read by rl.algorithm: {theirs}, and this recipe runs {mine}: remove "
@@ -774,6 +780,8 @@ class RLConfig(Section):
                 data["loss_type"] = "dapo"
             if data.get("scale_rewards") is None:
                 data["scale_rewards"] = "group"
+            if data.get("importance_sampling_level") is None:
+                data["importance_sampling_level"] = "token"
         return data
 
     @field_validator("tools")

@@ -15,7 +15,7 @@ import re
 import pytest
 import torch
 
-from llmtrain.objectives.grpo import group_advantages, loss_units, token_losses, token_weights
+from llmtrain.objectives.grpo import group_advantages, loss_units, sequence_log_ratios, token_losses, token_weights
 
 trl = pytest.importorskip("trl")
 
@@ -123,12 +123,17 @@ def test_loss_and_gradients_equal_trls_grpo_trainer(tiny_assets, tmp_path, loss_
     assert worst < 1e-6, worst
 
 
-@pytest.mark.parametrize("loss_type, epsilon_high", [("dapo", 0.28), ("grpo", None), ("dr_grpo", None)])
-def test_a_later_update_of_a_round_equals_trls_with_its_old_logps(tiny_assets, tmp_path, loss_type, epsilon_high):
+@pytest.mark.parametrize("loss_type, epsilon_high, level, beta", [
+    ("dapo", 0.28, "token", 0.0), ("grpo", None, "token", 0.0), ("dr_grpo", None, "token", 0.0),
+    ("grpo", None, "sequence", 0.0), ("grpo", None, "sequence", 0.04), ("dapo", 0.28, "sequence", 0.0)])
+def test_a_later_update_of_a_round_equals_trls_with_its_old_logps(tiny_assets, tmp_path, loss_type, epsilon_high,
+                                                                  level, beta):
     """rl.num_iterations > 1: a round's later update divides by the log-probabilities of the policy that sampled
     (TRL's old_per_token_logps), so the ratio is not 1 and the clip binds (epsilon 0.2, DAPO's epsilon_high 0.28):
-    the same loss, gradients and clipped tokens as TRL's _compute_loss given the same old log-probabilities (those
-    of a policy 0.05 away, taken by each side's own path: TRL's padded forward, llmtrain's packed one)."""
+    the same loss, gradients and clipped share as TRL's _compute_loss given the same old log-probabilities (those
+    of a policy 0.05 away, taken by each side's own path: TRL's padded forward, llmtrain's packed one). Per token,
+    and per completion (importance_sampling_level sequence, GSPO: the mean log-ratio of its tokens; its KL term
+    times that ratio; the clipped share of completions)."""
     from llmtrain.data.batching import collate, with_loss_positions
     from llmtrain.data.formats import IGNORE
     from llmtrain.model.loss import attach_loss, compute_loss
@@ -136,9 +141,15 @@ def test_a_later_update_of_a_round_equals_trls_with_its_old_logps(tiny_assets, t
     prompts = [[1] + PROMPTS[i // 2] for i in range(4)]
     advantages = torch.tensor([0.7, -0.7, 1.2, -1.2])
     theirs_model, ours_model, sampler = two_copies_and_a_moved_one(tiny_assets, 0.05)
-    trainer = trl_trainer(theirs_model, tiny_assets, tmp_path, loss_type=loss_type, beta=0.0)
+    trainer = trl_trainer(theirs_model, tiny_assets, tmp_path, loss_type=loss_type, beta=beta)
     trainer.epsilon_high = epsilon_high if epsilon_high is not None else trainer.epsilon_low
+    trainer.importance_sampling_level = level
     inputs = padded_inputs(prompts, COMPLETIONS, advantages, pad=trainer.processing_class.pad_token_id)
+    reference = tiny_model(tiny_assets)  # another policy again, so that the KL term is not 0
+    torch.manual_seed(1)
+    with torch.no_grad():
+        for p in reference.parameters():
+            p.add_(0.02 * torch.randn_like(p))
     with torch.no_grad():  # the sampler's weights in TRL's model (whose forward its trainer patched), then back
         trained = {k: v.clone() for k, v in theirs_model.state_dict().items()}
         theirs_model.load_state_dict(sampler.state_dict())
@@ -146,27 +157,36 @@ def test_a_later_update_of_a_round_equals_trls_with_its_old_logps(tiny_assets, t
         mask = torch.cat([inputs["prompt_mask"], inputs["completion_mask"]], dim=1)
         inputs["old_per_token_logps"], _, _ = trainer._get_per_token_logps_and_entropies(
             theirs_model, ids, mask, inputs["completion_ids"].size(1), batch_size=4)
+        if beta:
+            trainer.ref_model.load_state_dict(reference.state_dict())
+            inputs["ref_per_token_logps"], _, _ = trainer._get_per_token_logps_and_entropies(
+                trainer.ref_model, ids, mask, inputs["completion_ids"].size(1), batch_size=4)
         theirs_model.load_state_dict(trained)
     theirs = trainer._compute_loss(theirs_model, inputs)
     theirs.backward()
 
     sequences = [{"input_ids": p + c, "labels": [IGNORE] * len(p) + c} for p, c in zip(prompts, COMPLETIONS)]
     batch = with_loss_positions(collate(sequences, pad_id=0, packing=True))
-    attach_loss(ours_model, chunk=4096)
-    attach_loss(sampler, chunk=4096)
+    for model in (ours_model, sampler, reference):
+        attach_loss(model, chunk=4096)
     with torch.no_grad():
         old = -compute_loss(sampler.eval(), batch, per_token=True).float()
+        ref = -compute_loss(reference.eval(), batch, per_token=True).float() if beta else None
     logps = -compute_loss(ours_model, batch, per_token=True).float()
     completion = batch["loss_example"]
     lengths = torch.bincount(completion, minlength=len(COMPLETIONS))
-    loss, _, clipped = token_losses(logps, advantages[completion], old_logps=old, epsilon=0.2,
-                                    epsilon_high=epsilon_high)
+    log_ratio = (sequence_log_ratios(logps, old, completion, lengths.float()[completion], len(COMPLETIONS))
+                 if level == "sequence" else None)
+    loss, _, clipped = token_losses(logps, advantages[completion], old_logps=old, ref_logps=ref, epsilon=0.2,
+                                    epsilon_high=epsilon_high, beta=beta, log_ratio=log_ratio)
     ours = (loss * token_weights(completion, lengths, loss_type)).sum() / loss_units(
         lengths, loss_type, max_completion_tokens=MAX_COMPLETION)
     ours.backward()
     assert ours.item() == pytest.approx(theirs.item(), abs=1e-6)
     assert 0 < clipped.sum() < len(clipped)  # the clip binds on some tokens, not all
-    assert clipped.float().mean().item() == pytest.approx(trainer._metrics["train"]["clip_ratio/region_mean"][-1])
+    share = 1.0 / lengths.float()[completion]  # a completion's clipped share (sequence), else a token's
+    clip = (clipped * share).sum() / share.sum() if level == "sequence" else clipped.float().mean()
+    assert clip.item() == pytest.approx(trainer._metrics["train"]["clip_ratio/region_mean"][-1])
     worst = max((p.grad - q.grad).abs().max().item()
                 for p, q in zip(ours_model.parameters(), theirs_model.parameters()))
     assert worst < 1e-6, worst

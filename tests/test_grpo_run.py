@@ -362,27 +362,40 @@ def sequence_logps(model, records_: list[dict]) -> list[torch.Tensor]:
     return out
 
 
-@pytest.fixture(scope="module")
-def rounds(tiny_assets, tmp_path_factory):
+def round_run(tiny: Path, tmp: Path, **rl) -> tuple[Path, Path]:
     """rl.num_iterations 2, 3 steps, a checkpoint after every step: (recipe's folder, run folder)."""
-    tmp = tmp_path_factory.mktemp("rounds")
-    recipe = grpo_recipe(tiny_assets, tmp, rl={"num_iterations": 2}, data={"eval_split": None,
-                                                                            "eval_max_examples": None},
+    recipe = grpo_recipe(tiny, tmp, rl={"num_iterations": 2, **rl}, data={"eval_split": None,
+                                                                         "eval_max_examples": None},
                          train={"max_steps": 3, "eval_every_steps": None, "eval_samples": 0},
                          checkpoint={"every_steps": 1, "keep_last": 3}, logging={"every_steps": 1})
     run_train(recipe, f"output_dir={tmp / 'run'}")
     return tmp, tmp / "run"
 
 
-def test_a_rounds_second_update_reuses_its_completions_against_the_policy_that_sampled_them(rounds, tiny_assets):
+@pytest.fixture(scope="module")
+def rounds(tiny_assets, tmp_path_factory):
+    return round_run(tiny_assets, tmp_path_factory.mktemp("rounds"))
+
+
+@pytest.fixture(scope="module")
+def gspo_rounds(tiny_assets, tmp_path_factory):
+    """The same with GSPO's ratio a completion and its normalisation (importance_sampling_level sequence, grpo)."""
+    return round_run(tiny_assets, tmp_path_factory.mktemp("gspo"), importance_sampling_level="sequence",
+                     loss_type="grpo")
+
+
+@pytest.mark.parametrize("level", ["token", "sequence"])
+def test_a_rounds_second_update_reuses_its_completions_against_the_policy_that_sampled_them(rounds, gspo_rounds,
+                                                                                            tiny_assets, level):
     """rl.num_iterations 2: step 1 samples (rollouts.jsonl's step 1), step 2 updates on the same completions and
     advantages, step 3 samples again. Step 2's loss, worked by hand from rollouts.jsonl with plain transformers
-    forwards: the DAPO sum of -min(r A, clip(r, 0.8, 1.2) A) over every completion token / the tokens, r the
-    ratio of the step-1 checkpoint's policy to the starting one's (which sampled); its clipped share too. A
-    checkpoint within a round keeps it (rounds/), one at its end does not."""
+    forwards: per token, the DAPO sum of -min(r A, clip(r, 0.8, 1.2) A) over every completion token / the tokens,
+    r the ratio of the step-1 checkpoint's policy to the starting one's (which sampled); its clipped share too.
+    Per completion (GSPO, loss_type grpo): r = exp(the mean log-ratio of its tokens), the mean over completions, the
+    clipped share of completions. A checkpoint within a round keeps it (rounds/), one at its end does not."""
     from transformers import AutoModelForCausalLM
 
-    _, run = rounds
+    _, run = rounds if level == "token" else gspo_rounds
     done = [json.loads(line) for line in (run / "rollouts.jsonl").read_text().splitlines()]
     assert sorted({r["step"] for r in done}) == [1, 3]
     first = [r for r in done if r["step"] == 1]
@@ -395,15 +408,17 @@ def test_a_rounds_second_update_reuses_its_completions_against_the_policy_that_s
     updated = AutoModelForCausalLM.from_pretrained(tiny_assets / "model", dtype=torch.float32)
     updated.load_state_dict(load_weights(run / "checkpoints" / "step_000001"))
     old, new = sequence_logps(sampler, first), sequence_logps(updated, first)
-    total, tokens, clipped = 0.0, 0, 0
+    total, units, clipped = 0.0, 0, 0
     for r, o, n in zip(first, old, new):
-        ratio, a = torch.exp(n - o), r["advantage"]
-        total += float(-torch.min(ratio * a, ratio.clamp(0.8, 1.2) * a).sum())
-        clipped += int((((ratio < 0.8) & (a < 0)) | ((ratio > 1.2) & (a > 0))).sum())
-        tokens += len(r["completion_ids"])
-    assert lines[1]["loss"] == pytest.approx(total / tokens, abs=1e-5)
+        ratio, a = torch.exp(n - o if level == "token" else (n - o).mean()), r["advantage"]
+        losses_ = -torch.min(ratio * a, ratio.clamp(0.8, 1.2) * a)
+        clip = ((ratio < 0.8) & (a < 0)) | ((ratio > 1.2) & (a > 0))
+        total += float(losses_.sum())
+        clipped += int(clip.sum())
+        units += len(r["completion_ids"]) if level == "token" else 1
+    assert lines[1]["loss"] == pytest.approx(total / units, abs=1e-5)
     assert lines[1]["loss"] != pytest.approx(lines[0]["loss"], abs=1e-4)  # not the first update's loss again
-    assert clipped > 0 and lines[1]["clip_ratio/region_mean"] == pytest.approx(clipped / tokens, abs=1e-6)
+    assert clipped > 0 and lines[1]["clip_ratio/region_mean"] == pytest.approx(clipped / units, abs=1e-6)
     checkpoints = run / "checkpoints"
     assert (checkpoints / "step_000001" / "rounds" / "process_0.pt").is_file()
     assert not (checkpoints / "step_000002" / "rounds").exists()

@@ -62,12 +62,14 @@ def group_advantages(rewards: torch.Tensor, num_generations: int, *,
 
 def token_losses(logps: torch.Tensor, advantages: torch.Tensor, *, old_logps: torch.Tensor | None = None,
                  ref_logps: torch.Tensor | None = None, epsilon: float, epsilon_high: float | None = None,
-                 beta: float = 0.0) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
+                 beta: float = 0.0, log_ratio: torch.Tensor | None = None,
+                 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
     """Per completion token: (loss, k3 KL to the reference or None, clipped: whether the ratio was clipped where it
     mattered). `advantages` are per token (each completion's, repeated over its tokens). old_logps None: the
-    policy that sampled is this one (one update a generation round), so the ratio is exp(logps - logps.detach())."""
+    policy that sampled is this one (one update a generation round), so the ratio is exp(logps - logps.detach()).
+    `log_ratio`: each token's log-ratio given instead (importance_sampling_level sequence: sequence_log_ratios)."""
     loss, ratio, clipped = clipped_surrogate(logps, advantages, old_logps=old_logps, epsilon=epsilon,
-                                             epsilon_high=epsilon_high)
+                                             epsilon_high=epsilon_high, log_ratio=log_ratio)
     kl = None
     if beta != 0.0:
         delta = ref_logps - logps
@@ -76,6 +78,19 @@ def token_losses(logps: torch.Tensor, advantages: torch.Tensor, *, old_logps: to
         # 1.16's default (use_bias_correction_kl)
         loss = loss + beta * kl * ratio
     return loss, kl, clipped
+
+
+def sequence_log_ratios(logps: torch.Tensor, old_logps: torch.Tensor | None, completion: torch.Tensor,
+                        lengths: torch.Tensor, n: int, *, group_sum=None) -> torch.Tensor:
+    """GSPO's log-ratio (importance_sampling_level sequence, as TRL's): each token gets its completion's mean over its
+    tokens of logps - old_logps (old None: logps detached, the ratio 1 in value). `completion`: each token's
+    completion (0 to n - 1), `lengths`: each token's completion's token count; `group_sum`: under sequence
+    parallelism the sum of a completion's parts over the group's slices."""
+    log_ratio = logps - (logps.detach() if old_logps is None else old_logps)
+    means = log_ratio.new_zeros(n).index_add(0, completion, log_ratio / lengths)
+    if group_sum is not None:
+        means = group_sum(means)
+    return means[completion]
 
 
 def token_weights(completion: torch.Tensor, lengths: torch.Tensor, loss_type: LossType) -> torch.Tensor:
@@ -119,7 +134,9 @@ def token_chunks(sizes: list[int], budget: int | None) -> list[list[int]]:
 FLAT_STEPS = 5  # steps in a row of all-zero advantages before a run is told it is learning nothing (`unscored`)
 ROLLOUT_STATS = ["completions", "reward", "reward_squares", "scored", "zero_std", "length", "clipped", "generation_s",
                  "tool_calls", "tool_failures"]
-LOSS_STATS = ["kl", "clipped_tokens", "tokens"]
+# clipped and sequences: each token's share of its completion (1 / its tokens), so they add up to completions over
+# any split of the tokens (importance_sampling_level sequence logs the clipped share of completions, as TRL)
+LOSS_STATS = ["kl", "clipped_tokens", "tokens", "clipped", "sequences"]
 
 
 class GRPO:
@@ -131,6 +148,7 @@ class GRPO:
     the loss and their metrics through the methods marked as its hooks."""
 
     advantage_stats: tuple[str, ...] = ()  # rollout statistics the advantages add (RLOO's)
+    shared_sum = None  # sequence parallelism: a completion's GSPO log-ratio from its slices' parts (shards.shared_sum)
     loss_stats: tuple[str, ...] = tuple(LOSS_STATS)
 
     def __init__(self, rl, *, tokenizer, pad_id: int, packing: bool, seed: int, rewards, model, columns,
@@ -336,6 +354,8 @@ class GRPO:
         completion = batch["loss_example"]
         batch["loss_advantages"] = advantages.float()[completion]  # "loss_": one per trained position
         batch["loss_weights"] = token_weights(completion, lengths, self.rl.loss_type)
+        batch["loss_lengths"] = lengths.clamp(min=1).float()[completion]  # its completion's tokens, whole
+        batch["completions"] = len(lengths)
 
     def _generate(self, prompt_ids: list[list[int]], seeds: list[int], *, temperature: float,
                   top_p: float, max_new_tokens: int | None = None) -> list[list[int]]:
@@ -453,12 +473,16 @@ class GRPO:
             with torch.no_grad(), self.lm.disable_adapter():  # the starting model: the LoRA adapter off
                 ref = -compute_loss(self.lm, batch, per_token=True, temperature=rl.temperature).float()
         logps = -compute_loss(model, batch, per_token=True, temperature=rl.temperature).float()
-        losses, kl, clipped = token_losses(logps, batch["loss_advantages"], old_logps=batch.get("loss_old_logps"),
-                                           ref_logps=ref, epsilon=rl.epsilon, epsilon_high=rl.epsilon_high,
-                                           beta=rl.beta)
+        old, log_ratio, share = batch.get("loss_old_logps"), None, 1.0 / batch["loss_lengths"]
+        if rl.importance_sampling_level == "sequence":  # GSPO: one ratio a completion
+            log_ratio = sequence_log_ratios(logps, old, batch["loss_example"], batch["loss_lengths"],
+                                            batch["completions"], group_sum=self.shared_sum)
+        losses, kl, clipped = token_losses(logps, batch["loss_advantages"], old_logps=old, ref_logps=ref,
+                                           epsilon=rl.epsilon, epsilon_high=rl.epsilon_high, beta=rl.beta,
+                                           log_ratio=log_ratio)
         with torch.no_grad():
             stats = torch.stack([kl.sum() if kl is not None else logps.new_zeros(()), clipped.float().sum(),
-                                 logps.new_tensor(float(logps.numel()))])
+                                 logps.new_tensor(float(logps.numel())), (clipped * share).sum(), share.sum()])
         return (losses * batch["loss_weights"]).sum(), torch.cat([rollout, stats])
 
     def _reward_metrics(self, s: dict, n: float) -> dict[str, float]:
@@ -472,10 +496,12 @@ class GRPO:
         return {**out, "frac_reward_zero_std": s["zero_std"] / n}
 
     def _policy_metrics(self, s: dict, n: float) -> dict[str, float]:
-        """(RLOO's hook) kl (beta > 0) and clip_ratio/region_mean."""
+        """(RLOO's hook) kl (beta > 0) and clip_ratio/region_mean: of the completion tokens, or of the completions
+        with importance_sampling_level sequence (TRL's)."""
         tokens = max(s["tokens"], 1.0)
-        return {**({"kl": s["kl"] / tokens} if self.rl.beta else {}),
-                "clip_ratio/region_mean": s["clipped_tokens"] / tokens}
+        clip = (s["clipped"] / max(s["sequences"], 1e-9) if self.rl.importance_sampling_level == "sequence" else
+                s["clipped_tokens"] / tokens)
+        return {**({"kl": s["kl"] / tokens} if self.rl.beta else {}), "clip_ratio/region_mean": clip}
 
     def step_metrics(self, stats: list[float], units: float) -> dict[str, float]:
         from llmtrain.objectives.rewards import metric_means

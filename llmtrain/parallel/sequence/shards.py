@@ -80,6 +80,7 @@ class SequenceShards:
         self.whole = getattr(objective, "whole_sequences", False)
         objective.example_sum = partial(example_sum, group=group)
         objective.sequence_sum = partial(sequence_sum, group=group.group)
+        objective.shared_sum = partial(shared_sum, group=group.group)  # GSPO's ratio, read by each slice's tokens
         # online RL and distillation: a group is one data rank for its rollout (see rollout)
         self.samples = hasattr(objective, "rollout")
         if self.samples:
@@ -158,6 +159,34 @@ class _GroupSum(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
         return grad, None
+
+
+class _SharedSum(torch.autograd.Function):
+    """A sum over a process group that each process's loss reads for its own tokens (GSPO's ratio of a completion,
+    applied to each process's slice of it): the losses differ, so the backward sums their gradients over the group and
+    each part gets the whole loss's gradient."""
+
+    @staticmethod
+    def forward(ctx, t: torch.Tensor, group) -> torch.Tensor:
+        import torch.distributed as dist
+
+        ctx.group = group
+        t = t.clone()
+        dist.all_reduce(t, group=group)
+        return t
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        import torch.distributed as dist
+
+        grad = grad.clone()
+        dist.all_reduce(grad, group=ctx.group)
+        return grad, None
+
+
+def shared_sum(parts: torch.Tensor, *, group) -> torch.Tensor:
+    """Each sequence's sum from every process's part of it, read by every process's own loss (`_SharedSum`)."""
+    return _SharedSum.apply(parts, group)
 
 
 def sequence_sum(parts: torch.Tensor, *, group) -> torch.Tensor:
