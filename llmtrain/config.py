@@ -728,6 +728,10 @@ class RLConfig(Section):
     reward_clip_range: tuple[float, float] | None = Field(
         None, description="rloo only (TRL's): each completion's summed reward clamped to [min, max] before the KL "
         "penalty and the baseline; default no clipping.")
+    mask_truncated_completions: bool = Field(
+        False, description="TRL's (DAPO's overlong filtering): a completion that reached max_completion_tokens without "
+        "a stop token trains none of its tokens (its reward still counts in its group's advantages; loss_type dapo "
+        "then divides by the other completions' tokens, grpo and dr_grpo by every completion, as TRL).")
     rewards: list[RewardConfig] = Field(min_length=1, description="The reward functions, summed with their weights.")
     tools: list[str] = Field(
         default_factory=list, description="Python functions the model may call mid-completion, each named "

@@ -192,6 +192,42 @@ def test_a_later_update_of_a_round_equals_trls_with_its_old_logps(tiny_assets, t
     assert worst < 1e-6, worst
 
 
+@pytest.mark.parametrize("loss_type", ["dapo", "grpo", "dr_grpo"])
+def test_masked_truncated_completions_train_nothing_and_normalise_as_trls(tiny_assets, tmp_path, loss_type):
+    """rl.mask_truncated_completions: the last completion reached max_completion_tokens without EOS; its tokens train
+    nothing (TRL zeroes its completion_mask, and num_items_in_batch counts the rest), while grpo and dr_grpo still
+    divide by every completion. The same loss and gradients as TRL's _compute_loss to 1e-6."""
+    from llmtrain.data.batching import collate, with_loss_positions
+    from llmtrain.model.loss import attach_loss, compute_loss
+    from llmtrain.objectives.rollouts import completion_rows
+
+    prompts = [[1] + PROMPTS[i // 2] for i in range(4)]
+    advantages = torch.tensor([0.7, -0.7, 1.2, -1.2])
+    theirs_model, ours_model = tiny_model(tiny_assets), tiny_model(tiny_assets)
+    trainer = trl_trainer(theirs_model, tiny_assets, tmp_path, loss_type=loss_type, beta=0.0)
+    inputs = padded_inputs(prompts, COMPLETIONS, advantages, pad=trainer.processing_class.pad_token_id)
+    inputs["completion_mask"][3] = 0  # COMPLETIONS[3] has no EOS: truncated
+    inputs["num_items_in_batch"] = inputs["completion_mask"].sum()
+    theirs = trainer._compute_loss(theirs_model, inputs)
+    theirs.backward()
+
+    masks = [[1] * len(c) for c in COMPLETIONS[:3]] + [[0] * len(COMPLETIONS[3])]
+    batch = with_loss_positions(collate(completion_rows(prompts, COMPLETIONS, masks=masks), pad_id=0, packing=True))
+    attach_loss(ours_model, chunk=4096)
+    logps = -compute_loss(ours_model, batch, per_token=True).float()
+    completion = batch["loss_example"]
+    lengths = torch.bincount(completion, minlength=len(COMPLETIONS))
+    assert lengths.tolist() == [3, 2, 5, 0]
+    loss, _, _ = token_losses(logps, advantages[completion], epsilon=0.2)
+    ours = (loss * token_weights(completion, lengths, loss_type)).sum() / loss_units(
+        lengths, loss_type, max_completion_tokens=MAX_COMPLETION)
+    ours.backward()
+    assert ours.item() == pytest.approx(theirs.item(), abs=1e-6)
+    worst = max((p.grad - q.grad).abs().max().item()
+                for p, q in zip(ours_model.parameters(), theirs_model.parameters()))
+    assert worst < 1e-6, worst
+
+
 def test_advantages_equal_trls_for_group_and_none_scaling():
     """TRL's arithmetic (trl/trainer/grpo_trainer.py, sum_then_normalize), written out here with its own nanstd:
     a group with spread rewards, a group whose rewards are all equal (std 0: advantages 0), and a reward of None

@@ -331,6 +331,25 @@ def killed_and_resumed(recipe: Path, full: Path, cut: Path, *, env: dict | None 
     assert max_abs_diff(load_weights(cut / "final" / weights), load_weights(full / "final" / weights)) == 0.0
 
 
+def test_masked_truncated_completions_train_only_the_completions_that_ended(straight, tmp_path):
+    """rl.mask_truncated_completions: of step 1's completions (those of the plain run: the same seeds), the ones
+    that reached max_completion_tokens without EOS train no token (trained_tokens counts the others'), while their
+    rewards, advantages and lengths are logged as before; the loss differs from the plain run's."""
+    recipe, plain, _ = straight
+    run = tmp_path / "masked"
+    run_train(recipe, f"output_dir={run}", "train.max_steps=1", "rl.mask_truncated_completions=true")
+    eos = 2  # the tiny tokenizer's
+    first = [r for r in rollouts(plain) if r["step"] == 1]
+    assert rollouts(run) == first  # the same completions, rewards and advantages
+    ended = [r for r in first if r["completion_ids"][-1] == eos]
+    assert 0 < len(ended) < len(first)  # some end, some are clipped
+    line, before = records(run)[0], records(plain)[0]
+    assert line["trained_tokens"] == sum(len(r["completion_ids"]) for r in ended)
+    assert before["trained_tokens"] == sum(len(r["completion_ids"]) for r in first)
+    assert line["completions/mean_length"] == before["completions/mean_length"]
+    assert line["loss"] != pytest.approx(before["loss"], abs=1e-6)
+
+
 def killed_and_resumed_within_a_round(recipe: Path, full: Path, cut: Path) -> None:
     """rl.num_iterations 3 (rounds of steps 1-3 and 4), checkpoints every 2 steps: killed like kill -9 mid step 3,
     the step-2 checkpoint is within the first round, and the resume finishes that round on the completions it

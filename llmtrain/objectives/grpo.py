@@ -274,7 +274,14 @@ class GRPO:
         for name, values in extra.metrics.items():
             self.logs.metrics[name] += values
         rows = [e["row"] + 1 for e in examples for _ in range(g)]
-        sequences = completion_rows(prompt_ids, completions, masks=[t.mask for t in tooled] if tooled else None)
+        clipped = [not self.stop_ids.ends(c) for c in completions]  # ended by max_completion_tokens
+        masks = [t.mask for t in tooled] if tooled else [[1] * len(c) for c in completions]
+        # rl.mask_truncated_completions (DAPO's overlong filtering): a clipped completion trains none of its tokens
+        # (its reward still counts in its group's advantages); its length stays in completions/mean_length
+        dropped = sum(sum(m) for m, cut in zip(masks, clipped) if cut) if rl.mask_truncated_completions else 0
+        if rl.mask_truncated_completions:
+            masks = [[0] * len(m) if cut else m for m, cut in zip(masks, clipped)]
+        sequences = completion_rows(prompt_ids, completions, masks=masks)
         batches, parts, lengths = self._passes(sequences)
         if rl.num_iterations > 1:  # the round's later updates divide by the policy as it sampled
             for batch in batches:
@@ -282,11 +289,10 @@ class GRPO:
         advantages, std, more, columns = self._advantages(total, g, batches, parts)
         for batch, part, n in zip(batches, parts, lengths.split([len(part) for part in parts])):
             self._attach(batch, advantages[part], n)
-        clipped = [not self.stop_ids.ends(c) for c in completions]  # ended by max_completion_tokens
         scored = ~per_function.isnan()
         stats = torch.tensor([
             len(completions), float(total.nansum()), float((total.nan_to_num() ** 2).sum()),
-            float((~total.isnan()).sum()), float((std.nan_to_num() < 1e-8).sum()), float(lengths.sum()),
+            float((~total.isnan()).sum()), float((std.nan_to_num() < 1e-8).sum()), float(lengths.sum()) + dropped,
             float(sum(clipped)), generation_s / self.world, sum(len(t.calls) for t in tooled or []),
             sum(t.failures for t in tooled or []), *more, *per_function.nan_to_num().sum(0).tolist(),
             *scored.sum(0).tolist()],
