@@ -31,6 +31,8 @@
 #                                                # card with AdamW, then 8-bit AdamW: peaks vs estimate (~3 min)
 #   bash benchmarks/gpu_session.sh dora          # lora.dora: Mistral-7B's shape, LoRA against DoRA (dropout 0 and
 #                                                # 0.05) checkpointed: step time, peaks vs estimate (~3 min)
+#   bash benchmarks/gpu_session.sh rounds        # rl.num_iterations: Mistral-7B LoRA GRPO sampling every step against
+#                                                # rounds of 2 (and GSPO): seconds, generation_s, peaks (~3 min)
 #
 # Each writes $OUT/<name>.jsonl and $OUT/<name>.log.
 #
@@ -55,7 +57,7 @@
 # (WORK=DIR moves the runs from /tmp/work, or /tmp/work-dry, to DIR.)
 set -uo pipefail
 cd "$(dirname "$0")/.."
-WHAT=${1:?usage: gpu_session.sh pack|families|i40|i40b|sp|smoke|distill|vs-hf-7b|vs-hf-1b|fixed|calibrate|fit|profile|rl|long|tools|moe|oss|gemma4}
+WHAT=${1:?usage: gpu_session.sh pack|families|i40|i40b|sp|smoke|distill|vs-hf-7b|vs-hf-1b|fixed|calibrate|fit|profile|rl|long|tools|moe|oss|gemma4|optim8|dora|rounds}
 G=.gpu
 OUT=${OUT:-/tmp/out}
 DRY=${GPU_SESSION_DRY:-0}
@@ -147,7 +149,8 @@ summary = json.loads((run / "summary.json").read_text()) if (run / "summary.json
 keep = ("max_memory_allocated", "max_memory_reserved", "predicted_peak_allocated_bytes", "predicted_peak_reserved_bytes",
         "predicted_peak_bytes", "packing_efficiency", "tokens_per_s_per_gpu")
 rl = {k: [l.get(k) for l in train] for k in ("generation_s", "generation_tokens_per_s", "policy_tokens_per_s",
-                                              "step_s", "completions/mean_length") if any(k in l for l in train)}
+                                              "step_s", "completions/mean_length", "clip_ratio/region_mean")
+      if any(k in l for l in train)}
 print(json.dumps({"run": name, "rc": rc, "seconds": secs, "steps": len(train), **rl,
                   "losses": [l["loss"] for l in train], "tokens_per_s_per_gpu": [l.get("tokens_per_s_per_gpu") for l in train][-3:],
                   "mfu": [l.get("mfu") for l in train][-3:], **{k: summary.get(k) for k in keep}}))
@@ -555,6 +558,17 @@ dora)  # lora.dora on CUDA (~3 minutes on an H200): Mistral-7B's shape (random i
   run mistral-7b-lora $FT $W/mistral-7b-dora.yaml $M
   run mistral-7b-dora $FT $W/mistral-7b-dora.yaml $M lora.dora=true
   run mistral-7b-dora-dropout $FT $W/mistral-7b-dora.yaml $M lora.dora=true lora.dropout=0.05
+  ;;
+rounds)  # rl.num_iterations on CUDA (~3 minutes on an H200): Mistral-7B LoRA GRPO, 8 prompts x 8 completions x 256
+  # new tokens a round with the captured sampler: 4 steps sampling every step, then 4 steps in rounds of 2 (half the
+  # sampling; the rollout's old-log-probability forward added), and GSPO's ratio; each run's seconds, its sampling
+  # steps' generation_s, the clipped shares, the peak against the estimate (rollout_logps phases)
+  grpo_lora 4
+  run grpo-rounds1 $FT $W/lora.yaml $GRPO "$RL" rl.sampler=graph
+  RL2="${RL%\}}, num_iterations: 2}"
+  run grpo-rounds2 $FT $W/lora.yaml $GRPO "$RL2" rl.sampler=graph
+  run grpo-rounds2-gspo $FT $W/lora.yaml $GRPO "$RL2" rl.sampler=graph rl.importance_sampling_level=sequence \
+    rl.loss_type=grpo
   ;;
 gemma4)  # Gemma 4 on CUDA (~4 minutes on an H200): no checkpoint config is on the CPU machine, so a text model shaped
   # from transformers' own Gemma4TextConfig defaults (30 layers of 2,304, a 262,144-token vocabulary, per-layer inputs
