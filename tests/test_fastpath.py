@@ -150,6 +150,25 @@ def test_chunked_loss_equals_full_loss(chunk):
     assert (head.weight.grad - grads[1]).abs().max() < 1e-5
 
 
+def test_per_token_entropies_across_chunks_and_row_blocks_equal_the_full_logits_and_carry_no_gradient():
+    """online RL's entropy: 300 tokens in chunks of 128, each chunk's rows taken 64 at a time: every token's entropy
+    of softmax(logits) as torch.distributions computes it from the full logits; the per-token losses and their
+    gradient unchanged by asking for it."""
+    torch.manual_seed(0)
+    n, h, v = 300, 16, 97
+    head = torch.nn.Linear(h, v, bias=False)
+    hidden = torch.randn(n, h, requires_grad=True)
+    targets = torch.randint(0, v, (n,))
+    losses, entropies = chunked_cross_entropy(hidden, head, targets, chunk=128, per_token=True, entropy=True)
+    expected = torch.distributions.Categorical(logits=head(hidden).float()).entropy()
+    assert entropies.shape == (n,) and not entropies.requires_grad
+    assert (entropies - expected).abs().max() < 1e-5
+    plain, _ = chunked_cross_entropy(hidden, head, targets, chunk=128, per_token=True)
+    assert torch.equal(losses, plain)
+    losses.sum().backward()
+    assert hidden.grad is not None and hidden.grad.abs().sum() > 0
+
+
 def test_chunked_loss_needs_a_fraction_of_the_memory():
     """Peak memory of loss + backward with torch's MemTracker: full fp32 logits (and their gradient) for 2048
     tokens x 32k vocabulary, against 256-token chunks recomputed in backward."""

@@ -172,7 +172,8 @@ def test_a_later_update_of_a_round_equals_trls_with_its_old_logps(tiny_assets, t
     with torch.no_grad():
         old = -compute_loss(sampler.eval(), batch, per_token=True).float()
         ref = -compute_loss(reference.eval(), batch, per_token=True).float() if beta else None
-    logps = -compute_loss(ours_model, batch, per_token=True).float()
+    losses, entropy = compute_loss(ours_model, batch, per_token=True, return_entropy=True)
+    logps = -losses.float()
     completion = batch["loss_example"]
     lengths = torch.bincount(completion, minlength=len(COMPLETIONS))
     log_ratio = (sequence_log_ratios(logps, old, completion, lengths.float()[completion], len(COMPLETIONS))
@@ -187,6 +188,9 @@ def test_a_later_update_of_a_round_equals_trls_with_its_old_logps(tiny_assets, t
     share = 1.0 / lengths.float()[completion]  # a completion's clipped share (sequence), else a token's
     clip = (clipped * share).sum() / share.sum() if level == "sequence" else clipped.float().mean()
     assert clip.item() == pytest.approx(trainer._metrics["train"]["clip_ratio/region_mean"][-1])
+    # TRL's entropy metric: the policy's mean entropy over the completion tokens
+    assert entropy.mean().item() == pytest.approx(trainer._metrics["train"]["entropy"][-1], abs=1e-5)
+    assert 0 < entropy.mean().item() < torch.log(torch.tensor(float(ours_model.config.vocab_size))).item()
     worst = max((p.grad - q.grad).abs().max().item()
                 for p, q in zip(ours_model.parameters(), theirs_model.parameters()))
     assert worst < 1e-6, worst

@@ -9,6 +9,7 @@ differ, and the update is not zero; answer_match (against the data's completion 
 from __future__ import annotations
 
 import json
+import math
 import os
 import subprocess
 import sys
@@ -71,8 +72,9 @@ def test_a_step_logs_trls_names_and_every_completion(straight, tiny_assets):
     assert [r["step"] for r in lines] == [1, 2, 3, 4]
     for name in ("reward", "reward_std", "rewards/format/mean", "rewards/answer_match/mean", "frac_reward_zero_std",
                  "completions/mean_length", "completions/clipped_ratio", "clip_ratio/region_mean",
-                 "generation_tokens_per_s", "policy_tokens_per_s"):
+                 "generation_tokens_per_s", "policy_tokens_per_s", "entropy"):
         assert all(name in r for r in lines), name
+    assert all(0 < r["entropy"] < math.log(104) for r in lines)  # in nats: below a uniform one over the 104 tokens
     assert "kl" not in lines[0]  # beta 0: no reference, no kl
 
     rolled = rollouts(run)

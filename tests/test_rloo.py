@@ -139,9 +139,11 @@ def test_advantages_loss_and_gradients_equal_trls_rloo_trainer(tiny_assets, tmp_
                                 clip=config.get("reward_clip_range"))
     assert torch.allclose(advantages, out["advantages"], atol=1e-6), (advantages, out["advantages"])
     assert advantages[4].item() == 0.0 and advantages.abs().max() > 0.1  # the None's, and real ones
-    logps = sequence_sums(completion_logps(ours_model, batch, temperature=temperature), batch["loss_example"],
-                          len(COMPLETIONS))
+    per_token, entropy = completion_logps(ours_model, batch, temperature=temperature, entropy=True)
+    logps = sequence_sums(per_token, batch["loss_example"], len(COMPLETIONS))
     losses_, _ = sequence_losses(logps, advantages, epsilon=0.2, epsilon_high=config.get("epsilon_high"))
+    # TRL's entropy metric: the mean over the completion tokens, at the sampling temperature
+    assert entropy.mean().item() == pytest.approx(trainer._metrics["train"]["entropy"][-1], abs=1e-5)
     ours = losses_.sum() / len(COMPLETIONS)  # the contract's sum over completions, divided by the units
     ours.backward()
     assert ours.item() == pytest.approx(theirs.item(), abs=1e-6)

@@ -30,19 +30,44 @@ def _chunk_loss(head, hidden: torch.Tensor, targets: torch.Tensor) -> torch.Tens
     return F.cross_entropy(head(hidden).float(), targets, reduction="sum")
 
 
-def _chunk_token_loss(head, hidden: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    return F.cross_entropy(head(hidden).float(), targets, reduction="none")
+def _chunk_token_loss(head, hidden: torch.Tensor, targets: torch.Tensor, entropy: bool = False):
+    logits = head(hidden).float()
+    loss = F.cross_entropy(logits, targets, reduction="none")
+    return (loss, _entropy(logits)) if entropy else loss
+
+
+ENTROPY_ROWS = 64  # rows of a chunk's logits whose entropy is taken at a time: 2 x 64 x vocab fp32 beside the chunk
+
+
+@torch.no_grad()
+def _entropy(logits: torch.Tensor) -> torch.Tensor:
+    """Each row's entropy of softmax(logits), in fp32, ENTROPY_ROWS rows at a time: its temporaries (the
+    probabilities and their product with the logits) stay far below the chunk's own logits, under the loss's peak,
+    which is its backward (activations.chunk_backward_bytes: 12 bytes a logit against the forward's 8)."""
+    out = []
+    for s in range(0, logits.shape[0], ENTROPY_ROWS):
+        z = logits[s : s + ENTROPY_ROWS]
+        lse = torch.logsumexp(z, dim=-1)
+        out.append(lse - ((z - lse[:, None]).exp_() * z).sum(-1))
+    return torch.cat(out) if out else logits.new_zeros(0)
 
 
 def chunked_cross_entropy(hidden: torch.Tensor, head, targets: torch.Tensor, *, chunk: int,
-                          with_hits: bool = False, per_token: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+                          with_hits: bool = False, per_token: bool = False,
+                          entropy: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Sum of cross-entropies of `head(hidden)` against `targets` (N tokens, none ignored), `chunk` tokens at
     a time; with_hits also returns, per token, whether the argmax is the target (evaluation). per_token: the N
-    cross-entropies themselves instead of their sum (preference losses sum them per sequence)."""
+    cross-entropies themselves instead of their sum (preference losses sum them per sequence); with entropy, and
+    each token's entropy of its distribution (no gradient: online RL's `entropy` metric)."""
     if per_token:
-        parts = [checkpoint(_chunk_token_loss, head, hidden[s : s + chunk], targets[s : s + chunk], use_reentrant=False)
-                 if torch.is_grad_enabled() else _chunk_token_loss(head, hidden[s : s + chunk], targets[s : s + chunk])
+        parts = [checkpoint(_chunk_token_loss, head, hidden[s : s + chunk], targets[s : s + chunk], entropy,
+                            use_reentrant=False) if torch.is_grad_enabled() else
+                 _chunk_token_loss(head, hidden[s : s + chunk], targets[s : s + chunk], entropy)
                  for s in range(0, hidden.shape[0], chunk)]
+        if entropy:
+            losses, entropies = ([part[k] for part in parts] for k in (0, 1))
+            empty = hidden.new_zeros(0, dtype=torch.float32)
+            return (torch.cat(losses) if parts else empty), (torch.cat(entropies).detach() if parts else empty)
         return (torch.cat(parts) if parts else hidden.new_zeros(0, dtype=torch.float32)), None
     total = hidden.new_zeros((), dtype=torch.float32)
     hits = []
@@ -120,7 +145,7 @@ def attach_loss(model, *, chunk: int, fused_linear_ce=None, router_aux: float | 
 
     def forward(self, *args, loss_index=None, loss_targets=None, return_hits: bool = False, per_token: bool = False,
                 temperature: float = 1.0, token_loss=None, with_aux: bool = False, real_tokens: int | None = None,
-                **kwargs):
+                entropy: bool = False, **kwargs):
         if loss_index is None:
             return original(self, *args, **kwargs)
         kwargs.pop("labels", None)  # peft passes labels=None through
@@ -134,11 +159,13 @@ def attach_loss(model, *, chunk: int, fused_linear_ce=None, router_aux: float | 
         if loss_index.numel() == 0:  # no trained position (a sequence-parallel slice of prompt tokens, a pipeline's
             # filler): a zero loss that still reaches every parameter, as DDP and FSDP reduce all their gradients
             loss, _ = self.lm_head(hidden[:1], targets=hidden.new_zeros(1, dtype=torch.long))
-            return {"loss": loss.sum() * 0.0, "hits": torch.zeros(0, dtype=torch.bool, device=hidden.device),
+            return {"loss": loss.sum() * 0.0, "hits": torch.zeros(0, dtype=torch.float32 if entropy else torch.bool,
+                                                                  device=hidden.device),
                     **({"aux": loss.new_zeros(())} if aux else {})}
-        # hits: with token_loss, its statistics instead
+        # hits: with token_loss, its statistics instead; with per_token and entropy, each token's entropy
         loss, hits = self.lm_head(hidden[loss_index], targets=loss_targets, with_hits=return_hits, per_token=per_token,
-                                  temperature=temperature, token_loss=token_loss)
+                                  temperature=temperature, token_loss=token_loss,
+                                  **({"entropy": True} if entropy else {}))
         if not aux:
             return {"loss": loss, "hits": hits}
         balance = router_aux_loss(self, outputs.router_logits, kwargs.get("attention_mask"), sums=balance_sums,
@@ -299,7 +326,7 @@ def _head_forward(chunk: int, fused_linear_ce, *, logits: Logits = Logits()):
     """The LM head's forward, patched: given targets, the chunked loss from its weight, of the logits the model's own
     forward makes (`logits`: logit_transform), over the sampling temperature."""
     def forward(self, hidden, targets=None, with_hits: bool = False, per_token: bool = False,
-                temperature: float = 1.0, token_loss=None):
+                temperature: float = 1.0, token_loss=None, entropy: bool = False):
         if targets is None:  # an ordinary call: logits (the model's own forward transforms them)
             return torch.nn.functional.linear(hidden, self.weight, self.bias)
         if token_loss is not None:  # another loss on the same chunks (distillation); it applies any temperature
@@ -313,7 +340,8 @@ def _head_forward(chunk: int, fused_linear_ce, *, logits: Logits = Logits()):
             out = logits(torch.nn.functional.linear(h, self.weight, self.bias))
             return out if temperature == 1.0 else out / temperature  # online RL: the sampling's temperature
 
-        return chunked_cross_entropy(hidden, head, targets, chunk=chunk, with_hits=with_hits, per_token=per_token)
+        return chunked_cross_entropy(hidden, head, targets, chunk=chunk, with_hits=with_hits, per_token=per_token,
+                                     entropy=entropy)
 
     return forward
 
@@ -333,7 +361,7 @@ def decoder_inputs(batch: dict) -> dict:
 
 
 def compute_loss(model, batch: dict, *, return_hits: bool = False, per_token: bool = False, temperature: float = 1.0,
-                 token_loss=None, return_aux: bool = False):
+                 token_loss=None, return_aux: bool = False, return_entropy: bool = False):
     """Summed token cross-entropy of one collated batch on the device (the one loss of train and eval).
 
     `batch` holds the model inputs plus `loss_index` / `loss_targets` (batching.with_loss_positions);
@@ -343,13 +371,17 @@ def compute_loss(model, batch: dict, *, return_hits: bool = False, per_token: bo
     token_loss: another loss on the same chunks of the LM head's logits (chunked_token_loss): returns (its summed
     loss, its summed statistics). return_aux: (the loss, the micro-batch's load-balancing loss, attach_loss's
     router_aux, or None without it); with per_token, the load-balancing loss is computed for the caller to weigh.
+    return_entropy (with per_token): (the per-token losses, each token's entropy at the temperature, no gradient).
     """
     inputs = {**decoder_inputs(batch), **{k: batch[k] for k in MODEL_INPUTS[3:] if k in batch},
               **({"real_tokens": batch["real_tokens"]} if "real_tokens" in batch else {})}  # a sequence slice's
     out = model(**inputs, return_hits=return_hits, per_token=per_token,
                 **({"temperature": temperature} if temperature != 1.0 else {}),
                 **({"token_loss": token_loss} if token_loss is not None else {}),
-                **({"with_aux": True} if return_aux and per_token else {}))
+                **({"with_aux": True} if return_aux and per_token else {}),
+                **({"entropy": True} if return_entropy else {}))
+    if return_entropy:
+        return out["loss"], out["hits"]
     if return_aux:
         return out["loss"], out.get("aux")
     return (out["loss"], out["hits"]) if return_hits or token_loss is not None else out["loss"]

@@ -136,7 +136,8 @@ ROLLOUT_STATS = ["completions", "reward", "reward_squares", "scored", "zero_std"
                  "tool_calls", "tool_failures"]
 # clipped and sequences: each token's share of its completion (1 / its tokens), so they add up to completions over
 # any split of the tokens (importance_sampling_level sequence logs the clipped share of completions, as TRL)
-LOSS_STATS = ["kl", "clipped_tokens", "tokens", "clipped", "sequences"]
+# entropy: the policy's, summed over the completion tokens (TRL's `entropy`, their mean)
+LOSS_STATS = ["kl", "clipped_tokens", "tokens", "clipped", "sequences", "entropy"]
 
 
 class GRPO:
@@ -478,7 +479,8 @@ class GRPO:
         if rl.beta:  # first: its no-grad forward leaves no graph behind
             with torch.no_grad(), self.lm.disable_adapter():  # the starting model: the LoRA adapter off
                 ref = -compute_loss(self.lm, batch, per_token=True, temperature=rl.temperature).float()
-        logps = -compute_loss(model, batch, per_token=True, temperature=rl.temperature).float()
+        losses, entropy = compute_loss(model, batch, per_token=True, temperature=rl.temperature, return_entropy=True)
+        logps = -losses.float()
         old, log_ratio, share = batch.get("loss_old_logps"), None, 1.0 / batch["loss_lengths"]
         if rl.importance_sampling_level == "sequence":  # GSPO: one ratio a completion
             log_ratio = sequence_log_ratios(logps, old, batch["loss_example"], batch["loss_lengths"],
@@ -488,7 +490,8 @@ class GRPO:
                                            log_ratio=log_ratio)
         with torch.no_grad():
             stats = torch.stack([kl.sum() if kl is not None else logps.new_zeros(()), clipped.float().sum(),
-                                 logps.new_tensor(float(logps.numel())), (clipped * share).sum(), share.sum()])
+                                 logps.new_tensor(float(logps.numel())), (clipped * share).sum(), share.sum(),
+                                 entropy.sum()])
         return (losses * batch["loss_weights"]).sum(), torch.cat([rollout, stats])
 
     def _reward_metrics(self, s: dict, n: float) -> dict[str, float]:
@@ -502,12 +505,13 @@ class GRPO:
         return {**out, "frac_reward_zero_std": s["zero_std"] / n}
 
     def _policy_metrics(self, s: dict, n: float) -> dict[str, float]:
-        """(RLOO's hook) kl (beta > 0) and clip_ratio/region_mean: of the completion tokens, or of the completions
-        with importance_sampling_level sequence (TRL's)."""
+        """(RLOO's hook) kl (beta > 0), clip_ratio/region_mean (of the completion tokens, or of the completions with
+        importance_sampling_level sequence: TRL's) and entropy (the policy's mean over the completion tokens)."""
         tokens = max(s["tokens"], 1.0)
         clip = (s["clipped"] / max(s["sequences"], 1e-9) if self.rl.importance_sampling_level == "sequence" else
                 s["clipped_tokens"] / tokens)
-        return {**({"kl": s["kl"] / tokens} if self.rl.beta else {}), "clip_ratio/region_mean": clip}
+        return {**({"kl": s["kl"] / tokens} if self.rl.beta else {}), "clip_ratio/region_mean": clip,
+                "entropy": s["entropy"] / tokens}
 
     def step_metrics(self, stats: list[float], units: float) -> dict[str, float]:
         from llmtrain.objectives.rewards import metric_means

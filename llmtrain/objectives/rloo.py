@@ -62,9 +62,12 @@ def sequence_losses(logps: torch.Tensor, advantages: torch.Tensor, *, old_logps:
     return loss, clipped
 
 
-def completion_logps(model, batch: dict, *, temperature: float) -> torch.Tensor:
+def completion_logps(model, batch: dict, *, temperature: float, entropy: bool = False):
     """Every completion token's log-probability at the sampling temperature, from the chunked per-token loss path
-    (no full logits)."""
+    (no full logits); with entropy, and each token's entropy (no gradient)."""
+    if entropy:
+        losses, entropies = compute_loss(model, batch, per_token=True, temperature=temperature, return_entropy=True)
+        return -losses.float(), entropies
     return -compute_loss(model, batch, per_token=True, temperature=temperature).float()
 
 
@@ -75,7 +78,9 @@ class RLOO(GRPO):
     whole_sequences = True  # its loss reads each completion's whole log-probability (parallel/sequence/shards.py)
     sequence_sum = None  # sequence parallelism: a completion's log-probability from its slices' parts
     advantage_stats = ("kl",)
-    loss_stats = ("clipped_sequences", "sequences")
+    # entropy, tokens: the policy's entropy summed over the completion tokens, and those tokens (under sequence
+    # parallelism the first process's slice only: its statistics are the ones counted)
+    loss_stats = ("clipped_sequences", "sequences", "entropy", "entropy_tokens")
 
     def _advantages(self, total, g, batches, parts):
         rl = self.rl
@@ -127,7 +132,7 @@ class RLOO(GRPO):
 
     def loss(self, model, batch: dict) -> tuple[torch.Tensor, torch.Tensor]:
         rollout = batch["rollout_stats"].to(batch["input_ids"].device)
-        logps = completion_logps(model, batch, temperature=self.rl.temperature)
+        logps, entropy = completion_logps(model, batch, temperature=self.rl.temperature, entropy=True)
         n = len(batch["advantages"])
         sequences = sequence_sums(logps, batch["loss_example"], n)
         old = (sequence_sums(batch["loss_old_logps"].to(logps.device), batch["loss_example"], n)
@@ -137,9 +142,11 @@ class RLOO(GRPO):
             old = self.sequence_sum(old) if old is not None else None
         losses, clipped = sequence_losses(sequences, batch["advantages"], old_logps=old, epsilon=self.rl.epsilon,
                                           epsilon_high=self.rl.epsilon_high)
-        stats = torch.stack([clipped.float().sum(), logps.new_tensor(float(n))]).detach()
+        stats = torch.stack([clipped.float().sum(), logps.new_tensor(float(n)), entropy.sum(),
+                             logps.new_tensor(float(logps.numel()))]).detach()
         return losses.sum(), torch.cat([rollout, stats])
 
     def _policy_metrics(self, s: dict, n: float) -> dict[str, float]:
         out = {"kl": s["kl"] / max(s["length"], 1.0)} if self.rl.beta and s["completions"] else {}  # a rollout's
-        return {**out, "clip_ratio/region_mean": s["clipped_sequences"] / max(s["sequences"], 1.0)}
+        return {**out, "clip_ratio/region_mean": s["clipped_sequences"] / max(s["sequences"], 1.0),
+                "entropy": s["entropy"] / max(s["entropy_tokens"], 1.0)}
