@@ -719,6 +719,11 @@ class RLConfig(Section):
                            "always 1: the clip never binds).")
     epsilon_high: float | None = Field(None, gt=0, description="DAPO's separate upper bound (e.g. 0.28); default "
                                        "epsilon.")
+    delta: float | None = Field(
+        None, gt=1, allow_inf_nan=False, description="grpo only (TRL's; INTELLECT-2's two-sided clipping): the "
+        "unclipped ratio is capped at delta too, so a completion with a negative advantage whose ratio grew large "
+        "cannot make the loss unbounded (INTELLECT-2 uses 4; it should exceed 1 + epsilon_high). Only a ratio "
+        "away from 1 meets it: rl.num_iterations > 1. None: no cap."),
     scale_rewards: Literal["group", "none"] | None = Field(
         None, description="grpo only: group (the default), advantages are (reward - group mean) / group std; none, "
         "reward - group mean (Dr. GRPO). rloo: unset (see normalize_advantages).")
@@ -773,7 +778,7 @@ class RLConfig(Section):
         rloo = data.get("algorithm", "grpo") == "rloo"
         if data.get("beta") is None:
             data["beta"] = 0.05 if rloo else 0.0
-        given = [k for k in (("loss_type", "scale_rewards", "importance_sampling_level") if rloo else
+        given = [k for k in (("loss_type", "scale_rewards", "importance_sampling_level", "delta") if rloo else
                              ("normalize_advantages", "reward_clip_range")) if data.get(k) not in (None, False)]
         if given:
             mine, theirs = ("rloo", "grpo") if rloo else ("grpo", "rloo")

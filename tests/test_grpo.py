@@ -123,17 +123,19 @@ def test_loss_and_gradients_equal_trls_grpo_trainer(tiny_assets, tmp_path, loss_
     assert worst < 1e-6, worst
 
 
-@pytest.mark.parametrize("loss_type, epsilon_high, level, beta", [
-    ("dapo", 0.28, "token", 0.0), ("grpo", None, "token", 0.0), ("dr_grpo", None, "token", 0.0),
-    ("grpo", None, "sequence", 0.0), ("grpo", None, "sequence", 0.04), ("dapo", 0.28, "sequence", 0.0)])
+@pytest.mark.parametrize("loss_type, epsilon_high, level, beta, delta", [
+    ("dapo", 0.28, "token", 0.0, None), ("grpo", None, "token", 0.0, None), ("dr_grpo", None, "token", 0.0, None),
+    ("grpo", None, "sequence", 0.0, None), ("grpo", None, "sequence", 0.04, None),
+    ("dapo", 0.28, "sequence", 0.0, None), ("dapo", None, "token", 0.04, 1.05)])
 def test_a_later_update_of_a_round_equals_trls_with_its_old_logps(tiny_assets, tmp_path, loss_type, epsilon_high,
-                                                                  level, beta):
+                                                                  level, beta, delta):
     """rl.num_iterations > 1: a round's later update divides by the log-probabilities of the policy that sampled
     (TRL's old_per_token_logps), so the ratio is not 1 and the clip binds (epsilon 0.2, DAPO's epsilon_high 0.28):
     the same loss, gradients and clipped share as TRL's _compute_loss given the same old log-probabilities (those
     of a policy 0.05 away, taken by each side's own path: TRL's padded forward, llmtrain's packed one). Per token,
     and per completion (importance_sampling_level sequence, GSPO: the mean log-ratio of its tokens; its KL term
-    times that ratio; the clipped share of completions)."""
+    times that ratio; the clipped share of completions). With rl.delta (INTELLECT-2's cap of the unclipped ratio,
+    here 1.05 so that it binds on this small move), as TRL's."""
     from llmtrain.data.batching import collate, with_loss_positions
     from llmtrain.data.formats import IGNORE
     from llmtrain.model.loss import attach_loss, compute_loss
@@ -144,6 +146,7 @@ def test_a_later_update_of_a_round_equals_trls_with_its_old_logps(tiny_assets, t
     trainer = trl_trainer(theirs_model, tiny_assets, tmp_path, loss_type=loss_type, beta=beta)
     trainer.epsilon_high = epsilon_high if epsilon_high is not None else trainer.epsilon_low
     trainer.importance_sampling_level = level
+    trainer.args.delta = delta
     inputs = padded_inputs(prompts, COMPLETIONS, advantages, pad=trainer.processing_class.pad_token_id)
     reference = tiny_model(tiny_assets)  # another policy again, so that the KL term is not 0
     torch.manual_seed(1)
@@ -179,12 +182,17 @@ def test_a_later_update_of_a_round_equals_trls_with_its_old_logps(tiny_assets, t
     log_ratio = (sequence_log_ratios(logps, old, completion, lengths.float()[completion], len(COMPLETIONS))
                  if level == "sequence" else None)
     loss, _, clipped = token_losses(logps, advantages[completion], old_logps=old, ref_logps=ref, epsilon=0.2,
-                                    epsilon_high=epsilon_high, beta=beta, log_ratio=log_ratio)
+                                    epsilon_high=epsilon_high, beta=beta, log_ratio=log_ratio, delta=delta)
     ours = (loss * token_weights(completion, lengths, loss_type)).sum() / loss_units(
         lengths, loss_type, max_completion_tokens=MAX_COMPLETION)
     ours.backward()
     assert ours.item() == pytest.approx(theirs.item(), abs=1e-6)
-    assert 0 < clipped.sum() < len(clipped)  # the clip binds on some tokens, not all
+    if delta is None:
+        assert 0 < clipped.sum() < len(clipped)  # the clip binds on some tokens, not all
+    else:  # the cap binds: without it the loss is another
+        uncapped, _, _ = token_losses(logps.detach(), advantages[completion], old_logps=old, ref_logps=ref,
+                                      epsilon=0.2, beta=beta)
+        assert abs((uncapped - loss.detach()).abs().max().item()) > 1e-3
     share = 1.0 / lengths.float()[completion]  # a completion's clipped share (sequence), else a token's
     clip = (clipped * share).sum() / share.sum() if level == "sequence" else clipped.float().mean()
     assert clip.item() == pytest.approx(trainer._metrics["train"]["clip_ratio/region_mean"][-1])

@@ -354,6 +354,7 @@ def test_two_fsdp_processes_with_the_kl_in_the_reward_train_what_one_does(tiny_a
     (["rl.loss_type=dapo"], "rl.loss_type is read by rl.algorithm: grpo, and this recipe runs rloo: remove rl."),
     (["rl.scale_rewards=none"], "rl.scale_rewards is read by rl.algorithm: grpo"),
     (["rl.importance_sampling_level=sequence"], "rl.importance_sampling_level is read by rl.algorithm: grpo"),
+    (["rl.delta=4"], "rl.delta is read by rl.algorithm: grpo"),
     (["rl.algorithm=grpo", "rl.normalize_advantages=true"],
      "rl.normalize_advantages is read by rl.algorithm: rloo, and this recipe runs grpo"),
     (["rl.reward_clip_range=[2, 1]"], "rl.reward_clip_range is [min, max], and 2.0 > 1.0: swap them"),

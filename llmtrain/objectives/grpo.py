@@ -62,14 +62,15 @@ def group_advantages(rewards: torch.Tensor, num_generations: int, *,
 
 def token_losses(logps: torch.Tensor, advantages: torch.Tensor, *, old_logps: torch.Tensor | None = None,
                  ref_logps: torch.Tensor | None = None, epsilon: float, epsilon_high: float | None = None,
-                 beta: float = 0.0, log_ratio: torch.Tensor | None = None,
+                 beta: float = 0.0, log_ratio: torch.Tensor | None = None, delta: float | None = None,
                  ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
     """Per completion token: (loss, k3 KL to the reference or None, clipped: whether the ratio was clipped where it
     mattered). `advantages` are per token (each completion's, repeated over its tokens). old_logps None: the
     policy that sampled is this one (one update a generation round), so the ratio is exp(logps - logps.detach()).
-    `log_ratio`: each token's log-ratio given instead (importance_sampling_level sequence: sequence_log_ratios)."""
+    `log_ratio`: each token's log-ratio given instead (importance_sampling_level sequence: sequence_log_ratios);
+    `delta`: rl.delta's cap of the unclipped ratio."""
     loss, ratio, clipped = clipped_surrogate(logps, advantages, old_logps=old_logps, epsilon=epsilon,
-                                             epsilon_high=epsilon_high, log_ratio=log_ratio)
+                                             epsilon_high=epsilon_high, log_ratio=log_ratio, delta=delta)
     kl = None
     if beta != 0.0:
         delta = ref_logps - logps
@@ -487,7 +488,7 @@ class GRPO:
                                             batch["completions"], group_sum=self.shared_sum)
         losses, kl, clipped = token_losses(logps, batch["loss_advantages"], old_logps=old, ref_logps=ref,
                                            epsilon=rl.epsilon, epsilon_high=rl.epsilon_high, beta=rl.beta,
-                                           log_ratio=log_ratio)
+                                           log_ratio=log_ratio, delta=rl.delta)
         with torch.no_grad():
             stats = torch.stack([kl.sum() if kl is not None else logps.new_zeros(()), clipped.float().sum(),
                                  logps.new_tensor(float(logps.numel())), (clipped * share).sum(), share.sum(),

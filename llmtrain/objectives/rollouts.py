@@ -68,18 +68,21 @@ def completion_rows(prompts: list[list[int]], completions: list[list[int]],
 
 
 def clipped_surrogate(logps: torch.Tensor, advantages: torch.Tensor, *, old_logps: torch.Tensor | None,
-                      epsilon: float, epsilon_high: float | None,
-                      log_ratio: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                      epsilon: float, epsilon_high: float | None, log_ratio: torch.Tensor | None = None,
+                      delta: float | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """PPO's clipped objective as a loss: (-min(ratio A, clip(ratio, 1 - epsilon, 1 + epsilon_high) A), the ratio
     exp(logps - old_logps), and whether the clip mattered: the ratio below the range with A < 0 or above it with
     A > 0). Per token (GRPO: each completion's advantage repeated over its tokens) or per sequence (RLOO: summed
     log-probabilities); epsilon_high None: epsilon. old_logps None: the policy that sampled is this one (one update a
     generation round), so the ratio is exp(logps - logps.detach()): 1 in value, carrying the gradient. `log_ratio`:
-    the log of the ratio, given (GSPO's: each token its completion's mean), instead of logps - old_logps."""
+    the log of the ratio, given (GSPO's: each token its completion's mean), instead of logps - old_logps. `delta`
+    (INTELLECT-2's two-sided clipping, TRL's): the unclipped term's ratio capped at delta as well (the returned
+    ratio is not: the KL's weight is the ratio itself, as TRL's)."""
     low, high = 1 - epsilon, 1 + (epsilon if epsilon_high is None else epsilon_high)
     if log_ratio is None:
         log_ratio = logps - (logps.detach() if old_logps is None else old_logps)
     ratio = torch.exp(log_ratio)
-    loss = -torch.min(ratio * advantages, torch.clamp(ratio, low, high) * advantages)
-    clipped = ((ratio < low) & (advantages < 0)) | ((ratio > high) & (advantages > 0))
+    capped = ratio if delta is None else ratio.clamp(max=delta)
+    loss = -torch.min(capped * advantages, torch.clamp(ratio, low, high) * advantages)
+    clipped = ((capped < low) & (advantages < 0)) | ((capped > high) & (advantages > 0))
     return loss, ratio, clipped
