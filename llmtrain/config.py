@@ -557,15 +557,26 @@ REFERENCE_FREE = ("simpo", "orpo")  # the preference losses with no reference mo
 
 
 class PreferenceConfig(Section):
-    loss: Literal["dpo", "ipo", "simpo", "orpo"] = Field(
+    loss: Literal["dpo", "ipo", "simpo", "orpo", "hinge", "robust", "exo_pair", "nca_pair", "bco_pair", "sppo_hard",
+                  "apo_zero", "apo_down", "discopop", "sigmoid_norm"] = Field(
         "dpo", description="dpo: the sigmoid loss of Rafailov et al. 2023; ipo: Azar et al. 2023, on per-token "
         "log-ratios (as TRL); simpo: Meng et al. 2024, reference-free, on per-token log-probabilities; orpo: Hong et "
         "al. 2024, reference-free, the chosen answers' NLL plus beta x an odds-ratio loss (one stage from a base "
-        "model, no SFT before it).")
+        "model, no SFT before it). TRL's DPOTrainer loss_types by their names, each on the log-ratios to the "
+        "reference: hinge (SLiC), robust (Chowdhury et al. 2024, with label_smoothing: the share of flipped labels), "
+        "exo_pair (Ji et al. 2024, label_smoothing > 0), nca_pair (Chen et al. 2024), bco_pair (Jung et al. 2024), "
+        "sppo_hard (Wu et al. 2024), apo_zero and apo_down (D'Oosterlinck et al. 2024: chosen answers better, or "
+        "worse, than the model's own), discopop (Chris Lu et al. 2024, discopop_tau), sigmoid_norm (dpo on per-token "
+        "log-ratios).")
     beta: float = Field(0.1, gt=0, description="Strength of the reference (dpo, ipo: the KL weight), reward scale "
                         "(simpo, where the paper uses about 2.0) or the odds-ratio term's weight (orpo: the paper's "
                         "lambda, 0.1 as TRL's default).")
     simpo_gamma: float = Field(0.5, ge=0, description="SimPO's target reward margin (gamma).")
+    label_smoothing: float = Field(0.0, ge=0, lt=0.5, description="robust and exo_pair (TRL's): the assumed share "
+                                   "of pairs whose labels are flipped (robust: 0 is dpo; exo_pair needs it above 0, "
+                                   "e.g. 1e-3).")
+    discopop_tau: float = Field(0.05, gt=0, allow_inf_nan=False, description="discopop (TRL's): the temperature of "
+                                "the mix of its logistic and exponential parts (the paper's 0.05).")
     sft_weight: float = Field(0.0, ge=0, description="Weight of a negative log-likelihood term on the chosen "
                               "answers (RPO, Pang et al. 2024; Llama 3's DPO used 0.2): each pair adds weight x "
                               "-log p(chosen) / its answer tokens, so the chosen answers keep their probability while "
@@ -583,6 +594,12 @@ class PreferenceConfig(Section):
                              f"{self.reference})")
         if self.loss not in REFERENCE_FREE and self.reference == "none":
             raise ValueError(f"preference.loss={self.loss} needs a reference: use auto, adapter or precomputed")
+        if self.label_smoothing and self.loss not in ("robust", "exo_pair"):
+            raise ValueError(f"preference.label_smoothing is read by preference.loss robust and exo_pair, and this "
+                             f"recipe's loss is {self.loss}: remove it (or set preference.loss=robust)")
+        if self.loss == "exo_pair" and not self.label_smoothing:
+            raise ValueError("preference.loss=exo_pair takes log(label_smoothing): set preference.label_smoothing "
+                             "above 0 (the paper's 1e-3)")
         if self.loss == "orpo" and self.sft_weight:
             raise ValueError("orpo's loss holds the chosen answers' negative log-likelihood already (weight 1, beta "
                              "weighs the odds-ratio term against it): leave preference.sft_weight at 0, or raise "
@@ -723,7 +740,7 @@ class RLConfig(Section):
         None, gt=1, allow_inf_nan=False, description="grpo only (TRL's; INTELLECT-2's two-sided clipping): the "
         "unclipped ratio is capped at delta too, so a completion with a negative advantage whose ratio grew large "
         "cannot make the loss unbounded (INTELLECT-2 uses 4; it should exceed 1 + epsilon_high). Only a ratio "
-        "away from 1 meets it: rl.num_iterations > 1. None: no cap."),
+        "away from 1 meets it: rl.num_iterations > 1. None: no cap.")
     scale_rewards: Literal["group", "none"] | None = Field(
         None, description="grpo only: group (the default), advantages are (reward - group mean) / group std; none, "
         "reward - group mean (Dr. GRPO). rloo: unset (see normalize_advantages).")

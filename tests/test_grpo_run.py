@@ -405,18 +405,25 @@ def gspo_rounds(tiny_assets, tmp_path_factory):
                      loss_type="grpo")
 
 
-@pytest.mark.parametrize("level", ["token", "sequence"])
-def test_a_rounds_second_update_reuses_its_completions_against_the_policy_that_sampled_them(rounds, gspo_rounds,
-                                                                                            tiny_assets, level):
+@pytest.fixture(scope="module")
+def capped_rounds(tiny_assets, tmp_path_factory):
+    """The same with rl.delta 1.01: the unclipped ratio capped (INTELLECT-2's two-sided clipping)."""
+    return round_run(tiny_assets, tmp_path_factory.mktemp("capped"), delta=1.01)
+
+
+@pytest.mark.parametrize("level", ["token", "sequence", "capped"])
+def test_a_rounds_second_update_reuses_its_completions_against_the_policy_that_sampled_them(
+        rounds, gspo_rounds, capped_rounds, tiny_assets, level):
     """rl.num_iterations 2: step 1 samples (rollouts.jsonl's step 1), step 2 updates on the same completions and
     advantages, step 3 samples again. Step 2's loss, worked by hand from rollouts.jsonl with plain transformers
     forwards: per token, the DAPO sum of -min(r A, clip(r, 0.8, 1.2) A) over every completion token / the tokens,
     r the ratio of the step-1 checkpoint's policy to the starting one's (which sampled); its clipped share too.
     Per completion (GSPO, loss_type grpo): r = exp(the mean log-ratio of its tokens), the mean over completions, the
-    clipped share of completions. A checkpoint within a round keeps it (rounds/), one at its end does not."""
+    clipped share of completions. With rl.delta the unclipped term's ratio capped at it. A checkpoint within a
+    round keeps it (rounds/), one at its end does not."""
     from transformers import AutoModelForCausalLM
 
-    _, run = rounds if level == "token" else gspo_rounds
+    _, run = {"token": rounds, "sequence": gspo_rounds, "capped": capped_rounds}[level]
     done = [json.loads(line) for line in (run / "rollouts.jsonl").read_text().splitlines()]
     assert sorted({r["step"] for r in done}) == [1, 3]
     first = [r for r in done if r["step"] == 1]
@@ -431,14 +438,17 @@ def test_a_rounds_second_update_reuses_its_completions_against_the_policy_that_s
     old, new = sequence_logps(sampler, first), sequence_logps(updated, first)
     total, units, clipped = 0.0, 0, 0
     for r, o, n in zip(first, old, new):
-        ratio, a = torch.exp(n - o if level == "token" else (n - o).mean()), r["advantage"]
-        losses_ = -torch.min(ratio * a, ratio.clamp(0.8, 1.2) * a)
-        clip = ((ratio < 0.8) & (a < 0)) | ((ratio > 1.2) & (a > 0))
+        ratio, a = torch.exp((n - o).mean() if level == "sequence" else n - o), r["advantage"]
+        capped = ratio.clamp(max=1.01) if level == "capped" else ratio
+        losses_ = -torch.min(capped * a, ratio.clamp(0.8, 1.2) * a)
+        clip = ((capped < 0.8) & (a < 0)) | ((capped > 1.2) & (a > 0))  # as TRL counts it: the capped ratio
         total += float(losses_.sum())
         clipped += int(clip.sum())
-        units += len(r["completion_ids"]) if level == "token" else 1
+        units += 1 if level == "sequence" else len(r["completion_ids"])
     assert lines[1]["loss"] == pytest.approx(total / units, abs=1e-5)
     assert lines[1]["loss"] != pytest.approx(lines[0]["loss"], abs=1e-4)  # not the first update's loss again
+    if level == "capped":  # the cap binds: the loss is not the uncapped round's
+        assert lines[1]["loss"] != pytest.approx(records(rounds[1])[1]["loss"], abs=1e-5)
     assert clipped > 0 and lines[1]["clip_ratio/region_mean"] == pytest.approx(clipped / units, abs=1e-6)
     checkpoints = run / "checkpoints"
     assert (checkpoints / "step_000001" / "rounds" / "process_0.pt").is_file()

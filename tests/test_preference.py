@@ -128,6 +128,21 @@ def test_orpo_is_reference_free_and_holds_its_nll_term_already():
         PreferenceConfig(loss="orpo", sft_weight=0.2)
 
 
+def test_label_smoothing_is_refused_where_no_loss_reads_it_and_asked_for_where_exo_takes_its_log():
+    assert PreferenceConfig(loss="robust", label_smoothing=0.1).label_smoothing == 0.1
+    with pytest.raises(ValueError, match="preference.label_smoothing is read by preference.loss robust and exo_pair, "
+                                         "and this recipe's loss is dpo"):
+        PreferenceConfig(loss="dpo", label_smoothing=0.1)
+    with pytest.raises(ValueError, match="exo_pair takes log.label_smoothing.: set preference.label_smoothing"):
+        PreferenceConfig(loss="exo_pair")
+    # robust with no flipped labels is dpo
+    c, r = torch.tensor([0.3, -1.2]), torch.tensor([0.1, 0.4])
+    n = torch.tensor([3.0, 2.0])
+    robust, _, _ = pair_losses("robust", c, r, torch.zeros(2), torch.zeros(2), n, n, beta=0.5)
+    dpo, _, _ = pair_losses("dpo", c, r, torch.zeros(2), torch.zeros(2), n, n, beta=0.5)
+    assert torch.allclose(robust, dpo)
+
+
 # --------------------------------------------------------------------------- data
 
 
@@ -338,8 +353,15 @@ EQUAL_PAIRS = [
 ]
 
 
+# TRL's other DPOTrainer loss_types, each under its own name (robust and exo_pair with 10% of labels assumed flipped)
+TRL_PAIR_LOSSES = ["hinge", "robust", "exo_pair", "nca_pair", "bco_pair", "sppo_hard", "apo_zero", "apo_down",
+                   "discopop", "sigmoid_norm"]
+SETTINGS = {"robust": {"label_smoothing": 0.1}, "exo_pair": {"label_smoothing": 0.1}}
+
+
 @pytest.mark.parametrize("loss_type, ours, family", [("sigmoid", "dpo", "llama"), ("ipo", "ipo", "llama"),
-                                                     ("sigmoid", "dpo", "qwen3_moe"), ("sigmoid+sft", "dpo", "llama")])
+                                                     ("sigmoid", "dpo", "qwen3_moe"), ("sigmoid+sft", "dpo", "llama"),
+                                                     *((name, name, "llama") for name in TRL_PAIR_LOSSES)])
 def test_loss_matches_trl_dpo_trainer(tiny_assets, tiny_tok, tmp_path, loss_type, ours, family,
                                       fresh_accelerate_state):
     """TRL's DPOTrainer (padded, its own tokenisation and fused LM head) against llmtrain's padding-free pairs, on
@@ -348,7 +370,7 @@ def test_loss_matches_trl_dpo_trainer(tiny_assets, tiny_tok, tmp_path, loss_type
     mean loss from its one padded pass over chosen and rejected, llmtrain from its one packed row of them (padding
     left out either way): the same loss, and the gradients of the routers and experts the same to 1e-6. sigmoid+sft:
     TRL's loss_type [sigmoid, sft] weighted 1 and 0.3 against preference.sft_weight 0.3 (RPO), and the same
-    gradients."""
+    gradients. TRL's other loss types (TRL_PAIR_LOSSES) by their names: the same loss and gradients."""
     trl = pytest.importorskip("trl")
     from datasets import Dataset
     from test_families import family_model
@@ -369,7 +391,8 @@ def test_loss_matches_trl_dpo_trainer(tiny_assets, tiny_tok, tmp_path, loss_type
     pairs = EQUAL_PAIRS if sft else PAIRS
     args = trl.DPOConfig(output_dir=str(tmp_path / "trl"), per_device_train_batch_size=len(pairs), report_to="none",
                          beta=0.1, loss_type=loss_type.split("+"), loss_weights=[1.0, sft] if sft else None,
-                         max_length=None, use_cpu=True, bf16=False, fp16=False, router_aux_loss_coef=coef)
+                         max_length=None, use_cpu=True, bf16=False, fp16=False, router_aux_loss_coef=coef,
+                         **SETTINGS.get(ours, {}))
     trainer = trl.DPOTrainer(model=policy, ref_model=ref, args=args, train_dataset=Dataset.from_list(pairs),
                              processing_class=tiny_tok)
     assert trainer.aux_loss_enabled is (coef is not None)
@@ -383,8 +406,8 @@ def test_loss_matches_trl_dpo_trainer(tiny_assets, tiny_tok, tmp_path, loss_type
         assert row["chosen_ids"] == tr["prompt_ids"] + tr["chosen_ids"]
     for m in (ours_policy, ours_ref):
         attach_loss(m, chunk=8, router_aux=coef)
-    objective = Preference(PreferenceConfig(loss=ours, beta=0.1, sft_weight=sft), pad_id=tiny_tok.pad_token_id,
-                           packing=True, reference="precomputed", router_aux=coef)
+    objective = Preference(PreferenceConfig(loss=ours, beta=0.1, sft_weight=sft, **SETTINGS.get(ours, {})),
+                           pad_id=tiny_tok.pad_token_id, packing=True, reference="precomputed", router_aux=coef)
     with torch.no_grad():
         plain = Preference(objective.cfg, pad_id=objective.pad_id, packing=True, reference="none")
         ref_logps = sequence_logps(ours_ref, plain.collate(rows)[0])
@@ -392,6 +415,16 @@ def test_loss_matches_trl_dpo_trainer(tiny_assets, tiny_tok, tmp_path, loss_type
                                   for r, a, b in zip(rows, ref_logps[0::2], ref_logps[1::2])])
     loss, stats = objective.loss(ours_policy, batch)
     assert loss.item() / len(pairs) == pytest.approx(theirs.item(), rel=1e-6, abs=1e-6)
+    if ours in TRL_PAIR_LOSSES:  # and trains what TRL's trains
+        theirs.backward()
+        (loss / len(pairs)).backward()
+        mine = dict(ours_policy.named_parameters())
+        biggest = max(p.grad.abs().max().item() for p in trainer.model.parameters())
+        assert biggest > 1e-4  # not a zero gradient
+        # relative to the largest: sppo_hard's squares of log-ratios minus 5 make gradients of about 20, whose fp32
+        # rounding over the padded and the packed paths differs by 1.4e-6 of it (measured); the others within 1e-6
+        assert max((mine[n].grad - p.grad).abs().max().item()
+                   for n, p in trainer.model.named_parameters()) < 2e-6 * max(1.0, biggest)
     if sft:  # the term counts (0.3 x the chosen answers' mean NLL per token above DPO's), and trains what TRL's trains
         dpo = Preference(PreferenceConfig(loss=ours, beta=0.1), pad_id=tiny_tok.pad_token_id, packing=True,
                          reference="precomputed")

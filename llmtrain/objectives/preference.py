@@ -35,7 +35,8 @@ STATS = ["rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/ma
 
 def pair_losses(kind: str, chosen: torch.Tensor, rejected: torch.Tensor, ref_chosen: torch.Tensor | None,
                 ref_rejected: torch.Tensor | None, chosen_tokens: torch.Tensor, rejected_tokens: torch.Tensor, *,
-                beta: float, gamma: float = 0.0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                beta: float, gamma: float = 0.0, smoothing: float = 0.0,
+                tau: float = 0.05) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Per-pair losses and the implicit rewards of the chosen and rejected answers, from the summed answer
     log-probabilities of the policy (and of the reference) and the answers' token counts.
 
@@ -47,6 +48,8 @@ def pair_losses(kind: str, chosen: torch.Tensor, rejected: torch.Tensor, ref_cho
     - orpo (Hong et al. 2024, no reference): with a = p/n, each answer's mean log-probability per token, the chosen
       answer's negative log-likelihood -ac plus beta (the paper's lambda) x -log sigmoid of the log odds ratio
       log(e^ac / (1 - e^ac)) - log(e^ar / (1 - e^ar)); rewards beta a, as TRL's ORPOTrainer logs them.
+    - TRL's other DPOTrainer loss_types (PAIR_LOSSES), each of the chosen and rejected log-ratios to the reference,
+      as TRL 1.16 computes them; rewards as dpo.
     """
     if kind == "simpo":
         rc_, rr_ = beta * chosen / chosen_tokens, beta * rejected / rejected_tokens
@@ -62,7 +65,42 @@ def pair_losses(kind: str, chosen: torch.Tensor, rejected: torch.Tensor, ref_cho
     if kind == "ipo":
         delta = chosen_ratio / chosen_tokens - rejected_ratio / rejected_tokens
         return (delta - 1 / (2 * beta)) ** 2, *rewards
+    if kind == "sigmoid_norm":
+        delta = chosen_ratio / chosen_tokens - rejected_ratio / rejected_tokens
+        return -F.logsigmoid(beta * delta), *rewards
+    if kind in PAIR_LOSSES:
+        return PAIR_LOSSES[kind](chosen_ratio, rejected_ratio, beta, smoothing, tau), *rewards
     raise ValueError(f"unknown preference loss {kind!r}")
+
+
+def _exo_pair(c, r, beta, eps, tau):
+    """EXO (Ji et al. 2024, eq. 16): KL from softmax(beta x the log-ratios) over the pair to (1 - eps, eps)."""
+    z = beta * (c - r)
+    return (torch.sigmoid(z) * (F.logsigmoid(z) - math.log1p(-eps))
+            + torch.sigmoid(-z) * (F.logsigmoid(-z) - math.log(eps)))
+
+
+def _discopop(c, r, beta, eps, tau):
+    """DiscoPOP (eq. 5): the logistic and exponential losses mixed by sigmoid(logits / tau)."""
+    z = beta * (c - r)
+    mix = torch.sigmoid(z / tau)
+    return -F.logsigmoid(z) * (1 - mix) + torch.exp(-z) * mix
+
+
+# TRL 1.16's DPOTrainer loss_types on the log-ratios c (chosen) and r (rejected): f(c, r, beta, label_smoothing, tau)
+PAIR_LOSSES = {
+    "hinge": lambda c, r, beta, eps, tau: torch.relu(1 - beta * (c - r)),
+    "robust": lambda c, r, beta, eps, tau: (-(1 - eps) * F.logsigmoid(beta * (c - r))
+                                             + eps * F.logsigmoid(-beta * (c - r))) / (1 - 2 * eps),
+    "exo_pair": _exo_pair,
+    "nca_pair": lambda c, r, beta, eps, tau: (-F.logsigmoid(beta * c) - 0.5 * F.logsigmoid(-beta * c)
+                                               - 0.5 * F.logsigmoid(-beta * r)),
+    "bco_pair": lambda c, r, beta, eps, tau: -F.logsigmoid(beta * c) - F.logsigmoid(-beta * r),
+    "sppo_hard": lambda c, r, beta, eps, tau: (c - 0.5 / beta) ** 2 + (r + 0.5 / beta) ** 2,
+    "apo_zero": lambda c, r, beta, eps, tau: 1 - torch.sigmoid(beta * c) + torch.sigmoid(beta * r),
+    "apo_down": lambda c, r, beta, eps, tau: torch.sigmoid(beta * c) + 1 - torch.sigmoid(beta * (c - r)),
+    "discopop": _discopop,
+}
 
 
 def _log1mexp(x: torch.Tensor) -> torch.Tensor:
@@ -82,7 +120,7 @@ def pairs_loss(cfg, logps: torch.Tensor, tokens: torch.Tensor, ref_chosen: torch
     its chosen tokens instead: the same where the chosen answers are equally long)."""
     losses, chosen_rewards, rejected_rewards = pair_losses(
         cfg.loss, logps[0::2], logps[1::2], ref_chosen, ref_rejected, tokens[0::2], tokens[1::2],
-        beta=cfg.beta, gamma=cfg.simpo_gamma)
+        beta=cfg.beta, gamma=cfg.simpo_gamma, smoothing=cfg.label_smoothing, tau=cfg.discopop_tau)
     if cfg.sft_weight:  # RPO: each pair's chosen answer's negative log-likelihood per token
         losses = losses + cfg.sft_weight * -logps[0::2] / tokens[0::2]
     with torch.no_grad():
