@@ -263,6 +263,18 @@ def test_an_rl_run_plots_reward_eval_accuracy_length_and_kl_against_steps(tmp_pa
     write_rl_metrics(plain, kl=False)
     fig = plot_runs([plain], plain / "loss.png")
     assert list(lines_by_label(fig.axes[3])) == ["loss (no kl: rl.beta is 0)"]
+    # a run that logs the policy's entropy (GRPO and RLOO do) shows it there instead: a falling entropy is the
+    # policy collapsing, which its loss (about 0) never shows
+    lines = [json.loads(line) for line in (plain / "metrics.jsonl").read_text().splitlines()]
+    for line in lines:
+        if line["type"] == "train":
+            line["entropy"] = 2.0 - 0.05 * line["step"]
+    (plain / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in lines))
+    fig = plot_runs([plain], plain / "loss.png")
+    drawn = lines_by_label(fig.axes[3])
+    assert list(drawn) == ["entropy (no kl: rl.beta is 0)"]
+    assert fig.axes[3].get_title() == "entropy (rl.beta is 0: no kl)"
+    assert drawn["entropy (no kl: rl.beta is 0)"][1] == pytest.approx([2.0 - 0.05 * s for s in range(1, 21)])
 
     invoke("plot", str(run), "--out", str(tmp_path / "cli.png"))
     assert png_size(tmp_path / "cli.png") == png_size(run / "loss.png")

@@ -44,12 +44,13 @@ MEASURES = (
 
 
 def _rl_key(key: str, *, eval_line: bool) -> bool:
-    """The RL metrics a figure draws: reward, rewards/<name>/mean, completions/mean_length, kl; on eval lines
+    """The RL metrics a figure draws: reward, rewards/<name>/mean, completions/mean_length, kl, entropy; on eval lines
     eval_reward, eval_answer_accuracy, eval_rewards/<name>/mean."""
     if eval_line:
         return key in ("eval_reward", "eval_answer_accuracy") or (key.startswith("eval_rewards/")
                                                                   and key.endswith("/mean"))
-    return key in ("reward", "completions/mean_length", "kl") or (key.startswith("rewards/") and key.endswith("/mean"))
+    return key in ("reward", "completions/mean_length", "kl", "entropy") or (key.startswith("rewards/")
+                                                                            and key.endswith("/mean"))
 
 
 def metrics_file(run: Path) -> Path:

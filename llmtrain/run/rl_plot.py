@@ -2,7 +2,8 @@
 quantity, each with its own y-scale, against steps.
 
 The first row: the reward (the weighted sum, train and eval), eval_answer_accuracy, the completions' mean length,
-and the KL to the reference (the loss where rl.beta is 0). With several reward functions, one panel each below
+and the KL to the reference (where rl.beta is 0, the policy's entropy: a fall is the policy collapsing onto few
+completions; the loss for runs that logged none). With several reward functions, one panel each below
 (rewards/<name>/mean, train and eval): a length penalty near -14 and a 0-1 accuracy never share a y-axis, where one
 would flatten the other. Curves are told apart by colour (each reward function its own; with several runs, each
 run its own) and the legend sits below the panels, outside the data. A train curve is drawn raw (each logged
@@ -57,6 +58,8 @@ def draw_rl(fig, curves: list[Curves], smoothing: float | None) -> None:
                     label=f"{prefix}mean length")
         if "kl" in c.rl:
             kl.plot(*_points(c.step, c.rl["kl"]), color=_colour(i), label=f"{prefix}kl")
+        elif "entropy" in c.rl:
+            kl.plot(*_points(c.step, c.rl["entropy"]), color=_colour(i), label=f"{prefix}entropy (no kl: rl.beta is 0)")
         else:
             kl.plot(c.step, _nan(c.loss), color=_colour(i), alpha=0.6, label=f"{prefix}loss (no kl: rl.beta is 0)")
         for j, (ax, name) in enumerate(zip(panels, functions)):
@@ -65,7 +68,9 @@ def draw_rl(fig, curves: list[Curves], smoothing: float | None) -> None:
     reward.set_title("reward: the weighted sum")
     evals.set_title("eval_answer_accuracy (greedy)")
     length.set_title("completions/mean_length (tokens)")
-    kl.set_title("kl to the reference" if any("kl" in c.rl for c in curves) else "loss (rl.beta is 0: no kl)")
+    kl.set_title("kl to the reference" if any("kl" in c.rl for c in curves) else
+                 "entropy (rl.beta is 0: no kl)" if any("entropy" in c.rl for c in curves) else
+                 "loss (rl.beta is 0: no kl)")
     for ax, name in zip(panels, functions):
         ax.set_title(f"rewards/{name}/mean")
     for ax in (reward, evals, length, kl, *panels):
