@@ -133,8 +133,9 @@ def token_chunks(sizes: list[int], budget: int | None) -> list[list[int]]:
 # The metrics' names are TRL's (GRPOTrainer), so runs can be compared line by line.
 # reward_squares and scored: TRL's reward_std is the std of the step's scored rewards (not a mean of the groups' stds)
 FLAT_STEPS = 5  # steps in a row of all-zero advantages before a run is told it is learning nothing (`unscored`)
+# length: the completions' tokens; trained: those trained (rl.mask_truncated_completions drops the clipped ones')
 ROLLOUT_STATS = ["completions", "reward", "reward_squares", "scored", "zero_std", "length", "clipped", "generation_s",
-                 "tool_calls", "tool_failures"]
+                 "tool_calls", "tool_failures", "trained"]
 # clipped and sequences: each token's share of its completion (1 / its tokens), so they add up to completions over
 # any split of the tokens (importance_sampling_level sequence logs the clipped share of completions, as TRL)
 # entropy: the policy's, summed over the completion tokens (TRL's `entropy`, their mean)
@@ -296,7 +297,8 @@ class GRPO:
             len(completions), float(total.nansum()), float((total.nan_to_num() ** 2).sum()),
             float((~total.isnan()).sum()), float((std.nan_to_num() < 1e-8).sum()), float(lengths.sum()) + dropped,
             float(sum(clipped)), generation_s / self.world, sum(len(t.calls) for t in tooled or []),
-            sum(t.failures for t in tooled or []), *more, *per_function.nan_to_num().sum(0).tolist(),
+            sum(t.failures for t in tooled or []), float(lengths.sum()), *more,
+            *per_function.nan_to_num().sum(0).tolist(),
             *scored.sum(0).tolist()],
             dtype=torch.float32)
         for k, batch in enumerate(batches):  # the passes' statistics are summed: the rollout's go in once

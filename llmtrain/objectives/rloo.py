@@ -147,6 +147,7 @@ class RLOO(GRPO):
         return losses.sum(), torch.cat([rollout, stats])
 
     def _policy_metrics(self, s: dict, n: float) -> dict[str, float]:
-        out = {"kl": s["kl"] / max(s["length"], 1.0)} if self.rl.beta and s["completions"] else {}  # a rollout's
+        # a rollout's, per trained token (TRL's: over the completion mask, the clipped ones left out where masked)
+        out = {"kl": s["kl"] / max(s["trained"], 1.0)} if self.rl.beta and s["completions"] else {}
         return {**out, "clip_ratio/region_mean": s["clipped_sequences"] / max(s["sequences"], 1.0),
                 "entropy": s["entropy"] / max(s["entropy_tokens"], 1.0)}
