@@ -352,6 +352,22 @@ def test_masked_truncated_completions_train_only_the_completions_that_ended(stra
     assert line["loss"] != pytest.approx(before["loss"], abs=1e-6)
 
 
+def test_ratio_keys_that_cannot_bind_with_one_update_a_round_are_said(tiny_assets, tmp_path):
+    """rl.epsilon_high, rl.delta and GSPO act on the ratio, which rl.num_iterations 1 keeps at 1: a warning (doctor's
+    and the run's start) naming them and the fix; none with rounds of 2, none for the defaults."""
+    from llmtrain.config import load_recipe
+    from llmtrain.data.checks import check_ratio_keys
+
+    recipe = grpo_recipe(tiny_assets, tmp_path)
+    assert check_ratio_keys(load_recipe(recipe)) == []
+    said = check_ratio_keys(load_recipe(recipe, ["rl.epsilon_high=0.28", "rl.delta=4",
+                                                 "rl.importance_sampling_level=sequence"]))
+    assert [(name, status) for name, status, _ in said] == [("ratio", "warn")]
+    assert said[0][2].startswith("rl.epsilon_high=0.28 and rl.delta=4.0 and rl.importance_sampling_level=sequence "
+                                 "act on the ratio") and "Set rl.num_iterations 2 or more" in said[0][2]
+    assert check_ratio_keys(load_recipe(recipe, ["rl.epsilon_high=0.28", "rl.num_iterations=2"])) == []
+
+
 def killed_and_resumed_within_a_round(recipe: Path, full: Path, cut: Path) -> None:
     """rl.num_iterations 3 (rounds of steps 1-3 and 4), checkpoints every 2 steps: killed like kill -9 mid step 3,
     the step-2 checkpoint is within the first round, and the resume finishes that round on the completions it

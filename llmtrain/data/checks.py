@@ -184,7 +184,8 @@ def check_data(recipe: Recipe, stats: DataStats, train, eval_ds, tokenizer) -> l
     trained, and the token budget, on the tokenised train (and eval) sets."""
     unused = check_no_eval(recipe, eval_ds) + check_hub_keys(recipe)
     if recipe.data.format == "prompt":  # online RL: nothing is trained from the data; the completions need room
-        return unused + check_prompt_room(recipe, train, eval_ds) + check_completion_stop(recipe, tokenizer)
+        return (unused + check_prompt_room(recipe, train, eval_ds) + check_completion_stop(recipe, tokenizer)
+                + check_ratio_keys(recipe))
     pairs = recipe.data.format == "preference"
     rows = unused + check_masks(stats, train_on_prompt=recipe.data.train_on_prompt,
                                 text=recipe.data.format == "text", max_seq_len=recipe.data.max_seq_len,
@@ -238,6 +239,22 @@ def check_no_eval(recipe: Recipe, eval_ds) -> list[Check]:
     return [("no eval", "warn", f"data.eval_split gives no eval data, so the run does not evaluate, and "
              f"{' and '.join(keys)} have nothing to act on. Give data.eval_split (a fraction, a split or a file) to "
              "evaluate")]
+
+
+def check_ratio_keys(recipe: Recipe) -> list[Check]:
+    """Online RL's keys that act on the ratio of the policy to the one that sampled (rl.epsilon_high, rl.delta,
+    GSPO's importance_sampling_level), set where it is always 1 (rl.num_iterations 1): said, not refused (TRL takes
+    them so too), as they change nothing."""
+    rl = recipe.rl
+    if rl is None or rl.num_iterations > 1:
+        return []
+    keys = [f"rl.{k}={v}" for k, v in (("epsilon_high", rl.epsilon_high), ("delta", rl.delta)) if v is not None]
+    keys += ["rl.importance_sampling_level=sequence"] if rl.importance_sampling_level == "sequence" else []
+    if not keys:
+        return []
+    return [("ratio", "warn", f"{' and '.join(keys)} act on the ratio of the policy to the one that sampled, which is "
+             "1 with rl.num_iterations 1 (every step samples anew): they change nothing. Set rl.num_iterations 2 or "
+             "more (several updates a generation round, docs/rl.md) for them to bind, or remove them")]
 
 
 def check_hub_keys(recipe: Recipe) -> list[Check]:
