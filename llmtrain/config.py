@@ -1182,6 +1182,12 @@ def _format_errors(err: ValidationError, source: str, overrides: list[str] | Non
     return f"Invalid recipe {source}:\n" + "\n".join(lines) + "\nFix these keys in the YAML or the key=value overrides."
 
 
+def updates_per_window(recipe: Recipe) -> int:
+    """Optimizer steps a window of the data trains: online RL's rl.num_iterations (its completions sampled once,
+    updated on that many times), else 1."""
+    return recipe.rl.num_iterations if recipe.rl is not None else 1
+
+
 def load_recipe(path: str | Path, overrides: list[str] | None = None) -> Recipe:
     """Read a YAML recipe, apply dotted overrides and validate the result."""
     path = Path(path)

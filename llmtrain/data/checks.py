@@ -10,7 +10,7 @@ from __future__ import annotations
 import math
 from pathlib import Path
 
-from llmtrain.config import Recipe
+from llmtrain.config import Recipe, updates_per_window
 from llmtrain.data.formats import IGNORE, special_ids
 from llmtrain.data.prepare import DataStats
 from llmtrain.errors import LLMTrainError
@@ -401,12 +401,6 @@ def total_steps(recipe: Recipe, lengths: list[int], *, world: int, sources=None,
         return t.max_steps
     plan = plan or data_plan(recipe, lengths, world=world, sources=sources)
     return sum(plan.steps_per_epoch(e, t.grad_accum_steps) for e in range(t.epochs)) * updates_per_window(recipe)
-
-
-def updates_per_window(recipe: Recipe) -> int:
-    """Optimizer steps a window of the data trains: online RL's rl.num_iterations (its completions sampled once,
-    updated on that many times), else 1."""
-    return recipe.rl.num_iterations if recipe.rl is not None else 1
 
 
 def data_plan(recipe: Recipe, lengths: list[int], *, world: int, sources=None):

@@ -24,17 +24,10 @@ from pathlib import Path
 import torch
 
 from llmtrain import capabilities
-from llmtrain.config import Recipe, tiled_mlp_shard
+from llmtrain.config import Recipe, tiled_mlp_shard, updates_per_window
 from llmtrain.data.batching import DataPlan
 from llmtrain.data.chat import read_template
-from llmtrain.data.checks import (
-    check_context,
-    check_data,
-    check_epochs,
-    check_warmup,
-    data_plan,
-    updates_per_window,
-)
+from llmtrain.data.checks import check_context, check_data, check_epochs, check_warmup, data_plan
 from llmtrain.data.prepare import prepare_recipe
 from llmtrain.errors import Everywhere, LLMTrainError
 from llmtrain.layout import Layout

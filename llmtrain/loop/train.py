@@ -18,7 +18,7 @@ from pathlib import Path
 
 import torch
 
-from llmtrain.config import Recipe
+from llmtrain.config import Recipe, updates_per_window
 from llmtrain.data.batching import prefetch, windows
 from llmtrain.errors import LLMTrainError, Stopped
 from llmtrain.loop.cadence import Cadence
@@ -121,7 +121,7 @@ def _train(recipe: Recipe, accelerator, console: RunConsole, cleanup: ExitStack,
         cleanup.callback(run_dir.release)
         state = restore(recipe, accelerator, trainable, checkpoint=checked.checkpoint, say=say)
         # online RL's generation rounds (rl.num_iterations): a checkpoint within one gives its completions back
-        rounds = Rounds(recipe.rl.num_iterations if recipe.rl is not None else 1, process=accelerator.process_index,
+        rounds = Rounds(updates_per_window(recipe), process=accelerator.process_index,
                         processes=accelerator.num_processes)
         rounds.restore(checked.checkpoint, step=state.step)
         log = open_log(recipe, accelerator, state, resumed=resume is not None, notes=checked.notes, say=say)

@@ -55,6 +55,14 @@ def varlen_repeats_kv() -> bool:
     return "window_size" not in inspect.signature(varlen_attn).parameters
 
 
+def update_examples(spec: TrainSpec) -> int:
+    """The sequences of one training pass: the micro-batch, or online RL's update in passes of whole sequences within
+    its budget (rl.micro_batch_tokens)."""
+    if spec.rl_micro_batch_tokens:
+        return min(spec.micro_batch, max(1, spec.rl_micro_batch_tokens // spec.seq_len))
+    return spec.micro_batch
+
+
 def make_pass(shape: ModelShape, spec: TrainSpec, *, examples: int | None = None,
               budget: int | None = None) -> act.Pass:
     """Shapes and dtypes of one micro-batch: the training one, or `examples` (or a token `budget`) for eval.
@@ -66,9 +74,7 @@ def make_pass(shape: ModelShape, spec: TrainSpec, *, examples: int | None = None
     (spec.sequence_parallel N, varlen only): one row of this GPU's ceil(T / N) tokens of the group's row."""
     training = examples is None
     if training:
-        examples, budget = spec.micro_batch, spec.micro_batch_tokens
-        if spec.rl_micro_batch_tokens:  # online RL's update in passes of whole sequences within its budget
-            examples = min(examples, max(1, spec.rl_micro_batch_tokens // spec.seq_len))
+        examples, budget = update_examples(spec), spec.micro_batch_tokens
     tokens = budget or examples * spec.seq_len
     n = spec.sequence_parallel
     if n > 1:  # this GPU's share of the group's packed row (the estimate at ceil(T / N) tokens)
@@ -323,11 +329,9 @@ def estimate(shape: ModelShape, spec: TrainSpec) -> Estimate:
         if spec.rollout_forwards:  # the rollout's no-grad forwards of the update's passes (the old log-probabilities
             # of rl.num_iterations > 1, RLOO's KL), the model still gathered; under sequence parallelism on the group's
             # first GPU over whole rows
-            passes = min(spec.micro_batch, max(1, (spec.rl_micro_batch_tokens or 0) // spec.seq_len)) if (
-                spec.rl_micro_batch_tokens) else spec.micro_batch
             phases.update(_eval_phases(shape, spec.but(sequence_parallel=1), base, adapted=adapted,
                                        cached=sum(cached), head_copies=head_copies, fsdp_unit=gathered, tail=gathered,
-                                       examples=passes, budget=None, name="rollout_logps"))
+                                       examples=update_examples(spec), budget=None, name="rollout_logps"))
     if spec.no_grad_forwards:  # KTO: the micro-batch's KL and reference passes, the window's gradients so far held
         phases.update(_eval_phases(shape, spec, {**base, "gradients": g_acc}, adapted=adapted, cached=sum(cached),
                                    head_copies=head_copies, fsdp_unit=2 * unit + always, tail=tail,

@@ -10,7 +10,7 @@ import math
 from dataclasses import asdict, dataclass, field, replace
 from typing import Literal
 
-from llmtrain.config import DataConfig, LoraConfig, ModelConfig, ParallelConfig, Recipe, TrainConfig
+from llmtrain.config import DataConfig, LoraConfig, ModelConfig, ParallelConfig, Recipe, TrainConfig, updates_per_window
 from llmtrain.errors import LLMTrainError
 from llmtrain.parallel.pipeline.split import SCHEDULES
 
@@ -379,7 +379,7 @@ def spec_from_recipe(recipe: Recipe, *, strategy: Strategy = "single", num_gpus:
         num_generations=recipe.rl.num_generations if recipe.rl is not None else int(
             recipe.distill is not None and recipe.distill.lmbda > 0), per_example=per_example, **rl, **teacher,
         no_grad_forwards=recipe.kto is not None, frozen_reference=recipe.kto is not None and lora is None,
-        num_iterations=recipe.rl.num_iterations if recipe.rl is not None else 1,
+        num_iterations=updates_per_window(recipe),
         rollout_forwards=recipe.rl is not None and (recipe.rl.num_iterations > 1 or (
             recipe.rl.algorithm == "rloo" and bool(recipe.rl.beta))),
         min_examples=2 if recipe.kto is not None and recipe.kto.loss_type == "kto" else 1,

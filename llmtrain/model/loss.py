@@ -64,11 +64,12 @@ def chunked_cross_entropy(hidden: torch.Tensor, head, targets: torch.Tensor, *, 
                             use_reentrant=False) if torch.is_grad_enabled() else
                  _chunk_token_loss(head, hidden[s : s + chunk], targets[s : s + chunk], entropy)
                  for s in range(0, hidden.shape[0], chunk)]
-        if entropy:
-            losses, entropies = ([part[k] for part in parts] for k in (0, 1))
+        if not parts:
             empty = hidden.new_zeros(0, dtype=torch.float32)
-            return (torch.cat(losses) if parts else empty), (torch.cat(entropies).detach() if parts else empty)
-        return (torch.cat(parts) if parts else hidden.new_zeros(0, dtype=torch.float32)), None
+            return empty, (empty if entropy else None)
+        if entropy:  # (loss, entropy) a chunk; the entropies were taken without gradient
+            return torch.cat([loss for loss, _ in parts]), torch.cat([h for _, h in parts])
+        return torch.cat(parts), None
     total = hidden.new_zeros((), dtype=torch.float32)
     hits = []
     for s in range(0, hidden.shape[0], chunk):

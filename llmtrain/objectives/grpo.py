@@ -278,17 +278,17 @@ class GRPO:
             self.logs.metrics[name] += values
         rows = [e["row"] + 1 for e in examples for _ in range(g)]
         clipped = [not self.stop_ids.ends(c) for c in completions]  # ended by max_completion_tokens
-        masks = [t.mask for t in tooled] if tooled else [[1] * len(c) for c in completions]
-        # rl.mask_truncated_completions (DAPO's overlong filtering): a clipped completion trains none of its tokens
-        # (its reward still counts in its group's advantages); its length stays in completions/mean_length
-        dropped = sum(sum(m) for m, cut in zip(masks, clipped) if cut) if rl.mask_truncated_completions else 0
-        if rl.mask_truncated_completions:
+        masks, dropped = [t.mask for t in tooled] if tooled else None, 0
+        if rl.mask_truncated_completions:  # DAPO's overlong filtering: a clipped completion trains none of its tokens
+            # (its reward still counts in its group's advantages; its length stays in completions/mean_length)
+            masks = masks or [[1] * len(c) for c in completions]
+            dropped = sum(sum(m) for m, cut in zip(masks, clipped) if cut)
             masks = [[0] * len(m) if cut else m for m, cut in zip(masks, clipped)]
         sequences = completion_rows(prompt_ids, completions, masks=masks)
         batches, parts, lengths = self._passes(sequences)
         if rl.num_iterations > 1:  # the round's later updates divide by the policy as it sampled
             for batch in batches:
-                batch["loss_old_logps"] = self._sampling_logps(batch)
+                batch["loss_old_logps"] = self._sampling_logps(batch).cpu()
         advantages, std, more, columns = self._advantages(total, g, batches, parts)
         for batch, part, n in zip(batches, parts, lengths.split([len(part) for part in parts])):
             self._attach(batch, advantages[part], n)
@@ -336,9 +336,10 @@ class GRPO:
         return batches, parts, torch.cat(lengths)
 
     def _sampling_logps(self, batch: dict) -> torch.Tensor:
-        """Each trained token's log-probability (at rl.temperature, no gradient, on the CPU) under the policy as it
-        sampled: in eval mode, within the rollout (under FSDP while the whole model is gathered: no collective per
-        pass). rl.num_iterations > 1's old log-probabilities (TRL's old_per_token_logps), and RLOO's for its KL.
+        """Each trained token's log-probability (at rl.temperature, no gradient, on the model's device) under the
+        policy as it sampled: in eval mode, within the rollout (under FSDP while the whole model is gathered: no
+        collective per pass). rl.num_iterations > 1's old log-probabilities (TRL's old_per_token_logps, kept on the
+        CPU with the round), and RLOO's for its KL.
         Under sequence parallelism, on the group's first process over whole rows (each process then keeps its
         slice's, as the other `loss_` columns)."""
         from llmtrain.data.batching import to_device
@@ -346,7 +347,7 @@ class GRPO:
 
         with torch.no_grad():
             return -compute_loss(self.lm, to_device(batch, self.lm.device), per_token=True,
-                                 temperature=self.rl.temperature).float().cpu()
+                                 temperature=self.rl.temperature).float()
 
     def _advantages(self, total: torch.Tensor, g: int, batches: list[dict], parts: list[list[int]]):
         """(RLOO's hook) Each completion's advantage from the summed rewards `total`, each one's group std, more

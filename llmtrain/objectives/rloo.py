@@ -95,11 +95,11 @@ class RLOO(GRPO):
         """Each completion's summed k1 log-ratio of the policy as it sampled to the reference (the LoRA adapter
         disabled), without gradient: TRL's old and reference log-probabilities, taken before the update. Run
         within the rollout, so under FSDP while the whole model is gathered (no collective per pass)."""
-        policy = batch["loss_old_logps"] if "loss_old_logps" in batch else self._sampling_logps(batch)
         batch = to_device(batch, self.lm.device)
+        policy = batch["loss_old_logps"] if "loss_old_logps" in batch else self._sampling_logps(batch)
         with torch.no_grad(), self.lm.disable_adapter():
             ref = completion_logps(self.lm, batch, temperature=self.rl.temperature)
-        return sequence_sums(policy.to(ref.device) - ref, batch["loss_example"], n).cpu()
+        return sequence_sums(policy - ref, batch["loss_example"], n).cpu()
 
     def _loss_units(self, lengths: torch.Tensor) -> float:
         return float(len(lengths))  # the mean over completions

@@ -152,6 +152,7 @@ class _GroupSum(torch.autograd.Function):
     def forward(ctx, t: torch.Tensor, group) -> torch.Tensor:
         import torch.distributed as dist
 
+        ctx.group = group
         t = t.clone()
         dist.all_reduce(t, group=group)
         return t
@@ -161,19 +162,10 @@ class _GroupSum(torch.autograd.Function):
         return grad, None
 
 
-class _SharedSum(torch.autograd.Function):
+class _SharedSum(_GroupSum):
     """A sum over a process group that each process's loss reads for its own tokens (GSPO's ratio of a completion,
     applied to each process's slice of it): the losses differ, so the backward sums their gradients over the group and
     each part gets the whole loss's gradient."""
-
-    @staticmethod
-    def forward(ctx, t: torch.Tensor, group) -> torch.Tensor:
-        import torch.distributed as dist
-
-        ctx.group = group
-        t = t.clone()
-        dist.all_reduce(t, group=group)
-        return t
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
