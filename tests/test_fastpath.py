@@ -169,6 +169,24 @@ def test_per_token_entropies_across_chunks_and_row_blocks_equal_the_full_logits_
     assert hidden.grad is not None and hidden.grad.abs().sum() > 0
 
 
+def test_entropy_allocates_one_block_of_rows_for_a_whole_chunk():
+    """The entropy's row blocks reuse one buffer: a fresh block-sized temporary per block (logsumexp's, the
+    probabilities', their product's) fragmented the CPU allocator's heap and raised the GRPO benchmark's peak RSS by
+    12% (docs/performance.md). Counted with torch's profiler: the leaf allocations of a block's size or more."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from llmtrain.model.loss import ENTROPY_ROWS, _entropy
+
+    torch.manual_seed(0)
+    logits = torch.randn(8 * ENTROPY_ROWS + 5, 1000)
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        got = _entropy(logits)
+    block = ENTROPY_ROWS * 1000 * 4
+    big = [e for e in prof.events() if not e.cpu_children and e.cpu_memory_usage >= block]
+    assert len(big) == 1, [(e.name, e.cpu_memory_usage) for e in big]
+    assert (got - torch.distributions.Categorical(logits=logits).entropy()).abs().max() < 1e-5
+
+
 def test_chunked_loss_needs_a_fraction_of_the_memory():
     """Peak memory of loss + backward with torch's MemTracker: full fp32 logits (and their gradient) for 2048
     tokens x 32k vocabulary, against 256-token chunks recomputed in backward."""
