@@ -685,6 +685,11 @@ class RewardConfig(Section):
 # The fast sampler's prefill forwards at most this many prompt positions at once (model/fast_sample.py: a longer
 # prompt goes in chunks, each attending to the ones before it through the cache); the estimate's prefill phase too.
 PREFILL_CHUNK = 1024
+TOP_K = ("Sampling: only the top_k most likely tokens (and any tied with the k-th) may be drawn, before top_p "
+         "(transformers' order; TRL's top_k); 0: all of them. The log-probabilities the loss takes are of the whole "
+         "distribution at the temperature, as TRL's.")
+MIN_P = ("Sampling: a token may be drawn only if its probability is at least min_p times the most likely one's, after "
+         "top_k and top_p (TRL's min_p); 0: off.")
 MergedCopy = Literal["rollout", "kept", "off"]
 MERGED_COPY = (
     "LoRA and QLoRA: what the fast sampler (static, graph) forwards each adapted linear through (docs/rl.md): off (the "
@@ -709,6 +714,8 @@ class RLConfig(Section):
                                "log-probabilities are taken at the same temperature (as TRL).")
     top_p: float = Field(1.0, gt=0, le=1, description="Nucleus sampling: the smallest set of tokens whose "
                          "probabilities add up to top_p.")
+    top_k: int = Field(0, ge=0, description=TOP_K)
+    min_p: float = Field(0.0, ge=0, lt=1, description=MIN_P)
     loss_type: Literal["dapo", "grpo", "dr_grpo"] | None = Field(
         None, description="grpo only, how the loss is normalised, as TRL 1.16: dapo (the default, TRL's), every "
         "completion token of the step weighs the same; grpo, each completion's mean over its tokens, then the mean "
@@ -863,6 +870,8 @@ class DistillConfig(Section):
     max_completion_tokens: int = Field(512, gt=0, description="Most tokens the student samples for a completion "
                                        "(TRL's max_completion_length).")
     top_p: float = Field(1.0, gt=0, le=1, description="Nucleus sampling for the student's completions.")
+    top_k: int = Field(0, ge=0, description=TOP_K)
+    min_p: float = Field(0.0, ge=0, lt=1, description=MIN_P)
     sampler: Literal["static", "graph", "reference"] = Field(
         "graph", description="How the student samples, as rl.sampler: graph (CUDA graphs; static elsewhere), static, "
         "or reference (the plain loop).")

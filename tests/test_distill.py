@@ -288,6 +288,25 @@ def test_a_short_run_brings_the_student_closer_to_its_teacher(straight):
     assert sum(r["loss"] for r in lines[-3:]) < 0.8 * sum(r["loss"] for r in lines[:3])
 
 
+def test_distill_top_k_reaches_the_students_sampler(straight, tmp_path, monkeypatch):
+    """distill.top_k 1 at temperature 1: every completion the student samples is its greedy one (the sampler called
+    again at temperature 0 on the same prompts draws the same tokens)."""
+    import llmtrain.objectives.distill as distill
+
+    recipe, _ = straight
+    drawn = []
+
+    def sample(lm, sampler, prompts, seeds, **kwargs):
+        got = original(lm, sampler, prompts, seeds, **kwargs)
+        drawn.append((kwargs["top_k"], got, original(lm, sampler, prompts, seeds, **{**kwargs, "temperature": 0.0})))
+        return got
+
+    original = distill.sample
+    monkeypatch.setattr(distill, "sample", sample)
+    run_train(recipe, f"output_dir={tmp_path / 'top_k'}", "train.max_steps=2", "distill.lmbda=1.0", "distill.top_k=1")
+    assert len(drawn) == 2 and all(k == 1 and got == greedy for k, got, greedy in drawn)
+
+
 def test_the_teachers_forward_is_counted_in_tflops_and_mfu(straight):
     """tflops_per_gpu / tokens_per_s is the step's model FLOPs a token: the student's step (6 a weight) and the
     teacher's forward (2 a weight of its, 192 wide): above what the student alone could reach at any length."""

@@ -67,6 +67,49 @@ def test_on_small_cases_the_fast_sampler_draws_the_reference_loops_tokens(lm, te
     assert len({len(p) for p in prompts}) > 3  # mixed lengths: left padding differs row to row
 
 
+@pytest.mark.parametrize("temperature, top_k, top_p, min_p", [
+    (1.0, 5, 1.0, 0.0), (0.7, 0, 1.0, 0.1), (1.0, 0, 0.8, 0.0), (1.3, 20, 0.9, 0.05), (1.0, 40, 0.5, 0.2),
+    (1.0, 1000, 1.0, 0.0)])
+def test_the_filters_keep_what_transformers_warpers_keep_with_the_same_probabilities(temperature, top_k, top_p, min_p):
+    """generate.filtered_probs, renormalised, against transformers' own warpers in generate's order (temperature,
+    top_k, top_p, min_p) and a softmax: the same tokens kept, their probabilities to 1e-6; rows both flat and peaked
+    (min_p's threshold moves with the top token)."""
+    from transformers.generation.logits_process import (LogitsProcessorList, MinPLogitsWarper,
+                                                        TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper)
+
+    from llmtrain.model.generate import filtered_probs
+
+    torch.manual_seed(0)
+    logits = torch.randn(16, 97) * torch.linspace(0.5, 6.0, 16)[:, None]  # flat to peaked rows
+    warpers = [TemperatureLogitsWarper(temperature)]
+    warpers += [TopKLogitsWarper(top_k)] if top_k else []
+    warpers += [TopPLogitsWarper(top_p)] if top_p < 1 else []
+    warpers += [MinPLogitsWarper(min_p)] if min_p else []
+    expected = torch.softmax(LogitsProcessorList(warpers)(None, logits.clone()), dim=-1)
+    got = filtered_probs(logits, temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p)
+    assert torch.equal(got > 0, expected > 0)
+    assert (got / got.sum(-1, keepdim=True) - expected).abs().max() < 1e-6
+    kept = (got > 0).sum(-1)
+    assert kept.min() >= 1 and (kept < 97).any() == (top_k < 97 or top_p < 1 or min_p > 0)
+
+
+@pytest.mark.parametrize("filters", [dict(top_k=3), dict(min_p=0.6), dict(top_k=8, top_p=0.9, min_p=0.05)])
+def test_top_k_and_min_p_draw_the_reference_loops_tokens_and_top_k_1_is_greedy(lm, filters):
+    """Both samplers cut the distribution alike (their tokens equal), the cut changes what is drawn, and top_k 1 at
+    temperature 1 draws the argmax: every completion is the greedy one."""
+    prompts = mixed_prompts(4, 4)
+    kwargs = dict(max_new_tokens=16, temperature=1.0, top_p=filters.get("top_p", 1.0))
+    extra = {k: v for k, v in filters.items() if k != "top_p"}
+    reference = sample(lm, prompts, seeds=list(range(16)), stop_ids=set(), pad_id=3, **kwargs, **extra)
+    fast = sample_fast(lm, prompts, seeds=list(range(16)), stop_ids=set(), pad_id=3, **kwargs, **extra)
+    assert fast == reference
+    assert fast != sample_fast(lm, prompts, seeds=list(range(16)), stop_ids=set(), pad_id=3, **kwargs)
+    greedy = sample_fast(lm, prompts, seeds=list(range(16)), stop_ids=set(), pad_id=3, max_new_tokens=16,
+                         temperature=0.0, top_p=1.0)
+    assert sample_fast(lm, prompts, seeds=list(range(16)), stop_ids=set(), pad_id=3, max_new_tokens=16,
+                       temperature=1.0, top_p=1.0, top_k=1) == greedy
+
+
 @pytest.mark.parametrize("adapter", ["on", "off"])
 def test_lora_on_small_cases_draws_the_reference_loops_tokens_with_the_adapter_on_and_off(lora_lm, lm, adapter):
     prompts = mixed_prompts(4, 4, seed=1)

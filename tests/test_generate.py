@@ -139,6 +139,20 @@ def test_the_command_prints_the_replies_and_writes_them_once(runs, tmp_path):
     assert len(out.read_text().splitlines()) == 4  # untouched
 
 
+def test_the_filters_reach_the_command_top_k_one_replies_greedily(runs, tmp_path):
+    """--top-k 1 at --temperature 1: every sample is the greedy reply; --min-p cuts what a sample may draw."""
+    def tokens(name: str, *flags: str) -> list[list[int]]:
+        invoke("generate", str(runs["full"]), *PROMPTS, "--max-new-tokens", "10", "--out", str(tmp_path / name),
+               *flags)
+        return [json.loads(x)["tokens"] for x in (tmp_path / name).read_text().splitlines()]
+
+    greedy = tokens("greedy.jsonl")
+    assert tokens("top_k.jsonl", "--temperature", "1", "--top-k", "1", "--samples", "2") == [
+        t for t in greedy for _ in range(2)]
+    sampled = tokens("sampled.jsonl", "--temperature", "1.5", "--samples", "2")
+    assert sampled != tokens("min_p.jsonl", "--temperature", "1.5", "--min-p", "0.3", "--samples", "2")
+
+
 @pytest.mark.parametrize("case, says", [
     ("unfinished", "has no final/: the run has not finished (or ran with checkpoint.save_final: false). Generate "
                    "from one of its checkpoints"),

@@ -352,6 +352,24 @@ def test_masked_truncated_completions_train_only_the_completions_that_ended(stra
     assert line["loss"] != pytest.approx(before["loss"], abs=1e-6)
 
 
+def test_top_k_one_samples_each_groups_greedy_completion_and_min_p_cuts_what_is_drawn(straight, tmp_path):
+    """rl.top_k reaches the rollout's sampler: with 1, each prompt's completions at temperature 1 are all its greedy
+    one (one completion a group, no advantage: nothing to learn, the loss 0); rl.min_p changes what is drawn."""
+    recipe, plain, _ = straight
+    run = tmp_path / "top_k"
+    run_train(recipe, f"output_dir={run}", "train.max_steps=1", "rl.top_k=1")
+    first = [r for r in rollouts(run) if r["step"] == 1]
+    groups = {}
+    for r in first:
+        groups.setdefault(tuple(r["prompt_ids"]), set()).add(tuple(r["completion_ids"]))
+    assert len(groups) == 4 and all(len(g) == 1 for g in groups.values())
+    assert all(r["advantage"] == 0 for r in first) and records(run)[0]["loss"] == 0
+    cut = tmp_path / "min_p"
+    run_train(recipe, f"output_dir={cut}", "train.max_steps=1", "rl.min_p=0.5")
+    drawn = [r["completion_ids"] for r in rollouts(cut)]
+    assert drawn != [r["completion_ids"] for r in rollouts(plain) if r["step"] == 1]
+
+
 def test_ratio_keys_that_cannot_bind_with_one_update_a_round_are_said(tiny_assets, tmp_path):
     """rl.epsilon_high, rl.delta and GSPO act on the ratio, which rl.num_iterations 1 keeps at 1: a warning (doctor's
     and the run's start) naming them and the fix; none with rounds of 2, none for the defaults."""

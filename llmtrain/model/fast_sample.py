@@ -18,10 +18,11 @@ agreement rate), while a completion never depends on its batch. What changes is 
   KV rows are copied to its completions.
 - A decode step forwards one token per row through the model's own decoder layers (transformers' modules, so LoRA,
   QLoRA's 4-bit layers and the model's attention stay as they train), writes its K/V at the slot, draws the next
-  token from the row's pre-drawn uniform (`next_tokens`: inverse CDF and top_p, no torch.multinomial), writes it to
-  a device buffer and advances its counters in place. Its inputs and outputs are tensors allocated before the
-  loop, so the step can be captured once and replayed (`capture=True`, CUDA only). End-of-turn flags stay on the
-  device: the host looks at them every CHECK_EVERY tokens, and copies the tokens back once.
+  token from the row's pre-drawn uniform (`next_tokens`: inverse CDF after top_k, top_p and min_p, no
+  torch.multinomial), writes it to a device buffer and advances its counters in place. Its inputs and outputs are
+  tensors allocated before the loop, so the step can be captured once and replayed (`capture=True`, CUDA only).
+  End-of-turn flags stay on the device: the host looks at them every CHECK_EVERY tokens, and copies the tokens back
+  once.
 - LoRA: each adapted linear forwards through a merged generation copy of its weight (W + s B A, built beside the
   trained weights for the rollout: model/merged_copy.py, rl.merged_copy), or unmerged beside the base (off, or
   where the copy does not fit). Never an in-place merge/unmerge: in bf16 it does not restore the base (TRL #6688).
@@ -208,8 +209,8 @@ def _window_mask(allowed: torch.Tensor, query_slots: torch.Tensor, key_slots: to
 
 @torch.no_grad()
 def sample_fast(lm, prompts: list[list[int]], *, seeds: list[int], max_new_tokens: int, temperature: float,
-                top_p: float, stop_ids: set[int], pad_id: int, capture: bool = False, copy: str = "off",
-                compact: bool = True) -> list[list[int]]:
+                top_p: float, stop_ids: set[int], pad_id: int, top_k: int = 0, min_p: float = 0.0,
+                capture: bool = False, copy: str = "off", compact: bool = True) -> list[list[int]]:
     """Each prompt's completion, as `generate.sample` returns it: at most max_new_tokens ids, ending with a stop id
     where one was drawn. capture: replay the decode step as a CUDA graph (CUDA only); copy: rl.merged_copy (the
     adapted linears on a merged generation copy, model/merged_copy.py; LoRA-adapted experts run their adapters beside
@@ -226,7 +227,7 @@ def sample_fast(lm, prompts: list[list[int]], *, seeds: list[int], max_new_token
             merged_for_sampling(lm, copy, spare_bytes=cache):
         logits, keys, values = _prefill(forward, prompts, steps=max_new_tokens, pad_id=pad_id, device=device)
         decode = _Decode(forward, prompts, keys, values, uniforms=uniforms, stop_ids=stop_ids, pad_id=pad_id,
-                         sampling=dict(temperature=temperature, top_p=top_p))
+                         sampling=dict(temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p))
         decode.first(logits)
         decode.run(capture=capture, compact=compact)
     return _trim(decode.result.tolist(), Stops.of(stop_ids))  # the one copy back to the host

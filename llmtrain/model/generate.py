@@ -101,17 +101,34 @@ def cached_attention(lm):
     return attention_as(lm.config, "sdpa" if getattr(type(causal_lm(lm)), "_supports_sdpa", True) else "eager")
 
 
-def next_tokens(logits: torch.Tensor, uniforms: torch.Tensor, *, temperature: float, top_p: float) -> torch.Tensor:
-    """One token per row of `logits` [rows, vocab]: the argmax at temperature 0, else the token where the row's
-    cumulative distribution (softmax(logits / temperature), cut to its top_p nucleus) passes the row's uniform."""
-    if temperature == 0:
-        return logits.argmax(dim=-1)
+def filtered_probs(logits: torch.Tensor, *, temperature: float, top_p: float = 1.0, top_k: int = 0,
+                   min_p: float = 0.0) -> torch.Tensor:
+    """softmax(logits / temperature) [rows, vocab] with the tokens the filters leave out set to 0 (not renormalised),
+    the filters in transformers' order: top_k (the k most likely, and those tied with the k-th), then top_p (the
+    smallest set of what is left whose probability passes top_p of what is left), then min_p (those at least min_p
+    times the most likely). 0 / 1.0 / 0: off."""
     probs = torch.softmax(logits.float() / temperature, dim=-1)
+    if 0 < top_k < probs.shape[-1]:
+        probs = probs.masked_fill(probs < probs.topk(top_k, dim=-1).values[:, -1:], 0.0)
     if top_p < 1.0:
         # the nucleus: the most likely tokens whose probabilities before them add up to less than top_p
         sorted_probs, order = probs.sort(dim=-1, descending=True)
-        outside = (sorted_probs.cumsum(dim=-1) - sorted_probs) >= top_p
+        cumulative = sorted_probs.cumsum(dim=-1)
+        outside = (cumulative - sorted_probs) >= top_p * cumulative[:, -1:]
         probs = probs.scatter(-1, order, sorted_probs.masked_fill(outside, 0.0))
+    if min_p > 0:
+        probs = probs.masked_fill(probs < min_p * probs.amax(dim=-1, keepdim=True), 0.0)
+    return probs
+
+
+def next_tokens(logits: torch.Tensor, uniforms: torch.Tensor, *, temperature: float, top_p: float, top_k: int = 0,
+                min_p: float = 0.0) -> torch.Tensor:
+    """One token per row of `logits` [rows, vocab]: the argmax at temperature 0, else the token where the row's
+    cumulative distribution (softmax(logits / temperature) cut by top_k, top_p and min_p: filtered_probs) passes the
+    row's uniform."""
+    if temperature == 0:
+        return logits.argmax(dim=-1)
+    probs = filtered_probs(logits, temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p)
     cdf = probs.cumsum(dim=-1)
     picked = torch.searchsorted(cdf, (uniforms * cdf[:, -1]).unsqueeze(-1), right=True).squeeze(-1)
     return picked.clamp(max=logits.size(-1) - 1)
@@ -119,7 +136,7 @@ def next_tokens(logits: torch.Tensor, uniforms: torch.Tensor, *, temperature: fl
 
 @torch.no_grad()
 def sample(lm, prompts: list[list[int]], *, seeds: list[int], max_new_tokens: int, temperature: float,
-           top_p: float, stop_ids: set[int], pad_id: int) -> list[list[int]]:
+           top_p: float, stop_ids: set[int], pad_id: int, top_k: int = 0, min_p: float = 0.0) -> list[list[int]]:
     """Each prompt's completion: at most max_new_tokens ids, ending with a stop where one was drawn (a stop id, or
     the last token of one of `Stops.sequences`)."""
     device, rows = lm.device, len(prompts)
@@ -139,7 +156,8 @@ def sample(lm, prompts: list[list[int]], *, seeds: list[int], max_new_tokens: in
         # the prompts' last position's logits only: [rows, vocab], not [rows, prompt length, vocab]
         result = lm(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True, logits_to_keep=1)
         for t in range(max_new_tokens):
-            token = next_tokens(result.logits[:, -1], uniforms[:, t], temperature=temperature, top_p=top_p)
+            token = next_tokens(result.logits[:, -1], uniforms[:, t], temperature=temperature, top_p=top_p,
+                                top_k=top_k, min_p=min_p)
             token = torch.where(done, torch.full_like(token, pad_id), token)
             for i, (value, finished) in enumerate(zip(token.tolist(), done.tolist())):  # one host sync a token
                 if not finished:

@@ -373,7 +373,8 @@ class GRPO:
         """The completions of `prompt_ids`, one per seed, with rl.sampler (the caller gathers FSDP's units)."""
         return sample(self.lm, self.rl.sampler, prompt_ids, seeds,
                       max_new_tokens=max_new_tokens or self.rl.max_completion_tokens, temperature=temperature,
-                      top_p=top_p, stop_ids=self.stop_ids, pad_id=self.pad_id, copy=self.rl.merged_copy)
+                      top_p=top_p, top_k=self.rl.top_k, min_p=self.rl.min_p, stop_ids=self.stop_ids,
+                      pad_id=self.pad_id, copy=self.rl.merged_copy)
 
     def _complete(self, prompt_ids: list[list[int]], seeds: list[int], *, temperature: float, top_p: float,
                   rows: list[dict]):
