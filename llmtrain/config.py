@@ -748,9 +748,10 @@ class RLConfig(Section):
         "unclipped ratio is capped at delta too, so a completion with a negative advantage whose ratio grew large "
         "cannot make the loss unbounded (INTELLECT-2 uses 4; it should exceed 1 + epsilon_high). Only a ratio "
         "away from 1 meets it: rl.num_iterations > 1. None: no cap.")
-    scale_rewards: Literal["group", "none"] | None = Field(
-        None, description="grpo only: group (the default), advantages are (reward - group mean) / group std; none, "
-        "reward - group mean (Dr. GRPO). rloo: unset (see normalize_advantages).")
+    scale_rewards: Literal["group", "batch", "none"] | None = Field(
+        None, description="grpo only (TRL's): group (the default), advantages are (reward - group mean) / group std; "
+        "batch, (reward - group mean) / the std of the step's rewards over every process (PPO Lite); none, reward - "
+        "group mean (Dr. GRPO). rloo: unset (see normalize_advantages).")
     normalize_advantages: bool = Field(
         False, description="rloo only (TRL's, default off): the step's leave-one-out advantages, over every "
         "process, shifted to mean 0 and divided by their std (+ 1e-4).")

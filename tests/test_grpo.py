@@ -4,7 +4,7 @@ TRL pads every completion to the longest (prompts on the left, completions on th
 `_compute_loss`; llmtrain packs the same prompt + completion sequences into one padding-free row with varlen
 attention and takes per-token log-probabilities from the chunked loss path (no full logits). Same model, same
 ids, same advantages: the same loss and the same gradients, to 1e-6, for dapo, grpo and dr_grpo, with beta 0 and
-0.04. The advantages equal TRL's for scale_rewards group and none, a group with equal rewards and a reward of
+0.04. The advantages equal TRL's for scale_rewards group, batch and none, a group with equal rewards and a reward of
 None (NaN) included.
 """
 
@@ -260,6 +260,24 @@ def test_advantages_equal_trls_for_group_and_none_scaling():
     ours, std = group_advantages(rewards, 2, scale_rewards="group")
     assert ours[2:4].tolist() == [0.0, 0.0] and std[2].item() == 0.0  # equal rewards teach nothing
     assert ours[4].item() == 0.0 and ours[5].item() == 0.0  # a lone scored reward in its group: std NaN -> 0
+
+
+def test_batch_scaled_advantages_equal_trls():
+    """scale_rewards batch (TRL's, PPO Lite): reward minus its group's mean, divided by the std of every reward of
+    the step (its nanstd, a None left out) + 1e-4: TRL's arithmetic against group_advantages then batch_std (the
+    loop divides the rollout's advantages by it once every process's rewards are gathered)."""
+    from trl.trainer.utils import nanstd
+
+    from llmtrain.objectives.grpo import batch_std
+
+    rewards = torch.tensor([1.0, 0.0, 0.5, 0.5, 2.0, float("nan"), 1.0, 3.0])
+    mean = torch.nanmean(rewards.view(-1, 2), dim=1).repeat_interleave(2)
+    theirs = torch.nan_to_num((rewards - mean) / (nanstd(rewards).expand_as(rewards) + 1e-4), nan=0.0)
+    centred, _ = group_advantages(rewards, 2, scale_rewards="batch")
+    ours = centred / batch_std([None if r != r else r for r in rewards.tolist()])
+    assert torch.allclose(ours, theirs, atol=1e-6), (ours, theirs)
+    assert ours[2:4].tolist() == [0.0, 0.0] and ours[5].item() == 0.0
+    assert batch_std([1.0, None]) == pytest.approx(1e-4)  # one scored reward: no spread, as TRL's 0
 
 
 def test_ratio_is_one_and_clipping_counts_only_where_it_binds():

@@ -370,6 +370,24 @@ def test_top_k_one_samples_each_groups_greedy_completion_and_min_p_cuts_what_is_
     assert drawn != [r["completion_ids"] for r in rollouts(plain) if r["step"] == 1]
 
 
+def test_batch_scaled_advantages_divide_by_the_std_of_every_micro_batchs_rewards(straight, tmp_path):
+    """rl.scale_rewards batch over 2 micro-batches a step: each completion's advantage is its reward minus its
+    group's mean, over the std of all 32 rewards of the step (both micro-batches') + 1e-4, worked out here from
+    rollouts.jsonl; the group-scaled run's differ."""
+    recipe, _, _ = straight
+    run = tmp_path / "batch"
+    run_train(recipe, f"output_dir={run}", "train.max_steps=1", "train.grad_accum_steps=2", "rl.scale_rewards=batch")
+    first = [r for r in rollouts(run) if r["step"] == 1]
+    assert len(first) == 2 * 4 * G
+    rewards = torch.tensor([r["reward"] for r in first])
+    means = rewards.view(-1, G).mean(dim=1).repeat_interleave(G)
+    expected = (rewards - means) / (rewards.std() + 1e-4)
+    assert [r["advantage"] for r in first] == pytest.approx(expected.tolist(), abs=1e-6)
+    group = tmp_path / "group"
+    run_train(recipe, f"output_dir={group}", "train.max_steps=1", "train.grad_accum_steps=2")
+    assert [r["advantage"] for r in rollouts(group)] != pytest.approx(expected.tolist(), abs=1e-3)
+
+
 def test_ratio_keys_that_cannot_bind_with_one_update_a_round_are_said(tiny_assets, tmp_path):
     """rl.epsilon_high, rl.delta and GSPO act on the ratio, which rl.num_iterations 1 keeps at 1: a warning (doctor's
     and the run's start) naming them and the fix; none with rounds of 2, none for the defaults."""

@@ -258,7 +258,9 @@ def test_attention_sinks_split_with_the_heads_train_what_one_process_trains(tiny
     run_train(recipe, f"output_dir={one}")
     out = _launch(CPU_DDP, 2, free_port, recipe, f"output_dir={two}")
     assert "each sequence split over 2 processes" in out
-    _assert_equal(two, one)
+    # k_proj: softmax ignores a shift shared by every key, so some of its gradient is rounding alone, which Adam scales
+    # to a step of about lr (1e-3): 1.7e-5 after 4 steps on one host (under 1e-5 on others); the losses stay to 1e-6
+    _assert_equal(two, one, weights=5e-5)
     sinks = [k for k in _final(one) if k.endswith("sinks")]
     assert sinks and max_abs_diff({k: _final(two)[k] for k in sinks}, {k: _final(one)[k] for k in sinks}) < 1e-6
 
@@ -472,6 +474,8 @@ def test_online_rl_on_two_processes_of_one_sequence_samples_and_trains_what_one_
     mine, reference = records(two), records(one)
     for key in ("kl", "reward", "reward_std", "completions/mean_length", "clip_ratio/region_mean"):
         assert [r.get(key) for r in mine] == pytest.approx([r.get(key) for r in reference], abs=1e-6), key
+    # every slice's tokens' (RLOO's counted the first slice's alone before)
+    assert [r["entropy"] for r in mine] == pytest.approx([r["entropy"] for r in reference], rel=1e-6)
     assert any(abs(r.get("kl", 0)) > 1e-6 for r in reference)  # not vacuous: the policy moved from its reference
     assert "reward" not in reference[1]  # step 2 updated on step 1's completions
     assert [e["eval_reward"] for e in records(two, "eval")] == [e["eval_reward"] for e in records(one, "eval")]

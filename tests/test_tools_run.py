@@ -92,13 +92,21 @@ def test_generate_runs_a_runs_tools_as_its_rollouts_did(straight, tiny_assets, t
     tok = AutoTokenizer.from_pretrained(run / "final")
     rows = tmp_path / "prompts.jsonl"
     rows.write_text("".join((tiny_assets / "data" / "eval_tool_prompts.jsonl").read_text().splitlines(True)[:16]))
-    out, alone = tmp_path / "tools.jsonl", tmp_path / "alone.jsonl"
-    printed = invoke("generate", str(run), "--prompts", str(rows), "--samples", "4", "--out", str(out)).stdout
-    invoke("generate", str(run), "--prompts", str(rows), "--samples", "4", "--no-tools", "--out", str(alone))
-    tooled, plain = ([json.loads(x) for x in f.read_text().splitlines()] for f in (out, alone))
-    called = [r for r in tooled if r["calls"]]
-    # this run's model calls now and then (after 120 SFT steps and 4 GRPO steps): measured 2 of the first 32
-    assert len(tooled) == 64 and len(called) >= 2, len(called)
+    # this run's model writes a well-formed call now and then (after 120 SFT steps and 4 GRPO steps: 0 to 4 of 64
+    # replies a seed, as the host's arithmetic trained it): seeds until two replies have called
+    tooled, plain, printed = [], [], ""
+    for seed in range(10):
+        out, alone = tmp_path / f"tools{seed}.jsonl", tmp_path / f"alone{seed}.jsonl"
+        printed += invoke("generate", str(run), "--prompts", str(rows), "--samples", "4", "--seed", str(seed),
+                          "--out", str(out)).stdout
+        invoke("generate", str(run), "--prompts", str(rows), "--samples", "4", "--seed", str(seed), "--no-tools",
+               "--out", str(alone))
+        tooled += [json.loads(x) for x in out.read_text().splitlines()]
+        plain += [json.loads(x) for x in alone.read_text().splitlines()]
+        called = [r for r in tooled if r["calls"]]
+        if len(called) >= 2:
+            break
+    assert len(tooled) % 64 == 0 and len(called) >= 2, len(called)
     for r in called:
         word = r["prompt"][-1]["content"].split("code of ")[1][:4]
         assert [c["name"] for c in r["calls"]] == ["lookup"] * len(r["calls"])

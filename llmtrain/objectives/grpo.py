@@ -2,9 +2,10 @@
 
 A step of online RL samples `num_generations` completions of each prompt, scores them (rewards.py), and turns
 each group's rewards into advantages (`group_advantages`: reward minus the group's mean, divided by the group's
-std unless scale_rewards is none). The policy update is one forward over the completions (each after its prompt;
-only completion tokens count) with the clipped surrogate of PPO per token and, with beta > 0, the k3 estimate of
-the KL divergence to the reference, weighted by the ratio for its unbiased gradient (`token_losses`). With one
+std, or by the step's over every process with scale_rewards batch: `batch_std`, or not with none). The policy
+update is one forward over the completions (each after its prompt; only completion tokens count) with the
+clipped surrogate of PPO per token and, with beta > 0, the k3 estimate of the KL divergence to the reference,
+weighted by the ratio for its unbiased gradient (`token_losses`). With one
 update per generation round (rl.num_iterations 1) the old policy is the current one: the ratio is 1 in value and
 carries the gradient of the log-probability. With more (TRL's num_iterations), the rollout also takes each
 completion token's log-probability under the policy as it sampled (`loss_old_logps`, no gradient), and every
@@ -44,20 +45,27 @@ def _nanstd(x: torch.Tensor, dim: int) -> torch.Tensor:
 
 
 def group_advantages(rewards: torch.Tensor, num_generations: int, *,
-                     scale_rewards: Literal["group", "none"]) -> tuple[torch.Tensor, torch.Tensor]:
+                     scale_rewards: Literal["group", "batch", "none"]) -> tuple[torch.Tensor, torch.Tensor]:
     """(advantages, each completion's group std) of `rewards` [prompts x num_generations], a prompt's completions
     consecutive. NaN rewards (no reward function applied) are left out of their group's mean and std and get
     advantage 0. A group whose rewards are all equal has std 0 and advantages 0: it teaches nothing
-    (`frac_reward_zero_std` counts such groups)."""
+    (`frac_reward_zero_std` counts such groups). scale_rewards batch: not divided here (see batch_scaled)."""
     grouped = rewards.view(-1, num_generations)
     mean = torch.nanmean(grouped, dim=1).repeat_interleave(num_generations)
     std = (_nanstd(grouped, dim=1) if num_generations > 1 else torch.zeros(len(grouped), dtype=rewards.dtype,
                                                                               device=rewards.device))
     std = std.repeat_interleave(num_generations)
     advantages = rewards - mean
-    if scale_rewards != "none":
+    if scale_rewards == "group":
         advantages = advantages / (std + STD_EPS)
     return torch.nan_to_num(advantages, nan=0.0), std
+
+
+def batch_std(rewards: list[float | None]) -> float:
+    """scale_rewards batch's divisor (TRL's): the unbiased std of the step's rewards on every process, a reward
+    function's None left out (0 below two), plus STD_EPS."""
+    values = torch.tensor([float("nan") if r is None else r for r in rewards], dtype=torch.float32)
+    return float(torch.nan_to_num(_nanstd(values[None], dim=1), nan=0.0)) + STD_EPS
 
 
 def token_losses(logps: torch.Tensor, advantages: torch.Tensor, *, old_logps: torch.Tensor | None = None,
@@ -221,6 +229,12 @@ class GRPO:
                 batches += parts
                 counts = n if counts is None else counts.plus(n)
                 records += recs
+        if self.rl.scale_rewards == "batch":  # one gather of floats a step: every process's rewards
+            divisor = batch_std(self.gather([r["reward"] for r in records]))
+            for batch in batches:
+                batch["loss_advantages"] = batch["loss_advantages"] / divisor
+            for record in records:
+                record["advantage"] /= divisor
         if self.rl.micro_batch_tokens is not None and self.world > 1:
             # Every rank must run as many forward/backward passes (FSDP gathers and reduce-scatters in each): the
             # ranks with fewer run their last pass again with weight 0. One small gather a step.

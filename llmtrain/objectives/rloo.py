@@ -78,9 +78,9 @@ class RLOO(GRPO):
     whole_sequences = True  # its loss reads each completion's whole log-probability (parallel/sequence/shards.py)
     sequence_sum = None  # sequence parallelism: a completion's log-probability from its slices' parts
     advantage_stats = ("kl",)
-    # entropy, tokens: the policy's entropy summed over the completion tokens, and those tokens (under sequence
-    # parallelism the first process's slice only: its statistics are the ones counted)
+    # entropy, tokens: the policy's entropy summed over the completion tokens, and those tokens
     loss_stats = ("clipped_sequences", "sequences", "entropy", "entropy_tokens")
+    slice_stats = ("entropy", "entropy_tokens")  # sequence parallelism: each slice's own tokens', added up
 
     def _advantages(self, total, g, batches, parts):
         rl = self.rl

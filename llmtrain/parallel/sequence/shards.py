@@ -73,7 +73,9 @@ class SequenceShards:
     An objective of whole sequences (`whole_sequences`: preference pairs, KTO, a reward model) sums each sequence's
     log-probability or score over the group (`sequence_sum`, set on it here) and computes its loss from the sums on
     every process of the group. Each process backpropagates that same loss through its own slice, so the group's
-    gradient is the loss's once; its value, statistics and units count on the group's first process only."""
+    gradient is the loss's once; its value, statistics and units count on the group's first process only, but for
+    the statistics of each slice's own tokens (`slice_stats`, of the objective's `stats`: RLOO's entropy), which
+    add up over the group."""
 
     def __init__(self, objective, *, pad_id: int, group: SequenceGroup):
         self.objective, self.pad_id, self.group = objective, pad_id, group
@@ -129,7 +131,13 @@ class SequenceShards:
         loss, stats = self.objective.loss(model, batch, **kwargs)
         if not self.whole or self.group.rank == 0:
             return loss, stats
-        return loss - loss.detach(), stats * 0  # the same gradient, counted on the first process
+        return loss - loss.detach(), stats * self._slice_stats(stats)  # the same gradient, counted on the first
+
+    def _slice_stats(self, stats: torch.Tensor) -> torch.Tensor:
+        """1 for the statistics each slice counts for its own tokens (the objective's `slice_stats`), 0 elsewhere."""
+        own = getattr(self.objective, "slice_stats", ())  # named in the objective's `stats` (online RL's names)
+        keep = [float(n in own) for n in self.objective.stats] if own else [0.0] * len(stats)
+        return torch.tensor(keep, dtype=stats.dtype, device=stats.device)
 
     def eval_sums(self, model, batch: dict, device) -> torch.Tensor:
         if self.samples and "cu_seq_lens" in batch:  # distillation's teacher-forced rows: sums over the slices
