@@ -716,11 +716,13 @@ class RLConfig(Section):
                          "probabilities add up to top_p.")
     top_k: int = Field(0, ge=0, description=TOP_K)
     min_p: float = Field(0.0, ge=0, lt=1, description=MIN_P)
-    loss_type: Literal["dapo", "grpo", "dr_grpo"] | None = Field(
-        None, description="grpo only, how the loss is normalised, as TRL 1.16: dapo (the default, TRL's), every "
-        "completion token of the step weighs the same; grpo, each completion's mean over its tokens, then the mean "
-        "over completions; dr_grpo, the token sum over completions x max_completion_tokens. rloo: unset (its loss "
-        "is the mean over completions of a per-sequence loss).")
+    loss_type: Literal["dapo", "grpo", "dr_grpo", "cispo"] | None = Field(
+        None, description="grpo only, the loss and how it is normalised, as TRL 1.16: dapo (the default, TRL's), "
+        "every completion token of the step weighs the same; grpo, each completion's mean over its tokens, then the "
+        "mean over completions; dr_grpo, the token sum over completions x max_completion_tokens; cispo (MiniMax-M1), "
+        "normalised as dapo, each token's policy gradient weighted by its ratio capped at rl.epsilon_high (required: "
+        "the cap itself, ScaleRL's 5.0), the weight without gradient, so no token's gradient is dropped. rloo: unset "
+        "(its loss is the mean over completions of a per-sequence loss).")
     importance_sampling_level: Literal["token", "sequence"] | None = Field(
         None, description="grpo only (TRL's importance_sampling_level): token (the default), a ratio per completion "
         "token; sequence, GSPO's (Zheng et al. 2025): one ratio per completion, exp of the mean of its tokens' "
@@ -826,6 +828,17 @@ class RLConfig(Section):
             raise ValueError(f"rl.tools names functions as module:function; '{bad[0]}' has no ':' (e.g. "
                              "my_tools:lookup, with my_tools.py on the Python path)")
         return v
+
+    @model_validator(mode="after")
+    def _cispo(self) -> RLConfig:
+        if self.loss_type == "cispo" and self.epsilon_high is None:
+            raise ValueError("rl.loss_type cispo caps each token's ratio at rl.epsilon_high, the cap itself (not 1 + "
+                             "it), and none is given: set rl.epsilon_high (ScaleRL's is 5.0; TRL would cap at "
+                             "rl.epsilon, 0.2, which scales every step down to a fifth)")
+        if self.loss_type == "cispo" and self.delta is not None:
+            raise ValueError("rl.delta caps PPO's unclipped ratio, which rl.loss_type cispo has not (its weight is the "
+                             "ratio capped at rl.epsilon_high already): remove rl.delta")
+        return self
 
     @model_validator(mode="after")
     def _tool_settings(self) -> RLConfig:

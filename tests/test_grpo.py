@@ -126,7 +126,8 @@ def test_loss_and_gradients_equal_trls_grpo_trainer(tiny_assets, tmp_path, loss_
 @pytest.mark.parametrize("loss_type, epsilon_high, level, beta, delta", [
     ("dapo", 0.28, "token", 0.0, None), ("grpo", None, "token", 0.0, None), ("dr_grpo", None, "token", 0.0, None),
     ("grpo", None, "sequence", 0.0, None), ("grpo", None, "sequence", 0.04, None),
-    ("dapo", 0.28, "sequence", 0.0, None), ("dapo", None, "token", 0.04, 1.05)])
+    ("dapo", 0.28, "sequence", 0.0, None), ("dapo", None, "token", 0.04, 1.05),
+    ("cispo", 1.02, "token", 0.0, None), ("cispo", 1.02, "token", 0.04, None)])
 def test_a_later_update_of_a_round_equals_trls_with_its_old_logps(tiny_assets, tmp_path, loss_type, epsilon_high,
                                                                   level, beta, delta):
     """rl.num_iterations > 1: a round's later update divides by the log-probabilities of the policy that sampled
@@ -135,7 +136,9 @@ def test_a_later_update_of_a_round_equals_trls_with_its_old_logps(tiny_assets, t
     of a policy 0.05 away, taken by each side's own path: TRL's padded forward, llmtrain's packed one). Per token,
     and per completion (importance_sampling_level sequence, GSPO: the mean log-ratio of its tokens; its KL term
     times that ratio; the clipped share of completions). With rl.delta (INTELLECT-2's cap of the unclipped ratio,
-    here 1.05 so that it binds on this small move), as TRL's."""
+    here 1.05 so that it binds on this small move), as TRL's. cispo (MiniMax-M1's): the ratio capped at epsilon_high
+    (1.02 here, so that the cap binds on this small move) weighs each token's policy gradient without gradient of its
+    own; TRL's cispo_clip_ratio."""
     from llmtrain.data.batching import collate, with_loss_positions
     from llmtrain.data.formats import IGNORE
     from llmtrain.model.loss import attach_loss, compute_loss
@@ -182,7 +185,8 @@ def test_a_later_update_of_a_round_equals_trls_with_its_old_logps(tiny_assets, t
     log_ratio = (sequence_log_ratios(logps, old, completion, lengths.float()[completion], len(COMPLETIONS))
                  if level == "sequence" else None)
     loss, _, clipped = token_losses(logps, advantages[completion], old_logps=old, ref_logps=ref, epsilon=0.2,
-                                    epsilon_high=epsilon_high, beta=beta, log_ratio=log_ratio, delta=delta)
+                                    epsilon_high=epsilon_high, beta=beta, log_ratio=log_ratio, delta=delta,
+                                    cispo=loss_type == "cispo")
     ours = (loss * token_weights(completion, lengths, loss_type)).sum() / loss_units(
         lengths, loss_type, max_completion_tokens=MAX_COMPLETION)
     ours.backward()
@@ -195,7 +199,8 @@ def test_a_later_update_of_a_round_equals_trls_with_its_old_logps(tiny_assets, t
         assert abs((uncapped - loss.detach()).abs().max().item()) > 1e-3
     share = 1.0 / lengths.float()[completion]  # a completion's clipped share (sequence), else a token's
     clip = (clipped * share).sum() / share.sum() if level == "sequence" else clipped.float().mean()
-    assert clip.item() == pytest.approx(trainer._metrics["train"]["clip_ratio/region_mean"][-1])
+    metric = "cispo_clip_ratio" if loss_type == "cispo" else "clip_ratio/region_mean"
+    assert clip.item() == pytest.approx(trainer._metrics["train"][metric][-1])
     # TRL's entropy metric: the policy's mean entropy over the completion tokens
     assert entropy.mean().item() == pytest.approx(trainer._metrics["train"]["entropy"][-1], abs=1e-5)
     assert 0 < entropy.mean().item() < torch.log(torch.tensor(float(ours_model.config.vocab_size))).item()

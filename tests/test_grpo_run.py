@@ -21,6 +21,7 @@ from helpers import (
     ENV,
     REPO,
     cli,
+    invoke,
     launch_finetune,
     load_weights,
     losses,
@@ -402,6 +403,22 @@ def test_ratio_keys_that_cannot_bind_with_one_update_a_round_are_said(tiny_asset
     assert said[0][2].startswith("rl.epsilon_high=0.28 and rl.delta=4.0 and rl.importance_sampling_level=sequence "
                                  "act on the ratio") and "Set rl.num_iterations 2 or more" in said[0][2]
     assert check_ratio_keys(load_recipe(recipe, ["rl.epsilon_high=0.28", "rl.num_iterations=2"])) == []
+    assert check_ratio_keys(load_recipe(recipe, ["rl.loss_type=cispo", "rl.epsilon_high=5"])) == []  # its cap
+
+
+def test_cispo_trains_every_token_and_logs_the_share_above_its_cap(straight, tmp_path):
+    """rl.loss_type cispo in rounds of 2 with the cap just above 1: step 2 (the round's second update) logs TRL's
+    cispo_clip_ratio, tokens above the cap with a positive advantage, and not PPO's clip_ratio; the weights move at
+    each update; without epsilon_high the recipe is refused, naming ScaleRL's 5.0."""
+    recipe, _, _ = straight
+    run = tmp_path / "cispo"
+    run_train(recipe, f"output_dir={run}", "train.max_steps=2", "rl.loss_type=cispo", "rl.epsilon_high=1.0001",
+              "rl.num_iterations=2", "train.lr=0.01")
+    first, second = records(run)
+    assert first["cispo_clip_ratio"] == 0 and 0 < second["cispo_clip_ratio"] < 1
+    assert "clip_ratio/region_mean" not in second and second["grad_norm"] > 0
+    refused = invoke("doctor", str(recipe), "rl.loss_type=cispo", check=False)
+    assert refused.returncode != 0 and "set rl.epsilon_high (ScaleRL's is 5.0" in refused.stdout + refused.stderr
 
 
 def killed_and_resumed_within_a_round(recipe: Path, full: Path, cut: Path) -> None:

@@ -248,7 +248,9 @@ def check_ratio_keys(recipe: Recipe) -> list[Check]:
     rl = recipe.rl
     if rl is None or rl.num_iterations > 1:
         return []
-    keys = [f"rl.{k}={v}" for k, v in (("epsilon_high", rl.epsilon_high), ("delta", rl.delta)) if v is not None]
+    # cispo's epsilon_high is required (its cap): not said
+    keys = [f"rl.{k}={v}" for k, v in (("epsilon_high", rl.epsilon_high if rl.loss_type != "cispo" else None),
+                                         ("delta", rl.delta)) if v is not None]
     keys += ["rl.importance_sampling_level=sequence"] if rl.importance_sampling_level == "sequence" else []
     if not keys:
         return []

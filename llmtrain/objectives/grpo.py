@@ -20,6 +20,7 @@ process, so any split over micro-batches and processes gives the same loss and g
   completion's length, units = completions.
 - dr_grpo: the sum over tokens divided by completions x max_completion_tokens: units = completions x
   max_completion_tokens.
+- cispo (MiniMax-M1's, TRL's): normalised as dapo; its token loss is another (`token_losses`).
 """
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ from llmtrain.data.batching import Counts, batch_weight
 from llmtrain.model.generate import Stops
 from llmtrain.objectives.rollouts import all_here, clipped_surrogate, completion_rows, here, sample, sampling
 
-LossType = Literal["dapo", "grpo", "dr_grpo"]
+LossType = Literal["dapo", "grpo", "dr_grpo", "cispo"]
 STD_EPS = 1e-4  # TRL's: a group whose rewards are all equal gets advantages 0, not a division by zero
 
 
@@ -71,14 +72,23 @@ def batch_std(rewards: list[float | None]) -> float:
 def token_losses(logps: torch.Tensor, advantages: torch.Tensor, *, old_logps: torch.Tensor | None = None,
                  ref_logps: torch.Tensor | None = None, epsilon: float, epsilon_high: float | None = None,
                  beta: float = 0.0, log_ratio: torch.Tensor | None = None, delta: float | None = None,
-                 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
+                 cispo: bool = False) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
     """Per completion token: (loss, k3 KL to the reference or None, clipped: whether the ratio was clipped where it
     mattered). `advantages` are per token (each completion's, repeated over its tokens). old_logps None: the
     policy that sampled is this one (one update a generation round), so the ratio is exp(logps - logps.detach()).
     `log_ratio`: each token's log-ratio given instead (importance_sampling_level sequence: sequence_log_ratios);
-    `delta`: rl.delta's cap of the unclipped ratio."""
-    loss, ratio, clipped = clipped_surrogate(logps, advantages, old_logps=old_logps, epsilon=epsilon,
-                                             epsilon_high=epsilon_high, log_ratio=log_ratio, delta=delta)
+    `delta`: rl.delta's cap of the unclipped ratio. cispo (MiniMax-M1's, TRL's): the policy gradient weighted by
+    the ratio capped at epsilon_high (itself the cap, e.g. 5, not 1 + it), the weight without gradient:
+    -min(ratio, epsilon_high).detach() A log p, so a capped token still trains (PPO's clip drops its gradient);
+    clipped: the ratio above the cap with A > 0."""
+    if cispo:
+        ratio = torch.exp(logps - (logps.detach() if old_logps is None else old_logps)
+                          if log_ratio is None else log_ratio)
+        loss = -ratio.clamp(max=epsilon_high).detach() * advantages * logps
+        clipped = (ratio > epsilon_high) & (advantages > 0)
+    else:
+        loss, ratio, clipped = clipped_surrogate(logps, advantages, old_logps=old_logps, epsilon=epsilon,
+                                                 epsilon_high=epsilon_high, log_ratio=log_ratio, delta=delta)
     kl = None
     if beta != 0.0:
         delta = ref_logps - logps
@@ -112,8 +122,8 @@ def token_weights(completion: torch.Tensor, lengths: torch.Tensor, loss_type: Lo
 
 def loss_units(lengths: torch.Tensor, loss_type: LossType, *, max_completion_tokens: int) -> float:
     """What the summed loss of these completions is divided by, summed over the whole window on every process:
-    completion tokens (dapo), completions (grpo), completions x max_completion_tokens (dr_grpo)."""
-    if loss_type == "dapo":
+    completion tokens (dapo, cispo), completions (grpo), completions x max_completion_tokens (dr_grpo)."""
+    if loss_type in ("dapo", "cispo"):
         return float(lengths.sum())
     if loss_type == "grpo":
         return float(len(lengths))
@@ -506,7 +516,7 @@ class GRPO:
                                             batch["completions"], group_sum=self.shared_sum)
         losses, kl, clipped = token_losses(logps, batch["loss_advantages"], old_logps=old, ref_logps=ref,
                                            epsilon=rl.epsilon, epsilon_high=rl.epsilon_high, beta=rl.beta,
-                                           log_ratio=log_ratio, delta=rl.delta)
+                                           log_ratio=log_ratio, delta=rl.delta, cispo=rl.loss_type == "cispo")
         with torch.no_grad():
             stats = torch.stack([kl.sum() if kl is not None else logps.new_zeros(()), clipped.float().sum(),
                                  logps.new_tensor(float(logps.numel())), (clipped * share).sum(), share.sum(),
@@ -525,11 +535,13 @@ class GRPO:
 
     def _policy_metrics(self, s: dict, n: float) -> dict[str, float]:
         """(RLOO's hook) kl (beta > 0), clip_ratio/region_mean (of the completion tokens, or of the completions with
-        importance_sampling_level sequence: TRL's) and entropy (the policy's mean over the completion tokens)."""
+        importance_sampling_level sequence: TRL's; cispo_clip_ratio, the share above the cap, for cispo) and entropy
+        (the policy's mean over the completion tokens)."""
         tokens = max(s["tokens"], 1.0)
         clip = (s["clipped"] / max(s["sequences"], 1e-9) if self.rl.importance_sampling_level == "sequence" else
                 s["clipped_tokens"] / tokens)
-        return {**({"kl": s["kl"] / tokens} if self.rl.beta else {}), "clip_ratio/region_mean": clip,
+        name = "cispo_clip_ratio" if self.rl.loss_type == "cispo" else "clip_ratio/region_mean"  # TRL's names
+        return {**({"kl": s["kl"] / tokens} if self.rl.beta else {}), name: clip,
                 "entropy": s["entropy"] / tokens}
 
     def step_metrics(self, stats: list[float], units: float) -> dict[str, float]:
