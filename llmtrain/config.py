@@ -754,6 +754,12 @@ class RLConfig(Section):
         None, description="grpo only (TRL's): group (the default), advantages are (reward - group mean) / group std; "
         "batch, (reward - group mean) / the std of the step's rewards over every process (PPO Lite); none, reward - "
         "group mean (Dr. GRPO). rloo: unset (see normalize_advantages).")
+    multi_objective_aggregation: Literal["sum_then_normalize", "normalize_then_sum"] | None = Field(
+        None, description="grpo only (TRL's): how several rewards become advantages. sum_then_normalize (the "
+        "default): their weighted sum, then scale_rewards; normalize_then_sum (GDPO, Liu et al. 2026): each reward "
+        "function's rewards normalised in their group first (so a reward with a wide range does not drown the "
+        "others), then the weighted sum, shifted to mean 0 and divided by its std over the step's completions on "
+        "every process (scale_rewards is not read: leave it unset).")
     normalize_advantages: bool = Field(
         False, description="rloo only (TRL's, default off): the step's leave-one-out advantages, over every "
         "process, shifted to mean 0 and divided by their std (+ 1e-4).")
@@ -805,7 +811,8 @@ class RLConfig(Section):
         rloo = data.get("algorithm", "grpo") == "rloo"
         if data.get("beta") is None:
             data["beta"] = 0.05 if rloo else 0.0
-        given = [k for k in (("loss_type", "scale_rewards", "importance_sampling_level", "delta") if rloo else
+        given = [k for k in (("loss_type", "scale_rewards", "importance_sampling_level", "delta",
+                              "multi_objective_aggregation") if rloo else
                              ("normalize_advantages", "reward_clip_range")) if data.get(k) not in (None, False)]
         if given:
             mine, theirs = ("rloo", "grpo") if rloo else ("grpo", "rloo")
@@ -814,6 +821,12 @@ class RLConfig(Section):
         if not rloo:
             if data.get("loss_type") is None:
                 data["loss_type"] = "dapo"
+            if data.get("multi_objective_aggregation") == "normalize_then_sum" and data.get("scale_rewards"):
+                raise ValueError(f"rl.scale_rewards={data['scale_rewards']} is not read with "
+                                 "rl.multi_objective_aggregation=normalize_then_sum (each reward is normalised in its "
+                                 "group, and their sum over the step): remove rl.scale_rewards")
+            if data.get("multi_objective_aggregation") is None:
+                data["multi_objective_aggregation"] = "sum_then_normalize"
             if data.get("scale_rewards") is None:
                 data["scale_rewards"] = "group"
             if data.get("importance_sampling_level") is None:

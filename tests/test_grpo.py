@@ -285,6 +285,33 @@ def test_batch_scaled_advantages_equal_trls():
     assert batch_std([1.0, None]) == pytest.approx(1e-4)  # one scored reward: no spread, as TRL's 0
 
 
+def test_normalize_then_sum_advantages_equal_trls():
+    """multi_objective_aggregation normalize_then_sum (GDPO, TRL's): TRL's arithmetic written out with its own
+    nanstd, against normalized_then_summed then batch_moments (the loop takes the moments over every process's
+    completions): a function's None left out of its group's moments, a completion no function scored (advantage 0), a
+    group where one function is flat, weights 1 and 2."""
+    from trl.trainer.utils import nanstd
+
+    from llmtrain.objectives.grpo import batch_moments, normalized_then_summed
+
+    nan = float("nan")
+    per_function = torch.tensor([[1.0, 0.0], [0.0, 1.0], [0.5, 1.0], [0.5, 0.0], [2.0, nan], [1.0, 3.0],
+                                 [nan, nan], [3.0, 2.0]])
+    weights = torch.tensor([1.0, 2.0])
+    grouped = per_function.view(-1, 2, 2)
+    mean_k = torch.nanmean(grouped, dim=1, keepdim=True)
+    std_k = nanstd(grouped, dim=1, keepdim=True)
+    rewards = (((grouped - mean_k) / (std_k + 1e-4)).view(-1, 2) * weights.unsqueeze(0)).nansum(dim=1)
+    rewards[torch.isnan(per_function).all(dim=1)] = nan
+    theirs = torch.nan_to_num((rewards - torch.nanmean(rewards)) / (nanstd(rewards).expand_as(rewards) + 1e-4),
+                              nan=0.0)
+    summed = normalized_then_summed(per_function, [1.0, 2.0], 2)
+    shift, divisor = batch_moments([None if v != v else v for v in summed.tolist()])
+    ours = torch.nan_to_num((summed - shift) / divisor, nan=0.0)
+    assert torch.allclose(ours, theirs, atol=1e-6), (ours, theirs)
+    assert ours[6].item() == 0.0 and ours.abs().max() > 0.5
+
+
 def test_ratio_is_one_and_clipping_counts_only_where_it_binds():
     logps = torch.tensor([-1.0, -2.0, -0.5], requires_grad=True)
     loss, kl, clipped = token_losses(logps, torch.tensor([1.0, -1.0, 2.0]), epsilon=0.2)

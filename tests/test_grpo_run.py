@@ -389,6 +389,30 @@ def test_batch_scaled_advantages_divide_by_the_std_of_every_micro_batchs_rewards
     assert [r["advantage"] for r in rollouts(group)] != pytest.approx(expected.tolist(), abs=1e-3)
 
 
+def test_normalize_then_sum_normalises_each_reward_in_its_group_then_the_sum_over_the_step(tiny_assets, tmp_path):
+    """rl.multi_objective_aggregation normalize_then_sum over 2 micro-batches: each completion's advantage worked out
+    from rollouts.jsonl's per-function rewards (two format rewards, weights 1 and 2): each function's rewards
+    normalised in their group, summed with the weights, then shifted and scaled over all 32 completions;
+    scale_rewards beside it is refused."""
+    recipe = grpo_recipe(tiny_assets, tmp_path, rl={"rewards": [
+        {"type": "format", "pattern": "[aeiou]"}, {"type": "format", "pattern": "[a-f][a-f]", "weight": 2.0,
+                                                   "name": "pairs"}]})
+    run = tmp_path / "gdpo"
+    run_train(recipe, f"output_dir={run}", "train.max_steps=1", "train.grad_accum_steps=2",
+              "rl.multi_objective_aggregation=normalize_then_sum")
+    first = [r for r in rollouts(run) if r["step"] == 1]
+    names = ["format", "pairs"]
+    per = torch.tensor([[r[n] for n in names] for r in first]).view(-1, G, len(names))
+    assert len(first) == 32 and len(names) == 2 and per[..., 0].std() > 0 and per[..., 1].std() > 0
+    summed = (((per - per.mean(1, keepdim=True)) / (per.std(1, keepdim=True) + 1e-4)).nan_to_num()
+              * torch.tensor([1.0, 2.0])).sum(-1).flatten()
+    expected = (summed - summed.mean()) / (summed.std() + 1e-4)
+    assert [r["advantage"] for r in first] == pytest.approx(expected.tolist(), abs=1e-5)
+    refused = invoke("doctor", str(recipe), "rl.multi_objective_aggregation=normalize_then_sum",
+                     "rl.scale_rewards=none", check=False)
+    assert refused.returncode != 0 and "remove rl.scale_rewards" in refused.stdout + refused.stderr
+
+
 def test_ratio_keys_that_cannot_bind_with_one_update_a_round_are_said(tiny_assets, tmp_path):
     """rl.epsilon_high, rl.delta and GSPO act on the ratio, which rl.num_iterations 1 keeps at 1: a warning (doctor's
     and the run's start) naming them and the fix; none with rounds of 2, none for the defaults."""

@@ -69,6 +69,27 @@ def batch_std(rewards: list[float | None]) -> float:
     return float(torch.nan_to_num(_nanstd(values[None], dim=1), nan=0.0)) + STD_EPS
 
 
+def normalized_then_summed(per_function: torch.Tensor, weights: list[float], num_generations: int) -> torch.Tensor:
+    """multi_objective_aggregation normalize_then_sum (GDPO, TRL's): each reward function's rewards [completions x
+    functions] normalised in their group ((r - group mean) / (group std + STD_EPS), a None left out), then summed
+    with the weights; NaN where no function applied. The step's advantages are these over every process, shifted
+    to mean 0 and divided by their std + STD_EPS (batch_moments)."""
+    grouped = per_function.view(-1, num_generations, per_function.shape[1])
+    mean = torch.nanmean(grouped, dim=1, keepdim=True)
+    std = (_nanstd(grouped, dim=1).unsqueeze(1) if num_generations > 1 else torch.zeros_like(mean))
+    normalised = ((grouped - mean) / (std + STD_EPS)).view(-1, per_function.shape[1])
+    summed = (normalised * torch.tensor(weights, dtype=per_function.dtype)).nansum(dim=1)
+    return torch.where(per_function.isnan().all(dim=1), torch.full_like(summed, float("nan")), summed)
+
+
+def batch_moments(values: list[float | None]) -> tuple[float, float]:
+    """(mean, std + STD_EPS) of the step's values on every process, a None left out: normalize_then_sum's shift and
+    divisor (TRL's nanmean and nanstd; the std 0 below two values)."""
+    x = torch.tensor([float("nan") if v is None else v for v in values], dtype=torch.float32)
+    mean = torch.nan_to_num(torch.nanmean(x), nan=0.0)
+    return float(mean), float(torch.nan_to_num(_nanstd(x[None], dim=1), nan=0.0)) + STD_EPS
+
+
 def token_losses(logps: torch.Tensor, advantages: torch.Tensor, *, old_logps: torch.Tensor | None = None,
                  ref_logps: torch.Tensor | None = None, epsilon: float, epsilon_high: float | None = None,
                  beta: float = 0.0, log_ratio: torch.Tensor | None = None, delta: float | None = None,
@@ -239,12 +260,16 @@ class GRPO:
                 batches += parts
                 counts = n if counts is None else counts.plus(n)
                 records += recs
-        if self.rl.scale_rewards == "batch":  # one gather of floats a step: every process's rewards
-            divisor = batch_std(self.gather([r["reward"] for r in records]))
+        if self.rl.multi_objective_aggregation == "normalize_then_sum" or self.rl.scale_rewards == "batch":
+            # over the step's completions on every process: one gather of floats a step
+            if self.rl.multi_objective_aggregation == "normalize_then_sum":  # the sums, to mean 0 and std 1
+                shift, divisor = batch_moments(self.gather([r["advantage"] for r in records]))
+            else:  # each reward minus its group's mean, over the std of every reward
+                shift, divisor = 0.0, batch_std(self.gather([r["reward"] for r in records]))
             for batch in batches:
-                batch["loss_advantages"] = batch["loss_advantages"] / divisor
+                batch["loss_advantages"] = torch.nan_to_num((batch["loss_advantages"] - shift) / divisor, nan=0.0)
             for record in records:
-                record["advantage"] /= divisor
+                record["advantage"] = 0.0 if record["advantage"] is None else (record["advantage"] - shift) / divisor
         if self.rl.micro_batch_tokens is not None and self.world > 1:
             # Every rank must run as many forward/backward passes (FSDP gathers and reduce-scatters in each): the
             # ranks with fewer run their last pass again with weight 0. One small gather a step.
@@ -313,7 +338,7 @@ class GRPO:
         if rl.num_iterations > 1:  # the round's later updates divide by the policy as it sampled
             for batch in batches:
                 batch["loss_old_logps"] = self._sampling_logps(batch).cpu()
-        advantages, std, more, columns = self._advantages(total, g, batches, parts)
+        advantages, std, more, columns = self._advantages(total, g, batches, parts, per_function=per_function)
         for batch, part, n in zip(batches, parts, lengths.split([len(part) for part in parts])):
             self._attach(batch, advantages[part], n)
         scored = ~per_function.isnan()
@@ -335,7 +360,7 @@ class GRPO:
                     "prompt": self.tokenizer.decode(prompt_ids[i], skip_special_tokens=False),
                     "completion": texts[i], "prompt_ids": prompt_ids[i], "completion_ids": completions[i],
                     **{name: _number(per_function[i, k]) for k, name in enumerate(names)},
-                    "reward": _number(total[i]), "advantage": float(advantages[i]),
+                    "reward": _number(total[i]), "advantage": _number(advantages[i]),
                     **{column: values[i] for column, values in columns.items()},
                     # the tools' calls, results and failures, and where the results' (untrained) tokens are
                     **({"tool_calls": tooled[i].calls, "tool_mask": tooled[i].mask,
@@ -373,9 +398,14 @@ class GRPO:
             return -compute_loss(self.lm, to_device(batch, self.lm.device), per_token=True,
                                  temperature=self.rl.temperature).float()
 
-    def _advantages(self, total: torch.Tensor, g: int, batches: list[dict], parts: list[list[int]]):
+    def _advantages(self, total: torch.Tensor, g: int, batches: list[dict], parts: list[list[int]], *,
+                    per_function: torch.Tensor):
         """(RLOO's hook) Each completion's advantage from the summed rewards `total`, each one's group std, more
         rollout statistics (advantage_stats) and more columns for rollouts.jsonl."""
+        if self.rl.multi_objective_aggregation == "normalize_then_sum":  # each function in its group, then the sum
+            # (normalised over the step in rollout: until then an advantage is the sum, NaN where none applied)
+            summed = normalized_then_summed(per_function, [w for _, _, w in self.rewards], g)
+            return summed, _nanstd(summed.view(-1, g), dim=1).repeat_interleave(g), [], {}
         advantages, std = group_advantages(total, g, scale_rewards=self.rl.scale_rewards)
         return advantages, std, [], {}
 

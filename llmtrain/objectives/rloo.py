@@ -82,7 +82,7 @@ class RLOO(GRPO):
     loss_stats = ("clipped_sequences", "sequences", "entropy", "entropy_tokens")
     slice_stats = ("entropy", "entropy_tokens")  # sequence parallelism: each slice's own tokens', added up
 
-    def _advantages(self, total, g, batches, parts):
+    def _advantages(self, total, g, batches, parts, *, per_function):
         rl = self.rl
         kl = torch.zeros_like(total)
         if rl.beta:
