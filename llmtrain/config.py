@@ -716,13 +716,20 @@ class RLConfig(Section):
                          "probabilities add up to top_p.")
     top_k: int = Field(0, ge=0, description=TOP_K)
     min_p: float = Field(0.0, ge=0, lt=1, description=MIN_P)
-    loss_type: Literal["dapo", "grpo", "dr_grpo", "cispo"] | None = Field(
+    loss_type: Literal["dapo", "grpo", "dr_grpo", "cispo", "sapo"] | None = Field(
         None, description="grpo only, the loss and how it is normalised, as TRL 1.16: dapo (the default, TRL's), "
         "every completion token of the step weighs the same; grpo, each completion's mean over its tokens, then the "
         "mean over completions; dr_grpo, the token sum over completions x max_completion_tokens; cispo (MiniMax-M1), "
         "normalised as dapo, each token's policy gradient weighted by its ratio capped at rl.epsilon_high (required: "
-        "the cap itself, ScaleRL's 5.0), the weight without gradient, so no token's gradient is dropped. rloo: unset "
-        "(its loss is the mean over completions of a per-sequence loss).")
+        "the cap itself, ScaleRL's 5.0), the weight without gradient, so no token's gradient is dropped; sapo (Soft "
+        "Adaptive Policy Optimization), normalised as grpo, PPO's clip replaced by a smooth gate of the ratio "
+        "(rl.sapo_temperature_pos/_neg). rloo: unset (its loss is the mean over completions of a per-sequence loss).")
+    sapo_temperature_pos: float | None = Field(
+        None, gt=0, allow_inf_nan=False, description="loss_type sapo only (TRL's, default 1.0): the gate's "
+        "temperature for tokens with a positive advantage (higher: the gradient fades sooner as the ratio moves).")
+    sapo_temperature_neg: float | None = Field(
+        None, gt=0, allow_inf_nan=False, description="loss_type sapo only (TRL's, default 1.05): the gate's "
+        "temperature for tokens with an advantage of 0 or below.")
     importance_sampling_level: Literal["token", "sequence"] | None = Field(
         None, description="grpo only (TRL's importance_sampling_level): token (the default), a ratio per completion "
         "token; sequence, GSPO's (Zheng et al. 2025): one ratio per completion, exp of the mean of its tokens' "
@@ -811,9 +818,10 @@ class RLConfig(Section):
         rloo = data.get("algorithm", "grpo") == "rloo"
         if data.get("beta") is None:
             data["beta"] = 0.05 if rloo else 0.0
-        given = [k for k in (("loss_type", "scale_rewards", "importance_sampling_level", "delta",
-                              "multi_objective_aggregation") if rloo else
-                             ("normalize_advantages", "reward_clip_range")) if data.get(k) not in (None, False)]
+        grpo_only = ("loss_type", "scale_rewards", "importance_sampling_level", "delta", "multi_objective_aggregation",
+                     "sapo_temperature_pos", "sapo_temperature_neg")
+        given = [k for k in (grpo_only if rloo else ("normalize_advantages", "reward_clip_range"))
+                 if data.get(k) not in (None, False)]
         if given:
             mine, theirs = ("rloo", "grpo") if rloo else ("grpo", "rloo")
             raise ValueError(f"rl.{given[0]} is read by rl.algorithm: {theirs}, and this recipe runs {mine}: remove "
@@ -821,6 +829,9 @@ class RLConfig(Section):
         if not rloo:
             if data.get("loss_type") is None:
                 data["loss_type"] = "dapo"
+            if data["loss_type"] == "sapo":  # TRL's defaults
+                for key, value in (("sapo_temperature_pos", 1.0), ("sapo_temperature_neg", 1.05)):
+                    data[key] = value if data.get(key) is None else data[key]
             if data.get("multi_objective_aggregation") == "normalize_then_sum" and data.get("scale_rewards"):
                 raise ValueError(f"rl.scale_rewards={data['scale_rewards']} is not read with "
                                  "rl.multi_objective_aggregation=normalize_then_sum (each reward is normalised in its "
@@ -851,6 +862,14 @@ class RLConfig(Section):
         if self.loss_type == "cispo" and self.delta is not None:
             raise ValueError("rl.delta caps PPO's unclipped ratio, which rl.loss_type cispo has not (its weight is the "
                              "ratio capped at rl.epsilon_high already): remove rl.delta")
+        if self.loss_type == "sapo":
+            given = [k for k in ("epsilon_high", "delta") if getattr(self, k) is not None]
+            if given:
+                raise ValueError(f"rl.{given[0]} bounds PPO's clip, which rl.loss_type sapo replaces by a smooth gate "
+                                 f"(rl.sapo_temperature_pos / _neg): remove {', '.join('rl.' + k for k in given)}")
+        elif self.sapo_temperature_pos is not None or self.sapo_temperature_neg is not None:
+            raise ValueError(f"rl.sapo_temperature_pos / _neg are read by rl.loss_type sapo, and this recipe runs "
+                             f"{self.loss_type}: remove them (or set rl.loss_type=sapo)")
         return self
 
     @model_validator(mode="after")

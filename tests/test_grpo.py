@@ -127,7 +127,8 @@ def test_loss_and_gradients_equal_trls_grpo_trainer(tiny_assets, tmp_path, loss_
     ("dapo", 0.28, "token", 0.0, None), ("grpo", None, "token", 0.0, None), ("dr_grpo", None, "token", 0.0, None),
     ("grpo", None, "sequence", 0.0, None), ("grpo", None, "sequence", 0.04, None),
     ("dapo", 0.28, "sequence", 0.0, None), ("dapo", None, "token", 0.04, 1.05),
-    ("cispo", 1.02, "token", 0.0, None), ("cispo", 1.02, "token", 0.04, None)])
+    ("cispo", 1.02, "token", 0.0, None), ("cispo", 1.02, "token", 0.04, None), ("sapo", None, "token", 0.0, None),
+    ("sapo", None, "token", 0.04, None)])
 def test_a_later_update_of_a_round_equals_trls_with_its_old_logps(tiny_assets, tmp_path, loss_type, epsilon_high,
                                                                   level, beta, delta):
     """rl.num_iterations > 1: a round's later update divides by the log-probabilities of the policy that sampled
@@ -138,7 +139,8 @@ def test_a_later_update_of_a_round_equals_trls_with_its_old_logps(tiny_assets, t
     times that ratio; the clipped share of completions). With rl.delta (INTELLECT-2's cap of the unclipped ratio,
     here 1.05 so that it binds on this small move), as TRL's. cispo (MiniMax-M1's): the ratio capped at epsilon_high
     (1.02 here, so that the cap binds on this small move) weighs each token's policy gradient without gradient of its
-    own; TRL's cispo_clip_ratio."""
+    own; TRL's cispo_clip_ratio. sapo: the smooth gate at TRL's temperatures (1.0, and 1.05 below zero), each
+    completion's mean as grpo; nothing clipped, no clip metric (TRL logs none)."""
     from llmtrain.data.batching import collate, with_loss_positions
     from llmtrain.data.formats import IGNORE
     from llmtrain.model.loss import attach_loss, compute_loss
@@ -186,12 +188,17 @@ def test_a_later_update_of_a_round_equals_trls_with_its_old_logps(tiny_assets, t
                  if level == "sequence" else None)
     loss, _, clipped = token_losses(logps, advantages[completion], old_logps=old, ref_logps=ref, epsilon=0.2,
                                     epsilon_high=epsilon_high, beta=beta, log_ratio=log_ratio, delta=delta,
-                                    cispo=loss_type == "cispo")
+                                    cispo=loss_type == "cispo", sapo=(1.0, 1.05) if loss_type == "sapo" else None)
     ours = (loss * token_weights(completion, lengths, loss_type)).sum() / loss_units(
         lengths, loss_type, max_completion_tokens=MAX_COMPLETION)
     ours.backward()
     assert ours.item() == pytest.approx(theirs.item(), abs=1e-6)
-    if delta is None:
+    if loss_type == "sapo":  # the gate is not PPO's clip: grpo's loss on the same tokens is another
+        plain, _, _ = token_losses(logps.detach(), advantages[completion], old_logps=old, ref_logps=ref, epsilon=0.2,
+                                   beta=beta)
+        assert (plain - loss.detach()).abs().max().item() > 1e-4 and not clipped.any()
+        assert "clip_ratio/region_mean" not in trainer._metrics["train"]
+    elif delta is None:
         assert 0 < clipped.sum() < len(clipped)  # the clip binds on some tokens, not all
     else:  # the cap binds: without it the loss is another
         uncapped, _, _ = token_losses(logps.detach(), advantages[completion], old_logps=old, ref_logps=ref,
@@ -200,7 +207,8 @@ def test_a_later_update_of_a_round_equals_trls_with_its_old_logps(tiny_assets, t
     share = 1.0 / lengths.float()[completion]  # a completion's clipped share (sequence), else a token's
     clip = (clipped * share).sum() / share.sum() if level == "sequence" else clipped.float().mean()
     metric = "cispo_clip_ratio" if loss_type == "cispo" else "clip_ratio/region_mean"
-    assert clip.item() == pytest.approx(trainer._metrics["train"][metric][-1])
+    if loss_type != "sapo":
+        assert clip.item() == pytest.approx(trainer._metrics["train"][metric][-1])
     # TRL's entropy metric: the policy's mean entropy over the completion tokens
     assert entropy.mean().item() == pytest.approx(trainer._metrics["train"]["entropy"][-1], abs=1e-5)
     assert 0 < entropy.mean().item() < torch.log(torch.tensor(float(ours_model.config.vocab_size))).item()

@@ -443,6 +443,13 @@ def test_cispo_trains_every_token_and_logs_the_share_above_its_cap(straight, tmp
     assert "clip_ratio/region_mean" not in second and second["grad_norm"] > 0
     refused = invoke("doctor", str(recipe), "rl.loss_type=cispo", check=False)
     assert refused.returncode != 0 and "set rl.epsilon_high (ScaleRL's is 5.0" in refused.stdout + refused.stderr
+    # sapo, in rounds of 2: its gate clips nothing, so no clip share is logged (as TRL); its loss is another
+    soft = tmp_path / "sapo"
+    run_train(recipe, f"output_dir={soft}", "train.max_steps=2", "rl.loss_type=sapo", "rl.num_iterations=2",
+              "train.lr=0.01")
+    lines = records(soft)
+    assert all("clip_ratio/region_mean" not in r and "cispo_clip_ratio" not in r for r in lines)
+    assert lines[1]["grad_norm"] > 0 and lines[1]["loss"] != pytest.approx(second["loss"], abs=1e-6)
 
 
 def killed_and_resumed_within_a_round(recipe: Path, full: Path, cut: Path) -> None:

@@ -20,7 +20,8 @@ process, so any split over micro-batches and processes gives the same loss and g
   completion's length, units = completions.
 - dr_grpo: the sum over tokens divided by completions x max_completion_tokens: units = completions x
   max_completion_tokens.
-- cispo (MiniMax-M1's, TRL's): normalised as dapo; its token loss is another (`token_losses`).
+- cispo (MiniMax-M1's, TRL's): normalised as dapo; sapo (TRL's): normalised as grpo; each its own token loss
+  (`token_losses`).
 """
 
 from __future__ import annotations
@@ -33,7 +34,7 @@ from llmtrain.data.batching import Counts, batch_weight
 from llmtrain.model.generate import Stops
 from llmtrain.objectives.rollouts import all_here, clipped_surrogate, completion_rows, here, sample, sampling
 
-LossType = Literal["dapo", "grpo", "dr_grpo", "cispo"]
+LossType = Literal["dapo", "grpo", "dr_grpo", "cispo", "sapo"]
 STD_EPS = 1e-4  # TRL's: a group whose rewards are all equal gets advantages 0, not a division by zero
 
 
@@ -93,7 +94,8 @@ def batch_moments(values: list[float | None]) -> tuple[float, float]:
 def token_losses(logps: torch.Tensor, advantages: torch.Tensor, *, old_logps: torch.Tensor | None = None,
                  ref_logps: torch.Tensor | None = None, epsilon: float, epsilon_high: float | None = None,
                  beta: float = 0.0, log_ratio: torch.Tensor | None = None, delta: float | None = None,
-                 cispo: bool = False) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
+                 cispo: bool = False, sapo: tuple[float, float] | None = None,
+                 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
     """Per completion token: (loss, k3 KL to the reference or None, clipped: whether the ratio was clipped where it
     mattered). `advantages` are per token (each completion's, repeated over its tokens). old_logps None: the
     policy that sampled is this one (one update a generation round), so the ratio is exp(logps - logps.detach()).
@@ -101,8 +103,16 @@ def token_losses(logps: torch.Tensor, advantages: torch.Tensor, *, old_logps: to
     `delta`: rl.delta's cap of the unclipped ratio. cispo (MiniMax-M1's, TRL's): the policy gradient weighted by
     the ratio capped at epsilon_high (itself the cap, e.g. 5, not 1 + it), the weight without gradient:
     -min(ratio, epsilon_high).detach() A log p, so a capped token still trains (PPO's clip drops its gradient);
-    clipped: the ratio above the cap with A > 0."""
-    if cispo:
+    clipped: the ratio above the cap with A > 0. sapo (Soft Adaptive Policy Optimization, TRL's): (temperature for
+    A > 0, for A <= 0); PPO's hard clip replaced by a smooth gate, -sigmoid(t (ratio - 1)) 4 / t A, whose gradient
+    at ratio 1 is the plain policy gradient's and fades as the ratio moves away; nothing is clipped."""
+    if sapo is not None:
+        ratio = torch.exp(logps - (logps.detach() if old_logps is None else old_logps)
+                          if log_ratio is None else log_ratio)
+        t = torch.where(advantages > 0, sapo[0], sapo[1])
+        loss = -torch.sigmoid(t * (ratio - 1)) * 4 / t * advantages
+        clipped = torch.zeros_like(ratio, dtype=torch.bool)
+    elif cispo:
         ratio = torch.exp(logps - (logps.detach() if old_logps is None else old_logps)
                           if log_ratio is None else log_ratio)
         loss = -ratio.clamp(max=epsilon_high).detach() * advantages * logps
@@ -134,19 +144,19 @@ def sequence_log_ratios(logps: torch.Tensor, old_logps: torch.Tensor | None, com
 
 
 def token_weights(completion: torch.Tensor, lengths: torch.Tensor, loss_type: LossType) -> torch.Tensor:
-    """Each completion token's weight in the loss sum: 1 / its completion's length for grpo, else 1. `completion`
-    maps each token to its completion, `lengths` counts each completion's tokens."""
-    if loss_type == "grpo":
+    """Each completion token's weight in the loss sum: 1 / its completion's length for grpo (and sapo), else 1.
+    `completion` maps each token to its completion, `lengths` counts each completion's tokens."""
+    if loss_type in ("grpo", "sapo"):
         return 1.0 / lengths.clamp(min=1).to(torch.float32)[completion]
     return torch.ones(len(completion), dtype=torch.float32, device=completion.device)
 
 
 def loss_units(lengths: torch.Tensor, loss_type: LossType, *, max_completion_tokens: int) -> float:
     """What the summed loss of these completions is divided by, summed over the whole window on every process:
-    completion tokens (dapo, cispo), completions (grpo), completions x max_completion_tokens (dr_grpo)."""
+    completion tokens (dapo, cispo), completions (grpo, sapo), completions x max_completion_tokens (dr_grpo)."""
     if loss_type in ("dapo", "cispo"):
         return float(lengths.sum())
-    if loss_type == "grpo":
+    if loss_type in ("grpo", "sapo"):
         return float(len(lengths))
     return float(len(lengths) * max_completion_tokens)
 
@@ -546,7 +556,9 @@ class GRPO:
                                             batch["completions"], group_sum=self.shared_sum)
         losses, kl, clipped = token_losses(logps, batch["loss_advantages"], old_logps=old, ref_logps=ref,
                                            epsilon=rl.epsilon, epsilon_high=rl.epsilon_high, beta=rl.beta,
-                                           log_ratio=log_ratio, delta=rl.delta, cispo=rl.loss_type == "cispo")
+                                           log_ratio=log_ratio, delta=rl.delta, cispo=rl.loss_type == "cispo",
+                                           sapo=((rl.sapo_temperature_pos, rl.sapo_temperature_neg)
+                                                 if rl.loss_type == "sapo" else None))
         with torch.no_grad():
             stats = torch.stack([kl.sum() if kl is not None else logps.new_zeros(()), clipped.float().sum(),
                                  logps.new_tensor(float(logps.numel())), (clipped * share).sum(), share.sum(),
@@ -571,7 +583,8 @@ class GRPO:
         clip = (s["clipped"] / max(s["sequences"], 1e-9) if self.rl.importance_sampling_level == "sequence" else
                 s["clipped_tokens"] / tokens)
         name = "cispo_clip_ratio" if self.rl.loss_type == "cispo" else "clip_ratio/region_mean"  # TRL's names
-        return {**({"kl": s["kl"] / tokens} if self.rl.beta else {}), name: clip,
+        return {**({"kl": s["kl"] / tokens} if self.rl.beta else {}),
+                **({name: clip} if self.rl.loss_type != "sapo" else {}),  # sapo clips nothing (TRL logs none)
                 "entropy": s["entropy"] / tokens}
 
     def step_metrics(self, stats: list[float], units: float) -> dict[str, float]:
