@@ -716,14 +716,16 @@ class RLConfig(Section):
                          "probabilities add up to top_p.")
     top_k: int = Field(0, ge=0, description=TOP_K)
     min_p: float = Field(0.0, ge=0, lt=1, description=MIN_P)
-    loss_type: Literal["dapo", "grpo", "dr_grpo", "cispo", "sapo"] | None = Field(
+    loss_type: Literal["dapo", "grpo", "dr_grpo", "cispo", "sapo", "luspo"] | None = Field(
         None, description="grpo only, the loss and how it is normalised, as TRL 1.16: dapo (the default, TRL's), "
         "every completion token of the step weighs the same; grpo, each completion's mean over its tokens, then the "
         "mean over completions; dr_grpo, the token sum over completions x max_completion_tokens; cispo (MiniMax-M1), "
         "normalised as dapo, each token's policy gradient weighted by its ratio capped at rl.epsilon_high (required: "
         "the cap itself, ScaleRL's 5.0), the weight without gradient, so no token's gradient is dropped; sapo (Soft "
         "Adaptive Policy Optimization), normalised as grpo, PPO's clip replaced by a smooth gate of the ratio "
-        "(rl.sapo_temperature_pos/_neg). rloo: unset (its loss is the mean over completions of a per-sequence loss).")
+        "(rl.sapo_temperature_pos/_neg); luspo (Length-Unbiased Sequence Policy Optimization), GSPO's clipped "
+        "sequence ratio with each completion's token sum, then the mean over completions (importance_sampling_level "
+        "defaults to sequence with it). rloo: unset (its loss is the mean over completions of a per-sequence loss).")
     sapo_temperature_pos: float | None = Field(
         None, gt=0, allow_inf_nan=False, description="loss_type sapo only (TRL's, default 1.0): the gate's "
         "temperature for tokens with a positive advantage (higher: the gradient fades sooner as the ratio moves).")
@@ -761,6 +763,11 @@ class RLConfig(Section):
         None, description="grpo only (TRL's): group (the default), advantages are (reward - group mean) / group std; "
         "batch, (reward - group mean) / the std of the step's rewards over every process (PPO Lite); none, reward - "
         "group mean (Dr. GRPO). rloo: unset (see normalize_advantages).")
+    off_policy_mask_threshold: float | None = Field(
+        None, ge=0, allow_inf_nan=False, description="grpo only (TRL's; DeepSeek-V3.2's off-policy sequence "
+        "masking): a completion with a negative advantage whose policy has drifted from the one that sampled it by "
+        "more than this (the mean over its tokens of the old minus the current log-probability) trains no policy "
+        "term (its KL term stays). Only a round's later updates drift: rl.num_iterations > 1. None: off.")
     multi_objective_aggregation: Literal["sum_then_normalize", "normalize_then_sum"] | None = Field(
         None, description="grpo only (TRL's): how several rewards become advantages. sum_then_normalize (the "
         "default): their weighted sum, then scale_rewards; normalize_then_sum (GDPO, Liu et al. 2026): each reward "
@@ -819,7 +826,7 @@ class RLConfig(Section):
         if data.get("beta") is None:
             data["beta"] = 0.05 if rloo else 0.0
         grpo_only = ("loss_type", "scale_rewards", "importance_sampling_level", "delta", "multi_objective_aggregation",
-                     "sapo_temperature_pos", "sapo_temperature_neg")
+                     "sapo_temperature_pos", "sapo_temperature_neg", "off_policy_mask_threshold")
         given = [k for k in (grpo_only if rloo else ("normalize_advantages", "reward_clip_range"))
                  if data.get(k) not in (None, False)]
         if given:
@@ -840,8 +847,8 @@ class RLConfig(Section):
                 data["multi_objective_aggregation"] = "sum_then_normalize"
             if data.get("scale_rewards") is None:
                 data["scale_rewards"] = "group"
-            if data.get("importance_sampling_level") is None:
-                data["importance_sampling_level"] = "token"
+            if data.get("importance_sampling_level") is None:  # luspo is GSPO's (TRL warns where it is not)
+                data["importance_sampling_level"] = "sequence" if data["loss_type"] == "luspo" else "token"
         return data
 
     @field_validator("tools")

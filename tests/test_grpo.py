@@ -15,7 +15,8 @@ import re
 import pytest
 import torch
 
-from llmtrain.objectives.grpo import group_advantages, loss_units, sequence_log_ratios, token_losses, token_weights
+from llmtrain.objectives.grpo import (group_advantages, loss_units, off_policy_keep, sequence_log_ratios, token_losses,
+                                      token_weights)
 
 trl = pytest.importorskip("trl")
 
@@ -123,14 +124,17 @@ def test_loss_and_gradients_equal_trls_grpo_trainer(tiny_assets, tmp_path, loss_
     assert worst < 1e-6, worst
 
 
-@pytest.mark.parametrize("loss_type, epsilon_high, level, beta, delta", [
-    ("dapo", 0.28, "token", 0.0, None), ("grpo", None, "token", 0.0, None), ("dr_grpo", None, "token", 0.0, None),
-    ("grpo", None, "sequence", 0.0, None), ("grpo", None, "sequence", 0.04, None),
-    ("dapo", 0.28, "sequence", 0.0, None), ("dapo", None, "token", 0.04, 1.05),
-    ("cispo", 1.02, "token", 0.0, None), ("cispo", 1.02, "token", 0.04, None), ("sapo", None, "token", 0.0, None),
-    ("sapo", None, "token", 0.04, None)])
+@pytest.mark.parametrize("loss_type, epsilon_high, level, beta, delta, masked", [
+    ("dapo", 0.28, "token", 0.0, None, None), ("grpo", None, "token", 0.0, None, None),
+    ("dr_grpo", None, "token", 0.0, None, None), ("grpo", None, "sequence", 0.0, None, None),
+    ("grpo", None, "sequence", 0.04, None, None), ("dapo", 0.28, "sequence", 0.0, None, None),
+    ("dapo", None, "token", 0.04, 1.05, None), ("cispo", 1.02, "token", 0.0, None, None),
+    ("cispo", 1.02, "token", 0.04, None, None), ("sapo", None, "token", 0.0, None, None),
+    ("sapo", None, "token", 0.04, None, None), ("dapo", None, "token", 0.04, None, -0.3),
+    ("grpo", None, "sequence", 0.0, None, -0.3), ("luspo", None, "sequence", 0.0, None, None),
+    ("luspo", 0.28, "sequence", 0.04, None, None)])
 def test_a_later_update_of_a_round_equals_trls_with_its_old_logps(tiny_assets, tmp_path, loss_type, epsilon_high,
-                                                                  level, beta, delta):
+                                                                  level, beta, delta, masked):
     """rl.num_iterations > 1: a round's later update divides by the log-probabilities of the policy that sampled
     (TRL's old_per_token_logps), so the ratio is not 1 and the clip binds (epsilon 0.2, DAPO's epsilon_high 0.28):
     the same loss, gradients and clipped share as TRL's _compute_loss given the same old log-probabilities (those
@@ -140,7 +144,10 @@ def test_a_later_update_of_a_round_equals_trls_with_its_old_logps(tiny_assets, t
     here 1.05 so that it binds on this small move), as TRL's. cispo (MiniMax-M1's): the ratio capped at epsilon_high
     (1.02 here, so that the cap binds on this small move) weighs each token's policy gradient without gradient of its
     own; TRL's cispo_clip_ratio. sapo: the smooth gate at TRL's temperatures (1.0, and 1.05 below zero), each
-    completion's mean as grpo; nothing clipped, no clip metric (TRL logs none)."""
+    completion's mean as grpo; nothing clipped, no clip metric (TRL logs none). `masked`: rl.off_policy_mask_threshold
+    (DeepSeek-V3.2's off-policy sequence masking), at -0.3 so that it binds on these random moves (the completions'
+    mean drifts are -0.54 to 0.17): one of the two completions with a negative advantage loses its policy term.
+    luspo: GSPO's ratio, each completion's token sum, the mean over completions."""
     from llmtrain.data.batching import collate, with_loss_positions
     from llmtrain.data.formats import IGNORE
     from llmtrain.model.loss import attach_loss, compute_loss
@@ -152,6 +159,7 @@ def test_a_later_update_of_a_round_equals_trls_with_its_old_logps(tiny_assets, t
     trainer.epsilon_high = epsilon_high if epsilon_high is not None else trainer.epsilon_low
     trainer.importance_sampling_level = level
     trainer.args.delta = delta
+    trainer.off_policy_mask_threshold = masked
     inputs = padded_inputs(prompts, COMPLETIONS, advantages, pad=trainer.processing_class.pad_token_id)
     reference = tiny_model(tiny_assets)  # another policy again, so that the KL term is not 0
     torch.manual_seed(1)
@@ -186,9 +194,16 @@ def test_a_later_update_of_a_round_equals_trls_with_its_old_logps(tiny_assets, t
     lengths = torch.bincount(completion, minlength=len(COMPLETIONS))
     log_ratio = (sequence_log_ratios(logps, old, completion, lengths.float()[completion], len(COMPLETIONS))
                  if level == "sequence" else None)
+    keep = None
+    if masked is not None:
+        keep = off_policy_keep(logps, old, advantages[completion], completion, lengths.float()[completion],
+                               len(COMPLETIONS), threshold=masked)
+        dropped = {int(c) for c, k in zip(completion, keep) if not k}
+        assert dropped and all(advantages[c] < 0 for c in dropped) and len(dropped) < (advantages < 0).sum()
     loss, _, clipped = token_losses(logps, advantages[completion], old_logps=old, ref_logps=ref, epsilon=0.2,
                                     epsilon_high=epsilon_high, beta=beta, log_ratio=log_ratio, delta=delta,
-                                    cispo=loss_type == "cispo", sapo=(1.0, 1.05) if loss_type == "sapo" else None)
+                                    cispo=loss_type == "cispo", sapo=(1.0, 1.05) if loss_type == "sapo" else None,
+                                    keep=keep)
     ours = (loss * token_weights(completion, lengths, loss_type)).sum() / loss_units(
         lengths, loss_type, max_completion_tokens=MAX_COMPLETION)
     ours.backward()

@@ -413,6 +413,21 @@ def test_normalize_then_sum_normalises_each_reward_in_its_group_then_the_sum_ove
     assert refused.returncode != 0 and "remove rl.scale_rewards" in refused.stdout + refused.stderr
 
 
+def test_off_policy_masking_drops_what_the_round_pushed_down(straight, tmp_path):
+    """rl.off_policy_mask_threshold 0 in rounds of 2: the round's first update pushed its negative-advantage
+    completions down, so at the second their drift (old minus current log-probability) is above 0 and their policy
+    term is dropped: the second update's loss differs from the unmasked run's, the first's is the same."""
+    recipe, _, _ = straight
+    runs = {}
+    for name, extra in (("plain", []), ("masked", ["rl.off_policy_mask_threshold=0"])):
+        runs[name] = tmp_path / name
+        run_train(recipe, f"output_dir={runs[name]}", "train.max_steps=2", "rl.num_iterations=2", "train.lr=0.01",
+                  *extra)
+    plain, masked = records(runs["plain"]), records(runs["masked"])
+    assert masked[0]["loss"] == pytest.approx(plain[0]["loss"], abs=1e-7)
+    assert abs(masked[1]["loss"] - plain[1]["loss"]) > 1e-4
+
+
 def test_ratio_keys_that_cannot_bind_with_one_update_a_round_are_said(tiny_assets, tmp_path):
     """rl.epsilon_high, rl.delta and GSPO act on the ratio, which rl.num_iterations 1 keeps at 1: a warning (doctor's
     and the run's start) naming them and the fix; none with rounds of 2, none for the defaults."""

@@ -396,8 +396,9 @@ def test_modes_of_whole_sequences_train_on_two_processes_of_one_sequence_as_on_o
 RL = {"num_generations": 4, "max_completion_tokens": 8, "temperature": 1.0, "beta": 0.1, "micro_batch_tokens": 96,
       "num_iterations": 2,
       "rewards": [{"type": "format", "pattern": "[aeiou]"}, {"type": "answer_match", "column": "completion"}]}
-# grpo: GSPO's ratio a completion (its mean log-ratio summed over the slices, each slice's loss reading it)
-ONLINE = {"grpo": {"loss_type": "grpo", "importance_sampling_level": "sequence"},
+# grpo: GSPO's ratio a completion (its mean log-ratio summed over the slices, each slice's loss reading it), and
+# off-policy sequence masking at 0 (a completion's mean drift summed over the slices alike)
+ONLINE = {"grpo": {"loss_type": "grpo", "importance_sampling_level": "sequence", "off_policy_mask_threshold": 0.0},
           "rloo": {"algorithm": "rloo", "normalize_advantages": True}}
 
 

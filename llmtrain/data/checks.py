@@ -250,7 +250,8 @@ def check_ratio_keys(recipe: Recipe) -> list[Check]:
         return []
     # cispo's epsilon_high is required (its cap): not said
     keys = [f"rl.{k}={v}" for k, v in (("epsilon_high", rl.epsilon_high if rl.loss_type != "cispo" else None),
-                                         ("delta", rl.delta)) if v is not None]
+                                         ("delta", rl.delta),
+                                         ("off_policy_mask_threshold", rl.off_policy_mask_threshold)) if v is not None]
     keys += ["rl.importance_sampling_level=sequence"] if rl.importance_sampling_level == "sequence" else []
     if not keys:
         return []

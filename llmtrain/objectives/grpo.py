@@ -20,6 +20,8 @@ process, so any split over micro-batches and processes gives the same loss and g
   completion's length, units = completions.
 - dr_grpo: the sum over tokens divided by completions x max_completion_tokens: units = completions x
   max_completion_tokens.
+- luspo (TRL's; GSPO's loss with each completion weighed by its length): the sum over each completion's tokens,
+  then the mean over completions: tokens weigh 1, units = completions.
 - cispo (MiniMax-M1's, TRL's): normalised as dapo; sapo (TRL's): normalised as grpo; each its own token loss
   (`token_losses`).
 """
@@ -34,7 +36,7 @@ from llmtrain.data.batching import Counts, batch_weight
 from llmtrain.model.generate import Stops
 from llmtrain.objectives.rollouts import all_here, clipped_surrogate, completion_rows, here, sample, sampling
 
-LossType = Literal["dapo", "grpo", "dr_grpo", "cispo", "sapo"]
+LossType = Literal["dapo", "grpo", "dr_grpo", "cispo", "sapo", "luspo"]
 STD_EPS = 1e-4  # TRL's: a group whose rewards are all equal gets advantages 0, not a division by zero
 
 
@@ -94,7 +96,7 @@ def batch_moments(values: list[float | None]) -> tuple[float, float]:
 def token_losses(logps: torch.Tensor, advantages: torch.Tensor, *, old_logps: torch.Tensor | None = None,
                  ref_logps: torch.Tensor | None = None, epsilon: float, epsilon_high: float | None = None,
                  beta: float = 0.0, log_ratio: torch.Tensor | None = None, delta: float | None = None,
-                 cispo: bool = False, sapo: tuple[float, float] | None = None,
+                 cispo: bool = False, sapo: tuple[float, float] | None = None, keep: torch.Tensor | None = None,
                  ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
     """Per completion token: (loss, k3 KL to the reference or None, clipped: whether the ratio was clipped where it
     mattered). `advantages` are per token (each completion's, repeated over its tokens). old_logps None: the
@@ -105,7 +107,8 @@ def token_losses(logps: torch.Tensor, advantages: torch.Tensor, *, old_logps: to
     -min(ratio, epsilon_high).detach() A log p, so a capped token still trains (PPO's clip drops its gradient);
     clipped: the ratio above the cap with A > 0. sapo (Soft Adaptive Policy Optimization, TRL's): (temperature for
     A > 0, for A <= 0); PPO's hard clip replaced by a smooth gate, -sigmoid(t (ratio - 1)) 4 / t A, whose gradient
-    at ratio 1 is the plain policy gradient's and fades as the ratio moves away; nothing is clipped."""
+    at ratio 1 is the plain policy gradient's and fades as the ratio moves away; nothing is clipped. `keep`: the
+    tokens whose policy term counts (rl.off_policy_mask_threshold: off_policy_keep), the KL term counting for all."""
     if sapo is not None:
         ratio = torch.exp(logps - (logps.detach() if old_logps is None else old_logps)
                           if log_ratio is None else log_ratio)
@@ -120,6 +123,8 @@ def token_losses(logps: torch.Tensor, advantages: torch.Tensor, *, old_logps: to
     else:
         loss, ratio, clipped = clipped_surrogate(logps, advantages, old_logps=old_logps, epsilon=epsilon,
                                                  epsilon_high=epsilon_high, log_ratio=log_ratio, delta=delta)
+    if keep is not None:
+        loss = loss * keep
     kl = None
     if beta != 0.0:
         delta = ref_logps - logps
@@ -143,6 +148,16 @@ def sequence_log_ratios(logps: torch.Tensor, old_logps: torch.Tensor | None, com
     return means[completion]
 
 
+def off_policy_keep(logps: torch.Tensor, old_logps: torch.Tensor, advantages: torch.Tensor, completion: torch.Tensor,
+                    lengths: torch.Tensor, n: int, *, threshold: float, group_sum=None) -> torch.Tensor:
+    """rl.off_policy_mask_threshold (DeepSeek-V3.2's off-policy sequence masking, TRL's): per completion token,
+    whether its completion's policy term counts: its advantage is >= 0, or the mean over its tokens of
+    old_logps - logps (a KL estimate of the policy that sampled to this one, no gradient) is <= threshold. Arguments
+    as sequence_log_ratios's."""
+    drift = -sequence_log_ratios(logps.detach(), old_logps, completion, lengths, n, group_sum=group_sum)
+    return ((advantages >= 0) | (drift <= threshold)).to(logps.dtype)
+
+
 def token_weights(completion: torch.Tensor, lengths: torch.Tensor, loss_type: LossType) -> torch.Tensor:
     """Each completion token's weight in the loss sum: 1 / its completion's length for grpo (and sapo), else 1.
     `completion` maps each token to its completion, `lengths` counts each completion's tokens."""
@@ -153,10 +168,11 @@ def token_weights(completion: torch.Tensor, lengths: torch.Tensor, loss_type: Lo
 
 def loss_units(lengths: torch.Tensor, loss_type: LossType, *, max_completion_tokens: int) -> float:
     """What the summed loss of these completions is divided by, summed over the whole window on every process:
-    completion tokens (dapo, cispo), completions (grpo, sapo), completions x max_completion_tokens (dr_grpo)."""
+    completion tokens (dapo, cispo), completions (grpo, sapo, luspo), completions x max_completion_tokens
+    (dr_grpo)."""
     if loss_type in ("dapo", "cispo"):
         return float(lengths.sum())
-    if loss_type in ("grpo", "sapo"):
+    if loss_type in ("grpo", "sapo", "luspo"):
         return float(len(lengths))
     return float(len(lengths) * max_completion_tokens)
 
@@ -554,11 +570,14 @@ class GRPO:
         if rl.importance_sampling_level == "sequence":  # GSPO: one ratio a completion
             log_ratio = sequence_log_ratios(logps, old, batch["loss_example"], batch["loss_lengths"],
                                             batch["completions"], group_sum=self.shared_sum)
+        keep = (off_policy_keep(logps, old, batch["loss_advantages"], batch["loss_example"], batch["loss_lengths"],
+                                batch["completions"], threshold=rl.off_policy_mask_threshold, group_sum=self.shared_sum)
+                if rl.off_policy_mask_threshold is not None and old is not None else None)
         losses, kl, clipped = token_losses(logps, batch["loss_advantages"], old_logps=old, ref_logps=ref,
                                            epsilon=rl.epsilon, epsilon_high=rl.epsilon_high, beta=rl.beta,
                                            log_ratio=log_ratio, delta=rl.delta, cispo=rl.loss_type == "cispo",
                                            sapo=((rl.sapo_temperature_pos, rl.sapo_temperature_neg)
-                                                 if rl.loss_type == "sapo" else None))
+                                                 if rl.loss_type == "sapo" else None), keep=keep)
         with torch.no_grad():
             stats = torch.stack([kl.sum() if kl is not None else logps.new_zeros(()), clipped.float().sum(),
                                  logps.new_tensor(float(logps.numel())), (clipped * share).sum(), share.sum(),
