@@ -337,7 +337,8 @@ def generate(
     src = load_source(source)
     typer.echo(f"replies from {src.describe}", err=True)
     replies = generate_replies(src, texts, max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p,
-                               top_k=top_k, min_p=min_p, samples=samples, seed=seed, chat=chat, system_prompt=system, tools=tools)
+                               top_k=top_k, min_p=min_p, samples=samples, seed=seed, chat=chat, system_prompt=system,
+                               tools=tools)
     for r in replies:
         tag = f" (sample {r['sample']})" if samples > 1 else ""
         prompt = r["prompt"] if isinstance(r["prompt"], str) else r["prompt"][-1]["content"]

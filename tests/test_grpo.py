@@ -292,20 +292,20 @@ def test_advantages_equal_trls_for_group_and_none_scaling():
 
 def test_batch_scaled_advantages_equal_trls():
     """scale_rewards batch (TRL's, PPO Lite): reward minus its group's mean, divided by the std of every reward of
-    the step (its nanstd, a None left out) + 1e-4: TRL's arithmetic against group_advantages then batch_std (the
+    the step (its nanstd, a None left out) + 1e-4: TRL's arithmetic against group_advantages then batch_moments (the
     loop divides the rollout's advantages by it once every process's rewards are gathered)."""
     from trl.trainer.utils import nanstd
 
-    from llmtrain.objectives.grpo import batch_std
+    from llmtrain.objectives.grpo import batch_moments
 
     rewards = torch.tensor([1.0, 0.0, 0.5, 0.5, 2.0, float("nan"), 1.0, 3.0])
     mean = torch.nanmean(rewards.view(-1, 2), dim=1).repeat_interleave(2)
     theirs = torch.nan_to_num((rewards - mean) / (nanstd(rewards).expand_as(rewards) + 1e-4), nan=0.0)
     centred, _ = group_advantages(rewards, 2, scale_rewards="batch")
-    ours = centred / batch_std([None if r != r else r for r in rewards.tolist()])
+    ours = centred / batch_moments([None if r != r else r for r in rewards.tolist()])[1]
     assert torch.allclose(ours, theirs, atol=1e-6), (ours, theirs)
     assert ours[2:4].tolist() == [0.0, 0.0] and ours[5].item() == 0.0
-    assert batch_std([1.0, None]) == pytest.approx(1e-4)  # one scored reward: no spread, as TRL's 0
+    assert batch_moments([1.0, None]) == pytest.approx((1.0, 1e-4))  # one scored reward: no spread, as TRL's 0
 
 
 def test_normalize_then_sum_advantages_equal_trls():

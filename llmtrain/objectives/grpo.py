@@ -2,12 +2,12 @@
 
 A step of online RL samples `num_generations` completions of each prompt, scores them (rewards.py), and turns
 each group's rewards into advantages (`group_advantages`: reward minus the group's mean, divided by the group's
-std, or by the step's over every process with scale_rewards batch: `batch_std`, or not with none). The policy
-update is one forward over the completions (each after its prompt; only completion tokens count) with the
+std, or by the step's over every process with scale_rewards batch: `batch_moments`, or not with none). The
+policy update is one forward over the completions (each after its prompt; only completion tokens count) with the
 clipped surrogate of PPO per token and, with beta > 0, the k3 estimate of the KL divergence to the reference,
-weighted by the ratio for its unbiased gradient (`token_losses`). With one
-update per generation round (rl.num_iterations 1) the old policy is the current one: the ratio is 1 in value and
-carries the gradient of the log-probability. With more (TRL's num_iterations), the rollout also takes each
+weighted by the ratio for its unbiased gradient (`token_losses`). With one update per generation round
+(rl.num_iterations 1) the old policy is the current one: the ratio is 1 in value and carries the gradient of the
+log-probability. With more (TRL's num_iterations), the rollout also takes each
 completion token's log-probability under the policy as it sampled (`loss_old_logps`, no gradient), and every
 update of the round (loop/rounds.py) divides by it: the ratio moves, and epsilon's clip binds.
 
@@ -53,7 +53,8 @@ def group_advantages(rewards: torch.Tensor, num_generations: int, *,
     """(advantages, each completion's group std) of `rewards` [prompts x num_generations], a prompt's completions
     consecutive. NaN rewards (no reward function applied) are left out of their group's mean and std and get
     advantage 0. A group whose rewards are all equal has std 0 and advantages 0: it teaches nothing
-    (`frac_reward_zero_std` counts such groups). scale_rewards batch: not divided here (see batch_scaled)."""
+    (`frac_reward_zero_std` counts such groups). scale_rewards batch: not divided here (the rollout divides by
+    batch_moments' std of every process's rewards)."""
     grouped = rewards.view(-1, num_generations)
     mean = torch.nanmean(grouped, dim=1).repeat_interleave(num_generations)
     std = (_nanstd(grouped, dim=1) if num_generations > 1 else torch.zeros(len(grouped), dtype=rewards.dtype,
@@ -63,13 +64,6 @@ def group_advantages(rewards: torch.Tensor, num_generations: int, *,
     if scale_rewards == "group":
         advantages = advantages / (std + STD_EPS)
     return torch.nan_to_num(advantages, nan=0.0), std
-
-
-def batch_std(rewards: list[float | None]) -> float:
-    """scale_rewards batch's divisor (TRL's): the unbiased std of the step's rewards on every process, a reward
-    function's None left out (0 below two), plus STD_EPS."""
-    values = torch.tensor([float("nan") if r is None else r for r in rewards], dtype=torch.float32)
-    return float(torch.nan_to_num(_nanstd(values[None], dim=1), nan=0.0)) + STD_EPS
 
 
 def normalized_then_summed(per_function: torch.Tensor, weights: list[float], num_generations: int) -> torch.Tensor:
@@ -86,8 +80,9 @@ def normalized_then_summed(per_function: torch.Tensor, weights: list[float], num
 
 
 def batch_moments(values: list[float | None]) -> tuple[float, float]:
-    """(mean, std + STD_EPS) of the step's values on every process, a None left out: normalize_then_sum's shift and
-    divisor (TRL's nanmean and nanstd; the std 0 below two values)."""
+    """(mean, unbiased std + STD_EPS) of the step's values on every process, a None left out (TRL's nanmean and
+    nanstd; the std 0 below two values): normalize_then_sum's shift and divisor of the sums, scale_rewards batch's
+    divisor of the rewards."""
     x = torch.tensor([float("nan") if v is None else v for v in values], dtype=torch.float32)
     mean = torch.nan_to_num(torch.nanmean(x), nan=0.0)
     return float(mean), float(torch.nan_to_num(_nanstd(x[None], dim=1), nan=0.0)) + STD_EPS
@@ -109,15 +104,15 @@ def token_losses(logps: torch.Tensor, advantages: torch.Tensor, *, old_logps: to
     A > 0, for A <= 0); PPO's hard clip replaced by a smooth gate, -sigmoid(t (ratio - 1)) 4 / t A, whose gradient
     at ratio 1 is the plain policy gradient's and fades as the ratio moves away; nothing is clipped. `keep`: the
     tokens whose policy term counts (rl.off_policy_mask_threshold: off_policy_keep), the KL term counting for all."""
+    if log_ratio is None:
+        log_ratio = logps - (logps.detach() if old_logps is None else old_logps)
     if sapo is not None:
-        ratio = torch.exp(logps - (logps.detach() if old_logps is None else old_logps)
-                          if log_ratio is None else log_ratio)
+        ratio = torch.exp(log_ratio)
         t = torch.where(advantages > 0, sapo[0], sapo[1])
         loss = -torch.sigmoid(t * (ratio - 1)) * 4 / t * advantages
         clipped = torch.zeros_like(ratio, dtype=torch.bool)
     elif cispo:
-        ratio = torch.exp(logps - (logps.detach() if old_logps is None else old_logps)
-                          if log_ratio is None else log_ratio)
+        ratio = torch.exp(log_ratio)
         loss = -ratio.clamp(max=epsilon_high).detach() * advantages * logps
         clipped = (ratio > epsilon_high) & (advantages > 0)
     else:
@@ -291,7 +286,7 @@ class GRPO:
             if self.rl.multi_objective_aggregation == "normalize_then_sum":  # the sums, to mean 0 and std 1
                 shift, divisor = batch_moments(self.gather([r["advantage"] for r in records]))
             else:  # each reward minus its group's mean, over the std of every reward
-                shift, divisor = 0.0, batch_std(self.gather([r["reward"] for r in records]))
+                shift, divisor = 0.0, batch_moments(self.gather([r["reward"] for r in records]))[1]
             for batch in batches:
                 batch["loss_advantages"] = torch.nan_to_num((batch["loss_advantages"] - shift) / divisor, nan=0.0)
             for record in records:
