@@ -443,6 +443,8 @@ def test_ratio_keys_that_cannot_bind_with_one_update_a_round_are_said(tiny_asset
                                  "act on the ratio") and "Set rl.num_iterations 2 or more" in said[0][2]
     assert check_ratio_keys(load_recipe(recipe, ["rl.epsilon_high=0.28", "rl.num_iterations=2"])) == []
     assert check_ratio_keys(load_recipe(recipe, ["rl.loss_type=cispo", "rl.epsilon_high=5"])) == []  # its cap
+    alone = check_ratio_keys(load_recipe(recipe, ["rl.off_policy_mask_threshold=0.1"]))[0][2]
+    assert alone.startswith("rl.off_policy_mask_threshold=0.1 acts on the ratio") and "it changes nothing" in alone
 
 
 def test_cispo_trains_every_token_and_logs_the_share_above_its_cap(straight, tmp_path):

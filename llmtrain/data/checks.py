@@ -255,9 +255,10 @@ def check_ratio_keys(recipe: Recipe) -> list[Check]:
     keys += ["rl.importance_sampling_level=sequence"] if rl.importance_sampling_level == "sequence" else []
     if not keys:
         return []
-    return [("ratio", "warn", f"{' and '.join(keys)} act on the ratio of the policy to the one that sampled, which is "
-             "1 with rl.num_iterations 1 (every step samples anew): they change nothing. Set rl.num_iterations 2 or "
-             "more (several updates a generation round, docs/rl.md) for them to bind, or remove them")]
+    act, they, them = ("act", "they change", "them") if len(keys) > 1 else ("acts", "it changes", "it")
+    return [("ratio", "warn", f"{' and '.join(keys)} {act} on the ratio of the policy to the one that sampled, which "
+             f"is 1 with rl.num_iterations 1 (every step samples anew): {they} nothing. Set rl.num_iterations 2 or "
+             f"more (several updates a generation round, docs/rl.md) for {them} to bind, or remove {them}")]
 
 
 def check_hub_keys(recipe: Recipe) -> list[Check]:
