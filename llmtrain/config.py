@@ -691,6 +691,9 @@ TOP_K = ("Sampling: only the top_k most likely tokens (and any tied with the k-t
 MIN_P = ("Sampling: a token may be drawn only if its probability is at least min_p times the most likely one's, after "
          "top_k and top_p (TRL's min_p); 0: off.")
 MergedCopy = Literal["rollout", "kept", "off"]
+# online RL's losses with keys of their own, and TRL's defaults for them (rl.loss_type sapo, vespo)
+LOSS_KEYS = {"sapo": {"sapo_temperature_pos": 1.0, "sapo_temperature_neg": 1.05},
+             "vespo": {"vespo_k_pos": 2.0, "vespo_lambda_pos": 3.0, "vespo_k_neg": 3.0, "vespo_lambda_neg": 2.0}}
 MERGED_COPY = (
     "LoRA and QLoRA: what the fast sampler (static, graph) forwards each adapted linear through (docs/rl.md): off (the "
     "default), the adapters unmerged beside the base, exactly the trained policy; rollout, a merged generation copy "
@@ -716,7 +719,7 @@ class RLConfig(Section):
                          "probabilities add up to top_p.")
     top_k: int = Field(0, ge=0, description=TOP_K)
     min_p: float = Field(0.0, ge=0, lt=1, description=MIN_P)
-    loss_type: Literal["dapo", "grpo", "dr_grpo", "cispo", "sapo", "luspo"] | None = Field(
+    loss_type: Literal["dapo", "grpo", "dr_grpo", "cispo", "sapo", "luspo", "vespo"] | None = Field(
         None, description="grpo only, the loss and how it is normalised, as TRL 1.16: dapo (the default, TRL's), "
         "every completion token of the step weighs the same; grpo, each completion's mean over its tokens, then the "
         "mean over completions; dr_grpo, the token sum over completions x max_completion_tokens; cispo (MiniMax-M1), "
@@ -725,13 +728,26 @@ class RLConfig(Section):
         "Adaptive Policy Optimization), normalised as grpo, PPO's clip replaced by a smooth gate of the ratio "
         "(rl.sapo_temperature_pos/_neg); luspo (Length-Unbiased Sequence Policy Optimization), GSPO's clipped "
         "sequence ratio with each completion's token sum, then the mean over completions (importance_sampling_level "
-        "defaults to sequence with it). rloo: unset (its loss is the mean over completions of a per-sequence loss).")
+        "defaults to sequence with it); vespo (Variational Sequence-Level Soft Policy Optimization), normalised as "
+        "dapo, each token's policy gradient weighted by a gamma function of its completion's whole ratio "
+        "(rl.vespo_k_pos/_lambda_pos/_k_neg/_lambda_neg), the weight without gradient. rloo: unset (its loss is the "
+        "mean over completions of a per-sequence loss).")
     sapo_temperature_pos: float | None = Field(
         None, gt=0, allow_inf_nan=False, description="loss_type sapo only (TRL's, default 1.0): the gate's "
         "temperature for tokens with a positive advantage (higher: the gradient fades sooner as the ratio moves).")
     sapo_temperature_neg: float | None = Field(
         None, gt=0, allow_inf_nan=False, description="loss_type sapo only (TRL's, default 1.05): the gate's "
         "temperature for tokens with an advantage of 0 or below.")
+    vespo_k_pos: float | None = Field(
+        None, allow_inf_nan=False, description="loss_type vespo only (TRL's, default 2.0): k of the weight "
+        "e^lambda w^k e^(-lambda w) (w: the completion's ratio) for completions with an advantage of 0 or more.")
+    vespo_lambda_pos: float | None = Field(
+        None, allow_inf_nan=False, description="loss_type vespo only (TRL's, default 3.0): its lambda for them.")
+    vespo_k_neg: float | None = Field(
+        None, allow_inf_nan=False, description="loss_type vespo only (TRL's, default 3.0): k for completions with "
+        "a negative advantage.")
+    vespo_lambda_neg: float | None = Field(
+        None, allow_inf_nan=False, description="loss_type vespo only (TRL's, default 2.0): lambda for them.")
     importance_sampling_level: Literal["token", "sequence"] | None = Field(
         None, description="grpo only (TRL's importance_sampling_level): token (the default), a ratio per completion "
         "token; sequence, GSPO's (Zheng et al. 2025): one ratio per completion, exp of the mean of its tokens' "
@@ -826,7 +842,7 @@ class RLConfig(Section):
         if data.get("beta") is None:
             data["beta"] = 0.05 if rloo else 0.0
         grpo_only = ("loss_type", "scale_rewards", "importance_sampling_level", "delta", "multi_objective_aggregation",
-                     "sapo_temperature_pos", "sapo_temperature_neg", "off_policy_mask_threshold")
+                     "off_policy_mask_threshold", *(k for keys in LOSS_KEYS.values() for k in keys))
         given = [k for k in (grpo_only if rloo else ("normalize_advantages", "reward_clip_range"))
                  if data.get(k) not in (None, False)]
         if given:
@@ -836,9 +852,13 @@ class RLConfig(Section):
         if not rloo:
             if data.get("loss_type") is None:
                 data["loss_type"] = "dapo"
-            if data["loss_type"] == "sapo":  # TRL's defaults
-                for key, value in (("sapo_temperature_pos", 1.0), ("sapo_temperature_neg", 1.05)):
-                    data[key] = value if data.get(key) is None else data[key]
+            for loss, keys in LOSS_KEYS.items():  # a loss's own keys: TRL's defaults with it, refused without
+                if data["loss_type"] == loss:
+                    data.update({k: v for k, v in keys.items() if data.get(k) is None})
+                elif given := [k for k in keys if data.get(k) is not None]:
+                    raise ValueError(f"rl.{given[0]} is read by rl.loss_type {loss}, and this recipe runs "
+                                     f"{data['loss_type']}: remove {', '.join('rl.' + k for k in given)} (or set "
+                                     f"rl.loss_type={loss})")
             if data.get("multi_objective_aggregation") == "normalize_then_sum" and data.get("scale_rewards"):
                 raise ValueError(f"rl.scale_rewards={data['scale_rewards']} is not read with "
                                  "rl.multi_objective_aggregation=normalize_then_sum (each reward is normalised in its "
@@ -869,14 +889,15 @@ class RLConfig(Section):
         if self.loss_type == "cispo" and self.delta is not None:
             raise ValueError("rl.delta caps PPO's unclipped ratio, which rl.loss_type cispo has not (its weight is the "
                              "ratio capped at rl.epsilon_high already): remove rl.delta")
-        if self.loss_type == "sapo":
+        if self.loss_type in LOSS_KEYS:
             given = [k for k in ("epsilon_high", "delta") if getattr(self, k) is not None]
             if given:
-                raise ValueError(f"rl.{given[0]} bounds PPO's clip, which rl.loss_type sapo replaces by a smooth gate "
-                                 f"(rl.sapo_temperature_pos / _neg): remove {', '.join('rl.' + k for k in given)}")
-        elif self.sapo_temperature_pos is not None or self.sapo_temperature_neg is not None:
-            raise ValueError(f"rl.sapo_temperature_pos / _neg are read by rl.loss_type sapo, and this recipe runs "
-                             f"{self.loss_type}: remove them (or set rl.loss_type=sapo)")
+                raise ValueError(f"rl.{given[0]} bounds PPO's clip, which rl.loss_type {self.loss_type} replaces by a "
+                                 f"smooth weight (rl.{', rl.'.join(LOSS_KEYS[self.loss_type])}): remove "
+                                 f"{', '.join('rl.' + k for k in given)}")
+        if self.loss_type == "vespo" and self.importance_sampling_level == "sequence":
+            raise ValueError("rl.loss_type vespo weighs each completion by its whole ratio already, from its tokens' "
+                             "log-ratios: remove rl.importance_sampling_level (TRL warns it should be token)")
         return self
 
     @model_validator(mode="after")

@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from llmtrain.objectives.grpo import (group_advantages, loss_units, off_policy_keep, sequence_log_ratios, token_losses,
-                                      token_weights)
+                                      token_weights, vespo_weights)
 
 trl = pytest.importorskip("trl")
 
@@ -132,7 +132,8 @@ def test_loss_and_gradients_equal_trls_grpo_trainer(tiny_assets, tmp_path, loss_
     ("cispo", 1.02, "token", 0.04, None, None), ("sapo", None, "token", 0.0, None, None),
     ("sapo", None, "token", 0.04, None, None), ("dapo", None, "token", 0.04, None, -0.3),
     ("grpo", None, "sequence", 0.0, None, -0.3), ("luspo", None, "sequence", 0.0, None, None),
-    ("luspo", 0.28, "sequence", 0.04, None, None)])
+    ("luspo", 0.28, "sequence", 0.04, None, None), ("vespo", None, "token", 0.0, None, None),
+    ("vespo", None, "token", 0.04, None, None)])
 def test_a_later_update_of_a_round_equals_trls_with_its_old_logps(tiny_assets, tmp_path, loss_type, epsilon_high,
                                                                   level, beta, delta, masked):
     """rl.num_iterations > 1: a round's later update divides by the log-probabilities of the policy that sampled
@@ -147,7 +148,9 @@ def test_a_later_update_of_a_round_equals_trls_with_its_old_logps(tiny_assets, t
     completion's mean as grpo; nothing clipped, no clip metric (TRL logs none). `masked`: rl.off_policy_mask_threshold
     (DeepSeek-V3.2's off-policy sequence masking), at -0.3 so that it binds on these random moves (the completions'
     mean drifts are -0.54 to 0.17): one of the two completions with a negative advantage loses its policy term.
-    luspo: GSPO's ratio, each completion's token sum, the mean over completions."""
+    luspo: GSPO's ratio, each completion's token sum, the mean over completions. vespo: each completion's gamma
+    weight of its whole ratio (TRL's defaults k 2 / 3, lambda 3 / 2) on its tokens' policy gradient, and TRL's
+    vespo/phi_seq_mean."""
     from llmtrain.data.batching import collate, with_loss_positions
     from llmtrain.data.formats import IGNORE
     from llmtrain.model.loss import attach_loss, compute_loss
@@ -194,6 +197,8 @@ def test_a_later_update_of_a_round_equals_trls_with_its_old_logps(tiny_assets, t
     lengths = torch.bincount(completion, minlength=len(COMPLETIONS))
     log_ratio = (sequence_log_ratios(logps, old, completion, lengths.float()[completion], len(COMPLETIONS))
                  if level == "sequence" else None)
+    phi = (vespo_weights(logps, old, advantages[completion], completion, len(COMPLETIONS), k=(2.0, 3.0),
+                         lam=(3.0, 2.0)) if loss_type == "vespo" else None)
     keep = None
     if masked is not None:
         keep = off_policy_keep(logps, old, advantages[completion], completion, lengths.float()[completion],
@@ -203,12 +208,21 @@ def test_a_later_update_of_a_round_equals_trls_with_its_old_logps(tiny_assets, t
     loss, _, clipped = token_losses(logps, advantages[completion], old_logps=old, ref_logps=ref, epsilon=0.2,
                                     epsilon_high=epsilon_high, beta=beta, log_ratio=log_ratio, delta=delta,
                                     cispo=loss_type == "cispo", sapo=(1.0, 1.05) if loss_type == "sapo" else None,
-                                    keep=keep)
+                                    keep=keep, weights=phi)
     ours = (loss * token_weights(completion, lengths, loss_type)).sum() / loss_units(
         lengths, loss_type, max_completion_tokens=MAX_COMPLETION)
     ours.backward()
-    assert ours.item() == pytest.approx(theirs.item(), abs=1e-6)
-    if loss_type == "sapo":  # the gate is not PPO's clip: grpo's loss on the same tokens is another
+    # vespo: each token's whole loss (about -4.6 a log-probability here) scaled by phi, exp of k x its completion's
+    # summed log-ratios: the two sides' old log-probabilities, 1e-7 apart by their forwards' rounding, move it 1e-6
+    assert ours.item() == (pytest.approx(theirs.item(), rel=5e-6) if loss_type == "vespo" else
+                           pytest.approx(theirs.item(), abs=1e-6))
+    if loss_type == "vespo":  # the weights moved off 1, each completion's its own
+        per_completion = torch.zeros(len(COMPLETIONS)).index_add(0, completion, phi / lengths.float()[completion])
+        # rel 5e-6: phi is exp of k x a sum of log-ratios (measured 1.1e-6 apart: the float32 sums' order)
+        assert per_completion.mean().item() == pytest.approx(trainer._metrics["train"]["vespo/phi_seq_mean"][-1],
+                                                             rel=5e-6)
+        assert len({round(x, 4) for x in per_completion.tolist()}) == len(COMPLETIONS) and (phi - 1).abs().max() > 1e-3
+    elif loss_type == "sapo":  # the gate is not PPO's clip: grpo's loss on the same tokens is another
         plain, _, _ = token_losses(logps.detach(), advantages[completion], old_logps=old, ref_logps=ref, epsilon=0.2,
                                    beta=beta)
         assert (plain - loss.detach()).abs().max().item() > 1e-4 and not clipped.any()
@@ -222,7 +236,7 @@ def test_a_later_update_of_a_round_equals_trls_with_its_old_logps(tiny_assets, t
     share = 1.0 / lengths.float()[completion]  # a completion's clipped share (sequence), else a token's
     clip = (clipped * share).sum() / share.sum() if level == "sequence" else clipped.float().mean()
     metric = "cispo_clip_ratio" if loss_type == "cispo" else "clip_ratio/region_mean"
-    if loss_type != "sapo":
+    if loss_type not in ("sapo", "vespo"):
         assert clip.item() == pytest.approx(trainer._metrics["train"][metric][-1])
     # TRL's entropy metric: the policy's mean entropy over the completion tokens
     assert entropy.mean().item() == pytest.approx(trainer._metrics["train"]["entropy"][-1], abs=1e-5)

@@ -450,7 +450,8 @@ def test_ratio_keys_that_cannot_bind_with_one_update_a_round_are_said(tiny_asset
 def test_cispo_trains_every_token_and_logs_the_share_above_its_cap(straight, tmp_path):
     """rl.loss_type cispo in rounds of 2 with the cap just above 1: step 2 (the round's second update) logs TRL's
     cispo_clip_ratio, tokens above the cap with a positive advantage, and not PPO's clip_ratio; the weights move at
-    each update; without epsilon_high the recipe is refused, naming ScaleRL's 5.0."""
+    each update; without epsilon_high the recipe is refused, naming ScaleRL's 5.0. sapo and vespo in rounds of 2 log
+    no clip share; vespo its mean weight, 1 until the ratio moves."""
     recipe, _, _ = straight
     run = tmp_path / "cispo"
     run_train(recipe, f"output_dir={run}", "train.max_steps=2", "rl.loss_type=cispo", "rl.epsilon_high=1.0001",
@@ -467,6 +468,13 @@ def test_cispo_trains_every_token_and_logs_the_share_above_its_cap(straight, tmp
     lines = records(soft)
     assert all("clip_ratio/region_mean" not in r and "cispo_clip_ratio" not in r for r in lines)
     assert lines[1]["grad_norm"] > 0 and lines[1]["loss"] != pytest.approx(second["loss"], abs=1e-6)
+    # vespo, in rounds of 2: TRL's vespo/phi_seq_mean, 1 where the ratio is (the round's first update), then not
+    gamma = tmp_path / "vespo"
+    run_train(recipe, f"output_dir={gamma}", "train.max_steps=2", "rl.loss_type=vespo", "rl.num_iterations=2",
+              "train.lr=0.01")
+    first_v, second_v = records(gamma)
+    assert first_v["vespo/phi_seq_mean"] == pytest.approx(1.0, abs=1e-6)
+    assert abs(second_v["vespo/phi_seq_mean"] - 1.0) > 1e-4 and "clip_ratio/region_mean" not in second_v
 
 
 def killed_and_resumed_within_a_round(recipe: Path, full: Path, cut: Path) -> None:

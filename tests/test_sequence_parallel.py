@@ -399,7 +399,9 @@ RL = {"num_generations": 4, "max_completion_tokens": 8, "temperature": 1.0, "bet
 # grpo: GSPO's ratio a completion (its mean log-ratio summed over the slices, each slice's loss reading it), and
 # off-policy sequence masking at 0 (a completion's mean drift summed over the slices alike)
 ONLINE = {"grpo": {"loss_type": "grpo", "importance_sampling_level": "sequence", "off_policy_mask_threshold": 0.0},
-          "rloo": {"algorithm": "rloo", "normalize_advantages": True}}
+          "rloo": {"algorithm": "rloo", "normalize_advantages": True},
+          # vespo: a completion's weight from its tokens' summed log-ratios over the slices
+          "vespo": {"loss_type": "vespo"}}
 
 
 SUMS = """
@@ -445,8 +447,9 @@ def test_a_sum_over_the_slices_gives_each_part_the_gradient_of_the_loss_it_feeds
 # sharded over both processes
 @pytest.mark.parametrize("algorithm, config", [("grpo", CPU_DDP),
                                                ("rloo", CPU_DDP),
+                                               ("vespo", CPU_DDP),
                                                pytest.param("rloo", CPU_FSDP, marks=pytest.mark.extended)],
-                         ids=["grpo", "rloo", "rloo-fsdp"])
+                         ids=["grpo", "rloo", "vespo", "rloo-fsdp"])
 def test_online_rl_on_two_processes_of_one_sequence_samples_and_trains_what_one_process_does(tiny_assets, tmp_path,
                                                                                              free_port, algorithm,
                                                                                              config):
@@ -473,8 +476,11 @@ def test_online_rl_on_two_processes_of_one_sequence_samples_and_trains_what_one_
     assert [r["advantage"] for r in ours] == pytest.approx([r["advantage"] for r in theirs], abs=1e-6)
     _assert_equal(two, one, weights=5e-5)  # Adam at lr 1e-2 over a rounding-size difference of the gradients
     mine, reference = records(two), records(one)
-    for key in ("kl", "reward", "reward_std", "completions/mean_length", "clip_ratio/region_mean"):
+    for key in ("kl", "reward", "reward_std", "completions/mean_length", "clip_ratio/region_mean",
+                "vespo/phi_seq_mean"):
         assert [r.get(key) for r in mine] == pytest.approx([r.get(key) for r in reference], abs=1e-6), key
+    if algorithm == "vespo":  # the round's second update weighs by a moved ratio, summed over the slices
+        assert abs(reference[1]["vespo/phi_seq_mean"] - 1) > 1e-4
     # every slice's tokens' (RLOO's counted the first slice's alone before)
     assert [r["entropy"] for r in mine] == pytest.approx([r["entropy"] for r in reference], rel=1e-6)
     assert any(abs(r.get("kl", 0)) > 1e-6 for r in reference)  # not vacuous: the policy moved from its reference

@@ -22,12 +22,13 @@ process, so any split over micro-batches and processes gives the same loss and g
   max_completion_tokens.
 - luspo (TRL's; GSPO's loss with each completion weighed by its length): the sum over each completion's tokens,
   then the mean over completions: tokens weigh 1, units = completions.
-- cispo (MiniMax-M1's, TRL's): normalised as dapo; sapo (TRL's): normalised as grpo; each its own token loss
-  (`token_losses`).
+- cispo (MiniMax-M1's, TRL's) and vespo (TRL's): normalised as dapo; sapo (TRL's): normalised as grpo; each its
+  own token loss (`token_losses`).
 """
 
 from __future__ import annotations
 
+import math
 from typing import Literal
 
 import torch
@@ -36,7 +37,7 @@ from llmtrain.data.batching import Counts, batch_weight
 from llmtrain.model.generate import Stops
 from llmtrain.objectives.rollouts import all_here, clipped_surrogate, completion_rows, here, sample, sampling
 
-LossType = Literal["dapo", "grpo", "dr_grpo", "cispo", "sapo", "luspo"]
+LossType = Literal["dapo", "grpo", "dr_grpo", "cispo", "sapo", "luspo", "vespo"]
 STD_EPS = 1e-4  # TRL's: a group whose rewards are all equal gets advantages 0, not a division by zero
 
 
@@ -92,7 +93,7 @@ def token_losses(logps: torch.Tensor, advantages: torch.Tensor, *, old_logps: to
                  ref_logps: torch.Tensor | None = None, epsilon: float, epsilon_high: float | None = None,
                  beta: float = 0.0, log_ratio: torch.Tensor | None = None, delta: float | None = None,
                  cispo: bool = False, sapo: tuple[float, float] | None = None, keep: torch.Tensor | None = None,
-                 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
+                 weights: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
     """Per completion token: (loss, k3 KL to the reference or None, clipped: whether the ratio was clipped where it
     mattered). `advantages` are per token (each completion's, repeated over its tokens). old_logps None: the
     policy that sampled is this one (one update a generation round), so the ratio is exp(logps - logps.detach()).
@@ -103,10 +104,15 @@ def token_losses(logps: torch.Tensor, advantages: torch.Tensor, *, old_logps: to
     clipped: the ratio above the cap with A > 0. sapo (Soft Adaptive Policy Optimization, TRL's): (temperature for
     A > 0, for A <= 0); PPO's hard clip replaced by a smooth gate, -sigmoid(t (ratio - 1)) 4 / t A, whose gradient
     at ratio 1 is the plain policy gradient's and fades as the ratio moves away; nothing is clipped. `keep`: the
-    tokens whose policy term counts (rl.off_policy_mask_threshold: off_policy_keep), the KL term counting for all."""
+    tokens whose policy term counts (rl.off_policy_mask_threshold: off_policy_keep), the KL term counting for all.
+    `weights` (vespo: vespo_weights, no gradient): the policy gradient -weights A log p; nothing is clipped."""
     if log_ratio is None:
         log_ratio = logps - (logps.detach() if old_logps is None else old_logps)
-    if sapo is not None:
+    if weights is not None:
+        ratio = torch.exp(log_ratio)
+        loss = -weights * advantages * logps
+        clipped = torch.zeros_like(ratio, dtype=torch.bool)
+    elif sapo is not None:
         ratio = torch.exp(log_ratio)
         t = torch.where(advantages > 0, sapo[0], sapo[1])
         loss = -torch.sigmoid(t * (ratio - 1)) * 4 / t * advantages
@@ -153,6 +159,25 @@ def off_policy_keep(logps: torch.Tensor, old_logps: torch.Tensor, advantages: to
     return ((advantages >= 0) | (drift <= threshold)).to(logps.dtype)
 
 
+@torch.no_grad()
+def vespo_weights(logps: torch.Tensor, old_logps: torch.Tensor | None, advantages: torch.Tensor,
+                  completion: torch.Tensor, n: int, *, k: tuple[float, float], lam: tuple[float, float],
+                  group_sum=None) -> torch.Tensor:
+    """VESPO's weight (TRL's get_gamma_weights) per completion token: phi(w) = e^lam w^k e^(-lam w), 1 at w = 1, of
+    its completion's whole ratio w = exp(the sum of its tokens' log-ratios, each clamped to +-20, the sum to
+    [log 1e-8, 20]); k and lam (for an advantage >= 0, for one < 0). old_logps None: w = 1. `group_sum`: under
+    sequence parallelism the sum of a completion's parts over the slices."""
+    log_ratio = (logps - (logps if old_logps is None else old_logps)).clamp(-20.0, 20.0)
+    sums = log_ratio.new_zeros(n).index_add(0, completion, log_ratio)
+    if group_sum is not None:
+        sums = group_sum(sums)
+    log_w = sums.clamp(math.log(1e-8), 20.0)[completion]
+    nonneg = advantages >= 0
+    k_ = torch.where(nonneg, k[0], k[1])
+    lam_ = torch.where(nonneg, lam[0], lam[1]).clamp(min=1e-4)
+    return torch.exp(lam_ + k_ * log_w - lam_ * log_w.exp()).nan_to_num(nan=0.0, posinf=0.0, neginf=0.0)
+
+
 def token_weights(completion: torch.Tensor, lengths: torch.Tensor, loss_type: LossType) -> torch.Tensor:
     """Each completion token's weight in the loss sum: 1 / its completion's length for grpo (and sapo), else 1.
     `completion` maps each token to its completion, `lengths` counts each completion's tokens."""
@@ -163,9 +188,9 @@ def token_weights(completion: torch.Tensor, lengths: torch.Tensor, loss_type: Lo
 
 def loss_units(lengths: torch.Tensor, loss_type: LossType, *, max_completion_tokens: int) -> float:
     """What the summed loss of these completions is divided by, summed over the whole window on every process:
-    completion tokens (dapo, cispo), completions (grpo, sapo, luspo), completions x max_completion_tokens
+    completion tokens (dapo, cispo, vespo), completions (grpo, sapo, luspo), completions x max_completion_tokens
     (dr_grpo)."""
-    if loss_type in ("dapo", "cispo"):
+    if loss_type in ("dapo", "cispo", "vespo"):
         return float(lengths.sum())
     if loss_type in ("grpo", "sapo", "luspo"):
         return float(len(lengths))
@@ -198,8 +223,9 @@ ROLLOUT_STATS = ["completions", "reward", "reward_squares", "scored", "zero_std"
                  "tool_calls", "tool_failures", "trained"]
 # clipped and sequences: each token's share of its completion (1 / its tokens), so they add up to completions over
 # any split of the tokens (importance_sampling_level sequence logs the clipped share of completions, as TRL)
-# entropy: the policy's, summed over the completion tokens (TRL's `entropy`, their mean)
-LOSS_STATS = ["kl", "clipped_tokens", "tokens", "clipped", "sequences", "entropy"]
+# entropy: the policy's, summed over the completion tokens (TRL's `entropy`, their mean); phi: vespo's weight, each
+# token's share of it (its completion's phi, summed)
+LOSS_STATS = ["kl", "clipped_tokens", "tokens", "clipped", "sequences", "entropy", "phi"]
 
 
 class GRPO:
@@ -568,15 +594,18 @@ class GRPO:
         keep = (off_policy_keep(logps, old, batch["loss_advantages"], batch["loss_example"], batch["loss_lengths"],
                                 batch["completions"], threshold=rl.off_policy_mask_threshold, group_sum=self.shared_sum)
                 if rl.off_policy_mask_threshold is not None and old is not None else None)
+        phi = (vespo_weights(logps, old, batch["loss_advantages"], batch["loss_example"], batch["completions"],
+                             k=(rl.vespo_k_pos, rl.vespo_k_neg), lam=(rl.vespo_lambda_pos, rl.vespo_lambda_neg),
+                             group_sum=self.shared_sum) if rl.loss_type == "vespo" else None)
         losses, kl, clipped = token_losses(logps, batch["loss_advantages"], old_logps=old, ref_logps=ref,
                                            epsilon=rl.epsilon, epsilon_high=rl.epsilon_high, beta=rl.beta,
                                            log_ratio=log_ratio, delta=rl.delta, cispo=rl.loss_type == "cispo",
                                            sapo=((rl.sapo_temperature_pos, rl.sapo_temperature_neg)
-                                                 if rl.loss_type == "sapo" else None), keep=keep)
+                                                 if rl.loss_type == "sapo" else None), keep=keep, weights=phi)
         with torch.no_grad():
             stats = torch.stack([kl.sum() if kl is not None else logps.new_zeros(()), clipped.float().sum(),
                                  logps.new_tensor(float(logps.numel())), (clipped * share).sum(), share.sum(),
-                                 entropy.sum()])
+                                 entropy.sum(), (phi * share).sum() if phi is not None else logps.new_zeros(())])
         return (losses * batch["loss_weights"]).sum(), torch.cat([rollout, stats])
 
     def _reward_metrics(self, s: dict, n: float) -> dict[str, float]:
@@ -598,7 +627,10 @@ class GRPO:
                 s["clipped_tokens"] / tokens)
         name = "cispo_clip_ratio" if self.rl.loss_type == "cispo" else "clip_ratio/region_mean"  # TRL's names
         return {**({"kl": s["kl"] / tokens} if self.rl.beta else {}),
-                **({name: clip} if self.rl.loss_type != "sapo" else {}),  # sapo clips nothing (TRL logs none)
+                # sapo and vespo clip nothing (TRL logs no clip share): vespo's mean weight a completion instead
+                **({} if self.rl.loss_type == "sapo" else
+                   {"vespo/phi_seq_mean": s["phi"] / max(s["sequences"], 1e-9)} if self.rl.loss_type == "vespo" else
+                   {name: clip}),
                 "entropy": s["entropy"] / tokens}
 
     def step_metrics(self, stats: list[float], units: float) -> dict[str, float]:
