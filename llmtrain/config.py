@@ -779,6 +779,10 @@ class RLConfig(Section):
         None, description="grpo only (TRL's): group (the default), advantages are (reward - group mean) / group std; "
         "batch, (reward - group mean) / the std of the step's rewards over every process (PPO Lite); none, reward - "
         "group mean (Dr. GRPO). rloo: unset (see normalize_advantages).")
+    use_bias_correction_kl: bool | None = Field(
+        None, description="grpo only (TRL's, default true): the KL term times the ratio to the policy that sampled (1 "
+        "in value, not in gradient), so that its gradient is the unbiased reverse KL's (DeepSeek-V3.2); false: the "
+        "k3 term alone, as TRL before 1.16 and most papers. Acts only with rl.beta > 0.")
     off_policy_mask_threshold: float | None = Field(
         None, ge=0, allow_inf_nan=False, description="grpo only (TRL's; DeepSeek-V3.2's off-policy sequence "
         "masking): a completion with a negative advantage whose policy has drifted from the one that sampled it by "
@@ -842,9 +846,10 @@ class RLConfig(Section):
         if data.get("beta") is None:
             data["beta"] = 0.05 if rloo else 0.0
         grpo_only = ("loss_type", "scale_rewards", "importance_sampling_level", "delta", "multi_objective_aggregation",
-                     "off_policy_mask_threshold", *(k for keys in LOSS_KEYS.values() for k in keys))
-        given = [k for k in (grpo_only if rloo else ("normalize_advantages", "reward_clip_range"))
-                 if data.get(k) not in (None, False)]
+                     "off_policy_mask_threshold", "use_bias_correction_kl",
+                     *(k for keys in LOSS_KEYS.values() for k in keys))
+        given = ([k for k in grpo_only if data.get(k) is not None] if rloo else  # every grpo key's default is None
+                 [k for k in ("normalize_advantages", "reward_clip_range") if data.get(k) not in (None, False)])
         if given:
             mine, theirs = ("rloo", "grpo") if rloo else ("grpo", "rloo")
             raise ValueError(f"rl.{given[0]} is read by rl.algorithm: {theirs}, and this recipe runs {mine}: remove "
@@ -865,6 +870,8 @@ class RLConfig(Section):
                                  "group, and their sum over the step): remove rl.scale_rewards")
             if data.get("multi_objective_aggregation") is None:
                 data["multi_objective_aggregation"] = "sum_then_normalize"
+            if data.get("use_bias_correction_kl") is None:
+                data["use_bias_correction_kl"] = True
             if data.get("scale_rewards") is None:
                 data["scale_rewards"] = "group"
             if data.get("importance_sampling_level") is None:  # luspo is GSPO's (TRL warns where it is not)

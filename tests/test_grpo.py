@@ -71,7 +71,8 @@ def padded_inputs(prompts, completions, advantages, pad: int) -> dict:
             "num_items_in_batch": completion_mask.sum()}
 
 
-def packed_loss(model, prompts, completions, advantages, *, loss_type: str, beta: float, ref_model=None):
+def packed_loss(model, prompts, completions, advantages, *, loss_type: str, beta: float, ref_model=None,
+                kl_ratio: bool = True):
     """llmtrain's: the sequences packed into one row, per-token log-probabilities from the chunked loss."""
     from llmtrain.data.batching import collate, with_loss_positions
     from llmtrain.data.formats import IGNORE
@@ -88,21 +89,24 @@ def packed_loss(model, prompts, completions, advantages, *, loss_type: str, beta
         with torch.no_grad():
             attach_loss(ref_model, chunk=4096)
             ref = -compute_loss(ref_model, batch, per_token=True).float()
-    loss, _, _ = token_losses(logps, advantages[completion], ref_logps=ref, epsilon=0.2, epsilon_high=0.2, beta=beta)
+    loss, _, _ = token_losses(logps, advantages[completion], ref_logps=ref, epsilon=0.2, epsilon_high=0.2, beta=beta,
+                              kl_ratio=kl_ratio)
     total = (loss * token_weights(completion, lengths, loss_type)).sum()
     return total / loss_units(lengths, loss_type, max_completion_tokens=MAX_COMPLETION)
 
 
-@pytest.mark.parametrize("beta", [0.0, 0.04])
+@pytest.mark.parametrize("beta, correction", [(0.0, True), (0.04, True), (0.04, False)])
 @pytest.mark.parametrize("loss_type", ["dapo", "grpo", "dr_grpo"])
-def test_loss_and_gradients_equal_trls_grpo_trainer(tiny_assets, tmp_path, loss_type, beta):
+def test_loss_and_gradients_equal_trls_grpo_trainer(tiny_assets, tmp_path, loss_type, beta, correction):
     """Two copies of one model, TRL's (its trainer patches the forward) and llmtrain's (attach_loss patches it);
     with beta, a reference that differs from the policy (so the KL term is not 0), loaded into TRL's own ref_model
-    and used by llmtrain as its reference forward."""
+    and used by llmtrain as its reference forward; with TRL's use_bias_correction_kl (the KL term times the ratio:
+    its gradient, not its value) and without (rl.use_bias_correction_kl: false), whose gradients differ."""
     prompts = [[1] + PROMPTS[i // 2] for i in range(4)]
     advantages = torch.tensor([0.7, -0.7, 1.2, -1.2])
     theirs_model, ours_model, reference = two_copies_and_a_moved_one(tiny_assets, 0.01)
     trainer = trl_trainer(theirs_model, tiny_assets, tmp_path, loss_type=loss_type, beta=beta)
+    trainer.args.use_bias_correction_kl = correction
     inputs = padded_inputs(prompts, COMPLETIONS, advantages, pad=trainer.processing_class.pad_token_id)
     if beta:
         trainer.ref_model.load_state_dict(reference.state_dict())
@@ -116,8 +120,14 @@ def test_loss_and_gradients_equal_trls_grpo_trainer(tiny_assets, tmp_path, loss_
     their_grads = {n: p.grad for n, p in theirs_model.named_parameters()}
 
     ours = packed_loss(ours_model, prompts, COMPLETIONS, advantages, loss_type=loss_type, beta=beta,
-                       ref_model=reference.eval())
+                       ref_model=reference.eval(), kl_ratio=correction)
     ours.backward()
+    if beta:  # not vacuous: the other setting's gradient is another
+        other = tiny_model(tiny_assets)
+        packed_loss(other, prompts, COMPLETIONS, advantages, loss_type=loss_type, beta=beta,
+                    ref_model=reference.eval(), kl_ratio=not correction).backward()
+        assert max((p.grad - q.grad).abs().max().item()
+                   for p, q in zip(other.parameters(), ours_model.parameters())) > 1e-5
     assert ours.item() == pytest.approx(theirs.item(), abs=1e-6)
     assert max(g.abs().max().item() for g in their_grads.values()) > 1e-3  # a gradient to compare, not zeros
     worst = max((p.grad - their_grads[n]).abs().max().item() for n, p in ours_model.named_parameters())

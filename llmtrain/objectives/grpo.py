@@ -93,7 +93,8 @@ def token_losses(logps: torch.Tensor, advantages: torch.Tensor, *, old_logps: to
                  ref_logps: torch.Tensor | None = None, epsilon: float, epsilon_high: float | None = None,
                  beta: float = 0.0, log_ratio: torch.Tensor | None = None, delta: float | None = None,
                  cispo: bool = False, sapo: tuple[float, float] | None = None, keep: torch.Tensor | None = None,
-                 weights: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
+                 weights: torch.Tensor | None = None, kl_ratio: bool = True,
+                 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
     """Per completion token: (loss, k3 KL to the reference or None, clipped: whether the ratio was clipped where it
     mattered). `advantages` are per token (each completion's, repeated over its tokens). old_logps None: the
     policy that sampled is this one (one update a generation round), so the ratio is exp(logps - logps.detach()).
@@ -105,7 +106,8 @@ def token_losses(logps: torch.Tensor, advantages: torch.Tensor, *, old_logps: to
     A > 0, for A <= 0); PPO's hard clip replaced by a smooth gate, -sigmoid(t (ratio - 1)) 4 / t A, whose gradient
     at ratio 1 is the plain policy gradient's and fades as the ratio moves away; nothing is clipped. `keep`: the
     tokens whose policy term counts (rl.off_policy_mask_threshold: off_policy_keep), the KL term counting for all.
-    `weights` (vespo: vespo_weights, no gradient): the policy gradient -weights A log p; nothing is clipped."""
+    `weights` (vespo: vespo_weights, no gradient): the policy gradient -weights A log p; nothing is clipped.
+    kl_ratio (rl.use_bias_correction_kl): the KL term times the ratio (False: the k3 term alone, TRL before 1.16)."""
     if log_ratio is None:
         log_ratio = logps - (logps.detach() if old_logps is None else old_logps)
     if weights is not None:
@@ -132,7 +134,7 @@ def token_losses(logps: torch.Tensor, advantages: torch.Tensor, *, old_logps: to
         kl = torch.exp(delta) - delta - 1  # k3: unbiased, always >= 0
         # times the ratio (1 in value, not in gradient): the unbiased reverse-KL gradient of DeepSeek-V3.2, TRL
         # 1.16's default (use_bias_correction_kl)
-        loss = loss + beta * kl * ratio
+        loss = loss + beta * kl * (ratio if kl_ratio else 1.0)
     return loss, kl, clipped
 
 
@@ -601,7 +603,8 @@ class GRPO:
                                            epsilon=rl.epsilon, epsilon_high=rl.epsilon_high, beta=rl.beta,
                                            log_ratio=log_ratio, delta=rl.delta, cispo=rl.loss_type == "cispo",
                                            sapo=((rl.sapo_temperature_pos, rl.sapo_temperature_neg)
-                                                 if rl.loss_type == "sapo" else None), keep=keep, weights=phi)
+                                                 if rl.loss_type == "sapo" else None), keep=keep, weights=phi,
+                                           kl_ratio=rl.use_bias_correction_kl)
         with torch.no_grad():
             stats = torch.stack([kl.sum() if kl is not None else logps.new_zeros(()), clipped.float().sum(),
                                  logps.new_tensor(float(logps.numel())), (clipped * share).sum(), share.sum(),
