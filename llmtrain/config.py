@@ -1314,3 +1314,15 @@ def _sections_made(data: dict, overrides: list[str]) -> set[str]:
                 break
             node = node[part]
     return made
+
+
+def reference_kind(recipe: Recipe) -> str:
+    """Where a preference run's reference log-probabilities come from: adapter, precomputed or none. On pipeline
+    stages a LoRA run's is precomputed by default, with the adapter disabled, once and cached (an explicit adapter
+    runs them through the stages before each step: preference.StagePairs.prepare)."""
+    p = recipe.preference
+    if p.reference != "auto":
+        return p.reference
+    if p.loss in REFERENCE_FREE:
+        return "none"
+    return "adapter" if recipe.lora is not None and recipe.parallel.pipeline_parallel == 1 else "precomputed"

@@ -96,6 +96,8 @@ class Traffic:
     compute_s: float  # the step's model FLOPs at the stated MFU, plus sampling_s
     network: Network
     sampling_s: float = 0.0  # online RL: the step's sampling (sampling_seconds), part of compute_s
+    forwards_s: float = 0.0  # the step's no-grad forwards (no_grad_seconds), part of compute_s
+    forwards_what: str = ""  # whose (no_grad_forwards' words)
     sequence: SequenceTraffic | None = None  # sequence parallelism's all-to-alls (also among the parts)
     pipeline: PipelineTraffic | None = None  # a pipeline stage's boundary sends (the parts' last) and its bubble
 
@@ -143,7 +145,8 @@ class Traffic:
     def to_dict(self) -> dict:
         return {"intra_node_bytes": round(self.intra_bytes), "inter_node_bytes": round(self.inter_bytes),
                 "intra_node_s": self.intra_s, "inter_node_s": self.inter_s, "compute_s": self.compute_s,
-                "sampling_s": self.sampling_s, "network_bound": self.network_bound,
+                "sampling_s": self.sampling_s, "no_grad_forwards_s": self.forwards_s,
+                "network_bound": self.network_bound,
                 "sequence_parallel": self.sequence.to_dict(self.network) if self.sequence else None,
                 "pipeline": self.pipeline.to_dict(self.network) if self.pipeline else None, "step_s": self.step_s,
                 "parts": [{"what": w, "intra_node_bytes": round(a), "inter_node_bytes": round(b)}
@@ -367,6 +370,63 @@ def step_flops(shape: ModelShape, spec: TrainSpec, trainable_linear_share: float
     return (tokens * (body + head) + attn) / spec.sequence_parallel
 
 
+def forward_flops(shape: ModelShape, spec: TrainSpec) -> float:
+    """Model FLOPs of one no-grad forward of a model of `shape` over one GPU's sequences of an optimizer step: 2 per
+    matrix parameter (the head's among them) per token, and attention's 2 L heads head_dim per l^2, a third of
+    step_flops' frozen terms; under sequence parallelism a GPU's 1/N."""
+    tokens = spec.tokens * spec.grad_accum_steps
+    attn = 2.0 * shape.attention_width_total * tokens * min(spec.seq_len, spec.tokens)
+    matrices = shape.active_params_total + shape.head_outputs * shape.hidden
+    return (2.0 * tokens * matrices + attn) / spec.sequence_parallel
+
+
+def recompute_flops(shape: ModelShape, spec: TrainSpec) -> float:
+    """FLOPs a training step runs beyond step_flops' (which MFU counts): the loss chunks' LM head again in backward
+    (loss.compute_loss checkpoints each chunk), and with gradient checkpointing the decoder layers' forward again."""
+    tokens = spec.tokens * spec.grad_accum_steps
+    flops = 2.0 * tokens * shape.head_outputs * shape.hidden
+    if spec.gradient_checkpointing:
+        flops += 2.0 * tokens * shape.active_params_total + 2.0 * shape.attention_width_total * tokens * min(
+            spec.seq_len, spec.tokens)
+    return flops / spec.sequence_parallel
+
+
+def no_grad_seconds(shape: ModelShape, spec: TrainSpec, network: Network, trainable_linear_share: float) -> float:
+    """The step's no-grad forwards (no_grad_flops) in seconds. MFU counts the step's model FLOPs (step_flops), not
+    what it recomputes, so at the stated MFU the device runs (step + recompute) / step times that many FLOPs a
+    second; a forward outside the step's runs at that rate."""
+    flops = no_grad_flops(shape, spec)
+    if not flops:
+        return 0.0
+    step = step_flops(shape, spec, trainable_linear_share)
+    rate = network.peak_tflops * 1e12 * network.mfu * (step + recompute_flops(shape, spec)) / step
+    return flops / rate
+
+
+def no_grad_flops(shape: ModelShape, spec: TrainSpec) -> float:
+    """Model FLOPs of the step's no-grad forwards beside its forward and backward, which MFU does not count and the
+    step still runs: spec.extra_forwards passes of the trained model's shape (a reference, KTO's KL sequences, online
+    RL's log-probabilities a round: spec.extra_forwards_of), a distillation teacher's forward over every sequence, and
+    each learned reward model's over the completions once a round (1 / num_iterations a step)."""
+    flops = spec.extra_forwards * forward_flops(shape, spec)
+    if spec.teacher is not None:
+        flops += forward_flops(spec.teacher, spec)
+    for model in spec.reward_models:
+        if model.shape is not None:
+            flops += forward_flops(model.shape, spec) / spec.num_iterations
+    return flops
+
+
+def no_grad_forwards(spec: TrainSpec) -> str:
+    """no_grad_flops' passes in words: '' where there are none."""
+    said = [spec.extra_forwards_what] if spec.extra_forwards else []
+    if spec.teacher is not None:
+        said.append("the teacher's over every sequence")
+    if any(m.shape is not None for m in spec.reward_models):
+        said.append("the reward models' once a round")
+    return "; ".join(said)
+
+
 def sampling_seconds(shape: ModelShape, spec: TrainSpec, *, weight_bytes: float, network: Network) -> float:
     """Online RL's sampling per optimizer step (0 without): grad_accum_steps micro-batches, each the prefill of the
     micro-batch's prompts (their model FLOPs, 2 per parameter per token, at the stated MFU) and
@@ -396,7 +456,8 @@ def traffic(shape: ModelShape, spec: TrainSpec, *, trained_params: int, trainabl
     gathered = gathered_bytes(shape, spec, trained_params=trained_params)
     share = 1.0 if spec.method == "full" else 0.0
     sampling = sampling_seconds(shape, spec, weight_bytes=weight_bytes, network=network)
-    compute = step_flops(shape, spec, share) / (network.peak_tflops * 1e12 * network.mfu) + sampling
+    forwards = no_grad_seconds(shape, spec, network, share)
+    compute = step_flops(shape, spec, share) / (network.peak_tflops * 1e12 * network.mfu) + forwards + sampling
     parts = data_parallel(spec, trainable_bytes=trainable_bytes, gathered=gathered,
                           activations=tensor_parallel_activations(shape, spec),
                           gathers=tensor_parallel_gathers(shape, spec))
@@ -406,7 +467,7 @@ def traffic(shape: ModelShape, spec: TrainSpec, *, trained_params: int, trainabl
         what = (f"all-to-all of q, k, v and the attention output in the sequence group of {sequence.group} ({within}), "
                 f"{sequence.passes} a layer x {spec.grad_accum_steps} micro-batches")
         parts += ((what, sequence.intra, sequence.inter),)
-    return Traffic(parts, compute, network, sampling, sequence)
+    return Traffic(parts, compute, network, sampling, forwards, no_grad_forwards(spec), sequence)
 
 
 def step_traffic(shape: ModelShape, spec: TrainSpec, network: Network = Network()) -> Traffic:

@@ -16,7 +16,7 @@ from dataclasses import dataclass, replace
 
 from llmtrain.errors import LLMTrainError
 from llmtrain.memory import estimate_run, traffic_run
-from llmtrain.memory.comms import Network, Traffic
+from llmtrain.memory.comms import Network, Traffic, forward_flops, no_grad_flops
 from llmtrain.memory.launch import shipped_config
 from llmtrain.memory.params import ModelShape
 from llmtrain.memory.spec import GIB, Estimate, TrainSpec
@@ -72,12 +72,16 @@ def with_size(spec: TrainSpec, n: int) -> TrainSpec:
     return spec.but(micro_batch_tokens=n) if spec.micro_batch_tokens else spec.but(micro_batch=n * spec.per_example)
 
 
-def throughput_score(spec: TrainSpec) -> float:
+def throughput_score(spec: TrainSpec, shape: ModelShape | None = None) -> float:
     """Relative tokens/s: GPUs x matmul utilisation at this micro-batch x strategy efficiency / work per
     token (6 units for a full fine-tune's forward and backward, 4 for LoRA's, which computes no weight
-    gradients for the base, plus 2 for the forward that gradient checkpointing repeats)."""
+    gradients for the base, plus 2 for the forward that gradient checkpointing repeats, and 2 for each no-grad
+    forward the step runs besides, in forwards of the trained model: a reference's, a teacher's; comms.no_grad_flops,
+    given the model's shape)."""
     utilisation = spec.gpu_tokens / (spec.gpu_tokens + HALF_SATURATION_TOKENS)
     work = (6 if spec.method == "full" else 4) + (2 if spec.gradient_checkpointing else 0)
+    if shape is not None:
+        work += 2 * no_grad_flops(shape, spec) / forward_flops(shape, spec)
     eff = STRATEGY_EFFICIENCY[spec.strategy] * (MULTI_NODE_EFFICIENCY if spec.num_nodes > 1 else 1.0)
     eff *= OFFLOAD_EFFICIENCY if spec.cpu_offload else 1.0
     # a pipeline idles in its bubble
@@ -171,7 +175,7 @@ def _search(shape: ModelShape, spec: TrainSpec, global_batch: int | None, networ
                 except LLMTrainError:  # a layout the run cannot take (activation offload without checkpointing,
                     continue  # the tiled MLP under FSDP, a sequence group the GPUs do not divide): not a candidate
                 if est is not None and not (accumulate == "unsharded" and est.spec.grad_accum_steps == 1):  # == sharded
-                    candidates.append(Candidate(est, throughput_score(est.spec),
+                    candidates.append(Candidate(est, throughput_score(est.spec, shape),
                                                 traffic_run(shape, est.spec, network)))
     note = None
     if global_batch and choices is None:
@@ -234,7 +238,8 @@ def pipeline_candidates(shape: ModelShape, spec: TrainSpec, global_batch: int | 
                 except LLMTrainError:  # not a layout the pipeline takes (LoRA, offload, fewer micro-batches than
                     continue  # 1F1B's stages, more stages than layers, ...)
                 if est is not None and fits_with_room(est):
-                    found.append(Candidate(est, throughput_score(est.spec), traffic_run(shape, est.spec, network)))
+                    found.append(Candidate(est, throughput_score(est.spec, shape),
+                                           traffic_run(shape, est.spec, network)))
             if found:
                 out.append(min(found, key=seconds_per_token))
     return out

@@ -24,8 +24,11 @@ from llmtrain.memory.comms import (
     Network,
     PipelineTraffic,
     Traffic,
+    forward_flops,
     gathered_bytes,
+    no_grad_forwards,
     parts_of,
+    recompute_flops,
     step_flops,
     step_traffic,
     traffic,
@@ -421,6 +424,13 @@ def stage_traffic(shape: ModelShape, spec: TrainSpec, stage: Stage, network: Net
     flops = sum(step_flops(replace(shape, layers=len(c)), spec, 1.0 if full else 0.0) for c in stage.chunks)
     flops -= (len(stage.chunks) - stage.last) * spec.tokens * spec.grad_accum_steps * shape.vocab * shape.hidden * (
         6 if full else 4)
+    # the no-grad passes run through the stages too (a preference.reference adapter's, KTO's): the chunks' layers,
+    # at the rate the step's recompute implies (comms.no_grad_seconds), the head's recompute on the last stage alone
+    head = spec.tokens * spec.grad_accum_steps * shape.head_outputs * shape.hidden
+    forwards = spec.extra_forwards * (sum(forward_flops(replace(shape, layers=len(c)), spec) for c in stage.chunks)
+                                      - (len(stage.chunks) - stage.last) * 2 * head)
+    recompute = sum(recompute_flops(replace(shape, layers=len(c)), spec) for c in stage.chunks) - (
+        len(stage.chunks) - stage.last) * 2 * head
     p = make_pass(shape, spec)
     send = float(p.tokens * shape.hidden * p.resid)
     intra = inter = 0.0
@@ -440,8 +450,10 @@ def stage_traffic(shape: ModelShape, spec: TrainSpec, stage: Stage, network: Net
              f"{spec.grad_accum_steps} micro-batches"), intra, inter)
     info = PipelineTraffic(spec.pipeline_parallel, spec.chunks, spec.grad_accum_steps, stage.rank, send, intra, inter,
                            bubble_fraction(spec.pipeline_parallel, spec.grad_accum_steps, spec.chunks))
-    compute = flops / (network.peak_tflops * 1e12 * network.mfu)
-    return Traffic(inside + (part,), compute, network, pipeline=info)
+    unit = network.peak_tflops * 1e12 * network.mfu
+    forwards_s = forwards / (unit * (flops + recompute) / flops)
+    return Traffic(inside + (part,), flops / unit + forwards_s, network, forwards_s=forwards_s,
+                   forwards_what=no_grad_forwards(spec), pipeline=info)
 
 
 def pipeline_traffic(shape: ModelShape, spec: TrainSpec, network: Network = Network()) -> Traffic:

@@ -148,6 +148,9 @@ def render_traffic(traffic: Traffic, *, console: Console | None = None) -> None:
         console.print(f"sampling: {traffic.sampling_s:.2f} s of the step's compute (the prompts' prefill, then "
                       f"max_completion_tokens decode steps, each reading the weights and the KV cache at "
                       f"{net.hbm_tbps:g} TB/s)", highlight=False)
+    if traffic.forwards_s:
+        console.print(f"no-grad forwards: {traffic.forwards_s:.2f} s of the step's compute ({traffic.forwards_what}; "
+                      "MFU leaves them out, the step runs them)", highlight=False)
     if not traffic.parts:
         console.print(f"network: none (one GPU); compute {traffic.compute_s:.2f} s per step at {net.mfu:.0%} MFU of "
                       f"{net.peak_tflops:g} TFLOP/s")

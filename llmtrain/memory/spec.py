@@ -10,7 +10,8 @@ import math
 from dataclasses import asdict, dataclass, field, replace
 from typing import Literal
 
-from llmtrain.config import DataConfig, LoraConfig, ModelConfig, ParallelConfig, Recipe, TrainConfig, updates_per_window
+from llmtrain.config import (DataConfig, LoraConfig, ModelConfig, ParallelConfig, Recipe, TrainConfig, reference_kind,
+                             updates_per_window)
 from llmtrain.errors import LLMTrainError
 from llmtrain.parallel.pipeline.split import SCHEDULES
 
@@ -133,6 +134,11 @@ class TrainSpec:
     # online RL: optimizer steps a generation round trains (rl.num_iterations): a step samples 1 / num_iterations
     # of the time
     num_iterations: int = 1
+    # no-grad forwards of the trained model's shape over the step's sequences, per optimizer step (the step's time, not
+    # its peak: comms.no_grad_flops; extra_forwards_of says which): a reference's (LoRA's adapter disabled, or KTO's
+    # frozen copy), KTO's KL sequences by the policy, online RL's log-probabilities once a round (1 / num_iterations)
+    extra_forwards: float = 0.0
+    extra_forwards_what: str = ""  # whose, in words
     # KTO's full fine-tune: a frozen copy of the starting weights (the reference), in the storage dtype, whole on
     # every GPU (objectives/kto.frozen_copy; refused where the model is sharded)
     frozen_reference: bool = False
@@ -379,7 +385,7 @@ def spec_from_recipe(recipe: Recipe, *, strategy: Strategy = "single", num_gpus:
         num_generations=recipe.rl.num_generations if recipe.rl is not None else int(
             recipe.distill is not None and recipe.distill.lmbda > 0), per_example=per_example, **rl, **teacher,
         no_grad_forwards=recipe.kto is not None, frozen_reference=recipe.kto is not None and lora is None,
-        num_iterations=updates_per_window(recipe),
+        num_iterations=updates_per_window(recipe), **extra_forwards_of(recipe),
         rollout_forwards=recipe.rl is not None and (recipe.rl.num_iterations > 1 or (
             recipe.rl.algorithm == "rloo" and bool(recipe.rl.beta))),
         min_examples=2 if recipe.kto is not None and recipe.kto.loss_type == "kto" else 1,
@@ -395,6 +401,37 @@ def spec_from_recipe(recipe: Recipe, *, strategy: Strategy = "single", num_gpus:
         spec = spec.but(prompt_tokens=prompt, prompt_longest=longest, prompt_basis=basis,
                         seq_len=(prompt if spec.packed else longest) + spec.max_completion_tokens)
     return spec
+
+
+def extra_forwards_of(recipe: Recipe) -> dict:
+    """The no-grad forwards of the trained model's shape a step runs over its sequences, beside its forward and
+    backward (TrainSpec.extra_forwards, and what they are), as the objectives run them:
+    - preference pairs: the reference with LoRA's adapter disabled, before each micro-batch (preference.reference
+      adapter, LoRA's auto); none where it is precomputed (one pass before training) or there is no reference;
+    - KTO: the reference over the micro-batch (adapter disabled, or the frozen copy), and with loss_type kto its KL
+      sequences (as many again) by the policy and by the reference: 3;
+    - GRPO: with rl.beta > 0 the reference in every update's loss; with rl.num_iterations N > 1 the policy's
+      log-probabilities once a round, 1 / N a step;
+    - RLOO: the policy's log-probabilities once a round where beta > 0 or N > 1, and with beta > 0 the reference's
+      (its KL goes into the reward), 1 / N a step each.
+    A distillation teacher's and learned rewards' forwards are of other shapes (comms.no_grad_flops counts them)."""
+    passes: list[tuple[float, str]] = []
+    if recipe.preference is not None and reference_kind(recipe) == "adapter":
+        passes.append((1.0, "the reference's, the adapter disabled, each micro-batch"))
+    elif recipe.kto is not None:
+        passes.append((1.0, "the reference's over each micro-batch"))
+        if recipe.kto.loss_type == "kto":
+            passes.append((2.0, "the KL sequences' by the policy and the reference"))
+    elif recipe.rl is not None:
+        rl, n = recipe.rl, recipe.rl.num_iterations
+        if rl.beta and rl.algorithm == "grpo":
+            passes.append((1.0, "the reference's in each update (rl.beta)"))
+        if n > 1 or (rl.beta and rl.algorithm == "rloo"):
+            passes.append((1.0 / n, "the policy's log-probabilities once a round"))
+        if rl.beta and rl.algorithm == "rloo":
+            passes.append((1.0 / n, "the reference's once a round (rl.beta)"))
+    return dict(extra_forwards=sum(k for k, _ in passes),
+                extra_forwards_what="; ".join(f"{k:.3g} x {what}" for k, what in passes))
 
 
 def _merged_copy(recipe: Recipe) -> str:

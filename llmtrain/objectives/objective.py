@@ -18,6 +18,7 @@ from typing import Protocol
 
 import torch
 
+from llmtrain.config import reference_kind
 from llmtrain.data.batching import Counts, collate, to_device, with_loss_positions
 from llmtrain.model.loss import compute_loss, eval_counts
 from llmtrain.objectives.rollouts import here
@@ -248,20 +249,6 @@ def end_of_turn_ids(recipe, tokenizer) -> list[int]:
     turn = (run_end_of_turn(recipe, tokenizer) or "").strip()
     ids = tokenizer(turn, add_special_tokens=False)["input_ids"] if turn else []
     return ids if len(ids) == 1 else []
-
-
-def reference_kind(recipe) -> str:
-    """Where a preference run's reference log-probabilities come from: adapter, precomputed or none. On pipeline
-    stages a LoRA run's is precomputed by default, with the adapter disabled, once and cached (an explicit adapter
-    runs them through the stages before each step: preference.StagePairs.prepare)."""
-    from llmtrain.config import REFERENCE_FREE
-
-    p = recipe.preference
-    if p.reference != "auto":
-        return p.reference
-    if p.loss in REFERENCE_FREE:
-        return "none"
-    return "adapter" if recipe.lora is not None and recipe.parallel.pipeline_parallel == 1 else "precomputed"
 
 
 def head_loss_for(recipe, *, model=None, reduce=None):
