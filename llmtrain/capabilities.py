@@ -553,6 +553,12 @@ def tensor_plan(config) -> dict[str, str]:
     # transformers 5.17 adds "embed_tokens": "embedding_rowwise" to a tied model's plan (5.24 does not): llmtrain keeps
     # the embedding whole on every TP rank (FSDP shards it), as it does for every model
     plan.pop("embed_tokens", None)
+    # transformers 5.25 moves a mixture of experts' entries out of the tensor-parallel plan into
+    # base_model_ep_plan (the experts module 'ep_dispatch_experts', its parameters 'grouped_gemm'); before, the plan
+    # named the module moe_tp_experts. Either way llmtrain splits that module by expert (parallel/tensor._split_experts)
+    if experts(config) and "moe_tp_experts" not in plan.values():
+        plan.update({k: "moe_tp_experts" for k, v in (getattr(config, "base_model_ep_plan", None) or {}).items()
+                     if v == "ep_dispatch_experts"})
     if not experts(config):  # a dense variant of a family with experts (Gemma 4's): their entries name nothing
         plan = {k: v for k, v in plan.items() if ".experts" not in k}
     return plan
