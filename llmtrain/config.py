@@ -788,6 +788,12 @@ class RLConfig(Section):
         "masking): a completion with a negative advantage whose policy has drifted from the one that sampled it by "
         "more than this (the mean over its tokens of the old minus the current log-probability) trains no policy "
         "term (its KL term stays). Only a round's later updates drift: rl.num_iterations > 1. None: off.")
+    top_entropy_quantile: float | None = Field(
+        None, ge=0, le=1, allow_inf_nan=False, description="grpo only (TRL's, default 1; rho of 'Beyond the 80/20 "
+        "Rule', which recommends 0.2): only the tokens whose entropy (the policy's, at rl.temperature) is in the top "
+        "rho share of a forward pass's trained tokens on every process train their policy term (the quantile over "
+        "the pass's completion tokens, TRL's over its micro-batch's; the KL term counts for all); 0 keeps the "
+        "highest alone, 1 every token.")
     multi_objective_aggregation: Literal["sum_then_normalize", "normalize_then_sum"] | None = Field(
         None, description="grpo only (TRL's): how several rewards become advantages. sum_then_normalize (the "
         "default): their weighted sum, then scale_rewards; normalize_then_sum (GDPO, Liu et al. 2026): each reward "
@@ -846,7 +852,7 @@ class RLConfig(Section):
         if data.get("beta") is None:
             data["beta"] = 0.05 if rloo else 0.0
         grpo_only = ("loss_type", "scale_rewards", "importance_sampling_level", "delta", "multi_objective_aggregation",
-                     "off_policy_mask_threshold", "use_bias_correction_kl",
+                     "off_policy_mask_threshold", "use_bias_correction_kl", "top_entropy_quantile",
                      *(k for keys in LOSS_KEYS.values() for k in keys))
         given = ([k for k in grpo_only if data.get(k) is not None] if rloo else  # every grpo key's default is None
                  [k for k in ("normalize_advantages", "reward_clip_range") if data.get(k) not in (None, False)])
@@ -872,6 +878,8 @@ class RLConfig(Section):
                 data["multi_objective_aggregation"] = "sum_then_normalize"
             if data.get("use_bias_correction_kl") is None:
                 data["use_bias_correction_kl"] = True
+            if data.get("top_entropy_quantile") is None:
+                data["top_entropy_quantile"] = 1.0
             if data.get("scale_rewards") is None:
                 data["scale_rewards"] = "group"
             if data.get("importance_sampling_level") is None:  # luspo is GSPO's (TRL warns where it is not)

@@ -71,6 +71,17 @@ def padded_inputs(prompts, completions, advantages, pad: int) -> dict:
             "num_items_in_batch": completion_mask.sum()}
 
 
+def with_trl_reference(trainer, inputs: dict, reference) -> None:
+    """`reference`'s weights in TRL's ref_model, and its per-token log-probabilities in `inputs`, as TRL's rollout
+    puts them there for a beta > 0 loss."""
+    trainer.ref_model.load_state_dict(reference.state_dict())
+    with torch.no_grad():
+        ids = torch.cat([inputs["prompt_ids"], inputs["completion_ids"]], dim=1)
+        mask = torch.cat([inputs["prompt_mask"], inputs["completion_mask"]], dim=1)
+        inputs["ref_per_token_logps"], _, _ = trainer._get_per_token_logps_and_entropies(
+            trainer.ref_model, ids, mask, inputs["completion_ids"].size(1), batch_size=4)
+
+
 def packed_loss(model, prompts, completions, advantages, *, loss_type: str, beta: float, ref_model=None,
                 kl_ratio: bool = True):
     """llmtrain's: the sequences packed into one row, per-token log-probabilities from the chunked loss."""
@@ -109,12 +120,7 @@ def test_loss_and_gradients_equal_trls_grpo_trainer(tiny_assets, tmp_path, loss_
     trainer.args.use_bias_correction_kl = correction
     inputs = padded_inputs(prompts, COMPLETIONS, advantages, pad=trainer.processing_class.pad_token_id)
     if beta:
-        trainer.ref_model.load_state_dict(reference.state_dict())
-        with torch.no_grad():
-            ids = torch.cat([inputs["prompt_ids"], inputs["completion_ids"]], dim=1)
-            mask = torch.cat([inputs["prompt_mask"], inputs["completion_mask"]], dim=1)
-            inputs["ref_per_token_logps"], _, _ = trainer._get_per_token_logps_and_entropies(
-                trainer.ref_model, ids, mask, inputs["completion_ids"].size(1), batch_size=4)
+        with_trl_reference(trainer, inputs, reference)
     theirs = trainer._compute_loss(theirs_model, inputs)
     theirs.backward()
     their_grads = {n: p.grad for n, p in theirs_model.named_parameters()}
@@ -254,6 +260,79 @@ def test_a_later_update_of_a_round_equals_trls_with_its_old_logps(tiny_assets, t
     worst = max((p.grad - q.grad).abs().max().item()
                 for p, q in zip(ours_model.parameters(), theirs_model.parameters()))
     assert worst < 1e-6, worst
+
+
+@pytest.mark.parametrize("loss_type, beta, quantile", [("dapo", 0.0, 0.2), ("grpo", 0.04, 0.5), ("dr_grpo", 0.0, 0.0),
+                                                      ("dapo", 0.04, 0.2)])
+def test_top_entropy_quantile_equals_trls(tiny_assets, tmp_path, loss_type, beta, quantile):
+    """rl.top_entropy_quantile (TRL's, "Beyond the 80/20 Rule"): only the tokens whose entropy is in the top share of
+    the pass's trained tokens train their policy term; the KL term counts for every token. Against TRL's
+    _compute_loss with its top_entropy_quantile (its get_high_entropy_mask over the micro-batch): the same loss and
+    gradients to 1e-6, with 4 of the 11 tokens kept at 0.2 (two tied), 6 at 0.5, the highest alone at 0; not the
+    loss of every token."""
+    from llmtrain.data.batching import collate, with_loss_positions
+    from llmtrain.data.formats import IGNORE
+    from llmtrain.model.loss import attach_loss, compute_loss
+    from llmtrain.objectives.grpo import high_entropy_keep
+
+    prompts = [[1] + PROMPTS[i // 2] for i in range(4)]
+    advantages = torch.tensor([0.7, -0.7, 1.2, -1.2])
+    theirs_model, ours_model, reference = two_copies_and_a_moved_one(tiny_assets, 0.01)
+    trainer = trl_trainer(theirs_model, tiny_assets, tmp_path, loss_type=loss_type, beta=beta)
+    trainer.top_entropy_quantile = quantile
+    inputs = padded_inputs(prompts, COMPLETIONS, advantages, pad=trainer.processing_class.pad_token_id)
+    if beta:
+        with_trl_reference(trainer, inputs, reference)
+    theirs = trainer._compute_loss(theirs_model, inputs)
+    theirs.backward()
+
+    sequences = [{"input_ids": p + c, "labels": [IGNORE] * len(p) + c} for p, c in zip(prompts, COMPLETIONS)]
+    batch = with_loss_positions(collate(sequences, pad_id=0, packing=True))
+    for model in (ours_model, reference):
+        attach_loss(model, chunk=4096)
+    with torch.no_grad():
+        ref = -compute_loss(reference.eval(), batch, per_token=True).float() if beta else None
+    losses, entropy = compute_loss(ours_model, batch, per_token=True, return_entropy=True)
+    logps = -losses.float()
+    completion = batch["loss_example"]
+    lengths = torch.bincount(completion, minlength=len(COMPLETIONS))
+    keep = high_entropy_keep(entropy, quantile)
+    # the first tokens of a prompt's two completions share their context, so their entropies tie
+    assert int(keep.sum()) == {0.2: 4, 0.5: 6, 0.0: 1}[quantile]
+    assert entropy[keep.bool()].min() >= entropy[~keep.bool()].max()
+    units = loss_units(lengths, loss_type, max_completion_tokens=MAX_COMPLETION)
+    weights = token_weights(completion, lengths, loss_type)
+    loss, _, _ = token_losses(logps, advantages[completion], ref_logps=ref, epsilon=0.2, beta=beta, keep=keep)
+    ours = (loss * weights).sum() / units
+    every, _, _ = token_losses(logps.detach(), advantages[completion], ref_logps=ref, epsilon=0.2, beta=beta)
+    assert abs((every * weights).sum().item() / units - ours.item()) > 1e-4  # the mask binds
+    ours.backward()
+    assert ours.item() == pytest.approx(theirs.item(), abs=1e-6)
+    worst = max((p.grad - q.grad).abs().max().item()
+                for p, q in zip(ours_model.parameters(), theirs_model.parameters()))
+    assert worst < 1e-6, worst
+
+
+def test_top_entropy_quantile_pools_every_process_and_skips_stand_ins():
+    """The quantile is over the pass's tokens on every process (`gather` concatenates their lists), so 2 processes
+    of half the tokens each keep what one process of them all keeps; a stand-in pass's tokens join no quantile (its
+    process still gathers); nothing pooled keeps nothing."""
+    from llmtrain.objectives.grpo import high_entropy_keep
+
+    entropy = torch.tensor([3.0, 2.5, 0.5, 1.0, 0.1, 2.0, 1.5, 0.7])
+    whole = high_entropy_keep(entropy, 0.25)  # the 0.75 quantile of all 8: 2.125
+    assert whole.tolist() == [1, 1, 0, 0, 0, 0, 0, 0]
+    first, second = entropy[:4], entropy[4:]
+    both = lambda mine: first.tolist() + second.tolist()  # noqa: E731 -- what each process's gather returns
+    assert torch.cat([high_entropy_keep(first, 0.25, gather=both),
+                      high_entropy_keep(second, 0.25, gather=both)]).tolist() == whole.tolist()
+    # each process's own quantile would keep another set: the first's top one, the second's top one
+    assert torch.cat([high_entropy_keep(first, 0.25), high_entropy_keep(second, 0.25)]).tolist() == [
+        1, 0, 0, 0, 0, 1, 0, 0]
+    seen = []
+    high_entropy_keep(first, 0.25, gather=lambda mine: seen.append(mine) or second.tolist(), counts=False)
+    assert seen == [[]]
+    assert high_entropy_keep(first, 0.5, gather=lambda mine: []).sum() == 0
 
 
 @pytest.mark.parametrize("loss_type", ["dapo", "grpo", "dr_grpo"])

@@ -353,6 +353,35 @@ def test_masked_truncated_completions_train_only_the_completions_that_ended(stra
     assert line["loss"] != pytest.approx(before["loss"], abs=1e-6)
 
 
+def test_top_entropy_quantile_trains_the_high_entropy_tokens_alone(straight, tmp_path):
+    """rl.top_entropy_quantile 0.2: step 1 samples and scores what the plain run does (the same seeds) and logs the
+    same entropy (over every completion token), but only its highest-entropy fifth trains a policy term: another
+    loss and other weights."""
+    recipe, plain, _ = straight
+    run = tmp_path / "top"
+    run_train(recipe, f"output_dir={run}", "train.max_steps=1", "rl.top_entropy_quantile=0.2")
+    assert rollouts(run) == [r for r in rollouts(plain) if r["step"] == 1]
+    line, before = records(run)[0], records(plain)[0]
+    assert line["entropy"] == pytest.approx(before["entropy"], abs=1e-6)
+    assert line["trained_tokens"] == before["trained_tokens"]
+    assert line["loss"] != pytest.approx(before["loss"], abs=1e-4)
+
+
+@pytest.mark.slow
+def test_two_ddp_processes_pool_the_entropy_quantile_and_train_what_one_does(straight, tmp_path, free_port):
+    """rl.top_entropy_quantile 0.2 over 2 DDP processes of 2 prompts each: the quantile is over both processes'
+    tokens of the pass (TRL's gather), so the losses and weights are one process's of 4 prompts (each process's own
+    quantile would keep other tokens)."""
+    recipe, _, _ = straight
+    one, two = tmp_path / "one", tmp_path / "two"
+    run_train(recipe, f"output_dir={one}", "train.max_steps=2", "rl.top_entropy_quantile=0.2")
+    launch_finetune(CPU_DDP, 2, free_port, recipe, f"output_dir={two}", "train.micro_batch_size=2",
+                    "train.max_steps=2", "rl.top_entropy_quantile=0.2")
+    assert [r["completion_ids"] for r in rollouts(two)] == [r["completion_ids"] for r in rollouts(one)]
+    assert losses(two) == pytest.approx(losses(one), abs=1e-6)
+    assert max_abs_diff(load_weights(two / "final"), load_weights(one / "final")) < 1e-5
+
+
 def test_top_k_one_samples_each_groups_greedy_completion_and_min_p_cuts_what_is_drawn(straight, tmp_path):
     """rl.top_k reaches the rollout's sampler: with 1, each prompt's completions at temperature 1 are all its greedy
     one (one completion a group, no advantage: nothing to learn, the loss 0); rl.min_p changes what is drawn."""

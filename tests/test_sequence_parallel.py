@@ -400,8 +400,9 @@ RL = {"num_generations": 4, "max_completion_tokens": 8, "temperature": 1.0, "bet
 # off-policy sequence masking at 0 (a completion's mean drift summed over the slices alike)
 ONLINE = {"grpo": {"loss_type": "grpo", "importance_sampling_level": "sequence", "off_policy_mask_threshold": 0.0},
           "rloo": {"algorithm": "rloo", "normalize_advantages": True},
-          # vespo: a completion's weight from its tokens' summed log-ratios over the slices
-          "vespo": {"loss_type": "vespo"}}
+          # vespo: a completion's weight from its tokens' summed log-ratios over the slices; the entropy quantile
+          # over every slice's tokens
+          "vespo": {"loss_type": "vespo", "top_entropy_quantile": 0.2}}
 
 
 SUMS = """

@@ -162,6 +162,20 @@ def off_policy_keep(logps: torch.Tensor, old_logps: torch.Tensor, advantages: to
 
 
 @torch.no_grad()
+def high_entropy_keep(entropy: torch.Tensor, quantile: float, *, gather=None, counts: bool = True) -> torch.Tensor:
+    """rl.top_entropy_quantile (TRL's get_high_entropy_mask; "Beyond the 80/20 Rule"): per trained token, whether
+    its policy term counts: its entropy is at least the (1 - quantile) quantile (torch.quantile's linear
+    interpolation) of the forward pass's trained tokens' entropies on every process. `gather`: every process's
+    list, concatenated (one process: None); `counts` False: a stand-in pass (batch weight 0), whose tokens join no
+    quantile but whose process still takes part in the gather. Nothing pooled: no token counts."""
+    mine = entropy.float().tolist() if counts else []
+    pooled = torch.tensor(gather(mine) if gather is not None else mine, dtype=torch.float32)
+    if not pooled.numel():
+        return torch.zeros_like(entropy)
+    return (entropy >= torch.quantile(pooled, 1.0 - quantile).to(entropy.device)).to(entropy.dtype)
+
+
+@torch.no_grad()
 def vespo_weights(logps: torch.Tensor, old_logps: torch.Tensor | None, advantages: torch.Tensor,
                   completion: torch.Tensor, n: int, *, k: tuple[float, float], lam: tuple[float, float],
                   group_sum=None) -> torch.Tensor:
@@ -258,6 +272,9 @@ class GRPO:
         self.logs = RewardLogs()  # log_metric's numbers since the last metrics line
         # every process's list, concatenated, on every process (collectives.gathered); one process: its own
         self.gather = gather if gather is not None else list
+        # every process's numbers, concatenated: the same gather, but under sequence parallelism from every slice
+        # (the wrapper makes `gather` take the group's first only): a pass's token entropies
+        self.gather_tokens = gather
         # runs a micro-batch's scoring (train and eval; and its sampling, with tools): here; under sequence
         # parallelism on the group's first process, its result given to the others; share_sampling: where a
         # micro-batch's completions are drawn (without tools), the group's processes each drawing a share of them
@@ -596,6 +613,10 @@ class GRPO:
         keep = (off_policy_keep(logps, old, batch["loss_advantages"], batch["loss_example"], batch["loss_lengths"],
                                 batch["completions"], threshold=rl.off_policy_mask_threshold, group_sum=self.shared_sum)
                 if rl.off_policy_mask_threshold is not None and old is not None else None)
+        if rl.top_entropy_quantile < 1.0:  # the high-entropy tokens' policy terms only, over the pass everywhere
+            high = high_entropy_keep(entropy, rl.top_entropy_quantile, gather=self.gather_tokens,
+                                     counts=batch_weight(batch) > 0)
+            keep = high if keep is None else keep * high
         phi = (vespo_weights(logps, old, batch["loss_advantages"], batch["loss_example"], batch["completions"],
                              k=(rl.vespo_k_pos, rl.vespo_k_neg), lam=(rl.vespo_lambda_pos, rl.vespo_lambda_neg),
                              group_sum=self.shared_sum) if rl.loss_type == "vespo" else None)
