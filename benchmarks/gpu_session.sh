@@ -31,6 +31,8 @@
 #                                                # card with AdamW, then 8-bit AdamW: peaks vs estimate (~3 min)
 #   bash benchmarks/gpu_session.sh dora          # lora.dora: Mistral-7B's shape, LoRA against DoRA (dropout 0 and
 #                                                # 0.05) checkpointed: step time, peaks vs estimate (~3 min)
+#   bash benchmarks/gpu_session.sh forwards      # the estimate's no-grad forwards (a DPO reference, KTO's three
+#                                                # passes) at Mistral-7B's shape: step-time ratios vs estimate (~4 min)
 #   bash benchmarks/gpu_session.sh rounds        # rl.num_iterations: Mistral-7B LoRA GRPO sampling every step against
 #                                                # rounds of 2 (and GSPO): seconds, generation_s, peaks (~3 min)
 #
@@ -569,6 +571,14 @@ rounds)  # rl.num_iterations on CUDA (~3 minutes on an H200): Mistral-7B LoRA GR
   run grpo-rounds2 $FT $W/lora.yaml $GRPO "$RL2" rl.sampler=graph
   run grpo-rounds2-gspo $FT $W/lora.yaml $GRPO "$RL2" rl.sampler=graph rl.importance_sampling_level=sequence \
     rl.loss_type=grpo
+  ;;
+forwards)  # the estimate's no-grad forwards on CUDA (~4 minutes on an H200): benchmarks/no_grad_forwards.py at
+  # Mistral-7B's own shape in bf16 (random init, LoRA r16, GSM8K pairs, 6 steps a run): each run's step time over its
+  # baseline's (DPO with its reference precomputed; SFT on KTO's completions) against the estimate's ratio (the CPU's
+  # shrunk model has a head of over half its FLOPs; a 7B's is 2%). A dry run keeps the CPU's shrunk shape.
+  $PY benchmarks/no_grad_forwards.py --steps 6 --model-dir $G/mistral --gsm8k $G/gsm8k/train.jsonl \
+    --workdir $W/forwards $( [[ $DRY == 0 ]] && echo --real ) >> "$OUT/$WHAT.jsonl" 2>> "$OUT/$WHAT.log"
+  echo "no_grad_forwards.py: exit $?" | tee -a "$OUT/$WHAT.log"
   ;;
 gemma4)  # Gemma 4 on CUDA (~4 minutes on an H200): no checkpoint config is on the CPU machine, so a text model shaped
   # from transformers' own Gemma4TextConfig defaults (30 layers of 2,304, a 262,144-token vocabulary, per-layer inputs

@@ -3,6 +3,7 @@
     OMP_NUM_THREADS=2 python benchmarks/no_grad_forwards.py             # CPU (about 4 minutes)
     python benchmarks/no_grad_forwards.py --steps 12                     # more steps a run
     python benchmarks/no_grad_forwards.py --only dpo-adapter kto         # these runs and their baselines
+    python benchmarks/no_grad_forwards.py --real --model-dir D --gsm8k F  # Mistral-7B's shape, bf16 (GPU)
 
 A preference run with its reference precomputed runs one forward and backward a micro-batch; with
 `preference.reference=adapter` it first runs the reference (the adapter disabled) over the same pairs under no_grad.
@@ -32,7 +33,8 @@ import tempfile
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from preference_step import GSM8K, MISTRAL, write_inputs  # noqa: E402
+import preference_step  # noqa: E402
+from preference_step import write_inputs  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 SIZE = dict(hidden_size=512, num_hidden_layers=4, num_attention_heads=8, num_key_value_heads=2,
@@ -52,12 +54,15 @@ RUNS = {
 }
 
 
-def inputs(work: Path, pairs: int) -> Path:
-    """preference_step's recipe and pairs at SIZE; beside them the answers unpaired (KTO: chosen desirable, rejected
-    not) and as prompt/completion rows (SFT), one file each, named by data.format."""
+def inputs(work: Path, pairs: int, *, real: bool = False) -> Path:
+    """preference_step's recipe and pairs at SIZE (real: Mistral-7B's own shape, bf16); beside them the answers
+    unpaired (KTO: chosen desirable, rejected not) and as prompt/completion rows (SFT), one file each, named by
+    data.format."""
     recipe = write_inputs(work, pairs)
     cfg = json.loads((work / "model" / "config.json").read_text())
-    (work / "model" / "config.json").write_text(json.dumps({**cfg, **SIZE}))
+    own = json.loads((preference_step.MISTRAL / "config.json").read_text())
+    shape = {**own, "torch_dtype": "bfloat16", "use_cache": False} if real else SIZE
+    (work / "model" / "config.json").write_text(json.dumps({**cfg, **shape}))
     rows = [json.loads(line) for line in (work / "pairs.jsonl").read_text().splitlines()]
     unpaired = [r for p in rows for r in ({"prompt": p["prompt"], "completion": p["chosen"], "label": True},
                                           {"prompt": p["prompt"], "completion": p["rejected"], "label": False})]
@@ -71,7 +76,11 @@ def overrides(work: Path, name: str) -> list[str]:
     keys = RUNS[name][0]
     fmt = next((k.split("=", 1)[1] for k in keys if k.startswith("data.format=")), None)
     data = [f"data.path={work / (fmt + '.jsonl')}"] if fmt else []
-    return [*keys, *data, *LORA]
+    real = ["model.dtype=bfloat16", "train.mixed_precision=bf16"] if REAL else []
+    return [*keys, *data, *LORA, *real]
+
+
+REAL = False  # --real: Mistral-7B's shape in bf16 (a GPU)
 
 
 def run(recipe: Path, work: Path, name: str, steps: int) -> dict:
@@ -98,13 +107,21 @@ def main() -> int:
     ap.add_argument("--steps", type=int, default=8)
     ap.add_argument("--workdir", type=Path)
     ap.add_argument("--only", nargs="+", choices=list(RUNS), help="these runs and their baselines")
+    ap.add_argument("--real", action="store_true", help="Mistral-7B's own shape in bf16 (a GPU), not SIZE in fp32")
+    ap.add_argument("--model-dir", type=Path, help="Mistral-7B-Instruct-v0.3's config and tokenizer (default: "
+                    "../shared's)")
+    ap.add_argument("--gsm8k", type=Path, help="GSM8K's train.jsonl (default: ../shared's)")
     args = ap.parse_args()
-    missing = [str(p) for p in (MISTRAL / "config.json", GSM8K) if not p.exists()]
+    global REAL
+    REAL = args.real
+    preference_step.MISTRAL = args.model_dir or preference_step.MISTRAL
+    preference_step.GSM8K = args.gsm8k or preference_step.GSM8K
+    missing = [str(p) for p in (preference_step.MISTRAL / "config.json", preference_step.GSM8K) if not p.exists()]
     if missing:
         print(json.dumps({"skipped": f"not available: {', '.join(missing)}"}))
         return 0
     work = args.workdir or Path(tempfile.mkdtemp(prefix="llmtrain-forwards-"))
-    recipe = inputs(work, pairs=4 * args.steps)
+    recipe = inputs(work, pairs=4 * args.steps, real=args.real)
     wanted = set(args.only or RUNS) | {RUNS[n][1] for n in args.only or () if RUNS[n][1]}
     rows = {}
     for name in (n for n in RUNS if n in wanted):
