@@ -313,6 +313,19 @@ def test_top_entropy_quantile_equals_trls(tiny_assets, tmp_path, loss_type, beta
     assert worst < 1e-6, worst
 
 
+def test_the_entropy_threshold_is_torch_quantiles():
+    """high_entropy_keep takes the quantile as torch.quantile does (TRL's call), by sorting, so it has no limit of
+    2^24 values: the same tokens kept for 1 to 4,097 values and every share."""
+    from llmtrain.objectives.grpo import high_entropy_keep
+
+    g = torch.Generator().manual_seed(0)
+    for n in (1, 2, 3, 11, 100, 4097):
+        for quantile in (0.0, 0.1, 0.2, 0.5, 0.77, 1.0):
+            entropy = torch.rand(n, generator=g) * 5
+            assert torch.equal(high_entropy_keep(entropy, quantile),
+                               (entropy >= torch.quantile(entropy, 1 - quantile)).float()), (n, quantile)
+
+
 def test_top_entropy_quantile_pools_every_process_and_skips_stand_ins():
     """The quantile is over the pass's tokens on every process (`gather` concatenates their lists), so 2 processes
     of half the tokens each keep what one process of them all keeps; a stand-in pass's tokens join no quantile (its

@@ -169,10 +169,14 @@ def high_entropy_keep(entropy: torch.Tensor, quantile: float, *, gather=None, co
     list, concatenated (one process: None); `counts` False: a stand-in pass (batch weight 0), whose tokens join no
     quantile but whose process still takes part in the gather. Nothing pooled: no token counts."""
     mine = entropy.float().tolist() if counts else []
-    pooled = torch.tensor(gather(mine) if gather is not None else mine, dtype=torch.float32)
+    pooled = torch.tensor(gather(mine) if gather is not None else mine, dtype=torch.float32).sort().values
     if not pooled.numel():
         return torch.zeros_like(entropy)
-    return (entropy >= torch.quantile(pooled, 1.0 - quantile).to(entropy.device)).to(entropy.dtype)
+    # torch.quantile's arithmetic (lerp between the two order statistics), without its limit of 2^24 values
+    at = (1.0 - quantile) * (pooled.numel() - 1)
+    below, above = pooled[math.floor(at)], pooled[math.ceil(at)]
+    threshold = torch.lerp(below, above, torch.tensor(at - math.floor(at), dtype=torch.float32))
+    return (entropy >= threshold.to(entropy.device)).to(entropy.dtype)
 
 
 @torch.no_grad()
