@@ -382,25 +382,26 @@ def forward_flops(shape: ModelShape, spec: TrainSpec) -> float:
 
 def recompute_flops(shape: ModelShape, spec: TrainSpec) -> float:
     """FLOPs a training step runs beyond step_flops' (which MFU counts): the loss chunks' LM head again in backward
-    (loss.compute_loss checkpoints each chunk), and with gradient checkpointing the decoder layers' forward again."""
-    tokens = spec.tokens * spec.grad_accum_steps
-    flops = 2.0 * tokens * shape.head_outputs * shape.hidden
+    (loss.compute_loss checkpoints each chunk), and with gradient checkpointing the decoder layers' forward again:
+    a whole forward (forward_flops)."""
     if spec.gradient_checkpointing:
-        flops += 2.0 * tokens * shape.active_params_total + 2.0 * shape.attention_width_total * tokens * min(
-            spec.seq_len, spec.tokens)
-    return flops / spec.sequence_parallel
+        return forward_flops(shape, spec)
+    return 2.0 * spec.tokens * spec.grad_accum_steps * shape.head_outputs * shape.hidden / spec.sequence_parallel
+
+
+def no_grad_rate(network: Network, step: float, recompute: float) -> float:
+    """FLOPs a second of a no-grad forward beside a step of `step` model FLOPs that recomputes `recompute` more. MFU
+    counts the step's model FLOPs (step_flops), not what it recomputes, so at the stated MFU the device runs
+    (step + recompute) / step times that many FLOPs a second; a forward outside the step's runs at that rate."""
+    return network.peak_tflops * 1e12 * network.mfu * (step + recompute) / step
 
 
 def no_grad_seconds(shape: ModelShape, spec: TrainSpec, network: Network, trainable_linear_share: float) -> float:
-    """The step's no-grad forwards (no_grad_flops) in seconds. MFU counts the step's model FLOPs (step_flops), not
-    what it recomputes, so at the stated MFU the device runs (step + recompute) / step times that many FLOPs a
-    second; a forward outside the step's runs at that rate."""
+    """The step's no-grad forwards (no_grad_flops) in seconds, at no_grad_rate."""
     flops = no_grad_flops(shape, spec)
     if not flops:
         return 0.0
-    step = step_flops(shape, spec, trainable_linear_share)
-    rate = network.peak_tflops * 1e12 * network.mfu * (step + recompute_flops(shape, spec)) / step
-    return flops / rate
+    return flops / no_grad_rate(network, step_flops(shape, spec, trainable_linear_share), recompute_flops(shape, spec))
 
 
 def no_grad_flops(shape: ModelShape, spec: TrainSpec) -> float:

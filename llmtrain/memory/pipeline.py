@@ -27,6 +27,7 @@ from llmtrain.memory.comms import (
     forward_flops,
     gathered_bytes,
     no_grad_forwards,
+    no_grad_rate,
     parts_of,
     recompute_flops,
     step_flops,
@@ -425,12 +426,12 @@ def stage_traffic(shape: ModelShape, spec: TrainSpec, stage: Stage, network: Net
     flops -= (len(stage.chunks) - stage.last) * spec.tokens * spec.grad_accum_steps * shape.vocab * shape.hidden * (
         6 if full else 4)
     # the no-grad passes run through the stages too (a preference.reference adapter's, KTO's): the chunks' layers,
-    # at the rate the step's recompute implies (comms.no_grad_seconds), the head's recompute on the last stage alone
-    head = spec.tokens * spec.grad_accum_steps * shape.head_outputs * shape.hidden
+    # at the rate the step's recompute implies (comms.no_grad_rate), the head's recompute on the last stage alone
+    heads = 2.0 * (len(stage.chunks) - stage.last) * spec.tokens * spec.grad_accum_steps * shape.head_outputs * (
+        shape.hidden)
     forwards = spec.extra_forwards * (sum(forward_flops(replace(shape, layers=len(c)), spec) for c in stage.chunks)
-                                      - (len(stage.chunks) - stage.last) * 2 * head)
-    recompute = sum(recompute_flops(replace(shape, layers=len(c)), spec) for c in stage.chunks) - (
-        len(stage.chunks) - stage.last) * 2 * head
+                                      - heads)
+    recompute = sum(recompute_flops(replace(shape, layers=len(c)), spec) for c in stage.chunks) - heads
     p = make_pass(shape, spec)
     send = float(p.tokens * shape.hidden * p.resid)
     intra = inter = 0.0
@@ -450,9 +451,9 @@ def stage_traffic(shape: ModelShape, spec: TrainSpec, stage: Stage, network: Net
              f"{spec.grad_accum_steps} micro-batches"), intra, inter)
     info = PipelineTraffic(spec.pipeline_parallel, spec.chunks, spec.grad_accum_steps, stage.rank, send, intra, inter,
                            bubble_fraction(spec.pipeline_parallel, spec.grad_accum_steps, spec.chunks))
-    unit = network.peak_tflops * 1e12 * network.mfu
-    forwards_s = forwards / (unit * (flops + recompute) / flops)
-    return Traffic(inside + (part,), flops / unit + forwards_s, network, forwards_s=forwards_s,
+    forwards_s = forwards / no_grad_rate(network, flops, recompute)
+    return Traffic(inside + (part,), flops / (network.peak_tflops * 1e12 * network.mfu) + forwards_s, network,
+                   forwards_s=forwards_s,
                    forwards_what=no_grad_forwards(spec), pipeline=info)
 
 

@@ -386,8 +386,7 @@ def spec_from_recipe(recipe: Recipe, *, strategy: Strategy = "single", num_gpus:
             recipe.distill is not None and recipe.distill.lmbda > 0), per_example=per_example, **rl, **teacher,
         no_grad_forwards=recipe.kto is not None, frozen_reference=recipe.kto is not None and lora is None,
         num_iterations=updates_per_window(recipe), **extra_forwards_of(recipe),
-        rollout_forwards=recipe.rl is not None and (recipe.rl.num_iterations > 1 or (
-            recipe.rl.algorithm == "rloo" and bool(recipe.rl.beta))),
+        rollout_forwards=rollout_logps(recipe),
         min_examples=2 if recipe.kto is not None and recipe.kto.loss_type == "kto" else 1,
         merged_copy=_merged_copy(recipe),
         **{**pipeline_keys(recipe), **launch},  # --pipeline-* options (in launch) win over the recipe's keys
@@ -401,6 +400,13 @@ def spec_from_recipe(recipe: Recipe, *, strategy: Strategy = "single", num_gpus:
         spec = spec.but(prompt_tokens=prompt, prompt_longest=longest, prompt_basis=basis,
                         seq_len=(prompt if spec.packed else longest) + spec.max_completion_tokens)
     return spec
+
+
+def rollout_logps(recipe: Recipe) -> bool:
+    """Whether online RL's rollout takes the sampling policy's log-probabilities (a no-grad forward of the update's
+    passes): for a round's later updates (rl.num_iterations > 1), and for RLOO's KL with rl.beta > 0."""
+    rl = recipe.rl
+    return rl is not None and (rl.num_iterations > 1 or (rl.algorithm == "rloo" and bool(rl.beta)))
 
 
 def extra_forwards_of(recipe: Recipe) -> dict:
@@ -426,7 +432,7 @@ def extra_forwards_of(recipe: Recipe) -> dict:
         rl, n = recipe.rl, recipe.rl.num_iterations
         if rl.beta and rl.algorithm == "grpo":
             passes.append((1.0, "the reference's in each update (rl.beta)"))
-        if n > 1 or (rl.beta and rl.algorithm == "rloo"):
+        if rollout_logps(recipe):
             passes.append((1.0 / n, "the policy's log-probabilities once a round"))
         if rl.beta and rl.algorithm == "rloo":
             passes.append((1.0 / n, "the reference's once a round (rl.beta)"))
