@@ -554,11 +554,15 @@ class LoggingConfig(Section):
 
 
 REFERENCE_FREE = ("simpo", "orpo")  # the preference losses with no reference model
+# f-DPO (Wang et al. 2024): the losses built on the chosen-rejected difference, where the other divergences' log Z(x)
+# cancels (TRL 1.16's set; the others keep the reverse KL)
+F_DIVERGENCE_LOSSES = ("dpo", "sigmoid_norm", "hinge", "ipo", "exo_pair", "robust", "discopop")
+SMOOTHED = ("robust", "exo_pair", "aot", "aot_unpaired")  # the losses that read preference.label_smoothing
 
 
 class PreferenceConfig(Section):
     loss: Literal["dpo", "ipo", "simpo", "orpo", "hinge", "robust", "exo_pair", "nca_pair", "bco_pair", "sppo_hard",
-                  "apo_zero", "apo_down", "discopop", "sigmoid_norm"] = Field(
+                  "apo_zero", "apo_down", "discopop", "sigmoid_norm", "aot", "aot_unpaired"] = Field(
         "dpo", description="dpo: the sigmoid loss of Rafailov et al. 2023; ipo: Azar et al. 2023, on per-token "
         "log-ratios (as TRL); simpo: Meng et al. 2024, reference-free, on per-token log-probabilities; orpo: Hong et "
         "al. 2024, reference-free, the chosen answers' NLL plus beta x an odds-ratio loss (one stage from a base "
@@ -567,16 +571,36 @@ class PreferenceConfig(Section):
         "exo_pair (Ji et al. 2024, label_smoothing > 0), nca_pair (Chen et al. 2024), bco_pair (Jung et al. 2024), "
         "sppo_hard (Wu et al. 2024), apo_zero and apo_down (D'Oosterlinck et al. 2024: chosen answers better, or "
         "worse, than the model's own), discopop (Chris Lu et al. 2024, discopop_tau), sigmoid_norm (dpo on per-token "
-        "log-ratios).")
+        "log-ratios), aot and aot_unpaired (Melnyk et al. 2024: dpo on the micro-batch's sorted margins, or its sorted "
+        "chosen against its sorted rejected log-ratios; label_smoothing as robust's).")
     beta: float = Field(0.1, gt=0, description="Strength of the reference (dpo, ipo: the KL weight), reward scale "
                         "(simpo, where the paper uses about 2.0) or the odds-ratio term's weight (orpo: the paper's "
                         "lambda, 0.1 as TRL's default).")
     simpo_gamma: float = Field(0.5, ge=0, description="SimPO's target reward margin (gamma).")
-    label_smoothing: float = Field(0.0, ge=0, lt=0.5, description="robust and exo_pair (TRL's): the assumed share "
-                                   "of pairs whose labels are flipped (robust: 0 is dpo; exo_pair needs it above 0, "
-                                   "e.g. 1e-3).")
+    label_smoothing: float = Field(0.0, ge=0, lt=0.5, description="robust, exo_pair, aot and aot_unpaired (TRL's): "
+                                   "the assumed share of pairs whose labels are flipped (robust: 0 is dpo; exo_pair "
+                                   "needs it above 0, e.g. 1e-3).")
     discopop_tau: float = Field(0.05, gt=0, allow_inf_nan=False, description="discopop (TRL's): the temperature of "
                                 "the mix of its logistic and exponential parts (the paper's 0.05).")
+    f_divergence: Literal["reverse_kl", "forward_kl", "js_divergence", "alpha_divergence"] = Field(
+        "reverse_kl", description="f-DPO (Wang et al. 2024, TRL's f_divergence_type): the divergence from the "
+        "reference that regularises the policy; each answer's log-ratio u enters the loss as f'(e^u): reverse_kl u "
+        "(DPO's), forward_kl 1 - e^-u, js_divergence log 2 + log sigmoid(u), alpha_divergence (e^((a-1) u) - 1) / "
+        "(a - 1) with a = f_alpha. Only the losses built on the chosen-rejected difference take another than "
+        "reverse_kl: " + ", ".join(F_DIVERGENCE_LOSSES) + ".")
+    f_alpha: float | None = Field(
+        None, allow_inf_nan=False, description="f_divergence alpha_divergence only (TRL's f_alpha_divergence_coef, "
+        "default 0.5): its alpha; 0 is the forward KL, 1 the reverse KL (refused: set f_divergence reverse_kl).")
+    ld_alpha: float | None = Field(
+        None, ge=0, le=1, description="LD-DPO (Liu et al. 2024, TRL's ld_alpha): each pair's answer tokens beyond "
+        "the shorter answer's length count ld_alpha times in both answers' log-probabilities (policy and reference), "
+        "so that a longer answer's extra tokens weigh less in the margin: 1 is the plain sum, 0 compares the answers' "
+        "first tokens only. Unset: the plain sum.")
+    wpo: bool = Field(False, description="WPO (Zhou et al. 2024, TRL's use_weighting): each pair's loss weighted by "
+                      "how likely the policy is to produce both its answers now, exp of each answer's mean per-token "
+                      "log p - log sum_v p_v^2 (its probability against the distribution's own self-agreement), the "
+                      "two multiplied, without gradient: off-policy pairs the model would never sample weigh less. "
+                      "Not with aot or aot_unpaired (their sort pairs no weight with a pair).")
     sft_weight: float = Field(0.0, ge=0, description="Weight of a negative log-likelihood term on the chosen "
                               "answers (RPO, Pang et al. 2024; Llama 3's DPO used 0.2): each pair adds weight x "
                               "-log p(chosen) / its answer tokens, so the chosen answers keep their probability while "
@@ -587,6 +611,14 @@ class PreferenceConfig(Section):
         "copy); precomputed: one no-grad pass over the data with the initial weights before training, cached with the "
         "tokenised data.")
 
+    @model_validator(mode="before")
+    @classmethod
+    def _alpha_default(cls, data: Any) -> Any:
+        """alpha_divergence's alpha, TRL's 0.5 unless given (filled here so the resolved recipe states it)."""
+        if isinstance(data, dict) and data.get("f_divergence") == "alpha_divergence" and data.get("f_alpha") is None:
+            data = {**data, "f_alpha": 0.5}
+        return data
+
     @model_validator(mode="after")
     def _check_reference(self) -> PreferenceConfig:
         if self.loss in REFERENCE_FREE and self.reference not in ("auto", "none"):
@@ -594,9 +626,25 @@ class PreferenceConfig(Section):
                              f"{self.reference})")
         if self.loss not in REFERENCE_FREE and self.reference == "none":
             raise ValueError(f"preference.loss={self.loss} needs a reference: use auto, adapter or precomputed")
-        if self.label_smoothing and self.loss not in ("robust", "exo_pair"):
-            raise ValueError(f"preference.label_smoothing is read by preference.loss robust and exo_pair, and this "
+        if self.label_smoothing and self.loss not in SMOOTHED:
+            raise ValueError(f"preference.label_smoothing is read by preference.loss {', '.join(SMOOTHED)}, and this "
                              f"recipe's loss is {self.loss}: remove it (or set preference.loss=robust)")
+        if self.f_divergence != "reverse_kl" and self.loss not in F_DIVERGENCE_LOSSES:
+            raise ValueError(f"preference.f_divergence={self.f_divergence} regularises the losses built on the "
+                             f"chosen-rejected difference ({', '.join(F_DIVERGENCE_LOSSES)}), where its log Z(x) "
+                             f"cancels; this recipe's loss is {self.loss}: remove preference.f_divergence (or set "
+                             f"preference.loss=dpo)")
+        if self.wpo and self.loss in ("aot", "aot_unpaired"):
+            raise ValueError(f"preference.wpo weighs each pair's loss, and {self.loss} sorts the micro-batch's "
+                             f"log-ratios so that no loss belongs to a pair: remove preference.wpo (or use another "
+                             f"preference.loss)")
+        if self.f_alpha is not None and self.f_divergence != "alpha_divergence":
+            raise ValueError(f"preference.f_alpha is alpha_divergence's alpha, and this recipe's f_divergence is "
+                             f"{self.f_divergence}: remove it (or set preference.f_divergence=alpha_divergence)")
+        if self.f_divergence == "alpha_divergence":
+            if abs(self.f_alpha - 1) < 1e-6:
+                raise ValueError("preference.f_alpha=1 makes the alpha divergence the reverse KL: set "
+                                 "preference.f_divergence=reverse_kl and remove preference.f_alpha")
         if self.loss == "exo_pair" and not self.label_smoothing:
             raise ValueError("preference.loss=exo_pair takes log(label_smoothing): set preference.label_smoothing "
                              "above 0 (the paper's 1e-3)")

@@ -159,7 +159,7 @@ def test_per_token_entropies_across_chunks_and_row_blocks_equal_the_full_logits_
     head = torch.nn.Linear(h, v, bias=False)
     hidden = torch.randn(n, h, requires_grad=True)
     targets = torch.randint(0, v, (n,))
-    losses, entropies = chunked_cross_entropy(hidden, head, targets, chunk=128, per_token=True, entropy=True)
+    losses, entropies = chunked_cross_entropy(hidden, head, targets, chunk=128, per_token=True, stat="entropy")
     expected = torch.distributions.Categorical(logits=head(hidden).float()).entropy()
     assert entropies.shape == (n,) and not entropies.requires_grad
     assert (entropies - expected).abs().max() < 1e-5
@@ -167,6 +167,26 @@ def test_per_token_entropies_across_chunks_and_row_blocks_equal_the_full_logits_
     assert torch.equal(losses, plain)
     losses.sum().backward()
     assert hidden.grad is not None and hidden.grad.abs().sum() > 0
+
+
+def test_per_token_log_sum_of_squares_equals_the_full_logits_in_float64_and_carries_no_gradient():
+    """WPO's log sum_v p_v^2 of each token's distribution, 300 tokens in chunks of 128 and blocks of 64 rows, against
+    float64 softmax of the full logits (logits up to about 30 apart: its exponentials of twice them stay finite); the
+    per-token losses unchanged by asking for it."""
+    torch.manual_seed(0)
+    n, h, v = 300, 16, 97
+    head = torch.nn.Linear(h, v, bias=False)
+    with torch.no_grad():
+        head.weight.mul_(8)
+    hidden = torch.randn(n, h, requires_grad=True)
+    targets = torch.randint(0, v, (n,))
+    losses, log_sum_sq = chunked_cross_entropy(hidden, head, targets, chunk=128, per_token=True, stat="log_sum_sq")
+    p = torch.softmax(head(hidden).double(), -1)
+    assert log_sum_sq.shape == (n,) and not log_sum_sq.requires_grad
+    assert (log_sum_sq.double() - (p * p).sum(-1).log()).abs().max() < 1e-5
+    assert log_sum_sq.min() < -2 and log_sum_sq.max() > -0.1  # spread and peaked rows both
+    plain, _ = chunked_cross_entropy(hidden, head, targets, chunk=128, per_token=True)
+    assert torch.equal(losses, plain)
 
 
 def test_entropy_allocates_one_block_of_rows_for_a_whole_chunk():

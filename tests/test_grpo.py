@@ -207,7 +207,7 @@ def test_a_later_update_of_a_round_equals_trls_with_its_old_logps(tiny_assets, t
     with torch.no_grad():
         old = -compute_loss(sampler.eval(), batch, per_token=True).float()
         ref = -compute_loss(reference.eval(), batch, per_token=True).float() if beta else None
-    losses, entropy = compute_loss(ours_model, batch, per_token=True, return_entropy=True)
+    losses, entropy = compute_loss(ours_model, batch, per_token=True, stat="entropy")
     logps = -losses.float()
     completion = batch["loss_example"]
     lengths = torch.bincount(completion, minlength=len(COMPLETIONS))
@@ -292,7 +292,7 @@ def test_top_entropy_quantile_equals_trls(tiny_assets, tmp_path, loss_type, beta
         attach_loss(model, chunk=4096)
     with torch.no_grad():
         ref = -compute_loss(reference.eval(), batch, per_token=True).float() if beta else None
-    losses, entropy = compute_loss(ours_model, batch, per_token=True, return_entropy=True)
+    losses, entropy = compute_loss(ours_model, batch, per_token=True, stat="entropy")
     logps = -losses.float()
     completion = batch["loss_example"]
     lengths = torch.bincount(completion, minlength=len(COMPLETIONS))

@@ -20,7 +20,7 @@ from llmtrain.data.formats import encode_example
 from llmtrain.data.pairs import encode_pair, split_pair
 from llmtrain.data.prepare import prepare_datasets
 from llmtrain.errors import LLMTrainError, RecipeError
-from llmtrain.objectives.preference import Preference, pair_losses, sequence_logps
+from llmtrain.objectives.preference import Preference, f_score, ld_weights, pair_losses, sequence_logps
 
 PAIRS = [
     {"prompt": "reverse abc =", "chosen": " cba", "rejected": " abc"},
@@ -130,8 +130,8 @@ def test_orpo_is_reference_free_and_holds_its_nll_term_already():
 
 def test_label_smoothing_is_refused_where_no_loss_reads_it_and_asked_for_where_exo_takes_its_log():
     assert PreferenceConfig(loss="robust", label_smoothing=0.1).label_smoothing == 0.1
-    with pytest.raises(ValueError, match="preference.label_smoothing is read by preference.loss robust and exo_pair, "
-                                         "and this recipe's loss is dpo"):
+    with pytest.raises(ValueError, match="preference.label_smoothing is read by preference.loss robust, exo_pair, "
+                                         "aot, aot_unpaired, and this recipe's loss is dpo"):
         PreferenceConfig(loss="dpo", label_smoothing=0.1)
     with pytest.raises(ValueError, match="exo_pair takes log.label_smoothing.: set preference.label_smoothing"):
         PreferenceConfig(loss="exo_pair")
@@ -141,6 +141,56 @@ def test_label_smoothing_is_refused_where_no_loss_reads_it_and_asked_for_where_e
     robust, _, _ = pair_losses("robust", c, r, torch.zeros(2), torch.zeros(2), n, n, beta=0.5)
     dpo, _, _ = pair_losses("dpo", c, r, torch.zeros(2), torch.zeros(2), n, n, beta=0.5)
     assert torch.allclose(robust, dpo)
+
+
+def test_f_divergences_and_their_alpha_are_refused_where_nothing_reads_them():
+    """f-DPO's divergence on losses whose log Z(x) does not cancel, alpha without alpha_divergence, alpha 1 (the
+    reverse KL) and WPO's pair weights on aot's sorted losses are refused naming the field; alpha_divergence's alpha
+    is TRL's 0.5 unless given. Its score at 0 is the forward KL's and at alpha -> 1 the log-ratio."""
+    assert PreferenceConfig(f_divergence="alpha_divergence").f_alpha == 0.5
+    assert PreferenceConfig(loss="ipo", f_divergence="js_divergence").f_alpha is None
+    with pytest.raises(ValueError, match="preference.f_divergence=forward_kl regularises the losses built on the "
+                                         "chosen-rejected difference .* this recipe's loss is bco_pair"):
+        PreferenceConfig(loss="bco_pair", f_divergence="forward_kl")
+    with pytest.raises(ValueError, match="f_divergence=js_divergence .* loss is simpo"):
+        PreferenceConfig(loss="simpo", f_divergence="js_divergence")
+    with pytest.raises(ValueError, match="preference.f_alpha is alpha_divergence's alpha, and this recipe's "
+                                         "f_divergence is forward_kl: remove it"):
+        PreferenceConfig(f_divergence="forward_kl", f_alpha=0.3)
+    with pytest.raises(ValueError, match="f_alpha=1 makes the alpha divergence the reverse KL"):
+        PreferenceConfig(f_divergence="alpha_divergence", f_alpha=1.0)
+    with pytest.raises(ValueError, match="preference.wpo weighs each pair's loss, and aot_unpaired sorts"):
+        PreferenceConfig(loss="aot_unpaired", wpo=True)
+    u = torch.tensor([-2.0, -0.1, 0.0, 0.7, 3.0])
+    assert torch.allclose(f_score(u, "alpha_divergence", 0.0), f_score(u, "forward_kl", None))
+    assert torch.allclose(f_score(u, "alpha_divergence", 1 - 1e-4), u, atol=1e-3)
+    assert torch.allclose(f_score(u, "js_divergence", None), torch.log(2 * torch.exp(u) / (torch.exp(u) + 1)))
+
+
+def test_ld_weights_count_each_answers_tokens_past_the_shorter_answer_alpha_times():
+    """LD-DPO's weights by hand: pairs of 3 and 5 trained tokens (the rejected's last two weigh alpha), 2 and 2
+    (none), 4 and 1 (the chosen's last three)."""
+    tokens = torch.tensor([3.0, 5.0, 2.0, 2.0, 4.0, 1.0])
+    sequence = torch.repeat_interleave(torch.arange(6), tokens.long())
+    a = 0.25
+    assert ld_weights(sequence, tokens, a).tolist() == [1, 1, 1, 1, 1, 1, a, a, 1, 1, 1, 1, 1, a, a, a, 1]
+
+
+def test_aot_sorts_the_micro_batchs_margins_so_a_pairing_does_not_change_its_loss():
+    """aot's loss reads the batch's sorted margins: pairing the policy's margins with other pairs' reference margins
+    leaves it unchanged, where dpo's changes; aot_unpaired reads the sorted chosen and rejected log-ratios apart."""
+    c, r = torch.tensor([-3.0, -5.0, -2.0]), torch.tensor([-4.0, -2.5, -6.0])
+    rc, rr = torch.tensor([-3.5, -4.0, -3.0]), torch.tensor([-3.0, -3.0, -5.0])
+    n = torch.ones(3)
+    perm = torch.tensor([2, 0, 1])
+    for kind, changes in (("aot", False), ("dpo", True)):
+        a, _, _ = pair_losses(kind, c, r, rc, rr, n, n, beta=0.5)
+        b, _, _ = pair_losses(kind, c, r, rc[perm], rr[perm], n, n, beta=0.5)
+        assert (abs(a.sum() - b.sum()).item() > 1e-3) is changes
+    loss, _, _ = pair_losses("aot_unpaired", c, r, rc, rr, n, n, beta=0.5, smoothing=0.1)
+    delta = torch.sort(c - rc).values - torch.sort(r - rr).values
+    want = 0.9 * -torch.nn.functional.logsigmoid(0.5 * delta) + 0.1 * -torch.nn.functional.logsigmoid(-0.5 * delta)
+    assert torch.allclose(loss, want)
 
 
 # --------------------------------------------------------------------------- data
@@ -277,21 +327,27 @@ def test_lora_reference_is_the_policy_at_the_first_step_so_every_pair_costs_ln2(
     assert stats[:4].abs().max().item() == 0  # rewards, accuracy (0 > 0 is false) and margins are all zero
 
 
-@pytest.mark.parametrize("kind", ["dpo", "ipo", "simpo", "orpo", "dpo+sft"])
+@pytest.mark.parametrize("kind", ["dpo", "ipo", "simpo", "orpo", "dpo+sft", "aot+ld", "ipo+wpo"])
 def test_the_last_pipeline_stages_loss_is_the_objectives_on_the_same_row(tiny_assets, tiny_tok, kind):
     """StagePairs (the last stage's loss on pipeline stages) from the row's final hidden states and its float targets
-    (each trained token's id and sequence, each sequence's reference and tokens): the loss, statistics, eval sums and
-    the head's gradient of Preference.loss on the same pairs; its reference pass's log-probabilities are
-    sequence_logps'; an idle row's loss is a zero that still reaches the head."""
+    (each trained token's id, sequence and weight, each sequence's reference and tokens): the loss, statistics, eval
+    sums and the head's gradient of Preference.loss on the same pairs (aot+ld: LD-DPO's token weights at 0.5;
+    ipo+wpo: WPO's weights from the head's log sums of squares); its
+    reference pass's log-probabilities are sequence_logps'; an idle row's loss is a zero that still reaches the
+    head."""
     from llmtrain.data.batching import collate, with_loss_positions
     from llmtrain.model.loss import decoder_inputs
-    from llmtrain.objectives.preference import StagePairs
+    from llmtrain.objectives.preference import StagePairs, ld_weights
 
     model, _, batch, counts = _objective_batch(tiny_assets, tiny_tok, packing=True)
-    kind, _, sft = kind.partition("+")
+    kind, _, extra = kind.partition("+")
     reference = "none" if kind in ("simpo", "orpo") else "precomputed"
-    cfg = PreferenceConfig(loss=kind, beta=0.5, sft_weight=0.3 if sft else 0.0,
+    cfg = PreferenceConfig(loss=kind, beta=0.5, sft_weight=0.3 if extra == "sft" else 0.0,
+                           ld_alpha=0.5 if extra == "ld" else None, wpo=extra == "wpo",
                            **({"reference": "precomputed"} if reference != "none" else {}))
+    if extra == "ld":  # as Preference.collate adds them under this cfg
+        batch = {**batch, "loss_ld_weight": ld_weights(batch["loss_example"], batch["sequence_tokens"], 0.5)}
+        assert 0 < (batch["loss_ld_weight"] == 0.5).sum() < len(batch["loss_example"])
     objective = Preference(cfg, pad_id=tiny_tok.pad_token_id, packing=True, reference=reference, model=model)
     pairs = int(counts.units)
     batch = {**batch, "reference": -20.0 - torch.arange(2 * pairs, dtype=torch.float32).reshape(pairs, 2) * 1.5}
@@ -304,7 +360,7 @@ def test_the_last_pipeline_stages_loss_is_the_objectives_on_the_same_row(tiny_as
     tokens = batch["input_ids"].numel()
     slots = tokens + 5  # the row's padding: never read
     target = stage.targets(batch, slots)[0]
-    assert target.shape == (slots, 4) and int((target[:, 3] >= 0).sum()) == 2 * pairs
+    assert target.shape == (slots, 5) and int((target[:, 3] >= 0).sum()) == 2 * pairs
     hidden = model.model(**decoder_inputs(batch)).last_hidden_state.flatten(0, 1)
     hidden = torch.cat([hidden, torch.randn(slots - tokens, hidden.shape[1])])
     got, stats = stage.loss(head, hidden, target)
@@ -355,14 +411,28 @@ EQUAL_PAIRS = [
 
 # TRL's other DPOTrainer loss_types, each under its own name (robust and exo_pair with 10% of labels assumed flipped)
 TRL_PAIR_LOSSES = ["hinge", "robust", "exo_pair", "nca_pair", "bco_pair", "sppo_hard", "apo_zero", "apo_down",
-                   "discopop", "sigmoid_norm"]
-SETTINGS = {"robust": {"label_smoothing": 0.1}, "exo_pair": {"label_smoothing": 0.1}}
+                   "discopop", "sigmoid_norm", "aot", "aot_unpaired"]
+SETTINGS = {"robust": {"label_smoothing": 0.1}, "exo_pair": {"label_smoothing": 0.1},
+            "aot_unpaired": {"label_smoothing": 0.1}}
+# f-DPO's divergences (TRL's f_divergence_type, f_alpha_divergence_coef), LD-DPO's ld_alpha and WPO's weights (TRL's
+# use_weighting), on losses TRL allows them with: (TRL's loss_type, llmtrain's loss, the knobs by llmtrain's names)
+KNOBS = [("sigmoid", "dpo", {"f_divergence": "forward_kl"}), ("hinge", "hinge", {"f_divergence": "js_divergence"}),
+         ("sigmoid", "dpo", {"f_divergence": "alpha_divergence"}),
+         ("ipo", "ipo", {"f_divergence": "alpha_divergence", "f_alpha": 0.3}),
+         ("robust", "robust", {"f_divergence": "forward_kl", "label_smoothing": 0.1}),
+         ("sigmoid", "dpo", {"ld_alpha": 0.5}), ("sigmoid", "dpo", {"ld_alpha": 0.0}),
+         ("bco_pair", "bco_pair", {"ld_alpha": 0.3}),
+         ("sigmoid", "dpo", {"ld_alpha": 0.5, "f_divergence": "js_divergence"}),
+         ("sigmoid", "dpo", {"wpo": True}), ("ipo", "ipo", {"wpo": True, "ld_alpha": 0.5}),
+         ("apo_zero", "apo_zero", {"wpo": True})]
+TRL_NAMES = {"f_divergence": "f_divergence_type", "f_alpha": "f_alpha_divergence_coef", "wpo": "use_weighting"}
 
 
-@pytest.mark.parametrize("loss_type, ours, family", [("sigmoid", "dpo", "llama"), ("ipo", "ipo", "llama"),
-                                                     ("sigmoid", "dpo", "qwen3_moe"), ("sigmoid+sft", "dpo", "llama"),
-                                                     *((name, name, "llama") for name in TRL_PAIR_LOSSES)])
-def test_loss_matches_trl_dpo_trainer(tiny_assets, tiny_tok, tmp_path, loss_type, ours, family,
+@pytest.mark.parametrize("loss_type, ours, family, knobs", [
+    ("sigmoid", "dpo", "llama", {}), ("ipo", "ipo", "llama", {}), ("sigmoid", "dpo", "qwen3_moe", {}),
+    ("sigmoid+sft", "dpo", "llama", {}), *((name, name, "llama", SETTINGS.get(name, {})) for name in TRL_PAIR_LOSSES),
+    *((theirs, ours, "llama", knobs) for theirs, ours, knobs in KNOBS)])
+def test_loss_matches_trl_dpo_trainer(tiny_assets, tiny_tok, tmp_path, loss_type, ours, family, knobs,
                                       fresh_accelerate_state):
     """TRL's DPOTrainer (padded, its own tokenisation and fused LM head) against llmtrain's padding-free pairs, on
     a policy that differs from its reference: the same mean loss to 1e-6. A tiny Qwen3-MoE with the load-balancing
@@ -370,7 +440,8 @@ def test_loss_matches_trl_dpo_trainer(tiny_assets, tiny_tok, tmp_path, loss_type
     mean loss from its one padded pass over chosen and rejected, llmtrain from its one packed row of them (padding
     left out either way): the same loss, and the gradients of the routers and experts the same to 1e-6. sigmoid+sft:
     TRL's loss_type [sigmoid, sft] weighted 1 and 0.3 against preference.sft_weight 0.3 (RPO), and the same
-    gradients. TRL's other loss types (TRL_PAIR_LOSSES) by their names: the same loss and gradients."""
+    gradients. TRL's other loss types (TRL_PAIR_LOSSES) by their names, and f-DPO's divergences and LD-DPO's ld_alpha
+    (KNOBS: the reference precomputed with the same token weights): the same loss and gradients."""
     trl = pytest.importorskip("trl")
     from datasets import Dataset
     from test_families import family_model
@@ -392,12 +463,14 @@ def test_loss_matches_trl_dpo_trainer(tiny_assets, tiny_tok, tmp_path, loss_type
     args = trl.DPOConfig(output_dir=str(tmp_path / "trl"), per_device_train_batch_size=len(pairs), report_to="none",
                          beta=0.1, loss_type=loss_type.split("+"), loss_weights=[1.0, sft] if sft else None,
                          max_length=None, use_cpu=True, bf16=False, fp16=False, router_aux_loss_coef=coef,
-                         **SETTINGS.get(ours, {}))
+                         **{TRL_NAMES.get(k, k): v for k, v in knobs.items()})
     trainer = trl.DPOTrainer(model=policy, ref_model=ref, args=args, train_dataset=Dataset.from_list(pairs),
                              processing_class=tiny_tok)
     assert trainer.aux_loss_enabled is (coef is not None)
-    theirs = trainer.compute_loss(trainer.model, trainer.data_collator([trainer.train_dataset[i]
-                                                                        for i in range(len(pairs))]))
+    inputs = trainer.data_collator([trainer.train_dataset[i] for i in range(len(pairs))])
+    theirs = trainer.compute_loss(trainer.model, inputs)
+    with torch.no_grad():
+        theirs_ref = torch.stack(trainer.compute_ref_log_probs(trainer.ref_model, inputs), dim=1).flatten()
 
     cfg = DataConfig(path="x.jsonl", format="preference")
     rows = [encode_pair(p, tiny_tok, cfg) for p in pairs]
@@ -406,16 +479,29 @@ def test_loss_matches_trl_dpo_trainer(tiny_assets, tiny_tok, tmp_path, loss_type
         assert row["chosen_ids"] == tr["prompt_ids"] + tr["chosen_ids"]
     for m in (ours_policy, ours_ref):
         attach_loss(m, chunk=8, router_aux=coef)
-    objective = Preference(PreferenceConfig(loss=ours, beta=0.1, sft_weight=sft, **SETTINGS.get(ours, {})),
+    objective = Preference(PreferenceConfig(loss=ours, beta=0.1, sft_weight=sft, **knobs),
                            pad_id=tiny_tok.pad_token_id, packing=True, reference="precomputed", router_aux=coef)
     with torch.no_grad():
         plain = Preference(objective.cfg, pad_id=objective.pad_id, packing=True, reference="none")
         ref_logps = sequence_logps(ours_ref, plain.collate(rows)[0])
+    # the reference's log-probabilities are TRL's (LD-DPO: with the same token weights), and its own are used below:
+    # their fp32 rounding over another path (about 1e-6 of log-probabilities near -30) would otherwise be what differs
+    assert torch.allclose(ref_logps, theirs_ref, rtol=1e-6, atol=1e-5)
+    ref_logps = theirs_ref
     batch, _ = objective.collate([{**r, "ref_chosen": float(a), "ref_rejected": float(b)}
                                   for r, a, b in zip(rows, ref_logps[0::2], ref_logps[1::2])])
     loss, stats = objective.loss(ours_policy, batch)
     assert loss.item() / len(pairs) == pytest.approx(theirs.item(), rel=1e-6, abs=1e-6)
-    if ours in TRL_PAIR_LOSSES:  # and trains what TRL's trains
+    if knobs.keys() - {"label_smoothing"}:  # and the knob changes the loss (the pairs' answers differ in length)
+        plain_cfg = PreferenceConfig(loss=ours, beta=0.1, label_smoothing=knobs.get("label_smoothing", 0.0))
+        with torch.no_grad():
+            unweighted = Preference(plain_cfg, pad_id=tiny_tok.pad_token_id, packing=True, reference="precomputed")
+            ref_plain = sequence_logps(ours_ref, unweighted.reference_free().collate(rows)[0])
+            base, _ = unweighted.loss(ours_policy, unweighted.collate([
+                {**r, "ref_chosen": float(a), "ref_rejected": float(b)}
+                for r, a, b in zip(rows, ref_plain[0::2], ref_plain[1::2])])[0])
+        assert abs(base.item() - loss.item()) / len(pairs) > 1e-4
+    if ours in TRL_PAIR_LOSSES or knobs:  # and trains what TRL's trains
         theirs.backward()
         (loss / len(pairs)).backward()
         mine = dict(ours_policy.named_parameters())
@@ -423,8 +509,12 @@ def test_loss_matches_trl_dpo_trainer(tiny_assets, tiny_tok, tmp_path, loss_type
         assert biggest > 1e-4  # not a zero gradient
         # relative to the largest: sppo_hard's squares of log-ratios minus 5 make gradients of about 20, whose fp32
         # rounding over the padded and the packed paths differs by 1.4e-6 of it (measured); the others within 1e-6
+        # but ipo under alpha_divergence at 0.3, whose gradient grows as e^(0.7 u) with each log-ratio u: the two
+        # paths' sums of log-probabilities near -30 differ by one fp32 step (3.8e-6, measured), and its gradients
+        # by 3.7e-6 of the largest (measured; 1.7e-8 between llmtrain's own packed and padded paths)
+        tolerance = 5e-6 if "f_alpha" in knobs else 2e-6
         assert max((mine[n].grad - p.grad).abs().max().item()
-                   for n, p in trainer.model.named_parameters()) < 2e-6 * max(1.0, biggest)
+                   for n, p in trainer.model.named_parameters()) < tolerance * max(1.0, biggest)
     if sft:  # the term counts (0.3 x the chosen answers' mean NLL per token above DPO's), and trains what TRL's trains
         dpo = Preference(PreferenceConfig(loss=ours, beta=0.1), pad_id=tiny_tok.pad_token_id, packing=True,
                          reference="precomputed")

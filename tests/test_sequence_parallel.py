@@ -337,10 +337,12 @@ def _pairs_and_feedback(tiny_assets: Path, folder: Path) -> tuple[Path, Path]:
 
 
 # Each mode whose loss reads whole sequences: the sections it trains with, a LoRA reference (DPO: the disabled adapter,
-# KTO: with its KL sequences) or a full fine-tune's (DPO: precomputed before the first step; a reward model's head)
+# with aot's sort of the micro-batch's margins; KTO: with its KL sequences) or a full fine-tune's (DPO: precomputed
+# before the first step, LD-DPO's token weights on each slice's tokens, WPO's weights from every slice's; a reward
+# model's head)
 WHOLE_SEQUENCES = {
-    "dpo-lora": ("pairs", {"preference": {"loss": "dpo", "beta": 0.1}, "lora": LORA}),
-    "dpo-full": ("pairs", {"preference": {"loss": "dpo", "beta": 0.1}}),
+    "dpo-lora": ("pairs", {"preference": {"loss": "aot", "beta": 0.1}, "lora": LORA}),
+    "dpo-full": ("pairs", {"preference": {"loss": "dpo", "beta": 0.1, "ld_alpha": 0.5, "wpo": True}}),
     "kto-lora": ("feedback", {"kto": {"beta": 0.1}, "lora": LORA}),
     "reward-model": ("pairs", {"reward_model": {}}),
 }

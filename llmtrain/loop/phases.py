@@ -496,12 +496,15 @@ def reference_logps(recipe: Recipe, accelerator, data: Data, trainable: Trainabl
 
 
 def model_key(recipe: Recipe) -> str:
-    """What fixes the reference's numbers: the model's files (or hub id), its dtype, precision and attention."""
+    """What fixes the reference's numbers: the model's files (or hub id), its dtype, precision and attention, and
+    preference.ld_alpha where set (the tokens' weights in each sum)."""
     import hashlib
 
     m, h = recipe.model, hashlib.sha256()
     h.update(json.dumps([m.name_or_path, m.dtype, m.attn_implementation, recipe.train.mixed_precision,
                          recipe.train.loss_chunk_tokens]).encode())
+    if recipe.preference is not None and recipe.preference.ld_alpha is not None:
+        h.update(f"ld_alpha={recipe.preference.ld_alpha}".encode())
     if m.quantize is not None:  # a QLoRA run's reference: the 4-bit base
         h.update(f"quantize={m.quantize}".encode())
     folder = Path(m.name_or_path)

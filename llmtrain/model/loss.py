@@ -30,10 +30,10 @@ def _chunk_loss(head, hidden: torch.Tensor, targets: torch.Tensor) -> torch.Tens
     return F.cross_entropy(head(hidden).float(), targets, reduction="sum")
 
 
-def _chunk_token_loss(head, hidden: torch.Tensor, targets: torch.Tensor, entropy: bool = False):
+def _chunk_token_loss(head, hidden: torch.Tensor, targets: torch.Tensor, stat: str | None = None):
     logits = head(hidden).float()
     loss = F.cross_entropy(logits, targets, reduction="none")
-    return (loss, _entropy(logits)) if entropy else loss
+    return (loss, ROW_STATS[stat](logits)) if stat else loss
 
 
 ENTROPY_ROWS = 64  # rows of a chunk's logits whose entropy is taken at a time: 2 x 64 x vocab fp32 beside the chunk
@@ -58,22 +58,41 @@ def _entropy(logits: torch.Tensor) -> torch.Tensor:
     return out
 
 
+@torch.no_grad()
+def _log_sum_sq(logits: torch.Tensor) -> torch.Tensor:
+    """Each row's log sum_v p_v^2 of softmax(logits) (WPO's alignment term: logsumexp(2z) - 2 logsumexp(z)), in fp32,
+    ENTROPY_ROWS rows at a time in one reused buffer, as _entropy."""
+    out = logits.new_empty(logits.shape[0])
+    buf = logits.new_empty(min(ENTROPY_ROWS, logits.shape[0]), logits.shape[-1])
+    for s in range(0, logits.shape[0], ENTROPY_ROWS):
+        z = logits[s : s + ENTROPY_ROWS]
+        t = buf[: z.shape[0]]
+        first = torch.sub(z, z.amax(-1, keepdim=True), out=t).exp_().sum(-1)  # e^(z - max): p times `first`
+        out[s : s + z.shape[0]] = t.mul_(t).sum(-1).log_() - 2 * first.log_()  # log sum p^2, the maxima cancelling
+    return out
+
+
+# per-token statistics of the distribution, taken beside the per-token loss without gradient (`stat`)
+ROW_STATS = {"entropy": _entropy, "log_sum_sq": _log_sum_sq}
+
+
 def chunked_cross_entropy(hidden: torch.Tensor, head, targets: torch.Tensor, *, chunk: int,
                           with_hits: bool = False, per_token: bool = False,
-                          entropy: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+                          stat: str | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Sum of cross-entropies of `head(hidden)` against `targets` (N tokens, none ignored), `chunk` tokens at
     a time; with_hits also returns, per token, whether the argmax is the target (evaluation). per_token: the N
-    cross-entropies themselves instead of their sum (preference losses sum them per sequence); with entropy, and
-    each token's entropy of its distribution (no gradient: online RL's `entropy` metric)."""
+    cross-entropies themselves instead of their sum (preference losses sum them per sequence); with `stat` (a
+    ROW_STATS name), and each token's statistic of its distribution, without gradient (entropy: online RL's
+    `entropy` metric; log_sum_sq: WPO's weights)."""
     if per_token:
-        parts = [checkpoint(_chunk_token_loss, head, hidden[s : s + chunk], targets[s : s + chunk], entropy,
+        parts = [checkpoint(_chunk_token_loss, head, hidden[s : s + chunk], targets[s : s + chunk], stat,
                             use_reentrant=False) if torch.is_grad_enabled() else
-                 _chunk_token_loss(head, hidden[s : s + chunk], targets[s : s + chunk], entropy)
+                 _chunk_token_loss(head, hidden[s : s + chunk], targets[s : s + chunk], stat)
                  for s in range(0, hidden.shape[0], chunk)]
         if not parts:
             empty = hidden.new_zeros(0, dtype=torch.float32)
-            return empty, (empty if entropy else None)
-        if entropy:  # (loss, entropy) a chunk; the entropies were taken without gradient
+            return empty, (empty if stat else None)
+        if stat:  # (loss, statistic) a chunk; the statistics were taken without gradient
             return torch.cat([loss for loss, _ in parts]), torch.cat([h for _, h in parts])
         return torch.cat(parts), None
     total = hidden.new_zeros((), dtype=torch.float32)
@@ -152,7 +171,7 @@ def attach_loss(model, *, chunk: int, fused_linear_ce=None, router_aux: float | 
 
     def forward(self, *args, loss_index=None, loss_targets=None, return_hits: bool = False, per_token: bool = False,
                 temperature: float = 1.0, token_loss=None, with_aux: bool = False, real_tokens: int | None = None,
-                entropy: bool = False, **kwargs):
+                stat: str | None = None, **kwargs):
         if loss_index is None:
             return original(self, *args, **kwargs)
         kwargs.pop("labels", None)  # peft passes labels=None through
@@ -166,13 +185,12 @@ def attach_loss(model, *, chunk: int, fused_linear_ce=None, router_aux: float | 
         if loss_index.numel() == 0:  # no trained position (a sequence-parallel slice of prompt tokens, a pipeline's
             # filler): a zero loss that still reaches every parameter, as DDP and FSDP reduce all their gradients
             loss, _ = self.lm_head(hidden[:1], targets=hidden.new_zeros(1, dtype=torch.long))
-            return {"loss": loss.sum() * 0.0, "hits": torch.zeros(0, dtype=torch.float32 if entropy else torch.bool,
+            return {"loss": loss.sum() * 0.0, "hits": torch.zeros(0, dtype=torch.float32 if stat else torch.bool,
                                                                   device=hidden.device),
                     **({"aux": loss.new_zeros(())} if aux else {})}
-        # hits: with token_loss, its statistics instead; with per_token and entropy, each token's entropy
+        # hits: with token_loss, its statistics instead; with per_token and stat, each token's statistic
         loss, hits = self.lm_head(hidden[loss_index], targets=loss_targets, with_hits=return_hits, per_token=per_token,
-                                  temperature=temperature, token_loss=token_loss,
-                                  **({"entropy": True} if entropy else {}))
+                                  temperature=temperature, token_loss=token_loss, **({"stat": stat} if stat else {}))
         if not aux:
             return {"loss": loss, "hits": hits}
         balance = router_aux_loss(self, outputs.router_logits, kwargs.get("attention_mask"), sums=balance_sums,
@@ -333,7 +351,7 @@ def _head_forward(chunk: int, fused_linear_ce, *, logits: Logits = Logits()):
     """The LM head's forward, patched: given targets, the chunked loss from its weight, of the logits the model's own
     forward makes (`logits`: logit_transform), over the sampling temperature."""
     def forward(self, hidden, targets=None, with_hits: bool = False, per_token: bool = False,
-                temperature: float = 1.0, token_loss=None, entropy: bool = False):
+                temperature: float = 1.0, token_loss=None, stat: str | None = None):
         if targets is None:  # an ordinary call: logits (the model's own forward transforms them)
             return torch.nn.functional.linear(hidden, self.weight, self.bias)
         if token_loss is not None:  # another loss on the same chunks (distillation); it applies any temperature
@@ -348,7 +366,7 @@ def _head_forward(chunk: int, fused_linear_ce, *, logits: Logits = Logits()):
             return out if temperature == 1.0 else out / temperature  # online RL: the sampling's temperature
 
         return chunked_cross_entropy(hidden, head, targets, chunk=chunk, with_hits=with_hits, per_token=per_token,
-                                     entropy=entropy)
+                                     stat=stat)
 
     return forward
 
@@ -368,7 +386,7 @@ def decoder_inputs(batch: dict) -> dict:
 
 
 def compute_loss(model, batch: dict, *, return_hits: bool = False, per_token: bool = False, temperature: float = 1.0,
-                 token_loss=None, return_aux: bool = False, return_entropy: bool = False):
+                 token_loss=None, return_aux: bool = False, stat: str | None = None):
     """Summed token cross-entropy of one collated batch on the device (the one loss of train and eval).
 
     `batch` holds the model inputs plus `loss_index` / `loss_targets` (batching.with_loss_positions);
@@ -378,7 +396,8 @@ def compute_loss(model, batch: dict, *, return_hits: bool = False, per_token: bo
     token_loss: another loss on the same chunks of the LM head's logits (chunked_token_loss): returns (its summed
     loss, its summed statistics). return_aux: (the loss, the micro-batch's load-balancing loss, attach_loss's
     router_aux, or None without it); with per_token, the load-balancing loss is computed for the caller to weigh.
-    return_entropy (with per_token): (the per-token losses, each token's entropy at the temperature, no gradient).
+    stat (with per_token, a ROW_STATS name): (the per-token losses, each token's statistic of its distribution at
+    the temperature, no gradient), and with return_aux the load-balancing loss third.
     """
     inputs = {**decoder_inputs(batch), **{k: batch[k] for k in MODEL_INPUTS[3:] if k in batch},
               **({"real_tokens": batch["real_tokens"]} if "real_tokens" in batch else {})}  # a sequence slice's
@@ -386,9 +405,9 @@ def compute_loss(model, batch: dict, *, return_hits: bool = False, per_token: bo
                 **({"temperature": temperature} if temperature != 1.0 else {}),
                 **({"token_loss": token_loss} if token_loss is not None else {}),
                 **({"with_aux": True} if return_aux and per_token else {}),
-                **({"entropy": True} if return_entropy else {}))
-    if return_entropy:
-        return out["loss"], out["hits"]
+                **({"stat": stat} if stat else {}))
+    if stat:
+        return (out["loss"], out["hits"], out.get("aux")) if return_aux else (out["loss"], out["hits"])
     if return_aux:
         return out["loss"], out.get("aux")
     return (out["loss"], out["hits"]) if return_hits or token_loss is not None else out["loss"]

@@ -608,7 +608,7 @@ class GRPO:
         if rl.beta:  # first: its no-grad forward leaves no graph behind
             with torch.no_grad(), self.lm.disable_adapter():  # the starting model: the LoRA adapter off
                 ref = -compute_loss(self.lm, batch, per_token=True, temperature=rl.temperature).float()
-        losses, entropy = compute_loss(model, batch, per_token=True, temperature=rl.temperature, return_entropy=True)
+        losses, entropy = compute_loss(model, batch, per_token=True, temperature=rl.temperature, stat="entropy")
         logps = -losses.float()
         old, log_ratio, share = batch.get("loss_old_logps"), None, 1.0 / batch["loss_lengths"]
         if rl.importance_sampling_level == "sequence":  # GSPO: one ratio a completion

@@ -35,8 +35,9 @@ STATS = ["rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/ma
 
 def pair_losses(kind: str, chosen: torch.Tensor, rejected: torch.Tensor, ref_chosen: torch.Tensor | None,
                 ref_rejected: torch.Tensor | None, chosen_tokens: torch.Tensor, rejected_tokens: torch.Tensor, *,
-                beta: float, gamma: float = 0.0, smoothing: float = 0.0,
-                tau: float = 0.05) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                beta: float, gamma: float = 0.0, smoothing: float = 0.0, tau: float = 0.05,
+                divergence: str = "reverse_kl",
+                f_alpha: float | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Per-pair losses and the implicit rewards of the chosen and rejected answers, from the summed answer
     log-probabilities of the policy (and of the reference) and the answers' token counts.
 
@@ -50,6 +51,12 @@ def pair_losses(kind: str, chosen: torch.Tensor, rejected: torch.Tensor, ref_cho
       log(e^ac / (1 - e^ac)) - log(e^ar / (1 - e^ar)); rewards beta a, as TRL's ORPOTrainer logs them.
     - TRL's other DPOTrainer loss_types (PAIR_LOSSES), each of the chosen and rejected log-ratios to the reference,
       as TRL 1.16 computes them; rewards as dpo.
+    - aot and aot_unpaired (Melnyk et al. 2024, TRL's): dpo's loss, label-smoothed as robust's without its
+      rescaling, of the sorted policy margins against the sorted reference margins of the micro-batch (aot), or of
+      its sorted chosen log-ratios against its sorted rejected ones (aot_unpaired): n losses that belong to no pair
+      in particular, whose sum is the batch's.
+    `divergence` (f-DPO): each log-ratio enters dpo, ipo, sigmoid_norm and PAIR_LOSSES as f_score of it (the
+    config refuses another than reverse_kl where it has no meaning); the rewards stay beta x the log-ratios.
     """
     if kind == "simpo":
         rc_, rr_ = beta * chosen / chosen_tokens, beta * rejected / rejected_tokens
@@ -60,17 +67,42 @@ def pair_losses(kind: str, chosen: torch.Tensor, rejected: torch.Tensor, ref_cho
         return -ac - beta * F.logsigmoid(log_odds), beta * ac, beta * ar
     chosen_ratio, rejected_ratio = chosen - ref_chosen, rejected - ref_rejected
     rewards = beta * chosen_ratio, beta * rejected_ratio
+    if kind == "aot":  # the margins sorted, the policy's against the reference's
+        return _aot(torch.sort(chosen - rejected).values - torch.sort(ref_chosen - ref_rejected).values, beta,
+                    smoothing), *rewards
+    if kind == "aot_unpaired":
+        return _aot(torch.sort(chosen_ratio).values - torch.sort(rejected_ratio).values, beta, smoothing), *rewards
+    c, r = f_score(chosen_ratio, divergence, f_alpha), f_score(rejected_ratio, divergence, f_alpha)
     if kind == "dpo":
-        return -F.logsigmoid(beta * (chosen_ratio - rejected_ratio)), *rewards
+        return -F.logsigmoid(beta * (c - r)), *rewards
     if kind == "ipo":
-        delta = chosen_ratio / chosen_tokens - rejected_ratio / rejected_tokens
+        delta = c / chosen_tokens - r / rejected_tokens
         return (delta - 1 / (2 * beta)) ** 2, *rewards
     if kind == "sigmoid_norm":
-        delta = chosen_ratio / chosen_tokens - rejected_ratio / rejected_tokens
+        delta = c / chosen_tokens - r / rejected_tokens
         return -F.logsigmoid(beta * delta), *rewards
     if kind in PAIR_LOSSES:
-        return PAIR_LOSSES[kind](chosen_ratio, rejected_ratio, beta, smoothing, tau), *rewards
+        return PAIR_LOSSES[kind](c, r, beta, smoothing, tau), *rewards
     raise ValueError(f"unknown preference loss {kind!r}")
+
+
+def f_score(ratio: torch.Tensor, divergence: str, alpha: float | None) -> torch.Tensor:
+    """f'(e^u) of a log-ratio u for f-DPO's divergence (TRL 1.16's f_divergence_type): reverse_kl u; forward_kl
+    1 - e^-u; js_divergence log 2 + log sigmoid(u); alpha_divergence (e^((alpha-1) u) - 1) / (alpha - 1), its
+    exponent held at most 80 (TRL's fp32 bound: e^80 is finite)."""
+    if divergence == "reverse_kl":
+        return ratio
+    if divergence == "forward_kl":
+        return 1 - torch.exp(-ratio)
+    if divergence == "js_divergence":
+        return math.log(2) + F.logsigmoid(ratio)
+    if divergence == "alpha_divergence":
+        return torch.expm1(((alpha - 1) * ratio).clamp(max=80.0)) / (alpha - 1)
+    raise ValueError(f"unknown f_divergence {divergence!r}")
+
+
+def _aot(delta: torch.Tensor, beta: float, eps: float) -> torch.Tensor:
+    return -F.logsigmoid(beta * delta) * (1 - eps) - F.logsigmoid(-beta * delta) * eps
 
 
 def _exo_pair(c, r, beta, eps, tau):
@@ -111,23 +143,38 @@ def _log1mexp(x: torch.Tensor) -> torch.Tensor:
 
 
 def pairs_loss(cfg, logps: torch.Tensor, tokens: torch.Tensor, ref_chosen: torch.Tensor | None,
-               ref_rejected: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+               ref_rejected: torch.Tensor | None,
+               weights: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """The summed preference loss (the preference: section's) of the pairs whose sequences' summed answer
     log-probabilities and trained tokens are `logps` and `tokens` (chosen, rejected, chosen, ...), and its
     statistics (STATS, summed over the pairs). With preference.sft_weight, each pair's loss adds the weight times
     its chosen answer's mean negative log-likelihood per token: a mean over pairs, as the rest of the loss, so
     accumulation and packing leave it unchanged (TRL's loss_type [sigmoid, sft] takes the micro-batch's mean over
-    its chosen tokens instead: the same where the chosen answers are equally long)."""
+    its chosen tokens instead: the same where the chosen answers are equally long). `weights` (preference.wpo): each
+    sequence's wpo_weights; each pair's loss, its sft term's too (as TRL's), times its two answers' product."""
     losses, chosen_rewards, rejected_rewards = pair_losses(
         cfg.loss, logps[0::2], logps[1::2], ref_chosen, ref_rejected, tokens[0::2], tokens[1::2],
-        beta=cfg.beta, gamma=cfg.simpo_gamma, smoothing=cfg.label_smoothing, tau=cfg.discopop_tau)
+        beta=cfg.beta, gamma=cfg.simpo_gamma, smoothing=cfg.label_smoothing, tau=cfg.discopop_tau,
+        divergence=cfg.f_divergence, f_alpha=cfg.f_alpha)
     if cfg.sft_weight:  # RPO: each pair's chosen answer's negative log-likelihood per token
         losses = losses + cfg.sft_weight * -logps[0::2] / tokens[0::2]
+    if weights is not None:
+        losses = losses * weights[0::2] * weights[1::2]
     with torch.no_grad():
         stats = torch.stack([chosen_rewards.sum(), rejected_rewards.sum(),
                              (chosen_rewards > rejected_rewards).float().sum(),
                              (chosen_rewards - rejected_rewards).sum(), logps[0::2].sum(), logps[1::2].sum()])
     return losses.sum(), stats
+
+
+def ld_weights(sequence: torch.Tensor, tokens: torch.Tensor, alpha: float) -> torch.Tensor:
+    """LD-DPO's weight of each trained token (TRL's ld_alpha), from its sequence (non-decreasing: a sequence's
+    tokens are consecutive, chosen then rejected of each pair) and each sequence's trained tokens: 1 for the first
+    min(chosen, rejected) tokens of each answer of a pair, alpha after them."""
+    starts = torch.cumsum(tokens, 0) - tokens
+    position = torch.arange(len(sequence), dtype=torch.float32) - starts[sequence]
+    shared = torch.minimum(tokens[0::2], tokens[1::2]).repeat_interleave(2)
+    return torch.where(position < shared[sequence], 1.0, alpha)
 
 
 def sequence_sums(token_loss: torch.Tensor, sequence: torch.Tensor, n: int) -> torch.Tensor:
@@ -136,18 +183,38 @@ def sequence_sums(token_loss: torch.Tensor, sequence: torch.Tensor, n: int) -> t
     return -torch.zeros(n, device=token_loss.device, dtype=torch.float32).index_add(0, sequence, token_loss.float())
 
 
-def sequence_logps(model, batch: dict, *, with_aux: bool = False, total=None):
-    """Summed answer log-probability of every sequence of a collated batch (on the device), in batch order; with_aux:
-    and the batch's load-balancing loss (a mixture of experts under model.router_aux_loss_coef, loss.attach_loss).
-    `total`: each sequence's sum from the parts of it on each process (sequence parallelism: shards.sequence_sum,
-    differentiable; None: the batch holds whole sequences)."""
+def wpo_weights(token_loss: torch.Tensor, log_sum_sq: torch.Tensor, sequence: torch.Tensor, tokens: torch.Tensor,
+                total=None) -> torch.Tensor:
+    """WPO's weight of each sequence (TRL's use_weighting), without gradient: exp of the mean over its trained tokens
+    of log p(token) - log sum_v p_v^2, from their cross-entropies (-log p) and log sums of squares; `total` as
+    sequence_logps' (each sequence's sum over its slices)."""
+    with torch.no_grad():
+        aligned = sequence_sums(token_loss.detach() + log_sum_sq, sequence, tokens.numel())  # sum of log p - lss
+        if total is not None:
+            aligned = total(aligned)
+        return torch.exp(aligned / tokens.clamp(min=1))
+
+
+def sequence_logps(model, batch: dict, *, with_aux: bool = False, total=None, wpo: bool = False):
+    """Summed answer log-probability of every sequence of a collated batch (on the device), in batch order (with
+    preference.ld_alpha, each token weighted: ld_weights); with_aux: and the batch's load-balancing loss (a mixture of
+    experts under model.router_aux_loss_coef, loss.attach_loss), None without one; wpo: and each sequence's
+    wpo_weights last. `total`: each sequence's sum from the parts of it on each process (sequence parallelism:
+    shards.sequence_sum, differentiable; None: the batch holds whole sequences)."""
     # cross-entropy = -log p, one per trained token
-    token_loss, aux = compute_loss(model, batch, per_token=True, return_aux=True) if with_aux else (
-        compute_loss(model, batch, per_token=True), None)
-    logps = sequence_sums(token_loss, batch["loss_example"], batch["sequence_tokens"].numel())
+    out = compute_loss(model, batch, per_token=True, return_aux=with_aux, stat="log_sum_sq" if wpo else None)
+    token_loss, *extra = out if (wpo or with_aux) else (out,)
+    log_sum_sq = extra.pop(0) if wpo else None
+    aux = extra[0] if with_aux else None
+    weighted = token_loss * batch["loss_ld_weight"] if "loss_ld_weight" in batch else token_loss
+    logps = sequence_sums(weighted, batch["loss_example"], batch["sequence_tokens"].numel())
     if total is not None:
         logps = total(logps)
-    return (logps, aux) if with_aux else logps
+    if not (wpo or with_aux):
+        return logps
+    weights = (wpo_weights(token_loss, log_sum_sq, batch["loss_example"], batch["sequence_tokens"], total)
+               if wpo else None)
+    return (logps, aux, weights) if wpo else (logps, aux)
 
 
 def policy_logps(model, batch: dict, router_aux: float | None, *, aux: bool, total=None):
@@ -178,6 +245,8 @@ class Preference:
                      for e in examples for side in ("chosen", "rejected")]
         batch = with_loss_positions(collate(sequences, pad_id=self.pad_id, packing=self.packing))
         batch["sequence_tokens"] = torch.bincount(batch["loss_example"], minlength=len(sequences)).float()
+        if self.cfg.ld_alpha is not None:
+            batch["loss_ld_weight"] = ld_weights(batch["loss_example"], batch["sequence_tokens"], self.cfg.ld_alpha)
         if self.reference == "precomputed" and examples:
             batch["reference"] = torch.tensor([[e["ref_chosen"], e["ref_rejected"]] for e in examples],
                                               dtype=torch.float32)
@@ -206,8 +275,13 @@ class Preference:
         is the pairs' mean plus the weight times the micro-batches' pair-weighted mean of it: on one micro-batch,
         TRL's), and that times the pairs last among the statistics."""
         ref_chosen, ref_rejected = self._reference(batch)  # first: its no-grad forward leaves no graph behind
-        logps, router = policy_logps(model, batch, self.router_aux, aux=aux, total=self.sequence_sum)
-        loss, stats = pairs_loss(self.cfg, logps, batch["sequence_tokens"], ref_chosen, ref_rejected)
+        if self.cfg.wpo:
+            logps, router, weights = sequence_logps(model, batch, with_aux=aux and self.router_aux is not None,
+                                                    total=self.sequence_sum, wpo=True)
+        else:
+            (logps, router), weights = policy_logps(model, batch, self.router_aux, aux=aux,
+                                                    total=self.sequence_sum), None
+        loss, stats = pairs_loss(self.cfg, logps, batch["sequence_tokens"], ref_chosen, ref_rejected, weights)
         if router is None:
             return loss, stats
         pairs = logps.numel() // 2
@@ -237,8 +311,9 @@ def eval_row(loss: torch.Tensor, stats: torch.Tensor, pairs: int) -> torch.Tenso
 class StagePairs:
     """Preference pairs on pipeline stages (parallel/pipeline/schedule.py): the last stage's loss. A micro-batch
     reaches the last stage as the final hidden states of one row of `slots` tokens, with the [slots, 4] float32
-    targets of `targets`: at each trained position its token and its sequence's index in the row (-1 elsewhere),
-    and at slot k the k-th sequence's reference log-probability and its trained tokens (-1 past the last sequence).
+    targets of `targets`: at each trained position its token, its sequence's index in the row (-1 elsewhere) and its
+    weight in the sequence's sum (1; LD-DPO's ld_weights), and at slot k the k-th sequence's reference
+    log-probability and its trained tokens (-1 past the last sequence).
     The reference is precomputed through the stages before training (`logps`, the pass precompute_reference runs:
     the starting weights, or LoRA's adapter disabled); with preference.reference=adapter it is run through them
     before each step instead, forward only with the adapter disabled (`prepare`). From these, the sequences'
@@ -264,35 +339,42 @@ class StagePairs:
                 for b, r in zip(batches, reference)]
 
     def targets(self, batch: dict, slots: int) -> torch.Tensor:
-        """[1, slots, 4] float32 of a packed micro-batch (none: an idle row). Token ids are exact in float32 below
+        """[1, slots, 5] float32 of a packed micro-batch (none: an idle row). Token ids are exact in float32 below
         2^24."""
-        out = torch.zeros(slots, 4)
-        out[:, 0], out[:, 1], out[:, 3] = IGNORE, -1.0, -1.0
+        out = torch.zeros(slots, 5)
+        out[:, 0], out[:, 1], out[:, 3], out[:, 4] = IGNORE, -1.0, -1.0, 1.0
         if (tokens := batch.get("sequence_tokens")) is not None and len(tokens):
             index = batch["loss_index"]
             out[index, 0] = batch["loss_targets"].float()
             out[index, 1] = batch["loss_example"].float()
+            if "loss_ld_weight" in batch:
+                out[index, 4] = batch["loss_ld_weight"]
             out[: len(tokens), 3] = tokens
             if "reference" in batch:
                 out[: len(tokens), 2] = batch["reference"].reshape(-1)  # chosen, rejected of each pair in turn
         return out[None]
 
-    def _logps(self, head, hidden: torch.Tensor, target: torch.Tensor):
-        """Each sequence's summed answer log-probability on the row (None where it holds no sequence)."""
+    def _logps(self, head, hidden: torch.Tensor, target: torch.Tensor, *, wpo: bool = False):
+        """Each sequence's summed answer log-probability on the row (None where it holds no sequence); wpo: and each
+        one's wpo_weights."""
         n = int((target[:, 3] >= 0).sum())
         if n == 0:
             return None
         at = (target[:, 1] >= 0).nonzero().flatten()
-        token_loss, _ = head(hidden[at], targets=target[at, 0].long(), per_token=True)
-        return sequence_sums(token_loss, target[at, 1].long(), n)
+        sequence = target[at, 1].long()
+        token_loss, log_sum_sq = head(hidden[at], targets=target[at, 0].long(), per_token=True,
+                                      **({"stat": "log_sum_sq"} if wpo else {}))
+        logps = sequence_sums(token_loss * target[at, 4], sequence, n)
+        return (logps, wpo_weights(token_loss, log_sum_sq, sequence, target[:n, 3])) if wpo else logps
 
     def _loss(self, head, hidden: torch.Tensor, target: torch.Tensor):
-        logps = self._logps(head, hidden, target)
-        if logps is None:
+        out = self._logps(head, hidden, target, wpo=self.cfg.wpo)
+        if out is None:
             return None, 0
+        logps, weights = out if self.cfg.wpo else (out, None)
         n, ref = logps.numel(), target[: logps.numel(), 2]
         chosen, rejected = (ref[0::2], ref[1::2]) if self.reference != "none" else (None, None)
-        return pairs_loss(self.cfg, logps, target[:n, 3], chosen, rejected), n // 2
+        return pairs_loss(self.cfg, logps, target[:n, 3], chosen, rejected, weights), n // 2
 
     def loss(self, head, hidden: torch.Tensor, target: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The row's summed pair loss and statistics (a row of no pair: a zero loss that still reaches the head)."""

@@ -66,7 +66,7 @@ def completion_logps(model, batch: dict, *, temperature: float, entropy: bool = 
     """Every completion token's log-probability at the sampling temperature, from the chunked per-token loss path
     (no full logits); with entropy, and each token's entropy (no gradient)."""
     if entropy:
-        losses, entropies = compute_loss(model, batch, per_token=True, temperature=temperature, return_entropy=True)
+        losses, entropies = compute_loss(model, batch, per_token=True, temperature=temperature, stat="entropy")
         return -losses.float(), entropies
     return -compute_loss(model, batch, per_token=True, temperature=temperature).float()
 
