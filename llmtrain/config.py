@@ -8,6 +8,7 @@ the nearest valid key.
 from __future__ import annotations
 
 import difflib
+import math
 import re
 from pathlib import Path
 from typing import Any, Literal
@@ -560,22 +561,29 @@ F_DIVERGENCE_LOSSES = ("dpo", "sigmoid_norm", "hinge", "ipo", "exo_pair", "robus
 SMOOTHED = ("robust", "exo_pair", "aot", "aot_unpaired")  # the losses that read preference.label_smoothing
 
 
+PREFERENCE_LOSSES = ("dpo", "ipo", "simpo", "orpo", "hinge", "robust", "exo_pair", "nca_pair", "bco_pair",
+                     "sppo_hard", "apo_zero", "apo_down", "discopop", "sigmoid_norm", "aot", "aot_unpaired")
+
+
 class PreferenceConfig(Section):
-    loss: Literal["dpo", "ipo", "simpo", "orpo", "hinge", "robust", "exo_pair", "nca_pair", "bco_pair", "sppo_hard",
-                  "apo_zero", "apo_down", "discopop", "sigmoid_norm", "aot", "aot_unpaired"] = Field(
-        "dpo", description="dpo: the sigmoid loss of Rafailov et al. 2023; ipo: Azar et al. 2023, on per-token "
-        "log-ratios (as TRL); simpo: Meng et al. 2024, reference-free, on per-token log-probabilities; orpo: Hong et "
-        "al. 2024, reference-free, the chosen answers' NLL plus beta x an odds-ratio loss (one stage from a base "
-        "model, no SFT before it). TRL's DPOTrainer loss_types by their names, each on the log-ratios to the "
-        "reference: hinge (SLiC), robust (Chowdhury et al. 2024, with label_smoothing: the share of flipped labels), "
-        "exo_pair (Ji et al. 2024, label_smoothing > 0), nca_pair (Chen et al. 2024), bco_pair (Jung et al. 2024), "
-        "sppo_hard (Wu et al. 2024), apo_zero and apo_down (D'Oosterlinck et al. 2024: chosen answers better, or "
-        "worse, than the model's own), discopop (Chris Lu et al. 2024, discopop_tau), sigmoid_norm (dpo on per-token "
-        "log-ratios), aot and aot_unpaired (Melnyk et al. 2024: dpo on the micro-batch's sorted margins, or its sorted "
-        "chosen against its sorted rejected log-ratios; label_smoothing as robust's).")
+    loss: str | list[str] = Field(
+        "dpo", description="A loss, or a list of losses summed with loss_weights (MPO's mix, TRL's list of loss_types; "
+        "preference.sft_weight is its sft). dpo: the sigmoid loss of Rafailov et al. 2023; ipo: Azar et al. 2023, on "
+        "per-token log-ratios (as TRL); simpo: Meng et al. 2024, reference-free, on per-token log-probabilities; "
+        "orpo: Hong et al. 2024, reference-free, the chosen answers' NLL plus beta x an odds-ratio loss (one stage "
+        "from a base model, no SFT before it). TRL's DPOTrainer loss_types by their names, each on the log-ratios to "
+        "the reference: hinge (SLiC), robust (Chowdhury et al. 2024, with label_smoothing: the share of flipped "
+        "labels), exo_pair (Ji et al. 2024, label_smoothing > 0), nca_pair (Chen et al. 2024), bco_pair (Jung et al. "
+        "2024), sppo_hard (Wu et al. 2024), apo_zero and apo_down (D'Oosterlinck et al. 2024: chosen answers better, "
+        "or worse, than the model's own), discopop (Chris Lu et al. 2024, discopop_tau), sigmoid_norm (dpo on per-"
+        "token log-ratios), aot and aot_unpaired (Melnyk et al. 2024: dpo on the micro-batch's sorted margins, or its"
+        " sorted chosen against its sorted rejected log-ratios; label_smoothing as robust's).")
     beta: float = Field(0.1, gt=0, description="Strength of the reference (dpo, ipo: the KL weight), reward scale "
                         "(simpo, where the paper uses about 2.0) or the odds-ratio term's weight (orpo: the paper's "
                         "lambda, 0.1 as TRL's default).")
+    loss_weights: list[float] | None = Field(
+        None, description="With a list of losses (TRL's loss_weights): each one's weight in the sum, in order; "
+        "default 1 each. MPO (Wang et al. 2024): loss [dpo, bco_pair], loss_weights [0.8, 0.2], sft_weight 1.")
     simpo_gamma: float = Field(0.5, ge=0, description="SimPO's target reward margin (gamma).")
     label_smoothing: float = Field(0.0, ge=0, lt=0.5, description="robust, exo_pair, aot and aot_unpaired (TRL's): "
                                    "the assumed share of pairs whose labels are flipped (robust: 0 is dpo; exo_pair "
@@ -619,6 +627,60 @@ class PreferenceConfig(Section):
             data = {**data, "f_alpha": 0.5}
         return data
 
+    @property
+    def weighted(self) -> list[tuple[str, float]]:
+        """The losses and their weights: [(loss, 1.0)] for one loss."""
+        if isinstance(self.loss, str):
+            return [(self.loss, 1.0)]
+        return list(zip(self.loss, self.loss_weights or [1.0] * len(self.loss)))
+
+    @property
+    def names(self) -> set[str]:
+        return {name for name, _ in self.weighted}
+
+    @field_validator("loss")
+    @classmethod
+    def _known_losses(cls, v: str | list[str]) -> str | list[str]:
+        for name in [v] if isinstance(v, str) else v:
+            if name not in PREFERENCE_LOSSES:
+                close = difflib.get_close_matches(name, PREFERENCE_LOSSES, n=1, cutoff=0.6)
+                raise ValueError(f"unknown loss {name!r}{f' (did you mean {close[0]}?)' if close else ''}: one of "
+                                 f"{', '.join(PREFERENCE_LOSSES)}, or a list of them")
+        return v
+
+    @model_validator(mode="before")
+    @classmethod
+    def _one_loss(cls, data: Any) -> Any:
+        """A list of one loss is that loss."""
+        if isinstance(data, dict) and isinstance(data.get("loss"), list) and len(data["loss"]) == 1:
+            data = {**data, "loss": data["loss"][0]}
+        return data
+
+    @model_validator(mode="after")
+    def _check_mix(self) -> PreferenceConfig:
+        if isinstance(self.loss, str):
+            if self.loss_weights is not None:
+                raise ValueError("preference.loss_weights weighs the losses of a list (preference.loss: [dpo, "
+                                 "bco_pair]), and this recipe names one loss: remove preference.loss_weights (a "
+                                 "single loss's scale is the learning rate's)")
+            return self
+        if not self.loss:
+            raise ValueError("preference.loss is an empty list: name a loss (dpo) or several")
+        if len(set(self.loss)) != len(self.loss):
+            raise ValueError(f"preference.loss names a loss twice ({self.loss}): give each once, with its weight in "
+                             f"preference.loss_weights")
+        if mixed := [name for name in self.loss if name in REFERENCE_FREE]:
+            raise ValueError(f"preference.loss {mixed[0]} is reference-free and trains alone: a list mixes losses on "
+                             f"the log-ratios to the reference (remove {mixed[0]} from it)")
+        if self.loss_weights is not None:
+            if len(self.loss_weights) != len(self.loss):
+                raise ValueError(f"preference.loss_weights gives {len(self.loss_weights)} weights for the "
+                                 f"{len(self.loss)} losses of preference.loss: one each, in order")
+            if not all(math.isfinite(w) and w > 0 for w in self.loss_weights):
+                raise ValueError(f"preference.loss_weights must be finite and above 0 (got {self.loss_weights}): "
+                                 f"leave a loss out of preference.loss rather than weigh it 0")
+        return self
+
     @model_validator(mode="after")
     def _check_reference(self) -> PreferenceConfig:
         if self.loss in REFERENCE_FREE and self.reference not in ("auto", "none"):
@@ -626,15 +688,15 @@ class PreferenceConfig(Section):
                              f"{self.reference})")
         if self.loss not in REFERENCE_FREE and self.reference == "none":
             raise ValueError(f"preference.loss={self.loss} needs a reference: use auto, adapter or precomputed")
-        if self.label_smoothing and self.loss not in SMOOTHED:
+        if self.label_smoothing and not self.names & set(SMOOTHED):
             raise ValueError(f"preference.label_smoothing is read by preference.loss {', '.join(SMOOTHED)}, and this "
                              f"recipe's loss is {self.loss}: remove it (or set preference.loss=robust)")
-        if self.f_divergence != "reverse_kl" and self.loss not in F_DIVERGENCE_LOSSES:
+        if self.f_divergence != "reverse_kl" and not self.names <= set(F_DIVERGENCE_LOSSES):
             raise ValueError(f"preference.f_divergence={self.f_divergence} regularises the losses built on the "
                              f"chosen-rejected difference ({', '.join(F_DIVERGENCE_LOSSES)}), where its log Z(x) "
                              f"cancels; this recipe's loss is {self.loss}: remove preference.f_divergence (or set "
                              f"preference.loss=dpo)")
-        if self.wpo and self.loss in ("aot", "aot_unpaired"):
+        if self.wpo and self.names & {"aot", "aot_unpaired"}:
             raise ValueError(f"preference.wpo weighs each pair's loss, and {self.loss} sorts the micro-batch's "
                              f"log-ratios so that no loss belongs to a pair: remove preference.wpo (or use another "
                              f"preference.loss)")
@@ -645,7 +707,7 @@ class PreferenceConfig(Section):
             if abs(self.f_alpha - 1) < 1e-6:
                 raise ValueError("preference.f_alpha=1 makes the alpha divergence the reverse KL: set "
                                  "preference.f_divergence=reverse_kl and remove preference.f_alpha")
-        if self.loss == "exo_pair" and not self.label_smoothing:
+        if "exo_pair" in self.names and not self.label_smoothing:
             raise ValueError("preference.loss=exo_pair takes log(label_smoothing): set preference.label_smoothing "
                              "above 0 (the paper's 1e-3)")
         if self.loss == "orpo" and self.sft_weight:

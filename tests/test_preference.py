@@ -20,7 +20,7 @@ from llmtrain.data.formats import encode_example
 from llmtrain.data.pairs import encode_pair, split_pair
 from llmtrain.data.prepare import prepare_datasets
 from llmtrain.errors import LLMTrainError, RecipeError
-from llmtrain.objectives.preference import Preference, f_score, ld_weights, pair_losses, sequence_logps
+from llmtrain.objectives.preference import Preference, f_score, ld_weights, pair_losses, pairs_loss, sequence_logps
 
 PAIRS = [
     {"prompt": "reverse abc =", "chosen": " cba", "rejected": " abc"},
@@ -165,6 +165,29 @@ def test_f_divergences_and_their_alpha_are_refused_where_nothing_reads_them():
     assert torch.allclose(f_score(u, "alpha_divergence", 0.0), f_score(u, "forward_kl", None))
     assert torch.allclose(f_score(u, "alpha_divergence", 1 - 1e-4), u, atol=1e-3)
     assert torch.allclose(f_score(u, "js_divergence", None), torch.log(2 * torch.exp(u) / (torch.exp(u) + 1)))
+
+
+def test_a_list_of_losses_is_their_weighted_sum_and_its_mistakes_are_refused_naming_the_key():
+    """preference.loss as a list (MPO's mix): each loss's pair losses times its weight, summed; the rewards are the
+    single losses'. A list of one is that loss; a reference-free loss in a list, a loss named twice, weights of the
+    wrong count or not above 0, weights for a single loss, and a misspelt name are refused with the key."""
+    c, r = torch.tensor([-3.0, -5.0]), torch.tensor([-4.0, -2.5])
+    rc, rr, n = torch.tensor([-3.5, -4.0]), torch.tensor([-3.0, -3.0]), torch.tensor([2.0, 3.0])
+    cfg = PreferenceConfig(loss=["dpo", "bco_pair"], loss_weights=[0.8, 0.2])
+    logps, tokens = torch.stack([c, r], 1).flatten(), torch.stack([n, n], 1).flatten()
+    loss, stats = pairs_loss(cfg, logps, tokens, rc, rr)
+    want = sum(w * pair_losses(k, c, r, rc, rr, n, n, beta=0.1)[0].sum() for k, w in (("dpo", 0.8), ("bco_pair", 0.2)))
+    assert loss.item() == pytest.approx(want.item(), rel=1e-6)
+    assert stats.tolist() == pytest.approx(pairs_loss(PreferenceConfig(), logps, tokens, rc, rr)[1].tolist())
+    assert PreferenceConfig(loss=["ipo"]).loss == "ipo"
+    for kw, message in (({"loss": ["dpo", "simpo"]}, "preference.loss simpo is reference-free and trains alone"),
+                        ({"loss": ["dpo", "dpo"]}, "preference.loss names a loss twice"),
+                        ({"loss": ["dpo", "hinge"], "loss_weights": [1.0]}, "gives 1 weights for the 2 losses"),
+                        ({"loss": ["dpo", "hinge"], "loss_weights": [1.0, 0.0]}, "must be finite and above 0"),
+                        ({"loss": "dpo", "loss_weights": [1.0]}, "this recipe names one loss"),
+                        ({"loss": ["dpo", "bco_pai"]}, "unknown loss 'bco_pai' .did you mean bco_pair.")):
+        with pytest.raises(ValueError, match=message):
+            PreferenceConfig(**kw)
 
 
 def test_ld_weights_count_each_answers_tokens_past_the_shorter_answer_alpha_times():
@@ -424,7 +447,11 @@ KNOBS = [("sigmoid", "dpo", {"f_divergence": "forward_kl"}), ("hinge", "hinge", 
          ("bco_pair", "bco_pair", {"ld_alpha": 0.3}),
          ("sigmoid", "dpo", {"ld_alpha": 0.5, "f_divergence": "js_divergence"}),
          ("sigmoid", "dpo", {"wpo": True}), ("ipo", "ipo", {"wpo": True, "ld_alpha": 0.5}),
-         ("apo_zero", "apo_zero", {"wpo": True})]
+         ("apo_zero", "apo_zero", {"wpo": True}),
+         # a list of losses, weighted (MPO: TRL's [sigmoid, bco_pair, sft] at [0.8, 0.2, 1], sft_weight here)
+         ("sigmoid+bco_pair", ["dpo", "bco_pair"], {"loss_weights": [0.8, 0.2]}),
+         ("sigmoid+bco_pair+sft", ["dpo", "bco_pair"], {"loss_weights": [0.8, 0.2]}),
+         ("ipo+aot+hinge", ["ipo", "aot", "hinge"], {"loss_weights": [0.5, 1.5, 0.25]})]
 TRL_NAMES = {"f_divergence": "f_divergence_type", "f_alpha": "f_alpha_divergence_coef", "wpo": "use_weighting"}
 
 
@@ -440,8 +467,9 @@ def test_loss_matches_trl_dpo_trainer(tiny_assets, tiny_tok, tmp_path, loss_type
     mean loss from its one padded pass over chosen and rejected, llmtrain from its one packed row of them (padding
     left out either way): the same loss, and the gradients of the routers and experts the same to 1e-6. sigmoid+sft:
     TRL's loss_type [sigmoid, sft] weighted 1 and 0.3 against preference.sft_weight 0.3 (RPO), and the same
-    gradients. TRL's other loss types (TRL_PAIR_LOSSES) by their names, and f-DPO's divergences and LD-DPO's ld_alpha
-    (KNOBS: the reference precomputed with the same token weights): the same loss and gradients."""
+    gradients. TRL's other loss types (TRL_PAIR_LOSSES) by their names, f-DPO's divergences, LD-DPO's ld_alpha (the
+    reference precomputed with the same token weights), WPO's weights and weighted lists of losses (KNOBS): the same
+    loss and gradients."""
     trl = pytest.importorskip("trl")
     from datasets import Dataset
     from test_families import family_model
@@ -460,10 +488,11 @@ def test_loss_matches_trl_dpo_trainer(tiny_assets, tiny_tok, tmp_path, loss_type
     ours_policy, ours_ref = copy.deepcopy(policy), copy.deepcopy(ref)  # before TRL patches its own copies
     sft = 0.3 if loss_type.endswith("+sft") else 0.0
     pairs = EQUAL_PAIRS if sft else PAIRS
+    weights = knobs.get("loss_weights", [1.0] * (loss_type.count("+") + 1 - bool(sft)))
     args = trl.DPOConfig(output_dir=str(tmp_path / "trl"), per_device_train_batch_size=len(pairs), report_to="none",
-                         beta=0.1, loss_type=loss_type.split("+"), loss_weights=[1.0, sft] if sft else None,
+                         beta=0.1, loss_type=loss_type.split("+"), loss_weights=weights + [sft] if sft else weights,
                          max_length=None, use_cpu=True, bf16=False, fp16=False, router_aux_loss_coef=coef,
-                         **{TRL_NAMES.get(k, k): v for k, v in knobs.items()})
+                         **{TRL_NAMES.get(k, k): v for k, v in knobs.items() if k != "loss_weights"})
     trainer = trl.DPOTrainer(model=policy, ref_model=ref, args=args, train_dataset=Dataset.from_list(pairs),
                              processing_class=tiny_tok)
     assert trainer.aux_loss_enabled is (coef is not None)
@@ -501,7 +530,7 @@ def test_loss_matches_trl_dpo_trainer(tiny_assets, tiny_tok, tmp_path, loss_type
                 {**r, "ref_chosen": float(a), "ref_rejected": float(b)}
                 for r, a, b in zip(rows, ref_plain[0::2], ref_plain[1::2])])[0])
         assert abs(base.item() - loss.item()) / len(pairs) > 1e-4
-    if ours in TRL_PAIR_LOSSES or knobs:  # and trains what TRL's trains
+    if (ours in TRL_PAIR_LOSSES or knobs) and not sft:  # and trains what TRL's trains (sft: below)
         theirs.backward()
         (loss / len(pairs)).backward()
         mine = dict(ours_policy.named_parameters())
@@ -516,7 +545,7 @@ def test_loss_matches_trl_dpo_trainer(tiny_assets, tiny_tok, tmp_path, loss_type
         assert max((mine[n].grad - p.grad).abs().max().item()
                    for n, p in trainer.model.named_parameters()) < tolerance * max(1.0, biggest)
     if sft:  # the term counts (0.3 x the chosen answers' mean NLL per token above DPO's), and trains what TRL's trains
-        dpo = Preference(PreferenceConfig(loss=ours, beta=0.1), pad_id=tiny_tok.pad_token_id, packing=True,
+        dpo = Preference(PreferenceConfig(loss=ours, beta=0.1, **knobs), pad_id=tiny_tok.pad_token_id, packing=True,
                          reference="precomputed")
         with torch.no_grad():
             logps = sequence_logps(ours_policy, batch)

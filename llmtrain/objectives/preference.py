@@ -147,15 +147,21 @@ def pairs_loss(cfg, logps: torch.Tensor, tokens: torch.Tensor, ref_chosen: torch
                weights: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """The summed preference loss (the preference: section's) of the pairs whose sequences' summed answer
     log-probabilities and trained tokens are `logps` and `tokens` (chosen, rejected, chosen, ...), and its
-    statistics (STATS, summed over the pairs). With preference.sft_weight, each pair's loss adds the weight times
-    its chosen answer's mean negative log-likelihood per token: a mean over pairs, as the rest of the loss, so
-    accumulation and packing leave it unchanged (TRL's loss_type [sigmoid, sft] takes the micro-batch's mean over
-    its chosen tokens instead: the same where the chosen answers are equally long). `weights` (preference.wpo): each
-    sequence's wpo_weights; each pair's loss, its sft term's too (as TRL's), times its two answers' product."""
-    losses, chosen_rewards, rejected_rewards = pair_losses(
-        cfg.loss, logps[0::2], logps[1::2], ref_chosen, ref_rejected, tokens[0::2], tokens[1::2],
-        beta=cfg.beta, gamma=cfg.simpo_gamma, smoothing=cfg.label_smoothing, tau=cfg.discopop_tau,
-        divergence=cfg.f_divergence, f_alpha=cfg.f_alpha)
+    statistics (STATS, summed over the pairs). A list of losses: their sum weighted by preference.loss_weights
+    (each a mean over pairs, as TRL's, so the sum of the weighted means). With preference.sft_weight, each pair's
+    loss adds the weight times its chosen answer's mean negative log-likelihood per token: a mean over pairs, as the
+    rest of the loss, so accumulation and packing leave it unchanged (TRL's loss_type [sigmoid, sft] takes the
+    micro-batch's mean over its chosen tokens instead: the same where the chosen answers are equally long).
+    `weights` (preference.wpo): each sequence's wpo_weights; each pair's loss, its sft term's too (as TRL's), times
+    its two answers' product.
+    """
+    losses = 0.0
+    for name, weight in cfg.weighted:  # a list of losses (MPO's mix): their weighted sum; the rewards are the same
+        loss, chosen_rewards, rejected_rewards = pair_losses(
+            name, logps[0::2], logps[1::2], ref_chosen, ref_rejected, tokens[0::2], tokens[1::2],
+            beta=cfg.beta, gamma=cfg.simpo_gamma, smoothing=cfg.label_smoothing, tau=cfg.discopop_tau,
+            divergence=cfg.f_divergence, f_alpha=cfg.f_alpha)
+        losses = losses + weight * loss if len(cfg.weighted) > 1 else loss
     if cfg.sft_weight:  # RPO: each pair's chosen answer's negative log-likelihood per token
         losses = losses + cfg.sft_weight * -logps[0::2] / tokens[0::2]
     if weights is not None:
