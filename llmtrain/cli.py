@@ -309,6 +309,9 @@ def generate(
     top_k: Annotated[Optional[int], typer.Option(min=0, help="Only the k most likely tokens (0: all).")] = None,
     min_p: Annotated[Optional[float], typer.Option(
         min=0.0, max=1.0, help="Only tokens at least this times the most likely one's probability (0: off).")] = None,
+    repetition_penalty: Annotated[Optional[float], typer.Option(
+        help="Tokens of the prompt and the reply so far made less likely (transformers' "
+        "repetition_penalty: above 1 repeats less; default 1, off, or the run's rl.repetition_penalty).")] = None,
     samples: Annotated[int, typer.Option(min=1, help="Replies a prompt (each from its own seed).")] = 1,
     seed: Annotated[int, typer.Option(help="The replies' seed: the same seed, the same replies.")] = 0,
     chat: Annotated[Optional[bool], typer.Option(
@@ -337,7 +340,8 @@ def generate(
     src = load_source(source)
     typer.echo(f"replies from {src.describe}", err=True)
     replies = generate_replies(src, texts, max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p,
-                               top_k=top_k, min_p=min_p, samples=samples, seed=seed, chat=chat, system_prompt=system,
+                               top_k=top_k, min_p=min_p, repetition_penalty=repetition_penalty, samples=samples,
+                               seed=seed, chat=chat, system_prompt=system,
                                tools=tools)
     for r in replies:
         tag = f" (sample {r['sample']})" if samples > 1 else ""

@@ -800,6 +800,11 @@ TOP_K = ("Sampling: only the top_k most likely tokens (and any tied with the k-t
          "distribution at the temperature, as TRL's.")
 MIN_P = ("Sampling: a token may be drawn only if its probability is at least min_p times the most likely one's, after "
          "top_k and top_p (TRL's min_p); 0: off.")
+REPETITION_PENALTY = ("Sampling (TRL's repetition_penalty, transformers' processor): each token already in the prompt "
+                      "or the completion so far has its logit divided by this where positive, multiplied where "
+                      "negative, before the temperature and the filters; 1: off, above 1 repeats less. Only the "
+                      "sampling sees it: the loss's log-probabilities are the policy's own, as TRL's, and the eval's "
+                      "greedy completions are unpenalised.")
 MergedCopy = Literal["rollout", "kept", "off"]
 # online RL's losses with keys of their own, and TRL's defaults for them (rl.loss_type sapo, vespo)
 LOSS_KEYS = {"sapo": {"sapo_temperature_pos": 1.0, "sapo_temperature_neg": 1.05},
@@ -829,6 +834,7 @@ class RLConfig(Section):
                          "probabilities add up to top_p.")
     top_k: int = Field(0, ge=0, description=TOP_K)
     min_p: float = Field(0.0, ge=0, lt=1, description=MIN_P)
+    repetition_penalty: float = Field(1.0, gt=0, allow_inf_nan=False, description=REPETITION_PENALTY)
     loss_type: Literal["dapo", "grpo", "dr_grpo", "cispo", "sapo", "luspo", "vespo"] | None = Field(
         None, description="grpo only, the loss and how it is normalised, as TRL 1.16: dapo (the default, TRL's), "
         "every completion token of the step weighs the same; grpo, each completion's mean over its tokens, then the "
@@ -1071,6 +1077,7 @@ class DistillConfig(Section):
     top_p: float = Field(1.0, gt=0, le=1, description="Nucleus sampling for the student's completions.")
     top_k: int = Field(0, ge=0, description=TOP_K)
     min_p: float = Field(0.0, ge=0, lt=1, description=MIN_P)
+    repetition_penalty: float = Field(1.0, gt=0, allow_inf_nan=False, description=REPETITION_PENALTY)
     sampler: Literal["static", "graph", "reference"] = Field(
         "graph", description="How the student samples, as rl.sampler: graph (CUDA graphs; static elsewhere), static, "
         "or reference (the plain loop).")

@@ -290,7 +290,7 @@ def test_a_short_run_brings_the_student_closer_to_its_teacher(straight):
 
 def test_distill_top_k_reaches_the_students_sampler(straight, tmp_path, monkeypatch):
     """distill.top_k 1 at temperature 1: every completion the student samples is its greedy one (the sampler called
-    again at temperature 0 on the same prompts draws the same tokens)."""
+    again at temperature 0 on the same prompts draws the same tokens); distill.repetition_penalty reaches it too."""
     import llmtrain.objectives.distill as distill
 
     recipe, _ = straight
@@ -298,13 +298,15 @@ def test_distill_top_k_reaches_the_students_sampler(straight, tmp_path, monkeypa
 
     def sample(lm, sampler, prompts, seeds, **kwargs):
         got = original(lm, sampler, prompts, seeds, **kwargs)
-        drawn.append((kwargs["top_k"], got, original(lm, sampler, prompts, seeds, **{**kwargs, "temperature": 0.0})))
+        drawn.append((kwargs["top_k"], got, original(lm, sampler, prompts, seeds, **{**kwargs, "temperature": 0.0}),
+                      kwargs["repetition_penalty"]))
         return got
 
     original = distill.sample
     monkeypatch.setattr(distill, "sample", sample)
-    run_train(recipe, f"output_dir={tmp_path / 'top_k'}", "train.max_steps=2", "distill.lmbda=1.0", "distill.top_k=1")
-    assert len(drawn) == 2 and all(k == 1 and got == greedy for k, got, greedy in drawn)
+    run_train(recipe, f"output_dir={tmp_path / 'top_k'}", "train.max_steps=2", "distill.lmbda=1.0", "distill.top_k=1",
+              "distill.repetition_penalty=1.2")
+    assert len(drawn) == 2 and all(k == 1 and got == greedy and penalty == 1.2 for k, got, greedy, penalty in drawn)
 
 
 def test_the_teachers_forward_is_counted_in_tflops_and_mfu(straight):

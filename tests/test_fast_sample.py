@@ -110,6 +110,48 @@ def test_top_k_and_min_p_draw_the_reference_loops_tokens_and_top_k_1_is_greedy(l
                        temperature=1.0, top_p=1.0, top_k=1) == greedy
 
 
+@pytest.mark.parametrize("penalty", [1.3, 0.8])
+def test_the_repetition_penalty_is_transformers_processor_and_both_samplers_apply_it_alike(lm, penalty, monkeypatch):
+    """generate.repetition_penalized against transformers' RepetitionPenaltyLogitsProcessor on rows that repeat
+    tokens (to 1e-6); both samplers draw the same tokens under it at temperature 1, stops ending some rows early
+    (finished rows leave the fast sampler's batch with their seen tokens) and greedy; it changes what is drawn, and
+    at 2 greedy completions repeat fewer of their tokens than without it."""
+    from transformers.generation.logits_process import RepetitionPenaltyLogitsProcessor
+
+    from llmtrain.model.generate import repetition_penalized, seen_tokens
+
+    torch.manual_seed(0)
+    logits, ids = torch.randn(6, 97) * 3, torch.randint(0, 97, (6, 30))
+    expected = RepetitionPenaltyLogitsProcessor(penalty)(ids, logits.clone())
+    got = repetition_penalized(logits, seen_tokens(ids.tolist(), 97, "cpu"), penalty)
+    assert (got - expected).abs().max() < 1e-6 and not torch.equal(got, logits)
+
+    from llmtrain.model import fast_sample
+
+    prompts = mixed_prompts(4, 4)
+    kwargs = dict(max_new_tokens=24, temperature=1.0, top_p=1.0, repetition_penalty=penalty)
+    _, free = both(lm, prompts, stop_ids=set(), **kwargs)
+    stops = {free[0][6], free[-1][2]}
+    monkeypatch.setattr(fast_sample, "CHECK_EVERY", 4)  # a look every 4 tokens, and any finished row leaves
+    monkeypatch.setattr(fast_sample, "COMPACT_AT", 0.99)
+    compacted, compact = [], fast_sample._Decode.compact
+    monkeypatch.setattr(fast_sample._Decode, "compact",
+                        lambda self, live, filled: compacted.append(live.numel()) or compact(self, live, filled))
+    reference, fast = both(lm, prompts, stop_ids=stops, **kwargs)
+    assert fast == reference and any(len(c) < 20 for c in fast) and compacted
+    assert fast != both(lm, prompts, stop_ids=stops, **{**kwargs, "repetition_penalty": 1.0})[1]
+    greedy = dict(max_new_tokens=24, temperature=0.0, top_p=1.0)
+    reference, fast = both(lm, prompts, stop_ids=set(), **greedy, repetition_penalty=penalty)
+    assert fast == reference
+    if penalty > 1:
+        def repeats(rows):
+            return sum(len(c) - len(set(c)) for c in rows)
+
+        _, penalised = both(lm, prompts, stop_ids=set(), **greedy, repetition_penalty=2.0)
+        _, plain = both(lm, prompts, stop_ids=set(), **greedy)
+        assert repeats(penalised) < repeats(plain)
+
+
 @pytest.mark.parametrize("adapter", ["on", "off"])
 def test_lora_on_small_cases_draws_the_reference_loops_tokens_with_the_adapter_on_and_off(lora_lm, lm, adapter):
     prompts = mixed_prompts(4, 4, seed=1)

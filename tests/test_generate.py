@@ -140,7 +140,8 @@ def test_the_command_prints_the_replies_and_writes_them_once(runs, tmp_path):
 
 
 def test_the_filters_reach_the_command_top_k_one_replies_greedily(runs, tmp_path):
-    """--top-k 1 at --temperature 1: every sample is the greedy reply; --min-p cuts what a sample may draw."""
+    """--top-k 1 at --temperature 1: every sample is the greedy reply; --min-p cuts what a sample may draw;
+    --repetition-penalty changes the greedy replies."""
     def tokens(name: str, *flags: str) -> list[list[int]]:
         invoke("generate", str(runs["full"]), *PROMPTS, "--max-new-tokens", "10", "--out", str(tmp_path / name),
                *flags)
@@ -151,6 +152,12 @@ def test_the_filters_reach_the_command_top_k_one_replies_greedily(runs, tmp_path
         t for t in greedy for _ in range(2)]
     sampled = tokens("sampled.jsonl", "--temperature", "1.5", "--samples", "2")
     assert sampled != tokens("min_p.jsonl", "--temperature", "1.5", "--min-p", "0.3", "--samples", "2")
+    # --repetition-penalty: greedy replies that repeat fewer of their tokens; 0 refused
+    penalised = tokens("penalty.jsonl", "--repetition-penalty", "1.5")
+    repeats = [sum(len(t) - len(set(t)) for t in rows) for rows in (penalised, greedy)]
+    assert penalised != greedy and repeats[0] < repeats[1]
+    bad = invoke("generate", str(runs["full"]), *PROMPTS, "--repetition-penalty", "0", check=False)
+    assert bad.returncode != 0 and "--repetition-penalty must be above 0" in bad.stdout + bad.stderr
 
 
 @pytest.mark.parametrize("case, says", [

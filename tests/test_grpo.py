@@ -788,6 +788,14 @@ def test_greedy_sampling_equals_transformers_generate(lm):
                          eos_token_id=[], pad_token_id=0)[0, len(prompt):].tolist()
     ours = sample(lm, [prompt], seeds=[0], max_new_tokens=8, temperature=0.0, top_p=1.0, stop_ids={2}, pad_id=0)
     assert ours == [theirs[: theirs.index(2) + 1] if 2 in theirs else theirs]
+    # repetition_penalty (rl.repetition_penalty, TRL's): transformers' processor over the prompt and the completion
+    theirs = lm.generate(input_ids=torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+                         max_new_tokens=16, do_sample=False, temperature=None, top_p=None, top_k=None,
+                         repetition_penalty=1.8, eos_token_id=[], pad_token_id=0)[0, len(prompt):].tolist()
+    ours = sample(lm, [prompt], seeds=[0], max_new_tokens=16, temperature=0.0, top_p=1.0, stop_ids=set(), pad_id=0,
+                  repetition_penalty=1.8)
+    plain = sample(lm, [prompt], seeds=[0], max_new_tokens=16, temperature=0.0, top_p=1.0, stop_ids=set(), pad_id=0)
+    assert ours == [theirs] and ours != plain
 
 
 def test_a_completion_depends_on_its_seed_not_on_its_batch(lm):

@@ -400,6 +400,24 @@ def test_top_k_one_samples_each_groups_greedy_completion_and_min_p_cuts_what_is_
     assert drawn != [r["completion_ids"] for r in rollouts(plain) if r["step"] == 1]
 
 
+def test_the_repetition_penalty_reaches_the_rollouts_sampler_and_not_the_evals(straight, tmp_path, monkeypatch):
+    """rl.repetition_penalty: every rollout's sampler call carries it with the rl: section's temperature; the eval's
+    greedy completions (temperature 0) are unpenalised; what is drawn changes."""
+    import llmtrain.objectives.grpo as grpo
+
+    recipe, plain, _ = straight
+    calls, original = [], grpo.sample
+    monkeypatch.setattr(grpo, "sample", lambda *a, **kw: calls.append(kw) or original(*a, **kw))
+    run = tmp_path / "penalty"
+    run_train(recipe, f"output_dir={run}", "train.max_steps=1", "train.eval_every_steps=1", "rl.repetition_penalty=1.4")
+    rollout = [kw for kw in calls if kw["temperature"] > 0]
+    evals = [kw for kw in calls if kw["temperature"] == 0]
+    assert rollout and all(kw["repetition_penalty"] == 1.4 for kw in rollout)
+    assert evals and all(kw.get("repetition_penalty", 1.0) == 1.0 for kw in evals)
+    drawn = [r["completion_ids"] for r in rollouts(run)]
+    assert drawn != [r["completion_ids"] for r in rollouts(plain) if r["step"] == 1]
+
+
 def test_batch_scaled_advantages_divide_by_the_std_of_every_micro_batchs_rewards(straight, tmp_path):
     """rl.scale_rewards batch over 2 micro-batches a step: each completion's advantage is its reward minus its
     group's mean, over the std of all 32 rewards of the step (both micro-batches') + 1e-4, worked out here from

@@ -290,7 +290,7 @@ def test_the_rollout_with_tools_trains_what_trls_loss_trains_with_its_tool_mask(
                 stop_ids=[eos], world=1, template=template)
     which = {}  # a seed: (its completion, its round)
 
-    def generate(prompt_ids, seeds, *, temperature, top_p, max_new_tokens=None):
+    def generate(prompt_ids, seeds, *, greedy=False, max_new_tokens=None):
         if not which:
             which.update({round_seed(s, r) if r else s: (k, r) for k, s in enumerate(seeds) for r in range(3)})
         return [tok(turns[k][r], add_special_tokens=False)["input_ids"] + [eos] for k, r in map(which.get, seeds)]
@@ -394,7 +394,7 @@ def test_an_environment_per_completion_is_reset_with_its_row_and_its_reward_coun
              ['<call>{"name": "open_vault", "arguments": {"guess": "xyz"}}</call>', "hm"], ["no"]]
     which = {}
 
-    def generate(prompt_ids, seeds, *, temperature, top_p, max_new_tokens=None):
+    def generate(prompt_ids, seeds, *, greedy=False, max_new_tokens=None):
         if not which:
             which.update({round_seed(s, r) if r else s: (k, r) for k, s in enumerate(seeds) for r in range(3)})
         return [tok(turns[k][r], add_special_tokens=False)["input_ids"] + [tok.eos_token_id]
@@ -466,7 +466,7 @@ def test_under_tensor_parallelism_the_users_code_runs_on_one_process_of_the_pair
                  ['<call>{"name": "open_vault", "arguments": {"guess": "xyz"}}</call>', "hm"], ["no"]]
         which = {}
 
-        def generate(prompt_ids, seeds, *, temperature, top_p, max_new_tokens=None):  # both processes sample
+        def generate(prompt_ids, seeds, *, greedy=False, max_new_tokens=None):  # both processes sample
             if not which:
                 which.update({round_seed(s, r) if r else s: (k, r) for k, s in enumerate(seeds) for r in range(3)})
             return [tok(turns[k][r], add_special_tokens=False)["input_ids"] + [tok.eos_token_id]

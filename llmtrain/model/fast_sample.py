@@ -18,8 +18,9 @@ agreement rate), while a completion never depends on its batch. What changes is 
   KV rows are copied to its completions.
 - A decode step forwards one token per row through the model's own decoder layers (transformers' modules, so LoRA,
   QLoRA's 4-bit layers and the model's attention stay as they train), writes its K/V at the slot, draws the next
-  token from the row's pre-drawn uniform (`next_tokens`: inverse CDF after top_k, top_p and min_p, no
-  torch.multinomial), writes it to a device buffer and advances its counters in place. Its inputs and outputs are
+  token from the row's pre-drawn uniform (`next_tokens`: inverse CDF after repetition_penalty, top_k, top_p and
+  min_p, no torch.multinomial; the penalty's seen tokens a [rows, vocab] flag per row in the state), writes it to a
+  device buffer and advances its counters in place. Its inputs and outputs are
   tensors allocated before the loop, so the step can be captured once and replayed (`capture=True`, CUDA only).
   End-of-turn flags stay on the device: the host looks at them every CHECK_EVERY tokens, and copies the tokens back
   once.
@@ -51,7 +52,7 @@ import torch
 from llmtrain.capabilities import FAMILIES
 from llmtrain.config import PREFILL_CHUNK  # noqa: F401  (read as fast_sample.PREFILL_CHUNK: the tests set it)
 from llmtrain.model.attention import SINKS, layer_kinds, rotary_by_kind
-from llmtrain.model.generate import Stops, attention_as, next_tokens
+from llmtrain.model.generate import Stops, attention_as, next_tokens, seen_tokens
 from llmtrain.model.loss import causal_lm
 
 CHECK_EVERY = 16  # tokens between two looks at the end-of-turn flags (the only host syncs while decoding)
@@ -210,7 +211,8 @@ def _window_mask(allowed: torch.Tensor, query_slots: torch.Tensor, key_slots: to
 @torch.no_grad()
 def sample_fast(lm, prompts: list[list[int]], *, seeds: list[int], max_new_tokens: int, temperature: float,
                 top_p: float, stop_ids: set[int], pad_id: int, top_k: int = 0, min_p: float = 0.0,
-                capture: bool = False, copy: str = "off", compact: bool = True) -> list[list[int]]:
+                repetition_penalty: float = 1.0, capture: bool = False, copy: str = "off",
+                compact: bool = True) -> list[list[int]]:
     """Each prompt's completion, as `generate.sample` returns it: at most max_new_tokens ids, ending with a stop id
     where one was drawn. capture: replay the decode step as a CUDA graph (CUDA only); copy: rl.merged_copy (the
     adapted linears on a merged generation copy, model/merged_copy.py; LoRA-adapted experts run their adapters beside
@@ -227,7 +229,8 @@ def sample_fast(lm, prompts: list[list[int]], *, seeds: list[int], max_new_token
             merged_for_sampling(lm, copy, spare_bytes=cache):
         logits, keys, values = _prefill(forward, prompts, steps=max_new_tokens, pad_id=pad_id, device=device)
         decode = _Decode(forward, prompts, keys, values, uniforms=uniforms, stop_ids=stop_ids, pad_id=pad_id,
-                         sampling=dict(temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p))
+                         sampling=dict(temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p,
+                                       repetition_penalty=repetition_penalty))
         decode.first(logits)
         decode.run(capture=capture, compact=compact)
     return _trim(decode.result.tolist(), Stops.of(stop_ids))  # the one copy back to the host
@@ -294,6 +297,7 @@ class _Decode:
                  uniforms: torch.Tensor, stop_ids: set[int], pad_id: int, sampling: dict):
         device, rows, steps = uniforms.device, len(prompts), uniforms.size(1)
         self.forward, self.uniforms, self.pad_id, self.sampling = forward, uniforms, pad_id, sampling
+        self.prompts = prompts  # their tokens: repetition_penalty's first seen ones (`first`)
         self.width = width = max(map(len, prompts))
         self.length = width + steps
         stop_ids = Stops.of(stop_ids)
@@ -316,8 +320,13 @@ class _Decode:
         self.cache = _SlotCache(keys, values, self.state["slot"], self.length)
 
     def first(self, logits: torch.Tensor) -> None:
-        """The first token of each row, from the prefill's logits."""
-        token = next_tokens(logits, self.uniforms[:, 0], **self.sampling)
+        """The first token of each row, from the prefill's logits; with a repetition_penalty, each row's seen tokens
+        [rows, vocab] join the state (its prompt's, then each drawn one)."""
+        if self.sampling["repetition_penalty"] != 1.0:
+            self.state["seen"] = seen_tokens(self.prompts, logits.shape[-1], logits.device)
+        token = next_tokens(logits, self.uniforms[:, 0], **self.sampling, seen=self.state.get("seen"))
+        if "seen" in self.state:
+            self.state["seen"].scatter_(1, token[:, None], True)
         self.state["out"][:, 0] = token
         self.state["done"].copy_((token[:, None] == self.stops).any(-1))
         self.state["ids"].copy_(token[:, None])
@@ -329,8 +338,11 @@ class _Decode:
         allowed = (slots >= self.start[:, None]) & (slots <= s["slot"])
         masks = {w: _window_mask(allowed, s["slot"], slots, w)[:, None, None] for w in self.windows}
         logits = self.forward(s["ids"], s["positions"], masks, self.cache)
-        drawn = next_tokens(logits, self.uniforms.gather(1, s["column"]).squeeze(1), **self.sampling)
+        drawn = next_tokens(logits, self.uniforms.gather(1, s["column"]).squeeze(1), **self.sampling,
+                            seen=s.get("seen"))
         drawn = torch.where(s["done"], torch.full_like(drawn, self.pad_id), drawn)
+        if "seen" in s:
+            s["seen"].scatter_(1, drawn[:, None], True)  # a finished row's pad: it draws no more
         s["out"].scatter_(1, s["column"], drawn[:, None])
         s["done"] |= (drawn[:, None] == self.stops).any(-1)
         for seq, back in self.sequences:  # its last len(seq) tokens are the sequence (a finished row's are pads)
@@ -349,8 +361,9 @@ class _Decode:
         s, n = self.state, live.numel()
         self.result.index_copy_(0, self.rows, s["out"])
         self.rows, self.start, self.uniforms = self.rows[live], self.start[live], self.uniforms[live]
-        for key in ("ids", "positions", "column", "done", "out"):
-            s[key] = s[key][live]
+        for key in ("ids", "positions", "column", "done", "out", "seen"):
+            if key in s:
+                s[key] = s[key][live]
         for cache in (self.cache.keys, self.cache.values):
             for i, x in enumerate(cache):
                 if x is not None:  # (a layer that shares another's keys and values holds none)

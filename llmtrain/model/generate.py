@@ -121,11 +121,29 @@ def filtered_probs(logits: torch.Tensor, *, temperature: float, top_p: float = 1
     return probs
 
 
+def repetition_penalized(logits: torch.Tensor, seen: torch.Tensor, penalty: float) -> torch.Tensor:
+    """`logits` [rows, vocab] (fp32) with each row's seen tokens (`seen`, bool [rows, vocab]: its prompt's and what it
+    drew) made less likely, as transformers' RepetitionPenaltyLogitsProcessor (CTRL, Keskar et al. 2019): a positive
+    logit divided by `penalty`, a negative one multiplied by it (above 1: less likely; below 1: more)."""
+    return torch.where(seen, torch.where(logits < 0, logits * penalty, logits / penalty), logits)
+
+
+def seen_tokens(rows: list[list[int]], vocab: int, device) -> torch.Tensor:
+    """bool [len(rows), vocab]: the tokens each row holds (a prompt's, for repetition_penalized)."""
+    seen = torch.zeros(len(rows), vocab, dtype=torch.bool, device=device)
+    for i, row in enumerate(rows):
+        seen[i, torch.tensor(row, dtype=torch.long, device=device)] = True
+    return seen
+
+
 def next_tokens(logits: torch.Tensor, uniforms: torch.Tensor, *, temperature: float, top_p: float, top_k: int = 0,
-                min_p: float = 0.0) -> torch.Tensor:
+                min_p: float = 0.0, repetition_penalty: float = 1.0, seen: torch.Tensor | None = None) -> torch.Tensor:
     """One token per row of `logits` [rows, vocab]: the argmax at temperature 0, else the token where the row's
     cumulative distribution (softmax(logits / temperature) cut by top_k, top_p and min_p: filtered_probs) passes the
-    row's uniform."""
+    row's uniform; with a repetition_penalty other than 1, the row's `seen` tokens penalised first (transformers'
+    order: the penalty is a logits processor, the filters its warpers after it)."""
+    if repetition_penalty != 1.0:
+        logits = repetition_penalized(logits.float(), seen, repetition_penalty)
     if temperature == 0:
         return logits.argmax(dim=-1)
     probs = filtered_probs(logits, temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p)
@@ -136,9 +154,11 @@ def next_tokens(logits: torch.Tensor, uniforms: torch.Tensor, *, temperature: fl
 
 @torch.no_grad()
 def sample(lm, prompts: list[list[int]], *, seeds: list[int], max_new_tokens: int, temperature: float,
-           top_p: float, stop_ids: set[int], pad_id: int, top_k: int = 0, min_p: float = 0.0) -> list[list[int]]:
+           top_p: float, stop_ids: set[int], pad_id: int, top_k: int = 0, min_p: float = 0.0,
+           repetition_penalty: float = 1.0) -> list[list[int]]:
     """Each prompt's completion: at most max_new_tokens ids, ending with a stop where one was drawn (a stop id, or
-    the last token of one of `Stops.sequences`)."""
+    the last token of one of `Stops.sequences`). repetition_penalty: over the tokens of the prompt (its padding left
+    out) and of the completion so far."""
     device, rows = lm.device, len(prompts)
     width = max(map(len, prompts))
     ids = torch.tensor([[pad_id] * (width - len(p)) + p for p in prompts], device=device)
@@ -155,10 +175,13 @@ def sample(lm, prompts: list[list[int]], *, seeds: list[int], max_new_tokens: in
     with cached_attention(lm), torch.compiler.set_stance("force_eager"):
         # the prompts' last position's logits only: [rows, vocab], not [rows, prompt length, vocab]
         result = lm(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True, logits_to_keep=1)
+        seen = seen_tokens(prompts, result.logits.shape[-1], device) if repetition_penalty != 1.0 else None
         for t in range(max_new_tokens):
             token = next_tokens(result.logits[:, -1], uniforms[:, t], temperature=temperature, top_p=top_p,
-                                top_k=top_k, min_p=min_p)
+                                top_k=top_k, min_p=min_p, repetition_penalty=repetition_penalty, seen=seen)
             token = torch.where(done, torch.full_like(token, pad_id), token)
+            if seen is not None:
+                seen.scatter_(1, token[:, None], True)  # a finished row's pad: it draws no more
             for i, (value, finished) in enumerate(zip(token.tolist(), done.tolist())):  # one host sync a token
                 if not finished:
                     out[i].append(value)

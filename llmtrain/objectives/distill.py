@@ -130,7 +130,8 @@ class Distill:
         completions = self.share_sampling(
             lambda ids, seeds: sample(self.lm, cfg.sampler, ids, seeds, max_new_tokens=cfg.max_completion_tokens,
                                       temperature=cfg.temperature, top_p=cfg.top_p, top_k=cfg.top_k,
-                                      min_p=cfg.min_p, stop_ids=self.stop_ids,
+                                      min_p=cfg.min_p, repetition_penalty=cfg.repetition_penalty,
+                                      stop_ids=self.stop_ids,
                                       pad_id=self.pad_id, copy=cfg.merged_copy),
             [p for p, _ in prompts], [completion_seed(self.seed, step, row, 0) for _, row in prompts])
         spent = time.perf_counter() - begun

@@ -362,9 +362,8 @@ class GRPO:
         import time
 
         begun = time.perf_counter()
-        rl = self.rl
         completions = self.share_sampling(
-            lambda prompts, seeds: self._generate(prompts, seeds, temperature=rl.temperature, top_p=rl.top_p),
+            lambda prompts, seeds: self._generate(prompts, seeds),
             *self._prompts(examples, step))
         return completions, time.perf_counter() - begun
 
@@ -384,8 +383,7 @@ class GRPO:
         if drawn is not None:
             completions, generation_s = drawn
         else:
-            completions, tooled = self._complete(prompt_ids, seeds, temperature=rl.temperature, top_p=rl.top_p,
-                                                 rows=[e for e in examples for _ in range(g)])
+            completions, tooled = self._complete(prompt_ids, seeds, rows=[e for e in examples for _ in range(g)])
             generation_s = time.perf_counter() - begun
         if stand_in:
             texts, total, extra = [""] * len(completions), torch.zeros(len(completions)), RewardLogs()
@@ -492,22 +490,24 @@ class GRPO:
         batch["loss_lengths"] = lengths.clamp(min=1).float()[completion]  # its completion's tokens, whole
         batch["completions"] = len(lengths)
 
-    def _generate(self, prompt_ids: list[list[int]], seeds: list[int], *, temperature: float,
-                  top_p: float, max_new_tokens: int | None = None) -> list[list[int]]:
-        """The completions of `prompt_ids`, one per seed, with rl.sampler (the caller gathers FSDP's units)."""
-        return sample(self.lm, self.rl.sampler, prompt_ids, seeds,
-                      max_new_tokens=max_new_tokens or self.rl.max_completion_tokens, temperature=temperature,
-                      top_p=top_p, top_k=self.rl.top_k, min_p=self.rl.min_p, stop_ids=self.stop_ids,
-                      pad_id=self.pad_id, copy=self.rl.merged_copy)
+    def _generate(self, prompt_ids: list[list[int]], seeds: list[int], *, greedy: bool = False,
+                  max_new_tokens: int | None = None) -> list[list[int]]:
+        """The completions of `prompt_ids`, one per seed, with rl.sampler (the caller gathers FSDP's units): sampled
+        as the rl: section says, or greedy (the eval's, unpenalised)."""
+        rl = self.rl
+        sampling = dict(temperature=0.0, top_p=1.0) if greedy else dict(
+            temperature=rl.temperature, top_p=rl.top_p, top_k=rl.top_k, min_p=rl.min_p,
+            repetition_penalty=rl.repetition_penalty)
+        return sample(self.lm, rl.sampler, prompt_ids, seeds, max_new_tokens=max_new_tokens or rl.max_completion_tokens,
+                      stop_ids=self.stop_ids, pad_id=self.pad_id, copy=rl.merged_copy, **sampling)
 
-    def _complete(self, prompt_ids: list[list[int]], seeds: list[int], *, temperature: float, top_p: float,
-                  rows: list[dict]):
+    def _complete(self, prompt_ids: list[list[int]], seeds: list[int], *, rows: list[dict], greedy: bool = False):
         """(the completions, their tool_calls.ToolRollout or None without tools): each sampled to its end, its
         tools' calls run and their results appended where rl.tools or rl.environment are given (`rows`: each
         completion's prompt row; an environment is reset with it, and what reset returns is added to the prompt:
         `prompt_ids` is changed in place)."""
         if self.tools is None:
-            return self._generate(prompt_ids, seeds, temperature=temperature, top_p=top_p), None
+            return self._generate(prompt_ids, seeds, greedy=greedy), None
         from llmtrain.objectives.tool_calls import observed, sample_with_tools
 
         def reset() -> list:
@@ -524,7 +524,7 @@ class GRPO:
                 prompt_ids[i] = self.render(observed(row["prompt"], observation), row["row"])
 
         def turn(prompts, turn_seeds, room):
-            return self._generate(prompts, turn_seeds, temperature=temperature, top_p=top_p, max_new_tokens=room)
+            return self._generate(prompts, turn_seeds, greedy=greedy, max_new_tokens=room)
 
         tooled = sample_with_tools(turn, prompt_ids, seeds, tools=self.tools,
                                    max_new_tokens=self.rl.max_completion_tokens, max_rounds=self.rl.max_tool_calls,
@@ -696,8 +696,7 @@ class GRPO:
 
         def sums() -> torch.Tensor:
             prompt_ids = [list(e["input_ids"]) for e in examples]
-            completions, tooled = self._complete(prompt_ids, [0] * len(examples), temperature=0.0, top_p=1.0,
-                                                 rows=examples)
+            completions, tooled = self._complete(prompt_ids, [0] * len(examples), rows=examples, greedy=True)
             _, per_function, total, _ = self._score(examples, completions, 1,
                                                     where=self.sources[1] or self.sources[0],
                                                  tooled=tooled)

@@ -33,7 +33,7 @@ def sampling(lm):
 
 
 def sample(lm, sampler: str, prompts: list[list[int]], seeds: list[int], *, max_new_tokens: int, temperature: float,
-           top_p: float, stop_ids, pad_id: int, top_k: int = 0, min_p: float = 0.0,
+           top_p: float, stop_ids, pad_id: int, top_k: int = 0, min_p: float = 0.0, repetition_penalty: float = 1.0,
            copy: str = "off") -> list[list[int]]:
     """The completions of `prompts`, one per seed, by `sampler` (rl.sampler / distill.sampler: the captured graph,
     the cached loop, or transformers' generate; model/fast_sample.py picks what runs); copy: rl.merged_copy (the
@@ -42,7 +42,7 @@ def sample(lm, sampler: str, prompts: list[list[int]], seeds: list[int], *, max_
 
     return sampler_for(lm, sampler, copy=copy)(lm, prompts, seeds=seeds, max_new_tokens=max_new_tokens,
                                     temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p,
-                                    stop_ids=stop_ids, pad_id=pad_id)
+                                    repetition_penalty=repetition_penalty, stop_ids=stop_ids, pad_id=pad_id)
 
 
 def here(compute):

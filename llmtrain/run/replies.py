@@ -6,9 +6,10 @@ base as the run loaded it: a QLoRA run's 4-bit), one of its checkpoints (checkpo
 each kept the whole model), a model folder or a hub id. A run renders each prompt as its data
 did (a chat through the chat template, with the run's system prompt, where its rows were chats; else the text with
 the tokenizer's BOS); a model through its chat template where its tokenizer has one. The sampling settings are the
-run's rl: section's where it has one (temperature, top_p, top_k, min_p, max_completion_tokens), else greedy, 256 new
-tokens; flags override both. Completion i of prompt p draws its randomness from completion_seed(seed, 0, p, i), as
-online RL's do: the same seed gives the same replies, on any device count and batch.
+run's rl: section's where it has one (temperature, top_p, top_k, min_p, repetition_penalty, max_completion_tokens),
+else greedy, 256 new tokens; flags override both. Completion i of prompt p draws its randomness from
+completion_seed(seed, 0, p, i), as online RL's do: the same seed gives the same replies, on any device count and
+batch.
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ class Source:
     chat: bool  # prompts rendered through the chat template
     system_prompt: str | None
     template: str | None  # a chat template file's text (data.chat_template: a path), None for the tokenizer's own
-    sampling: dict  # the run's temperature, top_p, top_k, min_p, max_new_tokens (those it sets)
+    sampling: dict  # the run's temperature, top_p, top_k, min_p, repetition_penalty, max_new_tokens
     describe: str
     recipe: object = None  # the run's recipe (None for a model folder or a hub id): its rl.tools / rl.environment
 
@@ -162,7 +163,8 @@ def _source(model, tokenizer, recipe, describe: str, read_template) -> Source:
     chat = data.format == "messages" or data.chat_template is not False
     rl = recipe.rl or recipe.distill
     sampling = {} if rl is None else {"temperature": rl.temperature, "top_p": rl.top_p, "top_k": rl.top_k,
-                                      "min_p": rl.min_p, "max_new_tokens": rl.max_completion_tokens}
+                                      "min_p": rl.min_p, "repetition_penalty": rl.repetition_penalty,
+                                      "max_new_tokens": rl.max_completion_tokens}
     return Source(model.eval(), tokenizer, chat, data.system_prompt, read_template(data) if chat else None, sampling,
                   describe, recipe)
 
@@ -192,7 +194,8 @@ def prompt_ids(source: Source, prompt, *, chat: bool | None = None, system_promp
 
 def generate_replies(source: Source, prompts: list, *, max_new_tokens: int | None = None,
                      temperature: float | None = None, top_p: float | None = None, top_k: int | None = None,
-                     min_p: float | None = None, samples: int = 1, seed: int = 0,
+                     min_p: float | None = None, repetition_penalty: float | None = None, samples: int = 1,
+                     seed: int = 0,
                      chat: bool | None = None, system_prompt: str | None = None, batch: int = 16,
                      tools: bool | None = None) -> list[dict]:
     """Each prompt's `samples` replies: [{"prompt", "sample", "reply", "tokens", "stopped"}] in prompt order. A prompt
@@ -211,11 +214,14 @@ def generate_replies(source: Source, prompts: list, *, max_new_tokens: int | Non
     from llmtrain.objectives.objective import prompt_renderer, stops_for
     from llmtrain.objectives.tool_calls import Tools, observed, sample_with_tools
 
-    settings = {"temperature": 0.0, "top_p": 1.0, "top_k": 0, "min_p": 0.0, "max_new_tokens": GREEDY_TOKENS,
-                **source.sampling}
+    settings = {"temperature": 0.0, "top_p": 1.0, "top_k": 0, "min_p": 0.0, "repetition_penalty": 1.0,
+                "max_new_tokens": GREEDY_TOKENS, **source.sampling}
     for key, value in (("temperature", temperature), ("top_p", top_p), ("top_k", top_k), ("min_p", min_p),
-                       ("max_new_tokens", max_new_tokens)):
+                       ("repetition_penalty", repetition_penalty), ("max_new_tokens", max_new_tokens)):
         settings[key] = value if value is not None else settings[key]
+    if not settings["repetition_penalty"] > 0:  # 0 would divide; a negative one would flip the logits' signs
+        raise LLMTrainError(f"--repetition-penalty must be above 0 (got {settings['repetition_penalty']}): 1 is off, "
+                            "above 1 repeats less (transformers' repetition_penalty, e.g. 1.1)")
     rows_in = [p if isinstance(p, dict) else {"prompt": p} for p in prompts]
     tooled = source.tools if tools is None else tools
     if tooled and not source.tools:
@@ -239,7 +245,8 @@ def generate_replies(source: Source, prompts: list, *, max_new_tokens: int | Non
 
     def draw(prompts_ids, seeds, room):
         return sample(source.model, prompts_ids, seeds=seeds, max_new_tokens=room, temperature=settings["temperature"],
-                      top_p=settings["top_p"], top_k=settings["top_k"], min_p=settings["min_p"], stop_ids=stops,
+                      top_p=settings["top_p"], top_k=settings["top_k"], min_p=settings["min_p"],
+                      repetition_penalty=settings["repetition_penalty"], stop_ids=stops,
                       pad_id=pad_id(source.tokenizer))
 
     with torch.no_grad():
