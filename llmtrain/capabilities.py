@@ -43,11 +43,12 @@ class Mode:
     refused: dict[str, str] = field(default_factory=dict)  # parallelism -> why, and what to use instead
     router_aux: bool = False  # model.router_aux_loss_coef (a mixture of experts' load-balancing loss) joins its loss
     neftune: bool = False  # train.neftune_alpha: noise on the input embeddings of its examples in training
+    sft_loss: bool = False  # train.sft_loss: its summed token loss may be DFT's
 
 
 MODES: dict[str, Mode] = {m.key: m for m in (
     Mode("sft", "supervised fine-tuning", ("alpaca", "messages", "prompt_completion", "text"), "examples", True,
-         "loss, samples", "causal LM", router_aux=True, neftune=True),
+         "loss, samples", "causal LM", router_aux=True, neftune=True, sft_loss=True),
     Mode("preference", "preference pairs (preference:)", ("preference",), "pairs", True,
          "loss, reward margin and accuracy, samples", "causal LM", router_aux=True),
     Mode("kto", "KTO (kto:)", ("unpaired",), "examples", True, "loss, reward margin", "causal LM", router_aux=True),
@@ -683,6 +684,10 @@ def _mode_problems(recipe) -> list[str]:
         out.append(f"train.neftune_alpha={alpha:g}: NEFTune's noise is for {takes}, and this recipe trains "
                    f"{mode.name}, whose every forward (a reference's, a sampler's, a teacher's) would have to tell a "
                    "trained pass from the rest. Unset it")
+    if t.sft_loss != "nll" and not mode.sft_loss:
+        takes = ", ".join(m.name for m in MODES.values() if m.sft_loss)
+        out.append(f"train.sft_loss={t.sft_loss} weighs the token loss of {takes}, and this recipe trains "
+                   f"{mode.name}, whose loss is its own. Unset it")
     if (p := recipe.preference) is not None and p.reference == "adapter" and recipe.lora is None:
         out.append("preference.reference: adapter disables the LoRA adapter, and this recipe has no lora: section; "
                    "use precomputed (or auto) for a full fine-tune")

@@ -402,6 +402,12 @@ class TrainConfig(Section):
         "neftune_noise_alpha, LLaMA-Factory's neftune_alpha): supervised fine-tuning's input embeddings gain uniform "
         "noise in [-1, 1] x alpha / sqrt(L d) in training (L the example's tokens, d the hidden size; the paper uses "
         "5 to 15). None: no noise.")
+    sft_loss: Literal["nll", "dft"] = Field(
+        "nll", description="Supervised fine-tuning's loss (TRL's SFTTrainer loss_type): nll, each trained token's "
+        "-log p; dft (Dynamic Fine-Tuning, Wu et al. 2025), each token's -log p times p without gradient, so tokens "
+        "the model finds unlikely pull less (the paper's remedy for SFT's implicit 1/p reward weighting; it needs a "
+        "model that already predicts the answers: docs/recipes.md). The logged train loss is the chosen one; the "
+        "eval's loss stays the cross-entropy (nll), comparable across runs.")
     max_grad_norm: float | None = Field(1.0, gt=0, allow_inf_nan=False,
                                         description="Clip the global gradient norm to this; null disables.")
     max_bad_steps: int = Field(

@@ -327,7 +327,8 @@ def build_model(recipe: Recipe, accelerator, *, total_steps: int, say, pad: int 
                        reward_head=recipe.reward_model is not None)
     if found := capabilities.loaded_model_problems(recipe, model):  # what its config does not say (sinks)
         raise LLMTrainError(capabilities.paragraph(found))
-    fused_ce = fused_linear_cross_entropy(recipe.model, accelerator.device)  # None unless liger is in use
+    # None unless liger is in use (and DFT's weighted loss is chunked llmtrain's)
+    fused_ce = fused_linear_cross_entropy(recipe.model, accelerator.device) if tc.sft_loss == "nll" else None
     if recipe.reward_model is not None:  # a score head: one hidden state per sequence, no LM head, no logits
         fused_ce = None
         attach_score(model)
@@ -335,7 +336,8 @@ def build_model(recipe: Recipe, accelerator, *, total_steps: int, say, pad: int 
         sequence = groups(accelerator).sequence  # a sequence group's slices add the load-balancing loss's sums
         attach_loss(model, chunk=tc.loss_chunk_tokens, fused_linear_ce=fused_ce,
                     router_aux=recipe.model.router_aux_loss_coef,
-                    balance_sums=partial(balance_sums, group=sequence.group) if sequence.size > 1 else None)
+                    balance_sums=partial(balance_sums, group=sequence.group) if sequence.size > 1 else None,
+                    dft=tc.sft_loss == "dft")
     if tc.neftune_alpha is not None:
         from llmtrain.model.neftune import attach_neftune
 

@@ -25,9 +25,12 @@ from torch.utils.checkpoint import checkpoint
 from llmtrain.errors import LLMTrainError
 
 
-def _chunk_loss(head, hidden: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+def _chunk_loss(head, hidden: torch.Tensor, targets: torch.Tensor, dft: bool = False) -> torch.Tensor:
     # Cross-entropy in fp32: bf16 log-softmax over a 32k vocabulary loses digits the loss needs.
-    return F.cross_entropy(head(hidden).float(), targets, reduction="sum")
+    if not dft:
+        return F.cross_entropy(head(hidden).float(), targets, reduction="sum")
+    loss = F.cross_entropy(head(hidden).float(), targets, reduction="none")
+    return (loss * torch.exp(-loss.detach())).sum()  # DFT: each token's -log p times its p, without gradient
 
 
 def _chunk_token_loss(head, hidden: torch.Tensor, targets: torch.Tensor, stat: str | None = None):
@@ -77,13 +80,15 @@ ROW_STATS = {"entropy": _entropy, "log_sum_sq": _log_sum_sq}
 
 
 def chunked_cross_entropy(hidden: torch.Tensor, head, targets: torch.Tensor, *, chunk: int,
-                          with_hits: bool = False, per_token: bool = False,
-                          stat: str | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+                          with_hits: bool = False, per_token: bool = False, stat: str | None = None,
+                          dft: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Sum of cross-entropies of `head(hidden)` against `targets` (N tokens, none ignored), `chunk` tokens at
     a time; with_hits also returns, per token, whether the argmax is the target (evaluation). per_token: the N
     cross-entropies themselves instead of their sum (preference losses sum them per sequence); with `stat` (a
     ROW_STATS name), and each token's statistic of its distribution, without gradient (entropy: online RL's
-    `entropy` metric; log_sum_sq: WPO's weights)."""
+    `entropy` metric; log_sum_sq: WPO's weights). dft: the summed training loss is Dynamic Fine-Tuning's (each
+    token's cross-entropy times its probability, without gradient: train.sft_loss); evaluation's stays the
+    cross-entropy."""
     if per_token:
         parts = [checkpoint(_chunk_token_loss, head, hidden[s : s + chunk], targets[s : s + chunk], stat,
                             use_reentrant=False) if torch.is_grad_enabled() else
@@ -105,9 +110,9 @@ def chunked_cross_entropy(hidden: torch.Tensor, head, targets: torch.Tensor, *, 
             hits.append(logits.argmax(-1) == t)
             del logits  # before the next chunk's logits exist
         elif torch.is_grad_enabled():
-            total = total + checkpoint(_chunk_loss, head, h, t, use_reentrant=False)
+            total = total + checkpoint(_chunk_loss, head, h, t, dft, use_reentrant=False)
         else:
-            total = total + _chunk_loss(head, h, t)
+            total = total + _chunk_loss(head, h, t, dft)
     return total, (torch.cat(hits) if with_hits else None)
 
 
@@ -143,7 +148,7 @@ def causal_lm(model):
 
 
 def attach_loss(model, *, chunk: int, fused_linear_ce=None, router_aux: float | None = None,
-                balance_sums=None) -> None:
+                balance_sums=None, dft: bool = False) -> None:
     """Give the *ForCausalLM module a forward that returns the summed loss when called with `loss_index`.
 
     Called with `loss_index` / `loss_targets` (batching.with_loss_positions), the forward runs the decoder,
@@ -158,7 +163,8 @@ def attach_loss(model, *, chunk: int, fused_linear_ce=None, router_aux: float | 
     joins the summed training loss with this weight, times the trained tokens; `with_aux` asks for it beside the
     per-token losses too (a preference or KTO objective weighs it itself). The result's "aux" is that loss, unweighted.
     `balance_sums`: under sequence parallelism, the load-balancing loss's per-expert sums added over the sequence group
-    (parallel/sequence/shards.balance_sums; None: the micro-batch is whole on this process).
+    (parallel/sequence/shards.balance_sums; None: the micro-batch is whole on this process). dft (train.sft_loss):
+    the summed training loss is Dynamic Fine-Tuning's (chunked_cross_entropy; liger's fused loss is not given then).
     """
     lm = causal_lm(model)
     logits = logit_transform(lm)
@@ -166,7 +172,7 @@ def attach_loss(model, *, chunk: int, fused_linear_ce=None, router_aux: float | 
     # The LM head may be wrapped (peft's modules_to_save): patch every Linear in it that maps to the vocabulary (by its
     # weight: the copy peft ties to a tied model's embeddings' copy has its in and out features the other way round)
     for head in [m for m in lm.lm_head.modules() if isinstance(m, torch.nn.Linear) and m.weight.shape[0] == vocab]:
-        head.forward = types.MethodType(_head_forward(chunk, fused_linear_ce, logits=logits), head)
+        head.forward = types.MethodType(_head_forward(chunk, fused_linear_ce, logits=logits, dft=dft), head)
     original = type(lm).forward
 
     def forward(self, *args, loss_index=None, loss_targets=None, return_hits: bool = False, per_token: bool = False,
@@ -347,7 +353,7 @@ def _found_transform(lm) -> Logits:
     return found
 
 
-def _head_forward(chunk: int, fused_linear_ce, *, logits: Logits = Logits()):
+def _head_forward(chunk: int, fused_linear_ce, *, logits: Logits = Logits(), dft: bool = False):
     """The LM head's forward, patched: given targets, the chunked loss from its weight, of the logits the model's own
     forward makes (`logits`: logit_transform), over the sampling temperature."""
     def forward(self, hidden, targets=None, with_hits: bool = False, per_token: bool = False,
@@ -366,7 +372,7 @@ def _head_forward(chunk: int, fused_linear_ce, *, logits: Logits = Logits()):
             return out if temperature == 1.0 else out / temperature  # online RL: the sampling's temperature
 
         return chunked_cross_entropy(hidden, head, targets, chunk=chunk, with_hits=with_hits, per_token=per_token,
-                                     stat=stat)
+                                     stat=stat, dft=dft)
 
     return forward
 

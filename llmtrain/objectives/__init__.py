@@ -2,7 +2,8 @@
 
 - `objective.py`: the `Objective` protocol the loop calls, causal-LM cross-entropy (supervised fine-tuning) and
   `objective_for`, which picks the recipe's.
-- `preference.py`: DPO, IPO and SimPO on packed pairs, and the reference log-probabilities.
+- `preference.py`: DPO, IPO, SimPO, ORPO and TRL's other pair losses (weighted mixes, f-DPO, LD-DPO, WPO) on packed
+  pairs, and the reference log-probabilities.
 - `grpo.py`: online RL (GRPO): group advantages and the clipped per-token loss with its k3 KL, normalised per
   loss_type as TRL 1.16 does (equal to its GRPOTrainer to 1e-6, packed against padded), and the objective the
   loop runs: its `rollout` samples each step's completions (model/generate.py), scores and packs them.
