@@ -702,8 +702,8 @@ class PreferenceConfig(Section):
                              f"chosen-rejected difference ({', '.join(F_DIVERGENCE_LOSSES)}), where its log Z(x) "
                              f"cancels; this recipe's loss is {self.loss}: remove preference.f_divergence (or set "
                              f"preference.loss=dpo)")
-        if self.wpo and self.names & {"aot", "aot_unpaired"}:
-            raise ValueError(f"preference.wpo weighs each pair's loss, and {self.loss} sorts the micro-batch's "
+        if self.wpo and (sorting := sorted(self.names & {"aot", "aot_unpaired"})):
+            raise ValueError(f"preference.wpo weighs each pair's loss, and {sorting[0]} sorts the micro-batch's "
                              f"log-ratios so that no loss belongs to a pair: remove preference.wpo (or use another "
                              f"preference.loss)")
         if self.f_alpha is not None and self.f_divergence != "alpha_divergence":

@@ -155,6 +155,27 @@ def test_the_captured_sampler_equals_the_eager_one_and_the_reference_loop(dtype,
         assert same >= (len(prompts) - 1 if dtype == torch.float32 else 0.75 * len(prompts))
 
 
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_the_captured_sampler_applies_the_repetition_penalty_as_the_eager_one(temperature):
+    """rl.repetition_penalty on CUDA: the seen-token flags are updated in place inside the captured step (and move
+    with the rows compaction keeps), so the replayed graph draws what the eager step draws, and greedy what the
+    reference loop draws; the penalty changes the completions."""
+    from llmtrain.model.fast_sample import sample_fast
+    from llmtrain.model.generate import completion_seed, sample
+
+    lm = _sampling_model(torch.float32)
+    g = torch.Generator().manual_seed(4)
+    distinct = [[1, *torch.randint(3, 512, (n,), generator=g).tolist()] for n in (5, 40, 17, 29)]
+    prompts = [p for p in distinct for _ in range(8)]
+    kwargs = dict(seeds=[completion_seed(3, 1, i // 8, i % 8) for i in range(32)], max_new_tokens=40,
+                  temperature=temperature, top_p=1.0, stop_ids={2, 7}, pad_id=0, repetition_penalty=1.5)
+    captured = sample_fast(lm, prompts, capture=True, **kwargs)
+    assert captured == sample_fast(lm, prompts, **kwargs)
+    assert captured != sample_fast(lm, prompts, capture=True, **{**kwargs, "repetition_penalty": 1.0})
+    if temperature == 0:
+        assert captured == sample(lm, prompts, **kwargs)
+
+
 def test_the_captured_sampler_stops_at_an_end_of_turn_of_several_tokens():
     """A text end of turn (generate.Stops.sequences: `<|im_end|>` in a template for a tokenizer without it) is
     compared on the device inside the captured step: the captured sampler's completions are the eager one's, each the
