@@ -621,6 +621,10 @@ def test_orpo_matches_trl_orpo_trainer(tiny_assets, tiny_tok, tmp_path, fresh_ac
         n = len(pairs)
         odds_term = (loss.item() / n - nll) / -0.1  # the mean log sigmoid of the log odds ratio
         assert odds_term == pytest.approx(metrics["log_odds_ratio"], rel=1e-5, abs=1e-6)
+        logged = objective.step_metrics(stats.tolist(), n)  # and llmtrain logs TRL's ORPO metrics by their names
+        for name in ("log_odds_ratio", "log_odds_chosen", "rewards/margins", "logps/chosen", "logps/rejected"):
+            assert logged[name] == pytest.approx(metrics[name], rel=1e-5, abs=1e-6), name
+        assert logged["nll_loss"] == pytest.approx(nll, rel=1e-6)
         assert stats[0].item() / n == pytest.approx(metrics["rewards/chosen"], rel=1e-5)
         assert stats[2].item() / n == metrics["rewards/accuracies"]
         if pairs is PROMPTLESS:

@@ -31,6 +31,14 @@ from llmtrain.parallel.mesh import data_ranks
 # TRL's names for the same numbers (DPOTrainer), so runs can be compared line by line.
 STATS = ["rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/margins", "logps/chosen",
          "logps/rejected"]
+# and ORPO's own (TRL's ORPOTrainer): its NLL term, the mean log sigmoid of the log odds ratio, and the log odds ratio
+# (its logps/ are each answer's mean log-probability per token, as TRL's ORPOTrainer logs them)
+ORPO_STATS = ["nll_loss", "log_odds_ratio", "log_odds_chosen"]
+
+
+def stat_names(cfg) -> list[str]:
+    """The statistics pairs_loss returns for the preference: section `cfg`, in order."""
+    return STATS + (ORPO_STATS if cfg.loss == "orpo" else [])
 
 
 def pair_losses(kind: str, chosen: torch.Tensor, rejected: torch.Tensor, ref_chosen: torch.Tensor | None,
@@ -63,8 +71,7 @@ def pair_losses(kind: str, chosen: torch.Tensor, rejected: torch.Tensor, ref_cho
         return -F.logsigmoid(rc_ - rr_ - gamma), rc_, rr_
     if kind == "orpo":
         ac, ar = chosen / chosen_tokens, rejected / rejected_tokens
-        log_odds = (ac - ar) - (_log1mexp(ac) - _log1mexp(ar))
-        return -ac - beta * F.logsigmoid(log_odds), beta * ac, beta * ar
+        return -ac - beta * F.logsigmoid(log_odds_ratio(ac, ar)), beta * ac, beta * ar
     chosen_ratio, rejected_ratio = chosen - ref_chosen, rejected - ref_rejected
     rewards = beta * chosen_ratio, beta * rejected_ratio
     if kind == "aot":  # the margins sorted, the policy's against the reference's
@@ -135,6 +142,12 @@ PAIR_LOSSES = {
 }
 
 
+def log_odds_ratio(ac: torch.Tensor, ar: torch.Tensor) -> torch.Tensor:
+    """ORPO's log odds ratio of two answers from their mean log-probabilities per token: log(e^ac / (1 - e^ac)) -
+    log(e^ar / (1 - e^ar))."""
+    return (ac - ar) - (_log1mexp(ac) - _log1mexp(ar))
+
+
 def _log1mexp(x: torch.Tensor) -> torch.Tensor:
     """log(1 - e^x) for x < 0, without cancellation (Maechler 2012, TRL's log1mexp). x is held below -1e-12: an
     answer whose every token has probability 1 in float32 (x exactly 0) would give log 0 and a NaN gradient."""
@@ -167,10 +180,13 @@ def pairs_loss(cfg, logps: torch.Tensor, tokens: torch.Tensor, ref_chosen: torch
     if weights is not None:
         losses = losses * weights[0::2] * weights[1::2]
     with torch.no_grad():
-        stats = torch.stack([chosen_rewards.sum(), rejected_rewards.sum(),
-                             (chosen_rewards > rejected_rewards).float().sum(),
-                             (chosen_rewards - rejected_rewards).sum(), logps[0::2].sum(), logps[1::2].sum()])
-    return losses.sum(), stats
+        stats = [chosen_rewards.sum(), rejected_rewards.sum(), (chosen_rewards > rejected_rewards).float().sum(),
+                 (chosen_rewards - rejected_rewards).sum(), logps[0::2].sum(), logps[1::2].sum()]
+        if cfg.loss == "orpo":  # its logps per answer token, as TRL's ORPOTrainer; ORPO_STATS, summed over the pairs
+            ac, ar = logps[0::2] / tokens[0::2], logps[1::2] / tokens[1::2]
+            odds = log_odds_ratio(ac, ar)
+            stats[4:] = [ac.sum(), ar.sum(), -ac.sum(), F.logsigmoid(odds).sum(), odds.sum()]
+    return losses.sum(), torch.stack(stats)
 
 
 def ld_weights(sequence: torch.Tensor, tokens: torch.Tensor, alpha: float) -> torch.Tensor:
@@ -294,7 +310,7 @@ class Preference:
         return loss + self.router_aux * router * pairs, torch.cat([stats, (router.detach().float() * pairs)[None]])
 
     def step_metrics(self, stats: list[float], units: float) -> dict[str, float]:
-        return {name: value / max(units, 1) for name, value in zip(STATS + ["aux_loss"], stats)}
+        return {name: value / max(units, 1) for name, value in zip(stat_names(self.cfg) + ["aux_loss"], stats)}
 
     def eval_sums(self, model, batch: dict, device) -> torch.Tensor:
         from llmtrain.data.batching import to_device
@@ -325,11 +341,10 @@ class StagePairs:
     before each step instead, forward only with the adapter disabled (`prepare`). From these, the sequences'
     log-probabilities, the pairs' loss and their statistics are Preference's own (the same functions)."""
 
-    stats = len(STATS)  # the loss's statistics (the load-balancing loss is refused on stages)
-    eval_size = len(STATS) + 2  # [loss, statistics, pairs], as Preference.eval_sums
-
     def __init__(self, cfg, *, reference: str, adapter_off=None):
         self.cfg, self.reference, self.adapter_off = cfg, reference, adapter_off
+        self.stats = len(stat_names(cfg))  # the loss's statistics (the load-balancing loss is refused on stages)
+        self.eval_size = self.stats + 2  # [loss, statistics, pairs], as Preference.eval_sums
 
     def prepare(self, pipeline, batches: list[dict]) -> list[dict]:
         """preference.reference=adapter: the window's micro-batches with their sequences' reference log-probabilities
