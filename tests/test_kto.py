@@ -59,6 +59,28 @@ def test_losses_equal_values_worked_out_by_hand():
     assert losses.tolist() == pytest.approx([1 - sig(0.1), sig(-0.1)], abs=1e-7)
 
 
+def test_the_stage_targets_keep_the_pairs_columns_and_add_the_label_and_kl_after_them(tiny_tok):
+    """StageKTO's targets: StagePairs' columns as they are (each trained token's weight 1: KTO has no LD-DPO weights;
+    the label must not land in that column, where a trained token among the first slots would lose its weight),
+    then each completion's label at its slot and the KL estimate at every slot."""
+    from contextlib import nullcontext
+
+    from llmtrain.objectives.kto import StageKTO
+
+    cfg = DataConfig(path="x.jsonl", format="unpaired")
+    objective = KTO(KTOConfig(beta=0.1), pad_id=tiny_tok.pad_token_id, packing=True, max_seq_len=2048)
+    batch, _ = objective.collate([encode_unpaired(r, tiny_tok, cfg) for r in ROWS])
+    stage = StageKTO(objective.cfg, adapter_off=nullcontext)
+    slots = batch["input_ids"].numel() + 3
+    target = stage.targets({**batch, "kl": 0.25}, slots)[0]
+    assert target.shape == (slots, stage.WIDTH + 2)
+    assert torch.equal(target[:, 4], torch.ones(slots))  # every weight 1
+    n = len(ROWS)
+    assert target[:n, stage.WIDTH].tolist() == [float(r["label"]) for r in ROWS]
+    assert torch.equal(target[:, stage.WIDTH + 1], torch.full((slots,), 0.25))
+    assert stage.stats == 7 and stage.eval_size == 9  # KTO's sums, not the pairs' statistics
+
+
 def test_kl_sequences_are_each_prompt_with_the_previous_completion():
     examples = [{"input_ids": [1, 2, 3, 4], "labels": [-100, -100, 3, 4]},
                 {"input_ids": [1, 5, 6], "labels": [-100, -100, 6]},

@@ -209,8 +209,8 @@ class StageKTO(StagePairs):
     each micro-batch's KL sequences with the policy and with the adapter disabled. Each micro-batch's KL estimate
     (TRL's: the mean over its KL sequences of policy - reference, averaged over the data-parallel replicas' last
     stages, at least 0, as KTO._kl) and each completion's reference log-probability then travel to the last stage in
-    the targets: StagePairs' columns (token, sequence, reference, trained tokens), and at slot k the k-th completion's
-    label, at every slot the KL estimate."""
+    the targets: StagePairs' columns (token, sequence, reference, trained tokens, weight), and after them at slot k
+    the k-th completion's label, at every slot the KL estimate."""
 
     stats = len(SUMS)
     eval_size = len(SUMS) + 2  # [loss, statistics, examples], as KTO.eval_sums
@@ -222,9 +222,9 @@ class StageKTO(StagePairs):
     def targets(self, batch: dict, slots: int) -> torch.Tensor:
         out = torch.cat([super().targets(batch, slots), torch.zeros(1, slots, 2)], dim=-1)
         if (desirable := batch.get("desirable")) is not None:
-            out[0, : len(desirable), 4] = desirable.float()
+            out[0, : len(desirable), self.WIDTH] = desirable.float()
         if "kl" in batch:
-            out[0, :, 5] = float(batch["kl"])
+            out[0, :, self.WIDTH + 1] = float(batch["kl"])
         return out
 
     def prepare(self, pipeline, batches: list[dict]) -> list[dict]:
@@ -256,8 +256,8 @@ class StageKTO(StagePairs):
         if logps is None:
             return None, 0
         n = logps.numel()
-        desirable = target[:n, 4] > 0
-        kl = target[0, 5] if self.cfg.loss_type == "kto" else None
+        desirable = target[:n, self.WIDTH] > 0
+        kl = target[0, self.WIDTH + 1] if self.cfg.loss_type == "kto" else None
         losses, rewards = kto_losses(self.cfg.loss_type, logps, target[:n, 2].to(logps.dtype), desirable, kl,
                                      beta=self.cfg.beta, desirable_weight=self.cfg.desirable_weight,
                                      undesirable_weight=self.cfg.undesirable_weight)

@@ -341,10 +341,19 @@ class StagePairs:
     before each step instead, forward only with the adapter disabled (`prepare`). From these, the sequences'
     log-probabilities, the pairs' loss and their statistics are Preference's own (the same functions)."""
 
+    WIDTH = 5  # the target columns; an objective built on these (StageKTO) adds its own after them
+
     def __init__(self, cfg, *, reference: str, adapter_off=None):
         self.cfg, self.reference, self.adapter_off = cfg, reference, adapter_off
-        self.stats = len(stat_names(cfg))  # the loss's statistics (the load-balancing loss is refused on stages)
-        self.eval_size = self.stats + 2  # [loss, statistics, pairs], as Preference.eval_sums
+
+    @property
+    def stats(self) -> int:
+        """The loss's statistics (the load-balancing loss is refused on stages)."""
+        return len(stat_names(self.cfg))
+
+    @property
+    def eval_size(self) -> int:
+        return self.stats + 2  # [loss, statistics, pairs], as Preference.eval_sums
 
     def prepare(self, pipeline, batches: list[dict]) -> list[dict]:
         """preference.reference=adapter: the window's micro-batches with their sequences' reference log-probabilities
@@ -362,7 +371,7 @@ class StagePairs:
     def targets(self, batch: dict, slots: int) -> torch.Tensor:
         """[1, slots, 5] float32 of a packed micro-batch (none: an idle row). Token ids are exact in float32 below
         2^24."""
-        out = torch.zeros(slots, 5)
+        out = torch.zeros(slots, self.WIDTH)
         out[:, 0], out[:, 1], out[:, 3], out[:, 4] = IGNORE, -1.0, -1.0, 1.0
         if (tokens := batch.get("sequence_tokens")) is not None and len(tokens):
             index = batch["loss_index"]
