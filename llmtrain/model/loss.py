@@ -42,37 +42,44 @@ def _chunk_token_loss(head, hidden: torch.Tensor, targets: torch.Tensor, stat: s
 ENTROPY_ROWS = 64  # rows of a chunk's logits whose entropy is taken at a time: 2 x 64 x vocab fp32 beside the chunk
 
 
-@torch.no_grad()
-def _entropy(logits: torch.Tensor) -> torch.Tensor:
-    """Each row's entropy of softmax(logits), in fp32, ENTROPY_ROWS rows at a time in one buffer reused by every
-    block (the shifted exponentials, then their product with the logits): far below the chunk's own logits, under
-    the loss's peak, which is its backward (activations.chunk_backward_bytes: 12 bytes a logit against the
-    forward's 8). One buffer, not a fresh temporary per block: those fragmented the CPU allocator's heap (+12% peak
-    RSS on benchmarks/grpo_vs_trl.py; +1% with the buffer)."""
+def _row_blocks(logits: torch.Tensor, fill) -> torch.Tensor:
+    """A statistic of each row of `logits`, ENTROPY_ROWS rows at a time: `fill(z, t, out)` with z a block's logits,
+    t one buffer of its shape reused by every block, and out the block's rows of the result. One buffer, not a fresh
+    temporary per block: those fragmented the CPU allocator's heap (+12% peak RSS on benchmarks/grpo_vs_trl.py; +1%
+    with the buffer)."""
     out = logits.new_empty(logits.shape[0])
     buf = logits.new_empty(min(ENTROPY_ROWS, logits.shape[0]), logits.shape[-1])
     for s in range(0, logits.shape[0], ENTROPY_ROWS):
         z = logits[s : s + ENTROPY_ROWS]
-        t = buf[: z.shape[0]]
-        top = z.amax(-1, keepdim=True)
-        total = torch.sub(z, top, out=t).exp_().sum(-1, keepdim=True)  # softmax(z) = t / total
-        lse = top + total.log()
-        torch.sub(lse, t.mul_(z).sum(-1, keepdim=True) / total, out=out[s : s + z.shape[0], None])
+        fill(z, buf[: z.shape[0]], out[s : s + z.shape[0]])
     return out
+
+
+def _entropy_block(z: torch.Tensor, t: torch.Tensor, out: torch.Tensor) -> None:
+    top = z.amax(-1, keepdim=True)
+    total = torch.sub(z, top, out=t).exp_().sum(-1, keepdim=True)  # softmax(z) = t / total
+    lse = top + total.log()
+    torch.sub(lse, t.mul_(z).sum(-1, keepdim=True) / total, out=out[:, None])
+
+
+@torch.no_grad()
+def _entropy(logits: torch.Tensor) -> torch.Tensor:
+    """Each row's entropy of softmax(logits), in fp32, in blocks of rows (_row_blocks; the buffer holds the shifted
+    exponentials, then their product with the logits): far below the chunk's own logits, under the loss's peak,
+    which is its backward (activations.chunk_backward_bytes: 12 bytes a logit against the forward's 8)."""
+    return _row_blocks(logits, _entropy_block)
+
+
+def _log_sum_sq_block(z: torch.Tensor, t: torch.Tensor, out: torch.Tensor) -> None:
+    first = torch.sub(z, z.amax(-1, keepdim=True), out=t).exp_().sum(-1)  # e^(z - max): p times `first`
+    torch.sub(t.mul_(t).sum(-1).log_(), 2 * first.log_(), out=out)  # log sum p^2, the maxima cancelling
 
 
 @torch.no_grad()
 def _log_sum_sq(logits: torch.Tensor) -> torch.Tensor:
     """Each row's log sum_v p_v^2 of softmax(logits) (WPO's alignment term: logsumexp(2z) - 2 logsumexp(z)), in fp32,
-    ENTROPY_ROWS rows at a time in one reused buffer, as _entropy."""
-    out = logits.new_empty(logits.shape[0])
-    buf = logits.new_empty(min(ENTROPY_ROWS, logits.shape[0]), logits.shape[-1])
-    for s in range(0, logits.shape[0], ENTROPY_ROWS):
-        z = logits[s : s + ENTROPY_ROWS]
-        t = buf[: z.shape[0]]
-        first = torch.sub(z, z.amax(-1, keepdim=True), out=t).exp_().sum(-1)  # e^(z - max): p times `first`
-        out[s : s + z.shape[0]] = t.mul_(t).sum(-1).log_() - 2 * first.log_()  # log sum p^2, the maxima cancelling
-    return out
+    in blocks of rows as _entropy (_row_blocks)."""
+    return _row_blocks(logits, _log_sum_sq_block)
 
 
 # per-token statistics of the distribution, taken beside the per-token loss without gradient (`stat`)

@@ -35,7 +35,7 @@ from llmtrain.data.batching import Counts, batch_weight, collate, with_loss_posi
 from llmtrain.data.formats import prompt_length
 from llmtrain.model.generate import Stops
 from llmtrain.model.loss import causal_lm, compute_loss, decoder_inputs, decoder_name, logit_transform
-from llmtrain.objectives.rollouts import all_here, completion_rows, sample, sampling
+from llmtrain.objectives.rollouts import all_here, completion_rows, sample, sampling, sampling_of
 
 # Statistics summed over the window and processes; step_metrics names them as TRL does where TRL has the number.
 # (length, clipped: of the student's own completions only)
@@ -129,10 +129,8 @@ class Distill:
         begun = time.perf_counter()
         completions = self.share_sampling(
             lambda ids, seeds: sample(self.lm, cfg.sampler, ids, seeds, max_new_tokens=cfg.max_completion_tokens,
-                                      temperature=cfg.temperature, top_p=cfg.top_p, top_k=cfg.top_k,
-                                      min_p=cfg.min_p, repetition_penalty=cfg.repetition_penalty,
-                                      stop_ids=self.stop_ids,
-                                      pad_id=self.pad_id, copy=cfg.merged_copy),
+                                      stop_ids=self.stop_ids, pad_id=self.pad_id, copy=cfg.merged_copy,
+                                      **sampling_of(cfg)),
             [p for p, _ in prompts], [completion_seed(self.seed, step, row, 0) for _, row in prompts])
         spent = time.perf_counter() - begun
         sequences = completion_rows([p for p, _ in prompts], completions)

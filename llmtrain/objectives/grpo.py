@@ -35,7 +35,8 @@ import torch
 
 from llmtrain.data.batching import Counts, batch_weight
 from llmtrain.model.generate import Stops
-from llmtrain.objectives.rollouts import all_here, clipped_surrogate, completion_rows, here, sample, sampling
+from llmtrain.objectives.rollouts import (all_here, clipped_surrogate, completion_rows, here, sample, sampling,
+                                         sampling_of)
 
 LossType = Literal["dapo", "grpo", "dr_grpo", "cispo", "sapo", "luspo", "vespo"]
 STD_EPS = 1e-4  # TRL's: a group whose rewards are all equal gets advantages 0, not a division by zero
@@ -495,9 +496,7 @@ class GRPO:
         """The completions of `prompt_ids`, one per seed, with rl.sampler (the caller gathers FSDP's units): sampled
         as the rl: section says, or greedy (the eval's, unpenalised)."""
         rl = self.rl
-        sampling = dict(temperature=0.0, top_p=1.0) if greedy else dict(
-            temperature=rl.temperature, top_p=rl.top_p, top_k=rl.top_k, min_p=rl.min_p,
-            repetition_penalty=rl.repetition_penalty)
+        sampling = dict(temperature=0.0, top_p=1.0) if greedy else sampling_of(rl)
         return sample(self.lm, rl.sampler, prompt_ids, seeds, max_new_tokens=max_new_tokens or rl.max_completion_tokens,
                       stop_ids=self.stop_ids, pad_id=self.pad_id, copy=rl.merged_copy, **sampling)
 

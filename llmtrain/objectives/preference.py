@@ -168,13 +168,13 @@ def pairs_loss(cfg, logps: torch.Tensor, tokens: torch.Tensor, ref_chosen: torch
     `weights` (preference.wpo): each sequence's wpo_weights; each pair's loss, its sft term's too (as TRL's), times
     its two answers' product.
     """
-    losses = 0.0
-    for name, weight in cfg.weighted:  # a list of losses (MPO's mix): their weighted sum; the rewards are the same
+    losses, mix = 0.0, cfg.weighted
+    for name, weight in mix:  # a list of losses (MPO's mix): their weighted sum; the rewards are the same
         loss, chosen_rewards, rejected_rewards = pair_losses(
             name, logps[0::2], logps[1::2], ref_chosen, ref_rejected, tokens[0::2], tokens[1::2],
             beta=cfg.beta, gamma=cfg.simpo_gamma, smoothing=cfg.label_smoothing, tau=cfg.discopop_tau,
             divergence=cfg.f_divergence, f_alpha=cfg.f_alpha)
-        losses = losses + weight * loss if len(cfg.weighted) > 1 else loss
+        losses = losses + weight * loss if len(mix) > 1 else loss  # one loss: as it is, unscaled
     if cfg.sft_weight:  # RPO: each pair's chosen answer's negative log-likelihood per token
         losses = losses + cfg.sft_weight * -logps[0::2] / tokens[0::2]
     if weights is not None:
@@ -217,12 +217,10 @@ def wpo_weights(token_loss: torch.Tensor, log_sum_sq: torch.Tensor, sequence: to
         return torch.exp(aligned / tokens.clamp(min=1))
 
 
-def sequence_logps(model, batch: dict, *, with_aux: bool = False, total=None, wpo: bool = False):
-    """Summed answer log-probability of every sequence of a collated batch (on the device), in batch order (with
-    preference.ld_alpha, each token weighted: ld_weights); with_aux: and the batch's load-balancing loss (a mixture of
-    experts under model.router_aux_loss_coef, loss.attach_loss), None without one; wpo: and each sequence's
-    wpo_weights last. `total`: each sequence's sum from the parts of it on each process (sequence parallelism:
-    shards.sequence_sum, differentiable; None: the batch holds whole sequences)."""
+def _sequences_pass(model, batch: dict, *, with_aux: bool, total, wpo: bool):
+    """One forward of a collated batch's sequences: (each one's summed answer log-probability, with
+    preference.ld_alpha each token weighted by ld_weights; the batch's load-balancing loss where `with_aux`, else
+    None; each sequence's wpo_weights where `wpo`, else None). `total` as sequence_logps'."""
     # cross-entropy = -log p, one per trained token
     out = compute_loss(model, batch, per_token=True, return_aux=with_aux, stat="log_sum_sq" if wpo else None)
     token_loss, *extra = out if (wpo or with_aux) else (out,)
@@ -232,19 +230,26 @@ def sequence_logps(model, batch: dict, *, with_aux: bool = False, total=None, wp
     logps = sequence_sums(weighted, batch["loss_example"], batch["sequence_tokens"].numel())
     if total is not None:
         logps = total(logps)
-    if not (wpo or with_aux):
-        return logps
     weights = (wpo_weights(token_loss, log_sum_sq, batch["loss_example"], batch["sequence_tokens"], total)
                if wpo else None)
-    return (logps, aux, weights) if wpo else (logps, aux)
+    return logps, aux, weights
 
 
-def policy_logps(model, batch: dict, router_aux: float | None, *, aux: bool, total=None):
-    """The policy pass's sequence_logps and, where model.router_aux_loss_coef weighs it in training (`aux`), that
-    pass's load-balancing loss; else None (preference pairs and KTO, as TRL adds it to their mean loss)."""
-    if aux and router_aux is not None:
-        return sequence_logps(model, batch, with_aux=True, total=total)
-    return sequence_logps(model, batch, total=total), None
+def sequence_logps(model, batch: dict, *, with_aux: bool = False, total=None):
+    """Summed answer log-probability of every sequence of a collated batch (on the device), in batch order (with
+    preference.ld_alpha, each token weighted: ld_weights); with_aux: and the batch's load-balancing loss (a mixture of
+    experts under model.router_aux_loss_coef, loss.attach_loss). `total`: each sequence's sum from the parts of it on
+    each process (sequence parallelism: shards.sequence_sum, differentiable; None: the batch holds whole
+    sequences)."""
+    logps, aux, _ = _sequences_pass(model, batch, with_aux=with_aux, total=total, wpo=False)
+    return (logps, aux) if with_aux else logps
+
+
+def policy_logps(model, batch: dict, router_aux: float | None, *, aux: bool, total=None, wpo: bool = False):
+    """The policy pass's sequence_logps; where model.router_aux_loss_coef weighs it in training (`aux`), that pass's
+    load-balancing loss, else None (preference pairs and KTO, as TRL adds it to their mean loss); with wpo
+    (preference.wpo), each sequence's wpo_weights from the same pass, else None."""
+    return _sequences_pass(model, batch, with_aux=aux and router_aux is not None, total=total, wpo=wpo)
 
 
 class Preference:
@@ -297,12 +302,8 @@ class Preference:
         is the pairs' mean plus the weight times the micro-batches' pair-weighted mean of it: on one micro-batch,
         TRL's), and that times the pairs last among the statistics."""
         ref_chosen, ref_rejected = self._reference(batch)  # first: its no-grad forward leaves no graph behind
-        if self.cfg.wpo:
-            logps, router, weights = sequence_logps(model, batch, with_aux=aux and self.router_aux is not None,
-                                                    total=self.sequence_sum, wpo=True)
-        else:
-            (logps, router), weights = policy_logps(model, batch, self.router_aux, aux=aux,
-                                                    total=self.sequence_sum), None
+        logps, router, weights = policy_logps(model, batch, self.router_aux, aux=aux, total=self.sequence_sum,
+                                              wpo=self.cfg.wpo)
         loss, stats = pairs_loss(self.cfg, logps, batch["sequence_tokens"], ref_chosen, ref_rejected, weights)
         if router is None:
             return loss, stats

@@ -32,6 +32,15 @@ def sampling(lm):
         lm.train(was_training)
 
 
+# the sampling settings an rl: or distill: section holds, by the names the samplers take
+SAMPLING = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
+
+
+def sampling_of(section) -> dict:
+    """An rl: or distill: section's sampling settings (SAMPLING), as `sample` takes them."""
+    return {name: getattr(section, name) for name in SAMPLING}
+
+
 def sample(lm, sampler: str, prompts: list[list[int]], seeds: list[int], *, max_new_tokens: int, temperature: float,
            top_p: float, stop_ids, pad_id: int, top_k: int = 0, min_p: float = 0.0, repetition_penalty: float = 1.0,
            copy: str = "off") -> list[list[int]]:

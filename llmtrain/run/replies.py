@@ -161,10 +161,10 @@ def _tied(model) -> set[str]:
 def _source(model, tokenizer, recipe, describe: str, read_template) -> Source:
     data = recipe.data
     chat = data.format == "messages" or data.chat_template is not False
+    from llmtrain.objectives.rollouts import sampling_of
+
     rl = recipe.rl or recipe.distill
-    sampling = {} if rl is None else {"temperature": rl.temperature, "top_p": rl.top_p, "top_k": rl.top_k,
-                                      "min_p": rl.min_p, "repetition_penalty": rl.repetition_penalty,
-                                      "max_new_tokens": rl.max_completion_tokens}
+    sampling = {} if rl is None else {**sampling_of(rl), "max_new_tokens": rl.max_completion_tokens}
     return Source(model.eval(), tokenizer, chat, data.system_prompt, read_template(data) if chat else None, sampling,
                   describe, recipe)
 
