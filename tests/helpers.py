@@ -24,6 +24,24 @@ LLMTRAIN = [sys.executable, "-m", "llmtrain"]
 ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
 
 
+def bf16_rows_change_results() -> bool:
+    """Whether this machine's bf16 matrix product gives a row a result that depends on how many rows share the
+    product. oneDNN's AMX and AVX512-BF16 kernels choose their blocking, and with it the order of a row's sums, by
+    the row count (a [46, 512] x [512, 128] product's rows differ from the same rows inside a [64, 512] one, by a
+    bf16 step); its AVX2 kernels, and every fp32 product, do not. A pipeline stage pads each micro-batch to
+    train.micro_batch_tokens where one process packs it tight, so on such a machine the two are equal only up to
+    bf16 rounding (ONEDNN_AVX2 pins the kernels that make them equal bit for bit)."""
+    import torch
+
+    g = torch.Generator().manual_seed(0)
+    rows, weight = torch.randn(64, 512, generator=g).bfloat16(), torch.randn(512, 128, generator=g).bfloat16()
+    whole = rows @ weight
+    return any(not torch.equal(rows[:m] @ weight, whole[:m]) for m in (46, 53, 61))
+
+
+ONEDNN_AVX2 = {**ENV, "ONEDNN_MAX_CPU_ISA": "AVX2"}  # oneDNN's AVX2 kernels: bf16 rows independent of the row count
+
+
 def open_port() -> int:
     """A port the OS says is free (never a fixed one: parallel runs would collide)."""
     with socket.socket() as s:
