@@ -812,6 +812,9 @@ REPETITION_PENALTY = ("Sampling (TRL's repetition_penalty, transformers' process
                       "sampling sees it: the loss's log-probabilities are the policy's own, as TRL's, and the eval's "
                       "greedy completions are unpenalised.")
 MergedCopy = Literal["rollout", "kept", "off"]
+# adaptive entropy control's keys (rl.use_adaptive_entropy), and TRL's defaults for them
+ADAPTIVE_ENTROPY = {"entropy_target": 0.2, "entropy_coef_min": 0.0, "entropy_coef_max": 1.0,
+                    "entropy_coef_delta": 0.005}
 # online RL's losses with keys of their own, and TRL's defaults for them (rl.loss_type sapo, vespo)
 LOSS_KEYS = {"sapo": {"sapo_temperature_pos": 1.0, "sapo_temperature_neg": 1.05},
              "vespo": {"vespo_k_pos": 2.0, "vespo_lambda_pos": 3.0, "vespo_k_neg": 3.0, "vespo_lambda_neg": 2.0}}
@@ -916,6 +919,28 @@ class RLConfig(Section):
         "rho share of a forward pass's trained tokens on every process train their policy term (the quantile over "
         "the pass's completion tokens, TRL's over its micro-batch's; the KL term counts for all); 0 keeps the "
         "highest alone, 1 every token.")
+    entropy_coef: float | None = Field(
+        None, allow_inf_nan=False, description="grpo only (TRL's, default 0): the weight of an entropy bonus, the "
+        "loss minus entropy_coef x the policy's mean entropy (at rl.temperature) over the step's trained completion "
+        "tokens on every process, with its gradient; positive keeps the policy from collapsing onto one answer "
+        "(logged: entropy, entropy_coef, policy_loss). Not with rl.top_entropy_quantile below 1. With "
+        "rl.use_adaptive_entropy, the starting coefficient.")
+    use_adaptive_entropy: bool | None = Field(
+        None, description="grpo only (TRL's, Skywork-OR1's adaptive entropy control; default off): after each step "
+        "the coefficient rises by rl.entropy_coef_delta while the step's mean entropy is at or below "
+        "rl.entropy_target and falls by it otherwise, within [rl.entropy_coef_min, rl.entropy_coef_max]; a step "
+        "applies it only when the previous step's entropy was at or below the target (the first step: never). Its "
+        "state is saved with each checkpoint.")
+    entropy_target: float | None = Field(
+        None, ge=0, allow_inf_nan=False, description="rl.use_adaptive_entropy only (TRL's, default 0.2 nats, which "
+        "almost never engages): the mean entropy below which the bonus applies; set it near the `entropy` an early "
+        "step logs.")
+    entropy_coef_min: float | None = Field(None, allow_inf_nan=False, description="rl.use_adaptive_entropy only "
+                                           "(TRL's, default 0): the lowest coefficient.")
+    entropy_coef_max: float | None = Field(None, allow_inf_nan=False, description="rl.use_adaptive_entropy only "
+                                           "(TRL's, default 1): the highest coefficient.")
+    entropy_coef_delta: float | None = Field(None, ge=0, allow_inf_nan=False, description="rl.use_adaptive_entropy "
+                                             "only (TRL's, default 0.005): the coefficient's change a step.")
     multi_objective_aggregation: Literal["sum_then_normalize", "normalize_then_sum"] | None = Field(
         None, description="grpo only (TRL's): how several rewards become advantages. sum_then_normalize (the "
         "default): their weighted sum, then scale_rewards; normalize_then_sum (GDPO, Liu et al. 2026): each reward "
@@ -974,8 +999,8 @@ class RLConfig(Section):
         if data.get("beta") is None:
             data["beta"] = 0.05 if rloo else 0.0
         grpo_only = ("loss_type", "scale_rewards", "importance_sampling_level", "delta", "multi_objective_aggregation",
-                     "off_policy_mask_threshold", "use_bias_correction_kl", "top_entropy_quantile",
-                     *(k for keys in LOSS_KEYS.values() for k in keys))
+                     "off_policy_mask_threshold", "use_bias_correction_kl", "top_entropy_quantile", "entropy_coef",
+                     "use_adaptive_entropy", *ADAPTIVE_ENTROPY, *(k for keys in LOSS_KEYS.values() for k in keys))
         given = ([k for k in grpo_only if data.get(k) is not None] if rloo else  # every grpo key's default is None
                  [k for k in ("normalize_advantages", "reward_clip_range") if data.get(k) not in (None, False)])
         if given:
@@ -1002,6 +1027,15 @@ class RLConfig(Section):
                 data["use_bias_correction_kl"] = True
             if data.get("top_entropy_quantile") is None:
                 data["top_entropy_quantile"] = 1.0
+            if data.get("entropy_coef") is None:
+                data["entropy_coef"] = 0.0
+            if data.get("use_adaptive_entropy"):  # the controller's keys: TRL's defaults with it, refused without
+                data.update({k: v for k, v in ADAPTIVE_ENTROPY.items() if data.get(k) is None})
+            elif given := [k for k in ADAPTIVE_ENTROPY if data.get(k) is not None]:
+                raise ValueError(f"rl.{given[0]} is read by adaptive entropy control, which is off: set "
+                                 f"rl.use_adaptive_entropy=true, or remove {', '.join('rl.' + k for k in given)}")
+            else:
+                data["use_adaptive_entropy"] = False
             if data.get("scale_rewards") is None:
                 data["scale_rewards"] = "group"
             if data.get("importance_sampling_level") is None:  # luspo is GSPO's (TRL warns where it is not)
@@ -1036,6 +1070,23 @@ class RLConfig(Section):
             raise ValueError("rl.loss_type vespo weighs each completion by its whole ratio already, from its tokens' "
                              "log-ratios: remove rl.importance_sampling_level (TRL warns it should be token)")
         return self
+
+    @model_validator(mode="after")
+    def _entropy_bonus(self) -> RLConfig:
+        if self.entropy_bonus and self.top_entropy_quantile < 1.0:
+            raise ValueError(f"rl.entropy_coef with rl.top_entropy_quantile={self.top_entropy_quantile:g}: the bonus "
+                             "is the mean entropy over the step's trained tokens, divided by their count before the "
+                             "first pass, and which tokens the quantile keeps is known only pass by pass. Remove "
+                             "one of the two (TRL's bonus is each micro-batch's own mean: docs/rl.md)")
+        if self.use_adaptive_entropy and self.entropy_coef_min > self.entropy_coef_max:
+            raise ValueError(f"rl.entropy_coef_min={self.entropy_coef_min:g} is above rl.entropy_coef_max="
+                             f"{self.entropy_coef_max:g}: swap them")
+        return self
+
+    @property
+    def entropy_bonus(self) -> bool:
+        """Whether the loss carries the entropy bonus (a coefficient, or the controller that may raise one)."""
+        return bool(self.entropy_coef) or bool(self.use_adaptive_entropy)
 
     @model_validator(mode="after")
     def _tool_settings(self) -> RLConfig:

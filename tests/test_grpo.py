@@ -348,6 +348,113 @@ def test_top_entropy_quantile_pools_every_process_and_skips_stand_ins():
     assert high_entropy_keep(first, 0.5, gather=lambda mine: []).sum() == 0
 
 
+def grpo_objective(model, **rl):
+    """llmtrain's GRPO objective on `model` (its loss patched in), for a batch built as its rollout builds one."""
+    from llmtrain.config import RLConfig
+    from llmtrain.model.loss import attach_loss
+    from llmtrain.objectives.grpo import GRPO
+
+    attach_loss(model, chunk=4096)
+    config = RLConfig(rewards=[{"type": "format", "pattern": "x"}], max_completion_tokens=MAX_COMPLETION, **rl)
+    return GRPO(config, tokenizer=None, pad_id=0, packing=True, seed=0, rewards=[("format", lambda **_: [], 1.0)],
+                model=model, columns=["input_ids", "row", "prompt"], stop_ids=[2], world=1)
+
+
+def rollout_batch(grpo, prompts, completions, advantages) -> tuple[dict, float, float]:
+    """(the pass's batch as GRPO's rollout leaves it, the window's loss units, its trained tokens)."""
+    from llmtrain.data.batching import collate, with_loss_positions
+    from llmtrain.data.formats import IGNORE
+
+    sequences = [{"input_ids": p + c, "labels": [IGNORE] * len(p) + c} for p, c in zip(prompts, completions)]
+    batch = with_loss_positions(collate(sequences, pad_id=0, packing=True))
+    lengths = torch.bincount(batch["loss_example"], minlength=len(completions))
+    grpo._attach(batch, advantages, lengths)
+    batch["rollout_stats"] = torch.zeros(len(grpo.stats) - len(grpo.loss_stats))
+    return batch, grpo._loss_units(lengths), float(lengths.sum())
+
+
+@pytest.mark.parametrize("loss_type, coef, adaptive", [("dapo", 0.1, False), ("grpo", 0.3, False),
+                                                        ("dr_grpo", -0.2, False), ("dapo", 0.05, True)])
+def test_the_entropy_bonus_equals_trls(tiny_assets, tmp_path, loss_type, coef, adaptive):
+    """rl.entropy_coef (TRL's entropy_coef): the loss minus coef x the mean entropy of the trained tokens, with its
+    gradient (TRL's fused head differentiates the entropy too). Through GRPO.loss as the step runs it (the window's
+    units per trained token in the batch, the sum divided by the units): TRL's _compute_loss's loss and gradients to
+    1e-6, for each normalisation; not the loss without the bonus (the gradients part by more than 1e-4). Adaptive
+    (rl.use_adaptive_entropy): with the last step's entropy under the target both apply the coefficient, and both
+    controllers move it the same way after the step."""
+    prompts = [[1] + PROMPTS[i // 2] for i in range(4)]
+    advantages = torch.tensor([0.7, -0.7, 1.2, -1.2])
+    theirs_model, ours_model, plain_model = (tiny_model(tiny_assets) for _ in range(3))
+    trainer = trl_trainer(theirs_model, tiny_assets, tmp_path, loss_type=loss_type, beta=0.0)
+    trainer.entropy_coef, trainer._entropy_bonus_enabled = coef, True
+    adaptive_keys = dict(use_adaptive_entropy=True, entropy_target=9.0, entropy_coef_delta=0.01) if adaptive else {}
+    if adaptive:
+        trainer.use_adaptive_entropy, trainer._last_world_entropy = True, 5.0
+        trainer.args.entropy_target, trainer.args.entropy_coef_delta = 9.0, 0.01
+    inputs = padded_inputs(prompts, COMPLETIONS, advantages, pad=trainer.processing_class.pad_token_id)
+    theirs = trainer._compute_loss(theirs_model, inputs)
+    theirs.backward()
+
+    grpo = grpo_objective(ours_model, loss_type=loss_type, entropy_coef=coef, **adaptive_keys)
+    if adaptive:
+        grpo.entropy.seen = 5.0  # the last step's entropy, under the target: applied
+    batch, units, trained = rollout_batch(grpo, prompts, COMPLETIONS, advantages)
+    batch["units_per_trained"] = units / trained
+    total, stats = grpo.loss(ours_model, batch)
+    ours = total / units
+    ours.backward()
+    assert ours.item() == pytest.approx(theirs.item(), abs=1e-6)
+    worst = max((p.grad - q.grad).abs().max().item()
+                for p, q in zip(ours_model.parameters(), theirs_model.parameters()))
+    assert worst < 1e-6, worst
+    plain = grpo_objective(plain_model, loss_type=loss_type)
+    plain_batch, _, _ = rollout_batch(plain, prompts, COMPLETIONS, advantages)
+    (plain.loss(plain_model, plain_batch)[0] / units).backward()
+    assert max((p.grad - q.grad).abs().max().item()
+               for p, q in zip(ours_model.parameters(), plain_model.parameters())) > 1e-4  # the bonus moves it
+    line = grpo.step_metrics(stats.tolist(), units)
+    assert line["policy_loss"] == pytest.approx(ours.item() + coef * line["entropy"], abs=1e-6)
+    if adaptive:
+        grpo.after_window(stats.tolist())  # entropy ~4.8 nats, under the target 9: raised by the delta
+        assert grpo.entropy.coef == pytest.approx(trainer.entropy_coef) == pytest.approx(coef + 0.01)
+        assert grpo.entropy.seen == pytest.approx(trainer._last_world_entropy, abs=1e-6)
+
+
+def test_adaptive_entropy_control_moves_the_coefficient_within_its_bounds_and_gates_it():
+    """TRL's controller: applied only after a step whose mean entropy was at or below the target (never at the
+    first step), raised by the delta after such a step and lowered after any other, within [min, max]."""
+    from llmtrain.config import RLConfig
+    from llmtrain.objectives.grpo import EntropyControl
+
+    rl = RLConfig(rewards=[{"type": "format", "pattern": "x"}], use_adaptive_entropy=True, entropy_coef=0.02,
+                  entropy_target=1.0, entropy_coef_delta=0.01, entropy_coef_max=0.035)
+    control = EntropyControl(rl)
+    applied = []
+    for entropy in (2.0, 0.5, 0.5, 0.5, 1.0, 3.0, 3.0, 3.0, 3.0):
+        applied.append(control.applied())
+        control.update(entropy)
+    assert applied == pytest.approx([0.0, 0.0, 0.02, 0.03, 0.035, 0.035, 0.0, 0.0, 0.0])
+    assert control.coef == 0.0  # lowered to entropy_coef_min, 0
+    restored = EntropyControl(rl)
+    restored.load_state_dict(control.state_dict())
+    assert (restored.coef, restored.seen, restored.applied()) == (0.0, 3.0, 0.0)
+    fixed = EntropyControl(RLConfig(rewards=[{"type": "format", "pattern": "x"}], entropy_coef=0.1))
+    fixed.update(0.0)
+    assert fixed.applied() == 0.1  # without the controller: always the coefficient
+
+
+@pytest.mark.parametrize("keys, says", [
+    ({"entropy_target": 0.5}, "rl.entropy_target is read by adaptive entropy control, which is off"),
+    ({"entropy_coef": 0.1, "top_entropy_quantile": 0.2}, "known only pass by pass"),
+    ({"algorithm": "rloo", "entropy_coef": 0.1}, "rl.entropy_coef is read by rl.algorithm: grpo"),
+    ({"use_adaptive_entropy": True, "entropy_coef_min": 0.5, "entropy_coef_max": 0.1}, "swap them")])
+def test_entropy_bonus_settings_a_run_cannot_use_are_refused(keys, says):
+    from llmtrain.config import RLConfig
+
+    with pytest.raises(ValueError, match=says):
+        RLConfig(rewards=[{"type": "format", "pattern": "x"}], **keys)
+
+
 @pytest.mark.parametrize("loss_type", ["dapo", "grpo", "dr_grpo"])
 def test_masked_truncated_completions_train_nothing_and_normalise_as_trls(tiny_assets, tmp_path, loss_type):
     """rl.mask_truncated_completions: the last completion reached max_completion_tokens without EOS; its tokens train

@@ -382,6 +382,79 @@ def test_two_ddp_processes_pool_the_entropy_quantile_and_train_what_one_does(str
     assert max_abs_diff(load_weights(two / "final"), load_weights(one / "final")) < 1e-5
 
 
+# rl.use_adaptive_entropy with a target no step reaches: each step after the first applies the coefficient, raised
+# by the delta after every step up to the cap (0.5, 0.75, 1.0, 1.0): a run whose losses depend on the controller
+ADAPTIVE = {"use_adaptive_entropy": True, "entropy_target": 100.0, "entropy_coef": 0.5, "entropy_coef_delta": 0.25}
+
+
+@pytest.fixture(scope="module")
+def adaptive(tiny_assets, tmp_path_factory):
+    """The straight run's 4 steps under ADAPTIVE entropy control, in this process: (recipe, run folder)."""
+    tmp = tmp_path_factory.mktemp("adaptive")
+    recipe = grpo_recipe(tiny_assets, tmp, rl=ADAPTIVE)
+    run_train(recipe, f"output_dir={tmp / 'run'}")
+    return recipe, tmp / "run"
+
+
+def test_the_entropy_bonus_keeps_the_entropy_up_and_logs_trls_names(straight, adaptive, tmp_path):
+    """rl.entropy_coef 1: step 1 samples what the plain run does (the same seeds); each step's loss is its
+    policy_loss minus the coefficient x its entropy (TRL's names), and the bonus's gradient holds the entropy above
+    the plain run's, which falls. Adaptive: step 1 applies nothing (no entropy measured yet), then the controller's
+    coefficient from the step before."""
+    recipe, plain, _ = straight
+    run = tmp_path / "bonus"
+    run_train(recipe, f"output_dir={run}", "rl.entropy_coef=1.0")
+    assert [r for r in rollouts(run) if r["step"] == 1] == [r for r in rollouts(plain) if r["step"] == 1]
+    lines, before = records(run), records(plain)
+    for line in lines:
+        assert line["entropy_coef"] == 1.0
+        assert line["loss"] == pytest.approx(line["policy_loss"] - line["entropy"], abs=1e-6)
+    assert before[-1]["entropy"] < before[0]["entropy"] - 0.02  # the plain run's entropy falls
+    assert lines[-1]["entropy"] > before[-1]["entropy"] + 0.01
+    assert "entropy_coef" not in before[0] and "policy_loss" not in before[0]
+    lines = records(adaptive[1])
+    assert [line["entropy_coef"] for line in lines] == [0.75, 1.0, 1.0, 1.0]  # after each step's update
+    applied = [0.0, 0.75, 1.0, 1.0]
+    for line, coef in zip(lines, applied):
+        assert line["loss"] == pytest.approx(line["policy_loss"] - coef * line["entropy"], abs=1e-6)
+
+
+def test_the_entropy_bonus_is_the_windows_token_mean_under_any_split_into_passes(adaptive, tmp_path):
+    """The bonus is the mean entropy over the step's trained tokens whatever passes carry them: rl.micro_batch_tokens
+    32 (several passes a micro-batch) trains what one pass does, the controller included."""
+    recipe, one = adaptive
+    budget = tmp_path / "budget"
+    run_train(recipe, f"output_dir={budget}", "rl.micro_batch_tokens=32")
+    assert rollouts(budget) == rollouts(one)
+    assert losses(budget) == pytest.approx(losses(one), abs=1e-6)
+    assert [r["entropy_coef"] for r in records(budget)] == [r["entropy_coef"] for r in records(one)]
+    assert max_abs_diff(load_weights(budget / "final"), load_weights(one / "final")) < 1e-5
+
+
+@pytest.mark.slow
+def test_adaptive_entropy_control_resumes_where_it_was_killed(adaptive, tmp_path):
+    """The controller's coefficient and last entropy are saved with each checkpoint: killed mid step 3 and resumed
+    from step 2, the run applies what the uninterrupted one did (a controller started afresh would apply nothing at
+    step 3 and 0.5 after)."""
+    recipe, full = adaptive
+    killed_and_resumed(recipe, full, tmp_path / "cut")
+
+
+@pytest.mark.slow
+def test_two_ddp_processes_apply_the_entropy_bonus_one_process_applies(adaptive, tmp_path, free_port):
+    """The bonus's token count is the step's on every process (the counts' one collective): 2 DDP processes of 2
+    prompts each train what one process of 4 does, and their controllers move alike."""
+    recipe, _ = adaptive
+    one, two = tmp_path / "one", tmp_path / "two"
+    run_train(recipe, f"output_dir={one}", "train.max_steps=2")
+    launch_finetune(CPU_DDP, 2, free_port, recipe, f"output_dir={two}", "train.micro_batch_size=2",
+                    "train.max_steps=2")
+    assert [r["completion_ids"] for r in rollouts(two)] == [r["completion_ids"] for r in rollouts(one)]
+    assert losses(two) == pytest.approx(losses(one), abs=1e-6)
+    assert [r["entropy_coef"] for r in records(two)] == [r["entropy_coef"] for r in records(one)] == [0.75, 1.0]
+    assert max_abs_diff(load_weights(two / "final"), load_weights(one / "final")) < 1e-5
+
+
 def test_top_k_one_samples_each_groups_greedy_completion_and_min_p_cuts_what_is_drawn(straight, tmp_path):
     """rl.top_k reaches the rollout's sampler: with 1, each prompt's completions at temperature 1 are all its greedy
     one (one completion a group, no advantage: nothing to learn, the loss 0); rl.min_p changes what is drawn."""

@@ -534,11 +534,14 @@ def claim_run_dir(recipe: Recipe, accelerator, console, *, checkpoint: Path | No
 # --------------------------------------------------------------------------- 6. the state to start from
 
 
-def restore(recipe: Recipe, accelerator, trainable: Trainable, *, checkpoint: Path | None, say) -> TrainState:
+def restore(recipe: Recipe, accelerator, trainable: Trainable, *, checkpoint: Path | None, say,
+            objective=None) -> TrainState:
+    """The TrainState, and with it (registered for Accelerate's checkpoints) the scheduler's and whatever state the
+    objective keeps between steps (`checkpointed`: GRPO's adaptive entropy coefficient), from `checkpoint`."""
     tc, (world, _) = recipe.train, data_ranks(accelerator)  # data ranks: a tensor-parallel group reads one batch
     state = TrainState(examples_per_micro=0 if tc.micro_batch_tokens else tc.micro_batch_size * world,
                        processes=world, micro_batch_tokens=tc.micro_batch_tokens or 0)
-    accelerator.register_for_checkpointing(trainable.scheduler, state)
+    accelerator.register_for_checkpointing(trainable.scheduler, state, *getattr(objective, "checkpointed", ()))
     if checkpoint is None:
         return state
     names = set(trainable.trainable_names) if trainable.trainable_names else None

@@ -65,6 +65,11 @@ def train_step(model, optimizer, scheduler, accelerator, objective: Objective, w
         # summed over every process, so that a TP group never splits over a signal).
         counts[:-1] /= tensor_parallel_size(accelerator) * groups(accelerator).pipeline.size  # a pipeline's stages too
         denominator = counts[0].clamp(min=1.0).float()  # stays on the device: no host sync
+    if getattr(objective, "per_trained", False):  # a term averaged over the window's trained tokens, not its loss
+        # units (GRPO's entropy bonus): each pass gets the window's units per trained token, on every process
+        trained = counts[1].clamp(min=1.0).float() if accelerator.num_processes > 1 else max(window.counts.trained, 1.0)
+        for batch in window.batches:
+            batch["units_per_trained"] = denominator / trained
     loss_sum, stats_sum = torch.zeros((), device=accelerator.device), None
     if pipeline is not None:  # the schedule runs every micro-batch; the replicas' gradients are summed after it
         loss_sum, stats_sum = pipeline.run(window.batches, scale=1.0 / denominator)
@@ -93,6 +98,8 @@ def train_step(model, optimizer, scheduler, accelerator, objective: Objective, w
         optimizer.step()
     scheduler.step()
     optimizer.zero_grad(set_to_none=True)
+    if (after := getattr(objective, "after_window", None)) is not None:  # the window's statistics, every process's
+        after(data_sum(accelerator, *stats_sum.tolist()))  # (GRPO's adaptive entropy control: one sync a step)
     return StepResult(loss_sum=loss_sum, stats_sum=stats_sum, counts=Counts(*summed), grad_norm=grad_norm, lr=lr,
                       skipped=skipped, stop_voted=votes > 0, rollouts=window.rollouts, window=window)
 

@@ -119,7 +119,7 @@ def _train(recipe: Recipe, accelerator, console: RunConsole, cleanup: ExitStack,
         run_dir = claim_run_dir(recipe, accelerator, console, checkpoint=checked.checkpoint, resume=resume,
                                 overwrite=overwrite)
         cleanup.callback(run_dir.release)
-        state = restore(recipe, accelerator, trainable, checkpoint=checked.checkpoint, say=say)
+        state = restore(recipe, accelerator, trainable, checkpoint=checked.checkpoint, say=say, objective=objective)
         # online RL's generation rounds (rl.num_iterations): a checkpoint within one gives its completions back
         rounds = Rounds(updates_per_window(recipe), process=accelerator.process_index,
                         processes=accelerator.num_processes)

@@ -35,6 +35,8 @@ def _chunk_loss(head, hidden: torch.Tensor, targets: torch.Tensor, dft: bool = F
 
 def _chunk_token_loss(head, hidden: torch.Tensor, targets: torch.Tensor, stat: str | None = None):
     logits = head(hidden).float()
+    if stat == ENTROPY_TRAINED:
+        return _CrossEntropyAndEntropy.apply(logits, targets)
     loss = F.cross_entropy(logits, targets, reduction="none")
     return (loss, ROW_STATS[stat](logits)) if stat else loss
 
@@ -84,6 +86,53 @@ def _log_sum_sq(logits: torch.Tensor) -> torch.Tensor:
 
 # per-token statistics of the distribution, taken beside the per-token loss without gradient (`stat`)
 ROW_STATS = {"entropy": _entropy, "log_sum_sq": _log_sum_sq}
+ENTROPY_TRAINED = "entropy_trained"  # `stat`: the entropy with its gradient (online RL's entropy bonus)
+
+
+def _lse_entropy_block(z: torch.Tensor, t: torch.Tensor, out: torch.Tensor) -> None:
+    """A block's log-sum-exp and entropy, side by side in `out` [rows, 2] (_entropy_block's arithmetic)."""
+    top = z.amax(-1, keepdim=True)
+    total = torch.sub(z, top, out=t).exp_().sum(-1, keepdim=True)
+    lse = top + total.log()
+    out[:, :1] = lse
+    torch.sub(lse, t.mul_(z).sum(-1, keepdim=True) / total, out=out[:, 1:])
+
+
+class _CrossEntropyAndEntropy(torch.autograd.Function):
+    """Each row's cross-entropy against its target and its entropy, both differentiable, from one chunk's fp32 logits
+    z (online RL's entropy bonus: TRL's fused head gives the entropy its gradient too). Forward and backward run in
+    blocks of ENTROPY_ROWS rows over one reused buffer; backward writes the logits' gradient once, row block by row
+    block: g_loss (p - onehot(target)) - g_entropy p (log p + H), p = softmax(z), log p = z - lse. Beside the saved
+    logits (4 bytes a logit) it holds that gradient (4 more) and one block: below the plain cross-entropy's
+    backward (activations.chunk_backward_bytes: 12)."""
+
+    @staticmethod
+    def forward(ctx, z: torch.Tensor, targets: torch.Tensor):
+        both = z.new_empty(z.shape[0], 2)
+        buf = z.new_empty(min(ENTROPY_ROWS, z.shape[0]), z.shape[-1])
+        for s in range(0, z.shape[0], ENTROPY_ROWS):
+            block = z[s : s + ENTROPY_ROWS]
+            _lse_entropy_block(block, buf[: block.shape[0]], both[s : s + block.shape[0]])
+        lse, entropy = both[:, 0], both[:, 1]
+        ctx.save_for_backward(z, targets, lse, entropy)
+        return lse - z.gather(1, targets[:, None]).squeeze(1), entropy.clone()
+
+    @staticmethod
+    def backward(ctx, g_loss, g_entropy):
+        z, targets, lse, entropy = ctx.saved_tensors
+        grad = torch.empty_like(z)
+        g_loss = torch.zeros_like(lse) if g_loss is None else g_loss.to(z.dtype)
+        buf = z.new_empty(min(ENTROPY_ROWS, z.shape[0]), z.shape[-1]) if g_entropy is not None else None
+        for s in range(0, z.shape[0], ENTROPY_ROWS):
+            e = min(s + ENTROPY_ROWS, z.shape[0])
+            p = torch.sub(z[s:e], lse[s:e, None], out=grad[s:e]).exp_()
+            if g_entropy is not None:  # d H / d z = -p (log p + H)
+                t = torch.sub(z[s:e], (lse[s:e] - entropy[s:e])[:, None], out=buf[: e - s]).mul_(p)
+                p.mul_(g_loss[s:e, None]).sub_(t.mul_(g_entropy[s:e, None].to(z.dtype)))
+            else:
+                p.mul_(g_loss[s:e, None])
+        grad.scatter_add_(1, targets[:, None], -g_loss[:, None])
+        return grad, None
 
 
 def chunked_cross_entropy(hidden: torch.Tensor, head, targets: torch.Tensor, *, chunk: int,
@@ -104,7 +153,7 @@ def chunked_cross_entropy(hidden: torch.Tensor, head, targets: torch.Tensor, *, 
         if not parts:
             empty = hidden.new_zeros(0, dtype=torch.float32)
             return empty, (empty if stat else None)
-        if stat:  # (loss, statistic) a chunk; the statistics were taken without gradient
+        if stat:  # (loss, statistic) a chunk; the statistics were taken without gradient (but ENTROPY_TRAINED)
             return torch.cat([loss for loss, _ in parts]), torch.cat([h for _, h in parts])
         return torch.cat(parts), None
     total = hidden.new_zeros((), dtype=torch.float32)

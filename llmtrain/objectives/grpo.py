@@ -245,8 +245,38 @@ ROLLOUT_STATS = ["completions", "reward", "reward_squares", "scored", "zero_std"
 # clipped and sequences: each token's share of its completion (1 / its tokens), so they add up to completions over
 # any split of the tokens (importance_sampling_level sequence logs the clipped share of completions, as TRL)
 # entropy: the policy's, summed over the completion tokens (TRL's `entropy`, their mean); phi: vespo's weight, each
-# token's share of it (its completion's phi, summed)
-LOSS_STATS = ["kl", "clipped_tokens", "tokens", "clipped", "sequences", "entropy", "phi"]
+# token's share of it (its completion's phi, summed); policy: the loss without the entropy bonus (TRL's policy_loss)
+LOSS_STATS = ["kl", "clipped_tokens", "tokens", "clipped", "sequences", "entropy", "phi", "policy"]
+
+
+class EntropyControl:
+    """rl.entropy_coef, the entropy bonus's coefficient, and rl.use_adaptive_entropy's controller of it (TRL's
+    GRPOTrainer, after Skywork-OR1): `applied` is what a step's loss multiplies the mean entropy by; `update`, after
+    each step, moves the coefficient by the step's mean entropy over every process. Checkpointed with the run
+    (accelerate's register_for_checkpointing), so a resumed run applies what the uninterrupted one would."""
+
+    def __init__(self, rl):
+        self.rl = rl
+        self.coef = rl.entropy_coef
+        self.seen = math.inf  # the last step's mean entropy: none yet, so the first step applies nothing (TRL's)
+
+    def applied(self) -> float:
+        rl = self.rl
+        return self.coef if not rl.use_adaptive_entropy or self.seen <= rl.entropy_target else 0.0
+
+    def update(self, entropy: float) -> None:
+        rl = self.rl
+        if not rl.use_adaptive_entropy:
+            return
+        self.coef = (min(self.coef + rl.entropy_coef_delta, rl.entropy_coef_max) if entropy <= rl.entropy_target
+                     else max(self.coef - rl.entropy_coef_delta, rl.entropy_coef_min))
+        self.seen = entropy
+
+    def state_dict(self) -> dict:
+        return {"coef": self.coef, "seen": self.seen}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.coef, self.seen = state["coef"], state["seen"]
 
 
 class GRPO:
@@ -308,6 +338,13 @@ class GRPO:
         self.expected_column = answer_columns[0] if answer_columns else None  # the eval samples' expected text
         self.stats = [*ROLLOUT_STATS, *self.advantage_stats, *(f"rewards/{n}/sum" for n, _, _ in rewards),
                       *(f"rewards/{n}/count" for n, _, _ in rewards), *self.loss_stats]
+        # rl.entropy_coef (rl.use_adaptive_entropy): the bonus's coefficient, its state saved with the checkpoints;
+        # the step gives each pass the window's loss units per trained token (`per_trained`)
+        self.entropy = EntropyControl(rl) if getattr(rl, "entropy_bonus", False) else None
+        self.per_trained = self.entropy is not None
+        adaptive = self.entropy is not None and rl.use_adaptive_entropy
+        self.checkpointed = (self.entropy,) if adaptive else ()
+        self.after_window = self._control_entropy if adaptive else None  # the step calls it after each window
 
     def collate(self, examples: list[dict]) -> tuple[dict, Counts]:
         """The prompts as they are: the rollout makes the tensors (and the counts) once the completions exist."""
@@ -600,14 +637,16 @@ class GRPO:
     # ---- the update
 
     def loss(self, model, batch: dict) -> tuple[torch.Tensor, torch.Tensor]:
-        from llmtrain.model.loss import compute_loss
+        from llmtrain.model.loss import ENTROPY_TRAINED, compute_loss
 
         rl, ref = self.rl, None
         rollout = batch["rollout_stats"].to(batch["input_ids"].device)
         if rl.beta:  # first: its no-grad forward leaves no graph behind
             with torch.no_grad(), self.lm.disable_adapter():  # the starting model: the LoRA adapter off
                 ref = -compute_loss(self.lm, batch, per_token=True, temperature=rl.temperature).float()
-        losses, entropy = compute_loss(model, batch, per_token=True, temperature=rl.temperature, stat="entropy")
+        bonus = self.entropy  # the entropy bonus: the entropy with its gradient
+        losses, entropy = compute_loss(model, batch, per_token=True, temperature=rl.temperature,
+                                       stat=ENTROPY_TRAINED if bonus is not None else "entropy")
         logps = -losses.float()
         old, log_ratio, share = batch.get("loss_old_logps"), None, 1.0 / batch["loss_lengths"]
         if rl.importance_sampling_level == "sequence":  # GSPO: one ratio a completion
@@ -629,11 +668,22 @@ class GRPO:
                                            sapo=((rl.sapo_temperature_pos, rl.sapo_temperature_neg)
                                                  if rl.loss_type == "sapo" else None), keep=keep, weights=phi,
                                            kl_ratio=rl.use_bias_correction_kl)
+        total = (losses * batch["loss_weights"]).sum()
         with torch.no_grad():
             stats = torch.stack([kl.sum() if kl is not None else logps.new_zeros(()), clipped.float().sum(),
                                  logps.new_tensor(float(logps.numel())), (clipped * share).sum(), share.sum(),
-                                 entropy.sum(), (phi * share).sum() if phi is not None else logps.new_zeros(())])
-        return (losses * batch["loss_weights"]).sum(), torch.cat([rollout, stats])
+                                 entropy.sum(), (phi * share).sum() if phi is not None else logps.new_zeros(()),
+                                 total])
+        if bonus is not None:  # minus coef x the window's mean entropy: each token's entropy / the window's trained
+            # tokens, in the loss's units (the step divides the sum by the window's units)
+            total = total - bonus.applied() * batch["units_per_trained"] * entropy.sum()
+        return total, torch.cat([rollout, stats])
+
+    def _control_entropy(self, stats: list[float]) -> None:
+        """After each step, on every process (`after_window`): rl.use_adaptive_entropy's controller moves the
+        coefficient by the step's mean entropy (`stats`: the window's statistics summed over every process)."""
+        s = dict(zip(self.stats, stats))
+        self.entropy.update(s["entropy"] / max(s["tokens"], 1.0))
 
     def _reward_metrics(self, s: dict, n: float) -> dict[str, float]:
         """reward and reward_std as TRL logs them: the mean and the unbiased std (its nanstd) of the step's scored
@@ -660,12 +710,19 @@ class GRPO:
                    {name: clip}),
                 "entropy": s["entropy"] / tokens}
 
+    def _bonus_metrics(self, s: dict, units: float) -> dict[str, float]:
+        """With the entropy bonus, TRL's: the coefficient after the step (the controller's), and the loss without
+        the bonus."""
+        if self.entropy is None:
+            return {}
+        return {"entropy_coef": self.entropy.coef, "policy_loss": s["policy"] / max(units, 1.0)}
+
     def step_metrics(self, stats: list[float], units: float) -> dict[str, float]:
         from llmtrain.objectives.rewards import metric_means
 
         s = dict(zip(self.stats, stats))
         if not s["completions"]:  # only updates that reused a round's completions (rl.num_iterations): nothing sampled
-            return self._policy_metrics(s, 0.0)
+            return {**self._policy_metrics(s, 0.0), **self._bonus_metrics(s, units)}
         n = max(s["completions"], 1.0)
         out = self._reward_metrics(s, n)
         for name, _, _ in self.rewards:
@@ -673,6 +730,7 @@ class GRPO:
                 out[f"rewards/{name}/mean"] = s[f"rewards/{name}/sum"] / s[f"rewards/{name}/count"]
         out.update({"completions/mean_length": s["length"] / n, "completions/clipped_ratio": s["clipped"] / n})
         out.update(self._policy_metrics(s, n))
+        out.update(self._bonus_metrics(s, units))
         if self.tools is not None:  # TRL's: calls per completion, failures per call
             out["tools/call_frequency"] = s["tool_calls"] / n
             out["tools/failure_frequency"] = s["tool_failures"] / s["tool_calls"] if s["tool_calls"] else 0.0
