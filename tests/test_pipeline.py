@@ -367,11 +367,13 @@ def test_preference_pairs_train_and_evaluate_on_two_stages_as_on_one_process(fou
     got, want = records(tmp_path / "pp"), records(tmp_path / "one")
     assert len(got) == len(want) == 3
     assert got[0]["loss"] == pytest.approx(math.log(2), abs=1e-6)
-    for key in ("loss", "rewards/chosen", "rewards/margins", "rewards/accuracies", "logps/rejected", "grad_norm"):
+    for key in ("loss", "rewards/chosen", "rewards/margins", "rewards/accuracies", "logps/rejected", "grad_norm",
+                "entropy", "logits/chosen", "logits/rejected", "mean_token_accuracy"):
         assert [r[key] for r in got] == pytest.approx([r[key] for r in want], rel=1e-5, abs=1e-6), key
     assert len({round(r["rewards/margins"], 6) for r in want}) == 3  # the policy moves off the reference
     (g,), (w,) = records(tmp_path / "pp", "eval")[-1:], records(tmp_path / "one", "eval")[-1:]
-    for key in ("eval_loss", "eval_rewards/margins", "eval_rewards/accuracies"):
+    for key in ("eval_loss", "eval_rewards/margins", "eval_rewards/accuracies", "eval_entropy",
+                "eval_logits/chosen"):
         assert g[key] == pytest.approx(w[key], abs=1e-6), key
     assert w["eval_loss"] != pytest.approx(math.log(2), abs=1e-4)  # evaluated after training, against the reference
     name = "adapter_model.safetensors" if lora else "model.safetensors"

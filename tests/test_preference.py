@@ -453,6 +453,9 @@ KNOBS = [("sigmoid", "dpo", {"f_divergence": "forward_kl"}), ("hinge", "hinge", 
          ("sigmoid+bco_pair+sft", ["dpo", "bco_pair"], {"loss_weights": [0.8, 0.2]}),
          ("ipo+aot+hinge", ["ipo", "aot", "hinge"], {"loss_weights": [0.5, 1.5, 0.25]})]
 TRL_NAMES = {"f_divergence": "f_divergence_type", "f_alpha": "f_alpha_divergence_coef", "wpo": "use_weighting"}
+# what TRL 1.16's DPOTrainer logs each step (its num_tokens is llmtrain's tokens_seen)
+DPO_METRICS = ["rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/margins", "logps/chosen",
+               "logps/rejected", "entropy", "logits/chosen", "logits/rejected", "mean_token_accuracy"]
 
 
 @pytest.mark.parametrize("loss_type, ours, family, knobs", [
@@ -521,6 +524,11 @@ def test_loss_matches_trl_dpo_trainer(tiny_assets, tiny_tok, tmp_path, loss_type
                                   for r, a, b in zip(rows, ref_logps[0::2], ref_logps[1::2])])
     loss, stats = objective.loss(ours_policy, batch)
     assert loss.item() / len(pairs) == pytest.approx(theirs.item(), rel=1e-6, abs=1e-6)
+    # and every number TRL's DPOTrainer logs, by its name (the token metrics from the same pass as the loss)
+    logged, metrics = objective.step_metrics(stats.tolist(), len(pairs)), trainer._metrics[
+        "train" if trainer.model.training else "eval"]
+    for name in DPO_METRICS:
+        assert logged[name] == pytest.approx(metrics[name][-1], rel=1e-5, abs=1e-6), name
     if knobs.keys() - {"label_smoothing"}:  # and the knob changes the loss (the pairs' answers differ in length)
         plain_cfg = PreferenceConfig(loss=ours, beta=0.1, label_smoothing=knobs.get("label_smoothing", 0.0))
         with torch.no_grad():
@@ -564,6 +572,36 @@ def test_loss_matches_trl_dpo_trainer(tiny_assets, tiny_tok, tmp_path, loss_type
         mine = dict(ours_policy.named_parameters())
         moe = [(n, p) for n, p in trainer.model.named_parameters() if ".mlp." in n]
         assert moe and all((mine[n].grad - p.grad).abs().max() < 1e-6 for n, p in moe)
+
+
+def test_token_metrics_are_means_over_each_answers_tokens_not_over_pairs():
+    """TRL's DPOTrainer token metrics from loss.PAIR_STATS' columns (entropy, log sum of squares, mean logit, argmax
+    hit): entropy over every answer token, logits/chosen and mean_token_accuracy over the chosen answers' tokens
+    (sequences 0, 2: 5 tokens, 3 of them the argmax), logits/rejected over the rejected ones' (sequences 1, 3);
+    weighted by tokens, not averaged per pair. And the per-token columns are the entropy and log sum of squares of
+    the softmax, the logits' mean, the argmax's hit."""
+    from llmtrain.model.loss import _pair_stats
+    from llmtrain.objectives.preference import pair_metrics, stat_names, token_sums
+
+    sequence = torch.tensor([0, 0, 0, 0, 1, 2, 3, 3])  # pair 1: 4 chosen, 1 rejected; pair 2: 1 chosen, 2 rejected
+    per_token = torch.tensor([[1.0, 0, 0.5, 1], [2.0, 0, 0.1, 0], [1.0, 0, -0.3, 1], [0.5, 0, 0.2, 0],
+                              [3.0, 0, 1.0, 1], [1.5, 0, 0.4, 1], [0.5, 0, -1.0, 1], [0.0, 0, 0.0, 0]])
+    sums = token_sums(per_token, sequence)
+    names = stat_names(PreferenceConfig())
+    stats = [0.0] * (len(names) - 6) + sums.tolist() + [5.0, 3.0]  # the chosen and rejected tokens
+    logged = pair_metrics(names, stats, 2)
+    assert logged["entropy"] == pytest.approx(9.5 / 8)
+    assert logged["logits/chosen"] == pytest.approx(0.9 / 5) and logged["logits/rejected"] == pytest.approx(0.0)
+    assert logged["mean_token_accuracy"] == pytest.approx(3 / 5)
+    assert "tokens/chosen" not in logged
+    logits = torch.randn(6, 11, generator=torch.Generator().manual_seed(0)) * 3
+    targets = torch.tensor([int(logits[0].argmax()), 0, 1, 2, int(logits[4].argmax()), 3])
+    columns = _pair_stats(logits, targets)
+    p = logits.softmax(-1)
+    assert torch.allclose(columns[:, 0], -(p * p.log()).sum(-1), atol=1e-5)
+    assert torch.allclose(columns[:, 1], (p * p).sum(-1).log(), atol=1e-5)
+    assert torch.allclose(columns[:, 2], logits.mean(-1))
+    assert columns[:, 3].tolist() == (logits.argmax(-1) == targets).float().tolist() and columns[[0, 4], 3].sum() == 2
 
 
 # Pairs with an empty prompt (TRL's ORPO gives them BOS alone, as llmtrain does) and chosen answers of one length: TRL's

@@ -389,6 +389,11 @@ def test_modes_of_whole_sequences_train_on_two_processes_of_one_sequence_as_on_o
     assert any(r[stat] != 0 for r in theirs)  # not vacuous: the policy moved from its reference
     evals, reference = records(two, "eval"), records(one, "eval")
     assert [e["eval_loss"] for e in evals] == pytest.approx([e["eval_loss"] for e in reference], abs=1e-6)
+    if kind == "pairs" and mode != "reward-model":  # TRL's token metrics: each slice's tokens' sums, added up
+        for key in ("entropy", "logits/chosen", "logits/rejected"):
+            assert [r[key] for r in ours] == pytest.approx([r[key] for r in theirs], rel=1e-5, abs=1e-6), key
+            assert [e[f"eval_{key}"] for e in evals] == pytest.approx([e[f"eval_{key}"] for e in reference],
+                                                                       rel=1e-5, abs=1e-6), key
 
 
 # Online RL: random-init tiny model, a vowel reward (groups whose rewards differ) and answer_match riding along; LoRA

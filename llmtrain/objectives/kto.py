@@ -163,7 +163,7 @@ class KTO:
         and that times the examples last among the statistics (as Preference.loss)."""
         kl = self._kl(batch)  # no-grad forwards first: they leave no graph behind
         ref = self._reference(batch)
-        logps, router, _ = policy_logps(model, batch, self.router_aux, aux=aux, total=self.sequence_sum)
+        logps, router, _, _ = policy_logps(model, batch, self.router_aux, aux=aux, total=self.sequence_sum)
         desirable = batch["desirable"]
         losses, rewards = kto_losses(self.cfg.loss_type, logps, ref, desirable, kl, beta=self.cfg.beta,
                                      desirable_weight=self.cfg.desirable_weight,

@@ -34,11 +34,34 @@ STATS = ["rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/ma
 # and ORPO's own (TRL's ORPOTrainer): its NLL term, the mean log sigmoid of the log odds ratio, and the log odds ratio
 # (its logps/ are each answer's mean log-probability per token, as TRL's ORPOTrainer logs them)
 ORPO_STATS = ["nll_loss", "log_odds_ratio", "log_odds_chosen"]
+# TRL's DPOTrainer metrics of the answers' tokens: the entropy of every answer token, the mean logit (over the
+# vocabulary) of the chosen and of the rejected answers' tokens, and the share of the chosen answers' tokens that are
+# the argmax; summed over the tokens (loss.PAIR_STATS, the policy pass), then divided by TOKEN_COUNTS, each answer's
+# trained tokens summed over the pairs
+TOKEN_STATS = ["entropy", "logits/chosen", "logits/rejected", "mean_token_accuracy"]
+TOKEN_COUNTS = ["tokens/chosen", "tokens/rejected"]
 
 
 def stat_names(cfg) -> list[str]:
     """The statistics pairs_loss returns for the preference: section `cfg`, in order."""
-    return STATS + (ORPO_STATS if cfg.loss == "orpo" else [])
+    return STATS + (ORPO_STATS if cfg.loss == "orpo" else []) + TOKEN_STATS + TOKEN_COUNTS
+
+
+def pair_metrics(names: list[str], stats: list[float], pairs: float) -> dict[str, float]:
+    """The metrics line's numbers from stat_names' sums: per pair, and TOKEN_STATS per token (of both answers, the
+    chosen or the rejected ones); the counts themselves are not logged."""
+    s = dict(zip(names, stats))
+    chosen, rejected = max(s.pop("tokens/chosen"), 1.0), max(s.pop("tokens/rejected"), 1.0)
+    per = {"entropy": chosen + rejected, "logits/chosen": chosen, "logits/rejected": rejected,
+           "mean_token_accuracy": chosen}
+    return {name: value / per.get(name, max(pairs, 1)) for name, value in s.items()}
+
+
+def token_sums(stats: torch.Tensor, sequence: torch.Tensor) -> torch.Tensor:
+    """TOKEN_STATS' sums from the trained tokens' loss.PAIR_STATS `stats` [tokens, 4] and each token's sequence
+    (chosen answers even, rejected odd)."""
+    chosen = sequence % 2 == 0
+    return torch.stack([stats[:, 0].sum(), stats[chosen, 2].sum(), stats[~chosen, 2].sum(), stats[chosen, 3].sum()])
 
 
 def pair_losses(kind: str, chosen: torch.Tensor, rejected: torch.Tensor, ref_chosen: torch.Tensor | None,
@@ -156,8 +179,8 @@ def _log1mexp(x: torch.Tensor) -> torch.Tensor:
 
 
 def pairs_loss(cfg, logps: torch.Tensor, tokens: torch.Tensor, ref_chosen: torch.Tensor | None,
-               ref_rejected: torch.Tensor | None,
-               weights: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+               ref_rejected: torch.Tensor | None, weights: torch.Tensor | None = None,
+               metrics: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """The summed preference loss (the preference: section's) of the pairs whose sequences' summed answer
     log-probabilities and trained tokens are `logps` and `tokens` (chosen, rejected, chosen, ...), and its
     statistics (STATS, summed over the pairs). A list of losses: their sum weighted by preference.loss_weights
@@ -166,7 +189,8 @@ def pairs_loss(cfg, logps: torch.Tensor, tokens: torch.Tensor, ref_chosen: torch
     rest of the loss, so accumulation and packing leave it unchanged (TRL's loss_type [sigmoid, sft] takes the
     micro-batch's mean over its chosen tokens instead: the same where the chosen answers are equally long).
     `weights` (preference.wpo): each sequence's wpo_weights; each pair's loss, its sft term's too (as TRL's), times
-    its two answers' product.
+    its two answers' product. `metrics`: TOKEN_STATS' sums (token_sums), statistics after the pairs' with the
+    answers' token counts (zeros where None).
     """
     losses, mix = 0.0, cfg.weighted
     for name, weight in mix:  # a list of losses (MPO's mix): their weighted sum; the rewards are the same
@@ -186,6 +210,8 @@ def pairs_loss(cfg, logps: torch.Tensor, tokens: torch.Tensor, ref_chosen: torch
             ac, ar = logps[0::2] / tokens[0::2], logps[1::2] / tokens[1::2]
             odds = log_odds_ratio(ac, ar)
             stats[4:] = [ac.sum(), ar.sum(), -ac.sum(), F.logsigmoid(odds).sum(), odds.sum()]
+        stats += [*(metrics if metrics is not None else logps.new_zeros(len(TOKEN_STATS))),
+                  tokens[0::2].sum(), tokens[1::2].sum()]
     return losses.sum(), torch.stack(stats)
 
 
@@ -217,14 +243,18 @@ def wpo_weights(token_loss: torch.Tensor, log_sum_sq: torch.Tensor, sequence: to
         return torch.exp(aligned / tokens.clamp(min=1))
 
 
-def _sequences_pass(model, batch: dict, *, with_aux: bool, total, wpo: bool):
+def _sequences_pass(model, batch: dict, *, with_aux: bool, total, wpo: bool, metrics: bool = False):
     """One forward of a collated batch's sequences: (each one's summed answer log-probability, with
     preference.ld_alpha each token weighted by ld_weights; the batch's load-balancing loss where `with_aux`, else
-    None; each sequence's wpo_weights where `wpo`, else None). `total` as sequence_logps'."""
-    # cross-entropy = -log p, one per trained token
-    out = compute_loss(model, batch, per_token=True, return_aux=with_aux, stat="log_sum_sq" if wpo else None)
-    token_loss, *extra = out if (wpo or with_aux) else (out,)
-    log_sum_sq = extra.pop(0) if wpo else None
+    None; each sequence's wpo_weights where `wpo`, else None; TOKEN_STATS' sums where `metrics`, else None). `total`
+    as sequence_logps'."""
+    # cross-entropy = -log p, one per trained token; with `metrics`, loss.PAIR_STATS beside it (WPO's log sum of
+    # squares among them)
+    stat = "pairs" if metrics else "log_sum_sq" if wpo else None
+    out = compute_loss(model, batch, per_token=True, return_aux=with_aux, stat=stat)
+    token_loss, *extra = out if (stat or with_aux) else (out,)
+    per_token = extra.pop(0) if stat else None
+    log_sum_sq = (per_token[:, 1] if metrics else per_token) if wpo else None
     aux = extra[0] if with_aux else None
     weighted = token_loss * batch["loss_ld_weight"] if "loss_ld_weight" in batch else token_loss
     logps = sequence_sums(weighted, batch["loss_example"], batch["sequence_tokens"].numel())
@@ -232,7 +262,7 @@ def _sequences_pass(model, batch: dict, *, with_aux: bool, total, wpo: bool):
         logps = total(logps)
     weights = (wpo_weights(token_loss, log_sum_sq, batch["loss_example"], batch["sequence_tokens"], total)
                if wpo else None)
-    return logps, aux, weights
+    return logps, aux, weights, (token_sums(per_token, batch["loss_example"]) if metrics else None)
 
 
 def sequence_logps(model, batch: dict, *, with_aux: bool = False, total=None):
@@ -241,15 +271,18 @@ def sequence_logps(model, batch: dict, *, with_aux: bool = False, total=None):
     experts under model.router_aux_loss_coef, loss.attach_loss). `total`: each sequence's sum from the parts of it on
     each process (sequence parallelism: shards.sequence_sum, differentiable; None: the batch holds whole
     sequences)."""
-    logps, aux, _ = _sequences_pass(model, batch, with_aux=with_aux, total=total, wpo=False)
+    logps, aux, _, _ = _sequences_pass(model, batch, with_aux=with_aux, total=total, wpo=False)
     return (logps, aux) if with_aux else logps
 
 
-def policy_logps(model, batch: dict, router_aux: float | None, *, aux: bool, total=None, wpo: bool = False):
+def policy_logps(model, batch: dict, router_aux: float | None, *, aux: bool, total=None, wpo: bool = False,
+                 metrics: bool = False):
     """The policy pass's sequence_logps; where model.router_aux_loss_coef weighs it in training (`aux`), that pass's
     load-balancing loss, else None (preference pairs and KTO, as TRL adds it to their mean loss); with wpo
-    (preference.wpo), each sequence's wpo_weights from the same pass, else None."""
-    return _sequences_pass(model, batch, with_aux=aux and router_aux is not None, total=total, wpo=wpo)
+    (preference.wpo), each sequence's wpo_weights from the same pass, else None; with `metrics`, TOKEN_STATS' sums
+    of the pass (token_sums), else None."""
+    return _sequences_pass(model, batch, with_aux=aux and router_aux is not None, total=total, wpo=wpo,
+                           metrics=metrics)
 
 
 class Preference:
@@ -257,6 +290,8 @@ class Preference:
 
     whole_sequences = True  # its loss reads each sequence's whole log-probability (parallel/sequence/shards.py)
     sequence_sum = None  # sequence parallelism: a sequence's log-probability from its slices' parts
+    slice_stats = tuple(TOKEN_STATS)  # sequence parallelism: each slice's own tokens', added up (the rest: whole)
+    eval_rows = True  # its eval sums are eval_row's [loss, statistics, pairs]
 
     def __init__(self, cfg, *, pad_id: int, packing: bool, reference: str, model=None, router_aux: float | None = None):
         self.cfg, self.pad_id, self.packing, self.reference = cfg, pad_id, packing, reference
@@ -302,16 +337,24 @@ class Preference:
         is the pairs' mean plus the weight times the micro-batches' pair-weighted mean of it: on one micro-batch,
         TRL's), and that times the pairs last among the statistics."""
         ref_chosen, ref_rejected = self._reference(batch)  # first: its no-grad forward leaves no graph behind
-        logps, router, weights = policy_logps(model, batch, self.router_aux, aux=aux, total=self.sequence_sum,
-                                              wpo=self.cfg.wpo)
-        loss, stats = pairs_loss(self.cfg, logps, batch["sequence_tokens"], ref_chosen, ref_rejected, weights)
+        logps, router, weights, metrics = policy_logps(model, batch, self.router_aux, aux=aux,
+                                                       total=self.sequence_sum, wpo=self.cfg.wpo, metrics=True)
+        loss, stats = pairs_loss(self.cfg, logps, batch["sequence_tokens"], ref_chosen, ref_rejected, weights,
+                                 metrics)
         if router is None:
             return loss, stats
         pairs = logps.numel() // 2
         return loss + self.router_aux * router * pairs, torch.cat([stats, (router.detach().float() * pairs)[None]])
 
+    @property
+    def stats(self) -> list[str]:
+        """The names of the loss's statistics (the load-balancing loss's, last, where it trains)."""
+        return stat_names(self.cfg)
+
     def step_metrics(self, stats: list[float], units: float) -> dict[str, float]:
-        return {name: value / max(units, 1) for name, value in zip(stat_names(self.cfg) + ["aux_loss"], stats)}
+        names = stat_names(self.cfg)
+        out = pair_metrics(names, stats[: len(names)], units)
+        return {**out, **({"aux_loss": stats[len(names)] / max(units, 1)} if len(stats) > len(names) else {})}
 
     def eval_sums(self, model, batch: dict, device) -> torch.Tensor:
         from llmtrain.data.batching import to_device
@@ -385,27 +428,30 @@ class StagePairs:
                 out[: len(tokens), 2] = batch["reference"].reshape(-1)  # chosen, rejected of each pair in turn
         return out[None]
 
-    def _logps(self, head, hidden: torch.Tensor, target: torch.Tensor, *, wpo: bool = False):
-        """Each sequence's summed answer log-probability on the row (None where it holds no sequence); wpo: and each
-        one's wpo_weights."""
+    def _logps(self, head, hidden: torch.Tensor, target: torch.Tensor, *, wpo: bool = False, metrics: bool = False):
+        """Each sequence's summed answer log-probability on the row (None where it holds no sequence); with
+        `metrics` (the policy's pass), (those, each one's wpo_weights where `wpo` else None, TOKEN_STATS' sums)."""
         n = int((target[:, 3] >= 0).sum())
         if n == 0:
             return None
         at = (target[:, 1] >= 0).nonzero().flatten()
         sequence = target[at, 1].long()
-        token_loss, log_sum_sq = head(hidden[at], targets=target[at, 0].long(), per_token=True,
-                                      **({"stat": "log_sum_sq"} if wpo else {}))
+        if not metrics:
+            return sequence_sums(head(hidden[at], targets=target[at, 0].long(), per_token=True)[0] * target[at, 4],
+                                 sequence, n)
+        token_loss, per_token = head(hidden[at], targets=target[at, 0].long(), per_token=True, stat="pairs")
         logps = sequence_sums(token_loss * target[at, 4], sequence, n)
-        return (logps, wpo_weights(token_loss, log_sum_sq, sequence, target[:n, 3])) if wpo else logps
+        weights = wpo_weights(token_loss, per_token[:, 1], sequence, target[:n, 3]) if wpo else None
+        return logps, weights, token_sums(per_token, sequence)
 
     def _loss(self, head, hidden: torch.Tensor, target: torch.Tensor):
-        out = self._logps(head, hidden, target, wpo=self.cfg.wpo)
+        out = self._logps(head, hidden, target, wpo=self.cfg.wpo, metrics=True)
         if out is None:
             return None, 0
-        logps, weights = out if self.cfg.wpo else (out, None)
+        logps, weights, metrics = out
         n, ref = logps.numel(), target[: logps.numel(), 2]
         chosen, rejected = (ref[0::2], ref[1::2]) if self.reference != "none" else (None, None)
-        return pairs_loss(self.cfg, logps, target[:n, 3], chosen, rejected, weights), n // 2
+        return pairs_loss(self.cfg, logps, target[:n, 3], chosen, rejected, weights, metrics), n // 2
 
     def loss(self, head, hidden: torch.Tensor, target: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The row's summed pair loss and statistics (a row of no pair: a zero loss that still reaches the head)."""

@@ -136,7 +136,8 @@ class SequenceShards:
     def _slice_stats(self, stats: torch.Tensor) -> torch.Tensor:
         """1 for the statistics each slice counts for its own tokens (the objective's `slice_stats`), 0 elsewhere."""
         own = getattr(self.objective, "slice_stats", ())  # named in the objective's `stats` (online RL's names)
-        keep = [float(n in own) for n in self.objective.stats] if own else [0.0] * len(stats)
+        keep = [float(n in own) for n in self.objective.stats] if own else []
+        keep += [0.0] * (len(stats) - len(keep))  # any after the names (preference pairs' load-balancing loss)
         return torch.tensor(keep, dtype=stats.dtype, device=stats.device)
 
     def eval_sums(self, model, batch: dict, device) -> torch.Tensor:
@@ -144,7 +145,11 @@ class SequenceShards:
             batch, _ = shard_batch(batch, Counts.none(), size=self.group.size, rank=self.group.rank, pad_id=self.pad_id)
             return self.objective.eval_sums(model, batch, device)
         sums = self.objective.eval_sums(model, batch, device)  # online RL's: sampled and scored on the first process
-        return sums * (self.group.rank == 0) if self.whole or self.samples else sums
+        if not (self.whole or self.samples) or self.group.rank == 0:
+            return sums
+        if getattr(self.objective, "eval_rows", False):  # [loss, statistics, pairs]: each slice's own statistics
+            return sums * torch.cat([sums.new_zeros(1), self._slice_stats(sums[1:-1]), sums.new_zeros(1)])
+        return sums * 0
 
     def reference_free(self) -> SequenceShards:
         """The wrapped preference objective without its reference (its precomputing pass), split the same way."""
