@@ -811,6 +811,16 @@ REPETITION_PENALTY = ("Sampling (TRL's repetition_penalty, transformers' process
                       "negative, before the temperature and the filters; 1: off, above 1 repeats less. Only the "
                       "sampling sees it: the loss's log-probabilities are the policy's own, as TRL's, and the eval's "
                       "greedy completions are unpenalised.")
+# the sampling settings an rl: or distill: section holds, by the names the samplers take (objectives/rollouts.sample)
+SAMPLING = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
+
+
+def sampling_of(section) -> dict:
+    """An rl: or distill: section's sampling settings (SAMPLING), as the samplers take them (and the memory
+    estimate prices their filters)."""
+    return {name: getattr(section, name) for name in SAMPLING}
+
+
 MergedCopy = Literal["rollout", "kept", "off"]
 # adaptive entropy control's keys (rl.use_adaptive_entropy), and TRL's defaults for them
 ADAPTIVE_ENTROPY = {"entropy_target": 0.2, "entropy_coef_min": 0.0, "entropy_coef_max": 1.0,

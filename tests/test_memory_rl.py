@@ -155,14 +155,19 @@ def test_under_fsdp_sampling_holds_the_whole_model_gathered():
 
 def test_kv_cache_and_sampling_phases_by_hand():
     """The static KV cache: 16 rows x 354 positions x 32 layers x K and V x 8 heads x 128 x 2 bytes (bf16) =
-    742,391,808 bytes. The decode step's sampler: 16 rows x 32768 x (fp32 logits + 3 fp32 temporaries) = 8 MiB.
+    742,391,808 bytes. The decode step's sampler: 16 rows x 32768 x (the bf16 logits, 2, and the fp32 logits / the
+    temperature and their softmax, 8: no filter) = 5 MiB; with top_p 0.9 and a repetition penalty, 2 + 1 (the seen
+    flags) + 4 (the penalised copy) + 29 (the nucleus: act.sampler_bytes).
     The prefill runs the 4 distinct prompts, not the 16 rows."""
     spec = spec_from_recipe(recipe(**GRPO), prompt_lengths=[98] * 10)
     assert kv_cache_bytes(MISTRAL, spec) == 16 * 354 * 32 * 2 * 8 * 128 * 2 == 742_391_808
     est = estimate(MISTRAL, spec)
     decode, prefill = est.phase_parts["generation"], est.phase_parts["generation_prefill"]
     assert decode["kv_cache"] == prefill["kv_cache"] == 742_391_808
-    assert decode["logits"] == 16 * 32768 * 16 == 8 * 2**20
+    assert decode["logits"] == 16 * 32768 * 10 == 5 * 2**20
+    filtered = spec_from_recipe(recipe(**{**GRPO, "rl": {**GRPO["rl"], "top_p": 0.9, "repetition_penalty": 1.2}}),
+                                prompt_lengths=[98] * 10)
+    assert estimate(MISTRAL, filtered).phase_parts["generation"]["logits"] == 16 * 32768 * (2 + 1 + 4 + 29)
     assert prefill["logits"] == 4 * 32768 * (2 + 4)  # the 4 prompts' last position, bf16 and its fp32 copy
     assert "weights" in decode and "gradients" not in decode  # the step's gradients are freed before sampling
     assert not any("kv_cache" in parts for name, parts in est.phase_parts.items() if not name.startswith("gen"))

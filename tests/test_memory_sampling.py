@@ -60,6 +60,28 @@ def test_a_rollouts_peak_with_and_without_the_merged_copy_is_the_estimates(copy,
     assert "generation_copy" not in est.phase_parts["forward"]  # freed after the rollout (kept: held throughout)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("filters", [{}, {"repetition_penalty": 1.3}, {"top_p": 0.9}, {"top_k": 50}, {"min_p": 0.05},
+                                     {"top_p": 0.9, "top_k": 50, "min_p": 0.05, "repetition_penalty": 0.8}])
+def test_a_decode_steps_sampler_holds_what_the_estimate_prices_for_its_filters(dtype, filters):
+    """act.sampler_bytes against next_tokens' live bytes (the logits and the seen flags counted as the estimate
+    counts them, beside what the sampler makes): to the byte but for the uniforms, tokens and top_k's values (under
+    0.1%). Before, every decode step was priced at a flat 16 bytes a row and vocabulary entry: a top_p run's held
+    2.1 times that (fp32 logits), 2.4 times with every filter and the penalty."""
+    from llmtrain.memory.activations import sampler_bytes
+    from llmtrain.model.generate import next_tokens, seen_tokens
+
+    rows, vocab = 16, 4096
+    torch.manual_seed(0)
+    settings = {"temperature": 0.7, "top_p": 1.0, "top_k": 0, "min_p": 0.0, "repetition_penalty": 1.0, **filters}
+    with LiveBytes() as live:
+        logits = (torch.randn(rows, vocab) * 3).to(dtype)  # the head's, in the model's dtype
+        seen = seen_tokens([[1, 2, 3]] * rows, vocab, "cpu") if settings["repetition_penalty"] != 1.0 else None
+        next_tokens(logits, torch.rand(rows), seen=seen, **settings)
+    predicted = sampler_bytes(rows, vocab, logits.element_size(), **settings)
+    assert predicted <= live.peak <= predicted * 1.001, (live.peak, predicted)
+
+
 def test_a_long_prompt_prefilled_in_chunks_holds_less_and_the_estimate_follows_the_chunk(monkeypatch):
     """4 prompts of 512 tokens x 2 completions of 8 (fp32, no LoRA), prefilled 64 positions at a time against 1,024
     (the whole width at once): the measured peak drops (33.5 against 48.5 MB: a chunk's layer transients, not the

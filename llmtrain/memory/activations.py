@@ -197,6 +197,29 @@ def sink_softmax_bytes(p: Pass, shape: ModelShape) -> int:
     return rows * (p.row_len + 1) * wide + (rows * p.row_len * p.cd if wide != p.cd else 0) + rows * 8
 
 
+def sampler_bytes(rows: int, vocab: int, cd: int, *, top_p: float = 1.0, top_k: int = 0, min_p: float = 0.0,
+                  repetition_penalty: float = 1.0, **_) -> int:
+    """A decode step's logits and what the sampler (model/generate.next_tokens) holds over them at its peak, per row
+    and vocabulary entry, op by op: the head's logits (cd bytes); logits / temperature and their fp32 softmax (8);
+    top_k and min_p's mask and masked copy beside the probabilities (9); top_p's nucleus, the probabilities with their
+    sort (values and int64 order), its cumulative sum, the mask and the masked and scattered copies (29); the
+    cumulative distribution beside the probabilities (8). A repetition_penalty other than 1 keeps the rows' seen
+    flags (bool, the whole rollout) and a penalised fp32 copy through the filters, made from the logits' fp32 copy
+    (a bf16 model's), its mask, product and quotient (13, or 17). Each filter's peak, the largest counting. The
+    sizes are the live tensor bytes of next_tokens on the CPU (tests/test_memory_sampling.py), as
+    torch.cuda.memory_allocated counts them; a CUDA sort's own scratch is not among them."""
+    penalty = repetition_penalty != 1.0
+    held = FP32 if penalty else 0  # the penalised logits, through the filters
+    peaks = [held + 2 * FP32, held + 2 * FP32]  # temperature and softmax; the probabilities and their cdf
+    if penalty:
+        peaks.append((0 if cd == FP32 else FP32) + 1 + 3 * FP32)
+    if 0 < top_k < vocab or min_p > 0:
+        peaks.append(held + 2 * FP32 + 1)
+    if top_p < 1.0:
+        peaks.append(held + 5 * FP32 + 8 + 1)
+    return rows * vocab * (cd + penalty + max(peaks))
+
+
 def sink_sampling_bytes(shape: ModelShape, rows: int, queries: int, slots: int, cd: int) -> int:
     """GPT-OSS's attention in the fast sampler (model/fast_sample._with_sinks), a layer at a time: the scores of each
     query head's `queries` positions a row over `slots` cache slots in one fp32 tensor (the softmax made in place),

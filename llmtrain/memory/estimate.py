@@ -494,10 +494,10 @@ def _generation_phases(shape: ModelShape, spec: TrainSpec, base: dict, *, cached
     (kv_cache_bytes; the merged generation copy, generation_copy_bytes, is added by the caller). The prefill runs
     once per distinct prompt (the micro-batch's prompts, not x num_generations), PREFILL_CHUNK positions at a time:
     a layer's transients over a chunk (Gemma 4's kv-sharing layers over each row's last position alone).
-    Then each decode step: the logits of one token per row in fp32, and the sampler's fp32 softmax, cumulative
-    sum and nucleus sort over the vocabulary. (A mixture of experts' LoRA-adapted experts run unmerged, their
-    adapters beside them: model/lora_experts.py; GPT-OSS's attention holds its scores over the cache:
-    act.sink_sampling_bytes.)"""
+    Then each decode step: the logits of one token per row, and what the sampler makes of them over the vocabulary
+    with the run's filters (act.sampler_bytes: its softmax, cumulative sum, nucleus sort, repetition penalty). (A
+    mixture of experts' LoRA-adapted experts run unmerged, their adapters beside them: model/lora_experts.py;
+    GPT-OSS's attention holds its scores over the cache: act.sink_sampling_bytes.)"""
     rows, prompts = sampling_rows(spec), max(1, spec.micro_batch // max(1, spec.num_generations))
     width = spec.prompt_longest or spec.prompt_tokens or spec.seq_len
     chunk = max(2, min(width, PREFILL_CHUNK))
@@ -522,7 +522,8 @@ def _generation_phases(shape: ModelShape, spec: TrainSpec, base: dict, *, cached
                                              last if shape.layer(i).kv_shared else prefill, shape.layer(i), {})
                                              for i in range(shape.layers)),
                                                          stream + scores if scores else 0, norms)),
-            "generation": _phase(**common, logits=rows * shape.vocab * 4 * act.FP32,
+            "generation": _phase(**common, logits=act.sampler_bytes(rows, shape.vocab, prefill.cd,
+                                                                    **dict(spec.sampling)),
                                  temporaries=max(act.sink_sampling_bytes(shape, rows, 1, slots, prefill.cd), norms))}
 
 

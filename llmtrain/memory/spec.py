@@ -11,7 +11,7 @@ from dataclasses import asdict, dataclass, field, replace
 from typing import Literal
 
 from llmtrain.config import (DataConfig, LoraConfig, ModelConfig, ParallelConfig, Recipe, TrainConfig, reference_kind,
-                             updates_per_window)
+                             sampling_of, updates_per_window)
 from llmtrain.errors import LLMTrainError
 from llmtrain.parallel.pipeline.split import SCHEDULES
 
@@ -119,6 +119,9 @@ class TrainSpec:
     # online RL and distillation with LoRA: the fast sampler's merged generation copy of the adapted linears
     # (rl.merged_copy): "rollout", held while it samples; "kept", held throughout; "off", none
     merged_copy: str = "off"
+    # online RL and distillation: the sampler's settings (rl: or distill:, config.SAMPLING), as (name, value) pairs:
+    # its filters' temporaries (activations.sampler_bytes)
+    sampling: tuple = ()
     # sequences one recipe example makes (micro_batch counts sequences): 2 for a preference pair (chosen and
     # rejected), num_generations for an online-RL prompt; --fit sizes micro-batches in whole examples
     per_example: int = 1
@@ -348,7 +351,8 @@ def spec_from_recipe(recipe: Recipe, *, strategy: Strategy = "single", num_gpus:
         most = min(recipe.distill.max_completion_tokens, d.max_seq_len - 1)
         cap = d.max_seq_len - most
         rl = dict(max_completion_tokens=most, prompt_tokens=cap, prompt_cap=cap, prompt_basis="every prompt at its "
-                  f"longest, data.max_seq_len - distill.max_completion_tokens ({cap})", rl_micro_batch_tokens=None)
+                  f"longest, data.max_seq_len - distill.max_completion_tokens ({cap})", rl_micro_batch_tokens=None,
+                  sampling=tuple(sampling_of(recipe.distill).items()))
         dtype = PRECISION_DTYPE.get(t.mixed_precision, m.dtype) if m.dtype == "float32" else m.dtype
         teacher = dict(teacher=load_model_shape(recipe.distill.teacher, "distill.teacher"), teacher_dtype=dtype)
     if recipe.rl is not None:
@@ -359,7 +363,7 @@ def spec_from_recipe(recipe: Recipe, *, strategy: Strategy = "single", num_gpus:
         cap = max(1, d.max_seq_len - most)  # data.checks.check_prompt_room refuses a longer prompt
         prompt, _, basis = rl_prompt_tokens(prompt_lengths, cap=cap)  # the run's micro-batches, below, where known
         rl = dict(max_completion_tokens=most, prompt_tokens=prompt, prompt_cap=cap, prompt_basis=basis,
-                  rl_micro_batch_tokens=recipe.rl.micro_batch_tokens)
+                  rl_micro_batch_tokens=recipe.rl.micro_batch_tokens, sampling=tuple(sampling_of(recipe.rl).items()))
     spec = TrainSpec(
         method="lora" if lora else "full",
         lora_r=lora.r if lora else _default(LoraConfig, "r"),

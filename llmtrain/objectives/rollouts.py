@@ -13,6 +13,7 @@ from contextlib import contextmanager
 
 import torch
 
+from llmtrain.config import sampling_of  # noqa: F401 -- the samplers' settings of a section, for the objectives
 from llmtrain.data.formats import IGNORE
 
 
@@ -32,13 +33,6 @@ def sampling(lm):
         lm.train(was_training)
 
 
-# the sampling settings an rl: or distill: section holds, by the names the samplers take
-SAMPLING = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
-
-
-def sampling_of(section) -> dict:
-    """An rl: or distill: section's sampling settings (SAMPLING), as `sample` takes them."""
-    return {name: getattr(section, name) for name in SAMPLING}
 
 
 def sample(lm, sampler: str, prompts: list[list[int]], seeds: list[int], *, max_new_tokens: int, temperature: float,
