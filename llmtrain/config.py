@@ -845,6 +845,12 @@ class RLConfig(Section):
         "the k1 KL subtracted from the reward, one ratio per sequence). docs/rl.md says what else differs.")
     num_generations: int = Field(8, ge=2, description="Completions sampled per prompt: a group, whose rewards are "
                                  "compared with each other (GRPO's advantages, RLOO's leave-one-out baseline).")
+    num_generations_eval: int | None = Field(
+        None, ge=1, description="The eval's completions per prompt (TRL's num_generations_eval). None (the default): "
+        "one greedy completion per eval prompt, deterministic; N: N completions per prompt sampled as the rollouts "
+        "are (rl.temperature and the filters), from the same seeds at every eval (so two evals differ by the policy, "
+        "not by the draws): eval_reward and eval_answer_accuracy are their means, and with N > 1 "
+        "eval_answer_pass@N the share of prompts with an answer_match among their N.")
     max_completion_tokens: int = Field(256, gt=0, description="Most tokens of a completion; one that reaches it "
                                        "without a stop token is clipped (completions/clipped_ratio).")
     temperature: float = Field(1.0, gt=0, allow_inf_nan=False, description="Sampling temperature; the policy's "

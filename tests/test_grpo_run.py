@@ -872,6 +872,73 @@ def _refused(recipe: Path, out: Path, *overrides: str) -> str:
     return str(e.value)
 
 
+def test_an_eval_of_several_sampled_completions_a_prompt_counts_each_and_its_pass_at_n(monkeypatch):
+    """rl.num_generations_eval 3: each eval prompt's 3 completions are sampled (not greedy) from seeds of the eval's
+    own step, the same at every eval and distinct per row and completion; eval_reward and eval_answer_accuracy are
+    means over the 6 completions, eval_answer_pass@3 the share of the 2 prompts with a right one. Unset: one greedy
+    completion a prompt, no pass@."""
+    from llmtrain.config import RLConfig
+    from llmtrain.model.generate import completion_seed
+    from llmtrain.objectives.grpo import EVAL_STEP, GRPO
+
+    def objective(**rl):
+        config = RLConfig(rewards=[{"type": "format", "pattern": "x"}, {"type": "answer_match", "column": "c"}], **rl)
+        return GRPO(config, tokenizer=None, pad_id=0, packing=True, seed=7,
+                    rewards=[("format", None, 1.0), ("answer_match", None, 1.0)], model=torch.nn.Linear(2, 2),
+                    columns=["input_ids", "row", "prompt", "c"], stop_ids=[], world=1)
+
+    calls = []
+    matched = torch.tensor([1.0, 0.0, 0.0, 0.0, 0.0, 0.0])  # the first prompt's first completion alone is right
+
+    def complete(prompt_ids, seeds, *, rows, greedy=False):
+        calls.append((len(prompt_ids), seeds, greedy))
+        return [[5]] * len(prompt_ids), None
+
+    def score(examples, completions, g, *, where, tooled=None):
+        answer = matched[: len(completions)]
+        per_function = torch.stack([torch.full_like(answer, 0.5), answer], dim=1)
+        return [""] * len(completions), per_function, per_function.sum(1), None
+
+    batch = {"examples": [{"input_ids": [1, 2], "row": 3, "prompt": "a", "c": "x"},
+                          {"input_ids": [1, 4], "row": 8, "prompt": "b", "c": "y"}]}
+    sampled = objective(num_generations_eval=3)
+    monkeypatch.setattr(sampled, "_complete", complete)
+    monkeypatch.setattr(sampled, "_score", score)
+    line = sampled.eval_metrics(sampled.eval_sums(None, batch, "cpu").tolist())
+    assert line["eval_reward"] == pytest.approx((6 * 0.5 + 1) / 6)
+    assert line["eval_answer_accuracy"] == pytest.approx(1 / 6) and line["eval_answer_pass@3"] == 0.5
+    count, seeds, greedy = calls[0]
+    assert count == 6 and not greedy
+    assert seeds == [completion_seed(7, EVAL_STEP, row, k) for row in (3, 8) for k in range(3)]
+    assert len(set(seeds)) == 6
+    sampled.eval_sums(None, batch, "cpu")
+    assert calls[1][1] == seeds  # the next eval draws from the same seeds
+    greedy_only = objective()
+    monkeypatch.setattr(greedy_only, "_complete", complete)
+    monkeypatch.setattr(greedy_only, "_score", score)
+    line = greedy_only.eval_metrics(greedy_only.eval_sums(None, batch, "cpu").tolist())
+    assert calls[2][0] == 2 and calls[2][2] is True
+    assert line["eval_answer_accuracy"] == 0.5 and not any(k.startswith("eval_answer_pass") for k in line)
+
+
+def test_sampled_eval_completions_run_end_to_end_and_bound_the_accuracy(straight, tmp_path):
+    """A run with rl.num_generations_eval 4 evaluates before and after its steps (the tiny task's 8 eval prompts x
+    4 sampled completions): the means and pass@4 are in each eval line, accuracy <= pass@4; the step-0 eval, of the
+    same policy and seeds, is a second run's to the bit, and not the greedy one's (the random model's format reward
+    0.28 sampled, 0.62 greedy)."""
+    recipe, plain, _ = straight
+    runs = [tmp_path / "a", tmp_path / "b"]
+    for run in runs:
+        run_train(recipe, f"output_dir={run}", "rl.num_generations_eval=4", "train.max_steps=1",
+                  "train.eval_every_steps=1")
+    first, second = (records(run, "eval") for run in runs)
+    assert [e["step"] for e in first] == [0, 1]
+    for e in first:
+        assert 0 <= e["eval_answer_accuracy"] <= e["eval_answer_pass@4"] <= 1
+    assert first[0] == second[0]
+    assert first[0]["eval_reward"] != pytest.approx(records(plain, "eval")[0]["eval_reward"], abs=1e-3)
+
+
 def test_a_prompt_that_leaves_no_room_for_the_completion_is_refused_with_its_row(tiny_assets, tmp_path):
     data = tmp_path / "prompts.jsonl"
     rows = [{"prompt": "reverse abc =", "completion": " cba"}] * 5 + [{"prompt": "reverse " + "x" * 40 + " =",

@@ -102,8 +102,9 @@ def test_meter_line_averages_the_objectives_statistics_over_the_steps_since_the_
     meter = Meter(FakeAccelerator(), flops=FlopModel(1.0, 10.0, 0.5), peak=None,
                   objective=Preference(PreferenceConfig(), pad_id=0, packing=True, reference="none"))
     pairs = Counts(units=4, trained=40, tokens=80, squares=800)
-    for right in (3.0, 1.0):  # the stats: rewards chosen, rejected, accuracies (pairs right), margins, two logps
-        stats = torch.tensor([0.0, 0.0, right, 0.0, 0.0, 0.0])
+    for right in (3.0, 1.0):  # the stats: rewards chosen, rejected, accuracies (pairs right), margins, two logps,
+        # then the token metrics' sums and the answers' tokens (preference.TOKEN_STATS, TOKEN_COUNTS)
+        stats = torch.tensor([0.0, 0.0, right, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 20.0, 20.0])
         meter.add(dataclasses.replace(result(2.0, pairs), stats_sum=stats), epoch=0)
     assert meter.line(TrainState(step=2))["rewards/accuracies"] == pytest.approx(4 / 8)
 

@@ -168,6 +168,14 @@ def test_kv_cache_and_sampling_phases_by_hand():
     filtered = spec_from_recipe(recipe(**{**GRPO, "rl": {**GRPO["rl"], "top_p": 0.9, "repetition_penalty": 1.2}}),
                                 prompt_lengths=[98] * 10)
     assert estimate(MISTRAL, filtered).phase_parts["generation"]["logits"] == 16 * 32768 * (2 + 1 + 4 + 29)
+    # an eval of 16 sampled completions for each of its 4 prompts decodes 64 rows at once: its cache and sampler
+    evaluated = spec_from_recipe(recipe(**{**GRPO, "rl": {**GRPO["rl"], "num_generations_eval": 16},
+                                           "data": {**GRPO["data"], "eval_split": 0.1},
+                                           "train": {**GRPO["train"], "eval_every_steps": 10}}),
+                                 prompt_lengths=[98] * 10)
+    assert evaluated.eval_rows == 64 and spec.eval_rows == 0
+    assert estimate(MISTRAL, evaluated).phase_parts["generation"]["logits"] == 64 * 32768 * 10
+    assert kv_cache_bytes(MISTRAL, evaluated) == 4 * 742_391_808
     assert prefill["logits"] == 4 * 32768 * (2 + 4)  # the 4 prompts' last position, bf16 and its fp32 copy
     assert "weights" in decode and "gradients" not in decode  # the step's gradients are freed before sampling
     assert not any("kv_cache" in parts for name, parts in est.phase_parts.items() if not name.startswith("gen"))

@@ -457,10 +457,11 @@ def _eval_phases(shape: ModelShape, spec: TrainSpec, base: dict, *, adapted, cac
 
 def sampling_rows(spec: TrainSpec) -> int:
     """Completions the sampler decodes at once (model/fast_sample.py): the micro-batch's prompts x
-    rl.num_generations, exactly (its cache and graphs are made for each rollout: no bucket of rows); under sequence
-    parallelism each GPU of the group draws its share of them (parallel/sequence/shards.shared_sampling; with
-    rl.tools the first GPU draws them all, which this does not model)."""
-    return -(-spec.micro_batch // spec.sequence_parallel)
+    rl.num_generations, exactly (its cache and graphs are made for each rollout: no bucket of rows), or the eval's
+    where it samples more (its batch of prompts x rl.num_generations_eval: on the group's first GPU alone); under
+    sequence parallelism each GPU of the group draws its share of the rollout's (parallel/sequence/shards.
+    shared_sampling; with rl.tools the first GPU draws them all, which this does not model)."""
+    return max(-(-spec.micro_batch // spec.sequence_parallel), spec.eval_rows)
 
 
 def kv_cache_bytes(shape: ModelShape, spec: TrainSpec) -> int:

@@ -119,6 +119,8 @@ class TrainSpec:
     # online RL and distillation with LoRA: the fast sampler's merged generation copy of the adapted linears
     # (rl.merged_copy): "rollout", held while it samples; "kept", held throughout; "off", none
     merged_copy: str = "off"
+    # online RL: the completions its eval samples at once (eval prompts x rl.num_generations_eval, or one each)
+    eval_rows: int = 0
     # online RL and distillation: the sampler's settings (rl: or distill:, config.SAMPLING), as (name, value) pairs:
     # its filters' temporaries (activations.sampler_bytes)
     sampling: tuple = ()
@@ -341,6 +343,9 @@ def spec_from_recipe(recipe: Recipe, *, strategy: Strategy = "single", num_gpus:
     # pairs are 2N sequences too (its score head reads one token each: less than an LM head's chunk)
     pairs = recipe.preference is not None or recipe.reward_model is not None
     per_example = 2 if pairs else recipe.rl.num_generations if recipe.rl is not None else 1
+    # online RL's eval samples its prompts' completions (one greedy each, or rl.num_generations_eval) as a rollout
+    eval_rows = ((t.eval_batch_size or t.micro_batch_size) * (recipe.rl.num_generations_eval or 1)
+                 if evaluates and recipe.rl is not None else 0)
     evaluates = evaluates and recipe.rl is None
     rl, teacher = {}, {}
     if recipe.distill is not None:
@@ -392,7 +397,7 @@ def spec_from_recipe(recipe: Recipe, *, strategy: Strategy = "single", num_gpus:
         num_iterations=updates_per_window(recipe), **extra_forwards_of(recipe),
         rollout_forwards=rollout_logps(recipe),
         min_examples=2 if recipe.kto is not None and recipe.kto.loss_type == "kto" else 1,
-        merged_copy=_merged_copy(recipe),
+        merged_copy=_merged_copy(recipe), eval_rows=eval_rows,
         **{**pipeline_keys(recipe), **launch},  # --pipeline-* options (in launch) win over the recipe's keys
     )
     if recipe.rl is not None and prompt_lengths and recipe.data.sources is None:  # the micro-batches of prompts

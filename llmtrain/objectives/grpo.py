@@ -239,6 +239,9 @@ def token_chunks(sizes: list[int], budget: int | None) -> list[list[int]]:
 # The metrics' names are TRL's (GRPOTrainer), so runs can be compared line by line.
 # reward_squares and scored: TRL's reward_std is the std of the step's scored rewards (not a mean of the groups' stds)
 FLAT_STEPS = 5  # steps in a row of all-zero advantages before a run is told it is learning nothing (`unscored`)
+# the step the eval's sampled completions take their seeds from (rl.num_generations_eval): one of their own, the same
+# at every eval, so two evals' numbers differ by the policy and not by the draws
+EVAL_STEP = -1
 # length: the completions' tokens; trained: those trained (rl.mask_truncated_completions drops the clipped ones')
 ROLLOUT_STATS = ["completions", "reward", "reward_squares", "scored", "zero_std", "length", "clipped", "generation_s",
                  "tool_calls", "tool_failures", "trained"]
@@ -746,33 +749,49 @@ class GRPO:
     # ---- evaluation: held-out prompts, one greedy completion each
 
     def eval_sums(self, model, batch: dict, device) -> torch.Tensor:
-        """[prompts, summed reward, each reward's sum, each reward's count] of greedy completions."""
+        """[completions, summed reward, each reward's sum, each reward's count, prompts, prompts passed] of one greedy
+        completion per eval prompt, or rl.num_generations_eval sampled ones (EVAL_STEP's seeds); a prompt passes
+        where one of its completions' first answer_match is 1."""
+        from llmtrain.model.generate import completion_seed
         from llmtrain.parallel.fsdp import gathered_for_generation
 
-        examples = batch["examples"]
+        examples, g = batch["examples"], self.rl.num_generations_eval or 1
 
         def sums() -> torch.Tensor:
-            prompt_ids = [list(e["input_ids"]) for e in examples]
-            completions, tooled = self._complete(prompt_ids, [0] * len(examples), rows=examples, greedy=True)
-            _, per_function, total, _ = self._score(examples, completions, 1,
-                                                    where=self.sources[1] or self.sources[0],
-                                                 tooled=tooled)
-            return torch.tensor([len(examples), float(total.nansum()), *per_function.nan_to_num().sum(0).tolist(),
-                                 *(~per_function.isnan()).sum(0).tolist()], dtype=torch.float64)
+            prompt_ids = [list(e["input_ids"]) for e in examples for _ in range(g)]
+            if self.rl.num_generations_eval is None:
+                completions, tooled = self._complete(prompt_ids, [0] * len(examples), rows=examples, greedy=True)
+            else:
+                seeds = [completion_seed(self.seed, EVAL_STEP, e["row"], k) for e in examples for k in range(g)]
+                completions, tooled = self._complete(prompt_ids, seeds, rows=[e for e in examples for _ in range(g)])
+            _, per_function, total, _ = self._score(examples, completions, g,
+                                                    where=self.sources[1] or self.sources[0], tooled=tooled)
+            first = self._first_answer_match()
+            passed = (float((per_function[:, first].nan_to_num().view(-1, g) >= 1).any(1).sum())
+                      if first is not None else 0.0)
+            return torch.tensor([len(completions), float(total.nansum()), *per_function.nan_to_num().sum(0).tolist(),
+                                 *(~per_function.isnan()).sum(0).tolist(), len(examples), passed],
+                                dtype=torch.float64)
 
         with gathered_for_generation(self.lm):
             return self.on_first_of_group(sums)
 
+    def _first_answer_match(self) -> int | None:
+        """The index of the first answer_match reward among the functions (eval_answer_accuracy's), or None."""
+        return next((i for i, c in enumerate(self.rl.rewards) if c.type == "answer_match"), None)
+
     def eval_metrics(self, sums: list[float]) -> dict[str, float]:
         k = len(self.rewards)
-        n, reward, per, counts = sums[0], sums[1], sums[2:2 + k], sums[2 + k:]
+        n, reward, per, counts, (prompts, passed) = sums[0], sums[1], sums[2:2 + k], sums[2 + k:2 + 2 * k], sums[-2:]
         out = {"eval_reward": reward / max(n, 1)}
         for (name, _, _), total, count in zip(self.rewards, per, counts):
             if count:  # a function that scored nothing has no mean (as in the train lines)
                 out[f"eval_rewards/{name}/mean"] = total / count
-        first = next((i for i, c in enumerate(self.rl.rewards) if c.type == "answer_match"), None)
+        first = self._first_answer_match()
         if first is not None and counts[first]:
             out["eval_answer_accuracy"] = per[first] / counts[first]  # the first answer_match's mean
+            if (self.rl.num_generations_eval or 1) > 1:  # pass@N: a prompt with one right answer among its N
+                out[f"eval_answer_pass@{self.rl.num_generations_eval}"] = passed / max(prompts, 1)
         return out
 
 
