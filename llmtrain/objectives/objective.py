@@ -8,6 +8,14 @@ Normalisation, the contract every objective keeps: `loss(model, batch)` is the S
 batch's loss units (`Counts.units`: trained tokens for causal-LM cross-entropy), and the step divides by the
 units of the whole accumulation window on all processes. So any split of a window over micro-batches and
 processes gives the same loss and the same gradient.
+
+What an objective may add, each read with getattr where it is used (absent: nothing happens): `rollout(window, step)`
+(online RL: the window's completions, sampled before the counts); `per_trained` (the step puts the window's loss units
+per trained token in every batch, `units_per_trained`, for a term averaged over tokens: GRPO's entropy bonus);
+`after_window(stats)` (called after each step with the window's statistics summed over every process: GRPO's
+adaptive entropy control); `checkpointed` (objects with state_dict / load_state_dict saved with every checkpoint:
+that controller); and under sequence parallelism `whole_sequences`, `slice_stats` and `eval_rows`
+(parallel/sequence/shards.py).
 """
 
 from __future__ import annotations
