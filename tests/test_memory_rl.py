@@ -175,6 +175,8 @@ def test_kv_cache_and_sampling_phases_by_hand():
                                  prompt_lengths=[98] * 10)
     assert evaluated.eval_rows == 64 and spec.eval_rows == 0
     assert estimate(MISTRAL, evaluated).phase_parts["generation"]["logits"] == 64 * 32768 * 10
+    assert any("sampled 64 rows at once (the eval: its prompts x rl.num_generations_eval" in note
+               for note in estimate(MISTRAL, evaluated).notes)
     assert kv_cache_bytes(MISTRAL, evaluated) == 4 * 742_391_808
     assert prefill["logits"] == 4 * 32768 * (2 + 4)  # the 4 prompts' last position, bf16 and its fp32 copy
     assert "weights" in decode and "gradients" not in decode  # the step's gradients are freed before sampling

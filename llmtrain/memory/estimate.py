@@ -599,12 +599,14 @@ def _notes(shape: ModelShape, spec: TrainSpec, p: act.Pass) -> tuple[str, ...]:
     notes = []
     if spec.max_completion_tokens:
         kind = "distillation (the student samples)" if spec.teacher is not None else "online RL"
+        eval_more = spec.eval_rows > -(-spec.micro_batch // spec.sequence_parallel)  # rl.num_generations_eval's
         notes.append(f"{kind}: {spec.micro_batch} sequences a micro-batch ({spec.micro_batch // spec.per_example} "
                      f"prompts x {spec.num_generations}), each a prompt of {spec.prompt_tokens} tokens "
                      f"({spec.prompt_basis}) "
                      f"and up to {spec.max_completion_tokens} completion tokens (the loss trains the completions); "
-                     f"sampled {sampling_rows(spec)} rows at once into a static KV cache of "
-                     f"{kv_cache_bytes(shape, spec) / GIB:,.2f} GiB")
+                     f"sampled {sampling_rows(spec)} rows at once"
+                     f"{' (the eval: its prompts x rl.num_generations_eval, more than a rollout)' if eval_more else ''}"
+                     f" into a static KV cache of {kv_cache_bytes(shape, spec) / GIB:,.2f} GiB")
     if spec.teacher is not None:
         where = (f"sharded by FSDP over {spec.shards} GPUs like the student (its LM head whole on every GPU)"
                  if spec.sharded else "whole on every GPU")
