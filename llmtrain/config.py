@@ -270,6 +270,10 @@ class DataConfig(Section):
     system_prompt: str | None = Field(
         None, description="System message put first in every chat that has none (chat-rendered rows only)."
     )
+    chat_template_kwargs: dict[str, Any] | None = Field(
+        None, description="Variables the chat template reads (TRL's chat_template_kwargs), e.g. {enable_thinking: "
+        "false} for Qwen3's: set at the top of the template wherever this run renders a chat (the training rows, RL "
+        "prompts, the reward models' rows, `llmtrain generate` of its run folder). Chat-rendered rows only.")
     eval_split: float | str | list[str] | None = Field(
         None, description="Held-out eval data: a fraction in (0, 1) of the training data, eval file(s), or the name "
         "of a split of the data.path dataset (hub or dataset folder), e.g. 'test'."
@@ -337,6 +341,14 @@ class DataConfig(Section):
         if self.system_prompt is not None and self.format != "messages" and self.chat_template is False:
             raise ValueError("data.system_prompt needs rows rendered as a chat: set data.chat_template: true "
                              "(or a template file), or use data.format: messages")
+        if self.chat_template_kwargs and self.format not in ("messages", "prompt") and self.chat_template is False:
+            raise ValueError("data.chat_template_kwargs are read by the chat template, and these rows are not "
+                             "rendered through one: set data.chat_template: true (or a template file), or remove "
+                             "data.chat_template_kwargs")
+        bad = [k for k in self.chat_template_kwargs or {} if not str(k).isidentifier()]
+        if bad:
+            raise ValueError(f"data.chat_template_kwargs: {bad[0]!r} is not a name a template can read (letters, "
+                             "digits and _, not starting with a digit)")
         return self
 
 

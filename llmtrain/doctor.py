@@ -401,7 +401,7 @@ def check_tools(recipe: Recipe, tokenizer) -> list[Check]:
     from llmtrain.objectives.tool_calls import Tools
 
     try:
-        tools = Tools(recipe.rl.tools, tokenizer=tokenizer, template=read_template(recipe.data),
+        tools = Tools(recipe.rl.tools, tokenizer=tokenizer, template=read_template(recipe.data, tokenizer),
                       environment=recipe.rl.environment)
     except LLMTrainError as e:
         return [("tools", "fail", str(e))]

@@ -375,3 +375,35 @@ def test_online_rl_is_told_whether_its_completions_can_stop_at_a_text_end_of_tur
     assert status == "warn" and "most at rl.max_completion_tokens=64" in says
     tok.chat_template = tok.chat_template.replace("<|im_end|>", "</s>")  # one token: nothing to say
     assert check_completion_stop(recipe, tok) == []
+
+
+def test_qwen3_without_thinking_renders_as_apply_chat_templates_keyword_and_trains_the_reply_alone():
+    """data.chat_template_kwargs {enable_thinking: false} (TRL's chat_template_kwargs), on Qwen3's own template: the
+    template with the variable set at its top (chat.read_template) renders a prompt exactly as transformers'
+    apply_chat_template(..., enable_thinking=False) does, its generation prompt holding the empty reasoning block;
+    so a messages row trains the reply alone (the default thinking mode trains the block with it), and an RL prompt
+    (data.format prompt) ends with the block. A key a template cannot read, and rows not rendered as a chat, are
+    refused naming the key."""
+    from llmtrain.data.chat import read_template
+    from llmtrain.data.formats import encode_prompt
+
+    tok = stand_in_tokenizer("qwen3-8b")
+    quiet = DataConfig(path="unused.jsonl", format="messages", max_seq_len=4096,
+                       chat_template_kwargs={"enable_thinking": False})
+    template = read_template(quiet, tok)
+    chat = [system("Be brief."), user("5+3?")]
+    ours = tok.apply_chat_template(chat, chat_template=template, tokenize=False, add_generation_prompt=True)
+    theirs = tok.apply_chat_template(chat, tokenize=False, add_generation_prompt=True, enable_thinking=False)
+    assert ours == theirs and ours.endswith("<|im_start|>assistant\n<think>\n\n</think>\n\n")
+    assert theirs != tok.apply_chat_template(chat, tokenize=False, add_generation_prompt=True)
+    row = {"messages": [user("5+3?"), assistant("8")]}
+    assert trained_runs(tok, encode_example(row, tok, quiet)) == ["8<|im_end|>"]
+    assert trained_runs(tok, encode_example(row, tok, CHAT)) == [BEFORE["qwen3-8b"] + "8<|im_end|>"]
+    prompts = DataConfig(path="unused.jsonl", format="prompt", chat_template=True, max_seq_len=4096,
+                         chat_template_kwargs={"enable_thinking": False})
+    ids = encode_prompt({"prompt": "5+3?"}, tok, prompts, template=read_template(prompts, tok))["input_ids"]
+    assert tok.decode(ids).endswith("<think>\n\n</think>\n\n")
+    with pytest.raises(ValueError, match="'1st' is not a name a template can read"):
+        DataConfig(path="x.jsonl", format="messages", chat_template_kwargs={"1st": True})
+    with pytest.raises(ValueError, match="not rendered through one: set data.chat_template: true"):
+        DataConfig(path="x.jsonl", format="text", chat_template_kwargs={"enable_thinking": False})

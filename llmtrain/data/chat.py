@@ -270,8 +270,9 @@ def end_of_turn(tokenizer, template: str | None = None) -> str:
     return renders[key]
 
 
-def read_template(cfg: DataConfig) -> str | None:
-    """The Jinja text of data.chat_template when it names a file; None for the tokenizer's own."""
+def template_file(cfg: DataConfig) -> str | None:
+    """The Jinja text of data.chat_template when it names a file (what final/'s tokenizer is given, so it renders as
+    training did); None for the tokenizer's own."""
     if not isinstance(cfg.chat_template, str):
         return None
     path = Path(cfg.chat_template)
@@ -279,6 +280,29 @@ def read_template(cfg: DataConfig) -> str | None:
         raise LLMTrainError(f"data.chat_template '{path}' is not a file. Give the path of a Jinja chat template, "
                             "or true for the tokenizer's own.")
     return path.read_text()
+
+
+def read_template(cfg: DataConfig, tokenizer=None) -> str | None:
+    """The Jinja text of data.chat_template when it names a file; None for the tokenizer's own. With
+    data.chat_template_kwargs, the template (the file's, or `tokenizer`'s own) with those variables set at its top
+    (with_variables), so every render of it reads them as apply_chat_template's keyword arguments would be read."""
+    text = template_file(cfg)
+    if not cfg.chat_template_kwargs:
+        return text
+    if text is None:
+        own = getattr(tokenizer, "chat_template", None)
+        text = own.get("default") if isinstance(own, dict) else own
+        if not isinstance(text, str):
+            raise LLMTrainError("data.chat_template_kwargs sets variables of the chat template, and this tokenizer has "
+                                "no (default) template: give one with data.chat_template: path/to/template.jinja")
+    return with_variables(text, cfg.chat_template_kwargs)
+
+
+def with_variables(template: str, variables: dict) -> str:
+    """`template` with each of `variables` set before its first line, as a Jinja literal (Python's repr: strings,
+    numbers, True/False/None, lists and dicts of them are Jinja's too). A template reads a variable set so exactly
+    as one passed to apply_chat_template (Qwen3's `enable_thinking is defined and enable_thinking is false`)."""
+    return "".join(f"{{%- set {name} = {value!r} -%}}" for name, value in variables.items()) + template
 
 
 # where a text end of turn is tokenized as a template puts it: after these, its first piece may merge with them

@@ -63,7 +63,8 @@ def check_chat_template(recipe: Recipe, tokenizer) -> list[Check]:
         return [("chat template", "pass", f"not used (data.format={recipe.data.format}, data.chat_template false)")]
     chat = [{"role": "user", "content": "What is 2 + 2?"}, {"role": "assistant", "content": "4"}]
     try:
-        ids, labels = encode_messages(chat, tokenizer, train_on_prompt=False, template=read_template(recipe.data))
+        ids, labels = encode_messages(chat, tokenizer, train_on_prompt=False,
+                                      template=read_template(recipe.data, tokenizer))
     except LLMTrainError as e:
         return [("chat template", "fail", f"{e} (data.chat_template)")]
     trained = tokenizer.decode([i for i, lab in zip(ids, labels) if lab != IGNORE])
@@ -350,7 +351,7 @@ def _end_of_turn(recipe: Recipe, tokenizer) -> str | None:
     from llmtrain.data.chat import end_of_turn, read_template
 
     try:
-        return end_of_turn(tokenizer, read_template(recipe.data)) or None
+        return end_of_turn(tokenizer, read_template(recipe.data, tokenizer)) or None
     except LLMTrainError:
         return None
 

@@ -150,7 +150,7 @@ def _fingerprint(paths: list[str], tokenizer, cfg: DataConfig, extra: str) -> st
             h.update(f"{f.resolve() if st else f}|{st.st_size if st else ''}|{st.st_mtime_ns if st else ''}".encode())
     h.update(tokenizer.backend_tokenizer.to_str().encode() if hasattr(tokenizer, "backend_tokenizer") else b"")
     h.update(str(tokenizer.chat_template).encode())
-    h.update(str(read_template(cfg)).encode())
+    h.update(str(read_template(cfg, tokenizer)).encode())
     # The special tokens come from tokenizer_config.json, not tokenizer.json: EOS ends every example.
     h.update(str([tokenizer.bos_token, tokenizer.eos_token]).encode())
     keys = cfg.model_dump(exclude={"path", "packing", "cache_dir", "num_proc"})  # everything that changes a row
@@ -164,7 +164,7 @@ def tokenize_dataset(raw, tokenizer, cfg: DataConfig, source: str, *, tools: lis
     check_columns(raw.column_names, cfg, source)
     check_feedback_labels(raw, cfg, source)
     check_rows(raw, cfg, source)
-    template = read_template(cfg)
+    template = read_template(cfg, tokenizer)
 
     encoder = {"preference": encode_pair, "unpaired": encode_unpaired,
                "prompt": functools.partial(encode_prompt, tools=tools)}.get(cfg.format, encode_example)

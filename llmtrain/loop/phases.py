@@ -26,7 +26,7 @@ import torch
 from llmtrain import capabilities
 from llmtrain.config import Recipe, tiled_mlp_shard, updates_per_window
 from llmtrain.data.batching import DataPlan
-from llmtrain.data.chat import read_template
+from llmtrain.data.chat import template_file
 from llmtrain.data.checks import check_context, check_data, check_epochs, check_warmup, data_plan
 from llmtrain.data.prepare import prepare_recipe
 from llmtrain.errors import Everywhere, LLMTrainError
@@ -158,7 +158,9 @@ def prepare_data(recipe: Recipe, accelerator, *, say) -> Data:
     """Tokenised once on the main process, then read from the cache by the others; checked; planned."""
     tc = recipe.train
     tokenizer = load_tokenizer(recipe.model)
-    if (template := read_template(recipe.data)) is not None:  # a file: final/'s tokenizer renders as training did
+    # a file: final/'s tokenizer renders as training did (data.chat_template_kwargs are not baked into it: a server
+    # passes its own)
+    if (template := template_file(recipe.data)) is not None:
         tokenizer.chat_template = template
     # the others read the main process's cache; its error (a bad row) is theirs too
     train_ds, eval_ds, stats, cache_hit = main_first(accelerator, lambda: prepare_recipe(recipe, tokenizer))

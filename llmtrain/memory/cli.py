@@ -295,13 +295,13 @@ def _from_recipe(recipe: Path, overrides, run: dict, launch: dict):
 def rl_prompt_lengths(r) -> tuple[list[int] | None, str | None]:
     """An online-RL recipe's prompt lengths in tokens, tokenised as training does (and cached as training caches
     them); or None and why, where its tokenizer or data cannot be read."""
-    from llmtrain.data.chat import read_template
+    from llmtrain.data.chat import template_file
     from llmtrain.data.prepare import prepare_recipe
     from llmtrain.model.modeling import load_tokenizer
 
     try:
         tokenizer = load_tokenizer(r.model)
-        if (template := read_template(r.data)) is not None:
+        if (template := template_file(r.data)) is not None:
             tokenizer.chat_template = template
         train = prepare_recipe(r, tokenizer)[0]
     except (LLMTrainError, OSError, ValueError) as e:

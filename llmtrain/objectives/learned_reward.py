@@ -25,7 +25,7 @@ def reward_model_function(reward, data, *, device):
     model, tokenizer = load_reward_model(reward.path, device if device is not None else "cpu")
     render = data.model_copy(update={"format": "prompt_completion", "max_seq_len": 2**31 - 1, "fields": {},
                                      "train_on_prompt": False})
-    template = read_template(data)
+    template = read_template(data, tokenizer)
     text_config = model.config.get_text_config()
     if text_config.pad_token_id is None:  # a reward model from elsewhere: TRL's rule, the tokenizer's pad, else EOS
         text_config.pad_token_id = (tokenizer.pad_token_id if tokenizer.pad_token_id is not None

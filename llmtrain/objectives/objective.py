@@ -158,7 +158,7 @@ def objective_for(recipe, *, pad_id: int, model=None, tokenizer=None, train=None
                       seed=recipe.train.seed, rewards=rewards.functions, model=model, columns=train.column_names,
                       stop_ids=stop_ids(recipe, model, tokenizer), world=world, sources=rewards.sources,
                       state=rewards.state, runner=rewards.runner, gather=gather,
-                      template=read_template(recipe.data), render=prompt_renderer(recipe, tokenizer),
+                      template=read_template(recipe.data, tokenizer), render=prompt_renderer(recipe, tokenizer),
                       user_code=user_code)
 
     if recipe.distill is not None:
@@ -204,7 +204,7 @@ def prompt_renderer(recipe, tokenizer):
     from llmtrain.data.tools import prompt_tools
     from llmtrain.errors import LLMTrainError
 
-    data, template, tools = recipe.data, read_template(recipe.data), prompt_tools(recipe)
+    data, template, tools = recipe.data, read_template(recipe.data, tokenizer), prompt_tools(recipe)
 
     def render(prompt, row: int) -> list[int]:
         ids = encode_prompt({data.fields.get("prompt", "prompt"): prompt}, tokenizer, data, template=template,
@@ -236,7 +236,7 @@ def run_end_of_turn(recipe, tokenizer) -> str | None:
     if recipe.data.chat_template is False and tokenizer.chat_template is None:
         return None
     try:
-        return end_of_turn(tokenizer, read_template(recipe.data)) or None
+        return end_of_turn(tokenizer, read_template(recipe.data, tokenizer)) or None
     except Exception:  # a template that cannot render a reply: stop at EOS and the configured ends only
         return None
 

@@ -165,7 +165,8 @@ def _source(model, tokenizer, recipe, describe: str, read_template) -> Source:
 
     rl = recipe.rl or recipe.distill
     sampling = {} if rl is None else {**sampling_of(rl), "max_new_tokens": rl.max_completion_tokens}
-    return Source(model.eval(), tokenizer, chat, data.system_prompt, read_template(data) if chat else None, sampling,
+    return Source(model.eval(), tokenizer, chat, data.system_prompt, read_template(data, tokenizer) if chat else None,
+                  sampling,
                   describe, recipe)
 
 
