@@ -301,8 +301,9 @@ def read_template(cfg: DataConfig, tokenizer=None) -> str | None:
 def with_variables(template: str, variables: dict) -> str:
     """`template` with each of `variables` set before its first line, as a Jinja literal (Python's repr: strings,
     numbers, True/False/None, lists and dicts of them are Jinja's too). A template reads a variable set so exactly
-    as one passed to apply_chat_template (Qwen3's `enable_thinking is defined and enable_thinking is false`)."""
-    return "".join(f"{{%- set {name} = {value!r} -%}}" for name, value in variables.items()) + template
+    as one passed to apply_chat_template (Qwen3's `enable_thinking is defined and enable_thinking is false`); the
+    tags strip nothing after them (transformers' trim_blocks drops a newline right after one, as after any tag)."""
+    return "".join(f"{{%- set {name} = {value!r} %}}" for name, value in variables.items()) + template
 
 
 # where a text end of turn is tokenized as a template puts it: after these, its first piece may merge with them
