@@ -38,9 +38,7 @@ def _chunk_token_loss(head, hidden: torch.Tensor, targets: torch.Tensor, stat: s
     if stat == ENTROPY_TRAINED:
         return _CrossEntropyAndEntropy.apply(logits, targets)
     loss = F.cross_entropy(logits, targets, reduction="none")
-    if stat == "pairs":
-        return loss, _pair_stats(logits, targets)
-    return (loss, ROW_STATS[stat](logits)) if stat else loss
+    return (loss, ROW_STATS[stat](logits, targets)) if stat else loss
 
 
 ENTROPY_ROWS = 64  # rows of a chunk's logits whose entropy is taken at a time: 2 x 64 x vocab fp32 beside the chunk
@@ -67,7 +65,7 @@ def _entropy_block(z: torch.Tensor, t: torch.Tensor, out: torch.Tensor) -> None:
 
 
 @torch.no_grad()
-def _entropy(logits: torch.Tensor) -> torch.Tensor:
+def _entropy(logits: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
     """Each row's entropy of softmax(logits), in fp32, in blocks of rows (_row_blocks; the buffer holds the shifted
     exponentials, then their product with the logits): far below the chunk's own logits, under the loss's peak,
     which is its backward (activations.chunk_backward_bytes: 12 bytes a logit against the forward's 8)."""
@@ -80,7 +78,7 @@ def _log_sum_sq_block(z: torch.Tensor, t: torch.Tensor, out: torch.Tensor) -> No
 
 
 @torch.no_grad()
-def _log_sum_sq(logits: torch.Tensor) -> torch.Tensor:
+def _log_sum_sq(logits: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
     """Each row's log sum_v p_v^2 of softmax(logits) (WPO's alignment term: logsumexp(2z) - 2 logsumexp(z)), in fp32,
     in blocks of rows as _entropy (_row_blocks)."""
     return _row_blocks(logits, _log_sum_sq_block)
@@ -111,8 +109,8 @@ def _pair_stats(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     return out
 
 
-# per-token statistics of the distribution, taken beside the per-token loss without gradient (`stat`): of the logits,
-# or of the logits and the targets (PAIR_STATS' columns)
+# per-token statistics of the distribution, taken beside the per-token loss without gradient (`stat`), each a function
+# of a chunk's logits and its targets (which the entropy and the log sum of squares do not read)
 ROW_STATS = {"entropy": _entropy, "log_sum_sq": _log_sum_sq, "pairs": _pair_stats}
 PAIR_STATS = ("entropy", "log_sum_sq", "mean_logit", "top1")  # "pairs"' columns
 ENTROPY_TRAINED = "entropy_trained"  # `stat`: the entropy with its gradient (online RL's entropy bonus)
