@@ -27,10 +27,8 @@ from llmtrain.errors import LLMTrainError
 
 def _chunk_loss(head, hidden: torch.Tensor, targets: torch.Tensor, dft: bool = False) -> torch.Tensor:
     # Cross-entropy in fp32: bf16 log-softmax over a 32k vocabulary loses digits the loss needs.
-    if not dft:
-        return F.cross_entropy(head(hidden).float(), targets, reduction="sum")
-    loss = F.cross_entropy(head(hidden).float(), targets, reduction="none")
-    return (loss * torch.exp(-loss.detach())).sum()  # DFT: each token's -log p times its p, without gradient
+    loss = F.cross_entropy(head(hidden).float(), targets, reduction="none" if dft else "sum")
+    return (loss * torch.exp(-loss.detach())).sum() if dft else loss  # DFT: each -log p times its p, no gradient
 
 
 def _chunk_token_loss(head, hidden: torch.Tensor, targets: torch.Tensor, stat: str | None = None):
@@ -44,24 +42,34 @@ def _chunk_token_loss(head, hidden: torch.Tensor, targets: torch.Tensor, stat: s
 ENTROPY_ROWS = 64  # rows of a chunk's logits whose entropy is taken at a time: 2 x 64 x vocab fp32 beside the chunk
 
 
-def _row_blocks(logits: torch.Tensor, fill) -> torch.Tensor:
-    """A statistic of each row of `logits`, ENTROPY_ROWS rows at a time: `fill(z, t, out)` with z a block's logits,
-    t one buffer of its shape reused by every block, and out the block's rows of the result. One buffer, not a fresh
-    temporary per block: those fragmented the CPU allocator's heap (+12% peak RSS on benchmarks/grpo_vs_trl.py; +1%
+def _row_blocks(logits: torch.Tensor, fill, *, targets: torch.Tensor | None = None, width: int = 0,
+                buffers: int = 1) -> torch.Tensor:
+    """Statistics of each row of `logits` ([rows], or [rows, width]), ENTROPY_ROWS rows at a time:
+    `fill(z, targets, out, *buffers)` with z a block's logits, targets its rows' (or None), out the block's rows of
+    the result and `buffers` buffers of the block's shape reused by every block. Reused buffers, not fresh
+    temporaries per block: those fragmented the CPU allocator's heap (+12% peak RSS on benchmarks/grpo_vs_trl.py; +1%
     with the buffer)."""
-    out = logits.new_empty(logits.shape[0])
-    buf = logits.new_empty(min(ENTROPY_ROWS, logits.shape[0]), logits.shape[-1])
-    for s in range(0, logits.shape[0], ENTROPY_ROWS):
-        z = logits[s : s + ENTROPY_ROWS]
-        fill(z, buf[: z.shape[0]], out[s : s + z.shape[0]])
+    n = logits.shape[0]
+    out = logits.new_empty((n, width) if width else n)
+    reused = [logits.new_empty(min(ENTROPY_ROWS, n), logits.shape[-1]) for _ in range(buffers)]
+    for s in range(0, n, ENTROPY_ROWS):
+        e = min(s + ENTROPY_ROWS, n)
+        fill(logits[s:e], None if targets is None else targets[s:e], out[s:e], *(b[: e - s] for b in reused))
     return out
 
 
-def _entropy_block(z: torch.Tensor, t: torch.Tensor, out: torch.Tensor) -> None:
+def _exp_from_max(z: torch.Tensor, t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """t = e^(z - max) of each row, so softmax(z) = t / total: (the rows' maxima, total), both [rows, 1]."""
     top = z.amax(-1, keepdim=True)
-    total = torch.sub(z, top, out=t).exp_().sum(-1, keepdim=True)  # softmax(z) = t / total
+    return top, torch.sub(z, top, out=t).exp_().sum(-1, keepdim=True)
+
+
+def _entropy_block(z: torch.Tensor, targets, out: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+    """The block's entropies into `out`; returns their log-sum-exps. t ends as t x z."""
+    top, total = _exp_from_max(z, t)
     lse = top + total.log()
     torch.sub(lse, t.mul_(z).sum(-1, keepdim=True) / total, out=out[:, None])
+    return lse
 
 
 @torch.no_grad()
@@ -72,9 +80,13 @@ def _entropy(logits: torch.Tensor, targets: torch.Tensor | None = None) -> torch
     return _row_blocks(logits, _entropy_block)
 
 
-def _log_sum_sq_block(z: torch.Tensor, t: torch.Tensor, out: torch.Tensor) -> None:
-    first = torch.sub(z, z.amax(-1, keepdim=True), out=t).exp_().sum(-1)  # e^(z - max): p times `first`
-    torch.sub(t.mul_(t).sum(-1).log_(), 2 * first.log_(), out=out)  # log sum p^2, the maxima cancelling
+def _log_sum_sq_of(t: torch.Tensor, total: torch.Tensor, out: torch.Tensor) -> None:
+    """log sum p^2 of each row into `out`, from t = e^(z - max) and its sum (the maxima cancelling); t ends as t^2."""
+    torch.sub(t.mul_(t).sum(-1).log_(), 2 * total.squeeze(-1).log(), out=out)
+
+
+def _log_sum_sq_block(z: torch.Tensor, targets, out: torch.Tensor, t: torch.Tensor) -> None:
+    _log_sum_sq_of(t, _exp_from_max(z, t)[1], out)
 
 
 @torch.no_grad()
@@ -84,29 +96,25 @@ def _log_sum_sq(logits: torch.Tensor, targets: torch.Tensor | None = None) -> to
     return _row_blocks(logits, _log_sum_sq_block)
 
 
+def _pair_block(z: torch.Tensor, targets: torch.Tensor, out: torch.Tensor, t: torch.Tensor,
+                product: torch.Tensor) -> None:
+    out[:, 2] = z.mean(-1)
+    top, total = _exp_from_max(z, t)
+    # the target is the argmax (a tie with another token counts: argmax's own pass cost more than the rest here)
+    out[:, 3:] = (z.gather(1, targets[:, None]) >= top).to(out.dtype)
+    # the entropy as _entropy_block's, its product in a second buffer: t is still needed for the sum of squares
+    out[:, :1] = top + total.log() - torch.mul(t, z, out=product).sum(-1, keepdim=True) / total
+    _log_sum_sq_of(t, total, out[:, 1])
+
+
 @torch.no_grad()
 def _pair_stats(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     """[rows, 4] of each row of `logits`: its entropy, its log sum_v p_v^2 (WPO's), its mean logit (over the
     vocabulary) and whether its target's logit is the largest (1.0 or 0.0; TRL's argmax == target but on exact ties):
     TRL's DPOTrainer metrics and WPO's weights from one pass over the chunk, in blocks of rows over two reused
-    buffers (as _row_blocks: the arithmetic of _entropy_block and _log_sum_sq_block, whose numbers these are to the
-    bit). 169 ms for 2,048 x 32,768 logits on one CPU thread, where the cross-entropy's forward and backward take
-    367 ms."""
-    out = logits.new_empty(logits.shape[0], 4)
-    rows = min(ENTROPY_ROWS, logits.shape[0])
-    buf, product = logits.new_empty(rows, logits.shape[-1]), logits.new_empty(rows, logits.shape[-1])
-    for s in range(0, logits.shape[0], ENTROPY_ROWS):
-        z = logits[s : s + ENTROPY_ROWS]
-        t, o = buf[: z.shape[0]], out[s : s + z.shape[0]]
-        o[:, 2] = z.mean(-1)
-        top = z.amax(-1, keepdim=True)
-        # the target is the argmax (a tie with another token counts: argmax's own pass cost more than the rest here)
-        o[:, 3:] = (z.gather(1, targets[s : s + z.shape[0], None]) >= top).to(o.dtype)
-        total = torch.sub(z, top, out=t).exp_().sum(-1, keepdim=True)  # softmax(z) = t / total
-        lse = top + total.log()
-        o[:, :1] = lse - torch.mul(t, z, out=product[: z.shape[0]]).sum(-1, keepdim=True) / total
-        o[:, 1] = t.mul_(t).sum(-1).log_() - 2 * total.squeeze(-1).log()
-    return out
+    buffers (_row_blocks; the numbers of _entropy and _log_sum_sq to the bit). 169 ms for 2,048 x 32,768 logits on
+    one CPU thread, where the cross-entropy's forward and backward take 367 ms."""
+    return _row_blocks(logits, _pair_block, targets=targets, width=len(PAIR_STATS), buffers=2)
 
 
 # per-token statistics of the distribution, taken beside the per-token loss without gradient (`stat`), each a function
@@ -116,13 +124,9 @@ PAIR_STATS = ("entropy", "log_sum_sq", "mean_logit", "top1")  # "pairs"' columns
 ENTROPY_TRAINED = "entropy_trained"  # `stat`: the entropy with its gradient (online RL's entropy bonus)
 
 
-def _lse_entropy_block(z: torch.Tensor, t: torch.Tensor, out: torch.Tensor) -> None:
-    """A block's log-sum-exp and entropy, side by side in `out` [rows, 2] (_entropy_block's arithmetic)."""
-    top = z.amax(-1, keepdim=True)
-    total = torch.sub(z, top, out=t).exp_().sum(-1, keepdim=True)
-    lse = top + total.log()
-    out[:, :1] = lse
-    torch.sub(lse, t.mul_(z).sum(-1, keepdim=True) / total, out=out[:, 1:])
+def _lse_entropy_block(z: torch.Tensor, targets, out: torch.Tensor, t: torch.Tensor) -> None:
+    """A block's log-sum-exp and entropy, side by side in `out` [rows, 2] (_entropy_block's)."""
+    out[:, :1] = _entropy_block(z, targets, out[:, 1], t)
 
 
 class _CrossEntropyAndEntropy(torch.autograd.Function):
@@ -135,11 +139,7 @@ class _CrossEntropyAndEntropy(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, z: torch.Tensor, targets: torch.Tensor):
-        both = z.new_empty(z.shape[0], 2)
-        buf = z.new_empty(min(ENTROPY_ROWS, z.shape[0]), z.shape[-1])
-        for s in range(0, z.shape[0], ENTROPY_ROWS):
-            block = z[s : s + ENTROPY_ROWS]
-            _lse_entropy_block(block, buf[: block.shape[0]], both[s : s + block.shape[0]])
+        both = _row_blocks(z, _lse_entropy_block, width=2)
         lse, entropy = both[:, 0], both[:, 1]
         ctx.save_for_backward(z, targets, lse, entropy)
         return lse - z.gather(1, targets[:, None]).squeeze(1), entropy.clone()
