@@ -248,21 +248,34 @@ def _sequences_pass(model, batch: dict, *, with_aux: bool, total, wpo: bool, met
     preference.ld_alpha each token weighted by ld_weights; the batch's load-balancing loss where `with_aux`, else
     None; each sequence's wpo_weights where `wpo`, else None; TOKEN_STATS' sums where `metrics`, else None). `total`
     as sequence_logps'."""
-    # cross-entropy = -log p, one per trained token; with `metrics`, loss.PAIR_STATS beside it (WPO's log sum of
-    # squares among them)
-    stat = "pairs" if metrics else "log_sum_sq" if wpo else None
+    stat = _pass_stat(wpo=wpo, metrics=metrics)
     out = compute_loss(model, batch, per_token=True, return_aux=with_aux, stat=stat)
     token_loss, *extra = out if (stat or with_aux) else (out,)
     per_token = extra.pop(0) if stat else None
-    log_sum_sq = (per_token[:, 1] if metrics else per_token) if wpo else None
     aux = extra[0] if with_aux else None
-    weighted = token_loss * batch["loss_ld_weight"] if "loss_ld_weight" in batch else token_loss
-    logps = sequence_sums(weighted, batch["loss_example"], batch["sequence_tokens"].numel())
+    logps, weights, sums = _pass_sums(token_loss, per_token, batch["loss_example"], batch["sequence_tokens"],
+                                      ld_weight=batch.get("loss_ld_weight"), total=total, wpo=wpo, metrics=metrics)
+    return logps, aux, weights, sums
+
+
+def _pass_stat(*, wpo: bool, metrics: bool) -> str | None:
+    """What a pass takes beside each token's cross-entropy (-log p): loss.PAIR_STATS with `metrics` (WPO's log sum of
+    squares among them), that alone for `wpo`, else nothing."""
+    return "pairs" if metrics else "log_sum_sq" if wpo else None
+
+
+def _pass_sums(token_loss: torch.Tensor, per_token: torch.Tensor | None, sequence: torch.Tensor, tokens: torch.Tensor,
+               *, ld_weight: torch.Tensor | None, total, wpo: bool, metrics: bool):
+    """From one pass's trained tokens (their cross-entropies, the statistic _pass_stat asked for, each one's sequence)
+    and each sequence's trained tokens: (each sequence's summed answer log-probability, each token weighted by
+    `ld_weight` where given; its wpo_weights where `wpo`, else None; TOKEN_STATS' sums where `metrics`, else None).
+    The batch's pass and a pipeline's last stage both (Preference, StagePairs); `total` as sequence_logps'."""
+    logps = sequence_sums(token_loss * ld_weight if ld_weight is not None else token_loss, sequence, tokens.numel())
     if total is not None:
         logps = total(logps)
-    weights = (wpo_weights(token_loss, log_sum_sq, batch["loss_example"], batch["sequence_tokens"], total)
-               if wpo else None)
-    return logps, aux, weights, (token_sums(per_token, batch["loss_example"]) if metrics else None)
+    log_sum_sq = (per_token[:, 1] if metrics else per_token) if wpo else None
+    weights = wpo_weights(token_loss, log_sum_sq, sequence, tokens, total) if wpo else None
+    return logps, weights, (token_sums(per_token, sequence) if metrics else None)
 
 
 def sequence_logps(model, batch: dict, *, with_aux: bool = False, total=None):
@@ -435,14 +448,12 @@ class StagePairs:
         if n == 0:
             return None
         at = (target[:, 1] >= 0).nonzero().flatten()
-        sequence = target[at, 1].long()
-        if not metrics:
-            return sequence_sums(head(hidden[at], targets=target[at, 0].long(), per_token=True)[0] * target[at, 4],
-                                 sequence, n)
-        token_loss, per_token = head(hidden[at], targets=target[at, 0].long(), per_token=True, stat="pairs")
-        logps = sequence_sums(token_loss * target[at, 4], sequence, n)
-        weights = wpo_weights(token_loss, per_token[:, 1], sequence, target[:n, 3]) if wpo else None
-        return logps, weights, token_sums(per_token, sequence)
+        stat = _pass_stat(wpo=wpo, metrics=metrics)
+        token_loss, per_token = head(hidden[at], targets=target[at, 0].long(), per_token=True,
+                                     **({"stat": stat} if stat else {}))
+        out = _pass_sums(token_loss, per_token, target[at, 1].long(), target[:n, 3], ld_weight=target[at, 4],
+                         total=None, wpo=wpo, metrics=metrics)
+        return out if metrics else out[0]
 
     def _loss(self, head, hidden: torch.Tensor, target: torch.Tensor):
         out = self._logps(head, hidden, target, wpo=self.cfg.wpo, metrics=True)
