@@ -210,7 +210,7 @@ def sampler_bytes(rows: int, vocab: int, cd: int, *, top_p: float = 1.0, top_k: 
     torch.cuda.memory_allocated counts them; a CUDA sort's own scratch is not among them."""
     penalty = repetition_penalty != 1.0
     held = FP32 if penalty else 0  # the penalised logits, through the filters
-    peaks = [held + 2 * FP32, held + 2 * FP32]  # temperature and softmax; the probabilities and their cdf
+    peaks = [held + 2 * FP32]  # the tempered logits and their softmax; then the probabilities and their cdf
     if penalty:
         peaks.append((0 if cd == FP32 else FP32) + 1 + 3 * FP32)
     if 0 < top_k < vocab or min_p > 0:

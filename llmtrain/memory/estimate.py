@@ -461,7 +461,12 @@ def sampling_rows(spec: TrainSpec) -> int:
     where it samples more (its batch of prompts x rl.num_generations_eval: on the group's first GPU alone); under
     sequence parallelism each GPU of the group draws its share of the rollout's (parallel/sequence/shards.
     shared_sampling; with rl.tools the first GPU draws them all, which this does not model)."""
-    return max(-(-spec.micro_batch // spec.sequence_parallel), spec.eval_rows)
+    return max(_rollout_rows(spec), spec.eval_rows)
+
+
+def _rollout_rows(spec: TrainSpec) -> int:
+    """The rollout's rows on one GPU: the micro-batch's sequences, a sequence group's share of them."""
+    return -(-spec.micro_batch // spec.sequence_parallel)
 
 
 def kv_cache_bytes(shape: ModelShape, spec: TrainSpec) -> int:
@@ -599,7 +604,7 @@ def _notes(shape: ModelShape, spec: TrainSpec, p: act.Pass) -> tuple[str, ...]:
     notes = []
     if spec.max_completion_tokens:
         kind = "distillation (the student samples)" if spec.teacher is not None else "online RL"
-        eval_more = spec.eval_rows > -(-spec.micro_batch // spec.sequence_parallel)  # rl.num_generations_eval's
+        eval_more = spec.eval_rows > _rollout_rows(spec)  # rl.num_generations_eval's
         notes.append(f"{kind}: {spec.micro_batch} sequences a micro-batch ({spec.micro_batch // spec.per_example} "
                      f"prompts x {spec.num_generations}), each a prompt of {spec.prompt_tokens} tokens "
                      f"({spec.prompt_basis}) "

@@ -31,11 +31,12 @@ import time
 import torch
 import torch.nn.functional as F
 
+from llmtrain.config import sampling_of
 from llmtrain.data.batching import Counts, batch_weight, collate, with_loss_positions
 from llmtrain.data.formats import prompt_length
 from llmtrain.model.generate import Stops
 from llmtrain.model.loss import causal_lm, compute_loss, decoder_inputs, decoder_name, logit_transform
-from llmtrain.objectives.rollouts import all_here, completion_rows, sample, sampling, sampling_of
+from llmtrain.objectives.rollouts import all_here, completion_rows, sample, sampling
 
 # Statistics summed over the window and processes; step_metrics names them as TRL does where TRL has the number.
 # (length, clipped: of the student's own completions only)

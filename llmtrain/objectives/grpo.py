@@ -33,10 +33,10 @@ from typing import Literal
 
 import torch
 
+from llmtrain.config import sampling_of
 from llmtrain.data.batching import Counts, batch_weight
 from llmtrain.model.generate import Stops
-from llmtrain.objectives.rollouts import (all_here, clipped_surrogate, completion_rows, here, sample, sampling,
-                                         sampling_of)
+from llmtrain.objectives.rollouts import all_here, clipped_surrogate, completion_rows, here, sample, sampling
 
 LossType = Literal["dapo", "grpo", "dr_grpo", "cispo", "sapo", "luspo", "vespo"]
 STD_EPS = 1e-4  # TRL's: a group whose rewards are all equal gets advantages 0, not a division by zero

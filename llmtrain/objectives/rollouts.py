@@ -13,7 +13,6 @@ from contextlib import contextmanager
 
 import torch
 
-from llmtrain.config import sampling_of  # noqa: F401 -- the samplers' settings of a section, for the objectives
 from llmtrain.data.formats import IGNORE
 
 
@@ -31,8 +30,6 @@ def sampling(lm):
             yield
     finally:
         lm.train(was_training)
-
-
 
 
 def sample(lm, sampler: str, prompts: list[list[int]], seeds: list[int], *, max_new_tokens: int, temperature: float,

@@ -161,13 +161,12 @@ def _tied(model) -> set[str]:
 def _source(model, tokenizer, recipe, describe: str, read_template) -> Source:
     data = recipe.data
     chat = data.format == "messages" or data.chat_template is not False
-    from llmtrain.objectives.rollouts import sampling_of
+    from llmtrain.config import sampling_of
 
     rl = recipe.rl or recipe.distill
     sampling = {} if rl is None else {**sampling_of(rl), "max_new_tokens": rl.max_completion_tokens}
     return Source(model.eval(), tokenizer, chat, data.system_prompt, read_template(data, tokenizer) if chat else None,
-                  sampling,
-                  describe, recipe)
+                  sampling, describe, recipe)
 
 
 def no_template(source: Source) -> None:
