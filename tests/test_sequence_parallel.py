@@ -431,8 +431,10 @@ for name, total in (("sequence_sum", sequence_sum), ("shared_sum", shared_sum)):
     loss.backward()
     out[name] = [whole.tolist(), part.grad.tolist()]
 open(sys.argv[1] + f"/rank{rank}.json", "w").write(json.dumps(out))
-dist.barrier()  # both ranks past their last collective before either tears gloo down (a rank leaving first aborted
-dist.destroy_process_group()  # the other with "terminate called without an active exception", once in a full suite)
+dist.barrier()
+dist.destroy_process_group()
+from llmtrain.cli import exit_now  # as a launched run leaves: without the interpreter's teardown, where a gloo thread
+exit_now(0)  # can abort the process ("terminate called without an active exception", twice in full suites)
 """
 
 

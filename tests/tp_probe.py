@@ -143,3 +143,6 @@ def main(out: Path, name: str = "gemma4", lora: bool = False) -> None:
 
 if __name__ == "__main__":
     main(Path(sys.argv[1]), *sys.argv[2:3], lora="lora" in sys.argv[3:])
+    from llmtrain.cli import exit_now
+
+    exit_now(0)  # as a launched run leaves: no interpreter teardown for a gloo thread to abort (pytorch#179291)
