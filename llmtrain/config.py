@@ -838,6 +838,8 @@ MergedCopy = Literal["rollout", "kept", "off"]
 ADAPTIVE_ENTROPY = {"entropy_target": 0.2, "entropy_coef_min": 0.0, "entropy_coef_max": 1.0,
                     "entropy_coef_delta": 0.005}
 # online RL's losses with keys of their own, and TRL's defaults for them (rl.loss_type sapo, vespo)
+# rl.sampler_correction's own keys, TRL's defaults (vllm_importance_sampling_clip_max and _min)
+SAMPLER_CORRECTION = {"sampler_correction_max": 3.0}
 LOSS_KEYS = {"sapo": {"sapo_temperature_pos": 1.0, "sapo_temperature_neg": 1.05},
              "vespo": {"vespo_k_pos": 2.0, "vespo_lambda_pos": 3.0, "vespo_k_neg": 3.0, "vespo_lambda_neg": 2.0}}
 MERGED_COPY = (
@@ -848,6 +850,15 @@ MERGED_COPY = (
     "an adapter change under half a bf16 step of its weight (|w| / 512) does not reach the samples (most of a young "
     "adapter); kept, the same copy kept between rollouts (rebuilt in place: no allocation, its memory held through "
     "the update too). A copy that does not fit beside the KV cache samples unmerged, with a warning.")
+
+
+def _switched(data: dict, keys: dict, *, on: bool, reader: str, fix: str) -> None:
+    """A switch's own keys in an rl: section (`data`): their defaults (`keys`) filled in where it is on; where it is
+    off, any given is refused, naming what reads them (`reader`) and how to turn it on (`fix`)."""
+    if on:
+        data.update({k: v for k, v in keys.items() if data.get(k) is None})
+    elif given := [k for k in keys if data.get(k) is not None]:
+        raise ValueError(f"rl.{given[0]} is read by {reader}: {fix}, or remove {', '.join('rl.' + k for k in given)}")
 
 
 class RLConfig(Section):
@@ -969,6 +980,22 @@ class RLConfig(Section):
                                            "(TRL's, default 1): the highest coefficient.")
     entropy_coef_delta: float | None = Field(None, ge=0, allow_inf_nan=False, description="rl.use_adaptive_entropy "
                                              "only (TRL's, default 0.005): the coefficient's change a step.")
+    sampler_correction: Literal["token_truncate", "token_mask", "sequence_truncate", "sequence_mask"] | None = Field(
+        None, description="grpo only (TRL's vllm_importance_sampling_correction and _mode, which TRL turns on with "
+        "vLLM; default off): corrects for the sampler drawing from a slightly different distribution than the policy "
+        "trains (its kernels, its KV cache, rl.merged_copy's bf16 copy, top_p's cut): each trained token's policy "
+        "term is weighted by the importance ratio of the policy as it sampled (one more forward a rollout where "
+        "rl.num_iterations is 1) to the sampler's own log-probability of that token. token_*: a ratio a token; "
+        "sequence_*: a completion's, the product over its tokens; *_truncate clamps the ratio to [rl."
+        "sampler_correction_min, rl.sampler_correction_max], *_mask trains no policy term (its KL term stays) where "
+        "the ratio is outside them. Logged: sampling/sampling_logp_difference/mean and max (|policy - sampler| per "
+        "token), sampling/importance_sampling_ratio/min, mean and max.")
+    sampler_correction_max: float | None = Field(
+        None, gt=0, description="rl.sampler_correction only (TRL's vllm_importance_sampling_clip_max, "
+        "default 3): the ratio's upper bound (.inf: none).")
+    sampler_correction_min: float | None = Field(
+        None, ge=0, allow_inf_nan=False, description="rl.sampler_correction only (TRL's "
+        "vllm_importance_sampling_clip_min, default none): the ratio's lower bound.")
     multi_objective_aggregation: Literal["sum_then_normalize", "normalize_then_sum"] | None = Field(
         None, description="grpo only (TRL's): how several rewards become advantages. sum_then_normalize (the "
         "default): their weighted sum, then scale_rewards; normalize_then_sum (GDPO, Liu et al. 2026): each reward "
@@ -1028,7 +1055,8 @@ class RLConfig(Section):
             data["beta"] = 0.05 if rloo else 0.0
         grpo_only = ("loss_type", "scale_rewards", "importance_sampling_level", "delta", "multi_objective_aggregation",
                      "off_policy_mask_threshold", "use_bias_correction_kl", "top_entropy_quantile", "entropy_coef",
-                     "use_adaptive_entropy", *ADAPTIVE_ENTROPY, *(k for keys in LOSS_KEYS.values() for k in keys))
+                     "use_adaptive_entropy", *ADAPTIVE_ENTROPY, "sampler_correction", *SAMPLER_CORRECTION,
+                     "sampler_correction_min", *(k for keys in LOSS_KEYS.values() for k in keys))
         given = ([k for k in grpo_only if data.get(k) is not None] if rloo else  # every grpo key's default is None
                  [k for k in ("normalize_advantages", "reward_clip_range") if data.get(k) not in (None, False)])
         if given:
@@ -1039,12 +1067,9 @@ class RLConfig(Section):
             if data.get("loss_type") is None:
                 data["loss_type"] = "dapo"
             for loss, keys in LOSS_KEYS.items():  # a loss's own keys: TRL's defaults with it, refused without
-                if data["loss_type"] == loss:
-                    data.update({k: v for k, v in keys.items() if data.get(k) is None})
-                elif given := [k for k in keys if data.get(k) is not None]:
-                    raise ValueError(f"rl.{given[0]} is read by rl.loss_type {loss}, and this recipe runs "
-                                     f"{data['loss_type']}: remove {', '.join('rl.' + k for k in given)} (or set "
-                                     f"rl.loss_type={loss})")
+                _switched(data, keys, on=data["loss_type"] == loss,
+                          reader=f"rl.loss_type {loss}, and this recipe runs {data['loss_type']}",
+                          fix=f"set rl.loss_type={loss}")
             if data.get("multi_objective_aggregation") == "normalize_then_sum" and data.get("scale_rewards"):
                 raise ValueError(f"rl.scale_rewards={data['scale_rewards']} is not read with "
                                  "rl.multi_objective_aggregation=normalize_then_sum (each reward is normalised in its "
@@ -1057,13 +1082,12 @@ class RLConfig(Section):
                 data["top_entropy_quantile"] = 1.0
             if data.get("entropy_coef") is None:
                 data["entropy_coef"] = 0.0
-            if data.get("use_adaptive_entropy"):  # the controller's keys: TRL's defaults with it, refused without
-                data.update({k: v for k, v in ADAPTIVE_ENTROPY.items() if data.get(k) is None})
-            elif given := [k for k in ADAPTIVE_ENTROPY if data.get(k) is not None]:
-                raise ValueError(f"rl.{given[0]} is read by adaptive entropy control, which is off: set "
-                                 f"rl.use_adaptive_entropy=true, or remove {', '.join('rl.' + k for k in given)}")
-            else:
-                data["use_adaptive_entropy"] = False
+            _switched(data, ADAPTIVE_ENTROPY, on=bool(data.get("use_adaptive_entropy")),
+                      reader="adaptive entropy control, which is off", fix="set rl.use_adaptive_entropy=true")
+            data["use_adaptive_entropy"] = bool(data.get("use_adaptive_entropy"))
+            _switched(data, {**SAMPLER_CORRECTION, "sampler_correction_min": None},
+                      on=data.get("sampler_correction") is not None, reader="rl.sampler_correction, which is off",
+                      fix="set rl.sampler_correction (e.g. sequence_mask, TRL's with vLLM)")
             if data.get("scale_rewards") is None:
                 data["scale_rewards"] = "group"
             if data.get("importance_sampling_level") is None:  # luspo is GSPO's (TRL warns where it is not)
@@ -1109,6 +1133,24 @@ class RLConfig(Section):
         if self.use_adaptive_entropy and self.entropy_coef_min > self.entropy_coef_max:
             raise ValueError(f"rl.entropy_coef_min={self.entropy_coef_min:g} is above rl.entropy_coef_max="
                              f"{self.entropy_coef_max:g}: swap them")
+        return self
+
+    @model_validator(mode="after")
+    def _sampler_correction(self) -> RLConfig:
+        if self.sampler_correction is None:
+            return self
+        low, high = self.sampler_correction_min, self.sampler_correction_max
+        if low is not None and low > high:
+            raise ValueError(f"rl.sampler_correction_min={low:g} is above rl.sampler_correction_max={high:g}: swap "
+                             "them")
+        if low is None and high == math.inf:
+            raise ValueError(f"rl.sampler_correction={self.sampler_correction} with no bound (rl."
+                             "sampler_correction_max is .inf and rl.sampler_correction_min unset) changes no ratio: "
+                             "set a bound, or remove rl.sampler_correction")
+        if self.loss_type == "vespo" and self.sampler_correction.startswith("sequence"):
+            raise ValueError(f"rl.loss_type vespo adds each token's sampler ratio to its completion's log-weight, and "
+                             f"rl.sampler_correction={self.sampler_correction} gives one a completion: use "
+                             "token_truncate or token_mask (TRL's rule)")
         return self
 
     @property

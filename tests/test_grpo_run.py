@@ -548,6 +548,54 @@ def test_off_policy_masking_drops_what_the_round_pushed_down(straight, tmp_path)
     assert abs(masked[1]["loss"] - plain[1]["loss"]) > 1e-4
 
 
+SAMPLING_METRICS = ["sampling/sampling_logp_difference/mean", "sampling/sampling_logp_difference/max",
+                    "sampling/importance_sampling_ratio/min", "sampling/importance_sampling_ratio/mean",
+                    "sampling/importance_sampling_ratio/max"]
+
+
+def test_the_sampler_correction_in_fp32_finds_the_sampler_exact_and_trains_the_same(straight, tmp_path):
+    """rl.sampler_correction with the fast sampler in fp32: its log-probabilities are the policy's (each step's
+    largest |difference| under 1e-5, every ratio 1 to 1e-4), so the run samples and trains what the run without it
+    does (the same completions, losses to 1e-6); TRL's sampling/* names on every line; the eval has none."""
+    recipe, plain, _ = straight
+    run = tmp_path / "corrected"
+    run_train(recipe, f"output_dir={run}", "rl.sampler_correction=token_truncate")
+    lines = records(run)
+    for line in lines:
+        assert all(name in line for name in SAMPLING_METRICS)
+        assert 0 <= line["sampling/sampling_logp_difference/mean"] <= line["sampling/sampling_logp_difference/max"]
+        assert line["sampling/sampling_logp_difference/max"] < 1e-5
+        low, high = (line[f"sampling/importance_sampling_ratio/{k}"] for k in ("min", "max"))
+        assert 1 - 1e-4 < low <= high < 1 + 1e-4
+    assert [r["completion_ids"] for r in rollouts(run)] == [r["completion_ids"] for r in rollouts(plain)]
+    assert losses(run) == pytest.approx(losses(plain), abs=1e-6)
+    assert not any(k.startswith("sampling/") for e in records(run, "eval") for k in e)
+
+
+def test_the_sampler_correction_weighs_a_bf16_merged_copys_tokens(tiny_assets, tmp_path):
+    """A bf16 LoRA policy sampling from a merged bf16 copy (rl.merged_copy=rollout: W + sBA rounded once, where the
+    update computes W x + s B A x): the sampler's distribution is not the policy's, and the correction sees it (the
+    mean |difference| 1.0e-3 to 1.4e-3 a step here, the ratios 0.996 to 1.004), truncating at 1.002 (the largest
+    ratio logged is the bound); the run trains (the adapters move) and the loss is not the uncorrected run's."""
+    lora = {"r": 4, "alpha": 8, "dropout": 0.0}
+    recipe = grpo_recipe(tiny_assets, tmp_path, lora=lora, model={"dtype": "bfloat16"},
+                         rl={"merged_copy": "rollout"}, train={"max_steps": 3, "lr": 1e-2, "eval_every_steps": None},
+                         checkpoint={"every_steps": None})
+    runs = {name: tmp_path / name for name in ("plain", "corrected")}
+    run_train(recipe, f"output_dir={runs['plain']}")
+    run_train(recipe, f"output_dir={runs['corrected']}", "rl.sampler_correction=token_truncate",
+              "rl.sampler_correction_max=1.002")
+    lines = records(runs["corrected"])
+    assert all(line["sampling/sampling_logp_difference/mean"] > 5e-4 for line in lines)
+    assert all(line["sampling/importance_sampling_ratio/min"] < 1 for line in lines)
+    assert all(line["sampling/importance_sampling_ratio/max"] == pytest.approx(1.002) for line in lines)
+    assert [r["completion_ids"] for r in rollouts(runs["corrected"]) if r["step"] == 1] == [
+        r["completion_ids"] for r in rollouts(runs["plain"]) if r["step"] == 1]  # the same draws, weighed otherwise
+    assert abs(losses(runs["corrected"])[0] - losses(runs["plain"])[0]) > 1e-5
+    adapter = load_weights(runs["corrected"] / "final" / ADAPTER)
+    assert any(v.float().abs().max() > 0 for k, v in adapter.items() if "lora_B" in k)
+
+
 def test_ratio_keys_that_cannot_bind_with_one_update_a_round_are_said(tiny_assets, tmp_path):
     """rl.epsilon_high, rl.delta and GSPO act on the ratio, which rl.num_iterations 1 keeps at 1: a warning (doctor's
     and the run's start) naming them and the fix; none with rounds of 2, none for the defaults."""
@@ -565,6 +613,9 @@ def test_ratio_keys_that_cannot_bind_with_one_update_a_round_are_said(tiny_asset
     assert check_ratio_keys(load_recipe(recipe, ["rl.loss_type=cispo", "rl.epsilon_high=5"])) == []  # its cap
     alone = check_ratio_keys(load_recipe(recipe, ["rl.off_policy_mask_threshold=0.1"]))[0][2]
     assert alone.startswith("rl.off_policy_mask_threshold=0.1 acts on the ratio") and "it changes nothing" in alone
+    # with the sampler correction it reads the sampler's log-probabilities: it binds on the first update too
+    assert check_ratio_keys(load_recipe(recipe, ["rl.off_policy_mask_threshold=0.1",
+                                                 "rl.sampler_correction=sequence_mask"])) == []
 
 
 def test_cispo_trains_every_token_and_logs_the_share_above_its_cap(straight, tmp_path):

@@ -408,14 +408,15 @@ RL = {"num_generations": 4, "max_completion_tokens": 8, "temperature": 1.0, "bet
 # round's second update (its policy loss -0.220 against -0.070 unmasked) and not in its first, whose drift is rounding
 # noise (at 0 the mask followed that noise's sign, which one process's forward and the slices' need not share: step
 # 3's policy loss halved under the entropy bonus below), and the adaptive entropy bonus (its mean over the step's
-# tokens of every slice; the controller moved by the slices' summed entropy)
+# tokens of every slice; the controller moved by the slices' summed entropy), and the sampler correction a
+# completion (its ratio from whole rows on the group's first process, each slice's tokens weighed by it)
 ONLINE = {"grpo": {"loss_type": "grpo", "importance_sampling_level": "sequence", "off_policy_mask_threshold": 1e-5,
                    "use_adaptive_entropy": True, "entropy_target": 100.0, "entropy_coef": 0.1,
-                   "entropy_coef_delta": 0.05},
+                   "entropy_coef_delta": 0.05, "sampler_correction": "sequence_truncate"},
           "rloo": {"algorithm": "rloo", "normalize_advantages": True},
           # vespo: a completion's weight from its tokens' summed log-ratios over the slices; the entropy quantile
           # over every slice's tokens
-          "vespo": {"loss_type": "vespo", "top_entropy_quantile": 0.2}}
+          "vespo": {"loss_type": "vespo", "top_entropy_quantile": 0.2, "sampler_correction": "token_mask"}}
 
 
 SUMS = """
@@ -500,11 +501,14 @@ def test_online_rl_on_two_processes_of_one_sequence_samples_and_trains_what_one_
     _assert_equal(two, one, weights=5e-5)  # Adam at lr 1e-2 over a rounding-size difference of the gradients
     mine, reference = records(two), records(one)
     for key in ("kl", "reward", "reward_std", "completions/mean_length", "clip_ratio/region_mean",
-                "vespo/phi_seq_mean", "policy_loss", "entropy_coef"):
+                "vespo/phi_seq_mean", "policy_loss", "entropy_coef", "sampling/importance_sampling_ratio/mean",
+                "sampling/importance_sampling_ratio/max", "sampling/sampling_logp_difference/mean"):
         assert [r.get(key) for r in mine] == pytest.approx([r.get(key) for r in reference], abs=1e-6), key
     if algorithm == "grpo":  # the bonus applied from step 2 (0.15, 0.2): the loss is not the policy's
         assert [r["entropy_coef"] for r in reference] == pytest.approx([0.15, 0.2, 0.25])
         assert reference[1]["loss"] == pytest.approx(reference[1]["policy_loss"] - 0.15 * reference[1]["entropy"])
+    if algorithm != "rloo":  # the sampler's log-probabilities came through the slices: fp32, the policy's own
+        assert all(r["sampling/sampling_logp_difference/max"] < 1e-5 for r in mine if "reward" in r)
     if algorithm == "vespo":  # the round's second update weighs by a moved ratio, summed over the slices
         assert abs(reference[1]["vespo/phi_seq_mean"] - 1) > 1e-4
     # every slice's tokens' (RLOO's counted the first slice's alone before)

@@ -17,6 +17,7 @@ from test_tools_sft import tokenizer_for
 
 from llmtrain.data.tools import call_syntax, parse_turn, schema_of, tool_suffix_ids
 from llmtrain.errors import LLMTrainError
+from llmtrain.model.generate import Drawn
 from llmtrain.objectives.tool_calls import Tools, sample_with_tools
 
 
@@ -263,11 +264,15 @@ def code_reward(completions, **kwargs):
             for c in completions]
 
 
+@pytest.mark.parametrize("correction", [None, "token_truncate"])
 def test_the_rollout_with_tools_trains_what_trls_loss_trains_with_its_tool_mask(tiny_assets, tmp_path,
-                                                                                monkeypatch):
+                                                                                monkeypatch, correction):
     """The tiny model with the tools template: llmtrain's GRPO objective samples (the turns scripted, the tools, the
     rewards and the packing real) and packs a step; its loss and gradient norm equal TRL's _compute_loss on the same
-    prompts, completions and advantages with llmtrain's mask as TRL's tool_mask."""
+    prompts, completions and advantages with llmtrain's mask as TRL's tool_mask. With rl.sampler_correction the
+    scripted sampler gives each token a log-probability (its turn's and position's): the pass keeps those of the
+    model's tokens (mask 1) in order, the results' left out, and TRL's loss given the same ratios and old
+    log-probabilities (use_vllm's path) is the same."""
     from test_grpo import padded_inputs, tiny_model, trl_trainer
     from transformers import AutoTokenizer
 
@@ -282,7 +287,8 @@ def test_the_rollout_with_tools_trains_what_trls_loss_trains_with_its_tool_mask(
     turns = [['<call>{"name": "lookup", "arguments": {"word": "abc"}}</call>', "CBA"], ["no idea"],
              ['<call>{"name": "lookup", "arguments": {"word": "abc"}}</call>', "cba!"],
              ['<call>{"name": "fail", "arguments": {"word": "z"}}</call>', "sorry"]]
-    rl = RLConfig(num_generations=2, max_completion_tokens=160, tools=TOOLS[:2], rewards=[{"type": "answer_match"}])
+    rl = RLConfig(num_generations=2, max_completion_tokens=160, tools=TOOLS[:2], rewards=[{"type": "answer_match"}],
+                  sampler_correction=correction, **({"sampler_correction_max": 1.5} if correction else {}))
     ours_model, theirs_model = tiny_model(tiny_assets), tiny_model(tiny_assets)
     eos = tok.eos_token_id
     grpo = GRPO(rl, tokenizer=tok, pad_id=tok.pad_token_id, packing=True, seed=0,
@@ -290,23 +296,37 @@ def test_the_rollout_with_tools_trains_what_trls_loss_trains_with_its_tool_mask(
                 stop_ids=[eos], world=1, template=template)
     which = {}  # a seed: (its completion, its round)
 
-    def generate(prompt_ids, seeds, *, greedy=False, max_new_tokens=None):
+    def generate(prompt_ids, seeds, *, greedy=False, max_new_tokens=None, logps=False):
         if not which:
             which.update({round_seed(s, r) if r else s: (k, r) for k, s in enumerate(seeds) for r in range(3)})
-        return [tok(turns[k][r], add_special_tokens=False)["input_ids"] + [eos] for k, r in map(which.get, seeds)]
+        drawn = [tok(turns[k][r], add_special_tokens=False)["input_ids"] + [eos] for k, r in map(which.get, seeds)]
+        if not logps:
+            return drawn
+        return [Drawn(ids, [-4.0 - k - 0.001 * j for j in range(len(ids))])
+                for ids, (k, _) in zip(drawn, map(which.get, seeds))]
 
     monkeypatch.setattr(grpo, "_generate", generate)
     chat = [{"role": "user", "content": "code of abc"}]
     prompt = tok(tok.apply_chat_template(chat, tokenize=False, add_generation_prompt=True,
                                          tools=[schema_of(t) for t in TOOLS[:2]]), add_special_tokens=False)
     examples = [{"input_ids": prompt["input_ids"], "row": r, "prompt": chat} for r in range(2)]
+    attach_loss(ours_model, chunk=4096)  # (the correction's rollout takes the policy's log-probabilities)
     batches, counts, records = grpo._rollout_batch(examples, step=0)
     assert [r["reward"] for r in records] == [1.0, 0.0, 1.0, 0.0]
     assert [len(r["tool_calls"]) for r in records] == [1, 0, 1, 1]
     masks = [r["tool_mask"] for r in records]
     assert [0 in m for m in masks] == [True, False, True, True]
 
-    attach_loss(ours_model, chunk=4096)
+    if correction:  # the sampler's log-probabilities of the trained tokens, the model's tokens alone, in order
+        sampled = torch.cat([b["loss_sampler_logps"] for b in batches])
+        assert len(batches) == 1  # one pass: its loss_example is each token's completion
+        completion = batches[0]["loss_example"]
+        assert len(sampled) == sum(sum(m) for m in masks)
+        assert ((-4.0 - sampled).floor() == completion).all()  # each token its own completion's value
+        for k in range(4):  # the turn's first token first (0.001 a position after it)
+            assert sampled[completion == k][0].item() == pytest.approx(-4.0 - k)
+        weights = torch.cat([b["loss_sampler_weights"] for b in batches])
+        assert weights.max() == pytest.approx(1.5) and weights.min() < 1.5  # the bound binds, not on all
     total = sum(grpo.loss(ours_model, b)[0] for b in batches) / counts.units
     total.backward()
     prompts = [r["prompt_ids"] for r in records]
@@ -318,6 +338,13 @@ def test_the_rollout_with_tools_trains_what_trls_loss_trains_with_its_tool_mask(
     width = inputs["completion_ids"].shape[1]
     inputs["tool_mask"] = torch.tensor([m + [1] * (width - len(m)) for m in masks])  # TRL pads it with 1
     inputs["num_items_in_batch"] = (inputs["completion_mask"] * inputs["tool_mask"]).sum()
+    if correction:  # TRL's vLLM path given llmtrain's ratios and old log-probabilities, at the trained tokens
+        trained = (inputs["completion_mask"] * inputs["tool_mask"]).bool()
+        ratio, old = torch.ones(trained.shape), torch.zeros(trained.shape)
+        ratio[trained] = torch.cat([b["loss_sampler_weights"] for b in batches])
+        old[trained] = torch.cat([b["loss_old_logps"] for b in batches])
+        inputs["importance_sampling_ratio"], inputs["old_per_token_logps"] = ratio, old
+        trainer.use_vllm = trainer.vllm_importance_sampling_correction = True
     theirs = trainer._compute_loss(theirs_model, inputs)
     theirs.backward()
     assert total.item() == pytest.approx(theirs.item(), abs=1e-5)
@@ -394,7 +421,7 @@ def test_an_environment_per_completion_is_reset_with_its_row_and_its_reward_coun
              ['<call>{"name": "open_vault", "arguments": {"guess": "xyz"}}</call>', "hm"], ["no"]]
     which = {}
 
-    def generate(prompt_ids, seeds, *, greedy=False, max_new_tokens=None):
+    def generate(prompt_ids, seeds, *, greedy=False, max_new_tokens=None, logps=False):
         if not which:
             which.update({round_seed(s, r) if r else s: (k, r) for k, s in enumerate(seeds) for r in range(3)})
         return [tok(turns[k][r], add_special_tokens=False)["input_ids"] + [tok.eos_token_id]
@@ -466,7 +493,7 @@ def test_under_tensor_parallelism_the_users_code_runs_on_one_process_of_the_pair
                  ['<call>{"name": "open_vault", "arguments": {"guess": "xyz"}}</call>', "hm"], ["no"]]
         which = {}
 
-        def generate(prompt_ids, seeds, *, greedy=False, max_new_tokens=None):  # both processes sample
+        def generate(prompt_ids, seeds, *, greedy=False, max_new_tokens=None, logps=False):  # both processes sample
             if not which:
                 which.update({round_seed(s, r) if r else s: (k, r) for k, s in enumerate(seeds) for r in range(3)})
             return [tok(turns[k][r], add_special_tokens=False)["input_ids"] + [tok.eos_token_id]

@@ -245,14 +245,15 @@ def check_no_eval(recipe: Recipe, eval_ds) -> list[Check]:
 def check_ratio_keys(recipe: Recipe) -> list[Check]:
     """Online RL's keys that act on the ratio of the policy to the one that sampled (rl.epsilon_high, rl.delta,
     GSPO's importance_sampling_level), set where it is always 1 (rl.num_iterations 1): said, not refused (TRL takes
-    them so too), as they change nothing."""
+    them so too), as they change nothing. The off-policy mask binds with rl.sampler_correction (it reads the
+    sampler's own log-probabilities then): not said."""
     rl = recipe.rl
     if rl is None or rl.num_iterations > 1:
         return []
     # cispo's epsilon_high is required (its cap): not said
+    masks = rl.off_policy_mask_threshold if rl.sampler_correction is None else None
     keys = [f"rl.{k}={v}" for k, v in (("epsilon_high", rl.epsilon_high if rl.loss_type != "cispo" else None),
-                                         ("delta", rl.delta),
-                                         ("off_policy_mask_threshold", rl.off_policy_mask_threshold)) if v is not None]
+                                         ("delta", rl.delta), ("off_policy_mask_threshold", masks)) if v is not None]
     keys += ["rl.importance_sampling_level=sequence"] if rl.importance_sampling_level == "sequence" else []
     if not keys:
         return []

@@ -52,7 +52,7 @@ import torch
 from llmtrain.capabilities import FAMILIES
 from llmtrain.config import PREFILL_CHUNK  # noqa: F401  (read as fast_sample.PREFILL_CHUNK: the tests set it)
 from llmtrain.model.attention import SINKS, layer_kinds, rotary_by_kind
-from llmtrain.model.generate import Stops, attention_as, next_tokens, seen_tokens
+from llmtrain.model.generate import Drawn, Stops, attention_as, next_tokens, seen_tokens
 from llmtrain.model.loss import causal_lm
 
 CHECK_EVERY = 16  # tokens between two looks at the end-of-turn flags (the only host syncs while decoding)
@@ -212,12 +212,13 @@ def _window_mask(allowed: torch.Tensor, query_slots: torch.Tensor, key_slots: to
 def sample_fast(lm, prompts: list[list[int]], *, seeds: list[int], max_new_tokens: int, temperature: float,
                 top_p: float, stop_ids: set[int], pad_id: int, top_k: int = 0, min_p: float = 0.0,
                 repetition_penalty: float = 1.0, capture: bool = False, copy: str = "off",
-                compact: bool = True) -> list[list[int]]:
+                compact: bool = True, logps: bool = False) -> list[list[int]] | list[Drawn]:
     """Each prompt's completion, as `generate.sample` returns it: at most max_new_tokens ids, ending with a stop id
     where one was drawn. capture: replay the decode step as a CUDA graph (CUDA only); copy: rl.merged_copy (the
     adapted linears on a merged generation copy, model/merged_copy.py; LoRA-adapted experts run their adapters beside
     the base experts whatever it says, as they train: model/lora_experts.py); compact: drop finished rows from the
-    decode batch (the same tokens either way)."""
+    decode batch (the same tokens either way); logps: each completion a generate.Drawn, with the sampler's
+    log-probability of each token."""
     from llmtrain.model.merged_copy import merged_for_sampling
 
     device = lm.device
@@ -230,10 +231,13 @@ def sample_fast(lm, prompts: list[list[int]], *, seeds: list[int], max_new_token
         logits, keys, values = _prefill(forward, prompts, steps=max_new_tokens, pad_id=pad_id, device=device)
         decode = _Decode(forward, prompts, keys, values, uniforms=uniforms, stop_ids=stop_ids, pad_id=pad_id,
                          sampling=dict(temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p,
-                                       repetition_penalty=repetition_penalty))
+                                       repetition_penalty=repetition_penalty), logps=logps)
         decode.first(logits)
         decode.run(capture=capture, compact=compact)
-    return _trim(decode.result.tolist(), Stops.of(stop_ids))  # the one copy back to the host
+    completions = _trim(decode.result.tolist(), Stops.of(stop_ids))  # the one copy back to the host
+    if not logps:
+        return completions
+    return [Drawn(ids, row[:len(ids)]) for ids, row in zip(completions, decode.result_logps.tolist())]
 
 
 def _cache_bytes(forward: _Forward, rows: int, length: int) -> int:
@@ -294,7 +298,7 @@ class _Decode:
     drew)."""
 
     def __init__(self, forward: _Forward, prompts: list[list[int]], keys: list, values: list, *,
-                 uniforms: torch.Tensor, stop_ids: set[int], pad_id: int, sampling: dict):
+                 uniforms: torch.Tensor, stop_ids: set[int], pad_id: int, sampling: dict, logps: bool = False):
         device, rows, steps = uniforms.device, len(prompts), uniforms.size(1)
         self.forward, self.uniforms, self.pad_id, self.sampling = forward, uniforms, pad_id, sampling
         self.prompts = prompts  # their tokens: repetition_penalty's first seen ones (`first`)
@@ -310,6 +314,8 @@ class _Decode:
         self.windows = set(forward.windows)
         self.rows = torch.arange(rows, device=device)
         self.result = torch.full((rows, steps), pad_id, dtype=torch.long, device=device)
+        # logps: each drawn token's log-probability under the sampler's distribution (next_tokens'), as `out`
+        self.result_logps = torch.zeros(rows, steps, device=device) if logps else None
         self.state = dict(
             ids=torch.zeros(rows, 1, dtype=torch.long, device=device),  # the token each row forwards next
             positions=torch.tensor([[len(p)] for p in prompts], device=device),  # its position (rotary)
@@ -317,6 +323,8 @@ class _Decode:
             column=torch.ones(rows, 1, dtype=torch.long, device=device),  # the token drawn next: out's column
             done=torch.zeros(rows, dtype=torch.bool, device=device),
             out=torch.full((rows, steps), pad_id, dtype=torch.long, device=device))
+        if logps:
+            self.state["logps"] = torch.zeros(rows, steps, device=device)
         self.cache = _SlotCache(keys, values, self.state["slot"], self.length)
 
     def first(self, logits: torch.Tensor) -> None:
@@ -324,7 +332,8 @@ class _Decode:
         [rows, vocab] join the state (its prompt's, then each drawn one)."""
         if self.sampling["repetition_penalty"] != 1.0:
             self.state["seen"] = seen_tokens(self.prompts, logits.shape[-1], logits.device)
-        token = next_tokens(logits, self.uniforms[:, 0], **self.sampling, seen=self.state.get("seen"))
+        logps = self.state["logps"][:, 0] if "logps" in self.state else None
+        token = next_tokens(logits, self.uniforms[:, 0], **self.sampling, seen=self.state.get("seen"), logps=logps)
         if "seen" in self.state:
             self.state["seen"].scatter_(1, token[:, None], True)
         self.state["out"][:, 0] = token
@@ -338,12 +347,15 @@ class _Decode:
         allowed = (slots >= self.start[:, None]) & (slots <= s["slot"])
         masks = {w: _window_mask(allowed, s["slot"], slots, w)[:, None, None] for w in self.windows}
         logits = self.forward(s["ids"], s["positions"], masks, self.cache)
+        logps = s["done"].new_zeros(s["done"].shape, dtype=torch.float32) if "logps" in s else None
         drawn = next_tokens(logits, self.uniforms.gather(1, s["column"]).squeeze(1), **self.sampling,
-                            seen=s.get("seen"))
+                            seen=s.get("seen"), logps=logps)
         drawn = torch.where(s["done"], torch.full_like(drawn, self.pad_id), drawn)
         if "seen" in s:
             s["seen"].scatter_(1, drawn[:, None], True)  # a finished row's pad: it draws no more
         s["out"].scatter_(1, s["column"], drawn[:, None])
+        if logps is not None:  # a finished row's: never read (its tokens end at its stop)
+            s["logps"].scatter_(1, s["column"], logps[:, None])
         s["done"] |= (drawn[:, None] == self.stops).any(-1)
         for seq, back in self.sequences:  # its last len(seq) tokens are the sequence (a finished row's are pads)
             window = s["out"].gather(1, (s["column"] + back).clamp(min=0))
@@ -359,9 +371,9 @@ class _Decode:
         moved to the front rows, layer by layer: no second cache). A row's tokens do not change: its uniforms,
         positions and cache go with it, and no row reads another's."""
         s, n = self.state, live.numel()
-        self.result.index_copy_(0, self.rows, s["out"])
+        self._keep_results()
         self.rows, self.start, self.uniforms = self.rows[live], self.start[live], self.uniforms[live]
-        for key in ("ids", "positions", "column", "done", "out", "seen"):
+        for key in ("ids", "positions", "column", "done", "out", "seen", "logps"):
             if key in s:
                 s[key] = s[key][live]
         for cache in (self.cache.keys, self.cache.values):
@@ -406,7 +418,13 @@ class _Decode:
                 self.step()
             else:
                 graphs[key].replay()
-        self.result.index_copy_(0, self.rows, state["out"])
+        self._keep_results()
+
+    def _keep_results(self) -> None:
+        """What the rows in the batch drew so far (and its log-probabilities) to their places in the rollout."""
+        self.result.index_copy_(0, self.rows, self.state["out"])
+        if self.result_logps is not None:
+            self.result_logps.index_copy_(0, self.rows, self.state["logps"])
 
 
 class _PrefillCache:

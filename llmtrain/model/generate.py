@@ -16,6 +16,7 @@ one unpacked sequence, and switches back afterwards.
 from __future__ import annotations
 
 from contextlib import contextmanager, nullcontext
+from typing import NamedTuple
 
 import torch
 
@@ -137,28 +138,37 @@ def seen_tokens(rows: list[list[int]], vocab: int, device) -> torch.Tensor:
 
 
 def next_tokens(logits: torch.Tensor, uniforms: torch.Tensor, *, temperature: float, top_p: float, top_k: int = 0,
-                min_p: float = 0.0, repetition_penalty: float = 1.0, seen: torch.Tensor | None = None) -> torch.Tensor:
+                min_p: float = 0.0, repetition_penalty: float = 1.0, seen: torch.Tensor | None = None,
+                logps: torch.Tensor | None = None) -> torch.Tensor:
     """One token per row of `logits` [rows, vocab]: the argmax at temperature 0, else the token where the row's
     cumulative distribution (softmax(logits / temperature) cut by top_k, top_p and min_p: filtered_probs) passes the
     row's uniform; with a repetition_penalty other than 1, the row's `seen` tokens penalised first (transformers'
-    order: the penalty is a logits processor, the filters its warpers after it)."""
+    order: the penalty is a logits processor, the filters its warpers after it). `logps` [rows] (float32), where
+    given, is filled with each drawn token's log-probability under the distribution it was drawn from (vLLM's
+    processed logprobs: penalised, tempered, filtered and renormalised; 0 at temperature 0, a point mass)."""
     if repetition_penalty != 1.0:
         logits = repetition_penalized(logits.float(), seen, repetition_penalty)
     if temperature == 0:
+        if logps is not None:
+            logps.zero_()
         return logits.argmax(dim=-1)
     probs = filtered_probs(logits, temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p)
     cdf = probs.cumsum(dim=-1)
     picked = torch.searchsorted(cdf, (uniforms * cdf[:, -1]).unsqueeze(-1), right=True).squeeze(-1)
-    return picked.clamp(max=logits.size(-1) - 1)
+    picked = picked.clamp(max=logits.size(-1) - 1)
+    if logps is not None:
+        logps.copy_(probs.gather(1, picked[:, None]).squeeze(1).log() - cdf[:, -1].log())
+    return picked
 
 
 @torch.no_grad()
 def sample(lm, prompts: list[list[int]], *, seeds: list[int], max_new_tokens: int, temperature: float,
            top_p: float, stop_ids: set[int], pad_id: int, top_k: int = 0, min_p: float = 0.0,
-           repetition_penalty: float = 1.0) -> list[list[int]]:
+           repetition_penalty: float = 1.0, logps: bool = False) -> list[list[int]] | list[Drawn]:
     """Each prompt's completion: at most max_new_tokens ids, ending with a stop where one was drawn (a stop id, or
     the last token of one of `Stops.sequences`). repetition_penalty: over the tokens of the prompt (its padding left
-    out) and of the completion so far."""
+    out) and of the completion so far. logps: each a `Drawn`, its tokens with the sampler's log-probability of each
+    (next_tokens')."""
     device, rows = lm.device, len(prompts)
     width = max(map(len, prompts))
     ids = torch.tensor([[pad_id] * (width - len(p)) + p for p in prompts], device=device)
@@ -170,6 +180,8 @@ def sample(lm, prompts: list[list[int]], *, seeds: list[int], max_new_tokens: in
     stop_ids = Stops.of(stop_ids)
     stops = torch.tensor(sorted(stop_ids), device=device)
     out = [[] for _ in range(rows)]
+    drawn_logps = [[] for _ in range(rows)]
+    step_logps = torch.zeros(rows, device=device) if logps else None
     done = torch.zeros(rows, dtype=torch.bool, device=device)
     # eager: compiled layers (model.compile) would recompile at every new length
     with cached_attention(lm), torch.compiler.set_stance("force_eager"):
@@ -178,13 +190,16 @@ def sample(lm, prompts: list[list[int]], *, seeds: list[int], max_new_tokens: in
         seen = seen_tokens(prompts, result.logits.shape[-1], device) if repetition_penalty != 1.0 else None
         for t in range(max_new_tokens):
             token = next_tokens(result.logits[:, -1], uniforms[:, t], temperature=temperature, top_p=top_p,
-                                top_k=top_k, min_p=min_p, repetition_penalty=repetition_penalty, seen=seen)
+                                top_k=top_k, min_p=min_p, repetition_penalty=repetition_penalty, seen=seen,
+                                logps=step_logps)
             token = torch.where(done, torch.full_like(token, pad_id), token)
             if seen is not None:
                 seen.scatter_(1, token[:, None], True)  # a finished row's pad: it draws no more
-            for i, (value, finished) in enumerate(zip(token.tolist(), done.tolist())):  # one host sync a token
+            values = step_logps.tolist() if logps else [0.0] * rows
+            for i, (value, finished, logp) in enumerate(zip(token.tolist(), done.tolist(), values)):  # host syncs
                 if not finished:
                     out[i].append(value)
+                    drawn_logps[i].append(logp)
             done = done | torch.isin(token, stops)
             if stop_ids.sequences:  # an end of turn of several tokens: the rows that just drew its last
                 done = done | torch.tensor([stop_ids.ends(row) for row in out], device=device)
@@ -194,7 +209,15 @@ def sample(lm, prompts: list[list[int]], *, seeds: list[int], max_new_tokens: in
             positions = positions[:, -1:] + 1
             result = lm(input_ids=token.unsqueeze(-1), attention_mask=mask, position_ids=positions,
                         use_cache=True, **_cache_arg(result))
-    return out
+    return [Drawn(ids, lp) for ids, lp in zip(out, drawn_logps)] if logps else out
+
+
+class Drawn(NamedTuple):
+    """A sampled completion with the sampler's log-probability of each of its tokens (a sampler's output where
+    asked for them: rl.sampler_correction compares them with the trained policy's)."""
+
+    ids: list[int]
+    logps: list[float]
 
 
 def _cache_arg(result) -> dict:

@@ -163,6 +163,25 @@ def off_policy_keep(logps: torch.Tensor, old_logps: torch.Tensor, advantages: to
 
 
 @torch.no_grad()
+def sampler_weights(policy: torch.Tensor, sampler: torch.Tensor, completion: torch.Tensor, n: int, *, mode: str,
+                    low: float | None, high: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """rl.sampler_correction (TRL's vLLM importance sampling correction): (each trained token's weight, the ratios
+    it was made of: one a token, or one a completion). A token's ratio is exp(policy - sampler): its log-probability
+    under the policy as it sampled over the sampler's own; sequence_* modes take a completion's, exp of the sum over
+    its tokens (`completion`: each token's, of `n`). *_truncate clamps it to [low, high] (low None: no bound),
+    *_mask makes it 0 outside them."""
+    log_ratio = policy - sampler
+    if mode.startswith("sequence"):
+        log_ratio = log_ratio.new_zeros(n).index_add(0, completion, log_ratio)
+    ratio = log_ratio.exp()
+    if mode.endswith("truncate"):
+        ratio = ratio.clamp(min=low, max=high)
+    else:
+        ratio = torch.where((ratio > high) | (ratio < (-math.inf if low is None else low)), 0.0, ratio)
+    return (ratio[completion] if mode.startswith("sequence") else ratio), ratio
+
+
+@torch.no_grad()
 def high_entropy_keep(entropy: torch.Tensor, quantile: float, *, gather=None, counts: bool = True) -> torch.Tensor:
     """rl.top_entropy_quantile (TRL's get_high_entropy_mask; "Beyond the 80/20 Rule"): per trained token, whether
     its policy term counts: its entropy is at least the (1 - quantile) quantile (torch.quantile's linear
@@ -183,12 +202,15 @@ def high_entropy_keep(entropy: torch.Tensor, quantile: float, *, gather=None, co
 @torch.no_grad()
 def vespo_weights(logps: torch.Tensor, old_logps: torch.Tensor | None, advantages: torch.Tensor,
                   completion: torch.Tensor, n: int, *, k: tuple[float, float], lam: tuple[float, float],
-                  group_sum=None) -> torch.Tensor:
+                  group_sum=None, sampler_weights: torch.Tensor | None = None) -> torch.Tensor:
     """VESPO's weight (TRL's get_gamma_weights) per completion token: phi(w) = e^lam w^k e^(-lam w), 1 at w = 1, of
     its completion's whole ratio w = exp(the sum of its tokens' log-ratios, each clamped to +-20, the sum to
     [log 1e-8, 20]); k and lam (for an advantage >= 0, for one < 0). old_logps None: w = 1. `group_sum`: under
-    sequence parallelism the sum of a completion's parts over the slices."""
+    sequence parallelism the sum of a completion's parts over the slices. `sampler_weights` (rl.sampler_correction's
+    token ratios, sampler_weights): each one's log, clamped to [log 1e-8, 20], joins its token's log-ratio (TRL's)."""
     log_ratio = (logps - (logps if old_logps is None else old_logps)).clamp(-20.0, 20.0)
+    if sampler_weights is not None:
+        log_ratio = log_ratio + sampler_weights.log().clamp(math.log(1e-8), 20.0)
     sums = log_ratio.new_zeros(n).index_add(0, completion, log_ratio)
     if group_sum is not None:
         sums = group_sum(sums)
@@ -243,8 +265,10 @@ FLAT_STEPS = 5  # steps in a row of all-zero advantages before a run is told it 
 # at every eval, so two evals' numbers differ by the policy and not by the draws
 EVAL_STEP = -1
 # length: the completions' tokens; trained: those trained (rl.mask_truncated_completions drops the clipped ones')
+# sampler_*: rl.sampler_correction's |policy - sampler| log-probability summed over the trained tokens, and its
+# ratios (a token's, or a completion's) summed and counted
 ROLLOUT_STATS = ["completions", "reward", "reward_squares", "scored", "zero_std", "length", "clipped", "generation_s",
-                 "tool_calls", "tool_failures", "trained"]
+                 "tool_calls", "tool_failures", "trained", "sampler_difference", "sampler_ratio", "sampler_ratios"]
 # clipped and sequences: each token's share of its completion (1 / its tokens), so they add up to completions over
 # any split of the tokens (importance_sampling_level sequence logs the clipped share of completions, as TRL)
 # entropy: the policy's, summed over the completion tokens (TRL's `entropy`, their mean); phi: vespo's weight, each
@@ -348,6 +372,10 @@ class GRPO:
         adaptive = self.entropy is not None and rl.use_adaptive_entropy
         self.checkpointed = (self.entropy,) if adaptive else ()
         self.after_window = self._control_entropy if adaptive else None  # the step calls it after each window
+        # rl.sampler_correction: the rollout's sampler gives each token's log-probability, the policy's are taken
+        # after it, and the window's largest |difference| and extreme ratios go to its metrics line
+        self.correcting = rl.sampler_correction is not None
+        self.sampler_extremes: dict[str, float] = {}
 
     def collate(self, examples: list[dict]) -> tuple[dict, Counts]:
         """The prompts as they are: the rollout makes the tensors (and the counts) once the completions exist."""
@@ -360,7 +388,7 @@ class GRPO:
         recounted, and `rollouts` (one record per completion, for rollouts.jsonl) filled in."""
         import dataclasses
 
-        batches, counts, records = [], None, []
+        batches, counts, records, extremes = [], None, [], []
         if self.state is not None:  # what a reward function sees: the steps done, as TRL's global_step
             self.state.global_step, self.state.epoch = step, float(window.epoch)
         with sampling(self.lm):
@@ -369,6 +397,7 @@ class GRPO:
                 parts, n, recs = self.on_first_of_group(
                     lambda: self._rollout_batch(b["examples"], step, stand_in=not batch_weight(b), drawn=drawn))
                 batches += parts
+                extremes += [part.pop("sampler_extremes") for part in parts if "sampler_extremes" in part]
                 counts = n if counts is None else counts.plus(n)
                 records += recs
         if self.rl.multi_objective_aggregation == "normalize_then_sum" or self.rl.scale_rewards == "batch":
@@ -381,6 +410,8 @@ class GRPO:
                 batch["loss_advantages"] = torch.nan_to_num((batch["loss_advantages"] - shift) / divisor, nan=0.0)
             for record in records:
                 record["advantage"] = 0.0 if record["advantage"] is None else (record["advantage"] - shift) / divisor
+        if self.correcting:  # the step's largest |difference| and extreme ratios over every process: one gather
+            self.sampler_extremes = _extremes(self.gather(extremes))
         if self.rl.micro_batch_tokens is not None and self.world > 1:
             # Every rank must run as many forward/backward passes (FSDP gathers and reduce-scatters in each): the
             # ranks with fewer run their last pass again with weight 0. One small gather a step.
@@ -404,7 +435,7 @@ class GRPO:
 
         begun = time.perf_counter()
         completions = self.share_sampling(
-            lambda prompts, seeds: self._generate(prompts, seeds),
+            lambda prompts, seeds: self._generate(prompts, seeds, logps=self.correcting),
             *self._prompts(examples, step))
         return completions, time.perf_counter() - begun
 
@@ -424,8 +455,13 @@ class GRPO:
         if drawn is not None:
             completions, generation_s = drawn
         else:
-            completions, tooled = self._complete(prompt_ids, seeds, rows=[e for e in examples for _ in range(g)])
+            completions, tooled = self._complete(prompt_ids, seeds, rows=[e for e in examples for _ in range(g)],
+                                                 logps=self.correcting)
             generation_s = time.perf_counter() - begun
+        sampled = None  # rl.sampler_correction: the sampler's log-probability of each completion token
+        if self.correcting:
+            sampled = [t.logps for t in tooled] if tooled else [d.logps for d in completions]
+            completions = completions if tooled else [d.ids for d in completions]
         if stand_in:
             texts, total, extra = [""] * len(completions), torch.zeros(len(completions)), RewardLogs()
             per_function = torch.full((len(completions), len(self.rewards)), float("nan"))
@@ -444,9 +480,10 @@ class GRPO:
             masks = [[0] * len(m) if cut else m for m, cut in zip(masks, clipped)]
         sequences = completion_rows(prompt_ids, completions, masks=masks)
         batches, parts, lengths = self._passes(sequences)
-        if rl.num_iterations > 1:  # the round's later updates divide by the policy as it sampled
+        if rl.num_iterations > 1 or self.correcting:  # the round's later updates divide by the policy as it sampled
             for batch in batches:
                 batch["loss_old_logps"] = self._sampling_logps(batch).cpu()
+        correction = self._correct(batches, parts, sampled, masks) if self.correcting else [0.0] * 3
         advantages, std, more, columns = self._advantages(total, g, batches, parts, per_function=per_function)
         for batch, part, n in zip(batches, parts, lengths.split([len(part) for part in parts])):
             self._attach(batch, advantages[part], n)
@@ -455,14 +492,15 @@ class GRPO:
             len(completions), float(total.nansum()), float((total.nan_to_num() ** 2).sum()),
             float((~total.isnan()).sum()), float((std.nan_to_num() < 1e-8).sum()), float(lengths.sum()) + dropped,
             float(sum(clipped)), generation_s / self.world, sum(len(t.calls) for t in tooled or []),
-            sum(t.failures for t in tooled or []), float(lengths.sum()), *more,
+            sum(t.failures for t in tooled or []), float(lengths.sum()), *correction, *more,
             *per_function.nan_to_num().sum(0).tolist(),
             *scored.sum(0).tolist()],
             dtype=torch.float32)
         for k, batch in enumerate(batches):  # the passes' statistics are summed: the rollout's go in once
             batch["rollout_stats"] = stats if k == 0 else torch.zeros_like(stats)
         if stand_in:
-            return [{**batch, "batch_weight": 0.0} for batch in batches], Counts.none(), []
+            return ([{**{k: v for k, v in batch.items() if k != "sampler_extremes"}, "batch_weight": 0.0}
+                     for batch in batches], Counts.none(), [])
         counts = Counts.of(sequences, units=self._loss_units(lengths), trained=float(lengths.sum()))
         names = [n for n, _, _ in self.rewards]
         records = [{"step": step + 1, "row": rows[i], "generation": i % g,
@@ -507,6 +545,29 @@ class GRPO:
             return -compute_loss(self.lm, to_device(batch, self.lm.device), per_token=True,
                                  temperature=self.rl.temperature).float()
 
+    def _correct(self, batches: list[dict], parts: list[list[int]], sampled: list[list[float]],
+                 masks: list[list[int]] | None) -> list[float]:
+        """rl.sampler_correction: each pass's `loss_sampler_logps` (the sampler's log-probability of each trained
+        token, a completion's tokens whose mask is 0 left out as the passes leave them) and `loss_sampler_weights`
+        (sampler_weights), and its `sampler_extremes` (the largest |policy - sampler|, the smallest and largest
+        ratio); returns the rollout's sums of |policy - sampler|, of the ratios and their count."""
+        rl, sums = self.rl, [0.0, 0.0, 0.0]
+        for batch, part in zip(batches, parts):
+            logps = [lp for i in part for lp, m in zip(sampled[i], masks[i] if masks else [1] * len(sampled[i])) if m]
+            batch["loss_sampler_logps"] = torch.tensor(logps, dtype=torch.float32)
+            policy = batch["loss_old_logps"]
+            if policy.shape != batch["loss_sampler_logps"].shape:  # the passes' trained tokens are what was drawn
+                raise RuntimeError(f"rl.sampler_correction: {len(logps)} sampled tokens for {policy.numel()} trained")
+            batch["loss_sampler_weights"], ratios = sampler_weights(
+                policy, batch["loss_sampler_logps"], batch["loss_example"], len(part), mode=rl.sampler_correction,
+                low=rl.sampler_correction_min, high=rl.sampler_correction_max)
+            difference = (policy - batch["loss_sampler_logps"]).abs()
+            sums = [sums[0] + float(difference.sum()), sums[1] + float(ratios.sum()), sums[2] + ratios.numel()]
+            if ratios.numel():
+                batch["sampler_extremes"] = [float(difference.max()) if difference.numel() else 0.0,
+                                             float(ratios.min()), float(ratios.max())]
+        return sums
+
     def _advantages(self, total: torch.Tensor, g: int, batches: list[dict], parts: list[list[int]], *,
                     per_function: torch.Tensor):
         """(RLOO's hook) Each completion's advantage from the summed rewards `total`, each one's group std, more
@@ -532,21 +593,23 @@ class GRPO:
         batch["completions"] = len(lengths)
 
     def _generate(self, prompt_ids: list[list[int]], seeds: list[int], *, greedy: bool = False,
-                  max_new_tokens: int | None = None) -> list[list[int]]:
+                  max_new_tokens: int | None = None, logps: bool = False) -> list:
         """The completions of `prompt_ids`, one per seed, with rl.sampler (the caller gathers FSDP's units): sampled
-        as the rl: section says, or greedy (the eval's, unpenalised)."""
+        as the rl: section says, or greedy (the eval's, unpenalised); logps: each a generate.Drawn (its tokens and the
+        sampler's log-probability of each)."""
         rl = self.rl
         sampling = dict(temperature=0.0, top_p=1.0) if greedy else sampling_of(rl)
         return sample(self.lm, rl.sampler, prompt_ids, seeds, max_new_tokens=max_new_tokens or rl.max_completion_tokens,
-                      stop_ids=self.stop_ids, pad_id=self.pad_id, copy=rl.merged_copy, **sampling)
+                      stop_ids=self.stop_ids, pad_id=self.pad_id, copy=rl.merged_copy, logps=logps, **sampling)
 
-    def _complete(self, prompt_ids: list[list[int]], seeds: list[int], *, rows: list[dict], greedy: bool = False):
+    def _complete(self, prompt_ids: list[list[int]], seeds: list[int], *, rows: list[dict], greedy: bool = False,
+                  logps: bool = False):
         """(the completions, their tool_calls.ToolRollout or None without tools): each sampled to its end, its
         tools' calls run and their results appended where rl.tools or rl.environment are given (`rows`: each
         completion's prompt row; an environment is reset with it, and what reset returns is added to the prompt:
         `prompt_ids` is changed in place)."""
         if self.tools is None:
-            return self._generate(prompt_ids, seeds, greedy=greedy), None
+            return self._generate(prompt_ids, seeds, greedy=greedy, logps=logps), None
         from llmtrain.objectives.tool_calls import observed, sample_with_tools
 
         def reset() -> list:
@@ -563,11 +626,11 @@ class GRPO:
                 prompt_ids[i] = self.render(observed(row["prompt"], observation), row["row"])
 
         def turn(prompts, turn_seeds, room):
-            return self._generate(prompts, turn_seeds, greedy=greedy, max_new_tokens=room)
+            return self._generate(prompts, turn_seeds, greedy=greedy, max_new_tokens=room, logps=logps)
 
         tooled = sample_with_tools(turn, prompt_ids, seeds, tools=self.tools,
                                    max_new_tokens=self.rl.max_completion_tokens, max_rounds=self.rl.max_tool_calls,
-                                   environments=self._environments, user_code=self.user_code)
+                                   environments=self._environments, user_code=self.user_code, logps=logps)
         return [t.ids for t in tooled], tooled
 
     def _environment_reward(self):
@@ -655,16 +718,24 @@ class GRPO:
         if rl.importance_sampling_level == "sequence":  # GSPO: one ratio a completion
             log_ratio = sequence_log_ratios(logps, old, batch["loss_example"], batch["loss_lengths"],
                                             batch["completions"], group_sum=self.shared_sum)
-        keep = (off_policy_keep(logps, old, batch["loss_advantages"], batch["loss_example"], batch["loss_lengths"],
-                                batch["completions"], threshold=rl.off_policy_mask_threshold, group_sum=self.shared_sum)
-                if rl.off_policy_mask_threshold is not None and old is not None else None)
+        # the policy that sampled, to the off-policy mask: the sampler's own log-probabilities where it gave them
+        # (rl.sampler_correction: TRL's with vLLM, both drifts seen), else the policy's at the rollout
+        sampled = batch.get("loss_sampler_logps", old)
+        keep = (off_policy_keep(logps, sampled, batch["loss_advantages"], batch["loss_example"],
+                                batch["loss_lengths"], batch["completions"], threshold=rl.off_policy_mask_threshold,
+                                group_sum=self.shared_sum)
+                if rl.off_policy_mask_threshold is not None and sampled is not None else None)
         if rl.top_entropy_quantile < 1.0:  # the high-entropy tokens' policy terms only, over the pass everywhere
             high = high_entropy_keep(entropy, rl.top_entropy_quantile, gather=self.gather_tokens,
                                      counts=batch_weight(batch) > 0)
             keep = high if keep is None else keep * high
+        correction = batch.get("loss_sampler_weights")  # rl.sampler_correction: vespo's in its weight, else a factor
         phi = (vespo_weights(logps, old, batch["loss_advantages"], batch["loss_example"], batch["completions"],
                              k=(rl.vespo_k_pos, rl.vespo_k_neg), lam=(rl.vespo_lambda_pos, rl.vespo_lambda_neg),
-                             group_sum=self.shared_sum) if rl.loss_type == "vespo" else None)
+                             group_sum=self.shared_sum, sampler_weights=correction)
+               if rl.loss_type == "vespo" else None)
+        if correction is not None and phi is None:  # the policy term times the ratio (TRL's), the KL term not
+            keep = correction if keep is None else keep * correction
         losses, kl, clipped = token_losses(logps, batch["loss_advantages"], old_logps=old, ref_logps=ref,
                                            epsilon=rl.epsilon, epsilon_high=rl.epsilon_high, beta=rl.beta,
                                            log_ratio=log_ratio, delta=rl.delta, cispo=rl.loss_type == "cispo",
@@ -737,6 +808,10 @@ class GRPO:
         if self.tools is not None:  # TRL's: calls per completion, failures per call
             out["tools/call_frequency"] = s["tool_calls"] / n
             out["tools/failure_frequency"] = s["tool_failures"] / s["tool_calls"] if s["tool_calls"] else 0.0
+        if self.correcting:  # TRL's: the sampler's distance from the policy, and the ratios that correct for it
+            out["sampling/sampling_logp_difference/mean"] = s["sampler_difference"] / max(s["trained"], 1.0)
+            out["sampling/importance_sampling_ratio/mean"] = s["sampler_ratio"] / max(s["sampler_ratios"], 1.0)
+            out.update(self.sampler_extremes)
         out["generation_s"] = s["generation_s"]
         out["generation_tokens_per_s"] = s["length"] / max(s["generation_s"], 1e-9)
         # log_metric's numbers since the last line, averaged over every process's (every rank makes this call, so
@@ -793,6 +868,16 @@ class GRPO:
             if (self.rl.num_generations_eval or 1) > 1:  # pass@N: a prompt with one right answer among its N
                 out[f"eval_answer_pass@{self.rl.num_generations_eval}"] = passed / max(prompts, 1)
         return out
+
+
+def _extremes(values: list[list[float]]) -> dict[str, float]:
+    """rl.sampler_correction's metrics of the step's passes ([largest |difference|, smallest ratio, largest ratio]
+    each, every process's), by TRL's names; none without a pass."""
+    if not values:
+        return {}
+    return {"sampling/sampling_logp_difference/max": max(v[0] for v in values),
+            "sampling/importance_sampling_ratio/min": min(v[1] for v in values),
+            "sampling/importance_sampling_ratio/max": max(v[2] for v in values)}
 
 
 def _number(value: torch.Tensor) -> float | None:

@@ -34,15 +34,17 @@ def sampling(lm):
 
 def sample(lm, sampler: str, prompts: list[list[int]], seeds: list[int], *, max_new_tokens: int, temperature: float,
            top_p: float, stop_ids, pad_id: int, top_k: int = 0, min_p: float = 0.0, repetition_penalty: float = 1.0,
-           copy: str = "off") -> list[list[int]]:
+           copy: str = "off", logps: bool = False) -> list:
     """The completions of `prompts`, one per seed, by `sampler` (rl.sampler / distill.sampler: the captured graph,
     the cached loop, or transformers' generate; model/fast_sample.py picks what runs); copy: rl.merged_copy (the
-    fast sampler's generation copy of a LoRA policy's weights)."""
+    fast sampler's generation copy of a LoRA policy's weights); logps: each a generate.Drawn, with the sampler's
+    log-probability of each token (rl.sampler_correction's)."""
     from llmtrain.model.fast_sample import sampler_for
 
     return sampler_for(lm, sampler, copy=copy)(lm, prompts, seeds=seeds, max_new_tokens=max_new_tokens,
                                     temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p,
-                                    repetition_penalty=repetition_penalty, stop_ids=stop_ids, pad_id=pad_id)
+                                    repetition_penalty=repetition_penalty, stop_ids=stop_ids, pad_id=pad_id,
+                                    logps=logps)
 
 
 def here(compute):

@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 
 from llmtrain.data.tools import CallSyntax, Turn, call_syntax, function_of, parse_turn, tool_suffix_ids
 from llmtrain.errors import LLMTrainError
-from llmtrain.model.generate import Stops
+from llmtrain.model.generate import Drawn, Stops
 from llmtrain.objectives.rollouts import here
 
 
@@ -41,6 +41,7 @@ class ToolRollout:
     messages: list[dict]
     calls: list[dict] = field(default_factory=list)
     unreadable: int = 0
+    logps: list[float] = field(default_factory=list)  # the sampler's log-probability of each token (0: a result's)
 
     @property
     def failures(self) -> int:
@@ -195,19 +196,22 @@ def round_seed(seed: int, round_: int) -> int:
 
 def sample_with_tools(generate, prompts: list[list[int]], seeds: list[int], *, tools: Tools, max_new_tokens: int,
                       max_rounds: int | None, environments: list | None = None,
-                      user_code=here) -> list[ToolRollout]:
+                      user_code=here, logps: bool = False) -> list[ToolRollout]:
     """The completions of `prompts` with their tool calls run (the module's docstring says how). `generate(prompts,
     seeds, max_new_tokens)` samples one turn of each (the recipe's sampler); `environments`: each completion's
     rl.environment instance (reset already), whose methods its calls reach; `user_code(compute)`: where a round's
     calls run (GRPO.user_code: under tensor parallelism on one process of the pair, which holds the environments,
-    its records given to the other)."""
+    its records given to the other). logps: `generate` gives generate.Drawn (tokens and the sampler's log-probability
+    of each), which each ToolRollout keeps (`logps`)."""
     environments = environments or [None] * len(prompts)
     first = generate(prompts, seeds, max_new_tokens)
     out, turns = [], []
-    for ids in first:
-        turn = tools.parse(list(ids))
+    for drawn in first:
+        ids, drawn_logps = (list(drawn.ids), list(drawn.logps)) if logps else (list(drawn), [])
+        turn = tools.parse(ids)
         turns.append(turn)
-        out.append(ToolRollout(list(ids), [1] * len(ids), [turn.message()], unreadable=int(turn.unreadable)))
+        out.append(ToolRollout(ids, [1] * len(ids), [turn.message()], unreadable=int(turn.unreadable),
+                               logps=drawn_logps))
     live, rounds = [i for i, t in enumerate(turns) if t.calls], 0
     while live and (max_rounds is None or rounds < max_rounds):
         rounds += 1
@@ -221,17 +225,20 @@ def sample_with_tools(generate, prompts: list[list[int]], seeds: list[int], *, t
             out[i].messages += messages
             out[i].ids += suffix
             out[i].mask += [0] * len(suffix)
+            out[i].logps += [0.0] * len(suffix) if logps else []
             going.append(i)
             room.append(max_new_tokens - len(out[i].ids))
         if not going:
             break
         more = generate([prompts[i] + out[i].ids for i in going], [round_seed(seeds[i], rounds) for i in going],
-                        max(room)) if max(room) > 0 else [[] for _ in going]
+                        max(room)) if max(room) > 0 else [Drawn([], []) if logps else [] for _ in going]
         live = []
-        for i, ids, left in zip(going, more, room):
-            ids = list(ids)[:left]  # what is left of max_completion_tokens (a sample depends only on what precedes)
+        for i, drawn, left in zip(going, more, room):
+            # what is left of max_completion_tokens (a sample depends only on what precedes)
+            ids = list(drawn.ids if logps else drawn)[:left]
             out[i].ids += ids
             out[i].mask += [1] * len(ids)
+            out[i].logps += list(drawn.logps)[:left] if logps else []
             if ids:
                 turns[i] = tools.parse(ids)
                 out[i].messages.append(turns[i].message())
