@@ -151,7 +151,11 @@ summary = json.loads((run / "summary.json").read_text()) if (run / "summary.json
 keep = ("max_memory_allocated", "max_memory_reserved", "predicted_peak_allocated_bytes", "predicted_peak_reserved_bytes",
         "predicted_peak_bytes", "packing_efficiency", "tokens_per_s_per_gpu")
 rl = {k: [l.get(k) for l in train] for k in ("generation_s", "generation_tokens_per_s", "policy_tokens_per_s",
-                                              "step_s", "completions/mean_length", "clip_ratio/region_mean")
+                                              "step_s", "completions/mean_length", "clip_ratio/region_mean",
+                                              "sampling/sampling_logp_difference/mean",
+                                              "sampling/sampling_logp_difference/max",
+                                              "sampling/importance_sampling_ratio/min",
+                                              "sampling/importance_sampling_ratio/max")
       if any(k in l for l in train)}
 print(json.dumps({"run": name, "rc": rc, "seconds": secs, "steps": len(train), **rl,
                   "losses": [l["loss"] for l in train], "tokens_per_s_per_gpu": [l.get("tokens_per_s_per_gpu") for l in train][-3:],
@@ -359,6 +363,12 @@ rl)  # the rollouts issue: sampling speed, then GRPO steps with the fast sampler
   grpo_lora 3
   run grpo-graph $FT $W/lora.yaml $GRPO "$RL" rl.sampler=graph
   run grpo-static $FT $W/lora.yaml $GRPO "$RL" rl.sampler=static train.max_steps=2
+  # 3. the bf16 sampler's distance from the update's forward (rl.sampler_correction's sampling/* lines: the tiny
+  #    model's was 0.8e-3 to 2.1e-3 a token, 1.6e-2 at most, on the CPU), unmerged and on a merged bf16 copy
+  run grpo-corrected $FT $W/lora.yaml $GRPO "$RL" rl.sampler=graph rl.sampler_correction=token_truncate \
+    train.max_steps=2
+  run grpo-corrected-merged $FT $W/lora.yaml $GRPO "$RL" rl.sampler=graph rl.sampler_correction=token_truncate \
+    rl.merged_copy=rollout train.max_steps=2
   ;;
 distill)  # on-policy distillation under FSDP on 1 process, the teacher sharded (about 2 minutes; also in smoke); then
   # GRPO (Mistral-7B LoRA) scored by a learned reward: the 1B's random weights under a one-output score head, in bf16,

@@ -293,6 +293,9 @@ def test_the_rollouts_old_logprob_forward_is_a_no_grad_pass_of_the_update_while_
     assert not plain.rollout_forwards and "rollout_logps_forward" not in estimate(MISTRAL, plain).phase_parts
     kl = spec_from_recipe(recipe(**{**GRPO, "rl": {**GRPO["rl"], "algorithm": "rloo"}}), prompt_lengths=[98] * 10)
     assert kl.rollout_forwards  # RLOO's default beta 0.05: the policy's and the reference's forwards in the rollout
+    corrected = spec_from_recipe(recipe(**{**GRPO, "rl": {**GRPO["rl"], "sampler_correction": "token_truncate"}}),
+                                 prompt_lengths=[98] * 10)
+    assert corrected.rollout_forwards  # rl.sampler_correction: the policy's, for the ratios to the sampler's
 
 
 def test_with_rounds_a_step_samples_once_in_num_iterations():

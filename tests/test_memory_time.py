@@ -59,6 +59,7 @@ def rl(**keys) -> Recipe:
     (rl(beta=0.04), 1.0),  # the reference in every update's loss
     (rl(num_iterations=4), 0.25),  # the sampling policy's log-probabilities once a round of 4
     (rl(beta=0.04, num_iterations=2), 1.5),
+    (rl(sampler_correction="sequence_mask"), 1.0),  # the policy's log-probabilities each rollout, for the ratios
     (rl(algorithm="rloo"), 2.0),  # TRL's beta 0.05: the policy's and the reference's, for the reward's KL
     (rl(algorithm="rloo", num_iterations=2), 1.0),  # the same two, once a round of 2
     (rl(algorithm="rloo", beta=0.0, num_iterations=2), 0.5),  # the policy's alone

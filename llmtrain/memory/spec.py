@@ -134,7 +134,7 @@ class TrainSpec:
     # policy and the reference, and the reference's pass over the micro-batch), with the window's gradients so far held
     no_grad_forwards: bool = False
     # online RL: no-grad forwards of the update's passes within the rollout (rl.num_iterations > 1's old
-    # log-probabilities; RLOO's with beta > 0 for its KL), FSDP's units still gathered
+    # log-probabilities, rl.sampler_correction's; RLOO's with beta > 0 for its KL), FSDP's units still gathered
     rollout_forwards: bool = False
     # online RL: optimizer steps a generation round trains (rl.num_iterations): a step samples 1 / num_iterations
     # of the time
@@ -413,9 +413,11 @@ def spec_from_recipe(recipe: Recipe, *, strategy: Strategy = "single", num_gpus:
 
 def rollout_logps(recipe: Recipe) -> bool:
     """Whether online RL's rollout takes the sampling policy's log-probabilities (a no-grad forward of the update's
-    passes): for a round's later updates (rl.num_iterations > 1), and for RLOO's KL with rl.beta > 0."""
+    passes): for a round's later updates (rl.num_iterations > 1), rl.sampler_correction's ratios, and RLOO's KL with
+    rl.beta > 0."""
     rl = recipe.rl
-    return rl is not None and (rl.num_iterations > 1 or (rl.algorithm == "rloo" and bool(rl.beta)))
+    return rl is not None and (rl.num_iterations > 1 or rl.sampler_correction is not None
+                               or (rl.algorithm == "rloo" and bool(rl.beta)))
 
 
 def extra_forwards_of(recipe: Recipe) -> dict:
@@ -425,8 +427,8 @@ def extra_forwards_of(recipe: Recipe) -> dict:
       adapter, LoRA's auto); none where it is precomputed (one pass before training) or there is no reference;
     - KTO: the reference over the micro-batch (adapter disabled, or the frozen copy), and with loss_type kto its KL
       sequences (as many again) by the policy and by the reference: 3;
-    - GRPO: with rl.beta > 0 the reference in every update's loss; with rl.num_iterations N > 1 the policy's
-      log-probabilities once a round, 1 / N a step;
+    - GRPO: with rl.beta > 0 the reference in every update's loss; with rl.num_iterations N > 1 or
+      rl.sampler_correction the policy's log-probabilities once a round, 1 / N a step;
     - RLOO: the policy's log-probabilities once a round where beta > 0 or N > 1, and with beta > 0 the reference's
       (its KL goes into the reward), 1 / N a step each.
     A distillation teacher's and learned rewards' forwards are of other shapes (comms.no_grad_flops counts them)."""
