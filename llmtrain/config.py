@@ -837,9 +837,9 @@ MergedCopy = Literal["rollout", "kept", "off"]
 # adaptive entropy control's keys (rl.use_adaptive_entropy), and TRL's defaults for them
 ADAPTIVE_ENTROPY = {"entropy_target": 0.2, "entropy_coef_min": 0.0, "entropy_coef_max": 1.0,
                     "entropy_coef_delta": 0.005}
-# online RL's losses with keys of their own, and TRL's defaults for them (rl.loss_type sapo, vespo)
 # rl.sampler_correction's own keys, TRL's defaults (vllm_importance_sampling_clip_max and _min)
-SAMPLER_CORRECTION = {"sampler_correction_max": 3.0}
+SAMPLER_CORRECTION = {"sampler_correction_max": 3.0, "sampler_correction_min": None}
+# online RL's losses with keys of their own, and TRL's defaults for them (rl.loss_type sapo, vespo)
 LOSS_KEYS = {"sapo": {"sapo_temperature_pos": 1.0, "sapo_temperature_neg": 1.05},
              "vespo": {"vespo_k_pos": 2.0, "vespo_lambda_pos": 3.0, "vespo_k_neg": 3.0, "vespo_lambda_neg": 2.0}}
 MERGED_COPY = (
@@ -1056,7 +1056,7 @@ class RLConfig(Section):
         grpo_only = ("loss_type", "scale_rewards", "importance_sampling_level", "delta", "multi_objective_aggregation",
                      "off_policy_mask_threshold", "use_bias_correction_kl", "top_entropy_quantile", "entropy_coef",
                      "use_adaptive_entropy", *ADAPTIVE_ENTROPY, "sampler_correction", *SAMPLER_CORRECTION,
-                     "sampler_correction_min", *(k for keys in LOSS_KEYS.values() for k in keys))
+                     *(k for keys in LOSS_KEYS.values() for k in keys))
         given = ([k for k in grpo_only if data.get(k) is not None] if rloo else  # every grpo key's default is None
                  [k for k in ("normalize_advantages", "reward_clip_range") if data.get(k) not in (None, False)])
         if given:
@@ -1085,8 +1085,8 @@ class RLConfig(Section):
             _switched(data, ADAPTIVE_ENTROPY, on=bool(data.get("use_adaptive_entropy")),
                       reader="adaptive entropy control, which is off", fix="set rl.use_adaptive_entropy=true")
             data["use_adaptive_entropy"] = bool(data.get("use_adaptive_entropy"))
-            _switched(data, {**SAMPLER_CORRECTION, "sampler_correction_min": None},
-                      on=data.get("sampler_correction") is not None, reader="rl.sampler_correction, which is off",
+            _switched(data, SAMPLER_CORRECTION, on=data.get("sampler_correction") is not None,
+                      reader="rl.sampler_correction, which is off",
                       fix="set rl.sampler_correction (e.g. sequence_mask, TRL's with vLLM)")
             if data.get("scale_rewards") is None:
                 data["scale_rewards"] = "group"

@@ -362,7 +362,7 @@ def encode_example(example: dict, tokenizer, cfg: DataConfig, *, template: str |
     """Format, tokenise and mask one example; truncate it to data.max_seq_len. `template`: read_template(cfg)."""
     chat = chat_of(example, cfg)
     if chat is not None:
-        if template is None and (isinstance(cfg.chat_template, str) or cfg.chat_template_kwargs):
+        if template is None:  # (None again where the tokenizer's own renders as it is)
             template = read_template(cfg, tokenizer)
         tools = tool_schemas(_column(example, cfg, "tools"), "a row") if cfg.format == "messages" else None
         ids, labels = encode_messages(chat[0], tokenizer, train_on_prompt=cfg.train_on_prompt, template=template,

@@ -41,7 +41,8 @@ class ToolRollout:
     messages: list[dict]
     calls: list[dict] = field(default_factory=list)
     unreadable: int = 0
-    logps: list[float] = field(default_factory=list)  # the sampler's log-probability of each token (0: a result's)
+    # the sampler's log-probability of each token (0: a result's, and every token where it was not asked for them)
+    logps: list[float] = field(default_factory=list)
 
     @property
     def failures(self) -> int:
@@ -204,14 +205,17 @@ def sample_with_tools(generate, prompts: list[list[int]], seeds: list[int], *, t
     its records given to the other). logps: `generate` gives generate.Drawn (tokens and the sampler's log-probability
     of each), which each ToolRollout keeps (`logps`)."""
     environments = environments or [None] * len(prompts)
-    first = generate(prompts, seeds, max_new_tokens)
+
+    def drawn(prompts_, seeds_, room: int) -> list[Drawn]:  # one turn of each, its tokens with their logps (or 0s)
+        turn_ = generate(prompts_, seeds_, room)
+        return [Drawn(list(d.ids), list(d.logps)) if logps else Drawn(list(d), [0.0] * len(d)) for d in turn_]
+
     out, turns = [], []
-    for drawn in first:
-        ids, drawn_logps = (list(drawn.ids), list(drawn.logps)) if logps else (list(drawn), [])
+    for ids, turn_logps in drawn(prompts, seeds, max_new_tokens):
         turn = tools.parse(ids)
         turns.append(turn)
         out.append(ToolRollout(ids, [1] * len(ids), [turn.message()], unreadable=int(turn.unreadable),
-                               logps=drawn_logps))
+                               logps=turn_logps))
     live, rounds = [i for i, t in enumerate(turns) if t.calls], 0
     while live and (max_rounds is None or rounds < max_rounds):
         rounds += 1
@@ -225,20 +229,20 @@ def sample_with_tools(generate, prompts: list[list[int]], seeds: list[int], *, t
             out[i].messages += messages
             out[i].ids += suffix
             out[i].mask += [0] * len(suffix)
-            out[i].logps += [0.0] * len(suffix) if logps else []
+            out[i].logps += [0.0] * len(suffix)
             going.append(i)
             room.append(max_new_tokens - len(out[i].ids))
         if not going:
             break
-        more = generate([prompts[i] + out[i].ids for i in going], [round_seed(seeds[i], rounds) for i in going],
-                        max(room)) if max(room) > 0 else [Drawn([], []) if logps else [] for _ in going]
+        more = drawn([prompts[i] + out[i].ids for i in going], [round_seed(seeds[i], rounds) for i in going],
+                     max(room)) if max(room) > 0 else [Drawn([], []) for _ in going]
         live = []
-        for i, drawn, left in zip(going, more, room):
+        for i, (ids, turn_logps), left in zip(going, more, room):
             # what is left of max_completion_tokens (a sample depends only on what precedes)
-            ids = list(drawn.ids if logps else drawn)[:left]
+            ids = ids[:left]
             out[i].ids += ids
             out[i].mask += [1] * len(ids)
-            out[i].logps += list(drawn.logps)[:left] if logps else []
+            out[i].logps += turn_logps[:left]
             if ids:
                 turns[i] = tools.parse(ids)
                 out[i].messages.append(turns[i].message())
