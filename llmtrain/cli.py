@@ -42,7 +42,8 @@ class _Command(typer.core.TyperCommand):
                 shown = (param.metavar if param.required else f"[{param.metavar}]") + "..." * (param.nargs != 1)
                 param.display_type_rich = lambda ctx: None
                 param._usage_display_name = lambda shown=shown: shown
-            elif isinstance(param, typer.core.TyperOption) and not param.is_flag:
+            elif (isinstance(param, typer.core.TyperOption) and not param.is_flag
+                  and hasattr(param, "display_type_rich")):  # (typer before 0.29 has none and writes no type)
                 typed = param.display_type_rich
                 param.display_type_rich = lambda ctx, typed=typed: _value_name(typed(ctx))
 

@@ -81,6 +81,25 @@ def test_each_option_names_its_value_not_its_type(command):
         assert any(row.startswith("--method full|lora ") for row in rows), rows
 
 
+def test_the_help_works_on_a_typer_without_its_rich_type_display(monkeypatch):
+    """typer before 0.29 (0.19-0.28, which the GPU machine had) gives an option no display_type_rich: the command
+    that renames the types (_Command) leaves such options as typer writes them, where it once died building every
+    command (AttributeError, before any recipe was read). pyproject asks typer>=0.19: 0.16-0.18 refuse Literal
+    options (--method full|lora)."""
+    import typer.core
+    from typer.testing import CliRunner
+
+    from llmtrain.cli import app
+
+    for cls in typer.core.TyperOption.__mro__:
+        if "display_type_rich" in vars(cls):
+            monkeypatch.delattr(cls, "display_type_rich")
+    assert not hasattr(typer.core.TyperOption, "display_type_rich")
+    # (typer 0.29's own help formatting calls it, so the help itself is not shown here; a command is run)
+    result = CliRunner().invoke(app, ["finetune", str(REPO / "no-such-recipe.yaml")])
+    assert result.exit_code == 2 and "does not exist" in result.output, result.output
+
+
 def test_launch_help_names_what_it_takes():
     """`llmtrain launch --help` listed no options (issue 53): its usage names the recipe and the flags it passes on."""
     out = " ".join(_run([*LLMTRAIN, "launch", "-h"], env={**ENV, "COLUMNS": "100"}).stdout.split())

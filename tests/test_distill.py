@@ -486,6 +486,31 @@ def test_a_teacher_of_another_vocabulary_is_refused_in_one_paragraph(tiny_assets
     assert "one of 104" in text and "must share the vocabulary" in text
 
 
+def test_a_tokenizer_longer_than_the_students_rows_asks_the_teacher_for_the_students_rows(tiny_assets, tmp_path):
+    """A tokenizer with more ids than the model's config has rows (Mistral v0.3's 32,768 on a 32,000-row config) and
+    no model.new_tokens: load_model leaves the student's rows as they are, so the teacher must match those rows, not
+    the tokenizer's length (the check once took the larger: it refused the matching teacher, and the run with a
+    teacher of the tokenizer's length died on the divergence's shapes)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from llmtrain.model.modeling import load_tokenizer
+    from llmtrain.model.teacher import vocabulary_problem
+
+    recipe = load_recipe(distill_recipe(tiny_assets, tmp_path, tiny_assets / "model"))
+    tokenizer = load_tokenizer(recipe.model)
+    rows = AutoConfig.from_pretrained(tiny_assets / "model").vocab_size
+    tokenizer.add_tokens(["<extra_a>", "<extra_b>"])
+    assert len(tokenizer) == rows + 2 and not recipe.model.new_tokens
+    assert load_model(recipe.model, None).get_output_embeddings().weight.shape[0] == rows
+    assert vocabulary_problem(recipe, tokenizer) is None  # the teacher of the student's own rows
+    config = AutoConfig.from_pretrained(tiny_assets / "model")
+    config.vocab_size = len(tokenizer)
+    AutoModelForCausalLM.from_config(config).save_pretrained(tmp_path / "long")
+    long = recipe.model_copy(update={"distill": recipe.distill.model_copy(update={"teacher": str(tmp_path / "long")})})
+    problem = vocabulary_problem(long, tokenizer)
+    assert f"has a vocabulary of {rows + 2:,} ids and the student" in problem and f"one of {rows:,}" in problem
+
+
 def test_a_teacher_whose_tokenizer_gives_the_ids_other_tokens_is_refused(tiny_assets, tmp_path):
     import shutil
 

@@ -47,8 +47,12 @@ def vocabulary_problem(recipe: Recipe, tokenizer) -> str | None:
     except (OSError, ValueError) as e:
         return (f"distill.teacher '{path}' could not be read ({str(e).splitlines()[0]}). Give a local model folder "
                 "(config.json and weights) or a hub id that is in the local Hugging Face cache.")
-    # the student's rows as modeling.grow_vocabulary makes them (model.new_tokens: the tokenizer's new ids)
-    theirs, ours = config.get_text_config().vocab_size, max(student.get_text_config().vocab_size, len(tokenizer))
+    # the student's rows as load_model leaves them: grown to the tokenizer's length by model.new_tokens alone
+    # (modeling.grow_vocabulary); a tokenizer longer than the model's rows (Mistral v0.3's on a 32,000-row config)
+    # leaves them as they are
+    theirs, ours = config.get_text_config().vocab_size, student.get_text_config().vocab_size
+    if recipe.model.new_tokens:
+        ours = max(ours, len(tokenizer))
     fix = ("Distill from a teacher of the student's family (the same tokenizer), or train the student on the "
            "teacher's tokenizer first.")
     if recipe.model.new_tokens:
