@@ -190,3 +190,31 @@ def test_the_h200_grpo_steps_are_predicted_within_one_percent_at_the_prompts_the
     allocated = round(est.per_gpu_peak_allocated_bytes / GIB, 3)
     assert allocated == pytest.approx(pinned, abs=0.002), "the estimate moved: update the table and docs/memory.md"
     assert abs(allocated / measured - 1) <= 0.01
+
+
+# The sixth GPU call (one H200, 2026-12-04, `gpu_session.sh i52`): the modes first run on CUDA, Mistral-7B LoRA r16
+# on a bf16 base, 3 steps on GSM8K (data.max_seq_len 1024, seed 1), summary.json max_memory_allocated, GiB. The
+# estimate takes every sequence at data.max_seq_len (68.76 and 67.55 GiB: the worst case); these pin it at the
+# heaviest micro-batch the runs drew (the same data, tokenizer and seed on the CPU: KTO's 1,546 completion tokens of 8
+# and as many in their KL sequences, 193 a sequence; the reward model's 1,572 of 4 pairs, 197 a sequence).
+# name: ((data's keys, (the mode's section, its keys)), micro_batch_size, tokens a sequence, measured, pinned)
+H200_MODES = {
+    "kto-lora": (({"format": "unpaired"}, ("kto", {"beta": 0.1})), 8, 193, 24.53, 24.628),
+    "reward-lora": (({"format": "preference"}, ("reward_model", {"center_rewards_coefficient": 0.01})), 4, 197,
+                    23.92, 24.137),
+}
+
+
+@pytest.mark.parametrize("name", sorted(H200_MODES))
+def test_the_h200_kto_and_reward_model_steps_are_predicted_within_two_percent_at_their_lengths(
+        tmp_path, monkeypatch, name):
+    import llmtrain.memory.estimate as estimate_module
+
+    monkeypatch.setattr(estimate_module, "varlen_repeats_kv", lambda: False)  # torch 2.11 on the H200
+    (data, *sections), micro, seq, measured, pinned = H200_MODES[name]
+    recipe = calibration_recipe(tmp_path, "lora", None, False, micro, seq, "auto").model_dump()
+    recipe["data"].update(chat_template=True, **data)
+    recipe = Recipe.model_validate({**recipe, **dict(sections)})
+    allocated = round(estimate_for_recipe(recipe, strategy="single").per_gpu_peak_allocated_bytes / GIB, 3)
+    assert allocated == pytest.approx(pinned, abs=0.002), "the estimate moved: update H200_MODES and docs/memory.md"
+    assert abs(allocated / measured - 1) <= 0.02
