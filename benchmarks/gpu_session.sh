@@ -460,7 +460,7 @@ EOF
   distill_fsdp1
   echo "distill: done at ${SECONDS}s" | tee -a "$OUT/$WHAT.log"
   ;;
-i52b)  # issue 53's item 14 on CUDA (~3 minutes on an H200): why an RL step's reserved memory is ~33% over its
+i52b)  # issue 53's item 14 and rl.cast_lm_head_to_fp32 on CUDA (~4 minutes on an H200): why an RL step's reserved memory is ~33% over its
   # allocated (91.90 against 68.96 GiB on 2026-12-04, where the estimate adds 10%): the same 2 GRPO steps (Mistral-7B
   # LoRA, 8 x 8 x 256, rl.micro_batch_tokens 8192, the graph sampler) with the caching allocator as it is, with
   # expandable segments (a segment grows in place: passes of other sizes strand no blocks; the graph sampler and the
@@ -471,6 +471,11 @@ i52b)  # issue 53's item 14 on CUDA (~3 minutes on an H200): why an RL step's re
   PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True run grpo-expandable $FT $W/lora.yaml $GRPO "$RL" rl.sampler=graph
   PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True run grpo-expandable-static $FT $W/lora.yaml $GRPO "$RL" \
     rl.sampler=static
+  # rl.cast_lm_head_to_fp32: the sampler's distance from the update (sampling/*) with the head in fp32, against the
+  # bf16 head's (0.052 a token on a merged copy on 2026-12-04; here both unmerged)
+  run grpo-corrected $FT $W/lora.yaml $GRPO "$RL" rl.sampler=graph rl.sampler_correction=token_truncate
+  run grpo-corrected-fp32-head $FT $W/lora.yaml $GRPO "$RL" rl.sampler=graph rl.sampler_correction=token_truncate \
+    rl.cast_lm_head_to_fp32=true
   $PY - <<EOF
 import json
 with open("$G/gsm8k/train.jsonl") as f, open("$W/gsm8k-unpaired.jsonl", "w") as u:

@@ -175,6 +175,10 @@ def _merged_copy(r, _):
         sampling.merged_copy != "off"
 
 
+def _fp32_head(r, _):
+    return r.rl is not None and r.rl.cast_lm_head_to_fp32
+
+
 def _kto_copy(r, _):
     return r.kto is not None and r.lora is None
 
@@ -199,6 +203,12 @@ RULES: tuple[Rule, ...] = (
          "lora.dora under {key}: DoRA divides each output row by the norm of its whole weight row (W + s B A), and "
          "tensor parallelism splits the weights by rows or columns, each process holding a part of a row or of the "
          "magnitudes. Set lora.dora=false, or launch FSDP (each layer's weights are whole in its forward)"),
+    Rule("fsdp", _fp32_head,
+         "rl.cast_lm_head_to_fp32 under FSDP / HSDP: FSDP's mixed precision gathers every weight in the compute "
+         "dtype (bf16), the LM head's too, so its logits would not be fp32. Unset it, or launch one GPU or DDP"),
+    Rule("tp", _fp32_head,
+         "rl.cast_lm_head_to_fp32 under {key}: the LM head is split over the processes as a DTensor in the model's "
+         "dtype. Unset it, or launch one GPU or DDP"),
     Rule("fsdp", lambda r, _: r.train.optimizer == "adamw_8bit",
          "train.optimizer=adamw_8bit under FSDP / HSDP: bitsandbytes' 8-bit AdamW updates plain tensors, and FSDP's "
          "parameters are sharded DTensors. Set train.optimizer=adamw (FSDP already divides its state over the GPUs), "
@@ -535,6 +545,12 @@ def model_problems(recipe, layout: Layout, config) -> list[str]:
                    "<end_of_turn>), or unset model.new_tokens")
     if problem := stored_quantization_problem(recipe.model.quantize, config):
         out.append(problem)
+    if recipe.rl is not None and recipe.rl.cast_lm_head_to_fp32 and getattr(
+            config.get_text_config() if hasattr(config, "get_text_config") else config, "tie_word_embeddings", False):
+        out.append(f"rl.cast_lm_head_to_fp32: this {model_type or ''} model's LM head is its input embeddings "
+                   "(tie_word_embeddings), which would turn fp32 too and feed the decoder fp32 inputs. Unset "
+                   "rl.cast_lm_head_to_fp32 (TRL supports it for untied heads only), or train a model with its own "
+                   "head")
     if layout.tp > 1 and "tp" not in refused:
         out += tensor_plan_problems(config, layout.tp)
     out += attention_problems(recipe, config)
@@ -668,6 +684,13 @@ def _mode_problems(recipe) -> list[str]:
             mode.key, "rl: a micro-batch is train.micro_batch_size prompts, each with rl.num_generations completions "
                       "packed padding-free into one row; unset train.micro_batch_tokens (a token budget for the "
                       "update's passes is rl.micro_batch_tokens)"))
+    if mode.key in ("grpo", "rloo") and recipe.rl.cast_lm_head_to_fp32 and recipe.lora is not None and (
+            trained := [k for k in ("target_modules", "modules_to_save")
+                        if "lm_head" in (getattr(recipe.lora, k) or ())]):
+        out.append(f"rl.cast_lm_head_to_fp32 holds the LM head's weight in fp32, and lora.{trained[0]} names lm_head "
+                   "(peft wraps it: an adapted or saved copy in the model's dtype). Remove lm_head from "
+                   f"lora.{trained[0]} (model.new_tokens puts it in modules_to_save), or unset "
+                   "rl.cast_lm_head_to_fp32")
     if t.eval_samples and not mode.samples:
         out.append("reward_model: the model scores sequences and has no LM head to generate eval samples with; set "
                    "train.eval_samples=0")

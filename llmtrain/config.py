@@ -1037,6 +1037,12 @@ class RLConfig(Section):
         "(on CUDA; static elsewhere); static, that step run eagerly; reference, the plain loop over transformers' "
         "growing cache (the oracle).")
     merged_copy: MergedCopy = Field("off", description=MERGED_COPY)
+    cast_lm_head_to_fp32: bool = Field(
+        False, description="TRL's (the ScaleRL recipe): the LM head's weight held in fp32 and the logits made in fp32 "
+        "outside autocast, by the samplers and the update alike, so that the sampler's log-probabilities and the "
+        "policy's differ by the decoder's rounding only, not by 16-bit logits' too. Costs the head's weight once "
+        "more at 16 bits (256 MiB for Mistral-7B). Not with a trained LM head under LoRA (lm_head in "
+        "lora.target_modules or modules_to_save), tied embeddings, FSDP or tensor parallelism.")
     micro_batch_tokens: int | None = Field(
         None, gt=0, description="The update's token budget: a micro-batch's prompt + completion sequences go "
         "through the forward and backward in passes of at most this many tokens (a sequence is never split, so at "

@@ -147,6 +147,9 @@ class TrainSpec:
     # KTO's full fine-tune: a frozen copy of the starting weights (the reference), in the storage dtype, whole on
     # every GPU (objectives/kto.frozen_copy; refused where the model is sharded)
     frozen_reference: bool = False
+    # rl.cast_lm_head_to_fp32: the LM head's weight held in fp32 whatever the storage dtype (a trained head's
+    # gradient and optimizer state in fp32 with it)
+    fp32_head: bool = False
     # distillation (distill:): the teacher's shape and storage dtype, a second frozen model on every GPU (memory/
     # teacher.py); None: no teacher
     teacher: object = None  # params.ModelShape
@@ -396,6 +399,7 @@ def spec_from_recipe(recipe: Recipe, *, strategy: Strategy = "single", num_gpus:
         no_grad_forwards=recipe.kto is not None, frozen_reference=recipe.kto is not None and lora is None,
         num_iterations=updates_per_window(recipe), **extra_forwards_of(recipe),
         rollout_forwards=rollout_logps(recipe),
+        fp32_head=recipe.rl is not None and recipe.rl.cast_lm_head_to_fp32,
         min_examples=2 if recipe.kto is not None and recipe.kto.loss_type == "kto" else 1,
         merged_copy=_merged_copy(recipe), eval_rows=eval_rows,
         **{**pipeline_keys(recipe), **launch},  # --pipeline-* options (in launch) win over the recipe's keys

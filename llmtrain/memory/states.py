@@ -74,10 +74,13 @@ def states(shape: ModelShape, spec: TrainSpec, plan: LoraPlan | None, *, whole: 
     V, H = shape.vocab, shape.hidden
     if plan is None:
         frozen_bytes = 0
-        head = (shape.head_outputs * H + shape.params_final_norm) * master
+        # rl.cast_lm_head_to_fp32: the head's weight (and so its gradient and optimizer state) in fp32
+        head = shape.head_outputs * H * (4 if spec.fp32_head else master) + shape.params_final_norm * master
         layer = [shape.layer(k).params_per_layer * master for k in range(shape.layers)]
     else:
         frozen_bytes = shape.params_total * sd if not spec.quantize else quantized_base_bytes(shape, spec)
+        if spec.fp32_head:  # the frozen head in fp32 (capabilities refuse an adapted or saved one)
+            frozen_bytes += shape.head_outputs * H * (4 - min(sd, 4))
         copies = {m: V * H * master for m in plan.saved_copies}
         head = copies.get("lm_head", 0) + (plan.linear_size(H, V) * 4 if plan.adapted_head else 0)
         layer = [plan.layer_params(k) * 4 for k in range(len(plan.adapted))]

@@ -231,7 +231,7 @@ def causal_lm(model):
 
 
 def attach_loss(model, *, chunk: int, fused_linear_ce=None, router_aux: float | None = None,
-                balance_sums=None, dft: bool = False) -> None:
+                balance_sums=None, dft: bool = False, fp32_head: bool = False) -> None:
     """Give the *ForCausalLM module a forward that returns the summed loss when called with `loss_index`.
 
     Called with `loss_index` / `loss_targets` (batching.with_loss_positions), the forward runs the decoder,
@@ -248,6 +248,8 @@ def attach_loss(model, *, chunk: int, fused_linear_ce=None, router_aux: float | 
     `balance_sums`: under sequence parallelism, the load-balancing loss's per-expert sums added over the sequence group
     (parallel/sequence/shards.balance_sums; None: the micro-batch is whole on this process). dft (train.sft_loss):
     the summed training loss is Dynamic Fine-Tuning's (chunked_cross_entropy; liger's fused loss is not given then).
+    fp32_head (rl.cast_lm_head_to_fp32, TRL's): the head's weight is made fp32 here, and every call of it (the
+    samplers', transformers' forward, the chunked loss) makes its logits in fp32 outside autocast.
     """
     lm = causal_lm(model)
     logits = logit_transform(lm)
@@ -255,7 +257,10 @@ def attach_loss(model, *, chunk: int, fused_linear_ce=None, router_aux: float | 
     # The LM head may be wrapped (peft's modules_to_save): patch every Linear in it that maps to the vocabulary (by its
     # weight: the copy peft ties to a tied model's embeddings' copy has its in and out features the other way round)
     for head in [m for m in lm.lm_head.modules() if isinstance(m, torch.nn.Linear) and m.weight.shape[0] == vocab]:
-        head.forward = types.MethodType(_head_forward(chunk, fused_linear_ce, logits=logits, dft=dft), head)
+        if fp32_head:  # (capabilities refuse a tied, adapted, sharded or split head)
+            head.float()
+        head.forward = types.MethodType(_head_forward(chunk, fused_linear_ce, logits=logits, dft=dft,
+                                                      fp32=fp32_head), head)
     original = type(lm).forward
 
     def forward(self, *args, loss_index=None, loss_targets=None, return_hits: bool = False, per_token: bool = False,
@@ -437,22 +442,28 @@ def _found_transform(lm) -> Logits:
     return found
 
 
-def _head_forward(chunk: int, fused_linear_ce, *, logits: Logits = Logits(), dft: bool = False):
+def _head_forward(chunk: int, fused_linear_ce, *, logits: Logits = Logits(), dft: bool = False, fp32: bool = False):
     """The LM head's forward, patched: given targets, the chunked loss from its weight, of the logits the model's own
-    forward makes (`logits`: logit_transform), over the sampling temperature."""
+    forward makes (`logits`: logit_transform), over the sampling temperature. fp32: the logits in fp32 from fp32
+    hidden states, autocast off (rl.cast_lm_head_to_fp32; the weight is fp32 already)."""
+    def project(self, h):
+        if not fp32:
+            return torch.nn.functional.linear(h, self.weight, self.bias)
+        with torch.autocast(h.device.type, enabled=False):
+            return torch.nn.functional.linear(h.float(), self.weight, self.bias)
+
     def forward(self, hidden, targets=None, with_hits: bool = False, per_token: bool = False,
                 temperature: float = 1.0, token_loss=None, stat: str | None = None):
         if targets is None:  # an ordinary call: logits (the model's own forward transforms them)
-            return torch.nn.functional.linear(hidden, self.weight, self.bias)
+            return project(self, hidden)
         if token_loss is not None:  # another loss on the same chunks (distillation); it applies any temperature
-            return chunked_token_loss(hidden, lambda h: logits(torch.nn.functional.linear(h, self.weight, self.bias)),
-                                      targets, token_loss, chunk=chunk)
+            return chunked_token_loss(hidden, lambda h: logits(project(self, h)), targets, token_loss, chunk=chunk)
         if (fused_linear_ce is not None and not with_hits and not per_token and torch.is_grad_enabled()
-                and self.bias is None and temperature == 1.0 and logits.plain):
+                and self.bias is None and temperature == 1.0 and logits.plain and not fp32):
             return fused_linear_ce(self.weight, hidden, targets), None
 
         def head(h):  # self.weight is read when each chunk runs (and again when it is recomputed in backward)
-            out = logits(torch.nn.functional.linear(h, self.weight, self.bias))
+            out = logits(project(self, h))
             return out if temperature == 1.0 else out / temperature  # online RL: the sampling's temperature
 
         return chunked_cross_entropy(hidden, head, targets, chunk=chunk, with_hits=with_hits, per_token=per_token,

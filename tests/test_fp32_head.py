@@ -1,0 +1,145 @@
+"""rl.cast_lm_head_to_fp32 (TRL's, from the ScaleRL recipe): the LM head's weight in fp32 and its logits made in fp32
+outside autocast, by every caller of the head: transformers' forward (the reference sampling loop), the fast sampler's
+decode step, the chunked loss of the update. Refused where the head is not a plain module of this process's."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from helpers import REPO, load_weights, records, run_train
+from test_grpo_run import grpo_recipe
+
+from llmtrain.config import load_recipe
+from llmtrain.errors import LLMTrainError
+
+pytestmark = pytest.mark.long(40)  # tests/conftest.py
+
+
+def _bf16_model(tiny_assets, *, fp32_head: bool):
+    from transformers import AutoModelForCausalLM
+
+    from llmtrain.model.loss import attach_loss
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_assets / "model", dtype=torch.bfloat16).eval()
+    attach_loss(model, chunk=16, fp32_head=fp32_head)
+    return model
+
+
+@pytest.mark.parametrize("autocast", [False, True])
+def test_the_heads_logits_are_fp32_from_the_fp32_weight_in_every_call(tiny_assets, autocast):
+    """With the cast: the head's weight is fp32 (the decoder's stays bf16), transformers' forward and the chunked
+    per-token loss both make the logits as fp32 hidden states times the fp32 weight (bitwise for the logits; the
+    token log-probabilities to 1e-6), with autocast (bf16) on or off. Without it the logits are bf16, 1e-2 away."""
+    ids = torch.tensor([[1, 5, 9, 14, 3, 7, 22, 40]])
+    targets = torch.tensor([5, 9, 14, 3, 7, 22, 40])
+    context = torch.autocast("cpu", dtype=torch.bfloat16) if autocast else torch.no_grad()
+    out = {}
+    for cast in (False, True):
+        model = _bf16_model(tiny_assets, fp32_head=cast)
+        assert model.lm_head.weight.dtype == (torch.float32 if cast else torch.bfloat16)
+        assert model.model.layers[0].mlp.up_proj.weight.dtype == torch.bfloat16
+        with torch.no_grad(), context:
+            hidden = model.model(input_ids=ids).last_hidden_state
+            logits = model(input_ids=ids).logits
+            loss, _ = model(input_ids=ids, loss_index=torch.arange(7), loss_targets=targets, per_token=True).values()
+        exact = torch.nn.functional.linear(hidden.float(), model.lm_head.weight.float())
+        out[cast] = (logits, loss, exact)
+    logits, loss, exact = out[True]
+    assert logits.dtype == torch.float32 and torch.equal(logits, exact)
+    nll = -torch.log_softmax(exact[0, :7], -1).gather(1, targets[:, None]).squeeze(1)
+    assert torch.allclose(loss.float(), nll, atol=1e-6)
+    plain, _, plain_exact = out[False]
+    assert plain.dtype == torch.bfloat16 and (plain.float() - plain_exact).abs().max() > 1e-3
+
+
+def test_the_fast_sampler_draws_from_the_fp32_logits(tiny_assets):
+    """The fast sampler's decode step calls the same head: with the cast, its log-probability of each drawn token is
+    the fp32 logits' (the reference loop over transformers' forward gives the same to 1e-5 in bf16)."""
+    from llmtrain.model.fast_sample import sample_fast
+    from llmtrain.model.generate import sample
+
+    model = _bf16_model(tiny_assets, fp32_head=True)
+    prompts = [[1, 5, 9, 14], [1, 7, 22]]
+    kw = dict(seeds=[3, 4], max_new_tokens=6, temperature=1.0, top_p=1.0, stop_ids=set(), pad_id=0, logps=True)
+    with torch.no_grad():
+        fast, slow = sample_fast(model, prompts, **kw), sample(model, prompts, **kw)
+    for f, s in zip(fast, slow):
+        assert f.ids == s.ids
+        assert torch.allclose(torch.tensor(f.logps), torch.tensor(s.logps), atol=1e-5)
+
+
+def test_a_bf16_grpo_run_with_the_fp32_head_trains_and_logs_the_sampler_gap(tiny_assets, tmp_path):
+    """3 GRPO steps of a bf16 LoRA policy with the correction's metrics: the run trains (the adapters move), the
+    resolved recipe says the head is fp32, and the sampler's distance from the update is the decoder's rounding alone
+    (under 1e-2 a token here); the run without the cast draws the same step-1 tokens up to the head's rounding."""
+    lora = {"r": 4, "alpha": 8, "dropout": 0.0}
+    recipe = grpo_recipe(tiny_assets, tmp_path, lora=lora, model={"dtype": "bfloat16"},
+                         train={"max_steps": 3, "lr": 1e-2, "eval_every_steps": None},
+                         checkpoint={"every_steps": None})
+    run = tmp_path / "fp32-head"
+    run_train(recipe, f"output_dir={run}", "rl.sampler_correction=token_truncate", "rl.cast_lm_head_to_fp32=true")
+    lines = records(run)
+    assert [line["step"] for line in lines] == [1, 2, 3]
+    assert all(0 < line["sampling/sampling_logp_difference/mean"] < 1e-2 for line in lines)
+    assert "cast_lm_head_to_fp32: true" in (run / "recipe.yaml").read_text()
+    adapter = load_weights(run / "final" / "adapter_model.safetensors")
+    assert any(v.float().abs().max() > 0 for k, v in adapter.items() if "lora_B" in k)
+    assert not any("lm_head" in k for k in adapter)
+
+
+@pytest.mark.parametrize("overrides, says", [
+    (["lora.r=4", "lora.target_modules=[q_proj,lm_head]"],
+     "lora.target_modules names lm_head (peft wraps it: an adapted or saved copy in the model's dtype)"),
+    (["lora.r=4", "lora.modules_to_save=[lm_head]"], "lora.modules_to_save names lm_head"),
+])
+def test_a_trained_lm_head_under_lora_is_refused(overrides, says):
+    with pytest.raises(LLMTrainError) as refused:
+        load_recipe(REPO / "recipes" / "tiny-grpo.yaml", ["rl.cast_lm_head_to_fp32=true", *overrides])
+    assert says in " ".join(str(refused.value).split())
+
+
+@pytest.mark.parametrize("parallelism, says", [
+    ("fsdp", "rl.cast_lm_head_to_fp32 under FSDP / HSDP: FSDP's mixed precision gathers every weight in the compute "
+             "dtype (bf16)"),
+    ("tp", "the LM head is split over the processes as a DTensor"),
+])
+def test_fsdp_and_tensor_parallelism_refuse_it_and_tied_embeddings_too(tiny_assets, parallelism, says):
+    from transformers import AutoConfig
+
+    from llmtrain import capabilities
+    from llmtrain.layout import Layout
+
+    recipe = load_recipe(REPO / "recipes" / "tiny-grpo.yaml", ["rl.cast_lm_head_to_fp32=true",
+                                                               f"model.name_or_path={tiny_assets / 'model'}"])
+    layout = (Layout(processes=2, fsdp=True) if parallelism == "fsdp" else
+              Layout(processes=4, fsdp=True, mesh=True, shard=2, tp=2))
+    found = " ".join(" ".join(capabilities.problems(recipe, layout)).split())
+    assert says in found, found
+    single = Layout(processes=1)
+    config = AutoConfig.from_pretrained(tiny_assets / "model")
+    assert capabilities.model_problems(recipe, single, config) == []
+    config.tie_word_embeddings = True
+    (tied,) = capabilities.model_problems(recipe, single, config)
+    assert tied.startswith("rl.cast_lm_head_to_fp32: this llama model's LM head is its input embeddings")
+
+
+def test_the_estimate_holds_the_head_in_fp32(tmp_path):
+    """estimate-memory counts the cast: a LoRA run on a bf16 base holds the frozen head's vocab x hidden weights at 4
+    bytes instead of 2 (Mistral-7B: 32,768 x 4,096 x 2 = 256 MiB more in every phase); a bf16 full fine-tune trains
+    the head in fp32 (its weight, gradient and AdamW's two moments at 4 bytes)."""
+    from test_memory_calibration import calibration_recipe
+
+    from llmtrain.config import Recipe
+    from llmtrain.memory import estimate_for_recipe
+
+    def allocated(method: str, cast: bool) -> int:
+        recipe = calibration_recipe(tmp_path, method, 2048, False, 1, 1024, "auto").model_dump()
+        recipe["data"].update(format="prompt", chat_template=False, max_seq_len=512)
+        recipe["train"].update(micro_batch_tokens=None, micro_batch_size=2)
+        recipe["model"].update(dtype="bfloat16")
+        recipe["rl"] = {"num_generations": 2, "max_completion_tokens": 64, "cast_lm_head_to_fp32": cast,
+                        "rewards": [{"type": "format", "pattern": "x"}]}
+        return estimate_for_recipe(Recipe.model_validate(recipe), strategy="single").per_gpu_peak_allocated_bytes
+
+    assert allocated("lora", True) - allocated("lora", False) == 32768 * 4096 * 2
+    assert allocated("full", True) > allocated("full", False)
