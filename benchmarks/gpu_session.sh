@@ -460,7 +460,7 @@ EOF
   distill_fsdp1
   echo "distill: done at ${SECONDS}s" | tee -a "$OUT/$WHAT.log"
   ;;
-i52b)  # issue 53's item 14 and rl.cast_lm_head_to_fp32 on CUDA (~4 minutes on an H200): why an RL step's reserved memory is ~33% over its
+i52b)  # issue 53's item 14, rl.cast_lm_head_to_fp32 and rl.generation_batch on CUDA (~5 minutes on an H200): why an RL step's reserved memory is ~33% over its
   # allocated (91.90 against 68.96 GiB on 2026-12-04, where the estimate adds 10%): the same 2 GRPO steps (Mistral-7B
   # LoRA, 8 x 8 x 256, rl.micro_batch_tokens 8192, the graph sampler) with the caching allocator as it is, with
   # expandable segments (a segment grows in place: passes of other sizes strand no blocks; the graph sampler and the
@@ -474,6 +474,11 @@ i52b)  # issue 53's item 14 and rl.cast_lm_head_to_fp32 on CUDA (~4 minutes on a
   # rl.cast_lm_head_to_fp32: the sampler's distance from the update (sampling/*) with the head in fp32, against the
   # bf16 head's (0.052 a token on a merged copy on 2026-12-04; here both unmerged)
   run grpo-corrected $FT $W/lora.yaml $GRPO "$RL" rl.sampler=graph rl.sampler_correction=token_truncate
+  # rl.generation_batch: 2 prompts x 8 completions a micro-batch, 4 micro-batches a step, sampled 16 rows at a time
+  # (4 calls) against the step's 64 at once (one call): generation_s a step
+  M4="train.micro_batch_size=2 train.grad_accum_steps=4"
+  run grpo-sample-micro-batch $FT $W/lora.yaml $GRPO "$RL" rl.sampler=graph $M4 rl.generation_batch=micro_batch
+  run grpo-sample-step $FT $W/lora.yaml $GRPO "$RL" rl.sampler=graph $M4 rl.generation_batch=step
   run grpo-corrected-fp32-head $FT $W/lora.yaml $GRPO "$RL" rl.sampler=graph rl.sampler_correction=token_truncate \
     rl.cast_lm_head_to_fp32=true
   $PY - <<EOF

@@ -1037,6 +1037,14 @@ class RLConfig(Section):
         "(on CUDA; static elsewhere); static, that step run eagerly; reference, the plain loop over transformers' "
         "growing cache (the oracle).")
     merged_copy: MergedCopy = Field("off", description=MERGED_COPY)
+    generation_batch: Literal["micro_batch", "step"] = Field(
+        "micro_batch", description="What the sampler draws at once. micro_batch: each micro-batch's prompts x "
+        "rl.num_generations as it comes (one micro-batch's KV cache); step: every micro-batch of the step's "
+        "(train.grad_accum_steps of them) in one call, as TRL's steps_per_generation does at its default "
+        "(gradient_accumulation_steps). On a GPU a decode step costs about the same for more rows, so the step's "
+        "sampling takes little more than one micro-batch's did, for train.grad_accum_steps times the KV cache "
+        "(estimate-memory counts it). The same completions either way: each completion's seed is its own. Not with "
+        "rl.tools or rl.environment (their loop runs a micro-batch at a time).")
     cast_lm_head_to_fp32: bool = Field(
         False, description="TRL's (the ScaleRL recipe): the LM head's weight held in fp32 and the logits made in fp32 "
         "outside autocast, by the samplers and the update alike, so that the sampler's log-probabilities and the "
@@ -1171,6 +1179,10 @@ class RLConfig(Section):
                              "(module:function names) or remove rl.max_tool_calls")
         if self.environment is not None and ":" not in self.environment:
             raise ValueError(f"rl.environment names a class as module:Class; '{self.environment}' has no ':'")
+        if self.generation_batch == "step" and (self.tools or self.environment):
+            raise ValueError("rl.generation_batch=step samples the step's micro-batches in one call, and the tool "
+                             "loop (rl.tools, rl.environment) runs one micro-batch at a time, its calls between the "
+                             "turns: set rl.generation_batch=micro_batch")
         return self
 
     @field_validator("reward_clip_range")

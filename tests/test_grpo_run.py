@@ -509,6 +509,37 @@ def test_batch_scaled_advantages_divide_by_the_std_of_every_micro_batchs_rewards
     assert [r["advantage"] for r in rollouts(group)] != pytest.approx(expected.tolist(), abs=1e-3)
 
 
+def test_sampling_the_whole_step_at_once_draws_and_trains_what_each_micro_batch_does(straight, tmp_path,
+                                                                                       monkeypatch):
+    """rl.generation_batch=step over 2 micro-batches a step: one sampler call for the step's 32 completions, split
+    back to its micro-batches: the same completions (each completion's seed is its own), the same losses and gradient
+    norms to 1e-6, and each step's generation_s the call's; the tool loop refuses it."""
+    from llmtrain.config import load_recipe
+    from llmtrain.errors import LLMTrainError
+
+    recipe, _, _ = straight
+    from llmtrain.objectives.grpo import GRPO
+
+    draw, calls = GRPO._draw, {}
+    runs = {name: tmp_path / name for name in ("micro_batch", "step")}
+    for name, run in runs.items():
+        calls[name] = []
+        monkeypatch.setattr(GRPO, "_draw", lambda self, examples, step, name=name: (
+            calls[name].append(len(examples)), draw(self, examples, step))[1])
+        run_train(recipe, f"output_dir={run}", "train.max_steps=2", "train.grad_accum_steps=2",
+                  f"rl.generation_batch={name}", "train.eval_every_steps=null")
+    assert calls == {"micro_batch": [4, 4, 4, 4], "step": [8, 8]}  # the sampler's calls: prompts each
+    drawn = {name: [(r["step"], r["completion_ids"]) for r in rollouts(run)] for name, run in runs.items()}
+    assert len(drawn["step"]) == 2 * 2 * 4 * G and drawn["step"] == drawn["micro_batch"]
+    lines = {name: records(run) for name, run in runs.items()}
+    for key in ("loss", "grad_norm", "reward"):
+        assert [r[key] for r in lines["step"]] == pytest.approx([r[key] for r in lines["micro_batch"]], abs=1e-6)
+    assert all(r["generation_s"] > 0 for r in lines["step"])
+    with pytest.raises(LLMTrainError) as refused:
+        load_recipe(recipe, ["rl.generation_batch=step", "rl.tools=[math:sqrt]"])
+    assert "the tool loop (rl.tools, rl.environment) runs one micro-batch at a time" in str(refused.value)
+
+
 def test_normalize_then_sum_normalises_each_reward_in_its_group_then_the_sum_over_the_step(tiny_assets, tmp_path):
     """rl.multi_objective_aggregation normalize_then_sum over 2 micro-batches: each completion's advantage worked out
     from rollouts.jsonl's per-function rewards (two format rewards, weights 1 and 2): each function's rewards

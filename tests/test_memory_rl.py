@@ -306,3 +306,30 @@ def test_with_rounds_a_step_samples_once_in_num_iterations():
     whole = MISTRAL.params_total * 2
     assert sampling_seconds(MISTRAL, rounds, weight_bytes=whole, network=Network()) == pytest.approx(
         sampling_seconds(MISTRAL, plain, weight_bytes=whole, network=Network()) / 4)
+
+
+def test_sampling_the_whole_step_at_once_holds_its_caches_and_reads_the_weights_once():
+    """rl.generation_batch=step with 4 micro-batches a step: the sampler decodes the step's 64 rows at once (4 times
+    one micro-batch's KV cache, the prefill of its 16 prompts), and a decode step reads the weights once for all of
+    them, where micro_batch reads them 4 times; the reward models still score a micro-batch at a time."""
+    lengths = [98] * 40
+    plain = spec_from_recipe(recipe(**{**GRPO, "train": {**GRPO["train"], "grad_accum_steps": 4}}),
+                             prompt_lengths=lengths)
+    step = spec_from_recipe(recipe(**{**GRPO, "train": {**GRPO["train"], "grad_accum_steps": 4},
+                                      "rl": {**GRPO["rl"], "generation_batch": "step"}}), prompt_lengths=lengths)
+    assert (plain.sampled_batches, step.sampled_batches) == (1, 4)
+    assert (sampling_rows(plain), sampling_rows(step)) == (16, 64)
+    assert kv_cache_bytes(MISTRAL, step) == 4 * kv_cache_bytes(MISTRAL, plain)
+    weights = states(MISTRAL, plain, lora_plan(MISTRAL, r=16)).weights
+    kv = kv_cache_bytes(MISTRAL, plain)
+    params = 32 * MISTRAL.linear_params_per_layer + 32768 * 4096
+    prefill = 2 * params * 4 * 98 / (H100_TFLOPS * 1e12 * DEFAULT_MFU)
+    by_hand = {"micro_batch": 4 * (256 * (weights + kv) / (H100_HBM_TBPS * 1e12) + prefill),
+               "step": 256 * (weights + 4 * kv) / (H100_HBM_TBPS * 1e12) + 4 * prefill}
+    for name, spec in (("micro_batch", plain), ("step", step)):
+        assert sampling_seconds(MISTRAL, spec, weight_bytes=weights, network=Network()) == pytest.approx(by_hand[name])
+    assert by_hand["step"] < 0.4 * by_hand["micro_batch"]
+    parts = {name: estimate(MISTRAL, spec).phase_parts for name, spec in (("micro_batch", plain), ("step", step))}
+    assert parts["step"]["generation"]["kv_cache"] == 4 * parts["micro_batch"]["generation"]["kv_cache"]
+    assert parts["step"]["generation"]["logits"] == 4 * parts["micro_batch"]["generation"]["logits"]
+    assert parts["step"]["generation_prefill"]["logits"] == 4 * parts["micro_batch"]["generation_prefill"]["logits"]

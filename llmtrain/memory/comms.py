@@ -434,18 +434,20 @@ def sampling_seconds(shape: ModelShape, spec: TrainSpec, *, weight_bytes: float,
     rl.max_completion_tokens decode steps. A decode step of a few dozen rows is bound by memory, not FLOPs: it reads
     every weight once (the adapters unmerged beside them; under FSDP the whole gathered model, not the GPU's shard)
     and the static KV cache (estimate.kv_cache_bytes, whole: the step has a fixed shape), so it takes those bytes over
-    the GPU's memory bandwidth. With rl.num_iterations N a step samples once in N: 1 / N of that a step."""
+    the GPU's memory bandwidth. With rl.num_iterations N a step samples once in N: 1 / N of that a step. With
+    rl.generation_batch=step the step's micro-batches are one call: the weights read once a decode step for all of
+    them, beside their KV caches."""
     if not spec.num_generations:
         return 0.0
     from llmtrain.memory.estimate import kv_cache_bytes
 
-    prompts = max(1, spec.micro_batch // spec.num_generations)
+    prompts = max(1, spec.micro_batch // spec.num_generations) * spec.sampled_batches
     if spec.sharded:  # FSDP: the rollout gathered the whole model (gathered_for_generation), in the compute dtype
         weight_bytes = shape.params_total * DTYPE_BYTES[PRECISION_DTYPE.get(spec.mixed_precision, spec.dtype)]
     params = shape.active_params_total + shape.vocab * shape.hidden
     prefill = 2.0 * params * prompts * spec.prompt_tokens / (network.peak_tflops * 1e12 * network.mfu)
     decode = spec.max_completion_tokens * (weight_bytes + kv_cache_bytes(shape, spec)) / (network.hbm_tbps * 1e12)
-    return spec.grad_accum_steps * (prefill + decode) / spec.num_iterations
+    return spec.grad_accum_steps / spec.sampled_batches * (prefill + decode) / spec.num_iterations
 
 
 def traffic(shape: ModelShape, spec: TrainSpec, *, trained_params: int, trainable_bytes: float,

@@ -343,7 +343,7 @@ def estimate(shape: ModelShape, spec: TrainSpec) -> Estimate:
     if spec.teacher is not None:  # distillation: a second, frozen model and its forward (memory/teacher.py)
         add_teacher(phases, shape, spec, p, base, gradients=g_acc)
     if spec.reward_models:  # online RL's learned rewards: frozen models, scoring after sampling (reward_models.py)
-        add_reward_models(phases, spec, rows=sampling_rows(spec))
+        add_reward_models(phases, spec, rows=max(_rollout_rows(spec, drawn=False), spec.eval_rows))  # a micro-batch's
     if copy := generation_copy_bytes(shape, spec, plan):  # while the sampler runs, or throughout where it is kept
         for name, parts in phases.items():
             if spec.merged_copy == "kept" or name.startswith("generation"):
@@ -464,9 +464,10 @@ def sampling_rows(spec: TrainSpec) -> int:
     return max(_rollout_rows(spec), spec.eval_rows)
 
 
-def _rollout_rows(spec: TrainSpec) -> int:
-    """The rollout's rows on one GPU: the micro-batch's sequences, a sequence group's share of them."""
-    return -(-spec.micro_batch // spec.sequence_parallel)
+def _rollout_rows(spec: TrainSpec, *, drawn: bool = True) -> int:
+    """The rollout's rows on one GPU: the micro-batch's sequences (drawn: the sampler's, the step's with
+    rl.generation_batch=step; else those scored together), a sequence group's share of them."""
+    return -(-spec.micro_batch * (spec.sampled_batches if drawn else 1) // spec.sequence_parallel)
 
 
 def kv_cache_bytes(shape: ModelShape, spec: TrainSpec) -> int:
@@ -504,7 +505,8 @@ def _generation_phases(shape: ModelShape, spec: TrainSpec, base: dict, *, cached
     with the run's filters (act.sampler_bytes: its softmax, cumulative sum, nucleus sort, repetition penalty). (A
     mixture of experts' LoRA-adapted experts run unmerged, their adapters beside them: model/lora_experts.py;
     GPT-OSS's attention holds its scores over the cache: act.sink_sampling_bytes.)"""
-    rows, prompts = sampling_rows(spec), max(1, spec.micro_batch // max(1, spec.num_generations))
+    rows = sampling_rows(spec)
+    prompts = max(1, spec.micro_batch // max(1, spec.num_generations)) * spec.sampled_batches
     width = spec.prompt_longest or spec.prompt_tokens or spec.seq_len
     chunk = max(2, min(width, PREFILL_CHUNK))
     # the sampler's own attention, whatever the run trains with: SDPA over padded rows (GPT-OSS's: its scores, below)

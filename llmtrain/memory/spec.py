@@ -139,6 +139,8 @@ class TrainSpec:
     # online RL: optimizer steps a generation round trains (rl.num_iterations): a step samples 1 / num_iterations
     # of the time
     num_iterations: int = 1
+    # online RL: micro-batches the sampler draws at once (rl.generation_batch=step: the step's grad_accum_steps)
+    sampled_batches: int = 1
     # no-grad forwards of the trained model's shape over the step's sequences, per optimizer step (the step's time, not
     # its peak: comms.no_grad_flops; extra_forwards_of says which): a reference's (LoRA's adapter disabled, or KTO's
     # frozen copy), KTO's KL sequences by the policy, online RL's log-probabilities once a round (1 / num_iterations)
@@ -400,6 +402,7 @@ def spec_from_recipe(recipe: Recipe, *, strategy: Strategy = "single", num_gpus:
         num_iterations=updates_per_window(recipe), **extra_forwards_of(recipe),
         rollout_forwards=rollout_logps(recipe),
         fp32_head=recipe.rl is not None and recipe.rl.cast_lm_head_to_fp32,
+        sampled_batches=t.grad_accum_steps if recipe.rl is not None and recipe.rl.generation_batch == "step" else 1,
         min_examples=2 if recipe.kto is not None and recipe.kto.loss_type == "kto" else 1,
         merged_copy=_merged_copy(recipe), eval_rows=eval_rows,
         **{**pipeline_keys(recipe), **launch},  # --pipeline-* options (in launch) win over the recipe's keys

@@ -392,10 +392,10 @@ class GRPO:
         if self.state is not None:  # what a reward function sees: the steps done, as TRL's global_step
             self.state.global_step, self.state.epoch = step, float(window.epoch)
         with sampling(self.lm):
-            for b in window.batches:
-                drawn = self._draw(b["examples"], step) if self.tools is None else None
+            drawn = self._draw_window(window.batches, step)
+            for b, each in zip(window.batches, drawn):
                 parts, n, recs = self.on_first_of_group(
-                    lambda: self._rollout_batch(b["examples"], step, stand_in=not batch_weight(b), drawn=drawn))
+                    lambda: self._rollout_batch(b["examples"], step, stand_in=not batch_weight(b), drawn=each))
                 batches += parts
                 extremes += [part.pop("sampler_extremes") for part in parts if "sampler_extremes" in part]
                 counts = n if counts is None else counts.plus(n)
@@ -438,6 +438,20 @@ class GRPO:
             lambda prompts, seeds: self._generate(prompts, seeds, logps=self.correcting),
             *self._prompts(examples, step))
         return completions, time.perf_counter() - begun
+
+    def _draw_window(self, batches: list[dict], step: int) -> list[tuple[list, float] | None]:
+        """Each micro-batch's (completions, seconds) without tools (None each with tools: the tool loop samples in
+        _rollout_batch): drawn a micro-batch at a time, or with rl.generation_batch=step in one call for the window
+        and split back, each its share of the seconds by its completions (TRL's steps_per_generation at its default;
+        the same completions, each completion's seed being its own)."""
+        if self.tools is not None:
+            return [None] * len(batches)
+        if self.rl.generation_batch == "micro_batch" or len(batches) == 1:
+            return [self._draw(b["examples"], step) for b in batches]
+        completions, seconds = self._draw([e for b in batches for e in b["examples"]], step)
+        sizes = [len(b["examples"]) * self.rl.num_generations for b in batches]
+        starts = [sum(sizes[:i]) for i in range(len(sizes))]
+        return [(completions[i:i + n], seconds * n / len(completions)) for i, n in zip(starts, sizes)]
 
     def _rollout_batch(self, examples: list[dict], step: int, *, stand_in: bool = False,
                        drawn: tuple[list[list[int]], float] | None = None) -> tuple[list[dict], Counts, list[dict]]:
