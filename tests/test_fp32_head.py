@@ -143,3 +143,16 @@ def test_the_estimate_holds_the_head_in_fp32(tmp_path):
 
     assert allocated("lora", True) - allocated("lora", False) == 32768 * 4096 * 2
     assert allocated("full", True) > allocated("full", False)
+    # a bf16 full fine-tune's head: weight and gradient at 4 bytes, AdamW's moments at 2 x 4, 8-bit AdamW's at its
+    # 8-bit size whatever the parameter's dtype (the same state for the same parameters)
+    from llmtrain.memory.params import load_model_shape
+    from llmtrain.memory.spec import TrainSpec
+    from llmtrain.memory.states import states
+
+    shape, head = load_model_shape("mistral-7b"), 32768 * 4096
+    for optimizer, state in (("adamw", 2 * 2 * head), ("adamw_8bit", 0)):
+        plain = TrainSpec(method="full", dtype="bfloat16", mixed_precision="no", optimizer=optimizer)
+        cast = states(shape, plain.but(fp32_head=True), None)
+        plain = states(shape, plain, None)
+        assert (cast.weights - plain.weights, cast.grads - plain.grads) == (2 * head, 2 * head)
+        assert cast.optimizer - plain.optimizer == state, optimizer

@@ -95,8 +95,10 @@ def states(shape: ModelShape, spec: TrainSpec, plan: LoraPlan | None, *, whole: 
     shard = spec.shards
     # trained in full at `master` bytes a parameter (a full fine-tune; LoRA's saved copies), the adapters in fp32
     whole_bytes = trainable_bytes if plan is None else copies.get("lm_head", 0) + embed_copy
-    optim = (optimizer_bytes(whole_bytes, spec.optimizer, param_bytes=master)
-             + optimizer_bytes(trainable_bytes - whole_bytes, spec.optimizer, param_bytes=4))
+    # (a full fine-tune's head held in fp32 by rl.cast_lm_head_to_fp32: its state counted at 4 bytes a parameter)
+    fp32 = shape.head_outputs * H * 4 if plan is None and spec.fp32_head and master != 4 else 0
+    optim = (optimizer_bytes(whole_bytes - fp32, spec.optimizer, param_bytes=master)
+             + optimizer_bytes(trainable_bytes - whole_bytes + fp32, spec.optimizer, param_bytes=4))
     weights = frozen_bytes + trainable_bytes
     reference = 0
     if spec.frozen_reference:  # KTO's frozen copy: whole, or under FSDP its decoder sharded and its head whole
