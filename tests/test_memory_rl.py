@@ -333,3 +333,12 @@ def test_sampling_the_whole_step_at_once_holds_its_caches_and_reads_the_weights_
     assert parts["step"]["generation"]["kv_cache"] == 4 * parts["micro_batch"]["generation"]["kv_cache"]
     assert parts["step"]["generation"]["logits"] == 4 * parts["micro_batch"]["generation"]["logits"]
     assert parts["step"]["generation_prefill"]["logits"] == 4 * parts["micro_batch"]["generation_prefill"]["logits"]
+
+
+def test_online_rls_measured_reserved_gap_is_said_beside_the_estimate():
+    """The H200's RL steps reserved 1.33x their allocated peak where the estimate adds 10% (issue 53, item 14; not
+    yet modelled): an online-RL estimate says so, with the figures and what to leave free; an SFT one does not."""
+    notes = " ".join(estimate(MISTRAL, spec_from_recipe(recipe(**GRPO), prompt_lengths=[98] * 10)).notes)
+    assert "online RL's reserved memory was measured at 1.33x its allocated peak on one H200" in notes
+    assert "91.90 GiB reserved for 68.96 allocated" in notes and "leave about a third of the allocated peak" in notes
+    assert "reserved memory was measured" not in " ".join(estimate(MISTRAL, spec_from_recipe(recipe())).notes)
