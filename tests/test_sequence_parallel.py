@@ -413,7 +413,8 @@ RL = {"num_generations": 4, "max_completion_tokens": 8, "temperature": 1.0, "bet
 ONLINE = {"grpo": {"loss_type": "grpo", "importance_sampling_level": "sequence", "off_policy_mask_threshold": 1e-5,
                    "use_adaptive_entropy": True, "entropy_target": 100.0, "entropy_coef": 0.1,
                    "entropy_coef_delta": 0.05, "sampler_correction": "sequence_truncate"},
-          "rloo": {"algorithm": "rloo", "normalize_advantages": True},
+          # rloo: 2 micro-batches a step (below), sampled in one call and shared over the group
+          "rloo": {"algorithm": "rloo", "normalize_advantages": True, "generation_batch": "step"},
           # vespo: a completion's weight from its tokens' summed log-ratios over the slices; the entropy quantile
           # over every slice's tokens
           "vespo": {"loss_type": "vespo", "top_entropy_quantile": 0.2, "sampler_correction": "token_mask"}}
@@ -481,14 +482,15 @@ def test_online_rl_on_two_processes_of_one_sequence_samples_and_trains_what_one_
     half; the first scores them (once: the rewards, rollouts.jsonl and the eval's rewards count there); every process
     trains on its slice of each packed row: GRPO's per-token loss adds up over the slices, RLOO's per-completion
     log-probability is summed over the group. The completions, rewards, losses, KL, eval and adapter equal one
-    process's."""
+    process's. RLOO's runs 2 micro-batches a step, sampled in one call (rl.generation_batch=step): a slice of prompt
+    tokens alone then gave its per-token loss as a 0-d zero, which RLOO's per-completion sum refused (IndexError)."""
     recipe = write_recipe(tiny_assets, tmp_path, model={"attn_implementation": "auto"}, lora=LORA,
                           data={"format": "prompt", "max_seq_len": 32, "eval_split": str(tiny_assets / "data" /
                                                                                          "eval.jsonl"),
                                 "eval_max_examples": 4},
                           rl={**RL, **ONLINE[algorithm]},
                           train={"max_steps": 3, "micro_batch_size": 2, "lr": 1e-2, "eval_every_steps": 3,
-                                 "eval_samples": 0})
+                                 "eval_samples": 0, "grad_accum_steps": 2 if algorithm == "rloo" else 1})
     one, two = tmp_path / "one", tmp_path / "two"
     run_train(recipe, f"output_dir={one}")
     out = _launch(config, 2, free_port, recipe, f"output_dir={two}")

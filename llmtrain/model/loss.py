@@ -280,8 +280,10 @@ def attach_loss(model, *, chunk: int, fused_linear_ce=None, router_aux: float | 
             # filler): a zero loss that still reaches every parameter, as DDP and FSDP reduce all their gradients
             loss, _ = self.lm_head(hidden[:1], targets=hidden.new_zeros(1, dtype=torch.long))
             empty = (0, len(PAIR_STATS)) if stat == "pairs" else (0,)
-            return {"loss": loss.sum() * 0.0, "hits": torch.zeros(empty, dtype=torch.float32 if stat else torch.bool,
-                                                                  device=hidden.device),
+            zero = loss.sum() * 0.0  # per_token: no token's loss, as a pass with tokens gives one a token (RLOO sums
+            # them per completion: a 0-d zero there failed its index_add under sequence parallelism)
+            return {"loss": zero.reshape(1)[:0] if per_token else zero,
+                    "hits": torch.zeros(empty, dtype=torch.float32 if stat else torch.bool, device=hidden.device),
                     **({"aux": loss.new_zeros(())} if aux else {})}
         # hits: with token_loss, its statistics instead; with per_token and stat, each token's statistic
         loss, hits = self.lm_head(hidden[loss_index], targets=loss_targets, with_hits=return_hits, per_token=per_token,
