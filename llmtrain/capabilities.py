@@ -545,7 +545,7 @@ def model_problems(recipe, layout: Layout, config) -> list[str]:
                    "<end_of_turn>), or unset model.new_tokens")
     if problem := stored_quantization_problem(recipe.model.quantize, config):
         out.append(problem)
-    if recipe.rl is not None and recipe.rl.cast_lm_head_to_fp32 and getattr(
+    if _fp32_head(recipe, layout) and getattr(
             config.get_text_config() if hasattr(config, "get_text_config") else config, "tie_word_embeddings", False):
         out.append(f"rl.cast_lm_head_to_fp32: this {model_type or ''} model's LM head is its input embeddings "
                    "(tie_word_embeddings), which would turn fp32 too and feed the decoder fp32 inputs. Unset "
@@ -684,7 +684,7 @@ def _mode_problems(recipe) -> list[str]:
             mode.key, "rl: a micro-batch is train.micro_batch_size prompts, each with rl.num_generations completions "
                       "packed padding-free into one row; unset train.micro_batch_tokens (a token budget for the "
                       "update's passes is rl.micro_batch_tokens)"))
-    if mode.key in ("grpo", "rloo") and recipe.rl.cast_lm_head_to_fp32 and recipe.lora is not None and (
+    if _fp32_head(recipe, None) and recipe.lora is not None and (
             trained := [k for k in ("target_modules", "modules_to_save")
                         if "lm_head" in (getattr(recipe.lora, k) or ())]):
         out.append(f"rl.cast_lm_head_to_fp32 holds the LM head's weight in fp32, and lora.{trained[0]} names lm_head "

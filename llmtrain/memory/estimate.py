@@ -40,7 +40,8 @@ from llmtrain.memory.teacher import add_teacher
 CUDA_CONTEXT_BYTES = 500 * MIB  # CUDA context, cuBLAS/cuDNN handles and kernels
 NCCL_BYTES = 512 * MIB  # NCCL communicator buffers, multi-process runs only
 ALLOCATOR_SLACK = 0.10  # reserved / allocated - 1: the caching allocator's rounding and fragmentation
-RL_RESERVED_MEASURED = 91.90 / 68.96  # online RL's reserved / allocated on the H200 (2026-12-04; 92.66 / 68.96 before)
+# online RL's reserved and allocated peaks on the H200 (GiB; 2026-12-04, 92.66 reserved on 2026-11-27)
+RL_RESERVED_MEASURED = (91.90, 68.96)
 DROPOUT_MASK_BYTES = act.CUDA_DROPOUT_MASK_BYTES  # per element saved by dropout (4 on the CPU, for tests)
 
 
@@ -616,9 +617,11 @@ def _notes(shape: ModelShape, spec: TrainSpec, p: act.Pass) -> tuple[str, ...]:
                      f"{' (the eval: its prompts x rl.num_generations_eval, more than a rollout)' if eval_more else ''}"
                      f" into a static KV cache of {kv_cache_bytes(shape, spec) / GIB:,.2f} GiB")
     if spec.max_completion_tokens and spec.teacher is None:  # issue 53, item 14: measured, not yet modelled
-        notes.append(f"online RL's reserved memory was measured at {RL_RESERVED_MEASURED:.2f}x its allocated peak on "
+        reserved, allocated = RL_RESERVED_MEASURED
+        notes.append(f"online RL's reserved memory was measured at {reserved / allocated:.2f}x its allocated peak on "
                      "one H200 (Mistral-7B LoRA GRPO and RLOO, 8 prompts x 8 x 256 tokens, rl.micro_batch_tokens "
-                     f"8192: 91.90 GiB reserved for 68.96 allocated), where this estimate's reserved figure adds "
+                     f"8192: {reserved:.2f} GiB reserved for {allocated:.2f} allocated), where this estimate's "
+                     "reserved figure adds "
                      f"{ALLOCATOR_SLACK:.0%}: leave about a third of the allocated peak free beside it "
                      "(docs/memory.md, the sixth GPU run)")
     if spec.teacher is not None:

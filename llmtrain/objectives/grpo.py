@@ -29,6 +29,7 @@ process, so any split over micro-batches and processes gives the same loss and g
 from __future__ import annotations
 
 import math
+from itertools import accumulate
 from typing import Literal
 
 import torch
@@ -450,7 +451,7 @@ class GRPO:
             return [self._draw(b["examples"], step) for b in batches]
         completions, seconds = self._draw([e for b in batches for e in b["examples"]], step)
         sizes = [len(b["examples"]) * self.rl.num_generations for b in batches]
-        starts = [sum(sizes[:i]) for i in range(len(sizes))]
+        starts = accumulate(sizes, initial=0)
         return [(completions[i:i + n], seconds * n / len(completions)) for i, n in zip(starts, sizes)]
 
     def _rollout_batch(self, examples: list[dict], step: int, *, stand_in: bool = False,
