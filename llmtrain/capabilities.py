@@ -21,6 +21,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from llmtrain.config import reference_copy, reference_sync
 from llmtrain.errors import LLMTrainError
 from llmtrain.layout import NAMES, PARALLELISMS, Layout
 
@@ -179,12 +180,20 @@ def _fp32_head(r, _):
     return r.rl is not None and r.rl.cast_lm_head_to_fp32
 
 
-def _kto_copy(r, _):
-    return r.kto is not None and r.lora is None
+def _copy(r, _):
+    return reference_copy(r)
 
 
-def _kto_reread(r, layout):
-    return _kto_copy(r, layout) and r.model.random_init
+def _copy_reread(r, layout):
+    return reference_copy(r) and r.model.random_init
+
+
+def _rl_copy(r, _):
+    return reference_copy(r) and r.rl is not None
+
+
+def _copy_unsharded(r, layout):
+    return reference_copy(r) and not layout.fsdp
 
 
 RULES: tuple[Rule, ...] = (
@@ -222,11 +231,20 @@ RULES: tuple[Rule, ...] = (
       for parallelism, what in (("sp", "each process embeds a slice of the example"),
                                 ("pp", "the first stage embeds the rows apart from the model's forward"),
                                 ("tp", "the embedding is split over the processes"))),
-    Rule("fsdp", _kto_reread,
-         "kto: a full fine-tune's reference under FSDP is the starting weights read again from model.name_or_path "
-         "and sharded like the policy, and model.random_init has none to read. Save the initial model first "
-         "(save_pretrained) and set model.name_or_path to it, or launch one process or DDP, where the reference is a "
-         "copy of the policy"),
+    Rule("fsdp", _copy_reread,
+         "a full fine-tune's frozen reference ({reference}) under FSDP is the starting weights read again from "
+         "model.name_or_path and sharded like the policy, and model.random_init has none to read. Save the initial "
+         "model first (save_pretrained) and set model.name_or_path to it, or launch one process or DDP, where the "
+         "reference is a copy of the policy"),
+    *(Rule(parallelism, _rl_copy,
+           "{key}: online RL's reference with rl.beta > 0 and no lora: section is a frozen copy of the starting "
+           "weights, which llmtrain holds whole on every process, undoing the split. Add a lora: section (the "
+           "reference is then the model with its adapter disabled, no copy), set rl.beta=0, or launch one GPU or DDP")
+      for parallelism in ("fsdp", "tp")),
+    Rule("tp", _copy_unsharded,
+         "{key} without FSDP: a full fine-tune's reference ({reference}) is a frozen copy of the starting weights, "
+         "sharded like the policy under FSDP only and otherwise whole on every process, undoing the split. Launch "
+         "FSDP x TP (parallelism_config with dp_shard_size), add a lora: section, or launch one GPU or DDP"),
     Rule("sp", lambda r, _: r.model.attn_implementation not in ("auto", "varlen"),
          "{key} runs llmtrain's varlen attention on the gathered sequence; model.attn_implementation={attn} is "
          "refused. Set it to auto"),
@@ -238,10 +256,11 @@ RULES: tuple[Rule, ...] = (
          "micro-batch is one packed row of train.micro_batch_tokens slots (padded to it). Set "
          "train.micro_batch_tokens={budget} (the slots of train.micro_batch_size={size} rows of data.max_seq_len) and "
          "train.micro_batch_size=1"),
-    Rule("pp", _kto_copy,
-         "kto: on pipeline stages the reference is the model with its LoRA adapter disabled, run through the stages "
-         "before each step; a full fine-tune's is a frozen copy of the starting weights, which the stages do not "
-         "hold. Add a lora: section, or set parallel.pipeline_parallel=1"),
+    Rule("pp", _copy,
+         "a full fine-tune's frozen reference ({reference}) is a copy of the starting weights, which pipeline "
+         "stages do not hold (there the reference is LoRA's model with its adapter disabled, run through the stages, "
+         "or precomputed: preference.reference precomputed). Add a lora: section, or set "
+         "parallel.pipeline_parallel=1"),
     Rule("pp", _pp_accum,
          "{key} with pipeline_schedule={schedule}: torch's schedule needs at least as many micro-batches a step as "
          "stages, and train.grad_accum_steps={accum}. Set train.grad_accum_steps to {pp} or more (more shrink the "
@@ -275,9 +294,19 @@ def _key(parallelism: str, recipe, layout: Layout) -> str:
     return NAMES[parallelism]
 
 
+def _reference_of(recipe) -> str:
+    """The key that makes a recipe's reference a frozen copy, for the messages."""
+    if recipe.kto is not None:
+        return "kto: without lora:"
+    if recipe.rl is not None:
+        return f"rl.beta={recipe.rl.beta:g} without lora:"
+    return "preference.reference: copy"
+
+
 def _fill(text: str, parallelism: str, recipe, layout: Layout) -> str:
     m, p = recipe.train.grad_accum_steps, recipe.parallel.pipeline_parallel
     return text.format(key=_key(parallelism, recipe, layout), attn=recipe.model.attn_implementation,
+                       reference=_reference_of(recipe),
                        schedule=recipe.parallel.pipeline_schedule, accum=m, pp=p, rounds=max(1, m // p),
                        size=recipe.train.micro_batch_size,
                        budget=recipe.train.micro_batch_size * recipe.data.max_seq_len)
@@ -714,17 +743,25 @@ def _mode_problems(recipe) -> list[str]:
     if (p := recipe.preference) is not None and p.reference == "adapter" and recipe.lora is None:
         out.append("preference.reference: adapter disables the LoRA adapter, and this recipe has no lora: section; "
                    "use precomputed (or auto) for a full fine-tune")
+    if p is not None and p.reference == "copy" and recipe.lora is not None:
+        out.append("preference.reference: copy keeps a frozen copy of a full fine-tune's starting weights, and this "
+                   "recipe trains LoRA, whose reference is the model with its adapter disabled (no copy): use adapter "
+                   "(or auto)")
+    if (sync := reference_sync(recipe)) is not None and recipe.lora is not None:
+        section = "preference" if p is not None else "kto" if recipe.kto is not None else "rl"
+        out.append(f"{section}.sync_reference mixes the policy's weights into a frozen copy of the starting model "
+                   "(TR-DPO), and a LoRA run has no copy: its reference is the base model with the adapter disabled, "
+                   "which the adapter's weights cannot be mixed into. Remove the lora: section (a full fine-tune), "
+                   f"or remove {section}.sync_reference (TRL refuses it with PEFT too)")
     if (k := recipe.kto) is not None and k.loss_type == "kto" and t.micro_batch_tokens is None and \
             t.micro_batch_size < 2:  # (under a token budget, data/checks.check_kl_pairs reads the lengths)
         out.append("kto.loss_type: kto estimates the KL term from mismatched pairs within a micro-batch, so it needs "
                    "train.micro_batch_size of at least 2 (with 1, the KL term would be the implied reward itself, as "
                    "TRL says), or a token budget (train.micro_batch_tokens) that holds two examples")
     if (rl := recipe.rl) is not None:
-        if rl.beta > 0 and recipe.lora is None:
-            default = " (rl.algorithm: rloo's default, TRL's)" if rl.algorithm == "rloo" else ""
-            out.append(f"rl.beta={rl.beta}{default} needs the starting model as a reference; a LoRA run has it for "
-                       "free (the adapter disabled), a full fine-tune would need a second, frozen copy of the "
-                       "weights, which llmtrain does not build. Set rl.beta=0 (no KL penalty), or add a lora: section")
+        if sync is not None and rl.beta == 0:
+            out.append("rl.sync_reference moves the reference, which only the KL term reads, and rl.beta=0 turns it "
+                       "off: set rl.beta above 0 (e.g. 0.04), or remove rl.sync_reference")
         if rl.micro_batch_tokens is not None and rl.micro_batch_tokens < recipe.data.max_seq_len:
             out.append(f"rl.micro_batch_tokens={rl.micro_batch_tokens} is below data.max_seq_len="
                        f"{recipe.data.max_seq_len}: a prompt and its completion are never split over two passes, so "
@@ -734,6 +771,9 @@ def _mode_problems(recipe) -> list[str]:
 
 
 # --------------------------------------------------------------------------- the table, as docs/scaling.md prints it
+
+
+COPY_KEYS = "kto:, preference.reference: copy or rl.beta > 0, without lora:"  # the rules' {reference}, in the table
 
 
 def table_markdown() -> str:
@@ -747,7 +787,7 @@ def table_markdown() -> str:
                     + " | ".join(cells) + " |")
     rules = [f"- {NAMES[r.parallelism]}: {r.reason.split('. ')[0].replace('{key}', 'it')}"
              .replace("{attn}", "other").replace("{schedule}", "1f1b").replace("{accum}", "m").replace("{pp}", "P")
-             .replace("{rounds}", "m / P") for r in RULES]
+             .replace("{rounds}", "m / P").replace("{reference}", COPY_KEYS) for r in RULES]
     return "\n".join(rows) + "\n\nWhat each parallelism refuses of any mode:\n\n" + "\n".join(rules) + "\n"
 
 

@@ -583,6 +583,29 @@ PREFERENCE_LOSSES = ("dpo", "ipo", "simpo", "orpo", "hinge", "robust", "exo_pair
                      "sppo_hard", "apo_zero", "apo_down", "discopop", "sigmoid_norm", "aot", "aot_unpaired")
 
 
+class ReferenceSync(Section):
+    """A reference that follows the policy (TR-DPO, Gorbatovski et al. 2024; TRL's sync_ref_model): every
+    every_steps optimizer steps each reference weight becomes alpha x the policy's + (1 - alpha) x its own."""
+
+    every_steps: int = Field(512, ge=1, description="Optimizer steps between two updates of the reference (TRL's "
+                             "ref_model_sync_steps; the paper's tau).")
+    alpha: float = Field(0.6, gt=0, le=1, description="The policy's share in the reference after an update (TRL's "
+                         "ref_model_mixup_alpha): 1 replaces the reference with the policy (the paper's hard update).")
+
+
+def _sync_shorthand(v: Any) -> Any:
+    """sync_reference: true is TRL's defaults (every 512 steps, alpha 0.6); false is off."""
+    if v is True:
+        return {}
+    return None if v is False else v
+
+
+SYNC_REFERENCE = ("A reference that follows the policy (TR-DPO; TRL's sync_ref_model): {every_steps: 512, alpha: 0.6}"
+                  " (true: those) mixes alpha x the policy into the reference every every_steps steps. A full "
+                  "fine-tune's frozen copy only (not LoRA, whose reference is the base with the adapter off); "
+                  "checkpoints keep the reference, so a resume goes on with it.")
+
+
 class PreferenceConfig(Section):
     loss: str | list[str] = Field(
         "dpo", description="A loss, or a list of losses summed with loss_weights (MPO's mix, TRL's list of loss_types; "
@@ -631,11 +654,15 @@ class PreferenceConfig(Section):
                               "answers (RPO, Pang et al. 2024; Llama 3's DPO used 0.2): each pair adds weight x "
                               "-log p(chosen) / its answer tokens, so the chosen answers keep their probability while "
                               "the margin opens. 0: the loss alone.")
-    reference: Literal["auto", "adapter", "precomputed", "none"] = Field(
+    reference: Literal["auto", "adapter", "precomputed", "copy", "none"] = Field(
         "auto", description="The reference model's log-probabilities. auto: adapter for LoRA, precomputed for a "
-        "full fine-tune, none for simpo and orpo. adapter: the same model with the LoRA adapter disabled (no second "
-        "copy); precomputed: one no-grad pass over the data with the initial weights before training, cached with the "
-        "tokenised data.")
+        "full fine-tune (copy with sync_reference), none for simpo and orpo. adapter: the same model with the LoRA "
+        "adapter disabled (no second copy); precomputed: one no-grad pass over the data with the initial weights "
+        "before training, cached with the tokenised data; copy: a full fine-tune's frozen copy of the starting "
+        "weights (TRL's ref_model), run before each micro-batch.")
+    sync_reference: ReferenceSync | None = Field(None, description=SYNC_REFERENCE)
+
+    _sync = field_validator("sync_reference", mode="before")(_sync_shorthand)
 
     @model_validator(mode="before")
     @classmethod
@@ -706,6 +733,12 @@ class PreferenceConfig(Section):
                              f"{self.reference})")
         if self.loss not in REFERENCE_FREE and self.reference == "none":
             raise ValueError(f"preference.loss={self.loss} needs a reference: use auto, adapter or precomputed")
+        if self.sync_reference is not None and self.reference in ("precomputed", "none"):
+            raise ValueError(f"preference.sync_reference moves the reference as the policy trains, and "
+                             f"preference.reference={self.reference} "
+                             + ("is computed once before training" if self.reference == "precomputed" else
+                                "is no reference")
+                             + ": set preference.reference=copy (or auto), or remove preference.sync_reference")
         if self.label_smoothing and not self.names & set(SMOOTHED):
             raise ValueError(f"preference.label_smoothing is read by preference.loss {', '.join(SMOOTHED)}, and this "
                              f"recipe's loss is {self.loss}: remove it (or set preference.loss=robust)")
@@ -745,6 +778,9 @@ class KTOConfig(Section):
                                     "completions.")
     undesirable_weight: float = Field(1.0, gt=0, description="Weight of the loss of undesirable (label: false) "
                                       "completions.")
+    sync_reference: ReferenceSync | None = Field(None, description=SYNC_REFERENCE)
+
+    _sync = field_validator("sync_reference", mode="before")(_sync_shorthand)
 
 
 class RewardModelConfig(Section):
@@ -922,6 +958,10 @@ class RLConfig(Section):
         None, ge=0, allow_inf_nan=False, description="Weight of the KL to the reference (the starting model; LoRA: "
         "the adapter disabled). Default TRL's for the algorithm: 0 for grpo (no reference needed), 0.05 for rloo "
         "(which subtracts beta x the completion's summed k1 log-ratio from its reward).")
+    sync_reference: ReferenceSync | None = Field(
+        None, description=SYNC_REFERENCE[:-1] + "; with rl.beta > 0 (the reference is read by the KL term only).")
+
+    _sync = field_validator("sync_reference", mode="before")(_sync_shorthand)
     num_iterations: int = Field(
         1, ge=1, description="Updates per generation round (TRL's num_iterations, the GRPO paper's mu): the step that "
         "samples a window's completions is followed by num_iterations - 1 more optimizer steps on the same "
@@ -1453,6 +1493,7 @@ _ALIASES = {
     "gradient_accumulation_steps": "grad_accum_steps", "num_epochs": "epochs", "num_train_epochs": "epochs",
     "save_steps": "every_steps", "save_total_limit": "keep_last", "lora_r": "r", "lora_alpha": "alpha",
     "sequence_len": "max_seq_len", "max_length": "max_seq_len", "torch_dtype": "dtype",
+    "sync_ref_model": "sync_reference", "ref_model_sync_steps": "every_steps", "ref_model_mixup_alpha": "alpha",
 }
 
 
@@ -1586,8 +1627,24 @@ def _sections_made(data: dict, overrides: list[str]) -> set[str]:
     return made
 
 
+def reference_copy(recipe: Recipe) -> bool:
+    """Whether the run holds a frozen copy of the starting weights as its reference (model/reference.py): a full
+    fine-tune's KTO, preference pairs with preference.reference copy, online RL with rl.beta > 0."""
+    if recipe.lora is not None:
+        return False
+    if recipe.preference is not None:
+        return reference_kind(recipe) == "copy"
+    return recipe.kto is not None or (recipe.rl is not None and recipe.rl.beta > 0)
+
+
+def reference_sync(recipe: Recipe) -> ReferenceSync | None:
+    """The mode's sync_reference (TR-DPO), or None."""
+    section = recipe.preference or recipe.kto or recipe.rl
+    return getattr(section, "sync_reference", None)
+
+
 def reference_kind(recipe: Recipe) -> str:
-    """Where a preference run's reference log-probabilities come from: adapter, precomputed or none. On pipeline
+    """Where a preference run's reference log-probabilities come from: adapter, precomputed, copy or none. On pipeline
     stages a LoRA run's is precomputed by default, with the adapter disabled, once and cached (an explicit adapter
     runs them through the stages before each step: preference.StagePairs.prepare)."""
     p = recipe.preference
@@ -1595,4 +1652,6 @@ def reference_kind(recipe: Recipe) -> str:
         return p.reference
     if p.loss in REFERENCE_FREE:
         return "none"
+    if recipe.lora is None and p.sync_reference is not None:
+        return "copy"
     return "adapter" if recipe.lora is not None and recipe.parallel.pipeline_parallel == 1 else "precomputed"

@@ -148,7 +148,7 @@ def test_every_problem_of_a_recipe_is_said_at_once():
     with pytest.raises(LLMTrainError) as refused:
         load_recipe(REPO / "recipes" / "tiny-kto.yaml", ["parallel.pipeline_parallel=2", "train.micro_batch_size=1"])
     said = " ".join(str(refused.value).split())
-    assert "the reference is the model with its LoRA adapter disabled" in said
+    assert "which pipeline stages do not hold (there the reference is LoRA's model with its adapter disabled" in said
     assert "Set train.micro_batch_tokens=64 (the slots of train.micro_batch_size=1 rows of data.max_seq_len)" in said
     assert "at least 2" in said and "or a token budget (train.micro_batch_tokens) that holds two examples" in said
 

@@ -180,7 +180,7 @@ def test_loss_and_gradient_match_trl_kto_trainer(tiny_assets, tiny_tok, tmp_path
     padding-free KTO on one mixed batch, fp32: the same mean loss, metrics and gradients. LoRA: the reference is the
     disabled adapter (TRL's copy of the fresh adapter, B = 0), LoRA B perturbed so the policy differs from it. Full
     fine-tune: TRL loads its ref_model from the model's folder, llmtrain keeps a frozen copy of the starting
-    weights (kto.frozen_copy); every weight of both policies is then moved off it by the same noise. A tiny Qwen3-MoE
+    weights (model/reference.frozen_copy); every weight of both policies is then moved off it by the same noise. A tiny Qwen3-MoE
     under LoRA with the load-balancing loss at 0.25 (TRL's router_aux_loss_coef, llmtrain's
     model.router_aux_loss_coef), added to the mean loss from the completions' pass by both; TRL's copy runs peft's
     own merged experts, llmtrain's run them unmerged (model/lora_experts.py)."""
@@ -190,7 +190,7 @@ def test_loss_and_gradient_match_trl_kto_trainer(tiny_assets, tiny_tok, tmp_path
 
     from llmtrain.model.loss import attach_loss
     from llmtrain.model.modeling import load_model
-    from llmtrain.objectives.kto import frozen_copy
+    from llmtrain.model.reference import frozen_copy
 
     coef = 0.25 if family == "qwen3_moe" else None
     folder = tiny_assets / "model" if family == "llama" else family_model(tiny_assets, tmp_path / family, family)
@@ -198,7 +198,7 @@ def test_loss_and_gradient_match_trl_kto_trainer(tiny_assets, tiny_tok, tmp_path
     model = load_model(ModelConfig(name_or_path=str(folder), attn_implementation="eager"),
                        LoraConfig(r=4, alpha=8, dropout=0.0) if lora else None, device=torch.device("cpu"),
                        empty=False)
-    reference = None if lora else frozen_copy(model)
+    reference = None if lora else frozen_copy(model, whose="kto")
     theirs_model, ours = copy.deepcopy(model), model  # before TRL patches its own copy
     for m in theirs_model.modules():  # peft's own forward for TRL's experts
         if hasattr(m, "parameter_name"):

@@ -350,7 +350,7 @@ def test_two_fsdp_processes_with_the_kl_in_the_reward_train_what_one_does(tiny_a
 
 @pytest.mark.parametrize("overrides, says", [
     (["rl.num_generations=1"], "rl.num_generations"),
-    (["rl.beta=null"], "rl.beta=0.05 (rl.algorithm: rloo's default, TRL's) needs the starting model as a"),
+    (["rl.beta=0", "rl.sync_reference=true"], "rl.sync_reference moves the reference, which only the KL term reads"),
     (["rl.loss_type=dapo"], "rl.loss_type is read by rl.algorithm: grpo, and this recipe runs rloo: remove rl."),
     (["rl.scale_rewards=none"], "rl.scale_rewards is read by rl.algorithm: grpo"),
     (["rl.importance_sampling_level=sequence"], "rl.importance_sampling_level is read by rl.algorithm: grpo"),

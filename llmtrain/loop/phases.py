@@ -24,7 +24,7 @@ from pathlib import Path
 import torch
 
 from llmtrain import capabilities
-from llmtrain.config import Recipe, tiled_mlp_shard, updates_per_window
+from llmtrain.config import Recipe, reference_copy, reference_sync, tiled_mlp_shard, updates_per_window
 from llmtrain.data.batching import DataPlan
 from llmtrain.data.chat import template_file
 from llmtrain.data.checks import check_context, check_data, check_epochs, check_warmup, data_plan
@@ -47,6 +47,7 @@ from llmtrain.model.modeling import (
     unadapted_experts,
     unquantized_experts,
 )
+from llmtrain.model.reference import Reference, frozen_copy, saved_problem
 from llmtrain.model.score import attach_score
 from llmtrain.model.teacher import load_teacher, vocabulary_problem
 from llmtrain.objectives.objective import head_loss_for
@@ -115,6 +116,9 @@ def read_only_checks(recipe: Recipe, accelerator, *, resume: str | None, overwri
                              allow_recipe_change=allow_recipe_change) if ckpt else []
         if ckpt and (problem := round_problem(ckpt, every=updates_per_window(recipe),
                                               processes=accelerator.num_processes)):
+            raise LLMTrainError(problem)
+        sync = reference_sync(recipe) if reference_copy(recipe) else None
+        if ckpt and (problem := saved_problem(ckpt, every=sync.every_steps if sync else None)):
             raise LLMTrainError(problem)
     except LLMTrainError as e:  # the same checkpoint against the same recipe on every process: said once a node
         raise Everywhere(str(e)) from None
@@ -427,22 +431,31 @@ def _teacher_attention(recipe: Recipe, teacher, trainable: Trainable):
 
 
 def build_reference(recipe: Recipe, accelerator, trainable: Trainable, *, say):
-    """A KTO full fine-tune's reference under FSDP (None for other runs; one process and DDP copy the policy before
-    it trains: objectives/kto.frozen_copy): the starting weights read again from model.name_or_path by the main
-    process and sharded as the policy is (fsdp.shard_frozen: every decoder layer a unit gathered for its forward, the
-    LM head whole), frozen, in eval mode, with the policy's loss forward (its trained positions through the head
+    """A full fine-tune's frozen reference (config.reference_copy: KTO, preference.reference copy, online RL with
+    rl.beta > 0), as a model/reference.Reference with the mode's sync_reference; None for other runs (LoRA's
+    reference is its own model with the adapter disabled). One process and DDP copy the policy before it trains
+    (reference.frozen_copy); under FSDP the main process reads the starting weights again from model.name_or_path
+    and they are sharded as the policy is (fsdp.shard_frozen: every decoder layer a unit gathered for its forward,
+    the LM head whole), frozen, in eval mode, with the policy's loss forward (its trained positions through the head
     chunk by chunk) and its attention (a sequence group's, if any). A whole copy on every process is what FSDP is
-    there to avoid; a resume's reference is still the starting weights, not the checkpoint's."""
-    if recipe.kto is None or recipe.lora is not None or not uses_fsdp(accelerator):
+    there to avoid. Made before a resume loads its checkpoint: a resume's reference is the starting weights, or the
+    checkpoint's where sync_reference has moved it (Reference.restore)."""
+    if not reference_copy(recipe):
         return None
+    sync = reference_sync(recipe)
+    mixed = f"; every {sync.every_steps} steps it takes alpha={sync.alpha:g} of the policy (TR-DPO)" if sync else ""
+    if not uses_fsdp(accelerator):
+        say(f"reference: a frozen copy of the starting weights{mixed}")
+        return Reference(frozen_copy(trainable.unwrapped, whose=capabilities.MODES[capabilities.mode_of(recipe)].name),
+                         sync)
     reference = load_model(recipe.model, None, device=None, empty=not accelerator.is_main_process)
     attach_loss(reference, chunk=recipe.train.loss_chunk_tokens)
     causal_lm(reference).config._attn_implementation = causal_lm(trainable.unwrapped).config._attn_implementation
     held = shard_frozen(reference, trainable.unwrapped, accelerator)
     total = sum(p.numel() for p in reference.parameters())  # DTensors count their whole shape
     say(f"reference: the starting weights, sharded like the policy, {held:,} of its {total:,} parameters on the main "
-        "process (the LM head whole)")
-    return reference.eval()
+        f"process (the LM head whole){mixed}")
+    return Reference(reference.eval(), sync)
 
 
 def reference_logps(recipe: Recipe, accelerator, data: Data, trainable: Trainable, objective, *, console) -> Data:

@@ -45,6 +45,7 @@ from llmtrain.loop.signals import StopRequests
 from llmtrain.loop.step import eval_sums, evaluate, train_step
 from llmtrain.memory import predicted_for_run
 from llmtrain.memory.fit import out_of_memory_text
+from llmtrain.model.reference import Reference
 from llmtrain.objectives.objective import Objective, end_of_turn_ids, objective_for, rl_rewards, stop_ids
 from llmtrain.parallel.accelerator import build_accelerator
 from llmtrain.parallel.collectives import device_sum, gathered, on_main, on_tensor_group_first
@@ -107,12 +108,13 @@ def _train(recipe: Recipe, accelerator, console: RunConsole, cleanup: ExitStack,
         teacher = build_teacher(recipe, accelerator, trainable, data.tokenizer, say=say)  # distillation's, or None
         if teacher is not None:  # its forward is the step's work too: counted in tflops_per_gpu and mfu
             trainable = replace(trainable, flops=trainable.flops.plus(flop_model(teacher, forward_only=True)))
+        reference = build_reference(recipe, accelerator, trainable, say=say)  # a full fine-tune's frozen copy
         objective = objective_for(recipe, pad_id=data.pad_id, model=trainable.unwrapped, tokenizer=data.tokenizer,
                                   train=data.train, world=data_ranks(accelerator)[0], total_steps=data.total_steps,
                                   rewards=rewards, gather=partial(gathered, accelerator),
                                   reduce=partial(device_sum, accelerator), teacher=teacher,
                                   user_code=on_tensor_group_first(accelerator),
-                                  reference=build_reference(recipe, accelerator, trainable, say=say))  # KTO's
+                                  reference=reference.module if reference is not None else None)
         if recipe.parallel.sequence_parallel > 1:  # each process of a sequence group collates its slice of the row
             objective = SequenceShards(objective, pad_id=data.pad_id, group=groups(accelerator).sequence)
         data = reference_logps(recipe, accelerator, data, trainable, objective, console=console)  # preference only
@@ -124,10 +126,12 @@ def _train(recipe: Recipe, accelerator, console: RunConsole, cleanup: ExitStack,
         rounds = Rounds(updates_per_window(recipe), process=accelerator.process_index,
                         processes=accelerator.num_processes)
         rounds.restore(checked.checkpoint, step=state.step)
+        if reference is not None and reference.restore(checked.checkpoint):
+            say("reference: the checkpoint's (moved by sync_reference), not the starting weights")
         log = open_log(recipe, accelerator, state, resumed=resume is not None, notes=checked.notes, say=say)
         cleanup.callback(log.close)
         run = Run(recipe=recipe, accelerator=accelerator, console=console, log=log, data=data, model=trainable,
-                  objective=objective, rounds=rounds,
+                  objective=objective, rounds=rounds, reference=reference,
                   cadence=Cadence.from_recipe(recipe, total_steps=data.total_steps, has_eval=data.eval is not None))
         # ---- the loop, then the export and the summary
         # The run's clock: what earlier processes of the run spent, and this one's reference pass (preference)
@@ -165,6 +169,7 @@ class Run:
     model: Trainable
     objective: Objective
     rounds: Rounds
+    reference: Reference | None  # a full fine-tune's frozen reference, and its sync (TR-DPO)
     cadence: Cadence
 
     @property
@@ -212,6 +217,8 @@ def train_loop(run: Run, state: TrainState, meter: Meter) -> list[dict]:
             # collective (a signal that lands during a step is voted on in the next one).
             stop = result.stop_voted if accelerator.num_processes > 1 else bool(stop_requests.signum)
             state.advance(window, result)
+            if run.reference is not None:  # sync_reference: the policy mixed into the reference where it is due
+                run.reference.after_step(m.unwrapped, state.step)
             meter.add(result, epoch=window.epoch)
             if run.recipe.rl is not None:  # every completion, on record before a stop can come
                 # in the order of the prompts' rows: the same file from any number of processes
@@ -316,6 +323,8 @@ def save(run: Run, state: TrainState, meter: Meter) -> Path:
     trainable = run.model.trainable_names
     return save_checkpoint(run.accelerator, output_dir=run.out, state=state,
                            write_round=partial(run.rounds.write, step=state.step),
+                           write_reference=(partial(run.reference.write, step=state.step)
+                                            if run.reference is not None else None),
                            recipe_yaml=run.recipe.to_yaml(working_dir=os.getcwd()),
                            keep_last=run.recipe.checkpoint.keep_last, model_keys=set(run.model.model_keys),
                            trainable=set(trainable) if trainable else None,

@@ -10,8 +10,8 @@ import math
 from dataclasses import asdict, dataclass, field, replace
 from typing import Literal
 
-from llmtrain.config import (DataConfig, LoraConfig, ModelConfig, ParallelConfig, Recipe, TrainConfig, reference_kind,
-                             sampling_of, updates_per_window)
+from llmtrain.config import (DataConfig, LoraConfig, ModelConfig, ParallelConfig, Recipe, TrainConfig, reference_copy,
+                             reference_kind, sampling_of, updates_per_window)
 from llmtrain.errors import LLMTrainError
 from llmtrain.parallel.pipeline.split import SCHEDULES
 
@@ -146,8 +146,9 @@ class TrainSpec:
     # frozen copy), KTO's KL sequences by the policy, online RL's log-probabilities once a round (1 / num_iterations)
     extra_forwards: float = 0.0
     extra_forwards_what: str = ""  # whose, in words
-    # KTO's full fine-tune: a frozen copy of the starting weights (the reference), in the storage dtype, whole on
-    # every GPU (objectives/kto.frozen_copy; refused where the model is sharded)
+    # a full fine-tune's frozen copy of the starting weights as its reference (config.reference_copy: KTO,
+    # preference.reference copy, online RL with rl.beta > 0), in the storage dtype, whole on every GPU, or under FSDP
+    # sharded like the policy with its head whole (model/reference.py, loop/phases.build_reference)
     frozen_reference: bool = False
     # rl.cast_lm_head_to_fp32: the LM head's weight held in fp32 whatever the storage dtype (a trained head's
     # gradient and optimizer state in fp32 with it)
@@ -398,7 +399,7 @@ def spec_from_recipe(recipe: Recipe, *, strategy: Strategy = "single", num_gpus:
         sequence_parallel=recipe.parallel.sequence_parallel,
         num_generations=recipe.rl.num_generations if recipe.rl is not None else int(
             recipe.distill is not None and recipe.distill.lmbda > 0), per_example=per_example, **rl, **teacher,
-        no_grad_forwards=recipe.kto is not None, frozen_reference=recipe.kto is not None and lora is None,
+        no_grad_forwards=recipe.kto is not None, frozen_reference=reference_copy(recipe),
         num_iterations=updates_per_window(recipe), **extra_forwards_of(recipe),
         rollout_forwards=rollout_logps(recipe),
         fp32_head=recipe.rl is not None and recipe.rl.cast_lm_head_to_fp32,
@@ -430,8 +431,9 @@ def rollout_logps(recipe: Recipe) -> bool:
 def extra_forwards_of(recipe: Recipe) -> dict:
     """The no-grad forwards of the trained model's shape a step runs over its sequences, beside its forward and
     backward (TrainSpec.extra_forwards, and what they are), as the objectives run them:
-    - preference pairs: the reference with LoRA's adapter disabled, before each micro-batch (preference.reference
-      adapter, LoRA's auto); none where it is precomputed (one pass before training) or there is no reference;
+    - preference pairs: the reference (LoRA's adapter disabled, or a full fine-tune's frozen copy) before each
+      micro-batch (preference.reference adapter, LoRA's auto, or copy); none where it is precomputed (one pass
+      before training) or there is no reference;
     - KTO: the reference over the micro-batch (adapter disabled, or the frozen copy), and with loss_type kto its KL
       sequences (as many again) by the policy and by the reference: 3;
     - GRPO: with rl.beta > 0 the reference in every update's loss; with rl.num_iterations N > 1 or
@@ -440,8 +442,9 @@ def extra_forwards_of(recipe: Recipe) -> dict:
       (its KL goes into the reward), 1 / N a step each.
     A distillation teacher's and learned rewards' forwards are of other shapes (comms.no_grad_flops counts them)."""
     passes: list[tuple[float, str]] = []
-    if recipe.preference is not None and reference_kind(recipe) == "adapter":
-        passes.append((1.0, "the reference's, the adapter disabled, each micro-batch"))
+    if recipe.preference is not None and reference_kind(recipe) in ("adapter", "copy"):
+        how = "the adapter disabled" if reference_kind(recipe) == "adapter" else "the frozen copy"
+        passes.append((1.0, f"the reference's, {how}, each micro-batch"))
     elif recipe.kto is not None:
         passes.append((1.0, "the reference's over each micro-batch"))
         if recipe.kto.loss_type == "kto":

@@ -64,8 +64,9 @@ def states(shape: ModelShape, spec: TrainSpec, plan: LoraPlan | None, *, whole: 
     every gradient into flat buckets allocated once (gradient_as_bucket_view=False, Accelerate's
     default); the 25 MB bucket_cap_mb only sets how they are grouped for all-reduce.
     FSDP2 under mixed precision keeps trainable parameters as fp32 master shards (Accelerate upcasts
-    them); everything is divided by the world size, and cpu offload moves it all to the host. A KTO full fine-tune's
-    frozen reference (spec.frozen_reference) is one more copy of the weights in the storage dtype: whole on one GPU
+    them); everything is divided by the world size, and cpu offload moves it all to the host. A full fine-tune's
+    frozen reference (spec.frozen_reference: KTO's, preference.reference copy's, online RL's with rl.beta > 0) is one
+    more copy of the weights in the storage dtype (its head in fp32 with rl.cast_lm_head_to_fp32): whole on one GPU
     and under DDP, sharded like the policy under FSDP with its LM head whole (loop/phases.build_reference); under
     FSDP x TP `shape` is the TP slice and `whole` the model, whose reference is sharded over every GPU of a replica."""
     sd = DTYPE_BYTES[spec.dtype]
@@ -101,8 +102,10 @@ def states(shape: ModelShape, spec: TrainSpec, plan: LoraPlan | None, *, whole: 
              + optimizer_bytes(trainable_bytes - whole_bytes + fp32, spec.optimizer, param_bytes=4))
     weights = frozen_bytes + trainable_bytes
     reference = 0
-    if spec.frozen_reference:  # KTO's frozen copy: whole, or under FSDP its decoder sharded and its head whole
+    if spec.frozen_reference:  # the frozen copy: whole, or under FSDP its decoder sharded and its head whole
         reference = sharded_frozen_bytes(whole or shape, spec, sd) if fsdp else shape.params_total * sd
+        if spec.fp32_head:  # a copy of a model whose head is fp32 (FSDP refuses the fp32 head)
+            reference += shape.head_outputs * H * (4 - min(sd, 4))
     if spec.cpu_offload:
         return States(0, 0, 0, (0,) * shape.layers, 0, 0, weights + trainable_bytes + optim)
     return States(

@@ -37,6 +37,7 @@ import torch
 from llmtrain.config import sampling_of
 from llmtrain.data.batching import Counts, batch_weight
 from llmtrain.model.generate import Stops
+from llmtrain.model.reference import forward_of
 from llmtrain.objectives.rollouts import all_here, clipped_surrogate, completion_rows, here, sample, sampling
 
 LossType = Literal["dapo", "grpo", "dr_grpo", "cispo", "sapo", "luspo", "vespo"]
@@ -321,10 +322,11 @@ class GRPO:
 
     def __init__(self, rl, *, tokenizer, pad_id: int, packing: bool, seed: int, rewards, model, columns,
                  stop_ids, world: int, sources: tuple[str, str | None] = ("the data", None), state=None,
-                 runner=None, gather=None, template: str | None = None, render=None, user_code=None):
+                 runner=None, gather=None, template: str | None = None, render=None, user_code=None, reference=None):
         self.rl, self.tokenizer, self.pad_id, self.packing, self.seed = rl, tokenizer, pad_id, packing, seed
         self.rewards = rewards  # (name, function, weight): rewards.build_rewards
         self.lm = model  # unwrapped: generates, and with its adapter disabled is the reference (beta > 0)
+        self.reference = reference  # a full fine-tune's frozen copy (beta > 0: model/reference.py); None: LoRA's
         from llmtrain.objectives.rewards import AsyncRunner, RewardLogs, reward_columns
 
         self.reward_columns = reward_columns(columns)  # {the user's name: the prepared column}
@@ -723,8 +725,9 @@ class GRPO:
         rl, ref = self.rl, None
         rollout = batch["rollout_stats"].to(batch["input_ids"].device)
         if rl.beta:  # first: its no-grad forward leaves no graph behind
-            with torch.no_grad(), self.lm.disable_adapter():  # the starting model: the LoRA adapter off
-                ref = -compute_loss(self.lm, batch, per_token=True, temperature=rl.temperature).float()
+            reference, context = forward_of(self.lm, self.reference)  # the frozen copy, or the LoRA adapter off
+            with torch.no_grad(), context:
+                ref = -compute_loss(reference, batch, per_token=True, temperature=rl.temperature).float()
         bonus = self.entropy  # the entropy bonus: the entropy with its gradient
         losses, entropy = compute_loss(model, batch, per_token=True, temperature=rl.temperature,
                                        stat=ENTROPY_TRAINED if bonus is not None else "entropy")

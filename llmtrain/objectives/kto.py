@@ -20,23 +20,21 @@ adds [0, 0]: the average is over the processes that have a micro-batch. Under gr
 accumulation each micro-batch has its own estimate, as TRL's.
 
 The reference: with lora:, the same model with the adapter disabled, under no_grad (no copy of the weights); a full
-fine-tune keeps a frozen copy of the starting weights (`frozen_copy`, made before a resume loads a checkpoint into the
-policy), as TRL's KTOTrainer loads its ref_model. Precomputing the reference (TRL's precompute_ref_log_probs) would
+fine-tune keeps a frozen copy of the starting weights (model/reference.py, made before a resume loads a checkpoint
+into the policy; kto.sync_reference mixes the policy into it, TRL's sync_ref_model), as TRL's KTOTrainer loads its
+ref_model. Precomputing the reference (TRL's precompute_ref_log_probs) would
 need the KL pairs before training, and here they follow each epoch's shuffled micro-batches; a copy costs one more
 set of weights (in the estimate) and no extra passes over the data.
 """
 
 from __future__ import annotations
 
-import copy
-from contextlib import nullcontext
-
 import torch
 import torch.nn.functional as F
 
 from llmtrain.data.batching import Counts, batch_weight, collate, to_device, with_loss_positions
 from llmtrain.data.formats import IGNORE, prompt_length
-from llmtrain.errors import LLMTrainError
+from llmtrain.model.reference import forward_of
 from llmtrain.objectives.preference import StagePairs, eval_row, policy_logps, sequence_logps
 
 # Statistics summed over the window (and processes); step_metrics turns them into TRL's names.
@@ -78,23 +76,6 @@ def kl_sequences(examples: list[dict], max_seq_len: int) -> list[dict]:
     return out
 
 
-def frozen_copy(model):
-    """A full fine-tune's reference: a copy of the (unwrapped) model's starting weights, in eval mode (no dropout, as
-    TRL's disable_dropout), that nothing trains. Refused where the model is sharded (FSDP, tensor parallelism): a
-    whole copy on every process is what sharding is there to avoid."""
-    from torch.distributed.tensor import DTensor
-
-    if any(isinstance(p, DTensor) for p in model.parameters()):
-        raise LLMTrainError(
-            "kto: a full fine-tune (no lora: section) keeps a frozen copy of the starting model as its reference, "
-            "whole on every process, and this launch shards the model (FSDP or tensor parallelism), which a whole "
-            "copy would undo. Add a lora: section (the reference is then the model with its adapter disabled, no "
-            "copy), or launch one process or DDP (accelerate_configs/ddp.yaml)")
-    reference = copy.deepcopy(model).eval()
-    reference.requires_grad_(False)
-    return reference
-
-
 class KTO:
     """The KTO objective (objective.Objective): labelled completions in, TRL's KTO loss out."""
 
@@ -107,7 +88,7 @@ class KTO:
         # model.router_aux_loss_coef: the policy pass's load-balancing loss joins the loss, as TRL's KTOTrainer adds it
         self.router_aux = router_aux
         self.model = model  # unwrapped (no DDP forward, so no collective): the KL pass, and the LoRA reference
-        self.reference = reference  # a full fine-tune's frozen copy (frozen_copy); None: the adapter disabled
+        self.reference = reference  # a full fine-tune's frozen copy (model/reference.py); None: the adapter disabled
         self.reduce = reduce  # a device tensor summed over processes (collectives.device_sum); None: one process
         self.columns = ("input_ids", "labels", "label")
 
@@ -125,15 +106,9 @@ class KTO:
             batch.update({f"kl:{k}": v for k, v in self._collate(kl).items()})
         return batch, Counts.of(sequences + kl, units=len(examples), trained=len(batch["loss_index"]))
 
-    def _reference_model(self):
-        """The reference and the context it runs in: the frozen copy, or the base model (the adapter disabled)."""
-        if self.reference is not None:
-            return self.reference, nullcontext()
-        return self.model, self.model.disable_adapter()  # the base model: the reference, with no copy of it
-
     def _reference(self, batch: dict) -> torch.Tensor:
         """The reference's summed completion log-probabilities, under no_grad."""
-        model, context = self._reference_model()
+        model, context = forward_of(self.model, self.reference)
         with torch.no_grad(), context:
             return self.logps(model, batch)
 

@@ -142,9 +142,9 @@ def objective_for(recipe, *, pad_id: int, model=None, tokenizer=None, train=None
     on every process (collectives.gathered; None: one process), for what reward functions log; `reduce`: a device
     tensor summed over every process (collectives.device_sum; None: one process), for KTO's KL estimate; `teacher`:
     distillation's teacher as the loop built it (phases.build_teacher: sharded under FSDP; None: loaded here, whole, on
-    the model's device); `reference`: a KTO full fine-tune's as the loop built it (phases.build_reference: sharded under
-    FSDP; None: a frozen copy of `model` made here); `user_code`: where RL's reward functions, tools and environment
-    run (collectives.on_tensor_group_first; None: here)."""
+    the model's device); `reference`: a full fine-tune's frozen reference model (the loop's phases.build_reference,
+    for KTO, preference.reference copy and online RL with rl.beta > 0; None: LoRA's adapter disabled); `user_code`:
+    where RL's reward functions, tools and environment run (collectives.on_tensor_group_first; None: here)."""
     from llmtrain.data.batching import packs_rows
 
     if recipe.rl is not None:
@@ -159,7 +159,7 @@ def objective_for(recipe, *, pad_id: int, model=None, tokenizer=None, train=None
                       stop_ids=stop_ids(recipe, model, tokenizer), world=world, sources=rewards.sources,
                       state=rewards.state, runner=rewards.runner, gather=gather,
                       template=read_template(recipe.data, tokenizer), render=prompt_renderer(recipe, tokenizer),
-                      user_code=user_code)
+                      user_code=user_code, reference=reference)
 
     if recipe.distill is not None:
         from llmtrain.model.teacher import load_teacher
@@ -170,13 +170,10 @@ def objective_for(recipe, *, pad_id: int, model=None, tokenizer=None, train=None
         return Distill(recipe.distill, teacher=teacher, model=model, pad_id=pad_id, packing=packs_rows(recipe),
                        seed=recipe.train.seed, stop_ids=stop_ids(recipe, model, tokenizer), world=world)
     if recipe.kto is not None:
-        from llmtrain.objectives.kto import KTO, frozen_copy
+        from llmtrain.objectives.kto import KTO
 
-        # a full fine-tune's reference: the starting weights, copied before a resume loads its checkpoint
         return KTO(recipe.kto, pad_id=pad_id, packing=packs_rows(recipe), max_seq_len=recipe.data.max_seq_len,
-                   model=model, reference=reference if reference is not None or recipe.lora is not None else
-                   frozen_copy(model), reduce=reduce,
-                   router_aux=recipe.model.router_aux_loss_coef)
+                   model=model, reference=reference, reduce=reduce, router_aux=recipe.model.router_aux_loss_coef)
     if recipe.reward_model is not None:
         from llmtrain.model.score import classifier
         from llmtrain.objectives.reward_model import RewardModel
@@ -190,7 +187,8 @@ def objective_for(recipe, *, pad_id: int, model=None, tokenizer=None, train=None
         from llmtrain.objectives.preference import Preference
 
         return Preference(recipe.preference, pad_id=pad_id, packing=packs_rows(recipe),
-                          reference=reference_kind(recipe), model=model, router_aux=recipe.model.router_aux_loss_coef)
+                          reference=reference_kind(recipe), model=model, router_aux=recipe.model.router_aux_loss_coef,
+                          copy=reference)
     return CausalLM(pad_id=pad_id, packing=packs_rows(recipe),
                     router_aux=recipe.model.router_aux_loss_coef is not None)
 

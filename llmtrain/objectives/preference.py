@@ -25,6 +25,7 @@ import torch.nn.functional as F
 from llmtrain.data.batching import Counts, collate, with_loss_positions
 from llmtrain.data.formats import IGNORE
 from llmtrain.model.loss import compute_loss
+from llmtrain.model.reference import forward_of
 from llmtrain.parallel.collectives import on_main
 from llmtrain.parallel.mesh import data_ranks
 
@@ -306,9 +307,11 @@ class Preference:
     slice_stats = tuple(TOKEN_STATS)  # sequence parallelism: each slice's own tokens', added up (the rest: whole)
     eval_rows = True  # its eval sums are eval_row's [loss, statistics, pairs]
 
-    def __init__(self, cfg, *, pad_id: int, packing: bool, reference: str, model=None, router_aux: float | None = None):
+    def __init__(self, cfg, *, pad_id: int, packing: bool, reference: str, model=None, router_aux: float | None = None,
+                 copy=None):
         self.cfg, self.pad_id, self.packing, self.reference = cfg, pad_id, packing, reference
         self.model = model  # unwrapped: its adapter is disabled for the reference forward
+        self.copy = copy  # reference copy: the frozen copy of the starting weights (model/reference.py)
         # model.router_aux_loss_coef: the policy pass's load-balancing loss joins the loss, as TRL's DPOTrainer adds it
         self.router_aux = router_aux
         self.columns = ("chosen_ids", "chosen_labels", "rejected_ids", "rejected_labels") + (
@@ -332,8 +335,9 @@ class Preference:
             return None, None
         if self.reference == "precomputed":
             return batch["reference"][:, 0], batch["reference"][:, 1]
-        with torch.no_grad(), self.model.disable_adapter():  # the base model: the reference, with no copy of it
-            ref = self.logps(self.model, batch)
+        model, context = forward_of(self.model, self.copy if self.reference == "copy" else None)
+        with torch.no_grad(), context:
+            ref = self.logps(model, batch)
         return ref[0::2], ref[1::2]
 
     def logps(self, model, batch: dict) -> torch.Tensor:

@@ -26,6 +26,7 @@ import torch
 
 from llmtrain.data.batching import batch_weight, to_device
 from llmtrain.model.loss import compute_loss
+from llmtrain.model.reference import forward_of
 from llmtrain.objectives.grpo import GRPO, STD_EPS, _nanstd
 from llmtrain.objectives.rollouts import clipped_surrogate
 
@@ -93,12 +94,14 @@ class RLOO(GRPO):
 
     def _sequence_kl(self, batch: dict, n: int) -> torch.Tensor:
         """Each completion's summed k1 log-ratio of the policy as it sampled to the reference (the LoRA adapter
-        disabled), without gradient: TRL's old and reference log-probabilities, taken before the update. Run
-        within the rollout, so under FSDP while the whole model is gathered (no collective per pass)."""
+        disabled, or a full fine-tune's frozen copy), without gradient: TRL's old and reference log-probabilities,
+        taken before the update. Run within the rollout, so under FSDP while the whole model is gathered (no
+        collective per pass)."""
         batch = to_device(batch, self.lm.device)
         policy = batch["loss_old_logps"] if "loss_old_logps" in batch else self._sampling_logps(batch)
-        with torch.no_grad(), self.lm.disable_adapter():
-            ref = completion_logps(self.lm, batch, temperature=self.rl.temperature)
+        reference, context = forward_of(self.lm, self.reference)  # the frozen copy, or the LoRA adapter off
+        with torch.no_grad(), context:
+            ref = completion_logps(reference, batch, temperature=self.rl.temperature)
         return sequence_sums(policy - ref, batch["loss_example"], n).cpu()
 
     def _loss_units(self, lengths: torch.Tensor) -> float:

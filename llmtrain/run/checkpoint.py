@@ -229,10 +229,12 @@ def _read_sharded(folder: Path, path: Path, *, lora: bool) -> tuple[set[str], di
 
 
 def save_checkpoint(accelerator, *, output_dir: Path, state: TrainState, recipe_yaml: str, keep_last: int,
-                    model_keys: set[str], trainable: set[str] | None, write_stage=None, write_round=None) -> Path:
+                    model_keys: set[str], trainable: set[str] | None, write_stage=None, write_round=None,
+                    write_reference=None) -> Path:
     """Write, flush, verify and publish a checkpoint, then prune to the newest `keep_last`. `write_stage(folder)`:
     pipeline parallelism's writer of this process's stages (weights and optimizer; Accelerate saves the rest);
-    `write_round(folder)`: online RL's writer of this process's generation round in progress (loop/rounds.py).
+    `write_round(folder)`: online RL's writer of this process's generation round in progress (loop/rounds.py);
+    `write_reference(folder)`: a moving reference's writer (model/reference.Reference.write; every process calls it).
 
     A failed write (disk full, permission) stops every process with one LLMTrainError that says what
     happened; the partial checkpoint is removed and the published ones are left as they were.
@@ -252,6 +254,8 @@ def save_checkpoint(accelerator, *, output_dir: Path, state: TrainState, recipe_
             write_stage(tmp)
         if write_round is not None:
             write_round(tmp)
+        if write_reference is not None:
+            write_reference(tmp)
 
     for stage in (write, lambda: _fsync_tree(tmp)):
         _stop_if_any_failed(accelerator, _attempt(stage), final=final)  # also the barrier between the stages

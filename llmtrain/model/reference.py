@@ -1,0 +1,131 @@
+"""A full fine-tune's reference model: a frozen copy of the starting weights, and the mix that makes it follow the
+policy (TR-DPO, Gorbatovski et al. 2024: TRL's sync_ref_model).
+
+Which runs hold one is the schema's (config.reference_copy: KTO, preference.reference copy and online RL with
+rl.beta > 0, each a full fine-tune; a LoRA run's reference is its own model with the adapter disabled, no copy).
+One process and DDP copy the policy before it trains (`frozen_copy`); under FSDP the loop reads the starting weights
+again and shards them as the policy is (loop/phases.build_reference). `Reference` holds the copy and, with the
+mode's sync_reference, mixes the policy into it after every every_steps-th optimizer step, exactly as TRL's
+SyncRefModelCallback does (`mix`); a checkpoint then carries the reference (torch.distributed.checkpoint, whole or
+sharded as it is held), and a resume reads it back, so the run goes on with the reference it had.
+"""
+
+from __future__ import annotations
+
+import copy
+import warnings
+from contextlib import nullcontext
+from pathlib import Path
+
+import torch
+
+from llmtrain.errors import LLMTrainError
+
+FOLDER = "reference"  # in a checkpoint: the reference's weights, once a sync has moved them
+
+
+def frozen_copy(model, *, whose: str):
+    """A copy of the (unwrapped) model's starting weights, in eval mode (no dropout, as TRL's disable_dropout), that
+    nothing trains. Refused where the model is sharded (tensor parallelism: capabilities refuses it first): a whole
+    copy on every process is what sharding is there to avoid."""
+    from torch.distributed.tensor import DTensor
+
+    if any(isinstance(p, DTensor) for p in model.parameters()):
+        raise LLMTrainError(
+            f"{whose}: a full fine-tune (no lora: section) keeps a frozen copy of the starting model as its reference, "
+            "whole on every process, and this launch shards the model, which a whole copy would undo. Add a lora: "
+            "section (the reference is then the model with its adapter disabled, no copy), or launch one process, "
+            "DDP (accelerate_configs/ddp.yaml) or FSDP")
+    reference = copy.deepcopy(model).eval()
+    reference.requires_grad_(False)
+    return reference
+
+
+def forward_of(model, reference):
+    """The reference model and the context its forward runs in: the frozen copy, or (LoRA) the model itself with its
+    adapter disabled."""
+    if reference is not None:
+        return reference, nullcontext()
+    return model, model.disable_adapter()  # the base model: the reference, with no copy of it
+
+
+@torch.no_grad()
+def mix(reference, policy, alpha: float) -> None:
+    """TRL's SyncRefModelCallback._sync_target_model: every reference weight becomes alpha x the policy's +
+    (1 - alpha) x its own (mul_ then add_, TRL's order of operations). Matched by name, so a reference whose head
+    FSDP untied (parallel/fsdp.shard_frozen) takes the policy's tied weight in both; a sharded weight mixes its
+    shard where the two are sharded alike, else the policy's weight gathered (every process takes part)."""
+    from torch.distributed.tensor import DTensor
+
+    ours = dict(policy.named_parameters(remove_duplicate=False))
+    for name, target in reference.named_parameters():
+        source = ours.get(name)
+        if source is None:
+            raise LLMTrainError(f"sync_reference: the reference's weight {name} has no counterpart in the policy "
+                                "(was the model changed after the reference was made?)")
+        if isinstance(source, DTensor):
+            if isinstance(target, DTensor):
+                same = source.device_mesh == target.device_mesh and source.placements == target.placements
+                source = (source if same else source.redistribute(target.device_mesh, target.placements))
+            else:
+                source = source.full_tensor()
+        source = source.to_local() if isinstance(source, DTensor) else source
+        local = target.to_local() if isinstance(target, DTensor) else target
+        local.data.mul_(1.0 - alpha).add_(source.data.to(local.device), alpha=alpha)
+
+
+class Reference:
+    """A full fine-tune's reference (`module`: the frozen copy) and its sync (`every`, `alpha`; every=None: it stays
+    the starting weights)."""
+
+    def __init__(self, module, sync=None):
+        self.module = module
+        self.every = sync.every_steps if sync is not None else None
+        self.alpha = sync.alpha if sync is not None else None
+
+    def after_step(self, policy, step: int) -> bool:
+        """After optimizer step `step` (1-based, as TRL's global_step): the mix, where it is due. True if it ran."""
+        if self.every is None or step % self.every:
+            return False
+        mix(self.module, policy, self.alpha)
+        return True
+
+    def write(self, folder: Path, *, step: int) -> None:
+        """Into a checkpoint being written (every process calls it): the reference's weights, once a sync has moved
+        them from the starting ones."""
+        if self.every is None or step < self.every:
+            return
+        import torch.distributed.checkpoint as dcp
+
+        with warnings.catch_warnings():  # one process: "assuming the intent is to save in a single process"
+            warnings.simplefilter("ignore", UserWarning)
+            dcp.save(self.module.state_dict(), checkpoint_id=str(folder / FOLDER))
+
+    def restore(self, checkpoint: Path | None) -> bool:
+        """From the checkpoint a resume starts at: its reference, if it holds one (else the starting weights are
+        the reference still). True if it did."""
+        if checkpoint is None or not (checkpoint / FOLDER).is_dir():
+            return False
+        import torch.distributed.checkpoint as dcp
+
+        state = self.module.state_dict()
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", UserWarning)
+            dcp.load(state, checkpoint_id=str(checkpoint / FOLDER))  # in place: the state's tensors are the weights
+        return True
+
+
+def saved_problem(checkpoint: Path, *, every: int | None) -> str | None:
+    """Why this run cannot resume `checkpoint` with the reference it needs (None: it can). Read before anything is
+    written: a checkpoint past the first sync that holds no reference was written without sync_reference."""
+    import json
+
+    if every is None or (checkpoint / FOLDER).is_dir():
+        return None
+    step = int(json.loads((checkpoint / "train_state.json").read_text())["step"])
+    if step < every:
+        return None
+    return (f"checkpoint {checkpoint} is at step {step}, past the first sync of the reference (sync_reference."
+            f"every_steps={every}), and holds no reference ({FOLDER}/): it was written without sync_reference, so its "
+            "reference is the starting weights. Resume it with the recipe that wrote it (its recipe.yaml), or start a "
+            "new run with sync_reference.")

@@ -1,0 +1,312 @@
+"""A full fine-tune's frozen reference (model/reference.py) and TR-DPO's sync of it (sync_reference, TRL's
+sync_ref_model): the mix is TRL's SyncRefModelCallback's, bit for bit; a DPO run with it trains as TRL's DPOTrainer
+with sync_ref_model does (losses, policy and reference weights after 3 steps); a checkpoint carries the moved reference
+and a resume goes on with it; online RL with rl.beta > 0 trains a full fine-tune against a frozen copy; the
+combinations that cannot work are refused in one paragraph, and the estimate counts the copy."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import replace
+
+import pytest
+import torch
+from helpers import load_weights, records, run_train, write_recipe
+
+from llmtrain.errors import LLMTrainError
+
+pytestmark = pytest.mark.long(120)  # tests/conftest.py
+
+PAIRS = [
+    {"prompt": "reverse abc =", "chosen": " cba", "rejected": " abc"},
+    {"prompt": "reverse hello =", "chosen": " olleh", "rejected": " hello"},
+    {"prompt": "reverse xy =", "chosen": " yx", "rejected": " xyy"},
+    {"prompt": "reverse stop =", "chosen": " pots", "rejected": " spot"},
+]
+SYNC = {"every_steps": 1, "alpha": 0.6}
+
+
+@pytest.fixture
+def fresh_accelerate_state():
+    """TRL's Trainer sets up Accelerate's process-wide state its own way (cpu=True); put it back afterwards."""
+    yield
+    from accelerate.state import AcceleratorState
+
+    AcceleratorState._reset_state(reset_partial_state=True)
+
+
+def _tiny(tiny_assets):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(tiny_assets / "model", dtype=torch.float32,
+                                                attn_implementation="eager")
+
+
+def _moved(model, scale: float, seed: int):
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn(p.shape, generator=g) * scale)
+    return model
+
+
+@pytest.mark.parametrize("alpha", [0.6, 1.0, 0.05])
+def test_the_mix_is_trls_sync_callback_bit_for_bit(tiny_assets, alpha):
+    """mix(reference, policy, alpha) against TRL's SyncRefModelCallback._sync_target_model on the same two models,
+    twice in a row: every weight equal (torch.equal), and moved (not vacuous)."""
+    trl = pytest.importorskip("trl")
+    from llmtrain.model.reference import mix
+
+    policy = _moved(_tiny(tiny_assets), 0.02, 0)
+    ours, theirs = _tiny(tiny_assets), _tiny(tiny_assets)
+    start = {n: p.clone() for n, p in ours.named_parameters()}
+    for round_ in range(2):
+        mix(ours, policy, alpha)
+        trl.trainer.callbacks.SyncRefModelCallback._sync_target_model(policy, theirs, alpha)
+        _moved(policy, 0.01, round_ + 1)
+    got, want = dict(ours.named_parameters()), dict(theirs.named_parameters())
+    assert got.keys() == want.keys()
+    assert all(torch.equal(got[n], want[n]) for n in got)
+    assert min((got[n] - start[n]).abs().max().item() for n in got) > 1e-4
+
+
+def _dpo_recipe(tiny_assets, tmp_path, **preference):
+    path = tmp_path / "pairs.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in PAIRS))
+    return write_recipe(
+        tiny_assets, tmp_path, name="dpo.yaml", preference={"loss": "dpo", "beta": 0.1, **preference},
+        data={"path": str(path), "format": "preference", "max_seq_len": 64,
+              "cache_dir": str(tiny_assets.parent / "data-cache")},
+        train={"max_steps": 3, "micro_batch_size": len(PAIRS), "lr": 1e-3, "schedule": "constant", "warmup_steps": 0,
+               "max_grad_norm": 1.0, "seed": 7},
+        checkpoint={"every_steps": 1, "keep_last": 3, "save_final": True})
+
+
+def test_a_dpo_run_with_sync_reference_trains_as_trls_dpo_trainer_with_sync_ref_model(tiny_assets, tiny_tok, tmp_path,
+                                                                                      fresh_accelerate_state):
+    """TRL's DPOTrainer with sync_ref_model (ref_model_sync_steps 1, ref_model_mixup_alpha 0.6) and llmtrain's
+    preference.sync_reference {every_steps: 1, alpha: 0.6}, each 3 steps of the same 4 pairs (one micro-batch a step)
+    from the same tiny model, AdamW at lr 1e-3, constant, clipped at 1: the same loss every step (to 1e-6; the
+    reference of steps 2 and 3 is the mixed one: without the sync step 2's loss is 0.578, with it 0.678). The
+    reference in each checkpoint is TRL's own callback applied to the checkpoints' policies from the starting weights
+    (to 1e-6). After the run, the policy and the reference are TRL's to 1e-4: 7.6e-5 measured, and as much without
+    the sync (Adam moves a weight whose gradient is near 0 by about lr whatever its last bits, and packed and padded
+    passes differ there; at lr 1e-2 the losses part by 3e-5 at step 3 too, with or without the sync)."""
+    trl = pytest.importorskip("trl")
+    from datasets import Dataset
+
+    from llmtrain.model.reference import FOLDER
+
+    recipe = _dpo_recipe(tiny_assets, tmp_path, reference="copy", sync_reference=SYNC)
+    run_train(recipe, f"output_dir={tmp_path / 'ours'}")
+    run_train(recipe, f"output_dir={tmp_path / 'fixed'}", "preference.sync_reference=null")
+    ours, fixed = records(tmp_path / "ours"), records(tmp_path / "fixed")
+
+    policy, ref = _tiny(tiny_assets), _tiny(tiny_assets)
+    args = trl.DPOConfig(output_dir=str(tmp_path / "trl"), per_device_train_batch_size=len(PAIRS), report_to="none",
+                         beta=0.1, loss_type=["sigmoid"], max_length=None, use_cpu=True, bf16=False, fp16=False,
+                         learning_rate=1e-3, lr_scheduler_type="constant", warmup_steps=0, max_steps=3,
+                         optim="adamw_torch", weight_decay=0.0, max_grad_norm=1.0, logging_steps=1,
+                         save_strategy="no", seed=7, sync_ref_model=True, ref_model_sync_steps=1,
+                         ref_model_mixup_alpha=0.6)
+    trainer = trl.DPOTrainer(model=policy, ref_model=ref, args=args, train_dataset=Dataset.from_list(PAIRS),
+                             processing_class=tiny_tok)
+    trainer.train()
+    theirs = [h["loss"] for h in trainer.state.log_history if "loss" in h]
+    assert len(theirs) == len(ours) == 3
+    assert [r["loss"] for r in ours] == pytest.approx(theirs, abs=1e-6)
+    assert abs(fixed[1]["loss"] - ours[1]["loss"]) > 1e-2  # the reference moved
+    final = load_weights(tmp_path / "ours" / "final" / "model.safetensors")
+    trained = dict(trainer.model.named_parameters())
+    assert max((final[n] - trained[n].detach()).abs().max().item() for n in final) < 1e-4
+
+    # the checkpoints' references: TRL's callback applied to the checkpoints' policies, from the starting weights
+    chain = _tiny(tiny_assets)
+    for step in (1, 2, 3):
+        folder = tmp_path / "ours" / "checkpoints" / f"step_{step:06d}"
+        weights = load_weights(folder / "model.safetensors")
+        step_policy = _tiny(tiny_assets)
+        step_policy.load_state_dict(weights, strict=False)
+        trl.trainer.callbacks.SyncRefModelCallback._sync_target_model(step_policy, chain, 0.6)
+        saved = _saved_reference(folder / FOLDER, chain)
+        assert max((saved[n] - p).abs().max().item() for n, p in chain.state_dict().items()) < 1e-6
+    assert max((p - q).abs().max().item() for p, q in zip(chain.parameters(), trainer.ref_model.parameters())) < 1e-4
+
+
+def _saved_reference(folder, like) -> dict:
+    import torch.distributed.checkpoint as dcp
+
+    state = {n: torch.empty_like(p) for n, p in like.state_dict().items()}
+    dcp.load(state, checkpoint_id=str(folder))
+    return state
+
+
+def test_a_resume_goes_on_with_the_moved_reference_and_a_checkpoint_without_one_is_refused(tiny_assets, tmp_path):
+    """Every 2 steps at alpha 0.6: a run killed after step 3 (its checkpoint holds the reference moved at step 2)
+    and resumed to 5 logs the straight run's losses at steps 4 and 5 and ends at its weights. A checkpoint written
+    without sync_reference, past the first sync, is refused before anything is written."""
+    recipe = _dpo_recipe(tiny_assets, tmp_path, reference="copy", sync_reference={"every_steps": 2, "alpha": 0.6})
+    run_train(recipe, f"output_dir={tmp_path / 'straight'}", "train.max_steps=5")
+    run_train(recipe, f"output_dir={tmp_path / 'resumed'}", "train.max_steps=3", "checkpoint.save_final=false")
+    assert (tmp_path / "resumed" / "checkpoints" / "step_000003" / "reference").is_dir()
+    assert not (tmp_path / "resumed" / "checkpoints" / "step_000001" / "reference").exists()  # before the first sync
+    run_train(recipe, f"output_dir={tmp_path / 'resumed'}", "train.max_steps=5", resume="auto",
+              allow_recipe_change=True)
+    straight, resumed = records(tmp_path / "straight"), records(tmp_path / "resumed")
+    assert [r["step"] for r in resumed] == [1, 2, 3, 4, 5]
+    assert [r["loss"] for r in resumed] == pytest.approx([r["loss"] for r in straight], abs=1e-6)
+    a = load_weights(tmp_path / "straight" / "final" / "model.safetensors")
+    b = load_weights(tmp_path / "resumed" / "final" / "model.safetensors")
+    assert max((a[n] - b[n]).abs().max().item() for n in a) < 1e-6
+
+    run_train(recipe, f"output_dir={tmp_path / 'plain'}", "train.max_steps=3", "preference.sync_reference=null")
+    before = sorted(p.name for p in (tmp_path / "plain").iterdir())
+    with pytest.raises(LLMTrainError, match=r"past the first sync of the reference .*holds no reference"):
+        run_train(recipe, f"output_dir={tmp_path / 'plain'}", "train.max_steps=5", resume="auto",
+                  allow_recipe_change=True)
+    assert sorted(p.name for p in (tmp_path / "plain").iterdir()) == before
+
+
+@pytest.mark.parametrize("algorithm", ["grpo", "rloo"])
+def test_online_rl_trains_a_full_fine_tune_against_a_frozen_copy_and_a_full_sync_zeroes_the_kl(tiny_assets, tmp_path,
+                                                                                             algorithm):
+    """rl.beta > 0 without lora: (refused before: no reference) trains against a frozen copy of the starting
+    weights: the KL to it is 0 at the first step (the policy is the copy) and above 0 after the policy moved. With
+    sync_reference {every_steps: 1, alpha: 1} the reference is the policy of the step before, which is the policy the
+    next step's KL reads: 0 at every step."""
+    import yaml
+    from helpers import REPO
+
+    recipe = yaml.safe_load((REPO / "recipes" / "tiny-grpo.yaml").read_text())
+    recipe["model"]["name_or_path"] = str(tiny_assets / "model")
+    recipe["data"].update(path=str(tiny_assets / "data" / "train.jsonl"), eval_split=None,
+                          cache_dir=str(tiny_assets.parent / "data-cache"))
+    recipe["rl"].update(algorithm=algorithm, beta=0.04, num_generations=4, max_completion_tokens=8,
+                        rewards=[{"type": "format", "pattern": "[aeiou]"}])
+    if algorithm == "rloo":
+        recipe["rl"].pop("loss_type")
+    recipe["train"].update(max_steps=3, micro_batch_size=2, grad_accum_steps=1, lr=1e-3, warmup_steps=0,
+                           eval_every_steps=None, eval_samples=0)
+    recipe["logging"] = {"progress": False, "plot": False, "every_steps": 1}
+    recipe["checkpoint"] = {"save_final": False}
+    path = tmp_path / "rl.yaml"
+    path.write_text(yaml.safe_dump(recipe))
+    run_train(path, f"output_dir={tmp_path / 'fixed'}")
+    run_train(path, f"output_dir={tmp_path / 'synced'}", "rl.sync_reference.every_steps=1",
+              "rl.sync_reference.alpha=1")
+    fixed, synced = records(tmp_path / "fixed"), records(tmp_path / "synced")
+    assert len(fixed) == len(synced) == 3
+    assert fixed[0]["kl"] == pytest.approx(0, abs=1e-7) and fixed[2]["kl"] > 1e-6
+    assert [r["kl"] for r in synced] == pytest.approx([0, 0, 0], abs=1e-7)
+
+
+# --------------------------------------------------------------------------- refusals and the estimate
+
+
+def _recipe_dict(tiny_assets, tmp_path, **changes) -> dict:
+    import yaml
+
+    return yaml.safe_load(_dpo_recipe(tiny_assets, tmp_path, **changes).read_text())
+
+
+@pytest.mark.parametrize("changes, needle", [
+    ({"sync_reference": True, "reference": "precomputed"},
+     "preference.sync_reference moves the reference as the policy trains, and preference.reference=precomputed is "
+     "computed once"),
+    ({"sync_reference": {"every_steps": 0}}, "every_steps"),
+    ({"sync_reference": {"alpha": 0}}, "alpha"),
+])
+def test_the_schema_refuses_a_sync_it_cannot_run(tiny_assets, tmp_path, changes, needle):
+    from llmtrain.config import Recipe
+
+    with pytest.raises(ValueError, match=needle):
+        Recipe.model_validate(_recipe_dict(tiny_assets, tmp_path, **changes))
+
+
+def test_true_is_trls_defaults_and_auto_makes_the_copy(tiny_assets, tmp_path):
+    from llmtrain.config import Recipe, reference_copy, reference_kind, reference_sync
+
+    recipe = Recipe.model_validate(_recipe_dict(tiny_assets, tmp_path, sync_reference=True))
+    assert (recipe.preference.sync_reference.every_steps, recipe.preference.sync_reference.alpha) == (512, 0.6)
+    assert reference_kind(recipe) == "copy" and reference_copy(recipe) and reference_sync(recipe) is not None
+    plain = Recipe.model_validate(_recipe_dict(tiny_assets, tmp_path))
+    assert reference_kind(plain) == "precomputed" and not reference_copy(plain)
+
+
+@pytest.mark.parametrize("mode", ["preference", "kto", "rl"])
+def test_lora_refuses_sync_reference_in_one_paragraph(tiny_assets, tmp_path, mode):
+    """TRL refuses sync_ref_model with PEFT; so does llmtrain, in one paragraph naming the key and both fixes."""
+    from llmtrain.config import Recipe
+
+    data = _recipe_dict(tiny_assets, tmp_path)
+    data["lora"] = {"r": 4, "alpha": 8, "dropout": 0.0}
+    if mode != "preference":
+        data.pop("preference")
+        data["data"]["format"] = "unpaired" if mode == "kto" else "prompt"
+        data[mode] = {"beta": 0.1} if mode == "kto" else {"beta": 0.04, "rewards": [{"type": "answer_match"}]}
+    data[mode]["sync_reference"] = True
+    with pytest.raises(ValueError) as e:
+        Recipe.model_validate(data)
+    assert f"{mode}.sync_reference mixes the policy's weights into a frozen copy of the starting model" in str(e.value)
+    assert "Remove the lora: section" in str(e.value) and "TRL refuses it with PEFT too" in str(e.value)
+
+
+def test_the_layouts_that_cannot_hold_the_copy_are_refused_by_the_table(tiny_assets, tmp_path):
+    """Online RL's copy is whole on every process: refused under FSDP and TP (with the fix: lora:, rl.beta=0, one GPU
+    or DDP); a preference copy on pipeline stages; KTO's and preference's copy under TP without FSDP. rl.beta > 0 on
+    one process or DDP is no longer refused, and rl.sync_reference with rl.beta 0 is."""
+    from llmtrain import capabilities
+    from llmtrain.config import Recipe
+    from llmtrain.layout import Layout
+
+    rl = _recipe_dict(tiny_assets, tmp_path)
+    rl.pop("preference")
+    rl["data"]["format"] = "prompt"
+    rl["rl"] = {"beta": 0.04, "rewards": [{"type": "answer_match"}]}
+    recipe = Recipe.model_validate(rl)
+    assert capabilities.problems(recipe, Layout(processes=2)) == []
+    fsdp = capabilities.problems(recipe, Layout(processes=2, fsdp=True))
+    assert len(fsdp) == 1 and "online RL's reference with rl.beta > 0 and no lora: section is a frozen copy" in fsdp[0]
+    assert "set rl.beta=0" in fsdp[0]
+    with pytest.raises(ValueError, match=r"rl.sync_reference moves the reference, which only the KL term reads"):
+        Recipe.model_validate({**rl, "rl": {**rl["rl"], "beta": 0.0, "sync_reference": True}})
+
+    dpo = Recipe.model_validate(_recipe_dict(tiny_assets, tmp_path, reference="copy"))
+    tp = capabilities.problems(dpo, Layout(processes=2, tp=2, mesh=True))
+    assert any("without FSDP: a full fine-tune's reference (preference.reference: copy)" in p for p in tp), tp
+    assert not any("reference" in p for p in capabilities.problems(dpo, Layout(processes=4, tp=2, shard=2, mesh=True,
+                                                                               fsdp=True)))
+    with pytest.raises(ValueError) as e:  # refused with the pipeline's own demands, in the same list
+        Recipe.model_validate({**_recipe_dict(tiny_assets, tmp_path, reference="copy"),
+                               "parallel": {"pipeline_parallel": 2}})
+    assert "a full fine-tune's frozen reference (preference.reference: copy) is a copy of the starting weights, " \
+        "which pipeline stages do not hold" in str(e.value)
+
+
+def test_the_estimate_counts_the_copy_for_every_mode_that_holds_one():
+    """A full fine-tune's frozen copy is one more set of weights in the storage dtype on one GPU: preference.reference
+    copy (precomputed holds none) and online RL with rl.beta > 0 (not with 0), as KTO's."""
+    from llmtrain.config import Recipe
+    from llmtrain.memory.estimate import estimate
+    from llmtrain.memory.params import load_model_shape
+    from llmtrain.memory.spec import spec_from_recipe
+
+    mistral = load_model_shape("mistral-7b")
+    base = {"model": {"name_or_path": "mistral-7b", "dtype": "bfloat16", "kernels": "none",
+                      "gradient_checkpointing": True},
+            "data": {"path": "unread.jsonl", "format": "preference", "max_seq_len": 512},
+            "train": {"micro_batch_size": 1, "mixed_precision": "bf16"}, "output_dir": "unwritten"}
+
+    def weights(spec) -> int:
+        return estimate(mistral, spec).phase_parts["optimizer_step"]["weights"]
+
+    copied = spec_from_recipe(Recipe.model_validate({**base, "preference": {"reference": "copy"}}))
+    fixed = spec_from_recipe(Recipe.model_validate({**base, "preference": {}}))
+    assert copied.frozen_reference and not fixed.frozen_reference
+    assert weights(copied) - weights(fixed) == mistral.params_total * 2
+    prompts = {**base, "data": {**base["data"], "format": "prompt"}}
+    rewards = [{"type": "answer_match"}]
+    with_kl = spec_from_recipe(Recipe.model_validate({**prompts, "rl": {"beta": 0.04, "rewards": rewards}}))
+    without = spec_from_recipe(Recipe.model_validate({**prompts, "rl": {"beta": 0.0, "rewards": rewards}}))
+    assert with_kl.frozen_reference and not without.frozen_reference
+    assert weights(with_kl) - weights(replace(with_kl, frozen_reference=False)) == mistral.params_total * 2
