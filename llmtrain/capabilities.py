@@ -196,6 +196,10 @@ def _copy_unsharded(r, layout):
     return reference_copy(r) and not layout.fsdp
 
 
+def _adapter_sync(r, _):
+    return r.lora is not None and reference_sync(r) is not None
+
+
 RULES: tuple[Rule, ...] = (
     Rule("tp", lambda r, _: r.model.quantize is not None,
          "{key} does not train a 4-bit base (model.quantize): bitsandbytes' packed 4-bit weights cannot be split "
@@ -241,6 +245,10 @@ RULES: tuple[Rule, ...] = (
            "weights, which llmtrain holds whole on every process, undoing the split. Add a lora: section (the "
            "reference is then the model with its adapter disabled, no copy), set rl.beta=0, or launch one GPU or DDP")
       for parallelism in ("fsdp", "tp")),
+    *(Rule(parallelism, _adapter_sync,
+           "{key}: LoRA's moving reference (sync_reference) copies a snapshot of the adapter into the model for the "
+           "reference's forward, which llmtrain does on one process or DDP only. Launch one GPU or DDP, or remove "
+           "sync_reference") for parallelism in ("fsdp", "tp", "pp")),
     Rule("tp", _copy_unsharded,
          "{key} without FSDP: a full fine-tune's reference ({reference}) is a frozen copy of the starting weights, "
          "sharded like the policy under FSDP only and otherwise whole on every process, undoing the split. Launch "
@@ -747,12 +755,12 @@ def _mode_problems(recipe) -> list[str]:
         out.append("preference.reference: copy keeps a frozen copy of a full fine-tune's starting weights, and this "
                    "recipe trains LoRA, whose reference is the model with its adapter disabled (no copy): use adapter "
                    "(or auto)")
-    if (sync := reference_sync(recipe)) is not None and recipe.lora is not None:
+    if (sync := reference_sync(recipe)) is not None and recipe.lora is not None and sync.alpha != 1:
         section = "preference" if p is not None else "kto" if recipe.kto is not None else "rl"
-        out.append(f"{section}.sync_reference mixes the policy's weights into a frozen copy of the starting model "
-                   "(TR-DPO), and a LoRA run has no copy: its reference is the base model with the adapter disabled, "
-                   "which the adapter's weights cannot be mixed into. Remove the lora: section (a full fine-tune), "
-                   f"or remove {section}.sync_reference (TRL refuses it with PEFT too)")
+        out.append(f"{section}.sync_reference.alpha={sync.alpha:g} with LoRA: a LoRA run's reference can follow the "
+                   "policy only whole (alpha 1, TR-DPO's hard update: the adapter as it was at the sync), because a "
+                   "mix of two adapters (a B1 A1 + (1 - a) B2 A2) is no adapter of their rank. Set "
+                   f"{section}.sync_reference.alpha=1, or remove the lora: section to mix a full fine-tune's copy")
     if (k := recipe.kto) is not None and k.loss_type == "kto" and t.micro_batch_tokens is None and \
             t.micro_batch_size < 2:  # (under a token budget, data/checks.check_kl_pairs reads the lengths)
         out.append("kto.loss_type: kto estimates the KL term from mismatched pairs within a micro-batch, so it needs "

@@ -601,9 +601,10 @@ def _sync_shorthand(v: Any) -> Any:
 
 
 SYNC_REFERENCE = ("A reference that follows the policy (TR-DPO; TRL's sync_ref_model): {every_steps: 512, alpha: 0.6}"
-                  " (true: those) mixes alpha x the policy into the reference every every_steps steps. A full "
-                  "fine-tune's frozen copy only (not LoRA, whose reference is the base with the adapter off); "
-                  "checkpoints keep the reference, so a resume goes on with it.")
+                  " (true: those) mixes alpha x the policy into a full fine-tune's frozen copy every every_steps "
+                  "steps. With LoRA (which TRL refuses) alpha 1 only: the reference becomes the adapter as it was at "
+                  "the last sync (the base model, the adapter disabled, before the first). Checkpoints keep the "
+                  "reference, so a resume goes on with it.")
 
 
 class PreferenceConfig(Section):

@@ -6,6 +6,7 @@ and KL passes run through the stages before each step)."""
 from __future__ import annotations
 
 import pytest
+import torch
 from helpers import REPO, crash_at_step, launch_finetune, load_weights, max_abs_diff, records, run_train, write_recipe
 from test_kto import reversal_feedback, write_jsonl
 
@@ -62,11 +63,12 @@ def same_kl_pairs(rows: list[dict], order: list[int]) -> list[dict]:
 @pytest.mark.slow
 # LoRA's: extended (main tier: FSDP's full fine-tune, its reference sharded, with the same KL average and idle rank;
 # the disabled adapter as the reference on several processes: test_preference.py's FSDP LoRA DPO)
-@pytest.mark.parametrize("launch, lora", [pytest.param("cpu_ddp", True, marks=pytest.mark.extended),
-                                          pytest.param("cpu_fsdp", True, marks=pytest.mark.extended),
-                                          ("cpu_fsdp", False)],
-                         ids=["ddp-lora", "fsdp-lora", "fsdp-full"])
-def test_two_processes_train_as_one(tiny_assets, tmp_path, free_port, launch, lora):
+@pytest.mark.parametrize("launch, lora, sync", [pytest.param("cpu_ddp", True, False, marks=pytest.mark.extended),
+                                                pytest.param("cpu_fsdp", True, False, marks=pytest.mark.extended),
+                                                pytest.param("cpu_fsdp", False, False, marks=pytest.mark.extended),
+                                                ("cpu_fsdp", False, True)],
+                         ids=["ddp-lora", "fsdp-lora", "fsdp-full", "fsdp-full-sync"])
+def test_two_processes_train_as_one(tiny_assets, tmp_path, free_port, launch, lora, sync):
     """2 processes (gloo, accelerate launch; DDP, or FSDP2 sharding every layer: LoRA's reference the disabled adapter
     of the sharded model, a full fine-tune's the starting weights read again and sharded like the policy) x
     micro-batch 2 against 1 process x micro-batch 4 (whose full fine-tune's reference is a copy of the policy),
@@ -81,7 +83,12 @@ def test_two_processes_train_as_one(tiny_assets, tmp_path, free_port, launch, lo
     (`same_kl_pairs`, on the seeded epoch order that both runs draw), and then the mean over the four equals the
     mean of the two means over two. A process that kept its own estimate (no all-reduce) would differ. 21 rows: the
     last global micro-batch has one example, so process 1 idles there: it still takes part in the average, and under
-FSDP it runs as many forwards as process 0 (each gathers every layer from both), else the run hangs."""
+FSDP it runs as many forwards as process 0 (each gathers every layer from both), else the run hangs.
+
+    fsdp-full-sync (main tier; fsdp-full, the same launch without it, extended): kto.sync_reference every step at
+    alpha 0.6 (TR-DPO), the sharded reference mixed with the sharded policy (its untied head whole, from the
+    policy's gathered embeddings) against one process's copy: the same run, and the checkpoints' references (one
+    written by 2 processes' shards, one whole) equal to 1e-5."""
     seed, n = 7, 21
     # Mostly desirable completions: training raises completions' log-probabilities broadly, mismatched ones too, so
     # the KL estimate is positive (not clamped to 0) at the steps after the first and the average matters.
@@ -98,13 +105,34 @@ FSDP it runs as many forwards as process 0 (each gathers every layer from both),
                           train={"max_steps": 3, "micro_batch_size": 2 * PER_RANK, "grad_accum_steps": 2,
                                  "lr": 1e-2 if lora else 1e-3,
                                  "eps": 1e-6, "warmup_steps": 0, "seed": seed, "eval_every_steps": 3,
-                                 "eval_samples": 0})
+                                 "eval_samples": 0},
+                          **({"checkpoint": {"every_steps": 2, "save_final": True}} if sync else {}))
+    if sync:
+        import yaml
+
+        text = yaml.safe_load(recipe.read_text())
+        text["kto"]["sync_reference"] = {"every_steps": 1, "alpha": 0.6}
+        recipe.write_text(yaml.safe_dump(text))
     run_train(recipe, f"output_dir={tmp_path / 'one'}")
     out = launch_finetune(REPO / "accelerate_configs" / f"{launch}.yaml", 2, free_port, recipe,
                           f"output_dir={tmp_path / 'two'}", f"train.micro_batch_size={PER_RANK}",
                           f"train.eval_batch_size={PER_RANK}")
     assert ("reference: the starting weights, sharded like the policy" in out) == (launch == "cpu_fsdp" and not lora)
     assert_same_runs(tmp_path / "two", tmp_path / "one")
+    if sync:
+        import torch.distributed.checkpoint as dcp
+        from safetensors.torch import load_file
+
+        assert "every 1 steps it takes alpha=0.6 of the policy (TR-DPO)" in out
+        saved = []
+        for run in ("one", "two"):
+            folder = tmp_path / run / "checkpoints" / "step_000002" / "reference"
+            state = {k: torch.empty_like(v) for k, v in load_file(tiny_assets / "model" / "model.safetensors").items()}
+            dcp.load(state, checkpoint_id=str(folder))
+            saved.append(state)
+        start = load_file(tiny_assets / "model" / "model.safetensors")
+        assert max((saved[0][k] - start[k]).abs().max().item() for k in start) > 1e-4  # moved
+        assert max((saved[0][k] - saved[1][k]).abs().max().item() for k in start) < 1e-5
 
 
 def assert_same_runs(run, one):

@@ -47,7 +47,7 @@ from llmtrain.model.modeling import (
     unadapted_experts,
     unquantized_experts,
 )
-from llmtrain.model.reference import Reference, frozen_copy, saved_problem
+from llmtrain.model.reference import AdapterReference, Reference, frozen_copy, saved_problem
 from llmtrain.model.score import attach_score
 from llmtrain.model.teacher import load_teacher, vocabulary_problem
 from llmtrain.objectives.objective import head_loss_for
@@ -117,7 +117,7 @@ def read_only_checks(recipe: Recipe, accelerator, *, resume: str | None, overwri
         if ckpt and (problem := round_problem(ckpt, every=updates_per_window(recipe),
                                               processes=accelerator.num_processes)):
             raise LLMTrainError(problem)
-        sync = reference_sync(recipe) if reference_copy(recipe) else None
+        sync = reference_sync(recipe)
         if ckpt and (problem := saved_problem(ckpt, every=sync.every_steps if sync else None)):
             raise LLMTrainError(problem)
     except LLMTrainError as e:  # the same checkpoint against the same recipe on every process: said once a node
@@ -432,17 +432,22 @@ def _teacher_attention(recipe: Recipe, teacher, trainable: Trainable):
 
 def build_reference(recipe: Recipe, accelerator, trainable: Trainable, *, say):
     """A full fine-tune's frozen reference (config.reference_copy: KTO, preference.reference copy, online RL with
-    rl.beta > 0), as a model/reference.Reference with the mode's sync_reference; None for other runs (LoRA's
-    reference is its own model with the adapter disabled). One process and DDP copy the policy before it trains
+    rl.beta > 0), as a model/reference.Reference with the mode's sync_reference; with LoRA and sync_reference the
+    adapter's snapshots (AdapterReference); None for other runs (LoRA's reference is its own model with the adapter
+    disabled). One process and DDP copy the policy before it trains
     (reference.frozen_copy); under FSDP the main process reads the starting weights again from model.name_or_path
     and they are sharded as the policy is (fsdp.shard_frozen: every decoder layer a unit gathered for its forward,
     the LM head whole), frozen, in eval mode, with the policy's loss forward (its trained positions through the head
     chunk by chunk) and its attention (a sequence group's, if any). A whole copy on every process is what FSDP is
     there to avoid. Made before a resume loads its checkpoint: a resume's reference is the starting weights, or the
     checkpoint's where sync_reference has moved it (Reference.restore)."""
+    sync = reference_sync(recipe)
+    if recipe.lora is not None and sync is not None:  # (capabilities: alpha 1, on one process or DDP)
+        say(f"reference: the model with its adapter disabled, then every {sync.every_steps} steps the adapter as it "
+            "was then (TR-DPO's hard update)")
+        return AdapterReference(trainable.unwrapped, sync)
     if not reference_copy(recipe):
         return None
-    sync = reference_sync(recipe)
     mixed = f"; every {sync.every_steps} steps it takes alpha={sync.alpha:g} of the policy (TR-DPO)" if sync else ""
     if not uses_fsdp(accelerator):
         say(f"reference: a frozen copy of the starting weights{mixed}")

@@ -108,13 +108,13 @@ def _train(recipe: Recipe, accelerator, console: RunConsole, cleanup: ExitStack,
         teacher = build_teacher(recipe, accelerator, trainable, data.tokenizer, say=say)  # distillation's, or None
         if teacher is not None:  # its forward is the step's work too: counted in tflops_per_gpu and mfu
             trainable = replace(trainable, flops=trainable.flops.plus(flop_model(teacher, forward_only=True)))
-        reference = build_reference(recipe, accelerator, trainable, say=say)  # a full fine-tune's frozen copy
+        reference = build_reference(recipe, accelerator, trainable, say=say)  # a frozen copy, or LoRA's moving one
         objective = objective_for(recipe, pad_id=data.pad_id, model=trainable.unwrapped, tokenizer=data.tokenizer,
                                   train=data.train, world=data_ranks(accelerator)[0], total_steps=data.total_steps,
                                   rewards=rewards, gather=partial(gathered, accelerator),
                                   reduce=partial(device_sum, accelerator), teacher=teacher,
                                   user_code=on_tensor_group_first(accelerator),
-                                  reference=reference.module if reference is not None else None)
+                                  reference=reference)
         if recipe.parallel.sequence_parallel > 1:  # each process of a sequence group collates its slice of the row
             objective = SequenceShards(objective, pad_id=data.pad_id, group=groups(accelerator).sequence)
         data = reference_logps(recipe, accelerator, data, trainable, objective, console=console)  # preference only

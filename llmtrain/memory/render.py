@@ -93,6 +93,9 @@ def render_estimate(est: Estimate, advice: str, *, traffic: Traffic | None = Non
         if at_peak or most or name in COMPONENTS[:6]:
             where = f" (largest at {phase.replace('_', ' ')})" if most > at_peak else ""
             what = WHAT[name].format(shard=shard)
+            if name == "weights" and (spec.frozen_reference or spec.adapter_reference):
+                what += ("; with the reference's frozen copy" if spec.frozen_reference else
+                         "; with the reference's snapshot of the adapters and its spare (sync_reference)")
             table.add_row(name, gib(at_peak), gib(most),
                           ("8-bit " + what if name == "optimizer" and spec.optimizer == "adamw_8bit" else what) + where)
     table.add_section()

@@ -11,7 +11,7 @@ from dataclasses import asdict, dataclass, field, replace
 from typing import Literal
 
 from llmtrain.config import (DataConfig, LoraConfig, ModelConfig, ParallelConfig, Recipe, TrainConfig, reference_copy,
-                             reference_kind, sampling_of, updates_per_window)
+                             reference_kind, reference_sync, sampling_of, updates_per_window)
 from llmtrain.errors import LLMTrainError
 from llmtrain.parallel.pipeline.split import SCHEDULES
 
@@ -150,6 +150,9 @@ class TrainSpec:
     # preference.reference copy, online RL with rl.beta > 0), in the storage dtype, whole on every GPU, or under FSDP
     # sharded like the policy with its head whole (model/reference.py, loop/phases.build_reference)
     frozen_reference: bool = False
+    # LoRA under sync_reference: the adapter's snapshot and the spare that holds the trained weights during the
+    # reference's forward, each the trained weights once more (model/reference.AdapterReference)
+    adapter_reference: bool = False
     # rl.cast_lm_head_to_fp32: the LM head's weight held in fp32 whatever the storage dtype (a trained head's
     # gradient and optimizer state in fp32 with it)
     fp32_head: bool = False
@@ -400,6 +403,7 @@ def spec_from_recipe(recipe: Recipe, *, strategy: Strategy = "single", num_gpus:
         num_generations=recipe.rl.num_generations if recipe.rl is not None else int(
             recipe.distill is not None and recipe.distill.lmbda > 0), per_example=per_example, **rl, **teacher,
         no_grad_forwards=recipe.kto is not None, frozen_reference=reference_copy(recipe),
+        adapter_reference=lora is not None and reference_sync(recipe) is not None,
         num_iterations=updates_per_window(recipe), **extra_forwards_of(recipe),
         rollout_forwards=rollout_logps(recipe),
         fp32_head=recipe.rl is not None and recipe.rl.cast_lm_head_to_fp32,

@@ -66,7 +66,8 @@ def states(shape: ModelShape, spec: TrainSpec, plan: LoraPlan | None, *, whole: 
     FSDP2 under mixed precision keeps trainable parameters as fp32 master shards (Accelerate upcasts
     them); everything is divided by the world size, and cpu offload moves it all to the host. A full fine-tune's
     frozen reference (spec.frozen_reference: KTO's, preference.reference copy's, online RL's with rl.beta > 0) is one
-    more copy of the weights in the storage dtype (its head in fp32 with rl.cast_lm_head_to_fp32): whole on one GPU
+    more copy of the weights in the storage dtype (its head in fp32 with rl.cast_lm_head_to_fp32; LoRA's under
+    sync_reference, spec.adapter_reference, the trained weights twice more): whole on one GPU
     and under DDP, sharded like the policy under FSDP with its LM head whole (loop/phases.build_reference); under
     FSDP x TP `shape` is the TP slice and `whole` the model, whose reference is sharded over every GPU of a replica."""
     sd = DTYPE_BYTES[spec.dtype]
@@ -106,6 +107,8 @@ def states(shape: ModelShape, spec: TrainSpec, plan: LoraPlan | None, *, whole: 
         reference = sharded_frozen_bytes(whole or shape, spec, sd) if fsdp else shape.params_total * sd
         if spec.fp32_head:  # a copy of a model whose head is fp32 (FSDP refuses the fp32 head)
             reference += shape.head_outputs * H * (4 - min(sd, 4))
+    if spec.adapter_reference:  # LoRA's moving reference: a snapshot of the trained weights and a spare (whole)
+        reference += 2 * trainable_bytes
     if spec.cpu_offload:
         return States(0, 0, 0, (0,) * shape.layers, 0, 0, weights + trainable_bytes + optim)
     return States(

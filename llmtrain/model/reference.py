@@ -7,14 +7,16 @@ One process and DDP copy the policy before it trains (`frozen_copy`); under FSDP
 again and shards them as the policy is (loop/phases.build_reference). `Reference` holds the copy and, with the
 mode's sync_reference, mixes the policy into it after every every_steps-th optimizer step, exactly as TRL's
 SyncRefModelCallback does (`mix`); a checkpoint then carries the reference (torch.distributed.checkpoint, whole or
-sharded as it is held), and a resume reads it back, so the run goes on with the reference it had.
+sharded as it is held), and a resume reads it back, so the run goes on with the reference it had. A LoRA run's
+reference is its own model with the adapter disabled; with sync_reference (alpha 1 only) it becomes the adapter as
+it was at the last sync (`AdapterReference`), which TRL does not offer (it refuses sync_ref_model with PEFT).
 """
 
 from __future__ import annotations
 
 import copy
 import warnings
-from contextlib import nullcontext
+from contextlib import contextmanager, nullcontext
 from pathlib import Path
 
 import torch
@@ -42,11 +44,14 @@ def frozen_copy(model, *, whose: str):
 
 
 def forward_of(model, reference):
-    """The reference model and the context its forward runs in: the frozen copy, or (LoRA) the model itself with its
-    adapter disabled."""
-    if reference is not None:
+    """The reference model and the context its forward runs in: a full fine-tune's frozen copy (a Reference, or the
+    module itself), LoRA's adapter as it was at the last sync (an AdapterReference), or (None) the model itself with
+    its adapter disabled."""
+    if reference is None:
+        return model, model.disable_adapter()  # the base model: the reference, with no copy of it
+    if isinstance(reference, torch.nn.Module):
         return reference, nullcontext()
-    return model, model.disable_adapter()  # the base model: the reference, with no copy of it
+    return reference.forward(model)
 
 
 @torch.no_grad()
@@ -82,37 +87,110 @@ class Reference:
         self.module = module
         self.every = sync.every_steps if sync is not None else None
         self.alpha = sync.alpha if sync is not None else None
+        self.moved = False  # a sync has run (this process, or the run before a resume): checkpoints carry it
+
+    def forward(self, model):
+        return self.module, nullcontext()
 
     def after_step(self, policy, step: int) -> bool:
         """After optimizer step `step` (1-based, as TRL's global_step): the mix, where it is due. True if it ran."""
         if self.every is None or step % self.every:
             return False
         mix(self.module, policy, self.alpha)
+        self.moved = True
         return True
+
+    def state(self) -> dict:
+        return self.module.state_dict()
 
     def write(self, folder: Path, *, step: int) -> None:
         """Into a checkpoint being written (every process calls it): the reference's weights, once a sync has moved
         them from the starting ones."""
-        if self.every is None or step < self.every:
-            return
-        import torch.distributed.checkpoint as dcp
-
-        with warnings.catch_warnings():  # one process: "assuming the intent is to save in a single process"
-            warnings.simplefilter("ignore", UserWarning)
-            dcp.save(self.module.state_dict(), checkpoint_id=str(folder / FOLDER))
+        if self.moved:
+            _save(self.state(), folder / FOLDER)
 
     def restore(self, checkpoint: Path | None) -> bool:
         """From the checkpoint a resume starts at: its reference, if it holds one (else the starting weights are
         the reference still). True if it did."""
         if checkpoint is None or not (checkpoint / FOLDER).is_dir():
             return False
-        import torch.distributed.checkpoint as dcp
-
-        state = self.module.state_dict()
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore", UserWarning)
-            dcp.load(state, checkpoint_id=str(checkpoint / FOLDER))  # in place: the state's tensors are the weights
+        _load(self.state(), checkpoint / FOLDER)  # in place: the state's tensors are the weights
+        self.moved = True
         return True
+
+
+class AdapterReference(Reference):
+    """LoRA's reference under sync_reference, which can only be the policy whole (alpha 1, the paper's hard update:
+    a mix of two adapters, B1 A1 and B2 A2, is no adapter of the same rank). Until the first sync the base model, the
+    adapter disabled, as without it; after one, the model with the trained weights (the adapters, DoRA's magnitudes,
+    modules_to_save's copies) as they were then: a snapshot, copied into the weights for the reference's no-grad
+    forward (in eval mode: no LoRA dropout) and copied back after it. The snapshot and the spare that holds the
+    trained weights meanwhile cost them twice more; the swap, three copies of them a forward (each objective runs
+    the reference before the policy's forward, so no graph holds the weights it changes)."""
+
+    def __init__(self, model, sync):
+        super().__init__(None, sync)
+        self.model = model  # the unwrapped peft model
+        self.names = [n for n, p in model.named_parameters() if p.requires_grad]
+        self.snapshot: list[torch.Tensor] | None = None  # in `names`' order
+        self.spare: list[torch.Tensor] | None = None
+
+    def _trained(self) -> list[torch.Tensor]:
+        params = dict(self.model.named_parameters())
+        return [params[n].detach() for n in self.names]
+
+    def forward(self, model):
+        if self.snapshot is None:
+            return model, model.disable_adapter()
+        return model, self._swapped()
+
+    @contextmanager
+    def _swapped(self):
+        trained, training = self._trained(), self.model.training
+        if self.spare is None:
+            self.spare = [t.clone() for t in trained]
+        with torch.no_grad():
+            torch._foreach_copy_(self.spare, trained)
+            torch._foreach_copy_(trained, self.snapshot)
+        self.model.eval()
+        try:
+            yield
+        finally:
+            self.model.train(training)
+            with torch.no_grad():
+                torch._foreach_copy_(trained, self.spare)
+
+    def after_step(self, policy, step: int) -> bool:
+        if step % self.every:
+            return False
+        with torch.no_grad():
+            if self.snapshot is None:
+                self.snapshot = [t.clone() for t in self._trained()]
+            else:
+                torch._foreach_copy_(self.snapshot, self._trained())
+        self.moved = True
+        return True
+
+    def state(self) -> dict:
+        if self.snapshot is None:  # a resume: read into a copy of the weights' shapes
+            self.snapshot = [t.clone() for t in self._trained()]
+        return dict(zip(self.names, self.snapshot))
+
+
+def _save(state: dict, folder: Path) -> None:
+    import torch.distributed.checkpoint as dcp
+
+    with warnings.catch_warnings():  # one process: "assuming the intent is to save in a single process"
+        warnings.simplefilter("ignore", UserWarning)
+        dcp.save(state, checkpoint_id=str(folder))
+
+
+def _load(state: dict, folder: Path) -> None:
+    import torch.distributed.checkpoint as dcp
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)
+        dcp.load(state, checkpoint_id=str(folder))
 
 
 def saved_problem(checkpoint: Path, *, every: int | None) -> str | None:

@@ -326,7 +326,8 @@ class GRPO:
         self.rl, self.tokenizer, self.pad_id, self.packing, self.seed = rl, tokenizer, pad_id, packing, seed
         self.rewards = rewards  # (name, function, weight): rewards.build_rewards
         self.lm = model  # unwrapped: generates, and with its adapter disabled is the reference (beta > 0)
-        self.reference = reference  # a full fine-tune's frozen copy (beta > 0: model/reference.py); None: LoRA's
+        # beta > 0, model/reference.py's: a full fine-tune's frozen copy, or LoRA's moving adapter; None: LoRA's
+        self.reference = reference
         from llmtrain.objectives.rewards import AsyncRunner, RewardLogs, reward_columns
 
         self.reward_columns = reward_columns(columns)  # {the user's name: the prepared column}
@@ -725,7 +726,7 @@ class GRPO:
         rl, ref = self.rl, None
         rollout = batch["rollout_stats"].to(batch["input_ids"].device)
         if rl.beta:  # first: its no-grad forward leaves no graph behind
-            reference, context = forward_of(self.lm, self.reference)  # the frozen copy, or the LoRA adapter off
+            reference, context = forward_of(self.lm, self.reference)  # the frozen copy, or the adapter off (or moved)
             with torch.no_grad(), context:
                 ref = -compute_loss(reference, batch, per_token=True, temperature=rl.temperature).float()
         bonus = self.entropy  # the entropy bonus: the entropy with its gradient

@@ -88,7 +88,8 @@ class KTO:
         # model.router_aux_loss_coef: the policy pass's load-balancing loss joins the loss, as TRL's KTOTrainer adds it
         self.router_aux = router_aux
         self.model = model  # unwrapped (no DDP forward, so no collective): the KL pass, and the LoRA reference
-        self.reference = reference  # a full fine-tune's frozen copy (model/reference.py); None: the adapter disabled
+        # model/reference.py's: a full fine-tune's frozen copy, or LoRA's moving adapter; None: the adapter disabled
+        self.reference = reference
         self.reduce = reduce  # a device tensor summed over processes (collectives.device_sum); None: one process
         self.columns = ("input_ids", "labels", "label")
 

@@ -142,8 +142,9 @@ def objective_for(recipe, *, pad_id: int, model=None, tokenizer=None, train=None
     on every process (collectives.gathered; None: one process), for what reward functions log; `reduce`: a device
     tensor summed over every process (collectives.device_sum; None: one process), for KTO's KL estimate; `teacher`:
     distillation's teacher as the loop built it (phases.build_teacher: sharded under FSDP; None: loaded here, whole, on
-    the model's device); `reference`: a full fine-tune's frozen reference model (the loop's phases.build_reference,
-    for KTO, preference.reference copy and online RL with rl.beta > 0; None: LoRA's adapter disabled); `user_code`:
+    the model's device); `reference`: the loop's phases.build_reference (model/reference.py: a full fine-tune's frozen
+    copy for KTO, preference.reference copy and online RL with rl.beta > 0, or LoRA's moving adapter under
+    sync_reference; None: LoRA's adapter disabled); `user_code`:
     where RL's reward functions, tools and environment run (collectives.on_tensor_group_first; None: here)."""
     from llmtrain.data.batching import packs_rows
 

@@ -311,7 +311,8 @@ class Preference:
                  copy=None):
         self.cfg, self.pad_id, self.packing, self.reference = cfg, pad_id, packing, reference
         self.model = model  # unwrapped: its adapter is disabled for the reference forward
-        self.copy = copy  # reference copy: the frozen copy of the starting weights (model/reference.py)
+        # model/reference.py's: reference copy's frozen copy, or LoRA's moving adapter; None: the adapter disabled
+        self.copy = copy
         # model.router_aux_loss_coef: the policy pass's load-balancing loss joins the loss, as TRL's DPOTrainer adds it
         self.router_aux = router_aux
         self.columns = ("chosen_ids", "chosen_labels", "rejected_ids", "rejected_labels") + (
@@ -335,7 +336,7 @@ class Preference:
             return None, None
         if self.reference == "precomputed":
             return batch["reference"][:, 0], batch["reference"][:, 1]
-        model, context = forward_of(self.model, self.copy if self.reference == "copy" else None)
+        model, context = forward_of(self.model, self.copy)
         with torch.no_grad(), context:
             ref = self.logps(model, batch)
         return ref[0::2], ref[1::2]

@@ -99,7 +99,7 @@ class RLOO(GRPO):
         collective per pass)."""
         batch = to_device(batch, self.lm.device)
         policy = batch["loss_old_logps"] if "loss_old_logps" in batch else self._sampling_logps(batch)
-        reference, context = forward_of(self.lm, self.reference)  # the frozen copy, or the LoRA adapter off
+        reference, context = forward_of(self.lm, self.reference)  # the frozen copy, or the adapter off (or moved)
         with torch.no_grad(), context:
             ref = completion_logps(reference, batch, temperature=self.rl.temperature)
         return sequence_sums(policy - ref, batch["loss_example"], n).cpu()
