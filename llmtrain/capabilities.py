@@ -21,9 +21,40 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from llmtrain.config import reference_copy, reference_sync
 from llmtrain.errors import LLMTrainError
 from llmtrain.layout import NAMES, PARALLELISMS, Layout
+
+# --------------------------------------------------------------------------- the reference a mode reads
+
+def reference_copy(recipe) -> bool:
+    """Whether the run holds a frozen copy of the starting weights as its reference (model/reference.py): a full
+    fine-tune's KTO, preference pairs with preference.reference copy, online RL with rl.beta > 0."""
+    if recipe.lora is not None:
+        return False
+    if recipe.preference is not None:
+        return reference_kind(recipe) == "copy"
+    return recipe.kto is not None or (recipe.rl is not None and recipe.rl.beta > 0)
+
+
+def reference_sync(recipe) -> object | None:
+    """The mode's sync_reference (TR-DPO), or None."""
+    section = recipe.preference or recipe.kto or recipe.rl
+    return getattr(section, "sync_reference", None)
+
+
+def reference_kind(recipe) -> str:
+    """Where a preference run's reference log-probabilities come from: adapter, precomputed, copy or none. On pipeline
+    stages a LoRA run's is precomputed by default, with the adapter disabled, once and cached (an explicit adapter
+    runs them through the stages before each step: preference.StagePairs.prepare)."""
+    p = recipe.preference
+    if p.reference != "auto":
+        return p.reference
+    if p.reference_free:
+        return "none"
+    if recipe.lora is None and p.sync_reference is not None:
+        return "copy"
+    return "adapter" if recipe.lora is not None and recipe.parallel.pipeline_parallel == 1 else "precomputed"
+
 
 # --------------------------------------------------------------------------- the rows
 

@@ -684,6 +684,11 @@ class PreferenceConfig(Section):
     def names(self) -> set[str]:
         return {name for name, _ in self.weighted}
 
+    @property
+    def reference_free(self) -> bool:
+        """simpo and orpo: no reference model (a list of losses holds neither: _check_mix)."""
+        return self.loss in REFERENCE_FREE
+
     @field_validator("loss")
     @classmethod
     def _known_losses(cls, v: str | list[str]) -> str | list[str]:
@@ -1628,31 +1633,3 @@ def _sections_made(data: dict, overrides: list[str]) -> set[str]:
     return made
 
 
-def reference_copy(recipe: Recipe) -> bool:
-    """Whether the run holds a frozen copy of the starting weights as its reference (model/reference.py): a full
-    fine-tune's KTO, preference pairs with preference.reference copy, online RL with rl.beta > 0."""
-    if recipe.lora is not None:
-        return False
-    if recipe.preference is not None:
-        return reference_kind(recipe) == "copy"
-    return recipe.kto is not None or (recipe.rl is not None and recipe.rl.beta > 0)
-
-
-def reference_sync(recipe: Recipe) -> ReferenceSync | None:
-    """The mode's sync_reference (TR-DPO), or None."""
-    section = recipe.preference or recipe.kto or recipe.rl
-    return getattr(section, "sync_reference", None)
-
-
-def reference_kind(recipe: Recipe) -> str:
-    """Where a preference run's reference log-probabilities come from: adapter, precomputed, copy or none. On pipeline
-    stages a LoRA run's is precomputed by default, with the adapter disabled, once and cached (an explicit adapter
-    runs them through the stages before each step: preference.StagePairs.prepare)."""
-    p = recipe.preference
-    if p.reference != "auto":
-        return p.reference
-    if p.loss in REFERENCE_FREE:
-        return "none"
-    if recipe.lora is None and p.sync_reference is not None:
-        return "copy"
-    return "adapter" if recipe.lora is not None and recipe.parallel.pipeline_parallel == 1 else "precomputed"

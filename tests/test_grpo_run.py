@@ -1270,7 +1270,8 @@ def test_two_rewards_of_one_type_need_a_name_and_the_advice_works(tiny_assets, t
 
 
 @pytest.mark.parametrize("overrides, says", [
-    (["rl.beta=0.04"], "a full fine-tune would need a second, frozen copy"),
+    (["lora={r: 4, alpha: 8, dropout: 0}", "rl.beta=0.04", "rl.sync_reference=true"],
+     "rl.sync_reference.alpha=0.6 with LoRA: a LoRA run's reference can follow the policy only whole"),
     (["train.micro_batch_tokens=64", "train.micro_batch_size=1"], "unset train.micro_batch_tokens"),
     (["data.format=prompt_completion"], "data.format: prompt and the rl: section go together"),
     (["rl.rewards=[{type: format}]"], "needs pattern"),

@@ -226,7 +226,8 @@ def test_the_schema_refuses_a_sync_it_cannot_run(tiny_assets, tmp_path, changes,
 
 
 def test_true_is_trls_defaults_and_auto_makes_the_copy(tiny_assets, tmp_path):
-    from llmtrain.config import Recipe, reference_copy, reference_kind, reference_sync
+    from llmtrain.capabilities import reference_copy, reference_kind, reference_sync
+    from llmtrain.config import Recipe
 
     recipe = Recipe.model_validate(_recipe_dict(tiny_assets, tmp_path, sync_reference=True))
     assert (recipe.preference.sync_reference.every_steps, recipe.preference.sync_reference.alpha) == (512, 0.6)

@@ -24,7 +24,7 @@ from pathlib import Path
 import torch
 
 from llmtrain import capabilities
-from llmtrain.config import Recipe, reference_copy, reference_sync, tiled_mlp_shard, updates_per_window
+from llmtrain.config import Recipe, tiled_mlp_shard, updates_per_window
 from llmtrain.data.batching import DataPlan
 from llmtrain.data.chat import template_file
 from llmtrain.data.checks import check_context, check_data, check_epochs, check_warmup, data_plan
@@ -117,7 +117,7 @@ def read_only_checks(recipe: Recipe, accelerator, *, resume: str | None, overwri
         if ckpt and (problem := round_problem(ckpt, every=updates_per_window(recipe),
                                               processes=accelerator.num_processes)):
             raise LLMTrainError(problem)
-        sync = reference_sync(recipe)
+        sync = capabilities.reference_sync(recipe)
         if ckpt and (problem := saved_problem(ckpt, every=sync.every_steps if sync else None)):
             raise LLMTrainError(problem)
     except LLMTrainError as e:  # the same checkpoint against the same recipe on every process: said once a node
@@ -441,12 +441,12 @@ def build_reference(recipe: Recipe, accelerator, trainable: Trainable, *, say):
     chunk by chunk) and its attention (a sequence group's, if any). A whole copy on every process is what FSDP is
     there to avoid. Made before a resume loads its checkpoint: a resume's reference is the starting weights, or the
     checkpoint's where sync_reference has moved it (Reference.restore)."""
-    sync = reference_sync(recipe)
+    sync = capabilities.reference_sync(recipe)
     if recipe.lora is not None and sync is not None:  # (capabilities: alpha 1, on one process or DDP)
         say(f"reference: the model with its adapter disabled, then every {sync.every_steps} steps the adapter as it "
             "was then (TR-DPO's hard update)")
         return AdapterReference(trainable.unwrapped, sync)
-    if not reference_copy(recipe):
+    if not capabilities.reference_copy(recipe):
         return None
     mixed = f"; every {sync.every_steps} steps it takes alpha={sync.alpha:g} of the policy (TR-DPO)" if sync else ""
     if not uses_fsdp(accelerator):

@@ -10,8 +10,9 @@ import math
 from dataclasses import asdict, dataclass, field, replace
 from typing import Literal
 
-from llmtrain.config import (DataConfig, LoraConfig, ModelConfig, ParallelConfig, Recipe, TrainConfig, reference_copy,
-                             reference_kind, reference_sync, sampling_of, updates_per_window)
+from llmtrain.capabilities import reference_copy, reference_kind, reference_sync
+from llmtrain.config import (DataConfig, LoraConfig, ModelConfig, ParallelConfig, Recipe, TrainConfig, sampling_of,
+                             updates_per_window)
 from llmtrain.errors import LLMTrainError
 from llmtrain.parallel.pipeline.split import SCHEDULES
 

@@ -26,7 +26,7 @@ from typing import Protocol
 
 import torch
 
-from llmtrain.config import reference_kind
+from llmtrain.capabilities import reference_kind
 from llmtrain.data.batching import Counts, collate, to_device, with_loss_positions
 from llmtrain.model.loss import compute_loss, eval_counts
 from llmtrain.objectives.rollouts import here
