@@ -389,6 +389,14 @@ def problems(recipe, layout: Layout, *, model=None) -> list[str]:
     return out
 
 
+def sharding_problems(recipe) -> list[str]:
+    """What the table refuses of the recipe under FSDP / HSDP that it does not under DDP (the mode's cell, the FSDP
+    rules): the estimate's --fit proposes no FSDP, HSDP or offload for such a recipe (memory/fit.shardable)."""
+    sp, pp = recipe.parallel.sequence_parallel, recipe.parallel.pipeline_parallel
+    ddp = problems(recipe, Layout(processes=2 * sp * pp, sp=sp, pp=pp))
+    return [p for p in problems(recipe, Layout(processes=2 * sp * pp, fsdp=True, sp=sp, pp=pp)) if p not in ddp]
+
+
 def _trained_by(parallelism: str) -> str:
     modes = [m.name for m in MODES.values() if parallelism not in m.refused]
     return " and ".join([", ".join(modes[:-1]), modes[-1]] if len(modes) > 1 else modes)

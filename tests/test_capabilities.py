@@ -325,3 +325,41 @@ def test_the_flop_count_takes_each_layers_head_size():
                               vocab_size_per_layer_input=64, hidden_size_per_layer_input=8,
                               layer_types=["sliding_attention", "full_attention"] * 2)
     assert flop_model(AutoModelForCausalLM.from_config(config)).attn_per_square == 6 * 4 * (16 + 32 + 16 + 32)
+
+
+@pytest.mark.parametrize("changes, refused", [
+    ({"rl": {"algorithm": "rloo", "rewards": [{"type": "answer_match"}]}}, "online RL's reference with rl.beta > 0"),
+    ({"preference": {}, "train": {"optimizer": "adamw_8bit"}}, "train.optimizer=adamw_8bit under FSDP / HSDP"),
+    ({"preference": {}}, None)])
+def test_fit_proposes_no_layout_the_table_refuses(changes, refused):
+    """estimate-memory's --fit asks the table what FSDP refuses of the recipe (capabilities.sharding_problems, carried
+    as spec.unshardable): a full fine-tune of RLOO (TRL's beta 0.05: a whole reference copy) that no single GPU
+    holds gets no FSDP, HSDP or more-GPU proposal (before, FSDP on 8 GPUs, which training refuses), and the
+    recommendation says why in the table's words; 8-bit AdamW's refusal comes from the table too; the same size of
+    DPO run, which FSDP trains, gets FSDP."""
+    from llmtrain.config import Recipe
+    from llmtrain.memory.estimate import estimate
+    from llmtrain.memory.fit import fit, recommendation
+    from llmtrain.memory.params import load_model_shape
+    from llmtrain.memory.spec import spec_from_recipe
+
+    fmt = "prompt" if "rl" in changes else "preference"
+    recipe = Recipe.model_validate({
+        "model": {"name_or_path": "mistral-7b", "dtype": "bfloat16", "kernels": "none"},
+        "data": {"path": "unread.jsonl", "format": fmt, "max_seq_len": 1024},
+        "train": {"micro_batch_size": 1, "mixed_precision": "bf16", **changes.pop("train", {})},
+        "output_dir": "unwritten", **changes})
+    shape = load_model_shape("mistral-7b")
+    spec = spec_from_recipe(recipe, strategy="ddp", num_gpus=8)
+    assert (spec.unshardable is None) == (refused is None)
+    found = fit(shape, spec)
+    strategies = {c.spec.strategy for c in found.candidates}
+    if refused is None:
+        assert "fsdp" in strategies
+        return
+    assert refused in spec.unshardable and strategies <= {"ddp"} and found.more_gpus is None
+    est = estimate(shape, spec)
+    if not est.fits:  # the RL run (the 8-bit optimizer's fits DDP)
+        said = " ".join(recommendation(shape, est).split())
+        assert "nothing fits 8 x 80 GiB (FSDP, whose shards shrink with more GPUs, is refused: " in said
+        assert refused in said

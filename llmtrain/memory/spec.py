@@ -10,7 +10,7 @@ import math
 from dataclasses import asdict, dataclass, field, replace
 from typing import Literal
 
-from llmtrain.capabilities import reference_copy, reference_kind, reference_sync
+from llmtrain.capabilities import reference_copy, reference_kind, reference_sync, sharding_problems
 from llmtrain.config import (DataConfig, LoraConfig, ModelConfig, ParallelConfig, Recipe, TrainConfig, sampling_of,
                              updates_per_window)
 from llmtrain.errors import LLMTrainError
@@ -151,6 +151,9 @@ class TrainSpec:
     # preference.reference copy, online RL with rl.beta > 0), in the storage dtype, whole on every GPU, or under FSDP
     # sharded like the policy with its head whole (model/reference.py, loop/phases.build_reference)
     frozen_reference: bool = False
+    # why the capability table refuses the recipe under FSDP / HSDP (capabilities.sharding_problems' first; None:
+    # FSDP trains it), so that --fit proposes no FSDP, HSDP or offload for it (fit.shardable)
+    unshardable: str | None = None
     # LoRA under sync_reference: the adapter's snapshot and the spare that holds the trained weights during the
     # reference's forward, each the trained weights once more (model/reference.AdapterReference)
     adapter_reference: bool = False
@@ -404,6 +407,7 @@ def spec_from_recipe(recipe: Recipe, *, strategy: Strategy = "single", num_gpus:
         num_generations=recipe.rl.num_generations if recipe.rl is not None else int(
             recipe.distill is not None and recipe.distill.lmbda > 0), per_example=per_example, **rl, **teacher,
         no_grad_forwards=recipe.kto is not None, frozen_reference=reference_copy(recipe),
+        unshardable=next(iter(sharding_problems(recipe)), None),
         adapter_reference=lora is not None and reference_sync(recipe) is not None,
         num_iterations=updates_per_window(recipe), **extra_forwards_of(recipe),
         rollout_forwards=rollout_logps(recipe),
