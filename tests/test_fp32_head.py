@@ -156,3 +156,22 @@ def test_the_estimate_holds_the_head_in_fp32(tmp_path):
         plain = states(shape, plain, None)
         assert (cast.weights - plain.weights, cast.grads - plain.grads) == (2 * head, 2 * head)
         assert cast.optimizer - plain.optimizer == state, optimizer
+
+
+def test_the_estimate_prices_the_heads_fp32_logits_gradient_and_input():
+    """The head's backward with rl.cast_lm_head_to_fp32 holds a chunk's logits gradient at 4 bytes a logit (the
+    logits are fp32), not the compute dtype's 2, and the chunk's input cast to fp32 (C x H x 4) where autocast's
+    copy was: Mistral-7B, bf16 LoRA, chunks of 4,096 tokens: 4,096 x 32,768 x 2 bytes (256 MiB) more logits in the
+    LM head's backward, and the input's fp32 copy (64 MiB)."""
+    from llmtrain.memory.estimate import estimate
+    from llmtrain.memory.params import load_model_shape
+    from llmtrain.memory.spec import TrainSpec
+
+    shape = load_model_shape("mistral-7b")
+    spec = TrainSpec(method="lora", dtype="bfloat16", mixed_precision="bf16", micro_batch=4, seq_len=2048,
+                     loss_chunk_tokens=4096)
+    plain, cast = estimate(shape, spec), estimate(shape, spec.but(fp32_head=True))
+    head = "backward_lm_head"
+    assert cast.phase_parts[head]["logits"] - plain.phase_parts[head]["logits"] == 4096 * 32768 * 2
+    # (a bf16 base's hidden states are bf16 already: autocast made no copy of the chunk's input, the cast makes one)
+    assert cast.phase_parts[head]["temporaries"] - plain.phase_parts[head]["temporaries"] == 4096 * 4096 * 4

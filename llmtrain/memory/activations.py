@@ -787,9 +787,10 @@ def chunk_backward_bytes(vocab: int, chunk: int, cap: int = 0) -> int:
     return chunk * vocab * (3 * FP32 + cap)
 
 
-def chunk_logits_grad_bytes(p: Pass, vocab: int, chunk: int) -> int:
-    """The chunk logits' gradient in cd, entering the LM head's backward."""
-    return chunk * vocab * p.cd
+def chunk_logits_grad_bytes(p: Pass, vocab: int, chunk: int, *, fp32_head: bool = False) -> int:
+    """The chunk logits' gradient in cd, entering the LM head's backward; in fp32 where the head makes fp32 logits
+    (rl.cast_lm_head_to_fp32)."""
+    return chunk * vocab * (FP32 if fp32_head else p.cd)
 
 
 def chunk_eval_bytes(p: Pass, vocab: int, chunk: int, chunks: int) -> int:

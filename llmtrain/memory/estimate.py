@@ -562,6 +562,8 @@ def _loss_phases(p: act.Pass, shape: ModelShape, spec: TrainSpec, st: States, *,
     several = p.loss_tokens > c
     h_grad = p.loss_tokens * H * p.resid if several else 0
     in_cast = c * H * p.cd if p.separate_casts else 0  # autocast's copy of the chunk's fp32 input
+    if spec.fp32_head:  # rl.cast_lm_head_to_fp32: autocast off, the chunk's input cast to fp32 instead
+        in_cast = c * H * act.FP32
     in_grad = c * H * p.resid  # the chunk's input gradient, from the head's backward to the gather's
     G = st.grads_head if not spec.sharded else 0
     Gw = G * p.cd // DTYPE_BYTES[spec.dtype] if p.separate_casts else G
@@ -577,7 +579,8 @@ def _loss_phases(p: act.Pass, shape: ModelShape, spec: TrainSpec, st: States, *,
                                temporaries=in_cast + h_grad + head_adapter,
                                fsdp_buffers=tail + (fsdp_head if several else 0)),
         "backward_lm_head": max(
-            (_plus(backward, gradients=made, autocast_copies=head_copies, logits=act.chunk_logits_grad_bytes(p, V, c),
+            (_plus(backward, gradients=made, autocast_copies=head_copies,
+                   logits=act.chunk_logits_grad_bytes(p, V, c, fp32_head=spec.fp32_head),
                    temporaries=in_cast + in_grad + h_grad, fsdp_buffers=tail + mm * fsdp_head),
              _plus(backward, gradients=summed, temporaries=in_grad + h_grad,
                    fsdp_buffers=tail + add * fsdp_head)), key=lambda ph: sum(ph.values())),
