@@ -12,7 +12,9 @@ recipe's schema (`recipe_problems`, with the layout the recipe alone gives), `ll
 doctor` (the launch config's layout, before any process starts), and every process of `finetune` (its launch's, before
 the process group exists; with the model's config, before anything is written). A cell the table supports trains;
 a cell it does not is refused in one paragraph before any file is written (tests/test_capabilities.py walks them
-all). A new mode, layout or model family is a row, a column or a rule here, never an `if` elsewhere.
+all). A new mode, layout or model family is a row, a column or a rule here, never an `if` elsewhere. Where a mode's
+reference comes from (`reference_kind`, `reference_copy`, `reference_sync`) is decided here too, for its rules and
+for the loop, the objectives and the estimate; `sharding_problems` is what the estimate's --fit asks of FSDP.
 
 May import: the schema (`config`, `errors`) and `layout` only.
 """
@@ -25,6 +27,7 @@ from llmtrain.errors import LLMTrainError
 from llmtrain.layout import NAMES, PARALLELISMS, Layout
 
 # --------------------------------------------------------------------------- the reference a mode reads
+
 
 def reference_copy(recipe) -> bool:
     """Whether the run holds a frozen copy of the starting weights as its reference (model/reference.py): a full

@@ -323,8 +323,7 @@ def save(run: Run, state: TrainState, meter: Meter) -> Path:
     trainable = run.model.trainable_names
     return save_checkpoint(run.accelerator, output_dir=run.out, state=state,
                            write_round=partial(run.rounds.write, step=state.step),
-                           write_reference=(partial(run.reference.write, step=state.step)
-                                            if run.reference is not None else None),
+                           write_reference=run.reference.write if run.reference is not None else None,
                            recipe_yaml=run.recipe.to_yaml(working_dir=os.getcwd()),
                            keep_last=run.recipe.checkpoint.keep_last, model_keys=set(run.model.model_keys),
                            trainable=set(trainable) if trainable else None,

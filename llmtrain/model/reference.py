@@ -1,8 +1,9 @@
 """A full fine-tune's reference model: a frozen copy of the starting weights, and the mix that makes it follow the
 policy (TR-DPO, Gorbatovski et al. 2024: TRL's sync_ref_model).
 
-Which runs hold one is the schema's (config.reference_copy: KTO, preference.reference copy and online RL with
-rl.beta > 0, each a full fine-tune; a LoRA run's reference is its own model with the adapter disabled, no copy).
+Which runs hold one is the capability table's (capabilities.reference_copy: KTO, preference.reference copy and
+online RL with rl.beta > 0, each a full fine-tune; a LoRA run's reference is its own model with the adapter disabled,
+no copy).
 One process and DDP copy the policy before it trains (`frozen_copy`); under FSDP the loop reads the starting weights
 again and shards them as the policy is (loop/phases.build_reference). `Reference` holds the copy and, with the
 mode's sync_reference, mixes the policy into it after every every_steps-th optimizer step, exactly as TRL's
@@ -71,7 +72,7 @@ def mix(reference, policy, alpha: float) -> None:
         if isinstance(source, DTensor):
             if isinstance(target, DTensor):
                 same = source.device_mesh == target.device_mesh and source.placements == target.placements
-                source = (source if same else source.redistribute(target.device_mesh, target.placements))
+                source = source if same else source.redistribute(target.device_mesh, target.placements)
             else:
                 source = source.full_tensor()
         source = source.to_local() if isinstance(source, DTensor) else source
@@ -103,7 +104,7 @@ class Reference:
     def state(self) -> dict:
         return self.module.state_dict()
 
-    def write(self, folder: Path, *, step: int) -> None:
+    def write(self, folder: Path) -> None:
         """Into a checkpoint being written (every process calls it): the reference's weights, once a sync has moved
         them from the starting ones."""
         if self.moved:
