@@ -435,9 +435,10 @@ def build_reference(recipe: Recipe, accelerator, trainable: Trainable, *, say):
     with rl.beta > 0), as a model/reference.Reference with the mode's sync_reference; with LoRA and sync_reference
     the adapter's snapshots (AdapterReference); None for other runs (LoRA's reference is its own model with the
     adapter disabled). One process and DDP copy the policy before it trains (reference.frozen_copy); under FSDP the
-    main process reads the starting weights again from model.name_or_path and they are sharded as the policy is (fsdp.shard_frozen: every decoder layer a unit gathered for its forward,
-    the LM head whole), frozen, in eval mode, with the policy's loss forward (its trained positions through the head
-    chunk by chunk) and its attention (a sequence group's, if any). A whole copy on every process is what FSDP is
+    main process reads the starting weights again from model.name_or_path and they are sharded as the policy is
+    (fsdp.shard_frozen: every decoder layer a unit gathered for its forward, the LM head whole), frozen, in eval mode,
+    with the policy's loss forward (its trained positions through the head chunk by chunk) and its attention (a
+    sequence group's, if any). A whole copy on every process is what FSDP is
     there to avoid. Made before a resume loads its checkpoint: a resume's reference is the starting weights, or the
     checkpoint's where sync_reference has moved it (Reference.restore)."""
     sync = capabilities.reference_sync(recipe)
