@@ -361,5 +361,5 @@ def test_fit_proposes_no_layout_the_table_refuses(changes, refused):
     est = estimate(shape, spec)
     if not est.fits:  # the RL run (the 8-bit optimizer's fits DDP)
         said = " ".join(recommendation(shape, est).split())
-        assert "nothing fits 8 x 80 GiB (FSDP, whose shards shrink with more GPUs, is refused: " in said
+        assert "nothing fits 8 x 80 GiB (FSDP, whose shards shrink with more GPUs, is out: " in said
         assert refused in said

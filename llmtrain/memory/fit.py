@@ -114,7 +114,8 @@ def shardable(spec: TrainSpec) -> bool:
 
 def unshardable_reason(spec: TrainSpec) -> str:
     """Why FSDP cannot hold the run (shardable is False), in a clause."""
-    return spec.unshardable or "FSDP's sharded parameters refuse the 8-bit optimizer (train.optimizer=adamw_8bit)"
+    return spec.unshardable or ("FSDP refuses the 8-bit optimizer (train.optimizer=adamw_8bit): bitsandbytes updates "
+                                "plain tensors, and FSDP's parameters are sharded DTensors")
 
 
 def strategies_for(spec: TrainSpec) -> tuple[str, ...]:
@@ -308,7 +309,7 @@ def recommendation(shape: ModelShape, est: Estimate, *, global_batch: int | None
                     f"does ({more.best.estimate.per_gpu_peak_bytes / GIB:.1f} GiB per GPU): {launch_line(more)} "
                     f"with {' '.join(more.overrides)} (see --fit)")
         nor = (f", nor FSDP on up to {MAX_GPUS} GPUs" if shardable(est.spec) else
-               f" (FSDP, whose shards shrink with more GPUs, is refused: {unshardable_reason(est.spec)})")
+               f" (FSDP, whose shards shrink with more GPUs, is out: {unshardable_reason(est.spec)})")
         return f"{need}; nothing fits {gpus}{nor}: {overflow_advice(est)}"
     return f"{need}; on {gpus} use {launch_line(result)} with {' '.join(result.overrides)} (see --fit)"
 
