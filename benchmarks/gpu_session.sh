@@ -8,7 +8,8 @@
 # then, one device call each (carry .gpu):
 #
 #   bash benchmarks/gpu_session.sh i52           # issue 52's sixth call: samplers, vs HF + Liger, each mode on CUDA
-#   bash benchmarks/gpu_session.sh i52b          # issue 53 item 14: an RL step's reserved memory, expandable segments
+#   bash benchmarks/gpu_session.sh i52b          # issue 53 item 14: an RL step's reserved memory, expandable segments;
+#                                                # the fp32 head, generation_batch, LoRA's moving reference (~5 min)
 #   bash benchmarks/gpu_session.sh smoke         # every code path a few steps, exact resume on the GPU
 #   bash benchmarks/gpu_session.sh distill       # distillation under FSDP on 1 process, the teacher sharded
 #   bash benchmarks/gpu_session.sh vs-hf-7b      # Mistral-7B LoRA: llmtrain vs HF Trainer (padded, flattening)
@@ -495,6 +496,11 @@ EOF
   B="train.micro_batch_tokens=null train.max_steps=3 data.chat_template=true data.max_seq_len=$((1024 / SCALE))"
   PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True run kto-expandable $FT $W/lora.yaml $B train.micro_batch_size=8 \
     data.path=$W/gsm8k-unpaired.jsonl data.format=unpaired "kto={beta: 0.1}"
+  # kto.sync_reference with LoRA (2026-12-04, model/reference.AdapterReference): the adapter's snapshot copied in
+  # and out around each reference forward, every step: tokens/s against kto-expandable's, the peak against the
+  # estimate (which adds the snapshot and its spare)
+  PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True run kto-sync-lora $FT $W/lora.yaml $B train.micro_batch_size=8 \
+    data.path=$W/gsm8k-unpaired.jsonl data.format=unpaired "kto={beta: 0.1, sync_reference: {every_steps: 1, alpha: 1}}"
   ;;
 i40)  # issue 40 in one call (~9 minutes on an H200), by value: the sampler's speed, a GRPO step under FSDP on 1
   # process, the deterministic resume, then the long-context search and table in whatever time is left

@@ -307,6 +307,34 @@ def check_optimizer(recipe: Recipe) -> list[Check]:
              "AdamW's 8)")]
 
 
+def check_reference(recipe: Recipe) -> list[Check]:
+    """Where the run's reference comes from (a mode that reads one: preference pairs, KTO, online RL with rl.beta > 0),
+    and whether it follows the policy (sync_reference): said before the run, where a new user cannot see it."""
+    from llmtrain import capabilities
+
+    if recipe.preference is None and recipe.kto is None and (recipe.rl is None or not recipe.rl.beta):
+        return []
+    sync = capabilities.reference_sync(recipe)
+    kind = capabilities.reference_kind(recipe) if recipe.preference is not None else \
+        "adapter" if recipe.lora is not None else "copy"
+    if kind == "none":
+        return [("reference", "pass", f"none: preference.loss={recipe.preference.loss} is reference-free")]
+    if recipe.lora is not None and sync is not None:
+        what = (f"the base model (the adapter disabled) until step {sync.every_steps}, then every "
+                f"{sync.every_steps} steps the adapter as it was then (sync_reference, TR-DPO's hard update)")
+    elif kind == "adapter":
+        what = "the base model, the adapter disabled (no copy of the weights)"
+    elif kind == "precomputed":
+        what = ("the starting weights' log-probabilities of every pair, computed once before training and cached "
+                "beside the tokenised data")
+    else:
+        what = "a frozen copy of the starting weights (one more set of weights, in the estimate)"
+        if sync is not None:
+            what += (f", mixed with the policy every {sync.every_steps} steps at alpha {sync.alpha:g} "
+                     "(sync_reference, TR-DPO)")
+    return [("reference", "pass", what)]
+
+
 def check_experts_quantized(recipe: Recipe, launch: dict | None = None) -> list[Check]:
     """model.quantize on a mixture of experts: bitsandbytes quantizes linear layers, and transformers holds each
     layer's experts as 3-D parameters, which stay in model.dtype (the run says the same at start-up, from the loaded
@@ -434,7 +462,7 @@ def run_doctor(recipe: Recipe, *, accelerate_config: Path | None = None,
     datasets.disable_progress_bars()
     launch = read_launch(accelerate_config)
     checks: list[Check] = [("recipe", "pass", "validates (--show-recipe prints it resolved)"), *hub,
-                           *check_quantize(recipe, launch), *check_optimizer(recipe)]
+                           *check_quantize(recipe, launch), *check_optimizer(recipe), *check_reference(recipe)]
     try:
         tokenizer = load_tokenizer(recipe.model)
     except LLMTrainError as e:

@@ -384,3 +384,33 @@ def test_a_lora_resume_goes_on_with_the_adapters_snapshot(tiny_assets, tmp_path)
     a = load_weights(tmp_path / "straight" / "final" / "adapter_model.safetensors")
     b = load_weights(tmp_path / "resumed" / "final" / "adapter_model.safetensors")
     assert max((a[n] - b[n]).abs().max().item() for n in a) < 1e-6
+
+
+def test_doctor_says_where_the_reference_comes_from(tiny_assets, tmp_path):
+    """doctor's reference row, one per kind: precomputed (a full fine-tune's DPO), a frozen copy and its sync, LoRA's
+    disabled adapter and its moving snapshot, none (simpo); no row for SFT or online RL at beta 0."""
+    from llmtrain.config import Recipe
+    from llmtrain.doctor import check_reference
+
+    def row(**changes) -> str:
+        data = _recipe_dict(tiny_assets, tmp_path)
+        if changes.pop("lora", False):
+            data["lora"] = {"r": 4, "alpha": 8, "dropout": 0.0}
+        data["preference"].update(changes)
+        (found,) = check_reference(Recipe.model_validate(data))
+        assert found[:2] == ("reference", "pass")
+        return found[2]
+
+    assert row().startswith("the starting weights' log-probabilities of every pair, computed once before training")
+    assert row(reference="copy") == "a frozen copy of the starting weights (one more set of weights, in the estimate)"
+    assert row(sync_reference={"every_steps": 64}).endswith(
+        "mixed with the policy every 64 steps at alpha 0.6 (sync_reference, TR-DPO)")
+    assert row(lora=True) == "the base model, the adapter disabled (no copy of the weights)"
+    assert row(lora=True, sync_reference={"every_steps": 8, "alpha": 1}).startswith(
+        "the base model (the adapter disabled) until step 8, then every 8 steps the adapter as it was then")
+    assert row(loss="simpo") == "none: preference.loss=simpo is reference-free"
+    sft = _recipe_dict(tiny_assets, tmp_path)
+    sft.pop("preference")
+    sft["data"]["format"] = "prompt"
+    sft["rl"] = {"beta": 0.0, "rewards": [{"type": "answer_match"}]}
+    assert check_reference(Recipe.model_validate(sft)) == []
