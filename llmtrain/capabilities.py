@@ -40,7 +40,7 @@ def reference_copy(recipe) -> bool:
 
 
 def reference_sync(recipe) -> object | None:
-    """The mode's sync_reference (TR-DPO), or None."""
+    """The mode's sync_reference (TR-DPO: a config.ReferenceSync, which this module may not import), or None."""
     section = recipe.preference or recipe.kto or recipe.rl
     return getattr(section, "sync_reference", None)
 

@@ -180,8 +180,8 @@ def test_loss_and_gradient_match_trl_kto_trainer(tiny_assets, tiny_tok, tmp_path
     padding-free KTO on one mixed batch, fp32: the same mean loss, metrics and gradients. LoRA: the reference is the
     disabled adapter (TRL's copy of the fresh adapter, B = 0), LoRA B perturbed so the policy differs from it. Full
     fine-tune: TRL loads its ref_model from the model's folder, llmtrain keeps a frozen copy of the starting
-    weights (model/reference.frozen_copy); every weight of both policies is then moved off it by the same noise. A tiny Qwen3-MoE
-    under LoRA with the load-balancing loss at 0.25 (TRL's router_aux_loss_coef, llmtrain's
+    weights (model/reference.frozen_copy); every weight of both policies is then moved off it by the same noise. A
+    tiny Qwen3-MoE under LoRA with the load-balancing loss at 0.25 (TRL's router_aux_loss_coef, llmtrain's
     model.router_aux_loss_coef), added to the mean loss from the completions' pass by both; TRL's copy runs peft's
     own merged experts, llmtrain's run them unmerged (model/lora_experts.py)."""
     trl = pytest.importorskip("trl")
@@ -190,7 +190,7 @@ def test_loss_and_gradient_match_trl_kto_trainer(tiny_assets, tiny_tok, tmp_path
 
     from llmtrain.model.loss import attach_loss
     from llmtrain.model.modeling import load_model
-    from llmtrain.model.reference import frozen_copy
+    from llmtrain.model.reference import Reference, frozen_copy
 
     coef = 0.25 if family == "qwen3_moe" else None
     folder = tiny_assets / "model" if family == "llama" else family_model(tiny_assets, tmp_path / family, family)
@@ -237,7 +237,8 @@ def test_loss_and_gradient_match_trl_kto_trainer(tiny_assets, tiny_tok, tmp_path
     ours.train()
     objective = KTO(KTOConfig(loss_type=loss_type, beta=0.1, desirable_weight=weights[0],
                               undesirable_weight=weights[1]),
-                    pad_id=tiny_tok.pad_token_id, packing=True, max_seq_len=2048, model=ours, reference=reference,
+                    pad_id=tiny_tok.pad_token_id, packing=True, max_seq_len=2048, model=ours,
+                    reference=Reference(reference) if reference is not None else None,
                     router_aux=coef)
     batch, counts = objective.collate(rows)
     assert counts.units == len(ROWS)

@@ -438,9 +438,9 @@ def build_reference(recipe: Recipe, accelerator, trainable: Trainable, *, say):
     main process reads the starting weights again from model.name_or_path and they are sharded as the policy is
     (fsdp.shard_frozen: every decoder layer a unit gathered for its forward, the LM head whole), frozen, in eval mode,
     with the policy's loss forward (its trained positions through the head chunk by chunk) and its attention (a
-    sequence group's, if any). A whole copy on every process is what FSDP is
-    there to avoid. Made before a resume loads its checkpoint: a resume's reference is the starting weights, or the
-    checkpoint's where sync_reference has moved it (Reference.restore)."""
+    sequence group's, if any). A whole copy on every process is what FSDP is there to avoid. Made before a resume
+    loads its checkpoint: a resume's reference is the starting weights, or the checkpoint's where sync_reference has
+    moved it (Reference.restore)."""
     sync = capabilities.reference_sync(recipe)
     if recipe.lora is not None and sync is not None:  # (capabilities: alpha 1, on one process or DDP)
         say(f"reference: the model with its adapter disabled, then every {sync.every_steps} steps the adapter as it "

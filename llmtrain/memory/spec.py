@@ -147,7 +147,7 @@ class TrainSpec:
     # frozen copy), KTO's KL sequences by the policy, online RL's log-probabilities once a round (1 / num_iterations)
     extra_forwards: float = 0.0
     extra_forwards_what: str = ""  # whose, in words
-    # a full fine-tune's frozen copy of the starting weights as its reference (config.reference_copy: KTO,
+    # a full fine-tune's frozen copy of the starting weights as its reference (capabilities.reference_copy: KTO,
     # preference.reference copy, online RL with rl.beta > 0), in the storage dtype, whole on every GPU, or under FSDP
     # sharded like the policy with its head whole (model/reference.py, loop/phases.build_reference)
     frozen_reference: bool = False
@@ -451,8 +451,9 @@ def extra_forwards_of(recipe: Recipe) -> dict:
       (its KL goes into the reward), 1 / N a step each.
     A distillation teacher's and learned rewards' forwards are of other shapes (comms.no_grad_flops counts them)."""
     passes: list[tuple[float, str]] = []
-    if recipe.preference is not None and reference_kind(recipe) in ("adapter", "copy"):
-        how = "the adapter disabled" if reference_kind(recipe) == "adapter" else "the frozen copy"
+    kind = reference_kind(recipe) if recipe.preference is not None else None
+    if kind in ("adapter", "copy"):
+        how = "the adapter disabled" if kind == "adapter" else "the frozen copy"
         passes.append((1.0, f"the reference's, {how}, each micro-batch"))
     elif recipe.kto is not None:
         passes.append((1.0, "the reference's over each micro-batch"))

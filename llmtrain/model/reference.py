@@ -45,13 +45,11 @@ def frozen_copy(model, *, whose: str):
 
 
 def forward_of(model, reference):
-    """The reference model and the context its forward runs in: a full fine-tune's frozen copy (a Reference, or the
-    module itself), LoRA's adapter as it was at the last sync (an AdapterReference), or (None) the model itself with
-    its adapter disabled."""
+    """The reference model and the context its forward runs in: a full fine-tune's frozen copy (a Reference), LoRA's
+    adapter as it was at the last sync (an AdapterReference), or (None) the model itself with its adapter
+    disabled."""
     if reference is None:
         return model, model.disable_adapter()  # the base model: the reference, with no copy of it
-    if isinstance(reference, torch.nn.Module):
-        return reference, nullcontext()
     return reference.forward(model)
 
 
@@ -132,22 +130,19 @@ class AdapterReference(Reference):
     def __init__(self, model, sync):
         super().__init__(None, sync)
         self.model = model  # the unwrapped peft model
-        self.names = [n for n, p in model.named_parameters() if p.requires_grad]
+        # the trained weights (found once: a checkpoint loads into them in place), their names for the checkpoint
+        self.names, self.trained = zip(*[(n, p.detach()) for n, p in model.named_parameters() if p.requires_grad])
         self.snapshot: list[torch.Tensor] | None = None  # in `names`' order
         self.spare: list[torch.Tensor] | None = None
 
-    def _trained(self) -> list[torch.Tensor]:
-        params = dict(self.model.named_parameters())
-        return [params[n].detach() for n in self.names]
-
     def forward(self, model):
         if self.snapshot is None:
-            return model, model.disable_adapter()
+            return forward_of(model, None)
         return model, self._swapped()
 
     @contextmanager
     def _swapped(self):
-        trained, training = self._trained(), self.model.training
+        trained, training = self.trained, self.model.training
         if self.spare is None:
             self.spare = [t.clone() for t in trained]
         with torch.no_grad():
@@ -166,15 +161,15 @@ class AdapterReference(Reference):
             return False
         with torch.no_grad():
             if self.snapshot is None:
-                self.snapshot = [t.clone() for t in self._trained()]
+                self.snapshot = [t.clone() for t in self.trained]
             else:
-                torch._foreach_copy_(self.snapshot, self._trained())
+                torch._foreach_copy_(self.snapshot, self.trained)
         self.moved = True
         return True
 
     def state(self) -> dict:
         if self.snapshot is None:  # a resume: read into a copy of the weights' shapes
-            self.snapshot = [t.clone() for t in self._trained()]
+            self.snapshot = [t.clone() for t in self.trained]
         return dict(zip(self.names, self.snapshot))
 
 
