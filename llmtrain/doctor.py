@@ -316,7 +316,7 @@ def check_reference(recipe: Recipe) -> list[Check]:
         return []
     sync = capabilities.reference_sync(recipe)
     kind = capabilities.reference_kind(recipe) if recipe.preference is not None else \
-        "adapter" if recipe.lora is not None else "copy"
+        "copy" if capabilities.reference_copy(recipe) else "adapter"
     if kind == "none":
         return [("reference", "pass", f"none: preference.loss={recipe.preference.loss} is reference-free")]
     if recipe.lora is not None and sync is not None:

@@ -328,15 +328,17 @@ def test_the_flop_count_takes_each_layers_head_size():
 
 
 @pytest.mark.parametrize("changes, refused", [
-    ({"rl": {"algorithm": "rloo", "rewards": [{"type": "answer_match"}]}}, "online RL's reference with rl.beta > 0"),
+    ({"rl": {"algorithm": "rloo", "rewards": [{"type": "answer_match"}], "cast_lm_head_to_fp32": True}},
+     "rl.cast_lm_head_to_fp32 under FSDP / HSDP"),
+    ({"rl": {"algorithm": "rloo", "rewards": [{"type": "answer_match"}]}}, None),
     ({"preference": {}, "train": {"optimizer": "adamw_8bit"}}, "train.optimizer=adamw_8bit under FSDP / HSDP"),
     ({"preference": {}}, None)])
 def test_fit_proposes_no_layout_the_table_refuses(changes, refused):
     """estimate-memory's --fit asks the table what FSDP refuses of the recipe (capabilities.sharding_problems, carried
-    as spec.unshardable): a full fine-tune of RLOO (TRL's beta 0.05: a whole reference copy) that no single GPU
-    holds gets no FSDP, HSDP or more-GPU proposal (before, FSDP on 8 GPUs, which training refuses), and the
-    recommendation says why in the table's words; 8-bit AdamW's refusal comes from the table too; the same size of
-    DPO run, which FSDP trains, gets FSDP."""
+    as spec.unshardable): a full fine-tune of RLOO with its LM head in fp32 (FSDP's mixed precision would gather it
+    in bf16) that no single GPU holds gets no FSDP, HSDP or more-GPU proposal, and the recommendation says why in
+    the table's words; 8-bit AdamW's refusal comes from the table too; the same RLOO run without the fp32 head (its
+    reference copy sharded under FSDP since stop 98) and the same size of DPO run, which FSDP trains, get FSDP."""
     from llmtrain.config import Recipe
     from llmtrain.memory.estimate import estimate
     from llmtrain.memory.fit import fit, recommendation

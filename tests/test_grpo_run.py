@@ -919,6 +919,31 @@ def test_a_kl_anchor_under_fsdp_with_weight_0_passes_trains_what_one_process_doe
     assert records(one)[-1]["kl"] > 1e-6  # the anchor is live: the adapter moved
 
 
+@pytest.mark.slow
+def test_a_full_fine_tune_kl_under_fsdp_with_a_moving_sharded_copy_trains_what_one_process_does(tiny_assets, tmp_path,
+                                                                                                 free_port):
+    """A full fine-tune with rl.beta > 0 under FSDP (refused before 2026-12-04: the copy was whole on every process):
+    the reference is the starting weights read again and sharded like the policy, run in each update's passes (a
+    rank's weight-0 passes too, under a token budget), and rl.sync_reference mixes the sharded policy into it after
+    every step. 2 FSDP processes give one process's completions, losses, KLs and final weights, with a live KL (at lr
+    1e-3: at 1e-2 the final weights part by 5.3e-5, AdamW moving weights whose gradients are round-off by ~lr)."""
+    recipe = grpo_recipe(tiny_assets, tmp_path, rl={"beta": 0.1, "sync_reference": {"every_steps": 1, "alpha": 0.6}},
+                         train={"max_steps": 3, "lr": 1e-3, "eval_every_steps": None},
+                         checkpoint={"save_final": True})
+    one, fsdp = tmp_path / "one", tmp_path / "fsdp"
+    run_train(recipe, f"output_dir={one}")
+    printed = launch_finetune(CPU_FSDP, 2, free_port, recipe, f"output_dir={fsdp}", "train.micro_batch_size=2",
+                              "rl.micro_batch_tokens=48")
+    assert "reference: the starting weights, sharded like the policy" in printed
+    assert [(r["step"], r["row"], r["completion_ids"]) for r in rollouts(fsdp)] == [
+        (r["step"], r["row"], r["completion_ids"]) for r in rollouts(one)]
+    assert losses(fsdp) == pytest.approx(losses(one), abs=1e-6)
+    assert [r["kl"] for r in records(fsdp)] == pytest.approx([r["kl"] for r in records(one)], abs=1e-6)
+    assert records(one)[-1]["kl"] > 1e-4  # the policy has moved from the reference (1.06e-3 at step 3)
+    assert (fsdp / "checkpoints" / "step_000002" / "reference").is_dir()  # the moved reference, in 2 shards
+    assert max_abs_diff(load_weights(fsdp / "final"), load_weights(one / "final")) < 1e-5
+
+
 def test_a_rank_with_fewer_passes_runs_its_last_again_with_weight_0(monkeypatch):
     """Under a token budget the ranks' pass counts can differ; FSDP needs them equal, so the rank with fewer runs its
     last pass again through the normal path with weight 0 (the loop multiplies its loss and statistics by it), and

@@ -267,9 +267,9 @@ def test_lora_takes_sync_reference_whole_only_and_on_one_process_or_ddp(tiny_ass
 
 
 def test_the_layouts_that_cannot_hold_the_copy_are_refused_by_the_table(tiny_assets, tmp_path):
-    """Online RL's copy is whole on every process: refused under FSDP and TP (with the fix: lora:, rl.beta=0, one GPU
-    or DDP); a preference copy on pipeline stages; KTO's and preference's copy under TP without FSDP. rl.beta > 0 on
-    one process or DDP is no longer refused, and rl.sync_reference with rl.beta 0 is."""
+    """Online RL's copy trains on one process, DDP and FSDP (sharded like the policy) and is refused under tensor
+    parallelism, FSDP x TP included (with the fix: FSDP alone, lora:, rl.beta=0); a preference copy on pipeline
+    stages; KTO's and preference's copy under TP without FSDP. rl.sync_reference with rl.beta 0 is refused."""
     from llmtrain import capabilities
     from llmtrain.config import Recipe
     from llmtrain.layout import Layout
@@ -280,9 +280,11 @@ def test_the_layouts_that_cannot_hold_the_copy_are_refused_by_the_table(tiny_ass
     rl["rl"] = {"beta": 0.04, "rewards": [{"type": "answer_match"}]}
     recipe = Recipe.model_validate(rl)
     assert capabilities.problems(recipe, Layout(processes=2)) == []
-    fsdp = capabilities.problems(recipe, Layout(processes=2, fsdp=True))
-    assert len(fsdp) == 1 and "online RL's reference with rl.beta > 0 and no lora: section is a frozen copy" in fsdp[0]
-    assert "set rl.beta=0" in fsdp[0]
+    assert capabilities.problems(recipe, Layout(processes=2, fsdp=True)) == []
+    assert capabilities.sharding_problems(recipe) == []  # --fit may propose FSDP for it
+    tp = capabilities.problems(recipe, Layout(processes=4, tp=2, shard=2, mesh=True, fsdp=True))
+    assert len(tp) == 1 and "online RL's reference with rl.beta > 0 and no lora: section is a frozen copy" in tp[0]
+    assert "Launch FSDP without tensor parallelism" in tp[0] and "set rl.beta=0" in tp[0]
     with pytest.raises(ValueError, match=r"rl.sync_reference moves the reference, which only the KL term reads"):
         Recipe.model_validate({**rl, "rl": {**rl["rl"], "beta": 0.0, "sync_reference": True}})
 
@@ -325,6 +327,20 @@ def test_the_estimate_counts_the_copy_for_every_mode_that_holds_one():
     without = spec_from_recipe(Recipe.model_validate({**prompts, "rl": {"beta": 0.0, "rewards": rewards}}))
     assert with_kl.frozen_reference and not without.frozen_reference
     assert weights(with_kl) - weights(replace(with_kl, frozen_reference=False)) == mistral.params_total * 2
+    # under FSDP on 8 GPUs: the decoder in shards, the head whole; RLOO holds the decoder gathered through the
+    # rollout (Reference.gathered), GRPO runs it in the update's passes (no more gathered while it samples)
+    fsdp = dict(strategy="fsdp", num_gpus=8)
+    rloo = spec_from_recipe(Recipe.model_validate({**prompts, "rl": {"algorithm": "rloo", "rewards": rewards}}),
+                            **fsdp)
+    grpo = spec_from_recipe(Recipe.model_validate({**prompts, "rl": {"beta": 0.04, "rewards": rewards}}), **fsdp)
+    assert rloo.frozen_reference and rloo.rollout_reference and not grpo.rollout_reference
+    decoder = mistral.params_total - mistral.params_head
+    assert weights(rloo) - weights(replace(rloo, frozen_reference=False)) == (
+        -(-decoder // 8) * 2 + mistral.vocab * mistral.hidden * 2)
+    for phase in ("generation", "generation_prefill", "rollout_logps_forward", "rollout_logps_loss"):
+        held = estimate(mistral, rloo).phase_parts[phase]["fsdp_buffers"]
+        assert held - estimate(mistral, replace(rloo, rollout_reference=False)).phase_parts[phase]["fsdp_buffers"] \
+            == decoder * 2
     lora = {**base, "lora": {"r": 16, "alpha": 32, "dropout": 0.0}}
     moving = spec_from_recipe(Recipe.model_validate({**lora, "preference": {"sync_reference": {"alpha": 1}}}))
     still = spec_from_recipe(Recipe.model_validate({**lora, "preference": {}}))

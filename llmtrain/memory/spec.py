@@ -151,6 +151,9 @@ class TrainSpec:
     # preference.reference copy, online RL with rl.beta > 0), in the storage dtype, whole on every GPU, or under FSDP
     # sharded like the policy with its head whole (model/reference.py, loop/phases.build_reference)
     frozen_reference: bool = False
+    # RLOO's KL with that copy: under FSDP held gathered through the rollout (Reference.gathered), the whole decoder in
+    # the storage dtype beside its shards while it samples and runs the KL passes
+    rollout_reference: bool = False
     # why the capability table refuses the recipe under FSDP / HSDP (capabilities.sharding_problems' first; None:
     # FSDP trains it), so that --fit proposes no FSDP, HSDP or offload for it (fit.shardable)
     unshardable: str | None = None
@@ -407,6 +410,7 @@ def spec_from_recipe(recipe: Recipe, *, strategy: Strategy = "single", num_gpus:
         num_generations=recipe.rl.num_generations if recipe.rl is not None else int(
             recipe.distill is not None and recipe.distill.lmbda > 0), per_example=per_example, **rl, **teacher,
         no_grad_forwards=recipe.kto is not None, frozen_reference=reference_copy(recipe),
+        rollout_reference=reference_copy(recipe) and recipe.rl is not None and recipe.rl.algorithm == "rloo",
         unshardable=next(iter(sharding_problems(recipe)), None),
         adapter_reference=lora is not None and reference_sync(recipe) is not None,
         num_iterations=updates_per_window(recipe), **extra_forwards_of(recipe),

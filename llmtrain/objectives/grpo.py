@@ -29,6 +29,7 @@ process, so any split over micro-batches and processes gives the same loss and g
 from __future__ import annotations
 
 import math
+from contextlib import nullcontext
 from itertools import accumulate
 from typing import Literal
 
@@ -395,7 +396,7 @@ class GRPO:
         batches, counts, records, extremes = [], None, [], []
         if self.state is not None:  # what a reward function sees: the steps done, as TRL's global_step
             self.state.global_step, self.state.epoch = step, float(window.epoch)
-        with sampling(self.lm):
+        with sampling(self.lm), self._rollout_reference():
             drawn = self._draw_window(window.batches, step)
             for b, each in zip(window.batches, drawn):
                 parts, n, recs = self.on_first_of_group(
@@ -424,6 +425,11 @@ class GRPO:
         if self.state is not None:  # an eval after this step's update sees it done
             self.state.global_step = step + 1
         return dataclasses.replace(window, batches=batches, counts=counts, rollouts=records)
+
+    def _rollout_reference(self):
+        """(RLOO's hook) The context the rollout holds the reference in: GRPO's runs in the update's passes (its k3
+        KL is in the loss), so nothing here."""
+        return nullcontext()
 
     def _prompts(self, examples: list[dict], step: int) -> tuple[list[list[int]], list[int]]:
         """Each completion's prompt tokens and seed: num_generations of each example, consecutive."""

@@ -22,6 +22,8 @@ process), `kl` the mean per-token k1 over every completion token, `clip_ratio/re
 
 from __future__ import annotations
 
+from contextlib import nullcontext
+
 import torch
 
 from llmtrain.data.batching import batch_weight, to_device
@@ -92,11 +94,17 @@ class RLOO(GRPO):
         advantages, std = leave_one_out_advantages(rewards - rl.beta * kl, g)
         return advantages, std, [float(kl.sum())], ({"kl": kl.tolist()} if rl.beta else {})
 
+    def _rollout_reference(self):
+        """A full fine-tune's frozen copy (rl.beta > 0) held whole through the rollout under FSDP (Reference.gathered):
+        its KL passes run per micro-batch as the completions fill them, a number each process finds for itself (and
+        under sequence parallelism on the group's first alone), so they may run no collective."""
+        return self.reference.gathered() if self.rl.beta and self.reference is not None else nullcontext()
+
     def _sequence_kl(self, batch: dict, n: int) -> torch.Tensor:
         """Each completion's summed k1 log-ratio of the policy as it sampled to the reference (the LoRA adapter
         disabled, or a full fine-tune's frozen copy), without gradient: TRL's old and reference log-probabilities,
-        taken before the update. Run within the rollout, so under FSDP while the whole model is gathered (no
-        collective per pass)."""
+        taken before the update. Run within the rollout, so under FSDP while the whole model (and a full fine-tune's
+        copy: _rollout_reference) is gathered (no collective per pass)."""
         batch = to_device(batch, self.lm.device)
         policy = batch["loss_old_logps"] if "loss_old_logps" in batch else self._sampling_logps(batch)
         reference, context = forward_of(self.lm, self.reference)  # the frozen copy, or the adapter off (or moved)
