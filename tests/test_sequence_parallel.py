@@ -469,12 +469,14 @@ def test_a_sum_over_the_slices_gives_each_part_the_gradient_of_the_loss_it_feeds
 
 @pytest.mark.slow
 # fsdp (extended): the rollout's gathered model, the first process sampling alone inside it, the slices' passes
-# sharded over both processes
+# sharded over both processes; rloo-full-fsdp: a full fine-tune, its frozen copy sharded and gathered for the rollout
+# (Reference.gathered), where the first process alone runs its KL passes
 @pytest.mark.parametrize("algorithm, config", [("grpo", CPU_DDP),
                                                ("rloo", CPU_DDP),
                                                ("vespo", CPU_DDP),
-                                               pytest.param("rloo", CPU_FSDP, marks=pytest.mark.extended)],
-                         ids=["grpo", "rloo", "vespo", "rloo-fsdp"])
+                                               pytest.param("rloo", CPU_FSDP, marks=pytest.mark.extended),
+                                               ("rloo-full", CPU_FSDP)],
+                         ids=["grpo", "rloo", "vespo", "rloo-fsdp", "rloo-full-fsdp"])
 def test_online_rl_on_two_processes_of_one_sequence_samples_and_trains_what_one_process_does(tiny_assets, tmp_path,
                                                                                              free_port, algorithm,
                                                                                              config):
@@ -483,13 +485,19 @@ def test_online_rl_on_two_processes_of_one_sequence_samples_and_trains_what_one_
     trains on its slice of each packed row: GRPO's per-token loss adds up over the slices, RLOO's per-completion
     log-probability is summed over the group. The completions, rewards, losses, KL, eval and adapter equal one
     process's. RLOO's runs 2 micro-batches a step, sampled in one call (rl.generation_batch=step): a slice of prompt
-    tokens alone then gave its per-token loss as a 0-d zero, which RLOO's per-completion sum refused (IndexError)."""
-    recipe = write_recipe(tiny_assets, tmp_path, model={"attn_implementation": "auto"}, lora=LORA,
+    tokens alone then gave its per-token loss as a 0-d zero, which RLOO's per-completion sum refused (IndexError).
+    A full fine-tune (rloo-full, lr 1e-3): the reference is the frozen copy, which the first process alone runs in
+    the rollout, so under FSDP it is held gathered there (without it: a hang)."""
+    full = algorithm.endswith("-full")
+    algorithm = algorithm.removesuffix("-full")
+    recipe = write_recipe(tiny_assets, tmp_path, model={"attn_implementation": "auto"},
+                          **({} if full else {"lora": LORA}),
                           data={"format": "prompt", "max_seq_len": 32, "eval_split": str(tiny_assets / "data" /
                                                                                          "eval.jsonl"),
                                 "eval_max_examples": 4},
                           rl={**RL, **ONLINE[algorithm]},
-                          train={"max_steps": 3, "micro_batch_size": 2, "lr": 1e-2, "eval_every_steps": 3,
+                          train={"max_steps": 3, "micro_batch_size": 2, "lr": 1e-3 if full else 1e-2,
+                                 "eval_every_steps": 3,
                                  "eval_samples": 0, "grad_accum_steps": 2 if algorithm == "rloo" else 1})
     one, two = tmp_path / "one", tmp_path / "two"
     run_train(recipe, f"output_dir={one}")

@@ -89,7 +89,10 @@ class SequenceShards:
             self.rollout = self._rollout  # only then: the step looks for a rollout
             objective.share_sampling = partial(shared_sampling, group=group)
         if hasattr(objective, "on_first_of_group"):  # online RL's scoring (and sampling with tools)
-            objective.on_first_of_group = partial(on_first_of_group, group=group, lm=objective.lm)
+            # the models the first process runs there: the policy and a full fine-tune's frozen copy (RLOO's KL)
+            copy = getattr(getattr(objective, "reference", None), "module", None)
+            objective.on_first_of_group = partial(on_first_of_group, group=group,
+                                                  models=[objective.lm] + ([copy] if copy is not None else []))
         if everyone := getattr(objective, "gather", None):  # what RL gathers over every process, from its first
             objective.gather = lambda items: everyone(list(items) if group.rank == 0 else [])
 
@@ -219,19 +222,23 @@ def shared_sampling(draw, prompts: list[list[int]], seeds: list[int], *,
     return out
 
 
-def on_first_of_group(compute, *, group: SequenceGroup, lm):
+def on_first_of_group(compute, *, group: SequenceGroup, models: list):
     """`compute()` run on the group's first process, its result (or its error) given to the others
     (collectives.on_first): online RL's scoring of a micro-batch the group shares (reward functions run once), and its
     sampling with tools (an environment's state stays on one process). The first process attends there with
-    llmtrain's varlen attention on whole rows (RLOO's log-probabilities before the update), not the group's
-    all-to-all, which the others do not join."""
+    llmtrain's varlen attention on whole rows (RLOO's log-probabilities before the update: the policy's and a full
+    fine-tune's frozen copy's, the `models`), not the group's all-to-all, which the others do not join."""
+    from contextlib import ExitStack
+
     from llmtrain.model.attention import NAME
     from llmtrain.model.generate import attention_as
     from llmtrain.model.loss import causal_lm
     from llmtrain.parallel.collectives import on_first
 
     def whole_rows():
-        with attention_as(causal_lm(lm).config, NAME):
+        with ExitStack() as stack:
+            for model in models:
+                stack.enter_context(attention_as(causal_lm(model).config, NAME))
             return compute()
 
     return on_first(whole_rows, group=group.group)
