@@ -470,13 +470,15 @@ def test_a_sum_over_the_slices_gives_each_part_the_gradient_of_the_loss_it_feeds
 @pytest.mark.slow
 # fsdp (extended): the rollout's gathered model, the first process sampling alone inside it, the slices' passes
 # sharded over both processes; rloo-full-fsdp: a full fine-tune, its frozen copy sharded and gathered for the rollout
-# (Reference.gathered), where the first process alone runs its KL passes
+# (Reference.gathered), where the first process alone runs its KL passes; rloo-full (extended): the copy whole, which
+# attended with the group's all-to-all there and hung before stop 98
 @pytest.mark.parametrize("algorithm, config", [("grpo", CPU_DDP),
                                                ("rloo", CPU_DDP),
                                                ("vespo", CPU_DDP),
                                                pytest.param("rloo", CPU_FSDP, marks=pytest.mark.extended),
-                                               ("rloo-full", CPU_FSDP)],
-                         ids=["grpo", "rloo", "vespo", "rloo-fsdp", "rloo-full-fsdp"])
+                                               ("rloo-full", CPU_FSDP),
+                                               pytest.param("rloo-full", CPU_DDP, marks=pytest.mark.extended)],
+                         ids=["grpo", "rloo", "vespo", "rloo-fsdp", "rloo-full-fsdp", "rloo-full"])
 def test_online_rl_on_two_processes_of_one_sequence_samples_and_trains_what_one_process_does(tiny_assets, tmp_path,
                                                                                              free_port, algorithm,
                                                                                              config):
