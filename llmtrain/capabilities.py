@@ -234,6 +234,10 @@ def _adapter_sync(r, _):
     return r.lora is not None and reference_sync(r) is not None
 
 
+def _adapter_sync_in_rollout(r, _):
+    return _adapter_sync(r, _) and r.rl is not None and r.rl.algorithm == "rloo"
+
+
 RULES: tuple[Rule, ...] = (
     Rule("tp", lambda r, _: r.model.quantize is not None,
          "{key} does not train a 4-bit base (model.quantize): bitsandbytes' packed 4-bit weights cannot be split "
@@ -282,8 +286,13 @@ RULES: tuple[Rule, ...] = (
          "disabled, no copy), or set rl.beta=0"),
     *(Rule(parallelism, _adapter_sync,
            "{key}: LoRA's moving reference (sync_reference) copies a snapshot of the adapter into the model for the "
-           "reference's forward, which llmtrain does on one process or DDP only. Launch one GPU or DDP, or remove "
-           "sync_reference") for parallelism in ("fsdp", "tp", "pp")),
+           "reference's forward, which llmtrain does on one process, DDP or FSDP only. Launch one of those, or "
+           "remove sync_reference") for parallelism in ("tp", "pp")),
+    Rule("fsdp", _adapter_sync_in_rollout,
+         "RLOO's KL under FSDP / HSDP runs the reference in the rollout, where FSDP holds the policy's weights "
+         "gathered, and LoRA's moving reference (rl.sync_reference) swaps the adapter's snapshot into their shards, "
+         "which the gathered weights would not see. Launch one GPU or DDP, remove rl.sync_reference, or use "
+         "rl.algorithm=grpo (its reference runs in the update)"),
     Rule("tp", _copy_unsharded,
          "{key} without FSDP: a full fine-tune's reference ({reference}) is a frozen copy of the starting weights, "
          "sharded like the policy under FSDP only and otherwise whole on every process, undoing the split. Launch "

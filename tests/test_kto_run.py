@@ -66,8 +66,9 @@ def same_kl_pairs(rows: list[dict], order: list[int]) -> list[dict]:
 @pytest.mark.parametrize("launch, lora, sync", [pytest.param("cpu_ddp", True, False, marks=pytest.mark.extended),
                                                 pytest.param("cpu_fsdp", True, False, marks=pytest.mark.extended),
                                                 pytest.param("cpu_fsdp", False, False, marks=pytest.mark.extended),
-                                                ("cpu_fsdp", False, True)],
-                         ids=["ddp-lora", "fsdp-lora", "fsdp-full", "fsdp-full-sync"])
+                                                ("cpu_fsdp", False, True),
+                                                ("cpu_fsdp", True, True)],
+                         ids=["ddp-lora", "fsdp-lora", "fsdp-full", "fsdp-full-sync", "fsdp-lora-sync"])
 def test_two_processes_train_as_one(tiny_assets, tmp_path, free_port, launch, lora, sync):
     """2 processes (gloo, accelerate launch; DDP, or FSDP2 sharding every layer: LoRA's reference the disabled adapter
     of the sharded model, a full fine-tune's the starting weights read again and sharded like the policy) x
@@ -88,7 +89,10 @@ FSDP it runs as many forwards as process 0 (each gathers every layer from both),
     fsdp-full-sync (main tier; fsdp-full, the same launch without it, extended): kto.sync_reference every step at
     alpha 0.6 (TR-DPO), the sharded reference mixed with the sharded policy (its untied head whole, from the
     policy's gathered embeddings) against one process's copy: the same run, and the checkpoints' references (one
-    written by 2 processes' shards, one whole) equal to 1e-5."""
+    written by 2 processes' shards, one whole) equal to 1e-5. fsdp-lora-sync (main tier): LoRA's moving reference
+    (alpha 1, AdapterReference) with the adapters sharded: each process swaps its shards in for the reference's
+    forward, every 2 steps; the same run (step 3 and the eval through the swap), and the checkpoints' snapshots (2
+    processes' shards, one whole) equal to 1e-5."""
     seed, n = 7, 21
     # Mostly desirable completions: training raises completions' log-probabilities broadly, mismatched ones too, so
     # the KL estimate is positive (not clamped to 0) at the steps after the first and the average matters.
@@ -111,7 +115,9 @@ FSDP it runs as many forwards as process 0 (each gathers every layer from both),
         import yaml
 
         text = yaml.safe_load(recipe.read_text())
-        text["kto"]["sync_reference"] = {"every_steps": 1, "alpha": 0.6}
+        # LoRA every 2 steps: at alpha 1 every step the reference is each step's starting policy (KL 0 throughout);
+        # so step 2's KL is live, step 3's 0 through the swap, and the eval's (the snapshot against step 3's policy)
+        text["kto"]["sync_reference"] = {"every_steps": 2, "alpha": 1.0} if lora else {"every_steps": 1, "alpha": 0.6}
         recipe.write_text(yaml.safe_dump(text))
     run_train(recipe, f"output_dir={tmp_path / 'one'}")
     out = launch_finetune(REPO / "accelerate_configs" / f"{launch}.yaml", 2, free_port, recipe,
@@ -123,16 +129,27 @@ FSDP it runs as many forwards as process 0 (each gathers every layer from both),
         import torch.distributed.checkpoint as dcp
         from safetensors.torch import load_file
 
-        assert "every 1 steps it takes alpha=0.6 of the policy (TR-DPO)" in out
+        assert ("every 2 steps the adapter as it was then" if lora else
+                "every 1 steps it takes alpha=0.6 of the policy (TR-DPO)") in out
         saved = []
         for run in ("one", "two"):
             folder = tmp_path / run / "checkpoints" / "step_000002" / "reference"
-            state = {k: torch.empty_like(v) for k, v in load_file(tiny_assets / "model" / "model.safetensors").items()}
+            shapes = dcp.FileSystemReader(str(folder)).read_metadata().state_dict_metadata
+            state = {k: torch.empty(tuple(m.size)) for k, m in shapes.items()}
             dcp.load(state, checkpoint_id=str(folder))
             saved.append(state)
-        start = load_file(tiny_assets / "model" / "model.safetensors")
-        assert max((saved[0][k] - start[k]).abs().max().item() for k in start) > 1e-4  # moved
-        assert max((saved[0][k] - saved[1][k]).abs().max().item() for k in start) < 1e-5
+        assert saved[0].keys() == saved[1].keys()
+        if lora:  # the reference: step 3's starting policy in step 3 (KL 0, loss 0.5), step 2's in the eval after it
+            trained, (evaluated,) = records(tmp_path / "two")[2], records(tmp_path / "two", "eval")
+            assert trained["kl"] == 0 and trained["loss"] == pytest.approx(0.5, abs=1e-7)
+            assert evaluated["eval_kl"] > 0.01 and abs(evaluated["eval_rewards/margins"]) > 1e-3  # 0 without the swap
+            # the adapters at step 2: B started at 0
+            assert max(v.abs().max().item() for k, v in saved[0].items() if "lora_B" in k) > 1e-4
+        else:
+            start = load_file(tiny_assets / "model" / "model.safetensors")
+            assert saved[0].keys() == start.keys()
+            assert max((saved[0][k] - start[k]).abs().max().item() for k in start) > 1e-4  # moved
+        assert max((saved[0][k] - saved[1][k]).abs().max().item() for k in saved[0]) < 1e-5
 
 
 def assert_same_runs(run, one):

@@ -237,10 +237,10 @@ def test_true_is_trls_defaults_and_auto_makes_the_copy(tiny_assets, tmp_path):
 
 
 @pytest.mark.parametrize("mode", ["preference", "kto", "rl"])
-def test_lora_takes_sync_reference_whole_only_and_on_one_process_or_ddp(tiny_assets, tmp_path, mode):
+def test_lora_takes_sync_reference_whole_only_and_not_on_split_layers(tiny_assets, tmp_path, mode):
     """A LoRA run's reference can be the adapter as it was (alpha 1), not a mix (TRL refuses PEFT altogether):
-    TRL's default alpha 0.6 is refused in one paragraph naming the key and both fixes; alpha 1 is taken, and refused
-    under FSDP, tensor parallelism and pipeline stages (the table)."""
+    TRL's default alpha 0.6 is refused in one paragraph naming the key and both fixes; alpha 1 is taken on one
+    process, DDP and FSDP, and refused under tensor parallelism (FSDP x TP) and pipeline stages (the table)."""
     from llmtrain import capabilities
     from llmtrain.config import Recipe
     from llmtrain.layout import Layout
@@ -260,10 +260,19 @@ def test_lora_takes_sync_reference_whole_only_and_on_one_process_or_ddp(tiny_ass
     data[mode]["sync_reference"] = {"every_steps": 4, "alpha": 1}
     recipe = Recipe.model_validate(data)
     assert capabilities.problems(recipe, Layout(processes=2)) == []
-    for layout in (Layout(processes=2, fsdp=True), Layout(processes=4, tp=2, shard=2, mesh=True, fsdp=True)):
-        assert any("LoRA's moving reference (sync_reference) copies a snapshot of the adapter" in p and
-                   "Launch one GPU or DDP, or remove sync_reference" in p
-                   for p in capabilities.problems(recipe, layout))
+    fsdp = capabilities.problems(recipe, Layout(processes=2, fsdp=True))
+    if mode == "rl":  # RLOO's KL runs in the rollout, over the gathered weights: refused there (GRPO's trains)
+        assert fsdp == []
+        recipe = Recipe.model_validate({**data, "rl": {**data["rl"], "algorithm": "rloo"}})
+        fsdp = capabilities.problems(recipe, Layout(processes=2, fsdp=True))
+        assert len(fsdp) == 1 and "RLOO's KL under FSDP / HSDP runs the reference in the rollout" in fsdp[0]
+        assert "which the gathered weights would not see" in fsdp[0]
+        assert capabilities.problems(recipe, Layout(processes=2)) == []
+    else:
+        assert fsdp == []
+    assert any("LoRA's moving reference (sync_reference) copies a snapshot of the adapter" in p and
+               "which llmtrain does on one process, DDP or FSDP only" in p
+               for p in capabilities.problems(recipe, Layout(processes=4, tp=2, shard=2, mesh=True, fsdp=True)))
 
 
 def test_the_layouts_that_cannot_hold_the_copy_are_refused_by_the_table(tiny_assets, tmp_path):

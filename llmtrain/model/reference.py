@@ -135,14 +135,20 @@ class AdapterReference(Reference):
     modules_to_save's copies) as they were then: a snapshot, copied into the weights for the reference's no-grad
     forward (in eval mode: no LoRA dropout) and copied back after it. The snapshot and the spare that holds the
     trained weights meanwhile cost them twice more; the swap, three copies of them a forward (each objective runs
-    the reference before the policy's forward, so no graph holds the weights it changes)."""
+    the reference before the policy's forward, so no graph holds the weights it changes).
+    Under FSDP each process swaps its shards (every process runs the reference's forward, which gathers them), and
+    after the forward every unit is resharded, so that none (the root, which FSDP keeps gathered after a forward)
+    holds the snapshot's weights gathered into the policy's forward; the checkpoint's snapshot is sharded as the
+    weights are."""
 
     def __init__(self, model, sync):
         super().__init__(None, sync)
         self.model = model  # the unwrapped peft model
         # the trained weights (found once: a checkpoint loads into them in place), their names for the checkpoint
         self.names, self.trained = zip(*[(n, p.detach()) for n, p in model.named_parameters() if p.requires_grad])
-        self.snapshot: list[torch.Tensor] | None = None  # in `names`' order
+        self.local = [_local(t) for t in self.trained]  # what the swap copies: a sharded weight's own shard
+        self.snapshot: list[torch.Tensor] | None = None  # in `names`' order, sharded as the weights (the checkpoint)
+        self.snapshot_local: list[torch.Tensor] | None = None
         self.spare: list[torch.Tensor] | None = None
 
     def forward(self, model):
@@ -152,35 +158,57 @@ class AdapterReference(Reference):
 
     @contextmanager
     def _swapped(self):
-        trained, training = self.trained, self.model.training
+        local, training = self.local, self.model.training
         if self.spare is None:
-            self.spare = [t.clone() for t in trained]
+            self.spare = [t.clone() for t in local]
         with torch.no_grad():
-            torch._foreach_copy_(self.spare, trained)
-            torch._foreach_copy_(trained, self.snapshot)
+            torch._foreach_copy_(self.spare, local)
+            torch._foreach_copy_(local, self.snapshot_local)
         self.model.eval()
         try:
             yield
         finally:
             self.model.train(training)
+            _resharded(self.model)
             with torch.no_grad():
-                torch._foreach_copy_(trained, self.spare)
+                torch._foreach_copy_(local, self.spare)
+
+    def _take_snapshot(self) -> None:
+        self.snapshot = [t.clone() for t in self.trained]
+        self.snapshot_local = [_local(t) for t in self.snapshot]
 
     def after_step(self, policy, step: int) -> bool:
         if step % self.every:
             return False
         with torch.no_grad():
             if self.snapshot is None:
-                self.snapshot = [t.clone() for t in self.trained]
+                self._take_snapshot()
             else:
-                torch._foreach_copy_(self.snapshot, self.trained)
+                torch._foreach_copy_(self.snapshot_local, self.local)
         self.moved = True
         return True
 
     def state(self) -> dict:
-        if self.snapshot is None:  # a resume: read into a copy of the weights' shapes
-            self.snapshot = [t.clone() for t in self.trained]
+        if self.snapshot is None:  # a resume: read into a copy of the weights' shapes (and shards)
+            self._take_snapshot()
         return dict(zip(self.names, self.snapshot))
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    """A weight's own storage: a DTensor's local shard (a view: writing it writes the weight), else the tensor."""
+    from torch.distributed.tensor import DTensor
+
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+def _resharded(model) -> None:
+    """Every FSDP unit of `model` resharded (its gathered weights freed; the next forward gathers the shards again).
+    Nothing to do without FSDP."""
+    from torch.distributed.fsdp import FSDPModule
+
+    for unit in model.modules():
+        if isinstance(unit, FSDPModule):
+            unit.reshard()
 
 
 def _save(state: dict, folder: Path) -> None:
