@@ -356,6 +356,9 @@ def test_the_estimate_counts_the_copy_for_every_mode_that_holds_one():
     assert moving.adapter_reference and not moving.frozen_reference and not still.adapter_reference
     trained = estimate(mistral, still).phase_parts["optimizer_step"]["gradients"]  # the adapters' fp32 gradients
     assert trained > 0 and weights(moving) - weights(still) == 2 * trained
+    moving, still = (replace(s, strategy="fsdp", num_gpus=8) for s in (moving, still))  # each process's shards
+    trained = estimate(mistral, still).phase_parts["optimizer_step"]["gradients"]
+    assert weights(moving) - weights(still) == pytest.approx(2 * trained, abs=2)
 
 
 # --------------------------------------------------------------------------- LoRA: the adapter as it was (alpha 1)

@@ -107,8 +107,9 @@ def states(shape: ModelShape, spec: TrainSpec, plan: LoraPlan | None, *, whole: 
         reference = sharded_frozen_bytes(whole or shape, spec, sd) if fsdp else shape.params_total * sd
         if spec.fp32_head:  # a copy of a model whose head is fp32 (FSDP refuses the fp32 head)
             reference += shape.head_outputs * H * (4 - min(sd, 4))
-    if spec.adapter_reference:  # LoRA's moving reference: a snapshot of the trained weights and a spare (whole)
-        reference += 2 * trainable_bytes
+    if spec.adapter_reference:  # LoRA's moving reference: a snapshot of the trained weights and a spare (under FSDP
+        # of each process's shards)
+        reference += 2 * trainable_bytes // spec.shards
     if spec.cpu_offload:
         return States(0, 0, 0, (0,) * shape.layers, 0, 0, weights + trainable_bytes + optim)
     return States(
