@@ -175,16 +175,28 @@ def tiny_gpt_oss_mxfp4(tiny: Path, folder: Path) -> tuple[Path, dict]:
 
 
 def launch_finetune(config: Path, processes: int, port: int, recipe: Path, *overrides: str,
-                    resume: str | None = None, env: dict | None = None) -> str:
+                    resume: str | None = None, env: dict | None = None, timeout: float = 600) -> str:
     """`accelerate launch --config_file CONFIG --num_processes N -m llmtrain finetune RECIPE OVERRIDES...` (with
-    --resume; in `env`, default ENV); asserts it exits 0 and returns what the main process printed."""
+    --resume; in `env`, default ENV); asserts it exits 0 and returns what the main process printed.
+    A launch still running after `timeout` seconds (a hang: the ranks waiting in collectives that do not match) fails the test,
+    and every process of it is killed first: torchrun starts its workers in sessions of their own, which outlive the
+    launcher (found by the recipe's path on their command line, as kill_launch_mid_run finds them)."""
     extra = ["--resume", resume] if resume else []
-    proc = subprocess.run(
+    proc = subprocess.Popen(
         [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(config), "--num_processes",
          str(processes), "--main_process_port", str(port), "-m", "llmtrain", "finetune", str(recipe), *overrides,
-         *extra], env=env or ENV, cwd=REPO, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    return proc.stdout + ("\nSTDERR\n" + proc.stderr if proc.stderr else "")
+         *extra], env=env or ENV, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        start_new_session=True)
+    try:
+        stdout, stderr = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        subprocess.run(["pkill", "-KILL", "-f", f"finetune {recipe}"], check=False)
+        os.killpg(proc.pid, signal.SIGKILL)
+        stdout, stderr = proc.communicate(timeout=60)
+        raise AssertionError(f"the launch was still running after {timeout:g} s (killed): {stdout[-3000:]}"
+                             f"{stderr[-3000:]}")
+    assert proc.returncode == 0, stdout[-3000:] + stderr[-3000:]
+    return stdout + ("\nSTDERR\n" + stderr if stderr else "")
 
 
 def rl_under_tp_against_one(tiny: Path, tmp: Path, port: int, model: Path, *, tol: float,
