@@ -178,9 +178,10 @@ def launch_finetune(config: Path, processes: int, port: int, recipe: Path, *over
                     resume: str | None = None, env: dict | None = None, timeout: float = 600) -> str:
     """`accelerate launch --config_file CONFIG --num_processes N -m llmtrain finetune RECIPE OVERRIDES...` (with
     --resume; in `env`, default ENV); asserts it exits 0 and returns what the main process printed.
-    A launch still running after `timeout` seconds (a hang: the ranks waiting in collectives that do not match) fails the test,
-    and every process of it is killed first: torchrun starts its workers in sessions of their own, which outlive the
-    launcher (found by the recipe's path on their command line, as kill_launch_mid_run finds them)."""
+    A launch still running after `timeout` seconds (a hang: the ranks waiting in collectives that do not match)
+    fails the test, and every process of it is killed first: torchrun starts its workers in sessions of their own,
+    which outlive the launcher (found by the recipe's path on their command line, as kill_launch_mid_run finds
+    them)."""
     extra = ["--resume", resume] if resume else []
     proc = subprocess.Popen(
         [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(config), "--num_processes",
