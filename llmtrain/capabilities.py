@@ -222,10 +222,6 @@ def _copy_reread(r, layout):
     return reference_copy(r) and r.model.random_init
 
 
-def _rl_copy(r, _):
-    return reference_copy(r) and r.rl is not None
-
-
 def _copy_unsharded(r, layout):
     return reference_copy(r) and not layout.fsdp
 
@@ -278,12 +274,6 @@ RULES: tuple[Rule, ...] = (
          "model.name_or_path and sharded like the policy, and model.random_init has none to read. Save the initial "
          "model first (save_pretrained) and set model.name_or_path to it, or launch one process or DDP, where the "
          "reference is a copy of the policy"),
-    Rule("tp", _rl_copy,
-         "{key}: online RL's reference with rl.beta > 0 and no lora: section is a frozen copy of the starting "
-         "weights, sharded for online RL under FSDP alone: llmtrain does not build it beside tensor parallelism's "
-         "split layers, which the rollout samples with. Launch FSDP without tensor parallelism "
-         "(accelerate_configs/fsdp.yaml), add a lora: section (the reference is then the model with its adapter "
-         "disabled, no copy), or set rl.beta=0"),
     *(Rule(parallelism, _adapter_sync,
            "{key}: LoRA's moving reference (sync_reference) copies a snapshot of the adapter into the model for the "
            "reference's forward, which llmtrain does on one process, DDP or FSDP only. Launch one of those, or "

@@ -201,9 +201,10 @@ def launch_finetune(config: Path, processes: int, port: int, recipe: Path, *over
 
 
 def rl_under_tp_against_one(tiny: Path, tmp: Path, port: int, model: Path, *, tol: float,
-                            algorithm: str = "grpo") -> str:
-    """tiny-grpo.yaml with LoRA r4 on `model` (`algorithm`: grpo or rloo), 2 steps, trained by one process (4 prompts
-    a micro-batch) in `tmp`/one and launched on FSDP x TP 2 x 2 (cpu_tp.yaml: 2 data ranks x 2 prompts) in `tmp`/tp:
+                            algorithm: str = "grpo", lora: bool = True, rl: dict | None = None) -> str:
+    """tiny-grpo.yaml with LoRA r4 (or, lora False, a full fine-tune at lr 1e-3) on `model` (`algorithm`: grpo or
+    rloo; `rl`: more of its settings), 2 steps, trained by one process (4 prompts a micro-batch) in `tmp`/one and
+    launched on FSDP x TP 2 x 2 (cpu_tp.yaml: 2 data ranks x 2 prompts) in `tmp`/tp:
     asserts the same completions (tokens) and the rewards, losses and gradient norms to `tol`, with a signal to train
     on; returns what the launch printed."""
     import pytest
@@ -211,11 +212,13 @@ def rl_under_tp_against_one(tiny: Path, tmp: Path, port: int, model: Path, *, to
     recipe = yaml.safe_load((REPO / "recipes" / "tiny-grpo.yaml").read_text())
     recipe["data"].update(path=str(tiny / "data" / "train.jsonl"), eval_split=None)
     recipe["model"]["name_or_path"] = str(model)
-    recipe["lora"] = {"r": 4, "alpha": 8, "dropout": 0.0}
-    recipe["rl"].update(num_generations=4, algorithm=algorithm, rewards=[{"type": "format", "pattern": "[aeiou]"}])
+    if lora:
+        recipe["lora"] = {"r": 4, "alpha": 8, "dropout": 0.0}
+    recipe["rl"].update(num_generations=4, algorithm=algorithm, rewards=[{"type": "format", "pattern": "[aeiou]"}],
+                        **(rl or {}))
     if algorithm == "rloo":
         recipe["rl"].pop("loss_type")
-    recipe["train"].update(max_steps=2, micro_batch_size=2, eval_every_steps=None, lr=1e-2)
+    recipe["train"].update(max_steps=2, micro_batch_size=2, eval_every_steps=None, lr=1e-2 if lora else 1e-3)
     recipe["checkpoint"] = {"every_steps": None}
     recipe["logging"] = {"progress": False, "plot": False, "every_steps": 1}
     path = tmp / "rl.yaml"

@@ -276,9 +276,9 @@ def test_lora_takes_sync_reference_whole_only_and_not_on_split_layers(tiny_asset
 
 
 def test_the_layouts_that_cannot_hold_the_copy_are_refused_by_the_table(tiny_assets, tmp_path):
-    """Online RL's copy trains on one process, DDP and FSDP (sharded like the policy) and is refused under tensor
-    parallelism, FSDP x TP included (with the fix: FSDP alone, lora:, rl.beta=0); a preference copy on pipeline
-    stages; KTO's and preference's copy under TP without FSDP. rl.sync_reference with rl.beta 0 is refused."""
+    """Online RL's copy trains on one process, DDP, FSDP and FSDP x TP (sharded like the policy, over the whole mesh
+    under TP) and is refused under TP without FSDP, as KTO's and preference's copy are; a preference copy on pipeline
+    stages is refused. rl.sync_reference with rl.beta 0 is refused."""
     from llmtrain import capabilities
     from llmtrain.config import Recipe
     from llmtrain.layout import Layout
@@ -291,9 +291,9 @@ def test_the_layouts_that_cannot_hold_the_copy_are_refused_by_the_table(tiny_ass
     assert capabilities.problems(recipe, Layout(processes=2)) == []
     assert capabilities.problems(recipe, Layout(processes=2, fsdp=True)) == []
     assert capabilities.sharding_problems(recipe) == []  # --fit may propose FSDP for it
-    tp = capabilities.problems(recipe, Layout(processes=4, tp=2, shard=2, mesh=True, fsdp=True))
-    assert len(tp) == 1 and "online RL's reference with rl.beta > 0 and no lora: section is a frozen copy" in tp[0]
-    assert "Launch FSDP without tensor parallelism" in tp[0] and "set rl.beta=0" in tp[0]
+    assert capabilities.problems(recipe, Layout(processes=4, tp=2, shard=2, mesh=True, fsdp=True)) == []
+    tp = capabilities.problems(recipe, Layout(processes=2, tp=2, mesh=True))  # TP without FSDP: the copy whole
+    assert any("without FSDP: a full fine-tune's reference" in p for p in tp), tp
     with pytest.raises(ValueError, match=r"rl.sync_reference moves the reference, which only the KL term reads"):
         Recipe.model_validate({**rl, "rl": {**rl["rl"], "beta": 0.0, "sync_reference": True}})
 
@@ -346,10 +346,11 @@ def test_the_estimate_counts_the_copy_for_every_mode_that_holds_one():
     decoder = mistral.params_total - mistral.params_head
     assert weights(rloo) - weights(replace(rloo, frozen_reference=False)) == (
         -(-decoder // 8) * 2 + mistral.vocab * mistral.hidden * 2)
-    for phase in ("generation", "generation_prefill", "rollout_logps_forward", "rollout_logps_loss"):
-        held = estimate(mistral, rloo).phase_parts[phase]["fsdp_buffers"]
-        assert held - estimate(mistral, replace(rloo, rollout_reference=False)).phase_parts[phase]["fsdp_buffers"] \
-            == decoder * 2
+    for spec in (rloo, replace(rloo, tp=2)):  # under FSDP x TP the gathered copy is whole too (not split by TP)
+        for phase in ("generation", "generation_prefill", "rollout_logps_forward", "rollout_logps_loss"):
+            held = estimate(mistral, spec).phase_parts[phase]["fsdp_buffers"]
+            assert held - estimate(mistral, replace(spec, rollout_reference=False)).phase_parts[phase][
+                "fsdp_buffers"] == decoder * 2
     lora = {**base, "lora": {"r": 16, "alpha": 32, "dropout": 0.0}}
     moving = spec_from_recipe(Recipe.model_validate({**lora, "preference": {"sync_reference": {"alpha": 1}}}))
     still = spec_from_recipe(Recipe.model_validate({**lora, "preference": {}}))

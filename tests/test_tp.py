@@ -185,6 +185,22 @@ def test_a_tiled_mlp_under_fsdp_x_tp_trains_like_one_process(tiny_assets, tmp_pa
 
 # extended for CI time (48 s, 4 processes): main tier, LoRA under FSDP x TP (the split model's forward the sampler
 # runs), GRPO's rollouts and update on DDP and FSDP (test_grpo_run.py); rloo: its KL pass with the adapter disabled and
+@pytest.mark.extended
+@pytest.mark.parametrize("algorithm", ["grpo", "rloo"])
+def test_online_rl_full_fine_tunes_kl_under_fsdp_x_tp_equals_one_process(tiny_assets, tmp_path, free_port, algorithm):
+    """A full fine-tune with rl.beta > 0 under FSDP x TP: the frozen copy is not split by TP but sharded over every
+    process of the mesh (fsdp._frozen_mesh), run in the update's passes (GRPO) or gathered whole for the rollout
+    (RLOO); 2 shards x 2 TP x 2 prompts equal 1 process x 4 prompts (the completions, rewards, losses and gradient
+    norms: to 1e-5, a gradient norm near 31 held in fp32 to a few 1e-6), with a live KL. Refused by the table before
+    stop 98."""
+    out = rl_under_tp_against_one(tiny_assets, tmp_path, free_port, tiny_assets / "model", tol=1e-5,
+                                  algorithm=algorithm, lora=False, rl={"beta": 0.04})
+    assert "reference: the starting weights, sharded like the policy" in out
+    got, want = records(tmp_path / "tp"), records(tmp_path / "one")
+    assert [r["kl"] for r in got] == pytest.approx([r["kl"] for r in want], abs=1e-6)
+    assert want[-1]["kl"] > 1e-6
+
+
 # its advantages normalised over every data rank's completions
 @pytest.mark.extended
 @pytest.mark.parametrize("algorithm", ["grpo", "rloo"])
