@@ -411,11 +411,16 @@ def build_teacher(recipe: Recipe, accelerator, trainable: Trainable, tokenizer, 
         return _teacher_attention(recipe, load_teacher(recipe, tokenizer, device=accelerator.device), trainable)
     teacher = load_teacher(recipe, tokenizer, device=None, empty=not accelerator.is_main_process)
     _teacher_attention(recipe, teacher, trainable)
-    held = shard_frozen(teacher, trainable.unwrapped, accelerator)
-    total = sum(p.numel() for p in teacher.parameters())  # DTensors count their whole shape
-    say(f"teacher: sharded like the student, {held:,} of its {total:,} parameters on the main process "
-        "(the LM head whole)")
+    say(f"teacher: sharded like the student, {_sharded(teacher, trainable, accelerator)}")
     return teacher
+
+
+def _sharded(frozen, trainable: Trainable, accelerator) -> str:
+    """A frozen model (the teacher, a full fine-tune's reference) sharded as the policy is (fsdp.shard_frozen), and
+    what the main process holds of it, in words."""
+    held = shard_frozen(frozen, trainable.unwrapped, accelerator)
+    total = sum(p.numel() for p in frozen.parameters())  # DTensors count their whole shape
+    return f"{held:,} of its {total:,} parameters on the main process (the LM head whole)"
 
 
 def _teacher_attention(recipe: Recipe, teacher, trainable: Trainable):
@@ -456,10 +461,8 @@ def build_reference(recipe: Recipe, accelerator, trainable: Trainable, *, say):
     reference = load_model(recipe.model, None, device=None, empty=not accelerator.is_main_process)
     attach_loss(reference, chunk=recipe.train.loss_chunk_tokens)
     causal_lm(reference).config._attn_implementation = causal_lm(trainable.unwrapped).config._attn_implementation
-    held = shard_frozen(reference, trainable.unwrapped, accelerator)
-    total = sum(p.numel() for p in reference.parameters())  # DTensors count their whole shape
-    say(f"reference: the starting weights, sharded like the policy, {held:,} of its {total:,} parameters on the main "
-        f"process (the LM head whole){mixed}")
+    say(f"reference: the starting weights, sharded like the policy, {_sharded(reference, trainable, accelerator)}"
+        f"{mixed}")
     return Reference(reference.eval(), sync)
 
 
