@@ -276,8 +276,9 @@ RULES: tuple[Rule, ...] = (
          "reference is a copy of the policy"),
     *(Rule(parallelism, _adapter_sync,
            "{key}: LoRA's moving reference (sync_reference) copies a snapshot of the adapter into the model for the "
-           "reference's forward, which llmtrain does on one process, DDP or FSDP only. Launch one of those, or "
-           "remove sync_reference") for parallelism in ("tp", "pp")),
+           "reference's forward, which llmtrain does on one process, DDP, FSDP and FSDP x TP; on pipeline stages the "
+           "reference runs through the stages with the adapter disabled, before the step. Launch one of those, or "
+           "remove sync_reference") for parallelism in ("pp",)),
     Rule("fsdp", _adapter_sync_in_rollout,
          "RLOO's KL under FSDP / HSDP runs the reference in the rollout, where FSDP holds the policy's weights "
          "gathered, and LoRA's moving reference (rl.sync_reference) swaps the adapter's snapshot into their shards, "

@@ -201,9 +201,10 @@ def launch_finetune(config: Path, processes: int, port: int, recipe: Path, *over
 
 
 def rl_under_tp_against_one(tiny: Path, tmp: Path, port: int, model: Path, *, tol: float,
-                            algorithm: str = "grpo", lora: bool = True, rl: dict | None = None) -> str:
+                            algorithm: str = "grpo", lora: bool = True, rl: dict | None = None,
+                            steps: int = 2) -> str:
     """tiny-grpo.yaml with LoRA r4 (or, lora False, a full fine-tune at lr 1e-3) on `model` (`algorithm`: grpo or
-    rloo; `rl`: more of its settings), 2 steps, trained by one process (4 prompts a micro-batch) in `tmp`/one and
+    rloo; `rl`: more of its settings), `steps` steps, trained by one process (4 prompts a micro-batch) in `tmp`/one and
     launched on FSDP x TP 2 x 2 (cpu_tp.yaml: 2 data ranks x 2 prompts) in `tmp`/tp:
     asserts the same completions (tokens) and the rewards, losses and gradient norms to `tol`, with a signal to train
     on; returns what the launch printed."""
@@ -218,7 +219,7 @@ def rl_under_tp_against_one(tiny: Path, tmp: Path, port: int, model: Path, *, to
                         **(rl or {}))
     if algorithm == "rloo":
         recipe["rl"].pop("loss_type")
-    recipe["train"].update(max_steps=2, micro_batch_size=2, eval_every_steps=None, lr=1e-2 if lora else 1e-3)
+    recipe["train"].update(max_steps=steps, micro_batch_size=2, eval_every_steps=None, lr=1e-2 if lora else 1e-3)
     recipe["checkpoint"] = {"every_steps": None}
     recipe["logging"] = {"progress": False, "plot": False, "every_steps": 1}
     path = tmp / "rl.yaml"

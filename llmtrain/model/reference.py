@@ -136,7 +136,8 @@ class AdapterReference(Reference):
     forward (in eval mode: no LoRA dropout) and copied back after it. The snapshot and the spare that holds the
     trained weights meanwhile cost them twice more; the swap, three copies of them a forward (each objective runs
     the reference before the policy's forward, so no graph holds the weights it changes).
-    Under FSDP each process swaps its shards (every process runs the reference's forward, which gathers them), and
+    Under FSDP (and FSDP x TP) each process swaps its shards and slices (every process runs the reference's forward,
+    which gathers them), and
     after the forward every unit is resharded, so that none (the root, which FSDP keeps gathered after a forward)
     holds the snapshot's weights gathered into the policy's forward; the checkpoint's snapshot is sharded as the
     weights are."""
