@@ -307,10 +307,12 @@ def check_optimizer(recipe: Recipe) -> list[Check]:
              "AdamW's 8)")]
 
 
-def check_reference(recipe: Recipe) -> list[Check]:
+def check_reference(recipe: Recipe, launch: dict | None = None) -> list[Check]:
     """Where the run's reference comes from (a mode that reads one: preference pairs, KTO, online RL with rl.beta > 0),
-    and whether it follows the policy (sync_reference): said before the run, where a new user cannot see it."""
+    whether it follows the policy (sync_reference), and under an FSDP launch how the copy is held: said before the
+    run, where a new user cannot see it."""
     from llmtrain import capabilities
+    from llmtrain.layout import Layout
 
     if recipe.preference is None and recipe.kto is None and (recipe.rl is None or not recipe.rl.beta):
         return []
@@ -329,6 +331,10 @@ def check_reference(recipe: Recipe) -> list[Check]:
                 "beside the tokenised data")
     else:
         what = "a frozen copy of the starting weights (one more set of weights, in the estimate)"
+        if launch and Layout.from_launch(launch, recipe).fsdp:
+            what += ("; under FSDP the starting weights read again and sharded like the policy, the LM head whole" +
+                     (", its decoder gathered whole for each rollout (RLOO's KL runs there)"
+                      if recipe.rl is not None and recipe.rl.algorithm == "rloo" else ""))
         if sync is not None:
             what += (f", mixed with the policy every {sync.every_steps} steps at alpha {sync.alpha:g} "
                      "(sync_reference, TR-DPO)")
@@ -462,7 +468,7 @@ def run_doctor(recipe: Recipe, *, accelerate_config: Path | None = None,
     datasets.disable_progress_bars()
     launch = read_launch(accelerate_config)
     checks: list[Check] = [("recipe", "pass", "validates (--show-recipe prints it resolved)"), *hub,
-                           *check_quantize(recipe, launch), *check_optimizer(recipe), *check_reference(recipe)]
+                           *check_quantize(recipe, launch), *check_optimizer(recipe), *check_reference(recipe, launch)]
     try:
         tokenizer = load_tokenizer(recipe.model)
     except LLMTrainError as e:
