@@ -919,6 +919,39 @@ def test_a_kl_anchor_under_fsdp_with_weight_0_passes_trains_what_one_process_doe
     assert records(one)[-1]["kl"] > 1e-6  # the anchor is live: the adapter moved
 
 
+@pytest.mark.parametrize("lora", [False, True], ids=["full", "lora"])
+def test_with_rounds_the_reference_runs_once_a_round_and_trains_what_a_pass_each_update_does(tiny_assets, tmp_path,
+                                                                                          monkeypatch, lora):
+    """rl.beta > 0 with rl.num_iterations 2 (TRL's ref_per_token_logps, taken where it generates): the rollout takes
+    the reference's log-probabilities of the update's passes once a round, so a round of 2 updates runs half the
+    reference passes of one in each update's loss (the path before stop 98, forced here), and trains the same: the
+    losses and KLs to 1e-6, the same final weights. Full fine-tune (the frozen copy) and LoRA (the adapter off)."""
+    from llmtrain.objectives.grpo import GRPO
+
+    recipe = grpo_recipe(tiny_assets, tmp_path, rl={"beta": 0.1, "num_iterations": 2},
+                         train={"max_steps": 4, "lr": 1e-2 if lora else 1e-3, "eval_every_steps": None},
+                         checkpoint={"every_steps": None, "save_final": True},
+                         **({"lora": {"r": 4, "alpha": 8, "dropout": 0.0}} if lora else {}))
+    calls = {"once": 0, "each": 0}
+    taken = GRPO._reference_logps
+    for way in ("once", "each"):
+        def counted(self, batch, way=way):
+            calls[way] += 1
+            return taken(self, batch)
+
+        monkeypatch.setattr(GRPO, "_reference_logps", counted)
+        if way == "each":
+            monkeypatch.setattr(GRPO, "_reference_once", lambda self: False)
+        run_train(recipe, f"output_dir={tmp_path / way}")
+    once, each = tmp_path / "once", tmp_path / "each"
+    assert calls["once"] > 0 and 2 * calls["once"] == calls["each"]
+    assert losses(once) == pytest.approx(losses(each), abs=1e-6)
+    assert [r["kl"] for r in records(once)] == pytest.approx([r["kl"] for r in records(each)], abs=1e-6)
+    assert records(each)[-1]["kl"] > 1e-5  # live
+    saved = "final/adapter_model.safetensors" if lora else "final"
+    assert max_abs_diff(load_weights(once / saved), load_weights(each / saved)) < 1e-6
+
+
 @pytest.mark.slow
 def test_a_full_fine_tune_kl_under_fsdp_with_a_moving_sharded_copy_trains_what_one_process_does(tiny_assets, tmp_path,
                                                                                                  free_port):

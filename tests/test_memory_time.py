@@ -58,7 +58,9 @@ def rl(**keys) -> Recipe:
     (rl(), 0.0),  # GRPO at TRL's beta 0, sampling every step
     (rl(beta=0.04), 1.0),  # the reference in every update's loss
     (rl(num_iterations=4), 0.25),  # the sampling policy's log-probabilities once a round of 4
-    (rl(beta=0.04, num_iterations=2), 1.5),
+    (rl(beta=0.04, num_iterations=2), 1.0),  # the policy's and the reference's once a round of 2 (the rollout's)
+    # LoRA's moving reference stays in each update: 1 + 0.5
+    (rl(beta=0.04, num_iterations=2, sync_reference={"every_steps": 2, "alpha": 1.0}), 1.5),
     (rl(sampler_correction="sequence_mask"), 1.0),  # the policy's log-probabilities each rollout, for the ratios
     (rl(algorithm="rloo"), 2.0),  # TRL's beta 0.05: the policy's and the reference's, for the reward's KL
     (rl(algorithm="rloo", num_iterations=2), 1.0),  # the same two, once a round of 2

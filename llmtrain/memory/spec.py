@@ -151,8 +151,9 @@ class TrainSpec:
     # preference.reference copy, online RL with rl.beta > 0), in the storage dtype, whole on every GPU, or under FSDP
     # sharded like the policy with its head whole (model/reference.py, loop/phases.build_reference)
     frozen_reference: bool = False
-    # RLOO's KL with that copy: under FSDP held gathered through the rollout (Reference.gathered), the whole decoder in
-    # the storage dtype beside its shards while it samples and runs the KL passes
+    # RLOO's KL with that copy (and GRPO's reference log-probabilities with rl.num_iterations > 1, taken once a
+    # round): under FSDP held gathered through the rollout (Reference.gathered), the whole decoder in the storage dtype
+    # beside its shards while it samples and runs its passes
     rollout_reference: bool = False
     # why the capability table refuses the recipe under FSDP / HSDP (capabilities.sharding_problems' first; None:
     # FSDP trains it), so that --fit proposes no FSDP, HSDP or offload for it (fit.shardable)
@@ -410,7 +411,8 @@ def spec_from_recipe(recipe: Recipe, *, strategy: Strategy = "single", num_gpus:
         num_generations=recipe.rl.num_generations if recipe.rl is not None else int(
             recipe.distill is not None and recipe.distill.lmbda > 0), per_example=per_example, **rl, **teacher,
         no_grad_forwards=recipe.kto is not None, frozen_reference=reference_copy(recipe),
-        rollout_reference=reference_copy(recipe) and recipe.rl is not None and recipe.rl.algorithm == "rloo",
+        rollout_reference=reference_copy(recipe) and recipe.rl is not None and (
+            recipe.rl.algorithm == "rloo" or recipe.rl.num_iterations > 1),
         unshardable=next(iter(sharding_problems(recipe)), None),
         adapter_reference=lora is not None and reference_sync(recipe) is not None,
         num_iterations=updates_per_window(recipe), **extra_forwards_of(recipe),
@@ -449,8 +451,9 @@ def extra_forwards_of(recipe: Recipe) -> dict:
       before training) or there is no reference;
     - KTO: the reference over the micro-batch (adapter disabled, or the frozen copy), and with loss_type kto its KL
       sequences (as many again) by the policy and by the reference: 3;
-    - GRPO: with rl.beta > 0 the reference in every update's loss; with rl.num_iterations N > 1 or
-      rl.sampler_correction the policy's log-probabilities once a round, 1 / N a step;
+    - GRPO: with rl.beta > 0 the reference in every update's loss, or with rl.num_iterations N > 1 once a round in
+      the rollout (1 / N a step; LoRA's moving reference stays in each update); with N > 1 or rl.sampler_correction
+      the policy's log-probabilities once a round, 1 / N a step;
     - RLOO: the policy's log-probabilities once a round where beta > 0 or N > 1, and with beta > 0 the reference's
       (its KL goes into the reward), 1 / N a step each.
     A distillation teacher's and learned rewards' forwards are of other shapes (comms.no_grad_flops counts them)."""
@@ -465,8 +468,10 @@ def extra_forwards_of(recipe: Recipe) -> dict:
             passes.append((2.0, "the KL sequences' by the policy and the reference"))
     elif recipe.rl is not None:
         rl, n = recipe.rl, recipe.rl.num_iterations
-        if rl.beta and rl.algorithm == "grpo":
-            passes.append((1.0, "the reference's in each update (rl.beta)"))
+        if rl.beta and rl.algorithm == "grpo":  # once a round where a round has more updates (not LoRA's moving one)
+            once = n > 1 and not (recipe.lora is not None and rl.sync_reference is not None)
+            passes.append((1.0 / n, "the reference's once a round (rl.beta)") if once else
+                          (1.0, "the reference's in each update (rl.beta)"))
         if rollout_logps(recipe):
             passes.append((1.0 / n, "the policy's log-probabilities once a round"))
         if rl.beta and rl.algorithm == "rloo":

@@ -426,10 +426,32 @@ class GRPO:
             self.state.global_step = step + 1
         return dataclasses.replace(window, batches=batches, counts=counts, rollouts=records)
 
+    def _reference_once(self) -> bool:
+        """(RLOO's hook) Whether the rollout takes the reference's log-probabilities of the update's passes, once a
+        round (TRL's ref_per_token_logps, taken where it generates): with rl.num_iterations > 1, so that the round's
+        updates run no reference forward each. Not LoRA's moving reference (AdapterReference), which swaps its
+        snapshot into the weights' shards, which FSDP holds gathered in the rollout: it runs in each update's passes,
+        as every reference does with one update a round."""
+        from llmtrain.model.reference import AdapterReference
+
+        return bool(self.rl.beta) and self.rl.num_iterations > 1 and not isinstance(self.reference, AdapterReference)
+
     def _rollout_reference(self):
-        """(RLOO's hook) The context the rollout holds the reference in: GRPO's runs in the update's passes (its k3
-        KL is in the loss), so nothing here."""
-        return nullcontext()
+        """(RLOO's hook) The context the rollout holds a full fine-tune's frozen copy in: gathered whole under FSDP
+        where the rollout runs it (Reference.gathered: a process runs as many passes as its completions fill, and
+        under sequence parallelism the group's first alone), else nothing."""
+        return self.reference.gathered() if self._reference_once() and self.reference is not None else nullcontext()
+
+    def _reference_logps(self, batch: dict) -> torch.Tensor:
+        """Each trained token's log-probability under the reference (the frozen copy, or the adapter off or moved), at
+        rl.temperature, no gradient, on the model's device."""
+        from llmtrain.data.batching import to_device
+        from llmtrain.model.loss import compute_loss
+
+        reference, context = forward_of(self.lm, self.reference)
+        with torch.no_grad(), context:
+            return -compute_loss(reference, to_device(batch, self.lm.device), per_token=True,
+                                 temperature=self.rl.temperature).float()
 
     def _prompts(self, examples: list[dict], step: int) -> tuple[list[list[int]], list[int]]:
         """Each completion's prompt tokens and seed: num_generations of each example, consecutive."""
@@ -507,6 +529,9 @@ class GRPO:
         if rl.num_iterations > 1 or self.correcting:  # the round's later updates divide by the policy as it sampled
             for batch in batches:
                 batch["loss_old_logps"] = self._sampling_logps(batch).cpu()
+        if self._reference_once():  # the round's updates read them, with no reference forward of their own
+            for batch in batches:
+                batch["loss_ref_logps"] = self._reference_logps(batch).cpu()
         correction = self._correct(batches, parts, sampled, masks) if self.correcting else [0.0] * 3
         advantages, std, more, columns = self._advantages(total, g, batches, parts, per_function=per_function)
         for batch, part, n in zip(batches, parts, lengths.split([len(part) for part in parts])):
@@ -731,10 +756,9 @@ class GRPO:
 
         rl, ref = self.rl, None
         rollout = batch["rollout_stats"].to(batch["input_ids"].device)
-        if rl.beta:  # first: its no-grad forward leaves no graph behind
-            reference, context = forward_of(self.lm, self.reference)  # the frozen copy, or the adapter off (or moved)
-            with torch.no_grad(), context:
-                ref = -compute_loss(reference, batch, per_token=True, temperature=rl.temperature).float()
+        if rl.beta:  # taken in the rollout once a round (_reference_once), else here first: its no-grad forward
+            # leaves no graph behind
+            ref = batch["loss_ref_logps"] if "loss_ref_logps" in batch else self._reference_logps(batch)
         bonus = self.entropy  # the entropy bonus: the entropy with its gradient
         losses, entropy = compute_loss(model, batch, per_token=True, temperature=rl.temperature,
                                        stat=ENTROPY_TRAINED if bonus is not None else "entropy")

@@ -94,6 +94,9 @@ class RLOO(GRPO):
         advantages, std = leave_one_out_advantages(rewards - rl.beta * kl, g)
         return advantages, std, [float(kl.sum())], ({"kl": kl.tolist()} if rl.beta else {})
 
+    def _reference_once(self) -> bool:
+        return False  # its KL is taken in the rollout (_sequence_kl) and its loss reads no reference
+
     def _rollout_reference(self):
         """A full fine-tune's frozen copy (rl.beta > 0) held whole through the rollout under FSDP (Reference.gathered):
         its KL passes run per micro-batch as the completions fill them, a number each process finds for itself (and
