@@ -953,14 +953,18 @@ def test_with_rounds_the_reference_runs_once_a_round_and_trains_what_a_pass_each
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("rounds", [1, 2], ids=["each-step", "rounds-of-2"])
 def test_a_full_fine_tune_kl_under_fsdp_with_a_moving_sharded_copy_trains_what_one_process_does(tiny_assets, tmp_path,
-                                                                                                 free_port):
+                                                                                                 free_port, rounds):
     """A full fine-tune with rl.beta > 0 under FSDP (refused before 2026-12-04: the copy was whole on every process):
     the reference is the starting weights read again and sharded like the policy, run in each update's passes (a
     rank's weight-0 passes too, under a token budget), and rl.sync_reference mixes the sharded policy into it after
     every step. 2 FSDP processes give one process's completions, losses, KLs and final weights, with a live KL (at lr
-    1e-3: at 1e-2 the final weights part by 5.3e-5, AdamW moving weights whose gradients are round-off by ~lr)."""
-    recipe = grpo_recipe(tiny_assets, tmp_path, rl={"beta": 0.1, "sync_reference": {"every_steps": 1, "alpha": 0.6}},
+    1e-3: at 1e-2 the final weights part by 5.3e-5, AdamW moving weights whose gradients are round-off by ~lr).
+    rounds-of-2 (rl.num_iterations 2): the copy's log-probabilities are taken once a round in the rollout, the copy
+    gathered whole there (Reference.gathered), each rank running as many passes as its completions fill."""
+    recipe = grpo_recipe(tiny_assets, tmp_path, rl={"beta": 0.1, "sync_reference": {"every_steps": 1, "alpha": 0.6},
+                                                    "num_iterations": rounds},
                          train={"max_steps": 3, "lr": 1e-3, "eval_every_steps": None},
                          checkpoint={"save_final": True})
     one, fsdp = tmp_path / "one", tmp_path / "fsdp"
