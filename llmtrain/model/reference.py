@@ -94,9 +94,10 @@ class Reference:
     def gathered(self):
         """A block in which the copy's forwards need no collective: under FSDP every unit gathered once and kept
         whole (fsdp.gathered_for_generation, as the rollout holds the policy), whatever each process then runs, which
-        online RL's rollout needs (RLOO's KL: a process runs as many reference passes as its completions fill, and
-        under sequence parallelism the group's first alone runs them). Costs the whole decoder in its dtype beside
-        its shards while the block runs (the estimate counts it). Anything else: nothing to do."""
+        online RL's rollout needs (RLOO's KL, GRPO's once-a-round reference: a process runs as many reference passes
+        as its completions fill, and under sequence parallelism the group's first alone runs them). Costs the whole
+        decoder in its dtype beside its shards while the block runs (the estimate counts it). Anything else: nothing
+        to do."""
         from llmtrain.parallel.fsdp import gathered_for_generation
 
         return gathered_for_generation(self.module) if self.module is not None else nullcontext()
@@ -137,10 +138,10 @@ class AdapterReference(Reference):
     trained weights meanwhile cost them twice more; the swap, three copies of them a forward (each objective runs
     the reference before the policy's forward, so no graph holds the weights it changes).
     Under FSDP (and FSDP x TP) each process swaps its shards and slices (every process runs the reference's forward,
-    which gathers them), and
-    after the forward every unit is resharded, so that none (the root, which FSDP keeps gathered after a forward)
-    holds the snapshot's weights gathered into the policy's forward; the checkpoint's snapshot is sharded as the
-    weights are."""
+    which gathers them), and after the forward every unit is resharded, so that none (the root, which FSDP keeps
+    gathered after a forward) carries the snapshot's weights into the policy's forward; the checkpoint's snapshot is
+    sharded as the weights are. Not inside online RL's rollout under FSDP, where the policy is held gathered: the
+    table refuses RLOO there, and GRPO runs it in each update's passes (grpo._reference_once)."""
 
     def __init__(self, model, sync):
         super().__init__(None, sync)

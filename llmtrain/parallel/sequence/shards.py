@@ -89,7 +89,8 @@ class SequenceShards:
             self.rollout = self._rollout  # only then: the step looks for a rollout
             objective.share_sampling = partial(shared_sampling, group=group)
         if hasattr(objective, "on_first_of_group"):  # online RL's scoring (and sampling with tools)
-            # the models the first process runs there: the policy and a full fine-tune's frozen copy (RLOO's KL)
+            # the models the first process runs there: the policy and a full fine-tune's frozen copy (RLOO's KL,
+            # GRPO's once-a-round reference)
             copy = getattr(getattr(objective, "reference", None), "module", None)
             objective.on_first_of_group = partial(on_first_of_group, group=group,
                                                   models=[objective.lm] + ([copy] if copy is not None else []))
@@ -226,7 +227,7 @@ def on_first_of_group(compute, *, group: SequenceGroup, models: list):
     """`compute()` run on the group's first process, its result (or its error) given to the others
     (collectives.on_first): online RL's scoring of a micro-batch the group shares (reward functions run once), and its
     sampling with tools (an environment's state stays on one process). The first process attends there with
-    llmtrain's varlen attention on whole rows (RLOO's log-probabilities before the update: the policy's and a full
+    llmtrain's varlen attention on whole rows (the log-probabilities taken before the update: the policy's and a full
     fine-tune's frozen copy's, the `models`), not the group's all-to-all, which the others do not join."""
     from contextlib import ExitStack
 
