@@ -962,7 +962,7 @@ def test_a_full_fine_tune_kl_under_fsdp_with_a_moving_sharded_copy_trains_what_o
     every step. 2 FSDP processes give one process's completions, losses, KLs and final weights, with a live KL (at lr
     1e-3: at 1e-2 the final weights part by 5.3e-5, AdamW moving weights whose gradients are round-off by ~lr).
     rounds-of-2 (rl.num_iterations 2): the copy's log-probabilities are taken once a round in the rollout, the copy
-    gathered whole there (Reference.gathered), each rank running as many passes as its completions fill."""
+    gathered whole there (rollouts.held_whole), each rank running as many passes as its completions fill."""
     recipe = grpo_recipe(tiny_assets, tmp_path, rl={"beta": 0.1, "sync_reference": {"every_steps": 1, "alpha": 0.6},
                                                     "num_iterations": rounds},
                          train={"max_steps": 3, "lr": 1e-3, "eval_every_steps": None},

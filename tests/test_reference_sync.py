@@ -340,7 +340,7 @@ def test_the_estimate_counts_the_copy_for_every_mode_that_holds_one():
     assert with_kl.frozen_reference and not without.frozen_reference
     assert weights(with_kl) - weights(replace(with_kl, frozen_reference=False)) == mistral.params_total * 2
     # under FSDP on 8 GPUs: the decoder in shards, the head whole; RLOO holds the decoder gathered through the
-    # rollout (Reference.gathered), GRPO runs it in the update's passes (no more gathered while it samples)
+    # rollout (rollouts.held_whole), GRPO runs it in the update's passes (no more gathered while it samples)
     fsdp = dict(strategy="fsdp", num_gpus=8)
     rloo = spec_from_recipe(Recipe.model_validate({**prompts, "rl": {"algorithm": "rloo", "rewards": rewards}}),
                             **fsdp)

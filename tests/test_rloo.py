@@ -334,7 +334,7 @@ def test_two_fsdp_processes_with_the_kl_in_the_reward_train_what_one_does(tiny_a
     """TRL's beta 0.05: the rollout's no-grad policy and reference forwards run while FSDP holds the whole model
     gathered (no collective per pass); 2 FSDP processes give one process's completions, k1 KLs, advantages and
     losses. LoRA: the reference is the adapter disabled. A full fine-tune (refused under FSDP before stop 98): the
-    frozen copy, sharded like the policy, is held gathered through the rollout too (Reference.gathered), and under a
+    frozen copy, sharded like the policy, is held gathered through the rollout too (rollouts.held_whole), and under a
     token budget the ranks run unequal numbers of KL passes (without the gather the run fails at step 2 on gloo's
     collective mismatch: checked)."""
     recipe = rloo_recipe(tiny_assets, tmp_path, rl={"beta": 0.05},

@@ -470,7 +470,7 @@ def test_a_sum_over_the_slices_gives_each_part_the_gradient_of_the_loss_it_feeds
 @pytest.mark.slow
 # fsdp (extended): the rollout's gathered model, the first process sampling alone inside it, the slices' passes
 # sharded over both processes; rloo-full-fsdp: a full fine-tune, its frozen copy sharded and gathered for the rollout
-# (Reference.gathered), where the first process alone runs its KL passes; rloo-full (extended): the copy whole, which
+# (rollouts.held_whole), where the first process alone runs its KL passes; rloo-full (extended): the copy whole, which
 # attended with the group's all-to-all there and hung before stop 98
 @pytest.mark.parametrize("algorithm, config", [("grpo", CPU_DDP),
                                                ("rloo", CPU_DDP),

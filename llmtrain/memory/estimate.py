@@ -328,7 +328,7 @@ def estimate(shape: ModelShape, spec: TrainSpec) -> Estimate:
         # (fsdp.gathered_for_generation): the whole model, unsharded, in FSDP's param dtype
         gathered = shape.layers * unit + tail + embed_unit if fsdp else 0
         if fsdp and spec.rollout_reference:  # the frozen copy the rollout runs (RLOO's KL, GRPO's once a round),
-            # its decoder gathered too (Reference.gathered): whole, under tensor parallelism too (not split by TP)
+            # its decoder gathered too (rollouts.held_whole): whole, under tensor parallelism too (not split by TP)
             gathered += (whole.params_total - whole.params_head) * DTYPE_BYTES[spec.dtype]
         phases.update(_generation_phases(shape, spec, base, cached=sum(cached), fsdp_unit=gathered))
         if spec.rollout_forwards:  # the rollout's no-grad forwards of the update's passes (the old log-probabilities

@@ -152,7 +152,7 @@ class TrainSpec:
     # sharded like the policy with its head whole (model/reference.py, loop/phases.build_reference)
     frozen_reference: bool = False
     # RLOO's KL with that copy (and GRPO's reference log-probabilities with rl.num_iterations > 1, taken once a
-    # round): under FSDP held gathered through the rollout (Reference.gathered), the whole decoder in the storage dtype
+    # round): under FSDP held gathered through the rollout (rollouts.held_whole), the whole decoder in the storage dtype
     # beside its shards while it samples and runs its passes
     rollout_reference: bool = False
     # why the capability table refuses the recipe under FSDP / HSDP (capabilities.sharding_problems' first; None:

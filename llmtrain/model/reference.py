@@ -91,17 +91,6 @@ class Reference:
     def forward(self, model):
         return self.module, nullcontext()
 
-    def gathered(self):
-        """A block in which the copy's forwards need no collective: under FSDP every unit gathered once and kept
-        whole (fsdp.gathered_for_generation, as the rollout holds the policy), whatever each process then runs, which
-        online RL's rollout needs (RLOO's KL, GRPO's once-a-round reference: a process runs as many reference passes
-        as its completions fill, and under sequence parallelism the group's first alone runs them). Costs the whole
-        decoder in its dtype beside its shards while the block runs (the estimate counts it). Anything else: nothing
-        to do."""
-        from llmtrain.parallel.fsdp import gathered_for_generation
-
-        return gathered_for_generation(self.module) if self.module is not None else nullcontext()
-
     def after_step(self, policy, step: int) -> bool:
         """After optimizer step `step` (1-based, as TRL's global_step): the mix, where it is due. True if it ran."""
         if self.every is None or step % self.every:

@@ -39,7 +39,8 @@ from llmtrain.config import sampling_of
 from llmtrain.data.batching import Counts, batch_weight
 from llmtrain.model.generate import Stops
 from llmtrain.model.reference import forward_of
-from llmtrain.objectives.rollouts import all_here, clipped_surrogate, completion_rows, here, sample, sampling
+from llmtrain.objectives.rollouts import (all_here, clipped_surrogate, completion_rows, held_whole, here, sample,
+                                          sampling)
 
 LossType = Literal["dapo", "grpo", "dr_grpo", "cispo", "sapo", "luspo", "vespo"]
 STD_EPS = 1e-4  # TRL's: a group whose rewards are all equal gets advantages 0, not a division by zero
@@ -438,9 +439,9 @@ class GRPO:
 
     def _rollout_reference(self):
         """(RLOO's hook) The context the rollout holds a full fine-tune's frozen copy in: gathered whole under FSDP
-        where the rollout runs it (Reference.gathered: a process runs as many passes as its completions fill, and
+        where the rollout runs it (rollouts.held_whole: a process runs as many passes as its completions fill, and
         under sequence parallelism the group's first alone), else nothing."""
-        return self.reference.gathered() if self._reference_once() and self.reference is not None else nullcontext()
+        return held_whole(self.reference) if self._reference_once() else nullcontext()
 
     def _reference_logps(self, batch: dict) -> torch.Tensor:
         """Each trained token's log-probability under the reference (the frozen copy, or the adapter off or moved), at

@@ -30,7 +30,7 @@ from llmtrain.data.batching import batch_weight, to_device
 from llmtrain.model.loss import compute_loss
 from llmtrain.model.reference import forward_of
 from llmtrain.objectives.grpo import GRPO, STD_EPS, _nanstd
-from llmtrain.objectives.rollouts import clipped_surrogate
+from llmtrain.objectives.rollouts import clipped_surrogate, held_whole
 
 
 def leave_one_out_advantages(rewards: torch.Tensor, num_generations: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -98,10 +98,10 @@ class RLOO(GRPO):
         return False  # its KL is taken in the rollout (_sequence_kl) and its loss reads no reference
 
     def _rollout_reference(self):
-        """A full fine-tune's frozen copy (rl.beta > 0) held whole through the rollout under FSDP (Reference.gathered):
+        """A full fine-tune's frozen copy (rl.beta > 0) held whole through the rollout under FSDP (rollouts.held_whole):
         its KL passes run per micro-batch as the completions fill them, a number each process finds for itself (and
         under sequence parallelism on the group's first alone), so they may run no collective."""
-        return self.reference.gathered() if self.rl.beta and self.reference is not None else nullcontext()
+        return held_whole(self.reference) if self.rl.beta else nullcontext()
 
     def _sequence_kl(self, batch: dict, n: int) -> torch.Tensor:
         """Each completion's summed k1 log-ratio of the policy as it sampled to the reference (the LoRA adapter

@@ -32,6 +32,21 @@ def sampling(lm):
         lm.train(was_training)
 
 
+def held_whole(reference):
+    """A block in which a full fine-tune's frozen copy (model/reference.Reference) runs forwards with no collective:
+    under FSDP every unit gathered once and kept whole (fsdp.gathered_for_generation, as `sampling` holds the policy),
+    whatever each process then runs, which the rollout needs (RLOO's KL, GRPO's once-a-round reference: a process runs
+    as many reference passes as its completions fill, and under sequence parallelism the group's first alone runs
+    them). Costs the whole decoder in its dtype beside its shards while the block runs (the estimate counts it:
+    spec.rollout_reference). Any other reference (None: LoRA's adapter off), or no FSDP: nothing to do."""
+    from contextlib import nullcontext
+
+    from llmtrain.parallel.fsdp import gathered_for_generation
+
+    module = getattr(reference, "module", None)
+    return gathered_for_generation(module) if module is not None else nullcontext()
+
+
 def sample(lm, sampler: str, prompts: list[list[int]], seeds: list[int], *, max_new_tokens: int, temperature: float,
            top_p: float, stop_ids, pad_id: int, top_k: int = 0, min_p: float = 0.0, repetition_penalty: float = 1.0,
            copy: str = "off", logps: bool = False) -> list:
