@@ -447,7 +447,7 @@ def build_reference(recipe: Recipe, accelerator, trainable: Trainable, *, say):
     loads its checkpoint: a resume's reference is the starting weights, or the checkpoint's where sync_reference has
     moved it (Reference.restore)."""
     sync = capabilities.reference_sync(recipe)
-    if recipe.lora is not None and sync is not None:  # (capabilities: alpha 1, on one process or DDP)
+    if recipe.lora is not None and sync is not None:  # (capabilities: alpha 1, not on pipeline stages)
         say(f"reference: the model with its adapter disabled, then every {sync.every_steps} steps the adapter as it "
             "was then (TR-DPO's hard update)")
         return AdapterReference(trainable.unwrapped, sync)

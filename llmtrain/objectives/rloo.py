@@ -22,15 +22,12 @@ process), `kl` the mean per-token k1 over every completion token, `clip_ratio/re
 
 from __future__ import annotations
 
-from contextlib import nullcontext
-
 import torch
 
 from llmtrain.data.batching import batch_weight, to_device
 from llmtrain.model.loss import compute_loss
-from llmtrain.model.reference import forward_of
 from llmtrain.objectives.grpo import GRPO, STD_EPS, _nanstd
-from llmtrain.objectives.rollouts import clipped_surrogate, held_whole
+from llmtrain.objectives.rollouts import clipped_surrogate
 
 
 def leave_one_out_advantages(rewards: torch.Tensor, num_generations: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -95,25 +92,17 @@ class RLOO(GRPO):
         return advantages, std, [float(kl.sum())], ({"kl": kl.tolist()} if rl.beta else {})
 
     def _reference_once(self) -> bool:
-        return False  # its KL is taken in the rollout (_sequence_kl) and its loss reads no reference
-
-    def _rollout_reference(self):
-        """A full fine-tune's frozen copy (rl.beta > 0) held whole through the rollout under FSDP (rollouts.held_whole):
-        its KL passes run per micro-batch as the completions fill them, a number each process finds for itself (and
-        under sequence parallelism on the group's first alone), so they may run no collective."""
-        return held_whole(self.reference) if self.rl.beta else nullcontext()
+        return bool(self.rl.beta)  # its KL, from the rollout's reference log-probabilities (_sequence_kl)
 
     def _sequence_kl(self, batch: dict, n: int) -> torch.Tensor:
         """Each completion's summed k1 log-ratio of the policy as it sampled to the reference (the LoRA adapter
         disabled, or a full fine-tune's frozen copy), without gradient: TRL's old and reference log-probabilities,
-        taken before the update. Run within the rollout, so under FSDP while the whole model (and a full fine-tune's
-        copy: _rollout_reference) is gathered (no collective per pass)."""
+        taken before the update. Within the rollout, so under FSDP while the whole model (and a full fine-tune's
+        copy: GRPO._rollout_reference) is gathered (no collective per pass); the reference's are the rollout's
+        (GRPO._reference_once)."""
         batch = to_device(batch, self.lm.device)
         policy = batch["loss_old_logps"] if "loss_old_logps" in batch else self._sampling_logps(batch)
-        reference, context = forward_of(self.lm, self.reference)  # the frozen copy, or the adapter off (or moved)
-        with torch.no_grad(), context:
-            ref = completion_logps(reference, batch, temperature=self.rl.temperature)
-        return sequence_sums(policy - ref, batch["loss_example"], n).cpu()
+        return sequence_sums(policy - batch["loss_ref_logps"], batch["loss_example"], n).cpu()
 
     def _loss_units(self, lengths: torch.Tensor) -> float:
         return float(len(lengths))  # the mean over completions
