@@ -22,7 +22,7 @@ def final_weights(run):
 def kto_recipe(tiny_assets, folder, *, lora: bool):
     data = write_jsonl(folder / "kto.jsonl", reversal_feedback(tiny_assets, 200))
     return write_recipe(tiny_assets, folder, data={"path": str(data), "format": "unpaired", "max_seq_len": 32},
-                        kto={"beta": 0.5}, **({"lora": {"r": 4, "alpha": 8, "dropout": 0.0}} if lora else {}),
+                        kto={"beta": 0.5}, **({"lora": {"r": 4, "alpha": 8, "dropout": 0.0, **head}} if lora else {}),
                         train={"max_steps": 6, "micro_batch_size": 8, "lr": 5e-3 if lora else 1e-3,
                                "warmup_steps": 0, "seed": 7},
                         checkpoint={"every_steps": 3})
@@ -90,9 +90,11 @@ FSDP it runs as many forwards as process 0 (each gathers every layer from both),
     alpha 0.6 (TR-DPO), the sharded reference mixed with the sharded policy (its untied head whole, from the
     policy's gathered embeddings) against one process's copy: the same run, and the checkpoints' references (one
     written by 2 processes' shards, one whole) equal to 1e-5. fsdp-lora-sync (main tier): LoRA's moving reference
-    (alpha 1, AdapterReference) with the adapters sharded: each process swaps its shards in for the reference's
-    forward, every 2 steps; the same run (step 3 and the eval through the swap), and the checkpoints' snapshots (2
-    processes' shards, one whole) equal to 1e-5."""
+    (alpha 1, AdapterReference) with the adapters sharded and a trained copy of the LM head (lora.modules_to_save) in
+    FSDP's root unit: each process swaps its shards in for the reference's forward, every 2 steps; the same run (step
+    3 and the eval through the swap: with the root left gathered by the eval's policy forward, the eval's reference
+    ran the policy's head, eval loss 0.4718 against 0.5018: checked), and the checkpoints' snapshots (2 processes'
+    shards, one whole) equal to 1e-5."""
     seed, n = 7, 21
     # Mostly desirable completions: training raises completions' log-probabilities broadly, mismatched ones too, so
     # the KL estimate is positive (not clamped to 0) at the steps after the first and the average matters.
@@ -101,11 +103,14 @@ FSDP it runs as many forwards as process 0 (each gathers every layer from both),
     rows = same_kl_pairs(desirable[:n], epoch_order(n, seed=seed, epoch=0))
     held = same_kl_pairs(desirable[n:], list(range(9)))  # eval: in file order
     data, held_path = write_jsonl(tmp_path / "kto.jsonl", rows), write_jsonl(tmp_path / "held.jsonl", held)
+    # with sync, a trained copy of the head in FSDP's root unit, which FSDP keeps gathered after a forward (the
+    # eval's policy forward before the reference's)
+    head = {"modules_to_save": ["lm_head"]} if sync else {}
     # Adam's eps 1e-6: Adam scales each gradient element by its own size, so an element that is rounding alone would
     # move its weight by a fair part of lr in one run and not the other (1.6e-5 at lr 5e-3 with eps 1e-8, measured)
     recipe = write_recipe(tiny_assets, tmp_path, data={"path": str(data), "format": "unpaired", "max_seq_len": 32,
                                                        "eval_split": str(held_path)},
-                          kto={"beta": 0.5}, **({"lora": {"r": 4, "alpha": 8, "dropout": 0.0}} if lora else {}),
+                          kto={"beta": 0.5}, **({"lora": {"r": 4, "alpha": 8, "dropout": 0.0, **head}} if lora else {}),
                           train={"max_steps": 3, "micro_batch_size": 2 * PER_RANK, "grad_accum_steps": 2,
                                  "lr": 1e-2 if lora else 1e-3,
                                  "eps": 1e-6, "warmup_steps": 0, "seed": seed, "eval_every_steps": 3,

@@ -127,9 +127,10 @@ class AdapterReference(Reference):
     trained weights meanwhile cost them twice more; the swap, three copies of them a forward (each objective runs
     the reference before the policy's forward, so no graph holds the weights it changes).
     Under FSDP (and FSDP x TP) each process swaps its shards and slices (every process runs the reference's forward,
-    which gathers them), and after the forward every unit is resharded, so that none (the root, which FSDP keeps
-    gathered after a forward) carries the snapshot's weights into the policy's forward; the checkpoint's snapshot is
-    sharded as the weights are. Not inside online RL's rollout under FSDP, where the policy is held gathered: the
+    which gathers them), and every unit is resharded before the forward and after it, so that none (the root, which
+    FSDP keeps gathered after a forward: an eval's policy forward runs before the reference's) carries the policy's
+    weights into the reference's forward or the snapshot's into the policy's; the checkpoint's snapshot is sharded as
+    the weights are. Not inside online RL's rollout under FSDP, where the policy is held gathered: the
     table refuses RLOO there, and GRPO runs it in each update's passes (grpo._reference_once)."""
 
     def __init__(self, model, sync):
@@ -152,6 +153,9 @@ class AdapterReference(Reference):
         local, training = self.local, self.model.training
         if self.spare is None:
             self.spare = [t.clone() for t in local]
+        # a unit FSDP holds gathered (the root after an eval forward of the policy) would run the policy's weights
+        # whatever its shards hold: free it, so that the reference's forward gathers the snapshot's
+        _resharded(self.model)
         with torch.no_grad():
             torch._foreach_copy_(self.spare, local)
             torch._foreach_copy_(local, self.snapshot_local)
