@@ -22,7 +22,7 @@ def final_weights(run):
 def kto_recipe(tiny_assets, folder, *, lora: bool):
     data = write_jsonl(folder / "kto.jsonl", reversal_feedback(tiny_assets, 200))
     return write_recipe(tiny_assets, folder, data={"path": str(data), "format": "unpaired", "max_seq_len": 32},
-                        kto={"beta": 0.5}, **({"lora": {"r": 4, "alpha": 8, "dropout": 0.0, **head}} if lora else {}),
+                        kto={"beta": 0.5}, **({"lora": {"r": 4, "alpha": 8, "dropout": 0.0}} if lora else {}),
                         train={"max_steps": 6, "micro_batch_size": 8, "lr": 5e-3 if lora else 1e-3,
                                "warmup_steps": 0, "seed": 7},
                         checkpoint={"every_steps": 3})
