@@ -263,12 +263,6 @@ RULES: tuple[Rule, ...] = (
     Rule("tp", lambda r, _: r.train.optimizer == "adamw_8bit",
          "train.optimizer=adamw_8bit under {key}: bitsandbytes' 8-bit AdamW updates plain tensors, and tensor "
          "parallelism's parameters are split DTensors. Set train.optimizer=adamw"),
-    *(Rule(parallelism, lambda r, _: r.train.neftune_alpha is not None,
-           "train.neftune_alpha under {key}: NEFTune scales each example's noise by its whole length, and "
-           + what + ". Unset train.neftune_alpha, or launch one GPU, DDP or FSDP")
-      for parallelism, what in (("sp", "each process embeds a slice of the example"),
-                                ("pp", "the first stage embeds the rows apart from the model's forward"),
-                                ("tp", "the embedding is split over the processes"))),
     Rule("fsdp", _copy_reread,
          "a full fine-tune's frozen reference ({reference}) under FSDP is the starting weights read again from "
          "model.name_or_path and sharded like the policy, and model.random_init has none to read. Save the initial "

@@ -75,6 +75,17 @@ def write_recipe(tiny: Path, tmp: Path, *, name: str = "recipe.yaml", **sections
     return path
 
 
+def same_length_task(tiny: Path, folder: Path, *, chars: int = 4) -> Path:
+    """The tiny task's training examples whose word has `chars` characters (each then 21 tokens with 4: the BOS, the
+    prompt, the completion and the EOS): rows packed to a budget of n x 21 tokens are full, none padded, so a layout
+    that pads a row to its own shape (a sequence group's multiple, a pipeline stage's slots) pads nothing."""
+    rows = [line for line in (tiny / "data" / "train.jsonl").read_text().splitlines()
+            if len(json.loads(line)["prompt"].split()[1]) == chars]
+    path = folder / f"train-{chars}.jsonl"
+    path.write_text("\n".join(rows) + "\n")
+    return path
+
+
 def run_train(recipe: Path, *overrides: str, resume: str | None = None, overwrite: bool = False,
               allow_recipe_change: bool = False) -> dict:
     """Train in this process, exactly as `llmtrain finetune RECIPE OVERRIDES...` does; returns the summary."""

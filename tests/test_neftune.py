@@ -98,7 +98,41 @@ def test_a_run_trains_with_the_noise_and_resumes_exactly(tiny_assets, tmp_path, 
     assert max_abs_diff(load_weights(tmp_path / "killed" / weights), load_weights(tmp_path / "straight" / weights)) == 0
 
 
-def test_other_modes_and_the_layouts_that_split_a_row_refuse_it(tiny_assets, tmp_path):
+def test_a_sequence_groups_slices_draw_the_whole_rows_noise(tiny_assets):
+    """Sequence parallelism: each of 2 processes holds half of a packed row (examples of 5 and 11 tokens, the second
+    across the cut) and, from the same random state, draws the whole row's noise and keeps its half: the halves put
+    together are the noise one process adds to the whole row, each example scaled by its whole length (a slice that
+    scaled by what it holds would scale the second example by 3 and 8); the random state ends where one process's
+    does. A pipeline's first stage, which embeds outside the decoder, hands the row's examples to the hook first."""
+    from llmtrain.model.neftune import Noise
+
+    d, alpha = 8, 5.0
+    cu = torch.tensor([0, 5, 16])
+    embedding = torch.nn.Embedding(90, d).train()
+    ids = torch.randint(5, 90, (1, 16), generator=torch.Generator().manual_seed(4))
+    clean = embedding(ids)
+
+    def noisy(noise, part, shape):
+        noise.read(shape, {"cu_seq_lens_q": cu})
+        return noise(embedding, (), clean[:, part]) - clean[:, part]
+
+    torch.manual_seed(0)
+    whole = noisy(Noise(alpha), slice(None), (1, 16))
+    after = torch.rand(1)
+    halves = []
+    for rank in (0, 1):
+        torch.manual_seed(0)
+        halves.append(noisy(Noise(alpha, (rank, 2)), slice(8 * rank, 8 * rank + 8), (1, 8)))
+    assert torch.equal(torch.rand(1), after)
+    assert torch.equal(torch.cat(halves, dim=1), whole)
+    for part, length in ((whole[0, :5], 5), (whole[0, 5:], 11)):
+        bound = alpha / math.sqrt(length * d)
+        assert 0.9 * bound < part.abs().max().item() <= bound * (1 + 1e-6)
+
+
+def test_other_modes_refuse_it(tiny_assets, tmp_path):
+    """NEFTune is supervised fine-tuning's; every layout takes it (the sequence, tensor and pipeline layouts refused it
+    before: tests/test_sequence_parallel.py, test_tp.py and test_pipeline.py train it there)."""
     from llmtrain.doctor import check_layout
     from llmtrain.errors import RecipeError
 
@@ -110,12 +144,12 @@ def test_other_modes_and_the_layouts_that_split_a_row_refuse_it(tiny_assets, tmp
                                           r"and this recipe trains preference pairs \(preference:\)"):
         load_recipe(dpo, ["train.neftune_alpha=5"])
     sft = write_recipe(tiny_assets, tmp_path)
-    with pytest.raises(RecipeError, match="train.neftune_alpha under parallel.sequence_parallel=2: NEFTune scales "
-                                          "each example's noise by its whole length, and each process embeds a slice"):
-        load_recipe(sft, ["train.neftune_alpha=5", "parallel.sequence_parallel=2"])
+    pipeline = ["parallel.pipeline_parallel=2", "train.micro_batch_size=1", "train.micro_batch_tokens=64",
+                "train.grad_accum_steps=2"]
+    for layout in (["parallel.sequence_parallel=2"], pipeline):
+        assert load_recipe(sft, ["train.neftune_alpha=5", "model.attn_implementation=auto", *layout]
+                           ).train.neftune_alpha == 5
     recipe = load_recipe(sft, ["train.neftune_alpha=5"])
-    tp = yaml.safe_load((REPO / "accelerate_configs" / "cpu_tp.yaml").read_text())
-    ((_, status, detail),) = check_layout(recipe, tp)
-    assert status == "fail" and "the embedding is split over the processes" in detail
-    ddp = yaml.safe_load((REPO / "accelerate_configs" / "cpu_ddp.yaml").read_text())
-    assert check_layout(recipe, ddp)[0][1] == "pass"
+    for config in ("cpu_tp", "cpu_ddp"):
+        launch = yaml.safe_load((REPO / "accelerate_configs" / f"{config}.yaml").read_text())
+        assert [status for _, status, _ in check_layout(recipe, launch)] == ["pass"]

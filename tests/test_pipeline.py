@@ -28,9 +28,11 @@ from helpers import (
     kill_launch_mid_run,
     launch_finetune,
     load_weights,
+    losses,
     max_abs_diff,
     records,
     run_train,
+    same_length_task,
     write_recipe,
 )
 
@@ -136,8 +138,8 @@ def test_a_model_the_stages_cannot_split_is_refused_with_the_reason(tiny_assets,
 def test_the_stages_refuse_a_model_without_llmtrains_varlen_attention(tiny_assets, tmp_path):
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from llmtrain.parallel.pipeline.schedule import Pipeline
     from llmtrain.parallel.pipeline.group import PipelineGroup
+    from llmtrain.parallel.pipeline.schedule import Pipeline
 
     config = AutoConfig.from_pretrained(tiny_assets / "model")
     config._attn_implementation = "sdpa"
@@ -263,6 +265,27 @@ def test_two_stages_train_what_one_process_trains(single, four_layers, tmp_path,
     assert f"this process: stage 0: layers 0-{4 // (2 * chunks) - 1}" in out
     assert len({r["tokens"] for r in records(reference)}) > 1  # the rows change from step to step
     _same(tmp_path / "pp", reference, lora=kind in ("lora", "qlora"))
+
+
+@pytest.mark.slow
+def test_neftunes_noise_on_two_stages_is_one_process_noise(four_layers, tmp_path, free_port):
+    """train.neftune_alpha: the first stage embeds outside the decoder's forward and hands the hook each row's
+    examples, so each is scaled by its own length (not the row's 84 slots): the same losses, gradient norms and
+    weights as one process, whose noise moves the loss (against the run without it). Rows of 4 examples of 21 tokens
+    fill the 84 slots (in the first 2 steps: the packer leaves a row of one example in the third), so the stage pads
+    nothing and draws as many values a row as one process."""
+    data = same_length_task(four_layers, tmp_path)
+    recipe = write_recipe(four_layers, tmp_path, **{**PIPE, "train": {**PIPE["train"], "micro_batch_tokens": 84,
+                                                                          "max_steps": 2},
+                                                    "data": {**PIPE["data"], "path": str(data)}})
+    plain, one, two = tmp_path / "plain", tmp_path / "one", tmp_path / "two"
+    run_train(recipe, f"output_dir={plain}")
+    run_train(recipe, f"output_dir={one}", "train.neftune_alpha=15")
+    launch_finetune(CPU_DDP, 2, free_port, recipe, "parallel.pipeline_parallel=2", f"output_dir={two}",
+                    "train.neftune_alpha=15")
+    assert all(r["tokens"] == 4 * 84 for r in records(one))  # full rows
+    assert min(abs(a - b) for a, b in zip(losses(one), losses(plain))) > 1e-3
+    _same(two, one, lora=False)
 
 
 @pytest.mark.slow

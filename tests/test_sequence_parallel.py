@@ -24,9 +24,11 @@ from helpers import (
     kill_launch_mid_run,
     launch_finetune,
     load_weights,
+    losses,
     max_abs_diff,
     records,
     run_train,
+    same_length_task,
     tiny_gpt_oss,
     write_recipe,
 )
@@ -207,6 +209,24 @@ def test_two_processes_of_one_sequence_train_what_one_process_trains(tiny_assets
     evals, reference = records(two, "eval"), records(one, "eval")
     for key in ("eval_loss", "eval_token_accuracy", "eval_teacher_forced_match"):
         assert [e[key] for e in evals] == pytest.approx([e[key] for e in reference], abs=1e-6)
+
+
+@pytest.mark.slow
+def test_neftunes_noise_on_two_processes_of_one_sequence_is_one_process_noise(tiny_assets, tmp_path, free_port):
+    """train.neftune_alpha: each process embeds its half of the row and draws the whole row's noise (each example
+    scaled by its whole length), keeping its half's: the same losses, gradient norms and weights as one process,
+    whose noise moves the loss (against the run without it). Rows of 4 examples of 21 tokens: 84, even, so the
+    group pads nothing and both draw the same number of values a row (a padded row would draw for its padding too)."""
+    data = same_length_task(tiny_assets, tmp_path)
+    recipe = write_recipe(tiny_assets, tmp_path, **{**PACKED, "train": {**PACKED["train"], "micro_batch_tokens": 84}},
+                          data={"path": str(data)})
+    plain, one, two = tmp_path / "plain", tmp_path / "one", tmp_path / "two"
+    run_train(recipe, f"output_dir={plain}")
+    run_train(recipe, f"output_dir={one}", "train.neftune_alpha=15")
+    _launch(CPU_DDP, 2, free_port, recipe, f"output_dir={two}", "train.neftune_alpha=15")
+    assert all(r["tokens"] == 2 * 84 for r in records(one))  # full rows
+    assert min(abs(a - b) for a, b in zip(losses(one), losses(plain))) > 1e-3
+    _assert_equal(two, one)
 
 
 def _tiny_mistral(tiny_assets: Path, out: Path, window: int | None) -> Path:

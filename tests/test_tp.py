@@ -326,6 +326,23 @@ def test_kto_under_fsdp_x_tp_trains_as_plain_fsdp(tiny_assets, tmp_path, lora):
                                                                 "policy,")
 
 
+@pytest.mark.extended  # 6 processes in all; main tier: NEFTune on one process and the sequence and pipeline rows
+def test_neftunes_noise_under_fsdp_x_tp_is_plain_fsdps(tiny_assets, tmp_path):
+    """train.neftune_alpha under 2 shards x 2 TP: the embedding stays whole on both processes of a TP pair, which draw
+    the same noise (the same seed, the same draws) for the pair's one batch; the run equals plain FSDP on 2 processes
+    (the same 2 data ranks, micro-batches and draws): gradient norms to 1e-6, losses and weights to 1e-5; the noise
+    moves the loss (against plain FSDP without it)."""
+    recipe = write_recipe(tiny_assets, tmp_path, train={"max_steps": 3, "micro_batch_size": 4, **SGD_LIKE})
+    runs = {name: tmp_path / name for name in ("plain", "fsdp", "tp")}
+    _launch(recipe, open_port(), 2, f"output_dir={runs['plain']}")
+    _launch(recipe, open_port(), 2, f"output_dir={runs['fsdp']}", "train.neftune_alpha=15")
+    _launch(recipe, open_port(), 4, f"output_dir={runs['tp']}", "train.neftune_alpha=15")
+    assert min(abs(a - b) for a, b in zip(losses(runs["fsdp"]), losses(runs["plain"]))) > 1e-3
+    assert [r["grad_norm"] for r in records(runs["tp"])] == pytest.approx(
+        [r["grad_norm"] for r in records(runs["fsdp"])], rel=1e-6)
+    _same_run(runs["tp"], runs["fsdp"], tol=1e-5)
+
+
 def _assert_frozen_spread(model: Path, runs: Path, line: str, spread: dict[str, int] | None = None) -> None:
     """A frozen model's decoder (distillation's teacher, KTO's reference) in 1/4 a process under 2 shards x 2 TP
     (fsdp._frozen_mesh: spread over the TP pair too; it was 1/2, replicated over the shards), 1/2 under plain FSDP

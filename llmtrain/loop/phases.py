@@ -347,7 +347,8 @@ def build_model(recipe: Recipe, accelerator, *, total_steps: int, say, pad: int 
     if tc.neftune_alpha is not None:
         from llmtrain.model.neftune import attach_neftune
 
-        attach_neftune(model, tc.neftune_alpha)
+        sequence = groups(accelerator).sequence  # its slice of the group's row: the whole row's noise drawn
+        attach_neftune(model, tc.neftune_alpha, sequence=(sequence.rank, sequence.size))
     for name, status, detail in check_context(recipe.data.max_seq_len,
                                               getattr(model.config, "max_position_embeddings", None)):
         if status == "warn":  # as `llmtrain doctor`

@@ -9,8 +9,15 @@ square root of the number it shares the row with. Evaluation, generation and eve
 
 Two hooks: a forward pre-hook on the decoder reads the row's layout from its keyword arguments, and a forward hook on
 the embedding adds the noise. The decoder and its embedding are the model's own modules, so the hooks hold under
-LoRA and under DDP and FSDP's wrapping; the layouts that split a row or its embedding (sequence, pipeline and tensor
-parallelism) refuse the setting (capabilities.RULES).
+LoRA and under DDP and FSDP's wrapping, and under tensor parallelism, which keeps the embedding whole on every
+process of a pair (each draws the same noise from the same seed). The layouts that embed a row apart:
+- sequence parallelism (`sequence`: this process's place in its group): each process embeds its slice of the group's
+  row; it draws the noise of the whole row, as one process would, and keeps its slice's (every process of the group
+  holds the same random state), so the slices' noise is one draw, each example scaled by its whole length;
+- pipeline stages: the first stage runs the embedding outside the decoder's forward and hands its the row's layout
+  (`Noise.read`, the embedding's `neftune` attribute) before it embeds.
+A row padded to a layout's shape (a sequence group's multiple, a stage's fixed slots) draws noise for its padding
+too, which nothing attends to or trains on.
 """
 
 from __future__ import annotations
@@ -18,41 +25,61 @@ from __future__ import annotations
 import torch
 
 
-def _lengths(kwargs: dict, shape: torch.Size, device) -> torch.Tensor:
+def _lengths(layout: dict, shape: torch.Size, device) -> torch.Tensor:
     """[rows, tokens, 1] float: each token's example length, from the decoder's keyword arguments; on the device,
     without a host synchronisation (a searchsorted, not repeat_interleave's data-dependent size)."""
     rows, tokens = shape[0], shape[1]
-    cu = kwargs.get("cu_seq_lens_q")
+    cu = layout.get("cu_seq_lens_q")
     if cu is not None:  # a packed row: each example's own; tokens past the last boundary (none here) their count
         ends = torch.cat([cu[1:], cu.new_tensor([tokens])])  # each example's end, then the row's
         per = (ends - cu)[torch.searchsorted(ends, torch.arange(tokens, device=cu.device), right=True)]
         return per.reshape(1, tokens, 1).expand(rows, tokens, 1).float()
-    mask = kwargs.get("attention_mask")
+    mask = layout.get("attention_mask")
     if mask is not None and mask.dim() == 2:  # padded rows: each row's real tokens
         return mask.sum(dim=1).clamp(min=1).reshape(rows, 1, 1).expand(rows, tokens, 1).float()
     return torch.full((rows, tokens, 1), float(tokens), device=device)
 
 
-def attach_neftune(model, alpha: float) -> None:
-    """Add NEFTune's noise to `model`'s input embeddings in training mode (a peft model's base model's)."""
-    base = model.get_base_model() if hasattr(model, "get_base_model") else model
-    decoder, embedding = base.get_decoder(), base.get_input_embeddings()
-    # the decoder's forward's ids shape and row layout, read by the embedding's hook only when it trains (a cache,
-    # a generation's, is never held here)
-    seen: dict = {"shape": None}
+class Noise:
+    """The embedding's forward hook: the noise of a training forward, scaled by the layout the last forward of the
+    decoder (or a pipeline's first stage) said its rows have. `sequence`: (rank, size) of this process in its
+    sequence-parallel group, whose row it holds the rank-th slice of."""
 
-    def read_layout(module, args, kwargs):
+    def __init__(self, alpha: float, sequence: tuple[int, int] = (0, 1)):
+        self.alpha, (self.rank, self.size) = alpha, sequence
+        # the ids' shape of the forward and its row layout, read by the hook only when it trains (a cache, a
+        # generation's, is never held here)
+        self.shape, self.layout = None, {}
+
+    def read(self, shape, layout: dict) -> None:
+        """The rows about to be embedded: the ids' [rows, tokens] and their layout (cu_seq_lens_q, attention_mask)."""
+        self.shape, self.layout = shape, layout
+
+    def read_decoder(self, module, args, kwargs) -> None:
         ids = kwargs.get("input_ids", args[0] if args else None)
-        seen.update(shape=None if ids is None else ids.shape[:2],
-                    layout={k: kwargs.get(k) for k in ("cu_seq_lens_q", "attention_mask")})
+        self.read(None if ids is None else ids.shape[:2],
+                  {k: kwargs.get(k) for k in ("cu_seq_lens_q", "attention_mask")})
 
-    def add_noise(module, args, output):
+    def __call__(self, module, args, output):
         if not module.training:
             return output
-        inside = seen["shape"] == output.shape[:2]  # else called outside the decoder: the batch's width
-        lengths = _lengths(seen["layout"] if inside else {}, output.shape, output.device)
-        scale = alpha / torch.sqrt(lengths.to(output.device) * output.shape[2])
-        return output + torch.zeros_like(output).uniform_(-1, 1) * scale.to(output.dtype)
+        inside = self.shape == output.shape[:2]  # else called outside the decoder: the batch's width
+        rows, width, d = output.shape
+        whole = (rows, width * self.size, d) if inside else output.shape  # a sequence slice's group row
+        lengths = _lengths(self.layout if inside else {}, whole, output.device)
+        noise = torch.zeros(whole, dtype=output.dtype, device=output.device).uniform_(-1, 1)
+        scale = self.alpha / torch.sqrt(lengths.to(output.device) * d)
+        part = slice(self.rank * width, (self.rank + 1) * width) if inside else slice(None)
+        return output + noise[:, part] * scale[:, part].to(output.dtype)
 
-    decoder.register_forward_pre_hook(read_layout, with_kwargs=True)
-    embedding.register_forward_hook(add_noise)
+
+def attach_neftune(model, alpha: float, *, sequence: tuple[int, int] = (0, 1)) -> Noise:
+    """Add NEFTune's noise to `model`'s input embeddings in training mode (a peft model's base model's). `sequence`:
+    this process's (rank, size) in its sequence-parallel group."""
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    decoder, embedding = base.get_decoder(), base.get_input_embeddings()
+    noise = Noise(alpha, sequence)
+    decoder.register_forward_pre_hook(noise.read_decoder, with_kwargs=True)
+    embedding.register_forward_hook(noise)
+    embedding.neftune = noise  # for a pipeline's first stage, which embeds outside the decoder
+    return noise

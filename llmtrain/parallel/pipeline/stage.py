@@ -61,8 +61,10 @@ class Stage(nn.Module):
             return self._forward(x, handed, position_ids, cu_seq_lens)
 
     def _forward(self, x, handed, position_ids, cu_seq_lens):
-        h = self.embed(x) if self.embed is not None else x
         cu = cut_points(cu_seq_lens)
+        if (noise := getattr(self.embed, "neftune", None)) is not None:  # train.neftune_alpha: the row's examples
+            noise.read(x.shape[:2], {"cu_seq_lens_q": cu})
+        h = self.embed(x) if self.embed is not None else x
         longest = int((cu[1:] - cu[:-1]).max())
         pe = rotary_by_kind(self.rotary, h, position_ids, self.kinds)
         handed = [_ContiguousGrad.apply(t) for t in handed]
