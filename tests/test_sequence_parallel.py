@@ -223,7 +223,8 @@ def test_neftunes_noise_on_two_processes_of_one_sequence_is_one_process_noise(ti
     plain, one, two = tmp_path / "plain", tmp_path / "one", tmp_path / "two"
     run_train(recipe, f"output_dir={plain}")
     run_train(recipe, f"output_dir={one}", "train.neftune_alpha=15")
-    _launch(CPU_DDP, 2, free_port, recipe, f"output_dir={two}", "train.neftune_alpha=15")
+    out = _launch(CPU_DDP, 2, free_port, recipe, f"output_dir={two}", "train.neftune_alpha=15")
+    assert "NEFTune noise on the input embeddings in training (alpha 15)" in out
     assert all(r["tokens"] == 2 * 84 for r in records(one))  # full rows
     assert min(abs(a - b) for a, b in zip(losses(one), losses(plain))) > 1e-3
     _assert_equal(two, one)

@@ -371,6 +371,8 @@ def build_model(recipe: Recipe, accelerator, *, total_steps: int, say, pad: int 
     say(f"model: {n_total:,} parameters, {n_trainable:,} trainable ({method}); "
         f"attention: {describe_attention(recipe.model)}{'; liger kernels' if fused_ce else ''}"
         + memory_line(recipe.model, model.config, accelerator.device.type)
+        + (f"; NEFTune noise on the input embeddings in training (alpha {tc.neftune_alpha:g})"
+           if tc.neftune_alpha is not None else "")
         + ("; train.deterministic: strict deterministic kernels (flash attention's deterministic backward, "
            "cuBLAS workspace " + os.environ.get("CUBLAS_WORKSPACE_CONFIG", "?") + ")" if tc.deterministic else ""))
     lora = recipe.lora
