@@ -1435,6 +1435,27 @@ def adapter_base(folder) -> str:
     return base
 
 
+def adapter_quantization(folder) -> tuple[str, str, str] | None:
+    """How the run that saved the LoRA adapter in `folder` (a run's final/ or one of its checkpoints, its recipe.yaml
+    beside) held its base when it was a 4-bit one: (model.quantize, model.dtype, train.mixed_precision); None for a
+    16-bit base or an adapter from elsewhere (no recipe.yaml), whose base is read as saved."""
+    import yaml
+
+    folder = Path(folder).expanduser()
+    for recipe in (folder.parent / "recipe.yaml", folder / "recipe.yaml"):
+        if recipe.is_file():
+            try:
+                saved = yaml.safe_load(recipe.read_text()) or {}
+            except yaml.YAMLError:
+                return None
+            model, train = saved.get("model") or {}, saved.get("train") or {}
+            if not model.get("quantize"):
+                return None
+            return (model["quantize"], model.get("dtype") or ModelConfig.model_fields["dtype"].default,
+                    train.get("mixed_precision") or TrainConfig.model_fields["mixed_precision"].default)
+    return None
+
+
 def run_folder_problem(path: str, key: str) -> str | None:
     """Where `path` is an llmtrain run's folder rather than a model (`model.name_or_path=runs/sft`, the SFT run a
     distillation or a next run starts from): which folder of it holds the model, and what to set `key` to."""

@@ -49,7 +49,7 @@ from dataclasses import dataclass
 
 from llmtrain.memory.params import ModelShape
 from llmtrain.memory.spec import DTYPE_BYTES, PRECISION_DTYPE, TrainSpec
-from llmtrain.memory.states import QUANT_BYTES_PER_WEIGHT
+from llmtrain.memory.spec import QUANT_BYTES_PER_WEIGHT
 
 NVLINK_GBPS = 3600.0  # H100 SXM, NVLink 4: 450 GB/s each way per GPU
 INFINIBAND_GBPS = 400.0  # one NDR InfiniBand card per GPU (the usual 8-GPU H100 node)

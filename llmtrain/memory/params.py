@@ -797,6 +797,7 @@ class RewardModel:
     dtype: str
     adapter_bytes: int  # a LoRA adapter's file beside its base (0: a whole model)
     batch_size: int
+    quantize: str | None = None  # a QLoRA run's adapter: its base in 4 bits, as the run held it (model/score.py)
 
 
 def _saved_dtype(config: dict) -> str:
@@ -808,7 +809,7 @@ def _saved_dtype(config: dict) -> str:
 def reward_models_of(recipe) -> tuple[RewardModel, ...]:
     """The recipe's reward models, read from their folders (config.json, or a LoRA adapter's base config and its
     adapter's file); a folder that is not there to read (the estimate made before it is trained) with no shape."""
-    from llmtrain.config import adapter_base
+    from llmtrain.config import adapter_base, adapter_quantization
 
     found = []
     for reward in (recipe.rl.rewards if recipe.rl is not None else []):
@@ -825,9 +826,11 @@ def reward_models_of(recipe) -> tuple[RewardModel, ...]:
         extra = sum(f.stat().st_size for f in folder.glob("adapter_model*.safetensors")) if adapter.is_file() else 0
         cfg, source = read_config(name)  # read once: the shape and the saved dtype
         shape = _shape_from_json(json.dumps(cfg, sort_keys=True, default=str), f"{name} ({source})")
-        dtype = _saved_dtype(cfg)
+        dtype, quantize = _saved_dtype(cfg), None
+        if adapter.is_file() and (held := adapter_quantization(folder)) is not None:  # as the QLoRA run held it
+            quantize, dtype = held[0], held[1]
         shape = shape if shape.score_head else score_head_shape(shape)
-        found.append(RewardModel(reward.path, shape, dtype, extra, reward.batch_size))
+        found.append(RewardModel(reward.path, shape, dtype, extra, reward.batch_size, quantize))
     return tuple(found)
 
 

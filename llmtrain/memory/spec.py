@@ -26,6 +26,9 @@ GIB = 1024**3
 MIB = 1024**2
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 PRECISION_DTYPE = {"bf16": "bfloat16", "fp16": "float16"}
+# bitsandbytes 4-bit with double quantisation (QLoRA, Dettmers et al. 2023): 4 bits a weight, one 8-bit absmax per
+# block of 64 weights, and one fp32 absmax per block of 256 of those: 0.5 + 1/64 + 4/(64 x 256) bytes a weight.
+QUANT_BYTES_PER_WEIGHT = 0.5 + 1 / 64 + 4 / (64 * 256)
 # Every component a breakdown reports, in display order; the first six are always present.
 COMPONENTS = ("weights", "gradients", "optimizer", "activations", "logits", "overhead",
               "autocast_copies", "ddp_buckets", "fsdp_buffers", "temporaries", "kv_cache", "generation_copy",

@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from llmtrain.memory.params import LoraPlan, ModelShape
-from llmtrain.memory.spec import DTYPE_BYTES, PRECISION_DTYPE, TrainSpec
+from llmtrain.memory.spec import DTYPE_BYTES, PRECISION_DTYPE, QUANT_BYTES_PER_WEIGHT, TrainSpec
 from llmtrain.memory.reward_models import weight_bytes
 from llmtrain.memory.teacher import sharded_frozen_bytes
 
@@ -40,11 +40,6 @@ def optimizer_bytes(trainable_bytes: int, optimizer: str = "adamw", *, param_byt
     if optimizer == "adamw_8bit":
         return round(trainable_bytes / param_bytes * ADAMW_8BIT_BYTES_PER_PARAM)
     return 2 * trainable_bytes
-
-
-# bitsandbytes 4-bit with double quantisation (QLoRA, Dettmers et al. 2023): 4 bits a weight, one 8-bit absmax per
-# block of 64 weights, and one fp32 absmax per block of 256 of those: 0.5 + 1/64 + 4/(64 x 256) bytes a weight.
-QUANT_BYTES_PER_WEIGHT = 0.5 + 1 / 64 + 4 / (64 * 256)
 
 
 def quantized_base_bytes(shape: ModelShape, spec: TrainSpec) -> int:

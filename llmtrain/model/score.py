@@ -124,7 +124,8 @@ def check_reward_folder(path: str) -> None:
 
 def load_reward_model(path: str, device):
     """The reward model of `path` (checked by check_reward_folder: a full model, or a SEQ_CLS LoRA adapter on its
-    base) and its tokenizer, in eval mode, frozen, on `device`, in the dtype it was saved in."""
+    base) and its tokenizer, in eval mode, frozen, on `device`, in the dtype it was saved in; a QLoRA run's adapter on
+    its base in 4 bits as the run held it (config.adapter_quantization), so it scores as its evals measured it."""
     from pathlib import Path
 
     from transformers import AutoModelForSequenceClassification, AutoTokenizer
@@ -135,14 +136,23 @@ def load_reward_model(path: str, device):
     tokenizer = AutoTokenizer.from_pretrained(str(folder))
     with every_process_reads():  # never prepared by FSDP: each process reads its own whole copy
         if (folder / "adapter_config.json").is_file():
-            from llmtrain.model.modeling import grow_vocabulary, load_adapter
+            from llmtrain.config import ModelConfig, adapter_base, adapter_quantization
+            from llmtrain.model.modeling import _quiet_new_head, grow_vocabulary, load_adapter, load_model
 
-            from llmtrain.config import adapter_base
-
-            model = pretrained(AutoModelForSequenceClassification, adapter_base(folder), num_labels=1, dtype="auto")
+            if (held := adapter_quantization(folder)) is not None:  # QLoRA: the 4-bit base it trained and scored on
+                quantize, dtype, precision = held
+                cfg = ModelConfig(name_or_path=adapter_base(folder), quantize=quantize, dtype=dtype,
+                                  attn_implementation="sdpa")  # right-padded batches with their mask
+                model = load_model(cfg, None, device=torch.device(device), reward_head=True,
+                                   compute_dtype={"bf16": torch.bfloat16, "fp16": torch.float16}.get(precision))
+            else:
+                with _quiet_new_head(True):  # the new score head and the unread LM head: expected
+                    model = pretrained(AutoModelForSequenceClassification, adapter_base(folder), num_labels=1,
+                                       dtype="auto")
             grow_vocabulary(model, len(tokenizer))  # model.new_tokens: the rows the adapter's copy holds
             model = load_adapter(model, str(folder))
         else:
+            held = None
             model = AutoModelForSequenceClassification.from_pretrained(str(folder), dtype="auto")
     rows = model.get_input_embeddings().num_embeddings
     if len(tokenizer) > rows:  # a completion with a token past the embeddings: an IndexError mid-run, said now
@@ -153,4 +163,4 @@ def load_reward_model(path: str, device):
                             "cannot be scored. Save it with the tokenizer it was trained with, or with its embeddings "
                             "resized to the tokenizer (model.resize_token_embeddings(len(tokenizer))).")
     model.requires_grad_(False)
-    return model.to(device).eval(), tokenizer
+    return (model if held is not None else model.to(device)).eval(), tokenizer  # (4-bit: loaded on its device)
