@@ -418,6 +418,39 @@ def test_a_lora_resume_goes_on_with_the_adapters_snapshot(tiny_assets, tmp_path)
     assert max((a[n] - b[n]).abs().max().item() for n in a) < 1e-6
 
 
+@pytest.mark.slow
+def test_loras_moving_reference_with_a_trained_head_under_fsdp_trains_what_one_process_trains(tiny_assets, tmp_path,
+                                                                                           free_port):
+    """DPO with LoRA, a trained copy of the LM head (lora.modules_to_save, in FSDP's root unit) and sync_reference
+    every 2 steps, on 2 FSDP processes against 1: the same losses, gradient norms, eval and adapter. peft's
+    disable_adapter (the reference of steps 1 and 2) froze the head copy's shards and unfroze its gathered tensors,
+    which FSDP keeps after the reference's forward; from step 3, whose reference is the snapshot (no disable_adapter),
+    each gathering took the shards' requires_grad: the head trained no more (step 3's gradient norm 0.149 against
+    0.452, the head 2.5e-3 off at the end) until model/reference.adapter_off put every flag back."""
+    from helpers import REPO, launch_finetune, max_abs_diff
+
+    data = tiny_assets / "data"
+    recipe = write_recipe(tiny_assets, tmp_path, data={"path": str(data / "train_pairs.jsonl"), "format": "preference",
+                                                       "eval_split": str(data / "eval_pairs.jsonl")},
+                          preference={"loss": "dpo", "sync_reference": {"every_steps": 2, "alpha": 1.0}},
+                          lora={"r": 4, "alpha": 8, "dropout": 0.0, "modules_to_save": ["lm_head"]},
+                          train={"max_steps": 3, "micro_batch_size": 4, "lr": 1e-2, "eps": 1e-6, "eval_every_steps": 3,
+                                 "eval_samples": 0, "eval_batch_size": 4})
+    run_train(recipe, f"output_dir={tmp_path / 'one'}")
+    launch_finetune(REPO / "accelerate_configs" / "cpu_fsdp.yaml", 2, free_port, recipe,
+                    f"output_dir={tmp_path / 'two'}", "train.micro_batch_size=2", "train.eval_batch_size=2")
+    one, two = records(tmp_path / "one"), records(tmp_path / "two")
+    for key in ("loss", "rewards/margins"):
+        assert [r[key] for r in two] == pytest.approx([r[key] for r in one], abs=1e-6), key
+    assert [r["grad_norm"] for r in two] == pytest.approx([r["grad_norm"] for r in one], rel=1e-5)
+    assert abs(one[2]["loss"] - LN2) < 1e-6  # step 3 through the snapshot
+    (want,), (got,) = records(tmp_path / "one", "eval"), records(tmp_path / "two", "eval")
+    for key in ("eval_loss", "eval_logps/chosen", "eval_rewards/margins"):
+        assert got[key] == pytest.approx(want[key], abs=1e-4), key
+    a, b = (load_weights(tmp_path / run / "final" / "adapter_model.safetensors") for run in ("one", "two"))
+    assert any("lm_head" in k for k in a) and max_abs_diff(a, b) < 1e-5
+
+
 def test_doctor_says_where_the_reference_comes_from(tiny_assets, tmp_path):
     """doctor's reference row, one per kind: precomputed (a full fine-tune's DPO), a frozen copy and its sync, LoRA's
     disabled adapter and its moving snapshot, none (simpo); no row for SFT or online RL at beta 0."""

@@ -47,7 +47,7 @@ from llmtrain.model.modeling import (
     unadapted_experts,
     unquantized_experts,
 )
-from llmtrain.model.reference import AdapterReference, Reference, frozen_copy, saved_problem
+from llmtrain.model.reference import AdapterReference, Reference, adapter_off, frozen_copy, saved_problem
 from llmtrain.model.score import attach_score
 from llmtrain.model.teacher import load_teacher, vocabulary_problem
 from llmtrain.objectives.objective import head_loss_for
@@ -486,7 +486,7 @@ def reference_logps(recipe: Recipe, accelerator, data: Data, trainable: Trainabl
     tc, say, start = recipe.train, console.say, time.perf_counter()
     # LoRA (on pipeline stages, or asked for): the reference is the model with its adapter disabled, as it is for
     # preference.reference=adapter, whatever the adapter's weights are now
-    adapter_off = trainable.unwrapped.disable_adapter if recipe.lora is not None else nullcontext
+    off = partial(adapter_off, trainable.unwrapped) if recipe.lora is not None else nullcontext
     needed = {"train": data.plan.examples_in(data.total_steps, tc.grad_accum_steps), "eval": None}
     splits = {"train": data.train, **({"eval": data.eval} if data.eval is not None else {})}
     key = model_key(recipe)
@@ -514,7 +514,7 @@ def reference_logps(recipe: Recipe, accelerator, data: Data, trainable: Trainabl
                                           batch_size=tc.eval_batch_size or tc.micro_batch_size,
                                           batch_tokens=tc.micro_batch_tokens if by_tokens else None,
                                           cache=cache, needed=needed[name], on_batch=on_batch,
-                                          pipeline=trainable.pipeline, adapter_off=adapter_off)
+                                          pipeline=trainable.pipeline, adapter_off=off)
         say(f"reference log-probabilities of the {pairs} {name} pairs the run uses (of {len(ds)}): "
             f"{time.perf_counter() - begun:.1f} s, cached in {cache}")
         splits[name] = ds.add_column("ref_chosen", values[:, 0].tolist()).add_column("ref_rejected",

@@ -49,8 +49,27 @@ def forward_of(model, reference):
     adapter as it was at the last sync (an AdapterReference), or (None) the model itself with its adapter
     disabled."""
     if reference is None:
-        return model, model.disable_adapter()  # the base model: the reference, with no copy of it
+        return model, adapter_off(model)  # the base model: the reference, with no copy of it
     return reference.forward(model)
+
+
+@contextmanager
+def adapter_off(model):
+    """peft's disable_adapter (a peft model's LoRA off), with every parameter's requires_grad put back after it.
+    peft freezes modules_to_save's copies (a trained head or embeddings) and unfreezes the originals by setting
+    requires_grad on the tensors the modules hold when the block starts, and the reverse on those they hold when it
+    ends. Under FSDP2 those can differ: a unit gathered by the block's forward (the root, which FSDP keeps gathered
+    after a forward) holds its gathered tensors at the end, so its shards stayed frozen, and FSDP gives each later
+    gathering its shards' requires_grad: the head's copy trained no more once a forward ran without the block
+    (LoRA's moving reference after its first sync; tests/test_preference.py)."""
+    flags = [(p, p.requires_grad) for p in model.parameters()]
+    try:
+        with model.disable_adapter():
+            yield
+    finally:
+        for p, flag in flags:
+            if p.requires_grad != flag:
+                p.requires_grad_(flag)
 
 
 @torch.no_grad()

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from functools import partial
 from typing import Protocol
 
 import torch
@@ -29,6 +30,7 @@ import torch
 from llmtrain.capabilities import reference_kind
 from llmtrain.data.batching import Counts, collate, to_device, with_loss_positions
 from llmtrain.model.loss import compute_loss, eval_counts
+from llmtrain.model.reference import adapter_off
 from llmtrain.objectives.rollouts import here
 
 
@@ -268,7 +270,7 @@ def head_loss_for(recipe, *, model=None, reduce=None):
     if recipe.kto is not None:  # (LoRA's: a full fine-tune's is refused on stages, capabilities.RULES)
         from llmtrain.objectives.kto import StageKTO
 
-        return StageKTO(recipe.kto, adapter_off=model.disable_adapter, reduce=reduce)
+        return StageKTO(recipe.kto, adapter_off=partial(adapter_off, model), reduce=reduce)
     if recipe.reward_model is not None:
         from llmtrain.objectives.reward_model import StageScores
 
@@ -277,5 +279,5 @@ def head_loss_for(recipe, *, model=None, reduce=None):
         from llmtrain.objectives.preference import StagePairs
 
         return StagePairs(recipe.preference, reference=reference_kind(recipe),
-                          adapter_off=model.disable_adapter if recipe.lora is not None else None)
+                          adapter_off=partial(adapter_off, model) if recipe.lora is not None else None)
     return None
