@@ -230,7 +230,9 @@ def _adapter_sync(r, _):
     return r.lora is not None and reference_sync(r) is not None
 
 
-def _adapter_sync_in_rollout(r, _):
+def rollout_adapter(r, _=None) -> bool:
+    """LoRA's moving reference run in the rollout (RLOO's KL), where FSDP holds the policy gathered: the reference
+    keeps its snapshot whole as well (model/reference.AdapterReference), and the estimate counts it."""
     return _adapter_sync(r, _) and r.rl is not None and r.rl.algorithm == "rloo"
 
 
@@ -273,11 +275,11 @@ RULES: tuple[Rule, ...] = (
            "reference's forward, which llmtrain does on one process, DDP, FSDP and FSDP x TP; on pipeline stages the "
            "reference runs through the stages with the adapter disabled, before the step. Launch one of those, or "
            "remove sync_reference") for parallelism in ("pp",)),
-    Rule("fsdp", _adapter_sync_in_rollout,
-         "RLOO's KL under FSDP / HSDP runs the reference in the rollout, where FSDP holds the policy's weights "
-         "gathered, and LoRA's moving reference (rl.sync_reference) swaps the adapter's snapshot into their shards, "
-         "which the gathered weights would not see. Launch one GPU or DDP, remove rl.sync_reference, or use "
-         "rl.algorithm=grpo (its reference runs in the update)"),
+    Rule("tp", rollout_adapter,
+         "RLOO's KL under {key} runs the reference in the rollout, where FSDP holds the policy's weights gathered, "
+         "each process's split by tensor parallelism, and LoRA's moving reference (rl.sync_reference) swaps the "
+         "adapter's whole snapshot into the gathered weights (FSDP and HSDP alone). Launch FSDP without "
+         "tensor parallelism, remove rl.sync_reference, or use rl.algorithm=grpo (its reference runs in the update)"),
     Rule("tp", _copy_unsharded,
          "{key} without FSDP: a full fine-tune's reference ({reference}) is a frozen copy of the starting weights, "
          "sharded like the policy under FSDP only and otherwise whole on every process, undoing the split. Launch "

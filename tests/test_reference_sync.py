@@ -261,17 +261,20 @@ def test_lora_takes_sync_reference_whole_only_and_not_on_split_layers(tiny_asset
     recipe = Recipe.model_validate(data)
     assert capabilities.problems(recipe, Layout(processes=2)) == []
     fsdp = capabilities.problems(recipe, Layout(processes=2, fsdp=True))
-    if mode == "rl":  # RLOO's KL runs in the rollout, over the gathered weights: refused there (GRPO's trains)
+    if mode == "rl":  # RLOO's KL runs in the rollout, over the gathered weights: FSDP takes it (the whole snapshot
+        # swapped in), FSDP x TP, whose gathered weights TP splits, refuses it (GRPO's trains there)
         assert fsdp == []
+        tp = Layout(processes=4, tp=2, shard=2, mesh=True, fsdp=True)
+        assert capabilities.problems(recipe, tp) == []
         recipe = Recipe.model_validate({**data, "rl": {**data["rl"], "algorithm": "rloo"}})
-        fsdp = capabilities.problems(recipe, Layout(processes=2, fsdp=True))
-        assert len(fsdp) == 1 and "RLOO's KL under FSDP / HSDP runs the reference in the rollout" in fsdp[0]
-        assert "which the gathered weights would not see" in fsdp[0]
+        assert capabilities.problems(recipe, Layout(processes=2, fsdp=True)) == []
+        (refused,) = capabilities.problems(recipe, tp)
+        assert refused.startswith("RLOO's KL under tensor parallelism (parallelism_config_tp_size: 2")
+        assert "split by tensor parallelism" in refused and "Launch FSDP without tensor parallelism" in refused
         assert capabilities.problems(recipe, Layout(processes=2)) == []
     else:
         assert fsdp == []
-    if mode != "rl":  # (online RL is refused on pipeline stages as a mode; RLOO's FSDP refusal above holds under
-        # FSDP x TP too)
+    if mode != "rl":  # (online RL is refused on pipeline stages as a mode)
         assert any("LoRA's moving reference (sync_reference) copies a snapshot of the adapter" in p and
                    "which llmtrain does on one process, DDP, FSDP and FSDP x TP" in p
                    for p in capabilities.problems(recipe, Layout(processes=2, pp=2)))
@@ -361,8 +364,18 @@ def test_the_estimate_counts_the_copy_for_every_mode_that_holds_one():
     trained = estimate(mistral, still).phase_parts["optimizer_step"]["gradients"]  # the adapters' fp32 gradients
     assert trained > 0 and weights(moving) - weights(still) == 2 * trained
     moving, still = (replace(s, strategy="fsdp", num_gpus=8) for s in (moving, still))  # each process's shards
-    trained = estimate(mistral, still).phase_parts["optimizer_step"]["gradients"]
-    assert weights(moving) - weights(still) == pytest.approx(2 * trained, abs=2)
+    sharded = estimate(mistral, still).phase_parts["optimizer_step"]["gradients"]
+    assert weights(moving) - weights(still) == pytest.approx(2 * sharded, abs=2)
+    # RLOO's KL swaps the snapshot into the weights FSDP holds gathered in the rollout: it and its spare whole too
+    lora_rl = {**prompts, "lora": lora["lora"]}
+    rloo = spec_from_recipe(Recipe.model_validate({**lora_rl, "rl": {
+        "algorithm": "rloo", "rewards": rewards, "sync_reference": {"alpha": 1}}}), **fsdp)
+    grpo = spec_from_recipe(Recipe.model_validate({**lora_rl, "rl": {
+        "beta": 0.04, "rewards": rewards, "sync_reference": {"alpha": 1}}}), **fsdp)
+    assert rloo.adapter_reference_whole and not grpo.adapter_reference_whole and grpo.adapter_reference
+    assert weights(rloo) - weights(replace(rloo, adapter_reference_whole=False)) == 2 * trained
+    ddp = replace(rloo, strategy="ddp")  # nothing gathered: the swap writes each weight itself
+    assert weights(ddp) == weights(replace(ddp, adapter_reference_whole=False))
 
 
 # --------------------------------------------------------------------------- LoRA: the adapter as it was (alpha 1)

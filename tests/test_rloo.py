@@ -329,21 +329,27 @@ def test_normalized_advantages_over_two_processes_equal_one(tiny_assets, tmp_pat
 @pytest.mark.parametrize("lora", [
     # the main tier: test_grpo_run's KL anchor under FSDP, the same sampling and gathers
     pytest.param(True, id="lora", marks=pytest.mark.extended),
-    pytest.param(False, id="full")])
+    pytest.param(False, id="full"),
+    pytest.param("sync", id="lora-sync")])
 def test_two_fsdp_processes_with_the_kl_in_the_reward_train_what_one_does(tiny_assets, tmp_path, free_port, lora):
     """TRL's beta 0.05: the rollout's no-grad policy and reference forwards run while FSDP holds the whole model
     gathered (no collective per pass); 2 FSDP processes give one process's completions, k1 KLs, advantages and
     losses. LoRA: the reference is the adapter disabled. A full fine-tune (refused under FSDP before stop 98): the
     frozen copy, sharded like the policy, is held gathered through the rollout too (rollouts.held_whole), and under a
     token budget the ranks run unequal numbers of KL passes (without the gather the run fails at step 2 on gloo's
-    collective mismatch: checked)."""
-    recipe = rloo_recipe(tiny_assets, tmp_path, rl={"beta": 0.05},
-                         train={"max_steps": 2, "lr": 5e-2 if lora else 1e-3, "eval_every_steps": None},
+    collective mismatch: checked). lora-sync: LoRA's moving reference (rl.sync_reference every 2 steps, alpha 1;
+    refused under FSDP before): its snapshot, all-gathered whole when it is taken, swapped into the weights FSDP
+    holds gathered through the rollout, a token budget's unequal KL passes among them: step 3's KL 0 (the snapshot
+    is step 3's policy), step 4's live against it, as on one process."""
+    sync = {"sync_reference": {"every_steps": 2, "alpha": 1.0}} if lora == "sync" else {}
+    recipe = rloo_recipe(tiny_assets, tmp_path, rl={"beta": 0.05, **sync},
+                         train={"max_steps": 4 if sync else 2, "lr": 5e-2 if lora else 1e-3,
+                                "eval_every_steps": None},
                          data={"eval_split": None, "eval_max_examples": None},
                          **({"lora": {"r": 4, "alpha": 8, "dropout": 0.0}} if lora else {}))
     run_train(recipe, f"output_dir={tmp_path / 'one'}")
     launch_finetune(CPU_FSDP, 2, free_port, recipe, f"output_dir={tmp_path / 'fsdp'}", "train.micro_batch_size=2",
-                    *([] if lora else ["rl.micro_batch_tokens=48"]))
+                    *([] if lora is True else ["rl.micro_batch_tokens=48"]))
     one, fsdp = rollouts(tmp_path / "one"), rollouts(tmp_path / "fsdp")
     assert [(r["step"], r["row"], r["completion_ids"], r["reward"]) for r in fsdp] == [
         (r["step"], r["row"], r["completion_ids"], r["reward"]) for r in one]
@@ -351,6 +357,9 @@ def test_two_fsdp_processes_with_the_kl_in_the_reward_train_what_one_does(tiny_a
     assert max(abs(r["kl"]) for r in one if r["step"] == 2) > 1e-5  # the policy has moved: a KL to subtract
     assert [r["advantage"] for r in fsdp] == pytest.approx([r["advantage"] for r in one], abs=1e-5)
     assert losses(tmp_path / "fsdp") == pytest.approx(losses(tmp_path / "one"), abs=1e-6)
+    if sync:
+        assert all(r["kl"] == 0 for r in one if r["step"] == 3)
+        assert max(abs(r["kl"]) for r in one if r["step"] == 4) > 1e-5
 
 
 # --------------------------------------------------------------------------- refused with one paragraph

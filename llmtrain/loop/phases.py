@@ -453,7 +453,9 @@ def build_reference(recipe: Recipe, accelerator, trainable: Trainable, *, say):
     if recipe.lora is not None and sync is not None:  # (capabilities: alpha 1, not on pipeline stages)
         say(f"reference: the model with its adapter disabled, then every {sync.every_steps} steps the adapter as it "
             "was then (TR-DPO's hard update)")
-        return AdapterReference(trainable.unwrapped, sync)
+        # RLOO's KL runs it in the rollout, where FSDP holds the policy gathered: the snapshot whole too
+        return AdapterReference(trainable.unwrapped, sync,
+                                whole=uses_fsdp(accelerator) and capabilities.rollout_adapter(recipe))
     if not capabilities.reference_copy(recipe):
         return None
     mixed = f"; every {sync.every_steps} steps it takes alpha={sync.alpha:g} of the policy (TR-DPO)" if sync else ""

@@ -10,7 +10,7 @@ import math
 from dataclasses import asdict, dataclass, field, replace
 from typing import Literal
 
-from llmtrain.capabilities import reference_copy, reference_kind, reference_sync, sharding_problems
+from llmtrain.capabilities import reference_copy, reference_kind, reference_sync, rollout_adapter, sharding_problems
 from llmtrain.config import (DataConfig, LoraConfig, ModelConfig, ParallelConfig, Recipe, TrainConfig, sampling_of,
                              updates_per_window)
 from llmtrain.errors import LLMTrainError
@@ -164,6 +164,8 @@ class TrainSpec:
     # LoRA under sync_reference: the adapter's snapshot and the spare that holds the trained weights during the
     # reference's forward, each the trained weights once more (model/reference.AdapterReference)
     adapter_reference: bool = False
+    # and run in RLOO's rollout (capabilities.rollout_adapter): under FSDP the snapshot whole and a whole spare too
+    adapter_reference_whole: bool = False
     # rl.cast_lm_head_to_fp32: the LM head's weight held in fp32 whatever the storage dtype (a trained head's
     # gradient and optimizer state in fp32 with it)
     fp32_head: bool = False
@@ -418,6 +420,7 @@ def spec_from_recipe(recipe: Recipe, *, strategy: Strategy = "single", num_gpus:
             recipe.rl.algorithm == "rloo" or recipe.rl.num_iterations > 1),
         unshardable=next(iter(sharding_problems(recipe)), None),
         adapter_reference=lora is not None and reference_sync(recipe) is not None,
+        adapter_reference_whole=rollout_adapter(recipe),
         num_iterations=updates_per_window(recipe), **extra_forwards_of(recipe),
         rollout_forwards=rollout_logps(recipe),
         fp32_head=recipe.rl is not None and recipe.rl.cast_lm_head_to_fp32,

@@ -103,8 +103,10 @@ def states(shape: ModelShape, spec: TrainSpec, plan: LoraPlan | None, *, whole: 
         if spec.fp32_head:  # a copy of a model whose head is fp32 (FSDP refuses the fp32 head)
             reference += shape.head_outputs * H * (4 - min(sd, 4))
     if spec.adapter_reference:  # LoRA's moving reference: a snapshot of the trained weights and a spare (under FSDP
-        # of each process's shards)
+        # of each process's shards; run in RLOO's rollout, where FSDP holds the weights gathered, both whole as well)
         reference += 2 * trainable_bytes // spec.shards
+        if spec.adapter_reference_whole and spec.sharded:
+            reference += 2 * trainable_bytes
     if spec.cpu_offload:
         return States(0, 0, 0, (0,) * shape.layers, 0, 0, weights + trainable_bytes + optim)
     return States(

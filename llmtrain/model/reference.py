@@ -149,10 +149,13 @@ class AdapterReference(Reference):
     which gathers them), and every unit is resharded before the forward and after it, so that none (the root, which
     FSDP keeps gathered after a forward: an eval's policy forward runs before the reference's) carries the policy's
     weights into the reference's forward or the snapshot's into the policy's; the checkpoint's snapshot is sharded as
-    the weights are. Not inside online RL's rollout under FSDP, where the policy is held gathered: the
-    table refuses RLOO there, and GRPO runs it in each update's passes (grpo._reference_once)."""
+    the weights are. Inside RLOO's rollout (`held`, where `whole`) FSDP holds the policy gathered (sampling) and a
+    process runs as many reference passes as its completions fill, with no collective: the swap then writes the
+    snapshot's whole weights (all-gathered when it is taken, once a sync, so `whole` costs the trained weights twice
+    more, whole) into the gathered ones, and resharding nothing. GRPO runs it in each update's passes
+    (grpo._reference_once); FSDP x TP's gathered weights are split by TP, which the table refuses there."""
 
-    def __init__(self, model, sync):
+    def __init__(self, model, sync, *, whole: bool = False):
         super().__init__(None, sync)
         self.model = model  # the unwrapped peft model
         # the trained weights (found once: a checkpoint loads into them in place), their names for the checkpoint
@@ -161,11 +164,23 @@ class AdapterReference(Reference):
         self.snapshot: list[torch.Tensor] | None = None  # in `names`' order, sharded as the weights (the checkpoint)
         self.snapshot_local: list[torch.Tensor] | None = None
         self.spare: list[torch.Tensor] | None = None
+        # `whole`: the snapshot whole too, for a swap into weights FSDP holds gathered (RLOO's rollout)
+        self.whole, self.snapshot_whole, self.spare_whole, self.gathered = whole, None, None, False
 
     def forward(self, model):
         if self.snapshot is None:
             return forward_of(model, None)
-        return model, self._swapped()
+        return model, self._swapped_gathered() if self.gathered else self._swapped()
+
+    @contextmanager
+    def held(self):
+        """A block in which the model's units are held gathered (RLOO's rollout, rollouts.held_whole): the swap
+        writes into the gathered weights the modules hold."""
+        self.gathered = True
+        try:
+            yield
+        finally:
+            self.gathered = False
 
     @contextmanager
     def _swapped(self):
@@ -187,9 +202,47 @@ class AdapterReference(Reference):
             with torch.no_grad():
                 torch._foreach_copy_(local, self.spare)
 
+    @contextmanager
+    def _swapped_gathered(self):
+        """The swap inside a block whose units FSDP holds gathered: each trained weight's gathered tensor (the one
+        its module holds now) takes the snapshot's whole value, a weight no unit gathers (one process, DDP) its own;
+        no collective, and no reshard."""
+        from torch.distributed.tensor import DTensor
+
+        held = dict(self.model.named_parameters())
+        into, source = [], []
+        for i, name in enumerate(self.names):
+            now = held[name]
+            if isinstance(self.trained[i], DTensor) and not isinstance(now, DTensor):  # gathered
+                if self.snapshot_whole is None:
+                    raise RuntimeError("LoRA's moving reference: a gathered weight, and no whole snapshot to swap in")
+                into.append(now.detach())
+                source.append(self.snapshot_whole[i])
+            else:
+                into.append(_local(now.detach()))
+                source.append(self.snapshot_local[i])
+        if self.spare_whole is None or [t.shape for t in self.spare_whole] != [t.shape for t in into]:
+            self.spare_whole = [t.clone() for t in into]
+        training = self.model.training
+        with torch.no_grad():
+            torch._foreach_copy_(self.spare_whole, into)
+            torch._foreach_copy_(into, source)
+        self.model.eval()
+        try:
+            yield
+        finally:
+            self.model.train(training)
+            with torch.no_grad():
+                torch._foreach_copy_(into, self.spare_whole)
+
     def _take_snapshot(self) -> None:
         self.snapshot = [t.clone() for t in self.trained]
         self.snapshot_local = [_local(t) for t in self.snapshot]
+
+    def _gather_snapshot(self) -> None:
+        """`whole`: the snapshot's whole weights (every process calls it: a sharded one is all-gathered)."""
+        if self.whole:
+            self.snapshot_whole = [_whole(t) for t in self.snapshot]
 
     def after_step(self, policy, step: int) -> bool:
         if step % self.every:
@@ -199,13 +252,28 @@ class AdapterReference(Reference):
                 self._take_snapshot()
             else:
                 torch._foreach_copy_(self.snapshot_local, self.local)
+            self._gather_snapshot()
         self.moved = True
         return True
+
+    def restore(self, checkpoint: Path | None) -> bool:
+        restored = super().restore(checkpoint)
+        if restored:
+            with torch.no_grad():
+                self._gather_snapshot()
+        return restored
 
     def state(self) -> dict:
         if self.snapshot is None:  # a resume: read into a copy of the weights' shapes (and shards)
             self._take_snapshot()
         return dict(zip(self.names, self.snapshot))
+
+
+def _whole(t: torch.Tensor) -> torch.Tensor:
+    """A weight's whole value: a DTensor's all-gathered (a collective), else a copy."""
+    from torch.distributed.tensor import DTensor
+
+    return t.full_tensor() if isinstance(t, DTensor) else t.clone()
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:

@@ -38,11 +38,15 @@ def held_whole(reference):
     whatever each process then runs, which the rollout needs (RLOO's KL, GRPO's once-a-round reference: a process runs
     as many reference passes as its completions fill, and under sequence parallelism the group's first alone runs
     them). Costs the whole decoder in its dtype beside its shards while the block runs (the estimate counts it:
-    spec.rollout_reference). Any other reference (None: LoRA's adapter off), or no FSDP: nothing to do."""
+    spec.rollout_reference). LoRA's moving reference (model/reference.AdapterReference) swaps its snapshot into the
+    policy's gathered weights inside it (`held`). Any other reference (None: LoRA's adapter off), or no FSDP: nothing
+    to do."""
     from contextlib import nullcontext
 
     from llmtrain.parallel.fsdp import gathered_for_generation
 
+    if callable(getattr(reference, "held", None)):  # LoRA's moving reference: its swap into the gathered weights
+        return reference.held()
     module = getattr(reference, "module", None)
     return gathered_for_generation(module) if module is not None else nullcontext()
 
