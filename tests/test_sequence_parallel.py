@@ -498,8 +498,9 @@ def test_a_sum_over_the_slices_gives_each_part_the_gradient_of_the_loss_it_feeds
                                                ("vespo", CPU_DDP),
                                                pytest.param("rloo", CPU_FSDP, marks=pytest.mark.extended),
                                                ("rloo-full", CPU_FSDP),
-                                               pytest.param("rloo-full", CPU_DDP, marks=pytest.mark.extended)],
-                         ids=["grpo", "rloo", "vespo", "rloo-fsdp", "rloo-full-fsdp", "rloo-full"])
+                                               pytest.param("rloo-full", CPU_DDP, marks=pytest.mark.extended),
+                                               pytest.param("rloo-sync", CPU_FSDP, marks=pytest.mark.extended)],
+                         ids=["grpo", "rloo", "vespo", "rloo-fsdp", "rloo-full-fsdp", "rloo-full", "rloo-sync-fsdp"])
 def test_online_rl_on_two_processes_of_one_sequence_samples_and_trains_what_one_process_does(tiny_assets, tmp_path,
                                                                                              free_port, algorithm,
                                                                                              config):
@@ -511,16 +512,20 @@ def test_online_rl_on_two_processes_of_one_sequence_samples_and_trains_what_one_
     tokens alone then gave its per-token loss as a 0-d zero, which RLOO's per-completion sum refused (IndexError).
     A full fine-tune (rloo-full, lr 1e-3): the reference is the frozen copy, which the first process alone runs in
     the rollout, so under FSDP it is held gathered there (without it: a hang)."""
-    full = algorithm.endswith("-full")
-    algorithm = algorithm.removesuffix("-full")
+    full, sync = algorithm.endswith("-full"), algorithm.endswith("-sync")
+    algorithm = algorithm.removesuffix("-full").removesuffix("-sync")
+    # rloo-sync: LoRA's moving reference, its whole snapshot swapped into the gathered weights by the first process
+    # alone (model/reference.AdapterReference.held): taken after step 3, 5 steps (rollouts at steps 1, 3 and 5), so
+    # step 5's KL runs through the swap against a moved policy
+    moving = {"sync_reference": {"every_steps": 3, "alpha": 1.0}} if sync else {}
     recipe = write_recipe(tiny_assets, tmp_path, model={"attn_implementation": "auto"},
                           **({} if full else {"lora": LORA}),
                           data={"format": "prompt", "max_seq_len": 32, "eval_split": str(tiny_assets / "data" /
                                                                                          "eval.jsonl"),
                                 "eval_max_examples": 4},
-                          rl={**RL, **ONLINE[algorithm]},
-                          train={"max_steps": 3, "micro_batch_size": 2, "lr": 1e-3 if full else 1e-2,
-                                 "eval_every_steps": 3,
+                          rl={**RL, **ONLINE[algorithm], **moving},
+                          train={"max_steps": 5 if sync else 3, "micro_batch_size": 2,
+                                 "lr": 1e-3 if full else 1e-2, "eval_every_steps": 5 if sync else 3,
                                  "eval_samples": 0, "grad_accum_steps": 2 if algorithm == "rloo" else 1})
     one, two = tmp_path / "one", tmp_path / "two"
     run_train(recipe, f"output_dir={one}")
