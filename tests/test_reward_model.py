@@ -296,6 +296,11 @@ def test_a_qlora_reward_model_scores_for_rl_on_its_4_bit_base_as_its_evals_measu
     # a pair within bf16's rounding of a tie (a score near -1.5 is held to 2^-7) may turn either way, packed or alone
     ties = ((chosen - rejected).abs() < 2**-6).sum().item()
     assert abs((chosen > rejected).double().mean().item() - last["eval_accuracy"]) <= ties / len(chosen)
+    from llmtrain.objectives.learned_reward import described
+
+    assert described(str(run / "final"), model) == (
+        f"{run / 'final'}, a LoRA adapter on {tiny_assets / 'model'}, its base in 4 bits (nf4, bfloat16) as its QLoRA "
+        "run held it, 0.55M parameters, whole on every process")  # (transformers counts 4-bit weights unpacked)
 
     rl = write_recipe(tiny_assets, tmp_path, name="rl.yaml", data={"format": "prompt"},
                       rl={"rewards": [{"type": "reward_model", "path": str(run / "final")}]})
@@ -381,6 +386,8 @@ def test_a_grpo_step_with_a_reward_model_gets_the_scores_the_reward_model_gives(
     assert len({round(x, 4) for x in expected}) > 4  # the completions differ, and so do their scores
     (line,) = records(tmp_path / "run")
     assert line["rewards/reward_model/mean"] == pytest.approx(sum(expected) / 16, abs=1e-5)
+    said = " ".join((tmp_path / "run" / "train.log").read_text().split())
+    assert f"reward reward_model: {run / 'final'}, a whole model, 0." in said and "in float32, whole on every" in said
 
 
 @pytest.mark.parametrize("make, says", [

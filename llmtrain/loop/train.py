@@ -193,6 +193,9 @@ def train_loop(run: Run, state: TrainState, meter: Meter) -> list[dict]:
                             f"sampled at rl.temperature={run.recipe.rl.temperature:g}; eval_reward and "
                             f"eval_answer_accuracy are of one greedy completion of each of the {len(run.data.eval):,} "
                             "eval prompts, so the train reward usually sits below them")
+        for name, fn, _ in getattr(run.objective, "rewards", None) or []:  # a learned reward: what was loaded
+            if (what := getattr(fn, "described", None)) is not None:
+                run.console.say(f"reward {name}: {what}")
         if run.recipe.rl is not None and (run.recipe.rl.tools or run.recipe.rl.environment):
             rl, tools = run.recipe.rl, run.objective.tools
             syntax, names = tools.syntax, tools.names(per_instance=" (an instance a completion)")

@@ -48,4 +48,23 @@ def reward_model_function(reward, data, *, device):
         return scores
 
     reward_model.__name__ = "reward_model"
+    reward_model.described = described(reward.path, model)
     return reward_model
+
+
+def described(path: str, model) -> str:
+    """How the reward model at `path` was loaded, for the run's start-up line."""
+    from pathlib import Path
+
+    from llmtrain.config import adapter_base, adapter_quantization
+
+    folder = Path(path).expanduser()
+    base_model = model.get_base_model() if hasattr(model, "get_base_model") else model
+    size = f"{base_model.num_parameters() / 1e6:,.2f}M parameters"  # (transformers counts 4-bit weights unpacked)
+    if not (folder / "adapter_config.json").is_file():
+        return f"{path}, a whole model, {size} in {str(model.dtype).removeprefix('torch.')}, whole on every process"
+    held = adapter_quantization(folder)
+    base = adapter_base(folder)
+    how = (f"its base in 4 bits ({held[0]}, {held[1]}) as its QLoRA run held it" if held is not None else
+           f"its base in {str(model.dtype).removeprefix('torch.')} as saved")
+    return f"{path}, a LoRA adapter on {base}, {how}, {size}, whole on every process"
