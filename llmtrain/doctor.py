@@ -324,6 +324,9 @@ def check_reference(recipe: Recipe, launch: dict | None = None) -> list[Check]:
     if recipe.lora is not None and sync is not None:
         what = (f"the base model (the adapter disabled) until step {sync.every_steps}, then every "
                 f"{sync.every_steps} steps the adapter as it was then (sync_reference, TR-DPO's hard update)")
+        if launch and Layout.from_launch(launch, recipe).fsdp and capabilities.rollout_adapter(recipe):
+            what += ("; under FSDP its snapshot is also kept whole, to swap into the weights FSDP holds gathered "
+                     "for each rollout (RLOO's KL runs there): the trained weights twice more, in the estimate")
     elif kind == "adapter":
         what = "the base model, the adapter disabled (no copy of the weights)"
     elif kind == "precomputed":

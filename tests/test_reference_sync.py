@@ -498,3 +498,10 @@ def test_doctor_says_where_the_reference_comes_from(tiny_assets, tmp_path):
     assert found[2].endswith("; under FSDP the starting weights read again and sharded like the policy, the LM head "
                              "whole, its decoder gathered whole for each rollout (RLOO's KL runs there)")
     assert check_reference(Recipe.model_validate(sft))[0][2].endswith("in the estimate)")  # no launch: no layout
+    sft["lora"] = {"r": 4, "alpha": 8, "dropout": 0.0}  # LoRA's moving reference in RLOO's rollout under FSDP
+    sft["rl"]["sync_reference"] = {"every_steps": 4, "alpha": 1}
+    (found,) = check_reference(Recipe.model_validate(sft), launch)
+    assert found[2].endswith("; under FSDP its snapshot is also kept whole, to swap into the weights FSDP holds "
+                             "gathered for each rollout (RLOO's KL runs there): the trained weights twice more, in the "
+                             "estimate")
+    assert "kept whole" not in check_reference(Recipe.model_validate(sft))[0][2]
