@@ -13,6 +13,7 @@
 #   bash benchmarks/gpu_session.sh smoke         # every code path a few steps, exact resume on the GPU
 #   bash benchmarks/gpu_session.sh distill       # distillation under FSDP on 1 process, the teacher sharded
 #   bash benchmarks/gpu_session.sh vs-hf-7b      # Mistral-7B LoRA: llmtrain vs HF Trainer (padded, flattening)
+#   bash benchmarks/gpu_session.sh small         # llmtrain at HF's small micro-batches, without and with model.compile
 #   bash benchmarks/gpu_session.sh vs-hf-1b      # ~1B Llama full fine-tune, the same comparison
 #   bash benchmarks/gpu_session.sh fixed         # random tokens at 2048 (and 512, 4096): 7B LoRA, 1B full, 7B full offloaded
 #   bash benchmarks/gpu_session.sh calibrate     # estimate-memory against measured peaks, 12+ runs
@@ -62,7 +63,7 @@
 # (WORK=DIR moves the runs from /tmp/work, or /tmp/work-dry, to DIR.)
 set -uo pipefail
 cd "$(dirname "$0")/.."
-WHAT=${1:?usage: gpu_session.sh pack|i52|i52b|families|i40|i40b|sp|smoke|distill|vs-hf-7b|vs-hf-1b|fixed|calibrate|fit|profile|rl|long|tools|moe|oss|gemma4|optim8|dora|rounds}
+WHAT=${1:?usage: gpu_session.sh pack|i52|i52b|small|families|i40|i40b|sp|smoke|distill|vs-hf-7b|vs-hf-1b|fixed|calibrate|fit|profile|rl|long|tools|moe|oss|gemma4|optim8|dora|rounds}
 G=.gpu
 OUT=${OUT:-/tmp/out}
 DRY=${GPU_SESSION_DRY:-0}
@@ -266,6 +267,16 @@ vs-hf-7b|vs-hf-1b)
   $PY benchmarks/vs_hf.py $( [[ $DRY == 1 ]] && echo --smoke || echo --shape $shape \
     --systems llmtrain,llmtrain-baseline,hf-padded,hf-flatten,hf-liger ) --mistral $G/mistral \
     --gsm8k $G/gsm8k/train.jsonl > "$OUT/$WHAT.jsonl" 2> "$OUT/$WHAT.log"
+  ;;
+small)  # docs/performance.md's open question (~4 minutes on an H200): at HF's small micro-batches (10 bins of ~1.6k
+  # tokens a step) llmtrain ran at half its large-budget speed, launch- and latency-bound; do compiled layers
+  # (model.compile, regional torch.compile) take the fixed costs out? The same llmtrain row without and with them
+  for compiled in no-compile compile; do
+    timeout 270 $PY benchmarks/vs_hf.py $( [[ $DRY == 1 ]] && echo --shape cpu-small --steps 4 --warmup 1 \
+      --grad-accum 2 || echo --shape mistral-7b-lora --steps 12 --warmup 3 --grad-accum 10 ) --systems llmtrain \
+      --$compiled --mistral $G/mistral --gsm8k $G/gsm8k/train.jsonl >> "$OUT/$WHAT.jsonl" 2>> "$OUT/$WHAT.log"
+    echo "vs_hf.py --$compiled: exit $? at ${SECONDS}s" | tee -a "$OUT/$WHAT.log"
+  done
   ;;
 fixed)  # fixed-length random tokens (benchmarks/throughput.py): speed, and predicted vs measured peak at seq 512-4096
   tp() {  # tp [launcher...] -- SHAPE [args]: one throughput.py run; its JSON (the last line) to the .jsonl
