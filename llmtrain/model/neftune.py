@@ -14,7 +14,7 @@ process of a pair (each draws the same noise from the same seed). The layouts th
 - sequence parallelism (`sequence`: this process's place in its group): each process embeds its slice of the group's
   row; it draws the noise of the whole row, as one process would, and keeps its slice's (every process of the group
   holds the same random state), so the slices' noise is one draw, each example scaled by its whole length;
-- pipeline stages: the first stage runs the embedding outside the decoder's forward and hands its the row's layout
+- pipeline stages: the first stage runs the embedding outside the decoder's forward and hands it the row's layout
   (`Noise.read`, the embedding's `neftune` attribute) before it embeds.
 A row padded to a layout's shape (a sequence group's multiple, a stage's fixed slots) draws noise for its padding
 too, which nothing attends to or trains on.

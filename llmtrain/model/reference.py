@@ -61,7 +61,7 @@ def adapter_off(model):
     ends. Under FSDP2 those can differ: a unit gathered by the block's forward (the root, which FSDP keeps gathered
     after a forward) holds its gathered tensors at the end, so its shards stayed frozen, and FSDP gives each later
     gathering its shards' requires_grad: the head's copy trained no more once a forward ran without the block
-    (LoRA's moving reference after its first sync; tests/test_preference.py)."""
+    (LoRA's moving reference after its first sync; tests/test_reference_sync.py)."""
     flags = [(p, p.requires_grad) for p in model.parameters()]
     try:
         with model.disable_adapter():
