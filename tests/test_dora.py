@@ -102,6 +102,11 @@ def test_tensor_parallelism_refuses_it_and_fsdp_takes_it(tiny_assets, tmp_path):
     assert status == "fail" and detail.startswith("lora.dora under tensor parallelism") and \
         "Set lora.dora=false, or launch FSDP" in detail
     assert [check_layout(recipe, layouts[name])[0][1] for name in ("fsdp", "ddp")] == ["pass", "pass"]
+    # an estimate from flags (--model) refuses it too (it said the run fits)
+    refused = invoke("estimate-memory", "--model", "mistral-7b", "--method", "lora", "--dora", "--tp", "2",
+                     "--strategy", "fsdp", "--num-gpus", "8", check=False)
+    said = " ".join((refused.stdout + refused.stderr).split())
+    assert refused.returncode == 2 and "DoRA (--dora, lora.dora) under tensor parallelism" in said
 
 
 @pytest.mark.slow

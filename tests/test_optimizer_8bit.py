@@ -122,6 +122,20 @@ def test_fit_proposes_no_layout_that_refuses_it(tmp_path):
         estimate_run(shape, one))
 
 
+def test_an_estimate_from_flags_refuses_it_under_fsdp_as_a_recipe_is():
+    """`estimate-memory --model ... --optimizer adamw_8bit --strategy fsdp` said it fits (a recipe on an FSDP launch is
+    refused: the table's rule); now the same paragraph's reason, exit 2; DDP is estimated."""
+    from helpers import estimate_memory
+
+    refused = estimate_memory("--model", "mistral-7b", "--method", "lora", "--optimizer", "adamw_8bit", "--strategy",
+                              "fsdp", "--num-gpus", "8", check=False)
+    said = " ".join((refused.stdout + refused.stderr).split())
+    assert refused.returncode == 2 and "the 8-bit optimizer (--optimizer adamw_8bit, train.optimizer) under FSDP / " \
+        "HSDP: bitsandbytes' 8-bit AdamW updates plain tensors" in said and "use adamw" in said
+    assert estimate_memory("--model", "mistral-7b", "--method", "lora", "--optimizer", "adamw_8bit", "--strategy",
+                           "ddp", "--num-gpus", "8").returncode == 0
+
+
 def test_without_bitsandbytes_it_is_refused_in_one_line(monkeypatch):
     """finetune's refusal, and doctor's row (it had none: the recipe passed doctor, then finetune stopped)."""
     import importlib.util
