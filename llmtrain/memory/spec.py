@@ -288,6 +288,13 @@ class TrainSpec:
     def _pipeline_problems(self) -> list[str]:
         """The pipeline's schedule and chunks (what a pipeline itself needs: pipeline.pipeline_problems)."""
         v, problems = self.chunks, []
+        if self.pipeline_parallel > 1 and self.kernel != "varlen":  # (capabilities.RULES, as a recipe is refused)
+            problems.append("pipeline stages attend within each packed row's examples with llmtrain's varlen "
+                            "attention (model.attn_implementation auto or varlen), not "
+                            f"{self.attn_implementation}")
+        if self.pipeline_parallel > 1 and self.mixed_precision == "fp16":
+            problems.append("pipeline stages run in fp32 or bf16: fp16's loss scaling is not built for them "
+                            "(--mixed-precision bf16)")
         if self.pipeline_schedule not in SCHEDULES:
             problems.append(f"pipeline schedule {self.pipeline_schedule!r} is not one of {', '.join(SCHEDULES)}")
         if self.pipeline_chunks is not None and self.pipeline_chunks < 1:
