@@ -230,10 +230,26 @@ def _adapter_sync(r, _):
     return r.lora is not None and reference_sync(r) is not None
 
 
+def reference_in_rollout(rl, *, moving_adapter: bool) -> bool:
+    """Whether online RL (`rl`, the recipe's rl: section or None) takes its reference's log-probabilities in the
+    rollout, once a round (TRL's ref_per_token_logps, taken where it generates), where FSDP holds the policy (and a
+    full fine-tune's frozen copy) gathered: RLOO's KL (rl.beta > 0), and GRPO's with rl.num_iterations > 1 but for
+    LoRA's moving reference (`moving_adapter`), whose swap GRPO runs in each update's passes. The one rule: the
+    objective runs it so (grpo._reference_once), the estimate counts it (its rollout phases and extra forwards)."""
+    if rl is None or not rl.beta:
+        return False
+    return rl.algorithm == "rloo" or (rl.num_iterations > 1 and not moving_adapter)
+
+
+def rollout_reference(r) -> bool:
+    """reference_in_rollout of recipe `r`."""
+    return reference_in_rollout(r.rl, moving_adapter=_adapter_sync(r, None))
+
+
 def rollout_adapter(r, _=None) -> bool:
     """LoRA's moving reference run in the rollout (RLOO's KL), where FSDP holds the policy gathered: the reference
     keeps its snapshot whole as well (model/reference.AdapterReference), and the estimate counts it."""
-    return _adapter_sync(r, _) and r.rl is not None and r.rl.algorithm == "rloo"
+    return _adapter_sync(r, _) and rollout_reference(r)
 
 
 RULES: tuple[Rule, ...] = (

@@ -10,7 +10,8 @@ import math
 from dataclasses import asdict, dataclass, field, replace
 from typing import Literal
 
-from llmtrain.capabilities import reference_copy, reference_kind, reference_sync, rollout_adapter, sharding_problems
+from llmtrain.capabilities import (reference_copy, reference_kind, reference_sync, rollout_adapter, rollout_reference,
+                                   sharding_problems)
 from llmtrain.config import (DataConfig, LoraConfig, ModelConfig, ParallelConfig, Recipe, TrainConfig, sampling_of,
                              updates_per_window)
 from llmtrain.errors import LLMTrainError
@@ -432,8 +433,7 @@ def spec_from_recipe(recipe: Recipe, *, strategy: Strategy = "single", num_gpus:
         num_generations=recipe.rl.num_generations if recipe.rl is not None else int(
             recipe.distill is not None and recipe.distill.lmbda > 0), per_example=per_example, **rl, **teacher,
         no_grad_forwards=recipe.kto is not None, frozen_reference=reference_copy(recipe),
-        rollout_reference=reference_copy(recipe) and recipe.rl is not None and (
-            recipe.rl.algorithm == "rloo" or recipe.rl.num_iterations > 1),
+        rollout_reference=reference_copy(recipe) and rollout_reference(recipe),
         unshardable=next(iter(sharding_problems(recipe)), None),
         adapter_reference=lora is not None and reference_sync(recipe) is not None,
         adapter_reference_whole=rollout_adapter(recipe),
@@ -491,8 +491,7 @@ def extra_forwards_of(recipe: Recipe) -> dict:
     elif recipe.rl is not None:
         rl, n = recipe.rl, recipe.rl.num_iterations
         if rl.beta and rl.algorithm == "grpo":  # once a round where a round has more updates (not LoRA's moving one)
-            once = n > 1 and not (recipe.lora is not None and rl.sync_reference is not None)
-            passes.append((1.0 / n, "the reference's once a round (rl.beta)") if once else
+            passes.append((1.0 / n, "the reference's once a round (rl.beta)") if rollout_reference(recipe) else
                           (1.0, "the reference's in each update (rl.beta)"))
         if rollout_logps(recipe):
             passes.append((1.0 / n, "the policy's log-probabilities once a round"))

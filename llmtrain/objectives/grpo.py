@@ -428,14 +428,14 @@ class GRPO:
         return dataclasses.replace(window, batches=batches, counts=counts, rollouts=records)
 
     def _reference_once(self) -> bool:
-        """(RLOO's hook: its KL, with rl.beta > 0) Whether the rollout takes the reference's log-probabilities of the
-        update's passes (`loss_ref_logps`), once a round (TRL's ref_per_token_logps, taken where it generates): GRPO's
-        with rl.num_iterations > 1, so that the round's updates run no reference forward each. Not LoRA's moving
-        reference (AdapterReference), which swaps its snapshot into the weights' shards, which FSDP holds gathered in
-        the rollout: it runs in each update's passes, as every reference does with one update a round."""
+        """Whether the rollout takes the reference's log-probabilities of the update's passes (`loss_ref_logps`), once
+        a round, so that the round's updates run no reference forward each (capabilities.reference_in_rollout: RLOO's
+        KL; GRPO's with rl.num_iterations > 1, but for LoRA's moving reference, AdapterReference, which runs in each
+        update's passes as every reference does with one update a round)."""
+        from llmtrain.capabilities import reference_in_rollout
         from llmtrain.model.reference import AdapterReference
 
-        return bool(self.rl.beta) and self.rl.num_iterations > 1 and not isinstance(self.reference, AdapterReference)
+        return reference_in_rollout(self.rl, moving_adapter=isinstance(self.reference, AdapterReference))
 
     def _rollout_reference(self):
         """The context the rollout holds a full fine-tune's frozen copy in: gathered whole under FSDP where the

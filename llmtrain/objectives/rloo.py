@@ -91,9 +91,6 @@ class RLOO(GRPO):
         advantages, std = leave_one_out_advantages(rewards - rl.beta * kl, g)
         return advantages, std, [float(kl.sum())], ({"kl": kl.tolist()} if rl.beta else {})
 
-    def _reference_once(self) -> bool:
-        return bool(self.rl.beta)  # its KL, from the rollout's reference log-probabilities (_sequence_kl)
-
     def _sequence_kl(self, batch: dict, n: int) -> torch.Tensor:
         """Each completion's summed k1 log-ratio of the policy as it sampled to the reference (the LoRA adapter
         disabled, or a full fine-tune's frozen copy), without gradient: TRL's old and reference log-probabilities,
