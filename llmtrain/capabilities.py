@@ -56,7 +56,9 @@ def reference_kind(recipe) -> str:
         return "none"
     if recipe.lora is None and p.sync_reference is not None:
         return "copy"
-    return "adapter" if recipe.lora is not None and recipe.parallel.pipeline_parallel == 1 else "precomputed"
+    if recipe.lora is not None and (recipe.parallel.pipeline_parallel == 1 or p.sync_reference is not None):
+        return "adapter"  # (on stages LoRA's moving reference runs through them before each step, its snapshot in)
+    return "precomputed"
 
 
 # --------------------------------------------------------------------------- the rows
@@ -286,11 +288,6 @@ RULES: tuple[Rule, ...] = (
          "model.name_or_path and sharded like the policy, and model.random_init has none to read. Save the initial "
          "model first (save_pretrained) and set model.name_or_path to it, or launch one process or DDP, where the "
          "reference is a copy of the policy"),
-    *(Rule(parallelism, _adapter_sync,
-           "{key}: LoRA's moving reference (sync_reference) copies a snapshot of the adapter into the model for the "
-           "reference's forward, which llmtrain does on one process, DDP, FSDP and FSDP x TP; on pipeline stages the "
-           "reference runs through the stages with the adapter disabled, before the step. Launch one of those, or "
-           "remove sync_reference") for parallelism in ("pp",)),
     Rule("tp", rollout_adapter,
          "RLOO's KL under {key} runs the reference in the rollout, where FSDP holds the policy's weights gathered, "
          "each process's split by tensor parallelism, and LoRA's moving reference (rl.sync_reference) swaps the "
@@ -326,9 +323,6 @@ RULES: tuple[Rule, ...] = (
     Rule("pp", lambda r, _: r.data.eval_split is not None and r.train.eval_batch_size is not None,
          "{key} evaluates through the stages in rows of the one shape it trains in (train.micro_batch_tokens slots): "
          "unset train.eval_batch_size"),
-    Rule("pp", lambda r, _: r.train.eval_samples > 0,
-         "{key} holds each stage on its own processes, and generating samples needs the whole model on one: set "
-         "train.eval_samples=0, and sample from final/ after the run (llmtrain generate RUN_DIR)"),
     Rule("pp", lambda r, _: r.train.mixed_precision == "fp16",
          "{key} runs in fp32 or bf16; fp16's loss scaling is not built for pipeline stages. Set "
          "train.mixed_precision=bf16"),
@@ -651,6 +645,12 @@ def model_problems(recipe, layout: Layout, config) -> list[str]:
         if config.num_hidden_layers < total:
             out.append(f"{key}: {total} pipeline stages need at least one decoder layer each: the model has "
                        f"{config.num_hidden_layers}; lower parallel.pipeline_parallel (or pipeline_chunks)")
+        if recipe.train.eval_samples and (getattr(config, "hidden_size_per_layer_input", None) or
+                                          getattr(config, "num_kv_shared_layers", 0)):
+            out.append(f"{key} generates the eval samples (train.eval_samples) through the stages, which hand on the "
+                       "hidden states alone while decoding, not Gemma 4's per-layer inputs and shared keys and "
+                       "values: set train.eval_samples=0, and sample from final/ after the run (llmtrain generate "
+                       "RUN_DIR)")
     return out
 
 

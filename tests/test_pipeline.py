@@ -14,6 +14,7 @@ peft and gives the 1-process run's logits. The other model families' stages: tes
 
 from __future__ import annotations
 
+import json
 import math
 import shutil
 from pathlib import Path
@@ -90,7 +91,6 @@ def test_every_row_has_the_budgets_shape_and_trains_what_the_packed_batch_trains
 @pytest.mark.parametrize("overrides,says", [
     (["train.micro_batch_tokens=null", "train.micro_batch_size=2"], "one fixed shape"),
     (["data.eval_split=assets/x.jsonl", "train.eval_batch_size=8"], "unset train.eval_batch_size"),
-    (["train.eval_samples=2"], "set train.eval_samples=0"),
     (["parallel.pipeline_chunks=2"], "only interleaved_1f1b"),
     (["parallel.sequence_parallel=2"], "do not compose"),
     (["train.mixed_precision=fp16"], "bf16"),
@@ -326,6 +326,26 @@ def test_the_eval_through_the_stages_counts_what_one_process_counts(four_layers,
 
 
 @pytest.mark.slow
+def test_the_eval_samples_through_the_stages_are_one_process_samples(four_layers, tmp_path, free_port):
+    """train.eval_samples on 2 stages: each prompt decoded through the stages with their KV caches
+    (parallel/pipeline/sampling.py), greedily, as one process generates it with transformers' generate; the eval's
+    numbers beside them equal too."""
+    recipe = _recipe(four_layers, tmp_path, "samples.yaml", lora=False, max_steps=60, lr=3e-3, eval_every_steps=60,
+                     eval_samples=4, eval_max_new_tokens=10)  # long enough to write letters
+    evals = ["data.eval_split=" + str(four_layers / "data" / "eval.jsonl"), "data.eval_max_examples=20"]
+    run_train(recipe, *evals, f"output_dir={tmp_path / 'one'}")
+    out = launch_finetune(CPU_DDP, 2, free_port, recipe, *evals, "parallel.pipeline_parallel=2",
+                          f"output_dir={tmp_path / 'pp'}")
+    got, want = ([json.loads(line) for line in (run / "samples.jsonl").read_text().splitlines()]
+                 for run in (tmp_path / "pp", tmp_path / "one"))
+    assert [s["generated"] for s in got] == [s["generated"] for s in want]
+    assert len(want) == 4 and all(s["generated"].strip() for s in want) and len({s["generated"] for s in want}) > 1
+    assert f"generated: {want[0]['generated'].strip()}" in " ".join(out.split())
+    assert abs(records(tmp_path / "pp", "eval")[0]["eval_loss"] - records(tmp_path / "one", "eval")[0]["eval_loss"]) \
+        < 1e-6
+
+
+@pytest.mark.slow
 # extended for CI time: main tier, preference pairs on two stages (an objective's own last-stage loss, its targets
 # built by it, its eval through the stages: the same seam, schedule.head_loss); lora: the score head as peft's
 # modules_to_save copy on the last stage
@@ -558,3 +578,41 @@ def test_four_processes_two_stages_each_sharded_by_fsdp_equal_one_and_resume(fou
                     resume=str(tmp_path / "four" / "checkpoints" / "step_000002"))
     assert "resumed from" in (tmp_path / "four" / "train.log").read_text()
     _same(tmp_path / "four", tmp_path / "one", lora=False)
+
+
+@pytest.mark.slow
+def test_loras_moving_reference_on_two_stages_is_one_process_reference_and_resumes(four_layers, tmp_path,
+                                                                                    free_port):
+    """DPO with LoRA and sync_reference (every 2 steps, alpha 1): each stage snapshots its own part of the adapter
+    (and the head's trained copy on the last) and its reference passes run with it swapped in, before each step and
+    each eval: 5 steps (steps 3 to 5 against a snapshot) and the eval equal one process's, the step after a sync
+    scoring the policy against itself (its loss log 2). A resume from step 3's checkpoint reads each
+    stage's snapshot back (DCP, by name) and equals the straight run."""
+    recipe = _recipe(four_layers, tmp_path, "sync.yaml", lora=True, eval_every_steps=5, micro_batch_tokens=96,
+                     grad_accum_steps=2, max_steps=5, lr=1e-2)
+    sections = ["data.format=preference", f"data.path={four_layers / 'data' / 'train_pairs.jsonl'}",
+                "data.eval_split=0.05", "data.eval_max_examples=40", "preference.beta=0.5",
+                "preference.sync_reference={every_steps: 2, alpha: 1.0}", "lora.modules_to_save=[lm_head]"]
+    run_train(recipe, *sections, f"output_dir={tmp_path / 'one'}")
+    pp = tmp_path / "pp"
+    launch_finetune(CPU_DDP, 2, free_port, recipe, *sections, "parallel.pipeline_parallel=2",
+                    "checkpoint.every_steps=3", f"output_dir={pp}")
+    got, want = records(pp), records(tmp_path / "one")
+    assert len(got) == len(want) == 5
+    for key in ("loss", "rewards/margins", "rewards/accuracies", "grad_norm"):
+        assert [r[key] for r in got] == pytest.approx([r[key] for r in want], rel=1e-5, abs=1e-6), key
+    # step 3 scores the policy of step 2 against its own snapshot (log 2, where the adapter off would not give it);
+    # step 2 and 4 a policy a step past its reference
+    assert [round(r["loss"], 6) == round(math.log(2), 6) for r in got] == [True, False, True, False, True]
+    (g,), (w,) = records(pp, "eval"), records(tmp_path / "one", "eval")
+    assert g["eval_loss"] == pytest.approx(w["eval_loss"], abs=1e-6)
+    a, b = (load_weights(run / "final" / "adapter_model.safetensors") for run in (pp, tmp_path / "one"))
+    assert max_abs_diff(a, b) < 1e-5
+    assert (pp / "checkpoints" / "step_000003" / "reference").is_dir()  # the snapshot of step 2, by name
+    again = tmp_path / "again"
+    launch_finetune(CPU_DDP, 2, free_port + 1, recipe, *sections, "parallel.pipeline_parallel=2",
+                    f"output_dir={again}", resume=str(pp / "checkpoints" / "step_000003"))
+    resumed = {r["step"]: r for r in records(again)}
+    assert sorted(resumed) == [4, 5]  # resumed at step 3, not trained again from the start
+    for r in got[3:]:
+        assert resumed[r["step"]]["loss"] == pytest.approx(r["loss"], abs=1e-6)

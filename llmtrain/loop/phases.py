@@ -450,12 +450,15 @@ def build_reference(recipe: Recipe, accelerator, trainable: Trainable, *, say):
     loads its checkpoint: a resume's reference is the starting weights, or the checkpoint's where sync_reference has
     moved it (Reference.restore)."""
     sync = capabilities.reference_sync(recipe)
-    if recipe.lora is not None and sync is not None:  # (capabilities: alpha 1, not on pipeline stages)
+    if recipe.lora is not None and sync is not None:  # (capabilities: alpha 1)
         say(f"reference: the model with its adapter disabled, then every {sync.every_steps} steps the adapter as it "
             "was then (TR-DPO's hard update)")
         # RLOO's KL runs it in the rollout, where FSDP holds the policy gathered: the snapshot whole too
-        return AdapterReference(trainable.unwrapped, sync,
-                                whole=uses_fsdp(accelerator) and capabilities.rollout_adapter(recipe))
+        moving = AdapterReference(trainable.unwrapped, sync,
+                                  whole=uses_fsdp(accelerator) and capabilities.rollout_adapter(recipe))
+        if trainable.pipeline is not None:  # each stage's snapshot of its own part, run by the stages' reference passes
+            trainable.pipeline.head_loss.follow(moving, trainable.unwrapped)
+        return moving
     if not capabilities.reference_copy(recipe):
         return None
     mixed = f"; every {sync.every_steps} steps it takes alpha={sync.alpha:g} of the policy (TR-DPO)" if sync else ""

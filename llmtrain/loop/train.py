@@ -301,7 +301,8 @@ def evaluate_and_sample(run: Run, state: TrainState, progress) -> dict:
                                    max_new_tokens=tc.eval_max_new_tokens, step=state.step,
                                    synced=accelerator.num_processes > 1,
                                    expected=[str(v) for v in first[column]] if column else None,
-                                   stops=stop_ids(run.recipe, run.model.unwrapped, run.data.tokenizer))
+                                   stops=stop_ids(run.recipe, run.model.unwrapped, run.data.tokenizer),
+                                   pipeline=run.model.pipeline)
         if (accuracy := mark_answers(samples, tc.eval_answer_pattern)) is not None:
             ev.setdefault("eval_answer_accuracy", accuracy)  # online RL's eval counted every eval prompt already
             if unparsed := sum(s["expected_answer"] is None for s in samples):  # misses that no reply can fix

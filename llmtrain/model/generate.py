@@ -99,7 +99,7 @@ def cached_attention(lm):
 
     if not str(lm.config._attn_implementation).startswith(PREFIX):
         return nullcontext()
-    return attention_as(lm.config, "sdpa" if getattr(type(causal_lm(lm)), "_supports_sdpa", True) else "eager")
+    return attention_as(lm.config, "sdpa" if getattr(causal_lm(lm), "_supports_sdpa", True) else "eager")
 
 
 def filtered_probs(logits: torch.Tensor, *, temperature: float, top_p: float = 1.0, top_k: int = 0,

@@ -408,6 +408,14 @@ class StagePairs:
     def __init__(self, cfg, *, reference: str, adapter_off=None):
         self.cfg, self.reference, self.adapter_off = cfg, reference, adapter_off
 
+    def follow(self, reference, model) -> None:
+        """LoRA's moving reference (sync_reference: model/reference.AdapterReference): the reference passes through
+        the stages run the adapter's snapshot, each stage's part of it swapped into its weights (the adapter disabled
+        until the first sync), instead of the adapter off."""
+        from llmtrain.model.reference import forward_of
+
+        self.adapter_off = lambda: forward_of(model, reference)[1]
+
     @property
     def stats(self) -> int:
         """The loss's statistics (the load-balancing loss is refused on stages)."""

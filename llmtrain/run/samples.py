@@ -39,13 +39,18 @@ def split_example(example) -> tuple[list[int], list[int]]:
 
 
 def generate_samples(model, tokenizer, examples, *, max_new_tokens: int, step: int, synced: bool = False,
-                     expected: list[str] | None = None, stops=None) -> list[dict]:
+                     expected: list[str] | None = None, stops=None, pipeline=None) -> list[dict]:
     """Greedy generations for `examples`: [{"step", "index", "prompt", "expected", "generated"}], texts decoded
     without special tokens. `model` is the unwrapped model (accelerator.unwrap_model; peft models too). `expected`:
     the expected texts where the rows hold none (online RL's prompts: their answer column); `stops`: where a reply
     ends (generate.Stops: objective.stop_ids, the template's end of turn too; default the model's end tokens and
-    EOS), an end of turn of several tokens as transformers' stop string."""
+    EOS), an end of turn of several tokens as transformers' stop string. `pipeline`: pipeline stages
+    (parallel/pipeline/schedule.Pipeline), which decode through the stages (`_on_stages`)."""
     import torch
+
+    if pipeline is not None:
+        return _on_stages(pipeline, tokenizer, examples, max_new_tokens=max_new_tokens, step=step, expected=expected,
+                          stops=stops)
 
     lm = causal_lm(model)
     own = stop_tokens(lm, tokenizer)  # the model's end tokens first, in their order (pad falls back to the first)
@@ -73,6 +78,26 @@ def generate_samples(model, tokenizer, examples, *, max_new_tokens: int, step: i
                                 "expected": reference, "generated": stops.reply(_text(tokenizer, generated))})
     finally:
         model.train(was_training)
+    return samples
+
+
+def _on_stages(pipeline, tokenizer, examples, *, max_new_tokens: int, step: int, expected, stops) -> list[dict]:
+    """generate_samples on pipeline stages: every process of each pipeline decodes the same prompts through the
+    stages with the KV cache (parallel/pipeline/sampling.py), greedily and one prompt at a time, as generate does on
+    one process; stops: where a reply ends (objective.stop_ids's, which the loop passes)."""
+    from llmtrain.model.generate import sample
+
+    stops = Stops.of(stops)
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+    samples = []
+    with pipeline.sampling() as lm:
+        for index, example in enumerate(examples):
+            prompt, expected_ids = split_example(example)
+            generated = sample(lm, [prompt], seeds=[0], max_new_tokens=max_new_tokens, temperature=0.0, top_p=1.0,
+                               stop_ids=stops, pad_id=pad)[0]
+            reference = expected[index] if expected is not None else stops.reply(_text(tokenizer, expected_ids))
+            samples.append({"step": step, "index": index, "prompt": _text(tokenizer, prompt),
+                            "expected": reference, "generated": stops.reply(_text(tokenizer, generated))})
     return samples
 
 

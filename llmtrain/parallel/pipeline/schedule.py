@@ -30,7 +30,7 @@ from llmtrain.data.batching import batch_weight, collate, fixed_row, with_loss_p
 from llmtrain.data.formats import IGNORE
 from llmtrain.errors import LLMTrainError
 from llmtrain.model.attention import NAME as VARLEN
-from llmtrain.model.loss import causal_lm, eval_counts
+from llmtrain.model.loss import causal_lm, eval_counts, logit_transform
 from llmtrain.parallel.pipeline.group import PipelineGroup, clip_grad_norm_, ends_group, sum_replicas, sum_tied
 from llmtrain.parallel.pipeline.split import rank_stages, stage_layers
 from llmtrain.parallel.pipeline.stage import PER_LAYER_MODULES, Elsewhere, Stage, cut_points, head_name, skeleton
@@ -57,6 +57,7 @@ class Pipeline:
         stage's forward and the loss (the stages are not prepared by Accelerate, which would put it there). `group`:
         this process's pipeline (parallel/groups.py). `head_loss`: an objective's last-stage loss
         (objectives/reward_model.StageScores, objectives/preference.StagePairs); None: the LM head's cross-entropy."""
+        import torch.distributed as dist
         from torch.distributed import pipelining
 
         g = self.group = group
@@ -79,6 +80,10 @@ class Pipeline:
         head = lm.get_output_embeddings()  # None: a reward model's score head
         tied = head is not None and head.weight is lm.get_input_embeddings().weight
         self.ends = ends_group(g) if tied else None
+        # what sampling on the stages (sampling.StagesLM) reads of the model, before other stages' modules go
+        self.config, self.supports_sdpa, self.logits = config, getattr(type(lm), "_supports_sdpa", True), \
+            logit_transform(lm)
+        self.vocab = head.weight.shape[0] if head is not None else None
         self.modules = [Stage(lm, ranges[s], first=s == 0, last=s == total - 1, precision=precision) for s in mine]
         self.precision = precision
         self.order = {id(p): i for i, p in enumerate(model.parameters())}  # the whole model's, for the norm
@@ -108,6 +113,8 @@ class Pipeline:
         self.tied = [p for p in held if p.requires_grad] if tied else []  # frozen under LoRA: nothing to sum
         self.stages = [pipelining.PipelineStage(m, s, total, device, group=g.group)
                        for s, m in zip(mine, self.modules)]
+        self.by_stage = dict(zip(mine, self.modules))
+        self.stage_ranks = [dist.get_global_rank(g.group, s % g.size) for s in range(total)]  # who runs stage s
         self.last = next((m for s, m in zip(mine, self.modules) if s == total - 1), None)
         self.first = 0 in mine
         schedule = getattr(pipelining, SCHEDULES[parallel.pipeline_schedule])
@@ -139,6 +146,28 @@ class Pipeline:
         finally:
             for (parent, name), module in zip(self.elsewhere, held):
                 setattr(parent, name, module)
+
+    @contextmanager
+    def sampling(self):
+        """The stages as one causal LM that model/generate.sample decodes with (sampling.StagesLM), inside the block:
+        in eval mode, and sharded stages gathered once for the whole block (each decoding step would otherwise
+        gather every layer); train mode and the shards put back after."""
+        from contextlib import ExitStack
+
+        from llmtrain.parallel.fsdp import gathered_for_generation
+        from llmtrain.parallel.pipeline.sampling import StagesLM
+
+        was = [m.training for m in self.modules]
+        try:
+            with ExitStack() as held:
+                for m in self.modules:
+                    m.eval()
+                    if self.sharded:
+                        held.enter_context(gathered_for_generation(m))
+                yield StagesLM(self)
+        finally:
+            for m, mode in zip(self.modules, was):
+                m.train(mode)
 
     def _loss(self, hidden: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         """The last stage's loss of one micro-batch: its summed loss (kept for the metrics) times the step's scale

@@ -6,6 +6,8 @@ stages run and how they are split: schedule.py and group.py beside it.
 
 from __future__ import annotations
 
+import functools
+import inspect
 from contextlib import nullcontext
 
 import torch
@@ -56,9 +58,23 @@ class Stage(nn.Module):
         self.kv_in, self.kv_out = kv_handoffs(lm.config, layers.start), kv_handoffs(lm.config, layers.stop)
         self.shares_kv = bool(kv_sharing(lm.config))
 
-    def forward(self, x, *handed, position_ids, cu_seq_lens):
+    def forward(self, x, *handed, position_ids, cu_seq_lens=None, cache=None, masks=None):
+        """Training and evaluation: a packed row (`cu_seq_lens`: its examples' boundaries) under the run's autocast.
+        Sampling (`cache`: a transformers Cache, `masks`: each layer's attention mask): the new positions of a batch
+        of left-padded rows with the KV cache of this stage's layers, as the unwrapped model generates (no autocast:
+        one process's sampling runs the model as it is), through this forward so FSDP's hooks gather the stage."""
+        if cache is not None:
+            return self._decode(x, position_ids, cache, masks)
         with self.precision():
             return self._forward(x, handed, position_ids, cu_seq_lens)
+
+    def _decode(self, x, position_ids, cache, masks):
+        h = self.embed(x) if self.embed is not None else x
+        pe = rotary_by_kind(self.rotary, h, position_ids, self.kinds)
+        for layer, kind in zip(self.layers, self.kinds):
+            h = layer(h, attention_mask=masks(layer), position_ids=position_ids, use_cache=True,
+                      position_embeddings=pe[kind], **{_cache_name(type(layer)): cache})
+        return self.norm(h) if self.norm is not None else h
 
     def _forward(self, x, handed, position_ids, cu_seq_lens):
         cu = cut_points(cu_seq_lens)
@@ -103,6 +119,13 @@ def kv_handoffs(config, boundary: int) -> list[str]:
     modes, kinds = kv_sharing(config), layer_kinds(config, config.num_hidden_layers)
     stored = {kinds[i] for i, m in enumerate(modes[:boundary]) if m == "store"}
     return sorted(stored & {kinds[i] for i, m in enumerate(modes[boundary:], boundary) if m == "reuse"})
+
+
+@functools.cache
+def _cache_name(layer_class) -> str:
+    """What a decoder layer calls the KV cache: `cache` from transformers 5.2x on (which warns on past_key_values),
+    past_key_values before (5.17's)."""
+    return "cache" if "cache" in inspect.signature(layer_class.forward).parameters else "past_key_values"
 
 
 class _ContiguousGrad(torch.autograd.Function):

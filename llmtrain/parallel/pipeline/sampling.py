@@ -1,0 +1,124 @@
+"""Sampling on pipeline stages: the stages of one pipeline as the model that model/generate.sample decodes with.
+
+Each decoding step (the prompts' pass, then one token a row) runs through the stages in order with the KV cache of
+each stage's own layers kept where they run: the first stage embeds the tokens, each stage hands its hidden states to
+the next (point to point, in the pipeline's process group), and the last applies the final norm and the head to the
+last position; its logits (fp32, [rows, 1, vocab]) are broadcast to every stage of the pipeline, so every process of
+it picks the same tokens with generate.sample's own code (its uniforms, filters and stops). A step costs one hop a
+stage boundary and the logits' broadcast; the stages run one after another (no micro-batches in flight: the
+bubble is P - 1 of P stages idle), which is the price of a model that does not fit on one process.
+
+The attention is transformers' SDPA (or eager where the model has no SDPA: generate.cached_attention) with the
+cache, each layer's mask made here: causal over the left-padded rows, the padding left out, a sliding layer's
+window (its self_attn.sliding_window, Mistral's config.sliding_window). The pipeline's replicas each sample their own
+prompts; sharded stages (FSDP over the replicas) are gathered once for the whole block (`Pipeline.sampling`).
+"""
+
+from __future__ import annotations
+
+import torch
+
+_WIRE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+class _Out(dict):
+    """What generate.sample reads of a forward: .logits and ["cache"]."""
+
+    @property
+    def logits(self) -> torch.Tensor:
+        return self["logits"]
+
+
+class _State:
+    """A decoding's KV cache (this process's layers') and the dtypes its hidden states cross the stages in."""
+
+    def __init__(self):
+        from transformers import DynamicCache
+
+        self.kv = DynamicCache()  # lazily a layer of its own for each layer index it is given
+        self.dtypes: dict[int, torch.dtype] = {}  # each stage's hidden states' dtype as it receives (sends) them
+
+
+def window_of(layer) -> int | None:
+    """A decoder layer's sliding window, as its attention applies it: its own (Gemma 3's, Qwen's, GPT-OSS's local
+    layers; None on a global one), else its config's (Mistral's); None: none."""
+    attn = getattr(layer, "self_attn", None)
+    if hasattr(attn, "sliding_window"):
+        return attn.sliding_window
+    return getattr(getattr(attn, "config", None), "sliding_window", None)
+
+
+def decode_mask(attention_mask: torch.Tensor, queries: int, window: int | None, *, boolean: bool) -> torch.Tensor:
+    """The attention mask [rows, 1, queries, keys] of the last `queries` positions of left-padded rows
+    (`attention_mask` [rows, keys]: 0 on the padding): each attends to the real positions up to itself (within the
+    last `window`, itself among them), and a padding position to itself alone (softmax over nothing is NaN). Boolean
+    (True: attend) for SDPA; additive fp32 (0 or the most negative) for eager attention."""
+    keys = attention_mask.shape[1]
+    device = attention_mask.device
+    key = torch.arange(keys, device=device)
+    query = torch.arange(keys - queries, keys, device=device)[:, None]
+    allowed = (key <= query) & attention_mask[:, None, None, :].bool()
+    if window is not None:
+        allowed = allowed & (query - key < window)
+    allowed = allowed | (key == query)
+    if boolean:
+        return allowed
+    return torch.zeros(allowed.shape, device=device).masked_fill(~allowed, torch.finfo(torch.float32).min)
+
+
+class StagesLM:
+    """The stages of one pipeline as a causal LM for generate.sample: called on every process of the pipeline with
+    the same rows, it returns the last position's logits on every one of them. `pipeline`: parallel/pipeline
+    schedule.Pipeline (this process's stage modules, its group, the head's logit transform)."""
+
+    def __init__(self, pipeline):
+        self.pipeline = pipeline
+        self.config = pipeline.config
+        self.device = pipeline.device
+        self._supports_sdpa = pipeline.supports_sdpa  # read by generate.cached_attention
+
+    def __call__(self, *, input_ids, attention_mask, position_ids, use_cache: bool = True, logits_to_keep: int = 1,
+                 cache: _State | None = None, past_key_values: _State | None = None) -> _Out:
+        import torch.distributed as dist
+
+        p = self.pipeline
+        g = p.group
+        state = cache or past_key_values or _State()
+        rows, queries = input_ids.shape
+        boolean = self.config._attn_implementation != "eager"
+        made: dict = {}
+
+        def masks(layer):
+            window = window_of(layer)
+            if window not in made:
+                made[window] = decode_mask(attention_mask, queries, window, boolean=boolean)
+            return made[window]
+
+        total = len(p.stage_ranks)
+        h, logits = input_ids, None
+        for s in range(total):
+            module = p.by_stage.get(s)
+            if module is None:
+                continue
+            if s > 0 and s - 1 not in p.by_stage:  # the previous stage is another process's
+                src = p.stage_ranks[s - 1]
+                if s not in state.dtypes:  # the stage's first hand-off of a decoding: the dtype it travels in, once
+                    code = torch.zeros(1, dtype=torch.long, device=self.device)
+                    dist.recv(code, src=src, group=g.group)
+                    state.dtypes[s] = _WIRE_DTYPES[int(code)]
+                h = torch.empty(rows, queries, self.config.hidden_size, dtype=state.dtypes[s], device=self.device)
+                dist.recv(h, src=src, group=g.group)
+            h = module(h, position_ids=position_ids, cache=state.kv, masks=masks)
+            if s == total - 1:
+                logits = p.logits(module.head(h[:, -1:])).float()
+            elif s + 1 not in p.by_stage:  # the next stage is another process's
+                dst, h = p.stage_ranks[s + 1], h.contiguous()
+                if s + 1 not in state.dtypes:
+                    state.dtypes[s + 1] = h.dtype
+                    dist.send(torch.tensor([_WIRE_DTYPES.index(h.dtype)], device=self.device), dst=dst, group=g.group)
+                dist.send(h, dst=dst, group=g.group)
+        if len(p.by_stage) < total:  # the last stage's logits to every stage of the pipeline
+            if logits is None:
+                logits = torch.empty(rows, 1, p.vocab, dtype=torch.float32, device=self.device)
+            dist.broadcast(logits, src=p.stage_ranks[total - 1], group=g.group)
+        return _Out(logits=logits, cache=state)
