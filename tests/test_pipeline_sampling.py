@@ -10,6 +10,8 @@ stages equal one process's)."""
 
 from __future__ import annotations
 
+import inspect
+
 import pytest
 import torch
 from test_fast_sample import FAMILIES, mixed_prompts
@@ -93,8 +95,10 @@ def test_the_mask_is_transformers_own_on_the_real_positions():
     attention = torch.tensor([[0, 0, 1, 1, 1, 1], [1, 1, 1, 1, 1, 1]])
     config = MistralConfig(sliding_window=3, hidden_size=8, num_attention_heads=2, num_key_value_heads=1)
     config._attn_implementation = "sdpa"
+    # (the cache is `cache` from transformers 5.2x on, `past_key_values` in 5.17, the GPU machine's)
+    cache = "cache" if "cache" in inspect.signature(create_sliding_window_causal_mask).parameters else "past_key_values"
     want = create_sliding_window_causal_mask(config=config, inputs_embeds=torch.zeros(2, 6, 8),
-                                             attention_mask=attention, cache=None,
+                                             attention_mask=attention, **{cache: None},
                                              position_ids=(attention.cumsum(-1) - 1).clamp(min=0))
     got = decode_mask(attention, 6, 3, boolean=True)
     real = attention.bool()[:, None, :, None].expand(2, 1, 6, 6)
