@@ -91,8 +91,7 @@ MODES: dict[str, Mode] = {m.key: m for m in (
     Mode("kto", "KTO (kto:)", ("unpaired",), "examples", True, "loss, reward margin", "causal LM", router_aux=True),
     Mode("reward_model", "a reward model (reward_model:)", ("preference",), "pairs", True, "loss, accuracy, margin",
          "score head", samples=False),
-    Mode("grpo", "online RL, GRPO (rl:)", ("prompt",), "prompts", False, "reward, answer accuracy", "causal LM",
-         refused={"pp": _WHOLE_MODEL_PP}),
+    Mode("grpo", "online RL, GRPO (rl:)", ("prompt",), "prompts", False, "reward, answer accuracy", "causal LM"),
     Mode("rloo", "online RL, RLOO (rl: {algorithm: rloo})", ("prompt",), "prompts", False, "reward, answer accuracy",
          "causal LM",
          refused={"pp": _WHOLE_MODEL_PP}),
@@ -232,6 +231,38 @@ def _adapter_sync(r, _):
     return r.lora is not None and reference_sync(r) is not None
 
 
+def _rl(test):
+    """A rule of online RL's rl: section (`test(rl)`), False for any other mode."""
+    return lambda r, _: r.rl is not None and bool(test(r.rl))
+
+
+# GRPO on pipeline stages: sampled through the stages (parallel/pipeline/sampling.py), its passes rows of one shape,
+# its loss the last stage's (objectives/grpo.StageGRPO); what that does not carry
+_STAGES_RL = "{key} samples online RL's completions through the stages (each its own layers' KV cache) and takes the "
+RL_STAGE_RULES: tuple[Rule, ...] = (
+    Rule("pp", _rl(lambda rl: rl.sampler != "reference"),
+         _STAGES_RL + "loss on the last stage: the graph and static samplers hold the whole model's KV cache on one "
+         "process. Set rl.sampler=reference (the stages decode with transformers' cache, as that sampler does)"),
+    Rule("pp", _rl(lambda rl: rl.micro_batch_tokens is None),
+         _STAGES_RL + "loss in rows of one fixed shape: set rl.micro_batch_tokens, the slots of each pass (at least "
+         "the longest prompt plus rl.max_completion_tokens)"),
+    Rule("pp", _rl(lambda rl: rl.num_iterations > 1 or rl.sampler_correction is not None),
+         _STAGES_RL + "loss with one update a generation round: the policy's log-probabilities as it sampled "
+         "(rl.num_iterations > 1, rl.sampler_correction) are not taken through the stages. Set rl.num_iterations=1 "
+         "and unset rl.sampler_correction, or set parallel.pipeline_parallel=1 and shard with FSDP"),
+    Rule("pp", _rl(lambda rl: rl.tools or rl.environment),
+         _STAGES_RL + "loss, not a tool loop's turns (rl.tools, rl.environment). Set parallel.pipeline_parallel=1 and "
+         "shard with FSDP"),
+    Rule("pp", _rl(lambda rl: rl.entropy_bonus or rl.top_entropy_quantile < 1.0),
+         _STAGES_RL + "loss from each token's own numbers: the entropy bonus (rl.entropy_coef) and "
+         "rl.top_entropy_quantile need the window's entropies across passes. Unset them, or set "
+         "parallel.pipeline_parallel=1 and shard with FSDP"),
+    Rule("pp", _rl(lambda rl: rl.merged_copy != "off" or rl.cast_lm_head_to_fp32),
+         _STAGES_RL + "loss with each stage's own weights: a merged generation copy (rl.merged_copy) and "
+         "rl.cast_lm_head_to_fp32 are not built for stages. Unset them"),
+)
+
+
 def reference_in_rollout(rl, *, moving_adapter: bool) -> bool:
     """Whether online RL (`rl`, the recipe's rl: section or None) takes its reference's log-probabilities in the
     rollout, once a round (TRL's ref_per_token_logps, taken where it generates), where FSDP holds the policy (and a
@@ -255,6 +286,7 @@ def rollout_adapter(r, _=None) -> bool:
 
 
 RULES: tuple[Rule, ...] = (
+    *RL_STAGE_RULES,
     Rule("tp", lambda r, _: r.model.quantize is not None,
          "{key} does not train a 4-bit base (model.quantize): bitsandbytes' packed 4-bit weights cannot be split "
          "by rows or columns. A QLoRA run of a 7B model fits one GPU: launch it with accelerate_configs/ddp.yaml "

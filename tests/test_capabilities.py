@@ -36,6 +36,8 @@ LAYOUTS = {
     "pp": ("cpu_ddp.yaml", 2, ["parallel.pipeline_parallel=2", "train.micro_batch_size=1",
                                "train.micro_batch_tokens=128", "train.grad_accum_steps=2"]),
 }
+# online RL on stages samples with the reference loop (through them) and trains passes of one shape
+RL_STAGES = ["rl.sampler=reference", "rl.micro_batch_tokens=128"]
 MODE_RECIPES = {"sft": "tiny.yaml", "preference": "tiny-dpo.yaml", "kto": "tiny-kto.yaml",
                 "reward_model": "tiny-reward.yaml",
                 "grpo": "tiny-grpo.yaml", "rloo": "tiny-rloo.yaml", "distill": "tiny-distill.yaml"}
@@ -49,6 +51,7 @@ ELSEWHERE = {("sft", "ddp"): "test_ddp.py", ("sft", "fsdp"): "test_fsdp.py", ("s
              ("grpo", "fsdp"): "test_grpo_run.py", ("rloo", "ddp"): "test_rloo.py", ("rloo", "fsdp"): "test_rloo.py",
              ("distill", "ddp"): "test_distill.py", ("distill", "fsdp"): "test_distill.py",
              ("reward_model", "pp"): "test_pipeline.py", ("preference", "pp"): "test_pipeline.py",
+             ("grpo", "pp"): "test_pipeline.py",
              ("kto", "tp"): "test_tp.py", ("grpo", "tp"): "test_tp.py", ("rloo", "tp"): "test_tp.py",
              ("distill", "tp"): "test_tp.py",
              ("distill", "sp"): "test_distill.py",
@@ -90,6 +93,8 @@ def _argv(recipe: Path, layout: str, out: Path, port: int = 0, *, mode: str = "s
     config, processes, overrides = LAYOUTS[layout]
     if not capabilities.MODES[mode].token_budget:  # KTO: micro-batches of examples (packed rows all the same)
         overrides = [o for o in overrides if not o.startswith(("train.micro_batch_size", "train.micro_batch_tokens"))]
+    if layout == "pp" and mode in ("grpo", "rloo"):  # online RL's passes through the stages: rows of its own budget
+        overrides = [*overrides, *RL_STAGES]
     return ["--config_file", str(CONFIGS / config), "--num_processes", str(processes), "--main_process_port",
             str(port), str(recipe), *overrides, f"output_dir={out}"]
 
@@ -160,8 +165,7 @@ def test_the_table_in_docs_scaling_is_the_tables_own():
 
 @pytest.mark.slow
 @pytest.mark.parametrize("mode, layout", [("distill", "pp"),  # extended for CI time: the same path
-                                          *(pytest.param(*c, marks=pytest.mark.extended) for c in [("grpo", "pp"),
-                                                                                                   ("rloo", "pp")])])
+                                          pytest.param("rloo", "pp", marks=pytest.mark.extended)])
 def test_a_refused_cell_exits_2_with_one_paragraph_and_writes_nothing(mode_recipes, tmp_path, mode, layout):
     out = tmp_path / "run"
     argv = _argv(mode_recipes[mode], layout, out, mode=mode)

@@ -21,6 +21,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import yaml
 from helpers import (
     ONEDNN_AVX2,
     REPO,
@@ -616,3 +617,79 @@ def test_loras_moving_reference_on_two_stages_is_one_process_reference_and_resum
     assert sorted(resumed) == [4, 5]  # resumed at step 3, not trained again from the start
     for r in got[3:]:
         assert resumed[r["step"]]["loss"] == pytest.approx(r["loss"], abs=1e-6)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("lora", [True, pytest.param(False, marks=pytest.mark.extended)], ids=["lora-kl", "full-gspo"])
+def test_grpo_samples_and_trains_on_two_stages_as_one_process(four_layers, tmp_path, free_port, lora):
+    """GRPO on 2 stages: every completion sampled through the stages (each its own layers' KV cache, the last stage's
+    logits broadcast: parallel/pipeline/sampling.py), the rewards computed on the first stage and given to the other,
+    the passes (rows of rl.micro_batch_tokens slots, 4 to 5 a step: more than the schedule's 2, run 2 at a time)
+    trained by the last stage's GRPO loss (objectives/grpo.StageGRPO). Against one process: the same 48 completions
+    token for token (rollouts.jsonl, written once), rewards, losses, KL, entropies and gradient norms to 1e-5, the
+    eval's sampled rewards and final/ equal. lora-kl: beta 0.04 with grpo's loss, the reference the adapter
+    disabled, run through the stages before each step; full-gspo (extended): a full fine-tune, one ratio a
+    completion."""
+    rl = {"sampler": "reference", "micro_batch_tokens": 96, "num_generations": 4, "max_completion_tokens": 8,
+          "temperature": 1.0, "rewards": [{"type": "format", "pattern": "[aeiou]"}],
+          **({"beta": 0.04, "loss_type": "grpo"} if lora else {"importance_sampling_level": "sequence"})}
+    recipe = yaml.safe_load((REPO / "recipes" / "tiny-grpo.yaml").read_text())
+    recipe["model"].update(name_or_path=str(four_layers / "model"), attn_implementation="auto")
+    recipe["data"].update(path=str(four_layers / "data" / "train.jsonl"), eval_split=str(four_layers / "data" /
+                                                                                        "eval.jsonl"),
+                          eval_max_examples=6)
+    recipe["rl"].update(rl)
+    if lora:
+        recipe["lora"] = {"r": 4, "alpha": 8, "dropout": 0.0}
+    recipe["train"].update(max_steps=3, micro_batch_size=2, grad_accum_steps=2, lr=1e-2 if lora else 1e-3,
+                           eval_every_steps=3, eval_batch_size=None, eval_samples=2)
+    recipe["checkpoint"] = {"every_steps": None}
+    recipe["logging"] = {"progress": False, "plot": False, "every_steps": 1}
+    path = tmp_path / "grpo.yaml"
+    path.write_text(yaml.safe_dump(recipe))
+    run_train(path, f"output_dir={tmp_path / 'one'}")
+    out = launch_finetune(CPU_DDP, 2, free_port, path, "parallel.pipeline_parallel=2", f"output_dir={tmp_path / 'pp'}")
+    assert "the rollout's passes of 96 slots (rl.micro_batch_tokens), 2 at a time; sampled through the stages" in out
+    rolled = [[json.loads(line) for line in (run / "rollouts.jsonl").read_text().splitlines()]
+              for run in (tmp_path / "pp", tmp_path / "one")]
+    assert len(rolled[0]) == len(rolled[1]) == 3 * 2 * 2 * 4
+    assert [r["completion_ids"] for r in rolled[0]] == [r["completion_ids"] for r in rolled[1]]
+    got, want = records(tmp_path / "pp"), records(tmp_path / "one")
+    for key in ("reward", "loss", "grad_norm", "entropy", *(["kl"] if lora else [])):
+        assert [r[key] for r in got] == pytest.approx([r[key] for r in want], rel=1e-5, abs=1e-6), key
+    assert want[0]["grad_norm"] > 0 and 0 < want[0]["reward"] < 1  # a signal to train on
+    if lora:
+        assert want[-1]["kl"] > 0  # the policy moved off the reference
+    (g,), (w,) = records(tmp_path / "pp", "eval")[-1:], records(tmp_path / "one", "eval")[-1:]
+    assert g["eval_reward"] == pytest.approx(w["eval_reward"], abs=1e-6)
+    samples = [[json.loads(line)["generated"] for line in (run / "samples.jsonl").read_text().splitlines()]
+               for run in (tmp_path / "pp", tmp_path / "one")]
+    assert samples[0] == samples[1] and len(samples[0]) == 2 * 2  # the step-0 eval's and step 3's
+    name = "adapter_model.safetensors" if lora else "model.safetensors"
+    a, b = (load_weights(run / "final" / name) for run in (tmp_path / "pp", tmp_path / "one"))
+    assert max_abs_diff(a, b) < 1e-5
+
+
+@pytest.mark.parametrize("overrides,says", [
+    (["rl.sampler=graph"], "Set rl.sampler=reference"),
+    (["rl.micro_batch_tokens=null"], "set rl.micro_batch_tokens"),
+    (["rl.num_iterations=2"], "Set rl.num_iterations=1"),
+    (["rl.sampler_correction=token_truncate"], "unset rl.sampler_correction"),
+    (["rl.entropy_coef=0.01"], "the entropy bonus (rl.entropy_coef)"),
+    (["rl.top_entropy_quantile=0.5"], "rl.top_entropy_quantile need the window's entropies"),
+    (["rl.algorithm=rloo", "rl.loss_type=null"], "each stage holds only its layers"),
+])
+def test_what_grpo_on_stages_does_not_carry_is_refused_naming_the_key(tiny_assets, tmp_path, overrides, says):
+    """GRPO on stages samples through them and trains one update a round from each token's own numbers; what needs
+    more (the policy's log-probabilities as it sampled, a window's entropies, RLOO's KL in the rollout, the whole
+    model's KV cache) is refused in one paragraph before anything runs, and the recipe without it loads."""
+    from llmtrain.config import load_recipe
+
+    stages = ["parallel.pipeline_parallel=2", "rl.sampler=reference", "rl.micro_batch_tokens=128",
+              "train.grad_accum_steps=2", "train.eval_batch_size=null", "model.attn_implementation=auto",
+              f"data.path={tiny_assets / 'data' / 'train.jsonl'}", "data.eval_split=null"]
+    recipe = REPO / "recipes" / "tiny-grpo.yaml"
+    assert load_recipe(recipe, stages).parallel.pipeline_parallel == 2
+    with pytest.raises(Exception) as refused:
+        load_recipe(recipe, [*stages, *overrides])
+    assert says in " ".join(str(refused.value).split())

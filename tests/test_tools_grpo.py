@@ -451,7 +451,7 @@ def test_an_environment_that_is_not_one_is_refused():
 def test_under_tensor_parallelism_the_users_code_runs_on_one_process_of_the_pair(tiny_assets, monkeypatch):
     """A tensor-parallel pair samples the same completions on both processes, but the user's code (reward
     functions, an environment's reset, its tools, its get_reward) runs on the pair's first only (GRPO.user_code:
-    collectives.on_tensor_group_first), its results given to the other: here two objectives in one process, the
+    collectives.on_sampling_group_first), its results given to the other: here two objectives in one process, the
     second's user_code handed the first's results as the broadcast would hand them. Both roll out the same records;
     every function ran for the first alone, with what it logs coming back too."""
     from transformers import AutoTokenizer

@@ -207,16 +207,18 @@ def with_loss_positions(batch: dict) -> dict:
     return {**batch, "loss_index": index, "loss_targets": flat[index], "loss_example": example[index]}
 
 
-def fixed_row(batch: dict, slots: int, *, pad_id: int) -> dict[str, torch.Tensor]:
+def fixed_row(batch: dict, slots: int, *, pad_id: int,
+              key: str = "train.micro_batch_tokens") -> dict[str, torch.Tensor]:
     """One packed micro-batch (CausalLM.collate's) as a row of exactly `slots` tokens: input_ids, position_ids,
-    targets [1, slots] and cu_seq_lens [1, slots + 1], the padding one more segment that trains nothing."""
+    targets [1, slots] and cu_seq_lens [1, slots + 1], the padding one more segment that trains nothing. `key`: the
+    setting `slots` is (online RL's passes: rl.micro_batch_tokens)."""
     ids, pos = batch["input_ids"].reshape(-1), batch["position_ids"].reshape(-1)
     n = len(ids)
     if n > slots:
-        raise LLMTrainError(f"a packed micro-batch of {n} tokens is longer than train.micro_batch_tokens={slots}: "
-                            "every micro-batch is one row of that many slots. Raise train.micro_batch_tokens, or lower "
-                            "data.max_seq_len until the longest example fits (a preference pair is both its sequences: "
-                            "at most half the budget each)")
+        raise LLMTrainError(f"a packed micro-batch of {n} tokens is longer than {key}={slots}: every micro-batch is "
+                            f"one row of that many slots. Raise {key}, or lower data.max_seq_len until the longest "
+                            "example fits (a preference pair is both its sequences: at most half the budget each; an "
+                            "online RL sequence is its prompt and rl.max_completion_tokens)")
     targets = torch.full((n,), IGNORE, dtype=torch.long)
     targets[batch["loss_index"]] = batch["loss_targets"]
     pad = slots - n

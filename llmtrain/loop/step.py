@@ -123,13 +123,16 @@ def eval_sums(model, dataset, accelerator, objective: Objective, *, batch_size: 
                                    micro_batch_size=batch_size, micro_batch_tokens=batch_tokens,
                                    lengths=dataset["length"] if batch_tokens else None, shuffle=False)
     plan = rank_view(batches, rank)
-    totals, accum = None, pipeline.micro_batches if pipeline is not None else 1
+    # the stages' forward-only passes, M micro-batches at a time; online RL's eval samples through them instead
+    # (GRPO.eval_sums: every process of a pipeline, its last stage counting)
+    staged = pipeline is not None and getattr(objective, "rollout", None) is None
+    totals, accum = None, pipeline.micro_batches if staged else 1
     passes = -(-len(plan) // accum)
     for done, window in enumerate(windows(dataset, lambda _: plan, epoch=0, micro=0, steps=passes, accum=accum,
                                           collate=objective.collate, pin=False, columns=objective.columns)):
         on_batch(done, passes)
         first = window.batches[0]
-        sums = (pipeline.evaluate(window.batches) if pipeline is not None
+        sums = (pipeline.evaluate(window.batches) if staged
                 else objective.eval_sums(model, first, accelerator.device) * batch_weight(first))
         totals = sums if totals is None else totals + sums
     model.train()

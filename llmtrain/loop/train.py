@@ -48,7 +48,7 @@ from llmtrain.memory.fit import out_of_memory_text
 from llmtrain.model.reference import Reference
 from llmtrain.objectives.objective import Objective, end_of_turn_ids, objective_for, rl_rewards, stop_ids
 from llmtrain.parallel.accelerator import build_accelerator
-from llmtrain.parallel.collectives import device_sum, gathered, on_main, on_tensor_group_first
+from llmtrain.parallel.collectives import device_sum, gathered, on_main, on_sampling_group_first
 from llmtrain.parallel.groups import groups
 from llmtrain.parallel.sequence.shards import SequenceShards
 from llmtrain.parallel.mesh import data_ranks
@@ -113,8 +113,8 @@ def _train(recipe: Recipe, accelerator, console: RunConsole, cleanup: ExitStack,
                                   train=data.train, world=data_ranks(accelerator)[0], total_steps=data.total_steps,
                                   rewards=rewards, gather=partial(gathered, accelerator),
                                   reduce=partial(device_sum, accelerator), teacher=teacher,
-                                  user_code=on_tensor_group_first(accelerator),
-                                  reference=reference)
+                                  user_code=on_sampling_group_first(accelerator),
+                                  reference=reference, stages=trainable.pipeline)
         if recipe.parallel.sequence_parallel > 1:  # each process of a sequence group collates its slice of the row
             objective = SequenceShards(objective, pad_id=data.pad_id, group=groups(accelerator).sequence)
         data = reference_logps(recipe, accelerator, data, trainable, objective, console=console)  # preference only

@@ -78,10 +78,14 @@ def pipeline_problems(spec: TrainSpec, shape: ModelShape) -> list[str]:
     if spec.strategy not in ("single", "ddp", "fsdp") or (spec.strategy == "ddp" and stage_gpus == 1):
         problems.append(f"inside a pipeline stage the GPUs run fsdp or ddp (single: one GPU a stage), not "
                         f"{spec.strategy} on {stage_gpus} GPU(s) a stage: the stages already split the model")
-    if spec.cpu_offload or spec.tp > 1 or spec.sequence_parallel > 1 or spec.num_generations \
-            or spec.activation_offload or spec.tiled_mlp:
-        problems.append("pipeline parallelism is modelled without cpu offload, tensor or sequence parallelism, online "
-                        "RL, activation offload or the tiled MLP (llmtrain's stages run none of them)")
+    if spec.cpu_offload or spec.tp > 1 or spec.sequence_parallel > 1 or spec.activation_offload or spec.tiled_mlp:
+        problems.append("pipeline parallelism is modelled without cpu offload, tensor or sequence parallelism, "
+                        "activation offload or the tiled MLP (llmtrain's stages run none of them)")
+    if spec.num_generations:
+        problems.append("online RL on pipeline stages (GRPO, which trains there) is not modelled yet: its rollout's "
+                        "KV cache of each stage's layers and the passes' rows are not counted. Estimate the run "
+                        "without stages (parallel.pipeline_parallel=1, --strategy fsdp) for the memory the whole "
+                        "model's sampling would need")
     if spec.quantize and spec.sharded:
         problems.append("a QLoRA stage under FSDP (which llmtrain trains) is not modelled: estimate it with "
                         "--strategy ddp (each stage's replicas holding its whole 4-bit base), or single with one GPU a "

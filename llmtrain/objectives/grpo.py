@@ -29,7 +29,7 @@ process, so any split over micro-batches and processes gives the same loss and g
 from __future__ import annotations
 
 import math
-from contextlib import nullcontext
+from contextlib import contextmanager, nullcontext
 from itertools import accumulate
 from typing import Literal
 
@@ -260,6 +260,51 @@ def token_chunks(sizes: list[int], budget: int | None) -> list[list[int]]:
     return parts
 
 
+def policy_loss(rl, logps: torch.Tensor, entropy: torch.Tensor, batch: dict, *, ref: torch.Tensor | None,
+                shared_sum=None, gather_tokens=None) -> tuple[torch.Tensor, torch.Tensor]:
+    """GRPO's loss of one pass, summed (before the entropy bonus), and its statistics (LOSS_STATS), from the policy's
+    log-probability and entropy of each trained token (`logps`, `entropy`: one process's forward, or the last
+    pipeline stage's head: StageGRPO) and the pass's `loss_` columns (advantages, weights, lengths, each token's
+    completion, old and sampler log-probabilities where the rollout took them); `ref`: the reference's, beta > 0.
+    `shared_sum`, `gather_tokens`: under sequence parallelism, a completion's sums and the tokens' entropies over the
+    group (GRPO's)."""
+    old, log_ratio, share = batch.get("loss_old_logps"), None, 1.0 / batch["loss_lengths"]
+    if rl.importance_sampling_level == "sequence":  # GSPO: one ratio a completion
+        log_ratio = sequence_log_ratios(logps, old, batch["loss_example"], batch["loss_lengths"],
+                                        batch["completions"], group_sum=shared_sum)
+    # the policy that sampled, to the off-policy mask: the sampler's own log-probabilities where it gave them
+    # (rl.sampler_correction: TRL's with vLLM, both drifts seen), else the policy's at the rollout
+    sampled = batch.get("loss_sampler_logps", old)
+    keep = (off_policy_keep(logps, sampled, batch["loss_advantages"], batch["loss_example"],
+                            batch["loss_lengths"], batch["completions"], threshold=rl.off_policy_mask_threshold,
+                            group_sum=shared_sum)
+            if rl.off_policy_mask_threshold is not None and sampled is not None else None)
+    if rl.top_entropy_quantile < 1.0:  # the high-entropy tokens' policy terms only, over the pass everywhere
+        high = high_entropy_keep(entropy, rl.top_entropy_quantile, gather=gather_tokens,
+                                 counts=batch_weight(batch) > 0)
+        keep = high if keep is None else keep * high
+    correction = batch.get("loss_sampler_weights")  # rl.sampler_correction: vespo's in its weight, else a factor
+    phi = (vespo_weights(logps, old, batch["loss_advantages"], batch["loss_example"], batch["completions"],
+                         k=(rl.vespo_k_pos, rl.vespo_k_neg), lam=(rl.vespo_lambda_pos, rl.vespo_lambda_neg),
+                         group_sum=shared_sum, sampler_weights=correction)
+           if rl.loss_type == "vespo" else None)
+    if correction is not None and phi is None:  # the policy term times the ratio (TRL's), the KL term not
+        keep = correction if keep is None else keep * correction
+    losses, kl, clipped = token_losses(logps, batch["loss_advantages"], old_logps=old, ref_logps=ref,
+                                       epsilon=rl.epsilon, epsilon_high=rl.epsilon_high, beta=rl.beta,
+                                       log_ratio=log_ratio, delta=rl.delta, cispo=rl.loss_type == "cispo",
+                                       sapo=((rl.sapo_temperature_pos, rl.sapo_temperature_neg)
+                                             if rl.loss_type == "sapo" else None), keep=keep, weights=phi,
+                                       kl_ratio=rl.use_bias_correction_kl)
+    total = (losses * batch["loss_weights"]).sum()
+    with torch.no_grad():
+        stats = torch.stack([kl.sum() if kl is not None else logps.new_zeros(()), clipped.float().sum(),
+                             logps.new_tensor(float(logps.numel())), (clipped * share).sum(), share.sum(),
+                             entropy.sum(), (phi * share).sum() if phi is not None else logps.new_zeros(()),
+                             total])
+    return total, stats
+
+
 # --------------------------------------------------------------------------- the objective the loop runs
 
 # The metrics' names are TRL's (GRPOTrainer), so runs can be compared line by line.
@@ -324,7 +369,8 @@ class GRPO:
 
     def __init__(self, rl, *, tokenizer, pad_id: int, packing: bool, seed: int, rewards, model, columns,
                  stop_ids, world: int, sources: tuple[str, str | None] = ("the data", None), state=None,
-                 runner=None, gather=None, template: str | None = None, render=None, user_code=None, reference=None):
+                 runner=None, gather=None, template: str | None = None, render=None, user_code=None, reference=None,
+                 stages=None):
         self.rl, self.tokenizer, self.pad_id, self.packing, self.seed = rl, tokenizer, pad_id, packing, seed
         self.rewards = rewards  # (name, function, weight): rewards.build_rewards
         self.lm = model  # unwrapped: generates, and with its adapter disabled is the reference (beta > 0)
@@ -350,7 +396,7 @@ class GRPO:
         self.on_first_of_group, self.share_sampling = here, all_here
         # where the user's code runs (the reward functions, the tools, an environment): here; under tensor
         # parallelism on the TP group's first process, its result given to the other (collectives.
-        # on_tensor_group_first): both sample the same completions, and a function's side effects happen once
+        # on_sampling_group_first): both sample the same completions, and a function's side effects happen once
         self.user_code = user_code if user_code is not None else here
         # the event loop of the async reward functions, for the whole run (the start-up check's, where it ran one)
         self.runner = runner if runner is not None else AsyncRunner()
@@ -381,6 +427,10 @@ class GRPO:
         # rl.sampler_correction: the rollout's sampler gives each token's log-probability, the policy's are taken
         # after it, and the window's largest |difference| and extreme ratios go to its metrics line
         self.correcting = rl.sampler_correction is not None
+        # pipeline stages (parallel/pipeline/schedule.Pipeline): they sample, each process of a pipeline the same
+        # completions through them, and the last stage's head takes the loss (StageGRPO); `drawing`: the stages as
+        # one causal LM while a rollout or an eval samples
+        self.stages, self.drawing = stages, None
         self.sampler_extremes: dict[str, float] = {}
 
     def collate(self, examples: list[dict]) -> tuple[dict, Counts]:
@@ -397,7 +447,7 @@ class GRPO:
         batches, counts, records, extremes = [], None, [], []
         if self.state is not None:  # what a reward function sees: the steps done, as TRL's global_step
             self.state.global_step, self.state.epoch = step, float(window.epoch)
-        with sampling(self.lm), self._rollout_reference():
+        with self._sampling(), self._rollout_reference():
             drawn = self._draw_window(window.batches, step)
             for b, each in zip(window.batches, drawn):
                 parts, n, recs = self.on_first_of_group(
@@ -426,6 +476,21 @@ class GRPO:
         if self.state is not None:  # an eval after this step's update sees it done
             self.state.global_step = step + 1
         return dataclasses.replace(window, batches=batches, counts=counts, rollouts=records)
+
+    @contextmanager
+    def _sampling(self):
+        """The policy in sampling order for the block (rollouts.sampling: eval mode, FSDP's units gathered); on
+        pipeline stages, the stages as one causal LM (Pipeline.sampling), which `_generate` then samples with."""
+        if self.stages is None:
+            with sampling(self.lm):
+                yield
+            return
+        with self.stages.sampling() as lm:
+            self.drawing = lm
+            try:
+                yield
+            finally:
+                self.drawing = None
 
     def _reference_once(self) -> bool:
         """Whether the rollout takes the reference's log-probabilities of the update's passes (`loss_ref_logps`), once
@@ -649,6 +714,11 @@ class GRPO:
         sampler's log-probability of each)."""
         rl = self.rl
         sampling = dict(temperature=0.0, top_p=1.0) if greedy else sampling_of(rl)
+        if self.drawing is not None:  # pipeline stages: generate.sample's loop through them (rl.sampler reference)
+            from llmtrain.model.generate import sample as through
+
+            return through(self.drawing, prompt_ids, seeds=seeds, stop_ids=self.stop_ids, pad_id=self.pad_id,
+                           max_new_tokens=max_new_tokens or rl.max_completion_tokens, logps=logps, **sampling)
         return sample(self.lm, rl.sampler, prompt_ids, seeds, max_new_tokens=max_new_tokens or rl.max_completion_tokens,
                       stop_ids=self.stop_ids, pad_id=self.pad_id, copy=rl.merged_copy, logps=logps, **sampling)
 
@@ -763,41 +833,8 @@ class GRPO:
         bonus = self.entropy  # the entropy bonus: the entropy with its gradient
         losses, entropy = compute_loss(model, batch, per_token=True, temperature=rl.temperature,
                                        stat=ENTROPY_TRAINED if bonus is not None else "entropy")
-        logps = -losses.float()
-        old, log_ratio, share = batch.get("loss_old_logps"), None, 1.0 / batch["loss_lengths"]
-        if rl.importance_sampling_level == "sequence":  # GSPO: one ratio a completion
-            log_ratio = sequence_log_ratios(logps, old, batch["loss_example"], batch["loss_lengths"],
-                                            batch["completions"], group_sum=self.shared_sum)
-        # the policy that sampled, to the off-policy mask: the sampler's own log-probabilities where it gave them
-        # (rl.sampler_correction: TRL's with vLLM, both drifts seen), else the policy's at the rollout
-        sampled = batch.get("loss_sampler_logps", old)
-        keep = (off_policy_keep(logps, sampled, batch["loss_advantages"], batch["loss_example"],
-                                batch["loss_lengths"], batch["completions"], threshold=rl.off_policy_mask_threshold,
-                                group_sum=self.shared_sum)
-                if rl.off_policy_mask_threshold is not None and sampled is not None else None)
-        if rl.top_entropy_quantile < 1.0:  # the high-entropy tokens' policy terms only, over the pass everywhere
-            high = high_entropy_keep(entropy, rl.top_entropy_quantile, gather=self.gather_tokens,
-                                     counts=batch_weight(batch) > 0)
-            keep = high if keep is None else keep * high
-        correction = batch.get("loss_sampler_weights")  # rl.sampler_correction: vespo's in its weight, else a factor
-        phi = (vespo_weights(logps, old, batch["loss_advantages"], batch["loss_example"], batch["completions"],
-                             k=(rl.vespo_k_pos, rl.vespo_k_neg), lam=(rl.vespo_lambda_pos, rl.vespo_lambda_neg),
-                             group_sum=self.shared_sum, sampler_weights=correction)
-               if rl.loss_type == "vespo" else None)
-        if correction is not None and phi is None:  # the policy term times the ratio (TRL's), the KL term not
-            keep = correction if keep is None else keep * correction
-        losses, kl, clipped = token_losses(logps, batch["loss_advantages"], old_logps=old, ref_logps=ref,
-                                           epsilon=rl.epsilon, epsilon_high=rl.epsilon_high, beta=rl.beta,
-                                           log_ratio=log_ratio, delta=rl.delta, cispo=rl.loss_type == "cispo",
-                                           sapo=((rl.sapo_temperature_pos, rl.sapo_temperature_neg)
-                                                 if rl.loss_type == "sapo" else None), keep=keep, weights=phi,
-                                           kl_ratio=rl.use_bias_correction_kl)
-        total = (losses * batch["loss_weights"]).sum()
-        with torch.no_grad():
-            stats = torch.stack([kl.sum() if kl is not None else logps.new_zeros(()), clipped.float().sum(),
-                                 logps.new_tensor(float(logps.numel())), (clipped * share).sum(), share.sum(),
-                                 entropy.sum(), (phi * share).sum() if phi is not None else logps.new_zeros(()),
-                                 total])
+        total, stats = policy_loss(rl, -losses.float(), entropy, batch, ref=ref, shared_sum=self.shared_sum,
+                                   gather_tokens=self.gather_tokens)
         if bonus is not None:  # minus coef x the window's mean entropy: each token's entropy / the window's trained
             # tokens, in the loss's units (the step divides the sum by the window's units)
             total = total - bonus.applied() * batch["units_per_trained"] * entropy.sum()
@@ -898,6 +935,9 @@ class GRPO:
                                  *(~per_function.isnan()).sum(0).tolist(), len(examples), passed],
                                 dtype=torch.float64)
 
+        if self.stages is not None:  # every process of a pipeline samples and scores them: its last stage counts them
+            with self._sampling():
+                return sums() * float(self.stages.last is not None)
         with gathered_for_generation(self.lm):
             return self.on_first_of_group(sums)
 
@@ -933,3 +973,84 @@ def _extremes(values: list[list[float]]) -> dict[str, float]:
 def _number(value: torch.Tensor) -> float | None:
     v = float(value)
     return None if v != v else v  # NaN (no reward function applied) is None in the JSON
+
+
+class StageGRPO:
+    """GRPO on pipeline stages (parallel/pipeline/schedule.py): the last stage's loss. The rollout runs on every
+    process of a pipeline alike (the same completions, sampled through the stages: GRPO.stages), and its passes
+    (packed rows of rl.micro_batch_tokens slots) reach the last stage as the final hidden states with the [slots, 8]
+    float32 targets of `targets`: at each trained position its token, advantage, weight in the sum, completion's
+    length and completion; at each its reference log-probability (beta > 0: the model with its adapter disabled, or
+    LoRA's moving reference, forward only through the stages before the step: `prepare`); at slot k the pass's k-th
+    rollout statistic; at slot 0 its completions. From these the loss and its statistics are GRPO's own
+    (`policy_loss`), so that 2 stages train what one process trains."""
+
+    WIDTH = 8
+
+    def __init__(self, rl, *, rollout_stats: int, adapter_off=None):
+        self.rl, self.rollout_size, self.adapter_off = rl, rollout_stats, adapter_off
+        self.stats = rollout_stats + len(LOSS_STATS)
+
+    def follow(self, reference, model) -> None:
+        """LoRA's moving reference (rl.sync_reference): the reference pass runs its snapshot (StagePairs.follow)."""
+        from llmtrain.model.reference import forward_of
+
+        self.adapter_off = lambda: forward_of(model, reference)[1]
+
+    def prepare(self, pipeline, batches: list[dict]) -> list[dict]:
+        """beta > 0: the passes with each trained token's reference log-probability at its slot (on the last stage),
+        forward only through the stages with the adapter disabled, as one process's GRPO.loss takes it first."""
+        if not self.rl.beta:
+            return batches
+        with torch.no_grad(), self.adapter_off():
+            reference = pipeline.token_logps(batches)
+        if reference is None:  # not the last stage: nothing reads the targets here
+            return batches
+        return [{**b, "ref_slots": r.float().cpu()} for b, r in zip(batches, reference)]
+
+    def targets(self, batch: dict, slots: int) -> torch.Tensor:
+        """[1, slots, 8] float32 of a pass (none: an idle row). Token ids are exact in float32 below 2^24."""
+        from llmtrain.data.formats import IGNORE
+
+        out = torch.zeros(slots, self.WIDTH)
+        out[:, 0] = IGNORE
+        if "loss_advantages" in batch:
+            at = batch["loss_index"]
+            for column, key in enumerate(("loss_targets", "loss_advantages", "loss_weights", "loss_lengths",
+                                          "loss_example")):
+                out[at, column] = batch[key].float()
+            if "ref_slots" in batch:
+                out[:, 5] = batch["ref_slots"]
+            stats = batch["rollout_stats"]
+            assert len(stats) == self.rollout_size <= slots, (len(stats), self.rollout_size, slots)
+            out[: len(stats), 6] = stats
+            out[0, 7] = batch["completions"]
+        return out[None]
+
+    def _trained(self, target: torch.Tensor) -> torch.Tensor:
+        from llmtrain.data.formats import IGNORE
+
+        return (target[:, 0] != IGNORE).nonzero().flatten()
+
+    def token_logps(self, head, hidden: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        """[slots] float32: each trained token's log-probability at the sampling temperature at its slot (the
+        reference pass)."""
+        out = torch.zeros(target.shape[0], dtype=torch.float32, device=hidden.device)
+        if (at := self._trained(target)).numel():
+            losses, _ = head(hidden[at], targets=target[at, 0].long(), per_token=True, temperature=self.rl.temperature)
+            out[at] = -losses.float()
+        return out
+
+    def loss(self, head, hidden: torch.Tensor, target: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The pass's summed GRPO loss and its statistics (the rollout's, then LOSS_STATS), as GRPO.loss returns
+        them; a row that trains nothing: a zero loss that still reaches the head."""
+        at = self._trained(target)
+        if at.numel() == 0:
+            return head(hidden[:1]).float().sum() * 0.0, hidden.new_zeros(self.stats, dtype=torch.float32)
+        losses, entropy = head(hidden[at], targets=target[at, 0].long(), per_token=True,
+                               temperature=self.rl.temperature, stat="entropy")
+        t = target[at]
+        batch = {"loss_advantages": t[:, 1], "loss_weights": t[:, 2], "loss_lengths": t[:, 3],
+                 "loss_example": t[:, 4].long(), "completions": int(target[0, 7])}
+        total, stats = policy_loss(self.rl, -losses.float(), entropy, batch, ref=t[:, 5] if self.rl.beta else None)
+        return total, torch.cat([target[: self.rollout_size, 6].to(stats.dtype), stats])

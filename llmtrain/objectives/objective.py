@@ -134,7 +134,7 @@ def rl_rewards(recipe, train, *, total_steps: int | None, device=None, once=here
 
 def objective_for(recipe, *, pad_id: int, model=None, tokenizer=None, train=None, world: int = 1,
                   total_steps: int | None = None, rewards: Rewards | None = None, gather=None,
-                  reduce=None, teacher=None, reference=None, user_code=None) -> Objective:
+                  reduce=None, teacher=None, reference=None, user_code=None, stages=None) -> Objective:
     """The recipe's objective: GRPO or RLOO on prompts (rl:), distillation from a teacher (distill:), a preference loss
     on pairs (preference:), a reward model's loss on pairs (reward_model:), KTO on labelled completions (kto:), else
     causal-LM
@@ -147,7 +147,8 @@ def objective_for(recipe, *, pad_id: int, model=None, tokenizer=None, train=None
     the model's device); `reference`: the loop's phases.build_reference (model/reference.py: a full fine-tune's frozen
     copy for KTO, preference.reference copy and online RL with rl.beta > 0, or LoRA's moving adapter under
     sync_reference; None: LoRA's adapter disabled); `user_code`:
-    where RL's reward functions, tools and environment run (collectives.on_tensor_group_first; None: here)."""
+    where RL's reward functions, tools and environment run (collectives.on_sampling_group_first; None: here);
+    `stages`: pipeline stages (parallel/pipeline/schedule.Pipeline), through which online RL samples."""
     from llmtrain.data.batching import packs_rows
 
     if recipe.rl is not None:
@@ -162,7 +163,7 @@ def objective_for(recipe, *, pad_id: int, model=None, tokenizer=None, train=None
                       stop_ids=stop_ids(recipe, model, tokenizer), world=world, sources=rewards.sources,
                       state=rewards.state, runner=rewards.runner, gather=gather,
                       template=read_template(recipe.data, tokenizer), render=prompt_renderer(recipe, tokenizer),
-                      user_code=user_code, reference=reference)
+                      user_code=user_code, reference=reference, stages=stages)
 
     if recipe.distill is not None:
         from llmtrain.model.teacher import load_teacher
@@ -263,8 +264,8 @@ def end_of_turn_ids(recipe, tokenizer) -> list[int]:
 def head_loss_for(recipe, *, model=None, reduce=None):
     """The objective's own loss on the last pipeline stage (parallel/pipeline/schedule.py): a reward model's score
     head and pairs' loss, preference pairs' log-probabilities and loss, KTO's (its reference `model` with the adapter
-    disabled, its KL estimate summed over the processes by `reduce`: collectives.device_sum); None: the LM head's
-    cross-entropy, and for any run without stages."""
+    disabled, its KL estimate summed over the processes by `reduce`: collectives.device_sum), GRPO's on its rollout's
+    passes; None: the LM head's cross-entropy, and for any run without stages."""
     if recipe.parallel.pipeline_parallel == 1:
         return None
     if recipe.kto is not None:  # (LoRA's: a full fine-tune's is refused on stages, capabilities.RULES)
@@ -280,4 +281,9 @@ def head_loss_for(recipe, *, model=None, reduce=None):
 
         return StagePairs(recipe.preference, reference=reference_kind(recipe),
                           adapter_off=partial(adapter_off, model) if recipe.lora is not None else None)
+    if recipe.rl is not None:  # GRPO's (RLOO's is refused on stages, capabilities.MODES)
+        from llmtrain.objectives.grpo import ROLLOUT_STATS, StageGRPO
+
+        return StageGRPO(recipe.rl, rollout_stats=len(ROLLOUT_STATS) + 2 * len(recipe.rl.rewards),
+                         adapter_off=partial(adapter_off, model) if recipe.lora is not None else None)
     return None

@@ -1,8 +1,9 @@
 """Reductions across processes, each one collective: numbers summed over all processes (`global_sum`) or over
 the data-parallel ranks (`data_sum`: a tensor-parallel group's batch counted once), lists gathered in rank order
 (`gathered`), a device tensor summed over all processes without a host sync (`device_sum`), a computation run on
-a group's first process, its result given to the others (`on_first`; `on_tensor_group_first`: the user's code of
-online RL under tensor parallelism), and one run on the main process alone (`on_main`) or before the others
+a group's first process, its result given to the others (`on_first`; `on_sampling_group_first`: the user's code of
+online RL under tensor parallelism or on pipeline stages), and one run on the main process alone (`on_main`) or
+before the others
 (`main_first`), its error handed to the others.
 """
 
@@ -21,12 +22,16 @@ def global_sum(accelerator, *values: float | int) -> list[float]:
 def gathered(accelerator, items: list) -> list:
     """Every data rank's list, concatenated in rank order, on every process (picklable items: online RL's rollout
     records, the numbers its statistics are taken over). The processes of a tensor-parallel group sample, score and
-    hold the same completions: the group's first (TP groups are consecutive ranks) gives them, once."""
+    hold the same completions, and so do a pipeline's stages: the group's first (TP groups are consecutive ranks; a
+    pipeline's first stage, ranks 0 to replicas - 1, in replica order) gives them, once."""
     if accelerator.num_processes == 1:
         return list(items)
     from accelerate.utils import gather_object
 
-    first = accelerator.process_index % tensor_parallel_size(accelerator) == 0
+    from llmtrain.parallel.groups import groups
+
+    first = (accelerator.process_index % tensor_parallel_size(accelerator) == 0
+             and groups(accelerator).pipeline.rank == 0)
     return gather_object(list(items) if first else [])
 
 
@@ -74,15 +79,19 @@ def main_first(accelerator, compute):
     return result if accelerator.is_main_process else compute()
 
 
-def on_tensor_group_first(accelerator):
+def on_sampling_group_first(accelerator):
     """Where online RL runs the user's code (its reward functions, tools and environment: GRPO.user_code): on this
-    process (None) without tensor parallelism; with it, on the TP group's first process, its result given to the
-    other (`on_first`), as both sample the same completions and a function's side effects (a file written, a call to
-    a service) must happen once."""
-    if tensor_parallel_size(accelerator) == 1:
-        return None
+    process (None) without tensor parallelism or pipeline stages; with them, on the TP group's first process or the
+    pipeline's first stage, its result given to the others (`on_first`), as they all sample the same completions and
+    a function's side effects (a file written, a call to a service) must happen once."""
     from functools import partial
 
+    from llmtrain.parallel.groups import groups
+
+    if (pipeline := groups(accelerator).pipeline).size > 1:
+        return partial(on_first, group=pipeline.group)
+    if tensor_parallel_size(accelerator) == 1:
+        return None
     return partial(on_first, group=accelerator.torch_device_mesh["tp"].get_group())
 
 

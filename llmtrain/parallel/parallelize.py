@@ -55,8 +55,9 @@ def parallelize(model, recipe: Recipe, accelerator, *, make_optimizer, pad_id: i
     if recipe.parallel.pipeline_parallel > 1:
         # this process's stages (the optimizer sees only theirs), sharded over their replicas by an FSDP launch
         plugin = accelerator.state.fsdp_plugin if uses_fsdp(accelerator) else None
+        slots, key = row_slots(recipe)
         stages = Pipeline(model, parallel=recipe.parallel, micro_batches=recipe.train.grad_accum_steps,
-                          slots=row_slots(recipe.train), pad_id=pad_id, device=accelerator.device,
+                          slots=slots, slots_key=key, pad_id=pad_id, device=accelerator.device,
                           group=groups(accelerator).pipeline,
                           fsdp=None if plugin is None else plugin.mixed_precision_policy or True,
                           precision=accelerator.autocast, head_loss=head_loss)

@@ -38,18 +38,22 @@ from llmtrain.parallel.pipeline.stage import PER_LAYER_MODULES, Elsewhere, Stage
 SCHEDULES = {"gpipe": "ScheduleGPipe", "1f1b": "Schedule1F1B", "interleaved_1f1b": "ScheduleInterleaved1F1B"}
 
 
-def row_slots(train) -> int:
-    """The slots of the stages' one row shape: train.micro_batch_tokens, which every mode on stages sets (capabilities'
-    rule; a KTO micro-batch's KL sequences, each a prompt with another's completion, hold as many tokens as its
-    completions' sequences at most, so they fit the same row)."""
-    return train.micro_batch_tokens
+def row_slots(recipe) -> tuple[int, str]:
+    """The slots of the stages' one row shape and the setting they are: train.micro_batch_tokens, which every mode on
+    stages sets (capabilities' rule; a KTO micro-batch's KL sequences, each a prompt with another's completion, hold
+    as many tokens as its completions' sequences at most, so they fit the same row); online RL's passes,
+    rl.micro_batch_tokens (its micro-batches are prompts, its rows their completions' passes)."""
+    if recipe.rl is not None:
+        return recipe.rl.micro_batch_tokens, "rl.micro_batch_tokens"
+    return recipe.train.micro_batch_tokens, "train.micro_batch_tokens"
 
 
 class Pipeline:
     """This process's stages of the model and the schedule that runs a window through them."""
 
     def __init__(self, model, *, parallel, micro_batches: int, slots: int, pad_id: int, device,
-                 group: PipelineGroup, fsdp=None, precision=nullcontext, head_loss=None):
+                 group: PipelineGroup, fsdp=None, precision=nullcontext, head_loss=None,
+                 slots_key: str = "train.micro_batch_tokens"):
         """`fsdp`: None, or the FSDP launch's MixedPrecisionPolicy (or True without one): each stage is then sharded
         over its replicas (FSDP2's fully_shard on each decoder layer and on the stage), kept unsharded between its
         forward and backward as torchtitan does under pipelining (reshard_after_forward=False: the schedule runs
@@ -121,6 +125,7 @@ class Pipeline:
         stages = self.stages if parallel.pipeline_schedule == "interleaved_1f1b" else self.stages[0]
         self.schedule = schedule(stages, n_microbatches=micro_batches, loss_fn=self._loss, scale_grads=False)
         self.micro_batches, self.slots, self.pad_id, self.device = micro_batches, slots, pad_id, device
+        self.slots_key = slots_key
         self.scale: torch.Tensor | float = 1.0
         self.sums: list[torch.Tensor] = []  # the last stage's summed loss of each micro-batch of the step
         self.stats: list[torch.Tensor] = []  # and its statistics (a reward model's; none for the LM head's loss)
@@ -131,8 +136,11 @@ class Pipeline:
         g = self.group
         runs = ", ".join(f"stage {s}: layers {r.start}-{r.stop - 1}" for s, r in self.layers.items())
         replicas = (f" x {g.replicas} {'FSDP shards' if self.sharded else 'replicas'}" if g.replicas > 1 else "")
-        return (f"pipeline parallelism: {g.size} stages{replicas}; this process: {runs} "
-                f"({type(self.schedule).__name__}, {self.micro_batches} micro-batches of {self.slots} slots a step)")
+        rows = (f"{self.micro_batches} micro-batches of {self.slots} slots a step" if self.slots_key.startswith("train")
+                else f"the rollout's passes of {self.slots} slots ({self.slots_key}), {self.micro_batches} at a time; "
+                     "sampled through the stages")
+        return f"pipeline parallelism: {g.size} stages{replicas}; this process: {runs} " \
+               f"({type(self.schedule).__name__}, {rows})"
 
     @contextmanager
     def whole(self):
@@ -218,9 +226,10 @@ class Pipeline:
     def _row(self, batch: dict) -> dict[str, torch.Tensor]:
         """One micro-batch as a row of the fixed shape; an objective's own head loss builds its targets."""
         if self.head_loss is None:
-            return fixed_row(batch, self.slots, pad_id=self.pad_id)
+            return fixed_row(batch, self.slots, pad_id=self.pad_id, key=self.slots_key)
         none = torch.zeros(0, dtype=torch.long)
-        row = fixed_row({**batch, "loss_index": none, "loss_targets": none}, self.slots, pad_id=self.pad_id)
+        row = fixed_row({**batch, "loss_index": none, "loss_targets": none}, self.slots, pad_id=self.pad_id,
+                        key=self.slots_key)
         return {**row, "targets": self.head_loss.targets(batch, self.slots)}
 
     def _forward_only(self, batches: list[dict], fn) -> list[torch.Tensor]:
@@ -266,27 +275,46 @@ class Pipeline:
     def run(self, batches: list[dict], *, scale) -> tuple[torch.Tensor, torch.Tensor]:
         """Forward and backward of a window's micro-batches through the schedule; returns this process's summed
         loss and statistics (0 except on the last stage). `scale`: 1 / the window's loss units over every
-        pipeline."""
-        stacked = self._rows(self._prepared(batches))  # a short window: filled with rows that train nothing
+        pipeline. More than M micro-batches (online RL's passes: as many as its completions fill) run through the
+        schedule M at a time, their gradients adding up before the one optimizer step."""
+        prepared = self._prepared(batches)
         # FSDP's reduce-scatter averages the replicas' gradients, where the loss wants their sum
-        self.scale, self.sums, self.stats = scale * (self.group.replicas if self.sharded else 1), [], []
-        args = (stacked["input_ids"].to(self.device),) if self.first else ()
-        # the boundaries stay on the CPU (each stage trims them). return_outputs=False: the last stage would otherwise
-        # keep every micro-batch's final hidden states until the next step (torch's output_chunks, for step()'s
-        # merged return, which nothing reads): M - 1 x tokens x hidden more at its peak (measured: tests/stage_peak.py)
-        self.schedule.step(*args, target=stacked["targets"].to(self.device),
-                           position_ids=stacked["position_ids"].to(self.device),
-                           cu_seq_lens=stacked["cu_seq_lens"], return_outputs=False)
+        self.scale = scale * (self.group.replicas if self.sharded else 1)
+        m, sums, stats = self.micro_batches, [], []
+        for start in range(0, max(len(prepared), 1), m):
+            stacked = self._rows(prepared[start:start + m])  # a short window: filled with rows that train nothing
+            self.sums, self.stats = [], []
+            args = (stacked["input_ids"].to(self.device),) if self.first else ()
+            # the boundaries stay on the CPU (each stage trims them). return_outputs=False: the last stage would
+            # otherwise keep every micro-batch's final hidden states until the next step (torch's output_chunks, for
+            # step()'s merged return, which nothing reads): M - 1 x tokens x hidden more at its peak (measured:
+            # tests/stage_peak.py)
+            self.schedule.step(*args, target=stacked["targets"].to(self.device),
+                               position_ids=stacked["position_ids"].to(self.device),
+                               cu_seq_lens=stacked["cu_seq_lens"], return_outputs=False)
+            # the last M calls are the micro-batches': on its first step torch (2.13) also calls the loss function
+            # on placeholder tensors to infer the gradients' shapes
+            sums += self.sums[-m:]
+            stats += self.stats[-m:]
         if self.tied:
             sum_tied(self.tied, self.ends)
         if not self.sharded:
             sum_replicas(self.parameters(), self.group)
-        # the last M calls are the micro-batches': on its first step torch (2.13) also calls the loss function on
-        # placeholder tensors to infer the gradients' shapes
-        m = self.micro_batches
-        stats = (torch.stack(self.stats[-m:]).sum(0) if self.stats else
+        stats = (torch.stack(stats).sum(0) if stats else
                  torch.zeros(self.head_loss.stats if self.head_loss is not None else 0, device=self.device))
-        return (torch.stack(self.sums[-m:]).sum() if self.sums else torch.zeros((), device=self.device)), stats
+        return (torch.stack(sums).sum() if sums else torch.zeros((), device=self.device)), stats
+
+    def token_logps(self, batches: list[dict]) -> list[torch.Tensor] | None:
+        """Each micro-batch's trained tokens' log-probabilities, each at its slot of the row ([slots] each: the
+        objective's head loss's `token_logps`), forward only through the stages M at a time, with the model as it
+        is (online RL's reference pass); None except on the last stage."""
+        out = []
+        for start in range(0, len(batches), self.micro_batches):
+            chunk = batches[start:start + self.micro_batches]
+            got = self._forward_only(chunk, lambda hidden, targets: self.head_loss.token_logps(
+                self.last.head, hidden.flatten(0, 1), targets.flatten(0, 1)))
+            out += got[-self.micro_batches:][:len(chunk)]
+        return out if self.last is not None else None
 
     def parameters(self):
         seen = set()
