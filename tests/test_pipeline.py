@@ -619,6 +619,44 @@ def test_loras_moving_reference_on_two_stages_is_one_process_reference_and_resum
         assert resumed[r["step"]]["loss"] == pytest.approx(r["loss"], abs=1e-6)
 
 
+def _grpo_recipe(four_layers: Path, tmp_path: Path, *, lora: bool, **rl) -> Path:
+    """tiny-grpo.yaml on the four-layer model for stages: the reference sampler, passes of 96 slots, 4 completions of
+    at most 8 tokens a prompt rewarded for a vowel, 2 prompts a micro-batch x 2, 3 steps, an eval with 2 samples at
+    step 3 (and RL's at step 0)."""
+    recipe = yaml.safe_load((REPO / "recipes" / "tiny-grpo.yaml").read_text())
+    recipe["model"].update(name_or_path=str(four_layers / "model"), attn_implementation="auto")
+    recipe["data"].update(path=str(four_layers / "data" / "train.jsonl"),
+                          eval_split=str(four_layers / "data" / "eval.jsonl"), eval_max_examples=6)
+    recipe["rl"].update({"sampler": "reference", "micro_batch_tokens": 96, "num_generations": 4,
+                         "max_completion_tokens": 8, "temperature": 1.0,
+                         "rewards": [{"type": "format", "pattern": "[aeiou]"}], **rl})
+    if lora:
+        recipe["lora"] = {"r": 4, "alpha": 8, "dropout": 0.0}
+    recipe["train"].update(max_steps=3, micro_batch_size=2, grad_accum_steps=2, lr=1e-2 if lora else 1e-3,
+                           eval_every_steps=3, eval_batch_size=None, eval_samples=2)
+    recipe["checkpoint"] = {"every_steps": None}
+    recipe["logging"] = {"progress": False, "plot": False, "every_steps": 1}
+    path = tmp_path / "grpo.yaml"
+    path.write_text(yaml.safe_dump(recipe))
+    return path
+
+
+def _same_rl(run: Path, one: Path, *, keys: tuple[str, ...], weights: str, tol: float = 1e-5,
+             weights_tol: float = 1e-5) -> None:
+    """The same completions (rollouts.jsonl, each once), the metrics `keys` to `tol` relative, the eval's rewards,
+    final/'s `weights` to `weights_tol`."""
+    rolled = [[json.loads(line) for line in (r / "rollouts.jsonl").read_text().splitlines()] for r in (run, one)]
+    assert sorted(r["completion_ids"] for r in rolled[0]) == sorted(r["completion_ids"] for r in rolled[1])
+    assert len(rolled[0]) == len(rolled[1])
+    got, want = records(run), records(one)
+    for key in keys:
+        assert [r[key] for r in got] == pytest.approx([r[key] for r in want], rel=tol, abs=1e-6), key
+    assert want[0]["grad_norm"] > 0 and 0 < want[0]["reward"] < 1  # a signal to train on
+    assert [r["eval_reward"] for r in records(run, "eval")] == \
+        pytest.approx([r["eval_reward"] for r in records(one, "eval")], abs=1e-6)
+    assert max_abs_diff(load_weights(run / "final" / weights), load_weights(one / "final" / weights)) < weights_tol
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("lora", [True, pytest.param(False, marks=pytest.mark.extended)], ids=["lora-kl", "full-gspo"])
 def test_grpo_samples_and_trains_on_two_stages_as_one_process(four_layers, tmp_path, free_port, lora):
@@ -630,44 +668,40 @@ def test_grpo_samples_and_trains_on_two_stages_as_one_process(four_layers, tmp_p
     eval's sampled rewards and final/ equal. lora-kl: beta 0.04 with grpo's loss, the reference the adapter
     disabled, run through the stages before each step; full-gspo (extended): a full fine-tune, one ratio a
     completion."""
-    rl = {"sampler": "reference", "micro_batch_tokens": 96, "num_generations": 4, "max_completion_tokens": 8,
-          "temperature": 1.0, "rewards": [{"type": "format", "pattern": "[aeiou]"}],
-          **({"beta": 0.04, "loss_type": "grpo"} if lora else {"importance_sampling_level": "sequence"})}
-    recipe = yaml.safe_load((REPO / "recipes" / "tiny-grpo.yaml").read_text())
-    recipe["model"].update(name_or_path=str(four_layers / "model"), attn_implementation="auto")
-    recipe["data"].update(path=str(four_layers / "data" / "train.jsonl"), eval_split=str(four_layers / "data" /
-                                                                                        "eval.jsonl"),
-                          eval_max_examples=6)
-    recipe["rl"].update(rl)
-    if lora:
-        recipe["lora"] = {"r": 4, "alpha": 8, "dropout": 0.0}
-    recipe["train"].update(max_steps=3, micro_batch_size=2, grad_accum_steps=2, lr=1e-2 if lora else 1e-3,
-                           eval_every_steps=3, eval_batch_size=None, eval_samples=2)
-    recipe["checkpoint"] = {"every_steps": None}
-    recipe["logging"] = {"progress": False, "plot": False, "every_steps": 1}
-    path = tmp_path / "grpo.yaml"
-    path.write_text(yaml.safe_dump(recipe))
+    path = _grpo_recipe(four_layers, tmp_path, lora=lora,
+                        **({"beta": 0.04, "loss_type": "grpo"} if lora else {"importance_sampling_level": "sequence"}))
     run_train(path, f"output_dir={tmp_path / 'one'}")
     out = launch_finetune(CPU_DDP, 2, free_port, path, "parallel.pipeline_parallel=2", f"output_dir={tmp_path / 'pp'}")
     assert "the rollout's passes of 96 slots (rl.micro_batch_tokens), 2 at a time; sampled through the stages" in out
     rolled = [[json.loads(line) for line in (run / "rollouts.jsonl").read_text().splitlines()]
               for run in (tmp_path / "pp", tmp_path / "one")]
-    assert len(rolled[0]) == len(rolled[1]) == 3 * 2 * 2 * 4
-    assert [r["completion_ids"] for r in rolled[0]] == [r["completion_ids"] for r in rolled[1]]
-    got, want = records(tmp_path / "pp"), records(tmp_path / "one")
-    for key in ("reward", "loss", "grad_norm", "entropy", *(["kl"] if lora else [])):
-        assert [r[key] for r in got] == pytest.approx([r[key] for r in want], rel=1e-5, abs=1e-6), key
-    assert want[0]["grad_norm"] > 0 and 0 < want[0]["reward"] < 1  # a signal to train on
+    assert [r["completion_ids"] for r in rolled[0]] == [r["completion_ids"] for r in rolled[1]]  # in order too
+    assert len(rolled[0]) == 3 * 2 * 2 * 4
+    _same_rl(tmp_path / "pp", tmp_path / "one", keys=("reward", "loss", "grad_norm", "entropy", *(["kl"] * lora)),
+             weights="adapter_model.safetensors" if lora else "model.safetensors")
     if lora:
-        assert want[-1]["kl"] > 0  # the policy moved off the reference
-    (g,), (w,) = records(tmp_path / "pp", "eval")[-1:], records(tmp_path / "one", "eval")[-1:]
-    assert g["eval_reward"] == pytest.approx(w["eval_reward"], abs=1e-6)
+        assert records(tmp_path / "one")[-1]["kl"] > 0  # the policy moved off the reference
     samples = [[json.loads(line)["generated"] for line in (run / "samples.jsonl").read_text().splitlines()]
                for run in (tmp_path / "pp", tmp_path / "one")]
     assert samples[0] == samples[1] and len(samples[0]) == 2 * 2  # the step-0 eval's and step 3's
-    name = "adapter_model.safetensors" if lora else "model.safetensors"
-    a, b = (load_weights(run / "final" / name) for run in (tmp_path / "pp", tmp_path / "one"))
-    assert max_abs_diff(a, b) < 1e-5
+
+
+@pytest.mark.slow
+@pytest.mark.extended  # 4 processes; main tier: 2 stages against one process (above)
+def test_grpo_on_two_stages_each_sharded_by_fsdp_over_two_replicas_equals_one_process(four_layers, tmp_path,
+                                                                                       free_port):
+    """2 pipelines of 2 stages, each stage sharded over its 2 replicas by FSDP, each pipeline sampling its own prompts
+    (unequal passes padded to the most: FSDP's reduce-scatters line up), rewards scaled over the whole step
+    (scale_rewards batch: the gather takes each pipeline's first stage once): the 96 completions, rewards, losses, KLs
+    and gradient norms of one process with 4 prompts a micro-batch (measured: 1e-8 apart; the adapter 1.1e-5)."""
+    path = _grpo_recipe(four_layers, tmp_path, lora=True, beta=0.04, loss_type="grpo", scale_rewards="batch")
+    run_train(path, "train.micro_batch_size=4", f"output_dir={tmp_path / 'one'}")
+    out = launch_finetune(REPO / "accelerate_configs" / "cpu_fsdp.yaml", 4, free_port, path,
+                          "parallel.pipeline_parallel=2", f"output_dir={tmp_path / 'pp'}")
+    assert "2 stages x 2 FSDP shards" in out
+    # (Adam at lr 1e-2 carries the 1e-8 of the gradients into the adapter: 1.1e-5 measured)
+    _same_rl(tmp_path / "pp", tmp_path / "one", keys=("reward", "loss", "grad_norm", "entropy", "kl"),
+             weights="adapter_model.safetensors", weights_tol=5e-5)
 
 
 @pytest.mark.parametrize("overrides,says", [
