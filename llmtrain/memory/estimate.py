@@ -75,8 +75,9 @@ def make_pass(shape: ModelShape, spec: TrainSpec, *, examples: int | None = None
     seq_len long and assumed to differ in length, so sdpa and eager get a 4-D mask there too. Sequence parallelism
     (spec.sequence_parallel N, varlen only): one row of this GPU's ceil(T / N) tokens of the group's row."""
     training = examples is None
-    if training:
-        examples, budget = update_examples(spec), spec.micro_batch_tokens
+    if training:  # (online RL's passes on pipeline stages: rows of rl.micro_batch_tokens slots, padded to them)
+        staged = spec.rl_micro_batch_tokens if spec.pipeline_parallel > 1 and spec.num_generations else None
+        examples, budget = update_examples(spec), spec.micro_batch_tokens or staged
     tokens = budget or examples * spec.seq_len
     n = spec.sequence_parallel
     if n > 1:  # this GPU's share of the group's packed row (the estimate at ceil(T / N) tokens)
@@ -481,9 +482,14 @@ def kv_cache_bytes(shape: ModelShape, spec: TrainSpec) -> int:
     prompt to the micro-batch's longest). Each layer's own heads (Gemma 4's); a layer sharing an earlier layer's keys
     and values holds none."""
     cd = DTYPE_BYTES[PRECISION_DTYPE.get(spec.mixed_precision, spec.dtype)]
-    width = spec.prompt_longest + spec.max_completion_tokens if spec.prompt_longest else spec.seq_len
     per_token = shape.summed(lambda layer: 0 if layer.kv_shared else 2 * layer.kv_heads * layer.head_dim)
-    return sampling_rows(spec) * width * per_token * cd
+    return sampling_rows(spec) * _cache_width(spec) * per_token * cd
+
+
+def _cache_width(spec: TrainSpec) -> int:
+    """The KV cache's positions a row: the longest prompt and rl.max_completion_tokens (the data's sequence length
+    where the prompts are not known)."""
+    return spec.prompt_longest + spec.max_completion_tokens if spec.prompt_longest else spec.seq_len
 
 
 def generation_copy_bytes(shape: ModelShape, spec: TrainSpec, plan) -> int:
@@ -511,9 +517,13 @@ def _generation_phases(shape: ModelShape, spec: TrainSpec, base: dict, *, cached
     mixture of experts' LoRA-adapted experts run unmerged, their adapters beside them: model/lora_experts.py;
     GPT-OSS's attention holds its scores over the cache: act.sink_sampling_bytes.)"""
     rows = sampling_rows(spec)
-    prompts = max(1, spec.micro_batch // max(1, spec.num_generations)) * spec.sampled_batches
     width = spec.prompt_longest or spec.prompt_tokens or spec.seq_len
-    chunk = max(2, min(width, PREFILL_CHUNK))
+    # the reference loop (rl.sampler reference, a model the fast sampler cannot run; pipeline stages): every row's
+    # whole prompt at once, and a dynamic cache that grows by a copy (a layer's old and new keys and values at once)
+    family = FAMILIES.get(shape.model_type)
+    reference = spec.reference_sampler or family is None or not family.fast_sampler
+    prompts = rows if reference else max(1, spec.micro_batch // max(1, spec.num_generations)) * spec.sampled_batches
+    chunk = max(2, width if reference else min(width, PREFILL_CHUNK))
     # the sampler's own attention, whatever the run trains with: SDPA over padded rows (GPT-OSS's: its scores, below)
     prefill = make_pass(shape, spec.but(seq_len=chunk, attn_implementation="sdpa", packing=False,
                                         micro_batch_tokens=None), examples=prompts)
@@ -521,6 +531,9 @@ def _generation_phases(shape: ModelShape, spec: TrainSpec, base: dict, *, cached
     last = make_pass(shape, spec.but(seq_len=1, attn_implementation="sdpa", packing=False, micro_batch_tokens=None),
                      examples=prompts) if any(shape.layer(i).kv_shared for i in range(shape.layers)) else prefill
     common = dict(**base, autocast_copies=cached, kv_cache=kv_cache_bytes(shape, spec), fsdp_buffers=fsdp_unit)
+    # the reference loop's cache holds the prompts alone while it prefills them (the fast sampler's is allocated whole)
+    early = ({**common, "kv_cache": common["kv_cache"] * width // max(width, _cache_width(spec))} if reference
+             else common)
     # GPT-OSS's sinks: its scores over the cache (the prefill's last chunk reads the whole width; a decode step, the
     # cache), in attention, beside the layer's stream (its input, the embeddings, the residual, the normalised input)
     slots = width + spec.max_completion_tokens
@@ -530,14 +543,22 @@ def _generation_phases(shape: ModelShape, spec: TrainSpec, base: dict, *, cached
     plan = run_lora_plan(shape, spec)
     norms = max((act.dora_norms_temp(prefill, a) for a in plan.adapted), default=0) if (
         plan and spec.merged_copy == "off") else 0
-    return {"generation_prefill": _phase(**common, logits=prompts * shape.vocab * (prefill.cd + act.FP32),
+    peft = plan.adapted if plan and reference else None  # the reference loop runs peft's layers, adapters beside
+    return {"generation_prefill": _phase(**early, logits=prompts * shape.vocab * (prefill.cd + act.FP32),
                                          temporaries=max(*(act.eval_layer_bytes(
-                                             last if shape.layer(i).kv_shared else prefill, shape.layer(i), {})
-                                             for i in range(shape.layers)),
+                                             last if shape.layer(i).kv_shared else prefill, shape.layer(i),
+                                             peft[i] if peft else {}) for i in range(shape.layers)),
                                                          stream + scores if scores else 0, norms)),
             "generation": _phase(**common, logits=act.sampler_bytes(rows, shape.vocab, prefill.cd,
                                                                     **dict(spec.sampling)),
-                                 temporaries=max(act.sink_sampling_bytes(shape, rows, 1, slots, prefill.cd), norms))}
+                                 temporaries=max(act.sink_sampling_bytes(shape, rows, 1, slots, prefill.cd), norms,
+                                                 _cache_growth(shape, rows, slots, prefill.cd) if reference else 0))}
+
+
+def _cache_growth(shape: ModelShape, rows: int, slots: int, cd: int) -> int:
+    """The reference loop's dynamic cache at its last token: the largest layer's keys and values copied into tensors
+    one position longer (torch.cat) while the old ones are alive."""
+    return rows * slots * max(2 * shape.layer(i).kv_heads * shape.layer(i).head_dim for i in range(shape.layers)) * cd
 
 
 def _plus(parts: dict[str, int], **more: int) -> dict[str, int]:
@@ -621,7 +642,10 @@ def _notes(shape: ModelShape, spec: TrainSpec, p: act.Pass) -> tuple[str, ...]:
                      f"and up to {spec.max_completion_tokens} completion tokens (the loss trains the completions); "
                      f"sampled {sampling_rows(spec)} rows at once"
                      f"{' (the eval: its prompts x rl.num_generations_eval, more than a rollout)' if eval_more else ''}"
-                     f" into a static KV cache of {kv_cache_bytes(shape, spec) / GIB:,.2f} GiB")
+                     + (f" by the reference loop (every row's prompt prefilled at once), into transformers' cache "
+                        f"growing to {kv_cache_bytes(shape, spec) / GIB:,.2f} GiB" if spec.reference_sampler else
+                        f" into a static KV cache of {kv_cache_bytes(shape, spec) / GIB:,.2f} GiB")
+                     + (" (this GPU's layers' share: each stage caches its own)" if spec.pipeline_parallel > 1 else ""))
     if spec.max_completion_tokens and spec.teacher is None:  # issue 53, item 14: measured, not yet modelled
         reserved, allocated = RL_RESERVED_MEASURED
         notes.append(f"online RL's reserved memory was measured at {reserved / allocated:.2f}x its allocated peak on "

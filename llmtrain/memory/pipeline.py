@@ -34,8 +34,10 @@ from llmtrain.memory.comms import (
     step_traffic,
     traffic,
 )
-from llmtrain.memory.estimate import _backward_layers, _finish, _loss_phases, _notes, _phase, estimate, make_pass
+from llmtrain.memory.estimate import (_backward_layers, _finish, _generation_phases, _loss_phases, _notes, _phase,
+                                      _rollout_rows, estimate, make_pass)
 from llmtrain.memory.params import LoraPlan, ModelShape, run_lora_plan
+from llmtrain.memory.reward_models import add_reward_models
 from llmtrain.memory.spec import DTYPE_BYTES, GIB, Estimate, TrainSpec
 from llmtrain.memory.states import States, accumulated_grads, optimizer_bytes, states
 from llmtrain.parallel.pipeline.split import bubble_fraction, in_flight, interleaved_rounds, rank_stages, stage_layers
@@ -81,11 +83,9 @@ def pipeline_problems(spec: TrainSpec, shape: ModelShape) -> list[str]:
     if spec.cpu_offload or spec.tp > 1 or spec.sequence_parallel > 1 or spec.activation_offload or spec.tiled_mlp:
         problems.append("pipeline parallelism is modelled without cpu offload, tensor or sequence parallelism, "
                         "activation offload or the tiled MLP (llmtrain's stages run none of them)")
-    if spec.num_generations:
-        problems.append("online RL on pipeline stages (GRPO, which trains there) is not modelled yet: its rollout's "
-                        "KV cache of each stage's layers and the passes' rows are not counted. Estimate the run "
-                        "without stages (parallel.pipeline_parallel=1, --strategy fsdp) for the memory the whole "
-                        "model's sampling would need")
+    if spec.num_generations and not spec.rl_micro_batch_tokens:
+        problems.append("online RL on pipeline stages trains its passes in rows of rl.micro_batch_tokens slots: set it "
+                        "(--rl-micro-batch-tokens)")
     if spec.quantize and spec.sharded:
         problems.append("a QLoRA stage under FSDP (which llmtrain trains) is not modelled: estimate it with "
                         "--strategy ddp (each stage's replicas holding its whole 4-bit base), or single with one GPU a "
@@ -320,6 +320,10 @@ def chunk_estimate(shape: ModelShape, spec: TrainSpec, stage: Stage, c: int) -> 
         phases["reduce_gradients"] = _phase(**base, gradients=g_acc + st.grads, fsdp_buffers=gathered,
                                             temporaries=unit_grads)
     phases["optimizer_step"] = _phase(**base, gradients=st.grads)
+    if spec.num_generations:  # online RL: its rollout through the stages (parallel/pipeline/sampling.py)
+        phases.update(staged_generation_phases(shape, spec, stage, base, cached=sum(cached), pd=pd))
+        if spec.reward_models:  # learned rewards: whole on every GPU, scoring after sampling (reward_models.py)
+            add_reward_models(phases, spec, rows=max(_rollout_rows(spec, drawn=False), spec.eval_rows))
     est = _finish(whole, spec, plan, st, phases, notes=_notes(sub, spec, p) + stage_notes(shape, spec))
     state = st.weights + st.grads + st.optimizer + st.ddp_buckets
     summary = {"rank": stage.rank, "virtual_stages": list(stage.virtual),
@@ -355,6 +359,19 @@ def chunk_bytes(p: act.Pass, shape: ModelShape, stage: Stage, k: int, ckpt: bool
         return own + act.stream_inputs_bytes(p, sub, embed_trainable=embed_trains) + ends + \
             act.per_layer_inputs_bytes(p, shape, plan.adapted_other if plan else {}, plan.r if plan else 0)
     return own + act.rope_bytes(p, sub) + ends
+
+
+def staged_generation_phases(shape: ModelShape, spec: TrainSpec, stage: Stage, base: dict, *, cached: int,
+                             pd: int) -> dict:
+    """Online RL's sampling on one GPU of `stage` (parallel/pipeline/sampling.py), estimate.py's generation phases of
+    the model as the stage holds it: the KV cache of its own layers (every chunk's) and their prefill transients, and,
+    on every stage, the last position's logits (the last stage's head makes them, the others receive them: fp32,
+    broadcast) and the sampler's state over them (every process of a pipeline draws the tokens). A stage sharded by
+    FSDP is gathered whole for the rollout (Pipeline.sampling)."""
+    own = stage_shape(shape, stage)
+    plan = stage_plan(shape, spec, stage)
+    gathered = (own.params_total + (plan.trainable(own) if plan else 0)) * pd if spec.sharded else 0
+    return _generation_phases(own, spec, base, cached=cached, fsdp_unit=gathered)
 
 
 def in_flight_bytes(p: act.Pass, shape: ModelShape, stage: Stage, spec: TrainSpec) -> int:

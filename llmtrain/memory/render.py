@@ -20,7 +20,7 @@ WHAT = {
     "ddp_buckets": "DDP gradient buckets",
     "fsdp_buffers": "all-gathered FSDP units in flight",
     "temporaries": "short-lived tensors (a layer's, or the loss's)",
-    "kv_cache": "the sampler's static KV cache",
+    "kv_cache": "the sampler's KV cache (static: the fast sampler)",
     "generation_copy": "the sampler's merged copy of the adapted linears (rl.merged_copy)",
     "pipeline_buffers": "the pipeline's receive buffers (activations and gradients, one per micro-batch)",
     "teacher": "distillation's teacher: its weights (whole on every GPU), forward and chunk logits",

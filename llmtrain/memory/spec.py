@@ -129,6 +129,9 @@ class TrainSpec:
     # online RL and distillation: the sampler's settings (rl: or distill:, config.SAMPLING), as (name, value) pairs:
     # its filters' temporaries (activations.sampler_bytes)
     sampling: tuple = ()
+    # online RL and distillation: rl.sampler (distill.sampler) reference, generate.sample's loop (pipeline stages
+    # sample with it): every row's whole prompt prefilled at once, transformers' cache growing a token at a time
+    reference_sampler: bool = False
     # sequences one recipe example makes (micro_batch counts sequences): 2 for a preference pair (chosen and
     # rejected), num_generations for an online-RL prompt; --fit sizes micro-batches in whole examples
     per_example: int = 1
@@ -396,7 +399,8 @@ def spec_from_recipe(recipe: Recipe, *, strategy: Strategy = "single", num_gpus:
         cap = d.max_seq_len - most
         rl = dict(max_completion_tokens=most, prompt_tokens=cap, prompt_cap=cap, prompt_basis="every prompt at its "
                   f"longest, data.max_seq_len - distill.max_completion_tokens ({cap})", rl_micro_batch_tokens=None,
-                  sampling=tuple(sampling_of(recipe.distill).items()))
+                  sampling=tuple(sampling_of(recipe.distill).items()),
+                  reference_sampler=recipe.distill.sampler == "reference")
         dtype = PRECISION_DTYPE.get(t.mixed_precision, m.dtype) if m.dtype == "float32" else m.dtype
         teacher = dict(teacher=load_model_shape(recipe.distill.teacher, "distill.teacher"), teacher_dtype=dtype)
     if recipe.rl is not None:
@@ -407,7 +411,8 @@ def spec_from_recipe(recipe: Recipe, *, strategy: Strategy = "single", num_gpus:
         cap = max(1, d.max_seq_len - most)  # data.checks.check_prompt_room refuses a longer prompt
         prompt, _, basis = rl_prompt_tokens(prompt_lengths, cap=cap)  # the run's micro-batches, below, where known
         rl = dict(max_completion_tokens=most, prompt_tokens=prompt, prompt_cap=cap, prompt_basis=basis,
-                  rl_micro_batch_tokens=recipe.rl.micro_batch_tokens, sampling=tuple(sampling_of(recipe.rl).items()))
+                  rl_micro_batch_tokens=recipe.rl.micro_batch_tokens, sampling=tuple(sampling_of(recipe.rl).items()),
+                  reference_sampler=recipe.rl.sampler == "reference")
     spec = TrainSpec(
         method="lora" if lora else "full",
         lora_r=lora.r if lora else _default(LoraConfig, "r"),
