@@ -93,8 +93,7 @@ MODES: dict[str, Mode] = {m.key: m for m in (
          "score head", samples=False),
     Mode("grpo", "online RL, GRPO (rl:)", ("prompt",), "prompts", False, "reward, answer accuracy", "causal LM"),
     Mode("rloo", "online RL, RLOO (rl: {algorithm: rloo})", ("prompt",), "prompts", False, "reward, answer accuracy",
-         "causal LM",
-         refused={"pp": _WHOLE_MODEL_PP}),
+         "causal LM"),
     Mode("distill", "distillation (distill:)", ("prompt_completion", "messages", "alpaca"), "prompts", False,
          "loss, answer accuracy, teacher agreement", "causal LM",
          refused={"pp": _WHOLE_MODEL_PP}),
@@ -231,6 +230,28 @@ def _adapter_sync(r, _):
     return r.lora is not None and reference_sync(r) is not None
 
 
+def reference_in_rollout(rl, *, moving_adapter: bool) -> bool:
+    """Whether online RL (`rl`, the recipe's rl: section or None) takes its reference's log-probabilities in the
+    rollout, once a round (TRL's ref_per_token_logps, taken where it generates), where FSDP holds the policy (and a
+    full fine-tune's frozen copy) gathered: RLOO's KL (rl.beta > 0), and GRPO's with rl.num_iterations > 1 but for
+    LoRA's moving reference (`moving_adapter`), whose swap GRPO runs in each update's passes. The one rule: the
+    objective runs it so (grpo._reference_once), the estimate counts it (its rollout phases and extra forwards)."""
+    if rl is None or not rl.beta:
+        return False
+    return rl.algorithm == "rloo" or (rl.num_iterations > 1 and not moving_adapter)
+
+
+def rollout_reference(r) -> bool:
+    """reference_in_rollout of recipe `r`."""
+    return reference_in_rollout(r.rl, moving_adapter=_adapter_sync(r, None))
+
+
+def rollout_adapter(r, _=None) -> bool:
+    """LoRA's moving reference run in the rollout (RLOO's KL), where FSDP holds the policy gathered: the reference
+    keeps its snapshot whole as well (model/reference.AdapterReference), and the estimate counts it."""
+    return _adapter_sync(r, _) and rollout_reference(r)
+
+
 def _rl(test):
     """A rule of online RL's rl: section (`test(rl)`), False for any other mode."""
     return lambda r, _: r.rl is not None and bool(test(r.rl))
@@ -253,36 +274,18 @@ RL_STAGE_RULES: tuple[Rule, ...] = (
     Rule("pp", _rl(lambda rl: rl.tools or rl.environment),
          _STAGES_RL + "loss, not a tool loop's turns (rl.tools, rl.environment). Set parallel.pipeline_parallel=1 and "
          "shard with FSDP"),
-    Rule("pp", _rl(lambda rl: rl.entropy_bonus or rl.top_entropy_quantile < 1.0),
+    Rule("pp", _rl(lambda rl: rl.entropy_bonus or (rl.top_entropy_quantile or 1.0) < 1.0),
          _STAGES_RL + "loss from each token's own numbers: the entropy bonus (rl.entropy_coef) and "
          "rl.top_entropy_quantile need the window's entropies across passes. Unset them, or set "
          "parallel.pipeline_parallel=1 and shard with FSDP"),
+    Rule("pp", rollout_adapter,
+         "RLOO's KL on {key} runs the reference in the rollout, through the stages, and LoRA's moving reference "
+         "(rl.sync_reference) swaps its snapshot into the weights the rollout holds (one process, DDP, FSDP and "
+         "HSDP alone). Remove rl.sync_reference, or use rl.algorithm=grpo (its reference runs before each update)"),
     Rule("pp", _rl(lambda rl: rl.merged_copy != "off" or rl.cast_lm_head_to_fp32),
          _STAGES_RL + "loss with each stage's own weights: a merged generation copy (rl.merged_copy) and "
          "rl.cast_lm_head_to_fp32 are not built for stages. Unset them"),
 )
-
-
-def reference_in_rollout(rl, *, moving_adapter: bool) -> bool:
-    """Whether online RL (`rl`, the recipe's rl: section or None) takes its reference's log-probabilities in the
-    rollout, once a round (TRL's ref_per_token_logps, taken where it generates), where FSDP holds the policy (and a
-    full fine-tune's frozen copy) gathered: RLOO's KL (rl.beta > 0), and GRPO's with rl.num_iterations > 1 but for
-    LoRA's moving reference (`moving_adapter`), whose swap GRPO runs in each update's passes. The one rule: the
-    objective runs it so (grpo._reference_once), the estimate counts it (its rollout phases and extra forwards)."""
-    if rl is None or not rl.beta:
-        return False
-    return rl.algorithm == "rloo" or (rl.num_iterations > 1 and not moving_adapter)
-
-
-def rollout_reference(r) -> bool:
-    """reference_in_rollout of recipe `r`."""
-    return reference_in_rollout(r.rl, moving_adapter=_adapter_sync(r, None))
-
-
-def rollout_adapter(r, _=None) -> bool:
-    """LoRA's moving reference run in the rollout (RLOO's KL), where FSDP holds the policy gathered: the reference
-    keeps its snapshot whole as well (model/reference.AdapterReference), and the estimate counts it."""
-    return _adapter_sync(r, _) and rollout_reference(r)
 
 
 RULES: tuple[Rule, ...] = (

@@ -51,7 +51,7 @@ ELSEWHERE = {("sft", "ddp"): "test_ddp.py", ("sft", "fsdp"): "test_fsdp.py", ("s
              ("grpo", "fsdp"): "test_grpo_run.py", ("rloo", "ddp"): "test_rloo.py", ("rloo", "fsdp"): "test_rloo.py",
              ("distill", "ddp"): "test_distill.py", ("distill", "fsdp"): "test_distill.py",
              ("reward_model", "pp"): "test_pipeline.py", ("preference", "pp"): "test_pipeline.py",
-             ("grpo", "pp"): "test_pipeline.py",
+             ("grpo", "pp"): "test_pipeline.py", ("rloo", "pp"): "test_pipeline.py",
              ("kto", "tp"): "test_tp.py", ("grpo", "tp"): "test_tp.py", ("rloo", "tp"): "test_tp.py",
              ("distill", "tp"): "test_tp.py",
              ("distill", "sp"): "test_distill.py",
@@ -164,8 +164,7 @@ def test_the_table_in_docs_scaling_is_the_tables_own():
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("mode, layout", [("distill", "pp"),  # extended for CI time: the same path
-                                          pytest.param("rloo", "pp", marks=pytest.mark.extended)])
+@pytest.mark.parametrize("mode, layout", [("distill", "pp")])
 def test_a_refused_cell_exits_2_with_one_paragraph_and_writes_nothing(mode_recipes, tmp_path, mode, layout):
     out = tmp_path / "run"
     argv = _argv(mode_recipes[mode], layout, out, mode=mode)

@@ -658,18 +658,23 @@ def _same_rl(run: Path, one: Path, *, keys: tuple[str, ...], weights: str, tol: 
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("lora", [True, pytest.param(False, marks=pytest.mark.extended)], ids=["lora-kl", "full-gspo"])
-def test_grpo_samples_and_trains_on_two_stages_as_one_process(four_layers, tmp_path, free_port, lora):
+@pytest.mark.parametrize("lora, rl", [(True, {"beta": 0.04, "loss_type": "grpo"}),
+                                      (True, {"algorithm": "rloo", "beta": 0.05, "loss_type": None}),
+                                      pytest.param(False, {"importance_sampling_level": "sequence"},
+                                                   marks=pytest.mark.extended)],
+                         ids=["lora-kl", "rloo-lora-kl", "full-gspo"])
+def test_grpo_samples_and_trains_on_two_stages_as_one_process(four_layers, tmp_path, free_port, lora, rl):
     """GRPO on 2 stages: every completion sampled through the stages (each its own layers' KV cache, the last stage's
     logits broadcast: parallel/pipeline/sampling.py), the rewards computed on the first stage and given to the other,
     the passes (rows of rl.micro_batch_tokens slots, 4 to 5 a step: more than the schedule's 2, run 2 at a time)
     trained by the last stage's GRPO loss (objectives/grpo.StageGRPO). Against one process: the same 48 completions
     token for token (rollouts.jsonl, written once), rewards, losses, KL, entropies and gradient norms to 1e-5, the
     eval's sampled rewards and final/ equal. lora-kl: beta 0.04 with grpo's loss, the reference the adapter
-    disabled, run through the stages before each step; full-gspo (extended): a full fine-tune, one ratio a
-    completion."""
-    path = _grpo_recipe(four_layers, tmp_path, lora=lora,
-                        **({"beta": 0.04, "loss_type": "grpo"} if lora else {"importance_sampling_level": "sequence"}))
+    disabled, run through the stages before each step; rloo-lora-kl: RLOO (objectives/rloo.StageRLOO), its KL taken
+    in the rollout through the stages (the policy's and the reference's log-probabilities, forward only) and given
+    by the last stage to the first, whose rollouts.jsonl holds the same KLs and advantages; full-gspo (extended): a
+    full fine-tune, one ratio a completion."""
+    path = _grpo_recipe(four_layers, tmp_path, lora=lora, **rl)
     run_train(path, f"output_dir={tmp_path / 'one'}")
     out = launch_finetune(CPU_DDP, 2, free_port, path, "parallel.pipeline_parallel=2", f"output_dir={tmp_path / 'pp'}")
     assert "the rollout's passes of 96 slots (rl.micro_batch_tokens), 2 at a time; sampled through the stages" in out
@@ -681,6 +686,8 @@ def test_grpo_samples_and_trains_on_two_stages_as_one_process(four_layers, tmp_p
              weights="adapter_model.safetensors" if lora else "model.safetensors")
     if lora:
         assert records(tmp_path / "one")[-1]["kl"] > 0  # the policy moved off the reference
+    for key in ("kl", "advantage") if "algorithm" in rl else ():  # RLOO's, written by the first stage
+        assert [r[key] for r in rolled[0]] == pytest.approx([r[key] for r in rolled[1]], abs=1e-6), key
     samples = [[json.loads(line)["generated"] for line in (run / "samples.jsonl").read_text().splitlines()]
                for run in (tmp_path / "pp", tmp_path / "one")]
     assert samples[0] == samples[1] and len(samples[0]) == 2 * 2  # the step-0 eval's and step 3's
@@ -711,12 +718,13 @@ def test_grpo_on_two_stages_each_sharded_by_fsdp_over_two_replicas_equals_one_pr
     (["rl.sampler_correction=token_truncate"], "unset rl.sampler_correction"),
     (["rl.entropy_coef=0.01"], "the entropy bonus (rl.entropy_coef)"),
     (["rl.top_entropy_quantile=0.5"], "rl.top_entropy_quantile need the window's entropies"),
-    (["rl.algorithm=rloo", "rl.loss_type=null"], "each stage holds only its layers"),
+    (["rl.algorithm=rloo", "rl.loss_type=null", "rl.beta=0.05", "lora.r=4", "rl.sync_reference.every_steps=2",
+      "rl.sync_reference.alpha=1"], "Remove rl.sync_reference, or use rl.algorithm=grpo"),
 ])
 def test_what_grpo_on_stages_does_not_carry_is_refused_naming_the_key(tiny_assets, tmp_path, overrides, says):
     """GRPO on stages samples through them and trains one update a round from each token's own numbers; what needs
-    more (the policy's log-probabilities as it sampled, a window's entropies, RLOO's KL in the rollout, the whole
-    model's KV cache) is refused in one paragraph before anything runs, and the recipe without it loads."""
+    more (the policy's log-probabilities as it sampled, a window's entropies, RLOO's KL with LoRA's moving reference,
+    the whole model's KV cache) is refused in one paragraph before anything runs, and the recipe without it loads."""
     from llmtrain.config import load_recipe
 
     stages = ["parallel.pipeline_parallel=2", "rl.sampler=reference", "rl.micro_batch_tokens=128",

@@ -515,9 +515,22 @@ class GRPO:
         from llmtrain.model.loss import compute_loss
 
         reference, context = forward_of(self.lm, self.reference)
+        if self.stages is not None:
+            return self._staged_logps(batch, context)
         with torch.no_grad(), context:
             return -compute_loss(reference, to_device(batch, self.lm.device), per_token=True,
                                  temperature=self.rl.temperature).float()
+
+    def _staged_logps(self, batch: dict, context) -> torch.Tensor:
+        """On pipeline stages, each trained token's log-probability at rl.temperature inside `context` (the model as
+        it is, or the reference's), forward only through the stages (every process of the pipeline runs it): the
+        last stage's values; zeros on the others (RLOO's KL is given to them from the last: rloo._sequence_kl)."""
+        index = batch["loss_index"].reshape(-1)
+        with torch.no_grad(), context:
+            out = self.stages.token_logps([batch])
+        if out is None:
+            return torch.zeros(len(index), device=self.lm.device)
+        return out[0][index.to(out[0].device)]
 
     def _prompts(self, examples: list[dict], step: int) -> tuple[list[list[int]], list[int]]:
         """Each completion's prompt tokens and seed: num_generations of each example, consecutive."""
@@ -656,6 +669,8 @@ class GRPO:
         from llmtrain.data.batching import to_device
         from llmtrain.model.loss import compute_loss
 
+        if self.stages is not None:
+            return self._staged_logps(batch, nullcontext())
         with torch.no_grad():
             return -compute_loss(self.lm, to_device(batch, self.lm.device), per_token=True,
                                  temperature=self.rl.temperature).float()
@@ -1014,18 +1029,24 @@ class StageGRPO:
 
         out = torch.zeros(slots, self.WIDTH)
         out[:, 0] = IGNORE
-        if "loss_advantages" in batch:
-            at = batch["loss_index"]
-            for column, key in enumerate(("loss_targets", "loss_advantages", "loss_weights", "loss_lengths",
-                                          "loss_example")):
-                out[at, column] = batch[key].float()
-            if "ref_slots" in batch:
-                out[:, 5] = batch["ref_slots"]
+        at = batch["loss_index"].reshape(-1)
+        if len(at):  # (before the advantages: the rollout's passes through the stages, RLOO's KL)
+            out[at, 0], out[at, 4] = batch["loss_targets"].float(), batch["loss_example"].float()
+        if "rollout_stats" in batch:
+            self._fill(out, batch, at)
             stats = batch["rollout_stats"]
             assert len(stats) == self.rollout_size <= slots, (len(stats), self.rollout_size, slots)
             out[: len(stats), 6] = stats
-            out[0, 7] = batch["completions"]
         return out[None]
+
+    def _fill(self, out: torch.Tensor, batch: dict, at: torch.Tensor) -> None:
+        """A scored pass's own columns: each trained token's advantage, weight and completion's length, the
+        reference's log-probabilities at their slots, the completions at slot 0."""
+        for column, key in ((1, "loss_advantages"), (2, "loss_weights"), (3, "loss_lengths")):
+            out[at, column] = batch[key].float()
+        if "ref_slots" in batch:
+            out[:, 5] = batch["ref_slots"]
+        out[0, 7] = batch["completions"]
 
     def _trained(self, target: torch.Tensor) -> torch.Tensor:
         from llmtrain.data.formats import IGNORE

@@ -264,8 +264,8 @@ def end_of_turn_ids(recipe, tokenizer) -> list[int]:
 def head_loss_for(recipe, *, model=None, reduce=None):
     """The objective's own loss on the last pipeline stage (parallel/pipeline/schedule.py): a reward model's score
     head and pairs' loss, preference pairs' log-probabilities and loss, KTO's (its reference `model` with the adapter
-    disabled, its KL estimate summed over the processes by `reduce`: collectives.device_sum), GRPO's on its rollout's
-    passes; None: the LM head's cross-entropy, and for any run without stages."""
+    disabled, its KL estimate summed over the processes by `reduce`: collectives.device_sum), GRPO's and RLOO's on
+    their rollout's passes; None: the LM head's cross-entropy, and for any run without stages."""
     if recipe.parallel.pipeline_parallel == 1:
         return None
     if recipe.kto is not None:  # (LoRA's: a full fine-tune's is refused on stages, capabilities.RULES)
@@ -281,9 +281,13 @@ def head_loss_for(recipe, *, model=None, reduce=None):
 
         return StagePairs(recipe.preference, reference=reference_kind(recipe),
                           adapter_off=partial(adapter_off, model) if recipe.lora is not None else None)
-    if recipe.rl is not None:  # GRPO's (RLOO's is refused on stages, capabilities.MODES)
+    if recipe.rl is not None:
         from llmtrain.objectives.grpo import ROLLOUT_STATS, StageGRPO
+        from llmtrain.objectives.rloo import RLOO, StageRLOO
 
-        return StageGRPO(recipe.rl, rollout_stats=len(ROLLOUT_STATS) + 2 * len(recipe.rl.rewards),
+        rollout = len(ROLLOUT_STATS) + 2 * len(recipe.rl.rewards)
+        if recipe.rl.algorithm == "rloo":
+            return StageRLOO(recipe.rl, rollout_stats=rollout + len(RLOO.advantage_stats))
+        return StageGRPO(recipe.rl, rollout_stats=rollout,
                          adapter_off=partial(adapter_off, model) if recipe.lora is not None else None)
     return None

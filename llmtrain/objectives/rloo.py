@@ -26,7 +26,7 @@ import torch
 
 from llmtrain.data.batching import batch_weight, to_device
 from llmtrain.model.loss import compute_loss
-from llmtrain.objectives.grpo import GRPO, STD_EPS, _nanstd
+from llmtrain.objectives.grpo import GRPO, STD_EPS, StageGRPO, _nanstd
 from llmtrain.objectives.rollouts import clipped_surrogate
 
 
@@ -87,6 +87,8 @@ class RLOO(GRPO):
         kl = torch.zeros_like(total)
         if rl.beta:
             kl = torch.cat([self._sequence_kl(b, len(part)) for b, part in zip(batches, parts)])
+            if self.stages is not None:  # the last stage's (it alone holds the log-probabilities), to every stage
+                kl = self.stages.from_last(kl)
         rewards = total if rl.reward_clip_range is None else total.clamp(*rl.reward_clip_range)
         advantages, std = leave_one_out_advantages(rewards - rl.beta * kl, g)
         return advantages, std, [float(kl.sum())], ({"kl": kl.tolist()} if rl.beta else {})
@@ -151,3 +153,36 @@ class RLOO(GRPO):
         out = {"kl": s["kl"] / max(s["trained"], 1.0)} if self.rl.beta and s["completions"] else {}
         return {**out, "clip_ratio/region_mean": s["clipped_sequences"] / max(s["sequences"], 1.0),
                 "entropy": s["entropy"] / max(s["entropy_tokens"], 1.0)}
+
+
+class StageRLOO(StageGRPO):
+    """RLOO on pipeline stages: GRPO's rollout through the stages (its KL's log-probabilities forward only through
+    them, inside the rollout, the last stage's KL given to the others: Pipeline.from_last), and the last stage's loss
+    RLOO's own: each completion's summed log-probability (its tokens' completion in column 4) and its advantage (at
+    slot k the k-th completion's, column 1), PPO's clipped surrogate per sequence (`sequence_losses`)."""
+
+    def __init__(self, rl, *, rollout_stats: int):
+        super().__init__(rl, rollout_stats=rollout_stats)
+        self.stats = rollout_stats + len(RLOO.loss_stats)
+
+    def prepare(self, pipeline, batches: list[dict]) -> list[dict]:
+        return batches  # the reference ran in the rollout (its KL is in the rewards)
+
+    def _fill(self, out: torch.Tensor, batch: dict, at: torch.Tensor) -> None:
+        advantages = batch["advantages"]
+        out[: len(advantages), 1] = advantages.float()
+        out[0, 7] = len(advantages)
+
+    def loss(self, head, hidden: torch.Tensor, target: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        at = self._trained(target)
+        if at.numel() == 0:
+            return head(hidden[:1]).float().sum() * 0.0, hidden.new_zeros(self.stats, dtype=torch.float32)
+        losses, entropy = head(hidden[at], targets=target[at, 0].long(), per_token=True,
+                               temperature=self.rl.temperature, stat="entropy")
+        logps, n = -losses.float(), int(target[0, 7])
+        sequences = sequence_sums(logps, target[at, 4].long(), n)
+        losses, clipped = sequence_losses(sequences, target[:n, 1], old_logps=None, epsilon=self.rl.epsilon,
+                                          epsilon_high=self.rl.epsilon_high)
+        stats = torch.stack([clipped.float().sum(), logps.new_tensor(float(n)), entropy.sum(),
+                             logps.new_tensor(float(logps.numel()))]).detach()
+        return losses.sum(), torch.cat([target[: self.rollout_size, 6].to(stats.dtype), stats])

@@ -304,6 +304,15 @@ class Pipeline:
                  torch.zeros(self.head_loss.stats if self.head_loss is not None else 0, device=self.device))
         return (torch.stack(sums).sum() if sums else torch.zeros((), device=self.device)), stats
 
+    def from_last(self, t: torch.Tensor) -> torch.Tensor:
+        """`t` as the pipeline's last stage holds it, on every stage of the pipeline (one broadcast): what the last
+        stage alone computes and every stage needs (RLOO's KL of each completion, in its rewards)."""
+        import torch.distributed as dist
+
+        out = t.to(self.device).contiguous()
+        dist.broadcast(out, src=self.stage_ranks[-1], group=self.group.group)
+        return out.to(t.device)
+
     def token_logps(self, batches: list[dict]) -> list[torch.Tensor] | None:
         """Each micro-batch's trained tokens' log-probabilities, each at its slot of the row ([slots] each: the
         objective's head loss's `token_logps`), forward only through the stages M at a time, with the model as it
