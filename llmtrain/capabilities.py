@@ -63,9 +63,6 @@ def reference_kind(recipe) -> str:
 
 # --------------------------------------------------------------------------- the rows
 
-_WHOLE_MODEL_PP = ("sampling needs the whole model on one process, and each stage holds only its layers. Set "
-                   "parallel.pipeline_parallel=1 and shard with FSDP (accelerate_configs/fsdp.yaml) instead")
-
 
 @dataclass(frozen=True)
 class Mode:
@@ -95,8 +92,7 @@ MODES: dict[str, Mode] = {m.key: m for m in (
     Mode("rloo", "online RL, RLOO (rl: {algorithm: rloo})", ("prompt",), "prompts", False, "reward, answer accuracy",
          "causal LM"),
     Mode("distill", "distillation (distill:)", ("prompt_completion", "messages", "alpaca"), "prompts", False,
-         "loss, answer accuracy, teacher agreement", "causal LM",
-         refused={"pp": _WHOLE_MODEL_PP}),
+         "loss, answer accuracy, teacher agreement", "causal LM"),
 )}
 
 _SECTIONS = {"preference": "preference:", "kto": "kto:", "reward_model": "reward_model:", "rl": "rl:",
@@ -288,8 +284,24 @@ RL_STAGE_RULES: tuple[Rule, ...] = (
 )
 
 
+# Distillation on pipeline stages: the student samples through them, the last stage's processes hold the teacher whole
+DISTILL_STAGE_RULES: tuple[Rule, ...] = (
+    Rule("pp", lambda r, _: r.distill is not None and r.distill.sampler != "reference",
+         "{key} samples the student's completions through the stages (each its own layers' KV cache): the graph and "
+         "static samplers hold the whole model's KV cache on one process. Set distill.sampler=reference"),
+    Rule("pp", lambda r, _: r.distill is not None and r.distill.merged_copy != "off",
+         "{key} samples with each stage's own weights: a merged generation copy (distill.merged_copy) is not built "
+         "for stages. Unset it"),
+    Rule("pp", lambda r, layout: r.distill is not None and layout.fsdp,
+         "distillation on {key} holds the teacher whole on the last stage's processes, where an FSDP launch would "
+         "shard it over every process: launch the stages with DDP (accelerate_configs/ddp.yaml), or set "
+         "parallel.pipeline_parallel=1 and shard student and teacher with FSDP"),
+)
+
+
 RULES: tuple[Rule, ...] = (
     *RL_STAGE_RULES,
+    *DISTILL_STAGE_RULES,
     Rule("tp", lambda r, _: r.model.quantize is not None,
          "{key} does not train a 4-bit base (model.quantize): bitsandbytes' packed 4-bit weights cannot be split "
          "by rows or columns. A QLoRA run of a 7B model fits one GPU: launch it with accelerate_configs/ddp.yaml "

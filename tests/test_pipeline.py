@@ -735,3 +735,36 @@ def test_what_grpo_on_stages_does_not_carry_is_refused_naming_the_key(tiny_asset
     with pytest.raises(Exception) as refused:
         load_recipe(recipe, [*stages, *overrides])
     assert says in " ".join(str(refused.value).split())
+
+
+@pytest.mark.slow
+def test_distillation_samples_and_trains_on_two_stages_as_one_process(four_layers, tiny_assets, tmp_path, free_port):
+    """On-policy distillation on 2 stages (distill.lmbda 0.5: the steps' coins give both kinds): the student samples
+    through the stages, the last stage's processes alone hold the teacher (the tiny task's 2-layer model) and run it
+    over each micro-batch before the step (distill.StageDistill), the divergence then Distill's own in the last
+    stage's head. Against one process: losses, teacher agreement, gradient norms and the eval (a forward through the
+    stages, teacher-forced) to 1e-5, final/ to 1e-5."""
+    recipe = yaml.safe_load((REPO / "recipes" / "tiny-distill.yaml").read_text())
+    recipe["model"].update(name_or_path=str(four_layers / "model"), attn_implementation="auto")
+    recipe["data"].update(path=str(four_layers / "data" / "train.jsonl"),
+                          eval_split=str(four_layers / "data" / "eval.jsonl"), eval_max_examples=8, max_seq_len=32)
+    recipe["distill"].update(teacher=str(tiny_assets / "model"), sampler="reference", max_completion_tokens=8)
+    recipe["train"].update(max_steps=4, micro_batch_size=2, grad_accum_steps=2, lr=1e-3, eval_every_steps=4,
+                           eval_batch_size=None, eval_samples=0)
+    recipe["checkpoint"] = {"every_steps": None}
+    recipe["logging"] = {"progress": False, "plot": False, "every_steps": 1}
+    path = tmp_path / "distill.yaml"
+    path.write_text(yaml.safe_dump(recipe))
+    run_train(path, f"output_dir={tmp_path / 'one'}")
+    out = launch_finetune(CPU_DDP, 2, free_port, path, "parallel.pipeline_parallel=2", f"output_dir={tmp_path / 'pp'}")
+    assert "train.micro_batch_size x data.max_seq_len" not in out  # (no row was too long)
+    got, want = records(tmp_path / "pp"), records(tmp_path / "one")
+    assert len(got) == len(want) == 4 and {r["on_policy"] for r in want} == {0.0, 1.0}  # both kinds of step
+    for key in ("loss", "teacher_agreement", "token_accuracy", "entropy", "grad_norm"):
+        assert [r[key] for r in got] == pytest.approx([r[key] for r in want], rel=1e-5, abs=1e-6), key
+    evals = records(tmp_path / "pp", "eval"), records(tmp_path / "one", "eval")
+    assert [r["step"] for r in evals[0]] == [r["step"] for r in evals[1]] and evals[1][-1]["step"] == 4
+    for key in ("eval_loss", "eval_teacher_agreement"):
+        assert [r[key] for r in evals[0]] == pytest.approx([r[key] for r in evals[1]], abs=1e-6), key
+    assert max_abs_diff(load_weights(tmp_path / "pp" / "final" / "model.safetensors"),
+                        load_weights(tmp_path / "one" / "final" / "model.safetensors")) < 1e-5

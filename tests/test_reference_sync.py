@@ -277,7 +277,8 @@ def test_lora_takes_sync_reference_whole_only_and_not_on_split_layers(tiny_asset
     stages = Layout(processes=2, pp=2)  # each stage swaps its part of the snapshot in (StagePairs.follow)
     if mode == "rl":  # (RLOO here) its KL in the rollout is refused there; GRPO's reference runs before each update
         (said,) = [p for p in capabilities.problems(recipe, stages) if "sync_reference" in p]
-        assert said.startswith("RLOO's KL on parallel.pipeline_parallel=2 runs the reference in the rollout")
+        assert said.startswith("RLOO's KL on parallel.pipeline_parallel=")
+        assert "runs the reference in the rollout" in said
     else:
         assert not [p for p in capabilities.problems(recipe, stages) if "sync_reference" in p]
         assert capabilities.problems(recipe, Layout(processes=4, tp=2, shard=2, mesh=True, fsdp=True)) == []

@@ -125,7 +125,7 @@ def eval_sums(model, dataset, accelerator, objective: Objective, *, batch_size: 
     plan = rank_view(batches, rank)
     # the stages' forward-only passes, M micro-batches at a time; online RL's eval samples through them instead
     # (GRPO.eval_sums: every process of a pipeline, its last stage counting)
-    staged = pipeline is not None and getattr(objective, "rollout", None) is None
+    staged = pipeline is not None and not getattr(objective, "evaluates_by_sampling", False)
     totals, accum = None, pipeline.micro_batches if staged else 1
     passes = -(-len(plan) // accum)
     for done, window in enumerate(windows(dataset, lambda _: plan, epoch=0, micro=0, steps=passes, accum=accum,

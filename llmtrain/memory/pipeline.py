@@ -83,7 +83,11 @@ def pipeline_problems(spec: TrainSpec, shape: ModelShape) -> list[str]:
     if spec.cpu_offload or spec.tp > 1 or spec.sequence_parallel > 1 or spec.activation_offload or spec.tiled_mlp:
         problems.append("pipeline parallelism is modelled without cpu offload, tensor or sequence parallelism, "
                         "activation offload or the tiled MLP (llmtrain's stages run none of them)")
-    if spec.num_generations and not spec.rl_micro_batch_tokens:
+    if spec.teacher is not None:
+        problems.append("distillation on pipeline stages (which trains there, its teacher whole on the last stage) is "
+                        "not modelled: estimate it without stages (parallel.pipeline_parallel=1) for the student and "
+                        "teacher together")
+    elif spec.num_generations and not spec.rl_micro_batch_tokens:
         problems.append("online RL on pipeline stages trains its passes in rows of rl.micro_batch_tokens slots: set it "
                         "(--rl-micro-batch-tokens)")
     if spec.quantize and spec.sharded:

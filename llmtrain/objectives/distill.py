@@ -83,14 +83,19 @@ class Distill:
     columns = ("input_ids", "labels", "row")
 
     def __init__(self, cfg, *, teacher, model, pad_id: int, packing: bool, seed: int, stop_ids,
-                 world: int):
+                 world: int, stages=None):
         self.cfg, self.pad_id, self.packing, self.seed = cfg, pad_id, packing, seed
-        self.teacher = causal_lm(teacher)  # frozen, eval mode (model/teacher.py)
-        self.teacher_logits = logit_transform(self.teacher)  # what its own forward does to its head's logits
+        # frozen, eval mode (model/teacher.py); on pipeline stages the last stage's alone (None on the others)
+        self.teacher = causal_lm(teacher) if teacher is not None else None
+        # what its own forward does to its head's logits
+        self.teacher_logits = logit_transform(self.teacher) if teacher is not None else None
         self.lm = model  # the unwrapped student: it samples
         self.stop_ids, self.world = Stops.of(stop_ids), world
         self.stats = [*ROLLOUT_STATS, *LOSS_STATS]
         self.share_sampling = all_here  # where a micro-batch's completions are drawn (rollouts.all_here)
+        # pipeline stages (parallel/pipeline/schedule.Pipeline): the student samples through them (every process of
+        # a pipeline the same completions) and the last stage, which holds the teacher, takes the loss (StageDistill)
+        self.stages = stages
 
     def _batch(self, sequences: list[dict], prompts: list[tuple[list[int], int]]) -> tuple[dict, Counts]:
         batch = with_loss_positions(collate(sequences, pad_id=self.pad_id, packing=self.packing))
@@ -113,26 +118,33 @@ class Distill:
                 b["rollout_stats"] = torch.tensor([len(b["prompts"]), 0, 0, 0, 0], dtype=torch.float32)
             return window
         batches, counts = [], Counts.none()
-        with sampling(self.lm):
+        with sampling(self.lm) if self.stages is None else self.stages.sampling() as drawing:
             for b in window.batches:
-                batch, n = self._sample(b["prompts"], step)
+                batch, n = self._sample(b["prompts"], step, drawing=drawing)
                 if not batch_weight(b):  # an idle rank's stand-in: sampled and trained as a real one, counting nothing
                     batch, n = {**batch, "batch_weight": 0.0}, Counts.none()
                 batches.append(batch)
                 counts = counts.plus(n)
         return dataclasses.replace(window, batches=batches, counts=counts)
 
-    def _sample(self, prompts: list[tuple[list[int], int]], step: int) -> tuple[dict, Counts]:
-        """The prompts' completions, sampled by the student, packed as a micro-batch."""
+    def _sample(self, prompts: list[tuple[list[int], int]], step: int, *, drawing=None) -> tuple[dict, Counts]:
+        """The prompts' completions, sampled by the student (`drawing`: pipeline stages as one causal LM, which
+        generate.sample's loop decodes through), packed as a micro-batch."""
         from llmtrain.model.generate import completion_seed
+        from llmtrain.model.generate import sample as through
 
         cfg = self.cfg
         begun = time.perf_counter()
-        completions = self.share_sampling(
-            lambda ids, seeds: sample(self.lm, cfg.sampler, ids, seeds, max_new_tokens=cfg.max_completion_tokens,
-                                      stop_ids=self.stop_ids, pad_id=self.pad_id, copy=cfg.merged_copy,
-                                      **sampling_of(cfg)),
-            [p for p, _ in prompts], [completion_seed(self.seed, step, row, 0) for _, row in prompts])
+
+        def draw(ids, seeds):
+            if drawing is not None:  # (distill.sampler reference on stages: capabilities)
+                return through(drawing, ids, seeds=seeds, max_new_tokens=cfg.max_completion_tokens,
+                               stop_ids=self.stop_ids, pad_id=self.pad_id, **sampling_of(cfg))
+            return sample(self.lm, cfg.sampler, ids, seeds, max_new_tokens=cfg.max_completion_tokens,
+                          stop_ids=self.stop_ids, pad_id=self.pad_id, copy=cfg.merged_copy, **sampling_of(cfg))
+
+        completions = self.share_sampling(draw, [p for p, _ in prompts],
+                                          [completion_seed(self.seed, step, row, 0) for _, row in prompts])
         spent = time.perf_counter() - begun
         sequences = completion_rows([p for p, _ in prompts], completions)
         out, counts = self._batch(sequences, prompts)
@@ -204,3 +216,66 @@ class Distill:
         n = max(tokens, 1.0)
         return {"eval_loss": value / n, "eval_entropy": entropy / n, "eval_token_accuracy": hits / n,
                 "eval_teacher_agreement": agree / n}
+
+
+class StageDistill:
+    """Distillation on pipeline stages (parallel/pipeline/schedule.py): the last stage's loss. The last stage's
+    processes alone hold the teacher (whole); before a window's passes (and an eval's) they run its decoder over each
+    micro-batch's packed row (`prepare`, no grad: Distill._teacher_hidden, its hidden states at the trained
+    positions) and keep them for the window; a micro-batch reaches the last stage as the student's final hidden
+    states with the [slots, 3] float32 targets of `targets`: at each trained position its token, at slot 0 the
+    micro-batch's place among the window's kept teacher states, at slot k the k-th rollout statistic. The loss and its
+    statistics are then Distill's own (its chunked divergence inside the student's head: Distill._token_loss)."""
+
+    WIDTH = 3
+    stats = len(ROLLOUT_STATS) + len(LOSS_STATS)
+    eval_size = 2 + len(LOSS_STATS)  # [loss, tokens, statistics], as Distill.eval_sums
+
+    def __init__(self):
+        self.objective: Distill | None = None  # the run's (objective.objective_for gives it)
+        self.held: list[torch.Tensor] = []
+
+    def prepare(self, pipeline, batches: list[dict]) -> list[dict]:
+        """The teacher's hidden states of each micro-batch's trained positions, kept on the last stage; the batches
+        numbered so that their targets find them."""
+        if pipeline.last is None:
+            return batches
+        from llmtrain.data.batching import to_device
+
+        self.held = [self.objective._teacher_hidden(to_device(b, pipeline.device)) for b in batches]
+        return [{**b, "teacher_index": k} for k, b in enumerate(batches)]
+
+    def targets(self, batch: dict, slots: int) -> torch.Tensor:
+        from llmtrain.data.formats import IGNORE
+
+        out = torch.zeros(slots, self.WIDTH)
+        out[:, 0] = IGNORE
+        if len(at := batch["loss_index"].reshape(-1)):
+            out[at, 0] = batch["loss_targets"].float()
+        out[0, 1] = batch.get("teacher_index", -1)
+        if (stats := batch.get("rollout_stats")) is not None:
+            out[: len(stats), 2] = stats
+        return out[None]
+
+    def _loss(self, head, hidden: torch.Tensor, target: torch.Tensor):
+        at = (target[:, 0] >= 0).nonzero().flatten()
+        if at.numel() == 0:
+            return None
+        teacher = self.held[int(target[0, 1])]
+        return head(hidden[at], targets=target[at, 0].long(), token_loss=self.objective._token_loss(teacher))
+
+    def loss(self, head, hidden: torch.Tensor, target: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The row's summed divergence and its statistics (the rollout's, then LOSS_STATS), as Distill.loss returns
+        them; a row that trains nothing: a zero loss that still reaches the head."""
+        if (out := self._loss(head, hidden, target)) is None:
+            return head(hidden[:1]).float().sum() * 0.0, hidden.new_zeros(self.stats, dtype=torch.float32)
+        loss, stats = out
+        return loss, torch.cat([target[: len(ROLLOUT_STATS), 2].to(stats.dtype), stats])
+
+    def eval_sums(self, head, hidden: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        if (out := self._loss(head, hidden, target)) is None:
+            return torch.zeros(self.eval_size, dtype=torch.float64, device=hidden.device)
+        loss, stats = out
+        tokens = float((target[:, 0] >= 0).sum())
+        return torch.cat([torch.stack([loss.double(), loss.new_tensor(tokens, dtype=torch.float64)]),
+                          stats.double()])

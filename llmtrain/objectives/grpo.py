@@ -364,6 +364,7 @@ class GRPO:
     the loss and their metrics through the methods marked as its hooks."""
 
     advantage_stats: tuple[str, ...] = ()  # rollout statistics the advantages add (RLOO's)
+    evaluates_by_sampling = True  # its eval samples (on pipeline stages through them, not a forward-only pass)
     shared_sum = None  # sequence parallelism: a completion's GSPO log-ratio from its slices' parts (shards.shared_sum)
     loss_stats: tuple[str, ...] = tuple(LOSS_STATS)
 

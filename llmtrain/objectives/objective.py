@@ -169,10 +169,14 @@ def objective_for(recipe, *, pad_id: int, model=None, tokenizer=None, train=None
         from llmtrain.model.teacher import load_teacher
         from llmtrain.objectives.distill import Distill
 
-        if teacher is None:
+        if teacher is None and stages is None:  # (on stages the last stage's processes alone hold it: build_teacher)
             teacher = load_teacher(recipe, tokenizer, device=next(model.parameters()).device)
-        return Distill(recipe.distill, teacher=teacher, model=model, pad_id=pad_id, packing=packs_rows(recipe),
-                       seed=recipe.train.seed, stop_ids=stop_ids(recipe, model, tokenizer), world=world)
+        distill = Distill(recipe.distill, teacher=teacher, model=model, pad_id=pad_id, packing=packs_rows(recipe),
+                          seed=recipe.train.seed, stop_ids=stop_ids(recipe, model, tokenizer), world=world,
+                          stages=stages)
+        if stages is not None:  # the last stage's loss runs the objective's teacher (distill.StageDistill)
+            stages.head_loss.objective = distill
+        return distill
     if recipe.kto is not None:
         from llmtrain.objectives.kto import KTO
 
@@ -265,7 +269,8 @@ def head_loss_for(recipe, *, model=None, reduce=None):
     """The objective's own loss on the last pipeline stage (parallel/pipeline/schedule.py): a reward model's score
     head and pairs' loss, preference pairs' log-probabilities and loss, KTO's (its reference `model` with the adapter
     disabled, its KL estimate summed over the processes by `reduce`: collectives.device_sum), GRPO's and RLOO's on
-    their rollout's passes; None: the LM head's cross-entropy, and for any run without stages."""
+    their rollout's passes, distillation's divergence to the last stage's teacher; None: the LM head's cross-entropy,
+    and for any run without stages."""
     if recipe.parallel.pipeline_parallel == 1:
         return None
     if recipe.kto is not None:  # (LoRA's: a full fine-tune's is refused on stages, capabilities.RULES)
@@ -281,6 +286,10 @@ def head_loss_for(recipe, *, model=None, reduce=None):
 
         return StagePairs(recipe.preference, reference=reference_kind(recipe),
                           adapter_off=partial(adapter_off, model) if recipe.lora is not None else None)
+    if recipe.distill is not None:
+        from llmtrain.objectives.distill import StageDistill
+
+        return StageDistill()
     if recipe.rl is not None:
         from llmtrain.objectives.grpo import ROLLOUT_STATS, StageGRPO
         from llmtrain.objectives.rloo import RLOO, StageRLOO

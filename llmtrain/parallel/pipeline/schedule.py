@@ -42,9 +42,12 @@ def row_slots(recipe) -> tuple[int, str]:
     """The slots of the stages' one row shape and the setting they are: train.micro_batch_tokens, which every mode on
     stages sets (capabilities' rule; a KTO micro-batch's KL sequences, each a prompt with another's completion, hold
     as many tokens as its completions' sequences at most, so they fit the same row); online RL's passes,
-    rl.micro_batch_tokens (its micro-batches are prompts, its rows their completions' passes)."""
+    rl.micro_batch_tokens (its micro-batches are prompts, its rows their completions' passes); distillation's
+    micro-batches of rows, train.micro_batch_size x data.max_seq_len (the longest they pack to)."""
     if recipe.rl is not None:
         return recipe.rl.micro_batch_tokens, "rl.micro_batch_tokens"
+    if recipe.distill is not None:  # micro-batches of rows (no token budget): as long as they can be
+        return recipe.train.micro_batch_size * recipe.data.max_seq_len, "train.micro_batch_size x data.max_seq_len"
     return recipe.train.micro_batch_tokens, "train.micro_batch_tokens"
 
 
