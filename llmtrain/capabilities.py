@@ -692,12 +692,16 @@ def model_problems(recipe, layout: Layout, config) -> list[str]:
         if config.num_hidden_layers < total:
             out.append(f"{key}: {total} pipeline stages need at least one decoder layer each: the model has "
                        f"{config.num_hidden_layers}; lower parallel.pipeline_parallel (or pipeline_chunks)")
-        if recipe.train.eval_samples and (getattr(config, "hidden_size_per_layer_input", None) or
-                                          getattr(config, "num_kv_shared_layers", 0)):
-            out.append(f"{key} generates the eval samples (train.eval_samples) through the stages, which hand on the "
-                       "hidden states alone while decoding, not Gemma 4's per-layer inputs and shared keys and "
-                       "values: set train.eval_samples=0, and sample from final/ after the run (llmtrain generate "
-                       "RUN_DIR)")
+        samples = ("online RL's rollout" if recipe.rl is not None else "distillation's student" if
+                   recipe.distill is not None else "the eval samples (train.eval_samples)" if
+                   recipe.train.eval_samples else None)
+        if samples and (getattr(config, "hidden_size_per_layer_input", None) or
+                        getattr(config, "num_kv_shared_layers", 0)):
+            fix = ("set parallel.pipeline_parallel=1 and shard with FSDP" if recipe.rl is not None or recipe.distill
+                   is not None else "set train.eval_samples=0, and sample from final/ after the run (llmtrain "
+                   "generate RUN_DIR)")
+            out.append(f"{key} samples {samples} through the stages, which hand on the hidden states alone while "
+                       f"decoding, not Gemma 4's per-layer inputs and shared keys and values: {fix}")
     return out
 
 

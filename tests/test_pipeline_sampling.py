@@ -111,10 +111,11 @@ def test_the_mask_is_transformers_own_on_the_real_positions():
     assert torch.equal(additive == 0, got) and additive.min() == torch.finfo(torch.float32).min
 
 
-def test_gemma_4_on_stages_is_refused_eval_samples_for_its_per_layer_inputs(tiny_assets, tmp_path):
+def test_gemma_4_on_stages_is_refused_sampling_for_its_per_layer_inputs(tiny_assets, tmp_path):
     """The stages hand on the hidden states alone while decoding: Gemma 4's per-layer inputs and shared keys and
-    values are refused at eval, in one paragraph naming the key; a run without eval samples is not."""
-    from helpers import write_recipe
+    values are refused at eval and in online RL's rollout, in one paragraph naming the key; a supervised run without
+    eval samples is not."""
+    from helpers import REPO, write_recipe
     from test_families import OWN_LAYER
     from transformers import AutoConfig
 
@@ -135,3 +136,10 @@ def test_gemma_4_on_stages_is_refused_eval_samples_for_its_per_layer_inputs(tiny
     assert refusals(0) == []
     (said,) = refusals(2)
     assert "parallel.pipeline_parallel=2" in said and "set train.eval_samples=0" in said
+    # online RL's rollout samples through the stages too
+    grpo = load_recipe(REPO / "recipes" / "tiny-grpo.yaml", [
+        "parallel.pipeline_parallel=2", "rl.sampler=reference", "rl.micro_batch_tokens=128", "train.grad_accum_steps=2",
+        "train.eval_batch_size=null", "train.eval_samples=0", "model.attn_implementation=auto", "data.eval_split=null",
+        f"data.path={tiny_assets / 'data' / 'train.jsonl'}"])
+    (said,) = [p for p in capabilities.model_problems(grpo, layout, config) if "Gemma 4" in p]
+    assert "samples online RL's rollout through the stages" in said and "set parallel.pipeline_parallel=1" in said
