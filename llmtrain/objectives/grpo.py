@@ -525,7 +525,7 @@ class GRPO:
     def _staged_logps(self, batch: dict, context) -> torch.Tensor:
         """On pipeline stages, each trained token's log-probability at rl.temperature inside `context` (the model as
         it is, or the reference's), forward only through the stages (every process of the pipeline runs it): the
-        last stage's values; zeros on the others (RLOO's KL is given to them from the last: rloo._sequence_kl)."""
+        last stage's values; zeros on the others (RLOO's KL is given to them by the last: RLOO._advantages)."""
         index = batch["loss_index"].reshape(-1)
         with torch.no_grad(), context:
             out = self.stages.token_logps([batch])

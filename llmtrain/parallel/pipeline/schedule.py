@@ -3,10 +3,11 @@
 micro-batches through them.
 
 Fixed shapes. A stage receives its input into buffers whose shape it learns on the first step, so every micro-batch
-is one packed row of exactly train.micro_batch_tokens slots (data/batching.fixed_row): the examples back to back, then
-the padding as one more segment of its own (positions from 0, nothing trained). The examples' boundaries go to every
-stage as a kwarg of one fixed length too (`cu_seq_lens` padded with its last value, trimmed in each stage on the CPU):
-no shape ever changes between steps, so no buffer is stale or mis-sized.
+is one packed row of exactly train.micro_batch_tokens slots (data/batching.fixed_row; online RL's passes,
+rl.micro_batch_tokens; distillation's rows, train.micro_batch_size x data.max_seq_len: `row_slots`): the examples back
+to back, then the padding as one more segment of its own (positions from 0, nothing trained). The examples'
+boundaries go to every stage as a kwarg of one fixed length too (`cu_seq_lens` padded with its last value, trimmed in
+each stage on the CPU): no shape ever changes between steps, so no buffer is stale or mis-sized.
 
 The loss. The last stage's loss function is the run's chunked cross-entropy (model/loss.py) on the row's trained
 positions, times 1 / (the window's trained tokens on every pipeline), with the schedule's `scale_grads=False`: the
@@ -17,7 +18,10 @@ last-stage loss (`head_loss`), its targets built from each micro-batch by it: a 
 loss (objectives/reward_model.StageScores: its targets each sequence's index at its scored token), preference pairs'
 per-sequence log-probabilities and loss (objectives/preference.StagePairs: each trained token's sequence, each
 sequence's reference log-probability). Their reference is precomputed through the stages before training
-(`sequence_logps`, forward only), as the schedule runs one pass a micro-batch.
+(`sequence_logps`, forward only), as the schedule runs one pass a micro-batch. Online RL's (objectives/grpo.StageGRPO,
+rloo.StageRLOO) carry each trained token's advantage and weight, its reference log-probability where GRPO's KL needs
+it (`token_logps`, forward only before the step); distillation's (objectives/distill.StageDistill) reads the teacher's
+hidden states its last stage kept for the window. Sampling through the stages: sampling.py (`Pipeline.sampling`).
 """
 
 from __future__ import annotations
@@ -63,7 +67,8 @@ class Pipeline:
         several micro-batches' forwards before their backwards). `precision`: the run's autocast, around each
         stage's forward and the loss (the stages are not prepared by Accelerate, which would put it there). `group`:
         this process's pipeline (parallel/groups.py). `head_loss`: an objective's last-stage loss
-        (objectives/reward_model.StageScores, objectives/preference.StagePairs); None: the LM head's cross-entropy."""
+        (objectives/reward_model.StageScores, preference.StagePairs, kto.StageKTO, grpo.StageGRPO, rloo.StageRLOO,
+        distill.StageDistill); None: the LM head's cross-entropy. `slots_key`: the setting `slots` is (row_slots)."""
         import torch.distributed as dist
         from torch.distributed import pipelining
 
