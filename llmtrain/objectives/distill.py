@@ -129,22 +129,17 @@ class Distill:
 
     def _sample(self, prompts: list[tuple[list[int], int]], step: int, *, drawing=None) -> tuple[dict, Counts]:
         """The prompts' completions, sampled by the student (`drawing`: pipeline stages as one causal LM, which
-        generate.sample's loop decodes through), packed as a micro-batch."""
+        distill.sampler reference's loop decodes through), packed as a micro-batch."""
         from llmtrain.model.generate import completion_seed
-        from llmtrain.model.generate import sample as through
 
         cfg = self.cfg
+        lm = drawing if drawing is not None else self.lm
         begun = time.perf_counter()
-
-        def draw(ids, seeds):
-            if drawing is not None:  # (distill.sampler reference on stages: capabilities)
-                return through(drawing, ids, seeds=seeds, max_new_tokens=cfg.max_completion_tokens,
-                               stop_ids=self.stop_ids, pad_id=self.pad_id, **sampling_of(cfg))
-            return sample(self.lm, cfg.sampler, ids, seeds, max_new_tokens=cfg.max_completion_tokens,
-                          stop_ids=self.stop_ids, pad_id=self.pad_id, copy=cfg.merged_copy, **sampling_of(cfg))
-
-        completions = self.share_sampling(draw, [p for p, _ in prompts],
-                                          [completion_seed(self.seed, step, row, 0) for _, row in prompts])
+        completions = self.share_sampling(
+            lambda ids, seeds: sample(lm, cfg.sampler, ids, seeds, max_new_tokens=cfg.max_completion_tokens,
+                                      stop_ids=self.stop_ids, pad_id=self.pad_id, copy=cfg.merged_copy,
+                                      **sampling_of(cfg)),
+            [p for p, _ in prompts], [completion_seed(self.seed, step, row, 0) for _, row in prompts])
         spent = time.perf_counter() - begun
         sequences = completion_rows([p for p, _ in prompts], completions)
         out, counts = self._batch(sequences, prompts)

@@ -39,6 +39,7 @@ from llmtrain.config import sampling_of
 from llmtrain.data.batching import Counts, batch_weight
 from llmtrain.model.generate import Stops
 from llmtrain.model.reference import forward_of
+from llmtrain.objectives.preference import StagePairs
 from llmtrain.objectives.rollouts import (all_here, clipped_surrogate, completion_rows, held_whole, here, sample,
                                           sampling)
 
@@ -730,12 +731,9 @@ class GRPO:
         sampler's log-probability of each)."""
         rl = self.rl
         sampling = dict(temperature=0.0, top_p=1.0) if greedy else sampling_of(rl)
-        if self.drawing is not None:  # pipeline stages: generate.sample's loop through them (rl.sampler reference)
-            from llmtrain.model.generate import sample as through
-
-            return through(self.drawing, prompt_ids, seeds=seeds, stop_ids=self.stop_ids, pad_id=self.pad_id,
-                           max_new_tokens=max_new_tokens or rl.max_completion_tokens, logps=logps, **sampling)
-        return sample(self.lm, rl.sampler, prompt_ids, seeds, max_new_tokens=max_new_tokens or rl.max_completion_tokens,
+        # on pipeline stages the stages as one causal LM (`drawing`), which rl.sampler reference's loop decodes
+        lm = self.drawing if self.drawing is not None else self.lm
+        return sample(lm, rl.sampler, prompt_ids, seeds, max_new_tokens=max_new_tokens or rl.max_completion_tokens,
                       stop_ids=self.stop_ids, pad_id=self.pad_id, copy=rl.merged_copy, logps=logps, **sampling)
 
     def _complete(self, prompt_ids: list[list[int]], seeds: list[int], *, rows: list[dict], greedy: bool = False,
@@ -1007,11 +1005,7 @@ class StageGRPO:
         self.rl, self.rollout_size, self.adapter_off = rl, rollout_stats, adapter_off
         self.stats = rollout_stats + len(LOSS_STATS)
 
-    def follow(self, reference, model) -> None:
-        """LoRA's moving reference (rl.sync_reference): the reference pass runs its snapshot (StagePairs.follow)."""
-        from llmtrain.model.reference import forward_of
-
-        self.adapter_off = lambda: forward_of(model, reference)[1]
+    follow = StagePairs.follow  # LoRA's moving reference (rl.sync_reference): the reference pass runs its snapshot
 
     def prepare(self, pipeline, batches: list[dict]) -> list[dict]:
         """beta > 0: the passes with each trained token's reference log-probability at its slot (on the last stage),

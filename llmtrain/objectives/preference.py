@@ -412,8 +412,6 @@ class StagePairs:
         """LoRA's moving reference (sync_reference: model/reference.AdapterReference): the reference passes through
         the stages run the adapter's snapshot, each stage's part of it swapped into its weights (the adapter disabled
         until the first sync), instead of the adapter off."""
-        from llmtrain.model.reference import forward_of
-
         self.adapter_off = lambda: forward_of(model, reference)[1]
 
     @property

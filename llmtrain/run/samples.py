@@ -72,10 +72,8 @@ def generate_samples(model, tokenizer, examples, *, max_new_tokens: int, step: i
                                      max_new_tokens=max_new_tokens, do_sample=False, temperature=None, top_p=None,
                                      top_k=None, use_cache=True, eos_token_id=eos, pad_token_id=pad,
                                      synced_gpus=synced, **ends)
-                generated = out[0, len(prompt):].tolist()
-                reference = expected[index] if expected is not None else stops.reply(_text(tokenizer, expected_ids))
-                samples.append({"step": step, "index": index, "prompt": _text(tokenizer, prompt),
-                                "expected": reference, "generated": stops.reply(_text(tokenizer, generated))})
+                samples.append(_record(tokenizer, step, index, prompt, out[0, len(prompt):].tolist(),
+                                       expected[index] if expected is not None else expected_ids, stops))
     finally:
         model.train(was_training)
     return samples
@@ -95,10 +93,17 @@ def _on_stages(pipeline, tokenizer, examples, *, max_new_tokens: int, step: int,
             prompt, expected_ids = split_example(example)
             generated = sample(lm, [prompt], seeds=[0], max_new_tokens=max_new_tokens, temperature=0.0, top_p=1.0,
                                stop_ids=stops, pad_id=pad)[0]
-            reference = expected[index] if expected is not None else stops.reply(_text(tokenizer, expected_ids))
-            samples.append({"step": step, "index": index, "prompt": _text(tokenizer, prompt),
-                            "expected": reference, "generated": stops.reply(_text(tokenizer, generated))})
+            samples.append(_record(tokenizer, step, index, prompt, generated,
+                                   expected[index] if expected is not None else expected_ids, stops))
     return samples
+
+
+def _record(tokenizer, step: int, index: int, prompt: list[int], generated: list[int], expected, stops) -> dict:
+    """One sample's line of samples.jsonl, texts decoded without special tokens; `expected`: the text given, or the
+    row's expected ids, read as a reply (its end of turn left out)."""
+    reference = expected if isinstance(expected, str) else stops.reply(_text(tokenizer, expected))
+    return {"step": step, "index": index, "prompt": _text(tokenizer, prompt), "expected": reference,
+            "generated": stops.reply(_text(tokenizer, generated))}
 
 
 def mark_answers(samples: list[dict], pattern: str | None) -> float | None:

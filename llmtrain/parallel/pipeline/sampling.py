@@ -120,5 +120,5 @@ class StagesLM:
         if len(p.by_stage) < total:  # the last stage's logits to every stage of the pipeline
             if logits is None:
                 logits = torch.empty(rows, 1, p.vocab, dtype=torch.float32, device=self.device)
-            dist.broadcast(logits, src=p.stage_ranks[total - 1], group=g.group)
+            logits = p.from_last(logits)
         return _Out(logits=logits, cache=state)
