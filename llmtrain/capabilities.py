@@ -263,10 +263,11 @@ RL_STAGE_RULES: tuple[Rule, ...] = (
     Rule("pp", _rl(lambda rl: rl.micro_batch_tokens is None),
          _STAGES_RL + "loss in rows of one fixed shape: set rl.micro_batch_tokens, the slots of each pass (at least "
          "the longest prompt plus rl.max_completion_tokens)"),
-    Rule("pp", _rl(lambda rl: rl.num_iterations > 1 or rl.sampler_correction is not None),
-         _STAGES_RL + "loss with one update a generation round: the policy's log-probabilities as it sampled "
-         "(rl.num_iterations > 1, rl.sampler_correction) are not taken through the stages. Set rl.num_iterations=1 "
-         "and unset rl.sampler_correction, or set parallel.pipeline_parallel=1 and shard with FSDP"),
+    Rule("pp", _rl(lambda rl: rl.sampler_correction is not None),
+         _STAGES_RL + "loss from the policy's log-probabilities alone: rl.sampler_correction's ratios (the "
+         "sampler's log-probability of each token against the policy's) are not carried to the last stage. Unset "
+         "rl.sampler_correction (the stages sample with the reference sampler, the policy's own weights), or set "
+         "parallel.pipeline_parallel=1 and shard with FSDP"),
     Rule("pp", _rl(lambda rl: rl.tools or rl.environment),
          _STAGES_RL + "loss, not a tool loop's turns (rl.tools, rl.environment). Set parallel.pipeline_parallel=1 and "
          "shard with FSDP"),
@@ -381,10 +382,10 @@ RULES: tuple[Rule, ...] = (
 
 
 def _key(parallelism: str, recipe, layout: Layout) -> str:
-    if parallelism == "sp":
-        return f"parallel.sequence_parallel={recipe.parallel.sequence_parallel}"
+    if parallelism == "sp":  # (the layout's degree: the recipe's, or the one a check asks of it)
+        return f"parallel.sequence_parallel={layout.sp}"
     if parallelism == "pp":
-        return f"parallel.pipeline_parallel={recipe.parallel.pipeline_parallel}"
+        return f"parallel.pipeline_parallel={layout.pp}"
     if parallelism == "tp":
         return f"tensor parallelism (parallelism_config_tp_size: {layout.tp} in {layout.where})"
     return NAMES[parallelism]

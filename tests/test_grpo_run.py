@@ -935,9 +935,9 @@ def test_with_rounds_the_reference_runs_once_a_round_and_trains_what_a_pass_each
     calls = {"once": 0, "each": 0}
     taken = GRPO._reference_logps
     for way in ("once", "each"):
-        def counted(self, batch, way=way):
-            calls[way] += 1
-            return taken(self, batch)
+        def counted(self, batches, way=way):  # the passes it takes them of
+            calls[way] += len(batches)
+            return taken(self, batches)
 
         monkeypatch.setattr(GRPO, "_reference_logps", counted)
         if way == "each":

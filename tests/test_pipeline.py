@@ -711,11 +711,47 @@ def test_grpo_on_two_stages_each_sharded_by_fsdp_over_two_replicas_equals_one_pr
              weights="adapter_model.safetensors", weights_tol=5e-5)
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("rl", [{"beta": 0.04, "loss_type": "grpo"},
+                                pytest.param({"algorithm": "rloo", "beta": 0.05, "loss_type": None},
+                                             marks=pytest.mark.extended)], ids=["grpo-kl", "rloo-kl"])
+def test_rounds_of_two_updates_on_two_stages_equal_one_process_and_resume_mid_round(four_layers, tmp_path, free_port,
+                                                                                   rl):
+    """rl.num_iterations 2 on 2 stages (refused before 2026-12-05): the rollout takes the policy's log-probabilities
+    as it sampled and the reference's (the adapter disabled) forward only through the stages, once a round, the last
+    stage's in the passes' targets (column 8 and 5: StageGRPO.targets), and the round's second update divides by
+    them. Against one process: the 32 completions of 2 rounds, rewards, losses, KLs, clipped shares (the ratio moves
+    off 1 in a round's second update), gradient norms to 1e-5, final/ to 1e-5; a resume from step 3 (within the
+    second round: each stage's round kept in its checkpoint) trains step 4 as the unbroken run. grpo-kl: GRPO's
+    per-token ratio; rloo-kl (extended): RLOO's per completion, its KL taken from the old log-probabilities."""
+    path = _grpo_recipe(four_layers, tmp_path, lora=True, num_iterations=2, **rl)
+    steps = ["train.max_steps=4", "train.eval_every_steps=4"]
+    run_train(path, *steps, f"output_dir={tmp_path / 'one'}")
+    pp = tmp_path / "pp"
+    launch_finetune(CPU_DDP, 2, free_port, path, *steps, "parallel.pipeline_parallel=2", "checkpoint.every_steps=3",
+                    f"output_dir={pp}")
+    assert len((pp / "rollouts.jsonl").read_text().splitlines()) == 2 * 2 * 2 * 4  # 2 rounds sampled, once each
+    _same_rl(pp, tmp_path / "one", keys=("loss", "grad_norm", "entropy", "clip_ratio/region_mean"),
+             weights="adapter_model.safetensors")
+    for key in ("reward", "kl"):  # (the steps that sampled log them; GRPO's KL every step)
+        got, want = ([r.get(key) for r in records(run)] for run in (pp, tmp_path / "one"))
+        assert [g is None for g in got] == [w is None for w in want] and want[0] is not None and want[2] is not None
+        assert [g for g in got if g is not None] == pytest.approx([w for w in want if w is not None], abs=1e-6), key
+    clipped = [r["clip_ratio/region_mean"] for r in records(tmp_path / "one")]
+    assert clipped[0] == clipped[2] == 0 and max(clipped[1], clipped[3]) > 0  # the rounds' second updates clip
+    again = tmp_path / "again"
+    launch_finetune(CPU_DDP, 2, free_port + 1, path, *steps, "parallel.pipeline_parallel=2", f"output_dir={again}",
+                    resume=str(pp / "checkpoints" / "step_000003"))
+    (resumed,) = records(again)
+    assert resumed["step"] == 4
+    for key in ("loss", "grad_norm", "clip_ratio/region_mean"):
+        assert resumed[key] == pytest.approx(records(pp)[3][key], rel=1e-6, abs=1e-7), key
+
+
 @pytest.mark.parametrize("overrides,says", [
     (["rl.sampler=graph"], "Set rl.sampler=reference"),
     (["rl.micro_batch_tokens=null"], "set rl.micro_batch_tokens"),
-    (["rl.num_iterations=2"], "Set rl.num_iterations=1"),
-    (["rl.sampler_correction=token_truncate"], "unset rl.sampler_correction"),
+    (["rl.sampler_correction=token_truncate"], "Unset rl.sampler_correction"),
     (["rl.entropy_coef=0.01"], "the entropy bonus (rl.entropy_coef)"),
     (["rl.top_entropy_quantile=0.5"], "rl.top_entropy_quantile need the window's entropies"),
     (["rl.algorithm=rloo", "rl.loss_type=null", "rl.beta=0.05", "lora.r=4", "rl.sync_reference.every_steps=2",

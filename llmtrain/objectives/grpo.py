@@ -510,29 +510,29 @@ class GRPO:
         sequence parallelism the group's first alone), else nothing."""
         return held_whole(self.reference) if self._reference_once() else nullcontext()
 
-    def _reference_logps(self, batch: dict) -> torch.Tensor:
-        """Each trained token's log-probability under the reference (the frozen copy, or the adapter off or moved), at
-        rl.temperature, no gradient, on the model's device."""
+    def _reference_logps(self, batches: list[dict]) -> list[torch.Tensor]:
+        """Each pass's trained tokens' log-probabilities under the reference (the frozen copy, or the adapter off or
+        moved), at rl.temperature, no gradient, on the model's device."""
         from llmtrain.data.batching import to_device
         from llmtrain.model.loss import compute_loss
 
         reference, context = forward_of(self.lm, self.reference)
         if self.stages is not None:
-            return self._staged_logps(batch, context)
+            return self._staged_logps(batches, context)
         with torch.no_grad(), context:
-            return -compute_loss(reference, to_device(batch, self.lm.device), per_token=True,
-                                 temperature=self.rl.temperature).float()
+            return [-compute_loss(reference, to_device(b, self.lm.device), per_token=True,
+                                  temperature=self.rl.temperature).float() for b in batches]
 
-    def _staged_logps(self, batch: dict, context) -> torch.Tensor:
-        """On pipeline stages, each trained token's log-probability at rl.temperature inside `context` (the model as
-        it is, or the reference's), forward only through the stages (every process of the pipeline runs it): the
-        last stage's values; zeros on the others (RLOO's KL is given to them by the last: RLOO._advantages)."""
-        index = batch["loss_index"].reshape(-1)
+    def _staged_logps(self, batches: list[dict], context) -> list[torch.Tensor]:
+        """On pipeline stages, each pass's trained tokens' log-probabilities at rl.temperature inside `context` (the
+        model as it is, or the reference's), forward only through the stages M passes at a time (every process of
+        the pipeline runs them): the last stage's values; zeros on the others, which train nothing from them (the
+        last stage's head loss reads them; RLOO's KL is given to the others by the last: RLOO._advantages)."""
         with torch.no_grad(), context:
-            out = self.stages.token_logps([batch])
+            out = self.stages.token_logps(batches)
         if out is None:
-            return torch.zeros(len(index), device=self.lm.device)
-        return out[0][index.to(out[0].device)]
+            return [torch.zeros(b["loss_index"].numel(), device=self.lm.device) for b in batches]
+        return [o[b["loss_index"].reshape(-1).to(o.device)] for o, b in zip(out, batches)]
 
     def _prompts(self, examples: list[dict], step: int) -> tuple[list[list[int]], list[int]]:
         """Each completion's prompt tokens and seed: num_generations of each example, consecutive."""
@@ -608,11 +608,11 @@ class GRPO:
         sequences = completion_rows(prompt_ids, completions, masks=masks)
         batches, parts, lengths = self._passes(sequences)
         if rl.num_iterations > 1 or self.correcting:  # the round's later updates divide by the policy as it sampled
-            for batch in batches:
-                batch["loss_old_logps"] = self._sampling_logps(batch).cpu()
+            for batch, logps in zip(batches, self._sampling_logps(batches)):
+                batch["loss_old_logps"] = logps.cpu()
         if self._reference_once():  # the round's updates read them, with no reference forward of their own
-            for batch in batches:
-                batch["loss_ref_logps"] = self._reference_logps(batch).cpu()
+            for batch, logps in zip(batches, self._reference_logps(batches)):
+                batch["loss_ref_logps"] = logps.cpu()
         correction = self._correct(batches, parts, sampled, masks) if self.correcting else [0.0] * 3
         advantages, std, more, columns = self._advantages(total, g, batches, parts, per_function=per_function)
         for batch, part, n in zip(batches, parts, lengths.split([len(part) for part in parts])):
@@ -661,21 +661,21 @@ class GRPO:
             parts.append(part)
         return batches, parts, torch.cat(lengths)
 
-    def _sampling_logps(self, batch: dict) -> torch.Tensor:
-        """Each trained token's log-probability (at rl.temperature, no gradient, on the model's device) under the
-        policy as it sampled: in eval mode, within the rollout (under FSDP while the whole model is gathered: no
-        collective per pass). rl.num_iterations > 1's old log-probabilities (TRL's old_per_token_logps, kept on the
-        CPU with the round), and RLOO's for its KL.
+    def _sampling_logps(self, batches: list[dict]) -> list[torch.Tensor]:
+        """Each pass's trained tokens' log-probabilities (at rl.temperature, no gradient, on the model's device)
+        under the policy as it sampled: in eval mode, within the rollout (under FSDP while the whole model is
+        gathered: no collective per pass). rl.num_iterations > 1's old log-probabilities (TRL's old_per_token_logps,
+        kept on the CPU with the round), and RLOO's for its KL.
         Under sequence parallelism, on the group's first process over whole rows (each process then keeps its
         slice's, as the other `loss_` columns)."""
         from llmtrain.data.batching import to_device
         from llmtrain.model.loss import compute_loss
 
         if self.stages is not None:
-            return self._staged_logps(batch, nullcontext())
+            return self._staged_logps(batches, nullcontext())
         with torch.no_grad():
-            return -compute_loss(self.lm, to_device(batch, self.lm.device), per_token=True,
-                                 temperature=self.rl.temperature).float()
+            return [-compute_loss(self.lm, to_device(b, self.lm.device), per_token=True,
+                                  temperature=self.rl.temperature).float() for b in batches]
 
     def _correct(self, batches: list[dict], parts: list[list[int]], sampled: list[list[float]],
                  masks: list[list[int]] | None) -> list[float]:
@@ -843,7 +843,7 @@ class GRPO:
         rollout = batch["rollout_stats"].to(batch["input_ids"].device)
         if rl.beta:  # taken in the rollout once a round (_reference_once), else here first: its no-grad forward
             # leaves no graph behind
-            ref = batch["loss_ref_logps"] if "loss_ref_logps" in batch else self._reference_logps(batch)
+            ref = batch["loss_ref_logps"] if "loss_ref_logps" in batch else self._reference_logps([batch])[0]
         bonus = self.entropy  # the entropy bonus: the entropy with its gradient
         losses, entropy = compute_loss(model, batch, per_token=True, temperature=rl.temperature,
                                        stat=ENTROPY_TRAINED if bonus is not None else "entropy")
@@ -992,14 +992,15 @@ def _number(value: torch.Tensor) -> float | None:
 class StageGRPO:
     """GRPO on pipeline stages (parallel/pipeline/schedule.py): the last stage's loss. The rollout runs on every
     process of a pipeline alike (the same completions, sampled through the stages: GRPO.stages), and its passes
-    (packed rows of rl.micro_batch_tokens slots) reach the last stage as the final hidden states with the [slots, 8]
+    (packed rows of rl.micro_batch_tokens slots) reach the last stage as the final hidden states with the [slots, 9]
     float32 targets of `targets`: at each trained position its token, advantage, weight in the sum, completion's
-    length and completion; at each its reference log-probability (beta > 0: the model with its adapter disabled, or
-    LoRA's moving reference, forward only through the stages before the step: `prepare`); at slot k the pass's k-th
-    rollout statistic; at slot 0 its completions. From these the loss and its statistics are GRPO's own
-    (`policy_loss`), so that 2 stages train what one process trains."""
+    length, completion, reference log-probability (beta > 0: the model with its adapter disabled, or LoRA's moving
+    reference, forward only through the stages before the step: `prepare`; with rl.num_iterations > 1, the rollout's
+    once a round) and old log-probability (rl.num_iterations > 1: the policy's as it sampled, the rollout's through
+    the stages); at slot k the pass's k-th rollout statistic; at slot 0 its completions. From these the loss and its
+    statistics are GRPO's own (`policy_loss`), so that 2 stages train what one process trains."""
 
-    WIDTH = 8
+    WIDTH = 9
 
     def __init__(self, rl, *, rollout_stats: int, adapter_off=None):
         self.rl, self.rollout_size, self.adapter_off = rl, rollout_stats, adapter_off
@@ -1009,8 +1010,9 @@ class StageGRPO:
 
     def prepare(self, pipeline, batches: list[dict]) -> list[dict]:
         """beta > 0: the passes with each trained token's reference log-probability at its slot (on the last stage),
-        forward only through the stages with the adapter disabled, as one process's GRPO.loss takes it first."""
-        if not self.rl.beta:
+        forward only through the stages with the adapter disabled, as one process's GRPO.loss takes it first; as they
+        are where the rollout took them once a round (GRPO._reference_once: rl.num_iterations > 1)."""
+        if not self.rl.beta or all("loss_ref_logps" in b for b in batches):
             return batches
         with torch.no_grad(), self.adapter_off():
             reference = pipeline.token_logps(batches)
@@ -1019,7 +1021,7 @@ class StageGRPO:
         return [{**b, "ref_slots": r.float().cpu()} for b, r in zip(batches, reference)]
 
     def targets(self, batch: dict, slots: int) -> torch.Tensor:
-        """[1, slots, 8] float32 of a pass (none: an idle row). Token ids are exact in float32 below 2^24."""
+        """[1, slots, 9] float32 of a pass (none: an idle row). Token ids are exact in float32 below 2^24."""
         from llmtrain.data.formats import IGNORE
 
         out = torch.zeros(slots, self.WIDTH)
@@ -1027,6 +1029,8 @@ class StageGRPO:
         at = batch["loss_index"].reshape(-1)
         if len(at):  # (before the advantages: the rollout's passes through the stages, RLOO's KL)
             out[at, 0], out[at, 4] = batch["loss_targets"].float(), batch["loss_example"].float()
+            if "loss_old_logps" in batch:  # rl.num_iterations > 1: the policy's as it sampled
+                out[at, 8] = batch["loss_old_logps"].float()
         if "rollout_stats" in batch:
             self._fill(out, batch, at)
             stats = batch["rollout_stats"]
@@ -1041,6 +1045,8 @@ class StageGRPO:
             out[at, column] = batch[key].float()
         if "ref_slots" in batch:
             out[:, 5] = batch["ref_slots"]
+        elif "loss_ref_logps" in batch:  # the rollout's, once a round
+            out[at, 5] = batch["loss_ref_logps"].float()
         out[0, 7] = batch["completions"]
 
     def _trained(self, target: torch.Tensor) -> torch.Tensor:
@@ -1067,6 +1073,7 @@ class StageGRPO:
                                temperature=self.rl.temperature, stat="entropy")
         t = target[at]
         batch = {"loss_advantages": t[:, 1], "loss_weights": t[:, 2], "loss_lengths": t[:, 3],
-                 "loss_example": t[:, 4].long(), "completions": int(target[0, 7])}
+                 "loss_example": t[:, 4].long(), "completions": int(target[0, 7]),
+                 **({"loss_old_logps": t[:, 8]} if self.rl.num_iterations > 1 else {})}
         total, stats = policy_loss(self.rl, -losses.float(), entropy, batch, ref=t[:, 5] if self.rl.beta else None)
         return total, torch.cat([target[: self.rollout_size, 6].to(stats.dtype), stats])

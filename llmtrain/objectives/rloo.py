@@ -85,23 +85,24 @@ class RLOO(GRPO):
     def _advantages(self, total, g, batches, parts, *, per_function):
         rl = self.rl
         kl = torch.zeros_like(total)
-        if rl.beta:
-            kl = torch.cat([self._sequence_kl(b, len(part)) for b, part in zip(batches, parts)])
+        if rl.beta:  # the policy as it sampled: rl.num_iterations > 1's old log-probabilities, else taken here
+            old = [b.get("loss_old_logps") for b in batches]
+            policy = old if None not in old else self._sampling_logps(batches)
+            kl = torch.cat([self._sequence_kl(b, len(part), p) for b, part, p in zip(batches, parts, policy)])
             if self.stages is not None:  # the last stage's (it alone holds the log-probabilities), to every stage
                 kl = self.stages.from_last(kl)
         rewards = total if rl.reward_clip_range is None else total.clamp(*rl.reward_clip_range)
         advantages, std = leave_one_out_advantages(rewards - rl.beta * kl, g)
         return advantages, std, [float(kl.sum())], ({"kl": kl.tolist()} if rl.beta else {})
 
-    def _sequence_kl(self, batch: dict, n: int) -> torch.Tensor:
-        """Each completion's summed k1 log-ratio of the policy as it sampled to the reference (the LoRA adapter
-        disabled, or a full fine-tune's frozen copy), without gradient: TRL's old and reference log-probabilities,
-        taken before the update. Within the rollout, so under FSDP while the whole model (and a full fine-tune's
-        copy: GRPO._rollout_reference) is gathered (no collective per pass); the reference's are the rollout's
-        (GRPO._reference_once)."""
+    def _sequence_kl(self, batch: dict, n: int, policy: torch.Tensor) -> torch.Tensor:
+        """Each completion's summed k1 log-ratio of the policy as it sampled (`policy`: each trained token's
+        log-probability) to the reference (the LoRA adapter disabled, or a full fine-tune's frozen copy), without
+        gradient: TRL's old and reference log-probabilities, taken before the update. Within the rollout, so under
+        FSDP while the whole model (and a full fine-tune's copy: GRPO._rollout_reference) is gathered (no collective
+        per pass); the reference's are the rollout's (GRPO._reference_once)."""
         batch = to_device(batch, self.lm.device)
-        policy = batch["loss_old_logps"] if "loss_old_logps" in batch else self._sampling_logps(batch)
-        return sequence_sums(policy - batch["loss_ref_logps"], batch["loss_example"], n).cpu()
+        return sequence_sums(policy.to(self.lm.device) - batch["loss_ref_logps"], batch["loss_example"], n).cpu()
 
     def _loss_units(self, lengths: torch.Tensor) -> float:
         return float(len(lengths))  # the mean over completions
@@ -159,7 +160,8 @@ class StageRLOO(StageGRPO):
     """RLOO on pipeline stages: GRPO's rollout through the stages (its KL's log-probabilities forward only through
     them, inside the rollout, the last stage's KL given to the others: Pipeline.from_last), and the last stage's loss
     RLOO's own: each completion's summed log-probability (its tokens' completion in column 4) and its advantage (at
-    slot k the k-th completion's, column 1), PPO's clipped surrogate per sequence (`sequence_losses`)."""
+    slot k the k-th completion's, column 1), PPO's clipped surrogate per sequence (`sequence_losses`), with
+    rl.num_iterations > 1 against each completion's summed old log-probability (column 8's, the rollout's)."""
 
     def __init__(self, rl, *, rollout_stats: int):
         super().__init__(rl, rollout_stats=rollout_stats)
@@ -179,9 +181,10 @@ class StageRLOO(StageGRPO):
             return head(hidden[:1]).float().sum() * 0.0, hidden.new_zeros(self.stats, dtype=torch.float32)
         losses, entropy = head(hidden[at], targets=target[at, 0].long(), per_token=True,
                                temperature=self.rl.temperature, stat="entropy")
-        logps, n = -losses.float(), int(target[0, 7])
-        sequences = sequence_sums(logps, target[at, 4].long(), n)
-        losses, clipped = sequence_losses(sequences, target[:n, 1], old_logps=None, epsilon=self.rl.epsilon,
+        logps, n, example = -losses.float(), int(target[0, 7]), target[at, 4].long()
+        sequences = sequence_sums(logps, example, n)
+        old = sequence_sums(target[at, 8], example, n) if self.rl.num_iterations > 1 else None  # as it was sampled
+        losses, clipped = sequence_losses(sequences, target[:n, 1], old_logps=old, epsilon=self.rl.epsilon,
                                           epsilon_high=self.rl.epsilon_high)
         stats = torch.stack([clipped.float().sum(), logps.new_tensor(float(n)), entropy.sum(),
                              logps.new_tensor(float(logps.numel()))]).detach()
