@@ -501,6 +501,9 @@ STAGED = {  # (model config, data, overrides, bound on |estimate / measured - 1|
     # the rollout's peak: 32 rows of 127 tokens through the stages, passes of one sequence
     "grpo-sampling": (MEASURED, "prompt", [*LORA_FP32, "rl.num_generations=16", "rl.max_completion_tokens=96",
                                            "rl.micro_batch_tokens=128", "train.grad_accum_steps=2"], 0.06),
+    # on-policy distillation: the student samples through the stages, the last stage holds the teacher whole
+    "distill": (MEASURED, "distill", [], 0.06),
+    "distill-lora": (MEASURED, "distill", LORA_FP32, 0.06),
 }
 
 
@@ -517,7 +520,8 @@ def _staged_data(path, kind: str) -> tuple[dict, list[int]]:
     rows = {"text": lambda i: {"text": text(i, 126)},
             "preference": lambda i: {"prompt": text(i, 30), "chosen": text(i, 31), "rejected": text(i + 1, 31)},
             "unpaired": lambda i: {"prompt": text(i, 30), "completion": text(i, 31), "label": i % 2 == 0},
-            "prompt": lambda i: {"prompt": text(i, 30)}}[kind]
+            "prompt": lambda i: {"prompt": text(i, 30)},
+            "distill": lambda i: {"prompt": text(i, 30), "completion": text(i, 31)}}[kind]
     path.write_text("".join(json.dumps(rows(i)) + "\n" for i in range(64)))
     data = {"path": str(path), "format": kind, "max_seq_len": 128, "chat_template": False}
     if kind == "text":
@@ -526,13 +530,24 @@ def _staged_data(path, kind: str) -> tuple[dict, list[int]]:
         rl = {"num_generations": 4, "max_completion_tokens": 32, "micro_batch_tokens": 512, "sampler": "reference",
               "rewards": [{"type": "format", "pattern": "[aeiou]"}]}
         return {"data": data, "rl": rl, "train": {"micro_batch_size": 2}}, [63] * 8 + [8]
+    if kind == "distill":  # 8 prompts of 31 tokens x 32 sampled (lmbda 1: every step samples) in 8 x 64 slots
+        import torch
+        from transformers import AutoConfig, AutoModelForCausalLM
+
+        teacher = path.parent / "teacher"  # a teacher of the student's shape, with weights to read
+        torch.manual_seed(0)
+        AutoModelForCausalLM.from_config(AutoConfig.for_model("llama", **MEASURED)).save_pretrained(teacher)
+        distill = {"teacher": str(teacher), "sampler": "reference", "lmbda": 1.0, "max_completion_tokens": 32}
+        return ({"data": {**data, "format": "prompt_completion", "max_seq_len": 64}, "distill": distill,
+                 "train": {"micro_batch_size": 8}}, [63] * 8 + [8])
     if kind == "preference":
         return {"data": data, "preference": {"beta": 0.1}, "train": {"micro_batch_tokens": 512}}, [63] * 8 + [8]
     return {"data": data, "kto": {"beta": 0.1}, "train": {"micro_batch_tokens": 512}}, [63] * 8 + [8]
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", [pytest.param(n, marks=() if n in ("1f1b", "gemma4") else pytest.mark.extended)
+@pytest.mark.parametrize("name", [pytest.param(n, marks=() if n in ("1f1b", "gemma4", "distill") else
+                                               pytest.mark.extended)
                                   for n in STAGED])
 def test_each_stages_estimate_matches_its_measured_step(tiny_assets, tmp_path, monkeypatch, name):
     """Two real stages (accelerate launch, gloo), full fine-tune in fp32, 4 micro-batches of 512 slots: each
@@ -580,7 +595,7 @@ def test_each_stages_estimate_matches_its_measured_step(tiny_assets, tmp_path, m
                           text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     # every row 4 texts of 128 tokens, or 8 sequences of 63 in 512 slots: the lengths above
-    if kind != "prompt":  # (online RL's rows are its completions' passes, packed after sampling)
+    if kind not in ("prompt", "distill"):  # (online RL's rows are its completions' passes, packed after sampling)
         assert f"packing efficiency {'100.0' if kind == 'text' else '98.4'}%" in proc.stdout, proc.stdout[-2000:]
     measured = {r: json.loads((tmp_path / "peaks" / f"rank{r}.json").read_text())["peak"] for r in (0, 1)}
     monkeypatch.setattr(estimate_module, "DROPOUT_MASK_BYTES", 4)

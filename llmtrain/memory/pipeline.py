@@ -40,6 +40,7 @@ from llmtrain.memory.params import LoraPlan, ModelShape, run_lora_plan
 from llmtrain.memory.reward_models import add_reward_models
 from llmtrain.memory.spec import DTYPE_BYTES, GIB, Estimate, TrainSpec
 from llmtrain.memory.states import States, accumulated_grads, optimizer_bytes, states
+from llmtrain.memory.teacher import add_stage_teacher
 from llmtrain.parallel.pipeline.split import bubble_fraction, in_flight, interleaved_rounds, rank_stages, stage_layers
 
 
@@ -83,11 +84,11 @@ def pipeline_problems(spec: TrainSpec, shape: ModelShape) -> list[str]:
     if spec.cpu_offload or spec.tp > 1 or spec.sequence_parallel > 1 or spec.activation_offload or spec.tiled_mlp:
         problems.append("pipeline parallelism is modelled without cpu offload, tensor or sequence parallelism, "
                         "activation offload or the tiled MLP (llmtrain's stages run none of them)")
-    if spec.teacher is not None:
-        problems.append("distillation on pipeline stages (which trains there, its teacher whole on the last stage) is "
-                        "not modelled: estimate it without stages (parallel.pipeline_parallel=1) for the student and "
-                        "teacher together")
-    elif spec.num_generations and not spec.rl_micro_batch_tokens:
+    if spec.teacher is not None and spec.sharded:  # (capabilities.DISTILL_STAGE_RULES, as a recipe is refused)
+        problems.append("distillation on pipeline stages holds the teacher whole on the last stage's GPUs, where "
+                        "FSDP would shard it: estimate the stages with --strategy ddp, or without stages "
+                        "(parallel.pipeline_parallel=1) under FSDP")
+    elif spec.num_generations and spec.teacher is None and not spec.rl_micro_batch_tokens:
         problems.append("online RL on pipeline stages trains its passes in rows of rl.micro_batch_tokens slots: set it "
                         "(--rl-micro-batch-tokens)")
     if spec.quantize and spec.sharded:
@@ -328,6 +329,8 @@ def chunk_estimate(shape: ModelShape, spec: TrainSpec, stage: Stage, c: int) -> 
         phases.update(staged_generation_phases(shape, spec, stage, base, cached=sum(cached), pd=pd))
         if spec.reward_models:  # learned rewards: whole on every GPU, scoring after sampling (reward_models.py)
             add_reward_models(phases, spec, rows=max(_rollout_rows(spec, drawn=False), spec.eval_rows))
+    if spec.teacher is not None and stage.last:  # distillation: the teacher on the last stage alone
+        add_stage_teacher(phases, shape, spec, p, base)
     est = _finish(whole, spec, plan, st, phases, notes=_notes(sub, spec, p) + stage_notes(shape, spec))
     state = st.weights + st.grads + st.optimizer + st.ddp_buckets
     summary = {"rank": stage.rank, "virtual_stages": list(stage.virtual),

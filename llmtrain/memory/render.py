@@ -23,7 +23,8 @@ WHAT = {
     "kv_cache": "the sampler's KV cache (static: the fast sampler)",
     "generation_copy": "the sampler's merged copy of the adapted linears (rl.merged_copy)",
     "pipeline_buffers": "the pipeline's receive buffers (activations and gradients, one per micro-batch)",
-    "teacher": "distillation's teacher: its weights (whole on every GPU), forward and chunk logits",
+    "teacher": "distillation's teacher: its weights (whole on every GPU, or sharded by FSDP; on pipeline stages the "
+               "last stage's), forward and chunk logits",
     "reward_models": "online RL's reward models (rl.rewards): their weights, whole on every GPU",
     "overhead": "CUDA context, NCCL, allocator slack (reserved - allocated)",
 }

@@ -47,3 +47,21 @@ def add_teacher(phases: dict[str, dict[str, int]], shape: ModelShape, spec: Trai
     teacher_pass = act.Pass(**{**vars(p), "trainable_base": False, "lora_dropout": 0.0, "dora": False})
     phases["teacher_forward"] = {**{k: v for k, v in base.items() if v}, "gradients": gradients,
                                  "teacher": weights + gathered + act.eval_layer_bytes(teacher_pass, t, {}) + hidden}
+
+
+def add_stage_teacher(phases: dict[str, dict[str, int]], shape: ModelShape, spec: TrainSpec, p: act.Pass,
+                      base: dict) -> None:
+    """Distillation on pipeline stages (objectives/distill.StageDistill), on a GPU of the last stage, which alone
+    holds the teacher, whole (an FSDP launch of it is refused): before the window's schedule runs, the teacher's
+    forward over each of its M micro-batches (no gradient alive: the step's first backward has not run), whose
+    trained positions' hidden states, all M, stay through the step's phases and the next window's sampling (the
+    next window's teacher forward frees them first); in the loss's phases a chunk's logits as add_teacher counts
+    them."""
+    t, b = spec.teacher, DTYPE_BYTES[spec.teacher_dtype]
+    weights, held = t.params_total * b, spec.grad_accum_steps * p.loss_tokens * t.hidden * b
+    chunk = 4 * act.loss_chunk(p, spec.loss_chunk_tokens) * shape.vocab * act.FP32
+    for name, parts in phases.items():
+        parts["teacher"] = weights + held + (chunk if name in LOSS_PHASES else 0)
+    teacher_pass = act.Pass(**{**vars(p), "trainable_base": False, "lora_dropout": 0.0, "dora": False})
+    phases["teacher_forward"] = {**{k: v for k, v in base.items() if v},
+                                 "teacher": weights + held + act.eval_layer_bytes(teacher_pass, t, {})}

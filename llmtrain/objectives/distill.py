@@ -237,6 +237,7 @@ class StageDistill:
             return batches
         from llmtrain.data.batching import to_device
 
+        self.held = []  # the last window's, freed before this one's forwards
         self.held = [self.objective._teacher_hidden(to_device(b, pipeline.device)) for b in batches]
         return [{**b, "teacher_index": k} for k, b in enumerate(batches)]
 
