@@ -293,10 +293,6 @@ DISTILL_STAGE_RULES: tuple[Rule, ...] = (
     Rule("pp", lambda r, _: r.distill is not None and r.distill.merged_copy != "off",
          "{key} samples with each stage's own weights: a merged generation copy (distill.merged_copy) is not built "
          "for stages. Unset it"),
-    Rule("pp", lambda r, layout: r.distill is not None and layout.fsdp,
-         "distillation on {key} holds the teacher whole on the last stage's processes, where an FSDP launch would "
-         "shard it over every process: launch the stages with DDP (accelerate_configs/ddp.yaml), or set "
-         "parallel.pipeline_parallel=1 and shard student and teacher with FSDP"),
 )
 
 

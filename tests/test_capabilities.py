@@ -168,19 +168,17 @@ def test_the_table_in_docs_scaling_is_the_tables_own():
 
 @pytest.mark.slow
 def test_a_refused_layout_exits_2_with_one_paragraph_and_writes_nothing(mode_recipes, tmp_path):
-    """Every cell of the table trains; what a layout refuses of a recipe (here distillation's teacher, held whole on
-    the last stage, under an FSDP launch of stages) stops `llmtrain launch` before any process starts: exit 2, one
-    paragraph naming the fix, no traceback, nothing written."""
+    """Every cell of the table trains; what a layout refuses of a recipe (here bitsandbytes' 8-bit AdamW, which
+    updates plain tensors, under an FSDP launch, whose parameters are sharded DTensors) stops `llmtrain launch`
+    before any process starts: exit 2, one paragraph naming the fix, no traceback, nothing written."""
     out = tmp_path / "run"
-    _, processes, overrides = LAYOUTS["pp"]
-    argv = ["--config_file", str(CONFIGS / "cpu_fsdp.yaml"), "--num_processes", str(processes), "--main_process_port",
-            "0", str(mode_recipes["distill"]), *[o for o in overrides if not o.startswith("train.micro_batch")],
-            "distill.sampler=reference", f"output_dir={out}"]
+    argv = ["--config_file", str(CONFIGS / "cpu_fsdp.yaml"), "--num_processes", "2", "--main_process_port", "0",
+            str(mode_recipes["distill"]), "train.optimizer=adamw_8bit", f"output_dir={out}"]
     proc = subprocess.run([sys.executable, "-m", "llmtrain", "launch", *argv], env=ENV, cwd=REPO, capture_output=True,
                           text=True, timeout=300)
     assert proc.returncode == 2, proc.stdout + proc.stderr
     assert proc.stderr.startswith("error: ") and "Traceback" not in proc.stderr
-    assert "launch the stages with DDP" in " ".join(proc.stderr.split())
+    assert "Set train.optimizer=adamw (FSDP already divides its state over the GPUs)" in " ".join(proc.stderr.split())
     assert not out.exists()
 
 

@@ -773,13 +773,10 @@ def test_what_grpo_on_stages_does_not_carry_is_refused_naming_the_key(tiny_asset
     assert says in " ".join(str(refused.value).split())
 
 
-@pytest.mark.slow
-def test_distillation_samples_and_trains_on_two_stages_as_one_process(four_layers, tiny_assets, tmp_path, free_port):
-    """On-policy distillation on 2 stages (distill.lmbda 0.5: the steps' coins give both kinds): the student samples
-    through the stages, the last stage's processes alone hold the teacher (the tiny task's 2-layer model) and run it
-    over each micro-batch before the step (distill.StageDistill), the divergence then Distill's own in the last
-    stage's head. Against one process: losses, teacher agreement, gradient norms and the eval (a forward through the
-    stages, teacher-forced) to 1e-5, final/ to 1e-5."""
+def _distill_recipe(four_layers: Path, tiny_assets: Path, tmp_path: Path) -> Path:
+    """tiny-distill.yaml on the four-layer model for stages, the tiny task's 2-layer model as the teacher: the
+    reference sampler, 8 completion tokens, 2 prompts a micro-batch x 2, 4 steps (lmbda 0.5: the steps' coins give
+    both kinds), an eval at step 4."""
     recipe = yaml.safe_load((REPO / "recipes" / "tiny-distill.yaml").read_text())
     recipe["model"].update(name_or_path=str(four_layers / "model"), attn_implementation="auto")
     recipe["data"].update(path=str(four_layers / "data" / "train.jsonl"),
@@ -791,16 +788,49 @@ def test_distillation_samples_and_trains_on_two_stages_as_one_process(four_layer
     recipe["logging"] = {"progress": False, "plot": False, "every_steps": 1}
     path = tmp_path / "distill.yaml"
     path.write_text(yaml.safe_dump(recipe))
-    run_train(path, f"output_dir={tmp_path / 'one'}")
-    out = launch_finetune(CPU_DDP, 2, free_port, path, "parallel.pipeline_parallel=2", f"output_dir={tmp_path / 'pp'}")
-    assert "train.micro_batch_size x data.max_seq_len" not in out  # (no row was too long)
-    got, want = records(tmp_path / "pp"), records(tmp_path / "one")
+    return path
+
+
+def _same_distill(run: Path, one: Path, *, tol: float = 1e-5) -> None:
+    """Both kinds of step, their losses, teacher agreement, token accuracy, entropy and gradient norms to `tol`
+    relative, the evals to 1e-6, final/ to 1e-5."""
+    got, want = records(run), records(one)
     assert len(got) == len(want) == 4 and {r["on_policy"] for r in want} == {0.0, 1.0}  # both kinds of step
     for key in ("loss", "teacher_agreement", "token_accuracy", "entropy", "grad_norm"):
-        assert [r[key] for r in got] == pytest.approx([r[key] for r in want], rel=1e-5, abs=1e-6), key
-    evals = records(tmp_path / "pp", "eval"), records(tmp_path / "one", "eval")
+        assert [r[key] for r in got] == pytest.approx([r[key] for r in want], rel=tol, abs=1e-6), key
+    evals = records(run, "eval"), records(one, "eval")
     assert [r["step"] for r in evals[0]] == [r["step"] for r in evals[1]] and evals[1][-1]["step"] == 4
     for key in ("eval_loss", "eval_teacher_agreement"):
         assert [r[key] for r in evals[0]] == pytest.approx([r[key] for r in evals[1]], abs=1e-6), key
-    assert max_abs_diff(load_weights(tmp_path / "pp" / "final" / "model.safetensors"),
-                        load_weights(tmp_path / "one" / "final" / "model.safetensors")) < 1e-5
+    assert max_abs_diff(load_weights(run / "final" / "model.safetensors"),
+                        load_weights(one / "final" / "model.safetensors")) < 1e-5
+
+
+@pytest.mark.slow
+def test_distillation_samples_and_trains_on_two_stages_as_one_process(four_layers, tiny_assets, tmp_path, free_port):
+    """On-policy distillation on 2 stages (distill.lmbda 0.5: the steps' coins give both kinds): the student samples
+    through the stages, the last stage's processes alone hold the teacher (the tiny task's 2-layer model) and run it
+    over each micro-batch before the step (distill.StageDistill), the divergence then Distill's own in the last
+    stage's head. Against one process: losses, teacher agreement, gradient norms and the eval (a forward through the
+    stages, teacher-forced) to 1e-5, final/ to 1e-5."""
+    path = _distill_recipe(four_layers, tiny_assets, tmp_path)
+    run_train(path, f"output_dir={tmp_path / 'one'}")
+    out = launch_finetune(CPU_DDP, 2, free_port, path, "parallel.pipeline_parallel=2", f"output_dir={tmp_path / 'pp'}")
+    assert "train.micro_batch_size x data.max_seq_len" not in out  # (no row was too long)
+    _same_distill(tmp_path / "pp", tmp_path / "one")
+
+
+@pytest.mark.slow
+@pytest.mark.extended  # 4 processes; main tier: 2 stages against one process (above)
+def test_distillation_on_two_stages_each_sharded_by_fsdp_equals_one_process(four_layers, tiny_assets, tmp_path,
+                                                                           free_port):
+    """An FSDP launch of distillation on stages (refused before 2026-12-05, when the teacher would have been sharded
+    over every process): 2 pipelines of 2 stages, each stage sharded over its 2 replicas, the teacher whole on each
+    last-stage process (phases.build_teacher reads it there), each pipeline sampling its own prompts. Against one
+    process with 4 prompts a micro-batch: both kinds of step, losses, agreement, gradient norms, evals, final/."""
+    path = _distill_recipe(four_layers, tiny_assets, tmp_path)
+    run_train(path, "train.micro_batch_size=4", f"output_dir={tmp_path / 'one'}")
+    out = launch_finetune(REPO / "accelerate_configs" / "cpu_fsdp.yaml", 4, free_port, path,
+                          "parallel.pipeline_parallel=2", f"output_dir={tmp_path / 'pp'}")
+    assert "2 stages x 2 FSDP shards" in out
+    _same_distill(tmp_path / "pp", tmp_path / "one")

@@ -408,13 +408,13 @@ def build_model(recipe: Recipe, accelerator, *, total_steps: int, say, pad: int 
 def build_teacher(recipe: Recipe, accelerator, trainable: Trainable, tokenizer, *, say):
     """Distillation's teacher (None for other modes): whole on this process's device, or under FSDP sharded as the
     student is (fsdp.shard_frozen), the main process reading the weights and the others receiving their shards; on
-    pipeline stages whole on the last stage's processes alone (its loss runs it: distill.StageDistill), None on the
-    others."""
+    pipeline stages whole on the last stage's processes alone, each reading it, an FSDP launch's too (its loss runs
+    it there, no collective: distill.StageDistill), None on the others."""
     if recipe.distill is None:
         return None
     if trainable.pipeline is not None and trainable.pipeline.last is None:  # the last stage's processes hold it
         return None
-    if not uses_fsdp(accelerator):
+    if not uses_fsdp(accelerator) or trainable.pipeline is not None:
         return _teacher_attention(recipe, load_teacher(recipe, tokenizer, device=accelerator.device), trainable)
     teacher = load_teacher(recipe, tokenizer, device=None, empty=not accelerator.is_main_process)
     _teacher_attention(recipe, teacher, trainable)

@@ -655,10 +655,10 @@ def _notes(shape: ModelShape, spec: TrainSpec, p: act.Pass) -> tuple[str, ...]:
                      f"{ALLOCATOR_SLACK:.0%}: leave about a third of the allocated peak free beside it "
                      "(docs/memory.md, the sixth GPU run)")
     if spec.teacher is not None:
-        where = (f"sharded by FSDP over {spec.shards} GPUs like the student (its LM head whole on every GPU)"
-                 if spec.sharded else "whole on each GPU of the last stage, its hidden states of the window's "
+        where = ("whole on each GPU of the last stage, its hidden states of the window's "
                  f"{spec.grad_accum_steps} micro-batches kept there through the step" if spec.pipeline_parallel > 1
-                 else "whole on every GPU")
+                 else f"sharded by FSDP over {spec.shards} GPUs like the student (its LM head whole on every GPU)"
+                 if spec.sharded else "whole on every GPU")
         notes.append(f"the teacher ({spec.teacher.source}): {spec.teacher.params_total / 1e9:,.2f}B parameters in "
                      f"{spec.teacher_dtype}, {where}")
     notes += reward_model_notes(spec)

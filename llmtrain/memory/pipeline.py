@@ -84,11 +84,7 @@ def pipeline_problems(spec: TrainSpec, shape: ModelShape) -> list[str]:
     if spec.cpu_offload or spec.tp > 1 or spec.sequence_parallel > 1 or spec.activation_offload or spec.tiled_mlp:
         problems.append("pipeline parallelism is modelled without cpu offload, tensor or sequence parallelism, "
                         "activation offload or the tiled MLP (llmtrain's stages run none of them)")
-    if spec.teacher is not None and spec.sharded:  # (capabilities.DISTILL_STAGE_RULES, as a recipe is refused)
-        problems.append("distillation on pipeline stages holds the teacher whole on the last stage's GPUs, where "
-                        "FSDP would shard it: estimate the stages with --strategy ddp, or without stages "
-                        "(parallel.pipeline_parallel=1) under FSDP")
-    elif spec.num_generations and spec.teacher is None and not spec.rl_micro_batch_tokens:
+    if spec.num_generations and spec.teacher is None and not spec.rl_micro_batch_tokens:
         problems.append("online RL on pipeline stages trains its passes in rows of rl.micro_batch_tokens slots: set it "
                         "(--rl-micro-batch-tokens)")
     if spec.quantize and spec.sharded:

@@ -52,8 +52,9 @@ def add_teacher(phases: dict[str, dict[str, int]], shape: ModelShape, spec: Trai
 def add_stage_teacher(phases: dict[str, dict[str, int]], shape: ModelShape, spec: TrainSpec, p: act.Pass,
                       base: dict) -> None:
     """Distillation on pipeline stages (objectives/distill.StageDistill), on a GPU of the last stage, which alone
-    holds the teacher, whole (an FSDP launch of it is refused): before the window's schedule runs, the teacher's
-    forward over each of its M micro-batches (no gradient alive: the step's first backward has not run), whose
+    holds the teacher, whole (under an FSDP launch too: phases.build_teacher): before the window's schedule runs,
+    the teacher's forward over each of its M micro-batches (no gradient alive: the step's first backward has not
+    run), whose
     trained positions' hidden states, all M, stay through the step's phases and the next window's sampling (the
     next window's teacher forward frees them first); in the loss's phases a chunk's logits as add_teacher counts
     them."""
