@@ -195,6 +195,25 @@ class CountingBook(CodeBook):
 """
 
 
+def _counting(recipe: Path, tmp_path: Path) -> tuple[Path, Path, dict]:
+    """The tool run's recipe with COUNTING's environment and a reward function that note each call by rank: (the
+    recipe, the notes' file, the environment a launch needs to import them and write there)."""
+    import os
+
+    import yaml
+    from helpers import ENV
+
+    (tmp_path / "counting.py").write_text(COUNTING)
+    spec = yaml.safe_load(recipe.read_text())
+    spec["rl"]["environment"] = "counting:CountingBook"
+    spec["rl"]["rewards"].append({"type": "function", "function": "counting:calls", "weight": 0.0})
+    counted = tmp_path / "recipe.yaml"
+    counted.write_text(yaml.safe_dump(spec))
+    notes = tmp_path / "calls.txt"
+    return counted, notes, {**ENV, "COUNTING_FILE": str(notes),
+                            "PYTHONPATH": os.pathsep.join([str(tmp_path), ENV.get("PYTHONPATH", "")])}
+
+
 @pytest.mark.extended  # main tier: test_tools_grpo's pair in one process (GRPO.user_code), test_tp.py's LoRA
 @pytest.mark.slow  # under FSDP x TP (the split model's forward), the SP rollouts (collectives.on_first)
 def test_under_fsdp_x_tp_the_users_code_runs_once_a_completion_and_samples_what_one_process_does(
@@ -203,21 +222,11 @@ def test_under_fsdp_x_tp_the_users_code_runs_once_a_completion_and_samples_what_
     environments' resets and tool calls run on the pair's first process (ranks 0 and 2) alone, once a completion,
     and the start-up check of the reward functions on the main process alone; the run samples, calls and trains
     what one process does."""
-    import os
-
-    import yaml
-    from helpers import ENV, REPO
+    from helpers import REPO
 
     recipe, one = straight
-    (tmp_path / "counting.py").write_text(COUNTING)
-    spec = yaml.safe_load(recipe.read_text())
-    spec["rl"]["environment"] = "counting:CountingBook"
-    spec["rl"]["rewards"].append({"type": "function", "function": "counting:calls", "weight": 0.0})
-    counted = tmp_path / "recipe.yaml"
-    counted.write_text(yaml.safe_dump(spec))
-    notes, tp = tmp_path / "calls.txt", tmp_path / "tp"
-    env = {**ENV, "COUNTING_FILE": str(notes),
-           "PYTHONPATH": os.pathsep.join([str(tmp_path), ENV.get("PYTHONPATH", "")])}
+    counted, notes, env = _counting(recipe, tmp_path)
+    tp = tmp_path / "tp"
     launch_finetune(REPO / "accelerate_configs" / "cpu_tp.yaml", 4, free_port, counted, f"output_dir={tp}",
                     "train.micro_batch_size=1", env=env)
     keys = ("step", "row", "completion_ids", "tool_mask", "tool_calls", "reward")
@@ -288,3 +297,33 @@ def test_trls_loss_on_the_runs_completions_equals_the_logged_loss_and_grad_norm(
         assert norm == pytest.approx(logged["grad_norm"], rel=1e-5) and norm > 1e-3
         compared += 1
     assert compared  # at least one of the two steps had rewards that differ
+
+
+@pytest.mark.slow
+def test_on_two_stages_the_users_code_runs_on_the_first_stage_and_samples_what_one_process_does(
+        straight, tmp_path, free_port):
+    """A tool loop on 2 pipeline stages (refused before 2026-12-05): both stages sample the same turns through the
+    stages, the environments' resets, tool calls and reward functions run on the first stage alone (rank 0), their
+    results given to the last (collectives.on_sampling_group_first), the results' tokens masked out of the last
+    stage's loss. Against one process: the same completions, tool masks, calls and rewards, losses to 1e-5."""
+    recipe, one = straight
+    counted, notes, env = _counting(recipe, tmp_path)
+    pp = tmp_path / "pp"
+    out = launch_finetune(CPU_DDP, 2, free_port, counted, f"output_dir={pp}", "parallel.pipeline_parallel=2",
+                          "parallel.pipeline_schedule=gpipe", "rl.sampler=reference", "rl.micro_batch_tokens=512",
+                          "model.attn_implementation=auto", "train.eval_batch_size=null", env=env)
+    assert "sampled through the stages" in out
+    keys = ("step", "row", "completion_ids", "tool_mask", "tool_calls", "reward")
+    rows = rollouts(pp)
+    assert [[r[k] for k in keys] for r in rows] == [[r[k] for k in keys] for r in rollouts(one)]
+    assert sum(len(r["tool_calls"]) for r in rows) > 0 and any(0 in r["tool_mask"] for r in rows)
+    assert losses(pp) == pytest.approx(losses(one), rel=1e-5, abs=1e-6)
+    evals = [records(run, "eval") for run in (pp, one)]  # steps 0 and 4, sampled with tools
+    assert [r["step"] for r in evals[0]] == [r["step"] for r in evals[1]] == [0, 4]
+    assert [r["eval_reward"] for r in evals[0]] == pytest.approx([r["eval_reward"] for r in evals[1]], abs=1e-6)
+    assert max(losses(one)) > 0.1 or min(losses(one)) < -0.1  # a step trained (the completions after it agree)
+    lines = [line.split(" ", 1) for line in notes.read_text().splitlines()]
+    assert {rank for rank, _ in lines} == {"0"}  # the first stage's process only
+    said = [what for _, what in lines]
+    assert said.count("reward 8") == 4  # 4 steps, each 2 prompts x 4 completions
+    assert said.count("lookup") == sum(len(r["tool_calls"]) for r in rows)
