@@ -268,10 +268,6 @@ RL_STAGE_RULES: tuple[Rule, ...] = (
          "sampler's log-probability of each token against the policy's) are not carried to the last stage. Unset "
          "rl.sampler_correction (the stages sample with the reference sampler, the policy's own weights), or set "
          "parallel.pipeline_parallel=1 and shard with FSDP"),
-    Rule("pp", _rl(lambda rl: rl.entropy_bonus or (rl.top_entropy_quantile or 1.0) < 1.0),
-         _STAGES_RL + "loss from each token's own numbers: the entropy bonus (rl.entropy_coef) and "
-         "rl.top_entropy_quantile need the window's entropies across passes. Unset them, or set "
-         "parallel.pipeline_parallel=1 and shard with FSDP"),
     Rule("pp", rollout_adapter,
          "RLOO's KL on {key} runs the reference in the rollout, through the stages, and LoRA's moving reference "
          "(rl.sync_reference) swaps its snapshot into the weights the rollout holds (one process, DDP, FSDP and "

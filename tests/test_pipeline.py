@@ -748,12 +748,47 @@ def test_rounds_of_two_updates_on_two_stages_equal_one_process_and_resume_mid_ro
         assert resumed[key] == pytest.approx(records(pp)[3][key], rel=1e-6, abs=1e-7), key
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("rl", [{"entropy_coef": 0.05},
+                                pytest.param({"top_entropy_quantile": 0.5}, marks=pytest.mark.extended)],
+                         ids=["entropy-bonus", "top-entropy"])
+def test_grpo_entropy_terms_on_two_stages_equal_one_process(four_layers, tmp_path, free_port, rl):
+    """GRPO's entropy terms on 2 stages (refused before 2026-12-05): the entropy bonus (the last stage's head takes
+    each trained token's entropy with its gradient, times the window's loss units per trained token carried in the
+    targets, times the run's coefficient) and rl.top_entropy_quantile (each pass's quantile, on the last stage).
+    Against one process: the 48 completions, losses, entropies and gradient norms to 1e-5, final/ (1e-3 with the
+    bonus)."""
+    path = _grpo_recipe(four_layers, tmp_path, lora=True, beta=0.0, loss_type="grpo", **rl)
+    run_train(path, f"output_dir={tmp_path / 'one'}")
+    launch_finetune(CPU_DDP, 2, free_port, path, "parallel.pipeline_parallel=2", f"output_dir={tmp_path / 'pp'}")
+    # (the entropies of the stages' head and one process's differ in float32 rounding, 1e-7; with the bonus their
+    # gradients train, and Adam at lr 1e-2 carries that into the adapter: 1.6e-4 measured after 3 steps)
+    bonus = "entropy_coef" in rl
+    _same_rl(tmp_path / "pp", tmp_path / "one", keys=("reward", "loss", "grad_norm", "entropy", "policy_loss"
+                                                       if bonus else "clip_ratio/region_mean"),
+             weights="adapter_model.safetensors", weights_tol=1e-3 if bonus else 1e-5)
+    if bonus:  # the bonus is in the loss: loss = policy loss - coef x mean entropy
+        for r in records(tmp_path / "pp"):
+            assert r["loss"] == pytest.approx(r["policy_loss"] - 0.05 * r["entropy"], abs=1e-5)
+
+
+@pytest.mark.slow
+@pytest.mark.extended  # 4 processes; main tier: 2 stages against one process (above)
+def test_top_entropy_quantile_over_two_pipelines_equals_ddp(four_layers, tmp_path, free_port):
+    """rl.top_entropy_quantile's quantile is over every data rank's tokens of a pass: on 2 pipelines of 2 stages
+    (DDP inside), over the last stages' (collectives.gathered_in over the stage's replicas). Against 2 DDP processes:
+    the same completions, losses, entropies, gradient norms, final/."""
+    path = _grpo_recipe(four_layers, tmp_path, lora=True, beta=0.0, loss_type="grpo", top_entropy_quantile=0.5)
+    launch_finetune(CPU_DDP, 2, free_port, path, f"output_dir={tmp_path / 'ddp'}")
+    launch_finetune(CPU_DDP, 4, free_port + 1, path, "parallel.pipeline_parallel=2", f"output_dir={tmp_path / 'pp'}")
+    _same_rl(tmp_path / "pp", tmp_path / "ddp", keys=("reward", "loss", "grad_norm", "entropy"),
+             weights="adapter_model.safetensors")
+
+
 @pytest.mark.parametrize("overrides,says", [
     (["rl.sampler=graph"], "Set rl.sampler=reference"),
     (["rl.micro_batch_tokens=null"], "set rl.micro_batch_tokens"),
     (["rl.sampler_correction=token_truncate"], "Unset rl.sampler_correction"),
-    (["rl.entropy_coef=0.01"], "the entropy bonus (rl.entropy_coef)"),
-    (["rl.top_entropy_quantile=0.5"], "rl.top_entropy_quantile need the window's entropies"),
     (["rl.algorithm=rloo", "rl.loss_type=null", "rl.beta=0.05", "lora.r=4", "rl.sync_reference.every_steps=2",
       "rl.sync_reference.alpha=1"], "Remove rl.sync_reference, or use rl.algorithm=grpo"),
 ])

@@ -992,19 +992,23 @@ def _number(value: torch.Tensor) -> float | None:
 class StageGRPO:
     """GRPO on pipeline stages (parallel/pipeline/schedule.py): the last stage's loss. The rollout runs on every
     process of a pipeline alike (the same completions, sampled through the stages: GRPO.stages), and its passes
-    (packed rows of rl.micro_batch_tokens slots) reach the last stage as the final hidden states with the [slots, 9]
+    (packed rows of rl.micro_batch_tokens slots) reach the last stage as the final hidden states with the [slots, 10]
     float32 targets of `targets`: at each trained position its token, advantage, weight in the sum, completion's
     length, completion, reference log-probability (beta > 0: the model with its adapter disabled, or LoRA's moving
     reference, forward only through the stages before the step: `prepare`; with rl.num_iterations > 1, the rollout's
     once a round) and old log-probability (rl.num_iterations > 1: the policy's as it sampled, the rollout's through
-    the stages); at slot k the pass's k-th rollout statistic; at slot 0 its completions. From these the loss and its
-    statistics are GRPO's own (`policy_loss`), so that 2 stages train what one process trains."""
+    the stages); at slot k the pass's k-th rollout statistic; at slot 0 its completions and (the entropy bonus) the
+    window's loss units per trained token. From these the loss and its statistics are GRPO's own (`policy_loss`,
+    the entropy bonus of the run's GRPO.entropy, rl.top_entropy_quantile's quantile over the last stages of every
+    pipeline: `gather_tokens`), so that 2 stages train what one process trains."""
 
-    WIDTH = 9
+    WIDTH = 10
 
     def __init__(self, rl, *, rollout_stats: int, adapter_off=None):
         self.rl, self.rollout_size, self.adapter_off = rl, rollout_stats, adapter_off
         self.stats = rollout_stats + len(LOSS_STATS)
+        self.entropy: EntropyControl | None = None  # the run's GRPO's entropy bonus (objective.objective_for)
+        self.gather_tokens = None  # the last stages' lists over the pipelines (None: one pipeline)
 
     follow = StagePairs.follow  # LoRA's moving reference (rl.sync_reference): the reference pass runs its snapshot
 
@@ -1031,6 +1035,8 @@ class StageGRPO:
             out[at, 0], out[at, 4] = batch["loss_targets"].float(), batch["loss_example"].float()
             if "loss_old_logps" in batch:  # rl.num_iterations > 1: the policy's as it sampled
                 out[at, 8] = batch["loss_old_logps"].float()
+        if "units_per_trained" in batch:  # the entropy bonus's share of each trained token (loop/step.py)
+            out[0, 9] = float(batch["units_per_trained"])
         if "rollout_stats" in batch:
             self._fill(out, batch, at)
             stats = batch["rollout_stats"]
@@ -1066,14 +1072,22 @@ class StageGRPO:
     def loss(self, head, hidden: torch.Tensor, target: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The pass's summed GRPO loss and its statistics (the rollout's, then LOSS_STATS), as GRPO.loss returns
         them; a row that trains nothing: a zero loss that still reaches the head."""
+        from llmtrain.model.loss import ENTROPY_TRAINED
+
         at = self._trained(target)
-        if at.numel() == 0:
+        if at.numel() == 0:  # (an idle row still takes part in the quantile's gather, as an idle rank's pass does)
+            if self.gather_tokens is not None and self.rl.top_entropy_quantile < 1.0:
+                self.gather_tokens([])
             return head(hidden[:1]).float().sum() * 0.0, hidden.new_zeros(self.stats, dtype=torch.float32)
+        bonus = self.entropy  # the entropy bonus: the entropy with its gradient
         losses, entropy = head(hidden[at], targets=target[at, 0].long(), per_token=True,
-                               temperature=self.rl.temperature, stat="entropy")
+                               temperature=self.rl.temperature, stat=ENTROPY_TRAINED if bonus else "entropy")
         t = target[at]
         batch = {"loss_advantages": t[:, 1], "loss_weights": t[:, 2], "loss_lengths": t[:, 3],
                  "loss_example": t[:, 4].long(), "completions": int(target[0, 7]),
                  **({"loss_old_logps": t[:, 8]} if self.rl.num_iterations > 1 else {})}
-        total, stats = policy_loss(self.rl, -losses.float(), entropy, batch, ref=t[:, 5] if self.rl.beta else None)
+        total, stats = policy_loss(self.rl, -losses.float(), entropy, batch, ref=t[:, 5] if self.rl.beta else None,
+                                   gather_tokens=self.gather_tokens)
+        if bonus is not None:  # as GRPO.loss: minus coef x each trained token's entropy x the window's units per token
+            total = total - bonus.applied() * target[0, 9] * entropy.sum()
         return total, torch.cat([target[: self.rollout_size, 6].to(stats.dtype), stats])

@@ -158,12 +158,20 @@ def objective_for(recipe, *, pad_id: int, model=None, tokenizer=None, train=None
 
         rewards = rewards if rewards is not None else rl_rewards(recipe, train, total_steps=total_steps)
         online = RLOO if recipe.rl.algorithm == "rloo" else GRPO  # RLOO: GRPO's rollout, its own advantage and loss
-        return online(recipe.rl, tokenizer=tokenizer, pad_id=pad_id, packing=packs_rows(recipe),
-                      seed=recipe.train.seed, rewards=rewards.functions, model=model, columns=train.column_names,
-                      stop_ids=stop_ids(recipe, model, tokenizer), world=world, sources=rewards.sources,
-                      state=rewards.state, runner=rewards.runner, gather=gather,
-                      template=read_template(recipe.data, tokenizer), render=prompt_renderer(recipe, tokenizer),
-                      user_code=user_code, reference=reference, stages=stages)
+        rl = online(recipe.rl, tokenizer=tokenizer, pad_id=pad_id, packing=packs_rows(recipe),
+                    seed=recipe.train.seed, rewards=rewards.functions, model=model, columns=train.column_names,
+                    stop_ids=stop_ids(recipe, model, tokenizer), world=world, sources=rewards.sources,
+                    state=rewards.state, runner=rewards.runner, gather=gather,
+                    template=read_template(recipe.data, tokenizer), render=prompt_renderer(recipe, tokenizer),
+                    user_code=user_code, reference=reference, stages=stages)
+        if stages is not None and online is GRPO:  # the last stage's loss: the run's entropy bonus, and the
+            # quantile of rl.top_entropy_quantile over the pipelines' last stages
+            from llmtrain.parallel.collectives import gathered_in
+
+            stages.head_loss.entropy = rl.entropy
+            if stages.group.replicas > 1:
+                stages.head_loss.gather_tokens = partial(gathered_in, stages.group.data_group)
+        return rl
 
     if recipe.distill is not None:
         from llmtrain.model.teacher import load_teacher

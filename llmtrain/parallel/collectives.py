@@ -35,6 +35,17 @@ def gathered(accelerator, items: list) -> list:
     return gather_object(list(items) if first else [])
 
 
+def gathered_in(group, items: list) -> list:
+    """Every list of `group`'s processes (a torch process group), concatenated in their order, on each of them: the
+    last pipeline stages' tokens over the pipelines (a stage's replicas, PipelineGroup.data_group), whose quantile
+    rl.top_entropy_quantile takes over every data rank."""
+    import torch.distributed as dist
+
+    out = [None] * dist.get_world_size(group)
+    dist.all_gather_object(out, list(items), group=group)
+    return [x for part in out for x in part]
+
+
 def on_first(compute, *, group, share: bool = True):
     """`compute()` run on the first process of `group` (a torch process group; None: every process), its result
     given to the others: what must happen once for processes that hold the same batch (a reward function's call, a
