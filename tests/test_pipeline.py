@@ -660,9 +660,11 @@ def _same_rl(run: Path, one: Path, *, keys: tuple[str, ...], weights: str, tol: 
 @pytest.mark.slow
 @pytest.mark.parametrize("lora, rl", [(True, {"beta": 0.04, "loss_type": "grpo"}),
                                       (True, {"algorithm": "rloo", "beta": 0.05, "loss_type": None}),
+                                      (True, {"algorithm": "rloo", "beta": 0.05, "loss_type": None,
+                                              "sync_reference": {"every_steps": 2, "alpha": 1.0}}),
                                       pytest.param(False, {"importance_sampling_level": "sequence"},
                                                    marks=pytest.mark.extended)],
-                         ids=["lora-kl", "rloo-lora-kl", "full-gspo"])
+                         ids=["lora-kl", "rloo-lora-kl", "rloo-lora-sync", "full-gspo"])
 def test_grpo_samples_and_trains_on_two_stages_as_one_process(four_layers, tmp_path, free_port, lora, rl):
     """GRPO on 2 stages: every completion sampled through the stages (each its own layers' KV cache, the last stage's
     logits broadcast: parallel/pipeline/sampling.py), the rewards computed on the first stage and given to the other,
@@ -672,8 +674,9 @@ def test_grpo_samples_and_trains_on_two_stages_as_one_process(four_layers, tmp_p
     eval's sampled rewards and final/ equal. lora-kl: beta 0.04 with grpo's loss, the reference the adapter
     disabled, run through the stages before each step; rloo-lora-kl: RLOO (objectives/rloo.StageRLOO), its KL taken
     in the rollout through the stages (the policy's and the reference's log-probabilities, forward only) and given
-    by the last stage to the first, whose rollouts.jsonl holds the same KLs and advantages; full-gspo (extended): a
-    full fine-tune, one ratio a completion."""
+    by the last stage to the first, whose rollouts.jsonl holds the same KLs and advantages; rloo-lora-sync: that KL
+    against LoRA's moving reference (synced every 2 steps: each stage's snapshot swapped into its weights in the
+    rollout; refused before 2026-12-05); full-gspo (extended): a full fine-tune, one ratio a completion."""
     path = _grpo_recipe(four_layers, tmp_path, lora=lora, **rl)
     run_train(path, f"output_dir={tmp_path / 'one'}")
     out = launch_finetune(CPU_DDP, 2, free_port, path, "parallel.pipeline_parallel=2", f"output_dir={tmp_path / 'pp'}")
@@ -684,7 +687,10 @@ def test_grpo_samples_and_trains_on_two_stages_as_one_process(four_layers, tmp_p
     assert len(rolled[0]) == 3 * 2 * 2 * 4
     _same_rl(tmp_path / "pp", tmp_path / "one", keys=("reward", "loss", "grad_norm", "entropy", *(["kl"] * lora)),
              weights="adapter_model.safetensors" if lora else "model.safetensors")
-    if lora:
+    if "sync_reference" in rl:  # synced after step 2: step 3 samples with the reference's own adapter (KL 0), where
+        # the adapter off would give it the KL of 3 steps of training
+        assert [r["kl"] == 0 for r in records(tmp_path / "pp")] == [True, False, True]
+    elif lora:
         assert records(tmp_path / "one")[-1]["kl"] > 0  # the policy moved off the reference
     for key in ("kl", "advantage") if "algorithm" in rl else ():  # RLOO's, written by the first stage
         assert [r[key] for r in rolled[0]] == pytest.approx([r[key] for r in rolled[1]], abs=1e-6), key
@@ -695,17 +701,24 @@ def test_grpo_samples_and_trains_on_two_stages_as_one_process(four_layers, tmp_p
 
 @pytest.mark.slow
 @pytest.mark.extended  # 4 processes; main tier: 2 stages against one process (above)
+@pytest.mark.parametrize("rl", [{"beta": 0.04, "loss_type": "grpo", "scale_rewards": "batch"},
+                                {"algorithm": "rloo", "beta": 0.05, "loss_type": None,
+                                 "sync_reference": {"every_steps": 2, "alpha": 1.0}}],
+                         ids=["grpo-fsdp", "rloo-sync-ddp"])
 def test_grpo_on_two_stages_each_sharded_by_fsdp_over_two_replicas_equals_one_process(four_layers, tmp_path,
-                                                                                       free_port):
+                                                                                       free_port, rl):
     """2 pipelines of 2 stages, each stage sharded over its 2 replicas by FSDP, each pipeline sampling its own prompts
     (unequal passes padded to the most: FSDP's reduce-scatters line up), rewards scaled over the whole step
     (scale_rewards batch: the gather takes each pipeline's first stage once): the 96 completions, rewards, losses, KLs
-    and gradient norms of one process with 4 prompts a micro-batch (measured: 1e-8 apart; the adapter 1.1e-5)."""
-    path = _grpo_recipe(four_layers, tmp_path, lora=True, beta=0.04, loss_type="grpo", scale_rewards="batch")
+    and gradient norms of one process with 4 prompts a micro-batch (measured: 1e-8 apart; the adapter 1.1e-5).
+    rloo-sync-ddp: RLOO's KL against LoRA's moving reference on 2 pipelines under DDP (its forward-only passes in
+    the rollout are refused under FSDP: capabilities.RL_STAGE_RULES)."""
+    path = _grpo_recipe(four_layers, tmp_path, lora=True, **rl)
     run_train(path, "train.micro_batch_size=4", f"output_dir={tmp_path / 'one'}")
-    out = launch_finetune(REPO / "accelerate_configs" / "cpu_fsdp.yaml", 4, free_port, path,
-                          "parallel.pipeline_parallel=2", f"output_dir={tmp_path / 'pp'}")
-    assert "2 stages x 2 FSDP shards" in out
+    fsdp = "algorithm" not in rl
+    out = launch_finetune(REPO / "accelerate_configs" / ("cpu_fsdp.yaml" if fsdp else "cpu_ddp.yaml"), 4, free_port,
+                          path, "parallel.pipeline_parallel=2", f"output_dir={tmp_path / 'pp'}")
+    assert ("2 stages x 2 FSDP shards" if fsdp else "2 stages") in out
     # (Adam at lr 1e-2 carries the 1e-8 of the gradients into the adapter: 1.1e-5 measured)
     _same_rl(tmp_path / "pp", tmp_path / "one", keys=("reward", "loss", "grad_norm", "entropy", "kl"),
              weights="adapter_model.safetensors", weights_tol=5e-5)
@@ -789,8 +802,6 @@ def test_top_entropy_quantile_over_two_pipelines_equals_ddp(four_layers, tmp_pat
     (["rl.sampler=graph"], "Set rl.sampler=reference"),
     (["rl.micro_batch_tokens=null"], "set rl.micro_batch_tokens"),
     (["rl.sampler_correction=token_truncate"], "Unset rl.sampler_correction"),
-    (["rl.algorithm=rloo", "rl.loss_type=null", "rl.beta=0.05", "lora.r=4", "rl.sync_reference.every_steps=2",
-      "rl.sync_reference.alpha=1"], "Remove rl.sync_reference, or use rl.algorithm=grpo"),
 ])
 def test_what_grpo_on_stages_does_not_carry_is_refused_naming_the_key(tiny_assets, tmp_path, overrides, says):
     """GRPO on stages samples through them and trains one update a round from each token's own numbers; what needs
@@ -839,6 +850,26 @@ def _same_distill(run: Path, one: Path, *, tol: float = 1e-5) -> None:
         assert [r[key] for r in evals[0]] == pytest.approx([r[key] for r in evals[1]], abs=1e-6), key
     assert max_abs_diff(load_weights(run / "final" / "model.safetensors"),
                         load_weights(one / "final" / "model.safetensors")) < 1e-5
+
+
+@pytest.mark.parametrize("overrides", [["rl.algorithm=rloo", "rl.loss_type=null", "rl.beta=0.05"],
+                                       ["rl.num_iterations=2"]], ids=["rloo-kl", "rounds"])
+def test_forward_only_passes_in_the_rollout_are_refused_on_fsdp_sharded_stages(tiny_assets, overrides):
+    """The rollout's forward-only passes through FSDP-sharded stages hung (measured: one pipeline in an all-gather of
+    torch's schedule, the other past its passes): under an FSDP launch of stages they are refused naming the fix;
+    under DDP the same recipe has no problem."""
+    from llmtrain import capabilities
+    from llmtrain.config import load_recipe
+    from llmtrain.layout import Layout
+
+    recipe = load_recipe(REPO / "recipes" / "tiny-grpo.yaml", [
+        "parallel.pipeline_parallel=2", "rl.sampler=reference", "rl.micro_batch_tokens=128", "train.grad_accum_steps=2",
+        "train.eval_batch_size=null", "model.attn_implementation=auto", "lora.r=4",
+        f"data.path={tiny_assets / 'data' / 'train.jsonl'}", "data.eval_split=null", *overrides])
+    sharded = " ".join(capabilities.problems(recipe, Layout(processes=4, fsdp=True, pp=2)))
+    assert "under an FSDP launch: the rollout's forward-only passes" in " ".join(sharded.split())
+    assert "Launch the stages with DDP" in sharded
+    assert capabilities.problems(recipe, Layout(processes=4, pp=2)) == []
 
 
 @pytest.mark.slow

@@ -240,7 +240,7 @@ def test_true_is_trls_defaults_and_auto_makes_the_copy(tiny_assets, tmp_path):
 def test_lora_takes_sync_reference_whole_only_and_not_on_split_layers(tiny_assets, tmp_path, mode):
     """A LoRA run's reference can be the adapter as it was (alpha 1), not a mix (TRL refuses PEFT altogether):
     TRL's default alpha 0.6 is refused in one paragraph naming the key and both fixes; alpha 1 is taken on one
-    process, DDP, FSDP, FSDP x TP and pipeline stages (but for RLOO's KL there: the table)."""
+    process, DDP, FSDP, FSDP x TP and pipeline stages (RLOO's KL too, but under FSDP x TP: the table)."""
     from llmtrain import capabilities
     from llmtrain.config import Recipe
     from llmtrain.layout import Layout
@@ -274,13 +274,10 @@ def test_lora_takes_sync_reference_whole_only_and_not_on_split_layers(tiny_asset
         assert capabilities.problems(recipe, Layout(processes=2)) == []
     else:
         assert fsdp == []
-    stages = Layout(processes=2, pp=2)  # each stage swaps its part of the snapshot in (StagePairs.follow)
-    if mode == "rl":  # (RLOO here) its KL in the rollout is refused there; GRPO's reference runs before each update
-        (said,) = [p for p in capabilities.problems(recipe, stages) if "sync_reference" in p]
-        assert said.startswith("RLOO's KL on parallel.pipeline_parallel=")
-        assert "runs the reference in the rollout" in said
-    else:
-        assert not [p for p in capabilities.problems(recipe, stages) if "sync_reference" in p]
+    stages = Layout(processes=2, pp=2)  # each stage swaps its part of the snapshot in (StagePairs.follow; RLOO's KL
+    # in the rollout too, since 2026-12-05)
+    assert not [p for p in capabilities.problems(recipe, stages) if "sync_reference" in p]
+    if mode != "rl":
         assert capabilities.problems(recipe, Layout(processes=4, tp=2, shard=2, mesh=True, fsdp=True)) == []
 
 
