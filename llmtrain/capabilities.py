@@ -268,13 +268,12 @@ RL_STAGE_RULES: tuple[Rule, ...] = (
          "sampler's log-probability of each token against the policy's) are not carried to the last stage. Unset "
          "rl.sampler_correction (the stages sample with the reference sampler, the policy's own weights), or set "
          "parallel.pipeline_parallel=1 and shard with FSDP"),
-    Rule("pp", lambda r, layout: layout.fsdp and r.rl is not None and (
-        r.rl.num_iterations > 1 or (r.rl.algorithm == "rloo" and bool(r.rl.beta))),
-         "{key} under an FSDP launch: the rollout's forward-only passes through the stages (RLOO's KL with rl.beta "
-         "> 0, rl.num_iterations > 1's old log-probabilities) run torch's pipeline schedule inside it, which reshards "
-         "each stage when it turns from training to evaluation, so that the pipelines, each with its own number of "
-         "passes, would wait on each other's all-gathers. Launch the stages with DDP (accelerate_configs/ddp.yaml), "
-         "or set parallel.pipeline_parallel=1 and shard with FSDP"),
+    Rule("pp", lambda r, layout: layout.fsdp and rollout_adapter(r),
+         "RLOO's KL with LoRA's moving reference (rl.sync_reference) on {key} under an FSDP launch: the rollout swaps "
+         "the snapshot into each stage's gathered weights, which torch's pipeline schedule reshards when it turns "
+         "from training to evaluation (measured: a segmentation fault on every process). Launch the stages with DDP "
+         "(accelerate_configs/ddp.yaml), remove rl.sync_reference, or use rl.algorithm=grpo (its reference runs "
+         "before each update)"),
     Rule("pp", _rl(lambda rl: rl.merged_copy != "off" or rl.cast_lm_head_to_fp32),
          _STAGES_RL + "loss with each stage's own weights: a merged generation copy (rl.merged_copy) and "
          "rl.cast_lm_head_to_fp32 are not built for stages. Unset them"),

@@ -325,12 +325,21 @@ class Pipeline:
         """Each micro-batch's trained tokens' log-probabilities, each at its slot of the row ([slots] each: the
         objective's head loss's `token_logps`), forward only through the stages M at a time, with the model as it
         is (online RL's reference pass); None except on the last stage."""
-        out = []
-        for start in range(0, len(batches), self.micro_batches):
-            chunk = batches[start:start + self.micro_batches]
+        out, m = [], self.micro_batches
+        runs = -(-len(batches) // m)
+        if self.sharded:  # FSDP over the replicas: every pipeline runs the schedule as often, so that the all-gathers
+            # torch's schedule makes (a stage resharded when it turns from training to evaluation) line up; the
+            # pipelines' own numbers of passes differ (online RL's rollout: as many as its completions fill)
+            import torch.distributed as dist
+
+            most = torch.tensor([runs], device=self.device)
+            dist.all_reduce(most, op=dist.ReduceOp.MAX, group=self.group.data_group)
+            runs = int(most)
+        for r in range(runs):  # (a run past this pipeline's passes: rows that train nothing)
+            chunk = batches[r * m:(r + 1) * m]
             got = self._forward_only(chunk, lambda hidden, targets: self.head_loss.token_logps(
                 self.last.head, hidden.flatten(0, 1), targets.flatten(0, 1)))
-            out += got[-self.micro_batches:][:len(chunk)]
+            out += got[-m:][:len(chunk)]
         return out if self.last is not None else None
 
     def parameters(self):
