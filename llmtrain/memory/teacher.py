@@ -39,14 +39,24 @@ def add_teacher(phases: dict[str, dict[str, int]], shape: ModelShape, spec: Trai
     if spec.sharded:  # the decoder in shards, the head whole; in its forward the root and ~2 layers gathered
         weights = sharded_frozen_bytes(t, spec, b)
         gathered = (t.params_embed + t.params_final_norm + 2 * t.params_per_layer) * b
-    hidden = p.loss_tokens * t.hidden * b
-    chunk = 4 * act.loss_chunk(p, spec.loss_chunk_tokens) * shape.vocab * act.FP32
+    hidden, chunk = p.loss_tokens * t.hidden * b, _chunk_logits(shape, spec, p)
     for name, parts in phases.items():
         extra = hidden + chunk if name in LOSS_PHASES else hidden if name in HELD_PHASES else 0
         parts["teacher"] = weights + extra
-    teacher_pass = act.Pass(**{**vars(p), "trainable_base": False, "lora_dropout": 0.0, "dora": False})
     phases["teacher_forward"] = {**{k: v for k, v in base.items() if v}, "gradients": gradients,
-                                 "teacher": weights + gathered + act.eval_layer_bytes(teacher_pass, t, {}) + hidden}
+                                 "teacher": weights + gathered + _forward_bytes(spec, p) + hidden}
+
+
+def _chunk_logits(shape: ModelShape, spec: TrainSpec, p: act.Pass) -> int:
+    """A loss chunk's teacher logits beside the student's: the teacher's logits in fp32, both log-softmaxes and one
+    product of the divergence, 4 x C x V in fp32."""
+    return 4 * act.loss_chunk(p, spec.loss_chunk_tokens) * shape.vocab * act.FP32
+
+
+def _forward_bytes(spec: TrainSpec, p: act.Pass) -> int:
+    """The teacher's forward over the micro-batch `p`, under no_grad: one decoder layer's transients at a time."""
+    frozen = act.Pass(**{**vars(p), "trainable_base": False, "lora_dropout": 0.0, "dora": False})
+    return act.eval_layer_bytes(frozen, spec.teacher, {})
 
 
 def add_stage_teacher(phases: dict[str, dict[str, int]], shape: ModelShape, spec: TrainSpec, p: act.Pass,
@@ -54,15 +64,13 @@ def add_stage_teacher(phases: dict[str, dict[str, int]], shape: ModelShape, spec
     """Distillation on pipeline stages (objectives/distill.StageDistill), on a GPU of the last stage, which alone
     holds the teacher, whole (under an FSDP launch too: phases.build_teacher): before the window's schedule runs,
     the teacher's forward over each of its M micro-batches (no gradient alive: the step's first backward has not
-    run), whose
-    trained positions' hidden states, all M, stay through the step's phases and the next window's sampling (the
-    next window's teacher forward frees them first); in the loss's phases a chunk's logits as add_teacher counts
-    them."""
+    run), whose trained positions' hidden states, all M, stay through the step's phases and the next window's
+    sampling (the next window's teacher forward frees them first); in the loss's phases a chunk's logits as
+    add_teacher counts them."""
     t, b = spec.teacher, DTYPE_BYTES[spec.teacher_dtype]
     weights, held = t.params_total * b, spec.grad_accum_steps * p.loss_tokens * t.hidden * b
-    chunk = 4 * act.loss_chunk(p, spec.loss_chunk_tokens) * shape.vocab * act.FP32
+    chunk = _chunk_logits(shape, spec, p)
     for name, parts in phases.items():
         parts["teacher"] = weights + held + (chunk if name in LOSS_PHASES else 0)
-    teacher_pass = act.Pass(**{**vars(p), "trainable_base": False, "lora_dropout": 0.0, "dora": False})
     phases["teacher_forward"] = {**{k: v for k, v in base.items() if v},
-                                 "teacher": weights + held + act.eval_layer_bytes(teacher_pass, t, {})}
+                                 "teacher": weights + held + _forward_bytes(spec, p)}

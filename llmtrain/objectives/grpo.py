@@ -1025,7 +1025,7 @@ class StageGRPO:
         return [{**b, "ref_slots": r.float().cpu()} for b, r in zip(batches, reference)]
 
     def targets(self, batch: dict, slots: int) -> torch.Tensor:
-        """[1, slots, 9] float32 of a pass (none: an idle row). Token ids are exact in float32 below 2^24."""
+        """[1, slots, WIDTH] float32 of a pass (none: an idle row). Token ids are exact in float32 below 2^24."""
         from llmtrain.data.formats import IGNORE
 
         out = torch.zeros(slots, self.WIDTH)

@@ -86,8 +86,8 @@ class RLOO(GRPO):
         rl = self.rl
         kl = torch.zeros_like(total)
         if rl.beta:  # the policy as it sampled: rl.num_iterations > 1's old log-probabilities, else taken here
-            old = [b.get("loss_old_logps") for b in batches]
-            policy = old if None not in old else self._sampling_logps(batches)
+            policy = ([b["loss_old_logps"] for b in batches] if all("loss_old_logps" in b for b in batches)
+                      else self._sampling_logps(batches))
             kl = torch.cat([self._sequence_kl(b, len(part), p) for b, part, p in zip(batches, parts, policy)])
             if self.stages is not None:  # the last stage's (it alone holds the log-probabilities), to every stage
                 kl = self.stages.from_last(kl)
