@@ -365,10 +365,6 @@ RULES: tuple[Rule, ...] = (
     Rule("pp", lambda r, _: r.train.mixed_precision == "fp16",
          "{key} runs in fp32 or bf16; fp16's loss scaling is not built for pipeline stages. Set "
          "train.mixed_precision=bf16"),
-    Rule("pp", lambda r, _: r.model.router_aux_loss_coef is not None,
-         "{key} computes the loss on the last stage, and the load-balancing loss (model.router_aux_loss_coef) needs "
-         "every layer's router logits, which are on every stage. Unset model.router_aux_loss_coef, or set "
-         "parallel.pipeline_parallel=1 and shard with FSDP"),
 )
 
 

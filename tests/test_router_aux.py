@@ -9,8 +9,10 @@ with output_router_logits (the model module's own load_balancing_loss_func), on 
 - Preference pairs (DPO) and KTO add it as TRL's DPOTrainer and KTOTrainer do: their micro-batch's mean loss plus the
   coefficient times the load-balancing loss of the policy's pass (to 1e-6 against TRL).
 - A sequence group (parallel.sequence_parallel 2) adds its sums over the slices: one process's losses and aux_loss.
-- Where it cannot apply (a dense model, a mode whose loss llmtrain does not add it to, pipeline stages) it is refused
-  in one paragraph before anything is written.
+- Pipeline stages (parallel.pipeline_parallel 2) hand the sums on beside the hidden states, each adding its layers':
+  one process's losses, aux_loss and weights (supervised, DPO and KTO).
+- Where it cannot apply (a dense model, a mode whose loss llmtrain does not add it to) it is refused in one paragraph
+  before anything is written.
 """
 
 from __future__ import annotations
@@ -157,6 +159,24 @@ def test_a_slices_sums_added_over_the_group_give_the_whole_rows_loss():
                                                            whole=False).item(), abs=1e-4)
 
 
+def _two_as_one(recipe, tmp_path, port: int, layout: str) -> str:
+    """The recipe under the load-balancing loss on one process (one/) and on 2 (two/, `layout`): the same tokens,
+    losses and aux_loss to 1e-6 (above top_k's 2: the routers unbalanced), gradient norms to 1e-5. The launch's
+    output."""
+    from helpers import REPO, launch_finetune
+
+    run_train(recipe, f"output_dir={tmp_path / 'one'}", f"model.router_aux_loss_coef={COEF}")
+    out = launch_finetune(REPO / "accelerate_configs" / "cpu_ddp.yaml", 2, port, recipe,
+                          f"output_dir={tmp_path / 'two'}", f"model.router_aux_loss_coef={COEF}", layout)
+    one, two = records(tmp_path / "one"), records(tmp_path / "two")
+    assert len(two) == 3 and [r["tokens"] for r in two] == [r["tokens"] for r in one]
+    assert all(r["aux_loss"] > 1.0 for r in one)
+    for key in ("loss", "aux_loss"):
+        assert [r[key] for r in two] == pytest.approx([r[key] for r in one], abs=1e-6), key
+    assert [r["grad_norm"] for r in two] == pytest.approx([r["grad_norm"] for r in one], rel=1e-5)
+    return out
+
+
 @pytest.mark.slow
 @pytest.mark.extended  # 2 processes; main tier: the slices' sums above, and test_sequence_parallel.py's whole sequences
 @pytest.mark.parametrize("mode", ["sft", "dpo-lora"])
@@ -165,8 +185,6 @@ def test_a_sequence_group_adds_it_over_its_slices_as_one_process_does(tiny_asset
     routing probabilities and the rows are added over the group before the product (the slices' padding left out),
     so the loss, aux_loss and gradient norm equal one process's on the whole row. Supervised fine-tuning (each
     process's loss its part of the group's) and DPO under LoRA (one loss, computed alike on both)."""
-    from helpers import REPO, launch_finetune
-
     model = family_model(tiny_assets, tmp_path / "qwen3_moe", "qwen3_moe")
     sections = {"preference": {"loss": "dpo", "beta": 0.1}, "lora": {"r": 4, "dropout": 0.0},
                 "data": {"path": str(tiny_assets / "data" / "train_pairs.jsonl"), "format": "preference",
@@ -175,17 +193,47 @@ def test_a_sequence_group_adds_it_over_its_slices_as_one_process_does(tiny_asset
                           train={"max_steps": 3, "micro_batch_size": 1, "micro_batch_tokens": 90,
                                  "grad_accum_steps": 2, "lr": 1e-2 if "lora" in mode else 3e-3, "warmup_steps": 0},
                           **sections)
-    run_train(recipe, f"output_dir={tmp_path / 'one'}", f"model.router_aux_loss_coef={COEF}")
-    out = launch_finetune(REPO / "accelerate_configs" / "cpu_ddp.yaml", 2, free_port, recipe,
-                          f"output_dir={tmp_path / 'two'}", f"model.router_aux_loss_coef={COEF}",
-                          "parallel.sequence_parallel=2")
+    out = _two_as_one(recipe, tmp_path, free_port, "parallel.sequence_parallel=2")
     assert "each sequence split over 2 processes" in out
-    one, two = records(tmp_path / "one"), records(tmp_path / "two")
-    assert len(two) == 3 and [r["tokens"] for r in two] == [r["tokens"] for r in one]
-    assert all(r["aux_loss"] > 1.0 for r in one)
-    for key in ("loss", "aux_loss"):
-        assert [r[key] for r in two] == pytest.approx([r[key] for r in one], abs=1e-6), key
-    assert [r["grad_norm"] for r in two] == pytest.approx([r["grad_norm"] for r in one], rel=1e-5)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mode", ["sft", pytest.param("sft-lora", marks=pytest.mark.extended), "dpo-lora",
+                                  pytest.param("kto-lora", marks=pytest.mark.extended)])
+def test_two_pipeline_stages_hand_on_its_sums_and_train_as_one_process(tiny_assets, tmp_path, free_port, mode):
+    """parallel.pipeline_parallel 2 (one MoE layer a stage): each stage adds its layers' sums (routed tokens, routing
+    probabilities, rows over the row's real tokens, its padding left out) to the earlier stage's and hands them on
+    beside the hidden states; the last stage's loss adds the row's load-balancing loss (times its trained tokens,
+    pairs or examples), whose gradient reaches the first stage's router back through the schedule. Supervised (full
+    and LoRA), DPO and KTO under LoRA: losses, aux_loss, grad norms and final/ equal one process's; the evals through
+    the stages are the objective's loss alone, as one process's. (train.eps 1e-3: where the load-balancing loss's
+    gradient joins the cross-entropy's differs between one graph and two stages', and with Adam's default 1e-8 its
+    first steps divide each element's gradient by its own size, so that an expert's or embedding row's near-zero
+    elements carry that fp32 rounding to lr-sized moves: final/ 1.2e-5 apart after 3 steps of the full fine-tune,
+    1.3e-3 under LoRA on the experts at lr 1e-2, 4e-8 with eps 1e-3, measured.)"""
+    from helpers import load_weights, max_abs_diff
+
+    lora = mode.endswith("lora")
+    model = family_model(tiny_assets, tmp_path / "qwen3_moe", "qwen3_moe")
+    data = {"preference": "train_pairs.jsonl", "unpaired": "train_unpaired.jsonl"}
+    kind = {"dpo-lora": "preference", "kto-lora": "unpaired"}.get(mode)
+    sections = {"data": {"eval_split": 0.1}, **({"lora": {"r": 4, "dropout": 0.0}} if lora else {})}
+    if kind is not None:
+        sections["data"].update(path=str(tiny_assets / "data" / data[kind]), format=kind)
+        sections.update({"preference": {"loss": "dpo", "beta": 0.1}} if kind == "preference" else
+                        {"kto": {"beta": 0.1}})
+    recipe = write_recipe(tiny_assets, tmp_path, model={"name_or_path": str(model), "attn_implementation": "auto"},
+                          train={"max_steps": 3, "micro_batch_size": 1, "micro_batch_tokens": 90, "grad_accum_steps": 2,
+                                 "lr": 1e-2 if lora else 3e-3, "warmup_steps": 0, "eval_batch_size": None,
+                                 "eval_every_steps": 2, "eps": 1e-3}, **sections)
+    out = _two_as_one(recipe, tmp_path, free_port, "parallel.pipeline_parallel=2")
+    assert "pipeline parallelism: 2 stages" in out
+    evals = [records(tmp_path / run, "eval") for run in ("one", "two")]
+    assert len(evals[0]) == 2 and [r["eval_loss"] for r in evals[1]] == pytest.approx(
+        [r["eval_loss"] for r in evals[0]], abs=1e-6)
+    name = "adapter_model.safetensors" if lora else "model.safetensors"
+    a, b = load_weights(tmp_path / "two" / "final" / name), load_weights(tmp_path / "one" / "final" / name)
+    assert max_abs_diff(a, b) < 1e-6
 
 
 def test_a_runs_loss_adds_the_logged_aux_loss_and_its_routers_train_by_it(tiny_assets, tmp_path):
@@ -216,7 +264,6 @@ def test_a_runs_loss_adds_the_logged_aux_loss_and_its_routers_train_by_it(tiny_a
 @pytest.mark.parametrize("recipe, overrides, says", [
     ("tiny.yaml", [], "has no experts (a dense MLP): unset it"),
     ("tiny-reward", [], "whose loss llmtrain does not add it to"),
-    ("moe", ["parallel.pipeline_parallel=2"], "needs every layer's router logits, which are on every stage"),
 ])
 def test_where_it_cannot_apply_it_is_refused_in_one_paragraph(tiny_assets, tmp_path, recipe, overrides, says):
     if recipe == "tiny-reward":
@@ -224,8 +271,6 @@ def test_where_it_cannot_apply_it_is_refused_in_one_paragraph(tiny_assets, tmp_p
                             data={"path": str(tiny_assets / "data" / "train_pairs.jsonl"), "format": "preference"})
     else:
         path = write_recipe(tiny_assets, tmp_path)
-    if recipe == "moe":
-        overrides = [f"model.name_or_path={family_model(tiny_assets, tmp_path / 'moe', 'qwen3_moe')}", *overrides]
     overrides = [*overrides, f"model.router_aux_loss_coef={COEF}", f"output_dir={tmp_path / 'run'}"]
     with pytest.raises(LLMTrainError, match=re.escape(says)):
         run_train(path, *overrides)

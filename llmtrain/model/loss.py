@@ -321,6 +321,10 @@ def router_aux_loss(lm, router_logits, attention_mask, *, sums=None, real: int |
     if sums is not None:
         return _group_balance(router_logits, experts(lm.config), experts_per_token(lm.config), sums=sums,
                               real=real, whole=whole)
+    if attention_mask is None:  # a packed row: the same function's sums (balance_parts), as a sequence group's slices
+        # and the pipeline stages' layers add them, so that every layout rounds alike
+        return balance(*balance_parts(router_logits, experts(lm.config), experts_per_token(lm.config)),
+                       experts(lm.config))
 
     # the model's own modeling module (under FSDP2 its class is a subclass that fully_shard made elsewhere)
     module = next(sys.modules[c.__module__] for c in type(lm).__mro__
@@ -334,6 +338,16 @@ def _group_balance(router_logits, num_experts: int, top_k: int, *, sums, real: i
     """transformers' load_balancing_loss_func (no attention mask: packed rows) on a sequence group's slices: each
     expert's top-k assignments and summed routing probability over every layer, and the rows, from this slice's first
     `real` rows, summed over the group by `sums`, then the same product."""
+    counts, probs, rows = balance_parts(router_logits, num_experts, top_k, real=real)
+    return balance(*sums(counts, probs, rows, whole=whole), num_experts)
+
+
+def balance_parts(router_logits, num_experts: int, top_k: int, *, real=None) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """load_balancing_loss_func's sums over some layers' router logits (each [tokens, experts]), their first `real`
+    rows (the real tokens; None: all): each expert's top-k assignments (no gradient) and summed routing probability
+    (fp32), and the rows. Added over the parts of a row (a sequence group's slices, parallel/sequence/shards.py; the
+    pipeline stages' layers, parallel/pipeline/stage.py) they give the whole row's, which `balance` turns into the
+    loss."""
     device = router_logits[0].device
     # histc, as transformers: no host sync; integers on CUDA (deterministic), floats on the CPU
     histc_dtype = torch.float32 if device.type in ("cpu", "mps") else torch.int32
@@ -347,7 +361,13 @@ def _group_balance(router_logits, num_experts: int, top_k: int, *, sums, real: i
         counts = counts + torch.histc(chosen.reshape(-1).to(histc_dtype), bins=num_experts, min=0, max=num_experts)
         probs = probs + weights.float().sum(dim=0)
         rows += gate.shape[0]
-    counts, probs, rows = sums(counts, probs, rows, whole=whole)
+    return counts, probs, rows
+
+
+def balance(counts: torch.Tensor, probs: torch.Tensor, rows, num_experts: int) -> torch.Tensor:
+    """The load-balancing loss from a whole row's balance_parts: the experts' share of the routed tokens times their
+    mean routing probability, summed, times the experts (0 for a row of no token: a pipeline's filler row)."""
+    rows = rows.clamp(min=1) if isinstance(rows, torch.Tensor) else max(rows, 1)
     return torch.sum(counts / rows * probs / rows) * num_experts
 
 

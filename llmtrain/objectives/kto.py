@@ -195,6 +195,10 @@ class StageKTO(StagePairs):
         super().__init__(cfg, reference="adapter", adapter_off=adapter_off)
         self.reduce = reduce
 
+    def units(self, target: torch.Tensor) -> int:
+        """The row's completions (KTO.loss weighs the load-balancing loss by its examples)."""
+        return int((target[:, 3] >= 0).sum())
+
     def targets(self, batch: dict, slots: int) -> torch.Tensor:
         out = torch.cat([super().targets(batch, slots), torch.zeros(1, slots, 2)], dim=-1)
         if (desirable := batch.get("desirable")) is not None:

@@ -416,8 +416,12 @@ class StagePairs:
 
     @property
     def stats(self) -> int:
-        """The loss's statistics (the load-balancing loss is refused on stages)."""
+        """The loss's statistics (the load-balancing loss's, the schedule adds after them: Pipeline._loss)."""
         return len(stat_names(self.cfg))
+
+    def units(self, target: torch.Tensor) -> int:
+        """The row's pairs: what model.router_aux_loss_coef's load-balancing loss is weighed by (Preference.loss)."""
+        return int((target[:, 3] >= 0).sum()) // 2
 
     @property
     def eval_size(self) -> int:

@@ -30,6 +30,7 @@ from contextlib import contextmanager, nullcontext
 
 import torch
 
+from llmtrain.capabilities import experts
 from llmtrain.data.batching import batch_weight, collate, fixed_row, with_loss_positions
 from llmtrain.data.formats import IGNORE
 from llmtrain.errors import LLMTrainError
@@ -37,7 +38,8 @@ from llmtrain.model.attention import NAME as VARLEN
 from llmtrain.model.loss import causal_lm, eval_counts, logit_transform
 from llmtrain.parallel.pipeline.group import PipelineGroup, clip_grad_norm_, ends_group, sum_replicas, sum_tied
 from llmtrain.parallel.pipeline.split import rank_stages, stage_layers
-from llmtrain.parallel.pipeline.stage import PER_LAYER_MODULES, Elsewhere, Stage, cut_points, head_name, skeleton
+from llmtrain.parallel.pipeline.stage import (PER_LAYER_MODULES, Balance, Elsewhere, Stage, cut_points, head_name,
+                                              skeleton)
 
 SCHEDULES = {"gpipe": "ScheduleGPipe", "1f1b": "Schedule1F1B", "interleaved_1f1b": "ScheduleInterleaved1F1B"}
 
@@ -60,7 +62,7 @@ class Pipeline:
 
     def __init__(self, model, *, parallel, micro_batches: int, slots: int, pad_id: int, device,
                  group: PipelineGroup, fsdp=None, precision=nullcontext, head_loss=None,
-                 slots_key: str = "train.micro_batch_tokens"):
+                 slots_key: str = "train.micro_batch_tokens", router_aux: float | None = None):
         """`fsdp`: None, or the FSDP launch's MixedPrecisionPolicy (or True without one): each stage is then sharded
         over its replicas (FSDP2's fully_shard on each decoder layer and on the stage), kept unsharded between its
         forward and backward as torchtitan does under pipelining (reshard_after_forward=False: the schedule runs
@@ -68,7 +70,11 @@ class Pipeline:
         stage's forward and the loss (the stages are not prepared by Accelerate, which would put it there). `group`:
         this process's pipeline (parallel/groups.py). `head_loss`: an objective's last-stage loss
         (objectives/reward_model.StageScores, preference.StagePairs, kto.StageKTO, grpo.StageGRPO, rloo.StageRLOO,
-        distill.StageDistill); None: the LM head's cross-entropy. `slots_key`: the setting `slots` is (row_slots)."""
+        distill.StageDistill); None: the LM head's cross-entropy. `slots_key`: the setting `slots` is (row_slots).
+        `router_aux` (model.router_aux_loss_coef): a mixture of experts' load-balancing loss joins the last stage's
+        loss with this weight, times each row's trained tokens (the LM head's cross-entropy, as loss.attach_loss adds
+        it) or its pairs or examples (the head loss's `units`: preference pairs, KTO), its statistic last: the stages
+        hand its sums on beside the hidden states (stage.Balance)."""
         import torch.distributed as dist
         from torch.distributed import pipelining
 
@@ -96,7 +102,10 @@ class Pipeline:
         self.config, self.supports_sdpa, self.logits = config, getattr(type(lm), "_supports_sdpa", True), \
             logit_transform(lm)
         self.vocab = head.weight.shape[0] if head is not None else None
-        self.modules = [Stage(lm, ranges[s], first=s == 0, last=s == total - 1, precision=precision) for s in mine]
+        self.router_aux = router_aux
+        self.modules = [Stage(lm, ranges[s], first=s == 0, last=s == total - 1, precision=precision,
+                              balanced=router_aux is not None) for s in mine]
+        self.experts = experts(config)
         self.precision = precision
         self.order = {id(p): i for i, p in enumerate(model.parameters())}  # the whole model's, for the norm
         kept = {i for s in mine for i in ranges[s]}
@@ -189,23 +198,35 @@ class Pipeline:
         """The last stage's loss of one micro-batch: its summed loss (kept for the metrics) times the step's scale
         (1 / the window's loss units on every pipeline). Forward only (`forward_only`), what that function returns of
         the micro-batch instead: its eval sums (evaluate), its sequences' log-probabilities (sequence_logps)."""
+        balance = None
+        if self.router_aux is not None:  # the stages' load-balancing sums beside the hidden states
+            hidden, sums = hidden
+            balance = Balance.whole(sums, self.experts)
         with self.precision():
             if self.forward_only is not None:
                 return self.forward_only(hidden, targets)
             if self.head_loss is not None:  # the objective's own: the head on each sequence's positions
                 loss, stats = self.head_loss.loss(self.last.head, hidden.flatten(0, 1), targets.flatten(0, 1))
+                if balance is not None:  # times the row's pairs or examples, as Preference.loss and KTO.loss add it
+                    units = self.head_loss.units(targets.flatten(0, 1))
+                    loss = loss + self.router_aux * balance * units
+                    stats = torch.cat([stats, (balance.detach() * units).reshape(1)])
                 self.sums.append(loss.detach())
                 self.stats.append(stats)
                 return loss * self.scale
-            return self._train_loss(hidden, targets)
+            return self._train_loss(hidden, targets, balance)
 
-    def _train_loss(self, hidden: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    def _train_loss(self, hidden: torch.Tensor, targets: torch.Tensor, balance=None) -> torch.Tensor:
         flat, t = hidden.flatten(0, 1), targets.flatten()
         index = (t != IGNORE).nonzero().flatten()
         if index.numel() == 0:  # a placeholder row: a zero loss that still reaches the head
             loss = self.last.head(flat[:1], targets=t.new_zeros(1))[0] * 0.0
         else:
             loss = self.last.head(flat[index], targets=t[index])[0]
+        if balance is not None:  # the row's load-balancing loss times its trained tokens (its aux_loss statistic;
+            # a filler row's 0 still reaches the sums, whose gradient every stage receives)
+            loss = loss + self.router_aux * balance * index.numel()
+            self.stats.append((balance.detach() * index.numel()).reshape(1))
         self.sums.append(loss.detach())
         return loss * self.scale
 
@@ -229,7 +250,16 @@ class Pipeline:
         idle = with_loss_positions(collate([], pad_id=self.pad_id, packing=True))
         filled = [b if batch_weight(b) else idle for b in batches] + [idle] * (self.micro_batches - len(batches))
         rows = [self._row(b) for b in filled]
-        return {k: torch.cat([r[k] for r in rows]) for k in rows[0]}
+        stacked = {k: torch.cat([r[k] for r in rows]) for k in rows[0]}
+        if self.router_aux is not None:  # each row's real tokens (its padding routes through the experts too)
+            stacked["real"] = torch.tensor([b["input_ids"].numel() for b in filled])
+        return stacked
+
+    def _kwargs(self, stacked: dict) -> dict:
+        """What every stage's forward takes of the rows beside the hidden states: the positions (on the device), the
+        boundaries (on the CPU: each stage trims them), and under the load-balancing loss the real tokens (CPU)."""
+        return {"position_ids": stacked["position_ids"].to(self.device), "cu_seq_lens": stacked["cu_seq_lens"],
+                **({"real": stacked["real"]} if "real" in stacked else {})}
 
     def _row(self, batch: dict) -> dict[str, torch.Tensor]:
         """One micro-batch as a row of the fixed shape; an objective's own head loss builds its targets."""
@@ -253,9 +283,8 @@ class Pipeline:
         self.forward_only, out = fn, []
         try:
             args = (stacked["input_ids"].to(self.device),) if self.first else ()
-            self.schedule.eval(*args, target=target.to(self.device), losses=out,
-                               position_ids=stacked["position_ids"].to(self.device),
-                               cu_seq_lens=stacked["cu_seq_lens"], return_outputs=False)
+            self.schedule.eval(*args, target=target.to(self.device), losses=out, **self._kwargs(stacked),
+                               return_outputs=False)
         finally:
             self.forward_only = None
         return out
@@ -297,9 +326,8 @@ class Pipeline:
             # otherwise keep every micro-batch's final hidden states until the next step (torch's output_chunks, for
             # step()'s merged return, which nothing reads): M - 1 x tokens x hidden more at its peak (measured:
             # tests/stage_peak.py)
-            self.schedule.step(*args, target=stacked["targets"].to(self.device),
-                               position_ids=stacked["position_ids"].to(self.device),
-                               cu_seq_lens=stacked["cu_seq_lens"], return_outputs=False)
+            self.schedule.step(*args, target=stacked["targets"].to(self.device), **self._kwargs(stacked),
+                               return_outputs=False)
             # the last M calls are the micro-batches': on its first step torch (2.13) also calls the loss function
             # on placeholder tensors to infer the gradients' shapes
             sums += self.sums[-m:]
@@ -308,8 +336,8 @@ class Pipeline:
             sum_tied(self.tied, self.ends)
         if not self.sharded:
             sum_replicas(self.parameters(), self.group)
-        stats = (torch.stack(stats).sum(0) if stats else
-                 torch.zeros(self.head_loss.stats if self.head_loss is not None else 0, device=self.device))
+        size = (self.head_loss.stats if self.head_loss is not None else 0) + int(self.router_aux is not None)
+        stats = torch.stack(stats).sum(0) if stats else torch.zeros(size, device=self.device)
         return (torch.stack(sums).sum() if sums else torch.zeros((), device=self.device)), stats
 
     def from_last(self, t: torch.Tensor) -> torch.Tensor:

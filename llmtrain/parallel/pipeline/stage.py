@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import functools
 import inspect
-from contextlib import nullcontext
+from contextlib import contextmanager, nullcontext
 
 import torch
 from torch import nn
@@ -32,7 +32,12 @@ class Stage(nn.Module):
     from the layer itself). A tied embedding: the first stage's embedding and the last stage's head are two copies of
     the one weight (schedule.py sums their gradients)."""
 
-    def __init__(self, lm, layers: range, *, first: bool, last: bool, precision=nullcontext):
+    def __init__(self, lm, layers: range, *, first: bool, last: bool, precision=nullcontext,
+                 balanced: bool = False):
+        """`balanced` (model.router_aux_loss_coef): a mixture of experts' load-balancing loss needs every layer's
+        router logits; each stage adds its layers' sums (loss.balance_parts over the row's real tokens) to those it
+        receives and hands them on beside the hidden states, the last stage's loss reads the whole row's (its
+        routing probabilities' gradient flows back through the stages as the hidden states' does)."""
         super().__init__()
         # the run's autocast (train.mixed_precision) around the forward alone, as Accelerate's prepare puts it: a
         # backward under autocast rounds differently (bf16: grad norms 4e-5 apart from a 1-process run)
@@ -57,8 +62,9 @@ class Stage(nn.Module):
             self.per_layer_modules = nn.ModuleList(getattr(decoder, n) for n in PER_LAYER_MODULES)
         self.kv_in, self.kv_out = kv_handoffs(lm.config, layers.start), kv_handoffs(lm.config, layers.stop)
         self.shares_kv = bool(kv_sharing(lm.config))
+        self.balanced = Balance(lm, self.layers) if balanced else None
 
-    def forward(self, x, *handed, position_ids, cu_seq_lens=None, cache=None, masks=None):
+    def forward(self, x, *handed, position_ids, cu_seq_lens=None, real=None, cache=None, masks=None):
         """Training and evaluation: a packed row (`cu_seq_lens`: its examples' boundaries) under the run's autocast.
         Sampling (`cache`: a transformers Cache, `masks`: each layer's attention mask): the new positions of a batch
         of left-padded rows with the KV cache of this stage's layers, as the unwrapped model generates (no autocast:
@@ -66,7 +72,14 @@ class Stage(nn.Module):
         if cache is not None:
             return self._decode(x, position_ids, cache, masks)
         with self.precision():
-            return self._forward(x, handed, position_ids, cu_seq_lens)
+            if self.balanced is None:
+                return self._forward(x, handed, position_ids, cu_seq_lens)
+            # the sums received last among the handed tensors (none on the first stage); the hidden states (and
+            # Gemma 4's handed tensors) first, the sums with this stage's layers' added last
+            handed, received = (handed, None) if self.embed is not None else (handed[:-1], handed[-1])
+            with self.balanced.recording() as routed:
+                out = self._forward(x, handed, position_ids, cu_seq_lens)
+            return (*(out if isinstance(out, tuple) else (out,)), self.balanced.add(routed, received, real, x.device))
 
     def _decode(self, x, position_ids, cache, masks):
         h = self.embed(x) if self.embed is not None else x
@@ -126,6 +139,56 @@ def _cache_name(layer_class) -> str:
     """What a decoder layer calls the KV cache: `cache` from transformers 5.2x on (which warns on past_key_values),
     past_key_values before (5.17's)."""
     return "cache" if "cache" in inspect.signature(layer_class.forward).parameters else "past_key_values"
+
+
+class Balance:
+    """A stage's part in a mixture of experts' load-balancing loss (model.router_aux_loss_coef): its layers' router
+    logits, recorded by a hook on each router (the module transformers records them from: its model's
+    _can_record_outputs["router_logits"]) while the stage's forward runs (not in a checkpointed layer's recompute in
+    backward), and their sums (loss.balance_parts) added to the earlier stages': one fp32 row [1, 2 x experts + 1] of
+    the routed tokens, the routing probabilities (with their gradient) and the rows."""
+
+    def __init__(self, lm, layers):
+        from llmtrain.capabilities import experts, experts_per_token
+
+        self.experts, self.top_k = experts(lm.config), experts_per_token(lm.config)
+        recorder = lm.model._can_record_outputs["router_logits"]
+        self.index, self.routed = recorder.index, None
+        for layer in layers:
+            for m in layer.modules():
+                if isinstance(m, recorder.target_class):
+                    m.register_forward_hook(self._record)
+
+    def _record(self, module, args, output):
+        if self.routed is not None:
+            self.routed.append(output[self.index] if isinstance(output, tuple) else output)
+
+    @contextmanager
+    def recording(self):
+        self.routed = []
+        try:
+            yield self.routed
+        finally:
+            self.routed = None
+
+    def add(self, routed: list, received, real, device) -> torch.Tensor:
+        """This stage's sums over the row's first `real` tokens (a [1] tensor: the row's real tokens, the padding left
+        out) added to `received` (the earlier stages'; None on the first)."""
+        from llmtrain.model.loss import balance_parts
+
+        n = int(real.reshape(-1)[0])
+        counts, probs, rows = (balance_parts(routed, self.experts, self.top_k, real=n) if routed else
+                               (torch.zeros(self.experts, device=device),) * 2 + (0,))
+        mine = torch.cat([counts, probs, counts.new_tensor([rows])])[None]
+        return mine if received is None else received + mine
+
+    @staticmethod
+    def whole(sums: torch.Tensor, experts: int) -> torch.Tensor:
+        """The row's load-balancing loss from the last stage's sums (loss.balance)."""
+        from llmtrain.model.loss import balance
+
+        sums = sums.reshape(-1).float()
+        return balance(sums[:experts], sums[experts:2 * experts], sums[-1], experts)
 
 
 class _ContiguousGrad(torch.autograd.Function):
