@@ -429,7 +429,7 @@ def test_gemma_4s_stages_chained_in_one_process_are_its_forward_and_backward_in_
 
     from llmtrain.config import ModelConfig
     from llmtrain.model.modeling import load_model
-    from llmtrain.parallel.pipeline.stage import Stage, kv_handoffs
+    from llmtrain.parallel.pipeline.stage import Stage, kv_handoffs, kv_sharing
 
     can = experts._can_use_grouped_mm  # torch's grouped matmul takes no float64: transformers' fallback op then does
     monkeypatch.setattr(experts, "_can_use_grouped_mm", lambda x, w, offsets: w.dtype != torch.float64 and
@@ -440,7 +440,7 @@ def test_gemma_4s_stages_chained_in_one_process_are_its_forward_and_backward_in_
     lm = load_model(ModelConfig(name_or_path=str(folder), dtype="float32", attn_implementation="varlen"), None)
     lm = lm.double()
     config = lm.config
-    assert config.kv_sharing_modes == [None, "store", "store", "reuse", "reuse", "reuse"]
+    assert kv_sharing(config) == [None, "store", "store", "reuse", "reuse", "reuse"]
     # what crosses each boundary: nothing before the first store, then the global layer's, then both kinds' until the
     # last local layer that reads them
     assert [kv_handoffs(config, b) for b in range(1, 6)] == [

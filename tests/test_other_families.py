@@ -31,6 +31,7 @@ from llmtrain.data.batching import collate, with_loss_positions
 from llmtrain.errors import LLMTrainError
 from llmtrain.model.attention import register, varlen_attention_forward
 from llmtrain.model.loss import attach_loss, compute_loss
+from llmtrain.parallel.pipeline.stage import kv_sharing
 
 COMMON = dict(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2, num_hidden_layers=2,
               vocab_size=97, attention_dropout=0.0, head_dim=16, pad_token_id=0, bos_token_id=1, eos_token_id=2)
@@ -170,7 +171,7 @@ def test_gemma_4s_shared_keys_and_values_train_packed_as_each_example_alone(monk
     if moe:
         monkeypatch.setitem(OTHER, "gemma4_text", {**OTHER["gemma4_text"], "enable_moe_block": True, "num_experts": 4,
                                                    "top_k_experts": 2, "moe_intermediate_size": 32})
-    assert config("gemma4_text").kv_sharing_modes == ["store", "store", "reuse"]
+    assert kv_sharing(config("gemma4_text")) == ["store", "store", "reuse"]
     assert capabilities.experts(config("gemma4_text")) == (4 if moe else 0)
     want = alone("gemma4_text")
     for attn, packing in [(register(), True), ("sdpa", False)]:

@@ -154,6 +154,44 @@ def test_the_stages_refuse_a_model_without_llmtrains_varlen_attention(tiny_asset
 # --------------------------------------------------------------------------- through accelerate launch
 
 
+def test_a_training_run_receives_into_buffers_that_need_a_gradient_whatever_ran_first():
+    """torch 2.11 makes a stage's receive buffers at the schedule's first run, needing a gradient only if that run
+    trains: after a forward-only first run (DPO's reference pass, KTO's KL pass) the next stage's backward gave its
+    received hidden states no gradient and the step failed on 2 stages (measured on torch 2.11: "has gradients None
+    and is expecting to send gradients to stage 0"; the launch tests below run on torch 2.13, which remakes them).
+    Pipeline.run makes every received float buffer need one first; the first stage's own inputs are left alone."""
+    from types import SimpleNamespace
+
+    from llmtrain.parallel.pipeline.schedule import receiving_gradients
+
+    hidden, sums = torch.zeros(1, 4, 8), torch.zeros(1, 5)
+    root = SimpleNamespace(is_root_arg=True, buffer=torch.zeros(1, 4))  # torch 2.13's first-stage input
+    placeholder = object()  # torch 2.11's (_RootArgPlaceholder: no buffer)
+    stages = [SimpleNamespace(args_recv_info={0: (placeholder,)}),
+              SimpleNamespace(args_recv_info={0: (SimpleNamespace(buffer=hidden), SimpleNamespace(buffer=sums)),
+                                              1: (root,)})]
+    receiving_gradients(stages)
+    assert hidden.requires_grad and sums.requires_grad and not root.buffer.requires_grad
+
+
+def test_torchs_shape_inference_draws_on_a_generator_of_its_own():
+    """torch 2.11 calls a stage on zeros at the schedule's first run to learn its shapes, in training mode: NEFTune's
+    noise (and LoRA's dropout) drawn there made every later draw one late on 2 stages (NEFTune's first loss 4e-2 off
+    one process's, measured on torch 2.11; torch 2.13 has no such call). The pipeline runs it on a forked generator:
+    the draws after it are those without it."""
+    from types import SimpleNamespace
+
+    from llmtrain.parallel.pipeline.schedule import _quiet_shape_inference
+
+    stage = SimpleNamespace(_shape_inference=lambda *args, **kwargs: torch.rand(3))
+    torch.manual_seed(0)
+    want = torch.rand(2)
+    torch.manual_seed(0)
+    _quiet_shape_inference(stage, torch.device("cpu"))
+    stage._shape_inference((), {})
+    assert torch.equal(torch.rand(2), want)
+
+
 @pytest.fixture(scope="module")
 def four_layers(tiny_assets, tmp_path_factory) -> Path:
     """The tiny task with a 4-decoder-layer model (enough for 4 interleaved stages), its weights saved."""

@@ -57,6 +57,39 @@ def row_slots(recipe) -> tuple[int, str]:
     return recipe.train.micro_batch_tokens, "train.micro_batch_tokens"
 
 
+def _quiet_shape_inference(stage, device) -> None:
+    """torch 2.11 (the GPU machine's) learns a stage's shapes at the schedule's first run by calling the stage on
+    zeros of its inputs' shapes, in training mode under no_grad: what draws random numbers there (NEFTune's noise,
+    LoRA's dropout) advanced the process's generator, so every later draw came one late (measured: NEFTune on 2 stages
+    4e-2 off one process's first loss). Run it on a forked generator (CPU and the stage's GPU). torch 2.13 has no such
+    call."""
+    infer = getattr(stage, "_shape_inference", None)
+    if infer is None:
+        return
+
+    def forked(*args, **kwargs):
+        with torch.random.fork_rng(devices=[device] if torch.device(device).type == "cuda" else []):
+            return infer(*args, **kwargs)
+
+    stage._shape_inference = forked
+
+
+def receiving_gradients(stages) -> None:
+    """Make every buffer the stages receive activations into need a gradient, before a training run of the schedule.
+    torch 2.11 (the GPU machine's) makes them once, at the schedule's first run, needing one only if that run
+    trains; where the first run was forward only (a reference or KL pass, an eval before the first step) the next
+    stage's backward left the received hidden states without a gradient, and the schedule failed ("has gradients None
+    and is expecting to send gradients to stage 0", measured: DPO and KTO on 2 stages). torch 2.13 remakes them."""
+    for stage in stages:
+        for infos in getattr(stage, "args_recv_info", {}).values():
+            for info in infos:
+                buffer = getattr(info, "buffer", None)  # (none: the first stage's inputs, given by the caller)
+                if getattr(info, "is_root_arg", False) or not isinstance(buffer, torch.Tensor):
+                    continue
+                if buffer.is_floating_point() and not buffer.requires_grad:
+                    buffer.requires_grad_(True)
+
+
 class Pipeline:
     """This process's stages of the model and the schedule that runs a window through them."""
 
@@ -134,6 +167,8 @@ class Pipeline:
         self.tied = [p for p in held if p.requires_grad] if tied else []  # frozen under LoRA: nothing to sum
         self.stages = [pipelining.PipelineStage(m, s, total, device, group=g.group)
                        for s, m in zip(mine, self.modules)]
+        for stage in self.stages:
+            _quiet_shape_inference(stage, device)
         self.by_stage = dict(zip(mine, self.modules))
         self.stage_ranks = [dist.get_global_rank(g.group, s % g.size) for s in range(total)]  # who runs stage s
         self.last = next((m for s, m in zip(mine, self.modules) if s == total - 1), None)
@@ -318,6 +353,7 @@ class Pipeline:
         # FSDP's reduce-scatter averages the replicas' gradients, where the loss wants their sum
         self.scale = scale * (self.group.replicas if self.sharded else 1)
         m, sums, stats = self.micro_batches, [], []
+        receiving_gradients(self.stages)
         for start in range(0, max(len(prepared), 1), m):
             stacked = self._rows(prepared[start:start + m])  # a short window: filled with rows that train nothing
             self.sums, self.stats = [], []

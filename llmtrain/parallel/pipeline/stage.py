@@ -61,7 +61,9 @@ class Stage(nn.Module):
         if self.make_per_layer is not None:
             self.per_layer_modules = nn.ModuleList(getattr(decoder, n) for n in PER_LAYER_MODULES)
         self.kv_in, self.kv_out = kv_handoffs(lm.config, layers.start), kv_handoffs(lm.config, layers.stop)
-        self.shares_kv = bool(kv_sharing(lm.config))
+        # (every Gemma 4 layer takes the dict: transformers 5.17's store layers write into it whether or not a later
+        # layer reads it)
+        self.shares_kv = "shared_kv_states" in inspect.signature(type(decoder.layers[0]).forward).parameters
         self.balanced = Balance(lm, self.layers) if balanced else None
 
     def forward(self, x, *handed, position_ids, cu_seq_lens=None, real=None, cache=None, masks=None):
@@ -122,8 +124,17 @@ PER_LAYER_MODULES = ("embed_tokens_per_layer", "per_layer_model_projection", "pe
 
 def kv_sharing(config) -> list:
     """Each layer's part in Gemma 4's KV sharing (config.kv_sharing_modes: "store" for the last layer of each kind
-    before the sharing ones, "reuse" for those, None); [] for a model without it."""
-    return list(getattr(config, "kv_sharing_modes", None) or []) if getattr(config, "num_kv_shared_layers", 0) else []
+    before the sharing ones, "reuse" for those, None); [] for a model without it. transformers 5.17 (the GPU
+    machine's) has no kv_sharing_modes: its layers decide alike from num_kv_shared_layers and layer_types."""
+    shared = int(getattr(config, "num_kv_shared_layers", 0) or 0)
+    if not shared:
+        return []
+    if (modes := getattr(config, "kv_sharing_modes", None)) is not None:
+        return list(modes)
+    kinds = list(config.layer_types)
+    first = len(kinds) - shared
+    last = {kind: i for i, kind in enumerate(kinds[:first])}  # each kind's last layer before the sharing ones
+    return ["reuse" if i >= first else "store" if last[kind] == i else None for i, kind in enumerate(kinds)]
 
 
 def kv_handoffs(config, boundary: int) -> list[str]:
