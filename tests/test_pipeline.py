@@ -385,11 +385,10 @@ def test_the_eval_samples_through_the_stages_are_one_process_samples(four_layers
 
 
 @pytest.mark.slow
-# extended for CI time: main tier, preference pairs on two stages (an objective's own last-stage loss, its targets
-# built by it, its eval through the stages: the same seam, schedule.head_loss); lora: the score head as peft's
-# modules_to_save copy on the last stage
-@pytest.mark.extended
-@pytest.mark.parametrize("lora", [False, True], ids=["full", "lora"])
+# full in the main tier: a reward model has no LM head, and the stages once read one of every model at start-up
+# (an AttributeError on every rank, found on torch 2.11 with this case extended); lora extended for CI time: the score
+# head as peft's modules_to_save copy on the last stage
+@pytest.mark.parametrize("lora", [False, pytest.param(True, marks=pytest.mark.extended)], ids=["full", "lora"])
 def test_a_reward_model_trains_and_evaluates_on_two_stages_as_on_one_process(four_layers, tmp_path, free_port, lora):
     """The last stage runs the score head on each sequence's scored token (its targets: the sequence's index there)
     and the pairs' Bradley-Terry loss: losses, accuracies, margins, gradient norms, the eval and final/ equal one

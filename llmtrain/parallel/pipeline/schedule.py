@@ -131,9 +131,10 @@ class Pipeline:
         head = lm.get_output_embeddings()  # None: a reward model's score head
         tied = head is not None and head.weight is lm.get_input_embeddings().weight
         self.ends = ends_group(g) if tied else None
-        # what sampling on the stages (sampling.StagesLM) reads of the model, before other stages' modules go
-        self.config, self.supports_sdpa, self.logits = config, getattr(type(lm), "_supports_sdpa", True), \
-            logit_transform(lm)
+        # what sampling on the stages (sampling.StagesLM) reads of the model, before other stages' modules go (a
+        # reward model's score head samples nothing: it has no LM head to read a transform of)
+        self.config, self.supports_sdpa = config, getattr(type(lm), "_supports_sdpa", True)
+        self.logits = logit_transform(lm) if head is not None else None
         self.vocab = head.weight.shape[0] if head is not None else None
         self.router_aux = router_aux
         self.modules = [Stage(lm, ranges[s], first=s == 0, last=s == total - 1, precision=precision,
