@@ -263,20 +263,15 @@ RL_STAGE_RULES: tuple[Rule, ...] = (
     Rule("pp", _rl(lambda rl: rl.micro_batch_tokens is None),
          _STAGES_RL + "loss in rows of one fixed shape: set rl.micro_batch_tokens, the slots of each pass (at least "
          "the longest prompt plus rl.max_completion_tokens)"),
-    Rule("pp", _rl(lambda rl: rl.sampler_correction is not None),
-         _STAGES_RL + "loss from the policy's log-probabilities alone: rl.sampler_correction's ratios (the "
-         "sampler's log-probability of each token against the policy's) are not carried to the last stage. Unset "
-         "rl.sampler_correction (the stages sample with the reference sampler, the policy's own weights), or set "
-         "parallel.pipeline_parallel=1 and shard with FSDP"),
     Rule("pp", lambda r, layout: layout.fsdp and rollout_adapter(r),
          "RLOO's KL with LoRA's moving reference (rl.sync_reference) on {key} under an FSDP launch: the rollout swaps "
          "the snapshot into each stage's gathered weights, which torch's pipeline schedule reshards when it turns "
          "from training to evaluation (measured: a segmentation fault on every process). Launch the stages with DDP "
          "(accelerate_configs/ddp.yaml), remove rl.sync_reference, or use rl.algorithm=grpo (its reference runs "
          "before each update)"),
-    Rule("pp", _rl(lambda rl: rl.merged_copy != "off" or rl.cast_lm_head_to_fp32),
-         _STAGES_RL + "loss with each stage's own weights: a merged generation copy (rl.merged_copy) and "
-         "rl.cast_lm_head_to_fp32 are not built for stages. Unset them"),
+    Rule("pp", _rl(lambda rl: rl.merged_copy != "off"),
+         _STAGES_RL + "loss with each stage's own weights: a merged generation copy (rl.merged_copy) is not built "
+         "for stages. Unset it"),
 )
 
 
@@ -680,16 +675,6 @@ def model_problems(recipe, layout: Layout, config) -> list[str]:
         if config.num_hidden_layers < total:
             out.append(f"{key}: {total} pipeline stages need at least one decoder layer each: the model has "
                        f"{config.num_hidden_layers}; lower parallel.pipeline_parallel (or pipeline_chunks)")
-        samples = ("online RL's rollout" if recipe.rl is not None else "distillation's student" if
-                   recipe.distill is not None else "the eval samples (train.eval_samples)" if
-                   recipe.train.eval_samples else None)
-        if samples and (getattr(config, "hidden_size_per_layer_input", None) or
-                        getattr(config, "num_kv_shared_layers", 0)):
-            fix = ("set parallel.pipeline_parallel=1 and shard with FSDP" if recipe.rl is not None or recipe.distill
-                   is not None else "set train.eval_samples=0, and sample from final/ after the run (llmtrain "
-                   "generate RUN_DIR)")
-            out.append(f"{key} samples {samples} through the stages, which hand on the hidden states alone while "
-                       f"decoding, not Gemma 4's per-layer inputs and shared keys and values: {fix}")
     return out
 
 

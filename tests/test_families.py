@@ -506,6 +506,40 @@ def test_gemma_4_with_lora_on_interleaved_stages_trains_what_one_process_trains(
 
 
 @pytest.mark.slow
+def test_gemma_4_grpo_samples_and_trains_on_two_stages_as_one_process(models, tiny_assets, tmp_path, free_port):
+    """Gemma 4 with LoRA, GRPO on 2 stages (refused before 2026-12-05: the stages handed on the hidden states alone
+    while decoding): layers 0-1 (a local and a global layer, each storing its keys and values) on one, 2-3 (sharing
+    them) on the other, so every decoding step hands on the per-layer inputs and both kinds' new keys and values, the
+    receiving stage holding their whole length (stage.Stage._decode). Against one process: the same 48 completions
+    token for token, rewards, losses and gradient norms to Gemma 4's rounding (ROUNDING), the adapter to 1e-4
+    (measured: losses 4e-9 apart, gradient norms 1.4e-5 relative, the adapter 2.2e-5; with Adam's eps 1e-8 a lora_A
+    element whose gradient is fp32's rounding of 0 at step 1 moved by lr: 2.9e-3)."""
+    common = ["lora.r=4", "lora.dropout=0", "rl.sampler=reference", "rl.micro_batch_tokens=96", "rl.num_generations=4",
+              "rl.max_completion_tokens=8", "train.micro_batch_size=2", "train.grad_accum_steps=2",
+              "model.attn_implementation=auto"]
+    recipe = _mode_recipe(tiny_assets, tmp_path, models["gemma4_text"], "tiny-grpo.yaml",
+                          rl={"temperature": 1.0, "rewards": [{"type": "format", "pattern": r"^\s*[a-m]"}]},
+                          train={"max_steps": 3, "lr": 1e-2, "eps": 1e-3},
+                          checkpoint={"every_steps": None, "save_final": True})
+    run_train(recipe, *common, f"output_dir={tmp_path / 'one'}")
+    out = launch_finetune(CONFIGS / "cpu_ddp.yaml", 2, free_port, recipe, *common, "parallel.pipeline_parallel=2",
+                          f"output_dir={tmp_path / 'pp'}")
+    assert "stage 0: layers 0-1" in out and "sampled through the stages" in out, out
+    drawn = [[json.loads(x)["completion_ids"] for x in (run / "rollouts.jsonl").read_text().splitlines()]
+             for run in (tmp_path / "pp", tmp_path / "one")]
+    assert drawn[0] == drawn[1] and len(drawn[0]) == 3 * 2 * 2 * 4
+    steps, _ = ROUNDING["gemma4_text"]
+    assert_same_steps(tmp_path / "pp", tmp_path / "one", tol=steps)
+    for key in ("reward", "loss"):
+        assert [r[key] for r in records(tmp_path / "pp")] == pytest.approx(
+            [r[key] for r in records(tmp_path / "one")], abs=1e-5), key
+    assert any(r["reward_std"] > 0 for r in records(tmp_path / "one"))
+    name = "adapter_model.safetensors"
+    assert max_abs_diff(load_weights(tmp_path / "pp" / "final" / name),
+                        load_weights(tmp_path / "one" / "final" / name)) < 1e-4
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize("family, lora", [pytest.param("qwen3_moe", True, marks=pytest.mark.extended),
                                           pytest.param("qwen3_moe", False, marks=pytest.mark.extended),
                                           pytest.param("gpt_oss", True, marks=pytest.mark.extended)],

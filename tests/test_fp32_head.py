@@ -175,3 +175,27 @@ def test_the_estimate_prices_the_heads_fp32_logits_gradient_and_input():
     assert cast.phase_parts[head]["logits"] - plain.phase_parts[head]["logits"] == 4096 * 32768 * 2
     # (a bf16 base's hidden states are bf16 already: autocast made no copy of the chunk's input, the cast makes one)
     assert cast.phase_parts[head]["temporaries"] - plain.phase_parts[head]["temporaries"] == 4096 * 4096 * 4
+
+
+@pytest.mark.parametrize("method", ["lora", "full"])
+def test_on_pipeline_stages_the_last_stage_alone_holds_the_fp32_head(method):
+    """2 stages of Mistral-7B on a bf16 base: the cast adds the head's vocab x hidden weights at 2 bytes more to the
+    last stage's frozen base (LoRA), or its weight and gradient at 2 bytes more and AdamW's moments at 2 x 2 (a full
+    fine-tune); the first stage, which has no head, holds what it held without the cast (before: the LoRA stage
+    counted the head's fp32 copy on every stage)."""
+    from llmtrain.memory.params import load_model_shape
+    from llmtrain.memory.pipeline import stage_states, stages_of
+    from llmtrain.memory.spec import TrainSpec
+
+    shape, head = load_model_shape("mistral-7b"), 32768 * 4096
+    plain = TrainSpec(method=method, lora_r=16, dtype="bfloat16", mixed_precision="bf16", strategy="single",
+                      num_gpus=2, pipeline_parallel=2, grad_accum_steps=2, micro_batch_tokens=4096, seq_len=4096)
+    cast = plain.but(fp32_head=True)
+    first, last = stages_of(shape, plain)
+    assert stage_states(shape, cast, first) == stage_states(shape, plain, first)
+    a, b = stage_states(shape, cast, last), stage_states(shape, plain, last)
+    if method == "lora":
+        assert (a.weights - b.weights, a.grads - b.grads, a.optimizer - b.optimizer) == (2 * head, 0, 0)
+    else:
+        assert (a.weights - b.weights, a.grads - b.grads, a.grads_head - b.grads_head) == (2 * head,) * 3
+        assert a.optimizer - b.optimizer == 2 * 2 * head

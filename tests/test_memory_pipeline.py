@@ -10,6 +10,7 @@ import os
 import shlex
 import subprocess
 import sys
+from dataclasses import replace
 from itertools import pairwise
 from types import SimpleNamespace
 
@@ -436,6 +437,27 @@ def test_one_gemma_4_stage_holding_the_whole_model_is_the_estimates_model_phase_
     assert got.params_total == want.params_total and got.params_trainable == want.params_trainable
 
 
+def test_a_gemma_4_stage_whose_layers_share_earlier_keys_and_values_holds_them_through_the_rollout():
+    """Online RL on 2 stages of the 8-layer Gemma 4 (the reference loop: every row's prompt at once): the later stage
+    holds the shared keys and values of layers 2 and 3 for every row (kv_handed[4]: 384 values a position), the
+    prompts' while they are prefilled and the whole width while it decodes, beside what it held before; the first
+    stage holds none more."""
+    from llmtrain.memory.estimate import _cache_width, sampling_rows
+
+    shape = gemma4_shape()
+    s = spec(strategy="single", num_gpus=2, num_nodes=1, micro_batch_tokens=None, seq_len=356, micro_batch=2,
+             gradient_checkpointing=False, method="lora", lora_r=8, dtype="bfloat16", num_generations=8,
+             max_completion_tokens=256, prompt_longest=100, reference_sampler=True, rl_micro_batch_tokens=512)
+    first, second = stages_of(shape, s)
+    plain = replace(shape, kv_handed=())  # as before: the hidden states alone
+    rows, width = sampling_rows(s), _cache_width(s)
+    for stage, held in ((first, 0), (second, 384)):
+        got, was = stage_estimate(shape, s, stage).phase_parts, stage_estimate(plain, s, stage).phase_parts
+        for phase, positions in (("generation_prefill", 100), ("generation", width)):
+            more = got[phase].get("kv_cache", 0) - was[phase].get("kv_cache", 0)
+            assert more == rows * positions * held * 2, (phase, more)
+
+
 def test_gemma_4s_stages_hold_their_own_layers_and_hand_on_per_layer_inputs_and_shared_keys_and_values():
     """Gemma 4 of 8 layers on 2 stages of 4 (LoRA on attention, bf16, 4 micro-batches of 1,024 tokens, no
     checkpointing): the first stage holds the per-layer embeddings and the projection (params_other), each stage its
@@ -501,6 +523,10 @@ STAGED = {  # (model config, data, overrides, bound on |estimate / measured - 1|
     # the rollout's peak: 32 rows of 127 tokens through the stages, passes of one sequence
     "grpo-sampling": (MEASURED, "prompt", [*LORA_FP32, "rl.num_generations=16", "rl.max_completion_tokens=96",
                                            "rl.micro_batch_tokens=128", "train.grad_accum_steps=2"], 0.06),
+    # Gemma 4's rollout: the later stage holds the shared keys and values of the decoding whole (Stage._decode)
+    "gemma4-sampling": (GEMMA4, "prompt", [*LORA_FP32, "rl.num_generations=32", "rl.max_completion_tokens=96",
+                                           "rl.micro_batch_tokens=128", "train.grad_accum_steps=2",
+                                           "train.micro_batch_size=4"], 0.06),
     # on-policy distillation: the student samples through the stages, the last stage holds the teacher whole
     "distill": (MEASURED, "distill", [], 0.06),
     "distill-lora": (MEASURED, "distill", LORA_FP32, 0.06),
@@ -561,7 +587,10 @@ def test_each_stages_estimate_matches_its_measured_step(tiny_assets, tmp_path, m
     LoRA on fp32 weights 0.959 and 0.949 (1.106 and 1.068 while the estimate counted a copy of each adapter's input);
     KTO with LoRA (rows of 8 completions under a token budget) 0.958 and 0.948. Interleaved 1F1B (2 chunks a GPU):
     0.987 and 0.983 (0.962 on the last GPU while only its chunk with the head was modelled; its first chunk holds
-    twice the micro-batches)."""
+    twice the micro-batches). Gemma 4's rollout (128 rows, 31-token prompts, 96 tokens sampled; the later stage's
+    layers share the earlier one's keys and values, held whole there): 1.007 and 1.040, where the later stage's peak
+    is its decoding (0.521 while its sharing layers ran every position of the prompts' pass: Stage._decode now runs
+    them on the last position, as transformers does)."""
     import yaml
     from helpers import ENV, open_port
     from test_memory_saved import cpu_varlen_attention_bytes

@@ -23,6 +23,7 @@ import pytest
 import torch
 import yaml
 from helpers import (
+    ENV,
     ONEDNN_AVX2,
     REPO,
     bf16_rows_change_results,
@@ -824,6 +825,38 @@ def test_grpo_entropy_terms_on_two_stages_equal_one_process(four_layers, tmp_pat
 
 
 @pytest.mark.slow
+def test_scalerls_fp32_head_and_sampler_correction_on_two_stages_are_one_process_grpo(four_layers, tmp_path,
+                                                                                     free_port):
+    """rl.cast_lm_head_to_fp32 and rl.sampler_correction on stages (both refused before 2026-12-05), as ScaleRL runs
+    them together. The last stage's head is the model's, made fp32 and patched by loss.attach_loss before the stages
+    are cut, so the stages' sampling (StagesLM: the last position's logits) and the last stage's loss take fp32
+    logits from it as one process does; the correction's ratios (each token's policy log-probability as it sampled,
+    forward only through the stages, over the sampler's) are made on the last stage and reach its loss in the targets
+    (StageGRPO's columns 10 and 11). A LoRA policy on a bf16 base, beta 0.04, top_p 0.8 (the sampler draws from the
+    nucleus, so the ratios are below 1 and the truncated correction weighs the loss): against one process with both,
+    the same 48 completions token for token, rewards, losses, KL, entropies, gradient norms and the correction's
+    metrics to 1e-5, final/ to 1e-5. One process without the cast makes other entropies (its bf16 logits), so a stage
+    that dropped the cast would fail here, and one that dropped the ratios would train another loss."""
+    path = _grpo_recipe(four_layers, tmp_path, lora=True, beta=0.04, loss_type="grpo", top_p=0.8,
+                        sampler_correction="token_truncate")
+    env = ONEDNN_AVX2 if bf16_rows_change_results() else ENV  # (the bf16 rows' kernels: _kernels)
+    bf16, cast = "model.dtype=bfloat16", "rl.cast_lm_head_to_fp32=true"
+    for name, extra in (("one", [cast]), ("plain", [])):
+        cli("finetune", str(path), bf16, *extra, f"output_dir={tmp_path / name}", env=env)
+    out = launch_finetune(CPU_DDP, 2, free_port, path, "parallel.pipeline_parallel=2", bf16, cast,
+                          f"output_dir={tmp_path / 'pp'}", env=env)
+    assert "sampled through the stages" in out
+    ratios = [f"sampling/importance_sampling_ratio/{k}" for k in ("min", "mean", "max")]
+    _same_rl(tmp_path / "pp", tmp_path / "one", keys=("reward", "loss", "grad_norm", "entropy", "kl", *ratios,
+                                                       "sampling/sampling_logp_difference/mean",
+                                                       "sampling/sampling_logp_difference/max"),
+             weights="adapter_model.safetensors")
+    plain, one = records(tmp_path / "plain"), records(tmp_path / "one")
+    assert all(r[ratios[0]] < 0.9 for r in one)  # the nucleus's cut: the correction weighs every step
+    assert max(abs(p["entropy"] - o["entropy"]) for p, o in zip(plain, one)) > 1e-4
+
+
+@pytest.mark.slow
 @pytest.mark.extended  # 4 processes; main tier: 2 stages against one process (above)
 def test_top_entropy_quantile_over_two_pipelines_equals_ddp(four_layers, tmp_path, free_port):
     """rl.top_entropy_quantile's quantile is over every data rank's tokens of a pass: on 2 pipelines of 2 stages
@@ -839,7 +872,6 @@ def test_top_entropy_quantile_over_two_pipelines_equals_ddp(four_layers, tmp_pat
 @pytest.mark.parametrize("overrides,says", [
     (["rl.sampler=graph"], "Set rl.sampler=reference"),
     (["rl.micro_batch_tokens=null"], "set rl.micro_batch_tokens"),
-    (["rl.sampler_correction=token_truncate"], "Unset rl.sampler_correction"),
 ])
 def test_what_grpo_on_stages_does_not_carry_is_refused_naming_the_key(tiny_assets, tmp_path, overrides, says):
     """GRPO on stages samples through them and trains one update a round from each token's own numbers; what needs

@@ -25,11 +25,11 @@ from llmtrain.parallel.pipeline.stage import Stage
 class _AllStages:
     """What StagesLM reads of a Pipeline, with every stage on this process (no process group needed)."""
 
-    def __init__(self, lm, cut: int):
-        n = lm.config.num_hidden_layers
-        self.by_stage = {0: Stage(lm, range(0, cut), first=True, last=False),
-                         1: Stage(lm, range(cut, n), first=False, last=True)}
-        self.stage_ranks, self.group = [0, 0], None
+    def __init__(self, lm, *cuts: int):
+        ends = [0, *cuts, lm.config.num_hidden_layers]
+        self.by_stage = {s: Stage(lm, range(a, b), first=s == 0, last=s == len(cuts))
+                         for s, (a, b) in enumerate(zip(ends, ends[1:]))}
+        self.stage_ranks, self.group = [0] * len(self.by_stage), None
         self.config, self.device = lm.config, lm.device
         self.supports_sdpa = getattr(type(lm), "_supports_sdpa", True)
         self.logits = logit_transform(lm)
@@ -53,7 +53,7 @@ def _model(family: str, **more):
     return model
 
 
-CASES = {**{f: v for f, v in FAMILIES.items() if f != "gemma4_text"},  # Gemma 4 is refused on stages at eval
+CASES = {**FAMILIES,
          # a local layer on each stage
          "gemma3_text": {**FAMILIES["gemma3_text"],
                          "layer_types": ["sliding_attention", "full_attention", "sliding_attention"]},
@@ -68,15 +68,19 @@ def _draw(lm, prompts, **kwargs):
 
 @pytest.mark.parametrize("family", sorted(CASES))
 def test_two_stages_draw_what_the_whole_model_draws_with_its_log_probabilities(family):
+    """Gemma 4 (3 layers, the last sharing the second's keys and values) cut after its first layer (its per-layer
+    inputs cross the boundary) and after its second (the shared keys and values cross too, the new positions' at
+    each step, the receiving stage holding the whole length)."""
     model = _model(family, **CASES[family])
     prompts = mixed_prompts(3, 2, seed=4)
-    for temperature in (0.0, 1.0):
-        whole = _draw(model, prompts, temperature=temperature, top_p=1.0)
-        staged = _draw(StagesLM(_AllStages(model, 1)), prompts, temperature=temperature, top_p=1.0)
-        assert [d.ids for d in staged] == [d.ids for d in whole]
-        assert sum(len(d.ids) for d in whole) > 12
-        for a, b in zip(staged, whole):
-            assert max((abs(x - y) for x, y in zip(a.logps, b.logps)), default=0.0) < 1e-4
+    for cut in (1, 2) if family == "gemma4_text" else (1,):
+        for temperature in (0.0, 1.0):
+            whole = _draw(model, prompts, temperature=temperature, top_p=1.0)
+            staged = _draw(StagesLM(_AllStages(model, cut)), prompts, temperature=temperature, top_p=1.0)
+            assert [d.ids for d in staged] == [d.ids for d in whole]
+            assert sum(len(d.ids) for d in whole) > 12
+            for a, b in zip(staged, whole):
+                assert max((abs(x - y) for x, y in zip(a.logps, b.logps)), default=0.0) < 1e-4
     if getattr(model.config, "sliding_window", None):  # the window changes the tokens: it is applied, not ignored
         model.config.sliding_window = 1000
         for layer in model.model.layers:
@@ -111,35 +115,23 @@ def test_the_mask_is_transformers_own_on_the_real_positions():
     assert torch.equal(additive == 0, got) and additive.min() == torch.finfo(torch.float32).min
 
 
-def test_gemma_4_on_stages_is_refused_sampling_for_its_per_layer_inputs(tiny_assets, tmp_path):
-    """The stages hand on the hidden states alone while decoding: Gemma 4's per-layer inputs and shared keys and
-    values are refused at eval and in online RL's rollout, in one paragraph naming the key; a supervised run without
-    eval samples is not."""
-    from helpers import REPO, write_recipe
-    from test_families import OWN_LAYER
-    from transformers import AutoConfig
-
-    from llmtrain import capabilities
-    from llmtrain.config import load_recipe
-    from llmtrain.layout import Layout
-
-    config = AutoConfig.for_model("gemma4_text", **{**OWN_LAYER["gemma4_text"], "hidden_size": 128,
-                                                    "num_attention_heads": 4, "vocab_size": 104})
-    recipe = write_recipe(tiny_assets, tmp_path, model={"attn_implementation": "auto"}, data={"eval_split": None},
-                          train={"micro_batch_size": 1, "micro_batch_tokens": 64, "grad_accum_steps": 2})
-    layout = Layout(processes=2, pp=2)
-
-    def refusals(samples: int) -> list[str]:
-        r = load_recipe(recipe, ["parallel.pipeline_parallel=2", f"train.eval_samples={samples}"])
-        return [p for p in capabilities.model_problems(r, layout, config) if "eval_samples" in p]
-
-    assert refusals(0) == []
-    (said,) = refusals(2)
-    assert "parallel.pipeline_parallel=2" in said and "set train.eval_samples=0" in said
-    # online RL's rollout samples through the stages too
-    grpo = load_recipe(REPO / "recipes" / "tiny-grpo.yaml", [
-        "parallel.pipeline_parallel=2", "rl.sampler=reference", "rl.micro_batch_tokens=128", "train.grad_accum_steps=2",
-        "train.eval_batch_size=null", "train.eval_samples=0", "model.attn_implementation=auto", "data.eval_split=null",
-        f"data.path={tiny_assets / 'data' / 'train.jsonl'}"])
-    (said,) = [p for p in capabilities.model_problems(grpo, layout, config) if "Gemma 4" in p]
-    assert "samples online RL's rollout through the stages" in said and "set parallel.pipeline_parallel=1" in said
+def test_gemma_4s_sharing_layers_on_two_stages_run_the_last_position_alone_as_transformers_does():
+    """Gemma 4 of 4 layers, the last 2 sharing the keys and values of the first 2, on 3 stages (0-1, 2, 3): the
+    prompt's pass runs the sharing layers on each row's last position alone (transformers' own shortcut), so the
+    third stage receives one position where the step has many, and the store layers' keys and values of every new
+    position still travel on to it; the same tokens and log-probabilities as the whole model, and the sharing layers
+    saw one position at every step."""
+    model = _model("gemma4_text", **{**FAMILIES["gemma4_text"], "num_hidden_layers": 4, "num_kv_shared_layers": 2,
+                                     "layer_types": ["sliding_attention", "full_attention"] * 2})
+    seen = {i: [] for i in range(4)}
+    for i, layer in enumerate(model.model.layers):
+        layer.register_forward_pre_hook(lambda m, args, i=i: seen[i].append(args[0].shape[1]))
+    prompts = mixed_prompts(3, 2, seed=4)
+    whole = _draw(model, prompts, temperature=1.0, top_p=1.0)
+    for i in seen:
+        seen[i].clear()
+    staged = _draw(StagesLM(_AllStages(model, 2, 3)), prompts, temperature=1.0, top_p=1.0)
+    assert [d.ids for d in staged] == [d.ids for d in whole] and sum(len(d.ids) for d in whole) > 12
+    for a, b in zip(staged, whole):
+        assert max((abs(x - y) for x, y in zip(a.logps, b.logps)), default=0.0) < 1e-4
+    assert seen[0][0] > 1 and set(seen[2]) == set(seen[3]) == {1}

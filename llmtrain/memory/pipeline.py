@@ -34,11 +34,11 @@ from llmtrain.memory.comms import (
     step_traffic,
     traffic,
 )
-from llmtrain.memory.estimate import (_backward_layers, _finish, _generation_phases, _loss_phases, _notes, _phase,
-                                      _rollout_rows, estimate, make_pass)
+from llmtrain.memory.estimate import (_backward_layers, _cache_width, _finish, _generation_phases, _loss_phases,
+                                      _notes, _phase, _rollout_rows, estimate, make_pass, sampling_rows)
 from llmtrain.memory.params import LoraPlan, ModelShape, run_lora_plan
 from llmtrain.memory.reward_models import add_reward_models
-from llmtrain.memory.spec import DTYPE_BYTES, GIB, Estimate, TrainSpec
+from llmtrain.memory.spec import DTYPE_BYTES, GIB, PRECISION_DTYPE, Estimate, TrainSpec
 from llmtrain.memory.states import States, accumulated_grads, optimizer_bytes, states
 from llmtrain.memory.teacher import add_stage_teacher
 from llmtrain.parallel.pipeline.split import bubble_fraction, in_flight, interleaved_rounds, rank_stages, stage_layers
@@ -182,15 +182,19 @@ def stage_states(shape: ModelShape, spec: TrainSpec, stage: Stage) -> States:
     their master dtype; LoRA's as states.states has them (the frozen base, 4-bit under QLoRA, and the adapters);
     grads_layer: each of the stage's layers', its chunks' in order."""
     own = stage_shape(shape, stage)
+    spec = spec if stage.last else spec.but(fp32_head=False)  # rl.cast_lm_head_to_fp32: the last stage's head
     if (plan := stage_plan(shape, spec, stage)) is not None:
         return states(own, spec, plan)
     master = stage_master(spec)
-    head = (own.params_head + own.params_final_norm) * master if stage.last else 0
-    total = own.params_total * master
+    # (a head held in fp32 by rl.cast_lm_head_to_fp32: its weight, gradient and AdamW state at 4 bytes a parameter)
+    fp32 = own.params_head * 4 if spec.fp32_head else 0
+    head = fp32 + (own.params_head * (not fp32) + own.params_final_norm) * master
+    total = fp32 + (own.params_total - own.params_head * bool(fp32)) * master
     shard = spec.shards
     return States(weights=total // shard, grads=total // shard, grads_head=head // shard,
                   grads_layer=tuple(own.layer(i).params_per_layer * master // shard for i in range(own.layers)),
-                  optimizer=optimizer_bytes(total, spec.optimizer, param_bytes=master) // shard,
+                  optimizer=(optimizer_bytes(total - fp32, spec.optimizer, param_bytes=master)
+                             + optimizer_bytes(fp32, spec.optimizer, param_bytes=4)) // shard,
                   ddp_buckets=total if spec.strategy == "ddp" else 0, host_offload=0)
 
 
@@ -370,11 +374,19 @@ def staged_generation_phases(shape: ModelShape, spec: TrainSpec, stage: Stage, b
     the model as the stage holds it: the KV cache of its own layers (every chunk's) and their prefill transients, and,
     on every stage, the last position's logits (the last stage's head makes them, the others receive them: fp32,
     broadcast) and the sampler's state over them (every process of a pipeline draws the tokens). A stage sharded by
-    FSDP is gathered whole for the rollout (Pipeline.sampling)."""
+    FSDP is gathered whole for the rollout (Pipeline.sampling). Gemma 4: a stage whose layers share keys and values
+    stored on an earlier stage holds them whole through the decoding (stage.Stage._decode), as that layer's cache."""
     own = stage_shape(shape, stage)
     plan = stage_plan(shape, spec, stage)
     gathered = (own.params_total + (plan.trainable(own) if plan else 0)) * pd if spec.sharded else 0
-    return _generation_phases(own, spec, base, cached=cached, fsdp_unit=gathered)
+    phases = _generation_phases(own, spec, base, cached=cached, fsdp_unit=gathered)
+    if shape.kv_handed and (held := sum(shape.kv_handed[c.start] for c in stage.chunks)):
+        # (the stages sample with the reference loop: the prompts alone while they are prefilled)
+        per_row = held * DTYPE_BYTES[PRECISION_DTYPE.get(spec.mixed_precision, spec.dtype)] * sampling_rows(spec)
+        for name, width in (("generation_prefill", spec.prompt_longest or spec.prompt_tokens or spec.seq_len),
+                            ("generation", _cache_width(spec))):
+            phases[name]["kv_cache"] = phases[name].get("kv_cache", 0) + per_row * width
+    return phases
 
 
 def in_flight_bytes(p: act.Pass, shape: ModelShape, stage: Stage, spec: TrainSpec) -> int:

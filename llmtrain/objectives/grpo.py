@@ -455,7 +455,7 @@ class GRPO:
                 parts, n, recs = self.on_first_of_group(
                     lambda: self._rollout_batch(b["examples"], step, stand_in=not batch_weight(b), drawn=each))
                 batches += parts
-                extremes += [part.pop("sampler_extremes") for part in parts if "sampler_extremes" in part]
+                extremes += [part.pop("sampler_extremes", None) for part in parts]
                 counts = n if counts is None else counts.plus(n)
                 records += recs
         if self.rl.multi_objective_aggregation == "normalize_then_sum" or self.rl.scale_rewards == "batch":
@@ -469,7 +469,11 @@ class GRPO:
             for record in records:
                 record["advantage"] = 0.0 if record["advantage"] is None else (record["advantage"] - shift) / divisor
         if self.correcting:  # the step's largest |difference| and extreme ratios over every process: one gather
-            self.sampler_extremes = _extremes(self.gather(extremes))
+            if self.stages is not None:  # the last stage's (its policy log-probabilities), given to the pipeline's
+                # first stage, which gathers for it (its passes are the last stage's: the same completions)
+                rows = torch.tensor([e or [math.nan] * 3 for e in extremes], dtype=torch.float64).reshape(-1, 3)
+                extremes = self.stages.from_last(rows).tolist()
+            self.sampler_extremes = _extremes(self.gather([e for e in extremes if e and not math.isnan(e[0])]))
         if self.rl.micro_batch_tokens is not None and self.world > 1:
             # Every rank must run as many forward/backward passes (FSDP gathers and reduce-scatters in each): the
             # ranks with fewer run their last pass again with weight 0. One small gather a step.
@@ -613,7 +617,10 @@ class GRPO:
         if self._reference_once():  # the round's updates read them, with no reference forward of their own
             for batch, logps in zip(batches, self._reference_logps(batches)):
                 batch["loss_ref_logps"] = logps.cpu()
-        correction = self._correct(batches, parts, sampled, masks) if self.correcting else [0.0] * 3
+        # (on pipeline stages the policy's log-probabilities are the last stage's alone, and so are the ratios its
+        # loss reads: _staged_logps)
+        correcting = self.correcting and (self.stages is None or self.stages.last is not None)
+        correction = self._correct(batches, parts, sampled, masks) if correcting else [0.0] * 3
         advantages, std, more, columns = self._advantages(total, g, batches, parts, per_function=per_function)
         for batch, part, n in zip(batches, parts, lengths.split([len(part) for part in parts])):
             self._attach(batch, advantages[part], n)
@@ -992,17 +999,19 @@ def _number(value: torch.Tensor) -> float | None:
 class StageGRPO:
     """GRPO on pipeline stages (parallel/pipeline/schedule.py): the last stage's loss. The rollout runs on every
     process of a pipeline alike (the same completions, sampled through the stages: GRPO.stages), and its passes
-    (packed rows of rl.micro_batch_tokens slots) reach the last stage as the final hidden states with the [slots, 10]
+    (packed rows of rl.micro_batch_tokens slots) reach the last stage as the final hidden states with the [slots, 12]
     float32 targets of `targets`: at each trained position its token, advantage, weight in the sum, completion's
     length, completion, reference log-probability (beta > 0: the model with its adapter disabled, or LoRA's moving
     reference, forward only through the stages before the step: `prepare`; with rl.num_iterations > 1, the rollout's
     once a round) and old log-probability (rl.num_iterations > 1: the policy's as it sampled, the rollout's through
-    the stages); at slot k the pass's k-th rollout statistic; at slot 0 its completions and (the entropy bonus) the
-    window's loss units per trained token. From these the loss and its statistics are GRPO's own (`policy_loss`,
-    the entropy bonus of the run's GRPO.entropy, rl.top_entropy_quantile's quantile over the last stages of every
-    pipeline: `gather_tokens`), so that 2 stages train what one process trains."""
+    the stages) and, with rl.sampler_correction, the sampler's log-probability and the correction's weight (both
+    the last stage's own: the rollout takes them where the policy's are); at slot k the pass's k-th rollout
+    statistic; at slot 0 its completions and (the entropy bonus) the window's loss units per trained token. From
+    these the loss and its statistics are GRPO's own (`policy_loss`, the entropy bonus of the run's GRPO.entropy,
+    rl.top_entropy_quantile's quantile over the last stages of every pipeline: `gather_tokens`), so that 2 stages
+    train what one process trains."""
 
-    WIDTH = 10
+    WIDTH = 12
 
     def __init__(self, rl, *, rollout_stats: int, adapter_off=None):
         self.rl, self.rollout_size, self.adapter_off = rl, rollout_stats, adapter_off
@@ -1033,8 +1042,10 @@ class StageGRPO:
         at = batch["loss_index"].reshape(-1)
         if len(at):  # (before the advantages: the rollout's passes through the stages, RLOO's KL)
             out[at, 0], out[at, 4] = batch["loss_targets"].float(), batch["loss_example"].float()
-            if "loss_old_logps" in batch:  # rl.num_iterations > 1: the policy's as it sampled
+            if "loss_old_logps" in batch:  # rl.num_iterations > 1, rl.sampler_correction: the policy's as it sampled
                 out[at, 8] = batch["loss_old_logps"].float()
+            if "loss_sampler_weights" in batch:  # rl.sampler_correction: the sampler's, and each token's weight
+                out[at, 10], out[at, 11] = batch["loss_sampler_logps"].float(), batch["loss_sampler_weights"].float()
         if "units_per_trained" in batch:  # the entropy bonus's share of each trained token (loop/step.py)
             out[0, 9] = float(batch["units_per_trained"])
         if "rollout_stats" in batch:
@@ -1085,7 +1096,9 @@ class StageGRPO:
         t = target[at]
         batch = {"loss_advantages": t[:, 1], "loss_weights": t[:, 2], "loss_lengths": t[:, 3],
                  "loss_example": t[:, 4].long(), "completions": int(target[0, 7]),
-                 **({"loss_old_logps": t[:, 8]} if self.rl.num_iterations > 1 else {})}
+                 **({"loss_old_logps": t[:, 8]} if self.rl.num_iterations > 1 or self.rl.sampler_correction else {}),
+                 **({"loss_sampler_logps": t[:, 10], "loss_sampler_weights": t[:, 11]}
+                    if self.rl.sampler_correction else {})}
         total, stats = policy_loss(self.rl, -losses.float(), entropy, batch, ref=t[:, 5] if self.rl.beta else None,
                                    gather_tokens=self.gather_tokens)
         if bonus is not None:  # as GRPO.loss: minus coef x each trained token's entropy x the window's units per token

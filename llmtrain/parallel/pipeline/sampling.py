@@ -2,7 +2,8 @@
 
 Each decoding step (the prompts' pass, then one token a row) runs through the stages in order with the KV cache of
 each stage's own layers kept where they run: the first stage embeds the tokens, each stage hands its hidden states to
-the next (point to point, in the pipeline's process group), and the last applies the final norm and the head to the
+the next (point to point, in the pipeline's process group; Gemma 4's per-layer inputs and its store layers' new keys
+and values with them, as in training: stage.Stage._decode), and the last applies the final norm and the head to the
 last position; its logits (fp32, [rows, 1, vocab]) are broadcast to every stage of the pipeline, so every process of
 it picks the same tokens with generate.sample's own code (its uniforms, filters and stops). A step costs one hop a
 stage boundary and the logits' broadcast; the stages run one after another (no micro-batches in flight: the
@@ -30,13 +31,47 @@ class _Out(dict):
 
 
 class _State:
-    """A decoding's KV cache (this process's layers') and the dtypes its hidden states cross the stages in."""
+    """A decoding's KV cache (this process's layers'), and the shared keys and values its stages received (Gemma 4's:
+    Stage._decode)."""
 
     def __init__(self):
         from transformers import DynamicCache
 
-        self.kv = DynamicCache()  # lazily a layer of its own for each layer index it is given
-        self.dtypes: dict[int, torch.dtype] = {}  # each stage's hidden states' dtype as it receives (sends) them
+        self.kv = DynamicCache()  # lazily a layer of its own for each layer index it is given (none sliding: whole)
+        self.held: dict = {}
+
+
+# What crosses a stage boundary at each decoding step: the hidden states, and Gemma 4's per-layer inputs and new keys
+# and values (Stage._decode), led by a header of their dtypes and shapes (they change with the step's positions)
+_MOST, _DIMS = 8, 4
+
+
+def _send(tensors: tuple, dst: int, group, device) -> None:
+    import torch.distributed as dist
+
+    header = torch.zeros(1 + _MOST * (2 + _DIMS), dtype=torch.long)
+    header[0] = len(tensors)
+    for i, t in enumerate(tensors):
+        at = 1 + i * (2 + _DIMS)
+        header[at], header[at + 1] = _WIRE_DTYPES.index(t.dtype), t.dim()
+        header[at + 2: at + 2 + t.dim()] = torch.tensor(t.shape)
+    dist.send(header.to(device), dst=dst, group=group)
+    for t in tensors:
+        dist.send(t.contiguous(), dst=dst, group=group)
+
+
+def _receive(src: int, group, device) -> tuple:
+    import torch.distributed as dist
+
+    header = torch.empty(1 + _MOST * (2 + _DIMS), dtype=torch.long, device=device)
+    dist.recv(header, src=src, group=group)
+    header, out = header.tolist(), []
+    for i in range(header[0]):
+        at = 1 + i * (2 + _DIMS)
+        t = torch.empty(header[at + 2: at + 2 + header[at + 1]], dtype=_WIRE_DTYPES[header[at]], device=device)
+        dist.recv(t, src=src, group=group)
+        out.append(t)
+    return tuple(out)
 
 
 def window_of(layer) -> int | None:
@@ -79,8 +114,6 @@ class StagesLM:
 
     def __call__(self, *, input_ids, attention_mask, position_ids, use_cache: bool = True, logits_to_keep: int = 1,
                  cache: _State | None = None, past_key_values: _State | None = None) -> _Out:
-        import torch.distributed as dist
-
         p = self.pipeline
         g = p.group
         state = cache or past_key_values or _State()
@@ -95,28 +128,19 @@ class StagesLM:
             return made[window]
 
         total = len(p.stage_ranks)
-        h, logits = input_ids, None
+        handed, logits = (input_ids,), None
         for s in range(total):
             module = p.by_stage.get(s)
             if module is None:
                 continue
             if s > 0 and s - 1 not in p.by_stage:  # the previous stage is another process's
-                src = p.stage_ranks[s - 1]
-                if s not in state.dtypes:  # the stage's first hand-off of a decoding: the dtype it travels in, once
-                    code = torch.zeros(1, dtype=torch.long, device=self.device)
-                    dist.recv(code, src=src, group=g.group)
-                    state.dtypes[s] = _WIRE_DTYPES[int(code)]
-                h = torch.empty(rows, queries, self.config.hidden_size, dtype=state.dtypes[s], device=self.device)
-                dist.recv(h, src=src, group=g.group)
-            h = module(h, position_ids=position_ids, cache=state.kv, masks=masks)
+                handed = _receive(p.stage_ranks[s - 1], g.group, self.device)
+            out = module(*handed, position_ids=position_ids, cache=state.kv, masks=masks, held=state.held)
+            handed = out if isinstance(out, tuple) else (out,)
             if s == total - 1:
-                logits = p.logits(module.head(h[:, -1:])).float()
+                logits = p.logits(module.head(handed[0][:, -1:])).float()
             elif s + 1 not in p.by_stage:  # the next stage is another process's
-                dst, h = p.stage_ranks[s + 1], h.contiguous()
-                if s + 1 not in state.dtypes:
-                    state.dtypes[s + 1] = h.dtype
-                    dist.send(torch.tensor([_WIRE_DTYPES.index(h.dtype)], device=self.device), dst=dst, group=g.group)
-                dist.send(h, dst=dst, group=g.group)
+                _send(handed, p.stage_ranks[s + 1], g.group, self.device)
         if len(p.by_stage) < total:  # the last stage's logits to every stage of the pipeline
             if logits is None:
                 logits = torch.empty(rows, 1, p.vocab, dtype=torch.float32, device=self.device)

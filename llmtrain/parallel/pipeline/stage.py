@@ -61,18 +61,22 @@ class Stage(nn.Module):
         if self.make_per_layer is not None:
             self.per_layer_modules = nn.ModuleList(getattr(decoder, n) for n in PER_LAYER_MODULES)
         self.kv_in, self.kv_out = kv_handoffs(lm.config, layers.start), kv_handoffs(lm.config, layers.stop)
+        self.start = layers.start
+        shared = int(getattr(lm.config, "num_kv_shared_layers", 0) or 0)
+        self.first_shared = lm.config.num_hidden_layers - shared if shared else None  # Gemma 4's first sharing layer
         # (every Gemma 4 layer takes the dict: transformers 5.17's store layers write into it whether or not a later
         # layer reads it)
         self.shares_kv = "shared_kv_states" in inspect.signature(type(decoder.layers[0]).forward).parameters
         self.balanced = Balance(lm, self.layers) if balanced else None
 
-    def forward(self, x, *handed, position_ids, cu_seq_lens=None, real=None, cache=None, masks=None):
+    def forward(self, x, *handed, position_ids, cu_seq_lens=None, real=None, cache=None, masks=None, held=None):
         """Training and evaluation: a packed row (`cu_seq_lens`: its examples' boundaries) under the run's autocast.
-        Sampling (`cache`: a transformers Cache, `masks`: each layer's attention mask): the new positions of a batch
-        of left-padded rows with the KV cache of this stage's layers, as the unwrapped model generates (no autocast:
-        one process's sampling runs the model as it is), through this forward so FSDP's hooks gather the stage."""
+        Sampling (`cache`: a transformers Cache, `masks`: each layer's attention mask, `held`: the decoding's shared
+        keys and values received so far, _decode): the new positions of a batch of left-padded rows with the KV cache
+        of this stage's layers, as the unwrapped model generates (no autocast: one process's sampling runs the model
+        as it is), through this forward so FSDP's hooks gather the stage."""
         if cache is not None:
-            return self._decode(x, position_ids, cache, masks)
+            return self._decode(x, handed, position_ids, cache, masks, {} if held is None else held)
         with self.precision():
             if self.balanced is None:
                 return self._forward(x, handed, position_ids, cu_seq_lens)
@@ -83,13 +87,43 @@ class Stage(nn.Module):
                 out = self._forward(x, handed, position_ids, cu_seq_lens)
             return (*(out if isinstance(out, tuple) else (out,)), self.balanced.add(routed, received, real, x.device))
 
-    def _decode(self, x, position_ids, cache, masks):
+    def _decode(self, x, handed, position_ids, cache, masks, held: dict):
+        """One decoding step's new positions through the stage's layers. Gemma 4 hands on what it does in training
+        (_forward): the per-layer inputs of the later layers (made on the first stage from the new tokens), and the
+        keys and values its store layers made for sharing layers on later stages, as the new positions' alone: each
+        receiving stage appends them to what it holds of them (`held`, by its first layer and kind, for the whole
+        decoding), so that its sharing layers read the whole length, as the store layer's own cache has it. The
+        sharing layers (the last ones) run on each row's last position alone, as transformers' Gemma 4 runs them when
+        only the last logits are read (_maybe_slice_kv_shared_inputs): they add nothing to a cache."""
+        new = position_ids.shape[1]  # the step's positions (the store layers' new keys and values)
         h = self.embed(x) if self.embed is not None else x
+        if h.shape[1] < new:  # an earlier stage's sharing layers kept the last position alone
+            position_ids, masks = position_ids[:, -1:], _last_query(masks)
+        per_layer, handed = (handed[0], handed[1:]) if self.per_layer and self.embed is None else (None, handed)
+        if self.make_per_layer is not None:  # as transformers' Gemma4TextModel makes them
+            lookup, project = self.make_per_layer
+            per_layer = project(h, lookup(x, h))
+        shared = {}
+        for i, kind in enumerate(self.kv_in):
+            step, before = handed[2 * i: 2 * i + 2], held.get((self.start, kind))
+            shared[kind] = held[(self.start, kind)] = tuple(step) if before is None else tuple(
+                torch.cat([b, n], dim=2) for b, n in zip(before, step))
+        extra = {"shared_kv_states": shared} if self.shares_kv else {}
         pe = rotary_by_kind(self.rotary, h, position_ids, self.kinds)
-        for layer, kind in zip(self.layers, self.kinds):
+        for i, (layer, kind) in enumerate(zip(self.layers, self.kinds)):
+            if self.start + i == self.first_shared and h.shape[1] > 1:
+                h, masks, position_ids = h[:, -1:], _last_query(masks), position_ids[:, -1:]
+                per_layer = per_layer[:, -1:] if per_layer is not None else None
+                pe = {k: tuple(t[:, -1:] for t in pair) for k, pair in pe.items()}
+            if per_layer is not None:
+                extra["per_layer_input"] = per_layer[:, :, i]
             h = layer(h, attention_mask=masks(layer), position_ids=position_ids, use_cache=True,
-                      position_embeddings=pe[kind], **{_cache_name(type(layer)): cache})
-        return self.norm(h) if self.norm is not None else h
+                      position_embeddings=pe[kind], **{_cache_name(type(layer)): cache}, **extra)
+        if self.norm is not None:
+            return self.norm(h)
+        out = [per_layer[:, :, len(self.layers):].contiguous()] if per_layer is not None else []
+        out += [t[:, :, -new:].contiguous() for kind in self.kv_out for t in shared[kind]]
+        return (h, *out) if out else h
 
     def _forward(self, x, handed, position_ids, cu_seq_lens):
         cu = cut_points(cu_seq_lens)
@@ -115,6 +149,11 @@ class Stage(nn.Module):
         out = [per_layer[:, :, len(self.layers):].contiguous()] if per_layer is not None else []
         out += [t.contiguous() for kind in self.kv_out for t in shared[kind]]
         return (h, *out) if out else h
+
+
+def _last_query(masks):
+    """Each layer's decoding mask (a function of the layer) for the step's last position alone."""
+    return lambda layer: masks(layer)[:, :, -1:]
 
 
 # Gemma 4's modules that make the per-layer inputs (Gemma4TextModel.get_per_layer_inputs, project_per_layer_inputs):
