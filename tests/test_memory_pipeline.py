@@ -588,9 +588,11 @@ def test_each_stages_estimate_matches_its_measured_step(tiny_assets, tmp_path, m
     KTO with LoRA (rows of 8 completions under a token budget) 0.958 and 0.948. Interleaved 1F1B (2 chunks a GPU):
     0.987 and 0.983 (0.962 on the last GPU while only its chunk with the head was modelled; its first chunk holds
     twice the micro-batches). Gemma 4's rollout (128 rows, 31-token prompts, 96 tokens sampled; the later stage's
-    layers share the earlier one's keys and values, held whole there): 1.007 and 1.040, where the later stage's peak
+    layers share the earlier one's keys and values, held whole there): 1.022 and 1.036, where the later stage's peak
     is its decoding (0.521 while its sharing layers ran every position of the prompts' pass: Stage._decode now runs
-    them on the last position, as transformers does)."""
+    them on the last position, as transformers does). GRPO's rollout on the Llama (32 rows): 0.986 and 0.987 (1.055 on
+    the first stage while its prefill counted the whole model's 4 hidden tensors a token, and the prompts were taken
+    at 32 tokens, not the data's 31)."""
     import yaml
     from helpers import ENV, open_port
     from test_memory_saved import cpu_varlen_attention_bytes
@@ -632,7 +634,9 @@ def test_each_stages_estimate_matches_its_measured_step(tiny_assets, tmp_path, m
     monkeypatch.setattr(act, "attention_bytes", lambda p, shape, *, o_trainable: cpu_varlen_attention_bytes(
         p, shape, lengths, o_trainable=o_trainable))
     run = load_recipe(recipe, overrides)
-    s = as_trained(spec_from_recipe(run, strategy="ddp", num_gpus=2))  # as the run estimates itself (cpu_ddp.yaml)
+    # as the run estimates itself (cpu_ddp.yaml; online RL with its prompts' lengths: 30 letters and BOS each)
+    s = as_trained(spec_from_recipe(run, strategy="ddp", num_gpus=2,
+                                    prompt_lengths=[31] * 64 if kind == "prompt" else None))
     shape = recipe_model_shape(run)
     ratios = {st.rank: stage_estimate(shape, s, st).per_gpu_peak_allocated_bytes / measured[st.rank]
               for st in stages_of(shape, s)}

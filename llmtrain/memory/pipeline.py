@@ -380,6 +380,20 @@ def staged_generation_phases(shape: ModelShape, spec: TrainSpec, stage: Stage, b
     plan = stage_plan(shape, spec, stage)
     gathered = (own.params_total + (plan.trainable(own) if plan else 0)) * pd if spec.sharded else 0
     phases = _generation_phases(own, spec, base, cached=cached, fsdp_unit=gathered)
+    # the prompts' pass (the reference loop: every row's whole prompt at once)
+    width = max(2, spec.prompt_longest or spec.prompt_tokens or spec.seq_len)
+    p = make_pass(own, spec.but(seq_len=width, attn_implementation="sdpa", packing=False, micro_batch_tokens=None),
+                  examples=sampling_rows(spec))
+    prefill = phases["generation_prefill"]
+    if stage.first and len(stage.chunks) == 1:  # the whole model's forward keeps the embeddings beside each layer's
+        # input, output and normalised input (eval_layer_bytes' 4 x T x H); the first stage's embeddings are its first
+        # layer's input, dropped after it (a later stage keeps what it received beside them: 4)
+        prefill["temporaries"] = prefill.get("temporaries", 0) - min(prefill.get("temporaries", 0),
+                                                                     p.tokens * own.hidden * p.resid)
+    if own.per_layer_input:  # Gemma 4: the per-layer inputs of the layers from the stage's first on, made there (the
+        # first stage) or received, alive through the pass
+        prefill["temporaries"] = prefill.get("temporaries", 0) + p.tokens * act.ple_width(p) * own.per_layer_input * (
+            shape.layers - stage.chunks[0].start)
     if shape.kv_handed and (held := sum(shape.kv_handed[c.start] for c in stage.chunks)):
         # (the stages sample with the reference loop: the prompts alone while they are prefilled)
         per_row = held * DTYPE_BYTES[PRECISION_DTYPE.get(spec.mixed_precision, spec.dtype)] * sampling_rows(spec)
