@@ -342,3 +342,20 @@ def test_online_rls_measured_reserved_gap_is_said_beside_the_estimate():
     assert "online RL's reserved memory was measured at 1.33x its allocated peak on one H200" in notes
     assert "91.90 GiB reserved for 68.96 allocated" in notes and "leave about a third of the allocated peak" in notes
     assert "reserved memory was measured" not in " ".join(estimate(MISTRAL, spec_from_recipe(recipe())).notes)
+
+
+def test_the_kv_cache_row_says_which_sampler_holds_it():
+    """The table's kv_cache row names the cache the run's sampler holds: the fast sampler's static one, or the
+    reference loop's (rl.sampler reference, pipeline stages), which grows a token at a time (it had said "static"
+    for both)."""
+    from conftest import REPO
+    from helpers import estimate_memory
+
+    def row(*overrides: str) -> str:
+        out = estimate_memory(str(REPO / "recipes" / "llama3-8b-grpo.yaml"), *overrides).stdout
+        out = " ".join(out.replace("│", " ").split())  # (the table's wrapped cells as one text)
+        return out[out.index("kv_cache"):][:200]
+
+    assert "static: the fast sampler's" in row()
+    said = row("rl.sampler=reference")
+    assert "the reference loop's" in said and "static" not in said

@@ -20,7 +20,7 @@ WHAT = {
     "ddp_buckets": "DDP gradient buckets",
     "fsdp_buffers": "all-gathered FSDP units in flight",
     "temporaries": "short-lived tensors (a layer's, or the loss's)",
-    "kv_cache": "the sampler's KV cache (static: the fast sampler)",
+    "kv_cache": "the sampler's KV cache{cache}",
     "generation_copy": "the sampler's merged copy of the adapted linears (rl.merged_copy)",
     "pipeline_buffers": "the pipeline's receive buffers (activations and gradients, one per micro-batch)",
     "teacher": "distillation's teacher: its weights (whole on every GPU, or sharded by FSDP; on pipeline stages the "
@@ -93,7 +93,9 @@ def render_estimate(est: Estimate, advice: str, *, traffic: Traffic | None = Non
         most, phase = (overhead, est.peak_phase) if name == "overhead" else largest.get(name, (0, est.peak_phase))
         if at_peak or most or name in COMPONENTS[:6]:
             where = f" (largest at {phase.replace('_', ' ')})" if most > at_peak else ""
-            what = WHAT[name].format(shard=shard)
+            what = WHAT[name].format(shard=shard, cache=(
+                " (the reference loop's: the prompts', grown a token at a time)" if spec.reference_sampler else
+                " (static: the fast sampler's, allocated whole)"))
             if name == "weights" and (spec.frozen_reference or spec.adapter_reference):
                 what += ("; with the reference's frozen copy" if spec.frozen_reference else
                          "; with the reference's snapshot of the adapters and its spare (sync_reference)")
