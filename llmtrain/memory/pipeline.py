@@ -524,19 +524,18 @@ def same_batch(spec: TrainSpec, strategy: str) -> TrainSpec | None:
                     grad_accum_steps=spec.grad_accum_steps // p)
 
 
-def compared(shape: ModelShape, spec: TrainSpec, network: Network) -> list[tuple[str, Estimate, Traffic]]:
+def compared(shape: ModelShape, spec: TrainSpec, network: Network, *,
+             shardable: bool = True) -> list[tuple[str, Estimate, Traffic]]:
     """The pipeline beside DDP, FSDP and HSDP (HSDP where there are nodes to replicate over) on the same GPUs at the
     same global batch: (label, estimate, traffic) each, the pipeline first (each estimate says whether it fits). FSDP
-    and HSDP only where the capability table lets the recipe shard (fit.shardable: e.g. not rl.cast_lm_head_to_fp32,
-    which stages run)."""
-    from llmtrain.memory.fit import shardable
-
+    and HSDP only where the capability table lets the recipe shard (`shardable`, fit.shardable: e.g. not
+    rl.cast_lm_head_to_fp32, which stages run)."""
     stage_gpus = spec.world // spec.pipeline_parallel
     label = (f"pipeline {spec.pipeline_parallel} x {spec.strategy} {stage_gpus}" if stage_gpus > 1 else
              f"pipeline {spec.pipeline_parallel} (a GPU a stage)")  # not "x single 1", nor "x ddp 1"
     rows = [(label, pipeline_estimate(shape, as_trained(spec)), pipeline_traffic(shape, as_trained(spec), network))]
     for strategy in ("ddp", "fsdp", "hsdp") if spec.num_nodes > 1 and spec.num_gpus > 1 else ("ddp", "fsdp"):
-        if strategy != "ddp" and not shardable(spec):
+        if strategy != "ddp" and not shardable:
             continue
         other = same_batch(spec, strategy)
         if other is not None:
