@@ -839,7 +839,7 @@ def test_scalerls_fp32_head_and_sampler_correction_on_two_stages_are_one_process
     that dropped the cast would fail here, and one that dropped the ratios would train another loss."""
     path = _grpo_recipe(four_layers, tmp_path, lora=True, beta=0.04, loss_type="grpo", top_p=0.8,
                         sampler_correction="token_truncate")
-    env = ONEDNN_AVX2 if bf16_rows_change_results() else ENV  # (the bf16 rows' kernels: _kernels)
+    env = _kernels("bf16") or ENV  # (the bf16 rows' kernels)
     bf16, cast = "model.dtype=bfloat16", "rl.cast_lm_head_to_fp32=true"
     for name, extra in (("one", [cast]), ("plain", [])):
         cli("finetune", str(path), bf16, *extra, f"output_dir={tmp_path / name}", env=env)

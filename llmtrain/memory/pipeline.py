@@ -187,9 +187,10 @@ def stage_states(shape: ModelShape, spec: TrainSpec, stage: Stage) -> States:
         return states(own, spec, plan)
     master = stage_master(spec)
     # (a head held in fp32 by rl.cast_lm_head_to_fp32: its weight, gradient and AdamW state at 4 bytes a parameter)
-    fp32 = own.params_head * 4 if spec.fp32_head else 0
-    head = fp32 + (own.params_head * (not fp32) + own.params_final_norm) * master
-    total = fp32 + (own.params_total - own.params_head * bool(fp32)) * master
+    head_bytes = 4 if spec.fp32_head else master
+    fp32 = own.params_head * 4 if spec.fp32_head else 0  # (AdamW's state of fp32 parameters, below)
+    head = own.params_head * head_bytes + own.params_final_norm * master
+    total = (own.params_total - own.params_head) * master + own.params_head * head_bytes
     shard = spec.shards
     return States(weights=total // shard, grads=total // shard, grads_head=head // shard,
                   grads_layer=tuple(own.layer(i).params_per_layer * master // shard for i in range(own.layers)),
@@ -380,26 +381,24 @@ def staged_generation_phases(shape: ModelShape, spec: TrainSpec, stage: Stage, b
     plan = stage_plan(shape, spec, stage)
     gathered = (own.params_total + (plan.trainable(own) if plan else 0)) * pd if spec.sharded else 0
     phases = _generation_phases(own, spec, base, cached=cached, fsdp_unit=gathered)
-    # the prompts' pass (the reference loop: every row's whole prompt at once)
-    width = max(2, spec.prompt_longest or spec.prompt_tokens or spec.seq_len)
-    p = make_pass(own, spec.but(seq_len=width, attn_implementation="sdpa", packing=False, micro_batch_tokens=None),
-                  examples=sampling_rows(spec))
+    # the prompts' pass (the stages sample with the reference loop: every row's whole prompt at once)
+    prompt, rows = spec.prompt_longest or spec.prompt_tokens or spec.seq_len, sampling_rows(spec)
+    p = make_pass(own, spec.but(seq_len=max(2, prompt), attn_implementation="sdpa", packing=False,
+                                micro_batch_tokens=None), examples=rows)
     prefill = phases["generation_prefill"]
     if stage.first and len(stage.chunks) == 1:  # the whole model's forward keeps the embeddings beside each layer's
         # input, output and normalised input (eval_layer_bytes' 4 x T x H); the first stage's embeddings are its first
         # layer's input, dropped after it (a later stage keeps what it received beside them: 4)
-        prefill["temporaries"] = prefill.get("temporaries", 0) - min(prefill.get("temporaries", 0),
-                                                                     p.tokens * own.hidden * p.resid)
+        prefill["temporaries"] = max(0, prefill.get("temporaries", 0) - p.tokens * own.hidden * p.resid)
     if own.per_layer_input:  # Gemma 4: the per-layer inputs of the layers from the stage's first on, made there (the
         # first stage) or received, alive through the pass
         prefill["temporaries"] = prefill.get("temporaries", 0) + p.tokens * act.ple_width(p) * own.per_layer_input * (
             shape.layers - stage.chunks[0].start)
     if shape.kv_handed and (held := sum(shape.kv_handed[c.start] for c in stage.chunks)):
-        # (the stages sample with the reference loop: the prompts alone while they are prefilled)
-        per_row = held * DTYPE_BYTES[PRECISION_DTYPE.get(spec.mixed_precision, spec.dtype)] * sampling_rows(spec)
-        for name, width in (("generation_prefill", spec.prompt_longest or spec.prompt_tokens or spec.seq_len),
-                            ("generation", _cache_width(spec))):
-            phases[name]["kv_cache"] = phases[name].get("kv_cache", 0) + per_row * width
+        # (in the compute dtype, as kv_cache_bytes; the prompts' alone while they are prefilled)
+        per_row = held * DTYPE_BYTES[PRECISION_DTYPE.get(spec.mixed_precision, spec.dtype)] * rows
+        for name, positions in (("generation_prefill", prompt), ("generation", _cache_width(spec))):
+            phases[name]["kv_cache"] = phases[name].get("kv_cache", 0) + per_row * positions
     return phases
 
 
