@@ -210,12 +210,8 @@ def _fp32_head(r, _):
     return r.rl is not None and r.rl.cast_lm_head_to_fp32
 
 
-def _copy(r, _):
-    return reference_copy(r)
-
-
 def _copy_reread(r, layout):
-    return reference_copy(r) and r.model.random_init
+    return reference_copy(r) and r.model.random_init and layout.pp == 1  # (stages copy their own: StageCopy)
 
 
 def _copy_unsharded(r, layout):
@@ -263,12 +259,6 @@ RL_STAGE_RULES: tuple[Rule, ...] = (
     Rule("pp", _rl(lambda rl: rl.micro_batch_tokens is None),
          _STAGES_RL + "loss in rows of one fixed shape: set rl.micro_batch_tokens, the slots of each pass (at least "
          "the longest prompt plus rl.max_completion_tokens)"),
-    Rule("pp", lambda r, layout: layout.fsdp and rollout_adapter(r),
-         "RLOO's KL with LoRA's moving reference (rl.sync_reference) on {key} under an FSDP launch: the rollout swaps "
-         "the snapshot into each stage's gathered weights, which torch's pipeline schedule reshards when it turns "
-         "from training to evaluation (measured: a segmentation fault on every process). Launch the stages with DDP "
-         "(accelerate_configs/ddp.yaml), remove rl.sync_reference, or use rl.algorithm=grpo (its reference runs "
-         "before each update)"),
     Rule("pp", _rl(lambda rl: rl.merged_copy != "off"),
          _STAGES_RL + "loss with each stage's own weights: a merged generation copy (rl.merged_copy) is not built "
          "for stages. Unset it"),
@@ -342,11 +332,6 @@ RULES: tuple[Rule, ...] = (
          "micro-batch is one packed row of train.micro_batch_tokens slots (padded to it). Set "
          "train.micro_batch_tokens={budget} (the slots of train.micro_batch_size={size} rows of data.max_seq_len) and "
          "train.micro_batch_size=1"),
-    Rule("pp", _copy,
-         "a full fine-tune's frozen reference ({reference}) is a copy of the starting weights, which pipeline "
-         "stages do not hold (there the reference is LoRA's model with its adapter disabled, run through the stages, "
-         "or precomputed: preference.reference precomputed). Add a lora: section, or set "
-         "parallel.pipeline_parallel=1"),
     Rule("pp", _pp_accum,
          "{key} with pipeline_schedule={schedule}: torch's schedule needs at least as many micro-batches a step as "
          "stages, and train.grad_accum_steps={accum}. Set train.grad_accum_steps to {pp} or more (more shrink the "

@@ -176,10 +176,12 @@ def assert_same_runs(run, one):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("replicas, sync", [(1, False), pytest.param(2, False, marks=pytest.mark.extended),
-                                            pytest.param(1, True, marks=pytest.mark.extended)],
-                         ids=["pp", "pp-ddp", "pp-lora-sync"])
-def test_pipeline_stages_train_as_without_them(tiny_assets, tmp_path, free_port, replicas, sync):
+@pytest.mark.parametrize("replicas, sync, lora", [(1, False, True), pytest.param(2, False, True,
+                                                                              marks=pytest.mark.extended),
+                                                  pytest.param(1, True, True, marks=pytest.mark.extended),
+                                                  (1, False, False)],
+                         ids=["pp", "pp-ddp", "pp-lora-sync", "pp-full"])
+def test_pipeline_stages_train_as_without_them(tiny_assets, tmp_path, free_port, replicas, sync, lora):
     """KTO with LoRA on a pipeline of 2 stages (1F1B, 2 micro-batches a step, each a bin of the token budget, one row
     of its 128 slots): before each step (and each eval) the stages run the micro-batches' KL sequences with the
     policy, then with the adapter disabled those and the completions (the reference), forward only, and the KL
@@ -189,7 +191,8 @@ def test_pipeline_stages_train_as_without_them(tiny_assets, tmp_path, free_port,
     stages are averaged (the first stages add nothing), as the DDP processes' are. `pp-lora-sync`: LoRA's moving
     reference (kto.sync_reference every 2 steps, alpha 1), each stage's snapshot of its part of the adapter swapped in
     for the completions' and the KL sequences' reference passes (StagePairs.follow); extended (main tier: DPO's in
-    test_pipeline.py)."""
+    test_pipeline.py). `pp-full`: a full fine-tune, whose reference is each stage's frozen copy of its starting
+    weights, exchanged into them for the reference and KL passes (model/reference.StageCopy)."""
     seed, n = 7, 24
     rows = [{**r, "completion": r["completion"].removesuffix("zz"), "label": True}
             for r in reversal_feedback(tiny_assets, n + 8)]
@@ -199,9 +202,10 @@ def test_pipeline_stages_train_as_without_them(tiny_assets, tmp_path, free_port,
     recipe = write_recipe(tiny_assets, tmp_path, model={"attn_implementation": "auto"},
                           data={"path": str(data), "format": "unpaired", "max_seq_len": 32, "eval_split": str(held)},
                           kto={"beta": 0.5, **({"sync_reference": {"every_steps": 2, "alpha": 1.0}} if sync else {})},
-                          lora={"r": 4, "alpha": 8, "dropout": 0.0},
+                          **({"lora": {"r": 4, "alpha": 8, "dropout": 0.0}} if lora else {}),
                           train={"max_steps": 3, "micro_batch_size": 1, "micro_batch_tokens": 128,
-                                 "grad_accum_steps": 2, "lr": 1e-2, "eps": 1e-6, "warmup_steps": 0, "seed": seed,
+                                 "grad_accum_steps": 2, "lr": 1e-2 if lora else 1e-3, "eps": 1e-6,
+                                 "warmup_steps": 0, "seed": seed,
                                  "eval_every_steps": 3, "eval_samples": 0})
     ddp = REPO / "accelerate_configs" / "cpu_ddp.yaml"
     if replicas == 1:

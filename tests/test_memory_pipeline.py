@@ -534,6 +534,8 @@ STAGED = {  # (model config, data, overrides, bound on |estimate / measured - 1|
     "dpo": (MEASURED, "preference", [], 0.02),
     "dpo-lora": (MEASURED, "preference", LORA_FP32, 0.06),
     "kto-lora": (MEASURED, "unpaired", LORA_FP32, 0.06),
+    # a full fine-tune's KTO: each stage holds its frozen copy of its weights (model/reference.StageCopy)
+    "kto": (MEASURED, "unpaired", [], 0.04),
     "grpo-lora": (MEASURED, "prompt", LORA_FP32, 0.06),
     # the rollout's peak: 32 rows of 127 tokens through the stages, passes of one sequence
     "grpo-sampling": (MEASURED, "prompt", [*LORA_FP32, "rl.num_generations=16", "rl.max_completion_tokens=96",

@@ -620,34 +620,44 @@ def test_four_processes_two_stages_each_sharded_by_fsdp_equal_one_and_resume(fou
 
 
 @pytest.mark.slow
-def test_loras_moving_reference_on_two_stages_is_one_process_reference_and_resumes(four_layers, tmp_path,
-                                                                                    free_port):
-    """DPO with LoRA and sync_reference (every 2 steps, alpha 1): each stage snapshots its own part of the adapter
-    (and the head's trained copy on the last) and its reference passes run with it swapped in, before each step and
-    each eval: 5 steps (steps 3 to 5 against a snapshot) and the eval equal one process's, the step after a sync
-    scoring the policy against itself (its loss log 2). A resume from step 3's checkpoint reads each
-    stage's snapshot back (DCP, by name) and equals the straight run."""
-    recipe = _recipe(four_layers, tmp_path, "sync.yaml", lora=True, eval_every_steps=5, micro_batch_tokens=96,
-                     grad_accum_steps=2, max_steps=5, lr=1e-2)
+@pytest.mark.parametrize("lora", [True, False], ids=["lora", "full-copy"])
+def test_a_moving_reference_on_two_stages_is_one_process_reference_and_resumes(four_layers, tmp_path, free_port,
+                                                                               lora):
+    """DPO with sync_reference on 2 stages, its reference passes before each step and each eval. lora (alpha 1): each
+    stage snapshots its own part of the adapter (and the head's trained copy on the last) and runs it swapped in; the
+    step after a sync scores the policy against itself (its loss log 2). full-copy (preference.reference copy, alpha
+    0.5: TR-DPO's soft mix; refused on stages before 2026-12-05): each stage copies its own starting weights
+    (model/reference.StageCopy), exchanges them into its weights for the passes and mixes half the policy into them
+    after steps 2 and 4, as one process mixes its frozen copy (reference.mix); a copy that stayed the starting
+    weights would change steps 3 to 5. Either way 5 steps (steps 3 to 5 against a moved reference) and the eval equal
+    one process's, and a resume from step 3's checkpoint reads each stage's reference back (DCP, by name) and equals
+    the straight run."""
+    recipe = _recipe(four_layers, tmp_path, "sync.yaml", lora=lora, eval_every_steps=5, micro_batch_tokens=96,
+                     grad_accum_steps=2, max_steps=5, lr=1e-2 if lora else 1e-3)
     sections = ["data.format=preference", f"data.path={four_layers / 'data' / 'train_pairs.jsonl'}",
                 "data.eval_split=0.05", "data.eval_max_examples=40", "preference.beta=0.5",
-                "preference.sync_reference={every_steps: 2, alpha: 1.0}", "lora.modules_to_save=[lm_head]"]
+                *(["lora.modules_to_save=[lm_head]"] if lora else ["preference.reference=copy"]),
+                f"preference.sync_reference={{every_steps: 2, alpha: {1.0 if lora else 0.5}}}"]
     run_train(recipe, *sections, f"output_dir={tmp_path / 'one'}")
     pp = tmp_path / "pp"
-    launch_finetune(CPU_DDP, 2, free_port, recipe, *sections, "parallel.pipeline_parallel=2",
-                    "checkpoint.every_steps=3", f"output_dir={pp}")
+    out = launch_finetune(CPU_DDP, 2, free_port, recipe, *sections, "parallel.pipeline_parallel=2",
+                          "checkpoint.every_steps=3", f"output_dir={pp}")
     got, want = records(pp), records(tmp_path / "one")
     assert len(got) == len(want) == 5
-    for key in ("loss", "rewards/margins", "rewards/accuracies", "grad_norm"):
+    for key in ("loss", "rewards/margins", "rewards/accuracies", "logps/chosen", "grad_norm"):
         assert [r[key] for r in got] == pytest.approx([r[key] for r in want], rel=1e-5, abs=1e-6), key
-    # step 3 scores the policy of step 2 against its own snapshot (log 2, where the adapter off would not give it);
-    # step 2 and 4 a policy a step past its reference
-    assert [round(r["loss"], 6) == round(math.log(2), 6) for r in got] == [True, False, True, False, True]
+    if lora:  # step 3 scores the policy of step 2 against its own snapshot (log 2, where the adapter off would not
+        # give it); steps 2 and 4 a policy a step past its reference
+        assert [round(r["loss"], 6) == round(math.log(2), 6) for r in got] == [True, False, True, False, True]
+    else:
+        assert "reference: each stage's copy of its own starting weights" in out
+        run_train(recipe, *sections[:-1], f"output_dir={tmp_path / 'fixed'}")  # the copy never mixed
+        assert abs(want[2]["loss"] - records(tmp_path / "fixed")[2]["loss"]) > 1e-4
     (g,), (w,) = records(pp, "eval"), records(tmp_path / "one", "eval")
     assert g["eval_loss"] == pytest.approx(w["eval_loss"], abs=1e-6)
-    a, b = (load_weights(run / "final" / "adapter_model.safetensors") for run in (pp, tmp_path / "one"))
-    assert max_abs_diff(a, b) < 1e-5
-    assert (pp / "checkpoints" / "step_000003" / "reference").is_dir()  # the snapshot of step 2, by name
+    name = "adapter_model.safetensors" if lora else "model.safetensors"
+    assert max_abs_diff(load_weights(pp / "final" / name), load_weights(tmp_path / "one" / "final" / name)) < 1e-5
+    assert (pp / "checkpoints" / "step_000003" / "reference").is_dir()  # the reference of step 2, by name
     again = tmp_path / "again"
     launch_finetune(CPU_DDP, 2, free_port + 1, recipe, *sections, "parallel.pipeline_parallel=2",
                     f"output_dir={again}", resume=str(pp / "checkpoints" / "step_000003"))
@@ -701,8 +711,13 @@ def _same_rl(run: Path, one: Path, *, keys: tuple[str, ...], weights: str, tol: 
                                       (True, {"algorithm": "rloo", "beta": 0.05, "loss_type": None,
                                               "sync_reference": {"every_steps": 2, "alpha": 1.0}}),
                                       pytest.param(False, {"importance_sampling_level": "sequence"},
+                                                   marks=pytest.mark.extended),
+                                      (False, {"algorithm": "rloo", "beta": 0.05, "loss_type": None}),
+                                      pytest.param(False, {"beta": 0.04, "loss_type": "grpo",
+                                                           "sync_reference": {"every_steps": 2, "alpha": 0.5}},
                                                    marks=pytest.mark.extended)],
-                         ids=["lora-kl", "rloo-lora-kl", "rloo-lora-sync", "full-gspo"])
+                         ids=["lora-kl", "rloo-lora-kl", "rloo-lora-sync", "full-gspo", "rloo-full-kl",
+                              "full-kl-sync"])
 def test_grpo_samples_and_trains_on_two_stages_as_one_process(four_layers, tmp_path, free_port, lora, rl):
     """GRPO on 2 stages: every completion sampled through the stages (each its own layers' KV cache, the last stage's
     logits broadcast: parallel/pipeline/sampling.py), the rewards computed on the first stage and given to the other,
@@ -714,7 +729,11 @@ def test_grpo_samples_and_trains_on_two_stages_as_one_process(four_layers, tmp_p
     in the rollout through the stages (the policy's and the reference's log-probabilities, forward only) and given
     by the last stage to the first, whose rollouts.jsonl holds the same KLs and advantages; rloo-lora-sync: that KL
     against LoRA's moving reference (synced every 2 steps: each stage's snapshot swapped into its weights in the
-    rollout; refused before 2026-12-05); full-gspo (extended): a full fine-tune, one ratio a completion."""
+    rollout; refused before 2026-12-05); full-gspo (extended): a full fine-tune, one ratio a completion;
+    rloo-full-kl: a full fine-tune's RLOO, its KL in the rollout against each stage's frozen copy of its starting
+    weights, exchanged into them for the reference's passes (model/reference.StageCopy; refused before 2026-12-05);
+    full-kl-sync (extended): GRPO's KL before each step against that copy, mixed half with the policy every 2
+    steps."""
     path = _grpo_recipe(four_layers, tmp_path, lora=lora, **rl)
     run_train(path, f"output_dir={tmp_path / 'one'}")
     out = launch_finetune(CPU_DDP, 2, free_port, path, "parallel.pipeline_parallel=2", f"output_dir={tmp_path / 'pp'}")
@@ -723,15 +742,21 @@ def test_grpo_samples_and_trains_on_two_stages_as_one_process(four_layers, tmp_p
               for run in (tmp_path / "pp", tmp_path / "one")]
     assert [r["completion_ids"] for r in rolled[0]] == [r["completion_ids"] for r in rolled[1]]  # in order too
     assert len(rolled[0]) == 3 * 2 * 2 * 4
-    _same_rl(tmp_path / "pp", tmp_path / "one", keys=("reward", "loss", "grad_norm", "entropy", *(["kl"] * lora)),
-             weights="adapter_model.safetensors" if lora else "model.safetensors")
-    if "sync_reference" in rl:  # synced after step 2: step 3 samples with the reference's own adapter (KL 0), where
-        # the adapter off would give it the KL of 3 steps of training
+    # (a full fine-tune against a reference: 2 to 3 of a layer's 65,536 weights end up to 2.2e-5 apart, where Adam
+    # divides a gradient near fp32's rounding of 0 by its own size; every figure above stays within 1e-5)
+    _same_rl(tmp_path / "pp", tmp_path / "one", keys=("reward", "loss", "grad_norm", "entropy",
+                                                      *(["kl"] * ("beta" in rl))),
+             weights="adapter_model.safetensors" if lora else "model.safetensors",
+             weights_tol=5e-5 if not lora and "beta" in rl else 1e-5)
+    if lora and "sync_reference" in rl:  # synced after step 2: step 3 samples with the reference's own adapter (KL
+        # 0), where the adapter off would give it the KL of 3 steps of training
         assert [r["kl"] == 0 for r in records(tmp_path / "pp")] == [True, False, True]
-    elif lora:
+    elif "beta" in rl:
         assert records(tmp_path / "one")[-1]["kl"] > 0  # the policy moved off the reference
-    for key in ("kl", "advantage") if "algorithm" in rl else ():  # RLOO's, written by the first stage
-        assert [r[key] for r in rolled[0]] == pytest.approx([r[key] for r in rolled[1]], abs=1e-6), key
+    # RLOO's, written by the first stage: a completion's KL is the difference of two fp32 sums of its tokens'
+    # log-probabilities, each summed in its own order (an ulp of a sum of 8 to 32 nats: 1e-6 to 4e-6)
+    for key in ("kl", "advantage") if "algorithm" in rl else ():
+        assert [r[key] for r in rolled[0]] == pytest.approx([r[key] for r in rolled[1]], abs=4e-6), key
     samples = [[json.loads(line)["generated"] for line in (run / "samples.jsonl").read_text().splitlines()]
                for run in (tmp_path / "pp", tmp_path / "one")]
     assert samples[0] == samples[1] and len(samples[0]) == 2 * 2  # the step-0 eval's and step 3's
@@ -742,25 +767,30 @@ def test_grpo_samples_and_trains_on_two_stages_as_one_process(four_layers, tmp_p
 @pytest.mark.parametrize("rl", [{"beta": 0.04, "loss_type": "grpo", "scale_rewards": "batch"},
                                 {"algorithm": "rloo", "beta": 0.05, "loss_type": None},
                                 {"algorithm": "rloo", "beta": 0.05, "loss_type": None,
-                                 "sync_reference": {"every_steps": 2, "alpha": 1.0}}],
-                         ids=["grpo-fsdp", "rloo-fsdp", "rloo-sync-ddp"])
+                                 "sync_reference": {"every_steps": 2, "alpha": 1.0}},
+                                {"algorithm": "rloo", "beta": 0.05, "loss_type": None, "lora": False}],
+                         ids=["grpo-fsdp", "rloo-fsdp", "rloo-sync-fsdp", "rloo-full-fsdp"])
 def test_grpo_on_two_stages_each_sharded_by_fsdp_over_two_replicas_equals_one_process(four_layers, tmp_path,
                                                                                        free_port, rl):
     """2 pipelines of 2 stages, each stage sharded over its 2 replicas by FSDP, each pipeline sampling its own prompts
     (unequal passes padded to the most: FSDP's reduce-scatters line up), rewards scaled over the whole step
     (scale_rewards batch: the gather takes each pipeline's first stage once): the 96 completions, rewards, losses, KLs
     and gradient norms of one process with 4 prompts a micro-batch (measured: 1e-8 apart; the adapter 1.1e-5).
-    rloo-sync-ddp: RLOO's KL against LoRA's moving reference on 2 pipelines under DDP (its forward-only passes in
-    the rollout are refused under FSDP: capabilities.RL_STAGE_RULES)."""
-    path = _grpo_recipe(four_layers, tmp_path, lora=True, **rl)
+    rloo-sync-fsdp: RLOO's KL against LoRA's moving reference, each stage's snapshot swapped into its shards (every
+    unit resharded first) for the rollout's reference passes (refused before 2026-12-05: the swap into the weights
+    held gathered crashed, a segmentation fault when torch's schedule resharded them). rloo-full-fsdp: a full
+    fine-tune's RLOO, its KL in the rollout against each stage's frozen copy of its own shards, exchanged into them
+    for the reference's passes (model/reference.StageCopy)."""
+    rl = dict(rl)
+    lora = rl.pop("lora", True)
+    path = _grpo_recipe(four_layers, tmp_path, lora=lora, **rl)
     run_train(path, "train.micro_batch_size=4", f"output_dir={tmp_path / 'one'}")
-    fsdp = "sync_reference" not in rl
-    out = launch_finetune(REPO / "accelerate_configs" / ("cpu_fsdp.yaml" if fsdp else "cpu_ddp.yaml"), 4, free_port,
-                          path, "parallel.pipeline_parallel=2", f"output_dir={tmp_path / 'pp'}")
-    assert ("2 stages x 2 FSDP shards" if fsdp else "2 stages") in out
+    out = launch_finetune(REPO / "accelerate_configs" / "cpu_fsdp.yaml", 4, free_port, path,
+                          "parallel.pipeline_parallel=2", f"output_dir={tmp_path / 'pp'}")
+    assert "2 stages x 2 FSDP shards" in out
     # (Adam at lr 1e-2 carries the 1e-8 of the gradients into the adapter: 1.1e-5 measured)
     _same_rl(tmp_path / "pp", tmp_path / "one", keys=("reward", "loss", "grad_norm", "entropy", "kl"),
-             weights="adapter_model.safetensors", weights_tol=5e-5)
+             weights="adapter_model.safetensors" if lora else "model.safetensors", weights_tol=5e-5)
 
 
 @pytest.mark.slow
@@ -922,29 +952,32 @@ def _same_distill(run: Path, one: Path, *, tol: float = 1e-5) -> None:
                         load_weights(one / "final" / "model.safetensors")) < 1e-5
 
 
-def test_rloo_moving_reference_on_fsdp_sharded_stages_is_refused_and_its_kl_is_not(tiny_assets):
+def test_rloo_moving_reference_and_full_copy_on_fsdp_sharded_stages_are_accepted(tiny_assets):
     """RLOO's KL in the rollout trains on FSDP-sharded stages (each pipeline running the schedule as often:
-    Pipeline.token_logps); with LoRA's moving reference it crashed there (a segmentation fault on every process:
-    the snapshot swapped into gathered weights that torch's schedule reshards), so that is refused naming the fix,
-    and trains under DDP."""
+    Pipeline.token_logps); with LoRA's moving reference it had crashed there (a segmentation fault on every process:
+    the snapshot swapped into gathered weights that torch's schedule reshards) and was refused, as a full
+    fine-tune's frozen copy was on any stages: both swap into the shards now (model/reference.py), and the table
+    accepts them under FSDP and DDP alike (each trains: test_grpo_on_two_stages_each_sharded_by_fsdp_over_two_replicas_
+    equals_one_process)."""
     from llmtrain import capabilities
     from llmtrain.config import load_recipe
     from llmtrain.layout import Layout
 
     rloo = ["parallel.pipeline_parallel=2", "rl.sampler=reference", "rl.micro_batch_tokens=128",
-            "train.grad_accum_steps=2", "train.eval_batch_size=null", "model.attn_implementation=auto", "lora.r=4",
+            "train.grad_accum_steps=2", "train.eval_batch_size=null", "model.attn_implementation=auto",
             f"data.path={tiny_assets / 'data' / 'train.jsonl'}", "data.eval_split=null", "rl.algorithm=rloo",
             "rl.loss_type=null", "rl.beta=0.05", "rl.num_iterations=2"]
     sharded, ddp = Layout(processes=4, fsdp=True, pp=2), Layout(processes=4, pp=2)
-    recipe = load_recipe(REPO / "recipes" / "tiny-grpo.yaml", rloo)
-    assert capabilities.problems(recipe, sharded) == capabilities.problems(recipe, ddp) == []
-    moving = load_recipe(REPO / "recipes" / "tiny-grpo.yaml", [*rloo, "rl.sync_reference.every_steps=2",
-                                                               "rl.sync_reference.alpha=1"])
-    (said,) = capabilities.problems(moving, sharded)
-    said = " ".join(said.split())
-    assert said.startswith("RLOO's KL with LoRA's moving reference (rl.sync_reference) on parallel.pipeline_parallel=2")
-    assert "Launch the stages with DDP" in said
-    assert capabilities.problems(moving, ddp) == []
+    for extra in (["lora.r=4"], ["lora.r=4", "rl.sync_reference.every_steps=2", "rl.sync_reference.alpha=1"],
+                  ["rl.sync_reference.every_steps=2", "rl.sync_reference.alpha=0.5"]):
+        recipe = load_recipe(REPO / "recipes" / "tiny-grpo.yaml", [*rloo, *extra])
+        assert (recipe.lora is None) == ("lora.r=4" not in extra)
+        assert capabilities.problems(recipe, sharded) == capabilities.problems(recipe, ddp) == [], extra
+    # a random start has no weights to read again, as FSDP's copy does without stages; each stage copies its own
+    random = load_recipe(REPO / "recipes" / "tiny-grpo.yaml", [*rloo, "model.random_init=true"])
+    assert capabilities.problems(random, sharded) == []
+    assert "model.random_init has none to read" in " ".join(capabilities.problems(random, Layout(processes=2,
+                                                                                                 fsdp=True)))
 
 
 @pytest.mark.slow

@@ -47,7 +47,7 @@ from llmtrain.model.modeling import (
     unadapted_experts,
     unquantized_experts,
 )
-from llmtrain.model.reference import AdapterReference, Reference, adapter_off, frozen_copy, saved_problem
+from llmtrain.model.reference import AdapterReference, Reference, StageCopy, adapter_off, frozen_copy, saved_problem
 from llmtrain.model.score import attach_score
 from llmtrain.model.teacher import load_teacher, vocabulary_problem
 from llmtrain.objectives.objective import head_loss_for
@@ -446,7 +446,8 @@ def build_reference(recipe: Recipe, accelerator, trainable: Trainable, *, say):
     """A full fine-tune's frozen reference (capabilities.reference_copy: KTO, preference.reference copy, online RL
     with rl.beta > 0), as a model/reference.Reference with the mode's sync_reference; with LoRA and sync_reference
     the adapter's snapshots (AdapterReference); None for other runs (LoRA's reference is its own model with the
-    adapter disabled). One process and DDP copy the policy before it trains (reference.frozen_copy); under FSDP the
+    adapter disabled). Pipeline stages: each process copies its own stages' weights (reference.StageCopy). One
+    process and DDP copy the policy before it trains (reference.frozen_copy); under FSDP the
     main process reads the starting weights again from model.name_or_path and they are sharded as the policy is
     (fsdp.shard_frozen: every decoder layer a unit gathered for its forward, the LM head whole), frozen, in eval mode,
     with the policy's loss forward (its trained positions through the head chunk by chunk) and its attention (a
@@ -458,14 +459,20 @@ def build_reference(recipe: Recipe, accelerator, trainable: Trainable, *, say):
         say(f"reference: the model with its adapter disabled, then every {sync.every_steps} steps the adapter as it "
             "was then (TR-DPO's hard update)")
         # RLOO's KL runs it in the rollout, where FSDP holds the policy gathered: the snapshot whole too
-        moving = AdapterReference(trainable.unwrapped, sync,
-                                  whole=uses_fsdp(accelerator) and capabilities.rollout_adapter(recipe))
+        stages = trainable.pipeline.modules if trainable.pipeline is not None else ()
+        moving = AdapterReference(trainable.unwrapped, sync, stages=stages,
+                                  whole=uses_fsdp(accelerator) and capabilities.rollout_adapter(recipe) and not stages)
         if trainable.pipeline is not None:  # each stage's snapshot of its own part, run by the stages' reference passes
             trainable.pipeline.head_loss.follow(moving, trainable.unwrapped)
         return moving
     if not capabilities.reference_copy(recipe):
         return None
     mixed = f"; every {sync.every_steps} steps it takes alpha={sync.alpha:g} of the policy (TR-DPO)" if sync else ""
+    if trainable.pipeline is not None:  # each process a copy of its stages' part, run by the stages' reference passes
+        say(f"reference: each stage's copy of its own starting weights, exchanged into them for its passes{mixed}")
+        copied = StageCopy(trainable.unwrapped, sync, stages=trainable.pipeline.modules)
+        trainable.pipeline.head_loss.follow(copied, trainable.unwrapped)
+        return copied
     if not uses_fsdp(accelerator):
         say(f"reference: a frozen copy of the starting weights{mixed}")
         return Reference(frozen_copy(trainable.unwrapped, whose=capabilities.MODES[capabilities.mode_of(recipe)].name),

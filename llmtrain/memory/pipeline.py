@@ -179,10 +179,13 @@ def stage_plan(shape: ModelShape, spec: TrainSpec, stage: Stage) -> LoraPlan | N
 def stage_states(shape: ModelShape, spec: TrainSpec, stage: Stage) -> States:
     """The weights, gradients and AdamW state of the stage's parameters (its layers, and the embeddings or the head
     where it has them), sharded over the FSDP group inside the stage (spec.shards: world / P): a full fine-tune's in
-    their master dtype; LoRA's as states.states has them (the frozen base, 4-bit under QLoRA, and the adapters);
+    their master dtype (and its frozen reference's copy of them); LoRA's as states.states has them (the frozen base,
+    4-bit under QLoRA, and the adapters);
     grads_layer: each of the stage's layers', its chunks' in order."""
     own = stage_shape(shape, stage)
     spec = spec if stage.last else spec.but(fp32_head=False)  # rl.cast_lm_head_to_fp32: the last stage's head
+    # LoRA's moving reference keeps no whole snapshot on stages (their rollout holds no unit gathered)
+    spec = spec.but(adapter_reference_whole=False)
     if (plan := stage_plan(shape, spec, stage)) is not None:
         return states(own, spec, plan)
     master = stage_master(spec)
@@ -192,7 +195,10 @@ def stage_states(shape: ModelShape, spec: TrainSpec, stage: Stage) -> States:
     head = own.params_head * head_bytes + own.params_final_norm * master
     total = (own.params_total - own.params_head) * master + own.params_head * head_bytes
     shard = spec.shards
-    return States(weights=total // shard, grads=total // shard, grads_head=head // shard,
+    # a full fine-tune's frozen reference (spec.frozen_reference): the stage's copy of its own weights, sharded as
+    # they are (model/reference.StageCopy; its exchange's temporary, one weight at a time, is not at the peak)
+    copy = total // shard if spec.frozen_reference else 0
+    return States(weights=total // shard + copy, grads=total // shard, grads_head=head // shard,
                   grads_layer=tuple(own.layer(i).params_per_layer * master // shard for i in range(own.layers)),
                   optimizer=(optimizer_bytes(total - fp32, spec.optimizer, param_bytes=master)
                              + optimizer_bytes(fp32, spec.optimizer, param_bytes=4)) // shard,

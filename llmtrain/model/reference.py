@@ -5,10 +5,11 @@ Which runs hold one is the capability table's (capabilities.reference_copy: KTO,
 online RL with rl.beta > 0, each a full fine-tune; a LoRA run's reference is its own model with the adapter disabled,
 no copy).
 One process and DDP copy the policy before it trains (`frozen_copy`); under FSDP the loop reads the starting weights
-again and shards them as the policy is (loop/phases.build_reference). `Reference` holds the copy and, with the
-mode's sync_reference, mixes the policy into it after every every_steps-th optimizer step, exactly as TRL's
-SyncRefModelCallback does (`mix`); a checkpoint then carries the reference (torch.distributed.checkpoint, whole or
-sharded as it is held), and a resume reads it back, so the run goes on with the reference it had. A LoRA run's
+again and shards them as the policy is (loop/phases.build_reference); on pipeline stages each process copies its own
+stages' weights and exchanges them into the stages for the reference's passes (`StageCopy`). `Reference` holds the
+copy and, with the mode's sync_reference, mixes the policy into it after every every_steps-th optimizer step, exactly
+as TRL's SyncRefModelCallback does (`mix`); a checkpoint then carries the reference (torch.distributed.checkpoint,
+whole or sharded as it is held), and a resume reads it back, so the run goes on with the reference it had. A LoRA run's
 reference is its own model with the adapter disabled; with sync_reference (alpha 1 only) it becomes the adapter as
 it was at the last sync (`AdapterReference`), which TRL does not offer (it refuses sync_ref_model with PEFT).
 """
@@ -18,6 +19,7 @@ from __future__ import annotations
 import copy
 import warnings
 from contextlib import contextmanager, nullcontext
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -153,11 +155,15 @@ class AdapterReference(Reference):
     process runs as many reference passes as its completions fill, with no collective: the swap then writes the
     snapshot's whole weights (all-gathered when it is taken, once a sync, so `whole` costs the trained weights twice
     more, whole) into the gathered ones, and resharding nothing. GRPO runs it in each update's passes
-    (grpo._reference_once); FSDP x TP's gathered weights are split by TP, which the table refuses there."""
+    (grpo._reference_once); FSDP x TP's gathered weights are split by TP, which the table refuses there. Pipeline
+    stages (`stages`: this process's stage modules, an FSDP launch's root units) hold nothing gathered through the
+    rollout (each pass through the schedule gathers the units it runs): the swap there is the shards' whole way,
+    every unit of the stages resharded first (a stage's root holds a trained head copy)."""
 
-    def __init__(self, model, sync, *, whole: bool = False):
+    def __init__(self, model, sync, *, whole: bool = False, stages=()):
         super().__init__(None, sync)
         self.model = model  # the unwrapped peft model
+        self.stages = tuple(stages)
         # the trained weights (found once: a checkpoint loads into them in place), their names for the checkpoint
         self.names, self.trained = zip(*[(n, p.detach()) for n, p in model.named_parameters() if p.requires_grad])
         self.local = [_local(t) for t in self.trained]  # what the swap copies: a sharded weight's own shard
@@ -175,7 +181,10 @@ class AdapterReference(Reference):
     @contextmanager
     def held(self):
         """A block in which the model's units are held gathered (RLOO's rollout, rollouts.held_whole): the swap
-        writes into the gathered weights the modules hold."""
+        writes into the gathered weights the modules hold (not on stages, whose rollout holds none gathered)."""
+        if self.stages:
+            yield
+            return
         self.gathered = True
         try:
             yield
@@ -184,23 +193,16 @@ class AdapterReference(Reference):
 
     @contextmanager
     def _swapped(self):
-        local, training = self.local, self.model.training
+        local = self.local
         if self.spare is None:
             self.spare = [t.clone() for t in local]
-        # a unit FSDP holds gathered (the root after an eval forward of the policy) would run the policy's weights
-        # whatever its shards hold: free it, so that the reference's forward gathers the snapshot's
-        _resharded(self.model)
-        with torch.no_grad():
+
+        def put_in():
             torch._foreach_copy_(self.spare, local)
             torch._foreach_copy_(local, self.snapshot_local)
-        self.model.eval()
-        try:
+
+        with _holding(self.model, self.stages, put_in, lambda: torch._foreach_copy_(local, self.spare)):
             yield
-        finally:
-            self.model.train(training)
-            _resharded(self.model)
-            with torch.no_grad():
-                torch._foreach_copy_(local, self.spare)
 
     @contextmanager
     def _swapped_gathered(self):
@@ -269,6 +271,76 @@ class AdapterReference(Reference):
         return dict(zip(self.names, self.snapshot))
 
 
+class StageCopy(Reference):
+    """A full fine-tune's reference on pipeline stages: each process's copy of its own stages' starting weights
+    (its layers, and the embeddings or the head where it holds them; sharded as the weights are under an FSDP launch),
+    which no stage of its own runs. The reference passes run through the policy's stages, the copy exchanged into
+    their weights for the pass and back after it (`forward`): a copy with stages of its own would need the schedule
+    twice over. The exchange goes one weight at a time through a temporary (the largest weight once more, briefly), so
+    the copy costs the stage's weights once, as one process's frozen copy costs the model's. sync_reference mixes the
+    policy into it as `mix` does (TRL's order of operations, each process its own part); a checkpoint carries it by
+    the weights' names, each stage's own."""
+
+    def __init__(self, model, sync, *, stages=()):
+        super().__init__(None, sync)
+        self.model = model  # the unwrapped model, which holds this process's stages' weights (the rest: Elsewhere)
+        self.stages = tuple(stages)  # the stage modules (an FSDP launch's root units: the embeddings, the head)
+        self.names, weights = zip(*[(n, p.detach()) for n, p in model.named_parameters()])
+        self.local = [_local(t) for t in weights]  # the weights' own storage (a shard under FSDP)
+        with torch.no_grad():
+            self.copy = [t.clone() for t in weights]  # sharded as the weights (the checkpoint's)
+        self.copy_local = [_local(t) for t in self.copy]
+
+    def forward(self, model):
+        return model, self._exchanged()
+
+    def _exchanged(self):
+        exchange = partial(_exchange, self.local, self.copy_local)
+        return _holding(self.model, self.stages, exchange, exchange)
+
+    @torch.no_grad()
+    def after_step(self, policy, step: int) -> bool:
+        if self.every is None or step % self.every:
+            return False
+        for target, source in zip(self.copy_local, self.local):  # as mix does it, tensor by tensor
+            target.mul_(1.0 - self.alpha).add_(source, alpha=self.alpha)
+        self.moved = True
+        return True
+
+    def state(self) -> dict:
+        return dict(zip(self.names, self.copy))
+
+
+@contextmanager
+def _holding(model, stages, put_in, put_back):
+    """The model in eval mode (no dropout) with the reference's weights: `put_in` writes them into the weights (each
+    process its own shards), `put_back` the policy's after the block, both without gradient. Every FSDP unit of the
+    model and of its pipeline `stages` is resharded before and after: a unit FSDP holds gathered (the root after an
+    eval forward of the policy; a stage, which FSDP keeps unsharded between its forward and backward) would run the
+    policy's weights whatever its shards hold, or carry the reference's into the policy's next forward."""
+    training = model.training
+    _resharded(model, *stages)
+    with torch.no_grad():
+        put_in()
+    model.eval()
+    try:
+        yield
+    finally:
+        model.train(training)
+        _resharded(model, *stages)
+        with torch.no_grad():
+            put_back()
+
+
+@torch.no_grad()
+def _exchange(a: list[torch.Tensor], b: list[torch.Tensor]) -> None:
+    """Each a[i]'s values and b[i]'s exchanged in place, one pair at a time (a temporary the size of one)."""
+    for x, y in zip(a, b):
+        held = x.clone()
+        x.copy_(y)
+        y.copy_(held)
+
+
 def _whole(t: torch.Tensor) -> torch.Tensor:
     """A weight's whole value: a DTensor's all-gathered (a collective), else a copy."""
     from torch.distributed.tensor import DTensor
@@ -283,14 +355,15 @@ def _local(t: torch.Tensor) -> torch.Tensor:
     return t.to_local() if isinstance(t, DTensor) else t
 
 
-def _resharded(model) -> None:
-    """Every FSDP unit of `model` resharded (its gathered weights freed; the next forward gathers the shards again).
+def _resharded(*models) -> None:
+    """Every FSDP unit of `models` resharded (its gathered weights freed; the next forward gathers the shards again).
     Nothing to do without FSDP."""
     from torch.distributed.fsdp import FSDPModule
 
-    for unit in model.modules():
-        if isinstance(unit, FSDPModule):
-            unit.reshard()
+    for model in models:
+        for unit in model.modules():
+            if isinstance(unit, FSDPModule):
+                unit.reshard()
 
 
 def _save(state: dict, folder: Path) -> None:

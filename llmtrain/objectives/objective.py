@@ -281,10 +281,11 @@ def head_loss_for(recipe, *, model=None, reduce=None):
     and for any run without stages."""
     if recipe.parallel.pipeline_parallel == 1:
         return None
-    if recipe.kto is not None:  # (LoRA's: a full fine-tune's is refused on stages, capabilities.RULES)
+    if recipe.kto is not None:  # (a full fine-tune's frozen copy: loop/phases.build_reference makes it `follow`)
         from llmtrain.objectives.kto import StageKTO
 
-        return StageKTO(recipe.kto, adapter_off=partial(adapter_off, model), reduce=reduce)
+        return StageKTO(recipe.kto, adapter_off=partial(adapter_off, model) if recipe.lora is not None else None,
+                        reduce=reduce)
     if recipe.reward_model is not None:
         from llmtrain.objectives.reward_model import StageScores
 

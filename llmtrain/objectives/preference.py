@@ -399,9 +399,10 @@ class StagePairs:
     weight in the sequence's sum (1; LD-DPO's ld_weights), and at slot k the k-th sequence's reference
     log-probability and its trained tokens (-1 past the last sequence).
     The reference is precomputed through the stages before training (`logps`, the pass precompute_reference runs:
-    the starting weights, or LoRA's adapter disabled); with preference.reference=adapter it is run through them
-    before each step instead, forward only with the adapter disabled (`prepare`). From these, the sequences'
-    log-probabilities, the pairs' loss and their statistics are Preference's own (the same functions)."""
+    the starting weights, or LoRA's adapter disabled); with preference.reference=adapter (or copy, a full
+    fine-tune's) it is run through them before each step instead, forward only with the adapter disabled (or the
+    copy exchanged in: `follow`), in `prepare`. From these, the sequences' log-probabilities, the pairs' loss and
+    their statistics are Preference's own (the same functions)."""
 
     WIDTH = 5  # the target columns; an objective built on these (StageKTO) adds its own after them
 
@@ -409,9 +410,10 @@ class StagePairs:
         self.cfg, self.reference, self.adapter_off = cfg, reference, adapter_off
 
     def follow(self, reference, model) -> None:
-        """LoRA's moving reference (sync_reference: model/reference.AdapterReference): the reference passes through
-        the stages run the adapter's snapshot, each stage's part of it swapped into its weights (the adapter disabled
-        until the first sync), instead of the adapter off."""
+        """The reference passes through the stages run `reference` instead of the adapter off: LoRA's moving one
+        (sync_reference: model/reference.AdapterReference), each stage's part of the adapter's snapshot swapped into
+        its weights (the adapter disabled until the first sync), or a full fine-tune's frozen copy
+        (model/reference.StageCopy), each stage's part exchanged into its weights."""
         self.adapter_off = lambda: forward_of(model, reference)[1]
 
     @property
@@ -428,10 +430,11 @@ class StagePairs:
         return self.stats + 2  # [loss, statistics, pairs], as Preference.eval_sums
 
     def prepare(self, pipeline, batches: list[dict]) -> list[dict]:
-        """preference.reference=adapter: the window's micro-batches with their sequences' reference log-probabilities
-        (the model with its adapter disabled, forward only through the stages; on the last stage), before the step
-        or the eval that reads them; otherwise as they are (their reference precomputed)."""
-        if self.reference != "adapter":
+        """preference.reference adapter or copy: the window's micro-batches with their sequences' reference
+        log-probabilities (the model with its adapter disabled or the copy exchanged in, forward only through the
+        stages; on the last stage), before the step or the eval that reads them; otherwise as they are (their
+        reference precomputed)."""
+        if self.reference not in ("adapter", "copy"):
             return batches
         with torch.no_grad(), self.adapter_off():
             reference = pipeline.sequence_logps(batches)
