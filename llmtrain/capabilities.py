@@ -294,9 +294,6 @@ RULES: tuple[Rule, ...] = (
          "lora.dora under {key}: DoRA divides each output row by the norm of its whole weight row (W + s B A), and "
          "tensor parallelism splits the weights by rows or columns, each process holding a part of a row or of the "
          "magnitudes. Set lora.dora=false, or launch FSDP (each layer's weights are whole in its forward)"),
-    Rule("fsdp", _fp32_head,
-         "rl.cast_lm_head_to_fp32 under FSDP / HSDP: FSDP's mixed precision gathers every weight in the compute "
-         "dtype (bf16), the LM head's too, so its logits would not be fp32. Unset it, or launch one GPU or DDP"),
     Rule("tp", _fp32_head,
          "rl.cast_lm_head_to_fp32 under {key}: the LM head is split over the processes as a DTensor in the model's "
          "dtype. Unset it, or launch one GPU or DDP"),

@@ -337,17 +337,17 @@ def test_the_flop_count_takes_each_layers_head_size():
 
 
 @pytest.mark.parametrize("changes, refused", [
-    ({"rl": {"algorithm": "rloo", "rewards": [{"type": "answer_match"}], "cast_lm_head_to_fp32": True}},
-     "rl.cast_lm_head_to_fp32 under FSDP / HSDP"),
-    ({"rl": {"algorithm": "rloo", "rewards": [{"type": "answer_match"}]}}, None),
+    ({"rl": {"algorithm": "rloo", "rewards": [{"type": "answer_match"}]}, "train": {"optimizer": "adamw_8bit"}},
+     "train.optimizer=adamw_8bit under FSDP / HSDP"),
+    ({"rl": {"algorithm": "rloo", "rewards": [{"type": "answer_match"}], "cast_lm_head_to_fp32": True}}, None),
     ({"preference": {}, "train": {"optimizer": "adamw_8bit"}}, "train.optimizer=adamw_8bit under FSDP / HSDP"),
     ({"preference": {}}, None)])
 def test_fit_proposes_no_layout_the_table_refuses(changes, refused):
     """estimate-memory's --fit asks the table what FSDP refuses of the recipe (capabilities.sharding_problems, carried
-    as spec.unshardable): a full fine-tune of RLOO with its LM head in fp32 (FSDP's mixed precision would gather it
-    in bf16) that no single GPU holds gets no FSDP, HSDP or more-GPU proposal, and the recommendation says why in
-    the table's words; 8-bit AdamW's refusal comes from the table too; the same RLOO run without the fp32 head (its
-    reference copy sharded under FSDP since stop 98) and the same size of DPO run, which FSDP trains, get FSDP."""
+    as spec.unshardable): a full fine-tune of RLOO with 8-bit AdamW (which updates plain tensors, not FSDP's
+    DTensors) that no single GPU holds gets no FSDP, HSDP or more-GPU proposal, and the recommendation says why in
+    the table's words; DPO's 8-bit AdamW alike; the same RLOO run with its LM head in fp32 (a unit of its own under
+    FSDP since 2026-12-05, refused before) and the same size of DPO run, which FSDP trains, get FSDP."""
     from llmtrain.config import Recipe
     from llmtrain.memory.estimate import estimate
     from llmtrain.memory.fit import fit, recommendation
@@ -370,7 +370,7 @@ def test_fit_proposes_no_layout_the_table_refuses(changes, refused):
         return
     assert refused in spec.unshardable and strategies <= {"ddp"} and found.more_gpus is None
     est = estimate(shape, spec)
-    if not est.fits:  # the RL run (the 8-bit optimizer's fits DDP)
+    if not est.fits:  # the RL run (the DPO run with the 8-bit optimizer fits DDP)
         said = " ".join(recommendation(shape, est).split())
         assert "nothing fits 8 x 80 GiB (FSDP, whose shards shrink with more GPUs, is out: " in said
         assert refused in said

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers import REPO, load_weights, records, run_train
+from helpers import REPO, load_weights, max_abs_diff, records, run_train
 from test_grpo_run import grpo_recipe
 
 from llmtrain.config import load_recipe
@@ -87,6 +87,46 @@ def test_a_bf16_grpo_run_with_the_fp32_head_trains_and_logs_the_sampler_gap(tiny
     assert not any("lm_head" in k for k in adapter)
 
 
+@pytest.mark.slow
+def test_two_fsdp_processes_gather_the_head_in_fp32_and_train_what_two_ddp_processes_train(tiny_assets, tmp_path,
+                                                                                          free_port):
+    """Under FSDP with bf16 mixed precision the launch's policy would gather every weight in bf16, the fp32 head's
+    too (refused before 2026-12-05; its fp32 input against a bf16 weight would not even multiply): the head is a
+    unit of its own, gathered and reduced in fp32 (fsdp.head_in_fp32). A bf16 LoRA policy under bf16 autocast,
+    ScaleRL's pair (the cast and the truncated correction, top_p 0.8), 2 prompts a process: a step of 2 FSDP
+    processes equals 2 DDP processes' (the same rows a process, so the same bf16 sampling: one process's 4-prompt
+    batches pad them otherwise), with the same rows' kernels (ONEDNN_AVX2 where bf16 rows change results): the
+    completions token for token, rewards, losses, entropies and the correction's metrics to 1e-6, the gradient norm
+    to 1e-6 relative (1e-7 measured: FSDP reduce-scatters, DDP all-reduces), the adapter to 1e-5. (A second step's
+    samples may differ by a token: an adapter weight 1e-8 apart can round to another bf16 value.) DDP without the
+    cast makes other entropies (1.3e-4 apart: its bf16 logits), which the FSDP run does not."""
+    from helpers import ENV, ONEDNN_AVX2, bf16_rows_change_results, launch_finetune
+    from test_grpo_run import CPU_DDP, CPU_FSDP, rollouts
+
+    recipe = grpo_recipe(tiny_assets, tmp_path, lora={"r": 4, "alpha": 8, "dropout": 0.0},
+                         model={"dtype": "bfloat16"}, rl={"top_p": 0.8, "sampler_correction": "token_truncate"},
+                         train={"max_steps": 1, "lr": 1e-2, "mixed_precision": "bf16", "eval_every_steps": None,
+                                "micro_batch_size": 2},
+                         checkpoint={"every_steps": None})
+    env = ONEDNN_AVX2 if bf16_rows_change_results() else ENV
+    cast = "rl.cast_lm_head_to_fp32=true"
+    runs = {"ddp": (CPU_DDP, [cast]), "plain": (CPU_DDP, []), "fsdp": (CPU_FSDP, [cast])}
+    for i, (name, (config, extra)) in enumerate(runs.items()):
+        launch_finetune(config, 2, free_port + i, recipe, *extra, f"output_dir={tmp_path / name}", env=env)
+    fsdp, ddp = tmp_path / "fsdp", tmp_path / "ddp"
+    assert [(r["step"], r["row"], r["completion_ids"]) for r in rollouts(fsdp)] == [
+        (r["step"], r["row"], r["completion_ids"]) for r in rollouts(ddp)]
+    got, want, plain = records(fsdp), records(ddp), records(tmp_path / "plain")
+    assert len(got) == len(want) == 1
+    for key in ("reward", "loss", "entropy", "sampling/importance_sampling_ratio/mean",
+                "sampling/sampling_logp_difference/max"):
+        assert got[0][key] == pytest.approx(want[0][key], abs=1e-6), key
+    assert got[0]["grad_norm"] == pytest.approx(want[0]["grad_norm"], rel=1e-6)
+    assert abs(plain[0]["entropy"] - want[0]["entropy"]) > 5e-5
+    adapter = "adapter_model.safetensors"
+    assert max_abs_diff(load_weights(fsdp / "final" / adapter), load_weights(ddp / "final" / adapter)) < 1e-5
+
+
 @pytest.mark.parametrize("overrides, says", [
     (["lora.r=4", "lora.target_modules=[q_proj,lm_head]"],
      "lora.target_modules names lm_head (peft wraps it: an adapted or saved copy in the model's dtype)"),
@@ -98,12 +138,7 @@ def test_a_trained_lm_head_under_lora_is_refused(overrides, says):
     assert says in " ".join(str(refused.value).split())
 
 
-@pytest.mark.parametrize("parallelism, says", [
-    ("fsdp", "rl.cast_lm_head_to_fp32 under FSDP / HSDP: FSDP's mixed precision gathers every weight in the compute "
-             "dtype (bf16)"),
-    ("tp", "the LM head is split over the processes as a DTensor"),
-])
-def test_fsdp_and_tensor_parallelism_refuse_it_and_tied_embeddings_too(tiny_assets, parallelism, says):
+def test_tensor_parallelism_refuses_it_fsdp_takes_it_and_tied_embeddings_are_refused(tiny_assets):
     from transformers import AutoConfig
 
     from llmtrain import capabilities
@@ -111,10 +146,12 @@ def test_fsdp_and_tensor_parallelism_refuse_it_and_tied_embeddings_too(tiny_asse
 
     recipe = load_recipe(REPO / "recipes" / "tiny-grpo.yaml", ["rl.cast_lm_head_to_fp32=true",
                                                                f"model.name_or_path={tiny_assets / 'model'}"])
-    layout = (Layout(processes=2, fsdp=True) if parallelism == "fsdp" else
-              Layout(processes=4, fsdp=True, mesh=True, shard=2, tp=2))
-    found = " ".join(" ".join(capabilities.problems(recipe, layout)).split())
-    assert says in found, found
+    found = " ".join(" ".join(capabilities.problems(recipe, Layout(processes=4, fsdp=True, mesh=True, shard=2,
+                                                                   tp=2))).split())
+    assert "the LM head is split over the processes as a DTensor" in found, found
+    for layout in (Layout(processes=2, fsdp=True), Layout(processes=4, fsdp=True, mesh=True, replicate=2, shard=2)):
+        assert capabilities.problems(recipe, layout) == [], layout  # FSDP, HSDP: the head a unit of its own
+    assert capabilities.sharding_problems(recipe) == []  # --fit may propose FSDP for it
     single = Layout(processes=1)
     config = AutoConfig.from_pretrained(tiny_assets / "model")
     assert capabilities.model_problems(recipe, single, config) == []
@@ -156,6 +193,24 @@ def test_the_estimate_holds_the_head_in_fp32(tmp_path):
         plain = states(shape, plain, None)
         assert (cast.weights - plain.weights, cast.grads - plain.grads) == (2 * head, 2 * head)
         assert cast.optimizer - plain.optimizer == state, optimizer
+
+
+def test_under_fsdp_the_estimate_gathers_the_head_in_fp32():
+    """FSDP (8 GPUs, bf16 mixed precision, LoRA on a bf16 Mistral-7B) gathers the fp32 head as a unit of its own in
+    fp32 (fsdp.head_in_fp32): the loss's phases hold it at 4 bytes a weight instead of bf16's 2 (32,768 x 4,096 x 2
+    more), beside the head's fp32 shards (the states, 1/8 of it each); sampling's gathered model too."""
+    from llmtrain.memory import estimate_run
+    from llmtrain.memory.params import load_model_shape
+    from llmtrain.memory.spec import TrainSpec
+
+    shape, head = load_model_shape("mistral-7b"), 32768 * 4096
+    spec = TrainSpec(method="lora", dtype="bfloat16", mixed_precision="bf16", strategy="fsdp", num_gpus=8,
+                     seq_len=1024, micro_batch=2, num_generations=4, max_completion_tokens=256)
+    plain, cast = (estimate_run(shape, spec.but(fp32_head=f)).phase_parts for f in (False, True))
+    for phase in ("loss", "backward_lm_head"):
+        assert cast[phase]["fsdp_buffers"] - plain[phase]["fsdp_buffers"] == 2 * head, phase
+        assert cast[phase]["weights"] - plain[phase]["weights"] == 2 * head // 8, phase  # the frozen head's shard
+    assert cast["generation"]["fsdp_buffers"] - plain["generation"]["fsdp_buffers"] == 2 * head
 
 
 def test_the_estimate_prices_the_heads_fp32_logits_gradient_and_input():

@@ -333,18 +333,20 @@ def test_the_pipeline_is_compared_with_ddp_where_a_whole_model_fits_a_gpu():
 
 
 def test_the_comparison_leaves_out_what_the_recipe_cannot_shard_and_says_why():
-    """rl.cast_lm_head_to_fp32 trains on pipeline stages (DDP inside) and is refused under FSDP: the layouts beside
-    the pipeline are DDP alone, and a line says why FSDP and HSDP are not there (the comparison had recommended
-    FSDP 2 as the fastest other layout, a launch the recipe refuses)."""
+    """8-bit AdamW trains on pipeline stages (DDP inside) and is refused under FSDP: the layouts beside the pipeline
+    are DDP alone, and a line says why FSDP and HSDP are not there (the comparison had recommended FSDP 2 as the
+    fastest other layout, a launch the recipe refuses)."""
     args = (str(REPO / "recipes" / "llama3-8b-grpo.yaml"), "parallel.pipeline_parallel=2", "rl.sampler=reference",
             "rl.micro_batch_tokens=4096", "train.grad_accum_steps=2", "train.eval_batch_size=null", "--num-gpus", "2")
     plain = {r["layout"] for r in json.loads(estimate_memory(*args, "--json").stdout)["pipeline_compared"]}
     assert plain == {"pipeline 2 (a GPU a stage)", "ddp 2", "fsdp 2"}
-    cast = (*args, "rl.cast_lm_head_to_fp32=true")
-    got = {r["layout"] for r in json.loads(estimate_memory(*cast, "--json").stdout)["pipeline_compared"]}
+    eight_bit = (*args, "train.optimizer=adamw_8bit")
+    got = {r["layout"] for r in json.loads(estimate_memory(*eight_bit, "--json").stdout)["pipeline_compared"]}
     assert got == {"pipeline 2 (a GPU a stage)", "ddp 2"}
-    text = " ".join(estimate_memory(*cast).stdout.split())
-    assert "FSDP and HSDP are left out: rl.cast_lm_head_to_fp32 under FSDP / HSDP" in text
+    text = " ".join(estimate_memory(*eight_bit).stdout.split())
+    assert "FSDP and HSDP are left out: train.optimizer=adamw_8bit under FSDP / HSDP" in text
+    cast = (*args, "rl.cast_lm_head_to_fp32=true")  # FSDP gathers the fp32 head as a unit of its own
+    assert {r["layout"] for r in json.loads(estimate_memory(*cast, "--json").stdout)["pipeline_compared"]} == plain
 
 
 def test_fit_offers_a_pipeline_across_nodes_where_it_is_the_fastest():

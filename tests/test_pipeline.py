@@ -887,6 +887,34 @@ def test_scalerls_fp32_head_and_sampler_correction_on_two_stages_are_one_process
 
 
 @pytest.mark.slow
+@pytest.mark.extended  # 4 processes; main tier: FSDP's own head unit (test_fp32_head.py), the stages' pair (above)
+def test_the_fp32_head_on_fsdp_sharded_stages_trains_what_ddp_stages_train(four_layers, tmp_path, free_port):
+    """rl.cast_lm_head_to_fp32 on 2 pipelines of 2 stages under bf16 mixed precision: with an FSDP launch each stage
+    is sharded over its 2 replicas with the launch's bf16 policy, and the last stage's head is a unit of its own
+    gathered in fp32 (fsdp.fp32_policy; before 2026-12-05 refused). Against the same pipelines under DDP (the same
+    rows a pipeline): a step's completions, rewards, losses, entropies and correction metrics to 1e-6, the gradient
+    norm to 1e-6 relative, the adapter to 1e-5."""
+    path = _grpo_recipe(four_layers, tmp_path, lora=True, beta=0.0, loss_type="grpo", top_p=0.8,
+                        sampler_correction="token_truncate")
+    env = _kernels("bf16") or ENV
+    sections = ["parallel.pipeline_parallel=2", "model.dtype=bfloat16", "train.mixed_precision=bf16",
+                "rl.cast_lm_head_to_fp32=true", "train.max_steps=1", "train.eval_every_steps=null"]
+    launch_finetune(CPU_DDP, 4, free_port, path, *sections, f"output_dir={tmp_path / 'ddp'}", env=env)
+    out = launch_finetune(REPO / "accelerate_configs" / "cpu_fsdp.yaml", 4, free_port + 1, path, *sections,
+                          f"output_dir={tmp_path / 'fsdp'}", env=env)
+    assert "2 stages x 2 FSDP shards" in out
+    rolled = [[json.loads(line)["completion_ids"] for line in (run / "rollouts.jsonl").read_text().splitlines()]
+              for run in (tmp_path / "fsdp", tmp_path / "ddp")]
+    assert rolled[0] == rolled[1] and len(rolled[0]) == 2 * 2 * 2 * 4
+    (got,), (want,) = records(tmp_path / "fsdp"), records(tmp_path / "ddp")
+    for key in ("reward", "loss", "entropy", "sampling/importance_sampling_ratio/mean"):
+        assert got[key] == pytest.approx(want[key], abs=1e-6), key
+    assert got["grad_norm"] == pytest.approx(want["grad_norm"], rel=1e-6)
+    a, b = (load_weights(tmp_path / run / "final" / "adapter_model.safetensors") for run in ("fsdp", "ddp"))
+    assert max_abs_diff(a, b) < 1e-5
+
+
+@pytest.mark.slow
 @pytest.mark.extended  # 4 processes; main tier: 2 stages against one process (above)
 def test_top_entropy_quantile_over_two_pipelines_equals_ddp(four_layers, tmp_path, free_port):
     """rl.top_entropy_quantile's quantile is over every data rank's tokens of a pass: on 2 pipelines of 2 stages

@@ -287,7 +287,8 @@ def estimate(shape: ModelShape, spec: TrainSpec) -> Estimate:
     # A unit's unsharded gradients, in the compute dtype and, under mixed precision, also as the fp32 copy that
     # is reduce-scattered (fsdp.fsdp_precision reduces in fp32).
     unit_grads = (largest if full else max(adapter_params)) * (pd + 4 * amp) if fsdp else 0
-    tail = (shape.head_outputs * H + shape.params_final_norm) * pd if fsdp else 0  # final norm + head (+ tied embed.)
+    # final norm + head (+ tied embedding); rl.cast_lm_head_to_fp32's head a unit of its own gathered in fp32
+    tail = (shape.head_outputs * H + shape.params_final_norm) * pd + fp32_head_extra(shape, spec, pd) if fsdp else 0
     embed_unit = V * H * pd if (fsdp and not shape.tied) else 0
     always = tail if shape.tied else 0
     g_acc = accumulated_grads(spec, st)
@@ -300,7 +301,7 @@ def estimate(shape: ModelShape, spec: TrainSpec) -> Estimate:
 
     phases.update(_loss_phases(
         p, shape, spec, st, head_copies=head_copies, tail=tail,
-        fsdp_head=shape.head_outputs * H * pd if fsdp and head_trains else 0,
+        fsdp_head=shape.head_outputs * H * pd + fp32_head_extra(shape, spec, pd) if fsdp and head_trains else 0,
         forward=dict(**base, gradients=g_acc, autocast_copies=copies_fwd, activations=acts_all + mask),
         backward=dict(**base, gradients=g_acc, autocast_copies=copies_kept, activations=acts_all + mask_bwd),
         head_adapter_r=spec.lora_r if plan and plan.adapted_head else 0))
@@ -564,6 +565,12 @@ def _cache_growth(shape: ModelShape, rows: int, slots: int, cd: int) -> int:
 def _plus(parts: dict[str, int], **more: int) -> dict[str, int]:
     """`parts` with `more` added, component by component."""
     return _phase(**{k: parts.get(k, 0) + more.get(k, 0) for k in [*parts, *(k for k in more if k not in parts)]})
+
+
+def fp32_head_extra(shape: ModelShape, spec: TrainSpec, pd: int) -> int:
+    """What rl.cast_lm_head_to_fp32 adds to FSDP's gathered head (and its unsharded gradient) over FSDP's param dtype
+    `pd`: the head is a unit of its own gathered in fp32 (parallel/fsdp.head_in_fp32, pipeline stages' too)."""
+    return shape.head_outputs * shape.hidden * (4 - pd) if spec.fp32_head else 0
 
 
 def _loss_phases(p: act.Pass, shape: ModelShape, spec: TrainSpec, st: States, *, head_copies: int,

@@ -35,7 +35,8 @@ from llmtrain.memory.comms import (
     traffic,
 )
 from llmtrain.memory.estimate import (_backward_layers, _cache_width, _finish, _generation_phases, _loss_phases,
-                                      _notes, _phase, _rollout_rows, estimate, make_pass, sampling_rows)
+                                      _notes, _phase, _rollout_rows, estimate, fp32_head_extra, make_pass,
+                                      sampling_rows)
 from llmtrain.memory.params import LoraPlan, ModelShape, run_lora_plan
 from llmtrain.memory.reward_models import add_reward_models
 from llmtrain.memory.spec import DTYPE_BYTES, GIB, PRECISION_DTYPE, Estimate, TrainSpec
@@ -308,8 +309,9 @@ def chunk_estimate(shape: ModelShape, spec: TrainSpec, stage: Stage, c: int) -> 
     if last:
         phases.update(_loss_phases(
             p, sub, spec, st, head_copies=head_copies,
-            tail=gathered if whole_grad else (O * H + shape.params_final_norm) * pd if fsdp else 0,
-            fsdp_head=O * H * pd if fsdp and head_trains else 0,
+            tail=(gathered if whole_grad else (O * H + shape.params_final_norm) * pd) + fp32_head_extra(shape, spec, pd)
+            if fsdp else 0,
+            fsdp_head=O * H * pd + fp32_head_extra(shape, spec, pd) if fsdp and head_trains else 0,
             forward=dict(**base, gradients=g_acc, autocast_copies=copies_fwd, activations=acts + mask),
             backward=dict(**base, gradients=g_acc, autocast_copies=0 if ckpt else sum(copies),
                           activations=acts + mask_bwd),
@@ -386,6 +388,8 @@ def staged_generation_phases(shape: ModelShape, spec: TrainSpec, stage: Stage, b
     own = stage_shape(shape, stage)
     plan = stage_plan(shape, spec, stage)
     gathered = (own.params_total + (plan.trainable(own) if plan else 0)) * pd if spec.sharded else 0
+    if spec.sharded and stage.last:  # (an fp32 head: a unit of its own, gathered in fp32)
+        gathered += fp32_head_extra(shape, spec, pd)
     phases = _generation_phases(own, spec, base, cached=cached, fsdp_unit=gathered)
     # the prompts' pass (the stages sample with the reference loop: every row's whole prompt at once)
     prompt, rows = spec.prompt_longest or spec.prompt_tokens or spec.seq_len, sampling_rows(spec)

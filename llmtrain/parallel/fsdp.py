@@ -134,6 +134,59 @@ def prepared_for_fsdp(model, accelerator):
             module._non_persistent_buffers_set.discard(name)
 
 
+def fp32_policy():
+    """The MixedPrecisionPolicy of an fp32 LM head's unit (rl.cast_lm_head_to_fp32): gathered, computed and reduced
+    in fp32, its outputs as they are."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    return MixedPrecisionPolicy(param_dtype=torch.float32, reduce_dtype=torch.float32, output_dtype=None)
+
+
+@contextmanager
+def head_in_fp32(model, accelerator, *, on: bool):
+    """Around Accelerate's prepare under FSDP with rl.cast_lm_head_to_fp32 (`on`; nothing otherwise): the LM head (made
+    fp32 by loss.attach_loss) an FSDP unit of its own whose MixedPrecisionPolicy gathers it in fp32 and reduces its
+    gradient in fp32, so that its logits are fp32 from the fp32 weight as on one process, where the launch's policy
+    (train.mixed_precision bf16) would gather it in bf16. Accelerate shards every unit with that one policy, the head
+    with the final norm (its tail unit) or in the root: its calls of torch's fully_shard (imported when it prepares)
+    shard the head alone first, with the head's policy, then the rest as asked. The head's unit is kept gathered
+    after its forward, as Accelerate keeps its tail. Raises where Accelerate did not shard through that call (another
+    Accelerate release), before anything trains."""
+    if not on or not uses_fsdp(accelerator):
+        yield
+        return
+    import torch.distributed.fsdp as api
+
+    from llmtrain.errors import LLMTrainError
+    from llmtrain.model.loss import causal_lm
+
+    head = causal_lm(model).get_output_embeddings()
+    policy = fp32_policy()
+    original, done = api.fully_shard, []
+
+    def fully_shard(module, **kwargs):
+        modules = list(module) if isinstance(module, (list, tuple)) else [module]
+        if not done and any(m is head for part in modules for m in part.modules()):
+            original(head, **{**kwargs, "mp_policy": policy, "reshard_after_forward": False})
+            done.append(head)
+            rest = [m for m in modules if m is not head]
+            if not rest:
+                return module
+            module = rest if isinstance(module, (list, tuple)) else module
+        return original(module, **kwargs)
+
+    api.fully_shard = fully_shard
+    try:
+        yield
+    finally:
+        api.fully_shard = original
+    if not done:
+        raise LLMTrainError(
+            "rl.cast_lm_head_to_fp32 under FSDP: Accelerate's prepare did not shard the model through "
+            "torch.distributed.fsdp.fully_shard as llmtrain expects (another Accelerate release?), so the LM head "
+            "would be gathered in the compute dtype. Unset rl.cast_lm_head_to_fp32, or launch one GPU or DDP")
+
+
 def shard_frozen(frozen, trained, accelerator) -> int:
     """A frozen model (distillation's teacher) sharded as FSDP shards `trained` (the prepared student): over the
     student's mesh (FSDP's ranks, or HSDP's replicas of shards; under FSDP x TP the TP ranks too: _frozen_mesh),

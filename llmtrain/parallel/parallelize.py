@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from llmtrain.capabilities import experts_held
 from llmtrain.config import Recipe
 from llmtrain.model.modeling import compile_layers
-from llmtrain.parallel.fsdp import prepared_for_fsdp, uses_fsdp
+from llmtrain.parallel.fsdp import head_in_fp32, prepared_for_fsdp, uses_fsdp
 from llmtrain.parallel.groups import groups
 from llmtrain.parallel.mesh import tensor_parallel_size
 from llmtrain.parallel.pipeline.schedule import Pipeline, row_slots
@@ -52,6 +52,7 @@ def parallelize(model, recipe: Recipe, accelerator, *, make_optimizer, pad_id: i
         say(describe_sequence(sp, accelerator.num_processes))
     if recipe.model.compile:
         say(f"compile: {compile_layers(model)} decoder layers (regional torch.compile)")
+    fp32_head = recipe.rl is not None and recipe.rl.cast_lm_head_to_fp32
     if recipe.parallel.pipeline_parallel > 1:
         # this process's stages (the optimizer sees only theirs), sharded over their replicas by an FSDP launch
         plugin = accelerator.state.fsdp_plugin if uses_fsdp(accelerator) else None
@@ -61,11 +62,12 @@ def parallelize(model, recipe: Recipe, accelerator, *, make_optimizer, pad_id: i
                           group=groups(accelerator).pipeline,
                           fsdp=None if plugin is None else plugin.mixed_precision_policy or True,
                           precision=accelerator.autocast, head_loss=head_loss,
-                          router_aux=recipe.model.router_aux_loss_coef)
+                          router_aux=recipe.model.router_aux_loss_coef, fp32_head=fp32_head)
         say(stages.describe())
         # not wrapped: no DDP over all processes (the replicas sum their gradients in Pipeline.run), and the optimizer
         # stays a plain torch one, saved per process by the checkpoint (run/checkpoint.py)
         return Parallelized(model=model, optimizer=make_optimizer(model), pipeline=stages)
-    with prepared_for_fsdp(model, accelerator):  # its wrap's classes, the main process's buffers (fsdp.py)
+    # its wrap's classes, the main process's buffers, the fp32 head's unit of its own (fsdp.py)
+    with prepared_for_fsdp(model, accelerator), head_in_fp32(model, accelerator, on=fp32_head):
         model, optimizer = accelerator.prepare(model, make_optimizer(model))
     return Parallelized(model=model, optimizer=optimizer)

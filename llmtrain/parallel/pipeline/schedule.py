@@ -95,7 +95,8 @@ class Pipeline:
 
     def __init__(self, model, *, parallel, micro_batches: int, slots: int, pad_id: int, device,
                  group: PipelineGroup, fsdp=None, precision=nullcontext, head_loss=None,
-                 slots_key: str = "train.micro_batch_tokens", router_aux: float | None = None):
+                 slots_key: str = "train.micro_batch_tokens", router_aux: float | None = None,
+                 fp32_head: bool = False):
         """`fsdp`: None, or the FSDP launch's MixedPrecisionPolicy (or True without one): each stage is then sharded
         over its replicas (FSDP2's fully_shard on each decoder layer and on the stage), kept unsharded between its
         forward and backward as torchtitan does under pipelining (reshard_after_forward=False: the schedule runs
@@ -107,7 +108,9 @@ class Pipeline:
         `router_aux` (model.router_aux_loss_coef): a mixture of experts' load-balancing loss joins the last stage's
         loss with this weight, times each row's trained tokens (the LM head's cross-entropy, as loss.attach_loss adds
         it) or its pairs or examples (the head loss's `units`: preference pairs, KTO), its statistic last: the stages
-        hand its sums on beside the hidden states (stage.Balance)."""
+        hand its sums on beside the hidden states (stage.Balance). `fp32_head` (rl.cast_lm_head_to_fp32): under FSDP
+        the last stage's head is a unit of its own, gathered and reduced in fp32 (fsdp.fp32_policy), where the
+        stage's policy would gather it in bf16."""
         import torch.distributed as dist
         from torch.distributed import pipelining
 
@@ -157,10 +160,15 @@ class Pipeline:
         if self.sharded:
             from torch.distributed.fsdp import fully_shard
 
+            from llmtrain.parallel.fsdp import fp32_policy
+
             policy = {} if fsdp is True else {"mp_policy": fsdp}
             for m in self.modules:
                 for layer in m.layers:
                     fully_shard(layer, mesh=g.mesh["dp"], reshard_after_forward=False, **policy)
+                if fp32_head and m.head is not None:
+                    fully_shard(m.head, mesh=g.mesh["dp"], reshard_after_forward=False, mp_policy=fp32_policy())
+                    m.head_unit = True
                 fully_shard(m, mesh=g.mesh["dp"], reshard_after_forward=False, **policy)
         # (read after fully_shard, which puts DTensor parameters in the modules' place)
         held = [m.embed.weight for m in self.modules if m.embed is not None] + \
