@@ -196,6 +196,51 @@ def test_max_bad_steps_skips_updates_then_stops(tiny_assets, tmp_path):
     assert "update skipped (1 of train.max_bad_steps=2)" in proc.stdout + proc.stderr
 
 
+@pytest.fixture
+def fp16_loss_scale(monkeypatch):
+    """Accelerate's fp16 on a GPU, on this CPU: its GradScaler (here at 2^24, where fp16's gradients of the tiny
+    model overflow for the first 7 steps) and its unscale before the norm, which Accelerate keeps for CUDA devices;
+    autocast to fp16 on the CPU with it."""
+    import accelerate
+    import torch
+
+    made = accelerate.Accelerator.__init__
+
+    def init(self, *args, **kwargs):
+        made(self, *args, **kwargs)
+        if self.state.mixed_precision == "fp16":
+            self.native_amp = True
+            self.scaler = torch.amp.GradScaler("cpu", init_scale=2.0**24)
+
+    monkeypatch.setattr(accelerate.Accelerator, "__init__", init)
+
+
+def test_fp16s_overflows_halve_the_loss_scale_and_the_run_trains_on_and_resumes_it(fp16_loss_scale, tiny_assets,
+                                                                                   tmp_path):
+    """train.mixed_precision fp16: a step whose scaled gradients overflow is the loss scale's to skip (the scaler
+    halves it), not a bad step: each is said, none counts against train.max_bad_steps=0, and once the scale fits the
+    run trains. Before, the first overflow stopped the run as diverged (exit 3), and with max_bad_steps > 0 the next
+    step raised (the scaler's unscale_ called twice without its update). A resume from a checkpoint taken while the
+    scale was still falling goes on with the checkpoint's scale (Accelerate saves the scaler): the same scales and
+    losses as the straight run."""
+    recipe = write_recipe(tiny_assets, tmp_path, train={"max_steps": 12, "mixed_precision": "fp16", "lr": 1e-3,
+                                                        "warmup_steps": 0, "eval_every_steps": None},
+                          checkpoint={"every_steps": 4, "keep_last": 5}, logging={"every_steps": 1})
+    run_train(recipe, f"output_dir={tmp_path / 'straight'}")
+    rows = records(tmp_path / "straight")
+    scales = [r["loss_scale"] for r in rows]
+    assert scales[:7] == [2.0 ** (23 - i) for i in range(7)] and set(scales[7:]) == {2.0 ** 17}
+    assert [r["skipped"] for r in rows] == [True] * 7 + [False] * 5
+    assert rows[-1]["loss"] < rows[7]["loss"] - 0.3  # it trained once the scale fit (4.82 -> 4.21 measured)
+    log = (tmp_path / "straight" / "train.log").read_text()
+    assert "step 1: fp16's gradients overflowed at loss scale 1.67772e+07, update skipped; the loss scale is now " \
+        "8.38861e+06 (dynamic loss scaling: not counted in train.max_bad_steps)" in log
+    run_train(recipe, f"output_dir={tmp_path / 'again'}",
+              resume=str(tmp_path / "straight" / "checkpoints" / "step_000004"))
+    assert [(r["step"], r["loss_scale"], r["loss"]) for r in records(tmp_path / "again")] == \
+        [(r["step"], r["loss_scale"], r["loss"]) for r in rows[4:]]
+
+
 @pytest.mark.extended  # main tier: test_max_bad_steps_skips_updates_then_stops, the resumes
 @pytest.mark.slow  # a longer run: make test, not the fast tier
 def test_max_bad_steps_counts_across_a_resume(tiny_assets, tmp_path):

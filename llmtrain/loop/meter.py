@@ -77,6 +77,8 @@ class Meter:
             "mfu": model_flops / dt / self.world / self.peak if self.peak else None,
             "tokens_seen": state.tokens_seen, "elapsed_s": self.elapsed_before + now - self.start,
             **(self.objective.step_metrics(stats, window[0]) if self.objective is not None else {})}
+        if result.loss_scale is not None:  # fp16's dynamic loss scale after the step (halved by an overflow)
+            self.last["loss_scale"] = result.loss_scale
         if "generation_s" in self.last:  # online RL: sampling is not the policy update's time
             self.last["policy_tokens_per_s"] = tokens_per_s * dt / max(dt - self.last["generation_s"], 1e-9)
         if self.on_gpu:

@@ -41,6 +41,10 @@ class StepResult:
     stop_voted: bool  # some process had a stop signal when the step began (several processes only)
     rollouts: list | tuple = ()  # online RL: this rank's completions, one record each (rollouts.jsonl)
     window: object = None  # the window as it trained (online RL: its completions, for a round's later updates)
+    # fp16's dynamic loss scale (train.mixed_precision fp16 on a GPU: Accelerate's GradScaler) after this step, and
+    # whether the step was skipped for its overflow alone (the scale halved; not a bad step while it is >= 1)
+    loss_scale: float | None = None
+    overflow: bool = False
 
 
 def train_step(model, optimizer, scheduler, accelerator, objective: Objective, window, *,
@@ -94,14 +98,20 @@ def train_step(model, optimizer, scheduler, accelerator, objective: Objective, w
     *summed, votes = counts.tolist()
     lr = scheduler.get_last_lr()[0]  # the lr of this update
     skipped = not math.isfinite(grad_norm)  # the global norm: all ranks skip together
-    if not skipped:
+    # fp16's loss scale (Accelerate's GradScaler): its step skips an update whose unscaled gradients overflowed and
+    # halves the scale, and it must run every step (its update() closes the step: without it the next step's unscale
+    # raises, and the scale never falls)
+    scaler = getattr(optimizer, "scaler", None)
+    if not skipped or scaler is not None:
         optimizer.step()
+    scale = float(scaler.get_scale()) if scaler is not None else None
     scheduler.step()
     optimizer.zero_grad(set_to_none=True)
     if (after := getattr(objective, "after_window", None)) is not None:  # the window's statistics, every process's
         after(data_sum(accelerator, *stats_sum.tolist()))  # (GRPO's adaptive entropy control: one sync a step)
     return StepResult(loss_sum=loss_sum, stats_sum=stats_sum, counts=Counts(*summed), grad_norm=grad_norm, lr=lr,
-                      skipped=skipped, stop_voted=votes > 0, rollouts=window.rollouts, window=window)
+                      skipped=skipped, stop_voted=votes > 0, rollouts=window.rollouts, window=window,
+                      loss_scale=scale, overflow=skipped and scale is not None and scale >= 1.0)
 
 
 @torch.no_grad()

@@ -264,9 +264,16 @@ def report(run: Run, state: TrainState, meter: Meter, progress, task, *, logged:
 
 
 def guard(run: Run, state: TrainState, result) -> None:
-    """A skipped update is said; more of them than train.max_bad_steps allows (in the whole run) stop it."""
+    """A skipped update is said; more of them than train.max_bad_steps allows (in the whole run) stop it. Under fp16's
+    dynamic loss scale a step whose gradients overflowed at the scale is skipped by the scaler, which halves the
+    scale: said, not counted, while the scale is at least 1 (below it the unscaled gradients themselves are not
+    finite)."""
     tc = run.recipe.train
-    if result.skipped and state.bad_steps <= tc.max_bad_steps:
+    if result.overflow:
+        run.console.say(f"step {state.step}: fp16's gradients overflowed at loss scale {2 * result.loss_scale:g}, "
+                        f"update skipped; the loss scale is now {result.loss_scale:g} (dynamic loss scaling: not "
+                        "counted in train.max_bad_steps)")
+    elif result.skipped and state.bad_steps <= tc.max_bad_steps:
         run.console.say(f"step {state.step}: gradient norm {result.grad_norm}, update skipped "
                         f"({state.bad_steps} of train.max_bad_steps={tc.max_bad_steps})")
     if state.bad_steps > tc.max_bad_steps:
