@@ -95,7 +95,6 @@ def test_every_row_has_the_budgets_shape_and_trains_what_the_packed_batch_trains
     (["data.eval_split=assets/x.jsonl", "train.eval_batch_size=8"], "unset train.eval_batch_size"),
     (["parallel.pipeline_chunks=2"], "only interleaved_1f1b"),
     (["parallel.sequence_parallel=2"], "do not compose"),
-    (["train.mixed_precision=fp16"], "bf16"),
     (["train.grad_accum_steps=1"], "at least as many micro-batches a step as stages"),
     (["train.grad_accum_steps=5", "parallel.pipeline_schedule=interleaved_1f1b"], "a multiple of 2"),
 ])
@@ -884,6 +883,40 @@ def test_scalerls_fp32_head_and_sampler_correction_on_two_stages_are_one_process
     plain, one = records(tmp_path / "plain"), records(tmp_path / "one")
     assert all(r[ratios[0]] < 0.9 for r in one)  # the nucleus's cut: the correction weighs every step
     assert max(abs(p["entropy"] - o["entropy"]) for p, o in zip(plain, one)) > 1e-4
+
+
+@pytest.mark.slow
+def test_fp16s_loss_scale_on_two_stages_is_one_process_scale(four_layers, tmp_path, free_port):
+    """train.mixed_precision fp16 on 2 stages (refused before 2026-12-05), with Accelerate's GPU fp16 on this CPU
+    (tests/fp16_on_cpu.py: its GradScaler at 2^24, fp16 autocast): the last stage's loss is scaled, each stage
+    unscales its own gradients, and the global norm's verdict settles both stages' scale (Pipeline.update_scale), so
+    that an overflow on one stage skips both updates. Against one process: the same overflowed steps and halvings
+    (6, from 2^24 to 2^18), then the same losses and gradient norms, and final/ equal."""
+    import fp16_on_cpu
+
+    env = fp16_on_cpu.site(tmp_path / "site", ENV)
+    recipe = _recipe(four_layers, tmp_path, "fp16.yaml", lora=False, max_steps=10, mixed_precision="fp16",
+                     warmup_steps=0)
+    cli("finetune", str(recipe), f"output_dir={tmp_path / 'one'}", env=env)
+    launch_finetune(CPU_DDP, 2, free_port, recipe, "parallel.pipeline_parallel=2", f"output_dir={tmp_path / 'pp'}",
+                    env=env)
+    got, want = records(tmp_path / "pp"), records(tmp_path / "one")
+    assert [(r["skipped"], r["loss_scale"]) for r in got] == [(r["skipped"], r["loss_scale"]) for r in want]
+    skips = sum(r["skipped"] for r in want)  # the first ones (6 measured), each halving the scale
+    assert skips >= 3 and [r["skipped"] for r in want] == [True] * skips + [False] * (10 - skips)
+    assert [r["loss_scale"] for r in want] == [2.0 ** (23 - min(i, skips - 1)) for i in range(10)]
+    assert [r["loss"] for r in got] == pytest.approx([r["loss"] for r in want], abs=1e-6)
+    assert [r["grad_norm"] for r in got[skips:]] == pytest.approx([r["grad_norm"] for r in want[skips:]], rel=1e-5)
+    assert want[-1]["loss"] < want[skips]["loss"]  # it trained once the scale fit
+    a, b = (load_weights(tmp_path / run / "final" / "model.safetensors") for run in ("pp", "one"))
+    assert max_abs_diff(a, b) < 1e-5
+    from llmtrain import capabilities
+    from llmtrain.layout import Layout
+
+    staged = load_recipe(recipe, ["parallel.pipeline_parallel=2"])  # FSDP's sharded stages: refused, with the fix
+    said = " ".join(capabilities.problems(staged, Layout(processes=4, fsdp=True, pp=2)))
+    assert "train.mixed_precision=fp16 on parallel.pipeline_parallel=2 under an FSDP launch" in said
+    assert "accelerate_configs/ddp.yaml" in said
 
 
 @pytest.mark.slow

@@ -198,21 +198,11 @@ def test_max_bad_steps_skips_updates_then_stops(tiny_assets, tmp_path):
 
 @pytest.fixture
 def fp16_loss_scale(monkeypatch):
-    """Accelerate's fp16 on a GPU, on this CPU: its GradScaler (here at 2^24, where fp16's gradients of the tiny
-    model overflow for the first 7 steps) and its unscale before the norm, which Accelerate keeps for CUDA devices;
-    autocast to fp16 on the CPU with it."""
-    import accelerate
-    import torch
+    """Accelerate's fp16 on a GPU, on this CPU (tests/fp16_on_cpu.py: its GradScaler at 2^24, where fp16's gradients
+    of the tiny model overflow for the first 7 steps, its autocast and its unscale before the norm)."""
+    import fp16_on_cpu
 
-    made = accelerate.Accelerator.__init__
-
-    def init(self, *args, **kwargs):
-        made(self, *args, **kwargs)
-        if self.state.mixed_precision == "fp16":
-            self.native_amp = True
-            self.scaler = torch.amp.GradScaler("cpu", init_scale=2.0**24)
-
-    monkeypatch.setattr(accelerate.Accelerator, "__init__", init)
+    fp16_on_cpu.patch(monkeypatch.setattr)
 
 
 def test_fp16s_overflows_halve_the_loss_scale_and_the_run_trains_on_and_resumes_it(fp16_loss_scale, tiny_assets,

@@ -93,6 +93,8 @@ def train_step(model, optimizer, scheduler, accelerator, objective: Objective, w
         stats_sum = stats if stats_sum is None else stats_sum + stats
     clip = pipeline.clip_grad_norm_ if pipeline is not None else partial(accelerator.clip_grad_norm_,
                                                                            model.parameters())
+    if pipeline is not None:  # fp16: each stage's gradients unscaled (Accelerate's clip does it for the others)
+        pipeline.unscale(optimizer)
     grad_norm = float(clip(max_grad_norm or float("inf")))  # host sync
     # After the norm's sync the reduced counts are ready: reading them costs no further wait.
     *summed, votes = counts.tolist()
@@ -104,6 +106,9 @@ def train_step(model, optimizer, scheduler, accelerator, objective: Objective, w
     scaler = getattr(optimizer, "scaler", None)
     if not skipped or scaler is not None:
         optimizer.step()
+    if pipeline is not None:  # the stages' plain optimizers: their loss scale settled by the global norm
+        pipeline.update_scale(optimizer, skipped)
+        scaler = pipeline.loss_scaler
     scale = float(scaler.get_scale()) if scaler is not None else None
     scheduler.step()
     optimizer.zero_grad(set_to_none=True)

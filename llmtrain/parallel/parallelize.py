@@ -62,7 +62,8 @@ def parallelize(model, recipe: Recipe, accelerator, *, make_optimizer, pad_id: i
                           group=groups(accelerator).pipeline,
                           fsdp=None if plugin is None else plugin.mixed_precision_policy or True,
                           precision=accelerator.autocast, head_loss=head_loss,
-                          router_aux=recipe.model.router_aux_loss_coef, fp32_head=fp32_head)
+                          router_aux=recipe.model.router_aux_loss_coef, fp32_head=fp32_head,
+                          loss_scaler=accelerator.scaler)
         say(stages.describe())
         # not wrapped: no DDP over all processes (the replicas sum their gradients in Pipeline.run), and the optimizer
         # stays a plain torch one, saved per process by the checkpoint (run/checkpoint.py)

@@ -96,7 +96,7 @@ class Pipeline:
     def __init__(self, model, *, parallel, micro_batches: int, slots: int, pad_id: int, device,
                  group: PipelineGroup, fsdp=None, precision=nullcontext, head_loss=None,
                  slots_key: str = "train.micro_batch_tokens", router_aux: float | None = None,
-                 fp32_head: bool = False):
+                 fp32_head: bool = False, loss_scaler=None):
         """`fsdp`: None, or the FSDP launch's MixedPrecisionPolicy (or True without one): each stage is then sharded
         over its replicas (FSDP2's fully_shard on each decoder layer and on the stage), kept unsharded between its
         forward and backward as torchtitan does under pipelining (reshard_after_forward=False: the schedule runs
@@ -110,7 +110,9 @@ class Pipeline:
         it) or its pairs or examples (the head loss's `units`: preference pairs, KTO), its statistic last: the stages
         hand its sums on beside the hidden states (stage.Balance). `fp32_head` (rl.cast_lm_head_to_fp32): under FSDP
         the last stage's head is a unit of its own, gathered and reduced in fp32 (fsdp.fp32_policy), where the
-        stage's policy would gather it in bf16."""
+        stage's policy would gather it in bf16. `loss_scaler`: fp16's dynamic loss scale (Accelerate's GradScaler,
+        which its checkpoint saves), or None: the last stage's loss is scaled by it, each stage unscales its own
+        gradients, and the global norm's verdict settles every stage's scale alike (`unscale`, `update_scale`)."""
         import torch.distributed as dist
         from torch.distributed import pipelining
 
@@ -188,6 +190,7 @@ class Pipeline:
         self.micro_batches, self.slots, self.pad_id, self.device = micro_batches, slots, pad_id, device
         self.slots_key = slots_key
         self.scale: torch.Tensor | float = 1.0
+        self.loss_scaler = loss_scaler
         self.sums: list[torch.Tensor] = []  # the last stage's summed loss of each micro-batch of the step
         self.stats: list[torch.Tensor] = []  # and its statistics (a reward model's; none for the LM head's loss)
         self.head_loss = head_loss
@@ -361,6 +364,9 @@ class Pipeline:
         prepared = self._prepared(batches)
         # FSDP's reduce-scatter averages the replicas' gradients, where the loss wants their sum
         self.scale = scale * (self.group.replicas if self.sharded else 1)
+        if self.loss_scaler is not None:  # fp16: times the loss scale (GradScaler.scale, as Accelerate's backward
+            # scales one process's loss; a power of 2, so the product is exact)
+            self.scale = self.loss_scaler.scale(torch.tensor(self.scale, device=self.device))
         m, sums, stats = self.micro_batches, [], []
         receiving_gradients(self.stages)
         for start in range(0, max(len(prepared), 1), m):
@@ -422,6 +428,23 @@ class Pipeline:
                 if p.requires_grad and id(p) not in seen:
                     seen.add(id(p))
                     yield p
+
+    def unscale(self, optimizer) -> None:
+        """fp16: this stage's gradients divided by the loss scale (GradScaler.unscale_, which also notes whether any
+        is not finite here), before the global norm."""
+        if self.loss_scaler is not None:
+            self.loss_scaler.unscale_(optimizer)
+
+    def update_scale(self, optimizer, skipped: bool) -> None:
+        """fp16: the loss scale's update after the step (halved where the update was skipped, grown after
+        growth_interval good steps), on every stage by the global norm's verdict (`skipped`), not by its own
+        gradients' alone: one stage's overflow skips every stage's update, and the scales stay one. GradScaler
+        reads the verdict from what unscale_ noted (its _per_optimizer_states, which torch has kept so since 1.6)."""
+        if self.loss_scaler is None:
+            return
+        for found in self.loss_scaler._per_optimizer_states[id(optimizer)]["found_inf_per_device"].values():
+            found.fill_(float(skipped))
+        self.loss_scaler.update()
 
     def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
         return clip_grad_norm_(list(self.parameters()), max_norm, self.device, sharded=self.sharded, g=self.group,
