@@ -891,7 +891,8 @@ def test_fp16s_loss_scale_on_two_stages_is_one_process_scale(four_layers, tmp_pa
     (tests/fp16_on_cpu.py: its GradScaler at 2^24, fp16 autocast): the last stage's loss is scaled, each stage
     unscales its own gradients, and the global norm's verdict settles both stages' scale (Pipeline.update_scale), so
     that an overflow on one stage skips both updates. Against one process: the same overflowed steps and halvings
-    (6, from 2^24 to 2^18), then the same losses and gradient norms, and final/ equal."""
+    (6, from 2^24 to 2^18), then the same losses and gradient norms, and final/ equal; a resume from step 4 goes on
+    with the checkpoint's scale."""
     import fp16_on_cpu
 
     env = fp16_on_cpu.site(tmp_path / "site", ENV)
@@ -899,7 +900,7 @@ def test_fp16s_loss_scale_on_two_stages_is_one_process_scale(four_layers, tmp_pa
                      warmup_steps=0)
     cli("finetune", str(recipe), f"output_dir={tmp_path / 'one'}", env=env)
     launch_finetune(CPU_DDP, 2, free_port, recipe, "parallel.pipeline_parallel=2", f"output_dir={tmp_path / 'pp'}",
-                    env=env)
+                    "checkpoint.every_steps=4", env=env)
     got, want = records(tmp_path / "pp"), records(tmp_path / "one")
     assert [(r["skipped"], r["loss_scale"]) for r in got] == [(r["skipped"], r["loss_scale"]) for r in want]
     skips = sum(r["skipped"] for r in want)  # the first ones (6 measured), each halving the scale
@@ -913,6 +914,12 @@ def test_fp16s_loss_scale_on_two_stages_is_one_process_scale(four_layers, tmp_pa
     from llmtrain import capabilities
     from llmtrain.layout import Layout
 
+    # a resume from step 4 (the scale still falling) goes on with the checkpoint's scale (Accelerate saves the scaler)
+    launch_finetune(CPU_DDP, 2, free_port + 1, recipe, "parallel.pipeline_parallel=2",
+                    f"output_dir={tmp_path / 'again'}", resume=str(tmp_path / "pp" / "checkpoints" / "step_000004"),
+                    env=env)
+    assert [(r["step"], r["loss_scale"], r["loss"]) for r in records(tmp_path / "again")] == \
+        [(r["step"], r["loss_scale"], r["loss"]) for r in got[4:]]
     staged = load_recipe(recipe, ["parallel.pipeline_parallel=2"])  # FSDP's sharded stages: refused, with the fix
     said = " ".join(capabilities.problems(staged, Layout(processes=4, fsdp=True, pp=2)))
     assert "train.mixed_precision=fp16 on parallel.pipeline_parallel=2 under an FSDP launch" in said
