@@ -205,6 +205,18 @@ def fp16_loss_scale(monkeypatch):
     fp16_on_cpu.patch(monkeypatch.setattr)
 
 
+def test_fp16_on_a_cpu_says_that_it_computes_in_the_models_dtype(tiny_assets, tmp_path, capsys):
+    """Accelerate makes fp16's autocast and loss scale on GPUs only: on a CPU the run says so, where it used to train
+    in fp32 without a word; bf16 (CPU autocast) says nothing."""
+    recipe = write_recipe(tiny_assets, tmp_path, train={"max_steps": 1, "eval_every_steps": None})
+    run_train(recipe, "train.mixed_precision=fp16", f"output_dir={tmp_path / 'fp16'}")
+    said = " ".join(capsys.readouterr().out.split())
+    assert "warning: train.mixed_precision=fp16 on a CPU computes in the model's dtype (float32): Accelerate runs " \
+        "neither fp16 autocast nor a loss scale on a CPU" in said
+    run_train(recipe, "train.mixed_precision=bf16", f"output_dir={tmp_path / 'bf16'}")
+    assert "mixed_precision=" not in capsys.readouterr().out
+
+
 def test_fp16s_overflows_halve_the_loss_scale_and_the_run_trains_on_and_resumes_it(fp16_loss_scale, tiny_assets,
                                                                                    tmp_path):
     """train.mixed_precision fp16: a step whose scaled gradients overflow is the loss scale's to skip (the scaler

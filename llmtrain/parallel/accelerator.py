@@ -98,6 +98,11 @@ def build_accelerator(recipe: Recipe):
             f"warning: the launch config asks for mixed_precision={launched} but the recipe sets "
             f"train.mixed_precision={recipe.train.mixed_precision}; using the recipe's."
         )
+    if recipe.train.mixed_precision == "fp16" and accelerator.scaler is None and accelerator.is_main_process:
+        accelerator.print(  # (Accelerate turns fp16's autocast and loss scale on for GPUs only)
+            f"warning: train.mixed_precision=fp16 on a CPU computes in the model's dtype ({recipe.model.dtype}): "
+            "Accelerate runs neither fp16 autocast nor a loss scale on a CPU. Set train.mixed_precision=bf16 (CPU "
+            "autocast) or no; fp16 trains on a GPU.")
     return accelerator
 
 
