@@ -48,7 +48,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from llmtrain.memory.params import ModelShape
-from llmtrain.memory.spec import DTYPE_BYTES, PRECISION_DTYPE, TrainSpec
+from llmtrain.memory.spec import DTYPE_BYTES, TrainSpec
 from llmtrain.memory.spec import QUANT_BYTES_PER_WEIGHT
 
 NVLINK_GBPS = 3600.0  # H100 SXM, NVLink 4: 450 GB/s each way per GPU
@@ -249,7 +249,7 @@ class Gathered:
 def gathered_bytes(shape: ModelShape, spec: TrainSpec, *, trained_params: int) -> Gathered:
     """Every parameter in its compute dtype (bf16 under mixed precision), a 4-bit base as stored (4 bits and the
     quantisation constants a weight), and LoRA's trained parameters (counted with the layers they adapt)."""
-    compute = DTYPE_BYTES[PRECISION_DTYPE.get(spec.mixed_precision, spec.dtype)]
+    compute = spec.compute_bytes
     in_layers = shape.layer_params_total
     embed = 0 if shape.tied else shape.params_embed
     tail = shape.params_total - in_layers - embed
@@ -343,8 +343,7 @@ def tensor_parallel_activations(shape: ModelShape, spec: TrainSpec) -> float:
     dtype (FSDP's mixed precision runs the residual stream in it) per layer; 0 without tensor parallelism."""
     if spec.tp == 1:
         return 0.0
-    return float(shape.layers * spec.tokens * shape.hidden * DTYPE_BYTES[PRECISION_DTYPE.get(spec.mixed_precision,
-                                                                                           spec.dtype)])
+    return float(shape.layers * spec.tokens * shape.hidden * spec.compute_bytes)
 
 
 def tensor_parallel_gathers(shape: ModelShape, spec: TrainSpec) -> tuple[float, float]:
@@ -353,7 +352,7 @@ def tensor_parallel_gathers(shape: ModelShape, spec: TrainSpec) -> tuple[float, 
     tokens x the layer's elements in the compute dtype, summed over the layers; (0, 0) for every other plan."""
     if spec.tp == 1:
         return 0.0, 0.0
-    unit = shape.layers * spec.tokens * DTYPE_BYTES[PRECISION_DTYPE.get(spec.mixed_precision, spec.dtype)]
+    unit = shape.layers * spec.tokens * spec.compute_bytes
     return float(unit * shape.tp_gathers[0]), float(unit * shape.tp_gathers[1])
 
 
@@ -443,7 +442,7 @@ def sampling_seconds(shape: ModelShape, spec: TrainSpec, *, weight_bytes: float,
 
     prompts = max(1, spec.micro_batch // spec.num_generations) * spec.sampled_batches
     if spec.sharded:  # FSDP: the rollout gathered the whole model (gathered_for_generation), in the compute dtype
-        weight_bytes = shape.params_total * DTYPE_BYTES[PRECISION_DTYPE.get(spec.mixed_precision, spec.dtype)]
+        weight_bytes = shape.params_total * spec.compute_bytes
     params = shape.active_params_total + shape.vocab * shape.hidden
     prefill = 2.0 * params * prompts * spec.prompt_tokens / (network.peak_tflops * 1e12 * network.mfu)
     decode = spec.max_completion_tokens * (weight_bytes + kv_cache_bytes(shape, spec)) / (network.hbm_tbps * 1e12)

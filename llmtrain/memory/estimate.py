@@ -20,7 +20,6 @@ from llmtrain.memory.spec import (
     DTYPE_BYTES,
     GIB,
     MIB,
-    PRECISION_DTYPE,
     Estimate,
     TrainSpec,
     sequence_kv_heads,
@@ -85,7 +84,7 @@ def make_pass(shape: ModelShape, spec: TrainSpec, *, examples: int | None = None
     b, s = (1, tokens) if spec.packed else (examples, spec.seq_len)
     shard = tiled_mlp_shard(spec.tiled_mlp, shape.hidden)
     amp = spec.mixed_precision != "no"
-    compute = PRECISION_DTYPE.get(spec.mixed_precision, spec.dtype)
+    compute = spec.compute_dtype
     # FSDP's mixed-precision policy gathers parameters in the compute dtype, so the stream is too.
     stream = compute if (spec.sharded and amp) else spec.dtype
     window = shape.sliding_window  # varlen applies it per example, inside the kernel
@@ -482,7 +481,7 @@ def kv_cache_bytes(shape: ModelShape, spec: TrainSpec) -> int:
     dtype, for sampling_rows x (the longest prompt + rl.max_completion_tokens) positions (the sampler left-pads every
     prompt to the micro-batch's longest). Each layer's own heads (Gemma 4's); a layer sharing an earlier layer's keys
     and values holds none."""
-    cd = DTYPE_BYTES[PRECISION_DTYPE.get(spec.mixed_precision, spec.dtype)]
+    cd = spec.compute_bytes
     per_token = shape.summed(lambda layer: 0 if layer.kv_shared else 2 * layer.kv_heads * layer.head_dim)
     return sampling_rows(spec) * _cache_width(spec) * per_token * cd
 
@@ -500,7 +499,7 @@ def generation_copy_bytes(shape: ModelShape, spec: TrainSpec, plan) -> int:
     if spec.merged_copy == "off" or plan is None or not spec.num_generations or not FAMILIES[
             shape.model_type].fast_sampler:  # the reference sampler runs the training model as it is
         return 0
-    cd = DTYPE_BYTES[PRECISION_DTYPE.get(spec.mixed_precision, spec.dtype)]
+    cd = spec.compute_bytes
     # (a mixture of experts' adapted router and experts are peft's parameter adapters: the router's merged by peft at
     # each forward, the experts' run beside them, model/lora_experts.py)
     per_layers = sum(i * o for layer in plan.adapted for name, (i, o) in layer.items() if name not in plan.moe_params)

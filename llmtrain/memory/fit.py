@@ -106,8 +106,8 @@ def network_per_token(c: Candidate) -> float:
 
 
 def shardable(spec: TrainSpec) -> bool:
-    """Whether FSDP may hold the run, as the capability table says of its recipe (spec.unshardable: e.g. online RL's
-    whole reference copy, bitsandbytes' 8-bit AdamW on sharded parameters) or, for a run given by flags (--model),
+    """Whether FSDP may hold the run, as the capability table says of its recipe (spec.unshardable: e.g. bitsandbytes'
+    8-bit AdamW on sharded parameters, a random start's reference copy) or, for a run given by flags (--model),
     of its optimizer: --fit proposes no FSDP, HSDP, offload or FSDP inside pipeline stages for it otherwise."""
     return spec.unshardable is None and spec.optimizer != "adamw_8bit"
 

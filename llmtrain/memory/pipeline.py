@@ -39,7 +39,7 @@ from llmtrain.memory.estimate import (_backward_layers, _cache_width, _finish, _
                                       sampling_rows)
 from llmtrain.memory.params import LoraPlan, ModelShape, run_lora_plan
 from llmtrain.memory.reward_models import add_reward_models
-from llmtrain.memory.spec import DTYPE_BYTES, GIB, PRECISION_DTYPE, Estimate, TrainSpec
+from llmtrain.memory.spec import DTYPE_BYTES, GIB, Estimate, TrainSpec
 from llmtrain.memory.states import States, accumulated_grads, optimizer_bytes, states
 from llmtrain.memory.teacher import add_stage_teacher
 from llmtrain.parallel.pipeline.split import bubble_fraction, in_flight, interleaved_rounds, rank_stages, stage_layers
@@ -406,7 +406,7 @@ def staged_generation_phases(shape: ModelShape, spec: TrainSpec, stage: Stage, b
             shape.layers - stage.chunks[0].start)
     if shape.kv_handed and (held := sum(shape.kv_handed[c.start] for c in stage.chunks)):
         # (in the compute dtype, as kv_cache_bytes; the prompts' alone while they are prefilled)
-        per_row = held * DTYPE_BYTES[PRECISION_DTYPE.get(spec.mixed_precision, spec.dtype)] * rows
+        per_row = held * spec.compute_bytes * rows
         for name, positions in (("generation_prefill", prompt), ("generation", _cache_width(spec))):
             phases[name]["kv_cache"] = phases[name].get("kv_cache", 0) + per_row * positions
     return phases
@@ -538,7 +538,7 @@ def compared(shape: ModelShape, spec: TrainSpec, network: Network, *,
     """The pipeline beside DDP, FSDP and HSDP (HSDP where there are nodes to replicate over) on the same GPUs at the
     same global batch: (label, estimate, traffic) each, the pipeline first (each estimate says whether it fits). FSDP
     and HSDP only where the capability table lets the recipe shard (`shardable`, fit.shardable: e.g. not
-    rl.cast_lm_head_to_fp32, which stages run)."""
+    train.optimizer=adamw_8bit, which stages run under DDP)."""
     stage_gpus = spec.world // spec.pipeline_parallel
     label = (f"pipeline {spec.pipeline_parallel} x {spec.strategy} {stage_gpus}" if stage_gpus > 1 else
              f"pipeline {spec.pipeline_parallel} (a GPU a stage)")  # not "x single 1", nor "x ddp 1"

@@ -186,6 +186,15 @@ class TrainSpec:
         return self.num_gpus * self.num_nodes
 
     @property
+    def compute_dtype(self) -> str:
+        """The dtype the matmuls run in: train.mixed_precision's where set, else the weights' (model.dtype)."""
+        return PRECISION_DTYPE.get(self.mixed_precision, self.dtype)
+
+    @property
+    def compute_bytes(self) -> int:
+        return DTYPE_BYTES[self.compute_dtype]
+
+    @property
     def sharded(self) -> bool:
         """FSDP2 shards the model: over every GPU (fsdp), or over the GPUs of a node with the nodes as replicas
         (hsdp: the memory of FSDP over one node)."""

@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from llmtrain.memory.params import LoraPlan, ModelShape
-from llmtrain.memory.spec import DTYPE_BYTES, PRECISION_DTYPE, QUANT_BYTES_PER_WEIGHT, TrainSpec
+from llmtrain.memory.spec import DTYPE_BYTES, QUANT_BYTES_PER_WEIGHT, TrainSpec
 from llmtrain.memory.reward_models import weight_bytes
 from llmtrain.memory.teacher import sharded_frozen_bytes
 
@@ -47,7 +47,7 @@ def quantized_base_bytes(shape: ModelShape, spec: TrainSpec) -> int:
     rest (embeddings, LM head, norms) in the storage dtype, and the largest linear dequantised to the compute dtype
     while its matmul runs (bitsandbytes dequantises a weight per call, forward and backward)."""
     quantized = shape.linear_params_total
-    compute = DTYPE_BYTES[PRECISION_DTYPE.get(spec.mixed_precision, spec.dtype)]
+    compute = spec.compute_bytes
     in_flight = max(lin.numel for i in range(shape.layers) for lin in shape.layer(i).layer_linears) * compute
     return (round(quantized * QUANT_BYTES_PER_WEIGHT) + (shape.params_total - quantized) * DTYPE_BYTES[spec.dtype]
             + in_flight)
