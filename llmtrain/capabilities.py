@@ -206,7 +206,9 @@ def _merged_copy(r, _):
         sampling.merged_copy != "off"
 
 
-def _fp32_head(r, _):
+def fp32_head(r, _=None) -> bool:
+    """rl.cast_lm_head_to_fp32 of recipe `r` (False for any mode but online RL), for the rules, the layout
+    (parallel/parallelize.py), the model's loss (loop/phases.py) and the estimate."""
     return r.rl is not None and r.rl.cast_lm_head_to_fp32
 
 
@@ -294,7 +296,7 @@ RULES: tuple[Rule, ...] = (
          "lora.dora under {key}: DoRA divides each output row by the norm of its whole weight row (W + s B A), and "
          "tensor parallelism splits the weights by rows or columns, each process holding a part of a row or of the "
          "magnitudes. Set lora.dora=false, or launch FSDP (each layer's weights are whole in its forward)"),
-    Rule("tp", _fp32_head,
+    Rule("tp", fp32_head,
          "rl.cast_lm_head_to_fp32 under {key}: the LM head is split over the processes as a DTensor in the model's "
          "dtype. Unset it, or launch one GPU or DDP"),
     Rule("fsdp", lambda r, _: r.train.optimizer == "adamw_8bit",
@@ -644,7 +646,7 @@ def model_problems(recipe, layout: Layout, config) -> list[str]:
                    "<end_of_turn>), or unset model.new_tokens")
     if problem := stored_quantization_problem(recipe.model.quantize, config):
         out.append(problem)
-    if _fp32_head(recipe, layout) and getattr(
+    if fp32_head(recipe, layout) and getattr(
             config.get_text_config() if hasattr(config, "get_text_config") else config, "tie_word_embeddings", False):
         out.append(f"rl.cast_lm_head_to_fp32: this {model_type or ''} model's LM head is its input embeddings "
                    "(tie_word_embeddings), which would turn fp32 too and feed the decoder fp32 inputs. Unset "
@@ -783,7 +785,7 @@ def _mode_problems(recipe) -> list[str]:
             mode.key, "rl: a micro-batch is train.micro_batch_size prompts, each with rl.num_generations completions "
                       "packed padding-free into one row; unset train.micro_batch_tokens (a token budget for the "
                       "update's passes is rl.micro_batch_tokens)"))
-    if _fp32_head(recipe, None) and recipe.lora is not None and (
+    if fp32_head(recipe, None) and recipe.lora is not None and (
             trained := [k for k in ("target_modules", "modules_to_save")
                         if "lm_head" in (getattr(recipe.lora, k) or ())]):
         out.append(f"rl.cast_lm_head_to_fp32 holds the LM head's weight in fp32, and lora.{trained[0]} names lm_head "

@@ -343,7 +343,7 @@ def build_model(recipe: Recipe, accelerator, *, total_steps: int, say, pad: int 
         attach_loss(model, chunk=tc.loss_chunk_tokens, fused_linear_ce=fused_ce,
                     router_aux=recipe.model.router_aux_loss_coef,
                     balance_sums=partial(balance_sums, group=sequence.group) if sequence.size > 1 else None,
-                    dft=tc.sft_loss == "dft", fp32_head=recipe.rl is not None and recipe.rl.cast_lm_head_to_fp32)
+                    dft=tc.sft_loss == "dft", fp32_head=capabilities.fp32_head(recipe))
     if tc.neftune_alpha is not None:
         from llmtrain.model.neftune import attach_neftune
 

@@ -10,8 +10,8 @@ import math
 from dataclasses import asdict, dataclass, field, replace
 from typing import Literal
 
-from llmtrain.capabilities import (reference_copy, reference_kind, reference_sync, rollout_adapter, rollout_reference,
-                                   sharding_problems)
+from llmtrain.capabilities import (fp32_head, reference_copy, reference_kind, reference_sync, rollout_adapter,
+                                   rollout_reference, sharding_problems)
 from llmtrain.config import (DataConfig, LoraConfig, ModelConfig, ParallelConfig, Recipe, TrainConfig, sampling_of,
                              updates_per_window)
 from llmtrain.errors import LLMTrainError
@@ -453,7 +453,7 @@ def spec_from_recipe(recipe: Recipe, *, strategy: Strategy = "single", num_gpus:
         adapter_reference_whole=rollout_adapter(recipe),
         num_iterations=updates_per_window(recipe), **extra_forwards_of(recipe),
         rollout_forwards=rollout_logps(recipe),
-        fp32_head=recipe.rl is not None and recipe.rl.cast_lm_head_to_fp32,
+        fp32_head=fp32_head(recipe),
         sampled_batches=t.grad_accum_steps if recipe.rl is not None and recipe.rl.generation_batch == "step" else 1,
         min_examples=2 if recipe.kto is not None and recipe.kto.loss_type == "kto" else 1,
         merged_copy=_merged_copy(recipe), eval_rows=eval_rows,

@@ -96,7 +96,12 @@ def mix(reference, policy, alpha: float) -> None:
                 source = source.full_tensor()
         source = source.to_local() if isinstance(source, DTensor) else source
         local = target.to_local() if isinstance(target, DTensor) else target
-        local.data.mul_(1.0 - alpha).add_(source.data.to(local.device), alpha=alpha)
+        _mix_into(local.data, source.data.to(local.device), alpha)
+
+
+def _mix_into(target: torch.Tensor, source: torch.Tensor, alpha: float) -> None:
+    """target = alpha x source + (1 - alpha) x target, in place: mul_ then add_, TRL's order of operations."""
+    target.mul_(1.0 - alpha).add_(source, alpha=alpha)
 
 
 class Reference:
@@ -303,7 +308,7 @@ class StageCopy(Reference):
         if self.every is None or step % self.every:
             return False
         for target, source in zip(self.copy_local, self.local):  # as mix does it, tensor by tensor
-            target.mul_(1.0 - self.alpha).add_(source, alpha=self.alpha)
+            _mix_into(target, source, self.alpha)
         self.moved = True
         return True
 

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from llmtrain import capabilities
 from llmtrain.capabilities import experts_held
 from llmtrain.config import Recipe
 from llmtrain.model.modeling import compile_layers
@@ -52,7 +53,7 @@ def parallelize(model, recipe: Recipe, accelerator, *, make_optimizer, pad_id: i
         say(describe_sequence(sp, accelerator.num_processes))
     if recipe.model.compile:
         say(f"compile: {compile_layers(model)} decoder layers (regional torch.compile)")
-    fp32_head = recipe.rl is not None and recipe.rl.cast_lm_head_to_fp32
+    fp32_head = capabilities.fp32_head(recipe)
     if recipe.parallel.pipeline_parallel > 1:
         # this process's stages (the optimizer sees only theirs), sharded over their replicas by an FSDP launch
         plugin = accelerator.state.fsdp_plugin if uses_fsdp(accelerator) else None

@@ -34,7 +34,7 @@ class TrainState:
         """Account for one optimizer step: its `window` (batching.Window) and its `result` (step.StepResult)."""
         self.step += 1
         # a count of the whole run (it survives a resume); fp16's loss scale skips an overflowed step itself
-        self.bad_steps += result.skipped and not getattr(result, "overflow", False)
+        self.bad_steps += result.skipped and not result.overflow
         self.tokens_seen += int(result.counts.tokens)
         self.trained_tokens_seen += int(result.counts.trained)
         # Roll the epoch over with the step that ends it, so a checkpoint saved now resumes at the next epoch's

@@ -170,7 +170,6 @@ class Pipeline:
                     fully_shard(layer, mesh=g.mesh["dp"], reshard_after_forward=False, **policy)
                 if fp32_head and m.head is not None:
                     fully_shard(m.head, mesh=g.mesh["dp"], reshard_after_forward=False, mp_policy=fp32_policy())
-                    m.head_unit = True
                 fully_shard(m, mesh=g.mesh["dp"], reshard_after_forward=False, **policy)
         # (read after fully_shard, which puts DTensor parameters in the modules' place)
         held = [m.embed.weight for m in self.modules if m.embed is not None] + \

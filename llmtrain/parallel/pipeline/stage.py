@@ -12,6 +12,7 @@ from contextlib import contextmanager, nullcontext
 
 import torch
 from torch import nn
+from torch.distributed.fsdp import FSDPModule
 
 from llmtrain.model.attention import layer_kinds, rotary_by_kind
 
@@ -50,7 +51,6 @@ class Stage(nn.Module):
         self.rotary = decoder.rotary_emb
         self.norm = decoder.norm if last else None
         self.head = getattr(lm, head_name(lm)) if last else None  # the LM head, or a reward model's score head
-        self.head_unit = False  # the head is an FSDP unit of its own (schedule.Pipeline shards an fp32 head so)
         # Gemma 4: its per-layer inputs, made on the first stage from the token ids and the embeddings (the modules
         # that make them live there) and handed on with the hidden states, each stage reading its layers' and passing
         # the later layers' on; and the keys and values a layer stores for later layers of its kind (KV sharing),
@@ -79,7 +79,7 @@ class Stage(nn.Module):
         fp32 head's: schedule.Pipeline) is gathered here too, as the stage is, on every replica alike: the loss calls it
         outside this forward, and not on a row that holds nothing to score (a forward-only pass's idle rows), where
         its gather would wait for the other replicas' (a hang, seen on 2 x 2 processes)."""
-        if self.head_unit:
+        if isinstance(self.head, FSDPModule):
             self.head.unshard()
         if cache is not None:
             return self._decode(x, handed, position_ids, cache, masks, {} if held is None else held)
