@@ -299,13 +299,6 @@ RULES: tuple[Rule, ...] = (
     Rule("tp", fp32_head,
          "rl.cast_lm_head_to_fp32 under {key}: the LM head is split over the processes as a DTensor in the model's "
          "dtype. Unset it, or launch one GPU or DDP"),
-    Rule("fsdp", lambda r, _: r.train.optimizer == "adamw_8bit",
-         "train.optimizer=adamw_8bit under FSDP / HSDP: bitsandbytes' 8-bit AdamW updates plain tensors, and FSDP's "
-         "parameters are sharded DTensors. Set train.optimizer=adamw (FSDP already divides its state over the GPUs), "
-         "or launch one GPU or DDP"),
-    Rule("tp", lambda r, _: r.train.optimizer == "adamw_8bit",
-         "train.optimizer=adamw_8bit under {key}: bitsandbytes' 8-bit AdamW updates plain tensors, and tensor "
-         "parallelism's parameters are split DTensors. Set train.optimizer=adamw"),
     Rule("fsdp", _copy_reread,
          "a full fine-tune's frozen reference ({reference}) under FSDP is the starting weights read again from "
          "model.name_or_path and sharded like the policy, and model.random_init has none to read. Save the initial "
@@ -345,6 +338,10 @@ RULES: tuple[Rule, ...] = (
          "train.mixed_precision=fp16 on {key} under an FSDP launch: fp16's loss scale is built for stages under "
          "DDP, whose gradients are plain tensors, not FSDP's sharded ones. Set train.mixed_precision=bf16, or launch "
          "the stages with DDP (accelerate_configs/ddp.yaml)"),
+    Rule("pp", lambda r, layout: r.train.optimizer == "adamw_8bit" and layout.fsdp,
+         "train.optimizer=adamw_8bit on {key} under an FSDP launch: a stage's checkpoint holds its optimizer state "
+         "whole, by name, and 8-bit moments are quantised in blocks of each FSDP shard. Set train.optimizer=adamw, "
+         "or launch the stages with DDP (accelerate_configs/ddp.yaml)"),
 )
 
 
@@ -414,10 +411,11 @@ def problems(recipe, layout: Layout, *, model=None) -> list[str]:
     return out
 
 
-def sharding_problems(recipe) -> list[str]:
+def sharding_problems(recipe, *, pp: int | None = None) -> list[str]:
     """What the table refuses of the recipe under FSDP / HSDP that it does not under DDP (the mode's cell, the FSDP
-    rules): the estimate's --fit proposes no FSDP, HSDP or offload for such a recipe (memory/fit.shardable)."""
-    sp, pp = recipe.parallel.sequence_parallel, recipe.parallel.pipeline_parallel
+    rules): the estimate's --fit proposes no FSDP, HSDP or offload for such a recipe (memory/fit.shardable). `pp`: on
+    that many pipeline stages instead of the recipe's (1: the plain FSDP the pipeline is compared with)."""
+    sp, pp = recipe.parallel.sequence_parallel, pp or recipe.parallel.pipeline_parallel
     ddp = problems(recipe, Layout(processes=2 * sp * pp, sp=sp, pp=pp))
     return [p for p in problems(recipe, Layout(processes=2 * sp * pp, fsdp=True, sp=sp, pp=pp)) if p not in ddp]
 

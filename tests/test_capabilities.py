@@ -168,17 +168,18 @@ def test_the_table_in_docs_scaling_is_the_tables_own():
 
 @pytest.mark.slow
 def test_a_refused_layout_exits_2_with_one_paragraph_and_writes_nothing(mode_recipes, tmp_path):
-    """Every cell of the table trains; what a layout refuses of a recipe (here bitsandbytes' 8-bit AdamW, which
-    updates plain tensors, under an FSDP launch, whose parameters are sharded DTensors) stops `llmtrain launch`
-    before any process starts: exit 2, one paragraph naming the fix, no traceback, nothing written."""
+    """Every cell of the table trains; what a layout refuses of a recipe (here model.compile under tensor
+    parallelism, whose compiled layers recursed without end) stops `llmtrain launch` before any process starts:
+    exit 2, one paragraph naming the fix, no traceback, nothing written."""
     out = tmp_path / "run"
-    argv = ["--config_file", str(CONFIGS / "cpu_fsdp.yaml"), "--num_processes", "2", "--main_process_port", "0",
-            str(mode_recipes["distill"]), "train.optimizer=adamw_8bit", f"output_dir={out}"]
+    argv = ["--config_file", str(CONFIGS / "cpu_tp.yaml"), "--num_processes", "4", "--main_process_port", "0",
+            str(mode_recipes["distill"]), "model.compile=true", f"output_dir={out}"]
     proc = subprocess.run([sys.executable, "-m", "llmtrain", "launch", *argv], env=ENV, cwd=REPO, capture_output=True,
                           text=True, timeout=300)
     assert proc.returncode == 2, proc.stdout + proc.stderr
     assert proc.stderr.startswith("error: ") and "Traceback" not in proc.stderr
-    assert "Set train.optimizer=adamw (FSDP already divides its state over the GPUs)" in " ".join(proc.stderr.split())
+    assert "with model.compile fails: inductor" in " ".join(proc.stderr.split())
+    assert "Set model.compile=false" in " ".join(proc.stderr.split())
     assert not out.exists()
 
 
@@ -337,17 +338,20 @@ def test_the_flop_count_takes_each_layers_head_size():
 
 
 @pytest.mark.parametrize("changes, refused", [
-    ({"rl": {"algorithm": "rloo", "rewards": [{"type": "answer_match"}]}, "train": {"optimizer": "adamw_8bit"}},
-     "train.optimizer=adamw_8bit under FSDP / HSDP"),
+    ({"rl": {"algorithm": "rloo", "rewards": [{"type": "answer_match"}], "beta": 0.04},
+      "model": {"random_init": True}}, "a full fine-tune's frozen reference"),
     ({"rl": {"algorithm": "rloo", "rewards": [{"type": "answer_match"}], "cast_lm_head_to_fp32": True}}, None),
-    ({"preference": {}, "train": {"optimizer": "adamw_8bit"}}, "train.optimizer=adamw_8bit under FSDP / HSDP"),
+    ({"rl": {"algorithm": "rloo", "rewards": [{"type": "answer_match"}]}, "train": {"optimizer": "adamw_8bit"}},
+     None),
+    ({"preference": {"reference": "copy"}, "model": {"random_init": True}}, "a full fine-tune's frozen reference"),
     ({"preference": {}}, None)])
 def test_fit_proposes_no_layout_the_table_refuses(changes, refused):
     """estimate-memory's --fit asks the table what FSDP refuses of the recipe (capabilities.sharding_problems, carried
-    as spec.unshardable): a full fine-tune of RLOO with 8-bit AdamW (which updates plain tensors, not FSDP's
-    DTensors) that no single GPU holds gets no FSDP, HSDP or more-GPU proposal, and the recommendation says why in
-    the table's words; DPO's 8-bit AdamW alike; the same RLOO run with its LM head in fp32 (a unit of its own under
-    FSDP since 2026-12-05, refused before) and the same size of DPO run, which FSDP trains, get FSDP."""
+    as spec.unshardable): a full fine-tune of RLOO with a KL to a frozen copy of a random start (which FSDP reads
+    again from model.name_or_path) that no single GPU holds gets no FSDP, HSDP or more-GPU proposal, and the
+    recommendation says why in the table's words; DPO's copy of a random start alike; the same RLOO run with its LM
+    head in fp32 (a unit of its own under FSDP since 2026-12-05) or with 8-bit AdamW (each process updates its shard,
+    since 2026-12-05), and the same size of DPO run, which FSDP trains, get FSDP."""
     from llmtrain.config import Recipe
     from llmtrain.memory.estimate import estimate
     from llmtrain.memory.fit import fit, recommendation
@@ -356,7 +360,7 @@ def test_fit_proposes_no_layout_the_table_refuses(changes, refused):
 
     fmt = "prompt" if "rl" in changes else "preference"
     recipe = Recipe.model_validate({
-        "model": {"name_or_path": "mistral-7b", "dtype": "bfloat16", "kernels": "none"},
+        "model": {"name_or_path": "mistral-7b", "dtype": "bfloat16", "kernels": "none", **changes.pop("model", {})},
         "data": {"path": "unread.jsonl", "format": fmt, "max_seq_len": 1024},
         "train": {"micro_batch_size": 1, "mixed_precision": "bf16", **changes.pop("train", {})},
         "output_dir": "unwritten", **changes})
@@ -370,7 +374,7 @@ def test_fit_proposes_no_layout_the_table_refuses(changes, refused):
         return
     assert refused in spec.unshardable and strategies <= {"ddp"} and found.more_gpus is None
     est = estimate(shape, spec)
-    if not est.fits:  # the RL run (the DPO run with the 8-bit optimizer fits DDP)
+    if not est.fits:  # the RL run (the DPO run fits DDP)
         said = " ".join(recommendation(shape, est).split())
         assert "nothing fits 8 x 80 GiB (FSDP, whose shards shrink with more GPUs, is out: " in said
         assert refused in said

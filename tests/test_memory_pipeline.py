@@ -333,18 +333,22 @@ def test_the_pipeline_is_compared_with_ddp_where_a_whole_model_fits_a_gpu():
 
 
 def test_the_comparison_leaves_out_what_the_recipe_cannot_shard_and_says_why():
-    """8-bit AdamW trains on pipeline stages (DDP inside) and is refused under FSDP: the layouts beside the pipeline
-    are DDP alone, and a line says why FSDP and HSDP are not there (the comparison had recommended FSDP 2 as the
-    fastest other layout, a launch the recipe refuses)."""
+    """A full fine-tune's KL to a frozen copy of a random start trains on pipeline stages (each copies its own
+    starting weights) and is refused under FSDP (which would read the start again from model.name_or_path): the
+    layouts beside the pipeline are DDP alone, and a line says why FSDP and HSDP are not there (the comparison had
+    recommended FSDP 2 as the fastest other layout, a launch the recipe refuses). 8-bit AdamW, refused under FSDP
+    before 2026-12-05, is compared with all of them."""
     args = (str(REPO / "recipes" / "llama3-8b-grpo.yaml"), "parallel.pipeline_parallel=2", "rl.sampler=reference",
             "rl.micro_batch_tokens=4096", "train.grad_accum_steps=2", "train.eval_batch_size=null", "--num-gpus", "2")
     plain = {r["layout"] for r in json.loads(estimate_memory(*args, "--json").stdout)["pipeline_compared"]}
     assert plain == {"pipeline 2 (a GPU a stage)", "ddp 2", "fsdp 2"}
-    eight_bit = (*args, "train.optimizer=adamw_8bit")
-    got = {r["layout"] for r in json.loads(estimate_memory(*eight_bit, "--json").stdout)["pipeline_compared"]}
+    copy = (*args, "lora=null", "rl.beta=0.04", "model.random_init=true")
+    got = {r["layout"] for r in json.loads(estimate_memory(*copy, "--json").stdout)["pipeline_compared"]}
     assert got == {"pipeline 2 (a GPU a stage)", "ddp 2"}
-    text = " ".join(estimate_memory(*eight_bit).stdout.split())
-    assert "FSDP and HSDP are left out: train.optimizer=adamw_8bit under FSDP / HSDP" in text
+    text = " ".join(estimate_memory(*copy).stdout.split())
+    assert "FSDP and HSDP are left out: a full fine-tune's frozen reference" in text
+    eight_bit = (*args, "train.optimizer=adamw_8bit")
+    assert {r["layout"] for r in json.loads(estimate_memory(*eight_bit, "--json").stdout)["pipeline_compared"]} == plain
     cast = (*args, "rl.cast_lm_head_to_fp32=true")  # FSDP gathers the fp32 head as a unit of its own
     assert {r["layout"] for r in json.loads(estimate_memory(*cast, "--json").stdout)["pipeline_compared"]} == plain
 

@@ -170,8 +170,8 @@ def estimate_memory(
     network = Network(**{k: v for k, v in given.items() if v is not None})
     traffic = traffic_run(shape, est.spec, network)  # with --longest-context: at that length
     # the data-parallel layouts beside it keep the recipe's train.fsdp_accumulate (est.spec is the pipeline's)
-    beside = (compared(shape, est.spec.but(fsdp_accumulate=spec.fsdp_accumulate), network,
-                       shardable=fitting.shardable(spec)) if est.spec.pipeline_parallel > 1 else [])
+    beside = (compared(shape, est.spec.but(fsdp_accumulate=spec.fsdp_accumulate), network)
+              if est.spec.pipeline_parallel > 1 else [])
     result = fitting.fit(shape, spec, global_batch=global_batch, network=network) if fit else None
     advice = fitting.recommendation(shape, est, global_batch=global_batch, network=network)
     if as_json:

@@ -106,16 +106,9 @@ def network_per_token(c: Candidate) -> float:
 
 
 def shardable(spec: TrainSpec) -> bool:
-    """Whether FSDP may hold the run, as the capability table says of its recipe (spec.unshardable: e.g. bitsandbytes'
-    8-bit AdamW on sharded parameters, a random start's reference copy) or, for a run given by flags (--model),
-    of its optimizer: --fit proposes no FSDP, HSDP, offload or FSDP inside pipeline stages for it otherwise."""
-    return spec.unshardable is None and spec.optimizer != "adamw_8bit"
-
-
-def unshardable_reason(spec: TrainSpec) -> str:
-    """Why FSDP cannot hold the run (shardable is False), in a clause."""
-    return spec.unshardable or ("FSDP refuses the 8-bit optimizer (train.optimizer=adamw_8bit): bitsandbytes updates "
-                                "plain tensors, and FSDP's parameters are sharded DTensors")
+    """Whether FSDP may hold the run, as the capability table says of its recipe (spec.unshardable: e.g. a random
+    start's reference copy): --fit proposes no FSDP, HSDP, offload or FSDP inside pipeline stages for it otherwise."""
+    return spec.unshardable is None
 
 
 def strategies_for(spec: TrainSpec) -> tuple[str, ...]:
@@ -309,7 +302,7 @@ def recommendation(shape: ModelShape, est: Estimate, *, global_batch: int | None
                     f"does ({more.best.estimate.per_gpu_peak_bytes / GIB:.1f} GiB per GPU): {launch_line(more)} "
                     f"with {' '.join(more.overrides)} (see --fit)")
         nor = (f", nor FSDP on up to {MAX_GPUS} GPUs" if shardable(est.spec) else
-               f" (FSDP, whose shards shrink with more GPUs, is out: {unshardable_reason(est.spec)})")
+               f" (FSDP, whose shards shrink with more GPUs, is out: {est.spec.unshardable})")
         return f"{need}; nothing fits {gpus}{nor}: {overflow_advice(est)}"
     return f"{need}; on {gpus} use {launch_line(result)} with {' '.join(result.overrides)} (see --fit)"
 
@@ -352,12 +345,11 @@ def overflow_advice(est: Estimate) -> str:
                       f"does not divide it: try {', '.join(fewer)}")
     if states > room or batch <= room and states > batch:
         smaller = [] if s.cpu_offload else ["FSDP with --cpu-offload"]  # (FSDP alone on up to MAX_GPUS did not do)
-        if not shardable(s) and smaller:
-            smaller = (["FSDP (with --cpu-offload where it alone does not fit) and train.optimizer=adamw"]
-                       if s.unshardable is None else [])  # the table's refusal says what else to do
+        if not shardable(s):
+            smaller = []  # the table's refusal says what else to do
         smaller += ["LoRA on a bfloat16 base (--method lora --dtype bfloat16)"] if s.method == "full" else \
             [] if s.quantize else ["QLoRA (model.quantize=nf4 / --quantize nf4)"]
-        if s.method == "full" and s.optimizer == "adamw" and not s.sharded:
+        if s.method == "full" and s.optimizer == "adamw":
             smaller.append("8-bit AdamW (train.optimizer=adamw_8bit / --optimizer adamw_8bit)")
         advice.append(f"weights, gradients and optimizer state are {states / GIB:.1f} GiB per GPU: try "
                       f"{', '.join(smaller) or 'a smaller model'}")

@@ -533,18 +533,16 @@ def same_batch(spec: TrainSpec, strategy: str) -> TrainSpec | None:
                     grad_accum_steps=spec.grad_accum_steps // p)
 
 
-def compared(shape: ModelShape, spec: TrainSpec, network: Network, *,
-             shardable: bool = True) -> list[tuple[str, Estimate, Traffic]]:
+def compared(shape: ModelShape, spec: TrainSpec, network: Network) -> list[tuple[str, Estimate, Traffic]]:
     """The pipeline beside DDP, FSDP and HSDP (HSDP where there are nodes to replicate over) on the same GPUs at the
     same global batch: (label, estimate, traffic) each, the pipeline first (each estimate says whether it fits). FSDP
-    and HSDP only where the capability table lets the recipe shard (`shardable`, fit.shardable: e.g. not
-    train.optimizer=adamw_8bit, which stages run under DDP)."""
+    and HSDP only where the capability table lets the recipe shard without stages (spec.unshardable_unstaged)."""
     stage_gpus = spec.world // spec.pipeline_parallel
     label = (f"pipeline {spec.pipeline_parallel} x {spec.strategy} {stage_gpus}" if stage_gpus > 1 else
              f"pipeline {spec.pipeline_parallel} (a GPU a stage)")  # not "x single 1", nor "x ddp 1"
     rows = [(label, pipeline_estimate(shape, as_trained(spec)), pipeline_traffic(shape, as_trained(spec), network))]
     for strategy in ("ddp", "fsdp", "hsdp") if spec.num_nodes > 1 and spec.num_gpus > 1 else ("ddp", "fsdp"):
-        if strategy != "ddp" and not shardable:
+        if strategy != "ddp" and spec.unshardable_unstaged is not None:
             continue
         other = same_batch(spec, strategy)
         if other is not None:

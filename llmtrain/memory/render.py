@@ -7,7 +7,7 @@ from rich.markup import escape
 from rich.table import Table
 
 from llmtrain.memory.comms import Traffic
-from llmtrain.memory.fit import FIT_SHARE, FitResult, launch_line, layout, shardable, size, unshardable_reason
+from llmtrain.memory.fit import FIT_SHARE, FitResult, launch_line, layout, size
 from llmtrain.memory.spec import COMPONENTS, GIB, Estimate, TrainSpec
 
 WHAT = {
@@ -211,8 +211,8 @@ def render_compared(rows, *, console: Console) -> None:
         table.add_row(label, gib(e.per_gpu_peak_bytes), "yes" if e.fits else "no", f"{t.compute_s:.3f}",
                       f"{t.network_s:.3f}", f"{t.step_s:.3f}")
     console.print(table)
-    if not shardable(rows[0][1].spec):  # (compared leaves them out)
-        console.print(f"FSDP and HSDP are left out: {unshardable_reason(rows[0][1].spec)}", highlight=False)
+    if reason := rows[0][1].spec.unshardable_unstaged:  # (compared leaves them out)
+        console.print(f"FSDP and HSDP are left out: {reason}", highlight=False)
     pipe, best = rows[0], min((r for r in rows[1:] if r[1].fits), key=lambda r: r[2].step_s, default=None)
     if best is None:
         console.print(f"by the model: none of the others fits {memory:g} GiB per GPU", highlight=False)

@@ -165,6 +165,9 @@ class TrainSpec:
     # why the capability table refuses the recipe under FSDP / HSDP (capabilities.sharding_problems' first; None:
     # FSDP trains it), so that --fit proposes no FSDP, HSDP or offload for it (fit.shardable)
     unshardable: str | None = None
+    # the same of the recipe without pipeline stages (sharding_problems(pp=1)): the FSDP and HSDP the pipeline is
+    # compared with (pipeline.compared); a stage copies its own reference, where plain FSDP reads it again
+    unshardable_unstaged: str | None = None
     # LoRA under sync_reference: the adapter's snapshot and the spare that holds the trained weights during the
     # reference's forward, each the trained weights once more (model/reference.AdapterReference)
     adapter_reference: bool = False
@@ -275,11 +278,6 @@ class TrainSpec:
                             "2 nodes (--num-nodes) of at least 2 GPUs (--num-gpus)")
         if self.cpu_offload and not self.sharded:
             problems.append("cpu offload is FSDP's (fsdp_offload_params): use strategy fsdp")
-        if self.optimizer == "adamw_8bit" and self.sharded:  # (capabilities.RULES, as a recipe is refused)
-            problems.append("the 8-bit optimizer (--optimizer adamw_8bit, train.optimizer) under FSDP / HSDP: "
-                            "bitsandbytes' 8-bit AdamW updates plain tensors, and FSDP's parameters are sharded "
-                            "DTensors: use adamw (FSDP already divides its state over the GPUs), or strategy single "
-                            "or ddp")
         if self.lora_dora and self.tp > 1:
             problems.append("DoRA (--dora, lora.dora) under tensor parallelism: DoRA divides each output row by the "
                             "norm of its whole weight row, and tensor parallelism splits the weights by rows or "
@@ -308,6 +306,9 @@ class TrainSpec:
         if self.pipeline_parallel > 1 and self.mixed_precision == "fp16" and self.sharded:
             problems.append("pipeline stages sharded by FSDP run in fp32 or bf16: fp16's loss scale is built for "
                             "stages under DDP (--mixed-precision bf16, or --strategy ddp)")
+        if self.pipeline_parallel > 1 and self.optimizer == "adamw_8bit" and self.sharded:
+            problems.append("pipeline stages sharded by FSDP save their optimizer state whole, and 8-bit moments are "
+                            "quantised in blocks of each shard (--optimizer adamw, or --strategy ddp)")
         if self.pipeline_schedule not in SCHEDULES:
             problems.append(f"pipeline schedule {self.pipeline_schedule!r} is not one of {', '.join(SCHEDULES)}")
         if self.pipeline_chunks is not None and self.pipeline_chunks < 1:
@@ -449,6 +450,7 @@ def spec_from_recipe(recipe: Recipe, *, strategy: Strategy = "single", num_gpus:
         no_grad_forwards=recipe.kto is not None, frozen_reference=reference_copy(recipe),
         rollout_reference=reference_copy(recipe) and rollout_reference(recipe),
         unshardable=next(iter(sharding_problems(recipe)), None),
+        unshardable_unstaged=next(iter(sharding_problems(recipe, pp=1)), None),
         adapter_reference=lora is not None and reference_sync(recipe) is not None,
         adapter_reference_whole=rollout_adapter(recipe),
         num_iterations=updates_per_window(recipe), **extra_forwards_of(recipe),

@@ -602,9 +602,9 @@ def build_optimizer(model, *, lr: float, weight_decay: float, betas, eps: float,
     groups = [({"name": role} if lora_lr_ratio is not None else {}) | groups[role] for role in order if role in groups]
     if kind == "adamw_8bit":
         need_bitsandbytes("train.optimizer=adamw_8bit", ", or set train.optimizer=adamw")
-        import bitsandbytes as bnb
+        from llmtrain.model.adamw_8bit import AdamW8bit  # bitsandbytes' own, and on sharded parameters
 
-        return bnb.optim.AdamW8bit(groups, lr=lr, betas=tuple(betas), eps=eps)
+        return AdamW8bit(groups, lr=lr, betas=tuple(betas), eps=eps)
     return torch.optim.AdamW(groups, lr=lr, betas=tuple(betas), eps=eps, fused=fused or None)
 
 

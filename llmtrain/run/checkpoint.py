@@ -16,12 +16,13 @@ import json
 import os
 import re
 import shutil
+import sys
 import zlib
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from llmtrain.errors import LLMTrainError
-from llmtrain.parallel.collectives import global_sum
+from llmtrain.errors import Everywhere, LLMTrainError
+from llmtrain.parallel.collectives import gathered, global_sum
 from llmtrain.run.state import TrainState
 
 MANIFEST = "manifest.json"
@@ -370,14 +371,26 @@ def _save_failed(error: Exception, final: Path) -> str:
             f"{final.name} was removed and {before}. {fix}, then continue with --resume auto.")
 
 
+def _check_8bit_shards(accelerator, path: Path) -> None:
+    """Refuse, on every process alike, 8-bit moments saved on other shards than this launch's (adamw_8bit.py)."""
+    eight_bit = sys.modules.get("llmtrain.model.adamw_8bit")  # imported where an 8-bit AdamW was built (bitsandbytes)
+    if eight_bit is None or not (path / "optimizer_0").is_dir() or not accelerator._optimizers:
+        return
+    problem = eight_bit.resume_problem(accelerator._models[0], accelerator._optimizers[0].optimizer, path)
+    if problems := [p for p in gathered(accelerator, [problem]) if p]:
+        raise Everywhere(problems[0])
+
+
 def load_checkpoint(accelerator, path: Path, *, trainable_names: set[str] | None) -> None:
     """Restore model, optimizer, scheduler, RNG and registered objects (TrainState) from `path`.
 
     For LoRA only the adapter was saved, so loading is non-strict; the saved keys are then checked
     against the trainable parameters so that a mismatch can never pass silently. Whether this run can resume
     it at all (FSDP or not, LoRA or full, the batch layout) was checked before anything loaded:
-    preflight.check_resume.
+    preflight.check_resume; the 8-bit AdamW's sharded moments are checked against this launch's shards here, where
+    the optimizer exists.
     """
+    _check_8bit_shards(accelerator, path)
     if trainable_names is None or (path / "pipeline").is_dir():  # a pipeline's stages are read by read_stages
         accelerator.load_state(str(path))
         return

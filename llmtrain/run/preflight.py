@@ -64,6 +64,11 @@ def check_resume(ckpt: Path, recipe: Recipe, *, world: int, fsdp: bool, allow_re
                 raise LLMTrainError(f"checkpoint {ckpt} has lora.{key}={saved['lora'].get(key)!r} and this recipe "
                                     f"lora.{key}={now['lora'].get(key)!r}: the adapter's shapes differ. Set "
                                     f"lora.{key}={saved['lora'].get(key)!r} to resume it. {how}")
+    if (was := _get(saved, "train.optimizer") or "adamw") != now["train"]["optimizer"]:
+        raise LLMTrainError(f"checkpoint {ckpt} holds train.optimizer={was}'s state and this recipe has "
+                            f"train.optimizer={now['train']['optimizer']}: one optimizer's state cannot be read into "
+                            "the other (AdamW's moments in the weights' dtype, bitsandbytes' in blocks of 8 bits). Set "
+                            f"train.optimizer={was} to resume it, or start a new run in another output_dir.")
     for key in IDENTITY:
         if _get(saved, key) != _get(now, key):
             raise LLMTrainError(f"checkpoint {ckpt} was written with {key}={_get(saved, key)!r}; this recipe has "

@@ -1,0 +1,142 @@
+"""bitsandbytes' 8-bit AdamW on sharded parameters (FSDP, HSDP, FSDP x TP).
+
+bitsandbytes updates plain tensors: its kernels take a parameter, its gradient and the two moments blockwise-quantised
+to 8 bits (one fp32 absmax per block of 256 elements of the flattened tensor). Under FSDP a parameter is a DTensor
+whose process holds a shard. AdamW is elementwise, so each process updates its own shard with bitsandbytes' kernel
+on the plain local tensors (`to_local`, views of the same storage), and keeps the moments as DTensors laid out as
+the parameter is: torch's distributed checkpoint then saves and reads them by name with the weights, one file per
+rank, as it does torch's AdamW's moments.
+
+Two choices keep it one process's optimizer:
+- 8-bit or 32-bit moments is decided on the whole parameter's size (bitsandbytes keeps 32-bit ones below
+  min_8bit_size, 4,096 elements), not on the shard's, as one process decides it.
+- A shard's blocks of 256 start at the shard's first element. Where every shard holds a multiple of 256 elements
+  (a weight with 4,096 columns split by rows, as every 7B layer is), they are one process's blocks and the update
+  is one process's update. The per-block absmax of a shard is a DTensor of a synthetic length (each process's
+  blocks padded to the most any process holds), which a checkpoint restores only onto the same shards: a resume on
+  another number of processes is refused before it loads (run/preflight.py).
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import bitsandbytes as bnb
+import torch
+from torch.distributed.tensor import DTensor, Replicate, Shard
+
+BLOCK = 256  # bitsandbytes' block of the 8-bit optimizer's blockwise quantisation
+
+
+def shard_blocks(p: DTensor) -> int:
+    """The most blocks of 256 that any process's shard of `p` holds: each mesh dimension that shards a tensor
+    dimension divides it, rounded up (torch's chunks: the first ones are the largest)."""
+    shape = list(p.shape)
+    for dim, placement in enumerate(p.placements):
+        if isinstance(placement, Shard):
+            shape[placement.dim] = math.ceil(shape[placement.dim] / p.device_mesh.size(dim))
+    return math.ceil(math.prod(shape) / BLOCK)
+
+
+def absmax_layout(p: DTensor) -> tuple[tuple[int], object, list]:
+    """(global shape, mesh, placements) of the absmax of `p`'s 8-bit moments: each process's blocks (shard_blocks,
+    zeros past its own) one after the other, split as `p` is over the mesh dimensions that shard it, whole over
+    those that replicate it (HSDP's replicas hold the same moments)."""
+    placements = [Replicate() if isinstance(q, Replicate) else Shard(0) for q in p.placements]
+    shards = math.prod(p.device_mesh.size(d) for d, q in enumerate(placements) if isinstance(q, Shard))
+    return (shard_blocks(p) * shards,), p.device_mesh, placements
+
+
+def resume_problem(model, optimizer, folder: Path) -> str | None:
+    """Why this process cannot read the 8-bit moments that checkpoint `folder` saved of its sharded parameters (None:
+    it can). The blocks of 256 start at each shard's first element, so the moments resume on the shards that wrote
+    them only: each process looks for its own part of every 8-bit moment and its absmax among the parts saved (a
+    distributed checkpoint lists each one's offsets and sizes). Each process finding its own is the same layout."""
+    from torch.distributed.checkpoint import FileSystemReader
+    from torch.distributed.checkpoint.state_dict import _get_fqns
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    if not isinstance(optimizer, AdamW8bit):
+        return None
+    saved = FileSystemReader(str(folder / "optimizer_0")).read_metadata().state_dict_metadata
+    for name, p in model.named_parameters():
+        if not (isinstance(p, DTensor) and p.requires_grad and p.numel() >= optimizer.args.min_8bit_size):
+            continue
+        (fqn,) = _get_fqns(model, name)
+        for key, (shape, mesh, placements) in (("state1", (p.shape, p.device_mesh, p.placements)),
+                                               ("absmax1", absmax_layout(p))):
+            there = saved.get(f"optimizer.state.{fqn}.{AdamW8bit._FSDP_WRAPPED_QUANT_STATE_KEY}.{key}")
+            if there is None or not hasattr(there, "chunks"):  # not 8-bit moments: not this check's to judge
+                return None
+            sizes, offsets = compute_local_shape_and_global_offset(shape, mesh, placements)
+            if tuple(there.size) == tuple(shape) and (0 in sizes or any(
+                    tuple(c.offsets) == tuple(offsets) and tuple(c.sizes) == tuple(sizes) for c in there.chunks)):
+                continue
+            parts = len(saved[f"optimizer.state.{fqn}.{AdamW8bit._FSDP_WRAPPED_QUANT_STATE_KEY}.absmax1"].chunks)
+            return (f"checkpoint {folder} holds train.optimizer=adamw_8bit's moments of {fqn} quantised in blocks of "
+                    f"each of {parts} shard{'s' if parts > 1 else ''}, and this launch shards it otherwise: "
+                    "bitsandbytes' blocks of 256 elements start at each shard's first element, so 8-bit moments resume "
+                    "on the shards that wrote them only. Resume it with the launch that wrote it (its accelerate "
+                    "config and number of processes), or start a new run in another output_dir.")
+    return None
+
+
+class AdamW8bit(bnb.optim.AdamW8bit):
+    """bnb.optim.AdamW8bit, plus parameters that are DTensors (plain ones are bitsandbytes' own path)."""
+
+    @torch.no_grad()
+    def init_state(self, group, p, gindex, pindex):
+        if not isinstance(p, DTensor):
+            return super().init_state(group, p, gindex, pindex)
+        config = self.get_config(gindex, pindex, group)
+        if config["max_unorm"] > 0.0:  # a norm over the whole update: not a shard's to take (llmtrain never sets it)
+            raise NotImplementedError("bitsandbytes' max_unorm on sharded parameters")
+        eight = config["optim_bits"] == 8 and p.numel() >= config["min_8bit_size"]
+        local = p.to_local()
+
+        def like_p(t: torch.Tensor) -> DTensor:
+            return DTensor.from_local(t, p.device_mesh, p.placements, run_check=False, shape=p.shape, stride=p.stride())
+
+        state = self.state[p]
+        state["step"] = 0
+        dtype = torch.uint8 if eight else torch.float32
+        state["state1"] = like_p(torch.zeros_like(local, dtype=dtype))
+        state["state2"] = like_p(torch.zeros_like(local, dtype=dtype))
+        if not eight:
+            return
+        if "dynamic" not in self.name2qmap:
+            self.fill_qmap()
+        state["qmap1"] = self.name2qmap["dynamic"] = self.name2qmap["dynamic"].to(local.device)
+        state["qmap2"] = self.name2qmap["udynamic"] = self.name2qmap["udynamic"].to(local.device)
+        shape, mesh, placements = absmax_layout(p)
+        for key in ("absmax1", "absmax2"):
+            state[key] = DTensor.from_local(torch.zeros(shard_blocks(p), dtype=torch.float32, device=local.device),
+                                            mesh, placements, run_check=False, shape=shape, stride=(1,))
+
+    @torch.no_grad()
+    def update_step(self, group, p, gindex, pindex):
+        if not isinstance(p, DTensor):
+            return super().update_step(group, p, gindex, pindex)
+        grad = p.grad
+        if grad.placements != p.placements:
+            grad = grad.redistribute(p.device_mesh, p.placements)
+        local = p.to_local()
+        if not local.is_contiguous():  # bitsandbytes would update a contiguous copy, not the shard
+            raise RuntimeError(f"a non-contiguous shard ({tuple(local.shape)}, stride {local.stride()}) of a sharded "
+                               "parameter reached the 8-bit AdamW")
+        state = self.state[p]
+        if local.numel() == 0:  # a process past the last row of a parameter split unevenly
+            state["step"] += 1
+            return
+        # bitsandbytes' own update on a stand-in parameter that shares the shard's storage, with the shard's state
+        shard = torch.nn.Parameter(local, requires_grad=False)
+        shard.grad = grad.to_local().contiguous()
+        blocks = math.ceil(local.numel() / BLOCK)
+        self.state[shard] = {k: (v.to_local()[:blocks] if k.startswith("absmax") else v.to_local())
+                             if isinstance(v, DTensor) else v for k, v in state.items()}
+        try:
+            super().update_step(group, shard, gindex, pindex)
+            state["step"] = self.state[shard]["step"]
+        finally:
+            del self.state[shard]
