@@ -657,10 +657,13 @@ c = {**PRESETS['gpt-oss-20b'], 'architectures': None}; c.pop('layer_types'); pri
   $PY -m pytest -q -p no:cacheprovider tests/test_cuda.py -k sinks -rs > "$OUT/oss-cuda-tests.txt" 2>&1
   echo "tests/test_cuda.py -k sinks: exit $? at ${SECONDS}s" | tee -a "$OUT/$WHAT.log"
   ;;
-optim8)  # train.optimizer on CUDA (~3 minutes on an H200): Mistral-7B's shape (random init), a bf16 full fine-tune on one
+optim8)  # train.optimizer on CUDA (~4 minutes on an H200): Mistral-7B's shape (random init), a bf16 full fine-tune on one
   # card at 4,096 tokens a micro-batch, checkpointed, with torch's fused AdamW and then bitsandbytes' 8-bit AdamW: each
-  # peak against the estimate the run prints (the optimizer row 27.0 GiB against 13.7), and the losses of the two.
-  # Rehearsed (GPU_SESSION_DRY=1): 4 steps each, exit 0
+  # peak against the estimate the run prints (the optimizer row 27.0 GiB against 13.7), and the losses of the two;
+  # then the 8-bit AdamW under FSDP on the one card (bitsandbytes' CUDA kernels on each DTensor's local shard,
+  # llmtrain/model/adamw_8bit.py): its peak and losses against the plain run's (one shard holds one process's blocks,
+  # but FSDP keeps fp32 master shards of the bf16 weights: close, not equal; the CPU rehearsal's step 4: 1e-3 apart).
+  # Rehearsed (GPU_SESSION_DRY=1, 2026-12-05): 4 steps each, exit 0, all three rc 0
   dir=$(model_dir mistral-7b-full '{}')
   recipe $W/mistral-7b-full.yaml "$dir" 0 bfloat16 4096
   for opt in adamw adamw_8bit; do
@@ -668,6 +671,8 @@ optim8)  # train.optimizer on CUDA (~3 minutes on an H200): Mistral-7B's shape (
       train.max_steps=4 train.optimizer=$opt
     echo "$opt: done at ${SECONDS}s" | tee -a "$OUT/$WHAT.log"
   done
+  run mistral-7b-full-adamw_8bit-fsdp1 $FSDP1 $W/mistral-7b-full.yaml model.gradient_checkpointing=true \
+    train.loss_chunk_tokens=1024 train.max_steps=4 train.optimizer=adamw_8bit
   ;;
 dora)  # lora.dora on CUDA (~3 minutes on an H200): Mistral-7B's shape (random init), LoRA r16 on every linear of a bf16
   # base, 4,096 tokens a micro-batch, checkpointed: plain LoRA, then DoRA with dropout 0 and 0.05, each run's step time
