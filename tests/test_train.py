@@ -218,6 +218,37 @@ def test_allowed_recipe_change_at_resume_is_recorded(tiny_assets, tmp_path):
     assert notes[0]["step"] == 2 and [r["step"] for r in records(tmp_path / "run")] == [1, 2, 3, 4, 5]
 
 
+def test_a_resume_that_changes_what_the_run_trains_needs_allow_recipe_change(tiny_assets, tmp_path):
+    """A resume with another loss (train.sft_loss) and gradient clip went on silently (step 4's loss 0.0955 where the
+    run's was 3.80): now those keys, the mode's section and the adapter's settings are refused as a changed schedule
+    is (the keys listed, nothing written), pass with --allow-recipe-change and are recorded; another mode (a DPO
+    recipe on an SFT checkpoint) is another run, refused whatever the flags."""
+    import shutil
+
+    from llmtrain.errors import LLMTrainError
+
+    recipe = write_recipe(tiny_assets, tmp_path, train={"max_steps": 4}, checkpoint={"every_steps": 2},
+                          lora={"r": 4, "alpha": 8, "dropout": 0.0})
+    run_train(recipe)
+    shutil.rmtree(tmp_path / "run" / "checkpoints" / "step_000004")
+    shutil.rmtree(tmp_path / "run" / "final")
+    before = {p: p.stat().st_mtime_ns for p in (tmp_path / "run").rglob("*")}
+    changes = ("train.sft_loss=dft", "train.max_grad_norm=0.5", "lora.alpha=16")
+    with pytest.raises(LLMTrainError, match=r"^this recipe changes lora.alpha 8.0 -> 16.0, train.sft_loss 'nll' -> "
+                       r"'dft', train.max_grad_norm 1.0 -> 0.5 against checkpoint .*what it trains"):
+        run_train(recipe, *changes, resume="auto")
+    dpo = ("preference.beta=0.1", f"data.path={tiny_assets / 'data' / 'train_pairs.jsonl'}", "data.format=preference")
+    with pytest.raises(LLMTrainError, match=r"written by a run of supervised fine-tuning and this recipe trains "
+                       r"preference pairs: that is another run"):
+        run_train(recipe, *dpo, resume="auto", allow_recipe_change=True)
+    assert {p: p.stat().st_mtime_ns for p in (tmp_path / "run").rglob("*")} == before
+    run_train(recipe, *changes, resume="auto", allow_recipe_change=True)
+    assert [n["note"] for n in records(tmp_path / "run", "note")] == [
+        "lora.alpha changed from 8.0 to 16.0 at resume", "train.sft_loss changed from 'nll' to 'dft' at resume",
+        "train.max_grad_norm changed from 1.0 to 0.5 at resume"]
+    assert [r["step"] for r in records(tmp_path / "run")] == [1, 2, 3, 4]
+
+
 @pytest.mark.precision
 def test_runs_with_different_mixed_precision_in_one_process(recipe, tmp_path):
     """A notebook (or a test session) calls train() again with another train.mixed_precision: Accelerate keeps one

@@ -21,19 +21,39 @@ from llmtrain.run.rundir import finished_without_checkpoint, has_checkpoints
 # Keys whose change makes a checkpoint a different run: refused, whatever the flags.
 IDENTITY = ["model.name_or_path", "model.dtype", "data.path", "data.sources", "data.name", "data.split", "data.format",
             "data.fields", "data.roles", "data.chat_template", "data.system_prompt", "data.max_seq_len",
-            "data.train_on_prompt", "train.seed", "train.micro_batch_tokens"]
+            "data.train_on_prompt", "data.chat_template_kwargs", "data.packing", "train.seed",
+            "train.micro_batch_tokens"]
 # Keys that change the rest of the run (the learning-rate curve, the number of steps): allowed, and said, only
 # with --allow-recipe-change.
 # (With token budgets, the bins of a step, accumulation x processes, are compared as a whole: 2 processes x
 # accumulation 2 resume as 1 process x 4.)
 SCHEDULE = ["train.max_steps", "train.epochs", "train.lr", "train.schedule", "train.warmup_steps",
             "train.min_lr_ratio", "train.weight_decay", "train.betas", "rl.num_iterations"]
+# Keys that change what the rest of the run trains (its loss, reference, sampling, rewards, gradient clip,
+# precision, adapter): allowed, and said, only with --allow-recipe-change, as SCHEDULE's are. A section stands for
+# each of its keys; which mode's section a recipe has at all (MODES) is the run itself.
+OBJECTIVE = ["lora", "preference", "kto", "reward_model", "rl", "distill", "train.eps", "train.neftune_alpha",
+             "train.sft_loss", "train.max_grad_norm", "train.mixed_precision", "model.quantize", "model.new_tokens",
+             "model.rope_scaling", "model.router_aux_loss_coef"]
+MODES = {"preference": "preference pairs", "kto": "KTO", "reward_model": "a reward model", "rl": "online RL",
+         "distill": "distillation"}
 
 
 def _get(d: dict, dotted: str):
     for part in dotted.split("."):
         d = (d or {}).get(part)
     return d
+
+
+def _leaves(saved: dict, now: dict, key: str):
+    """(dotted key, saved value, value now) of each key under `key` whose value differs (`key` itself where either
+    side is not a section)."""
+    a, b = _get(saved, key), _get(now, key)
+    if isinstance(a, dict) and isinstance(b, dict):
+        for k in sorted(set(a) | set(b)):
+            yield from _leaves(saved, now, f"{key}.{k}")
+    elif a != b:
+        yield key, a, b
 
 
 def _recipe_of(path: Path) -> dict:
@@ -69,6 +89,12 @@ def check_resume(ckpt: Path, recipe: Recipe, *, world: int, fsdp: bool, allow_re
                             f"train.optimizer={now['train']['optimizer']}: one optimizer's state cannot be read into "
                             "the other (AdamW's moments in the weights' dtype, bitsandbytes' in blocks of 8 bits). Set "
                             f"train.optimizer={was} to resume it, or start a new run in another output_dir.")
+    trains = [next((what for key, what in MODES.items() if r.get(key) is not None), "supervised fine-tuning")
+              for r in (saved, now)]
+    if trains[0] != trains[1]:
+        raise LLMTrainError(f"checkpoint {ckpt} was written by a run of {trains[0]} and this recipe trains "
+                            f"{trains[1]}: that is another run. To go on from its weights, set model.name_or_path to "
+                            f"its final/ in a recipe with another output_dir. {how}")
     for key in IDENTITY:
         if _get(saved, key) != _get(now, key):
             raise LLMTrainError(f"checkpoint {ckpt} was written with {key}={_get(saved, key)!r}; this recipe has "
@@ -97,6 +123,7 @@ def check_resume(ckpt: Path, recipe: Recipe, *, world: int, fsdp: bool, allow_re
                 f"{world} = {mb * world}. Set train.micro_batch_size so that the product is {want} (e.g. "
                 f"train.micro_batch_size={want // world if want and want % world == 0 else want} here) to resume it.")
     changed = [(k, _get(saved, k), _get(now, k)) for k in SCHEDULE if _get(saved, k) != _get(now, k)]
+    changed += [c for key in OBJECTIVE for c in _leaves(saved, now, key) if c[0] not in SCHEDULE]
     # A step is grad_accum_steps global micro-batches; by tokens, a global micro-batch is one bin per process.
     per_rank = bool(now["train"]["micro_batch_tokens"])
     before = (_get(saved, "train.grad_accum_steps") or 1) * (state.get("processes", world) if per_rank else 1)
@@ -107,7 +134,8 @@ def check_resume(ckpt: Path, recipe: Recipe, *, world: int, fsdp: bool, allow_re
     if changed and not allow_recipe_change:
         listed = ", ".join(f"{k} {a!r} -> {b!r}" for k, a, b in changed)
         raise LLMTrainError(f"this recipe changes {listed} against checkpoint {ckpt}: the rest of the run (its "
-                            "learning-rate curve, its length) would differ from the run that was interrupted. "
+                            "learning-rate curve, its length, what it trains) would differ from the run that was "
+                            "interrupted. "
                             "Resume with the checkpoint's values, or pass --allow-recipe-change to continue with the "
                             "new ones.")
     return [f"{k} changed from {a!r} to {b!r} at resume" for k, a, b in changed]
