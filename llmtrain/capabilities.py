@@ -296,9 +296,6 @@ RULES: tuple[Rule, ...] = (
          "lora.dora under {key}: DoRA divides each output row by the norm of its whole weight row (W + s B A), and "
          "tensor parallelism splits the weights by rows or columns, each process holding a part of a row or of the "
          "magnitudes. Set lora.dora=false, or launch FSDP (each layer's weights are whole in its forward)"),
-    Rule("tp", fp32_head,
-         "rl.cast_lm_head_to_fp32 under {key}: the LM head is split over the processes as a DTensor in the model's "
-         "dtype. Unset it, or launch one GPU or DDP"),
     Rule("fsdp", _copy_reread,
          "a full fine-tune's frozen reference ({reference}) under FSDP is the starting weights read again from "
          "model.name_or_path and sharded like the policy, and model.random_init has none to read. Save the initial "

@@ -257,7 +257,7 @@ def attach_loss(model, *, chunk: int, fused_linear_ce=None, router_aux: float | 
     # The LM head may be wrapped (peft's modules_to_save): patch every Linear in it that maps to the vocabulary (by its
     # weight: the copy peft ties to a tied model's embeddings' copy has its in and out features the other way round)
     for head in [m for m in lm.lm_head.modules() if isinstance(m, torch.nn.Linear) and m.weight.shape[0] == vocab]:
-        if fp32_head:  # (capabilities refuse a tied, adapted, sharded or split head)
+        if fp32_head:  # (capabilities refuse a tied or adapted head)
             head.float()
         head.forward = types.MethodType(_head_forward(chunk, fused_linear_ce, logits=logits, dft=dft,
                                                       fp32=fp32_head), head)
