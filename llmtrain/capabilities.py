@@ -335,10 +335,6 @@ RULES: tuple[Rule, ...] = (
          "train.mixed_precision=fp16 on {key} under an FSDP launch: fp16's loss scale is built for stages under "
          "DDP, whose gradients are plain tensors, not FSDP's sharded ones. Set train.mixed_precision=bf16, or launch "
          "the stages with DDP (accelerate_configs/ddp.yaml)"),
-    Rule("pp", lambda r, layout: r.train.optimizer == "adamw_8bit" and layout.fsdp,
-         "train.optimizer=adamw_8bit on {key} under an FSDP launch: a stage's checkpoint holds its optimizer state "
-         "whole, by name, and 8-bit moments are quantised in blocks of each FSDP shard. Set train.optimizer=adamw, "
-         "or launch the stages with DDP (accelerate_configs/ddp.yaml)"),
 )
 
 

@@ -306,9 +306,6 @@ class TrainSpec:
         if self.pipeline_parallel > 1 and self.mixed_precision == "fp16" and self.sharded:
             problems.append("pipeline stages sharded by FSDP run in fp32 or bf16: fp16's loss scale is built for "
                             "stages under DDP (--mixed-precision bf16, or --strategy ddp)")
-        if self.pipeline_parallel > 1 and self.optimizer == "adamw_8bit" and self.sharded:
-            problems.append("pipeline stages sharded by FSDP save their optimizer state whole, and 8-bit moments are "
-                            "quantised in blocks of each shard (--optimizer adamw, or --strategy ddp)")
         if self.pipeline_schedule not in SCHEDULES:
             problems.append(f"pipeline schedule {self.pipeline_schedule!r} is not one of {', '.join(SCHEDULES)}")
         if self.pipeline_chunks is not None and self.pipeline_chunks < 1:

@@ -3,6 +3,8 @@ their names in the whole model, so that a resume may split the layers differentl
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from llmtrain.errors import LLMTrainError
@@ -32,6 +34,23 @@ def _whole(t: torch.Tensor) -> torch.Tensor:
     return (t.full_tensor() if hasattr(t, "full_tensor") else t).detach().cpu().contiguous()
 
 
+def _whole_state(v):
+    """A parameter's optimizer state with every tensor whole, nested sections too (bitsandbytes keeps its 8-bit
+    moments in one)."""
+    if isinstance(v, dict):
+        return {k: _whole_state(x) for k, x in v.items()}
+    return _whole(v) if torch.is_tensor(v) else v
+
+
+def _pieces(p: torch.Tensor) -> int:
+    """Into how many shards FSDP splits `p` (1: whole). The 8-bit AdamW's absmax is laid out by them."""
+    if not hasattr(p, "device_mesh"):
+        return 1
+    from torch.distributed.tensor import Shard
+
+    return math.prod(p.device_mesh.size(d) for d, q in enumerate(p.placements) if isinstance(q, Shard))
+
+
 def write_stage(folder, model, optimizer, *, g: PipelineGroup, trainable_only: bool) -> None:
     """This process's stages' weights (the adapter's alone for LoRA) and optimizer state, whole, by parameter name;
     the first replica of each stage writes them (the others hold the same, or under FSDP their shards, gathered)."""
@@ -42,14 +61,14 @@ def write_stage(folder, model, optimizer, *, g: PipelineGroup, trainable_only: b
     weights = {n: _whole(p) for n, p in model.named_parameters() if p.requires_grad or not trainable_only}
     names, state = _names(model), optimizer.state_dict()
     order = [names[id(p)] for group in optimizer.param_groups for p in group["params"]]
-    moments = {order[i]: {k: _whole(v) if torch.is_tensor(v) else v for k, v in s.items()}
-               for i, s in state["state"].items()}
+    moments = {order[i]: _whole_state(s) for i, s in state["state"].items()}
+    params = {names[id(p)]: p for group in optimizer.param_groups for p in group["params"]}
     if g.replica != 0:
         return
     out = folder / FOLDER
     out.mkdir(parents=True, exist_ok=True)
     save_file(weights, str(out / f"stage_{g.rank:03d}.safetensors"))
-    torch.save({"state": moments,
+    torch.save({"state": moments, "pieces": {n: _pieces(params[n]) for n in moments},
                 "groups": [{k: v for k, v in group.items() if k != "params"} for group in state["param_groups"]]},
                out / f"stage_{g.rank:03d}_optimizer.pt")
 
@@ -65,6 +84,28 @@ def _placed(t: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
                              src_data_rank=None)
 
 
+def _blockwise(state: dict) -> bool:
+    """Whether a parameter's saved state holds bitsandbytes' blockwise 8-bit moments (an absmax a block)."""
+    return any(k.startswith("absmax") or isinstance(v, dict) and _blockwise(v) for k, v in state.items())
+
+
+def _placed_state(v, like: torch.Tensor, key: str = ""):
+    """A parameter's saved optimizer state as `like` holds it (_placed), nested sections too; under FSDP the 8-bit
+    AdamW's absmax as its own layout splits it (model/adamw_8bit.absmax_layout: each shard's blocks)."""
+    if isinstance(v, dict):
+        return {k: _placed_state(x, like, k) for k, x in v.items()}
+    if not torch.is_tensor(v):
+        return v
+    if key.startswith("absmax") and hasattr(like, "device_mesh"):
+        from torch.distributed.tensor import distribute_tensor
+
+        from llmtrain.model.adamw_8bit import absmax_layout
+
+        _, mesh, placements = absmax_layout(like)
+        return distribute_tensor(v.to(mesh.device_type), mesh, placements, src_data_rank=None)
+    return _placed(v, like)
+
+
 def read_stages(folder, model, optimizer, *, trainable_only: bool) -> None:
     """Restore this process's weights and optimizer state by name from every stage file of a pipeline checkpoint;
     a parameter found in none of them stops the resume."""
@@ -72,12 +113,13 @@ def read_stages(folder, model, optimizer, *, trainable_only: bool) -> None:
 
     src = folder / FOLDER
     wanted = {n: p for n, p in model.named_parameters() if p.requires_grad or not trainable_only}
-    found, moments, groups = {}, {}, []
+    found, moments, groups, pieces = {}, {}, [], {}
     for f in sorted(src.glob("stage_*.safetensors")):
         with safe_open(str(f), "pt") as r:
             found.update({k: r.get_tensor(k) for k in r.keys() if k in wanted})
         saved = torch.load(f.with_name(f.stem + "_optimizer.pt"), weights_only=True, mmap=True)
         moments.update({k: v for k, v in saved["state"].items() if k in wanted})
+        pieces.update(saved.get("pieces", {}))
         groups += saved["groups"]  # every stage's: a group held by one stage only (LoRA+'s embedding) is found
     if missing := sorted(set(wanted) - set(found)):
         raise LLMTrainError(f"checkpoint {folder} holds no weights for {len(missing)} parameters of this process's "
@@ -89,8 +131,15 @@ def read_stages(folder, model, optimizer, *, trainable_only: bool) -> None:
     names, state = _names(model), optimizer.state_dict()
     order = [names[id(p)] for group in optimizer.param_groups for p in group["params"]]
     params = {names[id(p)]: p for group in optimizer.param_groups for p in group["params"]}
-    state["state"] = {i: {k: _placed(v, params[n]) if torch.is_tensor(v) else v for k, v in moments[n].items()}
-                      for i, n in enumerate(order) if n in moments}
+    for n, p in params.items():
+        if n in moments and _blockwise(moments[n]) and pieces.get(n, 1) != _pieces(p):
+            raise LLMTrainError(
+                f"checkpoint {folder} holds train.optimizer=adamw_8bit's moments of {n} quantised in blocks of each of "
+                f"{pieces.get(n, 1)} shard(s) of its stage, and this launch splits it into {_pieces(p)}: "
+                "bitsandbytes' blocks of 256 elements start at each shard's first element, so 8-bit moments resume on "
+                "the shards that wrote them only. Resume it with the launch and parallel.pipeline_parallel that wrote "
+                "it, or start a new run in another output_dir.")
+    state["state"] = {i: _placed_state(moments[n], params[n]) for i, n in enumerate(order) if n in moments}
     for group in state["param_groups"]:  # the saved group of the same name (LoRA+'s) and weight decay; none saved
         # (a group of parameters no stage trained: nothing of it to restore) leaves this one's settings as they are
         saved = next((s for s in groups if s.get("name") == group.get("name")
