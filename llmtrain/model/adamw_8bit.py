@@ -1,4 +1,4 @@
-"""bitsandbytes' 8-bit AdamW on sharded parameters (FSDP, HSDP, FSDP x TP).
+"""bitsandbytes' 8-bit AdamW on sharded parameters (FSDP, HSDP, FSDP x TP, FSDP-sharded pipeline stages).
 
 bitsandbytes updates plain tensors: its kernels take a parameter, its gradient and the two moments blockwise-quantised
 to 8 bits (one fp32 absmax per block of 256 elements of the flattened tensor). Under FSDP a parameter is a DTensor
@@ -14,7 +14,8 @@ Two choices keep it one process's optimizer:
   (a weight with 4,096 columns split by rows, as every 7B layer is), they are one process's blocks and the update
   is one process's update. The per-block absmax of a shard is a DTensor of a synthetic length (each process's
   blocks padded to the most any process holds), which a checkpoint restores only onto the same shards: a resume on
-  another number of processes is refused before it loads (run/preflight.py).
+  other shards is refused before it loads (resume_problem, called by run/checkpoint.load_checkpoint; a pipeline
+  stage's files by parallel/pipeline/checkpoint.read_stages).
 """
 
 from __future__ import annotations
