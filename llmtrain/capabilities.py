@@ -331,10 +331,6 @@ RULES: tuple[Rule, ...] = (
     Rule("pp", lambda r, _: r.data.eval_split is not None and r.train.eval_batch_size is not None,
          "{key} evaluates through the stages in rows of the one shape it trains in (train.micro_batch_tokens slots): "
          "unset train.eval_batch_size"),
-    Rule("pp", lambda r, layout: r.train.mixed_precision == "fp16" and layout.fsdp,
-         "train.mixed_precision=fp16 on {key} under an FSDP launch: fp16's loss scale is built for stages under "
-         "DDP, whose gradients are plain tensors, not FSDP's sharded ones. Set train.mixed_precision=bf16, or launch "
-         "the stages with DDP (accelerate_configs/ddp.yaml)"),
 )
 
 

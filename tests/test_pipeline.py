@@ -956,10 +956,42 @@ def test_fp16s_loss_scale_on_two_stages_is_one_process_scale(four_layers, tmp_pa
                     env=env)
     assert [(r["step"], r["loss_scale"], r["loss"]) for r in records(tmp_path / "again")] == \
         [(r["step"], r["loss_scale"], r["loss"]) for r in got[4:]]
-    staged = load_recipe(recipe, ["parallel.pipeline_parallel=2"])  # FSDP's sharded stages: refused, with the fix
-    said = " ".join(capabilities.problems(staged, Layout(processes=4, fsdp=True, pp=2)))
-    assert "train.mixed_precision=fp16 on parallel.pipeline_parallel=2 under an FSDP launch" in said
-    assert "accelerate_configs/ddp.yaml" in said
+    staged = load_recipe(recipe, ["parallel.pipeline_parallel=2"])  # FSDP's sharded stages too (refused before)
+    assert capabilities.problems(staged, Layout(processes=4, fsdp=True, pp=2)) == []
+
+
+@pytest.mark.slow
+@pytest.mark.extended  # 4 processes; main tier: fp16 on DDP stages (above)
+def test_fp16s_loss_scale_on_fsdp_sharded_stages_is_plain_fsdps_and_resumes(four_layers, tmp_path, free_port):
+    """train.mixed_precision fp16 on 2 stages each sharded by FSDP over 2 replicas (refused before 2026-12-05), with
+    Accelerate's GPU fp16 on this CPU (tests/fp16_on_cpu.py): each stage unscales its sharded gradients (torch's
+    GradScaler on DTensors, as Accelerate's FSDP2 runs it) and the global norm settles every stage's scale. Against
+    plain FSDP on 2 processes (the same fp16 weights in every forward: FSDP's param_dtype, where one process runs fp16
+    autocast on fp32 weights): the same overflowed steps and halvings (6 measured, from 2^24 to 2^18), losses to 1e-4
+    (2.7e-5 measured), gradient norms to 1e-4 relative, final/ to 1e-4 (7.5e-6); a resume from step 4 goes on with
+    the checkpoint's scale as the run did."""
+    import fp16_on_cpu
+
+    env = fp16_on_cpu.site(tmp_path / "site", ENV)
+    recipe = _recipe(four_layers, tmp_path, "fp16.yaml", lora=False, max_steps=10, mixed_precision="fp16",
+                     warmup_steps=0)
+    cpu_fsdp = REPO / "accelerate_configs" / "cpu_fsdp.yaml"
+    launch_finetune(cpu_fsdp, 2, free_port, recipe, f"output_dir={tmp_path / 'fsdp'}", env=env)
+    staged = ("parallel.pipeline_parallel=2", "checkpoint.every_steps=4")
+    out = launch_finetune(cpu_fsdp, 4, free_port + 1, recipe, *staged, f"output_dir={tmp_path / 'pp'}", env=env)
+    assert "2 stages x 2 FSDP shards" in out
+    got, want = records(tmp_path / "pp"), records(tmp_path / "fsdp")
+    assert [(r["skipped"], r["loss_scale"]) for r in got] == [(r["skipped"], r["loss_scale"]) for r in want]
+    skips = sum(r["skipped"] for r in want)
+    assert skips >= 3 and [r["skipped"] for r in want] == [True] * skips + [False] * (10 - skips)
+    assert [r["loss"] for r in got] == pytest.approx([r["loss"] for r in want], abs=1e-4)
+    assert [r["grad_norm"] for r in got[skips:]] == pytest.approx([r["grad_norm"] for r in want[skips:]], rel=1e-4)
+    a, b = (load_weights(tmp_path / run / "final" / "model.safetensors") for run in ("pp", "fsdp"))
+    assert max_abs_diff(a, b) < 1e-4
+    launch_finetune(cpu_fsdp, 4, free_port + 2, recipe, *staged, f"output_dir={tmp_path / 'again'}",
+                    resume=str(tmp_path / "pp" / "checkpoints" / "step_000004"), env=env)
+    assert [(r["step"], r["loss_scale"], r["loss"]) for r in records(tmp_path / "again")] == \
+        [(r["step"], r["loss_scale"], r["loss"]) for r in got[4:]]
 
 
 @pytest.mark.slow

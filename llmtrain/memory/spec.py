@@ -303,9 +303,6 @@ class TrainSpec:
             problems.append("pipeline stages attend within each packed row's examples with llmtrain's varlen "
                             "attention (model.attn_implementation auto or varlen), not "
                             f"{self.attn_implementation}")
-        if self.pipeline_parallel > 1 and self.mixed_precision == "fp16" and self.sharded:
-            problems.append("pipeline stages sharded by FSDP run in fp32 or bf16: fp16's loss scale is built for "
-                            "stages under DDP (--mixed-precision bf16, or --strategy ddp)")
         if self.pipeline_schedule not in SCHEDULES:
             problems.append(f"pipeline schedule {self.pipeline_schedule!r} is not one of {', '.join(SCHEDULES)}")
         if self.pipeline_chunks is not None and self.pipeline_chunks < 1:
