@@ -405,7 +405,8 @@ class TrainConfig(Section):
         "Trainer's adamw_bnb_8bit), both moments blockwise-quantised to 8 bits (about 2 bytes a parameter): "
         "Mistral-7B's optimizer state 13.7 GiB instead of 54.0 (fp32 weights) or 27.0 (bf16). Needs bitsandbytes "
         "(pip install 'llmtrain[qlora]'). Under FSDP, HSDP, FSDP x TP and FSDP-sharded pipeline stages each process "
-        "updates its own shard (the moments resume on the same shards only).")
+        "updates its own shard (the moments resume on the same shards, or any that split whole rows into whole blocks "
+        "of 256).")
     weight_decay: float = Field(0.0, ge=0, description="AdamW decoupled weight decay (not applied to norms/biases).")
     betas: tuple[float, float] = Field((0.9, 0.999), description="AdamW betas.")
     eps: float = Field(1e-8, gt=0, description="AdamW epsilon.")

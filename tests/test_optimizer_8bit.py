@@ -244,14 +244,14 @@ def test_on_fsdps_shards_it_is_one_process_update_where_the_shards_hold_whole_bl
         "misaligned"]).abs().max()
 
 
-def _aligned_model(tiny_assets, folder):
-    """The tiny model with its vocabulary padded from 101 rows to 104: 2 processes then hold 52 rows of 128 columns
-    of the embedding and the head, 26 of bitsandbytes' blocks of 256 each (101 rows split 51 / 50 would start rank
-    1's blocks half a block off one process's). Every other weight splits into whole blocks already."""
+def _uneven_model(tiny_assets, folder):
+    """The tiny model with its 104-row vocabulary padded to 105 rows (unused): 2 processes hold 53 and 52 rows of 128
+    columns of the embedding and the head, so rank 1's blocks of 256 start half a block off one process's (104 rows
+    split 52 / 52: whole blocks, as every other weight of the tiny model)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     model = AutoModelForCausalLM.from_pretrained(str(tiny_assets / "model"), dtype=torch.float32)
-    model.resize_token_embeddings(104, mean_resizing=False)
+    model.resize_token_embeddings(105, mean_resizing=False)
     model.save_pretrained(folder)
     AutoTokenizer.from_pretrained(str(tiny_assets / "model")).save_pretrained(folder)
     return folder
@@ -262,41 +262,53 @@ def test_two_fsdp_processes_train_what_one_process_trains_and_resume_on_their_sh
                                                                                         free_port):
     """The 8-bit AdamW under FSDP (each process updates its shard with bitsandbytes' kernel; the moments and their
     absmax are DTensors laid out as the parameter): 2 processes x micro-batch 2 against 1 process x 4, 6 steps at lr
-    3e-3 (a checkpoint every 3). Losses and gradient norms as one process's, the weights to 3e-5 (test_fsdp.py's
-    bound for fp32 AdamW: two sums of the gradient, Adam's division of a near-zero one); FSDP's fp32 AdamW is further
-    off than that (not the same optimizer). A run killed in step 5 and resumed from the step-3 shards ends as the
-    uninterrupted one."""
-    model = _aligned_model(tiny_assets, tmp_path / "model")
+    3e-3 (a checkpoint every 3). Losses and gradient norms as one process's, the weights to 5e-4: one process with
+    micro-batches of 2 accumulated twice is 2.5e-4 from itself with 4 (34 of 519K weights past 3e-5: Adam's division of
+    a gradient near 0 by its own size, and an 8-bit moment a step apart), where FSDP's fp32 AdamW is 3.7e-3 off. A run
+    preempted after the step-3 checkpoint and resumed on its 2 shards ends as the uninterrupted one to the bit; on 1
+    process (FSDP's 1 shard) as well to round-off, since its blocks are the 2 shards' (whole rows, whole blocks);
+    a 105-row vocabulary (uneven blocks) is refused there."""
     recipe = _recipe(tiny_assets, tmp_path, optimizer="adamw_8bit", micro_batch_size=2, grad_accum_steps=1)
     config = REPO / "accelerate_configs" / "cpu_fsdp.yaml"
-    name = f"model.name_or_path={model}"
-    run_train(recipe, name, f"output_dir={tmp_path / 'one'}", "train.micro_batch_size=4")
-    said = launch_finetune(config, 2, free_port, recipe, name, f"output_dir={tmp_path / 'fsdp'}")
+    run_train(recipe, f"output_dir={tmp_path / 'one'}", "train.micro_batch_size=4")
+    said = launch_finetune(config, 2, free_port, recipe, f"output_dir={tmp_path / 'fsdp'}")
     assert "FSDP2 on CPU: 2 processes" in said
     one, two = records(tmp_path / "one"), records(tmp_path / "fsdp")
     assert [r["loss"] for r in two] == pytest.approx([r["loss"] for r in one], abs=1e-5)
     assert [r["grad_norm"] for r in two] == pytest.approx([r["grad_norm"] for r in one], rel=1e-5)
     apart = max_abs_diff(load_weights(tmp_path / "fsdp" / "final"), load_weights(tmp_path / "one" / "final"))
-    launch_finetune(config, 2, free_port, recipe, name, f"output_dir={tmp_path / 'fp32'}", "train.optimizer=adamw")
+    launch_finetune(config, 2, free_port, recipe, f"output_dir={tmp_path / 'fp32'}", "train.optimizer=adamw")
     fp32 = max_abs_diff(load_weights(tmp_path / "fp32" / "final"), load_weights(tmp_path / "one" / "final"))
     assert apart < 5e-4 < fp32
 
     resumed = _preempted(tmp_path / "fsdp", tmp_path / "resumed")
-    said = launch_finetune(config, 2, free_port, recipe, name, f"output_dir={resumed}", resume="auto")
+    said = launch_finetune(config, 2, free_port, recipe, f"output_dir={resumed}", resume="auto")
     assert f"resumed from {resumed / 'checkpoints' / 'step_000003'} at step 3" in said
     assert [r["loss"] for r in records(resumed)] == [r["loss"] for r in two]
     assert max_abs_diff(load_weights(resumed / "final"), load_weights(tmp_path / "fsdp" / "final")) == 0
 
-    # On 1 process its 2 shards' blocks are not one process's: refused before anything loads, the run left as it was
-    shutil.rmtree(resumed / "checkpoints" / "step_000006")
-    before = sorted(p.name for p in resumed.rglob("*"))
+    # On 1 process: the 2 shards split whole rows into whole blocks, one process's, so the moments read onto 1 shard
+    one = _preempted(tmp_path / "fsdp", tmp_path / "on-one")
+    said = launch_finetune(config, 1, free_port, recipe, f"output_dir={one}", "train.micro_batch_size=4",
+                           resume="auto")
+    assert "written by 2 data-parallel ranks, resumed on 1" in said
+    assert [r["loss"] for r in records(one)] == pytest.approx([r["loss"] for r in two], abs=1e-5)
+    assert max_abs_diff(load_weights(one / "final"), load_weights(tmp_path / "fsdp" / "final")) < 1e-4
+
+    # A 105-row vocabulary splits 53 / 52 rows: rank 1's blocks start half a block off one process's, so those
+    # moments resume on 2 shards only: refused before anything loads, the run left as it was
+    name = f"model.name_or_path={_uneven_model(tiny_assets, tmp_path / 'uneven-model')}"
+    launch_finetune(config, 2, free_port, recipe, name, f"output_dir={tmp_path / 'uneven-run'}")
+    uneven = _preempted(tmp_path / "uneven-run", tmp_path / "uneven")
+    before = sorted(p.name for p in uneven.rglob("*"))
     proc = cli("launch", "--config_file", str(config), "--num_processes", "1", "--main_process_port", str(free_port),
-               str(recipe), name, f"output_dir={resumed}", "train.micro_batch_size=4", "--resume", "auto", check=False)
+               str(recipe), name, f"output_dir={uneven}", "train.micro_batch_size=4", "--resume", "auto",
+               check=False)
     said = " ".join((proc.stdout + proc.stderr).split())
     assert proc.returncode != 0 and "Traceback" not in said, said[-3000:]
-    assert "train.optimizer=adamw_8bit's moments of model.embed_tokens.weight quantised in blocks of each of 2 " \
+    assert "train.optimizer=adamw_8bit's moments of model.embed_tokens.weight quantised in blocks of each of its 2 " \
         "shards, and this launch shards it otherwise" in said
-    assert sorted(p.name for p in resumed.rglob("*")) == before
+    assert sorted(p.name for p in uneven.rglob("*")) == before
 
 
 def _preempted(run, into):
@@ -316,13 +328,12 @@ def test_under_fsdp_x_tp_and_hsdp_it_trains_as_one_process_and_resumes(tiny_asse
     (HSDP: each replica's moments the same, saved once). Against one process's 8-bit AdamW: losses to 1e-4, the
     weights to 1e-3 (measured 7.3e-4 under TP, o_proj; 2.9e-4 under HSDP), where fp32 AdamW's are 3.7e-3 off. A run
     preempted after its step-3 checkpoint and resumed on the same launch ends as the uninterrupted one."""
-    model = _aligned_model(tiny_assets, tmp_path / "model")
     recipe = _recipe(tiny_assets, tmp_path, optimizer="adamw_8bit", micro_batch_size=2, grad_accum_steps=1)
-    name, launch = f"model.name_or_path={model}", REPO / "accelerate_configs" / config
+    launch = REPO / "accelerate_configs" / config
     per_rank = f"train.micro_batch_size={2 if config == 'cpu_tp.yaml' else 1}"  # 2 data ranks under TP, 4 else
-    run_train(recipe, name, f"output_dir={tmp_path / 'one'}", "train.micro_batch_size=4")
-    run_train(recipe, name, f"output_dir={tmp_path / 'fp32'}", "train.micro_batch_size=4", "train.optimizer=adamw")
-    said = launch_finetune(launch, 4, free_port, recipe, name, f"output_dir={tmp_path / 'four'}", per_rank)
+    run_train(recipe, f"output_dir={tmp_path / 'one'}", "train.micro_batch_size=4")
+    run_train(recipe, f"output_dir={tmp_path / 'fp32'}", "train.micro_batch_size=4", "train.optimizer=adamw")
+    said = launch_finetune(launch, 4, free_port, recipe, f"output_dir={tmp_path / 'four'}", per_rank)
     assert ("2 shards x 2 tensor-parallel" if config == "cpu_tp.yaml" else "2 replicas x 2 shards") in said
     assert losses(tmp_path / "four") == pytest.approx(losses(tmp_path / "one"), abs=1e-4)
     one = load_weights(tmp_path / "one" / "final")
@@ -330,6 +341,6 @@ def test_under_fsdp_x_tp_and_hsdp_it_trains_as_one_process_and_resumes(tiny_asse
         load_weights(tmp_path / "fp32" / "final"), one)
 
     resumed = _preempted(tmp_path / "four", tmp_path / "resumed")
-    launch_finetune(launch, 4, free_port, recipe, name, f"output_dir={resumed}", per_rank, resume="auto")
+    launch_finetune(launch, 4, free_port, recipe, f"output_dir={resumed}", per_rank, resume="auto")
     assert losses(resumed) == losses(tmp_path / "four")
     assert max_abs_diff(load_weights(resumed / "final"), load_weights(tmp_path / "four" / "final")) == 0

@@ -13,9 +13,11 @@ Two choices keep it one process's optimizer:
 - A shard's blocks of 256 start at the shard's first element. Where every shard holds a multiple of 256 elements
   (a weight with 4,096 columns split by rows, as every 7B layer is), they are one process's blocks and the update
   is one process's update. The per-block absmax of a shard is a DTensor of a synthetic length (each process's
-  blocks padded to the most any process holds), which a checkpoint restores only onto the same shards: a resume on
-  other shards is refused before it loads (resume_problem, called by run/checkpoint.load_checkpoint; a pipeline
-  stage's files by parallel/pipeline/checkpoint.read_stages).
+  blocks padded to the most any process holds): there it is one process's absmax, and a checkpoint of it reads onto
+  any shards of whole blocks (the distributed checkpoint moves each piece to its new owner); elsewhere onto the same
+  shards only. A resume on other shards is refused before it loads (resume_problem, called by
+  run/checkpoint.load_checkpoint; a pipeline stage's files, by parallel/pipeline/checkpoint.read_stages, resume on the
+  same number of shards a stage only).
 """
 
 from __future__ import annotations
@@ -49,11 +51,29 @@ def absmax_layout(p: DTensor) -> tuple[tuple[int], object, list]:
     return (shard_blocks(p) * shards,), p.device_mesh, placements
 
 
+def one_process_blocks(shape, moments: list, absmax: list, absmax_size: int) -> bool:
+    """Whether shards of a tensor of `shape` quantise in one process's blocks: each shard whole rows (`moments`: its
+    (offsets, sizes)) starting on a block boundary, its absmax (`absmax`: (offset, size) each, in the same order) the
+    blocks at that place of one process's, and no padding (`absmax_size`: the absmax's whole length, one process's).
+    Then the absmax laid out by absmax_layout is one process's, and a checkpoint of it reads onto any such shards."""
+    row = math.prod(shape[1:])
+    if absmax_size != math.ceil(math.prod(shape) / BLOCK) or len(moments) != len(absmax):
+        return False
+    for (offsets, sizes), (start, blocks) in zip(moments, absmax):
+        first = offsets[0] * row
+        if tuple(sizes[1:]) != tuple(shape[1:]) or any(offsets[1:]) or first % BLOCK or start != first // BLOCK \
+                or blocks != math.ceil(math.prod(sizes) / BLOCK):
+            return False
+    return True
+
+
 def resume_problem(model, optimizer, folder: Path) -> str | None:
     """Why this process cannot read the 8-bit moments that checkpoint `folder` saved of its sharded parameters (None:
-    it can). The blocks of 256 start at each shard's first element, so the moments resume on the shards that wrote
-    them only: each process looks for its own part of every 8-bit moment and its absmax among the parts saved (a
-    distributed checkpoint lists each one's offsets and sizes). Each process finding its own is the same layout."""
+    it can). The blocks of 256 start at each shard's first element, so moments resume on the shards that wrote them,
+    or wherever the saved shards and this launch's both quantise in one process's blocks (one_process_blocks: every
+    7B layer's rows, 4,096 columns, over any number of shards that divides them): each process looks for its own
+    part of every 8-bit moment and its absmax among the parts saved (a distributed checkpoint lists each one's
+    offsets and sizes), or checks both layouts' blocks."""
     from torch.distributed.checkpoint import FileSystemReader
     from torch.distributed.checkpoint.state_dict import _get_fqns
     from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
@@ -65,21 +85,32 @@ def resume_problem(model, optimizer, folder: Path) -> str | None:
         if not (isinstance(p, DTensor) and p.requires_grad and p.numel() >= optimizer.args.min_8bit_size):
             continue
         (fqn,) = _get_fqns(model, name)
+        prefix = f"optimizer.state.{fqn}.{AdamW8bit._FSDP_WRAPPED_QUANT_STATE_KEY}"
+        there = {key: saved.get(f"{prefix}.{key}") for key in ("state1", "absmax1")}
+        if not all(hasattr(t, "chunks") for t in there.values()):  # not 8-bit moments: not this check's to judge
+            return None
+        mine, same = {}, True
         for key, (shape, mesh, placements) in (("state1", (p.shape, p.device_mesh, p.placements)),
                                                ("absmax1", absmax_layout(p))):
-            there = saved.get(f"optimizer.state.{fqn}.{AdamW8bit._FSDP_WRAPPED_QUANT_STATE_KEY}.{key}")
-            if there is None or not hasattr(there, "chunks"):  # not 8-bit moments: not this check's to judge
-                return None
             sizes, offsets = compute_local_shape_and_global_offset(shape, mesh, placements)
-            if tuple(there.size) == tuple(shape) and (0 in sizes or any(
-                    tuple(c.offsets) == tuple(offsets) and tuple(c.sizes) == tuple(sizes) for c in there.chunks)):
-                continue
-            parts = len(saved[f"optimizer.state.{fqn}.{AdamW8bit._FSDP_WRAPPED_QUANT_STATE_KEY}.absmax1"].chunks)
-            return (f"checkpoint {folder} holds train.optimizer=adamw_8bit's moments of {fqn} quantised in blocks of "
-                    f"each of {parts} shard{'s' if parts > 1 else ''}, and this launch shards it otherwise: "
-                    "bitsandbytes' blocks of 256 elements start at each shard's first element, so 8-bit moments resume "
-                    "on the shards that wrote them only. Resume it with the launch that wrote it (its accelerate "
-                    "config and number of processes), or start a new run in another output_dir.")
+            mine[key] = (tuple(offsets), tuple(sizes))
+            same &= tuple(there[key].size) == tuple(shape) and (0 in sizes or any(
+                tuple(c.offsets) == tuple(offsets) and tuple(c.sizes) == tuple(sizes) for c in there[key].chunks))
+        if same:
+            continue
+        chunks = {k: sorted((tuple(c.offsets), tuple(c.sizes)) for c in t.chunks) for k, t in there.items()}
+        if one_process_blocks(p.shape, chunks["state1"], [(o[0], s[0]) for o, s in chunks["absmax1"]],
+                              there["absmax1"].size[0]) and one_process_blocks(
+                p.shape, [mine["state1"]], [(mine["absmax1"][0][0], mine["absmax1"][1][0])],
+                absmax_layout(p)[0][0]):
+            continue
+        parts = len(chunks["absmax1"])
+        return (f"checkpoint {folder} holds train.optimizer=adamw_8bit's moments of {fqn} quantised in blocks of each "
+                f"of its {parts} shard{'s' if parts > 1 else ''}, and this launch shards it otherwise: bitsandbytes' "
+                "blocks of 256 elements start at each shard's first element, so 8-bit moments resume on the shards "
+                "that wrote them, or where both layouts split whole rows into whole blocks (not so here). Resume it "
+                "with the launch that wrote it (its accelerate config and number of processes), or start a new run "
+                "in another output_dir.")
     return None
 
 
