@@ -429,7 +429,10 @@ class TrainConfig(Section):
         "stops; 0 stops at the first.",
     )
     mixed_precision: Literal["no", "bf16", "fp16"] = Field(
-        "no", description="Autocast precision. The recipe wins over a launch config that disagrees."
+        "no", description="Autocast precision. The recipe wins over a launch config that disagrees. Under FSDP the "
+        "weights are gathered in it for the forward and backward (FSDP's param_dtype; the gradients reduced and the "
+        "master shards kept in fp32), where one process and DDP cast each op's inputs under autocast: fp16's loss "
+        "scale may then overflow a step or two more (2 in 10 on the tiny model). fp16 is Accelerate's on GPUs only."
     )
     seed: int = Field(42, description="Seed for model init, data order and dropout.")
     deterministic: bool = Field(
