@@ -18,7 +18,8 @@ LLAMA = ("--model", "llama-2-7b", "--mixed-precision", "bf16")
     (("--seq-len", "512"), DOES_NOT_FIT),  # a full fine-tune of 7B on one GPU: 139 GiB
     (("--seq-len", "512", "--num-gpus", "8", "--strategy", "ddp"), DOES_NOT_FIT),
     (("--seq-len", "512", "--num-gpus", "8", "--fit"), 0),  # --fit found FSDP on these 8 GPUs
-    (("--seq-len", "512", "--fit"), DOES_NOT_FIT),  # --fit: nothing on one GPU (FSDP on 2 would)
+    (("--seq-len", "512", "--fit"), 0),  # --fit: 8-bit AdamW on the one GPU (with AdamW FSDP on 2 would)
+    (("--seq-len", "512", "--fit", "--gpu-memory", "40"), DOES_NOT_FIT),  # nothing on one GPU of 40 GiB
 ])
 def test_the_exit_status_says_whether_it_fits(args, code):
     res = estimate_memory(*LLAMA, *args, check=False)

@@ -144,6 +144,24 @@ def test_fit_shards_it_under_fsdp(tmp_path):
         estimate_run(shape, fp32))
 
 
+def test_fit_turns_to_it_before_more_gpus():
+    """recipes/mistral7b-full.yaml (fp32 AdamW) on 4 x 32 GiB: nothing fits (FSDP 35.4 GiB a GPU), and --fit had
+    proposed FSDP on 8 GPUs; now, as LoRA turns to QLoRA, the full fine-tune turns to 8-bit AdamW on these 4 (24.0
+    GiB at micro-batch 8) and says so; the recommendation line names the override."""
+    from helpers import estimate_memory
+
+    recipe = str(REPO / "recipes" / "mistral7b-full.yaml")
+    fit = " ".join(estimate_memory(recipe, "--num-gpus", "4", "--gpu-memory", "32", "--fit").stdout.split())
+    assert "--fit: AdamW's state fits none of these GPUs; bitsandbytes' 8-bit AdamW (a quarter of its state) does " \
+        "(train.optimizer=adamw_8bit)" in fit
+    assert "llmtrain launch --config_file accelerate_configs/fsdp.yaml --num_processes 4" in fit and \
+        "train.optimizer=adamw_8bit" in fit.split("llmtrain launch")[-1]
+    said = estimate_memory(recipe, "--num-gpus", "4", "--gpu-memory", "32", "--strategy", "fsdp", check=False)
+    line = " ".join(said.stdout.split())
+    assert "does not fit: needs 35.4 GiB per GPU of 32; on 4 x 32 GiB use --config_file accelerate_configs/fsdp.yaml" \
+        in line and "train.optimizer=adamw_8bit (see --fit)" in line
+
+
 def test_an_estimate_from_flags_shards_it_under_fsdp_and_on_fsdp_stages():
     """`estimate-memory --model ... --optimizer adamw_8bit --strategy fsdp` is estimated (exit 2 before 2026-12-05):
     its optimizer row the DDP one's over the 8 GPUs; with --pipeline-parallel 2 a stage's over its 4 FSDP shards."""

@@ -275,6 +275,12 @@ def fit(shape: ModelShape, spec: TrainSpec, *, global_batch: int | None = None,
         qlora = _search(shape, spec.but(quantize="nf4"), global_batch, network)
         if qlora.best is not None:
             return replace(qlora, overrides=(*qlora.overrides, "model.quantize=nf4"))
+    if result.best is None and spec.method == "full" and spec.optimizer == "adamw":
+        # A full fine-tune whose AdamW state does not fit these GPUs: bitsandbytes' 8-bit moments (a quarter of fp32
+        # AdamW's state; FSDP shards them too) before more GPUs.
+        eight = _search(shape, spec.but(optimizer="adamw_8bit"), global_batch, network)
+        if eight.best is not None:
+            return replace(eight, overrides=(*eight.overrides, "train.optimizer=adamw_8bit"))
     if result.best is None:
         result = replace(result, more_gpus=more_gpus(shape, spec, global_batch=global_batch, network=network))
     return result

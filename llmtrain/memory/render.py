@@ -276,6 +276,12 @@ def render_fit(result: FitResult, *, target: tuple[str, tuple[str, ...]] | None,
         result = result.more_gpus
         console.print(f"With FSDP on {result.best.spec.world} GPUs ({result.best.spec.num_nodes} node(s)) "
                       "something does (the fewest GPUs that fit):")
+    for changed, what in (("model.quantize=nf4", "LoRA on a 16-bit base fits none of these GPUs; on a 4-bit base "
+                                                  "(QLoRA) it does"),
+                          ("train.optimizer=adamw_8bit", "AdamW's state fits none of these GPUs; bitsandbytes' 8-bit "
+                                                         "AdamW (a quarter of its state) does")):
+        if changed in result.overrides:
+            console.print(f"--fit: {what} ({changed}):", highlight=False)
     by_tokens = result.best.spec.micro_batch_tokens is not None
     room = FIT_SHARE * result.best.spec.gpu_memory_gib
     table = Table(title=f"Configurations that fit (largest micro-batch each, in {FIT_SHARE:.0%} of the card: "
