@@ -89,6 +89,21 @@ def test_a_bf16_grpo_run_with_the_fp32_head_trains_and_logs_the_sampler_gap(tiny
     assert not any("lm_head" in k for k in adapter)
 
 
+def _launched_scalerl(tiny_assets, tmp_path, *, steps: int):
+    """(recipe, env) of the launched fp32-head tests: a bf16 LoRA GRPO policy under bf16 autocast with ScaleRL's pair
+    (the cast given by the test, top_p 0.8 and the truncated correction), 2 prompts a process, `steps` steps; the
+    environment of the kernels whose bf16 rows give the same bits whatever their count (ONEDNN_AVX2 where this
+    machine's do not)."""
+    from helpers import ENV, ONEDNN_AVX2, bf16_rows_change_results
+
+    recipe = grpo_recipe(tiny_assets, tmp_path, lora={"r": 4, "alpha": 8, "dropout": 0.0},
+                         model={"dtype": "bfloat16"}, rl={"top_p": 0.8, "sampler_correction": "token_truncate"},
+                         train={"max_steps": steps, "lr": 1e-2, "mixed_precision": "bf16", "eval_every_steps": None,
+                                "micro_batch_size": 2},
+                         checkpoint={"every_steps": None})
+    return recipe, ONEDNN_AVX2 if bf16_rows_change_results() else ENV
+
+
 @pytest.mark.slow
 def test_two_fsdp_processes_gather_the_head_in_fp32_and_train_what_two_ddp_processes_train(tiny_assets, tmp_path,
                                                                                           free_port):
@@ -102,15 +117,10 @@ def test_two_fsdp_processes_gather_the_head_in_fp32_and_train_what_two_ddp_proce
     to 1e-6 relative (1e-7 measured: FSDP reduce-scatters, DDP all-reduces), the adapter to 1e-5. (A second step's
     samples may differ by a token: an adapter weight 1e-8 apart can round to another bf16 value.) DDP without the
     cast makes other entropies (1.3e-4 apart: its bf16 logits), which the FSDP run does not."""
-    from helpers import ENV, ONEDNN_AVX2, bf16_rows_change_results, launch_finetune
+    from helpers import launch_finetune
     from test_grpo_run import CPU_DDP, CPU_FSDP, rollouts
 
-    recipe = grpo_recipe(tiny_assets, tmp_path, lora={"r": 4, "alpha": 8, "dropout": 0.0},
-                         model={"dtype": "bfloat16"}, rl={"top_p": 0.8, "sampler_correction": "token_truncate"},
-                         train={"max_steps": 1, "lr": 1e-2, "mixed_precision": "bf16", "eval_every_steps": None,
-                                "micro_batch_size": 2},
-                         checkpoint={"every_steps": None})
-    env = ONEDNN_AVX2 if bf16_rows_change_results() else ENV
+    recipe, env = _launched_scalerl(tiny_assets, tmp_path, steps=1)
     cast = "rl.cast_lm_head_to_fp32=true"
     runs = {"ddp": (CPU_DDP, [cast]), "plain": (CPU_DDP, []), "fsdp": (CPU_FSDP, [cast])}
     for i, (name, (config, extra)) in enumerate(runs.items()):
@@ -267,14 +277,9 @@ def test_under_fsdp_x_tp_the_head_is_gathered_in_fp32_and_trains(tiny_assets, tm
     with head_in_fp32 switched off). Not compared token for token: tensor parallelism's row-wise layers sum bf16
     partial products over the pair, so its samples are not one process's or DDP's (the step's mean reward 0.5 and
     loss -3.4e-4 here against DDP's 0.5 and -2.5e-4)."""
-    from helpers import ENV, ONEDNN_AVX2, bf16_rows_change_results, launch_finetune
+    from helpers import launch_finetune
 
-    recipe = grpo_recipe(tiny_assets, tmp_path, lora={"r": 4, "alpha": 8, "dropout": 0.0},
-                         model={"dtype": "bfloat16"}, rl={"top_p": 0.8, "sampler_correction": "token_truncate"},
-                         train={"max_steps": 2, "lr": 1e-2, "mixed_precision": "bf16", "eval_every_steps": None,
-                                "micro_batch_size": 2},
-                         checkpoint={"every_steps": None})
-    env = ONEDNN_AVX2 if bf16_rows_change_results() else ENV
+    recipe, env = _launched_scalerl(tiny_assets, tmp_path, steps=2)
     run = tmp_path / "tp"
     said = launch_finetune(REPO / "accelerate_configs" / "cpu_tp.yaml", 4, free_port, recipe,
                            "rl.cast_lm_head_to_fp32=true", f"output_dir={run}", env=env)

@@ -42,13 +42,20 @@ def shard_blocks(p: DTensor) -> int:
     return math.ceil(math.prod(shape) / BLOCK)
 
 
+def shards_of(t: torch.Tensor) -> int:
+    """Into how many pieces a DTensor's placements split it (the sizes of the mesh dimensions that shard it,
+    multiplied); 1 for a plain tensor. The absmax is laid out by them."""
+    if not isinstance(t, DTensor):
+        return 1
+    return math.prod(t.device_mesh.size(d) for d, q in enumerate(t.placements) if isinstance(q, Shard))
+
+
 def absmax_layout(p: DTensor) -> tuple[tuple[int], object, list]:
     """(global shape, mesh, placements) of the absmax of `p`'s 8-bit moments: each process's blocks (shard_blocks,
     zeros past its own) one after the other, split as `p` is over the mesh dimensions that shard it, whole over
     those that replicate it (HSDP's replicas hold the same moments)."""
     placements = [Replicate() if isinstance(q, Replicate) else Shard(0) for q in p.placements]
-    shards = math.prod(p.device_mesh.size(d) for d, q in enumerate(placements) if isinstance(q, Shard))
-    return (shard_blocks(p) * shards,), p.device_mesh, placements
+    return (shard_blocks(p) * shards_of(p),), p.device_mesh, placements
 
 
 def one_process_blocks(shape, moments: list, absmax: list, absmax_size: int) -> bool:

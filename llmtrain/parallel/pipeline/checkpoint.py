@@ -3,8 +3,6 @@ their names in the whole model, so that a resume may split the layers differentl
 
 from __future__ import annotations
 
-import math
-
 import torch
 
 from llmtrain.errors import LLMTrainError
@@ -42,15 +40,6 @@ def _whole_state(v):
     return _whole(v) if torch.is_tensor(v) else v
 
 
-def _pieces(p: torch.Tensor) -> int:
-    """Into how many shards FSDP splits `p` (1: whole). The 8-bit AdamW's absmax is laid out by them."""
-    if not hasattr(p, "device_mesh"):
-        return 1
-    from torch.distributed.tensor import Shard
-
-    return math.prod(p.device_mesh.size(d) for d, q in enumerate(p.placements) if isinstance(q, Shard))
-
-
 def write_stage(folder, model, optimizer, *, g: PipelineGroup, trainable_only: bool) -> None:
     """This process's stages' weights (the adapter's alone for LoRA) and optimizer state, whole, by parameter name;
     the first replica of each stage writes them (the others hold the same, or under FSDP their shards, gathered)."""
@@ -68,7 +57,7 @@ def write_stage(folder, model, optimizer, *, g: PipelineGroup, trainable_only: b
     out = folder / FOLDER
     out.mkdir(parents=True, exist_ok=True)
     save_file(weights, str(out / f"stage_{g.rank:03d}.safetensors"))
-    torch.save({"state": moments, "pieces": {n: _pieces(params[n]) for n in moments},
+    torch.save({"state": moments, "pieces": _pieces(moments, params),
                 "groups": [{k: v for k, v in group.items() if k != "params"} for group in state["param_groups"]]},
                out / f"stage_{g.rank:03d}_optimizer.pt")
 
@@ -82,6 +71,16 @@ def _placed(t: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
 
     return distribute_tensor(t.to(like.device_mesh.device_type), like.device_mesh, like.placements,
                              src_data_rank=None)
+
+
+def _pieces(moments: dict, params: dict) -> dict:
+    """The number of shards of each parameter whose state holds 8-bit blocks (adamw_8bit.shards_of: its absmax is laid
+    out by them; bitsandbytes is there wherever such a state is)."""
+    if not any(_blockwise(s) for s in moments.values()):
+        return {}
+    from llmtrain.model.adamw_8bit import shards_of
+
+    return {n: shards_of(params[n]) for n, s in moments.items() if _blockwise(s)}
 
 
 def _blockwise(state: dict) -> bool:
@@ -131,11 +130,11 @@ def read_stages(folder, model, optimizer, *, trainable_only: bool) -> None:
     names, state = _names(model), optimizer.state_dict()
     order = [names[id(p)] for group in optimizer.param_groups for p in group["params"]]
     params = {names[id(p)]: p for group in optimizer.param_groups for p in group["params"]}
-    for n, p in params.items():
-        if n in moments and _blockwise(moments[n]) and pieces.get(n, 1) != _pieces(p):
+    for n, now in _pieces({n: moments[n] for n in params if n in moments}, params).items():
+        if pieces.get(n, 1) != now:
             raise LLMTrainError(
                 f"checkpoint {folder} holds train.optimizer=adamw_8bit's moments of {n} quantised in blocks of each of "
-                f"{pieces.get(n, 1)} shard(s) of its stage, and this launch splits it into {_pieces(p)}: "
+                f"{pieces.get(n, 1)} shard(s) of its stage, and this launch splits it into {now}: "
                 "bitsandbytes' blocks of 256 elements start at each shard's first element, so 8-bit moments resume on "
                 "the shards that wrote them only. Resume it with the launch and parallel.pipeline_parallel that wrote "
                 "it, or start a new run in another output_dir.")
