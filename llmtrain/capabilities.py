@@ -95,8 +95,8 @@ MODES: dict[str, Mode] = {m.key: m for m in (
          "loss, answer accuracy, teacher agreement", "causal LM"),
 )}
 
-_SECTIONS = {"preference": "preference:", "kto": "kto:", "reward_model": "reward_model:", "rl": "rl:",
-             "distill": "distill:"}
+SECTIONS = {"preference": "preference:", "kto": "kto:", "reward_model": "reward_model:", "rl": "rl:",
+            "distill": "distill:"}
 # What a format's rows train with, for a recipe whose sections do not match its data.format
 _FORMAT_HINT = {
     "preference": "data.format: preference and the preference: section go together: pairs train with a preference "
@@ -168,13 +168,22 @@ def family_cell(model_type: str, parallelism: str) -> str | None:
     return family.refused.get(parallelism) if family is not None else None
 
 
+def section_of(recipe) -> str | None:
+    """The recipe's objective section (preference, kto, reward_model, rl, distill; None: supervised fine-tuning), of a
+    Recipe or of a recipe's dict (a saved one, run/preflight.py). Several sections: the first of them
+    (recipe_problems refuses the recipe)."""
+    get = recipe.get if isinstance(recipe, dict) else (lambda key: getattr(recipe, key))
+    return next((section for section in SECTIONS if get(section) is not None), None)
+
+
 def mode_of(recipe) -> str:
-    """The recipe's training mode: its objective section (none: supervised fine-tuning). Several sections: the
-    first of them (recipe_problems refuses the recipe)."""
-    for section in _SECTIONS:
-        if getattr(recipe, section) is not None:
-            return recipe.rl.algorithm if section == "rl" else section
-    return "sft"
+    """The recipe's training mode (a key of MODES), of a Recipe or of a recipe's dict: its objective section, online
+    RL's by its algorithm (none: supervised fine-tuning)."""
+    section = section_of(recipe)
+    if section != "rl":
+        return section or "sft"
+    rl = recipe["rl"] if isinstance(recipe, dict) else recipe.rl
+    return (rl.get("algorithm") if isinstance(rl, dict) else rl.algorithm) or "grpo"
 
 
 # --------------------------------------------------------------------------- what each parallelism refuses of any mode
@@ -734,7 +743,7 @@ def paragraph(found: list[str]) -> str:
 
 def _section_problems(recipe) -> list[str]:
     """The recipe's objective sections against each other and its data.format (the table's formats)."""
-    given = [s for s in _SECTIONS if getattr(recipe, s) is not None]
+    given = [s for s in SECTIONS if getattr(recipe, s) is not None]
     fmt = recipe.data.format
     if "distill" in given and len(given) > 1:
         return ["distill: is a training objective of its own; remove the preference:, kto: or rl: section"]
@@ -742,7 +751,7 @@ def _section_problems(recipe) -> list[str]:
         return ["reward_model: trains a scoring head on the pairs and preference: a policy on them; one run does one "
                 "of the two. Remove one section"]
     if len(given) > 1:
-        return [f"one run trains one objective, and this recipe has {' and '.join(_SECTIONS[s] for s in given)}: "
+        return [f"one run trains one objective, and this recipe has {' and '.join(SECTIONS[s] for s in given)}: "
                 "remove all but one"]
     mode = MODES[mode_of(recipe)]
     if fmt not in mode.formats:

@@ -239,7 +239,7 @@ def test_a_resume_that_changes_what_the_run_trains_needs_allow_recipe_change(tin
         run_train(recipe, *changes, resume="auto")
     dpo = ("preference.beta=0.1", f"data.path={tiny_assets / 'data' / 'train_pairs.jsonl'}", "data.format=preference")
     with pytest.raises(LLMTrainError, match=r"written by a run of supervised fine-tuning and this recipe trains "
-                       r"preference pairs: that is another run"):
+                       r"preference pairs \(preference:\): that is another run"):
         run_train(recipe, *dpo, resume="auto", allow_recipe_change=True)
     assert {p: p.stat().st_mtime_ns for p in (tmp_path / "run").rglob("*")} == before
     run_train(recipe, *changes, resume="auto", allow_recipe_change=True)

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import yaml
 
+from llmtrain.capabilities import MODES, SECTIONS, mode_of, section_of
 from llmtrain.config import Recipe
 from llmtrain.errors import LLMTrainError
 from llmtrain.run.checkpoint import FSDP_MODEL_DIR
@@ -31,12 +32,11 @@ SCHEDULE = ["train.max_steps", "train.epochs", "train.lr", "train.schedule", "tr
             "train.min_lr_ratio", "train.weight_decay", "train.betas", "rl.num_iterations"]
 # Keys that change what the rest of the run trains (its loss, reference, sampling, rewards, gradient clip,
 # precision, adapter): allowed, and said, only with --allow-recipe-change, as SCHEDULE's are. A section stands for
-# each of its keys; which mode's section a recipe has at all (MODES) is the run itself.
-OBJECTIVE = ["lora", "preference", "kto", "reward_model", "rl", "distill", "train.eps", "train.neftune_alpha",
-             "train.sft_loss", "train.max_grad_norm", "train.mixed_precision", "model.quantize", "model.new_tokens",
-             "model.rope_scaling", "model.router_aux_loss_coef"]
-MODES = {"preference": "preference pairs", "kto": "KTO", "reward_model": "a reward model", "rl": "online RL",
-         "distill": "distillation"}
+# each of its keys, every mode's section (capabilities.SECTIONS) among them; which mode's section a recipe has at all
+# is the run itself.
+OBJECTIVE = ["lora", *SECTIONS, "train.eps", "train.neftune_alpha", "train.sft_loss", "train.max_grad_norm",
+             "train.mixed_precision", "model.quantize", "model.new_tokens", "model.rope_scaling",
+             "model.router_aux_loss_coef"]
 
 
 def _get(d: dict, dotted: str):
@@ -89,9 +89,8 @@ def check_resume(ckpt: Path, recipe: Recipe, *, world: int, fsdp: bool, allow_re
                             f"train.optimizer={now['train']['optimizer']}: one optimizer's state cannot be read into "
                             "the other (AdamW's moments in the weights' dtype, bitsandbytes' in blocks of 8 bits). Set "
                             f"train.optimizer={was} to resume it, or start a new run in another output_dir.")
-    trains = [next((what for key, what in MODES.items() if r.get(key) is not None), "supervised fine-tuning")
-              for r in (saved, now)]
-    if trains[0] != trains[1]:
+    if section_of(saved) != section_of(now):  # GRPO <-> RLOO is a change of rl.algorithm, under OBJECTIVE
+        trains = [MODES[mode_of(r)].name for r in (saved, now)]
         raise LLMTrainError(f"checkpoint {ckpt} was written by a run of {trains[0]} and this recipe trains "
                             f"{trains[1]}: that is another run. To go on from its weights, set model.name_or_path to "
                             f"its final/ in a recipe with another output_dir. {how}")
