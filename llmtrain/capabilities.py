@@ -221,10 +221,6 @@ def fp32_head(r, _=None) -> bool:
     return r.rl is not None and r.rl.cast_lm_head_to_fp32
 
 
-def _copy_reread(r, layout):
-    return reference_copy(r) and r.model.random_init and layout.pp == 1  # (stages copy their own: StageCopy)
-
-
 def _copy_unsharded(r, layout):
     return reference_copy(r) and not layout.fsdp
 
@@ -305,11 +301,6 @@ RULES: tuple[Rule, ...] = (
          "lora.dora under {key}: DoRA divides each output row by the norm of its whole weight row (W + s B A), and "
          "tensor parallelism splits the weights by rows or columns, each process holding a part of a row or of the "
          "magnitudes. Set lora.dora=false, or launch FSDP (each layer's weights are whole in its forward)"),
-    Rule("fsdp", _copy_reread,
-         "a full fine-tune's frozen reference ({reference}) under FSDP is the starting weights read again from "
-         "model.name_or_path and sharded like the policy, and model.random_init has none to read. Save the initial "
-         "model first (save_pretrained) and set model.name_or_path to it, or launch one process or DDP, where the "
-         "reference is a copy of the policy"),
     Rule("tp", rollout_adapter,
          "RLOO's KL under {key} runs the reference in the rollout, where FSDP holds the policy's weights gathered, "
          "each process's split by tensor parallelism, and LoRA's moving reference (rl.sync_reference) swaps the "

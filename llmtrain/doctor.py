@@ -335,7 +335,8 @@ def check_reference(recipe: Recipe, launch: dict | None = None) -> list[Check]:
     else:
         what = "a frozen copy of the starting weights (one more set of weights, in the estimate)"
         if launch and Layout.from_launch(launch, recipe).fsdp:
-            what += ("; under FSDP the starting weights read again and sharded like the policy, the LM head whole" +
+            what += ("; under FSDP sharded like the policy, copied from its shards (nothing read again), the LM head "
+                     "whole" +
                      (", its decoder gathered whole for each rollout (RLOO's KL runs there)"
                       if recipe.rl is not None and recipe.rl.algorithm == "rloo" else ""))
         if sync is not None:

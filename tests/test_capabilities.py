@@ -337,21 +337,34 @@ def test_the_flop_count_takes_each_layers_head_size():
     assert flop_model(AutoModelForCausalLM.from_config(config)).attn_per_square == 6 * 4 * (16 + 32 + 16 + 32)
 
 
+# An FSDP refusal of the kind the table held until 2026-12-05 (a full fine-tune's reference copied from a random
+# start, which FSDP read again from model.name_or_path): the machinery that keeps such a refusal out of --fit's
+# proposals, with no such rule in the table today
+_RANDOM_COPY = "a full fine-tune's frozen reference of a random start (a rule for this test)"
+
+
 @pytest.mark.parametrize("changes, refused", [
     ({"rl": {"algorithm": "rloo", "rewards": [{"type": "answer_match"}], "beta": 0.04},
-      "model": {"random_init": True}}, "a full fine-tune's frozen reference"),
+      "model": {"random_init": True}}, _RANDOM_COPY),
+    ({"rl": {"algorithm": "rloo", "rewards": [{"type": "answer_match"}], "beta": 0.04},
+      "model": {"random_init": True}}, None),
     ({"rl": {"algorithm": "rloo", "rewards": [{"type": "answer_match"}], "cast_lm_head_to_fp32": True}}, None),
     ({"rl": {"algorithm": "rloo", "rewards": [{"type": "answer_match"}]}, "train": {"optimizer": "adamw_8bit"}},
      None),
-    ({"preference": {"reference": "copy"}, "model": {"random_init": True}}, "a full fine-tune's frozen reference"),
+    ({"preference": {"reference": "copy"}, "model": {"random_init": True}}, _RANDOM_COPY),
     ({"preference": {}}, None)])
-def test_fit_proposes_no_layout_the_table_refuses(changes, refused):
+def test_fit_proposes_no_layout_the_table_refuses(changes, refused, monkeypatch):
     """estimate-memory's --fit asks the table what FSDP refuses of the recipe (capabilities.sharding_problems, carried
-    as spec.unshardable): a full fine-tune of RLOO with a KL to a frozen copy of a random start (which FSDP reads
-    again from model.name_or_path) that no single GPU holds gets no FSDP, HSDP or more-GPU proposal, and the
-    recommendation says why in the table's words; DPO's copy of a random start alike; the same RLOO run with its LM
-    head in fp32 (a unit of its own under FSDP since 2026-12-05) or with 8-bit AdamW (each process updates its shard,
-    since 2026-12-05), and the same size of DPO run, which FSDP trains, get FSDP."""
+    as spec.unshardable): where an FSDP rule refuses it (here one added for the test: a full fine-tune's copy of a
+    random start, which the table refused until FSDP's reference became a copy of the policy's shards), a recipe that
+    no single GPU holds gets no FSDP, HSDP or more-GPU proposal, and the recommendation says why in the table's
+    words. The same runs without the rule (the table today), an RLOO run with its LM head in fp32 or with 8-bit
+    AdamW, and the same size of DPO run get FSDP."""
+    from llmtrain import capabilities
+
+    if refused is not None:
+        monkeypatch.setattr(capabilities, "RULES", (*capabilities.RULES, capabilities.Rule(
+            "fsdp", lambda r, _: capabilities.reference_copy(r) and r.model.random_init, refused)))
     from llmtrain.config import Recipe
     from llmtrain.memory.estimate import estimate
     from llmtrain.memory.fit import fit, recommendation

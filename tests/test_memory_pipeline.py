@@ -332,21 +332,28 @@ def test_the_pipeline_is_compared_with_ddp_where_a_whole_model_fits_a_gpu():
     assert got == {"pipeline 2 (a GPU a stage)": True, "ddp 2": True, "fsdp 2": True}
 
 
-def test_the_comparison_leaves_out_what_the_recipe_cannot_shard_and_says_why():
-    """A full fine-tune's KL to a frozen copy of a random start trains on pipeline stages (each copies its own
-    starting weights) and is refused under FSDP (which would read the start again from model.name_or_path): the
-    layouts beside the pipeline are DDP alone, and a line says why FSDP and HSDP are not there (the comparison had
-    recommended FSDP 2 as the fastest other layout, a launch the recipe refuses). 8-bit AdamW, refused under FSDP
-    before 2026-12-05, is compared with all of them."""
+def test_the_comparison_leaves_out_what_the_recipe_cannot_shard_and_says_why(monkeypatch):
+    """What FSDP refuses of the recipe is left out of the comparison, with a line that says why (the comparison had
+    recommended FSDP 2 as the fastest other layout, a launch the recipe refuses): an FSDP rule added for the test
+    (the table refused a full fine-tune's KL to a frozen copy of a random start until 2026-12-05, when FSDP's
+    reference became a copy of the policy's shards) leaves DDP alone beside the pipeline; without it, as the table
+    is now, FSDP is compared too. 8-bit AdamW and the fp32 head, refused under FSDP before 2026-12-05, are compared
+    with all of them."""
+    from llmtrain import capabilities
+
     args = (str(REPO / "recipes" / "llama3-8b-grpo.yaml"), "parallel.pipeline_parallel=2", "rl.sampler=reference",
             "rl.micro_batch_tokens=4096", "train.grad_accum_steps=2", "train.eval_batch_size=null", "--num-gpus", "2")
     plain = {r["layout"] for r in json.loads(estimate_memory(*args, "--json").stdout)["pipeline_compared"]}
     assert plain == {"pipeline 2 (a GPU a stage)", "ddp 2", "fsdp 2"}
     copy = (*args, "lora=null", "rl.beta=0.04", "model.random_init=true")
+    assert {r["layout"] for r in json.loads(estimate_memory(*copy, "--json").stdout)["pipeline_compared"]} == plain
+    monkeypatch.setattr(capabilities, "RULES", (*capabilities.RULES, capabilities.Rule(
+        "fsdp", lambda r, _: capabilities.reference_copy(r) and r.model.random_init, "a random start's copy (test)")))
     got = {r["layout"] for r in json.loads(estimate_memory(*copy, "--json").stdout)["pipeline_compared"]}
     assert got == {"pipeline 2 (a GPU a stage)", "ddp 2"}
     text = " ".join(estimate_memory(*copy).stdout.split())
-    assert "FSDP and HSDP are left out: a full fine-tune's frozen reference" in text
+    assert "FSDP and HSDP are left out: a random start's copy (test)" in text
+    monkeypatch.undo()
     eight_bit = (*args, "train.optimizer=adamw_8bit")
     assert {r["layout"] for r in json.loads(estimate_memory(*eight_bit, "--json").stdout)["pipeline_compared"]} == plain
     cast = (*args, "rl.cast_lm_head_to_fp32=true")  # FSDP gathers the fp32 head as a unit of its own

@@ -847,6 +847,31 @@ def test_an_idle_rank_under_fsdp_runs_the_reference_forward_too(tiny_assets, tmp
         assert [r[key] for r in two] == pytest.approx([r[key] for r in one], rel=1e-5, abs=1e-5), key
 
 
+@pytest.mark.slow
+def test_under_fsdp_the_reference_of_a_random_start_is_the_policys_own_shards(tiny_assets, tmp_path, free_port):
+    """A full fine-tune's DPO with preference.reference=copy from model.random_init under FSDP2 (2 processes): the
+    reference is copied from the policy's shards (reference.copy_into), so there is a start to copy where the table
+    refused it (the reference had been the starting weights read again from model.name_or_path, and a random start
+    has none). Its first step's loss is ln 2 (the reference is the policy, to the bit: a reference of other random
+    weights gives another loss), and both steps equal one process's, whose reference is copy.deepcopy of the policy;
+    the log says where the reference came from."""
+    from helpers import launch_finetune, write_recipe
+
+    data = write_jsonl(tmp_path / "pairs.jsonl", reversal_pairs(tiny_assets, 8))
+    recipe = write_recipe(tiny_assets, tmp_path, data={"path": str(data), "format": "preference", "max_seq_len": 32},
+                          model={"random_init": True}, preference={"loss": "dpo", "beta": 0.1, "reference": "copy"},
+                          train={"max_steps": 2, "micro_batch_size": 8, "lr": 1e-3, "warmup_steps": 0, "seed": 7})
+    run_train(recipe, f"output_dir={tmp_path / 'one'}")
+    out = launch_finetune(REPO / "accelerate_configs" / "cpu_fsdp.yaml", 2, free_port, recipe,
+                          f"output_dir={tmp_path / 'two'}", "train.micro_batch_size=4")
+    assert "reference: the starting weights, sharded like the policy (copied from its shards)" in out
+    one, two = records(tmp_path / "one"), records(tmp_path / "two")
+    assert two[0]["loss"] == pytest.approx(math.log(2), abs=1e-6) and len(two) == 2
+    assert two[1]["rewards/margins"] != 0  # step 2's policy is not the reference
+    for key in ("loss", "rewards/margins", "logps/chosen"):
+        assert [r[key] for r in two] == pytest.approx([r[key] for r in one], rel=1e-5, abs=1e-5), key
+
+
 @pytest.mark.extended  # main tier: a quality check of the demo recipe; DPO's exactness: the TRL comparisons above
 @pytest.mark.slow
 def test_the_tiny_dpo_recipe_ranks_held_out_reversals_above_their_near_misses(tiny_assets, tmp_path):

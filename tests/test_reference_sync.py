@@ -495,8 +495,8 @@ def test_doctor_says_where_the_reference_comes_from(tiny_assets, tmp_path):
     sft["rl"].update(algorithm="rloo", beta=0.05)  # a full fine-tune's RLOO under FSDP: sharded, gathered to sample
     launch = {"distributed_type": "FSDP", "num_processes": 2, "fsdp_config": {"fsdp_version": 2}}
     (found,) = check_reference(Recipe.model_validate(sft), launch)
-    assert found[2].endswith("; under FSDP the starting weights read again and sharded like the policy, the LM head "
-                             "whole, its decoder gathered whole for each rollout (RLOO's KL runs there)")
+    assert found[2].endswith("; under FSDP sharded like the policy, copied from its shards (nothing read again), "
+                             "the LM head whole, its decoder gathered whole for each rollout (RLOO's KL runs there)")
     assert check_reference(Recipe.model_validate(sft))[0][2].endswith("in the estimate)")  # no launch: no layout
     sft["lora"] = {"r": 4, "alpha": 8, "dropout": 0.0}  # LoRA's moving reference in RLOO's rollout under FSDP
     sft["rl"]["sync_reference"] = {"every_steps": 4, "alpha": 1}

@@ -289,13 +289,18 @@ def test_distillation_with_lora_under_fsdp_x_tp_trains_as_plain_fsdp(tiny_assets
 
 @pytest.mark.extended  # main tier: LoRA under FSDP x TP above (KTO's passes are the policy's forward, with and
 # without the adapter), and KTO's FSDP launches in test_kto_run.py (the full fine-tune's reference sharded)
-@pytest.mark.parametrize("lora", [True, False], ids=["lora", "full"])
-def test_kto_under_fsdp_x_tp_trains_as_plain_fsdp(tiny_assets, tmp_path, lora):
+@pytest.mark.parametrize("lora, sync", [(True, False), (False, False), (False, True)],
+                         ids=["lora", "full", "full-sync"])
+def test_kto_under_fsdp_x_tp_trains_as_plain_fsdp(tiny_assets, tmp_path, lora, sync):
     """KTO under 2 shards x 2 TP trains as plain FSDP on 2 processes, the same 2 data ranks (so the same
     micro-batches and KL sequences): losses, KL estimates, rewards and gradient norms to 1e-6, the weights to 1e-4
-    (Adam at lr 1e-2; 1.9e-5 measured for the adapter). The reference: with LoRA the adapter disabled; a full
-    fine-tune's the starting weights read again and sharded like the policy (phases.build_reference), split over
-    the TP pair as FSDP's units over its shards."""
+    (Adam at lr 1e-2 and eps 1e-6; 1.9e-5 measured for the adapter). The reference: with LoRA the adapter disabled;
+    a full fine-tune's the starting weights sharded like the policy and copied from its shards (each weight gathered
+    from the policy's 2-D mesh and cut for the reference's, spread over the TP pair as over FSDP's shards:
+    reference.copy_into). Adam's eps 1e-6, not 1e-8: an element whose gradient is rounding alone moves its weight by
+    a fair part of lr in one run and not the other (1.74e-4 with 1e-8 at the full fine-tune's head). full-sync:
+    kto.sync_reference every step at alpha 0.6 (TR-DPO), the policy mixed into the reference across the two meshes
+    (it had stopped at the first sync: DTensor redistributes within one mesh only)."""
     import yaml
 
     recipe = yaml.safe_load((REPO / "recipes" / "tiny-kto.yaml").read_text())
@@ -303,8 +308,10 @@ def test_kto_under_fsdp_x_tp_trains_as_plain_fsdp(tiny_assets, tmp_path, lora):
     recipe["model"]["name_or_path"] = str(tiny_assets / "model")
     if lora:
         recipe["lora"] = {"r": 4, "alpha": 8, "dropout": 0.0}
+    if sync:
+        recipe["kto"]["sync_reference"] = {"every_steps": 1, "alpha": 0.6}
     recipe["train"].update(max_steps=3, micro_batch_size=4, eval_every_steps=None, eval_samples=0, warmup_steps=0,
-                           lr=1e-2)
+                           lr=1e-2, eps=1e-6)
     recipe["logging"] = {"progress": False, "plot": False}
     path = tmp_path / "kto.yaml"
     path.write_text(yaml.safe_dump(recipe))
@@ -323,7 +330,7 @@ def test_kto_under_fsdp_x_tp_trains_as_plain_fsdp(tiny_assets, tmp_path, lora):
                         load_weights(tmp_path / "fsdp" / "final" / name)) < 1e-4
     if not lora:
         _assert_frozen_spread(tiny_assets / "model", tmp_path, "reference: the starting weights, sharded like the "
-                                                                "policy,")
+                                                                "policy (copied from its shards),")
 
 
 @pytest.mark.extended  # 6 processes in all; main tier: NEFTune on one process and the sequence and pipeline rows

@@ -47,7 +47,8 @@ from llmtrain.model.modeling import (
     unadapted_experts,
     unquantized_experts,
 )
-from llmtrain.model.reference import AdapterReference, Reference, StageCopy, adapter_off, frozen_copy, saved_problem
+from llmtrain.model.reference import (AdapterReference, Reference, StageCopy, adapter_off, copy_into, frozen_copy,
+                                      saved_problem)
 from llmtrain.model.score import attach_score
 from llmtrain.model.teacher import load_teacher, vocabulary_problem
 from llmtrain.objectives.objective import head_loss_for
@@ -422,10 +423,10 @@ def build_teacher(recipe: Recipe, accelerator, trainable: Trainable, tokenizer, 
     return teacher
 
 
-def _sharded(frozen, trainable: Trainable, accelerator) -> str:
-    """A frozen model (the teacher, a full fine-tune's reference) sharded as the policy is (fsdp.shard_frozen), and
-    what the main process holds of it, in words."""
-    held = shard_frozen(frozen, trainable.unwrapped, accelerator)
+def _sharded(frozen, trainable: Trainable, accelerator, *, weights: bool = True) -> str:
+    """A frozen model (the teacher, a full fine-tune's reference) sharded as the policy is (fsdp.shard_frozen; its
+    weights=False: left for the caller to fill), and what the main process holds of it, in words."""
+    held = shard_frozen(frozen, trainable.unwrapped, accelerator, weights=weights)
     total = sum(p.numel() for p in frozen.parameters())  # DTensors count their whole shape
     return f"{held:,} of its {total:,} parameters on the main process (the LM head whole)"
 
@@ -447,9 +448,10 @@ def build_reference(recipe: Recipe, accelerator, trainable: Trainable, *, say):
     with rl.beta > 0), as a model/reference.Reference with the mode's sync_reference; with LoRA and sync_reference
     the adapter's snapshots (AdapterReference); None for other runs (LoRA's reference is its own model with the
     adapter disabled). Pipeline stages: each process copies its own stages' weights (reference.StageCopy). One
-    process and DDP copy the policy before it trains (reference.frozen_copy); under FSDP the
-    main process reads the starting weights again from model.name_or_path and they are sharded as the policy is
-    (fsdp.shard_frozen: every decoder layer a unit gathered for its forward, the LM head whole), frozen, in eval mode,
+    process and DDP copy the policy before it trains (reference.frozen_copy); under FSDP every process builds the
+    model empty, shards it as the policy is (fsdp.shard_frozen: every decoder layer a unit gathered for its forward,
+    the LM head whole) and takes the policy's starting weights into its shards (reference.copy_into: its own shards
+    where the two are sharded alike, each weight gathered once where not, nothing read again), frozen, in eval mode,
     with the policy's loss forward (its trained positions through the head chunk by chunk) and its attention (a
     sequence group's, if any). A whole copy on every process is what FSDP is there to avoid. Made before a resume
     loads its checkpoint: a resume's reference is the starting weights, or the checkpoint's where sync_reference has
@@ -477,11 +479,12 @@ def build_reference(recipe: Recipe, accelerator, trainable: Trainable, *, say):
         say(f"reference: a frozen copy of the starting weights{mixed}")
         return Reference(frozen_copy(trainable.unwrapped, whose=capabilities.MODES[capabilities.mode_of(recipe)].name),
                          sync)
-    reference = load_model(recipe.model, None, device=None, empty=not accelerator.is_main_process)
+    reference = load_model(recipe.model, None, device=None, empty=True)  # nothing read: the policy's weights next
     attach_loss(reference, chunk=recipe.train.loss_chunk_tokens)
     causal_lm(reference).config._attn_implementation = causal_lm(trainable.unwrapped).config._attn_implementation
-    say(f"reference: the starting weights, sharded like the policy, {_sharded(reference, trainable, accelerator)}"
-        f"{mixed}")
+    held = _sharded(reference, trainable, accelerator, weights=False)
+    copy_into(reference, trainable.unwrapped)
+    say(f"reference: the starting weights, sharded like the policy (copied from its shards), {held}{mixed}")
     return Reference(reference.eval(), sync)
 
 

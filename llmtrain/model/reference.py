@@ -77,26 +77,50 @@ def adapter_off(model):
 @torch.no_grad()
 def mix(reference, policy, alpha: float) -> None:
     """TRL's SyncRefModelCallback._sync_target_model: every reference weight becomes alpha x the policy's +
-    (1 - alpha) x its own (mul_ then add_, TRL's order of operations). Matched by name, so a reference whose head
-    FSDP untied (parallel/fsdp.shard_frozen) takes the policy's tied weight in both; a sharded weight mixes its
-    shard where the two are sharded alike, else the policy's weight gathered (every process takes part)."""
-    from torch.distributed.tensor import DTensor
+    (1 - alpha) x its own (mul_ then add_, TRL's order of operations). Matched by name (`_counterparts`)."""
+    for local, source in _counterparts(reference, policy):
+        _mix_into(local, source, alpha)
+
+
+@torch.no_grad()
+def copy_into(reference, policy) -> None:
+    """Every reference weight (and buffer) the policy's as it is now, cast to the reference's dtype, matched by name
+    (`_counterparts`): FSDP's reference, built empty and sharded like the policy (loop/phases.build_reference),
+    takes the policy's starting weights so, with no second read of them and none whole on a process."""
+    for local, source in _counterparts(reference, policy):
+        local.copy_(source)
+    buffers = dict(policy.named_buffers())  # a checkpoint's persistent buffers (never sharded), by name as well
+    for name, b in reference.named_buffers():
+        if name in buffers:
+            b.copy_(buffers[name])
+
+
+def _counterparts(reference, policy):
+    """(this process's part of a reference weight, the policy's weight laid out as it) for each reference weight,
+    matched by name, so a reference whose head FSDP untied (parallel/fsdp.shard_frozen) takes the policy's tied
+    weight in both. A sharded weight pairs its shard where the two are sharded alike (on the same mesh), else the
+    policy's weight gathered, and cut as the reference's is where it is sharded over another mesh (FSDP x TP's
+    reference over every process of the mesh: parallel/fsdp._frozen_mesh); every process takes part, one weight at
+    a time."""
+    from torch.distributed.tensor import DTensor, distribute_tensor
 
     ours = dict(policy.named_parameters(remove_duplicate=False))
     for name, target in reference.named_parameters():
         source = ours.get(name)
         if source is None:
-            raise LLMTrainError(f"sync_reference: the reference's weight {name} has no counterpart in the policy "
-                                "(was the model changed after the reference was made?)")
+            raise LLMTrainError(f"the reference's weight {name} has no counterpart in the policy (was the model "
+                                "changed after the reference was made?)")
         if isinstance(source, DTensor):
-            if isinstance(target, DTensor):
-                same = source.device_mesh == target.device_mesh and source.placements == target.placements
-                source = source if same else source.redistribute(target.device_mesh, target.placements)
+            if isinstance(target, DTensor) and source.device_mesh == target.device_mesh:
+                source = source.redistribute(target.device_mesh, target.placements)
+            elif isinstance(target, DTensor):
+                source = distribute_tensor(source.full_tensor(), target.device_mesh, target.placements,
+                                           src_data_rank=None)  # each process cuts its own part: no communication
             else:
                 source = source.full_tensor()
         source = source.to_local() if isinstance(source, DTensor) else source
         local = target.to_local() if isinstance(target, DTensor) else target
-        _mix_into(local.data, source.data.to(local.device), alpha)
+        yield local.data, source.data.to(local.device)
 
 
 def _mix_into(target: torch.Tensor, source: torch.Tensor, alpha: float) -> None:

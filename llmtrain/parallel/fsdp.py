@@ -187,7 +187,7 @@ def head_in_fp32(model, accelerator, *, on: bool):
             "would be gathered in the compute dtype. Unset rl.cast_lm_head_to_fp32, or launch one GPU or DDP")
 
 
-def shard_frozen(frozen, trained, accelerator) -> int:
+def shard_frozen(frozen, trained, accelerator, *, weights: bool = True) -> int:
     """A frozen model (distillation's teacher) sharded as FSDP shards `trained` (the prepared student): over the
     student's mesh (FSDP's ranks, or HSDP's replicas of shards; under FSDP x TP the TP ranks too: _frozen_mesh),
     each decoder layer a unit that all-gathers for its
@@ -195,8 +195,10 @@ def shard_frozen(frozen, trained, accelerator) -> int:
     The LM head stays whole on every process, untied from the embeddings: the student's loss reads its weight chunk
     by chunk, outside any forward of the teacher's. The weights are the main process's, broadcast a tensor at a time,
     each process keeping its shard (Accelerate's fsdp2_load_full_state_dict, as it loads the student under
-    cpu_ram_efficient_loading); the other processes may have built the model empty (modeling.load_model). Returns
-    the parameters each process now holds (its shards and the whole head)."""
+    cpu_ram_efficient_loading); the other processes may have built the model empty (modeling.load_model).
+    weights=False: every process built it empty and nothing is broadcast; its shards and head are left unset on the
+    device for the caller to fill (a full fine-tune's reference: reference.copy_into from the policy). Returns the
+    parameters each process now holds (its shards and the whole head)."""
     from accelerate.utils.fsdp_utils import fsdp2_load_full_state_dict
     from accelerate.utils.modeling import get_non_persistent_buffers
     from torch.distributed.fsdp import fully_shard
@@ -207,18 +209,23 @@ def shard_frozen(frozen, trained, accelerator) -> int:
     head = frozen.get_output_embeddings()
     # the head whole on every process, as the main process read it (a tied head: a copy of the embeddings)
     for name, p in list(head.named_parameters(recurse=False)):
-        whole = p.detach().to(device, copy=True).contiguous()
-        torch.distributed.broadcast(whole, src=0)
+        whole = p.detach().to(device, copy=True).contiguous() if weights else torch.empty_like(p, device=device)
+        if weights:
+            torch.distributed.broadcast(whole, src=0)
         setattr(head, name, torch.nn.Parameter(whole, requires_grad=False))
     decoder = frozen.get_decoder()
-    weights = decoder.state_dict()  # the main process's are the ones broadcast; the others' are never read
-    keep = get_non_persistent_buffers(decoder, recurse=True, fqns=True)  # computed from the config on every process
+    state = decoder.state_dict()  # the main process's are the ones broadcast; the others' are never read
+    # computed from the config on every process (weights=False: all of them, the caller's to fill)
+    keep = get_non_persistent_buffers(decoder, recurse=True, fqns=True) if weights else dict(decoder.named_buffers())
     buffers = {k: b for k, b in decoder.named_buffers() if k in keep}
     decoder.to(torch.device("meta"))  # sharded on meta, then filled: no process ever holds the decoder whole on GPU
     for layer in decoder.layers:
         fully_shard(layer, mesh=mesh, reshard_after_forward=True)
     fully_shard(decoder, mesh=mesh, reshard_after_forward=True)  # the root too: nothing kept gathered after forward
-    fsdp2_load_full_state_dict(accelerator, decoder, weights)
+    if weights:
+        fsdp2_load_full_state_dict(accelerator, decoder, state)
+    else:
+        decoder.to_empty(device=device)
     for fqn, b in buffers.items():
         parent, _, leaf = fqn.rpartition(".")
         decoder.get_submodule(parent).register_buffer(leaf, b.to(device), persistent=False)
