@@ -177,6 +177,18 @@ def test_an_estimate_from_flags_shards_it_under_fsdp_and_on_fsdp_stages():
     assert stages["fsdp"]["optimizer"] * 4 == pytest.approx(stages["ddp"]["optimizer"], rel=1e-6)
 
 
+def test_whole_blocks_says_which_row_splits_quantise_in_one_process_blocks():
+    """A pipeline stage's 8-bit moments resume on another number of FSDP shards where both numbers split the rows
+    evenly into whole blocks of 256 (parallel/pipeline/checkpoint.read_stages): every 7B layer over 8, the tiny
+    model's 104-row head over 2 (52 x 128 = 26 blocks); not 105 rows (53 / 52), nor 3 rows of 96 (288 elements: a
+    block and an eighth). One piece is one process's layout whatever the shape."""
+    from llmtrain.model.adamw_8bit import whole_blocks
+
+    assert whole_blocks((4096, 4096), 8) and whole_blocks((14336, 4096), 8) and whole_blocks((104, 128), 2)
+    assert whole_blocks((105, 128), 1) and whole_blocks((6, 96), 1)
+    assert not whole_blocks((105, 128), 2) and not whole_blocks((6, 96), 2) and not whole_blocks((32000, 4096), 3)
+
+
 def test_without_bitsandbytes_it_is_refused_in_one_line(monkeypatch):
     """finetune's refusal, and doctor's row (it had none: the recipe passed doctor, then finetune stopped)."""
     import importlib.util

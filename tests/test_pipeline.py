@@ -624,8 +624,11 @@ def test_8bit_adamw_on_fsdp_sharded_stages_trains_as_one_process_and_resumes_on_
     """train.optimizer=adamw_8bit on 2 stages each sharded by FSDP over 2 replicas (refused before 2026-12-05: the
     stage checkpoint's whole, by-name state had no place for the 8-bit moments' blocks of each shard): the 8 rows a
     step train what one process's 8-bit AdamW trains; a checkpoint keeps each moment whole and its absmax in the
-    shards' blocks with their number, and resumes on the same launch to the bit; on DDP stages (whole parameters:
-    other blocks) it is refused in one paragraph before anything loads."""
+    shards' blocks with their number, and resumes on the same launch to the bit; on DDP stages (whole parameters,
+    refused before 2026-12-05) too, since every weight of the model splits into whole blocks of 256 (52 of the
+    head's 104 rows of 128 a shard): losses to 1e-6, the weights to 1e-5 of the straight run (the gradients reduced
+    by DDP's all-reduce, not FSDP's reduce-scatter). A split into blocks of another place is refused:
+    test_8bit_adamw_on_stages_split_off_the_blocks_resumes_on_its_own_shards_only."""
     one = _recipe(four_layers, tmp_path, "one.yaml", lora=False, grad_accum_steps=8, optimizer="adamw_8bit")
     run_train(one)
     four = _recipe(four_layers, tmp_path, "four.yaml", lora=False, optimizer="adamw_8bit")
@@ -647,11 +650,39 @@ def test_8bit_adamw_on_fsdp_sharded_stages_trains_as_one_process_and_resumes_on_
     assert "resumed from" in (tmp_path / "four" / "train.log").read_text()
     assert [r["loss"] for r in records(tmp_path / "four")][-1] == got[-1]["loss"]
     assert max_abs_diff(load_weights(tmp_path / "four" / "final" / weights), straight) == 0
+    shutil.rmtree(tmp_path / "four" / "final")
+    launch_finetune(CPU_DDP, 4, free_port + 2, four, *staged, resume=ckpt)  # DDP stages: whole parameters
+    assert [r["loss"] for r in records(tmp_path / "four")] == pytest.approx([r["loss"] for r in got], abs=1e-6)
+    assert max_abs_diff(load_weights(tmp_path / "four" / "final" / weights), straight) < 1e-5
+
+
+@pytest.mark.extended  # main tier: the resume above on DDP stages (whole blocks); the refusal's paragraph
+@pytest.mark.slow
+def test_8bit_adamw_on_stages_split_off_the_blocks_resumes_on_its_own_shards_only(four_layers, tmp_path, free_port):
+    """The four-layer model with a 105-row vocabulary on 2 stages x 2 FSDP shards: the head's 53 / 52 rows of 128
+    put rank 1's blocks of 256 half a block off one process's, so its 8-bit moments resume on 2 shards a stage only;
+    on DDP stages the resume is refused in one paragraph as the stages read their files, naming the head's rows, the
+    run's checkpoints, final/ and metrics untouched."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model = AutoModelForCausalLM.from_pretrained(str(four_layers / "model"), dtype=torch.float32)
+    model.resize_token_embeddings(105, mean_resizing=False)
+    model.save_pretrained(tmp_path / "uneven")
+    AutoTokenizer.from_pretrained(str(four_layers / "model")).save_pretrained(tmp_path / "uneven")
+    four = _recipe(four_layers, tmp_path, "four.yaml", lora=False, optimizer="adamw_8bit", max_steps=2)
+    staged = ("parallel.pipeline_parallel=2", "checkpoint.every_steps=1", f"model.name_or_path={tmp_path / 'uneven'}")
+    launch_finetune(REPO / "accelerate_configs" / "cpu_fsdp.yaml", 4, free_port, four, *staged)
+    ckpt = str(tmp_path / "four" / "checkpoints" / "step_000001")
+    written = [*(tmp_path / "four" / "checkpoints").rglob("*"), *(tmp_path / "four" / "final").rglob("*"),
+               tmp_path / "four" / "metrics.jsonl"]  # (the run's lock and train.log are the resume's own)
+    before = {p: p.stat().st_mtime_ns for p in written}
     proc = cli("launch", "--config_file", str(CPU_DDP), "--num_processes", "4", "--main_process_port",
-               str(free_port + 2), str(four), *staged, "--resume", ckpt, check=False)
+               str(free_port + 1), str(four), *staged, "--resume", ckpt, check=False)
     said = " ".join((proc.stdout + proc.stderr).split())
     assert proc.returncode != 0 and "Traceback" not in said, said[-3000:]
     assert "quantised in blocks of each of 2 shard(s) of its stage, and this launch splits it into 1" in said
+    assert "or where both split its 105 rows evenly into whole blocks (not so here)" in said
+    assert {p: p.stat().st_mtime_ns for p in written} == before and len(before) > 10
 
 
 @pytest.mark.slow

@@ -16,8 +16,9 @@ Two choices keep it one process's optimizer:
   blocks padded to the most any process holds): there it is one process's absmax, and a checkpoint of it reads onto
   any shards of whole blocks (the distributed checkpoint moves each piece to its new owner); elsewhere onto the same
   shards only. A resume on other shards is refused before it loads (resume_problem, called by
-  run/checkpoint.load_checkpoint; a pipeline stage's files, by parallel/pipeline/checkpoint.read_stages, resume on the
-  same number of shards a stage only).
+  run/checkpoint.load_checkpoint; a pipeline stage's files, which hold each moment whole with its number of shards, by
+  parallel/pipeline/checkpoint.read_stages: on the same number, or where both numbers split whole blocks,
+  `whole_blocks`).
 """
 
 from __future__ import annotations
@@ -56,6 +57,14 @@ def absmax_layout(p: DTensor) -> tuple[tuple[int], object, list]:
     those that replicate it (HSDP's replicas hold the same moments)."""
     placements = [Replicate() if isinstance(q, Replicate) else Shard(0) for q in p.placements]
     return (shard_blocks(p) * shards_of(p),), p.device_mesh, placements
+
+
+def whole_blocks(shape, pieces: int) -> bool:
+    """Whether `pieces` shards of a tensor of `shape` split by rows (torch's chunks, as FSDP splits a pipeline stage's
+    parameters) each hold whole blocks of 256 from a block boundary, none short: then the absmax laid out by
+    absmax_layout over them is one process's (1 piece: one process's itself)."""
+    rows = shape[0]
+    return pieces == 1 or rows % pieces == 0 and rows // pieces * math.prod(shape[1:]) % BLOCK == 0
 
 
 def one_process_blocks(shape, moments: list, absmax: list, absmax_size: int) -> bool:

@@ -83,6 +83,13 @@ def _pieces(moments: dict, params: dict) -> dict:
     return {n: shards_of(params[n]) for n, s in moments.items() if _blockwise(s)}
 
 
+def _whole_blocks(shape, *pieces: int) -> bool:
+    """adamw_8bit.whole_blocks for each number of shards (bitsandbytes is there wherever 8-bit state is)."""
+    from llmtrain.model.adamw_8bit import whole_blocks
+
+    return all(whole_blocks(shape, k) for k in pieces)
+
+
 def _blockwise(state: dict) -> bool:
     """Whether a parameter's saved state holds bitsandbytes' blockwise 8-bit moments (an absmax a block)."""
     return any(k.startswith("absmax") or isinstance(v, dict) and _blockwise(v) for k, v in state.items())
@@ -131,13 +138,14 @@ def read_stages(folder, model, optimizer, *, trainable_only: bool) -> None:
     order = [names[id(p)] for group in optimizer.param_groups for p in group["params"]]
     params = {names[id(p)]: p for group in optimizer.param_groups for p in group["params"]}
     for n, now in _pieces({n: moments[n] for n in params if n in moments}, params).items():
-        if pieces.get(n, 1) != now:
+        if (was := pieces.get(n, 1)) != now and not _whole_blocks(params[n].shape, was, now):
             raise LLMTrainError(
                 f"checkpoint {folder} holds train.optimizer=adamw_8bit's moments of {n} quantised in blocks of each of "
-                f"{pieces.get(n, 1)} shard(s) of its stage, and this launch splits it into {now}: "
-                "bitsandbytes' blocks of 256 elements start at each shard's first element, so 8-bit moments resume on "
-                "the shards that wrote them only. Resume it with the launch and parallel.pipeline_parallel that wrote "
-                "it, or start a new run in another output_dir.")
+                f"{was} shard(s) of its stage, and this launch splits it into {now}: bitsandbytes' blocks of 256 "
+                "elements start at each shard's first element, so 8-bit moments resume on the shards that wrote them, "
+                f"or where both split its {params[n].shape[0]:,} rows evenly into whole blocks (not so here). Resume "
+                "it with the launch and parallel.pipeline_parallel that wrote it, or start a new run in another "
+                "output_dir.")
     state["state"] = {i: _placed_state(moments[n], params[n]) for i, n in enumerate(order) if n in moments}
     for group in state["param_groups"]:  # the saved group of the same name (LoRA+'s) and weight decay; none saved
         # (a group of parameters no stage trained: nothing of it to restore) leaves this one's settings as they are
