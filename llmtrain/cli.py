@@ -435,8 +435,8 @@ def prepare_tiny(
     """Create the tiny random-init Llama, its tokenizer and the synthetic task data used by recipes/tiny.yaml."""
     from llmtrain.tiny import prepare_tiny as run
 
-    run(out)
-    typer.echo(f"wrote {out}")
+    again = run(out)
+    typer.echo(f"wrote {out}" + (" again (its model/ and data/ as prepare-tiny writes them)" if again else ""))
 
 
 from llmtrain.memory.cli import estimate_memory  # noqa: E402  (typer options only; no torch at import)
@@ -473,6 +473,9 @@ def doctor(
     from llmtrain.doctor import doctor as run
     from llmtrain.memory.cli import launch_from_header
 
+    if gpu_memory is not None and gpu_memory <= 0:  # (estimate-memory's own check, before anything is read)
+        raise LLMTrainError(f"--gpu-memory {gpu_memory:g}: a GPU's memory must be positive, in GiB (e.g. 80 for an "
+                            "H100, 141 for an H200).")
     accelerate_config = accelerate_config and accelerate_config.absolute()
     recipe, _ = where_it_started(recipe)
     loaded = load_recipe(recipe, overrides)

@@ -434,7 +434,8 @@ class TrainConfig(Section):
         "master shards kept in fp32), where one process and DDP cast each op's inputs under autocast: fp16's loss "
         "scale may then overflow a step or two more (2 in 10 on the tiny model). fp16 is Accelerate's on GPUs only."
     )
-    seed: int = Field(42, description="Seed for model init, data order and dropout.")
+    seed: int = Field(42, ge=0, lt=2**32, description="Seed for model init, data order and dropout (0 to 2**32 - 1, "
+                      "as torch and numpy take it).")
     deterministic: bool = Field(
         False,
         description="torch.use_deterministic_algorithms, strict (an op with no deterministic kernel raises; RL "

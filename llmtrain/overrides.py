@@ -33,8 +33,22 @@ def parse_override(text: str, schema: type[BaseModel]) -> tuple[list[str], Any]:
         if raw in ("null", "~") or raw == "" and type(None) in kinds:
             return parts, None  # where the key may not be null, validation says so and names its default
         quoted = len(raw) >= 2 and raw[0] == raw[-1] and raw[0] in "'\""
-        return parts, yaml.safe_load(raw) if quoted else raw
-    return parts, yaml.safe_load(raw) if raw != "" else None
+        return parts, _yaml(raw, text) if quoted else raw
+    if raw == "":  # (a script's empty $STEPS would otherwise unset the key and run with its default)
+        raise RecipeError(f"Override '{text}' has no value. Give one (for example {key}=8), or {key}=null to unset "
+                          "the key.")
+    return parts, _yaml(raw, text)
+
+
+def _yaml(raw: str, text: str) -> Any:
+    """An override's value read as YAML; malformed YAML (an unclosed [ or {) is refused naming the override."""
+    try:
+        return yaml.safe_load(raw)
+    except yaml.YAMLError as e:
+        problem = getattr(e, "problem", None) or str(e).splitlines()[0]
+        raise RecipeError(f"Override '{text}': its value is not valid YAML ({problem}). Close its brackets and "
+                          "quotes, e.g. lora.target_modules=[q_proj,v_proj] or data.fields={prompt: question}; quote "
+                          "the whole override in the shell.") from None
 
 
 def _value_kinds(parts: list[str], schema: type[BaseModel]) -> set[type] | None:

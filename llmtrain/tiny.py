@@ -296,11 +296,37 @@ def write_pairs(out: Path, *, seed: int) -> None:
 # --------------------------------------------------------------------------- entry point
 
 
-def prepare_tiny(out: Path, *, seed: int = 0) -> None:
-    """Write the tiny model + tokenizer to `out/model` and the task data to `out/data`."""
+MARK = ".llmtrain-tiny"  # in a folder prepare-tiny wrote: it may write it again
+
+
+def _written_here(out: Path) -> bool:
+    """Whether `out` is prepare-tiny's own folder: marked, or (written before the mark) its model/ the tiny model."""
+    if (out / MARK).exists():
+        return True
+    try:
+        config = json.loads((out / "model" / "config.json").read_text())
+    except (OSError, ValueError):
+        return False
+    shape = ("hidden_size", "intermediate_size", "num_hidden_layers")
+    return config.get("model_type") == "llama" and all(config.get(k) == MODEL_KWARGS[k] for k in shape)
+
+
+def prepare_tiny(out: Path, *, seed: int = 0) -> bool:
+    """Write the tiny model + tokenizer to `out/model` and the task data to `out/data`. A folder that holds anything
+    prepare-tiny did not write is refused (its files would be replaced); one it wrote is written again, the same
+    bytes for the same seed. Returns whether `out` held prepare-tiny's files before (now rewritten)."""
     out = Path(out)
     if problem := cannot_create(out / "model", "prepare-tiny's folder"):  # also where `out` itself is a file
         raise LLMTrainError(problem)
+    present = sorted(p.name for p in out.iterdir()) if out.is_dir() else []
+    again = bool(present) and _written_here(out)
+    if present and not again:
+        raise LLMTrainError(f"prepare-tiny's folder '{out}' already holds {', '.join(present[:4])}"
+                            f"{', ...' if len(present) > 4 else ''}, which prepare-tiny did not write: its model/ and "
+                            "data/ files would replace them. Give an empty or new folder (llmtrain prepare-tiny DIR).")
+    import transformers
+
+    transformers.utils.logging.disable_progress_bar()  # "Writing model shards": the one line after says it
     tokenizer = build_tokenizer()
     model = build_model(tokenizer, seed=seed)
     model_dir = out / "model"
@@ -311,3 +337,5 @@ def prepare_tiny(out: Path, *, seed: int = 0) -> None:
     write_data(out / "data", seed=seed)
     write_pairs(out / "data", seed=seed)
     write_tool_data(out / "data", seed=seed)
+    (out / MARK).write_text("written by llmtrain prepare-tiny: running it again rewrites model/ and data/\n")
+    return again

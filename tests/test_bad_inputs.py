@@ -49,6 +49,8 @@ def runs(tiny_assets, tmp_path_factory):
     (files / "feedback.jsonl").write_text("".join(json.dumps({"prompt": f"{i} + 1 =", "completion": str(i + 1 + i % 2),
                                                               "label": i % 2 == 0}) + "\n" for i in range(8)))
     (files / "broken.jsonl").write_text('{"prompt": "a", "completion": \n')
+    (files / "empty.jsonl").write_text("")
+    (files / "blank.jsonl").write_text("\n  \n\n")
     (files / "other.csv").write_text("prompt,completion\na,b\n")
     model = files / "damaged-model"
     shutil.copytree(tiny_assets / "model", model)
@@ -83,6 +85,13 @@ CASES = [
     ("unknown section", "full", ["optimizer.name=adam"], "optimizer"),
     ("zero LoRA rank", "lora", ["lora.r=0"], "lora.r"),
     ("negative warmup", "full", ["train.warmup_steps=-3"], "train.warmup_steps"),
+    # (a new user's pass, 2026-12-05: these ended in tracebacks, or ran with the key unset)
+    ("unclosed list override", "lora", ["lora.target_modules=[q_proj,"],
+     "Override 'lora.target_modules=[q_proj,': its value is not valid YAML"),
+    ("empty override value", "full", ["train.max_steps="], "Override 'train.max_steps=' has no value"),
+    ("negative seed", "full", ["train.seed=-5"], "train.seed (the override train.seed=-5)"),
+    ("seed past 2**32", "full", ["train.seed=99999999999"], "train.seed"),
+    ("eval split of every row", "full", ["data.eval_split=0.9999"], "leaving none to train on"),
     # data files
     ("missing data file", "full", ["data.path=/nonexistent/train.jsonl"], "/nonexistent/train.jsonl"),
     ("wrong columns", "full", [f"data.path={F('columns.jsonl')}", "data.eval_split=null"], "data.fields"),
@@ -98,12 +107,19 @@ CASES = [
      "boolean 'label' column: its rows look like unpaired feedback"),
     ("unpaired feedback as pairs", "full", [f"data.path={F('feedback.jsonl')}", "data.eval_split=null",
                                             "data.format=preference", "preference.beta=0.1"], "which no data.fields"),
+    ("empty data file", "full", [f"data.path={F('empty.jsonl')}", "data.eval_split=null"],
+     "empty.jsonl' (data.path) holds no rows"),
+    ("blank data file", "full", [f"data.path={F('blank.jsonl')}", "data.eval_split=null"],
+     "blank.jsonl' (data.path) holds no rows"),
     ("mixed extensions", "full", [f"data.path=[{{data}}, {F('other.csv')}]"], "must all be one of"),
     ("budget below an example", "full", ["train.micro_batch_size=1", "train.micro_batch_tokens=4"],
      "train.micro_batch_tokens=4"),
     # model and LoRA
     ("missing model dir", "full", ["model.name_or_path=/nonexistent/model"], "/nonexistent/model"),
     ("damaged weights", "full", [f"model.name_or_path={F('damaged-model')}"], "truncated or damaged"),
+    ("a folder above the model", "full", ["model.name_or_path={files}"],
+     "is a folder without a tokenizer's files (no tokenizer.json or tokenizer_config.json or tokenizer.model): give "
+     "the folder that holds them. Did you mean {files}/damaged-model?"),
     ("unknown LoRA target", "lora", ["lora.target_modules=[nope_proj]"], "lora.target_modules"),
     # a run's folder where its model is meant (the SFT run a next run starts from): which folder holds the model
     ("a run as the model", "lora", ["model.name_or_path={full_run}"],
@@ -111,13 +127,19 @@ CASES = [
     ("a LoRA run as the model", "full", ["model.name_or_path={lora_run}"],
      "its final/ is a LoRA adapter: `llmtrain export {lora_run} --merge` writes the whole model to "
      "{lora_run}/final-merged; then set model.name_or_path={lora_run}/final-merged."),
-    ("a run as the teacher", "full", ["distill={{teacher: {full_run}, max_completion_tokens: 4}}"],
+    # (the LoRA recipe: the full one's --overwrite of its own folder would delete the teacher, refused first)
+    ("a run as the teacher", "lora", ["distill={{teacher: {full_run}, max_completion_tokens: 4}}"],
      "'{full_run}' (distill.teacher) is a run's folder, not a model: set distill.teacher={full_run}/final."),
     # output folder
     ("output_dir is a file", "full", [f"output_dir={F('not-a-dir')}"], "is a file"),
     ("overwrite a stranger", "full", [f"output_dir={F('stranger')}"], "not an llmtrain run"),
+    ("overwrite the base it reads", "full", ["model.name_or_path={full_run}/final"],
+     "model.name_or_path '{full_run}/final' lies inside output_dir '{full_run}', which --overwrite empties"),
+    ("overwrite and resume", "full", ["--overwrite", "--resume", "auto"], "give one of the two"),
     # resume
     ("resume a non-checkpoint", "full", ["--resume", "/nonexistent/step_000001"], "does not exist"),
+    ("resume by a name not there", "full", ["--resume", "latest"],
+     "'latest' does not exist; the checkpoints in {full_run}/checkpoints are step_000001, step_000002"),
     ("LoRA recipe on a full run", "lora", ["output_dir={full_run}", "--resume", "auto"], "full fine-tuning"),
     ("full recipe on a LoRA run", "full", ["output_dir={lora_run}", "--resume", "auto"], "LoRA"),
     ("changed LoRA rank", "lora", ["lora.r=8", "--resume", "auto"], "lora.r=4"),
@@ -260,3 +282,19 @@ def test_small_refusals_name_what_the_user_gave(runs, tmp_path):
     assert row_problem({"prompt": "a"}, cfg) == "'completion' (completion) is missing (no such key, or null)"
     assert row_problem({"prompt": "a", "completion": None}, cfg).endswith("is missing (no such key, or null)")
     assert "--num-gpus" in refused("estimate-memory", "--model", "mistral-7b", "--num-gpus", "0")
+    # a new user's pass (2026-12-05): division by zero, or a meaningless rate taken, or 0 GiB read as 80
+    for flags, said in ((("--mfu", "0"), "--mfu 0:"), (("--mfu", "5"), "(0 < mfu <= 1"),
+                        (("--peak-tflops", "0"), "--peak-tflops 0: the step time's rates must be positive"),
+                        (("--strategy", "fsdp", "--num-gpus", "2", "--intra-gbps", "0"), "--intra-gbps 0:")):
+        assert said in refused("estimate-memory", "--model", "mistral-7b", *flags)
+    for gib in ("0", "-5"):
+        assert f"--gpu-memory {gib}: a GPU's memory must be positive" in refused(
+            "doctor", str(runs["full"]), "--gpu-memory", gib)
+    assert "--samples 3 draws several replies a prompt, and they are sampled greedily (temperature 0, the default)" \
+        in refused("generate", str(runs["full_run"]), "reverse abc =", "--samples", "3")
+    stranger = tmp_path / "mine"
+    (stranger / "data").mkdir(parents=True)
+    (stranger / "data" / "train.jsonl").write_text("precious\n")
+    assert f"prepare-tiny's folder '{stranger}' already holds data, which prepare-tiny did not write" in refused(
+        "prepare-tiny", str(stranger))
+    assert (stranger / "data" / "train.jsonl").read_text() == "precious\n"

@@ -10,6 +10,7 @@ from __future__ import annotations
 import functools
 import hashlib
 import json
+import math
 import os
 import shutil
 from collections import Counter
@@ -233,6 +234,10 @@ def load_eval(cfg: DataConfig, raw, *, seed: int):
         return raw, None, ""
     where = sources(cfg)[1]
     if isinstance(split, float):  # numbered first: a row of either part is named by its place in the file
+        if (held := math.ceil(split * len(raw))) >= len(raw):  # the datasets library's count of eval rows
+            raise LLMTrainError(f"data.eval_split={split:g} holds out {held:,} of the {len(raw):,} rows of data.path, "
+                                "leaving none to train on. Set data.eval_split to a smaller fraction (e.g. 0.05) or "
+                                "give eval file(s).")
         parts = raw.add_column(ROW, list(range(len(raw)))).train_test_split(test_size=split, seed=seed, shuffle=True)
         raw, evald = parts["train"], parts["test"]
     elif is_split_name(split):

@@ -26,6 +26,18 @@ def is_split_name(value: Any) -> bool:
             and re.fullmatch(r"[\w.-]+(\[[^\]]*\])?", value) is not None)
 
 
+def _no_rows(path: str, kind: str) -> bool:
+    """Whether a text data file (json, jsonl, csv) holds nothing but white space: the datasets library's errors for
+    it are empty or its own ("Instruction 'train' corresponds to no data!"). Read a block at a time."""
+    if kind not in ("json", "csv"):
+        return False
+    with open(path, "rb") as f:
+        while block := f.read(1 << 20):
+            if block.strip():
+                return False
+    return True
+
+
 def load_raw(path: str | list[str], *, name: str | None = None, split: str = "train", key: str = "data.path"):
     """Load local files (jsonl, json, parquet, csv), a dataset folder (its files named by split, as on the hub)
     or a hub dataset into a `datasets.Dataset`. `key`: the recipe key that names it, for the refusals."""
@@ -43,6 +55,9 @@ def load_raw(path: str | list[str], *, name: str | None = None, split: str = "tr
                 f"data files {paths} must all be one of {sorted(_LOADERS)}; mixed or unknown extensions."
             )
         kind = kinds.pop()
+        if empty := [p for p in paths if _no_rows(p, kind)]:
+            raise LLMTrainError(f"data file '{empty[0]}' ({key}) holds no rows: it is empty or blank. Check the "
+                                "path, or write its rows (one JSON object a line for .jsonl).")
         verbosity = datasets.logging.get_verbosity()
         datasets.logging.set_verbosity(datasets.logging.CRITICAL)  # its own log line of the failure: ours says it
         try:

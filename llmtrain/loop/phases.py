@@ -63,7 +63,7 @@ from llmtrain.parallel.sequence.shards import balance_sums
 from llmtrain.run.checkpoint import load_checkpoint, lora_only_hooks
 from llmtrain.run.metrics import MetricsLog, flop_model, peak_flops
 from llmtrain.run.preflight import check_resume, finished_run
-from llmtrain.run.rundir import RunDir, check_output_dir, claim_output_dir, has_checkpoints
+from llmtrain.run.rundir import RunDir, check_output_dir, claim_output_dir, has_checkpoints, inputs_inside
 from llmtrain.run.state import TrainState
 from llmtrain.run.trackers import open_trackers
 
@@ -89,6 +89,8 @@ class Checked:
 def read_only_checks(recipe: Recipe, accelerator, *, resume: str | None, overwrite: bool,
                      allow_recipe_change: bool, say) -> Checked:
     out = Path(recipe.output_dir)
+    if problem := inputs_inside(out, recipe.model_dump(mode="json"), resume=resume, overwrite=overwrite):
+        raise Everywhere(problem)  # (every process reads the same folder and recipe)
     done = finished_run(out, recipe, allow_recipe_change=allow_recipe_change) if resume == "auto" else None
     if done is not None:
         further = ("Raise train.max_steps with --allow-recipe-change to train it further." if has_checkpoints(out)

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 from pathlib import Path
 from typing import Annotated, Literal, Optional
 
@@ -137,6 +138,12 @@ def estimate_memory(
     from llmtrain.memory.comms import Network
     from llmtrain.memory.pipeline import compared
 
+    given = dict(intra_gbps=intra_gbps, inter_gbps=inter_gbps, peak_tflops=peak_tflops, mfu=mfu, hbm_tbps=hbm_tbps)
+    if bad := [f"--{k.replace('_', '-')} {v:g}" for k, v in given.items()
+               if v is not None and not (0 < v <= (1 if k == "mfu" else math.inf))]:
+        raise LLMTrainError(f"{', '.join(bad)}: the step time's rates must be positive, and --mfu a share of the "
+                            "peak (0 < mfu <= 1, e.g. 0.4 for 40%). Give such values, or leave them out for the "
+                            "defaults.")
     parameters = tuple(lora_target_parameters) if lora_target_parameters else None
     run = {k: v for k, v in dict(method=method, lora_r=lora_r, lora_dropout=lora_dropout, dora=dora,
                                  lora_target_parameters=parameters, micro_batch=micro_batch,
@@ -166,7 +173,6 @@ def estimate_memory(
     longest = fitting.longest_context(shape, spec) if longest_context else None
     est = longest if longest is not None else estimate_run(shape, spec)
     est = dataclasses.replace(est, notes=assumed + est.notes)
-    given = dict(intra_gbps=intra_gbps, inter_gbps=inter_gbps, peak_tflops=peak_tflops, mfu=mfu, hbm_tbps=hbm_tbps)
     network = Network(**{k: v for k, v in given.items() if v is not None})
     traffic = traffic_run(shape, est.spec, network)  # with --longest-context: at that length
     # the data-parallel layouts beside it keep the recipe's train.fsdp_accumulate (est.spec is the pipeline's)

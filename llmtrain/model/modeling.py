@@ -6,6 +6,7 @@ import functools
 import math
 import warnings
 from contextlib import contextmanager
+from pathlib import Path
 
 import torch
 
@@ -22,8 +23,6 @@ WEIGHTS = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.b
 
 def _load_error(what: str, path: str, err: Exception, *, key: str = MODEL_KEYS) -> LLMTrainError:
     """The paragraph for a model or tokenizer that cannot be read from `path`, naming the recipe `key` it came from."""
-    from pathlib import Path
-
     from llmtrain.hub import is_local_path
 
     from llmtrain.config import run_folder_problem
@@ -72,10 +71,19 @@ def _load_error(what: str, path: str, err: Exception, *, key: str = MODEL_KEYS) 
 def _must_exist(what: str, path: str, *, key: str = MODEL_KEYS) -> None:
     """A local path that is not there (hub.missing_local) is refused before transformers asks the hub for it as an
     id, which without network retries for a minute: a mistyped runs/tiny-sfT/final is said at once."""
+    from llmtrain.config import run_folder_problem
     from llmtrain.hub import missing_local
 
     if missing_local(path):
         raise _load_error(what, path, FileNotFoundError(path), key=key)
+    folder = Path(path)
+    wanted = ("config.json",) if what == "model" else ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
+    if folder.is_dir() and not any((folder / name).is_file() for name in (*wanted, "adapter_config.json")) and \
+            not run_folder_problem(path, key.split(" / ")[0]):  # (a run's folder: _load_error's own paragraph)
+        inside = sorted(p.parent.name for name in wanted for p in folder.glob(f"*/{name}"))
+        hint = f" Did you mean {folder / inside[0]}?" if inside else ""
+        raise LLMTrainError(f"'{path}' ({key}) is a folder without a {what}'s files (no {' or '.join(wanted)}): "
+                            f"give the folder that holds them.{hint}")
 
 
 def load_model_config(cfg: ModelConfig):

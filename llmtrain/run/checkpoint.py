@@ -106,8 +106,11 @@ def resolve_resume(resume: str, output_dir: Path, *, warn) -> Path | None:
     if resume == "auto":
         return _newest_intact(output_dir / "checkpoints", warn)
     path = Path(resume)
+    if not path.exists() and len(path.parts) == 1 and (output_dir / "checkpoints" / path).is_dir():
+        path = output_dir / "checkpoints" / path  # a step folder's name alone: output_dir's
     if not path.exists():  # a mistyped step (step_300 for step_000300): say which there are
-        there = checkpoints_there(path.parent if path.parent.is_dir() else output_dir / "checkpoints")
+        there = checkpoints_there(path.parent if len(path.parts) > 1 and path.parent.is_dir()
+                                  else output_dir / "checkpoints")
         raise LLMTrainError(f"--resume {resume}: '{path}' does not exist; {there}. Use --resume auto for the newest, "
                             "or --resume with one of them.")
     if not (path / "train_state.json").is_file():

@@ -222,6 +222,10 @@ def generate_replies(source: Source, prompts: list, *, max_new_tokens: int | Non
     if not settings["repetition_penalty"] > 0:  # 0 would divide; a negative one would flip the logits' signs
         raise LLMTrainError(f"--repetition-penalty must be above 0 (got {settings['repetition_penalty']}): 1 is off, "
                             "above 1 repeats less (transformers' repetition_penalty, e.g. 1.1)")
+    if samples > 1 and settings["temperature"] == 0:  # greedy: every sample the same reply
+        raise LLMTrainError(f"--samples {samples} draws several replies a prompt, and they are sampled greedily "
+                            f"(temperature 0{'' if temperature is not None else ', the default'}): all {samples} would "
+                            "be the same reply. Give --temperature (e.g. 0.7), or leave --samples out.")
     rows_in = [p if isinstance(p, dict) else {"prompt": p} for p in prompts]
     tooled = source.tools if tools is None else tools
     if tooled and not source.tools:

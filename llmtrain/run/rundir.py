@@ -139,6 +139,37 @@ def _check(out: Path, *, resume: str | None, overwrite: bool, warn, locked: bool
     return checkpoint
 
 
+def inputs_inside(out: Path, recipe: dict, *, resume: str | None, overwrite: bool) -> str | None:
+    """Why this run may not start (None: it may): --resume with --overwrite, which would ignore one of them; or
+    a run that empties output_dir (--overwrite, or a run that ended before its first checkpoint started again)
+    while a file or folder the recipe reads (its model, tokenizer, data, teacher, reward model: any path in
+    `recipe`, a Recipe's dict) lies inside it, which that would delete before reading it."""
+    if resume and overwrite:
+        return (f"--resume {resume} continues the run in {out} and --overwrite deletes it to start again: give one "
+                "of the two.")
+    if resume or not out.is_dir() or not (overwrite or _restartable(out)):
+        return None
+    root = out.resolve()
+
+    def paths(v, key: str):
+        if isinstance(v, dict):
+            for k, x in v.items():
+                yield from paths(x, f"{key}.{k}" if key else k)
+        elif isinstance(v, list):
+            for i, x in enumerate(v):
+                yield from paths(x, f"{key}.{i}")
+        elif isinstance(v, str) and key != "output_dir" and v and Path(v).exists():
+            yield key, v
+
+    inside = [(key, v) for key, v in paths(recipe, "") if root in (p := Path(v).resolve(), *p.parents)]
+    if not inside:
+        return None
+    key, p = inside[0]
+    return (f"{key} '{p}' lies inside output_dir '{out}', which "
+            f"{'--overwrite' if overwrite else 'starting this run again'} empties before the run reads it: it would "
+            f"be deleted. Set output_dir to another folder (e.g. {out}-2), or move {key} out of it first.")
+
+
 def finished_without_checkpoint(out: Path, resume: str) -> str:
     """Why --resume cannot continue a run that finished without keeping a checkpoint: starting again from step 0
     would replace its final/ and metrics, which nobody asked for."""
