@@ -133,7 +133,7 @@ class _Forward:
         extra = {self.cache_arg: cache}
         if self.shares_kv:
             extra["shared_kv_states"] = {}
-        per_layer = self.inner.project_per_layer_inputs(hidden, self.inner.get_per_layer_inputs(ids)) \
+        per_layer = self.inner.project_per_layer_inputs(hidden, self.inner.get_per_layer_inputs(ids, None)) \
             if self.per_layer else None
         for i, (layer, window, kind) in enumerate(zip(self.layers, self.windows, self.types)):
             if i == self.first_shared and hidden.size(1) > 1:  # the rest write no cache: the last position alone
