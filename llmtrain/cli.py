@@ -259,7 +259,7 @@ def launch(ctx: typer.Context) -> None:
 def inspect_data(
     recipe: Annotated[Path, typer.Argument(metavar="RECIPE.yaml", help="YAML recipe.")],
     overrides: Overrides = None,
-    n: Annotated[int, typer.Option("--n", "-n", help="How many formatted examples to show.")] = 3,
+    n: Annotated[int, typer.Option("--n", "-n", min=0, help="How many formatted examples to show.")] = 3,
     as_json: Annotated[bool, typer.Option("--json", help="One JSON object per example: input_ids and labels.")] = False,
 ) -> None:
     """Show formatted examples with trained tokens highlighted, and dataset statistics."""
@@ -498,9 +498,10 @@ def plot(
     from llmtrain.run.plot import default_plot_path, plot_runs
 
     out = out or default_plot_path(runs)
+    replaced = out.exists()
     plot_runs(runs, out)
-    typer.echo(f"wrote the curves of {len(runs)} run{'s' * (len(runs) > 1)} ({', '.join(map(str, runs))}) to {out}",
-               err=True)
+    typer.echo(f"wrote the curves of {len(runs)} run{'s' * (len(runs) > 1)} ({', '.join(map(str, runs))}) to {out}"
+               + (" (it replaced the image there; --out names another)" if replaced else ""), err=True)
     typer.echo(str(out))  # stdout: the path alone, for scripts
 
 

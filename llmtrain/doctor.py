@@ -471,7 +471,7 @@ def run_doctor(recipe: Recipe, *, accelerate_config: Path | None = None,
 
     datasets.disable_progress_bars()
     launch = read_launch(accelerate_config)
-    checks: list[Check] = [("recipe", "pass", "validates (--show-recipe prints it resolved)"), *hub,
+    checks: list[Check] = [("recipe", "pass", "validates (doctor RECIPE --show-recipe prints it resolved)"), *hub,
                            *check_quantize(recipe, launch), *check_optimizer(recipe), *check_reference(recipe, launch)]
     try:
         tokenizer = load_tokenizer(recipe.model)

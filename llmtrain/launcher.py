@@ -28,8 +28,15 @@ def split_finetune_options(args: list[str]) -> tuple[list[str], list[str]]:
         name = args[i].split("=", 1)[0]
         if name in FINETUNE_OPTIONS:
             arity = 0 if "=" in args[i] else FINETUNE_OPTIONS[name]
+            if arity and (i + arity >= len(args) or args[i + 1].startswith("--")):
+                raise LLMTrainError(f"{name} needs a value after it: {name} auto (the newest checkpoint) or {name} "
+                                    "<checkpoint folder>.")
             options += args[i:i + 1 + arity]
             i += 1 + arity
+        elif name.startswith("--"):  # (else read as an override, "not of the form key=value")
+            raise LLMTrainError(f"'{args[i]}' after the recipe is not an option of finetune's ("
+                                f"{', '.join(FINETUNE_OPTIONS)}): accelerate launch's flags go before the recipe, e.g. "
+                                "llmtrain launch --num_processes 2 --config_file C.yaml RECIPE.yaml key=value.")
         else:
             overrides.append(args[i])
             i += 1
@@ -72,7 +79,7 @@ def accelerate_command(argv: list[str], *, machine: bool = True) -> list[str]:
     from llmtrain.layout import Layout
     from llmtrain.parallel.launch import check_launch, gpus_problem, launch_settings
     from llmtrain.run.checkpoint import resolve_resume
-    from llmtrain.run.rundir import check_output_folder
+    from llmtrain.run.rundir import check_output_folder, inputs_inside
 
     usage = ("llmtrain launch takes accelerate launch's flags, then a recipe and its overrides, e.g. `llmtrain launch "
              "--config_file accelerate_configs/fsdp.yaml recipes/llama7b.yaml train.max_steps=100` (no -m: it runs "
@@ -104,6 +111,9 @@ def accelerate_command(argv: list[str], *, machine: bool = True) -> list[str]:
     layout = Layout.from_launch(launch, recipe, where=where)
     capabilities.check(recipe, layout)  # the recipe on this layout: what every process would refuse, said once
     resuming = any(o == "--resume" or o.startswith("--resume=") for o in options)
+    if problem := inputs_inside(Path(recipe.output_dir), recipe.model_dump(mode="json"), overwrite="--overwrite" in
+                                options, resume=(_resume_path(options) or "auto") if resuming else None):
+        raise LLMTrainError(problem)
     # a folder the run may not write into, or one another run holds (the processes would each say it)
     check_output_folder(Path(recipe.output_dir), overwrite="--overwrite" in options,
                         resume=(_resume_path(options) or "auto") if resuming else None)

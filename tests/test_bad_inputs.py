@@ -261,6 +261,16 @@ def test_a_run_not_trained_yet_as_the_model_is_named_as_such_and_not_asked_of_th
     assert "prepare-tiny" not in flat and not (tmp_path / "out").exists()
 
 
+def test_estimate_memory_reads_the_headers_launch_where_the_gpu_count_agrees():
+    """--num-gpus 8 of recipes/llama7b.yaml, whose header launches FSDP on 8 GPUs, is that launch (it had dropped the
+    header: 'say how they are used with --strategy'); another count still asks for the strategy."""
+    recipe = str(Path(__file__).resolve().parent.parent / "recipes" / "llama7b.yaml")
+    said = " ".join(CliRunner().invoke(app, ["estimate-memory", recipe, "--num-gpus", "8"]).output.split())
+    assert "fsdp.yaml, from the recipe's header" in said and "fsdp on 8 GPUs" in said
+    other = CliRunner().invoke(app, ["estimate-memory", recipe, "--num-gpus", "4"])
+    assert other.exit_code == 2 and "4 GPUs: say how they are used with --strategy" in other.output
+
+
 def test_small_refusals_name_what_the_user_gave(runs, tmp_path):
     """A folder as the recipe; a bad value set by an override (said as the override, not only the file); a missing
     eval file named by its own key; a row without its completion key; --num-gpus 0."""
@@ -298,3 +308,14 @@ def test_small_refusals_name_what_the_user_gave(runs, tmp_path):
     assert f"prepare-tiny's folder '{stranger}' already holds data, which prepare-tiny did not write" in refused(
         "prepare-tiny", str(stranger))
     assert (stranger / "data" / "train.jsonl").read_text() == "precious\n"
+    ddp = str(Path(__file__).resolve().parent.parent / "accelerate_configs" / "cpu_ddp.yaml")
+    assert "--resume needs a value after it" in refused("launch", "--config_file", ddp, str(runs["full"]), "--resume")
+    assert "'--num_procs' after the recipe is not an option of finetune's" in refused(
+        "launch", str(runs["full"]), "--num_procs", "2")
+    assert "lies inside output_dir" in refused("launch", "--config_file", ddp, str(runs["full"]),
+                                               f"model.name_or_path={runs['full_run']}/final", "--overwrite")
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text('{"prompt": 5}\n')
+    assert "line 1 has a \"prompt\" that is 5, an int, not text" in refused(
+        "generate", str(runs["full_run"]), "--prompts", str(prompts))
+    assert "Invalid value for '--n' / '-n'" in refused("inspect-data", str(runs["full"]), "--n", "-3")

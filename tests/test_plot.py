@@ -89,6 +89,9 @@ def test_plot_several_runs_overlaid(tmp_path):
     proc = invoke("plot", str(a), str(b), "--out", str(out))
     assert proc.stdout.strip() == str(out)
     assert png_size(out) == PNG_SIZE
+    assert "replaced" not in proc.stderr
+    again = invoke("plot", str(a), str(b), "--out", str(out))  # an image there already is said to be replaced
+    assert "(it replaced the image there; --out names another)" in " ".join(again.stderr.split())
 
     fig = plot_runs([a, b], out)
     drawn = lines_by_label(fig.axes[0])

@@ -153,7 +153,8 @@ def estimate_memory(
                                  attn=attn, quantize=quantize, activation_offload=activation_offload,
                                  tiled_mlp=tiled_mlp, sequence_parallel=sequence_parallel,
                                  optimizer=optimizer).items() if v is not None}
-    if recipe is not None and accelerate_config is None and not (strategy or num_gpus or num_nodes):
+    if recipe is not None and accelerate_config is None and not strategy and _header_agrees(recipe, num_gpus,
+                                                                                            num_nodes):
         accelerate_config = launch_from_header(recipe, say=not as_json)
     layout, launch_mp = _layout(accelerate_config, strategy=strategy, num_gpus=num_gpus, num_nodes=num_nodes,
                                 cpu_offload=cpu_offload, tp=tp, fit=fit,
@@ -378,6 +379,20 @@ def launch_from_header(recipe: Path, *, say: bool = True) -> Path | None:
     if found is not None and say:
         typer.echo(f"launch: {found}, from the recipe's header (--accelerate-config FILE for another)")
     return found
+
+
+def _header_agrees(recipe: Path, num_gpus: int | None, num_nodes: int | None) -> bool:
+    """Whether the recipe header's launch (header_launch) is the one --num-gpus / --num-nodes describe, where given:
+    the same counts (then its strategy is read too: `--num-gpus 8` of a recipe launched with FSDP on 8 is FSDP)."""
+    if num_gpus is None and num_nodes is None:
+        return True
+    found = header_launch(recipe)
+    if found is None:
+        return False
+    from llmtrain.memory.launch import read_accelerate_config
+
+    base = read_accelerate_config(found)
+    return num_gpus in (None, base.num_gpus) and num_nodes in (None, base.num_nodes)
 
 
 def header_launch(recipe: Path) -> Path | None:

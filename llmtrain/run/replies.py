@@ -312,6 +312,9 @@ def read_prompts(path: Path) -> list:
     if not path.is_file():
         raise LLMTrainError(f"--prompts '{path}' is not a file. Give a text file (one prompt a line) or JSON lines "
                             "with a \"prompt\" field")
+    def _a(kind: str) -> str:
+        return f"{'an' if kind[0] in 'aeiou' else 'a'} {kind}, not text"
+
     lines = [line for line in path.read_text().splitlines() if line.strip()]
     if path.suffix != ".jsonl":
         return lines
@@ -325,7 +328,9 @@ def read_prompts(path: Path) -> list:
         prompt = row.get("prompt") if isinstance(row, dict) else None
         if not (isinstance(prompt, str) or isinstance(prompt, list) and prompt and all(
                 isinstance(m, dict) and isinstance(m.get("role"), str) and "content" in m for m in prompt)):
-            raise LLMTrainError(f"--prompts '{path}' line {n} has no \"prompt\": each line of a .jsonl file is an "
+            has = "no \"prompt\"" if prompt is None else f"a \"prompt\" that is {json.dumps(prompt)[:40]}, " \
+                f"{'messages without a role or content' if isinstance(prompt, list) else _a(type(prompt).__name__)}"
+            raise LLMTrainError(f"--prompts '{path}' line {n} has {has}: each line of a .jsonl file is an "
                                 "object with a \"prompt\", a text or a chat's messages ([{\"role\": \"user\", "
                                 "\"content\": ...}]); its other fields are the row's columns")
         prompts.append(row if len(row) > 1 or isinstance(prompt, list) else prompt)
