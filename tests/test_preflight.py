@@ -43,3 +43,20 @@ def test_grpo_to_rloo_is_a_change_of_rl_algorithm_not_another_run(tmp_path):
     with pytest.raises(LLMTrainError, match=r"written by a run of online RL, GRPO \(rl:\) and this recipe trains "
                        r"distillation \(distill:\): that is another run"):
         check_resume(ckpt, distill, world=1, fsdp=False, allow_recipe_change=True)
+
+
+def test_a_changed_recipe_against_a_finished_runs_older_checkpoint_says_the_run_finished(tmp_path):
+    """A run stopped at step 2, went on to finish at step 4 (train.max_steps changed with --allow-recipe-change) and
+    kept step 2's checkpoint only: the shipped recipe resumed against it named 'the run that was interrupted' where
+    the run had finished; now the step it finished at and where its own recipe is."""
+    grpo = load_recipe(RECIPES / "tiny-grpo.yaml")
+    (tmp_path / "checkpoints").mkdir()
+    ckpt = _checkpoint(tmp_path / "checkpoints", grpo)
+    longer = load_recipe(RECIPES / "tiny-grpo.yaml", ["train.max_steps=90"])
+    with pytest.raises(LLMTrainError, match=r"would differ from the run that was interrupted"):
+        check_resume(ckpt, longer, world=1, fsdp=False, allow_recipe_change=False)
+    (tmp_path / "summary.json").write_text(json.dumps({"steps": 4}))
+    (ckpt / "train_state.json").write_text(json.dumps({"examples_per_micro": 16, "step": 2}))
+    with pytest.raises(LLMTrainError, match=r"from the run that wrote it \(which went on from it to finish at step 4: "
+                       r"final/ is that run's"):
+        check_resume(ckpt, longer, world=1, fsdp=False, allow_recipe_change=False)

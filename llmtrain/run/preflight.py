@@ -132,12 +132,25 @@ def check_resume(ckpt: Path, recipe: Recipe, *, world: int, fsdp: bool, allow_re
         changed.append((what, before, after))
     if changed and not allow_recipe_change:
         listed = ", ".join(f"{k} {a!r} -> {b!r}" for k, a, b in changed)
+        ended = _finished_after(ckpt)
         raise LLMTrainError(f"this recipe changes {listed} against checkpoint {ckpt}: the rest of the run (its "
-                            "learning-rate curve, its length, what it trains) would differ from the run that was "
-                            "interrupted. "
+                            "learning-rate curve, its length, what it trains) would differ from the run that "
+                            + (f"wrote it (which went on from it to finish at step {ended:,}: final/ is that run's, "
+                               "with the recipe.yaml beside it; that recipe resumed says it is complete). "
+                               if ended else "was interrupted. ") +
                             "Resume with the checkpoint's values, or pass --allow-recipe-change to continue with the "
                             "new ones.")
     return [f"{k} changed from {a!r} to {b!r} at resume" for k, a, b in changed]
+
+
+def _finished_after(ckpt: Path) -> int | None:
+    """The last step of the run in the checkpoint's output_dir where that run finished after the checkpoint (its
+    summary.json says so), else None: a checkpoint a finished run kept, not where an interrupted one stopped."""
+    try:
+        steps = int(json.loads((ckpt.parent.parent / "summary.json").read_text())["steps"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    return steps if steps > int(_state(ckpt).get("step", 0)) else None
 
 
 def check_steps_left(ckpt: Path | None, total_steps: int, *, out: Path) -> None:
