@@ -301,11 +301,6 @@ RULES: tuple[Rule, ...] = (
          "lora.dora under {key}: DoRA divides each output row by the norm of its whole weight row (W + s B A), and "
          "tensor parallelism splits the weights by rows or columns, each process holding a part of a row or of the "
          "magnitudes. Set lora.dora=false, or launch FSDP (each layer's weights are whole in its forward)"),
-    Rule("tp", rollout_adapter,
-         "RLOO's KL under {key} runs the reference in the rollout, where FSDP holds the policy's weights gathered, "
-         "each process's split by tensor parallelism, and LoRA's moving reference (rl.sync_reference) swaps the "
-         "adapter's whole snapshot into the gathered weights (FSDP and HSDP alone). Launch FSDP without "
-         "tensor parallelism, remove rl.sync_reference, or use rl.algorithm=grpo (its reference runs in the update)"),
     Rule("tp", _copy_unsharded,
          "{key} without FSDP: a full fine-tune's reference ({reference}) is a frozen copy of the starting weights, "
          "sharded like the policy under FSDP only and otherwise whole on every process, undoing the split. Launch "

@@ -240,7 +240,7 @@ def test_true_is_trls_defaults_and_auto_makes_the_copy(tiny_assets, tmp_path):
 def test_lora_takes_sync_reference_whole_only_and_not_on_split_layers(tiny_assets, tmp_path, mode):
     """A LoRA run's reference can be the adapter as it was (alpha 1), not a mix (TRL refuses PEFT altogether):
     TRL's default alpha 0.6 is refused in one paragraph naming the key and both fixes; alpha 1 is taken on one
-    process, DDP, FSDP, FSDP x TP and pipeline stages (RLOO's KL too, but under FSDP x TP: the table)."""
+    process, DDP, FSDP, FSDP x TP and pipeline stages (RLOO's KL too, under FSDP x TP since 2026-12-05)."""
     from llmtrain import capabilities
     from llmtrain.config import Recipe
     from llmtrain.layout import Layout
@@ -262,15 +262,14 @@ def test_lora_takes_sync_reference_whole_only_and_not_on_split_layers(tiny_asset
     assert capabilities.problems(recipe, Layout(processes=2)) == []
     fsdp = capabilities.problems(recipe, Layout(processes=2, fsdp=True))
     if mode == "rl":  # RLOO's KL runs in the rollout, over the gathered weights: FSDP takes it (the whole snapshot
-        # swapped in), FSDP x TP, whose gathered weights TP splits, refuses it (GRPO's trains there)
+        # swapped in), and FSDP x TP, whose gathered weights TP splits (each process its slice of the snapshot; refused
+        # before 2026-12-05)
         assert fsdp == []
         tp = Layout(processes=4, tp=2, shard=2, mesh=True, fsdp=True)
         assert capabilities.problems(recipe, tp) == []
         recipe = Recipe.model_validate({**data, "rl": {**data["rl"], "algorithm": "rloo"}})
         assert capabilities.problems(recipe, Layout(processes=2, fsdp=True)) == []
-        (refused,) = capabilities.problems(recipe, tp)
-        assert refused.startswith("RLOO's KL under tensor parallelism (parallelism_config_tp_size: 2")
-        assert "split by tensor parallelism" in refused and "Launch FSDP without tensor parallelism" in refused
+        assert capabilities.problems(recipe, tp) == []
         assert capabilities.problems(recipe, Layout(processes=2)) == []
     else:
         assert fsdp == []

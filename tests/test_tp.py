@@ -202,13 +202,16 @@ def test_online_rl_full_fine_tunes_kl_under_fsdp_x_tp_equals_one_process(tiny_as
 
 
 @pytest.mark.extended
-def test_loras_moving_reference_under_fsdp_x_tp_equals_one_process(tiny_assets, tmp_path, free_port):
+@pytest.mark.parametrize("algorithm", ["grpo", "rloo"])
+def test_loras_moving_reference_under_fsdp_x_tp_equals_one_process(tiny_assets, tmp_path, free_port, algorithm):
     """GRPO with LoRA, beta 0.1 and rl.sync_reference {every_steps: 2, alpha: 1} (AdapterReference) on 2 shards x 2
     TP: each process swaps its own slices of the adapter's snapshot in for the reference's forward. Step 4's
     reference is the adapter after step 2 and its policy moved since: a live KL through the swap (0 without it), equal
-    to one process's."""
+    to one process's. RLOO (refused before 2026-12-05) takes its KL in the rollout, where FSDP holds the policy
+    gathered over the shards and still split over the TP pair: each process swaps in its TP slice of the snapshot's
+    whole weights (AdapterReference._swapped_gathered)."""
     rl_under_tp_against_one(tiny_assets, tmp_path, free_port, tiny_assets / "model", tol=1e-5, steps=4,
-                            rl={"beta": 0.1, "sync_reference": {"every_steps": 2, "alpha": 1.0}})
+                            algorithm=algorithm, rl={"beta": 0.1, "sync_reference": {"every_steps": 2, "alpha": 1.0}})
     got, want = records(tmp_path / "tp"), records(tmp_path / "one")
     assert [r["kl"] for r in got] == pytest.approx([r["kl"] for r in want], abs=1e-6)
     assert want[2]["kl"] == pytest.approx(0, abs=1e-7) and want[3]["kl"] > 1e-5  # step 3: the snapshot is the policy

@@ -236,19 +236,25 @@ class AdapterReference(Reference):
     @contextmanager
     def _swapped_gathered(self):
         """The swap inside a block whose units FSDP holds gathered: each trained weight's gathered tensor (the one
-        its module holds now) takes the snapshot's whole value, a weight no unit gathers (one process, DDP) its own;
-        no collective, and no reshard."""
-        from torch.distributed.tensor import DTensor
+        its module holds now) takes the snapshot's whole value (under FSDP x TP, where the gathered weight is this
+        process's TP slice, a DTensor of the TP mesh: that slice of it, cut without communication), a weight no unit
+        gathers (one process, DDP) its own; no collective, and no reshard."""
+        from torch.distributed.tensor import DTensor, distribute_tensor
 
         held = dict(self.model.named_parameters())
         into, source = [], []
         for i, name in enumerate(self.names):
             now = held[name]
-            if isinstance(self.trained[i], DTensor) and not isinstance(now, DTensor):  # gathered
+            trained = self.trained[i]
+            if isinstance(trained, DTensor) and (not isinstance(now, DTensor) or
+                                                 now.device_mesh != trained.device_mesh):  # gathered
                 if self.snapshot_whole is None:
                     raise RuntimeError("LoRA's moving reference: a gathered weight, and no whole snapshot to swap in")
-                into.append(now.detach())
-                source.append(self.snapshot_whole[i])
+                whole = self.snapshot_whole[i]
+                if isinstance(now, DTensor):  # FSDP x TP: gathered over the shards, still split over the TP ranks
+                    whole = distribute_tensor(whole, now.device_mesh, now.placements, src_data_rank=None).to_local()
+                into.append(_local(now.detach()))
+                source.append(whole)
             else:
                 into.append(_local(now.detach()))
                 source.append(self.snapshot_local[i])
