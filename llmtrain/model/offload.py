@@ -60,7 +60,9 @@ class ActivationOffload:
             return checkpoint(function, *args, **self.kwargs, **kwargs)
 
     # ------------------------------------------------------------------ forward: device -> host
-    def pack(self, tensor: torch.Tensor) -> _Packed:
+    def pack(self, tensor: torch.Tensor) -> _Packed | torch.Tensor:
+        if not tensor.numel():  # torch 2.11's checkpoint saves an empty tensor beside each layer's input: kept as it
+            return tensor  # is, out of the queue, whose neighbours are what the backward prefetches
         tensor = tensor.detach()
         host = self._host_like(tensor)
         copied = None
@@ -96,7 +98,9 @@ class ActivationOffload:
         return self._streams[device]
 
     # ------------------------------------------------------------------ backward: host -> device
-    def unpack(self, packed: _Packed) -> torch.Tensor:
+    def unpack(self, packed: _Packed | torch.Tensor) -> torch.Tensor:
+        if isinstance(packed, torch.Tensor):  # not packed (pack: an empty tensor)
+            return packed
         tensor = self._fetch(packed)  # first: a prefetch queued before it would delay it on the side stream
         packed.fetched = None  # the recompute holds it while it needs it; a second backward fetches it again
         self.stats["unpacked"] += 1
