@@ -27,6 +27,8 @@ def main(schedule: str, micro_batches: int, chunks: int, out: Path) -> None:
 
     def count(k: int):
         def forward_hook(module, args, output):
+            if not output.requires_grad:  # torch 2.11's stage infers the shapes with a forward of its own first
+                return
             held[k] += 1
             if sum(held) > most["total"]:
                 most.update(total=sum(held), held=list(held))
