@@ -407,11 +407,14 @@ def eval_(
     if main:
         typer.echo(f"scoring {ours.name} on {', '.join(names)} (lm-evaluation-harness)", err=True)
     results = benchmarks.evaluate(ours, names, manager, **how)
+    if main and base:
+        typer.echo(f"scoring {base.name} (the baseline) on {', '.join(names)}", err=True)
     base_results = benchmarks.evaluate(base, names, manager, **how) if base else None
     if not main or results is None:
         return
     typer.echo(benchmarks.table(results))
     if base_results is not None:
+        typer.echo(benchmarks.table(base_results))  # the baseline's own, with its stderr
         from rich.console import Console
         from rich.table import Table
 

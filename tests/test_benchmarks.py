@@ -65,9 +65,10 @@ def test_a_runs_scores_are_the_harness_clis_for_its_final_model(trained):
     run, tasks = trained
     ours = cli("eval", str(run), "--tasks", "tiny_reverse,tiny_reverse_ll", "--include-path", str(tasks),
                "--limit", LIMIT, "--batch-size", "8", "--baseline", "base", env=OFFLINE)
-    rows = table_rows(ours.stdout)
-    assert rows == harness_cli(f"pretrained={run / 'final'}", tasks)
+    rows, want = table_rows(ours.stdout), harness_cli(f"pretrained={run / 'final'}", tasks)
+    assert rows[:len(want)] == want and len(rows) == 2 * len(want)  # then the baseline's own table
     assert "against" in ours.stdout and "difference" in ours.stdout  # the base model beside it
+    assert "(the baseline) on tiny_reverse, tiny_reverse_ll" in ours.stderr
     written = json.loads((run / "lm_eval" / "tiny_reverse-tiny_reverse_ll.json").read_text())
     exact = written["results"]["tiny_reverse"]["exact_match,none"]
     assert 0 < exact < 1 and any("exact_match" in row and f"{exact:g}" in row for row in rows)
@@ -80,7 +81,7 @@ def test_a_runs_scores_are_the_harness_clis_for_its_final_model(trained):
     assert last.name == "step_000120"
     again = cli("eval", str(last), "--tasks", "tiny_reverse,tiny_reverse_ll", "--include-path", str(tasks),
                 "--limit", LIMIT, "--batch-size", "8", env=OFFLINE)
-    assert table_rows(again.stdout) == rows
+    assert table_rows(again.stdout) == want  # (no baseline: one table)
     assert (run / "lm_eval" / "tiny_reverse-tiny_reverse_ll-2.json").is_file()  # a second call: a new file
 
 

@@ -345,7 +345,7 @@ def side_by_side(ours: dict, base: dict, *, names: tuple[str, str]) -> list[tupl
     for task in a:
         for metric, value in a[task].items():
             if metric in b.get(task, {}) and metric != "sample_len":
-                rows.append((task, metric, f"{value:.4g}", f"{b[task][metric]:.4g}", f"{value - b[task][metric]:+.4g}"))
+                rows.append((task, metric, f"{value:.4f}", f"{b[task][metric]:.4f}", f"{value - b[task][metric]:+.4f}"))
     return rows
 
 
