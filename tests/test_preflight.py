@@ -60,3 +60,23 @@ def test_a_changed_recipe_against_a_finished_runs_older_checkpoint_says_the_run_
     with pytest.raises(LLMTrainError, match=r"from the run that wrote it \(which went on from it to finish at step 4: "
                        r"final/ is that run's"):
         check_resume(ckpt, longer, world=1, fsdp=False, allow_recipe_change=False)
+
+
+def test_overwrite_refuses_only_what_the_run_would_read_from_the_folder_it_empties(tmp_path):
+    """rundir.inputs_inside: --overwrite of a folder holding the recipe's model is refused naming the key; the
+    tokenised data's cache there is not (it is made again); --resume empties nothing, and with --overwrite is
+    refused as a contradiction."""
+    from llmtrain.run.rundir import inputs_inside
+
+    out = tmp_path / "run"
+    (out / "final").mkdir(parents=True)
+    (out / "cache").mkdir()
+    recipe = {"model": {"name_or_path": str(out / "final")}, "data": {"path": str(tmp_path), "cache_dir":
+                                                                      str(out / "cache")}, "output_dir": str(out)}
+    said = inputs_inside(out, recipe, resume=None, overwrite=True)
+    assert said.startswith(f"model.name_or_path '{out / 'final'}' lies inside output_dir '{out}', which --overwrite")
+    recipe["model"]["name_or_path"] = str(tmp_path / "elsewhere")
+    assert inputs_inside(out, recipe, resume=None, overwrite=True) is None  # the cache alone: made again
+    recipe["model"]["name_or_path"] = str(out / "final")
+    assert inputs_inside(out, recipe, resume="auto", overwrite=False) is None
+    assert "give one of the two" in inputs_inside(out, recipe, resume="auto", overwrite=True)

@@ -143,7 +143,8 @@ def inputs_inside(out: Path, recipe: dict, *, resume: str | None, overwrite: boo
     """Why this run may not start (None: it may): --resume with --overwrite, which would ignore one of them; or
     a run that empties output_dir (--overwrite, or a run that ended before its first checkpoint started again)
     while a file or folder the recipe reads (its model, tokenizer, data, teacher, reward model: any path in
-    `recipe`, a Recipe's dict) lies inside it, which that would delete before reading it."""
+    `recipe`, a Recipe's dict, but the tokenised data's cache) lies inside it, which that would delete before reading
+    it."""
     if resume and overwrite:
         return (f"--resume {resume} continues the run in {out} and --overwrite deletes it to start again: give one "
                 "of the two.")
@@ -158,7 +159,8 @@ def inputs_inside(out: Path, recipe: dict, *, resume: str | None, overwrite: boo
         elif isinstance(v, list):
             for i, x in enumerate(v):
                 yield from paths(x, f"{key}.{i}")
-        elif isinstance(v, str) and key != "output_dir" and v and Path(v).exists():
+        elif isinstance(v, str) and v and key != "output_dir" and not key.endswith("cache_dir") and Path(v).exists():
+            # (data.cache_dir: a cache, made again where it was deleted)
             yield key, v
 
     inside = [(key, v) for key, v in paths(recipe, "") if root in (p := Path(v).resolve(), *p.parents)]
