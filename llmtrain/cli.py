@@ -435,7 +435,8 @@ def prepare_tiny(
     out: Annotated[Path, typer.Argument(metavar="DIR",
                                           help="Folder for the tiny model, tokenizer and data.")] = Path("assets/tiny"),
 ) -> None:
-    """Create the tiny random-init Llama, its tokenizer and the synthetic task data used by recipes/tiny.yaml."""
+    """Create the tiny random-init Llama, its tokenizer and the synthetic task data used by recipes/tiny.yaml. A
+    folder it wrote before is written again (the same files); one holding anything else is refused."""
     from llmtrain.tiny import prepare_tiny as run
 
     again = run(out)
