@@ -111,16 +111,16 @@ def accelerate_command(argv: list[str], *, machine: bool = True) -> list[str]:
     layout = Layout.from_launch(launch, recipe, where=where)
     capabilities.check(recipe, layout)  # the recipe on this layout: what every process would refuse, said once
     resuming = any(o == "--resume" or o.startswith("--resume=") for o in options)
-    if problem := inputs_inside(Path(recipe.output_dir), recipe.model_dump(mode="json"), overwrite="--overwrite" in
-                                options, resume=(_resume_path(options) or "auto") if resuming else None):
+    resume, overwrite, out = (_resume_path(options) or "auto") if resuming else None, "--overwrite" in options, \
+        Path(recipe.output_dir)
+    if problem := inputs_inside(out, recipe.model_dump(mode="json"), resume=resume, overwrite=overwrite):
         raise LLMTrainError(problem)
     # a folder the run may not write into, or one another run holds (the processes would each say it)
-    check_output_folder(Path(recipe.output_dir), overwrite="--overwrite" in options,
-                        resume=(_resume_path(options) or "auto") if resuming else None)
-    if resuming and (resume := _resume_path(options)) is not None and not Path(resume).exists():
+    check_output_folder(out, overwrite=overwrite, resume=resume)
+    if resume not in (None, "auto") and not Path(resume).exists():
         # a mistyped checkpoint, said with the steps there are (whether one is intact each process checks: that reads
         # every block of it)
-        resolve_resume(resume, Path(recipe.output_dir), warn=print)
+        resolve_resume(resume, out, warn=print)
     if machine:  # after the checks of the command alone: these ask torch for GPUs and read the model's files
         if problem := gpus_problem(launch, where=where, gpus=torch.cuda.device_count()):
             raise LLMTrainError(problem)

@@ -214,7 +214,7 @@ def shard_frozen(frozen, trained, accelerator, *, weights: bool = True) -> int:
             torch.distributed.broadcast(whole, src=0)
         setattr(head, name, torch.nn.Parameter(whole, requires_grad=False))
     decoder = frozen.get_decoder()
-    state = decoder.state_dict()  # the main process's are the ones broadcast; the others' are never read
+    state = decoder.state_dict() if weights else None  # the main process's are broadcast; the others' never read
     # computed from the config on every process (weights=False: all of them, the caller's to fill)
     keep = get_non_persistent_buffers(decoder, recurse=True, fqns=True) if weights else dict(decoder.named_buffers())
     buffers = {k: b for k, b in decoder.named_buffers() if k in keep}
