@@ -516,15 +516,30 @@ ATTENTION_KINDS = ("full_attention", "sliding_attention", "chunked_attention")
 KEEP_APART = {"linear_attention": ("fla", "flash-linear-attention")}
 
 
-def attention_problems(recipe, config, *, sinks: bool = False, installed=None) -> list[str]:
+_OLD_CHUNKS = ("this transformers' chunked mask counts the chunks from the start of a packed row, not of each example "
+               "(transformers 5.25 and later count them from each example's start)")
+
+
+def chunks_each_example() -> bool:
+    """Whether the installed transformers' chunked-attention mask counts a packed row's chunks from each example's
+    start (masking_utils.remap_positions_for_packed_sequence, transformers 5.25 and later; 5.17's counts them from the
+    row's start, so Llama 4's packed examples trained on other chunks than their own: tests/test_other_families.py)."""
+    from transformers import masking_utils
+
+    return hasattr(masking_utils, "remap_positions_for_packed_sequence")
+
+
+def attention_problems(recipe, config, *, sinks: bool = False, installed=None,
+                       packed_chunks: bool | None = None) -> list[str]:
     """What llmtrain's varlen attention (model.attn_implementation auto or varlen) and packed rows (data.packing) would
     not compute of the model as the model does, so that it would train on other numbers than its own: layers that
     are not attention without the kernel that keeps packed examples apart, chunked attention, capped attention
     scores; attention sinks (`sinks`: the loaded model has them: loaded_model_problems), which the varlen attention
-    computes, packed under transformers' masks. The table's families pass them (their packed rows equal each example
-    alone: tests/test_fastpath.py, GPT-OSS's sinks tests/test_other_families.py); another model_type gets them, from
-    its config. `installed(module)`: whether a package is installed (importlib's find_spec; the tests pass their
-    own)."""
+    computes, packed under transformers' masks; chunked attention packed under a transformers whose chunked mask
+    counts chunks from a row's start. The table's families pass them (their packed rows equal each example alone:
+    tests/test_fastpath.py, GPT-OSS's sinks tests/test_other_families.py); another model_type gets them, from its
+    config. `installed(module)`: whether a package is installed (importlib's find_spec), `packed_chunks`: whether
+    transformers' chunked mask counts each example's own chunks (chunks_each_example); the tests pass their own."""
     if installed is None:
         from importlib.util import find_spec
 
@@ -550,10 +565,19 @@ def attention_problems(recipe, config, *, sinks: bool = False, installed=None) -
                    f"keeps the examples of a packed row (data.packing, and the varlen attention's padded rows, each "
                    f"pad an example of its own) apart in them {need}train each example as a padded row of its own: "
                    f"{unpacked('sdpa')}")
-    if varlen and (chunk := getattr(config, "attention_chunk_size", None)):
-        out.append(f"{attn} lets each token see its whole example, and {name} attends within chunks of {chunk} "
-                   f"tokens (attention_chunk_size, Llama 4): set model.attn_implementation=sdpa (transformers' "
-                   f"chunked mask, which keeps a packed row's examples apart too)")
+    if chunk := getattr(config, "attention_chunk_size", None):
+        if packed_chunks is None:
+            packed_chunks = chunks_each_example()
+        if varlen:
+            fix = ("model.attn_implementation=sdpa (transformers' chunked mask, which keeps a packed row's examples "
+                   "apart too)" if packed_chunks or not packing else
+                   f"model.attn_implementation=sdpa and data.packing=false ({_OLD_CHUNKS})")
+            out.append(f"{attn} lets each token see its whole example, and {name} attends within chunks of {chunk} "
+                       f"tokens (attention_chunk_size, Llama 4): set {fix}")
+        elif packing and not packed_chunks:
+            out.append(f"data.packing with model.attn_implementation={m.attn_implementation}: {name} attends within "
+                       f"chunks of {chunk} tokens (attention_chunk_size, Llama 4), and {_OLD_CHUNKS}: set "
+                       f"data.packing=false, or install transformers 5.25 or later")
     if varlen and (cap := getattr(config, "attn_logit_softcapping", None)):
         out.append(f"{attn} does not cap attention scores, and {name} caps them (attn_logit_softcapping={cap:g}): "
                    f"set model.attn_implementation=eager")
