@@ -191,7 +191,14 @@ def test_truncation_and_dropping_are_counted(tiny_tok, tmp_path):
 def test_nothing_left_after_truncation_is_an_error(tiny_tok, tmp_path):
     path = write_jsonl(tmp_path / "d.jsonl", [{"prompt": "p" * 40, "completion": "c"}])
     cfg = DataConfig(path=str(path), format="prompt_completion", max_seq_len=8, cache_dir=str(tmp_path / "c"))
-    with pytest.raises(LLMTrainError, match=r"\(row 1\)\)\. Raise data.max_seq_len \(now 8\)"):
+    # bos + 40 + 1 + eos: 43 tokens, rounded up to 64
+    with pytest.raises(LLMTrainError, match=r"\(row 1\)\)\. Raise data.max_seq_len \(now 8; 64 keeps 95% of the "
+                                            r"examples whole, the longest is 43 tokens\), or check data.format"):
+        prepare_datasets(cfg, tiny_tok, seed=0)
+    # 20 rows of 10 to 200 prompt characters (13 to 203 tokens): 95% of them fit in 193 tokens, rounded up to 256
+    rows = [{"prompt": "p" * (10 * k), "completion": "c"} for k in range(1, 21)]
+    cfg = cfg.model_copy(update={"path": str(write_jsonl(tmp_path / "e.jsonl", rows)), "max_seq_len": 12})
+    with pytest.raises(LLMTrainError, match=r"\(now 12; 256 keeps 95% of the examples whole, the longest is 203 "):
         prepare_datasets(cfg, tiny_tok, seed=0)
 
 

@@ -305,7 +305,7 @@ def test_a_file_with_almost_nothing_to_train_stops_with_the_reasons(tiny_tok, tm
     cfg = DataConfig(path=str(path), format="preference", max_seq_len=24, cache_dir=str(tmp_path / "c"))
     with pytest.raises(LLMTrainError, match=re.escape(
             f"only 1 of the 11 pairs in {path} can be trained (10 of 11 pairs dropped: 10 chosen equal to rejected "
-            "(rows 2, 3, 4, 5, 6, ...)). Raise data.max_seq_len")):
+            "(rows 2, 3, 4, 5, 6, ...)). Check data.format / data.fields against the file.")):
         prepare_datasets(cfg, tiny_tok, seed=0)
     assert not (tmp_path / "c").exists() or not any((tmp_path / "c").iterdir())  # nothing cached
 

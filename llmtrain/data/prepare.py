@@ -322,6 +322,23 @@ def prepare_recipe(recipe, tokenizer):
     return prepare_datasets(recipe.data, tokenizer, seed=recipe.train.seed, tools=prompt_tools(recipe))
 
 
+def _length_hint(raw, tokenizer, cfg: DataConfig, rows: int = 1000) -> str:
+    """What data.max_seq_len the examples ask (SFT's formats): '; 512 keeps 95% of the first 1,000 examples whole (the
+    longest is 700 tokens)', their full lengths read again without the cut; '' for the other formats."""
+    if cfg.format in ("preference", "unpaired", "prompt"):
+        return ""
+    whole = cfg.model_copy(update={"max_seq_len": 2**31 - 1})
+    template = read_template(cfg, tokenizer)
+    sample = raw.select(range(min(rows, len(raw))))
+    lengths = sorted(encode_example(row, tokenizer, whole, template=template)["length"] for row in _rows(sample))
+    if not lengths:
+        return ""
+    most = lengths[math.ceil(0.95 * len(lengths)) - 1]
+    most = -(-most // 64) * 64  # up to a multiple of 64
+    first = f"the first {len(lengths):,} " if len(lengths) < len(raw) else "the "
+    return f"; {most} keeps 95% of {first}examples whole, the longest is {lengths[-1]:,} tokens"
+
+
 def _prepare_source(cfg: DataConfig, tokenizer, *, seed: int, tools: list[dict] | None = None):
     """One dataset's train and eval rows, tokenised and checked: (train, eval or None, its stats)."""
     paths = _files(cfg.path)
@@ -333,9 +350,12 @@ def _prepare_source(cfg: DataConfig, tokenizer, *, seed: int, tools: list[dict] 
     rows = train_stats.examples + train_stats.dropped
     if train_stats.examples < KEEP_AT_LEAST * rows:  # nothing, or almost nothing, is left to train on
         unit = "pairs" if cfg.format == "preference" else "examples"  # unpaired (KTO): one completion a row
+        cut = any("max_seq_len" in why for why in train_stats.drops)  # dropped for the cut, not for what they hold
+        longer = (f"Raise data.max_seq_len (now {cfg.max_seq_len}{_length_hint(raw, tokenizer, cfg)}), or check "
+                  if cut else "Check ")
         raise LLMTrainError(f"only {train_stats.examples:,} of the {rows:,} {unit} in {', '.join(paths)} can be "
-                            f"trained ({train_stats.dropped_text(unit)}). Raise data.max_seq_len (now "
-                            f"{cfg.max_seq_len}), or check data.format / data.fields against the file.")
+                            f"trained ({train_stats.dropped_text(unit)}). {longer}data.format / data.fields against "
+                            "the file.")
     if cfg.format == "unpaired" and (one_kind := one_kind_problem(train["label"], ", ".join(paths), cfg)):
         raise LLMTrainError(one_kind)
     stats = {"train": train_stats}
