@@ -1506,18 +1506,18 @@ def all_keys(model: type[BaseModel] = Recipe, prefix: str = "") -> list[str]:
     return keys
 
 
-def _default(key: str, model: type[BaseModel] = Recipe):
-    """The schema's default of a dotted key (None: the key has none, or is not a key)."""
+def _default(key: str, model: type[BaseModel] = Recipe, *, missing=None):
+    """The schema's default of a dotted key (`missing`: the key has none, or is not a key)."""
     from pydantic_core import PydanticUndefined
 
     head, _, rest = key.partition(".")
     field = model.model_fields.get(head)
     if field is None:
-        return None
+        return missing
     if not rest:
-        return None if field.default is PydanticUndefined else field.default
+        return missing if field.default is PydanticUndefined else field.default
     sections = _sections(field)
-    return _default(rest, sections[0]) if sections else None
+    return _default(rest, sections[0], missing=missing) if sections else missing
 
 
 # Names people bring from other tools, mapped to ours.
@@ -1605,7 +1605,10 @@ def _format_errors(err: ValidationError, source: str, overrides: list[str] | Non
             got = e.get("input")
             got_text = f" (got {got!r})" if not isinstance(got, dict) and key not in given else ""
             # a check of the whole recipe (several sections) has no key of its own: its message names the keys
-            lines.append(f"  - {label + ': ' if key else ''}{e['msg'].removeprefix('Value error, ')}{got_text}")
+            # `train.eval_every_steps=0` to turn it off: a bound on a key whose default is null says null is the off
+            unset = (" (or null, its default, which leaves it unset)" if e["type"].startswith(("greater_than",
+                     "less_than")) and key and _default(key, missing=...) is None else "")
+            lines.append(f"  - {label + ': ' if key else ''}{e['msg'].removeprefix('Value error, ')}{unset}{got_text}")
     for i, line in enumerate(lines):
         if isinstance(line, tuple):
             key, label = line

@@ -83,6 +83,16 @@ def test_null_on_a_key_without_an_unset_state_says_so_and_its_default(recipe_fil
     assert "Input should be" not in str(e.value)
 
 
+@pytest.mark.parametrize(("override", "null"), [("train.eval_every_steps=0", True), ("train.max_steps=-1", True),
+                                              ("train.micro_batch_size=0", False)])
+def test_a_bound_on_a_key_whose_default_is_null_says_null_unsets_it(recipe_file, override, null):
+    """`train.eval_every_steps=0`, a new user's way to turn it off, was told only 'Input should be greater than 0'."""
+    with pytest.raises(RecipeError) as e:
+        load_recipe(recipe_file, [override])
+    assert f"(the override {override}): Input should be greater than 0" in str(e.value)
+    assert ("(or null, its default, which leaves it unset)" in str(e.value)) == null
+
+
 @pytest.mark.parametrize(("override", "line"), [
     ("model.tiled_mlp=abc", "model.tiled_mlp (the override model.tiled_mlp=abc): expected true or false, or a whole "
                             "number"),

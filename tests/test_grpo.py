@@ -603,7 +603,7 @@ def test_built_in_rewards_and_a_trl_style_function_unchanged(tmp_path, monkeypat
 @pytest.mark.parametrize("body, says", [
     ("raise KeyError('answer')",
      "reward function bad raised KeyError: 'answer' (on the completions of d.jsonl, rows 4, 9)"),
-    ("return [1.0]", "reward function bad returned 1 values for 2 completions (d.jsonl, rows 4, 9)"),
+    ("return [1.0]", "reward function bad returned 1 value for 2 completions (d.jsonl, rows 4, 9)"),
     ("return [1.0, float('nan')]", "reward function bad returned nan for the completion of row 9 of d.jsonl"),
     ("return ['1', 0.0]", "reward function bad returned '1' for the completion of row 4 of d.jsonl"),
     ("return 1.0", "reward function bad returned float for 2 completions (d.jsonl, rows 4, 9)"),
@@ -617,6 +617,32 @@ def test_a_bad_reward_function_stops_with_its_name_and_row(body, says):
     with pytest.raises(LLMTrainError, match=re.escape(says)):
         score([("bad", namespace["bad"], 1.0)], ["p", "p"], ["a", "b"], completion_ids=[[1], [2]], columns={},
               rows=[4, 9], where="d.jsonl")
+
+
+def test_a_reward_module_that_fails_to_import_says_whether_it_was_found(tmp_path, monkeypatch):
+    from llmtrain.errors import LLMTrainError
+    from llmtrain.objectives.rewards import import_reward
+
+    (tmp_path / "broken_rewards.py").write_text("def r(prompts completions):\n    return []\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    with pytest.raises(LLMTrainError, match=r"importing broken_rewards failed: SyntaxError: .* The module was found; "
+                                            r"fix the error in it \(python -c 'import broken_rewards' shows"):
+        import_reward("broken_rewards:r")
+    with pytest.raises(LLMTrainError, match=r"No module named 'absent_rewards'\. Put the module on PYTHONPATH"):
+        import_reward("absent_rewards:r")
+
+
+def test_a_reward_function_that_takes_no_keywords_is_told_what_it_is_called_with():
+    from llmtrain.errors import LLMTrainError
+    from llmtrain.objectives.rewards import score
+
+    def brevity(completion):  # one positional argument: TRL's keywords do not reach it
+        return [1.0]
+
+    with pytest.raises(LLMTrainError, match=r"unexpected keyword argument 'prompts'.*It is called with keyword "
+                                            r"arguments, as TRL calls it: prompts, completions, completion_ids, "
+                                            r"trainer_state, log_extra, log_metric and each column"):
+        score([("brevity", brevity, 1.0)], ["p"], ["a"], completion_ids=[[1]], columns={}, rows=[1], where="d.jsonl")
 
 
 @pytest.mark.parametrize("signature, missing", [

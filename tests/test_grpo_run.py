@@ -1105,7 +1105,7 @@ def test_a_row_with_no_prompt_is_refused_with_file_and_row(tiny_assets, tmp_path
 
 @pytest.mark.parametrize("body, says", [
     ("raise KeyError('answer')", "reward function bad raised KeyError"),
-    ("return [1.0]", "reward function bad returned 1 values for 4 completions"),
+    ("return [1.0]", "reward function bad returned 1 value for 4 completions"),
     ("return [float('nan')] * len(completions)", "reward function bad returned nan for the completion of row"),
 ])
 def test_a_bad_reward_function_is_refused_before_the_run_writes(tiny_assets, tmp_path, monkeypatch, body, says):
@@ -1114,6 +1114,32 @@ def test_a_bad_reward_function_is_refused_before_the_run_writes(tiny_assets, tmp
     monkeypatch.syspath_prepend(str(tmp_path))
     recipe = grpo_recipe(tiny_assets, tmp_path, rl={"rewards": [{"type": "function", "function": f"{module}:bad"}]})
     assert says in _refused(recipe, tmp_path / "run")
+
+
+def test_a_reward_function_that_fails_mid_run_names_the_step_and_the_checkpoint_it_continues_from(tiny_assets,
+                                                                                                 tmp_path, monkeypatch):
+    """Passed at start-up, raising at step 3 (the checkpoint of step 2 written): the error says the step it stopped,
+    that it was not taken, and the command that continues from step 2 once the function is fixed."""
+    (tmp_path / "late_rewards.py").write_text(
+        "def late(prompts, completions, trainer_state, **kwargs):\n"
+        "    if trainer_state.global_step >= 2:\n"
+        "        raise ValueError('the grader is down')\n"
+        "    return [1.0] * len(completions)\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    recipe = grpo_recipe(tiny_assets, tmp_path, rl={"rewards": [{"type": "function", "function": "late_rewards:late"}]},
+                         data={"eval_split": None})
+    out = tmp_path / "run"
+    from llmtrain.errors import LLMTrainError
+
+    with pytest.raises(LLMTrainError) as e:
+        run_train(recipe, f"output_dir={out}")
+    says = str(e.value)
+    assert says.startswith("step 3 stopped: reward function late raised ValueError: the grader is down "
+                           "(on the completions of "), says
+    assert says.endswith(f"no step was taken with its rewards. The last checkpoint, {out / 'checkpoints'}/step_000002, "
+                         f"is intact: once it is fixed, continue with: llmtrain finetune {out / 'recipe.yaml'} "
+                         "--resume auto (under the same accelerate launch, if any)."), says
+    assert [d.name for d in (out / "checkpoints").iterdir()] == ["step_000002"]
 
 
 @pytest.mark.parametrize("reward, says", [

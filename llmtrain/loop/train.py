@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 import os
 import signal
-from contextlib import ExitStack, closing, nullcontext
+from contextlib import ExitStack, closing, contextmanager, nullcontext
 from dataclasses import dataclass, replace
 from functools import partial
 from pathlib import Path
@@ -20,7 +20,7 @@ import torch
 
 from llmtrain.config import Recipe, updates_per_window
 from llmtrain.data.batching import prefetch, windows
-from llmtrain.errors import LLMTrainError, Stopped
+from llmtrain.errors import LLMTrainError, Stopped, TrainingDiverged
 from llmtrain.loop.cadence import Cadence
 from llmtrain.loop.guards import check_finite_weights, diverged
 from llmtrain.loop.meter import Meter
@@ -212,9 +212,10 @@ def train_loop(run: Run, state: TrainState, meter: Meter) -> list[dict]:
                 evals.append(evaluate_and_sample(run, state, progress))
         # a new window a step; online RL with rl.num_iterations > 1: a new one a round, its later steps the round's
         for window in run.rounds.windows(stream, step=state.step, total=total):
-            result = train_step(m.model, m.optimizer, m.scheduler, accelerator, run.objective, window,
-                                max_grad_norm=tc.max_grad_norm, stop_signal=stop_requests.signum,
-                                fsdp_accumulate=tc.fsdp_accumulate, step=state.step, pipeline=m.pipeline)
+            with _stopped_at(run, state.step + 1):
+                result = train_step(m.model, m.optimizer, m.scheduler, accelerator, run.objective, window,
+                                    max_grad_norm=tc.max_grad_norm, stop_signal=stop_requests.signum,
+                                    fsdp_accumulate=tc.fsdp_accumulate, step=state.step, pipeline=m.pipeline)
             run.rounds.trained(result.window)  # a round's first step: its completions, for the later updates
             # One process acts on a signal as soon as its step ends; several act on the votes of the step's
             # collective (a signal that lands during a step is voted on in the next one).
@@ -247,6 +248,28 @@ def train_loop(run: Run, state: TrainState, meter: Meter) -> list[dict]:
 
 
 # --------------------------------------------------------------------------- the loop's pieces
+
+
+@contextmanager
+def _stopped_at(run: Run, step: int):
+    """A user's error that stops a step (a reward function that raises or returns no number, a row the sampler
+    cannot render) says the step it stopped and where the run continues from once it is fixed: the step was not
+    taken, and the last checkpoint is intact."""
+    from llmtrain.run.checkpoint import step_dirs
+
+    try:
+        yield
+    except (Stopped, TrainingDiverged):
+        raise
+    except LLMTrainError as e:
+        good = (step_dirs(run.out / "checkpoints") or [None])[-1]
+        after = (f"The last checkpoint, {good}, is intact: once it is fixed, continue with: llmtrain finetune "
+                 f"{run.out / 'recipe.yaml'} --resume auto (under the same accelerate launch, if any)." if good else
+                 "No checkpoint was written yet.")
+        e.args = (f"step {step} stopped: {e} {after}", *e.args[1:])
+        raise
+
+
 
 
 def report(run: Run, state: TrainState, meter: Meter, progress, task, *, logged: bool, evals: list[dict]) -> None:

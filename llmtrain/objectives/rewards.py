@@ -101,8 +101,11 @@ def import_reward(spec: str) -> RewardFn:
     try:
         module = user_module(module_name)
     except Exception as e:  # an ImportError, or the module's own error while importing
+        missing = isinstance(e, ModuleNotFoundError) and module_name.startswith(e.name or "\0")
+        fix = ("Put the module on PYTHONPATH or in the working directory." if missing else
+               f"The module was found; fix the error in it (python -c 'import {module_name}' shows its traceback).")
         raise LLMTrainError(f"reward function '{spec}': importing {module_name} failed: {type(e).__name__}: {e}. "
-                            "Put the module on PYTHONPATH or in the working directory.") from None
+                            + fix) from None
     fn = getattr(module, name, None)
     if not callable(fn):
         raise LLMTrainError(f"reward function '{spec}': {module_name} has no function {name}.")
@@ -208,7 +211,8 @@ def score(functions: Sequence[tuple[str, RewardFn, float]], prompts: list, compl
     for k, (name, _, _) in enumerate(functions):
         values = _as_list(outputs[k])
         if not isinstance(values, list) or len(values) != len(completions):
-            got = f"{len(values)} values" if isinstance(values, list) else type(outputs[k]).__name__
+            got = (f"{len(values)} value{'s' * (len(values) != 1)}" if isinstance(values, list) else
+                   type(outputs[k]).__name__)
             raise LLMTrainError(f"reward function {name} returned {got} for {len(completions)} completions ({at}): "
                                 "it must return one number (or None) per completion: a list, a numpy array or a "
                                 "torch tensor.")
@@ -269,8 +273,11 @@ def _as_list(values):
 
 
 def _raised(name: str, e: BaseException, at: str) -> LLMTrainError:
+    called = (" It is called with keyword arguments, as TRL calls it: prompts, completions, completion_ids, "
+              "trainer_state, log_extra, log_metric and each column of the data by name; take **kwargs for those it "
+              "does not read." if isinstance(e, TypeError) and "keyword argument" in str(e) else "")
     return LLMTrainError(f"reward function {name} raised {type(e).__name__}: {e} (on the completions of {at}). Fix "
-                         "the function; no step was taken with its rewards.")
+                         f"the function; no step was taken with its rewards.{called}")
 
 
 def trainer_state(recipe, *, total_steps: int | None):
