@@ -34,7 +34,7 @@ pytestmark = pytest.mark.slow
 
 CONFIGS = {4: REPO / "accelerate_configs" / "cpu_hsdp.yaml", 2: REPO / "accelerate_configs" / "cpu_fsdp.yaml",
            1: REPO / "accelerate_configs" / "cpu_fsdp.yaml"}
-MESH = {4: "4 processes (2 replicas x 2 shards)", 2: "2 processes", 1: "1 processes"}
+MESH = {4: "4 processes (2 replicas x 2 shards)", 2: "2 processes", 1: "1 process"}
 LORA = {"r": 4, "alpha": 8, "dropout": 0.0, "target_modules": ["q_proj", "v_proj"]}
 
 

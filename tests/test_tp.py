@@ -48,7 +48,7 @@ CONFIGS = {8: REPO / "accelerate_configs" / "cpu_hsdp_tp.yaml", 4: REPO / "accel
            2: REPO / "accelerate_configs" / "cpu_fsdp.yaml", 1: REPO / "accelerate_configs" / "cpu_fsdp.yaml"}
 MESH = {8: "4 data-parallel ranks (8 processes: 2 replicas x 2 shards x 2 tensor-parallel)",
         4: "2 data-parallel ranks (4 processes: 2 shards x 2 tensor-parallel)",
-        2: "2 processes", 1: "1 processes"}
+        2: "2 processes", 1: "1 process"}
 DATA_RANKS = {8: 4, 4: 2, 2: 2, 1: 1}  # a tensor-parallel pair reads one batch
 SGD_LIKE = {"lr": 0.1, "eps": 1.0, "max_grad_norm": 1e9}  # see the module docstring
 

@@ -183,7 +183,7 @@ def prepare_data(recipe: Recipe, accelerator, *, say) -> Data:
     elif (pp := recipe.parallel.pipeline_parallel) > 1:  # and a pipeline's stages
         procs = f"{ranks} ({accelerator.num_processes} processes, {pp} pipeline stages each)"
     else:
-        procs = f"{accelerator.num_processes} processes" + (f" ({mesh})" if mesh else "")
+        procs = f"{accelerator.num_processes} process{'es' * (accelerator.num_processes != 1)}" + (f" ({mesh})" if mesh else "")
     unit = capabilities.MODES[capabilities.mode_of(recipe)].unit  # what a row and train.micro_batch_size count
     evals = f"eval: {stats['eval'].examples if 'eval' in stats else 0} {unit}"
     sampling = recipe.rl or recipe.distill  # what samples completions: rl.sampler / distill.sampler
