@@ -56,6 +56,11 @@ def runs(tiny_assets, tmp_path_factory):
     shutil.copytree(tiny_assets / "model", model)
     weights = model / "model.safetensors"
     weights.write_bytes(weights.read_bytes()[:1000])
+    from transformers import AutoTokenizer
+
+    grown = AutoTokenizer.from_pretrained(tiny_assets / "model")  # another tokenizer: "reverse" one id past the model's
+    grown.add_tokens(["reverse"])
+    grown.save_pretrained(files / "grown-tokenizer")
     (files / "not-a-dir").write_text("x")
     (files / "stranger").mkdir()
     (files / "stranger" / "notes.txt").write_text("mine")
@@ -115,6 +120,8 @@ CASES = [
     ("budget below an example", "full", ["train.micro_batch_size=1", "train.micro_batch_tokens=4"],
      "train.micro_batch_tokens=4"),
     # model and LoRA
+    ("tokenizer not the model's", "full", [f"model.tokenizer={F('grown-tokenizer')}"],
+     "model.tokenizer '{files}/grown-tokenizer' gives the data token ids up to 104 ('reverse'), and the model"),
     ("missing model dir", "full", ["model.name_or_path=/nonexistent/model"], "/nonexistent/model"),
     ("damaged weights", "full", [f"model.name_or_path={F('damaged-model')}"], "truncated or damaged"),
     ("a folder above the model", "full", ["model.name_or_path={files}"],

@@ -145,6 +145,22 @@ def test_nothing_trained_fails(tiny_assets, tmp_path):
     assert proc.returncode == 1 and "loss mask" in proc.stdout
 
 
+def test_a_tokenizer_that_is_not_the_models_fails_its_token_ids_row(tiny_assets, tmp_path):
+    """Its ids past the model's embedding had passed every row, and finetune stopped in the embedding's lookup
+    (IndexError, a traceback, the run folder made); with model.new_tokens the grown rows hold them."""
+    from transformers import AutoTokenizer
+
+    grown = AutoTokenizer.from_pretrained(tiny_assets / "model")
+    grown.add_tokens(["reverse"])  # id 104, past the tiny model's 104 rows
+    grown.save_pretrained(tmp_path / "grown")
+    recipe = write_recipe(tiny_assets, tmp_path, model={"tokenizer": str(tmp_path / "grown")})
+    status, detail = rows(run_doctor(load_recipe(recipe), gpu_memory=80))["token ids"]
+    assert status == "fail" and detail.startswith(f"model.tokenizer '{tmp_path / 'grown'}' gives the data token ids up "
+                                                  "to 104 ('reverse'), and the model"), detail
+    assert "has 104 embedding rows" in detail
+    assert "token ids" not in rows(run_doctor(load_recipe(write_recipe(tiny_assets, tmp_path)), gpu_memory=80))
+
+
 def test_a_chat_template_that_cannot_render_is_said_once_and_the_data_is_not_read(tiny_assets, tmp_path):
     """The chat template's failure is its own row; the data row, whose every example would fail the same way, says it
     waits on it instead of repeating the paragraph for one row of the data."""

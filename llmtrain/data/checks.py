@@ -180,10 +180,55 @@ def check_kl_pairs(recipe: Recipe, train_lengths: list[int], eval_lengths: list[
              "at most one an epoch holds two or more (KTO's KL estimate)")]
 
 
-def check_data(recipe: Recipe, stats: DataStats, train, eval_ds, tokenizer) -> list[Check]:
-    """The data checks `finetune` (which stops on a fail) and `doctor` share: the loss mask, the stop token
-    trained, and the token budget, on the tokenised train (and eval) sets."""
-    unused = check_no_eval(recipe, eval_ds) + check_hub_keys(recipe)
+def embedding_rows(recipe: Recipe, tokenizer, config) -> int | None:
+    """The rows of the model's embedding as load_model leaves them (`config`: the model's text config, None where it
+    could not be read): config.vocab_size, grown to the tokenizer's length by model.new_tokens alone."""
+    rows = getattr(config, "vocab_size", None) if config is not None else None
+    if rows is None:
+        return None
+    return max(rows, len(tokenizer)) if recipe.model.new_tokens else rows
+
+
+def largest_id(*datasets) -> int:
+    """The largest token id in the datasets' id columns (input_ids, chosen_ids, ...: lists of ints), read with
+    pyarrow's kernels (no row is decoded); -1 where there is none."""
+    import pyarrow as pa
+    import pyarrow.compute as pc
+
+    found = -1
+    for ds in filter(None, datasets):
+        table = ds.data.table if hasattr(ds.data, "table") else ds.data
+        for name in ds.column_names:
+            column = table.column(name)
+            if name.endswith("ids") and pa.types.is_list(column.type) and pa.types.is_integer(column.type.value_type):
+                top = pc.max(pc.list_flatten(column)).as_py()
+                found = max(found, -1 if top is None else top)
+    return found
+
+
+def check_token_ids(recipe: Recipe, tokenizer, rows: int | None, train, eval_ds) -> list[Check]:
+    """Every token id of the data has a row in the model's embedding (`rows`: embedding_rows): a tokenizer that is not
+    the model's (model.tokenizer) gives ids past it, and the first step would stop in the embedding's lookup."""
+    if rows is None:
+        return []
+    top = largest_id(train, eval_ds)
+    if top < rows:
+        return []
+    token = tokenizer.convert_ids_to_tokens(top)
+    given = (f"model.tokenizer '{recipe.model.tokenizer}'" if recipe.model.tokenizer else
+             f"the tokenizer of '{recipe.model.name_or_path}'")
+    return [("token ids", "fail", f"{given} gives the data token ids up to {top:,} ({token!r}), and the model "
+             f"'{recipe.model.name_or_path}' has {rows:,} embedding rows (its config's vocab_size): the tokenizer is "
+             "not the model's. Give the model's own tokenizer (unset model.tokenizer, or the folder it was trained "
+             "with); to add tokens to a model, list them in model.new_tokens.")]
+
+
+def check_data(recipe: Recipe, stats: DataStats, train, eval_ds, tokenizer, *, rows: int | None = None) -> list[Check]:
+    """The data checks `finetune` (which stops on a fail) and `doctor` share: the token ids within the model's
+    embedding (`rows`: embedding_rows, None: unknown), the loss mask, the stop token trained, and the token budget,
+    on the tokenised train (and eval) sets."""
+    unused = check_token_ids(recipe, tokenizer, rows, train, eval_ds) + check_no_eval(recipe, eval_ds) + \
+        check_hub_keys(recipe)
     if recipe.data.format == "prompt":  # online RL: nothing is trained from the data; the completions need room
         return (unused + check_prompt_room(recipe, train, eval_ds) + check_completion_stop(recipe, tokenizer)
                 + check_ratio_keys(recipe))
@@ -425,7 +470,7 @@ def data_plan(recipe: Recipe, lengths: list[int], *, world: int, sources=None):
                     micro_batch_tokens=t.micro_batch_tokens, mixture=mixture)
 
 
-def load_data(recipe: Recipe, tokenizer, *, world: int = 1) -> list[Check]:
+def load_data(recipe: Recipe, tokenizer, *, world: int = 1, rows: int | None = None) -> list[Check]:
     """prepare_datasets (filling the cache finetune reads) and check_data; when preparing refuses, tokenise the
     train split alone to say why (all examples dropped gives stats with 0 examples)."""
     from llmtrain.data.prepare import prepare_recipe, tokenize_dataset
@@ -445,7 +490,7 @@ def load_data(recipe: Recipe, tokenizer, *, world: int = 1) -> list[Check]:
             eval_ds = None
         except LLMTrainError:
             return [("data", "fail", str(first))]
-    rows = check_data(recipe, stats, train, eval_ds, tokenizer)
+    rows = check_data(recipe, stats, train, eval_ds, tokenizer, rows=rows)
     if not len(train):
         return rows
     t = recipe.train

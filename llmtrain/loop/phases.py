@@ -27,7 +27,7 @@ from llmtrain import capabilities
 from llmtrain.config import Recipe, tiled_mlp_shard, updates_per_window
 from llmtrain.data.batching import DataPlan
 from llmtrain.data.chat import template_file
-from llmtrain.data.checks import check_context, check_data, check_epochs, check_warmup, data_plan
+from llmtrain.data.checks import check_context, check_data, check_epochs, check_warmup, data_plan, embedding_rows
 from llmtrain.data.prepare import prepare_recipe
 from llmtrain.errors import Everywhere, LLMTrainError
 from llmtrain.layout import Layout
@@ -183,7 +183,8 @@ def prepare_data(recipe: Recipe, accelerator, *, say) -> Data:
     elif (pp := recipe.parallel.pipeline_parallel) > 1:  # and a pipeline's stages
         procs = f"{ranks} ({accelerator.num_processes} processes, {pp} pipeline stages each)"
     else:
-        procs = f"{accelerator.num_processes} process{'es' * (accelerator.num_processes != 1)}" + (f" ({mesh})" if mesh else "")
+        n = accelerator.num_processes
+        procs = f"{n} process{'es' * (n != 1)}" + (f" ({mesh})" if mesh else "")
     unit = capabilities.MODES[capabilities.mode_of(recipe)].unit  # what a row and train.micro_batch_size count
     evals = f"eval: {stats['eval'].examples if 'eval' in stats else 0} {unit}"
     sampling = recipe.rl or recipe.distill  # what samples completions: rl.sampler / distill.sampler
@@ -205,7 +206,11 @@ def prepare_data(recipe: Recipe, accelerator, *, say) -> Data:
 
         for line in describe(recipe.data, stats, source_sizes(train_ds["source"])):
             say(f"data source: {line}")
-    for name, status, detail in check_data(recipe, s, train_ds, eval_ds, tokenizer):  # as `llmtrain doctor`
+    try:
+        rows = embedding_rows(recipe, tokenizer, load_model_config(recipe.model))
+    except LLMTrainError:  # said where the model is loaded
+        rows = None
+    for name, status, detail in check_data(recipe, s, train_ds, eval_ds, tokenizer, rows=rows):  # as `llmtrain doctor`
         if status == "fail":  # every process checks the same data: said once a node
             raise Everywhere(f"{name}: {detail}")
         if status == "warn":
