@@ -658,6 +658,9 @@ def model_problems(recipe, layout: Layout, config) -> list[str]:
                    "(tie_word_embeddings), which would turn fp32 too and feed the decoder fp32 inputs. Unset "
                    "rl.cast_lm_head_to_fp32 (TRL supports it for untied heads only), or train a model with its own "
                    "head")
+    if recipe.reward_model is None and (problem := scorer_problem(config, recipe.model.name_or_path,
+                                                                   "model.name_or_path")):
+        out.append(problem + ". Start from a causal LM: the policy or base model the reward model was trained from")
     if layout.tp > 1 and "tp" not in refused:
         out += tensor_plan_problems(config, layout.tp)
     out += attention_problems(recipe, config)
@@ -667,6 +670,21 @@ def model_problems(recipe, layout: Layout, config) -> list[str]:
             out.append(f"{key}: {total} pipeline stages need at least one decoder layer each: the model has "
                        f"{config.num_hidden_layers}; lower parallel.pipeline_parallel (or pipeline_chunks)")
     return out
+
+
+def scorer_problem(config, path: str, key: str) -> str | None:
+    """A checkpoint saved as a sequence classifier (a reward model's final/: architectures XForSequenceClassification)
+    given where a causal LM is read: its one-output score head is not an LM head, and the LM head transformers makes
+    in its place is random where it is not the input embeddings (tie_word_embeddings). `config`: transformers' config
+    or config.json's dict. The sentence, without its fix; None where the checkpoint is a causal LM's."""
+    get = config.get if isinstance(config, dict) else lambda name, default=None: getattr(config, name, default)
+    architectures = get("architectures") or []
+    if not architectures or not all(a.endswith("ForSequenceClassification") for a in architectures) or get(
+            "tie_word_embeddings", False):
+        return None
+    return (f"'{path}' ({key}) is a sequence classifier ({architectures[0]}: a reward model's final/ is saved as one): "
+            "it scores a whole sequence under a one-output head and has no LM head, so transformers would make a "
+            "random one in its place, whose next-token probabilities mean nothing")
 
 
 def tensor_plan(config) -> dict[str, str]:

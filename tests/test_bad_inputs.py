@@ -61,6 +61,13 @@ def runs(tiny_assets, tmp_path_factory):
     grown = AutoTokenizer.from_pretrained(tiny_assets / "model")  # another tokenizer: "reverse" one id past the model's
     grown.add_tokens(["reverse"])
     grown.save_pretrained(files / "grown-tokenizer")
+    from transformers import AutoConfig, AutoModelForSequenceClassification
+
+    # a reward model's final/ as it is saved: the decoder under a one-output score head
+    scorer = AutoModelForSequenceClassification.from_config(AutoConfig.from_pretrained(tiny_assets / "model",
+                                                                                       num_labels=1))
+    scorer.save_pretrained(files / "scorer")
+    grown.save_pretrained(files / "scorer")
     (files / "not-a-dir").write_text("x")
     (files / "stranger").mkdir()
     (files / "stranger" / "notes.txt").write_text("mine")
@@ -137,6 +144,12 @@ CASES = [
     # (the LoRA recipe: the full one's --overwrite of its own folder would delete the teacher, refused first)
     ("a run as the teacher", "lora", ["distill={{teacher: {full_run}, max_completion_tokens: 4}}"],
      "'{full_run}' (distill.teacher) is a run's folder, not a model: set distill.teacher={full_run}/final."),
+    # a reward model where a causal LM is read: its score head is no LM head (a random one had trained, 0.315 -> 0.0)
+    ("a reward model as the model", "full", ["model.name_or_path={files}/scorer"],
+     "'{files}/scorer' (model.name_or_path) is a sequence classifier (LlamaForSequenceClassification: a reward "
+     "model's final/ is saved as one)"),
+    ("a reward model as the teacher", "lora", ["distill={{teacher: {files}/scorer, max_completion_tokens: 4}}"],
+     "'{files}/scorer' (distill.teacher) is a sequence classifier"),
     # output folder
     ("output_dir is a file", "full", [f"output_dir={F('not-a-dir')}"], "is a file"),
     ("overwrite a stranger", "full", [f"output_dir={F('stranger')}"], "not an llmtrain run"),

@@ -164,6 +164,8 @@ def test_the_filters_reach_the_command_top_k_one_replies_greedily(runs, tmp_path
     ("unfinished", "has no final/: the run has not finished (or ran with checkpoint.save_final: false). Generate "
                    "from one of its checkpoints"),
     ("reward", "a reward model's run"),
+    # its final/ given as a model folder: a random LM head had replied in noise
+    ("scorer", "(the model to generate with) is a sequence classifier (LlamaForSequenceClassification"),
     ("no-prompt", "no prompt to reply to"),
     # a mistyped step or run folder is said at once, with what is there (was: "the model folder ... (model.name_or_path
     # / model.tokenizer) does not exist" after a minute of asking the hub for it as an id)
@@ -191,6 +193,13 @@ def test_bad_input_is_one_paragraph_and_writes_nothing(runs, tmp_path, monkeypat
             recipe["reward_model"] = {}
             recipe["data"]["format"] = "preference"
             (run / "recipe.yaml").write_text(yaml.safe_dump(recipe))
+    if case == "scorer":  # a reward model's final/ as it is saved: the decoder under a one-output score head
+        import json
+
+        run = tmp_path / "scorer"
+        shutil.copytree(runs["full"] / "final", run)
+        config = json.loads((run / "config.json").read_text())
+        (run / "config.json").write_text(json.dumps({**config, "architectures": ["LlamaForSequenceClassification"]}))
     if case == "no-prompt":
         args = []
     if case == "no-checkpoint":

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import torch
 
+from llmtrain.capabilities import scorer_problem
 from llmtrain.config import ModelConfig, Recipe, run_folder_problem
 from llmtrain.errors import LLMTrainError
 from llmtrain.model.modeling import load_model
@@ -47,6 +48,8 @@ def vocabulary_problem(recipe: Recipe, tokenizer) -> str | None:
     except (OSError, ValueError) as e:
         return (f"distill.teacher '{path}' could not be read ({str(e).splitlines()[0]}). Give a local model folder "
                 "(config.json and weights) or a hub id that is in the local Hugging Face cache.")
+    if problem := scorer_problem(config, path, "distill.teacher"):
+        return problem + ". Distill from a causal LM (the policy the reward model scores, or any model of the family)."
     # the student's rows as load_model leaves them: grown to the tokenizer's length by model.new_tokens alone
     # (modeling.grow_vocabulary); a tokenizer longer than the model's rows (Mistral v0.3's on a 32,000-row config)
     # leaves them as they are

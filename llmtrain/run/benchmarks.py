@@ -80,10 +80,12 @@ def _readable(model: str) -> None:
     """Refuse, in llmtrain's paragraph, a model the harness could not read (a hub id not in the cache without the
     hub, a folder without a config): its config is read here, as load_model reads it (the harness would end in
     transformers' OSError and its traceback)."""
+    from llmtrain.capabilities import scorer_problem
     from llmtrain.config import ModelConfig
     from llmtrain.model.modeling import load_model_config
 
-    load_model_config(ModelConfig(name_or_path=model))
+    if problem := scorer_problem(load_model_config(ModelConfig(name_or_path=model)), model, "the model to score"):
+        raise LLMTrainError(problem + ". Evaluate the policy it was trained for")
 
 
 def base_of(ours: Target, *, dtype: str) -> Target:

@@ -60,7 +60,8 @@ def load_source(source: str, *, device=None) -> Source:
     from llmtrain.config import ModelConfig
     from llmtrain.data.chat import read_template
     from llmtrain.hub import missing_local
-    from llmtrain.model.modeling import load_model, load_tokenizer
+    from llmtrain.capabilities import scorer_problem
+    from llmtrain.model.modeling import load_model, load_model_config, load_tokenizer
     from llmtrain.run.rundir import run_recipe
 
     transformers.utils.logging.disable_progress_bar()  # "Loading weights": the command says what it reads
@@ -78,6 +79,8 @@ def load_source(source: str, *, device=None) -> Source:
                                                    if runs else ""))
     if not (path / "recipe.yaml").is_file():  # a model folder or a hub id
         cfg = ModelConfig(name_or_path=source, dtype="bfloat16" if device.type == "cuda" else "float32")
+        if problem := scorer_problem(load_model_config(cfg), source, "the model to generate with"):
+            raise LLMTrainError(problem + ". Generate from the policy it was trained for")
         tokenizer = load_tokenizer(cfg)
         model = load_model(cfg, None).to(device)
         return Source(model.eval(), tokenizer, tokenizer.chat_template is not None, None, None, {},
