@@ -339,7 +339,10 @@ def generate(
                             "or JSON lines with a \"prompt\")")
     ask_hub_for(source)
     src = load_source(source)
-    typer.echo(f"replies from {src.describe}", err=True)
+    rendered = src.chat if chat is None else chat
+    typer.echo(f"replies from {src.describe}; prompts "
+               + ("through the chat template" if rendered else "as plain text") + (
+                   " (--chat / --no-chat to change)" if chat is None else ""), err=True)
     replies = generate_replies(src, texts, max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p,
                                top_k=top_k, min_p=min_p, repetition_penalty=repetition_penalty, samples=samples,
                                seed=seed, chat=chat, system_prompt=system,

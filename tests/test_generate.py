@@ -90,6 +90,34 @@ def test_a_checkpoint_replies_as_the_model_it_holds(runs, kind):
     assert [r["tokens"] for r in early] != [r["tokens"] for r in final]
 
 
+@pytest.mark.parametrize("kind", ["full", "lora"])
+def test_a_runs_final_folder_and_its_merged_copy_reply_as_the_run(runs, kind, tmp_path):
+    """final/ given as the source is the run: its prompts as the run's data (plain text here), not through the
+    tokenizer's chat template, which a whole model's final/ carries and which had made other replies (" fedca" for
+    "reverse abcdef ="); export --merge's final-merged, a model folder inside the run's, renders as the run did too.
+    The first line says the rendering."""
+    import shutil
+
+    from llmtrain.run.replies import generate_replies, load_source
+
+    kw = dict(max_new_tokens=12)
+    run = load_source(str(runs[kind]), device="cpu")
+    final = load_source(str(runs[kind] / "final"), device="cpu")
+    assert not run.chat and not final.chat
+    want = [r["tokens"] for r in generate_replies(run, PROMPTS, **kw)]
+    assert [r["tokens"] for r in generate_replies(final, PROMPTS, **kw)] == want
+    if kind == "full":  # a whole model's final/ copied into the run's folder as a model folder of its own
+        shutil.copytree(runs[kind] / "final", runs[kind] / "final-copy", dirs_exist_ok=True)
+        copy = load_source(str(runs[kind] / "final-copy"), device="cpu")
+        assert not copy.chat and f"of the run {runs[kind]}" in copy.describe
+        assert [r["tokens"] for r in generate_replies(copy, PROMPTS, **kw)] == want
+        shutil.rmtree(runs[kind] / "final-copy")  # the run's folder as the other tests find it
+        shutil.copytree(runs[kind] / "final", tmp_path / "alone")  # outside a run: its tokenizer's template
+        assert load_source(str(tmp_path / "alone"), device="cpu").chat
+    said = invoke("generate", str(runs[kind] / "final"), PROMPTS[0])
+    assert "; prompts as plain text (--chat / --no-chat to change)" in said.stderr, said.stderr
+
+
 def test_sampled_replies_are_reproducible_by_seed_and_the_reference_loops(runs):
     from llmtrain.model import fast_sample
     from llmtrain.run.replies import generate_replies, load_source

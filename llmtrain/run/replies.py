@@ -77,12 +77,19 @@ def load_source(source: str, *, device=None) -> Source:
         raise LLMTrainError(f"'{source}' does not exist. Give a run's output_dir, one of its checkpoints, a model "
                             "folder or a hub id" + (f"; the runs in {path.parent} are {', '.join(runs[:8])}"
                                                    if runs else ""))
+    # a run's final/ is the run (its adapter on its base, its prompts rendered as its data were)
+    run = path.parent if (path.parent / "recipe.yaml").is_file() and path.parent.name != "checkpoints" else None
+    if run is not None and path.name == "final":
+        path = run
     if not (path / "recipe.yaml").is_file():  # a model folder or a hub id
         cfg = ModelConfig(name_or_path=source, dtype="bfloat16" if device.type == "cuda" else "float32")
         if problem := scorer_problem(load_model_config(cfg), source, "the model to generate with"):
             raise LLMTrainError(problem + ". Generate from the policy it was trained for")
         tokenizer = load_tokenizer(cfg)
         model = load_model(cfg, None).to(device)
+        if run is not None:  # a model in a run's folder (export --merge's final-merged): rendered as the run's data
+            return _source(model, tokenizer, run_recipe(run), f"{source} ({cfg.dtype}, of the run {run})",
+                           read_template)
         return Source(model.eval(), tokenizer, tokenizer.chat_template is not None, None, None, {},
                       f"{source} ({cfg.dtype})")
     recipe = run_recipe(path)
