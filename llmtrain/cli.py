@@ -276,8 +276,8 @@ def inspect_data(
 @user_errors
 def export(
     run_dir: Annotated[Path, typer.Argument(metavar="RUN_DIR", help="A finished run's output_dir.")],
-    merge: Annotated[bool, typer.Option("--merge", help="Merge a LoRA adapter into its base and write a full model.")
-                     ] = False,
+    merge: Annotated[bool, typer.Option("--merge", help="Merge the run's LoRA adapter into its base and write a full "
+                                        "model (required: the one thing export does).")] = False,
     out: Annotated[Optional[Path], typer.Option(help="Where to write (default <run_dir>/final-merged).")] = None,
 ) -> None:
     """Write a merged full model from a LoRA run's final adapter."""

@@ -1531,6 +1531,16 @@ _ALIASES = {
 
 
 def _suggest(key: str) -> str:
+    """' (did you mean KEY?)' for an unknown key, or ''. A list item's index (rl.rewards.0.colum) is kept in the
+    suggestion (rl.rewards.0.column), the keys being matched without it."""
+    parts = key.split(".")
+    if any(p.isdigit() for p in parts):
+        said = _suggest(".".join(p for p in parts if not p.isdigit()))
+        names = said[len(" (did you mean "):-len("?)")].split(", ") if said else []
+        if len(names) != 1 or names[0].count(".") != sum(not p.isdigit() for p in parts) - 1:
+            return said
+        words = iter(names[0].split("."))
+        return f" (did you mean {'.'.join(p if p.isdigit() else next(words) for p in parts)}?)"
     keys = all_keys()
     section, _, leaf = key.rpartition(".")
     prefix = section + "." if section else ""

@@ -199,7 +199,8 @@ def test_export_errors(runs, tmp_path):
     full = CliRunner().invoke(app, ["export", str(runs["full_run"]), "--merge"])
     assert full.exit_code == 2 and "Traceback" not in full.output
     missing = CliRunner().invoke(app, ["export", str(tmp_path / "nope"), "--merge"])
-    assert missing.exit_code == 2 and str(tmp_path / "nope") in " ".join(missing.output.split())
+    assert missing.exit_code == 2 and f"'{tmp_path / 'nope'}' does not exist: --merge takes a LoRA run's output_dir" \
+        in " ".join(missing.output.split()), missing.output  # it had said its final/ "holds no LoRA adapter"
 
 
 def test_a_complete_run_is_left_as_it_is(runs):

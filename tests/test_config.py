@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import yaml
+from helpers import REPO
 
 from llmtrain.config import Recipe, all_keys, load_recipe
 from llmtrain.errors import RecipeError
@@ -67,6 +68,14 @@ def test_typos_get_the_nearest_key(recipe_file, override, suggestion):
         load_recipe(recipe_file, [override])
     assert f"did you mean {suggestion}" in str(e.value)
     assert f"(the override {override})" in str(e.value)  # a mistyped section too names the override that made it
+
+
+def test_a_typo_in_a_list_item_is_suggested_with_its_index():
+    """'did you mean rl.rewards.column?' had dropped the item's index."""
+    with pytest.raises(RecipeError) as e:
+        load_recipe(REPO / "recipes" / "tiny-grpo.yaml", ["rl.rewards=[{type: format, pattern: x}, "
+                                                          "{type: answer_match, colum: completion}]"])
+    assert "rl.rewards.1.colum: unknown key (did you mean rl.rewards.1.column?)" in str(e.value), str(e.value)
 
 
 @pytest.mark.parametrize(("override", "default"), [("train.micro_batch_size=null", "1"), ("lora.r=null", "16"),

@@ -246,6 +246,8 @@ def test_under_fsdp_x_tp_the_users_code_runs_once_a_completion_and_samples_what_
     (["data.chat_template=true"], "the chat template does not write tool calls as JSON"),
     (["rl.tools=[no_such_module:f]"], "the tool 'no_such_module:f' cannot be imported"),
     (["rl.environment=llmtrain.tiny:code_of"], "is not a class with a reset method"),
+    (["rl.environment=llmtrain.tiny:NoSuch"], "rl.environment 'llmtrain.tiny:NoSuch' cannot be imported .* Name it "
+                                              "as module:Class"),
     (["rl.tools=[llmtrain.tiny:near_miss]"], "cannot be described to the model"),
 ])
 def test_bad_tools_are_refused_in_one_paragraph_before_anything_is_written(tiny_assets, tmp_path, overrides, says):

@@ -132,7 +132,7 @@ def environment_tools(name: str) -> tuple[type, list[str], list[dict]]:
     both ask). Refused in one paragraph where it is not such a class."""
     from transformers.utils import get_json_schema
 
-    cls = function_of(name)
+    cls = function_of(name, what="rl.environment", form="module:Class")
     if not isinstance(cls, type) or not callable(getattr(cls, "reset", None)):
         raise LLMTrainError(f"rl.environment '{name}' is not a class with a reset method: give module:Class, whose "
                             "instances have reset(**row) (called before each rollout, with the row's columns; it may "
@@ -169,14 +169,15 @@ def user_module(name: str):
     return importlib.import_module(name)
 
 
-def function_of(name: str):
-    """The Python callable `module:function` (a tool), or a clear error."""
+def function_of(name: str, *, what: str = "the tool", form: str = "module:function"):
+    """The Python callable `module:function` (a tool; `what` and `form` name another: rl.environment's module:Class),
+    or a clear error."""
     module, _, attr = name.partition(":")
     try:
         return getattr(user_module(module), attr)
     except (ImportError, AttributeError, ValueError) as e:
-        raise LLMTrainError(f"the tool '{name}' cannot be imported ({e}). Name it as module:function, with the module "
-                            "on the Python path (PYTHONPATH) or in the working directory.") from None
+        raise LLMTrainError(f"{what} '{name}' cannot be imported ({e}). Name it as {form}, with the module on the "
+                            "Python path (PYTHONPATH) or in the working directory.") from None
 
 
 PROBE_ARGS = {"probe_argument": "probe value"}

@@ -87,6 +87,10 @@ def export_merged(run_dir: Path, out: Path | None = None, *, say=lambda text: No
 
     transformers.utils.logging.disable_progress_bar()  # "Loading weights", "Writing model shards": say() says it
     final = run_dir / "final"
+    if not (run_dir / "recipe.yaml").is_file():
+        there = "does not exist" if not run_dir.exists() else "is not a run's folder (it has no recipe.yaml)"
+        raise LLMTrainError(f"'{run_dir}' {there}: --merge takes a LoRA run's output_dir (runs/NAME), whose final/ "
+                            "holds the adapter.")
     if not (final / "adapter_config.json").is_file():
         raise LLMTrainError(
             f"'{final}' holds no LoRA adapter (adapter_config.json). --merge needs a finished LoRA run; "

@@ -76,6 +76,7 @@ def load_source(source: str, *, device=None) -> Source:
         runs = sorted(p.name for p in path.parent.glob("*") if (p / "recipe.yaml").is_file())
         raise LLMTrainError(f"'{source}' does not exist. Give a run's output_dir, one of its checkpoints, a model "
                             "folder or a hub id" + (f"; the runs in {path.parent} are {', '.join(runs[:8])}"
+                                                   + (f" and {len(runs) - 8} more" if len(runs) > 8 else "")
                                                    if runs else ""))
     # a run's final/ is the run (its adapter on its base, its prompts rendered as its data were)
     run = path.parent if (path.parent / "recipe.yaml").is_file() and path.parent.name != "checkpoints" else None
