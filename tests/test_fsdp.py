@@ -53,8 +53,9 @@ def _launch(recipe: Path, port: int, *overrides: str, resume: str | None = None,
     extra = ["--resume", resume] if resume else []
     proc = _accelerate_launch(port, "-m", "llmtrain", "finetune", str(recipe), *overrides, *extra,
                               processes=processes, check=check)
-    assert f"FSDP2 on CPU: {processes} processes over gloo, SHARDED_STATE_DICT checkpoints" in proc.stdout
-    assert f"x {processes} processes" in proc.stdout
+    assert f"FSDP2 on CPU: {processes} process{'es' * (processes != 1)} over gloo, SHARDED_STATE_DICT checkpoints" \
+        in proc.stdout
+    assert f"x {processes} process{'es' * (processes != 1)}" in proc.stdout
     return proc
 
 

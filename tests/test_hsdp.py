@@ -44,7 +44,7 @@ def _launch(recipe: Path, port: int, processes: int, *overrides: str, resume: st
     the micro-batch that keeps the global micro-batch at 4 examples. Returns what the main process printed."""
     out = launch_finetune(CONFIGS[processes], processes, port, recipe, f"train.micro_batch_size={4 // processes}",
                           f"train.grad_accum_steps={accum}", *overrides, resume=resume)
-    assert f"FSDP2 on CPU: {processes} processes over gloo" in out
+    assert f"FSDP2 on CPU: {processes} process{'es' * (processes != 1)} over gloo" in out
     assert f"x {MESH[processes]} = {4 * accum} examples/step" in out, out
     return out
 

@@ -130,7 +130,8 @@ def _fsdp_on_cpu(accelerator, fsdp_plugin) -> None:
     # AcceleratorState and PartialState keep separate shared dicts; both must agree (wait_for_everyone,
     # RNG sync and the like read PartialState's).
     PartialState._shared_state["distributed_type"] = DistributedType.FSDP
-    accelerator.print(f"FSDP2 on CPU: {accelerator.num_processes} processes over gloo, "
+    n = accelerator.num_processes
+    accelerator.print(f"FSDP2 on CPU: {n} process{'es' * (n != 1)} over gloo, "
                       f"{fsdp_plugin.state_dict_type.name} checkpoints")
 
 
