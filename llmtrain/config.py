@@ -1534,28 +1534,32 @@ def _suggest(key: str) -> str:
     """' (did you mean KEY?)' for an unknown key, or ''. A list item's index (rl.rewards.0.colum) is kept in the
     suggestion (rl.rewards.0.column), the keys being matched without it."""
     parts = key.split(".")
-    if any(p.isdigit() for p in parts):
-        said = _suggest(".".join(p for p in parts if not p.isdigit()))
-        names = said[len(" (did you mean "):-len("?)")].split(", ") if said else []
-        if len(names) != 1 or names[0].count(".") != sum(not p.isdigit() for p in parts) - 1:
-            return said
-        words = iter(names[0].split("."))
-        return f" (did you mean {'.'.join(p if p.isdigit() else next(words) for p in parts)}?)"
+    words = [p for p in parts if not p.isdigit()]
+    names = _nearest(".".join(words))
+    if len(words) < len(parts) and all(n.count(".") == len(words) - 1 for n in names):
+        # each name's words with the key's indices between them
+        names = [".".join(p if p.isdigit() else next(w) for p in parts) for w in (iter(n.split(".")) for n in names)]
+    if not names:
+        return ""
+    return f" (did you mean {', '.join(names[:-1]) + ' or ' if len(names) > 1 else ''}{names[-1]}?)"
+
+
+def _nearest(key: str) -> list[str]:
+    """The schema's keys nearest an unknown dotted key (no list indices): its alias, every sibling it begins
+    (parallel.pipeline: each pipeline_* key), or the closest spelling."""
     keys = all_keys()
     section, _, leaf = key.rpartition(".")
     prefix = section + "." if section else ""
     siblings = [k.rsplit(".", 1)[-1] for k in keys if k.startswith(prefix) and k.count(".") == key.count(".")]
     named = [prefix + k for k in siblings if k.startswith(leaf + "_")]  # parallel.pipeline: each pipeline_* key
     if _ALIASES.get(leaf) in siblings:
-        close = [prefix + _ALIASES[leaf]]
-    elif len(named) > 1:
-        return f" (did you mean {', '.join(named[:-1])} or {named[-1]}?)"
-    else:  # a misspelt alias counts as the alias (train.lerning_rate: train.lr)
-        aliases = {prefix + a: prefix + ours for a, ours in _ALIASES.items() if ours in siblings}
-        close = [aliases.get(k, k) for k in difflib.get_close_matches(key, keys + list(aliases), n=1, cutoff=0.75)]
-        if not close:
-            close = [prefix + m for m in difflib.get_close_matches(leaf, siblings, n=1, cutoff=0.5)]
-    return f" (did you mean {close[0]}?)" if close else ""
+        return [prefix + _ALIASES[leaf]]
+    if len(named) > 1:
+        return named
+    # a misspelt alias counts as the alias (train.lerning_rate: train.lr)
+    aliases = {prefix + a: prefix + ours for a, ours in _ALIASES.items() if ours in siblings}
+    close = [aliases.get(k, k) for k in difflib.get_close_matches(key, keys + list(aliases), n=1, cutoff=0.75)]
+    return close or [prefix + m for m in difflib.get_close_matches(leaf, siblings, n=1, cutoff=0.5)]
 
 
 # pydantic's names for the members of a union (model.tiled_mlp: bool | int), as a reader would say them

@@ -14,7 +14,7 @@ from pathlib import Path
 from llmtrain import hub
 from llmtrain.config import Recipe
 from llmtrain.data.checks import (Check, check_chat_template, check_context, check_new_tokens, check_tokenizer,
-                                  embedding_rows, load_data)
+                                  load_data)
 from llmtrain.errors import LLMTrainError
 
 BIG_MODEL_PARAMS = 3e9  # above this a full fine-tune keeps ~16 bytes/param of state: FSDP, not DDP
@@ -399,12 +399,13 @@ def check_family(recipe: Recipe) -> list[Check]:
              "tiled MLP, the fast sampler) are untested on it. Try a short run (train.max_steps=20) before a long one")]
 
 
-def _model_config(recipe: Recipe):
-    """The model's config where it can be read (a folder, or a hub id in the local cache), else None."""
-    from llmtrain.model.modeling import load_model_config
+def _embedding_rows(recipe: Recipe, tokenizer) -> int | None:
+    """The rows of the model's embedding (modeling.embedding_rows) where its config can be read (a folder, or a hub
+    id in the local cache), else None."""
+    from llmtrain.model.modeling import embedding_rows, load_model_config
 
     try:
-        return load_model_config(recipe.model)
+        return embedding_rows(recipe, tokenizer, load_model_config(recipe.model))
     except LLMTrainError:
         return None
 
@@ -497,7 +498,7 @@ def run_doctor(recipe: Recipe, *, accelerate_config: Path | None = None,
             checks.append(("data", "skipped", "needs a chat template that renders (the chat template row)"))
         else:
             checks += load_data(recipe, tokenizer, world=data_ranks(launch, recipe),
-                                rows=embedding_rows(recipe, tokenizer, _model_config(recipe)))
+                                rows=_embedding_rows(recipe, tokenizer))
         checks += check_rewards_run(recipe, tokenizer) + check_tools(recipe, tokenizer) + check_teacher(recipe,
                                                                                                           tokenizer)
     checks += check_context(recipe.data.max_seq_len, _max_positions(recipe.model.name_or_path))

@@ -180,15 +180,6 @@ def check_kl_pairs(recipe: Recipe, train_lengths: list[int], eval_lengths: list[
              "at most one an epoch holds two or more (KTO's KL estimate)")]
 
 
-def embedding_rows(recipe: Recipe, tokenizer, config) -> int | None:
-    """The rows of the model's embedding as load_model leaves them (`config`: the model's text config, None where it
-    could not be read): config.vocab_size, grown to the tokenizer's length by model.new_tokens alone."""
-    rows = getattr(config, "vocab_size", None) if config is not None else None
-    if rows is None:
-        return None
-    return max(rows, len(tokenizer)) if recipe.model.new_tokens else rows
-
-
 def largest_id(*datasets) -> int:
     """The largest token id in the datasets' id columns (input_ids, chosen_ids, ...: lists of ints), read with
     pyarrow's kernels (no row is decoded); -1 where there is none."""
@@ -207,8 +198,9 @@ def largest_id(*datasets) -> int:
 
 
 def check_token_ids(recipe: Recipe, tokenizer, rows: int | None, train, eval_ds) -> list[Check]:
-    """Every token id of the data has a row in the model's embedding (`rows`: embedding_rows): a tokenizer that is not
-    the model's (model.tokenizer) gives ids past it, and the first step would stop in the embedding's lookup."""
+    """Every token id of the data has a row in the model's embedding (`rows`: model.modeling.embedding_rows): a
+    tokenizer that is not the model's (model.tokenizer) gives ids past it, and the first step would stop in the
+    embedding's lookup."""
     if rows is None:
         return []
     top = largest_id(train, eval_ds)
@@ -225,8 +217,8 @@ def check_token_ids(recipe: Recipe, tokenizer, rows: int | None, train, eval_ds)
 
 def check_data(recipe: Recipe, stats: DataStats, train, eval_ds, tokenizer, *, rows: int | None = None) -> list[Check]:
     """The data checks `finetune` (which stops on a fail) and `doctor` share: the token ids within the model's
-    embedding (`rows`: embedding_rows, None: unknown), the loss mask, the stop token trained, and the token budget,
-    on the tokenised train (and eval) sets."""
+    embedding (`rows`: model.modeling.embedding_rows, None: unknown), the loss mask, the stop token trained, and the
+    token budget, on the tokenised train (and eval) sets."""
     unused = check_token_ids(recipe, tokenizer, rows, train, eval_ds) + check_no_eval(recipe, eval_ds) + \
         check_hub_keys(recipe)
     if recipe.data.format == "prompt":  # online RL: nothing is trained from the data; the completions need room

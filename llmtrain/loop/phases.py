@@ -27,7 +27,7 @@ from llmtrain import capabilities
 from llmtrain.config import Recipe, tiled_mlp_shard, updates_per_window
 from llmtrain.data.batching import DataPlan
 from llmtrain.data.chat import template_file
-from llmtrain.data.checks import check_context, check_data, check_epochs, check_warmup, data_plan, embedding_rows
+from llmtrain.data.checks import check_context, check_data, check_epochs, check_warmup, data_plan
 from llmtrain.data.prepare import prepare_recipe
 from llmtrain.errors import Everywhere, LLMTrainError
 from llmtrain.layout import Layout
@@ -39,6 +39,7 @@ from llmtrain.model.modeling import (
     build_scheduler,
     count_parameters,
     describe_attention,
+    embedding_rows,
     fused_linear_cross_entropy,
     load_model,
     load_model_config,
@@ -84,6 +85,7 @@ class Checked:
     checkpoint: Path | None  # the checkpoint to resume from (None: start at step 0)
     notes: tuple[str, ...]  # allowed recipe changes at resume (--allow-recipe-change)
     finished: dict | None  # the summary of a run that is already complete with this recipe: nothing to do
+    config: object = None  # the model's config (no weights), None where it cannot be read: said where it is loaded
 
 
 def read_only_checks(recipe: Recipe, accelerator, *, resume: str | None, overwrite: bool,
@@ -127,7 +129,7 @@ def read_only_checks(recipe: Recipe, accelerator, *, resume: str | None, overwri
         raise Everywhere(str(e)) from None
     if resume and ckpt is None:
         say(f"--resume {resume}: no complete checkpoint in {out}; starting from step 0.")
-    return Checked(checkpoint=ckpt, notes=tuple(notes), finished=None)
+    return Checked(checkpoint=ckpt, notes=tuple(notes), finished=None, config=config)
 
 
 # --------------------------------------------------------------------------- 2. seeding
@@ -161,8 +163,9 @@ class Data:
     reference_s: float = 0.0  # seconds spent computing a preference run's reference log-probabilities: run time
 
 
-def prepare_data(recipe: Recipe, accelerator, *, say) -> Data:
-    """Tokenised once on the main process, then read from the cache by the others; checked; planned."""
+def prepare_data(recipe: Recipe, accelerator, *, say, config=None) -> Data:
+    """Tokenised once on the main process, then read from the cache by the others; checked (`config`: the model's,
+    read_only_checks', for its embedding's rows; None: unknown); planned."""
     tc = recipe.train
     tokenizer = load_tokenizer(recipe.model)
     # a file: final/'s tokenizer renders as training did (data.chat_template_kwargs are not baked into it: a server
@@ -206,10 +209,7 @@ def prepare_data(recipe: Recipe, accelerator, *, say) -> Data:
 
         for line in describe(recipe.data, stats, source_sizes(train_ds["source"])):
             say(f"data source: {line}")
-    try:
-        rows = embedding_rows(recipe, tokenizer, load_model_config(recipe.model))
-    except LLMTrainError:  # said where the model is loaded
-        rows = None
+    rows = embedding_rows(recipe, tokenizer, config)
     for name, status, detail in check_data(recipe, s, train_ds, eval_ds, tokenizer, rows=rows):  # as `llmtrain doctor`
         if status == "fail":  # every process checks the same data: said once a node
             raise Everywhere(f"{name}: {detail}")

@@ -96,7 +96,7 @@ def _train(recipe: Recipe, accelerator, console: RunConsole, cleanup: ExitStack,
     if checked.finished is not None:
         return checked.finished
     seed_run(recipe.train, cleanup)
-    data = prepare_data(recipe, accelerator, say=say)
+    data = prepare_data(recipe, accelerator, say=say, config=checked.config)
     check_steps_left(checked.checkpoint, data.total_steps, out=Path(recipe.output_dir))
     # RL: checked before the model loads (a reward model is loaded now, on the run's device)
     rewards = rl_rewards(recipe, data.train, total_steps=data.total_steps, device=accelerator.device,
@@ -268,8 +268,6 @@ def _stopped_at(run: Run, step: int):
                  "No checkpoint was written yet.")
         e.args = (f"step {step} stopped: {e} {after}", *e.args[1:])
         raise
-
-
 
 
 def report(run: Run, state: TrainState, meter: Meter, progress, task, *, logged: bool, evals: list[dict]) -> None:

@@ -296,6 +296,16 @@ def load_model(cfg: ModelConfig, lora: LoraConfig | None, *, device: torch.devic
     return model
 
 
+def embedding_rows(recipe, tokenizer, config) -> int | None:
+    """The rows of the model's embedding as load_model leaves them (`config`: the model's text config, None where it
+    could not be read): config.vocab_size, grown to the tokenizer's length by model.new_tokens alone
+    (grow_vocabulary)."""
+    rows = getattr(config, "vocab_size", None) if config is not None else None
+    if rows is None:
+        return None
+    return max(rows, len(tokenizer)) if recipe.model.new_tokens else rows
+
+
 def grow_vocabulary(model, size: int) -> None:
     """The embeddings and the LM head grown to `size` rows (model.new_tokens: the tokenizer's new length), each new row
     the mean of the old ones: a new token starts where the model's tokens are on average, and its first logits are

@@ -13,7 +13,7 @@ import torch
 from llmtrain.capabilities import scorer_problem
 from llmtrain.config import ModelConfig, Recipe, run_folder_problem
 from llmtrain.errors import LLMTrainError
-from llmtrain.model.modeling import load_model
+from llmtrain.model.modeling import embedding_rows, load_model
 
 
 def teacher_config(recipe: Recipe) -> ModelConfig:
@@ -50,12 +50,9 @@ def vocabulary_problem(recipe: Recipe, tokenizer) -> str | None:
                 "(config.json and weights) or a hub id that is in the local Hugging Face cache.")
     if problem := scorer_problem(config, path, "distill.teacher"):
         return problem + ". Distill from a causal LM (the policy the reward model scores, or any model of the family)."
-    # the student's rows as load_model leaves them: grown to the tokenizer's length by model.new_tokens alone
-    # (modeling.grow_vocabulary); a tokenizer longer than the model's rows (Mistral v0.3's on a 32,000-row config)
-    # leaves them as they are
-    theirs, ours = config.get_text_config().vocab_size, student.get_text_config().vocab_size
-    if recipe.model.new_tokens:
-        ours = max(ours, len(tokenizer))
+    # the student's rows as load_model leaves them (embedding_rows): a tokenizer longer than the model's rows (Mistral
+    # v0.3's on a 32,000-row config) leaves them as they are
+    theirs, ours = config.get_text_config().vocab_size, embedding_rows(recipe, tokenizer, student.get_text_config())
     fix = ("Distill from a teacher of the student's family (the same tokenizer), or train the student on the "
            "teacher's tokenizer first.")
     if recipe.model.new_tokens:

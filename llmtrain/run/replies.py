@@ -57,10 +57,10 @@ def load_source(source: str, *, device=None) -> Source:
     import torch
     import transformers
 
+    from llmtrain.capabilities import scorer_problem
     from llmtrain.config import ModelConfig
     from llmtrain.data.chat import read_template
     from llmtrain.hub import missing_local
-    from llmtrain.capabilities import scorer_problem
     from llmtrain.model.modeling import load_model, load_model_config, load_tokenizer
     from llmtrain.run.rundir import run_recipe
 
