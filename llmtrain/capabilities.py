@@ -297,10 +297,6 @@ RULES: tuple[Rule, ...] = (
          "{key} samples with each process's split weights, and a merged generation copy (rl.merged_copy, "
          "distill.merged_copy) is made of whole ones. Set merged_copy: off (the adapters run unmerged beside the "
          "split layers)"),
-    Rule("tp", lambda r, _: r.lora is not None and r.lora.dora,
-         "lora.dora under {key}: DoRA divides each output row by the norm of its whole weight row (W + s B A), and "
-         "tensor parallelism splits the weights by rows or columns, each process holding a part of a row or of the "
-         "magnitudes. Set lora.dora=false, or launch FSDP (each layer's weights are whole in its forward)"),
     Rule("tp", _copy_unsharded,
          "{key} without FSDP: a full fine-tune's reference ({reference}) is a frozen copy of the starting weights, "
          "sharded like the policy under FSDP only and otherwise whole on every process, undoing the split. Launch "

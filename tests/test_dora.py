@@ -1,11 +1,13 @@
 """DoRA (lora.dora, peft's use_dora): a run trains and saves each adapted linear's magnitudes, resumes exactly, loads
 back in peft and merges to the same model; the estimate counts the model's adapter weights; the layouts and models
-that cannot run it refuse it in one paragraph. (What its layers keep for backward and its step's peak:
+that cannot run it refuse it in one paragraph (a
+mixture of experts whose experts peft adapts as parameters). (What its layers keep for backward and its step's peak:
 tests/test_memory_saved.py and test_memory_step.py.)"""
 
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 
 import pytest
 import torch
@@ -90,23 +92,33 @@ def test_a_dora_run_saves_its_magnitudes_resumes_exactly_and_merges_to_the_same_
     torch.testing.assert_close(_logits(merged, tokenizer), adapted, atol=1e-5, rtol=1e-5)
 
 
-def test_tensor_parallelism_refuses_it_and_fsdp_takes_it(tiny_assets, tmp_path):
-    """Tensor parallelism splits the rows whose norms DoRA divides by: refused before any process starts; FSDP and DDP
-    pass (FSDP gathers each layer's weights whole for its forward)."""
+def test_every_layout_takes_it_and_the_estimate_splits_its_magnitudes_under_tensor_parallelism(tiny_assets, tmp_path):
+    """Tensor parallelism, FSDP and DDP pass the layout check (tensor parallelism had refused DoRA: it trains like one
+    process, tests/test_tp.py). Under FSDP x TP a GPU holds its slice's magnitudes: a column-wise layer's split with
+    its output rows (q, k, v, gate, up: out / tp), a row-wise one's whole (o, down), each FSDP-sharded over the
+    shards; so Mistral-7B's LoRA weights per GPU on TP 2 x 4 shards gain (17,408 + 8,192) x 32 fp32 magnitudes / 4
+    with DoRA, and its whole model's trainable count the 1,376,256 of one GPU. An estimate under TP makes the row
+    norms as llmtrain does there (B A directly, W added in place: two [out, in] tensors of the slice), not through
+    peft's in x in identity."""
     from llmtrain.doctor import check_layout
+    from llmtrain.memory import activations as act
 
     recipe = load_recipe(write_recipe(tiny_assets, tmp_path, lora={"r": 4, "dora": True}), [])
     layouts = {name: yaml.safe_load((REPO / "accelerate_configs" / f"cpu_{name}.yaml").read_text())
                for name in ("tp", "fsdp", "ddp")}
-    ((_, status, detail),) = check_layout(recipe, layouts["tp"])
-    assert status == "fail" and detail.startswith("lora.dora under tensor parallelism") and \
-        "Set lora.dora=false, or launch FSDP" in detail
-    assert [check_layout(recipe, layouts[name])[0][1] for name in ("fsdp", "ddp")] == ["pass", "pass"]
-    # an estimate from flags (--model) refuses it too (it said the run fits)
-    refused = invoke("estimate-memory", "--model", "mistral-7b", "--method", "lora", "--dora", "--tp", "2",
-                     "--strategy", "fsdp", "--num-gpus", "8", check=False)
-    said = " ".join((refused.stdout + refused.stderr).split())
-    assert refused.returncode == 2 and "DoRA (--dora, lora.dora) under tensor parallelism" in said
+    assert [check_layout(recipe, layouts[name])[0][1] for name in ("tp", "fsdp", "ddp")] == ["pass"] * 3
+    runs = {}
+    for dora in ("--dora", "--no-dora"):
+        out = invoke("estimate-memory", "--model", "mistral-7b", "--method", "lora", "--lora-dropout", "0", dora,
+                     "--tp", "2", "--strategy", "fsdp", "--num-gpus", "8", "--json")
+        runs[dora] = json.loads(out.stdout)
+    assert runs["--dora"]["params_trainable"] - runs["--no-dora"]["params_trainable"] == 1_376_256
+    weights = runs["--dora"]["breakdown"]["weights"] - runs["--no-dora"]["breakdown"]["weights"]
+    assert weights == (17_408 + 8_192) * 32 * 4 // 4  # fp32 magnitudes, a quarter of them on each of 4 shards
+    p = act.Pass(rows=1, row_len=8, resid=2, cd=2, autocast=True, attn="sdpa", mask=False, trainable_base=False,
+                 adapters_in_cd=True, dora=True)
+    assert act.dora_forward_temp(p, 14336, 2048) == 14336 * 14336 * 2 + 4 * 14336 * 2048 * 2
+    assert act.dora_forward_temp(replace(p, dora_split=True), 14336, 2048) == 2 * 14336 * 2048 * 2
 
 
 @pytest.mark.slow

@@ -14,7 +14,7 @@ after 4 steps at the default eps, where losses and gradient norms agree to 1e-7)
 momentum of the gradient itself, and the final weights compare the gradients element by element.
 
 LoRA under FSDP x TP (each adapter laid out beside its split base layer: tensor.ADAPTER_SPLIT) trains like 1 process
-and resumes on 1; online RL (GRPO, RLOO) samples and trains like 1 process, rollouts.jsonl holding each completion
+and resumes on 1, and so does DoRA (its magnitudes and row norms laid out as the base layer's output); online RL (GRPO, RLOO) samples and trains like 1 process, rollouts.jsonl holding each completion
 once; KTO and distillation with LoRA train as plain FSDP on the same data ranks.
 
 Four processes on two cores are slow: these tests are few and small, and marked slow.
@@ -155,6 +155,46 @@ def test_lora_under_fsdp_x_tp_trains_like_one_process_and_resumes_on_one(tiny_as
     assert "resumed from" in _launch(recipe, free_port + 1, 1, f"output_dir={run}", resume="auto")  # FSDP, 1 process
     assert losses(run) == pytest.approx(losses(single), abs=1e-6)
     assert max_abs_diff(load_weights(run / "final" / name), b) < 1e-6
+
+
+# dropout (extended for CI time, 6 processes): peft's second base matmul on the dropped input, run through the split
+# layer; main tier: DoRA's norms and magnitudes laid out beside every split layer
+@pytest.mark.parametrize("dropout", [0.0, pytest.param(0.1, marks=pytest.mark.extended)])
+def test_dora_under_fsdp_x_tp_trains_like_one_process(tiny_assets, tmp_path, free_port, dropout):
+    """DoRA (lora.dora) beside the split layers (tensor._split_dora), once refused: a column-wise layer's magnitudes
+    split with its output rows, a row-wise one's whole on every rank with each row's norm summed over the pair. 2
+    shards x 2 TP x micro-batch 2 == 1 process x micro-batch 4 on every linear: losses and gradient norms to 1e-6, the
+    adapter with its magnitudes (moved off the base's row norms, where peft starts them) to 1e-6, and no DCP warning
+    on the terminal (the checkpoint's check of the sharded LoRA B matrices had printed one at each save). A norm of
+    one rank's half of a row, or magnitudes laid out beside the wrong rows, changes the first step's gradient norm.
+
+    With lora.dropout 0.1 peft runs the base layer again on the dropped input; a row-wise adapter draws its mask on
+    its rank's columns (not one process's), so the column-wise layers alone are adapted and the run is held to plain
+    FSDP on the same data ranks (2 processes, micro-batch 2), whose masks are the pair's."""
+    targets = ["q_proj", "k_proj", "v_proj", "gate_proj", "up_proj"] if dropout else "all-linear"
+    recipe = write_recipe(tiny_assets, tmp_path, train={"max_steps": 4, "micro_batch_size": 4, **SGD_LIKE},
+                          lora={"r": 4, "alpha": 8, "dropout": dropout, "dora": True, "target_modules": targets},
+                          checkpoint={"every_steps": 2}, model={"attn_implementation": "eager"})
+    reference = tmp_path / "reference"
+    if dropout:
+        _launch(recipe, free_port + 1, 2, f"output_dir={reference}")
+    else:
+        run_train(recipe, f"output_dir={reference}")
+    tp = tmp_path / "tp"
+    out = _launch(recipe, free_port, 4, f"output_dir={tp}")
+    assert "torch.distributed is disabled" not in out
+    assert_same_steps(tp, reference, tol=1e-6)
+    assert losses(tp) == pytest.approx(losses(reference), abs=1e-6)
+    name = "adapter_model.safetensors"
+    ours, theirs = load_weights(tp / "final" / name), load_weights(reference / "final" / name)
+    assert ours.keys() == theirs.keys() and max_abs_diff(ours, theirs) < 1e-6
+    base = load_weights(tiny_assets / "model" / "model.safetensors")
+    magnitudes = {k: v for k, v in ours.items() if k.endswith("lora_magnitude_vector")}
+    assert len(magnitudes) == (10 if dropout else 14)  # 2 layers x 5 (or 7) linears
+    start = {k: torch.linalg.norm(base[k.removeprefix("base_model.model.").replace("lora_magnitude_vector",
+                                                                                   "weight")], dim=1)
+             for k in magnitudes}
+    assert min((magnitudes[k] - start[k]).abs().max().item() for k in magnitudes) > 1e-4
 
 
 @pytest.mark.extended  # main tier: test_fsdp_x_tp_2x2_trains_like_one_process, the tiled MLP under FSDP

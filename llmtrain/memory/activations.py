@@ -70,6 +70,8 @@ class Pass:
     # second base matmul saves (0: its weight is the parameter itself)
     dora: bool = False
     dora_weight_copy: int = 0
+    # tensor parallelism: llmtrain makes the row norms of each split layer's part itself (parallel/tensor._dora_forward)
+    dora_split: bool = False
 
     @property
     def tokens(self) -> int:
@@ -626,11 +628,14 @@ def lora_forward_temp(p: Pass, fan_in: int, fan_out: int) -> int:
 def dora_forward_temp(p: Pass, fan_in: int, fan_out: int) -> int:
     """DoRA's row norms of W + s B A, made in each forward (peft's get_lora_weight and get_weight_norm): B A as B(A(I)),
     I the identity of fan_in rows in the adapters' dtype, then W and B A cast to the input's dtype (the adapters',
-    fp32 unless they run in cd), s B A and the sum: the identity and four [out, in] tensors at once at most. 0
-    without DoRA."""
+    fp32 unless they run in cd), s B A and the sum: the identity and four [out, in] tensors at once at most. Under
+    tensor parallelism (dora_split), llmtrain's: B A made directly, W added in place: two [out, in] tensors of the
+    GPU's part at most. 0 without DoRA."""
     if not p.dora:
         return 0
     width = p.cd if p.adapters_in_cd else FP32
+    if p.dora_split:
+        return 2 * fan_in * fan_out * width
     return fan_in * fan_in * width + 4 * fan_in * fan_out * width
 
 

@@ -110,7 +110,7 @@ def make_pass(shape: ModelShape, spec: TrainSpec, *, examples: int | None = None
                     mlp_shard=shard if shard and tokens > shard else None, sequence_parallel=n,
                     per_layer_inputs_train=bool(shape.per_layer_input) and (spec.method == "full" or (
                         "per_layer_model_projection" in run_lora_plan(shape, spec).adapted_other)),
-                    dora=spec.method == "lora" and spec.lora_dora,
+                    dora=spec.method == "lora" and spec.lora_dora, dora_split=spec.tp > 1,
                     dora_weight_copy=_dora_weight_copy(spec, DTYPE_BYTES[stream], DTYPE_BYTES[compute], amp),
                     **_expert_adapters(shape, spec, DTYPE_BYTES[stream]))
 

@@ -278,10 +278,6 @@ class TrainSpec:
                             "2 nodes (--num-nodes) of at least 2 GPUs (--num-gpus)")
         if self.cpu_offload and not self.sharded:
             problems.append("cpu offload is FSDP's (fsdp_offload_params): use strategy fsdp")
-        if self.lora_dora and self.tp > 1:
-            problems.append("DoRA (--dora, lora.dora) under tensor parallelism: DoRA divides each output row by the "
-                            "norm of its whole weight row, and tensor parallelism splits the weights by rows or "
-                            "columns: no --dora, or --tp 1 (FSDP: each layer's weights are whole in its forward)")
         if self.tp > 1:
             if not self.sharded or self.quantize or self.cpu_offload:
                 problems.append("tensor parallelism (tp > 1) is trained as FSDP (or HSDP) x TP, a full fine-tune or "

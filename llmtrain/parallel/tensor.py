@@ -36,7 +36,8 @@ def apply_tensor_parallel(model, mesh) -> tuple[int, int]:
     LoRA (peft's layers): the base layer inside each is split as the plan says and its adapters beside it as
     ADAPTER_SPLIT says, so an adapter's output is laid out as its base layer's; the 4-bit base of QLoRA cannot be
     split (refused: capabilities.RULES). With lora.dropout, a column-wise adapter draws its mask on the whole input
-    on every rank of the pair (the same seed, the same draws: the same mask)."""
+    on every rank of the pair (the same seed, the same draws: the same mask). DoRA's magnitudes and row norms are
+    laid out as the base layer's output (_split_dora)."""
     from fnmatch import fnmatchcase
 
     from torch.distributed.tensor import Replicate
@@ -52,7 +53,7 @@ def apply_tensor_parallel(model, mesh) -> tuple[int, int]:
     base = getattr(lm, lm.base_model_prefix)
     matched = {name: style for name, _ in base.named_modules()
                for pattern, style in plan.items() if style in styles and fnmatchcase(name, pattern)}
-    layers = {}
+    layers, dora = {}, []
     for name, style in matched.items():
         module = base.get_submodule(name)
         if not isinstance(getattr(module, "lora_A", None), torch.nn.ModuleDict):
@@ -65,7 +66,11 @@ def apply_tensor_parallel(model, mesh) -> tuple[int, int]:
             layers[f"{name}.{ADAPTER_SPLIT[style]}.{adapter}"] = styles[style]()
             # a column-wise layer's input is one replicated DTensor (below): its adapter takes the local (whole) tensor
             module.lora_dropout[adapter].register_forward_pre_hook(_local_input)
+            if module.use_dora.get(adapter):
+                dora.append((module.lora_magnitude_vector[adapter], style))
     parallelize_module(base, mesh, layers)
+    for magnitude, style in dora:
+        _split_dora(magnitude, style, mesh)
     experts = [name for name, _ in base.named_modules()
                for pattern, style in plan.items() if style == EXPERTS and fnmatchcase(name, pattern)]
     for name in experts:
@@ -79,6 +84,64 @@ def apply_tensor_parallel(model, mesh) -> tuple[int, int]:
         if any(fnmatchcase(name, pattern) for pattern, style in plan.items() if style == SUMMED):
             base.get_submodule(name).register_forward_pre_hook(_gradients_summed(mesh))
     return len(matched), len(experts)
+
+
+def _split_dora(layer, style: str, mesh) -> None:
+    """DoRA beside a split layer (peft's DoraLinearLayer): its output is (m / n) (W + s B A) x with m a trained
+    magnitude per output row and n the norm of that row of W + s B A, which tensor parallelism splits: a column-wise
+    layer (q, k, v, gate, up) holds whole rows of 1/tp of the outputs, so its magnitudes are split with them (Shard(0))
+    and each rank's norms are its rows'; a row-wise one (o, down) holds 1/tp of every row's columns, so its magnitudes
+    stay whole on every rank and each row's squared norm is the sum of the ranks' parts (an all-reduce of `out`
+    numbers, without gradient: peft detaches n); a gathered column-wise one (Phi's fused qkv_proj, gate_up_proj)
+    holds whole rows of 1/tp of the outputs and gathers its output, so its magnitudes stay whole and its norms are
+    gathered. The layer then runs on the local tensors (_dora_forward), as peft's forward does on whole ones."""
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    if style == "colwise":
+        layer.weight = torch.nn.Parameter(distribute_tensor(layer.weight.data, mesh, [Shard(0)]),
+                                          requires_grad=layer.weight.requires_grad)
+    layer.__dict__["forward"] = functools.partial(_dora_forward, layer, style, mesh.get_group())
+
+
+def _dora_forward(layer, style, group, x, *, lora_A, lora_B, scaling, base_layer, base_result=None,
+                  adapter_name="default"):
+    """peft's DoraLinearLayer.forward on this rank's part of a split layer: what DoRA adds to the base layer's output,
+    (m / n - 1) W x + (m / n) s B A x, laid out as that output (this rank's rows under a column-wise split, whole
+    under a row-wise or gathered one). `base_result` is the base layer's output where peft has it (no dropout, or
+    eval); with dropout, the base layer is run again on the dropped input (peft's F.linear(x, W), through the split
+    layer so that its output is laid out the same)."""
+    import torch.distributed as dist
+    from torch.distributed.tensor import DTensor
+
+    def local(t):
+        return t.to_local() if isinstance(t, DTensor) else t
+
+    x = local(x)  # (a column-wise block's replicated input where no dropout made it local)
+    with torch.no_grad():  # n: detached in peft too (the DoRA paper's section 4.3)
+        dtype = x.dtype  # (peft's: the adapters' dtype, which the input was cast to)
+        # W + s B A, B A made directly (peft runs an in x in identity through A and B) and added to in place: two
+        # [out, in] tensors of this rank's part at most (memory/activations.dora_forward_temp)
+        direction = local(lora_B.weight).to(dtype) @ local(lora_A.weight).to(dtype)
+        direction.mul_(scaling).add_(local(base_layer.weight).to(dtype))
+        norm = torch.linalg.norm(direction, dim=1).float()
+        del direction
+        if style.startswith("rowwise"):  # each rank holds a part of every row: the parts' squares summed
+            norm = norm.square()
+            dist.all_reduce(norm, group=group)
+            norm = norm.sqrt()
+        elif style == "colwise_gather_output":  # each rank's rows, gathered into the whole output's
+            parts = [torch.empty_like(norm) for _ in range(dist.get_world_size(group))]
+            dist.all_gather(parts, norm, group=group)
+            norm = torch.cat(parts)
+        norm = norm.to(dtype)
+    scale = (local(layer.weight) / norm).view(1, -1)
+    lora_result = lora_B(lora_A(x))
+    if base_result is None:
+        base_result = base_layer(x)
+    if (bias := base_layer.bias) is not None:  # (a gathered layer's output is whole: so is the bias it takes off)
+        base_result = base_result - (bias.full_tensor() if style == "colwise_gather_output" and
+                                     isinstance(bias, DTensor) else local(bias))
+    return (scale - 1) * base_result + scale * lora_result * scaling
 
 
 EXPERTS = "moe_tp_experts"  # the plan's word for a mixture of experts' module (llmtrain splits it by expert)

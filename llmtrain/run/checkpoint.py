@@ -17,6 +17,7 @@ import os
 import re
 import shutil
 import sys
+import warnings
 import zlib
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -227,7 +228,9 @@ def _read_sharded(folder: Path, path: Path, *, lora: bool) -> tuple[set[str], di
               if lora and "lora_B" in k}
     if lora_b:  # the whole tensors, assembled from every rank's shard, in this process alone
         loaded = {"model": {k.removeprefix("model."): t for k, t in lora_b.items()}}
-        dcp.load(loaded, storage_reader=reader, no_dist=True)
+        with warnings.catch_warnings():  # no_dist: "assuming the intent is to load in a single process", each time
+            warnings.filterwarnings("ignore", "torch.distributed is disabled", UserWarning)
+            dcp.load(loaded, storage_reader=reader, no_dist=True)
         lora_b = loaded["model"]
     return saved, lora_b
 
