@@ -194,9 +194,15 @@ class Layout:
                     "launch config (accelerate_configs/hsdp_multinode.yaml), or drop parallelism_config for plain "
                     "data parallelism (accelerate_configs/ddp.yaml)"]
         if self.tp > 1 and self.shard < 2:
+            shards = self.processes // (self.replicate * self.tp)
+            fix = (f"set parallelism_config_dp_shard_size: {shards} (the {self.processes} processes over "
+                   f"{self.tp} tensor-parallel ranks{' and the replicas' if self.replicate > 1 else ''})"
+                   if shards >= 2 else
+                   f"launch at least {2 * self.tp * self.replicate} processes (2 shards x {self.tp} tensor-parallel "
+                   f"ranks{f' x {self.replicate} replicas' if self.replicate > 1 else ''}) with "
+                   "parallelism_config_dp_shard_size: 2")
             return [f"tensor parallelism (parallelism_config_tp_size: {self.tp} {where}) runs under FSDP2 as FSDP x TP "
-                    "(or HSDP x TP), which needs at least 2 shards: set parallelism_config_dp_shard_size to the "
-                    f"processes (of a node, with replicas) divided by {self.tp} (accelerate_configs/fsdp_tp.yaml), or "
+                    f"(or HSDP x TP), which needs at least 2 shards: {fix} (accelerate_configs/fsdp_tp.yaml), or "
                     "lower parallelism_config_tp_size, or shard with plain FSDP over the same GPUs "
                     "(accelerate_configs/fsdp.yaml)"]
         sizes = [(self.replicate, "replicas", "dp_replicate"), (self.shard, "shards", "dp_shard"),

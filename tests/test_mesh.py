@@ -49,7 +49,11 @@ def test_hsdp_is_accepted_and_named(monkeypatch):
     ({"dp_shard": 2, "sp": 2}, 4, True, ["sequence parallelism", "parallelism_config_sp_size"]),
     ({"dp_replicate": 2, "dp_shard": 2, "tp": 2}, 4, True, ["2 x 2 x 2 = 8", "4 processes",
                                                              "replicas x shards x tensor-parallel ranks"]),
-    ({"tp": 4}, 4, True, ["at least 2 shards", "parallelism_config_dp_shard_size", "fsdp_tp.yaml"]),
+    ({"tp": 4}, 4, True, ["at least 2 shards", "launch at least 8 processes (2 shards x 4 tensor-parallel ranks)",
+                          "parallelism_config_dp_shard_size: 2", "fsdp_tp.yaml"]),
+    # the fix is the shards the processes make (it had said "processes divided by 2" where that was the 1 given)
+    ({"tp": 2}, 8, True, ["at least 2 shards", "set parallelism_config_dp_shard_size: 4 (the 8 processes over 2"]),
+    ({"tp": 2}, 2, True, ["launch at least 4 processes (2 shards x 2 tensor-parallel ranks)"]),
     ({"dp_shard": 2, "tp": 2}, 8, True, ["2 x 2 = 4", "8 processes", "parallelism_config_tp_size",
                                           "--parallelism_config_dp_shard_size 4 --parallelism_config_tp_size 2"]),
     ({"dp_replicate": 2, "dp_shard": 2}, 4, False, ["distributed_type: FSDP", "ddp.yaml"]),

@@ -22,7 +22,7 @@ DISTRIBUTED = {"NO", "MULTI_GPU", "MULTI_CPU", "FSDP"}
 # layout.Layout with their own reason), the others only matter with cp or sp above 1.
 MESH_KEYS = {"dp_replicate_size", "dp_shard_size", "tp_size", "cp_size", "sp_size", "cp_backend", "cp_comm_strategy",
              "sp_backend", "sp_seq_length", "sp_seq_length_is_variable", "sp_attn_implementation"}
-NOT_IMPLEMENTED = {"pp": "pipeline parallelism", "ep": "expert parallelism"}  # what an unknown size key asks for
+NOT_IMPLEMENTED = {"ep": "expert parallelism"}  # what an unknown size key asks for (pp: the recipe's pipeline)
 # fsdp_config keys accelerate 1.15 knows (the FSDP1-only ones are harmless under fsdp_version 2)
 FSDP_KEYS = {"fsdp_version", "fsdp_offload_params", "fsdp_min_num_params", "fsdp_sharding_strategy",
              "fsdp_reshard_after_forward", "fsdp_auto_wrap_policy", "fsdp_transformer_layer_cls_to_wrap",
@@ -55,7 +55,8 @@ def unhonoured(launch: dict) -> list[str]:
         problems.append(f"compute_environment: {launch['compute_environment']} is not supported: use LOCAL_MACHINE "
                         "(on a cluster, run the same command on each node, as docs/launch.md shows)")
     for key in sorted(set(launch) - PLUMBING):
-        problems.append(f"{key} is not a setting of accelerate's launch config: remove it (or check its spelling)")
+        problems.append(f"{key} is not a setting of accelerate's launch config{_spelt(key, PLUMBING)}: remove it "
+                        "(or check its spelling)")
     for section, fix in (("deepspeed_config", "llmtrain shards with FSDP2: use accelerate_configs/fsdp.yaml"),
                          ("megatron_lm_config", "llmtrain's tensor parallelism is parallelism_config_tp_size"),
                          ("fp8_config", "llmtrain's precision is the recipe's train.mixed_precision (bf16, fp16, no)")):
@@ -71,8 +72,8 @@ def unhonoured(launch: dict) -> list[str]:
 
 
 def _fsdp_problems(fsdp: dict, *, fsdp_on: bool) -> list[str]:
-    problems = [f"fsdp_config's {key} is not a setting accelerate knows: remove it (or check its spelling)"
-                for key in sorted(set(fsdp) - FSDP_KEYS)]
+    problems = [f"fsdp_config's {key} is not a setting accelerate knows{_spelt(key, FSDP_KEYS)}: remove it (or check "
+                "its spelling)" for key in sorted(set(fsdp) - FSDP_KEYS)]
     if not fsdp_on:
         return problems
     if "fsdp_version" not in fsdp:
@@ -93,12 +94,27 @@ def _mesh_problems(mesh: dict) -> list[str]:
         name = key.removeprefix("parallelism_config_")
         if name in MESH_KEYS or _off(mesh[key]):
             continue
-        kind = NOT_IMPLEMENTED.get(name.removesuffix("_size"))
-        asks = (f"asks for {kind}, which neither llmtrain nor accelerate implements" if kind
-                else "is not a key accelerate knows")
+        kind = name.removesuffix("_size")
+        if kind == "pp":
+            problems.append(f"parallelism_config_pp_size: {mesh[key]} asks accelerate for pipeline parallelism, which "
+                            "it does not implement (it would ignore the key and train the rest of the layout without "
+                            f"a word); llmtrain's is the recipe's parallel.pipeline_parallel: {mesh[key]} on a plain "
+                            "DDP or FSDP launch (docs/pipeline-parallel.md): remove the key and set that")
+            continue
+        asks = (f"asks for {NOT_IMPLEMENTED[kind]}, which neither llmtrain nor accelerate implements"
+                if kind in NOT_IMPLEMENTED else
+                f"is not a key accelerate knows{_spelt(key, {'parallelism_config_' + k for k in MESH_KEYS})}")
         problems.append(f"parallelism_config_{name}: {mesh[key]} {asks}; accelerate ignores it and the run would "
                         "train the rest of the layout without a word: remove it")
     return problems
+
+
+def _spelt(key: str, known) -> str:
+    """' (did you mean KEY?)' for the known key nearest a misspelt one, or ''."""
+    import difflib
+
+    close = difflib.get_close_matches(key, sorted(known), n=1, cutoff=0.8)
+    return f" (did you mean {close[0]}?)" if close else ""
 
 
 def check_launch(launch: dict, *, where: str) -> None:
