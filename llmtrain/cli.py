@@ -397,7 +397,11 @@ def eval_(
         raise LLMTrainError("--tasks names no task: give the harness's task names, comma-separated (e.g. gsm8k)")
     size: int | str = batch_size if batch_size.startswith("auto") else int(batch_size)
     main = int(os.environ.get("RANK", "0")) == 0
-    ask_hub_for(target, None if baseline == "base" else baseline, also=("the tasks' datasets",), say=main)
+    from llmtrain.hub import local_tasks
+
+    local = local_tasks([str(p) for p in include_path or []], names)  # (their data: files here)
+    ask_hub_for(target, None if baseline == "base" else baseline, also=() if local else ("the tasks' datasets",),
+                say=main)
     ours = benchmarks.resolve(target, dtype=dtype)
     base = None
     if baseline is not None:

@@ -65,9 +65,46 @@ def hub_ids(*names) -> list[str]:
 def recipe_hub_ids(recipe) -> list[str]:
     """What a run of `recipe` may read from the hub: its model, its tokenizer, its data, and its eval tasks' datasets
     (the recipe's eval section: the tasks are checked at start-up, and a built-in one such as gsm8k reads the hub)."""
-    tasks = ["eval.tasks' datasets"] if recipe.eval is not None and recipe.eval.tasks else []
+    tasks = ["eval.tasks' datasets"] if recipe.eval is not None and recipe.eval.tasks and not local_tasks(
+        [str(p) for p in recipe.eval.include_path or []], list(recipe.eval.tasks)) else []
     return hub_ids(recipe.model.name_or_path, recipe.model.tokenizer, recipe.data.path,
                    *(s.path for s in recipe.data.sources or ())) + tasks
+
+
+PACKAGED = {"json", "csv", "parquet", "text", "arrow"}  # datasets' builders of local files (no hub repository)
+
+
+def local_tasks(include_path: list[str], names: list[str]) -> bool:
+    """Whether every task named is a plain task of an --include-path folder whose data are local files (a packaged
+    builder such as json with data_files here, or a folder here): such tasks read nothing from the hub, so the hub
+    is not asked about their data and no line says it cannot be reached. Read from the YAML files before the harness
+    is imported (it reads HF_HUB_OFFLINE then); any doubt (an include:, a data file on the hub or the web) is False."""
+    import yaml
+
+    class Loader(yaml.SafeLoader):
+        pass
+
+    Loader.add_multi_constructor("!", lambda loader, suffix, node: None)  # the harness's !function tags
+    found = {}
+    for folder in include_path:
+        for file in sorted(Path(folder).glob("**/*.yaml")) if Path(folder).is_dir() else ():
+            try:
+                conf = yaml.load(file.read_text(), Loader=Loader)
+            except (OSError, UnicodeDecodeError, yaml.YAMLError):
+                continue
+            if isinstance(conf, dict) and isinstance(conf.get("task"), str):
+                found[conf["task"]] = conf
+
+    def local(conf) -> bool:
+        path, kwargs = conf.get("dataset_path"), conf.get("dataset_kwargs") or {}
+        files = kwargs.get("data_files") if isinstance(kwargs, dict) else None
+        values = list(files.values()) if isinstance(files, dict) else [files]
+        paths = [v for value in values for v in (value if isinstance(value, list) else [value]) if v is not None]
+        here = all(isinstance(v, str) and "://" not in v for v in paths)
+        return "include" not in conf and isinstance(path, str) and here and (
+            (path in PACKAGED and bool(paths)) or Path(path).expanduser().is_dir())
+
+    return bool(names) and all(n in found and local(found[n]) for n in names)
 
 
 def endpoint() -> tuple[str, int]:

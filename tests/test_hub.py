@@ -192,3 +192,46 @@ def test_a_recipes_eval_tasks_are_asked_for_with_its_hub_ids(tmp_path):
     assert hub.recipe_hub_ids(Recipe.model_validate(base)) == []
     with_eval = Recipe.model_validate({**base, "eval": {"tasks": ["gsm8k"]}})
     assert hub.recipe_hub_ids(with_eval) == ["eval.tasks' datasets"]
+
+
+def test_tasks_on_local_files_read_nothing_from_the_hub(tmp_path):
+    """`llmtrain eval --include-path tasks` of the tiny task (data: a JSON file here) had asked the hub for "the tasks'
+    datasets" and, out of reach, said they were read from the local cache only: tasks whose YAML names a packaged
+    builder (json, csv, ...) on files here, or a folder here, are local; a hub dataset, a file on the hub or the web,
+    an include: of another file (its data unread here), or a name no YAML defines is not."""
+    from llmtrain.config import Recipe
+
+    tasks = str(REPO / "tasks")
+    assert hub.local_tasks([tasks], ["tiny_reverse", "tiny_reverse_ll"])
+    for name, body in (("on_hub", "dataset_path: openai/gsm8k\n"),
+                       ("hf_file", "dataset_path: json\ndataset_kwargs:\n  data_files:\n    test: hf://x/y.jsonl\n"),
+                       ("included", "include: other.yaml\ndataset_path: json\ndataset_kwargs:\n  data_files: a.json\n"),
+                       ("folder", f"dataset_path: {tmp_path}\nprocess_docs: !function utils.process\n")):
+        (tmp_path / f"{name}.yaml").write_text(f"task: {name}\n{body}")
+    assert [hub.local_tasks([str(tmp_path)], [n]) for n in ("on_hub", "hf_file", "included", "folder")] == \
+        [False, False, False, True]
+    assert not hub.local_tasks([tasks], ["tiny_reverse", "gsm8k"]) and not hub.local_tasks([], ["tiny_reverse"])
+    base = {"model": {"name_or_path": str(tmp_path)}, "data": {"path": str(tmp_path / "d.jsonl"), "format": "text"},
+            "output_dir": str(tmp_path / "run")}
+    local = Recipe.model_validate({**base, "eval": {"tasks": ["tiny_reverse"], "include_path": [tasks]}})
+    assert hub.recipe_hub_ids(local) == []
+
+
+def test_eval_of_a_local_run_on_local_tasks_says_nothing_of_the_hub(tiny_assets, tmp_path):
+    """The whole command, the hub out of reach: no line about it (a finished run's final/ of the tiny model, scored on
+    5 examples of the shipped tiny task)."""
+    run = tmp_path / "run"
+    (run / "final").mkdir(parents=True)
+    for name in ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json"):
+        (run / "final" / name).write_bytes((tiny_assets / "model" / name).read_bytes())
+    recipe = (REPO / "recipes" / "tiny.yaml").read_text().replace("assets/tiny", str(tiny_assets))
+    (run / "recipe.yaml").write_text(recipe)
+    tasks = tmp_path / "tasks"
+    tasks.mkdir()
+    (tasks / "t.yaml").write_text((REPO / "tasks" / "tiny_reverse.yaml").read_text().replace(
+        "assets/tiny/data/eval.jsonl", str(tiny_assets / "data" / "eval.jsonl")))
+    proc = subprocess.run([*LLMTRAIN, "eval", str(run), "--tasks", "tiny_reverse", "--include-path", str(tasks),
+                           "--limit", "5", "--batch-size", "5"], env=offline_env(tmp_path), cwd=tmp_path,
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "cannot be reached" not in proc.stderr and "exact_match" in proc.stdout, proc.stderr
