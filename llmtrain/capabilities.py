@@ -209,12 +209,6 @@ def _pp_rounds(r, _):
     return r.parallel.pipeline_schedule == "interleaved_1f1b" and m % max(1, m // p) != 0
 
 
-def _merged_copy(r, _):
-    sampling = r.rl or r.distill
-    return sampling is not None and r.lora is not None and sampling.sampler != "reference" and \
-        sampling.merged_copy != "off"
-
-
 def fp32_head(r, _=None) -> bool:
     """rl.cast_lm_head_to_fp32 of recipe `r` (False for any mode but online RL), for the rules, the layout
     (parallel/parallelize.py), the model's loss (loop/phases.py) and the estimate."""
@@ -293,10 +287,6 @@ RULES: tuple[Rule, ...] = (
     Rule("tp", lambda r, _: r.model.compile,
          "{key} with model.compile fails: inductor's compile of the tensor-parallel layers recursed without end at "
          "the second step (torch 2.13 on gloo). Set model.compile=false"),
-    Rule("tp", _merged_copy,
-         "{key} samples with each process's split weights, and a merged generation copy (rl.merged_copy, "
-         "distill.merged_copy) is made of whole ones. Set merged_copy: off (the adapters run unmerged beside the "
-         "split layers)"),
     Rule("tp", _copy_unsharded,
          "{key} without FSDP: a full fine-tune's reference ({reference}) is a frozen copy of the starting weights, "
          "sharded like the policy under FSDP only and otherwise whole on every process, undoing the split. Launch "

@@ -212,9 +212,10 @@ def launch_finetune(config: Path, processes: int, port: int, recipe: Path, *over
 
 
 def rl_under_tp_against_one(tiny: Path, tmp: Path, port: int, model: Path, *, tol: float,
-                            algorithm: str = "grpo", lora: bool = True, rl: dict | None = None,
+                            algorithm: str = "grpo", lora: bool | dict = True, rl: dict | None = None,
                             steps: int = 2) -> str:
-    """tiny-grpo.yaml with LoRA r4 (or, lora False, a full fine-tune at lr 1e-3) on `model` (`algorithm`: grpo or
+    """tiny-grpo.yaml with LoRA r4 (more of its settings where `lora` is a dict; lora False: a full fine-tune at lr
+    1e-3) on `model` (`algorithm`: grpo or
     rloo; `rl`: more of its settings), `steps` steps, trained by one process (4 prompts a micro-batch) in `tmp`/one and
     launched on FSDP x TP 2 x 2 (cpu_tp.yaml: 2 data ranks x 2 prompts) in `tmp`/tp:
     asserts the same completions (tokens) and the rewards, losses and gradient norms to `tol`, with a signal to train
@@ -225,7 +226,7 @@ def rl_under_tp_against_one(tiny: Path, tmp: Path, port: int, model: Path, *, to
     recipe["data"].update(path=str(tiny / "data" / "train.jsonl"), eval_split=None)
     recipe["model"]["name_or_path"] = str(model)
     if lora:
-        recipe["lora"] = {"r": 4, "alpha": 8, "dropout": 0.0}
+        recipe["lora"] = {"r": 4, "alpha": 8, "dropout": 0.0, **(lora if isinstance(lora, dict) else {})}
     recipe["rl"].update(num_generations=4, algorithm=algorithm, rewards=[{"type": "format", "pattern": "[aeiou]"}],
                         **(rl or {}))
     if algorithm == "rloo":

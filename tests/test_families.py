@@ -828,6 +828,25 @@ def test_a_mixture_of_experts_tensor_parallel_split_is_exact_in_float64(free_por
             got["layer_params"]
 
 
+@pytest.mark.parametrize("model, linears", [("llama", 14), ("phi3", 8)])
+def test_dora_and_the_merged_copy_under_tensor_parallelism_are_exact(free_port, tmp_path, model, linears):
+    """DoRA on every linear under llmtrain's tensor parallelism over 2 processes (tests/tp_probe.py in float64):
+    Llama's column-wise layers keep their rows' magnitudes and norms, its row-wise ones whole magnitudes with each row's
+    norm summed over the pair; Phi-3's fused qkv_proj and gate_up_proj (the gathered plan) whole magnitudes with
+    their rows' norms gathered. Three AdamW steps' losses and every gradient (the magnitudes' among them) equal one
+    process's to 1e-15 (measured: exact, and 3e-17). Then the merged generation copy (rl.merged_copy, each policy;
+    `kept` rewritten in place the second time) under TP: every adapted linear merged on each process, its logits one
+    process's copy's and the unmerged adapters' to 1e-6 (the copy is merged in fp32: 5e-8 and 9e-8 measured), and not
+    the base model's (the adapters, random B, count). Refused before 2026-12-06, both."""
+    for got in _tp_probe(free_port, tmp_path, model, "dora", "merged"):
+        for step in got["steps"]:
+            assert step["loss_diff"] < 1e-15 and step["grad_diff"] < 1e-15 and step["largest_grad"] > 0.03, got
+        assert [copy["policy"] for copy in got["merged"]] == ["rollout", "kept", "kept"]
+        for copy in got["merged"]:
+            assert copy["linears"] == [linears, linears] and copy["from_base"] > 0.1, copy
+            assert copy["from_one"] < 1e-6 and copy["from_unmerged"] < 1e-6, copy
+
+
 # Gemma 4 with 4 experts of 64 beside each MLP, 2 a token (its config's own name for them: top_k_experts)
 GEMMA4_EXPERTS = dict(enable_moe_block=True, num_experts=4, top_k_experts=2, moe_intermediate_size=64)
 

@@ -14,8 +14,9 @@ after 4 steps at the default eps, where losses and gradient norms agree to 1e-7)
 momentum of the gradient itself, and the final weights compare the gradients element by element.
 
 LoRA under FSDP x TP (each adapter laid out beside its split base layer: tensor.ADAPTER_SPLIT) trains like 1 process
-and resumes on 1, and so does DoRA (its magnitudes and row norms laid out as the base layer's output); online RL (GRPO, RLOO) samples and trains like 1 process, rollouts.jsonl holding each completion
-once; KTO and distillation with LoRA train as plain FSDP on the same data ranks.
+and resumes on 1, and so does DoRA (its magnitudes and row norms laid out as the base layer's output); online RL
+(GRPO, RLOO) samples and trains like 1 process, rollouts.jsonl holding each completion once, with a merged generation
+copy too; KTO and distillation with LoRA train as plain FSDP on the same data ranks.
 
 Four processes on two cores are slow: these tests are few and small, and marked slow.
 """
@@ -283,6 +284,24 @@ def test_online_rl_with_lora_under_fsdp_x_tp_equals_one_process(tiny_assets, tmp
     # rounding tips moves it visibly: measured 1.0e-5 (lr 1e-2, 2 steps; the bound was 1e-5 and failed by that)
     assert max_abs_diff(load_weights(tmp_path / "tp" / "final" / name),
                         load_weights(tmp_path / "one" / "final" / name)) < 5e-5
+
+
+# kept (extended for CI time): the copy held between rollouts and rewritten in place
+@pytest.mark.parametrize("copy", ["rollout", pytest.param("kept", marks=pytest.mark.extended)])
+def test_a_merged_generation_copy_under_fsdp_x_tp_samples_as_one_process(tiny_assets, tmp_path, free_port, copy):
+    """rl.merged_copy under tensor parallelism, once refused: each process merges its own part of each adapted
+    linear (its rows of W + s B A under a column-wise split, its columns under a row-wise one) and runs the split
+    layer on it (merged_copy._split_forward); a DoRA adapter's magnitudes folded in with each row's norm summed over
+    the pair's columns (merged_copy._whole_rows). GRPO with DoRA, 2 shards x 2 TP x 2 prompts against 1 process x 4
+    prompts, both with the copy: the same completions, rewards, losses and gradient norms (to 1e-6), and the run's
+    header says so (tests/test_families.py holds the copy's logits to the unmerged adapters' under TP in float64, and
+    counts the linears it merged)."""
+    out = rl_under_tp_against_one(tiny_assets, tmp_path, free_port, tiny_assets / "model", tol=1e-6,
+                                  lora={"dora": True}, rl={"merged_copy": copy})
+    assert "samples with the reference loop" not in out
+    from llmtrain.loop.phases import COPY_TEXT
+
+    assert COPY_TEXT[copy] in out, out[-2000:]
 
 
 @pytest.mark.extended  # main tier: online RL under FSDP x TP (the same sampling), LoRA under FSDP x TP

@@ -6,9 +6,12 @@ split matmuls and the all-reduces sum in another order) is gone, so any differen
 as JSON, the loss's difference, the largest gradient difference and its weight, the local and whole rows of every
 layer's q_proj, the experts each layer holds of all (and GPT-OSS's sinks), and the weights it holds of a layer.
 
-    python -m torch.distributed.run --nproc_per_node P tests/tp_probe.py OUT_DIR [MODEL] [lora]
+    python -m torch.distributed.run --nproc_per_node P tests/tp_probe.py OUT_DIR [MODEL] [lora|dora] [merged]
 
-MODEL: gemma4 (the default), qwen3_moe, mixtral, gemma4_moe or gpt_oss.
+MODEL: gemma4 (the default), qwen3_moe, mixtral, gemma4_moe, gpt_oss, or the dense llama and phi3 (Phi's gathered
+plan). dora: LoRA with DoRA's magnitudes (parallel/tensor._split_dora). merged: after the steps, the logits with the
+merged generation copy (model/merged_copy.py; each policy, `kept` twice) against the adapters unmerged and against
+one process's copy, and how many linears each merged.
 """
 
 from __future__ import annotations
@@ -41,13 +44,17 @@ MODELS = {"gemma4": ("gemma4_text", CONFIG),
                                              moe_intermediate_size=32)),
           # GPT-OSS: attention sinks, biases on q/k/v/o, a window on every other layer, experts with biases
           "gpt_oss": ("gpt_oss", dict(SMALL, num_local_experts=4, num_experts_per_tok=2, intermediate_size=32,
-                                      sliding_window=4, layer_types=["sliding_attention", "full_attention"]))}
+                                      sliding_window=4, layer_types=["sliding_attention", "full_attention"])),
+          "llama": ("llama", dict(SMALL, intermediate_size=96)),
+          # Phi-3's fused qkv_proj and gate_up_proj: the gathered plan (colwise_gather_output, rowwise_split_input)
+          "phi3": ("phi3", dict(SMALL, intermediate_size=96))}
+DENSE = {"gemma4", "llama", "phi3"}
 # their experts, which all-linear does not reach, by name
 EXPERT_TARGETS = {"gemma4_moe": ["experts.gate_up_proj", "experts.down_proj"],
                   "gpt_oss": ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]}
 
 
-def main(out: Path, name: str = "gemma4", lora: bool = False) -> None:
+def main(out: Path, name: str = "gemma4", lora: bool = False, dora: bool = False, merged: bool = False) -> None:
     from torch.distributed.device_mesh import init_device_mesh
     from transformers import AutoConfig, AutoModelForCausalLM
 
@@ -89,12 +96,13 @@ def main(out: Path, name: str = "gemma4", lora: bool = False) -> None:
         from llmtrain.model import lora_experts
 
         targets = {"target_parameters": EXPERT_TARGETS[name]} if name in EXPERT_TARGETS else {}
-        one = get_peft_model(one, LoraConfig(r=4, lora_alpha=8, target_modules="all-linear", **targets))
+        one = get_peft_model(one, LoraConfig(r=4, lora_alpha=8, target_modules="all-linear", use_dora=dora,
+                                             **targets))
         with torch.no_grad():  # B's init is 0: a random B so that the adapters change the output from the first step
             for n, p in one.named_parameters():
                 if "lora_B" in n:
                     p.normal_(0, 0.1)
-        assert lora_experts.install(one) == config.num_hidden_layers
+        assert lora_experts.install(one) == (0 if name in DENSE else config.num_hidden_layers)
     many = copy.deepcopy(one)
     if lora:
         lora_experts.install(many)  # (deepcopy copies the installed forward bound to the original module)
@@ -109,8 +117,8 @@ def main(out: Path, name: str = "gemma4", lora: bool = False) -> None:
 
     sharded = sum(apply_tensor_parallel(many, init_device_mesh("cpu", (ranks,), mesh_dim_names=("tp",))))
     layers = (many.base_model.model if lora else many).model.layers
-    q = [(whole(layer.self_attn.q_proj.weight).shape[0], layer.self_attn.q_proj.weight.to_local().shape[0])
-         for layer in layers]
+    q = [(whole(proj.weight).shape[0], proj.weight.to_local().shape[0])  # (Phi-3's fused qkv_proj)
+         for proj in (getattr(layer.self_attn, "q_proj", None) or layer.self_attn.qkv_proj for layer in layers)]
     sinks = [(whole(layer.self_attn.sinks).shape[0], layer.self_attn.sinks.to_local().shape[0]) for layer in layers
              if hasattr(layer.self_attn, "sinks")]  # GPT-OSS's: one a query head, split with the heads
     experts = [(whole(p).shape[0], p.to_local().shape[0]) for n, p in many.named_parameters()
@@ -135,14 +143,38 @@ def main(out: Path, name: str = "gemma4", lora: bool = False) -> None:
         for optimizer in optimizers:
             optimizer.step()
             optimizer.zero_grad()
+    copies = _merged_copies(one, many, ids) if merged else []
     (out / f"rank{rank}.json").write_text(json.dumps({"steps": steps, "sharded": sharded, "q_rows": q,
-                                                          "experts": experts, "sinks": sinks,
+                                                          "experts": experts, "sinks": sinks, "merged": copies,
                                                           "layer_params": held, "config": config.to_json_string()}))
     dist.destroy_process_group()
 
 
+@torch.no_grad()
+def _merged_copies(one, many, ids) -> list[dict]:
+    """For each merged-copy policy (rollout, then kept twice: built, then rewritten in place), the linears merged on
+    one process and under tensor parallelism, and the largest logit differences of the tensor-parallel copy from its
+    unmerged adapters and from one process's copy, and of the copy from the base model without the adapters (that the
+    adapters count)."""
+    from llmtrain.model.merged_copy import merged_for_sampling
+
+    unmerged = many(input_ids=ids).logits
+    with one.disable_adapter():
+        base = one(input_ids=ids).logits
+    out = []
+    for policy in ("rollout", "kept", "kept"):
+        with merged_for_sampling(one, policy) as merged_one, merged_for_sampling(many, policy) as merged_many:
+            theirs, ours = one(input_ids=ids).logits, many(input_ids=ids).logits
+        out.append({"policy": policy, "linears": [merged_one, merged_many],
+                    "from_unmerged": float((ours - unmerged).abs().max()),
+                    "from_one": float((ours - theirs).abs().max()), "from_base": float((ours - base).abs().max())})
+    return out
+
+
 if __name__ == "__main__":
-    main(Path(sys.argv[1]), *sys.argv[2:3], lora="lora" in sys.argv[3:])
+    flags = sys.argv[3:]
+    main(Path(sys.argv[1]), *sys.argv[2:3], lora="lora" in flags or "dora" in flags, dora="dora" in flags,
+         merged="merged" in flags)
     from llmtrain.cli import exit_now
 
     exit_now(0)  # as a launched run leaves: no interpreter teardown for a gloo thread to abort (pytorch#179291)

@@ -63,13 +63,26 @@ def _compute_dtype(base) -> torch.dtype:
     return base.weight.dtype
 
 
+def _split(weight):
+    """A tensor-parallel base weight (a DTensor: this process holds rows or columns of it), else None."""
+    from torch.distributed.tensor import DTensor
+
+    return weight if isinstance(weight, DTensor) else None
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if _split(t) is not None else t
+
+
 def copy_bytes(modules: list) -> int:
-    """The copy's size: each adapted linear's [out, in] weight in the dtype its layer computes in."""
+    """The copy's size: each adapted linear's [out, in] weight (this process's part of a tensor-parallel one) in the
+    dtype its layer computes in."""
     total = 0
     for m in modules:
         base = m.get_base_layer()
-        out_f, in_f = base.out_features, base.in_features
-        total += out_f * in_f * torch.empty((), dtype=_compute_dtype(base)).element_size()
+        split = _split(base.weight)
+        elements = split.to_local().numel() if split is not None else base.out_features * base.in_features
+        total += elements * torch.empty((), dtype=_compute_dtype(base)).element_size()
     return total
 
 
@@ -77,23 +90,64 @@ def copy_bytes(modules: list) -> int:
 def merged_weight(module, out: torch.Tensor | None = None) -> torch.Tensor:
     """W + sum over the active adapters of scaling x B A, computed in fp32 and cast to the layer's compute dtype
     (written into `out` where given). A DoRA adapter's: (m / n) (W + s B A), n the row norms of W + s B A, which is
-    what peft's DoRA forward computes, base + (m / n - 1) base + (m / n) s B A x, in one matmul."""
+    what peft's DoRA forward computes, base + (m / n - 1) base + (m / n) s B A x, in one matmul.
+
+    Under tensor parallelism (the base weight a DTensor), this process's part of it: its rows of a column-wise split
+    layer (W's, B's, A whole) or its columns of a row-wise one (W's, A's, B whole), each the same part of the whole
+    merge; a DoRA row's norm is then summed over the processes' columns (_whole_rows)."""
     base = module.get_base_layer()
     if _four_bit(base):
         import bitsandbytes as bnb
 
         w = bnb.functional.dequantize_4bit(base.weight.data, base.weight.quant_state).float()
-    else:
-        w = base.weight.to(torch.float32, copy=True)  # a copy even where the base is fp32: never merged in place
+    else:  # a copy even where the base is fp32: never merged in place
+        w = _local(base.weight).to(torch.float32, copy=True)
     for a in module.active_adapters:
         if a in module.lora_A:
-            w.addmm_(module.lora_B[a].weight.float(), module.lora_A[a].weight.float(), alpha=module.scaling[a])
+            w.addmm_(_local(module.lora_B[a].weight).float(), _local(module.lora_A[a].weight).float(),
+                     alpha=module.scaling[a])
             if module.use_dora.get(a):
-                magnitude = module.lora_magnitude_vector[a].weight.float()
-                w.mul_((magnitude / torch.linalg.norm(w, dim=1)).unsqueeze(1))
+                magnitude = _local(module.lora_magnitude_vector[a].weight).float()
+                norm = torch.linalg.norm(w, dim=1)
+                if (split := _split(base.weight)) is not None:
+                    norm, magnitude = _whole_rows(split, norm, magnitude)
+                w.mul_((magnitude / norm).unsqueeze(1))
     if out is None:
         return w.to(_compute_dtype(base))
     return out.copy_(w)
+
+
+def _whole_rows(weight, norm: torch.Tensor, magnitude: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """A tensor-parallel DoRA layer's row norms and magnitudes for this process's part of the weight: split by columns
+    (Shard(1), a row-wise layer), each row's norm is the root of the processes' parts' squares summed, the magnitudes
+    whole; split by rows (Shard(0)), the norms are this process's rows' already, and whole magnitudes (a gathered
+    layer's: parallel/tensor._split_dora) are cut to those rows."""
+    import torch.distributed as dist
+    from torch.distributed.tensor import Shard
+
+    ((dim, placement),) = [(d, p) for d, p in enumerate(weight.placements) if isinstance(p, Shard)]
+    mesh = weight.device_mesh
+    if placement.dim == 1:
+        norm = norm.square()
+        dist.all_reduce(norm, group=mesh.get_group(dim))
+        return norm.sqrt(), magnitude
+    if magnitude.shape[0] != norm.shape[0]:
+        magnitude = magnitude.chunk(mesh.size(dim))[mesh.get_local_rank(dim)]
+    return norm, magnitude
+
+
+def _split_forward(x: torch.Tensor, *args, base, weight: torch.Tensor, **kwargs):
+    """A tensor-parallel adapted linear on its merged part: the split base layer run with the merged part in its
+    weight's place (its parallel style's hooks lay its input and output out as they do for W), W put back after."""
+    from torch.distributed.tensor import DTensor
+
+    held = base.weight
+    base._parameters["weight"] = DTensor.from_local(weight, held.device_mesh, held.placements, run_check=False,
+                                                    shape=held.shape, stride=held.stride())
+    try:
+        return base(x, *args, **kwargs)
+    finally:
+        base._parameters["weight"] = held
 
 
 def _merged_forward(x: torch.Tensor, *args, weight: torch.Tensor, bias: torch.Tensor | None, cast: bool, **kwargs):
@@ -143,9 +197,12 @@ def merged_for_sampling(lm, policy: str, *, spare_bytes: int = 0):
                 held[m] = weight
             else:
                 weight = merged_weight(m)
+            swapped.append((m, m.__dict__.get("forward")))
+            if _split(base.weight) is not None:
+                m.__dict__["forward"] = functools.partial(_split_forward, base=base, weight=weight)
+                continue
             cast = _four_bit(base)
             bias = base.bias if base.bias is None or not cast else base.bias.to(weight.dtype)
-            swapped.append((m, m.__dict__.get("forward")))
             m.__dict__["forward"] = functools.partial(_merged_forward, weight=weight, bias=bias, cast=cast)
         yield len(swapped)
     finally:

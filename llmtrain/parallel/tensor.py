@@ -123,7 +123,8 @@ def _dora_forward(layer, style, group, x, *, lora_A, lora_B, scaling, base_layer
         # [out, in] tensors of this rank's part at most (memory/activations.dora_forward_temp)
         direction = local(lora_B.weight).to(dtype) @ local(lora_A.weight).to(dtype)
         direction.mul_(scaling).add_(local(base_layer.weight).to(dtype))
-        norm = torch.linalg.norm(direction, dim=1).float()
+        norm = torch.linalg.norm(direction, dim=1)  # (in the input's dtype, as peft's; summed below in fp32 at least)
+        norm = norm.to(torch.promote_types(norm.dtype, torch.float32))
         del direction
         if style.startswith("rowwise"):  # each rank holds a part of every row: the parts' squares summed
             norm = norm.square()
