@@ -1,9 +1,8 @@
 """The scaling table of docs/scaling.md: Llama-2-7B full fine-tuning and LoRA (recipes/llama7b.yaml and
 recipes/llama7b-lora.yaml, each with its own micro-batch and accumulation per GPU) on 1, 8, 16 and 64 H100s, for
-DDP, FSDP, HSDP and (full fine-tuning: LoRA is refused under TP) FSDP and HSDP x TP with 2 tensor-parallel GPUs a group
-(half as many data-parallel ranks: those rows double the accumulation to keep the recipe's global batch): memory
-per GPU (estimate-memory), bytes each GPU sends per optimizer step within its node and across nodes, and the
-step's network and compute time (llmtrain/memory/comms.py, default bandwidths and MFU).
+DDP, FSDP, HSDP, and FSDP and HSDP x TP with 2 tensor-parallel GPUs a group (half as many data-parallel ranks:
+those rows double the accumulation to keep the recipe's global batch): memory per GPU (estimate-memory), bytes
+each GPU sends per optimizer step within its node and across nodes, and the step's network and compute time (llmtrain/memory/comms.py, default bandwidths and MFU).
 
     python benchmarks/scaling_table.py                  # the table at the defaults (NVLink, 400 Gb/s per GPU)
     python benchmarks/scaling_table.py --inter-gbps 25  # nodes joined by one 200 Gb/s card each (25 per GPU)
@@ -36,7 +35,7 @@ def rows(inter_gbps: float | None = None, *, multi_node_only: bool = False) -> l
     for name, path in RECIPES.items():
         recipe = load_recipe(REPO / path, [])
         for gpus, nodes, strategy, tp in LAYOUTS:
-            if (multi_node_only and nodes == 1) or (tp > 1 and recipe.lora):
+            if multi_node_only and nodes == 1:
                 continue
             spec = spec_from_recipe(recipe, strategy=strategy, num_gpus=gpus, num_nodes=nodes, tp=tp)
             # the same examples per step on tp x fewer data ranks

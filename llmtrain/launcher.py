@@ -79,7 +79,7 @@ def accelerate_command(argv: list[str], *, machine: bool = True) -> list[str]:
     from llmtrain.layout import Layout
     from llmtrain.parallel.launch import check_launch, gpus_problem, launch_settings
     from llmtrain.run.checkpoint import resolve_resume
-    from llmtrain.run.rundir import check_output_folder, inputs_inside
+    from llmtrain.run.rundir import check_output_folder, foreign_checkpoint, inputs_inside
 
     usage = ("llmtrain launch takes accelerate launch's flags, then a recipe and its overrides, e.g. `llmtrain launch "
              "--config_file accelerate_configs/fsdp.yaml recipes/llama7b.yaml train.max_steps=100` (no -m: it runs "
@@ -121,6 +121,8 @@ def accelerate_command(argv: list[str], *, machine: bool = True) -> list[str]:
         # a mistyped checkpoint, said with the steps there are (whether one is intact each process checks: that reads
         # every block of it)
         resolve_resume(resume, out, warn=print)
+    elif resume not in (None, "auto") and (problem := foreign_checkpoint(Path(resume), out, resume)):
+        raise LLMTrainError(problem)  # another run's checkpoint into a run: each process would say it
     if machine:  # after the checks of the command alone: these ask torch for GPUs and read the model's files
         if problem := gpus_problem(launch, where=where, gpus=torch.cuda.device_count()):
             raise LLMTrainError(problem)

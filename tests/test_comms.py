@@ -168,6 +168,20 @@ def test_the_scaling_doc_shows_what_the_model_computes():
         assert line in doc, f"docs/scaling.md is out of date (python benchmarks/scaling_table.py): {line}"
 
 
+def test_the_sample_line_of_docs_scaling_is_what_its_command_prints():
+    """docs/scaling.md shows what `estimate-memory recipes/llama7b.yaml --accelerate-config hsdp_multinode.yaml`
+    prints of the network: it had shown 70.29 GB within the node where the command (and the page's own table) said
+    93.88, a figure from before the model of FSDP's traffic was corrected (a new user's finding)."""
+    import re
+    from pathlib import Path
+
+    out = " ".join(estimate_memory("recipes/llama7b.yaml", "--accelerate-config",
+                                   "accelerate_configs/hsdp_multinode.yaml").stdout.split())
+    said = re.search(r"network per GPU per step: .*? compute [0-9.]+ s", out).group(0)
+    doc = " ".join((Path(__file__).resolve().parents[1] / "docs" / "scaling.md").read_text().split())
+    assert said in doc, said
+
+
 def test_estimate_memory_reads_the_hsdp_launch_and_says_what_crosses_the_network(tmp_path):
     """hsdp_multinode.yaml (2 nodes x 8, 2 replicas x 8 shards): the memory of FSDP over 8, and across nodes the
     all-reduce of each GPU's shard of the fp32 gradients: 2 x 1/2 x 6,738,415,616 x 4 / 8 bytes."""

@@ -298,6 +298,37 @@ def _probe_launch(port: int, out: Path, recipe: Path, *overrides: str) -> subpro
     return _accelerate_launch(port, str(probe), str(out), "finetune", str(recipe), *overrides)
 
 
+def test_generate_from_a_sharded_checkpoint_names_the_launch_that_resumes_it(straight, tmp_path):
+    """`llmtrain generate` of an FSDP checkpoint cannot read its shards: it names the launch the run was written under
+    (FSDP on 2 processes; the CPU config here), which resumes the preempted run to its end; then the run's final/
+    generates. (A new user had followed its old advice, `llmtrain finetune ... --resume`, through three refusals:
+    FSDP, a GPU config, the micro-batch.)"""
+    import re
+
+    _, straight_run, _ = straight
+    run = tmp_path / "run"
+    shutil.copytree(straight_run, run)
+    _preempt(run, 4)
+    ckpt = run / "checkpoints" / "step_000002"
+    refused = cli("generate", str(ckpt), "reverse abc =", check=False)
+    said = " ".join(refused.stderr.split())
+    command = f"llmtrain launch --config_file accelerate_configs/cpu_fsdp.yaml --num_processes 2 {ckpt}/recipe.yaml " \
+              f"--resume {ckpt}"
+    assert refused.returncode == 2 and command in said, said
+    launch = re.search(r"`llmtrain (launch [^`]*)`", said).group(1).split()
+    # this copy's checkpoint holds the recipe of the run it was copied from, whose output_dir is that run: resumed so,
+    # it is refused before any process starts (it had resumed into the original, over its step 4 and final/) ...
+    before = sorted(p.relative_to(straight_run) for p in straight_run.rglob("*"))
+    wrong = cli(*launch, check=False)
+    said = " ".join((wrong.stdout + wrong.stderr).split())
+    assert wrong.returncode == 2 and f"is not one of output_dir '{straight_run}''s" in said and "torchrun" not in said
+    assert sorted(p.relative_to(straight_run) for p in straight_run.rglob("*")) == before
+    # ... and with the copy's own folder it resumes to the end, whose final/ generates
+    resumed = cli(*launch, f"output_dir={run}")
+    assert f"resumed from {ckpt} at step 2" in resumed.stdout and (run / "final").is_dir()
+    assert "reverse abc =" in cli("generate", str(run), "reverse abc =").stdout
+
+
 def test_gradients_held_between_micro_batches_and_both_settings_train_alike(straight, tmp_path, free_port):
     """What each rank holds after the first micro-batch's backward of a 2-micro-batch step (the issue's probe), and
     what estimate-memory counts for it. sharded (the default; the module's straight run): only this rank's gradient

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from helpers import estimate_memory
+from helpers import estimate_memory, invoke
 
 from llmtrain.errors import LLMTrainError
 from llmtrain.memory import activations as act
@@ -528,3 +528,13 @@ def test_the_parameter_counts_are_the_models_under_tensor_parallelism(model):
     one, two = estimate(shape, spec), estimate(shape, spec.but(tp=2))
     assert (two.params_total, two.params_trainable) == (one.params_total, one.params_trainable)
     assert one.params_trainable > 1e7 and two.per_gpu_peak_allocated_bytes != one.per_gpu_peak_allocated_bytes
+
+
+def test_method_qlora_is_named_with_its_two_flags():
+    """`--method qlora` (QLoRA is one of the README's three methods) had been refused as "Value error, 'qlora' is not
+    one of 'full', 'lora'": it names --method lora --quantize nf4, which estimates it."""
+    refused = invoke("estimate-memory", "--model", "mistral-7b", "--method", "qlora", check=False)
+    said = " ".join((refused.stdout + refused.stderr).split())
+    assert refused.returncode == 2 and "'qlora' is not one of 'full', 'lora': QLoRA is --method lora --quantize nf4" \
+        in said and "Value error" not in said
+    assert "4-bit" in invoke("estimate-memory", "--model", "mistral-7b", "--method", "lora", "--quantize", "nf4").stdout

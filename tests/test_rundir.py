@@ -116,6 +116,34 @@ def test_overwrite_accepts_an_older_llmtrain_run_and_resume_accepts_copied_check
     rundir.release()
 
 
+def test_another_runs_checkpoint_resumes_into_a_new_folder_but_never_over_a_run(tmp_path):
+    """--resume PATH of a checkpoint of another run folder (a copied run's checkpoint, given with the original's
+    recipe): into output_dir holding a run, refused and nothing touched (it had resumed there, writing over that run's
+    later checkpoints and final/); into a new folder, a run branched from it."""
+    def checkpoint(run, step):
+        (run / "checkpoints" / f"step_{step:06d}").mkdir(parents=True)
+        (run / "checkpoints" / f"step_{step:06d}" / "train_state.json").write_text(json.dumps({"step": step}))
+
+    mine, other = tmp_path / "mine", tmp_path / "other"
+    for run in (mine, other):
+        checkpoint(run, 2)
+        checkpoint(run, 4)
+        (run / "metrics.jsonl").write_text("{}\n")
+        _prepare(run, resume="auto").release()  # (each a run: its marker)
+    before = _snapshot(mine)
+    with pytest.raises(LLMTrainError) as refused:
+        _prepare(mine, resume=str(other / "checkpoints" / "step_000002"))
+    said = " ".join(str(refused.value).split())
+    assert f"is not one of output_dir '{mine}''s, which holds a run of its own" in said
+    assert f"Resume the checkpoint's own run (output_dir={other})" in said and _snapshot(mine) == before
+    own = _prepare(mine, resume=str(mine / "checkpoints" / "step_000002"))
+    assert own.checkpoint.name == "step_000002"
+    own.release()
+    branch = _prepare(tmp_path / "branch", resume=str(other / "checkpoints" / "step_000002"))
+    assert branch.checkpoint == other / "checkpoints" / "step_000002"
+    branch.release()
+
+
 def test_leftovers_of_killed_saves_and_prunes_are_removed_at_start(tmp_path):
     run = tmp_path / "run"
     _prepare(run).release()

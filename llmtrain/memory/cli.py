@@ -38,6 +38,14 @@ LORA_BASE_DTYPE = "bfloat16"
 DOES_NOT_FIT = 4
 
 
+def _method(value: str | None) -> str | None:
+    """--method: full or lora; QLoRA is named with its two flags."""
+    if value is None or value in ("full", "lora"):
+        return value
+    hint = ": QLoRA is --method lora --quantize nf4" if value.lower() in ("qlora", "q-lora", "nf4") else ""
+    raise typer.BadParameter(f"'{value}' is not one of 'full', 'lora'{hint}")
+
+
 def estimate_memory(
     recipe: Annotated[Optional[Path], typer.Argument(metavar="RECIPE.yaml",
                                                      help="YAML recipe to estimate (or use --model).")] = None,
@@ -46,7 +54,8 @@ def estimate_memory(
     model: Annotated[Optional[str], typer.Option(
         "--model", metavar="MODEL", help="Estimate from a model's config.json alone: a directory, a config.json, a "
         f"preset ({', '.join(PRESETS)}) or a hub id.")] = None,
-    method: Annotated[Optional[Literal["full", "lora"]], typer.Option(
+    method: Annotated[Optional[str], typer.Option(
+        metavar="full|lora", callback=lambda value: _method(value),
         help="Full fine-tune or LoRA (QLoRA: --method lora --quantize nf4).")] = None,
     lora_r: Annotated[Optional[int], typer.Option(help="LoRA rank (all linear layers but the LM head).")] = None,
     lora_dropout: Annotated[Optional[float], typer.Option(

@@ -129,6 +129,25 @@ def trained_model(recipe):
                                            "tiled_mlp": None, "compile": False, "random_init": False})
 
 
+def _resume_launch(path: Path) -> str:
+    """The command that resumes a sharded checkpoint: the launch it was written under (FSDP, or DDP for pipeline
+    stages without it; the CPU configs where this machine has no GPU) on the processes it records."""
+    import json
+
+    import torch
+
+    from llmtrain.run.checkpoint import FSDP_MODEL_DIR
+
+    try:
+        processes = int(json.loads((path / "train_state.json").read_text())["processes"])
+    except (OSError, ValueError, KeyError, TypeError):
+        processes = None
+    kind = "fsdp" if (path / FSDP_MODEL_DIR).is_dir() else "ddp"
+    config = f"accelerate_configs/{'' if torch.cuda.is_available() else 'cpu_'}{kind}.yaml"
+    count = f" --num_processes {processes}" if processes else ""
+    return f"`llmtrain launch --config_file {config}{count} {path}/recipe.yaml --resume {path}`"
+
+
 def _from_checkpoint(path: Path, recipe, device) -> Source:
     """A checkpoint of a run that kept each process's whole model (one process, DDP): the base as the run loaded it,
     its adapter made as the run made it, and the checkpoint's weights (the adapter's alone for LoRA) read into it by
@@ -141,8 +160,8 @@ def _from_checkpoint(path: Path, recipe, device) -> Source:
     weights = path / "model.safetensors"
     if not weights.is_file():
         raise LLMTrainError(f"checkpoint '{path}' holds its weights in pieces (FSDP's or a pipeline's shards), not "
-                            "one model.safetensors; generate from the run's final/ (resume it to the end: "
-                            f"`llmtrain finetune {path}/recipe.yaml --resume {path}`), which holds the whole model")
+                            "one model.safetensors; generate from the run's final/, which holds the whole model: "
+                            f"resume the run to its end as it was launched ({_resume_launch(path)})")
     cfg = trained_model(recipe)
     model = load_model(cfg, recipe.lora, device=device if cfg.quantize else None)
     saved = load_file(str(weights))

@@ -136,7 +136,22 @@ def _check(out: Path, *, resume: str | None, overwrite: bool, warn, locked: bool
     checkpoint = resolve_resume(resume, out, warn=warn)
     if checkpoint is None and ((out / "final").exists() or (out / "summary.json").exists()):
         raise LLMTrainError(finished_without_checkpoint(out, resume))
+    if checkpoint is not None and (problem := foreign_checkpoint(checkpoint, out, resume)):
+        raise LLMTrainError(problem)
     return checkpoint
+
+
+def foreign_checkpoint(checkpoint: Path, out: Path, resume: str) -> str | None:
+    """Why --resume CHECKPOINT may not continue in `out` (None: it may): the checkpoint is another run folder's and
+    `out` holds a run of its own, which resuming there would write over (a copied run's checkpoint, given with the
+    recipe it holds, had resumed into the original run, over its later checkpoints and final/). Into an empty or new
+    folder it branches a run from it."""
+    if checkpoint.resolve().parent == (out / "checkpoints").resolve() or not _contents(out):
+        return None
+    run = checkpoint.parent.parent
+    return (f"--resume {resume}: checkpoint '{checkpoint}' is not one of output_dir '{out}''s, which holds a run of "
+            "its own: resuming it there would write over that run. Resume the checkpoint's own run "
+            f"(output_dir={run}), or branch a new run from it in an empty folder (output_dir={run}-2).")
 
 
 def inputs_inside(out: Path, recipe: dict, *, resume: str | None, overwrite: bool) -> str | None:
