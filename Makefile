@@ -100,7 +100,9 @@ test-portable: install
 # The distributed and RL test files on another torch, this checkout's llmtrain on the path: after a change to
 # parallel/, the sampler or the step, on a venv of the GPU machine's versions (README, Development):
 #   make test-dist PY=/work/gpuenv/bin/python
-# Without PY=..., the project's .venv.
+# Without PY=..., the project's .venv. Beside other pytest sessions give it a folder of its own
+# (PYTEST_ADDOPTS=--basetemp=/tmp/dist-tests): pytest keeps only the 3 newest /tmp/pytest-of-USER/pytest-N folders, so
+# later sessions delete a long run's module folders under it (2026-12-06: ~12 failures on missing files).
 DIST_TESTS := tests/test_fsdp.py tests/test_hsdp.py tests/test_ddp.py tests/test_tp.py tests/test_scaleout.py \
 	tests/test_mesh.py tests/test_launch.py tests/test_grpo.py tests/test_grpo_run.py tests/test_fast_sample.py \
 	tests/test_samples.py tests/test_sequence_parallel.py tests/test_pipeline.py tests/test_kto_run.py \
