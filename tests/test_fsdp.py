@@ -298,6 +298,7 @@ def _probe_launch(port: int, out: Path, recipe: Path, *overrides: str) -> subpro
     return _accelerate_launch(port, str(probe), str(out), "finetune", str(recipe), *overrides)
 
 
+@pytest.mark.extended  # ~70 s; main tier: tests/test_rundir.py's refusal of another run's checkpoint
 def test_generate_from_a_sharded_checkpoint_names_the_launch_that_resumes_it(straight, tmp_path):
     """`llmtrain generate` of an FSDP checkpoint cannot read its shards: it names the launch the run was written under
     (FSDP on 2 processes; the CPU config here), which resumes the preempted run to its end; then the run's final/

@@ -158,9 +158,10 @@ def test_lora_under_fsdp_x_tp_trains_like_one_process_and_resumes_on_one(tiny_as
     assert max_abs_diff(load_weights(run / "final" / name), b) < 1e-6
 
 
-# dropout (extended for CI time, 6 processes): peft's second base matmul on the dropped input, run through the split
-# layer; main tier: DoRA's norms and magnitudes laid out beside every split layer
-@pytest.mark.parametrize("dropout", [0.0, pytest.param(0.1, marks=pytest.mark.extended)])
+# extended for CI time (4 processes beside one, ~100 s each); main tier: tests/test_families.py's float64 probe of
+# DoRA under TP (Llama, Phi-3), exact to 3e-17. dropout: peft's second base matmul on the dropped input
+@pytest.mark.extended
+@pytest.mark.parametrize("dropout", [0.0, 0.1])
 def test_dora_under_fsdp_x_tp_trains_like_one_process(tiny_assets, tmp_path, free_port, dropout):
     """DoRA (lora.dora) beside the split layers (tensor._split_dora), once refused: a column-wise layer's magnitudes
     split with its output rows, a row-wise one's whole on every rank with each row's norm summed over the pair. 2
@@ -286,8 +287,10 @@ def test_online_rl_with_lora_under_fsdp_x_tp_equals_one_process(tiny_assets, tmp
                         load_weights(tmp_path / "one" / "final" / name)) < 5e-5
 
 
-# kept (extended for CI time): the copy held between rollouts and rewritten in place
-@pytest.mark.parametrize("copy", ["rollout", pytest.param("kept", marks=pytest.mark.extended)])
+# extended for CI time (~110 s each); main tier: tests/test_families.py's float64 probe of the copy under TP. kept: the
+# copy held between rollouts and rewritten in place
+@pytest.mark.extended
+@pytest.mark.parametrize("copy", ["rollout", "kept"])
 def test_a_merged_generation_copy_under_fsdp_x_tp_samples_as_one_process(tiny_assets, tmp_path, free_port, copy):
     """rl.merged_copy under tensor parallelism, once refused: each process merges its own part of each adapted
     linear (its rows of W + s B A under a column-wise split, its columns under a row-wise one) and runs the split
