@@ -77,7 +77,7 @@ def accelerate_command(argv: list[str], *, machine: bool = True) -> list[str]:
     from llmtrain import capabilities
     from llmtrain.config import load_recipe, started_in, working_there
     from llmtrain.layout import Layout
-    from llmtrain.parallel.launch import check_launch, gpus_problem, launch_settings
+    from llmtrain.parallel.launch import gpus_problem, launch_problem, launch_settings
     from llmtrain.run.checkpoint import resolve_resume
     from llmtrain.run.rundir import check_output_folder, foreign_checkpoint, inputs_inside
 
@@ -105,9 +105,15 @@ def accelerate_command(argv: list[str], *, machine: bool = True) -> list[str]:
         recipe_path, rest = args.training_script, list(args.training_script_args)
         print(working_there(recipe_path, started), file=sys.stderr)
     overrides, options = split_finetune_options(rest)
-    recipe = load_recipe(Path(recipe_path), overrides)
     launch, where = launch_settings(argv)
-    check_launch(launch, where=where)
+    # the recipe's problems and the launch config's said together: one round of fixes, not one file after the other
+    unhonoured = launch_problem(launch, where=where)
+    try:
+        recipe = load_recipe(Path(recipe_path), overrides)
+    except LLMTrainError as e:
+        raise type(e)(f"{e} And {unhonoured}" if unhonoured else str(e)) from None
+    if unhonoured:
+        raise LLMTrainError(unhonoured)
     layout = Layout.from_launch(launch, recipe, where=where)
     capabilities.check(recipe, layout)  # the recipe on this layout: what every process would refuse, said once
     resuming = any(o == "--resume" or o.startswith("--resume=") for o in options)
@@ -123,6 +129,8 @@ def accelerate_command(argv: list[str], *, machine: bool = True) -> list[str]:
         resolve_resume(resume, out, warn=print)
     elif resume not in (None, "auto") and (problem := foreign_checkpoint(Path(resume), out, resume)):
         raise LLMTrainError(problem)  # another run's checkpoint into a run: each process would say it
+    if resume is not None and not overwrite:
+        _check_resume(resume, out, recipe, layout, allow_recipe_change="--allow-recipe-change" in options)
     if machine:  # after the checks of the command alone: these ask torch for GPUs and read the model's files
         if problem := gpus_problem(launch, where=where, gpus=torch.cuda.device_count()):
             raise LLMTrainError(problem)
@@ -130,6 +138,27 @@ def accelerate_command(argv: list[str], *, machine: bool = True) -> list[str]:
         capabilities.check_model(recipe, layout, check_model_files(recipe))
     flags = argv[:len(argv) - len(rest) - 1]  # accelerate's own flags, as given
     return [sys.executable, "-m", "llmtrain.launcher", *flags, "-m", "llmtrain", "finetune", recipe_path, *rest]
+
+
+def _check_resume(resume: str, out: Path, recipe, layout, *, allow_recipe_change: bool) -> None:
+    """What each process would refuse of the resume, said once before any starts: a finished run that cannot go on
+    (preflight.finished_run), and a checkpoint this recipe on this layout cannot read (FSDP or not, pipeline stages or
+    not, LoRA or full, the micro-batch x data ranks: preflight.check_resume). The checkpoint is the one named, or with
+    auto the newest written (its blocks' checksums are each process's to read: a damaged one is skipped there)."""
+    from llmtrain.run.checkpoint import step_dirs
+    from llmtrain.run.preflight import check_resume, finished_run
+
+    if resume == "auto":
+        if finished_run(out, recipe, allow_recipe_change=allow_recipe_change) is not None:
+            return  # complete with this very recipe: the processes say so and change nothing
+        written = [d for d in step_dirs(out / "checkpoints") if (d / "train_state.json").is_file()]
+        ckpt = written[-1] if written else None
+    else:
+        ckpt = Path(resume)
+        if not ckpt.exists() and len(ckpt.parts) == 1:  # a step folder's name alone: output_dir's
+            ckpt = out / "checkpoints" / ckpt
+    if ckpt is not None and (ckpt / "train_state.json").is_file() and (ckpt / "recipe.yaml").is_file():
+        check_resume(ckpt, recipe, world=layout.data_ranks, fsdp=layout.fsdp, allow_recipe_change=allow_recipe_change)
 
 
 def _paths_from_here(argv: list[str], recipe_at: int) -> list[str]:

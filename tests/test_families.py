@@ -845,6 +845,9 @@ def test_dora_and_the_merged_copy_under_tensor_parallelism_are_exact(free_port, 
         for copy in got["merged"]:
             assert copy["linears"] == [linears, linears] and copy["from_base"] > 0.1, copy
             assert copy["from_one"] < 1e-6 and copy["from_unmerged"] < 1e-6, copy
+            # and the fast sampler, asked for it as a run's rollouts ask, samples through it (it had run the split
+            # layers unmerged whatever rl.merged_copy said)
+            assert copy["sampled_linears"] == [linears, linears] and copy["sampled_same"], copy
 
 
 # Gemma 4 with 4 experts of 64 beside each MLP, 2 a token (its config's own name for them: top_k_experts)

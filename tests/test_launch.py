@@ -143,6 +143,42 @@ def test_llmtrain_launch_refuses_before_any_process_starts(tiny_assets, tmp_path
     assert not (tmp_path / "run").exists()
 
 
+def test_llmtrain_launch_says_the_recipes_and_the_launch_configs_problems_together(tiny_assets, tmp_path):
+    """One round of fixes: a misspelt override and a launch setting llmtrain ignores, both in the one error."""
+    path, _ = config(tmp_path, fsdp_config={"fsdp_activation_checkpointing": True})
+    recipe = write_recipe(tiny_assets, tmp_path)
+    proc = cli("launch", "--config_file", str(path), str(recipe), "train.max_stepz=2", check=False)
+    assert proc.returncode == 2, proc.stderr
+    assert "max_stepz" in proc.stderr and "turn on model.gradient_checkpointing" in proc.stderr, proc.stderr
+    assert proc.stderr.count("error:") == 1 and "Traceback" not in proc.stderr
+    assert not (tmp_path / "run").exists()
+
+
+def test_llmtrain_launch_refuses_a_resume_its_processes_would_refuse_before_any_starts(tiny_assets, tmp_path):
+    """A checkpoint written by one process (no FSDP) resumed under an FSDP launch (the newest, or one named), and a
+    finished run that kept no checkpoint given more steps: each said once, exit 2, before accelerate launch (which
+    had started 2 processes that each found it), and the run folder as it was."""
+    kept = write_recipe(tiny_assets, tmp_path, name="kept.yaml", train={"max_steps": 2},
+                        checkpoint={"every_steps": 2}, output_dir=str(tmp_path / "kept"))
+    bare = write_recipe(tiny_assets, tmp_path, name="bare.yaml", train={"max_steps": 2},
+                        output_dir=str(tmp_path / "bare"))
+    for recipe in (kept, bare):
+        cli("finetune", str(recipe))
+    before = {p: p.stat().st_mtime_ns for p in tmp_path.rglob("*") if p.is_file()}
+    fsdp = str(REPO / "accelerate_configs" / "cpu_fsdp.yaml")
+    for args, said in [((fsdp, kept, "train.max_steps=4", "--resume", "auto", "--allow-recipe-change"),
+                        "was written without FSDP and this launch uses it"),
+                       ((fsdp, kept, "--resume", str(tmp_path / "kept" / "checkpoints" / "step_000002")),
+                        "was written without FSDP and this launch uses it"),
+                       ((str(REPO / "accelerate_configs" / "cpu_ddp.yaml"), bare, "train.max_steps=4", "--resume",
+                         "auto", "--allow-recipe-change"), "kept no checkpoint")]:
+        proc = cli("launch", "--config_file", args[0], str(args[1]), *args[2:], check=False)
+        assert proc.returncode == 2 and said in " ".join(proc.stderr.split()), proc.stderr
+        assert proc.stderr.count("error:") == 1 and "Traceback" not in proc.stderr
+        assert "what each said is above" not in proc.stderr  # (the launcher's line once processes stopped)
+    assert {p: p.stat().st_mtime_ns for p in tmp_path.rglob("*") if p.is_file()} == before
+
+
 @pytest.mark.parametrize("args, said", [(["train.max_stepz=2"], "max_stepz"),
                                         (["--resume", "RUN/checkpoints/step_2"], "'RUN/checkpoints/step_2' does not "
                                          "exist; RUN/checkpoints holds no checkpoint")],

@@ -618,7 +618,7 @@ def test_four_processes_two_stages_each_sharded_by_fsdp_equal_one_and_resume(fou
     _same(tmp_path / "four", tmp_path / "one", lora=False)
 
 
-@pytest.mark.slow
+@pytest.mark.slow  # (the main tier's one launch of FSDP-sharded stages)
 def test_8bit_adamw_on_fsdp_sharded_stages_trains_as_one_process_and_resumes_on_its_shards(four_layers, tmp_path,
                                                                                             free_port):
     """train.optimizer=adamw_8bit on 2 stages each sharded by FSDP over 2 replicas (refused before 2026-12-05: the
@@ -685,8 +685,9 @@ def test_8bit_adamw_on_stages_split_off_the_blocks_resumes_on_its_own_shards_onl
     assert {p: p.stat().st_mtime_ns for p in written} == before and len(before) > 10
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("lora", [True, False], ids=["lora", "full-copy"])
+@pytest.mark.slow  # full-copy extended for CI time (37 s): main tier, lora's snapshot swapped in on each stage, and
+# test_reference_sync.py's full copy mixed on one process
+@pytest.mark.parametrize("lora", [True, pytest.param(False, marks=pytest.mark.extended)], ids=["lora", "full-copy"])
 def test_a_moving_reference_on_two_stages_is_one_process_reference_and_resumes(four_layers, tmp_path, free_port,
                                                                                lora):
     """DPO with sync_reference on 2 stages, its reference passes before each step and each eval. lora (alpha 1): each
@@ -920,7 +921,8 @@ def test_grpo_entropy_terms_on_two_stages_equal_one_process(four_layers, tmp_pat
             assert r["loss"] == pytest.approx(r["policy_loss"] - 0.05 * r["entropy"], abs=1e-5)
 
 
-@pytest.mark.slow
+@pytest.mark.extended  # CI time (48 s); main tier: GRPO on two stages (the stages' sampling and last-stage loss) above,
+@pytest.mark.slow       # test_fp32_head.py's head in fp32, test_grpo_run.py's sampler correction on one process
 def test_scalerls_fp32_head_and_sampler_correction_on_two_stages_are_one_process_grpo(four_layers, tmp_path,
                                                                                      free_port):
     """rl.cast_lm_head_to_fp32 and rl.sampler_correction on stages (both refused before 2026-12-05), as ScaleRL runs

@@ -198,7 +198,10 @@ def test_a_sequence_group_adds_it_over_its_slices_as_one_process_does(tiny_asset
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("mode", ["sft", pytest.param("sft-lora", marks=pytest.mark.extended), "dpo-lora",
+# dpo-lora extended for CI time (36 s): main tier, sft's sums through the same stages (the pair's objective on stages:
+# test_pipeline.py's preference rows)
+@pytest.mark.parametrize("mode", ["sft", pytest.param("sft-lora", marks=pytest.mark.extended),
+                                  pytest.param("dpo-lora", marks=pytest.mark.extended),
                                   pytest.param("kto-lora", marks=pytest.mark.extended)])
 def test_two_pipeline_stages_hand_on_its_sums_and_train_as_one_process(tiny_assets, tmp_path, free_port, mode):
     """parallel.pipeline_parallel 2 (one MoE layer a stage): each stage adds its layers' sums (routed tokens, routing

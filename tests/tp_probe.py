@@ -167,8 +167,34 @@ def _merged_copies(one, many, ids) -> list[dict]:
             theirs, ours = one(input_ids=ids).logits, many(input_ids=ids).logits
         out.append({"policy": policy, "linears": [merged_one, merged_many],
                     "from_unmerged": float((ours - unmerged).abs().max()),
-                    "from_one": float((ours - theirs).abs().max()), "from_base": float((ours - base).abs().max())})
+                    "from_one": float((ours - theirs).abs().max()), "from_base": float((ours - base).abs().max()),
+                    **_sampled(one, many, ids, policy)})
     return out
+
+
+def _sampled(one, many, ids, policy: str) -> dict:
+    """The fast sampler (rl.sampler=static) asked for the copy (`policy`), as a run's rollouts ask (objectives/
+    rollouts.sample): the linears it merged on one process and under tensor parallelism (merged_copy.merged_weight's
+    calls), and whether the greedy tokens are the same."""
+    from llmtrain.model import merged_copy
+    from llmtrain.objectives.rollouts import sample
+
+    real, calls = merged_copy.merged_weight, []
+
+    def counted(module, *args, **kwargs):
+        calls.append(module)
+        return real(module, *args, **kwargs)
+
+    merged_copy.merged_weight = counted
+    try:
+        drawn = []
+        for lm in (one, many):
+            drawn.append(sample(lm, "static", [ids[0, :6].tolist()], [0], max_new_tokens=4, temperature=0.0,
+                                top_p=1.0, stop_ids=[], pad_id=0, copy=policy))
+            drawn.append(len(calls))
+    finally:
+        merged_copy.merged_weight = real
+    return {"sampled_linears": [drawn[1], drawn[3] - drawn[1]], "sampled_same": drawn[0] == drawn[2]}
 
 
 if __name__ == "__main__":

@@ -495,7 +495,8 @@ def _cache_width(spec: TrainSpec) -> int:
 def generation_copy_bytes(shape: ModelShape, spec: TrainSpec, plan) -> int:
     """The fast sampler's merged generation copy (model/merged_copy.py; rl.merged_copy not off): each adapted
     linear's [out, in] weight in the compute dtype, whole on every GPU (under FSDP it is made from the gathered
-    units; a 4-bit base's is dequantized; DoRA's too, its magnitudes folded in)."""
+    units; a 4-bit base's is dequantized; DoRA's too, its magnitudes folded in); under tensor parallelism a GPU's
+    part of each split linear (the plan's shapes are a TP rank's: tensor_parallel_shape)."""
     if spec.merged_copy == "off" or plan is None or not spec.num_generations or not FAMILIES[
             shape.model_type].fast_sampler:  # the reference sampler runs the training model as it is
         return 0

@@ -493,6 +493,5 @@ def sampler_for(lm, kind: str, *, copy: str = "off"):
                       f"parameters; this {causal_lm(lm).config.model_type} model samples with the reference loop "
                       "(slower; the same tokens up to rounding)", stacklevel=2)
         return sample
-    if tensor_parallel(lm):
-        return partial(sample_fast, capture=False, copy="off")
-    return partial(sample_fast, capture=kind == "graph", copy=copy)
+    # a model split by tensor parallelism steps eagerly (its layers' collectives), on its merged part where asked
+    return partial(sample_fast, capture=kind == "graph" and not tensor_parallel(lm), copy=copy)

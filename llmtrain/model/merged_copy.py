@@ -26,6 +26,8 @@ from contextlib import contextmanager
 
 import torch
 
+from llmtrain.model.split import local, row_norms_summed
+
 KEPT = "_llmtrain_generation_copy"  # the attribute of the policy that holds a kept copy {module: weight}
 
 
@@ -70,10 +72,6 @@ def _split(weight):
     return weight if isinstance(weight, DTensor) else None
 
 
-def _local(t: torch.Tensor) -> torch.Tensor:
-    return t.to_local() if _split(t) is not None else t
-
-
 def copy_bytes(modules: list) -> int:
     """The copy's size: each adapted linear's [out, in] weight (this process's part of a tensor-parallel one) in the
     dtype its layer computes in."""
@@ -101,13 +99,13 @@ def merged_weight(module, out: torch.Tensor | None = None) -> torch.Tensor:
 
         w = bnb.functional.dequantize_4bit(base.weight.data, base.weight.quant_state).float()
     else:  # a copy even where the base is fp32: never merged in place
-        w = _local(base.weight).to(torch.float32, copy=True)
+        w = local(base.weight).to(torch.float32, copy=True)
     for a in module.active_adapters:
         if a in module.lora_A:
-            w.addmm_(_local(module.lora_B[a].weight).float(), _local(module.lora_A[a].weight).float(),
+            w.addmm_(local(module.lora_B[a].weight).float(), local(module.lora_A[a].weight).float(),
                      alpha=module.scaling[a])
             if module.use_dora.get(a):
-                magnitude = _local(module.lora_magnitude_vector[a].weight).float()
+                magnitude = local(module.lora_magnitude_vector[a].weight).float()
                 norm = torch.linalg.norm(w, dim=1)
                 if (split := _split(base.weight)) is not None:
                     norm, magnitude = _whole_rows(split, norm, magnitude)
@@ -122,15 +120,12 @@ def _whole_rows(weight, norm: torch.Tensor, magnitude: torch.Tensor) -> tuple[to
     (Shard(1), a row-wise layer), each row's norm is the root of the processes' parts' squares summed, the magnitudes
     whole; split by rows (Shard(0)), the norms are this process's rows' already, and whole magnitudes (a gathered
     layer's: parallel/tensor._split_dora) are cut to those rows."""
-    import torch.distributed as dist
     from torch.distributed.tensor import Shard
 
     ((dim, placement),) = [(d, p) for d, p in enumerate(weight.placements) if isinstance(p, Shard)]
     mesh = weight.device_mesh
     if placement.dim == 1:
-        norm = norm.square()
-        dist.all_reduce(norm, group=mesh.get_group(dim))
-        return norm.sqrt(), magnitude
+        return row_norms_summed(norm, mesh.get_group(dim)), magnitude
     if magnitude.shape[0] != norm.shape[0]:
         magnitude = magnitude.chunk(mesh.size(dim))[mesh.get_local_rank(dim)]
     return norm, magnitude

@@ -25,6 +25,7 @@ from pathlib import Path
 import torch
 
 from llmtrain.errors import LLMTrainError
+from llmtrain.model.split import local
 
 FOLDER = "reference"  # in a checkpoint: the reference's weights, once a sync has moved them
 
@@ -78,8 +79,8 @@ def adapter_off(model):
 def mix(reference, policy, alpha: float) -> None:
     """TRL's SyncRefModelCallback._sync_target_model: every reference weight becomes alpha x the policy's +
     (1 - alpha) x its own (mul_ then add_, TRL's order of operations). Matched by name (`_counterparts`)."""
-    for local, source in _counterparts(reference, policy):
-        _mix_into(local, source, alpha)
+    for part, source in _counterparts(reference, policy):
+        _mix_into(part, source, alpha)
 
 
 @torch.no_grad()
@@ -87,8 +88,8 @@ def copy_into(reference, policy) -> None:
     """Every reference weight (and buffer) the policy's as it is now, cast to the reference's dtype, matched by name
     (`_counterparts`): FSDP's reference, built empty and sharded like the policy (loop/phases.build_reference),
     takes the policy's starting weights so, with no second read of them and none whole on a process."""
-    for local, source in _counterparts(reference, policy):
-        local.copy_(source)
+    for part, source in _counterparts(reference, policy):
+        part.copy_(source)
     buffers = dict(policy.named_buffers())  # a checkpoint's persistent buffers (never sharded), by name as well
     for name, b in reference.named_buffers():
         if name in buffers:
@@ -118,9 +119,8 @@ def _counterparts(reference, policy):
                                            src_data_rank=None)  # each process cuts its own part: no communication
             else:
                 source = source.full_tensor()
-        source = source.to_local() if isinstance(source, DTensor) else source
-        local = target.to_local() if isinstance(target, DTensor) else target
-        yield local.data, source.data.to(local.device)
+        part = local(target)
+        yield part.data, local(source).data.to(part.device)
 
 
 def _mix_into(target: torch.Tensor, source: torch.Tensor, alpha: float) -> None:
@@ -195,7 +195,7 @@ class AdapterReference(Reference):
         self.stages = tuple(stages)
         # the trained weights (found once: a checkpoint loads into them in place), their names for the checkpoint
         self.names, self.trained = zip(*[(n, p.detach()) for n, p in model.named_parameters() if p.requires_grad])
-        self.local = [_local(t) for t in self.trained]  # what the swap copies: a sharded weight's own shard
+        self.local = [local(t) for t in self.trained]  # what the swap copies: a sharded weight's own shard
         self.snapshot: list[torch.Tensor] | None = None  # in `names`' order, sharded as the weights (the checkpoint)
         self.snapshot_local: list[torch.Tensor] | None = None
         self.spare: list[torch.Tensor] | None = None
@@ -253,10 +253,10 @@ class AdapterReference(Reference):
                 whole = self.snapshot_whole[i]
                 if isinstance(now, DTensor):  # FSDP x TP: gathered over the shards, still split over the TP ranks
                     whole = distribute_tensor(whole, now.device_mesh, now.placements, src_data_rank=None).to_local()
-                into.append(_local(now.detach()))
+                into.append(local(now.detach()))
                 source.append(whole)
             else:
-                into.append(_local(now.detach()))
+                into.append(local(now.detach()))
                 source.append(self.snapshot_local[i])
         if self.spare_whole is None or [t.shape for t in self.spare_whole] != [t.shape for t in into]:
             self.spare_whole = [t.clone() for t in into]
@@ -274,7 +274,7 @@ class AdapterReference(Reference):
 
     def _take_snapshot(self) -> None:
         self.snapshot = [t.clone() for t in self.trained]
-        self.snapshot_local = [_local(t) for t in self.snapshot]
+        self.snapshot_local = [local(t) for t in self.snapshot]
 
     def _gather_snapshot(self) -> None:
         """`whole`: the snapshot's whole weights (every process calls it: a sharded one is all-gathered)."""
@@ -321,10 +321,10 @@ class StageCopy(Reference):
         self.model = model  # the unwrapped model, which holds this process's stages' weights (the rest: Elsewhere)
         self.stages = tuple(stages)  # the stage modules (an FSDP launch's root units: the embeddings, the head)
         self.names, weights = zip(*[(n, p.detach()) for n, p in model.named_parameters()])
-        self.local = [_local(t) for t in weights]  # the weights' own storage (a shard under FSDP)
+        self.local = [local(t) for t in weights]  # the weights' own storage (a shard under FSDP)
         with torch.no_grad():
             self.copy = [t.clone() for t in weights]  # sharded as the weights (the checkpoint's)
-        self.copy_local = [_local(t) for t in self.copy]
+        self.copy_local = [local(t) for t in self.copy]
 
     def forward(self, model):
         return model, self._exchanged()
@@ -383,11 +383,6 @@ def _whole(t: torch.Tensor) -> torch.Tensor:
     return t.full_tensor() if isinstance(t, DTensor) else t.clone()
 
 
-def _local(t: torch.Tensor) -> torch.Tensor:
-    """A weight's own storage: a DTensor's local shard (a view: writing it writes the weight), else the tensor."""
-    from torch.distributed.tensor import DTensor
-
-    return t.to_local() if isinstance(t, DTensor) else t
 
 
 def _resharded(*models) -> None:

@@ -117,11 +117,16 @@ def _spelt(key: str, known) -> str:
     return f" (did you mean {close[0]}?)" if close else ""
 
 
-def check_launch(launch: dict, *, where: str) -> None:
-    """Refuse a launch config with settings llmtrain does not honour, all of them in one paragraph."""
+def launch_problem(launch: dict, *, where: str) -> str | None:
+    """A launch config's settings llmtrain does not honour, all of them in one paragraph; None if there are none."""
     problems = unhonoured(launch)
-    if problems:
-        raise LLMTrainError(f"{where} asks for what llmtrain does not do: {'; '.join(problems)}.")
+    return f"{where} asks for what llmtrain does not do: {'; '.join(problems)}." if problems else None
+
+
+def check_launch(launch: dict, *, where: str) -> None:
+    """Refuse a launch config with settings llmtrain does not honour (launch_problem)."""
+    if problem := launch_problem(launch, where=where):
+        raise LLMTrainError(problem)
 
 
 # --------------------------------------------------------------------------- the launch, from its command line

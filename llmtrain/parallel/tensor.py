@@ -15,6 +15,7 @@ import torch
 from llmtrain.capabilities import paragraph, tensor_plan, tensor_plan_problems
 from llmtrain.errors import LLMTrainError
 from llmtrain.model.loss import causal_lm
+from llmtrain.model.split import local, row_norms_summed
 
 
 def apply_tensor_parallel(model, mesh) -> tuple[int, int]:
@@ -113,9 +114,6 @@ def _dora_forward(layer, style, group, x, *, lora_A, lora_B, scaling, base_layer
     import torch.distributed as dist
     from torch.distributed.tensor import DTensor
 
-    def local(t):
-        return t.to_local() if isinstance(t, DTensor) else t
-
     x = local(x)  # (a column-wise block's replicated input where no dropout made it local)
     with torch.no_grad():  # n: detached in peft too (the DoRA paper's section 4.3)
         dtype = x.dtype  # (peft's: the adapters' dtype, which the input was cast to)
@@ -127,9 +125,7 @@ def _dora_forward(layer, style, group, x, *, lora_A, lora_B, scaling, base_layer
         norm = norm.to(torch.promote_types(norm.dtype, torch.float32))
         del direction
         if style.startswith("rowwise"):  # each rank holds a part of every row: the parts' squares summed
-            norm = norm.square()
-            dist.all_reduce(norm, group=group)
-            norm = norm.sqrt()
+            norm = row_norms_summed(norm, group)
         elif style == "colwise_gather_output":  # each rank's rows, gathered into the whole output's
             parts = [torch.empty_like(norm) for _ in range(dist.get_world_size(group))]
             dist.all_gather(parts, norm, group=group)

@@ -18,6 +18,8 @@ from dataclasses import dataclass
 
 import torch
 
+from llmtrain.model.split import local
+
 
 @dataclass(frozen=True)
 class PipelineGroup:
@@ -87,11 +89,9 @@ def sum_tied(params, group) -> None:
     for p in params:
         if p.grad is None:
             p.grad = torch.zeros_like(p)
-        dist.all_reduce(_local(p.grad), group=group)
+        dist.all_reduce(local(p.grad), group=group)
 
 
-def _local(t: torch.Tensor) -> torch.Tensor:
-    return t.to_local() if hasattr(t, "to_local") else t
 
 
 def clip_grad_norm_(params, max_norm: float, device, *, sharded: bool, g: PipelineGroup,
@@ -105,10 +105,10 @@ def clip_grad_norm_(params, max_norm: float, device, *, sharded: bool, g: Pipeli
     of a tied embedding, which the first stage counts)."""
     import torch.distributed as dist
 
-    scaled = [_local(p.grad) for p in params if p.grad is not None]
+    scaled = [local(p.grad) for p in params if p.grad is not None]
     skip = {id(p) for p in uncounted}
     params = [p for p in params if p.grad is not None and id(p) not in skip]
-    grads = [_local(p.grad) for p in params]
+    grads = [local(p.grad) for p in params]
     if order is not None and not sharded:
         from torch.utils._foreach_utils import _has_foreach_support
 
