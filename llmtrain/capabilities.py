@@ -284,9 +284,6 @@ RULES: tuple[Rule, ...] = (
          "{key} does not train a 4-bit base (model.quantize): bitsandbytes' packed 4-bit weights cannot be split "
          "by rows or columns. A QLoRA run of a 7B model fits one GPU: launch it with accelerate_configs/ddp.yaml "
          "(tp_size 1), or train LoRA on a 16-bit base under tensor parallelism"),
-    Rule("tp", lambda r, _: r.model.compile,
-         "{key} with model.compile fails: inductor's compile of the tensor-parallel layers recursed without end at "
-         "the second step (torch 2.13 on gloo). Set model.compile=false"),
     Rule("tp", _copy_unsharded,
          "{key} without FSDP: a full fine-tune's reference ({reference}) is a frozen copy of the starting weights, "
          "sharded like the policy under FSDP only and otherwise whole on every process, undoing the split. Launch "

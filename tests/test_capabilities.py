@@ -166,18 +166,18 @@ def test_the_table_in_docs_scaling_is_the_tables_own():
 
 @pytest.mark.slow
 def test_a_refused_layout_exits_2_with_one_paragraph_and_writes_nothing(mode_recipes, tmp_path):
-    """Every cell of the table trains; what a layout refuses of a recipe (here model.compile under tensor
-    parallelism, whose compiled layers recursed without end) stops `llmtrain launch` before any process starts:
-    exit 2, one paragraph naming the fix, no traceback, nothing written."""
+    """Every cell of the table trains; what a layout refuses of a recipe (here a 4-bit base under tensor
+    parallelism, whose packed weights cannot be split) stops `llmtrain launch` before any process starts: exit 2,
+    one paragraph naming the fix, no traceback, nothing written."""
     out = tmp_path / "run"
     argv = ["--config_file", str(CONFIGS / "cpu_tp.yaml"), "--num_processes", "4", "--main_process_port", "0",
-            str(mode_recipes["distill"]), "model.compile=true", f"output_dir={out}"]
+            str(mode_recipes["distill"]), "lora.r=4", "model.quantize=nf4", f"output_dir={out}"]
     proc = subprocess.run([sys.executable, "-m", "llmtrain", "launch", *argv], env=ENV, cwd=REPO, capture_output=True,
                           text=True, timeout=300)
     assert proc.returncode == 2, proc.stdout + proc.stderr
     assert proc.stderr.startswith("error: ") and "Traceback" not in proc.stderr
-    assert "with model.compile fails: inductor" in " ".join(proc.stderr.split())
-    assert "Set model.compile=false" in " ".join(proc.stderr.split())
+    assert "does not train a 4-bit base (model.quantize)" in " ".join(proc.stderr.split())
+    assert "launch it with accelerate_configs/ddp.yaml" in " ".join(proc.stderr.split())
     assert not out.exists()
 
 

@@ -79,8 +79,8 @@ def test_fsdp_x_tp_is_accepted_and_named(monkeypatch):
 
 @pytest.mark.parametrize("section, names", [
     ({"model": {"quantize": "nf4"}, "lora": {"r": 4}}, ["does not train a 4-bit base", "model.quantize", "ddp.yaml"]),
-    ({"model": {"compile": True}}, ["model.compile=false"]),
-])  # model.tiled_mlp trains under FSDP x TP (test_tp.py::test_a_tiled_mlp_under_fsdp_x_tp_trains_like_one_process)
+])  # model.tiled_mlp trains under FSDP x TP (test_tp.py::test_a_tiled_mlp_under_fsdp_x_tp_trains_like_one_process),
+# model.compile too (test_tp.py::test_model_compile_under_fsdp_x_tp_trains_as_the_eager_split_model)
 def test_what_tensor_parallelism_does_not_train_is_refused(monkeypatch, tmp_path, section, names):
     from llmtrain.config import Recipe
 

@@ -6,12 +6,13 @@ split matmuls and the all-reduces sum in another order) is gone, so any differen
 as JSON, the loss's difference, the largest gradient difference and its weight, the local and whole rows of every
 layer's q_proj, the experts each layer holds of all (and GPT-OSS's sinks), and the weights it holds of a layer.
 
-    python -m torch.distributed.run --nproc_per_node P tests/tp_probe.py OUT_DIR [MODEL] [lora|dora] [merged]
+    python -m torch.distributed.run --nproc_per_node P tests/tp_probe.py OUT_DIR [MODEL] [lora|dora] [merged] [compile]
 
 MODEL: gemma4 (the default), qwen3_moe, mixtral, gemma4_moe, gpt_oss, or the dense llama and phi3 (Phi's gathered
 plan). dora: LoRA with DoRA's magnitudes (parallel/tensor._split_dora). merged: after the steps, the logits with the
 merged generation copy (model/merged_copy.py; each policy, `kept` twice) against the adapters unmerged and against
-one process's copy, and how many linears each merged.
+one process's copy, and how many linears each merged, and the fast sampler's. compile: each decoder layer compiled on
+both sides (model.compile), the split modules eager (parallel/tensor.eager_in_compile).
 """
 
 from __future__ import annotations
@@ -54,7 +55,8 @@ EXPERT_TARGETS = {"gemma4_moe": ["experts.gate_up_proj", "experts.down_proj"],
                   "gpt_oss": ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]}
 
 
-def main(out: Path, name: str = "gemma4", lora: bool = False, dora: bool = False, merged: bool = False) -> None:
+def main(out: Path, name: str = "gemma4", lora: bool = False, dora: bool = False, merged: bool = False,
+         compiled: bool = False) -> None:
     from torch.distributed.device_mesh import init_device_mesh
     from transformers import AutoConfig, AutoModelForCausalLM
 
@@ -116,6 +118,13 @@ def main(out: Path, name: str = "gemma4", lora: bool = False, dora: bool = False
         return t.full_tensor() if hasattr(t, "full_tensor") else t
 
     sharded = sum(apply_tensor_parallel(many, init_device_mesh("cpu", (ranks,), mesh_dim_names=("tp",))))
+    if compiled:  # each decoder layer compiled, as model.compile does (parallel/parallelize.py)
+        from llmtrain.model.modeling import compile_layers
+        from llmtrain.parallel.tensor import eager_in_compile
+
+        eager_in_compile(many)
+        compile_layers(one)
+        compile_layers(many)
     layers = (many.base_model.model if lora else many).model.layers
     q = [(whole(proj.weight).shape[0], proj.weight.to_local().shape[0])  # (Phi-3's fused qkv_proj)
          for proj in (getattr(layer.self_attn, "q_proj", None) or layer.self_attn.qkv_proj for layer in layers)]
@@ -200,7 +209,7 @@ def _sampled(one, many, ids, policy: str) -> dict:
 if __name__ == "__main__":
     flags = sys.argv[3:]
     main(Path(sys.argv[1]), *sys.argv[2:3], lora="lora" in flags or "dora" in flags, dora="dora" in flags,
-         merged="merged" in flags)
+         merged="merged" in flags, compiled="compile" in flags)
     from llmtrain.cli import exit_now
 
     exit_now(0)  # as a launched run leaves: no interpreter teardown for a gloo thread to abort (pytorch#179291)

@@ -26,7 +26,7 @@ from llmtrain.parallel.mesh import tensor_parallel_size
 from llmtrain.parallel.pipeline.schedule import Pipeline, row_slots
 from llmtrain.parallel.sequence import attention as sequence_attention
 from llmtrain.parallel.sequence.group import describe as describe_sequence
-from llmtrain.parallel.tensor import apply_tensor_parallel
+from llmtrain.parallel.tensor import apply_tensor_parallel, eager_in_compile
 
 
 @dataclass(frozen=True)
@@ -52,7 +52,8 @@ def parallelize(model, recipe: Recipe, accelerator, *, make_optimizer, pad_id: i
         sequence_attention.attach(model, size=sp, group=groups(accelerator).sequence.group)
         say(describe_sequence(sp, accelerator.num_processes))
     if recipe.model.compile:
-        say(f"compile: {compile_layers(model)} decoder layers (regional torch.compile)")
+        eager = f", the {eager_in_compile(model)} modules tensor parallelism split run eagerly" if tp > 1 else ""
+        say(f"compile: {compile_layers(model)} decoder layers (regional torch.compile){eager}")
     fp32_head = capabilities.fp32_head(recipe)
     if recipe.parallel.pipeline_parallel > 1:
         # this process's stages (the optimizer sees only theirs), sharded over their replicas by an FSDP launch

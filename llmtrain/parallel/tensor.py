@@ -84,6 +84,7 @@ def apply_tensor_parallel(model, mesh) -> tuple[int, int]:
     for name, _ in base.named_modules():  # QK-norm (Qwen3, Gemma 3): whole on every rank, applied to its own heads
         if any(fnmatchcase(name, pattern) for pattern, style in plan.items() if style == SUMMED):
             base.get_submodule(name).register_forward_pre_hook(_gradients_summed(mesh))
+            base.get_submodule(name)._llmtrain_eager = True  # (under compile: its hook hooks the gradient)
     return len(matched), len(experts)
 
 
@@ -102,6 +103,7 @@ def _split_dora(layer, style: str, mesh) -> None:
         layer.weight = torch.nn.Parameter(distribute_tensor(layer.weight.data, mesh, [Shard(0)]),
                                           requires_grad=layer.weight.requires_grad)
     layer.__dict__["forward"] = functools.partial(_dora_forward, layer, style, mesh.get_group())
+    layer._llmtrain_eager = True  # (under compile: its norms' all-reduce or all-gather)
 
 
 def _dora_forward(layer, style, group, x, *, lora_A, lora_B, scaling, base_layer, base_result=None,
@@ -139,6 +141,34 @@ def _dora_forward(layer, style, group, x, *, lora_A, lora_B, scaling, base_layer
         base_result = base_result - (bias.full_tensor() if style == "colwise_gather_output" and
                                      isinstance(bias, DTensor) else local(bias))
     return (scale - 1) * base_result + scale * lora_result * scaling
+
+
+def eager_in_compile(model) -> int:
+    """What tensor parallelism split runs eagerly inside a compiled decoder layer (model.compile's regional compile):
+    each module holding a split weight of its own (the split linears, the adapter matrices beside them, DoRA's split
+    magnitudes, split experts, GPT-OSS's sinks) with its hooks (the layouts of its input and output), DoRA's
+    magnitudes beside a row-wise or gathered layer (their norms' collectives) and the whole norms whose gradient is
+    summed over the group (QK-norm's hook on its weight's gradient). Inductor's compile of
+    the split layers' DTensor code had recursed without end at the first backward (torch 2.13, FSDP x TP on gloo);
+    what compile fuses (the norms, rotary embeddings, attention's softmax, activations, residual adds) lies between
+    them and stays compiled, each split module a graph break. Returns the modules left eager."""
+    from torch.distributed.tensor import DTensor
+
+    eager = [m for m in model.modules() if getattr(m, "_llmtrain_eager", False)
+             or any(isinstance(p, DTensor) for p in m.parameters(recurse=False))]
+    for module in eager:  # (an instance's _call_impl: nn.Module.__call__ runs it, hooks and forward, as Dynamo does)
+        module._call_impl = torch.compiler.disable(functools.partial(_waited, module._call_impl))
+    return len(eager)
+
+
+def _waited(call, *args, **kwargs):
+    """A split module's output as a plain tensor: a row-wise layer's all-reduce is asynchronous (torch's
+    RowwiseParallel), its output an AsyncCollectiveTensor, which the compiled graph it enters cannot take back a
+    gradient for (a plain one reaches DTensor's redistribute in backward); an op on it waits and unwraps it."""
+    from torch.distributed._functional_collectives import AsyncCollectiveTensor
+
+    out = call(*args, **kwargs)
+    return out.clone() if isinstance(out, AsyncCollectiveTensor) else out
 
 
 EXPERTS = "moe_tp_experts"  # the plan's word for a mixture of experts' module (llmtrain splits it by expert)
