@@ -79,19 +79,23 @@ def test_eval_counts_each_examples_hits_without_a_weighted_bincount(monkeypatch,
 
 
 def test_rl_sampling_runs_warn_only_and_the_update_strict(tiny_assets, tmp_path, monkeypatch, torch_mode):
-    """A GRPO step under train.deterministic: the rollout (sampling) sees warn-only, the loss strict."""
+    """A GRPO step under train.deterministic: the rollout (sampling) sees warn-only, the loss strict; and the eval,
+    which samples too (rl.num_generations_eval at rl.temperature: the float cumsum CUDA refuses in strict mode), sees
+    warn-only (it ran strict until 2026-12-06, which would have failed the step-0 eval on a GPU)."""
     import llmtrain.objectives.grpo as grpo
 
-    seen = {"rollout": set(), "loss": set()}
-    rollout, loss = grpo.GRPO.rollout, grpo.GRPO.loss
+    seen = {"rollout": set(), "loss": set(), "eval": set()}
+    rollout, loss, evaluate = grpo.GRPO.rollout, grpo.GRPO.loss, grpo.GRPO.eval_sums
     monkeypatch.setattr(grpo.GRPO, "rollout",
                         lambda self, *a, **k: seen["rollout"].add(mode()) or rollout(self, *a, **k))
     monkeypatch.setattr(grpo.GRPO, "loss", lambda self, *a, **k: seen["loss"].add(mode()) or loss(self, *a, **k))
-    recipe = write_recipe(tiny_assets, tmp_path, data={"format": "prompt", "max_seq_len": 32},
-                          rl={"num_generations": 2, "max_completion_tokens": 4,
+    monkeypatch.setattr(grpo.GRPO, "eval_sums",
+                        lambda self, *a, **k: seen["eval"].add(mode()) or evaluate(self, *a, **k))
+    recipe = write_recipe(tiny_assets, tmp_path, data={"format": "prompt", "max_seq_len": 32, "eval_split": 0.002},
+                          rl={"num_generations": 2, "max_completion_tokens": 4, "num_generations_eval": 2,
                               "rewards": [{"type": "format", "pattern": "[aeiou]"}]},
-                          train={"max_steps": 2, "micro_batch_size": 2, "deterministic": True})
+                          train={"max_steps": 2, "micro_batch_size": 2, "deterministic": True, "eval_every_steps": 2})
     run_train(recipe, f"output_dir={tmp_path / 'run'}")
-    assert seen == {"rollout": {(True, True)}, "loss": {(True, False)}}
+    assert seen == {"rollout": {(True, True)}, "loss": {(True, False)}, "eval": {(True, True)}}
     assert len(losses(tmp_path / "run")) == 2
     assert mode() == (False, False)

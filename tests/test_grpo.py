@@ -978,3 +978,49 @@ def test_a_completion_ends_with_its_first_stop_token(lm):
     for a, b in zip(free, stopped):
         assert b == a[: next((k + 1 for k, tok in enumerate(a) if tok in stops), len(a))]
     assert any(len(b) < len(a) for a, b in zip(free, stopped)) and all(len(c) == 6 for c in free)
+
+
+def test_the_runs_line_on_its_rewards_says_what_the_eval_samples():
+    """The run's log line on why the train reward and the eval's differ: one greedy completion a prompt by default, or
+    rl.num_generations_eval's N sampled as the rollouts are (it said "one greedy completion" either way)."""
+    from llmtrain.config import RLConfig
+    from llmtrain.loop.train import rl_eval_line
+
+    rl = RLConfig.model_validate({"num_generations": 4, "rewards": [{"type": "format", "pattern": "x"}]})
+    assert "are of one greedy completion of each of the 8 eval prompts, so the train reward usually sits below" in \
+        rl_eval_line(rl, 8)
+    sampled = rl_eval_line(rl.model_copy(update={"num_generations_eval": 3}), 8)
+    assert "are of 3 completions of each of the 8 eval prompts sampled as the rollouts are" in sampled
+    assert "greedy" not in sampled and "sits below" not in sampled
+
+
+@pytest.mark.parametrize("dtype, precision, quantize, fsdp, sixteen", [
+    ("float32", "bf16", None, False, False),  # one process or DDP: the base, and so the copy, stay fp32
+    ("float32", "bf16", None, True, True),  # FSDP gathers its units in the mixed precision's param_dtype
+    ("float32", "bf16", "nf4", False, True),  # a 4-bit base computes in the mixed precision's dtype
+    ("float32", "no", "nf4", False, False),
+    ("bfloat16", "no", None, False, True),
+    ("float32", "no", None, False, False)])
+def test_the_header_says_16_bits_only_where_the_merged_copy_is_made_in_16_bits(dtype, precision, quantize, fsdp,
+                                                                               sixteen):
+    """The sampler's header warns that a 16-bit merged copy drops small adapter changes; an fp32 model with
+    train.mixed_precision on one process keeps an fp32 copy (its base layer's dtype: merged_copy._compute_dtype), and
+    was warned about all the same."""
+    from llmtrain.config import Recipe
+    from llmtrain.loop.phases import copy_in_16_bits
+
+    recipe = Recipe.model_validate({"model": {"name_or_path": "m", "dtype": dtype, "quantize": quantize},
+                                    "lora": {"r": 4}, "data": {"path": "d.jsonl", "format": "prompt_completion"},
+                                    "train": {"mixed_precision": precision}, "output_dir": "o"})
+    assert copy_in_16_bits(recipe, fsdp=fsdp) is sixteen
+
+
+def test_an_fp32_models_merged_copy_is_fp32_under_autocast(tiny_assets):
+    """What the row above rests on: the merged copy of an fp32 LoRA model is fp32, inside a bf16 autocast as well."""
+    from llmtrain.config import LoraConfig, ModelConfig
+    from llmtrain.model.merged_copy import adapted_linears, merged_weight
+    from llmtrain.model.modeling import load_model
+
+    model = load_model(ModelConfig(name_or_path=str(tiny_assets / "model"), dtype="float32"), LoraConfig(r=4))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert {merged_weight(m).dtype for m in adapted_linears(model)} == {torch.float32}

@@ -644,9 +644,12 @@ def test_ratio_keys_that_cannot_bind_with_one_update_a_round_are_said(tiny_asset
     assert check_ratio_keys(load_recipe(recipe, ["rl.loss_type=cispo", "rl.epsilon_high=5"])) == []  # its cap
     alone = check_ratio_keys(load_recipe(recipe, ["rl.off_policy_mask_threshold=0.1"]))[0][2]
     assert alone.startswith("rl.off_policy_mask_threshold=0.1 acts on the ratio") and "it changes nothing" in alone
-    # with the sampler correction it reads the sampler's log-probabilities: it binds on the first update too
+    # with the sampler correction it reads the sampler's log-probabilities: it binds on the first update too; and the
+    # update divides by the policy's log-probabilities as it sampled (no LoRA dropout), so the clip binds as well
     assert check_ratio_keys(load_recipe(recipe, ["rl.off_policy_mask_threshold=0.1",
                                                  "rl.sampler_correction=sequence_mask"])) == []
+    assert check_ratio_keys(load_recipe(recipe, ["rl.epsilon_high=0.28", "rl.delta=4",
+                                                 "rl.sampler_correction=token_truncate"])) == []
 
 
 def test_cispo_trains_every_token_and_logs_the_share_above_its_cap(straight, tmp_path):

@@ -713,6 +713,23 @@ def test_packed_and_padded_runs_and_accumulation_agree(pref_recipe, tmp_path, lo
         assert padded[0]["loss"] == pytest.approx(math.log(2), abs=1e-6)
 
 
+def test_the_reference_caches_key_changes_with_what_changes_the_references_numbers(pref_recipe):
+    """The precomputed reference's cache is named by loop/phases.model_key: a recipe that changes the reference model's
+    outputs gets another cache (the same recipe the same one). model.random_init and model.rope_scaling had the
+    recipe's key, so a DPO run after a random_init check of its recipe read the random model's log-probabilities."""
+    from llmtrain.config import load_recipe
+    from llmtrain.loop.phases import model_key
+
+    same = model_key(load_recipe(pref_recipe, []))
+    assert model_key(load_recipe(pref_recipe, [])) == same
+    changed = {o: model_key(load_recipe(pref_recipe, [o])) for o in (
+        "model.random_init=true", "model.rope_scaling={rope_type: linear, factor: 2}", "model.new_tokens=[<x>]",
+        "model.kernels=none", "model.dtype=bfloat16", "preference.ld_alpha=0.5")}
+    assert same not in changed.values() and len(set(changed.values())) == len(changed), changed
+    seeded = model_key(load_recipe(pref_recipe, ["model.random_init=true", "train.seed=8"]))
+    assert seeded != changed["model.random_init=true"]  # random weights of another seed
+
+
 def test_resume_finds_the_reference_again_and_ends_as_the_uninterrupted_run(pref_recipe, tmp_path, monkeypatch):
     common = ["train.max_steps=6", "checkpoint.every_steps=3"]
     run_train(pref_recipe, f"output_dir={tmp_path / 'straight'}", *common)

@@ -282,15 +282,16 @@ def check_no_eval(recipe: Recipe, eval_ds) -> list[Check]:
 def check_ratio_keys(recipe: Recipe) -> list[Check]:
     """Online RL's keys that act on the ratio of the policy to the one that sampled (rl.epsilon_high, rl.delta,
     GSPO's importance_sampling_level), set where it is always 1 (rl.num_iterations 1): said, not refused (TRL takes
-    them so too), as they change nothing. The off-policy mask binds with rl.sampler_correction (it reads the
-    sampler's own log-probabilities then): not said."""
+    them so too), as they change nothing. Not said with rl.sampler_correction: the rollout then keeps the policy's
+    log-probabilities as it sampled (a forward without LoRA's dropout, as TRL keeps them with vLLM's correction) and
+    the update divides by them, so the ratio moves with the dropout, and the off-policy mask reads the sampler's own."""
     rl = recipe.rl
-    if rl is None or rl.num_iterations > 1:
+    if rl is None or rl.num_iterations > 1 or rl.sampler_correction is not None:
         return []
     # cispo's epsilon_high is required (its cap): not said
-    masks = rl.off_policy_mask_threshold if rl.sampler_correction is None else None
     keys = [f"rl.{k}={v}" for k, v in (("epsilon_high", rl.epsilon_high if rl.loss_type != "cispo" else None),
-                                         ("delta", rl.delta), ("off_policy_mask_threshold", masks)) if v is not None]
+                                         ("delta", rl.delta), ("off_policy_mask_threshold",
+                                                               rl.off_policy_mask_threshold)) if v is not None]
     keys += ["rl.importance_sampling_level=sequence"] if rl.importance_sampling_level == "sequence" else []
     if not keys:
         return []

@@ -192,8 +192,7 @@ def prepare_data(recipe: Recipe, accelerator, *, say, config=None) -> Data:
     evals = f"eval: {stats['eval'].examples if 'eval' in stats else 0} {unit}"
     sampling = recipe.rl or recipe.distill  # what samples completions: rl.sampler / distill.sampler
     if sampling is not None:
-        sixteen = recipe.model.quantize is not None or "float16" in recipe.model.dtype or (
-            recipe.train.mixed_precision != "no")
+        sixteen = copy_in_16_bits(recipe, fsdp=uses_fsdp(accelerator))
         sampler = sampler_text(sampling.sampler, accelerator.device, copy=sampling.merged_copy,
                                lora=recipe.lora is not None, four_bit=recipe.model.quantize is not None,
                                sixteen_bit=sixteen, split=tp > 1)
@@ -248,6 +247,15 @@ def prepare_data(recipe: Recipe, accelerator, *, say, config=None) -> Data:
 
 COPY_TEXT = {"rollout": "LoRA on a merged copy built each rollout", "kept": "LoRA on a merged copy kept between "
              "rollouts", "off": "LoRA unmerged"}
+
+
+def copy_in_16_bits(recipe: Recipe, *, fsdp: bool) -> bool:
+    """Whether the merged generation copy is made in 16 bits: it takes the dtype its base layer computes in
+    (merged_copy._compute_dtype), the model's dtype, a 4-bit base's compute dtype (the mixed precision's, else the
+    model's) and under FSDP the gathered units' (its mixed precision's param_dtype). An fp32 model with
+    train.mixed_precision on one process or DDP keeps an fp32 copy (exact to rounding), whatever autocast does."""
+    mixed = recipe.train.mixed_precision != "no"
+    return "float16" in recipe.model.dtype or (mixed and (recipe.model.quantize is not None or fsdp))
 
 
 def sampler_text(sampler: str, device, *, copy: str = "off", lora: bool = False, four_bit: bool = False,
@@ -551,7 +559,10 @@ def reference_logps(recipe: Recipe, accelerator, data: Data, trainable: Trainabl
 
 def model_key(recipe: Recipe) -> str:
     """What fixes the reference's numbers: the model's files (or hub id), its dtype, precision and attention, and
-    preference.ld_alpha where set (the tokens' weights in each sum)."""
+    preference.ld_alpha where set (the tokens' weights in each sum); where set, the weights made from the seed instead
+    of the files (model.random_init), the rotary embedding's scaling, the tokens added to the vocabulary and the
+    kernels. (Those four joined the key 2026-12-06: a DPO run after a random_init check of its recipe had read the
+    random model's reference.)"""
     import hashlib
 
     m, h = recipe.model, hashlib.sha256()
@@ -561,6 +572,14 @@ def model_key(recipe: Recipe) -> str:
         h.update(f"ld_alpha={recipe.preference.ld_alpha}".encode())
     if m.quantize is not None:  # a QLoRA run's reference: the 4-bit base
         h.update(f"quantize={m.quantize}".encode())
+    if m.random_init:  # (each only where set: a recipe without them keeps the key its cache was written with)
+        h.update(f"random_init seed={recipe.train.seed}".encode())
+    if m.rope_scaling is not None:
+        h.update(f"rope_scaling={json.dumps(m.rope_scaling.model_dump(mode='json'), sort_keys=True)}".encode())
+    if m.new_tokens:
+        h.update(f"new_tokens={json.dumps(m.new_tokens)}".encode())
+    if m.kernels != "auto":
+        h.update(f"kernels={m.kernels}".encode())
     folder = Path(m.name_or_path)
     for f in sorted(q for q in folder.rglob("*") if q.is_file()) if folder.is_dir() else []:
         st = f.stat()

@@ -189,10 +189,7 @@ def train_loop(run: Run, state: TrainState, meter: Meter) -> list[dict]:
     m.model.train()  # from_pretrained returns a model in eval mode: dropout (LoRA's too) must be on
     with progress, StopRequests() as stop_requests, closing(stream):  # closing: the prefetch thread ends here
         if run.recipe.rl is not None and run.data.eval is not None:
-            run.console.say(f"online RL: the train reward is of {run.recipe.rl.num_generations} completions a prompt "
-                            f"sampled at rl.temperature={run.recipe.rl.temperature:g}; eval_reward and "
-                            f"eval_answer_accuracy are of one greedy completion of each of the {len(run.data.eval):,} "
-                            "eval prompts, so the train reward usually sits below them")
+            run.console.say(rl_eval_line(run.recipe.rl, len(run.data.eval)))
         for name, fn, _ in getattr(run.objective, "rewards", None) or []:  # a learned reward: what was loaded
             if (what := getattr(fn, "described", None)) is not None:
                 run.console.say(f"reward {name}: {what}")
@@ -407,3 +404,17 @@ def finish(run: Run, state: TrainState, meter: Meter, evals: list[dict], est, *,
         # which skips the teardown.
         _KEEP_UNTIL_EXIT.append(run.model)
     return summary
+
+
+def rl_eval_line(rl, prompts: int) -> str:
+    """What online RL's train and eval rewards are of, for the run's log: the train reward's completions are sampled;
+    the eval's one greedy completion a prompt (so the train reward usually sits below it), or with
+    rl.num_generations_eval N completions a prompt sampled as the rollouts are, from the same seeds at every eval."""
+    train = (f"online RL: the train reward is of {rl.num_generations} completions a prompt sampled at "
+             f"rl.temperature={rl.temperature:g}; ")
+    if rl.num_generations_eval is None:
+        return (train + f"eval_reward and eval_answer_accuracy are of one greedy completion of each of the "
+                f"{prompts:,} eval prompts, so the train reward usually sits below them")
+    return (train + f"eval_reward and eval_answer_accuracy are of {rl.num_generations_eval} completions of each of the "
+            f"{prompts:,} eval prompts sampled as the rollouts are (rl.num_generations_eval), from the same seeds at "
+            "every eval")
