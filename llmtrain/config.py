@@ -1331,6 +1331,25 @@ class Recipe(Section):
         return self
 
     @model_validator(mode="after")
+    def _check_merged_copy(self) -> Recipe:
+        """rl.merged_copy / distill.merged_copy: what the fast sampler runs a LoRA policy's adapted linears through. A
+        full fine-tune has no adapter to merge, and the reference sampler runs the training model as it is: either
+        took the key and did nothing."""
+        for key, section in (("rl", self.rl), ("distill", self.distill)):
+            if section is None or section.merged_copy == "off":
+                continue
+            if self.lora is None:
+                raise ValueError(f"{key}.merged_copy={section.merged_copy} merges LoRA adapters into a generation copy "
+                                 "of their base layers; a full fine-tune samples from its own weights, with nothing "
+                                 f"to merge. Unset {key}.merged_copy, or add a lora: section")
+            if section.sampler == "reference":
+                raise ValueError(f"{key}.merged_copy={section.merged_copy} is what the fast sampler ({key}.sampler "
+                                 f"static or graph) runs the adapted linears through; {key}.sampler=reference runs the "
+                                 f"training model as it is and would ignore it. Set {key}.sampler=graph (the default) "
+                                 f"or static, or unset {key}.merged_copy")
+        return self
+
+    @model_validator(mode="after")
     def _train_new_rows(self) -> Recipe:
         """model.new_tokens under LoRA: their embedding rows (and the LM head's) are new and must train, so
         lora.modules_to_save holds the embeddings and the head (a reward model's score head peft saves itself)."""

@@ -1024,3 +1024,28 @@ def test_an_fp32_models_merged_copy_is_fp32_under_autocast(tiny_assets):
     model = load_model(ModelConfig(name_or_path=str(tiny_assets / "model"), dtype="float32"), LoraConfig(r=4))
     with torch.autocast("cpu", dtype=torch.bfloat16):
         assert {merged_weight(m).dtype for m in adapted_linears(model)} == {torch.float32}
+
+
+@pytest.mark.parametrize("key", ["rl", "distill"])
+def test_a_merged_copy_nothing_would_build_is_refused(key):
+    """rl.merged_copy (distill.merged_copy) is what the fast sampler runs a LoRA policy's adapted linears through: a
+    full fine-tune (no adapter) or the reference sampler (the training model as it is) took it and did nothing."""
+    from pydantic import ValidationError
+
+    from llmtrain.config import Recipe
+
+    section = {"rl": {"rewards": [{"type": "format", "pattern": "x"}]}, "distill": {"teacher": "t"}}[key]
+    fmt = {"rl": "prompt", "distill": "prompt_completion"}[key]
+
+    def recipe(lora: bool, **sampling):
+        return Recipe.model_validate({"model": {"name_or_path": "m"}, "data": {"path": "d.jsonl", "format": fmt},
+                                      key: {**section, **sampling}, "output_dir": "o",
+                                      **({"lora": {"r": 4}} if lora else {})})
+
+    assert getattr(recipe(True, merged_copy="kept"), key).merged_copy == "kept"  # LoRA, the fast sampler: built
+    assert getattr(recipe(False, sampler="reference"), key).merged_copy == "off"
+    with pytest.raises(ValidationError, match=f"{key}.merged_copy=rollout merges LoRA adapters .* Unset {key}"):
+        recipe(False, merged_copy="rollout")
+    with pytest.raises(ValidationError, match=f"{key}.sampler=reference runs the training model as it is and would "
+                                              "ignore it"):
+        recipe(True, merged_copy="rollout", sampler="reference")
