@@ -410,16 +410,26 @@ def _embedding_rows(recipe: Recipe, tokenizer) -> int | None:
         return None
 
 
-def _max_positions(name_or_path: str) -> int | None:
+def _max_positions(model) -> int | None:
     """max_position_embeddings of the model's config as estimate-memory reads it (params.read_config: a local
-    config.json, a hub id's in the local cache, or the built-in config of a shipped recipe's hub id); None when
-    there is none."""
+    config.json, a hub id's in the local cache, or the built-in config of a shipped recipe's hub id), scaled by
+    model.rope_scaling as the run scales it (modeling.scale_rope: finetune's context check takes the loaded model's);
+    None when there is none."""
+    import types
+
     from llmtrain.memory.params import read_config
+    from llmtrain.model.modeling import scale_rope
 
     try:
-        return read_config(name_or_path)[0].get("max_position_embeddings")
+        config = read_config(model.name_or_path)[0]
     except LLMTrainError:
         return None
+    if config.get("max_position_embeddings") is None:
+        return None
+    scaled = types.SimpleNamespace(max_position_embeddings=config["max_position_embeddings"],
+                                   rope_parameters=config.get("rope_parameters"))
+    scale_rope(scaled, model.rope_scaling)
+    return scaled.max_position_embeddings
 
 
 def check_rewards_run(recipe: Recipe, tokenizer) -> list[Check]:
@@ -501,7 +511,7 @@ def run_doctor(recipe: Recipe, *, accelerate_config: Path | None = None,
                                 rows=_embedding_rows(recipe, tokenizer))
         checks += check_rewards_run(recipe, tokenizer) + check_tools(recipe, tokenizer) + check_teacher(recipe,
                                                                                                           tokenizer)
-    checks += check_context(recipe.data.max_seq_len, _max_positions(recipe.model.name_or_path))
+    checks += check_context(recipe.data.max_seq_len, _max_positions(recipe.model))
     checks += check_family(recipe)
     gpu = gpu_memory if gpu_memory is not None else gpu_memory_here()
     lengths = None

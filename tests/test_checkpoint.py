@@ -181,6 +181,37 @@ def test_resume_with_a_different_batch_layout_is_refused(tiny_assets, tmp_path):
         run_train(recipe, "train.max_steps=6", "train.micro_batch_size=2", resume="auto", allow_recipe_change=True)
 
 
+@pytest.mark.parametrize("saved, now, refused", [
+    ({"data": {"eval_split": 0.05}}, {"data": {"eval_split": 0.5}}, "data.eval_split=0.05"),  # other train rows
+    ({"data": {"eval_split": 0.05}}, {"data": {"eval_split": "e.jsonl"}}, "data.eval_split=0.05"),
+    ({"data": {"eval_split": "e.jsonl"}}, {"data": {"eval_split": "f.jsonl"}}, None),  # the train rows unchanged
+    ({"model": {"tokenizer": "t1"}}, {"model": {"tokenizer": "t2"}}, "model.tokenizer='t1'"),  # other token ids
+])
+def test_a_resume_that_would_train_other_rows_or_other_token_ids_is_refused(tmp_path, saved, now, refused):
+    """preflight.check_resume: a changed held-out fraction (it decides which rows of the file train, and their order)
+    and another tokenizer (the same text, other ids) were resumed without a word; an eval file of its own was and
+    is free to change."""
+    import json
+
+    from llmtrain.config import Recipe
+    from llmtrain.run.preflight import check_resume
+
+    def recipe(changes):
+        base = {"model": {"name_or_path": "m"}, "data": {"path": "d.jsonl", "format": "prompt_completion"},
+                "output_dir": str(tmp_path / "run")}
+        return Recipe.model_validate({**base, **{k: {**base[k], **v} for k, v in changes.items()}})
+
+    ckpt = tmp_path / "run" / "checkpoints" / "step_000002"
+    ckpt.mkdir(parents=True)
+    (ckpt / "recipe.yaml").write_text(yaml.safe_dump(recipe(saved).model_dump(mode="json")))
+    (ckpt / "train_state.json").write_text(json.dumps({"step": 2, "examples_per_micro": 1, "processes": 1}))
+    if refused is None:
+        assert check_resume(ckpt, recipe(now), world=1, fsdp=False, allow_recipe_change=False) == []
+        return
+    with pytest.raises(LLMTrainError, match=re.escape(refused)):
+        check_resume(ckpt, recipe(now), world=1, fsdp=False, allow_recipe_change=False)
+
+
 def test_a_write_that_stopped_short_on_a_full_disk_says_first_that_the_disk_is_full(tmp_path, monkeypatch):
     """torch's writer reports ENOSPC as "[enforce fail at inline_container.cc:672] . unexpected pos ...": with (almost)
     no space left on the disk the message leads with the cause; with space left it says what it knows."""

@@ -442,3 +442,20 @@ def test_long_rows_do_not_print_transformers_length_warning(tiny_assets):
                          check=True).stderr
     ours, theirs = err.split("--- transformers alone")
     assert "Token indices sequence length" not in ours and "Token indices sequence length" in theirs
+
+
+def test_eval_rows_dropped_for_having_no_trained_token_are_said_at_the_start(tiny_assets, tmp_path):
+    """The eval split is tokenised as the train split is: a row whose completion lies past data.max_seq_len is
+    dropped, and the eval metrics leave it out. The start-up line counted the train split's only ("0 dropped ...
+    eval: 150 examples" with 50 of 200 eval rows gone); it now says the eval's too."""
+    from helpers import run_train, write_recipe
+
+    rows = [json.loads(x) for x in (tiny_assets / "data" / "eval.jsonl").read_text().splitlines()[:8]]
+    for row in rows[::4]:  # 2 of 8 prompts past the 32 tokens: their completions cut away
+        row["prompt"] = "x" * 40 + row["prompt"]
+    eval_file = tmp_path / "eval.jsonl"
+    eval_file.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    recipe = write_recipe(tiny_assets, tmp_path, data={"eval_split": str(eval_file)}, train={"max_steps": 1})
+    run_train(recipe)
+    log = (tmp_path / "run" / "train.log").read_text()
+    assert "eval: 6 examples (2 dropped with no trained token within data.max_seq_len=32)" in log, log

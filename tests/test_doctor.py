@@ -40,6 +40,14 @@ def test_masks():
                            max_seq_len=64))
     assert got["dropped"][0] == "warn" and "Raise data.max_seq_len (now 64)" in got["dropped"][1]
     assert got["truncated"][0] == "warn"
+    # pairs dropped for a reason a longer max_seq_len does not mend are not told to raise it
+    same = stats(9, 90, 30, dropped=1)
+    same.drops = {"chosen equal to rejected": 1}
+    said = rows(check_masks(same, train_on_prompt=False, text=False, max_seq_len=64, unit="pairs"))["dropped"][1]
+    assert "1 chosen equal to rejected" in said and "max_seq_len" not in said and "Fix or remove the rows" in said
+    same.drops["no answer token within data.max_seq_len"] = 1
+    assert "Raise data.max_seq_len (now 64)" in rows(check_masks(same, train_on_prompt=False, text=False,
+                                                                  max_seq_len=64, unit="pairs"))["dropped"][1]
 
 
 def test_eos_trained(tiny_tok):
@@ -408,11 +416,17 @@ def test_the_context_check_reads_a_hub_ids_built_in_or_cached_config(tmp_path):
     local config.json only and said nothing for a hub id."""
     from helpers import ENV, LLMTRAIN, open_port
 
+    from llmtrain.config import ModelConfig, RopeScaling
     from llmtrain.doctor import _max_positions
 
-    assert _max_positions("meta-llama/Llama-2-7b-hf") == 4096
-    assert _max_positions("meta-llama/Llama-3.1-8B-Instruct") == 131072  # not Llama 3's 8192: rope scaling
-    assert _max_positions("mistralai/Mistral-7B-Instruct-v0.3") == 32768
+    assert _max_positions(ModelConfig(name_or_path="meta-llama/Llama-2-7b-hf")) == 4096
+    # not Llama 3's 8192: its config's own rope scaling
+    assert _max_positions(ModelConfig(name_or_path="meta-llama/Llama-3.1-8B-Instruct")) == 131072
+    assert _max_positions(ModelConfig(name_or_path="mistralai/Mistral-7B-Instruct-v0.3")) == 32768
+    # the recipe's model.rope_scaling, as the run scales the model (finetune's check takes the loaded model's; the
+    # doctor's had warned a recipe that sets the scaling it advises)
+    yarn = RopeScaling(rope_type="yarn", factor=4.0)
+    assert _max_positions(ModelConfig(name_or_path="meta-llama/Llama-2-7b-hf", rope_scaling=yarn)) == 16384
     env = {**ENV, "HF_ENDPOINT": f"http://127.0.0.1:{open_port()}", "HF_HOME": str(tmp_path / "hf"),
            "COLUMNS": "400"}  # one line a row
     env.pop("HF_HUB_OFFLINE", None)

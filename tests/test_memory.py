@@ -283,6 +283,11 @@ def test_estimate_for_recipe(tmp_path):
     assert est.spec.method == "lora" and est.spec.world == 2 and est.spec.seq_len == 64
     assert est.per_gpu_peak_bytes > 0 and isinstance(est.breakdown, dict)
     assert "eval_loss" in est.phases  # the recipe evaluates
+    # without train.eval_every_steps the run still evaluates at its end (loop/cadence.py): so does the estimate (its
+    # eval phases had gone, and with a large eval batch the eval's forward is the run's peak); no eval data, none
+    ended = estimate_for_recipe(load_recipe(recipe, ["train.eval_every_steps=null", "train.eval_batch_size=64"]))
+    assert {"eval_forward", "eval_loss"} <= set(ended.phases) and ended.peak_phase == "eval_forward"
+    assert "eval_loss" not in estimate_for_recipe(load_recipe(recipe, ["data.eval_split=null"])).phases
     # What train() passes for an FSDP launch with fsdp_offload_params: the offloaded state leaves the GPU.
     sharded = estimate_for_recipe(load_recipe(recipe), num_processes=2, strategy="fsdp")
     offloaded = estimate_for_recipe(load_recipe(recipe), num_processes=2, strategy="fsdp", cpu_offload=True)

@@ -3,6 +3,8 @@ and the context check then takes the scaled length."""
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 from helpers import run_train, write_recipe
@@ -78,3 +80,39 @@ def test_llama3_and_longrope_with_their_fields_build_the_scaled_rotary_embedding
     _, longrope = rotary(tiny_assets, tmp_path, rope_scaling={"rope_type": "longrope", "factor": 4,
                                                               "short_factor": [1.0] * half, "long_factor": [2.0] * half})
     assert longrope.inv_freq.shape == base.inv_freq.shape
+
+
+def test_a_runs_final_model_and_its_merged_export_keep_the_rotary_embedding_it_trained_with(tiny_assets, tmp_path):
+    """A full fine-tune with yarn x 4: final/ saves the scaled config, and `llmtrain generate` (run/replies.load_source,
+    the run's recipe on final/) builds the rotary embedding training built (scale_rope had scaled final/'s already
+    scaled length again: original 2,048 for 512, other frequencies). A LoRA run with linear x 4: `export --merge`
+    reads the base again and scales it as the run did (its merged config had the base's 512 positions and
+    unscaled frequencies)."""
+    from llmtrain.run.export import export_merged
+    from llmtrain.run.replies import load_source
+
+    yarn = {"rope_type": "yarn", "factor": 4.0}
+    full = write_recipe(tiny_assets, tmp_path, name="full.yaml", model={"rope_scaling": yarn},
+                        train={"max_steps": 1}, output_dir=str(tmp_path / "full"))
+    run_train(full)
+    trained = load_model(load_recipe(full).model, None)
+    replied = load_source(str(tmp_path / "full")).model
+    assert replied.config.rope_parameters["original_max_position_embeddings"] == 512
+    assert replied.config.max_position_embeddings == trained.config.max_position_embeddings == 2048
+    assert torch.equal(replied.model.rotary_emb.inv_freq, trained.model.rotary_emb.inv_freq)
+
+    lora = write_recipe(tiny_assets, tmp_path, name="lora.yaml", lora={"r": 4},
+                        model={"rope_scaling": {"rope_type": "linear", "factor": 4.0}}, train={"max_steps": 1},
+                        output_dir=str(tmp_path / "lora"))
+    run_train(lora)
+    merged = export_merged(tmp_path / "lora", say=lambda _: None)
+    config = json.loads((merged / "config.json").read_text())
+    assert config["max_position_embeddings"] == 2048
+    assert config["rope_parameters"]["rope_type"] == "linear" and config["rope_parameters"]["factor"] == 4.0
+    # `llmtrain eval` of that run hands the harness the model built as generate builds it, not the unscaled base
+    from llmtrain.run.benchmarks import resolve
+
+    target = resolve(str(tmp_path / "lora"), dtype="auto")
+    assert "RoPE linear x 4" in target.name and target.load is not None
+    model, _ = target.load("cpu")
+    assert model.get_base_model().config.max_position_embeddings == 2048

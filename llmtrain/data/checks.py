@@ -92,9 +92,12 @@ def check_masks(stats: DataStats, *, train_on_prompt: bool, text: bool, max_seq_
                      "prompt is not masked. Check data.format / data.fields (is the prompt in the completion?)."))
     else:
         rows.append(("loss mask", "pass", f"{stats.trained_fraction:.1%} of tokens trained"))
-    if stats.dropped:
-        rows.append(("dropped", "warn", f"{stats.dropped_text(unit)}; the rest trains. Raise data.max_seq_len "
-                     f"(now {max_seq_len}) to keep those cut to nothing, or remove the rows."))
+    if stats.dropped:  # a longer max_seq_len keeps only the rows it cut to nothing (the reasons say which: a pair
+        # whose chosen is its rejected, say, stays dropped)
+        cut = not stats.drops or any("max_seq_len" in reason for reason in stats.drops)
+        fix = (f"Raise data.max_seq_len (now {max_seq_len}) to keep those cut to nothing, or remove the rows" if cut
+               else "Fix or remove the rows")
+        rows.append(("dropped", "warn", f"{stats.dropped_text(unit)}; the rest trains. {fix}."))
     if stats.truncated:
         cut = " at the prompt's start or the answers' end" if unit == "pairs" else ""
         rows.append(("truncated", "warn", f"{stats.truncated:,} of {stats.examples:,} {unit} are cut{cut} to fit "

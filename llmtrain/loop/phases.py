@@ -190,6 +190,9 @@ def prepare_data(recipe: Recipe, accelerator, *, say, config=None) -> Data:
         procs = f"{n} process{'es' * (n != 1)}" + (f" ({mesh})" if mesh else "")
     unit = capabilities.MODES[capabilities.mode_of(recipe)].unit  # what a row and train.micro_batch_size count
     evals = f"eval: {stats['eval'].examples if 'eval' in stats else 0} {unit}"
+    if "eval" in stats and (cut := stats["eval"]).dropped:  # the eval metrics leave these out: said (data.md)
+        evals += (f" ({cut.dropped:,} dropped with no trained token within data.max_seq_len="
+                  f"{recipe.data.max_seq_len}" + (f", {cut.truncated:,} truncated)" if cut.truncated else ")"))
     sampling = recipe.rl or recipe.distill  # what samples completions: rl.sampler / distill.sampler
     if sampling is not None:
         sixteen = copy_in_16_bits(recipe, fsdp=uses_fsdp(accelerator))

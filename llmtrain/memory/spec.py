@@ -373,7 +373,7 @@ def spec_from_recipe(recipe: Recipe, *, strategy: Strategy = "single", num_gpus:
     online-RL recipe's prompt lengths in tokens, where its data was read (else its prompts are taken at their
     longest, data.max_seq_len - rl.max_completion_tokens: every sequence max_seq_len long)."""
     m, d, t, lora = recipe.model, recipe.data, recipe.train, recipe.lora
-    evaluates = d.eval_split is not None and t.eval_every_steps is not None
+    evaluates = d.eval_split is not None  # with eval data the end of training is evaluated, eval_every_steps or not
     # A preference micro-batch of N pairs is 2N sequences (chosen and rejected, each up to max_seq_len). Its
     # reference forward (the disabled adapter) runs under no_grad and keeps nothing for backward, so the
     # training forward and backward of the 2N sequences stay the peak; a precomputed reference costs nothing.

@@ -105,15 +105,22 @@ _LANGUAGE_MODEL_KEYS = {r"^language_model\.model\.": "model.", r"^model\.languag
 TEXT_MODELS = {"gemma3": _LANGUAGE_MODEL_KEYS, "gemma4": _LANGUAGE_MODEL_KEYS}
 
 
-def pretrained(auto, path: str, **kwargs):
+def pretrained(auto, path: str, *, rope_scaling: RopeScaling | None = None, **kwargs):
     """`auto.from_pretrained(path, **kwargs)` of the model llmtrain trains from `path` (text_model: a multimodal
-    checkpoint's text model): for what reads a run's base again (the export's merge, a reward model's adapter)."""
+    checkpoint's text model), its rotary embedding scaled as the run's was (model.rope_scaling: scale_rope): for what
+    reads a run's base again (the export's merge, a reward model's adapter)."""
     from transformers import AutoConfig
 
     try:
         config, mapping = text_model(AutoConfig.from_pretrained(path, **{k: v for k, v in kwargs.items()
                                                                          if k == "num_labels"}))
         kwargs.update(dequantized(config))
+        if rope_scaling is not None and not mapping:
+            scale_rope(config, rope_scaling)
+            if "num_labels" in kwargs:
+                config.num_labels = kwargs.pop("num_labels")
+            return auto.from_pretrained(path, config=config, **kwargs)
+        scale_rope(config, rope_scaling)
         if not mapping:
             return auto.from_pretrained(path, **kwargs)
         if "num_labels" in kwargs:
@@ -173,7 +180,12 @@ def scale_rope(config, scaling: RopeScaling | None) -> None:
     embedding is built from these when the model is."""
     if scaling is None:
         return
-    original = scaling.original_max_position_embeddings or config.max_position_embeddings
+    held = getattr(config, "rope_parameters", None) or {}
+    # a config this scaling was applied to already (a run's final/ saves it scaled): its original length, not the
+    # scaled one, so that loading final/ with the run's recipe scales once (it had scaled twice)
+    done = held.get("rope_type") == scaling.rope_type and held.get("factor") == scaling.factor
+    original = (scaling.original_max_position_embeddings or (done and held.get("original_max_position_embeddings"))
+                or config.max_position_embeddings)
     theta = (getattr(config, "rope_parameters", None) or {}).get("rope_theta", getattr(config, "rope_theta", None))
     params = {**scaling.model_dump(exclude_none=True), "original_max_position_embeddings": original}
     config.rope_parameters = {**params, **({"rope_theta": theta} if theta is not None else {})}

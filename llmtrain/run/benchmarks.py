@@ -68,6 +68,10 @@ def resolve(target: str, *, dtype: str) -> Target:
         raise LLMTrainError(problem)
     base = recipe.model.name_or_path
     _readable(base)
+    if recipe.model.rope_scaling is not None:  # nor scale its rotary embedding as the run did: handed over built
+        return Target(f"{final} (LoRA on {base}, RoPE {recipe.model.rope_scaling.rope_type} x "
+                      f"{recipe.model.rope_scaling.factor:g})", {"pretrained": base, "peft": str(final)}, run,
+                      _loader(path), base)
     if recipe.model.quantize:  # the harness's hf model does not quantize a base as llmtrain does: handed over built
         return Target(f"{final} (LoRA on {base} in 4 bits, {recipe.model.quantize})",
                       {"pretrained": base, "peft": str(final), "quantize": recipe.model.quantize}, run, _loader(path),

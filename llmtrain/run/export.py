@@ -111,11 +111,13 @@ def export_merged(run_dir: Path, out: Path | None = None, *, say=lambda text: No
         # adapter saved whole; the pad token it scored with (the tokenizer's, else EOS), as objective_for set it
         from transformers import AutoModelForSequenceClassification
 
-        base = pretrained(AutoModelForSequenceClassification, model.name_or_path, num_labels=1, dtype=dtype)
+        base = pretrained(AutoModelForSequenceClassification, model.name_or_path, num_labels=1, dtype=dtype,
+                          rope_scaling=model.rope_scaling)
         base.config.get_text_config().pad_token_id = (tokenizer.pad_token_id if tokenizer.pad_token_id is not None
                                                        else tokenizer.eos_token_id)
     else:
-        base = pretrained(AutoModelForCausalLM, model.name_or_path, dtype=dtype)  # a text model
+        base = pretrained(AutoModelForCausalLM, model.name_or_path, dtype=dtype,  # a text model, its RoPE as trained
+                          rope_scaling=model.rope_scaling)
     if model.quantize:
         say(f"the adapter was trained on a {model.quantize} 4-bit base; it is merged into the unquantised base read "
             f"from {model.name_or_path} in {model.dtype}, not a dequantised copy.")

@@ -20,9 +20,9 @@ from llmtrain.run.checkpoint import FSDP_MODEL_DIR
 from llmtrain.run.rundir import finished_without_checkpoint, has_checkpoints
 
 # Keys whose change makes a checkpoint a different run: refused, whatever the flags.
-IDENTITY = ["model.name_or_path", "model.dtype", "data.path", "data.sources", "data.name", "data.split", "data.format",
-            "data.fields", "data.roles", "data.chat_template", "data.system_prompt", "data.max_seq_len",
-            "data.train_on_prompt", "data.chat_template_kwargs", "data.packing", "train.seed",
+IDENTITY = ["model.name_or_path", "model.tokenizer", "model.dtype", "data.path", "data.sources", "data.name",
+            "data.split", "data.format", "data.fields", "data.roles", "data.chat_template", "data.system_prompt",
+            "data.max_seq_len", "data.train_on_prompt", "data.chat_template_kwargs", "data.packing", "train.seed",
             "train.micro_batch_tokens"]
 # Keys that change the rest of the run (the learning-rate curve, the number of steps): allowed, and said, only
 # with --allow-recipe-change.
@@ -98,6 +98,12 @@ def check_resume(ckpt: Path, recipe: Recipe, *, world: int, fsdp: bool, allow_re
         if _get(saved, key) != _get(now, key):
             raise LLMTrainError(f"checkpoint {ckpt} was written with {key}={_get(saved, key)!r}; this recipe has "
                                 f"{_get(now, key)!r}. That is another model or other data, not the same run. {how}")
+    if (was := _get(saved, "data.eval_split")) != (eval_split := _get(now, "data.eval_split")) and any(
+            isinstance(v, float) for v in (was, eval_split)):  # (a file or a split of its own leaves the train rows)
+        raise LLMTrainError(f"checkpoint {ckpt} was written with data.eval_split={was!r}; this recipe has "
+                            f"{eval_split!r}. A fraction held out of the training file decides which rows train and "
+                            f"their order, so the checkpoint's place in the epoch would point into other rows (and "
+                            f"the eval could hold rows it trained on). Set data.eval_split={was!r} to resume it. {how}")
     sharded = (ckpt / FSDP_MODEL_DIR).is_dir()
     if sharded != fsdp and not (ckpt / "pipeline").is_dir():  # a pipeline's stage files are whole, FSDP or not
         raise LLMTrainError(
