@@ -61,8 +61,9 @@ def apply_tensor_parallel(model, mesh) -> tuple[int, int]:
             layers[name] = styles[style]()
             continue
         # peft's LoRA layer: its base layer split as the plan says, and the adapter's matrix on the split side with
-        # the same style (ADAPTER_SPLIT)
+        # the same style (ADAPTER_SPLIT); eager whole under compile (its input a replicated DTensor: eager_in_compile)
         layers[f"{name}.base_layer"] = styles[style]()
+        module._llmtrain_eager = True
         for adapter in module.lora_A:
             layers[f"{name}.{ADAPTER_SPLIT[style]}.{adapter}"] = styles[style]()
             # a column-wise layer's input is one replicated DTensor (below): its adapter takes the local (whole) tensor
@@ -146,19 +147,22 @@ def _dora_forward(layer, style, group, x, *, lora_A, lora_B, scaling, base_layer
 def eager_in_compile(model) -> int:
     """What tensor parallelism split runs eagerly inside a compiled decoder layer (model.compile's regional compile):
     each module holding a split weight of its own (the split linears, the adapter matrices beside them, DoRA's split
-    magnitudes, split experts, GPT-OSS's sinks) with its hooks (the layouts of its input and output), DoRA's
-    magnitudes beside a row-wise or gathered layer (their norms' collectives) and the whole norms whose gradient is
-    summed over the group (QK-norm's hook on its weight's gradient). Inductor's compile of
-    the split layers' DTensor code had recursed without end at the first backward (torch 2.13, FSDP x TP on gloo);
-    what compile fuses (the norms, rotary embeddings, attention's softmax, activations, residual adds) lies between
-    them and stays compiled, each split module a graph break. Returns the modules left eager."""
+    magnitudes, split experts, GPT-OSS's sinks) with its hooks (the layouts of its input and output), peft's LoRA
+    layers around split ones (their adapters' input is the block's replicated DTensor: traced, Dynamo warned of
+    DTensor builtins it cannot trace), DoRA's magnitudes beside a row-wise or gathered layer (their norms'
+    collectives) and the whole norms whose gradient is summed over the group (QK-norm's hook on its weight's
+    gradient). Inductor's compile of the split layers' DTensor code had recursed without end at the first backward
+    (torch 2.13, FSDP x TP on gloo); what compile fuses (the norms, rotary embeddings, attention's softmax,
+    activations, residual adds) lies between them and stays compiled, each split module a graph break. Returns how
+    many are left eager, the outermost (a LoRA layer once)."""
     from torch.distributed.tensor import DTensor
 
     eager = [m for m in model.modules() if getattr(m, "_llmtrain_eager", False)
              or any(isinstance(p, DTensor) for p in m.parameters(recurse=False))]
     for module in eager:  # (an instance's _call_impl: nn.Module.__call__ runs it, hooks and forward, as Dynamo does)
         module._call_impl = torch.compiler.disable(functools.partial(_waited, module._call_impl))
-    return len(eager)
+    inside = {id(sub) for m in eager for sub in m.modules() if sub is not m}
+    return sum(id(m) not in inside for m in eager)  # the outermost: a LoRA layer, not also its base and adapters
 
 
 def _waited(call, *args, **kwargs):
