@@ -145,7 +145,7 @@ def _check_resume(resume: str, out: Path, recipe, layout, *, allow_recipe_change
     (preflight.finished_run), and a checkpoint this recipe on this layout cannot read (FSDP or not, pipeline stages or
     not, LoRA or full, the micro-batch x data ranks: preflight.check_resume). The checkpoint is the one named, or with
     auto the newest written (its blocks' checksums are each process's to read: a damaged one is skipped there)."""
-    from llmtrain.run.checkpoint import step_dirs
+    from llmtrain.run.checkpoint import named_checkpoint, step_dirs
     from llmtrain.run.preflight import check_resume, finished_run
 
     if resume == "auto":
@@ -154,9 +154,7 @@ def _check_resume(resume: str, out: Path, recipe, layout, *, allow_recipe_change
         written = [d for d in step_dirs(out / "checkpoints") if (d / "train_state.json").is_file()]
         ckpt = written[-1] if written else None
     else:
-        ckpt = Path(resume)
-        if not ckpt.exists() and len(ckpt.parts) == 1:  # a step folder's name alone: output_dir's
-            ckpt = out / "checkpoints" / ckpt
+        ckpt = named_checkpoint(resume, out)
     if ckpt is not None and (ckpt / "train_state.json").is_file() and (ckpt / "recipe.yaml").is_file():
         check_resume(ckpt, recipe, world=layout.data_ranks, fsdp=layout.fsdp, allow_recipe_change=allow_recipe_change)
 

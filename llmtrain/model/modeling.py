@@ -115,16 +115,13 @@ def pretrained(auto, path: str, *, rope_scaling: RopeScaling | None = None, **kw
         config, mapping = text_model(AutoConfig.from_pretrained(path, **{k: v for k, v in kwargs.items()
                                                                          if k == "num_labels"}))
         kwargs.update(dequantized(config))
-        if rope_scaling is not None and not mapping:
-            scale_rope(config, rope_scaling)
-            if "num_labels" in kwargs:
-                config.num_labels = kwargs.pop("num_labels")
-            return auto.from_pretrained(path, config=config, **kwargs)
-        scale_rope(config, rope_scaling)
-        if not mapping:
+        if not mapping and rope_scaling is None:
             return auto.from_pretrained(path, **kwargs)
+        scale_rope(config, rope_scaling)
         if "num_labels" in kwargs:
             config.num_labels = kwargs.pop("num_labels")
+        if not mapping:
+            return auto.from_pretrained(path, config=config, **kwargs)
         with _quiet_new_head(True):
             return _own_names(auto.from_pretrained(path, config=config, key_mapping=mapping, **kwargs))
     except (OSError, ValueError) as e:  # the base moved, deleted or not in the cache: said as load_model says it

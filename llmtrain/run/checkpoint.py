@@ -98,6 +98,14 @@ def checkpoints_there(where: Path) -> str:
                                                                         if len(steps) > 4 else "")
 
 
+def named_checkpoint(resume: str, output_dir: Path) -> Path:
+    """The folder --resume PATH names: PATH, or a step folder's name alone (step_000004) as output_dir's."""
+    path = Path(resume)
+    if not path.exists() and len(path.parts) == 1 and (output_dir / "checkpoints" / path).is_dir():
+        return output_dir / "checkpoints" / path
+    return path
+
+
 def resolve_resume(resume: str, output_dir: Path, *, warn) -> Path | None:
     """Map --resume auto|PATH to an intact checkpoint folder (None: auto found no checkpoint at all).
 
@@ -106,9 +114,7 @@ def resolve_resume(resume: str, output_dir: Path, *, warn) -> Path | None:
     """
     if resume == "auto":
         return _newest_intact(output_dir / "checkpoints", warn)
-    path = Path(resume)
-    if not path.exists() and len(path.parts) == 1 and (output_dir / "checkpoints" / path).is_dir():
-        path = output_dir / "checkpoints" / path  # a step folder's name alone: output_dir's
+    path = named_checkpoint(resume, output_dir)
     if not path.exists():  # a mistyped step (step_300 for step_000300): say which there are
         there = checkpoints_there(path.parent if len(path.parts) > 1 and path.parent.is_dir()
                                   else output_dir / "checkpoints")
