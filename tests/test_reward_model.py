@@ -390,6 +390,41 @@ def test_a_grpo_step_with_a_reward_model_gets_the_scores_the_reward_model_gives(
     assert f"reward reward_model: {run / 'final'}, a whole model, 0." in said and "in float32, whole on every" in said
 
 
+def test_a_tool_calling_completion_is_scored_as_the_whole_conversation_after_its_prompt(straight, tiny_assets):
+    """With tools, a completion is [the call turn, the tool's result, the last reply]: the reward model scores the
+    prompt and all of it through the data's template (as TRL renders prompt + completion), so two calls that end in
+    other replies score apart. Before, it read the first message alone: every tool-calling completion scored as the
+    empty reply (audit 4: a right and a wrong answer both -6.3485)."""
+    from transformers import AutoModelForSequenceClassification, AutoTokenizer
+
+    from llmtrain.config import RewardConfig
+    from llmtrain.objectives.learned_reward import reward_model_function
+
+    _, run = straight(False)
+    data = DataConfig(path="x.jsonl", format="prompt", chat_template=str(tiny_assets / "data" / "tools.jinja"),
+                      max_seq_len=160)
+    score = reward_model_function(RewardConfig(type="reward_model", path=str(run / "final"), batch_size=2), data,
+                                  device=None)
+    prompt = [{"role": "user", "content": "code of qirb"}]
+    call = {"type": "function", "function": {"name": "lookup", "arguments": {}}}
+
+    def called(reply: str) -> list[dict]:
+        return [{"role": "assistant", "content": "", "tool_calls": [call]},
+                {"role": "tool", "name": "lookup", "content": "jxqf"}, {"role": "assistant", "content": reply}]
+
+    completions = [called("it is jxqf"), called("it is zzzz"), [{"role": "assistant", "content": ""}]]
+    got = score(prompts=[prompt] * 3, completions=completions)
+    tok = AutoTokenizer.from_pretrained(run / "final")
+    template = (tiny_assets / "data" / "tools.jinja").read_text()
+    scorer = AutoModelForSequenceClassification.from_pretrained(run / "final").eval()
+    with torch.no_grad():
+        expected = [scorer(input_ids=torch.tensor([tok(tok.apply_chat_template(
+            prompt + c, chat_template=template, tokenize=False), add_special_tokens=False)["input_ids"]])).logits[
+            0, 0].item() for c in completions]
+    assert got == pytest.approx(expected, abs=1e-5)
+    assert len({round(x, 4) for x in got}) == 3  # the two replies after the call, and no reply, score apart
+
+
 @pytest.mark.parametrize("make, says", [
     ("causal", "holds a LlamaForCausalLM with no sequence-classification head"),
     ("two_labels", "has a classification head with 2 outputs; a reward model has one"),

@@ -3,7 +3,8 @@
 The reward model (a reward_model: run's final/, model/score.py loads it) sees the prompt and the completion rendered
 as its pairs were when it trained (data/pairs.py renders each answer as the prompt_completion row {prompt,
 completion=answer}): through the chat template where the RL data are chats or data.chat_template is set, else as text
-plus EOS, with the reward model's own tokenizer. It scores them in batches of the reward's batch_size, right-padded,
+plus EOS, with the reward model's own tokenizer. A completion that called tools is the whole conversation after the
+prompt (its calls, the tools' results, the last reply), as TRL renders it. It scores them in batches of the reward's batch_size, right-padded,
 under no_grad, on the run's device, through transformers' own forward: the score at each sequence's last token that
 is not the pad token, as the reward model read it in training.
 """
@@ -34,10 +35,11 @@ def reward_model_function(reward, data, *, device):
 
     @torch.no_grad()
     def reward_model(prompts: list, completions: list, **columns) -> list[float]:
-        # a conversational completion is one assistant message (as TRL hands it to reward functions)
-        texts = [c[0]["content"] if isinstance(c, list) else c for c in completions]
-        sequences = [encode_example({"prompt": p, "completion": t}, tokenizer, render,
-                                    template=template)["input_ids"] for p, t in zip(prompts, texts)]
+        # a conversational completion is its messages, rendered after the prompt as TRL renders prompt + completion
+        # for a reward model: one assistant message, or with tools every call, the tools' results and the last reply
+        # (its first message alone had scored a tool-calling completion as an empty reply)
+        sequences = [encode_example({"prompt": p, "completion": c}, tokenizer, render,
+                                    template=template)["input_ids"] for p, c in zip(prompts, completions)]
         scores = []
         for s in range(0, len(sequences), reward.batch_size):
             batch = sequences[s:s + reward.batch_size]
