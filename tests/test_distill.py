@@ -556,6 +556,20 @@ def test_recipes_that_cannot_distill_are_refused_by_the_schema(tiny_assets, tmp_
     assert says in text
 
 
+def test_prompts_without_room_for_the_students_completion_are_refused_unless_no_step_samples(tiny_assets, tmp_path):
+    """The student samples up to distill.max_completion_tokens after each row's prompt: a prompt that leaves less
+    room within data.max_seq_len is refused as online RL's (the sequences had grown past max_seq_len without a word,
+    and on pipeline stages, whose rows hold max_seq_len, step 1 died after the run folder was written); with
+    distill.lmbda 0 nothing is sampled and the recipe trains."""
+    recipe = distill_recipe(tiny_assets, tmp_path, tiny_assets / "model")
+    text = _refused(recipe, "data.max_seq_len=20", "distill.max_completion_tokens=12")
+    assert "prompt room:" in text and "leave no room for distill.max_completion_tokens=12 within data.max_seq_len=20" \
+        in text and "lower distill.max_completion_tokens" in text, text
+    summary = run_train(recipe, "data.max_seq_len=20", "distill.max_completion_tokens=12", "distill.lmbda=0",
+                        "train.max_steps=1", "train.eval_every_steps=null", f"output_dir={tmp_path / 'off'}")
+    assert summary["steps"] == 1
+
+
 def test_rows_without_completions_are_refused_naming_the_file(tiny_assets, tmp_path):
     prompts = write_jsonl(tmp_path / "prompts.jsonl", [{"prompt": r["prompt"]} for r in ROWS])
     text = _refused(distill_recipe(tiny_assets, tmp_path, tiny_assets / "model"), f"data.path={prompts}",

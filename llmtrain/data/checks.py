@@ -11,7 +11,7 @@ import math
 from pathlib import Path
 
 from llmtrain.config import Recipe, updates_per_window
-from llmtrain.data.formats import IGNORE, special_ids
+from llmtrain.data.formats import IGNORE, prompt_length, special_ids
 from llmtrain.data.prepare import DataStats
 from llmtrain.errors import LLMTrainError
 
@@ -247,6 +247,8 @@ def check_data(recipe: Recipe, stats: DataStats, train, eval_ds, tokenizer, *, r
                      f"{len(train) - sum(train['label']):,} undesirable completions"))
     if recipe.reward_model is not None:
         rows.append(check_margin(train, eval_ds))
+    if recipe.distill is not None and recipe.distill.lmbda > 0:  # on-policy steps sample after each row's prompt
+        rows += check_prompt_room(recipe, train, None)
     lengths = [*train["length"], *(eval_ds["length"] if eval_ds is not None else [])]
     rows += check_eval_batch(recipe, train["length"], eval_ds["length"] if eval_ds is not None else [])
     return rows + check_budget(recipe.train.micro_batch_tokens, lengths) + check_kl_pairs(
@@ -365,24 +367,30 @@ def check_completion_stop(recipe: Recipe, tokenizer) -> list[Check]:
 
 
 def check_prompt_room(recipe: Recipe, train, eval_ds) -> list[Check]:
-    """Online RL: every prompt leaves room for rl.max_completion_tokens within data.max_seq_len (a prompt is never
-    cut: its end is what the completion continues). Fails naming the file and the first rows."""
-    d, most = recipe.data, recipe.rl.max_completion_tokens
+    """Online RL, and distillation's on-policy steps: every prompt leaves room for the completion sampled after it
+    (rl.max_completion_tokens, distill.max_completion_tokens) within data.max_seq_len (a prompt is never cut: its end
+    is what the completion continues). A distillation row's prompt is its tokens before the first trained one (its
+    own completion is what the student's replaces); without the check its sequences grew past data.max_seq_len, which
+    the estimate prices and pipeline stages hold in rows of. Fails naming the file and the first rows."""
+    d = recipe.data
+    key, most = (("rl.max_completion_tokens", recipe.rl.max_completion_tokens) if recipe.rl is not None else
+                 ("distill.max_completion_tokens", recipe.distill.max_completion_tokens))
     room = d.max_seq_len - most
     rows = []
     for name, ds, where in (("train", train, d.path), ("eval", eval_ds, d.eval_split)):
         if ds is None or not len(ds):
             continue
-        long = [(r + 1, n) for r, n in zip(ds["row"], ds["length"]) if n > room]
+        prompts = list(zip(ds["row"], ds["length"] if recipe.rl is not None else
+                           (prompt_length(labels) for labels in ds["labels"])))
+        long = [(r + 1, n) for r, n in prompts if n > room]
         if long:
             shown = ", ".join(f"row {r} ({n} tokens)" for r, n in long[:5]) + (", ..." if len(long) > 5 else "")
             need = max(n for _, n in long) + most
             return [("prompt room", "fail", f"{len(long)} {name} prompts in {where} leave no room for "
-                     f"rl.max_completion_tokens={most} within data.max_seq_len={d.max_seq_len}: {shown}. Raise "
-                     f"data.max_seq_len to {need}, lower rl.max_completion_tokens, or remove those rows.")]
-        rows.append(f"{name}: the longest prompt {max(ds['length'])} tokens")
-    return [("prompt room", "pass", "; ".join(rows) + f" + rl.max_completion_tokens={most} <= data.max_seq_len="
-             f"{d.max_seq_len}")]
+                     f"{key}={most} within data.max_seq_len={d.max_seq_len}: {shown}. Raise data.max_seq_len to "
+                     f"{need}, lower {key}, or remove those rows.")]
+        rows.append(f"{name}: the longest prompt {max(n for _, n in prompts)} tokens")
+    return [("prompt room", "pass", "; ".join(rows) + f" + {key}={most} <= data.max_seq_len={d.max_seq_len}")]
 
 
 def _end_of_turn(recipe: Recipe, tokenizer) -> str | None:
