@@ -451,7 +451,7 @@ class TrainConfig(Section):
         0, ge=0,
         description="At each eval, greedily decode the first N eval prompts (up to eval_max_new_tokens tokens) and "
         "append prompt, expected and generated text to <output_dir>/samples.jsonl; the first is shown in the "
-        "console. 0: none.",
+        "console. 0: none. KTO: the first N desirable rows (an undesirable completion is not a reply to expect).",
     )
     eval_max_new_tokens: int = Field(128, gt=0, description="Most tokens generated for each eval sample.")
     eval_answer_pattern: str | None = Field(

@@ -238,3 +238,28 @@ def test_the_tiny_recipe_separates_reversals_from_copies(tiny_assets, tmp_path):
     assert [e["step"] for e in evals] == [50, 100]
     assert evals[-1]["eval_rewards/margins"] > 0.3 > evals[0]["eval_rewards/margins"] > 0.1  # 0.23, 0.44 measured
     assert evals[-1]["eval_rewards/rejected"] < -0.5 and evals[-1]["eval_loss"] < 0.47  # -0.78, 0.452 measured
+
+
+def test_eval_samples_of_kto_expect_the_desirable_completions_and_the_summary_keeps_its_margin(tiny_assets, tmp_path):
+    """train.eval_samples under KTO decodes the first N desirable eval rows: an undesirable row's completion is what
+    not to write, and had been taken as the expected reply (audit 4: 15.0% said where 30 of 102 desirable rows, 29%,
+    were right). The run's summary gives KTO's kl and margin beside the answer accuracy (it had given the accuracy
+    alone)."""
+    import json
+
+    from llmtrain.run.console import summary_table
+
+    rows = reversal_feedback(tiny_assets, 40)  # even rows desirable, odd undesirable ("zz" run on)
+    held = write_jsonl(tmp_path / "held.jsonl", reversal_feedback(tiny_assets, 10, start=100))
+    recipe = kto_recipe(tiny_assets, tmp_path, lora=False)
+    summary = run_train(recipe, f"data.path={write_jsonl(tmp_path / 'kto40.jsonl', rows)}", f"data.eval_split={held}",
+              "train.max_steps=1", "train.eval_every_steps=1", "train.eval_samples=3",
+              "train.eval_max_new_tokens=8", f"output_dir={tmp_path / 'run'}")
+    samples = [json.loads(x) for x in (tmp_path / "run" / "samples.jsonl").read_text().splitlines()]
+    desirable = [r["completion"] for r in map(json.loads, held.read_text().splitlines()) if r["label"]]
+    assert [s["expected"] for s in samples] == desirable[:3]
+    (ev,) = [r for r in records(tmp_path / "run", kind="eval")]
+    assert ev["eval_answer_accuracy"] == pytest.approx(sum(s["match"] for s in samples) / 3)
+    table = summary_table(summary, out=tmp_path / "run", evals=[ev])
+    text = " ".join(str(c) for col in table.columns for c in col._cells)
+    assert f"kl {ev['eval_kl']:.3f}, reward margin {ev['eval_rewards/margins']:.3f}, answer accuracy" in text, text

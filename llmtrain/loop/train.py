@@ -320,7 +320,10 @@ def evaluate_and_sample(run: Run, state: TrainState, progress) -> dict:
     progress.remove_task(shown)
     samples = []
     if tc.eval_samples:  # every rank generates (under FSDP each forward gathers all ranks' shards)
-        first = eval_ds.select(range(min(tc.eval_samples, len(eval_ds))))
+        # KTO: only a desirable row's completion is a reply to expect (an undesirable one had counted as an answer)
+        keep = getattr(run.objective, "expected_rows", None)
+        rows = [i for i, ok in enumerate(eval_ds[keep]) if ok] if keep else range(len(eval_ds))
+        first = eval_ds.select(rows[:tc.eval_samples])
         column = getattr(run.objective, "expected_column", None)  # online RL: the answer column is the expected
         samples = generate_samples(run.model.unwrapped, run.data.tokenizer, first,
                                    max_new_tokens=tc.eval_max_new_tokens, step=state.step,

@@ -81,6 +81,7 @@ class KTO:
 
     whole_sequences = True  # its loss reads each sequence's whole log-probability (parallel/sequence/shards.py)
     sequence_sum = None  # sequence parallelism: a sequence's log-probability from its slices' parts
+    expected_rows = "label"  # train.eval_samples: the rows whose completion is a reply to expect (the desirable)
 
     def __init__(self, cfg, *, pad_id: int, packing: bool, max_seq_len: int, model=None, reference=None,
                  reduce=None, router_aux: float | None = None):

@@ -136,19 +136,22 @@ def summary_table(summary: dict, *, out: Path, evals: list[dict], unit: str = "g
         table.add_row("best eval reward", f"{best['eval_reward']:.4f} (step {best['step']}{accuracy}{since})")
     elif evals:
         best = min(evals, key=lambda e: e["eval_loss"])
-        if "eval_rewards/accuracies" in best:
-            what = f"reward accuracy {best['eval_rewards/accuracies']:.1%}"
-        elif "eval_accuracy" in best:  # a reward model: pairs whose chosen answer scores higher
-            what = f"pairwise accuracy {best['eval_accuracy']:.1%}, margin {best['eval_margin']:.3f}"
-        elif best.get("eval_answer_accuracy") is not None:
-            what = f"answer accuracy {best['eval_answer_accuracy']:.1%} of generated samples"
-        elif "eval_teacher_agreement" in best:  # distillation: the loss is the divergence to the teacher
-            what = f"argmax as the teacher's {best['eval_teacher_agreement']:.1%}"
-        elif "eval_kl" in best:  # KTO
-            margin = best.get("eval_rewards/margins")
-            what = f"kl {best['eval_kl']:.3f}" + (f", reward margin {margin:.3f}" if margin is not None else "")
-        else:
-            what = f"teacher-forced match {best['eval_teacher_forced_match']:.1%}"
+        margin = best.get("eval_rewards/margins")
+        # the mode's own measure, then the generated samples' answer accuracy beside it (it had replaced KTO's and
+        # distillation's); supervised fine-tuning: the answer accuracy, else the teacher-forced match
+        measure = (f"reward accuracy {best['eval_rewards/accuracies']:.1%}" if "eval_rewards/accuracies" in best else
+                   # a reward model: pairs whose chosen answer scores higher
+                   f"pairwise accuracy {best['eval_accuracy']:.1%}, margin {best['eval_margin']:.3f}"
+                   if "eval_accuracy" in best else
+                   # distillation: the loss is the divergence to the teacher
+                   f"argmax as the teacher's {best['eval_teacher_agreement']:.1%}"
+                   if "eval_teacher_agreement" in best else
+                   f"kl {best['eval_kl']:.3f}" + (f", reward margin {margin:.3f}" if margin is not None else "")
+                   if "eval_kl" in best else None)  # KTO
+        answers = (f"answer accuracy {best['eval_answer_accuracy']:.1%} of generated samples"
+                   if best.get("eval_answer_accuracy") is not None else None)
+        what = ", ".join(x for x in (measure, answers) if x) or \
+            f"teacher-forced match {best['eval_teacher_forced_match']:.1%}"
         table.add_row("best eval loss", f"{best['eval_loss']:.4f} (step {best['step']}, {what})")
     if summary.get("max_memory_allocated"):
         table.add_row("peak GPU memory", f"{summary['max_memory_allocated'] / 2**30:.2f} GiB allocated, "
