@@ -34,6 +34,7 @@ class Layout:
     processes: int = 1
     nodes: int = 1
     fsdp: bool = False  # the launch shards with FSDP2 (distributed_type: FSDP)
+    offload: bool = False  # FSDP keeps the shards on the host (fsdp_config's fsdp_offload_params)
     mesh: bool = False  # the launch has a parallelism_config section (HSDP, FSDP x TP)
     replicate: int = 1  # HSDP's replicas (parallelism_config_dp_replicate_size)
     shard: int = 1  # the mesh's FSDP shards (parallelism_config_dp_shard_size); without a mesh, unused
@@ -59,17 +60,22 @@ class Layout:
         parallel.launch.launch_settings), and the recipe."""
         mesh = launch.get("parallelism_config")
         sizes = mesh_sizes(launch) or {}
+        fsdp = str(launch.get("distributed_type", "NO")) == "FSDP"
+        offload = str((launch.get("fsdp_config") or {}).get("fsdp_offload_params", False)).lower() == "true"
         return cls(processes=int(launch.get("num_processes", 1) or 1), nodes=int(launch.get("num_machines", 1) or 1),
-                   fsdp=str(launch.get("distributed_type", "NO")) == "FSDP", mesh=isinstance(mesh, dict),
+                   fsdp=fsdp, offload=fsdp and offload, mesh=isinstance(mesh, dict),
                    replicate=sizes.get("dp_replicate", 1), shard=sizes.get("dp_shard", 1), tp=sizes.get("tp", 1),
                    cp=sizes.get("cp", 1), accelerate_sp=sizes.get("sp", 1), sp=recipe.parallel.sequence_parallel,
                    pp=recipe.parallel.pipeline_parallel, where=where)
 
     @classmethod
-    def of_strategy(cls, recipe, strategy: str, *, gpus: int, nodes: int = 1, tp: int = 1) -> Layout:
-        """As estimate-memory names a launch: single, ddp, fsdp or hsdp (replicas = nodes) on `gpus` a node, x `tp`."""
+    def of_strategy(cls, recipe, strategy: str, *, gpus: int, nodes: int = 1, tp: int = 1,
+                    offload: bool = False) -> Layout:
+        """As estimate-memory names a launch: single, ddp, fsdp or hsdp (replicas = nodes) on `gpus` a node, x `tp`,
+        with or without FSDP's offload."""
         world, hsdp = gpus * nodes, strategy == "hsdp"
         return cls(processes=world, nodes=nodes, fsdp=strategy in ("fsdp", "hsdp"), mesh=hsdp or tp > 1,
+                   offload=offload and strategy in ("fsdp", "hsdp"),
                    replicate=nodes if hsdp else 1, shard=world // (nodes if hsdp else 1) // tp, tp=tp,
                    sp=recipe.parallel.sequence_parallel, pp=recipe.parallel.pipeline_parallel, where="the estimate")
 
@@ -85,8 +91,9 @@ class Layout:
         def size(key: str) -> int:
             return int(env.get(f"PARALLELISM_CONFIG_{key.upper()}_SIZE", "1") or 1) if mesh else 1
 
-        return cls(processes=world, nodes=max(1, world // max(local, 1)),
-                   fsdp=env.get("ACCELERATE_USE_FSDP", "false").lower() == "true", mesh=mesh,
+        fsdp = env.get("ACCELERATE_USE_FSDP", "false").lower() == "true"
+        return cls(processes=world, nodes=max(1, world // max(local, 1)), fsdp=fsdp,
+                   offload=fsdp and env.get("FSDP_OFFLOAD_PARAMS", "false").lower() == "true", mesh=mesh,
                    replicate=size("dp_replicate"), shard=size("dp_shard"), tp=size("tp"), cp=size("cp"),
                    accelerate_sp=size("sp"), sp=recipe.parallel.sequence_parallel,
                    pp=recipe.parallel.pipeline_parallel, where="the launch config")
@@ -169,6 +176,12 @@ class Layout:
                            f"{self.where} has a parallelism_config mesh (HSDP or tensor parallelism), which sequence "
                            "parallelism is not built to compose with yet. Drop the parallelism_config section, or set "
                            "parallel.sequence_parallel=1")
+            if self.pp > 1 and self.offload:
+                out.append(f"{pp_key} shards each stage with FSDP2 over its replicas and keeps the shards on the GPU; "
+                           f"{self.where} sets fsdp_offload_params: true, which the stages do not apply (a run would "
+                           "hold what the launch meant for the host without a word). Set fsdp_offload_params: false "
+                           "(more stages, or LoRA, hold less on each GPU), or set parallel.pipeline_parallel=1 for FSDP "
+                           "with the offload")
             if self.pp > 1 and self.mesh:
                 out.append(f"{pp_key} runs on a plain multi-process launch (the replicas of a stage sum their "
                            "gradients: accelerate_configs/ddp.yaml) or an FSDP one (each stage sharded over its "

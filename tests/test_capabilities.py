@@ -389,3 +389,26 @@ def test_fit_proposes_no_layout_the_table_refuses(changes, refused, monkeypatch)
         said = " ".join(recommendation(shape, est).split())
         assert "nothing fits 8 x 80 GiB (FSDP, whose shards shrink with more GPUs, is out: " in said
         assert refused in said
+
+
+def test_fsdps_offload_under_pipeline_stages_is_refused_by_the_launch_and_each_process(mode_recipes):
+    """Pipeline stages shard each stage with FSDP2 themselves and never applied the launch's fsdp_offload_params (the
+    shards stayed on the GPU while doctor said every setting was followed, audit 3): refused from the launch config
+    (llmtrain launch, doctor), from the variables accelerate launch sets (each process) and by the estimate's layout;
+    without stages the offload is accelerate's own and passes."""
+    from llmtrain.config import load_recipe
+    from llmtrain.layout import Layout
+
+    staged = load_recipe(mode_recipes["sft"], LAYOUTS["pp"][2])
+    plain = load_recipe(mode_recipes["sft"], [])
+    launch = yaml.safe_load((CONFIGS / "cpu_fsdp.yaml").read_text())
+    launch["num_processes"] = 4
+    launch["fsdp_config"]["fsdp_offload_params"] = True
+    env = {"WORLD_SIZE": "4", "ACCELERATE_USE_FSDP": "true", "FSDP_OFFLOAD_PARAMS": "true"}
+    for layout in (Layout.from_launch(launch, staged), Layout.from_environment(staged, env),
+                   Layout.of_strategy(staged, "fsdp", gpus=4, offload=True)):
+        (problem,) = [p for p in capabilities.problems(staged, layout) if "fsdp_offload_params" in p]
+        assert "which the stages do not apply" in problem and "Set fsdp_offload_params: false" in problem
+    assert not [p for p in capabilities.problems(plain, Layout.from_launch(launch, plain)) if "offload" in p]
+    launch["fsdp_config"]["fsdp_offload_params"] = False
+    assert not [p for p in capabilities.problems(staged, Layout.from_launch(launch, staged)) if "offload" in p]

@@ -297,11 +297,19 @@ def test_two_stages_train_what_one_process_trains(single, four_layers, tmp_path,
     """Each step's 4 micro-batches are rows of different examples, lengths and boundaries (the tokens a step differ
     too): a stage that read a stale buffer, or another micro-batch's, would change the loss and the gradient."""
     recipe, reference = single[kind]
-    out = launch_finetune(CPU_DDP, 2, free_port, recipe, "parallel.pipeline_parallel=2",
-                          f"parallel.pipeline_schedule={schedule}", f"output_dir={tmp_path / 'pp'}",
-                          env=_kernels(kind))
+    # the main tier's row on an FSDP launch of one process a stage: nothing to shard, said so (it had announced
+    # SHARDED_STATE_DICT checkpoints and written each stage's own files, audit 3), and it trains as the DDP launch
+    fsdp = kind == "full" and schedule == "1f1b"
+    out = launch_finetune(REPO / "accelerate_configs" / "cpu_fsdp.yaml" if fsdp else CPU_DDP, 2, free_port, recipe,
+                          "parallel.pipeline_parallel=2", f"parallel.pipeline_schedule={schedule}",
+                          f"output_dir={tmp_path / 'pp'}", env=_kernels(kind))
     chunks = 2 if schedule == "interleaved_1f1b" else 1
     assert f"this process: stage 0: layers 0-{4 // (2 * chunks) - 1}" in out
+    if fsdp:
+        said = " ".join(out.split())
+        assert "FSDP2 on CPU: 2 processes over gloo, 2 pipeline stages of one process each, whole" in said, said
+        assert "pipeline parallelism: 2 stages (the FSDP launch has one process a stage: no replica to shard over" \
+            in said and "SHARDED_STATE_DICT" not in said
     assert len({r["tokens"] for r in records(reference)}) > 1  # the rows change from step to step
     _same(tmp_path / "pp", reference, lora=kind in ("lora", "qlora"))
 

@@ -295,7 +295,8 @@ def _from_recipe(recipe: Path, overrides, run: dict, launch: dict):
     lengths, unread = rl_prompt_lengths(r) if r.rl is not None else (None, None)
     spec = spec_from_recipe(r, prompt_lengths=lengths, **launch)
     if found := capabilities.problems(r, Layout.of_strategy(r, spec.strategy, gpus=spec.num_gpus,
-                                                            nodes=spec.num_nodes, tp=spec.tp)):
+                                                            nodes=spec.num_nodes, tp=spec.tp,
+                                                            offload=spec.cpu_offload)):
         gpus = spec.num_gpus * spec.num_nodes
         raise LLMTrainError(f"{recipe} would be refused on {gpus} GPU{'s' if gpus != 1 else ''} ({spec.strategy}"
                             f"{f' x TP {spec.tp}' if spec.tp > 1 else ''}), so there is no run to estimate: "

@@ -81,7 +81,7 @@ def build_accelerator(recipe: Recipe):
         if mesh_later:
             os.environ["ACCELERATE_USE_PARALLELISM_CONFIG"] = "true"
     if fsdp_plugin is not None and accelerator.distributed_type.name == "MULTI_CPU":
-        _fsdp_on_cpu(accelerator, fsdp_plugin)
+        _fsdp_on_cpu(accelerator, fsdp_plugin, stages=recipe.parallel.pipeline_parallel)
     # the sequence groups and the pipelines with their stages' replicas (1: none), kept with this run's Accelerator
     accelerator.llmtrain_groups = make_groups(sequence_parallel=recipe.parallel.sequence_parallel,
                                               pipeline_parallel=recipe.parallel.pipeline_parallel)
@@ -106,7 +106,7 @@ def build_accelerator(recipe: Recipe):
     return accelerator
 
 
-def _fsdp_on_cpu(accelerator, fsdp_plugin) -> None:
+def _fsdp_on_cpu(accelerator, fsdp_plugin, *, stages: int = 1) -> None:
     """Run Accelerate's own FSDP code path on CPU workers joined over gloo.
 
     Accelerate switches to DistributedType.FSDP only for accelerator devices (AcceleratorState turns
@@ -131,8 +131,11 @@ def _fsdp_on_cpu(accelerator, fsdp_plugin) -> None:
     # RNG sync and the like read PartialState's).
     PartialState._shared_state["distributed_type"] = DistributedType.FSDP
     n = accelerator.num_processes
-    accelerator.print(f"FSDP2 on CPU: {n} process{'es' * (n != 1)} over gloo, "
-                      f"{fsdp_plugin.state_dict_type.name} checkpoints")
+    # pipeline stages shard themselves (over a stage's replicas) and save each stage's own files
+    saved = (f"{fsdp_plugin.state_dict_type.name} checkpoints" if stages == 1 else
+             f"{stages} pipeline stages, each sharded over its {n // stages} replicas" if n > stages else
+             f"{stages} pipeline stages of one process each, whole (no replica to shard over)")
+    accelerator.print(f"FSDP2 on CPU: {n} process{'es' * (n != 1)} over gloo, {saved}")
 
 
 def _attach_mesh(accelerator, config) -> None:

@@ -159,6 +159,7 @@ class Pipeline:
             setattr(parent, name, Elsewhere())
         self.layers = {s: ranges[s] for s in mine}
         self.sharded = fsdp is not None and g.replicas > 1
+        self.unsharded_fsdp = fsdp is not None and g.replicas == 1  # an FSDP launch of one process a stage
         if self.sharded:
             from torch.distributed.fsdp import fully_shard
 
@@ -198,7 +199,9 @@ class Pipeline:
     def describe(self) -> str:
         g = self.group
         runs = ", ".join(f"stage {s}: layers {r.start}-{r.stop - 1}" for s, r in self.layers.items())
-        replicas = (f" x {g.replicas} {'FSDP shards' if self.sharded else 'replicas'}" if g.replicas > 1 else "")
+        replicas = (f" x {g.replicas} {'FSDP shards' if self.sharded else 'replicas'}" if g.replicas > 1 else
+                    " (the FSDP launch has one process a stage: no replica to shard over, each stage whole)"
+                    if self.unsharded_fsdp else "")
         rows = (f"{self.micro_batches} micro-batches of {self.slots} slots a step" if self.slots_key.startswith("train")
                 else f"the rollout's passes of {self.slots} slots ({self.slots_key}), {self.micro_batches} at a time; "
                      "sampled through the stages")
