@@ -1365,14 +1365,17 @@ class Recipe(Section):
         shard = self.model.tiled_mlp
         if shard is None or isinstance(shard, bool):
             return self
-        budget = self.train.micro_batch_tokens
+        # the MLP tiles a micro-batch's tokens together (packed or padded rows alike): a budget's, or up to
+        # micro_batch_size rows of max_seq_len (the longest row alone had been taken: a shard that tiles refused)
+        budget, t = self.train.micro_batch_tokens, self.train
         row, key = (budget, f"train.micro_batch_tokens={budget}") if budget else \
-            (self.data.max_seq_len, f"data.max_seq_len={self.data.max_seq_len}")
+            (t.micro_batch_size * self.data.max_seq_len,
+             f"train.micro_batch_size={t.micro_batch_size} x data.max_seq_len={self.data.max_seq_len}")
         degree = self.parallel.sequence_parallel
         local = -(-row // degree)
         if shard >= local:
-            held = f"a process holds at most {local:,} tokens of a row ({key}, sequence_parallel={degree})" \
-                if degree > 1 else f"a row holds at most {local:,} tokens ({key})"
+            held = f"a process holds at most {local:,} tokens of a micro-batch ({key}, sequence_parallel={degree})" \
+                if degree > 1 else f"a micro-batch holds at most {local:,} tokens ({key})"
             raise ValueError(f"model.tiled_mlp={shard} tokens a shard, but {held}: the MLP would run in one shard and "
                              "nothing would be tiled. Give a shard shorter than that (true: hidden_size tokens, as "
                              "ALST), or leave model.tiled_mlp unset")

@@ -119,14 +119,19 @@ def test_offload_without_checkpointing_is_refused(tiny_assets, tmp_path):
         load_recipe(recipe, ["model.tiled_mlp=0"])
     assert load_recipe(recipe, ["model.tiled_mlp=true"]).model.tiled_mlp is True
     assert load_recipe(recipe, ["model.tiled_mlp=4096", "data.max_seq_len=8192"]).model.tiled_mlp == 4096
+    # a micro-batch of rows is tiled as one: 16 rows of 64 tokens take shards of 100 (had been refused as longer
+    # than a row, audit 3)
+    assert load_recipe(recipe, ["model.tiled_mlp=100", "data.max_seq_len=64", "train.micro_batch_size=16"]
+                       ).model.tiled_mlp == 100
 
 
 @pytest.mark.parametrize("overrides, says", [
     (["model.tiled_mlp=1"], "1 is read as the tokens of one shard of the MLP .* not as 'on'. Write true"),
-    (["model.tiled_mlp=100000"], r"model.tiled_mlp=100000 tokens a shard, but a row holds at most 2,048 tokens "
-                                 r"\(data.max_seq_len=2048\): .* nothing would be tiled"),
+    (["model.tiled_mlp=100000", "train.micro_batch_size=2"],
+     r"model.tiled_mlp=100000 tokens a shard, but a micro-batch holds at most 4,096 tokens "
+     r"\(train.micro_batch_size=2 x data.max_seq_len=2048\): .* nothing would be tiled"),
     (["model.tiled_mlp=64", "train.micro_batch_size=1", "train.micro_batch_tokens=128", "parallel.sequence_parallel=2"],
-     r"a process holds at most 64 tokens of a row \(train.micro_batch_tokens=128, sequence_parallel=2\)"),
+     r"a process holds at most 64 tokens of a micro-batch \(train.micro_batch_tokens=128, sequence_parallel=2\)"),
 ])
 def test_a_shard_of_one_token_or_longer_than_the_rows_is_refused(tiny_assets, tmp_path, overrides, says):
     """Values that would be accepted and do the opposite of what they say (issue 53, item 4): 1 read as a one-token
