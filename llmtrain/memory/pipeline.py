@@ -85,9 +85,9 @@ def pipeline_problems(spec: TrainSpec, shape: ModelShape) -> list[str]:
     if spec.cpu_offload or spec.tp > 1 or spec.sequence_parallel > 1:
         problems.append("pipeline parallelism is modelled without FSDP's cpu offload, tensor or sequence parallelism "
                         "(llmtrain's stages run none of them)")
-    if spec.activation_offload or spec.tiled_mlp:  # the stages run both; their estimate is not built
-        problems.append("pipeline stages with model.activation_offload or model.tiled_mlp train, but the estimate "
-                        "does not model them on stages yet: estimate without them (what they save not counted) or with "
+    if spec.activation_offload:  # the stages run it; its estimate on stages is not built
+        problems.append("pipeline stages with model.activation_offload train, but the estimate does not model the "
+                        "offload on stages yet: estimate without it (what it saves not counted) or with "
                         "--pipeline-parallel 1")
     if spec.num_generations and spec.teacher is None and not spec.rl_micro_batch_tokens:
         problems.append("online RL on pipeline stages trains its passes in rows of rl.micro_batch_tokens slots: set it "
@@ -249,6 +249,8 @@ def chunk_estimate(shape: ModelShape, spec: TrainSpec, stage: Stage, c: int) -> 
     saved = [act.layer_bytes(p, sub.layer(i), adapted[i], spec.lora_r) for i in range(L)]
     if frozen_input:
         saved[0] -= act.frozen_input_discount(p, sub.layer(0), adapted[0])
+    if ckpt and p.mlp_shard:  # the tiled input norm keeps the layer's input: the checkpoint's own tensor, once
+        saved = [x - (act.checkpoint_bytes(p, sub) if (i or not frozen_input) else 0) for i, x in enumerate(saved)]
     kept = [act.checkpoint_bytes(p, sub)] * L if ckpt else saved
     rope_ids = act.stream_inputs_bytes(p, sub, embed_trainable=embed_trains) if first else act.rope_bytes(p, sub)
     # Gemma 4's per-layer inputs, every layer's, made on the first stage and saved until its first layer's backward
@@ -329,6 +331,11 @@ def chunk_estimate(shape: ModelShape, spec: TrainSpec, stage: Stage, c: int) -> 
     attn = [x.numel for x in every if not x.name.startswith("mlp.")]
     # a 16-bit weight gradient before its cast (a full fine-tune's)
     temps = (max(mlp) * p.cd, max(attn) * p.cd) if p.separate_casts and full else (0, 0)
+    # the tiled MLP returns its weights' gradients summed over the shards: one more copy where .grad is held (as
+    # estimate.py counts it; a stage under FSDP accumulates unsharded, as_trained)
+    if p.mlp_shard and full and (not fsdp or (spec.fsdp_accumulate == "unsharded" and spec.grad_accum_steps > 1)):
+        temps = (temps[0] + max(sum(x.numel for x in sub.layer(i).layer_linears if x.name.startswith("mlp."))
+                                for i in range(L)) * DTYPE_BYTES[spec.dtype], temps[1])
     phases["backward_layers"] = _backward_layers(
         p, sub, spec, st, chunk_plan, base, adapted=adapted, saved=saved, kept=kept, on_gpu=kept, copies=copies,
         below_all=rope_ids + out + mask_bwd + held, g_acc=g_acc, temps=temps,
