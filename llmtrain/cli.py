@@ -441,13 +441,18 @@ def eval_(
 def prepare_tiny(
     out: Annotated[Path, typer.Argument(metavar="DIR",
                                           help="Folder for the tiny model, tokenizer and data.")] = Path("assets/tiny"),
+    family: Annotated[str, typer.Option(
+        "--family", metavar="MODEL_TYPE",
+        help="The tiny model in this family's layer (qwen3, gemma3_text, phi3, qwen3_moe, ...: docs/models.md), the "
+             "same task: try a family's path on the CPU.")] = "llama",
 ) -> None:
     """Create the tiny random-init Llama, its tokenizer and the synthetic task data used by recipes/tiny.yaml. A
     folder it wrote before is written again (the same files); one holding anything else is refused."""
     from llmtrain.tiny import prepare_tiny as run
 
-    again = run(out)
-    typer.echo(f"wrote {out}" + (" again (its model/ and data/ as prepare-tiny writes them)" if again else ""))
+    again = run(out, family=family)
+    typer.echo(f"wrote {out}" + (f" ({family}'s layer)" if family != "llama" else "") +
+               (" again (its model/ and data/ as prepare-tiny writes them)" if again else ""))
 
 
 from llmtrain.memory.cli import estimate_memory  # noqa: E402  (typer options only; no torch at import)

@@ -2,7 +2,8 @@
 
 `prepare_tiny(out)` writes, deterministically from its seed and with nothing downloaded:
 
-- `out/model/`: a ~0.5M-parameter random-init Llama (GQA, untied head) saved with `save_pretrained`
+- `out/model/`: a ~0.5M-parameter random-init Llama (GQA, untied head; `family`: another family's layer at the same
+  sizes, FAMILY_LAYERS) saved with `save_pretrained`
   (safetensors), plus a character-level tokenizer with a Llama-like BOS rule and a chat template,
   so it loads through the same `AutoModelForCausalLM` / `AutoTokenizer.from_pretrained` path as a
   real 7B checkpoint;
@@ -75,6 +76,29 @@ MODEL_KWARGS = dict(
     initializer_range=0.02,
 )
 
+# Each family of the capability table (capabilities.FAMILIES) at the tiny model's sizes, for `llmtrain prepare-tiny
+# --family NAME`: what its config sets apart from the tiny Llama's (tests/test_families.py trains the same layers).
+# Gemma 3: a local layer of window 8 and a global one; the mixtures: 4 experts of 64 columns a layer, 2 a token (GPT-OSS
+# with its sinks and a window of 8 on every other layer); Gemma 4: per-layer embeddings, local and global layers of
+# their own head sizes, its last two layers sharing the keys and values of the two before them.
+FAMILY_LAYERS: dict[str, dict] = {
+    "llama": {},
+    "mistral": {},
+    "qwen2": dict(attention_bias=True),
+    "qwen3": dict(head_dim=32),
+    "gemma3_text": dict(head_dim=32, query_pre_attn_scalar=32, sliding_window=8,
+                        layer_types=["sliding_attention", "full_attention"]),
+    "phi3": dict(partial_rotary_factor=0.75),
+    "qwen3_moe": dict(head_dim=32, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=64,
+                      decoder_sparse_step=1),
+    "mixtral": dict(num_local_experts=4, num_experts_per_tok=2, intermediate_size=64),
+    "gpt_oss": dict(head_dim=32, num_local_experts=4, num_experts_per_tok=2, intermediate_size=64, sliding_window=8),
+    "gemma4_text": dict(head_dim=32, global_head_dim=64, num_key_value_heads=4, num_global_key_value_heads=2,
+                        attention_k_eq_v=True, num_kv_shared_layers=2, use_double_wide_mlp=True, num_hidden_layers=4,
+                        sliding_window=8, hidden_size_per_layer_input=16,
+                        layer_types=["sliding_attention", "full_attention"] * 2),
+}
+
 TASK = "reverse"
 MIN_LEN, MAX_LEN = 3, 6
 N_TRAIN, N_EVAL = 5000, 200
@@ -114,21 +138,25 @@ def build_tokenizer():
 # --------------------------------------------------------------------------- model
 
 
-def build_model(tokenizer, *, seed: int):
+def build_model(tokenizer, *, seed: int, family: str = "llama"):
+    """The tiny model, random weights from `seed`: Llama's layer, or `family`'s (FAMILY_LAYERS) at the same sizes."""
     import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
+    from transformers import AutoConfig, AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
 
-    config = LlamaConfig(
-        vocab_size=len(tokenizer),
-        bos_token_id=tokenizer.bos_token_id,
-        eos_token_id=tokenizer.eos_token_id,
-        pad_token_id=tokenizer.pad_token_id,
-        **MODEL_KWARGS,
-    )
+    ids = dict(vocab_size=len(tokenizer), bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
+               pad_token_id=tokenizer.pad_token_id)
+    if family == "llama":
+        config = LlamaConfig(**ids, **MODEL_KWARGS)
+    else:  # the sizes every family's config reads, then what sets the family apart
+        sizes = {k: MODEL_KWARGS[k] for k in ("hidden_size", "intermediate_size", "num_hidden_layers",
+                                              "num_attention_heads", "num_key_value_heads", "max_position_embeddings",
+                                              "tie_word_embeddings")}
+        extra = {"vocab_size_per_layer_input": len(tokenizer)} if family == "gemma4_text" else {}
+        config = AutoConfig.for_model(family, **{**ids, **sizes, **extra, **FAMILY_LAYERS[family]})
     # A private generator state: the weights depend on `seed` only, and the caller's RNG is untouched.
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
-        model = LlamaForCausalLM(config)
+        model = LlamaForCausalLM(config) if family == "llama" else AutoModelForCausalLM.from_config(config)
     return model
 
 
@@ -311,11 +339,15 @@ def _written_here(out: Path) -> bool:
     return config.get("model_type") == "llama" and all(config.get(k) == MODEL_KWARGS[k] for k in shape)
 
 
-def prepare_tiny(out: Path, *, seed: int = 0) -> bool:
+def prepare_tiny(out: Path, *, seed: int = 0, family: str = "llama") -> bool:
     """Write the tiny model + tokenizer to `out/model` and the task data to `out/data`. A folder that holds anything
     prepare-tiny did not write is refused (its files would be replaced); one it wrote is written again, the same
-    bytes for the same seed. Returns whether `out` held prepare-tiny's files before (now rewritten)."""
+    bytes for the same seed. `family`: the model's layer (FAMILY_LAYERS), the tokenizer and data the same. Returns
+    whether `out` held prepare-tiny's files before (now rewritten)."""
     out = Path(out)
+    if family not in FAMILY_LAYERS:
+        raise LLMTrainError(f"--family {family}: not a family llmtrain trains; use one of {', '.join(FAMILY_LAYERS)} "
+                            "(a model_type, as docs/models.md lists them)")
     if problem := cannot_create(out / "model", "prepare-tiny's folder"):  # also where `out` itself is a file
         raise LLMTrainError(problem)
     present = sorted(p.name for p in out.iterdir()) if out.is_dir() else []
@@ -328,7 +360,7 @@ def prepare_tiny(out: Path, *, seed: int = 0) -> bool:
 
     transformers.utils.logging.disable_progress_bar()  # "Writing model shards": the one line after says it
     tokenizer = build_tokenizer()
-    model = build_model(tokenizer, seed=seed)
+    model = build_model(tokenizer, seed=seed, family=family)
     model_dir = out / "model"
     model_dir.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(model_dir, safe_serialization=True)

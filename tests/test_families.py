@@ -916,3 +916,30 @@ def test_gemma_4s_mixture_of_experts_trains_end_to_end(tiny_assets, tmp_path):
     with pytest.raises(LLMTrainError, match="has none") as refused:
         run_train(recipe, "model.router_aux_loss_coef=0.001", f"output_dir={tmp_path / 'aux'}")
     assert "model.router_aux_loss_coef=0.001" in str(refused.value) and not (tmp_path / "aux").exists()
+
+
+def test_prepare_tiny_writes_each_familys_layer_for_the_same_task_and_it_trains(tiny_assets, tmp_path):
+    """`llmtrain prepare-tiny DIR --family NAME` (a user trying a family's path on the CPU, docs/models.md): every family
+    of the capability table has its tiny layer (a family added to the table must add one), each writes a model of its
+    model_type at the tiny sizes beside the same tokenizer and data as the Llama's, a name that is no family is refused
+    in one paragraph, and the Qwen3 one trains on the tiny recipe (the loss falls)."""
+    from helpers import invoke
+
+    from llmtrain.tiny import FAMILY_LAYERS, MODEL_KWARGS
+
+    assert set(FAMILY_LAYERS) == set(capabilities.FAMILIES)
+    for family in FAMILY_LAYERS:
+        out = tmp_path / family
+        proc = invoke("prepare-tiny", str(out), "--family", family)
+        config = json.loads((out / "model" / "config.json").read_text())
+        assert config["model_type"] == family and config["hidden_size"] == MODEL_KWARGS["hidden_size"], proc.stdout
+        assert (out / "data" / "train.jsonl").read_bytes() == (tiny_assets / "data" / "train.jsonl").read_bytes()
+        assert (out / "model" / "tokenizer.json").read_bytes() == (tiny_assets / "model" / "tokenizer.json").read_bytes()
+    proc = invoke("prepare-tiny", str(tmp_path / "nope"), "--family", "llama4", check=False)
+    assert proc.returncode == 2 and "--family llama4: not a family llmtrain trains; use one of llama, mistral" in \
+        " ".join((proc.stdout + (proc.stderr or "")).split()) and not (tmp_path / "nope").exists()
+    recipe = write_recipe(tiny_assets, tmp_path, model={"name_or_path": str(tmp_path / "qwen3" / "model")},
+                          train={"max_steps": 16, "micro_batch_size": 8, "lr": 3e-3})
+    run_train(recipe)
+    losses = [r["loss"] for r in records(tmp_path / "run")]
+    assert sum(losses[-4:]) < sum(losses[:4]) - 1.0, losses
