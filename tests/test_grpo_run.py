@@ -1436,3 +1436,23 @@ def test_inspect_data_shows_the_prompt_and_what_goes_to_the_rewards(tiny_assets,
     assert "prompt, row 1:" in out and "(completions are sampled)" in out and first["prompt"] in out
     assert f"to the rewards: completion={first['completion']!r}" in out
     assert "prompts" in out and "trained-token fraction" not in out
+
+
+def test_eval_reward_is_the_mean_of_the_scored_completions_as_the_train_lines_and_trls(tiny_assets, tmp_path,
+                                                                                          monkeypatch):
+    """A reward function may return None ("does not apply", TRL's multi-task pattern): a completion none scores is
+    left out of the eval's mean as it is of the train lines' reward and TRL's nanmean. It had counted as 0 (audit 6:
+    eval_reward 0.495 where every scored completion had 1.0)."""
+    (tmp_path / "even_rewards.py").write_text(
+        "def even(prompts, completions, **kwargs):\n"
+        "    return [1.0 if len(c) % 2 == 0 else None for c in completions]\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    recipe = grpo_recipe(tiny_assets, tmp_path, rl={"rewards": [{"type": "function", "function": "even_rewards:even"}],
+                                                    "num_generations_eval": 4},
+                         data={"eval_max_examples": 16}, train={"max_steps": 1, "eval_every_steps": 1})
+    run_train(recipe)
+    evals = records(tmp_path / "run", kind="eval")
+    (train,) = records(tmp_path / "run")
+    assert train["reward"] == 1.0
+    for ev in evals:
+        assert ev["eval_reward"] == ev["eval_rewards/even/mean"] == 1.0, ev
