@@ -101,8 +101,8 @@ def token_losses(logps: torch.Tensor, advantages: torch.Tensor, *, old_logps: to
                  cispo: bool = False, sapo: tuple[float, float] | None = None, keep: torch.Tensor | None = None,
                  weights: torch.Tensor | None = None, kl_ratio: bool = True,
                  ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
-    """Per completion token: (loss, k3 KL to the reference or None, clipped: whether the ratio was clipped where it
-    mattered). `advantages` are per token (each completion's, repeated over its tokens). old_logps None: the
+    """Per completion token: (loss, k3 KL to the reference as TRL logs it, times the ratio under `kl_ratio`, or None,
+    clipped: whether the ratio was clipped where it mattered). `advantages` are per token (each completion's, repeated over its tokens). old_logps None: the
     policy that sampled is this one (one update a generation round), so the ratio is exp(logps - logps.detach()).
     `log_ratio`: each token's log-ratio given instead (importance_sampling_level sequence: sequence_log_ratios);
     `delta`: rl.delta's cap of the unclipped ratio. cispo (MiniMax-M1's, TRL's): the policy gradient weighted by
@@ -141,6 +141,9 @@ def token_losses(logps: torch.Tensor, advantages: torch.Tensor, *, old_logps: to
         # times the ratio (1 in value, not in gradient): the unbiased reverse-KL gradient of DeepSeek-V3.2, TRL
         # 1.16's default (use_bias_correction_kl)
         loss = loss + beta * kl * (ratio if kl_ratio else 1.0)
+        # the metric as TRL 1.16 logs it: the KL times the ratio where the loss weighs it so (it had been the plain
+        # k3: 43% under TRL's on a round's later update)
+        kl = (kl * ratio if kl_ratio else kl).detach()
     return loss, kl, clipped
 
 
