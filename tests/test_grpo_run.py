@@ -1456,3 +1456,22 @@ def test_eval_reward_is_the_mean_of_the_scored_completions_as_the_train_lines_an
     assert train["reward"] == 1.0
     for ev in evals:
         assert ev["eval_reward"] == ev["eval_rewards/even/mean"] == 1.0, ev
+
+
+def test_reward_std_holds_for_rewards_far_from_zero(tiny_assets, tmp_path, monkeypatch):
+    """reward_std comes from the step's sums of squares, kept in float64: in float32 rewards of 1000 +- 0.05 cancelled
+    to a std of 0.0 (0.052 true) and 1000 +- 0.5 were 4.5% off (audit 6). Against the std of rollouts.jsonl's rewards
+    (TRL's nanstd: unbiased)."""
+    import statistics
+
+    (tmp_path / "far_rewards.py").write_text(
+        "def far(prompts, completions, **kwargs):\n"
+        "    return [1000.0 + 0.01 * (len(c) % 11) for c in completions]\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    recipe = grpo_recipe(tiny_assets, tmp_path, rl={"rewards": [{"type": "function", "function": "far_rewards:far"}]},
+                         data={"eval_split": None}, train={"max_steps": 1, "eval_every_steps": None})
+    run_train(recipe)
+    (line,) = records(tmp_path / "run")
+    rewards = [r["reward"] for r in rollouts(tmp_path / "run")]
+    assert statistics.stdev(rewards) > 0.01
+    assert line["reward_std"] == pytest.approx(statistics.stdev(rewards), rel=1e-4)

@@ -628,14 +628,16 @@ class GRPO:
         for batch, part, n in zip(batches, parts, lengths.split([len(part) for part in parts])):
             self._attach(batch, advantages[part], n)
         scored = ~per_function.isnan()
+        # float64: reward_std comes from these sums of squares, which float32 cancelled away for rewards far from 0
+        # (1000 +- 0.05: a std of 0.0 said for 0.052, audit 6)
         stats = torch.tensor([
-            len(completions), float(total.nansum()), float((total.nan_to_num() ** 2).sum()),
+            len(completions), float(total.double().nansum()), float((total.double().nan_to_num() ** 2).sum()),
             float((~total.isnan()).sum()), float((std.nan_to_num() < 1e-8).sum()), float(lengths.sum()) + dropped,
             float(sum(clipped)), generation_s / self.world, sum(len(t.calls) for t in tooled or []),
             sum(t.failures for t in tooled or []), float(lengths.sum()), *correction, *more,
             *per_function.nan_to_num().sum(0).tolist(),
             *scored.sum(0).tolist()],
-            dtype=torch.float32)
+            dtype=torch.float64)
         for k, batch in enumerate(batches):  # the passes' statistics are summed: the rollout's go in once
             batch["rollout_stats"] = stats if k == 0 else torch.zeros_like(stats)
         if stand_in:
@@ -1040,10 +1042,11 @@ class StageGRPO:
         return [{**b, "ref_slots": r.float().cpu()} for b, r in zip(batches, reference)]
 
     def targets(self, batch: dict, slots: int) -> torch.Tensor:
-        """[1, slots, WIDTH] float32 of a pass (none: an idle row). Token ids are exact in float32 below 2^24."""
+        """[1, slots, WIDTH] float64 of a pass (none: an idle row): the rollout's statistics keep their float64 sums
+        (reward_std's squares); the loss reads the rest in float32 (`loss`), as one process does."""
         from llmtrain.data.formats import IGNORE
 
-        out = torch.zeros(slots, self.WIDTH)
+        out = torch.zeros(slots, self.WIDTH, dtype=torch.float64)
         out[:, 0] = IGNORE
         at = batch["loss_index"].reshape(-1)
         if len(at):  # (before the advantages: the rollout's passes through the stages, RLOO's KL)
@@ -1091,11 +1094,12 @@ class StageGRPO:
         them; a row that trains nothing: a zero loss that still reaches the head."""
         from llmtrain.model.loss import ENTROPY_TRAINED
 
+        rollout, target = target[: self.rollout_size, 6], target.float()  # (the statistics in float64, `targets`)
         at = self._trained(target)
         if at.numel() == 0:  # (an idle row still takes part in the quantile's gather, as an idle rank's pass does)
             if self.gather_tokens is not None and self.rl.top_entropy_quantile < 1.0:
                 self.gather_tokens([])
-            return head(hidden[:1]).float().sum() * 0.0, hidden.new_zeros(self.stats, dtype=torch.float32)
+            return head(hidden[:1]).float().sum() * 0.0, hidden.new_zeros(self.stats, dtype=torch.float64)
         bonus = self.entropy  # the entropy bonus: the entropy with its gradient
         losses, entropy = head(hidden[at], targets=target[at, 0].long(), per_token=True,
                                temperature=self.rl.temperature, stat=ENTROPY_TRAINED if bonus else "entropy")
@@ -1109,4 +1113,4 @@ class StageGRPO:
                                    gather_tokens=self.gather_tokens)
         if bonus is not None:  # as GRPO.loss: minus coef x each trained token's entropy x the window's units per token
             total = total - bonus.applied() * target[0, 9] * entropy.sum()
-        return total, torch.cat([target[: self.rollout_size, 6].to(stats.dtype), stats])
+        return total, torch.cat([rollout, stats.double()])

@@ -176,9 +176,10 @@ class StageRLOO(StageGRPO):
         out[0, 7] = len(advantages)
 
     def loss(self, head, hidden: torch.Tensor, target: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        rollout, target = target[: self.rollout_size, 6], target.float()  # (the statistics in float64: GRPO's targets)
         at = self._trained(target)
         if at.numel() == 0:
-            return head(hidden[:1]).float().sum() * 0.0, hidden.new_zeros(self.stats, dtype=torch.float32)
+            return head(hidden[:1]).float().sum() * 0.0, hidden.new_zeros(self.stats, dtype=torch.float64)
         losses, entropy = head(hidden[at], targets=target[at, 0].long(), per_token=True,
                                temperature=self.rl.temperature, stat="entropy")
         logps, n, example = -losses.float(), int(target[0, 7]), target[at, 4].long()
@@ -188,4 +189,4 @@ class StageRLOO(StageGRPO):
                                           epsilon_high=self.rl.epsilon_high)
         stats = torch.stack([clipped.float().sum(), logps.new_tensor(float(n)), entropy.sum(),
                              logps.new_tensor(float(logps.numel()))]).detach()
-        return losses.sum(), torch.cat([target[: self.rollout_size, 6].to(stats.dtype), stats])
+        return losses.sum(), torch.cat([rollout, stats.double()])
