@@ -1046,7 +1046,7 @@ class StageGRPO:
         (reward_std's squares); the loss reads the rest in float32 (`loss`), as one process does."""
         from llmtrain.data.formats import IGNORE
 
-        out = torch.zeros(slots, self.WIDTH, dtype=torch.float64)
+        out = torch.zeros(slots, self.WIDTH)
         out[:, 0] = IGNORE
         at = batch["loss_index"].reshape(-1)
         if len(at):  # (before the advantages: the rollout's passes through the stages, RLOO's KL)
@@ -1059,6 +1059,8 @@ class StageGRPO:
             out[0, 9] = float(batch["units_per_trained"])
         if "rollout_stats" in batch:
             self._fill(out, batch, at)
+        out = out.double()  # (exactly the float32 values) the rollout's statistics' float64 sums beside them
+        if "rollout_stats" in batch:
             stats = batch["rollout_stats"]
             assert len(stats) == self.rollout_size <= slots, (len(stats), self.rollout_size, slots)
             out[: len(stats), 6] = stats
