@@ -913,8 +913,9 @@ class RLConfig(Section):
         "grpo", description="grpo: TRL's GRPOTrainer (group-normalised advantages, per-token loss, k3 KL in the "
         "loss); rloo: TRL's RLOOTrainer (each completion's reward minus the mean of its group's other completions, "
         "the k1 KL subtracted from the reward, one ratio per sequence). docs/rl.md says what else differs.")
-    num_generations: int = Field(8, ge=2, description="Completions sampled per prompt: a group, whose rewards are "
-                                 "compared with each other (GRPO's advantages, RLOO's leave-one-out baseline).")
+    num_generations: int | None = Field(
+        None, ge=2, description="Completions sampled per prompt: a group, whose rewards are compared with each other "
+        "(GRPO's advantages, RLOO's leave-one-out baseline). Unset: TRL's for the algorithm, 8 for grpo, 2 for rloo.")
     num_generations_eval: int | None = Field(
         None, ge=1, description="The eval's completions per prompt (TRL's num_generations_eval). None (the default): "
         "one greedy completion per eval prompt, deterministic; N: N completions per prompt sampled as the rollouts "
@@ -1119,6 +1120,8 @@ class RLConfig(Section):
         rloo = data.get("algorithm", "grpo") == "rloo"
         if data.get("beta") is None:
             data["beta"] = 0.05 if rloo else 0.0
+        if data.get("num_generations") is None:  # (RLOO's had been GRPO's 8)
+            data["num_generations"] = 2 if rloo else 8
         grpo_only = ("loss_type", "scale_rewards", "importance_sampling_level", "delta", "multi_objective_aggregation",
                      "off_policy_mask_threshold", "use_bias_correction_kl", "top_entropy_quantile", "entropy_coef",
                      "use_adaptive_entropy", *ADAPTIVE_ENTROPY, "sampler_correction", *SAMPLER_CORRECTION,

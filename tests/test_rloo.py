@@ -420,3 +420,18 @@ def test_doctor_and_the_run_header_name_rloo(tiny_assets, tmp_path):
     assert checks["rewards"] == "pass" and checks["prompt room"] == "pass"
     run_train(recipe, f"output_dir={tmp_path / 'run'}")
     assert "4 completions each a step, RLOO (rl.sampler=" in (tmp_path / "run" / "train.log").read_text()
+
+
+def test_the_algorithms_defaults_are_trls_for_each_trainer(tmp_path):
+    """What rl.algorithm fills in is TRL 1.16's default of that trainer: beta (0.05 for RLOO, 0 for GRPO) and
+    num_generations (2 for RLOO, 8 for GRPO: RLOO's had been GRPO's 8, audit 6); what the recipe sets is kept."""
+    from trl import GRPOConfig, RLOOConfig
+
+    from llmtrain.config import RLConfig
+
+    rewards = [{"type": "format", "pattern": "x"}]
+    for algorithm, theirs in (("rloo", RLOOConfig), ("grpo", GRPOConfig)):
+        ours = RLConfig(algorithm=algorithm, rewards=rewards)
+        trl = theirs(output_dir=str(tmp_path), use_cpu=True, bf16=False)
+        assert (ours.num_generations, ours.beta) == (trl.num_generations, trl.beta), algorithm
+    assert RLConfig(algorithm="rloo", rewards=rewards, num_generations=16).num_generations == 16
