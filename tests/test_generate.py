@@ -205,6 +205,13 @@ def test_the_filters_reach_the_command_top_k_one_replies_greedily(runs, tmp_path
     # a base model's tokenizer without a template (was: transformers' "Cannot use chat template functions ...")
     ("no-template", "--chat renders each prompt through the chat template, and this tokenizer has none; pass "
                     "--no-chat to continue the text as it is"),
+    # a LoRA run's checkpoint on a random base, as its final/ (it had been put on the saved weights, audit 5)
+    ("random-base", "trains a LoRA adapter on a randomly initialised"),
+    # (it had ended in safetensors' traceback)
+    ("damaged", "is damaged (model.safetensors"),
+    # (the system message had gone nowhere)
+    ("system-plain", "--system puts a system message before each prompt in the chat template, and the prompts are "
+                     "rendered as plain text here"),
 ])
 def test_bad_input_is_one_paragraph_and_writes_nothing(runs, tmp_path, monkeypatch, case, says):
     import shutil
@@ -259,6 +266,20 @@ def test_bad_input_is_one_paragraph_and_writes_nothing(runs, tmp_path, monkeypat
         config.pop("chat_template", None)
         (run / "tokenizer_config.json").write_text(json.dumps(config))
         args = ["--chat", "reverse abc ="]
+    if case == "random-base":
+        run = tmp_path / "lora"
+        shutil.copytree(runs["lora"], run)
+        for recipe in [run / "recipe.yaml", *run.glob("checkpoints/*/recipe.yaml")]:
+            recipe.write_text(recipe.read_text().replace("random_init: false", "random_init: true"))
+        run = run / "checkpoints" / "step_000010"
+    if case == "damaged":
+        run = tmp_path / "full"
+        shutil.copytree(runs["full"], run)
+        run = run / "checkpoints" / "step_000060"
+        with open(run / "model.safetensors", "r+b") as f:
+            f.truncate(1000)
+    if case == "system-plain":
+        args = ["--system", "You reverse strings.", "reverse abc ="]
     out = tmp_path / "r.jsonl"
     result = invoke("generate", str(run), *args, "--out", str(out), check=False)
     said = result.stdout + result.stderr

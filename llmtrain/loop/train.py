@@ -379,6 +379,7 @@ def finish(run: Run, state: TrainState, meter: Meter, evals: list[dict], est, *,
                        end_ids=end_of_turn_ids(run.recipe, run.data.tokenizer))
     method = "full" if run.recipe.lora is None else "qlora" if run.recipe.model.quantize else "lora"
     summary = {"steps": state.step, "method": method, "base_quantization": run.recipe.model.quantize,
+               "random_init": run.recipe.model.random_init,
                "params_total": m.params_total, "params_trainable": m.params_trainable,
                "tokens_seen": state.tokens_seen, **meter.summary(),
                "data": {k: vars(v) for k, v in run.data.stats.items()}, "data_cache_reads": run.data.cache_reads,

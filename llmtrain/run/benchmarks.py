@@ -50,7 +50,7 @@ def resolve(target: str, *, dtype: str) -> Target:
     recipe = run_recipe(path)
     checkpoint = (path / "train_state.json").is_file()
     run = path.parent.parent if checkpoint else path
-    if checkpoint and (problem := recipe_problem(recipe, target, adapter=False)):
+    if checkpoint and (problem := recipe_problem(recipe, target, adapter=recipe.lora is not None)):
         raise LLMTrainError(problem)
     if checkpoint:
         return Target(str(path), {}, run, _loader(path), recipe.model.name_or_path)

@@ -159,6 +159,8 @@ def summary_table(summary: dict, *, out: Path, evals: list[dict], unit: str = "g
     if summary.get("final"):
         adapter = summary.get("method") in ("lora", "qlora")
         table.add_row("final model", summary["final"] + (
+            " (the LoRA adapter of a random base, never saved: no model to merge it into)"
+            if adapter and summary.get("random_init") else
             f" (the LoRA adapter: `llmtrain export {out} --merge` writes a whole model)" if adapter else ""))
     steps = "every step" if logged_every == 1 else f"every {logged_every} steps (logging.every_steps)"
     table.add_row("logged", f"{out}/metrics.jsonl ({steps} and every eval) and train.log; `llmtrain plot {out}` "

@@ -104,11 +104,11 @@ def load_source(source: str, *, device=None) -> Source:
         raise LLMTrainError(f"'{path}' has no final/: the run has not finished (or ran with checkpoint.save_final: "
                             f"false). Generate from one of its checkpoints ({steps[-1] if steps else 'it has none'}), "
                             f"or finish it with `llmtrain finetune {path}/recipe.yaml --resume auto`")
+    adapter = (final / "adapter_config.json").is_file() if not checkpoint else recipe.lora is not None
+    if adapter and (problem := unsaved_base(recipe.model, str(path))):  # a checkpoint's adapter too (it had been put
+        raise LLMTrainError(problem)  # on the saved weights: eval loss 4.80 where the run's was 3.86)
     if checkpoint:
         return _from_checkpoint(path, recipe, device)
-    adapter = (final / "adapter_config.json").is_file()
-    if adapter and (problem := unsaved_base(recipe.model, str(path))):
-        raise LLMTrainError(problem)
     trained = trained_model(recipe).model_copy(update={"tokenizer": str(final)})
     if not adapter:
         trained = trained.model_copy(update={"name_or_path": str(final), "quantize": None})
@@ -156,7 +156,11 @@ def _from_checkpoint(path: Path, recipe, device) -> Source:
 
     from llmtrain.data.chat import read_template
     from llmtrain.model.modeling import load_model, load_tokenizer
+    from llmtrain.run.checkpoint import checkpoint_problem
 
+    if problem := checkpoint_problem(path):  # its manifest's sizes and checksums (it had ended in safetensors' traceback)
+        raise LLMTrainError(f"checkpoint '{path}' is damaged ({problem}): generate from another step_* folder under "
+                            f"{path.parent}, or from the run's final/")
     weights = path / "model.safetensors"
     if not weights.is_file():
         raise LLMTrainError(f"checkpoint '{path}' holds its weights in pieces (FSDP's or a pipeline's shards), not "
@@ -252,6 +256,10 @@ def generate_replies(source: Source, prompts: list, *, max_new_tokens: int | Non
     if not settings["repetition_penalty"] > 0:  # 0 would divide; a negative one would flip the logits' signs
         raise LLMTrainError(f"--repetition-penalty must be above 0 (got {settings['repetition_penalty']}): 1 is off, "
                             "above 1 repeats less (transformers' repetition_penalty, e.g. 1.1)")
+    if system_prompt is not None and not (source.chat if chat is None else chat):  # (it had gone nowhere)
+        raise LLMTrainError(f"--system puts a system message before each prompt in the chat template, and the prompts "
+                            "are rendered as plain text here (as the run's data were, or for want of a template): "
+                            "pass --chat to render them through the chat template, or leave --system out")
     if samples > 1 and settings["temperature"] == 0:  # greedy: every sample the same reply
         raise LLMTrainError(f"--samples {samples} draws several replies a prompt, and they are sampled greedily "
                             f"(temperature 0{'' if temperature is not None else ', the default'}): all {samples} would "
