@@ -285,3 +285,26 @@ def test_bad_input_is_one_paragraph_and_writes_nothing(runs, tmp_path, monkeypat
     said = result.stdout + result.stderr
     assert result.returncode == 2 and says in " ".join(said.split()), said
     assert "Traceback" not in said and not out.exists()
+
+
+def test_a_runs_relative_chat_template_is_read_from_where_it_was_started(tiny_assets, tmp_path, monkeypatch):
+    """A run whose data.chat_template is a relative file (recipes/tiny-tools-sft.yaml's) replies from any directory:
+    the file is read from the directory the run was started in, as its model paths are (it had been refused there,
+    with a recipe fix generate cannot take, audit 5); final/ and its checkpoint alike."""
+    from helpers import invoke
+
+    started = tmp_path / "started"
+    (started / "templates").mkdir(parents=True)
+    (started / "templates" / "mine.jinja").write_text(
+        "{{ bos_token }}{% for m in messages %}[{{ m['role'] }}]: {{ m['content'] }}{% endfor %}"
+        "{% if add_generation_prompt %}[assistant]:{% endif %}")
+    recipe = write_recipe(tiny_assets, tmp_path, data={"chat_template": "templates/mine.jinja", "max_seq_len": 64},
+                          train={"max_steps": 2, "micro_batch_size": 8}, checkpoint={"every_steps": 2},
+                          output_dir=str(tmp_path / "run"))
+    monkeypatch.chdir(started)
+    run_train(recipe)
+    monkeypatch.chdir(tmp_path)
+    for target in (tmp_path / "run", tmp_path / "run" / "checkpoints" / "step_000002"):
+        proc = invoke("generate", str(target), "reverse abc =", "--max-new-tokens", "4", check=False)
+        said = proc.stdout + (proc.stderr or "")
+        assert proc.returncode == 0 and "through the chat template" in said, said

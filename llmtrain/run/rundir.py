@@ -321,7 +321,8 @@ def _not_a_run(out: Path, present: list[str], *, resume: str | None, overwrite: 
 
 def run_recipe(folder: Path):
     """The Recipe a run (or one of its checkpoints) saved in `folder`/recipe.yaml, its relative model paths
-    (model.name_or_path, model.tokenizer, distill.teacher) made absolute where they are not found from here but are
+    (model.name_or_path, model.tokenizer, distill.teacher) and data.chat_template file made absolute where they are
+    not found from here but are
     from the directory the run was started in (recipe.yaml's first line names it): `llmtrain generate`, `export` and
     `eval` of a run trained on `model.name_or_path=my-model` then find its base from any directory."""
     import yaml
@@ -333,4 +334,9 @@ def run_recipe(folder: Path):
                                             "tokenizer": from_the_run(folder, recipe.model.tokenizer)})
     distill = recipe.distill and recipe.distill.model_copy(
         update={"teacher": from_the_run(folder, recipe.distill.teacher)})
-    return recipe.model_copy(update={"model": model, "distill": distill})
+    # a chat template file the data was rendered with (generate and a checkpoint's eval render prompts with it: from
+    # another directory they had been refused, with a recipe fix the command cannot take)
+    template = recipe.data.chat_template
+    data = recipe.data.model_copy(update={"chat_template": from_the_run(folder, template)}) \
+        if isinstance(template, str) else recipe.data
+    return recipe.model_copy(update={"model": model, "distill": distill, "data": data})
