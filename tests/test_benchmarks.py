@@ -158,7 +158,7 @@ def test_a_qlora_run_is_its_adapter_on_its_4bit_base_as_transformers_and_peft_lo
     assert ours == theirs, (ours, theirs)
     bits = ours["tiny_reverse_ppl"]["bits_per_byte"]
     assert 0 < bits < 8 and abs(unquantized["tiny_reverse_ppl"]["bits_per_byte"] / bits - 1) > 1e-4, unquantized  # 4e-4
-    assert written["model_args"] == {"pretrained": str(base), "peft": str(final), "quantize": "nf4"}
+    assert written["model_args"] == {"pretrained": str(base), "peft": str(final), "dtype": "bfloat16", "quantize": "nf4"}
     # --baseline base: the 4-bit base the run started from, without the adapter
     assert written["baseline"]["target"] == f"{base} (in 4 bits, nf4)"
     assert scores(written["baseline"]) == scored(quantize=True, adapter=False) != ours
@@ -347,3 +347,30 @@ def test_tasks_all_in_the_include_path_skip_the_harness_index(tiny_assets, tmp_p
         assert benchmarks.task_manager([str(tasks)], names) == "full index" and built == [False, True]
     built.clear()
     assert benchmarks.task_manager([], ["tiny_reverse"]) == "full index" and built == [True]
+
+
+def test_a_checkpoint_is_handed_over_in_dtype_and_with_the_runs_chat_template(tiny_assets, tmp_path):
+    """`llmtrain eval CHECKPOINT`: the model handed to the harness is in --dtype (it had stayed in the run's: bits per
+    byte of float32 said for bfloat16, the results' model_args empty) and its tokenizer carries the run's chat
+    template, which --apply-chat-template renders (it had the base's: exact match 0.0 where final/ of the same
+    weights scored 1.0, audit 5); a dtype that is none is refused."""
+    import torch
+
+    from llmtrain.errors import LLMTrainError
+    from llmtrain.run.benchmarks import resolve
+
+    template = tmp_path / "mine.jinja"
+    template.write_text("{{ bos_token }}{% for m in messages %}[{{ m['role'] }}]: {{ m['content'] }}{% endfor %}"
+                        "{% if add_generation_prompt %}[assistant]:{% endif %}")
+    recipe = write_recipe(tiny_assets, tmp_path, data={"chat_template": str(template), "max_seq_len": 64},
+                          train={"max_steps": 2, "micro_batch_size": 8}, checkpoint={"every_steps": 2})
+    run_train(recipe)
+    checkpoint = tmp_path / "run" / "checkpoints" / "step_000002"
+    target = resolve(str(checkpoint), dtype="bfloat16")
+    assert target.model_args == {"dtype": "bfloat16"}
+    model, tokenizer = target.load("cpu")
+    assert {p.dtype for p in model.parameters()} == {torch.bfloat16}
+    assert tokenizer.chat_template == template.read_text()
+    assert {p.dtype for p in resolve(str(checkpoint), dtype="auto").load("cpu")[0].parameters()} == {torch.float32}
+    with pytest.raises(LLMTrainError, match="--dtype fp8: give auto"):
+        resolve(str(checkpoint), dtype="fp8")

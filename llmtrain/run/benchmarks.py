@@ -53,7 +53,7 @@ def resolve(target: str, *, dtype: str) -> Target:
     if checkpoint and (problem := recipe_problem(recipe, target, adapter=recipe.lora is not None)):
         raise LLMTrainError(problem)
     if checkpoint:
-        return Target(str(path), {}, run, _loader(path), recipe.model.name_or_path)
+        return Target(str(path), _built_args(recipe, dtype), run, _loader(path, dtype), recipe.model.name_or_path)
     final = path / "final"
     if not final.is_dir():
         steps = sorted((path / "checkpoints").glob("step_*"))
@@ -68,14 +68,15 @@ def resolve(target: str, *, dtype: str) -> Target:
         raise LLMTrainError(problem)
     base = recipe.model.name_or_path
     _readable(base)
-    if recipe.model.rope_scaling is not None:  # nor scale its rotary embedding as the run did: handed over built
-        return Target(f"{final} (LoRA on {base}, RoPE {recipe.model.rope_scaling.rope_type} x "
-                      f"{recipe.model.rope_scaling.factor:g})", {"pretrained": base, "peft": str(final)}, run,
-                      _loader(path), base)
     if recipe.model.quantize:  # the harness's hf model does not quantize a base as llmtrain does: handed over built
         return Target(f"{final} (LoRA on {base} in 4 bits, {recipe.model.quantize})",
-                      {"pretrained": base, "peft": str(final), "quantize": recipe.model.quantize}, run, _loader(path),
-                      base)
+                      {"pretrained": base, "peft": str(final), **_built_args(recipe, dtype)}, run,
+                      _loader(path, dtype), base)
+    if recipe.model.rope_scaling is not None:  # nor scale its rotary embedding as the run did: handed over built
+        return Target(f"{final} (LoRA on {base}, RoPE {recipe.model.rope_scaling.rope_type} x "
+                      f"{recipe.model.rope_scaling.factor:g})", {"pretrained": base, "peft": str(final),
+                                                                **_built_args(recipe, dtype)}, run,
+                      _loader(path, dtype), base)
     return Target(f"{final} (LoRA on {base})", {"pretrained": base, "peft": str(final), "tokenizer": str(final),
                                                  "dtype": dtype}, run, base=base)
 
@@ -132,13 +133,34 @@ def recipe_problem(recipe, target: str, *, adapter: bool) -> str | None:
     return unsaved_base(recipe.model, target)
 
 
-def _loader(path: Path):
+def _built_args(recipe, dtype: str) -> dict:
+    """What a model handed over built records of itself (the results' model_args): its dtype, --dtype's where given (a
+    4-bit base refuses another: it is scored as the run held it), else the run's; a 4-bit base's quantization."""
+    if dtype not in ("auto", "float32", "bfloat16", "float16"):
+        raise LLMTrainError(f"--dtype {dtype}: give auto (the run's {recipe.model.dtype}), float32, bfloat16 or float16")
+    if recipe.model.quantize and dtype != "auto":
+        raise LLMTrainError(f"--dtype {dtype}: this run's base is held in 4 bits ({recipe.model.quantize}, "
+                            "model.quantize) and is scored as the run held it, its compute dtype the run's: leave "
+                            "--dtype out")
+    return {"dtype": recipe.model.dtype if dtype == "auto" else dtype,
+            **({"quantize": recipe.model.quantize} if recipe.model.quantize else {})}
+
+
+def _loader(path: Path, dtype: str = "auto"):
     """A function of the device returning (model, tokenizer) as `llmtrain generate` loads `path` (a checkpoint, or a
-    run whose final/ is an adapter on a 4-bit base): handed to the harness as objects."""
+    run whose final/ is an adapter on a 4-bit base): handed to the harness as objects, in --dtype where given (it had
+    been ignored), the tokenizer with the run's chat template (--apply-chat-template: a checkpoint had been rendered
+    through its base's, exact match 0.0 where final/ of the same weights scored 1.0)."""
     def load(device: str):
+        import torch
+
         from llmtrain.run.replies import load_source
 
         source = load_source(str(path), device=device)
+        if dtype != "auto":
+            source.model.to(getattr(torch, dtype))
+        if source.template is not None:
+            source.tokenizer.chat_template = source.template
         base = source.model.get_base_model() if hasattr(source.model, "get_base_model") else source.model
         base.set_attn_implementation("sdpa")  # the run's varlen attention trains only (no KV cache)
         return source.model, source.tokenizer
