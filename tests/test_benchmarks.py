@@ -158,7 +158,8 @@ def test_a_qlora_run_is_its_adapter_on_its_4bit_base_as_transformers_and_peft_lo
     assert ours == theirs, (ours, theirs)
     bits = ours["tiny_reverse_ppl"]["bits_per_byte"]
     assert 0 < bits < 8 and abs(unquantized["tiny_reverse_ppl"]["bits_per_byte"] / bits - 1) > 1e-4, unquantized  # 4e-4
-    assert written["model_args"] == {"pretrained": str(base), "peft": str(final), "dtype": "bfloat16", "quantize": "nf4"}
+    assert written["model_args"] == {"pretrained": str(base), "peft": str(final), "dtype": "bfloat16",
+                                     "quantize": "nf4"}
     # --baseline base: the 4-bit base the run started from, without the adapter
     assert written["baseline"]["target"] == f"{base} (in 4 bits, nf4)"
     assert scores(written["baseline"]) == scored(quantize=True, adapter=False) != ours
