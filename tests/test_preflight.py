@@ -80,3 +80,17 @@ def test_overwrite_refuses_only_what_the_run_would_read_from_the_folder_it_empti
     recipe["model"]["name_or_path"] = str(out / "final")
     assert inputs_inside(out, recipe, resume="auto", overwrite=False) is None
     assert "give one of the two" in inputs_inside(out, recipe, resume="auto", overwrite=True)
+
+
+@pytest.mark.parametrize("lora", [[], ["lora.r=4"]], ids=["full", "lora"])
+def test_other_new_tokens_are_refused_whatever_the_flags(tmp_path, lora):
+    """model.new_tokens grows the embedding and the head (LoRA: their trained copies), which the checkpoint holds at
+    its rows: another list is refused with the key, --allow-recipe-change or not (it had been allowed, then the load
+    ended in torch's size mismatch traceback, audit 5)."""
+    recipe = load_recipe(RECIPES / "tiny.yaml", lora)
+    ckpt = _checkpoint(tmp_path, recipe)
+    grown = load_recipe(RECIPES / "tiny.yaml", [*lora, "model.new_tokens=['<x>']"])
+    for allow in (False, True):
+        with pytest.raises(LLMTrainError, match=r"has model.new_tokens=\[\] and this recipe model.new_tokens=\['<x>'\]: "
+                                                "the embedding and the head have other rows"):
+            check_resume(ckpt, grown, world=1, fsdp=False, allow_recipe_change=allow)

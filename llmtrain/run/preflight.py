@@ -35,7 +35,7 @@ SCHEDULE = ["train.max_steps", "train.epochs", "train.lr", "train.schedule", "tr
 # each of its keys, every mode's section (capabilities.SECTIONS) among them; which mode's section a recipe has at all
 # is the run itself.
 OBJECTIVE = ["lora", *SECTIONS, "train.eps", "train.neftune_alpha", "train.sft_loss", "train.max_grad_norm",
-             "train.mixed_precision", "model.quantize", "model.new_tokens", "model.rope_scaling",
+             "train.mixed_precision", "model.quantize", "model.rope_scaling",
              "model.router_aux_loss_coef"]
 
 
@@ -78,6 +78,11 @@ def check_resume(ckpt: Path, recipe: Recipe, *, world: int, fsdp: bool, allow_re
         kind = "LoRA" if saved.get("lora") is not None else "full fine-tuning"
         raise LLMTrainError(f"checkpoint {ckpt} was written by a {kind} run and this recipe is "
                             f"{'LoRA' if now.get('lora') is not None else 'a full fine-tune'}. {how}")
+    if (was := _get(saved, "model.new_tokens")) != (got := _get(now, "model.new_tokens")):  # (it had been allowed,
+        # then the checkpoint's embedding and head ended in torch's size mismatch at its load)
+        raise LLMTrainError(f"checkpoint {ckpt} has model.new_tokens={was!r} and this recipe model.new_tokens="
+                            f"{got!r}: the embedding and the head have other rows, which the checkpoint's cannot be "
+                            f"read into. Set model.new_tokens={was!r} to resume it. {how}")
     if saved.get("lora") is not None:
         for key in ("r", "target_modules", "modules_to_save"):
             if saved["lora"].get(key) != now["lora"].get(key):
