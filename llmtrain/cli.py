@@ -341,7 +341,9 @@ def generate(
     src = load_source(source)
     rendered = src.chat if chat is None else chat
     typer.echo(f"replies from {src.describe}; prompts "
-               + ("through the chat template" if rendered else "as plain text") + (
+               + ("through the chat template" if rendered else
+                  "in the run's Alpaca template (each prompt its instruction, a --prompts row's input its input)"
+                  if src.alpaca else "as plain text") + (
                    " (--chat / --no-chat to change)" if chat is None else ""), err=True)
     replies = generate_replies(src, texts, max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p,
                                top_k=top_k, min_p=min_p, repetition_penalty=repetition_penalty, samples=samples,

@@ -308,3 +308,30 @@ def test_a_runs_relative_chat_template_is_read_from_where_it_was_started(tiny_as
         proc = invoke("generate", str(target), "reverse abc =", "--max-new-tokens", "4", check=False)
         said = proc.stdout + (proc.stderr or "")
         assert proc.returncode == 0 and "through the chat template" in said, said
+
+
+def test_an_alpaca_runs_prompts_are_rendered_in_its_template(tiny_assets, tmp_path):
+    """An alpaca-format run's prompt is the instruction of the template its rows were rendered in (a --prompts row's
+    "input" its input), token for token as training rendered the row's prompt; it had been sent bare (a reply that
+    ran on to the limit where the trained format stops, audit 5). The command's first line says so."""
+    import json
+
+    from helpers import invoke
+
+    from llmtrain.data.formats import encode_example, prompt_length
+    from llmtrain.run.replies import load_source, prompt_ids
+
+    recipe = write_recipe(tiny_assets, tmp_path, data={"format": "alpaca", "max_seq_len": 256,
+                                                       "path": str(tiny_assets / "data" / "train_alpaca.jsonl"),
+                                                       "eval_split": None},
+                          train={"max_steps": 2, "micro_batch_size": 8, "eval_every_steps": None})
+    run_train(recipe)
+    source = load_source(str(tmp_path / "run"))
+    row = {"instruction": "Reverse the string.", "input": "abcde", "output": "edcba"}
+    trained = encode_example(row, source.tokenizer, source.recipe.data)
+    prompt = trained["input_ids"][:prompt_length(trained["labels"])]
+    assert prompt_ids(source, "Reverse the string.", row={"input": "abcde"}) == prompt
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text(json.dumps({"prompt": "Reverse the string.", "input": "abcde"}) + "\n")
+    said = invoke("generate", str(tmp_path / "run"), "--prompts", str(prompts), "--max-new-tokens", "4")
+    assert "prompts in the run's Alpaca template" in " ".join((said.stdout + (said.stderr or "")).split())

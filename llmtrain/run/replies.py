@@ -32,6 +32,7 @@ class Source:
     sampling: dict  # the run's temperature, top_p, top_k, min_p, repetition_penalty, max_new_tokens
     describe: str
     recipe: object = None  # the run's recipe (None for a model folder or a hub id): its rl.tools / rl.environment
+    alpaca: bool = False  # not chat: each prompt an instruction in the Alpaca template the run's rows were rendered in
 
     @property
     def tools(self) -> bool:
@@ -194,13 +195,14 @@ def _tied(model) -> set[str]:
 
 def _source(model, tokenizer, recipe, describe: str, read_template) -> Source:
     data = recipe.data
-    chat = data.format == "messages" or data.chat_template is not False
+    alpaca = data.format == "alpaca"  # rendered as text in ALPACA_PROMPT (a bare prompt had been sent: no reply ended)
+    chat = data.format == "messages" or (data.chat_template is not False and not alpaca)
     from llmtrain.config import sampling_of
 
     rl = recipe.rl or recipe.distill
     sampling = {} if rl is None else {**sampling_of(rl), "max_new_tokens": rl.max_completion_tokens}
     return Source(model.eval(), tokenizer, chat, data.system_prompt, read_template(data, tokenizer) if chat else None,
-                  sampling, describe, recipe)
+                  sampling, describe, recipe, alpaca)
 
 
 def no_template(source: Source) -> None:
@@ -210,12 +212,20 @@ def no_template(source: Source) -> None:
                             "pass --no-chat to continue the text as it is")
 
 
-def prompt_ids(source: Source, prompt, *, chat: bool | None = None, system_prompt: str | None = None) -> list[int]:
+def prompt_ids(source: Source, prompt, *, chat: bool | None = None, system_prompt: str | None = None,
+               row: dict | None = None) -> list[int]:
     """A prompt's ids as the source renders prompts (chat: override the source's choice); a prompt is a text, or a
-    chat's messages (a .jsonl row's "prompt", as an RL run's data has them)."""
+    chat's messages (a .jsonl row's "prompt", as an RL run's data has them). An Alpaca run's text prompt is the
+    instruction of its template, a .jsonl row's "input" the input, as data/formats renders its rows."""
     chat = (source.chat if chat is None else chat) or not isinstance(prompt, str)  # messages are a chat
     system = system_prompt if system_prompt is not None else source.system_prompt
     tok = source.tokenizer
+    if not chat and source.alpaca:
+        from llmtrain.data.formats import ALPACA_PROMPT
+
+        given = str((row or {}).get("input") or "")
+        prompt = ALPACA_PROMPT.format(ctx=", paired with an input that provides further context" if given else "",
+                                      instruction=prompt, input=f"### Input:\n{given}\n\n" if given else "")
     if not chat:
         return tok(prompt, add_special_tokens=True)["input_ids"]
     no_template(source)
@@ -277,7 +287,8 @@ def generate_replies(source: Source, prompts: list, *, max_new_tokens: int | Non
     stops = stops_for(lm, source.tokenizer, turn)
     # a tool run's prompts show the tools, as its own did (--no-tools too), with --system in place of its system prompt
     render = prompt_renderer(_with_system(source, chat, system_prompt), source.tokenizer) if source.tools else None
-    ids = [render(r["prompt"], n) if render else prompt_ids(source, r["prompt"], chat=chat, system_prompt=system_prompt)
+    ids = [render(r["prompt"], n) if render else prompt_ids(source, r["prompt"], chat=chat, system_prompt=system_prompt,
+                                                            row=r)
            for n, r in enumerate(rows_in)]
     calls = Tools.of_run(source.recipe.rl, tokenizer=source.tokenizer, template=source.template,
                          stop_ids=stops) if tooled else None
