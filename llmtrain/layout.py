@@ -180,7 +180,8 @@ class Layout:
                 out.append(f"{pp_key} shards each stage with FSDP2 over its replicas and keeps the shards on the GPU; "
                            f"{self.where} sets fsdp_offload_params: true, which the stages do not apply (a run would "
                            "hold what the launch meant for the host without a word). Set fsdp_offload_params: false "
-                           "(more stages, or LoRA, hold less on each GPU), or set parallel.pipeline_parallel=1 for FSDP "
+                           "(more stages, or LoRA, hold less on each GPU), or set parallel.pipeline_parallel=1 for "
+                           "FSDP "
                            "with the offload")
             if self.pp > 1 and self.mesh:
                 out.append(f"{pp_key} runs on a plain multi-process launch (the replicas of a stage sum their "

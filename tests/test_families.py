@@ -919,10 +919,10 @@ def test_gemma_4s_mixture_of_experts_trains_end_to_end(tiny_assets, tmp_path):
 
 
 def test_prepare_tiny_writes_each_familys_layer_for_the_same_task_and_it_trains(tiny_assets, tmp_path):
-    """`llmtrain prepare-tiny DIR --family NAME` (a user trying a family's path on the CPU, docs/models.md): every family
-    of the capability table has its tiny layer (a family added to the table must add one), each writes a model of its
-    model_type at the tiny sizes beside the same tokenizer and data as the Llama's, a name that is no family is refused
-    in one paragraph, and the Qwen3 one trains on the tiny recipe (the loss falls)."""
+    """`llmtrain prepare-tiny DIR --family NAME` (a user trying a family's path on the CPU, docs/models.md): every
+    family of the capability table has its tiny layer (a family added to the table must add one), each writes a model
+    of its model_type at the tiny sizes beside the same tokenizer and data as the Llama's, a name that is no family is
+    refused in one paragraph, and the Qwen3 one trains on the tiny recipe (the loss falls)."""
     from helpers import invoke
 
     from llmtrain.tiny import FAMILY_LAYERS, MODEL_KWARGS
@@ -934,7 +934,8 @@ def test_prepare_tiny_writes_each_familys_layer_for_the_same_task_and_it_trains(
         config = json.loads((out / "model" / "config.json").read_text())
         assert config["model_type"] == family and config["hidden_size"] == MODEL_KWARGS["hidden_size"], proc.stdout
         assert (out / "data" / "train.jsonl").read_bytes() == (tiny_assets / "data" / "train.jsonl").read_bytes()
-        assert (out / "model" / "tokenizer.json").read_bytes() == (tiny_assets / "model" / "tokenizer.json").read_bytes()
+        tokenizer = "model/tokenizer.json"
+        assert (out / tokenizer).read_bytes() == (tiny_assets / tokenizer).read_bytes()
     proc = invoke("prepare-tiny", str(tmp_path / "nope"), "--family", "llama4", check=False)
     assert proc.returncode == 2 and "--family llama4: not a family llmtrain trains; use one of llama, mistral" in \
         " ".join((proc.stdout + (proc.stderr or "")).split()) and not (tmp_path / "nope").exists()

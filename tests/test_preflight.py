@@ -91,6 +91,6 @@ def test_other_new_tokens_are_refused_whatever_the_flags(tmp_path, lora):
     ckpt = _checkpoint(tmp_path, recipe)
     grown = load_recipe(RECIPES / "tiny.yaml", [*lora, "model.new_tokens=['<x>']"])
     for allow in (False, True):
-        with pytest.raises(LLMTrainError, match=r"has model.new_tokens=\[\] and this recipe model.new_tokens=\['<x>'\]: "
-                                                "the embedding and the head have other rows"):
+        with pytest.raises(LLMTrainError, match=r"has model.new_tokens=\[\] and this recipe model.new_tokens="
+                                                r"\['<x>'\]: the embedding and the head have other rows"):
             check_resume(ckpt, grown, world=1, fsdp=False, allow_recipe_change=allow)

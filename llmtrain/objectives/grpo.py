@@ -102,8 +102,9 @@ def token_losses(logps: torch.Tensor, advantages: torch.Tensor, *, old_logps: to
                  weights: torch.Tensor | None = None, kl_ratio: bool = True,
                  ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
     """Per completion token: (loss, k3 KL to the reference as TRL logs it, times the ratio under `kl_ratio`, or None,
-    clipped: whether the ratio was clipped where it mattered). `advantages` are per token (each completion's, repeated over its tokens). old_logps None: the
-    policy that sampled is this one (one update a generation round), so the ratio is exp(logps - logps.detach()).
+    clipped: whether the ratio was clipped where it mattered). `advantages` are per token (each completion's,
+    repeated over its tokens). old_logps None: the policy that sampled is this one (one update a generation round),
+    so the ratio is exp(logps - logps.detach()).
     `log_ratio`: each token's log-ratio given instead (importance_sampling_level sequence: sequence_log_ratios);
     `delta`: rl.delta's cap of the unclipped ratio. cispo (MiniMax-M1's, TRL's): the policy gradient weighted by
     the ratio capped at epsilon_high (itself the cap, e.g. 5, not 1 + it), the weight without gradient:

@@ -4,9 +4,9 @@ The reward model (a reward_model: run's final/, model/score.py loads it) sees th
 as its pairs were when it trained (data/pairs.py renders each answer as the prompt_completion row {prompt,
 completion=answer}): through the chat template where the RL data are chats or data.chat_template is set, else as text
 plus EOS, with the reward model's own tokenizer. A completion that called tools is the whole conversation after the
-prompt (its calls, the tools' results, the last reply), as TRL renders it. It scores them in batches of the reward's batch_size, right-padded,
-under no_grad, on the run's device, through transformers' own forward: the score at each sequence's last token that
-is not the pad token, as the reward model read it in training.
+prompt (its calls, the tools' results, the last reply), as TRL renders it. It scores them in batches of the reward's
+batch_size, right-padded, under no_grad, on the run's device, through transformers' own forward: the score at each
+sequence's last token that is not the pad token, as the reward model read it in training.
 """
 
 from __future__ import annotations

@@ -137,7 +137,8 @@ def _built_args(recipe, dtype: str) -> dict:
     """What a model handed over built records of itself (the results' model_args): its dtype, --dtype's where given (a
     4-bit base refuses another: it is scored as the run held it), else the run's; a 4-bit base's quantization."""
     if dtype not in ("auto", "float32", "bfloat16", "float16"):
-        raise LLMTrainError(f"--dtype {dtype}: give auto (the run's {recipe.model.dtype}), float32, bfloat16 or float16")
+        raise LLMTrainError(f"--dtype {dtype}: give auto (the run's {recipe.model.dtype}), float32, bfloat16 or "
+                            "float16")
     if recipe.model.quantize and dtype != "auto":
         raise LLMTrainError(f"--dtype {dtype}: this run's base is held in 4 bits ({recipe.model.quantize}, "
                             "model.quantize) and is scored as the run held it, its compute dtype the run's: leave "

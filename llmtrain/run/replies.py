@@ -159,7 +159,7 @@ def _from_checkpoint(path: Path, recipe, device) -> Source:
     from llmtrain.model.modeling import load_model, load_tokenizer
     from llmtrain.run.checkpoint import checkpoint_problem
 
-    if problem := checkpoint_problem(path):  # its manifest's sizes and checksums (it had ended in safetensors' traceback)
+    if problem := checkpoint_problem(path):  # its manifest's sizes and checksums (had: safetensors' traceback)
         raise LLMTrainError(f"checkpoint '{path}' is damaged ({problem}): generate from another step_* folder under "
                             f"{path.parent}, or from the run's final/")
     weights = path / "model.safetensors"
@@ -267,7 +267,7 @@ def generate_replies(source: Source, prompts: list, *, max_new_tokens: int | Non
         raise LLMTrainError(f"--repetition-penalty must be above 0 (got {settings['repetition_penalty']}): 1 is off, "
                             "above 1 repeats less (transformers' repetition_penalty, e.g. 1.1)")
     if system_prompt is not None and not (source.chat if chat is None else chat):  # (it had gone nowhere)
-        raise LLMTrainError(f"--system puts a system message before each prompt in the chat template, and the prompts "
+        raise LLMTrainError("--system puts a system message before each prompt in the chat template, and the prompts "
                             "are rendered as plain text here (as the run's data were, or for want of a template): "
                             "pass --chat to render them through the chat template, or leave --system out")
     if samples > 1 and settings["temperature"] == 0:  # greedy: every sample the same reply
