@@ -343,7 +343,7 @@ def generate(
     typer.echo(f"replies from {src.describe}; prompts "
                + ("through the chat template" if rendered else
                   "in the run's Alpaca template (each prompt its instruction, a --prompts row's input its input)"
-                  if src.alpaca else "as plain text") + (
+                  if src.alpaca and chat is None else "as plain text") + (
                    " (--chat / --no-chat to change)" if chat is None else ""), err=True)
     replies = generate_replies(src, texts, max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p,
                                top_k=top_k, min_p=min_p, repetition_penalty=repetition_penalty, samples=samples,

@@ -331,6 +331,8 @@ def test_an_alpaca_runs_prompts_are_rendered_in_its_template(tiny_assets, tmp_pa
     trained = encode_example(row, source.tokenizer, source.recipe.data)
     prompt = trained["input_ids"][:prompt_length(trained["labels"])]
     assert prompt_ids(source, "Reverse the string.", row={"input": "abcde"}) == prompt
+    bare = source.tokenizer("Reverse the string.", add_special_tokens=True)["input_ids"]
+    assert prompt_ids(source, "Reverse the string.", chat=False, row={"input": "abcde"}) == bare  # --no-chat
     prompts = tmp_path / "p.jsonl"
     prompts.write_text(json.dumps({"prompt": "Reverse the string.", "input": "abcde"}) + "\n")
     said = invoke("generate", str(tmp_path / "run"), "--prompts", str(prompts), "--max-new-tokens", "4")

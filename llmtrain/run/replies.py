@@ -216,11 +216,13 @@ def prompt_ids(source: Source, prompt, *, chat: bool | None = None, system_promp
                row: dict | None = None) -> list[int]:
     """A prompt's ids as the source renders prompts (chat: override the source's choice); a prompt is a text, or a
     chat's messages (a .jsonl row's "prompt", as an RL run's data has them). An Alpaca run's text prompt is the
-    instruction of its template, a .jsonl row's "input" the input, as data/formats renders its rows."""
+    instruction of its template, a .jsonl row's "input" the input, as data/formats renders its rows (--no-chat: the
+    text as it is)."""
+    alpaca = source.alpaca and chat is None
     chat = (source.chat if chat is None else chat) or not isinstance(prompt, str)  # messages are a chat
     system = system_prompt if system_prompt is not None else source.system_prompt
     tok = source.tokenizer
-    if not chat and source.alpaca:
+    if not chat and alpaca:
         from llmtrain.data.formats import ALPACA_PROMPT
 
         given = str((row or {}).get("input") or "")
