@@ -181,8 +181,7 @@ class Layout:
                            f"{self.where} sets fsdp_offload_params: true, which the stages do not apply (a run would "
                            "hold what the launch meant for the host without a word). Set fsdp_offload_params: false "
                            "(more stages, or LoRA, hold less on each GPU), or set parallel.pipeline_parallel=1 for "
-                           "FSDP "
-                           "with the offload")
+                           "FSDP with the offload")
             if self.pp > 1 and self.mesh:
                 out.append(f"{pp_key} runs on a plain multi-process launch (the replicas of a stage sum their "
                            "gradients: accelerate_configs/ddp.yaml) or an FSDP one (each stage sharded over its "

@@ -30,26 +30,19 @@ from helpers import (REPO, assert_same_steps, launch_finetune, load_weights, max
                      rl_under_tp_against_one, run_train, write_recipe)
 
 from llmtrain import capabilities
+from llmtrain.tiny import FAMILY_LAYERS
 
 pytestmark = pytest.mark.long(100)  # tests/conftest.py
 
-FAMILIES = {
-    "llama": dict(tie_word_embeddings=True),  # Llama 3.2's tied head (the tiny task's own model is untied Llama)
-    "qwen3": dict(head_dim=32, tie_word_embeddings=True),
-    "qwen2": dict(attention_bias=True),
-    "gemma3_text": dict(head_dim=32, query_pre_attn_scalar=32, sliding_window=8,
-                        layer_types=["sliding_attention", "full_attention"]),
-    "phi3": dict(partial_rotary_factor=0.75),
-}
+# Each family's tiny layer is prepare-tiny's (tiny.FAMILY_LAYERS); Llama and Qwen3 here with the tied head that Llama
+# 3.2 and Qwen3 below 8B have (the tiny task's own model is untied Llama)
+TIED = {"tie_word_embeddings": True}
+FAMILIES = {"llama": {**FAMILY_LAYERS["llama"], **TIED}, "qwen3": {**FAMILY_LAYERS["qwen3"], **TIED},
+            **{f: FAMILY_LAYERS[f] for f in ("qwen2", "gemma3_text", "phi3")}}
 # The mixtures of experts (the capability table's families whose layer llmtrain leaves to transformers): the tiny
 # model's attention, 4 experts of 64 columns a layer, 2 a token; GPT-OSS's with its sinks and a window of 8 on every
 # other layer
-MOE = {
-    "qwen3_moe": dict(head_dim=32, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=64,
-                      decoder_sparse_step=1),
-    "mixtral": dict(num_local_experts=4, num_experts_per_tok=2, intermediate_size=64),
-    "gpt_oss": dict(head_dim=32, num_local_experts=4, num_experts_per_tok=2, intermediate_size=64, sliding_window=8),
-}
+MOE = {f: FAMILY_LAYERS[f] for f in ("qwen3_moe", "mixtral", "gpt_oss")}
 # what LoRA adapts of a family's experts beyond lora.target_modules (GPT-OSS's, by name)
 EXPERT_PARAMETERS = {"gpt_oss": {"target_parameters": ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]}}
 # Gemma 4's text model (dense; its layer as transformers runs it), as its checkpoints are: per-layer embeddings of 16 a
@@ -57,11 +50,7 @@ EXPERT_PARAMETERS = {"gpt_oss": {"target_parameters": ["mlp.experts.gate_up_proj
 # heads (2, their keys also their values: attention_k_eq_v), so that its config is heterogeneous (transformers'
 # per_layer_config, which raises where a layer's value is read off the config); its last two layers share the keys and
 # values of the two before them, their MLPs double-wide
-OWN_LAYER = {"gemma4_text": dict(head_dim=32, global_head_dim=64, num_key_value_heads=4, num_global_key_value_heads=2,
-                                 attention_k_eq_v=True, num_kv_shared_layers=2, use_double_wide_mlp=True,
-                                 num_hidden_layers=4, sliding_window=8, vocab_size_per_layer_input=104,
-                                 hidden_size_per_layer_input=16,
-                                 layer_types=["sliding_attention", "full_attention"] * 2)}
+OWN_LAYER = {"gemma4_text": {**FAMILY_LAYERS["gemma4_text"], "vocab_size_per_layer_input": 104}}
 
 
 def family_model(tiny_assets, folder, family: str, **more):

@@ -201,14 +201,15 @@ def chat_of(example: dict, cfg: DataConfig) -> tuple[list[dict], int] | None:
     return messages, first
 
 
+def alpaca_prompt(instruction, given) -> str:
+    """An Alpaca row's prompt: its instruction, and its input where it has one, in ALPACA_PROMPT."""
+    return ALPACA_PROMPT.format(ctx=", paired with an input that provides further context" if given else "",
+                                instruction=instruction, input=f"### Input:\n{given}\n\n" if given else "")
+
+
 def prompt_and_completion(example: dict, cfg: DataConfig) -> tuple[str, str]:
     if cfg.format == "alpaca":
-        inp = _column(example, cfg, "input") or ""
-        prompt = ALPACA_PROMPT.format(
-            ctx=", paired with an input that provides further context" if inp else "",
-            instruction=_column(example, cfg, "instruction"),
-            input=f"### Input:\n{inp}\n\n" if inp else "",
-        )
+        prompt = alpaca_prompt(_column(example, cfg, "instruction"), _column(example, cfg, "input") or "")
         return prompt, str(_column(example, cfg, "output"))
     return str(_column(example, cfg, "prompt")), str(_column(example, cfg, "completion"))
 

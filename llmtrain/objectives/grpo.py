@@ -938,10 +938,10 @@ class GRPO:
     # ---- evaluation: held-out prompts, one greedy completion each
 
     def eval_sums(self, model, batch: dict, device) -> torch.Tensor:
-        """[completions, summed reward, each reward's sum, each reward's count, prompts, prompts passed, completions
-        scored] of one greedy completion per eval prompt, or rl.num_generations_eval sampled ones (EVAL_STEP's seeds);
-        a prompt passes where one of its completions' first answer_match is 1; a completion no function scores (every
-        one None) is not scored."""
+        """[completions scored, summed reward, each reward's sum, each reward's count, prompts, prompts passed] of one
+        greedy completion per eval prompt, or rl.num_generations_eval sampled ones (EVAL_STEP's seeds); a completion
+        no function scores (every one None) is not scored; a prompt passes where one of its completions' first
+        answer_match is 1."""
         from llmtrain.model.generate import completion_seed
         from llmtrain.parallel.fsdp import gathered_for_generation
 
@@ -959,9 +959,9 @@ class GRPO:
             first = self._first_answer_match()
             passed = (float((per_function[:, first].nan_to_num().view(-1, g) >= 1).any(1).sum())
                       if first is not None else 0.0)
-            return torch.tensor([len(completions), float(total.nansum()), *per_function.nan_to_num().sum(0).tolist(),
-                                 *(~per_function.isnan()).sum(0).tolist(), len(examples), passed,
-                                 float((~total.isnan()).sum())], dtype=torch.float64)
+            return torch.tensor([float((~total.isnan()).sum()), float(total.nansum()),
+                                 *per_function.nan_to_num().sum(0).tolist(), *(~per_function.isnan()).sum(0).tolist(),
+                                 len(examples), passed], dtype=torch.float64)
 
         if self.stages is not None:  # every process of a pipeline samples and scores them: its last stage counts them
             with self._sampling():
@@ -975,7 +975,8 @@ class GRPO:
 
     def eval_metrics(self, sums: list[float]) -> dict[str, float]:
         k = len(self.rewards)
-        reward, per, counts, (prompts, passed, scored) = sums[1], sums[2:2 + k], sums[2 + k:2 + 2 * k], sums[-3:]
+        scored, reward, per, counts, (prompts, passed) = (sums[0], sums[1], sums[2:2 + k], sums[2 + k:2 + 2 * k],
+                                                          sums[-2:])
         # the mean of the scored completions', as the train lines' reward and TRL's nanmean (an unscored one had
         # counted as 0: 0.495 where every scored completion had 1.0)
         out = {"eval_reward": reward / max(scored, 1)}

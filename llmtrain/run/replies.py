@@ -223,11 +223,9 @@ def prompt_ids(source: Source, prompt, *, chat: bool | None = None, system_promp
     system = system_prompt if system_prompt is not None else source.system_prompt
     tok = source.tokenizer
     if not chat and alpaca:
-        from llmtrain.data.formats import ALPACA_PROMPT
+        from llmtrain.data.formats import alpaca_prompt
 
-        given = str((row or {}).get("input") or "")
-        prompt = ALPACA_PROMPT.format(ctx=", paired with an input that provides further context" if given else "",
-                                      instruction=prompt, input=f"### Input:\n{given}\n\n" if given else "")
+        prompt = alpaca_prompt(prompt, str((row or {}).get("input") or ""))
     if not chat:
         return tok(prompt, add_special_tokens=True)["input_ids"]
     no_template(source)
