@@ -61,7 +61,7 @@ class Layout:
         mesh = launch.get("parallelism_config")
         sizes = mesh_sizes(launch) or {}
         fsdp = str(launch.get("distributed_type", "NO")) == "FSDP"
-        offload = str((launch.get("fsdp_config") or {}).get("fsdp_offload_params", False)).lower() == "true"
+        offload = offloads_params(launch)
         return cls(processes=int(launch.get("num_processes", 1) or 1), nodes=int(launch.get("num_machines", 1) or 1),
                    fsdp=fsdp, offload=fsdp and offload, mesh=isinstance(mesh, dict),
                    replicate=sizes.get("dp_replicate", 1), shard=sizes.get("dp_shard", 1), tp=sizes.get("tp", 1),
@@ -249,3 +249,9 @@ def mesh_sizes(launch: dict) -> dict[str, int] | None:
         return None
     return {k: int(mesh.get(f"parallelism_config_{k}_size", 1) or 1) for k in ("dp_replicate", "dp_shard", "tp",
                                                                                "cp", "sp")}
+
+
+def offloads_params(launch: dict) -> bool:
+    """Whether an accelerate launch config's fsdp_config sets fsdp_offload_params, as accelerate reads it (the YAML's
+    true or the string "true"/"True" that `accelerate config` writes; "false" is false, not a non-empty string)."""
+    return str((launch.get("fsdp_config") or {}).get("fsdp_offload_params", False)).lower() == "true"

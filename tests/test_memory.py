@@ -382,6 +382,21 @@ def test_shipped_config_table_matches_the_files():
         read_accelerate_config(REPO / "accelerate_configs" / "cpu_ddp.yaml")
 
 
+def test_launch_config_offload_reads_as_accelerate_does(tmp_path):
+    """fsdp_offload_params as accelerate reads it (str_to_bool of the value): the string "false" that a hand-edited
+    config may hold is no offload (bool("false") had priced one), and an HSDP config's offload is priced as the
+    in-run estimate prices it (it had been dropped for HSDP)."""
+    base = yaml.safe_load((REPO / "accelerate_configs" / "hsdp_multinode.yaml").read_text())
+    fsdp = yaml.safe_load((REPO / "accelerate_configs" / "fsdp.yaml").read_text())
+    for cfg, strategy in ((fsdp, "fsdp"), (base, "hsdp")):
+        for value, offload in ((True, True), ("true", True), ("True", True), (False, False), ("false", False)):
+            cfg["fsdp_config"]["fsdp_offload_params"] = value
+            path = tmp_path / f"{strategy}.yaml"
+            path.write_text(yaml.safe_dump(cfg))
+            layout = read_accelerate_config(path)
+            assert (layout.strategy, layout.cpu_offload) == (strategy, offload), (strategy, value)
+
+
 # --------------------------------------------------------------------------- command line
 
 

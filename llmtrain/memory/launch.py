@@ -6,7 +6,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from llmtrain.errors import LLMTrainError
-from llmtrain.layout import mesh_sizes
+from llmtrain.layout import mesh_sizes, offloads_params
 from llmtrain.memory.spec import Strategy
 
 STRATEGIES = {"NO": "single", "MULTI_GPU": "ddp", "FSDP": "fsdp"}  # FSDP with a replicated mesh: "hsdp"
@@ -56,9 +56,8 @@ def read_accelerate_config(path: Path) -> Layout:
     strategy, tp = STRATEGIES[kind] if procs > 1 or kind == "FSDP" else "single", 1
     if kind == "FSDP" and (sizes := mesh_sizes(cfg)) is not None:
         strategy, tp = _mesh_strategy(path, sizes, gpus=procs // machines, nodes=machines)
-    offload = bool((cfg.get("fsdp_config") or {}).get("fsdp_offload_params", False))
-    mp = cfg.get("mixed_precision")
-    return Layout(strategy, procs // machines, machines, offload and strategy == "fsdp",
+    mp = cfg.get("mixed_precision")  # the offload is FSDP's, over every GPU or over a node's shards (HSDP)
+    return Layout(strategy, procs // machines, machines, offloads_params(cfg) and strategy in ("fsdp", "hsdp"),
                   None if mp is None else str(mp), tp)
 
 
