@@ -141,10 +141,10 @@ def token_losses(logps: torch.Tensor, advantages: torch.Tensor, *, old_logps: to
         kl = torch.exp(delta) - delta - 1  # k3: unbiased, always >= 0
         # times the ratio (1 in value, not in gradient): the unbiased reverse-KL gradient of DeepSeek-V3.2, TRL
         # 1.16's default (use_bias_correction_kl)
-        loss = loss + beta * kl * (ratio if kl_ratio else 1.0)
-        # the metric as TRL 1.16 logs it: the KL times the ratio where the loss weighs it so (it had been the plain
-        # k3: 43% under TRL's on a round's later update)
-        kl = (kl * ratio if kl_ratio else kl).detach()
+        if kl_ratio:
+            kl = kl * ratio
+        loss = loss + beta * kl  # TRL's order: beta x (k3 x ratio)
+        kl = kl.detach()  # the metric as TRL 1.16 logs it: the term the loss weighs
     return loss, kl, clipped
 
 
