@@ -923,7 +923,8 @@ class RLConfig(Section):
         "not by the draws): eval_reward and eval_answer_accuracy are their means, and with N > 1 "
         "eval_answer_pass@N the share of prompts with an answer_match among their N.")
     max_completion_tokens: int = Field(256, gt=0, description="Most tokens of a completion; one that reaches it "
-                                       "without a stop token is clipped (completions/clipped_ratio).")
+                                       "without a stop token is clipped (completions/clipped_ratio). 256, where TRL's "
+                                       "max_completion_length is 512: set 512 to compare a run with TRL's defaults.")
     temperature: float = Field(1.0, gt=0, allow_inf_nan=False, description="Sampling temperature; the policy's "
                                "log-probabilities are taken at the same temperature (as TRL).")
     top_p: float = Field(1.0, gt=0, le=1, description="Nucleus sampling: the smallest set of tokens whose "
