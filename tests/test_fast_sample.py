@@ -69,7 +69,7 @@ def test_on_small_cases_the_fast_sampler_draws_the_reference_loops_tokens(lm, te
 
 @pytest.mark.parametrize("temperature, top_k, top_p, min_p", [
     (1.0, 5, 1.0, 0.0), (0.7, 0, 1.0, 0.1), (1.0, 0, 0.8, 0.0), (1.3, 20, 0.9, 0.05), (1.0, 40, 0.5, 0.2),
-    (1.0, 1000, 1.0, 0.0)])
+    (1.0, 1000, 1.0, 0.0), (1.0, 0, 0.0, 0.0)])  # top_p 0: the most likely token alone, as min_tokens_to_keep
 def test_the_filters_keep_what_transformers_warpers_keep_with_the_same_probabilities(temperature, top_k, top_p, min_p):
     """generate.filtered_probs, renormalised, against transformers' own warpers in generate's order (temperature,
     top_k, top_p, min_p) and a softmax: the same tokens kept, their probabilities to 1e-6; rows both flat and peaked
@@ -91,6 +91,34 @@ def test_the_filters_keep_what_transformers_warpers_keep_with_the_same_probabili
     assert (got / got.sum(-1, keepdim=True) - expected).abs().max() < 1e-6
     kept = (got > 0).sum(-1)
     assert kept.min() >= 1 and (kept < 97).any() == (top_k < 97 or top_p < 1 or min_p > 0)
+
+
+def test_a_uniform_of_one_draws_a_token_the_filters_keep():
+    """A float32 uniform can be exactly 1.0 (a float64 draw within 2^-25 of 1: about one in 3e7 tokens); its target
+    at the distribution's total had passed every token, and the clamp took the last id whatever its probability
+    (one top_k cut, a log-probability of -inf). It draws the last token the filters keep now; every uniform below
+    1 draws what it drew."""
+    from llmtrain.model.generate import next_tokens
+
+    logits = torch.tensor([[5.0, 1.0, 0.0, -1.0, -2.0], [0.5, 3.0, 2.0, -4.0, 1.0]])
+    for filters in (dict(top_k=2), dict(top_p=0.5), dict(min_p=0.3), {}):
+        sampling = dict(temperature=1.0, top_p=1.0) | filters
+        logps = torch.empty(2)
+        picked = next_tokens(logits, torch.tensor([1.0, 1.0]), logps=logps, **sampling)
+        kept = filtered_probs_of(logits, **sampling) > 0
+        last_kept = [int(row.nonzero().max()) for row in kept]
+        assert picked.tolist() == last_kept and torch.isfinite(logps).all(), (filters, picked, logps)
+        below = torch.tensor([0.999, 0.3])  # below 1: the inverse CDF as before
+        cdf = filtered_probs_of(logits, **sampling).cumsum(-1)
+        expected = torch.searchsorted(cdf, (below * cdf[:, -1])[:, None], right=True).squeeze(-1)
+        assert torch.equal(next_tokens(logits, below, **sampling), expected)
+    assert next_tokens(logits, torch.tensor([0.0, 0.5]), temperature=1.0, top_p=0.0).tolist() == [0, 1]  # greedy
+
+
+def filtered_probs_of(logits, **sampling):
+    from llmtrain.model.generate import filtered_probs
+
+    return filtered_probs(logits, **sampling)
 
 
 @pytest.mark.parametrize("filters", [dict(top_k=3), dict(min_p=0.6), dict(top_k=8, top_p=0.9, min_p=0.05)])

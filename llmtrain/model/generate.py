@@ -116,6 +116,7 @@ def filtered_probs(logits: torch.Tensor, *, temperature: float, top_p: float = 1
         sorted_probs, order = probs.sort(dim=-1, descending=True)
         cumulative = sorted_probs.cumsum(dim=-1)
         outside = (cumulative - sorted_probs) >= top_p * cumulative[:, -1:]
+        outside[:, 0] = False  # the most likely token stays, as transformers' min_tokens_to_keep (top_p 0: greedy)
         probs = probs.scatter(-1, order, sorted_probs.masked_fill(outside, 0.0))
     if min_p > 0:
         probs = probs.masked_fill(probs < min_p * probs.amax(dim=-1, keepdim=True), 0.0)
@@ -154,7 +155,11 @@ def next_tokens(logits: torch.Tensor, uniforms: torch.Tensor, *, temperature: fl
         return logits.argmax(dim=-1)
     probs = filtered_probs(logits, temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p)
     cdf = probs.cumsum(dim=-1)
-    picked = torch.searchsorted(cdf, (uniforms * cdf[:, -1]).unsqueeze(-1), right=True).squeeze(-1)
+    total = cdf[:, -1]
+    # kept below the total: a float32 uniform can be 1.0 (a float64 draw within 2^-25 of 1, about one in 3e7), and
+    # its target at the total itself passed every token, so the clamp took the last id whatever its probability
+    target = torch.minimum(uniforms * total, torch.nextafter(total, torch.zeros_like(total)))
+    picked = torch.searchsorted(cdf, target.unsqueeze(-1), right=True).squeeze(-1)
     picked = picked.clamp(max=logits.size(-1) - 1)
     if logps is not None:
         logps.copy_(probs.gather(1, picked[:, None]).squeeze(1).log() - cdf[:, -1].log())
