@@ -212,6 +212,11 @@ def test_the_filters_reach_the_command_top_k_one_replies_greedily(runs, tmp_path
     # (the system message had gone nowhere)
     ("system-plain", "--system puts a system message before each prompt in the chat template, and the prompts are "
                      "rendered as plain text here"),
+    # (they had been ignored without a word under the default greedy decoding, audit 9)
+    ("filters-greedy", "--top-k 3 and --min-p 0.2 filter what a sample may draw, and the replies are greedy "
+                       "(temperature 0, the default)"),
+    # a tokenizer that adds no BOS renders "" to no tokens (the fast sampler's UnboundLocalError, audit 9)
+    ("empty-prompt", "prompt 2 ('') renders to no tokens"),
 ])
 def test_bad_input_is_one_paragraph_and_writes_nothing(runs, tmp_path, monkeypatch, case, says):
     import shutil
@@ -280,6 +285,16 @@ def test_bad_input_is_one_paragraph_and_writes_nothing(runs, tmp_path, monkeypat
             f.truncate(1000)
     if case == "system-plain":
         args = ["--system", "You reverse strings.", "reverse abc ="]
+    if case == "filters-greedy":
+        args = ["--top-k", "3", "--min-p", "0.2", "reverse abc ="]
+    if case == "empty-prompt":  # final/ as a model folder, its tokenizer without the BOS post-processor
+        import json
+
+        run = tmp_path / "nobos"
+        shutil.copytree(runs["full"] / "final", run)
+        tokenizer = json.loads((run / "tokenizer.json").read_text())
+        (run / "tokenizer.json").write_text(json.dumps({**tokenizer, "post_processor": None}))
+        args = ["--no-chat", "reverse abc =", ""]
     out = tmp_path / "r.jsonl"
     result = invoke("generate", str(run), *args, "--out", str(out), check=False)
     said = result.stdout + result.stderr
@@ -337,3 +352,27 @@ def test_an_alpaca_runs_prompts_are_rendered_in_its_template(tiny_assets, tmp_pa
     prompts.write_text(json.dumps({"prompt": "Reverse the string.", "input": "abcde"}) + "\n")
     said = invoke("generate", str(tmp_path / "run"), "--prompts", str(prompts), "--max-new-tokens", "4")
     assert "prompts in the run's Alpaca template" in " ".join((said.stdout + (said.stderr or "")).split())
+
+
+def test_a_plain_text_runs_replies_stop_where_its_rollouts_stop(runs, tmp_path):
+    """A run's replies end at its template's end of turn whatever its rows' format, as its rollouts and eval samples
+    do (objective.stop_ids): a plain-text run (prompt_completion) whose template ends an assistant turn with
+    <|SYSTEM|> (not EOS, as a base model's template often ends it) had gone on sampling past it (audit 9)."""
+    import shutil
+
+    from llmtrain.objectives.objective import stop_ids
+    from llmtrain.run.replies import generate_replies, load_source
+
+    run = tmp_path / "full"
+    shutil.copytree(runs["full"], run)
+    template = run / "final" / "chat_template.jinja"
+    template.write_text(template.read_text().replace("{{ eos_token }}", "<|SYSTEM|>"))
+    source = load_source(str(run))
+    assert not source.chat  # plain-text prompts
+    end = source.tokenizer.convert_tokens_to_ids("<|SYSTEM|>")
+    assert end in stop_ids(source.recipe, source.model, source.tokenizer)
+    out = generate_replies(source, ["reverse hello =", "reverse abc ="], temperature=3.0, samples=32,
+                           max_new_tokens=12, seed=1)
+    ended = [r["tokens"] for r in out if end in r["tokens"]]
+    assert ended and all(t.index(end) == len(t) - 1 for t in ended)  # drawn, and each ends there
+    assert all(r["stopped"] for r in out if r["tokens"][-1] == end)

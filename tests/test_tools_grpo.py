@@ -226,6 +226,8 @@ def test_a_round_whose_results_would_not_fit_stops_and_max_tool_calls_stops_the_
                               max_new_tokens=full[0].mask.index(0) + 3, max_rounds=None)
     assert tight[0].ids == full[0].ids[:full[0].mask.index(0)] and all(tight[0].mask)  # the result did not fit
     assert len(tight[0].calls) == 1 and len(tight[0].messages) == 1  # run, counted, not appended (TRL's)
+    # it stopped for want of room (generate reports it cut at the limit, not stopped, audit 9); nothing else did
+    assert tight[0].cut and not any(o.cut for o in full)
     one = sample_with_tools(Scripted(tok, prompts), prompts, list(range(6)), tools=tools, max_new_tokens=MAX_NEW,
                             max_rounds=1)
     assert [m["role"] for m in one[3].messages] == ["assistant", "tool", "assistant"]  # its second call not run

@@ -5,7 +5,8 @@ It samples by the reference loop's rule (`generate.sample`, the oracle in the te
 the same pre-drawn uniforms, the same `next_tokens`. Its attention path (SDPA over the static cache) gives logits
 that differ from the reference's in the last bits (~1e-6 in fp32), so a uniform within that distance of a CDF
 boundary draws the neighbouring token: the same completions up to rounding (tests/test_fast_sample.py measures the
-agreement rate), while a completion never depends on its batch. What changes is the cost of a token:
+agreement rate); its batch moves a row's logits in their last bits too (a matmul rounds a row differently with other
+rows beside it), so a completion is its batch's own up to the same rounding. What changes is the cost of a token:
 
 - The KV cache is preallocated once for the call: [rows, kv heads, L, head dim] per layer, L = the longest prompt +
   max_new_tokens, zeroed (a masked slot must hold a finite value: softmax gives it weight 0, and 0 x NaN is NaN).
@@ -30,7 +31,7 @@ agreement rate), while a completion never depends on its batch. What changes is 
 - Finished rows leave the batch: at a look at the end-of-turn flags, once no more than COMPACT_AT of the rows are
   still going, the live rows (their state, uniforms and KV cache) move to the front and the step runs on them only
   (a captured graph per batch size), so the cost follows the rows still running. A completion is the same either
-  way: no row reads another's, and its uniforms go with it.
+  way up to rounding: no row reads another's, and its uniforms go with it.
 - The prefill forwards at most PREFILL_CHUNK prompt positions at once (config.py), each chunk attending to
   the ones before it through the cache: a long prompt group needs a chunk's activations, not the whole width's.
 

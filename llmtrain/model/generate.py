@@ -5,8 +5,9 @@ the model's KV cache. Each completion draws its randomness from its own seed (`c
 the step, the prompt's index in the epoch and which of its generations it is), all of its uniforms at once before
 decoding, and picks each token by inverting the cumulative distribution with them. So a completion does not depend
 on which other prompts share its batch, which process it runs on, or how many processes there are: 2 processes
-sample what 1 does, and a resumed run samples what the uninterrupted one would have (up to a tie in the last bit
-of a cumulative probability, which the batch's other rows could move: never seen in the tests). A completion ends
+sample what 1 does, and a resumed run samples what the uninterrupted one would have (up to rounding: a matmul rounds
+a row differently with other rows beside it, so a uniform within about 1e-6 of a cumulative probability can draw
+the neighbouring token in another batch; on the tiny model about one token in 1e5 to 1e6, audit 9). A completion ends
 with the first stop token (the template's end of turn), which it keeps: it is trained as the reply's end.
 
 llmtrain's varlen attention has no KV cache: generation attends with SDPA (`cached_attention`), the same math on

@@ -4,7 +4,8 @@ completion made a trained row (`completion_rows`), and PPO's clipped surrogate (
 GRPO, per sequence for RLOO).
 
 Each completion depends only on the run's seed, the step, its row and its place in the group
-(model.generate.completion_seed), so 2 processes sample what 1 does and a resumed run draws the same.
+(model.generate.completion_seed), so 2 processes sample what 1 does (up to a rounding of the logits that the
+batch's other rows move: docs/rl.md) and a resumed run draws the same.
 """
 
 from __future__ import annotations

@@ -43,6 +43,7 @@ class ToolRollout:
     unreadable: int = 0
     # the sampler's log-probability of each token (0: a result's, and every token where it was not asked for them)
     logps: list[float] = field(default_factory=list)
+    cut: bool = False  # a round's results did not fit max_completion_tokens: the row stopped for want of room
 
     @property
     def failures(self) -> int:
@@ -225,6 +226,7 @@ def sample_with_tools(generate, prompts: list[list[int]], seeds: list[int], *, t
             out[i].calls += records
             messages, suffix = tools.suffix(records)
             if len(out[i].ids) + len(suffix) > max_new_tokens:  # TRL's: the results would not fit, the row stops
+                out[i].cut = True
                 continue
             out[i].messages += messages
             out[i].ids += suffix

@@ -255,7 +255,7 @@ def generate_replies(source: Source, prompts: list, *, max_new_tokens: int | Non
     from llmtrain.model.generate import completion_seed
     from llmtrain.model.loss import causal_lm
     from llmtrain.model.modeling import pad_id
-    from llmtrain.objectives.objective import prompt_renderer, stops_for
+    from llmtrain.objectives.objective import prompt_renderer, run_end_of_turn, stops_for
     from llmtrain.objectives.tool_calls import Tools, observed, sample_with_tools
 
     settings = {"temperature": 0.0, "top_p": 1.0, "top_k": 0, "min_p": 0.0, "repetition_penalty": 1.0,
@@ -274,6 +274,13 @@ def generate_replies(source: Source, prompts: list, *, max_new_tokens: int | Non
         raise LLMTrainError(f"--samples {samples} draws several replies a prompt, and they are sampled greedily "
                             f"(temperature 0{'' if temperature is not None else ', the default'}): all {samples} would "
                             "be the same reply. Give --temperature (e.g. 0.7), or leave --samples out.")
+    given = [f"--{k.replace('_', '-')} {v}" for k, v, off in (("top_k", top_k, 0), ("top_p", top_p, 1.0),
+                                                               ("min_p", min_p, 0.0)) if v is not None and v != off]
+    if given and settings["temperature"] == 0:  # (they had been ignored without a word, as transformers warns)
+        raise LLMTrainError(f"{' and '.join(given)} {'filters' if len(given) == 1 else 'filter'} what a sample may "
+                            f"draw, and the replies are greedy (temperature 0"
+                            f"{'' if temperature is not None else ', the default'}): the most likely token every "
+                            "time, whatever the filters. Give --temperature (e.g. 0.7) to sample, or leave them out.")
     rows_in = [p if isinstance(p, dict) else {"prompt": p} for p in prompts]
     tooled = source.tools if tools is None else tools
     if tooled and not source.tools:
@@ -284,12 +291,19 @@ def generate_replies(source: Source, prompts: list, *, max_new_tokens: int | Non
     if rendered_chat:
         no_template(source)
     turn = end_of_turn(source.tokenizer, source.template) if rendered_chat or tooled else None
+    if turn is None and source.recipe is not None:  # a run's replies end where its rollouts and eval samples ended:
+        # at its template's end of turn whatever its rows' format (objective.stop_ids; a plain-text run on a base
+        # whose template ends a turn with other than EOS had replied past it, to the limit)
+        turn = run_end_of_turn(source.recipe, source.tokenizer)
     stops = stops_for(lm, source.tokenizer, turn)
     # a tool run's prompts show the tools, as its own did (--no-tools too), with --system in place of its system prompt
     render = prompt_renderer(_with_system(source, chat, system_prompt), source.tokenizer) if source.tools else None
     ids = [render(r["prompt"], n) if render else prompt_ids(source, r["prompt"], chat=chat, system_prompt=system_prompt,
                                                             row=r)
            for n, r in enumerate(rows_in)]
+    if (empty := next((n for n, i in enumerate(ids) if not i), None)) is not None:  # (the sampler's traceback)
+        raise LLMTrainError(f"prompt {empty + 1} ({rows_in[empty]['prompt']!r}) renders to no tokens (this tokenizer "
+                            "adds no BOS), so there is nothing to reply to: give it some text, or leave it out")
     calls = Tools.of_run(source.recipe.rl, tokenizer=source.tokenizer, template=source.template,
                          stop_ids=stops) if tooled else None
     rows = [(p, i) for p in range(len(prompts)) for i in range(samples)]
@@ -324,7 +338,8 @@ def generate_replies(source: Source, prompts: list, *, max_new_tokens: int | Non
             for (p, i), tokens, roll in zip(part, drawn, rolled):
                 reply = {"prompt": rows_in[p]["prompt"], "sample": i,
                          "reply": stops.reply(source.tokenizer.decode(tokens, skip_special_tokens=True)),
-                         "tokens": tokens, "stopped": stops.ends(tokens)}
+                         # a tool reply whose results did not fit stopped for want of room, not at a stop (audit 9)
+                         "tokens": tokens, "stopped": stops.ends(tokens) and not (roll is not None and roll.cut)}
                 if roll is not None:
                     reply.update(calls=roll.calls, messages=roll.messages)
                 out.append(reply)
