@@ -544,3 +544,32 @@ def test_preference_pairs_rendered_through_a_chat_template_are_checked_as_chats(
     text = load_recipe(REPO / "recipes" / "tiny-reward.yaml", ["data.chat_template=false"])
     assert rows(check_chat_template(text, tiny_tok))["chat template"][1] == \
         "not used (data.format=preference, data.chat_template false)"
+
+
+def test_the_memory_row_and_the_runs_prediction_price_tensor_parallelism(tmp_path):
+    """doctor's memory row on an FSDP x TP launch is estimate-memory's for it, and so is the estimate a run on that
+    mesh logs in summary.json (estimate_for_run): both had priced plain FSDP over all 8 GPUs, leaving the launch's
+    tp out (Llama-3.1-8B on 24 GiB cards: doctor 22.4 GiB "pass" where estimate-memory said 24.5; audit 10)."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from llmtrain.doctor import check_memory
+    from llmtrain.memory import estimate_for_run, estimate_run
+    from llmtrain.memory.params import recipe_model_shape
+    from llmtrain.memory.spec import spec_from_recipe
+
+    repo = REPO
+    recipe = load_recipe(repo / "recipes" / "llama7b.yaml", ["model.name_or_path=meta-llama/Llama-3.1-8B"])
+    shape = recipe_model_shape(recipe)
+    as_launched = estimate_run(shape, spec_from_recipe(recipe, strategy="fsdp", num_gpus=8, tp=2, gpu_memory_gib=24))
+    plain = estimate_run(shape, spec_from_recipe(recipe, strategy="fsdp", num_gpus=8, gpu_memory_gib=24))
+    assert as_launched.per_gpu_peak_bytes > 24 * 2**30 > plain.per_gpu_peak_bytes  # the two sides of the card
+    rows, est = check_memory(recipe, repo / "accelerate_configs" / "fsdp_tp.yaml", 24.0)
+    assert est.per_gpu_peak_bytes == as_launched.per_gpu_peak_bytes
+    assert [status for name, status, _ in rows if name == "memory"] == ["fail"], rows
+    mesh = SimpleNamespace(dp_replicate_size=1, tp_size=2)
+    accelerator = SimpleNamespace(distributed_type=SimpleNamespace(name="FSDP"), num_processes=8,
+                                  parallelism_config=mesh, device=torch.device("cpu"), print=print,
+                                  state=SimpleNamespace(fsdp_plugin=SimpleNamespace(cpu_offload=None)))
+    assert estimate_for_run(recipe, accelerator).per_gpu_peak_bytes == as_launched.per_gpu_peak_bytes
