@@ -176,6 +176,11 @@ class Layout:
                            f"{self.where} has a parallelism_config mesh (HSDP or tensor parallelism), which sequence "
                            "parallelism is not built to compose with yet. Drop the parallelism_config section, or set "
                            "parallel.sequence_parallel=1")
+            if self.tp > 1 and self.offload:  # the estimate refuses it too (spec.py): never trained or measured
+                out.append(f"{self.where} sets fsdp_offload_params: true with tensor parallelism "
+                           f"(parallelism_config_tp_size: {self.tp}); llmtrain trains FSDP x TP without the offload "
+                           "(it is neither measured nor estimated). Set fsdp_offload_params: false, or drop tensor "
+                           "parallelism for FSDP with the offload (accelerate_configs/fsdp.yaml)")
             if self.pp > 1 and self.offload:
                 out.append(f"{pp_key} shards each stage with FSDP2 over its replicas and keeps the shards on the GPU; "
                            f"{self.where} sets fsdp_offload_params: true, which the stages do not apply (a run would "
@@ -218,6 +223,11 @@ class Layout:
                     f"(or HSDP x TP), which needs at least 2 shards: {fix} (accelerate_configs/fsdp_tp.yaml), or "
                     "lower parallelism_config_tp_size, or shard with plain FSDP over the same GPUs "
                     "(accelerate_configs/fsdp.yaml)"]
+        if self.shard < 2:  # (accelerate's ValueError in every process: "no dimension for FSDP to shard across")
+            return [f"the mesh {where} has parallelism_config_dp_shard_size: {self.shard}, and FSDP2 needs at least 2 "
+                    "shards to shard over (replicas alone are plain data parallelism): set "
+                    "parallelism_config_dp_shard_size to the GPUs of a node (at least 2), use "
+                    "accelerate_configs/ddp.yaml for replicas alone, or fsdp_multinode.yaml to shard over every GPU"]
         sizes = [(self.replicate, "replicas", "dp_replicate"), (self.shard, "shards", "dp_shard"),
                  (self.tp, "tensor-parallel ranks", "tp")]
         sizes = [x for x in sizes if x[0] > 1 or x[2] == "dp_shard"]

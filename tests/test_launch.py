@@ -56,11 +56,53 @@ def test_every_shipped_launch_config_is_honoured(path):
     ({"parallelism_config": {"parallelism_config_dp_shard_size": 2, "parallelism_config_tp_szie": 2}},
      "parallelism_config_tp_szie: 2 is not a key accelerate knows (did you mean parallelism_config_tp_size?)"),
     ({"fp8_config": {"backend": "TE"}}, "fp8_config is not honoured"),
+    # each of these had been let through, then trained otherwise or failed in every process (audit 8)
+    ({"base": "cpu_ddp.yaml", "distributed_type": "MULTI_CPU"},
+     "distributed_type: MULTI_CPU starts one process without an mpirun hostfile (accelerate's simple launcher), not "
+     "the 2 of num_processes"),
+    ({"fsdp_config": {"fsdp_sharding_strategy": "HYBRID_SHARD"}},
+     "fsdp_sharding_strategy: HYBRID_SHARD is FSDP1's, which accelerate ignores under fsdp_version 2 (the run would "
+     "shard over every GPU): for it under FSDP2 use a parallelism_config mesh of replicas x shards"),
+    ({"fsdp_config": {"fsdp_sharding_strategy": "NO_SHARD"}}, "use plain data parallelism"),
+    ({"fsdp_config": {"fsdp_reshard_after_forward": "FULL_SHARD"}},
+     "fsdp_reshard_after_forward: FULL_SHARD is an FSDP1 sharding strategy's name"),
+    ({"fsdp_config": {"fsdp_state_dict_type": "FULL_STATE_DICT"}},
+     "fsdp_state_dict_type: FULL_STATE_DICT: llmtrain's FSDP checkpoints are sharded"),
+    ({"fsdp_config": {"fsdp_offload_params": True}},
+     "fsdp_offload_params: true moves the shards to pinned host memory for a GPU to read, and this is a CPU launch"),
 ])
 def test_a_setting_llmtrain_does_not_follow_is_named_with_its_fix(tmp_path, changes, said):
     _, launch = config(tmp_path, **changes)
     problems = unhonoured(launch)
     assert len(problems) == 1 and said in problems[0], problems
+
+
+def test_flags_accelerate_launch_would_drop_are_refused_with_the_launch():
+    """accelerate launch reads the mesh flags only for a config with a parallelism_config section (or with --use_fsdp
+    --use_parallelism_config), drops a config's section under --use_fsdp / --multi_gpu, and starts one process under
+    --cpu: each had been checked as the layout asked for while the run trained another (FSDP over every process,
+    twice the global batch; audit 8). Read with accelerate's own rule, each is refused; the launches it honours are
+    not."""
+    def problems(*argv):
+        launch, _ = launch_settings([*argv, "recipes/tiny.yaml"])
+        return unhonoured(launch)
+
+    fsdp, tp, ddp = (str(REPO / "accelerate_configs" / n) for n in ("cpu_fsdp.yaml", "cpu_tp.yaml", "cpu_ddp.yaml"))
+    (said,) = problems("--config_file", fsdp, "--num_processes", "4", "--parallelism_config_dp_shard_size", "2",
+                       "--parallelism_config_tp_size", "2")
+    assert said.startswith("--parallelism_config_dp_shard_size 2 --parallelism_config_tp_size 2: accelerate launch "
+                           "reads the mesh flags only for a config file with a parallelism_config section")
+    (said,) = problems("--config_file", tp, "--use_fsdp")
+    assert said.startswith("--use_fsdp makes accelerate launch drop the config file's parallelism_config section")
+    (said,) = problems("--config_file", ddp, "--cpu")
+    assert said.startswith("--cpu makes accelerate launch start one process (its simple launcher), not the 2")
+    assert problems("--config_file", tp) == []  # the file's mesh, as accelerate reads it
+    assert problems("--config_file", tp, "--parallelism_config_dp_shard_size", "2") == []  # a flag over the section
+    assert problems("--config_file", fsdp, "--use_fsdp", "--use_parallelism_config", "--num_processes", "4",
+                    "--parallelism_config_dp_shard_size", "2", "--parallelism_config_tp_size", "2") == []
+    assert problems("--config_file", ddp, "--cpu", "--num_processes", "1") == []
+    launch, _ = launch_settings(["--config_file", ddp, "--cpu", "recipes/tiny.yaml"])
+    assert launch["use_cpu"] is True  # --cpu read as use_cpu (the GPU check had refused it: "use_cpu is not set")
 
 
 def test_accelerates_pipeline_key_points_to_the_recipes():

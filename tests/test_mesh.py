@@ -57,12 +57,23 @@ def test_hsdp_is_accepted_and_named(monkeypatch):
     ({"dp_shard": 2, "tp": 2}, 8, True, ["2 x 2 = 4", "8 processes", "parallelism_config_tp_size",
                                           "--parallelism_config_dp_shard_size 4 --parallelism_config_tp_size 2"]),
     ({"dp_replicate": 2, "dp_shard": 2}, 4, False, ["distributed_type: FSDP", "ddp.yaml"]),
+    # replicas alone under FSDP (2 nodes of 1 GPU): accelerate's ValueError in every process, audit 8
+    ({"dp_replicate": 2, "dp_shard": 1}, 2, True, ["parallelism_config_dp_shard_size: 1", "at least 2 shards",
+                                                    "accelerate_configs/ddp.yaml for replicas alone"]),
 ])
 def test_meshes_llmtrain_does_not_train_are_refused_with_what_to_use(monkeypatch, sizes, world, fsdp, names):
     with pytest.raises(LLMTrainError) as refused:
         check_mesh(_mesh(monkeypatch, **sizes), world=world, fsdp=fsdp)
     for name in names:
         assert name in str(refused.value)
+
+
+def test_fsdp_x_tp_with_the_offload_is_refused_as_the_estimate_refuses_it():
+    """fsdp_offload_params with tensor parallelism: estimate-memory refused it (never trained or measured) while the
+    launch let it through (audit 8); the layout refuses it for both, naming the fix. FSDP alone keeps the offload."""
+    found = Layout(processes=4, fsdp=True, mesh=True, shard=2, tp=2, offload=True).problems()
+    assert len(found) == 1 and "fsdp_offload_params: true with tensor parallelism" in found[0]
+    assert Layout(processes=4, fsdp=True, offload=True).problems() == []
 
 
 def test_fsdp_x_tp_is_accepted_and_named(monkeypatch):

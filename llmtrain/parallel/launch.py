@@ -36,6 +36,16 @@ PLUMBING = {"compute_environment", "distributed_type", "mixed_precision", "use_c
             "tpu_use_cluster", "tpu_use_sudo", "command_file", "commands", "tpu_vm", "tpu_env", "mpirun_config",
             "fsdp_config", "parallelism_config", "dynamo_config", "deepspeed_config", "megatron_lm_config",
             "fp8_config"}
+# launch_settings' note of what `accelerate launch` would drop from the flags it was given (not a YAML key)
+DROPPED = "(dropped by accelerate launch)"
+# FSDP1's sharding strategies, each with its FSDP2 launch (accelerate reads the key only under fsdp_version 1)
+SHARDING_UNDER_FSDP2 = {
+    "HYBRID_SHARD": "a parallelism_config mesh of replicas x shards (accelerate_configs/hsdp_multinode.yaml)",
+    "_HYBRID_SHARD_ZERO2": "a parallelism_config mesh of replicas x shards (accelerate_configs/hsdp_multinode.yaml) "
+                           "with fsdp_reshard_after_forward: false",
+    "SHARD_GRAD_OP": "fsdp_reshard_after_forward: false",
+    "NO_SHARD": "plain data parallelism (accelerate_configs/ddp.yaml)",
+}
 
 
 def _off(value) -> bool:
@@ -54,7 +64,13 @@ def unhonoured(launch: dict) -> list[str]:
     if str(launch.get("compute_environment", "LOCAL_MACHINE")) != "LOCAL_MACHINE":
         problems.append(f"compute_environment: {launch['compute_environment']} is not supported: use LOCAL_MACHINE "
                         "(on a cluster, run the same command on each node, as docs/launch.md shows)")
-    for key in sorted(set(launch) - PLUMBING):
+    problems += launch.get(DROPPED, [])
+    procs = int(launch.get("num_processes") or 1)
+    if kind == "MULTI_CPU" and procs > 1 and not (launch.get("mpirun_config") or {}).get("mpirun_hostfile"):
+        problems.append(f"distributed_type: MULTI_CPU starts one process without an mpirun hostfile (accelerate's "
+                        f"simple launcher), not the {procs} of num_processes: use accelerate_configs/cpu_ddp.yaml "
+                        "(MULTI_GPU with use_cpu: true, torchrun's processes) or cpu_fsdp.yaml")
+    for key in sorted(set(launch) - PLUMBING - {DROPPED}):
         problems.append(f"{key} is not a setting of accelerate's launch config{_spelt(key, PLUMBING)}: remove it "
                         "(or check its spelling)")
     for section, fix in (("deepspeed_config", "llmtrain shards with FSDP2: use accelerate_configs/fsdp.yaml"),
@@ -66,12 +82,13 @@ def unhonoured(launch: dict) -> list[str]:
     if not _off(dynamo.get("dynamo_backend")):
         problems.append(f"dynamo_config's dynamo_backend: {dynamo['dynamo_backend']} would compile the model behind "
                         "llmtrain's back: set model.compile=true in the recipe instead and remove dynamo_config")
-    problems += _fsdp_problems(launch.get("fsdp_config") or {}, fsdp_on=kind == "FSDP")
+    problems += _fsdp_problems(launch.get("fsdp_config") or {}, fsdp_on=kind == "FSDP",
+                               on_cpu=not _off(launch.get("use_cpu")))
     problems += _mesh_problems(launch.get("parallelism_config") or {})
     return problems
 
 
-def _fsdp_problems(fsdp: dict, *, fsdp_on: bool) -> list[str]:
+def _fsdp_problems(fsdp: dict, *, fsdp_on: bool, on_cpu: bool = False) -> list[str]:
     problems = [f"fsdp_config's {key} is not a setting accelerate knows{_spelt(key, FSDP_KEYS)}: remove it (or check "
                 "its spelling)" for key in sorted(set(fsdp) - FSDP_KEYS)]
     if not fsdp_on:
@@ -85,6 +102,29 @@ def _fsdp_problems(fsdp: dict, *, fsdp_on: bool) -> list[str]:
     if not _off(fsdp.get("fsdp_activation_checkpointing")):
         problems.append("fsdp_config's fsdp_activation_checkpointing: true would wrap the layers a second time: set it "
                         "false and turn on model.gradient_checkpointing in the recipe")
+    if str(fsdp.get("fsdp_version", "2")) != "2":
+        return problems
+    strategy = str(fsdp.get("fsdp_sharding_strategy", "FULL_SHARD")).upper().split(".")[-1]
+    if strategy not in ("FULL_SHARD", "1"):  # (ignored by accelerate under FSDP2: every GPU shards, without a word)
+        problems.append(f"fsdp_config's fsdp_sharding_strategy: {fsdp['fsdp_sharding_strategy']} is FSDP1's, which "
+                        "accelerate ignores under fsdp_version 2 (the run would shard over every GPU): "
+                        + (f"for it under FSDP2 use {SHARDING_UNDER_FSDP2[strategy]}, and remove the key"
+                           if strategy in SHARDING_UNDER_FSDP2 else "remove the key"))
+    reshard = fsdp.get("fsdp_reshard_after_forward", True)
+    if str(reshard).lower() not in ("true", "false"):  # (accelerate's "invalid truth value" in every process)
+        fix = " (SHARD_GRAD_OP's is false)" if str(reshard).upper() == "SHARD_GRAD_OP" else ""
+        problems.append(f"fsdp_config's fsdp_reshard_after_forward: {reshard} is an FSDP1 sharding strategy's name; "
+                        f"under fsdp_version 2 it is true or false{fix}: set true (free each layer's gathered weights "
+                        "after its forward) or false (keep them until its backward)")
+    state_dict = str(fsdp.get("fsdp_state_dict_type", "SHARDED_STATE_DICT")).upper().split(".")[-1]
+    if state_dict != "SHARDED_STATE_DICT":  # (the processes refused it, each after starting: accelerator.py)
+        problems.append(f"fsdp_config's fsdp_state_dict_type: {fsdp['fsdp_state_dict_type']}: llmtrain's FSDP "
+                        "checkpoints are sharded (every rank writes its own shard, nothing is gathered), so set "
+                        "fsdp_state_dict_type: SHARDED_STATE_DICT (final/ is still exported as one full model)")
+    if on_cpu and str(fsdp.get("fsdp_offload_params", False)).lower() == "true":  # (torch's pin_memory traceback)
+        problems.append("fsdp_config's fsdp_offload_params: true moves the shards to pinned host memory for a GPU to "
+                        "read, and this is a CPU launch (use_cpu: true), where torch has no accelerator to pin for: "
+                        "set fsdp_offload_params: false (on the CPU the shards are in host memory already)")
     return problems
 
 
@@ -176,6 +216,7 @@ def launch_settings(argv: list[str]) -> tuple[dict, str]:
     for action in parser._actions:  # a flag's default is not a value given: `--parallelism_config_dp_shard_size 1`
         action.default = argparse.SUPPRESS  # is, and wins over the config file's 2, as accelerate launch has it
     given = vars(parser.parse_args(argv))
+    file_mesh = bool(launch.get("parallelism_config"))
     flags = False  # a setting of the layout given on the command line (the messages then name both)
     for action in parser._actions:  # the flags given: each over the config's value
         value = given.get(action.dest)
@@ -193,10 +234,46 @@ def launch_settings(argv: list[str]) -> tuple[dict, str]:
             kind = {"use_deepspeed": "DEEPSPEED", "use_megatron_lm": "MEGATRON_LM", "use_fsdp": "FSDP",
                     "multi_gpu": "MULTI_GPU", "tpu": "XLA"}[action.dest]
             launch["distributed_type"] = kind
+        elif action.dest == "cpu" and value:
+            launch["use_cpu"] = True
         elif action.dest in PLUMBING:
             launch[action.dest] = value
+    dropped = _dropped_by_accelerate(launch, given, file_mesh=file_mesh, from_file=path is not None)
+    if dropped:
+        launch[DROPPED] = dropped
     where = f"the accelerate config {path}" if path else "the accelerate launch"
     return launch, f"{where} with the command line's flags" if flags and path else where
+
+
+def _dropped_by_accelerate(launch: dict, given: dict, *, file_mesh: bool, from_file: bool) -> list[str]:
+    """What `accelerate launch` would drop of the flags given (accelerate 1.15's _validate_launch_command and
+    launch_command): the mesh where it does not use a parallelism_config (it does with --use_parallelism_config, or
+    with a config file's section and no --use_fsdp / --multi_gpu / ... flag), and the processes under --cpu (its
+    simple launcher starts one)."""
+    out = []
+    kinds = [f"--{k}" for k in ("use_fsdp", "multi_gpu", "use_deepspeed", "use_megatron_lm", "tpu", "tpu_use_cluster")
+             if given.get(k)]
+    uses_mesh = bool(given.get("use_parallelism_config")) or (from_file and file_mesh and not kinds)
+    mesh_flags = [f"--{k} {v}" for k, v in given.items() if k.startswith("parallelism_config_") and v is not None]
+    if launch.get("parallelism_config") and not uses_mesh:
+        if file_mesh:
+            out.append(f"{' '.join(kinds)} makes accelerate launch drop the config file's parallelism_config section "
+                       "(it reads the section only when no --use_fsdp, --multi_gpu or other distributed flag is "
+                       "given), so the run would train without the mesh: leave "
+                       f"{'it' if len(kinds) == 1 else 'them'} out (the file's distributed_type is the launch's), or "
+                       "add --use_parallelism_config")
+        else:
+            out.append(f"{' '.join(mesh_flags)}: accelerate launch reads the mesh flags only for a config file with a "
+                       "parallelism_config section (or with --use_fsdp --use_parallelism_config), and this launch has "
+                       "none, so the run would train without the mesh: add a parallelism_config section to the config "
+                       "(accelerate_configs/hsdp_multinode.yaml and fsdp_tp.yaml have one), or pass --use_fsdp "
+                       "--use_parallelism_config")
+    procs = int(launch.get("num_processes") or 1)
+    if given.get("cpu") and procs > 1 and not (launch.get("mpirun_config") or {}).get("mpirun_hostfile"):
+        out.append(f"--cpu makes accelerate launch start one process (its simple launcher), not the {procs} of "
+                   "num_processes: leave --cpu out and launch a CPU config (use_cpu: true: accelerate_configs/"
+                   "cpu_ddp.yaml or cpu_fsdp.yaml)")
+    return out
 
 
 def parent_launch() -> list[str] | None:
