@@ -162,7 +162,15 @@ def pipeline_estimate(shape: ModelShape, spec: TrainSpec) -> Estimate:
                "stage_gpus": spec.world // spec.pipeline_parallel,
                "bubble": bubble_fraction(spec.pipeline_parallel, spec.grad_accum_steps, spec.chunks),
                "worst_stage": worst.pipeline["stage"]["rank"]}
-    return replace(worst, pipeline=summary)
+    # The model's counts, not the worst stage's (its own are in the stage table), and the host RAM of loading it:
+    # every stage process reads the whole model before it keeps its own layers (loop/phases.build_model), FSDP or
+    # not (they had been one stage's: "3,624,009,728 total" for Mistral-7B, 13.5 GiB a node for 8 processes' 216)
+    plan = run_lora_plan(shape, spec)
+    trainable = shape.params_total if plan is None else plan.trainable(shape)
+    loading = 0 if spec.random_init else spec.num_gpus * shape.params_total * DTYPE_BYTES[spec.dtype]
+    return replace(worst, pipeline=summary, params_trainable=trainable,
+                   params_total=shape.params_total + (0 if plan is None else trainable),
+                   host_ram_bytes=max(worst.host_ram_bytes, loading))
 
 
 def stage_master(spec: TrainSpec) -> int:
