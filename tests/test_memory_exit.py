@@ -68,3 +68,20 @@ def test_weights_that_do_not_fit_are_told_to_offload_or_train_fewer():
            "bfloat16 base (--method lora --dtype bfloat16), 8-bit AdamW (train.optimizer=adamw_8bit / --optimizer " \
            "adamw_8bit)" in said
     assert "what the micro-batch keeps" not in said and "--seq-len" not in said
+
+
+@pytest.mark.parametrize("args, said", [
+    (("--model", "mistral-7b", "--dora"), "--dora sets the LoRA adapters (lora.*), and the run estimated is a full "
+                                          "fine-tune: add --method lora"),
+    (("--model", "mistral-7b", "--lora-r", "64", "--lora-dropout", "0.5"), "--lora-r, --lora-dropout set the LoRA"),
+    (("--model", "mistral-7b", "--pipeline-schedule", "gpipe"), "--pipeline-schedule sets the pipeline's schedule, "
+                                                                "and the run estimated has no pipeline"),
+    (("recipes/mistral7b-lora.yaml", "--pipeline-schedule", "gpipe"), "--pipeline-schedule sets the pipeline's"),
+])
+def test_options_the_estimated_run_does_not_have_are_refused(args, said):
+    """An option for what the run does not have (LoRA's without --method lora, a schedule without stages) is
+    refused, as --quantize without LoRA is: they had been dropped without a word (--dora estimated a full fine-tune's
+    121 GiB, exit 4; audit 10)."""
+    result = estimate_memory(*args, check=False)
+    assert result.returncode == 2 and said in " ".join((result.stdout + result.stderr).split()), result.stdout
+    assert estimate_memory("--model", "mistral-7b", "--method", "lora", "--dora", "--json").returncode in (0, 4)

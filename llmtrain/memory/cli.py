@@ -178,6 +178,7 @@ def estimate_memory(
         raise LLMTrainError("give either a RECIPE.yaml or --model PATH_OR_ID (not both, not neither).")
     shape, spec, global_batch, target, assumed = (_from_recipe(recipe, overrides, run, launch) if recipe is not None
                                                   else _from_model(model, overrides, run, launch))
+    _check_ignored(run, pipe, spec)
     if longest_context and fit:
         raise LLMTrainError("--longest-context and --fit answer two questions: ask one at a time.")
     longest = fitting.longest_context(shape, spec) if longest_context else None
@@ -358,6 +359,22 @@ def _from_model(model: str, overrides, run: dict, launch: dict):
         assumed += ("LoRA dropout 0, as a recipe for a mixture of experts must set it (peft adapts the experts as "
                     "parameters, which take no dropout)",)
     return shape, spec, None, None, assumed
+
+
+def _check_ignored(run: dict, pipe: dict, spec) -> None:
+    """Options that set what the estimated run does not have, refused as --quantize without LoRA is (they had been
+    dropped without a word: --dora without --method lora estimated a full fine-tune's 121 GiB; audit 10)."""
+    lora = [f"--{k.replace('_', '-')}" for k in ("lora_r", "lora_dropout", "dora", "lora_target_parameters")
+            if k in run]
+    if lora and spec.method != "lora":
+        raise LLMTrainError(f"{', '.join(lora)} set{'s' if len(lora) == 1 else ''} the LoRA adapters (lora.*), and "
+                            "the run estimated is a full fine-tune: add --method lora, or leave "
+                            f"{'it' if len(lora) == 1 else 'them'} out.")
+    stages = [f"--{k.replace('_', '-')}" for k in ("pipeline_schedule", "pipeline_chunks") if pipe.get(k) is not None]
+    if stages and spec.pipeline_parallel == 1:
+        raise LLMTrainError(f"{' and '.join(stages)} set{'s' if len(stages) == 1 else ''} the pipeline's schedule, "
+                            "and the run estimated has no pipeline: add --pipeline-parallel N (parallel."
+                            f"pipeline_parallel), or leave {'it' if len(stages) == 1 else 'them'} out.")
 
 
 def _option_for(override: str) -> str:
