@@ -197,7 +197,7 @@ def check_memory(recipe: Recipe, launch_path: Path | None, gpu_memory: float | N
         return [("memory", "warn", f"no estimate: {e}")], None
     if gpu_memory is None:
         return [("memory", "info", f"no GPU here: {_gib(est.per_gpu_peak_bytes)} per GPU estimated, not checked "
-                 "against a card; pass --gpu-memory 80 to check it against an H100")], est
+                 "against a card; pass --gpu-memory 79 to check it against an 80 GB H100 (79.6 GiB in all)")], est
     t = recipe.train
     global_batch = (t.micro_batch_tokens or t.micro_batch_size) * t.grad_accum_steps * spec.data_ranks
     advice = fitting.recommendation(shape, est, global_batch=global_batch)
