@@ -72,7 +72,8 @@ def traffic_run(shape: ModelShape, spec: TrainSpec, network=None) -> Traffic:
 
 def estimate_for_recipe(recipe: Recipe, *, num_processes: int = 1,
                         strategy: Literal["single", "ddp", "fsdp", "hsdp"] = "single", cpu_offload: bool = False,
-                        num_nodes: int = 1, tp: int = 1, prompt_lengths=None) -> Estimate:
+                        num_nodes: int = 1, tp: int = 1, reshard_after_forward: bool = True,
+                        prompt_lengths=None) -> Estimate:
     """The per-GPU estimate for the run `recipe` describes on `num_processes` GPUs of each of `num_nodes` nodes
     (`tp`: tensor-parallel GPUs a group, FSDP sharding over the groups).
 
@@ -85,7 +86,8 @@ def estimate_for_recipe(recipe: Recipe, *, num_processes: int = 1,
 
     shape = recipe_model_shape(recipe)
     return estimate_run(shape, spec_from_recipe(recipe, strategy=strategy, num_gpus=num_processes, num_nodes=num_nodes,
-                                            cpu_offload=cpu_offload, tp=tp, prompt_lengths=prompt_lengths))
+                                            cpu_offload=cpu_offload, tp=tp, prompt_lengths=prompt_lengths,
+                                            reshard_after_forward=reshard_after_forward))
 
 
 def estimate_for_run(recipe: Recipe, accelerator, *, prompt_lengths=None) -> Estimate | None:
@@ -103,10 +105,12 @@ def estimate_for_run(recipe: Recipe, accelerator, *, prompt_lengths=None) -> Est
     mesh = accelerator.parallelism_config
     replicas = mesh.dp_replicate_size if (fsdp and mesh is not None) else 1
     tp = mesh.tp_size if (fsdp and mesh is not None) else 1  # FSDP x TP (it had been priced as plain FSDP)
+    reshard = not fsdp or getattr(accelerator.state.fsdp_plugin, "reshard_after_forward", True) is not False
     try:  # HSDP: the memory of FSDP over a replica's shards (modelled as replicas = nodes)
         est = estimate_for_recipe(recipe, num_processes=accelerator.num_processes // replicas,
                                   strategy="hsdp" if replicas > 1 else strategy, cpu_offload=offload,
-                                  num_nodes=replicas, tp=tp, prompt_lengths=prompt_lengths)
+                                  num_nodes=replicas, tp=tp, reshard_after_forward=reshard,
+                                  prompt_lengths=prompt_lengths)
     except LLMTrainError as e:
         accelerator.print(f"memory estimate unavailable: {e}")
         return None

@@ -463,7 +463,8 @@ def _layout(path: Path | None, *, strategy, num_gpus, num_nodes, cpu_offload: bo
         chosen = "single" if gpus * nodes == 1 else "ddp"
     offload = cpu_offload or (base.cpu_offload if base else False)
     layout = dict(strategy=chosen, num_gpus=gpus, num_nodes=nodes, cpu_offload=offload,
-                  tp=tp or (base.tp if base and chosen == base.strategy else 1))
+                  tp=tp or (base.tp if base and chosen == base.strategy else 1),
+                  reshard_after_forward=base.reshard_after_forward if base and chosen == base.strategy else True)
     return layout, base.mixed_precision if base else None
 
 

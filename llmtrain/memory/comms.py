@@ -286,7 +286,8 @@ def collectives(spec: TrainSpec, *, trainable_bytes: float, gathered: Gathered, 
     over the decoder layers (tensor_parallel_activations), and `gathers` what a gathered plan (Phi's fused layers)
     all-gathers a micro-batch in forward and in backward (tensor_parallel_gathers)."""
     m, a = spec.num_nodes, spec.grad_accum_steps
-    per_step = a * (2 * gathered.resharded + gathered.tail)
+    # the layers gathered in forward and again in backward; once with fsdp_reshard_after_forward: false
+    per_step = a * ((2 if spec.reshard_after_forward else 1) * gathered.resharded + gathered.tail)
     scatters = a if spec.fsdp_accumulate == "sharded" else 1  # reduce-scatters of the gradients per step
     each = f" x {scatters} micro-batches" if scatters > 1 else ""
     if spec.strategy == "single" or spec.world == 1:
@@ -304,13 +305,15 @@ def collectives(spec: TrainSpec, *, trainable_bytes: float, gathered: Gathered, 
                               f"group x {a} micro-batches", "all_gather",
                               a * ((2 if spec.gradient_checkpointing else 1) * forward + backward), spec.tp, "node"),)
     if spec.strategy == "fsdp":
-        return (Collective(f"all-gather of the parameters, forward and backward x {a} micro-batches", "all_gather",
+        how = "forward and backward" if spec.reshard_after_forward else "once (kept from forward to backward)"
+        return (Collective(f"all-gather of the parameters, {how} x {a} micro-batches", "all_gather",
                            per_step, spec.shards, "job"),
                 Collective(f"reduce-scatter of the trainable gradients{each}", "reduce_scatter",
                            scatters * trainable_bytes, spec.shards, "job"), *tp)
     # hsdp: shard within a node, replicate across nodes (shards: the node's GPUs, or its TP groups)
     s = spec.shards
-    return (Collective(f"all-gather of the parameters within the node, forward and backward x {a} micro-batches",
+    how = "forward and backward" if spec.reshard_after_forward else "once (kept from forward to backward)"
+    return (Collective(f"all-gather of the parameters within the node, {how} x {a} micro-batches",
                        "all_gather", per_step, s, "node"),
             Collective(f"reduce-scatter of the trainable gradients within the node{each}", "reduce_scatter",
                        scatters * trainable_bytes, s, "node"),

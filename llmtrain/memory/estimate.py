@@ -290,16 +290,20 @@ def estimate(shape: ModelShape, spec: TrainSpec) -> Estimate:
     tail = (shape.head_outputs * H + shape.params_final_norm) * pd + fp32_head_extra(shape, spec, pd) if fsdp else 0
     embed_unit = V * H * pd if (fsdp and not shape.tied) else 0
     always = tail if shape.tied else 0
+    # fsdp_reshard_after_forward: false: every layer stays gathered from its forward to its backward (the layers
+    # beyond the two in flight, from the last layer's forward through the loss to the first backward)
+    unresharded = L * unit if (fsdp and not spec.reshard_after_forward) else 0
     g_acc = accumulated_grads(spec, st)
 
     base = dict(weights=st.weights, optimizer=st.optimizer, ddp_buckets=st.ddp_buckets)
     acts_all = sum(on_gpu) + in_flight + outside
     phases = {"forward": _phase(**base, gradients=g_acc, autocast_copies=copies_fwd,
-                                activations=sum(on_gpu) + in_flight + rope_ids + mask, fsdp_buffers=2 * unit + always,
+                                activations=sum(on_gpu) + in_flight + rope_ids + mask,
+                                fsdp_buffers=max(2 * unit, unresharded) + always,
                                 temporaries=act.layer_forward_temp(p, shape.layer(L - 1), adapted[-1]))}
 
     phases.update(_loss_phases(
-        p, shape, spec, st, head_copies=head_copies, tail=tail,
+        p, shape, spec, st, head_copies=head_copies, tail=tail + unresharded,
         fsdp_head=shape.head_outputs * H * pd + fp32_head_extra(shape, spec, pd) if fsdp and head_trains else 0,
         forward=dict(**base, gradients=g_acc, autocast_copies=copies_fwd, activations=acts_all + mask),
         backward=dict(**base, gradients=g_acc, autocast_copies=copies_kept, activations=acts_all + mask_bwd),
@@ -320,7 +324,7 @@ def estimate(shape: ModelShape, spec: TrainSpec) -> Estimate:
     phases["backward_layers"] = _backward_layers(
         p, shape, spec, st, plan, base, adapted=adapted, saved=saved, kept=kept, on_gpu=on_gpu, copies=copies,
         below_all=rope_ids + mask_bwd, g_acc=g_acc, temps=(down_temp, attn_temp),
-        fsdp_buffers=2 * unit + 2 * unit_grads + always, embed_trains=embed_trains)
+        fsdp_buffers=max(2 * unit, unresharded) + 2 * unit_grads + always, embed_trains=embed_trains)
     phases["backward_embedding"] = _phase(**base, gradients=st.grads, temporaries=p.tokens * H * p.resid,
                                           fsdp_buffers=embed_unit * (2 if full else 1) + always)
     phases["optimizer_step"] = _phase(**base, gradients=st.grads)

@@ -28,6 +28,7 @@ class Layout:
     cpu_offload: bool
     mixed_precision: str | None  # the launch config's; llmtrain runs with the recipe's
     tp: int = 1  # tensor-parallel GPUs per group (parallelism_config_tp_size)
+    reshard_after_forward: bool = True  # fsdp_config's fsdp_reshard_after_forward
 
 
 def read_accelerate_config(path: Path) -> Layout:
@@ -57,8 +58,9 @@ def read_accelerate_config(path: Path) -> Layout:
     if kind == "FSDP" and (sizes := mesh_sizes(cfg)) is not None:
         strategy, tp = _mesh_strategy(path, sizes, gpus=procs // machines, nodes=machines)
     mp = cfg.get("mixed_precision")  # the offload is FSDP's, over every GPU or over a node's shards (HSDP)
+    reshard = str((cfg.get("fsdp_config") or {}).get("fsdp_reshard_after_forward", True)).lower() != "false"
     return Layout(strategy, procs // machines, machines, offloads_params(cfg) and strategy in ("fsdp", "hsdp"),
-                  None if mp is None else str(mp), tp)
+                  None if mp is None else str(mp), tp, reshard or strategy not in ("fsdp", "hsdp"))
 
 
 def _mesh_strategy(path: Path, sizes: dict[str, int], *, gpus: int, nodes: int) -> tuple[Strategy, int]:

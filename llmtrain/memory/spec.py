@@ -91,6 +91,9 @@ class TrainSpec:
     num_gpus: int = 1  # per node
     num_nodes: int = 1
     cpu_offload: bool = False  # FSDP's offload_params: sharded weights, grads and optimizer state on the host
+    # FSDP's fsdp_reshard_after_forward (accelerate's default true): false keeps every layer's gathered parameters
+    # from its forward to its backward, gathering them once a micro-batch instead of twice
+    reshard_after_forward: bool = True
     gpu_memory_gib: float = 80.0
     tp: int = 1  # tensor-parallel GPUs per group, within a node (FSDP or HSDP x TP: FSDP shards over the groups)
     # Ulysses sequence parallelism (parallel.sequence_parallel): N consecutive GPUs share each micro-batch, a packed
