@@ -54,6 +54,11 @@ def test_sharded_lora_reads_b_back_from_the_shards(tmp_path):
     _sharded(tmp_path / "zero", {**BASE, **LORA})
     with pytest.raises(LLMTrainError, match="every LoRA B matrix is zero"):
         verify_saved(tmp_path / "zero", model_keys={*BASE, *LORA}, trainable=set(LORA))
+    # an adapter that has not moved (every gradient so far 0, the model in memory's B zero too) is saved as it is;
+    # the same zeros where the model in memory has moved are a broken save
+    verify_saved(tmp_path / "zero", model_keys={*BASE, *LORA}, trainable=set(LORA), adapter_moved=False)
+    with pytest.raises(LLMTrainError, match="where the adapter in memory has moved"):
+        verify_saved(tmp_path / "zero", model_keys={*BASE, *LORA}, trainable=set(LORA), adapter_moved=True)
     _sharded(tmp_path / "ok", {**BASE, **TRAINED})
     verify_saved(tmp_path / "ok", model_keys={*BASE, *TRAINED}, trainable=set(TRAINED))
     with pytest.raises(LLMTrainError, match="saved keys do not match"):  # an adapter the model does not have

@@ -265,6 +265,20 @@ def test_lora_with_beta_takes_the_disabled_adapter_as_reference(tiny_assets, tmp
     assert kl[0] == pytest.approx(0.0, abs=1e-7) and kl[-1] > 1e-6 and all(k >= 0 for k in kl)
 
 
+def test_a_lora_run_whose_rewards_have_not_varied_yet_checkpoints_and_goes_on(tiny_assets, tmp_path):
+    """A reward that no completion has earned yet (every group's rewards equal, every advantage 0): LoRA's B
+    matrices are still 0 at the first checkpoint, which is saved as it is (the save had been refused as broken,
+    "every LoRA B matrix is zero", and the run had stopped with no checkpoint; audit 12), and the run goes on."""
+    recipe = grpo_recipe(tiny_assets, tmp_path, lora={"r": 4, "alpha": 8, "dropout": 0.0},
+                         rl={"rewards": [{"type": "format", "pattern": "^never this$"}]},
+                         data={"eval_split": None}, train={"max_steps": 4, "eval_every_steps": None})
+    summary = run_train(recipe, f"output_dir={tmp_path / 'run'}")
+    assert summary["steps"] == 4 and all(r["frac_reward_zero_std"] == 1.0 for r in records(tmp_path / "run"))
+    ckpt = tmp_path / "run" / "checkpoints" / "step_000002"
+    assert (ckpt / "train_state.json").is_file()
+    assert all(not t.any() for k, t in load_weights(ckpt).items() if "lora_B" in k)  # nothing learned yet
+
+
 def test_conversational_prompts_render_the_generation_prompt_and_rewards_get_messages(tiny_assets, tmp_path,
                                                                                           monkeypatch):
     from transformers import AutoTokenizer

@@ -30,6 +30,18 @@ def diverged(accelerator, out: Path, step: int, grad_norm: float, tc) -> None:
     )
 
 
+def adapter_moved(accelerator, model) -> bool:
+    """Whether any LoRA B matrix of the model in memory is nonzero, over every process (their FSDP shards or pipeline
+    stages): a checkpoint whose B matrices are all zero is then a broken save, not an adapter that has not moved yet
+    (every gradient so far exactly 0, as online RL's while no group's rewards have varied)."""
+    with torch.no_grad():
+        flags = [(p.to_local() if hasattr(p, "to_local") else p).ne(0).any()
+                 for name, p in model.named_parameters() if "lora_B" in name]
+        moved = int(torch.stack(flags).any()) if flags else 0
+    (moved,) = global_sum(accelerator, moved)
+    return bool(moved)
+
+
 def check_finite_weights(accelerator, model, step: int) -> None:
     """No checkpoint or export is ever published with a NaN or infinite weight (an update can overflow)."""
     # Trained weights only: a frozen one never changes, and a 4-bit base's packed bytes (stored as bf16 so that FSDP

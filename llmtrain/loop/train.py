@@ -22,7 +22,7 @@ from llmtrain.config import Recipe, updates_per_window
 from llmtrain.data.batching import prefetch, windows
 from llmtrain.errors import LLMTrainError, Stopped, TrainingDiverged
 from llmtrain.loop.cadence import Cadence
-from llmtrain.loop.guards import check_finite_weights, diverged
+from llmtrain.loop.guards import adapter_moved, check_finite_weights, diverged
 from llmtrain.loop.meter import Meter
 from llmtrain.loop.rounds import Rounds
 from llmtrain.loop.phases import (
@@ -353,7 +353,12 @@ def save(run: Run, state: TrainState, meter: Meter) -> Path:
     check_finite_weights(run.accelerator, run.model.model, state.step)
     state.elapsed_s = meter.elapsed()
     trainable = run.model.trainable_names
-    return save_checkpoint(run.accelerator, output_dir=run.out, state=state,
+    moved = adapter_moved(run.accelerator, run.model.model) if trainable else None
+    if moved is False:  # (the save had been refused as broken and the run stopped: audit 12)
+        run.console.say(f"note: step {state.step}'s checkpoint holds an adapter that has not moved yet: every LoRA B "
+                        "matrix is still 0, every gradient so far having been 0 (online RL: no group's rewards have "
+                        "varied yet, frac_reward_zero_std 1)")
+    return save_checkpoint(run.accelerator, output_dir=run.out, state=state, adapter_moved=moved,
                            write_round=partial(run.rounds.write, step=state.step),
                            write_reference=run.reference.write if run.reference is not None else None,
                            recipe_yaml=run.recipe.to_yaml(working_dir=os.getcwd()),

@@ -174,7 +174,8 @@ def lora_only_hooks(accelerator, trainable_names: set[str]) -> None:
 FSDP_MODEL_DIR = "pytorch_model_fsdp_0"  # where Accelerate writes a sharded (DCP) model: one .distcp file per rank
 
 
-def verify_saved(path: Path, *, model_keys: set[str], trainable: set[str] | None) -> None:
+def verify_saved(path: Path, *, model_keys: set[str], trainable: set[str] | None,
+                 adapter_moved: bool | None = None) -> None:
     """Check a checkpoint before it is published, by reading back what was written.
 
     Its weights must hold the model's keys (only the adapter's, `trainable`, for LoRA outside FSDP) and,
@@ -182,7 +183,8 @@ def verify_saved(path: Path, *, model_keys: set[str], trainable: set[str] | None
     sharded (FSDP) checkpoint is read through its DCP metadata: every shard's bytes must be on disk, and
     the LoRA B matrices are loaded back from the shards in this one process.
     """
-    weights, sharded, stages = path / "model.safetensors", path / FSDP_MODEL_DIR, sorted(path.glob("pipeline/stage_*"))
+    weights, sharded = path / "model.safetensors", path / FSDP_MODEL_DIR
+    stages = sorted(path.glob("pipeline/stage_*"))
     if stages:  # pipeline parallelism: each stage's weights by name in the whole model (parallel/pipeline/checkpoint.py)
         from safetensors import safe_open
 
@@ -212,9 +214,12 @@ def verify_saved(path: Path, *, model_keys: set[str], trainable: set[str] | None
     if not saved or not saved <= expected or (trainable is not None and not trainable <= saved):
         raise LLMTrainError(f"checkpoint {path} failed verification: saved keys do not match the model "
                             f"({len(saved)} saved, {len(expected)} expected). It was not published.")
-    if trainable is not None and not any(t.any() for t in lora_b.values()):
+    # all zero where the adapter in memory is not (or where that is not known): a broken save. An adapter that has not
+    # moved yet (adapter_moved False: every gradient so far 0) is saved as it is.
+    if trainable is not None and adapter_moved is not False and not any(t.any() for t in lora_b.values()):
         raise LLMTrainError(f"checkpoint {path} failed verification: every LoRA B matrix is zero, so the adapter "
-                            "would do nothing. It was not published; check train.lr and the LoRA settings.")
+                            "would do nothing, where the adapter in memory has moved. It was not published; check "
+                            "train.lr and the LoRA settings.")
 
 
 def _read_sharded(folder: Path, path: Path, *, lora: bool) -> tuple[set[str], dict]:
@@ -243,7 +248,7 @@ def _read_sharded(folder: Path, path: Path, *, lora: bool) -> tuple[set[str], di
 
 def save_checkpoint(accelerator, *, output_dir: Path, state: TrainState, recipe_yaml: str, keep_last: int,
                     model_keys: set[str], trainable: set[str] | None, write_stage=None, write_round=None,
-                    write_reference=None) -> Path:
+                    write_reference=None, adapter_moved: bool | None = None) -> Path:
     """Write, flush, verify and publish a checkpoint, then prune to the newest `keep_last`. `write_stage(folder)`:
     pipeline parallelism's writer of this process's stages (weights and optimizer; Accelerate saves the rest);
     `write_round(folder)`: online RL's writer of this process's generation round in progress (loop/rounds.py);
@@ -275,14 +280,14 @@ def save_checkpoint(accelerator, *, output_dir: Path, state: TrainState, recipe_
     error = None
     if accelerator.is_main_process:
         error = _attempt(lambda: _publish(tmp, final, state=state, recipe_yaml=recipe_yaml, keep_last=keep_last,
-                                          model_keys=model_keys, trainable=trainable))
+                                          model_keys=model_keys, trainable=trainable, adapter_moved=adapter_moved))
     _stop_if_any_failed(accelerator, error, final=final)
     return final
 
 
 def _publish(tmp: Path, final: Path, *, state: TrainState, recipe_yaml: str, keep_last: int,
-             model_keys: set[str], trainable: set[str] | None) -> None:
-    verify_saved(tmp, model_keys=model_keys, trainable=trainable)
+             model_keys: set[str], trainable: set[str] | None, adapter_moved: bool | None = None) -> None:
+    verify_saved(tmp, model_keys=model_keys, trainable=trainable, adapter_moved=adapter_moved)
     _write_durable(tmp / "train_state.json", json.dumps(state.state_dict(), indent=1))
     _write_durable(tmp / "recipe.yaml", recipe_yaml)
     write_manifest(tmp, step=state.step)  # last: it vouches for every file above
