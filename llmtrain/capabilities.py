@@ -297,7 +297,7 @@ RULES: tuple[Rule, ...] = (
     Rule("pp", _pp_budget,
          "{key} sends each micro-batch's hidden states between stages in buffers of one fixed shape: every "
          "micro-batch is one packed row of train.micro_batch_tokens slots (padded to it). Set "
-         "train.micro_batch_tokens={budget} (the slots of train.micro_batch_size={size} rows of data.max_seq_len) and "
+         "train.micro_batch_tokens={budget} (the slots of train.micro_batch_size={size} {rows}) and "
          "train.micro_batch_size=1"),
     Rule("pp", _pp_accum,
          "{key} with pipeline_schedule={schedule}: torch's schedule needs at least as many micro-batches a step as "
@@ -333,11 +333,14 @@ def _reference_of(recipe) -> str:
 
 def _fill(text: str, parallelism: str, recipe, layout: Layout) -> str:
     m, p = recipe.train.grad_accum_steps, recipe.parallel.pipeline_parallel
+    # a pair is two sequences of up to data.max_seq_len (the budget of one had been advised: audit 12)
+    per = 2 if MODES[mode_of(recipe)].unit == "pairs" else 1
+    rows = "pairs of 2 sequences of data.max_seq_len" if per == 2 else "rows of data.max_seq_len"
     return text.format(key=_key(parallelism, recipe, layout), attn=recipe.model.attn_implementation,
                        reference=_reference_of(recipe),
                        schedule=recipe.parallel.pipeline_schedule, accum=m, pp=p, rounds=max(1, m // p),
-                       size=recipe.train.micro_batch_size,
-                       budget=recipe.train.micro_batch_size * recipe.data.max_seq_len)
+                       size=recipe.train.micro_batch_size, rows=rows,
+                       budget=recipe.train.micro_batch_size * per * recipe.data.max_seq_len)
 
 
 def cell(mode: str, parallelism: str) -> str | None:

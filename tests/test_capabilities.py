@@ -145,6 +145,28 @@ def test_tensor_parallelism_samples_the_split_weights_merged_or_not(mode_recipes
     assert sampler_text("graph", torch.device("cuda")) == "graph"
 
 
+@pytest.mark.parametrize("recipe", ["tiny-dpo.yaml", "tiny-reward.yaml"])
+def test_the_pipelines_budget_advice_holds_a_pair_and_the_budget_check_says_what_fits(recipe):
+    """A pair is two sequences of up to data.max_seq_len: the stages' token budget the refusal advises holds
+    micro_batch_size pairs (it had advised the slots of one sequence, which the processes then refused, advising the
+    max_seq_len already set; audit 12), and the data's budget check advises half the budget for a pair's sequences."""
+    from llmtrain.config import load_recipe
+    from llmtrain.data.checks import check_budget
+
+    with pytest.raises(LLMTrainError) as refused:
+        load_recipe(REPO / "recipes" / recipe, ["parallel.pipeline_parallel=2", "train.micro_batch_size=1",
+                                                "train.grad_accum_steps=2", "data.max_seq_len=32"])
+    said = " ".join(str(refused.value).split())
+    assert ("Set train.micro_batch_tokens=64 (the slots of train.micro_batch_size=1 pairs of 2 sequences of "
+            "data.max_seq_len)") in said, said
+    (_, status, detail), = check_budget(32, [20, 51], max_seq_len=32, pairs=True)
+    assert status == "fail" and "at least 51, or truncate the examples with data.max_seq_len=16 (a pair" in detail
+    (_, _, detail), = check_budget(32, [20, 51], max_seq_len=32)  # one sequence: already cut there, no such advice
+    assert detail.endswith("Raise train.micro_batch_tokens to at least 51.")
+    (_, _, detail), = check_budget(32, [20, 51], max_seq_len=64)
+    assert detail.endswith("or truncate the examples with data.max_seq_len=32.")
+
+
 def test_every_problem_of_a_recipe_is_said_at_once():
     """A full fine-tune's KTO on pipeline stages without a token budget and with a micro-batch of 1: the stages' one
     row shape (a budget) and its KL's micro-batch, in one refusal (each used to come only once the one before it was

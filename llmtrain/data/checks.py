@@ -10,6 +10,7 @@ from __future__ import annotations
 import math
 from pathlib import Path
 
+from llmtrain.capabilities import MODES, mode_of
 from llmtrain.config import Recipe, updates_per_window
 from llmtrain.data.formats import IGNORE, prompt_length, special_ids
 from llmtrain.data.prepare import DataStats
@@ -145,16 +146,20 @@ def check_eos_trained(labels: list[list[int]], tokenizer, unit: str = "examples"
     return rows
 
 
-def check_budget(budget: int | None, lengths: list[int]) -> list[Check]:
+def check_budget(budget: int | None, lengths: list[int], *, max_seq_len: int | None = None,
+                 pairs: bool = False) -> list[Check]:
     """With a token budget (train.micro_batch_tokens) every example must fit one micro-batch: none is ever split or
-    dropped."""
+    dropped. `pairs`: an example is a preference pair, two sequences of up to data.max_seq_len each."""
     if budget is None:
         return []
     longest = max(lengths, default=0)
     if longest > budget:
+        cut = budget // 2 if pairs else budget  # (for a pair it had advised the budget: both its sequences)
+        truncate = (f", or truncate the examples with data.max_seq_len={cut}"
+                    + (" (a pair is both its sequences)" if pairs else "")) if cut < (max_seq_len or cut + 1) else ""
         return [("token budget", "fail", f"train.micro_batch_tokens={budget} is smaller than the longest example "
-                 f"({longest} tokens); no example is ever split or dropped. Raise train.micro_batch_tokens to at "
-                 f"least {longest}, or truncate the examples with data.max_seq_len={budget}.")]
+                 f"({longest} tokens{', a pair' if pairs else ''}); no example is ever split or dropped. Raise "
+                 f"train.micro_batch_tokens to at least {longest}{truncate}.")]
     return [("token budget", "pass", f"the longest example ({longest} tokens) fits train.micro_batch_tokens={budget}")]
 
 
@@ -251,7 +256,9 @@ def check_data(recipe: Recipe, stats: DataStats, train, eval_ds, tokenizer, *, r
         rows += check_prompt_room(recipe, train, None)
     lengths = [*train["length"], *(eval_ds["length"] if eval_ds is not None else [])]
     rows += check_eval_batch(recipe, train["length"], eval_ds["length"] if eval_ds is not None else [])
-    return rows + check_budget(recipe.train.micro_batch_tokens, lengths) + check_kl_pairs(
+    pairs = MODES[mode_of(recipe)].unit == "pairs"
+    return rows + check_budget(recipe.train.micro_batch_tokens, lengths, max_seq_len=recipe.data.max_seq_len,
+                               pairs=pairs) + check_kl_pairs(
         recipe, train["length"], eval_ds["length"] if eval_ds is not None else [])
 
 
