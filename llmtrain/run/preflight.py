@@ -116,8 +116,8 @@ def check_resume(ckpt: Path, recipe: Recipe, *, world: int, fsdp: bool, allow_re
             f"{'does not use' if sharded else 'uses'} it. Resume it with "
             + ("an FSDP launch: `llmtrain launch --config_file accelerate_configs/fsdp.yaml [--num_processes N] "
                "RECIPE.yaml --resume ...` (cpu_fsdp.yaml on a CPU)" if sharded else
-               "`llmtrain finetune RECIPE.yaml --resume ...` or a DDP launch (accelerate_configs/ddp.yaml, cpu_ddp.yaml "
-               "on a CPU)") + ".")
+               "`llmtrain finetune RECIPE.yaml --resume ...` or a DDP launch (accelerate_configs/ddp.yaml, "
+               "cpu_ddp.yaml on a CPU)") + ".")
     staged, stages_now = (ckpt / "pipeline").is_dir(), now.get("parallel", {}).get("pipeline_parallel", 1)
     if staged != (stages_now > 1):  # another pipeline degree (or schedule) is fine: the stages' files are by name
         raise LLMTrainError(
