@@ -34,10 +34,16 @@ def is_local_path(name: str) -> bool:
     """Whether a model, tokenizer or data name is a local path (there, or not made yet) rather than a hub id: the one
     rule every reader of a name asks. A hub id is owner/name, or a bare legacy name such as gpt2; a name is local
     when it exists here, starts with . / or ~, has more than one slash (runs/tiny-sft/final), ends with a data
-    file's extension, or has a slash and its first folder exists here (runs/tiny-sft before that run is trained)."""
+    file's extension, or has a slash and its first folder exists here (runs/tiny-sft before that run is trained) or is
+    runs/, where llmtrain's runs are (runs/tiny in a fresh clone, before `make demo`: not a hub id to download)."""
     path = Path(name).expanduser()
     return (path.exists() or name.startswith((".", "/", "~")) or name.count("/") > 1
-            or name.lower().endswith(DATA_FILES) or ("/" in name and path.parent.is_dir()))
+            or name.lower().endswith(DATA_FILES) or ("/" in name and (path.parent.is_dir() or _in_runs(name))))
+
+
+def _in_runs(name: str) -> bool:
+    """runs/NAME: a run's output_dir as every recipe names it (output_dir: runs/NAME), whether runs/ exists yet."""
+    return name.split("/")[0] == "runs"
 
 
 def surely_local(name: str) -> bool:
@@ -46,7 +52,7 @@ def surely_local(name: str) -> bool:
     one model: mistralai/Other-Model is still the hub's). runs/tiny-sfT (runs/ holds runs) is local."""
     if not is_local_path(name):
         return False
-    if name.count("/") != 1 or name.startswith((".", "/", "~")) or name.lower().endswith(DATA_FILES):
+    if name.count("/") != 1 or name.startswith((".", "/", "~")) or name.lower().endswith(DATA_FILES) or _in_runs(name):
         return True
     parent = Path(name).expanduser().parent
     return any((p / "recipe.yaml").is_file() for p in parent.iterdir() if p.is_dir())

@@ -235,3 +235,42 @@ def test_eval_of_a_local_run_on_local_tasks_says_nothing_of_the_hub(tiny_assets,
                           capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "cannot be reached" not in proc.stderr and "exact_match" in proc.stdout, proc.stderr
+
+
+def test_a_run_under_runs_is_a_path_before_runs_exists_and_generate_and_eval_say_so(tmp_path, monkeypatch):
+    """runs/NAME is a run's folder (every recipe's output_dir), not a hub id, whether runs/ exists yet: in a fresh
+    clone `generate runs/tiny` had told the user to `hf download runs/tiny` (and eval named the recipe keys
+    model.name_or_path / model.tokenizer, there being no recipe; audit 11). Both say it does not exist and how a run's
+    folder is made; owner/name ids stay the hub's."""
+    from typer.testing import CliRunner
+
+    from llmtrain.cli import app
+
+    monkeypatch.chdir(tmp_path)  # no runs/ here
+    assert hub.is_local_path("runs/tiny") and hub.missing_local("runs/tiny") and hub.hub_ids("runs/tiny") == []
+    assert not hub.is_local_path("mistralai/Mistral-7B-v0.1") and hub.hub_ids("gpt2") == ["gpt2"]
+    for args in (["generate", "runs/tiny", "reverse abc ="], ["eval", "runs/tiny", "--tasks", "tiny_reverse"]):
+        result = CliRunner().invoke(app, args)
+        said = " ".join(result.output.split())
+        assert result.exit_code == 2, said
+        assert "'runs/tiny' does not exist. Give a run's output_dir" in said and "make demo` writes runs/tiny" in said
+        assert "hf download" not in said and "model.name_or_path" not in said
+
+
+def test_generate_and_eval_of_a_run_still_training_say_so_and_not_to_resume_it(tmp_path):
+    """A run without final/ whose folder's lock is held is still training: wait, or use a checkpoint (resuming it,
+    which they had advised, is refused as in use; audit 11)."""
+    import fcntl
+
+    from llmtrain.run.rundir import MARKER, unfinished
+
+    run = tmp_path / "run"
+    (run / "checkpoints" / "step_000002").mkdir(parents=True)
+    assert "finish it with `llmtrain finetune" in unfinished(run, "Generate from")
+    with open(run / MARKER, "w") as f:
+        f.write("llmtrain run\npid: 4242\nhost: here\nstarted: now\ncommand: llmtrain finetune r.yaml\n")
+        f.flush()
+        fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        said = unfinished(run, "Generate from")
+    assert said.startswith(f"'{run}' is still training (pid 4242 on here") and "--resume" not in said
+    assert "checkpoints (" in said and "step_000002" in said

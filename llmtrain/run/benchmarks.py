@@ -37,7 +37,12 @@ class Target:
 
 def resolve(target: str, *, dtype: str) -> Target:
     """What `target` is: a run folder (its final/), a checkpoint of one, a model folder or a hub id."""
+    from llmtrain.hub import missing_local
+    from llmtrain.run.rundir import missing_source, run_recipe, unfinished
+
     path = Path(target).expanduser()
+    if missing_local(target):  # (it had named the recipe keys model.name_or_path / model.tokenizer: there is none)
+        raise LLMTrainError(missing_source(target))
     if not (path / "recipe.yaml").is_file():
         if path.exists() and not (path / "config.json").is_file():
             raise LLMTrainError(f"'{target}' is neither a run folder (recipe.yaml), a checkpoint of one nor a model "
@@ -45,8 +50,6 @@ def resolve(target: str, *, dtype: str) -> Target:
                                 "checkpoints/step_N, a model folder or a hub id")
         _readable(target)
         return Target(target, {"pretrained": target, "dtype": dtype}, None)
-    from llmtrain.run.rundir import run_recipe
-
     recipe = run_recipe(path)
     checkpoint = (path / "train_state.json").is_file()
     run = path.parent.parent if checkpoint else path
@@ -56,10 +59,7 @@ def resolve(target: str, *, dtype: str) -> Target:
         return Target(str(path), _built_args(recipe, dtype), run, _loader(path, dtype), recipe.model.name_or_path)
     final = path / "final"
     if not final.is_dir():
-        steps = sorted((path / "checkpoints").glob("step_*"))
-        raise LLMTrainError(f"'{target}' has no final/: the run has not finished (or ran with checkpoint.save_final: "
-                            f"false). Evaluate one of its checkpoints ({steps[-1] if steps else 'it has none'}), or "
-                            f"finish it with `llmtrain finetune {path}/recipe.yaml --resume auto`")
+        raise LLMTrainError(unfinished(path, "Evaluate"))
     if not (final / "adapter_config.json").is_file():
         if problem := recipe_problem(recipe, target, adapter=False):
             raise LLMTrainError(problem)

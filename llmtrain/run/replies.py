@@ -63,7 +63,7 @@ def load_source(source: str, *, device=None) -> Source:
     from llmtrain.data.chat import read_template
     from llmtrain.hub import missing_local
     from llmtrain.model.modeling import load_model, load_model_config, load_tokenizer
-    from llmtrain.run.rundir import run_recipe
+    from llmtrain.run.rundir import missing_source, run_recipe, unfinished
 
     transformers.utils.logging.disable_progress_bar()  # "Loading weights": the command says what it reads
     device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
@@ -74,11 +74,7 @@ def load_source(source: str, *, device=None) -> Source:
         raise LLMTrainError(f"checkpoint '{path}' does not exist; {checkpoints_there(path.parent)}. Generate from one "
                             f"of them, or from the run's final/ ({path.parent.parent})")
     if missing_local(source):  # not a hub id: said before transformers asks the hub for it
-        runs = sorted(p.name for p in path.parent.glob("*") if (p / "recipe.yaml").is_file())
-        raise LLMTrainError(f"'{source}' does not exist. Give a run's output_dir, one of its checkpoints, a model "
-                            "folder or a hub id" + (f"; the runs in {path.parent} are {', '.join(runs[:8])}"
-                                                   + (f" and {len(runs) - 8} more" if len(runs) > 8 else "")
-                                                   if runs else ""))
+        raise LLMTrainError(missing_source(source))
     # a run's final/ is the run (its adapter on its base, its prompts rendered as its data were)
     run = path.parent if (path.parent / "recipe.yaml").is_file() and path.parent.name != "checkpoints" else None
     if run is not None and path.name == "final":
@@ -101,10 +97,7 @@ def load_source(source: str, *, device=None) -> Source:
         raise LLMTrainError(f"'{path}' is a reward model's run: its model scores sequences under a one-output head and "
                             "has no LM head to generate with. Generate from the policy it was trained for")
     if not final.is_dir():
-        steps = sorted((path / "checkpoints").glob("step_*"))
-        raise LLMTrainError(f"'{path}' has no final/: the run has not finished (or ran with checkpoint.save_final: "
-                            f"false). Generate from one of its checkpoints ({steps[-1] if steps else 'it has none'}), "
-                            f"or finish it with `llmtrain finetune {path}/recipe.yaml --resume auto`")
+        raise LLMTrainError(unfinished(path, "Generate from"))
     adapter = (final / "adapter_config.json").is_file() if not checkpoint else recipe.lora is not None
     if adapter and (problem := unsaved_base(recipe.model, str(path))):  # a checkpoint's adapter too (it had been put
         raise LLMTrainError(problem)  # on the saved weights: eval loss 4.80 where the run's was 3.86)

@@ -286,6 +286,31 @@ def _holder(out: Path) -> str | None:
     return None
 
 
+def missing_source(source: str) -> str:
+    """What `generate` and `eval` say of a run, checkpoint or model folder that is not there: the runs beside it, or
+    how a run's folder is made (runs/tiny in a fresh clone: it had been offered as a hub id to download)."""
+    path = Path(source).expanduser()
+    runs = sorted(p.name for p in path.parent.glob("*") if (p / "recipe.yaml").is_file())
+    there = (f"; the runs in {path.parent} are {', '.join(runs[:8])}" + (f" and {len(runs) - 8} more" if len(runs) > 8
+                                                                        else "")) if runs else \
+        " (`llmtrain finetune` writes a run's output_dir: `make demo` writes runs/tiny)"
+    return (f"'{source}' does not exist. Give a run's output_dir, one of its checkpoints, a model folder or a hub "
+            f"id{there}")
+
+
+def unfinished(path: Path, doing: str) -> str:
+    """What `generate` and `eval` say of a run without final/: still training (its folder's lock held: wait for it;
+    resuming it would be refused as in use) or stopped (finish it)."""
+    steps = sorted((path / "checkpoints").glob("step_*"))
+    newest = steps[-1] if steps else "it has none yet"
+    if (holder := _holder(path)) is not None:
+        return (f"'{path}' is still training ({holder}) and has no final/ yet: {doing} one of its checkpoints "
+                f"({newest}), or wait for it to finish.")
+    return (f"'{path}' has no final/: the run has not finished (or ran with checkpoint.save_final: false). {doing} "
+            f"one of its checkpoints ({newest}), or finish it with `llmtrain finetune {path}/recipe.yaml --resume "
+            "auto`.")
+
+
 def _describe(text: str) -> str:
     fields = dict(line.split(": ", 1) for line in text.splitlines()[1:] if ": " in line)
     if "pid" not in fields:
