@@ -73,3 +73,25 @@ def test_truncated_shard_is_refused(tmp_path):
     shard.write_bytes(shard.read_bytes()[:-10])  # as if the disk filled up mid-save
     with pytest.raises(LLMTrainError, match="missing or truncated"):
         verify_saved(tmp_path, model_keys={*BASE, *TRAINED}, trainable=None)
+
+
+def test_the_only_checkpoint_damaged_is_said_without_a_checkpoint_before_it(tmp_path):
+    """With one checkpoint, damaged: no "skipping it for the one before" (there is none) and no "--resume auto to
+    continue from the newest intact checkpoint" (there is none either); start again instead (audit 11)."""
+    from llmtrain.run.checkpoint import resolve_resume, write_manifest
+
+    step = tmp_path / "checkpoints" / "step_000002"
+    step.mkdir(parents=True)
+    (step / "train_state.json").write_text('{"step": 2}')
+    (step / "optimizer.bin").write_bytes(b"x" * 100)
+    write_manifest(step, step=2)
+    (step / "optimizer.bin").write_bytes(b"y" * 100)  # the same size, other bytes
+    warned = []
+    with pytest.raises(LLMTrainError, match="every checkpoint under") as auto:
+        resolve_resume("auto", tmp_path, warn=warned.append)
+    assert warned == [] and "Start again with --overwrite" in str(auto.value)
+    with pytest.raises(LLMTrainError) as named:
+        resolve_resume(str(step), tmp_path, warn=warned.append)
+    said = str(named.value)
+    assert "is damaged (optimizer.bin does not match its checksum" in said and "--resume auto" not in said
+    assert "It is the only checkpoint under" in said and "--overwrite" in said

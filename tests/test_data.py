@@ -192,13 +192,20 @@ def test_nothing_left_after_truncation_is_an_error(tiny_tok, tmp_path):
     path = write_jsonl(tmp_path / "d.jsonl", [{"prompt": "p" * 40, "completion": "c"}])
     cfg = DataConfig(path=str(path), format="prompt_completion", max_seq_len=8, cache_dir=str(tmp_path / "c"))
     # bos + 40 + 1 + eos: 43 tokens, rounded up to 64
-    with pytest.raises(LLMTrainError, match=r"\(row 1\)\)\. Raise data.max_seq_len \(now 8; 64 keeps 95% of the "
-                                            r"examples whole, the longest is 43 tokens\), or check data.format"):
+    # the share the advised length keeps, not "95%" of a length that keeps them all (audit 11)
+    with pytest.raises(LLMTrainError, match=r"\(row 1\)\)\. Raise data.max_seq_len \(now 8; 64 keeps every one of "
+                                            r"the examples whole, the longest is 43 tokens\), or check data.format"):
         prepare_datasets(cfg, tiny_tok, seed=0)
     # 20 rows of 10 to 200 prompt characters (13 to 203 tokens): 95% of them fit in 193 tokens, rounded up to 256
     rows = [{"prompt": "p" * (10 * k), "completion": "c"} for k in range(1, 21)]
     cfg = cfg.model_copy(update={"path": str(write_jsonl(tmp_path / "e.jsonl", rows)), "max_seq_len": 12})
-    with pytest.raises(LLMTrainError, match=r"\(now 12; 256 keeps 95% of the examples whole, the longest is 203 "):
+    with pytest.raises(LLMTrainError, match=r"\(now 12; 256 keeps every one of the examples whole, the longest is "
+                                            r"203 "):
+        prepare_datasets(cfg, tiny_tok, seed=0)
+    # 19 rows of 23 tokens and one of 403: 64 keeps 19 of the 20
+    rows = [{"prompt": "p" * 20, "completion": "c"}] * 19 + [{"prompt": "p" * 400, "completion": "c"}]
+    cfg = cfg.model_copy(update={"path": str(write_jsonl(tmp_path / "f.jsonl", rows)), "max_seq_len": 12})
+    with pytest.raises(LLMTrainError, match=r"\(now 12; 64 keeps 95% of the examples whole, the longest is 403 "):
         prepare_datasets(cfg, tiny_tok, seed=0)
 
 

@@ -128,6 +128,16 @@ def test_a_pair_file_is_refused_pointing_to_preference(tiny_tok, tmp_path):
         prepare_datasets(cfg, tiny_tok, seed=0)
 
 
+def test_sft_given_a_pair_file_points_to_preference_and_says_what_the_mapping_trains(tiny_tok, tmp_path):
+    """Supervised fine-tuning on pairs: the data.fields mapping it advised alone (completion=chosen) trains the chosen
+    replies only; the refusal names the modes that learn from both (audit 11)."""
+    path = write_jsonl(tmp_path / "p.jsonl", [{"prompt": "a", "chosen": " b", "rejected": " c"}])
+    cfg = DataConfig(path=str(path), format="prompt_completion", max_seq_len=16, cache_dir=str(tmp_path / "c"))
+    with pytest.raises(LLMTrainError, match=r"look like preference pairs.*preference: section and data.format: "
+                                            r"preference.*data.fields.completion=chosen fine-tunes on the chosen"):
+        prepare_datasets(cfg, tiny_tok, seed=0)
+
+
 def test_sft_given_kto_rows_points_to_kto(tiny_tok, tmp_path):
     path = write_jsonl(tmp_path / "k.jsonl", ROWS)
     cfg = DataConfig(path=str(path), format="prompt_completion", max_seq_len=16, cache_dir=str(tmp_path / "c"))

@@ -71,6 +71,7 @@ def check_columns(columns: list[str], cfg: DataConfig, source: str) -> None:
             + (pairs_note(columns) if cfg.format == "prompt" else "")
             + (unpaired_note(columns) if cfg.format == "preference" else "")
             + (paired_note(columns) if cfg.format == "unpaired" else "")
+            + (sft_pairs_note(columns) if cfg.format in ("prompt_completion", "alpaca", "messages", "text") else "")
         )
 
 
@@ -105,6 +106,16 @@ def paired_note(columns) -> str:
             "with a preference: section and data.format: preference instead (DPO, docs/preference.md), or write each "
             "pair as two rows, {prompt, completion: chosen, label: true} and {prompt, completion: rejected, label: "
             "false}.")
+
+
+def sft_pairs_note(columns) -> str:
+    """For supervised fine-tuning given preference pairs: the mapping it advises (completion=chosen) trains on the
+    chosen replies alone, without a word about the rejected ones (it had been the only advice; audit 11)."""
+    if not {"chosen", "rejected"} <= set(columns):
+        return ""
+    return (" These data look like preference pairs (prompt, chosen, rejected): to learn from both replies, train "
+            "them with a preference: section and data.format: preference (DPO, docs/preference.md) or a reward "
+            "model (reward_model:); data.fields.completion=chosen fine-tunes on the chosen replies alone.")
 
 
 def pairs_note(columns) -> str:

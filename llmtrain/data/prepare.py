@@ -323,8 +323,10 @@ def prepare_recipe(recipe, tokenizer):
 
 
 def _length_hint(raw, tokenizer, cfg: DataConfig, rows: int = 1000) -> str:
-    """What data.max_seq_len the examples ask (SFT's formats): '; 512 keeps 95% of the first 1,000 examples whole (the
-    longest is 700 tokens)', their full lengths read again without the cut; '' for the other formats."""
+    """What data.max_seq_len the examples ask (SFT's formats): '; 512 keeps 96% of the first 1,000 examples whole, the
+    longest is 700 tokens': their full lengths read again without the cut, the 95th percentile rounded up to a
+    multiple of 64 and the share that keeps (it had said 95% of a length that kept them all); '' for the other
+    formats."""
     if cfg.format in ("preference", "unpaired", "prompt"):
         return ""
     whole = cfg.model_copy(update={"max_seq_len": 2**31 - 1})
@@ -336,7 +338,10 @@ def _length_hint(raw, tokenizer, cfg: DataConfig, rows: int = 1000) -> str:
     most = lengths[math.ceil(0.95 * len(lengths)) - 1]
     most = -(-most // 64) * 64  # up to a multiple of 64
     first = f"the first {len(lengths):,} " if len(lengths) < len(raw) else "the "
-    return f"; {most} keeps 95% of {first}examples whole, the longest is {lengths[-1]:,} tokens"
+    kept = sum(n <= most for n in lengths)
+    share = f"every one of {first}examples" if kept == len(lengths) else \
+        f"{math.floor(100 * kept / len(lengths))}% of {first}examples"
+    return f"; {most} keeps {share} whole, the longest is {lengths[-1]:,} tokens"
 
 
 def _prepare_source(cfg: DataConfig, tokenizer, *, seed: int, tools: list[dict] | None = None):

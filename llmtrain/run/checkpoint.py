@@ -127,21 +127,26 @@ def resolve_resume(resume: str, output_dir: Path, *, warn) -> Path | None:
         )
     problem = checkpoint_problem(path)
     if problem:
+        others = [p for p in step_dirs(path.parent) if p != path]  # (it had offered --resume auto with none there)
         raise LLMTrainError(
-            f"--resume {resume}: checkpoint '{path}' is damaged ({problem}), so it cannot be resumed. Use --resume "
-            f"auto to continue from the newest intact checkpoint, or --resume with another step_* folder under "
-            f"{path.parent}."
+            f"--resume {resume}: checkpoint '{path}' is damaged ({problem}), so it cannot be resumed. "
+            + (f"Use --resume auto to continue from the newest intact checkpoint, or --resume with another step_* "
+               f"folder under {path.parent}." if others else
+               f"It is the only checkpoint under {path.parent}: start again with --overwrite, or set "
+               "output_dir=<new path>.")
         )
     return path
 
 
 def _newest_intact(root: Path, warn) -> Path | None:
     damaged = []
-    for path in reversed(step_dirs(root)):
+    steps = step_dirs(root)
+    for i, path in enumerate(reversed(steps)):
         problem = checkpoint_problem(path)
         if problem is None:
             return path
-        warn(f"warning: checkpoint {path} is damaged ({problem}); skipping it for the one before.")
+        if i + 1 < len(steps):  # (it had said so of the oldest too, with none before it)
+            warn(f"warning: checkpoint {path} is damaged ({problem}); skipping it for the one before.")
         damaged.append(f"{path.name}: {problem}")
     if damaged:
         raise LLMTrainError(
