@@ -54,7 +54,8 @@ class _Typer(typer.Typer):
 
 
 app = _Typer(
-    help="Fine-tune Llama, Mistral, Qwen, Gemma 3, Phi and mixture-of-experts models with Hugging Face Accelerate.",
+    help="Fine-tune Llama, Mistral, Qwen, Gemma 3 and 4, Phi and mixture-of-experts models with Hugging Face "
+         "Accelerate.",
     no_args_is_help=True,
     add_completion=False,
     pretty_exceptions_enable=False,
