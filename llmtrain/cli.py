@@ -131,6 +131,14 @@ def user_errors(fn):
                 # report would name this process, which said nothing. The launcher ends this one when that one exits.
                 time.sleep(QUIET_EXIT_DELAY_S)
             raise typer.Exit(e.exit_code) from None
+        except KeyboardInterrupt:  # a second Ctrl-C in training, or one before it started or in another command: it
+            # had ended with no word (audit 11)
+            if os.environ.get("LLMTRAIN_DEBUG"):
+                raise
+            if os.environ.get("LOCAL_RANK", "0") == "0":
+                print("\nstopped at once (Ctrl-C): nothing more was saved. A run goes on from its newest checkpoint "
+                      "with --resume auto (with none yet, it starts again).", file=sys.stderr, flush=True)
+            raise typer.Exit(130) from None
 
     return wrapper
 

@@ -264,3 +264,21 @@ def test_max_bad_steps_counts_across_a_resume(tiny_assets, tmp_path):
     # the first bad step after the resume is the third of the run: no "update skipped (1 of ...)" again
     assert "of train.max_bad_steps=2)" not in again.stdout + again.stderr
     assert f"step {skipped[2]}: the gradient norm is nan" in again.stderr
+
+
+def test_a_stop_at_once_says_what_was_saved(capsys):
+    """A second Ctrl-C (StopRequests raises KeyboardInterrupt), or one before training starts or in another command:
+    one line saying nothing more was saved and how a run goes on, exit 130 (it had ended with no word; audit 11)."""
+    import typer
+
+    from llmtrain.cli import user_errors
+
+    @user_errors
+    def interrupted():
+        raise KeyboardInterrupt
+
+    with pytest.raises(typer.Exit) as stopped:
+        interrupted()
+    assert stopped.value.exit_code == 130
+    said = capsys.readouterr().err
+    assert "stopped at once (Ctrl-C): nothing more was saved" in said and "--resume auto" in said
