@@ -345,9 +345,14 @@ def prepare_tiny(out: Path, *, seed: int = 0, family: str = "llama") -> bool:
     bytes for the same seed. `family`: the model's layer (FAMILY_LAYERS), the tokenizer and data the same. Returns
     whether `out` held prepare-tiny's files before (now rewritten)."""
     out = Path(out)
-    if family not in FAMILY_LAYERS:
-        raise LLMTrainError(f"--family {family}: not a family llmtrain trains; use one of {', '.join(FAMILY_LAYERS)} "
-                            "(a model_type, as docs/models.md lists them)")
+    if family not in FAMILY_LAYERS:  # (gemma3 for gemma3_text had got no suggestion; audit 11)
+        import difflib
+
+        near = difflib.get_close_matches(family, list(FAMILY_LAYERS), n=1, cutoff=0.6) or [
+            k for k in FAMILY_LAYERS if k.startswith(family)][:1]
+        raise LLMTrainError(f"--family {family}: not a family llmtrain trains"
+                            + (f" (did you mean {near[0]}?)" if near else "")
+                            + f"; use one of {', '.join(FAMILY_LAYERS)} (a model_type, as docs/models.md lists them)")
     if problem := cannot_create(out / "model", "prepare-tiny's folder"):  # also where `out` itself is a file
         raise LLMTrainError(problem)
     present = sorted(p.name for p in out.iterdir()) if out.is_dir() else []

@@ -509,6 +509,9 @@ def test_turning_evaluation_off_keeps_its_other_keys_with_a_warning(tiny_assets,
     status, detail = checks["no eval"]
     assert status == "warn"
     assert "train.eval_every_steps=2 and data.eval_max_examples=10 have nothing to act on" in " ".join(detail.split())
+    one = load_recipe(write_recipe(tiny_assets, tmp_path, train={"eval_every_steps": 2}), ["data.eval_split=null"])
+    (detail,) = [d for name, _, d in run_doctor(one, gpu_memory=80) if name == "no eval"]
+    assert "train.eval_every_steps=2 has nothing to act on" in " ".join(detail.split())  # (it had said "have")
     assert "no eval" not in {name for name, _, _ in run_doctor(
         load_recipe(write_recipe(tiny_assets, tmp_path)), gpu_memory=80)}  # (write_recipe: no eval keys)
 

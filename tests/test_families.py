@@ -926,8 +926,11 @@ def test_prepare_tiny_writes_each_familys_layer_for_the_same_task_and_it_trains(
         tokenizer = "model/tokenizer.json"
         assert (out / tokenizer).read_bytes() == (tiny_assets / tokenizer).read_bytes()
     proc = invoke("prepare-tiny", str(tmp_path / "nope"), "--family", "llama4", check=False)
-    assert proc.returncode == 2 and "--family llama4: not a family llmtrain trains; use one of llama, mistral" in \
-        " ".join((proc.stdout + (proc.stderr or "")).split()) and not (tmp_path / "nope").exists()
+    assert proc.returncode == 2 and "--family llama4: not a family llmtrain trains (did you mean llama?); use one of " \
+        "llama, mistral" in " ".join((proc.stdout + (proc.stderr or "")).split()) and not (tmp_path / "nope").exists()
+    # the model_type's name, not the family's (it had got no suggestion; audit 11)
+    proc = invoke("prepare-tiny", str(tmp_path / "nope"), "--family", "gemma3", check=False)
+    assert proc.returncode == 2 and "(did you mean gemma3_text?)" in (proc.stdout + (proc.stderr or ""))
     recipe = write_recipe(tiny_assets, tmp_path, model={"name_or_path": str(tmp_path / "qwen3" / "model")},
                           train={"max_steps": 16, "micro_batch_size": 8, "lr": 3e-3})
     run_train(recipe)

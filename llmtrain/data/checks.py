@@ -287,7 +287,7 @@ def check_no_eval(recipe: Recipe, eval_ds) -> list[Check]:
     if eval_ds is not None or not keys:
         return []
     return [("no eval", "warn", f"data.eval_split gives no eval data, so the run does not evaluate, and "
-             f"{' and '.join(keys)} have nothing to act on. Give data.eval_split (a fraction, a split or a file) to "
+             f"{' and '.join(keys)} {'have' if len(keys) > 1 else 'has'} nothing to act on. Give data.eval_split (a fraction, a split or a file) to "
              "evaluate")]
 
 

@@ -235,7 +235,7 @@ def prepare_data(recipe: Recipe, accelerator, *, say, config=None) -> Data:
     if tc.micro_batch_tokens:
         say(f"global batch: bins of <= {tc.micro_batch_tokens} tokens x {accum} accumulation x {procs}; "
             f"{plan.bins()} bins/epoch, packing efficiency {efficiency:.1%} (real tokens / "
-            f"budget); {total_steps} steps ({per_epoch[0]}/epoch)")
+            f"budget); {total_steps} step{'s' if total_steps != 1 else ''} ({per_epoch[0]}/epoch)")
     else:
         mb = tc.micro_batch_size
         say(f"global batch: {mb} micro-batch x {accum} accumulation x {procs} = "
@@ -243,7 +243,7 @@ def prepare_data(recipe: Recipe, accelerator, *, say, config=None) -> Data:
             + (f" ({mb * accum * world * recipe.rl.num_generations} completions)" if recipe.rl else "")
             + (f", sampled every {recipe.rl.num_iterations} steps (rl.num_iterations: each round's completions "
                f"trained {recipe.rl.num_iterations} times)" if recipe.rl and recipe.rl.num_iterations > 1 else "")
-            + f"; {total_steps} steps ({per_epoch[0]}/epoch)")
+            + f"; {total_steps} step{'s' if total_steps != 1 else ''} ({per_epoch[0]}/epoch)")
     return Data(tokenizer=tokenizer, train=train_ds, eval=eval_ds, stats=stats, cache_reads=int(cache_reads),
                 pad_id=pad_id(tokenizer), plan=plan, total_steps=total_steps, packing_efficiency=efficiency)
 
