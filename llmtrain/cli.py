@@ -354,20 +354,26 @@ def generate(
                   "in the run's Alpaca template (each prompt its instruction, a --prompts row's input its input)"
                   if src.alpaca and chat is None else "as plain text") + (
                    " (--chat / --no-chat to change)" if chat is None else ""), err=True)
+
+    def each_batch(replies: list[dict]) -> None:
+        """Print and write a batch's replies once drawn: a stop (Ctrl-C) keeps the ones before it (--out had been
+        written at the end alone; audit 11). --out is created with the first batch, after every check."""
+        for r in replies:
+            tag = f" (sample {r['sample']})" if samples > 1 else ""
+            prompt = r["prompt"] if isinstance(r["prompt"], str) else r["prompt"][-1]["content"]
+            typer.echo(f"prompt{tag}: {prompt}\nreply: {r['reply']}" + ("" if r["stopped"] else " [cut at the limit]"))
+            for call in r.get("calls", []):
+                typer.echo(f"  tool call: {call['name']}({json.dumps(call['arguments'])}) -> {call['result']}"
+                           + (" [failed]" if call["failed"] else ""))
+        if out is not None:
+            out.parent.mkdir(parents=True, exist_ok=True)
+            with open(out, "a") as f:
+                f.write("".join(json.dumps(r) + "\n" for r in replies))
+
     replies = generate_replies(src, texts, max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p,
                                top_k=top_k, min_p=min_p, repetition_penalty=repetition_penalty, samples=samples,
-                               seed=seed, chat=chat, system_prompt=system,
-                               tools=tools)
-    for r in replies:
-        tag = f" (sample {r['sample']})" if samples > 1 else ""
-        prompt = r["prompt"] if isinstance(r["prompt"], str) else r["prompt"][-1]["content"]
-        typer.echo(f"prompt{tag}: {prompt}\nreply: {r['reply']}" + ("" if r["stopped"] else " [cut at the limit]"))
-        for call in r.get("calls", []):
-            typer.echo(f"  tool call: {call['name']}({json.dumps(call['arguments'])}) -> {call['result']}"
-                       + (" [failed]" if call["failed"] else ""))
+                               seed=seed, chat=chat, system_prompt=system, tools=tools, each_batch=each_batch)
     if out is not None:
-        out.parent.mkdir(parents=True, exist_ok=True)
-        out.write_text("".join(json.dumps(r) + "\n" for r in replies))
         typer.echo(f"wrote {len(replies)} replies to {out}", err=True)
 
 

@@ -376,3 +376,15 @@ def test_a_plain_text_runs_replies_stop_where_its_rollouts_stop(runs, tmp_path):
     ended = [r["tokens"] for r in out if end in r["tokens"]]
     assert ended and all(t.index(end) == len(t) - 1 for t in ended)  # drawn, and each ends there
     assert all(r["stopped"] for r in out if r["tokens"][-1] == end)
+
+
+def test_each_batch_of_replies_is_handed_out_as_it_is_drawn(runs):
+    """generate_replies hands each batch's replies out once drawn (the command prints and appends them to --out
+    then), so a stop keeps the batches before it: --out had been written at the end alone (audit 11). The batches
+    are the replies, in order."""
+    from llmtrain.run.replies import generate_replies, load_source
+
+    source = load_source(str(runs["full"]))
+    batches = []
+    replies = generate_replies(source, PROMPTS[:3], max_new_tokens=4, batch=2, each_batch=batches.append)
+    assert [len(b) for b in batches] == [2, 1] and [r for b in batches for r in b] == replies

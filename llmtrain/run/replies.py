@@ -234,13 +234,13 @@ def generate_replies(source: Source, prompts: list, *, max_new_tokens: int | Non
                      min_p: float | None = None, repetition_penalty: float | None = None, samples: int = 1,
                      seed: int = 0,
                      chat: bool | None = None, system_prompt: str | None = None, batch: int = 16,
-                     tools: bool | None = None) -> list[dict]:
+                     tools: bool | None = None, each_batch=None) -> list[dict]:
     """Each prompt's `samples` replies: [{"prompt", "sample", "reply", "tokens", "stopped"}] in prompt order. A prompt
     is a text, or a row {"prompt": a text or a chat's messages, other columns}. A run that sampled with rl.tools or
     rl.environment renders prompts as its own were, showing the tools; with tools (its default) each reply's calls run
     as its rollouts ran them (tool_calls.sample_with_tools; an environment reset with the row's columns, as GRPO
     resets it): the reply is everything after the prompt, the tools' results included, and its row adds "calls" and
-    "messages"."""
+    "messages". `each_batch(replies)`: called with each batch's replies once they are drawn."""
     import torch
 
     from llmtrain.data.chat import end_of_turn
@@ -336,6 +336,8 @@ def generate_replies(source: Source, prompts: list, *, max_new_tokens: int | Non
                 if roll is not None:
                     reply.update(calls=roll.calls, messages=roll.messages)
                 out.append(reply)
+            if each_batch is not None:  # the command's output of each batch as it is done (a stop keeps them)
+                each_batch(out[-len(part):])
     return out
 
 
