@@ -186,6 +186,11 @@ def mode_of(recipe) -> str:
     return (rl.get("algorithm") if isinstance(rl, dict) else rl.algorithm) or "grpo"
 
 
+def unit_of(recipe) -> str:
+    """What a row and train.micro_batch_size count in the recipe's mode: examples, pairs (two sequences each), ..."""
+    return MODES[mode_of(recipe)].unit
+
+
 # --------------------------------------------------------------------------- what each parallelism refuses of any mode
 
 
@@ -334,7 +339,7 @@ def _reference_of(recipe) -> str:
 def _fill(text: str, parallelism: str, recipe, layout: Layout) -> str:
     m, p = recipe.train.grad_accum_steps, recipe.parallel.pipeline_parallel
     # a pair is two sequences of up to data.max_seq_len (the budget of one had been advised: audit 12)
-    per = 2 if MODES[mode_of(recipe)].unit == "pairs" else 1
+    per = 2 if unit_of(recipe) == "pairs" else 1
     rows = "pairs of 2 sequences of data.max_seq_len" if per == 2 else "rows of data.max_seq_len"
     return text.format(key=_key(parallelism, recipe, layout), attn=recipe.model.attn_implementation,
                        reference=_reference_of(recipe),

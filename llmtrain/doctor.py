@@ -137,7 +137,7 @@ def check_batch(recipe: Recipe, launch: dict) -> list[Check]:
 
     t, layout = recipe.train, Layout.from_launch(launch, recipe)
     procs = layout.data_ranks
-    unit = "tokens" if t.micro_batch_tokens else capabilities.MODES[capabilities.mode_of(recipe)].unit
+    unit = "tokens" if t.micro_batch_tokens else capabilities.unit_of(recipe)
     per = t.micro_batch_tokens or t.micro_batch_size
     ranks = ("process" if procs == 1 else "processes") if not layout.splits_the_model else \
         "data-parallel rank" + "s" * (procs != 1)

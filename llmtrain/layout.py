@@ -61,7 +61,7 @@ class Layout:
         mesh = launch.get("parallelism_config")
         sizes = mesh_sizes(launch) or {}
         fsdp = str(launch.get("distributed_type", "NO")) == "FSDP"
-        offload = offloads_params(launch)
+        offload = fsdp_flag(launch, "fsdp_offload_params", False)
         return cls(processes=int(launch.get("num_processes", 1) or 1), nodes=int(launch.get("num_machines", 1) or 1),
                    fsdp=fsdp, offload=fsdp and offload, mesh=isinstance(mesh, dict),
                    replicate=sizes.get("dp_replicate", 1), shard=sizes.get("dp_shard", 1), tp=sizes.get("tp", 1),
@@ -261,7 +261,10 @@ def mesh_sizes(launch: dict) -> dict[str, int] | None:
                                                                                "cp", "sp")}
 
 
-def offloads_params(launch: dict) -> bool:
-    """Whether an accelerate launch config's fsdp_config sets fsdp_offload_params, as accelerate reads it (the YAML's
-    true or the string "true"/"True" that `accelerate config` writes; "false" is false, not a non-empty string)."""
-    return str((launch.get("fsdp_config") or {}).get("fsdp_offload_params", False)).lower() == "true"
+def fsdp_flag(launch: dict, key: str, default: bool) -> bool:
+    """A true/false setting of an accelerate launch config's fsdp_config (fsdp_offload_params,
+    fsdp_reshard_after_forward) as accelerate reads it: the YAML's true or false, or the string "true"/"True" or
+    "false" that `accelerate config` and a command line's flag write (bool("false") is not false); `default` where
+    it is absent or another value."""
+    value = str((launch.get("fsdp_config") or {}).get(key, default)).lower()
+    return True if value == "true" else False if value == "false" else default

@@ -10,7 +10,7 @@ from __future__ import annotations
 import math
 from pathlib import Path
 
-from llmtrain.capabilities import MODES, mode_of
+from llmtrain.capabilities import unit_of
 from llmtrain.config import Recipe, updates_per_window
 from llmtrain.data.formats import IGNORE, prompt_length, special_ids
 from llmtrain.data.prepare import DataStats
@@ -256,9 +256,8 @@ def check_data(recipe: Recipe, stats: DataStats, train, eval_ds, tokenizer, *, r
         rows += check_prompt_room(recipe, train, None)
     lengths = [*train["length"], *(eval_ds["length"] if eval_ds is not None else [])]
     rows += check_eval_batch(recipe, train["length"], eval_ds["length"] if eval_ds is not None else [])
-    pairs = MODES[mode_of(recipe)].unit == "pairs"
     return rows + check_budget(recipe.train.micro_batch_tokens, lengths, max_seq_len=recipe.data.max_seq_len,
-                               pairs=pairs) + check_kl_pairs(
+                               pairs=unit_of(recipe) == "pairs") + check_kl_pairs(
         recipe, train["length"], eval_ds["length"] if eval_ds is not None else [])
 
 
@@ -287,8 +286,8 @@ def check_no_eval(recipe: Recipe, eval_ds) -> list[Check]:
     if eval_ds is not None or not keys:
         return []
     return [("no eval", "warn", f"data.eval_split gives no eval data, so the run does not evaluate, and "
-             f"{' and '.join(keys)} {'have' if len(keys) > 1 else 'has'} nothing to act on. Give data.eval_split (a fraction, a split or a file) to "
-             "evaluate")]
+             f"{' and '.join(keys)} {'have' if len(keys) > 1 else 'has'} nothing to act on. Give data.eval_split (a "
+             "fraction, a split or a file) to evaluate")]
 
 
 def check_ratio_keys(recipe: Recipe) -> list[Check]:

@@ -188,7 +188,7 @@ def prepare_data(recipe: Recipe, accelerator, *, say, config=None) -> Data:
     else:
         n = accelerator.num_processes
         procs = f"{n} process{'es' * (n != 1)}" + (f" ({mesh})" if mesh else "")
-    unit = capabilities.MODES[capabilities.mode_of(recipe)].unit  # what a row and train.micro_batch_size count
+    unit = capabilities.unit_of(recipe)  # what a row and train.micro_batch_size count
     evals = f"eval: {stats['eval'].examples if 'eval' in stats else 0} {unit}"
     if "eval" in stats and (cut := stats["eval"]).dropped:  # the eval metrics leave these out: said (data.md)
         evals += (f" ({cut.dropped:,} dropped with no trained token within data.max_seq_len="

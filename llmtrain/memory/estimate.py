@@ -622,6 +622,12 @@ def _loss_phases(p: act.Pass, shape: ModelShape, spec: TrainSpec, st: States, *,
     }
 
 
+def param_counts(shape: ModelShape, plan: LoraPlan | None) -> tuple[int, int]:
+    """(total, trainable) parameters of the run: the model's, and with LoRA its adapters and copies, which peft adds."""
+    trainable = shape.params_total if plan is None else plan.trainable(shape)
+    return shape.params_total + (0 if plan is None else trainable), trainable
+
+
 def _finish(shape: ModelShape, spec: TrainSpec, plan: LoraPlan | None, st: States, phases: dict, *,
             notes: tuple[str, ...]) -> Estimate:
     totals = {name: sum(parts.values()) for name, parts in phases.items()}
@@ -632,8 +638,7 @@ def _finish(shape: ModelShape, spec: TrainSpec, plan: LoraPlan | None, st: State
     breakdown = {c: 0 for c in ("weights", "gradients", "optimizer", "activations", "logits")}
     breakdown.update(phases[peak_phase])
     breakdown["overhead"] = overhead
-    trainable = shape.params_total if plan is None else plan.trainable(shape)
-    total = shape.params_total + (0 if plan is None else trainable)  # peft adds adapters and copies
+    total, trainable = param_counts(shape, plan)
     return Estimate(
         model=shape.source, spec=spec, params_total=total, params_trainable=trainable,
         per_gpu_peak_allocated_bytes=allocated, per_gpu_peak_reserved_bytes=reserved,

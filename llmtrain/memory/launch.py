@@ -6,7 +6,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from llmtrain.errors import LLMTrainError
-from llmtrain.layout import mesh_sizes, offloads_params
+from llmtrain.layout import fsdp_flag, mesh_sizes
 from llmtrain.memory.spec import Strategy
 
 STRATEGIES = {"NO": "single", "MULTI_GPU": "ddp", "FSDP": "fsdp"}  # FSDP with a replicated mesh: "hsdp"
@@ -57,10 +57,11 @@ def read_accelerate_config(path: Path) -> Layout:
     strategy, tp = STRATEGIES[kind] if procs > 1 or kind == "FSDP" else "single", 1
     if kind == "FSDP" and (sizes := mesh_sizes(cfg)) is not None:
         strategy, tp = _mesh_strategy(path, sizes, gpus=procs // machines, nodes=machines)
-    mp = cfg.get("mixed_precision")  # the offload is FSDP's, over every GPU or over a node's shards (HSDP)
-    reshard = str((cfg.get("fsdp_config") or {}).get("fsdp_reshard_after_forward", True)).lower() != "false"
-    return Layout(strategy, procs // machines, machines, offloads_params(cfg) and strategy in ("fsdp", "hsdp"),
-                  None if mp is None else str(mp), tp, reshard or strategy not in ("fsdp", "hsdp"))
+    mp = cfg.get("mixed_precision")
+    sharded = strategy in ("fsdp", "hsdp")  # the offload and the resharding are FSDP's (over a node's shards: HSDP)
+    return Layout(strategy, procs // machines, machines, sharded and fsdp_flag(cfg, "fsdp_offload_params", False),
+                  None if mp is None else str(mp), tp,
+                  not sharded or fsdp_flag(cfg, "fsdp_reshard_after_forward", True))
 
 
 def _mesh_strategy(path: Path, sizes: dict[str, int], *, gpus: int, nodes: int) -> tuple[Strategy, int]:

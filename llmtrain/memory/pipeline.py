@@ -36,7 +36,7 @@ from llmtrain.memory.comms import (
 )
 from llmtrain.memory.estimate import (_backward_layers, _cache_width, _finish, _generation_phases, _loss_phases,
                                       _notes, _phase, _rollout_rows, estimate, fp32_head_extra, make_pass,
-                                      sampling_rows)
+                                      param_counts, sampling_rows)
 from llmtrain.memory.params import LoraPlan, ModelShape, run_lora_plan
 from llmtrain.memory.reward_models import add_reward_models
 from llmtrain.memory.spec import DTYPE_BYTES, GIB, Estimate, TrainSpec
@@ -165,11 +165,9 @@ def pipeline_estimate(shape: ModelShape, spec: TrainSpec) -> Estimate:
     # The model's counts, not the worst stage's (its own are in the stage table), and the host RAM of loading it:
     # every stage process reads the whole model before it keeps its own layers (loop/phases.build_model), FSDP or
     # not (they had been one stage's: "3,624,009,728 total" for Mistral-7B, 13.5 GiB a node for 8 processes' 216)
-    plan = run_lora_plan(shape, spec)
-    trainable = shape.params_total if plan is None else plan.trainable(shape)
+    total, trainable = param_counts(shape, run_lora_plan(shape, spec))
     loading = 0 if spec.random_init else spec.num_gpus * shape.params_total * DTYPE_BYTES[spec.dtype]
-    return replace(worst, pipeline=summary, params_trainable=trainable,
-                   params_total=shape.params_total + (0 if plan is None else trainable),
+    return replace(worst, pipeline=summary, params_total=total, params_trainable=trainable,
                    host_ram_bytes=max(worst.host_ram_bytes, loading))
 
 

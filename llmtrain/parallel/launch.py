@@ -15,6 +15,7 @@ import os
 from pathlib import Path
 
 from llmtrain.errors import LLMTrainError
+from llmtrain.layout import fsdp_flag
 
 # distributed_type values llmtrain trains (the others run another engine, or a device it is not tested on)
 DISTRIBUTED = {"NO", "MULTI_GPU", "MULTI_CPU", "FSDP"}
@@ -82,13 +83,16 @@ def unhonoured(launch: dict) -> list[str]:
     if not _off(dynamo.get("dynamo_backend")):
         problems.append(f"dynamo_config's dynamo_backend: {dynamo['dynamo_backend']} would compile the model behind "
                         "llmtrain's back: set model.compile=true in the recipe instead and remove dynamo_config")
-    problems += _fsdp_problems(launch.get("fsdp_config") or {}, fsdp_on=kind == "FSDP",
-                               on_cpu=not _off(launch.get("use_cpu")))
+    problems += _fsdp_problems(launch.get("fsdp_config") or {}, fsdp_on=kind == "FSDP")
+    if kind == "FSDP" and not _off(launch.get("use_cpu")) and fsdp_flag(launch, "fsdp_offload_params", False):
+        problems.append("fsdp_config's fsdp_offload_params: true moves the shards to pinned host memory for a GPU to "
+                        "read, and this is a CPU launch (use_cpu: true), where torch has no accelerator to pin for: "
+                        "set fsdp_offload_params: false (on the CPU the shards are in host memory already)")
     problems += _mesh_problems(launch.get("parallelism_config") or {})
     return problems
 
 
-def _fsdp_problems(fsdp: dict, *, fsdp_on: bool, on_cpu: bool = False) -> list[str]:
+def _fsdp_problems(fsdp: dict, *, fsdp_on: bool) -> list[str]:
     problems = [f"fsdp_config's {key} is not a setting accelerate knows{_spelt(key, FSDP_KEYS)}: remove it (or check "
                 "its spelling)" for key in sorted(set(fsdp) - FSDP_KEYS)]
     if not fsdp_on:
@@ -121,10 +125,6 @@ def _fsdp_problems(fsdp: dict, *, fsdp_on: bool, on_cpu: bool = False) -> list[s
         problems.append(f"fsdp_config's fsdp_state_dict_type: {fsdp['fsdp_state_dict_type']}: llmtrain's FSDP "
                         "checkpoints are sharded (every rank writes its own shard, nothing is gathered), so set "
                         "fsdp_state_dict_type: SHARDED_STATE_DICT (final/ is still exported as one full model)")
-    if on_cpu and str(fsdp.get("fsdp_offload_params", False)).lower() == "true":  # (torch's pin_memory traceback)
-        problems.append("fsdp_config's fsdp_offload_params: true moves the shards to pinned host memory for a GPU to "
-                        "read, and this is a CPU launch (use_cpu: true), where torch has no accelerator to pin for: "
-                        "set fsdp_offload_params: false (on the CPU the shards are in host memory already)")
     return problems
 
 
