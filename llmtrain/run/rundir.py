@@ -21,7 +21,7 @@ import time
 from pathlib import Path
 
 from llmtrain.errors import LLMTrainError
-from llmtrain.run.checkpoint import remove_leftovers, resolve_resume
+from llmtrain.run.checkpoint import remove_leftovers, resolve_resume, step_dirs
 
 MARKER = ".llmtrain-run"
 LEGACY = ("metrics.jsonl", "recipe.yaml", "checkpoints")  # what every run folder of an older llmtrain holds
@@ -301,7 +301,7 @@ def missing_source(source: str) -> str:
 def unfinished(path: Path, doing: str) -> str:
     """What `generate` and `eval` say of a run without final/: still training (its folder's lock held: wait for it;
     resuming it would be refused as in use) or stopped (finish it)."""
-    steps = sorted((path / "checkpoints").glob("step_*"))
+    steps = step_dirs(path / "checkpoints")
     newest = steps[-1] if steps else "it has none yet"
     if (holder := _holder(path)) is not None:
         return (f"'{path}' is still training ({holder}) and has no final/ yet: {doing} one of its checkpoints "
