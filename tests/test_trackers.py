@@ -4,10 +4,13 @@ records it (wandb offline for real; TensorBoard and MLflow where installed)."""
 from __future__ import annotations
 
 import json
+import os
+import subprocess
 import sys
 
 import pytest
 
+from helpers import cli
 from llmtrain.errors import LLMTrainError
 from llmtrain.run.metrics import MetricsLog
 from llmtrain.run.trackers import check_trackers, open_trackers, scalars
@@ -70,6 +73,59 @@ def test_a_missing_library_names_the_pip_extra(monkeypatch, tmp_path):
         check_trackers(["tensorboard"])
     with pytest.raises(LLMTrainError, match="unknown tracker 'comet'; choose from tensorboard, wandb, mlflow"):
         check_trackers(["comet"])
+
+
+
+@pytest.fixture
+def no_wandb_account(monkeypatch, tmp_path):
+    """wandb with no API key anywhere (a fresh HOME, no WANDB_* variables) and no terminal on stdin."""
+    import io
+
+    pytest.importorskip("wandb")
+    import wandb
+
+    for name in [k for k in os.environ if k.startswith("WANDB_")]:
+        monkeypatch.delenv(name)
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    monkeypatch.setenv("NETRC", str(tmp_path / "home" / ".netrc"))
+    monkeypatch.setattr(sys, "stdin", io.StringIO())
+    wandb.teardown()  # wandb reads its settings once a process: forget those of an earlier test
+    yield
+    wandb.teardown()
+
+
+def test_wandb_without_an_account_is_refused_at_start_up(no_wandb_account, monkeypatch):
+    with pytest.raises(LLMTrainError) as err:  # wandb.init would fail only after the model had loaded
+        check_trackers(["wandb"])
+    assert "no API key is configured" in str(err.value) and "no terminal to ask for one in" in str(err.value)
+    assert "`wandb login`" in str(err.value) and "WANDB_MODE=offline" in str(err.value)
+
+    monkeypatch.setenv("WANDB_API_KEY", "short")  # a key wandb itself would refuse
+    with pytest.raises(LLMTrainError, match=r"its credentials were refused \(WANDB_API_KEY invalid"):
+        check_trackers(["wandb"])
+
+    monkeypatch.setenv("WANDB_API_KEY", "k" * 40)  # a key: whether the server takes it is wandb.init's business
+    check_trackers(["wandb"])
+    for mode in ("offline", "disabled"):  # no account needed
+        monkeypatch.delenv("WANDB_API_KEY", raising=False)
+        monkeypatch.setenv("WANDB_MODE", mode)
+        import wandb
+
+        wandb.teardown()
+        check_trackers(["wandb"])
+
+
+def test_finetune_with_wandb_and_no_account_writes_nothing(no_wandb_account, tiny_assets, tmp_path):
+    out = tmp_path / "run"
+    env = {k: v for k, v in os.environ.items() if not k.startswith("WANDB_")}
+    proc = cli("finetune", "recipes/tiny.yaml", f"model.name_or_path={tiny_assets}/model",
+               f"data.path={tiny_assets}/data/train.jsonl", f"data.eval_split={tiny_assets}/data/eval.jsonl",
+               "logging.report_to=[wandb]", f"output_dir={out}", "train.max_steps=2", check=False,
+               stdin=subprocess.DEVNULL, env={**env, "OMP_NUM_THREADS": "1"})
+    assert proc.returncode == 2, proc.stdout + proc.stderr  # a user error
+    assert "wandb, but no API key is configured" in proc.stdout + proc.stderr
+    assert "Traceback" not in proc.stdout + proc.stderr
+    assert not out.exists()  # refused before the run folder, the data's cache or the model
 
 
 # --------------------------------------------------------------------------- the real libraries

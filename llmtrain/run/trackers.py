@@ -17,6 +17,7 @@ from __future__ import annotations
 import importlib
 import math
 import os
+import sys
 import time
 from pathlib import Path
 from typing import Protocol
@@ -45,9 +46,38 @@ def scalars(record: dict) -> dict[str, float]:
 
 
 def check_trackers(names: list[str]) -> None:
-    """Import each asked-for tracker's library now (start-up), so a missing one fails before the model loads."""
+    """Import each asked-for tracker's library now (start-up), so a missing one fails before the model loads, and
+    for wandb check that it has an account to log to (or is offline)."""
     for name in dict.fromkeys(names):
-        _require(name)
+        module = _require(name)
+        if name == "wandb":
+            _check_wandb_account(module)
+
+
+def _check_wandb_account(wandb) -> None:
+    """wandb.init with no API key and no terminal to ask in fails (UsageError): say so before the run folder is
+    written and the model loads. A terminal is left to wandb's own prompt; offline and disabled need no account.
+    Read through wandb's own credential lookup (environment, ~/.netrc, its settings); a wandb without it is left to
+    wandb.init, whose failure WandbTracker reports."""
+    try:
+        from wandb.sdk import wandb_setup
+        from wandb.sdk.lib import wbauth
+        settings = wandb_setup.singleton().settings
+        if settings.mode in ("offline", "dryrun", "disabled") or sys.stdin is not None and sys.stdin.isatty():
+            return
+        found = wbauth.authenticate_session(host=settings.base_url, source="llmtrain", prompt=False,
+                                            update_session=False)
+    except (ImportError, AttributeError, TypeError):  # another wandb version: wandb.init decides
+        return
+    except Exception as e:  # noqa: BLE001 - wandb's AuthenticationError: a key set but malformed
+        found, problem = None, f"its credentials were refused ({e})"
+    else:
+        problem = f"no API key is configured for {settings.base_url} and there is no terminal to ask for one in"
+    if found is None:
+        raise LLMTrainError(
+            f"logging.report_to includes wandb, but {problem}. Log in with `wandb login` (or set WANDB_API_KEY), "
+            "or run without an account or network with WANDB_MODE=offline and upload later with `wandb sync`; or "
+            "remove wandb from logging.report_to.")
 
 
 def open_trackers(names: list[str], *, output_dir: Path, config: dict, project: str | None = None,
