@@ -860,6 +860,9 @@ class RewardConfig(Section):
 # The fast sampler's prefill forwards at most this many prompt positions at once (model/fast_sample.py: a longer
 # prompt goes in chunks, each attending to the ones before it through the cache); the estimate's prefill phase too.
 PREFILL_CHUNK = 1024
+# The smallest sampling temperature (vLLM's _SAMPLING_EPS, below which vLLM samples greedily): logits divided by much
+# less overflow float32 (a logit of 10 over 1e-38) and every draw is NaN. 0 is greedy where a sampler allows it.
+MIN_TEMPERATURE = 1e-5
 TOP_K = ("Sampling: only the top_k most likely tokens (and any tied with the k-th) may be drawn, before top_p "
          "(transformers' order; TRL's top_k); 0: all of them. The log-probabilities the loss takes are of the whole "
          "distribution at the temperature, as TRL's.")
@@ -925,8 +928,8 @@ class RLConfig(Section):
     max_completion_tokens: int = Field(256, gt=0, description="Most tokens of a completion; one that reaches it "
                                        "without a stop token is clipped (completions/clipped_ratio). 256, where TRL's "
                                        "max_completion_length is 512: set 512 to compare a run with TRL's defaults.")
-    temperature: float = Field(1.0, gt=0, allow_inf_nan=False, description="Sampling temperature; the policy's "
-                               "log-probabilities are taken at the same temperature (as TRL).")
+    temperature: float = Field(1.0, ge=MIN_TEMPERATURE, allow_inf_nan=False, description="Sampling temperature; the "
+                               "policy's log-probabilities are taken at the same temperature (as TRL).")
     top_p: float = Field(1.0, gt=0, le=1, description="Nucleus sampling: the smallest set of tokens whose "
                          "probabilities add up to top_p.")
     top_k: int = Field(0, ge=0, description=TOP_K)
@@ -1268,8 +1271,8 @@ class DistillConfig(Section):
     beta: float = Field(1.0, ge=0, le=1, description="The generalised JSD's interpolation, as TRL's beta: 0 is the "
                         "forward KL(teacher || student), 1 the reverse KL(student || teacher) (TRL's default), 0.5 "
                         "the symmetric JSD.")
-    temperature: float = Field(1.0, gt=0, allow_inf_nan=False, description="Both models' logits are divided by it "
-                               "before the divergence, and the student samples at it (as TRL).")
+    temperature: float = Field(1.0, ge=MIN_TEMPERATURE, allow_inf_nan=False, description="Both models' logits are "
+                               "divided by it before the divergence, and the student samples at it (as TRL).")
     lmbda: float = Field(1.0, ge=0, le=1, description="The fraction of steps whose completions the student samples "
                          "(a coin per step, from the run's seed); the other steps train on the data's completions. "
                          "1 (TRL's DistillationTrainer): always on-policy; GKD's default is 0.5.")

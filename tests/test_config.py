@@ -186,3 +186,13 @@ def test_a_text_value_is_the_text_as_given(recipe_file, override, key, value):
     section, _, leaf = key.rpartition(".")
     got = getattr(getattr(r, section) if section else r, leaf)
     assert got == value
+
+
+@pytest.mark.parametrize("key", ["rl.temperature", "distill.temperature"])
+def test_a_temperature_whose_logits_overflow_is_refused(key):
+    """Logits divided by 1e-40 overflow float32: every draw and every log-probability NaN. vLLM's floor, 1e-5."""
+    section, field = key.split(".")
+    recipe = REPO / "recipes" / {"rl": "tiny-grpo.yaml", "distill": "tiny-distill.yaml"}[section]
+    with pytest.raises(RecipeError, match=rf"{key}.*greater than or equal to 0.00001"):
+        load_recipe(recipe, [f"{key}=1e-40"])
+    assert getattr(getattr(load_recipe(recipe, [f"{key}=1e-5"]), section), field) == 1e-5

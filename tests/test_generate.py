@@ -186,6 +186,10 @@ def test_the_filters_reach_the_command_top_k_one_replies_greedily(runs, tmp_path
     assert penalised != greedy and repeats[0] < repeats[1]
     bad = invoke("generate", str(runs["full"]), *PROMPTS, "--repetition-penalty", "0", check=False)
     assert bad.returncode != 0 and "--repetition-penalty must be above 0" in bad.stdout + bad.stderr
+    # a temperature whose logits overflow float32 (every draw NaN: an empty reply, exit 0) is refused; 1e-5 samples
+    tiny = invoke("generate", str(runs["full"]), *PROMPTS, "--temperature", "1e-40", check=False)
+    assert tiny.returncode == 2 and "--temperature 1e-40 is below 1e-05" in tiny.stdout + tiny.stderr
+    assert tokens("cold.jsonl", "--temperature", "1e-5") == greedy  # (every logit gap over 1e-5 is a point mass)
 
 
 @pytest.mark.parametrize("case, says", [

@@ -17,6 +17,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
+from llmtrain.config import MIN_TEMPERATURE
 from llmtrain.errors import LLMTrainError
 
 GREEDY_TOKENS = 256  # new tokens a reply may have when neither the run nor a flag says
@@ -256,6 +257,10 @@ def generate_replies(source: Source, prompts: list, *, max_new_tokens: int | Non
     for key, value in (("temperature", temperature), ("top_p", top_p), ("top_k", top_k), ("min_p", min_p),
                        ("repetition_penalty", repetition_penalty), ("max_new_tokens", max_new_tokens)):
         settings[key] = value if value is not None else settings[key]
+    if 0 < settings["temperature"] < MIN_TEMPERATURE:  # the logits over it overflow: every draw NaN, empty replies
+        raise LLMTrainError(f"--temperature {settings['temperature']:g} is below {MIN_TEMPERATURE:g}, where the logits "
+                            "divided by it overflow (vLLM samples greedily there): give 0 for greedy replies, or a "
+                            f"temperature of at least {MIN_TEMPERATURE:g}")
     if not settings["repetition_penalty"] > 0:  # 0 would divide; a negative one would flip the logits' signs
         raise LLMTrainError(f"--repetition-penalty must be above 0 (got {settings['repetition_penalty']}): 1 is off, "
                             "above 1 repeats less (transformers' repetition_penalty, e.g. 1.1)")
