@@ -572,12 +572,34 @@ def attention_problems(recipe, config, *, sinks: bool = False, installed=None,
     if varlen and (cap := getattr(config, "attn_logit_softcapping", None)):
         out.append(f"{attn} does not cap attention scores, and {name} caps them (attn_logit_softcapping={cap:g}): "
                    f"set model.attn_implementation=eager")
+    kernel = m.attn_implementation
+    if kernel in OWN_KERNELS and (cls := causal_lm_class(config)) is not None and not getattr(
+            cls, OWN_KERNELS[kernel], True):
+        out.append(f"model.attn_implementation={kernel}: transformers has no {kernel} attention for {name} "
+                   f"({cls.__name__} sets {OWN_KERNELS[kernel]} False{': its sinks' if name == 'gpt_oss' else ''}), "
+                   "and refuses to load it so: set model.attn_implementation=auto (llmtrain's varlen attention) or "
+                   "eager")
     if sinks and packing and not varlen:
         out.append(f"data.packing with model.attn_implementation={m.attn_implementation}: {name}'s attention has "
                    f"sinks (GPT-OSS), and transformers builds its masks without a packed row's position ids, so a "
                    f"packed row's examples would attend to each other: set model.attn_implementation=auto "
                    f"(llmtrain's varlen attention computes the sinks, each example on its own), or data.packing=false")
     return out
+
+
+# transformers' own attention kernels -> the class flag that says a model's attention has it (transformers refuses to
+# load a model with one it lacks: GPT-OSS's sdpa)
+OWN_KERNELS = {"sdpa": "_supports_sdpa", "flash_attention_2": "_supports_flash_attn"}
+
+
+def causal_lm_class(config):
+    """The transformers class that loads `config` as a causal LM (AutoModelForCausalLM's), or None if it has none."""
+    from transformers import AutoModelForCausalLM
+
+    try:
+        return AutoModelForCausalLM._model_mapping[type(config)]
+    except (KeyError, ValueError):
+        return None
 
 
 def loaded_model_problems(recipe, model) -> list[str]:

@@ -167,6 +167,25 @@ def test_the_rules_refuse_each_from_its_config_and_pass_the_setting_they_give():
     assert capabilities.attention_problems(recipe(packing=True), oss, sinks=True) == []  # the varlen attention's
 
 
+def test_an_attention_kernel_transformers_lacks_for_the_model_is_refused_before_the_run_and_the_estimate():
+    """GPT-OSS under model.attn_implementation=sdpa: transformers refuses to load it (_supports_sdpa False), once the
+    data had been tokenised, with the hub's advice; doctor passed it and the estimate priced an sdpa run."""
+    from helpers import estimate_memory
+
+    oss = config("gpt_oss")
+    [p] = capabilities.attention_problems(recipe("sdpa"), oss)
+    assert p == ("model.attn_implementation=sdpa: transformers has no sdpa attention for gpt_oss (GptOssForCausalLM "
+                 "sets _supports_sdpa False: its sinks), and refuses to load it so: set model.attn_implementation=auto "
+                 "(llmtrain's varlen attention) or eager"), p
+    for attn in ("auto", "eager", "flash_attention_2"):  # (flash: transformers' kernels hub computes its sinks)
+        assert capabilities.attention_problems(recipe(attn), oss) == []
+    assert capabilities.attention_problems(recipe("sdpa"), config("llama4_text"), packed_chunks=True) == []
+    out = estimate_memory("recipes/gpt-oss-20b-lora.yaml", "model.attn_implementation=sdpa", check=False)
+    assert out.returncode == 2 and "would be refused on 1 GPU (single), so there is no run to estimate: " \
+        "model.attn_implementation=sdpa: transformers has no sdpa attention for gpt_oss" in out.stderr, out.stderr
+    assert estimate_memory("recipes/gpt-oss-20b-lora.yaml", "model.attn_implementation=eager").returncode == 0
+
+
 def test_the_installed_transformers_chunked_mask_is_told_apart():
     """chunks_each_example says what this transformers' chunked mask does: Llama 4's packed rows under SDPA equal each
     example alone where it says so (5.25), and train on the row's chunks where not (5.17: 2.0e-3 relative off)."""

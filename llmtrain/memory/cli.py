@@ -281,7 +281,7 @@ def _from_recipe(recipe: Path, overrides, run: dict, launch: dict):
     from llmtrain import capabilities
     from llmtrain.config import load_recipe
     from llmtrain.layout import Layout
-    from llmtrain.memory.params import reads_hub, recipe_model_shape
+    from llmtrain.memory.params import reads_hub, recipe_model_shape, transformers_config
     from llmtrain.memory.spec import spec_from_recipe
 
     given = [f"--{k.replace('_', '-')} (set {RUN_OPTIONS[k]})" for k in run]
@@ -297,7 +297,8 @@ def _from_recipe(recipe: Path, overrides, run: dict, launch: dict):
     spec = spec_from_recipe(r, prompt_lengths=lengths, **launch)
     if found := capabilities.problems(r, Layout.of_strategy(r, spec.strategy, gpus=spec.num_gpus,
                                                             nodes=spec.num_nodes, tp=spec.tp,
-                                                            offload=spec.cpu_offload)):
+                                                            offload=spec.cpu_offload),
+                                      model=transformers_config(r.model.name_or_path)):
         gpus = spec.num_gpus * spec.num_nodes
         raise LLMTrainError(f"{recipe} would be refused on {gpus} GPU{'s' if gpus != 1 else ''} ({spec.strategy}"
                             f"{f' x TP {spec.tp}' if spec.tp > 1 else ''}), so there is no run to estimate: "

@@ -834,6 +834,20 @@ def reward_models_of(recipe) -> tuple[RewardModel, ...]:
     return tuple(found)
 
 
+def transformers_config(name_or_path: str):
+    """read_config's config as transformers builds it (the text model's of a multimodal one), for what training
+    refuses of the model (capabilities.model_problems); None where transformers has no class for its model_type."""
+    from transformers import AutoConfig
+
+    from llmtrain.model.modeling import text_model
+
+    config = dict(read_config(name_or_path)[0])
+    try:
+        return text_model(AutoConfig.for_model(config.pop("model_type", None), **config))[0]
+    except (ValueError, KeyError, TypeError):
+        return None
+
+
 def recipe_model_shape(recipe) -> ModelShape:
     """The model a recipe trains: model.name_or_path's, its vocabulary grown by model.new_tokens, under a score head
     where it trains a reward model."""
