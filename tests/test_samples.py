@@ -137,6 +137,24 @@ def test_samples_jsonl_lines(tmp_path):
     assert not (tmp_path / "rank1").exists()
 
 
+def test_a_resume_drops_a_line_the_stop_cut_short_and_names_a_damaged_one(tmp_path):
+    """kill -9 while a line was written leaves it without its newline: the resume had died in json.loads."""
+    from llmtrain.errors import LLMTrainError
+
+    lines = [{"type": "train", "step": s, "loss": 1.0 / s} for s in (10, 20, 30)]
+    path = tmp_path / "metrics.jsonl"
+    path.write_text("".join(json.dumps(x) + "\n" for x in lines) + '{"type": "train", "step": 40, "lo')
+    MetricsLog(tmp_path, enabled=True, resume_step=20)
+    assert path.read_text() == "".join(json.dumps(x) + "\n" for x in lines[:2])
+    MetricsLog(tmp_path, enabled=True, resume_step=20).write(lines[2])  # the next line starts a line of its own
+    assert [json.loads(x) for x in path.read_text().splitlines()] == lines
+
+    path.write_text(json.dumps(lines[0]) + "\n{not json\n" + json.dumps(lines[1]) + "\n")
+    with pytest.raises(LLMTrainError, match=r"metrics.jsonl, line 2, is not JSON \('\{not json'\)"):
+        MetricsLog(tmp_path, enabled=True, resume_step=20)
+    assert "{not json" in path.read_text()  # nothing rewritten
+
+
 def test_format_sample_is_short_and_keeps_the_end_of_the_prompt():
     text = format_sample({"step": 7, "index": 0, "prompt": "word " * 100 + "Question: 2+2?\n",
                           "expected": " 4", "generated": "x" * 500})

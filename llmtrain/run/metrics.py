@@ -8,6 +8,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from llmtrain.errors import LLMTrainError
+
 
 class MetricsLog:
     """The run's logs, written by the main process only (enabled=False elsewhere): metrics.jsonl, one JSON object
@@ -30,9 +32,20 @@ class MetricsLog:
 
     @staticmethod
     def _drop_after(path: Path, step: int) -> None:
+        """Keep the lines of steps up to `step`. A last line without its newline is a write the stop cut short
+        (kill -9, a full disk): dropped, as `llmtrain plot` ignores it."""
         if not path.exists():
             return
-        keep = [ln for ln in path.read_text().splitlines() if ln and json.loads(ln)["step"] <= step]
+        lines = path.read_text().split("\n")[:-1]  # what follows the last newline is a cut write, or nothing
+        keep = []
+        for number, line in enumerate(lines, 1):
+            try:
+                record = json.loads(line) if line else None
+            except ValueError:
+                raise LLMTrainError(f"{path}, line {number}, is not JSON ({line[:60]!r}), so the resume cannot tell "
+                                    "which steps it records: remove that line (or the file) and resume again") from None
+            if record is not None and record["step"] <= step:
+                keep.append(line)
         tmp = path.with_suffix(".jsonl.tmp")  # a crash while rewriting cannot truncate the log
         tmp.write_text("".join(ln + "\n" for ln in keep))
         tmp.replace(path)
