@@ -134,6 +134,23 @@ def test_merge_refuses_full_runs_and_existing_outputs(full_run, lora_run, tmp_pa
         export_merged(lora_run, taken)
     proc = cli("export", str(lora_run), check=False)
     assert proc.returncode == 2 and "Nothing to do" in proc.stderr and "Traceback" not in proc.stderr
+    # a checkpoint has a recipe.yaml and no final/: said so, with the run's folder (was: "holds no LoRA adapter")
+    step = lora_run / "checkpoints" / "step_000004"
+    with pytest.raises(LLMTrainError, match=rf"'{step}' is a checkpoint; --merge takes the run's output_dir "
+                                            rf"\('{lora_run}'\)"):
+        export_merged(step, tmp_path / "from-step")
+    assert not (tmp_path / "from-step").exists()
+
+
+def test_merge_writes_beside_out_under_a_name_of_its_own(lora_run, tmp_path):
+    """The scratch folder was OUT.tmp, removed first whatever it held: a user's folder of that name was deleted."""
+    mine = tmp_path / "merged.tmp"
+    mine.mkdir()
+    (mine / "notes.txt").write_text("precious")
+    out = export_merged(lora_run, tmp_path / "merged")
+    assert out == tmp_path / "merged" and (out / "model.safetensors").is_file()
+    assert (mine / "notes.txt").read_text() == "precious"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["merged", "merged.tmp"]  # no scratch folder left
 
 
 def test_a_base_that_cannot_be_read_again_is_said_in_a_paragraph(tiny_assets, tmp_path):

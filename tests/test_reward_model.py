@@ -11,7 +11,7 @@ import json
 
 import pytest
 import torch
-from helpers import REPO, crash_at_step, launch_finetune, load_weights, max_abs_diff, records, run_train, write_recipe
+from helpers import REPO, cli, crash_at_step, launch_finetune, load_weights, max_abs_diff, records, run_train, write_recipe
 
 from llmtrain.config import DataConfig, RewardModelConfig
 from llmtrain.data.pairs import encode_pair
@@ -249,6 +249,10 @@ def test_final_loads_with_transformers_and_scores_as_it_trained(straight, tiny_a
         from llmtrain.run.export import export_merged
 
         merged = export_merged(run, run.parent / "lora-merged")
+        # the command prints no transformers load report of the base under a new score head ("score.weight MISSING
+        # ... Consider training on your downstream task"): the adapter holds the trained head
+        proc = cli("export", str(run), "--merge", "--out", str(run.parent / "cli-merged"))
+        assert "MISSING" not in proc.stderr and "Consider training" not in proc.stderr, proc.stderr
         assert json.loads((merged / "config.json").read_text())["architectures"] == ["LlamaForSequenceClassification"]
         again = held_out_scores(merged, tiny_assets)
         assert max((a - b).abs().max().item() for a, b in zip(again, (chosen, rejected))) < 1e-5

@@ -7,6 +7,7 @@
 from __future__ import annotations
 
 import shutil
+import tempfile
 from pathlib import Path
 
 from llmtrain.errors import LLMTrainError
@@ -80,13 +81,18 @@ def export_merged(run_dir: Path, out: Path | None = None, *, say=lambda text: No
     from peft import PeftModel
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from llmtrain.model.modeling import grow_vocabulary, pretrained
+    from llmtrain.model.modeling import _quiet_new_head, grow_vocabulary, pretrained
     from llmtrain.objectives.objective import end_of_turn_ids
+    from llmtrain.run.checkpoint import MANIFEST
     from llmtrain.run.replies import unsaved_base
     from llmtrain.run.rundir import run_recipe
 
     transformers.utils.logging.disable_progress_bar()  # "Loading weights", "Writing model shards": say() says it
     final = run_dir / "final"
+    if (run_dir / MANIFEST).is_file():  # a checkpoint (checkpoints/step_N): a recipe.yaml too, and no final/
+        raise LLMTrainError(f"'{run_dir}' is a checkpoint; --merge takes the run's output_dir "
+                            f"('{run_dir.parent.parent}'), whose final/ holds the adapter the run finished with. A "
+                            f"checkpoint's replies: `llmtrain generate {run_dir}`.")
     if not (run_dir / "recipe.yaml").is_file():
         there = "does not exist" if not run_dir.exists() else "is not a run's folder (it has no recipe.yaml)"
         raise LLMTrainError(f"'{run_dir}' {there}: --merge takes a LoRA run's output_dir (runs/NAME), whose final/ "
@@ -111,24 +117,31 @@ def export_merged(run_dir: Path, out: Path | None = None, *, say=lambda text: No
         # adapter saved whole; the pad token it scored with (the tokenizer's, else EOS), as objective_for set it
         from transformers import AutoModelForSequenceClassification
 
-        base = pretrained(AutoModelForSequenceClassification, model.name_or_path, num_labels=1, dtype=dtype,
-                          rope_scaling=model.rope_scaling)
+        with _quiet_new_head(True):  # its new score head and unused lm_head: the adapter holds the trained head
+            base = pretrained(AutoModelForSequenceClassification, model.name_or_path, num_labels=1, dtype=dtype,
+                              rope_scaling=model.rope_scaling)
         base.config.get_text_config().pad_token_id = (tokenizer.pad_token_id if tokenizer.pad_token_id is not None
                                                        else tokenizer.eos_token_id)
     else:
         base = pretrained(AutoModelForCausalLM, model.name_or_path, dtype=dtype,  # a text model, its RoPE as trained
                           rope_scaling=model.rope_scaling)
     if model.quantize:
-        say(f"the adapter was trained on a {model.quantize} 4-bit base; it is merged into the unquantised base read "
+        say(f"the adapter was trained on {'an' if model.quantize == 'nf4' else 'a'} {model.quantize} 4-bit base; it "
+            "is merged into the unquantised base read "
             f"from {model.name_or_path} in {model.dtype}, not a dequantised copy.")
     grow_vocabulary(base, len(tokenizer))  # model.new_tokens: the rows the adapter's copies of them hold
     merged = PeftModel.from_pretrained(base, str(final)).merge_and_unload()
-    tmp = out.with_name(out.name + ".tmp")
-    shutil.rmtree(tmp, ignore_errors=True)
-    merged.save_pretrained(tmp, safe_serialization=True)
-    tokenizer.save_pretrained(tmp)
-    # the end of turn as the run trained it: its template is final/'s tokenizer's (a data.chat_template file's too)
-    data = recipe.data.model_copy(update={"chat_template": recipe.data.chat_template is not False})
-    ends_turns(tmp, end_of_turn_ids(recipe.model_copy(update={"data": data}), tokenizer))
-    tmp.rename(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    # written beside it under a name of its own (never a folder of the user's), then renamed: a stop leaves no out
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", suffix=".tmp", dir=out.parent))
+    try:
+        merged.save_pretrained(tmp, safe_serialization=True)
+        tokenizer.save_pretrained(tmp)
+        # the end of turn as the run trained it: its template is final/'s tokenizer's (a data.chat_template file's)
+        data = recipe.data.model_copy(update={"chat_template": recipe.data.chat_template is not False})
+        ends_turns(tmp, end_of_turn_ids(recipe.model_copy(update={"data": data}), tokenizer))
+        tmp.rename(out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
     return out
