@@ -110,6 +110,66 @@ def test_incomplete_tmp_checkpoint_is_never_resumed_and_is_cleaned(tiny_assets, 
     assert yaml.safe_load((run / "checkpoints" / "step_000006" / "train_state.json").read_text())["step"] == 6
 
 
+def test_a_learning_rate_changed_at_resume_is_the_one_trained_with(tiny_assets, tmp_path):
+    """--allow-recipe-change with another train.lr: said and written to metrics.jsonl, and the checkpoint's optimizer
+    and scheduler state had put the old lr back (the lrs and losses after it were the unchanged run's)."""
+    from llmtrain.model.modeling import lr_factor
+
+    recipe = write_recipe(tiny_assets, tmp_path, train={"max_steps": 6, "lr": 1e-3, "warmup_steps": 2},
+                          checkpoint={"every_steps": 3})
+    run = tmp_path / "run"
+    run_train(recipe, "logging.every_steps=1")
+    kept = {r["step"]: r for r in records(run)}
+    run_train(recipe, "logging.every_steps=1", "train.lr=0.05", resume=str(run / "checkpoints" / "step_000003"),
+              allow_recipe_change=True)
+    again = {r["step"]: r for r in records(run)}
+    assert [again[s]["lr"] for s in (1, 2, 3)] == [kept[s]["lr"] for s in (1, 2, 3)]
+    for step in (4, 5, 6):  # the lr a step trained with: the schedule's factor at its update, of the new peak
+        assert again[step]["lr"] == pytest.approx(0.05 * lr_factor(step - 1, warmup=2, total=6, schedule="cosine",
+                                                                      min_ratio=0.0), rel=1e-12), step
+    assert again[4]["loss"] == kept[4]["loss"] and again[5]["loss"] != kept[5]["loss"]
+    notes = [r for r in records(run, "note")]
+    assert [n["note"] for n in notes] == ["train.lr changed from 0.001 to 0.05 at resume"]
+
+
+def test_the_recipes_optimizer_settings_outlive_the_checkpoints_groups():
+    """weight_decay, betas and eps changed at resume: torch's load_state_dict takes them from the saved groups."""
+    import torch
+
+    from llmtrain.model.modeling import lr_factor, reapply_hyperparameters, recipe_hyperparameters
+
+    def built(lr, wd, betas, eps):
+        p = torch.nn.Parameter(torch.ones(3))
+        opt = torch.optim.AdamW([p], lr=lr, weight_decay=wd, betas=betas, eps=eps)
+        return p, opt, torch.optim.lr_scheduler.LambdaLR(opt, lambda s: lr_factor(s, warmup=2, total=10,
+                                                                                   schedule="linear", min_ratio=0.0))
+
+    p, opt, sched = built(1e-3, 0.0, (0.9, 0.999), 1e-8)
+    for _ in range(3):
+        p.sum().backward()
+        opt.step()
+        sched.step()
+    saved = (opt.state_dict(), sched.state_dict())
+    _, opt2, sched2 = built(2e-3, 0.1, (0.8, 0.99), 1e-6)
+    kept = recipe_hyperparameters(sched2)
+    opt2.load_state_dict(saved[0])
+    sched2.load_state_dict(saved[1])
+    assert opt2.param_groups[0]["weight_decay"] == 0.0 and sched2.base_lrs == [1e-3]  # the checkpoint's, as torch
+    reapply_hyperparameters(sched2, kept)
+    (group,) = opt2.param_groups
+    assert (group["weight_decay"], tuple(group["betas"]), group["eps"]) == (0.1, (0.8, 0.99), 1e-6)
+    assert sched2.base_lrs == [2e-3] and group["lr"] == 2e-3 * lr_factor(3, warmup=2, total=10, schedule="linear",
+                                                                          min_ratio=0.0)
+    assert sched2.get_last_lr() == [group["lr"]]
+    # the same recipe's settings again: the checkpoint's own, bit for bit
+    _, opt3, sched3 = built(1e-3, 0.0, (0.9, 0.999), 1e-8)
+    kept = recipe_hyperparameters(sched3)
+    opt3.load_state_dict(saved[0])
+    sched3.load_state_dict(saved[1])
+    reapply_hyperparameters(sched3, kept)
+    assert opt3.param_groups[0]["lr"] == opt.param_groups[0]["lr"] and sched3.base_lrs == sched.base_lrs
+
+
 def test_a_complete_run_resumed_with_no_step_left_is_refused_and_untouched(tiny_assets, tmp_path):
     """--allow-recipe-change on a complete run with a changed warm-up but the same max_steps: its newest checkpoint
     is the last step. It trained 0 steps, wrote final/ again and said "final loss None" (issue 53); now refused."""

@@ -45,6 +45,8 @@ from llmtrain.model.modeling import (
     load_model_config,
     load_tokenizer,
     pad_id,
+    reapply_hyperparameters,
+    recipe_hyperparameters,
     unadapted_experts,
     unquantized_experts,
 )
@@ -619,9 +621,11 @@ def restore(recipe: Recipe, accelerator, trainable: Trainable, *, checkpoint: Pa
     if checkpoint is None:
         return state
     names = set(trainable.trainable_names) if trainable.trainable_names else None
+    built = recipe_hyperparameters(trainable.scheduler)  # the checkpoint's groups replace them: put back after
     load_checkpoint(accelerator, checkpoint, trainable_names=names)
     if trainable.pipeline is not None:  # this process's stages, by name, from every stage's file
         read_stages(checkpoint, trainable.unwrapped, trainable.optimizer, trainable_only=recipe.lora is not None)
+    reapply_hyperparameters(trainable.scheduler, built)
     state.check_layout(accum=tc.grad_accum_steps, micro_batch_tokens=tc.micro_batch_tokens or 0, processes=world)
     say(f"resumed from {checkpoint} at step {state.step}")
     if state.processes != world:

@@ -650,3 +650,26 @@ def build_scheduler(optimizer, tc, *, total_steps: int):
     """The lr schedule of train.* (warmup_steps, schedule, min_lr_ratio) over `total_steps` updates."""
     return torch.optim.lr_scheduler.LambdaLR(optimizer, functools.partial(
         lr_factor, warmup=tc.warmup_steps, total=total_steps, schedule=tc.schedule, min_ratio=tc.min_lr_ratio))
+
+
+def recipe_hyperparameters(scheduler) -> tuple[list[dict], list[float]]:
+    """The optimizer's group settings (lr aside) and the schedule's base lrs as the recipe built them: taken before a
+    checkpoint's state overwrites them (reapply_hyperparameters)."""
+    groups = [{k: v for k, v in g.items() if k not in ("params", "lr")} for g in scheduler.optimizer.param_groups]
+    return groups, list(scheduler.base_lrs)
+
+
+def reapply_hyperparameters(scheduler, built: tuple[list[dict], list[float]]) -> None:
+    """The recipe's group settings and base lrs (recipe_hyperparameters) again, over those a checkpoint restored:
+    torch's Optimizer.load_state_dict takes every group setting (lr, weight_decay, betas, eps) from the saved groups and
+    LambdaLR's its base lrs, so a change allowed at resume (--allow-recipe-change: train.lr, weight_decay, betas, eps)
+    had been said and not trained with. The current lr is the schedule's at its restored step, as LambdaLR computes
+    it: the same recipe's equal the checkpoint's bit for bit."""
+    groups, base_lrs = built
+    for group, settings in zip(scheduler.optimizer.param_groups, groups, strict=True):
+        group.update(settings)
+    scheduler.base_lrs = list(base_lrs)
+    for group, base, factor in zip(scheduler.optimizer.param_groups, base_lrs, scheduler.lr_lambdas, strict=True):
+        group["lr"] = base * factor(scheduler.last_epoch)
+    scheduler._last_lr = [group["lr"] for group in scheduler.optimizer.param_groups]
+
