@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import re
 import shutil
 
@@ -181,6 +182,34 @@ def test_a_complete_run_resumed_with_no_step_left_is_refused_and_untouched(tiny_
                                             r"4 .* nothing is left to train. Raise train.max_steps above 4"):
         run_train(recipe, "train.warmup_steps=1", resume="auto", allow_recipe_change=True)
     assert _snapshot(run) == before
+
+
+def test_a_run_stopped_at_its_last_step_before_it_finished_resumes_to_finish(tiny_assets, tmp_path, capsys):
+    """A stop during the last step (its checkpoint is at max_steps) or kill -9 before final/ and summary.json were
+    written: `--resume auto`, the command the stop prints, was refused ("nothing is left to train") and nothing could
+    finish the run. It trains 0 steps and writes them; the summary's final loss and best eval are the run's."""
+    recipe = write_recipe(tiny_assets, tmp_path, train={"max_steps": 4, "eval_every_steps": 2},
+                          data={"eval_split": 0.1}, checkpoint={"every_steps": 2})
+    run = tmp_path / "run"
+    first = run_train(recipe)
+    weights = load_weights(run / "final")
+    shutil.rmtree(run / "final")
+    (run / "summary.json").unlink()
+    lines = (run / "metrics.jsonl").read_text()
+    capsys.readouterr()
+    summary = run_train(recipe, resume="auto")
+    said = capsys.readouterr().out
+    assert f"resumed from {run / 'checkpoints' / 'step_000004'} at step 4" in said
+    assert f"done: 4 steps, final loss {round(first['final_loss'], 4)}" in said
+    assert summary["steps"] == 4 and summary["final_loss"] == first["final_loss"]
+    assert max_abs_diff(load_weights(run / "final"), weights) == 0.0
+    assert (run / "metrics.jsonl").read_text() == lines  # no step trained again
+    best = min(records(run, "eval"), key=lambda e: e["eval_loss"])
+    assert f"{best['eval_loss']:.4f} (step {best['step']}" in said  # the evals before the resume count
+    # finished now: the same command says so and changes nothing
+    capsys.readouterr()
+    again = run_train(recipe, resume="auto")
+    assert again == json.loads((run / "summary.json").read_text())
 
 
 def test_resume_auto_without_checkpoint_starts_from_zero(tiny_assets, tmp_path):

@@ -56,7 +56,7 @@ from llmtrain.parallel.pipeline.checkpoint import gather_state_dict, write_stage
 from llmtrain.run.checkpoint import save_checkpoint
 from llmtrain.run.console import RunConsole, step_text, summary_table
 from llmtrain.run.export import save_final
-from llmtrain.run.metrics import MetricsLog, flop_model, strict_json
+from llmtrain.run.metrics import MetricsLog, flop_model, logged, strict_json
 from llmtrain.run.plot import update_loss_plot
 from llmtrain.run.preflight import check_steps_left
 from llmtrain.run.samples import format_sample, generate_samples, mark_answers
@@ -394,6 +394,12 @@ def finish(run: Run, state: TrainState, meter: Meter, evals: list[dict], est, *,
                        max_memory_reserved=torch.cuda.max_memory_reserved(),
                        **predicted_for_run(est))
     if accelerator.is_main_process:
+        # the whole run's, over every resumed part (metrics.jsonl): the best eval before a resume, the last loss of a
+        # run resumed at its last step to write what a stop there had left unwritten (final/, summary.json)
+        evals = logged(out, "eval")
+        if summary["final_loss"] is None:
+            summary["final_loss"] = next((r["loss"] for r in reversed(logged(out, "train"))
+                                          if r.get("loss") is not None), None)
         (out / "summary.json").write_text(json.dumps(strict_json(summary), indent=1, allow_nan=False))
         final_dir = str(out / "final") if run.recipe.checkpoint.save_final else None
         say(summary_table({**summary, "final": final_dir}, out=out, evals=evals, unit=run.console.unit,

@@ -11,6 +11,19 @@ from pathlib import Path
 from llmtrain.errors import LLMTrainError
 
 
+def complete_lines(path: Path) -> list[str]:
+    """The lines of a JSON-lines log that were written whole: what follows the last newline is a write the stop cut
+    short (kill -9, a full disk) or one under way, and is left out."""
+    return path.read_text().split("\n")[:-1]
+
+
+def logged(output_dir: Path, kind: str) -> list[dict]:
+    """The lines of `kind` ("train", "eval") in a run's metrics.jsonl, over every part of a resumed run."""
+    path = output_dir / "metrics.jsonl"
+    lines = complete_lines(path) if path.is_file() else []
+    return [r for r in (json.loads(line) for line in lines if line.strip()) if r.get("type", "train") == kind]
+
+
 class MetricsLog:
     """The run's logs, written by the main process only (enabled=False elsewhere): metrics.jsonl, one JSON object
     per line; samples.jsonl, the eval generations (train.eval_samples); and every metrics line passed on to the
@@ -36,7 +49,7 @@ class MetricsLog:
         (kill -9, a full disk): dropped, as `llmtrain plot` ignores it."""
         if not path.exists():
             return
-        lines = path.read_text().split("\n")[:-1]  # what follows the last newline is a cut write, or nothing
+        lines = complete_lines(path)
         keep = []
         for number, line in enumerate(lines, 1):
             try:

@@ -23,6 +23,7 @@ from pathlib import Path
 from llmtrain.errors import LLMTrainError
 from llmtrain.run.curves import Curves, _nan, _points, ema, smoothing_weight  # noqa: F401  (re-exported)
 from llmtrain.run.rundir import cannot_create
+from llmtrain.run.metrics import complete_lines
 
 # The loss axis turns logarithmic when the curves span more than this factor (a model learning from scratch
 # falls from ~10 to ~0.1: on a linear axis everything after the first steps is a flat line).
@@ -73,10 +74,7 @@ def read_curves(run: Path, name: str | None = None) -> Curves:
     """The train and eval lines of one run, by step. The last line of a step wins; a last line without its
     newline (the trainer is writing it right now) is ignored."""
     path = metrics_file(run)
-    text = path.read_text()
-    lines = text.splitlines()
-    if lines and not text.endswith("\n"):
-        lines.pop()
+    lines = complete_lines(path)
     train, evals = {}, {}
     for n, line in enumerate(lines, 1):
         if not line.strip():

@@ -159,17 +159,25 @@ def check_resume(ckpt: Path, recipe: Recipe, *, world: int, fsdp: bool, allow_re
 def _finished_after(ckpt: Path) -> int | None:
     """The last step of the run in the checkpoint's output_dir where that run finished after the checkpoint (its
     summary.json says so), else None: a checkpoint a finished run kept, not where an interrupted one stopped."""
+    steps = _summary_steps(ckpt.parent.parent)
+    return steps if steps is not None and steps > int(_state(ckpt).get("step", 0)) else None
+
+
+def _summary_steps(out: Path) -> int | None:
+    """The step a run in `out` finished at (its summary.json), None where it has not finished."""
     try:
-        steps = int(json.loads((ckpt.parent.parent / "summary.json").read_text())["steps"])
+        return int(json.loads((out / "summary.json").read_text())["steps"])
     except (OSError, ValueError, KeyError, TypeError):
         return None
-    return steps if steps > int(_state(ckpt).get("step", 0)) else None
 
 
 def check_steps_left(ckpt: Path | None, total_steps: int, *, out: Path) -> None:
     """Refuse a resume from a checkpoint at or past the run's last step (a complete run resumed with a changed
     schedule and --allow-recipe-change, the same train.max_steps): it would train 0 steps and write final/ again."""
     if ckpt is None or (step := int(_state(ckpt).get("step", 0))) < total_steps:
+        return
+    if (done := _summary_steps(out)) is None or done < step:  # stopped at its last step before it finished (a stop
+        # during it, kill -9 before final/): the resume trains 0 steps and writes what the stop left unwritten
         return
     raise LLMTrainError(f"checkpoint {ckpt} is at step {step:,} and this recipe's run ends at step {total_steps:,} "
                         "(train.max_steps, or train.epochs over the data): nothing is left to train. Raise "
@@ -192,9 +200,11 @@ def finished_run(out: Path, recipe: Recipe, *, allow_recipe_change: bool) -> dic
     continues only with --allow-recipe-change, from its newest checkpoint; any other difference is for
     check_resume to judge."""
     summary_path, saved_path = out / "summary.json", out / "recipe.yaml"
-    if not (summary_path.is_file() and saved_path.is_file() and (out / "final").is_dir()):
+    if not (summary_path.is_file() and saved_path.is_file()):
         return None
     saved = _recipe_of(saved_path)
+    if _get(saved, "checkpoint.save_final") is not False and not (out / "final").is_dir():
+        return None
     now = recipe.model_dump(mode="json")
     if saved == now:
         return json.loads(summary_path.read_text())
