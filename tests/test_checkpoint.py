@@ -212,6 +212,16 @@ def test_a_run_stopped_at_its_last_step_before_it_finished_resumes_to_finish(tin
     assert again == json.loads((run / "summary.json").read_text())
 
 
+def test_a_finished_run_without_final_is_finished(tiny_assets, tmp_path):
+    """checkpoint.save_final: false: its --resume auto had been refused ("nothing is left to train"); it is complete."""
+    recipe = write_recipe(tiny_assets, tmp_path, train={"max_steps": 2}, checkpoint={"every_steps": 2,
+                                                                                     "save_final": False})
+    first = run_train(recipe)
+    assert not (tmp_path / "run" / "final").exists()
+    assert run_train(recipe, resume="auto") == json.loads((tmp_path / "run" / "summary.json").read_text()) != {}
+    assert first["steps"] == 2
+
+
 def test_resume_auto_without_checkpoint_starts_from_zero(tiny_assets, tmp_path):
     """--resume auto on an empty output_dir (a job's first start under a requeue script) just trains."""
     recipe = write_recipe(tiny_assets, tmp_path, train={"max_steps": 2})
