@@ -222,6 +222,22 @@ def test_a_finished_run_without_final_is_finished(tiny_assets, tmp_path):
     assert first["steps"] == 2
 
 
+def test_a_resume_to_an_older_step_removes_the_later_checkpoints_at_its_first_save(tiny_assets, tmp_path, capsys):
+    """--resume PATH to an older step: the checkpoints past it were of the run it goes back on, and --resume auto
+    after a stop picked them (the highest step), undoing the rewind; pruning kept them and deleted the new ones."""
+    recipe = write_recipe(tiny_assets, tmp_path, train={"max_steps": 6}, checkpoint={"every_steps": 2, "keep_last": 5})
+    run = tmp_path / "run"
+    run_train(recipe)
+    assert _step_dirs(run) == ["step_000002", "step_000004", "step_000006"]
+    capsys.readouterr()
+    run_train(recipe, "train.max_steps=4", resume=str(run / "checkpoints" / "step_000002"), allow_recipe_change=True)
+    assert ("note: step_000004, step_000006 are of the run this resume goes back on (or damaged), and are removed "
+            "at this run's first checkpoint") in capsys.readouterr().out
+    assert _step_dirs(run) == ["step_000002", "step_000004"]
+    assert json.loads((run / "checkpoints" / "step_000004" / "recipe.yaml").read_text().split("max_steps: ")[1]
+                      .split()[0]) == 4  # the new run's
+
+
 def test_resume_auto_without_checkpoint_starts_from_zero(tiny_assets, tmp_path):
     """--resume auto on an empty output_dir (a job's first start under a requeue script) just trains."""
     recipe = write_recipe(tiny_assets, tmp_path, train={"max_steps": 2})

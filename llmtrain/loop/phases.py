@@ -63,7 +63,7 @@ from llmtrain.parallel.mesh import data_ranks, mesh_line, tensor_parallel_size
 from llmtrain.parallel.parallelize import parallelize
 from llmtrain.parallel.pipeline.checkpoint import read_stages
 from llmtrain.parallel.sequence.shards import balance_sums
-from llmtrain.run.checkpoint import load_checkpoint, lora_only_hooks
+from llmtrain.run.checkpoint import later_than, load_checkpoint, lora_only_hooks
 from llmtrain.run.metrics import MetricsLog, flop_model, peak_flops
 from llmtrain.run.preflight import check_resume, finished_run
 from llmtrain.run.rundir import RunDir, check_output_dir, claim_output_dir, has_checkpoints, inputs_inside
@@ -628,6 +628,10 @@ def restore(recipe: Recipe, accelerator, trainable: Trainable, *, checkpoint: Pa
     reapply_hyperparameters(trainable.scheduler, built)
     state.check_layout(accum=tc.grad_accum_steps, micro_batch_tokens=tc.micro_batch_tokens or 0, processes=world)
     say(f"resumed from {checkpoint} at step {state.step}")
+    if later := later_than(checkpoint.parent, state.step):  # on the main process's disk; the same on each node's
+        say(f"note: {', '.join(p.name for p in later)} {'are' if len(later) > 1 else 'is'} of the run this resume "
+            f"goes back on (or damaged), and {'are' if len(later) > 1 else 'is'} removed at this run's first "
+            "checkpoint, so that --resume auto continues this run")
     if state.processes != world:
         # Each rank restores its own RNG file; with more ranks than saved, the new ones start from the seed.
         say(f"note: written by {state.processes} data-parallel ranks, resumed on {world} (a tensor-parallel group "

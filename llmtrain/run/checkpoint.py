@@ -301,9 +301,16 @@ def _publish(tmp: Path, final: Path, *, state: TrainState, recipe_yaml: str, kee
         _discard(final)
     tmp.rename(final)
     _fsync(final.parent)  # the rename itself is on the disk
+    for later in later_than(final.parent, state.step):  # a run's steps only rise: these are of the run a resume
+        _discard(later)  # from an older step left (--resume PATH), which --resume auto would have gone back to
     for old in step_dirs(final.parent)[:-keep_last]:
         if old != final:
             _discard(old)
+
+
+def later_than(root: Path, step: int) -> list[Path]:
+    """The checkpoints under `root` past `step`."""
+    return [d for d in step_dirs(root) if int(d.name[5:]) > step]
 
 
 def _discard(path: Path) -> None:
