@@ -256,3 +256,30 @@ def test_failed_save_is_one_clear_error_and_leaves_nothing_partial(tiny_assets, 
     assert "step_000002, is intact" in message and "--resume auto" in message and "GiB free" in message
     assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["step_000002"]
     assert checkpoint_problem(run / "checkpoints" / "step_000002") is None
+
+
+def test_a_failed_write_of_final_is_one_clear_error_and_the_resume_writes_it(tiny_assets, tmp_path, monkeypatch):
+    """A full disk while final/ is written: safetensors' traceback, and final.tmp/ left behind."""
+    from transformers import PreTrainedModel
+
+    real = PreTrainedModel.save_pretrained
+
+    def full_disk(self, folder, *args, **kwargs):
+        os.makedirs(folder, exist_ok=True)
+        (Path(folder) / "model.safetensors").write_bytes(b"half of it")
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(Path(folder) / "model.safetensors"))
+
+    monkeypatch.setattr(PreTrainedModel, "save_pretrained", full_disk)
+    recipe = write_recipe(tiny_assets, tmp_path, train={"max_steps": 4}, checkpoint={"every_steps": 2})
+    run = tmp_path / "run"
+    with pytest.raises(LLMTrainError) as err:
+        run_train(recipe)
+    message = str(err.value)
+    assert message.startswith(f"writing final/ in {run} failed: the disk is full ({run / 'final.tmp'}") and \
+        " free on that disk. The run stopped after its last step" in message and "--resume auto" in message, message
+    assert sorted(p.name for p in run.iterdir() if not p.name.startswith(".")) == [
+        "checkpoints", "metrics.jsonl", "recipe.yaml", "train.log"]  # no final.tmp/, no final/
+    monkeypatch.setattr(PreTrainedModel, "save_pretrained", real)  # space freed: the resume writes final/ alone
+    summary = run_train(recipe, resume="auto")
+    assert summary["steps"] == 4 and (run / "final" / "model.safetensors").is_file()
+    assert [r["step"] for r in records(run)] == [1, 2, 3, 4]

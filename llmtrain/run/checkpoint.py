@@ -378,6 +378,16 @@ _WHY = {errno.ENOSPC: "the disk is full", errno.EDQUOT: "the disk quota is excee
 
 def _save_failed(error: Exception, final: Path) -> str:
     root = final.parent
+    kept = step_dirs(root)
+    before = f"the newest published checkpoint, {kept[-1].name}, is intact" if kept else "there is no earlier one"
+    fix = (f"Make {root} writable" if isinstance(error, OSError) and error.errno in (errno.EACCES, errno.EPERM,
+           errno.EROFS) else "Free disk space (or lower checkpoint.keep_last, or set output_dir on a larger disk)")
+    return (f"saving checkpoint {final.name} in {root} failed: {write_failure(error, root)}. The run stopped; what "
+            f"was written of {final.name} was removed and {before}. {fix}, then continue with --resume auto.")
+
+
+def write_failure(error: Exception, root: Path) -> str:
+    """Why a write under `root` failed, in words, with the space left on its disk."""
     if isinstance(error, OSError):
         reason = f"{_WHY.get(error.errno, error.strerror or error)} ({error.filename or root})"
     else:  # torch's writer reports a full disk as "[enforce fail at inline_container.cc:672] . unexpected pos ..."
@@ -388,16 +398,12 @@ def _save_failed(error: Exception, final: Path) -> str:
     except OSError:
         usage = None
     if usage is not None:
-        free = f"{usage.free / 2**30:.2f} GiB free on that disk"
+        free = (f"{usage.free / 2**30:.2f} GiB" if usage.free >= 2**30 else f"{usage.free / 2**20:.1f} MiB") + \
+            " free on that disk"  # (3 MiB had read "0.00 GiB")
         # torch's writer says only that it stopped short; a disk with (almost) nothing left is the reason to say first
         full = usage.free < min(256 * 2**20, usage.total // 100) and not isinstance(error, OSError)
         reason = f"the disk is full ({free}; {reason})" if full else f"{reason}; {free}"
-    kept = step_dirs(root)
-    before = f"the newest published checkpoint, {kept[-1].name}, is intact" if kept else "there is no earlier one"
-    fix = (f"Make {root} writable" if isinstance(error, OSError) and error.errno in (errno.EACCES, errno.EPERM,
-           errno.EROFS) else "Free disk space (or lower checkpoint.keep_last, or set output_dir on a larger disk)")
-    return (f"saving checkpoint {final.name} in {root} failed: {reason}. The run stopped; what was written of "
-            f"{final.name} was removed and {before}. {fix}, then continue with --resume auto.")
+    return reason
 
 
 def _check_8bit_shards(accelerator, path: Path) -> None:

@@ -12,6 +12,7 @@ from pathlib import Path
 
 from llmtrain.errors import LLMTrainError
 from llmtrain.parallel.collectives import on_main
+from llmtrain.run.checkpoint import write_failure
 from llmtrain.run.rundir import cannot_create
 
 
@@ -22,8 +23,22 @@ def save_final(accelerator, model, tokenizer, path: Path, *, state_dict: dict | 
     turn (objective.end_of_turn_ids), listed in a whole model's generation_config.json (ends_turns)."""
     # get_state_dict gathers sharded (FSDP) weights, so every rank must call it.
     state_dict = accelerator.get_state_dict(model) if state_dict is None else state_dict
+
     def save():
+        from safetensors import SafetensorError
+
         tmp = path.with_name(path.name + ".tmp")
+        try:
+            write(tmp)
+        except (OSError, RuntimeError, SafetensorError) as e:  # a full disk: said as a checkpoint's failure is
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise LLMTrainError(
+                f"writing {path.name}/ in {path.parent} failed: {write_failure(e, path.parent)}. The run stopped "
+                f"after its last step; what was written of {path.name}/ was removed and the checkpoints are intact. "
+                f"Free disk space, then continue with --resume auto: from a checkpoint at the last step it writes "
+                f"{path.name}/ alone (from an earlier one it trains the steps after it again).") from e
+
+    def write(tmp: Path):
         shutil.rmtree(tmp, ignore_errors=True)
         unwrapped = accelerator.unwrap_model(model)
         # an adapter of a grown vocabulary (model.new_tokens): peft would add the base's resized embeddings and head
