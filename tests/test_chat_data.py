@@ -288,6 +288,21 @@ def test_separator_and_newline_before_the_end_of_turn_are_trained_in_every_turn(
     assert enc["input_ids"][: len(prompt)] == prompt
 
 
+@needs(MISTRAL)
+def test_a_template_that_ends_a_reply_with_whitespace_alone_trains_eos_right_after_the_reply(mistral):
+    """A base model's plain template ("role: content\\n"): the newline after the last reply, never trained, stood
+    between the reply and the EOS appended to it, so the model never learnt to stop (eval loss 0.08, every sample
+    right and then running on to the token limit). EOS now follows the reply, as TRL appends it to a completion."""
+    plain = ("{% for m in messages %}{{ m['role'] + ': ' + m['content'] + '\\n' }}{% endfor %}"
+             "{% if add_generation_prompt %}{{ 'assistant: ' }}{% endif %}")
+    messages = [user("Hi"), assistant("Hello there")]
+    enc = encode_example({"messages": messages}, mistral, DataConfig(path="unused.jsonl", format="messages"),
+                         template=plain)
+    assert trained_tokens(mistral, enc) == [["▁Hello", "▁there", "</s>"]]
+    assert enc["input_ids"][-1] == mistral.eos_token_id and enc["labels"][-1] == mistral.eos_token_id
+    assert mistral.decode(enc["input_ids"]) == "user: Hi\nassistant: Hello there</s>"
+
+
 def test_template_file_for_a_tokenizer_without_one(tiny_tok, tmp_path):
     from transformers import AutoTokenizer
 

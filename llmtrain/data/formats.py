@@ -306,8 +306,10 @@ def encode_messages(messages: list[dict], tokenizer, *, train_on_prompt: bool, t
         if closed:
             trained[j:k + 1] = True
     labels = np.where(trained, np.asarray(ids, dtype=np.int64), IGNORE).tolist()
-    if not closed:  # the template does not end the final assistant turn with a stop token: append EOS
-        ids, labels = ids + [tokenizer.eos_token_id], labels + [tokenizer.eos_token_id]
+    if not closed:  # the template ends the final reply with whitespace alone, or nothing: EOS right after the reply,
+        # as TRL appends it to a completion (the whitespace, never trained, had stood between them: the model learnt
+        # EOS after a newline it was never taught to write, and so never stopped)
+        ids, labels = ids[:j] + [tokenizer.eos_token_id], labels[:j] + [tokenizer.eos_token_id]
     if train_on_prompt:
         labels = list(ids)
     return ids, labels
