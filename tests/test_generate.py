@@ -118,6 +118,36 @@ def test_a_runs_final_folder_and_its_merged_copy_reply_as_the_run(runs, kind, tm
     assert "; prompts as plain text (--chat / --no-chat to change)" in said.stderr, said.stderr
 
 
+def test_a_run_on_conversational_rows_replies_through_the_chat_template(runs, tiny_assets, tmp_path):
+    """TRL's conversational prompt_completion rows (lists of messages) train through the chat template whatever
+    data.chat_template says; generate had prompted such a run with plain text (wrong replies, where --chat gave the
+    run's own) and doctor said the template was "not used"."""
+    import shutil
+
+    import yaml
+
+    from llmtrain.config import load_recipe
+    from llmtrain.data.checks import check_chat_template, needs_chat
+    from llmtrain.run.replies import load_source
+
+    rows = tmp_path / "conversational.jsonl"
+    rows.write_text("".join(json.dumps({"prompt": [{"role": "user", "content": "reverse ab ="}],
+                                        "completion": [{"role": "assistant", "content": "ba"}]}) + "\n"
+                            for _ in range(3)))
+    run = tmp_path / "run"
+    shutil.copytree(runs["full"], run)
+    recipe = yaml.safe_load((run / "recipe.yaml").read_text())
+    assert recipe["data"]["chat_template"] is False
+    recipe["data"]["path"] = str(rows)
+    (run / "recipe.yaml").write_text(yaml.safe_dump(recipe))
+    assert load_source(str(run), device="cpu").chat
+    assert not load_source(str(runs["full"]), device="cpu").chat  # plain rows: plain text, as before
+    loaded = load_recipe(run / "recipe.yaml")
+    assert needs_chat(loaded)
+    [(name, verdict, said)] = check_chat_template(loaded, load_source(str(run), device="cpu").tokenizer)
+    assert verdict == "pass" and said.startswith("renders;"), said
+
+
 def test_sampled_replies_are_reproducible_by_seed_and_the_reference_loops(runs):
     from llmtrain.model import fast_sample
     from llmtrain.run.replies import generate_replies, load_source

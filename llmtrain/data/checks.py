@@ -50,9 +50,11 @@ def check_new_tokens(recipe: Recipe, tokenizer) -> list[Check]:
 
 
 def needs_chat(recipe: Recipe) -> bool:
+    from llmtrain.data.formats import conversational_rows
+
     d = recipe.data
     return d.format == "messages" or (d.format in ("prompt_completion", "unpaired", "prompt", "preference")
-                                      and d.chat_template is not False)
+                                      and d.chat_template is not False) or conversational_rows(d)
 
 
 def check_chat_template(recipe: Recipe, tokenizer) -> list[Check]:

@@ -191,6 +191,18 @@ def row_problem(example: dict, cfg: DataConfig) -> str | None:
     return None
 
 
+def conversational_rows(cfg: DataConfig) -> bool:
+    """Whether prompt_completion rows are TRL's conversational ones (a prompt or completion that is a list of
+    messages), which are rendered through the chat template whatever data.chat_template says (chat_of): read off
+    the first row of a local file, for what renders prompts as training did without the data at hand (generate,
+    doctor)."""
+    from llmtrain.data.sources import first_row
+
+    if cfg.format != "prompt_completion" or (row := first_row(cfg.path)) is None:
+        return False
+    return any(isinstance(_column(row, cfg, f), list) for f in ("prompt", "completion"))
+
+
 def chat_of(example: dict, cfg: DataConfig) -> tuple[list[dict], int] | None:
     """The row as a chat, and the index of its first message whose assistant turns are trained (those before
     it are the prompt); None for a row rendered as plain text."""

@@ -38,6 +38,23 @@ def _no_rows(path: str, kind: str) -> bool:
     return True
 
 
+def first_row(path: str | list[str] | None) -> dict | None:
+    """The first row of a local JSON-lines file (the first of several), without loading the rest; None for other
+    sources or a file that cannot be read so."""
+    import json
+
+    first = files(path)[0] if path else None
+    if first is None or Path(first).suffix != ".jsonl" or not Path(first).is_file():
+        return None
+    try:
+        with open(first, encoding="utf-8") as f:
+            line = next((ln for ln in f if ln.strip()), None)
+        row = json.loads(line) if line is not None else None
+    except (OSError, ValueError):
+        return None
+    return row if isinstance(row, dict) else None
+
+
 def load_raw(path: str | list[str], *, name: str | None = None, split: str = "train", key: str = "data.path"):
     """Load local files (jsonl, json, parquet, csv), a dataset folder (its files named by split, as on the hub)
     or a hub dataset into a `datasets.Dataset`. `key`: the recipe key that names it, for the refusals."""

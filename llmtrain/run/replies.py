@@ -188,9 +188,11 @@ def _tied(model) -> set[str]:
 
 
 def _source(model, tokenizer, recipe, describe: str, read_template) -> Source:
+    from llmtrain.data.formats import conversational_rows
+
     data = recipe.data
     alpaca = data.format == "alpaca"  # rendered as text in ALPACA_PROMPT (a bare prompt had been sent: no reply ended)
-    chat = data.format == "messages" or (data.chat_template is not False and not alpaca)
+    chat = data.format == "messages" or (data.chat_template is not False and not alpaca) or conversational_rows(data)
     from llmtrain.config import sampling_of
 
     rl = recipe.rl or recipe.distill
