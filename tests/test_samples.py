@@ -56,8 +56,11 @@ def greedy_reference(model, prompt: list[int], max_new_tokens: int, eos: int) ->
 def test_split_example_prompt_is_the_leading_masked_run():
     assert split_example({"input_ids": [1, 5, 6, 7, 8, 2], "labels": [IGNORE, IGNORE, IGNORE, 7, 8, 2]}) == (
         [1, 5, 6], [7, 8, 2])
-    # later masked tokens (a second user turn) belong to the expected text, not the prompt
-    assert split_example({"input_ids": [1, 5, 6, 7], "labels": [IGNORE, 5, IGNORE, 7]}) == ([1], [5, 6, 7])
+    # a multi-turn chat: the last reply is expected, after the turns before it (the first reply, a second user turn,
+    # a tool's result); those had been expected after the first prompt, which no reply can match
+    assert split_example({"input_ids": [1, 5, 6, 7], "labels": [IGNORE, 5, IGNORE, 7]}) == ([1, 5, 6], [7])
+    assert split_example({"input_ids": [1, 5, 6, 7, 8, 9, 3], "labels": [IGNORE, IGNORE, 6, IGNORE, 8, 9, IGNORE]}) \
+        == ([1, 5, 6, 7], [8, 9])  # what follows the last reply's end of turn is not expected
     assert split_example({"input_ids": [1, 5], "labels": [1, 5]}) == ([1], [5])  # nothing masked: BOS is the prompt
 
 

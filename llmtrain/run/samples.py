@@ -1,8 +1,8 @@
 """Sample generations at eval (train.eval_samples): the first eval prompts decoded greedily, beside the expected
 completion. This is what people read first to see whether a fine-tune works.
 
-An example is a tokenised eval row: the prompt is its leading run of -100 labels (everything the model is
-given), the expected completion the rest of the row (everything it is trained to produce). With
+An example is a tokenised eval row: the expected completion is its last trained run (its last reply), the prompt
+everything before it (what inference gives the model for that reply). With
 data.train_on_prompt or the text format nothing is masked: the prompt is then the first token (BOS) alone, and
 the sample shows what the model writes from nothing.
 
@@ -22,7 +22,7 @@ from __future__ import annotations
 
 from contextlib import contextmanager
 
-from llmtrain.data.formats import prompt_length
+from llmtrain.data.formats import IGNORE, prompt_length
 from llmtrain.model.generate import Stops, cached_attention, stop_tokens
 from llmtrain.model.loss import causal_lm
 from llmtrain.objectives.rewards import answer
@@ -30,12 +30,22 @@ from llmtrain.objectives.rewards import answer
 
 def split_example(example) -> tuple[list[int], list[int]]:
     """(prompt ids, expected ids) of a tokenised row {"input_ids", "labels"} (a preference pair: its chosen answer):
-    the leading run of -100 labels. With nothing masked the first token (BOS) is the prompt: generation needs one
-    token to continue from."""
+    the expected text is the row's last trained run (its last reply and end of turn: a multi-turn or tool-calling
+    chat's final answer), the prompt everything before it (the earlier turns, a tool's results), as inference
+    gives it. The expected text had been the rest of the row after its first prompt, user turns and tool results
+    included, which no reply can match. With nothing masked the first token (BOS) is the prompt: generation needs
+    one token to continue from."""
     ids_key, labels_key = ("input_ids", "labels") if "input_ids" in example else ("chosen_ids", "chosen_labels")
     ids, labels = list(example[ids_key]), list(example[labels_key])
-    n = max(prompt_length(labels), 1)
-    return ids[:n], ids[n:]
+    trained = [k for k, label in enumerate(labels) if label != IGNORE]
+    if not trained:
+        n = max(prompt_length(labels), 1)
+        return ids[:n], ids[n:]
+    end = start = trained[-1] + 1
+    while start > 0 and labels[start - 1] != IGNORE:
+        start -= 1
+    n = max(start, 1)
+    return ids[:n], ids[n:end]
 
 
 def generate_samples(model, tokenizer, examples, *, max_new_tokens: int, step: int, synced: bool = False,
