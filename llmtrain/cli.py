@@ -412,7 +412,7 @@ def eval_(
     names = [t.strip() for t in tasks.split(",") if t.strip()]
     if not names:
         raise LLMTrainError("--tasks names no task: give the harness's task names, comma-separated (e.g. gsm8k)")
-    size: int | str = batch_size if batch_size.startswith("auto") else int(batch_size)
+    size, device = benchmarks.command_options(batch_size, limit=limit, dtype=dtype, device=device)
     main = int(os.environ.get("RANK", "0")) == 0
     from llmtrain.hub import local_tasks
 

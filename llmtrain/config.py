@@ -11,7 +11,7 @@ import difflib
 import math
 import re
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
@@ -1295,7 +1295,8 @@ class BenchmarkConfig(Section):
                              "include_path).")
     num_fewshot: int | None = Field(None, ge=0, description="Few-shot examples; unset: each task's own.")
     limit: float | None = Field(None, gt=0, description="At most this many examples a task (below 1: a share).")
-    batch_size: int | Literal["auto"] = Field(1, description="Examples a forward pass, or auto.")
+    batch_size: Annotated[int, Field(gt=0)] | Literal["auto"] = Field(1, description="Examples a forward pass, or "
+                                                                       "auto.")
     include_path: list[str] = Field(default_factory=list, description="Folders of task YAML files (local data).")
     apply_chat_template: bool = Field(False, description="Render each request through the model's chat template.")
 

@@ -267,6 +267,27 @@ def test_an_unknown_task_is_named_with_the_nearest_and_nothing_is_written(tiny_a
     assert not (tmp_path / "run" / "lm_eval").exists()
 
 
+@pytest.mark.parametrize("option, says", [
+    (["--limit", "0"], "--limit 0 scores nothing"),  # the harness's ValueError traceback
+    (["--batch-size", "abc"], "--batch-size abc: give a number of examples a forward pass"),  # int()'s traceback
+    (["--batch-size", "0"], "--batch-size 0: give"),  # 0, -2, autox: every request in one batch, recorded as given
+    (["--batch-size", "autox"], "--batch-size autox: give"),
+    (["--dtype", "foo"], "--dtype foo: give auto, float32, bfloat16 or float16"),  # torch's AttributeError
+    (["--device", "bogus"], "--device bogus is not a device"),  # scored on the CPU, recorded as 'bogus'
+    (["--device", "cuda"], "--device cuda: this machine has no cuda device"),  # torch's AssertionError
+])
+def test_an_eval_option_that_cannot_run_is_refused_in_one_paragraph(tiny_assets, option, says):
+    if option == ["--device", "cuda"]:
+        import torch
+
+        if torch.cuda.is_available():
+            pytest.skip("this machine has a GPU")
+    proc = invoke("eval", str(tiny_assets / "model"), "--tasks", "tiny_reverse", "--include-path", "tasks", *option,
+                  check=False)
+    said = " ".join((proc.stdout + proc.stderr).split())
+    assert proc.returncode == 2 and says in said and "Traceback" not in said, said
+
+
 def test_a_hub_task_offline_says_where_to_point_it(tiny_assets, monkeypatch):
     for key, value in (("HF_HUB_OFFLINE", "1"), ("HF_DATASETS_OFFLINE", "1")):
         monkeypatch.setenv(key, value)

@@ -136,7 +136,7 @@ def recipe_problem(recipe, target: str, *, adapter: bool) -> str | None:
 def _built_args(recipe, dtype: str) -> dict:
     """What a model handed over built records of itself (the results' model_args): its dtype, --dtype's where given (a
     4-bit base refuses another: it is scored as the run held it), else the run's; a 4-bit base's quantization."""
-    if dtype not in ("auto", "float32", "bfloat16", "float16"):
+    if dtype not in DTYPES:
         raise LLMTrainError(f"--dtype {dtype}: give auto (the run's {recipe.model.dtype}), float32, bfloat16 or "
                             "float16")
     if recipe.model.quantize and dtype != "auto":
@@ -269,6 +269,43 @@ def check_tasks(names: list[str], manager) -> None:
                 "cache); without it, copy its YAML" + (f" ({config})" if config else "") + " into a folder of your "
                 "own with dataset_path: json and dataset_kwargs: {data_files: {test: FILE}} pointing at local files, "
                 "and pass that folder with --include-path (eval.include_path in a recipe)") from None
+
+
+DTYPES = ("auto", "float32", "bfloat16", "float16")
+
+
+def command_options(batch_size: str, *, limit: float | None, dtype: str, device: str | None) -> tuple[int | str, str]:
+    """`llmtrain eval`'s --batch-size (a count, auto or auto:N) and --device (default: cuda where there is one), each
+    refused in one paragraph before anything loads, with --limit 0 and an unknown --dtype: they had ended in the
+    harness's tracebacks, or (a batch of 0, -2, 'autox'; a device 'bogus') run as one batch of every request on the
+    CPU and been recorded as given."""
+    import re
+
+    import torch
+
+    if re.fullmatch(r"auto(:[1-9]\d*)?", batch_size):
+        size: int | str = batch_size
+    elif re.fullmatch(r"[1-9]\d*", batch_size):
+        size = int(batch_size)
+    else:
+        raise LLMTrainError(f"--batch-size {batch_size}: give a number of examples a forward pass (e.g. 16), auto "
+                            "(the largest that fits, found by the harness) or auto:N (found again N times)")
+    if limit is not None and limit <= 0:
+        raise LLMTrainError(f"--limit {limit:g} scores nothing: give a number of examples a task (e.g. 100), a share "
+                            "of them below 1 (0.1), or leave it out for all")
+    if dtype not in DTYPES:
+        raise LLMTrainError(f"--dtype {dtype}: give {', '.join(DTYPES[:-1])} or {DTYPES[-1]} (auto: the model's own)")
+    device = device or ("cuda" if torch.cuda.is_available() else "cpu")  # the harness's own default is cuda
+    try:
+        kind = torch.device(device).type
+    except (RuntimeError, ValueError):
+        raise LLMTrainError(f"--device {device} is not a device: give cuda, cuda:N, cpu or mps (default: cuda where "
+                            "there is one)") from None
+    backend = getattr(torch, kind, None) if kind != "cpu" else None
+    if kind != "cpu" and not (backend is not None and hasattr(backend, "is_available") and backend.is_available()):
+        raise LLMTrainError(f"--device {device}: this machine has no {kind} device that torch can use: leave "
+                            "--device out (cuda where there is one, else cpu) or give --device cpu")
+    return size, device
 
 
 def evaluate(target: Target, tasks: list[str], manager, *, num_fewshot: int | None, batch_size: int | str,
