@@ -64,8 +64,11 @@ def missing_local(name: str) -> bool:
 
 
 def hub_ids(*names) -> list[str]:
-    """The names that are not local paths, so hub ids (model, tokenizer, dataset), in order, once each."""
-    return list(dict.fromkeys(n for n in names if isinstance(n, str) and n and not is_local_path(n)))
+    """The names that may be hub ids (model, tokenizer, dataset), in order, once each: neither here nor surely local
+    (surely_local). myorg/other beside a folder myorg/ that holds no run is the hub's, as the loaders read it: it had
+    been taken for a local path, so the hub was never asked and the command retried the network for a minute."""
+    return list(dict.fromkeys(n for n in names if isinstance(n, str) and n and not surely_local(n)
+                              and not Path(n).expanduser().exists()))
 
 
 def recipe_hub_ids(recipe) -> list[str]:

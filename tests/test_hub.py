@@ -102,6 +102,10 @@ def test_what_is_surely_local_is_said_missing_without_the_hub_and_an_owner_folde
     assert hub.surely_local("runs/tiny-sfT") and hub.surely_local("runs/tiny-sfT/final")
     assert hub.surely_local("./model") and hub.surely_local("data.jsonl") and not hub.surely_local("gpt2")
     assert not hub.surely_local("org/model")  # no folder org/ here: a hub id
+    # ... and the hub is asked for it (once, briefly, offline mode after): it had been taken for a local path, never
+    # asked, and the command retried the network for 75 s before calling it a missing "model folder"
+    assert hub.hub_ids("mistralai/Other-Model", "mistralai/Mistral-7B-v0.1", "runs/tiny-sfT") == [
+        "mistralai/Other-Model"]
 
 
 def test_a_local_model_path_that_is_not_there_is_refused_before_transformers_asks_the_hub(tmp_path, monkeypatch):

@@ -23,9 +23,8 @@ WEIGHTS = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.b
 
 def _load_error(what: str, path: str, err: Exception, *, key: str = MODEL_KEYS) -> LLMTrainError:
     """The paragraph for a model or tokenizer that cannot be read from `path`, naming the recipe `key` it came from."""
-    from llmtrain.hub import is_local_path
-
     from llmtrain.config import run_folder_problem
+    from llmtrain.hub import surely_local
 
     if problem := run_folder_problem(path, key.split(" / ")[0]):
         return LLMTrainError(problem)
@@ -36,7 +35,7 @@ def _load_error(what: str, path: str, err: Exception, *, key: str = MODEL_KEYS) 
                              f"weights into it, or set {key.split(' / ')[0]} to a folder or hub id that has them"
                              + (" (or model.random_init: true, to train from random weights: a speed or memory "
                                 "check)" if key == MODEL_KEYS else ""))
-    local = is_local_path(path)
+    local = surely_local(path)  # (myorg/other beside a folder myorg/ is the hub's: not a missing folder)
     if local and not folder.exists():
         run = Path(path).parent if Path(path).name in ("final", "final-merged") else None
         if run is not None:  # another run's output, e.g. the SFT run a GRPO or distillation recipe starts from
