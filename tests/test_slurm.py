@@ -26,7 +26,7 @@ STUBS = {
     "srun": 'while [[ "$1" == --* ]]; do shift; done\n'
             'for ((i = 0; i < SLURM_NNODES; i++)); do SLURM_NODEID=$i "$@" || exit; done\n',
     "scontrol": '[[ "$1 $2" == "show hostnames" ]] && printf "gpu-a17\\ngpu-a18\\n"\n',
-    "llmtrain": 'echo "$@" >> "$CALLS"\n',
+    "llmtrain": 'printf "%q " "$@" >> "$CALLS"; echo >> "$CALLS"\n',  # each argument as given (shlex reads %q)
     "scancel": 'echo "scancel $*" >> "$CALLS"; [[ -n "${TRAINING:-}" ]] && kill -TERM "$(cat "$TRAINING")"\n',
 }
 
@@ -66,6 +66,17 @@ def test_sbatch_derives_rank_address_and_port_from_slurm(tmp_path):
         assert args[-4:] == ["recipes/llama7b.yaml", "--resume", "auto", "train.lr=2e-5"]
         # llmtrain launch's own checks pass (the layout, the recipe; not this machine's GPUs): accelerate launch follows
         assert accelerate_command(args[1:], machine=False)[-4:] == args[-4:]
+
+
+def test_sbatch_passes_each_override_as_given(tmp_path):
+    """An override with spaces, quotes or $ in its value reached llmtrain split into words (and evaluated) by the
+    inner `bash -c`: "Override 'are' is not of the form key=value"."""
+    env, calls = _slurm(tmp_path, STUBS, SLURM_GPUS_ON_NODE="8")
+    given = ["data.system_prompt=You are terse; say \"$HOME\" as is", "train.lr=2e-5"]
+    subprocess.run(["bash", str(SBATCH), "recipes/my recipe.yaml", *given], env=env, cwd=REPO, check=True,
+                   capture_output=True, text=True, timeout=60)
+    for args in (shlex.split(line) for line in calls.read_text().splitlines()):
+        assert args[-5:] == ["recipes/my recipe.yaml", "--resume", "auto", *given]
 
 
 def _launch_env(args: list[str]) -> dict:
