@@ -810,6 +810,16 @@ def _section_problems(recipe) -> list[str]:
     return []
 
 
+# The modes whose loss never reads a prompt token's label: data.train_on_prompt is refused, with why.
+PROMPT_UNTRAINED = {
+    "kto": "kto: compares the log-probabilities of the completions only",
+    "distill": "distill: matches the teacher on completion tokens only",
+    "reward_model": "reward_model: scores each sequence at its last token, and no token's label is trained",
+    "grpo": "rl: the loss is the policy's on its sampled completions only, never on the prompts",
+    "rloo": "rl: the loss is the policy's on its sampled completions only, never on the prompts",
+}
+
+
 def _mode_problems(recipe) -> list[str]:
     """The mode's batch unit and evaluation (the table's), and the settings each mode reads (moved here from the
     schema's validators, collected rather than stopping at the first)."""
@@ -832,10 +842,8 @@ def _mode_problems(recipe) -> list[str]:
     if t.eval_samples and not mode.samples:
         out.append("reward_model: the model scores sequences and has no LM head to generate eval samples with; set "
                    "train.eval_samples=0")
-    if recipe.data.train_on_prompt and mode.key in ("kto", "distill"):
-        out.append("kto: compares the log-probabilities of the completions only; unset data.train_on_prompt"
-                   if mode.key == "kto" else
-                   "distill: matches the teacher on completion tokens only; unset data.train_on_prompt")
+    if recipe.data.train_on_prompt and (why := PROMPT_UNTRAINED.get(mode.key)):  # (RL's and a reward model's had
+        out.append(f"{why}; unset data.train_on_prompt")  # been accepted and ignored without a word)
     if (coef := recipe.model.router_aux_loss_coef) is not None and not mode.router_aux:
         takes = ", ".join(m.name for m in MODES.values() if m.router_aux)
         out.append(f"model.router_aux_loss_coef={coef:g}: the load-balancing loss joins the loss of {takes}, and this "

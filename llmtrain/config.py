@@ -281,12 +281,19 @@ class DataConfig(Section):
     eval_max_examples: int | None = Field(
         None, gt=0, description="Evaluate on at most this many eval examples: the first N in the seeded order."
     )
-    max_seq_len: int = Field(2048, gt=1, description="Examples are truncated to this many tokens.")
-    train_on_prompt: bool = Field(False, description="Also put loss on prompt/user tokens (default: completion only).")
+    max_seq_len: int = Field(2048, gt=1, description="The longest example in tokens: a longer one is truncated (a "
+                             "preference pair's prompt is cut from the left first, down to its last quarter, then "
+                             "the answers' ends); an online-RL prompt that leaves no room for "
+                             "rl.max_completion_tokens is refused, never cut.")
+    train_on_prompt: bool = Field(False, description="Also put loss on prompt/user tokens (default: completion only). "
+                                  "Supervised fine-tuning and preference pairs; refused where no prompt token is "
+                                  "trained (KTO, online RL, reward models, distillation).")
     packing: bool = Field(
         False,
         description="Padding-free packing: a micro-batch is one row of concatenated examples whose "
-        "position ids restart, so no example attends to another.",
+        "position ids restart, so no example attends to another. With model.attn_implementation auto or varlen (the "
+        "default) or a token budget (train.micro_batch_tokens) every micro-batch is packed whatever this says; "
+        "false keeps examples in padded rows under sdpa, eager or flash_attention_2 only.",
     )
     cache_dir: str = Field(".cache/llmtrain/data", description="Where tokenised datasets are cached between runs.")
     num_proc: int = Field(1, ge=1, description="Processes used for tokenisation.")

@@ -59,8 +59,8 @@ def _highlight(input_ids: list[int], labels: list[int], tokenizer, *, marks: boo
     from rich.text import Text
 
     text, inside = Text(), False
-    for piece, lab in zip(token_pieces(input_ids, tokenizer), labels):
-        trained = lab != IGNORE
+    for k, (piece, lab) in enumerate(zip(token_pieces(input_ids, tokenizer), labels)):
+        trained = lab != IGNORE and k > 0  # nothing predicts the first token (train_on_prompt's BOS): not counted
         if marks and trained != inside:
             text.append("«" if trained else "»")
             inside = trained

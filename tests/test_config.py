@@ -196,3 +196,16 @@ def test_a_temperature_whose_logits_overflow_is_refused(key):
     with pytest.raises(RecipeError, match=rf"{key}.*greater than or equal to 0.00001"):
         load_recipe(recipe, [f"{key}=1e-40"])
     assert getattr(getattr(load_recipe(recipe, [f"{key}=1e-5"]), section), field) == 1e-5
+
+
+@pytest.mark.parametrize("recipe, says", [
+    ("tiny-grpo.yaml", "rl: the loss is the policy's on its sampled completions only"),
+    ("tiny-rloo.yaml", "rl: the loss is the policy's on its sampled completions only"),
+    ("tiny-reward.yaml", "reward_model: scores each sequence at its last token"),  # these three had been ignored
+    ("tiny-kto.yaml", "kto: compares the log-probabilities of the completions only"),
+    ("tiny-distill.yaml", "distill: matches the teacher on completion tokens only"),
+])
+def test_train_on_prompt_is_refused_where_no_prompt_token_is_trained(recipe, says):
+    with pytest.raises(RecipeError, match=rf"{says}.*; unset data.train_on_prompt"):
+        load_recipe(REPO / "recipes" / recipe, ["data.train_on_prompt=true"])
+    assert not load_recipe(REPO / "recipes" / recipe).data.train_on_prompt

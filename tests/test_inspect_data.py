@@ -111,6 +111,16 @@ def test_report_shows_examples_and_the_statistics(tiny_assets, tmp_path):
 
 @needs(MISTRAL)
 @needs(GSM8K)
+def test_the_first_token_is_never_marked_trained(monkeypatch):
+    """data.train_on_prompt labels every token, BOS too; nothing predicts the first one, and the count left it out
+    while the highlight marked it (19 tokens, 18 trained, 19 marked)."""
+    import llmtrain.inspect_data as inspect_data
+
+    monkeypatch.setattr(inspect_data, "token_pieces", lambda ids, tokenizer: [f"t{i}" for i in ids])
+    assert _highlight([1, 5, 6], [1, 5, 6], None, marks=True).plain == "t1«t5t6»"
+    assert _highlight([1, 5, 6], [IGNORE, IGNORE, 6], None, marks=True).plain == "t1t5«t6»"
+
+
 def test_trained_tokens_are_highlighted_and_pieces_keep_their_spaces():
     from transformers import AutoTokenizer
 

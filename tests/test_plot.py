@@ -189,6 +189,17 @@ def test_a_short_run_draws_its_raw_loss_without_an_ema_0_line(tmp_path):
     assert line.get_alpha() == 1.0
 
 
+def test_a_run_of_one_logged_step_draws_its_point(tmp_path):
+    """A line of one point without a marker draws nothing: a 1-step run's plot had empty axes."""
+    run = tmp_path / "one"
+    write_metrics(run, steps=1, skipped=(), eval_every=10)
+    fig = plot_runs([run], run / "loss.png")
+    for ax in fig.axes[:4]:
+        assert [line.get_marker() for line in ax.get_lines()] == ["o"], ax
+    write_metrics(run, steps=2, skipped=(), eval_every=10)  # two points: a line, as before
+    assert {line.get_marker() for line in plot_runs([run], run / "loss.png").axes[0].get_lines()} == {"None"}
+
+
 def test_ema_and_smoothing_weight():
     assert ema([1.0, None, 3.0, float("nan")], 0.5) == [1.0, None, pytest.approx((0.25 + 1.5) / 0.75), None]
     assert ema([2.0, 2.0, 2.0], 0.9) == pytest.approx([2.0, 2.0, 2.0])  # debiased: no pull towards zero

@@ -405,7 +405,8 @@ def finish(run: Run, state: TrainState, meter: Meter, evals: list[dict], est, *,
         say(summary_table({**summary, "final": final_dir}, out=out, evals=evals, unit=run.console.unit,
                           logged_every=run.recipe.logging.every_steps, online_rl=run.recipe.rl is not None))
         final = summary["final_loss"]
-        say(f"done: {state.step} steps, final loss {final if final is None else round(final, 4)}, wrote {out}")
+        say(f"done: {state.step} step{'s' * (state.step != 1)}, final loss "
+            f"{final if final is None else round(final, 4)}, wrote {out}")
         if run.recipe.logging.plot and (note := update_loss_plot(out)):
             say(note)
     if not end:

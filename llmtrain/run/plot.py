@@ -183,15 +183,17 @@ def plot_runs(runs: list[Path], out: Path, *, smoothing: float | None = None):
             # The raw loss has a gap at a skipped update; the average and the eval line run through it.
             # 20 points or fewer are not smoothed (weight 0): the raw curve is drawn as the one to read
             ax.plot(_nan(x), _nan(c.loss), color=colour, alpha=0.3 if weight > 0 else 1.0,
-                    linewidth=0.8 if weight > 0 else 1.5, label=f"{label}train loss{about_zero}")
+                    linewidth=0.8 if weight > 0 else 1.5, label=f"{label}train loss{about_zero}",
+                    marker="o" if len(c.loss) == 1 else None)  # one point: a line of one point draws nothing
             if weight > 0:
                 ax.plot(*_points(x, smoothed), color=colour, linewidth=1.8,
                         label=f"{label}train loss (EMA {weight:.2g})")
             if any(v is not None for v in c.eval_loss):  # an online-RL run's eval lines have no loss
                 ax.plot(*_points(ex, c.eval_loss), color=colour, linestyle="--", marker="o", markersize=4,
                         label=f"{label}eval loss")
-        lr_s.plot(c.step, _nan(c.lr), color=colour, label=c.name)
-        lr_t.plot(_nan(c.tokens), _nan(c.lr), color=colour, label=c.name)
+        one = "o" if len(c.lr) == 1 else None
+        lr_s.plot(c.step, _nan(c.lr), color=colour, label=c.name, marker=one)
+        lr_t.plot(_nan(c.tokens), _nan(c.lr), color=colour, label=c.name, marker=one)
     if panels:
         _draw_measures(fig, grid[2, :], panels, curves)
 
