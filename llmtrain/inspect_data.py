@@ -11,9 +11,10 @@ from llmtrain.data.prepare import DataStats, prepare_recipe
 from llmtrain.model.modeling import load_tokenizer
 
 
-def _stats_table(stats: dict[str, DataStats], *, pairs: bool = False, prompts: bool = False):
+def _stats_table(stats: dict[str, DataStats], *, pairs: bool = False, prompts: bool = False, scored: bool = False):
     """The statistics of each split. A pair's length is its two sequences' (what a token budget bins), so it may
-    be up to twice data.max_seq_len: the table says so."""
+    be up to twice data.max_seq_len: the table says so. `scored`: a reward model's pairs, which train no token's
+    label (each sequence is scored at its last token): no trained-token fraction."""
     from rich.table import Table
 
     table = Table(title="data statistics")
@@ -25,7 +26,8 @@ def _stats_table(stats: dict[str, DataStats], *, pairs: bool = False, prompts: b
         ("truncated", lambda s: f"{s.truncated:,}"),
         ("dropped", lambda s: f"{s.dropped:,}" + (f" ({', '.join(s.drops)})" if s.drops else "")),
         ("tokens", lambda s: f"{s.tokens:,}"),
-        *([] if prompts else [("trained-token fraction", lambda s: f"{s.trained_fraction:.1%}")]),
+        *([] if prompts else [("scored tokens", lambda s: "1 a sequence (its last)")] if scored else
+          [("trained-token fraction", lambda s: f"{s.trained_fraction:.1%}")]),
         ("pair length (chosen + rejected) p50 / p90 / p99 / max" if pairs else "length p50 / p90 / p99 / max",
          lambda s: f"{s.length_p50} / {s.length_p90} / {s.length_p99} / {s.length_max}"),
     ]
@@ -91,7 +93,7 @@ def inspect_data(recipe: Recipe, *, n: int, as_json: bool) -> None:
         stats = {names.get(k.removesuffix("_eval"), k) + (" eval" if k.endswith("_eval") else ""): v
                  for k, v in sorted(stats.items(), key=lambda kv: not kv[0] in ("train", "eval"))}
     if "chosen_ids" in train.column_names:
-        return _show_pairs(rows, stats, tokenizer, as_json=as_json)
+        return _show_pairs(rows, stats, tokenizer, as_json=as_json, scored=recipe.reward_model is not None)
     if as_json:
         # Exactly the rows training reads (before packing and the per-example shift), one per line.
         for k, (ids, labels) in enumerate(zip(rows["input_ids"], rows["labels"])):
@@ -149,8 +151,10 @@ def feedback_balance(recipe: Recipe, splits: dict) -> str:
     return "\n".join(lines)
 
 
-def _show_pairs(rows, stats, tokenizer, *, as_json: bool) -> None:
-    """Preference pairs: the prompt once, then each answer with its trained tokens marked."""
+def _show_pairs(rows, stats, tokenizer, *, as_json: bool, scored: bool = False) -> None:
+    """Preference pairs: the prompt once, then each answer with its trained tokens marked; `scored` (a reward
+    model's pairs: it reads prompt and answer together and scores the sequence at its last token, training no
+    token's label) with the token it is scored at marked instead."""
     from rich.console import Console, Group
     from rich.panel import Panel
     from rich.text import Text
@@ -168,9 +172,13 @@ def _show_pairs(rows, stats, tokenizer, *, as_json: bool) -> None:
         parts = [Text("prompt: ", style="bold"), prompt]
         for name, ids, labels in (("chosen", c_ids, c_labels), ("rejected", r_ids, r_labels)):
             k = prompt_length(labels)
-            trained = sum(lab != IGNORE for lab in labels[1:])
-            parts += [Text(f"\n{name} ({trained} trained tokens): ", style="bold"),
+            if scored:
+                labels = [IGNORE] * (len(ids) - 1) + ids[-1:]
+                said = "scored at its last token"
+            else:
+                said = f"{sum(lab != IGNORE for lab in labels[1:])} trained tokens"
+            parts += [Text(f"\n{name} ({said}): ", style="bold"),
                       _highlight(ids[k:], labels[k:], tokenizer, marks=marks)]
         console.print(Panel(Group(Text.assemble(*parts)), title=f"pair {i + 1}: {len(c_ids)} + {len(r_ids)} tokens",
                             title_align="left"))
-    console.print(_stats_table(stats, pairs=True))
+    console.print(_stats_table(stats, pairs=True, scored=scored))

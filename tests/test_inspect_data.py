@@ -111,6 +111,21 @@ def test_report_shows_examples_and_the_statistics(tiny_assets, tmp_path):
 
 @needs(MISTRAL)
 @needs(GSM8K)
+def test_a_reward_models_pairs_show_the_token_each_sequence_is_scored_at(tiny_assets, tmp_path):
+    """A reward model reads prompt and answer together and scores each at its last token: the report had shown the
+    answers as trained tokens and a 29.6% trained-token fraction, where its own metrics count one token a sequence."""
+    data = {"path": str(tiny_assets / "data" / "train_pairs.jsonl"), "format": "preference", "max_seq_len": 32,
+            "cache_dir": str(tmp_path / "cache")}
+    recipe = write_recipe(tiny_assets, tmp_path, data=data, reward_model={})
+    result = invoke("inspect-data", str(recipe), "--n", "1")
+    assert result.exit_code == 0, result.output
+    said = result.stdout
+    assert "chosen (scored at its last token):" in said and "rejected (scored at its last token):" in said
+    assert "trained tokens" not in said and "trained-token fraction" not in said
+    assert "1 a sequence (its last)" in said
+    assert "«</s>»" in said  # the last token alone is marked (CliRunner's output has no colour)
+
+
 def test_the_first_token_is_never_marked_trained(monkeypatch):
     """data.train_on_prompt labels every token, BOS too; nothing predicts the first one, and the count left it out
     while the highlight marked it (19 tokens, 18 trained, 19 marked)."""
