@@ -310,6 +310,29 @@ def test_a_reward_model_or_an_unfinished_run_is_refused(tmp_path, tiny_assets):
     assert not os.path.exists(tmp_path / "run" / "lm_eval")
 
 
+def test_a_run_without_final_by_choice_and_a_random_base_are_said_as_they_are(tmp_path, tiny_assets):
+    """checkpoint.save_final: false: eval had offered to finish the run with --resume auto, which says it is
+    complete; --baseline base of a model.random_init run scored model.name_or_path's trained weights as where the
+    run started."""
+    recipe = write_recipe(tiny_assets, tmp_path, train={"max_steps": 1}, checkpoint={"every_steps": 1,
+                                                                                     "save_final": False})
+    run_train(recipe)
+    said = " ".join(invoke("eval", str(tmp_path / "run"), "--tasks", "tiny_reverse", check=False).stderr.split())
+    assert "finished with checkpoint.save_final: false, so it has no final/: evaluate one of its checkpoints (" in \
+        said and "--resume auto" not in said, said
+    random = tmp_path / "random"
+    random.mkdir()
+    run_train(write_recipe(tiny_assets, random, train={"max_steps": 1}, model={
+        "name_or_path": str(tiny_assets / "model"), "dtype": "float32", "attn_implementation": "eager",
+        "random_init": True}))
+    proc = invoke("eval", str(random / "run"), "--tasks", "tiny_reverse", "--include-path", "tasks", "--baseline",
+                  "base", check=False)
+    said = " ".join(proc.stderr.split())
+    assert proc.returncode == 2 and "started from random weights (model.random_init: true): there is none to " \
+        "score" in said, said
+    assert not (random / "run" / "lm_eval").exists()
+
+
 # --------------------------------------------------------------------------- eval: in a recipe
 
 

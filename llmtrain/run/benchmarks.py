@@ -103,6 +103,10 @@ def base_of(ours: Target, *, dtype: str) -> Target:
     from llmtrain.run.rundir import run_recipe
 
     recipe = run_recipe(ours.run)
+    if recipe.model.random_init:  # (model.name_or_path's trained weights had been scored as where it started)
+        raise LLMTrainError(f"--baseline base means the model the run started from, and {ours.run} started from "
+                            "random weights (model.random_init: true): there is none to score. Give the baseline "
+                            "model's folder or hub id, or leave --baseline out")
     if not recipe.model.quantize:
         return resolve(ours.base, dtype=dtype)
 

@@ -154,12 +154,12 @@ def _from_checkpoint(path: Path, recipe, device) -> Source:
     from llmtrain.run.checkpoint import checkpoint_problem
 
     if problem := checkpoint_problem(path):  # its manifest's sizes and checksums (had: safetensors' traceback)
-        raise LLMTrainError(f"checkpoint '{path}' is damaged ({problem}): generate from another step_* folder under "
-                            f"{path.parent}, or from the run's final/")
+        raise LLMTrainError(f"checkpoint '{path}' is damaged ({problem}): use another step_* folder under "
+                            f"{path.parent}, or the run's final/")
     weights = path / "model.safetensors"
     if not weights.is_file():
         raise LLMTrainError(f"checkpoint '{path}' holds its weights in pieces (FSDP's or a pipeline's shards), not "
-                            "one model.safetensors; generate from the run's final/, which holds the whole model: "
+                            "one model.safetensors; use the run's final/, which holds the whole model: "
                             f"resume the run to its end as it was launched ({_resume_launch(path)})")
     cfg = trained_model(recipe)
     model = load_model(cfg, recipe.lora, device=device if cfg.quantize else None)

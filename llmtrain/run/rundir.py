@@ -306,6 +306,13 @@ def unfinished(path: Path, doing: str) -> str:
     if (holder := _holder(path)) is not None:
         return (f"'{path}' is still training ({holder}) and has no final/ yet: {doing} one of its checkpoints "
                 f"({newest}), or wait for it to finish.")
+    try:
+        finished = (path / "summary.json").is_file() and run_recipe(path).checkpoint.save_final is False
+    except LLMTrainError:
+        finished = False
+    if finished:  # (it had been told to finish with --resume auto, which says the run is complete)
+        return (f"'{path}' finished with checkpoint.save_final: false, so it has no final/: {doing.lower()} one of its "
+                f"checkpoints ({newest}).")
     return (f"'{path}' has no final/: the run has not finished (or ran with checkpoint.save_final: false). {doing} "
             f"one of its checkpoints ({newest}), or finish it with `llmtrain finetune {path}/recipe.yaml --resume "
             "auto`.")
