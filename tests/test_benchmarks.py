@@ -419,3 +419,17 @@ def test_a_checkpoint_is_handed_over_in_dtype_and_with_the_runs_chat_template(ti
     assert {p.dtype for p in resolve(str(checkpoint), dtype="auto").load("cpu")[0].parameters()} == {torch.float32}
     with pytest.raises(LLMTrainError, match="--dtype fp8: give auto"):
         resolve(str(checkpoint), dtype="fp8")
+
+
+def test_an_unknown_task_names_the_key_that_adds_task_folders_where_it_was_given():
+    """A recipe's eval: section had been told to use --include-path, a flag of `llmtrain eval`."""
+    from types import SimpleNamespace
+
+    from llmtrain.errors import LLMTrainError
+    from llmtrain.run.benchmarks import check_tasks
+
+    manager = SimpleNamespace(all_tasks=["tiny_reverse"])
+    for folders in ("--include-path", "eval.include_path"):
+        with pytest.raises(LLMTrainError, match=rf"a task on local files is a YAML file in a folder given with "
+                                                rf"{folders} \(tasks/tiny_reverse.yaml\)"):
+            check_tasks(["nope"], manager, **({} if folders == "--include-path" else {"folders": folders}))

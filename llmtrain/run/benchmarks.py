@@ -183,7 +183,8 @@ def check_recipe(recipe) -> None:
         raise LLMTrainError("eval: scores final/, and checkpoint.save_final is false: set it true, or remove the "
                             "eval: section (and run `llmtrain eval` on a checkpoint)")
     quiet()
-    check_tasks(recipe.eval.tasks, task_manager(recipe.eval.include_path, recipe.eval.tasks))
+    check_tasks(recipe.eval.tasks, task_manager(recipe.eval.include_path, recipe.eval.tasks),
+                folders="eval.include_path")
 
 
 def after_training(recipe, accelerator, say) -> Path | None:
@@ -246,7 +247,7 @@ def task_manager(include_path: list[str] | None, tasks: list[str] = ()):
     return TaskManager(include_path=include_path or None)
 
 
-def check_tasks(names: list[str], manager) -> None:
+def check_tasks(names: list[str], manager, *, folders: str = "--include-path") -> None:
     """The tasks by name, their data read now (datasets caches it for the evaluation), before any model is loaded: an
     unknown name is said with the nearest ones, a task whose data is on the hub (unreachable, or offline) with where
     to point it instead."""
@@ -256,7 +257,7 @@ def check_tasks(names: list[str], manager) -> None:
         raise LLMTrainError("unknown task" + ("s " if len(unknown) > 1 else " ") + "; ".join(
             f"'{n}'" + (f" (nearest: {', '.join(near[n])})" if near[n] else "") for n in unknown)
             + f". `lm_eval ls tasks` lists the {len(known):,} the harness knows; a task on local files is a YAML "
-            "file in a folder given with --include-path (tasks/tiny_reverse.yaml)")
+            f"file in a folder given with {folders} (tasks/tiny_reverse.yaml)")
     for name in names:
         try:
             manager.load([name])
