@@ -280,6 +280,21 @@ def text_end_tokenizer():
     return fast
 
 
+def test_phi3s_end_of_turn_is_its_end_token_and_the_conversations_eos_is_not_part_of_it():
+    """Phi-3 renders <|end|>, then <|endoftext|> after the conversation's last reply (trained there, as TRL's
+    phi3_training trains it). The end of turn had been read as '<|end|>\\n<|endoftext|>': doctor called it text of
+    several tokens that a server of the exported model needs as a stop string."""
+    from llmtrain.data.chat import end_of_turn
+    from llmtrain.data.checks import check_eos_trained
+    from llmtrain.data.formats import encode_messages
+
+    tok = stand_in_tokenizer("phi-3-mini-4k-instruct")
+    assert end_of_turn(tok) == "<|end|>"
+    _, labels = encode_messages([user("2+2?"), assistant("4")], tok, train_on_prompt=False)
+    [(name, verdict, said)] = check_eos_trained([labels], tok, end_of_turn=end_of_turn(tok))
+    assert verdict == "pass" and "several tokens" not in said and "stop string" not in said, said
+
+
 def test_an_end_of_turn_that_is_text_is_trained_as_the_template_renders_it():
     """The reply is trained up to and including <|im_end|>, in however many pieces the tokenizer makes of it, and
     no </s> that the template never renders is appended; doctor's stop check passes on that and fails where the

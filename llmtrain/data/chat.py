@@ -251,11 +251,38 @@ def render_tool_chat(messages: list[dict], tokenizer, *, template: str | None = 
     return text, spans
 
 
-def closing(text: str, spans: list[tuple[int, int]]) -> str:
+def closing(text: str, spans: list[tuple[int, int]], specials: tuple[str, ...] = ()) -> str:
     """What a rendered chat (render_chat's text and spans) shows after its final reply, without the whitespace
-    after it: the end of the turn, which training ends every reply with and generation must stop at ('' for a
-    template that renders nothing there)."""
-    return text[spans[-1][1]:].rstrip()
+    after it: what training ends the final reply with ('' for a template that renders nothing there). With
+    `specials` (their texts), up to its first special token: the end of the turn, where generation stops
+    (end_of_turn). What follows that token ends the conversation, not the turn: Phi-3's <|endoftext|> after <|end|>,
+    trained after the last reply as TRL trains it, had been called an end of turn of several tokens, a stop string
+    a server needs."""
+    after = text[spans[-1][1]:].rstrip()
+    found = [(after.find(s), -len(s), s) for s in specials if s and s in after]
+    if found:
+        at, _, first = min(found)
+        after = after[:at + len(first)]
+    return after
+
+
+def special_tokens(tokenizer) -> tuple[frozenset[int], tuple[str, ...]]:
+    """The tokenizer's special tokens, ids and texts: the named ones (bos, eos, pad, additional_special_tokens) and
+    every added token marked special. Llama 3's <|eot_id|> and Gemma's <end_of_turn> close a turn whether or not the
+    tokenizer's config lists them as additional special tokens. Read once per tokenizer (and again when its vocabulary
+    or special tokens change), not once per row: `added_tokens_decoder` is rebuilt on every access, a fifth of the
+    data preparation for Mistral's ~770 control tokens when it was read per row."""
+    key = (len(tokenizer), tuple(tokenizer.all_special_ids))
+    known = _SPECIAL.get(tokenizer)
+    if known is None or known[0] != key:
+        added = {i: t.content for i, t in getattr(tokenizer, "added_tokens_decoder", {}).items()
+                 if getattr(t, "special", False)}
+        texts = tuple(dict.fromkeys([*tokenizer.all_special_tokens, *added.values()]))
+        known = _SPECIAL[tokenizer] = (key, (frozenset(tokenizer.all_special_ids) | set(added), texts))
+    return known[1]
+
+
+_SPECIAL: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # tokenizer -> (its key, (ids, texts))
 
 
 def end_of_turn(tokenizer, template: str | None = None) -> str:
@@ -266,7 +293,7 @@ def end_of_turn(tokenizer, template: str | None = None) -> str:
     if key not in renders:
         text, spans = render_chat([{"role": "user", "content": "1 + 1?"}, {"role": "assistant", "content": "2"}],
                                   tokenizer, template=template)
-        renders[key] = closing(text, spans)
+        renders[key] = closing(text, spans, special_tokens(tokenizer)[1])
     return renders[key]
 
 

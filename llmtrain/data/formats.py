@@ -8,13 +8,12 @@ packing can never make the last token of one example predict the first token of 
 from __future__ import annotations
 
 import itertools
-import weakref
 from typing import Any
 
 import numpy as np
 
 from llmtrain.config import DataConfig
-from llmtrain.data.chat import closing, read_template, render_chat, render_tool_chat
+from llmtrain.data.chat import closing, read_template, render_chat, render_tool_chat, special_tokens
 from llmtrain.data.tools import is_tool_chat, tool_messages, tool_schemas
 from llmtrain.errors import LLMTrainError
 
@@ -251,20 +250,8 @@ def encode_text(text: str, tokenizer) -> tuple[list, list]:
 
 
 def special_ids(tokenizer) -> frozenset[int]:
-    """The tokenizer's special tokens: the named ones (bos, eos, pad, additional_special_tokens) and every added token
-    marked special. Llama 3's <|eot_id|> and Gemma's <end_of_turn> close a turn whether or not the tokenizer's config
-    lists them as additional special tokens. Read once per tokenizer (and again when its vocabulary or special
-    tokens change), not once per row: `added_tokens_decoder` is rebuilt on every access, a fifth of the data
-    preparation for Mistral's ~770 control tokens when it was read per row."""
-    key = (len(tokenizer), tuple(tokenizer.all_special_ids))
-    known = _SPECIAL_IDS.get(tokenizer)
-    if known is None or known[0] != key:
-        added = {i for i, t in getattr(tokenizer, "added_tokens_decoder", {}).items() if getattr(t, "special", False)}
-        known = _SPECIAL_IDS[tokenizer] = (key, frozenset(tokenizer.all_special_ids) | added)
-    return known[1]
-
-
-_SPECIAL_IDS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # tokenizer -> (its key, its special ids)
+    """The tokenizer's special tokens' ids (chat.special_tokens)."""
+    return special_tokens(tokenizer)[0]
 
 
 def encode_messages(messages: list[dict], tokenizer, *, train_on_prompt: bool, template: str | None = None,
@@ -299,7 +286,8 @@ def encode_messages(messages: list[dict], tokenizer, *, train_on_prompt: bool, t
     ordered = bool((starts[1:] >= starts[:-1]).all() and (ends[1:] >= ends[:-1]).all())
     trained = np.zeros(len(ids), dtype=bool)
     closed = True
-    end_of_turn = closing(text, spans)  # what the template renders after the final reply
+    end_of_turn = closing(text, spans)  # what the template renders after the final reply (Phi-3's EOS after its
+    # end of turn too, trained as TRL's phi3_training template trains it)
     for start, end in spans:
         as_text = bool(end_of_turn) and text.startswith(end_of_turn, end)  # the reply, then its end of turn
         end += len(end_of_turn) if as_text else 0
