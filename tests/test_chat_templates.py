@@ -181,6 +181,20 @@ def test_qwen3_reasoning_in_the_last_reply_is_trained():
     assert trained_runs(tok, enc) == [reply + "<|im_end|>"]
 
 
+def test_qwen3_earlier_replies_with_reasoning_are_trained_as_the_history_shows_them():
+    """A reasoning dataset's multi-turn rows carry <think>...</think> in every reply: Qwen3's template shows an earlier
+    reply's answer alone, and such rows had been refused as a reply the template leaves out. A reply with no blank
+    line after </think> (the template adds it) had been refused as text the template rewrites."""
+    tok = stand_in_tokenizer("qwen3-8b")
+    messages = [user("Hi"), assistant("<think>\ngreet\n</think>\n\nHello"), user("2+2?"),
+                assistant("<think>\nadd\n</think>\n\n4")]
+    enc = encode_example({"messages": messages}, tok, CHAT)
+    assert trained_runs(tok, enc) == ["Hello<|im_end|>", "<think>\nadd\n</think>\n\n4<|im_end|>"]
+    assert "greet" not in tok.decode(enc["input_ids"])  # the earlier reasoning is not in the history, as inference
+    tight = encode_example({"messages": [user("2+2?"), assistant("<think>\nadd\n</think>4")]}, tok, CHAT)
+    assert trained_runs(tok, tight) == ["<think>\nadd\n</think>\n\n4<|im_end|>"]
+
+
 def test_gpt_oss_reasoning_in_the_last_reply_is_trained_and_earlier_reasoning_is_dropped():
     """GPT-OSS's template renders a reply's `thinking` in its analysis channel for the last reply only (harmony drops
     earlier reasoning from the history): the last reply is trained with its reasoning and both channels' headers, as

@@ -113,12 +113,26 @@ def _locate(marked: str, text: str, messages: list[dict]) -> dict[int, tuple[int
         return found[0]
     spans, cursor = {}, 0
     for k in order:
-        content = messages[k]["content"].strip()
-        start = text.find(content, cursor)
-        if start < 0:
+        for content in _shown_forms(messages[k]["content"]):
+            if (start := text.find(content, cursor)) >= 0:
+                break
+        else:
             raise _not_shown(messages, k)
         spans[k], cursor = (start, start + len(content)), start + len(content)
     return spans
+
+
+def _shown_forms(content: str) -> list[str]:
+    """What a template may show of a message's content, in the order searched: trimmed, then (a reply with its
+    reasoning, "<think>...</think>answer") the answer alone, as Qwen3 shows an earlier reply in the history (a
+    multi-turn row of a reasoning dataset had been refused as a reply the template leaves out)."""
+    forms = [content.strip()]
+    if THINK_END in content and (answer := content.rsplit(THINK_END, 1)[1].strip()):
+        forms.append(answer)
+    return forms
+
+
+THINK_END = "</think>"  # the end of a reply's reasoning block (Qwen3, DeepSeek-R1's distills)
 
 
 def _reply_parts(messages: list[dict], last: int, tokenizer,
@@ -144,7 +158,8 @@ def _reply_parts(messages: list[dict], last: int, tokenizer,
         # own reasoning block): what it renders between the inference prompt and the end of the turn is the reply.
         prompt = _apply(tokenizer, history, template, generation_prompt=True)
         rendered = full[len(prompt):len(full) - len(after)]
-        if full.startswith(prompt) and full.endswith(after) and (reply["content"].split() or [""])[-1] in rendered:
+        last_word = (reply["content"].rsplit(THINK_END, 1)[-1].split() or [""])[-1]  # "</think>4": 4
+        if full.startswith(prompt) and full.endswith(after) and last_word in rendered:
             return "", rendered, after, prompt
         raise LLMTrainError(f"the chat template rewrites the text around message {last + 1} (assistant), so the reply "
                             "cannot be placed in the text. Give a template that renders it as written "
