@@ -341,22 +341,28 @@ class DataConfig(Section):
             raise ValueError(f"missing data.{missing.replace(' and ', ' and data.')}: give data.path (file(s), a "
                              "dataset folder or a hub dataset) and data.format (how its rows are laid out), or "
                              "data.sources (a mixture, each source with both)")
-        if self.chat_template is not False and self.format not in ("prompt_completion", "messages", "preference",
-                                                                   "unpaired", "prompt"):
+        if self.chat_template is not False and self.format not in ("messages", *CHAT_TEMPLATED):
             raise ValueError(f"data.chat_template applies to formats prompt_completion, messages, preference, "
                              f"unpaired and prompt, not {self.format}")
-        if self.system_prompt is not None and self.format != "messages" and self.chat_template is False:
-            raise ValueError("data.system_prompt needs rows rendered as a chat: set data.chat_template: true "
-                             "(or a template file), or use data.format: messages")
-        if self.chat_template_kwargs and self.format not in ("messages", "prompt") and self.chat_template is False:
-            raise ValueError("data.chat_template_kwargs are read by the chat template, and these rows are not "
-                             "rendered through one: set data.chat_template: true (or a template file), or remove "
-                             "data.chat_template_kwargs")
+        # one rule for both keys (the kwargs had been taken and ignored for RL's plain-text prompts, and the system
+        # prompt refused with advice an RL recipe cannot follow): the recipe says its rows are chats
+        for key, what in (("system_prompt", "puts a system message in each chat the template renders"),
+                          ("chat_template_kwargs", "are variables the chat template reads")):
+            if getattr(self, key) and self.format != "messages" and self.chat_template is False:
+                fix = ("set data.chat_template: true (or a template file; a prompt that is a list of messages is "
+                       "rendered as a chat either way)" if self.format in CHAT_TEMPLATED else
+                       f"data.format {self.format} is never rendered through it; use data.format: messages")
+                raise ValueError(f"data.{key} {what}, and nothing says these rows are rendered through the chat "
+                                 f"template: {fix}, or remove data.{key}")
         bad = [k for k in self.chat_template_kwargs or {} if not str(k).isidentifier()]
         if bad:
             raise ValueError(f"data.chat_template_kwargs: {bad[0]!r} is not a name a template can read (letters, "
                              "digits and _, not starting with a digit)")
         return self
+
+
+# The formats whose rows are rendered through the chat template where data.chat_template says so (messages always)
+CHAT_TEMPLATED = ("prompt_completion", "preference", "unpaired", "prompt")
 
 
 def source_configs(d: DataConfig) -> list[DataConfig]:
@@ -375,7 +381,8 @@ def source_configs(d: DataConfig) -> list[DataConfig]:
             out.append(DataConfig.model_validate({**d.model_dump(exclude={"sources", "path", "format", "name", "split",
                                                                           "fields", "roles", "eval_split"}), **own}))
         except ValidationError as e:
-            raise RecipeError(f"data.sources[{i}] ({s.path}): " + "; ".join(err["msg"] for err in e.errors())) from None
+            raise RecipeError(f"data.sources[{i}] ({s.path}): " + "; ".join(
+                err["msg"].removeprefix("Value error, ") for err in e.errors())) from None
     return out
 
 

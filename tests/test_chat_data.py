@@ -350,13 +350,27 @@ def test_a_conversation_the_template_refuses_names_the_row(mistral, tmp_path):
     (["data.format=alpaca", "data.chat_template=true"],
      "data: data.chat_template applies to formats prompt_completion, messages, preference, unpaired and prompt, not alpaca"),
     (["data.system_prompt=Be brief."],
-     "data: data.system_prompt needs rows rendered as a chat: set data.chat_template: true (or a template file), "
-     "or use data.format: messages"),
+     "data: data.system_prompt puts a system message in each chat the template renders, and nothing says these rows "
+     "are rendered through the chat template: set data.chat_template: true (or a template file; a prompt that is a "
+     "list of messages is rendered as a chat either way), or remove data.system_prompt"),
+    # an RL recipe: the same rule for both keys (the kwargs had been taken and ignored for its plain-text prompts, and
+    # the system prompt refused with "use data.format: messages", which RL cannot)
+    (["data.chat_template_kwargs={enable_thinking: false}"],
+     "data: data.chat_template_kwargs are variables the chat template reads, and nothing says these rows are "
+     "rendered through the chat template: set data.chat_template: true (or a template file; a prompt that is a list "
+     "of messages is rendered as a chat either way), or remove data.chat_template_kwargs"),
+    (["data.format=text", "data.system_prompt=Be brief."],
+     "data: data.system_prompt puts a system message in each chat the template renders, and nothing says these rows "
+     "are rendered through the chat template: data.format text is never rendered through it; use data.format: "
+     "messages, or remove data.system_prompt"),
 ])
 def test_recipe_refuses_chat_keys_that_cannot_apply(overrides, message):
+    recipe = "tiny-grpo.yaml" if "chat_template_kwargs" in overrides[0] else "tiny.yaml"
     with pytest.raises(RecipeError) as err:
-        load_recipe(REPO / "recipes" / "tiny.yaml", overrides)
+        load_recipe(REPO / "recipes" / recipe, overrides)
     assert f"  - {message}\n" in str(err.value)
+    if recipe == "tiny-grpo.yaml":  # said so, it renders them
+        load_recipe(REPO / "recipes" / recipe, [*overrides, "data.chat_template=true"])
 
 
 # --------------------------------------------------------------------------- eval data: a split, a cap

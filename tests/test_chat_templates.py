@@ -434,5 +434,5 @@ def test_qwen3_without_thinking_renders_as_apply_chat_templates_keyword_and_trai
     assert tok.decode(ids).endswith("<think>\n\n</think>\n\n")
     with pytest.raises(ValueError, match="'1st' is not a name a template can read"):
         DataConfig(path="x.jsonl", format="messages", chat_template_kwargs={"1st": True})
-    with pytest.raises(ValueError, match="not rendered through one: set data.chat_template: true"):
+    with pytest.raises(ValueError, match="data.format text is never rendered through it; use data.format: messages"):
         DataConfig(path="x.jsonl", format="text", chat_template_kwargs={"enable_thinking": False})

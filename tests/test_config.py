@@ -209,3 +209,16 @@ def test_train_on_prompt_is_refused_where_no_prompt_token_is_trained(recipe, say
     with pytest.raises(RecipeError, match=rf"{says}.*; unset data.train_on_prompt"):
         load_recipe(REPO / "recipes" / recipe, ["data.train_on_prompt=true"])
     assert not load_recipe(REPO / "recipes" / recipe).data.train_on_prompt
+
+
+def test_a_mixture_sources_problem_is_said_without_pydantics_prefix():
+    """A source's own refusal had read "data.sources[1] (b.jsonl): Value error, data.system_prompt ..."."""
+    from llmtrain.config import DataConfig, source_configs
+
+    data = DataConfig(sources=[{"path": "a.jsonl", "format": "messages", "weight": 0.5},
+                               {"path": "b.jsonl", "format": "text", "weight": 0.5}],
+                      system_prompt="Be brief.")
+    with pytest.raises(RecipeError) as err:
+        source_configs(data)
+    assert str(err.value).startswith("data.sources[1] (b.jsonl): data.system_prompt puts a system message")
+    assert "Value error" not in str(err.value)
