@@ -254,6 +254,7 @@ def test_failed_save_is_one_clear_error_and_leaves_nothing_partial(tiny_assets, 
     message = str(err.value)
     assert f"saving checkpoint step_000004 in {run / 'checkpoints'} failed: {says}" in message
     assert "step_000002, is intact" in message and "--resume auto" in message and "GiB free" in message
+    assert "keep_last" not in message  # one checkpoint kept: a lower keep_last would free nothing
     assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["step_000002"]
     assert checkpoint_problem(run / "checkpoints" / "step_000002") is None
 

@@ -123,6 +123,8 @@ def test_plot_errors_are_one_paragraph_exit_2(tmp_path):
     write_metrics(tmp_path / "run")
     bad_suffix = cli("plot", str(tmp_path / "run"), "--out", str(tmp_path / "x.docx"), check=False)
     assert bad_suffix.returncode == 2 and "'.docx' is not one matplotlib writes" in bad_suffix.stderr
+    twice = cli("plot", str(tmp_path / "run"), str(tmp_path / "run") + "/", check=False)  # one label, twice drawn
+    assert twice.returncode == 2 and f"'{tmp_path / 'run'}' is given twice: give each run once." in twice.stderr
 
 
 def test_damaged_and_partial_lines(tmp_path):

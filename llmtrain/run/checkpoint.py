@@ -380,8 +380,9 @@ def _save_failed(error: Exception, final: Path) -> str:
     root = final.parent
     kept = step_dirs(root)
     before = f"the newest published checkpoint, {kept[-1].name}, is intact" if kept else "there is no earlier one"
+    fewer = "lower checkpoint.keep_last, or " if len(kept) > 1 else ""  # (one kept: a lower keep_last frees nothing)
     fix = (f"Make {root} writable" if isinstance(error, OSError) and error.errno in (errno.EACCES, errno.EPERM,
-           errno.EROFS) else "Free disk space (or lower checkpoint.keep_last, or set output_dir on a larger disk)")
+           errno.EROFS) else f"Free disk space (or {fewer}set output_dir on a larger disk)")
     return (f"saving checkpoint {final.name} in {root} failed: {write_failure(error, root)}. The run stopped; what "
             f"was written of {final.name} was removed and {before}. {fix}, then continue with --resume auto.")
 

@@ -125,6 +125,9 @@ def _finite(v) -> float | None:
 def _run_names(runs: list[Path]) -> list[str]:
     """Folder names, or whole paths where two runs share a folder name (a/run and b/run)."""
     folders = [metrics_file(r).parent for r in runs]
+    if len({f.resolve() for f in folders}) < len(folders):  # (drawn twice under one label, which could not be told)
+        twice = next(f for k, f in enumerate(folders) if f.resolve() in {g.resolve() for g in folders[:k]})
+        raise LLMTrainError(f"'{twice}' is given twice: give each run once.")
     names = [f.resolve().name for f in folders]
     return names if len(set(names)) == len(names) else [str(f) for f in folders]
 
