@@ -433,3 +433,13 @@ def test_an_unknown_task_names_the_key_that_adds_task_folders_where_it_was_given
         with pytest.raises(LLMTrainError, match=rf"a task on local files is a YAML file in a folder given with "
                                                 rf"{folders} \(tasks/tiny_reverse.yaml\)"):
             check_tasks(["nope"], manager, **({} if folders == "--include-path" else {"folders": folders}))
+
+
+def test_a_hub_model_not_in_the_cache_is_named_as_the_commands_argument(monkeypatch):
+    """`llmtrain eval HUB_ID` offline had named the recipe keys model.name_or_path / model.tokenizer: eval has none."""
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    proc = invoke("eval", "someone/not-cached-model", "--tasks", "tiny_reverse", "--include-path", "tasks",
+                  check=False)
+    said = " ".join(proc.stderr.split())
+    assert proc.returncode == 2 and "the model 'someone/not-cached-model' (the model to score) is not in the local " \
+        "Hugging Face cache" in said and "model.name_or_path" not in said, said

@@ -85,16 +85,17 @@ def _must_exist(what: str, path: str, *, key: str = MODEL_KEYS) -> None:
                             f"give the folder that holds them.{hint}")
 
 
-def load_model_config(cfg: ModelConfig):
+def load_model_config(cfg: ModelConfig, *, key: str = MODEL_KEYS):
     """The config of the model llmtrain trains (no weights: text_model's for a multimodal checkpoint), with
-    load_model's refusal where it cannot be read."""
+    load_model's refusal where it cannot be read, naming `key` (where the name came from: the recipe's keys, or a
+    command's argument)."""
     from transformers import AutoConfig
 
-    _must_exist("model", cfg.name_or_path)
+    _must_exist("model", cfg.name_or_path, key=key)
     try:
         return text_model(AutoConfig.from_pretrained(cfg.name_or_path, trust_remote_code=cfg.trust_remote_code))[0]
     except (OSError, ValueError) as e:
-        raise _load_error("model", cfg.name_or_path, e) from None
+        raise _load_error("model", cfg.name_or_path, e, key=key) from None
 
 
 # A multimodal checkpoint whose text model llmtrain trains alone: its model_type -> the checkpoint keys of the text

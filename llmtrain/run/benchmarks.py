@@ -89,7 +89,8 @@ def _readable(model: str) -> None:
     from llmtrain.config import ModelConfig
     from llmtrain.model.modeling import load_model_config
 
-    if problem := scorer_problem(load_model_config(ModelConfig(name_or_path=model)), model, "the model to score"):
+    config = load_model_config(ModelConfig(name_or_path=model), key="the model to score")  # (not a recipe's keys)
+    if problem := scorer_problem(config, model, "the model to score"):
         raise LLMTrainError(problem + ". Evaluate the policy it was trained for")
 
 
