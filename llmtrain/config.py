@@ -638,7 +638,7 @@ class PreferenceConfig(Section):
         "2024), sppo_hard (Wu et al. 2024), apo_zero and apo_down (D'Oosterlinck et al. 2024: chosen answers better, "
         "or worse, than the model's own), discopop (Chris Lu et al. 2024, discopop_tau), sigmoid_norm (dpo on per-"
         "token log-ratios), aot and aot_unpaired (Melnyk et al. 2024: dpo on the micro-batch's sorted margins, or its"
-        " sorted chosen against its sorted rejected log-ratios; label_smoothing as robust's).")
+        " sorted chosen against its sorted rejected log-ratios; label_smoothing cDPO's conservative smoothing).")
     beta: float = Field(0.1, gt=0, description="Strength of the reference (dpo, ipo: the KL weight), reward scale "
                         "(simpo, where the paper uses about 2.0) or the odds-ratio term's weight (orpo: the paper's "
                         "lambda, 0.1 as TRL's default).")
@@ -758,12 +758,33 @@ class PreferenceConfig(Section):
                              f"{self.reference})")
         if self.loss not in REFERENCE_FREE and self.reference == "none":
             raise ValueError(f"preference.loss={self.loss} needs a reference: use auto, adapter or precomputed")
+        if self.sync_reference is not None and self.loss in REFERENCE_FREE:  # (reference auto: it had done nothing)
+            raise ValueError(f"preference.sync_reference moves the reference as the policy trains, and "
+                             f"preference.loss={self.loss} has no reference: remove preference.sync_reference")
         if self.sync_reference is not None and self.reference in ("precomputed", "none"):
             raise ValueError(f"preference.sync_reference moves the reference as the policy trains, and "
                              f"preference.reference={self.reference} "
                              + ("is computed once before training" if self.reference == "precomputed" else
                                 "is no reference")
                              + ": set preference.reference=copy (or auto), or remove preference.sync_reference")
+        # TRL's DPOTrainer knobs, which its ORPO and CPO (SimPO) trainers do not have: they had changed those losses
+        # (ORPO's logged nll_loss too) without a word
+        knobs = ["ld_alpha"] * (self.ld_alpha is not None) + ["wpo"] * self.wpo
+        if self.loss in REFERENCE_FREE and knobs:
+            raise ValueError(f"preference.{' and preference.'.join(knobs)} weigh DPO's log-probabilities (TRL's "
+                             f"DPOTrainer), and preference.loss={self.loss} is TRL's "
+                             f"{'ORPOTrainer' if self.loss == 'orpo' else 'CPOTrainer'}'s, which has none: remove "
+                             f"{' and '.join('preference.' + k for k in knobs)}")
+        if self.ld_alpha is not None and self.sft_weight:  # TRL's sft term reads the unweighted log-probabilities
+            raise ValueError("preference.sft_weight with preference.ld_alpha: TRL's sft term takes the chosen "
+                             "answers' unweighted log-probabilities, which llmtrain's pass does not keep beside the "
+                             "LD-weighted ones (it had taken the weighted, 9% off TRL's loss on longer chosen "
+                             "answers): remove one of them")
+        unread = [k for k, reader in (("simpo_gamma", "simpo"), ("discopop_tau", "discopop"))
+                  if k in self.model_fields_set and reader not in self.names]
+        if unread:  # (ignored without a word, where label_smoothing and f_alpha are refused)
+            raise ValueError(f"preference.{unread[0]} is read by preference.loss={unread[0].split('_')[0]}, and this "
+                             f"recipe's loss is {self.loss}: remove it")
         if self.label_smoothing and not self.names & set(SMOOTHED):
             raise ValueError(f"preference.label_smoothing is read by preference.loss {', '.join(SMOOTHED)}, and this "
                              f"recipe's loss is {self.loss}: remove it (or set preference.loss=robust)")

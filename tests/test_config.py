@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import yaml
 from helpers import REPO
@@ -222,3 +224,32 @@ def test_a_mixture_sources_problem_is_said_without_pydantics_prefix():
         source_configs(data)
     assert str(err.value).startswith("data.sources[1] (b.jsonl): data.system_prompt puts a system message")
     assert "Value error" not in str(err.value)
+
+
+@pytest.mark.parametrize("section, says", [
+    # reference auto on a reference-free loss: the sync had done nothing
+    ({"loss": "simpo", "sync_reference": {"every_steps": 1, "alpha": 0.6}},
+     "preference.loss=simpo has no reference: remove preference.sync_reference"),
+    # TRL's DPOTrainer knobs on its ORPO / CPO trainers' losses: they had changed the loss (and ORPO's nll_loss)
+    ({"loss": "orpo", "ld_alpha": 0.0, "wpo": True}, "preference.ld_alpha and preference.wpo weigh DPO's"),
+    ({"loss": "simpo", "wpo": True}, "preference.loss=simpo is TRL's CPOTrainer's, which has none"),
+    # the sft term had read the LD-weighted log-probabilities: 9% off TRL's loss on longer chosen answers
+    ({"loss": "dpo", "ld_alpha": 0.5, "sft_weight": 0.3}, "preference.sft_weight with preference.ld_alpha"),
+    # read by one loss, ignored without a word by the others (as label_smoothing and f_alpha are refused)
+    ({"loss": "dpo", "simpo_gamma": 1.0}, "preference.simpo_gamma is read by preference.loss=simpo"),
+    ({"loss": "ipo", "discopop_tau": 0.3}, "preference.discopop_tau is read by preference.loss=discopop"),
+])
+def test_a_preference_setting_its_loss_does_not_read_is_refused(section, says):
+    from llmtrain.config import PreferenceConfig
+
+    with pytest.raises(ValueError, match=re.escape(says)):
+        PreferenceConfig(**section)
+
+
+def test_the_preference_settings_their_loss_reads_are_taken():
+    from llmtrain.config import PreferenceConfig
+
+    assert PreferenceConfig(loss="simpo", simpo_gamma=1.0).simpo_gamma == 1.0
+    assert PreferenceConfig(loss="discopop", discopop_tau=0.3).discopop_tau == 0.3
+    assert PreferenceConfig(loss="dpo", ld_alpha=0.5, wpo=True).wpo
+    assert PreferenceConfig(loss="dpo", sft_weight=0.3).sft_weight == 0.3
