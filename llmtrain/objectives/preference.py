@@ -84,9 +84,9 @@ def pair_losses(kind: str, chosen: torch.Tensor, rejected: torch.Tensor, ref_cho
     - TRL's other DPOTrainer loss_types (PAIR_LOSSES), each of the chosen and rejected log-ratios to the reference,
       as TRL 1.16 computes them; rewards as dpo.
     - aot and aot_unpaired (Melnyk et al. 2024, TRL's): dpo's loss with cDPO's conservative label smoothing
-      (-(1-e) log sigmoid(x) - e log sigmoid(-x)), of the sorted policy margins against the sorted reference margins of the micro-batch (aot), or of
-      its sorted chosen log-ratios against its sorted rejected ones (aot_unpaired): n losses that belong to no pair
-      in particular, whose sum is the batch's.
+      (-(1-e) log sigmoid(x) - e log sigmoid(-x)), of the sorted policy margins against the sorted reference margins
+      of the micro-batch (aot), or of its sorted chosen log-ratios against its sorted rejected ones (aot_unpaired):
+      n losses that belong to no pair in particular, whose sum is the batch's.
     `divergence` (f-DPO): each log-ratio enters dpo, ipo, sigmoid_norm and PAIR_LOSSES as f_score of it (the
     config refuses another than reverse_kl where it has no meaning); the rewards stay beta x the log-ratios.
     """
