@@ -419,7 +419,7 @@ def _max_positions(model) -> int | None:
     import types
 
     from llmtrain.memory.params import read_config
-    from llmtrain.model.modeling import scale_rope
+    from llmtrain.model.modeling import context_reach, scale_rope
 
     try:
         config = read_config(model.name_or_path)[0]
@@ -430,7 +430,7 @@ def _max_positions(model) -> int | None:
     scaled = types.SimpleNamespace(max_position_embeddings=config["max_position_embeddings"],
                                    rope_parameters=config.get("rope_parameters"))
     scale_rope(scaled, model.rope_scaling)
-    return scaled.max_position_embeddings
+    return context_reach(scaled)
 
 
 def check_rewards_run(recipe: Recipe, tokenizer) -> list[Check]:

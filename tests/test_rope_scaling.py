@@ -38,6 +38,30 @@ def test_yarn_keeps_the_original_context_and_scales_attention(tiny_assets, tmp_p
     assert not torch.equal(scaled.inv_freq, base.inv_freq)
 
 
+def test_dynamic_ntk_rescales_past_the_original_context_as_transformers_does(tiny_assets, tmp_path):
+    """transformers' dynamic NTK reads max_position_embeddings as the original length and rescales past it; raised to
+    original x factor, every position up to it ran on the plain RoPE (logits equal to no scaling at 3x the model's
+    context). The context checks take its reach, original x factor."""
+    from transformers import AutoModelForCausalLM
+
+    from llmtrain.model.modeling import context_reach
+
+    base_config, _ = rotary(tiny_assets, tmp_path)
+    original = base_config.max_position_embeddings
+    config, scaled = rotary(tiny_assets, tmp_path, rope_scaling={"rope_type": "dynamic", "factor": 4.0})
+    assert config.max_position_embeddings == original and context_reach(config) == 4 * original
+    theirs_config = AutoModelForCausalLM.from_pretrained(tiny_assets / "model").config
+    theirs_config.rope_parameters = {**theirs_config.rope_parameters, "rope_type": "dynamic", "factor": 4.0}
+    theirs = AutoModelForCausalLM.from_config(theirs_config).model.rotary_emb
+    x = torch.zeros(1, 3 * original, 1)
+    positions = torch.arange(3 * original)[None]
+    ours_cos, _ = scaled(x, positions)
+    theirs_cos, _ = theirs(x, positions)
+    plain_cos, _ = rotary(tiny_assets, tmp_path)[1](x, positions)
+    torch.testing.assert_close(ours_cos, theirs_cos)
+    assert (ours_cos - plain_cos).abs().max() > 0.1  # it had been the plain RoPE's, to the bit
+
+
 def test_a_bad_rope_scaling_is_refused_by_the_recipe(tiny_assets, tmp_path):
     from llmtrain.errors import RecipeError
 

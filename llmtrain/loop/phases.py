@@ -37,6 +37,7 @@ from llmtrain.model.loss import attach_loss, causal_lm
 from llmtrain.model.modeling import (
     build_optimizer,
     build_scheduler,
+    context_reach,
     count_parameters,
     describe_attention,
     embedding_rows,
@@ -338,8 +339,8 @@ def memory_line(cfg, config, device: str = "cuda") -> str:
     if cfg.tiled_mlp:
         parts.append(f"MLP tiled in shards of {tiled_mlp_shard(cfg.tiled_mlp, config.hidden_size):,} tokens")
     if cfg.rope_scaling is not None:
-        parts.append(f"RoPE {cfg.rope_scaling.rope_type} x{cfg.rope_scaling.factor:g} (max_position_embeddings "
-                     f"{config.max_position_embeddings:,})")
+        parts.append(f"RoPE {cfg.rope_scaling.rope_type} x{cfg.rope_scaling.factor:g} (a context of "
+                     f"{context_reach(config):,})")
     return "; " + ", ".join(parts) if parts else ""
 
 
@@ -370,8 +371,7 @@ def build_model(recipe: Recipe, accelerator, *, total_steps: int, say, pad: int 
 
         sequence = groups(accelerator).sequence  # its slice of the group's row: the whole row's noise drawn
         attach_neftune(model, tc.neftune_alpha, sequence=(sequence.rank, sequence.size))
-    for name, status, detail in check_context(recipe.data.max_seq_len,
-                                              getattr(model.config, "max_position_embeddings", None)):
+    for name, status, detail in check_context(recipe.data.max_seq_len, context_reach(model.config)):
         if status == "warn":  # as `llmtrain doctor`
             say(f"warning ({name}): {detail}")
     n_total, n_trainable = count_parameters(model)

@@ -173,8 +173,9 @@ def pad_id(tokenizer) -> int:
 
 def scale_rope(config, scaling: RopeScaling | None) -> None:
     """model.rope_scaling into the model's config, as transformers reads it (rope_parameters, the model's rope_theta
-    kept), and max_position_embeddings raised to the context it now reaches (original x factor): the rotary
-    embedding is built from these when the model is."""
+    kept), and max_position_embeddings raised to the context it now reaches (original x factor; dynamic NTK's kept
+    at the original, where transformers starts to rescale: context_reach): the rotary embedding is built from these
+    when the model is."""
     if scaling is None:
         return
     held = getattr(config, "rope_parameters", None) or {}
@@ -186,7 +187,18 @@ def scale_rope(config, scaling: RopeScaling | None) -> None:
     theta = (getattr(config, "rope_parameters", None) or {}).get("rope_theta", getattr(config, "rope_theta", None))
     params = {**scaling.model_dump(exclude_none=True), "original_max_position_embeddings": original}
     config.rope_parameters = {**params, **({"rope_theta": theta} if theta is not None else {})}
-    config.max_position_embeddings = int(original * scaling.factor)
+    # dynamic NTK rescales past max_position_embeddings, which transformers reads as the original length: raised,
+    # every position up to original x factor had run on the plain RoPE (logits equal to no scaling at 3x)
+    config.max_position_embeddings = original if scaling.rope_type == "dynamic" else int(original * scaling.factor)
+
+
+def context_reach(config) -> int | None:
+    """The context a model's config reaches: its max_position_embeddings, or under dynamic NTK RoPE (which keeps it at
+    the original length and rescales past it) the original length x the factor."""
+    rope = getattr(config, "rope_parameters", None) or {}
+    if rope.get("rope_type") == "dynamic" and rope.get("original_max_position_embeddings"):
+        return int(rope["original_max_position_embeddings"] * rope["factor"])
+    return getattr(config, "max_position_embeddings", None)
 
 
 @contextmanager
