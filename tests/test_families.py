@@ -151,6 +151,10 @@ def test_lora_adapts_each_familys_own_linear_layers_and_names_them_when_asked_fo
                                             r"called, so nothing would be trained in full\..* Its embeddings .* are "
                                             r".*embed_tokens"):  # (peft had trained no head in full, silently)
         apply_lora(model, LoraConfig(r=4, dropout=0.0, modules_to_save=["lmhead"]))
+    model = load_model(ModelConfig(name_or_path=str(models[family]), dtype="float32"), None)
+    with pytest.raises(LLMTrainError, match=r"lora.target_parameters names mlp.experts.gate_up_proj, which no "
+                                            r"parameter of this model is called"):  # (peft's RuntimeWarning, and on)
+        apply_lora(model, LoraConfig(r=4, dropout=0.0, target_parameters=["mlp.experts.gate_up_proj"]))
 
 
 @pytest.mark.parametrize("family", sorted(FAMILIES) + ["qwen3_moe-lora"])

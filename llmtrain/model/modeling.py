@@ -528,10 +528,14 @@ def apply_lora(model, cfg: LoraConfig, *, task: str = "CAUSAL_LM"):
             # them as parameters); llmtrain sets no pattern
             warnings.filterwarnings("ignore", r"The following (rank|alpha)_pattern keys did not match any targeted "
                                     r"module and were ignored: \['[^,]*gate_up_proj'\]", RuntimeWarning)
+            # said below in llmtrain's words, and refused (the run had gone on without those adapters)
+            warnings.filterwarnings("ignore", r"target_parameters=.* were set but no parameter was matched",
+                                    RuntimeWarning)
             # peft keeps the adapter weights in fp32 even on a bf16 base (autocast_adapter_dtype).
             model = peft.get_peft_model(model, config)
     except ValueError as e:
-        raise LLMTrainError(f"invalid LoRA settings (lora.target_modules / lora.modules_to_save): "
+        keys = "lora.target_modules / lora.modules_to_save" + (" / lora.target_parameters" * bool(cfg.target_parameters))
+        raise LLMTrainError(f"invalid LoRA settings ({keys}): "
                             f"{str(e).rstrip('.')}. "
                             f"{_linear_names(model)}") from None
     # peft refuses a list none of whose names matches, and adapts what the others match without a word where one
@@ -543,12 +547,18 @@ def apply_lora(model, cfg: LoraConfig, *, task: str = "CAUSAL_LM"):
             ("lora.target_modules", cfg.target_modules if isinstance(cfg.target_modules, list) else [],
              [*tuner.targeted_module_names, *getattr(tuner, "targeted_parameter_names", [])],
              "no adapter would be put there"),
-            ("lora.modules_to_save", cfg.modules_to_save or [], saved, "nothing would be trained in full")):
+            ("lora.modules_to_save", cfg.modules_to_save or [], saved, "nothing would be trained in full"),
+            ("lora.target_parameters", cfg.target_parameters or [], getattr(tuner, "targeted_parameter_names", []),
+             "no adapter would be put there")):
         if missed := [t for t in names if not any(k == t or k.endswith(f".{t}") for k in hit)]:
             embeddings = sorted({n.rsplit(".", 1)[-1] for n, m in model.named_modules()
                                  if isinstance(m, torch.nn.Embedding) and "lora_" not in n})
             also = (f" Its embeddings (which lora.modules_to_save may name too) are {', '.join(embeddings)}."
                     if key == "lora.modules_to_save" else "")
+            if key == "lora.target_parameters":  # (peft's RuntimeWarning, and the run went on without them)
+                raise LLMTrainError(f"{key} names {', '.join(missed)}, which no parameter of this model is called, so "
+                                    f"{what}: give a parameter's dotted name or its last parts (GPT-OSS's and "
+                                    "Qwen3-MoE's experts: mlp.experts.gate_up_proj, mlp.experts.down_proj)")
             raise LLMTrainError(f"{key} names {', '.join(missed)}, which no module of this model is called, so "
                                 f"{what}. {_linear_names(model)}.{also}")
     lora_experts.install(model)  # adapted experts run their adapters beside the base experts, unmerged
