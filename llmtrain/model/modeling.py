@@ -534,7 +534,8 @@ def apply_lora(model, cfg: LoraConfig, *, task: str = "CAUSAL_LM"):
             # peft keeps the adapter weights in fp32 even on a bf16 base (autocast_adapter_dtype).
             model = peft.get_peft_model(model, config)
     except ValueError as e:
-        keys = "lora.target_modules / lora.modules_to_save" + (" / lora.target_parameters" * bool(cfg.target_parameters))
+        keys = "lora.target_modules / lora.modules_to_save" + (
+            " / lora.target_parameters" * bool(cfg.target_parameters))
         raise LLMTrainError(f"invalid LoRA settings ({keys}): "
                             f"{str(e).rstrip('.')}. "
                             f"{_linear_names(model)}") from None
