@@ -658,6 +658,13 @@ def model_problems(recipe, layout: Layout, config) -> list[str]:
                    f"{model_type or 'this model'} has no experts (a dense MLP): unset it")
     if problem := sequence_config_problem(layout.sp, config):
         out.append(problem)
+    from llmtrain.config import untiled
+
+    hidden = getattr(config.get_text_config() if hasattr(config, "get_text_config") else config, "hidden_size", None)
+    if recipe.model.tiled_mlp is True and hidden and (  # (it had started, saying it tiled, and tiled nothing)
+            problem := untiled(recipe, hidden, f"model.tiled_mlp: true tiles in shards of the model's hidden_size, "
+                                               f"{hidden:,} tokens")):
+        out.append(problem)
     if recipe.model.new_tokens and getattr(config, "vocab_size_per_layer_input", None):
         out.append("model.new_tokens grows the embeddings and the LM head, and this model also looks each token up in "
                    "its per-layer embeddings (vocab_size_per_layer_input: Gemma 4's), which are not grown: a new id "

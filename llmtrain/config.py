@@ -365,6 +365,16 @@ class DataConfig(Section):
 CHAT_TEMPLATED = ("prompt_completion", "preference", "unpaired", "prompt")
 
 
+def untiled(recipe, shard: int, what: str) -> str | None:
+    """The refusal of a model.tiled_mlp shard (`what` says it: a number given, or true's hidden_size) that no
+    micro-batch reaches: the MLP would run in one shard, the recompute's cost for no memory saved."""
+    local, held = recipe.tokens_a_process()
+    if shard < local:
+        return None
+    return (f"{what}, but {held}: the MLP would run in one shard and nothing would be tiled. Give a shard shorter "
+            f"than that (e.g. model.tiled_mlp={max(local // 4, 1)}), or leave model.tiled_mlp unset")
+
+
 def source_configs(d: DataConfig) -> list[DataConfig]:
     """A data section as one DataConfig per dataset: data.path's alone, or each of data.sources' with the shared
     settings (max_seq_len, chat_template, ...) and its own path, format, fields, roles and eval split."""
@@ -1406,23 +1416,25 @@ class Recipe(Section):
     @model_validator(mode="after")
     def _check_tiled_mlp(self) -> Recipe:
         shard = self.model.tiled_mlp
-        if shard is None or isinstance(shard, bool):
+        if shard is None or isinstance(shard, bool):  # true (hidden_size tokens): capabilities.model_problems
             return self
-        # the MLP tiles a micro-batch's tokens together (packed or padded rows alike): a budget's, or up to
-        # micro_batch_size rows of max_seq_len (the longest row alone had been taken: a shard that tiles refused)
+        if problem := untiled(self, shard, f"model.tiled_mlp={shard} tokens a shard"):
+            raise ValueError(problem)
+        return self
+
+    def tokens_a_process(self) -> tuple[int, str]:
+        """The most tokens of a micro-batch one process's MLP runs at once, and what sets it: the MLP tiles a
+        micro-batch's tokens together (packed or padded rows alike), a budget's or up to micro_batch_size rows of
+        max_seq_len (the longest row alone had been taken: a shard that tiles refused), over sequence_parallel."""
         budget, t = self.train.micro_batch_tokens, self.train
         row, key = (budget, f"train.micro_batch_tokens={budget}") if budget else \
             (t.micro_batch_size * self.data.max_seq_len,
              f"train.micro_batch_size={t.micro_batch_size} x data.max_seq_len={self.data.max_seq_len}")
         degree = self.parallel.sequence_parallel
         local = -(-row // degree)
-        if shard >= local:
-            held = f"a process holds at most {local:,} tokens of a micro-batch ({key}, sequence_parallel={degree})" \
-                if degree > 1 else f"a micro-batch holds at most {local:,} tokens ({key})"
-            raise ValueError(f"model.tiled_mlp={shard} tokens a shard, but {held}: the MLP would run in one shard and "
-                             "nothing would be tiled. Give a shard shorter than that (true: hidden_size tokens, as "
-                             "ALST), or leave model.tiled_mlp unset")
-        return self
+        held = f"a process holds at most {local:,} tokens of a micro-batch ({key}, sequence_parallel={degree})" \
+            if degree > 1 else f"a micro-batch holds at most {local:,} tokens ({key})"
+        return local, held
 
     @model_validator(mode="after")
     def _check_modes(self) -> Recipe:

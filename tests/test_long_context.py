@@ -141,6 +141,27 @@ def test_a_shard_of_one_token_or_longer_than_the_rows_is_refused(tiny_assets, tm
         load_recipe(recipe, overrides)
 
 
+def test_true_whose_hidden_size_no_micro_batch_reaches_is_refused_once_the_model_is_read(tiny_assets, tmp_path):
+    """model.tiled_mlp: true takes shards of hidden_size tokens (the tiny model's 128): a micro-batch of 64 tokens
+    tiled nothing, and the run said "MLP tiled in shards of 128 tokens"; the same shard written as 128 was refused,
+    advising true."""
+    from transformers import AutoConfig
+
+    from llmtrain import capabilities
+    from llmtrain.layout import Layout
+
+    config = AutoConfig.from_pretrained(tiny_assets / "model")
+    recipe = load_recipe(write_recipe(tiny_assets, tmp_path, data={"max_seq_len": 64}),
+                         ["model.tiled_mlp=true", "train.micro_batch_size=1"])
+    [problem] = capabilities.problems(recipe, Layout(processes=1), model=config)
+    assert problem.startswith("model.tiled_mlp: true tiles in shards of the model's hidden_size, 128 tokens, but a "
+                              "micro-batch holds at most 64 tokens (train.micro_batch_size=1 x data.max_seq_len=64)")
+    assert "model.tiled_mlp=16" in problem  # a shard that tiles, not true
+    reaches = load_recipe(write_recipe(tiny_assets, tmp_path, data={"max_seq_len": 64}),
+                          ["model.tiled_mlp=true", "train.micro_batch_size=4"])  # 256 tokens: shards of 128 tile
+    assert capabilities.problems(reaches, Layout(processes=1), model=config) == []
+
+
 # --------------------------------------------------------------------------- tiled_mlp
 
 QLORA = dict(quantize="nf4")
