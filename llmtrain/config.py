@@ -112,9 +112,9 @@ class ModelConfig(Section):
     tiled_mlp: bool | int | None = Field(
         None, description="Run each decoder layer's MLP over shards of the tokens, keeping only its input and "
         "recomputing shard by shard in backward: the (tokens x intermediate_size) tensors exist for one shard. true: "
-        "shards of hidden_size tokens (as ALST); a number: that many tokens (at least 2, shorter than the rows); null "
-        "or false: off. Full fine-tune, LoRA "
-        "and QLoRA, one process or DDP.",
+        "shards of hidden_size tokens (as ALST); a number: that many tokens (at least 2, fewer than a micro-batch "
+        "holds; either is refused where no micro-batch reaches it); null or false: off. Full fine-tune, LoRA and "
+        "QLoRA, on one process, DDP, FSDP or FSDP x TP.",
     )
     trust_remote_code: bool = Field(False, description="Allow model code from the hub to run. Off unless set.")
     random_init: bool = Field(
@@ -279,7 +279,8 @@ class DataConfig(Section):
         "of a split of the data.path dataset (hub or dataset folder), e.g. 'test'."
     )
     eval_max_examples: int | None = Field(
-        None, gt=0, description="Evaluate on at most this many eval examples: the first N in the seeded order."
+        None, gt=0, description="Evaluate on at most this many eval examples: the first N in the seeded order "
+        "(with data.sources, the first N of each source's)."
     )
     max_seq_len: int = Field(2048, gt=1, description="The longest example in tokens: a longer one is truncated (a "
                              "preference pair's prompt is cut from the left first, down to its last quarter, then "
