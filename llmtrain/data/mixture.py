@@ -5,8 +5,8 @@ The sources are prepared as one dataset, source 0's rows first (prepare.py adds 
 quotas add up exactly), or its count. The places are dealt in order to the source furthest behind its share (a
 smooth weighted round robin), so any run of n consecutive examples holds each source's share of n to within one
 example with two sources (two with more): a step's micro-batches have the mixture's proportions, not only the
-epoch. Each source hands out its rows in a seeded shuffle, reshuffled each time round (a source with fewer rows than its quota repeats them; one with more is
-subsampled, and the next epoch goes on where this one stopped).
+epoch. Each source hands out its rows in a seeded shuffle, reshuffled each time round (a source with fewer rows
+than its quota repeats them; one with more is subsampled, and the next epoch goes on where this one stopped).
 
 Everything is a pure function of (seed, epoch) and the sources' sizes and quotas: a resumed run, or one on another
 number of processes, meets the same examples in the same order (the data plan splits the order as it splits a
