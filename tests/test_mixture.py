@@ -202,3 +202,25 @@ def test_inspect_data_shows_each_source_and_the_order_training_reads(tiny_assets
     proc = invoke("inspect-data", str(recipe), "--n", "2")
     text = " ".join((proc.stdout + proc.stderr).split())
     assert "messages.jsonl (messages): 300 rows" in text and "30.0% of each step" in text
+
+
+def test_the_memorisation_warning_counts_each_sources_reads_of_its_rows(tmp_path):
+    """The warning had counted every row of a mixture once an epoch: counts 14 + 6 over 270 + 90 rows in 300 steps
+    of 8 said "100 passes over the 360 train examples" where the rows are read 6 to 8 times; a one-row source
+    weighted 0.9 read 287 times in 40 steps had no warning."""
+    from llmtrain.config import load_recipe
+    from llmtrain.data.checks import check_epochs
+
+    def recipe(sources, steps):
+        path = tmp_path / "mix.yaml"
+        path.write_text(f"model: {{name_or_path: m}}\ndata: {{sources: {sources}}}\n"
+                        f"train: {{max_steps: {steps}, micro_batch_size: 8}}\n")
+        return load_recipe(path)
+
+    counts = recipe("[{path: a.jsonl, format: prompt_completion, count: 14}, "
+                    "{path: b.jsonl, format: prompt_completion, count: 6}]", 300)
+    assert check_epochs(counts, steps_per_epoch=3, examples=360, sources=[0] * 270 + [1] * 90) == []
+    one = recipe("[{path: a.jsonl, format: prompt_completion, weight: 0.1}, "
+                 "{path: one.jsonl, format: prompt_completion, weight: 0.9}]", 40)
+    [(name, verdict, said)] = check_epochs(one, steps_per_epoch=34, examples=271, sources=[0] * 270 + [1])
+    assert verdict == "warn" and said.startswith("train.max_steps=40 reads each row of one.jsonl about 287 times"), said

@@ -439,14 +439,30 @@ def check_warmup(warmup: int, total_steps: int) -> list[Check]:
 MANY_EPOCHS = 10  # passes over the data past which a supervised run is warned it will memorise it
 
 
-def check_epochs(recipe: Recipe, *, steps_per_epoch: int, examples: int) -> list[Check]:
+def check_epochs(recipe: Recipe, *, steps_per_epoch: int, examples: int, sources=None) -> list[Check]:
     """train.max_steps far past the data (a handful of rows trained for hundreds of steps): the model memorises
     them, silently; its final/ is the last step, not the best. Online RL samples new completions of the same prompts
-    every pass, so it is not warned."""
+    every pass, so it is not warned. `sources`: a mixture's rows' source column, whose epoch is its quotas' sum and
+    whose rows each source reads its quota / rows times an epoch (the warning had counted every row once an epoch:
+    "100 passes" where the rows were read 6 to 8 times, and none for a one-row source weighted 0.9, read 287 times)."""
     t = recipe.train
     if not t.max_steps or recipe.rl is not None or steps_per_epoch <= 0:
         return []
     epochs = t.max_steps / steps_per_epoch
+    if sources is not None:
+        from llmtrain.data.mixture import Mixture, label, source_sizes
+
+        sizes = source_sizes(sources)
+        mix = Mixture.of(recipe.data.sources, sizes)
+        reads = [(epochs * quota / max(rows, 1), source) for quota, rows, source in
+                 zip(mix.quotas, sizes, recipe.data.sources)]
+        most, source = max(reads, key=lambda r: r[0])
+        if most <= MANY_EPOCHS:
+            return []
+        return [("epochs", "warn", f"train.max_steps={t.max_steps} reads each row of {label(source)} about "
+                 f"{most:,.0f} times ({epochs:,.1f} epochs of the mixture's {mix.examples:,} examples): the model "
+                 "will learn them by heart (eval loss rises while train loss falls; final/ is the last step, not the "
+                 "best). Lower train.max_steps or that source's share, or add data.")]
     if epochs <= MANY_EPOCHS:
         return []
     steps = f"{steps_per_epoch:,} step{'s' if steps_per_epoch != 1 else ''}"
@@ -514,5 +530,5 @@ def load_data(recipe: Recipe, tokenizer, *, world: int = 1, rows: int | None = N
                 0, t.grad_accum_steps)
         except ValueError:  # a token budget below an example: check_data has said so
             return rows
-        rows += check_epochs(recipe, steps_per_epoch=per_epoch, examples=len(train))
+        rows += check_epochs(recipe, steps_per_epoch=per_epoch, examples=len(train), sources=mixed)
     return rows

@@ -231,7 +231,9 @@ def prepare_data(recipe: Recipe, accelerator, *, say, config=None) -> Data:
     per_epoch = [plan.steps_per_epoch(e, accum) * updates_per_window(recipe) for e in range(tc.epochs)]
     total_steps = tc.max_steps or sum(per_epoch)
     for name, status, detail in (check_warmup(tc.warmup_steps, total_steps)  # as `llmtrain doctor`
-                                 + check_epochs(recipe, steps_per_epoch=per_epoch[0], examples=s.examples)):
+                                 + check_epochs(recipe, steps_per_epoch=per_epoch[0], examples=s.examples,
+                                                sources=train_ds["source"] if recipe.data.sources is not None
+                                                else None)):
         if status == "warn":
             say(f"warning ({name}): {detail}")
     efficiency = plan.packing_efficiency()
