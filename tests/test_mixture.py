@@ -224,3 +224,30 @@ def test_the_memorisation_warning_counts_each_sources_reads_of_its_rows(tmp_path
                  "{path: one.jsonl, format: prompt_completion, weight: 0.9}]", 40)
     [(name, verdict, said)] = check_epochs(one, steps_per_epoch=34, examples=271, sources=[0] * 270 + [1])
     assert verdict == "warn" and said.startswith("train.max_steps=40 reads each row of one.jsonl about 287 times"), said
+
+
+def test_a_sources_data_problem_names_the_source(tiny_assets, tmp_path):
+    """A mixture source's empty file or a fraction that leaves it no row had been said of data.path."""
+    import json
+
+    from llmtrain.config import DataConfig
+    from llmtrain.data.prepare import prepare_datasets
+    from llmtrain.errors import LLMTrainError
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(tiny_assets / "model")
+    one = tmp_path / "one.jsonl"
+    one.write_text(json.dumps({"prompt": "reverse ab =", "completion": " ba"}) + "\n")
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text("")
+    train = str(tiny_assets / "data" / "train.jsonl")
+    for second, says in ((empty, "(data.sources[1].path) holds no rows"),
+                         (one, "holds out 1 of the 1 rows of data.sources[1].path, leaving none to train on. Set "
+                               "data.sources[1].eval_split to a smaller fraction (e.g. 0.05) or give eval file(s), or "
+                               "add rows.")):
+        cfg = DataConfig(sources=[{"path": train, "format": "prompt_completion", "weight": 0.5},
+                                  {"path": str(second), "format": "prompt_completion", "weight": 0.5}],
+                         eval_split=0.1, max_seq_len=64, cache_dir=str(tmp_path / "cache"))
+        with pytest.raises(LLMTrainError) as err:
+            prepare_datasets(cfg, tok, seed=0)
+        assert says in str(err.value), str(err.value)

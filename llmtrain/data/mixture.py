@@ -96,7 +96,8 @@ def describe(data, stats: dict, sizes: list[int]) -> list[str]:
     for i, (source, quota) in enumerate(zip(data.sources, mix.quotas)):
         s = stats[f"source{i}"]
         amount = f"weight {source.weight:g}" if source.weight is not None else f"count {source.count:,}"
-        lines.append(f"{label(source)} ({source.format}): {s.examples:,} rows, {s.tokens:,} tokens; "
+        rows = f"{s.examples:,} row{'s' * (s.examples != 1)}"
+        lines.append(f"{label(source)} ({source.format}): {rows}, {s.tokens:,} tokens; "
                      f"{quota / mix.examples:.1%} of each step ({amount}: {quota:,} of the epoch's "
                      f"{mix.examples:,} examples, each row {quota / max(s.examples, 1):.2f} times)")
     return lines

@@ -225,8 +225,9 @@ def sources(cfg: DataConfig) -> tuple[str, str | None]:
     return ", ".join(paths), where
 
 
-def load_eval(cfg: DataConfig, raw, *, seed: int):
-    """Split off or load the eval rows as data.eval_split says, capped to data.eval_max_examples.
+def load_eval(cfg: DataConfig, raw, *, seed: int, key: str = "data.path"):
+    """Split off or load the eval rows as data.eval_split says, capped to data.eval_max_examples. `key`: the recipe
+    key that names the train rows' path.
 
     Returns (train rows, eval rows or None, where the eval rows come from, in words)."""
     paths, split = _files(cfg.path), cfg.eval_split
@@ -235,9 +236,11 @@ def load_eval(cfg: DataConfig, raw, *, seed: int):
     where = sources(cfg)[1]
     if isinstance(split, float):  # numbered first: a row of either part is named by its place in the file
         if (held := math.ceil(split * len(raw))) >= len(raw):  # the datasets library's count of eval rows
-            raise LLMTrainError(f"data.eval_split={split:g} holds out {held:,} of the {len(raw):,} rows of data.path, "
-                                "leaving none to train on. Set data.eval_split to a smaller fraction (e.g. 0.05) or "
-                                "give eval file(s).")
+            raise LLMTrainError(f"data.eval_split={split:g} holds out {held:,} of the {len(raw):,} rows of {key}, "
+                                "leaving none to train on. Set "
+                                + ("data.eval_split" if key == "data.path" else key.replace(".path", ".eval_split"))
+                                + " to a smaller fraction (e.g. 0.05) or give eval file(s)"
+                                + (", or add rows." if len(raw) < 20 else "."))
         parts = raw.add_column(ROW, list(range(len(raw)))).train_test_split(test_size=split, seed=seed, shuffle=True)
         raw, evald = parts["train"], parts["test"]
     elif is_split_name(split):
@@ -283,7 +286,8 @@ def prepare_datasets(cfg: DataConfig, tokenizer, *, seed: int, tools: list[dict]
 
     trains, evals, stats = [], [], {}
     for i, part in enumerate(parts):
-        train, evald, part_stats = _prepare_source(part, tokenizer, seed=seed, tools=tools)
+        train, evald, part_stats = _prepare_source(part, tokenizer, seed=seed, tools=tools,
+                                                   key=f"data.sources[{i}].path" if cfg.sources else "data.path")
         if cfg.sources is not None:
             train = train.add_column(SOURCE, [i] * len(train))
             evald = evald.add_column(SOURCE, [i] * len(evald)) if evald is not None else None
@@ -344,10 +348,13 @@ def _length_hint(raw, tokenizer, cfg: DataConfig, rows: int = 1000) -> str:
     return f"; {most} keeps {share} whole, the longest is {lengths[-1]:,} tokens"
 
 
-def _prepare_source(cfg: DataConfig, tokenizer, *, seed: int, tools: list[dict] | None = None):
-    """One dataset's train and eval rows, tokenised and checked: (train, eval or None, its stats)."""
+def _prepare_source(cfg: DataConfig, tokenizer, *, seed: int, tools: list[dict] | None = None,
+                    key: str = "data.path"):
+    """One dataset's train and eval rows, tokenised and checked: (train, eval or None, its stats). `key`: the recipe
+    key that names its path (a mixture's data.sources[N].path: it had been called data.path)."""
     paths = _files(cfg.path)
-    raw, raw_eval, where = load_eval(cfg, load_raw(cfg.path, name=cfg.name, split=cfg.split), seed=seed)
+    raw, raw_eval, where = load_eval(cfg, load_raw(cfg.path, name=cfg.name, split=cfg.split, key=key), seed=seed,
+                                     key=key)
     check_columns(raw.column_names, cfg, ", ".join(paths))
     if raw_eval is not None:  # before the train rows are tokenised: eval rows of another dataset stop the run too
         _check_eval_columns(raw_eval.column_names, cfg, where)
