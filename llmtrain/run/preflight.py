@@ -176,8 +176,9 @@ def check_steps_left(ckpt: Path | None, total_steps: int, *, out: Path) -> None:
     schedule and --allow-recipe-change, the same train.max_steps): it would train 0 steps and write final/ again."""
     if ckpt is None or (step := int(_state(ckpt).get("step", 0))) < total_steps:
         return
-    if (done := _summary_steps(out)) is None or done < step:  # stopped at its last step before it finished (a stop
-        # during it, kill -9 before final/): the resume trains 0 steps and writes what the stop left unwritten
+    if step == total_steps and ((done := _summary_steps(out)) is None or done < step):  # stopped at its last step
+        # before it finished (a stop during it, kill -9 before final/): the resume trains 0 steps and writes what the
+        # stop left unwritten (a checkpoint past a lowered train.max_steps is refused below)
         return
     raise LLMTrainError(f"checkpoint {ckpt} is at step {step:,} and this recipe's run ends at step {total_steps:,} "
                         "(train.max_steps, or train.epochs over the data): nothing is left to train. Raise "
