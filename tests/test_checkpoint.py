@@ -210,6 +210,12 @@ def test_a_run_stopped_at_its_last_step_before_it_finished_resumes_to_finish(tin
     capsys.readouterr()
     again = run_train(recipe, resume="auto")
     assert again == json.loads((run / "summary.json").read_text())
+    # a checkpoint past a lowered train.max_steps is not "the last step": refused as before, nothing written
+    shutil.rmtree(run / "final")
+    (run / "summary.json").unlink()
+    with pytest.raises(LLMTrainError, match="nothing is left to train"):
+        run_train(recipe, "train.max_steps=2", resume="auto", allow_recipe_change=True)
+    assert not (run / "final").exists()
 
 
 def test_a_finished_run_without_final_is_finished(tiny_assets, tmp_path):
