@@ -630,6 +630,16 @@ def stored_quantization_problem(quantize: str | None, config, *, key: str = "mod
             "dequantized to model.dtype (bfloat16: 42 GB for gpt-oss-20b), which LoRA trains")
 
 
+def untiled(recipe, shard: int, what: str) -> str | None:
+    """The refusal of a model.tiled_mlp shard (`what` says it: a number given, or true's hidden_size) that no
+    micro-batch reaches: the MLP would run in one shard, the recompute's cost for no memory saved."""
+    local, held = recipe.tokens_a_process()
+    if shard < local:
+        return None
+    return (f"{what}, but {held}: the MLP would run in one shard and nothing would be tiled. Give a shard shorter "
+            f"than that (e.g. model.tiled_mlp={max(local // 4, 1)}), or leave model.tiled_mlp unset")
+
+
 def model_problems(recipe, layout: Layout, config) -> list[str]:
     """What the recipe and the layout refuse of the model itself (`config`: its transformers config): its family's
     cells (FAMILIES), a mixture of experts under the tiled MLP or LoRA dropout, heads a sequence or a tensor-parallel
@@ -658,8 +668,6 @@ def model_problems(recipe, layout: Layout, config) -> list[str]:
                    f"{model_type or 'this model'} has no experts (a dense MLP): unset it")
     if problem := sequence_config_problem(layout.sp, config):
         out.append(problem)
-    from llmtrain.config import untiled
-
     hidden = getattr(config.get_text_config() if hasattr(config, "get_text_config") else config, "hidden_size", None)
     if recipe.model.tiled_mlp is True and hidden and (  # (it had started, saying it tiled, and tiled nothing)
             problem := untiled(recipe, hidden, f"model.tiled_mlp: true tiles in shards of the model's hidden_size, "

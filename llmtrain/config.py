@@ -366,16 +366,6 @@ class DataConfig(Section):
 CHAT_TEMPLATED = ("prompt_completion", "preference", "unpaired", "prompt")
 
 
-def untiled(recipe, shard: int, what: str) -> str | None:
-    """The refusal of a model.tiled_mlp shard (`what` says it: a number given, or true's hidden_size) that no
-    micro-batch reaches: the MLP would run in one shard, the recompute's cost for no memory saved."""
-    local, held = recipe.tokens_a_process()
-    if shard < local:
-        return None
-    return (f"{what}, but {held}: the MLP would run in one shard and nothing would be tiled. Give a shard shorter "
-            f"than that (e.g. model.tiled_mlp={max(local // 4, 1)}), or leave model.tiled_mlp unset")
-
-
 def source_configs(d: DataConfig) -> list[DataConfig]:
     """A data section as one DataConfig per dataset: data.path's alone, or each of data.sources' with the shared
     settings (max_seq_len, chat_template, ...) and its own path, format, fields, roles and eval split."""
@@ -1419,6 +1409,8 @@ class Recipe(Section):
         shard = self.model.tiled_mlp
         if shard is None or isinstance(shard, bool):  # true (hidden_size tokens): capabilities.model_problems
             return self
+        from llmtrain.capabilities import untiled
+
         if problem := untiled(self, shard, f"model.tiled_mlp={shard} tokens a shard"):
             raise ValueError(problem)
         return self

@@ -345,9 +345,9 @@ def test_a_write_that_stopped_short_on_a_full_disk_says_first_that_the_disk_is_f
     error = RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 1031680 vs 1031572")
     (tmp_path / "checkpoints").mkdir()
     final = tmp_path / "checkpoints" / "step_000004"
-    monkeypatch.setattr(shutil, "disk_usage", lambda _: Usage(100 * 2**30, 100 * 2**30, 0))
-    assert "failed: the disk is full (0.00 GiB free on that disk; the write stopped short: unexpected pos" in \
-        _save_failed(error, final)
+    monkeypatch.setattr(shutil, "disk_usage", lambda _: Usage(100 * 2**30, 100 * 2**30, 3 * 2**20))
+    assert "failed: the disk is full (3.0 MiB free on that disk; the write stopped short: unexpected pos" in \
+        _save_failed(error, final)  # (3 MiB had read "0.00 GiB free")
     monkeypatch.setattr(shutil, "disk_usage", lambda _: Usage(100 * 2**30, 50 * 2**30, 50 * 2**30))
     message = _save_failed(error, final)
     assert "failed: the write stopped short: unexpected pos 1031680 vs 1031572; 50.00 GiB free" in message

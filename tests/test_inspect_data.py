@@ -109,8 +109,6 @@ def test_report_shows_examples_and_the_statistics(tiny_assets, tmp_path):
     assert "example 3:" not in result.stdout and "example 0:" not in result.stdout  # 1-based, as errors count
 
 
-@needs(MISTRAL)
-@needs(GSM8K)
 def test_a_reward_models_pairs_show_the_token_each_sequence_is_scored_at(tiny_assets, tmp_path):
     """A reward model reads prompt and answer together and scores each at its last token: the report had shown the
     answers as trained tokens and a 29.6% trained-token fraction, where its own metrics count one token a sequence."""
@@ -136,6 +134,8 @@ def test_the_first_token_is_never_marked_trained(monkeypatch):
     assert _highlight([1, 5, 6], [IGNORE, IGNORE, 6], None, marks=True).plain == "t1t5«t6»"
 
 
+@needs(MISTRAL)
+@needs(GSM8K)
 def test_trained_tokens_are_highlighted_and_pieces_keep_their_spaces():
     from transformers import AutoTokenizer
 
