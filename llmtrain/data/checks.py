@@ -452,11 +452,8 @@ def check_epochs(recipe: Recipe, *, steps_per_epoch: int, examples: int, sources
     if sources is not None:
         from llmtrain.data.mixture import Mixture, label, source_sizes
 
-        sizes = source_sizes(sources)
-        mix = Mixture.of(recipe.data.sources, sizes)
-        reads = [(epochs * quota / max(rows, 1), source) for quota, rows, source in
-                 zip(mix.quotas, sizes, recipe.data.sources)]
-        most, source = max(reads, key=lambda r: r[0])
+        mix = Mixture.of(recipe.data.sources, source_sizes(sources))
+        most, source = max(zip((epochs * r for r in mix.reads), recipe.data.sources), key=lambda r: r[0])
         if most <= MANY_EPOCHS:
             return []
         return [("epochs", "warn", f"train.max_steps={t.max_steps} reads each row of {label(source)} about "

@@ -38,6 +38,11 @@ class Mixture:
         """Examples an epoch."""
         return sum(self.quotas)
 
+    @property
+    def reads(self) -> tuple[float, ...]:
+        """How often an epoch reads each row of each source (its quota over its rows)."""
+        return tuple(q / max(n, 1) for q, n in zip(self.quotas, self.sizes))
+
     def order(self, *, seed: int, epoch: int) -> list[int]:
         """The epoch's example indices into the prepared dataset, in the order the run trains them."""
         n, offsets = self.examples, [sum(self.sizes[:s]) for s in range(len(self.sizes))]
@@ -93,13 +98,13 @@ def describe(data, stats: dict, sizes: list[int]) -> list[str]:
     each of its rows (the start-up lines and inspect-data)."""
     mix = Mixture.of(data.sources, sizes)
     lines = []
-    for i, (source, quota) in enumerate(zip(data.sources, mix.quotas)):
+    for i, (source, quota, reads) in enumerate(zip(data.sources, mix.quotas, mix.reads)):
         s = stats[f"source{i}"]
         amount = f"weight {source.weight:g}" if source.weight is not None else f"count {source.count:,}"
         rows = f"{s.examples:,} row{'s' * (s.examples != 1)}"
         lines.append(f"{label(source)} ({source.format}): {rows}, {s.tokens:,} tokens; "
                      f"{quota / mix.examples:.1%} of each step ({amount}: {quota:,} of the epoch's "
-                     f"{mix.examples:,} examples, each row {quota / max(s.examples, 1):.2f} times)")
+                     f"{mix.examples:,} examples, each row {reads:.2f} times)")
     return lines
 
 

@@ -138,9 +138,9 @@ def _train(recipe: Recipe, accelerator, console: RunConsole, cleanup: ExitStack,
         meter = Meter(accelerator, flops=trainable.flops, peak=trainable.peak_flops,
                       resumed_s=state.elapsed_s, setup_s=data.reference_s,
                       objective=run.objective)
-        evals = train_loop(run, state, meter)
+        train_loop(run, state, meter)
         # the recipe's benchmark (below) scores final/ over the processes: their group stays until it has
-        summary = finish(run, state, meter, evals, est, end=recipe.eval is None)
+        summary = finish(run, state, meter, est, end=recipe.eval is None)
     except torch.OutOfMemoryError as e:  # one paragraph with the estimate and what to change, not a traceback
         recipe_path = Path(recipe.output_dir) / "recipe.yaml" if state is not None else "RECIPE.yaml"
         raise LLMTrainError(out_of_memory_text(est, step=state.step if state is not None else -1,
@@ -177,8 +177,8 @@ class Run:
         return Path(self.recipe.output_dir)
 
 
-def train_loop(run: Run, state: TrainState, meter: Meter) -> list[dict]:
-    """From the state's step to the last: each step, then what the cadence says is due. Returns the evals."""
+def train_loop(run: Run, state: TrainState, meter: Meter) -> None:
+    """From the state's step to the last: each step, then what the cadence says is due."""
     tc, accelerator, m, total = run.recipe.train, run.accelerator, run.model, run.cadence.total_steps
     evals, checkpoint = [], None
     stream = prefetch(windows(run.data.train, run.data.plan.for_rank(data_ranks(accelerator)[1]), epoch=state.epoch,
@@ -241,7 +241,6 @@ def train_loop(run: Run, state: TrainState, meter: Meter) -> list[dict]:
                 raise Stopped(f"{signal.Signals(signum).name} at step {state.step}: the checkpoint {checkpoint} is "
                               f"complete. Continue with: llmtrain finetune {run.out / 'recipe.yaml'} --resume auto "
                               "(under the same accelerate launch, if any).", signum)
-    return evals
 
 
 # --------------------------------------------------------------------------- the loop's pieces
@@ -370,7 +369,7 @@ def save(run: Run, state: TrainState, meter: Meter) -> Path:
                            if run.model.pipeline is not None else None)
 
 
-def finish(run: Run, state: TrainState, meter: Meter, evals: list[dict], est, *, end: bool = True) -> dict:
+def finish(run: Run, state: TrainState, meter: Meter, est, *, end: bool = True) -> dict:
     """final/ (the exportable model), summary.json, the summary table and the last loss.png; `end`: then the process
     group's end (False: the caller ends it after scoring final/ over the processes, the model freed first)."""
     accelerator, out, say, m = run.accelerator, run.out, run.console.say, run.model
