@@ -576,3 +576,16 @@ def test_the_memory_row_and_the_runs_prediction_price_tensor_parallelism(tmp_pat
                                   parallelism_config=mesh, device=torch.device("cpu"), print=print,
                                   state=SimpleNamespace(fsdp_plugin=SimpleNamespace(cpu_offload=None)))
     assert estimate_for_run(recipe, accelerator).per_gpu_peak_bytes == as_launched.per_gpu_peak_bytes
+
+
+def test_a_reward_models_data_rows_say_where_each_answer_is_scored(tiny_assets, tmp_path):
+    """A reward model trains no token's label (each answer is scored at its last token): doctor and the start-up
+    line had said "29.6% of tokens trained", a fraction of masks its loss never reads."""
+    data = {"path": str(tiny_assets / "data" / "train_pairs.jsonl"), "format": "preference", "max_seq_len": 32,
+            "cache_dir": str(tmp_path / "cache")}
+    found = rows(run_doctor(load_recipe(write_recipe(tiny_assets, tmp_path, data=data, reward_model={}))))
+    assert found["data"][0] == "pass" and "pairs, each answer scored at its last token, " in found["data"][1]
+    assert found["loss mask"] == ("pass", "each answer scored at its last token: no token's label is trained")
+    assert not any("of tokens trained" in detail for _, detail in found.values())
+    dpo = rows(run_doctor(load_recipe(write_recipe(tiny_assets, tmp_path, data=data, preference={}))))
+    assert "% of tokens trained" in dpo["data"][1] and "scored" not in dpo["data"][1]  # DPO trains the answers

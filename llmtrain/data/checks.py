@@ -79,22 +79,40 @@ def check_chat_template(recipe: Recipe, tokenizer) -> list[Check]:
 
 
 def check_masks(stats: DataStats, *, train_on_prompt: bool, text: bool, max_seq_len: int,
-                unit: str = "examples") -> list[Check]:
-    """Masks neither all-zero nor all-one; truncated and dropped counts (unit: examples, or pairs)."""
+                unit: str = "examples", scored: bool = False) -> list[Check]:
+    """Masks neither all-zero nor all-one; truncated and dropped counts (unit: examples, or pairs). `scored`: a
+    reward model's pairs, which train no token's label (each answer is scored at its last token)."""
     seen = stats.examples + stats.dropped
-    counts = (f"{stats.examples:,} {unit}, {stats.trained_fraction:.1%} of tokens trained, "
+    counts = (f"{stats.examples:,} {unit}, {trained_text(stats, scored)}, "
               f"{stats.truncated:,} truncated, {stats.dropped:,} dropped")
     if stats.examples == 0:
         return [("loss mask", "fail", f"no trained token in any of {seen:,} {unit} ({counts}): the loss is 0 "
                  "and nothing is learned. Check data.format / data.fields, or raise data.max_seq_len if the "
                  "prompts fill it.")]
     rows = [("data", "pass", counts)]
+    if scored:  # the mask only finds each answer's end: what it would say of trained tokens does not apply
+        rows.append(("loss mask", "pass", f"{SCORED}: no token's label is trained"))
+        return rows + _cut_rows(stats, unit, max_seq_len)
     # The first token of each example is never a target, so "all trained" is tokens - examples.
     if not train_on_prompt and not text and stats.trained_tokens >= stats.tokens - stats.examples:
         rows.append(("loss mask", "warn", "every token is trained although data.train_on_prompt is false: the "
                      "prompt is not masked. Check data.format / data.fields (is the prompt in the completion?)."))
     else:
         rows.append(("loss mask", "pass", f"{stats.trained_fraction:.1%} of tokens trained"))
+    return rows + _cut_rows(stats, unit, max_seq_len)
+
+
+SCORED = "each answer scored at its last token"  # a reward model's pairs (reward_model:)
+
+
+def trained_text(stats: DataStats, scored: bool = False) -> str:
+    """'29.6% of tokens trained', or for a reward model's pairs what its loss reads instead (start-up, doctor)."""
+    return SCORED if scored else f"{stats.trained_fraction:.1%} of tokens trained"
+
+
+def _cut_rows(stats: DataStats, unit: str, max_seq_len: int) -> list[Check]:
+    """The dropped and truncated warnings of check_masks."""
+    rows: list[Check] = []
     if stats.dropped:  # a longer max_seq_len keeps only the rows it cut to nothing (the reasons say which: a pair
         # whose chosen is its rejected, say, stays dropped)
         cut = not stats.drops or any("max_seq_len" in reason for reason in stats.drops)
@@ -237,7 +255,7 @@ def check_data(recipe: Recipe, stats: DataStats, train, eval_ds, tokenizer, *, r
     pairs = recipe.data.format == "preference"
     rows = unused + check_masks(stats, train_on_prompt=recipe.data.train_on_prompt,
                                 text=recipe.data.format == "text", max_seq_len=recipe.data.max_seq_len,
-                                unit="pairs" if pairs else "examples")
+                                unit="pairs" if pairs else "examples", scored=recipe.reward_model is not None)
     if len(train):
         sample = train.select(range(min(EOS_SAMPLE, len(train))))
         labels = (list(sample["chosen_labels"]) + list(sample["rejected_labels"]) if pairs  # both answers must stop

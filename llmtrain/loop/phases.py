@@ -27,7 +27,7 @@ from llmtrain import capabilities
 from llmtrain.config import Recipe, tiled_mlp_shard, updates_per_window
 from llmtrain.data.batching import DataPlan
 from llmtrain.data.chat import template_file
-from llmtrain.data.checks import check_context, check_data, check_epochs, check_warmup, data_plan
+from llmtrain.data.checks import check_context, check_data, check_epochs, check_warmup, data_plan, trained_text
 from llmtrain.data.prepare import prepare_recipe
 from llmtrain.errors import Everywhere, LLMTrainError
 from llmtrain.layout import Layout
@@ -208,7 +208,7 @@ def prepare_data(recipe: Recipe, accelerator, *, say, config=None) -> Data:
             f"(rl.sampler={sampler}); {evals}")
     else:
         say(f"data: {s.examples} train {unit} ({cache_line(int(cache_reads), accelerator.num_processes)}), "
-            f"{s.truncated} truncated, {s.dropped} dropped, {s.trained_fraction:.1%} of tokens trained; {evals}")
+            f"{s.truncated} truncated, {s.dropped} dropped, {trained_text(s, recipe.reward_model is not None)}; {evals}")
     if recipe.data.sources is not None:
         from llmtrain.data.mixture import describe, source_sizes
 
