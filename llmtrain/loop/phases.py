@@ -207,8 +207,9 @@ def prepare_data(recipe: Recipe, accelerator, *, say, config=None) -> Data:
             f"{recipe.rl.num_generations} completions each a step, {recipe.rl.algorithm.upper()} "
             f"(rl.sampler={sampler}); {evals}")
     else:
+        trained = trained_text(s, scored=recipe.reward_model is not None)
         say(f"data: {s.examples} train {unit} ({cache_line(int(cache_reads), accelerator.num_processes)}), "
-            f"{s.truncated} truncated, {s.dropped} dropped, {trained_text(s, recipe.reward_model is not None)}; {evals}")
+            f"{s.truncated} truncated, {s.dropped} dropped, {trained}; {evals}")
     if recipe.data.sources is not None:
         from llmtrain.data.mixture import describe, source_sizes
 
