@@ -419,6 +419,12 @@ def test_a_checkpoint_is_handed_over_in_dtype_and_with_the_runs_chat_template(ti
     assert {p.dtype for p in resolve(str(checkpoint), dtype="auto").load("cpu")[0].parameters()} == {torch.float32}
     with pytest.raises(LLMTrainError, match="--dtype fp8: give auto"):
         resolve(str(checkpoint), dtype="fp8")
+    weights = checkpoint / "model.safetensors"  # one byte flipped: refused as the target is named, before "scoring"
+    data = bytearray(weights.read_bytes())  # and the harness (it had been found loading it, in generate's words)
+    data[-1] ^= 0xFF
+    weights.write_bytes(bytes(data))
+    with pytest.raises(LLMTrainError, match=r"step_000002' is damaged \(model.safetensors does not match its check"):
+        resolve(str(checkpoint), dtype="auto")
 
 
 def test_an_unknown_task_names_the_key_that_adds_task_folders_where_it_was_given():

@@ -676,6 +676,56 @@ def test_orpo_matches_trl_orpo_trainer(tiny_assets, tiny_tok, tmp_path, fresh_ac
             assert metrics["nll_loss"] != pytest.approx(nll, rel=1e-3)
 
 
+def test_simpo_matches_trl_cpo_trainer(tiny_assets, tiny_tok, tmp_path, fresh_accelerate_state):
+    """TRL's SimPO is its CPOTrainer with loss_type=simpo and cpo_alpha=0 (trl.experimental.cpo, padded, its own
+    tokenisation): on pairs with prompts and answers of unequal lengths, the same mean loss, rewards, margins and
+    accuracy, and the logps/ it logs, which are per answer token (average_log_prob) as its rewards are: llmtrain had
+    logged summed log-probs beside rewards of beta times the per-token mean. And every parameter's gradient to 1e-6."""
+    pytest.importorskip("trl")
+    from datasets import Dataset
+    from transformers import AutoModelForCausalLM
+    from trl.experimental.cpo import CPOConfig, CPOTrainer
+
+    from llmtrain.model.loss import attach_loss
+
+    policy = AutoModelForCausalLM.from_pretrained(tiny_assets / "model", dtype=torch.float32,
+                                                  attn_implementation="eager")
+    g = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for p in policy.parameters():
+            p.add_(torch.randn(p.shape, generator=g) * 0.02)
+    ours = copy.deepcopy(policy)
+    attach_loss(ours, chunk=8)
+    cfg = DataConfig(path="x.jsonl", format="preference")
+    objective = Preference(PreferenceConfig(loss="simpo", beta=2.0, simpo_gamma=0.5), pad_id=tiny_tok.pad_token_id,
+                           packing=True, reference="none")
+    args = CPOConfig(output_dir=str(tmp_path / "trl"), per_device_train_batch_size=4, report_to="none", beta=2.0,
+                     loss_type="simpo", simpo_gamma=0.5, cpo_alpha=0.0, max_length=64, use_cpu=True, bf16=False,
+                     fp16=False)
+    trainer = CPOTrainer(model=copy.deepcopy(policy), args=args, train_dataset=Dataset.from_list(PAIRS),
+                         processing_class=tiny_tok)
+    rows = [encode_pair(p, tiny_tok, cfg) for p in PAIRS]
+    for i, row in enumerate(rows):  # the same tokens and trained labels as TRL's
+        tr = trainer.train_dataset[i]
+        assert (row["chosen_ids"], row["chosen_labels"]) == (tr["chosen_input_ids"], tr["chosen_labels"])
+    theirs, metrics = trainer.get_batch_loss_metrics(trainer.model, trainer.data_collator(
+        [trainer.train_dataset[i] for i in range(len(PAIRS))]))
+    batch, _ = objective.collate(rows)
+    ours.zero_grad()
+    loss, stats = objective.loss(ours, batch)
+    n = len(PAIRS)
+    assert loss.item() / n == pytest.approx(theirs.item(), rel=1e-6, abs=1e-6)
+    logged = objective.step_metrics(stats.tolist(), n)
+    for name in ("rewards/chosen", "rewards/rejected", "rewards/margins", "rewards/accuracies", "logps/chosen",
+                 "logps/rejected"):
+        assert logged[name] == pytest.approx(metrics[name], rel=1e-5, abs=1e-6), name
+    assert logged["rewards/chosen"] == pytest.approx(2.0 * logged["logps/chosen"], rel=1e-6)
+    theirs.backward()
+    (loss / n).backward()
+    mine = dict(ours.named_parameters())
+    assert max((mine[k].grad - p.grad).abs().max().item() for k, p in trainer.model.named_parameters()) < 1e-6
+
+
 # --------------------------------------------------------------------------- training
 
 

@@ -207,8 +207,10 @@ def pairs_loss(cfg, logps: torch.Tensor, tokens: torch.Tensor, ref_chosen: torch
     with torch.no_grad():
         stats = [chosen_rewards.sum(), rejected_rewards.sum(), (chosen_rewards > rejected_rewards).float().sum(),
                  (chosen_rewards - rejected_rewards).sum(), logps[0::2].sum(), logps[1::2].sum()]
+        ac, ar = logps[0::2] / tokens[0::2], logps[1::2] / tokens[1::2]
+        if cfg.loss == "simpo":  # its logps per answer token, from which its rewards come, as TRL's CPOTrainer logs
+            stats[4:] = [ac.sum(), ar.sum()]
         if cfg.loss == "orpo":  # its logps per answer token, as TRL's ORPOTrainer; ORPO_STATS, summed over the pairs
-            ac, ar = logps[0::2] / tokens[0::2], logps[1::2] / tokens[1::2]
             odds = log_odds_ratio(ac, ar)
             stats[4:] = [ac.sum(), ar.sum(), -ac.sum(), F.logsigmoid(odds).sum(), odds.sum()]
         stats += [*(metrics if metrics is not None else logps.new_zeros(len(TOKEN_STATS))),

@@ -39,6 +39,7 @@ def resolve(target: str, *, dtype: str) -> Target:
     """What `target` is: a run folder (its final/), a checkpoint of one, a model folder or a hub id."""
     from llmtrain.hub import missing_local
     from llmtrain.run.rundir import missing_source, run_recipe, unfinished
+    from llmtrain.run.replies import unreadable_checkpoint
 
     path = Path(target).expanduser()
     if missing_local(target):  # (it had named the recipe keys model.name_or_path / model.tokenizer: there is none)
@@ -53,7 +54,8 @@ def resolve(target: str, *, dtype: str) -> Target:
     recipe = run_recipe(path)
     checkpoint = (path / "train_state.json").is_file()
     run = path.parent.parent if checkpoint else path
-    if checkpoint and (problem := recipe_problem(recipe, target, adapter=recipe.lora is not None)):
+    if checkpoint and (problem := recipe_problem(recipe, target, adapter=recipe.lora is not None)
+                       or unreadable_checkpoint(path)):  # (had been found loading it, after "scoring ...")
         raise LLMTrainError(problem)
     if checkpoint:
         return Target(str(path), _built_args(recipe, dtype), run, _loader(path, dtype), recipe.model.name_or_path)

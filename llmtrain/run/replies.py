@@ -143,6 +143,22 @@ def _resume_launch(path: Path) -> str:
     return f"`llmtrain launch --config_file {config}{count} {path}/recipe.yaml --resume {path}`"
 
 
+def unreadable_checkpoint(path: Path) -> str | None:
+    """Why a checkpoint's weights cannot be read as one model (generate and eval refuse it before loading anything):
+    damaged (its manifest's sizes and checksums; it had been safetensors' traceback), or in pieces (FSDP's or a
+    pipeline's shards). None: readable."""
+    from llmtrain.run.checkpoint import checkpoint_problem
+
+    if problem := checkpoint_problem(path):
+        return (f"checkpoint '{path}' is damaged ({problem}): use another step_* folder under {path.parent}, or the "
+                "run's final/")
+    if not (path / "model.safetensors").is_file():
+        return (f"checkpoint '{path}' holds its weights in pieces (FSDP's or a pipeline's shards), not one "
+                "model.safetensors; use the run's final/, which holds the whole model: resume the run to its end as "
+                f"it was launched ({_resume_launch(path)})")
+    return None
+
+
 def _from_checkpoint(path: Path, recipe, device) -> Source:
     """A checkpoint of a run that kept each process's whole model (one process, DDP): the base as the run loaded it,
     its adapter made as the run made it, and the checkpoint's weights (the adapter's alone for LoRA) read into it by
@@ -151,16 +167,10 @@ def _from_checkpoint(path: Path, recipe, device) -> Source:
 
     from llmtrain.data.chat import read_template
     from llmtrain.model.modeling import load_model, load_tokenizer
-    from llmtrain.run.checkpoint import checkpoint_problem
 
-    if problem := checkpoint_problem(path):  # its manifest's sizes and checksums (had: safetensors' traceback)
-        raise LLMTrainError(f"checkpoint '{path}' is damaged ({problem}): use another step_* folder under "
-                            f"{path.parent}, or the run's final/")
+    if problem := unreadable_checkpoint(path):
+        raise LLMTrainError(problem)
     weights = path / "model.safetensors"
-    if not weights.is_file():
-        raise LLMTrainError(f"checkpoint '{path}' holds its weights in pieces (FSDP's or a pipeline's shards), not "
-                            "one model.safetensors; use the run's final/, which holds the whole model: "
-                            f"resume the run to its end as it was launched ({_resume_launch(path)})")
     cfg = trained_model(recipe)
     model = load_model(cfg, recipe.lora, device=device if cfg.quantize else None)
     saved = load_file(str(weights))
