@@ -615,16 +615,10 @@ PROMPTLESS = [
 ]
 
 
-def test_orpo_matches_trl_orpo_trainer(tiny_assets, tiny_tok, tmp_path, fresh_accelerate_state):
-    """TRL's ORPOTrainer (trl.experimental.orpo, padded, its own tokenisation) against llmtrain's padding-free pairs
-    with preference.loss=orpo, on a perturbed tiny model. Where TRL's NLL term is the paper's (PROMPTLESS): the same
-    mean loss and every parameter's gradient to 1e-6. With prompts of their own and answers of unequal lengths (PAIRS):
-    the odds-ratio term (TRL's logged log_odds_ratio), the rewards and the accuracy are the same; the NLL terms differ
-    only as TRL counts the prompt's tokens too."""
-    pytest.importorskip("trl")
-    from datasets import Dataset
+def _perturbed_pair(tiny_assets):
+    """The tiny model with every weight perturbed (0.02 noise, seed 0): as TRL's trainer gets it, and a copy with
+    llmtrain's chunked loss attached."""
     from transformers import AutoModelForCausalLM
-    from trl.experimental.orpo import ORPOConfig, ORPOTrainer
 
     from llmtrain.model.loss import attach_loss
 
@@ -636,6 +630,20 @@ def test_orpo_matches_trl_orpo_trainer(tiny_assets, tiny_tok, tmp_path, fresh_ac
             p.add_(torch.randn(p.shape, generator=g) * 0.02)
     ours = copy.deepcopy(policy)
     attach_loss(ours, chunk=8)
+    return policy, ours
+
+
+def test_orpo_matches_trl_orpo_trainer(tiny_assets, tiny_tok, tmp_path, fresh_accelerate_state):
+    """TRL's ORPOTrainer (trl.experimental.orpo, padded, its own tokenisation) against llmtrain's padding-free pairs
+    with preference.loss=orpo, on a perturbed tiny model. Where TRL's NLL term is the paper's (PROMPTLESS): the same
+    mean loss and every parameter's gradient to 1e-6. With prompts of their own and answers of unequal lengths (PAIRS):
+    the odds-ratio term (TRL's logged log_odds_ratio), the rewards and the accuracy are the same; the NLL terms differ
+    only as TRL counts the prompt's tokens too."""
+    pytest.importorskip("trl")
+    from datasets import Dataset
+    from trl.experimental.orpo import ORPOConfig, ORPOTrainer
+
+    policy, ours = _perturbed_pair(tiny_assets)
     cfg = DataConfig(path="x.jsonl", format="preference")
     objective = Preference(PreferenceConfig(loss="orpo", beta=0.1), pad_id=tiny_tok.pad_token_id, packing=True,
                            reference="none")
@@ -683,19 +691,9 @@ def test_simpo_matches_trl_cpo_trainer(tiny_assets, tiny_tok, tmp_path, fresh_ac
     logged summed log-probs beside rewards of beta times the per-token mean. And every parameter's gradient to 1e-6."""
     pytest.importorskip("trl")
     from datasets import Dataset
-    from transformers import AutoModelForCausalLM
     from trl.experimental.cpo import CPOConfig, CPOTrainer
 
-    from llmtrain.model.loss import attach_loss
-
-    policy = AutoModelForCausalLM.from_pretrained(tiny_assets / "model", dtype=torch.float32,
-                                                  attn_implementation="eager")
-    g = torch.Generator().manual_seed(0)
-    with torch.no_grad():
-        for p in policy.parameters():
-            p.add_(torch.randn(p.shape, generator=g) * 0.02)
-    ours = copy.deepcopy(policy)
-    attach_loss(ours, chunk=8)
+    policy, ours = _perturbed_pair(tiny_assets)
     cfg = DataConfig(path="x.jsonl", format="preference")
     objective = Preference(PreferenceConfig(loss="simpo", beta=2.0, simpo_gamma=0.5), pad_id=tiny_tok.pad_token_id,
                            packing=True, reference="none")
