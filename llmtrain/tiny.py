@@ -92,7 +92,11 @@ FAMILY_LAYERS: dict[str, dict] = {
     "qwen3_moe": dict(head_dim=32, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=64,
                       decoder_sparse_step=1),
     "mixtral": dict(num_local_experts=4, num_experts_per_tok=2, intermediate_size=64),
-    "gpt_oss": dict(head_dim=32, num_local_experts=4, num_experts_per_tok=2, intermediate_size=64, sliding_window=8),
+    "gpt_oss": dict(head_dim=32, num_local_experts=4, num_experts_per_tok=2, intermediate_size=64, sliding_window=8,
+                    # its YaRN as the real one's (4,096 x 32 = its 131,072 positions): 16 x 32 = the tiny's 512
+                    # (transformers warned of a factor of 32 that the lengths, 512 / 4,096, say is 0.125)
+                    rope_parameters=dict(rope_type="yarn", factor=32.0, beta_fast=32.0, beta_slow=1.0,
+                                         truncate=False, original_max_position_embeddings=16, rope_theta=150000.0)),
     "gemma4_text": dict(head_dim=32, global_head_dim=64, num_key_value_heads=4, num_global_key_value_heads=2,
                         attention_k_eq_v=True, num_kv_shared_layers=2, use_double_wide_mlp=True, num_hidden_layers=4,
                         sliding_window=8, hidden_size_per_layer_input=16,

@@ -75,6 +75,28 @@ def family_model(tiny_assets, folder, family: str, **more):
     return folder
 
 
+def test_prepare_tinys_families_are_configs_transformers_takes_without_a_warning(tiny_tok):
+    """`prepare-tiny --family gpt_oss` printed transformers' warning that its YaRN factor (32) is not the ratio of
+    its lengths (512 / 4,096): every family's tiny config is one transformers reads without a word."""
+    import logging
+
+    from llmtrain.tiny import build_model
+
+    said = []
+    handler = logging.Handler()
+    handler.emit = lambda record: said.append(record.getMessage())
+    logger = logging.getLogger("transformers")
+    logger.addHandler(handler)
+    try:
+        for family in FAMILY_LAYERS:
+            build_model(tiny_tok, seed=0, family=family)
+            assert not said, (family, said)
+    finally:
+        logger.removeHandler(handler)
+    rope = build_model(tiny_tok, seed=0, family="gpt_oss").config.rope_parameters  # the real one's YaRN, scaled
+    assert rope["rope_type"] == "yarn" and rope["original_max_position_embeddings"] * rope["factor"] == 512
+
+
 @pytest.mark.parametrize("family", sorted(FAMILIES) + [pytest.param(f, marks=pytest.mark.extended)
                                                       for f in [*MOE, *OWN_LAYER]])
 def test_each_family_trains_on_packed_rows_and_its_final_model_loads_back(tiny_assets, tmp_path, family):
