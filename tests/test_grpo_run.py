@@ -93,6 +93,8 @@ def test_a_step_logs_trls_names_and_every_completion(straight, tiny_assets):
         assert all(r["reward"] == pytest.approx(r["format"] + 2.0 * r["answer_match"]) for r in mine)
         assert line["completions/mean_length"] == pytest.approx(sum(len(r["completion_ids"]) for r in mine)
                                                                 / len(mine))
+        cut = sum(r["completion_ids"][-1:] != [tok.eos_token_id] for r in mine)  # ended by max_completion_tokens
+        assert line["completions/clipped_ratio"] == pytest.approx(cut / len(mine)), step  # (had read PPO's clip: 0)
         for k in range(0, len(mine), G):  # a group: its prompt's G completions, advantages as group_advantages
             group = mine[k:k + G]
             assert len({r["row"] for r in group}) == 1 and [r["generation"] for r in group] == list(range(G))
@@ -104,6 +106,7 @@ def test_a_step_logs_trls_names_and_every_completion(straight, tiny_assets):
             assert r["prompt"].endswith(tok.decode(r["prompt_ids"][-3:]))
             assert len(r["completion_ids"]) <= 8 and r["prompt"] not in eval_rows  # train prompts only
     assert sum(line["reward_std"] > 0 for line in lines) >= 2  # groups that teach something
+    assert any(0 < line["completions/clipped_ratio"] < 1 for line in lines)
     assert any(abs(line["loss"]) > 0 for line in lines)
 
     evals = records(run, "eval")

@@ -318,11 +318,13 @@ FLAT_STEPS = 5  # steps in a row of all-zero advantages before a run is told it 
 # the step the eval's sampled completions take their seeds from (rl.num_generations_eval): one of their own, the same
 # at every eval, so two evals' numbers differ by the policy and not by the draws
 EVAL_STEP = -1
-# length: the completions' tokens; trained: those trained (rl.mask_truncated_completions drops the clipped ones')
+# length: the completions' tokens; truncated: those ended by max_completion_tokens (TRL's completions/clipped_ratio;
+# named apart from LOSS_STATS' PPO clip, which had shadowed it: GRPO logged 0 with every completion cut); trained: the
+# tokens trained (rl.mask_truncated_completions drops the truncated ones')
 # sampler_*: rl.sampler_correction's |policy - sampler| log-probability summed over the trained tokens, and its
 # ratios (a token's, or a completion's) summed and counted
-ROLLOUT_STATS = ["completions", "reward", "reward_squares", "scored", "zero_std", "length", "clipped", "generation_s",
-                 "tool_calls", "tool_failures", "trained", "sampler_difference", "sampler_ratio", "sampler_ratios"]
+ROLLOUT_STATS = ["completions", "reward", "reward_squares", "scored", "zero_std", "length", "truncated",
+                 "generation_s", "tool_calls", "tool_failures", "trained", "sampler_difference", "sampler_ratio", "sampler_ratios"]
 # clipped and sequences: each token's share of its completion (1 / its tokens), so they add up to completions over
 # any split of the tokens (importance_sampling_level sequence logs the clipped share of completions, as TRL)
 # entropy: the policy's, summed over the completion tokens (TRL's `entropy`, their mean); phi: vespo's weight, each
@@ -423,6 +425,7 @@ class GRPO:
         self.expected_column = answer_columns[0] if answer_columns else None  # the eval samples' expected text
         self.stats = [*ROLLOUT_STATS, *self.advantage_stats, *(f"rewards/{n}/sum" for n, _, _ in rewards),
                       *(f"rewards/{n}/count" for n, _, _ in rewards), *self.loss_stats]
+        assert len(set(self.stats)) == len(self.stats), "a statistic's name twice: step_metrics would read one"
         # rl.entropy_coef (rl.use_adaptive_entropy): the bonus's coefficient, its state saved with the checkpoints;
         # the step gives each pass the window's loss units per trained token (`per_trained`)
         self.entropy = EntropyControl(rl) if getattr(rl, "entropy_bonus", False) else None
@@ -916,7 +919,7 @@ class GRPO:
         for name, _, _ in self.rewards:
             if s[f"rewards/{name}/count"]:
                 out[f"rewards/{name}/mean"] = s[f"rewards/{name}/sum"] / s[f"rewards/{name}/count"]
-        out.update({"completions/mean_length": s["length"] / n, "completions/clipped_ratio": s["clipped"] / n})
+        out.update({"completions/mean_length": s["length"] / n, "completions/clipped_ratio": s["truncated"] / n})
         out.update(self._policy_metrics(s, n))
         out.update(self._bonus_metrics(s, units))
         if self.tools is not None:  # TRL's: calls per completion, failures per call
