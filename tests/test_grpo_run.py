@@ -1295,6 +1295,16 @@ def test_a_reward_that_scores_nothing_is_warned_once_and_has_no_mean(tiny_assets
                for t in train)  # two rewards of one type, by their names
     assert [e["step"] for e in evals] == [0, 2]
     assert all("eval_rewards/format/mean" in e and "eval_rewards/never/mean" not in e for e in evals)
+    # the only reward scoring nothing: no reward, reward_std nor zero-std group (TRL's nanmean is None, its groups'
+    # nanstd NaN); it had logged reward 0.0 and frac_reward_zero_std 1.0 over nothing scored
+    alone = grpo_recipe(tiny_assets, tmp_path,
+                        rl={"rewards": [{"type": "function", "function": "silent_rewards:never"}]},
+                        data={"eval_split": None}, train={"max_steps": 1, "eval_every_steps": None, "eval_samples": 0},
+                        logging={"every_steps": 1, "progress": False, "plot": False})
+    run_train(alone, f"output_dir={tmp_path / 'alone'}")
+    (line,) = records(tmp_path / "alone")
+    assert "reward" not in line and "reward_std" not in line and line["frac_reward_zero_std"] == 0.0
+    assert "step 1/1  reward -  length " in (tmp_path / "alone" / "train.log").read_text()
 
 
 def test_a_reward_failing_on_eval_prompts_names_the_eval_file_in_train_log_and_the_folder_is_reusable(

@@ -324,7 +324,8 @@ EVAL_STEP = -1
 # sampler_*: rl.sampler_correction's |policy - sampler| log-probability summed over the trained tokens, and its
 # ratios (a token's, or a completion's) summed and counted
 ROLLOUT_STATS = ["completions", "reward", "reward_squares", "scored", "zero_std", "length", "truncated",
-                 "generation_s", "tool_calls", "tool_failures", "trained", "sampler_difference", "sampler_ratio", "sampler_ratios"]
+                 "generation_s", "tool_calls", "tool_failures", "trained", "sampler_difference", "sampler_ratio",
+                 "sampler_ratios"]
 # clipped and sequences: each token's share of its completion (1 / its tokens), so they add up to completions over
 # any split of the tokens (importance_sampling_level sequence logs the clipped share of completions, as TRL)
 # entropy: the policy's, summed over the completion tokens (TRL's `entropy`, their mean); phi: vespo's weight, each
@@ -636,7 +637,7 @@ class GRPO:
         # (1000 +- 0.05: a std of 0.0 said for 0.052, audit 6)
         stats = torch.tensor([
             len(completions), float(total.double().nansum()), float((total.double().nan_to_num() ** 2).sum()),
-            float((~total.isnan()).sum()), float((std.nan_to_num() < 1e-8).sum()), float(lengths.sum()) + dropped,
+            float((~total.isnan()).sum()), float((std < 1e-8).sum()), float(lengths.sum()) + dropped,
             float(sum(clipped)), generation_s / self.world, sum(len(t.calls) for t in tooled or []),
             sum(t.failures for t in tooled or []), float(lengths.sum()), *correction, *more,
             *per_function.nan_to_num().sum(0).tolist(),
@@ -878,10 +879,11 @@ class GRPO:
 
     def _reward_metrics(self, s: dict, n: float) -> dict[str, float]:
         """reward and reward_std as TRL logs them: the mean and the unbiased std (its nanstd) of the step's scored
-        completions' rewards on every process, from their sums (no std below 2); frac_reward_zero_std."""
+        completions' rewards on every process, from their sums (no std below 2); frac_reward_zero_std. A step no
+        reward function scored has no reward (TRL logs None; it had been a mean of 0 over nothing)."""
         scored = s["scored"]
         mean = s["reward"] / max(scored, 1.0)
-        out = {"reward": mean}
+        out = {"reward": mean} if scored else {}
         if scored > 1:
             out["reward_std"] = (max(s["reward_squares"] - scored * mean * mean, 0.0) / (scored - 1)) ** 0.5
         return {**out, "frac_reward_zero_std": s["zero_std"] / n}

@@ -92,8 +92,10 @@ def step_text(rec: dict, *, unit: str = "gpu") -> str:
     if "kl" in rec and "rewards/accuracies" not in rec:  # KTO: the KL estimate, and the margin where both sides are
         margin = f" margin {rec['rewards/margins']:.3f}" if "rewards/margins" in rec else ""
         pairs = f"  kl {rec['kl']:.3f}{margin}"
-    if "reward" in rec:  # online RL: the mean reward of the step's completions first
-        pairs = f"  reward {rec['reward']:.3f}  length {rec['completions/mean_length']:.1f}"
+    if "frac_reward_zero_std" in rec:  # online RL: the step's mean reward first (a step no reward function scored
+        # has none: "-")
+        reward = f"{rec['reward']:.3f}" if "reward" in rec else "-"
+        pairs = f"  reward {reward}  length {rec['completions/mean_length']:.1f}"
         return f"{pairs.strip()}  loss {loss:.4f}  lr {rec['lr']:.2e}  {rec['tokens_per_s_per_gpu']:,.0f} tok/s/{unit}"
     return f"loss {loss:.4f}{pairs}  lr {rec['lr']:.2e}  {rec['tokens_per_s_per_gpu']:,.0f} tok/s/{unit}{mfu}"
 
