@@ -1218,6 +1218,11 @@ class RLConfig(Section):
             raise ValueError("rl.loss_type cispo caps each token's ratio at rl.epsilon_high, the cap itself (not 1 + "
                              "it), and none is given: set rl.epsilon_high (ScaleRL's is 5.0; TRL would cap at "
                              "rl.epsilon, 0.2, which scales every step down to a fifth)")
+        if self.loss_type == "cispo" and self.epsilon_high < 1:  # (DAPO's 0.28, copied over, scaled every step)
+            raise ValueError(f"rl.loss_type cispo caps each token's ratio at rl.epsilon_high, the cap itself (not 1 + "
+                             f"it): {self.epsilon_high:g} caps the ratio of 1 every first update has, so every "
+                             f"token's gradient is scaled by {self.epsilon_high:g}. Give a cap of 1 or more "
+                             "(ScaleRL's is 5.0)")
         if self.loss_type == "cispo" and self.delta is not None:
             raise ValueError("rl.delta caps PPO's unclipped ratio, which rl.loss_type cispo has not (its weight is the "
                              "ratio capped at rl.epsilon_high already): remove rl.delta")

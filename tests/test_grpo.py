@@ -458,6 +458,17 @@ def test_entropy_bonus_settings_a_run_cannot_use_are_refused(keys, says):
         RLConfig(rewards=[{"type": "format", "pattern": "x"}], **keys)
 
 
+def test_a_cispo_cap_below_one_is_refused():
+    """CISPO's epsilon_high is the cap of the ratio itself: DAPO's 0.28 copied over capped the ratio of 1 of every
+    first update, scaling every gradient by 0.28 (a third of the tokens logged as clipped at ratio 1), with no word."""
+    from llmtrain.config import RLConfig
+
+    with pytest.raises(ValueError, match="0.28 caps the ratio of 1 every first update has, so every token's gradient "
+                                         "is scaled by 0.28. Give a cap of 1 or more"):
+        RLConfig(rewards=[{"type": "format", "pattern": "x"}], loss_type="cispo", epsilon_high=0.28)
+    assert RLConfig(rewards=[{"type": "format", "pattern": "x"}], loss_type="cispo", epsilon_high=1.0).epsilon_high == 1
+
+
 @pytest.mark.parametrize("loss_type", ["dapo", "grpo", "dr_grpo"])
 def test_masked_truncated_completions_train_nothing_and_normalise_as_trls(tiny_assets, tmp_path, loss_type):
     """rl.mask_truncated_completions: the last completion reached max_completion_tokens without EOS; its tokens train
