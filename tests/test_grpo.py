@@ -646,6 +646,47 @@ def test_a_reward_module_that_fails_to_import_says_whether_it_was_found(tmp_path
         import_reward("absent_rewards:r")
 
 
+def test_a_reward_named_by_its_file_is_told_to_name_its_module(tmp_path, monkeypatch):
+    """`badr.py:good` and `./badr.py:good` had been told to put the module in the working directory, where it was,
+    and that "the module was found; fix the error in it" (python -c 'import ./badr.py'): the fix is its module's
+    name. rl.tools' and rl.environment's names alike."""
+    from llmtrain.data.tools import function_of
+    from llmtrain.errors import LLMTrainError
+    from llmtrain.objectives.rewards import import_reward
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "badr.py").write_text("def good(completions, **kw):\n    return [0.0] * len(completions)\n")
+    for spec in ("badr.py:good", "./badr.py:good"):
+        with pytest.raises(LLMTrainError, match=re.escape(f"reward function '{spec}' names a file; name its module "
+                                                          "instead: 'badr:good', with the working directory")):
+            import_reward(spec)
+    with pytest.raises(LLMTrainError, match=re.escape("the tool 'tools/calc.py:add' names a file; name its module "
+                                                      "instead: 'calc:add', with tools on PYTHONPATH")):
+        function_of("tools/calc.py:add")
+    assert import_reward("badr:good")(completions=["x"]) == [0.0]
+
+
+def test_a_reward_function_that_raises_or_exits_is_named_at_its_own_line(tmp_path, monkeypatch):
+    """The paragraph names the function's file and line where it raised (the user's frame), and the exception stays
+    its cause, so that --debug's traceback goes on into the function (`from None` had cut it off); sys.exit() in one
+    (not an Exception) had ended the run with no word."""
+    from llmtrain.errors import LLMTrainError
+    from llmtrain.objectives.rewards import import_reward, score
+
+    (tmp_path / "raising_rewards.py").write_text("def helper(x):\n    return {}[x]\n\n\ndef raises(completions, **kw):"
+                                                 "\n    return [helper('answer') for c in completions]\n\n\n"
+                                                 "def exits(completions, **kw):\n    import sys\n    sys.exit(3)\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    for name, says, cause in (("raises", "raised KeyError: 'answer' at raising_rewards.py:2 in helper (on the "
+                               "completions of d.jsonl, rows 4). Fix the function (--debug shows its traceback)",
+                               KeyError),
+                              ("exits", "raised SystemExit: 3 at raising_rewards.py:11 in exits (on the", SystemExit)):
+        with pytest.raises(LLMTrainError) as e:
+            score([(name, import_reward(f"raising_rewards:{name}"), 1.0)], ["p"], ["a"], completion_ids=[[1]],
+                  columns={}, rows=[4], where="d.jsonl")
+        assert f"reward function {name} {says}" in str(e.value) and isinstance(e.value.__cause__, cause)
+
+
 def test_a_reward_function_that_takes_no_keywords_is_told_what_it_is_called_with():
     from llmtrain.errors import LLMTrainError
     from llmtrain.objectives.rewards import score

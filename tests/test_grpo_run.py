@@ -1154,8 +1154,8 @@ def test_a_reward_function_that_fails_mid_run_names_the_step_and_the_checkpoint_
     with pytest.raises(LLMTrainError) as e:
         run_train(recipe, f"output_dir={out}")
     says = str(e.value)
-    assert says.startswith("step 3 stopped: reward function late raised ValueError: the grader is down "
-                           "(on the completions of "), says
+    assert says.startswith("step 3 stopped: reward function late raised ValueError: the grader is down at "
+                           "late_rewards.py:3 in late (on the completions of "), says
     assert says.endswith(f"no step was taken with its rewards. The last checkpoint, {out / 'checkpoints'}/step_000002, "
                          f"is intact: once it is fixed, continue with: llmtrain finetune {out / 'recipe.yaml'} "
                          "--resume auto (under the same accelerate launch, if any)."), says

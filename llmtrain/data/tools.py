@@ -20,6 +20,7 @@ import json
 import os
 import sys
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from llmtrain.errors import LLMTrainError
@@ -169,10 +170,24 @@ def user_module(name: str):
     return importlib.import_module(name)
 
 
+def file_named(spec: str, what: str) -> str | None:
+    """The error for `module:attr` whose module is a file's path (`rewards.py:accuracy`, `./rewards.py:accuracy`),
+    which no import reads (it had been "put the module in the working directory", where it already was), or None."""
+    module, _, attr = spec.partition(":")
+    if not (module.endswith(".py") or "/" in module or "\\" in module):
+        return None
+    path = Path(module)
+    folder = "the working directory" if str(path.parent) in (".", "") else f"{path.parent} on PYTHONPATH"
+    return (f"{what} '{spec}' names a file; name its module instead: '{path.name.removesuffix('.py')}:{attr}', with "
+            f"{folder} (a module is found on PYTHONPATH or in the working directory).")
+
+
 def function_of(name: str, *, what: str = "the tool", form: str = "module:function"):
     """The Python callable `module:function` (a tool; `what` and `form` name another: rl.environment's module:Class),
     or a clear error."""
     module, _, attr = name.partition(":")
+    if problem := file_named(name, what):
+        raise LLMTrainError(problem)
     try:
         return getattr(user_module(module), attr)
     except (ImportError, AttributeError, ValueError) as e:

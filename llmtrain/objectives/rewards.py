@@ -32,7 +32,7 @@ from dataclasses import dataclass, field
 import torch
 
 from llmtrain.data.formats import pairs_note, user_columns
-from llmtrain.data.tools import user_module
+from llmtrain.data.tools import file_named, user_module
 from llmtrain.errors import LLMTrainError
 
 RewardFn = Callable[..., list]
@@ -98,6 +98,8 @@ def import_reward(spec: str) -> RewardFn:
     module_name, _, name = spec.partition(":")
     if not module_name or not name:
         raise LLMTrainError(f"reward function '{spec}' is not of the form module:function (e.g. my_rewards:accuracy).")
+    if problem := file_named(spec, "reward function"):
+        raise LLMTrainError(problem)
     try:
         module = user_module(module_name)
     except Exception as e:  # an ImportError, or the module's own error while importing
@@ -193,15 +195,15 @@ def score(functions: Sequence[tuple[str, RewardFn, float]], prompts: list, compl
         for k, (name, fn, _) in enumerate(functions):
             try:
                 out = fn(**kwargs)
-            except Exception as e:
-                raise _raised(name, e, at) from None
+            except (Exception, SystemExit) as e:  # (sys.exit() in one had ended the run with no word)
+                raise _raised(name, e, at, fn) from e  # --debug's traceback goes on into the function
             (waiting if inspect.isawaitable(out) else outputs)[k] = out
         if waiting:
             with AsyncRunner() if runner is None else nullcontext(runner) as loop:
                 results = loop.gather(list(waiting.values()))
             for k, out in zip(waiting, results):
                 if isinstance(out, Exception):
-                    raise _raised(functions[k][0], out, at) from None
+                    raise _raised(functions[k][0], out, at, functions[k][1]) from out
                 outputs[k] = out
     finally:
         for coroutine in waiting.values():
@@ -272,12 +274,21 @@ def _as_list(values):
     return list(values) if isinstance(values, tuple) else values
 
 
-def _raised(name: str, e: BaseException, at: str) -> LLMTrainError:
+def _raised(name: str, e: BaseException, at: str, fn=None) -> LLMTrainError:
+    """The paragraph of a reward function that raised `e`: where in the function's own file (its innermost line
+    there: the user's frame, which the paragraph had not named), and with what."""
     called = (" It is called with keyword arguments, as TRL calls it: prompts, completions, completion_ids, "
               "trainer_state, log_extra, log_metric and each column of the data by name; take **kwargs for those it "
               "does not read." if isinstance(e, TypeError) and "keyword argument" in str(e) else "")
-    return LLMTrainError(f"reward function {name} raised {type(e).__name__}: {e} (on the completions of {at}). Fix "
-                         f"the function; no step was taken with its rewards.{called}")
+    import traceback
+    from pathlib import Path
+
+    source = getattr(getattr(fn, "__code__", None), "co_filename", None)
+    frames = [f for f in traceback.extract_tb(e.__traceback__) if f.filename == source and source[:1] != "<"]
+    line = f" at {Path(frames[-1].filename).name}:{frames[-1].lineno} in {frames[-1].name}" if frames else ""
+    return LLMTrainError(f"reward function {name} raised {type(e).__name__}: {e}{line} (on the completions of {at}). "
+                         f"Fix the function (--debug shows its traceback); no step was taken with its "
+                         f"rewards.{called}")
 
 
 def trainer_state(recipe, *, total_steps: int | None):
