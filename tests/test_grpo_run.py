@@ -659,6 +659,8 @@ def test_ratio_keys_that_cannot_bind_with_one_update_a_round_are_said(tiny_asset
                                  "act on the ratio") and "Set rl.num_iterations 2 or more" in said[0][2]
     assert check_ratio_keys(load_recipe(recipe, ["rl.epsilon_high=0.28", "rl.num_iterations=2"])) == []
     assert check_ratio_keys(load_recipe(recipe, ["rl.loss_type=cispo", "rl.epsilon_high=5"])) == []  # its cap
+    # luspo's sequence level is the schema's filling-in, no key the recipe could remove (it had been told to)
+    assert check_ratio_keys(load_recipe(recipe, ["rl.loss_type=luspo"])) == []
     alone = check_ratio_keys(load_recipe(recipe, ["rl.off_policy_mask_threshold=0.1"]))[0][2]
     assert alone.startswith("rl.off_policy_mask_threshold=0.1 acts on the ratio") and "it changes nothing" in alone
     # with the sampler correction it reads the sampler's log-probabilities: it binds on the first update too; and the

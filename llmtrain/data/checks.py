@@ -323,7 +323,9 @@ def check_ratio_keys(recipe: Recipe) -> list[Check]:
     keys = [f"rl.{k}={v}" for k, v in (("epsilon_high", rl.epsilon_high if rl.loss_type != "cispo" else None),
                                          ("delta", rl.delta), ("off_policy_mask_threshold",
                                                                rl.off_policy_mask_threshold)) if v is not None]
-    keys += ["rl.importance_sampling_level=sequence"] if rl.importance_sampling_level == "sequence" else []
+    # (luspo's level is sequence by its definition, filled in by the schema: there is no key to remove)
+    keys += (["rl.importance_sampling_level=sequence"] if rl.importance_sampling_level == "sequence"
+             and rl.loss_type != "luspo" else [])
     if not keys:
         return []
     act, they, them = ("act", "they change", "them") if len(keys) > 1 else ("acts", "it changes", "it")
