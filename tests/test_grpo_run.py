@@ -1309,6 +1309,23 @@ def test_a_reward_that_scores_nothing_is_warned_once_and_has_no_mean(tiny_assets
     assert "step 1/1  reward -  length " in (tmp_path / "alone" / "train.log").read_text()
 
 
+def test_a_slow_reward_is_its_own_time_and_not_the_updates(tiny_assets, tmp_path, monkeypatch):
+    """A reward function that takes 0.3 s: reward_s says so, and policy_tokens_per_s leaves it out with the sampling
+    (a slow grader had read as an update 35 times slower than it was, and no metric named the reward)."""
+    (tmp_path / "slow_rewards.py").write_text("import time\n\n\ndef slow(completions, **kwargs):\n"
+                                              "    time.sleep(0.3)\n    return [float(len(c)) for c in completions]\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    recipe = grpo_recipe(tiny_assets, tmp_path, rl={"rewards": [{"type": "function", "function": "slow_rewards:slow"}]},
+                         data={"eval_split": None}, train={"max_steps": 1, "eval_every_steps": None, "eval_samples": 0},
+                         logging={"every_steps": 1, "progress": False, "plot": False})
+    run_train(recipe, f"output_dir={tmp_path / 'run'}")
+    (line,) = records(tmp_path / "run")
+    assert 0.3 <= line["reward_s"] < 5
+    step_s = line["tokens"] / line["tokens_per_s"]
+    assert line["policy_tokens_per_s"] == pytest.approx(
+        line["tokens"] / (step_s - line["generation_s"] - line["reward_s"]), rel=1e-6)
+
+
 def test_a_reward_failing_on_eval_prompts_names_the_eval_file_in_train_log_and_the_folder_is_reusable(
         tiny_assets, tmp_path, monkeypatch):
     """A function that raises on the eval rows only (at the step-0 eval, after the folder is made): the paragraph
@@ -1335,7 +1352,8 @@ def test_a_reward_failing_on_eval_prompts_names_the_eval_file_in_train_log_and_t
     with pytest.raises(LLMTrainError) as e:
         run_train(recipe, f"output_dir={run}")
     says = str(e.value)
-    assert f"reward function picky raised ValueError: no eval here (on the completions of {eval_file}" in says
+    assert ("reward function picky raised ValueError: no eval here at picky_rewards.py:3 in picky (on the "
+            f"completions of {eval_file}") in says
     assert "rows 1, 2" in says
     assert (run / "train.log").read_text().rstrip().endswith(f"error: {says}".rstrip().split("\n")[-1])
     assert not list((run / "checkpoints").glob("step_*"))

@@ -79,8 +79,10 @@ class Meter:
             **(self.objective.step_metrics(stats, window[0]) if self.objective is not None else {})}
         if result.loss_scale is not None:  # fp16's dynamic loss scale after the step (halved by an overflow)
             self.last["loss_scale"] = result.loss_scale
-        if "generation_s" in self.last:  # online RL: sampling is not the policy update's time
-            self.last["policy_tokens_per_s"] = tokens_per_s * dt / max(dt - self.last["generation_s"], 1e-9)
+        if "generation_s" in self.last:  # online RL: sampling and scoring are not the policy update's time (a slow
+            # reward function had read as a slow update)
+            rollout = self.last["generation_s"] + self.last.get("reward_s", 0.0)
+            self.last["policy_tokens_per_s"] = tokens_per_s * dt / max(dt - rollout, 1e-9)
         if self.on_gpu:
             self.last.update(max_memory_allocated=torch.cuda.max_memory_allocated(),
                              max_memory_reserved=torch.cuda.max_memory_reserved())

@@ -324,8 +324,8 @@ EVAL_STEP = -1
 # sampler_*: rl.sampler_correction's |policy - sampler| log-probability summed over the trained tokens, and its
 # ratios (a token's, or a completion's) summed and counted
 ROLLOUT_STATS = ["completions", "reward", "reward_squares", "scored", "zero_std", "length", "truncated",
-                 "generation_s", "tool_calls", "tool_failures", "trained", "sampler_difference", "sampler_ratio",
-                 "sampler_ratios"]
+                 "generation_s", "reward_s", "tool_calls", "tool_failures", "trained", "sampler_difference",
+                 "sampler_ratio", "sampler_ratios"]
 # clipped and sequences: each token's share of its completion (1 / its tokens), so they add up to completions over
 # any split of the tokens (importance_sampling_level sequence logs the clipped share of completions, as TRL)
 # entropy: the policy's, summed over the completion tokens (TRL's `entropy`, their mean); phi: vespo's weight, each
@@ -602,11 +602,13 @@ class GRPO:
             sampled = [t.logps for t in tooled] if tooled else [d.logps for d in completions]
             completions = completions if tooled else [d.ids for d in completions]
         if stand_in:
-            texts, total, extra = [""] * len(completions), torch.zeros(len(completions)), RewardLogs()
+            texts, total, extra, reward_s = [""] * len(completions), torch.zeros(len(completions)), RewardLogs(), 0.0
             per_function = torch.full((len(completions), len(self.rewards)), float("nan"))
         else:
+            scoring = time.perf_counter()
             texts, per_function, total, extra = self._score(examples, completions, g, where=self.sources[0],
                                                             tooled=tooled)
+            reward_s = time.perf_counter() - scoring
         for name, values in extra.metrics.items():
             self.logs.metrics[name] += values
         rows = [e["row"] + 1 for e in examples for _ in range(g)]
@@ -638,9 +640,9 @@ class GRPO:
         stats = torch.tensor([
             len(completions), float(total.double().nansum()), float((total.double().nan_to_num() ** 2).sum()),
             float((~total.isnan()).sum()), float((std < 1e-8).sum()), float(lengths.sum()) + dropped,
-            float(sum(clipped)), generation_s / self.world, sum(len(t.calls) for t in tooled or []),
-            sum(t.failures for t in tooled or []), float(lengths.sum()), *correction, *more,
-            *per_function.nan_to_num().sum(0).tolist(),
+            float(sum(clipped)), generation_s / self.world, reward_s / self.world,
+            sum(len(t.calls) for t in tooled or []), sum(t.failures for t in tooled or []), float(lengths.sum()),
+            *correction, *more, *per_function.nan_to_num().sum(0).tolist(),
             *scored.sum(0).tolist()],
             dtype=torch.float64)
         for k, batch in enumerate(batches):  # the passes' statistics are summed: the rollout's go in once
@@ -931,7 +933,7 @@ class GRPO:
             out["sampling/sampling_logp_difference/mean"] = s["sampler_difference"] / max(s["trained"], 1.0)
             out["sampling/importance_sampling_ratio/mean"] = s["sampler_ratio"] / max(s["sampler_ratios"], 1.0)
             out.update(self.sampler_extremes)
-        out["generation_s"] = s["generation_s"]
+        out["generation_s"], out["reward_s"] = s["generation_s"], s["reward_s"]
         out["generation_tokens_per_s"] = s["length"] / max(s["generation_s"], 1e-9)
         # log_metric's numbers since the last line, averaged over every process's (every rank makes this call, so
         # the gather is a collective they all reach); never over ours
