@@ -586,3 +586,17 @@ def test_method_qlora_is_named_with_its_two_flags():
     assert refused.returncode == 2 and "'qlora' is not one of 'full', 'lora': QLoRA is --method lora --quantize nf4" \
         in said and "Value error" not in said
     assert "4-bit" in invoke("estimate-memory", "--model", "mistral-7b", "--method", "lora", "--quantize", "nf4").stdout
+
+
+def test_a_model_estimate_refuses_the_attention_its_training_refuses():
+    """--model gpt-oss-20b --attn sdpa had estimated (and fitted) a run that training, doctor and a recipe's
+    estimate refuse: transformers has no SDPA attention for GPT-OSS. Refused in one paragraph, exit 2, naming the
+    option's key; the model's own attention (auto) is estimated."""
+    refused = invoke("estimate-memory", "--model", "gpt-oss-20b", "--attn", "sdpa", check=False)
+    said = " ".join((refused.stdout + refused.stderr).split())
+    assert refused.returncode == 2 and "gpt-oss-20b would be refused with these options (--attn is " \
+        "model.attn_implementation, --packing data.packing), so there is no run to estimate: " \
+        "model.attn_implementation=sdpa: transformers has no sdpa attention for gpt_oss" in said
+    assert "Traceback" not in said
+    assert "varlen (auto) attention" in " ".join(invoke("estimate-memory", "--model", "gpt-oss-20b", "--method",
+                                                        "lora", check=False).stdout.split())

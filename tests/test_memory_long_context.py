@@ -217,8 +217,10 @@ def test_longest_context_past_the_models_positions_says_so():
     positions (24 GiB) says nothing of it."""
     args = ["--model", "mistral-7b", "--method", "lora", "--mixed-precision", "bf16", "--dtype", "bfloat16",
             "--grad-checkpointing", "--longest-context"]
-    flat = " ".join(estimate_memory(*args).stdout.split())
+    out = estimate_memory(*args).stdout
+    flat = " ".join(out.split())
     assert "past the model's max_position_embeddings=32,768" in flat and "model.rope_scaling" in flat, flat
+    assert max(map(len, out.splitlines())) <= 80  # wrapped as the tables are (it had been one line of 543)
     small = " ".join(estimate_memory(*args, "--gpu-memory", "24").stdout.split())
     assert "longest context that fits one 24 GiB GPU" in small and "max_position_embeddings" not in small, small
 

@@ -206,8 +206,10 @@ def estimate_memory(
         typer.echo(json.dumps(out, indent=1))
     else:
         if longest_context:
-            typer.echo(_longest_line(longest, spec, positions=shape.max_positions,
-                                     scaled=recipe is not None and _rope_scaled(recipe, overrides)))
+            from llmtrain.memory.render import say
+
+            say(_longest_line(longest, spec, positions=shape.max_positions,
+                              scaled=recipe is not None and _rope_scaled(recipe, overrides)))
         _render(est, advice, traffic, launch_mp, result, global_batch=global_batch, target=target, beside=beside)
     found = result.best is not None if result is not None else longest is not None if longest_context else est.fits
     if not found:
@@ -262,17 +264,17 @@ def _render(est, advice: str, traffic, launch_mp: str | None, result, *, global_
             beside) -> None:
     """The tables: the estimate (a pipeline's stages, and the pipeline beside FSDP and HSDP), and with --fit the
     search's result."""
-    from llmtrain.memory.render import render_estimate, render_fit
+    from llmtrain.memory.render import render_estimate, render_fit, say
 
     render_estimate(est, advice, traffic=traffic, launch_mp=launch_mp, beside=beside)
     if result is not None:
         spec = est.spec
         if global_batch:  # the recipe's per-GPU batch times these GPUs: say what --fit keeps, it may not be intended
             unit = "tokens" if spec.micro_batch_tokens else "examples"
-            typer.echo(f"--fit keeps the global batch at {global_batch:,} {unit} a step: the recipe's "
-                       f"{global_batch // (spec.grad_accum_steps * spec.data_ranks)} x {spec.grad_accum_steps} "
-                       f"accumulation per GPU on {spec.data_ranks} data-parallel "
-                       f"GPU{'s' * (spec.data_ranks != 1)}; set train.grad_accum_steps for another")
+            say(f"--fit keeps the global batch at {global_batch:,} {unit} a step: the recipe's "
+                f"{global_batch // (spec.grad_accum_steps * spec.data_ranks)} x {spec.grad_accum_steps} "
+                f"accumulation per GPU on {spec.data_ranks} data-parallel "
+                f"GPU{'s' * (spec.data_ranks != 1)}; set train.grad_accum_steps for another")
         render_fit(result, target=target)
 
 
@@ -353,6 +355,7 @@ def _from_model(model: str, overrides, run: dict, launch: dict):
                    "run it is --mixed-precision bf16 (fp32 master weights, bf16 compute); --dtype bfloat16 "
                    "stores the weights in bf16 too",)
     spec = TrainSpec(**{SPEC_FIELDS.get(k, k): v for k, v in run.items()}, **launch)
+    _check_attention(model, spec)
     if shape.experts and "lora_dropout" not in run and spec.method == "lora" and run_lora_plan(shape, spec).moe_params:
         # a recipe's lora.dropout default (0.05) is refused where peft adapts the experts as parameters (Qwen3-MoE's
         # under all-linear, any under lora.target_parameters): estimate what it must set
@@ -360,6 +363,25 @@ def _from_model(model: str, overrides, run: dict, launch: dict):
         assumed += ("LoRA dropout 0, as a recipe for a mixture of experts must set it (peft adapts the experts as "
                     "parameters, which take no dropout)",)
     return shape, spec, None, None, assumed
+
+
+def _check_attention(model: str, spec) -> None:
+    """What training refuses of the model's attention under --attn and --packing (capabilities.attention_problems:
+    transformers' kernels the model lacks, such as GPT-OSS's sdpa; capped or chunked attention under the varlen one),
+    refused as a recipe's estimate refuses it: --model had estimated runs that can never start."""
+    from types import SimpleNamespace
+
+    from llmtrain import capabilities
+    from llmtrain.memory.params import transformers_config
+
+    config = transformers_config(model)
+    if config is None:
+        return
+    run = SimpleNamespace(model=SimpleNamespace(attn_implementation=spec.attn_implementation),
+                          data=SimpleNamespace(packing=spec.packing))
+    if found := capabilities.attention_problems(run, config):
+        raise LLMTrainError(f"{model} would be refused with these options (--attn is model.attn_implementation, "
+                            "--packing data.packing), so there is no run to estimate: " + capabilities.paragraph(found))
 
 
 def _check_ignored(run: dict, pipe: dict, spec) -> None:
@@ -405,7 +427,9 @@ def launch_from_header(recipe: Path, *, say: bool = True) -> Path | None:
     """header_launch, said in one line where a command reads the launch from the recipe (estimate-memory, doctor)."""
     found = header_launch(recipe)
     if found is not None and say:
-        typer.echo(f"launch: {found}, from the recipe's header (--accelerate-config FILE for another)")
+        from llmtrain.memory.render import say
+
+        say(f"launch: {found}, from the recipe's header (--accelerate-config FILE for another)")
     return found
 
 

@@ -30,6 +30,12 @@ WHAT = {
 }
 
 
+def say(text: str) -> None:
+    """A line of prose on stdout, wrapped at the terminal's width (80 columns where it is no terminal) as the tables
+    are: typer.echo had printed --longest-context's 543 characters on one line."""
+    Console().print(text, highlight=False, markup=False)
+
+
 def gib(n: int) -> str:
     return f"{n / GIB:,.2f}"
 
