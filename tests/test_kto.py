@@ -272,6 +272,59 @@ def test_loss_and_gradient_match_trl_kto_trainer(tiny_assets, tiny_tok, tmp_path
     assert diff <= 1e-6
 
 
+def test_kl_sequences_take_the_whole_completion_of_a_row_max_seq_len_cut_as_trls(tiny_assets, tiny_tok, tmp_path,
+                                                                                    fresh_accelerate_state):
+    """Rows cut by max_seq_len (24 tokens; completions of 31): TRL rotates the uncut completions and cuts the
+    assembled (prompt, other completion) sequence, so a shorter prompt takes more of a cut row's completion. The KL
+    sequences had taken the cut row's (10 completion tokens for TRL's 12): a KL estimate of 0.011 for TRL's 0.196.
+    The same ids as TRL's collator's, the same KL and loss (LoRA perturbed off the disabled-adapter reference)."""
+    trl = pytest.importorskip("trl")
+    from datasets import Dataset
+
+    from llmtrain.model.loss import attach_loss
+    from llmtrain.model.modeling import load_model
+    rows = [{"prompt": "reverse a =", "completion": " " + "abcdefghij" * 3, "label": True},
+            {"prompt": "reverse bcd =", "completion": " kjihgfedcb", "label": False},
+            {"prompt": "reverse c =", "completion": " " + "zyxwvutsrq" * 3, "label": False},
+            {"prompt": "reverse de =", "completion": " ed", "label": True}]
+    length = 24
+    torch.manual_seed(0)
+    ours = load_model(ModelConfig(name_or_path=str(tiny_assets / "model"), attn_implementation="eager"),
+                      LoraConfig(r=4, alpha=8, dropout=0.0), device=torch.device("cpu"), empty=False)
+    theirs_model = copy.deepcopy(ours)
+    g = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for name, p in ours.named_parameters():
+            if "lora_" in name:
+                p.add_(torch.randn(p.shape, generator=g) * 0.3)
+    args = trl.KTOConfig(output_dir=str(tmp_path / "trl"), per_device_train_batch_size=4, report_to="none", beta=0.1,
+                         max_length=length, use_cpu=True, bf16=False, fp16=False)
+    trainer = trl.KTOTrainer(model=theirs_model, args=args, train_dataset=Dataset.from_list(rows),
+                             processing_class=tiny_tok)
+    with torch.no_grad():
+        mine = dict(ours.named_parameters())
+        for name, p in trainer.model.named_parameters():
+            if ".default." in name:
+                p.copy_(mine[name])
+    inputs = trainer.data_collator([trainer.train_dataset[i] for i in range(4)])
+    encoded = [encode_unpaired(r, tiny_tok, DataConfig(path="x.jsonl", format="unpaired", max_seq_len=length))
+               for r in rows]
+    assert [e["truncated"] for e in encoded] == [True, True, True, False]
+    for theirs_ids, mask, kl in zip(inputs["KL_input_ids"], inputs["KL_attention_mask"],
+                                    kl_sequences(encoded, length)):
+        assert kl["input_ids"] == theirs_ids[mask.bool()].tolist()
+    attach_loss(ours, chunk=8)
+    objective = KTO(KTOConfig(beta=0.1), pad_id=tiny_tok.pad_token_id, packing=True, max_seq_len=length, model=ours)
+    with torch.no_grad():
+        theirs = trainer.compute_loss(trainer.model, inputs)
+        batch, counts = objective.collate(encoded)
+        loss, stats = objective.loss(ours, batch)
+    assert objective.step_metrics(stats.tolist(), counts.units)["kl"] == pytest.approx(
+        trainer._metrics["train"]["kl"][-1], rel=1e-5)
+    assert trainer._metrics["train"]["kl"][-1] > 0.1 and loss.item() / counts.units == pytest.approx(theirs.item(),
+                                                                                                     rel=1e-6)
+
+
 # --------------------------------------------------------------------------- training
 
 

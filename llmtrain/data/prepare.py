@@ -36,7 +36,7 @@ from llmtrain.data.sources import is_split_name, load_raw
 from llmtrain.data.unpaired import UNPAIRED_COLUMNS, encode_unpaired, one_kind_problem, unpaired_problem
 from llmtrain.errors import LLMTrainError
 
-CACHE_VERSION = 10  # bump when tokenisation or masking changes, so old caches are not reused
+CACHE_VERSION = 11  # bump when tokenisation or masking changes, so old caches are not reused
 SOURCE = "source"  # a mixture's rows: which of data.sources a row comes from (its index)
 ROW = "__llmtrain_row"  # a row's number in its file, kept through a shuffled eval split (0-based)
 SHOWN_ROWS = 5  # dropped rows named in the report
@@ -68,7 +68,8 @@ def as_arrays(out: dict) -> dict:
     """An encoded example with its token columns as numpy arrays, of the types datasets gives the lists (input_ids
     int32, labels int64): datasets writes an array at once, where it inspects a list element by element (a fifth of
     the preparation of 100K-token examples), and a batch of long rows held as arrays is a sixth of it as lists."""
-    for column, dtype in (("input_ids", np.int32), ("labels", np.int64)):
+    for column, dtype in (("input_ids", np.int32), ("labels", np.int64), ("cut_ids", np.int32),
+                          ("cut_labels", np.int64)):  # (cut_: KTO's, typed even when empty, as every batch's must be)
         if isinstance(out.get(column), list):
             out[column] = np.asarray(out[column], dtype=dtype)
     return out

@@ -60,12 +60,15 @@ def kto_losses(kind: str, logps: torch.Tensor, ref_logps: torch.Tensor, desirabl
 
 
 def kl_sequences(examples: list[dict], max_seq_len: int) -> list[dict]:
-    """TRL's mismatched pairs: example i's prompt with example i-1's completion (the first's with the last's), ids and
-    labels, cut to max_seq_len. The prompt is what comes before an example's first trained label."""
+    """TRL's mismatched pairs: example i's prompt with example i-1's whole completion (the first's with the last's),
+    ids and labels, cut to max_seq_len. The prompt is what comes before an example's first trained label; the whole
+    completion is the row's with what max_seq_len cut off its end (cut_ids: it had been the cut row's, so a shorter
+    prompt took fewer of its tokens than TRL's: a KL estimate of 0.011 for TRL's 0.196, audit 21)."""
     def split(e):
         labels = list(e["labels"])
         start = prompt_length(labels)
-        return list(e["input_ids"][:start]), list(e["input_ids"][start:]), labels[start:]
+        return (list(e["input_ids"][:start]), list(e["input_ids"][start:]) + list(e.get("cut_ids") or ()),
+                labels[start:] + list(e.get("cut_labels") or ()))
 
     parts = [split(e) for e in examples]
     out = []
@@ -92,7 +95,7 @@ class KTO:
         # model/reference.py's: a full fine-tune's frozen copy, or LoRA's moving adapter; None: the adapter disabled
         self.reference = reference
         self.reduce = reduce  # a device tensor summed over processes (collectives.device_sum); None: one process
-        self.columns = ("input_ids", "labels", "label")
+        self.columns = ("input_ids", "labels", "label", "cut_ids", "cut_labels")
 
     def _collate(self, sequences: list[dict]) -> dict:
         batch = with_loss_positions(collate(sequences, pad_id=self.pad_id, packing=self.packing))
