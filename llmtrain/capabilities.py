@@ -890,6 +890,11 @@ def _mode_problems(recipe) -> list[str]:
         out.append("kto.loss_type: kto estimates the KL term from mismatched pairs within a micro-batch, so it needs "
                    "train.micro_batch_size of at least 2 (with 1, the KL term would be the implied reward itself, as "
                    "TRL says), or a token budget (train.micro_batch_tokens) that holds two examples")
+    if (k := recipe.kto) is not None and k.loss_type == "kto" and t.eval_batch_size == 1:  # (the eval had taken it)
+        out.append("train.eval_batch_size=1 with kto.loss_type: kto: the eval estimates the KL term from mismatched "
+                   "pairs within an eval micro-batch, and with 1 each example is paired with its own completion "
+                   "(eval_kl its implied reward, eval_loss moved by it). Set train.eval_batch_size to 2 or more, or "
+                   "unset it (the eval is then batched as training is)")
     if (rl := recipe.rl) is not None:
         if sync is not None and rl.beta == 0:
             out.append("rl.sync_reference moves the reference, which only the KL term reads, and rl.beta=0 turns it "

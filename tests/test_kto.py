@@ -166,6 +166,10 @@ def test_kto_section_and_format_go_together(tiny_assets, tmp_path):
     assert load_recipe(recipe, ["lora=null"]).lora is None  # a full fine-tune: a frozen copy is the reference
     with pytest.raises(RecipeError, match="needs train.micro_batch_size of at least 2"):
         load_recipe(recipe, ["train.micro_batch_size=1"])
+    # the eval's KL pairs rotate within an eval micro-batch: 1 paired each example with itself, silently
+    with pytest.raises(RecipeError, match="train.eval_batch_size=1 with kto.loss_type: kto: .* paired with its own"):
+        load_recipe(recipe, ["train.eval_batch_size=1"])
+    assert load_recipe(recipe, ["train.eval_batch_size=1", "kto.loss_type=apo_zero_unpaired"]).train.eval_batch_size == 1
 
 
 # --------------------------------------------------------------------------- against TRL
