@@ -568,6 +568,14 @@ def test_prompts_without_room_for_the_students_completion_are_refused_unless_no_
     summary = run_train(recipe, "data.max_seq_len=20", "distill.max_completion_tokens=12", "distill.lmbda=0",
                         "train.max_steps=1", "train.eval_every_steps=null", f"output_dir={tmp_path / 'off'}")
     assert summary["steps"] == 1
+    # and what would sample is said to be read by nothing (it had been taken without a word)
+    said = " ".join((tmp_path / "off" / "train.log").read_text().split())
+    assert ("warning (sampling): distill.lmbda=0 trains every step on the data's completions, so the student samples "
+            "nothing: distill.max_completion_tokens is read by nothing.") in said, said
+    from llmtrain.config import load_recipe
+    from llmtrain.data.checks import check_unsampled_keys
+
+    assert check_unsampled_keys(load_recipe(recipe)) == []  # lmbda 0.5 samples
 
 
 def test_rows_without_completions_are_refused_naming_the_file(tiny_assets, tmp_path):

@@ -253,6 +253,7 @@ def check_data(recipe: Recipe, stats: DataStats, train, eval_ds, tokenizer, *, r
         return (unused + check_prompt_room(recipe, train, eval_ds) + check_completion_stop(recipe, tokenizer)
                 + check_ratio_keys(recipe))
     pairs = recipe.data.format == "preference"
+    unused += check_unsampled_keys(recipe)
     rows = unused + check_masks(stats, train_on_prompt=recipe.data.train_on_prompt,
                                 text=recipe.data.format == "text", max_seq_len=recipe.data.max_seq_len,
                                 unit="pairs" if pairs else "examples", scored=recipe.reward_model is not None)
@@ -332,6 +333,23 @@ def check_ratio_keys(recipe: Recipe) -> list[Check]:
     return [("ratio", "warn", f"{' and '.join(keys)} {act} on the ratio of the policy to the one that sampled, which "
              f"is 1 with rl.num_iterations 1 (every step samples anew): {they} nothing. Set rl.num_iterations 2 or "
              f"more (several updates a generation round, docs/rl.md) for {them} to bind, or remove {them}")]
+
+
+def check_unsampled_keys(recipe: Recipe) -> list[Check]:
+    """distill.lmbda 0 samples nothing (every step trains on the data's completions): the student's sampling keys
+    given are read by nothing. Said, not refused (TRL's GKDTrainer takes them so too, and a recipe switched to 0 for
+    a run keeps working); they had been taken without a word, the start-up line announcing a merged copy."""
+    d = recipe.distill
+    if d is None or d.lmbda != 0:
+        return []
+    unread = [f"distill.{k}" for k in ("max_completion_tokens", "top_p", "top_k", "min_p", "repetition_penalty",
+                                        "sampler", "merged_copy") if k in d.model_fields_set]
+    if not unread:
+        return []
+    return [("sampling", "warn", f"distill.lmbda=0 trains every step on the data's completions, so the student samples "
+             f"nothing: {', '.join(unread)} {'is' if len(unread) == 1 else 'are'} read by nothing. Raise distill.lmbda "
+             f"(the share of steps the student samples) for {'it' if len(unread) == 1 else 'them'} to act, or remove "
+             f"{'it' if len(unread) == 1 else 'them'}")]
 
 
 def check_hub_keys(recipe: Recipe) -> list[Check]:
