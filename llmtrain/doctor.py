@@ -385,8 +385,10 @@ def check_family(recipe: Recipe) -> list[Check]:
     rows compute (the layout row) and nothing else of it tested. Nothing where the config cannot be read (the rows
     that read the model say why)."""
     from llmtrain import capabilities
-    from llmtrain.model.modeling import load_model_config
+    from llmtrain.model.modeling import load_model_config, missing_weights
 
+    if not recipe.model.random_init and (problem := missing_weights(recipe.model.name_or_path)):
+        return [("model weights", "fail", problem)]  # (doctor had passed it; finetune refuses it at the load)
     try:
         model_type = getattr(load_model_config(recipe.model), "model_type", None)
     except LLMTrainError:

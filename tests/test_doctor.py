@@ -589,3 +589,26 @@ def test_a_reward_models_data_rows_say_where_each_answer_is_scored(tiny_assets, 
     assert not any("of tokens trained" in detail for _, detail in found.values())
     dpo = rows(run_doctor(load_recipe(write_recipe(tiny_assets, tmp_path, data=data, preference={}))))
     assert "% of tokens trained" in dpo["data"][1] and "scored" not in dpo["data"][1]  # DPO trains the answers
+
+
+def test_what_finetune_refuses_of_the_eval_file_or_the_weights_fails_doctor_too(tiny_assets, tmp_path):
+    """A missing or malformed data.eval_split file passed doctor (the train split alone prepared, and a "no eval"
+    warning told the user to give an eval split), and a model folder with a config.json and no weights passed every
+    row: finetune refuses both. doctor fails them with finetune's words."""
+    import shutil
+
+    recipe = write_recipe(tiny_assets, tmp_path, data={"eval_split": str(tmp_path / "absent.jsonl"),
+                                                       "cache_dir": str(tmp_path / "cache")})
+    found = rows(run_doctor(load_recipe(recipe)))
+    assert found["data"] == ("fail", f"data file '{tmp_path / 'absent.jsonl'}' does not exist (data.eval_split). "
+                                     "Check the path.") and "no eval" not in found
+    (tmp_path / "bad_eval.jsonl").write_text('{"question": "a"}\n')
+    found = rows(run_doctor(load_recipe(recipe, [f"data.eval_split={tmp_path / 'bad_eval.jsonl'}"])))
+    assert found["data"][0] == "fail" and "have columns ['question']" in found["data"][1]
+    bare = tmp_path / "noweights"
+    bare.mkdir()
+    for f in (tiny_assets / "model").glob("*.json"):
+        shutil.copy(f, bare)
+    found = rows(run_doctor(load_recipe(recipe, [f"model.name_or_path={bare}", "data.eval_split=null"])))
+    assert found["model weights"][0] == "fail" and "has a config.json but no weights" in found["model weights"][1]
+    assert "model weights" not in rows(run_doctor(load_recipe(recipe, ["data.eval_split=null"])))

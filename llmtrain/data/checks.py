@@ -540,6 +540,7 @@ def load_data(recipe: Recipe, tokenizer, *, world: int = 1, rows: int | None = N
     from llmtrain.data.tools import prompt_tools
     from llmtrain.data.sources import load_raw
 
+    refusal = None  # finetune's refusal, where the train split alone prepares (the eval split's, say)
     try:
         train, eval_ds, stats, _ = prepare_recipe(recipe, tokenizer)
         stats = stats["train"]
@@ -550,10 +551,14 @@ def load_data(recipe: Recipe, tokenizer, *, world: int = 1, rows: int | None = N
             train, stats = tokenize_dataset(load_raw(recipe.data.path, name=recipe.data.name,
                                                      split=recipe.data.split), tokenizer, recipe.data, "data.path",
                                            tools=prompt_tools(recipe))
-            eval_ds = None
+            eval_ds, refusal = None, str(first)
         except LLMTrainError:
             return [("data", "fail", str(first))]
     rows = check_data(recipe, stats, train, eval_ds, tokenizer, rows=rows)
+    if refusal is not None and not any(status == "fail" for _, status, _ in rows):
+        # the train split's checks do not say why finetune refuses (a missing or malformed eval file passed, told
+        # it had no eval data): its refusal is the data row's
+        rows = [("data", "fail", refusal)] + [r for r in rows if r[0] not in ("data", "no eval")]
     if not len(train):
         return rows
     t = recipe.train

@@ -21,6 +21,19 @@ MODEL_KEYS = "model.name_or_path / model.tokenizer"
 WEIGHTS = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin", "pytorch_model.bin.index.json")
 
 
+def missing_weights(path: str, *, key: str = MODEL_KEYS) -> str | None:
+    """Why a local model folder cannot be trained from: a config.json and no weights file (a half-copied folder, a
+    config downloaded alone); None otherwise (doctor asks it without loading anything, as the load would refuse)."""
+    folder = Path(path).expanduser()
+    if not (folder / "config.json").is_file() or any((folder / w).is_file() for w in WEIGHTS):
+        return None
+    return (f"the model folder '{path}' ({key}) has a config.json but no weights ({', '.join(WEIGHTS)}): a config "
+            "alone is enough for estimate-memory, not to train or generate. Copy the weights into it, or set "
+            f"{key.split(' / ')[0]} to a folder or hub id that has them" + (
+                " (or model.random_init: true, to train from random weights: a speed or memory check)"
+                if key == MODEL_KEYS else ""))
+
+
 def _load_error(what: str, path: str, err: Exception, *, key: str = MODEL_KEYS) -> LLMTrainError:
     """The paragraph for a model or tokenizer that cannot be read from `path`, naming the recipe `key` it came from."""
     from llmtrain.config import run_folder_problem
@@ -29,12 +42,8 @@ def _load_error(what: str, path: str, err: Exception, *, key: str = MODEL_KEYS) 
     if problem := run_folder_problem(path, key.split(" / ")[0]):
         return LLMTrainError(problem)
     folder = Path(path).expanduser()
-    if what == "model" and (folder / "config.json").is_file() and not any((folder / w).is_file() for w in WEIGHTS):
-        return LLMTrainError(f"the model folder '{path}' ({key}) has a config.json but no weights ({', '.join(WEIGHTS)}"
-                             "): a config alone is enough for estimate-memory, not to train or generate. Copy the "
-                             f"weights into it, or set {key.split(' / ')[0]} to a folder or hub id that has them"
-                             + (" (or model.random_init: true, to train from random weights: a speed or memory "
-                                "check)" if key == MODEL_KEYS else ""))
+    if what == "model" and (problem := missing_weights(path, key=key)):
+        return LLMTrainError(problem)
     local = surely_local(path)  # (myorg/other beside a folder myorg/ is the hub's: not a missing folder)
     if local and not folder.exists():
         run = Path(path).parent if Path(path).name in ("final", "final-merged") else None
