@@ -62,7 +62,8 @@ class Layout:
         sizes = mesh_sizes(launch) or {}
         fsdp = str(launch.get("distributed_type", "NO")) == "FSDP"
         offload = fsdp_flag(launch, "fsdp_offload_params", False)
-        return cls(processes=int(launch.get("num_processes", 1) or 1), nodes=int(launch.get("num_machines", 1) or 1),
+        given = launch.get("num_processes")  # (0 kept: it had read as 1, and torchrun's AssertionError followed)
+        return cls(processes=1 if given is None else int(given), nodes=int(launch.get("num_machines", 1) or 1),
                    fsdp=fsdp, offload=fsdp and offload, mesh=isinstance(mesh, dict),
                    replicate=sizes.get("dp_replicate", 1), shard=sizes.get("dp_shard", 1), tp=sizes.get("tp", 1),
                    cp=sizes.get("cp", 1), accelerate_sp=sizes.get("sp", 1), sp=recipe.parallel.sequence_parallel,
@@ -153,6 +154,13 @@ class Layout:
         if self.sp > 1 and self.pp > 1:
             out.append("parallel.pipeline_parallel and parallel.sequence_parallel do not compose yet: choose one "
                        "(sequence parallelism for long rows, pipeline stages for a model split over nodes)")
+        if self.launched and (self.processes < 1 or self.processes % self.nodes):
+            # accelerate starts num_processes // num_machines a node: 0, or fewer than the job's count
+            return out + [f"{self.where} has num_processes {self.processes} over num_machines {self.nodes}, and "
+                          f"accelerate starts num_processes // num_machines = {self.processes // self.nodes} on each "
+                          "node: give --num_processes as the processes of every node together, a multiple of "
+                          f"--num_machines (e.g. {8 * self.nodes} for 8 GPUs on each of {self.nodes} node"
+                          f"{'s' * (self.nodes != 1)})"]
         if self.launched:
             out += self._mesh_problems()
             for n, key, what in ((self.sp, sp_key, "splits each sequence over"),

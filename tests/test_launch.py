@@ -171,6 +171,10 @@ def test_doctor_fails_a_launch_config_with_a_pipeline_it_would_ignore(tiny_asset
      "pipeline parallelism"),
     ({"parallelism_config": {"parallelism_config_dp_shard_size": 1, "parallelism_config_cp_size": 2}},
      "context parallelism"),
+    # accelerate starts num_processes // num_machines a node: 0 (torchrun's AssertionError, exit 1) or too few
+    ({"num_processes": 0}, "num_processes 0 over num_machines 1, and accelerate starts num_processes // "
+                           "num_machines = 0 on each node"),
+    ({"num_machines": 3, "main_process_ip": "127.0.0.1"}, "num_processes 2 over num_machines 3"),
 ])
 def test_llmtrain_launch_refuses_before_any_process_starts(tiny_assets, tmp_path, changes, said):
     """exit 2, the paragraph, no torchrun report, and no run folder: the refusal came before `accelerate launch`."""
