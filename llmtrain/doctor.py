@@ -232,23 +232,31 @@ def check_host_offload(est, *, host_memory: int | None) -> list[Check]:
     return [("host memory", "pass", f"{need}, of this machine's {_gib(host_memory)}")]
 
 
-def check_shared_fs(recipe: Recipe, launch: dict) -> list[Check]:
+def check_shared_fs(recipe: Recipe, launch: dict, *, cwd: Path | None = None) -> list[Check]:
     """Multi-node: every node writes checkpoints to output_dir and reads the tokenised cache from data.cache_dir,
-    so both must be the same folder on every node: an absolute path on a shared filesystem (NFS, Lustre, ...).
-    A relative path or one under /tmp is on each node's own disk: a checkpoint's shards would be split over the
-    nodes, and resume would find half of them."""
+    so both must be the same folder on every node: on a shared filesystem (NFS, Lustre, ...). One under /tmp (or
+    another node-local folder) is on each node's own disk: a checkpoint's shards would be split over the nodes, and
+    resume would find half of them. A relative path is each node's working directory's (`cwd`: this one's, as the
+    launch here starts there): said with where it resolves, a warning unless that is node-local (it had failed the
+    documented multi-node commands, whose default data.cache_dir is relative, from a shared home)."""
     machines = int(launch.get("num_machines", 1) or 1)
     if machines <= 1:
         return [("shared filesystem", "pass", "one node")]
+    here = cwd if cwd is not None else Path.cwd()
     paths = {"output_dir": recipe.output_dir, "data.cache_dir": recipe.data.cache_dir}
-    local = {k: p for k, p in paths.items() if not Path(p).is_absolute() or Path(p).as_posix().startswith(NODE_LOCAL)}
+    resolved = {k: (here / p if not Path(p).is_absolute() else Path(p)) for k, p in paths.items()}
+    local = {k: p for k, p in paths.items() if resolved[k].as_posix().startswith(NODE_LOCAL)}
     if local:
-        listed = ", ".join(f"{k}={p}" for k, p in local.items())
-        return [("shared filesystem", "fail", f"{machines} nodes, and {listed} is relative or node-local: each node "
-                 "would write its own copy. Set it to an absolute path on a filesystem all nodes mount.")]
-    listed = ", ".join(f"{k}={p}" for k, p in paths.items())
+        listed = ", ".join(f"{k}={p}" + ("" if Path(p).is_absolute() else f" ({resolved[k]})")
+                           for k, p in local.items())
+        return [("shared filesystem", "fail", f"{machines} nodes, and {listed} is node-local: each node would write "
+                 "its own copy. Set it to an absolute path on a filesystem all nodes mount.")]
+    relative = [k for k, p in paths.items() if not Path(p).is_absolute()]
+    listed = ", ".join(f"{k}={p}" + (f" ({resolved[k]} from here)" if k in relative else "") for k, p in paths.items())
+    where = (" Relative paths are each node's working directory's: launch every node from the same shared folder, "
+             "or give absolute paths." if relative else "")
     return [("shared filesystem", "warn", f"{machines} nodes: {listed} must be on a filesystem all nodes share "
-             "(not checked from here).")]
+             f"(not checked from here).{where}")]
 
 
 def cpu_vector_isa() -> str | None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import subprocess
+from pathlib import Path
 
 import pytest
 from conftest import GSM8K, MISTRAL, REPO, needs
@@ -66,8 +67,17 @@ def test_launch_checks(tiny_assets, tmp_path):
     assert rows(check_precision(recipe, {"mixed_precision": "bf16"}))["mixed precision"][0] == "pass"
     assert "= 24 examples" in rows(check_batch(recipe, {"num_processes": 6}))["global batch"][1]
     assert rows(check_shared_fs(recipe, {"num_machines": 1}))["shared filesystem"][0] == "pass"
-    status, detail = rows(check_shared_fs(recipe, {"num_machines": 2}))["shared filesystem"]
-    assert status == "fail" and "output_dir=runs/x" in detail
+    # relative paths are each node's working directory's: node-local under /tmp, else a warning saying where they
+    # resolve (the documented multi-node commands, from a shared home, had failed)
+    status, detail = rows(check_shared_fs(recipe, {"num_machines": 2}, cwd=Path("/tmp/w")))["shared filesystem"]
+    assert status == "fail" and "output_dir=runs/x (/tmp/w/runs/x)" in detail and "is node-local" in detail
+    home = load_recipe(write_recipe(tiny_assets, tmp_path), ["output_dir=runs/x", "data.cache_dir=.cache/d"])
+    status, detail = rows(check_shared_fs(home, {"num_machines": 2}, cwd=Path("/home/me")))["shared filesystem"]
+    assert status == "warn" and "output_dir=runs/x (/home/me/runs/x from here)" in detail
+    assert "launch every node from the same shared folder, or give absolute paths" in detail
+    status, _ = rows(check_shared_fs(load_recipe(write_recipe(tiny_assets, tmp_path), ["output_dir=/tmp/run"]),
+                                     {"num_machines": 2}, cwd=Path("/home/me")))["shared filesystem"]
+    assert status == "fail"
     shared = load_recipe(write_recipe(tiny_assets, tmp_path), ["output_dir=/shared/run", "data.cache_dir=/shared/c"])
     status, detail = rows(check_shared_fs(shared, {"num_machines": 2}))["shared filesystem"]
     assert status == "warn" and "/shared/run" in detail
@@ -197,8 +207,8 @@ def test_precision_mismatch_warns_exit_0(tiny_assets, tmp_path):
     assert "warn" in line and proc.returncode == 0
 
 
-def test_multinode_relative_output_fails(tiny_assets, tmp_path):
-    proc = invoke("doctor", str(write_recipe(tiny_assets, tmp_path)), "output_dir=runs/x", "--accelerate-config",
+def test_multinode_node_local_output_fails(tiny_assets, tmp_path):
+    proc = invoke("doctor", str(write_recipe(tiny_assets, tmp_path)), "output_dir=/tmp/x", "--accelerate-config",
                   str(REPO / "accelerate_configs" / "fsdp_multinode.yaml"), "--gpu-memory", "80", check=False)
     assert proc.returncode == 1
     assert "fail" in next(ln for ln in proc.stdout.splitlines() if "shared filesystem" in ln)
