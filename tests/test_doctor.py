@@ -622,3 +622,18 @@ def test_what_finetune_refuses_of_the_eval_file_or_the_weights_fails_doctor_too(
     found = rows(run_doctor(load_recipe(recipe, [f"model.name_or_path={bare}", "data.eval_split=null"])))
     assert found["model weights"][0] == "fail" and "has a config.json but no weights" in found["model weights"][1]
     assert "model weights" not in rows(run_doctor(load_recipe(recipe, ["data.eval_split=null"])))
+
+
+def test_empty_replies_are_counted_over_every_row(tiny_assets, tmp_path):
+    """Five rows with an empty completion after row 200 went unsaid (the stop-token check reads the first 200 rows):
+    the preparation counts the rows that train one token alone, over every row, wherever they are."""
+    good = [json.loads(x) for x in (tiny_assets / "data" / "train.jsonl").read_text().splitlines()[:200]]
+    data = tmp_path / "late_empty.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in good + [{"prompt": "reverse ab =", "completion": ""}] * 5))
+    recipe = write_recipe(tiny_assets, tmp_path, data={"path": str(data), "eval_split": None,
+                                                       "cache_dir": str(tmp_path / "cache")})
+    found = rows(run_doctor(load_recipe(recipe)))
+    assert found["empty replies"] == ("warn", "5 of 205 examples train only the stop token: their completion is "
+                                              "empty. Check data.fields.")
+    data.write_text("".join(json.dumps(r) + "\n" for r in good))
+    assert "empty replies" not in rows(run_doctor(load_recipe(recipe)))

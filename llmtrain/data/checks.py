@@ -263,6 +263,11 @@ def check_data(recipe: Recipe, stats: DataStats, train, eval_ds, tokenizer, *, r
                   else list(sample["labels"]))
         rows += check_eos_trained(labels, tokenizer, unit="answers" if pairs else "examples",
                                   end_of_turn=_end_of_turn(recipe, tokenizer))
+        if not pairs and recipe.data.format != "text":  # empty replies over every row, not the first EOS_SAMPLE
+            # (five after row 200 had gone unsaid): the preparation counted the rows that train one token alone
+            rows = [r for r in rows if r[0] != "empty replies"] + (
+                [("empty replies", "warn", f"{stats.one_token:,} of {stats.examples:,} examples train only the stop "
+                  "token: their completion is empty. Check data.fields.")] if stats.one_token else [])
     if recipe.kto is not None and len(train):  # TRL's warning on the balance of desirable and undesirable rows
         from llmtrain.data.unpaired import balance_warning
 

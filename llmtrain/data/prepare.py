@@ -111,6 +111,7 @@ class DataStats:
     length_p99: int
     length_max: int
     drops: dict[str, int] = field(default_factory=dict)  # why rows were dropped (in words): how many
+    one_token: int = 0  # rows that train one token alone (an empty reply: its stop token), over every row
     dropped_rows: list[int] = field(default_factory=list)  # the first few dropped rows' numbers (1-based)
 
     @property
@@ -137,7 +138,7 @@ def compute_stats(lengths: list[int], trained: list[int], truncated: list[bool],
     return DataStats(
         examples=len(lengths), dropped=dropped, truncated=sum(truncated), tokens=sum(lengths),
         trained_tokens=sum(trained), length_p50=pct(0.5), length_p90=pct(0.9), length_p99=pct(0.99),
-        length_max=srt[-1], drops=drops or {}, dropped_rows=dropped_rows or [],
+        length_max=srt[-1], drops=drops or {}, dropped_rows=dropped_rows or [], one_token=sum(t == 1 for t in trained),
     )
 
 
