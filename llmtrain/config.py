@@ -408,7 +408,9 @@ class TrainConfig(Section):
         "or with grad_accum_steps 1.",
     )
     lr: float = Field(2e-5, gt=0, allow_inf_nan=False, description="Peak learning rate.")
-    min_lr_ratio: float = Field(0.0, ge=0, le=1, description="Final lr as a fraction of the peak (linear, cosine).")
+    min_lr_ratio: float = Field(0.0, ge=0, le=1, description="The lr the schedule ends at, as a fraction of the "
+                                "peak (linear, cosine): reached after the last step, which updates one step above "
+                                "it (HF's schedules alike).")
     schedule: Literal["linear", "cosine", "constant"] = Field("cosine", description="Learning-rate decay after warmup.")
     warmup_steps: int = Field(
         0, ge=0, description="Linear warm-up to lr over this many steps: update k (1 to warmup_steps) takes lr x k / "

@@ -92,6 +92,26 @@ def test_meter_line_reports_the_last_step_and_the_speed_since_the_last_line(monk
     assert summary["final_loss"] == line["loss"]
 
 
+def test_a_summarys_time_parts_add_up_and_a_process_that_trained_nothing_has_no_speed(monkeypatch, tmp_path):
+    """Each part floored alone had read '0:00:26 (loop 0:00:18; 0:00:07 before the resume)' for 26.57 = 18.94 +
+    7.63; a resume that only finishes a run (final/ and the summary) wrote a speed of 0.0."""
+    from rich.console import Console
+
+    from llmtrain.run.console import summary_table
+
+    summary = {"steps": 3, "tokens_seen": 100, "train_time_s": 26.57, "process_time_s": 18.94,
+               "resumed_time_s": 7.63, "tokens_per_s_per_gpu": 50.0, "wall_tokens_per_s_per_gpu": 40.0}
+    console = Console(record=True, width=300)
+    console.print(summary_table(summary, out=tmp_path, evals=[]))
+    assert "0:00:26 (this process's loop 0:00:19; 0:00:07 before the resume)" in console.export_text()
+    clock = iter([100.0, 103.0]).__next__
+    monkeypatch.setattr("llmtrain.loop.meter.time.perf_counter", clock)
+    finished = Meter(FakeAccelerator(), flops=FlopModel(1.0, 10.0, 0.5), peak=None, resumed_s=40.0).summary()
+    assert finished["tokens_per_s_per_gpu"] is None and finished["wall_tokens_per_s_per_gpu"] is None
+    console.print(summary_table({**summary, **finished}, out=tmp_path, evals=[]))
+    assert "none: this process trained no step" in console.export_text()
+
+
 def test_meter_line_averages_the_objectives_statistics_over_the_steps_since_the_last_line(monkeypatch):
     """A preference run's rewards/accuracies with 4 pairs a step and logging.every_steps 2: the mean over the 8
     pairs of both steps (3 + 1 right of 8), not the last step's 1 of 4."""

@@ -142,6 +142,56 @@ def test_resumed_run_reports_the_speed_of_this_process_and_the_clock_of_the_whol
     assert summary["train_time_s"] == pytest.approx(saved["elapsed_s"] + summary["process_time_s"])
 
 
+def test_writing_final_is_not_training_time(recipe, tmp_path, monkeypatch):
+    """final/ written in 2 s more than it takes: the summary's training speed leaves those seconds out (it had
+    counted them, 7,677 tokens/s said where the step lines gave 7,826)."""
+    import time
+
+    import llmtrain.loop.train as loop
+
+    real = loop.save_final
+
+    def slow(*args, **kwargs):
+        time.sleep(2.0)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(loop, "save_final", slow)
+    summary = run_train(recipe, "train.max_steps=4", "train.eval_every_steps=null", "checkpoint.every_steps=null")
+    assert summary["tokens_per_s_per_gpu"] >= summary["tokens_seen"] / (summary["process_time_s"] - 2.0)
+
+
+def test_the_progress_bar_shows_each_eval_as_it_is_made(recipe, tmp_path, monkeypatch):
+    """The bar's eval value had been one eval late (read before the step's eval was made): the final frame said
+    step 2's eval at step 4. Each eval is on the bar once it is made."""
+    from llmtrain.run.console import RunConsole
+
+    shown = []
+
+    class Bar:
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            return False
+
+        def update(self, task, **kwargs):
+            if "info" in kwargs and task == 0:  # the step bar's (an eval's own bar is another task)
+                shown.append(kwargs["info"])
+
+        def add_task(self, *args, **kwargs):
+            return 1
+
+        def remove_task(self, task):
+            pass
+
+    monkeypatch.setattr(RunConsole, "progress", lambda self, **kw: (Bar(), 0))
+    run_train(recipe, "train.max_steps=4", "train.eval_every_steps=2", "data.eval_split=0.05",
+              "checkpoint.every_steps=null", "logging.every_steps=1")
+    evals = records(tmp_path / "run", "eval")
+    assert [e["step"] for e in evals][-2:] == [2, 4]
+    assert shown[-1].endswith(f"  eval {evals[-1]['eval_loss']:.4f}"), shown[-3:]
+
+
 def test_summary_gives_training_only_and_wall_speed(recipe, tmp_path):
     """Step lines leave eval and checkpoint time out; the summary says both."""
     summary = run_train(recipe, "train.max_steps=4", "train.eval_every_steps=1", "data.eval_split=0.05",

@@ -93,7 +93,9 @@ class Meter:
         wall time (eval and checkpoints included); the run's time over every resumed part."""
         wall = time.perf_counter() - self.start
         per_gpu = self.tokens / self.world
+        trained = self.tokens > 0  # a resume that only finishes the run (final/, the summary) trains nothing: no
+        # speed (it had been 0.0)
         return {"final_loss": self.last.get("loss"), "train_time_s": self.elapsed_before + wall, "process_time_s": wall,
                 "resumed_time_s": self.resumed_s, "setup_time_s": self.setup_s,
-                "tokens_per_s_per_gpu": per_gpu / max(wall - self.paused_s, 1e-9),
-                "wall_tokens_per_s_per_gpu": per_gpu / max(wall, 1e-9)}
+                "tokens_per_s_per_gpu": per_gpu / max(wall - self.paused_s, 1e-9) if trained else None,
+                "wall_tokens_per_s_per_gpu": per_gpu / max(wall, 1e-9) if trained else None}

@@ -233,6 +233,8 @@ def train_loop(run: Run, state: TrainState, meter: Meter) -> None:
             if due.eval:
                 with meter.paused():  # tokens/s counts training only
                     evals.append(evaluate_and_sample(run, state, progress))
+                if meter.last:  # the bar shows this eval now (it had shown the one before until the next line)
+                    progress.update(task, info=progress_info(run, meter.last, evals))
             if due.save:
                 with meter.paused():
                     checkpoint = save(run, state, meter)
@@ -273,11 +275,16 @@ def report(run: Run, state: TrainState, meter: Meter, progress, task, *, logged:
         return
     line = meter.line(state)
     run.log.write(line)
+    progress.update(task, completed=state.step, info=progress_info(run, line, evals))
+    run.console.step(line, total=run.cadence.total_steps)
+
+
+def progress_info(run: Run, line: dict, evals: list[dict]) -> str:
+    """The progress bar's text: the last metrics line, and the latest eval's measure."""
     latest = evals[-1] if evals else {}
     latest_eval = (f"  eval {latest['eval_loss']:.4f}" if "eval_loss" in latest else
                    f"  eval reward {latest['eval_reward']:.3f}" if "eval_reward" in latest else "")
-    progress.update(task, completed=state.step, info=step_text(line, unit=run.console.unit) + latest_eval)
-    run.console.step(line, total=run.cadence.total_steps)
+    return step_text(line, unit=run.console.unit) + latest_eval
 
 
 def guard(run: Run, state: TrainState, result) -> None:
@@ -374,13 +381,15 @@ def finish(run: Run, state: TrainState, meter: Meter, est, *, end: bool = True) 
     group's end (False: the caller ends it after scoring final/ over the processes, the model freed first)."""
     accelerator, out, say, m = run.accelerator, run.out, run.console.say, run.model
     if run.recipe.checkpoint.save_final:
-        check_finite_weights(accelerator, m.model, state.step)
-        whole = (gather_state_dict(m.model, g=groups(accelerator).pipeline, trainable_only=run.recipe.lora is not None)
-                 if m.pipeline is not None
-                 else None)  # the stages' weights, gathered: final/ holds the whole model
-        with m.pipeline.whole() if m.pipeline is not None else nullcontext():
-            save_final(accelerator, m.model, run.data.tokenizer, out / "final", state_dict=whole,
-                       end_ids=end_of_turn_ids(run.recipe, run.data.tokenizer))
+        with meter.paused():  # writing final/ is not training time (the summary's training speed had counted it)
+            check_finite_weights(accelerator, m.model, state.step)
+            whole = (gather_state_dict(m.model, g=groups(accelerator).pipeline,
+                                       trainable_only=run.recipe.lora is not None)
+                     if m.pipeline is not None
+                     else None)  # the stages' weights, gathered: final/ holds the whole model
+            with m.pipeline.whole() if m.pipeline is not None else nullcontext():
+                save_final(accelerator, m.model, run.data.tokenizer, out / "final", state_dict=whole,
+                           end_ids=end_of_turn_ids(run.recipe, run.data.tokenizer))
     method = "full" if run.recipe.lora is None else "qlora" if run.recipe.model.quantize else "lora"
     summary = {"steps": state.step, "method": method, "base_quantization": run.recipe.model.quantize,
                "random_init": run.recipe.model.random_init,

@@ -112,13 +112,16 @@ def summary_table(summary: dict, *, out: Path, evals: list[dict], unit: str = "g
     table.add_row("tokens", f"{summary['tokens_seen']:,}")
     # the run's clock: this process's loop, and what came before it (earlier processes of a resumed run, a preference
     # run's reference pass), each named
-    before = [(summary.get("resumed_time_s", 0.0), "before the resume"),
-              (summary.get("setup_time_s", 0.0), "the reference log-probabilities")]
-    parts = [f"{_clock(seconds)} {what}" for seconds, what in before if seconds >= 1]
-    this = f" (this process's loop {_clock(summary['process_time_s'])}; {'; '.join(parts)})" if parts else ""
+    before = [(int(seconds), what) for seconds, what in ((summary.get("resumed_time_s", 0.0), "before the resume"),
+              (summary.get("setup_time_s", 0.0), "the reference log-probabilities")) if seconds >= 1]
+    parts = [f"{_clock(seconds)} {what}" for seconds, what in before]
+    # whole seconds that add up to the total shown (each floored alone, 26.57 = 18.94 + 7.63 had read 26 = 18 + 7)
+    loop = int(summary["train_time_s"]) - sum(seconds for seconds, _ in before)
+    this = f" (this process's loop {_clock(loop)}; {'; '.join(parts)})" if parts else ""
     table.add_row("time", _clock(summary["train_time_s"]) + this)
     speeds = (f"{summary['tokens_per_s_per_gpu']:,.0f} training, {summary['wall_tokens_per_s_per_gpu']:,.0f} with "
-              f"eval and checkpoints{' (this process)' if parts else ''}")
+              f"eval and checkpoints{' (this process)' if parts else ''}" if summary["tokens_per_s_per_gpu"] is not None
+              else "none: this process trained no step")
     table.add_row(f"tokens/s per {'GPU' if unit == 'gpu' else unit}", speeds)
     if summary.get("final_loss") is not None:
         table.add_row("final train loss", f"{summary['final_loss']:.4f}" + (
