@@ -783,8 +783,11 @@ class PreferenceConfig(Section):
                              "answers' unweighted log-probabilities, which llmtrain's pass does not keep beside the "
                              "LD-weighted ones (it had taken the weighted, 9% off TRL's loss on longer chosen "
                              "answers): remove one of them")
+        # set to another value than its default: a run's recipe.yaml spells every default out, and is read back by
+        # eval, generate and --resume (a DPO run's own file had been refused for its simpo_gamma: 0.5)
         unread = [k for k, reader in (("simpo_gamma", "simpo"), ("discopop_tau", "discopop"))
-                  if k in self.model_fields_set and reader not in self.names]
+                  if k in self.model_fields_set and getattr(self, k) != type(self).model_fields[k].default
+                  and reader not in self.names]
         if unread:  # (ignored without a word, where label_smoothing and f_alpha are refused)
             raise ValueError(f"preference.{unread[0]} is read by preference.loss={unread[0].split('_')[0]}, and this "
                              f"recipe's loss is {self.loss}: remove it")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import re
+from pathlib import Path
 
 import pytest
 import yaml
@@ -157,6 +158,22 @@ def test_resolved_recipe_round_trips(recipe_file, tmp_path):
     out = tmp_path / "resolved.yaml"
     out.write_text(r.to_yaml())
     assert load_recipe(out) == r
+
+
+@pytest.mark.parametrize("shipped", sorted((Path(__file__).resolve().parents[1] / "recipes").glob("*.yaml")),
+                         ids=lambda p: p.name)
+def test_every_shipped_recipe_round_trips_through_its_runs_recipe_yaml(shipped, tmp_path):
+    """A run writes its resolved recipe, every default spelt out, to recipe.yaml, which eval, generate, doctor and
+    `--resume auto` read back: a refusal of a key set where it is unread must not refuse its default (a DPO run's
+    recipe.yaml, simpo_gamma 0.5 in it, was refused by every command after training)."""
+    r = load_recipe(shipped)
+    out = tmp_path / "recipe.yaml"
+    out.write_text(r.to_yaml(working_dir=str(tmp_path)))
+    assert load_recipe(out) == r
+    for loss in ("ipo", "simpo", "orpo", "discopop") if r.preference is not None else ():
+        other = load_recipe(shipped, [f"preference.loss={loss}"])
+        out.write_text(other.to_yaml())
+        assert load_recipe(out) == other, loss
 
 
 def test_mixed_precision_no_unquoted(tmp_path):
