@@ -1653,7 +1653,7 @@ def _union_member(part) -> bool:
     return isinstance(part, str) and (part in _KINDS or "[" in part or part[:1].isupper())
 
 
-def _format_errors(err: ValidationError, source: str, overrides: list[str] | None = None,
+def recipe_errors(err: ValidationError, source: str, overrides: list[str] | None = None,
                    made: set[str] = frozenset()) -> str:
     """One line a bad key; a key set on the command line says so (`train.lr=abc`), not only the file. A value no
     member of a union takes is one line naming what each accepts; pydantic's own names never show. `made`: the
@@ -1740,7 +1740,7 @@ def load_recipe(path: str | Path, overrides: list[str] | None = None) -> Recipe:
     try:
         return Recipe.model_validate(data)
     except ValidationError as e:
-        raise RecipeError(_format_errors(e, f"'{path}'", overrides, made)) from None
+        raise RecipeError(recipe_errors(e, f"'{path}'", overrides, made)) from None
 
 
 def _sections_made(data: dict, overrides: list[str]) -> set[str]:

@@ -360,3 +360,26 @@ def test_estimate_memory_reads_a_runs_saved_recipe_from_where_the_run_started(ti
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "where the run was started" in " ".join(proc.stderr.split())
     assert json.loads(proc.stdout)["per_gpu_peak_bytes"] > 0
+
+
+def test_a_runs_recipe_yaml_that_no_longer_validates_is_one_paragraph(tiny_assets, tmp_path):
+    """A run's saved recipe.yaml that this llmtrain refuses (a key a later version refuses, a hand edit): generate,
+    eval and export read it through run_recipe, where pydantic's ValidationError had reached the user as a
+    traceback. One paragraph naming the file and the key, exit 2."""
+    import yaml
+
+    from llmtrain.config import load_recipe
+    from llmtrain.errors import RecipeError
+    from llmtrain.run.rundir import run_recipe
+
+    run = tmp_path / "run"
+    run.mkdir()
+    saved = yaml.safe_load(load_recipe(write_recipe(tiny_assets, tmp_path)).to_yaml())
+    saved["train"]["lr"] = "fast"
+    (run / "recipe.yaml").write_text(yaml.safe_dump(saved))
+    with pytest.raises(RecipeError, match=rf"Invalid recipe '{run / 'recipe.yaml'}' \(the run's own\):\n  - train.lr"):
+        run_recipe(run)
+    (run / "final").mkdir()
+    proc = invoke("generate", str(run), "reverse abc =", check=False)
+    said = proc.stdout + proc.stderr
+    assert proc.returncode == 2 and "Traceback" not in said and "train.lr" in said, said

@@ -358,10 +358,15 @@ def run_recipe(folder: Path):
     from the directory the run was started in (recipe.yaml's first line names it): `llmtrain generate`, `export` and
     `eval` of a run trained on `model.name_or_path=my-model` then find its base from any directory."""
     import yaml
+    from pydantic import ValidationError
 
-    from llmtrain.config import Recipe, from_the_run
+    from llmtrain.config import Recipe, from_the_run, recipe_errors
+    from llmtrain.errors import RecipeError
 
-    recipe = Recipe.model_validate(yaml.safe_load((folder / "recipe.yaml").read_text()))
+    try:
+        recipe = Recipe.model_validate(yaml.safe_load((folder / "recipe.yaml").read_text()))
+    except ValidationError as e:  # (pydantic's traceback had reached generate, eval and export)
+        raise RecipeError(recipe_errors(e, f"'{folder / 'recipe.yaml'}' (the run's own)", [], set())) from None
     model = recipe.model.model_copy(update={"name_or_path": from_the_run(folder, recipe.model.name_or_path),
                                             "tokenizer": from_the_run(folder, recipe.model.tokenizer)})
     distill = recipe.distill and recipe.distill.model_copy(
