@@ -238,6 +238,15 @@ def test_missing_column_names_the_field_and_the_columns(tiny_tok, tmp_path):
     with pytest.raises(LLMTrainError,
                        match=r"needs chosen \(column 'chosen'\), rejected .* e\.g\. data\.fields\.chosen="):
         prepare_datasets(pairs, tiny_tok, seed=0)  # a preference file's prompt is optional: not the advice
+    # a chat file read as prompt_completion with an eval split: the columns said are the file's (llmtrain's own
+    # row-number column had been listed), and the format that reads them is named
+    chats = write_jsonl(tmp_path / "chats.jsonl", [{"messages": [{"role": "user", "content": "q"},
+                                                                 {"role": "assistant", "content": "a"}]}] * 4)
+    split = DataConfig(path=str(chats), format="prompt_completion", eval_split=0.5, cache_dir=str(tmp_path / "c"))
+    with pytest.raises(LLMTrainError) as err:
+        prepare_datasets(split, tiny_tok, seed=0)
+    assert "has columns ['messages']. Its rows hold a 'messages' column: data.format=messages reads them as chats." \
+        in str(err.value) and "__llmtrain" not in str(err.value)
 
 
 def test_eval_rows_of_another_dataset_are_named_as_such_before_the_train_rows_are_tokenised(tiny_tok, tmp_path):

@@ -64,8 +64,11 @@ def check_columns(columns: list[str], cfg: DataConfig, source: str) -> None:
                             f"{sorted(known)}. Fix the names in data.fields.")
     if absent := absent_fields(columns, cfg):
         missing = [f"{f} (column '{cfg.fields.get(f, f)}')" for f in absent]
+        shown = [c for c in columns if not c.startswith("__llmtrain")]  # (the row-number column is llmtrain's own)
+        chats = (" Its rows hold a 'messages' column: data.format=messages reads them as chats."
+                 if "messages" in shown and cfg.format != "messages" else "")
         raise LLMTrainError(
-            f"data.format '{cfg.format}' needs {', '.join(missing)} but {source} has columns {columns}. "
+            f"data.format '{cfg.format}' needs {', '.join(missing)} but {source} has columns {shown}.{chats} "
             f"Map them with data.fields, e.g. data.fields.{absent[0]}=<column>."  # a field that is missing
             + (pairs_note(columns) if cfg.format == "prompt" else "")
             + (unpaired_note(columns) if cfg.format == "preference" else "")
