@@ -146,6 +146,24 @@ def test_a_run_on_conversational_rows_replies_through_the_chat_template(runs, ti
     assert needs_chat(loaded)
     [(name, verdict, said)] = check_chat_template(loaded, load_source(str(run), device="cpu").tokenizer)
     assert verdict == "pass" and said.startswith("renders;"), said
+    # the same rows from parquet, a dataset folder of it, or one source of a mixture: read so too (it had been
+    # JSON lines alone: a parquet run's generate prompted with plain text, " lollh" for the .jsonl run's " olleh")
+    import datasets
+
+    from llmtrain.data.formats import conversational_rows
+
+    table = datasets.Dataset.from_list([json.loads(line) for line in rows.read_text().splitlines()])
+    table.to_parquet(str(tmp_path / "conversational.parquet"))
+    (tmp_path / "folder").mkdir()
+    table.to_parquet(str(tmp_path / "folder" / "train.parquet"))
+    for path in (tmp_path / "conversational.parquet", tmp_path / "folder"):
+        assert conversational_rows(loaded.data.model_copy(update={"path": str(path)})), path
+    plain = str(tiny_assets / "data" / "train.jsonl")
+    mixed = load_recipe(run / "recipe.yaml", ["data.path=null", "data.eval_split=null", "data.sources=[{path: "
+                        f"{plain}, format: prompt_completion, weight: 0.5}}, {{path: "
+                        f"{tmp_path / 'conversational.parquet'}, format: prompt_completion, weight: 0.5}}]"])
+    assert conversational_rows(mixed.data) and not conversational_rows(mixed.data.model_copy(update={
+        "sources": mixed.data.sources[:1]}))
 
 
 def test_sampled_replies_are_reproducible_by_seed_and_the_reference_loops(runs):

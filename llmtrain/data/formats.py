@@ -198,9 +198,12 @@ def conversational_rows(cfg: DataConfig) -> bool:
     messages), which are rendered through the chat template whatever data.chat_template says (chat_of): read off
     the first row of a local file, for what renders prompts as training did without the data at hand (generate,
     doctor)."""
+    from llmtrain.config import source_configs
     from llmtrain.data.sources import first_row
 
-    if cfg.format != "prompt_completion" or (row := first_row(cfg.path)) is None:
+    if cfg.sources is not None:  # a mixture: any source of such rows renders its prompts so
+        return any(conversational_rows(part) for part in source_configs(cfg))
+    if cfg.format != "prompt_completion" or (row := first_row(cfg.path, split=cfg.split)) is None:
         return False
     return any(isinstance(_column(row, cfg, f), list) for f in ("prompt", "completion"))
 

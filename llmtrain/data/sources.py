@@ -38,19 +38,32 @@ def _no_rows(path: str, kind: str) -> bool:
     return True
 
 
-def first_row(path: str | list[str] | None) -> dict | None:
-    """The first row of a local JSON-lines file (the first of several), without loading the rest; None for other
-    sources or a file that cannot be read so."""
+def first_row(path: str | list[str] | None, *, split: str = "train") -> dict | None:
+    """The first row of local data (the first of several files; a dataset folder's `split`), without loading the
+    rest: a JSON-lines file's first line, another file's or a folder's first row streamed by datasets (it had been
+    JSON lines alone, so a parquet file of the same rows read as another form of data). None for a hub dataset or
+    what cannot be read so."""
     import json
 
     first = files(path)[0] if path else None
-    if first is None or Path(first).suffix != ".jsonl" or not Path(first).is_file():
+    if first is None or not Path(first).exists():
         return None
+    if Path(first).suffix == ".jsonl" and Path(first).is_file():
+        try:
+            with open(first, encoding="utf-8") as f:
+                line = next((ln for ln in f if ln.strip()), None)
+            row = json.loads(line) if line is not None else None
+        except (OSError, ValueError):
+            return None
+        return row if isinstance(row, dict) else None
     try:
-        with open(first, encoding="utf-8") as f:
-            line = next((ln for ln in f if ln.strip()), None)
-        row = json.loads(line) if line is not None else None
-    except (OSError, ValueError):
+        import datasets
+
+        kind = _LOADERS.get(Path(first).suffix)
+        rows = (datasets.load_dataset(kind, data_files=[first], split="train", streaming=True) if kind else
+                datasets.load_dataset(first, split=split, streaming=True) if Path(first).is_dir() else None)
+        row = next(iter(rows), None) if rows is not None else None
+    except Exception:  # datasets raises many types for what it cannot read: the data's own checks say why
         return None
     return row if isinstance(row, dict) else None
 
