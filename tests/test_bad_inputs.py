@@ -250,6 +250,29 @@ def test_a_malformed_data_file_is_named_with_its_first_bad_line_as_an_editor_cou
         load_raw(str(tmp_path / "cut.jsonl"))
 
 
+def test_data_files_datasets_cannot_read_are_named_with_what_is_wrong(tmp_path):
+    """A Latin-1 row in a .jsonl file (a UnicodeDecodeError traceback from the row checks, naming no file), two
+    files whose columns differ and a CSV line of three fields (datasets' "An error occurred while generating the
+    dataset", naming nothing): each one paragraph with the file, and the line or the columns."""
+    from llmtrain.data.sources import load_raw
+    from llmtrain.errors import LLMTrainError
+
+    good = '{"prompt": "a", "completion": "b"}\n'
+    (tmp_path / "latin1.jsonl").write_bytes((good * 2).encode() + '{"prompt": "caf\u00e9", "completion": "x"}\n'
+                                            .encode("latin-1"))
+    with pytest.raises(LLMTrainError, match=r"latin1.jsonl' \(data.path\) line 3: byte 0xe9 at byte offset 85 of the "
+                                            r"file is not UTF-8: .* iconv -f latin1 -t utf-8"):
+        load_raw(str(tmp_path / "latin1.jsonl"))
+    (tmp_path / "a.jsonl").write_text(good)
+    (tmp_path / "b.jsonl").write_text('{"prompt": "a", "completion": "b", "id": 1}\n')
+    with pytest.raises(LLMTrainError, match=r"have different columns \('.*a.jsonl' has \['completion', 'prompt'\]; "
+                                            r"'.*b.jsonl' has \['completion', 'id', 'prompt'\]\)"):
+        load_raw([str(tmp_path / "a.jsonl"), str(tmp_path / "b.jsonl")])
+    (tmp_path / "bad.csv").write_text("prompt,completion\na,b\nc,d,e\n")
+    with pytest.raises(LLMTrainError, match=r"Expected 2 fields in line 3, saw 3"):
+        load_raw(str(tmp_path / "bad.csv"))
+
+
 def test_an_output_path_under_a_file_is_refused_before_any_work(runs, tmp_path):
     """prepare-tiny, plot --out, export --out and finetune's output_dir under a file: one paragraph naming the file,
     exit 2, no traceback; finetune says it before reading data or the model."""

@@ -88,13 +88,16 @@ def load_raw(path: str | list[str], *, name: str | None = None, split: str = "tr
         if empty := [p for p in paths if _no_rows(p, kind)]:
             raise LLMTrainError(f"data file '{empty[0]}' ({key}) holds no rows: it is empty or blank. Check the "
                                 "path, or write its rows (one JSON object a line for .jsonl).")
+        if kind in ("json", "csv") and (problem := next(filter(None, (not_utf8(p, key) for p in paths)), None)):
+            raise LLMTrainError(problem)
         verbosity = datasets.logging.get_verbosity()
         datasets.logging.set_verbosity(datasets.logging.CRITICAL)  # its own log line of the failure: ours says it
         try:
             return datasets.load_dataset(kind, data_files=paths, split="train")
         except Exception as e:  # datasets raises many types for malformed files
             where = next(filter(None, map(bad_json_line, paths)), None) if kind == "json" else None
-            raise LLMTrainError(where or f"could not read data file(s) {paths}: {e}") from None
+            raise LLMTrainError(where or _columns_differ(paths, key) or
+                                f"could not read data file(s) {paths} ({key}): {_innermost(e)}") from None
         finally:
             datasets.logging.set_verbosity(verbosity)
     missing = _missing_local(paths[0])
@@ -109,6 +112,52 @@ def load_raw(path: str | list[str], *, name: str | None = None, split: str = "tr
             f"data.eval_split): {e}. Without network access, download it first or point data.path at local "
             ".jsonl/.json/.parquet/.csv files."
         ) from None
+
+
+def _innermost(e: BaseException) -> str:
+    """What datasets' "An error occurred while generating the dataset" was caused by (a CSV line of 3 fields where
+    2 were expected, a cast between files' columns), said with it: the outer message alone named nothing."""
+    inner = e
+    while (nxt := inner.__cause__ or inner.__context__) is not None and nxt is not inner:
+        inner = nxt
+    return str(e) if inner is e else f"{e} ({type(inner).__name__}: {str(inner).strip().splitlines()[0][:300]})"
+
+
+def _columns_differ(paths: list[str], key: str) -> str | None:
+    """Several files whose rows have different columns (datasets refuses to join them): which file has which."""
+    if len(paths) < 2:
+        return None
+    columns = {p: sorted(row) for p in paths if (row := first_row(p)) is not None}
+    if len({tuple(c) for c in columns.values()}) < 2:
+        return None
+    listed = "; ".join(f"'{p}' has {c}" for p, c in columns.items())
+    return (f"the data files of {key} have different columns ({listed}), and they are read as one table: give "
+            "files of the same columns, or each file its own entry of data.sources (a mixture: docs/data.md)")
+
+
+def not_utf8(path: str, key: str = "data.path") -> str | None:
+    """Where a text data file is not UTF-8 (a Latin-1 or Windows-1252 export): the file, the line and the byte, in
+    one paragraph; None if it decodes. Read a block at a time (datasets had loaded it and the row checks then ended
+    in a UnicodeDecodeError traceback naming no file)."""
+    import codecs
+
+    decoder, line, offset = codecs.getincrementaldecoder("utf-8")(), 1, 0
+    with open(path, "rb") as f:
+        while True:
+            block = f.read(1 << 20)
+            try:
+                decoder.decode(block, final=not block)
+            except UnicodeDecodeError as e:
+                at = max(e.start - len(e.object) + len(block), 0)  # (the decoder's buffer holds a split character)
+                line += block[:at].count(b"\n")
+                byte = block[at] if at < len(block) else 0
+                return (f"data file '{path}' ({key}) line {line:,}: byte 0x{byte:02x} at byte offset "
+                        f"{offset + at:,} of the file is not UTF-8: the file is in another encoding (Latin-1 or "
+                        "Windows-1252?). Re-encode it as UTF-8 (e.g. iconv -f latin1 -t utf-8 FILE > NEW) and point "
+                        f"{key} at that.")
+            if not block:
+                return None
+            line, offset = line + block.count(b"\n"), offset + len(block)
 
 
 def bad_json_line(path: str) -> str | None:
