@@ -55,14 +55,17 @@ def token_pieces(input_ids: list[int], tokenizer) -> list[str]:
     return pieces
 
 
-def _highlight(input_ids: list[int], labels: list[int], tokenizer, *, marks: bool = False):
+def _highlight(input_ids: list[int], labels: list[int], tokenizer, *, marks: bool = False, offset: int = 0):
     """The example token by token: trained tokens in bold green, masked ones dim. With `marks` (output without
-    colour: a pipe, a log file, NO_COLOR) each run of trained tokens also stands between « and »."""
+    colour: a pipe, a log file, NO_COLOR) each run of trained tokens also stands between « and ». `offset`: where
+    these tokens start in their sequence (a pair's answer, shown after its prompt)."""
     from rich.text import Text
 
     text, inside = Text(), False
-    for k, (piece, lab) in enumerate(zip(token_pieces(input_ids, tokenizer), labels)):
-        trained = lab != IGNORE and k > 0  # nothing predicts the first token (train_on_prompt's BOS): not counted
+    for k, (piece, lab) in enumerate(zip(token_pieces(input_ids, tokenizer), labels), start=offset):
+        # nothing predicts a sequence's first token (train_on_prompt's BOS): not counted (an answer's first token,
+        # shown from its own start, had been taken for it: `Paris«</s>»`)
+        trained = lab != IGNORE and k > 0
         if marks and trained != inside:
             text.append("«" if trained else "»")
             inside = trained
@@ -178,7 +181,7 @@ def _show_pairs(rows, stats, tokenizer, *, as_json: bool, scored: bool = False) 
             else:
                 said = f"{sum(lab != IGNORE for lab in labels[1:])} trained tokens"
             parts += [Text(f"\n{name} ({said}): ", style="bold"),
-                      _highlight(ids[k:], labels[k:], tokenizer, marks=marks)]
+                      _highlight(ids[k:], labels[k:], tokenizer, marks=marks, offset=k)]
         console.print(Panel(Group(Text.assemble(*parts)), title=f"pair {i + 1}: {len(c_ids)} + {len(r_ids)} tokens",
                             title_align="left"))
     console.print(_stats_table(stats, pairs=True, scored=scored))

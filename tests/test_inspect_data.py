@@ -124,6 +124,20 @@ def test_a_reward_models_pairs_show_the_token_each_sequence_is_scored_at(tiny_as
     assert "«</s>»" in said  # the last token alone is marked (CliRunner's output has no colour)
 
 
+def test_a_pairs_answers_are_marked_from_their_first_trained_token(tiny_assets, tmp_path):
+    """Each answer is shown from its first trained token, which had been taken for a sequence's first (never
+    trained) and left outside the marks: `Paris«</s>»`, the count saying 2 trained tokens."""
+    data = {"path": str(tiny_assets / "data" / "train_pairs.jsonl"), "format": "preference", "max_seq_len": 32,
+            "cache_dir": str(tmp_path / "cache")}
+    result = invoke("inspect-data", str(write_recipe(tiny_assets, tmp_path, data=data, preference={})), "--n", "2")
+    assert result.exit_code == 0, result.output
+    answers = [line for line in result.stdout.splitlines() if "trained tokens): " in line]
+    assert len(answers) == 4
+    for line in answers:
+        shown = line.split("trained tokens): ", 1)[1].rstrip(" │")
+        assert shown.startswith("«") and shown.endswith("»") and shown.count("«") == 1, line
+
+
 def test_the_first_token_is_never_marked_trained(monkeypatch):
     """data.train_on_prompt labels every token, BOS too; nothing predicts the first one, and the count left it out
     while the highlight marked it (19 tokens, 18 trained, 19 marked)."""
