@@ -218,9 +218,12 @@ def test_messages_without_the_mapped_content_key_name_it(tiny_tok, tmp_path):
     ({"prompt": "hi", "completion": {"role": "assistant", "content": "x"}},
      "'completion' (completion) is a dict, not text"),
     ({"prompt": 5, "completion": "x"},  # was rendered as the text '5' (issue 53)
-     "'prompt' (prompt) is 5, an int, not text (quote it in the file if it is meant as text)"),
+     "'prompt' (prompt) is 5, an int, not text (quote it in the file if it is meant as text; a CSV or parquet "
+     "column of numbers is read as numbers whatever the quotes: write such data as JSON lines, the value quoted)"),
     ({"prompt": "2 + 2", "completion": 4.0},
-     "'completion' (completion) is 4.0, a float, not text (quote it in the file if it is meant as text)"),
+     "'completion' (completion) is 4.0, a float, not text (quote it in the file if it is meant as text; a CSV or "
+     "parquet column of numbers is read as numbers whatever the quotes: write such data as JSON lines, the value "
+     "quoted)"),
 ])
 def test_conversational_rows_that_cannot_be_rendered_are_named(row, problem):
     from llmtrain.data.formats import row_problem

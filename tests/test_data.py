@@ -305,6 +305,13 @@ def test_cache_returns_the_same_rows_and_is_keyed_by_every_option(tiny_assets, t
     assert misses(tok=AutoTokenizer.from_pretrained(tiny_assets / "model", eos_token="<pad>"))
     write_jsonl(tmp_path / "d.jsonl", rows[:4])
     assert misses()
+    # a dataset folder with the cache inside it (data.cache_dir's relative default, run from the folder): the
+    # cache's own files are not the data's, so the second read hits (every run had written a new entry)
+    folder = tmp_path / "folder"
+    folder.mkdir()
+    write_jsonl(folder / "train.jsonl", rows)
+    inside = DataConfig(path=str(folder), format="prompt_completion", max_seq_len=32, cache_dir=str(folder / ".cache"))
+    assert not prepare_datasets(inside, tiny_tok, seed=0)[3] and prepare_datasets(inside, tiny_tok, seed=0)[3]
 
 
 # --------------------------------------------------------------------------- collation and packing

@@ -189,7 +189,8 @@ def row_problem(example: dict, cfg: DataConfig) -> str | None:
         elif value is not None and not isinstance(value, str):  # a number, which a template would print as text
             kind = type(value).__name__
             return (f"{name} is {value!r}, a{'n' * (kind[0] in 'aeiou')} {kind}, not text (quote it in the file if "
-                    "it is meant as text)")
+                    "it is meant as text; a CSV or parquet column of numbers is read as numbers whatever the quotes: "
+                    "write such data as JSON lines, the value quoted)")
     return None
 
 

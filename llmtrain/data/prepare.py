@@ -147,8 +147,11 @@ def compute_stats(lengths: list[int], trained: list[int], truncated: list[bool],
 
 def _fingerprint(paths: list[str], tokenizer, cfg: DataConfig, extra: str) -> str:
     h = hashlib.sha256()
-    for p in paths:  # a dataset folder counts by the files in it
-        for f in sorted(q for q in Path(p).rglob("*") if q.is_file()) if Path(p).is_dir() else [Path(p)]:
+    cache = Path(cfg.cache_dir).resolve()  # a dataset folder counts by the files in it, not a cache kept inside it
+    # (data.cache_dir's default, .cache/..., under a folder run from: every run had written a new entry)
+    for p in paths:
+        for f in sorted(q for q in Path(p).rglob("*") if q.is_file() and cache not in q.resolve().parents) \
+                if Path(p).is_dir() else [Path(p)]:
             st = f.stat() if f.exists() else None
             h.update(f"{f.resolve() if st else f}|{st.st_size if st else ''}|{st.st_mtime_ns if st else ''}".encode())
     h.update(tokenizer.backend_tokenizer.to_str().encode() if hasattr(tokenizer, "backend_tokenizer") else b"")
