@@ -637,3 +637,18 @@ def test_empty_replies_are_counted_over_every_row(tiny_assets, tmp_path):
                                               "empty. Check data.fields.")
     data.write_text("".join(json.dumps(r) + "\n" for r in good))
     assert "empty replies" not in rows(run_doctor(load_recipe(recipe)))
+
+
+def test_an_eval_split_that_is_the_training_data_is_said(tiny_assets, tmp_path):
+    """data.eval_split naming data.path's own file (or the split data.split trains on) trained on every eval row
+    without a word: the eval loss measured memorisation."""
+    from llmtrain.data.checks import check_eval_overlap
+
+    train = tiny_assets / "data" / "train.jsonl"
+    recipe = write_recipe(tiny_assets, tmp_path, data={"path": str(train), "eval_split": str(train)})
+    [(name, status, detail)] = check_eval_overlap(load_recipe(recipe))
+    assert (name, status) == ("eval overlap", "warn") and f"names the file {train}, which data.path trains on" in detail
+    assert check_eval_overlap(load_recipe(recipe, [f"data.eval_split={tiny_assets / 'data' / 'eval.jsonl'}"])) == []
+    assert check_eval_overlap(load_recipe(recipe, ["data.eval_split=0.1"])) == []
+    folder = load_recipe(recipe, [f"data.path={tiny_assets / 'data'}", "data.split=test", "data.eval_split=test"])
+    assert "the split 'test' data.split trains on" in check_eval_overlap(folder)[0][2]

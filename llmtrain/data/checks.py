@@ -248,7 +248,7 @@ def check_data(recipe: Recipe, stats: DataStats, train, eval_ds, tokenizer, *, r
     embedding (`rows`: model.modeling.embedding_rows, None: unknown), the loss mask, the stop token trained, and the
     token budget, on the tokenised train (and eval) sets."""
     unused = check_token_ids(recipe, tokenizer, rows, train, eval_ds) + check_no_eval(recipe, eval_ds) + \
-        check_hub_keys(recipe)
+        check_hub_keys(recipe) + check_eval_overlap(recipe)
     if recipe.data.format == "prompt":  # online RL: nothing is trained from the data; the completions need room
         return (unused + check_prompt_room(recipe, train, eval_ds) + check_completion_stop(recipe, tokenizer)
                 + check_ratio_keys(recipe))
@@ -314,6 +314,27 @@ def check_no_eval(recipe: Recipe, eval_ds) -> list[Check]:
     return [("no eval", "warn", f"data.eval_split gives no eval data, so the run does not evaluate, and "
              f"{' and '.join(keys)} {'have' if len(keys) > 1 else 'has'} nothing to act on. Give data.eval_split (a "
              "fraction, a split or a file) to evaluate")]
+
+
+def check_eval_overlap(recipe: Recipe) -> list[Check]:
+    """data.eval_split naming the training data itself (the same file, or the split data.split trains on): every eval
+    row is a training row, so the eval measures memorisation. Said, not refused (a smoke test may mean it)."""
+    from llmtrain.data.sources import files, is_local
+
+    d = recipe.data
+    if d.sources is not None or d.path is None or not isinstance(d.eval_split, (str, list)):
+        return []
+    paths = files(d.path)
+    held = files(d.eval_split)
+    trained = {Path(p).resolve() for p in paths if Path(p).is_file()}
+    same = [q for q in held if Path(q).is_file() and Path(q).resolve() in trained]
+    split = (not is_local(paths) or Path(paths[0]).is_dir()) and held == [d.split]
+    if not same and not split:
+        return []
+    what = f"the file {same[0]}, which data.path trains on" if same else f"the split '{d.split}' data.split trains on"
+    return [("eval overlap", "warn", f"data.eval_split names {what}: every eval row is a training row, so the eval "
+             "loss measures what the model memorised, not what it generalises. Give held-out rows (another file or "
+             "split, or a fraction: data.eval_split=0.05)")]
 
 
 def check_ratio_keys(recipe: Recipe) -> list[Check]:
