@@ -268,6 +268,9 @@ def test_data_files_datasets_cannot_read_are_named_with_what_is_wrong(tmp_path):
     with pytest.raises(LLMTrainError, match=r"have different columns \('.*a.jsonl' has \['completion', 'prompt'\]; "
                                             r"'.*b.jsonl' has \['completion', 'id', 'prompt'\]\)"):
         load_raw([str(tmp_path / "a.jsonl"), str(tmp_path / "b.jsonl")])
+    (tmp_path / "sub").mkdir()  # a folder among several paths had been said not to exist
+    with pytest.raises(LLMTrainError, match=r"sub' \(data.path\) is a folder among several paths: a list names files"):
+        load_raw([str(tmp_path / "a.jsonl"), str(tmp_path / "sub")])
     (tmp_path / "bad.csv").write_text("prompt,completion\na,b\nc,d,e\n")
     with pytest.raises(LLMTrainError, match=r"Expected 2 fields in line 3, saw 3"):
         load_raw(str(tmp_path / "bad.csv"))

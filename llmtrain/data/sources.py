@@ -77,6 +77,9 @@ def load_raw(path: str | list[str], *, name: str | None = None, split: str = "tr
     folder = len(paths) == 1 and Path(paths[0]).is_dir()
     if is_local(paths) and not folder:
         for p in paths:
+            if Path(p).is_dir():  # (it had been said not to exist)
+                raise LLMTrainError(f"'{p}' ({key}) is a folder among several paths: a list names files, and a "
+                                    f"dataset folder is {key} alone. Give its files, or the folder by itself")
             if not Path(p).is_file():
                 raise LLMTrainError(f"data file '{p}' does not exist ({key}). Check the path.")
         kinds = {_LOADERS.get(Path(p).suffix) for p in paths}
