@@ -387,16 +387,24 @@ def check_experts_quantized(recipe: Recipe, launch: dict | None = None) -> list[
 # --------------------------------------------------------------------------- all together
 
 
+def check_weights(recipe: Recipe) -> list[Check]:
+    """A local model folder with a config.json and no weights file, which finetune refuses at the load (doctor had
+    passed it: nothing here loads weights, and none need be loaded to find them missing)."""
+    from llmtrain.model.modeling import missing_weights
+
+    if not recipe.model.random_init and (problem := missing_weights(recipe.model.name_or_path)):
+        return [("model weights", "fail", problem)]
+    return []
+
+
 def check_family(recipe: Recipe) -> list[Check]:
     """Whether the model is a family of the capability table (docs/models.md), whose every allowed path is tested, or
     another model_type, which trains through transformers with llmtrain's checks of what its attention and packed
     rows compute (the layout row) and nothing else of it tested. Nothing where the config cannot be read (the rows
     that read the model say why)."""
     from llmtrain import capabilities
-    from llmtrain.model.modeling import load_model_config, missing_weights
+    from llmtrain.model.modeling import load_model_config
 
-    if not recipe.model.random_init and (problem := missing_weights(recipe.model.name_or_path)):
-        return [("model weights", "fail", problem)]  # (doctor had passed it; finetune refuses it at the load)
     try:
         model_type = getattr(load_model_config(recipe.model), "model_type", None)
     except LLMTrainError:
@@ -523,7 +531,7 @@ def run_doctor(recipe: Recipe, *, accelerate_config: Path | None = None,
         checks += check_rewards_run(recipe, tokenizer) + check_tools(recipe, tokenizer) + check_teacher(recipe,
                                                                                                           tokenizer)
     checks += check_context(recipe.data.max_seq_len, _max_positions(recipe.model))
-    checks += check_family(recipe)
+    checks += check_weights(recipe) + check_family(recipe)
     gpu = gpu_memory if gpu_memory is not None else gpu_memory_here()
     lengths = None
     if recipe.rl is not None and tokenizer is not None:  # the estimate at the prompts' real lengths
