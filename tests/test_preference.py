@@ -633,6 +633,21 @@ def _perturbed_pair(tiny_assets):
     return policy, ours
 
 
+def _both_losses(trainer, objective, ours, pairs, tokenizer, cfg):
+    """TRL's trainer's loss and metrics on `pairs` (one padded batch) and llmtrain's objective's on the same pairs
+    encoded by llmtrain, which are first checked to be TRL's tokens and trained labels: (theirs, their metrics,
+    our batch, our loss sum, our statistics), our gradients zeroed before."""
+    rows = [encode_pair(p, tokenizer, cfg) for p in pairs]
+    for i, row in enumerate(rows):  # the same tokens and trained labels as TRL's
+        tr = trainer.train_dataset[i]
+        assert (row["chosen_ids"], row["chosen_labels"]) == (tr["chosen_input_ids"], tr["chosen_labels"])
+    theirs, metrics = trainer.get_batch_loss_metrics(trainer.model, trainer.data_collator(
+        [trainer.train_dataset[i] for i in range(len(pairs))]))
+    batch, _ = objective.collate(rows)
+    ours.zero_grad()
+    return (theirs, metrics, batch, *objective.loss(ours, batch))
+
+
 def test_orpo_matches_trl_orpo_trainer(tiny_assets, tiny_tok, tmp_path, fresh_accelerate_state):
     """TRL's ORPOTrainer (trl.experimental.orpo, padded, its own tokenisation) against llmtrain's padding-free pairs
     with preference.loss=orpo, on a perturbed tiny model. Where TRL's NLL term is the paper's (PROMPTLESS): the same
@@ -652,15 +667,7 @@ def test_orpo_matches_trl_orpo_trainer(tiny_assets, tiny_tok, tmp_path, fresh_ac
     for pairs in (PROMPTLESS, PAIRS):
         trainer = ORPOTrainer(model=copy.deepcopy(policy), args=args, train_dataset=Dataset.from_list(pairs),
                               processing_class=tiny_tok)
-        rows = [encode_pair(p, tiny_tok, cfg) for p in pairs]
-        for i, row in enumerate(rows):  # the same tokens and trained labels as TRL's
-            tr = trainer.train_dataset[i]
-            assert (row["chosen_ids"], row["chosen_labels"]) == (tr["chosen_input_ids"], tr["chosen_labels"])
-        theirs, metrics = trainer.get_batch_loss_metrics(trainer.model, trainer.data_collator(
-            [trainer.train_dataset[i] for i in range(len(pairs))]))
-        batch, _ = objective.collate(rows)
-        ours.zero_grad()
-        loss, stats = objective.loss(ours, batch)
+        theirs, metrics, batch, loss, stats = _both_losses(trainer, objective, ours, pairs, tiny_tok, cfg)
         with torch.no_grad():
             logps = sequence_logps(ours, batch)
         nll = (-logps[0::2] / batch["sequence_tokens"][0::2]).mean().item()
@@ -702,15 +709,7 @@ def test_simpo_matches_trl_cpo_trainer(tiny_assets, tiny_tok, tmp_path, fresh_ac
                      fp16=False)
     trainer = CPOTrainer(model=copy.deepcopy(policy), args=args, train_dataset=Dataset.from_list(PAIRS),
                          processing_class=tiny_tok)
-    rows = [encode_pair(p, tiny_tok, cfg) for p in PAIRS]
-    for i, row in enumerate(rows):  # the same tokens and trained labels as TRL's
-        tr = trainer.train_dataset[i]
-        assert (row["chosen_ids"], row["chosen_labels"]) == (tr["chosen_input_ids"], tr["chosen_labels"])
-    theirs, metrics = trainer.get_batch_loss_metrics(trainer.model, trainer.data_collator(
-        [trainer.train_dataset[i] for i in range(len(PAIRS))]))
-    batch, _ = objective.collate(rows)
-    ours.zero_grad()
-    loss, stats = objective.loss(ours, batch)
+    theirs, metrics, _, loss, stats = _both_losses(trainer, objective, ours, PAIRS, tiny_tok, cfg)
     n = len(PAIRS)
     assert loss.item() / n == pytest.approx(theirs.item(), rel=1e-6, abs=1e-6)
     logged = objective.step_metrics(stats.tolist(), n)
