@@ -379,8 +379,10 @@ def user_columns(columns) -> dict[str, str]:
     return {c[len(USER):]: c for c in columns if c.startswith(USER)}
 
 
-def encode_example(example: dict, tokenizer, cfg: DataConfig, *, template: str | None = None) -> dict:
-    """Format, tokenise and mask one example; truncate it to data.max_seq_len. `template`: read_template(cfg)."""
+def encode_example(example: dict, tokenizer, cfg: DataConfig, *, template: str | None = None,
+                   keep_cut: bool = False) -> dict:
+    """Format, tokenise and mask one example; truncate it to data.max_seq_len. `template`: read_template(cfg).
+    `keep_cut`: also what the truncation cut off its end (cut_ids, cut_labels; KTO's KL sequences read them)."""
     chat = chat_of(example, cfg)
     if chat is not None:
         if template is None:  # (None again where the tokenizer's own renders as it is)
@@ -394,10 +396,12 @@ def encode_example(example: dict, tokenizer, cfg: DataConfig, *, template: str |
         ids, labels = encode_prompt_completion(*prompt_and_completion(example, cfg), tokenizer,
                                                train_on_prompt=cfg.train_on_prompt)
     truncated = len(ids) > cfg.max_seq_len
+    cut = {"cut_ids": ids[cfg.max_seq_len:], "cut_labels": labels[cfg.max_seq_len:]} if keep_cut else {}
     ids, labels = ids[: cfg.max_seq_len], labels[: cfg.max_seq_len]
     # The first token is never a target (nothing predicts it), so it does not count as trained.
     trained = len(labels) - labels.count(IGNORE) - (bool(labels) and labels[0] != IGNORE)
-    return {"input_ids": ids, "labels": labels, "length": len(ids), "trained": trained, "truncated": truncated}
+    return {"input_ids": ids, "labels": labels, "length": len(ids), "trained": trained, "truncated": truncated,
+            **cut}
 
 
 def prompt_length(labels) -> int:

@@ -38,13 +38,8 @@ def encode_unpaired(example: dict, tokenizer, cfg: DataConfig, *, template: str 
     data.max_seq_len cut off its end (`cut_ids`, `cut_labels`: its completion's, as a kept row's prompt fits): the KL
     sequences pair its whole completion with another row's prompt, as TRL's rotate the uncut completions (a shorter
     prompt leaves room for more of it; objectives/kto.kl_sequences)."""
-    sft = _as_sft(cfg)
-    out = encode_example(example, tokenizer, sft, template=template)
-    cut: dict = {"cut_ids": [], "cut_labels": []}
-    if out["truncated"]:
-        whole = encode_example(example, tokenizer, sft.model_copy(update={"max_seq_len": 2**31 - 1}), template=template)
-        cut = {"cut_ids": whole["input_ids"][cfg.max_seq_len:], "cut_labels": whole["labels"][cfg.max_seq_len:]}
-    return {**out, **cut, "label": bool(example.get(cfg.fields.get("label", "label")))}
+    out = encode_example(example, tokenizer, _as_sft(cfg), template=template, keep_cut=True)
+    return {**out, "label": bool(example.get(cfg.fields.get("label", "label")))}
 
 
 def balance_warning(labels: list[bool], *, desirable_weight: float, undesirable_weight: float) -> str | None:
