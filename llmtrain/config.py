@@ -24,6 +24,11 @@ class Section(BaseModel):
     # Unknown keys are errors, never silently ignored: a typo must not change a run.
     model_config = ConfigDict(extra="forbid", validate_assignment=True)
 
+    def off_default(self, key: str) -> bool:
+        """Whether `key` holds another value than its default: what a refusal or a warning of a key set where it is
+        unread asks (a run's recipe.yaml spells every default out, and is read back by eval, generate, --resume)."""
+        return getattr(self, key) != type(self).model_fields[key].default
+
 
 class RopeScaling(BaseModel):
     """RoPE scaling as transformers reads it (config.rope_parameters); keys of a type's own (llama3's
@@ -783,11 +788,9 @@ class PreferenceConfig(Section):
                              "answers' unweighted log-probabilities, which llmtrain's pass does not keep beside the "
                              "LD-weighted ones (it had taken the weighted, 9% off TRL's loss on longer chosen "
                              "answers): remove one of them")
-        # set to another value than its default: a run's recipe.yaml spells every default out, and is read back by
-        # eval, generate and --resume (a DPO run's own file had been refused for its simpo_gamma: 0.5)
+        # (a DPO run's own recipe.yaml had been refused for its simpo_gamma: 0.5, the default it spells out)
         unread = [k for k, reader in (("simpo_gamma", "simpo"), ("discopop_tau", "discopop"))
-                  if k in self.model_fields_set and getattr(self, k) != type(self).model_fields[k].default
-                  and reader not in self.names]
+                  if self.off_default(k) and reader not in self.names]
         if unread:  # (ignored without a word, where label_smoothing and f_alpha are refused)
             raise ValueError(f"preference.{unread[0]} is read by preference.loss={unread[0].split('_')[0]}, and this "
                              f"recipe's loss is {self.loss}: remove it")

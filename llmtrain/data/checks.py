@@ -369,8 +369,7 @@ def check_unsampled_keys(recipe: Recipe) -> list[Check]:
     if d is None or d.lmbda != 0:
         return []
     unread = [f"distill.{k}" for k in ("max_completion_tokens", "top_p", "top_k", "min_p", "repetition_penalty",
-                                        "sampler", "merged_copy")
-              if getattr(d, k) != type(d).model_fields[k].default]  # (a run's recipe.yaml spells defaults out)
+                                        "sampler", "merged_copy") if d.off_default(k)]
     if not unread:
         return []
     return [("sampling", "warn", f"distill.lmbda=0 trains every step on the data's completions, so the student samples "
