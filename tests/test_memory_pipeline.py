@@ -584,11 +584,13 @@ STAGED = {  # (model config, data, overrides, bound on |estimate / measured - 1|
     "gemma4": (GEMMA4, "text", [], 0.02),
     "gemma4-lora": (GEMMA4, "text", [*LORA_FP32, "model.dtype=bfloat16", "train.mixed_precision=bf16"], 0.04),
     "dpo": (MEASURED, "preference", [], 0.02),
-    "dpo-lora": (MEASURED, "preference", LORA_FP32, 0.06),
-    "kto-lora": (MEASURED, "unpaired", LORA_FP32, 0.06),
+    # LoRA without dropout on fp32 weights: o_proj's adapter saves the CPU's concatenated attention output
+    # (activations.o_input_saved; 0.940 to 0.958 of the measured peaks while it was not counted)
+    "dpo-lora": (MEASURED, "preference", LORA_FP32, 0.04),
+    "kto-lora": (MEASURED, "unpaired", LORA_FP32, 0.04),
     # a full fine-tune's KTO: each stage holds its frozen copy of its weights (model/reference.StageCopy)
     "kto": (MEASURED, "unpaired", [], 0.04),
-    "grpo-lora": (MEASURED, "prompt", LORA_FP32, 0.06),
+    "grpo-lora": (MEASURED, "prompt", LORA_FP32, 0.04),
     # the rollout's peak: 32 rows of 127 tokens through the stages, passes of one sequence
     "grpo-sampling": (MEASURED, "prompt", [*LORA_FP32, "rl.num_generations=16", "rl.max_completion_tokens=96",
                                            "rl.micro_batch_tokens=128", "train.grad_accum_steps=2"], 0.06),
@@ -598,7 +600,7 @@ STAGED = {  # (model config, data, overrides, bound on |estimate / measured - 1|
                                            "train.micro_batch_size=4"], 0.06),
     # on-policy distillation: the student samples through the stages, the last stage holds the teacher whole
     "distill": (MEASURED, "distill", [], 0.06),
-    "distill-lora": (MEASURED, "distill", LORA_FP32, 0.06),
+    "distill-lora": (MEASURED, "distill", LORA_FP32, 0.04),
 }
 
 
@@ -653,8 +655,9 @@ def test_each_stages_estimate_matches_its_measured_step(tiny_assets, tmp_path, m
     return_outputs=False) and the estimate left out what a stage keeps of what it sent on: 0.984 and 0.959. Gemma 4 of
     8 layers (the boundary at layer 4 carrying the later layers' per-layer inputs and the shared keys and values of
     layers 2 and 3): 0.986 and 0.991; LoRA on its bf16 base under autocast 0.971 and 0.987. DPO 0.997 and 0.986; with
-    LoRA on fp32 weights 0.959 and 0.949 (1.106 and 1.068 while the estimate counted a copy of each adapter's input);
-    KTO with LoRA (rows of 8 completions under a token budget) 0.958 and 0.948. Interleaved 1F1B (2 chunks a GPU):
+    LoRA on fp32 weights 0.995 and 0.978 (1.106 and 1.068 while the estimate counted a copy of each adapter's input,
+    0.958 and 0.948 while it left out o_proj's input, which its adapter saves where the kernel does not); KTO with LoRA
+    (rows of 8 completions under a token budget) 0.993 and 0.974; GRPO with LoRA 0.992 and 0.969 (0.955 and 0.940). Interleaved 1F1B (2 chunks a GPU):
     0.987 and 0.983 (0.962 on the last GPU while only its chunk with the head was modelled; its first chunk holds
     twice the micro-batches). Gemma 4's rollout (128 rows, 31-token prompts, 96 tokens sampled; the later stage's
     layers share the earlier one's keys and values, held whole there): 1.022 and 1.036, where the later stage's peak

@@ -36,7 +36,8 @@ def cpu_varlen_attention_bytes(p: act.Pass, shape: ModelShape, lengths: list[int
     """What llmtrain's varlen attention saves on the CPU: SDPA per example on (heads, l, head_dim) tensors
     takes SDPA's math path, which upcasts to fp32 and saves q and k scaled (K repeated to every head),
     V repeated, and the softmax (heads x l x l per example: sum(l_i^2), never the row's square); then the
-    examples' outputs are concatenated in cd, the tensor o_proj saves when it trains."""
+    examples' outputs are concatenated in cd, the tensor o_proj saves where o_trainable (its weight trains, or its
+    adapter reads that tensor: activations.o_input_saved)."""
     hq = shape.heads * shape.head_dim
     return (3 * p.tokens * hq * act.FP32 + shape.heads * sum(n * n for n in lengths) * act.FP32
             + (p.tokens * hq * p.cd if o_trainable else 0))
@@ -107,12 +108,18 @@ CASES = [  # attn, storage dtype, mixed precision, padded batch, lora dropout (N
     ("sdpa", "bfloat16", "bf16", True, 0.05),
     ("sdpa", "float32", "no", False, 0.05),
     ("eager", "float32", "bf16", False, 0.05),
+    # LoRA without dropout on weights in the compute dtype: the adapters save the very tensors they read, o_proj's
+    # adapter eager attention's output (a tensor of its own there: the kernel does not save it)
+    ("eager", "float32", "no", False, 0.0),
+    ("eager", "bfloat16", "no", True, 0.0),
+    ("sdpa", "float32", "no", False, 0.0),
     # varlen: one packed row, examples of different lengths (the padded flag does not apply)
     ("varlen", "float32", "no", False, None),
     ("varlen", "float32", "bf16", False, None),
     ("varlen", "bfloat16", "no", False, None),
     ("varlen", "bfloat16", "bf16", False, 0.05),
     ("varlen", "float32", "no", False, 0.05),
+    ("varlen", "float32", "no", False, 0.0),
 ]
 
 
@@ -160,8 +167,9 @@ def check_layer_and_outside(attn, dtype, mp, padded, lora, *, dora=False):
     adapted = lora_plan(shape, r=R).adapted[0] if lora is not None else {}
     cpu = 0
     if varlen:  # the CPU's per-example attention in place of the flash kernel's
-        cpu = (cpu_varlen_attention_bytes(p, shape, lengths, o_trainable=full)
-               - act.attention_bytes(p, shape, o_trainable=full))
+        o_saved = act.o_input_saved(p, adapted, full=full)
+        cpu = (cpu_varlen_attention_bytes(p, shape, lengths, o_trainable=o_saved)
+               - act.attention_bytes(p, shape, o_trainable=o_saved))
     # Autocast's weight casts are saved too: every fp32 linear's, and the fp32 adapters'.
     copies = shape.linear_params_per_layer * 2 if (autocast and dtype == "float32") else 0
     copies += sum(R * (i + o) for i, o in adapted.values()) * 2 if autocast else 0
@@ -221,10 +229,11 @@ def test_adapters_without_dropout_share_their_input_only_in_the_compute_dtype(at
     one = saved_bytes(build(1, impl, torch.bfloat16, 0.0, adapters_in), batch, autocast=True)
     two = saved_bytes(build(2, impl, torch.bfloat16, 0.0, adapters_in), batch, autocast=True)
     adapted = lora_plan(shape, r=R).adapted[0]
-    cpu = (cpu_varlen_attention_bytes(p, shape, lengths, o_trainable=False)
-           - act.attention_bytes(p, shape, o_trainable=False)) if varlen else 0
-    if varlen:  # o_proj's adapter saves the concatenated output, which the CPU's SDPA does not save itself
-        cpu += p.tokens * shape.heads * shape.head_dim * p.cd if in_cd else 0
+    # o_proj's adapter saves the CPU's concatenated output (in_cd), which the CPU's SDPA does not save itself
+    o_saved = act.o_input_saved(p, adapted, full=False)
+    assert o_saved == in_cd
+    cpu = (cpu_varlen_attention_bytes(p, shape, lengths, o_trainable=o_saved)
+           - act.attention_bytes(p, shape, o_trainable=o_saved)) if varlen else 0
     casts = 0 if in_cd else sum(R * (i + o) for i, o in adapted.values()) * 2  # autocast's casts of fp32 adapters
     layer = act.layer_bytes(p, shape, adapted, R)
     assert two - one == layer + casts + cpu
