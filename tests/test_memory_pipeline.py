@@ -648,25 +648,25 @@ def _staged_data(path, kind: str) -> tuple[dict, list[int]]:
                                   for n in STAGED])
 def test_each_stages_estimate_matches_its_measured_step(tiny_assets, tmp_path, monkeypatch, name):
     """Two real stages (accelerate launch, gloo), full fine-tune in fp32, 4 micro-batches of 512 slots: each
-    process's peak of live tensor bytes in its second step (tests/stage_peak.py: what max_memory_allocated reports on
-    a GPU) against its stage's estimate, the CPU's kernels given to the estimate as tests/test_memory_step.py gives
-    them. A 4-layer Llama on 1F1B lands at 0.997 and 0.986 of the measured peaks; before, the last stage kept every
-    micro-batch's final hidden states until the next step (torch's outputs for step()'s return, now
-    return_outputs=False) and the estimate left out what a stage keeps of what it sent on: 0.984 and 0.959. Gemma 4 of
-    8 layers (the boundary at layer 4 carrying the later layers' per-layer inputs and the shared keys and values of
-    layers 2 and 3): 0.986 and 0.991; LoRA on its bf16 base under autocast 0.971 and 0.987. DPO 0.997 and 0.986; with
-    LoRA on fp32 weights 0.995 and 0.978 (1.106 and 1.068 while the estimate counted a copy of each adapter's input,
-    0.958 and 0.948 while it left out o_proj's input, which its adapter saves where the kernel does not); KTO with LoRA
-    (rows of 8 completions under a token budget) 0.993 and 0.974; GRPO with LoRA 0.992 and 0.969 (0.955 and 0.940). Interleaved 1F1B (2 chunks a GPU):
-    0.987 and 0.983 (0.962 on the last GPU while only its chunk with the head was modelled; its first chunk holds
-    twice the micro-batches). Gemma 4's rollout (128 rows, 31-token prompts, 96 tokens sampled; the later stage's
-    layers share the earlier one's keys and values, held whole there): 1.022 and 1.036, where the later stage's peak
-    is its decoding (0.521 while its sharing layers ran every position of the prompts' pass: Stage._decode now runs
-    them on the last position, as transformers does). GRPO's rollout on the Llama (32 rows): 0.986 and 0.987 (1.055 on
-    the first stage while its prefill counted the whole model's 4 hidden tensors a token, and the prompts were taken
-    at 32 tokens, not the data's 31). The tiled MLP in shards of 128 tokens (with checkpointing): 0.985 and 0.958,
-    where the untiled estimate of the same run is 1.102 and 1.080 (without checkpointing 0.989 and 0.975 against
-    1.408 and 1.219)."""
+    process's peak of live tensor bytes in its second step (tests/stage_peak.py: what max_memory_allocated reports
+    on a GPU) against its stage's estimate, the CPU's kernels given to the estimate as tests/test_memory_step.py
+    gives them. A 4-layer Llama on 1F1B lands at 0.997 and 0.986 of the measured peaks; before, the last stage kept
+    every micro-batch's final hidden states until the next step (torch's outputs for step()'s return, now
+    return_outputs=False) and the estimate left out what a stage keeps of what it sent on: 0.984 and 0.959. Gemma 4
+    of 8 layers (the boundary at layer 4 carrying the later layers' per-layer inputs and the shared keys and values
+    of layers 2 and 3): 0.986 and 0.991; LoRA on its bf16 base under autocast 0.971 and 0.987. DPO 0.997 and 0.986;
+    with LoRA on fp32 weights 0.995 and 0.978 (1.106 and 1.068 while the estimate counted a copy of each adapter's
+    input, 0.958 and 0.948 while it left out o_proj's input, which its adapter saves where the kernel does not); KTO
+    with LoRA (rows of 8 completions under a token budget) 0.993 and 0.974; GRPO with LoRA 0.992 and 0.969 (0.955
+    and 0.940). Interleaved 1F1B (2 chunks a GPU): 0.987 and 0.983 (0.962 on the last GPU while only its chunk with
+    the head was modelled; its first chunk holds twice the micro-batches). Gemma 4's rollout (128 rows, 31-token
+    prompts, 96 tokens sampled; the later stage's layers share the earlier one's keys and values, held whole there):
+    1.022 and 1.036, where the later stage's peak is its decoding (0.521 while its sharing layers ran every position
+    of the prompts' pass: Stage._decode now runs them on the last position, as transformers does). GRPO's rollout on
+    the Llama (32 rows): 0.986 and 0.987 (1.055 on the first stage while its prefill counted the whole model's 4
+    hidden tensors a token, and the prompts were taken at 32 tokens, not the data's 31). The tiled MLP in shards of
+    128 tokens (with checkpointing): 0.985 and 0.958, where the untiled estimate of the same run is 1.102 and 1.080
+    (without checkpointing 0.989 and 0.975 against 1.408 and 1.219)."""
     import yaml
     from helpers import ENV, open_port
     from test_memory_saved import cpu_varlen_attention_bytes
