@@ -38,6 +38,12 @@ TRAINED = {
                               "The code is XK-42.<|eot_id|>"],
     "mistral": ['[TOOL_CALLS] [{"name": "lookup", "arguments": {"word": "apple"}, "id": "abcdefghi"}]</s>',
                 "The code is XK-42.</s>"],
+    # a calling turn that ends otherwise than a reply: GPT-OSS's <|call|>, and Gemma 4's <|tool_response>, which it
+    # writes after the calls in the same turn (both had been trained on through the tool's result to the final reply)
+    "gpt-oss-20b": [' to=functions.lookup<|channel|>commentary json<|message|>{"word": "apple"}<|call|>',
+                    "<|channel|>final<|message|>The code is XK-42.<|return|>"],
+    "gemma-4-e2b-it": ['<|tool_call>call:lookup{word:<|"|>apple<|"|>}<tool_call|><|tool_response>',
+                       "The code is XK-42.<turn|>"],
 }
 
 
@@ -181,3 +187,45 @@ def test_mistrals_tools_before_the_last_user_turn_only_refuse_an_earlier_turn_wi
         encode_example({"messages": later, "tools": TOOLS}, mistral, CHAT)
     assert trained_runs(mistral, encode_example({"messages": CHATS, "tools": TOOLS}, mistral, CHAT)) == TRAINED[
         "mistral"]
+
+
+def test_text_the_template_drops_beside_calls_or_as_a_result_is_refused_naming_the_message():
+    """Llama 3.1's template writes a turn with tool calls as its call alone: text beside the calls would be dropped
+    from training without a word (audit 25). A template that leaves the tools' results out would teach the model to
+    answer without them. Both are refused naming the message, as a plain chat's unshown message is."""
+    beside = [CHATS[0], {**CHATS[1], "content": "Let me look that up."}, *CHATS[2:]]
+    with pytest.raises(LLMTrainError, match=r"message 2 \(assistant: 'Let me look that up.'\) has text beside its "
+                                            "tool calls, and the chat template writes that turn as its calls alone"):
+        encode_example({"messages": beside, "tools": TOOLS}, stand_in_tokenizer("llama-3.1-8b-instruct"), CHAT)
+    qwen = stand_in_tokenizer("qwen2.5-7b-instruct")  # Qwen writes both: the text is trained before the call
+    enc = encode_example({"messages": beside, "tools": TOOLS}, qwen, CHAT)
+    assert trained_runs(qwen, enc)[0].startswith("Let me look that up.\n<tool_call>")
+    dropped = qwen.chat_template.replace("{{- message.content }}\n        {{- '\\n</tool_response>' }}",
+                                         "{{- '\\n</tool_response>' }}")
+    assert dropped != qwen.chat_template
+    with pytest.raises(LLMTrainError, match=r"message 3 \(tool: 'XK-42'\) is a tool's result that the chat template "
+                                            "does not show"):
+        _encode_with_template(dropped)
+
+
+def _encode_with_template(template: str):
+    from llmtrain.data.chat import render_tool_chat
+    from llmtrain.data.tools import tool_messages
+
+    return render_tool_chat(tool_messages(CHATS, "the row"), stand_in_tokenizer("qwen2.5-7b-instruct"),
+                            template=template, tools=TOOLS)
+
+
+def test_a_template_that_writes_the_result_inside_the_calling_turn_is_refused():
+    """A template whose calling turn runs on through the result and the reply, closed once at the end (as Gemma 4's
+    and GPT-OSS's seemed to be before their calling turns were read as they end when the chat stops there; those two
+    are in TRAINED above): the model would learn to write the results. Refused once per template, by a probe chat."""
+    template = ("{% for m in messages %}{% if m.role == 'user' %}<|USER|>{{ m.content }}"
+                "{% elif m.role == 'tool' %}<r>{{ m.content }}</r>"
+                "{% elif m.tool_calls %}<|A|>{% for c in m.tool_calls %}<call>{{ c.function | tojson }}</call>"
+                "{% endfor %}{% if loop.last %}</s>{% endif %}"
+                "{% else %}{% if not loop.previtem or loop.previtem.role != 'tool' %}<|A|>{% endif %}"
+                "{{ m.content }}</s>{% endif %}{% endfor %}"
+                "{% if add_generation_prompt and messages[-1].role != 'tool' %}<|A|>{% endif %}{# tools #}")
+    with pytest.raises(LLMTrainError, match="writes a tool's result inside the assistant turn that called it"):
+        _encode_with_template(template)

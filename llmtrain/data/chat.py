@@ -227,7 +227,8 @@ def render_tool_chat(messages: list[dict], tokenizer, *, template: str | None = 
     rendered with add_generation_prompt=True) to its end of turn: its content and its tool calls as the template
     writes them, trained; the tools' schemas, the user's text and the tools' results (`tool` messages), not. The
     template must read the tools and the tool calls (transformers passes them; a template that never looks at them
-    would drop them silently) and render each turn's history as its own generation prompt renders it."""
+    would drop them silently), show every message's text, and render each turn's history as its own generation
+    prompt renders it."""
     source = template_source(tokenizer, template)
     calls = any(m.get("tool_calls") for m in messages)
     missing = [what for what, needed in (("tools", tools), ("tool_calls", calls)) if needed and what not in source]
@@ -236,6 +237,19 @@ def render_tool_chat(messages: list[dict], tokenizer, *, template: str | None = 
                             "this conversation's tools or tool calls to the model (they would be dropped silently). "
                             "Use a model whose template renders tool calls (Llama 3.1, Qwen2.5, Qwen3, "
                             "Mistral-7B-Instruct-v0.3), or give one with data.chat_template: path/to/template.jinja.")
+    if calls:
+        _check_results_untrained(tokenizer, template)
+    text, spans = _tool_spans(messages, tokenizer, template, tools, first)
+    _check_shown(messages, text, spans, first)
+    return text, spans
+
+
+def _tool_spans(messages: list[dict], tokenizer, template: str | None, tools: list[dict] | None,
+                first: int) -> tuple[str, list[tuple[int, int]]]:
+    """render_tool_chat's text and trained spans. A turn with tool calls ends where the template ends it when the
+    conversation stops there (GPT-OSS's `<|call|>`, Gemma 4's `<|tool_response>`), where that is a prefix of the whole
+    text and comes before the template's plain end of turn (which, for those two, is the final reply's: their spans had
+    run on over the tools' results)."""
     last = max(i for i, m in enumerate(messages) if m["role"] == "assistant")
     text = _apply(tokenizer, messages[: last + 1], template, generation_prompt=False, tools=tools)
     eot = end_of_turn(tokenizer, template)
@@ -256,6 +270,10 @@ def render_tool_chat(messages: list[dict], tokenizer, *, template: str | None = 
                 "cannot be trained after the prompt inference would give it. Split the conversation into rows that "
                 "end at each assistant turn, or give a template that renders the history as it goes "
                 "(data.chat_template: path/to/template.jinja).")
+        if messages[k].get("tool_calls") and k < last:
+            turn = _apply(tokenizer, messages[: k + 1], template, generation_prompt=False, tools=tools).rstrip()
+            if len(prompt) < len(turn) < end and text.startswith(turn):
+                end = len(turn)
         shown = text[len(prompt):end]
         for call in messages[k].get("tool_calls", []):
             if call["function"]["name"] not in shown:
@@ -264,6 +282,70 @@ def render_tool_chat(messages: list[dict], tokenizer, *, template: str | None = 
                                     "renders tool calls (data.chat_template: path/to/template.jinja).")
         spans.append((len(prompt), end))
     return text, spans
+
+
+def _check_shown(messages: list[dict], text: str, spans: list[tuple[int, int]], first: int) -> None:
+    """Every message's text is in the rendered chat (an assistant turn's in its own trained span), as render_chat
+    asks: Llama 3.1's and Mistral's templates write a turn with tool calls as the calls alone, dropping text beside
+    them, and a template may leave a tool's result out (the model would learn to answer without it)."""
+    last = max(i for i, m in enumerate(messages) if m["role"] == "assistant")
+    turns = dict(zip([k for k in range(first, last + 1) if messages[k]["role"] == "assistant"], spans))
+    for k, m in enumerate(messages[: last + 1]):
+        content = m.get("content")
+        if k in turns:
+            where = text[slice(*turns[k])]
+        else:  # between the trained turns around it (a result's "XK-42" is not found in the reply quoting it)
+            start = max((b for j, (_, b) in turns.items() if j < k), default=0)
+            where = text[start:min((a for j, (a, _) in turns.items() if j > k), default=len(text))]
+        if not isinstance(content, str) or not content.strip():
+            continue
+        if any(form in where for form in [*_shown_forms(content), json.dumps(content)[1:-1].strip()]):
+            continue
+        if m["role"] == "assistant" and m.get("tool_calls"):
+            raise LLMTrainError(
+                f"message {k + 1} (assistant: {content[:40]!r}) has text beside its tool calls, and the chat template "
+                "writes that turn as its calls alone (Llama 3.1's and Mistral's do), so the text would not be "
+                "trained. Leave the text out of the row (content: \"\"), or give a template that renders both "
+                "(data.chat_template: path/to/template.jinja).")
+        if m["role"] == "tool":
+            raise LLMTrainError(
+                f"message {k + 1} (tool: {content[:40]!r}) is a tool's result that the chat template does not show, "
+                "so the model would learn to answer without seeing it. Give a template that renders tool messages' "
+                "content (data.chat_template: path/to/template.jinja).")
+        raise _not_shown(messages, k)
+
+
+TOOL_RESULT_PROBE = "probe result 7f3a9c"
+
+
+def _check_results_untrained(tokenizer, template: str | None) -> None:
+    """Refuse a template whose trained spans would take in a tool's result (the model taught to write the results
+    itself): a probe chat (a call, its result, a reply) rendered once per tokenizer and template."""
+    from llmtrain.data.tools import PROBE_IDS
+
+    key = ("tool results", template, json.dumps(tokenizer.chat_template, sort_keys=True, default=str))
+    renders = _MARKED.setdefault(tokenizer, {})
+    if key in renders:
+        return
+    schema = {"type": "function", "function": {"name": "probe_tool", "description": "A probe.", "parameters": {
+        "type": "object", "properties": {}}}}
+    probe = [{"role": "user", "content": "Call the probe."},
+             {"role": "assistant", "content": "", "tool_calls": [
+                 {"type": "function", "id": PROBE_IDS[0], "function": {"name": "probe_tool", "arguments": {}}}]},
+             {"role": "tool", "name": "probe_tool", "tool_call_id": PROBE_IDS[0], "content": TOOL_RESULT_PROBE},
+             {"role": "assistant", "content": "Done."}]
+    try:
+        text, spans = _tool_spans(probe, tokenizer, template, [schema], 0)
+    except LLMTrainError:  # a template that cannot render the probe: the row's own render says why, if it fails
+        renders[key] = True
+        return
+    if any(TOOL_RESULT_PROBE in text[a:b] for a, b in spans):
+        raise LLMTrainError(
+            "the chat template writes a tool's result inside the assistant turn that called it, and where that turn "
+            "ends cannot be told from the text, so the model would be trained to write the tools' results itself. "
+            "Give a template that ends a turn with tool calls before the result "
+            "(data.chat_template: path/to/template.jinja).")
+    renders[key] = True
 
 
 def closing(text: str, spans: list[tuple[int, int]], specials: tuple[str, ...] = ()) -> str:

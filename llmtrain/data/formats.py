@@ -303,6 +303,9 @@ def encode_messages(messages: list[dict], tokenizer, *, train_on_prompt: bool, t
         if as_text:
             closed = True
             continue
+        if len(inside) and ids[inside[-1]] in special:  # a turn that ends with its own special token (GPT-OSS's
+            closed = True  # <|call|> after tool calls: chat._tool_spans)
+            continue
         # an earlier reply that the template closes otherwise: up to the next special token, past whitespace
         later = np.flatnonzero(starts >= end) if not len(inside) else inside[-1:] + 1
         j = int(later[0]) if len(later) else len(ids)
