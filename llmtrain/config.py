@@ -1282,6 +1282,10 @@ class RLConfig(Section):
 
     @model_validator(mode="after")
     def _tool_settings(self) -> RLConfig:
+        if self.max_tool_calls == 0:
+            raise ValueError("rl.max_tool_calls 0 runs no call while the prompts still show the tools and the model "
+                             "writes calls (their results never come): give 1 or more, or leave rl.tools and "
+                             "rl.environment out to train without tools")
         if self.max_tool_calls is not None and not (self.tools or self.environment):
             raise ValueError("rl.max_tool_calls limits the calls to rl.tools, and no tools are given: add rl.tools "
                              "(module:function names) or remove rl.max_tool_calls")

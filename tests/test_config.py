@@ -217,6 +217,15 @@ def test_a_temperature_whose_logits_overflow_is_refused(key):
     assert getattr(getattr(load_recipe(recipe, [f"{key}=1e-5"]), section), field) == 1e-5
 
 
+def test_max_tool_calls_zero_is_refused():
+    """0 rounds: the prompts show the tools and the model writes calls whose results never come, while
+    tools/call_frequency said 0 (audit 25: 15 of 64 completions had called)."""
+    recipe = REPO / "recipes" / "tiny-tools-grpo.yaml"
+    with pytest.raises(RecipeError, match="rl.max_tool_calls 0 runs no call while the prompts still show the tools"):
+        load_recipe(recipe, ["rl.max_tool_calls=0"])
+    assert load_recipe(recipe, ["rl.max_tool_calls=1"]).rl.max_tool_calls == 1
+
+
 @pytest.mark.parametrize("recipe, says", [
     ("tiny-grpo.yaml", "rl: the loss is the policy's on its sampled completions only"),
     ("tiny-rloo.yaml", "rl: the loss is the policy's on its sampled completions only"),

@@ -119,6 +119,30 @@ def test_a_tool_that_cannot_be_shown_is_refused_naming_it(row, says):
         encode_example({"messages": CHATS, "tools": TOOLS, **row}, tok, CHAT)
 
 
+@pytest.mark.parametrize(("source", "says"), [
+    ('raise RuntimeError("missing API key")\n', "RuntimeError: missing API key. The module was found; fix the error"),
+    ("def lookup(word: str) -> str\n    return word\n", "SyntaxError: expected ':'"),
+])
+def test_a_tool_module_that_fails_while_importing_is_one_paragraph(tmp_path, monkeypatch, source, says):
+    """A tool module's own error (a syntax error, a raise at its top level) had been a traceback (audit 25); it is said
+    as a reward function's is."""
+    (tmp_path / "broken_tools.py").write_text(source)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    tok = stand_in_tokenizer("qwen2.5-7b-instruct")
+    with pytest.raises(LLMTrainError, match=r"the tool 'broken_tools:lookup' cannot be imported: importing "
+                                            rf"broken_tools failed: {says}"):
+        encode_example({"messages": CHATS, "tools": ["broken_tools:lookup"]}, tok, CHAT)
+
+
+def test_a_call_given_as_the_functions_object_alone_keeps_its_id():
+    """{"id", "name", "arguments"} (the function's object alone, docs/tools.md) had lost its id, which Mistral's
+    template requires."""
+    from llmtrain.data.tools import tool_messages
+
+    flat = {"id": "abcdefghi", "name": "lookup", "arguments": {"word": "apple"}}
+    assert tool_messages([{"role": "assistant", "tool_calls": [flat]}], "the row")[0]["tool_calls"] == [CALL]
+
+
 def test_a_template_without_tools_is_refused_in_one_paragraph():
     """Gemma 3's template never reads `tools` or `tool_calls`: transformers would render the chat without them and
     the model would learn replies to calls it never saw."""

@@ -88,7 +88,11 @@ def _call(call: Any, where: str) -> dict:
     if not isinstance(arguments, dict):
         raise LLMTrainError(f"{where}: the arguments of the call to '{fn['name']}' are a "
                             f"{type(arguments).__name__}, not an object of named arguments.")
-    out = {k: v for k, v in call.items() if k != "function"} if "function" in call else {}
+    if "function" in call:
+        out = {k: v for k, v in call.items() if k != "function"}
+    else:  # the function's object alone: its id (Mistral's template reads it) beside the function rebuilt
+        out = {k: v for k, v in call.items() if k not in ("name", "arguments", "type")}
+        fn = {"name": fn["name"]}
     return {**out, "type": "function", "function": {**fn, "arguments": arguments}}
 
 
@@ -189,10 +193,32 @@ def function_of(name: str, *, what: str = "the tool", form: str = "module:functi
     if problem := file_named(name, what):
         raise LLMTrainError(problem)
     try:
-        return getattr(user_module(module), attr)
-    except (ImportError, AttributeError, ValueError) as e:
-        raise LLMTrainError(f"{what} '{name}' cannot be imported ({e}). Name it as {form}, with the module on the "
-                            "Python path (PYTHONPATH) or in the working directory.") from None
+        found = user_module(module)
+    except (ImportError, ValueError) as e:
+        if not module_failed(module, e):
+            raise LLMTrainError(f"{what} '{name}' cannot be imported ({e}). Name it as {form}, with the module on "
+                                "the Python path (PYTHONPATH) or in the working directory.") from None
+        raise LLMTrainError(f"{what} '{name}' cannot be imported: {import_failure(module, e)}") from None
+    except Exception as e:  # the module's own error while importing (a syntax error, a missing key it reads)
+        raise LLMTrainError(f"{what} '{name}' cannot be imported: {import_failure(module, e)}") from None
+    if not hasattr(found, attr):
+        raise LLMTrainError(f"{what} '{name}' cannot be imported (module '{module}' has no attribute '{attr}'). Name "
+                            f"it as {form}, with the module on the Python path (PYTHONPATH) or in the working "
+                            "directory.")
+    return getattr(found, attr)
+
+
+def module_failed(module: str, e: BaseException) -> bool:
+    """Whether importing the user's `module` raised `e` from inside it (it was found), rather than not finding it."""
+    return not (isinstance(e, ValueError) or (isinstance(e, ModuleNotFoundError)
+                                              and module.startswith(e.name or "\0")))
+
+
+def import_failure(module: str, e: BaseException) -> str:
+    """What to say of importing the user's `module` (reward functions, tools, environments) that raised `e`."""
+    fix = (f"The module was found; fix the error in it (python -c 'import {module}' shows its traceback)."
+           if module_failed(module, e) else "Put the module on PYTHONPATH or in the working directory.")
+    return f"importing {module} failed: {type(e).__name__}: {e}. {fix}"
 
 
 PROBE_ARGS = {"probe_argument": "probe value"}

@@ -32,7 +32,7 @@ from dataclasses import dataclass, field
 import torch
 
 from llmtrain.data.formats import pairs_note, user_columns
-from llmtrain.data.tools import file_named, user_module
+from llmtrain.data.tools import file_named, import_failure, user_module
 from llmtrain.errors import LLMTrainError
 
 RewardFn = Callable[..., list]
@@ -103,11 +103,7 @@ def import_reward(spec: str) -> RewardFn:
     try:
         module = user_module(module_name)
     except Exception as e:  # an ImportError, or the module's own error while importing
-        missing = isinstance(e, ModuleNotFoundError) and module_name.startswith(e.name or "\0")
-        fix = ("Put the module on PYTHONPATH or in the working directory." if missing else
-               f"The module was found; fix the error in it (python -c 'import {module_name}' shows its traceback).")
-        raise LLMTrainError(f"reward function '{spec}': importing {module_name} failed: {type(e).__name__}: {e}. "
-                            + fix) from None
+        raise LLMTrainError(f"reward function '{spec}': {import_failure(module_name, e)}") from None
     fn = getattr(module, name, None)
     if not callable(fn):
         raise LLMTrainError(f"reward function '{spec}': {module_name} has no function {name}.")
