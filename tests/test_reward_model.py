@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import copy
 import json
+import shutil
 
 import pytest
 import torch
@@ -259,6 +260,43 @@ def test_final_loads_with_transformers_and_scores_as_it_trained(straight, tiny_a
     for line in records(run):
         assert {"loss", "accuracy", "margin", "mean_reward", "rewards/chosen", "rewards/rejected"} <= line.keys()
         assert line["trained_tokens"] == 16  # one scored token per sequence: 8 pairs
+
+
+def test_a_base_without_a_pad_token_saves_eos_as_final_s_pad_and_scores_as_it_trained(tiny_assets, tmp_path):
+    """A base whose tokenizer has no pad token (Llama 3's, Mistral's): the run scores the token before each final EOS
+    (the model's pad is EOS, TRL's rule). final/'s tokenizer had kept no pad token, so a LoRA final/ loaded as the docs
+    said scored the EOS itself (audit 26: accuracy 0.55 against the logged 0.485) and could not be padded. Now EOS is
+    saved as its pad token, and the docs' loading (pad_token_id from it) scores the held-out pairs, padded, as the last
+    eval measured."""
+    from peft import PeftModel
+    from transformers import AutoModelForSequenceClassification, AutoTokenizer
+
+    base = tmp_path / "nopad"
+    shutil.copytree(tiny_assets / "model", base)
+    config = json.loads((base / "tokenizer_config.json").read_text())
+    config.pop("pad_token", None)
+    (base / "tokenizer_config.json").write_text(json.dumps(config))
+    cfg = json.loads((base / "config.json").read_text())
+    (base / "config.json").write_text(json.dumps({**cfg, "pad_token_id": None}))
+    assert AutoTokenizer.from_pretrained(base).pad_token is None
+    run = tmp_path / "run"
+    run_train(reward_recipe(tiny_assets, tmp_path), f"model.name_or_path={base}", f"output_dir={run}", *LORA,
+              "checkpoint.every_steps=null")
+    tok = AutoTokenizer.from_pretrained(run / "final")
+    assert tok.pad_token == tok.eos_token
+    model = PeftModel.from_pretrained(AutoModelForSequenceClassification.from_pretrained(
+        base, num_labels=1, pad_token_id=tok.pad_token_id), run / "final").eval()
+    rows = [json.loads(line) for line in (tiny_assets / "data" / "eval_pairs.jsonl").read_text().splitlines()]
+    tok.padding_side = "right"
+    scores = []
+    with torch.no_grad():
+        for side in ("chosen", "rejected"):
+            texts = [r["prompt"] + r[side] + tok.eos_token for r in rows]
+            enc = tok(texts, padding=True, return_tensors="pt")
+            scores.append(model(**enc).logits[:, 0])
+    (last,) = records(run, "eval")
+    assert (scores[0] - scores[1]).mean().item() == pytest.approx(last["eval_margin"], abs=1e-5)
+    assert (scores[0] + scores[1]).mean().item() / 2 == pytest.approx(last["eval_mean_reward"], abs=1e-5)
 
 
 @pytest.mark.slow

@@ -195,8 +195,12 @@ def objective_for(recipe, *, pad_id: int, model=None, tokenizer=None, train=None
         from llmtrain.objectives.reward_model import RewardModel
 
         # TRL's RewardTrainer: the model's pad token is the tokenizer's (else EOS), so that final/ scores a padded
-        # batch at the token the training read
+        # batch at the token the training read; the tokenizer saved beside it gets it too (a LoRA final/ keeps no
+        # model config: a loader sets the pad from the tokenizer, and a pad-less one, Llama 3's or Mistral's, could
+        # not pad at all)
         classifier(model).config.get_text_config().pad_token_id = pad_id
+        if tokenizer is not None and tokenizer.pad_token_id is None:
+            tokenizer.pad_token = tokenizer.convert_ids_to_tokens(pad_id)
         return RewardModel(recipe.reward_model, pad_id=pad_id, score_pad_id=pad_id, packing=packs_rows(recipe),
                            margin="margin" in train.column_names)
     if recipe.preference is not None:
