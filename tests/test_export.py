@@ -142,6 +142,30 @@ def test_merge_refuses_full_runs_and_existing_outputs(full_run, lora_run, tmp_pa
     assert not (tmp_path / "from-step").exists()
 
 
+def test_a_missing_or_damaged_adapter_and_a_run_without_final_are_said_in_a_paragraph(lora_run, tmp_path):
+    """A final/ without its adapter_model.safetensors (peft then read the folder as a hub id) or with a truncated one
+    (safetensors' header error) had been a traceback in export and generate (audit 26); a LoRA run without final/ had
+    been called a full fine-tune's."""
+    import shutil
+
+    run = tmp_path / "run"
+    shutil.copytree(lora_run, run, ignore=shutil.ignore_patterns("final-merged", "checkpoints"))
+    weights = run / "final" / "adapter_model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:100])
+    says = rf"the LoRA adapter in '{run / 'final'}' could not be read \(SafetensorError: .*truncated or damaged"
+    with pytest.raises(LLMTrainError, match=says):
+        export_merged(run, tmp_path / "merged")
+    proc = cli("generate", str(run), "reverse abc =", check=False)
+    assert proc.returncode == 2 and "truncated or damaged" in proc.stderr and "Traceback" not in proc.stderr
+    weights.unlink()
+    with pytest.raises(LLMTrainError, match="holds a LoRA adapter's adapter_config.json and no weights"):
+        export_merged(run, tmp_path / "merged")
+    shutil.rmtree(run / "final")
+    with pytest.raises(LLMTrainError, match="has no final/ to merge: the run has not finished"):
+        export_merged(run, tmp_path / "merged")
+    assert not (tmp_path / "merged").exists()
+
+
 def test_merge_writes_beside_out_under_a_name_of_its_own(lora_run, tmp_path):
     """The scratch folder was OUT.tmp, removed first whatever it held: a user's folder of that name was deleted."""
     mine = tmp_path / "merged.tmp"

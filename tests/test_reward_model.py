@@ -470,6 +470,8 @@ def test_a_tool_calling_completion_is_scored_as_the_whole_conversation_after_its
 @pytest.mark.parametrize("make, says", [
     ("causal", "holds a LlamaForCausalLM with no sequence-classification head"),
     ("two_labels", "has a classification head with 2 outputs; a reward model has one"),
+    # a 2-label classifier's LoRA adapter: had died in peft's size check at start-up (audit 26)
+    ("two_label_adapter", "holds a LoRA adapter whose classification head has 2 outputs"),
     ("missing", "does not exist"),
     ("file", "is a file; give the folder that holds it"),  # said "does not exist" (issue 53)
     ("run", "is a run's folder; its model is"),  # no hint to use its final/ (issue 53)
@@ -485,6 +487,12 @@ def test_a_folder_that_is_not_a_reward_model_is_refused_before_the_policy_loads(
         from transformers import AutoModelForSequenceClassification
 
         AutoModelForSequenceClassification.from_pretrained(tiny_assets / "model", num_labels=2).save_pretrained(folder)
+    elif make == "two_label_adapter":
+        from peft import LoraConfig, get_peft_model
+        from transformers import AutoModelForSequenceClassification
+
+        two = AutoModelForSequenceClassification.from_pretrained(tiny_assets / "model", num_labels=2)
+        get_peft_model(two, LoraConfig(r=4, task_type="SEQ_CLS")).save_pretrained(folder)
     elif make == "file":
         folder = tiny_assets / "model" / "config.json"
     elif make == "run":

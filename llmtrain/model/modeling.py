@@ -291,7 +291,7 @@ def load_model(cfg: ModelConfig, lora: LoraConfig | None, *, device: torch.devic
     except (OSError, ValueError) as e:
         raise _load_error("model", cfg.name_or_path, e, key=key) from None
     except Exception as e:  # a damaged weights file (safetensors raises its own error type), a bad config
-        if type(e).__name__ not in ("SafetensorError", "HeaderTooLarge", "JSONDecodeError"):
+        if type(e).__name__ not in DAMAGED:
             raise
         raise LLMTrainError(f"the model files in '{cfg.name_or_path}' could not be read ({type(e).__name__}: {e}): "
                             "a weights file is truncated or damaged. Download or copy the model again.") from None
@@ -587,11 +587,39 @@ def _linear_names(model) -> str:
 def load_adapter(model, folder: str):
     """A saved LoRA adapter (peft's PeftModel.from_pretrained) on `model`, its adapted experts unmerged as apply_lora
     runs them (model/lora_experts.py)."""
-    from peft import PeftModel
-
-    model = PeftModel.from_pretrained(model, folder)
+    model = read_adapter(model, folder)
     lora_experts.install(model)
     return model
+
+
+DAMAGED = ("SafetensorError", "HeaderTooLarge", "JSONDecodeError")  # what a truncated or damaged weights file raises
+ADAPTER_WEIGHTS = ("adapter_model.safetensors", "adapter_model.bin")
+
+
+def read_adapter(model, folder: str):
+    """PeftModel.from_pretrained(model, folder), an adapter folder without its weights file, or with a damaged one,
+    refused in one paragraph (peft had read a missing file's folder as a hub id, and safetensors' header error had
+    been a traceback: export, generate, an rl.rewards reward model)."""
+    from peft import PeftModel
+
+    if not any((Path(folder) / name).is_file() for name in ADAPTER_WEIGHTS):
+        raise LLMTrainError(f"'{folder}' holds a LoRA adapter's adapter_config.json and no weights "
+                            f"({' or '.join(ADAPTER_WEIGHTS)}): a half-copied folder. Copy it again from where the "
+                            "run wrote it (a run's final/: or finish the run with --resume auto, which writes it).")
+    with readable(folder, "LoRA adapter"):
+        return PeftModel.from_pretrained(model, folder)
+
+
+@contextmanager
+def readable(folder, what: str):
+    """A damaged weights file read inside the block, said in one paragraph naming `folder` and `what` it holds."""
+    try:
+        yield
+    except Exception as e:
+        if type(e).__name__ not in DAMAGED:
+            raise
+        raise LLMTrainError(f"the {what} in '{folder}' could not be read ({type(e).__name__}: {e}): a weights file is "
+                            "truncated or damaged. Copy the folder again from where it was written.") from None
 
 
 def numel(p) -> int:

@@ -106,6 +106,11 @@ def check_reward_folder(path: str) -> None:
         if task != "SEQ_CLS":
             raise LLMTrainError(f"the reward model folder '{path}' (rl.rewards path:) holds a LoRA adapter of task "
                                 f"{task}, not SEQ_CLS: it has no score head. {fix}.")
+        outputs = adapter_head_outputs(folder)
+        if outputs not in (None, 1):  # (a 2-label classifier's adapter had died in peft's shape check)
+            raise LLMTrainError(f"the reward model folder '{path}' (rl.rewards path:) holds a LoRA adapter whose "
+                                f"classification head has {outputs} outputs; a reward model has one, its score. "
+                                f"{fix}.")
         return
     if not (folder / "config.json").is_file():
         raise LLMTrainError(f"the reward model folder '{path}' (rl.rewards path:) has no config.json (nor a LoRA "
@@ -121,6 +126,23 @@ def check_reward_folder(path: str) -> None:
     if outputs != 1:
         raise LLMTrainError(f"the reward model folder '{path}' (rl.rewards path:) has a classification head with "
                             f"{outputs} outputs; a reward model has one, its score. {fix}.")
+
+
+def adapter_head_outputs(folder) -> int | None:
+    """The rows of the head a SEQ_CLS adapter saves whole (peft's modules_to_save: `score`, or `classifier`), read off
+    the safetensors header (no weights read); None where there is none to read."""
+    from safetensors import safe_open
+
+    weights = folder / "adapter_model.safetensors"
+    if not weights.is_file():
+        return None
+    try:
+        with safe_open(str(weights), framework="pt") as f:
+            heads = [f.get_slice(k).get_shape() for k in f.keys()
+                     if k.endswith(("score.weight", "classifier.weight"))]
+    except Exception:  # a damaged file: said when it loads (modeling.readable)
+        return None
+    return heads[0][0] if heads else None
 
 
 def load_reward_model(path: str, device):
@@ -154,7 +176,10 @@ def load_reward_model(path: str, device):
             model = load_adapter(model, str(folder))
         else:
             held = None
-            model = AutoModelForSequenceClassification.from_pretrained(str(folder), dtype="auto")
+            from llmtrain.model.modeling import readable
+
+            with readable(folder, "reward model (rl.rewards path:)"):
+                model = AutoModelForSequenceClassification.from_pretrained(str(folder), dtype="auto")
     rows = model.get_input_embeddings().num_embeddings
     if len(tokenizer) > rows:  # a completion with a token past the embeddings: an IndexError mid-run, said now
         from llmtrain.errors import LLMTrainError

@@ -93,10 +93,9 @@ def export_merged(run_dir: Path, out: Path | None = None, *, say=lambda text: No
     would bake the quantisation error into every weight)."""
     import torch
     import transformers
-    from peft import PeftModel
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from llmtrain.model.modeling import _quiet_new_head, grow_vocabulary, pretrained
+    from llmtrain.model.modeling import _quiet_new_head, grow_vocabulary, pretrained, read_adapter
     from llmtrain.objectives.objective import end_of_turn_ids
     from llmtrain.run.checkpoint import MANIFEST
     from llmtrain.run.replies import unsaved_base
@@ -112,6 +111,8 @@ def export_merged(run_dir: Path, out: Path | None = None, *, say=lambda text: No
         there = "does not exist" if not run_dir.exists() else "is not a run's folder (it has no recipe.yaml)"
         raise LLMTrainError(f"'{run_dir}' {there}: --merge takes a LoRA run's output_dir (runs/NAME), whose final/ "
                             "holds the adapter.")
+    if not final.is_dir():  # (it had been called a full fine-tune's)
+        raise LLMTrainError(no_final(run_dir))
     if not (final / "adapter_config.json").is_file():
         raise LLMTrainError(
             f"'{final}' holds no LoRA adapter (adapter_config.json). --merge needs a finished LoRA run; "
@@ -145,7 +146,7 @@ def export_merged(run_dir: Path, out: Path | None = None, *, say=lambda text: No
             "is merged into the unquantised base read "
             f"from {model.name_or_path} in {model.dtype}, not a dequantised copy.")
     grow_vocabulary(base, len(tokenizer))  # model.new_tokens: the rows the adapter's copies of them hold
-    merged = PeftModel.from_pretrained(base, str(final)).merge_and_unload()
+    merged = read_adapter(base, str(final)).merge_and_unload()
     out.parent.mkdir(parents=True, exist_ok=True)
     # written beside it under a name of its own (never a folder of the user's), then renamed: a stop leaves no out
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", suffix=".tmp", dir=out.parent))
@@ -160,3 +161,22 @@ def export_merged(run_dir: Path, out: Path | None = None, *, say=lambda text: No
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return out
+
+
+def no_final(run_dir: Path) -> str:
+    """What --merge says of a run without final/: a run that finished without writing it (checkpoint.save_final:
+    false), whose checkpoints --merge does not read, or one that has not finished."""
+    from llmtrain.run.rundir import run_recipe, step_dirs
+
+    try:
+        finished = (run_dir / "summary.json").is_file() and run_recipe(run_dir).checkpoint.save_final is False
+    except LLMTrainError:
+        finished = False
+    steps = step_dirs(run_dir / "checkpoints")
+    replies = f" (`llmtrain generate {steps[-1]}` replies from its last checkpoint)" if steps else ""
+    if finished:
+        return (f"'{run_dir}' finished with checkpoint.save_final: false, so it has no final/ to merge: --merge reads "
+                f"the adapter a LoRA run's final/ holds, not a checkpoint. Train it with checkpoint.save_final: true"
+                f"{replies}.")
+    return (f"'{run_dir}' has no final/ to merge: the run has not finished. Finish it with `llmtrain finetune "
+            f"{run_dir}/recipe.yaml --resume auto`, which writes final/{replies}.")
