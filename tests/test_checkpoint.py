@@ -111,6 +111,40 @@ def test_incomplete_tmp_checkpoint_is_never_resumed_and_is_cleaned(tiny_assets, 
     assert yaml.safe_load((run / "checkpoints" / "step_000006" / "train_state.json").read_text())["step"] == 6
 
 
+def test_a_finished_run_trained_further_and_stopped_is_not_called_complete(tiny_assets, tmp_path, monkeypatch):
+    """A finished 4-step run extended to 8 steps (--allow-recipe-change) and preempted at step 7: `--resume auto`, the
+    command the stop prints, had called it "already complete (4 steps, final/ written)" and left final/ the 4-step
+    model (audit 27), its old summary.json standing beside the new recipe.yaml. The summary is set aside as the
+    extension starts (summary-step_000004.json), so the resume finishes the run: 8 steps, a new final/, and the
+    losses of an uninterrupted 8-step run."""
+    recipe = write_recipe(tiny_assets, tmp_path, train={"max_steps": 4, "schedule": "constant", "warmup_steps": 0},
+                          checkpoint={"every_steps": 2, "keep_last": 5})
+    run = tmp_path / "run"
+    run_train(recipe)
+    first = load_weights(run / "final")
+    import llmtrain.loop.train as T
+
+    real, calls = T.train_step, []
+
+    def preempted(*a, **k):  # the third step of the extension (step 7) dies, as a preempted job does
+        calls.append(1)
+        if len(calls) == 3:
+            raise RuntimeError("preempted")
+        return real(*a, **k)
+
+    with monkeypatch.context() as patch, pytest.raises(RuntimeError, match="preempted"):
+        patch.setattr(T, "train_step", preempted)
+        run_train(run / "recipe.yaml", "train.max_steps=8", resume="auto", allow_recipe_change=True)
+    assert json.loads((run / "summary-step_000004.json").read_text())["steps"] == 4
+    assert not (run / "summary.json").exists()
+    run_train(run / "recipe.yaml", resume="auto")
+    assert json.loads((run / "summary.json").read_text())["steps"] == 8
+    assert max_abs_diff(load_weights(run / "final"), first) > 0
+    straight = tmp_path / "straight"
+    run_train(recipe, "train.max_steps=8", f"output_dir={straight}")
+    assert [r["loss"] for r in records(run)] == pytest.approx([r["loss"] for r in records(straight)], abs=1e-6)
+
+
 def test_a_learning_rate_changed_at_resume_is_the_one_trained_with(tiny_assets, tmp_path):
     """--allow-recipe-change with another train.lr: said and written to metrics.jsonl, and the checkpoint's optimizer
     and scheduler state had put the old lr back (the lrs and losses after it were the unchanged run's)."""
@@ -307,6 +341,8 @@ def test_resume_with_a_different_batch_layout_is_refused(tiny_assets, tmp_path):
     ({"data": {"eval_split": 0.05}}, {"data": {"eval_split": "e.jsonl"}}, "data.eval_split=0.05"),
     ({"data": {"eval_split": "e.jsonl"}}, {"data": {"eval_split": "f.jsonl"}}, None),  # the train rows unchanged
     ({"model": {"tokenizer": "t1"}}, {"model": {"tokenizer": "t2"}}, "model.tokenizer='t1'"),  # other token ids
+    # a LoRA run's base rebuilt from random weights: step 9's loss 4.595 where the run had 4.018 (audit 27)
+    ({"model": {"random_init": False}}, {"model": {"random_init": True}}, "model.random_init=False"),
 ])
 def test_a_resume_that_would_train_other_rows_or_other_token_ids_is_refused(tmp_path, saved, now, refused):
     """preflight.check_resume: a changed held-out fraction (it decides which rows of the file train, and their order)

@@ -605,9 +605,25 @@ def claim_run_dir(recipe: Recipe, accelerator, console, *, checkpoint: Path | No
     out = Path(recipe.output_dir)
     run_dir = claim_output_dir(accelerator, out, resume=resume, overwrite=overwrite, expected=checkpoint)
     if accelerator.is_main_process:
+        set_aside_summary(out, resumed=checkpoint is not None)
         (out / "recipe.yaml").write_text(recipe.to_yaml(working_dir=os.getcwd()))
         console.keep_log(out / "train.log")
     return run_dir
+
+
+def set_aside_summary(out: Path, *, resumed: bool) -> None:
+    """A finished run trained on (more steps with --allow-recipe-change, or from an older checkpoint): its
+    summary.json, which no longer describes the run, renamed summary-step_N.json (N its steps). A stop had left it
+    beside the new recipe.yaml, and `--resume auto`, the command the stop prints, called the run complete with its old
+    final/ (audit 27); the run's end writes summary.json and final/ again."""
+    summary = out / "summary.json"
+    if not (resumed and summary.is_file()):
+        return
+    try:
+        steps = int(json.loads(summary.read_text())["steps"])
+    except (OSError, ValueError, KeyError, TypeError):
+        steps = 0
+    summary.replace(out / f"summary-step_{steps:06d}.json")
 
 
 # --------------------------------------------------------------------------- 6. the state to start from

@@ -20,7 +20,7 @@ from llmtrain.run.checkpoint import FSDP_MODEL_DIR
 from llmtrain.run.rundir import finished_without_checkpoint, has_checkpoints
 
 # Keys whose change makes a checkpoint a different run: refused, whatever the flags.
-IDENTITY = ["model.name_or_path", "model.tokenizer", "model.dtype", "data.path", "data.sources", "data.name",
+IDENTITY = ["model.name_or_path", "model.tokenizer", "model.dtype", "model.random_init", "data.path", "data.sources", "data.name",
             "data.split", "data.format", "data.fields", "data.roles", "data.chat_template", "data.system_prompt",
             "data.max_seq_len", "data.train_on_prompt", "data.chat_template_kwargs", "data.packing", "train.seed",
             "train.micro_batch_tokens"]
