@@ -20,10 +20,10 @@ from llmtrain.run.checkpoint import FSDP_MODEL_DIR
 from llmtrain.run.rundir import finished_without_checkpoint, has_checkpoints
 
 # Keys whose change makes a checkpoint a different run: refused, whatever the flags.
-IDENTITY = ["model.name_or_path", "model.tokenizer", "model.dtype", "model.random_init", "data.path", "data.sources", "data.name",
-            "data.split", "data.format", "data.fields", "data.roles", "data.chat_template", "data.system_prompt",
-            "data.max_seq_len", "data.train_on_prompt", "data.chat_template_kwargs", "data.packing", "train.seed",
-            "train.micro_batch_tokens"]
+IDENTITY = ["model.name_or_path", "model.tokenizer", "model.dtype", "model.random_init", "data.path", "data.sources",
+            "data.name", "data.split", "data.format", "data.fields", "data.roles", "data.chat_template",
+            "data.system_prompt", "data.max_seq_len", "data.train_on_prompt", "data.chat_template_kwargs",
+            "data.packing", "train.seed", "train.micro_batch_tokens"]
 # Keys that change the rest of the run (the learning-rate curve, the number of steps): allowed, and said, only
 # with --allow-recipe-change.
 # (With token budgets, the bins of a step, accumulation x processes, are compared as a whole: 2 processes x
