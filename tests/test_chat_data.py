@@ -235,8 +235,8 @@ def test_unknown_fields_key_is_refused(tiny_tok, tmp_path):
     path = write_jsonl(tmp_path / "d.jsonl", [{"prompt": "a", "completion": "b"}])
     cfg = DataConfig(path=str(path), format="prompt_completion", fields={"promt": "q"}, cache_dir=str(tmp_path / "c"))
     assert refusal(cfg, tiny_tok) == ("data.fields maps ['promt'], which data.format 'prompt_completion' does not "
-                                      "read; it reads ['completion', 'content', 'prompt', 'role']. Fix the names in "
-                                      "data.fields.")
+                                      "read; it reads ['completion', 'content', 'prompt', 'role', 'tools']. Fix the "
+                                      "names in data.fields.")
 
 
 # --------------------------------------------------------------------------- template files and refusals

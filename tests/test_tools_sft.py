@@ -143,6 +143,20 @@ def test_a_call_given_as_the_functions_object_alone_keeps_its_id():
     assert tool_messages([{"role": "assistant", "tool_calls": [flat]}], "the row")[0]["tool_calls"] == [CALL]
 
 
+def test_a_conversational_prompt_completion_row_shows_its_tools_as_a_messages_row_does():
+    """TRL's conversational prompt/completion row with a `tools` column: its calls had been trained with the schemas
+    never shown (only format: messages read the column; audit 25). TRL's SFTTrainer passes them; so does llmtrain: the
+    row encodes as the same chat in messages form does."""
+    from llmtrain.config import DataConfig
+
+    tok = stand_in_tokenizer("qwen2.5-7b-instruct")
+    pc = DataConfig(path="unused.jsonl", format="prompt_completion", max_seq_len=4096)
+    row = {"prompt": CHATS[:1], "completion": CHATS[1:], "tools": TOOLS}
+    enc = encode_example(row, tok, pc)
+    assert enc == encode_example({"messages": CHATS, "tools": TOOLS}, tok, CHAT)
+    assert "Look up a word's code." in untrained_text(tok, enc) and row_problem(row, pc) is None
+
+
 def test_a_template_without_tools_is_refused_in_one_paragraph():
     """Gemma 3's template never reads `tools` or `tool_calls`: transformers would render the chat without them and
     the model would learn replies to calls it never saw."""

@@ -23,14 +23,14 @@ IGNORE = -100
 FORMAT_FIELDS = {
     "alpaca": ("instruction", "input", "output"),
     "messages": ("messages", "tools"),  # tools: a tool-use conversation's functions (data/tools.py)
-    "prompt_completion": ("prompt", "completion"),
+    "prompt_completion": ("prompt", "completion", "tools"),  # tools: as messages', for conversational rows
     "text": ("text",),
     "preference": ("prompt", "chosen", "rejected"),
     "unpaired": ("prompt", "completion", "label"),  # KTO: a boolean label, true for a desirable completion
     "prompt": ("prompt",),  # online RL: the completions are sampled; the other columns go to the reward functions
 }
-# preference: implicit-prompt rows have none; messages: tools only in tool-use rows
-OPTIONAL_FIELDS = {"alpaca": {"input"}, "preference": {"prompt"}, "messages": {"tools"}}
+# preference: implicit-prompt rows have none; messages, prompt_completion: tools only in tool-use rows
+OPTIONAL_FIELDS = {"alpaca": {"input"}, "preference": {"prompt"}, "messages": {"tools"}, "prompt_completion": {"tools"}}
 CHAT_FORMATS = ("messages", "prompt_completion", "preference", "unpaired", "prompt")  # formats whose rows may be chats
 # Prepared prompt rows (online RL) keep the user's columns under this prefix, apart from the ones preparation adds
 # (input_ids, labels, length, row, prompt): a user column named `labels` or `row` reaches the reward functions as it
@@ -173,6 +173,8 @@ def row_problem(example: dict, cfg: DataConfig) -> str | None:
         return (_messages_problem(messages, cfg, f"'{cfg.fields.get('messages', 'messages')}'")
                 or _no_reply_problem(messages, cfg, "the conversation"))
     for field in FORMAT_FIELDS[cfg.format]:
+        if field == "tools":  # (read by encode_example: tools.tool_schemas says what is wrong with them)
+            continue
         value = _column(example, cfg, field)
         name = f"'{cfg.fields.get(field, field)}' ({field})"
         # an empty completion still trains its end of turn ("empty replies" warns); an empty RL prompt is nothing
@@ -390,7 +392,10 @@ def encode_example(example: dict, tokenizer, cfg: DataConfig, *, template: str |
     if chat is not None:
         if template is None:  # (None again where the tokenizer's own renders as it is)
             template = read_template(cfg, tokenizer)
-        tools = tool_schemas(_column(example, cfg, "tools"), "a row") if cfg.format == "messages" else None
+        # (TRL's SFTTrainer passes a conversational prompt/completion row's tools too: its calls had been trained
+        # with the schemas never shown)
+        tools = tool_schemas(_column(example, cfg, "tools"), "a row") if cfg.format in (
+            "messages", "prompt_completion") else None
         ids, labels = encode_messages(chat[0], tokenizer, train_on_prompt=cfg.train_on_prompt, template=template,
                                       first=chat[1], tools=tools)
     elif cfg.format == "text":
