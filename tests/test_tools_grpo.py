@@ -88,6 +88,42 @@ def test_each_template_s_tool_calls_are_read_back_as_it_writes_them(name):
     assert parse_turn("The code is 42.", syntax).calls == []
 
 
+def test_only_call_blocks_that_end_the_turn_are_run_as_trl_reads_them():
+    """A JSON object in prose after the calls had been run as a call, and Llama 3.1's turn of two objects as two calls
+    (audit 25); TRL reads Qwen's <tool_call>...</tool_call> blocks at the turn's end and Llama's turn that is one
+    object. Such turns are text: no call runs (counted unreadable)."""
+    qwen = call_syntax(stand_in_tokenizer("qwen2.5-7b-instruct"))
+    assert (qwen.opener, qwen.closer) == ("<tool_call>", "</tool_call>")
+    call = '<tool_call>\n{"name": "lookup", "arguments": {"word": "apple"}}\n</tool_call>'
+    boom = '{"name": "boom", "arguments": {"word": "x"}}'
+    assert [c["function"]["name"] for c in parse_turn(f"Let me see.\n{call}\n{call}", qwen).calls] == ["lookup"] * 2
+    mentioned = parse_turn(f"{call}\nFor example the JSON {boom} would fail.", qwen)
+    assert mentioned.calls == [] and mentioned.unreadable
+    assert parse_turn(f"{call} and then", qwen).calls == []
+    llama = call_syntax(stand_in_tokenizer("llama-3.1-8b-instruct"))
+    one = '{"name": "lookup", "parameters": {"word": "apple"}}'
+    assert [c["function"]["name"] for c in parse_turn(one, llama).calls] == ["lookup"]
+    two = parse_turn(f"{one} and {boom}", llama)
+    assert two.calls == [] and two.unreadable
+
+
+def test_a_sampled_mistral_call_whose_id_the_template_refuses_is_text():
+    """Mistral's template raises on a call id that is not 9 letters and digits: a sampled call without one (or with
+    "abc") had stopped the whole run mid-rollout (audit 25). Such a turn is text, none of its calls run."""
+    tok = tokenizer_for("mistral")
+    tools = Tools(TOOLS[:1], tokenizer=tok, stop_ids=[tok.eos_token_id])
+
+    def turn(text):
+        return tools.parse(tok(text, add_special_tokens=False)["input_ids"] + [tok.eos_token_id])
+
+    good = turn('[TOOL_CALLS] [{"name": "lookup", "arguments": {"word": "apple"}, "id": "abcdefghi"}]')
+    assert [c["function"]["name"] for c in good.calls] == ["lookup"] and not good.unreadable
+    for bad in ('[TOOL_CALLS] [{"name": "lookup", "arguments": {"word": "apple"}}]',
+                '[TOOL_CALLS] [{"name": "lookup", "arguments": {"word": "apple"}, "id": "abc"}]'):
+        t = turn(bad)
+        assert t.calls == [] and t.unreadable
+
+
 def test_a_template_without_tool_calls_is_refused_in_one_paragraph():
     with pytest.raises(LLMTrainError, match="does not write tool calls") as e:
         call_syntax(stand_in_tokenizer("gemma-3-4b-it"))

@@ -236,6 +236,7 @@ class CallSyntax:
     name_key: str
     arguments_key: str
     shows_id: bool
+    closer: str = ""  # what closes a call after its JSON (Qwen's `</tool_call>`; '' where the JSON ends it)
 
 
 @dataclass
@@ -294,8 +295,11 @@ def call_syntax(tokenizer, template: str | None = None) -> CallSyntax:
     # list's bracket (Mistral's) is read with the list
     words = shown[:start].rstrip().removesuffix("[").split()
     opener = words[-1] if words else ""
+    # what follows the first call's JSON (its list's, Mistral's) up to the next call's opener or the turn's end
+    after = shown[next(e for s_, e, o in found if o is obj):]
+    closer = (after[:after.find(opener)] if opener and opener in after else after).strip()
     return CallSyntax(opener=opener, name_key=name_key, arguments_key=arguments_key,
-                      shows_id=PROBE_IDS[0] in obj.values())
+                      shows_id=PROBE_IDS[0] in obj.values(), closer=closer)
 
 
 def _json_objects(text: str, start: int = 0) -> list[tuple[int, int, dict]]:
@@ -318,30 +322,61 @@ def _json_objects(text: str, start: int = 0) -> list[tuple[int, int, dict]]:
 
 
 def parse_turn(text: str, syntax: CallSyntax) -> Turn:
-    """A sampled turn's text (special tokens kept, its end of turn cut off) as a Turn: the calls after the template's
-    opener, each a JSON object with the name and arguments keys (arguments an object, or a JSON string of one)."""
+    """A sampled turn's text (special tokens kept, its end of turn cut off) as a Turn: its calls, each a JSON object
+    with the name and arguments keys (arguments an object, or a JSON string of one), in blocks of the template's
+    opener, JSON and closer that end the turn, as TRL reads them (Qwen's `<tool_call>{...}</tool_call>` blocks;
+    Llama 3.1's turn that is one JSON object). A JSON object in text after the calls (a call the model only mentions)
+    had been run as a call, and Llama's two objects as two calls; such a turn is text."""
     if syntax.opener:
         at = text.find(syntax.opener)
         if at < 0:
             return Turn(text.strip(), [])
-        content, rest = text[:at].strip(), text[at + len(syntax.opener):]
+        content = text[:at].strip()
     else:  # Llama 3.1: the turn is a call when it is one JSON object
-        content, rest = "", text.strip()
-        if not rest.startswith("{"):
-            return Turn(text.strip(), [])
-    calls, unreadable = [], False
-    for _, _, obj in _json_objects(rest):
-        call = _sampled_call(obj, syntax)
-        if call is None:
-            unreadable = True
-        else:
-            calls.append(call)
+        content, text, at = "", text.strip(), 0
+        if not text.startswith("{"):
+            return Turn(text, [])
+    values = _call_blocks(text, at, syntax)
+    calls = [c for c in map(lambda v: _sampled_call(v, syntax), values or []) if c is not None]
     if not calls:
         return Turn(text.strip(), [], unreadable=True)
-    return Turn(content, calls, unreadable)
+    return Turn(content, calls, unreadable=len(calls) < len(values))
 
 
-def _sampled_call(obj: dict, syntax: CallSyntax) -> dict | None:
+def _call_blocks(text: str, at: int, syntax: CallSyntax) -> list | None:
+    """The JSON values of the call blocks from `at` to the end of `text` (opener, JSON, closer, again; whitespace
+    between), each list's items one by one; None where anything else stands among or after them."""
+    decoder, values, i = json.JSONDecoder(), [], at
+    while True:
+        if syntax.opener:
+            if not text.startswith(syntax.opener, i):
+                return None
+            i += len(syntax.opener)
+        try:
+            value, i = decoder.raw_decode(text, _after_space(text, i))
+        except json.JSONDecodeError:
+            return None
+        values += value if isinstance(value, list) else [value]
+        i = _after_space(text, i)
+        if syntax.closer:
+            if not text.startswith(syntax.closer, i):
+                return None
+            i = _after_space(text, i + len(syntax.closer))
+        if i >= len(text):
+            return values
+        if not syntax.opener:  # Llama 3.1 writes one call a turn
+            return None
+
+
+def _after_space(text: str, i: int) -> int:
+    while i < len(text) and text[i].isspace():
+        i += 1
+    return i
+
+
+def _sampled_call(obj, syntax: CallSyntax) -> dict | None:
+    if not isinstance(obj, dict):
+        return None
     name, arguments = obj.get(syntax.name_key), obj.get(syntax.arguments_key, {})
     if isinstance(arguments, str):
         try:

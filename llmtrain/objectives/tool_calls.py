@@ -97,9 +97,23 @@ class Tools:
         if self.end_of_turn and self.end_of_turn in text:
             text = text[: text.index(self.end_of_turn)]
         turn = parse_turn(text, self.syntax)
+        if turn.calls and self.syntax.shows_id and not self._renders(turn.calls):
+            turn = Turn(text.strip(), [], unreadable=True)
         if not turn.calls:  # what the turn says, as the reward functions read a plain completion
             turn.content = self.stop_ids.reply(self.tokenizer.decode(ids, skip_special_tokens=True))
         return turn
+
+    def _renders(self, calls: list[dict]) -> bool:
+        """Whether the template renders these calls' results (Mistral's refuses a call id that is not 9 letters and
+        digits, which a sampled call may lack or get wrong: its error had stopped the run mid-rollout). A turn whose
+        calls it refuses is text, none run: TRL's fallback for a call it cannot read."""
+        results = [{"role": "tool", "name": c["function"]["name"], "content": "",
+                    **({"tool_call_id": c["id"]} if "id" in c else {})} for c in calls]
+        try:
+            tool_suffix_ids(self.tokenizer, self.template, results)
+        except LLMTrainError:
+            return False
+        return True
 
     def environments(self, n: int) -> list:
         """n instances of rl.environment (made once, then reused: reset before each rollout), or n Nones."""
