@@ -481,6 +481,48 @@ def test_an_environment_per_completion_is_reset_with_its_row_and_its_reward_coun
     assert Vault.made == 4  # reused, reset
 
 
+class Raising(Vault):
+    """An environment whose reset raises on one row's word."""
+
+    def reset(self, prompt, word, **columns):
+        if word == "xyz":
+            raise KeyError("no vault for xyz")
+        return super().reset(prompt, word)
+
+
+def test_an_environment_whose_reset_needs_a_missing_column_or_raises_is_one_paragraph(tiny_assets, monkeypatch):
+    """reset(prompt, word) with no `word` column, and a reset that raises: each had been a traceback at step 1, after
+    the run folder was written (audit 25). The first is refused when the objective is made, naming the columns; the
+    second at the rollout, naming the class's line and the row."""
+    from transformers import AutoTokenizer
+
+    from llmtrain.config import RLConfig
+    from llmtrain.objectives.grpo import GRPO
+
+    tok = AutoTokenizer.from_pretrained(tiny_assets / "model")
+    template = tok.chat_template = (tiny_assets / "data" / "tools.jinja").read_text()
+
+    def make(environment, columns):
+        rl = RLConfig(num_generations=2, max_completion_tokens=40, beta=0.0, environment=environment,
+                      rewards=[{"type": "answer_match"}])
+        return GRPO(rl, tokenizer=tok, pad_id=tok.pad_token_id, packing=True, seed=0,
+                    rewards=[("zero", lambda completions, **kw: [0.0] * len(completions), 1.0)], model=None,
+                    columns=["input_ids", "row", "prompt", *columns], stop_ids=[tok.eos_token_id], world=1,
+                    template=template, render=lambda prompt, row: [1, 2, 3])
+
+    with pytest.raises(LLMTrainError, match=r"rl.environment test_tools_grpo:Vault's reset needs the argument 'word', "
+                                            r"which nothing passes: .* by its name: \['answer'\]"):
+        make("test_tools_grpo:Vault", ["user/answer"])
+    grpo = make("test_tools_grpo:Raising", ["user/word"])
+    monkeypatch.setattr(grpo, "_generate", lambda ids, seeds, **kw: [[tok.eos_token_id] for _ in ids])
+    chat = [{"role": "user", "content": "open the vault"}]
+    examples = [{"input_ids": [1, 2, 3], "row": r, "prompt": chat, "user/word": w}
+                for r, w in enumerate(["abc", "xyz"])]
+    with pytest.raises(LLMTrainError, match=r"rl.environment test_tools_grpo:Raising.reset raised KeyError: 'no vault "
+                                            r"for xyz' at test_tools_grpo.py:\d+ in reset \(on the prompt of row 1\)"):
+        grpo._rollout_batch(examples, step=0)
+
+
 def test_an_environment_that_is_not_one_is_refused():
     with pytest.raises(LLMTrainError, match="not a class with a reset method"):
         Tools([], tokenizer=stand_in_tokenizer("qwen2.5-7b-instruct"), environment="test_tools_grpo:lookup")

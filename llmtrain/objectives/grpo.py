@@ -416,10 +416,12 @@ class GRPO:
         self.render = render  # a prompt (the row's, an environment's observation added) to its tokens
         self._environments: list = []  # the rollout's rl.environment instances, one per completion
         if rl.tools or rl.environment:
-            from llmtrain.objectives.tool_calls import Tools
+            from llmtrain.objectives.tool_calls import Tools, check_reset
 
             self.tools = Tools.of_run(rl, tokenizer=tokenizer, template=template, stop_ids=self.stop_ids,
                                       runner=self.runner)
+            if self.tools.environment is not None:
+                check_reset(rl.environment, self.tools.environment, list(self.reward_columns))
             if callable(getattr(self.tools.environment, "get_reward", None)):  # TRL's: a reward named after it
                 rewards = self.rewards = [*rewards, (self.tools.environment.__name__, self._environment_reward(), 1.0)]
         answer_columns = [self.reward_columns.get(c.column, c.column) for c in rl.rewards if c.type == "answer_match"]
@@ -769,10 +771,8 @@ class GRPO:
             """The rollout's environments (on the process that runs the user's code), each reset with its row."""
             self._environments = self.tools.environments(len(prompt_ids))
             # TRL's: reset with the row; an observation joins the prompt's last message
-            observations = [None if environment is None else environment.reset(prompt=row["prompt"], **{
-                                name: row[stored] for name, stored in self.reward_columns.items()})
-                            for environment, row in zip(self._environments, rows)]
-            return [None if o is None else str(o) for o in observations]  # text: what travels to the other
+            return [None if environment is None else self._reset(environment, row)
+                    for environment, row in zip(self._environments, rows)]  # text: what travels to the other
 
         for i, (observation, row) in enumerate(zip(self.user_code(reset), rows)):
             if observation is not None:
@@ -785,6 +785,20 @@ class GRPO:
                                    max_new_tokens=self.rl.max_completion_tokens, max_rounds=self.rl.max_tool_calls,
                                    environments=self._environments, user_code=self.user_code, logps=logps)
         return [t.ids for t in tooled], tooled
+
+    def _reset(self, environment, row: dict) -> str | None:
+        """rl.environment's reset of one rollout's instance with its row (TRL's: prompt=, each column by name), its
+        observation as text; one that raises said in a paragraph naming the class's line and the row (a traceback at
+        step 1, before)."""
+        from llmtrain.objectives.rewards import _raised
+
+        try:
+            observation = environment.reset(prompt=row["prompt"], **{
+                name: row[stored] for name, stored in self.reward_columns.items()})
+        except Exception as e:
+            raise _raised(f"{self.rl.environment}.reset", e, f"row {row['row']}", type(environment).reset,
+                          what="rl.environment", on="the prompt of ") from e
+        return None if observation is None else str(observation)
 
     def _environment_reward(self):
         """rl.environment's get_reward as a reward function: each completion's instance's (TRL's; async or not)."""

@@ -270,9 +270,11 @@ def _as_list(values):
     return list(values) if isinstance(values, tuple) else values
 
 
-def _raised(name: str, e: BaseException, at: str, fn=None) -> LLMTrainError:
-    """The paragraph of a reward function that raised `e`: where in the function's own file (its innermost line
-    there: the user's frame, which the paragraph had not named), and with what."""
+def _raised(name: str, e: BaseException, at: str, fn=None, *, what: str = "reward function",
+            on: str = "the completions of ") -> LLMTrainError:
+    """The paragraph of a reward function (`what`: or an rl.environment's reset) that raised `e`: where in the
+    function's own file (its innermost line there: the user's frame, which the paragraph had not named), and with
+    what."""
     called = (" It is called with keyword arguments, as TRL calls it: prompts, completions, completion_ids, "
               "trainer_state, log_extra, log_metric and each column of the data by name; take **kwargs for those it "
               "does not read." if isinstance(e, TypeError) and "keyword argument" in str(e) else "")
@@ -282,9 +284,9 @@ def _raised(name: str, e: BaseException, at: str, fn=None) -> LLMTrainError:
     source = getattr(getattr(fn, "__code__", None), "co_filename", None)
     frames = [f for f in traceback.extract_tb(e.__traceback__) if f.filename == source and source[:1] != "<"]
     line = f" at {Path(frames[-1].filename).name}:{frames[-1].lineno} in {frames[-1].name}" if frames else ""
-    return LLMTrainError(f"reward function {name} raised {type(e).__name__}: {e}{line} (on the completions of {at}). "
-                         f"Fix the function (--debug shows its traceback); no step was taken with its "
-                         f"rewards.{called}")
+    return LLMTrainError(f"{what} {name} raised {type(e).__name__}: {e}{line} (on {on}{at}). Fix the function "
+                         f"(--debug shows its traceback); no step was taken with its "
+                         f"{'rewards' if what == 'reward function' else 'rollouts'}.{called}")
 
 
 def trainer_state(recipe, *, total_steps: int | None):
@@ -322,22 +324,26 @@ def check_arguments(name: str, fn: RewardFn, *, columns: list[str], where: str) 
     """Refuse a function whose signature asks for an argument that no call will pass (a column the data lacks),
     naming it and the columns there are, instead of Python's bare `TypeError ... missing 1 required positional
     argument`. Signatures that cannot be read (some builtins, C callables) are left to the call itself."""
-    try:
-        parameters = inspect.signature(fn).parameters.values()
-    except (TypeError, ValueError):
-        return
-    given = {*TRL_ARGUMENTS, *columns}
-    # Every argument goes by keyword (as TRL passes them): a required positional-only one can never be given
-    missing = [p.name for p in parameters if p.default is inspect.Parameter.empty and (
-        p.kind is inspect.Parameter.POSITIONAL_ONLY
-        or p.kind in (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY) and p.name not in given)]
-    if missing:
+    if missing := unpassed(fn, {*TRL_ARGUMENTS, *columns}):
         raise LLMTrainError(
             f"reward function {name} needs the argument '{missing[0]}', which nothing passes: a reward function is "
             f"called with keyword arguments, {', '.join(TRL_ARGUMENTS)} and each column of {where} but the prompt "
             f"(which is `prompts`) by its name: {sorted(columns) or 'none'}. Rename the data's column to "
             f"'{missing[0]}', or change the function to read one of those columns by its name (or give "
             f"'{missing[0]}' a default); llmtrain does not rename columns for reward functions.")
+
+
+def unpassed(fn, given: set[str], *, skip: int = 0) -> list[str]:
+    """The arguments `fn` requires that a call passing `given` by keyword leaves out (every argument goes by keyword,
+    as TRL passes them: a required positional-only one can never be given); `skip`: leading ones (a method's self).
+    [] where the signature cannot be read (some builtins, C callables): left to the call itself."""
+    try:
+        parameters = list(inspect.signature(fn).parameters.values())[skip:]
+    except (TypeError, ValueError):
+        return []
+    return [p.name for p in parameters if p.default is inspect.Parameter.empty and (
+        p.kind is inspect.Parameter.POSITIONAL_ONLY
+        or p.kind in (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY) and p.name not in given)]
 
 
 def _rows(rows: list[int]) -> str:

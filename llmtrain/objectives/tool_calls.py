@@ -171,6 +171,19 @@ class Tools:
         return messages, tool_suffix_ids(self.tokenizer, self.template, messages)
 
 
+def check_reset(name: str, cls: type, columns: list[str]) -> None:
+    """Refuse an rl.environment whose reset asks for an argument that no call passes (a column the prompt data lacks),
+    naming it and the columns there are: reset is called with prompt= and each column by its name (TRL's). It had
+    been a TypeError traceback at step 1. A signature that cannot be read is left to the call."""
+    from llmtrain.objectives.rewards import unpassed
+
+    if missing := unpassed(cls.reset, {"prompt", *columns}, skip=1):
+        raise LLMTrainError(f"rl.environment {name}'s reset needs the argument '{missing[0]}', which nothing passes: "
+                            f"reset is called with prompt= and each column of the prompt data by its name: "
+                            f"{sorted(columns) or 'none'}. Add a column '{missing[0]}' to the data, or give it a "
+                            "default in reset.")
+
+
 def _within(seconds: float, fn, arguments: dict):
     """fn(**arguments) on a daemon thread, its result or its exception; TimeoutError after `seconds` (the thread is
     left to finish on its own: a tool that never returns cannot hold the run, nor its exit)."""
