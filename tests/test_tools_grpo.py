@@ -523,6 +523,26 @@ def test_an_environment_whose_reset_needs_a_missing_column_or_raises_is_one_para
         grpo._rollout_batch(examples, step=0)
 
 
+@pytest.mark.parametrize(("cut", "says"), [
+    ("{% if tools %}<|SYSTEM|>tools:{% for t in tools %} {{ (t.function if t.function is defined else t).name }}"
+     "{% endfor %}{% endif %}", "does not show the tools in the prompt"),
+    ("{{ m['content'] }}</result>", "leaves a tool's result out of what it renders after a call"),
+])
+def test_a_template_that_hides_the_tools_or_their_results_is_refused(tiny_assets, cut, says):
+    """A template that never shows the tools in a prompt, or drops a tool message's content: accepted before (the
+    model asked to call tools it never sees, or sampling on without their results; audit 25); TRL's GRPOTrainer
+    refuses the second. Refused as the SFT side refuses them."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(tiny_assets / "model")
+    template = (tiny_assets / "data" / "tools.jinja").read_text()
+    Tools(TOOLS[:1], tokenizer=tok, template=template, stop_ids=[tok.eos_token_id])  # the tiny template: shown
+    broken = template.replace(cut, "</result>" if "result" in cut else "")
+    assert broken != template
+    with pytest.raises(LLMTrainError, match=says):
+        Tools(TOOLS[:1], tokenizer=tok, template=broken, stop_ids=[tok.eos_token_id])
+
+
 def test_an_environment_that_is_not_one_is_refused():
     with pytest.raises(LLMTrainError, match="not a class with a reset method"):
         Tools([], tokenizer=stand_in_tokenizer("qwen2.5-7b-instruct"), environment="test_tools_grpo:lookup")

@@ -77,6 +77,7 @@ class Tools:
         from llmtrain.data.chat import end_of_turn
 
         self.end_of_turn = end_of_turn(tokenizer, template)
+        check_template_shows(tokenizer, template, self.schemas)
         self.stop_ids = Stops.of(stop_ids)
         self.runner = runner
 
@@ -169,6 +170,31 @@ class Tools:
         messages = [{"role": "tool", "name": r["name"], "content": r["result"],
                      **({"tool_call_id": r["id"]} if "id" in r else {})} for r in records]
         return messages, tool_suffix_ids(self.tokenizer, self.template, messages)
+
+
+def check_template_shows(tokenizer, template: str | None, schemas: list[dict]) -> None:
+    """Refuse a template that never shows the tools in a prompt, or leaves a tool's result out of what it renders
+    after a call (TRL's GRPOTrainer refuses the second: supports_tool_calling), as the SFT side refuses them: the model
+    would call tools it was never shown, or answer without their results. Probed with the first tool's schema and a
+    sentinel result."""
+    from llmtrain.data.chat import TOOL_RESULT_PROBE, _apply
+
+    name = schemas[0]["function"]["name"] if "function" in schemas[0] else schemas[0]["name"]
+    prompt = _apply(tokenizer, [{"role": "user", "content": "Call the tool."}], template, generation_prompt=True,
+                    tools=schemas)
+    if name not in prompt:
+        raise LLMTrainError(f"the chat template does not show the tools in the prompt (the tool '{name}' is nowhere in "
+                            "a prompt rendered with them), so the model would be asked to call tools it never sees. "
+                            "Give a template that renders its tools argument (data.chat_template: "
+                            "path/to/template.jinja).")
+    from llmtrain.data.tools import PROBE_IDS
+
+    suffix = tool_suffix_ids(tokenizer, template, [{"role": "tool", "name": name, "tool_call_id": PROBE_IDS[0],
+                                                    "content": TOOL_RESULT_PROBE}])
+    if TOOL_RESULT_PROBE not in tokenizer.decode(suffix):
+        raise LLMTrainError("the chat template leaves a tool's result out of what it renders after a call (a probe "
+                            "result is not in it), so the model would sample on without its tools' results. Give a "
+                            "template that renders tool messages' content (data.chat_template: path/to/template.jinja).")
 
 
 def check_reset(name: str, cls: type, columns: list[str]) -> None:
