@@ -194,7 +194,8 @@ def check_template_shows(tokenizer, template: str | None, schemas: list[dict]) -
     if TOOL_RESULT_PROBE not in tokenizer.decode(suffix):
         raise LLMTrainError("the chat template leaves a tool's result out of what it renders after a call (a probe "
                             "result is not in it), so the model would sample on without its tools' results. Give a "
-                            "template that renders tool messages' content (data.chat_template: path/to/template.jinja).")
+                            "template that renders tool messages' content (data.chat_template: "
+                            "path/to/template.jinja).")
 
 
 def check_reset(name: str, cls: type, columns: list[str]) -> None:
