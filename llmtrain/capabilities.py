@@ -78,16 +78,18 @@ class Mode:
     router_aux: bool = False  # model.router_aux_loss_coef (a mixture of experts' load-balancing loss) joins its loss
     neftune: bool = False  # train.neftune_alpha: noise on the input embeddings of its examples in training
     sft_loss: bool = False  # train.sft_loss: its summed token loss may be DFT's
+    dropout_off: bool = False  # TRL's trainer for it turns every dropout off (disable_dropout's default there)
 
 
 MODES: dict[str, Mode] = {m.key: m for m in (
     Mode("sft", "supervised fine-tuning", ("alpaca", "messages", "prompt_completion", "text"), "examples", True,
          "loss, samples", "causal LM", router_aux=True, neftune=True, sft_loss=True),
     Mode("preference", "preference pairs (preference:)", ("preference",), "pairs", True,
-         "loss, reward margin and accuracy, samples", "causal LM", router_aux=True),
-    Mode("kto", "KTO (kto:)", ("unpaired",), "examples", True, "loss, reward margin", "causal LM", router_aux=True),
+         "loss, reward margin and accuracy, samples", "causal LM", router_aux=True, dropout_off=True),
+    Mode("kto", "KTO (kto:)", ("unpaired",), "examples", True, "loss, reward margin", "causal LM", router_aux=True,
+         dropout_off=True),
     Mode("reward_model", "a reward model (reward_model:)", ("preference",), "pairs", True, "loss, accuracy, margin",
-         "score head", samples=False),
+         "score head", samples=False, dropout_off=True),
     Mode("grpo", "online RL, GRPO (rl:)", ("prompt",), "prompts", False, "reward, answer accuracy", "causal LM"),
     Mode("rloo", "online RL, RLOO (rl: {algorithm: rloo})", ("prompt",), "prompts", False, "reward, answer accuracy",
          "causal LM"),

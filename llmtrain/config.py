@@ -437,6 +437,10 @@ class TrainConfig(Section):
         "neftune_noise_alpha, LLaMA-Factory's neftune_alpha): supervised fine-tuning's input embeddings gain uniform "
         "noise in [-1, 1] x alpha / sqrt(L d) in training (L the example's tokens, d the hidden size; the paper uses "
         "5 to 15). None: no noise.")
+    disable_dropout: bool | None = Field(
+        None, description="Turn every dropout off in training (lora.dropout's too), as TRL's disable_dropout. None: as "
+        "TRL's trainer of the run's mode does: on for preference pairs, KTO and reward models (TRL's DPOTrainer, "
+        "KTOTrainer and RewardTrainer default it on), off for supervised fine-tuning, GRPO, RLOO and distillation.")
     sft_loss: Literal["nll", "dft"] = Field(
         "nll", description="Supervised fine-tuning's loss (TRL's SFTTrainer loss_type): nll, each trained token's "
         "-log p; dft (Dynamic Fine-Tuning, Wu et al. 2025), each token's -log p times p without gradient, so tokens "
@@ -1445,6 +1449,15 @@ class Recipe(Section):
         held = f"a process holds at most {local:,} tokens of a micro-batch ({key}, sequence_parallel={degree})" \
             if degree > 1 else f"a micro-batch holds at most {local:,} tokens ({key})"
         return local, held
+
+    @model_validator(mode="after")
+    def _resolve_dropout(self) -> Recipe:
+        """train.disable_dropout None: the capability table's for the recipe's mode (TRL's trainer's default)."""
+        if self.train.disable_dropout is None:
+            from llmtrain.capabilities import MODES, mode_of
+
+            self.train.disable_dropout = MODES[mode_of(self)].dropout_off
+        return self
 
     @model_validator(mode="after")
     def _check_modes(self) -> Recipe:

@@ -58,6 +58,30 @@ def _pref_recipe(tiny_assets, folder):
                         train={"max_steps": 6, "micro_batch_size": 8, "lr": 1e-3, "warmup_steps": 0, "seed": 7})
 
 
+def test_lora_dropout_is_off_by_default_as_trls_dpo_trainer_turns_it_off(tiny_assets, tmp_path):
+    """TRL's DPOTrainer (and KTOTrainer, RewardTrainer) default disable_dropout=True: every dropout off, peft's
+    lora_dropout too. llmtrain had trained with lora.dropout's 0.05 (audit 26). train.disable_dropout resolves from
+    the capability table: on for these modes, off for SFT; a LoRA DPO run with lora.dropout 0.05 now trains what one
+    with 0 trains, and `train.disable_dropout: false` brings the dropout back."""
+    from llmtrain.config import load_recipe
+
+    recipe = _pref_recipe(tiny_assets, tmp_path)
+    lora = ["lora.r=4", "lora.alpha=8", "train.lr=1e-2", "train.max_steps=3", "data.eval_split=null"]
+    assert load_recipe(recipe, lora).train.disable_dropout is True
+    assert load_recipe(REPO / "recipes" / "tiny.yaml").train.disable_dropout is False
+    assert load_recipe(REPO / "recipes" / "tiny-grpo.yaml").train.disable_dropout is False
+
+    def losses(*more):
+        run = tmp_path / f"run{len(list(tmp_path.glob('run*')))}"
+        run_train(recipe, *lora, *more, f"output_dir={run}")
+        return [r["loss"] for r in records(run)]
+
+    default, none, kept = losses("lora.dropout=0.05"), losses("lora.dropout=0.0"), losses(
+        "lora.dropout=0.05", "train.disable_dropout=false")
+    assert default == pytest.approx(none, abs=1e-6)
+    assert abs(kept[-1] - none[-1]) > 1e-4  # dropout on: another run
+
+
 @pytest.fixture
 def pref_recipe(tiny_assets, tmp_path):
     return _pref_recipe(tiny_assets, tmp_path)

@@ -35,6 +35,7 @@ SCHEDULE = ["train.max_steps", "train.epochs", "train.lr", "train.schedule", "tr
 # each of its keys, every mode's section (capabilities.SECTIONS) among them; which mode's section a recipe has at all
 # is the run itself.
 OBJECTIVE = ["lora", *SECTIONS, "train.eps", "train.neftune_alpha", "train.sft_loss", "train.max_grad_norm",
+             "train.disable_dropout",
              "train.mixed_precision", "model.quantize", "model.rope_scaling",
              "model.router_aux_loss_coef"]
 
