@@ -62,6 +62,23 @@ MESSAGES = DataConfig(path="unused.jsonl", format="messages", max_seq_len=4096)
 
 
 @needs(MISTRAL)
+@pytest.mark.parametrize(("prompt", "completion", "trained"), [
+    ("Translate: chat\n", "cat", ["cat", "</s>"]),  # had been "▁cat": a reply with a stray space
+    ("Answer: ", "4", ["4", "</s>"]),  # had been "▁", "4" after the prompt's own "▁"
+    ("Q: capital?", " Paris.", ["▁Paris", ".", "</s>"]),  # (a leading space was right already)
+    ("Q:", " 5 apples.</s>", ["▁", "5", "▁ap", "ples", ".", "</s>"]),  # EOS already written: not doubled
+])
+def test_a_plain_completion_is_trained_as_it_follows_its_prompt(mistral, prompt, completion, trained):
+    """A plain prompt/completion row (and a pair's or KTO row's answer) on Mistral's tokenizer, which marks a word's
+    start with "▁": the completion tokenised alone had gained one (audit 29), where TRL, tokenising them together,
+    and inference after the prompt do not. The prompt's tokens stay its own (inference's)."""
+    cfg = DataConfig(path="unused.jsonl", format="prompt_completion", max_seq_len=64, chat_template=False)
+    enc = encode_example({"prompt": prompt, "completion": completion}, mistral, cfg)
+    assert mistral.convert_ids_to_tokens([i for i, x in zip(enc["input_ids"], enc["labels"]) if x != IGNORE]) == trained
+    assert enc["input_ids"][:-len(trained)] == mistral(prompt)["input_ids"]
+
+
+@needs(MISTRAL)
 @needs(GSM8K)
 def test_mistral_trains_exactly_the_answer_and_eos(mistral):
     inst, end_inst = mistral.convert_tokens_to_ids(["[INST]", "[/INST]"])

@@ -246,10 +246,16 @@ def prompt_and_completion(example: dict, cfg: DataConfig) -> tuple[str, str]:
 
 
 def encode_prompt_completion(prompt: str, completion: str, tokenizer, *, train_on_prompt: bool) -> tuple[list, list]:
-    # Tokenised separately so the prompt/completion boundary is exact; BOS comes from the tokenizer's
-    # own special-token rule, and EOS is appended so the model learns to stop.
+    """The prompt's tokens as inference tokenises it alone (BOS by the tokenizer's own rule), then the completion's
+    as they follow it: taken from prompt + completion tokenised whole where that begins with the prompt's tokens
+    (Mistral's tokenizer marks a word's start with "▁", so "cat" tokenised alone after "Translate: chat\n" had been
+    trained as "▁cat", a reply with a stray space; TRL tokenises them together), else tokenised alone (a token that
+    would straddle the boundary: the prompt's tokens stay inference's). EOS is appended so the model learns to stop,
+    unless the completion already ends with it (it had been doubled)."""
     p = tokenizer(prompt, add_special_tokens=True)["input_ids"]
-    c = tokenizer(completion, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
+    whole = tokenizer(prompt + completion, add_special_tokens=True)["input_ids"]
+    c = whole[len(p):] if whole[:len(p)] == p else tokenizer(completion, add_special_tokens=False)["input_ids"]
+    c = c if c and c[-1] == tokenizer.eos_token_id else c + [tokenizer.eos_token_id]
     return p + c, (p if train_on_prompt else [IGNORE] * len(p)) + c
 
 
