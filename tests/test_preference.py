@@ -278,11 +278,40 @@ def test_three_shapes_render_each_answer_as_sft_renders_the_row(tiny_tok):
     assert tiny_tok.decode(trained) == "Hello.</s>"  # the answer and its end of turn, nothing of the prompt
 
 
+def test_an_explicit_prompt_is_kept_before_the_messages_the_answers_share(tiny_tok):
+    """A prompt column of messages beside answers that share their first messages: the shared messages had replaced
+    the prompt, the user's question lost (audit 29). They follow it now; where the answers repeat the prompt (its
+    messages, or ultrafeedback_binarized's text as their user message) they are it, as before."""
+    from llmtrain.data.pairs import split_pair
+
+    cfg = DataConfig(path="x.jsonl", format="preference", chat_template=True)
+    u, sure, shorter = ({"role": "user", "content": "Tell me about cats."}, {"role": "assistant", "content": "Sure."},
+                        {"role": "user", "content": "Shorter please."})
+    yes, no = {"role": "assistant", "content": "Cats purr."}, {"role": "assistant", "content": "No."}
+    row = {"prompt": [u], "chosen": [sure, shorter, yes], "rejected": [sure, shorter, no]}
+    assert split_pair(row, cfg) == ([u, sure, shorter], [yes], [no])
+    repeated = {"prompt": [u], "chosen": [u, sure, shorter, yes], "rejected": [u, sure, shorter, no]}
+    assert split_pair(repeated, cfg) == ([u, sure, shorter], [yes], [no])
+    ultrafeedback = {"prompt": u["content"], "chosen": [u, yes], "rejected": [u, no]}
+    assert split_pair(ultrafeedback, cfg) == ([u], [yes], [no])
+    as_dict = {"prompt": u, "chosen": yes, "rejected": no}  # a prompt given as one message had been its repr as text
+    assert split_pair(as_dict, cfg) == ([u], [yes], [no])
+    enc = encode_pair(row, tiny_tok, cfg)
+    assert "Tell me about cats." in tiny_tok.decode(enc["chosen_ids"])
+
+
 @pytest.mark.parametrize("row, problem", [
     ({"prompt": "a", "chosen": "", "rejected": "b"}, "row 2: 'chosen' (chosen) is empty"),
     ({"prompt": "a", "chosen": "b", "rejectd": "c"},
      "row 2: 'rejected' (rejected) is missing (no such key, or null); the row has 'prompt', 'chosen', 'rejectd'"),
     ({"prompt": "a", "chosen": [{"role": "assistant"}], "rejected": "b"}, "row 2: the chosen messages are not all"),
+    # audit 29: a number (a CSV's answer) had been a traceback; an answer without an assistant message a traceback
+    # (or the pair dropped as "the same"); one answer text and the other a chat, two prompts compared silently
+    ({"prompt": "What is 2+2?", "chosen": 4, "rejected": 5}, "row 2: 'chosen' (chosen) is 4, an int, not text"),
+    ({"prompt": "a", "chosen": [{"role": "gpt", "content": "b"}], "rejected": [{"role": "gpt", "content": "c"}]},
+     "row 2: the chosen answer has no assistant message, so nothing would be trained (roles ['gpt']"),
+    ({"prompt": "q?", "chosen": "yes", "rejected": [{"role": "assistant", "content": "no"}]},
+     "row 2: 'chosen' (chosen) and 'rejected' (rejected) are one text and one message list"),
 ])
 def test_bad_pairs_are_refused_naming_file_and_row(tiny_tok, tmp_path, row, problem):
     path = write_jsonl(tmp_path / "p.jsonl", [PAIRS[0], row])

@@ -189,11 +189,16 @@ def row_problem(example: dict, cfg: DataConfig) -> str | None:
         elif isinstance(value, (dict, list)):
             return f"{name} is a {type(value).__name__}, not text"
         elif value is not None and not isinstance(value, str):  # a number, which a template would print as text
-            kind = type(value).__name__
-            return (f"{name} is {value!r}, a{'n' * (kind[0] in 'aeiou')} {kind}, not text (quote it in the file if "
-                    "it is meant as text; a CSV or parquet column of numbers is read as numbers whatever the quotes: "
-                    "write such data as JSON lines, the value quoted)")
+            return not_text(name, value)
     return None
+
+
+def not_text(name: str, value: Any) -> str:
+    """A column's value that is a number (or another non-text scalar) where text is read, in words."""
+    kind = type(value).__name__
+    return (f"{name} is {value!r}, a{'n' * (kind[0] in 'aeiou')} {kind}, not text (quote it in the file if it is "
+            "meant as text; a CSV or parquet column of numbers is read as numbers whatever the quotes: write such "
+            "data as JSON lines, the value quoted)")
 
 
 def conversational_rows(cfg: DataConfig) -> bool:

@@ -7,7 +7,8 @@ Shapes (column names mappable through data.fields):
 - conversational (HuggingFaceH4/ultrafeedback_binarized): prompt a list of messages, chosen and rejected each a
   message or a list of messages;
 - implicit prompt (Anthropic HH): chosen and rejected are whole conversations, and the messages they share at
-  the start are the prompt (a prompt column beside them, as in ultrafeedback_binarized, only repeats it).
+  the start are the prompt (a prompt column beside them, as in ultrafeedback_binarized, repeats it; one that does
+  not is the prompt's start, the shared messages after it).
 
 Each answer is encoded as the SFT row {prompt, completion=answer} would be (formats.encode_example): the inference
 prompt with add_generation_prompt, then the reply as the template renders it; only the answer's tokens, up to and
@@ -19,7 +20,7 @@ from __future__ import annotations
 from typing import Any
 
 from llmtrain.config import DataConfig
-from llmtrain.data.formats import IGNORE, encode_example, prompt_length
+from llmtrain.data.formats import IGNORE, _no_reply_problem, encode_example, not_text, prompt_length
 
 PAIR_COLUMNS = ["chosen_ids", "chosen_labels", "rejected_ids", "rejected_labels", "length"]
 MARGIN = "margin"  # TRL's optional column: how much the chosen answer is better (reward models subtract it)
@@ -43,18 +44,31 @@ def _same(a: dict, b: dict, cfg: DataConfig) -> bool:
 
 def split_pair(example: dict, cfg: DataConfig) -> tuple[Any, Any, Any]:
     """(prompt, chosen, rejected) of a row: text, or lists of messages (an implicit prompt split off)."""
-    prompt, chosen, rejected = (_get(example, cfg, f) for f in ("prompt", "chosen", "rejected"))
-    chosen = _as_messages(chosen) if isinstance(chosen, (dict, list)) else chosen
-    rejected = _as_messages(rejected) if isinstance(rejected, (dict, list)) else rejected
+    prompt, chosen, rejected = (_as_messages(v) if isinstance(v, dict) else v
+                                for v in (_get(example, cfg, f) for f in ("prompt", "chosen", "rejected")))
     if isinstance(chosen, list) and isinstance(rejected, list):
         n = 0
         while n < min(len(chosen), len(rejected)) - 1 and _same(chosen[n], rejected[n], cfg):
             n += 1
-        # The shared first messages are the prompt, also where a prompt column repeats them as text
-        # (HuggingFaceH4/ultrafeedback_binarized: prompt is the user's text, chosen the whole conversation).
-        if prompt is None or n:
-            prompt, chosen, rejected = chosen[:n], chosen[n:], rejected[n:]
+        # The shared first messages join the prompt: they are it where there is no prompt column (implicit prompt),
+        # or where the answers repeat the column (HuggingFaceH4/ultrafeedback_binarized: prompt is the user's text,
+        # chosen the whole conversation); else they follow it (they had replaced it: the question was lost)
+        if prompt is None or n and _repeats(prompt, chosen[:n], cfg):
+            prompt = chosen[:n]
+        elif n:
+            ck, rk = cfg.fields.get("content", "content"), cfg.fields.get("role", "role")
+            prompt = (prompt if isinstance(prompt, list) else [{rk: "user", ck: prompt}]) + chosen[:n]
+        chosen, rejected = chosen[n:], rejected[n:]
     return prompt, chosen, rejected
+
+
+def _repeats(prompt: Any, shared: list, cfg: DataConfig) -> bool:
+    """Whether the answers' shared first messages repeat the prompt column: its messages at their start, or its text
+    as one of theirs."""
+    if isinstance(prompt, list):
+        return len(prompt) <= len(shared) and all(_same(a, b, cfg) for a, b in zip(prompt, shared))
+    ck = cfg.fields.get("content", "content")
+    return any(isinstance(m, dict) and str(m.get(ck, "")).strip() == str(prompt).strip() for m in shared)
 
 
 def pair_problem(example: dict, cfg: DataConfig) -> str | None:
@@ -67,6 +81,10 @@ def pair_problem(example: dict, cfg: DataConfig) -> str | None:
             return f"{names[f]} is missing (no such key, or null); the row has {', '.join(held) or 'no values'}"
         if value in ("", [], {}):
             return f"{names[f]} is empty"
+    for f in ("prompt", "chosen", "rejected"):  # a number (a CSV's `4`) had been a traceback, or trained as text
+        if (value := _get(example, cfg, f)) is not None and not isinstance(value, (str, list, dict)):
+            return not_text(names[f], value)
+
     prompt, chosen, rejected = split_pair(example, cfg)
     if prompt is None:
         return (f"{names['prompt']} is missing, and chosen and rejected are not both conversations whose shared "
@@ -83,11 +101,17 @@ def pair_problem(example: dict, cfg: DataConfig) -> str | None:
                                                and isinstance(m.get(ck), str) for m in value):
             return (f"the {f} messages are not all {{{rk}, {ck}}} objects with text (map the keys with "
                     "data.fields.role / data.fields.content)")
+    if isinstance(chosen, str) != isinstance(rejected, str):  # one rendered as text, one as a chat: two prompts
+        return (f"{names['chosen']} and {names['rejected']} are one text and one message list: give both as text or "
+                "both as messages, so that both answers follow the same prompt")
     for f, answer in (("chosen", chosen), ("rejected", rejected)):
         text = answer if isinstance(answer, str) else " ".join(str(m.get(ck, "")) for m in answer
                                                                if isinstance(m, dict))
         if not text.strip():
             return f"the {f} answer is empty"
+        # (an answer of user or unmapped roles had been a traceback, or the pair dropped as "the same")
+        if isinstance(answer, list) and (problem := _no_reply_problem(answer, cfg, f"the {f} answer")):
+            return problem
     return None
 
 

@@ -36,7 +36,7 @@ from llmtrain.data.sources import is_split_name, load_raw
 from llmtrain.data.unpaired import UNPAIRED_COLUMNS, encode_unpaired, one_kind_problem, unpaired_problem
 from llmtrain.errors import LLMTrainError
 
-CACHE_VERSION = 13  # bump when tokenisation or masking changes, so old caches are not reused
+CACHE_VERSION = 14  # bump when tokenisation or masking changes, so old caches are not reused
 SOURCE = "source"  # a mixture's rows: which of data.sources a row comes from (its index)
 ROW = "__llmtrain_row"  # a row's number in its file, kept through a shuffled eval split (0-based)
 SHOWN_ROWS = 5  # dropped rows named in the report
