@@ -175,9 +175,15 @@ def _show_pairs(rows, stats, tokenizer, *, as_json: bool, scored: bool = False) 
         parts = [Text("prompt: ", style="bold"), prompt]
         for name, ids, labels in (("chosen", c_ids, c_labels), ("rejected", r_ids, r_labels)):
             k = prompt_length(labels)
-            if scored:
-                labels = [IGNORE] * (len(ids) - 1) + ids[-1:]
-                said = "scored at its last token"
+            if scored:  # the token training reads (score.scored_position: before a final EOS that is the pad)
+                from llmtrain.model.score import scored_position
+                from llmtrain.model.modeling import pad_id as pad_of
+
+                at = scored_position(ids, pad_of(tokenizer))
+                labels = [IGNORE] * len(ids)
+                labels[at] = ids[at]
+                said = "scored at its last token" if at == len(ids) - 1 else \
+                    "scored at its last token before the final EOS, which is the pad token"
             else:
                 said = f"{sum(lab != IGNORE for lab in labels[1:])} trained tokens"
             parts += [Text(f"\n{name} ({said}): ", style="bold"),

@@ -124,6 +124,27 @@ def test_a_reward_models_pairs_show_the_token_each_sequence_is_scored_at(tiny_as
     assert "«</s>»" in said  # the last token alone is marked (CliRunner's output has no colour)
 
 
+def test_with_eos_as_the_pad_the_token_before_the_final_eos_is_marked_as_scored(tiny_assets, tmp_path):
+    """A tokenizer without a pad token (Llama 3's, Mistral's): training pads with EOS and scores the token before the
+    final EOS (transformers' rule, TRL's); the report had marked the EOS (audit 29)."""
+    import json
+    import shutil
+
+    model = tmp_path / "nopad"
+    shutil.copytree(tiny_assets / "model", model)
+    config = json.loads((model / "tokenizer_config.json").read_text())
+    config.pop("pad_token", None)
+    (model / "tokenizer_config.json").write_text(json.dumps(config))
+    data = {"path": str(tiny_assets / "data" / "train_pairs.jsonl"), "format": "preference", "max_seq_len": 32,
+            "cache_dir": str(tmp_path / "cache")}
+    recipe = write_recipe(tiny_assets, tmp_path, data=data, reward_model={}, model={"name_or_path": str(model)})
+    result = invoke("inspect-data", str(recipe), "--n", "1")
+    assert result.exit_code == 0, result.output
+    said = result.stdout
+    assert "chosen (scored at its last token before the final EOS, which is the pad token):" in said
+    assert "«</s>»" not in said and "»</s>" in said
+
+
 def test_a_pairs_answers_are_marked_from_their_first_trained_token(tiny_assets, tmp_path):
     """Each answer is shown from its first trained token, which had been taken for a sequence's first (never
     trained) and left outside the marks: `Paris«</s>»`, the count saying 2 trained tokens."""
