@@ -139,6 +139,12 @@ def test_samples_jsonl_lines(tmp_path):
     MetricsLog(tmp_path / "rank1", enabled=False, resume_step=None).write_samples(samples)  # not the main process
     assert not (tmp_path / "rank1").exists()
 
+    # --resume auto that found no checkpoint starts again at step 0, its step-0 eval and samples too: the first run's
+    # had been kept and written again beside them (audit 27: two identical step-0 eval lines, 8 samples for 4)
+    (tmp_path / "metrics.jsonl").write_text(json.dumps({"type": "eval", "step": 0, "eval_reward": 0.3}) + "\n")
+    log = MetricsLog(tmp_path, enabled=True, resume_step=0)
+    assert (tmp_path / "metrics.jsonl").read_text() == (tmp_path / "samples.jsonl").read_text() == ""
+
 
 def test_a_resume_drops_a_line_the_stop_cut_short_and_names_a_damaged_one(tmp_path):
     """kill -9 while a line was written leaves it without its newline: the resume had died in json.loads."""

@@ -45,8 +45,9 @@ class MetricsLog:
 
     @staticmethod
     def _drop_after(path: Path, step: int) -> None:
-        """Keep the lines of steps up to `step`. A last line without its newline is a write the stop cut short
-        (kill -9, a full disk): dropped, as `llmtrain plot` ignores it."""
+        """Keep the lines of steps up to `step`; none at step 0 (`--resume auto` that found no checkpoint starts the
+        run again, its step-0 eval too: kept, it had been there twice). A last line without its newline is a write
+        the stop cut short (kill -9, a full disk): dropped, as `llmtrain plot` ignores it."""
         if not path.exists():
             return
         lines = complete_lines(path)
@@ -57,7 +58,7 @@ class MetricsLog:
             except ValueError:
                 raise LLMTrainError(f"{path}, line {number}, is not JSON ({line[:60]!r}), so the resume cannot tell "
                                     "which steps it records: remove that line (or the file) and resume again") from None
-            if record is not None and record["step"] <= step:
+            if record is not None and record["step"] <= step and step > 0:
                 keep.append(line)
         tmp = path.with_suffix(".jsonl.tmp")  # a crash while rewriting cannot truncate the log
         tmp.write_text("".join(ln + "\n" for ln in keep))
