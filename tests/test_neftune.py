@@ -128,6 +128,19 @@ def test_a_sequence_groups_slices_draw_the_whole_rows_noise(tiny_assets):
     for part, length in ((whole[0, :5], 5), (whole[0, 5:], 11)):
         bound = alpha / math.sqrt(length * d)
         assert 0.9 * bound < part.abs().max().item() <= bound * (1 + 1e-6)
+    # a row of 15 tokens padded to 16 (a group of 2's multiple, or a stage's slots): the padding had drawn noise too,
+    # so the next draw was not one process's (audit 28); now the 15 tokens' noise is one process's, the padding's 0
+    cu = torch.tensor([0, 5, 15])
+    torch.manual_seed(0)
+    one = noisy(Noise(alpha), slice(0, 15), (1, 15))
+    after = torch.rand(1)
+    halves = []
+    for rank in (0, 1):
+        torch.manual_seed(0)
+        halves.append(noisy(Noise(alpha, (rank, 2)), slice(8 * rank, 8 * rank + 8), (1, 8)))
+    assert torch.equal(torch.rand(1), after)
+    padded = torch.cat(halves, dim=1)
+    assert torch.equal(padded[:, :15], one) and not padded[:, 15:].any()
 
 
 def test_other_modes_refuse_it(tiny_assets, tmp_path):
