@@ -116,15 +116,17 @@ def test_a_sequence_groups_slices_draw_the_whole_rows_noise(tiny_assets):
         noise.read(shape, {"cu_seq_lens_q": cu})
         return noise(embedding, (), clean[:, part]) - clean[:, part]
 
+    def group() -> torch.Tensor:  # each process's half of the row from the same random state, put together
+        halves = []
+        for rank in (0, 1):
+            torch.manual_seed(0)
+            halves.append(noisy(Noise(alpha, (rank, 2)), slice(8 * rank, 8 * rank + 8), (1, 8)))
+        return torch.cat(halves, dim=1)
+
     torch.manual_seed(0)
     whole = noisy(Noise(alpha), slice(None), (1, 16))
     after = torch.rand(1)
-    halves = []
-    for rank in (0, 1):
-        torch.manual_seed(0)
-        halves.append(noisy(Noise(alpha, (rank, 2)), slice(8 * rank, 8 * rank + 8), (1, 8)))
-    assert torch.equal(torch.rand(1), after)
-    assert torch.equal(torch.cat(halves, dim=1), whole)
+    assert torch.equal(group(), whole) and torch.equal(torch.rand(1), after)
     for part, length in ((whole[0, :5], 5), (whole[0, 5:], 11)):
         bound = alpha / math.sqrt(length * d)
         assert 0.9 * bound < part.abs().max().item() <= bound * (1 + 1e-6)
@@ -134,12 +136,8 @@ def test_a_sequence_groups_slices_draw_the_whole_rows_noise(tiny_assets):
     torch.manual_seed(0)
     one = noisy(Noise(alpha), slice(0, 15), (1, 15))
     after = torch.rand(1)
-    halves = []
-    for rank in (0, 1):
-        torch.manual_seed(0)
-        halves.append(noisy(Noise(alpha, (rank, 2)), slice(8 * rank, 8 * rank + 8), (1, 8)))
+    padded = group()
     assert torch.equal(torch.rand(1), after)
-    padded = torch.cat(halves, dim=1)
     assert torch.equal(padded[:, :15], one) and not padded[:, 15:].any()
 
 
