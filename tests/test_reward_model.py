@@ -260,6 +260,8 @@ def test_final_loads_with_transformers_and_scores_as_it_trained(straight, tiny_a
     for line in records(run):
         assert {"loss", "accuracy", "margin", "mean_reward", "rewards/chosen", "rewards/rejected"} <= line.keys()
         assert line["trained_tokens"] == 16  # one scored token per sequence: 8 pairs
+    data = json.loads((run / "summary.json").read_text())["data"]  # so too the data's (the answers' tokens, before)
+    assert data["train"]["trained_tokens"] == 2 * data["train"]["examples"]
 
 
 def test_a_base_without_a_pad_token_saves_eos_as_final_s_pad_and_scores_as_it_trained(tiny_assets, tmp_path):

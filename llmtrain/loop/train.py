@@ -395,7 +395,8 @@ def finish(run: Run, state: TrainState, meter: Meter, est, *, end: bool = True) 
                "random_init": run.recipe.model.random_init,
                "params_total": m.params_total, "params_trainable": m.params_trainable,
                "tokens_seen": state.tokens_seen, **meter.summary(),
-               "data": {k: vars(v) for k, v in run.data.stats.items()}, "data_cache_reads": run.data.cache_reads,
+               "data": {k: _data_summary(v, run.recipe) for k, v in run.data.stats.items()},
+               "data_cache_reads": run.data.cache_reads,
                "packing_efficiency": run.data.packing_efficiency}
     if accelerator.device.type == "cuda":
         summary.update(max_memory_allocated=torch.cuda.max_memory_allocated(),
@@ -442,3 +443,13 @@ def rl_eval_line(rl, prompts: int) -> str:
     return (train + f"eval_reward and eval_answer_accuracy are of {rl.num_generations_eval} completions of each of the "
             f"{prompts:,} eval prompts sampled as the rollouts are (rl.num_generations_eval), from the same seeds at "
             "every eval")
+
+
+def _data_summary(stats, recipe) -> dict:
+    """summary.json's data statistics of a split: a reward model's trained_tokens are its scored tokens, one a
+    sequence, as its step lines count them (they had been the answers' tokens, which it never trains: 65,136 for 5,000
+    pairs)."""
+    out = dict(vars(stats))
+    if recipe.reward_model is not None:
+        out["trained_tokens"] = 2 * stats.examples
+    return out
