@@ -399,6 +399,14 @@ def test_recipes_that_cannot_train_a_reward_model_are_refused(tiny_assets, tmp_p
         load_recipe(recipe, ["train.eval_samples=2"])
     with pytest.raises(RecipeError, match="go together"):
         load_recipe(recipe, ["data.format=prompt_completion"])
+    # the score head named as a LoRA target: had been "no module of this model is called score", listing peft's
+    # wrapper children (default, original_module) as layer names (audit 26)
+    lora = ["lora.r=4", "lora.alpha=8", f"output_dir={tmp_path / 'lora'}"]
+    with pytest.raises(LLMTrainError, match="names score, which this model trains whole"):
+        run_train(recipe, *lora, "lora.target_modules=[q_proj,score]")
+    with pytest.raises(LLMTrainError, match="no module of this model is called") as e:
+        run_train(recipe, *lora, "lora.target_modules=[q_proj,vproj]")
+    assert "original_module" not in str(e.value) and "default," not in str(e.value)
 
 
 # --------------------------------------------------------------------------- as GRPO's reward

@@ -560,7 +560,14 @@ def apply_lora(model, cfg: LoraConfig, *, task: str = "CAUSAL_LM"):
             ("lora.modules_to_save", cfg.modules_to_save or [], saved, "nothing would be trained in full"),
             ("lora.target_parameters", cfg.target_parameters or [], getattr(tuner, "targeted_parameter_names", []),
              "no adapter would be put there")):
-        if missed := [t for t in names if not any(k == t or k.endswith(f".{t}") for k in hit)]:
+        missed = [t for t in names if not any(k == t or k.endswith(f".{t}") for k in hit)]
+        if key == "lora.target_modules" and (whole := [t for t in missed if any(
+                k == t or k.endswith(f".{t}") for k in saved)]):  # a reward model's score head, peft's SEQ_CLS
+            raise LLMTrainError(f"lora.target_modules names {', '.join(whole)}, which this model trains whole (peft "
+                                "saves a sequence-classification head, a reward model's score, in full: "
+                                "modules_to_save), so it cannot also take an adapter. Leave it out of "
+                                "lora.target_modules: it trains in full whatever they name.")
+        if missed:
             embeddings = sorted({n.rsplit(".", 1)[-1] for n, m in model.named_modules()
                                  if isinstance(m, torch.nn.Embedding) and "lora_" not in n})
             also = (f" Its embeddings (which lora.modules_to_save may name too) are {', '.join(embeddings)}."
@@ -578,7 +585,8 @@ def apply_lora(model, cfg: LoraConfig, *, task: str = "CAUSAL_LM"):
 def _linear_names(model) -> str:
     """What lora.target_modules may name, for its refusals."""
     linears = sorted({n.removesuffix(".base_layer").rsplit(".", 1)[-1] for n, m in model.named_modules()
-                      if isinstance(m, torch.nn.Linear) and "lora_" not in n})  # (an adapted one: its base_layer)
+                      if isinstance(m, torch.nn.Linear) and "lora_" not in n  # (an adapted one: its base_layer)
+                      and not n.endswith((".original_module", ".modules_to_save.default"))})  # (peft's copies)
     return (f"This {model.config.model_type} model's linear layers are named {', '.join(linears)} (Phi-3/Phi-4 fuse "
             "q/k/v into qkv_proj and gate/up into gate_up_proj); lora.target_modules: all-linear adapts each of them "
             "but the LM head")
