@@ -449,9 +449,11 @@ def test_an_environment_per_completion_is_reset_with_its_row_and_its_reward_coun
         return tok(tok.apply_chat_template(prompt, tokenize=False, add_generation_prompt=True,
                                            tools=grpo.tools.schemas), add_special_tokens=False)["input_ids"]
 
+    given = []  # the prompts the reward function gets: with the observation, as TRL passes them (had been the row's)
     grpo = (RLOO if algorithm == "rloo" else GRPO)(
                 rl, tokenizer=tok, pad_id=tok.pad_token_id, packing=True, seed=0,
-                rewards=[("zero", lambda completions, **kw: [0.0] * len(completions), 1.0)], model=None,
+                rewards=[("zero", lambda completions, prompts, **kw: given.extend(prompts) or [0.0] * len(completions),
+                          1.0)], model=None,
                 columns=["input_ids", "row", "prompt", "user/word"], stop_ids=[tok.eos_token_id], world=1,
                 template=template, render=render)
     assert [n for n, _, _ in grpo.rewards] == ["zero", "Vault"] and "rewards/Vault/sum" in grpo.stats
@@ -474,6 +476,7 @@ def test_an_environment_per_completion_is_reset_with_its_row_and_its_reward_coun
     assert counts.trained == sum(sum(r["tool_mask"]) for r in records) < sum(len(r["completion_ids"]) for r in records)
     assert Vault.made == 4 and [p[-1]["content"] for p, _ in rendered] == ["open the vault (3 letters)"] * 4
     assert "(3 letters)" in records[0]["prompt"]
+    assert [p[-1]["content"] for p in given] == ["open the vault (3 letters)"] * 4
     assert [r["tool_calls"][0]["result"] if r["tool_calls"] else None for r in records] == ["open", None, "open", None]
     assert [r["Vault"] for r in records] == [1.0, 0.0, 1.0, 0.0]
     which.clear()

@@ -774,9 +774,11 @@ class GRPO:
             return [None if environment is None else self._reset(environment, row)
                     for environment, row in zip(self._environments, rows)]  # text: what travels to the other
 
+        seen = [None] * len(rows)  # each completion's prompt with its environment's observation
         for i, (observation, row) in enumerate(zip(self.user_code(reset), rows)):
             if observation is not None:
-                prompt_ids[i] = self.render(observed(row["prompt"], observation), row["row"])
+                seen[i] = observed(row["prompt"], observation)
+                prompt_ids[i] = self.render(seen[i], row["row"])
 
         def turn(prompts, turn_seeds, room):
             return self._generate(prompts, turn_seeds, greedy=greedy, max_new_tokens=room, logps=logps)
@@ -784,6 +786,8 @@ class GRPO:
         tooled = sample_with_tools(turn, prompt_ids, seeds, tools=self.tools,
                                    max_new_tokens=self.rl.max_completion_tokens, max_rounds=self.rl.max_tool_calls,
                                    environments=self._environments, user_code=self.user_code, logps=logps)
+        for t, prompt in zip(tooled, seen):
+            t.prompt = prompt
         return [t.ids for t in tooled], tooled
 
     def _reset(self, environment, row: dict) -> str | None:
@@ -825,6 +829,8 @@ class GRPO:
         # the conversation after the prompt (assistant turns with their tool_calls, the tools' messages)
         if tooled:
             shown = [t.messages for t in tooled]
+            # the prompt each was sampled from: with its environment's observation (TRL's; it had been the row's)
+            prompts = [p if t.prompt is None else t.prompt for p, t in zip(prompts, tooled)]
         else:
             shown = [[{"role": "assistant", "content": t}] for t in texts] if isinstance(prompts[0], list) else texts
         columns = {name: [e[stored] for e in examples for _ in range(g)]

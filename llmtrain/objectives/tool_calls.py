@@ -22,6 +22,7 @@ import asyncio
 import inspect
 import threading
 from dataclasses import dataclass, field
+from typing import Any
 
 from llmtrain.data.tools import CallSyntax, Turn, call_syntax, function_of, parse_turn, tool_suffix_ids
 from llmtrain.errors import LLMTrainError
@@ -44,6 +45,7 @@ class ToolRollout:
     # the sampler's log-probability of each token (0: a result's, and every token where it was not asked for them)
     logps: list[float] = field(default_factory=list)
     cut: bool = False  # a round's results did not fit max_completion_tokens: the row stopped for want of room
+    prompt: Any = None  # the prompt with rl.environment's observation added (what it was sampled from), or None
 
     @property
     def failures(self) -> int:
