@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -404,6 +405,38 @@ def test_online_rl_is_told_whether_its_completions_can_stop_at_a_text_end_of_tur
     assert status == "warn" and "most at rl.max_completion_tokens=64" in says
     tok.chat_template = tok.chat_template.replace("<|im_end|>", "</s>")  # one token: nothing to say
     assert check_completion_stop(recipe, tok) == []
+
+
+def test_an_rl_prompt_the_completion_cannot_follow_is_refused_in_one_paragraph(tmp_path):
+    """Online RL's prompt rows (audit 30): a template's own refusal (Gemma's alternation) had been jinja's traceback
+    naming no row; a system prompt alone on Gemma rendered as `<bos><start_of_turn>model` (its text lost) and a
+    template without a generation prompt left sampling after a finished turn, both without a word (TRL samples from
+    them). Each is refused naming the file and row; a prompt ending with a reply where the template opens a new
+    assistant turn after it (Llama 3.1's) still renders."""
+    from datasets import Dataset
+
+    from llmtrain.data.prepare import tokenize_dataset
+
+    u, a, sys_ = user("hi"), assistant("yo"), system("Answer in French.")
+
+    def prepared(name, prompt, **cfg):
+        rows = Dataset.from_list([{"prompt": prompt}])
+        return tokenize_dataset(rows, stand_in_tokenizer(name), DataConfig(
+            path="x.jsonl", format="prompt", cache_dir=str(tmp_path), **cfg), "p.jsonl")[0][0]
+
+    for name, prompt, says in (
+            ("gemma-3-4b-it", [u, u], "p.jsonl, row 1: the chat template refused the conversation: Conversation roles "
+                                      "must alternate"),
+            ("gemma-3-4b-it", [sys_], "p.jsonl, row 1: message 1 (system: 'Answer in French.') does not appear")):
+        with pytest.raises(LLMTrainError, match=re.escape(says)):
+            prepared(name, prompt)
+    closed = tmp_path / "closed.jinja"  # ChatML without a generation prompt
+    closed.write_text("{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}")
+    with pytest.raises(LLMTrainError, match="ending with a finished turn \\(the template opens no assistant turn"):
+        prepared("qwen2.5-7b-instruct", [u], chat_template=str(closed))
+    tok = stand_in_tokenizer("llama-3.1-8b-instruct")
+    assert tok.decode(prepared("llama-3.1-8b-instruct", [u, a])["input_ids"]).endswith(
+        "yo<|eot_id|><|start_header_id|>assistant<|end_header_id|>\n\n")
 
 
 def test_qwen3_without_thinking_renders_as_apply_chat_templates_keyword_and_trains_the_reply_alone():

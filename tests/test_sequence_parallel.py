@@ -212,6 +212,35 @@ def test_two_processes_of_one_sequence_train_what_one_process_trains(tiny_assets
 
 
 @pytest.mark.slow
+def test_a_groups_later_processes_and_later_stages_draw_dropout_of_their_own(tiny_assets, tmp_path):
+    """Every process of a sequence group had one random stream, so LoRA dropout dropped each slice of a row alike
+    (token j of each half together), and stage 1 of a pipeline reused stage 0's masks layer for layer (audit 31:
+    14 of 14 masks equal). After the model is built (its weights alike everywhere) the later processes of a group and
+    the later stages each take a stream of their own; under NEFTune a group keeps its one stream (each process draws
+    the whole row's noise and keeps its slice) and the start-up says its masks repeat."""
+    from llmtrain.loop.phases import separate_draws
+    from llmtrain.parallel.groups import Groups
+    from llmtrain.parallel.sequence.group import SequenceGroup
+
+    recipe = load_recipe(write_recipe(tiny_assets, tmp_path, lora={"r": 4, "dropout": 0.1}))
+
+    def draws(rank: int, *, stage=None, recipe=recipe) -> tuple[torch.Tensor, list[str]]:
+        said = []
+        accelerator = SimpleNamespace(llmtrain_groups=Groups(sequence=SequenceGroup(size=2, rank=rank)))
+        trainable = SimpleNamespace(pipeline=SimpleNamespace(by_stage={stage: None}) if stage is not None else None)
+        torch.manual_seed(recipe.train.seed)
+        separate_draws(recipe, accelerator, trainable, say=said.append)
+        return torch.rand(4), said
+
+    first, _ = draws(0)
+    assert torch.equal(first, draws(0, stage=0)[0])  # the first process of the first stage: the run's own stream
+    others = [draws(1)[0], draws(0, stage=1)[0], draws(1, stage=1)[0]]
+    assert all(not torch.equal(first, x) for x in others) and not torch.equal(others[0], others[1])
+    noisy = recipe.model_copy(update={"train": recipe.train.model_copy(update={"neftune_alpha": 5.0})})
+    kept, said = draws(1, recipe=noisy)
+    assert torch.equal(kept, first) and "drops each process's slice of a row alike" in said[0]
+
+
 def test_neftunes_noise_on_two_processes_of_one_sequence_is_one_process_noise(tiny_assets, tmp_path, free_port):
     """train.neftune_alpha: each process embeds its half of the row and draws the whole row's noise (each example
     scaled by its whole length), keeping its half's: the same losses, gradient norms and weights as one process,

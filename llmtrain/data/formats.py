@@ -13,7 +13,7 @@ from typing import Any
 import numpy as np
 
 from llmtrain.config import DataConfig
-from llmtrain.data.chat import closing, read_template, render_chat, render_tool_chat, special_tokens
+from llmtrain.data.chat import _apply, closing, read_template, render_chat, render_tool_chat, special_tokens
 from llmtrain.data.tools import is_tool_chat, tool_messages, tool_schemas
 from llmtrain.errors import LLMTrainError
 
@@ -375,8 +375,10 @@ def encode_prompt(example: dict, tokenizer, cfg: DataConfig, *, template: str | 
         if template is None and tokenizer.chat_template is None:
             raise LLMTrainError("rendering a chat prompt needs a chat template, and this tokenizer (model.tokenizer) "
                                 "has none. Give a Jinja template file with data.chat_template: path/to/template.jinja")
-        text = tokenizer.apply_chat_template(messages, chat_template=template, tokenize=False,
-                                             add_generation_prompt=True, tools=tools or None)
+        # (through chat._apply: a template's own refusal, Mistral's alternation or Gemma's roles, had been jinja's
+        # traceback naming no row)
+        text = _apply(tokenizer, messages, template, generation_prompt=True, tools=tools or None)
+        check_prompt_rendered(tokenizer, messages, template, text, tools)
         ids = tokenizer(text, add_special_tokens=False)["input_ids"]
     elif tools:
         raise LLMTrainError("rl.tools are shown to the model through the chat template, and these prompts are plain "
@@ -388,6 +390,27 @@ def encode_prompt(example: dict, tokenizer, cfg: DataConfig, *, template: str | 
     columns = {USER + k: v for k, v in example.items() if k != prompt_column and not k.startswith("__llmtrain")}
     return {**columns, "prompt": prompt, "input_ids": ids, "labels": [IGNORE] * len(ids), "length": len(ids),
             "trained": len(ids), "truncated": False}
+
+
+def check_prompt_rendered(tokenizer, messages: list[dict], template: str | None, text: str, tools) -> None:
+    """Refuse an RL prompt whose rendering the completion cannot follow (audit 30; TRL samples from them silently):
+    one that ends with the template's end of turn (a last reply that Mistral's template closes with EOS and opens
+    nothing after; a template without a generation prompt), so sampling would start after a finished turn; or a
+    message the template leaves out (a system prompt alone, which Gemma's and Mistral's show only beside a user
+    turn)."""
+    from llmtrain.data.chat import _not_shown, end_of_turn
+
+    eot = end_of_turn(tokenizer, template)
+    if eot and text.rstrip().endswith(eot):
+        why = ("its last message is a reply, which this template closes without opening another" if messages[-1][
+            "role"] == "assistant" else "the template opens no assistant turn for add_generation_prompt")
+        raise LLMTrainError(f"the chat template renders this prompt ending with a finished turn ({why}), so the "
+                            "completion would be sampled after it. End each prompt with a user message, or give a "
+                            "template that opens the assistant's turn (data.chat_template: path/to/template.jinja).")
+    for k, m in enumerate(messages):
+        content = m.get("content")
+        if isinstance(content, str) and content.strip() and content.strip() not in text:
+            raise _not_shown(messages, k)
 
 
 def user_columns(columns) -> dict[str, str]:

@@ -149,6 +149,26 @@ def seed_run(tc, cleanup) -> None:
         cleanup.enter_context(deterministic_algorithms())
 
 
+def separate_draws(recipe: Recipe, accelerator, trainable, *, say) -> None:
+    """After the model is built (its weights drawn alike everywhere): a sequence group's later processes and a
+    pipeline's later stages each on a random stream of their own, so that dropout (LoRA's) draws other masks there
+    (audit 31: every process of a group had dropped a row's halves alike, token j of each together, and stage 1 had
+    reused stage 0's masks layer for layer). Under NEFTune a sequence group keeps its one stream: each process draws
+    the whole row's noise from it and keeps its slice (model/neftune.py), and its dropout masks repeat across the
+    slices (said at start-up). Tensor-parallel pairs keep theirs (they hold one computation). A checkpoint's resume
+    restores each process's own stream."""
+    sequence = groups(accelerator).sequence
+    stage = min(trainable.pipeline.by_stage) if trainable.pipeline is not None else 0
+    shared = recipe.train.neftune_alpha is not None
+    k = (0 if shared else sequence.rank) + sequence.size * stage
+    if k:
+        torch.manual_seed(recipe.train.seed + 1_000_003 * k)
+    if shared and sequence.size > 1 and recipe.lora and recipe.lora.dropout > 0 and not recipe.train.disable_dropout:
+        say(f"warning (dropout): under NEFTune the {sequence.size} processes of a sequence group share one random "
+            f"stream, so lora.dropout={recipe.lora.dropout:g} drops each process's slice of a row alike (token j of "
+            "each together). Set lora.dropout: 0, or leave NEFTune out, for masks of their own.")
+
+
 # --------------------------------------------------------------------------- 3. data
 
 

@@ -40,6 +40,7 @@ from llmtrain.loop.phases import (
     reference_logps,
     restore,
     seed_run,
+    separate_draws,
 )
 from llmtrain.loop.signals import StopRequests
 from llmtrain.loop.step import eval_sums, evaluate, train_step
@@ -105,6 +106,7 @@ def _train(recipe: Recipe, accelerator, console: RunConsole, cleanup: ExitStack,
     state = None
     try:
         trainable = build_model(recipe, accelerator, total_steps=data.total_steps, say=say, pad=data.pad_id)
+        separate_draws(recipe, accelerator, trainable, say=say)  # dropout's masks: a stream a slice and a stage
         teacher = build_teacher(recipe, accelerator, trainable, data.tokenizer, say=say)  # distillation's, or None
         if teacher is not None:  # its forward is the step's work too: counted in tflops_per_gpu and mfu
             trainable = replace(trainable, flops=trainable.flops.plus(flop_model(teacher, forward_only=True)))
