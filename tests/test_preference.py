@@ -833,7 +833,8 @@ def test_the_reference_caches_key_changes_with_what_changes_the_references_numbe
 def test_resume_finds_the_reference_again_and_ends_as_the_uninterrupted_run(pref_recipe, tmp_path, monkeypatch):
     common = ["train.max_steps=6", "checkpoint.every_steps=3"]
     run_train(pref_recipe, f"output_dir={tmp_path / 'straight'}", *common)
-    cache = sorted((tmp_path.parent).rglob("reference-train-*.pt"))
+    # (the newest: the session's data cache holds other tests' reference files too)
+    cache = sorted((tmp_path.parent).rglob("reference-train-*.pt"), key=lambda p: p.stat().st_mtime, reverse=True)
     assert cache
     # Only the pairs that 6 steps of 8 train on are computed (of the 355), not the whole epoch's, and it is said.
     assert int((~torch.load(cache[0])[:, 0].isnan()).sum()) == 6 * 8

@@ -316,13 +316,12 @@ def _check_shown(messages: list[dict], text: str, spans: list[tuple[int, int]], 
 
 
 TOOL_RESULT_PROBE = "probe result 7f3a9c"
+PROBE_IDS = ("abcdefghi", "bcdefghij")  # probe calls' ids (data/tools.py's too): Mistral's template wants 9 characters
 
 
 def _check_results_untrained(tokenizer, template: str | None) -> None:
     """Refuse a template whose trained spans would take in a tool's result (the model taught to write the results
     itself): a probe chat (a call, its result, a reply) rendered once per tokenizer and template."""
-    from llmtrain.data.tools import PROBE_IDS
-
     key = ("tool results", template, json.dumps(tokenizer.chat_template, sort_keys=True, default=str))
     renders = _MARKED.setdefault(tokenizer, {})
     if key in renders:

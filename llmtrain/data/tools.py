@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from llmtrain.data.chat import PROBE_IDS
 from llmtrain.errors import LLMTrainError
 
 
@@ -222,7 +223,6 @@ def import_failure(module: str, e: BaseException) -> str:
 
 
 PROBE_ARGS = {"probe_argument": "probe value"}
-PROBE_IDS = ("abcdefghi", "bcdefghij")  # Mistral's template wants 9-character call ids
 
 
 @dataclass(frozen=True)

@@ -189,7 +189,7 @@ def check_template_shows(tokenizer, template: str | None, schemas: list[dict]) -
                             "a prompt rendered with them), so the model would be asked to call tools it never sees. "
                             "Give a template that renders its tools argument (data.chat_template: "
                             "path/to/template.jinja).")
-    from llmtrain.data.tools import PROBE_IDS
+    from llmtrain.data.chat import PROBE_IDS
 
     suffix = tool_suffix_ids(tokenizer, template, [{"role": "tool", "name": name, "tool_call_id": PROBE_IDS[0],
                                                     "content": TOOL_RESULT_PROBE}])
