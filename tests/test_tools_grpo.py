@@ -107,6 +107,25 @@ def test_only_call_blocks_that_end_the_turn_are_run_as_trl_reads_them():
     assert two.calls == [] and two.unreadable
 
 
+def test_a_reasoning_block_is_moved_out_of_the_content_as_trls_response_parser_moves_it():
+    """Qwen3 with rl.tools: TRL parses each turn with its response schema (trl.chat_template_utils.qwen3_schema), the
+    reasoning block's text into reasoning_content (none where it is empty), the content after it; reward functions
+    had got '<think>...</think>The answer is 5.' as the content (audit 30)."""
+    tok = stand_in_tokenizer("qwen3-8b")
+    tools = Tools(TOOLS[:1], tokenizer=tok, stop_ids=[tok.convert_tokens_to_ids("<|im_end|>")])
+
+    def message(text):
+        return tools.parse(tok(text + "<|im_end|>", add_special_tokens=False)["input_ids"]).message()
+
+    assert message("<think>\nAdd them.\n</think>\n\nThe answer is 5.") == {
+        "role": "assistant", "content": "The answer is 5.", "reasoning_content": "Add them."}
+    assert message("<think>\n\n</think>\n\nThe answer is 5.") == {"role": "assistant", "content": "The answer is 5."}
+    called = message('<think>\nLook it up.\n</think>\n\n<tool_call>\n{"name": "lookup", "arguments": '
+                     '{"word": "apple"}}\n</tool_call>')
+    assert called["content"] == "" and called["reasoning_content"] == "Look it up."
+    assert [c["function"]["name"] for c in called["tool_calls"]] == ["lookup"]
+
+
 def test_a_sampled_mistral_call_whose_id_the_template_refuses_is_text():
     """Mistral's template raises on a call id that is not 9 letters and digits: a sampled call without one (or with
     "abc") had stopped the whole run mid-rollout (audit 25). Such a turn is text, none of its calls run."""

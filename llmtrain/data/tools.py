@@ -248,9 +248,24 @@ class Turn:
     content: str
     calls: list[dict]
     unreadable: bool = False
+    reasoning: str | None = None  # a reasoning block's text (Qwen3's <think>...</think>), apart from the content
 
     def message(self) -> dict:
-        return {"role": "assistant", "content": self.content, **({"tool_calls": self.calls} if self.calls else {})}
+        return {"role": "assistant", "content": self.content,
+                **({"reasoning_content": self.reasoning} if self.reasoning else {}),
+                **({"tool_calls": self.calls} if self.calls else {})}
+
+    def without_reasoning(self) -> Turn:
+        """The turn with a leading reasoning block moved out of its content, as TRL's response parser moves it into
+        reasoning_content (Qwen3 with tools: reward functions had got '<think>...</think>The answer is 5.' where
+        TRL's get 'The answer is 5.'); an empty block is dropped."""
+        from llmtrain.data.chat import THINK_END
+
+        if THINK_END not in self.content:
+            return self
+        before, _, after = self.content.partition(THINK_END)
+        thought = before.split("<think>", 1)[-1].strip()
+        return Turn(after.strip(), self.calls, self.unreadable, thought or None)
 
 
 def call_syntax(tokenizer, template: str | None = None) -> CallSyntax:

@@ -104,7 +104,7 @@ class Tools:
             turn = Turn(text.strip(), [], unreadable=True)
         if not turn.calls:  # what the turn says, as the reward functions read a plain completion
             turn.content = self.stop_ids.reply(self.tokenizer.decode(ids, skip_special_tokens=True))
-        return turn
+        return turn.without_reasoning()
 
     def _renders(self, calls: list[dict]) -> bool:
         """Whether the template renders these calls' results (Mistral's refuses a call id that is not 9 letters and
