@@ -378,7 +378,7 @@ def encode_prompt(example: dict, tokenizer, cfg: DataConfig, *, template: str | 
         # (through chat._apply: a template's own refusal, Mistral's alternation or Gemma's roles, had been jinja's
         # traceback naming no row)
         text = _apply(tokenizer, messages, template, generation_prompt=True, tools=tools or None)
-        check_prompt_rendered(tokenizer, messages, template, text, tools)
+        check_prompt_rendered(tokenizer, messages, template, text)
         ids = tokenizer(text, add_special_tokens=False)["input_ids"]
     elif tools:
         raise LLMTrainError("rl.tools are shown to the model through the chat template, and these prompts are plain "
@@ -392,7 +392,7 @@ def encode_prompt(example: dict, tokenizer, cfg: DataConfig, *, template: str | 
             "trained": len(ids), "truncated": False}
 
 
-def check_prompt_rendered(tokenizer, messages: list[dict], template: str | None, text: str, tools) -> None:
+def check_prompt_rendered(tokenizer, messages: list[dict], template: str | None, text: str) -> None:
     """Refuse an RL prompt whose rendering the completion cannot follow (audit 30; TRL samples from them silently):
     one that ends with the template's end of turn (a last reply that Mistral's template closes with EOS and opens
     nothing after; a template without a generation prompt), so sampling would start after a finished turn; or a
