@@ -629,7 +629,6 @@ def claim_run_dir(recipe: Recipe, accelerator, console, *, checkpoint: Path | No
     out = Path(recipe.output_dir)
     run_dir = claim_output_dir(accelerator, out, resume=resume, overwrite=overwrite, expected=checkpoint)
     if accelerator.is_main_process:
-        set_aside_summary(out, resumed=checkpoint is not None)
         (out / "recipe.yaml").write_text(recipe.to_yaml(working_dir=os.getcwd()))
         console.keep_log(out / "train.log")
     return run_dir
@@ -639,7 +638,8 @@ def set_aside_summary(out: Path, *, resumed: bool) -> None:
     """A finished run trained on (more steps with --allow-recipe-change, or from an older checkpoint): its
     summary.json, which no longer describes the run, renamed summary-step_N.json (N its steps). A stop had left it
     beside the new recipe.yaml, and `--resume auto`, the command the stop prints, called the run complete with its old
-    final/ (audit 27); the run's end writes summary.json and final/ again."""
+    final/ (audit 27); the run's end writes summary.json and final/ again. Called once the checkpoint is restored
+    (a resume refused while it loads leaves the run as it was)."""
     summary = out / "summary.json"
     if not (resumed and summary.is_file()):
         return

@@ -41,6 +41,7 @@ from llmtrain.loop.phases import (
     restore,
     seed_run,
     separate_draws,
+    set_aside_summary,
 )
 from llmtrain.loop.signals import StopRequests
 from llmtrain.loop.step import eval_sums, evaluate, train_step
@@ -124,6 +125,8 @@ def _train(recipe: Recipe, accelerator, console: RunConsole, cleanup: ExitStack,
                                 overwrite=overwrite)
         cleanup.callback(run_dir.release)
         state = restore(recipe, accelerator, trainable, checkpoint=checked.checkpoint, say=say, objective=objective)
+        if accelerator.is_main_process:
+            set_aside_summary(Path(recipe.output_dir), resumed=checked.checkpoint is not None)
         # online RL's generation rounds (rl.num_iterations): a checkpoint within one gives its completions back
         rounds = Rounds(updates_per_window(recipe), process=accelerator.process_index,
                         processes=accelerator.num_processes)
