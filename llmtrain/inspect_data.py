@@ -167,8 +167,12 @@ def _show_pairs(rows, stats, tokenizer, *, as_json: bool, scored: bool = False) 
         for values in zip(*(rows[c] for c in columns)):
             sys.stdout.write(json.dumps(dict(zip(columns, values))) + "\n")
         return
+    from llmtrain.model.modeling import pad_id
+    from llmtrain.model.score import scored_position
+
     console = Console()
     marks = console.no_color or console.color_system is None
+    pad = pad_id(tokenizer)
     for i, (c_ids, c_labels, r_ids, r_labels) in enumerate(zip(*(rows[c] for c in columns))):
         start = prompt_length(c_labels)
         prompt = Text(tokenizer.decode(c_ids[:start]), style="dim")
@@ -176,10 +180,7 @@ def _show_pairs(rows, stats, tokenizer, *, as_json: bool, scored: bool = False) 
         for name, ids, labels in (("chosen", c_ids, c_labels), ("rejected", r_ids, r_labels)):
             k = prompt_length(labels)
             if scored:  # the token training reads (score.scored_position: before a final EOS that is the pad)
-                from llmtrain.model.score import scored_position
-                from llmtrain.model.modeling import pad_id as pad_of
-
-                at = scored_position(ids, pad_of(tokenizer))
+                at = scored_position(ids, pad)
                 labels = [IGNORE] * len(ids)
                 labels[at] = ids[at]
                 said = "scored at its last token" if at == len(ids) - 1 else \

@@ -166,15 +166,11 @@ def export_merged(run_dir: Path, out: Path | None = None, *, say=lambda text: No
 def no_final(run_dir: Path) -> str:
     """What --merge says of a run without final/: a run that finished without writing it (checkpoint.save_final:
     false), whose checkpoints --merge does not read, or one that has not finished."""
-    from llmtrain.run.rundir import run_recipe, step_dirs
+    from llmtrain.run.rundir import finished_without_final, step_dirs
 
-    try:
-        finished = (run_dir / "summary.json").is_file() and run_recipe(run_dir).checkpoint.save_final is False
-    except LLMTrainError:
-        finished = False
     steps = step_dirs(run_dir / "checkpoints")
     replies = f" (`llmtrain generate {steps[-1]}` replies from its last checkpoint)" if steps else ""
-    if finished:
+    if finished_without_final(run_dir):
         return (f"'{run_dir}' finished with checkpoint.save_final: false, so it has no final/ to merge: --merge reads "
                 f"the adapter a LoRA run's final/ holds, not a checkpoint. Train it with checkpoint.save_final: true"
                 f"{replies}.")

@@ -298,6 +298,14 @@ def missing_source(source: str) -> str:
             f"id{there}")
 
 
+def finished_without_final(path: Path) -> bool:
+    """Whether the run in `path` finished with checkpoint.save_final: false (its summary.json written, no final/)."""
+    try:
+        return (path / "summary.json").is_file() and run_recipe(path).checkpoint.save_final is False
+    except LLMTrainError:
+        return False
+
+
 def unfinished(path: Path, doing: str) -> str:
     """What `generate` and `eval` say of a run without final/: still training (its folder's lock held: wait for it;
     resuming it would be refused as in use) or stopped (finish it)."""
@@ -306,11 +314,7 @@ def unfinished(path: Path, doing: str) -> str:
     if (holder := _holder(path)) is not None:
         return (f"'{path}' is still training ({holder}) and has no final/ yet: {doing} one of its checkpoints "
                 f"({newest}), or wait for it to finish.")
-    try:
-        finished = (path / "summary.json").is_file() and run_recipe(path).checkpoint.save_final is False
-    except LLMTrainError:
-        finished = False
-    if finished:  # (it had been told to finish with --resume auto, which says the run is complete)
+    if finished_without_final(path):  # (it had been told to finish with --resume auto, which says the run is complete)
         return (f"'{path}' finished with checkpoint.save_final: false, so it has no final/: {doing.lower()} one of its "
                 f"checkpoints ({newest}).")
     return (f"'{path}' has no final/: the run has not finished (or ran with checkpoint.save_final: false). {doing} "
