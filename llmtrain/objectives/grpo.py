@@ -794,13 +794,13 @@ class GRPO:
         """rl.environment's reset of one rollout's instance with its row (TRL's: prompt=, each column by name), its
         observation as text; one that raises said in a paragraph naming the class's line and the row (a traceback at
         step 1, before)."""
-        from llmtrain.objectives.rewards import _raised
+        from llmtrain.objectives.rewards import raised
 
         try:
             observation = environment.reset(prompt=row["prompt"], **{
                 name: row[stored] for name, stored in self.reward_columns.items()})
         except Exception as e:
-            raise _raised(f"{self.rl.environment}.reset", e, f"row {row['row']}", type(environment).reset,
+            raise raised(f"{self.rl.environment}.reset", e, f"row {row['row']}", type(environment).reset,
                           what="rl.environment", on="the prompt of ") from e
         return None if observation is None else str(observation)
 

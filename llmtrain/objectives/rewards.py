@@ -192,14 +192,14 @@ def score(functions: Sequence[tuple[str, RewardFn, float]], prompts: list, compl
             try:
                 out = fn(**kwargs)
             except (Exception, SystemExit) as e:  # (sys.exit() in one had ended the run with no word)
-                raise _raised(name, e, at, fn) from e  # --debug's traceback goes on into the function
+                raise raised(name, e, at, fn) from e  # --debug's traceback goes on into the function
             (waiting if inspect.isawaitable(out) else outputs)[k] = out
         if waiting:
             with AsyncRunner() if runner is None else nullcontext(runner) as loop:
                 results = loop.gather(list(waiting.values()))
             for k, out in zip(waiting, results):
                 if isinstance(out, Exception):
-                    raise _raised(functions[k][0], out, at, functions[k][1]) from out
+                    raise raised(functions[k][0], out, at, functions[k][1]) from out
                 outputs[k] = out
     finally:
         for coroutine in waiting.values():
@@ -270,7 +270,7 @@ def _as_list(values):
     return list(values) if isinstance(values, tuple) else values
 
 
-def _raised(name: str, e: BaseException, at: str, fn=None, *, what: str = "reward function",
+def raised(name: str, e: BaseException, at: str, fn=None, *, what: str = "reward function",
             on: str = "the completions of ") -> LLMTrainError:
     """The paragraph of a reward function (`what`: or an rl.environment's reset) that raised `e`: where in the
     function's own file (its innermost line there: the user's frame, which the paragraph had not named), and with
