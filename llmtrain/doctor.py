@@ -118,14 +118,18 @@ def check_sequence_parallel(recipe: Recipe, launch: dict) -> list[Check]:
     return [("sequence parallelism", "pass", detail)]
 
 
-def check_launch_settings(launch: dict) -> list[Check]:
-    """The launch config's settings that accelerate ignores or llmtrain does not follow, as finetune refuses them
-    (none without a launch config)."""
-    from llmtrain.parallel.launch import unhonoured
+def check_launch_settings(launch: dict, path: Path | None = None) -> list[Check]:
+    """The launch config's settings that accelerate ignores or llmtrain does not follow, as finetune refuses them,
+    and what accelerate launch itself refuses of the file at `path` or starts otherwise (launch.accelerate_problem,
+    as `llmtrain launch` checks it), none without a launch config."""
+    from llmtrain.parallel.launch import accelerate_problem, unhonoured
 
     if not launch:
         return []
     problems = unhonoured(launch)
+    if not problems and path is not None and (problem := accelerate_problem(
+            ["--config_file", str(path), "RECIPE.yaml"], where=f"--accelerate-config {path}")):
+        problems = [problem]
     if problems:
         return [("launch settings", "fail", f"{'; '.join(problems)}.")]
     return [("launch settings", "pass", "every setting is one llmtrain follows")]
@@ -542,7 +546,7 @@ def run_doctor(recipe: Recipe, *, accelerate_config: Path | None = None,
     checks += rows + check_host_offload(est, host_memory=host_memory_here()) + check_precision(recipe, launch)
     if est is not None:
         checks += check_fsdp(recipe, launch, params=est.params_total, fits=est.fits if gpu else None)
-    return checks + check_launch_settings(launch) + check_layout(recipe, launch, where=f"--accelerate-config "
+    return checks + check_launch_settings(launch, accelerate_config) + check_layout(recipe, launch, where=f"--accelerate-config "
                                                                  f"{accelerate_config}") + \
         check_sequence_parallel(recipe, launch) + \
         check_batch(recipe, launch) + check_shared_fs(recipe, launch)

@@ -77,7 +77,7 @@ def accelerate_command(argv: list[str], *, machine: bool = True) -> list[str]:
     from llmtrain import capabilities
     from llmtrain.config import load_recipe, started_in, working_there
     from llmtrain.layout import Layout
-    from llmtrain.parallel.launch import gpus_problem, launch_problem, launch_settings
+    from llmtrain.parallel.launch import accelerate_problem, gpus_problem, launch_problem, launch_settings
     from llmtrain.run.checkpoint import resolve_resume
     from llmtrain.run.rundir import check_output_folder, foreign_checkpoint, inputs_inside
 
@@ -132,7 +132,8 @@ def accelerate_command(argv: list[str], *, machine: bool = True) -> list[str]:
     if resume is not None and not overwrite:
         _check_resume(resume, out, recipe, layout, allow_recipe_change="--allow-recipe-change" in options)
     if machine:  # after the checks of the command alone: these ask torch for GPUs and read the model's files
-        if problem := gpus_problem(launch, where=where, gpus=torch.cuda.device_count()):
+        if problem := gpus_problem(launch, where=where, gpus=torch.cuda.device_count()) or \
+                accelerate_problem(argv, where=where):
             raise LLMTrainError(problem)
         # heads, layers, experts, attention: what the run asks of the model
         capabilities.check_model(recipe, layout, check_model_files(recipe))
@@ -187,6 +188,13 @@ def launched(argv: list[str]) -> int:
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
     args = launch_command_parser().parse_args(argv)
+    if not args.debug:  # torchrun's own W/E lines on the failure (audit 34): the one line below names the processes
+        import logging
+
+        import torch.distributed.run  # noqa: F401  (its elastic loggers exist once imported, each with its level)
+        for name in list(logging.Logger.manager.loggerDict):
+            if name.startswith(("torch.distributed.elastic", "torch.distributed.run")):
+                logging.getLogger(name).setLevel(logging.CRITICAL)
     try:
         launch_command(args)
     except SignalException as e:  # SIGTERM (SLURM, Kubernetes) or Ctrl-C: torchrun passed it on to the processes

@@ -25,6 +25,8 @@ def config(tmp_path, name="launch.yaml", base="cpu_fsdp.yaml", **changes) -> tup
     for key, value in changes.items():
         if isinstance(value, dict):
             launch.setdefault(key, {}).update(value)
+        elif value is None:  # the key left out
+            launch.pop(key, None)
         else:
             launch[key] = value
     path = tmp_path / name
@@ -60,6 +62,8 @@ def test_every_shipped_launch_config_is_honoured(path):
     ({"base": "cpu_ddp.yaml", "distributed_type": "MULTI_CPU"},
      "distributed_type: MULTI_CPU starts one process without an mpirun hostfile (accelerate's simple launcher), not "
      "the 2 of num_processes"),
+    ({"base": "cpu_ddp.yaml", "distributed_type": "NO"},  # checked as 2 DDP processes, trained as one (audit 34)
+     "distributed_type: NO starts one process (accelerate's simple launcher), not the 2 of num_processes"),
     ({"fsdp_config": {"fsdp_sharding_strategy": "HYBRID_SHARD"}},
      "fsdp_sharding_strategy: HYBRID_SHARD is FSDP1's, which accelerate ignores under fsdp_version 2 (the run would "
      "shard over every GPU): for it under FSDP2 use a parallelism_config mesh of replicas x shards"),
@@ -103,6 +107,29 @@ def test_flags_accelerate_launch_would_drop_are_refused_with_the_launch():
     assert problems("--config_file", ddp, "--cpu", "--num_processes", "1") == []
     launch, _ = launch_settings(["--config_file", ddp, "--cpu", "recipes/tiny.yaml"])
     assert launch["use_cpu"] is True  # --cpu read as use_cpu (the GPU check had refused it: "use_cpu is not set")
+
+
+def test_what_accelerate_launch_itself_refuses_or_runs_as_one_process_is_said_before_it_starts(tmp_path):
+    """accelerate launch's own checks (its _validate_launch_command) came after llmtrain's had passed: a ValueError
+    traceback and exit 1; and with no distributed type (no config file on a machine without GPUs) its simple launcher
+    started one process where the checks had counted num_processes (audit 34). Each is said with the launch now."""
+    from llmtrain.parallel.launch import accelerate_problem
+
+    ddp = str(REPO / "accelerate_configs" / "cpu_ddp.yaml")
+    no_count, _ = config(tmp_path, base="cpu_ddp.yaml", num_processes=None)
+
+    def problem(*argv):
+        return accelerate_problem([*argv, "recipes/tiny.yaml"], where="the launch")
+
+    assert "(num_processes: N in the file, or --num_processes N)" in problem("--config_file", str(no_count))
+    assert "You can only use one of" in problem("--config_file", ddp, "--use_fsdp", "--multi_gpu")
+    assert "at least 2 processes to use `--multi_gpu`" in problem("--config_file", ddp, "--multi_gpu",
+                                                                   "--num_processes", "1")
+    if not __import__("torch").cuda.is_available():  # without GPUs, no config file: accelerate's simple launcher
+        assert "asks for 2 processes, and accelerate launch would start one" in problem("--num_processes", "2")
+    for argv in (("--config_file", ddp), ("--config_file", str(REPO / "accelerate_configs" / "cpu_fsdp.yaml")),
+                 ("--config_file", ddp, "--num_processes", "1", "--cpu"), ()):
+        assert problem(*argv) is None, argv
 
 
 def test_accelerates_pipeline_key_points_to_the_recipes():
@@ -164,6 +191,11 @@ def test_doctor_fails_a_launch_config_with_a_pipeline_it_would_ignore(tiny_asset
     shipped = {name: status for name, status, _ in run_doctor(load_recipe(write_recipe(tiny_assets, tmp_path)),
                accelerate_config=REPO / "accelerate_configs" / "cpu_fsdp.yaml", gpu_memory=80)}
     assert shipped["launch settings"] == "pass"
+    # what accelerate launch itself refuses: doctor had passed it as "1 process" (audit 34)
+    path, _ = config(tmp_path, name="no-count.yaml", base="cpu_ddp.yaml", num_processes=None)
+    got = {name: (status, detail) for name, status, detail in
+           run_doctor(load_recipe(write_recipe(tiny_assets, tmp_path)), accelerate_config=path, gpu_memory=80)}
+    assert got["launch settings"][0] == "fail" and "refused by accelerate launch itself" in got["launch settings"][1]
 
 
 @pytest.mark.parametrize("changes, said", [
@@ -175,6 +207,9 @@ def test_doctor_fails_a_launch_config_with_a_pipeline_it_would_ignore(tiny_asset
     ({"num_processes": 0}, "num_processes 0 over num_machines 1, and accelerate starts num_processes // "
                            "num_machines = 0 on each node"),
     ({"num_machines": 3, "main_process_ip": "127.0.0.1"}, "num_processes 2 over num_machines 3"),
+    # accelerate's own refusal had come after llmtrain's checks passed: its ValueError's traceback, exit 1 (audit 34)
+    ({"num_processes": None}, "is refused by accelerate launch itself: You need to manually pass in `--num_processes` "
+                              "using this config yaml. (num_processes: N in the file, or --num_processes N)"),
 ])
 def test_llmtrain_launch_refuses_before_any_process_starts(tiny_assets, tmp_path, changes, said):
     """exit 2, the paragraph, no torchrun report, and no run folder: the refusal came before `accelerate launch`."""
@@ -268,6 +303,7 @@ def test_a_run_that_stops_under_llmtrain_launch_says_why_and_not_torchruns_trace
     assert "traceback of its own" not in said  # plain accelerate launch's word on torchrun's report: none here
     assert re.search(r"llmtrain launch: process(es)? 0 \(exit status 2\).* stopped.*; what each said is above", said)
     assert said.count("error:") == 1  # the main process's paragraph; the other had it handed (errors.Relayed)
+    assert "torch/distributed/elastic" not in said  # torchrun's W/E log lines beside the one line (audit 34)
     assert not (tmp_path / "run").exists()
 
 

@@ -71,6 +71,10 @@ def unhonoured(launch: dict) -> list[str]:
         problems.append(f"distributed_type: MULTI_CPU starts one process without an mpirun hostfile (accelerate's "
                         f"simple launcher), not the {procs} of num_processes: use accelerate_configs/cpu_ddp.yaml "
                         "(MULTI_GPU with use_cpu: true, torchrun's processes) or cpu_fsdp.yaml")
+    if kind == "NO" and "distributed_type" in launch and procs > 1:  # (audit 34: checked as DDP, trained alone)
+        problems.append(f"distributed_type: NO starts one process (accelerate's simple launcher), not the {procs} of "
+                        "num_processes: use distributed_type: MULTI_GPU (accelerate_configs/ddp.yaml; on a CPU "
+                        "cpu_ddp.yaml, with use_cpu: true) or FSDP (fsdp.yaml)")
     for key in sorted(set(launch) - PLUMBING - {DROPPED}):
         problems.append(f"{key} is not a setting of accelerate's launch config{_spelt(key, PLUMBING)}: remove it "
                         "(or check its spelling)")
@@ -170,6 +174,38 @@ def check_launch(launch: dict, *, where: str) -> None:
 
 
 # --------------------------------------------------------------------------- the launch, from its command line
+
+
+def accelerate_problem(argv: list[str], *, where: str) -> str | None:
+    """What `accelerate launch ARGV` itself would refuse once llmtrain's checks had passed (its own
+    _validate_launch_command's ValueError, a traceback: a config file without num_processes, two distributed flags,
+    --multi_gpu with one process), or start otherwise than the checks took it: one process (its simple launcher, with
+    no distributed flag or type, or --cpu) where num_processes asks for more (audit 34). Its own checks, run on ARGV
+    as it will run them (on this machine: without a config file, its GPUs decide); None where it would launch."""
+    import logging
+
+    from accelerate.commands import launch as accelerate_launch
+
+    validate = getattr(accelerate_launch, "_validate_launch_command", None)
+    if validate is None:  # (another accelerate: its launch says it)
+        return None
+    args = accelerate_launch.launch_command_parser().parse_args(argv)
+    logging.disable(logging.WARNING)  # its note of the defaults it filled in: accelerate launch gives it
+    try:
+        args = validate(args)[0]
+    except ValueError as e:
+        hint = " (num_processes: N in the file, or --num_processes N)" if "num_processes" in str(e) else ""
+        return f"{where} is refused by accelerate launch itself: {str(e).strip()}{hint}"
+    finally:
+        logging.disable(logging.NOTSET)
+    distributed = any(getattr(args, k, False) for k in ("use_deepspeed", "use_fsdp", "use_megatron_lm", "multi_gpu",
+                                                          "tpu"))
+    if (args.cpu or not distributed) and (args.num_processes or 1) > 1:
+        return (f"{where} asks for {args.num_processes} processes, and accelerate launch would start one (its simple "
+                "launcher: no distributed type, as a machine without GPUs has it when no config file says one): "
+                "give a config file with distributed_type: MULTI_GPU (accelerate_configs/ddp.yaml; on a CPU "
+                "cpu_ddp.yaml, with use_cpu: true) or FSDP (fsdp.yaml, cpu_fsdp.yaml)")
+    return None
 
 
 def gpus_problem(launch: dict, *, where: str, gpus: int) -> str | None:
