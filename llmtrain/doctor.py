@@ -546,8 +546,8 @@ def run_doctor(recipe: Recipe, *, accelerate_config: Path | None = None,
     checks += rows + check_host_offload(est, host_memory=host_memory_here()) + check_precision(recipe, launch)
     if est is not None:
         checks += check_fsdp(recipe, launch, params=est.params_total, fits=est.fits if gpu else None)
-    return checks + check_launch_settings(launch, accelerate_config) + check_layout(recipe, launch, where=f"--accelerate-config "
-                                                                 f"{accelerate_config}") + \
+    return checks + check_launch_settings(launch, accelerate_config) + \
+        check_layout(recipe, launch, where=f"--accelerate-config {accelerate_config}") + \
         check_sequence_parallel(recipe, launch) + \
         check_batch(recipe, launch) + check_shared_fs(recipe, launch)
 
