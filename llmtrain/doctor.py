@@ -492,13 +492,13 @@ def check_tools(recipe: Recipe, tokenizer) -> list[Check]:
 
 
 def check_teacher(recipe: Recipe, tokenizer) -> list[Check]:
-    """Distillation: the teacher shares the student's vocabulary, id by id (as finetune checks it, from the teacher's
-    config.json and tokenizer: no weights)."""
+    """Distillation: the teacher shares the student's vocabulary, id by id, and its folder has weights (as finetune
+    checks it, from the teacher's config.json, tokenizer and file names: no weights read)."""
     if recipe.distill is None:
         return []
-    from llmtrain.model.teacher import vocabulary_problem
+    from llmtrain.model.teacher import teacher_problem
 
-    if problem := vocabulary_problem(recipe, tokenizer):
+    if problem := teacher_problem(recipe, tokenizer):
         return [("teacher", "fail", problem)]
     d = recipe.distill
     return [("teacher", "pass", f"{d.teacher} shares the student's vocabulary ({len(tokenizer.get_vocab()):,} "

@@ -55,15 +55,23 @@ def _resume_path(options: list[str]) -> str | None:
 
 def check_model_files(recipe):
     """The model's config and tokenizer, read as every process will read them (a local folder, or the hub's cache
-    when the hub does not answer, said in one line): a missing one is said once, here, instead of by each process.
-    Returns the model's config."""
+    when the hub does not answer, said in one line), a local folder's weights file, and distillation's teacher
+    (teacher.teacher_problem): a missing one is said once, here, instead of by each process (under FSDP the main
+    process alone reads the weights). Returns the model's config."""
     from llmtrain import hub
-    from llmtrain.model.modeling import load_model_config, load_tokenizer
+    from llmtrain.model.modeling import load_model_config, load_tokenizer, missing_weights
 
     if line := hub.fall_back(hub.recipe_hub_ids(recipe)):
         print(line, file=sys.stderr)
     config = load_model_config(recipe.model)
-    load_tokenizer(recipe.model)
+    tokenizer = load_tokenizer(recipe.model)
+    if not recipe.model.random_init and (problem := missing_weights(recipe.model.name_or_path)):
+        raise LLMTrainError(problem)
+    if recipe.distill is not None:
+        from llmtrain.model.teacher import teacher_problem
+
+        if problem := teacher_problem(recipe, tokenizer):
+            raise LLMTrainError(problem)
     return config
 
 

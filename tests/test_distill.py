@@ -644,6 +644,14 @@ def test_doctor_checks_the_teachers_vocabulary(tiny_assets, tmp_path, teacher):
     checks = {name: (status, detail) for name, status, detail in
               run_doctor(load_recipe(recipe, [f"distill.teacher={tmp_path / 'big-vocab'}"]), gpu_memory=80)}
     assert checks["teacher"][0] == "fail" and "a vocabulary of 120 ids" in checks["teacher"][1]
+    import shutil  # a teacher folder with no weights: finetune refuses it, doctor had passed it (audit 34)
+
+    shutil.copytree(tiny_assets / "model", tmp_path / "no-weights")
+    (tmp_path / "no-weights" / "model.safetensors").unlink()
+    checks = {name: (status, detail) for name, status, detail in
+              run_doctor(load_recipe(recipe, [f"distill.teacher={tmp_path / 'no-weights'}"]), gpu_memory=80)}
+    assert checks["teacher"][0] == "fail" and "(distill.teacher) has a config.json but no weights" in \
+        checks["teacher"][1]
 
 
 def test_inspect_data_shows_what_the_student_completes(tiny_assets, tmp_path):

@@ -397,6 +397,58 @@ def test_llmtrain_launch_says_a_missing_model_once_before_any_process_starts(tin
     assert not (tmp_path / "run").exists()
 
 
+def _without_weights(tiny_assets, tmp_path):
+    import shutil
+
+    folder = tmp_path / "no-weights"
+    shutil.copytree(tiny_assets / "model", folder)
+    (folder / "model.safetensors").unlink()
+    return folder
+
+
+@pytest.mark.parametrize("key", ["model.name_or_path", "distill.teacher"])
+def test_llmtrain_launch_says_a_model_folder_without_weights_once_before_any_process_starts(tiny_assets, tmp_path,
+                                                                                             key):
+    """A folder with a config and no weights: each process had said it (the student under DDP), or under FSDP the
+    main process alone, the others dying in the broadcast it never reached (audit 34); launch reads the file names."""
+    import yaml
+
+    folder = _without_weights(tiny_assets, tmp_path)
+    recipe = yaml.safe_load((REPO / "recipes" / "tiny-distill.yaml").read_text())
+    recipe["data"].update(path=str(tiny_assets / "data" / "train.jsonl"), eval_split=None)
+    recipe["model"]["name_or_path"] = str(tiny_assets / "model")
+    recipe["distill"]["teacher"] = str(tiny_assets / "model")
+    recipe["output_dir"] = str(tmp_path / "run")
+    path = tmp_path / "distill.yaml"
+    path.write_text(yaml.safe_dump(recipe))
+    proc = cli("launch", "--config_file", str(REPO / "accelerate_configs" / "cpu_fsdp.yaml"), str(path),
+               f"{key}={folder}", check=False)
+    out = " ".join((proc.stdout + proc.stderr).split())
+    assert proc.returncode == 2 and out.count("error:") == 1 and "ChildFailedError" not in out, out
+    assert f"the model folder '{folder}' ({key}" in out and "has a config.json but no weights" in out, out
+    assert "llmtrain launch: process" not in out  # no process started (the launcher's word on failed ones)
+    assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.slow
+def test_a_model_the_main_process_alone_cannot_read_under_fsdp_is_its_paragraph_not_the_others_traceback(
+        tiny_assets, tmp_path):
+    """Under FSDP the main process reads the weights and the others build an empty model for prepare's broadcast:
+    its refusal had been its paragraph and, on the other process, 60 lines of gloo's "Connection closed by peer"
+    (audit 34). The processes agree on the load's outcome (collectives.agreed) before any goes on. Launched without
+    llmtrain launch's checks (llmtrain.launcher), as a plain accelerate launch is."""
+    folder = _without_weights(tiny_assets, tmp_path)
+    recipe = write_recipe(tiny_assets, tmp_path)
+    proc = subprocess.run([sys.executable, "-m", "llmtrain.launcher", "--config_file",
+                           str(REPO / "accelerate_configs" / "cpu_fsdp.yaml"), "--main_process_port", str(open_port()),
+                           "-m", "llmtrain", "finetune", str(recipe), f"model.name_or_path={folder}",
+                           "train.max_steps=1"], env=ENV, cwd=REPO, capture_output=True, text=True, timeout=300)
+    said = proc.stdout + proc.stderr
+    assert proc.returncode == 2, said[-3000:]
+    assert said.count("has a config.json but no weights") == 1, said[-3000:]
+    assert "Traceback" not in said and "Connection closed" not in said, said[-3000:]
+
+
 @pytest.mark.parametrize("args, said", [([], "no recipe given"), (["--bogus", "recipes/tiny.yaml"],
                                                                    "unrecognized arguments: --bogus")])
 def test_llmtrain_launch_without_a_recipe_or_with_an_unknown_flag_says_so_in_one_paragraph(args, said):

@@ -54,10 +54,10 @@ from llmtrain.model.modeling import (
 from llmtrain.model.reference import (AdapterReference, Reference, StageCopy, adapter_off, copy_into, frozen_copy,
                                       saved_problem)
 from llmtrain.model.score import attach_score
-from llmtrain.model.teacher import load_teacher, vocabulary_problem
+from llmtrain.model.teacher import load_teacher, teacher_problem
 from llmtrain.objectives.objective import head_loss_for
 from llmtrain.parallel.accelerator import use_fused_adamw
-from llmtrain.parallel.collectives import device_sum, global_sum, main_first
+from llmtrain.parallel.collectives import agreed, device_sum, global_sum, main_first
 from llmtrain.parallel.fsdp import receives_weights, shard_frozen, uses_fsdp
 from llmtrain.parallel.groups import groups
 from llmtrain.parallel.mesh import data_ranks, mesh_line, tensor_parallel_size
@@ -241,9 +241,9 @@ def prepare_data(recipe: Recipe, accelerator, *, say, config=None) -> Data:
             raise Everywhere(f"{name}: {detail}")
         if status == "warn":
             say(f"warning ({name}): {detail}")
-    if (d := recipe.distill) is not None:  # the teacher's vocabulary, before either model's weights are read
-        if problem := vocabulary_problem(recipe, tokenizer):
-            raise LLMTrainError(problem)
+    if (d := recipe.distill) is not None:  # the teacher's vocabulary and files, before either model's weights are read
+        if problem := teacher_problem(recipe, tokenizer):  # the same files on every process: said once a node
+            raise Everywhere(problem)
         say(f"distillation: teacher {d.teacher}, beta={d.beta:g} (0 forward KL, 1 reverse KL), temperature="
             f"{d.temperature:g}; the student samples the completions of {d.lmbda:.0%} of the steps (distill.lmbda; "
             f"distill.sampler={sampler}), the others train on the data's")
@@ -371,11 +371,14 @@ def build_model(recipe: Recipe, accelerator, *, total_steps: int, say, pad: int 
     tc = recipe.train
     # A quantised base is loaded (and quantised) by every process itself: 4-bit weights cannot be broadcast into an
     # empty model.
-    model = load_model(recipe.model, recipe.lora, device=accelerator.device,
-                       empty=(receives_weights(accelerator) and not recipe.model.quantize
-                              and recipe.parallel.pipeline_parallel == 1),  # stages: each loads, keeps its own
-                       compute_dtype={"bf16": torch.bfloat16, "fp16": torch.float16}.get(tc.mixed_precision),
-                       reward_head=recipe.reward_model is not None)
+    # (agreed: a model one process cannot read, the main one under FSDP, is its paragraph on every process, not the
+    # others' traceback of the broken connection at the broadcast it never reaches)
+    model = agreed(accelerator, lambda: load_model(
+        recipe.model, recipe.lora, device=accelerator.device,
+        empty=(receives_weights(accelerator) and not recipe.model.quantize
+               and recipe.parallel.pipeline_parallel == 1),  # stages: each loads, keeps its own
+        compute_dtype={"bf16": torch.bfloat16, "fp16": torch.float16}.get(tc.mixed_precision),
+        reward_head=recipe.reward_model is not None))
     if found := capabilities.loaded_model_problems(recipe, model):  # what its config does not say (sinks)
         raise LLMTrainError(capabilities.paragraph(found))
     if tc.disable_dropout:  # TRL's disable_dropout_in_model: lora.dropout's too (p 0: the input itself, no mask)
@@ -464,7 +467,9 @@ def build_teacher(recipe: Recipe, accelerator, trainable: Trainable, tokenizer, 
         return None
     if not uses_fsdp(accelerator) or trainable.pipeline is not None:
         return _teacher_attention(recipe, load_teacher(recipe, tokenizer, device=accelerator.device), trainable)
-    teacher = load_teacher(recipe, tokenizer, device=None, empty=not accelerator.is_main_process)
+    # the main process reads it, the others receive their shards: its refusal reaches them (agreed)
+    teacher = agreed(accelerator, lambda: load_teacher(recipe, tokenizer, device=None,
+                                                       empty=not accelerator.is_main_process))
     _teacher_attention(recipe, teacher, trainable)
     say(f"teacher: sharded like the student, {_sharded(teacher, trainable, accelerator)}")
     return teacher

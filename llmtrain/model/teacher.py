@@ -13,7 +13,7 @@ import torch
 from llmtrain.capabilities import scorer_problem
 from llmtrain.config import ModelConfig, Recipe, run_folder_problem
 from llmtrain.errors import LLMTrainError
-from llmtrain.model.modeling import embedding_rows, load_model
+from llmtrain.model.modeling import embedding_rows, load_model, missing_weights
 
 
 def teacher_config(recipe: Recipe) -> ModelConfig:
@@ -75,6 +75,13 @@ def vocabulary_problem(recipe: Recipe, tokenizer) -> str | None:
                 f"{tokenizer.convert_ids_to_tokens(differ[0])!r} for the student): the divergence compares the two "
                 f"models' probabilities id by id, so they must share the vocabulary token for token. {fix}")
     return None
+
+
+def teacher_problem(recipe: Recipe, tokenizer) -> str | None:
+    """Why the teacher cannot be trained with (vocabulary_problem), or a local teacher folder with a config.json and
+    no weights (modeling.missing_weights, which its load refuses): from its files, no weights read, as finetune,
+    doctor and `llmtrain launch` check it."""
+    return vocabulary_problem(recipe, tokenizer) or missing_weights(recipe.distill.teacher, key="distill.teacher")
 
 
 def load_teacher(recipe: Recipe, tokenizer, *, device: torch.device | None, empty: bool = False):

@@ -2,9 +2,9 @@
 the data-parallel ranks (`data_sum`: a tensor-parallel group's batch counted once), lists gathered in rank order
 (`gathered`), a device tensor summed over all processes without a host sync (`device_sum`), a computation run on
 a group's first process, its result given to the others (`on_first`; `on_sampling_group_first`: the user's code of
-online RL under tensor parallelism or on pipeline stages), and one run on the main process alone (`on_main`) or
-before the others
-(`main_first`), its error handed to the others.
+online RL under tensor parallelism or on pipeline stages), one run on the main process alone (`on_main`) or
+before the others (`main_first`), its error handed to the others, and one run on each process whose errors each
+hands to the others (`agreed`).
 """
 
 from __future__ import annotations
@@ -81,6 +81,33 @@ def on_main(accelerator, compute):
     if accelerator.num_processes == 1:
         return compute()
     return on_first(compute, group=None, share=False)
+
+
+def agreed(accelerator, compute):
+    """`compute()` on every process, each doing its own part (under FSDP the main process reads the weights that the
+    others, building an empty model, receive in prepare), then each one's error handed to the others (errors.Relayed)
+    before any goes on: a model the main process alone could not read (no weights file, a damaged one) had been its
+    paragraph, and on every other process the traceback of the next collective's broken connection (audit 34)."""
+    if accelerator.num_processes == 1:
+        return compute()
+    import torch.distributed as dist
+
+    from llmtrain.errors import LLMTrainError, Relayed
+
+    result, error, said = None, None, None
+    try:
+        result = compute()
+    except Exception as e:
+        error = e
+        said = str(e) if isinstance(e, LLMTrainError) else \
+            f"process {accelerator.process_index} stopped ({type(e).__name__}: {e})"
+    every = [None] * accelerator.num_processes
+    dist.all_gather_object(every, said)
+    if error is not None:
+        raise error
+    if (first := next((x for x in every if x is not None), None)) is not None:
+        raise Relayed(first)
+    return result
 
 
 def main_first(accelerator, compute):
