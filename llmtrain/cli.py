@@ -427,7 +427,9 @@ def eval_(
     benchmarks.quiet()
     manager = benchmarks.task_manager([str(p) for p in include_path or []], names)
     benchmarks.check_tasks(names, manager)
-    how = dict(num_fewshot=num_fewshot, batch_size=size, limit=limit, apply_chat_template=chat_template, device=device)
+    how = dict(num_fewshot=num_fewshot, batch_size=size, limit=limit, apply_chat_template=chat_template, device=device,
+               # the run's system prompt and template kwargs, for the baseline too (recorded)
+               **({"chats": benchmarks.rendering(ours)} if chat_template and benchmarks.rendering(ours) else {}))
     if main:
         typer.echo(f"scoring {ours.name} on {', '.join(names)} (lm-evaluation-harness)", err=True)
     results = benchmarks.evaluate(ours, names, manager, **how)

@@ -449,3 +449,84 @@ def test_a_hub_model_not_in_the_cache_is_named_as_the_commands_argument(monkeypa
     said = " ".join(proc.stderr.split())
     assert proc.returncode == 2 and "the model 'someone/not-cached-model' (the model to score) is not in the local " \
         "Hugging Face cache" in said and "model.name_or_path" not in said, said
+
+
+def _likelihood_task(tiny: Path, folder: Path) -> Path:
+    """The tiny task scored by likelihood with a continuous metric beside acc (perplexity of the reference), so that
+    any change in what the model is shown moves the table."""
+    out = folder / "ll-tasks"
+    out.mkdir(exist_ok=True)
+    task = yaml.safe_load((REPO / "tasks" / "tiny_reverse_ll.yaml").read_text())
+    task.update(task="tiny_reverse_ppl", metric_list=[{"metric": "acc"}, {"metric": "perplexity"}])
+    task["dataset_kwargs"]["data_files"]["test"] = str(tiny / "data" / "eval.jsonl")
+    (out / "tiny_reverse_ppl.yaml").write_text(yaml.safe_dump(task))
+    return out
+
+
+def _scores(*args: str) -> list[str]:
+    return table_rows(cli("eval", *args, "--tasks", "tiny_reverse_ppl", "--limit", "20", "--batch-size", "8",
+                          env=OFFLINE).stdout)
+
+
+@pytest.mark.slow
+def test_final_and_a_checkpoint_of_the_same_weights_render_the_runs_chats_alike(tiny_assets, tmp_path):
+    """--apply-chat-template: final/'s tokenizer keeps the template without data.chat_template_kwargs, so final/ had
+    been prompted without them (Qwen3's enable_thinking: false) while its checkpoints, built by llmtrain, were
+    prompted with them; and neither with data.system_prompt (audit 33: acc 0.060 and 0.040 for the same weights).
+    Both now render the run's chats as it trained on them, and the results record how."""
+    template = tmp_path / "prefixed.jinja"
+    template.write_text(
+        "{{ bos_token }}{% for m in messages %}[{{ m['role'] }}]: {% if m['role'] == 'user' and prefix is defined %}"
+        "{{ prefix }}{% endif %}{{ m['content'] }}{% endfor %}{% if add_generation_prompt %}[assistant]:{% endif %}")
+    recipe = write_recipe(tiny_assets, tmp_path, data={"chat_template": str(template), "max_seq_len": 64,
+                                                       "chat_template_kwargs": {"prefix": "QQ "},
+                                                       "system_prompt": "sys"},
+                          train={"max_steps": 4, "micro_batch_size": 8, "lr": 1e-3}, checkpoint={"every_steps": 4})
+    run_train(recipe)
+    tasks, run = _likelihood_task(tiny_assets, tmp_path), tmp_path / "run"
+    final = _scores(str(run), "--include-path", str(tasks), "--apply-chat-template")
+    assert final == _scores(str(run / "checkpoints" / "step_000004"), "--include-path", str(tasks),
+                            "--apply-chat-template")
+    written = json.loads((run / "lm_eval" / "tiny_reverse_ppl.json").read_text())
+    assert written["chats"] == {"system_instruction": "sys", "chat_template_args": {"prefix": "QQ "}}
+    assert final != _scores(str(run), "--include-path", str(tasks))  # (the template is what is scored)
+
+
+@pytest.mark.slow
+def test_a_lora_run_on_a_base_with_spare_vocabulary_rows_is_scored_as_its_checkpoint(tiny_assets, tmp_path):
+    """A base with more vocabulary rows than its tokenizer has tokens (Qwen's): the harness's peft path cuts the base
+    to the tokenizer before reading the adapter, so a run that saved the head (modules_to_save) ended in a
+    size-mismatch traceback, and any other was scored over fewer rows than it trained with (audit 33). Such a run is
+    handed over built, and scores what its checkpoint of the same weights scores."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    base = tmp_path / "padded"
+    model = AutoModelForCausalLM.from_pretrained(tiny_assets / "model")
+    rows = model.get_input_embeddings().weight.shape[0]
+    model.resize_token_embeddings(rows + 24)
+    model.save_pretrained(base)
+    AutoTokenizer.from_pretrained(tiny_assets / "model").save_pretrained(base)
+    recipe = write_recipe(tiny_assets, tmp_path, model={"name_or_path": str(base)}, data={"max_seq_len": 64},
+                          lora={"r": 8, "alpha": 16, "dropout": 0.0, "modules_to_save": ["lm_head"]},
+                          train={"max_steps": 4, "micro_batch_size": 8, "lr": 1e-2}, checkpoint={"every_steps": 4})
+    run_train(recipe)
+    tasks, run = _likelihood_task(tiny_assets, tmp_path), tmp_path / "run"
+    assert _scores(str(run), "--include-path", str(tasks)) == _scores(
+        str(run / "checkpoints" / "step_000004"), "--include-path", str(tasks))
+
+
+def test_a_damaged_weights_file_is_one_paragraph(trained, tmp_path):
+    """The harness reads a whole model's weights itself: a truncated file had been safetensors' traceback (audit
+    33); generate and a checkpoint's eval said it in a paragraph."""
+    import shutil
+
+    run, tasks = trained
+    copy = tmp_path / "damaged"
+    shutil.copytree(run, copy, ignore=shutil.ignore_patterns("checkpoints", "lm_eval"))
+    with open(copy / "final" / "model.safetensors", "r+b") as f:
+        f.truncate(1000)
+    proc = cli("eval", str(copy), "--tasks", "tiny_reverse", "--include-path", str(tasks), "--limit", "4",
+               env=OFFLINE, check=False)
+    out = " ".join(proc.stderr.split())
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    assert f"the weights in '{copy / 'final'}' could not be read" in out and "truncated or damaged" in out, out

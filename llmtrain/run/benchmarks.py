@@ -15,7 +15,7 @@ import difflib
 import json
 import logging
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from llmtrain.errors import LLMTrainError
@@ -33,13 +33,23 @@ class Target:
     run: Path | None  # the run folder results are written into; None for a model folder or hub id
     load: object = None  # a checkpoint: a function of the device returning (model, tokenizer), handed over as objects
     base: str | None = None  # a run's base model (its recipe's model.name_or_path): --baseline base
+    chats: dict | None = None  # a run's chats as it trained them (`rendering`): --apply-chat-template's
+
+
+def rendering(target: Target) -> dict:
+    """How --apply-chat-template renders the prompts of a run's benchmark as the run rendered its chats: its
+    data.system_prompt (the harness's system_instruction) and data.chat_template_kwargs (the harness's
+    chat_template_args: Qwen3's enable_thinking); {} for a model that is not a run. final/'s tokenizer keeps the
+    template without the kwargs, so final/ had been prompted in thinking mode where the run's checkpoints (whose
+    template read_template gives) were not, and neither with the system prompt (audit 33). The baseline is rendered
+    the same, so the two are scored on the same prompts."""
+    return {k: v for k, v in (target.chats or {}).items() if v}
 
 
 def resolve(target: str, *, dtype: str) -> Target:
     """What `target` is: a run folder (its final/), a checkpoint of one, a model folder or a hub id."""
     from llmtrain.hub import missing_local
-    from llmtrain.run.rundir import missing_source, run_recipe, unfinished
-    from llmtrain.run.replies import unreadable_checkpoint
+    from llmtrain.run.rundir import missing_source, run_recipe
 
     path = Path(target).expanduser()
     if missing_local(target):  # (it had named the recipe keys model.name_or_path / model.tokenizer: there is none)
@@ -52,6 +62,16 @@ def resolve(target: str, *, dtype: str) -> Target:
         _readable(target)
         return Target(target, {"pretrained": target, "dtype": dtype}, None)
     recipe = run_recipe(path)
+    chats = {"system_instruction": recipe.data.system_prompt,
+             "chat_template_args": dict(recipe.data.chat_template_kwargs or {})}
+    return replace(_resolve_run(path, recipe, target, dtype=dtype), chats=chats)
+
+
+def _resolve_run(path: Path, recipe, target: str, *, dtype: str) -> Target:
+    """A run folder's or a checkpoint's Target (resolve)."""
+    from llmtrain.run.rundir import unfinished
+    from llmtrain.run.replies import unreadable_checkpoint
+
     checkpoint = (path / "train_state.json").is_file()
     run = path.parent.parent if checkpoint else path
     if checkpoint and (problem := recipe_problem(recipe, target, adapter=recipe.lora is not None)
@@ -69,7 +89,11 @@ def resolve(target: str, *, dtype: str) -> Target:
     if problem := recipe_problem(recipe, target, adapter=True):
         raise LLMTrainError(problem)
     base = recipe.model.name_or_path
-    _readable(base)
+    config = _readable(base)
+    if spare_rows(config, final):  # the harness would cut the base's head to the tokenizer: handed over built
+        return Target(f"{final} (LoRA on {base}, its {config.get_text_config().vocab_size:,} vocabulary rows kept)",
+                      {"pretrained": base, "peft": str(final), **_built_args(recipe, dtype)}, run,
+                      _loader(path, dtype), base)
     if recipe.model.quantize:  # the harness's hf model does not quantize a base as llmtrain does: handed over built
         return Target(f"{final} (LoRA on {base} in 4 bits, {recipe.model.quantize})",
                       {"pretrained": base, "peft": str(final), **_built_args(recipe, dtype)}, run,
@@ -83,10 +107,21 @@ def resolve(target: str, *, dtype: str) -> Target:
                                                  "dtype": dtype}, run, base=base)
 
 
-def _readable(model: str) -> None:
+def spare_rows(config, final: Path) -> bool:
+    """Whether a LoRA run's base (`config`) has more vocabulary rows than final/'s tokenizer has tokens (Qwen's bases:
+    151,936 rows, 151,669 tokens; model.new_tokens takes spare rows and keeps them). The harness's peft path resizes
+    the base to the tokenizer before it reads the adapter: a run that saved the embeddings or the head
+    (modules_to_save, new tokens) then failed to load in a size-mismatch traceback, and any other was scored with
+    its softmax over fewer rows than it trained with and its merged export is scored with (audit 33)."""
+    from transformers import AutoTokenizer
+
+    return config.get_text_config().vocab_size > len(AutoTokenizer.from_pretrained(final))
+
+
+def _readable(model: str):
     """Refuse, in llmtrain's paragraph, a model the harness could not read (a hub id not in the cache without the
     hub, a folder without a config): its config is read here, as load_model reads it (the harness would end in
-    transformers' OSError and its traceback)."""
+    transformers' OSError and its traceback). Returns the config."""
     from llmtrain.capabilities import scorer_problem
     from llmtrain.config import ModelConfig
     from llmtrain.model.modeling import load_model_config
@@ -94,6 +129,7 @@ def _readable(model: str) -> None:
     config = load_model_config(ModelConfig(name_or_path=model), key="the model to score")  # (not a recipe's keys)
     if problem := scorer_problem(config, model, "the model to score"):
         raise LLMTrainError(problem + ". Evaluate the policy it was trained for")
+    return config
 
 
 def base_of(ours: Target, *, dtype: str) -> Target:
@@ -204,7 +240,8 @@ def after_training(recipe, accelerator, say) -> Path | None:
     b = recipe.eval
     target = resolve(recipe.output_dir, dtype="auto")
     how = dict(num_fewshot=b.num_fewshot, batch_size=b.batch_size, limit=b.limit,
-               apply_chat_template=b.apply_chat_template, device=str(accelerator.device))
+               apply_chat_template=b.apply_chat_template, device=str(accelerator.device),
+               **({"chats": rendering(target)} if b.apply_chat_template and rendering(target) else {}))
     say(f"eval: scoring {target.name} on {', '.join(b.tasks)} (lm-evaluation-harness)")
     results = evaluate(target, b.tasks, task_manager(b.include_path, b.tasks), **how, accelerator=accelerator)
     if not accelerator.is_main_process or results is None:
@@ -317,19 +354,25 @@ def command_options(batch_size: str, *, limit: float | None, dtype: str, device:
 
 
 def evaluate(target: Target, tasks: list[str], manager, *, num_fewshot: int | None, batch_size: int | str,
-             limit: float | None, apply_chat_template: bool, device: str | None, accelerator=None) -> dict | None:
+             limit: float | None, apply_chat_template: bool, device: str | None, accelerator=None,
+             chats: dict | None = None) -> dict | None:
     """The harness's results for `target` on the tasks, with its CLI's defaults (None on every process but the main
-    one); `accelerator`: the processes taking part (a finished run's; else accelerate launch's, share_requests)."""
+    one); `accelerator`: the processes taking part (a finished run's; else accelerate launch's, share_requests).
+    `chats`: with apply_chat_template, the run's rendering of its chats (`rendering`: system_instruction,
+    chat_template_args)."""
     import torch
     from lm_eval import simple_evaluate
 
+    chats = (chats or {}) if apply_chat_template else {}
+    template_args = {"chat_template_args": chats["chat_template_args"]} if "chat_template_args" in chats else {}
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")  # the harness's own default is cuda
-    model, args = "hf", dict(target.model_args)
+    model, args = "hf", {**target.model_args, **template_args}
     if target.load is not None:
         from lm_eval.models.huggingface import HFLM
 
         instance, tokenizer = target.load(device)
-        model = share_requests(HFLM(pretrained=instance, tokenizer=tokenizer, batch_size=batch_size), accelerator)
+        model = share_requests(HFLM(pretrained=instance, tokenizer=tokenizer, batch_size=batch_size,
+                                    **template_args), accelerator)
         args = None
     import lm_eval.evaluator as harness
 
@@ -337,7 +380,17 @@ def evaluate(target: Target, tasks: list[str], manager, *, num_fewshot: int | No
     try:
         return simple_evaluate(model=model, model_args=args, tasks=tasks, num_fewshot=num_fewshot,
                                batch_size=batch_size, device=device, limit=limit,
-                               apply_chat_template=apply_chat_template, log_samples=False, task_manager=manager)
+                               apply_chat_template=apply_chat_template, log_samples=False, task_manager=manager,
+                               system_instruction=chats.get("system_instruction"))
+    except Exception as e:  # the harness reads the weights: a damaged file had been safetensors' traceback (audit 33)
+        from llmtrain.model.modeling import DAMAGED
+
+        if type(e).__name__ not in DAMAGED or args is None:
+            raise
+        where = " or ".join(f"'{args[k]}'" for k in ("peft", "pretrained") if k in args)
+        raise LLMTrainError(f"the weights in {where} could not be read ({type(e).__name__}: {e}): a weights file is "
+                            "truncated or damaged. Copy the folder again from where it was written (or score one of "
+                            "the run's checkpoints: llmtrain eval RUN/checkpoints/step_N).") from None
     finally:
         harness.get_git_commit_hash = probe
 
