@@ -237,6 +237,38 @@ def test_estimate_matches_a_real_step(tmp_path, monkeypatch, one_thread, vocab, 
     assert abs(predicted - overestimate - measured) <= SMALL, (predicted, overestimate, measured)
 
 
+def test_disable_dropout_leaves_dora_no_dropout_branch_as_its_estimate_prices_it(tmp_path, monkeypatch, one_thread):
+    """train.disable_dropout (on for DPO, KTO and reward models) had set lora.dropout's module to p 0, and peft's
+    DoRA takes its dropout branch for any module but nn.Identity: a second base matmul saving a copy of every adapted
+    weight, the step 10% over the estimate (which prices a dropout of 0; audit 35). modeling.dropout_off makes them
+    nn.Identity, and the step is the estimate's, the same loss."""
+    from dataclasses import replace
+
+    from llmtrain.model.loss import compute_loss
+    from llmtrain.model.modeling import dropout_off
+
+    spec = TrainSpec(**LORA, lora_dropout=0.05, attn_implementation="sdpa", mixed_precision="bf16", micro_batch=4,
+                     seq_len=128, lora_dora=True)
+    cfg = {**CFG, "vocab_size": LAYERS}
+    model, batch = build(tmp_path, spec, cfg)
+    torch.manual_seed(0)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        before = compute_loss(model, batch)
+    for module in model.modules():  # TRL's disable_dropout_in_model, what it had been
+        if isinstance(module, torch.nn.Dropout):
+            module.p = 0.0
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        at_zero = compute_loss(model, batch)
+    dropout_off(model)
+    assert not any(isinstance(m, torch.nn.Dropout) for m in model.modules())
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert compute_loss(model, batch).item() == at_zero.item() != before.item()
+    measured = step_peak(monkeypatch, spec, model, batch, lambda: compute_loss(model, batch))
+    estimated = estimate_module.estimate(_shape_from_json(json.dumps(cfg), "tiny"),
+                                         replace(spec, lora_dropout=0.0)).per_gpu_peak_allocated_bytes
+    assert abs(estimated / measured - 1) <= 0.05, (estimated, measured)
+
+
 EVAL_CASES = [  # (vocab, spec): evaluate() runs compute_loss(return_hits=True) under no_grad
     (LOSS, TrainSpec(micro_batch=4, seq_len=128, eval_micro_batch=4)),
     (LOSS, TrainSpec(micro_batch=4, seq_len=128, eval_micro_batch=4, mixed_precision="bf16", loss_chunk_tokens=100)),

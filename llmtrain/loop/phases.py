@@ -40,6 +40,7 @@ from llmtrain.model.modeling import (
     context_reach,
     count_parameters,
     describe_attention,
+    dropout_off,
     embedding_rows,
     fused_linear_cross_entropy,
     load_model,
@@ -381,10 +382,8 @@ def build_model(recipe: Recipe, accelerator, *, total_steps: int, say, pad: int 
         reward_head=recipe.reward_model is not None))
     if found := capabilities.loaded_model_problems(recipe, model):  # what its config does not say (sinks)
         raise LLMTrainError(capabilities.paragraph(found))
-    if tc.disable_dropout:  # TRL's disable_dropout_in_model: lora.dropout's too (p 0: the input itself, no mask)
-        for module in model.modules():
-            if isinstance(module, torch.nn.Dropout):
-                module.p = 0.0
+    if tc.disable_dropout:  # TRL's disable_dropout_in_model: lora.dropout's too
+        dropout_off(model)
     # None unless liger is in use (and DFT's weighted loss is chunked llmtrain's)
     fused_ce = fused_linear_cross_entropy(recipe.model, accelerator.device) if tc.sft_loss == "nll" else None
     if recipe.reward_model is not None:  # a score head: one hidden state per sequence, no LM head, no logits
