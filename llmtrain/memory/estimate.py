@@ -470,8 +470,9 @@ def sampling_rows(spec: TrainSpec) -> int:
     rl.num_generations, exactly (its cache and graphs are made for each rollout: no bucket of rows), or the eval's
     where it samples more (its batch of prompts x rl.num_generations_eval: on the group's first GPU alone); under
     sequence parallelism each GPU of the group draws its share of the rollout's (parallel/sequence/shards.
-    shared_sampling; with rl.tools the first GPU draws them all, which this does not model)."""
-    return max(_rollout_rows(spec), spec.eval_rows)
+    shared_sampling; with rl.tools the first GPU draws them all: audit 35, 27% low where it was left out)."""
+    every = spec.micro_batch * spec.sampled_batches if spec.tool_rounds else _rollout_rows(spec)
+    return max(every, spec.eval_rows)
 
 
 def _rollout_rows(spec: TrainSpec, *, drawn: bool = True) -> int:
@@ -492,8 +493,10 @@ def kv_cache_bytes(shape: ModelShape, spec: TrainSpec) -> int:
 
 def _cache_width(spec: TrainSpec) -> int:
     """The KV cache's positions a row: the longest prompt and rl.max_completion_tokens (the data's sequence length
-    where the prompts are not known)."""
-    return spec.prompt_longest + spec.max_completion_tokens if spec.prompt_longest else spec.seq_len
+    where the prompts are not known); with tool rounds (TrainSpec.tool_rounds) the longest prompt + completion so far
+    and the most room left beside it, up to another max_completion_tokens."""
+    extra = spec.max_completion_tokens if spec.tool_rounds else 0
+    return (spec.prompt_longest + spec.max_completion_tokens if spec.prompt_longest else spec.seq_len) + extra
 
 
 def generation_copy_bytes(shape: ModelShape, spec: TrainSpec, plan) -> int:
@@ -522,12 +525,16 @@ def _generation_phases(shape: ModelShape, spec: TrainSpec, base: dict, *, cached
     mixture of experts' LoRA-adapted experts run unmerged, their adapters beside them: model/lora_experts.py;
     GPT-OSS's attention holds its scores over the cache: act.sink_sampling_bytes.)"""
     rows = sampling_rows(spec)
-    width = spec.prompt_longest or spec.prompt_tokens or spec.seq_len
+    # (tool rounds: a row's prompt and completion so far, each row prefilled: TrainSpec.tool_rounds; audit 35, the
+    # sampling phases had been 42% low)
+    width = (spec.prompt_longest or spec.prompt_tokens or spec.seq_len) + (
+        spec.max_completion_tokens if spec.tool_rounds else 0)
     # the reference loop (rl.sampler reference, a model the fast sampler cannot run; pipeline stages): every row's
     # whole prompt at once, and a dynamic cache that grows by a copy (a layer's old and new keys and values at once)
     family = FAMILIES.get(shape.model_type)
     reference = spec.reference_sampler or family is None or not family.fast_sampler
-    prompts = rows if reference else max(1, spec.micro_batch // max(1, spec.num_generations)) * spec.sampled_batches
+    prompts = rows if reference or spec.tool_rounds else \
+        max(1, spec.micro_batch // max(1, spec.num_generations)) * spec.sampled_batches
     chunk = max(2, width if reference else min(width, PREFILL_CHUNK))
     # the sampler's own attention, whatever the run trains with: SDPA over padded rows (GPT-OSS's: its scores, below)
     prefill = make_pass(shape, spec.but(seq_len=chunk, attn_implementation="sdpa", packing=False,
@@ -704,7 +711,7 @@ def _notes(shape: ModelShape, spec: TrainSpec, p: act.Pass) -> tuple[str, ...]:
             kind = "distillation" if spec.teacher is not None else "online RL"
             notes.append(f"{kind} under sequence parallelism: each GPU of the group samples 1/{n} of the "
                          "micro-batch's completions (its KV cache holds those rows; with rl.tools the first GPU "
-                         "samples them all), then each trains on its slice of every packed row"
+                         "samples them all, as priced here), then each trains on its slice of every packed row"
                          + (", the teacher's forward too" if spec.teacher is not None else ""))
     if spec.tp > 1 and any(shape.tp_gathers):
         notes.append(f"tensor parallelism over {spec.tp} GPUs: each holds 1/{spec.tp} of every layer's linear weights "

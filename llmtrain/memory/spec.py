@@ -135,6 +135,11 @@ class TrainSpec:
     # online RL and distillation: rl.sampler (distill.sampler) reference, generate.sample's loop (pipeline stages
     # sample with it): every row's whole prompt prefilled at once, transformers' cache growing a token at a time
     reference_sampler: bool = False
+    # online RL with rl.tools or rl.environment: after a tool's result every live row is sampled again from its own
+    # prompt + completion so far (tool_calls.sample_with_tools): a prefill per row, not per prompt, and a cache as
+    # wide as the longest such prefix and the most room left, up to the longest prompt + 2 x max_completion_tokens;
+    # under sequence parallelism the group's first GPU samples every row (shards.shared_sampling)
+    tool_rounds: bool = False
     # sequences one recipe example makes (micro_batch counts sequences): 2 for a preference pair (chosen and
     # rejected), num_generations for an online-RL prompt; --fit sizes micro-batches in whole examples
     per_example: int = 1
@@ -415,7 +420,8 @@ def spec_from_recipe(recipe: Recipe, *, strategy: Strategy = "single", num_gpus:
         prompt, _, basis = rl_prompt_tokens(prompt_lengths, cap=cap)  # the run's micro-batches, below, where known
         rl = dict(max_completion_tokens=most, prompt_tokens=prompt, prompt_cap=cap, prompt_basis=basis,
                   rl_micro_batch_tokens=recipe.rl.micro_batch_tokens, sampling=tuple(sampling_of(recipe.rl).items()),
-                  reference_sampler=recipe.rl.sampler == "reference")
+                  reference_sampler=recipe.rl.sampler == "reference",
+                  tool_rounds=bool(recipe.rl.tools or recipe.rl.environment))
     spec = TrainSpec(
         method="lora" if lora else "full",
         lora_r=lora.r if lora else _default(LoraConfig, "r"),
