@@ -491,6 +491,31 @@ def check_tools(recipe: Recipe, tokenizer) -> list[Check]:
              f"{tools.syntax.opener or 'a JSON turn'} {{{tools.syntax.name_key!r}, {tools.syntax.arguments_key!r}}}")]
 
 
+def check_needs(recipe: Recipe, launch: dict) -> list[Check]:
+    """What the run needs of this machine's packages and of the model before it trains, as `llmtrain launch` checks
+    it (launcher.needs_problems, modeling.lora_problem): a tracker's library, liger-kernel and CUDA for
+    model.kernels=liger, the eval: section's harness, final/ and tasks, and lora.target_modules' names on the model
+    (doctor had passed each, which every process then refused; audit 34). Rows only where there is something to say
+    or check."""
+    import torch
+
+    from llmtrain.launcher import needs_problems
+    from llmtrain.model.modeling import load_model_config, lora_problem
+
+    device = "cpu" if launch.get("use_cpu") or not torch.cuda.is_available() else "cuda"
+    rows = [("run needs", "fail", problem) for problem in needs_problems(recipe, device_type=device, user_code=False,
+                                                                         tasks=True)]
+    if recipe.lora is not None:
+        try:
+            problem = lora_problem(recipe, load_model_config(recipe.model))
+        except LLMTrainError:  # the model's own rows say it cannot be read
+            problem = None
+        rows.append(("LoRA targets", "fail", problem) if problem else
+                    ("LoRA targets", "pass", "every name in lora.target_modules (modules_to_save, target_parameters) "
+                     "is a module of this model"))
+    return rows
+
+
 def check_teacher(recipe: Recipe, tokenizer) -> list[Check]:
     """Distillation: the teacher shares the student's vocabulary, id by id, and its folder has weights (as finetune
     checks it, from the teacher's config.json, tokenizer and file names: no weights read)."""
@@ -535,7 +560,7 @@ def run_doctor(recipe: Recipe, *, accelerate_config: Path | None = None,
         checks += check_rewards_run(recipe, tokenizer) + check_tools(recipe, tokenizer) + check_teacher(recipe,
                                                                                                           tokenizer)
     checks += check_context(recipe.data.max_seq_len, _max_positions(recipe.model))
-    checks += check_weights(recipe) + check_family(recipe)
+    checks += check_weights(recipe) + check_family(recipe) + check_needs(recipe, launch)
     gpu = gpu_memory if gpu_memory is not None else gpu_memory_here()
     lengths = None
     if recipe.rl is not None and tokenizer is not None:  # the estimate at the prompts' real lengths

@@ -75,6 +75,41 @@ def check_model_files(recipe):
     return config
 
 
+def needs_problems(recipe, *, device_type: str, user_code: bool = True, tasks: bool = False) -> list[str]:
+    """What every process would refuse of this machine's packages and the user's code before its model is read, each
+    in its own words, for launch to say once (each process had said it after the processes started, most once per
+    process; audit 34) and doctor to fail: a tracker's library not installed (logging.report_to), model.kernels=liger
+    without liger-kernel or on a `device_type` that is not cuda, the recipe's eval: that cannot run (the harness not
+    installed, final/ not saved, a run it cannot score: its tasks' data are read by the processes), and the modules
+    of online RL's reward functions, tools and environment that do not import (`user_code`; doctor's rows of their
+    own import and run them). `tasks`: the eval: tasks known and their data read too (the harness's index, seconds:
+    doctor's, where the processes check them under launch)."""
+    from llmtrain.model.modeling import use_liger
+    from llmtrain.run.benchmarks import check_recipe
+    from llmtrain.run.trackers import check_trackers
+
+    checks = [lambda: check_trackers(recipe.logging.report_to)]
+    if recipe.model.kernels == "liger":
+        checks.append(lambda: use_liger(recipe.model, device_type))
+    if recipe.eval is not None:
+        checks.append(lambda: check_recipe(recipe, tasks=tasks))
+    if (rl := recipe.rl) is not None and user_code:
+        from llmtrain.data.tools import function_of
+        from llmtrain.objectives.rewards import import_reward
+
+        checks += [lambda r=r: import_reward(r.function) for r in rl.rewards if r.type == "function"]
+        checks += [lambda t=t: function_of(t) for t in rl.tools]
+        if rl.environment:
+            checks.append(lambda: function_of(rl.environment, what="rl.environment", form="module:Class"))
+    problems = []
+    for check in checks:
+        try:
+            check()
+        except LLMTrainError as e:
+            problems.append(str(e))
+    return problems
+
+
 def accelerate_command(argv: list[str], *, machine: bool = True) -> list[str]:
     """The `accelerate launch` command line for `llmtrain launch ARGV`, once its checks pass (LLMTrainError if not).
     machine=False leaves out what depends on this machine (its GPUs, the model files in its cache): the command
@@ -85,6 +120,7 @@ def accelerate_command(argv: list[str], *, machine: bool = True) -> list[str]:
     from llmtrain import capabilities
     from llmtrain.config import load_recipe, started_in, working_there
     from llmtrain.layout import Layout
+    from llmtrain.model.modeling import lora_problem
     from llmtrain.parallel.launch import accelerate_problem, gpus_problem, launch_problem, launch_settings
     from llmtrain.run.checkpoint import resolve_resume
     from llmtrain.run.rundir import check_output_folder, foreign_checkpoint, inputs_inside
@@ -144,7 +180,13 @@ def accelerate_command(argv: list[str], *, machine: bool = True) -> list[str]:
                 accelerate_problem(argv, where=where):
             raise LLMTrainError(problem)
         # heads, layers, experts, attention: what the run asks of the model
-        capabilities.check_model(recipe, layout, check_model_files(recipe))
+        config = check_model_files(recipe)
+        capabilities.check_model(recipe, layout, config)
+        device = "cpu" if launch.get("use_cpu") or not torch.cuda.is_available() else "cuda"
+        problems = [p for p in (lora_problem(recipe, config), *needs_problems(recipe, device_type=device)) if p]
+        if problems:  # (what each process would refuse once its model had loaded, or its packages imported)
+            raise LLMTrainError(problems[0] if len(problems) == 1 else " ".join(
+                f"({i}) {p.rstrip('.')}." for i, p in enumerate(problems, 1)))
     flags = argv[:len(argv) - len(rest) - 1]  # accelerate's own flags, as given
     return [sys.executable, "-m", "llmtrain.launcher", *flags, "-m", "llmtrain", "finetune", recipe_path, *rest]
 

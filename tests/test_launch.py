@@ -430,6 +430,59 @@ def test_llmtrain_launch_says_a_model_folder_without_weights_once_before_any_pro
     assert not (tmp_path / "run").exists()
 
 
+def _grpo_recipe(tiny_assets, tmp_path):
+    recipe = yaml.safe_load((REPO / "recipes" / "tiny-grpo.yaml").read_text())
+    recipe["data"].update(path=str(tiny_assets / "data" / "train.jsonl"), eval_split=None)
+    recipe["model"]["name_or_path"] = str(tiny_assets / "model")
+    recipe["output_dir"] = str(tmp_path / "run")
+    path = tmp_path / "rl.yaml"
+    path.write_text(yaml.safe_dump(recipe))
+    return path
+
+
+@pytest.mark.parametrize("rl, overrides, said", [
+    (False, ["lora.r=4", "lora.target_modules=[q_proj,vproj]"],
+     "lora.target_modules names vproj, which no module of this model is called"),
+    pytest.param(False, ["model.kernels=liger"], "model.kernels=liger needs liger-kernel and a CUDA device",
+                 marks=pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="a CPU launch's")),
+    (False, ["eval.tasks=[tiny_reverse]", "checkpoint.save_final=false"],
+     "eval: scores final/, and checkpoint.save_final is false"),
+    pytest.param(False, ["logging.report_to=[tensorboard]"], "the tensorboard package is not installed",
+                 marks=pytest.mark.skipif(__import__("importlib").util.find_spec("tensorboard") is not None,
+                                          reason="tensorboard is installed here")),
+    (True, ["rl.rewards=[{type: function, function: 'no_such_module_x:fn'}]"],
+     "reward function 'no_such_module_x:fn': importing no_such_module_x failed"),
+    (True, ["rl.tools=[no_such_module_y:lookup]"], "the tool 'no_such_module_y:lookup' cannot be imported"),
+])
+def test_what_every_process_would_refuse_after_loading_is_said_by_launch_before_any_starts(tiny_assets, tmp_path,
+                                                                                           rl, overrides, said):
+    """Each had been refused by every process once the processes ran (most once per process), a LoRA target's typo
+    and liger after the whole model loaded (audit 34): launch finds them from the model's config on the meta device,
+    the packages installed and the user's modules."""
+    recipe = _grpo_recipe(tiny_assets, tmp_path) if rl else write_recipe(tiny_assets, tmp_path)
+    proc = cli("launch", "--config_file", str(REPO / "accelerate_configs" / "cpu_ddp.yaml"), str(recipe), *overrides,
+               check=False)
+    out = " ".join((proc.stdout + proc.stderr).split())
+    assert proc.returncode == 2 and out.count("error:") == 1 and said in out, out
+    assert "llmtrain launch: process" not in out and "Traceback" not in out, out  # no process started
+    assert not (tmp_path / "run").exists()
+
+
+def test_doctor_fails_a_lora_target_no_module_has_and_a_recipes_eval_that_cannot_run(tiny_assets, tmp_path):
+    """Doctor had passed both, which every process then refused (audit 34)."""
+    from llmtrain.config import load_recipe
+    from llmtrain.doctor import run_doctor
+
+    recipe = load_recipe(write_recipe(tiny_assets, tmp_path), ["lora.r=4", "lora.target_modules=[q_proj,vproj]",
+                                                               "eval.tasks=[tiny_reverse]", "checkpoint.save_final=false"])
+    got = {name: (status, detail) for name, status, detail in run_doctor(recipe, gpu_memory=80)}
+    assert got["LoRA targets"][0] == "fail" and "names vproj, which no module" in got["LoRA targets"][1]
+    assert got["run needs"][0] == "fail" and "checkpoint.save_final is false" in got["run needs"][1]
+    fine = {name: status for name, status, _ in run_doctor(load_recipe(write_recipe(tiny_assets, tmp_path),
+                                                                       ["lora.r=4"]), gpu_memory=80)}
+    assert fine["LoRA targets"] == "pass" and "run needs" not in fine
+
+
 @pytest.mark.slow
 def test_a_model_the_main_process_alone_cannot_read_under_fsdp_is_its_paragraph_not_the_others_traceback(
         tiny_assets, tmp_path):

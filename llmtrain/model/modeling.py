@@ -509,6 +509,34 @@ def _uninitialised_parameters(model) -> None:
                 module._parameters[name] = made[id(p)]
 
 
+def lora_problem(recipe, config) -> str | None:
+    """What apply_lora refuses of the recipe's lora: on the model `config` describes (a target name no module of it
+    has: a typo beside names that match; a modules_to_save or target_parameters name it lacks), found on the meta
+    device before any weight is read: `llmtrain launch` and doctor say it, where each process had said it after the
+    whole model loaded (audit 34). None: it adapts, there is no lora:, or the config builds no model here."""
+    if recipe.lora is None:
+        return None
+    import copy
+
+    from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
+
+    config = copy.deepcopy(config)
+    if recipe.reward_model is not None:
+        config.num_labels = 1
+    auto = AutoModelForSequenceClassification if recipe.reward_model is not None else AutoModelForCausalLM
+    try:
+        with torch.device("meta"), warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            model = auto.from_config(config, trust_remote_code=recipe.model.trust_remote_code)
+    except Exception:  # noqa: BLE001 - a config transformers builds no model of here: the load says what it is
+        return None
+    try:
+        apply_lora(model, recipe.lora, task="SEQ_CLS" if recipe.reward_model is not None else "CAUSAL_LM")
+    except LLMTrainError as e:
+        return str(e)
+    return None
+
+
 def apply_lora(model, cfg: LoraConfig, *, task: str = "CAUSAL_LM"):
     """LoRA adapters as lora: says. task SEQ_CLS (a reward model): peft also trains and saves the score head in full
     (modules_to_save), and all-linear leaves the head out of the adapted layers."""

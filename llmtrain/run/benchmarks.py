@@ -211,9 +211,12 @@ def _loader(path: Path, dtype: str = "auto"):
     return load
 
 
-def check_recipe(recipe) -> None:
+def check_recipe(recipe, *, tasks: bool = True) -> None:
     """A recipe's eval: section, before anything is written: the harness installed, the run scorable, final/ saved,
-    the tasks known and their data readable."""
+    and (`tasks`) the tasks known and their data readable (the harness's index: seconds; `llmtrain launch` leaves
+    them to the processes)."""
+    import importlib.util
+
     if recipe.eval is None:
         return
     if problem := recipe_problem(recipe, recipe.output_dir, adapter=recipe.lora is not None):
@@ -221,6 +224,10 @@ def check_recipe(recipe) -> None:
     if not recipe.checkpoint.save_final:
         raise LLMTrainError("eval: scores final/, and checkpoint.save_final is false: set it true, or remove the "
                             "eval: section (and run `llmtrain eval` on a checkpoint)")
+    if importlib.util.find_spec("lm_eval") is None:
+        raise LLMTrainError(f"eval: {INSTALL}; or remove the eval: section")
+    if not tasks:
+        return
     quiet()
     check_tasks(recipe.eval.tasks, task_manager(recipe.eval.include_path, recipe.eval.tasks),
                 folders="eval.include_path")
