@@ -312,16 +312,9 @@ def test_a_data_check_every_process_fails_alike_is_said_once(tiny_assets, tmp_pa
     """A check of the data (here GRPO's prompt room: no room left for rl.max_completion_tokens) runs on every process
     once the process group exists, each on the same data: each printed the same paragraph (2 copies on 2 processes,
     4 under cpu_tp.yaml). It is said once a node now (errors.Everywhere), and the exit status is still 2."""
-    import yaml
-
-    recipe = yaml.safe_load((REPO / "recipes" / "tiny-grpo.yaml").read_text())
-    recipe["data"].update(path=str(tiny_assets / "data" / "train.jsonl"), eval_split=None)
-    recipe["model"]["name_or_path"] = str(tiny_assets / "model")
-    recipe["output_dir"] = str(tmp_path / "run")
-    path = tmp_path / "rl.yaml"
-    path.write_text(yaml.safe_dump(recipe))
     proc = cli("launch", "--config_file", str(REPO / "accelerate_configs" / "cpu_ddp.yaml"), "--main_process_port",
-               str(open_port()), str(path), "rl.max_completion_tokens=64", "data.max_seq_len=64", check=False)
+               str(open_port()), str(_grpo_recipe(tiny_assets, tmp_path)), "rl.max_completion_tokens=64",
+               "data.max_seq_len=64", check=False)
     said = proc.stdout + proc.stderr
     assert proc.returncode == 2, said[-3000:]
     assert said.count("error: prompt room:") == 1 and "Traceback" not in said, said[-3000:]
@@ -473,8 +466,8 @@ def test_doctor_fails_a_lora_target_no_module_has_and_a_recipes_eval_that_cannot
     from llmtrain.config import load_recipe
     from llmtrain.doctor import run_doctor
 
-    recipe = load_recipe(write_recipe(tiny_assets, tmp_path), ["lora.r=4", "lora.target_modules=[q_proj,vproj]",
-                                                               "eval.tasks=[tiny_reverse]", "checkpoint.save_final=false"])
+    recipe = load_recipe(write_recipe(tiny_assets, tmp_path), [
+        "lora.r=4", "lora.target_modules=[q_proj,vproj]", "eval.tasks=[tiny_reverse]", "checkpoint.save_final=false"])
     got = {name: (status, detail) for name, status, detail in run_doctor(recipe, gpu_memory=80)}
     assert got["LoRA targets"][0] == "fail" and "names vproj, which no module" in got["LoRA targets"][1]
     assert got["run needs"][0] == "fail" and "checkpoint.save_final is false" in got["run needs"][1]
