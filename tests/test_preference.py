@@ -82,6 +82,24 @@ def test_lora_dropout_is_off_by_default_as_trls_dpo_trainer_turns_it_off(tiny_as
     assert abs(kept[-1] - none[-1]) > 1e-4  # dropout on: another run
 
 
+def test_disable_dropout_turns_a_configs_attention_dropout_off_too(tiny_assets):
+    """transformers' attention modules keep the config's attention_dropout as a float and hand it to the attention
+    function in training: train.disable_dropout had left it on (nn.Dropout modules alone), so a checkpoint with
+    attention dropout trained DPO with it, and on CUDA the varlen kernel refused it at the first step."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from llmtrain.model.modeling import dropout_off
+
+    config = AutoConfig.from_pretrained(tiny_assets / "model")
+    config.attention_dropout = 0.5
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa").train()
+    ids = torch.arange(4, 36).view(2, 16)
+    assert not torch.equal(model(ids).logits, model(ids).logits)  # dropout in each forward
+    dropout_off(model)
+    assert torch.equal(model(ids).logits, model(ids).logits)
+
+
 @pytest.fixture
 def pref_recipe(tiny_assets, tmp_path):
     return _pref_recipe(tiny_assets, tmp_path)

@@ -117,9 +117,9 @@ def varlen_attention_forward(module, query, key, value, attention_mask, dropout:
     if q.is_cuda and torch.is_autocast_enabled("cuda"):
         low = torch.get_autocast_dtype("cuda")
         q, k, v = q.to(low), k.to(low), v.to(low)
-    if q.is_cuda and q.dtype in (torch.float16, torch.bfloat16) and varlen_available():
-        if dropout:
-            raise NotImplementedError("varlen attention has no attention dropout; use attn_implementation='sdpa'")
+    # (a model whose config has attention dropout trains through SDPA per example, which takes it: the flash varlen
+    # kernel has none, and had raised NotImplementedError at the first step, on every process; audit 34)
+    if q.is_cuda and q.dtype in (torch.float16, torch.bfloat16) and varlen_available() and not dropout:
         max_len = int(max_length_q) if max_length_q is not None else int((cu[1:] - cu[:-1]).max())
         out = _flash_varlen(q, k, v, cu.to(q.device, non_blocking=True), max_len, scale=scale, window=window,
                             sinks=sinks)

@@ -663,10 +663,14 @@ def dropout_off(model) -> None:
     peft's lora_dropout modules nn.Identity, which is how peft itself holds a dropout of 0: DoRA takes its dropout
     branch for any other module, a second base matmul each forward that saves a copy of every adapted weight for
     backward (a DPO DoRA step 10% over its estimate, and Mistral-7B's without checkpointing 85 GiB where 71 were
-    estimated; audit 35). The same numbers: the base's output is that matmul's."""
+    estimated; audit 35). The same numbers: the base's output is that matmul's. A config's attention dropout, which
+    transformers' attention modules keep as a float (attention_dropout) and hand to the attention function, is 0 too
+    (TRL's leaves it: a checkpoint with attention_dropout > 0 trained DPO with it)."""
     for module in list(model.modules()):
         if isinstance(module, torch.nn.Dropout):
             module.p = 0.0
+        if isinstance(getattr(module, "attention_dropout", None), float):
+            module.attention_dropout = 0.0
         if isinstance(drops := getattr(module, "lora_dropout", None), torch.nn.ModuleDict):
             for name in list(drops.keys()):
                 drops[name] = torch.nn.Identity()
