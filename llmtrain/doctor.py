@@ -79,6 +79,11 @@ def check_layout(recipe: Recipe, launch: dict, *, where: str = "the launch confi
     if found:
         return [("layout", "fail", capabilities.paragraph(found))]
     mode = capabilities.MODES[capabilities.mode_of(recipe)].name
+    p = recipe.parallel
+    if not launch and (needs := max(p.sequence_parallel, p.pipeline_parallel)) > 1:  # (audit 34: it had passed)
+        unknown += (f"; without --accelerate-config this checks no launch, and the run of one process that "
+                    f"`llmtrain finetune` starts refuses this layout (it needs {needs} processes or more): pass the "
+                    "launch's config with --accelerate-config")
     return [("layout", "warn" if unknown else "pass", f"{mode} on {layout.describe()}{unknown}")]
 
 
@@ -491,6 +496,20 @@ def check_tools(recipe: Recipe, tokenizer) -> list[Check]:
              f"{tools.syntax.opener or 'a JSON turn'} {{{tools.syntax.name_key!r}, {tools.syntax.arguments_key!r}}}")]
 
 
+def check_output(recipe: Recipe) -> list[Check]:
+    """output_dir as finetune and `llmtrain launch` check it before writing (rundir.check_output_folder: a file, not
+    a run, another run's folder in use or finished; doctor had no row, and passed a file; audit 34): a fail where it
+    is no folder, else a warn, since --overwrite or --resume decide the rest and doctor has neither."""
+    from llmtrain.run.rundir import check_output_folder
+
+    out = Path(recipe.output_dir)
+    try:
+        check_output_folder(out, overwrite=False)
+    except LLMTrainError as e:
+        return [("output_dir", "fail" if out.exists() and not out.is_dir() else "warn", str(e))]
+    return [("output_dir", "pass", f"{out} {'is a new folder' if not out.exists() else 'can be written'}")]
+
+
 def check_needs(recipe: Recipe, launch: dict) -> list[Check]:
     """What the run needs of this machine's packages and of the model before it trains, as `llmtrain launch` checks
     it (launcher.needs_problems, modeling.lora_problem): a tracker's library, liger-kernel and CUDA for
@@ -560,7 +579,7 @@ def run_doctor(recipe: Recipe, *, accelerate_config: Path | None = None,
         checks += check_rewards_run(recipe, tokenizer) + check_tools(recipe, tokenizer) + check_teacher(recipe,
                                                                                                           tokenizer)
     checks += check_context(recipe.data.max_seq_len, _max_positions(recipe.model))
-    checks += check_weights(recipe) + check_family(recipe) + check_needs(recipe, launch)
+    checks += check_weights(recipe) + check_family(recipe) + check_needs(recipe, launch) + check_output(recipe)
     gpu = gpu_memory if gpu_memory is not None else gpu_memory_here()
     lengths = None
     if recipe.rl is not None and tokenizer is not None:  # the estimate at the prompts' real lengths

@@ -652,3 +652,21 @@ def test_an_eval_split_that_is_the_training_data_is_said(tiny_assets, tmp_path):
     assert check_eval_overlap(load_recipe(recipe, ["data.eval_split=0.1"])) == []
     folder = load_recipe(recipe, [f"data.path={tiny_assets / 'data'}", "data.split=test", "data.eval_split=test"])
     assert "the split 'test' data.split trains on" in check_eval_overlap(folder)[0][2]
+
+
+def test_doctor_checks_output_dir_and_a_layout_that_needs_a_launch(tiny_assets, tmp_path):
+    """output_dir a file: finetune and launch refuse it, doctor had no row and passed it; a recipe whose layout needs
+    several processes, checked without --accelerate-config: the one process finetune starts refuses it, and the
+    layout row had passed (audit 34)."""
+    from llmtrain.config import load_recipe
+    from llmtrain.doctor import run_doctor
+
+    (tmp_path / "a-file").write_text("x")
+    recipe = load_recipe(write_recipe(tiny_assets, tmp_path), [
+        f"output_dir={tmp_path / 'a-file'}", "parallel.sequence_parallel=2", "model.attn_implementation=auto"])
+    got = {name: (status, detail) for name, status, detail in run_doctor(recipe, gpu_memory=80)}
+    assert got["output_dir"][0] == "fail" and "is a file" in got["output_dir"][1]
+    assert got["layout"][0] == "warn" and "pass the launch's config with --accelerate-config" in got["layout"][1]
+    fine = {name: status for name, status, _ in run_doctor(load_recipe(write_recipe(tiny_assets, tmp_path)),
+                                                           gpu_memory=80)}
+    assert fine["output_dir"] == "pass" and fine["layout"] == "pass"
