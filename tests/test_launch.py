@@ -461,6 +461,20 @@ def test_what_every_process_would_refuse_after_loading_is_said_by_launch_before_
     assert not (tmp_path / "run").exists()
 
 
+@pytest.mark.slow
+def test_a_recipes_eval_that_cannot_run_is_said_once_by_processes_started_without_launchs_checks(tiny_assets,
+                                                                                                  tmp_path):
+    """A plain accelerate launch (llmtrain.launcher, without llmtrain launch's checks): every process checks the same
+    eval: section and had printed the same paragraph, once a process (audit 34); said once a node now."""
+    proc = subprocess.run([sys.executable, "-m", "llmtrain.launcher", "--config_file",
+                           str(REPO / "accelerate_configs" / "cpu_ddp.yaml"), "--main_process_port", str(open_port()),
+                           "-m", "llmtrain", "finetune", str(write_recipe(tiny_assets, tmp_path)),
+                           "eval.tasks=[tiny_reverse]", "checkpoint.save_final=false"],
+                          env=ENV, cwd=REPO, capture_output=True, text=True, timeout=300)
+    said = proc.stdout + proc.stderr
+    assert proc.returncode == 2 and said.count("checkpoint.save_final is false") == 1, said[-3000:]
+
+
 def test_doctor_fails_a_lora_target_no_module_has_and_a_recipes_eval_that_cannot_run(tiny_assets, tmp_path):
     """Doctor had passed both, which every process then refused (audit 34)."""
     from llmtrain.config import load_recipe

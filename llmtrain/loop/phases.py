@@ -118,7 +118,10 @@ def read_only_checks(recipe: Recipe, accelerator, *, resume: str | None, overwri
     if recipe.eval is not None:  # the benchmark at the end: its tasks and their data, before anything is written
         from llmtrain.run.benchmarks import check_recipe
 
-        check_recipe(recipe)
+        try:
+            check_recipe(recipe)
+        except LLMTrainError as e:  # the same recipe and tasks on every process: said once a node (audit 34)
+            raise Everywhere(str(e)) from None
     ckpt = check_output_dir(accelerator, out, resume=resume, overwrite=overwrite)
     try:
         notes = check_resume(ckpt, recipe, world=data_ranks(accelerator)[0], fsdp=uses_fsdp(accelerator),
