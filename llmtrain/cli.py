@@ -430,6 +430,8 @@ def eval_(
     how = dict(num_fewshot=num_fewshot, batch_size=size, limit=limit, apply_chat_template=chat_template, device=device,
                # the run's system prompt and template kwargs, for the baseline too (recorded)
                **({"chats": benchmarks.rendering(ours)} if chat_template and benchmarks.rendering(ours) else {}))
+    if main and not chat_template and (note := benchmarks.template_note(ours)):
+        typer.echo(note, err=True)
     if main:
         typer.echo(f"scoring {ours.name} on {', '.join(names)} (lm-evaluation-harness)", err=True)
     results = benchmarks.evaluate(ours, names, manager, **how)

@@ -34,6 +34,7 @@ class Target:
     load: object = None  # a checkpoint: a function of the device returning (model, tokenizer), handed over as objects
     base: str | None = None  # a run's base model (its recipe's model.name_or_path): --baseline base
     chats: dict | None = None  # a run's chats as it trained them (`rendering`): --apply-chat-template's
+    chat_trained: bool = False  # a run that trained on chats through a chat template (replies.trained_on_chats)
 
 
 def rendering(target: Target) -> dict:
@@ -64,7 +65,21 @@ def resolve(target: str, *, dtype: str) -> Target:
     recipe = run_recipe(path)
     chats = {"system_instruction": recipe.data.system_prompt,
              "chat_template_args": dict(recipe.data.chat_template_kwargs or {})}
-    return replace(_resolve_run(path, recipe, target, dtype=dtype), chats=chats)
+    from llmtrain.run.replies import trained_on_chats
+
+    return replace(_resolve_run(path, recipe, target, dtype=dtype), chats=chats,
+                   chat_trained=trained_on_chats(recipe.data))
+
+
+def template_note(target: Target) -> str | None:
+    """A word where a run that trained on chats is scored without --apply-chat-template: the harness's own warning
+    of an instruct model scored without its template is silenced with its INFO lines (quiet), and the README's first
+    example (a LoRA of Mistral-7B-Instruct trained through its template) is that case (audit 33)."""
+    if not target.chat_trained:
+        return None
+    return (f"note: {target.run} trained on chats rendered through its chat template, and the tasks' prompts are "
+            "scored as plain text; --apply-chat-template renders them as it trained (its system prompt and template "
+            "settings too). Both are legitimate; published few-shot numbers are usually without it")
 
 
 def _resolve_run(path: Path, recipe, target: str, *, dtype: str) -> Target:

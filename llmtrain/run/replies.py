@@ -197,12 +197,20 @@ def _tied(model) -> set[str]:
     return tied
 
 
-def _source(model, tokenizer, recipe, describe: str, read_template) -> Source:
+def trained_on_chats(data) -> bool:
+    """Whether a run of the data section `data` trained on chats rendered through a chat template (messages rows,
+    data.chat_template set, conversational rows), which its prompts are then rendered through (generate; eval's
+    --apply-chat-template). Alpaca rows are text in ALPACA_PROMPT."""
     from llmtrain.data.formats import conversational_rows
 
+    return data.format == "messages" or (data.chat_template is not False and data.format != "alpaca") or \
+        conversational_rows(data)
+
+
+def _source(model, tokenizer, recipe, describe: str, read_template) -> Source:
     data = recipe.data
     alpaca = data.format == "alpaca"  # rendered as text in ALPACA_PROMPT (a bare prompt had been sent: no reply ended)
-    chat = data.format == "messages" or (data.chat_template is not False and not alpaca) or conversational_rows(data)
+    chat = trained_on_chats(data)
     from llmtrain.config import sampling_of
 
     rl = recipe.rl or recipe.distill
