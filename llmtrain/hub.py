@@ -88,32 +88,40 @@ def local_tasks(include_path: list[str], names: list[str]) -> bool:
     builder such as json with data_files here, or a folder here): such tasks read nothing from the hub, so the hub
     is not asked about their data and no line says it cannot be reached. Read from the YAML files before the harness
     is imported (it reads HF_HUB_OFFLINE then); any doubt (an include:, a data file on the hub or the web) is False."""
+    found = {}
+    for folder in include_path:
+        for file in sorted(Path(folder).glob("**/*.yaml")) if Path(folder).is_dir() else ():
+            conf = task_yaml(file)
+            if isinstance(conf, dict) and isinstance(conf.get("task"), str):
+                found[conf["task"]] = conf
+    return bool(names) and all(n in found and local_task(found[n]) for n in names)
+
+
+def task_yaml(file) -> dict | None:
+    """A harness task's YAML file as a dict (its !function tags read as None); None where it cannot be read."""
     import yaml
 
     class Loader(yaml.SafeLoader):
         pass
 
     Loader.add_multi_constructor("!", lambda loader, suffix, node: None)  # the harness's !function tags
-    found = {}
-    for folder in include_path:
-        for file in sorted(Path(folder).glob("**/*.yaml")) if Path(folder).is_dir() else ():
-            try:
-                conf = yaml.load(file.read_text(), Loader=Loader)
-            except (OSError, UnicodeDecodeError, yaml.YAMLError):
-                continue
-            if isinstance(conf, dict) and isinstance(conf.get("task"), str):
-                found[conf["task"]] = conf
+    try:
+        conf = yaml.load(Path(file).read_text(), Loader=Loader)
+    except (OSError, UnicodeDecodeError, yaml.YAMLError):
+        return None
+    return conf if isinstance(conf, dict) else None
 
-    def local(conf) -> bool:
-        path, kwargs = conf.get("dataset_path"), conf.get("dataset_kwargs") or {}
-        files = kwargs.get("data_files") if isinstance(kwargs, dict) else None
-        values = list(files.values()) if isinstance(files, dict) else [files]
-        paths = [v for value in values for v in (value if isinstance(value, list) else [value]) if v is not None]
-        here = all(isinstance(v, str) and "://" not in v for v in paths)
-        return "include" not in conf and isinstance(path, str) and here and (
-            (path in PACKAGED and bool(paths)) or Path(path).expanduser().is_dir())
 
-    return bool(names) and all(n in found and local(found[n]) for n in names)
+def local_task(conf: dict) -> bool:
+    """Whether a task's YAML (task_yaml) reads local files only: a packaged builder (json, ...) with data_files here,
+    or a folder here, and no include: of another file."""
+    path, kwargs = conf.get("dataset_path"), conf.get("dataset_kwargs") or {}
+    files = kwargs.get("data_files") if isinstance(kwargs, dict) else None
+    values = list(files.values()) if isinstance(files, dict) else [files]
+    paths = [v for value in values for v in (value if isinstance(value, list) else [value]) if v is not None]
+    here = all(isinstance(v, str) and "://" not in v for v in paths)
+    return "include" not in conf and isinstance(path, str) and here and (
+        (path in PACKAGED and bool(paths)) or Path(path).expanduser().is_dir())
 
 
 def endpoint() -> tuple[str, int]:

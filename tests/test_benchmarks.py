@@ -534,3 +534,22 @@ def test_a_damaged_weights_file_is_one_paragraph(trained, tmp_path):
     out = " ".join(proc.stderr.split())
     assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
     assert f"the weights in '{copy / 'final'}' could not be read" in out and "truncated or damaged" in out, out
+
+
+def test_a_local_task_whose_yaml_does_not_build_is_said_as_such_not_as_the_hub(tiny_assets, tmp_path):
+    """A task on local files whose template names no field of the rows: it had been "could not read its data" with
+    advice to point a hub task at local files, which it already was (audit 33)."""
+    from llmtrain.errors import LLMTrainError
+    from llmtrain.run.benchmarks import check_tasks, task_manager
+
+    folder = tmp_path / "tasks"
+    folder.mkdir()
+    task = yaml.safe_load((REPO / "tasks" / "tiny_reverse_ll.yaml").read_text())
+    task.update(task="broken_local", doc_to_text="{{question}}")
+    task["dataset_kwargs"]["data_files"]["test"] = str(tiny_assets / "data" / "eval.jsonl")
+    (folder / "broken_local.yaml").write_text(yaml.safe_dump(task))
+    with pytest.raises(LLMTrainError) as e:
+        check_tasks(["broken_local"], task_manager([str(folder)], ["broken_local"]))
+    said = " ".join(str(e.value).split())
+    assert "could not be built from its YAML" in said and "'question' is undefined" in said, said
+    assert "hub" not in said

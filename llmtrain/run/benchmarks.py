@@ -313,6 +313,8 @@ def check_tasks(names: list[str], manager, *, folders: str = "--include-path") -
     """The tasks by name, their data read now (datasets caches it for the evaluation), before any model is loaded: an
     unknown name is said with the nearest ones, a task whose data is on the hub (unreachable, or offline) with where
     to point it instead."""
+    from llmtrain.hub import local_task, task_yaml
+
     known = set(manager.all_tasks)
     if unknown := [n for n in names if n not in known]:
         near = {n: difflib.get_close_matches(n, known, n=3) for n in unknown}
@@ -330,6 +332,12 @@ def check_tasks(names: list[str], manager, *, folders: str = "--include-path") -
                     f"task '{name}' reads files that are not there ({str(e).splitlines()[0][:200]}). A task's "
                     f"data_files are read from the folder the command runs in ({Path.cwd()}): run it from the folder "
                     f"they are relative to, or give absolute paths in its YAML ({config or 'the task file'})") from None
+            if config and (conf := task_yaml(config)) is not None and local_task(conf):  # (audit 33: hub advice)
+                raise LLMTrainError(
+                    f"task '{name}' could not be built from its YAML ({config}), which reads local files: "
+                    f"{type(e).__name__}: {str(e).splitlines()[0][:200]}. Fix the YAML: its doc_to_text and "
+                    "doc_to_target name fields of the data's rows ({{field}}), and its test_split (or "
+                    "validation_split) is a split its data_files give") from None
             raise LLMTrainError(
                 f"task '{name}' could not read its data ({type(e).__name__}: {str(e).splitlines()[0][:200]}). A "
                 "task whose dataset_path is a hub dataset needs the hub (or the dataset in the local Hugging Face "
