@@ -241,14 +241,15 @@ def test_a_task_on_local_gsm8k_runs_offline(trained, tmp_path):
     if not shared.is_file():
         pytest.skip("no GSM8K in ../shared")
     run, _ = trained
+    # docs/eval.md's YAML: the train split too, the harness's gsm8k drawing its few-shot examples from it
     (tmp_path / "gsm8k_local.yaml").write_text(
         "include: " + str(Path(__import__("lm_eval").__file__).parent / "tasks" / "gsm8k" / "gsm8k.yaml") + "\n"
         "task: gsm8k_local\ndataset_path: json\ndataset_name: null\n"
-        f"dataset_kwargs:\n  data_files:\n    test: {shared}\ntraining_split: null\nfewshot_split: test\n")
+        f"dataset_kwargs:\n  data_files:\n    train: {shared.with_name('train.jsonl')}\n    test: {shared}\n")
     # from a folder outside any git repository, as a user's: the harness's git probe had printed "fatal: not a git
     # repository" (git's stderr) once a model
     ours = subprocess.run([*LLMTRAIN, "eval", str(run), "--tasks", "gsm8k_local", "--include-path", str(tmp_path),
-                           "--limit", "3", "--num-fewshot", "0"], env=OFFLINE, cwd=tmp_path, capture_output=True,
+                           "--limit", "3", "--num-fewshot", "1"], env=OFFLINE, cwd=tmp_path, capture_output=True,
                           text=True, timeout=600)
     assert ours.returncode == 0, ours.stderr[-3000:]
     assert any("gsm8k_local" in row and "exact_match" in row for row in table_rows(ours.stdout))
