@@ -52,6 +52,9 @@ def test_without_the_runs_batches_prompt_tokens_are_the_datas_90th_percentile_or
     assert rl_prompt_tokens(lengths, cap=1024)[:2] == (90, 90)
     assert "mean 55 tokens, longest 100" in rl_prompt_tokens(lengths, cap=1024)[2]
     assert rl_prompt_tokens(lengths, cap=50)[:2] == (50, 50)
+    # the prompts past the cap are said as such (the clipped lengths had been said as the data's; audit 35)
+    assert "5 of them longer than the 50 that data.max_seq_len leaves" in rl_prompt_tokens(lengths, cap=50)[2]
+    assert "longer than" not in rl_prompt_tokens(lengths, cap=1024)[2]
     tokens, longest, basis = rl_prompt_tokens(None, cap=1024)
     assert tokens == longest == 1024 and basis.startswith("worst case")
     spec = spec_from_recipe(recipe(**GRPO))

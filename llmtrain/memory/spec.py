@@ -352,6 +352,10 @@ def rl_prompt_tokens(lengths, *, cap: int, batches=None, prompts: int = 1) -> tu
         return cap, cap, f"worst case: every prompt at its longest, data.max_seq_len - rl.max_completion_tokens ({cap})"
     clipped = [min(n, cap) for n in lengths]
     data = f"the data's prompts: mean {sum(clipped) / len(clipped):.0f} tokens, longest {max(clipped)}"
+    if over := sum(n > cap for n in lengths):  # (audit 35: the clipped lengths had been said as the data's)
+        data += (f" ({over:,} of them longer than the {cap} that data.max_seq_len leaves beside "
+                 f"rl.max_completion_tokens, taken at {cap} here; finetune refuses them: prompt room, up to "
+                 f"{max(lengths)} tokens)")
     if batches:
         heaviest = max(sum(clipped[i] for i in b) for b in batches)
         longest = max(clipped[i] for b in batches for i in b)
