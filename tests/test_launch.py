@@ -404,16 +404,8 @@ def test_llmtrain_launch_says_a_model_folder_without_weights_once_before_any_pro
                                                                                              key):
     """A folder with a config and no weights: each process had said it (the student under DDP), or under FSDP the
     main process alone, the others dying in the broadcast it never reached (audit 34); launch reads the file names."""
-    import yaml
-
     folder = _without_weights(tiny_assets, tmp_path)
-    recipe = yaml.safe_load((REPO / "recipes" / "tiny-distill.yaml").read_text())
-    recipe["data"].update(path=str(tiny_assets / "data" / "train.jsonl"), eval_split=None)
-    recipe["model"]["name_or_path"] = str(tiny_assets / "model")
-    recipe["distill"]["teacher"] = str(tiny_assets / "model")
-    recipe["output_dir"] = str(tmp_path / "run")
-    path = tmp_path / "distill.yaml"
-    path.write_text(yaml.safe_dump(recipe))
+    path = _shipped(tiny_assets, tmp_path, "tiny-distill", teacher=tiny_assets / "model")
     proc = cli("launch", "--config_file", str(REPO / "accelerate_configs" / "cpu_fsdp.yaml"), str(path),
                f"{key}={folder}", check=False)
     out = " ".join((proc.stdout + proc.stderr).split())
@@ -423,14 +415,21 @@ def test_llmtrain_launch_says_a_model_folder_without_weights_once_before_any_pro
     assert not (tmp_path / "run").exists()
 
 
-def _grpo_recipe(tiny_assets, tmp_path):
-    recipe = yaml.safe_load((REPO / "recipes" / "tiny-grpo.yaml").read_text())
+def _shipped(tiny_assets, tmp_path, name: str = "tiny-grpo", teacher=None):
+    """recipes/NAME.yaml on the test's tiny model and data (no eval), its teacher `teacher`'s where it has one."""
+    recipe = yaml.safe_load((REPO / "recipes" / f"{name}.yaml").read_text())
     recipe["data"].update(path=str(tiny_assets / "data" / "train.jsonl"), eval_split=None)
     recipe["model"]["name_or_path"] = str(tiny_assets / "model")
+    if teacher is not None:
+        recipe["distill"]["teacher"] = str(teacher)
     recipe["output_dir"] = str(tmp_path / "run")
-    path = tmp_path / "rl.yaml"
+    path = tmp_path / f"{name}.yaml"
     path.write_text(yaml.safe_dump(recipe))
     return path
+
+
+def _grpo_recipe(tiny_assets, tmp_path):
+    return _shipped(tiny_assets, tmp_path)
 
 
 @pytest.mark.parametrize("rl, overrides, said", [
@@ -488,6 +487,30 @@ def test_doctor_fails_a_lora_target_no_module_has_and_a_recipes_eval_that_cannot
     fine = {name: status for name, status, _ in run_doctor(load_recipe(write_recipe(tiny_assets, tmp_path),
                                                                        ["lora.r=4"]), gpu_memory=80)}
     assert fine["LoRA targets"] == "pass" and "run needs" not in fine
+
+
+def test_a_teacher_whose_heads_do_not_split_over_the_sequence_group_is_refused_before_any_process_starts(
+        tiny_assets, tmp_path):
+    """Under sequence parallelism the teacher attends through the group's all-to-all: heads that do not split had
+    been refused by every process after both models loaded (audit 34); launch and doctor read its config."""
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    from llmtrain.config import load_recipe
+    from llmtrain.doctor import run_doctor
+
+    config = AutoConfig.from_pretrained(tiny_assets / "model")
+    config.update({"hidden_size": 96, "num_attention_heads": 3, "num_key_value_heads": 3, "head_dim": 32})
+    AutoModelForCausalLM.from_config(config).save_pretrained(tmp_path / "teacher3")
+    AutoTokenizer.from_pretrained(tiny_assets / "model").save_pretrained(tmp_path / "teacher3")
+    path = _shipped(tiny_assets, tmp_path, "tiny-distill", teacher=tmp_path / "teacher3")
+    proc = cli("launch", "--config_file", str(REPO / "accelerate_configs" / "cpu_ddp.yaml"), str(path),
+               "parallel.sequence_parallel=2", check=False)
+    out = " ".join((proc.stdout + proc.stderr).split())
+    assert proc.returncode == 2 and out.count("error:") == 1 and "llmtrain launch: process" not in out, out
+    assert f"the teacher {tmp_path / 'teacher3'}: parallel.sequence_parallel=2: its 3 attention heads" in out, out
+    got = {name: (status, detail) for name, status, detail in
+           run_doctor(load_recipe(path, ["parallel.sequence_parallel=2"]), gpu_memory=80)}
+    assert got["teacher"][0] == "fail" and "its 3 attention heads" in got["teacher"][1]
 
 
 @pytest.mark.slow

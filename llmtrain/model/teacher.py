@@ -78,10 +78,24 @@ def vocabulary_problem(recipe: Recipe, tokenizer) -> str | None:
 
 
 def teacher_problem(recipe: Recipe, tokenizer) -> str | None:
-    """Why the teacher cannot be trained with (vocabulary_problem), or a local teacher folder with a config.json and
-    no weights (modeling.missing_weights, which its load refuses): from its files, no weights read, as finetune,
-    doctor and `llmtrain launch` check it."""
-    return vocabulary_problem(recipe, tokenizer) or missing_weights(recipe.distill.teacher, key="distill.teacher")
+    """Why the teacher cannot be trained with (vocabulary_problem), a local teacher folder with a config.json and no
+    weights (modeling.missing_weights, which its load refuses), or under sequence parallelism heads that do not split
+    over the group: from its files, no weights read, as finetune, doctor and `llmtrain launch` check it."""
+    if problem := vocabulary_problem(recipe, tokenizer) or missing_weights(recipe.distill.teacher,
+                                                                           key="distill.teacher"):
+        return problem
+    if (n := recipe.parallel.sequence_parallel) > 1:  # it attends through the group's all-to-all too: its heads
+        # split as the student's (said by every process after both models had loaded; audit 34)
+        from llmtrain.capabilities import sequence_config_problem
+        from llmtrain.model.modeling import load_model_config
+
+        try:
+            config = load_model_config(teacher_config(recipe), key="distill.teacher")
+        except LLMTrainError as e:
+            return str(e)
+        if problem := sequence_config_problem(n, config, whose="its"):
+            return f"the teacher {recipe.distill.teacher}: {problem}"
+    return None
 
 
 def load_teacher(recipe: Recipe, tokenizer, *, device: torch.device | None, empty: bool = False):
