@@ -534,6 +534,8 @@ def lora_problem(recipe, config) -> str | None:
         apply_lora(model, recipe.lora, task="SEQ_CLS" if recipe.reward_model is not None else "CAUSAL_LM")
     except LLMTrainError as e:
         return str(e)
+    except Exception:  # noqa: BLE001 - what peft cannot do on the meta device: the processes find it as before
+        return None
     return None
 
 
