@@ -527,8 +527,8 @@ def check_needs(recipe: Recipe, launch: dict) -> list[Check]:
     if recipe.lora is not None:
         try:
             problem = lora_problem(recipe, load_model_config(recipe.model))
-        except LLMTrainError:  # the model's own rows say it cannot be read
-            problem = None
+        except LLMTrainError:  # the model's own rows say it cannot be read: nothing checked here
+            return rows
         rows.append(("LoRA targets", "fail", problem) if problem else
                     ("LoRA targets", "pass", "every name in lora.target_modules (modules_to_save, target_parameters) "
                      "is a module of this model"))
