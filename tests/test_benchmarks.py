@@ -554,3 +554,17 @@ def test_a_local_task_whose_yaml_does_not_build_is_said_as_such_not_as_the_hub(t
     said = " ".join(str(e.value).split())
     assert "could not be built from its YAML" in said and "'question' is undefined" in said, said
     assert "hub" not in said
+
+
+def test_a_runs_final_folder_is_the_run_as_generate_reads_it(tiny_assets, tmp_path):
+    """`llmtrain eval RUN/final` of a LoRA run had been refused ("neither a run folder ... nor a model folder"),
+    and a whole model's final/ scored as a bare folder (no results in the run, no --baseline base), where generate
+    takes a run's final/ for the run (audit 33)."""
+    from llmtrain.run.benchmarks import resolve
+
+    recipe = write_recipe(tiny_assets, tmp_path, lora={"r": 4, "alpha": 8, "dropout": 0.0},
+                          train={"max_steps": 1, "micro_batch_size": 4})
+    run_train(recipe)
+    run = tmp_path / "run"
+    assert resolve(str(run / "final"), dtype="auto") == resolve(str(run), dtype="auto")
+    assert resolve(str(run / "final"), dtype="auto").run == run
