@@ -440,8 +440,11 @@ def eval_(
     base_results = benchmarks.evaluate(base, names, manager, **how) if base else None
     if not main or results is None:
         return
+    if base_results is not None:  # two tables on stdout: each named (audit 33: which was which had been stderr's)
+        typer.echo(f"{ours.name}:")
     typer.echo(benchmarks.table(results))
     if base_results is not None:
+        typer.echo(f"{base.name} (the baseline):")
         typer.echo(benchmarks.table(base_results))  # the baseline's own, with its stderr
         from rich.console import Console
         from rich.table import Table

@@ -68,6 +68,8 @@ def test_a_runs_scores_are_the_harness_clis_for_its_final_model(trained):
     rows, want = table_rows(ours.stdout), harness_cli(f"pretrained={run / 'final'}", tasks)
     assert rows[:len(want)] == want and len(rows) == 2 * len(want)  # then the baseline's own table
     assert "against" in ours.stdout and "difference" in ours.stdout  # the base model beside it
+    named = [line for line in ours.stdout.splitlines() if line.endswith(":") and not line.startswith("|")]
+    assert named[0] == f"{run / 'final'}:" and named[1].endswith("(the baseline):"), ours.stdout  # each table's
     assert "(the baseline) on tiny_reverse, tiny_reverse_ll" in ours.stderr
     written = json.loads((run / "lm_eval" / "tiny_reverse-tiny_reverse_ll.json").read_text())
     exact = written["results"]["tiny_reverse"]["exact_match,none"]
