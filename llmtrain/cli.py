@@ -374,7 +374,7 @@ def generate(
                                top_k=top_k, min_p=min_p, repetition_penalty=repetition_penalty, samples=samples,
                                seed=seed, chat=chat, system_prompt=system, tools=tools, each_batch=each_batch)
     if out is not None:
-        typer.echo(f"wrote {len(replies)} replies to {out}", err=True)
+        typer.echo(f"wrote {len(replies)} repl{'ies' if len(replies) != 1 else 'y'} to {out}", err=True)
 
 
 @app.command("eval", short_help="Benchmark scores of a run or a model through lm-evaluation-harness.")
@@ -546,9 +546,15 @@ def plot(
 
 
 def run(args: list[str] | None = None) -> int | str | None:
-    """Run one command (default: the command line's) and return what it exits with, without exiting."""
+    """Run one command (default: the command line's) and return what it exits with, without exiting. --debug, an
+    option of llmtrain's, is taken after the command too (`llmtrain finetune R.yaml --debug` had been click's bare "No
+    such option"; audit 36), but for launch's, whose flags are accelerate launch's (its own --debug)."""
+    args = list(sys.argv[1:] if args is None else args)
+    command = next((i for i, a in enumerate(args) if not a.startswith("-")), None)
+    if command is not None and args[command] != "launch" and "--debug" in args[command + 1:]:
+        args = ["--debug", *(a for i, a in enumerate(args) if i <= command or a != "--debug")]
     try:
-        app(prog_name="llmtrain", args=sys.argv[1:] if args is None else args)
+        app(prog_name="llmtrain", args=args)
     except SystemExit as e:
         return e.code
     return 0

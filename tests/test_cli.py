@@ -176,6 +176,10 @@ def test_debug_shows_the_traceback(tmp_path):
     proc = _run([*_script(), "--debug", "finetune", str(tmp_path / "nope.yaml")])
     assert proc.returncode != 0
     assert "Traceback" in proc.stderr and "RecipeError" in proc.stderr
+    # after the command too: it had been click's bare "No such option: --debug" (audit 36)
+    proc = _run([*_script(), "finetune", str(tmp_path / "nope.yaml"), "--debug"])
+    assert proc.returncode != 0 and "No such option" not in proc.stderr
+    assert "Traceback" in proc.stderr and "RecipeError" in proc.stderr
 
 
 def test_bad_override_value_names_the_key():

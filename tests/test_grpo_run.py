@@ -1160,7 +1160,7 @@ def test_a_reward_function_that_fails_mid_run_names_the_step_and_the_checkpoint_
                            "late_rewards.py:3 in late (on the completions of "), says
     assert says.endswith(f"no step was taken with its rewards. The last checkpoint, {out / 'checkpoints'}/step_000002, "
                          f"is intact: once it is fixed, continue with: llmtrain finetune {out / 'recipe.yaml'} "
-                         "--resume auto (under the same accelerate launch, if any)."), says
+                         "--resume auto."), says
     assert [d.name for d in (out / "checkpoints").iterdir()] == ["step_000002"]
 
 

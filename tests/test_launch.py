@@ -376,6 +376,10 @@ def test_llmtrain_launch_refuses_more_gpu_processes_than_this_machine_has_gpus(t
     assert gpus_problem({**launch, "use_cpu": True}, where="x", gpus=0) is None
     one = gpus_problem({"num_processes": 1}, where="x", gpus=0)  # said in the singular ("there are 1 GPUs" before)
     assert "starts 1 process on this machine" in one and "Run it where there is 1 GPU," in one
+    # no config file: accelerate's defaults, not a "use_cpu" the user never wrote, and --cpu named (audit 36)
+    bare = gpus_problem({}, where="the accelerate launch", gpus=0)
+    assert bare.startswith("without a config file, accelerate launch's defaults start 1 process") and "--cpu (one" \
+        in bare, bare
 
 
 def test_llmtrain_launch_says_a_missing_model_once_before_any_process_starts(tiny_assets, tmp_path):
@@ -472,6 +476,21 @@ def test_a_recipes_eval_that_cannot_run_is_said_once_by_processes_started_withou
                           env=ENV, cwd=REPO, capture_output=True, text=True, timeout=300)
     said = proc.stdout + proc.stderr
     assert proc.returncode == 2 and said.count("checkpoint.save_final is false") == 1, said[-3000:]
+
+
+@pytest.mark.slow
+def test_an_output_dir_the_main_process_refuses_is_said_once_under_a_plain_accelerate_launch(tiny_assets, tmp_path):
+    """The main process checks output_dir and hands its refusal to the others: each had printed it again (audit 36),
+    where docs/launch.md says once."""
+    (tmp_path / "run").mkdir()
+    (tmp_path / "run" / "notes.txt").write_text("mine")
+    proc = subprocess.run([sys.executable, "-m", "llmtrain.launcher", "--config_file",
+                           str(REPO / "accelerate_configs" / "cpu_ddp.yaml"), "--main_process_port", str(open_port()),
+                           "-m", "llmtrain", "finetune", str(write_recipe(tiny_assets, tmp_path))],
+                          env=ENV, cwd=REPO, capture_output=True, text=True, timeout=300)
+    said = proc.stdout + proc.stderr
+    assert proc.returncode == 2 and said.count("error:") == 1 and "notes.txt" in said, said[-3000:]
+    assert (tmp_path / "run" / "notes.txt").read_text() == "mine"
 
 
 def test_doctor_fails_a_lora_target_no_module_has_and_a_recipes_eval_that_cannot_run(tiny_assets, tmp_path):

@@ -123,6 +123,8 @@ def test_sigterm_under_ddp_stops_every_rank_at_one_step(tiny_assets, tmp_path, f
     ckpt = cut / "checkpoints" / f"step_{steps[0]:06d}"
     assert {"random_states_0.pkl", "random_states_1.pkl", "train_state.json"} <= {p.name for p in ckpt.iterdir()}
     assert f"SIGTERM at step {steps[0]}" in output
+    # the launch's command to continue, not finetune's (which a layout of several processes refuses; audit 36)
+    assert f"Continue with: llmtrain launch [the same accelerate flags] {cut / 'recipe.yaml'} --resume auto" in output
     print(f"DDP SIGTERM -> exit in {seconds:.2f} s, checkpoint step {steps[0]}")
     launch[launch.index("--main_process_port") + 1] = str(free_port + 1)
     subprocess.run([*launch, "--resume", "auto"], env=ENV, cwd=REPO, check=True, capture_output=True, timeout=300)

@@ -246,8 +246,7 @@ def train_loop(run: Run, state: TrainState, meter: Meter) -> None:
             if stop:  # a stop is always a save step (cadence): `checkpoint` is this step's
                 signum = stop_requests.signum or signal.SIGTERM  # a rank that got no signal stops with its peers
                 raise Stopped(f"{signal.Signals(signum).name} at step {state.step}: the checkpoint {checkpoint} is "
-                              f"complete. Continue with: llmtrain finetune {run.out / 'recipe.yaml'} --resume auto "
-                              "(under the same accelerate launch, if any).", signum)
+                              f"complete. Continue with: {resume_command(run)}.", signum)
 
 
 # --------------------------------------------------------------------------- the loop's pieces
@@ -266,11 +265,19 @@ def _stopped_at(run: Run, step: int):
         raise
     except LLMTrainError as e:
         good = (step_dirs(run.out / "checkpoints") or [None])[-1]
-        after = (f"The last checkpoint, {good}, is intact: once it is fixed, continue with: llmtrain finetune "
-                 f"{run.out / 'recipe.yaml'} --resume auto (under the same accelerate launch, if any)." if good else
-                 "No checkpoint was written yet.")
+        after = (f"The last checkpoint, {good}, is intact: once it is fixed, continue with: {resume_command(run)}."
+                 if good else "No checkpoint was written yet.")
         e.args = (f"step {step} stopped: {e} {after}", *e.args[1:])
         raise
+
+
+def resume_command(run: Run) -> str:
+    """The command that continues this run from its newest checkpoint: finetune's for one process, the launch's with
+    its own flags for several (finetune's alone had been said, which a launch's layout then refused; audit 36)."""
+    recipe = run.out / "recipe.yaml"
+    if run.accelerator.num_processes > 1:
+        return f"llmtrain launch [the same accelerate flags] {recipe} --resume auto"
+    return f"llmtrain finetune {recipe} --resume auto"
 
 
 def report(run: Run, state: TrainState, meter: Meter, progress, task, *, logged: bool, evals: list[dict]) -> None:

@@ -219,10 +219,14 @@ def gpus_problem(launch: dict, *, where: str, gpus: int) -> str | None:
         return None
     have = f"{gpus} GPU{'s' if gpus != 1 else ''}" if gpus else "no GPU (torch sees no CUDA device)"
     need = f"are {per_node} GPUs" if per_node != 1 else "is 1 GPU"
-    return (f"{where} starts {per_node} process{'es' if per_node != 1 else ''} on this machine, one a GPU "
-            f"(use_cpu is not set), and this machine has {have}. Run it where there {need}"
-            + (f", lower --num_processes to {gpus}" if gpus else "") + ", or rehearse on the CPU with a CPU config "
-            "(e.g. accelerate_configs/cpu_fsdp.yaml or cpu_ddp.yaml: use_cpu: true).")
+    # (no config file: accelerate's defaults, which the user never wrote, had been named as "use_cpu is not set";
+    # audit 36)
+    what = "without a config file, accelerate launch's defaults" if not launch else where
+    return (f"{what} start{'s' if launch else ''} {per_node} process{'es' if per_node != 1 else ''} on this machine, "
+            f"one a GPU (use_cpu is not set), and this machine has {have}. Run it where there {need}"
+            + (f", lower --num_processes to {gpus}" if gpus else "") + ", or on this CPU: --cpu (one process, the "
+            "recipe's global batch), or a CPU config (accelerate_configs/cpu_ddp.yaml or cpu_fsdp.yaml: use_cpu: "
+            "true; their 2 processes double the global batch)")
 
 
 def read_launch_file(path, *, name: str) -> dict:

@@ -20,7 +20,7 @@ import sys
 import time
 from pathlib import Path
 
-from llmtrain.errors import LLMTrainError
+from llmtrain.errors import LLMTrainError, Relayed
 from llmtrain.run.checkpoint import remove_leftovers, resolve_resume, step_dirs
 
 MARKER = ".llmtrain-run"
@@ -107,8 +107,8 @@ def _on_main(accelerator, out: Path, fn, *, pair: bool = False):
         broadcast_object_list(result)
     if failure is not None:
         raise failure
-    if result[1] is not None:
-        raise LLMTrainError(result[1])
+    if result[1] is not None:  # the main process's refusal, handed over: said once a node (audit 36: once a process)
+        raise Relayed(result[1])
     return (result[0], local[1]) if pair else result[0]
 
 
