@@ -50,6 +50,7 @@ def rendering(target: Target) -> dict:
 def resolve(target: str, *, dtype: str) -> Target:
     """What `target` is: a run folder (its final/), a checkpoint of one, a model folder or a hub id."""
     from llmtrain.hub import missing_local
+    from llmtrain.run.replies import trained_on_chats
     from llmtrain.run.rundir import missing_source, run_recipe
 
     path = Path(target).expanduser()
@@ -67,8 +68,6 @@ def resolve(target: str, *, dtype: str) -> Target:
     recipe = run_recipe(path)
     chats = {"system_instruction": recipe.data.system_prompt,
              "chat_template_args": dict(recipe.data.chat_template_kwargs or {})}
-    from llmtrain.run.replies import trained_on_chats
-
     return replace(_resolve_run(path, recipe, target, dtype=dtype), chats=chats,
                    chat_trained=trained_on_chats(recipe.data))
 
@@ -86,8 +85,8 @@ def template_note(target: Target) -> str | None:
 
 def _resolve_run(path: Path, recipe, target: str, *, dtype: str) -> Target:
     """A run folder's or a checkpoint's Target (resolve)."""
-    from llmtrain.run.rundir import unfinished
     from llmtrain.run.replies import unreadable_checkpoint
+    from llmtrain.run.rundir import unfinished
 
     checkpoint = (path / "train_state.json").is_file()
     run = path.parent.parent if checkpoint else path
