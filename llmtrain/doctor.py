@@ -590,10 +590,26 @@ def run_doctor(recipe: Recipe, *, accelerate_config: Path | None = None,
     checks += rows + check_host_offload(est, host_memory=host_memory_here()) + check_precision(recipe, launch)
     if est is not None:
         checks += check_fsdp(recipe, launch, params=est.params_total, fits=est.fits if gpu else None)
-    return checks + check_launch_settings(launch, accelerate_config) + \
-        check_layout(recipe, launch, where=f"--accelerate-config {accelerate_config}") + \
-        check_sequence_parallel(recipe, launch) + \
-        check_batch(recipe, launch) + check_shared_fs(recipe, launch)
+    return said_once(checks + check_launch_settings(launch, accelerate_config) +
+                     check_layout(recipe, launch, where=f"--accelerate-config {accelerate_config}") +
+                     check_sequence_parallel(recipe, launch) +
+                     check_batch(recipe, launch) + check_shared_fs(recipe, launch))
+
+
+def said_once(checks: list[Check]) -> list[Check]:
+    """The checks with a failure's paragraph said once: a later row failing with the same words (an rl.environment
+    that does not import fails the data, the rewards and the tools alike: three copies, audit 36) is skipped, naming
+    the row that says it."""
+    first: dict[str, str] = {}
+    out = []
+    for name, status, detail in checks:
+        if status == "fail" and detail in first:
+            out.append((name, "skipped", f"fails as the {first[detail]} row says"))
+            continue
+        if status == "fail":
+            first[detail] = name
+        out.append((name, status, detail))
+    return out
 
 
 def doctor(recipe: Recipe, *, accelerate_config: Path | None = None, gpu_memory: float | None = None,

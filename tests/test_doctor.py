@@ -670,3 +670,23 @@ def test_doctor_checks_output_dir_and_a_layout_that_needs_a_launch(tiny_assets, 
     fine = {name: status for name, status, _ in run_doctor(load_recipe(write_recipe(tiny_assets, tmp_path)),
                                                            gpu_memory=80)}
     assert fine["output_dir"] == "pass" and fine["layout"] == "pass"
+
+
+def test_a_failure_several_rows_find_alike_is_said_once(tiny_assets, tmp_path):
+    """An rl.environment that does not import failed the data, the rewards and the tools rows in the same words:
+    three copies of one paragraph (audit 36). The first row says it; the others are skipped, naming it."""
+    import yaml
+
+    from llmtrain.doctor import run_doctor
+
+    recipe = yaml.safe_load((REPO / "recipes" / "tiny-tools-grpo.yaml").read_text())
+    recipe["model"]["name_or_path"] = str(tiny_assets / "model")
+    recipe["data"].update(path=str(tiny_assets / "data" / "train_tool_prompts.jsonl"),
+                          eval_split=str(tiny_assets / "data" / "eval_tool_prompts.jsonl"))
+    recipe["output_dir"] = str(tmp_path / "run")
+    (tmp_path / "r.yaml").write_text(yaml.safe_dump(recipe))
+    checks = run_doctor(load_recipe(tmp_path / "r.yaml", ["rl.environment=no_such_module_z:Env"]), gpu_memory=80)
+    failing = [(name, detail) for name, status, detail in checks if status == "fail"]
+    assert sum("no_such_module_z" in detail for _, detail in failing) == 1, failing
+    first = next(name for name, detail in failing if "no_such_module_z" in detail)
+    assert any(status == "skipped" and detail == f"fails as the {first} row says" for _, status, detail in checks)
