@@ -427,9 +427,9 @@ def eval_(
     benchmarks.quiet()
     manager = benchmarks.task_manager([str(p) for p in include_path or []], names)
     benchmarks.check_tasks(names, manager)
+    chats = benchmarks.rendering(ours) if chat_template else {}  # the run's system prompt and template kwargs
     how = dict(num_fewshot=num_fewshot, batch_size=size, limit=limit, apply_chat_template=chat_template, device=device,
-               # the run's system prompt and template kwargs, for the baseline too (recorded)
-               **({"chats": benchmarks.rendering(ours)} if chat_template and benchmarks.rendering(ours) else {}))
+               **({"chats": chats} if chats else {}))  # for the baseline too (recorded)
     if main and not chat_template and (note := benchmarks.template_note(ours)):
         typer.echo(note, err=True)
     if main:

@@ -516,14 +516,10 @@ def check_needs(recipe: Recipe, launch: dict) -> list[Check]:
     model.kernels=liger, the eval: section's harness, final/ and tasks, and lora.target_modules' names on the model
     (doctor had passed each, which every process then refused; audit 34). Rows only where there is something to say
     or check."""
-    import torch
-
     from llmtrain.launcher import needs_problems
     from llmtrain.model.modeling import load_model_config, lora_problem
 
-    device = "cpu" if launch.get("use_cpu") or not torch.cuda.is_available() else "cuda"
-    rows = [("run needs", "fail", problem) for problem in needs_problems(recipe, device_type=device, user_code=False,
-                                                                         tasks=True)]
+    rows = [("run needs", "fail", problem) for problem in needs_problems(recipe, launch, user_code=False, tasks=True)]
     if recipe.lora is not None:
         try:
             problem = lora_problem(recipe, load_model_config(recipe.model))

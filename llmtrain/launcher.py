@@ -75,22 +75,26 @@ def check_model_files(recipe):
     return config
 
 
-def needs_problems(recipe, *, device_type: str, user_code: bool = True, tasks: bool = False) -> list[str]:
+def needs_problems(recipe, launch: dict, *, user_code: bool = True, tasks: bool = False) -> list[str]:
     """What every process would refuse of this machine's packages and the user's code before its model is read, each
     in its own words, for launch to say once (each process had said it after the processes started, most once per
     process; audit 34) and doctor to fail: a tracker's library not installed (logging.report_to), model.kernels=liger
-    without liger-kernel or on a `device_type` that is not cuda, the recipe's eval: that cannot run (the harness not
-    installed, final/ not saved, a run it cannot score: its tasks' data are read by the processes), and the modules
+    without liger-kernel or on a CPU launch (`launch`'s use_cpu, or no CUDA device here), the recipe's eval: that
+    cannot run (the harness not installed, final/ not saved, a run it cannot score: its tasks' data are read by the
+    processes), and the modules
     of online RL's reward functions, tools and environment that do not import (`user_code`; doctor's rows of their
     own import and run them). `tasks`: the eval: tasks known and their data read too (the harness's index, seconds:
     doctor's, where the processes check them under launch)."""
+    import torch
+
     from llmtrain.model.modeling import use_liger
     from llmtrain.run.benchmarks import check_recipe
     from llmtrain.run.trackers import check_trackers
 
     checks = [lambda: check_trackers(recipe.logging.report_to)]
     if recipe.model.kernels == "liger":
-        checks.append(lambda: use_liger(recipe.model, device_type))
+        device = "cpu" if launch.get("use_cpu") or not torch.cuda.is_available() else "cuda"
+        checks.append(lambda: use_liger(recipe.model, device))
     if recipe.eval is not None:
         checks.append(lambda: check_recipe(recipe, tasks=tasks))
     if (rl := recipe.rl) is not None and user_code:
@@ -182,8 +186,7 @@ def accelerate_command(argv: list[str], *, machine: bool = True) -> list[str]:
         # heads, layers, experts, attention: what the run asks of the model
         config = check_model_files(recipe)
         capabilities.check_model(recipe, layout, config)
-        device = "cpu" if launch.get("use_cpu") or not torch.cuda.is_available() else "cuda"
-        problems = [p for p in (lora_problem(recipe, config), *needs_problems(recipe, device_type=device)) if p]
+        problems = [p for p in (lora_problem(recipe, config), *needs_problems(recipe, launch)) if p]
         if problems:  # (what each process would refuse once its model had loaded, or its packages imported)
             raise LLMTrainError(problems[0] if len(problems) == 1 else " ".join(
                 f"({i}) {p.rstrip('.')}." for i, p in enumerate(problems, 1)))

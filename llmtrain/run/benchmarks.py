@@ -262,9 +262,10 @@ def after_training(recipe, accelerator, say) -> Path | None:
         torch.cuda.empty_cache()
     b = recipe.eval
     target = resolve(recipe.output_dir, dtype="auto")
+    chats = rendering(target) if b.apply_chat_template else {}
     how = dict(num_fewshot=b.num_fewshot, batch_size=b.batch_size, limit=b.limit,
                apply_chat_template=b.apply_chat_template, device=str(accelerator.device),
-               **({"chats": rendering(target)} if b.apply_chat_template and rendering(target) else {}))
+               **({"chats": chats} if chats else {}))
     say(f"eval: scoring {target.name} on {', '.join(b.tasks)} (lm-evaluation-harness)")
     results = evaluate(target, b.tasks, task_manager(b.include_path, b.tasks), **how, accelerator=accelerator)
     if not accelerator.is_main_process or results is None:

@@ -20,7 +20,7 @@ import sys
 import time
 from pathlib import Path
 
-from llmtrain.errors import LLMTrainError, Relayed
+from llmtrain.errors import LLMTrainError
 from llmtrain.run.checkpoint import remove_leftovers, resolve_resume, step_dirs
 
 MARKER = ".llmtrain-run"
@@ -50,7 +50,7 @@ class RunDir:
 def check_output_dir(accelerator, out: Path, *, resume: str | None, overwrite: bool) -> Path | None:
     """Every refusal the folder can cause, reading only (train calls it before loading anything), and the
     checkpoint to resume from. The main process looks; the others get its answer or its refusal."""
-    return _on_main(accelerator, out, lambda: _check(out, resume=resume, overwrite=overwrite, warn=accelerator.print))
+    return _on_main(accelerator, lambda: _check(out, resume=resume, overwrite=overwrite, warn=accelerator.print))
 
 
 def check_output_folder(out: Path, *, overwrite: bool, resume: str | None = None) -> None:
@@ -81,7 +81,7 @@ def claim_output_dir(accelerator, out: Path, *, resume: str | None, overwrite: b
             raise
         return checkpoint, lock
 
-    checkpoint, lock = _on_main(accelerator, out, claim, pair=True)
+    checkpoint, lock = _on_main(accelerator, claim, pair=True)
     return RunDir(out, checkpoint, lock)
 
 
@@ -91,25 +91,19 @@ def prepare_output_dir(accelerator, out: Path, *, resume: str | None, overwrite:
     return claim_output_dir(accelerator, out, resume=resume, overwrite=overwrite, expected=checkpoint)
 
 
-def _on_main(accelerator, out: Path, fn, *, pair: bool = False):
-    """Run fn on the main process only; broadcast its (picklable) answer, or its refusal, to every process."""
-    result, failure, local = [None, None], None, (None, None)
-    if accelerator.is_main_process:
-        try:
-            local = fn() if pair else (fn(), None)
-            result = [local[0], None]
-        except Exception as e:
-            failure = e
-            result = [None, str(e) if isinstance(e, LLMTrainError) else f"the main process failed in {out}; see its error"]
-    if accelerator.num_processes > 1:
-        from accelerate.utils import broadcast_object_list
+def _on_main(accelerator, fn, *, pair: bool = False):
+    """Run fn on the main process only; its (picklable) answer, or its refusal (errors.Relayed), given to every
+    process (collectives.on_first). pair: fn returns (answer, what the main process keeps: its lock)."""
+    from llmtrain.parallel.collectives import on_first
 
-        broadcast_object_list(result)
-    if failure is not None:
-        raise failure
-    if result[1] is not None:  # the main process's refusal, handed over: said once a node (audit 36: once a process)
-        raise Relayed(result[1])
-    return (result[0], local[1]) if pair else result[0]
+    kept = [None]
+
+    def answer():
+        value, kept[0] = fn() if pair else (fn(), None)
+        return value
+
+    value = answer() if accelerator.num_processes == 1 else on_first(answer, group=None)
+    return (value, kept[0]) if pair else value
 
 
 def _check(out: Path, *, resume: str | None, overwrite: bool, warn, locked: bool = False,
