@@ -682,7 +682,8 @@ def test_a_failure_several_rows_find_alike_is_said_once(tiny_assets, tmp_path):
     recipe = yaml.safe_load((REPO / "recipes" / "tiny-tools-grpo.yaml").read_text())
     recipe["model"]["name_or_path"] = str(tiny_assets / "model")
     recipe["data"].update(path=str(tiny_assets / "data" / "train_tool_prompts.jsonl"),
-                          eval_split=str(tiny_assets / "data" / "eval_tool_prompts.jsonl"))
+                          eval_split=str(tiny_assets / "data" / "eval_tool_prompts.jsonl"),
+                          chat_template=str(tiny_assets / "data" / "tools.jinja"))  # not the clone's assets/tiny
     recipe["output_dir"] = str(tmp_path / "run")
     (tmp_path / "r.yaml").write_text(yaml.safe_dump(recipe))
     checks = run_doctor(load_recipe(tmp_path / "r.yaml", ["rl.environment=no_such_module_z:Env"]), gpu_memory=80)
