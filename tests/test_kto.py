@@ -69,7 +69,11 @@ def test_the_stage_targets_keep_the_pairs_columns_and_add_the_label_and_kl_after
 
     cfg = DataConfig(path="x.jsonl", format="unpaired")
     objective = KTO(KTOConfig(beta=0.1), pad_id=tiny_tok.pad_token_id, packing=True, max_seq_len=2048)
-    batch, _ = objective.collate([encode_unpaired(r, tiny_tok, cfg) for r in ROWS])
+    encoded = [encode_unpaired(r, tiny_tok, cfg) for r in ROWS]
+    batch, counts = objective.collate(encoded)
+    assert batch["kl:input_ids"].numel() > 0  # the KL sequences are built and forwarded, but they are not data:
+    lengths = [len(e["input_ids"]) for e in encoded]  # tokens and tokens_seen count the rows' own (TRL's num_tokens)
+    assert (counts.tokens, counts.squares) == (sum(lengths), sum(n * n for n in lengths))  # had been twice as many
     stage = StageKTO(objective.cfg, adapter_off=nullcontext)
     slots = batch["input_ids"].numel() + 3
     target = stage.targets({**batch, "kl": 0.25}, slots)[0]

@@ -267,3 +267,17 @@ def test_the_summarys_best_eval_reward_says_where_it_was_and_what_came_after():
     assert best(0.5, 0.2, 0.4) == "0.5000 (step 0; none of the 2 later evals higher)"
     assert best(0.5, 0.2) == "0.5000 (step 0; the later eval no higher)"
     assert best(0.5) == "0.5000 (step 0)"
+
+
+def test_each_modes_console_line_shows_its_own_measure():
+    """The step line names each mode's measure: a preference run's accuracy and margin, KTO's KL, distillation's
+    agreement with its teacher (it had shown nothing of its own; audit 40), RL's reward."""
+    from llmtrain.run.console import step_text
+
+    base = {"loss": 0.5, "lr": 1e-4, "tokens_per_s_per_gpu": 1000.0}
+    assert "acc 75% margin 0.250" in step_text({**base, "rewards/accuracies": 0.75, "rewards/margins": 0.25})
+    assert "kl 0.100 margin 0.300" in step_text({**base, "kl": 0.1, "rewards/margins": 0.3})
+    distill = step_text({**base, "entropy": 2.0, "token_accuracy": 0.4, "teacher_agreement": 0.625})
+    assert "agree 62%" in distill and distill.startswith("loss 0.5000")
+    rl = step_text({**base, "kl": 0.01, "frac_reward_zero_std": 0.0, "reward": 0.5, "completions/mean_length": 7.0})
+    assert rl.startswith("reward 0.500  length 7.0")

@@ -109,7 +109,9 @@ class KTO:
         kl = kl_sequences(examples, self.max_seq_len) if self.cfg.loss_type == "kto" and examples else []
         if kl:  # flat, under "kl:" names: the loop moves and pins a batch's own tensors, not nested ones
             batch.update({f"kl:{k}": v for k, v in self._collate(kl).items()})
-        return batch, Counts.of(sequences + kl, units=len(examples), trained=len(batch["loss_index"]))
+        # tokens (tokens/s, tokens_seen, the MFU's FLOPs) are the rows' own: the KL sequences, forwarded without a
+        # gradient, count no more than a reference's forward does (they had doubled tokens_seen; TRL's num_tokens)
+        return batch, Counts.of(sequences, units=len(examples), trained=len(batch["loss_index"]))
 
     def _reference(self, batch: dict) -> torch.Tensor:
         """The reference's summed completion log-probabilities, under no_grad."""

@@ -92,6 +92,8 @@ def step_text(rec: dict, *, unit: str = "gpu") -> str:
     if "kl" in rec and "rewards/accuracies" not in rec:  # KTO: the KL estimate, and the margin where both sides are
         margin = f" margin {rec['rewards/margins']:.3f}" if "rewards/margins" in rec else ""
         pairs = f"  kl {rec['kl']:.3f}{margin}"
+    if "teacher_agreement" in rec:  # distillation: the share of tokens whose argmax is the teacher's
+        pairs = f"  agree {rec['teacher_agreement']:.0%}"
     if "frac_reward_zero_std" in rec:  # online RL: the step's mean reward first (a step no reward function scored
         # has none: "-")
         reward = f"{rec['reward']:.3f}" if "reward" in rec else "-"

@@ -2,8 +2,8 @@
 each mode's own measure where its metrics carry one (MEASURES: the reward margin of DPO and KTO, a reward model's
 accuracy, distillation's agreement with its teacher, the greedy answer accuracy); for an
 online RL run (train lines with `reward`), rl_plot.py's panels: the reward and each reward function's on its own
-y-scale, the eval answer accuracy (greedy), the completions' mean length and the KL to the reference (or the loss
-without one) against steps: the GRPO loss alone (about 0 by construction) shows nothing.
+y-scale, the eval answer accuracy (greedy), the completions' mean length and the KL to the reference (without one
+the entropy, or the loss) against steps: the GRPO loss alone (about 0 by construction) shows nothing.
 
 `plot_runs(runs, out)` reads each run's metrics.jsonl and writes one image; several runs are overlaid in
 one colour each, for comparison (`llmtrain plot RUN [RUN ...]`). The trainer rewrites `<output_dir>/loss.png`
