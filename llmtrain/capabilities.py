@@ -852,10 +852,15 @@ def _mode_problems(recipe) -> list[str]:
     if fp32_head(recipe, None) and recipe.lora is not None and (
             trained := [k for k in ("target_modules", "modules_to_save")
                         if "lm_head" in (getattr(recipe.lora, k) or ())]):
-        out.append(f"rl.cast_lm_head_to_fp32 holds the LM head's weight in fp32, and lora.{trained[0]} names lm_head "
-                   "(peft wraps it: an adapted or saved copy in the model's dtype). Remove lm_head from "
-                   f"lora.{trained[0]} (model.new_tokens puts it in modules_to_save), or unset "
-                   "rl.cast_lm_head_to_fp32")
+        if recipe.model.new_tokens and trained[0] == "modules_to_save":  # put there by model.new_tokens, not the user
+            out.append("rl.cast_lm_head_to_fp32 holds the LM head's weight in fp32, and model.new_tokens trains the "
+                       "head's new rows under LoRA (lora.modules_to_save gets lm_head: a saved copy in the model's "
+                       "dtype). Unset model.new_tokens (a tokenizer that already has the tokens) or "
+                       "rl.cast_lm_head_to_fp32")
+        else:
+            out.append(f"rl.cast_lm_head_to_fp32 holds the LM head's weight in fp32, and lora.{trained[0]} names "
+                       "lm_head (peft wraps it: an adapted or saved copy in the model's dtype). Remove lm_head from "
+                       f"lora.{trained[0]}, or unset rl.cast_lm_head_to_fp32")
     if t.eval_samples and not mode.samples:
         out.append("reward_model: the model scores sequences and has no LM head to generate eval samples with; set "
                    "train.eval_samples=0")

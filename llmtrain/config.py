@@ -1154,8 +1154,8 @@ class RLConfig(Section):
         "outside autocast, by the samplers and the update alike, so that the sampler's log-probabilities and the "
         "policy's differ by the decoder's rounding only, not by 16-bit logits' too. Costs the head's weight once "
         "more at 16 bits (256 MiB for Mistral-7B). Not with a trained LM head under LoRA (lm_head in "
-        "lora.target_modules or modules_to_save), tied embeddings or tensor parallelism; under FSDP the head is a "
-        "unit of its own, gathered in fp32.")
+        "lora.target_modules or modules_to_save, model.new_tokens) or tied embeddings; under FSDP, HSDP and tensor "
+        "parallelism the head is a unit of its own, gathered in fp32.")
     micro_batch_tokens: int | None = Field(
         None, gt=0, description="The update's token budget: a micro-batch's prompt + completion sequences go "
         "through the forward and backward in passes of at most this many tokens (a sequence is never split, so at "

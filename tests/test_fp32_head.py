@@ -143,6 +143,8 @@ def test_two_fsdp_processes_gather_the_head_in_fp32_and_train_what_two_ddp_proce
     (["lora.r=4", "lora.target_modules=[q_proj,lm_head]"],
      "lora.target_modules names lm_head (peft wraps it: an adapted or saved copy in the model's dtype)"),
     (["lora.r=4", "lora.modules_to_save=[lm_head]"], "lora.modules_to_save names lm_head"),
+    # the user wrote no modules_to_save: model.new_tokens put lm_head there, and the advice had been to remove it
+    (["lora.r=4", "model.new_tokens=[<tool>]"], "model.new_tokens trains the head's new rows under LoRA"),
 ])
 def test_a_trained_lm_head_under_lora_is_refused(overrides, says):
     with pytest.raises(LLMTrainError) as refused:

@@ -164,3 +164,60 @@ def test_other_modes_refuse_it(tiny_assets, tmp_path):
     for config in ("cpu_tp", "cpu_ddp"):
         launch = yaml.safe_load((REPO / "accelerate_configs" / f"{config}.yaml").read_text())
         assert [status for _, status, _ in check_layout(recipe, launch)] == ["pass"]
+
+
+class _Embedded(Exception):
+    """Raised by _first_embedding's hook: the embedding's output is all the test reads (a sequence slice's decoder
+    would need its group's all-to-all)."""
+
+
+def _first_embedding(model, batch: dict, seed: int = 0) -> torch.Tensor:
+    """The noisy input embeddings of `batch` as training's loss forward (model/loss.py compute_loss) makes them."""
+    from llmtrain.model.loss import compute_loss
+
+    def stop(module, args, output):
+        raise _Embedded(output)
+
+    handle = model.get_input_embeddings().register_forward_hook(stop)
+    torch.manual_seed(seed)
+    try:
+        compute_loss(model, batch)
+    except _Embedded as e:
+        return e.args[0].detach()
+    finally:
+        handle.remove()
+    raise AssertionError("the embedding was not called")
+
+
+def test_a_sequence_slice_of_a_row_the_group_pads_draws_one_process_noise(tiny_assets):
+    """A packed row of 17 tokens under a sequence group of 2 is padded to 18 with one more segment, which the row's
+    boundaries cannot tell from an example: each process drew noise for it too, moving the random stream on, so every
+    later row's noise was another than one process's (audit 38: step 4's loss 4.6535 against 4.6180). The slice says
+    its row's real tokens (`row_tokens`): the two halves' noise is one process's, the padding's 0, and the next draw
+    from the random stream is the same."""
+    from llmtrain.data.batching import Counts, collate, with_loss_positions
+    from llmtrain.model.loss import attach_loss
+    from llmtrain.parallel.sequence.shards import shard_batch
+
+    examples, token = [], 10
+    for n in (3, 6, 8):
+        ids = list(range(token, token + n))
+        token += n
+        examples.append({"input_ids": ids, "labels": [-100] + ids[1:]})
+    batch = with_loss_positions(collate(examples, pad_id=0, packing=True))
+    counts = Counts(units=14.0, trained=14.0, tokens=17.0, squares=109.0)
+
+    def noisy(rank: int, size: int):
+        model = _model(tiny_assets)
+        attach_loss(model, chunk=64)
+        attach_neftune(model, 5.0, sequence=(rank, size))
+        part = batch if size == 1 else shard_batch(batch, counts, size=size, rank=rank, pad_id=0)[0]
+        embedded = _first_embedding(model, part)
+        return embedded - model.get_input_embeddings().weight[part["input_ids"]].detach(), torch.rand(1)
+
+    (one, after_one), halves = noisy(0, 1), [noisy(r, 2) for r in range(2)]
+    whole = torch.cat([h for h, _ in halves], dim=1)
+    assert whole.shape[1] == 18 and one.abs().max().item() > 0
+    torch.testing.assert_close(whole[:, :17], one, atol=0, rtol=0)
+    assert whole[:, 17].abs().max().item() == 0  # the padding's
+    assert all(torch.equal(after, after_one) for _, after in halves)  # the stream moved on as one process's

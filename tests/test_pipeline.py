@@ -35,7 +35,6 @@ from helpers import (
     max_abs_diff,
     records,
     run_train,
-    same_length_task,
     write_recipe,
 )
 
@@ -318,19 +317,18 @@ def test_two_stages_train_what_one_process_trains(single, four_layers, tmp_path,
 def test_neftunes_noise_on_two_stages_is_one_process_noise(four_layers, tmp_path, free_port):
     """train.neftune_alpha: the first stage embeds outside the decoder's forward and hands the hook each row's
     examples, so each is scaled by its own length (not the row's 84 slots): the same losses, gradient norms and
-    weights as one process, whose noise moves the loss (against the run without it). Rows of 4 examples of 21 tokens
-    fill the 84 slots (in the first 2 steps: the packer leaves a row of one example in the third), so the stage pads
-    nothing and draws as many values a row as one process."""
-    data = same_length_task(four_layers, tmp_path)
+    weights as one process, whose noise moves the loss (against the run without it). The tiny task's rows do not fill
+    the 84 slots, and the stage pads each with one more segment: it had drawn noise for those slots too, moving the
+    random stream on, so the later rows' noise was another than one process's (audit 38: 0.014 off at step 1); the
+    schedule now tells the stage each row's real tokens."""
     recipe = write_recipe(four_layers, tmp_path, **{**PIPE, "train": {**PIPE["train"], "micro_batch_tokens": 84,
-                                                                          "max_steps": 2},
-                                                    "data": {**PIPE["data"], "path": str(data)}})
+                                                                          "max_steps": 2}})
     plain, one, two = tmp_path / "plain", tmp_path / "one", tmp_path / "two"
     run_train(recipe, f"output_dir={plain}")
     run_train(recipe, f"output_dir={one}", "train.neftune_alpha=15")
     launch_finetune(CPU_DDP, 2, free_port, recipe, "parallel.pipeline_parallel=2", f"output_dir={two}",
                     "train.neftune_alpha=15")
-    assert all(r["tokens"] == 4 * 84 for r in records(one))  # full rows
+    assert all(r["tokens"] < 4 * 84 for r in records(one))  # rows the stage pads
     assert min(abs(a - b) for a, b in zip(losses(one), losses(plain))) > 1e-3
     _same(two, one, lora=False)
 

@@ -244,17 +244,18 @@ def test_a_groups_later_processes_and_later_stages_draw_dropout_of_their_own(tin
 def test_neftunes_noise_on_two_processes_of_one_sequence_is_one_process_noise(tiny_assets, tmp_path, free_port):
     """train.neftune_alpha: each process embeds its half of the row and draws the whole row's noise (each example
     scaled by its whole length), keeping its half's: the same losses, gradient norms and weights as one process,
-    whose noise moves the loss (against the run without it). Rows of 4 examples of 21 tokens: 84, even, so the
-    group pads nothing and both draw the same number of values a row (a padded row would draw for its padding too)."""
+    whose noise moves the loss (against the run without it). Rows of 3 examples of 21 tokens: 63, odd, so the group
+    pads each row by one token, one more segment, for which each process had drawn noise too (audit 38: step 4's
+    loss 4.6535 against 4.6180); the slices now say the row's real tokens."""
     data = same_length_task(tiny_assets, tmp_path)
-    recipe = write_recipe(tiny_assets, tmp_path, **{**PACKED, "train": {**PACKED["train"], "micro_batch_tokens": 84}},
+    recipe = write_recipe(tiny_assets, tmp_path, **{**PACKED, "train": {**PACKED["train"], "micro_batch_tokens": 63}},
                           data={"path": str(data)})
     plain, one, two = tmp_path / "plain", tmp_path / "one", tmp_path / "two"
     run_train(recipe, f"output_dir={plain}")
     run_train(recipe, f"output_dir={one}", "train.neftune_alpha=15")
     out = _launch(CPU_DDP, 2, free_port, recipe, f"output_dir={two}", "train.neftune_alpha=15")
     assert "NEFTune noise on the input embeddings in training (alpha 15)" in out
-    assert all(r["tokens"] == 2 * 84 for r in records(one))  # full rows
+    assert all(r["tokens"] == 2 * 63 for r in records(one))  # full rows of an odd length: each padded by the group
     assert min(abs(a - b) for a, b in zip(losses(one), losses(plain))) > 1e-3
     _assert_equal(two, one)
 

@@ -100,7 +100,7 @@ def states(shape: ModelShape, spec: TrainSpec, plan: LoraPlan | None, *, whole: 
     reference = 0
     if spec.frozen_reference:  # the frozen copy: whole, or under FSDP its decoder sharded and its head whole
         reference = sharded_frozen_bytes(whole or shape, spec, sd) if fsdp else shape.params_total * sd
-        if spec.fp32_head:  # a copy of a model whose head is fp32 (FSDP refuses the fp32 head)
+        if spec.fp32_head:  # a copy of a model whose head is fp32 (under FSDP the head is a unit of its own, whole)
             reference += shape.head_outputs * H * (4 - min(sd, 4))
     if spec.adapter_reference:  # LoRA's moving reference: a snapshot of the trained weights and a spare (under FSDP
         # of each process's shards; run in RLOO's rollout, where FSDP holds the weights gathered, both whole as well)

@@ -265,9 +265,11 @@ def attach_loss(model, *, chunk: int, fused_linear_ce=None, router_aux: float | 
 
     def forward(self, *args, loss_index=None, loss_targets=None, return_hits: bool = False, per_token: bool = False,
                 temperature: float = 1.0, token_loss=None, with_aux: bool = False, real_tokens: int | None = None,
-                stat: str | None = None, **kwargs):
+                row_tokens: int | None = None, stat: str | None = None, **kwargs):
         if loss_index is None:
             return original(self, *args, **kwargs)
+        if (noise := getattr(self.get_input_embeddings(), "neftune", None)) is not None:
+            noise.row_tokens = row_tokens  # a sequence slice's: its group row's tokens before the group's padding
         kwargs.pop("labels", None)  # peft passes labels=None through
         kwargs.pop("use_cache", None)
         # training's summed loss (not evaluation's, nor another objective's token_loss one), or where asked for
@@ -523,7 +525,7 @@ def compute_loss(model, batch: dict, *, return_hits: bool = False, per_token: bo
     the temperature, no gradient), and with return_aux the load-balancing loss third.
     """
     inputs = {**decoder_inputs(batch), **{k: batch[k] for k in MODEL_INPUTS[3:] if k in batch},
-              **({"real_tokens": batch["real_tokens"]} if "real_tokens" in batch else {})}  # a sequence slice's
+              **{k: batch[k] for k in ("real_tokens", "row_tokens") if k in batch}}  # a sequence slice's
     out = model(**inputs, return_hits=return_hits, per_token=per_token,
                 **({"temperature": temperature} if temperature != 1.0 else {}),
                 **({"token_loss": token_loss} if token_loss is not None else {}),

@@ -19,7 +19,11 @@ process of a pair (each draws the same noise from the same seed). The layouts th
 Noise is drawn for a row's real tokens only (a packed row's up to its last example's end, padded rows' up to the
 longest's), the padding's 0: a row padded to a layout's shape (a sequence group's multiple, a stage's fixed slots)
 had drawn noise for its padding too, moving the random stream on, so every later row's noise was another than one
-process's (audit 28: step 1's loss 4.6906 under sequence parallelism against 4.6739).
+process's (audit 28: step 1's loss 4.6906 under sequence parallelism against 4.6739). Those layouts pad a packed row
+with one more segment, which its boundaries cannot tell from an example: each says the row's real tokens itself
+(`row_tokens`: a sequence slice's batch through the loss's forward, a pipeline's first stage through `read`); they had
+not, so a row not filling the group's multiple or the slots still drew for its padding (audit 38: step 4's loss
+4.6535 under sequence parallelism against one process's 4.6180).
 """
 
 from __future__ import annotations
@@ -43,8 +47,12 @@ def _lengths(layout: dict, shape: torch.Size, device) -> torch.Tensor:
 
 
 def _real_width(layout: dict, tokens: int) -> int:
-    """The row's tokens before its padding: a packed row's last example's end, padded rows' longest; `tokens` where
-    the layout says nothing (one host synchronisation a micro-batch, where it does)."""
+    """The row's tokens before its padding: where a layout padded a packed row (a sequence group to its multiple, a
+    pipeline to its slots: one more segment), the count it says (`row_tokens`); else a packed row's last example's
+    end, padded rows' longest; `tokens` where the layout says nothing (one host synchronisation a micro-batch, where
+    it does)."""
+    if (row := layout.get("row_tokens")) is not None:
+        return min(int(row), tokens)
     cu = layout.get("cu_seq_lens_q")
     if cu is not None:
         return min(int(cu[-1]), tokens)
@@ -64,6 +72,9 @@ class Noise:
         # the ids' shape of the forward and its row layout, read by the hook only when it trains (a cache, a
         # generation's, is never held here)
         self.shape, self.layout = None, {}
+        # a sequence slice's group row's tokens before the group's padding, set by the loss's forward (model/loss.py)
+        # before it runs the decoder; read once, by the decoder's pre-hook
+        self.row_tokens = None
 
     def read(self, shape, layout: dict) -> None:
         """The rows about to be embedded: the ids' [rows, tokens] and their layout (cu_seq_lens_q, attention_mask)."""
@@ -72,7 +83,8 @@ class Noise:
     def read_decoder(self, module, args, kwargs) -> None:
         ids = kwargs.get("input_ids", args[0] if args else None)
         self.read(None if ids is None else ids.shape[:2],
-                  {k: kwargs.get(k) for k in ("cu_seq_lens_q", "attention_mask")})
+                  {**{k: kwargs.get(k) for k in ("cu_seq_lens_q", "attention_mask")}, "row_tokens": self.row_tokens})
+        self.row_tokens = None
 
     def __call__(self, module, args, output):
         if not module.training:

@@ -300,15 +300,16 @@ class Pipeline:
         filled = [b if batch_weight(b) else idle for b in batches] + [idle] * (self.micro_batches - len(batches))
         rows = [self._row(b) for b in filled]
         stacked = {k: torch.cat([r[k] for r in rows]) for k in rows[0]}
-        if self.router_aux is not None:  # each row's real tokens (its padding routes through the experts too)
-            stacked["real"] = torch.tensor([b["input_ids"].numel() for b in filled])
+        # each row's real tokens: the load-balancing loss's (its padding routes through the experts too), NEFTune's
+        # (it draws noise for those alone)
+        stacked["real"] = torch.tensor([b["input_ids"].numel() for b in filled])
         return stacked
 
     def _kwargs(self, stacked: dict) -> dict:
         """What every stage's forward takes of the rows beside the hidden states: the positions (on the device), the
-        boundaries (on the CPU: each stage trims them), and under the load-balancing loss the real tokens (CPU)."""
+        boundaries (on the CPU: each stage trims them), and each row's real tokens (CPU)."""
         return {"position_ids": stacked["position_ids"].to(self.device), "cu_seq_lens": stacked["cu_seq_lens"],
-                **({"real": stacked["real"]} if "real" in stacked else {})}
+                "real": stacked["real"]}
 
     def _row(self, batch: dict) -> dict[str, torch.Tensor]:
         """One micro-batch as a row of the fixed shape; an objective's own head loss builds its targets."""

@@ -85,12 +85,12 @@ class Stage(nn.Module):
             return self._decode(x, handed, position_ids, cache, masks, {} if held is None else held)
         with self.precision():
             if self.balanced is None:
-                return self._forward(x, handed, position_ids, cu_seq_lens)
+                return self._forward(x, handed, position_ids, cu_seq_lens, real)
             # the sums received last among the handed tensors (none on the first stage); the hidden states (and
             # Gemma 4's handed tensors) first, the sums with this stage's layers' added last
             handed, received = (handed, None) if self.embed is not None else (handed[:-1], handed[-1])
             with self.balanced.recording() as routed:
-                out = self._forward(x, handed, position_ids, cu_seq_lens)
+                out = self._forward(x, handed, position_ids, cu_seq_lens, real)
             return (*(out if isinstance(out, tuple) else (out,)), self.balanced.add(routed, received, real, x.device))
 
     def _decode(self, x, handed, position_ids, cache, masks, held: dict):
@@ -131,10 +131,11 @@ class Stage(nn.Module):
         out += [t[:, :, -new:].contiguous() for kind in self.kv_out for t in shared[kind]]
         return (h, *out) if out else h
 
-    def _forward(self, x, handed, position_ids, cu_seq_lens):
+    def _forward(self, x, handed, position_ids, cu_seq_lens, real=None):
         cu = cut_points(cu_seq_lens)
-        if (noise := getattr(self.embed, "neftune", None)) is not None:  # train.neftune_alpha: the row's examples
-            noise.read(x.shape[:2], {"cu_seq_lens_q": cu})
+        if (noise := getattr(self.embed, "neftune", None)) is not None:  # train.neftune_alpha: the row's examples,
+            # and its tokens before the slots' padding (`real`: the schedule's, one a row)
+            noise.read(x.shape[:2], {"cu_seq_lens_q": cu, "row_tokens": None if real is None else int(real.sum())})
         h = self.embed(x) if self.embed is not None else x
         longest = int((cu[1:] - cu[:-1]).max())
         pe = rotary_by_kind(self.rotary, h, position_ids, self.kinds)

@@ -53,7 +53,8 @@ def _shard_row(batch: dict, *, size: int, rank: int, pad_id: int) -> tuple[dict,
     lo, hi = rank * width, (rank + 1) * width
     held = max(0, min(hi, total) - lo)  # the slice's real tokens: the first `held` (the pad example comes last)
     out = {**batch, "input_ids": ids[:, lo:hi], "position_ids": pos[:, lo:hi], "cu_seq_lens": cu,
-           "max_length": max_length, "examples": len(batch["cu_seq_lens"]) - 1, "real_tokens": held}
+           "max_length": max_length, "examples": len(batch["cu_seq_lens"]) - 1, "real_tokens": held,
+           "row_tokens": total}  # the group row's tokens before the padding (NEFTune draws for those alone)
     if "loss_index" in batch:  # and every "loss_" tensor of one value per trained position (GRPO's advantages)
         index = batch["loss_index"]
         keep = (index >= lo) & (index < hi)
