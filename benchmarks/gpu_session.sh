@@ -478,6 +478,12 @@ i52b)  # issue 53's item 14, rl.cast_lm_head_to_fp32 and rl.generation_batch on 
   # expandable segments (a segment grows in place: passes of other sizes strand no blocks; the graph sampler and the
   # eager static one, in case the captured graphs' pools and expandable segments do not mix); then KTO's 3 steps
   # (+18% reserved) with expandable segments
+  # first, a minute: a model whose config has attention dropout, trained packed through llmtrain's varlen attention
+  # with its dropout on (train.disable_dropout=false): on CUDA that attention takes SDPA per example (2026-12-07;
+  # it had raised NotImplementedError at step 1): it must train, its losses finite
+  DROPPY=$(model_dir llama-1b-dropout "$(cat "$LLAMA1B/config.json" | $PY -c 'import json,sys; c=json.load(sys.stdin); c["attention_dropout"]=0.1; print(json.dumps(c))')")
+  recipe $W/dropout.yaml "$DROPPY" 1 bfloat16
+  run attention-dropout $FT $W/dropout.yaml train.max_steps=3 train.disable_dropout=false
   REWARD_PATTERN=ph grpo_lora 2 8192
   run grpo-cache-default $FT $W/lora.yaml $GRPO "$RL" rl.sampler=graph
   PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True run grpo-expandable $FT $W/lora.yaml $GRPO "$RL" rl.sampler=graph
