@@ -269,7 +269,9 @@ def inspect_data(
     recipe: Annotated[Path, typer.Argument(metavar="RECIPE.yaml", help="YAML recipe.")],
     overrides: Overrides = None,
     n: Annotated[int, typer.Option("--n", "-n", min=0, help="How many formatted examples to show.")] = 3,
-    as_json: Annotated[bool, typer.Option("--json", help="One JSON object per example: input_ids and labels.")] = False,
+    as_json: Annotated[bool, typer.Option(
+        "--json", help="One JSON object per example, the rows training reads: input_ids and labels (a pair's "
+        "chosen_ids, chosen_labels, rejected_ids, rejected_labels; KTO's label).")] = False,
 ) -> None:
     """Show formatted examples with trained tokens highlighted, and dataset statistics."""
     from llmtrain.config import load_recipe
@@ -284,21 +286,27 @@ def inspect_data(
 @app.command(short_help="Merge a LoRA run's adapter into its base: a whole model.")
 @user_errors
 def export(
-    run_dir: Annotated[Path, typer.Argument(metavar="RUN_DIR", help="A finished run's output_dir.")],
+    run_dir: Annotated[Path, typer.Argument(metavar="RUN_DIR", help="A finished LoRA run's output_dir (or its "
+                                            "final/).")],
     merge: Annotated[bool, typer.Option("--merge", help="Merge the run's LoRA adapter into its base and write a full "
                                         "model (required: the one thing export does).")] = False,
     out: Annotated[Optional[Path], typer.Option(help="Where to write (default <run_dir>/final-merged).")] = None,
 ) -> None:
     """Write a merged full model from a LoRA run's final adapter."""
-    from llmtrain.run.export import export_merged
+    from llmtrain.run.export import export_merged, run_folder
+    from llmtrain.run.rundir import run_recipe
 
     if merge:
         ask_hub_for(str(run_dir))
     path = export_merged(run_dir, out, say=lambda text: typer.echo(text, err=True)) if merge else None
     if path is None:
         raise LLMTrainError("Nothing to do: `llmtrain export RUN_DIR --merge` merges a LoRA run's adapter.")
+    run_dir = run_folder(run_dir)
+    # a reward model's is a sequence classifier: AutoModelForCausalLM reads it with a random LM head (audit 39)
+    loader = ("AutoModelForSequenceClassification.from_pretrained" if run_recipe(run_dir).reward_model is not None
+              else "AutoModelForCausalLM.from_pretrained")
     typer.echo(f"merged {run_dir / 'final'} (a LoRA adapter) into its base model: a whole model in {path}, which "
-               "transformers' from_pretrained loads without peft", err=True)
+               f"transformers' {loader} loads without peft", err=True)
     typer.echo(str(path))  # stdout: the path alone, for scripts
 
 

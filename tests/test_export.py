@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers import cli, load_weights, records, run_train, write_recipe
+from helpers import cli, load_weights, max_abs_diff, records, run_train, write_recipe
 
 from llmtrain.errors import LLMTrainError
 from llmtrain.run.export import export_merged
@@ -161,9 +161,32 @@ def test_a_missing_or_damaged_adapter_and_a_run_without_final_are_said_in_a_para
     with pytest.raises(LLMTrainError, match="holds a LoRA adapter's adapter_config.json and no weights"):
         export_merged(run, tmp_path / "merged")
     shutil.rmtree(run / "final")
+    (run / "summary.json").unlink()  # (a finished run's final/ removed: the test below)
     with pytest.raises(LLMTrainError, match="has no final/ to merge: the run has not finished"):
         export_merged(run, tmp_path / "merged")
     assert not (tmp_path / "merged").exists()
+
+
+def test_a_finished_run_whose_final_is_gone_is_told_what_writes_it_again(lora_run, tmp_path):
+    """A run that finished (summary.json) and whose final/ was removed had been told it had not finished and to
+    resume with --resume auto, which refused: nothing is left to train (audit 39). It is told what works, and that
+    works: summary.json moved aside, the resume trains nothing and writes final/ again, the adapter the run finished
+    with; and RUN/final names the run to export, as generate and eval take it."""
+    import shutil
+
+    run = tmp_path / "run"
+    shutil.copytree(lora_run, run, ignore=shutil.ignore_patterns("final-merged"))
+    shutil.rmtree(run / "final")
+    with pytest.raises(LLMTrainError, match=r"finished \(its summary.json says so\), but its final/ is gone"):
+        export_merged(run, tmp_path / "merged")
+    proc = cli("generate", str(run), "reverse abc =", check=False)
+    assert proc.returncode == 2 and "but its final/ is gone" in " ".join(proc.stderr.split())
+    (run / "summary.json").rename(tmp_path / "summary.json")
+    run_train(run / "recipe.yaml", f"output_dir={run}", resume="auto")
+    adapter = "final/adapter_model.safetensors"
+    assert max_abs_diff(load_weights(run / adapter), load_weights(lora_run / adapter)) == 0
+    out = export_merged(run / "final", tmp_path / "merged")
+    assert out == tmp_path / "merged" and (out / "model.safetensors").is_file()
 
 
 def test_merge_writes_beside_out_under_a_name_of_its_own(lora_run, tmp_path):

@@ -213,3 +213,26 @@ def test_without_colour_marks_show_the_trained_answer_from_the_token_after_inst(
         assert _highlight(enc["input_ids"], enc["labels"], tok).plain == tok.decode(enc["input_ids"])
     k = next(i for i, lab in enumerate(enc["labels"]) if lab != IGNORE)  # row 59: the answer starts with a digit
     assert tok.convert_ids_to_tokens(enc["input_ids"][k - 1:k + 2]) == ["[/INST]", "▁", "1"]
+
+
+def test_a_template_files_rows_are_tokenised_once_for_inspect_data_doctor_and_finetune(tiny_assets, tmp_path):
+    """data.chat_template naming a file: finetune gives the tokenizer the file's template, and the cache entry's key
+    holds the tokenizer's template; inspect-data (and doctor) prepared the same rows with the model's own template
+    set, under another key: a large dataset was tokenised twice (audit 39). One entry now, which finetune reads."""
+    from helpers import run_train
+
+    from llmtrain.doctor import run_doctor
+
+    cache = tmp_path / "cache"
+    recipe = write_recipe(tiny_assets, tmp_path, train={"max_steps": 1},
+                          data={"path": str(tiny_assets / "data" / "train_messages.jsonl"), "format": "messages",
+                                "chat_template": str(tiny_assets / "data" / "tools.jinja"), "eval_split": None,
+                                "cache_dir": str(cache)})
+    assert invoke("inspect-data", str(recipe), "--n", "1").exit_code == 0
+    entries = sorted(p.name for p in cache.iterdir())
+    assert len(entries) == 1
+    checks = run_doctor(load_recipe(recipe, [f"output_dir={tmp_path / 'run'}"]), gpu_memory=80)
+    assert [c for c in checks if c[1] == "fail"] == [] and sorted(p.name for p in cache.iterdir()) == entries
+    run_train(recipe, f"output_dir={tmp_path / 'run'}")
+    assert sorted(p.name for p in cache.iterdir()) == entries
+    assert "read from the tokenised cache" in (tmp_path / "run" / "train.log").read_text()

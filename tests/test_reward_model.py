@@ -254,6 +254,8 @@ def test_final_loads_with_transformers_and_scores_as_it_trained(straight, tiny_a
         # ... Consider training on your downstream task"): the adapter holds the trained head
         proc = cli("export", str(run), "--merge", "--out", str(run.parent / "cli-merged"))
         assert "MISSING" not in proc.stderr and "Consider training" not in proc.stderr, proc.stderr
+        # the loader it names reads the score head (AutoModelForCausalLM had been implied: a random LM head; audit 39)
+        assert "transformers' AutoModelForSequenceClassification.from_pretrained loads" in " ".join(proc.stderr.split())
         assert json.loads((merged / "config.json").read_text())["architectures"] == ["LlamaForSequenceClassification"]
         again = held_out_scores(merged, tiny_assets)
         assert max((a - b).abs().max().item() for a, b in zip(again, (chosen, rejected))) < 1e-5

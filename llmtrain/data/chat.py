@@ -405,6 +405,20 @@ def template_file(cfg: DataConfig) -> str | None:
     return path.read_text()
 
 
+def data_tokenizer(recipe):
+    """The tokenizer a recipe's data is prepared with: the model's, given data.chat_template's file as its template
+    when it names one (final/'s tokenizer then renders as training did; data.chat_template_kwargs are not baked into
+    it: a server passes its own). finetune, inspect-data, doctor and estimate-memory read the same rows from the same
+    cache entry through it (the entry's key holds the tokenizer's template: inspect-data's had been another's, and a
+    large dataset was tokenised twice; audit 39)."""
+    from llmtrain.model.modeling import load_tokenizer
+
+    tokenizer = load_tokenizer(recipe.model)
+    if (template := template_file(recipe.data)) is not None:
+        tokenizer.chat_template = template
+    return tokenizer
+
+
 def read_template(cfg: DataConfig, tokenizer=None) -> str | None:
     """The Jinja text of data.chat_template when it names a file; None for the tokenizer's own. With
     data.chat_template_kwargs, the template (the file's, or `tokenizer`'s own) with those variables set at its top

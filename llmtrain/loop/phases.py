@@ -26,7 +26,7 @@ import torch
 from llmtrain import capabilities
 from llmtrain.config import Recipe, tiled_mlp_shard, updates_per_window
 from llmtrain.data.batching import DataPlan
-from llmtrain.data.chat import template_file
+from llmtrain.data.chat import data_tokenizer
 from llmtrain.data.checks import check_context, check_data, check_epochs, check_warmup, data_plan, trained_text
 from llmtrain.data.prepare import prepare_recipe
 from llmtrain.errors import Everywhere, LLMTrainError
@@ -45,7 +45,6 @@ from llmtrain.model.modeling import (
     fused_linear_cross_entropy,
     load_model,
     load_model_config,
-    load_tokenizer,
     pad_id,
     reapply_hyperparameters,
     recipe_hyperparameters,
@@ -194,11 +193,7 @@ def prepare_data(recipe: Recipe, accelerator, *, say, config=None) -> Data:
     """Tokenised once on the main process, then read from the cache by the others; checked (`config`: the model's,
     read_only_checks', for its embedding's rows; None: unknown); planned."""
     tc = recipe.train
-    tokenizer = load_tokenizer(recipe.model)
-    # a file: final/'s tokenizer renders as training did (data.chat_template_kwargs are not baked into it: a server
-    # passes its own)
-    if (template := template_file(recipe.data)) is not None:
-        tokenizer.chat_template = template
+    tokenizer = data_tokenizer(recipe)  # with data.chat_template's file: final/'s tokenizer renders as training did
     # the others read the main process's cache; its error (a bad row) is theirs too
     train_ds, eval_ds, stats, cache_hit = main_first(accelerator, lambda: prepare_recipe(recipe, tokenizer))
     (cache_reads,) = global_sum(accelerator, cache_hit)

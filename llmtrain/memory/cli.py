@@ -316,15 +316,11 @@ def _from_recipe(recipe: Path, overrides, run: dict, launch: dict):
 def rl_prompt_lengths(r) -> tuple[list[int] | None, str | None]:
     """An online-RL recipe's prompt lengths in tokens, tokenised as training does (and cached as training caches
     them); or None and why, where its tokenizer or data cannot be read."""
-    from llmtrain.data.chat import template_file
+    from llmtrain.data.chat import data_tokenizer
     from llmtrain.data.prepare import prepare_recipe
-    from llmtrain.model.modeling import load_tokenizer
 
     try:
-        tokenizer = load_tokenizer(r.model)
-        if (template := template_file(r.data)) is not None:
-            tokenizer.chat_template = template
-        train = prepare_recipe(r, tokenizer)[0]
+        train = prepare_recipe(r, data_tokenizer(r))[0]
     except (LLMTrainError, OSError, ValueError) as e:
         return None, str(e).splitlines()[0] if str(e) else type(e).__name__
     return list(train["length"]), None

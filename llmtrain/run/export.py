@@ -87,6 +87,14 @@ def tied_once(state: dict, model) -> dict:
     return {k: v for k, v in state.items() if not (embeds and k.endswith("lm_head.weight"))}
 
 
+def run_folder(path: Path) -> Path:
+    """The run `path` names: itself, or for RUN/final the run (generate and eval take RUN/final so: it had been
+    refused here as "not a run's folder"; audit 39)."""
+    if path.name == "final" and (path.parent / "recipe.yaml").is_file():
+        return path.parent
+    return path
+
+
 def export_merged(run_dir: Path, out: Path | None = None, *, say=lambda text: None) -> Path:
     """Merge a LoRA run's final adapter into its base model and save a full model. The base is read again from
     model.name_or_path in model.dtype, unquantised even after a QLoRA run (merging into a dequantised 4-bit copy
@@ -102,6 +110,7 @@ def export_merged(run_dir: Path, out: Path | None = None, *, say=lambda text: No
     from llmtrain.run.rundir import run_recipe
 
     transformers.utils.logging.disable_progress_bar()  # "Loading weights", "Writing model shards": say() says it
+    run_dir = run_folder(run_dir)
     final = run_dir / "final"
     if (run_dir / MANIFEST).is_file():  # a checkpoint (checkpoints/step_N): a recipe.yaml too, and no final/
         raise LLMTrainError(f"'{run_dir}' is a checkpoint; --merge takes the run's output_dir "
@@ -166,7 +175,7 @@ def export_merged(run_dir: Path, out: Path | None = None, *, say=lambda text: No
 def no_final(run_dir: Path) -> str:
     """What --merge says of a run without final/: a run that finished without writing it (checkpoint.save_final:
     false), whose checkpoints --merge does not read, or one that has not finished."""
-    from llmtrain.run.rundir import finished_without_final, step_dirs
+    from llmtrain.run.rundir import final_removed, finished_without_final, step_dirs
 
     steps = step_dirs(run_dir / "checkpoints")
     replies = f" (`llmtrain generate {steps[-1]}` replies from its last checkpoint)" if steps else ""
@@ -174,5 +183,7 @@ def no_final(run_dir: Path) -> str:
         return (f"'{run_dir}' finished with checkpoint.save_final: false, so it has no final/ to merge: --merge reads "
                 f"the adapter a LoRA run's final/ holds, not a checkpoint. Train it with checkpoint.save_final: true"
                 f"{replies}.")
+    if gone := final_removed(run_dir):
+        return f"{gone}; --merge reads the adapter in final/{replies}."
     return (f"'{run_dir}' has no final/ to merge: the run has not finished. Finish it with `llmtrain finetune "
             f"{run_dir}/recipe.yaml --resume auto`, which writes final/{replies}.")

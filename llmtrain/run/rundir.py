@@ -300,6 +300,22 @@ def finished_without_final(path: Path) -> bool:
         return False
 
 
+def final_removed(path: Path) -> str | None:
+    """Where the run in `path` finished with checkpoint.save_final (its summary.json written) and final/ is gone since
+    (removed or moved): how to write it again, else None. A resume of a finished run is refused (nothing is left to
+    train); without summary.json it trains 0 steps and writes final/ from the last checkpoint (audit 39: `--resume
+    auto` had been advised, which refused)."""
+    try:
+        finished = (path / "summary.json").is_file() and run_recipe(path).checkpoint.save_final is not False
+    except LLMTrainError:
+        return None
+    if not finished or (path / "final").exists():
+        return None
+    return (f"'{path}' finished (its summary.json says so), but its final/ is gone (removed or moved since). Put it "
+            f"back; or move {path / 'summary.json'} aside and run `llmtrain finetune {path}/recipe.yaml --resume "
+            "auto`, which trains nothing and writes final/ again from the last checkpoint")
+
+
 def unfinished(path: Path, doing: str) -> str:
     """What `generate` and `eval` say of a run without final/: still training (its folder's lock held: wait for it;
     resuming it would be refused as in use) or stopped (finish it)."""
@@ -311,6 +327,8 @@ def unfinished(path: Path, doing: str) -> str:
     if finished_without_final(path):  # (it had been told to finish with --resume auto, which says the run is complete)
         return (f"'{path}' finished with checkpoint.save_final: false, so it has no final/: {doing.lower()} one of its "
                 f"checkpoints ({newest}).")
+    if gone := final_removed(path):
+        return f"{gone}; or {doing.lower()} one of its checkpoints ({newest})."
     return (f"'{path}' has no final/: the run has not finished (or ran with checkpoint.save_final: false). {doing} "
             f"one of its checkpoints ({newest}), or finish it with `llmtrain finetune {path}/recipe.yaml --resume "
             "auto`.")
