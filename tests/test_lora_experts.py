@@ -202,3 +202,33 @@ def test_the_family_table_says_whether_all_linear_reaches_each_mixtures_experts(
     assert sorted(seen) == ["gemma4_text", "gpt_oss", "mixtral", "qwen3_moe"]
     named = LoraConfig(r=4, dropout=0.0, target_parameters=["mlp.experts.down_proj"])
     assert all(capabilities.lora_adapts_parameters(key, named) for key in seen)
+
+
+def test_reading_an_experts_adapter_back_warns_of_nothing(tmp_path):
+    """peft adds rank and alpha patterns for Qwen3-MoE's fused gate_up_proj and, reading the adapter back (export,
+    generate, a reward model), warned they matched no module and were ignored, though it applies them (audit 39: the
+    merged export equals the run to 6e-7). Read back as llmtrain reads final/: no warning, the same forward."""
+    import warnings
+
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from llmtrain.config import LoraConfig
+    from llmtrain.model.modeling import apply_lora, read_adapter
+
+    config = AutoConfig.for_model("qwen3_moe", **TINY, **MOE["qwen3_moe"])
+    torch.manual_seed(0)
+    base = AutoModelForCausalLM.from_config(config)
+    base.save_pretrained(tmp_path / "base")
+    model = apply_lora(AutoModelForCausalLM.from_pretrained(tmp_path / "base"), LoraConfig(r=4, alpha=8, dropout=0.0))
+    for name, p in model.named_parameters():  # B away from 0, so that the adapter moves the forward
+        if "lora_B" in name:
+            torch.nn.init.normal_(p, std=0.02)
+    model.save_pretrained(tmp_path / "adapter")
+    assert "rank_pattern" in (tmp_path / "adapter" / "adapter_config.json").read_text()
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        again = read_adapter(AutoModelForCausalLM.from_pretrained(tmp_path / "base"), str(tmp_path / "adapter"))
+    assert [str(w.message) for w in seen if issubclass(w.category, RuntimeWarning)] == []
+    model.eval(), again.eval()
+    with torch.no_grad():
+        torch.testing.assert_close(again(_ids()).logits, model(_ids()).logits, atol=1e-5, rtol=1e-5)

@@ -562,11 +562,7 @@ def apply_lora(model, cfg: LoraConfig, *, task: str = "CAUSAL_LM"):
     )
     try:
         with warnings.catch_warnings():
-            # a mixture of experts: peft maps all-linear onto the experts' 3-D parameters itself and adds rank and
-            # alpha patterns for their fused gate_up_proj, which it then reports as matching no module (it adapts
-            # them as parameters); llmtrain sets no pattern
-            warnings.filterwarnings("ignore", r"The following (rank|alpha)_pattern keys did not match any targeted "
-                                    r"module and were ignored: \['[^,]*gate_up_proj'\]", RuntimeWarning)
+            experts_patterns_quiet()
             # said below in llmtrain's words, and refused (the run had gone on without those adapters)
             warnings.filterwarnings("ignore", r"target_parameters=.* were set but no parameter was matched",
                                     RuntimeWarning)
@@ -634,6 +630,15 @@ DAMAGED = ("SafetensorError", "HeaderTooLarge", "JSONDecodeError")  # what a tru
 ADAPTER_WEIGHTS = ("adapter_model.safetensors", "adapter_model.bin")
 
 
+def experts_patterns_quiet() -> None:
+    """Inside warnings.catch_warnings(): a mixture of experts' adapter, made or read. peft maps all-linear onto the
+    experts' 3-D parameters itself and adds rank and alpha patterns for their fused gate_up_proj, which it then
+    reports as matching no module and ignored, though it adapts them as parameters with those patterns (llmtrain sets
+    none; reading final/ back, export and generate had printed the warning: audit 39)."""
+    warnings.filterwarnings("ignore", r"The following (rank|alpha)_pattern keys did not match any targeted "
+                            r"module and were ignored: \['[^,]*gate_up_proj'\]", RuntimeWarning)
+
+
 def read_adapter(model, folder: str):
     """PeftModel.from_pretrained(model, folder), an adapter folder without its weights file, or with a damaged one,
     refused in one paragraph (peft had read a missing file's folder as a hub id, and safetensors' header error had
@@ -644,7 +649,8 @@ def read_adapter(model, folder: str):
         raise LLMTrainError(f"'{folder}' holds a LoRA adapter's adapter_config.json and no weights "
                             f"({' or '.join(ADAPTER_WEIGHTS)}): a half-copied folder. Copy it again from where the "
                             "run wrote it (a run's final/: or finish the run with --resume auto, which writes it).")
-    with readable(folder, "LoRA adapter"):
+    with readable(folder, "LoRA adapter"), warnings.catch_warnings():
+        experts_patterns_quiet()
         return PeftModel.from_pretrained(model, folder)
 
 
