@@ -85,10 +85,15 @@ def inspect_data(recipe: Recipe, *, n: int, as_json: bool) -> None:
     train, evald, stats, _ = prepare_recipe(recipe, tokenizer)
     rows = train.select(range(min(n, len(train))))
     if recipe.data.sources is not None:  # a mixture: its first examples in the order training reads them
-        from llmtrain.data.mixture import Mixture, describe, short_name, source_sizes
+        from llmtrain.data.checks import data_plan
+        from llmtrain.data.mixture import describe, short_name, source_sizes
 
         sizes = source_sizes(train["source"])
-        rows = train.select(Mixture.of(recipe.data.sources, sizes).order(seed=recipe.train.seed, epoch=0)[:n])
+        # the run's data plan (one process): under a token budget its bins, packed over the epoch's examples, are
+        # not the mixture's order (none of the first 30 shown had been among the 25 three steps trained; audit 41)
+        plan = data_plan(recipe, train["length"], world=1, sources=train["source"])
+        order = [i for batch in plan.global_batches_in(n, 1) for rank in batch for i in rank]
+        rows = train.select(order[:n])
         for line in ([] if as_json else describe(recipe.data, stats, sizes)):
             Console(stderr=True).print(f"data source: {line}", highlight=False, soft_wrap=True)  # paths unbroken
         # the totals first, then each source by its file's name

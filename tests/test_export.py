@@ -291,3 +291,23 @@ def test_the_templates_end_of_turn_token_is_among_the_exported_models_end_tokens
     run_train(write_recipe(tiny_assets, tmp_path / "lora", data=data, train={"max_steps": 1}, lora={"r": 4}))
     assert not (tmp_path / "lora" / "run" / "final" / "generation_config.json").exists()  # an adapter: its base's
     assert ends(export_merged(tmp_path / "lora" / "run")) == [2, marker]
+
+
+def test_a_sharded_checkpoint_is_not_sent_to_commands_that_refuse_it(tmp_path, monkeypatch):
+    """An FSDP checkpoint (its weights in DCP shards): export --merge had advised `llmtrain generate CHECKPOINT`, which
+    refuses it, and generate and eval, on a finished run, to resume from it, which trains to the same final/
+    (audit 41). A finished run's is sent to its final/, and export names no command that refuses it."""
+    from llmtrain.run import replies
+    from llmtrain.run.checkpoint import MANIFEST
+
+    run = tmp_path / "run"
+    step = run / "checkpoints" / "step_000010"
+    (step / "pytorch_model_fsdp_0").mkdir(parents=True)
+    (step / MANIFEST).write_text("{}")
+    (run / "final").mkdir()
+    with pytest.raises(LLMTrainError) as refused:
+        export_merged(step, tmp_path / "merged")
+    assert "is a checkpoint" in str(refused.value) and "llmtrain generate" not in str(refused.value)
+    monkeypatch.setattr("llmtrain.run.checkpoint.checkpoint_problem", lambda path: None)  # its files as listed
+    said = replies.unreadable_checkpoint(step)
+    assert f"the run's final/ ({run / 'final'}) holds its whole model" in said and "resume" not in said

@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 from helpers import REPO, invoke, launch_finetune, records, run_train, write_recipe
 
+from llmtrain.config import load_recipe
 from llmtrain.data.mixture import Mixture, shares
 
 pytestmark = pytest.mark.long(90)  # tests/conftest.py
@@ -204,6 +205,25 @@ def test_inspect_data_shows_each_source_and_the_order_training_reads(tiny_assets
     assert "messages.jsonl (messages): 300 rows" in text and "30.0% of each step" in text
 
 
+def test_under_a_token_budget_inspect_data_shows_the_examples_the_steps_read(tiny_assets, tmp_path):
+    """train.micro_batch_tokens packs the epoch's examples into bins, whose order is not the mixture's: inspect-data
+    had shown the mixture's (none of its first 30 among the 25 three steps trained; audit 41). It shows the run's
+    data plan's: the examples of the first micro-batches, in order."""
+    from llmtrain.data.checks import data_plan
+    from llmtrain.data.chat import data_tokenizer
+    from llmtrain.data.prepare import prepare_recipe
+
+    (tmp_path / "budget").mkdir()
+    recipe = mixture_recipe(tiny_assets, tmp_path / "budget", train={"micro_batch_size": 1, "micro_batch_tokens": 96})
+    proc = invoke("inspect-data", str(recipe), "--n", "8", "--json")
+    rows = [json.loads(line) for line in proc.stdout.splitlines()]
+    loaded = load_recipe(recipe)
+    train = prepare_recipe(loaded, data_tokenizer(loaded))[0]
+    plan = data_plan(loaded, train["length"], world=1, sources=train["source"])
+    first = [i for batch in plan.global_batches_in(8, 1) for rank in batch for i in rank][:8]
+    assert len(rows) == 8 and [r["input_ids"] for r in rows] == [train[i]["input_ids"] for i in first]
+
+
 def test_the_memorisation_warning_counts_each_sources_reads_of_its_rows(tmp_path):
     """The warning had counted every row of a mixture once an epoch: counts 14 + 6 over 270 + 90 rows in 300 steps
     of 8 said "100 passes over the 360 train examples" where the rows are read 6 to 8 times; a one-row source
@@ -251,3 +271,45 @@ def test_a_sources_data_problem_names_the_source(tiny_assets, tmp_path):
         with pytest.raises(LLMTrainError) as err:
             prepare_datasets(cfg, tok, seed=0)
         assert says in str(err.value), str(err.value)
+
+
+def test_a_chat_source_after_a_plain_one_makes_the_mixture_a_chat_run(tiny_assets, tmp_path):
+    """A mixture's data.format is its first source's: with the prompt/completion file first and the chat file second,
+    doctor called the chat template "not used" (unchecked, though 30% of every step renders through it) and generate
+    rendered prompts as plain text; the sources in the other order, chats (audit 41). Any source's chats count."""
+    from llmtrain.data.checks import check_chat_template, needs_chat
+    from llmtrain.model.modeling import load_tokenizer
+    from llmtrain.run.replies import trained_on_chats
+
+    recipe = load_recipe(mixture_recipe(tiny_assets, tmp_path))
+    assert [s.format for s in recipe.data.sources] == ["prompt_completion", "messages"]
+    assert needs_chat(recipe) and trained_on_chats(recipe.data)
+    (row,) = check_chat_template(recipe, load_tokenizer(recipe.model))
+    assert row[1] == "pass" and row[2].startswith("renders"), row
+    plain = load_recipe(write_recipe(tiny_assets, tmp_path))  # the plain file alone: no template
+    assert not needs_chat(plain) and not trained_on_chats(plain.data)
+
+
+def test_a_mixtures_dropped_rows_are_named_with_their_file(tiny_assets, tmp_path):
+    """Rows dropped in two sources (no trained token within data.max_seq_len) had been reported as the first
+    source's row numbers alone, without a file: '3 of 40 examples dropped ... (rows 3, 4)' (audit 41). Each row is
+    named with its file, every source with drops among them."""
+    import yaml
+
+    from llmtrain.data.chat import data_tokenizer
+    from llmtrain.data.prepare import prepare_recipe
+
+    long = " ".join(["word"] * 60)
+    a, b = tmp_path / "a.jsonl", tmp_path / "b.jsonl"
+    a.write_text("".join(json.dumps({"prompt": long if i in (2, 3) else f"reverse ab{i}", "completion": "x"}) + "\n"
+                         for i in range(20)))
+    b.write_text("".join(json.dumps({"messages": [{"role": "user", "content": long if i == 1 else f"hi {i}"},
+                                                  {"role": "assistant", "content": "ok"}]}) + "\n" for i in range(20)))
+    values = yaml.safe_load(write_recipe(tiny_assets, tmp_path).read_text())
+    values["data"] = {"sources": [{"path": str(a), "format": "prompt_completion", "weight": 0.5},
+                                  {"path": str(b), "format": "messages", "weight": 0.5}],
+                      "max_seq_len": 32, "cache_dir": str(tmp_path / "cache"), "eval_split": None}
+    (tmp_path / "mix.yaml").write_text(yaml.safe_dump(values))
+    recipe = load_recipe(tmp_path / "mix.yaml")
+    said = prepare_recipe(recipe, data_tokenizer(recipe))[2]["train"].dropped_text()
+    assert said.startswith("3 of 40 examples dropped") and said.endswith("(rows a.jsonl:3, b.jsonl:2, a.jsonl:4)")

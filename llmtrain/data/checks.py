@@ -50,11 +50,14 @@ def check_new_tokens(recipe: Recipe, tokenizer) -> list[Check]:
 
 
 def needs_chat(recipe: Recipe) -> bool:
+    """Whether any of the recipe's datasets is rendered through the chat template (a mixture's every source: its
+    data.format is its first source's, and a chat source after a plain one had gone unchecked; audit 41)."""
+    from llmtrain.config import source_configs
     from llmtrain.data.formats import conversational_rows
 
-    d = recipe.data
-    return d.format == "messages" or (d.format in ("prompt_completion", "unpaired", "prompt", "preference")
-                                      and d.chat_template is not False) or conversational_rows(d)
+    return any(d.format == "messages" or (d.format in ("prompt_completion", "unpaired", "prompt", "preference")
+                                          and d.chat_template is not False) or conversational_rows(d)
+               for d in source_configs(recipe.data))
 
 
 def check_chat_template(recipe: Recipe, tokenizer) -> list[Check]:

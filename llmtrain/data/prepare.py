@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import itertools
 import json
 import math
 import os
@@ -112,7 +113,8 @@ class DataStats:
     length_max: int
     drops: dict[str, int] = field(default_factory=dict)  # why rows were dropped (in words): how many
     one_token: int = 0  # rows that train one token alone (an empty reply: its stop token), over every row
-    dropped_rows: list[int] = field(default_factory=list)  # the first few dropped rows' numbers (1-based)
+    # the first few dropped rows' numbers (1-based); a mixture's named with their file ('qa.jsonl:202')
+    dropped_rows: list[int | str] = field(default_factory=list)
 
     @property
     def trained_fraction(self) -> float:
@@ -305,9 +307,12 @@ def prepare_datasets(cfg: DataConfig, tokenizer, *, seed: int, tools: list[dict]
     else:
         train = _concatenate(trains, parts, "train")
         evald = _concatenate(evals, [p for p in parts if p.eval_split is not None], "eval") if evals else None
-        stats["train"] = merge_stats([stats[f"{SOURCE}{i}"] for i in range(len(parts))], train["length"])
+        names = [Path(p.path).name for p in parts]
+        stats["train"] = merge_stats([stats[f"{SOURCE}{i}"] for i in range(len(parts))], train["length"], names)
         if evals:
-            stats["eval"] = merge_stats([stats[k] for k in stats if k.endswith("_eval")], evald["length"])
+            held = [i for i in range(len(parts)) if f"{SOURCE}{i}_eval" in stats]
+            stats["eval"] = merge_stats([stats[f"{SOURCE}{i}_eval"] for i in held], evald["length"],
+                                        [names[i] for i in held])
 
     # Write under a temporary name and rename, so a crash never leaves a half-written cache behind.
     tmp = cache.with_name(f".{key}.tmp{os.getpid()}")
@@ -414,12 +419,16 @@ def _concatenate(parts: list, configs: list[DataConfig], what: str):
                             "Give every source's columns the same types.") from None
 
 
-def merge_stats(parts: list[DataStats], lengths) -> DataStats:
-    """The sources' stats as one dataset's: counts added, percentiles over every kept example's length."""
+def merge_stats(parts: list[DataStats], lengths, names: list[str]) -> DataStats:
+    """The sources' stats as one dataset's: counts added, percentiles over every kept example's length; the dropped
+    rows named with their file (`names`: each source's), each source with drops among them (the first source's
+    numbers alone had been shown, as if of one file; audit 41)."""
     drops: Counter = Counter()
     for part in parts:
         drops.update(part.drops)
+    named = [[f"{name}:{row}" for row in part.dropped_rows] for part, name in zip(parts, names)]
+    shown = [row for rank in itertools.zip_longest(*named) for row in rank if row is not None][:SHOWN_ROWS]
     merged = compute_stats(list(lengths), [], [], dropped=sum(p.dropped for p in parts), drops=dict(drops),
-                           dropped_rows=next((p.dropped_rows for p in parts if p.dropped_rows), []))
+                           dropped_rows=shown)
     return replace(merged, truncated=sum(p.truncated for p in parts),
                    trained_tokens=sum(p.trained_tokens for p in parts))

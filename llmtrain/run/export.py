@@ -113,9 +113,12 @@ def export_merged(run_dir: Path, out: Path | None = None, *, say=lambda text: No
     run_dir = run_folder(run_dir)
     final = run_dir / "final"
     if (run_dir / MANIFEST).is_file():  # a checkpoint (checkpoints/step_N): a recipe.yaml too, and no final/
+        # its replies where one process reads it (a sharded one's generate refuses: it had been advised; audit 41)
+        replies = (f" A checkpoint's replies: `llmtrain generate {run_dir}`." if (run_dir / "model.safetensors")
+                   .is_file() else "")
         raise LLMTrainError(f"'{run_dir}' is a checkpoint; --merge takes the run's output_dir "
-                            f"('{run_dir.parent.parent}'), whose final/ holds the adapter the run finished with. A "
-                            f"checkpoint's replies: `llmtrain generate {run_dir}`.")
+                            f"('{run_dir.parent.parent}'), whose final/ holds the adapter the run finished with."
+                            f"{replies}")
     if not (run_dir / "recipe.yaml").is_file():
         there = "does not exist" if not run_dir.exists() else "is not a run's folder (it has no recipe.yaml)"
         raise LLMTrainError(f"'{run_dir}' {there}: --merge takes a LoRA run's output_dir (runs/NAME), whose final/ "

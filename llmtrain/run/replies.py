@@ -153,6 +153,11 @@ def unreadable_checkpoint(path: Path) -> str | None:
         return (f"checkpoint '{path}' is damaged ({problem}): use another step_* folder under {path.parent}, or the "
                 "run's final/")
     if not (path / "model.safetensors").is_file():
+        run = path.parent.parent
+        if (run / "final").is_dir():  # a finished run: resuming would train to the same end (audit 41)
+            return (f"checkpoint '{path}' holds its weights in pieces (FSDP's or a pipeline's shards), not one "
+                    f"model.safetensors, which one process does not read; the run's final/ ({run / 'final'}) holds "
+                    "its whole model")
         return (f"checkpoint '{path}' holds its weights in pieces (FSDP's or a pipeline's shards), not one "
                 "model.safetensors; use the run's final/, which holds the whole model: resume the run to its end as "
                 f"it was launched ({_resume_launch(path)})")
@@ -200,11 +205,13 @@ def _tied(model) -> set[str]:
 def trained_on_chats(data) -> bool:
     """Whether a run of the data section `data` trained on chats rendered through a chat template (messages rows,
     data.chat_template set, conversational rows), which its prompts are then rendered through (generate; eval's
-    --apply-chat-template). Alpaca rows are text in ALPACA_PROMPT."""
+    --apply-chat-template). Alpaca rows are text in ALPACA_PROMPT. A mixture: any source's (its data.format is its
+    first source's: the same data had rendered prompts as text or as chats by the sources' order; audit 41)."""
+    from llmtrain.config import source_configs
     from llmtrain.data.formats import conversational_rows
 
-    return data.format == "messages" or (data.chat_template is not False and data.format != "alpaca") or \
-        conversational_rows(data)
+    return any(d.format == "messages" or (d.chat_template is not False and d.format != "alpaca") or
+               conversational_rows(d) for d in source_configs(data))
 
 
 def _source(model, tokenizer, recipe, describe: str, read_template) -> Source:
