@@ -570,10 +570,9 @@ def run_doctor(recipe: Recipe, *, accelerate_config: Path | None = None,
         if any(status == "fail" for _, status, _ in template):  # every row would fail as the template does
             checks.append(("data", "skipped", "needs a chat template that renders (the chat template row)"))
         else:
-            from llmtrain.data.chat import template_file
+            from llmtrain.data.chat import data_tokenizer
 
-            if (text := template_file(recipe.data)) is not None:  # as finetune's (data_tokenizer): its cache entry
-                tokenizer.chat_template = text
+            data_tokenizer(tokenizer, recipe.data)  # as finetune's: its cache entry
             checks += load_data(recipe, tokenizer, world=data_ranks(launch, recipe),
                                 rows=_embedding_rows(recipe, tokenizer))
         checks += check_rewards_run(recipe, tokenizer) + check_tools(recipe, tokenizer) + check_teacher(recipe,

@@ -9,6 +9,7 @@ from llmtrain.config import Recipe
 from llmtrain.data.chat import data_tokenizer
 from llmtrain.data.formats import IGNORE, prompt_length
 from llmtrain.data.prepare import DataStats, prepare_recipe
+from llmtrain.model.modeling import load_tokenizer
 
 
 def _stats_table(stats: dict[str, DataStats], *, pairs: bool = False, prompts: bool = False, scored: bool = False):
@@ -81,7 +82,7 @@ def inspect_data(recipe: Recipe, *, n: int, as_json: bool) -> None:
     from rich.panel import Panel
 
     datasets.disable_progress_bars()
-    tokenizer = data_tokenizer(recipe)  # finetune's: the same cache entry
+    tokenizer = data_tokenizer(load_tokenizer(recipe.model), recipe.data)  # finetune's: the same cache entry
     train, evald, stats, _ = prepare_recipe(recipe, tokenizer)
     rows = train.select(range(min(n, len(train))))
     if recipe.data.sources is not None:  # a mixture: its first examples in the order training reads them

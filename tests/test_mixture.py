@@ -209,16 +209,17 @@ def test_under_a_token_budget_inspect_data_shows_the_examples_the_steps_read(tin
     """train.micro_batch_tokens packs the epoch's examples into bins, whose order is not the mixture's: inspect-data
     had shown the mixture's (none of its first 30 among the 25 three steps trained; audit 41). It shows the run's
     data plan's: the examples of the first micro-batches, in order."""
-    from llmtrain.data.checks import data_plan
     from llmtrain.data.chat import data_tokenizer
+    from llmtrain.data.checks import data_plan
     from llmtrain.data.prepare import prepare_recipe
+    from llmtrain.model.modeling import load_tokenizer
 
     (tmp_path / "budget").mkdir()
     recipe = mixture_recipe(tiny_assets, tmp_path / "budget", train={"micro_batch_size": 1, "micro_batch_tokens": 96})
     proc = invoke("inspect-data", str(recipe), "--n", "8", "--json")
     rows = [json.loads(line) for line in proc.stdout.splitlines()]
     loaded = load_recipe(recipe)
-    train = prepare_recipe(loaded, data_tokenizer(loaded))[0]
+    train = prepare_recipe(loaded, data_tokenizer(load_tokenizer(loaded.model), loaded.data))[0]
     plan = data_plan(loaded, train["length"], world=1, sources=train["source"])
     first = [i for batch in plan.global_batches_in(8, 1) for rank in batch for i in rank][:8]
     assert len(rows) == 8 and [r["input_ids"] for r in rows] == [train[i]["input_ids"] for i in first]
@@ -298,6 +299,7 @@ def test_a_mixtures_dropped_rows_are_named_with_their_file(tiny_assets, tmp_path
 
     from llmtrain.data.chat import data_tokenizer
     from llmtrain.data.prepare import prepare_recipe
+    from llmtrain.model.modeling import load_tokenizer
 
     long = " ".join(["word"] * 60)
     a, b = tmp_path / "a.jsonl", tmp_path / "b.jsonl"
@@ -311,5 +313,5 @@ def test_a_mixtures_dropped_rows_are_named_with_their_file(tiny_assets, tmp_path
                       "max_seq_len": 32, "cache_dir": str(tmp_path / "cache"), "eval_split": None}
     (tmp_path / "mix.yaml").write_text(yaml.safe_dump(values))
     recipe = load_recipe(tmp_path / "mix.yaml")
-    said = prepare_recipe(recipe, data_tokenizer(recipe))[2]["train"].dropped_text()
+    said = prepare_recipe(recipe, data_tokenizer(load_tokenizer(recipe.model), recipe.data))[2]["train"].dropped_text()
     assert said.startswith("3 of 40 examples dropped") and said.endswith("(rows a.jsonl:3, b.jsonl:2, a.jsonl:4)")

@@ -129,7 +129,7 @@ def test_a_reward_models_scored_tokens_and_ktos_kl_row_are_split_with_the_row():
     kl_index = [p["kl:loss_index"] + r * shards[0][0]["kl:input_ids"].shape[1] for r, (p, _) in enumerate(shards)]
     assert torch.cat(kl_index).tolist() == batch["kl:loss_index"].tolist()  # every KL position once
     assert [c.units for _, c in shards] == [3.0, 0.0]
-    assert sum(c.tokens for _, c in shards) == counts.tokens  # both rows' real tokens, counted once
+    assert sum(c.tokens for _, c in shards) == counts.tokens == 20  # the examples' tokens, once (not the KL row's)
 
 
 def check(recipe, *, world: int, model) -> None:

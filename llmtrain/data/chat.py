@@ -405,16 +405,13 @@ def template_file(cfg: DataConfig) -> str | None:
     return path.read_text()
 
 
-def data_tokenizer(recipe):
-    """The tokenizer a recipe's data is prepared with: the model's, given data.chat_template's file as its template
-    when it names one (final/'s tokenizer then renders as training did; data.chat_template_kwargs are not baked into
-    it: a server passes its own). finetune, inspect-data, doctor and estimate-memory read the same rows from the same
-    cache entry through it (the entry's key holds the tokenizer's template: inspect-data's had been another's, and a
-    large dataset was tokenised twice; audit 39)."""
-    from llmtrain.model.modeling import load_tokenizer
-
-    tokenizer = load_tokenizer(recipe.model)
-    if (template := template_file(recipe.data)) is not None:
+def data_tokenizer(tokenizer, cfg: DataConfig):
+    """`tokenizer` (the model's) as a recipe's data is prepared with it: given data.chat_template's file as its
+    template when it names one (final/'s tokenizer then renders as training did; data.chat_template_kwargs are not
+    baked into it: a server passes its own). finetune, inspect-data, doctor and estimate-memory read the same rows
+    from the same cache entry through it (the entry's key holds the tokenizer's template: inspect-data's had been
+    another's, and a large dataset was tokenised twice; audit 39)."""
+    if (template := template_file(cfg)) is not None:
         tokenizer.chat_template = template
     return tokenizer
 

@@ -45,6 +45,7 @@ from llmtrain.model.modeling import (
     fused_linear_cross_entropy,
     load_model,
     load_model_config,
+    load_tokenizer,
     pad_id,
     reapply_hyperparameters,
     recipe_hyperparameters,
@@ -193,7 +194,8 @@ def prepare_data(recipe: Recipe, accelerator, *, say, config=None) -> Data:
     """Tokenised once on the main process, then read from the cache by the others; checked (`config`: the model's,
     read_only_checks', for its embedding's rows; None: unknown); planned."""
     tc = recipe.train
-    tokenizer = data_tokenizer(recipe)  # with data.chat_template's file: final/'s tokenizer renders as training did
+    # with data.chat_template's file: final/'s tokenizer renders as training did
+    tokenizer = data_tokenizer(load_tokenizer(recipe.model), recipe.data)
     # the others read the main process's cache; its error (a bad row) is theirs too
     train_ds, eval_ds, stats, cache_hit = main_first(accelerator, lambda: prepare_recipe(recipe, tokenizer))
     (cache_reads,) = global_sum(accelerator, cache_hit)

@@ -318,9 +318,10 @@ def rl_prompt_lengths(r) -> tuple[list[int] | None, str | None]:
     them); or None and why, where its tokenizer or data cannot be read."""
     from llmtrain.data.chat import data_tokenizer
     from llmtrain.data.prepare import prepare_recipe
+    from llmtrain.model.modeling import load_tokenizer
 
     try:
-        train = prepare_recipe(r, data_tokenizer(r))[0]
+        train = prepare_recipe(r, data_tokenizer(load_tokenizer(r.model), r.data))[0]
     except (LLMTrainError, OSError, ValueError) as e:
         return None, str(e).splitlines()[0] if str(e) else type(e).__name__
     return list(train["length"]), None

@@ -27,10 +27,10 @@ def shard_batch(batch: dict, counts: Counts, *, size: int, rank: int, pad_id: in
     tokens, or, for an objective of `whole_sequences` (pairs, examples: its loss is a function of each sequence's
     sum over the group), the micro-batch's units on the group's first process and none on the others."""
     out, held = _shard_row(batch, size=size, rank=rank, pad_id=pad_id)
-    if kl := {k[3:]: v for k, v in batch.items() if k.startswith("kl:")}:
-        kl, kl_held = _shard_row(kl, size=size, rank=rank, pad_id=pad_id)
+    if kl := {k[3:]: v for k, v in batch.items() if k.startswith("kl:")}:  # KTO's KL row: split alike, its tokens
+        # not counted (forwarded without a gradient, as one process's KTO counts them: audit 40)
+        kl, _ = _shard_row(kl, size=size, rank=rank, pad_id=pad_id)
         out.update({f"kl:{k}": v for k, v in kl.items()})
-        held += kl_held
     trained = float(len(out["loss_index"] if "loss_index" in out else out["score_index"]))
     units = (counts.units if rank == 0 else 0.0) if whole_sequences else trained
     return out, Counts(units=units, trained=trained, tokens=held * (counts.tokens > 0), squares=counts.squares / size)
