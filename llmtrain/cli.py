@@ -293,20 +293,13 @@ def export(
     out: Annotated[Optional[Path], typer.Option(help="Where to write (default <run_dir>/final-merged).")] = None,
 ) -> None:
     """Write a merged full model from a LoRA run's final adapter."""
-    from llmtrain.run.export import export_merged, run_folder
-    from llmtrain.run.rundir import run_recipe
+    from llmtrain.run.export import export_merged
 
     if merge:
         ask_hub_for(str(run_dir))
     path = export_merged(run_dir, out, say=lambda text: typer.echo(text, err=True)) if merge else None
     if path is None:
         raise LLMTrainError("Nothing to do: `llmtrain export RUN_DIR --merge` merges a LoRA run's adapter.")
-    run_dir = run_folder(run_dir)
-    # a reward model's is a sequence classifier: AutoModelForCausalLM reads it with a random LM head (audit 39)
-    loader = ("AutoModelForSequenceClassification.from_pretrained" if run_recipe(run_dir).reward_model is not None
-              else "AutoModelForCausalLM.from_pretrained")
-    typer.echo(f"merged {run_dir / 'final'} (a LoRA adapter) into its base model: a whole model in {path}, which "
-               f"transformers' {loader} loads without peft", err=True)
     typer.echo(str(path))  # stdout: the path alone, for scripts
 
 

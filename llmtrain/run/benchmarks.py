@@ -51,13 +51,12 @@ def resolve(target: str, *, dtype: str) -> Target:
     """What `target` is: a run folder (its final/), a checkpoint of one, a model folder or a hub id."""
     from llmtrain.hub import missing_local
     from llmtrain.run.replies import trained_on_chats
-    from llmtrain.run.rundir import missing_source, run_recipe
+    from llmtrain.run.rundir import missing_source, run_folder, run_recipe
 
     path = Path(target).expanduser()
     if missing_local(target):  # (it had named the recipe keys model.name_or_path / model.tokenizer: there is none)
         raise LLMTrainError(missing_source(target))
-    if path.name == "final" and (path.parent / "recipe.yaml").is_file() and path.parent.name != "checkpoints":
-        path = path.parent  # a run's final/ is the run, as generate reads it (a LoRA's had been refused; audit 33)
+    path = run_folder(path)  # a run's final/ is the run, as generate reads it (a LoRA's had been refused; audit 33)
     if not (path / "recipe.yaml").is_file():
         if path.exists() and not (path / "config.json").is_file():
             raise LLMTrainError(f"'{target}' is neither a run folder (recipe.yaml), a checkpoint of one nor a model "

@@ -87,14 +87,6 @@ def tied_once(state: dict, model) -> dict:
     return {k: v for k, v in state.items() if not (embeds and k.endswith("lm_head.weight"))}
 
 
-def run_folder(path: Path) -> Path:
-    """The run `path` names: itself, or for RUN/final the run (generate and eval take RUN/final so: it had been
-    refused here as "not a run's folder"; audit 39)."""
-    if path.name == "final" and (path.parent / "recipe.yaml").is_file():
-        return path.parent
-    return path
-
-
 def export_merged(run_dir: Path, out: Path | None = None, *, say=lambda text: None) -> Path:
     """Merge a LoRA run's final adapter into its base model and save a full model. The base is read again from
     model.name_or_path in model.dtype, unquantised even after a QLoRA run (merging into a dequantised 4-bit copy
@@ -107,10 +99,10 @@ def export_merged(run_dir: Path, out: Path | None = None, *, say=lambda text: No
     from llmtrain.objectives.objective import end_of_turn_ids
     from llmtrain.run.checkpoint import MANIFEST
     from llmtrain.run.replies import unsaved_base
-    from llmtrain.run.rundir import run_recipe
+    from llmtrain.run.rundir import run_folder, run_recipe
 
     transformers.utils.logging.disable_progress_bar()  # "Loading weights", "Writing model shards": say() says it
-    run_dir = run_folder(run_dir)
+    run_dir = run_folder(run_dir)  # RUN/final too, as generate and eval take it (it had been refused; audit 39)
     final = run_dir / "final"
     if (run_dir / MANIFEST).is_file():  # a checkpoint (checkpoints/step_N): a recipe.yaml too, and no final/
         # its replies where one process reads it (a sharded one's generate refuses: it had been advised; audit 41)
@@ -172,6 +164,10 @@ def export_merged(run_dir: Path, out: Path | None = None, *, say=lambda text: No
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
+    # a reward model's is a sequence classifier: AutoModelForCausalLM reads it with a random LM head (audit 39)
+    loader = "SequenceClassification" if recipe.reward_model is not None else "CausalLM"
+    say(f"merged {final} (a LoRA adapter) into its base model: a whole model in {out}, which transformers' "
+        f"AutoModelFor{loader}.from_pretrained loads without peft")
     return out
 
 

@@ -64,7 +64,7 @@ def load_source(source: str, *, device=None) -> Source:
     from llmtrain.data.chat import read_template
     from llmtrain.hub import missing_local
     from llmtrain.model.modeling import load_model, load_model_config, load_tokenizer
-    from llmtrain.run.rundir import missing_source, run_recipe, unfinished
+    from llmtrain.run.rundir import missing_source, run_folder, run_recipe, unfinished
 
     transformers.utils.logging.disable_progress_bar()  # "Loading weights": the command says what it reads
     device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
@@ -78,8 +78,7 @@ def load_source(source: str, *, device=None) -> Source:
         raise LLMTrainError(missing_source(source))
     # a run's final/ is the run (its adapter on its base, its prompts rendered as its data were)
     run = path.parent if (path.parent / "recipe.yaml").is_file() and path.parent.name != "checkpoints" else None
-    if run is not None and path.name == "final":
-        path = run
+    path = run_folder(path)
     if not (path / "recipe.yaml").is_file():  # a model folder or a hub id
         cfg = ModelConfig(name_or_path=source, dtype="bfloat16" if device.type == "cuda" else "float32")
         if problem := scorer_problem(load_model_config(cfg), source, "the model to generate with"):

@@ -292,12 +292,26 @@ def missing_source(source: str) -> str:
             f"id{there}")
 
 
+def _finished_saving_final(path: Path) -> bool | None:
+    """checkpoint.save_final of the run in `path` where it finished (its summary.json written); None where it has not,
+    or its recipe cannot be read."""
+    try:
+        return run_recipe(path).checkpoint.save_final is not False if (path / "summary.json").is_file() else None
+    except LLMTrainError:
+        return None
+
+
 def finished_without_final(path: Path) -> bool:
     """Whether the run in `path` finished with checkpoint.save_final: false (its summary.json written, no final/)."""
-    try:
-        return (path / "summary.json").is_file() and run_recipe(path).checkpoint.save_final is False
-    except LLMTrainError:
-        return False
+    return _finished_saving_final(path) is False
+
+
+def run_folder(path: Path) -> Path:
+    """The run `path` names: itself, or for a run's final/ the run (generate, eval and export read RUN/final as the
+    run: its adapter on its base, its prompts rendered as its data were)."""
+    if path.name == "final" and (path.parent / "recipe.yaml").is_file() and path.parent.name != "checkpoints":
+        return path.parent
+    return path
 
 
 def final_removed(path: Path) -> str | None:
@@ -305,11 +319,7 @@ def final_removed(path: Path) -> str | None:
     (removed or moved): how to write it again, else None. A resume of a finished run is refused (nothing is left to
     train); without summary.json it trains 0 steps and writes final/ from the last checkpoint (audit 39: `--resume
     auto` had been advised, which refused)."""
-    try:
-        finished = (path / "summary.json").is_file() and run_recipe(path).checkpoint.save_final is not False
-    except LLMTrainError:
-        return None
-    if not finished or (path / "final").exists():
+    if not _finished_saving_final(path) or (path / "final").exists():
         return None
     return (f"'{path}' finished (its summary.json says so), but its final/ is gone (removed or moved since). Put it "
             f"back; or move {path / 'summary.json'} aside and run `llmtrain finetune {path}/recipe.yaml --resume "
