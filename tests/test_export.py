@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 from helpers import cli, load_weights, max_abs_diff, records, run_train, write_recipe
@@ -293,21 +295,28 @@ def test_the_templates_end_of_turn_token_is_among_the_exported_models_end_tokens
     assert ends(export_merged(tmp_path / "lora" / "run")) == [2, marker]
 
 
-def test_a_sharded_checkpoint_is_not_sent_to_commands_that_refuse_it(tmp_path, monkeypatch):
-    """An FSDP checkpoint (its weights in DCP shards): export --merge had advised `llmtrain generate CHECKPOINT`, which
-    refuses it, and generate and eval, on a finished run, to resume from it, which trains to the same final/
-    (audit 41). A finished run's is sent to its final/, and export names no command that refuses it."""
-    from llmtrain.run import replies
-    from llmtrain.run.checkpoint import MANIFEST
 
-    run = tmp_path / "run"
-    step = run / "checkpoints" / "step_000010"
-    (step / "pytorch_model_fsdp_0").mkdir(parents=True)
-    (step / MANIFEST).write_text("{}")
-    (run / "final").mkdir()
-    with pytest.raises(LLMTrainError) as refused:
-        export_merged(step, tmp_path / "merged")
-    assert "is a checkpoint" in str(refused.value) and "llmtrain generate" not in str(refused.value)
-    monkeypatch.setattr("llmtrain.run.checkpoint.checkpoint_problem", lambda path: None)  # its files as listed
-    said = replies.unreadable_checkpoint(step)
-    assert f"the run's final/ ({run / 'final'}) holds its whole model" in said and "resume" not in said
+def test_a_place_the_system_refuses_and_a_failed_write_are_a_paragraph_and_leave_nothing(lora_run, tmp_path,
+                                                                                         monkeypatch):
+    """--out in a folder the system will not create in (/proc: writable by its permissions, so the check before had
+    passed it) had ended in a traceback after the merge; it is said before the merge. A write that fails midway (a
+    full disk) is said with the folder, and leaves neither --out nor its temporary folder."""
+    import errno
+
+    from transformers import PreTrainedModel
+
+    if Path("/proc").is_dir():
+        proc = cli("export", str(lora_run), "--merge", "--out", "/proc/llmtrain-merged", check=False)
+        said = " ".join(proc.stderr.split())
+        assert proc.returncode == 2 and "--out '/proc/llmtrain-merged' cannot be created" in said, said
+        assert "Traceback" not in proc.stderr and "merged" not in proc.stdout
+
+    def full_disk(self, folder, **kwargs):
+        (Path(folder) / "model.safetensors").write_bytes(b"half")
+        raise OSError(errno.ENOSPC, "No space left on device", str(folder))
+
+    monkeypatch.setattr(PreTrainedModel, "save_pretrained", full_disk)
+    out = tmp_path / "merged"
+    with pytest.raises(LLMTrainError, match=rf"writing the merged model to '{out}' failed \(No space left on device"):
+        export_merged(lora_run, out)
+    assert list(tmp_path.iterdir()) == []

@@ -206,6 +206,12 @@ def test_lora_under_fsdp(tiny_assets, tmp_path, free_port):
     meta = _dcp_metadata(fsdp / "checkpoints" / "step_000004" / "pytorch_model_fsdp_0")
     assert any("lora_A" in k for k in meta.state_dict_metadata)
     assert any(k.endswith("q_proj.base_layer.weight") for k in meta.state_dict_metadata)
+    # ... and one process reads its adapter from the shards (generate and eval had refused it: audit 41)
+    from llmtrain.run.replies import load_source
+
+    with torch.no_grad():
+        read = load_source(str(fsdp / "checkpoints" / "step_000004"), device="cpu").model(ids).logits
+    assert (read - after).abs().max() < 1e-6
 
     _preempt(fsdp, 4)
     _launch(recipe, free_port, f"output_dir={fsdp}", resume="auto")
@@ -298,24 +304,33 @@ def _probe_launch(port: int, out: Path, recipe: Path, *overrides: str) -> subpro
     return _accelerate_launch(port, str(probe), str(out), "finetune", str(recipe), *overrides)
 
 
-@pytest.mark.extended  # ~70 s; main tier: tests/test_rundir.py's refusal of another run's checkpoint
-def test_generate_from_a_sharded_checkpoint_names_the_launch_that_resumes_it(straight, tmp_path):
-    """`llmtrain generate` of an FSDP checkpoint cannot read its shards: it names the launch the run was written under
-    (FSDP on 2 processes; the CPU config here), which resumes the preempted run to its end; then the run's final/
-    generates. (A new user had followed its old advice, `llmtrain finetune ... --resume`, through three refusals:
-    FSDP, a GPU config, the micro-batch.)"""
+@pytest.mark.extended  # ~70 s; main tier: test_lora_under_fsdp reads a sharded checkpoint in one process
+def test_a_sharded_checkpoint_generates_in_one_process_and_names_the_launch_that_resumes_it(straight, tmp_path):
+    """`llmtrain generate` of an FSDP checkpoint assembles its shards in one process (it had been refused, and a run's
+    mid-run checkpoints were unreadable on one process: audit 41): the last one's model is final/'s to the bit, an
+    earlier one's another. `finetune --resume` of it names the launch it was written under (FSDP on 2 processes; the
+    CPU config here: it had named fsdp.yaml first), which resumes the preempted copy to its end."""
     import re
 
+    from llmtrain.run.replies import load_source
+
     _, straight_run, _ = straight
+    weights = {s: load_source(str(straight_run / "checkpoints" / s), device="cpu").model.state_dict()
+               for s in ("step_000002", "step_000004")}
+    final = load_weights(straight_run / "final")
+    assert max_abs_diff({k: weights["step_000004"][k] for k in final}, final) == 0.0
+    assert max_abs_diff({k: weights["step_000002"][k] for k in final}, final) > 1e-4  # it read step 2's shards
     run = tmp_path / "run"
     shutil.copytree(straight_run, run)
     _preempt(run, 4)
     ckpt = run / "checkpoints" / "step_000002"
-    refused = cli("generate", str(ckpt), "reverse abc =", check=False)
+    replied = cli("generate", str(ckpt), "reverse abc =")
+    assert f"{ckpt} (a checkpoint of" in " ".join(replied.stderr.split()) and "reverse abc =" in replied.stdout
+    refused = cli("finetune", str(ckpt / "recipe.yaml"), f"output_dir={run}", "--resume", str(ckpt), check=False)
     said = " ".join(refused.stderr.split())
     command = f"llmtrain launch --config_file accelerate_configs/cpu_fsdp.yaml --num_processes 2 {ckpt}/recipe.yaml " \
               f"--resume {ckpt}"
-    assert refused.returncode == 2 and command in said, said
+    assert refused.returncode == 2 and "written under FSDP" in said and command in said, said
     launch = re.search(r"`llmtrain (launch [^`]*)`", said).group(1).split()
     # this copy's checkpoint holds the recipe of the run it was copied from, whose output_dir is that run: resumed so,
     # it is refused before any process starts (it had resumed into the original, over its step 4 and final/) ...

@@ -249,9 +249,9 @@ def test_llmtrain_launch_refuses_a_resume_its_processes_would_refuse_before_any_
     fsdp = str(REPO / "accelerate_configs" / "cpu_fsdp.yaml")
     # (the way back named the launch for CPUs too: it had named accelerate launch with a GPU config, audit 12)
     for args, said in [((fsdp, kept, "train.max_steps=4", "--resume", "auto", "--allow-recipe-change"),
-                        "was written without FSDP and this launch uses it. Resume it with `llmtrain finetune "
-                        "RECIPE.yaml --resume ...` or a DDP launch (accelerate_configs/ddp.yaml, cpu_ddp.yaml on a "
-                        "CPU)"),
+                        "was written without FSDP and this launch uses it. Resume it as it was launched: "
+                        f"`llmtrain finetune {tmp_path / 'kept' / 'checkpoints' / 'step_000002'}/recipe.yaml --resume "
+                        f"{tmp_path / 'kept' / 'checkpoints' / 'step_000002'}`"),
                        ((fsdp, kept, "--resume", str(tmp_path / "kept" / "checkpoints" / "step_000002")),
                         "was written without FSDP and this launch uses it"),
                        ((str(REPO / "accelerate_configs" / "cpu_ddp.yaml"), bare, "train.max_steps=4", "--resume",

@@ -492,11 +492,14 @@ def test_final_loads_in_transformers_and_peft_and_gives_the_one_process_logits(s
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
+    from llmtrain.run.replies import load_source
+
     ids = torch.tensor([[1, 20, 21, 22, 23, 24, 5, 6]])
     for kind in ("full", "lora"):
         recipe, reference = single[kind]
         out = tmp_path / kind
-        launch_finetune(CPU_DDP, 2, free_port, recipe, "parallel.pipeline_parallel=2", f"output_dir={out}")
+        launch_finetune(CPU_DDP, 2, free_port, recipe, "parallel.pipeline_parallel=2", "checkpoint.every_steps=3",
+                        f"output_dir={out}")
 
         def load(run: Path):
             if kind == "full":
@@ -506,6 +509,9 @@ def test_final_loads_in_transformers_and_peft_and_gives_the_one_process_logits(s
         with torch.no_grad():
             got, want = load(out)(ids).logits, load(reference)(ids).logits
         assert (got - want).abs().max() < 1e-5
+        with torch.no_grad():  # one process reads the last checkpoint's stage files as final/ (they had been refused)
+            read = load_source(str(out / "checkpoints" / "step_000003"), device="cpu").model(ids).logits
+        assert (read - got).abs().max() < 1e-6
         base = AutoModelForCausalLM.from_pretrained(four_layers / "model")
         with torch.no_grad():  # and the training moved them: the equality is not of two untrained models
             assert (base(ids).logits - want).abs().max() > 1e-3

@@ -251,6 +251,35 @@ def _read_sharded(folder: Path, path: Path, *, lora: bool) -> tuple[set[str], di
     return saved, lora_b
 
 
+def whole_weights(path: Path, names: set[str]) -> dict:
+    """A checkpoint's weights named `names` (the model's state dict names: the adapter's alone for LoRA), read as one
+    model in this one process whatever layout wrote them: model.safetensors (one process, DDP), a pipeline's stage
+    files (each its stages' weights by name in the whole model) or FSDP's DCP shards (assembled from every rank's
+    pieces, as verify_saved reads their LoRA B matrices). Names it does not hold are left out (the caller says which
+    it needed); a sharded checkpoint's other names (a LoRA run's frozen base) are not read."""
+    from safetensors import safe_open
+
+    files = ([path / "model.safetensors"] if (path / "model.safetensors").is_file()
+             else sorted(path.glob("pipeline/stage_*.safetensors")))
+    if files:
+        found = {}
+        for f in files:
+            with safe_open(str(f), "pt") as r:
+                found.update({k: r.get_tensor(k) for k in r.keys() if k in names})
+        return found
+    import torch
+    import torch.distributed.checkpoint as dcp
+
+    reader = dcp.FileSystemReader(str(path / FSDP_MODEL_DIR))
+    kept = {k.removeprefix("model."): md for k, md in reader.read_metadata().state_dict_metadata.items()
+            if k.removeprefix("model.") in names}
+    loaded = {"model": {k: torch.empty(md.size, dtype=md.properties.dtype) for k, md in kept.items()}}
+    with warnings.catch_warnings():  # no_dist: "assuming the intent is to load in a single process"
+        warnings.filterwarnings("ignore", "torch.distributed is disabled", UserWarning)
+        dcp.load(loaded, storage_reader=reader, no_dist=True)
+    return loaded["model"]
+
+
 def save_checkpoint(accelerator, *, output_dir: Path, state: TrainState, recipe_yaml: str, keep_last: int,
                     model_keys: set[str], trainable: set[str] | None, write_stage=None, write_round=None,
                     write_reference=None, adapter_moved: bool | None = None) -> Path:

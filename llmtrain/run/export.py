@@ -91,11 +91,8 @@ def export_merged(run_dir: Path, out: Path | None = None, *, say=lambda text: No
     """Merge a LoRA run's final adapter into its base model and save a full model. The base is read again from
     model.name_or_path in model.dtype, unquantised even after a QLoRA run (merging into a dequantised 4-bit copy
     would bake the quantisation error into every weight)."""
-    import torch
     import transformers
-    from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from llmtrain.model.modeling import _quiet_new_head, grow_vocabulary, pretrained, read_adapter
     from llmtrain.objectives.objective import end_of_turn_ids
     from llmtrain.run.checkpoint import MANIFEST
     from llmtrain.run.replies import unsaved_base
@@ -105,12 +102,9 @@ def export_merged(run_dir: Path, out: Path | None = None, *, say=lambda text: No
     run_dir = run_folder(run_dir)  # RUN/final too, as generate and eval take it (it had been refused; audit 39)
     final = run_dir / "final"
     if (run_dir / MANIFEST).is_file():  # a checkpoint (checkpoints/step_N): a recipe.yaml too, and no final/
-        # its replies where one process reads it (a sharded one's generate refuses: it had been advised; audit 41)
-        replies = (f" A checkpoint's replies: `llmtrain generate {run_dir}`." if (run_dir / "model.safetensors")
-                   .is_file() else "")
         raise LLMTrainError(f"'{run_dir}' is a checkpoint; --merge takes the run's output_dir "
-                            f"('{run_dir.parent.parent}'), whose final/ holds the adapter the run finished with."
-                            f"{replies}")
+                            f"('{run_dir.parent.parent}'), whose final/ holds the adapter the run finished with. A "
+                            f"checkpoint's replies: `llmtrain generate {run_dir}`.")
     if not (run_dir / "recipe.yaml").is_file():
         there = "does not exist" if not run_dir.exists() else "is not a run's folder (it has no recipe.yaml)"
         raise LLMTrainError(f"'{run_dir}' {there}: --merge takes a LoRA run's output_dir (runs/NAME), whose final/ "
@@ -131,6 +125,47 @@ def export_merged(run_dir: Path, out: Path | None = None, *, say=lambda text: No
         raise LLMTrainError(f"'{out}' already exists; remove it or pass --out <new folder>.")
     if problem := cannot_create(out, "--out"):
         raise LLMTrainError(problem)
+    tmp = _beside(out)  # made before the merge: a folder the system refuses is said at once (/proc had a traceback)
+    try:
+        merged, tokenizer = _merge(recipe, final, say)
+        merged.save_pretrained(tmp, safe_serialization=True)
+        tokenizer.save_pretrained(tmp)
+        # the end of turn as the run trained it: its template is final/'s tokenizer's (a data.chat_template file's)
+        data = recipe.data.model_copy(update={"chat_template": recipe.data.chat_template is not False})
+        ends_turns(tmp, end_of_turn_ids(recipe.model_copy(update={"data": data}), tokenizer))
+        tmp.rename(out)
+    except BaseException as e:
+        shutil.rmtree(tmp, ignore_errors=True)
+        if isinstance(e, OSError):  # a full disk, a folder that vanished: nothing is left at --out
+            raise LLMTrainError(f"writing the merged model to '{out}' failed ({e.strerror or e}: {e.filename}); "
+                                "nothing was left there. Free space or give another --out.") from None
+        raise
+    # a reward model's is a sequence classifier: AutoModelForCausalLM reads it with a random LM head (audit 39)
+    loader = "SequenceClassification" if recipe.reward_model is not None else "CausalLM"
+    say(f"merged {final} (a LoRA adapter) into its base model: a whole model in {out}, which transformers' "
+        f"AutoModelFor{loader}.from_pretrained loads without peft")
+    return out
+
+
+def _beside(out: Path) -> Path:
+    """A new folder of its own beside `out` (never a folder of the user's), renamed to it once written: a stop
+    leaves no `out`. A place the system refuses (a folder of /proc) is one paragraph."""
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        return Path(tempfile.mkdtemp(prefix=f".{out.name}.", suffix=".tmp", dir=out.parent))
+    except OSError as e:
+        raise LLMTrainError(f"--out '{out}' cannot be created: {e.strerror or e} ({e.filename}). Give a folder on a "
+                            "writable disk.") from None
+
+
+def _merge(recipe, final: Path, say):
+    """The run's adapter (final/) merged into its base read again in the recipe's dtype, and final/'s tokenizer."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from llmtrain.model.modeling import _quiet_new_head, grow_vocabulary, pretrained, read_adapter
+
+    model = recipe.model
     dtype = getattr(torch, model.dtype)
     tokenizer = AutoTokenizer.from_pretrained(str(final))
     if recipe.reward_model is not None:  # a reward model: its base under the one-output score head the
@@ -150,25 +185,7 @@ def export_merged(run_dir: Path, out: Path | None = None, *, say=lambda text: No
             "is merged into the unquantised base read "
             f"from {model.name_or_path} in {model.dtype}, not a dequantised copy.")
     grow_vocabulary(base, len(tokenizer))  # model.new_tokens: the rows the adapter's copies of them hold
-    merged = read_adapter(base, str(final)).merge_and_unload()
-    out.parent.mkdir(parents=True, exist_ok=True)
-    # written beside it under a name of its own (never a folder of the user's), then renamed: a stop leaves no out
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", suffix=".tmp", dir=out.parent))
-    try:
-        merged.save_pretrained(tmp, safe_serialization=True)
-        tokenizer.save_pretrained(tmp)
-        # the end of turn as the run trained it: its template is final/'s tokenizer's (a data.chat_template file's)
-        data = recipe.data.model_copy(update={"chat_template": recipe.data.chat_template is not False})
-        ends_turns(tmp, end_of_turn_ids(recipe.model_copy(update={"data": data}), tokenizer))
-        tmp.rename(out)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    # a reward model's is a sequence classifier: AutoModelForCausalLM reads it with a random LM head (audit 39)
-    loader = "SequenceClassification" if recipe.reward_model is not None else "CausalLM"
-    say(f"merged {final} (a LoRA adapter) into its base model: a whole model in {out}, which transformers' "
-        f"AutoModelFor{loader}.from_pretrained loads without peft")
-    return out
+    return read_adapter(base, str(final)).merge_and_unload(), tokenizer
 
 
 def no_final(run_dir: Path) -> str:

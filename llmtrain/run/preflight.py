@@ -114,11 +114,7 @@ def check_resume(ckpt: Path, recipe: Recipe, *, world: int, fsdp: bool, allow_re
     if sharded != fsdp and not (ckpt / "pipeline").is_dir():  # a pipeline's stage files are whole, FSDP or not
         raise LLMTrainError(
             f"checkpoint {ckpt} was written {'under' if sharded else 'without'} FSDP and this launch "
-            f"{'does not use' if sharded else 'uses'} it. Resume it with "
-            + ("an FSDP launch: `llmtrain launch --config_file accelerate_configs/fsdp.yaml [--num_processes N] "
-               "RECIPE.yaml --resume ...` (cpu_fsdp.yaml on a CPU)" if sharded else
-               "`llmtrain finetune RECIPE.yaml --resume ...` or a DDP launch (accelerate_configs/ddp.yaml, "
-               "cpu_ddp.yaml on a CPU)") + ".")
+            f"{'does not use' if sharded else 'uses'} it. Resume it as it was launched: {resume_launch(ckpt)}.")
     staged, stages_now = (ckpt / "pipeline").is_dir(), now.get("parallel", {}).get("pipeline_parallel", 1)
     if staged != (stages_now > 1):  # another pipeline degree (or schedule) is fine: the stages' files are by name
         raise LLMTrainError(
@@ -155,6 +151,21 @@ def check_resume(ckpt: Path, recipe: Recipe, *, world: int, fsdp: bool, allow_re
                             "Resume with the checkpoint's values, or pass --allow-recipe-change to continue with the "
                             "new ones.")
     return [f"{k} changed from {a!r} to {b!r} at resume" for k, a, b in changed]
+
+
+def resume_launch(ckpt: Path) -> str:
+    """The command that resumes `ckpt` as it was written: FSDP's shards under an FSDP launch, any other under DDP (one
+    process: finetune) on the processes its train_state.json records, with the CPU configs where this machine has no
+    GPU (it had named fsdp.yaml first, "cpu_fsdp.yaml on a CPU" after; audit 41), and the recipe it holds."""
+    import torch
+
+    processes = _state(ckpt).get("processes")
+    sharded = (ckpt / FSDP_MODEL_DIR).is_dir()
+    if processes == 1 and not sharded:
+        return f"`llmtrain finetune {ckpt}/recipe.yaml --resume {ckpt}`"
+    config = f"accelerate_configs/{'' if torch.cuda.is_available() else 'cpu_'}{'fsdp' if sharded else 'ddp'}.yaml"
+    count = f" --num_processes {processes}" if isinstance(processes, int) else ""
+    return f"`llmtrain launch --config_file {config}{count} {ckpt}/recipe.yaml --resume {ckpt}`"
 
 
 def _finished_after(ckpt: Path) -> int | None:

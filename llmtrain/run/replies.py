@@ -123,68 +123,48 @@ def trained_model(recipe):
                                            "tiled_mlp": None, "compile": False, "random_init": False})
 
 
-def _resume_launch(path: Path) -> str:
-    """The command that resumes a sharded checkpoint: the launch it was written under (FSDP, or DDP for pipeline
-    stages without it; the CPU configs where this machine has no GPU) on the processes it records."""
-    import json
-
-    import torch
-
-    from llmtrain.run.checkpoint import FSDP_MODEL_DIR
-
-    try:
-        processes = int(json.loads((path / "train_state.json").read_text())["processes"])
-    except (OSError, ValueError, KeyError, TypeError):
-        processes = None
-    kind = "fsdp" if (path / FSDP_MODEL_DIR).is_dir() else "ddp"
-    config = f"accelerate_configs/{'' if torch.cuda.is_available() else 'cpu_'}{kind}.yaml"
-    count = f" --num_processes {processes}" if processes else ""
-    return f"`llmtrain launch --config_file {config}{count} {path}/recipe.yaml --resume {path}`"
-
-
 def unreadable_checkpoint(path: Path) -> str | None:
     """Why a checkpoint's weights cannot be read as one model (generate and eval refuse it before loading anything):
-    damaged (its manifest's sizes and checksums; it had been safetensors' traceback), or in pieces (FSDP's or a
-    pipeline's shards). None: readable."""
+    damaged (its manifest's sizes and checksums; it had been safetensors' traceback). None: readable, whatever layout
+    wrote it (checkpoint.whole_weights)."""
     from llmtrain.run.checkpoint import checkpoint_problem
 
     if problem := checkpoint_problem(path):
         return (f"checkpoint '{path}' is damaged ({problem}): use another step_* folder under {path.parent}, or the "
                 "run's final/")
-    if not (path / "model.safetensors").is_file():
-        run = path.parent.parent
-        if (run / "final").is_dir():  # a finished run: resuming would train to the same end (audit 41)
-            return (f"checkpoint '{path}' holds its weights in pieces (FSDP's or a pipeline's shards), not one "
-                    f"model.safetensors, which one process does not read; the run's final/ ({run / 'final'}) holds "
-                    "its whole model")
-        return (f"checkpoint '{path}' holds its weights in pieces (FSDP's or a pipeline's shards), not one "
-                "model.safetensors; use the run's final/, which holds the whole model: resume the run to its end as "
-                f"it was launched ({_resume_launch(path)})")
     return None
 
 
 def _from_checkpoint(path: Path, recipe, device) -> Source:
-    """A checkpoint of a run that kept each process's whole model (one process, DDP): the base as the run loaded it,
-    its adapter made as the run made it, and the checkpoint's weights (the adapter's alone for LoRA) read into it by
-    name. FSDP's and a pipeline's sharded checkpoints are refused: their weights are in pieces."""
-    from safetensors.torch import load_file
-
+    """A checkpoint of a run: the base as the run loaded it, its adapter made as the run made it, and the checkpoint's
+    weights (the adapter's alone for LoRA) read into it by name, from one model.safetensors (one process, DDP) or
+    assembled from FSDP's or a pipeline's shards in this process (they had been refused: a mid-run FSDP checkpoint
+    was unreadable on one process; audit 41)."""
     from llmtrain.data.chat import read_template
     from llmtrain.model.modeling import load_model, load_tokenizer
+    from llmtrain.run.checkpoint import whole_weights
 
     if problem := unreadable_checkpoint(path):
         raise LLMTrainError(problem)
-    weights = path / "model.safetensors"
     cfg = trained_model(recipe)
     model = load_model(cfg, recipe.lora, device=device if cfg.quantize else None)
-    saved = load_file(str(weights))
     known = model.state_dict()
-    if unknown := sorted(set(saved) - set(known)):
-        raise LLMTrainError(f"checkpoint '{path}' holds {len(unknown)} weights this recipe's model does not have "
-                            f"(e.g. {unknown[0]}): it was written by another model. Generate with the recipe that "
-                            "wrote it")
-    if recipe.lora is None and (missing := sorted(set(known) - set(saved) - _tied(model))):
-        raise LLMTrainError(f"checkpoint '{path}' lacks {len(missing)} of the model's weights (e.g. {missing[0]})")
+    if recipe.lora is not None:  # the adapter's (one process saves only it; FSDP's shards hold the base too)
+        wanted = {n for n, p in model.named_parameters() if p.requires_grad}
+    else:
+        wanted = set(known)
+    saved = whole_weights(path, wanted)
+    if (path / "model.safetensors").is_file():  # one file holds what the run saved: another model's names too
+        from safetensors import safe_open
+
+        with safe_open(str(path / "model.safetensors"), "pt") as f:
+            if unknown := sorted(set(f.keys()) - set(known)):
+                raise LLMTrainError(f"checkpoint '{path}' holds {len(unknown)} weights this recipe's model does not "
+                                    f"have (e.g. {unknown[0]}): it was written by another model. Generate with the "
+                                    "recipe that wrote it")
+    if missing := sorted(wanted - set(saved) - _tied(model)):
+        raise LLMTrainError(f"checkpoint '{path}' lacks {len(missing)} of the model's weights (e.g. {missing[0]}): "
+                            "it was written by another model. Generate with the recipe that wrote it")
     model.load_state_dict(saved, strict=False)
     model = model.to(device) if not cfg.quantize else model
     return _source(model, load_tokenizer(cfg), recipe, f"{path} (a checkpoint of {recipe.model.name_or_path}"
