@@ -271,7 +271,9 @@ def inspect_data(
     n: Annotated[int, typer.Option("--n", "-n", min=0, help="How many formatted examples to show.")] = 3,
     as_json: Annotated[bool, typer.Option(
         "--json", help="One JSON object per example, the rows training reads: input_ids and labels (a pair's "
-        "chosen_ids, chosen_labels, rejected_ids, rejected_labels; KTO's label).")] = False,
+        "chosen_ids, chosen_labels, rejected_ids, rejected_labels, a reward model's chosen_scored_at and "
+        "rejected_scored_at in place of the labels, and margin where the data have it; KTO's label; an RL "
+        "prompt's columns for the rewards; a mixture's source).")] = False,
 ) -> None:
     """Show formatted examples with trained tokens highlighted, and dataset statistics."""
     from llmtrain.config import load_recipe

@@ -104,10 +104,14 @@ def inspect_data(recipe: Recipe, *, n: int, as_json: bool) -> None:
     if "chosen_ids" in train.column_names:
         return _show_pairs(rows, stats, tokenizer, as_json=as_json, scored=recipe.reward_model is not None)
     if as_json:
-        # Exactly the rows training reads (before packing and the per-example shift), one per line.
+        # Exactly the rows training reads (before packing and the per-example shift), one per line: KTO's label, a
+        # mixture's source and an RL prompt's columns for the rewards beside them (the panels show those; audit 39)
+        from llmtrain.objectives.rewards import reward_columns
+
+        given = {"label": "label", "source": "source"}
+        given |= reward_columns(rows.column_names) if recipe.data.format == "prompt" else {}
         for k, (ids, labels) in enumerate(zip(rows["input_ids"], rows["labels"])):
-            extra = {"label": rows["label"][k]} if "label" in rows.column_names else {}  # KTO
-            extra |= {"source": rows["source"][k]} if "source" in rows.column_names else {}  # a mixture's
+            extra = {name: rows[stored][k] for name, stored in given.items() if stored in rows.column_names}
             sys.stdout.write(json.dumps({"input_ids": ids, "labels": labels, **extra}) + "\n")
         return
     console = Console()
@@ -168,17 +172,24 @@ def _show_pairs(rows, stats, tokenizer, *, as_json: bool, scored: bool = False) 
     from rich.panel import Panel
     from rich.text import Text
 
-    columns = ["chosen_ids", "chosen_labels", "rejected_ids", "rejected_labels"]
-    if as_json:
-        for values in zip(*(rows[c] for c in columns)):
-            sys.stdout.write(json.dumps(dict(zip(columns, values))) + "\n")
-        return
     from llmtrain.model.modeling import pad_id
     from llmtrain.model.score import scored_position
 
+    columns = ["chosen_ids", "chosen_labels", "rejected_ids", "rejected_labels"]
+    pad = pad_id(tokenizer)
+    if as_json:  # a reward model's pair trains no token's label: the position each answer is scored at instead
+        for k, values in enumerate(zip(*(rows[c] for c in columns))):
+            row = dict(zip(columns, values))
+            if scored:
+                row = {"chosen_ids": row["chosen_ids"], "chosen_scored_at": scored_position(row["chosen_ids"], pad),
+                       "rejected_ids": row["rejected_ids"],
+                       "rejected_scored_at": scored_position(row["rejected_ids"], pad)}
+            row |= {c: rows[c][k] for c in ("margin", "source") if c in rows.column_names}
+            sys.stdout.write(json.dumps(row) + "\n")
+        return
+
     console = Console()
     marks = console.no_color or console.color_system is None
-    pad = pad_id(tokenizer)
     for i, (c_ids, c_labels, r_ids, r_labels) in enumerate(zip(*(rows[c] for c in columns))):
         start = prompt_length(c_labels)
         prompt = Text(tokenizer.decode(c_ids[:start]), style="dim")

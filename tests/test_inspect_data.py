@@ -236,3 +236,28 @@ def test_a_template_files_rows_are_tokenised_once_for_inspect_data_doctor_and_fi
     run_train(recipe, f"output_dir={tmp_path / 'run'}")
     assert sorted(p.name for p in cache.iterdir()) == entries
     assert "read from the tokenised cache" in (tmp_path / "run" / "train.log").read_text()
+
+
+def test_json_says_what_the_panels_say_a_reward_models_scored_token_and_an_rl_prompts_reward_columns(tiny_assets,
+                                                                                                     tmp_path):
+    """--json had written a reward model's answers as trained labels (training reads no label: it scores one token)
+    and left out an RL prompt's columns for the rewards, which the panels show (audit 39)."""
+    data = {"path": str(tiny_assets / "data" / "train_pairs.jsonl"), "format": "preference", "max_seq_len": 32,
+            "cache_dir": str(tmp_path / "cache")}
+    recipe = write_recipe(tiny_assets, tmp_path, name="rm.yaml", data=data, reward_model={})
+    result = invoke("inspect-data", str(recipe), "--json", "--n", "2")
+    assert result.exit_code == 0, result.output
+    rows = [json.loads(line) for line in result.stdout.splitlines()]
+    assert len(rows) == 2 and all(set(r) == {"chosen_ids", "chosen_scored_at", "rejected_ids", "rejected_scored_at"}
+                                  for r in rows)
+    # the tiny tokenizer pads with its own pad token: each answer is scored at its last token, its EOS
+    assert all(r[f"{a}_scored_at"] == len(r[f"{a}_ids"]) - 1 for r in rows for a in ("chosen", "rejected"))
+    data = {"path": str(tiny_assets / "data" / "train.jsonl"), "format": "prompt", "max_seq_len": 32,
+            "cache_dir": str(tmp_path / "cache")}
+    recipe = write_recipe(tiny_assets, tmp_path, name="rl.yaml", data=data,
+                          rl={"num_generations": 2, "rewards": [{"type": "answer_match", "column": "completion"}]})
+    result = invoke("inspect-data", str(recipe), "--json", "--n", "3")
+    assert result.exit_code == 0, result.output
+    rows = [json.loads(line) for line in result.stdout.splitlines()]
+    assert [r["completion"] for r in rows] == [e["completion"] for e in read_jsonl(tiny_assets / "data" /
+                                                                                     "train.jsonl", 3)]
