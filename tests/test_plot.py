@@ -363,11 +363,13 @@ AGREEMENT, ANSWERS = ("distillation: the student's top token is the teacher's",
                       "answer accuracy (greedy completions of the eval prompts)")
 BALANCE = "routers' load-balancing loss (model.router_aux_loss_coef; top_k when balanced)"
 REWARD = "online RL: reward (train: the sampled completions'; eval: greedy)"
+KL = "KL to the reference (KTO: the baseline its rewards are measured from; online RL)"
 
 
 @pytest.mark.parametrize("mode, train, evals, panels", [
-    ("kto", {"rewards/margins": lambda s: 0.1 * s}, {"eval_rewards/margins": lambda s: 0.09 * s},
-     [(MARGIN, "rewards/margins", "eval_rewards/margins")]),
+    ("kto", {"rewards/margins": lambda s: 0.1 * s, "kl": lambda s: 0.02 * s},  # its KL, the console's first (audit 40)
+     {"eval_rewards/margins": lambda s: 0.09 * s, "eval_kl": lambda s: 0.015 * s},
+     [(MARGIN, "rewards/margins", "eval_rewards/margins"), (KL, "kl", "eval_kl")]),
     ("reward", {"accuracy": lambda s: 0.5 + s / 100, "margin": lambda s: 0.2 * s},
      {"eval_accuracy": lambda s: 0.5 + s / 120, "eval_margin": lambda s: 0.15 * s},
      [(RM_ACCURACY, "accuracy", "eval_accuracy"), (RM_MARGIN, "margin", "eval_margin")]),
@@ -415,8 +417,10 @@ def test_sft_beside_an_rl_run_keeps_a_linear_axis_and_no_eval_loss_it_has_not(tm
     assert "rloo: train loss (online RL: about 0 by construction)" in labels
     assert not any(label.startswith("rloo: eval loss") for label in labels)
     # the RL run's own measures under the loss, as a DPO run's are (it had none: its reward was not drawn at all)
-    assert [ax.get_title() for ax in fig.axes[4:]] == [ANSWERS, REWARD]
-    assert lines_by_label(fig.axes[4]) == {"rloo: eval": ([0, 10, 20], [0.3, 0.4, 0.5])}
-    reward = lines_by_label(fig.axes[5])
+    assert [ax.get_title() for ax in fig.axes[4:]] == [KL, ANSWERS, REWARD]
+    assert lines_by_label(fig.axes[4]) == {"rloo: train": (list(range(1, 21)),
+                                                           pytest.approx([0.001 * s for s in range(1, 21)]))}
+    assert lines_by_label(fig.axes[5]) == {"rloo: eval": ([0, 10, 20], [0.3, 0.4, 0.5])}
+    reward = lines_by_label(fig.axes[6])
     assert set(reward) == {"rloo: train", "rloo: eval"} and reward["rloo: eval"] == ([0, 10, 20], [0.3, 0.4, 0.5])
     assert reward["rloo: train"] == (list(range(1, 21)), pytest.approx([0.1 + 0.01 * s for s in range(1, 21)]))

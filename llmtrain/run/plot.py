@@ -1,6 +1,6 @@
 """loss.png: train loss (raw and smoothed), eval loss and learning rate against steps and tokens seen, and below them
-each mode's own measure where its metrics carry one (MEASURES: the reward margin of DPO and KTO, a reward model's
-accuracy, distillation's agreement with its teacher, the greedy answer accuracy); for an
+each mode's own measure where its metrics carry one (MEASURES: the reward margin of DPO and KTO, KTO's KL, a reward
+model's accuracy, distillation's agreement with its teacher, the greedy answer accuracy); for an
 online RL run (train lines with `reward`), rl_plot.py's panels: the reward and each reward function's on its own
 y-scale, the eval answer accuracy (greedy), the completions' mean length and the KL to the reference (without one
 the entropy, or the loss) against steps: the GRPO loss alone (about 0 by construction) shows nothing.
@@ -34,6 +34,8 @@ LOG_SCALE_RATIO = 20.0
 MEASURES = (
     ("rewards/margins", "eval_rewards/margins", "reward margin, chosen - rejected (DPO, KTO)"),
     ("rewards/accuracies", "eval_rewards/accuracies", "pairs whose chosen reply is rewarded higher (DPO)"),
+    # KTO's baseline, which its console line and summary name first (audit 40); online RL's where drawn beside others
+    ("kl", "eval_kl", "KL to the reference (KTO: the baseline its rewards are measured from; online RL)"),
     ("accuracy", "eval_accuracy", "reward model: pairs scored the right way round"),
     ("margin", "eval_margin", "reward model: score margin, chosen - rejected"),
     ("teacher_agreement", "eval_teacher_agreement", "distillation: the student's top token is the teacher's"),
