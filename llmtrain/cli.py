@@ -107,6 +107,13 @@ def one_line_warning(message, category, filename, lineno, line=None, *, _default
     return _default(message, category, filename, lineno, line)
 
 
+# What a stop at once leaves, by command (the training one's had been said after generate too; audit 42)
+_RUN = (": nothing more was saved. A run goes on from its newest checkpoint with --resume auto (with none yet, it "
+        "starts again).")
+STOPPED_AT_ONCE = {"finetune": _RUN, "launch": _RUN,
+                   "generate": ": --out, where given, holds the replies of every batch drawn before it."}
+
+
 def user_errors(fn):
     """Print an LLMTrainError as one paragraph and exit 2; a traceback only with --debug."""
 
@@ -136,8 +143,7 @@ def user_errors(fn):
             if os.environ.get("LLMTRAIN_DEBUG"):
                 raise
             if os.environ.get("LOCAL_RANK", "0") == "0":
-                print("\nstopped at once (Ctrl-C): nothing more was saved. A run goes on from its newest checkpoint "
-                      "with --resume auto (with none yet, it starts again).", file=sys.stderr, flush=True)
+                print(f"\nstopped at once (Ctrl-C){STOPPED_AT_ONCE.get(fn.__name__, '.')}", file=sys.stderr, flush=True)
             raise typer.Exit(130) from None
 
     return wrapper

@@ -191,8 +191,9 @@ class LoraConfig(Section):
                        "autocast or a 4-bit base): lora.dropout 0 is cheaper.")
     lr_ratio: float | None = Field(
         None, gt=0, allow_inf_nan=False, description="LoRA+ (Hayou et al. 2024): the B matrices (and every trained "
-        "1-D parameter) learn at train.lr x this ratio, the A matrices at train.lr, grouped as peft's "
-        "create_loraplus_optimizer groups them (axolotl's and LLaMA-Factory's loraplus_lr_ratio; the paper suggests "
+        "1-D parameter) learn at train.lr x this ratio, the A matrices at train.lr, at the rates peft's "
+        "create_loraplus_optimizer gives them (weight decay on no 1-D parameter, where peft decays RMSNorm weights "
+        "and DoRA's magnitudes; axolotl's and LLaMA-Factory's loraplus_lr_ratio; the paper suggests "
         "16, with train.lr about half plain LoRA's). None: one rate for all.")
     lr_embedding: float = Field(1e-6, gt=0, allow_inf_nan=False, description="With lora.lr_ratio: the learning rate "
                                 "of LoRA's matrices on an embedding layer (peft's loraplus_lr_embedding).")
@@ -424,12 +425,14 @@ class TrainConfig(Section):
     optimizer: Literal["adamw", "adamw_8bit"] = Field(
         "adamw", description="adamw: torch's AdamW (fused on CUDA), its two moments in the parameters' dtype (8 "
         "bytes a trainable parameter in fp32). adamw_8bit: bitsandbytes' AdamW8bit (Dettmers et al. 2022; HF "
-        "Trainer's adamw_bnb_8bit), both moments blockwise-quantised to 8 bits (about 2 bytes a parameter): "
-        "Mistral-7B's optimizer state 13.7 GiB instead of 54.0 (fp32 weights) or 27.0 (bf16). Needs bitsandbytes "
+        "Trainer's adamw_bnb_8bit), both moments blockwise-quantised to 8 bits (about 2 bytes a parameter), an "
+        "embedding's kept in 32 bits as HF Trainer and peft keep them: Mistral-7B's optimizer state 14.5 GiB instead "
+        "of 54.0 (fp32 weights) or 27.0 (bf16). Needs bitsandbytes "
         "(pip install 'llmtrain[qlora]'). Under FSDP, HSDP, FSDP x TP and FSDP-sharded pipeline stages each process "
         "updates its own shard (the moments resume on the same shards, or any that split whole rows into whole blocks "
         "of 256).")
-    weight_decay: float = Field(0.0, ge=0, description="AdamW decoupled weight decay (not applied to norms/biases).")
+    weight_decay: float = Field(0.0, ge=0, description="AdamW decoupled weight decay (not applied to any 1-D "
+                                "parameter: norms, biases, DoRA's magnitudes).")
     betas: tuple[float, float] = Field((0.9, 0.999), description="AdamW betas.")
     eps: float = Field(1e-8, gt=0, description="AdamW epsilon.")
     neftune_alpha: float | None = Field(

@@ -188,6 +188,8 @@ def test_sampled_replies_are_reproducible_by_seed_and_the_reference_loops(runs):
 
 
 def test_a_chat_prompt_is_the_templates_generation_prompt_with_the_system_message(runs):
+    import dataclasses
+
     from llmtrain.run.replies import load_source, prompt_ids
 
     source = load_source(str(runs["full"]), device="cpu")
@@ -198,6 +200,13 @@ def test_a_chat_prompt_is_the_templates_generation_prompt_with_the_system_messag
                                    tokenize=False, add_generation_prompt=True)
     assert prompt_ids(source, "hi", chat=True, system_prompt="Be brief.") == tok(text, add_special_tokens=False)[
         "input_ids"]
+    # a prompt's messages with their own system message: --system replaces it (it had been ignored; audit 42), the
+    # run's own system prompt does not (as the run's rows had rendered)
+    own = [{"role": "system", "content": "Be long."}, {"role": "user", "content": "hi"}]
+    assert prompt_ids(source, own, system_prompt="Be brief.") == tok(text, add_special_tokens=False)["input_ids"]
+    kept = tok.apply_chat_template(own, tokenize=False, add_generation_prompt=True)
+    kept = tok(kept, add_special_tokens=False)["input_ids"]
+    assert prompt_ids(dataclasses.replace(source, system_prompt="Be brief."), own) == kept
 
 
 def test_the_command_prints_the_replies_and_writes_them_once(runs, tmp_path):
@@ -252,7 +261,7 @@ def test_the_filters_reach_the_command_top_k_one_replies_greedily(runs, tmp_path
     ("no-checkpoint", "checkpoints/step_30' does not exist; the checkpoints in"),
     ("no-run", "does not exist. Give a run's output_dir, one of its checkpoints, a model folder or a hub id; the runs "
                "in"),
-    ("bad-jsonl", "line 2 has no \"prompt\": each line of a .jsonl file is an object with a \"prompt\", a text or "
+    ("bad-jsonl", "line 4 has no \"prompt\": each line of a .jsonl file is an object with a \"prompt\", a text or "
                   "a chat's messages"),
     # a base model's tokenizer without a template (was: transformers' "Cannot use chat template functions ...")
     ("no-template", "--chat renders each prompt through the chat template, and this tokenizer has none; pass "
@@ -312,7 +321,8 @@ def test_bad_input_is_one_paragraph_and_writes_nothing(runs, tmp_path, monkeypat
         monkeypatch.setattr(transformers.AutoTokenizer, "from_pretrained", asked)
     if case == "bad-jsonl":
         bad = tmp_path / "p.jsonl"
-        bad.write_text('{"prompt": "reverse a ="}\n{"text": "no prompt"}\n')
+        # its line numbers the file's, blank lines counted (they had been left out: "line 2" for line 4; audit 42)
+        bad.write_text('{"prompt": "reverse a ="}\n\n \n{"text": "no prompt"}\n')
         args = ["--prompts", str(bad)]
     if case == "no-template":  # a model folder (a whole model's final/) whose tokenizer has no chat template
         import json

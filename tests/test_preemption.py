@@ -275,12 +275,19 @@ def test_a_stop_at_once_says_what_was_saved(capsys):
 
     from llmtrain.cli import user_errors
 
-    @user_errors
-    def interrupted():
-        raise KeyboardInterrupt
+    def stop(command):  # a command of that name, stopped
+        def interrupted():
+            raise KeyboardInterrupt
 
-    with pytest.raises(typer.Exit) as stopped:
-        interrupted()
-    assert stopped.value.exit_code == 130
-    said = capsys.readouterr().err
+        interrupted.__name__ = command
+        with pytest.raises(typer.Exit) as stopped:
+            user_errors(interrupted)()
+        assert stopped.value.exit_code == 130
+        return capsys.readouterr().err
+
+    said = stop("finetune")
     assert "stopped at once (Ctrl-C): nothing more was saved" in said and "--resume auto" in said
+    # generate's --out keeps each batch's replies as they are drawn (it had been told nothing was saved; audit 42)
+    said = stop("generate")
+    assert "--out, where given, holds the replies of every batch drawn" in said and "--resume" not in said
+    assert stop("plot").strip() == "stopped at once (Ctrl-C)."

@@ -236,3 +236,20 @@ def test_doctor_checks_bitsandbytes_for_a_quantised_base(qlora_recipe, monkeypat
     pytest.importorskip("bitsandbytes")
     ((_, status, detail),) = check_quantize(recipe)
     assert status == "pass" and "nf4" in detail
+
+
+def test_fp16_on_a_cpu_computes_the_4bit_layers_in_the_models_dtype_as_its_warning_says(qlora_recipe, tmp_path):
+    """train.mixed_precision=fp16 on a CPU: Accelerate runs no fp16 there, and the run's warning says it computes in
+    the model's dtype; the 4-bit layers had computed in fp16 all the same, without a loss scale (step 1's loss
+    4.7773648 against 4.7773384; audit 44). Now the run is mixed_precision=no's, to the bit."""
+    pytest.importorskip("bitsandbytes")
+    from llmtrain.model.modeling import compute_dtype
+
+    assert compute_dtype("fp16", "cpu") is None and compute_dtype("fp16", "cuda:0") == torch.float16
+    assert compute_dtype("bf16", "cpu") == torch.bfloat16 and compute_dtype("no", "cuda") is None
+    runs = {}
+    for precision in ("fp16", "no"):
+        runs[precision] = tmp_path / precision
+        run_train(qlora_recipe, f"train.mixed_precision={precision}", "train.max_steps=2", "logging.every_steps=1",
+                  f"output_dir={runs[precision]}")
+    assert losses(runs["fp16"]) == losses(runs["no"])

@@ -37,6 +37,7 @@ from llmtrain.model.loss import attach_loss, causal_lm
 from llmtrain.model.modeling import (
     build_optimizer,
     build_scheduler,
+    compute_dtype,
     context_reach,
     count_parameters,
     describe_attention,
@@ -378,7 +379,7 @@ def build_model(recipe: Recipe, accelerator, *, total_steps: int, say, pad: int 
         recipe.model, recipe.lora, device=accelerator.device,
         empty=(receives_weights(accelerator) and not recipe.model.quantize
                and recipe.parallel.pipeline_parallel == 1),  # stages: each loads, keeps its own
-        compute_dtype={"bf16": torch.bfloat16, "fp16": torch.float16}.get(tc.mixed_precision),
+        compute_dtype=compute_dtype(tc.mixed_precision, accelerator.device),
         reward_head=recipe.reward_model is not None))
     if found := capabilities.loaded_model_problems(recipe, model):  # what its config does not say (sinks)
         raise LLMTrainError(capabilities.paragraph(found))

@@ -160,14 +160,15 @@ def load_reward_model(path: str, device):
     with every_process_reads():  # never prepared by FSDP: each process reads its own whole copy
         if (folder / "adapter_config.json").is_file():
             from llmtrain.config import ModelConfig, adapter_base, adapter_quantization
-            from llmtrain.model.modeling import _quiet_new_head, grow_vocabulary, load_adapter, load_model
+            from llmtrain.model.modeling import (_quiet_new_head, compute_dtype, grow_vocabulary, load_adapter,
+                                                 load_model)
 
             if (held := adapter_quantization(folder)) is not None:  # QLoRA: the 4-bit base it trained and scored on
                 quantize, dtype, precision = held
                 cfg = ModelConfig(name_or_path=adapter_base(folder), quantize=quantize, dtype=dtype,
                                   attn_implementation="sdpa")  # right-padded batches with their mask
                 model = load_model(cfg, None, device=torch.device(device), reward_head=True,
-                                   compute_dtype={"bf16": torch.bfloat16, "fp16": torch.float16}.get(precision))
+                                   compute_dtype=compute_dtype(precision, device))
             else:
                 with _quiet_new_head(True):  # the new score head and the unread LM head: expected
                     model = pretrained(AutoModelForSequenceClassification, adapter_base(folder), num_labels=1,

@@ -230,6 +230,8 @@ def prompt_ids(source: Source, prompt, *, chat: bool | None = None, system_promp
         return tok(prompt, add_special_tokens=True)["input_ids"]
     no_template(source)
     given = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else list(prompt)
+    if system_prompt is not None and given[0]["role"] == "system":  # --system replaces a row's own (it had been
+        given = given[1:]  # ignored without a word; audit 42); the run's system prompt leaves a row's as it is
     messages = ([{"role": "system", "content": system}] if system is not None and given[0]["role"] != "system"
                 else []) + given
     text = tok.apply_chat_template(messages, chat_template=source.template, tokenize=False, add_generation_prompt=True)
@@ -385,11 +387,11 @@ def read_prompts(path: Path) -> list:
     def _a(kind: str) -> str:
         return f"{'an' if kind[0] in 'aeiou' else 'a'} {kind}, not text"
 
-    lines = [line for line in path.read_text().splitlines() if line.strip()]
+    lines = [(n, line) for n, line in enumerate(path.read_text().splitlines(), 1) if line.strip()]
     if path.suffix != ".jsonl":
-        return lines
+        return [line for _, line in lines]
     prompts = []
-    for n, line in enumerate(lines, 1):
+    for n, line in lines:  # the file's own line numbers, blank lines counted (they had been left out; audit 42)
         try:
             row = json.loads(line)
         except json.JSONDecodeError as e:
