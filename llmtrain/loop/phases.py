@@ -671,8 +671,11 @@ def restore(recipe: Recipe, accelerator, trainable: Trainable, *, checkpoint: Pa
     names = set(trainable.trainable_names) if trainable.trainable_names else None
     built = recipe_hyperparameters(trainable.scheduler)  # the checkpoint's groups replace them: put back after
     load_checkpoint(accelerator, checkpoint, trainable_names=names)
-    if trainable.pipeline is not None:  # this process's stages, by name, from every stage's file
-        read_stages(checkpoint, trainable.unwrapped, trainable.optimizer, trainable_only=recipe.lora is not None)
+    if trainable.pipeline is not None:  # this process's stages, by name, from every stage's file; a refusal of one
+        # stage's (8-bit moments on other shards: its head's, where the first stage's embedding has 32-bit ones) is
+        # every process's paragraph, not the others' broken connection at the first step
+        agreed(accelerator, lambda: read_stages(checkpoint, trainable.unwrapped, trainable.optimizer,
+                                                trainable_only=recipe.lora is not None))
     reapply_hyperparameters(trainable.scheduler, built)
     state.check_layout(accum=tc.grad_accum_steps, micro_batch_tokens=tc.micro_batch_tokens or 0, processes=world)
     say(f"resumed from {checkpoint} at step {state.step}")

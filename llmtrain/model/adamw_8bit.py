@@ -97,16 +97,14 @@ def resume_problem(model, optimizer, folder: Path) -> str | None:
     if not isinstance(optimizer, AdamW8bit):
         return None
     saved = FileSystemReader(str(folder / "optimizer_0")).read_metadata().state_dict_metadata
-    thirty_two = {id(p) for g in optimizer.param_groups if g.get("optim_bits") == 32 for p in g["params"]}
     for name, p in model.named_parameters():
-        if not (isinstance(p, DTensor) and p.requires_grad and p.numel() >= optimizer.args.min_8bit_size
-                and id(p) not in thirty_two):
+        if not (isinstance(p, DTensor) and p.requires_grad and p.numel() >= optimizer.args.min_8bit_size):
             continue
         (fqn,) = _get_fqns(model, name)
         prefix = f"optimizer.state.{fqn}.{AdamW8bit._FSDP_WRAPPED_QUANT_STATE_KEY}"
         there = {key: saved.get(f"{prefix}.{key}") for key in ("state1", "absmax1")}
         if not all(hasattr(t, "chunks") for t in there.values()):  # not 8-bit moments: not this check's to judge
-            continue
+            return None
         mine, same = {}, True
         for key, (shape, mesh, placements) in (("state1", (p.shape, p.device_mesh, p.placements)),
                                                ("absmax1", absmax_layout(p))):
@@ -133,14 +131,7 @@ def resume_problem(model, optimizer, folder: Path) -> str | None:
 
 
 class AdamW8bit(bnb.optim.AdamW8bit):
-    """bnb.optim.AdamW8bit, plus parameters that are DTensors (plain ones are bitsandbytes' own path), and a group's
-    `optim_bits` (32: the embeddings', modeling.build_optimizer) in place of bitsandbytes' process-wide override
-    registry, which matches parameters by id (FSDP's prepare replaces them) and outlives the optimizer."""
-
-    def get_config(self, gindex, pindex, group):
-        config = super().get_config(gindex, pindex, group)
-        config["optim_bits"] = group.get("optim_bits", config["optim_bits"])
-        return config
+    """bnb.optim.AdamW8bit, plus parameters that are DTensors (plain ones are bitsandbytes' own path)."""
 
     @torch.no_grad()
     def init_state(self, group, p, gindex, pindex):

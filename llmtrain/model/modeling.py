@@ -743,12 +743,7 @@ def build_optimizer(model, *, lr: float, weight_decay: float, betas, eps: float,
     (every 1-D parameter). With LoRA+ (lora.lr_ratio) the groups are peft's create_loraplus_optimizer's: the B
     matrices and every trained 1-D parameter at lr x the ratio, LoRA's matrices on an embedding layer at
     lora.lr_embedding, the rest (the A matrices, modules_to_save's) at lr; each group named, the plain rate's first
-    (the lr logged is group 0's). The 8-bit one keeps every embedding's moments in 32 bits (a group of their own,
-    "embedding"), as HF Trainer's adamw_bnb_8bit and peft's LoRA+ optimizer register them with bitsandbytes (8-bit
-    moments of an embedding, whose rows are updated as rarely as their tokens occur, had put a 10-step full
-    fine-tune 1.3e-3 from HF's in the weights; audit 43)."""
-    embeddings = {id(m.weight) for m in model.modules() if isinstance(m, torch.nn.Embedding)} \
-        if kind == "adamw_8bit" else set()
+    (the lr logged is group 0's)."""
     groups: dict[str, dict] = {}
     for name, p in model.named_parameters():
         if not p.requires_grad:
@@ -760,14 +755,10 @@ def build_optimizer(model, *, lr: float, weight_decay: float, betas, eps: float,
                 role, rate = "lora_embedding", lora_lr_embedding
             elif "lora_B" in name or not decay:
                 role, rate = ("lora_B" if decay else "lora_B_no_decay"), lr * lora_lr_ratio
-        if id(p) in embeddings:
-            role = "embedding"
         group = groups.setdefault(role, {"params": [], "weight_decay": weight_decay if decay else 0.0, "lr": rate})
         group["params"].append(p)
-    order = ["decay", "no_decay", "lora_B", "lora_B_no_decay", "lora_embedding", "embedding"]
-    named = lora_lr_ratio is not None or "embedding" in groups  # (a pipeline's stages match saved groups by name)
-    groups = [({"name": role} if named else {}) | groups[role] | ({"optim_bits": 32} if role == "embedding" else {})
-              for role in order if role in groups]
+    order = ["decay", "no_decay", "lora_B", "lora_B_no_decay", "lora_embedding"]
+    groups = [({"name": role} if lora_lr_ratio is not None else {}) | groups[role] for role in order if role in groups]
     if kind == "adamw_8bit":
         need_bitsandbytes("train.optimizer=adamw_8bit", ", or set train.optimizer=adamw")
         from llmtrain.model.adamw_8bit import AdamW8bit  # bitsandbytes' own, and on sharded parameters
