@@ -425,9 +425,9 @@ class TrainConfig(Section):
     optimizer: Literal["adamw", "adamw_8bit"] = Field(
         "adamw", description="adamw: torch's AdamW (fused on CUDA), its two moments in the parameters' dtype (8 "
         "bytes a trainable parameter in fp32). adamw_8bit: bitsandbytes' AdamW8bit (Dettmers et al. 2022; HF "
-        "Trainer's adamw_bnb_8bit, which keeps an embedding's moments in 32 bits where this quantises them too), "
-        "both moments blockwise-quantised to 8 bits (about 2 bytes a parameter): Mistral-7B's optimizer state 13.7 "
-        "GiB instead of 54.0 (fp32 weights) or 27.0 (bf16). Needs bitsandbytes "
+        "Trainer's adamw_bnb_8bit), both moments blockwise-quantised to 8 bits (about 2 bytes a parameter), an "
+        "embedding's kept in 32 bits as HF Trainer and peft keep them: Mistral-7B's optimizer state 14.5 GiB instead "
+        "of 54.0 (fp32 weights) or 27.0 (bf16). Needs bitsandbytes "
         "(pip install 'llmtrain[qlora]'). Under FSDP, HSDP, FSDP x TP and FSDP-sharded pipeline stages each process "
         "updates its own shard (the moments resume on the same shards, or any that split whole rows into whole blocks "
         "of 256).")

@@ -112,7 +112,8 @@ def inspect_data(recipe: Recipe, *, n: int, as_json: bool) -> None:
         given |= reward_columns(rows.column_names) if recipe.data.format == "prompt" else {}
         for k, (ids, labels) in enumerate(zip(rows["input_ids"], rows["labels"])):
             extra = {name: rows[stored][k] for name, stored in given.items() if stored in rows.column_names}
-            sys.stdout.write(json.dumps({"input_ids": ids, "labels": labels, **extra}) + "\n")
+            # training's fields over a user's column of the same name; a value JSON has no type for as its text
+            sys.stdout.write(json.dumps({**extra, "input_ids": ids, "labels": labels}, default=str) + "\n")
         return
     console = Console()
     marks = console.no_color or console.color_system is None

@@ -320,3 +320,13 @@ def test_a_place_the_system_refuses_and_a_failed_write_are_a_paragraph_and_leave
     with pytest.raises(LLMTrainError, match=rf"writing the merged model to '{out}' failed \(No space left on device"):
         export_merged(lora_run, out)
     assert list(tmp_path.iterdir()) == []
+
+    def safetensors_full(self, folder, **kwargs):  # what safetensors raises on a full disk: not an OSError
+        from safetensors import SafetensorError
+
+        raise SafetensorError("Error while serializing: IoError(Os { code: 28, kind: StorageFull })")
+
+    monkeypatch.setattr(PreTrainedModel, "save_pretrained", safetensors_full)
+    with pytest.raises(LLMTrainError, match="failed \\(Error while serializing: IoError"):
+        export_merged(lora_run, out)
+    assert list(tmp_path.iterdir()) == []

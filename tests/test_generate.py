@@ -14,7 +14,7 @@ import json
 
 import pytest
 import torch
-from helpers import invoke, run_train, write_recipe
+from helpers import cli, invoke, run_train, write_recipe
 
 pytestmark = pytest.mark.long(30)  # tests/conftest.py
 
@@ -207,6 +207,20 @@ def test_a_chat_prompt_is_the_templates_generation_prompt_with_the_system_messag
     kept = tok.apply_chat_template(own, tokenize=False, add_generation_prompt=True)
     kept = tok(kept, add_special_tokens=False)["input_ids"]
     assert prompt_ids(dataclasses.replace(source, system_prompt="Be brief."), own) == kept
+    alone = tok.apply_chat_template([{"role": "system", "content": "Be brief."}], tokenize=False,
+                                    add_generation_prompt=True)  # a row of its system message alone (IndexError)
+    assert prompt_ids(source, own[:1], system_prompt="Be brief.") == tok(alone, add_special_tokens=False)["input_ids"]
+
+
+def test_a_prompts_file_is_split_at_newlines_alone(tmp_path):
+    """A JSON string may hold U+2028 or a form feed raw; splitlines had cut the line there (a JSON error naming a line
+    the file does not have)."""
+    from llmtrain.run.replies import read_prompts
+
+    path = tmp_path / "p.jsonl"
+    path.write_text(json.dumps({"prompt": "a\u2028b\x0cc"}, ensure_ascii=False) + "\r\n\n" + json.dumps(
+        {"prompt": "d"}) + "\n")
+    assert read_prompts(path) == ["a\u2028b\x0cc", "d"]
 
 
 def test_the_command_prints_the_replies_and_writes_them_once(runs, tmp_path):
@@ -452,3 +466,35 @@ def test_each_batch_of_replies_is_handed_out_as_it_is_drawn(runs):
     batches = []
     replies = generate_replies(source, PROMPTS[:3], max_new_tokens=4, batch=2, each_batch=batches.append)
     assert [len(b) for b in batches] == [2, 1] and [r for b in batches for r in b] == replies
+
+
+def test_a_reply_past_the_models_positions_is_refused_for_a_table_and_warned_for_rotated_ones(tiny_assets, tmp_path):
+    """A prompt and its reply past max_position_embeddings: GPT-2's learned positions (wpe) had ended in an IndexError
+    traceback at the first position past the table, and a RoPE model replied without a word where transformers'
+    generate warns (audit 42). Refused with the --max-new-tokens that fits; warned once for RoPE, and it replies."""
+    import shutil
+
+    from transformers import AutoConfig, AutoTokenizer, GPT2Config, GPT2LMHeadModel
+
+    tok = AutoTokenizer.from_pretrained(str(tiny_assets / "model"))
+    prompt = "reverse abcdefghij ="
+    n = len(tok(prompt)["input_ids"])
+    gpt2 = tmp_path / "gpt2"
+    GPT2LMHeadModel(GPT2Config(vocab_size=len(tok), n_positions=n + 8, n_embd=32, n_layer=1, n_head=2,
+                               bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id)).save_pretrained(gpt2)
+    tok.save_pretrained(gpt2)
+    refused = cli("generate", str(gpt2), prompt, "--no-chat", "--max-new-tokens", "20", check=False)
+    said = " ".join(refused.stderr.split())
+    assert refused.returncode == 2 and "Traceback" not in refused.stderr, refused.stderr[-2000:]
+    assert (f"prompt 1 is {n} tokens and the reply may take 20 more (--max-new-tokens): {n + 20} positions, past the "
+            f"model's max_position_embeddings of {n + 8}, where it looks each position up in a table of {n + 8}: give "
+            "--max-new-tokens 8 or less") in said
+    assert "reply:" in cli("generate", str(gpt2), prompt, "--no-chat", "--max-new-tokens", "8").stdout
+    rope = tmp_path / "rope"
+    shutil.copytree(tiny_assets / "model", rope)
+    config = AutoConfig.from_pretrained(rope)
+    config.max_position_embeddings = n + 8
+    config.save_pretrained(rope)
+    warned = cli("generate", str(rope), prompt, "--no-chat", "--max-new-tokens", "20")
+    assert warned.stderr.count(f"warning: prompt 1 is {n} tokens and the reply may take 20 more") == 1
+    assert "rotated positions it never trained on" in warned.stderr and "reply:" in warned.stdout

@@ -235,6 +235,27 @@ def test_llmtrain_launch_says_the_recipes_and_the_launch_configs_problems_togeth
     assert not (tmp_path / "run").exists()
 
 
+def test_the_launch_named_to_resume_a_checkpoint_counts_every_process_it_ran_on(tiny_assets, tmp_path):
+    """train_state.json's `processes` are data-parallel ranks: a sequence group's and a pipeline's processes are more
+    (a run of 2 on one sequence group had been named `llmtrain finetune`, one process)."""
+    import json
+
+    import yaml
+
+    from llmtrain.run.preflight import resume_launch
+
+    recipe = yaml.safe_load(write_recipe(tiny_assets, tmp_path).read_text())
+    for parallel, ranks, sharded, said in [({}, 1, False, "llmtrain finetune"),
+                                           ({}, 2, False, "cpu_ddp.yaml --num_processes 2 "),
+                                           ({"sequence_parallel": 2}, 1, False, "cpu_ddp.yaml --num_processes 2 "),
+                                           ({"pipeline_parallel": 2}, 2, True, "cpu_fsdp.yaml --num_processes 4 ")]:
+        ckpt = tmp_path / f"ckpt-{len(said)}-{ranks}"
+        (ckpt / "pytorch_model_fsdp_0").mkdir(parents=True) if sharded else ckpt.mkdir()
+        (ckpt / "train_state.json").write_text(json.dumps({"processes": ranks}))
+        (ckpt / "recipe.yaml").write_text(yaml.safe_dump({**recipe, "parallel": parallel}))
+        assert said in resume_launch(ckpt) and f"{ckpt}/recipe.yaml --resume {ckpt}`" in resume_launch(ckpt)
+
+
 def test_llmtrain_launch_refuses_a_resume_its_processes_would_refuse_before_any_starts(tiny_assets, tmp_path):
     """A checkpoint written by one process (no FSDP) resumed under an FSDP launch (the newest, or one named), and a
     finished run that kept no checkpoint given more steps: each said once, exit 2, before accelerate launch (which
@@ -249,7 +270,7 @@ def test_llmtrain_launch_refuses_a_resume_its_processes_would_refuse_before_any_
     fsdp = str(REPO / "accelerate_configs" / "cpu_fsdp.yaml")
     # (the way back named the launch for CPUs too: it had named accelerate launch with a GPU config, audit 12)
     for args, said in [((fsdp, kept, "train.max_steps=4", "--resume", "auto", "--allow-recipe-change"),
-                        "was written without FSDP and this launch uses it. Resume it as it was launched: "
+                        "was written without FSDP and this launch uses it. Resume it under the launch that wrote it: "
                         f"`llmtrain finetune {tmp_path / 'kept' / 'checkpoints' / 'step_000002'}/recipe.yaml --resume "
                         f"{tmp_path / 'kept' / 'checkpoints' / 'step_000002'}`"),
                        ((fsdp, kept, "--resume", str(tmp_path / "kept" / "checkpoints" / "step_000002")),

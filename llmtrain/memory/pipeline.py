@@ -40,7 +40,7 @@ from llmtrain.memory.estimate import (_backward_layers, _cache_width, _finish, _
 from llmtrain.memory.params import LoraPlan, ModelShape, run_lora_plan
 from llmtrain.memory.reward_models import add_reward_models
 from llmtrain.memory.spec import DTYPE_BYTES, GIB, Estimate, TrainSpec
-from llmtrain.memory.states import States, accumulated_grads, optimizer_bytes, states
+from llmtrain.memory.states import States, accumulated_grads, embedding_state_bytes, optimizer_bytes, states
 from llmtrain.memory.teacher import add_stage_teacher
 from llmtrain.parallel.pipeline.split import bubble_fraction, in_flight, interleaved_rounds, rank_stages, stage_layers
 
@@ -216,7 +216,10 @@ def stage_states(shape: ModelShape, spec: TrainSpec, stage: Stage) -> States:
     return States(weights=total // shard + copy, grads=total // shard, grads_head=head // shard,
                   grads_layer=tuple(own.layer(i).params_per_layer * master // shard for i in range(own.layers)),
                   optimizer=(optimizer_bytes(total - fp32, spec.optimizer, param_bytes=master)
-                             + optimizer_bytes(fp32, spec.optimizer, param_bytes=4)) // shard,
+                             + optimizer_bytes(fp32, spec.optimizer, param_bytes=4)
+                             # a tied head: the last stage's copy of the embedding, its moments as the first's
+                             + embedding_state_bytes(replace(own, params_embed=own.params_embed + (
+                                 own.params_head if shape.tied else 0)), spec, None)) // shard,
                   ddp_buckets=0, host_offload=0)
 
 

@@ -31,6 +31,21 @@ class States:
 ADAMW_8BIT_BYTES_PER_PARAM = 2 * (1 + 4 / 256)
 
 
+def embedding_state_bytes(shape: ModelShape, spec: TrainSpec, plan: LoraPlan | None) -> int:
+    """What adamw_8bit's 32-bit moments of the trained embeddings add to optimizer_bytes' 8-bit count: bitsandbytes
+    keeps them in fp32 (8 bytes a parameter, where 8-bit moments take 2.03), as HF Trainer's adamw_bnb_8bit and peft
+    register them (modeling.build_optimizer). A full fine-tune's embedding matrix and the per-layer embeddings outside
+    the layers (Gemma's; params_other, less their projection), a LoRA run's trained copy of the embeddings."""
+    if spec.optimizer != "adamw_8bit":
+        return 0
+    if plan is None:
+        other = shape.params_other - sum(lin.numel for lin in shape.other_linears)
+        trained = shape.params_embed + max(other, 0)
+    else:
+        trained = shape.params_embed if "embed_tokens" in plan.saved_copies else 0
+    return round(trained * (8 - ADAMW_8BIT_BYTES_PER_PARAM))
+
+
 def optimizer_bytes(trainable_bytes: int, optimizer: str = "adamw", *, param_bytes: int = 4) -> int:
     """The state of train.optimizer for trainable parameters of `param_bytes` bytes each, `trainable_bytes` in all.
     adamw keeps exp_avg and exp_avg_sq in the parameter's dtype (8 bytes a parameter in fp32); the fused AdamW
@@ -95,7 +110,8 @@ def states(shape: ModelShape, spec: TrainSpec, plan: LoraPlan | None, *, whole: 
     # (a full fine-tune's head held in fp32 by rl.cast_lm_head_to_fp32: its state counted at 4 bytes a parameter)
     fp32 = shape.head_outputs * H * 4 if plan is None and spec.fp32_head and master != 4 else 0
     optim = (optimizer_bytes(whole_bytes - fp32, spec.optimizer, param_bytes=master)
-             + optimizer_bytes(trainable_bytes - whole_bytes + fp32, spec.optimizer, param_bytes=4))
+             + optimizer_bytes(trainable_bytes - whole_bytes + fp32, spec.optimizer, param_bytes=4)
+             + embedding_state_bytes(shape, spec, plan))
     weights = frozen_bytes + trainable_bytes
     reference = 0
     if spec.frozen_reference:  # the frozen copy: whole, or under FSDP its decoder sharded and its head whole

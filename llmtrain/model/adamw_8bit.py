@@ -103,8 +103,14 @@ def resume_problem(model, optimizer, folder: Path) -> str | None:
         (fqn,) = _get_fqns(model, name)
         prefix = f"optimizer.state.{fqn}.{AdamW8bit._FSDP_WRAPPED_QUANT_STATE_KEY}"
         there = {key: saved.get(f"{prefix}.{key}") for key in ("state1", "absmax1")}
+        if id(p) in optimizer.thirty_two_bit():
+            if getattr(getattr(there["state1"], "properties", None), "dtype", None) != torch.uint8:
+                continue  # 32-bit moments: read onto any shards
+            # written when an embedding's moments were 8-bit: resumed as written (the distributed checkpoint would
+            # have copied its 8-bit codes into 32-bit slots as numbers)
+            optimizer.thirty_two_bit().discard(id(p))
         if not all(hasattr(t, "chunks") for t in there.values()):  # not 8-bit moments: not this check's to judge
-            return None
+            continue
         mine, same = {}, True
         for key, (shape, mesh, placements) in (("state1", (p.shape, p.device_mesh, p.placements)),
                                                ("absmax1", absmax_layout(p))):
@@ -131,7 +137,29 @@ def resume_problem(model, optimizer, folder: Path) -> str | None:
 
 
 class AdamW8bit(bnb.optim.AdamW8bit):
-    """bnb.optim.AdamW8bit, plus parameters that are DTensors (plain ones are bitsandbytes' own path)."""
+    """bnb.optim.AdamW8bit, plus parameters that are DTensors (plain ones are bitsandbytes' own path), and 32-bit
+    moments for the parameters `embeddings()` names (ids: every nn.Embedding's weight, modeling.build_optimizer), as
+    HF Trainer's adamw_bnb_8bit and peft's LoRA+ optimizer register them with bitsandbytes (its process-wide registry
+    matches parameters by id when the optimizer first steps, and outlives the optimizer). They are looked up when the
+    optimizer first needs them, after FSDP's or tensor parallelism's prepare has put its parameters in the modules;
+    the groups stay as they are (a group of their own had put one stage's scheduler out of step with the main
+    process's, which Accelerate reads into every process)."""
+
+    def __init__(self, params, *, embeddings=None, **kwargs):
+        super().__init__(params, **kwargs)
+        self._embeddings, self._thirty_two = embeddings, None
+
+    def thirty_two_bit(self) -> set[int]:
+        """The ids of the parameters whose moments are 32-bit whatever their size."""
+        if self._thirty_two is None:
+            self._thirty_two = set(self._embeddings()) if self._embeddings is not None else set()
+        return self._thirty_two
+
+    def get_config(self, gindex, pindex, group):
+        config = super().get_config(gindex, pindex, group)
+        if id(group["params"][pindex]) in self.thirty_two_bit():
+            config["optim_bits"] = 32
+        return config
 
     @torch.no_grad()
     def init_state(self, group, p, gindex, pindex):

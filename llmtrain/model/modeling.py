@@ -743,7 +743,7 @@ def build_optimizer(model, *, lr: float, weight_decay: float, betas, eps: float,
     (every 1-D parameter). With LoRA+ (lora.lr_ratio) the groups are peft's create_loraplus_optimizer's: the B
     matrices and every trained 1-D parameter at lr x the ratio, LoRA's matrices on an embedding layer at
     lora.lr_embedding, the rest (the A matrices, modules_to_save's) at lr; each group named, the plain rate's first
-    (the lr logged is group 0's)."""
+    (the lr logged is group 0's). The 8-bit one keeps every embedding's moments in 32 bits (model/adamw_8bit.py)."""
     groups: dict[str, dict] = {}
     for name, p in model.named_parameters():
         if not p.requires_grad:
@@ -763,8 +763,22 @@ def build_optimizer(model, *, lr: float, weight_decay: float, betas, eps: float,
         need_bitsandbytes("train.optimizer=adamw_8bit", ", or set train.optimizer=adamw")
         from llmtrain.model.adamw_8bit import AdamW8bit  # bitsandbytes' own, and on sharded parameters
 
-        return AdamW8bit(groups, lr=lr, betas=tuple(betas), eps=eps)
+        # every embedding's moments in 32 bits, as HF Trainer's adamw_bnb_8bit and peft keep them (8-bit ones had put
+        # a 10-step full fine-tune 1.3e-3 from HF's in the weights; audit 43)
+        return AdamW8bit(groups, lr=lr, betas=tuple(betas), eps=eps, embeddings=lambda: embedding_ids(model))
     return torch.optim.AdamW(groups, lr=lr, betas=tuple(betas), eps=eps, fused=fused or None)
+
+
+def embedding_ids(model) -> list[int]:
+    """The ids of every embedding's weight, and of the LM head's where it is tied to the embeddings (a pipeline's last
+    stage holds it as a copy of its own, a Linear: its moments as the first stage's copy's, or the two would drift)."""
+    ids = [id(m.weight) for m in model.modules() if isinstance(m, torch.nn.Embedding)]
+    config = getattr(model, "config", None)
+    if config is not None and getattr(config.get_text_config(), "tie_word_embeddings", False):
+        head = model.get_output_embeddings()
+        if isinstance(getattr(head, "weight", None), torch.Tensor):
+            ids.append(id(head.weight))
+    return ids
 
 
 def lr_factor(step: int, *, warmup: int, total: int, schedule: str, min_ratio: float) -> float:

@@ -125,20 +125,24 @@ def export_merged(run_dir: Path, out: Path | None = None, *, say=lambda text: No
         raise LLMTrainError(f"'{out}' already exists; remove it or pass --out <new folder>.")
     if problem := cannot_create(out, "--out"):
         raise LLMTrainError(problem)
+    from safetensors import SafetensorError
+
     tmp = _beside(out)  # made before the merge: a folder the system refuses is said at once (/proc had a traceback)
     try:
         merged, tokenizer = _merge(recipe, final, say)
-        merged.save_pretrained(tmp, safe_serialization=True)
-        tokenizer.save_pretrained(tmp)
-        # the end of turn as the run trained it: its template is final/'s tokenizer's (a data.chat_template file's)
-        data = recipe.data.model_copy(update={"chat_template": recipe.data.chat_template is not False})
-        ends_turns(tmp, end_of_turn_ids(recipe.model_copy(update={"data": data}), tokenizer))
-        tmp.rename(out)
-    except BaseException as e:
+        try:
+            merged.save_pretrained(tmp, safe_serialization=True)
+            tokenizer.save_pretrained(tmp)
+            # the end of turn as the run trained it: its template is final/'s tokenizer's (a data.chat_template's)
+            data = recipe.data.model_copy(update={"chat_template": recipe.data.chat_template is not False})
+            ends_turns(tmp, end_of_turn_ids(recipe.model_copy(update={"data": data}), tokenizer))
+            tmp.rename(out)
+        except (OSError, SafetensorError) as e:  # a full disk (safetensors' own error), a folder that vanished
+            said = f"{e.strerror}: {e.filename}" if isinstance(e, OSError) and e.strerror else str(e)
+            raise LLMTrainError(f"writing the merged model to '{out}' failed ({said}); nothing was left there. Free "
+                                "space or give another --out.") from None
+    except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
-        if isinstance(e, OSError):  # a full disk, a folder that vanished: nothing is left at --out
-            raise LLMTrainError(f"writing the merged model to '{out}' failed ({e.strerror or e}: {e.filename}); "
-                                "nothing was left there. Free space or give another --out.") from None
         raise
     # a reward model's is a sequence classifier: AutoModelForCausalLM reads it with a random LM head (audit 39)
     loader = "SequenceClassification" if recipe.reward_model is not None else "CausalLM"

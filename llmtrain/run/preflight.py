@@ -114,7 +114,8 @@ def check_resume(ckpt: Path, recipe: Recipe, *, world: int, fsdp: bool, allow_re
     if sharded != fsdp and not (ckpt / "pipeline").is_dir():  # a pipeline's stage files are whole, FSDP or not
         raise LLMTrainError(
             f"checkpoint {ckpt} was written {'under' if sharded else 'without'} FSDP and this launch "
-            f"{'does not use' if sharded else 'uses'} it. Resume it as it was launched: {resume_launch(ckpt)}.")
+            f"{'does not use' if sharded else 'uses'} it. Resume it under the launch that wrote it: "
+            f"{resume_launch(ckpt)}{' (a tensor-parallel run: its own config)' if sharded else ''}.")
     staged, stages_now = (ckpt / "pipeline").is_dir(), now.get("parallel", {}).get("pipeline_parallel", 1)
     if staged != (stages_now > 1):  # another pipeline degree (or schedule) is fine: the stages' files are by name
         raise LLMTrainError(
@@ -159,7 +160,10 @@ def resume_launch(ckpt: Path) -> str:
     GPU (it had named fsdp.yaml first, "cpu_fsdp.yaml on a CPU" after; audit 41), and the recipe it holds."""
     import torch
 
-    processes = _state(ckpt).get("processes")
+    processes = _state(ckpt).get("processes")  # data-parallel ranks: a sequence group or a pipeline's stages more
+    if isinstance(processes, int):
+        parallel = _recipe_of(ckpt / "recipe.yaml").get("parallel") or {}
+        processes *= int(parallel.get("sequence_parallel") or 1) * int(parallel.get("pipeline_parallel") or 1)
     sharded = (ckpt / FSDP_MODEL_DIR).is_dir()
     if processes == 1 and not sharded:
         return f"`llmtrain finetune {ckpt}/recipe.yaml --resume {ckpt}`"

@@ -162,7 +162,8 @@ def _from_checkpoint(path: Path, recipe, device) -> Source:
                 raise LLMTrainError(f"checkpoint '{path}' holds {len(unknown)} weights this recipe's model does not "
                                     f"have (e.g. {unknown[0]}): it was written by another model. Generate with the "
                                     "recipe that wrote it")
-    if missing := sorted(wanted - set(saved) - _tied(model)):
+    # (buffers are not trained: a pipeline's stage files hold parameters alone, Gemma 4's layer_scalar is the base's)
+    if missing := sorted(wanted - set(saved) - _tied(model) - {n for n, _ in model.named_buffers()}):
         raise LLMTrainError(f"checkpoint '{path}' lacks {len(missing)} of the model's weights (e.g. {missing[0]}): "
                             "it was written by another model. Generate with the recipe that wrote it")
     model.load_state_dict(saved, strict=False)
@@ -232,8 +233,8 @@ def prompt_ids(source: Source, prompt, *, chat: bool | None = None, system_promp
     given = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else list(prompt)
     if system_prompt is not None and given[0]["role"] == "system":  # --system replaces a row's own (it had been
         given = given[1:]  # ignored without a word; audit 42); the run's system prompt leaves a row's as it is
-    messages = ([{"role": "system", "content": system}] if system is not None and given[0]["role"] != "system"
-                else []) + given
+    messages = ([{"role": "system", "content": system}] if system is not None and not (given and given[0]["role"]
+                                                                                         == "system") else []) + given
     text = tok.apply_chat_template(messages, chat_template=source.template, tokenize=False, add_generation_prompt=True)
     return tok(text, add_special_tokens=False)["input_ids"]
 
@@ -310,6 +311,7 @@ def generate_replies(source: Source, prompts: list, *, max_new_tokens: int | Non
     if (empty := next((n for n, i in enumerate(ids) if not i), None)) is not None:  # (the sampler's traceback)
         raise LLMTrainError(f"prompt {empty + 1} ({rows_in[empty]['prompt']!r}) renders to no tokens (this tokenizer "
                             "adds no BOS), so there is nothing to reply to: give it some text, or leave it out")
+    beyond_positions(source.model, ids, settings["max_new_tokens"])
     calls = Tools.of_run(source.recipe.rl, tokenizer=source.tokenizer, template=source.template,
                          stop_ids=stops) if tooled else None
     rows = [(p, i) for p in range(len(prompts)) for i in range(samples)]
@@ -354,6 +356,34 @@ def generate_replies(source: Source, prompts: list, *, max_new_tokens: int | Non
     return out
 
 
+def beyond_positions(model, ids: list[list[int]], max_new_tokens: int) -> None:
+    """A prompt and its reply past the model's max_position_embeddings: refused where the model looks positions up in a
+    table of that many (GPT-2's wpe: it had ended in an IndexError traceback at the first position past it), a warning
+    where it rotates them (RoPE: it goes on replying, past the lengths it was trained on, as transformers' generate
+    warns; audit 42)."""
+    import warnings
+
+    import torch
+
+    from llmtrain.model.modeling import context_reach
+
+    limit = context_reach(model.config.get_text_config())  # dynamic NTK RoPE: its original length x the factor
+    if not ids or not isinstance(limit, int):
+        return
+    n = max(range(len(ids)), key=lambda k: len(ids[k]))
+    if (need := len(ids[n]) + max_new_tokens) <= limit:
+        return
+    table = any(isinstance(m, torch.nn.Embedding) and m.num_embeddings == limit for name, m in model.named_modules()
+                if name.rsplit(".", 1)[-1] in ("wpe", "embed_positions", "position_embeddings"))
+    said = (f"prompt {n + 1} is {len(ids[n]):,} tokens and the reply may take {max_new_tokens:,} more "
+            f"(--max-new-tokens): {need:,} positions, past the model's max_position_embeddings of {limit:,}")
+    if table:
+        fix = (f"--max-new-tokens {limit - len(ids[n])} or less" if len(ids[n]) < limit else "a shorter prompt")
+        raise LLMTrainError(f"{said}, where it looks each position up in a table of {limit:,}: give {fix}")
+    warnings.warn(f"{said}; it replies past them on rotated positions it never trained on (transformers' generate "
+                  "warns alike)", stacklevel=2)
+
+
 def _with_system(source: Source, chat: bool | None, system_prompt: str | None):
     """A tool run's recipe as its prompts are rendered here: through its chat template (the tools are shown there:
     --no-chat is refused), with --system as the system prompt where given."""
@@ -387,7 +417,8 @@ def read_prompts(path: Path) -> list:
     def _a(kind: str) -> str:
         return f"{'an' if kind[0] in 'aeiou' else 'a'} {kind}, not text"
 
-    lines = [(n, line) for n, line in enumerate(path.read_text().splitlines(), 1) if line.strip()]
+    # (split at newlines alone: splitlines also breaks at U+2028 and form feeds, which a JSON string may hold raw)
+    lines = [(n, line.removesuffix("\r")) for n, line in enumerate(path.read_text().split("\n"), 1) if line.strip()]
     if path.suffix != ".jsonl":
         return [line for _, line in lines]
     prompts = []
