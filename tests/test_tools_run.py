@@ -140,6 +140,12 @@ def test_generate_on_a_tool_run_takes_system_and_refuses_no_chat(straight, tmp_p
     plain, told = (source.tokenizer.decode(ids) for ids in seen)
     assert "Answer with the code alone." in told and "Answer with the code alone." not in plain
     assert "lookup" in plain and "lookup" in told  # the tools' schema shown either way
+    # a row's own system message: --system replaces it, as on a run without tools (it had stayed; audit 42's review)
+    own = [{"role": "system", "content": "Be long."}, *rows[0]["prompt"]]
+    replies.generate_replies(source, [{"prompt": own}], samples=1, tools=False, system_prompt="Answer with the code "
+                             "alone.")
+    replaced = source.tokenizer.decode(seen[-1])
+    assert "Answer with the code alone." in replaced and "Be long." not in replaced
     refused = invoke("generate", str(run), "the code of abcd?", "--no-chat", check=False)
     said = " ".join((refused.stdout + refused.stderr).split())
     assert refused.returncode == 2 and "--no-chat" in said and "Leave --no-chat out" in said, said

@@ -230,9 +230,8 @@ def prompt_ids(source: Source, prompt, *, chat: bool | None = None, system_promp
     if not chat:
         return tok(prompt, add_special_tokens=True)["input_ids"]
     no_template(source)
-    given = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else list(prompt)
-    if system_prompt is not None and given[0]["role"] == "system":  # --system replaces a row's own (it had been
-        given = given[1:]  # ignored without a word; audit 42); the run's system prompt leaves a row's as it is
+    given = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else _own_system_off(prompt,
+                                                                                                 system_prompt)
     messages = ([{"role": "system", "content": system}] if system is not None and not (given and given[0]["role"]
                                                                                          == "system") else []) + given
     text = tok.apply_chat_template(messages, chat_template=source.template, tokenize=False, add_generation_prompt=True)
@@ -305,6 +304,7 @@ def generate_replies(source: Source, prompts: list, *, max_new_tokens: int | Non
     stops = stops_for(lm, source.tokenizer, turn)
     # a tool run's prompts show the tools, as its own did (--no-tools too), with --system in place of its system prompt
     render = prompt_renderer(_with_system(source, chat, system_prompt), source.tokenizer) if source.tools else None
+    rows_in = [{**r, "prompt": _own_system_off(r["prompt"], system_prompt)} if render else r for r in rows_in]
     ids = [render(r["prompt"], n) if render else prompt_ids(source, r["prompt"], chat=chat, system_prompt=system_prompt,
                                                             row=r)
            for n, r in enumerate(rows_in)]
@@ -354,6 +354,14 @@ def generate_replies(source: Source, prompts: list, *, max_new_tokens: int | Non
             if each_batch is not None:  # the command's output of each batch as it is done (a stop keeps them)
                 each_batch(out[-len(part):])
     return out
+
+
+def _own_system_off(prompt, system_prompt: str | None):
+    """A prompt's messages without their own system message where --system replaces it (it had been ignored without a
+    word; audit 42); the run's system prompt leaves a row's own as it is, as its rows were rendered."""
+    if system_prompt is not None and isinstance(prompt, list) and prompt and prompt[0].get("role") == "system":
+        return list(prompt[1:])
+    return list(prompt) if isinstance(prompt, list) else prompt
 
 
 def beyond_positions(model, ids: list[list[int]], max_new_tokens: int) -> None:
