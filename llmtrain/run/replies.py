@@ -303,8 +303,9 @@ def generate_replies(source: Source, prompts: list, *, max_new_tokens: int | Non
         turn = run_end_of_turn(source.recipe, source.tokenizer)
     stops = stops_for(lm, source.tokenizer, turn)
     # a tool run's prompts show the tools, as its own did (--no-tools too), with --system in place of its system prompt
-    render = prompt_renderer(_with_system(source, chat, system_prompt), source.tokenizer) if source.tools else None
-    rows_in = [{**r, "prompt": _own_system_off(r["prompt"], system_prompt)} if render else r for r in rows_in]
+    # (--system in place of a row's own system message too, as prompt_ids renders it; the row itself as given)
+    shown = prompt_renderer(_with_system(source, chat, system_prompt), source.tokenizer) if source.tools else None
+    render = (lambda prompt, n: shown(_own_system_off(prompt, system_prompt), n)) if shown else None
     ids = [render(r["prompt"], n) if render else prompt_ids(source, r["prompt"], chat=chat, system_prompt=system_prompt,
                                                             row=r)
            for n, r in enumerate(rows_in)]
