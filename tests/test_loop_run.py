@@ -119,6 +119,30 @@ def test_resume_is_exact_whatever_the_logging_cadence(recipe, tmp_path, monkeypa
     assert [r["loss"] for r in records(tmp_path / "cut")] == [r["loss"] for r in records(tmp_path / "straight")]
 
 
+def test_a_resumed_runs_tensorboard_draws_each_step_once(recipe, tmp_path, monkeypatch):
+    """Stopped after step 3 with a checkpoint at step 2: the resume runs step 3 again. metrics.jsonl kept each step
+    once, but TensorBoard's event files held step 3 twice (the resumed run appends to tb/): purged now."""
+    pytest.importorskip("tensorboard")
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    common = ["train.max_steps=4", "checkpoint.every_steps=2", "logging.every_steps=1",
+              "logging.report_to=[tensorboard]"]
+
+    def crash():
+        raise RuntimeError("preempted")
+
+    _interrupt_at(monkeypatch, 4, crash)  # after step 3
+    with pytest.raises(RuntimeError, match="preempted"):
+        run_train(recipe, *common)
+    monkeypatch.undo()
+    run_train(recipe, *common, resume="auto")
+    events = EventAccumulator(str(tmp_path / "run" / "tb"))
+    events.Reload()
+    drawn = [(e.step, e.value) for e in events.Scalars("train/loss")]
+    assert [step for step, _ in drawn] == [1, 2, 3, 4]
+    assert [v for _, v in drawn] == pytest.approx([r["loss"] for r in records(tmp_path / "run")], rel=1e-6)
+
+
 def test_resumed_run_reports_the_speed_of_this_process_and_the_clock_of_the_whole_run(recipe, tmp_path,
                                                                                        monkeypatch):
     """Before: a run resumed at step 6 of 12 divided the tokens of all 12 steps by the time of the last 6, and

@@ -283,3 +283,29 @@ def test_finetune_reports_to_wandb_offline(monkeypatch, tmp_path, tiny_assets):
     logged = [json.loads(ln) for ln in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     assert [row["_step"] for row in history] == [1, 2, 3]
     assert [row["train/loss"] for row in history] == pytest.approx([r["loss"] for r in logged])
+
+
+def test_a_resumed_runs_tensorboard_holds_each_step_once(tmp_path):
+    """A run stopped at step 3 had logged steps 1-3 past its checkpoint at step 1; the resume logs steps 2-3 again.
+    metrics.jsonl drops the lines after the checkpoint (MetricsLog) and TensorBoard purges its events past it (its
+    SummaryWriter's purge_step): each step once, the resumed values (it had drawn both, a zigzag in every panel)."""
+    pytest.importorskip("tensorboard")
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    def run(lines, resume_step):
+        log = MetricsLog(tmp_path, enabled=True, resume_step=resume_step,
+                         trackers=open_trackers(["tensorboard"], output_dir=tmp_path, config={},
+                                                resume_step=resume_step))
+        for line in lines:
+            log.write(line)
+        log.close()
+
+    run(LINES, None)
+    again = [{**line, "loss": line["loss"] and 9.0} for line in LINES if line["step"] > 1 and line["type"] == "train"]
+    run(again, 1)
+    events = EventAccumulator(str(tmp_path / "tb"))
+    events.Reload()
+    assert [(e.step, e.value) for e in events.Scalars("train/loss")] == [(1, 2.5), (3, 9.0)]
+    assert [e.step for e in events.Scalars("train/lr")] == [1, 2, 3]
+    assert events.Scalars("eval/loss") == []  # step 3's eval was after the checkpoint and not run again
+    assert [json.loads(ln)["step"] for ln in (tmp_path / "metrics.jsonl").read_text().splitlines()] == [1, 2, 3]

@@ -696,11 +696,12 @@ def open_log(recipe: Recipe, accelerator, state: TrainState, *, resumed: bool, n
              say) -> MetricsLog:
     """metrics.jsonl (lines after the checkpoint dropped on resume) and the trackers of logging.report_to."""
     out = Path(recipe.output_dir)
+    resume_step = state.step if resumed else None
     trackers = (open_trackers(recipe.logging.report_to, output_dir=out, config=recipe.model_dump(mode="json"),
-                              project=recipe.logging.project, run_name=recipe.logging.run_name)
+                              project=recipe.logging.project, run_name=recipe.logging.run_name,
+                              resume_step=resume_step)
                 if accelerator.is_main_process else [])
-    log = MetricsLog(out, enabled=accelerator.is_main_process, trackers=trackers,
-                     resume_step=state.step if resumed else None)
+    log = MetricsLog(out, enabled=accelerator.is_main_process, trackers=trackers, resume_step=resume_step)
     for note in notes:  # allowed recipe changes at resume (--allow-recipe-change): said, and on record
         say(f"note: {note}")
         log.write({"type": "note", "step": state.step, "note": note})

@@ -5,7 +5,8 @@ A tracker receives every metrics line that MetricsLog writes to metrics.jsonl (w
 run) and, when it opens, the run's resolved recipe as its config. Trackers run on the main process only.
 Numbers are logged as `<type>/<name>`: `train/loss`, `train/lr`, `eval/loss`, `eval/teacher_forced_match`, ...
 
-- tensorboard: event files in <output_dir>/tb; the recipe as a text entry.
+- tensorboard: event files in <output_dir>/tb; the recipe as a text entry; a resume purges the events past its
+  checkpoint (the steps that run again), as metrics.jsonl drops their lines.
 - wandb: the run files in <output_dir>/wandb. WANDB_MODE=offline needs no account and no network (sync
   later with `wandb sync`); WANDB_PROJECT, WANDB_ENTITY and the other WANDB_* variables apply as usual.
 - mlflow: wherever MLFLOW_TRACKING_URI points (a server, or mlflow's own default, ./mlflow.db); the recipe
@@ -81,11 +82,13 @@ def _check_wandb_account(wandb) -> None:
 
 
 def open_trackers(names: list[str], *, output_dir: Path, config: dict, project: str | None = None,
-                  run_name: str | None = None) -> list[Tracker]:
+                  run_name: str | None = None, resume_step: int | None = None) -> list[Tracker]:
     """Open the trackers of logging.report_to (duplicates ignored), each given `config` (the resolved recipe).
 
     project: the wandb project / mlflow experiment (default: WANDB_PROJECT / MLFLOW_EXPERIMENT_NAME, else
-    'llmtrain'); run_name: the tracker run's name (default: the output_dir folder name).
+    'llmtrain'); run_name: the tracker run's name (default: the output_dir folder name); resume_step: the step a
+    resume continues from, past which TensorBoard's event files are purged as metrics.jsonl's lines are (wandb and
+    mlflow start a run of their own at each resume).
     """
     output_dir = Path(output_dir)
     run_name = run_name or output_dir.resolve().name
@@ -94,7 +97,7 @@ def open_trackers(names: list[str], *, output_dir: Path, config: dict, project: 
         for name in dict.fromkeys(names):
             _require(name)  # an unknown name or a missing library fails here
             if name == "tensorboard":
-                opened.append(TensorBoardTracker(output_dir / "tb", config=config))
+                opened.append(TensorBoardTracker(output_dir / "tb", config=config, resume_step=resume_step))
             elif name == "wandb":
                 opened.append(WandbTracker(output_dir, config=config, project=project, run_name=run_name))
             else:
@@ -120,11 +123,14 @@ def _require(name: str):
 
 
 class TensorBoardTracker:
-    def __init__(self, log_dir: Path, *, config: dict):
+    def __init__(self, log_dir: Path, *, config: dict, resume_step: int | None = None):
         _require("tensorboard")
         from torch.utils.tensorboard import SummaryWriter
 
-        self.writer = SummaryWriter(str(log_dir))
+        # A resume appends to the same folder: TensorBoard drops the earlier files' events at and after purge_step
+        # (the steps that run again), as MetricsLog drops metrics.jsonl's lines; at step 0 it starts again, all of them
+        self.writer = SummaryWriter(str(log_dir), purge_step=None if resume_step is None else
+                                    resume_step + 1 if resume_step > 0 else 0)
         if config:  # TensorBoard renders text as markdown: indent four spaces for a code block
             self.writer.add_text("recipe", "    " + yaml.safe_dump(config, sort_keys=False).replace("\n", "\n    "))
 
