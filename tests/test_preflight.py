@@ -94,3 +94,26 @@ def test_other_new_tokens_are_refused_whatever_the_flags(tmp_path, lora):
         with pytest.raises(LLMTrainError, match=r"has model.new_tokens=\[\] and this recipe model.new_tokens="
                                                 r"\['<x>'\]: the embedding and the head have other rows"):
             check_resume(ckpt, grown, world=1, fsdp=False, allow_recipe_change=allow)
+
+
+@pytest.mark.parametrize(("change", "says"), [
+    (["lora.lr_ratio=16"], r"lora.lr_ratio=None and this recipe lora.lr_ratio=16.0: LoRA\+ gives the optimizer "
+                           r"other parameter groups"),
+    (["lora.dora=true"], r"lora.dora=False and this recipe lora.dora=True: the adapter's parameters differ"),
+])
+def test_an_adapter_change_the_checkpoint_cannot_be_read_into_is_refused_whatever_the_flags(tmp_path, change, says):
+    """Turning LoRA+ on (its own groups for lora_B and the embeddings) or DoRA (its magnitude vectors) at a resume had
+    passed the checks with --allow-recipe-change, then ended in the optimizer's 'loaded state dict has a different
+    number of parameter groups' traceback, or DoRA's refusal once the model was built (audit 47); a rate of LoRA+
+    changed to another stays allowed (the groups are the same, their rates put back after the load)."""
+    recipe = load_recipe(RECIPES / "tiny.yaml", ["lora.r=4"])
+    ckpt = _checkpoint(tmp_path, recipe)
+    for allow in (False, True):
+        with pytest.raises(LLMTrainError, match=says):
+            check_resume(ckpt, load_recipe(RECIPES / "tiny.yaml", ["lora.r=4", *change]), world=1, fsdp=False,
+                         allow_recipe_change=allow)
+    (tmp_path / "plus").mkdir()
+    plus = _checkpoint(tmp_path / "plus", load_recipe(RECIPES / "tiny.yaml", ["lora.r=4", "lora.lr_ratio=16"]))
+    notes = check_resume(plus, load_recipe(RECIPES / "tiny.yaml", ["lora.r=4", "lora.lr_ratio=8"]), world=1,
+                         fsdp=False, allow_recipe_change=True)
+    assert any("lora.lr_ratio changed from 16.0 to 8.0" in n for n in notes)

@@ -85,11 +85,18 @@ def check_resume(ckpt: Path, recipe: Recipe, *, world: int, fsdp: bool, allow_re
                             f"{got!r}: the embedding and the head have other rows, which the checkpoint's cannot be "
                             f"read into. Set model.new_tokens={was!r} to resume it. {how}")
     if saved.get("lora") is not None:
-        for key in ("r", "target_modules", "modules_to_save"):
-            if saved["lora"].get(key) != now["lora"].get(key):
-                raise LLMTrainError(f"checkpoint {ckpt} has lora.{key}={saved['lora'].get(key)!r} and this recipe "
-                                    f"lora.{key}={now['lora'].get(key)!r}: the adapter's shapes differ. Set "
-                                    f"lora.{key}={saved['lora'].get(key)!r} to resume it. {how}")
+        # what the checkpoint's adapter or optimizer state cannot be read into (another value of the others is a
+        # change of what the run trains: OBJECTIVE); LoRA+'s rates, not whether it is on, may change
+        for key, why in (("r", "the adapter's shapes differ"), ("target_modules", "the adapter's shapes differ"),
+                         ("modules_to_save", "the adapter's shapes differ"),
+                         ("dora", "the adapter's parameters differ (DoRA's magnitude vectors)"),
+                         ("lr_ratio", "LoRA+ gives the optimizer other parameter groups (lora_B's, the embeddings') "
+                                      "than plain LoRA")):
+            was, got = saved["lora"].get(key), now["lora"].get(key)
+            if was != got and (key != "lr_ratio" or None in (was, got)):
+                raise LLMTrainError(f"checkpoint {ckpt} has lora.{key}={was!r} and this recipe lora.{key}={got!r}: "
+                                    f"{why}, which the checkpoint's state cannot be read into. Set lora.{key}={was!r} "
+                                    f"to resume it. {how}")
     if (was := _get(saved, "train.optimizer") or "adamw") != now["train"]["optimizer"]:
         raise LLMTrainError(f"checkpoint {ckpt} holds train.optimizer={was}'s state and this recipe has "
                             f"train.optimizer={now['train']['optimizer']}: one optimizer's state cannot be read into "
