@@ -20,9 +20,28 @@ from llmtrain.errors import RecipeError
 from llmtrain.overrides import apply_overrides
 
 
+def _takes(annotation, kinds: tuple[type, ...]) -> bool:
+    """Whether a field's annotation (through Optional, unions and Annotated, not into lists) takes one of `kinds`."""
+    import typing
+
+    if annotation in kinds:
+        return True
+    return typing.get_origin(annotation) not in (list, tuple, dict, Literal) and any(
+        _takes(a, kinds) for a in typing.get_args(annotation))
+
+
 class Section(BaseModel):
     # Unknown keys are errors, never silently ignored: a typo must not change a run.
     model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+    @field_validator("*", mode="before")
+    @classmethod
+    def _no_boolean_for_a_number(cls, v: Any, info) -> Any:
+        """YAML's true (yes, on) is not a number, which pydantic would read as 1: `train.lr=yes` trained at 1.0."""
+        annotation = cls.model_fields[info.field_name].annotation
+        if isinstance(v, bool) and _takes(annotation, (int, float)) and not _takes(annotation, (bool,)):
+            raise ValueError(f"is a number, not {str(v).lower()} (YAML reads true, yes and on as true)")
+        return v
 
     def off_default(self, key: str) -> bool:
         """Whether `key` holds another value than its default: what a refusal or a warning of a key set where it is
@@ -45,7 +64,15 @@ class RopeScaling(BaseModel):
     @model_validator(mode="after")
     def _own_fields(self) -> RopeScaling:
         """The fields transformers requires of a type beyond the factor (modeling_rope_utils' _validate_*), asked for
-        here rather than met as a KeyError when the model is built."""
+        here rather than met as a KeyError when the model is built; a key the type does not read is refused (yarn's
+        beta_fst had passed through and changed nothing)."""
+        for k in self.model_extra or {}:
+            if k not in ROPE_KEYS[self.rope_type]:
+                near = difflib.get_close_matches(k, sorted(ROPE_KEYS[self.rope_type]), n=1, cutoff=0.6)
+                reads = ", ".join(sorted(ROPE_KEYS[self.rope_type])) or "nothing beyond the factor"
+                raise ValueError(f"rope_type {self.rope_type} reads no {k}"
+                                 + (f" (did you mean {near[0]}?)" if near else "")
+                                 + f"; its keys beyond rope_type, factor and original_max_position_embeddings: {reads}")
         missing = [k for k in ROPE_FIELDS.get(self.rope_type, {}) if getattr(self, k, None) is None]
         if missing:
             example = ", ".join(f"{k}: {v}" for k, v in ROPE_FIELDS[self.rope_type].items())
@@ -67,6 +94,11 @@ class RopeScaling(BaseModel):
 # The fields each rope_type needs beyond the factor (transformers' required keys), with Llama 3.1's and a short example
 ROPE_FIELDS = {"llama3": {"low_freq_factor": 1.0, "high_freq_factor": 4.0},
                "longrope": {"short_factor": "[1.0, ...]", "long_factor": "[1.0, ...]"}}
+# Every key a rope_type reads beyond rope_type, factor and original_max_position_embeddings (transformers 5's
+# modeling_rope_utils: each _validate_*_rope_parameters' required and optional keys; rope_theta is the model's)
+ROPE_KEYS = {"linear": set(), "dynamic": set(), "llama3": {"low_freq_factor", "high_freq_factor"},
+             "yarn": {"attention_factor", "beta_fast", "beta_slow", "mscale", "mscale_all_dim", "truncate"},
+             "longrope": {"short_factor", "long_factor", "attention_factor"}}
 
 
 def tiled_mlp_shard(setting: bool | int | None, hidden_size: int) -> int | None:
@@ -177,8 +209,8 @@ class ModelConfig(Section):
 
 class LoraConfig(Section):
     r: int = Field(16, gt=0, description="LoRA rank.")
-    alpha: float = Field(32.0, gt=0, description="LoRA scaling numerator (scale = alpha / r; alpha / sqrt(r) with "
-                         "lora.rslora).")
+    alpha: float = Field(32.0, gt=0, allow_inf_nan=False, description="LoRA scaling numerator (scale = alpha / r; "
+                         "alpha / sqrt(r) with lora.rslora).")
     rslora: bool = Field(False, description="Rank-stabilised LoRA (Kalajdzievski 2023; peft's use_rslora): the "
                          "adapter's scale is alpha / sqrt(r) instead of alpha / r, so that a higher rank does not "
                          "learn more slowly at the same alpha and lr.")
@@ -198,13 +230,28 @@ class LoraConfig(Section):
     lr_embedding: float = Field(1e-6, gt=0, allow_inf_nan=False, description="With lora.lr_ratio: the learning rate "
                                 "of LoRA's matrices on an embedding layer (peft's loraplus_lr_embedding).")
     target_modules: str | list[str] = Field(
-        "all-linear", description="Module names to adapt, or 'all-linear' for every linear layer but the LM head."
+        "all-linear", description="A list of module names to adapt ([q_proj, v_proj]), 'all-linear' for every linear "
+        "layer but the LM head, or (text) peft's regular expression of the whole module path."
     )
     modules_to_save: list[str] | None = Field(None, description="Modules trained in full and saved with the adapter.")
     target_parameters: list[str] | None = Field(
         None, description="Parameters to adapt besides the modules, by name (a suffix: mlp.experts.gate_up_proj): a "
         "mixture of experts' 3-D expert weights where all-linear does not reach them (GPT-OSS's), as peft's "
         "target_parameters. Each expert gets its own A and B; lora.dropout must be 0.")
+
+    @field_validator("target_modules")
+    @classmethod
+    def _names_are_a_list(cls, v: str | list[str]) -> str | list[str]:
+        """peft reads text as a regular expression of the whole module path (model.layers.0.self_attn.q_proj), so a
+        plain name (q_proj, q_proj,v_proj) matches no layer: it had been refused at the model's load by a message
+        that listed q_proj among the layers (audit 47)."""
+        if isinstance(v, str) and v != "all-linear" and re.fullmatch(r"[\w,\s-]+", v):
+            names = [n.strip() for n in v.split(",") if n.strip()]
+            hint = ("'all-linear' for every linear layer" if v.replace("_", "-").lower() == "all-linear" else
+                    f"a list: lora.target_modules=[{','.join(names)}] ({names!r} in YAML)")
+            raise ValueError(f"text here is peft's regular expression of the whole module path, which {v!r} matches "
+                             f"in no model; give {hint}")
+        return v
 
 
 DataFormat = Literal["alpaca", "messages", "prompt_completion", "text", "preference", "unpaired", "prompt"]
@@ -431,10 +478,11 @@ class TrainConfig(Section):
         "(pip install 'llmtrain[qlora]'). Under FSDP, HSDP, FSDP x TP and FSDP-sharded pipeline stages each process "
         "updates its own shard (the moments resume on the same shards, or any that split whole rows into whole blocks "
         "of 256).")
-    weight_decay: float = Field(0.0, ge=0, description="AdamW decoupled weight decay (not applied to any 1-D "
-                                "parameter: norms, biases, DoRA's magnitudes).")
-    betas: tuple[float, float] = Field((0.9, 0.999), description="AdamW betas.")
-    eps: float = Field(1e-8, gt=0, description="AdamW epsilon.")
+    weight_decay: float = Field(0.0, ge=0, allow_inf_nan=False, description="AdamW decoupled weight decay (not "
+                                "applied to any 1-D parameter: norms, biases, DoRA's magnitudes).")
+    betas: tuple[Annotated[float, Field(ge=0, lt=1)], Annotated[float, Field(ge=0, lt=1)]] = Field(
+        (0.9, 0.999), description="AdamW betas, each in [0, 1).")
+    eps: float = Field(1e-8, gt=0, allow_inf_nan=False, description="AdamW epsilon.")
     neftune_alpha: float | None = Field(
         None, gt=0, allow_inf_nan=False, description="NEFTune (Jain et al. 2023; Hugging Face's and TRL's "
         "neftune_noise_alpha, LLaMA-Factory's neftune_alpha): supervised fine-tuning's input embeddings gain uniform "
@@ -953,6 +1001,16 @@ MERGED_COPY = (
     "the update too). A copy that does not fit beside the KV cache samples unmerged, with a warning.")
 
 
+def _as_bool(value: Any) -> bool | None:
+    """A switch's value as its bool field reads it (true, 'yes', 0, ...), None where that field refuses it."""
+    from pydantic import TypeAdapter
+
+    try:
+        return TypeAdapter(bool).validate_python(value)
+    except ValidationError:
+        return None
+
+
 def _switched(data: dict, keys: dict, *, on: bool, reader: str, fix: str) -> None:
     """A switch's own keys in an rl: section (`data`): their defaults (`keys`) filled in where it is on; where it is
     off, any given is refused, naming what reads them (`reader`) and how to turn it on (`fix`)."""
@@ -1206,9 +1264,11 @@ class RLConfig(Section):
                 data["top_entropy_quantile"] = 1.0
             if data.get("entropy_coef") is None:
                 data["entropy_coef"] = 0.0
-            _switched(data, ADAPTIVE_ENTROPY, on=bool(data.get("use_adaptive_entropy")),
+            switch = _as_bool(data.get("use_adaptive_entropy"))  # not Python's truth: 'fasle' had turned it on
+            _switched(data, ADAPTIVE_ENTROPY, on=switch is True,
                       reader="adaptive entropy control, which is off", fix="set rl.use_adaptive_entropy=true")
-            data["use_adaptive_entropy"] = bool(data.get("use_adaptive_entropy"))
+            if switch is not None or data.get("use_adaptive_entropy") is None:  # else the field's check refuses it
+                data["use_adaptive_entropy"] = bool(switch)
             _switched(data, SAMPLER_CORRECTION, on=data.get("sampler_correction") is not None,
                       reader="rl.sampler_correction, which is off",
                       fix="set rl.sampler_correction (e.g. sequence_mask, TRL's with vLLM)")
@@ -1355,10 +1415,17 @@ class BenchmarkConfig(Section):
                              "include_path).")
     num_fewshot: int | None = Field(None, ge=0, description="Few-shot examples; unset: each task's own.")
     limit: float | None = Field(None, gt=0, description="At most this many examples a task (below 1: a share).")
-    batch_size: Annotated[int, Field(gt=0)] | Literal["auto"] = Field(1, description="Examples a forward pass, or "
+    batch_size: int | Literal["auto"] = Field(1, description="Examples a forward pass, or "
                                                                        "auto.")
     include_path: list[str] = Field(default_factory=list, description="Folders of task YAML files (local data).")
     apply_chat_template: bool = Field(False, description="Render each request through the model's chat template.")
+
+    @field_validator("batch_size")
+    @classmethod
+    def _examples(cls, v: int | str) -> int | str:
+        if isinstance(v, int) and v <= 0:  # (one line; a bound inside the union was two in pydantic's words)
+            raise ValueError("expected a whole number above 0, or auto")
+        return v
 
 
 class Recipe(Section):
@@ -1629,7 +1696,9 @@ _ALIASES = {
     "gradient_accumulation_steps": "grad_accum_steps", "num_epochs": "epochs", "num_train_epochs": "epochs",
     "save_steps": "every_steps", "save_total_limit": "keep_last", "lora_r": "r", "lora_alpha": "alpha",
     "sequence_len": "max_seq_len", "max_length": "max_seq_len", "torch_dtype": "dtype",
-    "sync_ref_model": "sync_reference", "ref_model_sync_steps": "every_steps", "ref_model_mixup_alpha": "alpha",
+    "sync_ref_model": "sync_reference", "ref_model_sync_steps": ("every_steps", "sync_reference.every_steps"),
+    "ref_model_mixup_alpha": ("alpha", "sync_reference.alpha"), "kl_coef": "beta",
+    "vllm_importance_sampling_correction": "sampler_correction",
 }
 
 
@@ -1655,12 +1724,14 @@ def _nearest(key: str) -> list[str]:
     prefix = section + "." if section else ""
     siblings = [k.rsplit(".", 1)[-1] for k in keys if k.startswith(prefix) and k.count(".") == key.count(".")]
     named = [prefix + k for k in siblings if k.startswith(leaf + "_")]  # parallel.pipeline: each pipeline_* key
-    if _ALIASES.get(leaf) in siblings:
-        return [prefix + _ALIASES[leaf]]
+    targets = _ALIASES.get(leaf, ())  # one key, or where it is by level (ref_model_sync_steps: TRL's DPOConfig's)
+    for target in (targets,) if isinstance(targets, str) else targets:
+        if prefix + target in keys:
+            return [prefix + target]
     if len(named) > 1:
         return named
     # a misspelt alias counts as the alias (train.lerning_rate: train.lr)
-    aliases = {prefix + a: prefix + ours for a, ours in _ALIASES.items() if ours in siblings}
+    aliases = {prefix + a: prefix + ours for a, ours in _ALIASES.items() if isinstance(ours, str) and ours in siblings}
     close = [aliases.get(k, k) for k in difflib.get_close_matches(key, keys + list(aliases), n=1, cutoff=0.75)]
     return close or [prefix + m for m in difflib.get_close_matches(leaf, siblings, n=1, cutoff=0.5)]
 
@@ -1668,6 +1739,29 @@ def _nearest(key: str) -> list[str]:
 # pydantic's names for the members of a union (model.tiled_mlp: bool | int), as a reader would say them
 _KINDS = {"bool": "true or false", "int": "a whole number", "float": "a number", "str": "text",
           "list[str]": "a list of text", "list[float]": "a list of numbers", "list[int]": "a list of whole numbers"}
+
+
+def _kind(member: str) -> str:
+    """A union member as a reader would say it: literal['auto'] is auto."""
+    if member.startswith("literal[") and member.endswith("]"):
+        return " or ".join(c.strip().strip("'\"") for c in member[len("literal["):-1].split(","))
+    return _KINDS.get(member, member)
+
+
+def _items(key: str) -> int | None:
+    """The items a pair-like key takes (train.betas: 2), None where it is not a fixed-length tuple."""
+    import typing
+
+    model: Any = Recipe
+    annotation = None
+    for part in key.split("."):
+        field = getattr(model, "model_fields", {}).get(part)
+        if field is None:
+            return None
+        annotation = field.annotation
+        model = next((a for a in (annotation, *typing.get_args(annotation))
+                      if isinstance(a, type) and issubclass(a, BaseModel)), None)
+    return len(typing.get_args(annotation)) if typing.get_origin(annotation) is tuple else None
 
 
 def _union_member(part) -> bool:
@@ -1696,14 +1790,25 @@ def recipe_errors(err: ValidationError, source: str, overrides: list[str] | None
         override = given.get(key) or (next((o for k, o in given.items() if k.startswith(f"{key}.")), None)
                                       if e["type"] == "extra_forbidden" else None)
         label = f"{key} (the override {override})" if override and key else key
+        if member is not None and e.get("input") is None and (default := _default(key)) is not None:
+            if key not in unions:  # `eval.batch_size=null`: said once, as a key outside a union is
+                unions[key] = None
+                lines.append(f"  - {label}: cannot be null (the key has no unset state; its default is {default!r}): "
+                             "set a value")
+            continue
         if member is not None and e["type"] not in ("extra_forbidden", "missing"):
             if key not in unions:
                 unions[key] = []
                 lines.append((key, label))
-            unions[key].append((_KINDS.get(loc[member], loc[member]), e.get("input"), len(loc) == member + 1))
+            unions[key].append((_kind(loc[member]), e.get("input"), len(loc) == member + 1))
             continue
         if e["type"] == "extra_forbidden":
             lines.append(f"  - {label}: unknown key{_suggest(key)}")
+        elif e["type"] == "missing" and isinstance(e["loc"][-1], int) and (n := _items(key.rpartition(".")[0])):
+            # a pair's second item (train.betas=[0.9]) is not a key
+            whole = key.rpartition(".")[0]
+            label = f"{whole} (the override {given[whole]})" if whole in given else whole
+            lines.append(f"  - {label}: expected {n} items, got {len(e.get('input') or [])}")
         elif e["type"] == "missing":
             lines.append(f"  - {label}: required key is missing")
         elif e["type"] in ("model_type", "dict_type"):

@@ -29,14 +29,17 @@ def parse_override(text: str, schema: type[BaseModel]) -> tuple[list[str], Any]:
         raise RecipeError(f"Override '{text}' has an empty key.")
     parts = key.split(".")
     kinds = _value_kinds(parts, schema)
-    if kinds is not None and kinds <= {str, type(None)}:
-        if raw in ("null", "~") or raw == "" and type(None) in kinds:
+    text_only = kinds is not None and kinds <= {str, type(None)}
+    if raw == "":  # a script's empty $STEPS (or $OUT: output_dir= had written the run into the current folder) would
+        # otherwise unset the key, or set it to the empty text
+        raise RecipeError(f"Override '{text}' has no value. Give one (for example {key}="
+                          f"{'runs/x' if text_only else '8'}), or {key}=null to unset the key"
+                          + (f" ({key}='' for the empty text)." if text_only else "."))
+    if text_only:
+        if raw in ("null", "~"):
             return parts, None  # where the key may not be null, validation says so and names its default
         quoted = len(raw) >= 2 and raw[0] == raw[-1] and raw[0] in "'\""
         return parts, _yaml(raw, text) if quoted else raw
-    if raw == "":  # (a script's empty $STEPS would otherwise unset the key and run with its default)
-        raise RecipeError(f"Override '{text}' has no value. Give one (for example {key}=8), or {key}=null to unset "
-                          "the key.")
     return parts, _yaml(raw, text)
 
 

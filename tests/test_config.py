@@ -279,3 +279,113 @@ def test_the_preference_settings_their_loss_reads_are_taken():
     assert PreferenceConfig(loss="discopop", discopop_tau=0.3).discopop_tau == 0.3
     assert PreferenceConfig(loss="dpo", ld_alpha=0.5, wpo=True).wpo
     assert PreferenceConfig(loss="dpo", sft_weight=0.3).sft_weight == 0.3
+
+
+@pytest.mark.parametrize("override", ["train.lr=yes", "train.max_steps=true", "lora.r=true", "lora.alpha=on",
+                                      "checkpoint.keep_last=yes", "train.grad_accum_steps=false"])
+def test_a_boolean_is_not_taken_as_a_number(recipe_file, override):
+    """YAML reads yes, on and true as true, which pydantic took as 1 in every number key: `train.lr=yes` trained at
+    a learning rate of 1.0 (audit 47; parallel.* alone refused it)."""
+    key, _, value = override.partition("=")
+    with pytest.raises(RecipeError) as e:
+        load_recipe(recipe_file, [override])
+    assert f"{key} (the override {override}): is a number, not {str(yaml.safe_load(value)).lower()}" in str(e.value)
+
+
+def test_a_key_with_no_value_is_refused_whatever_its_type(recipe_file):
+    """`output_dir=$OUT` with OUT unset wrote the run into the current folder, and `model.name_or_path=` was the
+    text '' (a number key had been refused); `key=null` unsets a key, `key=''` is the empty text."""
+    for override in ("output_dir=", "model.name_or_path=", "model.tokenizer=", "train.max_steps="):
+        with pytest.raises(RecipeError, match=f"Override '{re.escape(override)}' has no value"):
+            load_recipe(recipe_file, [override])
+    assert load_recipe(recipe_file, ["model.tokenizer=null"]).model.tokenizer is None
+    assert load_recipe(recipe_file, ["data.system_prompt=''"]).data.system_prompt == ""
+
+
+@pytest.mark.parametrize(("override", "says"), [
+    ("train.betas=[1.5,0.999]", "train.betas.0: Input should be less than 1"),
+    ("train.betas=[0.9,-1]", "train.betas.1: Input should be greater than or equal to 0"),
+    ("train.eps=.inf", "train.eps (the override train.eps=.inf): Input should be a finite number"),
+    ("train.weight_decay=.inf", "train.weight_decay (the override train.weight_decay=.inf): Input should be a finite"),
+    ("lora.alpha=.inf", "lora.alpha (the override lora.alpha=.inf): Input should be a finite number"),
+    ("train.max_grad_norm=.nan", "train.max_grad_norm (the override train.max_grad_norm=.nan): Input should be a "
+                                 "finite number"),
+])
+def test_optimizer_and_adapter_numbers_out_of_their_range_are_refused(recipe_file, override, says):
+    """AdamW's betas outside [0, 1) had ended in torch's traceback at the first step, an infinite eps trained nothing
+    and an infinite weight decay diverged with the advice to lower the learning rate (audit 47)."""
+    with pytest.raises(RecipeError) as e:
+        load_recipe(recipe_file, [override])
+    assert says in str(e.value)
+
+
+def test_adaptive_entropys_switch_is_a_boolean():
+    """`rl.use_adaptive_entropy=fasle` (or 2, or maybe) turned it on: the switch was read as Python's truth before
+    validation (audit 47)."""
+    grpo = REPO / "recipes" / "tiny-grpo.yaml"
+    for value in ("fasle", "2", "maybe"):
+        with pytest.raises(RecipeError, match=f"rl.use_adaptive_entropy \\(the override rl.use_adaptive_entropy="
+                                              f"{value}\\): Input should be a valid boolean"):
+            load_recipe(grpo, [f"rl.use_adaptive_entropy={value}"])
+    assert load_recipe(grpo, ["rl.use_adaptive_entropy=true"]).rl.entropy_target == 0.2
+    off = load_recipe(grpo, ["rl.use_adaptive_entropy='false'"]).rl
+    assert off.use_adaptive_entropy is False and off.entropy_target is None
+
+
+@pytest.mark.parametrize(("override", "line"), [
+    ("eval.batch_size=0", "eval.batch_size (the override eval.batch_size=0): expected a whole number above 0, or "
+                          "auto"),
+    ("eval.batch_size=Auto", "eval.batch_size (the override eval.batch_size=Auto): expected a whole number, or auto"),
+    ("eval.batch_size=null", "eval.batch_size (the override eval.batch_size=null): cannot be null (the key has no "
+                             "unset state; its default is 1): set a value"),
+    ("train.betas=[0.9]", "train.betas (the override train.betas=[0.9]): expected 2 items, got 1"),
+])
+def test_a_union_or_a_pair_is_said_in_the_recipes_words(recipe_file, override, line):
+    """eval.batch_size's refusals had been two lines in pydantic's words (`eval.batch_size.constrained-int`,
+    `expected literal['auto']`), and a pair of one item 'train.betas.1: required key is missing' (audit 47)."""
+    with pytest.raises(RecipeError) as e:
+        load_recipe(recipe_file, ["eval.tasks=[a]", override])
+    assert f"\n  - {line}\n" in str(e.value)
+    assert str(e.value).count("\n  - ") == 1
+
+
+@pytest.mark.parametrize(("override", "says"), [
+    ("lora.target_modules=q_proj", "lora.target_modules=[q_proj]"),
+    ("lora.target_modules=q_proj,v_proj", "lora.target_modules=[q_proj,v_proj]"),
+    ("lora.target_modules=all_linear", "all-linear"),
+])
+def test_one_module_name_as_target_modules_is_refused_with_the_list_it_means(recipe_file, override, says):
+    """peft reads a text target_modules as a regular expression of the whole module path, so `q_proj` matched no
+    layer and was refused at the model's load by a message that listed q_proj among the layers (audit 47); a regular
+    expression stays peft's."""
+    with pytest.raises(RecipeError) as e:
+        load_recipe(recipe_file, [override])
+    assert says in str(e.value)
+    regex = r".*\.(q_proj|v_proj)"
+    assert load_recipe(recipe_file, [f"lora.target_modules={regex}"]).lora.target_modules == regex
+    assert load_recipe(recipe_file, ["lora.target_modules=all-linear"]).lora.target_modules == "all-linear"
+
+
+def test_a_rope_scaling_key_its_type_does_not_read_is_refused(recipe_file):
+    """`beta_fst` (yarn's beta_fast misspelt) had been passed to transformers, which read nothing of it (audit 47)."""
+    with pytest.raises(RecipeError, match=r"rope_type yarn reads no beta_fst \(did you mean beta_fast\?\)"):
+        load_recipe(recipe_file, ["model.rope_scaling={rope_type: yarn, factor: 4, beta_fst: 32}"])
+    with pytest.raises(RecipeError, match="rope_type linear reads no low_freq_factor"):
+        load_recipe(recipe_file, ["model.rope_scaling={rope_type: linear, factor: 2, low_freq_factor: 1}"])
+    yarn = load_recipe(recipe_file, ["model.rope_scaling={rope_type: yarn, factor: 4, beta_fast: 32}"])
+    assert yarn.model.rope_scaling.beta_fast == 32
+
+
+@pytest.mark.parametrize(("override", "suggestion"), [
+    ("rl.kl_coef=0.1", "rl.beta"),
+    ("preference.ref_model_mixup_alpha=0.5", "preference.sync_reference.alpha"),
+    ("preference.ref_model_sync_steps=5", "preference.sync_reference.every_steps"),
+    ("rl.vllm_importance_sampling_correction=true", "rl.sampler_correction"),
+])
+def test_other_tools_names_suggest_the_key_that_means_the_same(override, suggestion):
+    """`rl.kl_coef` had suggested rl.entropy_coef and `preference.ref_model_mixup_alpha` preference.f_alpha: keys
+    that mean something else (audit 47)."""
+    recipe = REPO / "recipes" / ("tiny-grpo.yaml" if override.startswith("rl.") else "tiny-dpo.yaml")
+    with pytest.raises(RecipeError) as e:
+        load_recipe(recipe, [override])
+    assert f"unknown key (did you mean {suggestion}?)" in str(e.value)
