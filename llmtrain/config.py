@@ -239,6 +239,14 @@ class LoraConfig(Section):
         "mixture of experts' 3-D expert weights where all-linear does not reach them (GPT-OSS's), as peft's "
         "target_parameters. Each expert gets its own A and B; lora.dropout must be 0.")
 
+    @model_validator(mode="after")
+    def _lr_embedding_read(self) -> LoraConfig:
+        if self.lr_ratio is None and self.off_default("lr_embedding"):
+            raise ValueError(f"lora.lr_embedding={self.lr_embedding:g} is LoRA+'s rate of the embeddings' adapter, and "
+                             "lora.lr_ratio is not set (plain LoRA: one rate for all): set lora.lr_ratio (e.g. 16), or "
+                             "remove lora.lr_embedding")
+        return self
+
     @field_validator("target_modules")
     @classmethod
     def _names_are_a_list(cls, v: str | list[str]) -> str | list[str]:
@@ -557,6 +565,14 @@ class TrainConfig(Section):
     @classmethod
     def _yaml_no(cls, v: Any) -> Any:
         return "no" if v is False else v  # YAML 1.1 reads an unquoted `no` as false
+
+    @model_validator(mode="after")
+    def _min_lr_read(self) -> "TrainConfig":
+        if self.schedule == "constant" and self.min_lr_ratio != 0:
+            raise ValueError(f"train.min_lr_ratio={self.min_lr_ratio:g} is where the linear and cosine schedules end, "
+                             "and train.schedule is constant (no decay): set train.schedule=cosine (or linear), or "
+                             "remove train.min_lr_ratio")
+        return self
 
     @model_validator(mode="after")
     def _one_batch_unit(self) -> "TrainConfig":
@@ -1862,6 +1878,7 @@ def load_recipe(path: str | Path, overrides: list[str] | None = None) -> Recipe:
         raise RecipeError(f"Recipe '{path}' is not valid YAML{where}: {getattr(e, 'problem', e)}.") from None
     if not isinstance(data, dict):
         raise RecipeError(f"Recipe '{path}' must be a mapping of sections (model, data, train, ...).")
+    _no_empty_section(path, overrides or [])
     made = _sections_made(data, overrides or [])
     data = apply_overrides(data, overrides or [], Recipe)
     data.setdefault("output_dir", f"runs/{path.stem}")
@@ -1869,6 +1886,27 @@ def load_recipe(path: str | Path, overrides: list[str] | None = None) -> Recipe:
         return Recipe.model_validate(data)
     except ValidationError as e:
         raise RecipeError(recipe_errors(e, f"'{path}'", overrides, made)) from None
+
+
+def _no_empty_section(path: Path, overrides: list[str]) -> None:
+    """An optional section written with nothing under it (`lora:` with its keys commented out) is YAML's null, which
+    means no such section: a full fine-tune, plain SFT. Refused, naming its line, unless an override decides it;
+    `lora: null` written out and `lora: {}` (the defaults) mean what they say."""
+    try:
+        root = yaml.compose(path.read_text())
+    except yaml.YAMLError:
+        return
+    if not isinstance(root, yaml.MappingNode):
+        return
+    optional = {name for name, field in Recipe.model_fields.items() if _sections(field) and field.default is None}
+    for key, value in root.value:
+        name = getattr(key, "value", None)
+        if name in optional and isinstance(value, yaml.ScalarNode) and value.tag.endswith(":null") and \
+                value.value == "" and not any(o.split("=", 1)[0].strip().split(".")[0] == name for o in overrides):
+            without = "a full fine-tune" if name == "lora" else f"a run without {name}"
+            raise RecipeError(f"{name}: (line {key.start_mark.line + 1} of '{path}') is empty, which YAML reads as "
+                              f"null: no {name} section, {without}. Write `{name}: {{}}` for the section at its "
+                              f"defaults, give it keys, or remove it (or write `{name}: null`) for {without}.")
 
 
 def _sections_made(data: dict, overrides: list[str]) -> set[str]:

@@ -389,3 +389,36 @@ def test_other_tools_names_suggest_the_key_that_means_the_same(override, suggest
     with pytest.raises(RecipeError) as e:
         load_recipe(recipe, [override])
     assert f"unknown key (did you mean {suggestion}?)" in str(e.value)
+
+
+def test_an_empty_optional_section_in_the_file_is_refused_naming_its_line(tmp_path):
+    """`lora:` with its keys commented out is YAML's null: the run had been a full fine-tune without a word (and an
+    empty `distill:` plain SFT; audit 47). `lora: null` (written out) and `lora: {}` mean what they say, and an
+    override of the section decides it."""
+    base = REPO / "recipes" / "tiny.yaml"
+    path = tmp_path / "commented.yaml"
+    path.write_text(base.read_text() + "lora:\n  # r: 8\n  # alpha: 16\n")
+    line = len(base.read_text().splitlines()) + 1
+    with pytest.raises(RecipeError, match=rf"lora: \(line {line} of .*commented.yaml'\) is empty.*full fine-tune.*"
+                                          r"lora: \{\}"):
+        load_recipe(path)
+    assert load_recipe(path, ["lora={}"]).lora.r == 16 and load_recipe(path, ["lora.r=8"]).lora.r == 8
+    assert load_recipe(path, ["lora=null"]).lora is None
+    (tmp_path / "null.yaml").write_text(base.read_text() + "lora: null\n")
+    assert load_recipe(tmp_path / "null.yaml").lora is None
+    (tmp_path / "defaults.yaml").write_text(base.read_text() + "lora: {}\n")
+    assert load_recipe(tmp_path / "defaults.yaml").lora.r == 16
+
+
+@pytest.mark.parametrize(("overrides", "says"), [
+    (["train.schedule=constant", "train.min_lr_ratio=0.5"], "train.min_lr_ratio=0.5 is where the linear and cosine "
+                                                            "schedules end, and train.schedule is constant"),
+    (["lora.lr_embedding=1e-3"], "lora.lr_embedding=0.001 is LoRA\\+'s rate of the embeddings' adapter, and "
+                                 "lora.lr_ratio is not set"),
+])
+def test_a_rate_setting_nothing_reads_is_refused(recipe_file, overrides, says):
+    """Accepted and read by nothing, without a word (audit 47), where every other unread key is refused."""
+    with pytest.raises(RecipeError, match=says):
+        load_recipe(recipe_file, overrides)
+    assert load_recipe(recipe_file, ["train.schedule=cosine", "train.min_lr_ratio=0.5"]).train.min_lr_ratio == 0.5
+    assert load_recipe(recipe_file, ["lora.lr_ratio=16", "lora.lr_embedding=1e-3"]).lora.lr_embedding == 1e-3

@@ -691,3 +691,14 @@ def test_a_failure_several_rows_find_alike_is_said_once(tiny_assets, tmp_path):
     assert sum("no_such_module_z" in detail for _, detail in failing) == 1, failing
     first = next(name for name, detail in failing if "no_such_module_z" in detail)
     assert any(status == "skipped" and detail == f"fails as the {first} row says" for _, status, detail in checks)
+
+
+def test_the_eval_generations_keys_without_eval_data_are_said_unused(tiny_assets, tmp_path):
+    """train.eval_samples, eval_batch_size and eval_max_new_tokens act on the eval set alone: without one they had
+    passed without a word, and the run wrote no samples.jsonl (audit 47)."""
+    recipe = load_recipe(write_recipe(tiny_assets, tmp_path, train={"eval_every_steps": 2, "eval_samples": 4,
+                                                                    "eval_max_new_tokens": 5, "eval_batch_size": 2}),
+                         ["data.eval_split=null"])
+    (detail,) = [d for name, _, d in run_doctor(recipe, gpu_memory=80) if name == "no eval"]
+    assert "train.eval_every_steps=2, train.eval_batch_size=2, train.eval_samples=4 and train.eval_max_new_tokens=5 " \
+        "have nothing to act on" in " ".join(detail.split()), detail

@@ -312,10 +312,13 @@ def check_no_eval(recipe: Recipe, eval_ds) -> list[Check]:
     set: said once at the start (they are left as they are, so the recipe still evaluates where a split comes back)."""
     keys = [f"{k}={v}" for k, v in (("train.eval_every_steps", recipe.train.eval_every_steps),
                                      ("data.eval_max_examples", recipe.data.eval_max_examples)) if v is not None]
+    keys += [f"train.{k}={getattr(recipe.train, k)}" for k in ("eval_batch_size", "eval_samples", "eval_max_new_tokens")
+             if recipe.train.off_default(k)]  # the eval's batches and generations (samples.jsonl)
     if eval_ds is not None or not keys:
         return []
+    listed = ", ".join(keys[:-1]) + " and " + keys[-1] if len(keys) > 1 else keys[0]
     return [("no eval", "warn", f"data.eval_split gives no eval data, so the run does not evaluate, and "
-             f"{' and '.join(keys)} {'have' if len(keys) > 1 else 'has'} nothing to act on. Give data.eval_split (a "
+             f"{listed} {'have' if len(keys) > 1 else 'has'} nothing to act on. Give data.eval_split (a "
              "fraction, a split or a file) to evaluate")]
 
 
