@@ -1697,10 +1697,14 @@ def _default(key: str, model: type[BaseModel] = Recipe, *, missing=None):
     from pydantic_core import PydanticUndefined
 
     head, _, rest = key.partition(".")
+    if head.isdigit() and rest:  # a list's item (rl.rewards.0.column): the item's own keys
+        head, _, rest = rest.partition(".")
     field = model.model_fields.get(head)
     if field is None:
         return missing
     if not rest:
+        if field.default_factory is not None:  # model.new_tokens: []
+            return field.get_default(call_default_factory=True)
         return missing if field.default is PydanticUndefined else field.default
     sections = _sections(field)
     return _default(rest, sections[0], missing=missing) if sections else missing
@@ -1764,6 +1768,25 @@ def _kind(member: str) -> str:
     return _KINDS.get(member, member)
 
 
+def _said(value: Any) -> str:
+    """A value as the recipe writes it: null, not Python's None."""
+    return "null" if value is None else repr(value)
+
+
+def _field(key: str):
+    """The schema's field of a dotted key (list items' indices skipped), or None."""
+    model: Any = Recipe
+    field = None
+    for part in key.split("."):
+        if part.isdigit():
+            continue
+        field = getattr(model, "model_fields", {}).get(part)
+        if field is None:
+            return None
+        model = next(iter(_sections(field)), None)
+    return field
+
+
 def _items(key: str) -> int | None:
     """The items a pair-like key takes (train.betas: 2), None where it is not a fixed-length tuple."""
     import typing
@@ -1803,8 +1826,10 @@ def recipe_errors(err: ValidationError, source: str, overrides: list[str] | None
         if e["type"] == "missing" and (section := key.rpartition(".")[0]) in made and section in unknown:
             continue
         # the override shows the value; an unknown section shows the override that made it (`trian.max_steps=5`)
-        override = given.get(key) or (next((o for k, o in given.items() if k.startswith(f"{key}.")), None)
-                                      if e["type"] == "extra_forbidden" else None)
+        whole, _, index = key.rpartition(".")  # a list's item: the override of its list (rl.rewards=[...])
+        override = given.get(key) or (given.get(whole) if index.isdigit() else None) or (
+            next((o for k, o in given.items() if k.startswith(f"{key}.")), None)
+            if e["type"] == "extra_forbidden" else None)
         label = f"{key} (the override {override})" if override and key else key
         if member is not None and e.get("input") is None and (default := _default(key)) is not None:
             if key not in unions:  # `eval.batch_size=null`: said once, as a key outside a union is
@@ -1827,9 +1852,13 @@ def recipe_errors(err: ValidationError, source: str, overrides: list[str] | None
             lines.append(f"  - {label}: expected {n} items, got {len(e.get('input') or [])}")
         elif e["type"] == "missing":
             lines.append(f"  - {label}: required key is missing")
+        elif e["type"] in ("model_type", "dict_type") and key.rpartition(".")[2].isdigit():  # a list's item
+            first = next(iter(_sections(_field(key.rpartition(".")[0]))[0].model_fields), "KEY")
+            lines.append(f"  - {label}: is a mapping of keys ({{{first}: {e.get('input')}, ...}} as the list's item), "
+                         f"not {_said(e.get('input'))}")
         elif e["type"] in ("model_type", "dict_type"):
             lines.append(f"  - {label}: is a section of keys ({key}.KEY=VALUE on the command line, an indented block "
-                         f"under {key.rsplit('.', 1)[-1]}: in YAML), not {e.get('input')!r}")
+                         f"under {key.rsplit('.', 1)[-1]}: in YAML), not {_said(e.get('input'))}")
         elif e["type"] == "list_type" and e.get("input") is not None:
             got = e.get("input")
             lines.append(f"  - {label}: expected a list, not {got!r} ({key}=[a, b] on the command line, [a, b] or "
@@ -1839,6 +1868,8 @@ def recipe_errors(err: ValidationError, source: str, overrides: list[str] | None
             # `train.micro_batch_size=null`: pydantic's 'Input should be a valid integer' reads as a typo
             lines.append(f"  - {label}: cannot be null (the key has no unset state; its default is {default!r}): "
                          "set a value")
+        elif e.get("input") is None and e["type"].endswith("_type") and _default(key, missing=...) is ...:
+            lines.append(f"  - {label}: cannot be null (the key is required): set a value")
         else:
             got = e.get("input")
             got_text = f" (got {got!r})" if not isinstance(got, dict) and key not in given else ""

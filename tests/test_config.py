@@ -303,8 +303,9 @@ def test_a_key_with_no_value_is_refused_whatever_its_type(recipe_file):
 
 
 @pytest.mark.parametrize(("override", "says"), [
-    ("train.betas=[1.5,0.999]", "train.betas.0: Input should be less than 1"),
-    ("train.betas=[0.9,-1]", "train.betas.1: Input should be greater than or equal to 0"),
+    ("train.betas=[1.5,0.999]", "train.betas.0 (the override train.betas=[1.5,0.999]): Input should be less than 1"),
+    ("train.betas=[0.9,-1]", "train.betas.1 (the override train.betas=[0.9,-1]): Input should be greater than or "
+                             "equal to 0"),
     ("train.eps=.inf", "train.eps (the override train.eps=.inf): Input should be a finite number"),
     ("train.weight_decay=.inf", "train.weight_decay (the override train.weight_decay=.inf): Input should be a finite"),
     ("lora.alpha=.inf", "lora.alpha (the override lora.alpha=.inf): Input should be a finite number"),
@@ -422,3 +423,30 @@ def test_a_rate_setting_nothing_reads_is_refused(recipe_file, overrides, says):
         load_recipe(recipe_file, overrides)
     assert load_recipe(recipe_file, ["train.schedule=cosine", "train.min_lr_ratio=0.5"]).train.min_lr_ratio == 0.5
     assert load_recipe(recipe_file, ["lora.lr_ratio=16", "lora.lr_embedding=1e-3"]).lora.lr_embedding == 1e-3
+
+
+@pytest.mark.parametrize(("override", "line"), [
+    ("model.name_or_path=null", "model.name_or_path (the override model.name_or_path=null): cannot be null (the key "
+                                "is required): set a value"),
+    ("model.new_tokens=null", "model.new_tokens (the override model.new_tokens=null): cannot be null (the key has no "
+                              "unset state; its default is []): set a value"),
+    ("train=null", "train (the override train=null): is a section of keys (train.KEY=VALUE on the command line, an "
+                   "indented block under train: in YAML), not null"),
+])
+def test_null_is_said_as_yamls_null_and_a_required_key_as_required(recipe_file, override, line):
+    """`train=null` had said "not None" (Python's), a required key pydantic's 'Input should be a valid string', and a
+    key with a default_factory (a list) no default (audit 47)."""
+    with pytest.raises(RecipeError) as e:
+        load_recipe(recipe_file, [override])
+    assert f"\n  - {line}\n" in str(e.value)
+
+
+def test_null_on_a_list_items_key_names_the_items_default():
+    with pytest.raises(RecipeError) as e:
+        load_recipe(REPO / "recipes" / "tiny-grpo.yaml", ["rl.rewards.0.batch_size=null"])
+    assert "rl.rewards.0.batch_size (the override rl.rewards.0.batch_size=null): cannot be null (the key has no unset " \
+           "state; its default is" in str(e.value)
+    with pytest.raises(RecipeError) as e:
+        load_recipe(REPO / "recipes" / "tiny-grpo.yaml", ["rl.rewards=[answer_match]"])
+    assert "rl.rewards.0 (the override rl.rewards=[answer_match]): is a mapping of keys ({type: answer_match, ...} " \
+           "as the list's item), not 'answer_match'" in str(e.value)
