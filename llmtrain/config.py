@@ -1462,9 +1462,11 @@ class Recipe(Section):
         "or alpaca); absent means no teacher.")
     train: TrainConfig = Field(default_factory=TrainConfig, description="Optimisation, schedule and batch.")
     parallel: ParallelConfig = Field(default_factory=ParallelConfig,
-                                     description="What the launch's processes split beyond the data (sequence).")
+                                     description="What the launch's processes split beyond the data: sequences "
+                                     "and pipeline stages.")
     checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig, description="Resumable state and export.")
-    logging: LoggingConfig = Field(default_factory=LoggingConfig, description="Progress bar and TensorBoard.")
+    logging: LoggingConfig = Field(default_factory=LoggingConfig, description="The console, metrics.jsonl, the "
+                                   "loss plot and the trackers (TensorBoard, wandb, mlflow).")
     eval: BenchmarkConfig | None = Field(
         None, description="Benchmarks scored with lm-evaluation-harness on final/ when training ends, as `llmtrain "
         "eval RUN` would (results in RUN/lm_eval/; docs/eval.md); absent: none.")

@@ -46,12 +46,6 @@ def _default(section, name: str):
     return section.model_fields[name].default
 
 
-def _parallel_default(name: str, fallback):
-    """A pipeline key's schema default, or `fallback` while parallel.pipeline_* is not in the schema yet."""
-    found = ParallelConfig.model_fields.get(name)
-    return found.default if found is not None else fallback
-
-
 def _targets(value) -> str | tuple[str, ...]:
     return value if isinstance(value, str) else tuple(value)
 
@@ -105,9 +99,9 @@ class TrainSpec:
     # parallel.pipeline.split.stage_layers gives it, the strategy (fsdp or ddp) inside the group; grad_accum_steps
     # micro-batches a step go through the stages by pipeline_schedule; pipeline_chunks: (virtual) stages a GPU runs,
     # interleaved only (None: 1, or 2 interleaved). memory/pipeline.py estimates it.
-    pipeline_parallel: int = _parallel_default("pipeline_parallel", 1)
-    pipeline_schedule: str = _parallel_default("pipeline_schedule", "1f1b")
-    pipeline_chunks: int | None = _parallel_default("pipeline_chunks", None)
+    pipeline_parallel: int = _default(ParallelConfig, "pipeline_parallel")
+    pipeline_schedule: str = _default(ParallelConfig, "pipeline_schedule")
+    pipeline_chunks: int | None = _default(ParallelConfig, "pipeline_chunks")
     # online RL: the micro-batch's sequences are sampled together first (micro_batch = prompts x num_generations), each
     # up to seq_len with its KV cache; 0: no sampling
     num_generations: int = 0
@@ -529,11 +523,10 @@ def _merged_copy(recipe: Recipe) -> str:
 
 
 def pipeline_keys(recipe: Recipe) -> dict:
-    """The recipe's parallel.pipeline_* keys, once the schema has them (until then: no pipeline)."""
+    """The recipe's parallel.pipeline_* keys."""
     parallel = recipe.parallel
-    return dict(pipeline_parallel=getattr(parallel, "pipeline_parallel", 1),
-                pipeline_schedule=getattr(parallel, "pipeline_schedule", "1f1b"),
-                pipeline_chunks=getattr(parallel, "pipeline_chunks", None))
+    return dict(pipeline_parallel=parallel.pipeline_parallel, pipeline_schedule=parallel.pipeline_schedule,
+                pipeline_chunks=parallel.pipeline_chunks)
 
 
 @dataclass(frozen=True)
