@@ -143,6 +143,37 @@ def test_a_resumed_runs_tensorboard_draws_each_step_once(recipe, tmp_path, monke
     assert [v for _, v in drawn] == pytest.approx([r["loss"] for r in records(tmp_path / "run")], rel=1e-6)
 
 
+def test_a_resume_that_stops_before_its_first_checkpoint_loses_no_later_line(recipe, tmp_path, monkeypatch):
+    """A finished 12-step run resumed from its step-6 checkpoint and stopped before its first checkpoint: the lines of
+    steps 7-12 had been deleted at the start (audit 46), while their checkpoints and final/ stayed, so `--resume auto`
+    went back to step 12 with a summary of step 6's loss. They are set aside now, as those checkpoints are, and come
+    back with them; the resume's first checkpoint drops them."""
+    common = ["train.max_steps=12", "checkpoint.every_steps=3", "checkpoint.keep_last=5", "logging.every_steps=1",
+              "train.eval_every_steps=6"]
+    straight = run_train(recipe, *common)
+    run = tmp_path / "run"
+    whole = (run / "metrics.jsonl").read_text()
+
+    def crash():
+        raise RuntimeError("preempted")
+
+    _interrupt_at(monkeypatch, 1, crash)  # the resume's first step: no checkpoint of its own yet
+    with pytest.raises(RuntimeError, match="preempted"):
+        run_train(recipe, *common, resume=str(run / "checkpoints" / "step_000006"))
+    monkeypatch.undo()
+    assert [r["step"] for r in records(run)] == [1, 2, 3, 4, 5, 6]
+    again = run_train(recipe, *common, resume="auto")  # the newest checkpoint: step 12, the run's last
+    assert (run / "metrics.jsonl").read_text() == whole
+    assert again["final_loss"] == straight["final_loss"]
+
+    _interrupt_at(monkeypatch, 4, crash)  # after steps 7-9 and their checkpoint at step 9
+    with pytest.raises(RuntimeError, match="preempted"):
+        run_train(recipe, *common, resume=str(run / "checkpoints" / "step_000006"))
+    monkeypatch.undo()
+    assert [r["step"] for r in records(run)] == list(range(1, 10))  # the old steps 10-12 are gone with step 12's
+    assert not list(run.glob("*after-step*"))  # checkpoint, at the resume's first
+
+
 def test_resumed_run_reports_the_speed_of_this_process_and_the_clock_of_the_whole_run(recipe, tmp_path,
                                                                                        monkeypatch):
     """Before: a run resumed at step 6 of 12 divided the tokens of all 12 steps by the time of the last 6, and

@@ -376,7 +376,7 @@ def save(run: Run, state: TrainState, meter: Meter) -> Path:
         run.console.say(f"note: step {state.step}'s checkpoint holds an adapter that has not moved yet: every LoRA B "
                         "matrix is still 0, every gradient so far having been 0 (online RL: no group's rewards have "
                         "varied yet, frac_reward_zero_std 1)")
-    return save_checkpoint(run.accelerator, output_dir=run.out, state=state, adapter_moved=moved,
+    path = save_checkpoint(run.accelerator, output_dir=run.out, state=state, adapter_moved=moved,
                            write_round=partial(run.rounds.write, step=state.step),
                            write_reference=run.reference.write if run.reference is not None else None,
                            recipe_yaml=run.recipe.to_yaml(working_dir=os.getcwd()),
@@ -386,6 +386,8 @@ def save(run: Run, state: TrainState, meter: Meter) -> Path:
                                                g=groups(run.accelerator).pipeline,
                                                trainable_only=run.recipe.lora is not None)
                            if run.model.pipeline is not None else None)
+    run.log.checkpointed()  # the later checkpoints of a run a resume went back on are gone: their lines too
+    return path
 
 
 def finish(run: Run, state: TrainState, meter: Meter, est, *, end: bool = True) -> dict:
@@ -422,6 +424,7 @@ def finish(run: Run, state: TrainState, meter: Meter, est, *, end: bool = True) 
             summary["final_loss"] = next((r["loss"] for r in reversed(logged(out, "train"))
                                           if r.get("loss") is not None), None)
         (out / "summary.json").write_text(json.dumps(strict_json(summary), indent=1, allow_nan=False))
+        run.log.checkpointed()  # the run is complete: what a resume set aside is of no checkpoint now
         final_dir = str(out / "final") if run.recipe.checkpoint.save_final else None
         say(summary_table({**summary, "final": final_dir}, out=out, evals=evals, unit=run.console.unit,
                           logged_every=run.recipe.logging.every_steps, online_rl=run.recipe.rl is not None))

@@ -39,30 +39,45 @@ class MetricsLog:
         if not enabled:
             return
         if resume_step is not None:
-            # Lines after the checkpoint belong to steps that will run again; drop them so each step appears once.
+            # Lines after the checkpoint belong to steps that will run again: set aside, so that each step appears
+            # once, until this run's first checkpoint (the later checkpoints they belong to are removed then)
             for path in (self.path, self.samples_path, self.rollouts_path):
-                self._drop_after(path, resume_step)
+                self._set_aside_after(path, resume_step)
 
     @staticmethod
-    def _drop_after(path: Path, step: int) -> None:
-        """Keep the lines of steps up to `step`; none at step 0 (`--resume auto` that found no checkpoint starts the
-        run again, its step-0 eval too: kept, it had been there twice). A last line without its newline is a write
-        the stop cut short (kill -9, a full disk): dropped, as `llmtrain plot` ignores it."""
-        if not path.exists():
+    def _set_aside_after(path: Path, step: int) -> None:
+        """Keep the lines of steps up to `step` in `path` and move the later ones to PATH.after-step_N (N: `step`).
+        They are of the run this resume goes back on, whose later checkpoints stay until this run's first: a stop
+        before it had lost them for good, and `--resume auto` then went back to a later checkpoint with a summary of
+        the older step (audit 46). A resume finding a set-aside file (the last resume stopped before its first
+        checkpoint) puts its lines back after the ones it was set aside from first, dropping that resume's own lines
+        past it, which no checkpoint holds. None are kept at step 0 (`--resume auto` that found no checkpoint starts
+        the run again, its step-0 eval too). A last line without its newline is a write the stop cut short (kill -9,
+        a full disk): dropped, as `llmtrain plot` ignores it."""
+        asides = sorted(path.parent.glob(f"{path.name}.after-step_*"))
+        if not path.exists() and not asides:
             return
-        lines = complete_lines(path)
-        keep = []
-        for number, line in enumerate(lines, 1):
-            try:
-                record = json.loads(line) if line else None
-            except ValueError:
-                raise LLMTrainError(f"{path}, line {number}, is not JSON ({line[:60]!r}), so the resume cannot tell "
-                                    "which steps it records: remove that line (or the file) and resume again") from None
-            if record is not None and record["step"] <= step and step > 0:
-                keep.append(line)
-        tmp = path.with_suffix(".jsonl.tmp")  # a crash while rewriting cannot truncate the log
-        tmp.write_text("".join(ln + "\n" for ln in keep))
-        tmp.replace(path)
+        lines = _steps(path) if path.exists() else []
+        for aside in asides:  # one at most; back after the lines it was set aside from
+            base = int(aside.name.rsplit("_", 1)[1])
+            lines = [(s, ln) for s, ln in lines if s <= base] + _steps(aside)
+        keep = [ln for s, ln in lines if s <= step and step > 0]
+        later = [ln for s, ln in lines if not (s <= step and step > 0)]
+        target = path.with_name(f"{path.name}.after-step_{step:06d}")
+        if later:
+            _write_lines(target, later)
+        _write_lines(path, keep)  # a crash while rewriting cannot truncate the log
+        for aside in asides:
+            if aside != target or not later:
+                aside.unlink(missing_ok=True)
+
+    def checkpointed(self) -> None:
+        """This run's first checkpoint (or its end) has replaced the later ones of the run a resume went back on: the
+        lines set aside with them go too."""
+        if self.enabled:
+            for path in (self.path, self.samples_path, self.rollouts_path):
+                for aside in path.parent.glob(f"{path.name}.after-step_*"):
+                    aside.unlink(missing_ok=True)
 
     def write(self, record: dict) -> None:
         if not self.enabled:
@@ -92,6 +107,28 @@ class MetricsLog:
         trackers, self.trackers = self.trackers, []
         for tracker in trackers:
             tracker.close()
+
+
+def _steps(path: Path) -> list[tuple[int, str]]:
+    """(step, line) of each complete line of a JSON-lines log; a line that is not JSON is named (a resume cannot tell
+    which step it records)."""
+    out = []
+    for number, line in enumerate(complete_lines(path), 1):
+        if not line:
+            continue
+        try:
+            out.append((int(json.loads(line)["step"]), line))
+        except (ValueError, KeyError, TypeError):
+            raise LLMTrainError(f"{path}, line {number}, is not JSON ({line[:60]!r}) with a step, so the resume "
+                                "cannot tell which steps it records: remove that line (or the file) and resume "
+                                "again") from None
+    return out
+
+
+def _write_lines(path: Path, lines: list[str]) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text("".join(ln + "\n" for ln in lines))
+    tmp.replace(path)
 
 
 def strict_json(record: dict) -> dict:
