@@ -174,6 +174,31 @@ def test_a_resume_that_stops_before_its_first_checkpoint_loses_no_later_line(rec
     assert not list(run.glob("*after-step*"))  # checkpoint, at the resume's first
 
 
+def test_a_stop_while_final_is_written_finishes_it_first(recipe, tmp_path, monkeypatch, capsys):
+    """SIGTERM (a preemption) or a first Ctrl-C while final/ is written: the stop handlers had been put back when the
+    loop ended, so the process died there (SIGTERM: -15, final.tmp left, the steps since the last checkpoint trained
+    again) or stopped "at once" (Ctrl-C; audit 46). The run now finishes final/ and its summary, then says so."""
+    import llmtrain.loop.train as T
+
+    real = T.save_final
+
+    def interrupted(*a, **k):
+        os.kill(os.getpid(), signal.SIGINT)
+        return real(*a, **k)
+
+    monkeypatch.setattr(T, "save_final", interrupted)
+    try:
+        summary = run_train(recipe, "train.max_steps=3", "checkpoint.every_steps=2")
+    except KeyboardInterrupt:
+        pytest.fail("the Ctrl-C while final/ was written stopped the run")
+    run = tmp_path / "run"
+    assert summary["steps"] == 3 and (run / "final" / "model.safetensors").is_file()
+    assert json.loads((run / "summary.json").read_text())["steps"] == 3 and not (run / "final.tmp").exists()
+    said = capsys.readouterr()
+    assert "SIGINT: writing final/ and the summary first" in said.err
+    assert "SIGINT while final/ was written: it and the summary were finished first" in " ".join(said.out.split())
+
+
 def test_resumed_run_reports_the_speed_of_this_process_and_the_clock_of_the_whole_run(recipe, tmp_path,
                                                                                        monkeypatch):
     """Before: a run resumed at step 6 of 12 divided the tokens of all 12 steps by the time of the last 6, and

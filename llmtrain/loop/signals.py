@@ -16,10 +16,12 @@ import threading
 
 
 class StopRequests:
-    """Context manager that records SIGTERM / SIGINT instead of dying; `signum` is 0 until one arrives."""
+    """Context manager that records SIGTERM / SIGINT instead of dying; `signum` is 0 until one arrives. `doing`: what
+    the process does before it stops, said when the signal arrives."""
 
-    def __init__(self) -> None:
+    def __init__(self, doing: str = "finishing this step, then saving a checkpoint and stopping") -> None:
         self.signum = 0
+        self.doing = doing
         self._previous: dict[int, object] = {}
 
     def __enter__(self) -> StopRequests:
@@ -40,8 +42,8 @@ class StopRequests:
             how = "again to stop at once" if signum == signal.SIGINT else ""
             if os.environ.get("LOCAL_RANK", "0") != "0":  # every process of a launch is signalled: said once a node
                 return
-            print(f"\n{signal.Signals(signum).name}: finishing this step, then saving a checkpoint and stopping"
-                  f"{' (Ctrl-C ' + how + ')' if how else ''}.", file=sys.stderr, flush=True)
+            print(f"\n{signal.Signals(signum).name}: {self.doing}{' (Ctrl-C ' + how + ')' if how else ''}.",
+                  file=sys.stderr, flush=True)
 
 
 PR_SET_PDEATHSIG = 1  # linux/prctl.h

@@ -145,7 +145,13 @@ def _train(recipe: Recipe, accelerator, console: RunConsole, cleanup: ExitStack,
                       objective=run.objective)
         train_loop(run, state, meter)
         # the recipe's benchmark (below) scores final/ over the processes: their group stays until it has
-        summary = finish(run, state, meter, est, end=recipe.eval is None)
+        # a stop while final/ is written (a preemption's SIGTERM, a first Ctrl-C) lets it finish: the loop's handlers
+        # are gone, and Python's own had killed the process there, the steps since the last checkpoint lost
+        with StopRequests(doing="writing final/ and the summary first, then stopping") as late:
+            summary = finish(run, state, meter, est, end=recipe.eval is None)
+        if late.signum:
+            say(f"{signal.Signals(late.signum).name} while final/ was written: it and the summary were finished first; "
+                "the run is complete")
     except torch.OutOfMemoryError as e:  # one paragraph with the estimate and what to change, not a traceback
         recipe_path = Path(recipe.output_dir) / "recipe.yaml" if state is not None else "RECIPE.yaml"
         raise LLMTrainError(out_of_memory_text(est, step=state.step if state is not None else -1,
