@@ -375,9 +375,17 @@ def generate(
                 typer.echo(f"  tool call: {call['name']}({json.dumps(call['arguments'])}) -> {call['result']}"
                            + (" [failed]" if call["failed"] else ""))
         if out is not None:
-            out.parent.mkdir(parents=True, exist_ok=True)
-            with open(out, "a") as f:
-                f.write("".join(json.dumps(r) + "\n" for r in replies))
+            kept = out.stat().st_size if out.exists() else 0
+            try:
+                out.parent.mkdir(parents=True, exist_ok=True)
+                with open(out, "a") as f:
+                    f.write("".join(json.dumps(r) + "\n" for r in replies))
+            except OSError as e:  # a full disk: the batch's lines out again, whole lines only (audit 46)
+                if out.is_file():
+                    os.truncate(out, kept)
+                raise LLMTrainError(f"--out '{out}' could not be written ({e.strerror or e}); it holds the replies "
+                                    "of the batches before this one, whole lines only (those printed above this "
+                                    "batch's). Free space there, or give --out on another disk.") from None
 
     replies = generate_replies(src, texts, max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p,
                                top_k=top_k, min_p=min_p, repetition_penalty=repetition_penalty, samples=samples,
@@ -441,6 +449,10 @@ def eval_(
                **({"chats": chats} if chats else {}))  # for the baseline too (recorded)
     if main and not chat_template and (note := benchmarks.template_note(ours)):
         typer.echo(note, err=True)
+    unkept = benchmarks.unkept(ours.run) if ours.run is not None else None
+    if main and unkept:
+        typer.echo(f"note: the scores cannot be kept in {ours.run / 'lm_eval'} ({unkept}): they are printed only",
+                   err=True)
     if main:
         typer.echo(f"scoring {ours.name} on {', '.join(names)} (lm-evaluation-harness)", err=True)
     results = benchmarks.evaluate(ours, names, manager, **how)
@@ -464,7 +476,7 @@ def eval_(
         for row in benchmarks.side_by_side(results, base_results, names=(ours.name, base.name)):
             side.add_row(*row)
         Console().print(side)
-    if ours.run is not None:
+    if ours.run is not None and not unkept:
         record = benchmarks.record(ours, names, how, results, base, base_results)
         typer.echo(f"wrote {benchmarks.write(ours.run, record)}", err=True)
 

@@ -570,3 +570,21 @@ def test_a_runs_final_folder_is_the_run_as_generate_reads_it(tiny_assets, tmp_pa
     run = tmp_path / "run"
     assert resolve(str(run / "final"), dtype="auto") == resolve(str(run), dtype="auto")
     assert resolve(str(run / "final"), dtype="auto").run == run
+
+
+def test_scores_a_run_cannot_keep_are_printed_with_a_note_not_a_traceback(trained, tmp_path):
+    """RUN/lm_eval/ that cannot be made (a file there; a run on a read-only disk) had ended in a traceback after all
+    the scoring, the printed table the only copy (audit 46): said before the scoring, the scores printed, exit 0."""
+    import shutil
+
+    run, tasks = trained
+    copy = tmp_path / "run"
+    shutil.copytree(run, copy, ignore=shutil.ignore_patterns("checkpoints", "lm_eval"))
+    (copy / "lm_eval").write_text("mine")
+    ours = cli("eval", str(copy), "--tasks", "tiny_reverse_ll", "--include-path", str(tasks), "--limit", "4",
+               "--batch-size", "4", env=OFFLINE)
+    assert any("tiny_reverse_ll" in row for row in table_rows(ours.stdout))
+    note = " ".join(ours.stderr.split())
+    assert f"note: the scores cannot be kept in {copy / 'lm_eval'}" in note and "Traceback" not in ours.stderr
+    assert note.index("note: the scores cannot be kept") < note.index("scoring ")
+    assert (copy / "lm_eval").read_text() == "mine"

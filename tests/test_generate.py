@@ -498,3 +498,26 @@ def test_a_reply_past_the_models_positions_is_refused_for_a_table_and_warned_for
     warned = cli("generate", str(rope), prompt, "--no-chat", "--max-new-tokens", "20")
     assert warned.stderr.count(f"warning: prompt 1 is {n} tokens and the reply may take 20 more") == 1
     assert "rotated positions it never trained on" in warned.stderr and "reply:" in warned.stdout
+
+
+def test_an_out_file_that_cannot_grow_keeps_whole_lines_and_says_so(runs, tmp_path):
+    """A full disk while --out is appended had ended in a traceback and a cut JSON line (audit 46): the batch's part
+    is taken back, and one paragraph says what --out holds. (The file-size limit stands in for the full disk.)"""
+    import resource
+
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("".join(f"reverse {chr(97 + i % 26)}{chr(98 + i % 24)}c =\n" for i in range(20)))
+    whole = tmp_path / "whole.jsonl"
+    cli("generate", str(runs["full"]), "--prompts", str(prompts), "--max-new-tokens", "4", "--out", str(whole))
+    first = "".join(whole.read_text().splitlines(keepends=True)[:16])  # the first batch's 16 replies
+    limit = len(first.encode()) + 40
+
+    def small_files():
+        resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit))
+
+    out = tmp_path / "out.jsonl"
+    cut = cli("generate", str(runs["full"]), "--prompts", str(prompts), "--max-new-tokens", "4", "--out", str(out),
+              check=False, preexec_fn=small_files)
+    assert cut.returncode == 2 and "Traceback" not in cut.stderr, cut.stderr[-2000:]
+    assert f"--out '{out}' could not be written" in " ".join(cut.stderr.split())
+    assert out.read_text() == first

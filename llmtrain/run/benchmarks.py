@@ -507,15 +507,38 @@ def side_by_side(ours: dict, base: dict, *, names: tuple[str, str]) -> list[tupl
     return rows
 
 
-def write(run: Path, record: dict) -> Path:
-    """The call's results as a new JSON file in RUN/lm_eval/ (never over an earlier one)."""
+def unkept(run: Path) -> str | None:
+    """Why RUN/lm_eval/ cannot take the results (a file there, a read-only run), said before the scoring: it had been
+    a traceback after hours of it, the printed table the only copy (audit 46); None where it can."""
+    import os
+
+    from llmtrain.run.rundir import cannot_create
+
     folder = run / "lm_eval"
-    folder.mkdir(exist_ok=True)
+    if folder.exists() and not folder.is_dir():
+        return f"'{folder}' is a file, not a folder"
+    if folder.is_dir():
+        return None if os.access(folder, os.W_OK | os.X_OK) else f"the folder '{folder}' is not writable"
+    return cannot_create(folder, "the results folder")
+
+
+def write(run: Path, record: dict) -> Path:
+    """The call's results as a new JSON file in RUN/lm_eval/ (never over an earlier one); a write that fails (a full
+    disk) is a paragraph that says the printed table is the only copy."""
+    folder = run / "lm_eval"
     stem = "-".join(record["tasks"])[:80]
-    path = folder / f"{stem}.json"
-    n = 1
-    while path.exists():
-        n += 1
-        path = folder / f"{stem}-{n}.json"
-    path.write_text(json.dumps(record, indent=1, default=str))
+    try:
+        folder.mkdir(exist_ok=True)
+        path = folder / f"{stem}.json"
+        n = 1
+        while path.exists():
+            n += 1
+            path = folder / f"{stem}-{n}.json"
+        text = json.dumps(record, indent=1, default=str)
+        with open(path, "x") as f:  # a new file, never one another call wrote meanwhile
+            f.write(text)
+    except OSError as e:
+        raise LLMTrainError(f"the scores could not be written to {folder} ({e.strerror or e}): the tables printed "
+                            "above are their only copy. Free space there (or make it writable) and score again to "
+                            "keep them.") from None
     return path
