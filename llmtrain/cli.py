@@ -556,13 +556,16 @@ def plot(
     """Plot train loss (and its moving average), eval loss and lr against steps and tokens; for online RL runs the
     reward (and each reward's), eval accuracy and reward, completion length and KL against steps. Several runs
     overlaid."""
-    from llmtrain.run.plot import default_plot_path, plot_runs
+    from llmtrain.run.plot import default_plot_path, drawn_here, plot_runs
 
+    if out is not None and out.is_file() and not drawn_here(out):  # (any file of an image's suffix had been replaced)
+        raise LLMTrainError(f"--out '{out}' already exists and is not a plot llmtrain drew: give a new file name (or "
+                            "remove that file); nothing was written.")
     out = out or default_plot_path(runs)
-    replaced = out.exists()
+    replaced = out.is_file()
     plot_runs(runs, out)
     typer.echo(f"wrote the curves of {len(runs)} run{'s' * (len(runs) > 1)} ({', '.join(map(str, runs))}) to {out}"
-               + (" (it replaced the image there; --out names another)" if replaced else ""), err=True)
+               + (" (it replaced the plot there; --out names another)" if replaced else ""), err=True)
     typer.echo(str(out))  # stdout: the path alone, for scripts
 
 

@@ -91,7 +91,7 @@ def test_plot_several_runs_overlaid(tmp_path):
     assert png_size(out) == PNG_SIZE
     assert "replaced" not in proc.stderr
     again = invoke("plot", str(a), str(b), "--out", str(out))  # an image there already is said to be replaced
-    assert "(it replaced the image there; --out names another)" in " ".join(again.stderr.split())
+    assert "(it replaced the plot there; --out names another)" in " ".join(again.stderr.split())
 
     fig = plot_runs([a, b], out)
     drawn = lines_by_label(fig.axes[0])
@@ -424,3 +424,24 @@ def test_sft_beside_an_rl_run_keeps_a_linear_axis_and_no_eval_loss_it_has_not(tm
     reward = lines_by_label(fig.axes[6])
     assert set(reward) == {"rloo: train", "rloo: eval"} and reward["rloo: eval"] == ([0, 10, 20], [0.3, 0.4, 0.5])
     assert reward["rloo: train"] == (list(range(1, 21)), pytest.approx([0.1 + 0.01 * s for s in range(1, 21)]))
+
+
+def test_an_out_that_is_not_a_plot_of_llmtrains_is_never_replaced(tmp_path):
+    """`plot --out report.pdf` had replaced any file of an image's suffix (a JSON file named .png became a PNG), and a
+    folder ended in a traceback with a temporary image left (audit 46). A plot llmtrain drew is still replaced (said),
+    whatever its format."""
+    write_metrics(tmp_path / "run")
+    mine = tmp_path / "report.pdf"
+    mine.write_bytes(b"%PDF-1.4 my report")
+    refused = cli("plot", str(tmp_path / "run"), "--out", str(mine), check=False)
+    assert refused.returncode == 2 and "Traceback" not in refused.stderr
+    assert f"--out '{mine}' already exists and is not a plot llmtrain drew" in " ".join(refused.stderr.split())
+    assert mine.read_bytes() == b"%PDF-1.4 my report"
+    (tmp_path / "dir.png").mkdir()
+    folder = cli("plot", str(tmp_path / "run"), "--out", str(tmp_path / "dir.png"), check=False)
+    assert folder.returncode == 2 and "is a folder" in folder.stderr and "Traceback" not in folder.stderr
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["dir.png", "report.pdf", "run"]
+    for name in ("curves.pdf", "curves.svg", "curves.png"):
+        invoke("plot", str(tmp_path / "run"), "--out", str(tmp_path / name))
+        again = invoke("plot", str(tmp_path / "run"), "--out", str(tmp_path / name))
+        assert "(it replaced the plot there" in " ".join(again.stderr.split())

@@ -153,6 +153,8 @@ def plot_runs(runs: list[Path], out: Path, *, smoothing: float | None = None):
     out = Path(out)
     if problem := cannot_create(out, "--out"):
         raise LLMTrainError(problem)
+    if out.is_dir():
+        raise LLMTrainError(f"--out '{out}' is a folder: give the image's file name (e.g. {out / 'loss.png'}).")
     formats = FigureCanvasAgg.get_supported_filetypes()
     suffix = out.suffix.lstrip(".").lower()
     if suffix not in formats:
@@ -247,11 +249,29 @@ def _draw_measures(fig, cell, panels, curves: list[Curves]) -> None:
         ax.legend(fontsize="small")
 
 
+# Written into every plot whose format holds it (PNG's text, PDF's and SVG's Creator): what `plot --out` may replace
+MARK = "llmtrain plot"
+
+
+def drawn_here(path: Path) -> bool:
+    """Whether the file is a plot llmtrain drew (its MARK): `plot --out` replaces no other file."""
+    try:
+        return MARK.encode() in path.read_bytes()
+    except OSError:
+        return False
+
+
 def _save(fig, out: Path, suffix: str):
-    out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.with_name(f".{out.name}.tmp")
-    fig.savefig(tmp, format=suffix, dpi=100)
-    tmp.replace(out)
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        fig.savefig(tmp, format=suffix, dpi=100, metadata={"Creator": MARK} if suffix in ("png", "pdf", "svg")
+                    else None)
+        tmp.replace(out)
+    except OSError as e:  # a full disk, a folder where the image goes: nothing half-written is left
+        tmp.unlink(missing_ok=True)
+        raise LLMTrainError(f"could not write the plot to '{out}' ({e.strerror or e}); nothing was written. Give "
+                            "--out a writable file path with room for it.") from None
     return fig
 
 
