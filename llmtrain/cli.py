@@ -246,6 +246,10 @@ def finetune(
     stop_with_the_launcher()  # a launcher killed by SIGKILL leaves no process training on without it
     recipe, resume = where_it_started(recipe, resume)
     checked = load_recipe(recipe, overrides)  # a missing file or a bad key is said before torch is imported
+    from llmtrain.run.rundir import recipe_inside
+
+    if problem := recipe_inside(Path(checked.output_dir), recipe, resume=resume, overwrite=overwrite):
+        raise LLMTrainError(problem)
     ask_hub_first(checked)
     from llmtrain.loop.train import train
 

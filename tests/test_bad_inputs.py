@@ -366,3 +366,52 @@ def test_small_refusals_name_what_the_user_gave(runs, tmp_path):
     assert "line 1 has a \"prompt\" that is 5, an int, not text" in refused(
         "generate", str(runs["full_run"]), "--prompts", str(prompts))
     assert "Invalid value for '--n' / '-n'" in refused("inspect-data", str(runs["full"]), "--n", "-3")
+
+
+def test_what_the_run_itself_deletes_is_refused_as_an_output_or_an_input(runs, tmp_path):
+    """`finetune runs/x/my.yaml --overwrite` deleted the recipe file it was given, and `export --out` inside the run's
+    final/ or checkpoints/ was accepted, where the run's next resume prunes or rewrites it (audit 46): refused before
+    anything is written. The run's own recipe.yaml stays a recipe to give."""
+    import shutil
+
+    run = tmp_path / "run"
+    shutil.copytree(runs["full_run"], run)
+    mine = run / "my-recipe.yaml"
+    shutil.copy(runs["full"], mine)
+    before = _snapshot(run)
+    result = CliRunner().invoke(app, ["finetune", str(mine), f"output_dir={run}", "--overwrite"])
+    flat = " ".join(result.output.split())
+    assert result.exit_code == 2 and f"the recipe file '{mine}' lies inside output_dir" in flat, flat
+    assert _snapshot(run) == before
+    lora = tmp_path / "lora"
+    shutil.copytree(runs["lora_run"], lora)
+    for inside in (lora / "final" / "merged", lora / "checkpoints" / "step_000001" / "merged"):
+        result = CliRunner().invoke(app, ["export", str(lora), "--merge", "--out", str(inside)])
+        flat = " ".join(result.output.split())
+        assert result.exit_code == 2 and "lies inside the run's final/ or checkpoints/" in flat, flat
+        assert not inside.exists()
+
+
+def test_a_resume_that_cannot_write_its_recipe_leaves_the_old_one_whole(runs, tmp_path):
+    """A full disk as a resume wrote the run's recipe.yaml had cut it at the disk's end (4,096 bytes of 1,889 written
+    over) with a traceback, and generate, export and eval of the run then read 'output_dir: required key is missing'
+    (audit 46). The file-size limit stands in for the full disk."""
+    import resource
+    import shutil
+
+    from helpers import cli
+
+    run = tmp_path / "run"
+    shutil.copytree(runs["full_run"], run)
+    before = (run / "recipe.yaml").read_bytes()
+    limit = len(before) // 2
+
+    def small_files():
+        resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit))
+
+    proc = cli("finetune", str(run / "recipe.yaml"), f"output_dir={run}", "train.max_steps=3", "--resume", "auto",
+               "--allow-recipe-change", check=False, preexec_fn=small_files)
+    flat = " ".join(proc.stderr.split())
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-2000:]
+    assert f"cannot write {run / 'recipe.yaml'}" in flat
+    assert (run / "recipe.yaml").read_bytes() == before and not (run / "recipe.yaml.tmp").exists()

@@ -66,7 +66,7 @@ from llmtrain.parallel.mesh import data_ranks, mesh_line, tensor_parallel_size
 from llmtrain.parallel.parallelize import parallelize
 from llmtrain.parallel.pipeline.checkpoint import read_stages
 from llmtrain.parallel.sequence.shards import balance_sums
-from llmtrain.run.checkpoint import later_than, load_checkpoint, lora_only_hooks
+from llmtrain.run.checkpoint import later_than, load_checkpoint, lora_only_hooks, write_failure
 from llmtrain.run.metrics import MetricsLog, flop_model, peak_flops
 from llmtrain.run.preflight import check_resume, finished_run
 from llmtrain.run.rundir import RunDir, check_output_dir, claim_output_dir, has_checkpoints, inputs_inside
@@ -634,7 +634,16 @@ def claim_run_dir(recipe: Recipe, accelerator, console, *, checkpoint: Path | No
     out = Path(recipe.output_dir)
     run_dir = claim_output_dir(accelerator, out, resume=resume, overwrite=overwrite, expected=checkpoint)
     if accelerator.is_main_process:
-        (out / "recipe.yaml").write_text(recipe.to_yaml(working_dir=os.getcwd()))
+        # written whole or not at all: a full disk had cut a resumed run's recipe.yaml short, which generate, export
+        # and eval of the run then could not read (audit 46)
+        tmp = out / "recipe.yaml.tmp"
+        try:
+            tmp.write_text(recipe.to_yaml(working_dir=os.getcwd()))
+            tmp.replace(out / "recipe.yaml")
+        except OSError as e:
+            tmp.unlink(missing_ok=True)
+            raise LLMTrainError(f"cannot write {out / 'recipe.yaml'}: {write_failure(e, out)}. The run's files are "
+                                "as they were; free space there and start it again.") from None
         console.keep_log(out / "train.log")
     return run_dir
 

@@ -123,6 +123,11 @@ def export_merged(run_dir: Path, out: Path | None = None, *, say=lambda text: No
     out = out or run_dir / "final-merged"
     if out.exists():
         raise LLMTrainError(f"'{out}' already exists; remove it or pass --out <new folder>.")
+    owned = [run_dir.resolve() / d for d in ("final", "checkpoints")]
+    if any(o in (p := out.resolve(), *p.parents) for o in owned):  # (a resume's pruning or final/ rewrite deletes it)
+        raise LLMTrainError(f"--out '{out}' lies inside the run's final/ or checkpoints/, which the run itself "
+                            f"rewrites and prunes (a resume would delete it): give a folder beside them, e.g. "
+                            f"{run_dir / 'final-merged'}.")
     if problem := cannot_create(out, "--out"):
         raise LLMTrainError(problem)
     from safetensors import SafetensorError

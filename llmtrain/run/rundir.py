@@ -148,6 +148,14 @@ def foreign_checkpoint(checkpoint: Path, out: Path, resume: str) -> str | None:
             f"(output_dir={run}), or branch a new run from it in an empty folder (output_dir={run}-2).")
 
 
+def recipe_inside(out: Path, recipe_file: Path, *, resume: str | None, overwrite: bool) -> str | None:
+    """inputs_inside for the recipe file itself: `finetune runs/x/my.yaml --overwrite` had deleted the file it was
+    given (audit 46). The run's own recipe.yaml is written again, resolved, as the run starts: it may be given."""
+    if Path(recipe_file).resolve() == (out / "recipe.yaml").resolve():
+        return None
+    return inputs_inside(out, {"the recipe file": str(recipe_file)}, resume=resume, overwrite=overwrite)
+
+
 def inputs_inside(out: Path, recipe: dict, *, resume: str | None, overwrite: bool) -> str | None:
     """Why this run may not start (None: it may): --resume with --overwrite, which would ignore one of them; or
     a run that empties output_dir (--overwrite, or a run that ended before its first checkpoint started again)
@@ -258,11 +266,18 @@ def _lock(out: Path):
         holder = _describe(f.read())
         f.close()
         raise LLMTrainError(_in_use(out, holder)) from None
-    f.seek(0)
-    f.truncate()
-    f.write(f"{HEADER}\npid: {os.getpid()}\nhost: {socket.gethostname()}\n"
-            f"started: {time.strftime('%Y-%m-%d %H:%M:%S %z')}\ncommand: {' '.join(sys.argv)}\n")
-    f.flush()
+    try:
+        f.seek(0)
+        f.truncate()
+        f.write(f"{HEADER}\npid: {os.getpid()}\nhost: {socket.gethostname()}\n"
+                f"started: {time.strftime('%Y-%m-%d %H:%M:%S %z')}\ncommand: {' '.join(sys.argv)}\n")
+        f.flush()
+    except OSError as e:  # a full disk: the marker says who holds the folder (audit 46: a traceback)
+        f.close()
+        from llmtrain.run.checkpoint import write_failure
+
+        raise LLMTrainError(f"cannot write output_dir '{out}': {write_failure(e, out)}. Free space there, or set "
+                            "output_dir to another disk; nothing else was written.") from None
     return f
 
 
