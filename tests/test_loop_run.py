@@ -333,3 +333,24 @@ def test_every_step_runs_in_train_mode_before_and_after_evaluations(recipe, monk
     run_train(recipe, "train.max_steps=4", "train.eval_every_steps=2", "data.eval_split=0.05", "lora.r=4",
               "lora.dropout=0.1")
     assert modes == [True] * 4
+
+
+def test_a_cache_folder_that_cannot_be_written_trains_from_memory(recipe, tmp_path, capsys):
+    """data.cache_dir on a read-only disk (its default is under the folder a run starts from), a file, a full disk:
+    finetune had ended in a traceback (audit 46). The tokenised data is a shortcut: the run trains from memory, said
+    once, as the same run with a cache does; a stale temporary folder of a killed process is removed."""
+    blocker = tmp_path / "a-file"
+    blocker.write_text("x")
+    summary = run_train(recipe, f"data.cache_dir={blocker}", "train.max_steps=2", f"output_dir={tmp_path / 'a'}")
+    cached = run_train(recipe, f"data.cache_dir={tmp_path / 'cache'}", "train.max_steps=2",
+                       f"output_dir={tmp_path / 'b'}")
+    assert summary["final_loss"] == cached["final_loss"] and blocker.read_text() == "x"
+    assert f"the tokenised data could not be cached in {blocker}" in " ".join(capsys.readouterr().err.split())
+    (entry,) = [p for p in (tmp_path / "cache").iterdir() if not p.name.startswith(".")]
+    stale = tmp_path / "cache" / f".{entry.name}.tmp999999999"
+    stale.mkdir()
+    import shutil
+
+    shutil.rmtree(entry)
+    run_train(recipe, f"data.cache_dir={tmp_path / 'cache'}", "train.max_steps=2", f"output_dir={tmp_path / 'c'}")
+    assert not stale.exists() and entry.is_dir()

@@ -501,8 +501,9 @@ def check_warmup(warmup: int, total_steps: int) -> list[Check]:
     max_steps for a smoke test): the peak lr is never reached and there is no decay."""
     if warmup and warmup >= total_steps:
         return [("schedule", "warn", f"train.warmup_steps={warmup} is not below the run's {total_steps} steps: every "
-                 "step is on the warm-up ramp, the peak train.lr is never reached and nothing decays. Lower "
-                 f"train.warmup_steps (e.g. to {max(1, total_steps // 10)}) or raise train.max_steps.")]
+                 "step is on the warm-up ramp, the peak train.lr is never reached and nothing decays. "
+                 + (f"Lower train.warmup_steps (e.g. to {total_steps // 10}) or raise train.max_steps."
+                    if total_steps // 10 else "Set train.warmup_steps=0 or raise train.max_steps."))]
     return [("schedule", "pass", f"{warmup} warm-up step{'s' * (warmup != 1)} of {total_steps}")]
 
 

@@ -14,6 +14,7 @@ import json
 import math
 import os
 import shutil
+import sys
 from collections import Counter
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
@@ -145,6 +146,20 @@ def compute_stats(lengths: list[int], trained: list[int], truncated: list[bool],
 
 
 # --------------------------------------------------------------------------- the cached pipeline
+
+
+def _remove_stale(folder: Path, key: str) -> None:
+    """Temporary cache folders (.KEY.tmpPID) of processes that are gone (a kill while one was written): each the size
+    of a tokenised dataset, they had piled up."""
+    for tmp in folder.glob(f".{key}.tmp*"):
+        pid = tmp.name.rsplit(".tmp", 1)[1]
+        if pid.isdigit() and int(pid) != os.getpid():
+            try:
+                os.kill(int(pid), 0)
+            except ProcessLookupError:
+                shutil.rmtree(tmp, ignore_errors=True)
+            except OSError:
+                pass
 
 
 def _fingerprint(paths: list[str], tokenizer, cfg: DataConfig, extra: str) -> str:
@@ -316,11 +331,19 @@ def prepare_datasets(cfg: DataConfig, tokenizer, *, seed: int, tools: list[dict]
 
     # Write under a temporary name and rename, so a crash never leaves a half-written cache behind.
     tmp = cache.with_name(f".{key}.tmp{os.getpid()}")
+    _remove_stale(cache.parent, key)
     shutil.rmtree(tmp, ignore_errors=True)
-    train.save_to_disk(str(tmp / "train"))
-    if evald is not None:
-        evald.save_to_disk(str(tmp / "eval"))
-    (tmp / "stats.json").write_text(json.dumps({k: asdict(v) for k, v in stats.items()}))
+    try:
+        train.save_to_disk(str(tmp / "train"))
+        if evald is not None:
+            evald.save_to_disk(str(tmp / "eval"))
+        (tmp / "stats.json").write_text(json.dumps({k: asdict(v) for k, v in stats.items()}))
+    except OSError as e:  # a read-only folder (the default cache_dir is under the one run from), a full disk: the
+        # cache is a shortcut, not the run (it had been a traceback; audit 46)
+        shutil.rmtree(tmp, ignore_errors=True)
+        print(f"note: the tokenised data could not be cached in {cfg.cache_dir} ({e.strerror or e}); it is read from "
+              "memory this time. Set data.cache_dir to a writable folder to keep it.", file=sys.stderr, flush=True)
+        return train, evald, stats, False
     try:
         tmp.rename(cache)
     except OSError:  # another run wrote the same cache first; use theirs
