@@ -91,7 +91,7 @@ def needs_problems(recipe, launch: dict, *, user_code: bool = True, tasks: bool 
     from llmtrain.run.benchmarks import check_recipe
     from llmtrain.run.trackers import check_trackers
 
-    checks = [lambda: check_trackers(recipe.logging.report_to)]
+    checks = [lambda: check_trackers(recipe.logging.report_to, recipe.logging.project)]
     if recipe.model.kernels == "liger":
         device = "cpu" if launch.get("use_cpu") or not torch.cuda.is_available() else "cuda"
         checks.append(lambda: use_liger(recipe.model, device))

@@ -309,3 +309,25 @@ def test_a_resumed_runs_tensorboard_holds_each_step_once(tmp_path):
     assert [e.step for e in events.Scalars("train/lr")] == [1, 2, 3]
     assert events.Scalars("eval/loss") == []  # step 3's eval was after the checkpoint and not run again
     assert [json.loads(ln)["step"] for ln in (tmp_path / "metrics.jsonl").read_text().splitlines()] == [1, 2, 3]
+
+
+def test_a_project_name_wandb_refuses_is_said_before_the_run_folder_is_touched(monkeypatch, tmp_path, tiny_assets):
+    """`logging.project=myteam/llm` had been refused by wandb.init once the run folder was claimed (after --overwrite
+    had emptied it), with advice to log in (audit 46): said at start-up, naming WANDB_ENTITY."""
+    pytest.importorskip("wandb")
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    with pytest.raises(LLMTrainError, match=r"logging.project 'myteam/llm' is not a name wandb takes for a project "
+                                            r"\(it refuses /.*WANDB_ENTITY=myteam with logging.project=llm"):
+        check_trackers(["wandb"], "myteam/llm")
+    monkeypatch.setenv("WANDB_PROJECT", "a:b")
+    with pytest.raises(LLMTrainError, match="WANDB_PROJECT 'a:b' is not a name wandb takes"):
+        check_trackers(["wandb"])
+    monkeypatch.delenv("WANDB_PROJECT")
+    check_trackers(["wandb"], "llm")  # a plain name passes
+    out = tmp_path / "run"
+    proc = cli("finetune", "recipes/tiny.yaml", f"model.name_or_path={tiny_assets}/model",
+               f"data.path={tiny_assets}/data/train.jsonl", "data.eval_split=null", "logging.report_to=[wandb]",
+               "logging.project=myteam/llm", f"output_dir={out}", "train.max_steps=2", check=False,
+               env={**os.environ, "WANDB_MODE": "offline", "OMP_NUM_THREADS": "1"})
+    assert proc.returncode == 2 and "is not a name wandb takes" in " ".join(proc.stderr.split())
+    assert not out.exists()

@@ -74,7 +74,8 @@ def train(recipe: Recipe, *, resume: str | None = None, overwrite: bool = False,
     folder's lock, train.log and the trackers are released however the run ends (finish, stop, divergence)."""
     with ExitStack() as cleanup:
         quiet_libraries()
-        check_trackers(recipe.logging.report_to)  # a missing tracker library fails now, not after the model loads
+        # a missing tracker library, a project name wandb refuses: said now, not after the model loads
+        check_trackers(recipe.logging.report_to, recipe.logging.project)
         accelerator = build_accelerator(recipe)
         console = RunConsole(enabled=accelerator.is_main_process, progress=recipe.logging.progress,
                              device=accelerator.device.type)

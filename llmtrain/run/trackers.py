@@ -46,13 +46,30 @@ def scalars(record: dict) -> dict[str, float]:
             if k not in ("type", "step") and isinstance(v, (int, float)) and math.isfinite(v)}
 
 
-def check_trackers(names: list[str]) -> None:
+# characters wandb refuses in a project's name (its settings' project check)
+WANDB_PROJECT_REFUSES = "/\\#?%:"
+
+
+def check_trackers(names: list[str], project: str | None = None) -> None:
     """Import each asked-for tracker's library now (start-up), so a missing one fails before the model loads, and
-    for wandb check that it has an account to log to (or is offline)."""
+    for wandb check its project's name (logging.project, else WANDB_PROJECT) and that it has an account to log to
+    (or is offline): wandb.init had refused them once the run folder was claimed, after --overwrite had emptied it
+    (audit 46)."""
     for name in dict.fromkeys(names):
         module = _require(name)
         if name == "wandb":
+            _check_wandb_project(project)
             _check_wandb_account(module)
+
+
+def _check_wandb_project(project: str | None) -> None:
+    where = "logging.project" if project else "WANDB_PROJECT"
+    project = project or os.environ.get("WANDB_PROJECT")
+    if project and (bad := sorted(set(project) & set(WANDB_PROJECT_REFUSES))):
+        raise LLMTrainError(
+            f"{where} '{project}' is not a name wandb takes for a project (it refuses {' '.join(bad)} in one). A "
+            "team or user is wandb's entity: set WANDB_ENTITY to it and the project to the name alone (e.g. "
+            f"WANDB_ENTITY={project.split('/')[0]} with {where}={project.split('/')[-1]}).")
 
 
 def _check_wandb_account(wandb) -> None:
@@ -149,10 +166,14 @@ class WandbTracker:
             self.run = wandb.init(project=project or os.environ.get("WANDB_PROJECT") or "llmtrain", name=run_name,
                                   dir=os.environ.get("WANDB_DIR") or str(output_dir), config=config)
         except Exception as e:  # noqa: BLE001 - wandb's own types: no API key, no network, a bad project
+            account = any(w in str(e).lower() for w in ("api key", "api_key", "login", "authenticat", "network",
+                                                        "connect", "timed out"))
             raise LLMTrainError(
                 f"logging.report_to includes wandb, but wandb could not start a run ({type(e).__name__}: {e}). "
-                "Log in with `wandb login` (or set WANDB_API_KEY), or run without an account or network with "
-                "WANDB_MODE=offline and upload later with `wandb sync`; or remove wandb from logging.report_to."
+                + ("Log in with `wandb login` (or set WANDB_API_KEY), or run without an account or network with "
+                   "WANDB_MODE=offline and upload later with `wandb sync`; or remove wandb from logging.report_to."
+                   if account else "Fix what wandb names (its WANDB_* variables, logging.project, logging.run_name), "
+                   "or remove wandb from logging.report_to.")
             ) from None
 
     def log(self, record: dict, step: int) -> None:
