@@ -331,6 +331,46 @@ def write_pairs(out: Path, *, seed: int) -> None:
 MARK = ".llmtrain-tiny"  # in a folder prepare-tiny wrote: it may write it again
 
 
+def _record(out: Path) -> dict | None:
+    """What prepare-tiny's mark says it wrote: {family, seed, files: {path: sha256} (None while it writes)}; None for
+    a mark of before it said (plain text)."""
+    try:
+        record = json.loads((out / MARK).read_text())
+    except (OSError, ValueError):
+        return None
+    return record if isinstance(record, dict) else None
+
+
+def _hashes(out: Path) -> dict[str, str]:
+    """sha256 of every file under model/ and data/, by path from `out`."""
+    import hashlib
+
+    return {str(p.relative_to(out)): hashlib.sha256(p.read_bytes()).hexdigest()
+            for d in ("model", "data") for p in sorted((out / d).rglob("*")) if p.is_file()}
+
+
+def _check_rewrite(out: Path, *, family: str, seed: int) -> None:
+    """A folder prepare-tiny wrote is written again only as it was written: another family or seed would replace the
+    base of every run trained on it, and a file changed or added since would be lost (audit 46)."""
+    record = _record(out)
+    if record is None:
+        return  # marked before the mark said what it wrote: written again, as it was
+    if (record.get("family"), record.get("seed")) != (family, seed):
+        what = f"--family {family}" if record.get("family") != family else f"seed {seed}"
+        raise LLMTrainError(f"'{out}' holds the tiny {record.get('family')} model (seed {record.get('seed')}); {what} "
+                            "would replace it under every run trained on it (a LoRA run's adapter would then sit on "
+                            f"another base). Give a new folder: llmtrain prepare-tiny DIR --family {family}.")
+    if record.get("files") is None:
+        return  # a write that was stopped: it is written again, whole
+    now = _hashes(out)
+    changed = sorted(p for p in now.keys() | record["files"].keys()
+                     if p in now and now[p] != record["files"].get(p))
+    if changed:
+        raise LLMTrainError(f"'{out}' was written by prepare-tiny, and {', '.join(changed[:4])}"
+                            f"{', ...' if len(changed) > 4 else ''} changed or added since: writing it again would "
+                            "lose that. Give a new folder (llmtrain prepare-tiny DIR), or remove those files.")
+
+
 def _written_here(out: Path) -> bool:
     """Whether `out` is prepare-tiny's own folder: marked, or (written before the mark) its model/ the tiny model."""
     if (out / MARK).exists():
@@ -365,6 +405,11 @@ def prepare_tiny(out: Path, *, seed: int = 0, family: str = "llama") -> bool:
         raise LLMTrainError(f"prepare-tiny's folder '{out}' already holds {', '.join(present[:4])}"
                             f"{', ...' if len(present) > 4 else ''}, which prepare-tiny did not write: its model/ and "
                             "data/ files would replace them. Give an empty or new folder (llmtrain prepare-tiny DIR).")
+    if again:
+        _check_rewrite(out, family=family, seed=seed)
+    mark = {"written_by": "llmtrain prepare-tiny", "family": family, "seed": seed}
+    out.mkdir(parents=True, exist_ok=True)
+    (out / MARK).write_text(json.dumps({**mark, "files": None}) + "\n")  # first: a stopped write is still its own
     import transformers
 
     transformers.utils.logging.disable_progress_bar()  # "Writing model shards": the one line after says it
@@ -378,5 +423,5 @@ def prepare_tiny(out: Path, *, seed: int = 0, family: str = "llama") -> bool:
     write_data(out / "data", seed=seed)
     write_pairs(out / "data", seed=seed)
     write_tool_data(out / "data", seed=seed)
-    (out / MARK).write_text("written by llmtrain prepare-tiny: running it again rewrites model/ and data/\n")
+    (out / MARK).write_text(json.dumps({**mark, "files": _hashes(out)}, indent=1) + "\n")  # what a rewrite checks
     return again

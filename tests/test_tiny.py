@@ -203,3 +203,31 @@ def test_prepare_overwrites_in_place(tmp_path):
     prepare_tiny(tmp_path / "t")
     prepare_tiny(tmp_path / "t")  # a second `llmtrain prepare-tiny` into the same folder works
     assert len(_rows(tmp_path / "t" / "data" / "eval.jsonl")) == N_EVAL
+
+
+def test_a_folder_it_wrote_is_written_again_only_as_it_was_written(tmp_path):
+    """prepare-tiny into its own folder had written over a user's edit of its data and, with another --family,
+    swapped the base model under any LoRA run trained on it without a word; an interrupted write was then blamed on
+    the user ('holds model, which prepare-tiny did not write'; audit 46)."""
+    from llmtrain.errors import LLMTrainError
+    from llmtrain.tiny import MARK
+
+    out = tmp_path / "t"
+    prepare_tiny(out)
+    assert prepare_tiny(out) is True  # the same files again
+    with pytest.raises(LLMTrainError, match=r"holds the tiny llama model \(seed 0\); --family qwen3 would replace it"):
+        prepare_tiny(out, family="qwen3")
+    with pytest.raises(LLMTrainError, match=r"seed 1 would replace it"):
+        prepare_tiny(out, seed=1)
+    train = out / "data" / "train.jsonl"
+    train.write_text(train.read_text() + '{"prompt": "mine", "completion": " mine"}\n')
+    (out / "data" / "extra.jsonl").write_text("{}\n")
+    with pytest.raises(LLMTrainError, match=r"data/extra.jsonl, data/train.jsonl .*changed or added since"):
+        prepare_tiny(out)
+    assert train.read_text().endswith('" mine"}\n') and (out / "data" / "extra.jsonl").exists()
+
+    cut = tmp_path / "cut"  # a write stopped after its model/ began: the folder is still prepare-tiny's
+    cut.mkdir()
+    (cut / MARK).write_text('{"written_by": "llmtrain prepare-tiny", "family": "llama", "seed": 0, "files": null}\n')
+    (cut / "model").mkdir()
+    assert prepare_tiny(cut) is True and (cut / "data" / "train.jsonl").is_file()
