@@ -496,7 +496,8 @@ def prepare_tiny(
              "same task: try a family's path on the CPU.")] = "llama",
 ) -> None:
     """Create the tiny random-init Llama, its tokenizer and the synthetic task data used by recipes/tiny.yaml. A
-    folder it wrote before is written again (the same files); one holding anything else is refused."""
+    folder it wrote before is written again if its files are as it wrote them (the same family and seed); one holding
+    anything else is refused."""
     from llmtrain.tiny import prepare_tiny as run
 
     again = run(out, family=family)
