@@ -415,3 +415,17 @@ def test_a_resume_that_cannot_write_its_recipe_leaves_the_old_one_whole(runs, tm
     assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-2000:]
     assert f"cannot write {run / 'recipe.yaml'}" in flat
     assert (run / "recipe.yaml").read_bytes() == before and not (run / "recipe.yaml.tmp").exists()
+
+
+def test_a_refused_export_leaves_no_folder_it_made(runs, tmp_path):
+    """A merge refused once --out's folders were made (the base moved away) had left them, empty (audit 46)."""
+    import shutil
+
+    lora = tmp_path / "lora"
+    shutil.copytree(runs["lora_run"], lora)
+    recipe = yaml.safe_load((lora / "recipe.yaml").read_text())
+    recipe["model"]["name_or_path"] = str(tmp_path / "moved-away")
+    (lora / "recipe.yaml").write_text(yaml.safe_dump(recipe))
+    result = CliRunner().invoke(app, ["export", str(lora), "--merge", "--out", str(tmp_path / "new" / "sub" / "m")])
+    assert result.exit_code == 2 and "moved-away" in " ".join(result.output.split()), result.output
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["lora"]

@@ -6,8 +6,10 @@
 
 from __future__ import annotations
 
+import signal
 import shutil
 import tempfile
+import threading
 from pathlib import Path
 
 from llmtrain.errors import LLMTrainError
@@ -132,8 +134,11 @@ def export_merged(run_dir: Path, out: Path | None = None, *, say=lambda text: No
         raise LLMTrainError(problem)
     from safetensors import SafetensorError
 
+    made = [p for p in (out.absolute(), *out.absolute().parents) if not p.exists()][1:]  # the folders above it
     tmp = _beside(out)  # made before the merge: a folder the system refuses is said at once (/proc had a traceback)
     try:
+        stop = signal.signal(signal.SIGTERM, _stopped) if threading.current_thread() is threading.main_thread() \
+            else None  # a preemption's SIGTERM, as Ctrl-C: nothing half-written is left (it had left the folder)
         merged, tokenizer = _merge(recipe, final, say)
         try:
             merged.save_pretrained(tmp, safe_serialization=True)
@@ -148,12 +153,24 @@ def export_merged(run_dir: Path, out: Path | None = None, *, say=lambda text: No
                                 "space or give another --out.") from None
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
+        for folder in made:  # the folders above --out this call made, emptied again (nearest first)
+            try:
+                folder.rmdir()
+            except OSError:
+                break
         raise
+    finally:
+        if stop is not None:
+            signal.signal(signal.SIGTERM, stop)
     # a reward model's is a sequence classifier: AutoModelForCausalLM reads it with a random LM head (audit 39)
     loader = "SequenceClassification" if recipe.reward_model is not None else "CausalLM"
     say(f"merged {final} (a LoRA adapter) into its base model: a whole model in {out}, which transformers' "
         f"AutoModelFor{loader}.from_pretrained loads without peft")
     return out
+
+
+def _stopped(signum, frame):
+    raise KeyboardInterrupt  # the export's cleanup runs, then the command's stop message
 
 
 def _beside(out: Path) -> Path:
