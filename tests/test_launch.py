@@ -580,3 +580,15 @@ def test_llmtrain_launch_without_a_recipe_or_with_an_unknown_flag_says_so_in_one
     out = " ".join((proc.stdout + proc.stderr).split())
     assert proc.returncode == 2 and said in out and "llmtrain launch takes accelerate launch's flags" in out, out
     assert "usage:" not in out and len(out) < 600
+
+
+def test_an_accelerate_config_that_cannot_be_read_says_how_to_fix_it(tmp_path):
+    """A missing file had been "[Errno 2] No such file or directory" and one that is not YAML PyYAML's three-line
+    excerpt, neither saying what to give (audit 46)."""
+    (tmp_path / "bad.yaml").write_text("distributed_type: [MULTI_GPU\n")
+    for config, said in ((tmp_path / "nocfg.yaml", "No such file or directory. Give the path of an accelerate config"),
+                         (tmp_path / "bad.yaml", "is not valid YAML at line 2, column 1")):
+        proc = cli("launch", "--config_file", str(config), "recipes/tiny.yaml", check=False)
+        out = " ".join((proc.stdout + proc.stderr).split())
+        assert proc.returncode == 2 and said in out and "accelerate_configs/" in out, out
+        assert "Traceback" not in out

@@ -235,8 +235,15 @@ def read_launch_file(path, *, name: str) -> dict:
 
     try:
         launch = yaml.safe_load(Path(path).read_text()) or {}
-    except (OSError, yaml.YAMLError) as e:
-        raise LLMTrainError(f"cannot read {name}: {e}") from None
+    except OSError as e:
+        raise LLMTrainError(f"cannot read {name}: {e.strerror or e}. Give the path of an accelerate config file "
+                            "(accelerate_configs/ has one a layout: ddp.yaml, fsdp.yaml, ...; `accelerate config` "
+                            "writes one).") from None
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None)
+        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
+        raise LLMTrainError(f"{name} is not valid YAML{where}: {getattr(e, 'problem', None) or e}. Fix it there, or "
+                            "start from one of accelerate_configs/ (ddp.yaml, fsdp.yaml, ...).") from None
     if not isinstance(launch, dict):
         raise LLMTrainError(f"{name} must be a mapping (distributed_type, num_processes, ...).")
     return launch
