@@ -333,6 +333,30 @@ def test_neftunes_noise_on_two_stages_is_one_process_noise(four_layers, tmp_path
     _same(two, one, lora=False)
 
 
+def test_a_tied_models_stage_files_hold_the_embedding_and_the_heads_copy(tied, tmp_path):
+    """The first stage saves the tied weight as the embedding, the last its copy as the head: the names a checkpoint's
+    stage files must hold name it twice (once, every full fine-tune of a tied model on stages had failed its first
+    checkpoint's verification: 'saved 21 weights, the model has 20'; audit 45). The 2-process run is the test below."""
+    from safetensors.torch import save_file
+    from transformers import AutoModelForCausalLM
+
+    from llmtrain.loop.phases import stage_names
+    from llmtrain.run.checkpoint import verify_saved
+
+    model = AutoModelForCausalLM.from_pretrained(tied / "model")
+    names, trainable = stage_names(model, lora=False)
+    assert "lm_head.weight" in names and "model.embed_tokens.weight" in names and trainable is None
+    weights = dict(model.named_parameters(remove_duplicate=False))
+    first = [n for n in weights if n.startswith(("model.embed_tokens", "model.layers.0.", "model.layers.1."))]
+    (tmp_path / "pipeline").mkdir()
+    for rank, part in enumerate((first, [n for n in weights if n not in first])):
+        save_file({n: weights[n].detach().clone() for n in part}, str(tmp_path / "pipeline" /
+                                                                       f"stage_{rank:03d}.safetensors"))
+    verify_saved(tmp_path, model_keys=set(names), trainable=None)
+    with pytest.raises(LLMTrainError, match="failed verification"):  # the names listed once: one weight more
+        verify_saved(tmp_path, model_keys={n for n, _ in model.named_parameters()}, trainable=None)
+
+
 @pytest.mark.slow
 @pytest.mark.extended  # main tier: two stages train what one process trains (the untied rows above)
 def test_a_tied_embedding_trains_on_two_stages_what_one_process_trains(tied, tmp_path, free_port):
@@ -344,7 +368,13 @@ def test_a_tied_embedding_trains_on_two_stages_what_one_process_trains(tied, tmp
 
     recipe = _recipe(tied, tmp_path, "tied.yaml", lora=False)
     run_train(recipe, f"output_dir={tmp_path / 'one'}")
-    launch_finetune(CPU_DDP, 2, free_port, recipe, "parallel.pipeline_parallel=2", f"output_dir={tmp_path / 'pp'}")
+    # a checkpoint at step 2 (its stage files hold the embedding and the head's copy: it had failed its verification,
+    # one weight more than the model; audit 45), and step 3 again from it
+    launch_finetune(CPU_DDP, 2, free_port, recipe, "parallel.pipeline_parallel=2", "checkpoint.every_steps=2",
+                    f"output_dir={tmp_path / 'pp'}")
+    launch_finetune(CPU_DDP, 2, free_port + 1, recipe, "parallel.pipeline_parallel=2", "checkpoint.every_steps=2",
+                    f"output_dir={tmp_path / 'pp'}", resume=str(tmp_path / "pp" / "checkpoints" / "step_000002"))
+    assert "resumed from" in (tmp_path / "pp" / "train.log").read_text()
     assert all(r["grad_norm"] > 0.5 for r in records(tmp_path / "one"))  # clipped: the norm matters
     _same(tmp_path / "pp", tmp_path / "one", lora=False)
     final = AutoModelForCausalLM.from_pretrained(tmp_path / "pp" / "final")
