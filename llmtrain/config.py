@@ -17,7 +17,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from llmtrain.errors import RecipeError
-from llmtrain.overrides import apply_overrides
+from llmtrain.overrides import apply_overrides, read_yaml
 
 
 def _takes(annotation, kinds: tuple[type, ...]) -> bool:
@@ -1904,7 +1904,7 @@ def load_recipe(path: str | Path, overrides: list[str] | None = None) -> Recipe:
     if not path.is_file():
         raise RecipeError(f"Recipe file '{path}' does not exist. Pass the path to a YAML recipe, e.g. recipes/tiny.yaml.")
     try:
-        data = yaml.safe_load(path.read_text()) or {}
+        data = read_yaml(path.read_text()) or {}
     except yaml.YAMLError as e:
         mark = getattr(e, "problem_mark", None)
         where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""

@@ -450,3 +450,18 @@ def test_null_on_a_list_items_key_names_the_items_default():
         load_recipe(REPO / "recipes" / "tiny-grpo.yaml", ["rl.rewards=[answer_match]"])
     assert "rl.rewards.0 (the override rl.rewards=[answer_match]): is a mapping of keys ({type: answer_match, ...} " \
            "as the list's item), not 'answer_match'" in str(e.value)
+
+
+def test_numbers_read_as_written_not_as_yaml_1_1s_octal_or_base_60(recipe_file, tmp_path):
+    """PyYAML's YAML 1.1 read `010` as 8 and `1:30` as 90 (audit 47): a seed or a step count written with a leading
+    zero changed without a word. They are read as written now (YAML 1.2's core schema, as a reader means them)."""
+    r = load_recipe(recipe_file, ["train.max_steps=010", "train.seed=007"])
+    assert (r.train.max_steps, r.train.seed) == (10, 7)
+    with pytest.raises(RecipeError, match=r"train.max_steps \(the override train.max_steps=1:30\)"):
+        load_recipe(recipe_file, ["train.max_steps=1:30"])
+    path = tmp_path / "octal.yaml"
+    path.write_text(recipe_file.read_text() + "train:\n  seed: 010\n  lr: 1:30.0\n")
+    with pytest.raises(RecipeError, match=r"train.lr"):
+        load_recipe(path)
+    path.write_text(recipe_file.read_text() + "train:\n  seed: 010\n  max_steps: 0x10\n")
+    assert (load_recipe(path).train.seed, load_recipe(path).train.max_steps) == (10, 16)
