@@ -444,8 +444,8 @@ def test_null_is_said_as_yamls_null_and_a_required_key_as_required(recipe_file, 
 def test_null_on_a_list_items_key_names_the_items_default():
     with pytest.raises(RecipeError) as e:
         load_recipe(REPO / "recipes" / "tiny-grpo.yaml", ["rl.rewards.0.batch_size=null"])
-    assert "rl.rewards.0.batch_size (the override rl.rewards.0.batch_size=null): cannot be null (the key has no unset " \
-           "state; its default is" in str(e.value)
+    assert "rl.rewards.0.batch_size (the override rl.rewards.0.batch_size=null): cannot be null (the key has no " \
+           "unset state; its default is" in str(e.value)
     with pytest.raises(RecipeError) as e:
         load_recipe(REPO / "recipes" / "tiny-grpo.yaml", ["rl.rewards=[answer_match]"])
     assert "rl.rewards.0 (the override rl.rewards=[answer_match]): is a mapping of keys ({type: answer_match, ...} " \
