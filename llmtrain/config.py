@@ -95,10 +95,12 @@ class RopeScaling(BaseModel):
 ROPE_FIELDS = {"llama3": {"low_freq_factor": 1.0, "high_freq_factor": 4.0},
                "longrope": {"short_factor": "[1.0, ...]", "long_factor": "[1.0, ...]"}}
 # Every key a rope_type reads beyond rope_type, factor and original_max_position_embeddings (transformers 5's
-# modeling_rope_utils: each _validate_*_rope_parameters' required and optional keys; rope_theta is the model's)
+# modeling_rope_utils: each _validate_*_rope_parameters' required and optional keys, and every type's
+# partial_rotary_factor and rope_theta, which default to the model's own)
 ROPE_KEYS = {"linear": set(), "dynamic": set(), "llama3": {"low_freq_factor", "high_freq_factor"},
              "yarn": {"attention_factor", "beta_fast", "beta_slow", "mscale", "mscale_all_dim", "truncate"},
              "longrope": {"short_factor", "long_factor", "attention_factor"}}
+ROPE_KEYS = {t: keys | {"partial_rotary_factor", "rope_theta"} for t, keys in ROPE_KEYS.items()}  # every type's
 
 
 def tiled_mlp_shard(setting: bool | int | None, hidden_size: int) -> int | None:
@@ -207,6 +209,10 @@ class ModelConfig(Section):
         return self
 
 
+# Modules at the top of a model, whose whole path is their name: text that names one is peft's match of it
+TOP_LEVEL_MODULES = ("lm_head", "score", "embed_out", "output")
+
+
 class LoraConfig(Section):
     r: int = Field(16, gt=0, description="LoRA rank.")
     alpha: float = Field(32.0, gt=0, allow_inf_nan=False, description="LoRA scaling numerator (scale = alpha / r; "
@@ -239,26 +245,19 @@ class LoraConfig(Section):
         "mixture of experts' 3-D expert weights where all-linear does not reach them (GPT-OSS's), as peft's "
         "target_parameters. Each expert gets its own A and B; lora.dropout must be 0.")
 
-    @model_validator(mode="after")
-    def _lr_embedding_read(self) -> LoraConfig:
-        if self.lr_ratio is None and self.off_default("lr_embedding"):
-            raise ValueError(f"lora.lr_embedding={self.lr_embedding:g} is LoRA+'s rate of the embeddings' adapter, and "
-                             "lora.lr_ratio is not set (plain LoRA: one rate for all): set lora.lr_ratio (e.g. 16), or "
-                             "remove lora.lr_embedding")
-        return self
-
     @field_validator("target_modules")
     @classmethod
     def _names_are_a_list(cls, v: str | list[str]) -> str | list[str]:
         """peft reads text as a regular expression of the whole module path (model.layers.0.self_attn.q_proj), so a
         plain name (q_proj, q_proj,v_proj) matches no layer: it had been refused at the model's load by a message
         that listed q_proj among the layers (audit 47)."""
-        if isinstance(v, str) and v != "all-linear" and re.fullmatch(r"[\w,\s-]+", v):
+        if isinstance(v, str) and v != "all-linear" and v not in TOP_LEVEL_MODULES and re.fullmatch(r"[\w,\s-]+", v):
             names = [n.strip() for n in v.split(",") if n.strip()]
             hint = ("'all-linear' for every linear layer" if v.replace("_", "-").lower() == "all-linear" else
                     f"a list: lora.target_modules=[{','.join(names)}] ({names!r} in YAML)")
-            raise ValueError(f"text here is peft's regular expression of the whole module path, which {v!r} matches "
-                             f"in no model; give {hint}")
+            raise ValueError(f"text here is peft's regular expression of the whole module path "
+                             f"(model.layers.0.self_attn.q_proj), which {v!r} matches in no layer of a decoder; give "
+                             f"{hint}")
         return v
 
 
@@ -565,14 +564,6 @@ class TrainConfig(Section):
     @classmethod
     def _yaml_no(cls, v: Any) -> Any:
         return "no" if v is False else v  # YAML 1.1 reads an unquoted `no` as false
-
-    @model_validator(mode="after")
-    def _min_lr_read(self) -> "TrainConfig":
-        if self.schedule == "constant" and self.min_lr_ratio != 0:
-            raise ValueError(f"train.min_lr_ratio={self.min_lr_ratio:g} is where the linear and cosine schedules end, "
-                             "and train.schedule is constant (no decay): set train.schedule=cosine (or linear), or "
-                             "remove train.min_lr_ratio")
-        return self
 
     @model_validator(mode="after")
     def _one_batch_unit(self) -> "TrainConfig":

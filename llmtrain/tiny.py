@@ -359,7 +359,8 @@ def _check_rewrite(out: Path, *, family: str, seed: int) -> None:
         what = f"--family {family}" if record.get("family") != family else f"seed {seed}"
         raise LLMTrainError(f"'{out}' holds the tiny {record.get('family')} model (seed {record.get('seed')}); {what} "
                             "would replace it under every run trained on it (a LoRA run's adapter would then sit on "
-                            f"another base). Give a new folder: llmtrain prepare-tiny DIR --family {family}.")
+                            "another base). Give a new folder (llmtrain prepare-tiny DIR"
+                            + (f" --family {family}" if record.get("family") != family else "") + ").")
     if record.get("files") is None:
         return  # a write that was stopped: it is written again, whole
     now = _hashes(out)

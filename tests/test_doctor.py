@@ -702,3 +702,17 @@ def test_the_eval_generations_keys_without_eval_data_are_said_unused(tiny_assets
     (detail,) = [d for name, _, d in run_doctor(recipe, gpu_memory=80) if name == "no eval"]
     assert "train.eval_every_steps=2, train.eval_batch_size=2, train.eval_samples=4 and train.eval_max_new_tokens=5 " \
         "have nothing to act on" in " ".join(detail.split()), detail
+
+
+def test_a_rate_setting_nothing_reads_is_said(tiny_assets, tmp_path):
+    """train.min_lr_ratio with a constant schedule and lora.lr_embedding without lora.lr_ratio had been accepted
+    without a word (audit 47). Said, not refused: a run's recipe.yaml spells every key out, and a run of before must
+    stay readable by generate, eval and --resume."""
+    recipe = load_recipe(write_recipe(tiny_assets, tmp_path), ["train.schedule=constant", "train.min_lr_ratio=0.5",
+                                                                "lora.r=4", "lora.lr_embedding=1e-3"])
+    (detail,) = [d for name, _, d in run_doctor(recipe, gpu_memory=80) if name == "unread"]
+    flat = " ".join(detail.split())
+    assert "train.min_lr_ratio=0.5 is where the linear and cosine schedules end" in flat
+    assert "lora.lr_embedding=0.001 is LoRA+'s rate of the embeddings' adapter" in flat
+    plain = load_recipe(write_recipe(tiny_assets, tmp_path), ["train.schedule=cosine", "train.min_lr_ratio=0.5"])
+    assert "unread" not in {name for name, _, _ in run_doctor(plain, gpu_memory=80)}

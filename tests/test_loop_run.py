@@ -198,6 +198,17 @@ def test_a_stop_while_final_is_written_finishes_it_first(recipe, tmp_path, monke
     assert "SIGINT: writing final/ and the summary first" in said.err
     assert "SIGINT while final/ was written: it and the summary were finished first" in " ".join(said.out.split())
 
+    # with the recipe's benchmark: skipped, as the stop asked (it had run on, for hours, after "then stopping")
+    tasks = tmp_path / "tasks"  # a task the recipe's checks find (its data is never read: the benchmark is skipped)
+    tasks.mkdir()
+    (tasks / "t.yaml").write_text("task: tiny_stop\ndataset_path: json\n")
+    monkeypatch.setattr("llmtrain.run.benchmarks.check_tasks", lambda *a, **k: None)
+    summary = run_train(recipe, "train.max_steps=3", f"output_dir={tmp_path / 'bench'}", "eval.tasks=[tiny_stop]",
+                        f"eval.include_path=[{tasks}]")
+    assert summary["steps"] == 3 and not (tmp_path / "bench" / "lm_eval").exists()
+    assert f"benchmark (eval:) is skipped, as the stop asked: score the run with `llmtrain eval {tmp_path / 'bench'} " \
+        "--tasks tiny_stop`" in " ".join(capsys.readouterr().out.split())
+
 
 def test_resumed_run_reports_the_speed_of_this_process_and_the_clock_of_the_whole_run(recipe, tmp_path,
                                                                                        monkeypatch):
@@ -335,22 +346,27 @@ def test_every_step_runs_in_train_mode_before_and_after_evaluations(recipe, monk
     assert modes == [True] * 4
 
 
-def test_a_cache_folder_that_cannot_be_written_trains_from_memory(recipe, tmp_path, capsys):
-    """data.cache_dir on a read-only disk (its default is under the folder a run starts from), a file, a full disk:
-    finetune had ended in a traceback (audit 46). The tokenised data is a shortcut: the run trains from memory, said
-    once, as the same run with a cache does; a stale temporary folder of a killed process is removed."""
-    blocker = tmp_path / "a-file"
-    blocker.write_text("x")
-    summary = run_train(recipe, f"data.cache_dir={blocker}", "train.max_steps=2", f"output_dir={tmp_path / 'a'}")
-    cached = run_train(recipe, f"data.cache_dir={tmp_path / 'cache'}", "train.max_steps=2",
-                       f"output_dir={tmp_path / 'b'}")
-    assert summary["final_loss"] == cached["final_loss"] and blocker.read_text() == "x"
-    assert f"the tokenised data could not be cached in {blocker}" in " ".join(capsys.readouterr().err.split())
-    (entry,) = [p for p in (tmp_path / "cache").iterdir() if not p.name.startswith(".")]
-    stale = tmp_path / "cache" / f".{entry.name}.tmp999999999"
-    stale.mkdir()
+def test_a_cache_folder_that_cannot_be_written_is_said_before_any_row_is_tokenised(recipe, tmp_path):
+    """data.cache_dir under a file or on a read-only disk (its default is under the folder a run starts from):
+    finetune had ended in a traceback once every row was tokenised (audit 46). One paragraph now, before the
+    tokenising, nothing written; a stale temporary folder of a killed process of this host is removed, another
+    host's is left to it."""
     import shutil
 
+    from llmtrain.data.prepare import _HOST
+
+    blocker = tmp_path / "a-file"
+    blocker.write_text("x")
+    with pytest.raises(LLMTrainError, match=rf"data.cache_dir '{blocker}/c' cannot take the tokenised data: "
+                                            rf"'{blocker}' is a file"):
+        run_train(recipe, f"data.cache_dir={blocker}/c", "train.max_steps=2", f"output_dir={tmp_path / 'a'}")
+    assert not (tmp_path / "a").exists() and blocker.read_text() == "x"
+    run_train(recipe, f"data.cache_dir={tmp_path / 'cache'}", "train.max_steps=2", f"output_dir={tmp_path / 'b'}")
+    (entry,) = [p for p in (tmp_path / "cache").iterdir() if not p.name.startswith(".")]
+    stale = tmp_path / "cache" / f".{entry.name}.tmp-{_HOST}-999999999"
+    elsewhere = tmp_path / "cache" / f".{entry.name}.tmp-otherhost-999999999"
+    stale.mkdir()
+    elsewhere.mkdir()
     shutil.rmtree(entry)
     run_train(recipe, f"data.cache_dir={tmp_path / 'cache'}", "train.max_steps=2", f"output_dir={tmp_path / 'c'}")
-    assert not stale.exists() and entry.is_dir()
+    assert not stale.exists() and elsewhere.exists() and entry.is_dir()

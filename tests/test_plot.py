@@ -441,7 +441,7 @@ def test_an_out_that_is_not_a_plot_of_llmtrains_is_never_replaced(tmp_path):
     folder = cli("plot", str(tmp_path / "run"), "--out", str(tmp_path / "dir.png"), check=False)
     assert folder.returncode == 2 and "is a folder" in folder.stderr and "Traceback" not in folder.stderr
     assert sorted(p.name for p in tmp_path.iterdir()) == ["dir.png", "report.pdf", "run"]
-    for name in ("curves.pdf", "curves.svg", "curves.png"):
+    for name in ("curves.pdf", "curves.svg", "curves.png", "curves.eps", "curves.jpg"):  # (jpg holds no mark)
         invoke("plot", str(tmp_path / "run"), "--out", str(tmp_path / name))
         again = invoke("plot", str(tmp_path / "run"), "--out", str(tmp_path / name))
         assert "(it replaced the plot there" in " ".join(again.stderr.split())

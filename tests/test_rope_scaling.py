@@ -140,3 +140,25 @@ def test_a_runs_final_model_and_its_merged_export_keep_the_rotary_embedding_it_t
     assert "RoPE linear x 4" in target.name and target.load is not None
     model, _ = target.load("cpu")
     assert model.get_base_model().config.max_position_embeddings == 2048
+
+
+def test_scaling_keeps_a_partial_rotary_models_share_of_each_head():
+    """Phi-3 and Phi-4-mini rotate part of each head (rope_parameters' partial_rotary_factor): model.rope_scaling had
+    replaced their rope_parameters without it, so every head dimension was rotated, silently another model (the
+    review of audit 47). Kept now, unless the scaling gives its own; and the recipe takes the key for every type."""
+    from transformers import Phi3Config
+    from transformers.models.phi3.modeling_phi3 import Phi3RotaryEmbedding
+
+    from llmtrain.config import RopeScaling
+    from llmtrain.model.modeling import scale_rope
+
+    config = Phi3Config(hidden_size=128, num_attention_heads=4, num_key_value_heads=2, intermediate_size=256,
+                        num_hidden_layers=2, vocab_size=128, pad_token_id=0, bos_token_id=1, eos_token_id=2,
+                        partial_rotary_factor=0.75)
+    scale_rope(config, RopeScaling(rope_type="linear", factor=2.0))
+    assert config.rope_parameters["partial_rotary_factor"] == 0.75
+    assert Phi3RotaryEmbedding(config).inv_freq.numel() == int(32 * 0.75) // 2  # head_dim 32, 3/4 of it rotated
+    own = RopeScaling(rope_type="yarn", factor=4.0, partial_rotary_factor=0.5)
+    config = Phi3Config(partial_rotary_factor=0.75)
+    scale_rope(config, own)
+    assert config.rope_parameters["partial_rotary_factor"] == 0.5

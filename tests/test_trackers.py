@@ -320,8 +320,9 @@ def test_a_project_name_wandb_refuses_is_said_before_the_run_folder_is_touched(m
                                             r"\(it refuses /.*WANDB_ENTITY=myteam with logging.project=llm"):
         check_trackers(["wandb"], "myteam/llm")
     monkeypatch.setenv("WANDB_PROJECT", "a:b")
-    with pytest.raises(LLMTrainError, match="WANDB_PROJECT 'a:b' is not a name wandb takes"):
+    with pytest.raises(LLMTrainError, match="WANDB_PROJECT 'a:b' is not a name wandb takes") as e:
         check_trackers(["wandb"])
+    assert "WANDB_ENTITY" not in str(e.value)  # (it had advised WANDB_ENTITY=a:b)
     monkeypatch.delenv("WANDB_PROJECT")
     check_trackers(["wandb"], "llm")  # a plain name passes
     out = tmp_path / "run"
@@ -331,3 +332,17 @@ def test_a_project_name_wandb_refuses_is_said_before_the_run_folder_is_touched(m
                env={**os.environ, "WANDB_MODE": "offline", "OMP_NUM_THREADS": "1"})
     assert proc.returncode == 2 and "is not a name wandb takes" in " ".join(proc.stderr.split())
     assert not out.exists()
+
+
+def test_a_set_aside_file_a_stop_cut_short_does_not_block_the_next_resume(tmp_path):
+    """A resume stopped while it wrote metrics.jsonl.after-step_N left its .tmp, which the next resume read as a set-
+    aside file of step 'N.tmp': a ValueError at every `--resume auto` (the review of audit 46's change)."""
+    lines = [{"type": "train", "step": s, "loss": float(s)} for s in range(1, 7)]
+    MetricsLog(tmp_path, enabled=True, resume_step=None).close()
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(x) + "\n" for x in lines))
+    (tmp_path / "metrics.jsonl.after-step_000002.tmp").write_text('{"type": "train", "st')
+    MetricsLog(tmp_path, enabled=True, resume_step=4).close()
+    assert [json.loads(x)["step"] for x in (tmp_path / "metrics.jsonl").read_text().splitlines()] == [1, 2, 3, 4]
+    assert sorted(p.name for p in tmp_path.glob("metrics.jsonl.*")) == ["metrics.jsonl.after-step_000004"]
+    MetricsLog(tmp_path, enabled=True, resume_step=6).close()  # back to the later checkpoint: every line again
+    assert [json.loads(x)["step"] for x in (tmp_path / "metrics.jsonl").read_text().splitlines()] == list(range(1, 7))

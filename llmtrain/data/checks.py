@@ -251,7 +251,7 @@ def check_data(recipe: Recipe, stats: DataStats, train, eval_ds, tokenizer, *, r
     embedding (`rows`: model.modeling.embedding_rows, None: unknown), the loss mask, the stop token trained, and the
     token budget, on the tokenised train (and eval) sets."""
     unused = check_token_ids(recipe, tokenizer, rows, train, eval_ds) + check_no_eval(recipe, eval_ds) + \
-        check_hub_keys(recipe) + check_eval_overlap(recipe)
+        check_hub_keys(recipe) + check_eval_overlap(recipe) + check_unread_rates(recipe)
     if recipe.data.format == "prompt":  # online RL: nothing is trained from the data; the completions need room
         return (unused + check_prompt_room(recipe, train, eval_ds) + check_completion_stop(recipe, tokenizer)
                 + check_ratio_keys(recipe))
@@ -305,6 +305,20 @@ def check_margin(train, eval_ds) -> Check:
 
 
 EVAL_BATCH_RATIO = 4  # an eval micro-batch more than this many times the training's tokens is warned about
+
+
+def check_unread_rates(recipe: Recipe) -> list[Check]:
+    """Rate keys the run reads nothing of (audit 47: accepted without a word): said, not refused, since a run's own
+    recipe.yaml spells out every key and a run of before must stay readable (generate, eval, --resume)."""
+    t, lora = recipe.train, recipe.lora
+    said = []
+    if t.schedule == "constant" and t.min_lr_ratio != 0:
+        said.append(f"train.min_lr_ratio={t.min_lr_ratio:g} is where the linear and cosine schedules end, and "
+                    "train.schedule is constant (set train.min_lr_ratio=0, or train.schedule=cosine)")
+    if lora is not None and lora.lr_ratio is None and lora.off_default("lr_embedding"):
+        said.append(f"lora.lr_embedding={lora.lr_embedding:g} is LoRA+'s rate of the embeddings' adapter, and "
+                    "lora.lr_ratio is not set (set lora.lr_ratio, e.g. 16, or leave lora.lr_embedding out)")
+    return [("unread", "warn", "; ".join(said) + ": nothing in this run reads it")] if said else []
 
 
 def check_no_eval(recipe: Recipe, eval_ds) -> list[Check]:

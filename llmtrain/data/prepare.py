@@ -14,7 +14,7 @@ import json
 import math
 import os
 import shutil
-import sys
+import socket
 from collections import Counter
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
@@ -148,11 +148,15 @@ def compute_stats(lengths: list[int], trained: list[int], truncated: list[bool],
 # --------------------------------------------------------------------------- the cached pipeline
 
 
+_HOST = socket.gethostname().replace("-", "_")
+
+
 def _remove_stale(folder: Path, key: str) -> None:
-    """Temporary cache folders (.KEY.tmpPID) of processes that are gone (a kill while one was written): each the size
-    of a tokenised dataset, they had piled up."""
-    for tmp in folder.glob(f".{key}.tmp*"):
-        pid = tmp.name.rsplit(".tmp", 1)[1]
+    """Temporary cache folders (.KEY.tmp-HOST-PID) of this host's processes that are gone (a kill while one was
+    written): each the size of a tokenised dataset, they had piled up. Another host's (a cache folder on a shared
+    disk) are left to it."""
+    for tmp in folder.glob(f".{key}.tmp-{_HOST}-*"):
+        pid = tmp.name.rsplit("-", 1)[1]
         if pid.isdigit() and int(pid) != os.getpid():
             try:
                 os.kill(int(pid), 0)
@@ -160,6 +164,16 @@ def _remove_stale(folder: Path, key: str) -> None:
                 shutil.rmtree(tmp, ignore_errors=True)
             except OSError:
                 pass
+
+
+def _unwritable(folder: Path) -> str | None:
+    """Why the cache folder cannot be made or written (its nearest existing folder a file or read-only), or None."""
+    for above in (folder, *folder.parents):
+        if above.exists():
+            if not above.is_dir():
+                return f"'{above}' is a file, not a folder"
+            return None if os.access(above, os.W_OK | os.X_OK) else f"the folder '{above}' is not writable"
+    return None
 
 
 def _fingerprint(paths: list[str], tokenizer, cfg: DataConfig, extra: str) -> str:
@@ -306,6 +320,11 @@ def prepare_datasets(cfg: DataConfig, tokenizer, *, seed: int, tools: list[dict]
         evald = datasets.load_from_disk(str(cache / "eval")) if (cache / "eval").exists() else None
         return train, evald, stats, True
 
+    if problem := _unwritable(Path(cfg.cache_dir).absolute()):  # said before any row is tokenised (a traceback once
+        # they all were; the default cache_dir is under the folder a run starts from: audit 46)
+        raise LLMTrainError(f"data.cache_dir '{cfg.cache_dir}' cannot take the tokenised data: {problem}. The run "
+                            "reads its data from there (every process, and a precomputed reference beside it): set "
+                            "data.cache_dir to a folder you can write.")
     trains, evals, stats = [], [], {}
     for i, part in enumerate(parts):
         train, evald, part_stats = _prepare_source(part, tokenizer, seed=seed, tools=tools,
@@ -330,7 +349,7 @@ def prepare_datasets(cfg: DataConfig, tokenizer, *, seed: int, tools: list[dict]
                                         [names[i] for i in held])
 
     # Write under a temporary name and rename, so a crash never leaves a half-written cache behind.
-    tmp = cache.with_name(f".{key}.tmp{os.getpid()}")
+    tmp = cache.with_name(f".{key}.tmp-{_HOST}-{os.getpid()}")
     _remove_stale(cache.parent, key)
     shutil.rmtree(tmp, ignore_errors=True)
     try:
@@ -338,12 +357,12 @@ def prepare_datasets(cfg: DataConfig, tokenizer, *, seed: int, tools: list[dict]
         if evald is not None:
             evald.save_to_disk(str(tmp / "eval"))
         (tmp / "stats.json").write_text(json.dumps({k: asdict(v) for k, v in stats.items()}))
-    except OSError as e:  # a read-only folder (the default cache_dir is under the one run from), a full disk: the
-        # cache is a shortcut, not the run (it had been a traceback; audit 46)
+    except OSError as e:  # a full disk, a folder that became read-only: one paragraph, nothing half-written left
         shutil.rmtree(tmp, ignore_errors=True)
-        print(f"note: the tokenised data could not be cached in {cfg.cache_dir} ({e.strerror or e}); it is read from "
-              "memory this time. Set data.cache_dir to a writable folder to keep it.", file=sys.stderr, flush=True)
-        return train, evald, stats, False
+        raise LLMTrainError(f"the tokenised data could not be written to data.cache_dir '{cfg.cache_dir}' "
+                            f"({e.strerror or e}); the run reads it from there (every process, and a precomputed "
+                            "reference beside it). Free space there, or set data.cache_dir to a writable folder; "
+                            "nothing else was written.") from None
     try:
         tmp.rename(cache)
     except OSError:  # another run wrote the same cache first; use theirs

@@ -50,7 +50,7 @@ from llmtrain.memory.fit import out_of_memory_text
 from llmtrain.model.reference import Reference
 from llmtrain.objectives.objective import Objective, end_of_turn_ids, objective_for, rl_rewards, stop_ids
 from llmtrain.parallel.accelerator import build_accelerator
-from llmtrain.parallel.collectives import device_sum, gathered, on_main, on_sampling_group_first
+from llmtrain.parallel.collectives import device_sum, gathered, global_sum, on_main, on_sampling_group_first
 from llmtrain.parallel.groups import groups
 from llmtrain.parallel.sequence.shards import SequenceShards
 from llmtrain.parallel.mesh import data_ranks
@@ -158,6 +158,11 @@ def _train(recipe: Recipe, accelerator, console: RunConsole, cleanup: ExitStack,
         raise LLMTrainError(out_of_memory_text(est, step=state.step if state is not None else -1,
                                                detail=". ".join(str(e).split(". ")[:2]),
                                                recipe_path=str(recipe_path))) from e
+    if recipe.eval is not None and global_sum(accelerator, bool(late.signum))[0]:  # every process agrees
+        say(f"the recipe's benchmark (eval:) is skipped, as the stop asked: score the run with `llmtrain eval "
+            f"{recipe.output_dir} --tasks {','.join(recipe.eval.tasks)}`")
+        accelerator.end_training()
+        return summary
     if recipe.eval is not None:  # the recipe's benchmark, on final/ (check_recipe: it is saved)
         from llmtrain.run.benchmarks import after_training
 

@@ -195,7 +195,12 @@ def scale_rope(config, scaling: RopeScaling | None) -> None:
                 or config.max_position_embeddings)
     theta = (getattr(config, "rope_parameters", None) or {}).get("rope_theta", getattr(config, "rope_theta", None))
     params = {**scaling.model_dump(exclude_none=True), "original_max_position_embeddings": original}
-    config.rope_parameters = {**params, **({"rope_theta": theta} if theta is not None else {})}
+    # the model's own share of each head that rotates (Phi-3, Phi-4-mini: partial_rotary_factor), unless the scaling
+    # gives one: dropped, every head dimension had been rotated
+    partial = held.get("partial_rotary_factor", getattr(config, "partial_rotary_factor", None))
+    kept = {k: v for k, v in (("rope_theta", theta), ("partial_rotary_factor", partial))
+            if v is not None and k not in params}
+    config.rope_parameters = {**params, **kept}
     # dynamic NTK rescales past max_position_embeddings, which transformers reads as the original length: raised,
     # every position up to original x factor had run on the plain RoPE (logits equal to no scaling at 3x)
     config.max_position_embeddings = original if scaling.rope_type == "dynamic" else int(original * scaling.factor)

@@ -54,7 +54,12 @@ class MetricsLog:
         past it, which no checkpoint holds. None are kept at step 0 (`--resume auto` that found no checkpoint starts
         the run again, its step-0 eval too). A last line without its newline is a write the stop cut short (kill -9,
         a full disk): dropped, as `llmtrain plot` ignores it."""
-        asides = sorted(path.parent.glob(f"{path.name}.after-step_*"))
+        asides = []
+        for found in sorted(path.parent.glob(f"{path.name}.after-step_*")):
+            if found.name.rsplit("_", 1)[1].isdigit():
+                asides.append(found)
+            else:  # a write a stop cut short (.tmp): its lines are still in the file it was made from
+                found.unlink(missing_ok=True)
         if not path.exists() and not asides:
             return
         lines = _steps(path) if path.exists() else []
@@ -127,8 +132,13 @@ def _steps(path: Path) -> list[tuple[int, str]]:
 
 def _write_lines(path: Path, lines: list[str]) -> None:
     tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text("".join(ln + "\n" for ln in lines))
-    tmp.replace(path)
+    try:
+        tmp.write_text("".join(ln + "\n" for ln in lines))
+        tmp.replace(path)
+    except OSError as e:  # a full disk: the file as it was
+        tmp.unlink(missing_ok=True)
+        raise LLMTrainError(f"cannot rewrite {path} for the resume ({e.strerror or e}); it is as it was. Free space "
+                            "there and resume again.") from None
 
 
 def strict_json(record: dict) -> dict:

@@ -249,14 +249,22 @@ def _draw_measures(fig, cell, panels, curves: list[Curves]) -> None:
         ax.legend(fontsize="small")
 
 
-# Written into every plot whose format holds it (PNG's text, PDF's and SVG's Creator): what `plot --out` may replace
+# Written into every plot whose format holds it (its Creator: PNG's text, PDF's info, SVG's, PostScript's header):
+# what `plot --out` may replace
 MARK = "llmtrain plot"
+MARKED = ("png", "pdf", "svg", "eps", "ps")
 
 
 def drawn_here(path: Path) -> bool:
-    """Whether the file is a plot llmtrain drew (its MARK): `plot --out` replaces no other file."""
+    """Whether `plot --out` may replace the file: a plot llmtrain drew (its MARK, in the first or, a PDF's info, the
+    last 64 KiB), or one of a format that holds no mark (jpg, tif, ...: replaced as before, said)."""
+    if path.suffix.lstrip(".").lower() not in MARKED:
+        return True
     try:
-        return MARK.encode() in path.read_bytes()
+        with open(path, "rb") as f:
+            head = f.read(1 << 16)
+            f.seek(max(0, path.stat().st_size - (1 << 16)))
+            return MARK.encode() in head + f.read()
     except OSError:
         return False
 
@@ -265,8 +273,7 @@ def _save(fig, out: Path, suffix: str):
     tmp = out.with_name(f".{out.name}.tmp")
     try:
         out.parent.mkdir(parents=True, exist_ok=True)
-        fig.savefig(tmp, format=suffix, dpi=100, metadata={"Creator": MARK} if suffix in ("png", "pdf", "svg")
-                    else None)
+        fig.savefig(tmp, format=suffix, dpi=100, metadata={"Creator": MARK} if suffix in MARKED else None)
         tmp.replace(out)
     except OSError as e:  # a full disk, a folder where the image goes: nothing half-written is left
         tmp.unlink(missing_ok=True)

@@ -6,7 +6,8 @@ run) and, when it opens, the run's resolved recipe as its config. Trackers run o
 Numbers are logged as `<type>/<name>`: `train/loss`, `train/lr`, `eval/loss`, `eval/teacher_forced_match`, ...
 
 - tensorboard: event files in <output_dir>/tb; the recipe as a text entry; a resume purges the events past its
-  checkpoint (the steps that run again), as metrics.jsonl drops their lines.
+  checkpoint (the steps that run again), for good: metrics.jsonl sets their lines aside until the resume's first
+  checkpoint and puts them back where a later resume returns to the checkpoints they belong to, TensorBoard cannot.
 - wandb: the run files in <output_dir>/wandb. WANDB_MODE=offline needs no account and no network (sync
   later with `wandb sync`); WANDB_PROJECT, WANDB_ENTITY and the other WANDB_* variables apply as usual.
 - mlflow: wherever MLFLOW_TRACKING_URI points (a server, or mlflow's own default, ./mlflow.db); the recipe
@@ -66,10 +67,11 @@ def _check_wandb_project(project: str | None) -> None:
     where = "logging.project" if project else "WANDB_PROJECT"
     project = project or os.environ.get("WANDB_PROJECT")
     if project and (bad := sorted(set(project) & set(WANDB_PROJECT_REFUSES))):
-        raise LLMTrainError(
-            f"{where} '{project}' is not a name wandb takes for a project (it refuses {' '.join(bad)} in one). A "
-            "team or user is wandb's entity: set WANDB_ENTITY to it and the project to the name alone (e.g. "
-            f"WANDB_ENTITY={project.split('/')[0]} with {where}={project.split('/')[-1]}).")
+        entity = (" A team or user is wandb's entity: set WANDB_ENTITY to it and the project to the name alone "
+                  f"(e.g. WANDB_ENTITY={project.split('/')[0]} with {where}={project.split('/')[-1]})."
+                  if "/" in project and project.count("/") == 1 else "")
+        raise LLMTrainError(f"{where} '{project}' is not a name wandb takes for a project (it refuses {' '.join(bad)} "
+                            f"in one): give a name without them.{entity}")
 
 
 def _check_wandb_account(wandb) -> None:
@@ -104,8 +106,8 @@ def open_trackers(names: list[str], *, output_dir: Path, config: dict, project: 
 
     project: the wandb project / mlflow experiment (default: WANDB_PROJECT / MLFLOW_EXPERIMENT_NAME, else
     'llmtrain'); run_name: the tracker run's name (default: the output_dir folder name); resume_step: the step a
-    resume continues from, past which TensorBoard's event files are purged as metrics.jsonl's lines are (wandb and
-    mlflow start a run of their own at each resume).
+    resume continues from, past which TensorBoard's event files are purged (wandb and mlflow start a run of their own
+    at each resume).
     """
     output_dir = Path(output_dir)
     run_name = run_name or output_dir.resolve().name
@@ -145,7 +147,7 @@ class TensorBoardTracker:
         from torch.utils.tensorboard import SummaryWriter
 
         # A resume appends to the same folder: TensorBoard drops the earlier files' events at and after purge_step
-        # (the steps that run again), as MetricsLog drops metrics.jsonl's lines; at step 0 it starts again, all of them
+        # (the steps that run again; MetricsLog sets metrics.jsonl's aside); at step 0 it starts again, all of them
         self.writer = SummaryWriter(str(log_dir), purge_step=None if resume_step is None else
                                     resume_step + 1 if resume_step > 0 else 0)
         if config:  # TensorBoard renders text as markdown: indent four spaces for a code block
