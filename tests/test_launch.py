@@ -393,6 +393,9 @@ def test_llmtrain_launch_refuses_more_gpu_processes_than_this_machine_has_gpus(t
     launch = {"num_processes": 16, "num_machines": 2}
     assert "starts 8 processes" in gpus_problem(launch, where="x", gpus=4)
     assert "lower --num_processes to 4" in gpus_problem(launch, where="x", gpus=4)
+    # a config file's: one process is finetune's (--cpu beside it had been said, then refused; audit 48)
+    assert "--cpu" not in gpus_problem(launch, where="x", gpus=0) and "`llmtrain finetune RECIPE.yaml` (one process" \
+        in gpus_problem(launch, where="x", gpus=0)
     assert gpus_problem(launch, where="x", gpus=8) is None
     assert gpus_problem({**launch, "use_cpu": True}, where="x", gpus=0) is None
     one = gpus_problem({"num_processes": 1}, where="x", gpus=0)  # said in the singular ("there are 1 GPUs" before)

@@ -224,9 +224,11 @@ def gpus_problem(launch: dict, *, where: str, gpus: int) -> str | None:
     what = "without a config file, accelerate launch's defaults" if not launch else where
     return (f"{what} start{'s' if launch else ''} {per_node} process{'es' if per_node != 1 else ''} on this machine, "
             f"one a GPU (use_cpu is not set), and this machine has {have}. Run it where there {need}"
-            + (f", lower --num_processes to {gpus}" if gpus else "") + ", or on this CPU: --cpu (one process, the "
-            "recipe's global batch), or a CPU config (accelerate_configs/cpu_ddp.yaml or cpu_fsdp.yaml: use_cpu: "
-            "true; their 2 processes double the global batch)")
+            + (f", lower --num_processes to {gpus}" if gpus else "") + ", or on this CPU: "
+            # --cpu beside a config file of several processes is refused (launch_problem): one process is finetune's
+            + ("--cpu" if not launch else "`llmtrain finetune RECIPE.yaml`") + " (one process, the recipe's global "
+            "batch), or a CPU config (accelerate_configs/cpu_ddp.yaml or cpu_fsdp.yaml: use_cpu: true; their 2 "
+            "processes double the global batch)")
 
 
 def read_launch_file(path, *, name: str) -> dict:
