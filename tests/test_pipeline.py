@@ -438,7 +438,7 @@ def test_a_reward_model_trains_and_evaluates_on_two_stages_as_on_one_process(fou
     run_train(recipe, *sections, f"output_dir={tmp_path / 'one'}")
     out = launch_finetune(CPU_DDP, 2, free_port, recipe, *sections, "parallel.pipeline_parallel=2",
                           f"output_dir={tmp_path / 'pp'}")
-    assert "x 1 data-parallel rank (2 processes, 2 pipeline stages each)" in out  # the stages read one batch
+    assert "x 1 data-parallel rank (2 processes: 2 pipeline stages a data-parallel rank)" in out  # one batch
     got, want = records(tmp_path / "pp"), records(tmp_path / "one")
     assert len(got) == len(want) == 3
     for key in ("loss", "accuracy", "margin", "mean_reward", "rewards/chosen", "grad_norm"):

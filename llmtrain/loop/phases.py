@@ -209,7 +209,7 @@ def prepare_data(recipe: Recipe, accelerator, *, say, config=None) -> Data:
     elif (sp := recipe.parallel.sequence_parallel) > 1:  # so does a sequence group
         procs = f"{ranks} ({accelerator.num_processes} processes, each sequence over {sp})"
     elif (pp := recipe.parallel.pipeline_parallel) > 1:  # and a pipeline's stages
-        procs = f"{ranks} ({accelerator.num_processes} processes, {pp} pipeline stages each)"
+        procs = f"{ranks} ({accelerator.num_processes} processes: {pp} pipeline stages a data-parallel rank)"
     else:
         n = accelerator.num_processes
         procs = f"{n} process{'es' * (n != 1)}" + (f" ({mesh})" if mesh else "")
