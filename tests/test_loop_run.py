@@ -174,10 +174,8 @@ def test_a_resume_that_stops_before_its_first_checkpoint_loses_no_later_line(rec
     assert not list(run.glob("*after-step*"))  # checkpoint, at the resume's first
 
 
-def test_a_stop_while_final_is_written_finishes_it_first(recipe, tmp_path, monkeypatch, capsys):
-    """SIGTERM (a preemption) or a first Ctrl-C while final/ is written: the stop handlers had been put back when the
-    loop ended, so the process died there (SIGTERM: -15, final.tmp left, the steps since the last checkpoint trained
-    again) or stopped "at once" (Ctrl-C; audit 46). The run now finishes final/ and its summary, then says so."""
+def _ctrl_c_while_final_is_written(monkeypatch) -> None:
+    """A Ctrl-C (SIGINT to this process) as final/ begins to be written."""
     import llmtrain.loop.train as T
 
     real = T.save_final
@@ -187,6 +185,13 @@ def test_a_stop_while_final_is_written_finishes_it_first(recipe, tmp_path, monke
         return real(*a, **k)
 
     monkeypatch.setattr(T, "save_final", interrupted)
+
+
+def test_a_stop_while_final_is_written_finishes_it_first(recipe, tmp_path, monkeypatch, capsys):
+    """SIGTERM (a preemption) or a first Ctrl-C while final/ is written: the stop handlers had been put back when the
+    loop ended, so the process died there (SIGTERM: -15, final.tmp left, the steps since the last checkpoint trained
+    again) or stopped "at once" (Ctrl-C; audit 46). The run now finishes final/ and its summary, then says so."""
+    _ctrl_c_while_final_is_written(monkeypatch)
     try:
         summary = run_train(recipe, "train.max_steps=3", "checkpoint.every_steps=2")
     except KeyboardInterrupt:
@@ -198,7 +203,13 @@ def test_a_stop_while_final_is_written_finishes_it_first(recipe, tmp_path, monke
     assert "SIGINT: writing final/ and the summary first" in said.err
     assert "SIGINT while final/ was written: it and the summary were finished first" in " ".join(said.out.split())
 
-    # with the recipe's benchmark: skipped, as the stop asked (it had run on, for hours, after "then stopping")
+
+
+def test_a_stop_while_final_is_written_skips_the_recipes_benchmark(recipe, tmp_path, monkeypatch, capsys):
+    """With the recipe's benchmark (eval:): skipped on every process, as the stop asked, and said with the command
+    that scores the run (it had run on, for hours, after "then stopping"; the review of audit 46)."""
+    pytest.importorskip("lm_eval")  # the recipe's eval: section is refused where the harness is not installed
+    _ctrl_c_while_final_is_written(monkeypatch)
     tasks = tmp_path / "tasks"  # a task the recipe's checks find (its data is never read: the benchmark is skipped)
     tasks.mkdir()
     (tasks / "t.yaml").write_text("task: tiny_stop\ndataset_path: json\n")
