@@ -1784,15 +1784,7 @@ def _items(key: str) -> int | None:
     """The items a pair-like key takes (train.betas: 2), None where it is not a fixed-length tuple."""
     import typing
 
-    model: Any = Recipe
-    annotation = None
-    for part in key.split("."):
-        field = getattr(model, "model_fields", {}).get(part)
-        if field is None:
-            return None
-        annotation = field.annotation
-        model = next((a for a in (annotation, *typing.get_args(annotation))
-                      if isinstance(a, type) and issubclass(a, BaseModel)), None)
+    annotation = getattr(_field(key), "annotation", None)
     return len(typing.get_args(annotation)) if typing.get_origin(annotation) is tuple else None
 
 
