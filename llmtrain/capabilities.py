@@ -207,13 +207,29 @@ def _pp_budget(r, _):
     return r.train.micro_batch_tokens is None and MODES[mode_of(r)].token_budget
 
 
+def interleaved_rounds(stages: int, micro_batches: int) -> int:
+    """torch's ScheduleInterleaved1F1B runs max(1, M // P) rounds and needs M to be a multiple of them."""
+    return max(1, micro_batches // stages)
+
+
+def too_few_micro_batches(schedule: str, micro_batches: int, stages: int) -> bool:
+    """Whether a step's M micro-batches are fewer than the P stages where the schedule needs M >= P: 1F1B (torch's
+    Schedule1F1B refuses it) and interleaved 1F1B (not trained so); GPipe takes any M. The table's rule and the
+    estimate (memory/pipeline.py) both ask this."""
+    return schedule != "gpipe" and micro_batches < stages
+
+
+def uneven_rounds(schedule: str, micro_batches: int, stages: int) -> bool:
+    """Whether interleaved 1F1B's rounds do not divide a step's M micro-batches (torch refuses it)."""
+    return schedule == "interleaved_1f1b" and micro_batches % interleaved_rounds(stages, micro_batches) != 0
+
+
 def _pp_accum(r, _):
-    return r.parallel.pipeline_schedule != "gpipe" and r.train.grad_accum_steps < r.parallel.pipeline_parallel
+    return too_few_micro_batches(r.parallel.pipeline_schedule, r.train.grad_accum_steps, r.parallel.pipeline_parallel)
 
 
 def _pp_rounds(r, _):
-    m, p = r.train.grad_accum_steps, r.parallel.pipeline_parallel
-    return r.parallel.pipeline_schedule == "interleaved_1f1b" and m % max(1, m // p) != 0
+    return uneven_rounds(r.parallel.pipeline_schedule, r.train.grad_accum_steps, r.parallel.pipeline_parallel)
 
 
 def fp32_head(r, _=None) -> bool:
@@ -345,7 +361,7 @@ def _fill(text: str, parallelism: str, recipe, layout: Layout) -> str:
     rows = "pairs of 2 sequences of data.max_seq_len" if per == 2 else "rows of data.max_seq_len"
     return text.format(key=_key(parallelism, recipe, layout), attn=recipe.model.attn_implementation,
                        reference=_reference_of(recipe),
-                       schedule=recipe.parallel.pipeline_schedule, accum=m, pp=p, rounds=max(1, m // p),
+                       schedule=recipe.parallel.pipeline_schedule, accum=m, pp=p, rounds=interleaved_rounds(p, m),
                        size=recipe.train.micro_batch_size, rows=rows,
                        budget=recipe.train.micro_batch_size * per * recipe.data.max_seq_len)
 

@@ -412,7 +412,8 @@ def test_fit_offers_a_pipeline_across_nodes_where_it_is_the_fastest():
     (("--pipeline-parallel", "2", "--pipeline-schedule", "interleaved_1f1b", "--pipeline-chunks", "1"),
      "the interleaved schedule runs at least 2 stages a GPU"),
     (("--pipeline-parallel", "3"), "pipeline parallelism 3 must divide the GPUs: 16"),
-    (("--pipeline-parallel", "4", "--grad-accum", "2"), "Schedule1F1B needs at least as many micro-batches as stages"),
+    (("--pipeline-parallel", "4", "--grad-accum", "2"),
+     "the 1f1b schedule needs at least as many micro-batches a step as stages"),
     (("--pipeline-parallel", "2", "--method", "lora", "--quantize", "nf4"),
      "a QLoRA stage under FSDP (which llmtrain trains) is not modelled"),
     (("--pipeline-parallel", "2", "--cpu-offload"), "pipeline parallelism is modelled without FSDP's cpu offload"),
@@ -427,6 +428,34 @@ def test_bad_pipeline_flags_are_refused_in_one_paragraph(args, message):
     out = estimate_memory(*base, *args, check=False)
     text = " ".join((out.stdout + out.stderr).split())
     assert out.returncode == 2 and message in text and "Traceback" not in text
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "interleaved_1f1b"])
+def test_the_estimate_refuses_the_schedules_micro_batches_the_recipe_refuses(tiny_assets, schedule):
+    """The estimate asks the capability table's rule of a step's micro-batches against the stages (it had a copy of
+    its own that passed interleaved 1F1B with fewer micro-batches than stages, which the recipe refuses, so --fit
+    proposed layouts finetune refused: audit 51): for every M and P, the estimate refuses where the recipe does."""
+    from llmtrain.config import load_recipe
+
+    for p in (2, 4):
+        for m in range(1, 7):
+            try:
+                load_recipe(REPO / "recipes" / "tiny.yaml", [
+                    f"parallel.pipeline_parallel={p}", f"parallel.pipeline_schedule={schedule}",
+                    f"train.grad_accum_steps={m}", "train.micro_batch_tokens=512", "train.micro_batch_size=1",
+                    "train.eval_batch_size=null"])
+                recipe_refuses = False
+            except LLMTrainError as e:
+                assert "micro-batches" in str(e) or "rounds" in str(e), str(e)
+                recipe_refuses = True
+            try:
+                pipeline_estimate(LLAMA, spec(pipeline_parallel=p, pipeline_schedule=schedule, grad_accum_steps=m,
+                                              num_nodes=p))
+                estimate_refuses = False
+            except LLMTrainError as e:
+                assert "micro-batches" in str(e), str(e)
+                estimate_refuses = True
+            assert estimate_refuses == recipe_refuses, (schedule, p, m)
 
 
 def test_the_refusals_are_collected_into_one_paragraph():

@@ -42,7 +42,7 @@ from llmtrain.memory.reward_models import add_reward_models
 from llmtrain.memory.spec import DTYPE_BYTES, GIB, Estimate, TrainSpec
 from llmtrain.memory.states import States, accumulated_grads, embedding_state_bytes, optimizer_bytes, states
 from llmtrain.memory.teacher import add_stage_teacher
-from llmtrain.parallel.pipeline.split import bubble_fraction, in_flight, interleaved_rounds, rank_stages, stage_layers
+from llmtrain.parallel.pipeline.split import bubble_fraction, in_flight, rank_stages, stage_layers
 
 
 @dataclass(frozen=True)
@@ -96,13 +96,13 @@ def pipeline_problems(spec: TrainSpec, shape: ModelShape) -> list[str]:
         problems.append("a QLoRA stage under FSDP (which llmtrain trains) is not modelled: estimate it with "
                         "--strategy ddp (each stage's replicas holding its whole 4-bit base), or single with one GPU a "
                         "stage")
-    if spec.pipeline_schedule == "1f1b" and m < p:
-        problems.append(f"torch's Schedule1F1B needs at least as many micro-batches as stages: train.grad_accum_steps "
-                        f"{m} < {p} (GPipe takes fewer: --pipeline-schedule gpipe)")
-    if spec.pipeline_schedule == "interleaved_1f1b" and m % interleaved_rounds(p, m):
-        problems.append(f"the interleaved schedule runs {interleaved_rounds(p, m)} rounds of micro-batches here and "
-                        f"needs train.grad_accum_steps ({m}) to be a multiple of them (torch's "
-                        "ScheduleInterleaved1F1B)")
+    if capabilities.too_few_micro_batches(spec.pipeline_schedule, m, p):  # the table's rule (capabilities._pp_accum)
+        problems.append(f"the {spec.pipeline_schedule} schedule needs at least as many micro-batches a step as stages: "
+                        f"train.grad_accum_steps {m} < {p} (GPipe takes fewer: --pipeline-schedule gpipe)")
+    if capabilities.uneven_rounds(spec.pipeline_schedule, m, p):
+        rounds = capabilities.interleaved_rounds(p, m)
+        problems.append(f"the interleaved schedule runs {rounds} rounds of micro-batches here and needs "
+                        f"train.grad_accum_steps ({m}) to be a multiple of them (torch's ScheduleInterleaved1F1B)")
     return problems
 
 

@@ -20,6 +20,8 @@ from __future__ import annotations
 from functools import cache
 from typing import Literal
 
+from llmtrain.capabilities import interleaved_rounds
+
 Schedule = Literal["gpipe", "1f1b", "interleaved_1f1b"]
 SCHEDULES: tuple[str, ...] = ("gpipe", "1f1b", "interleaved_1f1b")
 EMBED_COST = 1.0
@@ -93,11 +95,6 @@ def bubble_fraction(stages: int, micro_batches: int, chunks: int = 1) -> float:
     chunks a rank, a slot is a chunk's, 1/V of a stage's time, so the idle time is (P-1)/V stage-slots against M of
     work: (P-1)/(V M + P - 1), the bubble time divided by the chunks (Narayanan et al. 2021, section 2.2)."""
     return (stages - 1) / (chunks * micro_batches + stages - 1)
-
-
-def interleaved_rounds(stages: int, micro_batches: int) -> int:
-    """torch's ScheduleInterleaved1F1B runs max(1, M // P) rounds and needs M to be a multiple of them."""
-    return max(1, micro_batches // stages)
 
 
 def in_flight(schedule: Schedule, stages: int, micro_batches: int, rank: int, chunks: int = 1) -> list[int]:
