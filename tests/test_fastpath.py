@@ -493,3 +493,29 @@ def test_the_flash_path_computes_attention_sinks_and_their_gradients(monkeypatch
         return out * torch.sigmoid(lse.transpose(0, 1) - sinks).unsqueeze(-1)
 
     assert (run(naive)[1] - want[1]).abs().max() > 1e-3
+
+
+def test_a_forward_the_logit_probe_cannot_run_is_said_and_refused_where_its_config_scales_the_logits():
+    """The probe of what a model's forward does to its LM head's logits (loss._found_transform) had taken any failure
+    as "nothing" without a word, so a model whose config scales its logits (Granite's logits_scaling, Cohere's
+    logit_scale) would train on unscaled ones (audit 51): said where the config names no scale, refused where it
+    does; Granite's and Cohere's forwards themselves are probed (their scale found)."""
+    from transformers import AutoConfig, AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
+
+    from llmtrain.errors import LLMTrainError
+    from llmtrain.model.loss import Logits, _found_transform
+
+    class Unprobed(LlamaForCausalLM):
+        def forward(self, *args, **kwargs):
+            raise RuntimeError("a forward of its own")
+
+    small = dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_attention_heads=4, num_key_value_heads=2,
+                 num_hidden_layers=1)
+    with pytest.warns(UserWarning, match=r"failed \(RuntimeError: a forward of its own\).*takes them as the head's"):
+        assert _found_transform(Unprobed(LlamaConfig(**small))) == Logits()
+    with pytest.raises(LLMTrainError, match=r"config scales its logits \(logits_scaling=4.0\).*unscaled logits"):
+        _found_transform(Unprobed(LlamaConfig(**small, logits_scaling=4.0)))
+    for family, key in (("granite", "logits_scaling"), ("cohere", "logit_scale")):
+        model = AutoModelForCausalLM.from_config(AutoConfig.for_model(family, **small, **{key: 4.0}, pad_token_id=0,
+                                                                      bos_token_id=1, eos_token_id=2))
+        assert _found_transform(model) == Logits(scale=0.25 if family == "granite" else 4.0)

@@ -15,6 +15,7 @@ fp32 logits plus as much again for their gradient become 0.5 GiB + 0.5 GiB at ch
 from __future__ import annotations
 
 import types
+import warnings
 import weakref
 from dataclasses import dataclass
 
@@ -444,9 +445,8 @@ def _found_transform(lm) -> Logits:
         with torch.no_grad():
             out = type(lm).forward(lm, input_ids=torch.zeros(1, 3, dtype=torch.long), use_cache=False).logits
             plain = stand_in(hidden)
-    except Exception:  # a forward the stand-ins do not fit: its logits taken as the head's, capped as its config says
-        cap = getattr(config, "final_logit_softcapping", None)
-        return Logits(cap=float(cap)) if cap else Logits()
+    except Exception as e:  # a forward the stand-ins do not fit: its logits taken as the head's, capped as its config
+        return _unprobed(lm, config, e)  # says, where its config names no scale of them
     finally:
         setattr(lm, prefix, decoder)
         lm.lm_head = head
@@ -464,6 +464,28 @@ def _found_transform(lm) -> Logits:
             "it would train on other logits than the model's. Train a model whose logits are its LM head's (Llama, "
             "Qwen, Mistral, Phi, Gemma)")
     return found
+
+
+SCALE_KEYS = ("logit_scale", "logits_scaling", "lm_head_multiplier", "output_multiplier")  # Cohere, Granite, Falcon-H1
+
+
+def _unprobed(lm, config, error: Exception) -> Logits:
+    """The logits of a model whose forward the stand-ins do not fit: its head's, capped as its config says, and said,
+    unless its config names a scale of them (SCALE_KEYS: the probe had failed on Gemma 4 once and its cap gone
+    unapplied, 3.7e-3 off): a scale the chunked loss cannot find is refused, not left out without a word."""
+    model = lm.config.model_type
+    scales = [k for k in vars(config) if any(word in k for word in SCALE_KEYS) and getattr(config, k) not in (None, 1)]
+    if scales:
+        raise LLMTrainError(
+            f"model {model}'s config scales its logits ({', '.join(f'{k}={getattr(config, k)}' for k in scales)}), "
+            f"and running its forward on stand-ins to find how failed ({type(error).__name__}: {error}): llmtrain's "
+            "chunked loss, reading the LM head alone, would train on unscaled logits. Train a model whose logits are "
+            "its LM head's (Llama, Qwen, Mistral, Phi, Gemma), or report the model's type to llmtrain")
+    cap = getattr(config, "final_logit_softcapping", None)
+    warnings.warn(f"model {model}: running its forward on stand-ins to find what it does to its LM head's logits "
+                  f"failed ({type(error).__name__}: {error}); llmtrain's chunked loss takes them as the head's"
+                  f"{f', capped at {cap:g}' if cap else ''}, as its config says")
+    return Logits(cap=float(cap)) if cap else Logits()
 
 
 def _head_forward(chunk: int, fused_linear_ce, *, logits: Logits = Logits(), dft: bool = False, fp32: bool = False):
