@@ -102,22 +102,26 @@ def check_sequence_parallel(recipe: Recipe, launch: dict) -> list[Check]:
         shape = load_model_shape(recipe.model.name_or_path)
     except LLMTrainError:
         return []
-    if sequence_heads_problem(n, shape.heads, shape.kv_heads) is not None:
+
+    def heads_problem(model, whose="the model's"):  # each layer's K/V heads (Gemma 4's global layers have their own)
+        kvs = dict.fromkeys(model.layer(i).kv_heads for i in range(model.layers))
+        return next((p for kv in kvs if (p := sequence_heads_problem(n, model.heads, kv, whose=whose))), None)
+
+    if heads_problem(shape) is not None:  # the layout row fails (capabilities.sequence_config_problem)
         return []
-    kv = sequence_kv_heads(n, shape.kv_heads)
-    split = f"{shape.kv_heads // n} K/V head(s)" if kv == shape.kv_heads else \
-        f"1 K/V head (each of {shape.kv_heads} repeated {n // shape.kv_heads} times)"
+    splits = [f"{kv // n} K/V head(s)" if sequence_kv_heads(n, kv) == kv else
+              f"1 K/V head (each of {kv} repeated {n // kv} times)"
+              for kv in dict.fromkeys(shape.layer(i).kv_heads for i in range(shape.layers))]
     groups = procs // n
     detail = (f"{procs} processes = {groups} group{'s' if groups > 1 else ''} of {n}, each GPU with 1/{n} of every "
               f"micro-batch's tokens and, in attention, {shape.heads // n} of the {shape.heads} query heads and "
-              f"{split}; keep a group inside a node (NVLink)")
+              f"{' or '.join(splits)}{' (by layer)' if len(splits) > 1 else ''}; keep a group inside a node (NVLink)")
     if recipe.distill is not None:
         try:
             teacher = load_model_shape(recipe.distill.teacher, "distill.teacher")
         except LLMTrainError:  # the teacher's own row says why it cannot be read
             teacher = None
-        if teacher is not None and (problem := sequence_heads_problem(n, teacher.heads, teacher.kv_heads,
-                                                                      whose="its")):
+        if teacher is not None and (problem := heads_problem(teacher, whose="its")):
             return [("sequence parallelism", "fail", f"the teacher {recipe.distill.teacher} (distill.teacher) "
                      f"attends through the group's all-to-all too: {problem}")]
     return [("sequence parallelism", "pass", detail)]

@@ -716,3 +716,32 @@ def test_a_rate_setting_nothing_reads_is_said(tiny_assets, tmp_path):
     assert "lora.lr_embedding=0.001 is LoRA+'s rate of the embeddings' adapter" in flat
     plain = load_recipe(write_recipe(tiny_assets, tmp_path), ["train.schedule=cosine", "train.min_lr_ratio=0.5"])
     assert "unread" not in {name for name, _, _ in run_doctor(plain, gpu_memory=80)}
+
+
+def test_doctors_sequence_row_reads_every_layers_key_value_heads(tmp_path):
+    """doctor's sequence-parallelism row had split the first layer's K/V heads only, so a model whose global layers
+    have K/V heads of their own (Gemma 4's) that a group cannot split passed beside the layout row's failure (audit
+    51): no row where the layout row fails, and each layer's split said where they differ."""
+    from transformers import AutoConfig
+
+    from llmtrain.doctor import check_layout, check_sequence_parallel
+    from llmtrain.tiny import FAMILY_LAYERS
+
+    def gemma4(global_kv: int) -> Path:
+        folder = tmp_path / f"gemma4-{global_kv}"
+        AutoConfig.for_model("gemma4_text", **{**FAMILY_LAYERS["gemma4_text"], "num_global_key_value_heads": global_kv},
+                             vocab_size=104, hidden_size=128, num_attention_heads=12, intermediate_size=256,
+                             vocab_size_per_layer_input=104).save_pretrained(folder)
+        return folder
+
+    launch = {"num_processes": 4}
+    for global_kv, want in ((3, []), (2, "3 of the 12 query heads and 1 K/V head(s) or 1 K/V head (each of 2 repeated "
+                                          "2 times) (by layer)")):
+        recipe = load_recipe(REPO / "recipes" / "tiny.yaml", [f"model.name_or_path={gemma4(global_kv)}",
+                                                              "parallel.sequence_parallel=4"])
+        rows = check_sequence_parallel(recipe, launch)
+        if want == []:
+            assert rows == [] and check_layout(recipe, launch)[0][1] == "fail"
+        else:
+            (name, status, detail), = rows
+            assert status == "pass" and want in detail, detail
