@@ -443,3 +443,21 @@ def test_a_dropped_assistant_reply_gets_advice_for_a_reply_and_messages_count_fr
     message = str(err.value)
     assert message.startswith("message 2 (assistant: 'first reply') does not appear in the text")
     assert "leaves that reply out" in message and "first user message" not in message
+
+
+def test_a_template_that_cannot_render_a_reply_is_said_where_the_samplers_look_for_its_end_of_turn(tiny_tok):
+    """Online RL, distillation and the eval samples stop a completion at the template's end of turn; a template that
+    cannot render a two-message chat had made them run on to EOS without a word (audit 51): said, and the run goes on
+    without it; a template that renders gives its end of turn."""
+    import copy
+
+    from llmtrain.objectives.objective import run_end_of_turn
+
+    recipe = load_recipe(REPO / "recipes" / "tiny-grpo.yaml")
+    tok = copy.deepcopy(tiny_tok)
+    tok.chat_template = ("{% for m in messages %}{% if m.role == 'assistant' %}{{ raise_exception('no replies here') }}"
+                         "{% endif %}{{ m.content }}<|end|>{% endfor %}")
+    with pytest.warns(UserWarning, match="no replies here.*stop at the model's end-of-sequence token"):
+        assert run_end_of_turn(recipe, tok) is None
+    tok.chat_template = "{% for m in messages %}{{ m.role }}: {{ m.content }}<|end|>{% endfor %}"
+    assert run_end_of_turn(recipe, tok) == "<|end|>"

@@ -21,6 +21,7 @@ that controller); and under sequence parallelism `whole_sequences`, `slice_stats
 from __future__ import annotations
 
 import math
+import warnings
 from dataclasses import dataclass
 from functools import partial
 from typing import Protocol
@@ -248,14 +249,18 @@ def stops_for(lm, tokenizer, end_of_turn: str | None = None):
 
 def run_end_of_turn(recipe, tokenizer) -> str | None:
     """The chat template's end of turn where a run's rows may be chats (data.chat_template, or a tokenizer with a
-    template); None where there is none, or the template cannot render a reply."""
+    template); None where there is none, or the template cannot render a reply (said: the completions then run on
+    past a turn's end to EOS)."""
     from llmtrain.data.chat import end_of_turn, read_template
 
     if recipe.data.chat_template is False and tokenizer.chat_template is None:
         return None
     try:
         return end_of_turn(tokenizer, read_template(recipe.data, tokenizer)) or None
-    except Exception:  # a template that cannot render a reply: stop at EOS and the configured ends only
+    except Exception as e:  # a template that cannot render a reply: stop at EOS and the configured ends only, said
+        warnings.warn(f"the chat template could not render a two-message chat to find its end of turn "
+                      f"({type(e).__name__}: {e}): sampled completions stop at the model's end-of-sequence token "
+                      "(and its generation config's) only")
         return None
 
 
