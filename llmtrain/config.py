@@ -595,7 +595,12 @@ class ParallelConfig(Section):
 
     @property
     def stages_per_rank(self) -> int:
-        return self.pipeline_chunks or (2 if self.pipeline_schedule == "interleaved_1f1b" else 1)
+        return self.chunks_of(self.pipeline_schedule, self.pipeline_chunks)
+
+    @staticmethod
+    def chunks_of(schedule: str, chunks: int | None) -> int:
+        """Stages a process holds: pipeline_chunks, or 2 interleaved and 1 otherwise (the estimate's TrainSpec too)."""
+        return chunks or (2 if schedule == "interleaved_1f1b" else 1)
 
     @model_validator(mode="after")
     def _check_pipeline(self) -> ParallelConfig:

@@ -221,7 +221,7 @@ class TrainSpec:
     @property
     def chunks(self) -> int:
         """(Virtual) pipeline stages a GPU runs: pipeline_chunks, or 2 interleaved and 1 otherwise."""
-        return self.pipeline_chunks or (2 if self.pipeline_schedule == "interleaved_1f1b" else 1)
+        return ParallelConfig.chunks_of(self.pipeline_schedule, self.pipeline_chunks)
 
     @property
     def kernel(self) -> str:
