@@ -103,7 +103,6 @@ FAMILY_LAYERS: dict[str, dict] = {
                         layer_types=["sliding_attention", "full_attention"] * 2),
 }
 
-TASK = "reverse"
 MIN_LEN, MAX_LEN = 3, 6
 N_TRAIN, N_EVAL = 5000, 200
 

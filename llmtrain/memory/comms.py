@@ -53,7 +53,6 @@ from llmtrain.memory.spec import QUANT_BYTES_PER_WEIGHT
 
 NVLINK_GBPS = 3600.0  # H100 SXM, NVLink 4: 450 GB/s each way per GPU
 INFINIBAND_GBPS = 400.0  # one NDR InfiniBand card per GPU (the usual 8-GPU H100 node)
-ETHERNET_GBPS = 100.0 / 8  # one 100 Gb/s Ethernet card per 8-GPU node, shared by its GPUs: --inter-gbps 12.5
 H100_TFLOPS = 989.0  # dense bf16
 H100_HBM_TBPS = 3.35  # H100 SXM's memory bandwidth, TB/s (H200: 4.8)
 DEFAULT_MFU = 0.4
