@@ -7,7 +7,8 @@
 Everything here is arithmetic on a `ModelShape` (exact counts from the model built on the meta
 device) and a `TrainSpec`; docs/memory.md gives the formulas.
 
-May import: the schema (`config`, `errors`), `parallel` and this folder. Never the run folder or the loop, and
+May import: the schema (`config`, `errors`), `parallel`, this folder, and pure helpers of `data` and `model` (the
+batching's packing, the data plan's step count, the text model of a config). Never the run folder or the loop, and
 the estimate itself loads no weights and reads no data. The one reader is the command (cli.py), which tokenises
 an online-RL recipe's prompts (through the data cache) for their lengths; the trainer passes its own.
 """

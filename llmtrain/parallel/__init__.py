@@ -8,8 +8,9 @@ rest of the package calls (`collectives`: `global_sum`, `data_sum`, `gathered`),
 (`launch`).
 
 May import: the schema (`config`, `errors`, `layout`, `capabilities`), `data` and `model` (what it parallelises),
-and this folder. Inside it, `launch` and `tensor` import no other file of the folder, `sequence/` and `pipeline/`
-none but their own, `groups` those two, `mesh` only `groups`, `fsdp` and `collectives` only `mesh`, `accelerator`
-and `parallelize` the others. Code elsewhere asks this folder (or the Accelerator) about ranks and never reads RANK
+and this folder. Inside it, `launch` and `tensor` import no other file of the folder, `sequence/` only its own and
+`collectives` (a group's sums), `pipeline/` only its own and `fsdp` (a sharded stage's generation), `groups` those
+two rooms, `mesh` only `groups`, `fsdp` only `mesh`, `collectives` `mesh` and `groups`, `accelerator` and
+`parallelize` the others (tests/test_layout.py holds them to it). Code elsewhere asks this folder (or the Accelerator) about ranks and never reads RANK
 itself.
 """

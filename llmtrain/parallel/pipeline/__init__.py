@@ -9,5 +9,6 @@ run through torch.distributed.pipelining's schedules.
 - sampling.py: the stages as one causal LM that generate.sample decodes with, each stage's KV cache its own;
 - checkpoint.py: each stage's weights and optimizer state, read back under any split, and the export's gather.
 
-May import: the schema, data/ and model/ (the batching, the varlen attention, the loss), and parallel/.
+May import: the schema, data/ and model/ (the batching, the varlen attention, the loss), this folder, and
+parallel/fsdp.py.
 """

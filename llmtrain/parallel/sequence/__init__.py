@@ -25,5 +25,6 @@ average gradients over every process; the step multiplies the loss by the proces
 window's trained tokens, so the result is the gradient of the group's summed loss, as one process computes it on the
 whole row.
 
-May import: the schema, data/ and model/ (the batching's counts, the varlen attention), and this folder.
+May import: the schema, data/ and model/ (the batching's counts, the varlen attention), this folder,
+and parallel/collectives.py.
 """
