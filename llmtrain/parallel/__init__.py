@@ -11,6 +11,6 @@ May import: the schema (`config`, `errors`, `layout`, `capabilities`), `data` an
 and this folder. Inside it, `launch` and `tensor` import no other file of the folder, `sequence/` only its own and
 `collectives` (a group's sums), `pipeline/` only its own and `fsdp` (a sharded stage's generation), `groups` those
 two rooms, `mesh` only `groups`, `fsdp` only `mesh`, `collectives` `mesh` and `groups`, `accelerator` and
-`parallelize` the others (tests/test_layout.py holds them to it). Code elsewhere asks this folder (or the Accelerator) about ranks and never reads RANK
-itself.
+`parallelize` the others (tests/test_layout.py holds them to it). Code elsewhere asks this folder (or the
+Accelerator) about ranks and never reads RANK itself.
 """
