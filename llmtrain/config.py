@@ -574,6 +574,16 @@ class TrainConfig(Section):
             )
         return self
 
+    @property
+    def eval_rows(self) -> int:
+        """Examples of an eval micro-batch (the cap of its rows where it is batched by tokens)."""
+        return self.eval_batch_size or self.micro_batch_size
+
+    @property
+    def eval_tokens(self) -> int | None:
+        """The token budget of an eval micro-batch: the train budget unless eval_batch_size sets the examples."""
+        return self.micro_batch_tokens if self.eval_batch_size is None else None
+
 
 class ParallelConfig(Section):
     sequence_parallel: int = Field(

@@ -587,10 +587,9 @@ def reference_logps(recipe: Recipe, accelerator, data: Data, trainable: Trainabl
         with progress:
             # pipeline stages: the token budget's rows, their one fixed shape (train.eval_batch_size is read only
             # with an eval there, and refused with one)
-            by_tokens = tc.eval_batch_size is None or trainable.pipeline is not None
-            values = precompute_reference(trainable.model, ds, accelerator, objective,
-                                          batch_size=tc.eval_batch_size or tc.micro_batch_size,
-                                          batch_tokens=tc.micro_batch_tokens if by_tokens else None,
+            staged = trainable.pipeline is not None
+            values = precompute_reference(trainable.model, ds, accelerator, objective, batch_size=tc.eval_rows,
+                                          batch_tokens=tc.micro_batch_tokens if staged else tc.eval_tokens,
                                           cache=cache, needed=needed[name], on_batch=on_batch,
                                           pipeline=trainable.pipeline, adapter_off=off)
         say(f"reference log-probabilities of the {pairs} {name} pairs the run uses (of {len(ds)}): "

@@ -332,8 +332,7 @@ def evaluate_and_sample(run: Run, state: TrainState, progress) -> dict:
     """Eval metrics (metrics.jsonl), generated samples (samples.jsonl), and loss.png brought up to date."""
     tc, accelerator, eval_ds, say = run.recipe.train, run.accelerator, run.data.eval, run.console.say
     shown = progress.add_task("eval", total=None, info=f"{len(eval_ds)} examples")
-    how = dict(batch_size=tc.eval_batch_size or tc.micro_batch_size,
-               batch_tokens=tc.micro_batch_tokens if tc.eval_batch_size is None else None,
+    how = dict(batch_size=tc.eval_rows, batch_tokens=tc.eval_tokens,
                on_batch=lambda done, total: progress.update(shown, completed=done, total=total),
                pipeline=run.model.pipeline)
     if run.recipe.data.sources is not None:  # a mixture: each source's eval rows apart, and together (their sums)

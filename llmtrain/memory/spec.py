@@ -392,7 +392,7 @@ def spec_from_recipe(recipe: Recipe, *, strategy: Strategy = "single", num_gpus:
     pairs = recipe.preference is not None or recipe.reward_model is not None
     per_example = 2 if pairs else recipe.rl.num_generations if recipe.rl is not None else 1
     # online RL's eval samples its prompts' completions (one greedy each, or rl.num_generations_eval) as a rollout
-    eval_rows = ((t.eval_batch_size or t.micro_batch_size) * (recipe.rl.num_generations_eval or 1)
+    eval_rows = (t.eval_rows * (recipe.rl.num_generations_eval or 1)
                  if evaluates and recipe.rl is not None else 0)
     evaluates = evaluates and recipe.rl is None
     rl, teacher = {}, {}
@@ -438,8 +438,8 @@ def spec_from_recipe(recipe: Recipe, *, strategy: Strategy = "single", num_gpus:
         seq_len=rl["prompt_tokens"] + rl["max_completion_tokens"] if rl else d.max_seq_len, packing=d.packing,
         loss_chunk_tokens=t.loss_chunk_tokens, optimizer=t.optimizer,
         # evaluate() batches by the train budget unless eval_batch_size is set
-        eval_micro_batch=(t.eval_batch_size or t.micro_batch_size) * per_example if evaluates else None,
-        eval_micro_batch_tokens=t.micro_batch_tokens if (evaluates and t.eval_batch_size is None) else None,
+        eval_micro_batch=t.eval_rows * per_example if evaluates else None,
+        eval_micro_batch_tokens=t.eval_tokens if evaluates else None,
         strategy=strategy, num_gpus=num_gpus, num_nodes=num_nodes,
         sequence_parallel=recipe.parallel.sequence_parallel,
         num_generations=recipe.rl.num_generations if recipe.rl is not None else int(
