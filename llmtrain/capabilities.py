@@ -311,10 +311,10 @@ RULES: tuple[Rule, ...] = (
          "{key} without FSDP: a full fine-tune's reference ({reference}) is a frozen copy of the starting weights, "
          "sharded like the policy under FSDP only and otherwise whole on every process, undoing the split. Launch "
          "FSDP x TP (parallelism_config with dp_shard_size), add a lora: section, or launch one GPU or DDP"),
-    Rule("sp", lambda r, _: r.model.attn_implementation not in ("auto", "varlen"),
+    Rule("sp", lambda r, _: not r.model.varlen,
          "{key} runs llmtrain's varlen attention on the gathered sequence; model.attn_implementation={attn} is "
          "refused. Set it to auto"),
-    Rule("pp", lambda r, _: r.model.attn_implementation not in ("auto", "varlen"),
+    Rule("pp", lambda r, _: not r.model.varlen,
          "{key} attends within each packed row's examples with llmtrain's varlen attention (the boundaries travel to "
          "every stage); set model.attn_implementation=auto or varlen"),
     Rule("pp", _pp_budget,
@@ -555,7 +555,7 @@ def attention_problems(recipe, config, *, sinks: bool = False, installed=None,
         def installed(module):
             return find_spec(module) is not None
     m = recipe.model
-    varlen, packing = m.attn_implementation in ("auto", "varlen"), recipe.data.packing
+    varlen, packing = m.varlen, recipe.data.packing
     name = getattr(config, "model_type", None) or "this model"
     attn = f"model.attn_implementation={m.attn_implementation} (llmtrain's varlen attention)"
 

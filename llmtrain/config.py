@@ -110,6 +110,9 @@ def tiled_mlp_shard(setting: bool | int | None, hidden_size: int) -> int | None:
     return hidden_size if setting is True else int(setting)
 
 
+VARLEN_SETTINGS = ("auto", "varlen")  # the model.attn_implementation values that run llmtrain's varlen attention
+
+
 class ModelConfig(Section):
     name_or_path: str = Field(description="Local directory or hub id passed to AutoModelForCausalLM.from_pretrained.")
     tokenizer: str | None = Field(None, description="Tokenizer directory or hub id; defaults to name_or_path.")
@@ -193,6 +196,11 @@ class ModelConfig(Section):
         if twice := sorted({t for t in v if v.count(t) > 1}):
             raise ValueError(f"{', '.join(twice)} is listed more than once")
         return v
+
+    @property
+    def varlen(self) -> bool:
+        """Whether llmtrain's varlen attention runs ('auto' picks it)."""
+        return self.attn_implementation in VARLEN_SETTINGS
 
     @model_validator(mode="after")
     def _check_long_context(self) -> ModelConfig:

@@ -25,6 +25,7 @@ from typing import NamedTuple
 
 import torch
 
+from llmtrain.config import VARLEN_SETTINGS
 from llmtrain.data.formats import IGNORE
 from llmtrain.errors import LLMTrainError
 
@@ -234,7 +235,7 @@ def packs(*, packing: bool, micro_batch_tokens: int | None, attn_implementation:
     """Micro-batches are padding-free packed rows: asked for, implied by a token budget, or required by the
     varlen attention (which reads the example boundaries of a packed row). The one rule; the estimate asks it too
     (memory.spec.TrainSpec.packed)."""
-    return bool(packing or micro_batch_tokens or attn_implementation in ("auto", "varlen"))
+    return bool(packing or micro_batch_tokens or attn_implementation in VARLEN_SETTINGS)
 
 
 def packs_rows(recipe) -> bool:

@@ -369,12 +369,13 @@ def _check_attention(model: str, spec) -> None:
     from types import SimpleNamespace
 
     from llmtrain import capabilities
+    from llmtrain.config import ModelConfig
     from llmtrain.memory.params import transformers_config
 
     config = transformers_config(model)
     if config is None:
         return
-    run = SimpleNamespace(model=SimpleNamespace(attn_implementation=spec.attn_implementation),
+    run = SimpleNamespace(model=ModelConfig(name_or_path=str(model), attn_implementation=spec.attn_implementation),
                           data=SimpleNamespace(packing=spec.packing))
     if found := capabilities.attention_problems(run, config):
         raise LLMTrainError(f"{model} would be refused with these options (--attn is model.attn_implementation, "

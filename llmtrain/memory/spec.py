@@ -13,7 +13,7 @@ from typing import Literal
 from llmtrain.capabilities import (fp32_head, reference_copy, reference_kind, reference_sync, rollout_adapter,
                                    rollout_reference, sharding_problems)
 from llmtrain.config import (DataConfig, LoraConfig, ModelConfig, ParallelConfig, Recipe, TrainConfig, sampling_of,
-                             updates_per_window)
+                             VARLEN_SETTINGS, updates_per_window)
 from llmtrain.errors import LLMTrainError
 from llmtrain.parallel.pipeline.split import SCHEDULES
 
@@ -226,7 +226,7 @@ class TrainSpec:
     @property
     def kernel(self) -> str:
         """The attention that runs: 'auto' is llmtrain's varlen attention."""
-        return "varlen" if self.attn_implementation == "auto" else self.attn_implementation
+        return "varlen" if self.attn_implementation in VARLEN_SETTINGS else self.attn_implementation
 
     @property
     def packed(self) -> bool:

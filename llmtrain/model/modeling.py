@@ -427,7 +427,7 @@ def _keep_cpu_4bit_layout(model) -> None:
 
 def attention_backend(cfg: ModelConfig) -> str:
     """The attn_implementation handed to transformers: 'auto' and 'varlen' mean llmtrain's varlen attention."""
-    if cfg.attn_implementation in ("auto", "varlen"):
+    if cfg.varlen:
         from llmtrain.model import attention
 
         return attention.register()
@@ -438,7 +438,7 @@ def describe_attention(cfg: ModelConfig) -> str:
     """What the start-up line says about attention."""
     from llmtrain.model import attention
 
-    if cfg.attn_implementation not in ("auto", "varlen"):
+    if not cfg.varlen:
         return f"{cfg.attn_implementation} (transformers; a packed row gets a block-diagonal mask)"
     kernel = "flash varlen_attn in bf16/fp16" if attention.varlen_available() else "SDPA per example"
     return f"varlen ({kernel}, cost sum of l_i^2){' [auto]' if cfg.attn_implementation == 'auto' else ''}"
