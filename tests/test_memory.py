@@ -382,6 +382,16 @@ def test_shipped_config_table_matches_the_files():
         read_accelerate_config(REPO / "accelerate_configs" / "cpu_ddp.yaml")
 
 
+def test_an_accelerate_config_the_estimate_cannot_read_is_said_as_doctor_and_launch_say_it(tmp_path):
+    """estimate-memory read the launch file with a copy of its own (a bare "not valid YAML: <PyYAML's dump>", a folder
+    a traceback): the reader doctor and launch share (audit 51)."""
+    (bad := tmp_path / "bad.yaml").write_text("distributed_type: FSDP\n  num_processes: 2\n")
+    with pytest.raises(LLMTrainError, match=r"--accelerate-config .*bad.yaml is not valid YAML at line 2, column"):
+        read_accelerate_config(bad)
+    with pytest.raises(LLMTrainError, match=r"cannot read --accelerate-config .*: Is a directory\. Give the path"):
+        read_accelerate_config(tmp_path)
+
+
 def test_launch_config_offload_reads_as_accelerate_does(tmp_path):
     """fsdp_offload_params as accelerate reads it (str_to_bool of the value): the string "false" that a hand-edited
     config may hold is no offload (bool("false") had priced one), and an HSDP config's offload is priced as the

@@ -33,16 +33,9 @@ class Layout:
 
 def read_accelerate_config(path: Path) -> Layout:
     """Strategy and GPU layout from an `accelerate launch --config_file` YAML."""
-    import yaml
+    from llmtrain.parallel.launch import read_launch_file
 
-    if not path.is_file():
-        raise LLMTrainError(f"accelerate config '{path}' does not exist (the shipped ones are in accelerate_configs/).")
-    try:
-        cfg = yaml.safe_load(path.read_text()) or {}
-    except yaml.YAMLError as e:
-        raise LLMTrainError(f"accelerate config '{path}' is not valid YAML: {e}") from None
-    if not isinstance(cfg, dict):
-        raise LLMTrainError(f"accelerate config '{path}' must be a mapping (distributed_type, num_processes, ...).")
+    cfg = read_launch_file(path, name=f"--accelerate-config {path}")  # as doctor and launch read it
     kind = str(cfg.get("distributed_type", "NO"))
     if kind not in STRATEGIES:
         raise LLMTrainError(f"accelerate config '{path}': distributed_type {kind} is not modelled; "
