@@ -42,9 +42,11 @@ def leave_one_out_advantages(rewards: torch.Tensor, num_generations: int) -> tup
     return rewards - baselines.view(-1), std
 
 
-def normalized(advantages: torch.Tensor) -> torch.Tensor:
-    """TRL's normalize_advantages: over every scored completion of the step (NaN left out), mean 0 and std 1."""
-    return (advantages - torch.nanmean(advantages)) / (_nanstd(advantages, dim=0) + STD_EPS)
+def normalized(advantages: torch.Tensor, over: torch.Tensor | None = None) -> torch.Tensor:
+    """TRL's normalize_advantages: over every scored completion of the step (`over`: every process's; NaN left out),
+    mean 0 and std 1."""
+    over = advantages if over is None else over
+    return (advantages - torch.nanmean(over)) / (_nanstd(over, dim=0) + STD_EPS)
 
 
 def sequence_sums(per_token: torch.Tensor, completion: torch.Tensor, n: int) -> torch.Tensor:
@@ -123,7 +125,7 @@ class RLOO(GRPO):
         if self.rl.normalize_advantages:
             # float64: the same statistics whatever the processes' order of the completions (1 process equals 2)
             everyone = torch.tensor(self.gather(mine.tolist()), dtype=torch.float64)
-            final = ((mine.double() - torch.nanmean(everyone)) / (_nanstd(everyone, dim=0) + STD_EPS)).float()
+            final = normalized(mine.double(), over=everyone).float()
         final = torch.nan_to_num(final, nan=0.0)
         start = 0
         for b in passes:
