@@ -205,6 +205,31 @@ def test_truncation_and_dropping_are_counted(tiny_tok, tmp_path):
     assert train["labels"][2] == [IGNORE] * 15 + [tiny_tok.convert_tokens_to_ids("c")]
 
 
+def test_an_eval_split_with_nothing_left_is_refused_and_a_cache_entry_of_one_prepared_again(tiny_tok, tmp_path):
+    """Eval rows that all drop (each prompt filling data.max_seq_len) had ended in datasets' IndexError at the cache's
+    read, and the entry kept it for every later run (audit 50): one paragraph naming the eval file and its rows, and an
+    entry of such an eval written before is prepared again (refused the same way)."""
+    import json as _json
+
+    train = write_jsonl(tmp_path / "t.jsonl", [{"prompt": "p", "completion": "c"}] * 3)
+    held = write_jsonl(tmp_path / "e.jsonl", [{"prompt": "p" * 40, "completion": "c"}])
+    cfg = DataConfig(path=str(train), format="prompt_completion", max_seq_len=16, cache_dir=str(tmp_path / "c"),
+                     eval_split=str(held))
+    said = r"none of the 1 eval examples in .*e.jsonl \(data.eval_split\) can be evaluated \(1 of 1 examples dropped"
+    with pytest.raises(LLMTrainError, match=said + r".*\(row 1\)\)\. Raise data.max_seq_len \(now 16\)"):
+        prepare_datasets(cfg, tiny_tok, seed=0)
+    assert not any((tmp_path / "c").glob("*/stats.json"))  # nothing cached
+    good = cfg.model_copy(update={"max_seq_len": 64})
+    prepare_datasets(good, tiny_tok, seed=0)
+    entry = next((tmp_path / "c").glob("*/stats.json")).parent  # made as an older llmtrain had made it: 0 eval rows
+    stats = _json.loads((entry / "stats.json").read_text())
+    (entry / "stats.json").write_text(_json.dumps({**stats, "eval": {**stats["eval"], "examples": 0}}))
+    for f in (entry / "eval").glob("*.arrow"):
+        f.unlink()
+    _, evald, stats, hit = prepare_datasets(good, tiny_tok, seed=0)
+    assert not hit and len(evald) == 1 and stats["eval"].examples == 1
+
+
 def test_nothing_left_after_truncation_is_an_error(tiny_tok, tmp_path):
     path = write_jsonl(tmp_path / "d.jsonl", [{"prompt": "p" * 40, "completion": "c"}])
     cfg = DataConfig(path=str(path), format="prompt_completion", max_seq_len=8, cache_dir=str(tmp_path / "c"))

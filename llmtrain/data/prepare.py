@@ -314,6 +314,8 @@ def prepare_datasets(cfg: DataConfig, tokenizer, *, seed: int, tools: list[dict]
     tooled = json.dumps(tools, sort_keys=True) if tools else ""  # no tools: the key of before
     key = _fingerprint(paths + eval_paths, tokenizer, cfg, str(seed) + tooled)
     cache = Path(cfg.cache_dir) / key
+    if (cache / "stats.json").is_file() and _empty_eval(cache):
+        shutil.rmtree(cache, ignore_errors=True)
     if (cache / "stats.json").is_file():
         stats = {k: DataStats(**v) for k, v in json.loads((cache / "stats.json").read_text()).items()}
         train = datasets.load_from_disk(str(cache / "train"))
@@ -371,6 +373,15 @@ def prepare_datasets(cfg: DataConfig, tokenizer, *, seed: int, tools: list[dict]
             datasets.load_from_disk(str(cache / "eval")) if (cache / "eval").exists() else None, stats, False)
 
 
+def _empty_eval(cache: Path) -> bool:
+    """Whether a cache entry holds an eval split of no rows, which datasets cannot read back (written before such an
+    eval was refused): removed, and the data prepared again (and refused in one paragraph where it still has none)."""
+    try:
+        return json.loads((cache / "stats.json").read_text()).get("eval", {}).get("examples") == 0
+    except (OSError, ValueError, AttributeError):
+        return False
+
+
 def prepare_recipe(recipe, tokenizer):
     """prepare_datasets for a recipe: its data, its seed, and online RL's tools (rendered into its prompts)."""
     from llmtrain.data.tools import prompt_tools
@@ -412,8 +423,8 @@ def _prepare_source(cfg: DataConfig, tokenizer, *, seed: int, tools: list[dict] 
         _check_eval_columns(raw_eval.column_names, cfg, where)
     train, train_stats = tokenize_dataset(raw, tokenizer, cfg, source=", ".join(paths), tools=tools)
     rows = train_stats.examples + train_stats.dropped
+    unit = "pairs" if cfg.format == "preference" else "examples"  # unpaired (KTO): one completion a row
     if train_stats.examples < KEEP_AT_LEAST * rows:  # nothing, or almost nothing, is left to train on
-        unit = "pairs" if cfg.format == "preference" else "examples"  # unpaired (KTO): one completion a row
         cut = any("max_seq_len" in why for why in train_stats.drops)  # dropped for the cut, not for what they hold
         longer = (f"Raise data.max_seq_len (now {cfg.max_seq_len}{_length_hint(raw, tokenizer, cfg)}), or check "
                   if cut else "Check ")
@@ -426,6 +437,13 @@ def _prepare_source(cfg: DataConfig, tokenizer, *, seed: int, tools: list[dict] 
     evald = None
     if raw_eval is not None:
         evald, stats["eval"] = tokenize_dataset(raw_eval, tokenizer, cfg, source=where, tools=tools)
+        if not stats["eval"].examples:  # (an IndexError of datasets' had followed, and every later run hit it)
+            held = stats["eval"].dropped
+            cut = any("max_seq_len" in why for why in stats["eval"].drops)
+            longer = f"Raise data.max_seq_len (now {cfg.max_seq_len}), or give " if cut else "Give "
+            raise LLMTrainError(f"none of the {held:,} eval {unit} in {where} (data.eval_split) can be evaluated "
+                                f"({stats['eval'].dropped_text(unit)}). {longer}eval rows that keep a trained token, "
+                                "or set data.eval_split=null to train without an eval.")
     return train, evald, stats
 
 
