@@ -524,3 +524,30 @@ def test_eval_rows_dropped_for_having_no_trained_token_are_said_at_the_start(tin
     run_train(recipe)
     log = (tmp_path / "run" / "train.log").read_text()
     assert "eval: 6 examples (2 dropped with no trained token within data.max_seq_len=32)" in log, log
+
+
+def test_a_column_of_values_of_several_types_keeps_each_value_as_the_file_writes_it(tiny_tok, tmp_path):
+    """datasets 5 reads a column whose rows hold values of several types as JSON values and stores its strings
+    unquoted, so "true" came back as True, "1e3" as 1000.0 and "null" as None: online RL's rewards got them, and a
+    quoted completion "42" beside a conversation was refused as an int (audit 50). Each value arrives as written:
+    in the raw rows, in online RL's prepared columns (what the rewards get) and prompts, and in the cache."""
+    from llmtrain.data.formats import USER
+    from llmtrain.data.sources import load_raw
+
+    answers = ["true", "1e3", 5, "null", None, [1, "x"], "007"]
+    rl = write_jsonl(tmp_path / "rl.jsonl", [{"prompt": f"reverse {'abcdefg'[i]} =", "answer": a}
+                                             for i, a in enumerate(answers)])
+    assert load_raw(str(rl))["answer"] == answers
+    cfg = DataConfig(path=str(rl), format="prompt", max_seq_len=64, cache_dir=str(tmp_path / "c"))
+    for _ in range(2):  # prepared, then read back from the cache
+        train, _, _, hit = prepare_datasets(cfg, tiny_tok, seed=0)
+        assert sorted(train[USER + "answer"], key=repr) == sorted(answers, key=repr)
+    assert hit
+    prompts = [{"prompt": "5", "answer": "a"}, {"prompt": [{"role": "user", "content": "true"}], "answer": "b"}]
+    cfg = cfg.model_copy(update={"path": str(write_jsonl(tmp_path / "p.jsonl", prompts)), "chat_template": True})
+    train, _, _, _ = prepare_datasets(cfg, tiny_tok, seed=0)
+    assert sorted(train["prompt"], key=repr) == sorted([p["prompt"] for p in prompts], key=repr)
+    mixed = [{"prompt": "what is 6*7?", "completion": "42"},
+             {"prompt": [{"role": "user", "content": "hi"}], "completion": [{"role": "assistant", "content": "null"}]}]
+    raw = load_raw(str(write_jsonl(tmp_path / "sft.jsonl", mixed)))
+    assert raw["completion"] == ["42", [{"role": "assistant", "content": "null"}]]

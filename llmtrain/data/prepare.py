@@ -24,6 +24,7 @@ import numpy as np
 from llmtrain.config import DataConfig, source_configs
 from llmtrain.data.chat import read_template
 from llmtrain.data.formats import (
+    USER,
     absent_fields,
     check_columns,
     check_feedback_labels,
@@ -38,7 +39,8 @@ from llmtrain.data.sources import is_split_name, load_raw
 from llmtrain.data.unpaired import UNPAIRED_COLUMNS, encode_unpaired, one_kind_problem, unpaired_problem
 from llmtrain.errors import LLMTrainError
 
-CACHE_VERSION = 14  # bump when tokenisation or masking changes, so old caches are not reused
+CACHE_VERSION = 15  # bump when tokenisation or masking changes, so old caches are not reused (15: the values of a
+# column of several types as the file writes them, sources.as_written)
 SOURCE = "source"  # a mixture's rows: which of data.sources a row comes from (its index)
 ROW = "__llmtrain_row"  # a row's number in its file, kept through a shuffled eval split (0-based)
 SHOWN_ROWS = 5  # dropped rows named in the report
@@ -206,6 +208,14 @@ def tokenize_dataset(raw, tokenizer, cfg: DataConfig, source: str, *, tools: lis
     encoder = {"preference": encode_pair, "unpaired": encode_unpaired,
                "prompt": functools.partial(encode_prompt, tools=tools)}.get(cfg.format, encode_example)
 
+    # online RL's columns of values of several types (sources.as_written) go to the rewards as the file writes them:
+    # written as JSON text here and read back as JSON (datasets would store their strings unquoted again)
+    import datasets
+
+    json_columns = [c for c, f in raw.features.items() if "Json(" in repr(f)] if cfg.format == "prompt" else []
+    prompt_column = cfg.fields.get("prompt", "prompt")  # (the prepared rows' "prompt", whatever the file calls it)
+    mixed = [("prompt" if c == prompt_column else USER + c) for c in json_columns]
+
     def encode(example: dict, i: int) -> dict:
         row = example.get(ROW, i)
         try:
@@ -213,6 +223,7 @@ def tokenize_dataset(raw, tokenizer, cfg: DataConfig, source: str, *, tools: lis
         except LLMTrainError as e:  # a row the template cannot render: name it
             raise LLMTrainError(f"{source}, row {row + 1}: {e}") from None
         why = out.pop("drop", "") or ("" if out["trained"] else NO_TRAINED)
+        out |= {c: None if out[c] is None else json.dumps(out[c]) for c in mixed if c in out}
         return {**out, "drop": DROPS.get(why, why), "row": row}
 
     def encode_batch(batch: dict, indices: list[int]) -> dict:  # rows in, rows out: datasets writes them at once
@@ -225,6 +236,8 @@ def tokenize_dataset(raw, tokenizer, cfg: DataConfig, source: str, *, tools: lis
                   remove_columns=raw.column_names, num_proc=cfg.num_proc if cfg.num_proc > 1 else None, desc=f"tokenising {source}",
                   load_from_cache_file=False,
                   new_fingerprint=hashlib.sha256(f"{raw._fingerprint}|{source}|{CACHE_VERSION}".encode()).hexdigest())
+    for column in (c for c in mixed if c in enc.column_names):
+        enc = enc.cast_column(column, datasets.Json())
     trained = enc["trained"]
     keep = [i for i, t in enumerate(trained) if t > 0]
     kept = enc.select(keep)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import re
 from pathlib import Path
 from typing import Any
@@ -96,13 +98,14 @@ def load_raw(path: str | list[str], *, name: str | None = None, split: str = "tr
         verbosity = datasets.logging.get_verbosity()
         datasets.logging.set_verbosity(datasets.logging.CRITICAL)  # its own log line of the failure: ours says it
         try:
-            return datasets.load_dataset(kind, data_files=paths, split="train")
+            loaded = datasets.load_dataset(kind, data_files=paths, split="train")
         except Exception as e:  # datasets raises many types for malformed files
             where = next(filter(None, map(bad_json_line, paths)), None) if kind == "json" else None
             raise LLMTrainError(where or _columns_differ(paths, key) or
                                 f"could not read data file(s) {paths} ({key}): {_innermost(e)}") from None
         finally:
             datasets.logging.set_verbosity(verbosity)
+        return as_written(loaded, paths) if kind == "json" else loaded
     missing = _missing_local(paths[0])
     if missing:
         raise LLMTrainError(missing)
@@ -115,6 +118,40 @@ def load_raw(path: str | list[str], *, name: str | None = None, split: str = "tr
             f"data.eval_split): {e}. Without network access, download it first or point data.path at local "
             ".jsonl/.json/.parquet/.csv files."
         ) from None
+
+
+def as_written(ds, paths: list[str]):
+    """`ds` with each column that datasets read as JSON values (a column whose rows hold values of several types: a
+    plain prompt beside a conversation, an answer 5 beside "7") holding the values as the files write them. datasets
+    5 keeps such a column's strings unquoted and parses every one back on reading, so the text "true" came back as
+    True, "1e3" as 1000.0, "null" as None (audit 50: reward functions got them, a KTO label "false" trained as
+    false). Those columns are read again from the files, each value stored as its JSON text (a string quoted)."""
+    import datasets
+
+    mixed = [c for c, f in ds.features.items() if "Json(" in repr(f)]  # a Json feature at any depth
+    if not mixed:
+        return ds
+    try:
+        rows = [row for p in paths for row in _json_rows(p)]
+    except (OSError, ValueError):  # what datasets read and Python's json does not: left as datasets read it
+        return ds
+    if len(rows) != len(ds) or not all(isinstance(r, dict) for r in rows):  # not rows datasets read one a line
+        return ds
+    order = ds.column_names
+    for column in mixed:
+        values = [None if row.get(column) is None else json.dumps(row[column]) for row in rows]
+        ds = ds.remove_columns(column).add_column(column, values, feature=datasets.Json())
+    return ds.select_columns(order)
+
+
+def _json_rows(path: str) -> list:
+    """A .json/.jsonl file's rows as Python reads them: a JSON array's items, or one object a non-blank line."""
+    text = Path(path).read_text(encoding="utf-8-sig")
+    try:
+        whole = json.loads(text)
+    except ValueError:
+        return [json.loads(line) for line in text.splitlines() if line.strip()]
+    return whole if isinstance(whole, list) else [whole]
 
 
 def _innermost(e: BaseException) -> str:
