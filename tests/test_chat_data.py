@@ -461,3 +461,25 @@ def test_a_template_that_cannot_render_a_reply_is_said_where_the_samplers_look_f
         assert run_end_of_turn(recipe, tok) is None
     tok.chat_template = "{% for m in messages %}{{ m.role }}: {{ m.content }}<|end|>{% endfor %}"
     assert run_end_of_turn(recipe, tok) == "<|end|>"
+
+
+@pytest.mark.parametrize("role, meant", [("Assistant", "assistant"), ("asistant", "assistant"),
+                                         ("assistant ", "assistant"), ("gpt", "assistant"), ("model", "assistant"),
+                                         ("User", "user"), ("context", None)])
+def test_a_role_that_means_a_chat_role_under_another_name_is_refused(role, meant):
+    """A row with an assistant reply and another under "Assistant" (or a typo, ShareGPT's gpt, Gemma's model) had
+    trained the one and shown the other untrained, since templates match roles exactly (audit 50): refused naming the
+    message and the data.roles mapping; a role of a template's own (context) passes, as does the mapping."""
+    from llmtrain.data.formats import row_problem
+
+    messages = [{"role": "user", "content": "reverse ab"}, {"role": role, "content": "ba"},
+                {"role": "user", "content": "again"}, {"role": "assistant", "content": "ba"}]
+    cfg = DataConfig(path="unused.jsonl", format="messages")
+    problem = row_problem({"messages": messages}, cfg)
+    if meant is None:
+        assert problem is None
+    else:
+        assert problem == (f"message 2 of 'messages' has the role {role!r}, which chat templates do not read as "
+                           f"{meant!r} (they match roles exactly: a reply under another name is shown, never "
+                           f"trained). Write {meant!r}, or map it with data.roles: {{\"{role}\": {meant}}}")
+        assert row_problem({"messages": messages}, cfg.model_copy(update={"roles": {role: meant}})) is None

@@ -8,6 +8,7 @@ packing can never make the last token of one example predict the first token of 
 from __future__ import annotations
 
 import itertools
+import json
 from typing import Any
 
 import numpy as np
@@ -139,6 +140,23 @@ def _message(m: Any, cfg: DataConfig) -> Any:
     return {**out, "role": cfg.roles.get(role, role) if isinstance(role, str) else role, "content": m.get(ck)}
 
 
+ROLES = ("system", "developer", "user", "assistant", "tool", "ipython")  # the chat roles templates read
+ROLE_ALIASES = {"human": "user", "gpt": "assistant", "model": "assistant", "bot": "assistant", "ai": "assistant",
+                "chatbot": "assistant"}  # ShareGPT's, Gemma's own name for the reply (its template maps assistant)
+
+
+def _meant_role(role: str) -> str | None:
+    """The chat role an unknown role name most likely means (a case, a space, a typo, another dataset's name for it:
+    templates match roles exactly, so "Assistant" renders a reply that is never trained); None for a role of its own
+    (a custom template's), or one of ROLES."""
+    import difflib
+
+    if role in ROLES:
+        return None
+    plain = role.strip().lower()
+    return ROLE_ALIASES.get(plain) or next(iter(difflib.get_close_matches(plain, ROLES, n=1, cutoff=0.8)), None)
+
+
 def _messages_problem(messages: Any, cfg: DataConfig, what: str) -> str | None:
     if not isinstance(messages, list) or not messages:
         return f"{what} is not a non-empty list of {{role, content}} objects"
@@ -154,6 +172,14 @@ def _messages_problem(messages: Any, cfg: DataConfig, what: str) -> str | None:
                     "data.fields.content)"
                     if got is None else
                     f"message {k + 1} ({m[rk]}) of {what} has content {got!r} ({type(got).__name__}), not a string")
+    roles = [cfg.roles.get(m[rk], m[rk]) for m in messages]
+    if not {"user", "assistant"} & set(roles):  # another dataset's names throughout: _no_reply_problem lists them
+        return None
+    for k, role in enumerate(roles):  # a role beside the chat roles that means one of them: a mistake
+        if (meant := _meant_role(role)) is not None:
+            return (f"message {k + 1} of {what} has the role {role!r}, which chat templates do not read as "
+                    f"{meant!r} (they match roles exactly: a reply under another name is shown, never trained). "
+                    f"Write {meant!r}, or map it with data.roles: {{{json.dumps(messages[k][rk])}: {meant}}}")
     return None
 
 
