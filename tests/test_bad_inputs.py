@@ -116,7 +116,7 @@ CASES = [
     ("malformed json", "full", [f"data.path={F('broken.jsonl')}", "data.eval_split=null"],
      "broken.jsonl' line 1: not valid JSON"),
     ("unpaired feedback as SFT", "full", [f"data.path={F('feedback.jsonl')}", "data.eval_split=null"],
-     "boolean 'label' column: its rows look like unpaired feedback"),
+     "'label' column of true and false (or 1 and 0): its rows look like unpaired feedback"),
     ("unpaired feedback as pairs", "full", [f"data.path={F('feedback.jsonl')}", "data.eval_split=null",
                                             "data.format=preference", "preference.beta=0.1"], "which no data.fields"),
     ("empty data file", "full", [f"data.path={F('empty.jsonl')}", "data.eval_split=null"],

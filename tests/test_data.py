@@ -551,3 +551,18 @@ def test_a_column_of_values_of_several_types_keeps_each_value_as_the_file_writes
              {"prompt": [{"role": "user", "content": "hi"}], "completion": [{"role": "assistant", "content": "null"}]}]
     raw = load_raw(str(write_jsonl(tmp_path / "sft.jsonl", mixed)))
     assert raw["completion"] == ["42", [{"role": "assistant", "content": "null"}]]
+
+
+@pytest.mark.parametrize("labels", [[1, 0, 1], ["true", "false", "true"], ["True", "False", "False"],
+                                    [True, "false", 1]])
+def test_feedback_labelled_by_numbers_or_words_is_refused_as_supervised_data(tiny_tok, tmp_path, labels):
+    """Unpaired feedback (KTO's rows) given to SFT was refused only where its label column was JSON's booleans; 1/0,
+    "true"/"false" (a CSV's, a parquet's int column) trained every completion, the undesirable ones too (audit 50).
+    A label column of other values (a class name) passes."""
+    rows = [{"prompt": f"reverse {c} =", "completion": f" {c}", "label": v} for c, v in zip("abc", labels)]
+    cfg = DataConfig(path=str(write_jsonl(tmp_path / "f.jsonl", rows)), format="prompt_completion",
+                     cache_dir=str(tmp_path / "c"), chat_template=False)
+    with pytest.raises(LLMTrainError, match=r"has a 'label' column of true and false \(or 1 and 0\): its rows look "):
+        prepare_datasets(cfg, tiny_tok, seed=0)
+    other = [{**row, "label": name} for row, name in zip(rows, ["math", "code", "math"])]
+    prepare_datasets(cfg.model_copy(update={"path": str(write_jsonl(tmp_path / "o.jsonl", other))}), tiny_tok, seed=0)

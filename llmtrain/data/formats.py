@@ -82,10 +82,19 @@ def check_feedback_labels(raw, cfg: DataConfig, source: str) -> None:
     """Refuse unpaired feedback (a completion per row and a boolean `label`, TRL's KTO format) given to supervised
     fine-tuning: SFT would train on every completion, the ones labelled undesirable as well, without a word."""
     feature = raw.features.get("label") if cfg.format not in ("preference", "unpaired", "prompt") else None
-    if getattr(feature, "dtype", None) != "bool":
+    if feature is None:
         return
+    if getattr(feature, "dtype", None) != "bool":  # 0/1 or "true"/"false" (a CSV's, a parquet's int column) too
+        if not {"completion", "messages"} & set(raw.column_names):
+            return
+        values = set(raw.unique("label")) if getattr(feature, "dtype", None) else {
+            json.dumps(v) for v in raw["label"]}  # (a column of several types: JSON values, unhashable ones too)
+        said = {str(v).strip().lower().strip('"') for v in values}
+        if not values or not said <= {"0", "1", "true", "false"} or len(said) < 2:
+            return
     raise LLMTrainError(
-        f"{source} has a boolean 'label' column: its rows look like unpaired feedback (a completion each, marked "
+        f"{source} has a 'label' column of true and false (or 1 and 0): its rows look like unpaired feedback (a "
+        "completion each, marked "
         "desirable (true) or undesirable (false): KTO's format), and supervised fine-tuning would train on every "
         "completion, the label: false ones too. To learn from both, use KTO: data.format: unpaired with a kto: "
         "section (docs/preference.md). To fine-tune on the desirable completions only, keep the label: true rows in "
