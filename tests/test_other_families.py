@@ -126,7 +126,10 @@ def test_what_a_refused_setting_would_get_wrong_and_the_advised_setting_gets_rig
 
 
 def recipe(attn: str = "auto", packing: bool = False):
-    return SimpleNamespace(model=SimpleNamespace(attn_implementation=attn), data=SimpleNamespace(packing=packing))
+    from llmtrain.config import ModelConfig
+
+    return SimpleNamespace(model=ModelConfig(name_or_path="unused", attn_implementation=attn),
+                           data=SimpleNamespace(packing=packing))
 
 
 def test_the_rules_refuse_each_from_its_config_and_pass_the_setting_they_give():
