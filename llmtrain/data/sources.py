@@ -140,7 +140,9 @@ def as_written(ds, paths: list[str]):
     order = ds.column_names
     for column in mixed:
         values = [None if row.get(column) is None else json.dumps(row[column]) for row in rows]
-        ds = ds.remove_columns(column).add_column(column, values, feature=datasets.Json())
+        written = f"__llmtrain_as_written_{column}"  # beside it first: a table of that column alone has no rows left
+        ds = ds.add_column(written, values, feature=datasets.Json()).remove_columns(column)
+        ds = ds.rename_column(written, column)
     return ds.select_columns(order)
 
 
