@@ -266,23 +266,30 @@ class LoraConfig(Section):
             raise ValueError(f"text here is peft's regular expression of the whole module path "
                              f"(model.layers.0.self_attn.q_proj), which {v!r} matches in no layer of a decoder; give "
                              f"{hint}")
+        if isinstance(v, str) and v != "all-linear":
+            try:
+                re.compile(v)
+            except re.error as e:  # (a traceback in peft, and in doctor's count: audit 49)
+                raise ValueError(f"{v!r} is not a regular expression ({e}); give one of the whole module path, or "
+                                 "a list of module names") from None
         return v
 
 
+Paths = Annotated[list[str], Field(min_length=1)]  # files: one or more (an empty list had been an IndexError)
 DataFormat = Literal["alpaca", "messages", "prompt_completion", "text", "preference", "unpaired", "prompt"]
 
 
 class SourceConfig(Section):
     """One dataset of a mixture (data.sources): where it is, how its rows are laid out, and its part of each step."""
 
-    path: str | list[str] = Field(description="As data.path: local file(s), a dataset folder or a hub dataset name.")
+    path: str | Paths = Field(description="As data.path: local file(s), a dataset folder or a hub dataset name.")
     name: str | None = Field(None, description="Hub dataset configuration name, as data.name.")
     split: str = Field("train", description="Split to train on, as data.split.")
     format: DataFormat = Field(description="How this source's rows are laid out, as data.format; every source must "
                                "train in the recipe's mode (alpaca, messages, prompt_completion and text together).")
     fields: dict[str, str] = Field(default_factory=dict, description="As data.fields, for this source's rows.")
     roles: dict[str, str] = Field(default_factory=dict, description="As data.roles, for this source's rows.")
-    eval_split: float | str | list[str] | None = Field(
+    eval_split: float | str | Paths | None = Field(
         None, description="This source's held-out eval data, as data.eval_split (unset: data.eval_split's, where "
         "that is a fraction).")
     weight: float | None = Field(
@@ -302,7 +309,7 @@ class SourceConfig(Section):
 
 
 class DataConfig(Section):
-    path: str | list[str] | None = Field(
+    path: str | Paths | None = Field(
         None, description="One or several local files (.jsonl, .json, .parquet, .csv), a dataset folder (its files "
         "named by split, as on the hub) or a hub dataset name. Or data.sources, for a weighted mixture."
     )
@@ -342,7 +349,7 @@ class DataConfig(Section):
         None, description="Variables the chat template reads (TRL's chat_template_kwargs), e.g. {enable_thinking: "
         "false} for Qwen3's: set at the top of the template wherever this run renders a chat (the training rows, RL "
         "prompts, the reward models' rows, `llmtrain generate` of its run folder). Chat-rendered rows only.")
-    eval_split: float | str | list[str] | None = Field(
+    eval_split: float | str | Paths | None = Field(
         None, description="Held-out eval data: a fraction in (0, 1) of the training data, eval file(s), or the name "
         "of a split of the data.path dataset (hub or dataset folder), e.g. 'test'."
     )
@@ -1849,7 +1856,7 @@ def recipe_errors(err: ValidationError, source: str, overrides: list[str] | None
             if key not in unions:
                 unions[key] = []
                 lines.append((key, label))
-            unions[key].append((_kind(loc[member]), e.get("input"), len(loc) == member + 1))
+            unions[key].append((_kind(loc[member]), e.get("input"), len(loc) == member + 1, e))
             continue
         if e["type"] == "extra_forbidden":
             lines.append(f"  - {label}: unknown key{_suggest(key)}")
@@ -1885,15 +1892,47 @@ def recipe_errors(err: ValidationError, source: str, overrides: list[str] | None
             # `train.eval_every_steps=0` to turn it off: a bound on a key whose default is null says null is the off
             unset = (" (or null, its default, which leaves it unset)" if e["type"].startswith(("greater_than",
                      "less_than")) and key and _default(key, missing=...) is None else "")
-            lines.append(f"  - {label + ': ' if key else ''}{e['msg'].removeprefix('Value error, ')}{unset}{got_text}")
+            lines.append(f"  - {label + ': ' if key else ''}{_in_words(e)}{unset}{got_text}")
     for i, line in enumerate(lines):
         if isinstance(line, tuple):
             key, label = line
-            kinds = list(dict.fromkeys(kind for kind, _, _ in unions[key]))
-            got = next((value for _, value, whole in unions[key] if whole), unions[key][0][1])
+            kinds = list(dict.fromkeys(kind for kind, _, _, _ in unions[key]))
+            got = next((value for _, value, whole, _ in unions[key] if whole), unions[key][0][1])
+            if short := next((e for *_, e in unions[key] if e["type"] == "too_short"), None):  # `data.path=[]`
+                lines[i] = f"  - {label}: {_in_words(short)}"
+                continue
             lines[i] = f"  - {label}: expected {', '.join(kinds[:-1]) + ', or ' if len(kinds) > 1 else ''}" \
                        f"{kinds[-1]}{f' (got {got!r})' if key not in given else ''}"
     return f"Invalid recipe {source}:\n" + "\n".join(lines) + "\nFix these keys in the YAML or the key=value overrides."
+
+
+def _in_words(e: dict) -> str:
+    """A pydantic error's message in the recipe's words ("Input should be greater than 0" had shown as written; audit
+    49): bounds, choices (with the nearest), kinds and lengths; any other as pydantic says it."""
+    import difflib
+
+    kind, ctx, got = e["type"], e.get("ctx") or {}, e.get("input")
+    bounds = {"greater_than": "more than {gt}", "greater_than_equal": "{ge} or more", "less_than": "less than {lt}",
+              "less_than_equal": "{le} or less"}
+    if kind in bounds:
+        return "must be " + bounds[kind].format(**{k: f"{v:g}" if isinstance(v, float) else v for k, v in ctx.items()})
+    if kind == "literal_error":
+        choices = re.findall(r"'([^']*)'", str(ctx.get("expected", "")))
+        near = difflib.get_close_matches(str(got), choices, n=1) if isinstance(got, str) else []
+        return (f"must be one of {', '.join(choices)}" + (f" (did you mean {near[0]}?)" if near else "")
+                if choices else e["msg"])
+    words = {"int_parsing": "must be a whole number", "int_type": "must be a whole number",
+             "int_from_float": "must be a whole number", "float_parsing": "must be a number",
+             "float_type": "must be a number", "bool_parsing": "must be true or false", "bool_type": "must be true or "
+             "false", "finite_number": "must be a finite number (not inf or nan)",
+             "string_type": "must be text (quote it in YAML: a date or a number is read as one)"}
+    if kind in words:
+        return words[kind]
+    if kind == "too_short":
+        n = ctx.get("min_length", 1)
+        return (f"is an empty list: give at least {n} item{'s' if n != 1 else ''}" if got in ([], ()) else
+                f"must have at least {n} item{'s' if n != 1 else ''}")
+    return e["msg"].removeprefix("Value error, ")
 
 
 def updates_per_window(recipe: Recipe) -> int:
@@ -1910,7 +1949,11 @@ def load_recipe(path: str | Path, overrides: list[str] | None = None) -> Recipe:
     if not path.is_file():
         raise RecipeError(f"Recipe file '{path}' does not exist. Pass the path to a YAML recipe, e.g. recipes/tiny.yaml.")
     try:
-        data = read_yaml(path.read_text()) or {}
+        data = read_yaml(path.read_text(encoding="utf-8")) or {}
+    except UnicodeDecodeError as e:  # (a traceback: audit 49)
+        line = path.read_bytes()[:e.start].count(b"\n") + 1
+        raise RecipeError(f"Recipe '{path}' is not UTF-8 text (byte {e.object[e.start]:#04x} at line {line}): save "
+                          "it as UTF-8.") from None
     except yaml.YAMLError as e:
         mark = getattr(e, "problem_mark", None)
         where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""

@@ -8,6 +8,7 @@ from __future__ import annotations
 import re
 import types
 import typing
+from collections.abc import Hashable
 from typing import Any
 
 import yaml
@@ -47,7 +48,24 @@ def parse_override(text: str, schema: type[BaseModel]) -> tuple[list[str], Any]:
 class RecipeLoader(yaml.SafeLoader):
     """PyYAML's safe loader but for YAML 1.1's octal and base-60 numbers, which it read as `010` -> 8 and `1:30` -> 90
     (a seed or a step count written with a leading zero changed without a word; audit 47): such a scalar stays the
-    text as written, which the schema reads as a reader means it (`010` an int field's 10) or refuses (`1:30`)."""
+    text as written, which the schema reads as a reader means it (`010` an int field's 10) or refuses (`1:30`). A key
+    written twice in one mapping is refused: PyYAML kept the last, so a second `train:` section replaced the whole
+    first one without a word (audit 49)."""
+
+    def construct_mapping(self, node, deep=False):
+        if isinstance(node, yaml.MappingNode):
+            seen: dict = {}
+            for key_node, _ in node.value:
+                if key_node.tag == "tag:yaml.org,2002:merge":  # `<<: *defaults`: merged keys may repeat
+                    continue
+                key = self.construct_object(key_node, deep=True)
+                if isinstance(key, Hashable) and key in seen:
+                    raise yaml.constructor.ConstructorError(
+                        None, None, f"the key '{key}' is written twice (first at line {seen[key] + 1}): YAML would "
+                        "keep the second alone, dropping the first without a word. Keep one", key_node.start_mark)
+                if isinstance(key, Hashable):
+                    seen[key] = key_node.start_mark.line
+        return super().construct_mapping(node, deep=deep)
 
 
 def _as_written(base):

@@ -329,7 +329,7 @@ def test_small_refusals_name_what_the_user_gave(runs, tmp_path):
         return " ".join(result.output.split())
 
     assert f"Recipe '{tmp_path}' is a folder" in refused("finetune", str(tmp_path))
-    assert "train.lr (the override train.lr=abc): Input should be a valid number" in refused(
+    assert "train.lr (the override train.lr=abc): must be a number" in refused(
         "finetune", str(runs["full"]), "train.lr=abc")
     assert f"'{tmp_path / 'nope.jsonl'}' does not exist (data.eval_split)" in refused(
         "finetune", str(runs["full"]), f"data.eval_split={tmp_path / 'nope.jsonl'}", f"output_dir={tmp_path / 'o'}")

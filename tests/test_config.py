@@ -53,7 +53,7 @@ def test_overrides_are_typed_and_validated(recipe_file):
                                   "lora.target_modules=[q_proj, v_proj]", "data.packing=true"])
     assert r.train.max_steps == 8 and r.train.lr == 1e-4 and r.output_dir == "/tmp/x"
     assert r.lora.r == 8 and r.lora.target_modules == ["q_proj", "v_proj"] and r.data.packing is True
-    with pytest.raises(RecipeError, match=r"train.max_steps \(the override train.max_steps=0\): Input should be greater"):
+    with pytest.raises(RecipeError, match=r"train.max_steps \(the override train.max_steps=0\): must be more than 0"):
         load_recipe(recipe_file, ["train.max_steps=0"])
 
 
@@ -101,7 +101,7 @@ def test_a_bound_on_a_key_whose_default_is_null_says_null_unsets_it(recipe_file,
     """`train.eval_every_steps=0`, a new user's way to turn it off, was told only 'Input should be greater than 0'."""
     with pytest.raises(RecipeError) as e:
         load_recipe(recipe_file, [override])
-    assert f"(the override {override}): Input should be greater than 0" in str(e.value)
+    assert f"(the override {override}): must be more than 0" in str(e.value)
     assert ("(or null, its default, which leaves it unset)" in str(e.value)) == null
 
 
@@ -212,7 +212,7 @@ def test_a_temperature_whose_logits_overflow_is_refused(key):
     """Logits divided by 1e-40 overflow float32: every draw and every log-probability NaN. vLLM's floor, 1e-5."""
     section, field = key.split(".")
     recipe = REPO / "recipes" / {"rl": "tiny-grpo.yaml", "distill": "tiny-distill.yaml"}[section]
-    with pytest.raises(RecipeError, match=rf"{key}.*greater than or equal to 0.00001"):
+    with pytest.raises(RecipeError, match=rf"{key}.*must be 1e-05 or more"):
         load_recipe(recipe, [f"{key}=1e-40"])
     assert getattr(getattr(load_recipe(recipe, [f"{key}=1e-5"]), section), field) == 1e-5
 
@@ -303,14 +303,13 @@ def test_a_key_with_no_value_is_refused_whatever_its_type(recipe_file):
 
 
 @pytest.mark.parametrize(("override", "says"), [
-    ("train.betas=[1.5,0.999]", "train.betas.0 (the override train.betas=[1.5,0.999]): Input should be less than 1"),
-    ("train.betas=[0.9,-1]", "train.betas.1 (the override train.betas=[0.9,-1]): Input should be greater than or "
-                             "equal to 0"),
-    ("train.eps=.inf", "train.eps (the override train.eps=.inf): Input should be a finite number"),
-    ("train.weight_decay=.inf", "train.weight_decay (the override train.weight_decay=.inf): Input should be a finite"),
-    ("lora.alpha=.inf", "lora.alpha (the override lora.alpha=.inf): Input should be a finite number"),
-    ("train.max_grad_norm=.nan", "train.max_grad_norm (the override train.max_grad_norm=.nan): Input should be a "
-                                 "finite number"),
+    ("train.betas=[1.5,0.999]", "train.betas.0 (the override train.betas=[1.5,0.999]): must be less than 1"),
+    ("train.betas=[0.9,-1]", "train.betas.1 (the override train.betas=[0.9,-1]): must be 0 or more"),
+    ("train.eps=.inf", "train.eps (the override train.eps=.inf): must be a finite number (not inf or nan)"),
+    ("train.weight_decay=.inf", "train.weight_decay (the override train.weight_decay=.inf): must be a finite"),
+    ("lora.alpha=.inf", "lora.alpha (the override lora.alpha=.inf): must be a finite number (not inf or nan)"),
+    ("train.max_grad_norm=.nan", "train.max_grad_norm (the override train.max_grad_norm=.nan): must be a finite "
+                                 "number"),
 ])
 def test_optimizer_and_adapter_numbers_out_of_their_range_are_refused(recipe_file, override, says):
     """AdamW's betas outside [0, 1) had ended in torch's traceback at the first step, an infinite eps trained nothing
@@ -326,7 +325,7 @@ def test_adaptive_entropys_switch_is_a_boolean():
     grpo = REPO / "recipes" / "tiny-grpo.yaml"
     for value in ("fasle", "2", "maybe"):
         with pytest.raises(RecipeError, match=f"rl.use_adaptive_entropy \\(the override rl.use_adaptive_entropy="
-                                              f"{value}\\): Input should be a valid boolean"):
+                                              f"{value}\\): must be true or false"):
             load_recipe(grpo, [f"rl.use_adaptive_entropy={value}"])
     assert load_recipe(grpo, ["rl.use_adaptive_entropy=true"]).rl.entropy_target == 0.2
     off = load_recipe(grpo, ["rl.use_adaptive_entropy='false'"]).rl
@@ -452,3 +451,52 @@ def test_numbers_read_as_written_not_as_yaml_1_1s_octal_or_base_60(recipe_file, 
         load_recipe(path)
     path.write_text(recipe_file.read_text() + "train:\n  seed: 010\n  max_steps: 0x10\n")
     assert (load_recipe(path).train.seed, load_recipe(path).train.max_steps) == (10, 16)
+
+
+def test_a_key_written_twice_is_refused_naming_both_lines(tmp_path):
+    """PyYAML keeps the last of a key written twice, so a second `train:` section replaced the whole first one (lr
+    and batch back to their defaults) without a word (audit 49): refused naming both lines; YAML's merge keys still
+    merge."""
+    path = tmp_path / "twice.yaml"
+    path.write_text("model: {name_or_path: m}\ndata: {path: d.jsonl, format: text}\ntrain:\n  lr: 1.0e-3\n"
+                    "  micro_batch_size: 16\ntrain:\n  max_steps: 5\n")
+    with pytest.raises(RecipeError, match=r"not valid YAML at line 6, column 1: the key 'train' is written twice "
+                                          r"\(first at line 3\): YAML would keep the second alone"):
+        load_recipe(path)
+    with pytest.raises(RecipeError, match=r"Override 'data.fields=\{a: b, a: c\}': its value is not valid YAML \(the "
+                                          r"key 'a' is written twice"):
+        load_recipe(_write(tmp_path, "ok.yaml"), ["data.fields={a: b, a: c}"])
+    merged = _write(tmp_path, "merged.yaml", "model: {name_or_path: m}\ndata: {path: d.jsonl, format: text}\n"
+                                             "train: {<<: {lr: 1.0e-3, max_steps: 4}, max_steps: 7}\n")
+    assert (load_recipe(merged).train.lr, load_recipe(merged).train.max_steps) == (1e-3, 7)
+
+
+def _write(tmp_path, name: str, text: str = "") -> Path:
+    path = tmp_path / name
+    path.write_text(text or "model: {name_or_path: m}\ndata: {path: d.jsonl, format: text}\n")
+    return path
+
+
+def test_a_recipe_that_is_not_utf8_and_other_values_a_crash_met_are_one_line_each(tmp_path):
+    """Audit 49's tracebacks at load: a recipe saved as Latin-1, a lora.target_modules that is no regular expression,
+    an empty list of data files; and pydantic's own words (bounds, choices, kinds) in the recipe's."""
+    latin = tmp_path / "latin.yaml"
+    latin.write_bytes(b"# caf\xe9\n" + _write(tmp_path, "base.yaml").read_bytes())
+    with pytest.raises(RecipeError, match=r"Recipe '.*latin.yaml' is not UTF-8 text \(byte 0xe9 at line 1\): save it "
+                                          "as UTF-8"):
+        load_recipe(latin)
+    base = _write(tmp_path, "ok.yaml")
+    with pytest.raises(RecipeError) as e:
+        load_recipe(base, ["lora.target_modules=.*(q_proj", "data.path=[]", "data.eval_split=[]",
+                           "train.schedule=cosin", "train.micro_batch_size=1.5", "model.compile=maybe"])
+    said = str(e.value)
+    for line in ("lora.target_modules (the override lora.target_modules=.*(q_proj): '.*(q_proj' is not a regular "
+                 "expression (missing ), unterminated subpattern at position 2)",
+                 "data.path (the override data.path=[]): is an empty list: give at least 1 item",
+                 "data.eval_split (the override data.eval_split=[]): is an empty list: give at least 1 item",
+                 "train.schedule (the override train.schedule=cosin): must be one of linear, cosine, constant (did "
+                 "you mean cosine?)",
+                 "train.micro_batch_size (the override train.micro_batch_size=1.5): must be a whole number",
+                 "model.compile (the override model.compile=maybe): must be true or false"):
+        assert line in said, said
+    assert "Input should" not in said
