@@ -1763,6 +1763,8 @@ def _nearest(key: str) -> list[str]:
     """The schema's keys nearest an unknown dotted key (no list indices): its alias, every sibling it begins
     (parallel.pipeline: each pipeline_* key), or the closest spelling."""
     keys = all_keys()
+    if key.lower() != key and (lower := key.lower()) in keys:  # keys are lower case (`TRAIN.LR`: train.lr)
+        return [lower]
     section, _, leaf = key.rpartition(".")
     prefix = section + "." if section else ""
     siblings = [k.rsplit(".", 1)[-1] for k in keys if k.startswith(prefix) and k.count(".") == key.count(".")]
@@ -1821,7 +1823,19 @@ def _items(key: str) -> int | None:
 def _union_member(part) -> bool:
     """A union member's name in an error's location (bool, int, list[str], literal[...], a section's class), which
     is pydantic's, not a key of the recipe."""
-    return isinstance(part, str) and (part in _KINDS or "[" in part or part[:1].isupper())
+    return isinstance(part, str) and (part in _KINDS or "[" in part or part in _SECTION_CLASSES)
+
+
+def _section_classes() -> set[str]:
+    """The schema's section classes by name (pydantic names a union's section member so): a key spelt with a capital
+    (`Train:`) is a key, not one of them (it had been cut from its message: "- : unknown key"; audit 49)."""
+    found, todo = set(), [Recipe]
+    while todo:
+        model = todo.pop()
+        if model.__name__ not in found:
+            found.add(model.__name__)
+            todo += [m for f in model.model_fields.values() for m in _sections(f)]
+    return found
 
 
 def recipe_errors(err: ValidationError, source: str, overrides: list[str] | None = None,
@@ -1933,6 +1947,9 @@ def _in_words(e: dict) -> str:
         return (f"is an empty list: give at least {n} item{'s' if n != 1 else ''}" if got in ([], ()) else
                 f"must have at least {n} item{'s' if n != 1 else ''}")
     return e["msg"].removeprefix("Value error, ")
+
+
+_SECTION_CLASSES = _section_classes()
 
 
 def updates_per_window(recipe: Recipe) -> int:

@@ -500,3 +500,15 @@ def test_a_recipe_that_is_not_utf8_and_other_values_a_crash_met_are_one_line_eac
                  "model.compile (the override model.compile=maybe): must be true or false"):
         assert line in said, said
     assert "Input should" not in said
+
+
+def test_a_key_spelt_with_capitals_is_named_with_the_key_it_means(tmp_path):
+    """A capitalised key was taken for one of pydantic's union names and cut from its message ("- : unknown key",
+    "- train: unknown key (did you mean train?)" for train.LR; audit 49)."""
+    path = _write(tmp_path, "caps.yaml", "model: {name_or_path: m}\ndata: {path: d.jsonl, format: text}\n"
+                                         "Train: {max_steps: 5}\ntrain: {LR: 1.0e-3}\n")
+    with pytest.raises(RecipeError) as e:
+        load_recipe(path, ["TRAIN.LR=1"])
+    for line in ("  - Train: unknown key (did you mean train?)", "  - train.LR: unknown key (did you mean train.lr?)",
+                 "  - TRAIN (the override TRAIN.LR=1): unknown key (did you mean train?)"):
+        assert line in str(e.value), str(e.value)
