@@ -30,6 +30,9 @@ def _takes(annotation, kinds: tuple[type, ...]) -> bool:
         _takes(a, kinds) for a in typing.get_args(annotation))
 
 
+UNBOUNDED = {"sampler_correction_max"}  # the number keys where .inf means "no bound"
+
+
 class Section(BaseModel):
     # Unknown keys are errors, never silently ignored: a typo must not change a run.
     model_config = ConfigDict(extra="forbid", validate_assignment=True)
@@ -41,6 +44,14 @@ class Section(BaseModel):
         annotation = cls.model_fields[info.field_name].annotation
         if isinstance(v, bool) and _takes(annotation, (int, float)) and not _takes(annotation, (bool,)):
             raise ValueError(f"is a number, not {str(v).lower()} (YAML reads true, yes and on as true)")
+        if isinstance(v, (float, str)) and _takes(annotation, (float,)) and not _takes(annotation, (str,)):
+            try:
+                number = float(v)
+            except ValueError:
+                return v
+            if not math.isfinite(number) and not (number == math.inf and info.field_name in UNBOUNDED):
+                # an infinite beta, weight or temperature trained on an infinite or a zero loss (audit 49)
+                raise ValueError("must be a finite number (not inf or nan)")
         return v
 
     def off_default(self, key: str) -> bool:
@@ -57,7 +68,8 @@ class RopeScaling(BaseModel):
     rope_type: Literal["linear", "dynamic", "yarn", "llama3", "longrope"] = Field(
         description="linear: positions divided by factor (needs fine-tuning); dynamic: NTK-aware, grows with the "
         "length; yarn: NTK-by-parts with attention temperature (Qwen, Mistral long-context); llama3: Llama 3.1's.")
-    factor: float = Field(gt=1, description="How many times the original context the model reaches.")
+    factor: float = Field(gt=1, allow_inf_nan=False,
+                          description="How many times the original context the model reaches.")
     original_max_position_embeddings: int | None = Field(
         None, gt=0, description="The context the model was trained at; unset: the model's max_position_embeddings.")
 

@@ -512,3 +512,20 @@ def test_a_key_spelt_with_capitals_is_named_with_the_key_it_means(tmp_path):
     for line in ("  - Train: unknown key (did you mean train?)", "  - train.LR: unknown key (did you mean train.lr?)",
                  "  - TRAIN (the override TRAIN.LR=1): unknown key (did you mean train?)"):
         assert line in str(e.value), str(e.value)
+
+
+@pytest.mark.parametrize("override", ["preference.simpo_gamma=inf", "preference.beta=.inf", "kto.beta=.nan",
+                                      "rl.epsilon_high=.inf", "distill.temperature=-inf"])
+def test_an_infinite_or_undefined_number_is_refused_in_every_section(override):
+    """An infinite preference.simpo_gamma trained on an infinite loss and crashed after final/, an infinite beta
+    ended in advice to lower train.lr (audit 49): every number key refuses inf and nan, but where .inf means no bound
+    (rl.sampler_correction_max)."""
+    recipe = REPO / "recipes" / {"preference": "tiny-dpo.yaml", "kto": "tiny-kto.yaml", "rl": "tiny-grpo.yaml",
+                                 "distill": "tiny-distill.yaml"}[override.split(".")[0]]
+    with pytest.raises(RecipeError, match=rf"{re.escape(override.split('=')[0])} \(the override .*\): must be a "
+                                          r"finite number \(not inf or nan\)"):
+        load_recipe(recipe, [override])
+    grpo = load_recipe(REPO / "recipes" / "tiny-grpo.yaml", ["rl.sampler_correction=token_truncate",
+                                                             "rl.sampler_correction_min=0.5",
+                                                             "rl.sampler_correction_max=.inf"])
+    assert grpo.rl.sampler_correction_max == float("inf")
