@@ -79,7 +79,9 @@ def needs_problems(recipe, launch: dict, *, user_code: bool = True, tasks: bool 
     """What every process would refuse of this machine's packages and the user's code before its model is read, each
     in its own words, for launch to say once (each process had said it after the processes started, most once per
     process; audit 34) and doctor to fail: a tracker's library not installed (logging.report_to), model.kernels=liger
-    without liger-kernel or on a CPU launch (`launch`'s use_cpu, or no CUDA device here), the recipe's eval: that
+    without liger-kernel or on a CPU launch (`launch`'s use_cpu, or no CUDA device here), and
+    model.attn_implementation=flash_attention_2 without flash-attn or CUDA (its ImportError had come as a traceback
+    once the run started; audit 49), the recipe's eval: that
     cannot run (the harness not installed, final/ not saved, a run it cannot score: its tasks' data are read by the
     processes), and the modules
     of online RL's reward functions, tools and environment that do not import (`user_code`; doctor's rows of their
@@ -87,7 +89,7 @@ def needs_problems(recipe, launch: dict, *, user_code: bool = True, tasks: bool 
     doctor's, where the processes check them under launch)."""
     import torch
 
-    from llmtrain.model.modeling import use_liger
+    from llmtrain.model.modeling import check_flash_attention, use_liger
     from llmtrain.run.benchmarks import check_recipe
     from llmtrain.run.trackers import check_trackers
 
@@ -95,6 +97,9 @@ def needs_problems(recipe, launch: dict, *, user_code: bool = True, tasks: bool 
     if recipe.model.kernels == "liger":
         device = "cpu" if launch.get("use_cpu") or not torch.cuda.is_available() else "cuda"
         checks.append(lambda: use_liger(recipe.model, device))
+    if recipe.model.attn_implementation == "flash_attention_2":
+        device = "cpu" if launch.get("use_cpu") or not torch.cuda.is_available() else "cuda"
+        checks.append(lambda: check_flash_attention(recipe.model, device))
     if recipe.eval is not None:
         checks.append(lambda: check_recipe(recipe, tasks=tasks))
     if (rl := recipe.rl) is not None and user_code:

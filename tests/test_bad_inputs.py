@@ -83,6 +83,9 @@ def F(name: str) -> str:  # a file made by the fixture
 CASES = [
     # recipe and overrides
     ("negative lr", "full", ["train.lr=-1"], "train.lr"),
+    # transformers' ImportError had come as a traceback once the run started, doctor passing it (audit 49)
+    ("flash-attn on a CPU", "full", ["model.attn_implementation=flash_attention_2"],
+     "model.attn_implementation=flash_attention_2 needs the flash-attn package (or kernels, which fetches "),
     ("nan lr", "full", ["train.lr=.nan"], "train.lr"),
     ("negative max_grad_norm", "full", ["train.max_grad_norm=-1"], "train.max_grad_norm"),
     ("alias typo", "full", ["train.learning_rate=1e-4"], "did you mean train.lr"),

@@ -745,3 +745,15 @@ def test_doctors_sequence_row_reads_every_layers_key_value_heads(tmp_path):
         else:
             (name, status, detail), = rows
             assert status == "pass" and want in detail, detail
+
+
+def test_doctor_fails_flash_attention_2_where_it_cannot_run():
+    """model.attn_implementation=flash_attention_2 without flash-attn or CUDA passed doctor, and the run ended in
+    transformers' ImportError (audit 49): a `run needs` fail, in launch's words; auto passes."""
+    from llmtrain.launcher import needs_problems
+
+    recipe = load_recipe(REPO / "recipes" / "tiny.yaml", ["model.attn_implementation=flash_attention_2"])
+    said = needs_problems(recipe, {}, user_code=False)
+    assert any(p.startswith("model.attn_implementation=flash_attention_2 needs the flash-attn package (or kernels, "
+                            "which fetches it from the hub) and a CUDA device") for p in said), said
+    assert needs_problems(load_recipe(REPO / "recipes" / "tiny.yaml"), {}, user_code=False) == []

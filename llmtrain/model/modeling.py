@@ -425,8 +425,28 @@ def _keep_cpu_4bit_layout(model) -> None:
             module.support_avx512bf16_for_cpu = False
 
 
+def check_flash_attention(cfg: ModelConfig, device=None) -> None:
+    """model.attn_implementation=flash_attention_2 needs the flash-attn package and a CUDA device: transformers' own
+    ImportError had come as a traceback once the run had started, after doctor had passed it (audit 49)."""
+    import importlib.util
+
+    if cfg.attn_implementation != "flash_attention_2":
+        return
+    # (transformers fetches a hub build of it through the kernels package where flash-attn is not installed)
+    installed = any(importlib.util.find_spec(m) is not None for m in ("flash_attn", "kernels"))
+    on_cuda = torch.device(device).type == "cuda" if device is not None else torch.cuda.is_available()
+    if not (installed and on_cuda):
+        raise LLMTrainError(
+            "model.attn_implementation=flash_attention_2 needs the flash-attn package (or kernels, which fetches it "
+            "from the hub) and a CUDA device (" + ("not installed: pip install flash-attn" if not installed else
+                                                  "this run has no CUDA device") + "); "
+            "set model.attn_implementation=auto (llmtrain's varlen attention: torch's flash varlen_attn on CUDA, "
+            "without flash-attn).")
+
+
 def attention_backend(cfg: ModelConfig) -> str:
     """The attn_implementation handed to transformers: 'auto' and 'varlen' mean llmtrain's varlen attention."""
+    check_flash_attention(cfg)
     if cfg.varlen:
         from llmtrain.model import attention
 
