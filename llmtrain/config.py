@@ -1505,6 +1505,14 @@ class Recipe(Section):
         "eval RUN` would (results in RUN/lm_eval/; docs/eval.md); absent: none.")
     output_dir: str = Field(description="Where metrics, checkpoints and the final model go (default runs/<stem>).")
 
+    @field_validator("output_dir")
+    @classmethod
+    def _a_folder_name(cls, v: str) -> str:
+        """A NUL byte or a line break is no folder name (a ValueError's traceback in doctor and finetune; audit 49)."""
+        if "\0" in v or "\n" in v or "\r" in v:
+            raise ValueError(f"{v!r} holds a NUL byte or a line break, which no folder name can: give a path")
+        return v
+
     @model_validator(mode="after")
     def _check_quantize(self) -> Recipe:
         if self.model.quantize is not None and self.lora is None:
