@@ -8,7 +8,6 @@ from __future__ import annotations
 import re
 import types
 import typing
-from collections.abc import Hashable
 from typing import Any
 
 import yaml
@@ -52,20 +51,31 @@ class RecipeLoader(yaml.SafeLoader):
     written twice in one mapping is refused: PyYAML kept the last, so a second `train:` section replaced the whole
     first one without a word (audit 49)."""
 
-    def construct_mapping(self, node, deep=False):
-        if isinstance(node, yaml.MappingNode):
-            seen: dict = {}
-            for key_node, _ in node.value:
-                if key_node.tag == "tag:yaml.org,2002:merge":  # `<<: *defaults`: merged keys may repeat
-                    continue
-                key = self.construct_object(key_node, deep=True)
-                if isinstance(key, Hashable) and key in seen:
+    def construct_document(self, node):
+        _no_key_twice(node, set())  # on the document as written, before merge keys (`<<: *base`) fill mappings in
+        return super().construct_document(node)
+
+
+def _no_key_twice(node, seen_nodes: set) -> None:
+    """Refuse a mapping of the document that writes a key twice (its merged keys `<<` may repeat one: they are
+    defaults); each node once (an alias points at a node already seen)."""
+    if id(node) in seen_nodes:
+        return
+    seen_nodes.add(id(node))
+    if isinstance(node, yaml.MappingNode):
+        lines: dict = {}
+        for key_node, value_node in node.value:
+            if key_node.tag != "tag:yaml.org,2002:merge" and isinstance(key_node, yaml.ScalarNode):
+                if key_node.value in lines:
                     raise yaml.constructor.ConstructorError(
-                        None, None, f"the key '{key}' is written twice (first at line {seen[key] + 1}): YAML would "
-                        "keep the second alone, dropping the first without a word. Keep one", key_node.start_mark)
-                if isinstance(key, Hashable):
-                    seen[key] = key_node.start_mark.line
-        return super().construct_mapping(node, deep=deep)
+                        None, None, f"the key '{key_node.value}' is written twice (first at line "
+                        f"{lines[key_node.value] + 1}): YAML would keep the second alone, dropping the first without "
+                        "a word. Keep one", key_node.start_mark)
+                lines[key_node.value] = key_node.start_mark.line
+            _no_key_twice(value_node, seen_nodes)
+    elif isinstance(node, yaml.SequenceNode):
+        for item in node.value:
+            _no_key_twice(item, seen_nodes)
 
 
 def _as_written(base):

@@ -174,7 +174,12 @@ CASES = [
 ]
 
 
-@pytest.mark.parametrize(("case", "which", "args", "expected"), CASES, ids=[c[0] for c in CASES])
+ON_CUDA = {"flash-attn on a CPU"}  # what a CUDA machine runs (transformers' kernels package fetches flash-attn)
+
+
+@pytest.mark.parametrize(("case", "which", "args", "expected"), [
+    pytest.param(*c, marks=pytest.mark.skipif(c[0] in ON_CUDA and __import__("torch").cuda.is_available(),
+                                              reason="it runs on CUDA")) for c in CASES], ids=[c[0] for c in CASES])
 def test_bad_input_is_refused_cleanly(runs, case, which, args, expected):
     values = {k: str(v) for k, v in runs.items()}
     args = [a.format(**values) for a in args]

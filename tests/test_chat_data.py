@@ -483,3 +483,4 @@ def test_a_role_that_means_a_chat_role_under_another_name_is_refused(role, meant
                            f"{meant!r} (they match roles exactly: a reply under another name is shown, never "
                            f"trained). Write {meant!r}, or map it with data.roles: {{\"{role}\": {meant}}}")
         assert row_problem({"messages": messages}, cfg.model_copy(update={"roles": {role: meant}})) is None
+        assert row_problem({"messages": messages}, cfg.model_copy(update={"roles": {role: role}})) is None  # kept

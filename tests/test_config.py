@@ -469,6 +469,10 @@ def test_a_key_written_twice_is_refused_naming_both_lines(tmp_path):
     merged = _write(tmp_path, "merged.yaml", "model: {name_or_path: m}\ndata: {path: d.jsonl, format: text}\n"
                                              "train: {<<: {lr: 1.0e-3, max_steps: 4}, max_steps: 7}\n")
     assert (load_recipe(merged).train.lr, load_recipe(merged).train.max_steps) == (1e-3, 7)
+    from llmtrain.overrides import read_yaml  # a merge of a mapping that merges itself (the first check had refused)
+
+    nested = "base: &base {lr: 1}\nouter: {mid: &mid {<<: *base, lr: 2}}\ntop: {<<: *mid}\n"
+    assert read_yaml(nested)["top"] == {"lr": 2}
 
 
 def _write(tmp_path, name: str, text: str = "") -> Path:

@@ -566,3 +566,20 @@ def test_feedback_labelled_by_numbers_or_words_is_refused_as_supervised_data(tin
         prepare_datasets(cfg, tiny_tok, seed=0)
     other = [{**row, "label": name} for row, name in zip(rows, ["math", "code", "math"])]
     prepare_datasets(cfg.model_copy(update={"path": str(write_jsonl(tmp_path / "o.jsonl", other))}), tiny_tok, seed=0)
+
+
+def test_a_mixture_of_online_rl_prompts_keeps_each_sources_values_as_written(tiny_tok, tmp_path):
+    """One source's reward column of several types is kept as JSON (sources.as_written) and another's plain: putting
+    them together cast the plain strings as JSON text, "42" to 42 and "007" to 7 (or, in the other order, gave the
+    rewards quoted JSON text; the review of audit 50's fix)."""
+    from llmtrain.data.formats import USER
+
+    a = write_jsonl(tmp_path / "a.jsonl", [{"prompt": "reverse a =", "answer": 5},
+                                           {"prompt": "reverse b =", "answer": "true"}])
+    b = write_jsonl(tmp_path / "b.jsonl", [{"prompt": "reverse c =", "answer": "42"},
+                                           {"prompt": "reverse d =", "answer": "007"}])
+    for order in ((a, b), (b, a)):
+        cfg = DataConfig(sources=[{"path": str(p), "format": "prompt", "weight": 1} for p in order], max_seq_len=64,
+                         cache_dir=str(tmp_path / "c"), eval_split=None)
+        train, _, _, _ = prepare_datasets(cfg, tiny_tok, seed=0)
+        assert sorted(train[USER + "answer"], key=repr) == ["007", "42", "true", 5]

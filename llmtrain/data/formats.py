@@ -82,7 +82,7 @@ def check_feedback_labels(raw, cfg: DataConfig, source: str) -> None:
     """Refuse unpaired feedback (a completion per row and a boolean `label`, TRL's KTO format) given to supervised
     fine-tuning: SFT would train on every completion, the ones labelled undesirable as well, without a word."""
     feature = raw.features.get("label") if cfg.format not in ("preference", "unpaired", "prompt") else None
-    if feature is None:
+    if feature is None or type(feature).__name__ == "ClassLabel":  # (a hub dataset's classes: named, not feedback)
         return
     if getattr(feature, "dtype", None) != "bool":  # 0/1 or "true"/"false" (a CSV's, a parquet's int column) too
         if not {"completion", "messages"} & set(raw.column_names):
@@ -182,10 +182,10 @@ def _messages_problem(messages: Any, cfg: DataConfig, what: str) -> str | None:
                     if got is None else
                     f"message {k + 1} ({m[rk]}) of {what} has content {got!r} ({type(got).__name__}), not a string")
     roles = [cfg.roles.get(m[rk], m[rk]) for m in messages]
-    if not {"user", "assistant"} & set(roles):  # another dataset's names throughout: _no_reply_problem lists them
+    if not {"user", "assistant"} <= set(roles):  # another dataset's names throughout: _no_reply_problem lists them
         return None
-    for k, role in enumerate(roles):  # a role beside the chat roles that means one of them: a mistake
-        if (meant := _meant_role(role)) is not None:
+    for k, role in enumerate(roles):  # a role beside the chat roles that means one of them: a mistake, unless
+        if messages[k][rk] not in cfg.roles and (meant := _meant_role(role)) is not None:  # data.roles names it
             return (f"message {k + 1} of {what} has the role {role!r}, which chat templates do not read as "
                     f"{meant!r} (they match roles exactly: a reply under another name is shown, never trained). "
                     f"Write {meant!r}, or map it with data.roles: {{{json.dumps(messages[k][rk])}: {meant}}}")

@@ -454,9 +454,10 @@ def _prepare_source(cfg: DataConfig, tokenizer, *, seed: int, tools: list[dict] 
             held = stats["eval"].dropped
             cut = any("max_seq_len" in why for why in stats["eval"].drops)
             longer = f"Raise data.max_seq_len (now {cfg.max_seq_len}), or give " if cut else "Give "
-            raise LLMTrainError(f"none of the {held:,} eval {unit} in {where} (data.eval_split) can be evaluated "
+            split = key.removesuffix("path") + "eval_split"  # a mixture's source: data.sources[N].eval_split
+            raise LLMTrainError(f"none of the {held:,} eval {unit} in {where} ({split}) can be evaluated "
                                 f"({stats['eval'].dropped_text(unit)}). {longer}eval rows that keep a trained token, "
-                                "or set data.eval_split=null to train without an eval.")
+                                f"or set {split}=null to train without them.")
     return train, evald, stats
 
 
@@ -485,6 +486,17 @@ def _concatenate(parts: list, configs: list[DataConfig], what: str):
                 f"{sorted(columns[0] - {SOURCE})}, {cfg.path} has {sorted(cols - {SOURCE})}. A mixture trains "
                 "rows of one shape: rename the columns with each source's fields, or give the sources the same "
                 "columns (online RL's reward functions read them).")
+    # a column some source holds as JSON values (sources.as_written) and another as plain ones: the plain ones
+    # written as JSON text first (a cast would parse a string "42" as 42, the way datasets' reader had)
+    mixed = {c for p in parts for c, f in p.features.items() if "Json(" in repr(f)}
+    for i, part in enumerate(parts):
+        if plain := [c for c in mixed if "Json(" not in repr(part.features[c])]:
+            for column in plain:
+                values = [None if v is None else json.dumps(v) for v in part[column]]
+                written = f"__llmtrain_as_written_{column}"  # (beside it first: see sources.as_written)
+                part = part.add_column(written, values).remove_columns(column).rename_column(written, column)
+                part = part.cast_column(column, datasets.Json())
+            parts[i] = part
     try:
         return datasets.concatenate_datasets([p.cast(parts[0].features) for p in parts])
     except (ValueError, TypeError) as e:
