@@ -534,9 +534,10 @@ def test_a_column_of_values_of_several_types_keeps_each_value_as_the_file_writes
     from llmtrain.data.formats import USER
     from llmtrain.data.sources import load_raw
 
-    answers = ["true", "1e3", 5, "null", None, [1, "x"], "007"]
-    rl = write_jsonl(tmp_path / "rl.jsonl", [{"prompt": f"reverse {'abcdefg'[i]} =", "answer": a}
-                                             for i, a in enumerate(answers)])
+    answers = ["true", "1e3", 5, "null", None, [1, "x"], "007", "a\u2028b"]  # (U+2028: no line break in JSON Lines)
+    rl = tmp_path / "rl.jsonl"  # (the raw character, as a file written with ensure_ascii=False holds it)
+    rl.write_text("".join(json.dumps({"prompt": f"reverse {'abcdefgh'[i]} =", "answer": a}, ensure_ascii=False) + "\n"
+                          for i, a in enumerate(answers)), encoding="utf-8")
     assert load_raw(str(rl))["answer"] == answers
     cfg = DataConfig(path=str(rl), format="prompt", max_seq_len=64, cache_dir=str(tmp_path / "c"))
     for _ in range(2):  # prepared, then read back from the cache

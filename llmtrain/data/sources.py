@@ -152,7 +152,8 @@ def _json_rows(path: str) -> list:
     try:
         whole = json.loads(text)
     except ValueError:
-        return [json.loads(line) for line in text.splitlines() if line.strip()]
+        # split on "\n" alone (str.splitlines also splits inside a string at U+2028 and the like; JSON Lines do not)
+        return [json.loads(line) for line in text.split("\n") if line.strip()]
     return whole if isinstance(whole, list) else [whole]
 
 
