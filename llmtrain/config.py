@@ -1962,6 +1962,8 @@ def _in_words(e: dict) -> str:
              "string_type": "must be text (quote it in YAML: a date or a number is read as one)"}
     if kind in words:
         return words[kind]
+    if kind == "too_long":  # `train.betas=[0.9,0.99,0.9]`
+        return f"must have at most {ctx.get('max_length')} items"
     if kind == "too_short":
         n = ctx.get("min_length", 1)
         return (f"is an empty list: give at least {n} item{'s' if n != 1 else ''}" if got in ([], ()) else

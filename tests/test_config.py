@@ -504,6 +504,9 @@ def test_a_recipe_that_is_not_utf8_and_other_values_a_crash_met_are_one_line_eac
                  "model.compile (the override model.compile=maybe): must be true or false"):
         assert line in said, said
     assert "Input should" not in said
+    with pytest.raises(RecipeError, match=r"train.betas \(the override train.betas=\[0.9,0.99,0.9\]\): must have at "
+                                          r"most 2 items"):
+        load_recipe(base, ["train.betas=[0.9,0.99,0.9]"])
 
 
 def test_a_key_spelt_with_capitals_is_named_with_the_key_it_means(tmp_path):

@@ -390,6 +390,9 @@ def test_an_accelerate_config_the_estimate_cannot_read_is_said_as_doctor_and_lau
         read_accelerate_config(bad)
     with pytest.raises(LLMTrainError, match=r"cannot read --accelerate-config .*: Is a directory\. Give the path"):
         read_accelerate_config(tmp_path)
+    (latin := tmp_path / "latin.yaml").write_bytes(b"distributed_type: FSDP # caf\xe9\n")
+    with pytest.raises(LLMTrainError, match=r"--accelerate-config .*latin.yaml is not UTF-8 text: save it as UTF-8"):
+        read_accelerate_config(latin)
 
 
 def test_launch_config_offload_reads_as_accelerate_does(tmp_path):

@@ -237,6 +237,9 @@ def read_launch_file(path, *, name: str) -> dict:
 
     try:
         launch = yaml.safe_load(Path(path).read_text()) or {}
+    except UnicodeDecodeError:  # (a traceback: the review of audit 51's reader)
+        raise LLMTrainError(f"{name} is not UTF-8 text: save it as UTF-8 (accelerate_configs/ has one a layout: "
+                            "ddp.yaml, fsdp.yaml, ...).") from None
     except OSError as e:
         raise LLMTrainError(f"cannot read {name}: {e.strerror or e}. Give the path of an accelerate config file "
                             "(accelerate_configs/ has one a layout: ddp.yaml, fsdp.yaml, ...; `accelerate config` "
