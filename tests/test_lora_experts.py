@@ -98,7 +98,7 @@ def _loss_and_grads(model, ids):
 @pytest.mark.parametrize("family", ["qwen3_moe", "mixtral", "gpt_oss", "gemma4_text"])
 def test_unmerged_experts_train_as_peft_merged_ones(family):
     """A training step through the unmerged experts: peft's loss and every adapter's gradient (the experts' A and B, the
-    router's and attention's), to 1e-6 (Gemma 4's MoE, 2e-6: its largest 1.1e-6); GPT-OSS's with its experts' biases
+    router's and attention's), to 1e-6 (Gemma 4's MoE, 4e-5 of each gradient's largest under peft 0.22); GPT-OSS's with its experts' biases
     in the forward."""
     from llmtrain.model import lora_experts
 
@@ -111,7 +111,10 @@ def test_unmerged_experts_train_as_peft_merged_ones(family):
     assert abs(got - want) < 1e-6
     assert expected.keys() == grads.keys() and any("experts" in n for n in grads)
     for name in expected:
-        assert (grads[name] - expected[name]).abs().max().item() < (2e-6 if family == "gemma4_text" else 1e-6), name
+        # Gemma 4: peft 0.22 sums its experts in another order than 0.21 (whose largest was 1.1e-6): its layer 0's
+        # gradients, back through every layer, part at fp32's rounding (1.1e-5 of 0.55 measured, 2e-5 relative)
+        bound = max(2e-6, 4e-5 * expected[name].abs().max().item()) if family == "gemma4_text" else 1e-6
+        assert (grads[name] - expected[name]).abs().max().item() < bound, name
 
 
 def test_zero_ranks_added_change_nothing():
