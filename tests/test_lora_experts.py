@@ -98,8 +98,8 @@ def _loss_and_grads(model, ids):
 @pytest.mark.parametrize("family", ["qwen3_moe", "mixtral", "gpt_oss", "gemma4_text"])
 def test_unmerged_experts_train_as_peft_merged_ones(family):
     """A training step through the unmerged experts: peft's loss and every adapter's gradient (the experts' A and B, the
-    router's and attention's), to 1e-6 (Gemma 4's MoE, 4e-5 of each gradient's largest under peft 0.22); GPT-OSS's with its experts' biases
-    in the forward."""
+    router's and attention's), to 1e-6 (Gemma 4's MoE, 4e-5 of each gradient's largest under peft 0.22); GPT-OSS's
+    with its experts' biases in the forward."""
     from llmtrain.model import lora_experts
 
     parameters = PARAMETERS.get(family)
