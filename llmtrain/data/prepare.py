@@ -34,8 +34,8 @@ from llmtrain.data.formats import (
 )
 from llmtrain.data.pairs import DROPS, MARGIN, PAIR_COLUMNS, encode_pair, pair_problem
 from llmtrain.data.sources import files as _files
+from llmtrain.data.sources import holds_json, is_split_name, load_raw, with_json_column
 from llmtrain.data.sources import is_local as _is_local
-from llmtrain.data.sources import is_split_name, load_raw
 from llmtrain.data.unpaired import UNPAIRED_COLUMNS, encode_unpaired, one_kind_problem, unpaired_problem
 from llmtrain.errors import LLMTrainError
 
@@ -212,7 +212,7 @@ def tokenize_dataset(raw, tokenizer, cfg: DataConfig, source: str, *, tools: lis
     # written as JSON text here and read back as JSON (datasets would store their strings unquoted again)
     import datasets
 
-    json_columns = [c for c, f in raw.features.items() if "Json(" in repr(f)] if cfg.format == "prompt" else []
+    json_columns = [c for c, f in raw.features.items() if holds_json(f)] if cfg.format == "prompt" else []
     prompt_column = cfg.fields.get("prompt", "prompt")  # (the prepared rows' "prompt", whatever the file calls it)
     mixed = [("prompt" if c == prompt_column else USER + c) for c in json_columns]
 
@@ -488,15 +488,11 @@ def _concatenate(parts: list, configs: list[DataConfig], what: str):
                 "columns (online RL's reward functions read them).")
     # a column some source holds as JSON values (sources.as_written) and another as plain ones: the plain ones
     # written as JSON text first (a cast would parse a string "42" as 42, the way datasets' reader had)
-    mixed = {c for p in parts for c, f in p.features.items() if "Json(" in repr(f)}
+    mixed = {c for p in parts for c, f in p.features.items() if holds_json(f)}
     for i, part in enumerate(parts):
-        if plain := [c for c in mixed if "Json(" not in repr(part.features[c])]:
-            for column in plain:
-                values = [None if v is None else json.dumps(v) for v in part[column]]
-                written = f"__llmtrain_as_written_{column}"  # (beside it first: see sources.as_written)
-                part = part.add_column(written, values).remove_columns(column).rename_column(written, column)
-                part = part.cast_column(column, datasets.Json())
-            parts[i] = part
+        for column in (c for c in mixed if not holds_json(part.features[c])):
+            part = with_json_column(part, column, part[column])
+        parts[i] = part
     try:
         return datasets.concatenate_datasets([p.cast(parts[0].features) for p in parts])
     except (ValueError, TypeError) as e:

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-
 import re
 from pathlib import Path
 from typing import Any
@@ -126,9 +125,7 @@ def as_written(ds, paths: list[str]):
     5 keeps such a column's strings unquoted and parses every one back on reading, so the text "true" came back as
     True, "1e3" as 1000.0, "null" as None (audit 50: reward functions got them, a KTO label "false" trained as
     false). Those columns are read again from the files, each value stored as its JSON text (a string quoted)."""
-    import datasets
-
-    mixed = [c for c, f in ds.features.items() if "Json(" in repr(f)]  # a Json feature at any depth
+    mixed = [c for c, f in ds.features.items() if holds_json(f)]
     if not mixed:
         return ds
     try:
@@ -139,11 +136,24 @@ def as_written(ds, paths: list[str]):
         return ds
     order = ds.column_names
     for column in mixed:
-        values = [None if row.get(column) is None else json.dumps(row[column]) for row in rows]
-        written = f"__llmtrain_as_written_{column}"  # beside it first: a table of that column alone has no rows left
-        ds = ds.add_column(written, values, feature=datasets.Json()).remove_columns(column)
-        ds = ds.rename_column(written, column)
+        ds = with_json_column(ds, column, [row.get(column) for row in rows])
     return ds.select_columns(order)
+
+
+def holds_json(feature) -> bool:
+    """Whether a datasets feature is, or holds at any depth, datasets' Json (a column of values of several types)."""
+    return "Json(" in repr(feature)
+
+
+def with_json_column(ds, column: str, values: list):
+    """`ds` with `column` replaced by `values` stored as their JSON text in a Json column, so each reads back as
+    written (datasets' own encoding keeps a string unquoted and parses it back). Added beside the old column first:
+    a table of that column alone would be left with no rows."""
+    import datasets
+
+    written = f"__llmtrain_as_written_{column}"
+    ds = ds.add_column(written, [None if v is None else json.dumps(v) for v in values], feature=datasets.Json())
+    return ds.remove_columns(column).rename_column(written, column)
 
 
 def _json_rows(path: str) -> list:
