@@ -158,6 +158,25 @@ def test_data_plan_is_built_once_per_epoch_for_every_view(monkeypatch):
     assert calls == [0, 1]  # the global plan and both ranks' views: one build per epoch
 
 
+def test_a_run_of_very_many_epochs_or_steps_is_counted_without_planning_each_epoch(monkeypatch):
+    """train.epochs=10**20 (train until stopped) had planned every epoch to count the steps before the first one
+    (a hang), and a precomputed reference walked every step of the run to find the rows it trains."""
+    import llmtrain.data.batching as B
+
+    calls = []
+    real = B.global_micro_batches
+    monkeypatch.setattr(B, "global_micro_batches", lambda *a, **k: calls.append(k["epoch"]) or real(*a, **k))
+    lengths = [5, 9, 3, 7, 2, 8, 4, 6, 1, 10, 3]
+    rows = DataPlan(lengths, seed=3, world=2, micro_batch_size=2, micro_batch_tokens=None)
+    assert rows.steps_in(3, 2) == sum(rows.steps_per_epoch(e, 2) for e in range(3)) == 3 * 2  # 3 global / epoch
+    calls.clear()
+    rows.epoch.cache_clear()
+    assert rows.steps_in(10**20, 2) == 2 * 10**20 and calls == [0]
+    assert rows.examples_in(10**18, 2) == list(range(11)) and calls == [0]  # every row is in the first epoch
+    tokens = DataPlan(lengths, seed=3, world=2, micro_batch_size=1, micro_batch_tokens=12)
+    assert tokens.steps_in(4, 1) == sum(tokens.steps_per_epoch(e, 1) for e in range(4))  # bins differ by epoch
+
+
 def test_an_idle_ranks_stand_in_is_the_first_ranks_examples_with_weight_0_and_no_counts():
     """21 examples, global micro-batch 4 on 2 ranks: the epoch's last global micro-batch has one example, rank 1's
     place is empty. Rank 1 runs rank 0's example as a stand-in: the same tensors, batch_weight 0, Counts none; rank 0

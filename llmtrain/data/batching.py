@@ -267,6 +267,14 @@ class DataPlan:
     def steps_per_epoch(self, epoch: int, accum: int) -> int:
         return math.ceil(len(self.epoch(epoch)) / accum)
 
+    def steps_in(self, epochs: int, accum: int) -> int:
+        """Optimizer steps of `accum` micro-batches over `epochs` epochs: each epoch's own count where token bins
+        differ from epoch to epoch, else the first's times the epochs (every epoch has the same rows, so as many
+        micro-batches; a large train.epochs is a product, not a plan of every epoch)."""
+        if not self.budget:
+            return epochs * self.steps_per_epoch(0, accum)
+        return sum(self.steps_per_epoch(e, accum) for e in range(epochs))
+
     def global_batches_in(self, steps: int, accum: int) -> Iterator[list[list[int]]]:
         """The global micro-batches the first `steps` optimizer steps run, in order, crossing epochs as `windows`
         does (each a list of one list of example indices per rank)."""
@@ -278,9 +286,13 @@ class DataPlan:
             micro += len(batches[micro: micro + accum])
 
     def examples_in(self, steps: int, accum: int) -> list[int]:
-        """The examples the first `steps` optimizer steps train on (sorted)."""
-        return sorted({i for global_batch in self.global_batches_in(steps, accum) for idx in global_batch
-                       for i in idx})
+        """The examples the first `steps` optimizer steps train on (sorted); read up to where every example is."""
+        seen: set[int] = set()
+        for global_batch in self.global_batches_in(steps, accum):
+            seen.update(i for idx in global_batch for i in idx)
+            if len(seen) == len(self.lengths):  # all of them: the rest of a long run adds none
+                break
+        return sorted(seen)
 
     def bins(self) -> int:
         """Token bins of the first epoch (idle ranks' empty places not counted)."""

@@ -561,7 +561,7 @@ def total_steps(recipe: Recipe, lengths: list[int], *, world: int, sources=None,
     if t.max_steps:
         return t.max_steps
     plan = plan or data_plan(recipe, lengths, world=world, sources=sources)
-    return sum(plan.steps_per_epoch(e, t.grad_accum_steps) for e in range(t.epochs)) * updates_per_window(recipe)
+    return plan.steps_in(t.epochs, t.grad_accum_steps) * updates_per_window(recipe)
 
 
 def data_plan(recipe: Recipe, lengths: list[int], *, world: int, sources=None):

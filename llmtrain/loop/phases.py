@@ -28,6 +28,7 @@ from llmtrain.config import Recipe, tiled_mlp_shard, updates_per_window
 from llmtrain.data.batching import DataPlan
 from llmtrain.data.chat import data_tokenizer
 from llmtrain.data.checks import check_context, check_data, check_epochs, check_warmup, data_plan, trained_text
+from llmtrain.data.checks import total_steps as count_steps
 from llmtrain.data.prepare import prepare_recipe
 from llmtrain.errors import Everywhere, LLMTrainError
 from llmtrain.layout import Layout
@@ -251,8 +252,8 @@ def prepare_data(recipe: Recipe, accelerator, *, say, config=None) -> Data:
             f"distill.sampler={sampler}), the others train on the data's")
     plan = data_plan(recipe, train_ds["length"], world=world,
                      sources=train_ds["source"] if recipe.data.sources is not None else None)
-    per_epoch = [plan.steps_per_epoch(e, accum) * updates_per_window(recipe) for e in range(tc.epochs)]
-    total_steps = tc.max_steps or sum(per_epoch)
+    per_epoch = [plan.steps_per_epoch(0, accum) * updates_per_window(recipe)]  # the first epoch's, as said below
+    total_steps = count_steps(recipe, train_ds["length"], world=world, plan=plan)  # as doctor counts them
     for name, status, detail in (check_warmup(tc.warmup_steps, total_steps)  # as `llmtrain doctor`
                                  + check_epochs(recipe, steps_per_epoch=per_epoch[0], examples=s.examples,
                                                 sources=train_ds["source"] if recipe.data.sources is not None
