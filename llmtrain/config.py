@@ -442,6 +442,13 @@ class DataConfig(Section):
                        f"data.format {self.format} is never rendered through it; use data.format: messages")
                 raise ValueError(f"data.{key} {what}, and nothing says these rows are rendered through the chat "
                                  f"template: {fix}, or remove data.{key}")
+        for key, source in [("data.roles", self)] + [(f"data.sources[{i}].roles", s)
+                                                     for i, s in enumerate(self.sources or [])]:
+            if source.roles and source.format in ("text", "alpaca"):  # rows without messages: nothing to rename
+                rows = "plain text" if source.format == "text" else "instruction, input and output"
+                raise ValueError(f"{key} maps the roles of messages, and data.format {source.format} has none (its "
+                                 f"rows are {rows}): remove {key}, or use data.format: messages for rows that are "
+                                 "conversations")
         bad = [k for k in self.chat_template_kwargs or {} if not str(k).isidentifier()]
         if bad:
             raise ValueError(f"data.chat_template_kwargs: {bad[0]!r} is not a name a template can read (letters, "

@@ -57,6 +57,19 @@ def test_overrides_are_typed_and_validated(recipe_file):
         load_recipe(recipe_file, ["train.max_steps=0"])
 
 
+def test_roles_are_refused_where_the_rows_hold_no_messages(recipe_file):
+    """data.roles on text or alpaca rows had been taken and ignored: nothing in such a row has a role."""
+    with pytest.raises(RecipeError, match=r"data.roles maps the roles of messages, and data.format text has none"):
+        load_recipe(recipe_file, ["data.roles={human: user}"])
+    mixture = ["data.path=null", "data.format=null", "data.sources=[{path: a.jsonl, format: messages, weight: 1}, "
+               "{path: b.jsonl, format: alpaca, weight: 1, roles: {human: user}}]"]
+    with pytest.raises(RecipeError, match=r"data.sources\[1\].roles maps .* data.format alpaca has none"):
+        load_recipe(recipe_file, mixture)
+    for fmt in ("messages", "prompt_completion"):  # prompt_completion: TRL's conversational rows have roles
+        assert load_recipe(recipe_file, [f"data.format={fmt}", "data.roles={human: user}"]).data.roles == {
+            "human": "user"}
+
+
 @pytest.mark.parametrize(("override", "suggestion"), [
     ("train.learning_rate=1e-4", "train.lr"),
     ("train.lerning_rate=1e-4", "train.lr"),  # a misspelt alias: it had suggested train.min_lr_ratio
