@@ -267,3 +267,87 @@ def test_a_template_that_writes_the_result_inside_the_calling_turn_is_refused():
                 "{% if add_generation_prompt and messages[-1].role != 'tool' %}<|A|>{% endif %}{# tools #}")
     with pytest.raises(LLMTrainError, match="writes a tool's result inside the assistant turn that called it"):
         _encode_with_template(template)
+
+
+HERMES = [CHATS[0], {"role": "assistant", "content": '<tool_call>{"name": "lookup", "arguments": {"word": "apple"}}'
+                                                     "</tool_call>"}, CHATS[2], CHATS[3]]
+
+
+@pytest.mark.parametrize(("messages", "says"), [
+    ([CHATS[0], {"role": "assistant", "tool_calls": [{"function": {"name": "lookup", "parameters": {"word": "a"}}}]}],
+     "message 2: the call to 'lookup' has no 'arguments' but 'parameters'"),  # Llama 3.1's key: it had been {}
+    ([CHATS[0], {"role": "assistant", "tool_calls": [{"name": "lookup", "args": {"word": "a"}}]}],
+     "the call to 'lookup' has no 'arguments' but 'args'"),
+    ([CHATS[0], {"role": "assistant", "content": "", "tool_calls": [
+        {"function": {"name": "lookup_code", "arguments": {}}}]}],
+     "message 2: a call to 'lookup_code', which the row's tools do not define \\(they define lookup\\)"),
+    ([CHATS[0], CHATS[2], CHATS[3]], "message 2: a tool result that answers no call \\(it follows a user message"),
+    ([CHATS[0], CHATS[1], {**CHATS[2], "tool_call_id": "zzzzzzzzz"}, CHATS[3]],
+     "message 3: a tool result for tool_call_id 'zzzzzzzzz', which no call of the assistant turn before it has"),
+    ([CHATS[0], {"role": "assistant", "content": "", "tool_calls": []}, CHATS[2], CHATS[3]],
+     "message 2: an assistant turn with no text and no tool calls"),  # calls stripped: a bare end of turn trained
+])
+def test_a_tool_conversation_that_cannot_be_meant_is_refused_naming_the_message(messages, says):
+    """TRL trains each of these (audit 52): a misspelt arguments key as empty arguments, calls of tools never shown,
+    results that answer nothing, a turn whose calls were stripped as the model's stopping at once."""
+    tok = stand_in_tokenizer("qwen2.5-7b-instruct")
+    with pytest.raises(LLMTrainError, match=says):
+        encode_example({"messages": messages, "tools": TOOLS}, tok, CHAT)
+
+
+def test_calls_written_as_text_and_calls_without_arguments_still_train():
+    """A turn whose call is text in its content (Hermes' rows) is answered by the tool message after it, and a call
+    of a tool with no arguments is {"name"} alone."""
+    tok = stand_in_tokenizer("qwen2.5-7b-instruct")
+    assert encode_example({"messages": HERMES, "tools": TOOLS}, tok, CHAT)["trained"] > 0
+    bare = [CHATS[0], {"role": "assistant", "tool_calls": [{"name": "lookup"}]}, {**CHATS[2], "tool_call_id": None},
+            CHATS[3]]
+    assert '"arguments": {}' in trained_runs(tok, encode_example({"messages": bare, "tools": TOOLS}, tok, CHAT))[0]
+
+
+def test_preference_pairs_and_kto_rows_show_the_rows_tools_and_may_reject_a_call_of_another_tool():
+    """DPO and reward-model pairs had dropped a row's tools (TRL passes them) and refused an answer that only calls a
+    tool as empty; each answer now encodes as the SFT row {prompt, completion: answer, tools} does. A rejected (or
+    undesirable) answer that calls a tool the row does not define is what such data teach against; a chosen one is
+    refused as SFT refuses it."""
+    from llmtrain.config import DataConfig
+    from llmtrain.data.pairs import encode_pair, pair_problem
+    from llmtrain.data.unpaired import encode_unpaired
+
+    tok = stand_in_tokenizer("qwen2.5-7b-instruct")
+    pc = DataConfig(path="unused.jsonl", format="prompt_completion", max_seq_len=4096)
+    prefs = DataConfig(path="unused.jsonl", format="preference", max_seq_len=4096)
+    call = {"role": "assistant", "content": None, "tool_calls": [CALL]}  # OpenAI's content of a call-only turn
+    wrong = {"role": "assistant", "content": "", "tool_calls": [{"function": {"name": "search", "arguments": {}}}]}
+    row = {"prompt": CHATS[:1], "chosen": [call], "rejected": [wrong], "tools": TOOLS}
+    assert pair_problem(row, prefs) is None
+    pair = encode_pair(row, tok, prefs)
+    for side, answer in (("chosen", call), ("rejected", wrong)):
+        sft = encode_example({"prompt": CHATS[:1], "completion": [answer], "tools": TOOLS}, tok, pc, rejected=True)
+        assert (pair[f"{side}_ids"], pair[f"{side}_labels"]) == (sft["input_ids"], sft["labels"])
+    assert "Look up a word's code." in untrained_text(tok, {"input_ids": pair["chosen_ids"],
+                                                            "labels": pair["chosen_labels"]})
+    with pytest.raises(LLMTrainError, match="a call to 'search', which the row's tools do not define"):
+        encode_pair({**row, "chosen": [wrong], "rejected": [call]}, tok, prefs)
+    kto = DataConfig(path="unused.jsonl", format="unpaired", max_seq_len=4096, fields={"tools": "functions"})
+    unpaired = {"prompt": CHATS[:1], "completion": [wrong], "functions": TOOLS}
+    assert encode_unpaired({**unpaired, "label": False}, tok, kto)["label"] is False
+    with pytest.raises(LLMTrainError, match="a call to 'search'"):
+        encode_unpaired({**unpaired, "label": True}, tok, kto)
+
+
+def test_an_rl_prompts_earlier_calls_are_shown_as_a_training_rows_are():
+    """A call's arguments as a JSON string (OpenAI's) had been shown twice encoded in an RL prompt, and a call given
+    as the function's object alone refused by the template, where SFT rows normalise both."""
+    from llmtrain.config import DataConfig
+    from llmtrain.data.formats import encode_prompt
+
+    tok = stand_in_tokenizer("qwen2.5-7b-instruct")
+    cfg = DataConfig(path="unused.jsonl", format="prompt", max_seq_len=4096)
+    as_string = {**CALL, "function": {"name": "lookup", "arguments": json.dumps({"word": "apple"})}}
+    alone = {"id": "abcdefghi", "name": "lookup", "arguments": {"word": "apple"}}
+    shown = [encode_prompt({"prompt": [CHATS[0], {"role": "assistant", "content": None, "tool_calls": [c]},
+                                       CHATS[2]]}, tok, cfg, tools=TOOLS)["input_ids"]
+             for c in (CALL, as_string, alone)]
+    assert shown[0] == shown[1] == shown[2]
+    assert '"arguments": {"word": "apple"}' in tok.decode(shown[1])

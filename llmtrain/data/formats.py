@@ -26,12 +26,13 @@ FORMAT_FIELDS = {
     "messages": ("messages", "tools"),  # tools: a tool-use conversation's functions (data/tools.py)
     "prompt_completion": ("prompt", "completion", "tools"),  # tools: as messages', for conversational rows
     "text": ("text",),
-    "preference": ("prompt", "chosen", "rejected"),
-    "unpaired": ("prompt", "completion", "label"),  # KTO: a boolean label, true for a desirable completion
+    "preference": ("prompt", "chosen", "rejected", "tools"),  # tools: shown in the prompt of both answers (TRL's)
+    "unpaired": ("prompt", "completion", "label", "tools"),  # KTO: a boolean label, true for a desirable completion
     "prompt": ("prompt",),  # online RL: the completions are sampled; the other columns go to the reward functions
 }
-# preference: implicit-prompt rows have none; messages, prompt_completion: tools only in tool-use rows
-OPTIONAL_FIELDS = {"alpaca": {"input"}, "preference": {"prompt"}, "messages": {"tools"}, "prompt_completion": {"tools"}}
+# preference: implicit-prompt rows have none; the chat formats: tools only in tool-use rows
+OPTIONAL_FIELDS = {"alpaca": {"input"}, "preference": {"prompt", "tools"}, "messages": {"tools"},
+                   "prompt_completion": {"tools"}, "unpaired": {"tools"}}
 CHAT_FORMATS = ("messages", "prompt_completion", "preference", "unpaired", "prompt")  # formats whose rows may be chats
 # Prepared prompt rows (online RL) keep the user's columns under this prefix, apart from the ones preparation adds
 # (input_ids, labels, length, row, prompt): a user column named `labels` or `row` reaches the reward functions as it
@@ -310,9 +311,10 @@ def special_ids(tokenizer) -> frozenset[int]:
 
 
 def encode_messages(messages: list[dict], tokenizer, *, train_on_prompt: bool, template: str | None = None,
-                    first: int = 0, tools: list[dict] | None = None) -> tuple[list, list]:
+                    first: int = 0, tools: list[dict] | None = None, rejected: bool = False) -> tuple[list, list]:
     """Render a chat with its template (the tokenizer's, or `template`) and train the assistant replies (a tool-use
-    chat, with its `tools`: chat.render_tool_chat, each assistant turn with its tool calls).
+    chat, with its `tools`: chat.render_tool_chat, each assistant turn with its tool calls). `rejected`: an answer
+    the data reject (DPO's rejected, KTO's undesirable), whose calls may name a tool the row does not define.
 
     The mask comes from character offsets (see `render_chat`): every token that overlaps what the model must
     generate after a generation prompt is trained, up to and including the end of the turn: what the template
@@ -329,8 +331,8 @@ def encode_messages(messages: list[dict], tokenizer, *, train_on_prompt: bool, t
             "without data.chat_template."
         )
     if is_tool_chat(messages, tools):
-        text, spans = render_tool_chat(tool_messages(messages, "the row"), tokenizer, template=template, tools=tools,
-                                       first=first)
+        text, spans = render_tool_chat(tool_messages(messages, "", None if rejected else tools), tokenizer,
+                                       template=template, tools=tools, first=first)
     else:
         text, spans = render_chat(messages, tokenizer, template=template, first=first)
     ids, offsets = _tokens_and_offsets(tokenizer, text)
@@ -407,6 +409,9 @@ def encode_prompt(example: dict, tokenizer, cfg: DataConfig, *, template: str | 
                     else [{"role": "user", "content": str(prompt)}])
         if cfg.system_prompt is not None and messages[0]["role"] != "system":
             messages = [{"role": "system", "content": cfg.system_prompt}, *messages]
+        if is_tool_chat(messages, tools):  # earlier calls in the templates' shape, as training rows have them (a
+            # call's arguments as a JSON string had been shown twice encoded, a call of the function alone refused)
+            messages = tool_messages(messages, "", tools)
         if template is None and tokenizer.chat_template is None:
             raise LLMTrainError("rendering a chat prompt needs a chat template, and this tokenizer (model.tokenizer) "
                                 "has none. Give a Jinja template file with data.chat_template: path/to/template.jinja")
@@ -454,9 +459,10 @@ def user_columns(columns) -> dict[str, str]:
 
 
 def encode_example(example: dict, tokenizer, cfg: DataConfig, *, template: str | None = None,
-                   keep_cut: bool = False) -> dict:
+                   keep_cut: bool = False, rejected: bool = False) -> dict:
     """Format, tokenise and mask one example; truncate it to data.max_seq_len. `template`: read_template(cfg).
-    `keep_cut`: also what the truncation cut off its end (cut_ids, cut_labels; KTO's KL sequences read them)."""
+    `keep_cut`: also what the truncation cut off its end (cut_ids, cut_labels; KTO's KL sequences read them).
+    `rejected`: a completion the data reject (encode_messages)."""
     chat = chat_of(example, cfg)
     if chat is not None:
         if template is None:  # (None again where the tokenizer's own renders as it is)
@@ -466,7 +472,7 @@ def encode_example(example: dict, tokenizer, cfg: DataConfig, *, template: str |
         tools = tool_schemas(_column(example, cfg, "tools"), "a row") if cfg.format in (
             "messages", "prompt_completion") else None
         ids, labels = encode_messages(chat[0], tokenizer, train_on_prompt=cfg.train_on_prompt, template=template,
-                                      first=chat[1], tools=tools)
+                                      first=chat[1], tools=tools, rejected=rejected)
     elif cfg.format == "text":
         ids, labels = encode_text(str(_column(example, cfg, "text")), tokenizer)
     else:

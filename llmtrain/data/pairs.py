@@ -97,17 +97,18 @@ def pair_problem(example: dict, cfg: DataConfig) -> str | None:
         return f"'{cfg.fields.get(MARGIN, MARGIN)}' (margin) is {margin!r}, not a finite number"
     rk, ck = cfg.fields.get("role", "role"), cfg.fields.get("content", "content")
     for f, value in (("prompt", prompt), ("chosen", chosen), ("rejected", rejected)):
-        if isinstance(value, list) and not all(isinstance(m, dict) and isinstance(m.get(rk), str)
-                                               and isinstance(m.get(ck), str) for m in value):
+        if isinstance(value, list) and not all(isinstance(m, dict) and isinstance(m.get(rk), str) and (
+                isinstance(m.get(ck), str) or m.get(ck) is None and m.get("tool_calls")) for m in value):
             return (f"the {f} messages are not all {{{rk}, {ck}}} objects with text (map the keys with "
                     "data.fields.role / data.fields.content)")
     if isinstance(chosen, str) != isinstance(rejected, str):  # one rendered as text, one as a chat: two prompts
         return (f"{names['chosen']} and {names['rejected']} are one text and one message list: give both as text or "
                 "both as messages, so that both answers follow the same prompt")
     for f, answer in (("chosen", chosen), ("rejected", rejected)):
-        text = answer if isinstance(answer, str) else " ".join(str(m.get(ck, "")) for m in answer
+        text = answer if isinstance(answer, str) else " ".join(str(m.get(ck) or "") for m in answer
                                                                if isinstance(m, dict))
-        if not text.strip():
+        if not text.strip() and not any(isinstance(m, dict) and m.get("tool_calls") for m in answer):  # (an answer
+            # that only calls a tool is one: "chosen calls the right tool, rejected the wrong one")
             return f"the {f} answer is empty"
         # (an answer of user or unmapped roles had been a traceback, or the pair dropped as "the same")
         if isinstance(answer, list) and (problem := _no_reply_problem(answer, cfg, f"the {f} answer")):
@@ -136,8 +137,9 @@ def _encode_pair(example: dict, tokenizer, cfg: DataConfig, *, template: str | N
         return _dropped("same")
     whole = cfg.model_copy(update={"format": "prompt_completion", "max_seq_len": 2**31 - 1,
                                    "fields": {k: v for k, v in cfg.fields.items() if k in ("role", "content")}})
-    sides = [encode_example({"prompt": prompt, "completion": answer}, tokenizer, whole, template=template)
-             for answer in (chosen, rejected)]
+    tools = _get(example, cfg, "tools")  # the row's tools, shown before both answers as SFT shows them (TRL's)
+    sides = [encode_example({"prompt": prompt, "completion": answer, "tools": tools}, tokenizer, whole,
+                            template=template, rejected=answer is rejected) for answer in (chosen, rejected)]
     limit = cfg.max_seq_len
     ids = [s["input_ids"] for s in sides]
     labels = [s["labels"] for s in sides]

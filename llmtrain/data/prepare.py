@@ -39,8 +39,8 @@ from llmtrain.data.sources import is_local as _is_local
 from llmtrain.data.unpaired import UNPAIRED_COLUMNS, encode_unpaired, one_kind_problem, unpaired_problem
 from llmtrain.errors import LLMTrainError
 
-CACHE_VERSION = 15  # bump when tokenisation or masking changes, so old caches are not reused (15: the values of a
-# column of several types as the file writes them, sources.as_written)
+CACHE_VERSION = 16  # bump when tokenisation or masking changes, so old caches are not reused (15: the values of a
+# column of several types as the file writes them, sources.as_written; 16: tool chats that cannot be meant refused)
 SOURCE = "source"  # a mixture's rows: which of data.sources a row comes from (its index)
 ROW = "__llmtrain_row"  # a row's number in its file, kept through a shuffled eval split (0-based)
 SHOWN_ROWS = 5  # dropped rows named in the report

@@ -79,6 +79,12 @@ def _call(call: Any, where: str) -> dict:
     if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
         raise LLMTrainError(f"{where}: a tool call is {str(call)[:80]!r}; give {{\"type\": \"function\", "
                             "\"function\": {\"name\": ..., \"arguments\": {...}}}.")
+    if "arguments" not in fn and (other := [k for k in fn if k not in ("name", "description")]):
+        # (a call with no arguments is {"name"} alone; `parameters`, Llama 3.1's own key, or a misspelt `args` had
+        # been trained as "arguments": {} with the stray key beside it)
+        raise LLMTrainError(f"{where}: the call to '{fn['name']}' has no 'arguments' but {', '.join(map(repr, other))}"
+                            ": give its arguments under 'arguments' (an object, or a JSON string of one), as the "
+                            "chat templates read them.")
     arguments = fn.get("arguments", {})
     if isinstance(arguments, str):
         try:
@@ -97,19 +103,52 @@ def _call(call: Any, where: str) -> dict:
     return {**out, "type": "function", "function": {**fn, "arguments": arguments}}
 
 
-def tool_messages(messages: list[dict], where: str) -> list[dict]:
+def tool_messages(messages: list[dict], where: str, tools: list[dict] | None = None) -> list[dict]:
     """The chat with each assistant's tool calls in the templates' shape (and an empty content where it has none);
-    keys a dataset filled with null for messages without them are left out."""
-    out = []
+    keys a dataset filled with null for messages without them are left out. Refused where the conversation cannot
+    be meant (TRL trains them all): a call to a tool the row's `tools` does not define, a tool result that follows
+    no assistant turn (a user's message before it) or names a tool_call_id the calls before it do not have, an
+    assistant turn with neither text nor calls (`tool_calls: []`, calls stripped: it would train its end of turn
+    alone). A turn that writes its calls as text (Hermes' `<tool_call>` in the content) is answered as any other."""
+    out, defined = [], {tool_name(t) for t in tools or []} - {None}
+    asked = None  # the last message before the tool results: the assistant turn they answer, or what stands there
     for k, m in enumerate(messages):
+        at = f"{where}, message {k + 1}" if where else f"message {k + 1}"
         m = {key: v for key, v in m.items() if v is not None}
         if m.get("tool_calls"):
-            m["tool_calls"] = [_call(c, f"{where}, message {k + 1}") for c in m["tool_calls"]]
+            m["tool_calls"] = [_call(c, at) for c in m["tool_calls"]]
+            unknown = [c["function"]["name"] for c in m["tool_calls"] if c["function"]["name"] not in defined]
+            if defined and unknown:
+                raise LLMTrainError(f"{at}: a call to '{unknown[0]}', which the row's tools do not define (they "
+                                    f"define {', '.join(sorted(defined))}): the model would learn to call a tool it "
+                                    "is never shown. Add its schema to the row's tools, or fix the name.")
+        elif m.get("role") == "assistant" and "tool_calls" in m and not str(m.get("content") or "").strip():
+            raise LLMTrainError(f"{at}: an assistant turn with no text and no tool calls (tool_calls is empty), "
+                                "which would train its end of turn alone, as if the model stopped there. Restore "
+                                "the turn's calls, or remove the turn and the tool messages that answer it.")
         else:
             m.pop("tool_calls", None)
+        if m.get("role") != "tool":
+            asked = m
+        elif asked is None or asked.get("role") != "assistant":
+            before = "the start of the chat" if asked is None else f"a {asked.get('role')} message"
+            raise LLMTrainError(f"{at}: a tool result that answers no call (it follows {before}, not an assistant "
+                                "turn that calls a tool): give the assistant turn with its calls before it, or "
+                                "remove it.")
+        elif isinstance(m.get("tool_call_id"), str) and (ids := {c["id"] for c in asked.get("tool_calls", [])
+                                                                if isinstance(c.get("id"), str)}) \
+                and m["tool_call_id"] not in ids:
+            raise LLMTrainError(f"{at}: a tool result for tool_call_id {m['tool_call_id']!r}, which no call of the "
+                                f"assistant turn before it has (its calls' ids: {', '.join(sorted(ids))}).")
         m.setdefault("content", "")
         out.append(m)
     return out
+
+
+def tool_name(schema: dict) -> str | None:
+    """A tool schema's function name ({"type": "function", "function": {"name"}} or {"name"} directly)."""
+    fn = schema.get("function", schema)
+    return fn.get("name") if isinstance(fn, dict) else None
 
 
 # --------------------------------------------------------------------------- tool calls in sampled text (online RL)

@@ -38,8 +38,9 @@ def encode_unpaired(example: dict, tokenizer, cfg: DataConfig, *, template: str 
     data.max_seq_len cut off its end (`cut_ids`, `cut_labels`: its completion's, as a kept row's prompt fits): the KL
     sequences pair its whole completion with another row's prompt, as TRL's rotate the uncut completions (a shorter
     prompt leaves room for more of it; objectives/kto.kl_sequences)."""
-    out = encode_example(example, tokenizer, _as_sft(cfg), template=template, keep_cut=True)
-    return {**out, "label": bool(example.get(cfg.fields.get("label", "label")))}
+    label = bool(example.get(cfg.fields.get("label", "label")))
+    out = encode_example(example, tokenizer, _as_sft(cfg), template=template, keep_cut=True, rejected=not label)
+    return {**out, "label": label}
 
 
 def balance_warning(labels: list[bool], *, desirable_weight: float, undesirable_weight: float) -> str | None:
