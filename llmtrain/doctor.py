@@ -200,10 +200,7 @@ def check_memory(recipe: Recipe, launch_path: Path | None, gpu_memory: float | N
     from llmtrain.memory.spec import spec_from_recipe
 
     try:
-        lay = read_accelerate_config(launch_path) if launch_path else None
-        layout = dict(strategy=lay.strategy, num_gpus=lay.num_gpus, num_nodes=lay.num_nodes,
-                      cpu_offload=lay.cpu_offload, tp=lay.tp, reshard_after_forward=lay.reshard_after_forward) \
-            if lay else {}  # (tp had been left out: plain FSDP)
+        layout = read_accelerate_config(launch_path).estimate_layout() if launch_path else {}
         shape = recipe_model_shape(recipe)
         spec = spec_from_recipe(recipe, gpu_memory_gib=gpu_memory or 80.0, prompt_lengths=prompt_lengths, **layout)
         est = estimate_run(shape, spec)  # a pipeline's worst stage, where the recipe has one

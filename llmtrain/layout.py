@@ -8,9 +8,10 @@ processes, the nodes, FSDP and its mesh (accelerate's parallelism_config: replic
 sp and pp. `Layout.problems` checks the degrees once, all of them together: the product of the mesh equals the
 processes, each degree divides what it must, and the dimensions that do not compose are not asked for together.
 
-`llmtrain launch` and `llmtrain doctor` build one from the launch config and its flags (`from_launch`), every
-process of `finetune` from the variables `accelerate launch` set (`from_environment`), and `estimate-memory` from the
-strategy it estimates (`of_strategy`).
+`llmtrain launch` and `llmtrain doctor` build one from the launch config and its flags (`from_launch`; so does
+`estimate-memory --accelerate-config`, memory/launch.py, with the launch's FSDP settings it prices), every process of
+`finetune` from the variables `accelerate launch` set (`from_environment`), and `estimate-memory` from the strategy
+it estimates (`of_strategy`).
 What each training mode runs on each layout is capabilities.py's table.
 
 May import: the schema (`config`, `errors`) only.
@@ -45,6 +46,8 @@ class Layout:
     accelerate_sp: int = 1  # accelerate's own sequence parallelism (parallelism_config_sp_size): refused
     launched: bool = True  # the processes are known (a launch, a launch config); False: the recipe alone
     where: str = "the launch"  # what the processes and the mesh came from, for the messages
+    reshard: bool = True  # FSDP frees each layer's gathered weights after its forward (fsdp_reshard_after_forward)
+    precision: str | None = None  # the launch config's mixed_precision (llmtrain runs with the recipe's)
 
     # ------------------------------------------------------------------ built from
 
@@ -55,19 +58,23 @@ class Layout:
                    where="the recipe")
 
     @classmethod
-    def from_launch(cls, launch: dict, recipe, *, where: str = "the launch config") -> Layout:
+    def from_launch(cls, launch: dict, recipe=None, *, where: str = "the launch config") -> Layout:
         """From an accelerate launch config as its YAML reads (with the command line's flags over it:
-        parallel.launch.launch_settings), and the recipe."""
+        parallel.launch.launch_settings), and the recipe (None: the launch alone, as estimate-memory reads one)."""
         mesh = launch.get("parallelism_config")
         sizes = mesh_sizes(launch) or {}
         fsdp = str(launch.get("distributed_type", "NO")) == "FSDP"
         offload = fsdp_flag(launch, "fsdp_offload_params", False)
         given = launch.get("num_processes")  # (0 kept: it had read as 1, and torchrun's AssertionError followed)
+        precision = launch.get("mixed_precision")
         return cls(processes=1 if given is None else int(given), nodes=int(launch.get("num_machines", 1) or 1),
                    fsdp=fsdp, offload=fsdp and offload, mesh=isinstance(mesh, dict),
                    replicate=sizes.get("dp_replicate", 1), shard=sizes.get("dp_shard", 1), tp=sizes.get("tp", 1),
-                   cp=sizes.get("cp", 1), accelerate_sp=sizes.get("sp", 1), sp=recipe.parallel.sequence_parallel,
-                   pp=recipe.parallel.pipeline_parallel, where=where)
+                   cp=sizes.get("cp", 1), accelerate_sp=sizes.get("sp", 1),
+                   sp=recipe.parallel.sequence_parallel if recipe is not None else 1,
+                   pp=recipe.parallel.pipeline_parallel if recipe is not None else 1, where=where,
+                   reshard=not fsdp or fsdp_flag(launch, "fsdp_reshard_after_forward", True),
+                   precision=None if precision is None else str(precision))
 
     @classmethod
     def of_strategy(cls, recipe, strategy: str, *, gpus: int, nodes: int = 1, tp: int = 1,
@@ -110,6 +117,23 @@ class Layout:
             kinds.append("fsdp" if self.fsdp else "ddp" if self.processes > 1 else "single")
         kinds += [k for k, n in (("tp", self.tp), ("sp", self.sp), ("pp", self.pp)) if n > 1]
         return tuple(kinds)
+
+    @property
+    def strategy(self) -> str:
+        """The data parallelism as estimate-memory names it: single, ddp, fsdp, or hsdp (FSDP over a mesh with
+        replicas)."""
+        if self.fsdp:
+            return "hsdp" if self.mesh and self.replicate > 1 else "fsdp"
+        return "ddp" if self.processes > 1 else "single"
+
+    @property
+    def gpus_per_node(self) -> int:
+        return max(1, self.processes // max(1, self.nodes))
+
+    def estimate_layout(self) -> dict:
+        """This layout as memory.spec.spec_from_recipe takes it (strategy, GPUs a node, nodes, offload, TP, reshard)."""
+        return dict(strategy=self.strategy, num_gpus=self.gpus_per_node, num_nodes=self.nodes,
+                    cpu_offload=self.offload, tp=self.tp, reshard_after_forward=self.reshard)
 
     @property
     def splits_the_model(self) -> bool:

@@ -407,7 +407,7 @@ def test_launch_config_offload_reads_as_accelerate_does(tmp_path):
             path = tmp_path / f"{strategy}.yaml"
             path.write_text(yaml.safe_dump(cfg))
             layout = read_accelerate_config(path)
-            assert (layout.strategy, layout.cpu_offload) == (strategy, offload), (strategy, value)
+            assert (layout.strategy, layout.offload) == (strategy, offload), (strategy, value)
 
 
 def test_fsdp_reshard_after_forward_false_keeps_every_layer_gathered_to_its_backward(tmp_path):
@@ -423,8 +423,8 @@ def test_fsdp_reshard_after_forward_false_keeps_every_layer_gathered_to_its_back
     cfg["fsdp_config"]["fsdp_reshard_after_forward"] = False
     path = tmp_path / "noreshard.yaml"
     path.write_text(yaml.safe_dump(cfg))
-    assert read_accelerate_config(path).reshard_after_forward is False
-    assert read_accelerate_config(REPO / "accelerate_configs" / "fsdp.yaml").reshard_after_forward is True
+    assert read_accelerate_config(path).reshard is False
+    assert read_accelerate_config(REPO / "accelerate_configs" / "fsdp.yaml").reshard is True
     shape = load_model_shape("llama-2-7b")
     spec = TrainSpec(strategy="fsdp", num_gpus=8, mixed_precision="bf16", gradient_checkpointing=True, seq_len=4096)
     default, kept = estimate_run(shape, spec), estimate_run(shape, spec.but(reshard_after_forward=False))

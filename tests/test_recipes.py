@@ -307,7 +307,6 @@ def test_recipe_header_estimate_is_what_the_tool_prints_for_its_launch(path: Pat
     assert named == f"recipes/{path.name}"
     assert header_launch(path).resolve() == (REPO / launch).resolve()  # what the tool reads without the option
     recipe, lay = load_recipe(path), read_accelerate_config(REPO / launch)  # as estimate-memory does
-    spec = spec_from_recipe(recipe, strategy=lay.strategy, num_gpus=lay.num_gpus, num_nodes=lay.num_nodes,
-                            cpu_offload=lay.cpu_offload, gpu_memory_gib=80.0)
+    spec = spec_from_recipe(recipe, gpu_memory_gib=80.0, **lay.estimate_layout())
     got = estimate(load_model_shape(recipe.model.name_or_path), spec).per_gpu_peak_bytes / 2**30
     assert round(got) == said, got

@@ -442,7 +442,7 @@ def _header_agrees(recipe: Path, num_gpus: int | None, num_nodes: int | None) ->
     from llmtrain.memory.launch import read_accelerate_config
 
     base = read_accelerate_config(found)
-    return num_gpus in (None, base.num_gpus) and num_nodes in (None, base.num_nodes)
+    return num_gpus in (None, base.gpus_per_node) and num_nodes in (None, base.nodes)
 
 
 def header_launch(recipe: Path) -> Path | None:
@@ -474,8 +474,8 @@ def _layout(path: Path | None, *, strategy, num_gpus, num_nodes, cpu_offload: bo
     from llmtrain.memory.launch import read_accelerate_config
 
     base = read_accelerate_config(path) if path else None
-    gpus = num_gpus or (base.num_gpus if base else 1)
-    nodes = num_nodes or (base.num_nodes if base else 1)
+    gpus = num_gpus or (base.gpus_per_node if base else 1)
+    nodes = num_nodes or (base.nodes if base else 1)
     chosen = strategy or (base.strategy if base else None)
     if chosen is None and stages == gpus * nodes > 1:
         chosen = "ddp"
@@ -484,11 +484,11 @@ def _layout(path: Path | None, *, strategy, num_gpus, num_nodes, cpu_offload: bo
             raise LLMTrainError(f"{gpus * nodes} GPUs: say how they are used with --strategy ddp or --strategy fsdp "
                                 "(or --accelerate-config FILE, or --fit to search).")
         chosen = "single" if gpus * nodes == 1 else "ddp"
-    offload = cpu_offload or (base.cpu_offload if base else False)
+    offload = cpu_offload or (base.offload if base else False)
     layout = dict(strategy=chosen, num_gpus=gpus, num_nodes=nodes, cpu_offload=offload,
                   tp=tp or (base.tp if base and chosen == base.strategy else 1),
-                  reshard_after_forward=base.reshard_after_forward if base and chosen == base.strategy else True)
-    return layout, base.mixed_precision if base else None
+                  reshard_after_forward=base.reshard if base and chosen == base.strategy else True)
+    return layout, base.precision if base else None
 
 
 def _fit_dict(result) -> dict:

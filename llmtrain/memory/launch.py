@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import replace
 from pathlib import Path
 
 from llmtrain.errors import LLMTrainError
-from llmtrain.layout import fsdp_flag, mesh_sizes
+from llmtrain.layout import Layout
 from llmtrain.memory.spec import Strategy
 
 STRATEGIES = {"NO": "single", "MULTI_GPU": "ddp", "FSDP": "fsdp"}  # FSDP with a replicated mesh: "hsdp"
@@ -20,19 +20,9 @@ SHIPPED = {
 }
 
 
-@dataclass(frozen=True)
-class Layout:
-    strategy: Strategy
-    num_gpus: int  # per node
-    num_nodes: int
-    cpu_offload: bool
-    mixed_precision: str | None  # the launch config's; llmtrain runs with the recipe's
-    tp: int = 1  # tensor-parallel GPUs per group (parallelism_config_tp_size)
-    reshard_after_forward: bool = True  # fsdp_config's fsdp_reshard_after_forward
-
-
 def read_accelerate_config(path: Path) -> Layout:
-    """Strategy and GPU layout from an `accelerate launch --config_file` YAML."""
+    """The layout an `accelerate launch --config_file` YAML describes (layout.Layout, as doctor and launch read it),
+    refused where the estimate does not model it."""
     from llmtrain.parallel.launch import read_launch_file
 
     cfg = read_launch_file(path, name=f"--accelerate-config {path}")  # as doctor and launch read it
@@ -43,36 +33,31 @@ def read_accelerate_config(path: Path) -> Layout:
     if cfg.get("use_cpu"):
         raise LLMTrainError(f"accelerate config '{path}' runs on the CPU (use_cpu: true): there is no GPU memory "
                             "to estimate.")
-    procs, machines = int(cfg.get("num_processes", 1) or 1), int(cfg.get("num_machines", 1) or 1)
+    layout = Layout.from_launch(cfg, where=f"accelerate config '{path}'")
+    procs, machines = max(1, layout.processes), layout.nodes
     if procs % machines:
         raise LLMTrainError(f"accelerate config '{path}': num_processes {procs} is not a multiple of "
                             f"num_machines {machines}.")
-    strategy, tp = STRATEGIES[kind] if procs > 1 or kind == "FSDP" else "single", 1
-    if kind == "FSDP" and (sizes := mesh_sizes(cfg)) is not None:
-        strategy, tp = _mesh_strategy(path, sizes, gpus=procs // machines, nodes=machines)
-    mp = cfg.get("mixed_precision")
-    sharded = strategy in ("fsdp", "hsdp")  # the offload and the resharding are FSDP's (over a node's shards: HSDP)
-    return Layout(strategy, procs // machines, machines, sharded and fsdp_flag(cfg, "fsdp_offload_params", False),
-                  None if mp is None else str(mp), tp,
-                  not sharded or fsdp_flag(cfg, "fsdp_reshard_after_forward", True))
+    if kind != "FSDP":  # a mesh is FSDP's (the run refuses one without it: Layout.problems)
+        return replace(layout, processes=procs if kind == "MULTI_GPU" else machines, mesh=False, tp=1, replicate=1)
+    if layout.mesh:
+        _check_mesh(path, layout)
+    return replace(layout, processes=procs)
 
 
-def _mesh_strategy(path: Path, sizes: dict[str, int], *, gpus: int, nodes: int) -> tuple[Strategy, int]:
-    """(fsdp or hsdp, tp) from a parallelism_config section's sizes (mesh_sizes); the estimate models HSDP as
-    replicas = nodes, and FSDP x TP as tp consecutive GPUs of a node per group."""
-    if sizes["cp"] > 1:
+def _check_mesh(path: Path, layout: Layout) -> None:
+    """The parallelism_config meshes the estimate models: HSDP as replicas = nodes, and FSDP x TP as tp consecutive
+    GPUs of a node per group."""
+    if layout.cp > 1:
         raise LLMTrainError(f"accelerate config '{path}': context parallelism is not modelled (llmtrain does not "
                             "train with it); estimate-memory knows DDP, FSDP, HSDP and their x TP.")
-    tp = sizes["tp"]
-    if sizes["dp_replicate"] <= 1:
-        return "fsdp", tp
-    if (sizes["dp_replicate"], sizes["dp_shard"] * tp) != (nodes, gpus):
-        raise LLMTrainError(f"accelerate config '{path}': HSDP of {sizes['dp_replicate']} replicas x "
-                            f"{sizes['dp_shard']} shards{f' x {tp} TP' if tp > 1 else ''} on {nodes} node(s) of "
+    tp, gpus, nodes = layout.tp, layout.gpus_per_node, layout.nodes
+    if layout.replicate > 1 and (layout.replicate, layout.shard * tp) != (nodes, gpus):
+        raise LLMTrainError(f"accelerate config '{path}': HSDP of {layout.replicate} replicas x "
+                            f"{layout.shard} shards{f' x {tp} TP' if tp > 1 else ''} on {nodes} node(s) of "
                             f"{gpus} GPUs; estimate-memory models replicas = nodes and shards = GPUs per node "
                             "(shards x tp with TP), as examples/slurm/llmtrain.sbatch launches it. Give --strategy "
                             "and the counts to estimate another layout.")
-    return "hsdp", tp
 
 
 def shipped_config(strategy: Strategy, *, num_gpus: int, num_nodes: int) -> tuple[str, tuple[str, ...]]:
