@@ -495,3 +495,38 @@ def test_a_gpt_oss_checkpoint_stored_in_mxfp4_trains_dequantized_and_its_final_m
     merged = AutoModelForCausalLM.from_pretrained(export_merged(tmp_path / "lora-run"))
     assert type(merged.model.layers[0].mlp.experts).__name__ == "GptOssExperts"
     assert not torch.equal(merged.get_parameter(name), dense[name])  # the experts' adapters merged in
+
+
+DECODERS = {  # decoders whose layers are not `model.layers`: GPT-2's transformer.h, GPT-NeoX's gpt_neox.layers
+    "gpt2": dict(n_embd=64, n_head=4, n_layer=2, vocab_size=97, n_positions=64, attn_pdrop=0.0, resid_pdrop=0.0,
+                 embd_pdrop=0.0),
+    "gpt_neox": dict(hidden_size=64, num_attention_heads=4, num_hidden_layers=2, intermediate_size=128, vocab_size=97,
+                     max_position_embeddings=64, attention_dropout=0.0, hidden_dropout=0.0),
+}
+
+
+@pytest.mark.parametrize("model_type", sorted(DECODERS))
+def test_a_decoder_whose_layers_are_not_model_layers_trains_packed_and_counts_its_flops(model_type):
+    """GPT-2 and GPT-NeoX (Pythia) pass doctor as models that train through transformers, and finetune had ended in
+    an AttributeError traceback counting their FLOPs (`lm.model.layers`): the layers are found where the decoder
+    keeps them, and a packed row on the varlen attention is each example alone."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from llmtrain.run.metrics import flop_model
+
+    def build(attn: str):
+        torch.manual_seed(0)
+        return AutoModelForCausalLM.from_config(AutoConfig.for_model(model_type, **DECODERS[model_type]),
+                                                dtype=torch.float32, attn_implementation=attn)
+
+    exs, ref = examples(), build("eager")
+    logits = torch.cat([ref(input_ids=torch.tensor([e["input_ids"]]), use_cache=False).logits[0] for e in exs])
+    targets = torch.tensor([t for e in exs for t in e["labels"][1:] + [-100]])
+    want = F.cross_entropy(logits, targets, ignore_index=-100, reduction="sum").item()
+    packed = build(register())
+    attach_loss(packed, chunk=7)
+    assert compute_loss(packed, with_loss_positions(collate(exs, pad_id=0, packing=True))).item() == pytest.approx(
+        want, rel=1e-6)
+    layers = ref.transformer.h if model_type == "gpt2" else ref.gpt_neox.layers
+    weights = sum(p.numel() for p in layers.parameters() if p.ndim >= 2)
+    assert flop_model(ref).body_per_token == 6 * weights > 0

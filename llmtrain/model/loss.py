@@ -226,6 +226,16 @@ def decoder_name(lm) -> str:
     return "model" if isinstance(getattr(lm, "model", None), torch.nn.Module) else lm.base_model_prefix
 
 
+def decoder_layers(lm) -> torch.nn.ModuleList:
+    """The decoder's list of layers: `layers` (Llama and most families), else its one list of
+    config.num_hidden_layers modules (GPT-2's `h`, BLOOM's): what a step runs once per layer."""
+    decoder = getattr(lm, decoder_name(lm))
+    if isinstance(getattr(decoder, "layers", None), torch.nn.ModuleList):
+        return decoder.layers
+    n = getattr(lm.config, "num_hidden_layers", None)
+    return next(m for m in decoder.children() if isinstance(m, torch.nn.ModuleList) and len(m) == n)
+
+
 def causal_lm(model):
     """The transformers *ForCausalLM module inside `model` (which may be a peft model)."""
     return model.get_base_model() if hasattr(model, "get_base_model") else model

@@ -508,9 +508,9 @@ def fused_linear_cross_entropy(cfg: ModelConfig, device):
 def compile_layers(model) -> int:
     """torch.compile each decoder layer (regional compilation): one small graph compiled once and reused by
     every layer, instead of the whole model. Returns the number of layers compiled."""
-    from llmtrain.model.loss import causal_lm
+    from llmtrain.model.loss import causal_lm, decoder_layers
 
-    layers = causal_lm(model).model.layers
+    layers = decoder_layers(causal_lm(model))
     for layer in layers:
         layer.compile()
     return len(layers)

@@ -107,11 +107,11 @@ def tile_mlps(model, setting: bool | int) -> int:
     tiled forward calls). Each norm and the MLP are tiled on their own, so a layer that orders them otherwise
     (Gemma's norm of the attention output before the residual add) runs as it did. Returns the shard size."""
     from llmtrain.config import tiled_mlp_shard
-    from llmtrain.model.loss import causal_lm
+    from llmtrain.model.loss import causal_lm, decoder_layers
 
     lm = causal_lm(model)
     shard = tiled_mlp_shard(setting, lm.config.hidden_size)
-    for layer in lm.model.layers:
+    for layer in decoder_layers(lm):
         # The module's forward as it is now (liger's, where liger patched it), called shard by shard.
         for module in [getattr(layer, name, None) for name in TILED_NORMS] + [layer.mlp]:
             if module is not None:

@@ -215,7 +215,7 @@ def flop_model(model, *, forward_only: bool = False) -> FlopModel:
     """The FlopModel of a training step of `model`; forward_only: of a frozen model's forward alone (distillation's
     teacher, under no_grad): 2 FLOPs per weight per token, attention a third of a trained step's."""
     from llmtrain.capabilities import experts, experts_per_token, layer_values
-    from llmtrain.model.loss import causal_lm
+    from llmtrain.model.loss import causal_lm, decoder_layers
 
     lm = causal_lm(model)
     cfg = lm.config
@@ -227,7 +227,7 @@ def flop_model(model, *, forward_only: bool = False) -> FlopModel:
     # a mixture of experts' experts (and peft's adapters of them): a token goes through top_k of them
     routed = experts_per_token(cfg) / experts(cfg) if experts(cfg) else 1.0
     body = round(sum(per_weight(p) * numel(p) * (routed if ".experts." in f".{name}" else 1)
-                     for name, p in lm.model.layers.named_parameters()
+                     for name, p in decoder_layers(lm).named_parameters()
                      if p.ndim >= 2 or getattr(p, "quant_state", None) is not None))
     if hasattr(lm, "lm_head"):
         head = lm.lm_head.weight
