@@ -546,7 +546,7 @@ def doctor(
     recipe, _ = where_it_started(recipe)
     loaded = load_recipe(recipe, overrides)
     code = run(loaded, accelerate_config=accelerate_config or launch_from_header(recipe), gpu_memory=gpu_memory,
-               show_recipe=show_recipe)
+               show_recipe=show_recipe, recipe_file=recipe)
     raise typer.Exit(code)
 
 

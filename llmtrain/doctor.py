@@ -400,9 +400,9 @@ def check_experts_quantized(recipe: Recipe, launch: dict | None = None) -> list[
 def check_weights(recipe: Recipe) -> list[Check]:
     """A local model folder with a config.json and no weights file, which finetune refuses at the load (doctor had
     passed it: nothing here loads weights, and none need be loaded to find them missing)."""
-    from llmtrain.model.modeling import missing_weights
+    from llmtrain.model.modeling import weights_problem
 
-    if not recipe.model.random_init and (problem := missing_weights(recipe.model.name_or_path)):
+    if not recipe.model.random_init and (problem := weights_problem(recipe.model.name_or_path)):
         return [("model weights", "fail", problem)]
     return []
 
@@ -410,15 +410,16 @@ def check_weights(recipe: Recipe) -> list[Check]:
 def check_family(recipe: Recipe) -> list[Check]:
     """Whether the model is a family of the capability table (docs/models.md), whose every allowed path is tested, or
     another model_type, which trains through transformers with llmtrain's checks of what its attention and packed
-    rows compute (the layout row) and nothing else of it tested. Nothing where the config cannot be read (the rows
-    that read the model say why)."""
+    rows compute (the layout row) and nothing else of it tested. A config that cannot be read fails here, as
+    finetune and launch refuse it (a model that needs trust_remote_code, a damaged config.json: doctor had passed
+    them, with the memory row's warning alone; audit 53)."""
     from llmtrain import capabilities
     from llmtrain.model.modeling import load_model_config
 
     try:
         model_type = getattr(load_model_config(recipe.model), "model_type", None)
-    except LLMTrainError:
-        return []
+    except LLMTrainError as e:
+        return [("model", "fail", str(e))]
     if (family := capabilities.FAMILIES.get(model_type)) is not None:
         return [("model family", "pass", f"{family.name} ({model_type}): a family of the capability table "
                  "(docs/models.md), each path its row allows tested")]
@@ -497,17 +498,35 @@ def check_tools(recipe: Recipe, tokenizer) -> list[Check]:
              f"{tools.syntax.opener or 'a JSON turn'} {{{tools.syntax.name_key!r}, {tools.syntax.arguments_key!r}}}")]
 
 
-def check_output(recipe: Recipe) -> list[Check]:
+def check_output(recipe: Recipe, recipe_file: Path | None = None) -> list[Check]:
     """output_dir as finetune and `llmtrain launch` check it before writing (rundir.check_output_folder: a file, not
-    a run, another run's folder in use or finished; doctor had no row, and passed a file; audit 34): a fail where it
-    is no folder, else a warn, since --overwrite or --resume decide the rest and doctor has neither."""
-    from llmtrain.run.rundir import check_output_folder
+    a run, another run's folder in use or finished; doctor had no row, and passed a file; audit 34): a fail where no
+    flag lets the run start (a file, a folder on the way that is a file or read-only, the recipe file or an input
+    that starting again there deletes: audit 53), else a warn, since --overwrite or --resume decide the rest and
+    doctor has neither; the warn says which of them would be accepted."""
+    from llmtrain.run.rundir import check_output_folder, has_checkpoints, inputs_inside, recipe_inside
 
     out = Path(recipe.output_dir)
+
+    def deleted(*, overwrite: bool) -> str | None:  # an input the start (or --overwrite) would delete first
+        return inputs_inside(out, recipe.model_dump(mode="json"), resume=None, overwrite=overwrite) or (
+            recipe_inside(out, recipe_file, resume=None, overwrite=overwrite) if recipe_file is not None else None)
+
     try:
         check_output_folder(out, overwrite=False)
     except LLMTrainError as e:
-        return [("output_dir", "fail" if out.exists() and not out.is_dir() else "warn", str(e))]
+        if not out.is_dir():  # a file, or a folder that cannot be made: no flag starts the run
+            return [("output_dir", "fail", str(e))]
+        detail = str(e)
+        if (out / "final").exists() and not has_checkpoints(out):  # --resume auto would be refused
+            detail = (f"output_dir '{out}' holds a finished run that kept no checkpoint, so --resume auto has nothing "
+                      "to continue from: start again there with --overwrite, or set output_dir=<new path> (its "
+                      "final/ can be a new run's model.name_or_path)")
+        if problem := deleted(overwrite=True):
+            detail += f"; and with --overwrite: {problem}"
+        return [("output_dir", "warn", detail)]
+    if problem := deleted(overwrite=False):
+        return [("output_dir", "fail", problem)]
     return [("output_dir", "pass", f"{out} {'is a new folder' if not out.exists() else 'can be written'}")]
 
 
@@ -547,8 +566,8 @@ def check_teacher(recipe: Recipe, tokenizer) -> list[Check]:
              f"{d.lmbda:.0%} of the steps' completions")]
 
 
-def run_doctor(recipe: Recipe, *, accelerate_config: Path | None = None,
-               gpu_memory: float | None = None) -> list[Check]:
+def run_doctor(recipe: Recipe, *, accelerate_config: Path | None = None, gpu_memory: float | None = None,
+               recipe_file: Path | None = None) -> list[Check]:
     hub = check_hub(recipe)  # first: before huggingface_hub, transformers and datasets read HF_HUB_OFFLINE
     import datasets
 
@@ -579,7 +598,8 @@ def run_doctor(recipe: Recipe, *, accelerate_config: Path | None = None,
         checks += check_rewards_run(recipe, tokenizer) + check_tools(recipe, tokenizer) + check_teacher(recipe,
                                                                                                           tokenizer)
     checks += check_context(recipe.data.max_seq_len, _max_positions(recipe.model))
-    checks += check_weights(recipe) + check_family(recipe) + check_needs(recipe, launch) + check_output(recipe)
+    checks += check_weights(recipe) + check_family(recipe) + check_needs(recipe, launch)
+    checks += check_output(recipe, recipe_file)
     gpu = gpu_memory if gpu_memory is not None else gpu_memory_here()
     lengths = None
     if recipe.rl is not None and tokenizer is not None:  # the estimate at the prompts' real lengths
@@ -613,7 +633,7 @@ def said_once(checks: list[Check]) -> list[Check]:
 
 
 def doctor(recipe: Recipe, *, accelerate_config: Path | None = None, gpu_memory: float | None = None,
-           show_recipe: bool = False) -> int:
+           show_recipe: bool = False, recipe_file: Path | None = None) -> int:
     """Print the checks (and, with show_recipe, the resolved recipe first); 1 when a check fails, else 0."""
     from rich.console import Console
     from rich.markup import escape
@@ -622,7 +642,7 @@ def doctor(recipe: Recipe, *, accelerate_config: Path | None = None, gpu_memory:
     console = Console(highlight=False)
     if show_recipe:
         console.print(escape(recipe.to_yaml()))
-    checks = run_doctor(recipe, accelerate_config=accelerate_config, gpu_memory=gpu_memory)
+    checks = run_doctor(recipe, accelerate_config=accelerate_config, gpu_memory=gpu_memory, recipe_file=recipe_file)
     table = Table(title="llmtrain doctor")
     for col in ("check", "status", "detail"):
         table.add_column(col)

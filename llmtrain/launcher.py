@@ -59,13 +59,13 @@ def check_model_files(recipe):
     (teacher.teacher_problem): a missing one is said once, here, instead of by each process (under FSDP the main
     process alone reads the weights). Returns the model's config."""
     from llmtrain import hub
-    from llmtrain.model.modeling import load_model_config, load_tokenizer, missing_weights
+    from llmtrain.model.modeling import load_model_config, load_tokenizer, weights_problem
 
     if line := hub.fall_back(hub.recipe_hub_ids(recipe)):
         print(line, file=sys.stderr)
     config = load_model_config(recipe.model)
     tokenizer = load_tokenizer(recipe.model)
-    if not recipe.model.random_init and (problem := missing_weights(recipe.model.name_or_path)):
+    if not recipe.model.random_init and (problem := weights_problem(recipe.model.name_or_path)):
         raise LLMTrainError(problem)
     if recipe.distill is not None:
         from llmtrain.model.teacher import teacher_problem

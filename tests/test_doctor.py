@@ -758,3 +758,47 @@ def test_doctor_fails_flash_attention_2_where_it_cannot_run():
     assert any(p.startswith("model.attn_implementation=flash_attention_2 needs the flash-attn package (or kernels, "
                             "which fetches it from the hub) and a CUDA device") for p in said), said
     assert needs_problems(load_recipe(REPO / "recipes" / "tiny.yaml"), {}, user_code=False) == []
+
+
+def test_what_finetune_refuses_of_the_model_files_or_output_dir_fails_doctor_too(tiny_assets, tmp_path):
+    """Audit 53: doctor passed (or only warned of) what finetune refuses whatever its flags: a truncated weights file
+    (an interrupted copy: safetensors reads its header alone), a config that needs the model's own code, an output_dir
+    under a file, the recipe file inside a run folder that starting again empties; and it advised --resume auto for
+    a finished run that kept no checkpoint, which finetune then refused."""
+    import shutil
+
+    from llmtrain.model.modeling import weights_problem
+
+    recipe = write_recipe(tiny_assets, tmp_path, data={"eval_split": None, "cache_dir": str(tmp_path / "cache")})
+    cut = tmp_path / "cut"
+    shutil.copytree(tiny_assets / "model", cut)
+    (cut / "model.safetensors").write_bytes((cut / "model.safetensors").read_bytes()[:5000])
+    assert weights_problem(str(tiny_assets / "model")) is None
+    found = rows(run_doctor(load_recipe(recipe, [f"model.name_or_path={cut}"])))
+    assert found["model weights"][0] == "fail" and "(model.safetensors: SafetensorError" in found["model weights"][1]
+    assert "a weights file is truncated or damaged" in found["model weights"][1]
+    own = tmp_path / "own-code"
+    shutil.copytree(tiny_assets / "model", own)
+    config = json.loads((own / "config.json").read_text())
+    (own / "config.json").write_text(json.dumps({**config, "model_type": "mymodel", "auto_map": {
+        "AutoConfig": "configuration_my.MyConfig", "AutoModelForCausalLM": "modeling_my.MyModelForCausalLM"}}))
+    found = rows(run_doctor(load_recipe(recipe, [f"model.name_or_path={own}"])))
+    assert found["model"][0] == "fail" and "set model.trust_remote_code: true" in found["model"][1]
+
+    (tmp_path / "a-file").write_text("x")
+    found = rows(run_doctor(load_recipe(recipe, [f"output_dir={tmp_path / 'a-file' / 'run'}"])))
+    assert found["output_dir"][0] == "fail" and "is a file, not a folder" in found["output_dir"][1]
+    failed = tmp_path / "failed-start"  # a start that ended before its first checkpoint: finetune starts it again
+    failed.mkdir()
+    (failed / ".llmtrain-run").write_text("This folder is an llmtrain run.\n")
+    inside = failed / "my.yaml"
+    shutil.copy(recipe, inside)
+    checks = run_doctor(load_recipe(inside, [f"output_dir={failed}"]), recipe_file=inside)
+    assert rows(checks)["output_dir"][0] == "fail" and "lies inside output_dir" in rows(checks)["output_dir"][1]
+    finished = tmp_path / "finished"
+    (finished / "final").mkdir(parents=True)
+    (finished / ".llmtrain-run").write_text("This folder is an llmtrain run.\n")
+    (finished / "summary.json").write_text("{}")
+    found = rows(run_doctor(load_recipe(recipe, [f"output_dir={finished}"])))
+    assert found["output_dir"][0] == "warn" and "kept no checkpoint, so --resume auto has nothing to continue from" \
+        in found["output_dir"][1]

@@ -117,3 +117,23 @@ def test_an_adapter_change_the_checkpoint_cannot_be_read_into_is_refused_whateve
     notes = check_resume(plus, load_recipe(RECIPES / "tiny.yaml", ["lora.r=4", "lora.lr_ratio=8"]), world=1,
                          fsdp=False, allow_recipe_change=True)
     assert any("lora.lr_ratio changed from 16.0 to 8.0" in n for n in notes)
+
+
+def test_a_finished_run_named_by_another_spelling_of_its_output_dir_is_still_finished(tmp_path, monkeypatch):
+    """runs/x finished, then --resume auto with output_dir=/abs/runs/x: the saved recipe's output_dir differed, so the
+    finished run was taken for an interrupted one and the refusal said so (audit 53)."""
+    from llmtrain.run.preflight import finished_run
+
+    monkeypatch.chdir(tmp_path)
+    run = tmp_path / "runs" / "x"
+    (run / "final").mkdir(parents=True)
+    (run / "checkpoints" / "step_000004").mkdir(parents=True)
+    (run / "checkpoints" / "step_000004" / "train_state.json").write_text("{}")
+    (run / "summary.json").write_text(json.dumps({"steps": 4}))
+    recipe = load_recipe(RECIPES / "tiny.yaml", ["output_dir=runs/x"])
+    (run / "recipe.yaml").write_text(recipe.to_yaml())
+    absolute = load_recipe(RECIPES / "tiny.yaml", [f"output_dir={run}"])
+    assert finished_run(run, absolute, allow_recipe_change=False) == {"steps": 4}
+    longer = load_recipe(RECIPES / "tiny.yaml", [f"output_dir={run}", "train.max_steps=600"])
+    with pytest.raises(LLMTrainError, match=r"is complete, and this recipe changes train.max_steps 300 -> 600"):
+        finished_run(run, longer, allow_recipe_change=False)

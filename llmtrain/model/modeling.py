@@ -21,17 +21,50 @@ MODEL_KEYS = "model.name_or_path / model.tokenizer"
 WEIGHTS = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin", "pytorch_model.bin.index.json")
 
 
-def missing_weights(path: str, *, key: str = MODEL_KEYS) -> str | None:
+def weights_problem(path: str, *, key: str = MODEL_KEYS) -> str | None:
     """Why a local model folder cannot be trained from: a config.json and no weights file (a half-copied folder, a
-    config downloaded alone); None otherwise (doctor asks it without loading anything, as the load would refuse)."""
+    config downloaded alone), or a safetensors file whose header cannot be read (an interrupted download or copy:
+    safetensors reads the header alone, no tensor); None otherwise (doctor and launch ask it without loading the
+    weights, as the load would refuse them)."""
     folder = Path(path).expanduser()
-    if not (folder / "config.json").is_file() or any((folder / w).is_file() for w in WEIGHTS):
+    if not (folder / "config.json").is_file():
         return None
+    if any((folder / w).is_file() for w in WEIGHTS):
+        return _damaged_shard(folder)
     return (f"the model folder '{path}' ({key}) has a config.json but no weights ({', '.join(WEIGHTS)}): a config "
             "alone is enough for estimate-memory, not to train or generate. Copy the weights into it, or set "
             f"{key.split(' / ')[0]} to a folder or hub id that has them" + (
                 " (or model.random_init: true, to train from random weights: a speed or memory check)"
                 if key == MODEL_KEYS else ""))
+
+
+def _damaged_shard(folder: Path) -> str | None:
+    """The paragraph for the first safetensors file of `folder` (model.safetensors, or the shards its index names)
+    whose header safetensors cannot read; None where every one reads."""
+    import json
+
+    from safetensors import safe_open
+
+    index = folder / "model.safetensors.index.json"
+    try:
+        names = sorted(set(json.loads(index.read_text())["weight_map"].values())) if index.is_file() else [
+            "model.safetensors"]
+    except (ValueError, KeyError, TypeError, OSError, AttributeError) as e:
+        return (f"the model files in '{folder}' could not be read (model.safetensors.index.json: {type(e).__name__}: "
+                f"{e}): a weights file is truncated or damaged. Download or copy the model again.")
+    for name in names:
+        if not (folder / name).is_file():
+            if index.is_file():
+                return (f"the model folder '{folder}' lacks {name}, which its model.safetensors.index.json names: a "
+                        "half-copied folder. Download or copy the model again.")
+            continue
+        try:
+            with safe_open(folder / name, framework="pt"):
+                pass
+        except Exception as e:  # safetensors' own error type (a header cut short or not JSON), or the OS's
+            return (f"the model files in '{folder}' could not be read ({name}: {type(e).__name__}: {e}): a weights "
+                    "file is truncated or damaged. Download or copy the model again.")
+    return None
 
 
 def _load_error(what: str, path: str, err: Exception, *, key: str = MODEL_KEYS) -> LLMTrainError:
@@ -42,7 +75,7 @@ def _load_error(what: str, path: str, err: Exception, *, key: str = MODEL_KEYS) 
     if problem := run_folder_problem(path, key.split(" / ")[0]):
         return LLMTrainError(problem)
     folder = Path(path).expanduser()
-    if what == "model" and (problem := missing_weights(path, key=key)):
+    if what == "model" and (problem := weights_problem(path, key=key)):
         return LLMTrainError(problem)
     local = surely_local(path)  # (myorg/other beside a folder myorg/ is the hub's: not a missing folder)
     if local and not folder.exists():
@@ -68,6 +101,10 @@ def _load_error(what: str, path: str, err: Exception, *, key: str = MODEL_KEYS) 
             f"({HF_HUB_CACHE}), and the hub is not asked (HF_HUB_OFFLINE=1; transformers says: "
             f"{str(err).splitlines()[0].rstrip('.')}). Download it "
             f"where there is network (`hf download {path}`, with the same HF_HOME), or give a local model folder.")
+    if "trust_remote_code" in str(err):  # transformers' words name its own argument, not the recipe's key
+        return LLMTrainError(f"the {what} '{path}' ({key}) runs code of its own (its config names a model class that "
+                             "transformers does not have): set model.trust_remote_code: true to run that code, after "
+                             "reading it, or use a model whose architecture transformers has.")
     return LLMTrainError(
         f"could not load the {what} from '{path}' ({key}): {err}. "
         "Give a local directory with config.json and weights, or a hub id; without network access, the "

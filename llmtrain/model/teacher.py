@@ -13,7 +13,7 @@ import torch
 from llmtrain.capabilities import scorer_problem
 from llmtrain.config import ModelConfig, Recipe, run_folder_problem
 from llmtrain.errors import LLMTrainError
-from llmtrain.model.modeling import embedding_rows, load_model, missing_weights
+from llmtrain.model.modeling import embedding_rows, load_model, weights_problem
 
 
 def teacher_config(recipe: Recipe) -> ModelConfig:
@@ -79,9 +79,9 @@ def vocabulary_problem(recipe: Recipe, tokenizer) -> str | None:
 
 def teacher_problem(recipe: Recipe, tokenizer) -> str | None:
     """Why the teacher cannot be trained with (vocabulary_problem), a local teacher folder with a config.json and no
-    weights (modeling.missing_weights, which its load refuses), or under sequence parallelism heads that do not split
+    weights (modeling.weights_problem, which its load refuses), or under sequence parallelism heads that do not split
     over the group: from its files, no weights read, as finetune, doctor and `llmtrain launch` check it."""
-    if problem := vocabulary_problem(recipe, tokenizer) or missing_weights(recipe.distill.teacher,
+    if problem := vocabulary_problem(recipe, tokenizer) or weights_problem(recipe.distill.teacher,
                                                                            key="distill.teacher"):
         return problem
     if (n := recipe.parallel.sequence_parallel) > 1:  # it attends through the group's all-to-all too: its heads

@@ -229,7 +229,9 @@ def finished_run(out: Path, recipe: Recipe, *, allow_recipe_change: bool) -> dic
     saved = _recipe_of(saved_path)
     if _get(saved, "checkpoint.save_final") is not False and not (out / "final").is_dir():
         return None
-    now = recipe.model_dump(mode="json")
+    # output_dir is `out` in both, however written (runs/x then /abs/runs/x: the finished run had been taken for
+    # an interrupted one, and its refusal said so)
+    now = {**recipe.model_dump(mode="json"), "output_dir": saved.get("output_dir")}
     if saved == now:
         return json.loads(summary_path.read_text())
     changed = [k for k in SCHEDULE if _get(saved, k) != _get(now, k)]
