@@ -462,11 +462,13 @@ def _max_positions(model) -> int | None:
     return context_reach(scaled)
 
 
-def check_rewards_run(recipe: Recipe, tokenizer) -> list[Check]:
+def check_rewards_run(recipe: Recipe, tokenizer, *, world: int = 1) -> list[Check]:
     """Online RL: every reward function imports and runs on the first rows (as finetune tries them before it
-    writes anything)."""
+    writes anything), given the trainer_state the run gives it (its max_steps counted over the data's epochs where
+    train.max_steps is unset: 0 had failed a function that divides by it; audit 53)."""
     if recipe.rl is None:
         return []
+    from llmtrain.data.checks import total_steps
     from llmtrain.data.prepare import prepare_recipe, sources
     from llmtrain.objectives.rewards import build_rewards, check_rewards, trainer_state
 
@@ -474,8 +476,10 @@ def check_rewards_run(recipe: Recipe, tokenizer) -> list[Check]:
         train = prepare_recipe(recipe, tokenizer)[0]
         rewards = build_rewards(recipe.rl, answer_pattern=recipe.train.eval_answer_pattern, columns=train.column_names,
                                 data=recipe.data)
+        steps = total_steps(recipe, train["length"], world=world,
+                            sources=train["source"] if recipe.data.sources is not None else None)
         check_rewards(rewards, list(train.select(range(min(2, len(train))))), where=sources(recipe.data)[0],
-                      state=trainer_state(recipe, total_steps=None))
+                      state=trainer_state(recipe, total_steps=steps))
     except LLMTrainError as e:
         return [("rewards", "fail", str(e))]
     return [("rewards", "pass", f"{', '.join(n for n, _, _ in rewards)} import and score the first rows")]
@@ -595,8 +599,8 @@ def run_doctor(recipe: Recipe, *, accelerate_config: Path | None = None, gpu_mem
             data_tokenizer(tokenizer, recipe.data)  # as finetune's: its cache entry
             checks += load_data(recipe, tokenizer, world=data_ranks(launch, recipe),
                                 rows=_embedding_rows(recipe, tokenizer))
-        checks += check_rewards_run(recipe, tokenizer) + check_tools(recipe, tokenizer) + check_teacher(recipe,
-                                                                                                          tokenizer)
+        checks += check_rewards_run(recipe, tokenizer, world=data_ranks(launch, recipe))
+        checks += check_tools(recipe, tokenizer) + check_teacher(recipe, tokenizer)
     checks += check_context(recipe.data.max_seq_len, _max_positions(recipe.model))
     checks += check_weights(recipe) + check_family(recipe) + check_needs(recipe, launch)
     checks += check_output(recipe, recipe_file)

@@ -802,3 +802,37 @@ def test_what_finetune_refuses_of_the_model_files_or_output_dir_fails_doctor_too
     found = rows(run_doctor(load_recipe(recipe, [f"output_dir={finished}"])))
     assert found["output_dir"][0] == "warn" and "kept no checkpoint, so --resume auto has nothing to continue from" \
         in found["output_dir"][1]
+
+
+def test_doctor_renders_the_system_prompt_and_gives_reward_functions_the_runs_step_count(tiny_assets, tmp_path,
+                                                                                       monkeypatch):
+    """Two doctor fails of what finetune trains (audit 53): a chat template that requires a system turn, with
+    data.system_prompt set (the probe chat had none), and a reward function that divides by trainer_state.max_steps
+    where train.max_steps is unset (doctor gave it 0; the run counts its epochs' steps)."""
+    from llmtrain.data.checks import check_chat_template
+    from llmtrain.doctor import check_rewards_run
+    from llmtrain.model.modeling import load_tokenizer
+
+    template = tmp_path / "system.jinja"
+    template.write_text("{% if messages[0]['role'] != 'system' %}{{ raise_exception('Conversations must start with a "
+                        "system message') }}{% endif %}{{ bos_token }}{% for m in messages %}<|{{ m['role'] | upper "
+                        "}}|>{{ m['content'] }}{% if m['role'] == 'assistant' %}{{ eos_token }}{% endif %}{% endfor "
+                        "%}{% if add_generation_prompt %}<|ASSISTANT|>{% endif %}")
+    recipe = load_recipe(write_recipe(tiny_assets, tmp_path), [f"data.chat_template={template}"])
+    tokenizer = load_tokenizer(recipe.model)
+    [(_, status, detail)] = check_chat_template(recipe, tokenizer)
+    assert status == "fail" and "must start with a system message" in detail
+    with_system = load_recipe(write_recipe(tiny_assets, tmp_path), [f"data.chat_template={template}",
+                                                                    "data.system_prompt=You reverse strings."])
+    [(_, status, detail)] = check_chat_template(with_system, tokenizer)
+    assert status == "pass" and detail.endswith("read '4</s>'"), detail
+
+    (tmp_path / "curriculum.py").write_text(
+        "def scheduled(completions, trainer_state, **kwargs):\n"
+        "    return [trainer_state.global_step / trainer_state.max_steps for _ in completions]\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    rl = load_recipe(REPO / "recipes" / "tiny-grpo.yaml", [
+        f"model.name_or_path={tiny_assets / 'model'}", f"data.path={tiny_assets / 'data' / 'train.jsonl'}",
+        "data.eval_split=null", f"data.cache_dir={tmp_path / 'cache'}", "train.max_steps=null",
+        "rl.rewards=[{type: function, function: 'curriculum:scheduled'}]"])
+    assert check_rewards_run(rl, tokenizer) == [("rewards", "pass", "scheduled import and score the first rows")]

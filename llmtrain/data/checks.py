@@ -68,6 +68,9 @@ def check_chat_template(recipe: Recipe, tokenizer) -> list[Check]:
     if not needs_chat(recipe):
         return [("chat template", "pass", f"not used (data.format={recipe.data.format}, data.chat_template false)")]
     chat = [{"role": "user", "content": "What is 2 + 2?"}, {"role": "assistant", "content": "4"}]
+    if recipe.data.system_prompt is not None:  # as training puts it first (a template that requires a system turn
+        # had failed here while finetune trained)
+        chat = [{"role": "system", "content": recipe.data.system_prompt}, *chat]
     try:
         ids, labels = encode_messages(chat, tokenizer, train_on_prompt=False,
                                       template=read_template(recipe.data, tokenizer))
