@@ -491,11 +491,18 @@ def check_tools(recipe: Recipe, tokenizer) -> list[Check]:
     if recipe.rl is None or not (recipe.rl.tools or recipe.rl.environment):
         return []
     from llmtrain.data.chat import read_template
-    from llmtrain.objectives.tool_calls import Tools
+    from llmtrain.objectives.tool_calls import Tools, check_reset
 
     try:
         tools = Tools(recipe.rl.tools, tokenizer=tokenizer, template=read_template(recipe.data, tokenizer),
                       environment=recipe.rl.environment)
+        if tools.environment is not None:  # its reset's arguments against the data's columns, as the run checks
+            # them (doctor had passed a reset that needs a column the data lack; audit 53)
+            from llmtrain.data.prepare import prepare_recipe
+            from llmtrain.objectives.rewards import reward_columns
+
+            columns = reward_columns(prepare_recipe(recipe, tokenizer)[0].column_names)
+            check_reset(recipe.rl.environment, tools.environment, list(columns))
     except LLMTrainError as e:
         return [("tools", "fail", str(e))]
     return [("tools", "pass", f"{', '.join(tools.names())} import and are described; the template writes calls as "

@@ -836,3 +836,33 @@ def test_doctor_renders_the_system_prompt_and_gives_reward_functions_the_runs_st
         "data.eval_split=null", f"data.cache_dir={tmp_path / 'cache'}", "train.max_steps=null",
         "rl.rewards=[{type: function, function: 'curriculum:scheduled'}]"])
     assert check_rewards_run(rl, tokenizer) == [("rewards", "pass", "scheduled import and score the first rows")]
+
+
+def test_an_environment_whose_reset_needs_a_column_the_data_lack_fails_doctor_as_the_run_refuses_it(
+        tiny_assets, tmp_path, monkeypatch):
+    """rl.environment's reset(term, ...) with no column 'term' in the prompts: finetune refuses it before writing
+    anything, doctor's tools row had passed it (audit 53)."""
+    import yaml
+
+    from llmtrain.doctor import check_tools
+    from llmtrain.model.modeling import load_tokenizer
+
+    (tmp_path / "books.py").write_text(
+        "class Book:\n"
+        "    def reset(self, term, prompt=None, **columns):\n"
+        "        self.word = term\n\n"
+        "    def lookup(self) -> str:\n"
+        '        """Look up the code of the word in question."""\n'
+        "        return self.word\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    recipe = yaml.safe_load((REPO / "recipes" / "tiny-tools-grpo.yaml").read_text())
+    recipe["model"]["name_or_path"] = str(tiny_assets / "model")
+    recipe["data"].update(path=str(tiny_assets / "data" / "train_tool_prompts.jsonl"), eval_split=None,
+                          chat_template=str(tiny_assets / "data" / "tools.jinja"), cache_dir=str(tmp_path / "cache"))
+    (tmp_path / "r.yaml").write_text(yaml.safe_dump(recipe))
+    shipped = load_recipe(tmp_path / "r.yaml")
+    tokenizer = load_tokenizer(shipped.model)
+    assert [status for _, status, _ in check_tools(shipped, tokenizer)] == ["pass"]
+    [(_, status, detail)] = check_tools(load_recipe(tmp_path / "r.yaml", ["rl.environment=books:Book"]), tokenizer)
+    assert status == "fail" and detail.startswith("rl.environment books:Book's reset needs the argument 'term', "
+                                                  "which nothing passes"), detail
