@@ -538,6 +538,12 @@ def chunks_each_example() -> bool:
     return hasattr(masking_utils, "remap_positions_for_packed_sequence")
 
 
+# model_types whose attention has sinks in every layer, known from the config (doctor and launch, before any load,
+# had passed GPT-OSS packed under eager attention, which finetune refused once the model was built; audit 53); any
+# other model's are found on the loaded model (loaded_model_problems)
+SINKS = ("gpt_oss",)
+
+
 def attention_problems(recipe, config, *, sinks: bool = False, installed=None,
                        packed_chunks: bool | None = None) -> list[str]:
     """What llmtrain's varlen attention (model.attn_implementation auto or varlen) and packed rows (data.packing) would
@@ -709,7 +715,7 @@ def model_problems(recipe, layout: Layout, config) -> list[str]:
         out.append(problem + ". Start from a causal LM: the policy or base model the reward model was trained from")
     if layout.tp > 1 and "tp" not in refused:
         out += tensor_plan_problems(config, layout.tp)
-    out += attention_problems(recipe, config)
+    out += attention_problems(recipe, config, sinks=getattr(config, "model_type", None) in SINKS)
     if (p := layout.pp) > 1:
         key, total = f"parallel.pipeline_parallel={p}", p * recipe.parallel.stages_per_rank
         if config.num_hidden_layers < total:

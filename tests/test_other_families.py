@@ -226,6 +226,21 @@ def test_sinks_are_found_on_the_loaded_model():
     assert capabilities.loaded_model_problems(recipe("eager", packing=True), model("llama4_text", "sdpa")) == []
 
 
+def test_gpt_oss_sinks_are_known_from_its_config_before_the_load():
+    """doctor and launch had passed GPT-OSS packed under eager attention (its sinks known only on the loaded model),
+    which finetune then refused (audit 53): the config's model_type says it."""
+    from llmtrain.config import load_recipe
+    from llmtrain.layout import Layout
+
+    def problems(*overrides: str) -> list[str]:
+        return capabilities.model_problems(load_recipe(REPO / "recipes" / "tiny.yaml", list(overrides)), Layout(),
+                                           config("gpt_oss"))
+
+    assert any("gpt_oss's attention has sinks" in p for p in problems("model.attn_implementation=eager",
+                                                                       "data.packing=true"))
+    assert not any("sinks" in p for p in problems() + problems("model.attn_implementation=eager"))
+
+
 def test_the_varlen_attention_refuses_what_it_does_not_compute():
     q = torch.randn(1, 4, 6, 16)
     k = v = torch.randn(1, 2, 6, 16)
