@@ -424,7 +424,9 @@ def test_doctor_says_whether_the_model_is_a_family_of_the_table(tmp_path):
     [(name, status, detail)] = check_family(load_recipe(REPO / "recipes" / "tiny.yaml",
                                                         [f"model.name_or_path={tmp_path / 'oss'}"]))
     assert (name, status) == ("model family", "pass") and detail.startswith("GPT-OSS (gpt_oss): a family of the")
-    assert check_family(load_recipe(REPO / "recipes" / "tiny.yaml", [f"model.name_or_path={tmp_path / 'none'}"])) == []
+    [(name, status, detail)] = check_family(load_recipe(REPO / "recipes" / "tiny.yaml",
+                                                        [f"model.name_or_path={tmp_path / 'none'}"]))
+    assert (name, status) == ("model", "fail") and "does not exist" in detail  # as finetune refuses it (audit 53)
 
 
 def test_the_estimate_reads_a_checkpoints_text_model_and_refuses_a_layer_it_does_not_know(tmp_path):
