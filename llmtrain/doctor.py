@@ -141,7 +141,20 @@ def check_launch_settings(launch: dict, path: Path | None = None) -> list[Check]
         problems = [problem]
     if problems:
         return [("launch settings", "fail", f"{'; '.join(problems)}.")]
-    return [("launch settings", "pass", "every setting is one llmtrain follows")]
+    return [("launch settings", "pass", "every setting is one llmtrain follows"), *check_gpus_here(launch, path)]
+
+
+def check_gpus_here(launch: dict, path: Path | None) -> list[Check]:
+    """The launch's processes, one a GPU, against this machine's GPUs, as `llmtrain launch` refuses a launch this
+    machine cannot run (doctor had passed it; audit 53): a warn, since doctor may check a recipe away from the
+    machine that runs it."""
+    import torch
+
+    from llmtrain.parallel.launch import gpus_problem
+
+    problem = gpus_problem(launch, where=f"--accelerate-config {path}", gpus=torch.cuda.device_count())
+    return [("GPUs here", "warn", f"{problem} (a warn: fine where doctor checks the recipe away from the machine that "
+             "runs it)")] if problem else []
 
 
 def check_batch(recipe: Recipe, launch: dict) -> list[Check]:

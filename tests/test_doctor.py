@@ -866,3 +866,23 @@ def test_an_environment_whose_reset_needs_a_column_the_data_lack_fails_doctor_as
     [(_, status, detail)] = check_tools(load_recipe(tmp_path / "r.yaml", ["rl.environment=books:Book"]), tokenizer)
     assert status == "fail" and detail.startswith("rl.environment books:Book's reset needs the argument 'term', "
                                                   "which nothing passes"), detail
+
+
+def test_a_gpu_launch_this_machine_cannot_run_is_a_warn(monkeypatch):
+    """`llmtrain launch` refuses a launch of more processes, one a GPU, than this machine has GPUs; doctor had passed
+    it (audit 53). A warn: doctor may check the recipe away from the machine that runs it."""
+    import torch
+    import yaml
+
+    from llmtrain.doctor import check_launch_settings
+
+    path = REPO / "accelerate_configs" / "ddp.yaml"
+    launch = yaml.safe_load(path.read_text())
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 0)
+    got = check_launch_settings(launch, path)
+    assert [(n, s) for n, s, _ in got] == [("launch settings", "pass"), ("GPUs here", "warn")]
+    assert "starts 8 processes on this machine, one a GPU" in got[1][2] and "no GPU" in got[1][2]
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 8)
+    assert [n for n, _, _ in check_launch_settings(launch, path)] == ["launch settings"]
+    cpu = REPO / "accelerate_configs" / "cpu_ddp.yaml"
+    assert [n for n, _, _ in check_launch_settings(yaml.safe_load(cpu.read_text()), cpu)] == ["launch settings"]
