@@ -542,10 +542,12 @@ def check_output(recipe: Recipe, recipe_file: Path | None = None) -> list[Check]
         if not out.is_dir():  # a file, or a folder that cannot be made: no flag starts the run
             return [("output_dir", "fail", str(e))]
         detail = str(e)
-        if (out / "final").exists() and not has_checkpoints(out):  # --resume auto would be refused
+        finished = (out / "final").exists() or (out / "summary.json").exists()
+        if "already exists and is not empty" in detail and finished and not has_checkpoints(out):  # a run (not in
+            # use, not another folder) whose --resume auto would be refused
             detail = (f"output_dir '{out}' holds a finished run that kept no checkpoint, so --resume auto has nothing "
-                      "to continue from: start again there with --overwrite, or set output_dir=<new path> (its "
-                      "final/ can be a new run's model.name_or_path)")
+                      "to continue from: start again there with --overwrite, or set output_dir=<new path>"
+                      + (" (its final/ can be a new run's model.name_or_path)" if (out / "final").exists() else ""))
         if problem := deleted(overwrite=True):
             detail += f"; and with --overwrite: {problem}"
         return [("output_dir", "warn", detail)]

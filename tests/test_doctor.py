@@ -774,6 +774,10 @@ def test_what_finetune_refuses_of_the_model_files_or_output_dir_fails_doctor_too
     shutil.copytree(tiny_assets / "model", cut)
     (cut / "model.safetensors").write_bytes((cut / "model.safetensors").read_bytes()[:5000])
     assert weights_problem(str(tiny_assets / "model")) is None
+    stale = tmp_path / "stale-index"  # one model.safetensors beside an index: transformers reads the file alone
+    shutil.copytree(tiny_assets / "model", stale)
+    (stale / "model.safetensors.index.json").write_text('{"weight_map": {"a": "model-00001-of-00002.safetensors"}}')
+    assert weights_problem(str(stale)) is None
     found = rows(run_doctor(load_recipe(recipe, [f"model.name_or_path={cut}"])))
     assert found["model weights"][0] == "fail" and "(model.safetensors: SafetensorError" in found["model weights"][1]
     assert "a weights file is truncated or damaged" in found["model weights"][1]

@@ -547,3 +547,15 @@ def test_a_decoder_whose_layers_are_not_model_layers_trains_packed_and_counts_it
     layers = ref.transformer.h if model_type == "gpt2" else ref.gpt_neox.layers
     weights = sum(p.numel() for p in layers.parameters() if p.ndim >= 2)
     assert flop_model(ref).body_per_token == 6 * weights > 0
+
+
+def test_the_decoder_layers_are_found_where_a_decoder_nests_them():
+    """OPT keeps them at model.decoder.layers (a StopIteration had ended the search)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from llmtrain.model.loss import decoder_layers
+
+    opt = AutoModelForCausalLM.from_config(AutoConfig.for_model(
+        "opt", hidden_size=32, num_attention_heads=4, num_hidden_layers=2, ffn_dim=64, vocab_size=97,
+        word_embed_proj_dim=32, max_position_embeddings=64))
+    assert decoder_layers(opt) is opt.model.decoder.layers

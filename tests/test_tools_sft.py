@@ -297,12 +297,15 @@ def test_a_tool_conversation_that_cannot_be_meant_is_refused_naming_the_message(
 
 def test_calls_written_as_text_and_calls_without_arguments_still_train():
     """A turn whose call is text in its content (Hermes' rows) is answered by the tool message after it, and a call
-    of a tool with no arguments is {"name"} alone."""
+    of a tool with no arguments is {"name"} alone (with a call's own keys beside it where it is the function's
+    object alone: its id and type, null where a dataset filled them); an empty id is no id."""
     tok = stand_in_tokenizer("qwen2.5-7b-instruct")
     assert encode_example({"messages": HERMES, "tools": TOOLS}, tok, CHAT)["trained"] > 0
-    bare = [CHATS[0], {"role": "assistant", "tool_calls": [{"name": "lookup"}]}, {**CHATS[2], "tool_call_id": None},
-            CHATS[3]]
-    assert '"arguments": {}' in trained_runs(tok, encode_example({"messages": bare, "tools": TOOLS}, tok, CHAT))[0]
+    for call in ({"name": "lookup"}, {"id": "abcdefghi", "type": "function", "name": "lookup", "index": 0},
+                 {"id": None, "name": "lookup", "arguments": None}):
+        bare = [CHATS[0], {"role": "assistant", "tool_calls": [call]}, {**CHATS[2], "tool_call_id": ""}, CHATS[3]]
+        runs = trained_runs(tok, encode_example({"messages": bare, "tools": TOOLS}, tok, CHAT))
+        assert '"arguments": {}' in runs[0], call
 
 
 def test_preference_pairs_and_kto_rows_show_the_rows_tools_and_may_reject_a_call_of_another_tool():
@@ -311,7 +314,7 @@ def test_preference_pairs_and_kto_rows_show_the_rows_tools_and_may_reject_a_call
     undesirable) answer that calls a tool the row does not define is what such data teach against; a chosen one is
     refused as SFT refuses it."""
     from llmtrain.config import DataConfig
-    from llmtrain.data.pairs import encode_pair, pair_problem
+    from llmtrain.data.pairs import encode_pair, pair_problem, split_pair
     from llmtrain.data.unpaired import encode_unpaired
 
     tok = stand_in_tokenizer("qwen2.5-7b-instruct")
@@ -329,6 +332,14 @@ def test_preference_pairs_and_kto_rows_show_the_rows_tools_and_may_reject_a_call
                                                             "labels": pair["chosen_labels"]})
     with pytest.raises(LLMTrainError, match="a call to 'search', which the row's tools do not define"):
         encode_pair({**row, "chosen": [wrong], "rejected": [call]}, tok, prefs)
+    # whole conversations: two call-only turns that call other tools are where the answers part, not a shared prompt
+    result, reply = CHATS[2], CHATS[3]
+    wrong_id = {**wrong, "content": None, "tool_calls": [{"id": "zzzzzzzzz", "function": {"name": "search",
+                                                                                         "arguments": {}}}]}
+    whole = {"chosen": [CHATS[0], call, result, reply], "tools": TOOLS,
+             "rejected": [CHATS[0], wrong_id, {**result, "tool_call_id": "zzzzzzzzz"}, reply]}
+    assert split_pair(whole, prefs) == (CHATS[:1], whole["chosen"][1:], whole["rejected"][1:])
+    assert encode_pair(whole, tok, prefs)["drop"] == ""
     kto = DataConfig(path="unused.jsonl", format="unpaired", max_seq_len=4096, fields={"tools": "functions"})
     unpaired = {"prompt": CHATS[:1], "completion": [wrong], "functions": TOOLS}
     assert encode_unpaired({**unpaired, "label": False}, tok, kto)["label"] is False

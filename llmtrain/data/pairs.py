@@ -38,8 +38,10 @@ def _as_messages(value: Any) -> list | None:
 
 
 def _same(a: dict, b: dict, cfg: DataConfig) -> bool:
+    """The same message: role and content, and the calls it makes or answers (two call-only turns with no content
+    that call different tools are different answers, not a shared prompt)."""
     rk, ck = cfg.fields.get("role", "role"), cfg.fields.get("content", "content")
-    return a.get(rk) == b.get(rk) and a.get(ck) == b.get(ck)
+    return all(a.get(k) == b.get(k) for k in (rk, ck, "tool_calls", "tool_call_id"))
 
 
 def split_pair(example: dict, cfg: DataConfig) -> tuple[Any, Any, Any]:

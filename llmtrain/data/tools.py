@@ -79,13 +79,14 @@ def _call(call: Any, where: str) -> dict:
     if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
         raise LLMTrainError(f"{where}: a tool call is {str(call)[:80]!r}; give {{\"type\": \"function\", "
                             "\"function\": {\"name\": ..., \"arguments\": {...}}}.")
-    if "arguments" not in fn and (other := [k for k in fn if k not in ("name", "description")]):
+    if fn.get("arguments") is None and (other := [k for k, v in fn.items() if v is not None and k not in (
+            "name", "description", "id", "type", "index")]):  # (a call's own keys, where it is the function alone)
         # (a call with no arguments is {"name"} alone; `parameters`, Llama 3.1's own key, or a misspelt `args` had
         # been trained as "arguments": {} with the stray key beside it)
         raise LLMTrainError(f"{where}: the call to '{fn['name']}' has no 'arguments' but {', '.join(map(repr, other))}"
                             ": give its arguments under 'arguments' (an object, or a JSON string of one), as the "
                             "chat templates read them.")
-    arguments = fn.get("arguments", {})
+    arguments = {} if fn.get("arguments") is None else fn["arguments"]  # (null: a dataset's fill for none)
     if isinstance(arguments, str):
         try:
             arguments = json.loads(arguments)
@@ -96,9 +97,9 @@ def _call(call: Any, where: str) -> dict:
         raise LLMTrainError(f"{where}: the arguments of the call to '{fn['name']}' are a "
                             f"{type(arguments).__name__}, not an object of named arguments.")
     if "function" in call:
-        out = {k: v for k, v in call.items() if k != "function"}
+        out = {k: v for k, v in call.items() if k != "function" and v is not None}
     else:  # the function's object alone: its id (Mistral's template reads it) beside the function rebuilt
-        out = {k: v for k, v in call.items() if k not in ("name", "arguments", "type")}
+        out = {k: v for k, v in call.items() if k not in ("name", "arguments", "type") and v is not None}
         fn = {"name": fn["name"]}
     return {**out, "type": "function", "function": {**fn, "arguments": arguments}}
 
@@ -122,7 +123,8 @@ def tool_messages(messages: list[dict], where: str, tools: list[dict] | None = N
                 raise LLMTrainError(f"{at}: a call to '{unknown[0]}', which the row's tools do not define (they "
                                     f"define {', '.join(sorted(defined))}): the model would learn to call a tool it "
                                     "is never shown. Add its schema to the row's tools, or fix the name.")
-        elif m.get("role") == "assistant" and "tool_calls" in m and not str(m.get("content") or "").strip():
+        elif m.get("role") == "assistant" and "tool_calls" in m and not any(
+                str(m.get(k) or "").strip() for k in ("content", "reasoning_content", "thinking")):
             raise LLMTrainError(f"{at}: an assistant turn with no text and no tool calls (tool_calls is empty), "
                                 "which would train its end of turn alone, as if the model stopped there. Restore "
                                 "the turn's calls, or remove the turn and the tool messages that answer it.")
@@ -135,9 +137,9 @@ def tool_messages(messages: list[dict], where: str, tools: list[dict] | None = N
             raise LLMTrainError(f"{at}: a tool result that answers no call (it follows {before}, not an assistant "
                                 "turn that calls a tool): give the assistant turn with its calls before it, or "
                                 "remove it.")
-        elif isinstance(m.get("tool_call_id"), str) and (ids := {c["id"] for c in asked.get("tool_calls", [])
-                                                                if isinstance(c.get("id"), str)}) \
-                and m["tool_call_id"] not in ids:
+        elif m.get("tool_call_id") and isinstance(m["tool_call_id"], str) and (
+                ids := {c["id"] for c in asked.get("tool_calls", []) if c.get("id") and isinstance(c["id"], str)}) \
+                and m["tool_call_id"] not in ids:  # (an empty id is none: ids on one side only are not compared)
             raise LLMTrainError(f"{at}: a tool result for tool_call_id {m['tool_call_id']!r}, which no call of the "
                                 f"assistant turn before it has (its calls' ids: {', '.join(sorted(ids))}).")
         m.setdefault("content", "")

@@ -233,7 +233,14 @@ def decoder_layers(lm) -> torch.nn.ModuleList:
     if isinstance(getattr(decoder, "layers", None), torch.nn.ModuleList):
         return decoder.layers
     n = getattr(lm.config, "num_hidden_layers", None)
-    return next(m for m in decoder.children() if isinstance(m, torch.nn.ModuleList) and len(m) == n)
+    found = next((m for m in decoder.modules() if isinstance(m, torch.nn.ModuleList) and len(m) == n), None)
+    if found is None:  # (OPT's are model.decoder.layers: found above, as modules() walks the decoder's own modules)
+        from llmtrain.errors import LLMTrainError
+
+        raise LLMTrainError(f"llmtrain cannot find the decoder layers of this {lm.config.model_type} model (no list "
+                            f"of its {n} layers in {type(decoder).__name__}): it does not train such a model. Use a "
+                            "model of the capability table (docs/models.md).")
+    return found
 
 
 def causal_lm(model):

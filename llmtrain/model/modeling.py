@@ -46,6 +46,8 @@ def _damaged_shard(folder: Path) -> str | None:
     from safetensors import safe_open
 
     index = folder / "model.safetensors.index.json"
+    if (folder / "model.safetensors").is_file():  # transformers reads the one file where there is one, not the index
+        index = folder / "no index"
     try:
         names = sorted(set(json.loads(index.read_text())["weight_map"].values())) if index.is_file() else [
             "model.safetensors"]
