@@ -19,6 +19,10 @@ from llmtrain.errors import LLMTrainError
 
 LAUNCHED = "LLMTRAIN_LAUNCH"  # set for the processes llmtrain launch starts (no word on torchrun's report)
 FINETUNE_OPTIONS = {"--resume": 1, "--overwrite": 0, "--allow-recipe-change": 0}  # finetune's own, with arity
+# How long torchrun lets the processes finish a stop (the step, an eval, the checkpoint) after it passed them a SIGTERM
+# or Ctrl-C, before it kills them (TORCH_ELASTIC_SHUTDOWN_TIMEOUT, where unset): torchrun's own 30 s had killed a
+# 2-process run in its eval before the checkpoint the stop promised (audit 54); examples/slurm/llmtrain.sbatch: 280.
+STOP_GRACE_S = 300
 
 
 def split_finetune_options(args: list[str]) -> tuple[list[str], list[str]]:
@@ -247,6 +251,7 @@ def launched(argv: list[str]) -> int:
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
     args = launch_command_parser().parse_args(argv)
+    os.environ.setdefault("TORCH_ELASTIC_SHUTDOWN_TIMEOUT", str(STOP_GRACE_S))  # torchrun reads it (a user's kept)
     if not args.debug:  # torchrun's own W/E lines on the failure (audit 34): the one line below names the processes
         import logging
 
@@ -259,8 +264,10 @@ def launched(argv: list[str]) -> int:
     except SignalException as e:  # SIGTERM (SLURM, Kubernetes) or Ctrl-C: torchrun passed it on to the processes
         if args.debug:
             raise
+        grace = os.environ["TORCH_ELASTIC_SHUTDOWN_TIMEOUT"]
         print(f"llmtrain launch: {signal.Signals(e.sigval).name} reached the launcher, which passed it to the "
-              "processes; what they said is above", file=sys.stderr)
+              f"processes and gave them {grace} s to save and stop (TORCH_ELASTIC_SHUTDOWN_TIMEOUT) before killing "
+              "them; what they said is above", file=sys.stderr)
         return 128 + e.sigval  # as one process exits on it (143, 130)
     except (subprocess.CalledProcessError, ChildFailedError) as e:
         if args.debug:

@@ -595,3 +595,28 @@ def test_an_accelerate_config_that_cannot_be_read_says_how_to_fix_it(tmp_path):
         out = " ".join((proc.stdout + proc.stderr).split())
         assert proc.returncode == 2 and said in out and "accelerate_configs/" in out, out
         assert "Traceback" not in out
+
+
+def test_the_launcher_gives_its_processes_time_to_save_a_stop_before_torchrun_kills_them(monkeypatch):
+    """torchrun kills the processes TORCH_ELASTIC_SHUTDOWN_TIMEOUT seconds (30 by default) after it passed them a
+    SIGTERM or Ctrl-C: a 2-process run stopped in a 30 s eval was killed before the checkpoint its stop promised
+    (audit 54). llmtrain launch sets 300 where it is unset, keeps a user's value, and says it on a stop."""
+    import signal
+
+    import accelerate.commands.launch as accelerate_launch
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+
+    from llmtrain import launcher
+
+    seen = []
+
+    def stopped(args):
+        seen.append(launcher.os.environ.get("TORCH_ELASTIC_SHUTDOWN_TIMEOUT"))
+        raise SignalException("stop", sigval=signal.SIGTERM)
+
+    monkeypatch.setattr(accelerate_launch, "launch_command", stopped)
+    monkeypatch.delenv("TORCH_ELASTIC_SHUTDOWN_TIMEOUT", raising=False)
+    argv = ["--config_file", str(REPO / "accelerate_configs" / "cpu_ddp.yaml"), "-m", "llmtrain", "finetune", "r.yaml"]
+    assert launcher.launched(argv) == 143 and seen == ["300"]
+    monkeypatch.setenv("TORCH_ELASTIC_SHUTDOWN_TIMEOUT", "45")
+    assert launcher.launched(argv) == 143 and seen == ["300", "45"]
