@@ -138,13 +138,17 @@ def user_errors(fn):
                 # report would name this process, which said nothing. The launcher ends this one when that one exits.
                 time.sleep(QUIET_EXIT_DELAY_S)
             raise typer.Exit(e.exit_code) from None
-        except KeyboardInterrupt:  # a second Ctrl-C in training, or one before it started or in another command: it
-            # had ended with no word (audit 11)
+        except KeyboardInterrupt as e:  # a second Ctrl-C in training, or one before it started or in another
+            # command: it had ended with no word (audit 11); a SIGTERM before the loop (signals.StoppedAtOnce)
             if os.environ.get("LLMTRAIN_DEBUG"):
                 raise
+            import signal
+
+            signum = getattr(e, "signum", signal.SIGINT)
+            what = "Ctrl-C" if signum == signal.SIGINT else signal.Signals(signum).name
             if os.environ.get("LOCAL_RANK", "0") == "0":
-                print(f"\nstopped at once (Ctrl-C){STOPPED_AT_ONCE.get(fn.__name__, '.')}", file=sys.stderr, flush=True)
-            raise typer.Exit(130) from None
+                print(f"\nstopped at once ({what}){STOPPED_AT_ONCE.get(fn.__name__, '.')}", file=sys.stderr, flush=True)
+            raise typer.Exit(128 + signum) from None
 
     return wrapper
 
@@ -241,8 +245,9 @@ def finetune(
 ) -> None:
     """Fine-tune a model as the recipe describes (run it under `accelerate launch` to scale out)."""
     from llmtrain.config import load_recipe
-    from llmtrain.loop.signals import stop_with_the_launcher
+    from llmtrain.loop.signals import stop_at_once_on_sigterm, stop_with_the_launcher
 
+    stop_at_once_on_sigterm()  # before the loop: one line and 143, not a silent -15
     stop_with_the_launcher()  # a launcher killed by SIGKILL leaves no process training on without it
     recipe, resume = where_it_started(recipe, resume)
     checked = load_recipe(recipe, overrides)  # a missing file or a bad key is said before torch is imported

@@ -291,3 +291,36 @@ def test_a_stop_at_once_says_what_was_saved(capsys):
     said = stop("generate")
     assert "--out, where given, holds the replies of every batch drawn" in said and "--resume" not in said
     assert stop("plot").strip() == "stopped at once (Ctrl-C)."
+
+
+def test_ctrl_c_after_a_sigterm_stops_at_once_and_a_sigterm_before_the_loop_is_one_line(capsys):
+    """Audit 54: Ctrl-C after a SIGTERM was ignored (only Ctrl-C after Ctrl-C counted as 'again'), and a SIGTERM
+    before the training loop (the data's preparation, the model's load) ended the process with no word (-15): it
+    stops at once with one line and exit 143, as Ctrl-C does with 130."""
+    import typer
+
+    from llmtrain.cli import user_errors
+    from llmtrain.loop.signals import StopRequests, stop_at_once_on_sigterm
+
+    with StopRequests() as stop:
+        os.kill(os.getpid(), signal.SIGTERM)
+        time.sleep(0.01)
+        assert stop.signum == signal.SIGTERM
+        with pytest.raises(KeyboardInterrupt):
+            os.kill(os.getpid(), signal.SIGINT)
+            time.sleep(0.05)
+    before = signal.getsignal(signal.SIGTERM)
+
+    def finetune():  # a command stopped while it prepares its run
+        stop_at_once_on_sigterm()
+        os.kill(os.getpid(), signal.SIGTERM)
+        time.sleep(1)
+        raise AssertionError("the SIGTERM did not stop it")
+
+    try:
+        with pytest.raises(typer.Exit) as stopped:
+            user_errors(finetune)()
+    finally:
+        signal.signal(signal.SIGTERM, before)
+    assert stopped.value.exit_code == 143
+    assert "stopped at once (SIGTERM): nothing more was saved" in capsys.readouterr().err

@@ -1,6 +1,7 @@
 """Stop on request: SIGTERM (SLURM, Kubernetes, spot instances) or a first Ctrl-C asks the run to stop at the
-next step boundary, after a checkpoint; a second Ctrl-C stops at once. A process a launcher started is sent SIGTERM
-when its launcher dies (stop_with_the_launcher).
+next step boundary, after a checkpoint; a Ctrl-C after either stops at once, and so does a SIGTERM before the training
+loop (stop_at_once_on_sigterm: nothing to finish there). A process a launcher started is sent SIGTERM when its
+launcher dies (stop_with_the_launcher).
 
 The handler only records the signal; the training loop reads it at each step boundary. With several
 processes the ranks agree through the step's one collective (train.train_step), so every rank stops after
@@ -35,8 +36,8 @@ class StopRequests:
             signal.signal(sig, handler)
 
     def _handle(self, signum: int, frame) -> None:
-        if signum == signal.SIGINT and self.signum == signal.SIGINT:
-            raise KeyboardInterrupt  # the second Ctrl-C: stop now, without a checkpoint
+        if signum == signal.SIGINT and self.signum:  # Ctrl-C after a first request (a Ctrl-C, or a SIGTERM, which had
+            raise KeyboardInterrupt  # made it be ignored; audit 54): stop now, without a checkpoint
         if not self.signum:
             self.signum = signum
             how = "again to stop at once" if signum == signal.SIGINT else ""
@@ -44,6 +45,25 @@ class StopRequests:
                 return
             print(f"\n{signal.Signals(signum).name}: {self.doing}{' (Ctrl-C ' + how + ')' if how else ''}.",
                   file=sys.stderr, flush=True)
+
+
+class StoppedAtOnce(KeyboardInterrupt):
+    """A SIGTERM where no step runs that could finish first (the data's preparation, the model's load): the process
+    stops at once, said as a second Ctrl-C is (cli.user_errors), with exit 143."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__()
+        self.signum = signum
+
+
+def stop_at_once_on_sigterm() -> None:
+    """SIGTERM outside the training loop stops at once with one line and exit 143, as Ctrl-C does with 130 (it had
+    ended the process with no word, -15; audit 54); the loop's StopRequests takes its place while steps run."""
+    def stop(signum: int, frame) -> None:
+        raise StoppedAtOnce(signum)
+
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGTERM, stop)
 
 
 PR_SET_PDEATHSIG = 1  # linux/prctl.h
