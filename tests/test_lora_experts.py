@@ -9,6 +9,7 @@ from unittest import mock
 
 import pytest
 import torch
+from conftest import REPO
 from test_router_aux import MOE, TINY  # the same tiny Qwen3-MoE and Mixtral: 8 experts of 48 columns, 2 a token
 
 
@@ -235,3 +236,20 @@ def test_reading_an_experts_adapter_back_warns_of_nothing(tmp_path):
     model.eval(), again.eval()
     with torch.no_grad():
         torch.testing.assert_close(again(_ids()).logits, model(_ids()).logits, atol=1e-5, rtol=1e-5)
+
+
+def test_lora_dropout_on_experts_adapted_as_parameters_names_lora_dropout():
+    """peft refuses lora_dropout for experts adapted as parameters; the paragraph had named lora.target_modules /
+    lora.modules_to_save (doctor's second fail beside the layout's, audit 53): it names lora.dropout and its fix."""
+    from transformers import AutoConfig
+
+    from llmtrain.config import load_recipe
+    from llmtrain.model.modeling import lora_problem
+
+    cfg = AutoConfig.for_model("qwen3_moe", hidden_size=32, intermediate_size=64, moe_intermediate_size=16,
+                               num_attention_heads=4, num_key_value_heads=2, head_dim=8, num_hidden_layers=2,
+                               num_experts=4, num_experts_per_tok=2, vocab_size=97)
+    recipe = REPO / "recipes" / "tiny.yaml"
+    problem = lora_problem(load_recipe(recipe, ["lora={dropout: 0.1}"]), cfg)
+    assert problem.startswith("lora.dropout=0.1: ") and problem.endswith("Set lora.dropout: 0.")
+    assert lora_problem(load_recipe(recipe, ["lora={dropout: 0.0}"]), cfg) is None

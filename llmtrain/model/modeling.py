@@ -633,6 +633,10 @@ def apply_lora(model, cfg: LoraConfig, *, task: str = "CAUSAL_LM"):
             # peft keeps the adapter weights in fp32 even on a bf16 base (autocast_adapter_dtype).
             model = peft.get_peft_model(model, config)
     except ValueError as e:
+        if "lora_dropout" in str(e):  # peft's ParamWrapper (experts adapted as parameters): the key is lora.dropout
+            raise LLMTrainError(f"lora.dropout={cfg.dropout:g}: {str(e).rstrip('.')} (the experts adapted as "
+                                "parameters, lora.target_parameters or a mixture of experts' MLP). Set lora.dropout: "
+                                "0.") from None
         keys = "lora.target_modules / lora.modules_to_save" + (
             " / lora.target_parameters" * bool(cfg.target_parameters))
         raise LLMTrainError(f"invalid LoRA settings ({keys}): "
