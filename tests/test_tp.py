@@ -127,6 +127,7 @@ def test_fsdp_x_tp_2x2_trains_like_one_process(straight, attention):
     assert pieces["layers.0.input_layernorm.weight"] == [(0,), (64,)]  # whole on each TP rank, sharded by FSDP
 
 
+@pytest.mark.extended  # 148 s in CI; main tier: test_families' compiled layers under TP, exact in float64
 def test_model_compile_under_fsdp_x_tp_trains_as_the_eager_split_model(straight, tmp_path):
     """model.compile under FSDP x TP (refused until 2026-12-06: inductor's compile of the split layers' DTensor code
     recursed without end at the first backward, torch 2.13 on gloo): each module tensor parallelism split runs
