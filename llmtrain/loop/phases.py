@@ -252,10 +252,10 @@ def prepare_data(recipe: Recipe, accelerator, *, say, config=None) -> Data:
             f"distill.sampler={sampler}), the others train on the data's")
     plan = data_plan(recipe, train_ds["length"], world=world,
                      sources=train_ds["source"] if recipe.data.sources is not None else None)
-    per_epoch = [plan.steps_per_epoch(0, accum) * updates_per_window(recipe)]  # the first epoch's, as said below
+    per_epoch = plan.steps_per_epoch(0, accum) * updates_per_window(recipe)  # the first epoch's, as said below
     total_steps = count_steps(recipe, train_ds["length"], world=world, plan=plan)  # as doctor counts them
     for name, status, detail in (check_warmup(tc.warmup_steps, total_steps)  # as `llmtrain doctor`
-                                 + check_epochs(recipe, steps_per_epoch=per_epoch[0], examples=s.examples,
+                                 + check_epochs(recipe, steps_per_epoch=per_epoch, examples=s.examples,
                                                 sources=train_ds["source"] if recipe.data.sources is not None
                                                 else None)):
         if status == "warn":
@@ -264,7 +264,7 @@ def prepare_data(recipe: Recipe, accelerator, *, say, config=None) -> Data:
     if tc.micro_batch_tokens:
         say(f"global batch: bins of <= {tc.micro_batch_tokens} tokens x {accum} accumulation x {procs}; "
             f"{plan.bins()} bins/epoch, packing efficiency {efficiency:.1%} (real tokens / "
-            f"budget); {total_steps} step{'s' if total_steps != 1 else ''} ({per_epoch[0]}/epoch)")
+            f"budget); {total_steps} step{'s' if total_steps != 1 else ''} ({per_epoch}/epoch)")
     else:
         mb = tc.micro_batch_size
         say(f"global batch: {mb} micro-batch x {accum} accumulation x {procs} = "
@@ -272,7 +272,7 @@ def prepare_data(recipe: Recipe, accelerator, *, say, config=None) -> Data:
             + (f" ({mb * accum * world * recipe.rl.num_generations} completions)" if recipe.rl else "")
             + (f", sampled every {recipe.rl.num_iterations} steps (rl.num_iterations: each round's completions "
                f"trained {recipe.rl.num_iterations} times)" if recipe.rl and recipe.rl.num_iterations > 1 else "")
-            + f"; {total_steps} step{'s' if total_steps != 1 else ''} ({per_epoch[0]}/epoch)")
+            + f"; {total_steps} step{'s' if total_steps != 1 else ''} ({per_epoch}/epoch)")
     return Data(tokenizer=tokenizer, train=train_ds, eval=eval_ds, stats=stats, cache_reads=int(cache_reads),
                 pad_id=pad_id(tokenizer), plan=plan, total_steps=total_steps, packing_efficiency=efficiency)
 

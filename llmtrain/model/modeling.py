@@ -46,17 +46,16 @@ def _damaged_shard(folder: Path) -> str | None:
     from safetensors import safe_open
 
     index = folder / "model.safetensors.index.json"
-    if (folder / "model.safetensors").is_file():  # transformers reads the one file where there is one, not the index
-        index = folder / "no index"
+    # transformers reads the one file where there is one, not the index
+    sharded = index.is_file() and not (folder / "model.safetensors").is_file()
     try:
-        names = sorted(set(json.loads(index.read_text())["weight_map"].values())) if index.is_file() else [
-            "model.safetensors"]
+        names = sorted(set(json.loads(index.read_text())["weight_map"].values())) if sharded else ["model.safetensors"]
     except (ValueError, KeyError, TypeError, OSError, AttributeError) as e:
         return (f"the model files in '{folder}' could not be read (model.safetensors.index.json: {type(e).__name__}: "
                 f"{e}): a weights file is truncated or damaged. Download or copy the model again.")
     for name in names:
         if not (folder / name).is_file():
-            if index.is_file():
+            if sharded:
                 return (f"the model folder '{folder}' lacks {name}, which its model.safetensors.index.json names: a "
                         "half-copied folder. Download or copy the model again.")
             continue
