@@ -324,3 +324,34 @@ def test_ctrl_c_after_a_sigterm_stops_at_once_and_a_sigterm_before_the_loop_is_o
         signal.signal(signal.SIGTERM, before)
     assert stopped.value.exit_code == 143
     assert "stopped at once (SIGTERM): nothing more was saved" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("during", ["save", "evaluate_and_sample"])
+def test_a_signal_during_a_save_or_an_eval_stops_at_that_step(tiny_assets, tmp_path, monkeypatch, during):
+    """Audit 54: a SIGTERM that came while a checkpoint was written (or an eval ran) was read only after the next
+    step: one more step and a second save, past a cloud's 30 s grace. The run now stops at the step whose save or
+    eval it interrupted, with one checkpoint there, and --resume auto ends with the uninterrupted run's weights."""
+    import llmtrain.loop.train as loop
+    from llmtrain.errors import Stopped
+
+    recipe = write_recipe(tiny_assets, tmp_path, train={"max_steps": 8, "eval_every_steps": 3},
+                          data={"eval_split": 0.1}, checkpoint={"every_steps": 3, "save_final": True})
+    full = run_train(recipe, f"output_dir={tmp_path / 'full'}")
+    real, calls = getattr(loop, during), []
+
+    def signalled(*args, **kwargs):  # the first save / eval (step 3) gets the signal while it runs
+        calls.append(1)
+        if len(calls) == 1:
+            os.kill(os.getpid(), signal.SIGTERM)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(loop, during, signalled)
+    with pytest.raises(Stopped, match="SIGTERM at step 3"):
+        run_train(recipe)
+    run = tmp_path / "run"
+    assert _steps_on_disk(run) == [3]  # it had gone on to step 4 and saved there too
+    assert max(r["step"] for r in records(run)) == 3
+    monkeypatch.setattr(loop, during, real)
+    summary = run_train(recipe, resume="auto")
+    assert summary["final_loss"] == full["final_loss"]
+    assert max_abs_diff(load_weights(run / "final"), load_weights(tmp_path / "full" / "final")) == 0.0

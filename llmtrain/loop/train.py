@@ -50,7 +50,7 @@ from llmtrain.memory.fit import out_of_memory_text
 from llmtrain.model.reference import Reference
 from llmtrain.objectives.objective import Objective, end_of_turn_ids, objective_for, rl_rewards, stop_ids
 from llmtrain.parallel.accelerator import build_accelerator
-from llmtrain.parallel.collectives import device_sum, gathered, global_sum, on_main, on_sampling_group_first
+from llmtrain.parallel.collectives import any_process, device_sum, gathered, on_main, on_sampling_group_first
 from llmtrain.parallel.groups import groups
 from llmtrain.parallel.sequence.shards import SequenceShards
 from llmtrain.parallel.mesh import data_ranks
@@ -158,7 +158,7 @@ def _train(recipe: Recipe, accelerator, console: RunConsole, cleanup: ExitStack,
         raise LLMTrainError(out_of_memory_text(est, step=state.step if state is not None else -1,
                                                detail=". ".join(str(e).split(". ")[:2]),
                                                recipe_path=str(recipe_path))) from e
-    if recipe.eval is not None and global_sum(accelerator, bool(late.signum))[0]:  # every process agrees
+    if recipe.eval is not None and any_process(accelerator, bool(late.signum)):  # every process agrees
         say(f"the recipe's benchmark (eval:) is skipped, as the stop asked: score the run with `llmtrain eval "
             f"{recipe.output_dir} --tasks {','.join(recipe.eval.tasks)}`")
         accelerator.end_training()
@@ -255,6 +255,14 @@ def train_loop(run: Run, state: TrainState, meter: Meter) -> None:
             if due.save:
                 with meter.paused():
                     checkpoint = save(run, state, meter)
+            asked = bool(stop_requests.signum)
+            if not stop and (due.eval or due.save) and state.step < total and any_process(accelerator, asked):
+                # a signal that came during this step's eval or save stops here: it had cost another step and a
+                # second save, past a 30 s grace period (audit 54)
+                stop = True
+                if not due.save:  # an eval step is a logged step: the checkpoint is at a metrics line's end
+                    with meter.paused():
+                        checkpoint = save(run, state, meter)
             if stop:  # a stop is always a save step (cadence): `checkpoint` is this step's
                 signum = stop_requests.signum or signal.SIGTERM  # a rank that got no signal stops with its peers
                 raise Stopped(f"{signal.Signals(signum).name} at step {state.step}: the checkpoint {checkpoint} is "

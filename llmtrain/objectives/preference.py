@@ -17,6 +17,7 @@ none (config.REFERENCE_FREE).
 from __future__ import annotations
 
 import math
+import signal
 from contextlib import nullcontext
 
 import torch
@@ -24,9 +25,11 @@ import torch.nn.functional as F
 
 from llmtrain.data.batching import Counts, collate, with_loss_positions
 from llmtrain.data.formats import IGNORE
+from llmtrain.errors import Stopped
+from llmtrain.loop.signals import StopRequests
 from llmtrain.model.loss import compute_loss
 from llmtrain.model.reference import forward_of
-from llmtrain.parallel.collectives import on_main
+from llmtrain.parallel.collectives import any_process, on_main
 from llmtrain.parallel.mesh import data_ranks
 
 # TRL's names for the same numbers (DPOTrainer), so runs can be compared line by line.
@@ -530,9 +533,14 @@ def precompute_reference(model, dataset, accelerator, objective: Preference, *, 
     batches = global_micro_batches(len(todo), seed=0, epoch=0, world_size=world, micro_batch_size=batch_size,
                                    micro_batch_tokens=batch_tokens, lengths=lengths, shuffle=False)
     mine, per_pass = list(rank_view(batches, rank)), pipeline.micro_batches if pipeline is not None else 1
+    done = torch.zeros(len(dataset), dtype=torch.float64, device=device)  # 1 where this process computed the pair
+    stopped = False
     was_training = model.training
     model.eval()
-    with torch.no_grad(), adapter_off():
+    # a stop request (SIGTERM, Ctrl-C) ends the pass after a batch, keeping what it computed (it had kept nothing:
+    # a preemption during a long pass lost all of it; audit 54); with several processes they vote after each pass
+    asked = StopRequests(doing="finishing this batch of the reference pass, then keeping what it computed")
+    with torch.no_grad(), adapter_off(), asked:
         for start in range(0, len(mine), per_pass):
             parts = []
             for part in mine[start : start + per_pass]:
@@ -548,17 +556,28 @@ def precompute_reference(model, dataset, accelerator, objective: Preference, *, 
                 if not isinstance(part, StandIn):
                     sums = sums[: 2 * len(idx)].double()  # a stage's row: zeros after its sequences
                     computed[idx] = torch.stack([sums[0::2], sums[1::2]], dim=1)
+                    done[idx] = 1.0
             on_batch(start + len(parts), len(batches))
+            if stopped := any_process(accelerator, bool(asked.signum)):  # they stop after the same pass
+                break
     model.train(was_training)
     if accelerator.num_processes > 1:  # a TP or sequence group's processes computed the same pairs: counted once;
         # a pipeline's last stage alone holds them
         copies = 1 if pipeline is not None else accelerator.num_processes // world
         computed = accelerator.reduce(computed, reduction="sum") / copies
-    values[todo] = computed.cpu()[todo]
+        done = accelerator.reduce(done, reduction="sum")
+    kept = [i for i in todo if done[i] > 0]
+    values[kept] = computed.cpu()[kept]
     def write():  # written whole under a temporary name: a crash never leaves half a file
         tmp = cache.with_name(f".{cache.name}.tmp{os.getpid()}")
         torch.save(values, tmp)
         tmp.replace(cache)
 
     on_main(accelerator, write)  # the others wait for it (and get its error, should it fail)
+    if stopped:  # on request: the pairs computed are in the cache
+        signum = asked.signum or signal.SIGTERM  # a process that got no signal stops with its peers
+        rest = ("the same command computes only the rest, then trains" if len(kept) < len(todo) else
+                "the same command trains without computing them again")
+        raise Stopped(f"{signal.Signals(signum).name} during the reference log-probabilities: the {len(kept)} pairs "
+                      f"computed of the {len(todo)} left are kept in {cache}; {rest}", signum)
     return values

@@ -1,5 +1,6 @@
 """Reductions across processes, each one collective: numbers summed over all processes (`global_sum`) or over
-the data-parallel ranks (`data_sum`: a tensor-parallel group's batch counted once), lists gathered in rank order
+the data-parallel ranks (`data_sum`: a tensor-parallel group's batch counted once), a flag of any process
+(`any_process`), lists gathered in rank order
 (`gathered`), a device tensor summed over all processes without a host sync (`device_sum`), a computation run on
 a group's first process, its result given to the others (`on_first`; `on_sampling_group_first`: the user's code of
 online RL under tensor parallelism or on pipeline stages), one run on the main process alone (`on_main`) or
@@ -17,6 +18,14 @@ from llmtrain.parallel.mesh import tensor_parallel_size
 def global_sum(accelerator, *values: float | int) -> list[float]:
     """Sum numbers over all processes in one collective."""
     return _summed(accelerator, values).tolist()
+
+
+def any_process(accelerator, flag: bool) -> bool:
+    """Whether `flag` holds on any process (one collective with several, none with one): every process decides alike,
+    as a stop request that reached some of them."""
+    if accelerator.num_processes == 1:
+        return bool(flag)
+    return global_sum(accelerator, bool(flag))[0] > 0
 
 
 def gathered(accelerator, items: list) -> list:
