@@ -51,8 +51,7 @@ def _damaged_shard(folder: Path) -> str | None:
     try:
         names = sorted(set(json.loads(index.read_text())["weight_map"].values())) if sharded else ["model.safetensors"]
     except (ValueError, KeyError, TypeError, OSError, AttributeError) as e:
-        return (f"the model files in '{folder}' could not be read (model.safetensors.index.json: {type(e).__name__}: "
-                f"{e}): a weights file is truncated or damaged. Download or copy the model again.")
+        return damaged_text(folder, f"model.safetensors.index.json: {type(e).__name__}: {e}")
     for name in names:
         if not (folder / name).is_file():
             if sharded:
@@ -63,8 +62,7 @@ def _damaged_shard(folder: Path) -> str | None:
             with safe_open(folder / name, framework="pt"):
                 pass
         except Exception as e:  # safetensors' own error type (a header cut short or not JSON), or the OS's
-            return (f"the model files in '{folder}' could not be read ({name}: {type(e).__name__}: {e}): a weights "
-                    "file is truncated or damaged. Download or copy the model again.")
+            return damaged_text(folder, f"{name}: {type(e).__name__}: {e}")
     return None
 
 
@@ -336,8 +334,7 @@ def load_model(cfg: ModelConfig, lora: LoraConfig | None, *, device: torch.devic
     except Exception as e:  # a damaged weights file (safetensors raises its own error type), a bad config
         if type(e).__name__ not in DAMAGED:
             raise
-        raise LLMTrainError(f"the model files in '{cfg.name_or_path}' could not be read ({type(e).__name__}: {e}): "
-                            "a weights file is truncated or damaged. Download or copy the model again.") from None
+        raise LLMTrainError(damaged_text(cfg.name_or_path, f"{type(e).__name__}: {e}")) from None
     if key_mapping:
         _own_names(model)
     if cfg.new_tokens:
@@ -694,6 +691,12 @@ def load_adapter(model, folder: str):
 
 
 DAMAGED = ("SafetensorError", "HeaderTooLarge", "JSONDecodeError")  # what a truncated or damaged weights file raises
+
+
+def damaged_text(folder, detail: str, *, what: str = "model files",
+                 fix: str = "Download or copy the model again.") -> str:
+    """The paragraph for weights that cannot be read: `detail` names the file and its error."""
+    return f"the {what} in '{folder}' could not be read ({detail}): a weights file is truncated or damaged. {fix}"
 ADAPTER_WEIGHTS = ("adapter_model.safetensors", "adapter_model.bin")
 
 
@@ -729,8 +732,8 @@ def readable(folder, what: str):
     except Exception as e:
         if type(e).__name__ not in DAMAGED:
             raise
-        raise LLMTrainError(f"the {what} in '{folder}' could not be read ({type(e).__name__}: {e}): a weights file is "
-                            "truncated or damaged. Copy the folder again from where it was written.") from None
+        raise LLMTrainError(damaged_text(folder, f"{type(e).__name__}: {e}", what=what,
+                                         fix="Copy the folder again from where it was written.")) from None
 
 
 def dropout_off(model) -> None:
