@@ -326,6 +326,39 @@ def test_ctrl_c_after_a_sigterm_stops_at_once_and_a_sigterm_before_the_loop_is_o
     assert "stopped at once (SIGTERM): nothing more was saved" in capsys.readouterr().err
 
 
+def test_under_a_launcher_a_sigterm_after_a_ctrl_c_is_the_second_ctrl_c(monkeypatch):
+    """Audit 54: under `llmtrain launch` the terminal's Ctrl-C reaches the launcher alone (torchrun starts its processes
+    in sessions of their own); it passes the first on as SIGINT, and a second one makes it send SIGTERM and wait
+    again, which the processes ignored: the second Ctrl-C did nothing. There, a SIGTERM after a SIGINT stops at once;
+    in one process (a SIGTERM from a scheduler after a Ctrl-C) the stop goes on to its checkpoint."""
+    from llmtrain.loop.signals import StopRequests
+
+    def second_signal_stops(under_launcher: bool) -> bool:
+        if under_launcher:
+            monkeypatch.setenv("TORCHELASTIC_RUN_ID", "test")
+        else:
+            monkeypatch.delenv("TORCHELASTIC_RUN_ID", raising=False)
+        with StopRequests() as stop:
+            os.kill(os.getpid(), signal.SIGINT)
+            time.sleep(0.01)
+            assert stop.signum == signal.SIGINT
+            try:
+                os.kill(os.getpid(), signal.SIGTERM)
+                time.sleep(0.05)
+            except KeyboardInterrupt:
+                return True
+        return False
+
+    assert second_signal_stops(under_launcher=True)
+    assert not second_signal_stops(under_launcher=False)
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "test")
+    with StopRequests() as stop:  # SIGTERM after SIGTERM (SLURM signals the job's processes and the launcher passes
+        os.kill(os.getpid(), signal.SIGTERM)  # it on too): one stop, at its checkpoint
+        os.kill(os.getpid(), signal.SIGTERM)
+        time.sleep(0.05)
+        assert stop.signum == signal.SIGTERM
+
+
 @pytest.mark.parametrize("during", ["save", "evaluate_and_sample"])
 def test_a_signal_during_a_save_or_an_eval_stops_at_that_step(tiny_assets, tmp_path, monkeypatch, during):
     """Audit 54: a SIGTERM that came while a checkpoint was written (or an eval ran) was read only after the next

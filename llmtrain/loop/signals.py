@@ -1,5 +1,6 @@
 """Stop on request: SIGTERM (SLURM, Kubernetes, spot instances) or a first Ctrl-C asks the run to stop at the
-next step boundary, after a checkpoint; a Ctrl-C after either stops at once, and so does a SIGTERM before the training
+next step boundary, after a checkpoint; a Ctrl-C after either stops at once (under a launcher, which passes a
+second Ctrl-C on as SIGTERM: a SIGTERM after a Ctrl-C), and so does a SIGTERM before the training
 loop (stop_at_once_on_sigterm: nothing to finish there). A process a launcher started is sent SIGTERM when its
 launcher dies (stop_with_the_launcher).
 
@@ -38,6 +39,11 @@ class StopRequests:
     def _handle(self, signum: int, frame) -> None:
         if signum == signal.SIGINT and self.signum:  # Ctrl-C after a first request (a Ctrl-C, or a SIGTERM, which had
             raise KeyboardInterrupt  # made it be ignored; audit 54): stop now, without a checkpoint
+        if self.signum == signal.SIGINT and signum == signal.SIGTERM and "TORCHELASTIC_RUN_ID" in os.environ:
+            # under a launcher (own sessions: the terminal's Ctrl-C reaches the launcher alone), a second Ctrl-C
+            # arrives as torchrun's SIGTERM to its processes, sent as it gives up waiting: the second Ctrl-C had done
+            # nothing (audit 54)
+            raise KeyboardInterrupt
         if not self.signum:
             self.signum = signum
             how = "again to stop at once" if signum == signal.SIGINT else ""
