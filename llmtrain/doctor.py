@@ -528,7 +528,7 @@ def check_output(recipe: Recipe, recipe_file: Path | None = None) -> list[Check]
     flag lets the run start (a file, a folder on the way that is a file or read-only, the recipe file or an input
     that starting again there deletes: audit 53), else a warn, since --overwrite or --resume decide the rest and
     doctor has neither; the warn says which of them would be accepted."""
-    from llmtrain.run.rundir import check_output_folder, has_checkpoints, inputs_inside, recipe_inside
+    from llmtrain.run.rundir import check_output_folder, finished_run_without_checkpoints, inputs_inside, recipe_inside
 
     out = Path(recipe.output_dir)
 
@@ -542,9 +542,7 @@ def check_output(recipe: Recipe, recipe_file: Path | None = None) -> list[Check]
         if not out.is_dir():  # a file, or a folder that cannot be made: no flag starts the run
             return [("output_dir", "fail", str(e))]
         detail = str(e)
-        finished = (out / "final").exists() or (out / "summary.json").exists()
-        if "already exists and is not empty" in detail and finished and not has_checkpoints(out):  # a run (not in
-            # use, not another folder) whose --resume auto would be refused
+        if finished_run_without_checkpoints(out):  # whose --resume auto would be refused
             detail = (f"output_dir '{out}' holds a finished run that kept no checkpoint, so --resume auto has nothing "
                       "to continue from: start again there with --overwrite, or set output_dir=<new path>"
                       + (" (its final/ can be a new run's model.name_or_path)" if (out / "final").exists() else ""))

@@ -246,6 +246,13 @@ def _restartable(out: Path) -> bool:
                                              or (out / "summary.json").exists())
 
 
+def finished_run_without_checkpoints(out: Path) -> bool:
+    """A run folder, not in use, that finished (final/ or summary.json) and kept no checkpoint: a new start there is
+    refused as existing, and --resume auto has nothing to continue from (doctor's advice: --overwrite)."""
+    return (_is_run(out) and bool(_contents(out)) and _holder(out) is None and not has_checkpoints(out)
+            and ((out / "final").exists() or (out / "summary.json").exists()))
+
+
 def has_checkpoints(out: Path) -> bool:
     """llmtrain checkpoints copied into a folder: resumable, though the folder is not (yet) a run."""
     return any((d / "train_state.json").is_file() for d in (out / "checkpoints").glob("step_*"))
