@@ -15,7 +15,7 @@ import numpy as np
 
 from llmtrain.config import DataConfig
 from llmtrain.data.chat import _apply, closing, read_template, render_chat, render_tool_chat, special_tokens
-from llmtrain.data.tools import is_tool_chat, tool_messages, tool_schemas
+from llmtrain.data.tools import calls_only, is_tool_chat, tool_messages, tool_schemas
 from llmtrain.errors import LLMTrainError
 
 IGNORE = -100
@@ -175,7 +175,7 @@ def _messages_problem(messages: Any, cfg: DataConfig, what: str) -> str | None:
         if not isinstance(m, dict) or not isinstance(m.get(rk), str):
             return f"message {k + 1} of {what} has no '{rk}' (its role; map the key with data.fields.role)"
         got = m.get(ck)
-        if got is None and m.get("tool_calls"):  # an assistant turn that only calls tools (data/tools.py)
+        if calls_only(m, ck):
             continue
         if not isinstance(got, str):
             return (f"message {k + 1} ({m[rk]}) of {what} has no '{ck}' (its text; map the key with "

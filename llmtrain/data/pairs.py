@@ -21,6 +21,7 @@ from typing import Any
 
 from llmtrain.config import DataConfig
 from llmtrain.data.formats import IGNORE, _no_reply_problem, encode_example, not_text, prompt_length
+from llmtrain.data.tools import calls_only
 
 PAIR_COLUMNS = ["chosen_ids", "chosen_labels", "rejected_ids", "rejected_labels", "length"]
 MARGIN = "margin"  # TRL's optional column: how much the chosen answer is better (reward models subtract it)
@@ -100,7 +101,7 @@ def pair_problem(example: dict, cfg: DataConfig) -> str | None:
     rk, ck = cfg.fields.get("role", "role"), cfg.fields.get("content", "content")
     for f, value in (("prompt", prompt), ("chosen", chosen), ("rejected", rejected)):
         if isinstance(value, list) and not all(isinstance(m, dict) and isinstance(m.get(rk), str) and (
-                isinstance(m.get(ck), str) or m.get(ck) is None and m.get("tool_calls")) for m in value):
+                isinstance(m.get(ck), str) or calls_only(m, ck)) for m in value):
             return (f"the {f} messages are not all {{{rk}, {ck}}} objects with text (map the keys with "
                     "data.fields.role / data.fields.content)")
     if isinstance(chosen, str) != isinstance(rejected, str):  # one rendered as text, one as a chat: two prompts
@@ -109,8 +110,7 @@ def pair_problem(example: dict, cfg: DataConfig) -> str | None:
     for f, answer in (("chosen", chosen), ("rejected", rejected)):
         text = answer if isinstance(answer, str) else " ".join(str(m.get(ck) or "") for m in answer
                                                                if isinstance(m, dict))
-        if not text.strip() and not any(isinstance(m, dict) and m.get("tool_calls") for m in answer):  # (an answer
-            # that only calls a tool is one: "chosen calls the right tool, rejected the wrong one")
+        if not text.strip() and not any(calls_only(m, ck) for m in answer):
             return f"the {f} answer is empty"
         # (an answer of user or unmapped roles had been a traceback, or the pair dropped as "the same")
         if isinstance(answer, list) and (problem := _no_reply_problem(answer, cfg, f"the {f} answer")):

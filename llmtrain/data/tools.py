@@ -32,6 +32,15 @@ def is_tool_chat(messages: list[dict], tools: Any) -> bool:
     return bool(tools) or any(m.get("tool_calls") or m.get("role") == "tool" for m in messages)
 
 
+def calls_only(message: Any, content_key: str = "content") -> bool:
+    """An assistant turn that only calls tools (its content null, absent or blank): a message, and an answer of its
+    own (a preference pair's "chosen calls the right tool, rejected the wrong one")."""
+    if not isinstance(message, dict) or not message.get("tool_calls"):
+        return False
+    content = message.get(content_key)
+    return content is None or isinstance(content, str) and not content.strip()
+
+
 @functools.lru_cache(maxsize=256)
 def schema_of(name: str) -> dict:
     """The JSON schema of the function `module:function`, as transformers makes it (TRL's contract: type hints and a
